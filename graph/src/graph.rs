@@ -1,0 +1,456 @@
+//! The graph: named nodes holding ops, edges carrying tensors from an output port
+//! of one node to an input slot of another, and the graph's outputs.
+
+use std::collections::{BTreeMap, HashMap};
+
+use petgraph::stable_graph::{EdgeIndex, NodeIndex, StableDiGraph};
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+
+use crate::error::{GraphError, Result};
+use crate::op::Op;
+use crate::tensor::TensorType;
+
+pub type NodeId = NodeIndex;
+
+/// One output of a node: `node:index` in files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Port {
+    pub node: NodeId,
+    pub index: usize,
+}
+
+impl Port {
+    pub fn new(node: NodeId, index: usize) -> Self {
+        Port { node, index }
+    }
+}
+
+impl From<NodeId> for Port {
+    fn from(node: NodeId) -> Self {
+        Port { node, index: 0 }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub name: String,
+    pub op: Box<dyn Op>,
+    /// Types of the outputs, as inferred from the inputs.
+    outputs: Vec<TensorType>,
+    /// Attributes whose keys start with `_`: kept for tools, ignored by ampgraph.
+    pub annotations: BTreeMap<String, crate::attrs::AttrValue>,
+}
+
+impl Node {
+    pub fn outputs(&self) -> &[TensorType] {
+        &self.outputs
+    }
+
+    pub fn op_name(&self) -> &'static str {
+        self.op.name()
+    }
+}
+
+/// An edge: which output of the producer feeds which input slot of the consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Edge {
+    from_port: usize,
+    to_slot: usize,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    dag: StableDiGraph<Node, Edge>,
+    names: HashMap<String, NodeId>,
+    outputs: Vec<Port>,
+}
+
+impl Graph {
+    pub fn new() -> Self {
+        Graph::default()
+    }
+
+    pub fn len(&self) -> usize {
+        self.dag.node_count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.dag.node_count() == 0
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.dag[id]
+    }
+
+    pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.dag[id]
+    }
+
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.dag.node_indices()
+    }
+
+    pub fn find(&self, name: &str) -> Option<NodeId> {
+        self.names.get(name).copied()
+    }
+
+    /// The node of that name, or an error naming it.
+    pub fn require(&self, name: &str) -> Result<NodeId> {
+        self.find(name)
+            .ok_or_else(|| GraphError::UnknownNode(name.to_string()))
+    }
+
+    /// The type of the tensor at a port.
+    pub fn ty(&self, port: Port) -> &TensorType {
+        &self.dag[port.node].outputs[port.index]
+    }
+
+    /// The inputs of a node, in slot order.
+    pub fn inputs(&self, id: NodeId) -> Vec<Port> {
+        let mut edges: Vec<(usize, Port)> = self
+            .dag
+            .edges_directed(id, Direction::Incoming)
+            .map(|e| {
+                (
+                    e.weight().to_slot,
+                    Port::new(e.source(), e.weight().from_port),
+                )
+            })
+            .collect();
+        edges.sort_unstable_by_key(|&(slot, _)| slot);
+        edges.into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// Every (consumer, input slot) reading any output of `id`.
+    pub fn consumers(&self, id: NodeId) -> Vec<(NodeId, usize, Port)> {
+        let mut out: Vec<(NodeId, usize, Port)> = self
+            .dag
+            .edges_directed(id, Direction::Outgoing)
+            .map(|e| {
+                (
+                    e.target(),
+                    e.weight().to_slot,
+                    Port::new(id, e.weight().from_port),
+                )
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Every (consumer, input slot) reading `port`.
+    pub fn port_consumers(&self, port: Port) -> Vec<(NodeId, usize)> {
+        self.consumers(port.node)
+            .into_iter()
+            .filter(|c| c.2 == port)
+            .map(|(n, s, _)| (n, s))
+            .collect()
+    }
+
+    pub fn outputs(&self) -> &[Port] {
+        &self.outputs
+    }
+
+    pub fn set_outputs(&mut self, outputs: Vec<Port>) -> Result<()> {
+        for p in &outputs {
+            self.check_port(*p)?;
+        }
+        self.outputs = outputs;
+        Ok(())
+    }
+
+    fn check_port(&self, p: Port) -> Result<()> {
+        let node = self
+            .dag
+            .node_weight(p.node)
+            .ok_or_else(|| GraphError::Format(format!("no node with id {}", p.node.index())))?;
+        if p.index >= node.outputs.len() {
+            return Err(GraphError::node(
+                &node.name,
+                node.op.name(),
+                format!(
+                    "has {} outputs, output {} does not exist",
+                    node.outputs.len(),
+                    p.index
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `name` or `name:k`, as files spell a port.
+    pub fn port_name(&self, p: Port) -> String {
+        let name = &self.dag[p.node].name;
+        if p.index == 0 {
+            name.clone()
+        } else {
+            format!("{name}:{}", p.index)
+        }
+    }
+
+    /// A name not yet used, from a stem: `matmul`, `matmul_1`, ...
+    pub fn fresh_name(&self, stem: &str) -> String {
+        if !self.names.contains_key(stem) {
+            return stem.to_string();
+        }
+        (1..)
+            .map(|i| format!("{stem}_{i}"))
+            .find(|n| !self.names.contains_key(n))
+            .expect("an unused name exists")
+    }
+
+    /// Adds a node, checking its name, arity and input types as it goes.
+    pub fn add_node(
+        &mut self,
+        name: impl Into<String>,
+        op: Box<dyn Op>,
+        inputs: &[Port],
+    ) -> Result<NodeId> {
+        let name = name.into();
+        let err = |msg: String| GraphError::node(&name, op.name(), msg);
+        if name.is_empty() {
+            return Err(GraphError::Format("a node has an empty name".into()));
+        }
+        if self.names.contains_key(&name) {
+            return Err(err("a node of this name already exists".into()));
+        }
+        if !op.arity().accepts(inputs.len()) {
+            return Err(err(format!("takes {}, got {}", op.arity(), inputs.len())));
+        }
+        for p in inputs {
+            self.check_port(*p)?;
+        }
+        let types: Vec<&TensorType> = inputs.iter().map(|p| self.ty(*p)).collect();
+        let outputs = op.infer(&types).map_err(err)?;
+        let id = self.dag.add_node(Node {
+            name: name.clone(),
+            op,
+            outputs,
+            annotations: BTreeMap::new(),
+        });
+        for (slot, p) in inputs.iter().enumerate() {
+            self.dag.add_edge(
+                p.node,
+                id,
+                Edge {
+                    from_port: p.index,
+                    to_slot: slot,
+                },
+            );
+        }
+        self.names.insert(name, id);
+        Ok(id)
+    }
+
+    /// Adds a node named after its op and returns its output 0.
+    pub fn add(&mut self, op: impl Op, inputs: &[Port]) -> Result<Port> {
+        let name = self.fresh_name(&op.name().to_lowercase());
+        Ok(self.add_node(name, Box::new(op), inputs)?.into())
+    }
+
+    /// Adds nodes whose inputs may come in any order (as in files): `inputs` name
+    /// ports as `node` or `node:k`. Types are inferred once all are present.
+    pub fn from_parts(
+        parts: Vec<(String, Box<dyn Op>, Vec<String>)>,
+        outputs: &[String],
+    ) -> Result<Graph> {
+        let mut g = Graph::new();
+        for (name, op, _) in &parts {
+            if g.names.contains_key(name) {
+                return Err(GraphError::node(
+                    name,
+                    op.name(),
+                    "a node of this name already exists",
+                ));
+            }
+            if name.is_empty() {
+                return Err(GraphError::Format("a node has an empty name".into()));
+            }
+            let id = g.dag.add_node(Node {
+                name: name.clone(),
+                op: op.clone(),
+                outputs: Vec::new(),
+                annotations: BTreeMap::new(),
+            });
+            g.names.insert(name.clone(), id);
+        }
+        for (name, op, inputs) in &parts {
+            let id = g.names[name];
+            if !op.arity().accepts(inputs.len()) {
+                return Err(GraphError::node(
+                    name,
+                    op.name(),
+                    format!("takes {}, got {}", op.arity(), inputs.len()),
+                ));
+            }
+            for (slot, input) in inputs.iter().enumerate() {
+                let (src, port) = g
+                    .parse_port_name(input)
+                    .map_err(|m| GraphError::node(name, op.name(), format!("input {slot}: {m}")))?;
+                g.dag.add_edge(
+                    src,
+                    id,
+                    Edge {
+                        from_port: port,
+                        to_slot: slot,
+                    },
+                );
+            }
+        }
+        g.infer_types()?;
+        let outs = outputs
+            .iter()
+            .map(|o| {
+                g.parse_port_name(o)
+                    .map(|(n, i)| Port::new(n, i))
+                    .map_err(|m| GraphError::Format(format!("graph output '{o}': {m}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        g.set_outputs(outs)?;
+        Ok(g)
+    }
+
+    fn parse_port_name(&self, s: &str) -> std::result::Result<(NodeId, usize), String> {
+        let (name, index) = match s.rsplit_once(':') {
+            Some((n, k))
+                if !n.is_empty() && k.chars().all(|c| c.is_ascii_digit()) && !k.is_empty() =>
+            {
+                (
+                    n,
+                    k.parse::<usize>()
+                        .map_err(|_| format!("bad output index in '{s}'"))?,
+                )
+            }
+            _ => (s, 0),
+        };
+        let id = self
+            .find(name)
+            .ok_or_else(|| format!("no node named '{name}'"))?;
+        Ok((id, index))
+    }
+
+    /// Nodes in an order where every node comes after its inputs; a cycle is an
+    /// error naming a node on it.
+    pub fn topo_order(&self) -> Result<Vec<NodeId>> {
+        petgraph::algo::toposort(&self.dag, None).map_err(|c| {
+            let n = &self.dag[c.node_id()];
+            GraphError::node(&n.name, n.op.name(), "is part of a cycle")
+        })
+    }
+
+    /// Infers every node's output types from scratch, in topological order.
+    pub fn infer_types(&mut self) -> Result<()> {
+        for id in self.topo_order()? {
+            let outputs = self.infer_node(id)?;
+            self.dag[id].outputs = outputs;
+        }
+        Ok(())
+    }
+
+    fn infer_node(&self, id: NodeId) -> Result<Vec<TensorType>> {
+        let node = &self.dag[id];
+        let err = |msg: String| GraphError::node(&node.name, node.op.name(), msg);
+        let inputs = self.inputs(id);
+        if !node.op.arity().accepts(inputs.len()) {
+            return Err(err(format!(
+                "takes {}, got {}",
+                node.op.arity(),
+                inputs.len()
+            )));
+        }
+        let mut types = Vec::with_capacity(inputs.len());
+        for (slot, p) in inputs.iter().enumerate() {
+            let src = &self.dag[p.node];
+            let ty = src.outputs.get(p.index).ok_or_else(|| {
+                err(format!(
+                    "input {slot} reads output {} of '{}', which has {} outputs",
+                    p.index,
+                    src.name,
+                    src.outputs.len()
+                ))
+            })?;
+            types.push(ty);
+        }
+        node.op.infer(&types).map_err(err)
+    }
+
+    /// Checks the whole graph: acyclic, every node's types agree with its op's rule,
+    /// outputs exist. Passes call this between rewrites in tests and debug builds.
+    pub fn validate(&self) -> Result<()> {
+        for id in self.topo_order()? {
+            let inferred = self.infer_node(id)?;
+            let node = &self.dag[id];
+            if inferred != node.outputs {
+                return Err(GraphError::node(
+                    &node.name,
+                    node.op.name(),
+                    "recorded output types disagree with its inputs",
+                ));
+            }
+        }
+        for p in &self.outputs {
+            self.check_port(*p)?;
+        }
+        Ok(())
+    }
+
+    /// Points input `slot` of `consumer` at `to`, then re-infers the consumer's types.
+    /// Callers rewriting many edges call [`Graph::infer_types`] once at the end instead.
+    pub fn set_input(&mut self, consumer: NodeId, slot: usize, to: Port) -> Result<()> {
+        self.check_port(to)?;
+        let edge: Option<EdgeIndex> = self
+            .dag
+            .edges_directed(consumer, Direction::Incoming)
+            .find(|e| e.weight().to_slot == slot)
+            .map(|e| e.id());
+        let edge = edge.ok_or_else(|| {
+            let n = &self.dag[consumer];
+            GraphError::node(&n.name, n.op.name(), format!("has no input {slot}"))
+        })?;
+        self.dag.remove_edge(edge);
+        self.dag.add_edge(
+            to.node,
+            consumer,
+            Edge {
+                from_port: to.index,
+                to_slot: slot,
+            },
+        );
+        Ok(())
+    }
+
+    /// Replaces the op of a node (same inputs); types are re-inferred by the caller.
+    pub fn set_op(&mut self, id: NodeId, op: Box<dyn Op>) {
+        self.dag[id].op = op;
+    }
+
+    /// Removes a node that nothing reads.
+    pub fn remove_node(&mut self, id: NodeId) -> Result<()> {
+        let node = &self.dag[id];
+        if self
+            .dag
+            .edges_directed(id, Direction::Outgoing)
+            .next()
+            .is_some()
+            || self.outputs.iter().any(|p| p.node == id)
+        {
+            return Err(GraphError::node(
+                &node.name,
+                node.op.name(),
+                "cannot be removed while it is read",
+            ));
+        }
+        let name = node.name.clone();
+        self.names.remove(&name);
+        self.dag.remove_node(id);
+        Ok(())
+    }
+
+    /// Recomputes the types of `id` only (after a local rewrite whose inputs are final).
+    pub fn refresh_types(&mut self, id: NodeId) -> Result<()> {
+        let outputs = self.infer_node(id)?;
+        self.dag[id].outputs = outputs;
+        Ok(())
+    }
+}

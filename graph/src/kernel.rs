@@ -1,0 +1,115 @@
+//! Helpers for CPU reference kernels: the compute type and dtype dispatch.
+//!
+//! Float kernels are written once, generic over [`Real`]; [`eval_float`] runs them in
+//! f64 for f64 tensors and in f32 for f32/f16/bf16 ones, rounding the result to the
+//! storage dtype (one rounding per op, as a GPU kernel stores once).
+
+use std::borrow::Cow;
+
+use crate::dtype::DType;
+use crate::op::OpResult;
+use crate::tensor::{Data, Tensor};
+
+/// The arithmetic type of float kernels: f32 or f64.
+pub trait Real:
+    num_traits::Float
+    + num_traits::FloatConst
+    + std::iter::Sum
+    + Send
+    + Sync
+    + std::fmt::Debug
+    + Default
+    + 'static
+{
+    fn erf(self) -> Self;
+    fn lit(x: f64) -> Self;
+    /// The input tensor's values in this compute type.
+    fn read(t: &Tensor) -> Cow<'_, [Self]>;
+    /// Rounds the computed values into a tensor of `dtype`.
+    fn store(dtype: DType, shape: Vec<usize>, values: Vec<Self>) -> OpResult<Tensor>;
+}
+
+impl Real for f32 {
+    fn erf(self) -> Self {
+        libm::erff(self)
+    }
+    fn lit(x: f64) -> Self {
+        x as f32
+    }
+    fn read(t: &Tensor) -> Cow<'_, [f32]> {
+        match t.data() {
+            Data::F32(v) => Cow::Borrowed(v),
+            d => Cow::Owned(d.to_f32()),
+        }
+    }
+    fn store(dtype: DType, shape: Vec<usize>, values: Vec<f32>) -> OpResult<Tensor> {
+        Tensor::new(shape, Data::from_f32(dtype, values))
+    }
+}
+
+impl Real for f64 {
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
+    fn lit(x: f64) -> Self {
+        x
+    }
+    fn read(t: &Tensor) -> Cow<'_, [f64]> {
+        match t.data() {
+            Data::F64(v) => Cow::Borrowed(v),
+            d => Cow::Owned(d.to_f64()),
+        }
+    }
+    fn store(dtype: DType, shape: Vec<usize>, values: Vec<f64>) -> OpResult<Tensor> {
+        Tensor::new(shape, Data::from_f64(dtype, values))
+    }
+}
+
+/// A float kernel written once for both compute types.
+pub trait FloatKernel {
+    /// Computes the outputs from the inputs, given in the compute type.
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>>;
+}
+
+/// Runs `kernel` in the compute type of `dtype` and stores every output as `dtype`.
+pub fn eval_float<K: FloatKernel>(
+    kernel: &K,
+    dtype: DType,
+    inputs: &[&Tensor],
+) -> OpResult<Vec<Tensor>> {
+    fn run<T: Real, K: FloatKernel>(
+        k: &K,
+        dtype: DType,
+        inputs: &[&Tensor],
+    ) -> OpResult<Vec<Tensor>> {
+        k.compute::<T>(inputs)?
+            .into_iter()
+            .map(|(shape, values)| T::store(dtype, shape, values))
+            .collect()
+    }
+    match dtype {
+        DType::F64 => run::<f64, K>(kernel, dtype, inputs),
+        DType::F32 | DType::F16 | DType::BF16 => run::<f32, K>(kernel, dtype, inputs),
+        other => Err(format!("no float kernel for dtype {other}")),
+    }
+}
+
+/// Requires a float dtype, naming the role of the tensor in the error.
+pub fn require_float(what: &str, dtype: DType) -> OpResult<()> {
+    if dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("{what} must be a float tensor, got {dtype}"))
+    }
+}
+
+/// Requires every input to share one dtype and returns it.
+pub fn same_dtype(types: &[&crate::tensor::TensorType]) -> OpResult<DType> {
+    let first = types.first().ok_or("no inputs")?.dtype;
+    for (i, t) in types.iter().enumerate().skip(1) {
+        if t.dtype != first {
+            return Err(format!("input {i} is {} but input 0 is {first}", t.dtype));
+        }
+    }
+    Ok(first)
+}

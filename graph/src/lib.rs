@@ -1,0 +1,22 @@
+//! ampgraph-graph: the intermediate representation of ampgraph.
+//!
+//! A [`Graph`] is a typed dataflow graph on petgraph. Each node holds an [`Op`]; each
+//! op lives in one file under [`ops`] with its attributes, shape/dtype rule and CPU
+//! reference kernel. [`format`] reads and writes the JSON interchange format and the
+//! binary format.
+
+pub mod attrs;
+pub mod dtype;
+pub mod error;
+pub mod graph;
+pub mod kernel;
+pub mod op;
+pub mod ops;
+pub mod shape;
+pub mod tensor;
+
+pub use dtype::DType;
+pub use error::{GraphError, Result};
+pub use graph::{Graph, Node, NodeId, Port};
+pub use op::{Arity, Op};
+pub use tensor::{Data, Tensor, TensorType};

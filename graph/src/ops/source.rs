@@ -1,0 +1,179 @@
+//! Ops with no inputs (Placeholder, Variable, Const) and Cast.
+
+use crate::attrs::{AttrReader, AttrValue};
+use crate::dtype::DType;
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::tensor::{checked_numel, Data, ShapeDisplay, Tensor, TensorType};
+
+pub(crate) const OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "Placeholder",
+        parse: |_, a| Ok(Box::new(Placeholder(read_type(a)?))),
+    },
+    OpEntry {
+        name: "Variable",
+        parse: |_, a| Ok(Box::new(Variable(read_type(a)?))),
+    },
+    OpEntry {
+        name: "Const",
+        parse: |_, a| Ok(Box::new(Const::parse(a)?)),
+    },
+    OpEntry {
+        name: "Cast",
+        parse: |_, a| Ok(Box::new(Cast { to: a.dtype("to")? })),
+    },
+];
+
+fn read_type(a: &mut AttrReader) -> OpResult<TensorType> {
+    let dtype = a.dtype("dtype")?;
+    let shape = a.shape("shape")?;
+    if checked_numel(&shape).is_none() {
+        return Err(format!(
+            "shape {} has more elements than can be addressed",
+            ShapeDisplay(&shape)
+        ));
+    }
+    Ok(TensorType::new(dtype, shape))
+}
+
+fn type_attrs(t: &TensorType) -> Vec<(&'static str, AttrValue)> {
+    vec![
+        ("dtype", t.dtype.into()),
+        ("shape", t.shape.as_slice().into()),
+    ]
+}
+
+fn not_computed(name: &str) -> String {
+    format!("a {name} has no kernel: the executor supplies its value")
+}
+
+/// A value fed at run time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placeholder(pub TensorType);
+
+impl Op for Placeholder {
+    fn name(&self) -> &'static str {
+        "Placeholder"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(0)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        type_attrs(&self.0)
+    }
+    fn infer(&self, _: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        Ok(vec![self.0.clone()])
+    }
+    fn eval(&self, _: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        Err(not_computed("Placeholder"))
+    }
+}
+
+/// A trainable value held by the session (in f32 under AMP: the master weights).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Variable(pub TensorType);
+
+impl Op for Variable {
+    fn name(&self) -> &'static str {
+        "Variable"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(0)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        type_attrs(&self.0)
+    }
+    fn infer(&self, _: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        Ok(vec![self.0.clone()])
+    }
+    fn eval(&self, _: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        Err(not_computed("Variable"))
+    }
+}
+
+/// A constant; absent values mean zeros (kept lazy so a huge zero Const costs nothing
+/// until it runs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Const {
+    pub ty: TensorType,
+    pub values: Option<Data>,
+}
+
+impl Const {
+    pub fn new(t: Tensor) -> Const {
+        Const {
+            ty: t.ty(),
+            values: Some(t.into_data()),
+        }
+    }
+
+    fn parse(a: &mut AttrReader) -> OpResult<Const> {
+        let ty = read_type(a)?;
+        let values = match a.opt_floats("value")? {
+            None => None,
+            Some(v) => {
+                let n = ty.checked_len().unwrap_or(usize::MAX);
+                if v.len() != n {
+                    return Err(format!(
+                        "attr 'value' has {} values but shape {} needs {n}",
+                        v.len(),
+                        ShapeDisplay(&ty.shape)
+                    ));
+                }
+                Some(Data::from_f64(ty.dtype, v))
+            }
+        };
+        Ok(Const { ty, values })
+    }
+}
+
+impl Op for Const {
+    fn name(&self) -> &'static str {
+        "Const"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(0)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut a = type_attrs(&self.ty);
+        if let Some(v) = &self.values {
+            a.push(("value", AttrValue::Floats(v.to_f64())));
+        }
+        a
+    }
+    fn infer(&self, _: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        Ok(vec![self.ty.clone()])
+    }
+    fn eval(&self, _: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        Ok(vec![match &self.values {
+            Some(v) => Tensor::new(self.ty.shape.clone(), v.clone())?,
+            None => Tensor::zeros(&self.ty),
+        }])
+    }
+}
+
+/// Elementwise conversion to another dtype (round to nearest even for floats).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cast {
+    pub to: DType,
+}
+
+impl Op for Cast {
+    fn name(&self) -> &'static str {
+        "Cast"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("to", self.to.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        Ok(vec![x.with_dtype(self.to)])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x] = fixed(inputs)?;
+        Ok(vec![x.cast(self.to)])
+    }
+}

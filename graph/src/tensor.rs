@@ -1,0 +1,276 @@
+//! Host tensors: the values a graph computes on the CPU, and the values of Consts.
+//!
+//! Storage follows the dtype (`half` types for f16/bf16); arithmetic on 16-bit and
+//! 32-bit floats happens in f32 and on f64 in f64, and every store rounds to the
+//! storage type, as a GPU kernel does.
+
+use std::fmt;
+
+use half::{bf16, f16};
+
+use crate::dtype::DType;
+
+/// Element storage of a tensor, one variant per dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Data {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    F64(Vec<f64>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+    Bool(Vec<bool>),
+}
+
+/// A dtype and a static shape: what an edge of the graph carries.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl TensorType {
+    pub fn new(dtype: DType, shape: impl Into<Vec<usize>>) -> Self {
+        TensorType {
+            dtype,
+            shape: shape.into(),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Number of elements, or `None` when it overflows `usize`.
+    pub fn checked_len(&self) -> Option<usize> {
+        checked_numel(&self.shape)
+    }
+
+    pub fn with_dtype(&self, dtype: DType) -> Self {
+        TensorType::new(dtype, self.shape.clone())
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.dtype, ShapeDisplay(&self.shape))
+    }
+}
+
+/// Displays a shape as `[64, 784]`.
+pub struct ShapeDisplay<'a>(pub &'a [usize]);
+
+impl fmt::Display for ShapeDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        f.write_str("]")
+    }
+}
+
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// Row-major strides of a shape, in elements.
+pub fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1];
+    }
+    s
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    data: Data,
+}
+
+impl Data {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Data::F32(_) => DType::F32,
+            Data::F16(_) => DType::F16,
+            Data::BF16(_) => DType::BF16,
+            Data::F64(_) => DType::F64,
+            Data::I32(_) => DType::I32,
+            Data::I64(_) => DType::I64,
+            Data::Bool(_) => DType::Bool,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Data::F32(v) => v.len(),
+            Data::F16(v) => v.len(),
+            Data::BF16(v) => v.len(),
+            Data::F64(v) => v.len(),
+            Data::I32(v) => v.len(),
+            Data::I64(v) => v.len(),
+            Data::Bool(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values rounded into `dtype` storage from f64 (ints truncate toward zero,
+    /// bools are `v != 0`).
+    pub fn from_f64(dtype: DType, values: impl IntoIterator<Item = f64>) -> Data {
+        let it = values.into_iter();
+        match dtype {
+            DType::F32 => Data::F32(it.map(|v| v as f32).collect()),
+            DType::F16 => Data::F16(it.map(f16::from_f64).collect()),
+            DType::BF16 => Data::BF16(it.map(bf16::from_f64).collect()),
+            DType::F64 => Data::F64(it.collect()),
+            DType::I32 => Data::I32(it.map(|v| v as i32).collect()),
+            DType::I64 => Data::I64(it.map(|v| v as i64).collect()),
+            DType::Bool => Data::Bool(it.map(|v| v != 0.0).collect()),
+        }
+    }
+
+    /// Values rounded into `dtype` storage from f32.
+    pub fn from_f32(dtype: DType, values: Vec<f32>) -> Data {
+        match dtype {
+            DType::F32 => Data::F32(values),
+            DType::F16 => Data::F16(values.into_iter().map(f16::from_f32).collect()),
+            DType::BF16 => Data::BF16(values.into_iter().map(bf16::from_f32).collect()),
+            other => Data::from_f64(other, values.into_iter().map(f64::from)),
+        }
+    }
+
+    /// Every element widened (or, for i64 beyond 2^53, rounded) to f64.
+    pub fn to_f64(&self) -> Vec<f64> {
+        match self {
+            Data::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            Data::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            Data::F64(v) => v.clone(),
+            Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::I64(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::Bool(v) => v.iter().map(|&x| if x { 1.0 } else { 0.0 }).collect(),
+        }
+    }
+
+    /// Every element as f32: the compute type of f32, f16 and bf16 kernels.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            Data::F32(v) => v.clone(),
+            Data::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Data::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            other => other.to_f64().into_iter().map(|x| x as f32).collect(),
+        }
+    }
+}
+
+impl Tensor {
+    /// A tensor of `shape` holding `data`; the element count must match.
+    pub fn new(shape: impl Into<Vec<usize>>, data: Data) -> Result<Tensor, String> {
+        let shape = shape.into();
+        let numel = checked_numel(&shape).ok_or("shape overflows the address space")?;
+        if numel != data.len() {
+            return Err(format!(
+                "shape {} has {numel} elements but {} values were given",
+                ShapeDisplay(&shape),
+                data.len()
+            ));
+        }
+        Ok(Tensor { shape, data })
+    }
+
+    /// Zeros of the given type. The caller has checked that the size is sane.
+    pub fn zeros(ty: &TensorType) -> Tensor {
+        let n = ty.checked_len().unwrap_or(0);
+        Tensor {
+            shape: ty.shape.clone(),
+            data: Data::from_f64(ty.dtype, std::iter::repeat_n(0.0, n)),
+        }
+    }
+
+    pub fn from_f64(
+        dtype: DType,
+        shape: impl Into<Vec<usize>>,
+        values: &[f64],
+    ) -> Result<Tensor, String> {
+        Tensor::new(shape, Data::from_f64(dtype, values.iter().copied()))
+    }
+
+    pub fn scalar(dtype: DType, value: f64) -> Tensor {
+        Tensor {
+            shape: vec![],
+            data: Data::from_f64(dtype, [value]),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub fn ty(&self) -> TensorType {
+        TensorType::new(self.dtype(), self.shape.clone())
+    }
+
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    pub fn data(&self) -> &Data {
+        &self.data
+    }
+
+    pub fn into_data(self) -> Data {
+        self.data
+    }
+
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        self.data.to_f64()
+    }
+
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        self.data.to_f32()
+    }
+
+    /// The same values with another shape of equal element count.
+    pub fn reshaped(self, shape: Vec<usize>) -> Result<Tensor, String> {
+        Tensor::new(shape, self.data)
+    }
+
+    /// Elementwise conversion, rounding to nearest (floats) or truncating (ints).
+    pub fn cast(&self, to: DType) -> Tensor {
+        let data = if to == self.dtype() {
+            self.data.clone()
+        } else if to == DType::F64 || self.dtype() == DType::F64 || !to.is_float() {
+            Data::from_f64(to, self.data.to_f64())
+        } else {
+            Data::from_f32(to, self.data.to_f32())
+        };
+        Tensor {
+            shape: self.shape.clone(),
+            data,
+        }
+    }
+
+    /// Integer view of an i32/i64 tensor (labels, indices).
+    pub fn to_i64_vec(&self) -> Option<Vec<i64>> {
+        match &self.data {
+            Data::I32(v) => Some(v.iter().map(|&x| x as i64).collect()),
+            Data::I64(v) => Some(v.clone()),
+            _ => None,
+        }
+    }
+}
