@@ -1,1 +1,14 @@
-//! ampgraph facade
+//! ampgraph: automatic mixed precision for dataflow graphs.
+//!
+//! The workspace is layered as the architecture: [`graph`] (what a model is),
+//! [`passes`] (how it is rewritten), [`exec`] (how it runs). This crate re-exports
+//! them and hosts the `ampgraph` command line.
+
+pub use ampgraph_exec as exec;
+pub use ampgraph_graph as graph;
+pub use ampgraph_passes as passes;
+
+pub use ampgraph_exec::{CpuExecutor, Executor};
+pub use ampgraph_graph::{DType, Graph, GraphError, Port, Tensor, TensorType};
+
+pub mod cli;

@@ -8,6 +8,7 @@
 pub mod attrs;
 pub mod dtype;
 pub mod error;
+pub mod format;
 pub mod graph;
 pub mod kernel;
 pub mod op;

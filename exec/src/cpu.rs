@@ -1,0 +1,149 @@
+//! The CPU reference executor.
+
+use std::collections::HashMap;
+
+use ampgraph_graph::ops::{Placeholder, Variable};
+use ampgraph_graph::tensor::ShapeDisplay;
+use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
+
+use crate::{ExecError, Executor, Feeds};
+
+/// Runs graphs on the host with each op's reference kernel.
+#[derive(Debug)]
+pub struct CpuExecutor {
+    /// Current values of Variables, by node name.
+    pub variables: HashMap<String, Tensor>,
+    /// The largest tensor one op may produce, in bytes.
+    pub max_tensor_bytes: u64,
+}
+
+/// 16 GiB: larger than any tensor this machine class can hold next to its inputs.
+pub const DEFAULT_MAX_TENSOR_BYTES: u64 = 16 << 30;
+
+/// Refuses a tensor type whose storage exceeds `limit` bytes, before anything allocates it.
+pub fn check_tensor_size(name: &str, op: &str, ty: &TensorType, limit: u64) -> Result<(), ExecError> {
+    let bytes = ty
+        .checked_len()
+        .and_then(|n| (n as u64).checked_mul(ty.dtype.size_bytes() as u64));
+    match bytes {
+        Some(b) if b <= limit => Ok(()),
+        _ => Err(ExecError::node(
+            name,
+            op,
+            format!("output {ty} is too large to allocate (limit {} GiB)", limit >> 30),
+        )),
+    }
+}
+
+impl Default for CpuExecutor {
+    fn default() -> Self {
+        CpuExecutor {
+            variables: HashMap::new(),
+            max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
+        }
+    }
+}
+
+impl CpuExecutor {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The nodes `fetches` depend on, in topological order.
+    fn needed(graph: &Graph, fetches: &[Port]) -> Result<Vec<NodeId>, ExecError> {
+        let mut needed = vec![false; graph.node_ids().map(|i| i.index() + 1).max().unwrap_or(0)];
+        let mut stack: Vec<NodeId> = fetches.iter().map(|p| p.node).collect();
+        while let Some(id) = stack.pop() {
+            if !std::mem::replace(&mut needed[id.index()], true) {
+                stack.extend(graph.inputs(id).into_iter().map(|p| p.node));
+            }
+        }
+        Ok(graph.topo_order()?.into_iter().filter(|id| needed[id.index()]).collect())
+    }
+
+    fn source_value(&self, graph: &Graph, id: NodeId, feeds: &Feeds) -> Result<Option<Tensor>, ExecError> {
+        let node = graph.node(id);
+        let is_placeholder = node.op.is::<Placeholder>();
+        let is_variable = node.op.is::<Variable>();
+        if !is_placeholder && !is_variable {
+            return Ok(None);
+        }
+        let want = &node.outputs()[0];
+        let value = match feeds.get(&node.name).or_else(|| self.variables.get(&node.name)) {
+            Some(v) => v,
+            None if is_placeholder => {
+                return Err(ExecError::Feed {
+                    name: node.name.clone(),
+                    msg: format!("Placeholder {want} was not fed"),
+                })
+            }
+            None => {
+                return Err(ExecError::Feed {
+                    name: node.name.clone(),
+                    msg: format!("Variable {want} has no value (initialise or feed it)"),
+                })
+            }
+        };
+        if value.dtype() != want.dtype || value.shape() != want.shape.as_slice() {
+            return Err(ExecError::Feed {
+                name: node.name.clone(),
+                msg: format!(
+                    "expects {want}, got {}{}",
+                    value.dtype(),
+                    ShapeDisplay(value.shape())
+                ),
+            });
+        }
+        Ok(Some(value.clone()))
+    }
+}
+
+impl Executor for CpuExecutor {
+    fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> Result<Vec<Tensor>, ExecError> {
+        let order = Self::needed(graph, fetches)?;
+        // How many reads of each node's outputs remain, so tensors free after their last use.
+        let mut reads: HashMap<NodeId, usize> = HashMap::new();
+        for &id in &order {
+            for p in graph.inputs(id) {
+                *reads.entry(p.node).or_default() += 1;
+            }
+        }
+        for p in fetches {
+            *reads.entry(p.node).or_default() += 1;
+        }
+        let mut values: HashMap<NodeId, Vec<Tensor>> = HashMap::new();
+        for &id in &order {
+            let node = graph.node(id);
+            let op = node.op.name();
+            for ty in node.outputs() {
+                check_tensor_size(&node.name, op, ty, self.max_tensor_bytes)?;
+            }
+            let outputs = match self.source_value(graph, id, feeds)? {
+                Some(v) => vec![v],
+                None => {
+                    let inputs = graph.inputs(id);
+                    let args: Vec<&Tensor> = inputs.iter().map(|p| &values[&p.node][p.index]).collect();
+                    node.op.eval(&args).map_err(|m| ExecError::node(&node.name, op, m))?
+                }
+            };
+            for (i, (t, want)) in outputs.iter().zip(node.outputs()).enumerate() {
+                if t.dtype() != want.dtype || t.shape() != want.shape.as_slice() {
+                    return Err(ExecError::node(
+                        &node.name,
+                        op,
+                        format!("kernel produced {} for output {i}, expected {want}", t.ty()),
+                    ));
+                }
+            }
+            values.insert(id, outputs);
+            for p in graph.inputs(id) {
+                let left = reads.get_mut(&p.node).expect("counted above");
+                *left -= 1;
+                if *left == 0 {
+                    values.remove(&p.node);
+                }
+            }
+        }
+        Ok(fetches.iter().map(|p| values[&p.node][p.index].clone()).collect())
+    }
+}

@@ -1,0 +1,423 @@
+//! File formats: the `ampgraph.graph` JSON interchange format (DESIGN.md §2), a
+//! compact binary form of the same content, and text / Graphviz dumps.
+//!
+//! Both file formats go through [`GraphDef`], the untyped file-level form; building a
+//! [`Graph`] from it parses every op's attributes and checks the whole graph.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::attrs::{AttrMap, AttrReader, AttrValue};
+use crate::dtype::DType;
+use crate::error::{GraphError, Result};
+use crate::graph::{Graph, NodeId};
+use crate::ops::parse_op;
+
+pub const FORMAT_NAME: &str = "ampgraph.graph";
+pub const FORMAT_VERSION: u32 = 1;
+/// First bytes of a binary graph file, followed by the version as u32 little-endian.
+pub const BIN_MAGIC: &[u8; 8] = b"AMPGRAPH";
+/// Upper bound on what decoding a binary file may allocate.
+const BIN_LIMIT: usize = 1 << 30;
+
+/// A graph as a file holds it: names, op names, untyped attributes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GraphDef {
+    pub nodes: Vec<NodeDef>,
+    pub outputs: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeDef {
+    pub name: String,
+    pub op: String,
+    pub inputs: Vec<String>,
+    pub attrs: AttrMap,
+    /// The dtype of output 0; written by ampgraph, checked when read.
+    pub dtype: Option<DType>,
+}
+
+impl GraphDef {
+    pub fn from_graph(g: &Graph) -> GraphDef {
+        let nodes = g
+            .node_ids()
+            .map(|id| {
+                let n = g.node(id);
+                let mut attrs: AttrMap = n.op.attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+                attrs.extend(n.annotations.iter().map(|(k, v)| (k.clone(), v.clone())));
+                NodeDef {
+                    name: n.name.clone(),
+                    op: n.op.name().to_string(),
+                    inputs: g.inputs(id).into_iter().map(|p| g.port_name(p)).collect(),
+                    attrs,
+                    dtype: n.outputs().first().map(|t| t.dtype),
+                }
+            })
+            .collect();
+        let outputs = g.outputs().iter().map(|&p| g.port_name(p)).collect();
+        GraphDef { nodes, outputs }
+    }
+
+    /// Parses every op and checks the graph: names, arity, inputs, acyclicity, types.
+    pub fn to_graph(&self) -> Result<Graph> {
+        let mut parts = Vec::with_capacity(self.nodes.len());
+        let mut annotations = Vec::new();
+        for n in &self.nodes {
+            let (tool, own): (AttrMap, AttrMap) = n.attrs.clone().into_iter().partition(|(k, _)| k.starts_with('_'));
+            let op = parse_op(&n.op, AttrReader::new(own)).map_err(|m| GraphError::node(&n.name, &n.op, m))?;
+            parts.push((n.name.clone(), op, n.inputs.clone()));
+            annotations.push(tool);
+        }
+        let mut g = Graph::from_parts(parts, &self.outputs)?;
+        for (n, tool) in self.nodes.iter().zip(annotations) {
+            let id = g.require(&n.name)?;
+            let node = g.node_mut(id);
+            node.annotations = tool;
+            if let (Some(file), Some(actual)) = (n.dtype, node.outputs().first()) {
+                if file != actual.dtype {
+                    return Err(GraphError::node(
+                        &n.name,
+                        &n.op,
+                        format!("the file says dtype {file} but its inputs make it {}", actual.dtype),
+                    ));
+                }
+            }
+        }
+        Ok(g)
+    }
+}
+
+// ---------------------------------------------------------------- JSON reading
+
+fn format_err(msg: impl Into<String>) -> GraphError {
+    GraphError::Format(msg.into())
+}
+
+/// Parses the JSON interchange format (structure only; see [`GraphDef::to_graph`]).
+pub fn parse_json(bytes: &[u8]) -> Result<GraphDef> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(format_err("the file is empty"));
+    }
+    // serde_json refuses nesting deeper than 128 levels, so hostile input can't overflow the stack.
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| format_err(format!("not valid JSON: {e}")))?;
+    let top = v.as_object().ok_or_else(|| format_err("a graph file must be a JSON object"))?;
+    for key in top.keys() {
+        if !matches!(key.as_str(), "format" | "version" | "nodes" | "outputs") && !key.starts_with('_') {
+            return Err(format_err(format!("unknown top-level key '{key}'")));
+        }
+    }
+    match top.get("format") {
+        Some(Value::String(s)) if s == FORMAT_NAME => {}
+        Some(other) => return Err(format_err(format!("'format' must be \"{FORMAT_NAME}\", got {other}"))),
+        None => return Err(format_err(format!("missing 'format' (\"{FORMAT_NAME}\")"))),
+    }
+    match top.get("version").and_then(Value::as_u64) {
+        Some(v) if v == u64::from(FORMAT_VERSION) => {}
+        Some(v) => return Err(format_err(format!("unsupported version {v} (this ampgraph reads version {FORMAT_VERSION})"))),
+        None => return Err(format_err("missing or non-integer 'version'")),
+    }
+    let nodes = top
+        .get("nodes")
+        .and_then(Value::as_array)
+        .ok_or_else(|| format_err("missing 'nodes' list"))?
+        .iter()
+        .enumerate()
+        .map(|(i, n)| parse_node(i, n))
+        .collect::<Result<Vec<_>>>()?;
+    let outputs = match top.get("outputs") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|o| o.as_str().map(str::to_string).ok_or_else(|| format_err("'outputs' must be a list of node names")))
+            .collect::<Result<_>>()?,
+        Some(_) => return Err(format_err("'outputs' must be a list of node names")),
+    };
+    Ok(GraphDef { nodes, outputs })
+}
+
+fn parse_node(index: usize, v: &Value) -> Result<NodeDef> {
+    let obj = v.as_object().ok_or_else(|| format_err(format!("node #{index} is not a JSON object")))?;
+    let name = match obj.get("name") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(_) => return Err(format_err(format!("node #{index}: 'name' must be a non-empty string"))),
+        None => return Err(format_err(format!("node #{index} has no 'name'"))),
+    };
+    let op = match obj.get("op") {
+        Some(Value::String(s)) => s.clone(),
+        _ => return Err(GraphError::node(&name, "?", "missing or non-string 'op'")),
+    };
+    let err = |m: String| GraphError::node(&name, &op, m);
+    for key in obj.keys() {
+        if !matches!(key.as_str(), "name" | "op" | "inputs" | "attrs" | "dtype") && !key.starts_with('_') {
+            return Err(err(format!("unknown key '{key}'")));
+        }
+    }
+    let inputs = match obj.get("inputs") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|i| i.as_str().map(str::to_string).ok_or_else(|| err("'inputs' must be a list of strings".into())))
+            .collect::<Result<_>>()?,
+        Some(_) => return Err(err("'inputs' must be a list of strings".into())),
+    };
+    let attrs = match obj.get("attrs") {
+        None => AttrMap::new(),
+        Some(Value::Object(m)) => m
+            .iter()
+            .map(|(k, v)| json_to_attr(v).map(|a| (k.clone(), a)).map_err(|e| err(format!("attr '{k}': {e}"))))
+            .collect::<Result<_>>()?,
+        Some(_) => return Err(err("'attrs' must be an object".into())),
+    };
+    let dtype = match obj.get("dtype") {
+        None => None,
+        Some(Value::String(s)) => Some(s.parse().map_err(|e: String| err(e))?),
+        Some(_) => return Err(err("'dtype' must be a string".into())),
+    };
+    Ok(NodeDef {
+        name,
+        op,
+        inputs,
+        attrs,
+        dtype,
+    })
+}
+
+/// Non-finite numbers have no JSON spelling; lists of numbers write them as strings.
+fn special_float(s: &str) -> Option<f64> {
+    match s {
+        "nan" | "NaN" => Some(f64::NAN),
+        "inf" | "Infinity" => Some(f64::INFINITY),
+        "-inf" | "-Infinity" => Some(f64::NEG_INFINITY),
+        _ => None,
+    }
+}
+
+fn json_to_attr(v: &Value) -> std::result::Result<AttrValue, String> {
+    Ok(match v {
+        Value::Bool(b) => AttrValue::Bool(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => AttrValue::Int(i),
+            None => AttrValue::Float(n.as_f64().ok_or("number out of range")?),
+        },
+        Value::String(s) => AttrValue::Str(s.clone()),
+        Value::Array(items) => {
+            if items.iter().all(|x| x.as_i64().is_some()) {
+                AttrValue::Ints(items.iter().filter_map(Value::as_i64).collect())
+            } else {
+                AttrValue::Floats(
+                    items
+                        .iter()
+                        .map(|x| match x {
+                            Value::Number(n) => n.as_f64().ok_or_else(|| "number out of range".to_string()),
+                            Value::String(s) => special_float(s).ok_or_else(|| format!("'{s}' is not a number")),
+                            _ => Err("lists must hold numbers only".to_string()),
+                        })
+                        .collect::<std::result::Result<_, _>>()?,
+                )
+            }
+        }
+        Value::Null | Value::Object(_) => return Err("must be a boolean, number, string or list of numbers".into()),
+    })
+}
+
+// ---------------------------------------------------------------- JSON writing
+
+fn attr_to_json(v: &AttrValue) -> Value {
+    let float = |f: f64| {
+        if f.is_finite() {
+            Value::from(f)
+        } else if f.is_nan() {
+            Value::from("nan")
+        } else if f > 0.0 {
+            Value::from("inf")
+        } else {
+            Value::from("-inf")
+        }
+    };
+    match v {
+        AttrValue::Bool(b) => Value::from(*b),
+        AttrValue::Int(i) => Value::from(*i),
+        AttrValue::Float(f) => float(*f),
+        AttrValue::Str(s) => Value::from(s.as_str()),
+        AttrValue::Ints(v) => Value::from(v.clone()),
+        AttrValue::Floats(v) => Value::Array(v.iter().map(|&f| float(f)).collect()),
+    }
+}
+
+/// Writes the JSON interchange format, one node per line.
+pub fn to_json(def: &GraphDef) -> String {
+    let s = |v: &str| Value::from(v).to_string();
+    let mut out = String::new();
+    let _ = writeln!(out, "{{\n  \"format\": {},\n  \"version\": {FORMAT_VERSION},\n  \"nodes\": [", s(FORMAT_NAME));
+    for (i, n) in def.nodes.iter().enumerate() {
+        let _ = write!(out, "    {{\"name\": {}, \"op\": {}", s(&n.name), s(&n.op));
+        if !n.inputs.is_empty() {
+            let _ = write!(out, ", \"inputs\": {}", Value::from(n.inputs.clone()));
+        }
+        if !n.attrs.is_empty() {
+            let attrs: serde_json::Map<String, Value> =
+                n.attrs.iter().map(|(k, v)| (k.clone(), attr_to_json(v))).collect();
+            let _ = write!(out, ", \"attrs\": {}", Value::Object(attrs));
+        }
+        if let Some(d) = n.dtype {
+            let _ = write!(out, ", \"dtype\": {}", s(d.as_str()));
+        }
+        out.push('}');
+        out.push_str(if i + 1 < def.nodes.len() { ",\n" } else { "\n" });
+    }
+    let _ = writeln!(out, "  ],\n  \"outputs\": {}\n}}", Value::from(def.outputs.clone()));
+    out
+}
+
+// ---------------------------------------------------------------- binary
+
+fn bin_config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<BIN_LIMIT>()
+}
+
+pub fn to_bin(def: &GraphDef) -> Result<Vec<u8>> {
+    let mut out = BIN_MAGIC.to_vec();
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    let body = bincode::serde::encode_to_vec(def, bin_config())
+        .map_err(|e| format_err(format!("cannot encode the graph: {e}")))?;
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+pub fn is_bin(bytes: &[u8]) -> bool {
+    bytes.starts_with(BIN_MAGIC)
+}
+
+/// Decodes a binary graph; hostile bytes give an error, never a panic or an
+/// unbounded allocation.
+pub fn from_bin(bytes: &[u8]) -> Result<GraphDef> {
+    let rest = bytes
+        .strip_prefix(BIN_MAGIC.as_slice())
+        .ok_or_else(|| format_err("not an ampgraph binary graph (bad magic)"))?;
+    let (version, body) = rest.split_at_checked(4).ok_or_else(|| format_err("truncated binary graph header"))?;
+    let version = u32::from_le_bytes(version.try_into().map_err(|_| format_err("truncated header"))?);
+    if version != FORMAT_VERSION {
+        return Err(format_err(format!(
+            "unsupported binary version {version} (this ampgraph reads version {FORMAT_VERSION})"
+        )));
+    }
+    let (def, used): (GraphDef, usize) = bincode::serde::decode_from_slice(body, bin_config())
+        .map_err(|e| format_err(format!("corrupt binary graph: {e}")))?;
+    if used != body.len() {
+        return Err(format_err("corrupt binary graph: trailing bytes"));
+    }
+    Ok(def)
+}
+
+// ---------------------------------------------------------------- files
+
+/// Reads a graph from JSON or binary bytes (told apart by the magic header).
+pub fn graph_from_bytes(bytes: &[u8]) -> Result<Graph> {
+    let def = if is_bin(bytes) { from_bin(bytes)? } else { parse_json(bytes)? };
+    def.to_graph()
+}
+
+/// Loads a `.json` or `.bin` graph file; `-` reads JSON from standard input.
+pub fn load(path: &str) -> Result<Graph> {
+    let bytes = if path == "-" {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf).map_err(|source| GraphError::Io {
+            path: "<stdin>".into(),
+            source,
+        })?;
+        buf
+    } else {
+        std::fs::read(path).map_err(|source| GraphError::Io {
+            path: path.into(),
+            source,
+        })?
+    };
+    graph_from_bytes(&bytes)
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file beside it, then a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let io = |source| GraphError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io(e)
+    })
+}
+
+// ---------------------------------------------------------------- dumps
+
+/// One line per node: `name = Op(inputs) {attrs} -> types`.
+pub fn to_text(g: &Graph) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "graph: {} nodes", g.len());
+    for id in g.topo_order().unwrap_or_else(|_| g.node_ids().collect()) {
+        let n = g.node(id);
+        let inputs: Vec<String> = g.inputs(id).into_iter().map(|p| g.port_name(p)).collect();
+        let attrs: Vec<String> = n
+            .op
+            .attrs()
+            .iter()
+            .filter(|(k, _)| *k != "value")
+            .map(|(k, v)| format!("{k}={}", attr_to_json(v)))
+            .collect();
+        let types: Vec<String> = n.outputs().iter().map(ToString::to_string).collect();
+        let _ = write!(out, "{} = {}({})", n.name, n.op.name(), inputs.join(", "));
+        if !attrs.is_empty() {
+            let _ = write!(out, " {{{}}}", attrs.join(", "));
+        }
+        let _ = writeln!(out, " -> {}", types.join(", "));
+    }
+    let outs: Vec<String> = g.outputs().iter().map(|&p| g.port_name(p)).collect();
+    let _ = writeln!(out, "outputs: {}", outs.join(", "));
+    out
+}
+
+/// Fill colour of a node in DOT dumps: by the precision of its output.
+pub fn default_color(g: &Graph, id: NodeId) -> &'static str {
+    let n = g.node(id);
+    if n.op.name() == "Cast" {
+        return "#ffe08a";
+    }
+    match n.outputs().first().map(|t| t.dtype) {
+        Some(DType::F16) | Some(DType::BF16) => "#9be39b",
+        Some(DType::F32) => "#cfe2ff",
+        _ => "#eeeeee",
+    }
+}
+
+/// Graphviz DOT with one box per node, edges labelled with their tensor types and
+/// nodes filled by `color` (see [`default_color`]).
+pub fn to_dot(g: &Graph, color: &dyn Fn(&Graph, NodeId) -> &'static str) -> String {
+    let q = |s: &str| Value::from(s).to_string();
+    let mut out = String::from("digraph ampgraph {\n  rankdir=TB;\n  node [shape=box, style=filled, fontname=\"Helvetica\"];\n");
+    for id in g.node_ids() {
+        let n = g.node(id);
+        let ty = n.outputs().first().map(ToString::to_string).unwrap_or_default();
+        let label = format!("{}\\n{}\\n{}", n.name, n.op.name(), ty);
+        let _ = writeln!(out, "  {} [label=\"{}\", fillcolor=\"{}\"];", q(&n.name), label.replace('"', "'"), color(g, id));
+    }
+    for id in g.node_ids() {
+        for (slot, p) in g.inputs(id).into_iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "  {} -> {} [label=\"{}:{slot} {}\"];",
+                q(&g.node(p.node).name),
+                q(&g.node(id).name),
+                p.index,
+                g.ty(p)
+            );
+        }
+    }
+    out.push_str("}\n");
+    out
+}

@@ -1,0 +1,20 @@
+//! The `ampgraph` command line: see `ampgraph --help` and DESIGN.md §3.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_timestamp(None)
+        .init();
+    let cli = ampgraph::cli::Cli::parse();
+    match ampgraph::cli::run(cli, &mut std::io::stdout().lock()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, whatever the cause: newlines inside messages become spaces.
+            eprintln!("error: {}", e.to_string().replace('\n', " "));
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! The command line, as a library module so tests can call it in-process.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::Value;
+use thiserror::Error;
+
+use ampgraph_exec::feeds::seeded_tensor;
+use ampgraph_exec::{check_tensor_size, CpuExecutor, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
+use ampgraph_graph::format::{self, GraphDef};
+use ampgraph_graph::ops::{Placeholder, Variable};
+use ampgraph_graph::{Data, Graph, GraphError, Tensor};
+
+#[derive(Debug, Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error("{0}")]
+    Usage(String),
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+}
+
+type Result<T> = std::result::Result<T, CliError>;
+
+#[derive(Parser, Debug)]
+#[command(name = "ampgraph", version, about = "Automatic mixed precision for dataflow graphs")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum DumpFormat {
+    Text,
+    Json,
+    Dot,
+    Bin,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+    Auto,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Print a graph as text, JSON, Graphviz DOT or binary.
+    Dump {
+        graph: String,
+        #[arg(long, value_enum, default_value = "text")]
+        format: DumpFormat,
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+    /// Convert between .json and .bin (by the output's extension).
+    Convert {
+        graph: String,
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+    /// Run a graph and print every output.
+    Run {
+        graph: String,
+        #[arg(long, value_enum, default_value = "auto")]
+        device: DeviceArg,
+        /// Seed of the values given to Placeholders and Variables not in --feeds.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// JSON object: {"name": nested lists} or {"name": {"shape": [...], "values": [...]}}.
+        #[arg(long)]
+        feeds: Option<PathBuf>,
+        /// Print the outputs as JSON (every value).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
+    match cli.command {
+        Command::Dump { graph, format, output } => dump(&graph, format, output.as_deref(), out),
+        Command::Convert { graph, output } => {
+            let g = format::load(&graph)?;
+            let fmt = match output.extension().and_then(|e| e.to_str()) {
+                Some("bin") => DumpFormat::Bin,
+                Some("json") => DumpFormat::Json,
+                _ => return Err(CliError::Usage(format!("{}: the output must end in .json or .bin", output.display()))),
+            };
+            write_file(&output, &render(&g, fmt)?)
+        }
+        Command::Run {
+            graph,
+            device,
+            seed,
+            feeds,
+            json,
+        } => {
+            if device == DeviceArg::Cuda {
+                return Err(CliError::Usage(
+                    "this build of ampgraph has no CUDA executor yet; use --device cpu".into(),
+                ));
+            }
+            let g = format::load(&graph)?;
+            let feeds = make_feeds(&g, seed, feeds.as_deref())?;
+            let outputs = CpuExecutor::new().run(&g, &feeds, g.outputs())?;
+            print_outputs(&g, &outputs, json, out)
+        }
+    }
+}
+
+fn io_err(path: &str) -> impl FnOnce(std::io::Error) -> CliError + '_ {
+    move |source| CliError::Io {
+        path: path.to_string(),
+        source,
+    }
+}
+
+fn render(g: &Graph, fmt: DumpFormat) -> Result<Vec<u8>> {
+    Ok(match fmt {
+        DumpFormat::Text => format::to_text(g).into_bytes(),
+        DumpFormat::Json => format::to_json(&GraphDef::from_graph(g)).into_bytes(),
+        DumpFormat::Dot => format::to_dot(g, &format::default_color).into_bytes(),
+        DumpFormat::Bin => format::to_bin(&GraphDef::from_graph(g))?,
+    })
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    Ok(format::write_atomic(path, bytes)?)
+}
+
+fn dump(path: &str, fmt: DumpFormat, output: Option<&Path>, out: &mut dyn Write) -> Result<()> {
+    let g = format::load(path)?;
+    let bytes = render(&g, fmt)?;
+    match output {
+        Some(p) => write_file(p, &bytes),
+        None => out.write_all(&bytes).map_err(io_err("<stdout>")),
+    }
+}
+
+/// Feeds from the file where given, seeded values for every other Placeholder and Variable.
+fn make_feeds(g: &Graph, seed: u64, file: Option<&Path>) -> Result<Feeds> {
+    let mut feeds = match file {
+        Some(p) => read_feeds(g, p)?,
+        None => HashMap::new(),
+    };
+    for id in g.node_ids() {
+        let n = g.node(id);
+        if (n.op.is::<Placeholder>() || n.op.is::<Variable>()) && !feeds.contains_key(&n.name) {
+            let ty = &n.outputs()[0];
+            check_tensor_size(&n.name, n.op.name(), ty, DEFAULT_MAX_TENSOR_BYTES)?;
+            feeds.insert(n.name.clone(), seeded_tensor(&n.name, ty, seed));
+        }
+    }
+    Ok(feeds)
+}
+
+fn read_feeds(g: &Graph, path: &Path) -> Result<Feeds> {
+    let shown = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(io_err(&shown))?;
+    let v: Value =
+        serde_json::from_slice(&bytes).map_err(|e| CliError::Usage(format!("{shown}: not valid JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| CliError::Usage(format!("{shown}: feeds must be a JSON object of name -> values")))?;
+    let mut feeds = Feeds::new();
+    for (name, value) in obj {
+        let feed_err = |msg: String| ExecError::Feed {
+            name: name.clone(),
+            msg,
+        };
+        let id = g.find(name).ok_or_else(|| feed_err("no node of this name in the graph".into()))?;
+        let want = g.node(id).outputs()[0].clone();
+        let (shape, values) = match value {
+            Value::Object(o) => {
+                let shape = o
+                    .get("shape")
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<_>>>())
+                    .unwrap_or(Some(want.shape.clone()))
+                    .ok_or_else(|| feed_err("'shape' must be a list of non-negative integers".into()))?;
+                let mut flat = Vec::new();
+                flatten(o.get("values").unwrap_or(&Value::Null), &mut Vec::new(), 0, &mut flat)
+                    .map_err(feed_err)?;
+                (shape, flat)
+            }
+            nested => {
+                let mut shape = Vec::new();
+                let mut flat = Vec::new();
+                flatten(nested, &mut shape, 0, &mut flat).map_err(feed_err)?;
+                (shape, flat)
+            }
+        };
+        let t = Tensor::new(shape, Data::from_f64(want.dtype, values)).map_err(feed_err)?;
+        feeds.insert(name.clone(), t);
+    }
+    Ok(feeds)
+}
+
+/// Flattens nested JSON lists of numbers, recording the shape and checking it is regular.
+fn flatten(v: &Value, shape: &mut Vec<usize>, depth: usize, out: &mut Vec<f64>) -> std::result::Result<(), String> {
+    match v {
+        Value::Number(n) => {
+            if depth != shape.len() {
+                return Err("ragged nested lists".into());
+            }
+            out.push(n.as_f64().ok_or("number out of range")?);
+            Ok(())
+        }
+        Value::Bool(b) => {
+            out.push(if *b { 1.0 } else { 0.0 });
+            Ok(())
+        }
+        Value::Array(items) => {
+            if depth == shape.len() {
+                shape.push(items.len());
+            } else if shape.get(depth) != Some(&items.len()) {
+                return Err("ragged nested lists".into());
+            }
+            items.iter().try_for_each(|x| flatten(x, shape, depth + 1, out))
+        }
+        _ => Err("values must be numbers or nested lists of numbers".into()),
+    }
+}
+
+fn json_number(x: f64) -> Value {
+    if x.is_finite() {
+        Value::from(x)
+    } else {
+        Value::from(if x.is_nan() { "nan" } else if x > 0.0 { "inf" } else { "-inf" })
+    }
+}
+
+/// Up to this many values are printed in full in text mode; longer tensors show a summary.
+const TEXT_VALUES: usize = 64;
+
+fn print_outputs(g: &Graph, outputs: &[Tensor], json: bool, out: &mut dyn Write) -> Result<()> {
+    let names: Vec<String> = g.outputs().iter().map(|&p| g.port_name(p)).collect();
+    let text = if json {
+        let items: Vec<Value> = names
+            .iter()
+            .zip(outputs)
+            .map(|(name, t)| {
+                serde_json::json!({
+                    "name": name,
+                    "dtype": t.dtype().as_str(),
+                    "shape": t.shape(),
+                    "values": t.to_f64_vec().into_iter().map(json_number).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        format!("{}\n", serde_json::json!({ "outputs": items }))
+    } else {
+        let mut s = String::new();
+        for (name, t) in names.iter().zip(outputs) {
+            let v = t.to_f64_vec();
+            let shown: Vec<String> = v.iter().take(TEXT_VALUES).map(|x| format!("{x:.6}")).collect();
+            s.push_str(&format!("{name}: {}\n  [{}", t.ty(), shown.join(", ")));
+            if v.len() > TEXT_VALUES {
+                let finite: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+                let mean = finite.iter().sum::<f64>() / finite.len().max(1) as f64;
+                let min = finite.iter().copied().fold(f64::INFINITY, f64::min);
+                let max = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                s.push_str(&format!(
+                    ", ...] ({} values, {} non-finite; min {min:.6}, max {max:.6}, mean {mean:.6})\n",
+                    v.len(),
+                    v.len() - finite.len()
+                ));
+            } else {
+                s.push_str("]\n");
+            }
+        }
+        s
+    };
+    out.write_all(text.as_bytes()).map_err(io_err("<stdout>"))
+}
