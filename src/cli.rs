@@ -12,7 +12,10 @@ use ampgraph_exec::feeds::seeded_tensor;
 use ampgraph_exec::{check_tensor_size, CpuExecutor, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
 use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::ops::{Placeholder, Variable};
-use ampgraph_graph::{Data, Graph, GraphError, Tensor};
+use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
+use ampgraph_passes::amp::report::explain;
+use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
+use ampgraph_passes::PassError;
 
 #[derive(Debug, Error)]
 pub enum CliError {
@@ -20,6 +23,8 @@ pub enum CliError {
     Graph(#[from] GraphError),
     #[error(transparent)]
     Exec(#[from] ExecError),
+    #[error(transparent)]
+    Pass(#[from] PassError),
     #[error("{0}")]
     Usage(String),
     #[error("{path}: {source}")]
@@ -66,6 +71,32 @@ pub enum Command {
         #[arg(short, long)]
         output: PathBuf,
     },
+    /// Rewrite a graph: automatic mixed precision and other passes.
+    Rewrite {
+        graph: String,
+        /// Run the automatic mixed precision pass.
+        #[arg(long)]
+        amp: bool,
+        #[command(flatten)]
+        precision: PrecisionArgs,
+        /// Passes to run, comma-separated, in order (known: amp).
+        #[arg(long, value_delimiter = ',')]
+        passes: Vec<String>,
+        /// Where to write the result (.json or .bin); JSON on standard output otherwise.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Print the AMP summary, per-op counts and casts (to standard error when the
+        /// graph goes to standard output).
+        #[arg(long)]
+        report: bool,
+    },
+    /// Explain why NODE gets its precision under the AMP rewrite.
+    Explain {
+        graph: String,
+        node: String,
+        #[command(flatten)]
+        precision: PrecisionArgs,
+    },
     /// Run a graph and print every output.
     Run {
         graph: String,
@@ -83,8 +114,112 @@ pub enum Command {
     },
 }
 
+/// The target precision and lists of the AMP pass.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PrecisionArgs {
+    /// The 16-bit type to convert to.
+    #[arg(long, value_enum, default_value = "f16")]
+    dtype: HalfArg,
+    /// List profile (default, tensorflow) or a TOML list file.
+    #[arg(long, default_value = "default")]
+    lists: String,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum HalfArg {
+    F16,
+    Bf16,
+}
+
+impl PrecisionArgs {
+    /// The AMP settings these flags and the `AMPGRAPH_AMP_*` environment select.
+    pub fn config(&self) -> Result<AmpConfig> {
+        let target = match self.dtype {
+            HalfArg::F16 => DType::F16,
+            HalfArg::Bf16 => DType::BF16,
+        };
+        let mut config = match self.lists.as_str() {
+            "default" => AmpConfig::new(target)?,
+            profile if !profile.ends_with(".toml") => AmpConfig::with_profile(target, profile)?,
+            file => {
+                let mut c = AmpConfig::new(target)?;
+                c.lists = PrecisionLists::from_file(Path::new(file))?;
+                c
+            }
+        };
+        config.apply_vars(|k| std::env::var(k).ok())?;
+        Ok(config)
+    }
+}
+
+/// The passes named on the command line, in order; `--amp` puts AMP first.
+fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
+    let mut selected: Vec<&str> = names.iter().map(String::as_str).collect();
+    if amp && !selected.contains(&"amp") {
+        selected.insert(0, "amp");
+    }
+    if selected.is_empty() {
+        return Err(CliError::Usage("no passes selected: use --amp and/or --passes NAME[,NAME...]".into()));
+    }
+    match selected.iter().find(|n| !PASS_NAMES.contains(n)) {
+        Some(unknown) => Err(CliError::Usage(format!(
+            "unknown pass '{unknown}' (known: {})",
+            PASS_NAMES.join(", ")
+        ))),
+        None => Ok(selected),
+    }
+}
+
+/// Passes `rewrite --passes` knows.
+const PASS_NAMES: &[&str] = &["amp"];
+
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
+        Command::Rewrite {
+            graph,
+            amp,
+            precision,
+            passes,
+            output,
+            report,
+        } => {
+            let mut g = format::load(&graph)?;
+            let mut text = String::new();
+            for name in selected_passes(amp, &passes)? {
+                match name {
+                    // Run directly rather than through a PassManager to keep the full report.
+                    "amp" => {
+                        let amp_report = AutoMixedPrecision::new(precision.config()?).rewrite(&mut g)?;
+                        log::info!("{}", amp_report.summary());
+                        text.push_str(&amp_report.detailed());
+                    }
+                    other => unreachable!("selected_passes admits only known passes, not {other}"),
+                }
+            }
+            match &output {
+                Some(path) => {
+                    let fmt = if path.extension().is_some_and(|e| e == "bin") { DumpFormat::Bin } else { DumpFormat::Json };
+                    write_file(path, &render(&g, fmt)?)?;
+                    if report {
+                        out.write_all(text.as_bytes()).map_err(io_err("<stdout>"))?;
+                    }
+                }
+                None => {
+                    out.write_all(&render(&g, DumpFormat::Json)?).map_err(io_err("<stdout>"))?;
+                    if report {
+                        eprint!("{text}");
+                    }
+                }
+            }
+            Ok(())
+        }
+        Command::Explain { graph, node, precision } => {
+            let g = format::load(&graph)?;
+            let amp = AutoMixedPrecision::new(precision.config()?);
+            let painting = amp.analyze(&g)?;
+            let explanation = explain(&g, &painting, &amp.config, &node)?;
+            write!(out, "{explanation}").map_err(io_err("<stdout>"))
+        }
         Command::Dump { graph, format, output } => dump(&graph, format, output.as_deref(), out),
         Command::Convert { graph, output } => {
             let g = format::load(&graph)?;

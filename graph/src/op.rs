@@ -59,6 +59,45 @@ pub trait Op: fmt::Debug + Send + Sync + Any + OpClone {
     fn typed_inputs(&self, num_inputs: usize) -> Vec<usize> {
         (0..num_inputs).collect()
     }
+
+    /// The op's type parameters (TensorFlow's type attributes): groups of input slots
+    /// and output ports that always share one dtype. The first group is the node's
+    /// primary type, the one mixed precision changes. By default every input and
+    /// output share the [`typed_inputs`](Op::typed_inputs) type; an op whose other
+    /// inputs form a fixed-precision group (batch-norm statistics) overrides this.
+    fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
+        let typed = self.typed_inputs(num_inputs);
+        let rest: Vec<usize> = (0..num_inputs).filter(|i| !typed.contains(i)).collect();
+        let mut groups = vec![TypeGroup::new(typed, (0..num_outputs).collect())];
+        if !rest.is_empty() {
+            groups.push(TypeGroup::new(rest, vec![]).fixed());
+        }
+        groups
+    }
+}
+
+/// One type parameter of an op: the input slots and output ports it types.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TypeGroup {
+    pub inputs: Vec<usize>,
+    pub outputs: Vec<usize>,
+    /// Whether this type may become a 16-bit float (false for e.g. batch-norm statistics).
+    pub can_be_half: bool,
+}
+
+impl TypeGroup {
+    pub fn new(inputs: Vec<usize>, outputs: Vec<usize>) -> Self {
+        TypeGroup {
+            inputs,
+            outputs,
+            can_be_half: true,
+        }
+    }
+
+    pub fn fixed(mut self) -> Self {
+        self.can_be_half = false;
+        self
+    }
 }
 
 /// Cloning a boxed op; implemented for every `Op + Clone`.

@@ -1,1 +1,126 @@
-//! placeholder
+//! ampgraph-passes: graph rewrites.
+//!
+//! A rewrite is a [`Pass`]; a [`PassManager`] runs an ordered pipeline of them, times
+//! each, validates the graph between them (in tests and debug builds) and collects
+//! each pass's summary. The heart is [`amp::AutoMixedPrecision`].
+
+pub mod amp;
+
+use std::time::{Duration, Instant};
+
+use ampgraph_graph::{Graph, GraphError};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum PassError {
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    #[error("precision lists: {0}")]
+    Lists(String),
+    #[error("rewrite: {0}")]
+    Rewrite(String),
+    #[error("pass '{pass}' left an invalid graph: {source}")]
+    Invalid {
+        pass: &'static str,
+        #[source]
+        source: GraphError,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What a pass reports after it ran: a title and the lines of its summary.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PassSummary {
+    pub title: String,
+    pub lines: Vec<String>,
+}
+
+impl std::fmt::Display for PassSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{}", self.title)?;
+        for line in &self.lines {
+            writeln!(f, "{line}")?;
+        }
+        Ok(())
+    }
+}
+
+/// One graph rewrite.
+pub trait Pass {
+    /// The pass's name, as `ampgraph rewrite --passes` selects it.
+    fn name(&self) -> &'static str;
+
+    /// Rewrites `graph` in place and says what it did.
+    fn run(&self, graph: &mut Graph) -> Result<PassSummary, PassError>;
+}
+
+/// A pass's summary and how long it took.
+#[derive(Clone, Debug)]
+pub struct PassRecord {
+    pub pass: &'static str,
+    pub elapsed: Duration,
+    pub summary: PassSummary,
+}
+
+/// Runs passes in order.
+pub struct PassManager {
+    passes: Vec<Box<dyn Pass>>,
+    /// Validate the graph after every pass (on in debug builds and tests).
+    pub validate: bool,
+}
+
+impl Default for PassManager {
+    fn default() -> Self {
+        PassManager {
+            passes: Vec::new(),
+            validate: cfg!(debug_assertions),
+        }
+    }
+}
+
+impl PassManager {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn with(mut self, pass: impl Pass + 'static) -> Self {
+        self.passes.push(Box::new(pass));
+        self
+    }
+
+    pub fn push(&mut self, pass: Box<dyn Pass>) {
+        self.passes.push(pass);
+    }
+
+    pub fn names(&self) -> Vec<&'static str> {
+        self.passes.iter().map(|p| p.name()).collect()
+    }
+
+    /// Runs every pass; each summary also goes to the log at info level.
+    pub fn run(&self, graph: &mut Graph) -> Result<Vec<PassRecord>, PassError> {
+        let mut records = Vec::with_capacity(self.passes.len());
+        for pass in &self.passes {
+            let start = Instant::now();
+            let summary = pass.run(graph)?;
+            let elapsed = start.elapsed();
+            if self.validate {
+                graph.validate().map_err(|source| PassError::Invalid {
+                    pass: pass.name(),
+                    source,
+                })?;
+            }
+            log::info!("{summary}");
+            records.push(PassRecord {
+                pass: pass.name(),
+                elapsed,
+                summary,
+            });
+        }
+        Ok(records)
+    }
+}

@@ -2,7 +2,7 @@
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
-use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::tensor::{checked_numel, Data, ShapeDisplay, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -175,5 +175,12 @@ impl Op for Cast {
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [x] = fixed(inputs)?;
         Ok(vec![x.cast(self.to)])
+    }
+    /// The destination type comes first: it is what the node produces.
+    fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![], (0..num_outputs).collect()),
+            TypeGroup::new((0..num_inputs).collect(), vec![]),
+        ]
     }
 }

@@ -1,0 +1,105 @@
+//! Automatic mixed precision: TensorFlow Grappler's `auto_mixed_precision` rewrite.
+//!
+//! [`paint`] decides which tensors become 16-bit (f16 or bf16) from the op
+//! [`lists`]; [`rewrite`] inserts the casts; [`report`] summarises and explains.
+
+pub mod lists;
+pub mod paint;
+pub mod report;
+pub mod rewrite;
+
+use std::path::PathBuf;
+
+use ampgraph_graph::{DType, Graph};
+
+pub use lists::{ListClass, PrecisionLists};
+pub use paint::{Painting, Step};
+pub use report::{AmpReport, Explanation};
+pub use rewrite::RewriteStats;
+
+use crate::{Pass, PassError, PassSummary};
+
+/// Settings of the AMP pass; [`AmpConfig::from_env`] reads the `AMPGRAPH_AMP_*` overrides.
+#[derive(Clone, Debug)]
+pub struct AmpConfig {
+    /// F16 or BF16.
+    pub target: DType,
+    pub lists: PrecisionLists,
+    /// Where to dump the graph before and after the rewrite (JSON, DOT, SVG).
+    pub log_path: Option<PathBuf>,
+}
+
+impl AmpConfig {
+    /// ampgraph's own lists for the target: `default_fp16` or `default_bf16`.
+    pub fn new(target: DType) -> Result<Self, PassError> {
+        let profile = if target == DType::BF16 { "default_bf16" } else { "default_fp16" };
+        Self::with_profile(target, profile)
+    }
+
+    pub fn with_profile(target: DType, profile: &str) -> Result<Self, PassError> {
+        if !target.is_half() {
+            return Err(PassError::Lists(format!("the AMP target must be f16 or bf16, not {target}")));
+        }
+        Ok(AmpConfig {
+            target,
+            lists: PrecisionLists::profile(profile)?,
+            log_path: None,
+        })
+    }
+
+    /// Applies the environment overrides (`AMPGRAPH_AMP_*LIST_ADD/_REMOVE`,
+    /// `AMPGRAPH_AMP_LOG_PATH`), as TensorFlow users know them.
+    pub fn from_env(mut self) -> Result<Self, PassError> {
+        self.apply_vars(|k| std::env::var(k).ok())?;
+        Ok(self)
+    }
+
+    /// Same as [`from_env`](Self::from_env), with the variables looked up through `var`.
+    pub fn apply_vars(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), PassError> {
+        self.lists.apply_overrides(&var)?;
+        if let Some(dir) = var("AMPGRAPH_AMP_LOG_PATH").filter(|d| !d.is_empty()) {
+            self.log_path = Some(PathBuf::from(dir));
+        }
+        Ok(())
+    }
+}
+
+/// The AMP pass.
+#[derive(Clone, Debug)]
+pub struct AutoMixedPrecision {
+    pub config: AmpConfig,
+}
+
+impl AutoMixedPrecision {
+    pub fn new(config: AmpConfig) -> Self {
+        AutoMixedPrecision { config }
+    }
+
+    /// Decides every node's precision without changing the graph.
+    pub fn analyze(&self, graph: &Graph) -> Result<Painting, PassError> {
+        Painting::paint(graph, &self.config.lists)
+    }
+
+    /// Rewrites `graph` and returns the full report (decisions, counts, reasons).
+    pub fn rewrite(&self, graph: &mut Graph) -> Result<AmpReport, PassError> {
+        let before = self.config.log_path.as_ref().map(|_| graph.clone());
+        let painting = self.analyze(graph)?;
+        let report_base = AmpReport::decisions(graph, &painting, &self.config);
+        let stats = rewrite::apply(graph, &painting, self.config.target)?;
+        let report = report_base.with_stats(stats);
+        if let (Some(dir), Some(before)) = (&self.config.log_path, before) {
+            report::dump(dir, &before, graph, &report)?;
+        }
+        Ok(report)
+    }
+}
+
+impl Pass for AutoMixedPrecision {
+    fn name(&self) -> &'static str {
+        "amp"
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<PassSummary, PassError> {
+        Ok(self.rewrite(graph)?.summary())
+    }
+}

@@ -1,0 +1,111 @@
+//! Turning a painting into a graph: casts at precision boundaries only, one per
+//! (tensor, target dtype) shared by every consumer; f32 Consts feeding f16 become f16
+//! Consts instead of being cast at run time.
+
+use ampgraph_graph::ops::{Cast, Const};
+use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor};
+
+use super::paint::{is_const_or_variable, Painting};
+use crate::PassError;
+
+/// What the rewrite did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RewriteStats {
+    /// Nodes whose type changed to the 16-bit target.
+    pub nodes_converted: usize,
+    /// Casts to the 16-bit target from anything but a Const or Variable (TensorFlow's count).
+    pub casts_to_half: usize,
+    /// Casts to the 16-bit target of Variables (master weights cast per use).
+    pub variable_casts: usize,
+    /// Casts back to f32.
+    pub casts_to_f32: usize,
+    /// Consts stored in the 16-bit type instead of being cast.
+    pub consts_folded: usize,
+    /// Inserted nodes, in insertion order.
+    pub inserted: Vec<NodeId>,
+}
+
+fn cast_suffix(to: DType) -> &'static str {
+    match to {
+        DType::F16 => "CastToFp16",
+        DType::BF16 => "CastToBf16",
+        _ => "CastToFp32",
+    }
+}
+
+/// Applies `p` to `g`, converting allow vertices to `target`.
+pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<RewriteStats, PassError> {
+    let mut stats = RewriteStats::default();
+    let outputs: Vec<Port> = g.outputs().to_vec();
+    for v in 0..p.len() {
+        if !p.is_f32[v] {
+            continue;
+        }
+        let id = p.node[v];
+        let src_allow = p.allow[v];
+        if src_allow && p.primary(id) as usize == v {
+            stats.nodes_converted += 1;
+        }
+        for &port_index in &p.group[v].outputs {
+            let port = Port::new(id, port_index);
+            let consumers = g.port_consumers(port);
+            let mismatched: Vec<(NodeId, usize)> = consumers
+                .iter()
+                .copied()
+                .filter(|&(d, slot)| p.input_vertex(d, slot).is_some_and(|dv| p.allow[dv as usize] != src_allow))
+                .collect();
+            if mismatched.is_empty() {
+                continue;
+            }
+            let to = if src_allow { DType::F32 } else { target };
+            let const_values = g.node(id).op.downcast_ref::<Const>().cloned();
+            if let (Some(c), true) = (&const_values, to == target) {
+                let whole = mismatched.len() == consumers.len() && !outputs.contains(&port);
+                let rounded = Const::new(const_tensor(c)?.cast(target));
+                stats.consts_folded += 1;
+                if whole {
+                    // Every reader wants the 16-bit value: store it that way.
+                    g.set_op(id, Box::new(rounded));
+                    continue;
+                }
+                let name = g.fresh_name(&format!("{}-{port_index}-{}", g.node(id).name, cast_suffix(to)));
+                let new = g.add_node(name, Box::new(rounded), &[])?;
+                stats.inserted.push(new);
+                rewire(g, &mismatched, Port::new(new, 0))?;
+                continue;
+            }
+            let name = g.fresh_name(&format!("{}-{port_index}-{}-AutoMixedPrecision", g.node(id).name, cast_suffix(to)));
+            let cast = g.add_node(name, Box::new(Cast { to }), &[port])?;
+            stats.inserted.push(cast);
+            rewire(g, &mismatched, Port::new(cast, 0))?;
+            if to == DType::F32 {
+                stats.casts_to_f32 += 1;
+            } else if is_const_or_variable(g, id) {
+                stats.variable_casts += 1;
+            } else {
+                stats.casts_to_half += 1;
+            }
+        }
+    }
+    // Existing Casts to f32 whose readers are all f16 now cast to f16 directly.
+    for v in 0..p.len() {
+        if p.step[v] == super::paint::Step::CastToHalf {
+            g.set_op(p.node[v], Box::new(Cast { to: target }));
+        }
+    }
+    g.infer_types()?;
+    Ok(stats)
+}
+
+fn const_tensor(c: &Const) -> Result<Tensor, PassError> {
+    use ampgraph_graph::Op;
+    let mut values = c.eval(&[]).map_err(PassError::Rewrite)?;
+    values.pop().ok_or_else(|| PassError::Rewrite("a Const produced no value".into()))
+}
+
+fn rewire(g: &mut Graph, readers: &[(NodeId, usize)], to: Port) -> Result<(), PassError> {
+    for &(d, slot) in readers {
+        g.set_input(d, slot, to)?;
+    }
+    Ok(())
+}
