@@ -37,6 +37,12 @@ fn cast_suffix(to: DType) -> &'static str {
 pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<RewriteStats, PassError> {
     let mut stats = RewriteStats::default();
     let outputs: Vec<Port> = g.outputs().to_vec();
+    // Existing Casts to f32 whose readers are all f16 now cast to f16 directly.
+    for v in 0..p.len() {
+        if p.step[v] == super::paint::Step::CastToHalf {
+            g.set_op(p.node[v], Box::new(Cast { to: target }));
+        }
+    }
     for v in 0..p.len() {
         if !p.is_f32[v] {
             continue;
@@ -49,10 +55,12 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
         for &port_index in &p.group[v].outputs {
             let port = Port::new(id, port_index);
             let consumers = g.port_consumers(port);
+            // A Cast reader converts whatever it reads: it needs no cast in front.
             let mismatched: Vec<(NodeId, usize)> = consumers
                 .iter()
                 .copied()
                 .filter(|&(d, slot)| p.input_vertex(d, slot).is_some_and(|dv| p.allow[dv as usize] != src_allow))
+                .filter(|&(d, _)| !g.node(d).op.is::<Cast>())
                 .collect();
             if mismatched.is_empty() {
                 continue;
@@ -74,8 +82,23 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
                 rewire(g, &mismatched, Port::new(new, 0))?;
                 continue;
             }
+            // Never a cast of a float cast: convert what the existing Cast reads, or read
+            // it directly when it already has the wanted type.
+            let source = cast_source(g, port);
+            if source != port && g.ty(source).dtype == to {
+                rewire(g, &mismatched, source)?;
+                continue;
+            }
+            // One cast per (tensor, dtype): reuse a Cast the graph already has.
+            let existing = g.port_consumers(source).into_iter().find(|&(d, _)| {
+                g.node(d).op.downcast_ref::<Cast>().is_some_and(|c| c.to == to)
+            });
+            if let Some((cast, _)) = existing {
+                rewire(g, &mismatched, Port::new(cast, 0))?;
+                continue;
+            }
             let name = g.fresh_name(&format!("{}-{port_index}-{}-AutoMixedPrecision", g.node(id).name, cast_suffix(to)));
-            let cast = g.add_node(name, Box::new(Cast { to }), &[port])?;
+            let cast = g.add_node(name, Box::new(Cast { to }), &[source])?;
             stats.inserted.push(cast);
             rewire(g, &mismatched, Port::new(cast, 0))?;
             if to == DType::F32 {
@@ -87,12 +110,6 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             }
         }
     }
-    // Existing Casts to f32 whose readers are all f16 now cast to f16 directly.
-    for v in 0..p.len() {
-        if p.step[v] == super::paint::Step::CastToHalf {
-            g.set_op(p.node[v], Box::new(Cast { to: target }));
-        }
-    }
     g.infer_types()?;
     Ok(stats)
 }
@@ -101,6 +118,19 @@ fn const_tensor(c: &Const) -> Result<Tensor, PassError> {
     use ampgraph_graph::Op;
     let mut values = c.eval(&[]).map_err(PassError::Rewrite)?;
     values.pop().ok_or_else(|| PassError::Rewrite("a Const produced no value".into()))
+}
+
+/// The tensor a chain of float-to-float Casts ending at `port` starts from. (A cast
+/// from an integer type changes values, so the chain stops there.)
+fn cast_source(g: &Graph, mut port: Port) -> Port {
+    while g.node(port.node).op.is::<Cast>() {
+        let input = g.inputs(port.node)[0];
+        if !g.ty(input).dtype.is_float() {
+            break;
+        }
+        port = input;
+    }
+    port
 }
 
 fn rewire(g: &mut Graph, readers: &[(NodeId, usize)], to: Port) -> Result<(), PassError> {
