@@ -3,8 +3,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use petgraph::stable_graph::{EdgeIndex, NodeIndex, StableDiGraph};
-use petgraph::visit::EdgeRef;
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::{EdgeRef, IntoEdgeReferences};
 use petgraph::Direction;
 
 use crate::error::{GraphError, Result};
@@ -194,7 +194,8 @@ impl Graph {
         if !self.names.contains_key(stem) {
             return stem.to_string();
         }
-        (1..)
+        // Start at the node count so that naming many nodes stays linear.
+        (self.len()..)
             .map(|i| format!("{stem}_{i}"))
             .find(|n| !self.names.contains_key(n))
             .expect("an unused name exists")
@@ -395,28 +396,49 @@ impl Graph {
         Ok(())
     }
 
-    /// Points input `slot` of `consumer` at `to`, then re-infers the consumer's types.
-    /// Callers rewriting many edges call [`Graph::infer_types`] once at the end instead.
+    /// Points input `slot` of `consumer` at `to`. Types are re-inferred by the caller
+    /// ([`Graph::infer_types`]); many edges are rewired in one [`Graph::rewire`].
     pub fn set_input(&mut self, consumer: NodeId, slot: usize, to: Port) -> Result<()> {
-        self.check_port(to)?;
-        let edge: Option<EdgeIndex> = self
+        self.rewire(&HashMap::from([((consumer, slot), to)]))
+    }
+
+    /// Points each (consumer, slot) of `changes` at its new port, in one linear pass:
+    /// petgraph unlinks a removed edge by walking its producer's edge list, so edge
+    /// by edge this would be quadratic in a producer's fan-out.
+    pub fn rewire(&mut self, changes: &HashMap<(NodeId, usize), Port>) -> Result<()> {
+        for (&(consumer, slot), &to) in changes {
+            self.check_port(to)?;
+            let has_slot = self
+                .dag
+                .edges_directed(consumer, Direction::Incoming)
+                .any(|e| e.weight().to_slot == slot);
+            if !has_slot {
+                let n = &self.dag[consumer];
+                return Err(GraphError::node(&n.name, n.op.name(), format!("has no input {slot}")));
+            }
+        }
+        let edges: Vec<(NodeId, NodeId, Edge)> = self
             .dag
-            .edges_directed(consumer, Direction::Incoming)
-            .find(|e| e.weight().to_slot == slot)
-            .map(|e| e.id());
-        let edge = edge.ok_or_else(|| {
-            let n = &self.dag[consumer];
-            GraphError::node(&n.name, n.op.name(), format!("has no input {slot}"))
-        })?;
-        self.dag.remove_edge(edge);
-        self.dag.add_edge(
-            to.node,
-            consumer,
-            Edge {
-                from_port: to.index,
-                to_slot: slot,
-            },
-        );
+            .edge_references()
+            .map(|e| {
+                let w = *e.weight();
+                match changes.get(&(e.target(), w.to_slot)) {
+                    Some(to) => (
+                        to.node,
+                        e.target(),
+                        Edge {
+                            from_port: to.index,
+                            to_slot: w.to_slot,
+                        },
+                    ),
+                    None => (e.source(), e.target(), w),
+                }
+            })
+            .collect();
+        self.dag.clear_edges();
+        for (a, b, w) in edges {
+            self.dag.add_edge(a, b, w);
+        }
         Ok(())
     }
 

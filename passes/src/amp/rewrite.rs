@@ -2,6 +2,8 @@
 //! (tensor, target dtype) shared by every consumer; f32 Consts feeding f16 become f16
 //! Consts instead of being cast at run time.
 
+use std::collections::HashMap;
+
 use ampgraph_graph::ops::{Cast, Const};
 use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor};
 
@@ -37,6 +39,8 @@ fn cast_suffix(to: DType) -> &'static str {
 pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<RewriteStats, PassError> {
     let mut stats = RewriteStats::default();
     let outputs: Vec<Port> = g.outputs().to_vec();
+    // Rewiring happens in one batch at the end (see Graph::rewire).
+    let mut changes: HashMap<(NodeId, usize), Port> = HashMap::new();
     // Existing Casts to f32 whose readers are all f16 now cast to f16 directly.
     for v in 0..p.len() {
         if p.step[v] == super::paint::Step::CastToHalf {
@@ -79,14 +83,14 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
                 let name = g.fresh_name(&format!("{}-{port_index}-{}", g.node(id).name, cast_suffix(to)));
                 let new = g.add_node(name, Box::new(rounded), &[])?;
                 stats.inserted.push(new);
-                rewire(g, &mismatched, Port::new(new, 0))?;
+                rewire(&mut changes, &mismatched, Port::new(new, 0));
                 continue;
             }
             // Never a cast of a float cast: convert what the existing Cast reads, or read
             // it directly when it already has the wanted type.
             let source = cast_source(g, port);
             if source != port && g.ty(source).dtype == to {
-                rewire(g, &mismatched, source)?;
+                rewire(&mut changes, &mismatched, source);
                 continue;
             }
             // One cast per (tensor, dtype): reuse a Cast the graph already has.
@@ -94,13 +98,13 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
                 g.node(d).op.downcast_ref::<Cast>().is_some_and(|c| c.to == to)
             });
             if let Some((cast, _)) = existing {
-                rewire(g, &mismatched, Port::new(cast, 0))?;
+                rewire(&mut changes, &mismatched, Port::new(cast, 0));
                 continue;
             }
             let name = g.fresh_name(&format!("{}-{port_index}-{}-AutoMixedPrecision", g.node(id).name, cast_suffix(to)));
             let cast = g.add_node(name, Box::new(Cast { to }), &[source])?;
             stats.inserted.push(cast);
-            rewire(g, &mismatched, Port::new(cast, 0))?;
+            rewire(&mut changes, &mismatched, Port::new(cast, 0));
             if to == DType::F32 {
                 stats.casts_to_f32 += 1;
             } else if is_const_or_variable(g, id) {
@@ -110,6 +114,7 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             }
         }
     }
+    g.rewire(&changes)?;
     g.infer_types()?;
     Ok(stats)
 }
@@ -133,9 +138,8 @@ fn cast_source(g: &Graph, mut port: Port) -> Port {
     port
 }
 
-fn rewire(g: &mut Graph, readers: &[(NodeId, usize)], to: Port) -> Result<(), PassError> {
+fn rewire(changes: &mut HashMap<(NodeId, usize), Port>, readers: &[(NodeId, usize)], to: Port) {
     for &(d, slot) in readers {
-        g.set_input(d, slot, to)?;
+        changes.insert((d, slot), to);
     }
-    Ok(())
 }
