@@ -396,17 +396,18 @@ impl Graph {
         Ok(())
     }
 
-    /// Points input `slot` of `consumer` at `to`. Types are re-inferred by the caller
-    /// ([`Graph::infer_types`]); many edges are rewired in one [`Graph::rewire`].
+    /// Points input `slot` of `consumer` at `to`. Types are re-inferred by the caller;
+    /// many edges are rewired in one [`Graph::rewire`].
     pub fn set_input(&mut self, consumer: NodeId, slot: usize, to: Port) -> Result<()> {
-        self.rewire(&HashMap::from([((consumer, slot), to)]))
+        self.rewire(vec![(consumer, slot, to)])
     }
 
     /// Points each (consumer, slot) of `changes` at its new port, in one linear pass:
     /// petgraph unlinks a removed edge by walking its producer's edge list, so edge
     /// by edge this would be quadratic in a producer's fan-out.
-    pub fn rewire(&mut self, changes: &HashMap<(NodeId, usize), Port>) -> Result<()> {
-        for (&(consumer, slot), &to) in changes {
+    pub fn rewire(&mut self, mut changes: Vec<(NodeId, usize, Port)>) -> Result<()> {
+        changes.sort_unstable_by_key(|&(n, slot, _)| (n, slot));
+        for &(consumer, slot, to) in &changes {
             self.check_port(to)?;
             let has_slot = self
                 .dag
@@ -422,16 +423,17 @@ impl Graph {
             .edge_references()
             .map(|e| {
                 let w = *e.weight();
-                match changes.get(&(e.target(), w.to_slot)) {
-                    Some(to) => (
-                        to.node,
-                        e.target(),
-                        Edge {
+                let key = (e.target(), w.to_slot);
+                match changes.binary_search_by_key(&key, |&(n, slot, _)| (n, slot)) {
+                    Ok(i) => {
+                        let to = changes[i].2;
+                        let moved = Edge {
                             from_port: to.index,
                             to_slot: w.to_slot,
-                        },
-                    ),
-                    None => (e.source(), e.target(), w),
+                        };
+                        (to.node, e.target(), moved)
+                    }
+                    Err(_) => (e.source(), e.target(), w),
                 }
             })
             .collect();

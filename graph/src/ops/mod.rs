@@ -1,13 +1,25 @@
 //! Every operation of the IR, one file per family, and the registry that builds an op
 //! from its name and attributes.
 
+pub mod conv;
 pub mod elementwise;
+pub mod linalg;
+pub mod norm;
+pub mod reduce;
+pub mod shape_ops;
+pub mod softmax;
 pub mod source;
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::op::{Op, OpEntry, OpResult};
 
+pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
+pub use linalg::{BatchMatMul, MatMul};
+pub use norm::{BatchNorm, LayerNorm};
+pub use reduce::{Reduce, ReduceKind};
+pub use shape_ops::{Concat, Reshape, Transpose};
+pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
 pub use source::{Cast, Const, Placeholder, Variable};
 
 /// All op families' registry rows.
@@ -16,6 +28,12 @@ const FAMILIES: &[&[OpEntry]] = &[
     elementwise::UNARY_OPS,
     elementwise::BINARY_OPS,
     elementwise::OTHER_OPS,
+    linalg::OPS,
+    conv::OPS,
+    norm::OPS,
+    reduce::OPS,
+    softmax::OPS,
+    shape_ops::OPS,
 ];
 
 /// Every op name the IR knows.

@@ -2,8 +2,6 @@
 //! (tensor, target dtype) shared by every consumer; f32 Consts feeding f16 become f16
 //! Consts instead of being cast at run time.
 
-use std::collections::HashMap;
-
 use ampgraph_graph::ops::{Cast, Const};
 use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor};
 
@@ -40,7 +38,7 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
     let mut stats = RewriteStats::default();
     let outputs: Vec<Port> = g.outputs().to_vec();
     // Rewiring happens in one batch at the end (see Graph::rewire).
-    let mut changes: HashMap<(NodeId, usize), Port> = HashMap::new();
+    let mut changes: Vec<(NodeId, usize, Port)> = Vec::new();
     // Existing Casts to f32 whose readers are all f16 now cast to f16 directly.
     for v in 0..p.len() {
         if p.step[v] == super::paint::Step::CastToHalf {
@@ -89,7 +87,7 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             // Never a cast of a float cast: convert what the existing Cast reads, or read
             // it directly when it already has the wanted type.
             let source = cast_source(g, port);
-            if source != port && g.ty(source).dtype == to {
+            if source != port && final_dtype(g, p, source, target) == to {
                 rewire(&mut changes, &mismatched, source);
                 continue;
             }
@@ -114,7 +112,7 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             }
         }
     }
-    g.rewire(&changes)?;
+    g.rewire(changes)?;
     g.infer_types()?;
     Ok(stats)
 }
@@ -123,6 +121,18 @@ fn const_tensor(c: &Const) -> Result<Tensor, PassError> {
     use ampgraph_graph::Op;
     let mut values = c.eval(&[]).map_err(PassError::Rewrite)?;
     values.pop().ok_or_else(|| PassError::Rewrite("a Const produced no value".into()))
+}
+
+/// The dtype `port` will have once the rewrite is done (types are re-inferred last).
+fn final_dtype(g: &Graph, p: &Painting, port: Port, target: DType) -> DType {
+    let converted = p
+        .output_vertex(port.node, port.index)
+        .is_some_and(|v| p.allow[v as usize] && p.is_f32[v as usize]);
+    if converted {
+        target
+    } else {
+        g.ty(port).dtype
+    }
 }
 
 /// The tensor a chain of float-to-float Casts ending at `port` starts from. (A cast
@@ -138,8 +148,6 @@ fn cast_source(g: &Graph, mut port: Port) -> Port {
     port
 }
 
-fn rewire(changes: &mut HashMap<(NodeId, usize), Port>, readers: &[(NodeId, usize)], to: Port) {
-    for &(d, slot) in readers {
-        changes.insert((d, slot), to);
-    }
+fn rewire(changes: &mut Vec<(NodeId, usize, Port)>, readers: &[(NodeId, usize)], to: Port) {
+    changes.extend(readers.iter().map(|&(d, slot)| (d, slot, to)));
 }

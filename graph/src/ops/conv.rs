@@ -1,0 +1,564 @@
+//! Convolution and pooling over 2-D images (NHWC or NCHW), TensorFlow's semantics.
+//!
+//! Conv2D lowers to im2col + one `gemm` per group of images, in the kernel's compute
+//! type; the filter is HWIO (`[kh, kw, cin, cout]`), whose row-major layout is already
+//! the `[kh*kw*cin, cout]` matrix the product needs.
+
+use rayon::prelude::*;
+
+use crate::attrs::{AttrReader, AttrValue};
+use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::ops::linalg::{gemm_into, MatView};
+use crate::ops::{DataFormat, Padding};
+use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
+
+pub(crate) const OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "Conv2D",
+        parse: |_, a| {
+            Ok(Box::new(Conv2D {
+                strides: a.pair("strides", Some([1, 1]))?,
+                padding: Padding::read(a)?,
+                data_format: DataFormat::read(a)?,
+            }))
+        },
+    },
+    OpEntry {
+        name: "MaxPool",
+        parse: |_, a| {
+            let (ksize, strides, padding, data_format) = read_pool_attrs(a)?;
+            Ok(Box::new(MaxPool {
+                ksize,
+                strides,
+                padding,
+                data_format,
+            }))
+        },
+    },
+    OpEntry {
+        name: "AvgPool",
+        parse: |_, a| {
+            let (ksize, strides, padding, data_format) = read_pool_attrs(a)?;
+            Ok(Box::new(AvgPool {
+                ksize,
+                strides,
+                padding,
+                data_format,
+            }))
+        },
+    },
+];
+
+type PoolAttrs = ([usize; 2], [usize; 2], Padding, DataFormat);
+
+fn read_pool_attrs(a: &mut AttrReader) -> OpResult<PoolAttrs> {
+    Ok((
+        a.pair("ksize", None)?,
+        a.pair("strides", None)?,
+        Padding::read(a)?,
+        DataFormat::read(a)?,
+    ))
+}
+
+/// im2col buffers hold at most about this many elements; larger batches are split.
+const COLS_BUDGET: usize = 1 << 23;
+
+fn pair_attr(v: [usize; 2]) -> AttrValue {
+    AttrValue::Ints(v.iter().map(|&d| d as i64).collect())
+}
+
+fn check_pair(what: &str, v: [usize; 2]) -> OpResult<()> {
+    if v.iter().all(|&d| d > 0) {
+        Ok(())
+    } else {
+        Err(format!("{what} must be two positive integers, got {v:?}"))
+    }
+}
+
+/// An image tensor's dimensions and element strides, whatever its layout.
+#[derive(Clone, Copy, Debug)]
+struct Image {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    /// Strides of (image, channel, row, column).
+    sn: usize,
+    sc: usize,
+    sy: usize,
+    sx: usize,
+}
+
+impl Image {
+    fn new(format: DataFormat, n: usize, c: usize, h: usize, w: usize) -> Image {
+        match format {
+            DataFormat::Nhwc => Image {
+                n,
+                c,
+                h,
+                w,
+                sn: h * w * c,
+                sc: 1,
+                sy: w * c,
+                sx: c,
+            },
+            DataFormat::Nchw => Image {
+                n,
+                c,
+                h,
+                w,
+                sn: c * h * w,
+                sc: h * w,
+                sy: w,
+                sx: 1,
+            },
+        }
+    }
+
+    fn from_shape(format: DataFormat, what: &str, shape: &[usize]) -> OpResult<Image> {
+        let &[d0, d1, d2, d3] = shape else {
+            return Err(format!(
+                "{what} must have rank 4 ({}), got {}",
+                layout_name(format),
+                ShapeDisplay(shape)
+            ));
+        };
+        Ok(match format {
+            DataFormat::Nhwc => Image::new(format, d0, d3, d1, d2),
+            DataFormat::Nchw => Image::new(format, d0, d1, d2, d3),
+        })
+    }
+
+    fn shape(&self, format: DataFormat) -> Vec<usize> {
+        match format {
+            DataFormat::Nhwc => vec![self.n, self.h, self.w, self.c],
+            DataFormat::Nchw => vec![self.n, self.c, self.h, self.w],
+        }
+    }
+
+    fn per_image(&self) -> usize {
+        self.c * self.h * self.w
+    }
+}
+
+fn layout_name(f: DataFormat) -> &'static str {
+    match f {
+        DataFormat::Nhwc => "NHWC",
+        DataFormat::Nchw => "NCHW",
+    }
+}
+
+/// Where the windows of one spatial axis go: output length and padding before.
+#[derive(Clone, Copy, Debug)]
+struct Axis {
+    out: usize,
+    pad: usize,
+    window: usize,
+    stride: usize,
+    len: usize,
+}
+
+impl Axis {
+    fn new(padding: Padding, len: usize, window: usize, stride: usize) -> OpResult<Axis> {
+        let (out, pad) = padding.output_len(len, window, stride)?;
+        Ok(Axis {
+            out,
+            pad,
+            window,
+            stride,
+            len,
+        })
+    }
+
+    /// The in-bounds input range of output position `o`'s window, and the window
+    /// offset of its first element.
+    fn range(&self, o: usize) -> (usize, usize, usize) {
+        let start = (o * self.stride) as isize - self.pad as isize;
+        let lo = start.max(0) as usize;
+        let hi = (start + self.window as isize).clamp(0, self.len as isize) as usize;
+        (lo, hi.max(lo), (lo as isize - start) as usize)
+    }
+}
+
+/// 2-D convolution (cross-correlation, as TensorFlow) of `x` with an HWIO filter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conv2D {
+    pub strides: [usize; 2],
+    pub padding: Padding,
+    pub data_format: DataFormat,
+}
+
+/// The shape facts of one convolution.
+struct ConvDims {
+    x: Image,
+    y: Image,
+    rows: Axis,
+    cols: Axis,
+    kh: usize,
+    kw: usize,
+}
+
+impl Conv2D {
+    pub fn new(strides: [usize; 2], padding: Padding, data_format: DataFormat) -> Self {
+        Conv2D {
+            strides,
+            padding,
+            data_format,
+        }
+    }
+
+    fn dims(&self, x: &[usize], filter: &[usize]) -> OpResult<ConvDims> {
+        check_pair("strides", self.strides)?;
+        let xi = Image::from_shape(self.data_format, "x", x)?;
+        let &[kh, kw, cin, cout] = filter else {
+            return Err(format!(
+                "filter must have rank 4 (HWIO: [height, width, in_channels, out_channels]), got {}",
+                ShapeDisplay(filter)
+            ));
+        };
+        if cin != xi.c {
+            return Err(format!(
+                "x {} ({}) has {} channels but the filter {} expects {cin} input channels",
+                ShapeDisplay(x),
+                layout_name(self.data_format),
+                xi.c,
+                ShapeDisplay(filter)
+            ));
+        }
+        if kh == 0 || kw == 0 {
+            return Err(format!(
+                "filter {} has an empty window",
+                ShapeDisplay(filter)
+            ));
+        }
+        let rows = Axis::new(self.padding, xi.h, kh, self.strides[0])
+            .map_err(|e| format!("height: {e}"))?;
+        let cols = Axis::new(self.padding, xi.w, kw, self.strides[1])
+            .map_err(|e| format!("width: {e}"))?;
+        let y = Image::new(self.data_format, xi.n, cout, rows.out, cols.out);
+        Ok(ConvDims {
+            x: xi,
+            y,
+            rows,
+            cols,
+            kh,
+            kw,
+        })
+    }
+}
+
+/// Fills `cols` (one row of R = kh*kw*cin values per output position, from output
+/// position `first` counted over the whole batch in (image, oy, ox) order) with the
+/// input patches, zeros where the window leaves the image.
+fn im2col<T: Real>(d: &ConvDims, x: &[T], first: usize, cols: &mut [T]) {
+    let r = d.kh * d.kw * d.x.c;
+    let per_image = d.rows.out * d.cols.out;
+    cols.par_chunks_mut(r).enumerate().for_each(|(p, row)| {
+        let img = (first + p) / per_image;
+        let q = (first + p) % per_image;
+        let (oy, ox) = (q / d.cols.out, q % d.cols.out);
+        row.iter_mut().for_each(|v| *v = T::zero());
+        let (y0, y1, ky0) = d.rows.range(oy);
+        let (x0, x1, kx0) = d.cols.range(ox);
+        let base = img * d.x.sn;
+        for (ky, iy) in (ky0..).zip(y0..y1) {
+            for (kx, ix) in (kx0..).zip(x0..x1) {
+                let src = base + iy * d.x.sy + ix * d.x.sx;
+                let dst = &mut row[(ky * d.kw + kx) * d.x.c..][..d.x.c];
+                if d.x.sc == 1 {
+                    dst.copy_from_slice(&x[src..src + d.x.c]);
+                } else {
+                    for (ci, v) in dst.iter_mut().enumerate() {
+                        *v = x[src + ci * d.x.sc];
+                    }
+                }
+            }
+        }
+    });
+}
+
+impl FloatKernel for Conv2D {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x, filter] = fixed(inputs)?;
+        let d = self.dims(x.shape(), filter.shape())?;
+        let shape = d.y.shape(self.data_format);
+        let total = checked_numel(&shape).ok_or("the output shape overflows")?;
+        let mut out = vec![T::zero(); total];
+        let r = d.kh * d.kw * d.x.c;
+        let cout = d.y.c;
+        let per_image = d.rows.out * d.cols.out;
+        if total == 0 || r == 0 {
+            return Ok(vec![(shape, out)]);
+        }
+        let (xv, fv) = (T::read(x), T::read(filter));
+        let filter_mat = MatView::dense(&fv, cout, false);
+        let pointwise = d.kh == 1 && d.kw == 1 && self.strides == [1, 1];
+        match self.data_format {
+            DataFormat::Nhwc if pointwise => {
+                // A 1x1 convolution of an NHWC batch is one product with the pixels.
+                let m = d.x.n * per_image;
+                let lhs = MatView::dense(&xv, r, false);
+                gemm_into(m, cout, r, &mut out, lhs, filter_mat, true)?;
+            }
+            DataFormat::Nhwc => {
+                // Output rows (image, oy, ox) are contiguous: each block of rows is
+                // one product [rows, R] x [R, cout].
+                let block = (COLS_BUDGET / r).clamp(1, d.x.n * per_image);
+                let mut cols = vec![T::zero(); block * r];
+                for (bi, dst) in out.chunks_mut(block * cout).enumerate() {
+                    let m = dst.len() / cout;
+                    let cols = &mut cols[..m * r];
+                    im2col(&d, &xv, bi * block, cols);
+                    let lhs = MatView::dense(cols, r, false);
+                    gemm_into(m, cout, r, dst, lhs, filter_mat, true)?;
+                }
+            }
+            DataFormat::Nchw if per_image.saturating_mul(r) <= COLS_BUDGET => {
+                // Per image: out [cout, P] = filter^T [cout, R] x cols^T [R, P].
+                let mut cols = vec![T::zero(); per_image * r];
+                let lhs = MatView {
+                    data: &fv,
+                    rs: 1,
+                    cs: cout,
+                };
+                for (img, dst) in out.chunks_mut(cout * per_image).enumerate() {
+                    im2col(&d, &xv, img * per_image, &mut cols);
+                    let rhs = MatView {
+                        data: &cols,
+                        rs: 1,
+                        cs: r,
+                    };
+                    gemm_into(cout, per_image, r, dst, lhs, rhs, true)?;
+                }
+            }
+            DataFormat::Nchw => {
+                // Images too large for one im2col buffer: blocks of output positions
+                // as for NHWC, scattered into the channel planes.
+                let rows = d.x.n * per_image;
+                let block = (COLS_BUDGET / r).clamp(1, rows);
+                let mut cols = vec![T::zero(); block * r];
+                let mut tmp = vec![T::zero(); block * cout];
+                for first in (0..rows).step_by(block) {
+                    let m = block.min(rows - first);
+                    let (cols, tmp) = (&mut cols[..m * r], &mut tmp[..m * cout]);
+                    im2col(&d, &xv, first, cols);
+                    let lhs = MatView::dense(cols, r, false);
+                    gemm_into(m, cout, r, tmp, lhs, filter_mat, true)?;
+                    for (g, vals) in (first..).zip(tmp.chunks(cout)) {
+                        let (img, p) = (g / per_image, g % per_image);
+                        let plane = &mut out[img * cout * per_image..][..cout * per_image];
+                        for (co, &v) in vals.iter().enumerate() {
+                            plane[co * per_image + p] = v;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(vec![(shape, out)])
+    }
+}
+
+impl Op for Conv2D {
+    fn name(&self) -> &'static str {
+        "Conv2D"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("strides", pair_attr(self.strides)),
+            ("padding", self.padding.into()),
+            ("data_format", self.data_format.into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x, filter] = fixed(inputs)?;
+        let dtype = same_dtype(inputs)?;
+        require_float("the inputs", dtype)?;
+        let d = self.dims(&x.shape, &filter.shape)?;
+        Ok(vec![TensorType::new(dtype, d.y.shape(self.data_format))])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x, filter] = fixed(inputs)?;
+        if x.dtype() != filter.dtype() {
+            return Err(format!(
+                "x is {} but the filter is {}",
+                x.dtype(),
+                filter.dtype()
+            ));
+        }
+        eval_float(self, x.dtype(), inputs)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PoolKind {
+    Max,
+    Avg,
+}
+
+/// The pooling ops' shared attributes and kernel.
+#[derive(Clone, Copy, Debug)]
+struct Pool {
+    kind: PoolKind,
+    ksize: [usize; 2],
+    strides: [usize; 2],
+    padding: Padding,
+    data_format: DataFormat,
+}
+
+impl Pool {
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("ksize", pair_attr(self.ksize)),
+            ("strides", pair_attr(self.strides)),
+            ("padding", self.padding.into()),
+            ("data_format", self.data_format.into()),
+        ]
+    }
+
+    fn dims(&self, x: &[usize]) -> OpResult<(Image, Image, Axis, Axis)> {
+        check_pair("ksize", self.ksize)?;
+        check_pair("strides", self.strides)?;
+        let xi = Image::from_shape(self.data_format, "x", x)?;
+        let rows = Axis::new(self.padding, xi.h, self.ksize[0], self.strides[0])
+            .map_err(|e| format!("height: {e}"))?;
+        let cols = Axis::new(self.padding, xi.w, self.ksize[1], self.strides[1])
+            .map_err(|e| format!("width: {e}"))?;
+        let y = Image::new(self.data_format, xi.n, xi.c, rows.out, cols.out);
+        Ok((xi, y, rows, cols))
+    }
+
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        require_float("x", x.dtype)?;
+        let (_, y, _, _) = self.dims(&x.shape)?;
+        Ok(vec![TensorType::new(x.dtype, y.shape(self.data_format))])
+    }
+}
+
+impl FloatKernel for Pool {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x] = fixed(inputs)?;
+        let (xi, yi, rows, cols) = self.dims(x.shape())?;
+        let shape = yi.shape(self.data_format);
+        let total = checked_numel(&shape).ok_or("the output shape overflows")?;
+        let mut out = vec![T::zero(); total];
+        if total == 0 {
+            return Ok(vec![(shape, out)]);
+        }
+        let xv = T::read(x);
+        let kind = self.kind;
+        out.par_chunks_mut(yi.per_image())
+            .enumerate()
+            .for_each(|(img, dst)| {
+                let src = &xv[img * xi.sn..][..xi.per_image()];
+                for oy in 0..rows.out {
+                    let (y0, y1, _) = rows.range(oy);
+                    for ox in 0..cols.out {
+                        let (x0, x1, _) = cols.range(ox);
+                        for c in 0..xi.c {
+                            // Only in-bounds elements take part: padding is ignored.
+                            let mut acc = match kind {
+                                PoolKind::Max => T::neg_infinity(),
+                                PoolKind::Avg => T::zero(),
+                            };
+                            for iy in y0..y1 {
+                                for ix in x0..x1 {
+                                    let v = src[c * xi.sc + iy * xi.sy + ix * xi.sx];
+                                    acc = match kind {
+                                        // NaN propagates, as in TensorFlow.
+                                        PoolKind::Max if v.is_nan() || v > acc => v,
+                                        PoolKind::Max => acc,
+                                        PoolKind::Avg => acc + v,
+                                    };
+                                }
+                            }
+                            if kind == PoolKind::Avg {
+                                let count = (y1 - y0) * (x1 - x0);
+                                if count > 0 {
+                                    acc = acc / T::lit(count as f64);
+                                }
+                            }
+                            dst[c * yi.sc + oy * yi.sy + ox * yi.sx] = acc;
+                        }
+                    }
+                }
+            });
+        Ok(vec![(shape, out)])
+    }
+}
+
+macro_rules! pool_op {
+    ($(#[$doc:meta])* $ty:ident, $name:literal, $kind:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, PartialEq, Eq)]
+        pub struct $ty {
+            pub ksize: [usize; 2],
+            pub strides: [usize; 2],
+            pub padding: Padding,
+            pub data_format: DataFormat,
+        }
+
+        impl $ty {
+            pub fn new(
+                ksize: [usize; 2],
+                strides: [usize; 2],
+                padding: Padding,
+                data_format: DataFormat,
+            ) -> Self {
+                $ty {
+                    ksize,
+                    strides,
+                    padding,
+                    data_format,
+                }
+            }
+
+            fn pool(&self) -> Pool {
+                Pool {
+                    kind: $kind,
+                    ksize: self.ksize,
+                    strides: self.strides,
+                    padding: self.padding,
+                    data_format: self.data_format,
+                }
+            }
+        }
+
+        impl Op for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn arity(&self) -> Arity {
+                Arity::Exactly(1)
+            }
+            fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+                self.pool().attrs()
+            }
+            fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+                self.pool().infer(inputs)
+            }
+            fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+                let [x] = fixed(inputs)?;
+                eval_float(&self.pool(), x.dtype(), inputs)
+            }
+        }
+    };
+}
+
+pool_op!(
+    /// Maximum over each window; with SAME padding only in-bounds elements count.
+    MaxPool,
+    "MaxPool",
+    PoolKind::Max
+);
+pool_op!(
+    /// Mean over each window; with SAME padding it divides by the number of in-bounds
+    /// elements, as TensorFlow does.
+    AvgPool,
+    "AvgPool",
+    PoolKind::Avg
+);

@@ -1,0 +1,414 @@
+//! Matrix products: MatMul (rank 2) and BatchMatMul (broadcast batch dimensions).
+//!
+//! Kernels run through the `gemm` crate in the kernel's compute type (f32 for f32, f16
+//! and bf16 tensors, f64 for f64). Transposes are expressed as strides, never copied.
+
+use std::any::TypeId;
+
+use rayon::prelude::*;
+
+use crate::attrs::AttrValue;
+use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::shape::{broadcast_index_map, broadcast_shapes};
+use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
+
+pub(crate) const OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "MatMul",
+        parse: |_, a| {
+            Ok(Box::new(MatMul {
+                transpose_a: a.bool_or("transpose_a", false)?,
+                transpose_b: a.bool_or("transpose_b", false)?,
+            }))
+        },
+    },
+    OpEntry {
+        name: "BatchMatMul",
+        parse: |_, a| {
+            Ok(Box::new(BatchMatMul {
+                adj_x: a.bool_or("adj_x", false)?,
+                adj_y: a.bool_or("adj_y", false)?,
+            }))
+        },
+    },
+];
+
+/// Products of at least this many multiply-adds use every core; smaller ones stay on
+/// the calling thread, where spawning would cost more than it saves.
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+
+/// A row-major matrix operand read through strides: element (i, j) sits at
+/// `i * rs + j * cs`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MatView<'a, T> {
+    pub data: &'a [T],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> MatView<'a, T> {
+    /// A contiguous row-major matrix of `cols` columns, read transposed when `transpose`.
+    pub fn dense(data: &'a [T], cols: usize, transpose: bool) -> Self {
+        if transpose {
+            MatView {
+                data,
+                rs: 1,
+                cs: cols,
+            }
+        } else {
+            MatView {
+                data,
+                rs: cols,
+                cs: 1,
+            }
+        }
+    }
+
+    /// Whether every element of a `rows x cols` view lies inside the slice.
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        if rows == 0 || cols == 0 {
+            return true;
+        }
+        let last = (rows - 1).checked_mul(self.rs).and_then(|r| {
+            (cols - 1)
+                .checked_mul(self.cs)
+                .and_then(|c| r.checked_add(c))
+        });
+        matches!(last, Some(l) if l < self.data.len())
+    }
+}
+
+/// `dst = lhs x rhs` for an `m x k` lhs and a `k x n` rhs, `dst` row-major `m x n`
+/// (overwritten). Every access is bounds-checked up front; an out-of-range view or a
+/// compute type `gemm` does not know is an error, not a panic.
+pub(crate) fn gemm_into<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    lhs: MatView<'_, T>,
+    rhs: MatView<'_, T>,
+    parallel: bool,
+) -> OpResult<()> {
+    let is_supported =
+        TypeId::of::<T>() == TypeId::of::<f32>() || TypeId::of::<T>() == TypeId::of::<f64>();
+    if !is_supported {
+        return Err("matrix products run in f32 or f64 only".into());
+    }
+    if m.checked_mul(n) != Some(dst.len()) || !lhs.fits(m, k) || !rhs.fits(k, n) {
+        return Err(format!(
+            "internal: matrix product {m}x{k} by {k}x{n} does not fit its buffers"
+        ));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        dst.iter_mut().for_each(|v| *v = T::zero());
+        return Ok(());
+    }
+    let work = m.saturating_mul(n).saturating_mul(k);
+    let threads = rayon::current_num_threads();
+    if parallel && work >= PARALLEL_MIN_WORK && threads > 1 && m >= 16 * threads {
+        // Split the rows of dst into one band per thread, each an independent product
+        // on one core: on few cores this beats gemm's own work splitting.
+        let band = m.div_ceil(threads);
+        return dst
+            .par_chunks_mut(band * n)
+            .enumerate()
+            .try_for_each(|(i, d)| {
+                let lhs = MatView {
+                    data: &lhs.data[i * band * lhs.rs..],
+                    ..lhs
+                };
+                gemm_into(d.len() / n, n, k, d, lhs, rhs, false)
+            });
+    }
+    let parallelism = if parallel && work >= PARALLEL_MIN_WORK {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    let strides = [n, lhs.cs, lhs.rs, rhs.cs, rhs.rs].map(isize::try_from);
+    let [Ok(dst_rs), Ok(lhs_cs), Ok(lhs_rs), Ok(rhs_cs), Ok(rhs_rs)] = strides else {
+        return Err("internal: matrix stride overflows isize".into());
+    };
+    // SAFETY: T is f32 or f64 (checked above), the types gemm supports. `fits`
+    // proved every element (i, j) of both operands lies inside its slice, and dst is
+    // a dense m x n row-major buffer of exactly m * n elements that we borrow
+    // mutably. With read_dst = false gemm writes dst = lhs * rhs (alpha is unused).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs,
+            false,
+            lhs.data.as_ptr(),
+            lhs_cs,
+            lhs_rs,
+            rhs.data.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            T::zero(),
+            T::one(),
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+    Ok(())
+}
+
+fn common_float_dtype(inputs: &[&TensorType]) -> OpResult<()> {
+    let dtype = same_dtype(inputs)?;
+    require_float("the inputs", dtype)
+}
+
+/// Product of two matrices: `a [m, k] x b [k, n] -> [m, n]`, either operand optionally
+/// transposed first.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct MatMul {
+    pub transpose_a: bool,
+    pub transpose_b: bool,
+}
+
+impl MatMul {
+    pub fn new(transpose_a: bool, transpose_b: bool) -> Self {
+        MatMul {
+            transpose_a,
+            transpose_b,
+        }
+    }
+
+    /// (m, k, n) from the operand shapes.
+    fn dims(&self, a: &[usize], b: &[usize]) -> OpResult<(usize, usize, usize)> {
+        if a.len() != 2 || b.len() != 2 {
+            return Err(format!(
+                "MatMul needs two matrices (rank 2): a is {}, b is {}",
+                ShapeDisplay(a),
+                ShapeDisplay(b)
+            ));
+        }
+        let (m, ka) = if self.transpose_a {
+            (a[1], a[0])
+        } else {
+            (a[0], a[1])
+        };
+        let (kb, n) = if self.transpose_b {
+            (b[1], b[0])
+        } else {
+            (b[0], b[1])
+        };
+        if ka != kb {
+            return Err(format!(
+                "inner dimensions differ: a is {}, b is {}{}",
+                ShapeDisplay(a),
+                ShapeDisplay(b),
+                transpose_note(
+                    ("transpose_a", self.transpose_a),
+                    ("transpose_b", self.transpose_b)
+                )
+            ));
+        }
+        Ok((m, ka, n))
+    }
+}
+
+/// " (with transpose_a)" and the like, when an operand is transposed.
+fn transpose_note(a: (&str, bool), b: (&str, bool)) -> String {
+    match (a.1, b.1) {
+        (false, false) => String::new(),
+        (true, false) => format!(" (with {})", a.0),
+        (false, true) => format!(" (with {})", b.0),
+        (true, true) => format!(" (with {} and {})", a.0, b.0),
+    }
+}
+
+impl FloatKernel for MatMul {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [a, b] = fixed(inputs)?;
+        let (m, k, n) = self.dims(a.shape(), b.shape())?;
+        let (av, bv) = (T::read(a), T::read(b));
+        let mut out = vec![T::zero(); m * n];
+        gemm_into(
+            m,
+            n,
+            k,
+            &mut out,
+            MatView::dense(&av, a.shape()[1], self.transpose_a),
+            MatView::dense(&bv, b.shape()[1], self.transpose_b),
+            true,
+        )?;
+        Ok(vec![(vec![m, n], out)])
+    }
+}
+
+impl Op for MatMul {
+    fn name(&self) -> &'static str {
+        "MatMul"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("transpose_a", self.transpose_a.into()),
+            ("transpose_b", self.transpose_b.into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [a, b] = fixed(inputs)?;
+        common_float_dtype(inputs)?;
+        let (m, _, n) = self.dims(&a.shape, &b.shape)?;
+        Ok(vec![TensorType::new(a.dtype, vec![m, n])])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [a, b] = fixed(inputs)?;
+        if a.dtype() != b.dtype() {
+            return Err(format!("a is {} but b is {}", a.dtype(), b.dtype()));
+        }
+        eval_float(self, a.dtype(), inputs)
+    }
+}
+
+/// Batched matrix product: `a [..., m, k] x b [..., k, n] -> [..., m, n]`, the batch
+/// dimensions broadcast as in NumPy; `adj_x`/`adj_y` transpose the last two axes
+/// (the adjoint, for real numbers).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct BatchMatMul {
+    pub adj_x: bool,
+    pub adj_y: bool,
+}
+
+/// The shape facts of one batched product.
+struct BatchDims {
+    batch: Vec<usize>,
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+impl BatchMatMul {
+    pub fn new(adj_x: bool, adj_y: bool) -> Self {
+        BatchMatMul { adj_x, adj_y }
+    }
+
+    fn dims(&self, a: &[usize], b: &[usize]) -> OpResult<BatchDims> {
+        if a.len() < 2 || b.len() < 2 {
+            return Err(format!(
+                "BatchMatMul needs operands of rank 2 or more: a is {}, b is {}",
+                ShapeDisplay(a),
+                ShapeDisplay(b)
+            ));
+        }
+        let (ra, rb) = (a.len(), b.len());
+        let (m, ka) = if self.adj_x {
+            (a[ra - 1], a[ra - 2])
+        } else {
+            (a[ra - 2], a[ra - 1])
+        };
+        let (kb, n) = if self.adj_y {
+            (b[rb - 1], b[rb - 2])
+        } else {
+            (b[rb - 2], b[rb - 1])
+        };
+        if ka != kb {
+            return Err(format!(
+                "inner dimensions differ: a is {}, b is {}{}",
+                ShapeDisplay(a),
+                ShapeDisplay(b),
+                transpose_note(("adj_x", self.adj_x), ("adj_y", self.adj_y))
+            ));
+        }
+        let batch = broadcast_shapes(&a[..ra - 2], &b[..rb - 2]).map_err(|_| {
+            format!(
+                "batch dimensions {} of a {} and {} of b {} do not broadcast",
+                ShapeDisplay(&a[..ra - 2]),
+                ShapeDisplay(a),
+                ShapeDisplay(&b[..rb - 2]),
+                ShapeDisplay(b)
+            )
+        })?;
+        Ok(BatchDims { batch, m, k: ka, n })
+    }
+}
+
+impl FloatKernel for BatchMatMul {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [a, b] = fixed(inputs)?;
+        let (sa, sb) = (a.shape(), b.shape());
+        let BatchDims { batch, m, k, n } = self.dims(sa, sb)?;
+        let (ra, rb) = (sa.len(), sb.len());
+        let mut shape = batch.clone();
+        shape.extend([m, n]);
+        let total = checked_numel(&shape).ok_or("the output shape overflows")?;
+        let (av, bv) = (T::read(a), T::read(b));
+        let mut out = vec![T::zero(); total];
+        if total == 0 {
+            return Ok(vec![(shape, out)]);
+        }
+        // Which a- and b-matrix each output matrix reads.
+        let ia = broadcast_index_map(&sa[..ra - 2], &batch);
+        let ib = broadcast_index_map(&sb[..rb - 2], &batch);
+        let (a_size, b_size) = (m * k, k * n);
+        let (a_cols, b_cols) = (sa[ra - 1], sb[rb - 1]);
+        let one = |dst: &mut [T], (i, j): (usize, usize), parallel: bool| {
+            gemm_into(
+                m,
+                n,
+                k,
+                dst,
+                MatView::dense(&av[i * a_size..(i + 1) * a_size], a_cols, self.adj_x),
+                MatView::dense(&bv[j * b_size..(j + 1) * b_size], b_cols, self.adj_y),
+                parallel,
+            )
+        };
+        let pairs: Vec<(usize, usize)> = ia.into_iter().zip(ib).collect();
+        let per_matrix = m.saturating_mul(n).saturating_mul(k);
+        if per_matrix >= PARALLEL_MIN_WORK || pairs.len() == 1 {
+            // Large products: one at a time, each spread over every core.
+            for (dst, &p) in out.chunks_mut(m * n).zip(&pairs) {
+                one(dst, p, true)?;
+            }
+        } else {
+            // Many small products: spread the batch over the cores.
+            out.par_chunks_mut(m * n)
+                .zip(pairs.par_iter())
+                .try_for_each(|(dst, &p)| one(dst, p, false))?;
+        }
+        Ok(vec![(shape, out)])
+    }
+}
+
+impl Op for BatchMatMul {
+    fn name(&self) -> &'static str {
+        "BatchMatMul"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("adj_x", self.adj_x.into()), ("adj_y", self.adj_y.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [a, b] = fixed(inputs)?;
+        common_float_dtype(inputs)?;
+        let BatchDims {
+            mut batch, m, n, ..
+        } = self.dims(&a.shape, &b.shape)?;
+        batch.extend([m, n]);
+        Ok(vec![TensorType::new(a.dtype, batch)])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [a, b] = fixed(inputs)?;
+        if a.dtype() != b.dtype() {
+            return Err(format!("a is {} but b is {}", a.dtype(), b.dtype()));
+        }
+        eval_float(self, a.dtype(), inputs)
+    }
+}

@@ -1,0 +1,341 @@
+//! Normalisation ops: BatchNorm (TensorFlow's FusedBatchNormV3) and LayerNorm.
+//!
+//! Statistics accumulate in the compute type (f32 for f16/bf16/f32, f64 for f64) and
+//! every output is rounded once on store.
+
+use crate::attrs::{AttrReader, AttrValue};
+use crate::dtype::DType;
+use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
+use crate::ops::DataFormat;
+use crate::shape::normalize_axis;
+use crate::tensor::{ShapeDisplay, Tensor, TensorType};
+
+pub(crate) const OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "BatchNorm",
+        parse: |_, a| Ok(Box::new(BatchNorm::parse(a)?)),
+    },
+    OpEntry {
+        name: "LayerNorm",
+        parse: |_, a| Ok(Box::new(LayerNorm::parse(a)?)),
+    },
+];
+
+fn read_epsilon(a: &mut AttrReader, default: f64) -> OpResult<f64> {
+    let eps = a.float_or("epsilon", default)?;
+    if eps < 0.0 {
+        return Err(format!("attr 'epsilon' must be non-negative, got {eps}"));
+    }
+    Ok(eps)
+}
+
+fn types_of(inputs: &[&Tensor]) -> Vec<TensorType> {
+    inputs.iter().map(|t| t.ty()).collect()
+}
+
+/// Batch normalisation over every axis but the channel axis, as TensorFlow's
+/// `FusedBatchNormV3`.
+///
+/// Inputs: `x` (rank 4 in `data_format`, or rank 2 `[N, C]`), then `scale`, `offset`,
+/// `mean`, `variance`, each `[C]` of one float dtype U: f32 when `x` is f16, bf16 or
+/// f32, f64 when `x` is f64. Outputs: `y` (x's dtype), `batch_mean` and
+/// `batch_variance` (U).
+///
+/// - `training = false`: `y` normalises with the given `mean` and `variance`, which
+///   are passed through as `batch_mean` and `batch_variance`.
+/// - `training = true`: `y` normalises with the batch mean and the biased batch
+///   variance; `batch_mean` is the batch mean and `batch_variance` the batch variance
+///   with Bessel's correction (`n / (n - 1)`, n the count per channel; unchanged when
+///   n = 1), as TensorFlow outputs it for the running averages. In training the
+///   `mean` and `variance` inputs are not read and may also be empty (`[0]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchNorm {
+    pub epsilon: f64,
+    pub training: bool,
+    pub data_format: DataFormat,
+}
+
+impl Default for BatchNorm {
+    fn default() -> Self {
+        BatchNorm {
+            epsilon: 0.001,
+            training: false,
+            data_format: DataFormat::Nhwc,
+        }
+    }
+}
+
+impl BatchNorm {
+    fn parse(a: &mut AttrReader) -> OpResult<BatchNorm> {
+        Ok(BatchNorm {
+            epsilon: read_epsilon(a, 0.001)?,
+            training: a.bool_or("training", false)?,
+            data_format: DataFormat::read(a)?,
+        })
+    }
+
+    /// The channel axis of `x` of the given rank (2 or 4).
+    pub fn channel_axis(&self, rank: usize) -> usize {
+        match (rank, self.data_format) {
+            (4, DataFormat::Nchw) => 1,
+            _ => rank.saturating_sub(1),
+        }
+    }
+
+    /// The statistics' dtype U for an `x` of `dtype`.
+    fn stats_dtype(dtype: DType) -> DType {
+        if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<[Vec<T>; 3]> {
+        let [x, scale, offset, mean, variance] = fixed(inputs)?;
+        let shape = x.shape();
+        let axis = self.channel_axis(shape.len());
+        let c = shape.get(axis).copied().ok_or("x has no channel axis")?;
+        let outer: usize = shape[..axis].iter().product();
+        let inner: usize = shape[axis + 1..].iter().product();
+        let xs = T::read(x);
+        let scale = T::read(scale);
+        let offset = T::read(offset);
+        let (m, v, out_m, out_v) = if self.training {
+            let count = outer * inner;
+            let n = T::lit(count as f64);
+            let mut m = vec![T::zero(); c];
+            for o in 0..outer {
+                for (ch, acc) in m.iter_mut().enumerate() {
+                    let base = (o * c + ch) * inner;
+                    for &val in &xs[base..base + inner] {
+                        *acc = *acc + val;
+                    }
+                }
+            }
+            m.iter_mut().for_each(|s| *s = *s / n);
+            let mut v = vec![T::zero(); c];
+            for o in 0..outer {
+                for ch in 0..c {
+                    let base = (o * c + ch) * inner;
+                    for &val in &xs[base..base + inner] {
+                        let d = val - m[ch];
+                        v[ch] = v[ch] + d * d;
+                    }
+                }
+            }
+            v.iter_mut().for_each(|s| *s = *s / n);
+            let adjust = if count > 1 {
+                T::lit(count as f64 / (count - 1) as f64)
+            } else {
+                T::one()
+            };
+            let unbiased = v.iter().map(|&s| s * adjust).collect();
+            (m.clone(), v, m, unbiased)
+        } else {
+            let m = T::read(mean).into_owned();
+            let v = T::read(variance).into_owned();
+            (m.clone(), v.clone(), m, v)
+        };
+        let eps = T::lit(self.epsilon);
+        // y = x * a + b per channel, a = scale / sqrt(var + eps), b = offset - mean * a.
+        let a: Vec<T> = (0..c).map(|ch| scale[ch] / (v[ch] + eps).sqrt()).collect();
+        let b: Vec<T> = (0..c).map(|ch| offset[ch] - m[ch] * a[ch]).collect();
+        let y = xs
+            .iter()
+            .enumerate()
+            .map(|(i, &val)| {
+                let ch = (i / inner.max(1)) % c.max(1);
+                val * a[ch] + b[ch]
+            })
+            .collect();
+        Ok([y, out_m, out_v])
+    }
+
+    fn run<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let x = inputs.first().ok_or("missing input x")?;
+        let c = x
+            .shape()
+            .get(self.channel_axis(x.shape().len()))
+            .copied()
+            .unwrap_or(0);
+        let u = Self::stats_dtype(x.dtype());
+        let [y, m, v] = self.compute::<T>(inputs)?;
+        Ok(vec![
+            T::store(x.dtype(), x.shape().to_vec(), y)?,
+            T::store(u, vec![c], m)?,
+            T::store(u, vec![c], v)?,
+        ])
+    }
+}
+
+impl Op for BatchNorm {
+    fn name(&self) -> &'static str {
+        "BatchNorm"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(5)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("epsilon", self.epsilon.into()),
+            ("training", self.training.into()),
+            ("data_format", self.data_format.into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x, scale, offset, mean, variance] = fixed(inputs)?;
+        require_float("x", x.dtype)?;
+        if x.rank() != 4 && x.rank() != 2 {
+            return Err(format!(
+                "x must have rank 4 ({}) or rank 2 [N, C], got shape {}",
+                match self.data_format {
+                    DataFormat::Nhwc => "NHWC",
+                    DataFormat::Nchw => "NCHW",
+                },
+                ShapeDisplay(&x.shape)
+            ));
+        }
+        let c = x.shape[self.channel_axis(x.rank())];
+        let u = Self::stats_dtype(x.dtype);
+        for (what, t) in [
+            ("scale", scale),
+            ("offset", offset),
+            ("mean", mean),
+            ("variance", variance),
+        ] {
+            if t.dtype != u {
+                return Err(format!(
+                    "{what} is {} but must be {u} when x is {}",
+                    t.dtype, x.dtype
+                ));
+            }
+            let empty_ok = self.training && matches!(what, "mean" | "variance");
+            if t.shape != [c] && !(empty_ok && t.shape == [0]) {
+                return Err(format!(
+                    "{what} has shape {} but x {} has {c} channels (expected [{c}])",
+                    ShapeDisplay(&t.shape),
+                    ShapeDisplay(&x.shape)
+                ));
+            }
+        }
+        Ok(vec![
+            (*x).clone(),
+            TensorType::new(u, [c]),
+            TensorType::new(u, [c]),
+        ])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types = types_of(inputs);
+        self.infer(&types.iter().collect::<Vec<_>>())?;
+        match inputs[0].dtype() {
+            DType::F64 => self.run::<f64>(inputs),
+            _ => self.run::<f32>(inputs),
+        }
+    }
+    /// Only `x` follows the compute type; the statistics keep theirs (f32 under AMP).
+    fn typed_inputs(&self, _num_inputs: usize) -> Vec<usize> {
+        vec![0]
+    }
+    /// TensorFlow's T (x, y) and U (the statistics in and out, never 16-bit).
+    fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![0], vec![0]),
+            TypeGroup::new(vec![1, 2, 3, 4], vec![1, 2]).fixed(),
+        ]
+    }
+}
+
+/// Layer normalisation over the trailing dims `axis..rank` of `x`, with `gamma` and
+/// `beta` of shape `x.shape[axis..]` and x's dtype:
+/// `y = (x - mean) / sqrt(var + epsilon) * gamma + beta` (biased variance).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNorm {
+    pub axis: i64,
+    pub epsilon: f64,
+}
+
+impl Default for LayerNorm {
+    fn default() -> Self {
+        LayerNorm {
+            axis: -1,
+            epsilon: 1e-5,
+        }
+    }
+}
+
+impl LayerNorm {
+    fn parse(a: &mut AttrReader) -> OpResult<LayerNorm> {
+        Ok(LayerNorm {
+            axis: a.opt_int("axis")?.unwrap_or(-1),
+            epsilon: read_epsilon(a, 1e-5)?,
+        })
+    }
+}
+
+impl FloatKernel for LayerNorm {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x, gamma, beta] = fixed(inputs)?;
+        let shape = x.shape();
+        let axis = normalize_axis(self.axis, shape.len())?;
+        let len: usize = shape[axis..].iter().product();
+        let xs = T::read(x);
+        let gamma = T::read(gamma);
+        let beta = T::read(beta);
+        if gamma.len() != len || beta.len() != len {
+            return Err("gamma and beta must match x.shape[axis..]".into());
+        }
+        let n = T::lit(len as f64);
+        let eps = T::lit(self.epsilon);
+        let mut y = Vec::with_capacity(xs.len());
+        if len > 0 {
+            for row in xs.chunks(len) {
+                let mean = row.iter().copied().sum::<T>() / n;
+                let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<T>() / n;
+                let inv = T::one() / (var + eps).sqrt();
+                y.extend(
+                    row.iter()
+                        .zip(gamma.iter().zip(beta.iter()))
+                        .map(|(&v, (&g, &b))| (v - mean) * inv * g + b),
+                );
+            }
+        }
+        Ok(vec![(shape.to_vec(), y)])
+    }
+}
+
+impl Op for LayerNorm {
+    fn name(&self) -> &'static str {
+        "LayerNorm"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("axis", self.axis.into()), ("epsilon", self.epsilon.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x, gamma, beta] = fixed(inputs)?;
+        let dtype = same_dtype(inputs)?;
+        require_float("x", dtype)?;
+        let axis = normalize_axis(self.axis, x.rank())?;
+        let want = &x.shape[axis..];
+        for (what, t) in [("gamma", gamma), ("beta", beta)] {
+            if t.shape != want {
+                return Err(format!(
+                    "{what} has shape {} but must be {} (x {} from axis {axis})",
+                    ShapeDisplay(&t.shape),
+                    ShapeDisplay(want),
+                    ShapeDisplay(&x.shape)
+                ));
+            }
+        }
+        Ok(vec![(*x).clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types = types_of(inputs);
+        self.infer(&types.iter().collect::<Vec<_>>())?;
+        eval_float(self, inputs[0].dtype(), inputs)
+    }
+}

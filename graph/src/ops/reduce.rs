@@ -1,0 +1,181 @@
+//! Reductions: Sum, Mean, Max over a set of axes.
+//!
+//! Accumulation happens in the compute type (f32 for f16/bf16/f32, f64 for f64) and
+//! the result is rounded once on store.
+
+use crate::attrs::{AttrReader, AttrValue};
+use crate::kernel::{eval_float, require_float, FloatKernel, Real};
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::shape::normalize_axes;
+use crate::tensor::{strides, Tensor, TensorType};
+
+macro_rules! entries {
+    ($($name:literal),* $(,)?) => {
+        &[$(OpEntry { name: $name, parse: |n, a| Ok(Box::new(Reduce::parse(n, a)?)) }),*]
+    };
+}
+
+pub(crate) const OPS: &[OpEntry] = entries!("Sum", "Mean", "Max");
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceKind {
+    Sum,
+    Mean,
+    Max,
+}
+
+impl ReduceKind {
+    pub const ALL: [ReduceKind; 3] = [ReduceKind::Sum, ReduceKind::Mean, ReduceKind::Max];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceKind::Sum => "Sum",
+            ReduceKind::Mean => "Mean",
+            ReduceKind::Max => "Max",
+        }
+    }
+}
+
+/// Reduces `x` over `axes` (all axes when `None`; negative axes count from the end;
+/// an empty list reduces nothing). With `keep_dims` the reduced axes stay as size 1.
+/// Empty reductions give 0 (Sum), NaN (Mean) and -inf (Max); Max propagates NaN.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reduce {
+    pub kind: ReduceKind,
+    pub axes: Option<Vec<i64>>,
+    pub keep_dims: bool,
+}
+
+impl Reduce {
+    pub fn new(kind: ReduceKind, axes: Option<Vec<i64>>, keep_dims: bool) -> Self {
+        Reduce {
+            kind,
+            axes,
+            keep_dims,
+        }
+    }
+
+    fn parse(name: &str, a: &mut AttrReader) -> OpResult<Reduce> {
+        let kind = ReduceKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| format!("unknown reduction '{name}'"))?;
+        Ok(Reduce {
+            kind,
+            axes: a.opt_ints("axes")?,
+            keep_dims: a.bool_or("keep_dims", false)?,
+        })
+    }
+
+    /// The reduced axes of an input of `rank`, sorted and distinct.
+    pub fn reduced_axes(&self, rank: usize) -> OpResult<Vec<usize>> {
+        match &self.axes {
+            None => Ok((0..rank).collect()),
+            Some(axes) => normalize_axes(axes, rank),
+        }
+    }
+
+    /// The output shape for an input shape, and the shape with reduced axes kept as 1.
+    fn output_shapes(&self, shape: &[usize]) -> OpResult<(Vec<usize>, Vec<usize>)> {
+        let axes = self.reduced_axes(shape.len())?;
+        let kept: Vec<usize> = shape
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+            .collect();
+        let out = if self.keep_dims {
+            kept.clone()
+        } else {
+            shape
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !axes.contains(i))
+                .map(|(_, &d)| d)
+                .collect()
+        };
+        Ok((out, kept))
+    }
+}
+
+impl FloatKernel for Reduce {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x] = fixed(inputs)?;
+        let shape = x.shape();
+        let (out_shape, kept) = self.output_shapes(shape)?;
+        let out_len: usize = kept.iter().product();
+        let in_len = x.len();
+        let count = in_len.checked_div(out_len).unwrap_or(0);
+        // Stride of each input axis in the output; 0 on reduced axes.
+        let kept_strides = strides(&kept);
+        let stride: Vec<usize> = shape
+            .iter()
+            .zip(&kept)
+            .zip(&kept_strides)
+            .map(|((&d, &k), &s)| if k == d { s } else { 0 })
+            .collect();
+        let init = match self.kind {
+            ReduceKind::Sum | ReduceKind::Mean => T::zero(),
+            ReduceKind::Max => T::neg_infinity(),
+        };
+        let mut acc = vec![init; out_len];
+        let xs = T::read(x);
+        let rank = shape.len();
+        let mut idx = vec![0usize; rank];
+        let mut pos = 0usize;
+        for &v in xs.iter() {
+            let slot = acc.get_mut(pos).ok_or("reduction index out of range")?;
+            *slot = match self.kind {
+                ReduceKind::Sum | ReduceKind::Mean => *slot + v,
+                ReduceKind::Max => {
+                    if v.is_nan() || slot.is_nan() {
+                        T::nan()
+                    } else {
+                        slot.max(v)
+                    }
+                }
+            };
+            for ax in (0..rank).rev() {
+                idx[ax] += 1;
+                pos += stride[ax];
+                if idx[ax] < shape[ax] {
+                    break;
+                }
+                pos -= stride[ax] * idx[ax];
+                idx[ax] = 0;
+            }
+        }
+        if self.kind == ReduceKind::Mean {
+            let n = T::lit(count as f64);
+            acc.iter_mut().for_each(|s| *s = *s / n);
+        }
+        Ok(vec![(out_shape, acc)])
+    }
+}
+
+impl Op for Reduce {
+    fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut a = Vec::new();
+        if let Some(axes) = &self.axes {
+            a.push(("axes", axes.clone().into()));
+        }
+        a.push(("keep_dims", self.keep_dims.into()));
+        a
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        require_float("the input", x.dtype)?;
+        let (out, _) = self.output_shapes(&x.shape)?;
+        Ok(vec![TensorType::new(x.dtype, out)])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x] = fixed(inputs)?;
+        require_float("the input", x.dtype())?;
+        eval_float(self, x.dtype(), inputs)
+    }
+}

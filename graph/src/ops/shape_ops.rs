@@ -1,0 +1,373 @@
+//! Ops that move elements without computing on them: Reshape, Transpose, Concat.
+//! They work for every dtype and never round.
+
+use half::{bf16, f16};
+
+use crate::attrs::{AttrReader, AttrValue};
+use crate::dtype::DType;
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::shape::normalize_axis;
+use crate::tensor::{checked_numel, strides, Data, ShapeDisplay, Tensor, TensorType};
+
+pub(crate) const OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "Reshape",
+        parse: |_, a| Ok(Box::new(Reshape::parse(a)?)),
+    },
+    OpEntry {
+        name: "Transpose",
+        parse: |_, a| Ok(Box::new(Transpose::parse(a)?)),
+    },
+    OpEntry {
+        name: "Concat",
+        parse: |_, a| {
+            let axis = a.opt_int("axis")?.ok_or("missing attr 'axis'")?;
+            Ok(Box::new(Concat { axis }))
+        },
+    },
+];
+
+/// One element type of [`Data`]: lets a kernel be written once over every dtype.
+trait Elem: Copy {
+    fn slice(d: &Data) -> Option<&[Self]>;
+    fn wrap(v: Vec<Self>) -> Data;
+}
+
+macro_rules! elem {
+    ($t:ty, $variant:ident) => {
+        impl Elem for $t {
+            fn slice(d: &Data) -> Option<&[Self]> {
+                match d {
+                    Data::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn wrap(v: Vec<Self>) -> Data {
+                Data::$variant(v)
+            }
+        }
+    };
+}
+
+elem!(f32, F32);
+elem!(f16, F16);
+elem!(bf16, BF16);
+elem!(f64, F64);
+elem!(i32, I32);
+elem!(i64, I64);
+elem!(bool, Bool);
+
+/// Runs `f::<T>` for the element type of `dtype`.
+macro_rules! dispatch {
+    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::I32 => $f::<i32>($($arg),*),
+            DType::I64 => $f::<i64>($($arg),*),
+            DType::Bool => $f::<bool>($($arg),*),
+        }
+    };
+}
+
+fn typed<T: Elem>(t: &Tensor) -> OpResult<&[T]> {
+    T::slice(t.data()).ok_or_else(|| format!("unexpected {} tensor", t.dtype()))
+}
+
+/// Gives `x` a new shape with the same elements in the same (row-major) order.
+/// `shape` may hold one `-1`, inferred from the element count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reshape {
+    pub shape: Vec<i64>,
+}
+
+impl Reshape {
+    pub fn new(shape: impl Into<Vec<i64>>) -> Self {
+        Reshape {
+            shape: shape.into(),
+        }
+    }
+
+    fn parse(a: &mut AttrReader) -> OpResult<Reshape> {
+        let r = Reshape {
+            shape: a.ints("shape")?,
+        };
+        r.check_attr()?;
+        Ok(r)
+    }
+
+    fn check_attr(&self) -> OpResult<()> {
+        if let Some(&d) = self.shape.iter().find(|&&d| d < -1) {
+            return Err(format!(
+                "attr 'shape' {:?} has a negative dimension {d} (only -1 is allowed)",
+                self.shape
+            ));
+        }
+        if self.shape.iter().filter(|&&d| d == -1).count() > 1 {
+            return Err(format!(
+                "attr 'shape' {:?} has more than one -1",
+                self.shape
+            ));
+        }
+        Ok(())
+    }
+
+    /// The output shape for an input shape.
+    pub fn output_shape(&self, input: &[usize]) -> OpResult<Vec<usize>> {
+        self.check_attr()?;
+        let numel = checked_numel(input).ok_or("the input has too many elements")?;
+        let mismatch = || {
+            format!(
+                "cannot reshape {} ({numel} elements) into {:?}",
+                ShapeDisplay(input),
+                self.shape
+            )
+        };
+        let known = self
+            .shape
+            .iter()
+            .filter(|&&d| d >= 0)
+            .try_fold(1usize, |acc, &d| {
+                usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+            })
+            .ok_or_else(mismatch)?;
+        let missing = if self.shape.contains(&-1) {
+            if known == 0 {
+                return Err(format!(
+                    "{}: the -1 dimension is ambiguous when another dimension is 0",
+                    mismatch()
+                ));
+            }
+            if numel % known != 0 {
+                return Err(mismatch());
+            }
+            numel / known
+        } else {
+            if known != numel {
+                return Err(mismatch());
+            }
+            0
+        };
+        Ok(self
+            .shape
+            .iter()
+            .map(|&d| if d == -1 { missing } else { d as usize })
+            .collect())
+    }
+}
+
+impl Op for Reshape {
+    fn name(&self) -> &'static str {
+        "Reshape"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("shape", self.shape.clone().into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        Ok(vec![TensorType::new(x.dtype, self.output_shape(&x.shape)?)])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x] = fixed(inputs)?;
+        let shape = self.output_shape(x.shape())?;
+        Ok(vec![(*x).clone().reshaped(shape)?])
+    }
+}
+
+/// Permutes the axes of `x`: output axis `i` is input axis `perm[i]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transpose {
+    pub perm: Vec<usize>,
+}
+
+impl Transpose {
+    pub fn new(perm: impl Into<Vec<usize>>) -> Self {
+        Transpose { perm: perm.into() }
+    }
+
+    fn parse(a: &mut AttrReader) -> OpResult<Transpose> {
+        let perm = a
+            .ints("perm")?
+            .into_iter()
+            .map(|p| {
+                usize::try_from(p).map_err(|_| format!("attr 'perm' has a negative entry {p}"))
+            })
+            .collect::<OpResult<Vec<_>>>()?;
+        Ok(Transpose { perm })
+    }
+
+    /// The output shape for an input shape; `perm` must be a permutation of 0..rank.
+    pub fn output_shape(&self, input: &[usize]) -> OpResult<Vec<usize>> {
+        let rank = input.len();
+        let mut seen = vec![false; rank];
+        let valid = self.perm.len() == rank
+            && self.perm.iter().all(|&p| match seen.get_mut(p) {
+                Some(s) if !*s => {
+                    *s = true;
+                    true
+                }
+                _ => false,
+            });
+        if !valid {
+            return Err(format!(
+                "perm {:?} is not a permutation of 0..{rank} for input shape {}",
+                self.perm,
+                ShapeDisplay(input)
+            ));
+        }
+        Ok(self.perm.iter().map(|&p| input[p]).collect())
+    }
+}
+
+fn transpose_typed<T: Elem>(x: &Tensor, perm: &[usize], out_shape: &[usize]) -> OpResult<Data> {
+    let xs = typed::<T>(x)?;
+    let in_strides = strides(x.shape());
+    // Stride in the input of each output axis.
+    let stride: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+    let rank = out_shape.len();
+    let mut out = Vec::with_capacity(xs.len());
+    let mut idx = vec![0usize; rank];
+    let mut pos = 0usize;
+    for _ in 0..xs.len() {
+        out.push(*xs.get(pos).ok_or("transpose index out of range")?);
+        for ax in (0..rank).rev() {
+            idx[ax] += 1;
+            pos += stride[ax];
+            if idx[ax] < out_shape[ax] {
+                break;
+            }
+            pos -= stride[ax] * idx[ax];
+            idx[ax] = 0;
+        }
+    }
+    Ok(T::wrap(out))
+}
+
+impl Op for Transpose {
+    fn name(&self) -> &'static str {
+        "Transpose"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("perm", self.perm.as_slice().into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        Ok(vec![TensorType::new(x.dtype, self.output_shape(&x.shape)?)])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x] = fixed(inputs)?;
+        let shape = self.output_shape(x.shape())?;
+        let data = dispatch!(x.dtype(), transpose_typed(x, &self.perm, &shape))?;
+        Ok(vec![Tensor::new(shape, data)?])
+    }
+}
+
+/// Joins one or more tensors along `axis`; they share dtype and rank, and every
+/// other dimension.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Concat {
+    pub axis: i64,
+}
+
+impl Concat {
+    pub fn new(axis: i64) -> Self {
+        Concat { axis }
+    }
+
+    fn output_type(&self, inputs: &[&TensorType]) -> OpResult<(TensorType, usize)> {
+        let first = inputs.first().ok_or("Concat needs at least one input")?;
+        let axis = normalize_axis(self.axis, first.rank())?;
+        let mut shape = first.shape.clone();
+        for (i, t) in inputs.iter().enumerate().skip(1) {
+            if t.dtype != first.dtype {
+                return Err(format!(
+                    "input {i} is {} but input 0 is {}",
+                    t.dtype, first.dtype
+                ));
+            }
+            if t.rank() != first.rank() {
+                return Err(format!(
+                    "input {i} has shape {} of rank {} but input 0 has shape {} of rank {}",
+                    ShapeDisplay(&t.shape),
+                    t.rank(),
+                    ShapeDisplay(&first.shape),
+                    first.rank()
+                ));
+            }
+            for (ax, (&a, &b)) in t.shape.iter().zip(&first.shape).enumerate() {
+                if ax != axis && a != b {
+                    return Err(format!(
+                        "input {i} has shape {} but input 0 has shape {}: \
+                         dimension {ax} differs ({a} vs {b}) and only axis {axis} may",
+                        ShapeDisplay(&t.shape),
+                        ShapeDisplay(&first.shape)
+                    ));
+                }
+            }
+            shape[axis] = shape[axis]
+                .checked_add(t.shape[axis])
+                .ok_or("the concatenated axis overflows")?;
+        }
+        if checked_numel(&shape).is_none() {
+            return Err(format!(
+                "the result {} has too many elements",
+                ShapeDisplay(&shape)
+            ));
+        }
+        Ok((TensorType::new(first.dtype, shape), axis))
+    }
+}
+
+fn concat_typed<T: Elem>(inputs: &[&Tensor], axis: usize, total: usize) -> OpResult<Data> {
+    let parts = inputs
+        .iter()
+        .map(|t| {
+            let inner: usize = t.shape()[axis..].iter().product();
+            Ok((typed::<T>(t)?, inner))
+        })
+        .collect::<OpResult<Vec<_>>>()?;
+    let outer: usize = inputs
+        .first()
+        .map(|t| t.shape()[..axis].iter().product())
+        .unwrap_or(0);
+    let mut out = Vec::with_capacity(total);
+    for o in 0..outer {
+        for &(xs, inner) in &parts {
+            let chunk = xs
+                .get(o * inner..(o + 1) * inner)
+                .ok_or("concat index out of range")?;
+            out.extend_from_slice(chunk);
+        }
+    }
+    Ok(T::wrap(out))
+}
+
+impl Op for Concat {
+    fn name(&self) -> &'static str {
+        "Concat"
+    }
+    fn arity(&self) -> Arity {
+        Arity::AtLeast(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("axis", self.axis.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        Ok(vec![self.output_type(inputs)?.0])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let (out, axis) = self.output_type(&types.iter().collect::<Vec<_>>())?;
+        let total = out.checked_len().unwrap_or(0);
+        let data = dispatch!(out.dtype, concat_typed(inputs, axis, total))?;
+        Ok(vec![Tensor::new(out.shape, data)?])
+    }
+}

@@ -1,0 +1,758 @@
+//! Conv2D, MaxPool and AvgPool against an independent float64 reference (direct
+//! loops written here, TensorFlow's SAME/VALID rule restated here), in f32, f16, bf16
+//! and f64, NHWC and NCHW.
+//!
+//! Tolerance for an output that sums K terms (a convolution: K = kh*kw*cin; an
+//! average: K = window elements), per dtype:
+//!   |got - ref| <= rtol(dtype) * |ref| + 2 * K * u(dtype) * sum |terms| + tiny
+//! with rtol = 1e-12 (f64), 1e-5 (f32), 2e-3 (f16), 1.6e-2 (bf16), u the compute
+//! type's unit roundoff (2^-53 for f64, 2^-24 for the others, which compute in f32).
+//! MaxPool selects one stored input, so it must match exactly.
+
+use std::collections::BTreeMap;
+
+use ampgraph_graph::attrs::{AttrReader, AttrValue};
+use ampgraph_graph::ops::{parse_op, AvgPool, Conv2D, DataFormat, MaxPool, Padding};
+use ampgraph_graph::{DType, Op, Tensor, TensorType};
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+const FORMATS: [DataFormat; 2] = [DataFormat::Nhwc, DataFormat::Nchw];
+
+/// splitmix64: small, deterministic, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        let u = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        lo + (hi - lo) * u
+    }
+    fn vec(&mut self, n: usize) -> Vec<f64> {
+        (0..n).map(|_| self.uniform(-1.0, 1.0)).collect()
+    }
+}
+
+fn rtol(d: DType) -> f64 {
+    match d {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        _ => unreachable!(),
+    }
+}
+
+fn unit_roundoff(d: DType) -> f64 {
+    if d == DType::F64 {
+        2f64.powi(-53)
+    } else {
+        2f64.powi(-24)
+    }
+}
+
+fn tiny(d: DType) -> f64 {
+    match d {
+        DType::F64 => f64::MIN_POSITIVE,
+        DType::F32 => 1e-45,
+        DType::F16 => 2f64.powi(-24),
+        DType::BF16 => 1e-40,
+        _ => unreachable!(),
+    }
+}
+
+fn check_sums(what: &str, dtype: DType, k: usize, got: &[f64], want: &[f64], abs: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, ((&g, &r), &s)) in got.iter().zip(want).zip(abs).enumerate() {
+        let tol = rtol(dtype) * r.abs() + 2.0 * k as f64 * unit_roundoff(dtype) * s + tiny(dtype);
+        assert!(
+            (g - r).abs() <= tol,
+            "{what} {dtype}: element {i}: got {g}, want {r} (tolerance {tol:e})"
+        );
+    }
+}
+
+fn run(op: &dyn Op, inputs: &[&Tensor]) -> Tensor {
+    let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+    let refs: Vec<&TensorType> = types.iter().collect();
+    let inferred = op.infer(&refs).expect("infer");
+    let mut out = op.eval(inputs).expect("eval");
+    assert_eq!(out.len(), 1);
+    let y = out.remove(0);
+    assert_eq!(y.ty(), inferred[0], "eval's type differs from infer's");
+    y
+}
+
+fn infer_err(op: &dyn Op, types: &[TensorType]) -> String {
+    let refs: Vec<&TensorType> = types.iter().collect();
+    op.infer(&refs).expect_err("infer should fail")
+}
+
+fn f32t(shape: &[usize]) -> TensorType {
+    TensorType::new(DType::F32, shape.to_vec())
+}
+
+fn attrs(pairs: &[(&str, AttrValue)]) -> AttrReader {
+    AttrReader::new(
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect::<BTreeMap<_, _>>(),
+    )
+}
+
+/// TensorFlow's rule, restated: (output length, padding before).
+fn tf_out(padding: Padding, len: usize, k: usize, s: usize) -> (usize, usize) {
+    match padding {
+        Padding::Valid => ((len - k) / s + 1, 0),
+        Padding::Same => {
+            let out = len.div_ceil(s);
+            let total = ((out - 1) * s + k).saturating_sub(len);
+            (out, total / 2)
+        }
+    }
+}
+
+/// A logical NHWC image batch, stored in either layout.
+#[derive(Clone)]
+struct Images {
+    n: usize,
+    h: usize,
+    w: usize,
+    c: usize,
+    /// Values indexed [n][h][w][c].
+    v: Vec<f64>,
+}
+
+impl Images {
+    fn at(&self, n: usize, y: usize, x: usize, c: usize) -> f64 {
+        self.v[((n * self.h + y) * self.w + x) * self.c + c]
+    }
+
+    fn shape(&self, f: DataFormat) -> Vec<usize> {
+        match f {
+            DataFormat::Nhwc => vec![self.n, self.h, self.w, self.c],
+            DataFormat::Nchw => vec![self.n, self.c, self.h, self.w],
+        }
+    }
+
+    fn layout(&self, f: DataFormat) -> Vec<f64> {
+        match f {
+            DataFormat::Nhwc => self.v.clone(),
+            DataFormat::Nchw => {
+                let mut out = Vec::with_capacity(self.v.len());
+                for n in 0..self.n {
+                    for c in 0..self.c {
+                        for y in 0..self.h {
+                            for x in 0..self.w {
+                                out.push(self.at(n, y, x, c));
+                            }
+                        }
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Reads a tensor of layout `f` back into NHWC order.
+    fn from_layout(f: DataFormat, shape: &[usize], data: &[f64]) -> Images {
+        let (n, h, w, c) = match f {
+            DataFormat::Nhwc => (shape[0], shape[1], shape[2], shape[3]),
+            DataFormat::Nchw => (shape[0], shape[2], shape[3], shape[1]),
+        };
+        let mut v = vec![0.0; n * h * w * c];
+        for ni in 0..n {
+            for yi in 0..h {
+                for xi in 0..w {
+                    for ci in 0..c {
+                        let src = match f {
+                            DataFormat::Nhwc => ((ni * h + yi) * w + xi) * c + ci,
+                            DataFormat::Nchw => ((ni * c + ci) * h + yi) * w + xi,
+                        };
+                        v[((ni * h + yi) * w + xi) * c + ci] = data[src];
+                    }
+                }
+            }
+        }
+        Images { n, h, w, c, v }
+    }
+
+    /// This batch as a tensor of `dtype` in layout `f`, and the batch as stored.
+    fn tensor(&self, dtype: DType, f: DataFormat) -> (Tensor, Images) {
+        let t = Tensor::from_f64(dtype, self.shape(f), &self.layout(f)).unwrap();
+        let rounded = Images::from_layout(f, t.shape(), &t.to_f64_vec());
+        (t, rounded)
+    }
+}
+
+/// Direct convolution: (values, sum of |terms|) as NHWC images.
+fn ref_conv(
+    x: &Images,
+    filt: &[f64],
+    [kh, kw, cout]: [usize; 3],
+    strides: [usize; 2],
+    padding: Padding,
+) -> (Images, Images) {
+    let (oh, pt) = tf_out(padding, x.h, kh, strides[0]);
+    let (ow, pl) = tf_out(padding, x.w, kw, strides[1]);
+    let cin = x.c;
+    let mut val = vec![0.0; x.n * oh * ow * cout];
+    let mut abs = val.clone();
+    for n in 0..x.n {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for co in 0..cout {
+                    let o = ((n * oh + oy) * ow + ox) * cout + co;
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let iy = (oy * strides[0] + ky) as isize - pt as isize;
+                            let ix = (ox * strides[1] + kx) as isize - pl as isize;
+                            if iy < 0 || ix < 0 || iy >= x.h as isize || ix >= x.w as isize {
+                                continue;
+                            }
+                            for ci in 0..cin {
+                                let t = x.at(n, iy as usize, ix as usize, ci)
+                                    * filt[((ky * kw + kx) * cin + ci) * cout + co];
+                                val[o] += t;
+                                abs[o] += t.abs();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let img = |v| Images {
+        n: x.n,
+        h: oh,
+        w: ow,
+        c: cout,
+        v,
+    };
+    (img(val), img(abs))
+}
+
+/// Direct pooling over in-bounds elements: (values, sum of |terms|, element counts).
+fn ref_pool(
+    x: &Images,
+    max: bool,
+    ksize: [usize; 2],
+    strides: [usize; 2],
+    padding: Padding,
+) -> (Images, Images, Images) {
+    let (oh, pt) = tf_out(padding, x.h, ksize[0], strides[0]);
+    let (ow, pl) = tf_out(padding, x.w, ksize[1], strides[1]);
+    let len = x.n * oh * ow * x.c;
+    let (mut val, mut abs, mut cnt) = (vec![0.0; len], vec![0.0; len], vec![0.0; len]);
+    for n in 0..x.n {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for c in 0..x.c {
+                    let o = ((n * oh + oy) * ow + ox) * x.c + c;
+                    let mut best = f64::NEG_INFINITY;
+                    let (mut sum, mut sabs, mut count) = (0.0, 0.0, 0.0);
+                    for ky in 0..ksize[0] {
+                        for kx in 0..ksize[1] {
+                            let iy = (oy * strides[0] + ky) as isize - pt as isize;
+                            let ix = (ox * strides[1] + kx) as isize - pl as isize;
+                            if iy < 0 || ix < 0 || iy >= x.h as isize || ix >= x.w as isize {
+                                continue;
+                            }
+                            let v = x.at(n, iy as usize, ix as usize, c);
+                            best = best.max(v);
+                            sum += v;
+                            sabs += v.abs();
+                            count += 1.0;
+                        }
+                    }
+                    val[o] = if max { best } else { sum / count };
+                    abs[o] = sabs / count;
+                    cnt[o] = count;
+                }
+            }
+        }
+    }
+    let img = |v| Images {
+        n: x.n,
+        h: oh,
+        w: ow,
+        c: x.c,
+        v,
+    };
+    (img(val), img(abs), img(cnt))
+}
+
+fn one_to_nine() -> Images {
+    Images {
+        n: 1,
+        h: 3,
+        w: 3,
+        c: 1,
+        v: (1..=9).map(f64::from).collect(),
+    }
+}
+
+fn output_nhwc(y: &Tensor, f: DataFormat) -> Images {
+    Images::from_layout(f, y.shape(), &y.to_f64_vec())
+}
+
+#[test]
+fn conv_3x3_by_hand() {
+    let x = one_to_nine();
+    for dtype in FLOATS {
+        for f in FORMATS {
+            let (xt, _) = x.tensor(dtype, f);
+            // 2x2 filter of ones, VALID: sums of 2x2 blocks.
+            let ones2 = Tensor::from_f64(dtype, [2, 2, 1, 1], &[1.0; 4]).unwrap();
+            let y = run(&Conv2D::new([1, 1], Padding::Valid, f), &[&xt, &ones2]);
+            let want_shape = match f {
+                DataFormat::Nhwc => [1, 2, 2, 1],
+                DataFormat::Nchw => [1, 1, 2, 2],
+            };
+            assert_eq!(y.shape(), &want_shape[..]);
+            assert_eq!(y.to_f64_vec(), [12.0, 16.0, 24.0, 28.0], "{dtype} {f:?}");
+            // 3x3 filter of ones, SAME: sums of the in-bounds neighbourhoods.
+            let ones3 = Tensor::from_f64(dtype, [3, 3, 1, 1], &[1.0; 9]).unwrap();
+            let y = run(&Conv2D::new([1, 1], Padding::Same, f), &[&xt, &ones3]);
+            assert_eq!(
+                y.to_f64_vec(),
+                [12.0, 21.0, 16.0, 27.0, 45.0, 33.0, 24.0, 39.0, 28.0],
+                "{dtype} {f:?}"
+            );
+            // The same with stride 2: the corners.
+            let y = run(&Conv2D::new([2, 2], Padding::Same, f), &[&xt, &ones3]);
+            assert_eq!(y.to_f64_vec(), [12.0, 16.0, 24.0, 28.0], "{dtype} {f:?}");
+            // A filter that is not symmetric: it picks the top-left neighbour
+            // (cross-correlation, not flipped).
+            let mut pick = [0.0; 9];
+            pick[0] = 1.0;
+            let pick = Tensor::from_f64(dtype, [3, 3, 1, 1], &pick).unwrap();
+            let y = run(&Conv2D::new([1, 1], Padding::Same, f), &[&xt, &pick]);
+            assert_eq!(
+                y.to_f64_vec(),
+                [0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 4.0, 5.0],
+                "{dtype} {f:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn conv_two_channels_by_hand() {
+    // x: 1x1 image with channels [2, 3]; filter 1x1, 2 in, 2 out [[1, 10], [100, 1000]].
+    let x = Tensor::from_f64(DType::F32, [1, 1, 1, 2], &[2.0, 3.0]).unwrap();
+    let f = Tensor::from_f64(DType::F32, [1, 1, 2, 2], &[1.0, 10.0, 100.0, 1000.0]).unwrap();
+    let y = run(
+        &Conv2D::new([1, 1], Padding::Valid, DataFormat::Nhwc),
+        &[&x, &f],
+    );
+    assert_eq!(y.to_f64_vec(), [302.0, 3020.0]);
+    let y = run(
+        &Conv2D::new([1, 1], Padding::Valid, DataFormat::Nchw),
+        &[&x.clone().reshaped(vec![1, 2, 1, 1]).unwrap(), &f],
+    );
+    assert_eq!(y.shape(), &[1, 2, 1, 1]);
+    assert_eq!(y.to_f64_vec(), [302.0, 3020.0]);
+}
+
+struct ConvCase {
+    n: usize,
+    h: usize,
+    w: usize,
+    cin: usize,
+    cout: usize,
+    kh: usize,
+    kw: usize,
+    strides: [usize; 2],
+}
+
+fn check_conv(case: &ConvCase, dtype: DType, f: DataFormat, padding: Padding, rng: &mut Rng) {
+    let ConvCase {
+        n,
+        h,
+        w,
+        cin,
+        cout,
+        kh,
+        kw,
+        strides,
+    } = *case;
+    let x = Images {
+        n,
+        h,
+        w,
+        c: cin,
+        v: rng.vec(n * h * w * cin),
+    };
+    let (xt, x) = x.tensor(dtype, f);
+    let ft = Tensor::from_f64(dtype, [kh, kw, cin, cout], &rng.vec(kh * kw * cin * cout)).unwrap();
+    let fv = ft.to_f64_vec();
+    let y = run(&Conv2D::new(strides, padding, f), &[&xt, &ft]);
+    let (want, abs) = ref_conv(&x, &fv, [kh, kw, cout], strides, padding);
+    assert_eq!(y.shape(), &want.shape(f)[..]);
+    let got = output_nhwc(&y, f);
+    check_sums(
+        &format!("Conv2D x [{n},{h},{w},{cin}] filter [{kh},{kw},{cin},{cout}] {strides:?} {padding:?} {f:?}"),
+        dtype,
+        kh * kw * cin,
+        &got.v,
+        &want.v,
+        &abs.v,
+    );
+}
+
+#[test]
+fn conv_matches_reference() {
+    let mut rng = Rng(7);
+    let c = |n, h, w, cin, cout, kh, kw, strides| ConvCase {
+        n,
+        h,
+        w,
+        cin,
+        cout,
+        kh,
+        kw,
+        strides,
+    };
+    let cases = [
+        c(2, 5, 6, 3, 4, 3, 3, [1, 1]),
+        c(1, 7, 5, 2, 3, 2, 2, [2, 2]), // even window: asymmetric SAME padding
+        c(3, 8, 8, 4, 5, 3, 2, [2, 1]),
+        c(2, 4, 4, 3, 2, 1, 1, [1, 1]), // 1x1: NHWC skips im2col
+        c(1, 6, 6, 2, 2, 1, 1, [2, 2]), // 1x1 with stride
+        c(1, 3, 3, 2, 3, 5, 5, [1, 1]), // window larger than the image (SAME only)
+        c(2, 9, 7, 1, 1, 3, 3, [3, 2]),
+        c(4, 12, 12, 8, 16, 3, 3, [1, 1]), // big enough for parallel products
+    ];
+    for dtype in FLOATS {
+        for f in FORMATS {
+            for case in &cases {
+                for padding in [Padding::Same, Padding::Valid] {
+                    if padding == Padding::Valid && (case.kh > case.h || case.kw > case.w) {
+                        continue;
+                    }
+                    check_conv(case, dtype, f, padding, &mut rng);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn conv_batch_larger_than_im2col_budget() {
+    // 3 images of 64x64 pixels with 3x3x256 patches: more than one im2col group.
+    let case = ConvCase {
+        n: 3,
+        h: 64,
+        w: 64,
+        cin: 256,
+        cout: 2,
+        kh: 3,
+        kw: 3,
+        strides: [1, 1],
+    };
+    let mut rng = Rng(11);
+    for f in FORMATS {
+        check_conv(&case, DType::F32, f, Padding::Same, &mut rng);
+    }
+}
+
+#[test]
+fn conv_shape_errors() {
+    let op = Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc);
+    let e = infer_err(&op, &[f32t(&[8, 28, 28, 3]), f32t(&[3, 3, 4, 16])]);
+    assert!(
+        e.contains("3 channels") && e.contains("4 input channels"),
+        "{e}"
+    );
+    assert!(
+        e.contains("[8, 28, 28, 3]") && e.contains("[3, 3, 4, 16]"),
+        "{e}"
+    );
+    // The same x read as NCHW has 28 channels.
+    let nchw = Conv2D::new([1, 1], Padding::Same, DataFormat::Nchw);
+    let e = infer_err(&nchw, &[f32t(&[8, 28, 28, 3]), f32t(&[3, 3, 3, 16])]);
+    assert!(e.contains("28 channels") && e.contains("NCHW"), "{e}");
+    let ok = nchw
+        .infer(&[&f32t(&[8, 3, 28, 28]), &f32t(&[3, 3, 3, 16])])
+        .unwrap();
+    assert_eq!(ok[0].shape, [8, 16, 28, 28]);
+
+    // Bad strides, built directly (parsing rejects them earlier, see below).
+    let bad = Conv2D::new([0, 1], Padding::Same, DataFormat::Nhwc);
+    let e = infer_err(&bad, &[f32t(&[1, 4, 4, 1]), f32t(&[2, 2, 1, 1])]);
+    assert!(e.contains("strides") && e.contains("positive"), "{e}");
+
+    let e = infer_err(&op, &[f32t(&[28, 28, 3]), f32t(&[3, 3, 3, 16])]);
+    assert!(e.contains("rank 4") && e.contains("[28, 28, 3]"), "{e}");
+    let e = infer_err(&op, &[f32t(&[1, 28, 28, 3]), f32t(&[3, 3, 3])]);
+    assert!(e.contains("filter") && e.contains("rank 4"), "{e}");
+    let valid = Conv2D::new([1, 1], Padding::Valid, DataFormat::Nhwc);
+    let e = infer_err(&valid, &[f32t(&[1, 2, 8, 1]), f32t(&[3, 3, 1, 1])]);
+    assert!(e.contains("height") && e.contains("VALID"), "{e}");
+    let e = infer_err(
+        &op,
+        &[
+            f32t(&[1, 4, 4, 1]),
+            TensorType::new(DType::F16, vec![2, 2, 1, 1]),
+        ],
+    );
+    assert!(e.contains("f16") && e.contains("f32"), "{e}");
+    let i32t = |s: &[usize]| TensorType::new(DType::I32, s.to_vec());
+    let e = infer_err(&op, &[i32t(&[1, 4, 4, 1]), i32t(&[2, 2, 1, 1])]);
+    assert!(e.contains("float"), "{e}");
+    // eval reports the same problems instead of panicking.
+    let x = Tensor::from_f64(DType::F32, [1, 2, 2, 3], &[0.0; 12]).unwrap();
+    let fl = Tensor::from_f64(DType::F32, [1, 1, 2, 1], &[0.0; 2]).unwrap();
+    assert!(op.eval(&[&x, &fl]).unwrap_err().contains("channels"));
+}
+
+#[test]
+fn conv_output_shapes_follow_tensorflow() {
+    // TF: SAME -> ceil(in / stride); VALID -> ceil((in - k + 1) / stride).
+    let cases = [
+        (Padding::Same, 28, 3, 1, 28),
+        (Padding::Same, 28, 3, 2, 14),
+        (Padding::Same, 7, 3, 2, 4),
+        (Padding::Valid, 28, 5, 1, 24),
+        (Padding::Valid, 7, 3, 2, 3),
+        (Padding::Valid, 8, 3, 3, 2),
+    ];
+    for (padding, len, k, s, want) in cases {
+        let op = Conv2D::new([s, s], padding, DataFormat::Nhwc);
+        let y = op
+            .infer(&[&f32t(&[1, len, len, 1]), &f32t(&[k, k, 1, 2])])
+            .unwrap();
+        assert_eq!(y[0].shape, [1, want, want, 2], "{padding:?} {len} {k} {s}");
+    }
+}
+
+#[test]
+fn conv_parse_attrs() {
+    let op = parse_op(
+        "Conv2D",
+        attrs(&[
+            ("strides", AttrValue::Ints(vec![2, 1])),
+            ("padding", "VALID".into()),
+            ("data_format", "NCHW".into()),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        op.downcast_ref::<Conv2D>(),
+        Some(&Conv2D::new([2, 1], Padding::Valid, DataFormat::Nchw))
+    );
+    // Attrs written back parse to the same op.
+    let back: Vec<(&str, AttrValue)> = op.attrs();
+    let again = parse_op("Conv2D", attrs(&back)).unwrap();
+    assert!(*again == *op);
+    // data_format defaults to NHWC, strides to [1, 1].
+    let op = parse_op("Conv2D", attrs(&[("padding", "SAME".into())])).unwrap();
+    assert_eq!(
+        op.downcast_ref::<Conv2D>(),
+        Some(&Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc))
+    );
+
+    let e = parse_op(
+        "Conv2D",
+        attrs(&[
+            ("strides", AttrValue::Ints(vec![0, 1])),
+            ("padding", "SAME".into()),
+        ]),
+    )
+    .err()
+    .unwrap();
+    assert!(e.contains("strides") && e.contains("positive"), "{e}");
+    let e = parse_op(
+        "Conv2D",
+        attrs(&[
+            ("strides", AttrValue::Ints(vec![1, 2, 2, 1])),
+            ("padding", "SAME".into()),
+        ]),
+    )
+    .err()
+    .unwrap();
+    assert!(e.contains("strides"), "{e}");
+    let e = parse_op("Conv2D", attrs(&[])).err().unwrap();
+    assert!(e.contains("padding"), "{e}");
+    let e = parse_op("Conv2D", attrs(&[("padding", "FULL".into())]))
+        .err()
+        .unwrap();
+    assert!(e.contains("SAME") && e.contains("FULL"), "{e}");
+    let e = parse_op(
+        "Conv2D",
+        attrs(&[("padding", "SAME".into()), ("data_format", "NWHC".into())]),
+    )
+    .err()
+    .unwrap();
+    assert!(e.contains("data_format"), "{e}");
+}
+
+#[test]
+fn avgpool_same_divides_by_in_bounds_count() {
+    let x = one_to_nine();
+    for dtype in FLOATS {
+        for f in FORMATS {
+            let (xt, _) = x.tensor(dtype, f);
+            let y = run(&AvgPool::new([3, 3], [1, 1], Padding::Same, f), &[&xt]);
+            // Corners average 4 elements, edges 6, the centre 9.
+            assert_eq!(
+                y.to_f64_vec(),
+                [3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0],
+                "{dtype} {f:?}"
+            );
+            // 2x2 windows, stride 2: padding goes after (bottom/right).
+            let y = run(&AvgPool::new([2, 2], [2, 2], Padding::Same, f), &[&xt]);
+            assert_eq!(y.to_f64_vec(), [3.0, 4.5, 7.5, 9.0], "{dtype} {f:?}");
+            let y = run(&MaxPool::new([2, 2], [2, 2], Padding::Same, f), &[&xt]);
+            assert_eq!(y.to_f64_vec(), [5.0, 6.0, 8.0, 9.0], "{dtype} {f:?}");
+            let y = run(&AvgPool::new([2, 2], [1, 1], Padding::Valid, f), &[&xt]);
+            assert_eq!(y.to_f64_vec(), [3.0, 4.0, 6.0, 7.0], "{dtype} {f:?}");
+        }
+    }
+}
+
+#[test]
+fn maxpool_ignores_padding() {
+    // All values negative: a zero pad would win if padding took part.
+    let mut x = one_to_nine();
+    x.v.iter_mut().for_each(|v| *v = -*v);
+    for dtype in FLOATS {
+        for f in FORMATS {
+            let (xt, _) = x.tensor(dtype, f);
+            let y = run(&MaxPool::new([3, 3], [1, 1], Padding::Same, f), &[&xt]);
+            assert_eq!(
+                y.to_f64_vec(),
+                [-1.0, -1.0, -2.0, -1.0, -1.0, -2.0, -4.0, -4.0, -5.0],
+                "{dtype} {f:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn pools_match_reference() {
+    let mut rng = Rng(5);
+    // (n, h, w, c, ksize, strides)
+    type PoolCase = (usize, usize, usize, usize, [usize; 2], [usize; 2]);
+    let cases: &[PoolCase] = &[
+        (2, 6, 6, 3, [2, 2], [2, 2]),
+        (1, 7, 5, 2, [3, 3], [2, 2]),
+        (3, 5, 8, 4, [3, 2], [1, 3]),
+        (1, 4, 4, 1, [5, 5], [1, 1]), // window larger than the image (SAME only)
+        (2, 9, 9, 5, [1, 1], [2, 2]),
+    ];
+    for dtype in FLOATS {
+        for f in FORMATS {
+            for &(n, h, w, c, ksize, strides) in cases {
+                for padding in [Padding::Same, Padding::Valid] {
+                    if padding == Padding::Valid && (ksize[0] > h || ksize[1] > w) {
+                        continue;
+                    }
+                    let x = Images {
+                        n,
+                        h,
+                        w,
+                        c,
+                        v: rng.vec(n * h * w * c),
+                    };
+                    let (xt, x) = x.tensor(dtype, f);
+                    let what =
+                        format!("x [{n},{h},{w},{c}] {ksize:?} {strides:?} {padding:?} {f:?}");
+
+                    let y = run(&MaxPool::new(ksize, strides, padding, f), &[&xt]);
+                    let (want, _, _) = ref_pool(&x, true, ksize, strides, padding);
+                    assert_eq!(y.shape(), &want.shape(f)[..], "MaxPool {what}");
+                    assert_eq!(output_nhwc(&y, f).v, want.v, "MaxPool {what} {dtype}");
+
+                    let y = run(&AvgPool::new(ksize, strides, padding, f), &[&xt]);
+                    let (want, abs, _) = ref_pool(&x, false, ksize, strides, padding);
+                    assert_eq!(y.shape(), &want.shape(f)[..], "AvgPool {what}");
+                    check_sums(
+                        &format!("AvgPool {what}"),
+                        dtype,
+                        ksize[0] * ksize[1],
+                        &output_nhwc(&y, f).v,
+                        &want.v,
+                        &abs.v,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pool_errors_and_attrs() {
+    let p = MaxPool::new([2, 2], [2, 2], Padding::Valid, DataFormat::Nhwc);
+    let e = infer_err(&p, &[f32t(&[4, 4, 3])]);
+    assert!(e.contains("rank 4"), "{e}");
+    let e = infer_err(&p, &[f32t(&[1, 1, 4, 3])]);
+    assert!(e.contains("height") && e.contains("VALID"), "{e}");
+    let e = infer_err(&p, &[TensorType::new(DType::I64, vec![1, 4, 4, 1])]);
+    assert!(e.contains("float"), "{e}");
+    let bad = AvgPool::new([2, 0], [1, 1], Padding::Same, DataFormat::Nhwc);
+    let e = infer_err(&bad, &[f32t(&[1, 4, 4, 1])]);
+    assert!(e.contains("ksize"), "{e}");
+    let bad = AvgPool::new([2, 2], [1, 0], Padding::Same, DataFormat::Nhwc);
+    let e = infer_err(&bad, &[f32t(&[1, 4, 4, 1])]);
+    assert!(e.contains("strides"), "{e}");
+    let ok = AvgPool::new([3, 3], [2, 2], Padding::Same, DataFormat::Nchw)
+        .infer(&[&f32t(&[2, 16, 7, 9])])
+        .unwrap();
+    assert_eq!(ok[0].shape, [2, 16, 4, 5]);
+
+    for name in ["MaxPool", "AvgPool"] {
+        let op = parse_op(
+            name,
+            attrs(&[
+                ("ksize", AttrValue::Ints(vec![3, 2])),
+                ("strides", AttrValue::Ints(vec![2, 1])),
+                ("padding", "SAME".into()),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(op.name(), name);
+        let again = parse_op(name, attrs(&op.attrs())).unwrap();
+        assert!(*again == *op);
+        let e = parse_op(name, attrs(&[("padding", "SAME".into())]))
+            .err()
+            .unwrap();
+        assert!(e.contains("ksize"), "{e}");
+        let e = parse_op(
+            name,
+            attrs(&[
+                ("ksize", AttrValue::Ints(vec![2, 2])),
+                ("strides", AttrValue::Ints(vec![2, -1])),
+                ("padding", "SAME".into()),
+            ]),
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("strides"), "{e}");
+    }
+    let op = parse_op(
+        "MaxPool",
+        attrs(&[
+            ("ksize", AttrValue::Ints(vec![2, 2])),
+            ("strides", AttrValue::Ints(vec![2, 2])),
+            ("padding", "VALID".into()),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        op.downcast_ref::<MaxPool>(),
+        Some(&MaxPool::new(
+            [2, 2],
+            [2, 2],
+            Padding::Valid,
+            DataFormat::Nhwc
+        ))
+    );
+}

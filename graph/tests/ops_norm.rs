@@ -1,0 +1,569 @@
+//! BatchNorm and LayerNorm against a naive float64 reference, in f32, f16, bf16 and f64.
+#![allow(dead_code)]
+
+use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
+use ampgraph_graph::op::TypeGroup;
+use ampgraph_graph::ops::{parse_op, BatchNorm, DataFormat, LayerNorm};
+use ampgraph_graph::{DType, Op, Tensor, TensorType};
+
+// ---- shared test helpers (copied into each ops_* test file) ----
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+
+/// Per-dtype tolerance, relative to the scale of the values compared.
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        other => panic!("no tolerance for {other}"),
+    }
+}
+
+/// A small deterministic PRNG (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn vals(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+        (0..n).map(|_| lo + (hi - lo) * self.uniform()).collect()
+    }
+}
+
+/// A tensor of `dtype` from f64 values, and the values it actually holds (rounded).
+fn input(dtype: DType, shape: &[usize], vals: &[f64]) -> (Tensor, Vec<f64>) {
+    let t = Tensor::from_f64(dtype, shape.to_vec(), vals).unwrap();
+    let r = t.to_f64_vec();
+    (t, r)
+}
+
+/// Asserts `got` has `dtype`, `shape` and values within `tol(tol_dtype) * max(scale, |want|)`.
+fn assert_close(
+    what: &str,
+    got: &Tensor,
+    dtype: DType,
+    shape: &[usize],
+    want: &[f64],
+    tol_dtype: DType,
+    scale: f64,
+) {
+    assert_eq!(got.dtype(), dtype, "{what}: dtype");
+    assert_eq!(got.shape(), shape, "{what}: shape");
+    let g = got.to_f64_vec();
+    assert_eq!(g.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in g.iter().zip(want).enumerate() {
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
+        } else if w.is_infinite() {
+            assert_eq!(g, w, "{what}[{i}]");
+        } else {
+            let bound = tol(tol_dtype) * scale.max(w.abs());
+            assert!(
+                (g - w).abs() <= bound,
+                "{what}[{i}] ({tol_dtype}): got {g}, want {w}, |diff| {} > {bound}",
+                (g - w).abs()
+            );
+        }
+    }
+}
+
+fn tys(ts: &[&Tensor]) -> Vec<TensorType> {
+    ts.iter().map(|t| t.ty()).collect()
+}
+
+/// `op.infer` on the given types, expecting an error; returns its message.
+fn infer_err(op: &dyn Op, types: &[TensorType]) -> String {
+    let refs: Vec<&TensorType> = types.iter().collect();
+    match op.infer(&refs) {
+        Ok(t) => panic!("{} accepted {types:?} giving {t:?}", op.name()),
+        Err(e) => e,
+    }
+}
+
+fn tt(dtype: DType, shape: &[usize]) -> TensorType {
+    TensorType::new(dtype, shape.to_vec())
+}
+
+/// Builds an op from its file form.
+fn parse(name: &str, attrs: &[(&str, AttrValue)]) -> Result<Box<dyn Op>, String> {
+    let map: AttrMap = attrs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    parse_op(name, AttrReader::new(map))
+}
+
+/// The op's attrs written out and parsed back give the same op.
+fn assert_round_trip(op: &dyn Op) {
+    let attrs = op.attrs();
+    let back = parse(op.name(), &attrs).unwrap();
+    assert!(*back == *op, "{op:?} round-trips to {back:?}");
+}
+
+/// Row-major index of a multi-index.
+fn ravel(idx: &[usize], shape: &[usize]) -> usize {
+    idx.iter().zip(shape).fold(0, |acc, (&i, &d)| acc * d + i)
+}
+
+/// Multi-index of a row-major index.
+fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for ax in (0..shape.len()).rev() {
+        idx[ax] = flat % shape[ax];
+        flat /= shape[ax];
+    }
+    idx
+}
+
+/// The statistics dtype U of BatchNorm for an x of `dtype`.
+fn stats_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+// ---- reference ----
+
+struct BnRef {
+    y: Vec<f64>,
+    mean: Vec<f64>,
+    var: Vec<f64>,
+}
+
+/// Naive batch norm: `c_axis` is the channel axis of `shape`.
+#[allow(clippy::too_many_arguments)]
+fn naive_batch_norm(
+    x: &[f64],
+    shape: &[usize],
+    c_axis: usize,
+    scale: &[f64],
+    offset: &[f64],
+    mean: &[f64],
+    var: &[f64],
+    eps: f64,
+    training: bool,
+) -> BnRef {
+    let c = shape[c_axis];
+    let channel = |flat: usize| unravel(flat, shape)[c_axis];
+    let (m, v, out_v) = if training {
+        let mut sum = vec![0.0; c];
+        let mut cnt = vec![0usize; c];
+        for (i, &val) in x.iter().enumerate() {
+            sum[channel(i)] += val;
+            cnt[channel(i)] += 1;
+        }
+        let m: Vec<f64> = (0..c).map(|k| sum[k] / cnt[k] as f64).collect();
+        let mut ss = vec![0.0; c];
+        for (i, &val) in x.iter().enumerate() {
+            let k = channel(i);
+            ss[k] += (val - m[k]) * (val - m[k]);
+        }
+        let biased: Vec<f64> = (0..c).map(|k| ss[k] / cnt[k] as f64).collect();
+        let unbiased: Vec<f64> = (0..c)
+            .map(|k| {
+                if cnt[k] > 1 {
+                    ss[k] / (cnt[k] - 1) as f64
+                } else {
+                    biased[k]
+                }
+            })
+            .collect();
+        (m, biased, unbiased)
+    } else {
+        (mean.to_vec(), var.to_vec(), var.to_vec())
+    };
+    let y = x
+        .iter()
+        .enumerate()
+        .map(|(i, &val)| {
+            let k = channel(i);
+            (val - m[k]) / (v[k] + eps).sqrt() * scale[k] + offset[k]
+        })
+        .collect();
+    BnRef {
+        y,
+        mean: m,
+        var: out_v,
+    }
+}
+
+/// Naive layer norm over the trailing `len` elements of each row.
+fn naive_layer_norm(x: &[f64], len: usize, gamma: &[f64], beta: &[f64], eps: f64) -> Vec<f64> {
+    let mut out = Vec::new();
+    for row in x.chunks(len) {
+        let mean = row.iter().sum::<f64>() / len as f64;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / len as f64;
+        for (j, &v) in row.iter().enumerate() {
+            out.push((v - mean) / (var + eps).sqrt() * gamma[j] + beta[j]);
+        }
+    }
+    out
+}
+
+fn run_batch_norm_case(
+    dtype: DType,
+    shape: &[usize],
+    format: DataFormat,
+    training: bool,
+    seed: u64,
+) {
+    let mut rng = Rng(seed);
+    let u = stats_dtype(dtype);
+    let c_axis = if shape.len() == 4 && format == DataFormat::Nchw {
+        1
+    } else {
+        shape.len() - 1
+    };
+    let c = shape[c_axis];
+    let n: usize = shape.iter().product();
+    let (x, xr) = input(dtype, shape, &rng.vals(n, -2.0, 3.0));
+    let (scale, sr) = input(u, &[c], &rng.vals(c, 0.5, 1.5));
+    let (offset, or) = input(u, &[c], &rng.vals(c, -1.0, 1.0));
+    let (mean, mr) = input(u, &[c], &rng.vals(c, -0.5, 0.5));
+    let (var, vr) = input(u, &[c], &rng.vals(c, 0.5, 2.0));
+    let eps = 1e-3;
+    let op = BatchNorm {
+        epsilon: eps,
+        training,
+        data_format: format,
+    };
+    let inputs = [&x, &scale, &offset, &mean, &var];
+    let types = tys(&inputs);
+    let refs: Vec<&TensorType> = types.iter().collect();
+    assert_eq!(
+        op.infer(&refs).unwrap(),
+        vec![x.ty(), tt(u, &[c]), tt(u, &[c])]
+    );
+    let out = op.eval(&inputs).unwrap();
+    assert_eq!(out.len(), 3);
+    let r = naive_batch_norm(&xr, shape, c_axis, &sr, &or, &mr, &vr, eps, training);
+    let what = format!("BatchNorm {dtype} {shape:?} {format:?} training={training}");
+    assert_close(
+        &format!("{what} y"),
+        &out[0],
+        dtype,
+        shape,
+        &r.y,
+        dtype,
+        1.0,
+    );
+    assert_close(&format!("{what} mean"), &out[1], u, &[c], &r.mean, u, 1.0);
+    assert_close(&format!("{what} var"), &out[2], u, &[c], &r.var, u, 1.0);
+    if !training {
+        assert_eq!(out[1], mean);
+        assert_eq!(out[2], var);
+    }
+}
+
+// ---- BatchNorm ----
+
+#[test]
+fn batch_norm_hand_computed() {
+    for dtype in FLOATS {
+        let u = stats_dtype(dtype);
+        let t = |shape: Vec<usize>, v: &[f64], d| Tensor::from_f64(d, shape, v).unwrap();
+        let x = t(vec![2, 2], &[1., 2., 3., 4.], dtype);
+        let scale = t(vec![2], &[1., 2.], u);
+        let offset = t(vec![2], &[0., 1.], u);
+        let mean = t(vec![2], &[2., 3.], u);
+        let var = t(vec![2], &[1., 4.], u);
+        let op = BatchNorm {
+            epsilon: 0.0,
+            training: false,
+            data_format: DataFormat::Nhwc,
+        };
+        let out = op.eval(&[&x, &scale, &offset, &mean, &var]).unwrap();
+        assert_close("y", &out[0], dtype, &[2, 2], &[-1., 0., 1., 2.], dtype, 1.0);
+
+        // Training: mean [2, 4], biased var [1, 4] -> y = ±1; var output unbiased [2, 8].
+        let x = t(vec![2, 2], &[1., 2., 3., 6.], dtype);
+        let ones = t(vec![2], &[1., 1.], u);
+        let zeros = t(vec![2], &[0., 0.], u);
+        let op = BatchNorm {
+            epsilon: 0.0,
+            training: true,
+            data_format: DataFormat::Nhwc,
+        };
+        let out = op.eval(&[&x, &ones, &zeros, &zeros, &ones]).unwrap();
+        assert_close(
+            "y",
+            &out[0],
+            dtype,
+            &[2, 2],
+            &[-1., -1., 1., 1.],
+            dtype,
+            1.0,
+        );
+        assert_close("mean", &out[1], u, &[2], &[2., 4.], u, 1.0);
+        assert_close("var", &out[2], u, &[2], &[2., 8.], u, 1.0);
+    }
+}
+
+#[test]
+fn batch_norm_vs_reference_all_layouts() {
+    let mut seed = 1;
+    for dtype in FLOATS {
+        for training in [false, true] {
+            for (shape, format) in [
+                (vec![2, 3, 4, 5], DataFormat::Nhwc),
+                (vec![2, 5, 3, 4], DataFormat::Nchw),
+                (vec![8, 3], DataFormat::Nhwc),
+                (vec![8, 3], DataFormat::Nchw),
+                (vec![1, 1, 1, 3], DataFormat::Nhwc),
+            ] {
+                seed += 1;
+                run_batch_norm_case(dtype, &shape, format, training, seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn batch_norm_training_accepts_empty_statistics() {
+    let x = Tensor::from_f64(DType::F16, vec![4, 2], &[1., 2., 3., 4., 5., 6., 7., 8.]).unwrap();
+    let one = Tensor::from_f64(DType::F32, vec![2], &[1., 1.]).unwrap();
+    let empty = Tensor::from_f64(DType::F32, vec![0], &[]).unwrap();
+    let op = BatchNorm {
+        training: true,
+        ..BatchNorm::default()
+    };
+    let out = op.eval(&[&x, &one, &one, &empty, &empty]).unwrap();
+    assert_eq!(out[1].to_f64_vec(), vec![4.0, 5.0]);
+    let e = BatchNorm::default()
+        .eval(&[&x, &one, &one, &empty, &empty])
+        .unwrap_err();
+    assert!(e.contains("mean") && e.contains("[0]"), "{e}");
+}
+
+#[test]
+fn batch_norm_errors() {
+    let op = BatchNorm::default();
+    let p = |d, n| tt(d, &[n]);
+    let x = tt(DType::F16, &[2, 4, 4, 3]);
+    let ok = [
+        x.clone(),
+        p(DType::F32, 3),
+        p(DType::F32, 3),
+        p(DType::F32, 3),
+        p(DType::F32, 3),
+    ];
+    let refs: Vec<&TensorType> = ok.iter().collect();
+    assert!(op.infer(&refs).is_ok());
+    for (slot, name) in [(1, "scale"), (2, "offset"), (3, "mean"), (4, "variance")] {
+        let mut bad = ok.clone();
+        bad[slot] = p(DType::F32, 4);
+        let e = infer_err(&op, &bad);
+        assert!(
+            e.contains(name) && e.contains("[4]") && e.contains("3 channels"),
+            "{e}"
+        );
+        let mut bad = ok.clone();
+        bad[slot] = p(DType::F16, 3);
+        let e = infer_err(&op, &bad);
+        assert!(e.contains(name) && e.contains("must be f32"), "{e}");
+    }
+    // f64 x needs f64 statistics.
+    let mut bad = ok.clone();
+    bad[0] = tt(DType::F64, &[2, 4, 4, 3]);
+    let e = infer_err(&op, &bad);
+    assert!(e.contains("must be f64"), "{e}");
+    // NCHW reads C from axis 1.
+    let nchw = BatchNorm {
+        data_format: DataFormat::Nchw,
+        ..BatchNorm::default()
+    };
+    let e = infer_err(&nchw, &ok);
+    assert!(e.contains("4 channels"), "{e}");
+    // Rank 3 and integer x.
+    let mut bad = ok.clone();
+    bad[0] = tt(DType::F32, &[2, 4, 3]);
+    let e = infer_err(&op, &bad);
+    assert!(e.contains("rank 4") && e.contains("[2, 4, 3]"), "{e}");
+    let mut bad = ok.clone();
+    bad[0] = tt(DType::I32, &[2, 3]);
+    assert!(infer_err(&op, &bad).contains("float"));
+    // eval re-checks and errors instead of indexing out of bounds.
+    let x = Tensor::from_f64(DType::F32, vec![1, 3], &[1., 2., 3.]).unwrap();
+    let two = Tensor::from_f64(DType::F32, vec![2], &[1., 1.]).unwrap();
+    assert!(op.eval(&[&x, &two, &two, &two, &two]).is_err());
+    let e = parse("BatchNorm", &[("epsilon", AttrValue::Float(-1.0))]).unwrap_err();
+    assert!(e.contains("epsilon"), "{e}");
+}
+
+#[test]
+fn batch_norm_registry_and_typed_inputs() {
+    let op = parse("BatchNorm", &[]).unwrap();
+    assert_eq!(
+        op.downcast_ref::<BatchNorm>(),
+        Some(&BatchNorm {
+            epsilon: 0.001,
+            training: false,
+            data_format: DataFormat::Nhwc
+        })
+    );
+    assert_eq!(op.typed_inputs(5), vec![0]);
+    assert_eq!(
+        op.type_groups(5, 3),
+        vec![
+            TypeGroup::new(vec![0], vec![0]),
+            TypeGroup::new(vec![1, 2, 3, 4], vec![1, 2]).fixed(),
+        ]
+    );
+    let op = parse(
+        "BatchNorm",
+        &[
+            ("epsilon", AttrValue::Float(1e-5)),
+            ("training", AttrValue::Bool(true)),
+            ("data_format", AttrValue::Str("NCHW".into())),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        op.downcast_ref::<BatchNorm>(),
+        Some(&BatchNorm {
+            epsilon: 1e-5,
+            training: true,
+            data_format: DataFormat::Nchw
+        })
+    );
+    assert_round_trip(op.as_ref());
+    assert!(parse(
+        "BatchNorm",
+        &[("data_format", AttrValue::Str("NWC".into()))]
+    )
+    .is_err());
+}
+
+// ---- LayerNorm ----
+
+#[test]
+fn layer_norm_hand_computed() {
+    for dtype in FLOATS {
+        let x = Tensor::from_f64(dtype, vec![1, 3], &[1., 2., 3.]).unwrap();
+        let g = Tensor::from_f64(dtype, vec![3], &[1., 1., 2.]).unwrap();
+        let b = Tensor::from_f64(dtype, vec![3], &[0., 0., 1.]).unwrap();
+        let op = LayerNorm {
+            axis: -1,
+            epsilon: 0.0,
+        };
+        let out = op.eval(&[&x, &g, &b]).unwrap();
+        let s = 1.5f64.sqrt(); // 1 / sqrt(2/3)
+        assert_close(
+            "ln",
+            &out[0],
+            dtype,
+            &[1, 3],
+            &[-s, 0.0, 2.0 * s + 1.0],
+            dtype,
+            1.0,
+        );
+    }
+}
+
+#[test]
+fn layer_norm_vs_reference() {
+    let mut rng = Rng(21);
+    let shape = [3, 4, 5];
+    for dtype in FLOATS {
+        let (x, xr) = input(dtype, &shape, &rng.vals(60, -2.0, 4.0));
+        for axis in [-1i64, 2, 1, -2, 0] {
+            let ax = if axis < 0 {
+                (axis + 3) as usize
+            } else {
+                axis as usize
+            };
+            let pshape = &shape[ax..];
+            let len: usize = pshape.iter().product();
+            let (g, gr) = input(dtype, pshape, &rng.vals(len, 0.5, 1.5));
+            let (b, br) = input(dtype, pshape, &rng.vals(len, -0.5, 0.5));
+            let op = LayerNorm {
+                axis,
+                epsilon: 1e-5,
+            };
+            assert_eq!(
+                op.infer(&[&x.ty(), &g.ty(), &b.ty()]).unwrap(),
+                vec![x.ty()]
+            );
+            let out = op.eval(&[&x, &g, &b]).unwrap();
+            let want = naive_layer_norm(&xr, len, &gr, &br, 1e-5);
+            let what = format!("LayerNorm {dtype} axis {axis}");
+            assert_close(&what, &out[0], dtype, &shape, &want, dtype, 1.0);
+        }
+    }
+}
+
+#[test]
+fn layer_norm_errors_and_registry() {
+    let op = LayerNorm::default();
+    let x = tt(DType::F32, &[2, 3, 4]);
+    let e = infer_err(
+        &op,
+        &[x.clone(), tt(DType::F32, &[3]), tt(DType::F32, &[4])],
+    );
+    assert!(
+        e.contains("gamma") && e.contains("[3]") && e.contains("[4]"),
+        "{e}"
+    );
+    let e = infer_err(
+        &op,
+        &[x.clone(), tt(DType::F32, &[4]), tt(DType::F32, &[3, 4])],
+    );
+    assert!(e.contains("beta"), "{e}");
+    let op1 = LayerNorm {
+        axis: 1,
+        epsilon: 1e-5,
+    };
+    let e = infer_err(
+        &op1,
+        &[x.clone(), tt(DType::F32, &[4]), tt(DType::F32, &[4])],
+    );
+    assert!(e.contains("[3, 4]"), "{e}");
+    let e = infer_err(
+        &LayerNorm {
+            axis: 3,
+            epsilon: 1e-5,
+        },
+        &[x.clone(), tt(DType::F32, &[4]), tt(DType::F32, &[4])],
+    );
+    assert!(e.contains("axis 3") && e.contains("out of range"), "{e}");
+    let e = infer_err(&op, &[x, tt(DType::F16, &[4]), tt(DType::F32, &[4])]);
+    assert!(e.contains("f16"), "{e}");
+
+    let op = parse("LayerNorm", &[]).unwrap();
+    assert_eq!(
+        op.downcast_ref::<LayerNorm>(),
+        Some(&LayerNorm {
+            axis: -1,
+            epsilon: 1e-5
+        })
+    );
+    assert_eq!(op.typed_inputs(3), vec![0, 1, 2]);
+    let op = parse(
+        "LayerNorm",
+        &[
+            ("axis", AttrValue::Int(1)),
+            ("epsilon", AttrValue::Float(1e-6)),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        op.downcast_ref::<LayerNorm>(),
+        Some(&LayerNorm {
+            axis: 1,
+            epsilon: 1e-6
+        })
+    );
+    assert_round_trip(op.as_ref());
+}

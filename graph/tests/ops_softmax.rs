@@ -1,0 +1,433 @@
+//! Softmax, LogSoftmax and SoftmaxCrossEntropy against a naive float64 reference,
+//! in f32, f16, bf16 and f64.
+#![allow(dead_code)]
+
+use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
+use ampgraph_graph::ops::{parse_op, LogSoftmax, Softmax, SoftmaxCrossEntropy};
+use ampgraph_graph::{DType, Op, Tensor, TensorType};
+
+// ---- shared test helpers (copied into each ops_* test file) ----
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+
+/// Per-dtype tolerance, relative to the scale of the values compared.
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        other => panic!("no tolerance for {other}"),
+    }
+}
+
+/// A small deterministic PRNG (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn vals(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+        (0..n).map(|_| lo + (hi - lo) * self.uniform()).collect()
+    }
+}
+
+/// A tensor of `dtype` from f64 values, and the values it actually holds (rounded).
+fn input(dtype: DType, shape: &[usize], vals: &[f64]) -> (Tensor, Vec<f64>) {
+    let t = Tensor::from_f64(dtype, shape.to_vec(), vals).unwrap();
+    let r = t.to_f64_vec();
+    (t, r)
+}
+
+/// Asserts `got` has `dtype`, `shape` and values within `tol(tol_dtype) * max(scale, |want|)`.
+fn assert_close(
+    what: &str,
+    got: &Tensor,
+    dtype: DType,
+    shape: &[usize],
+    want: &[f64],
+    tol_dtype: DType,
+    scale: f64,
+) {
+    assert_eq!(got.dtype(), dtype, "{what}: dtype");
+    assert_eq!(got.shape(), shape, "{what}: shape");
+    let g = got.to_f64_vec();
+    assert_eq!(g.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in g.iter().zip(want).enumerate() {
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
+        } else if w.is_infinite() {
+            assert_eq!(g, w, "{what}[{i}]");
+        } else {
+            let bound = tol(tol_dtype) * scale.max(w.abs());
+            assert!(
+                (g - w).abs() <= bound,
+                "{what}[{i}] ({tol_dtype}): got {g}, want {w}, |diff| {} > {bound}",
+                (g - w).abs()
+            );
+        }
+    }
+}
+
+fn tys(ts: &[&Tensor]) -> Vec<TensorType> {
+    ts.iter().map(|t| t.ty()).collect()
+}
+
+/// `op.infer` on the given types, expecting an error; returns its message.
+fn infer_err(op: &dyn Op, types: &[TensorType]) -> String {
+    let refs: Vec<&TensorType> = types.iter().collect();
+    match op.infer(&refs) {
+        Ok(t) => panic!("{} accepted {types:?} giving {t:?}", op.name()),
+        Err(e) => e,
+    }
+}
+
+fn tt(dtype: DType, shape: &[usize]) -> TensorType {
+    TensorType::new(dtype, shape.to_vec())
+}
+
+/// Builds an op from its file form.
+fn parse(name: &str, attrs: &[(&str, AttrValue)]) -> Result<Box<dyn Op>, String> {
+    let map: AttrMap = attrs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    parse_op(name, AttrReader::new(map))
+}
+
+/// The op's attrs written out and parsed back give the same op.
+fn assert_round_trip(op: &dyn Op) {
+    let attrs = op.attrs();
+    let back = parse(op.name(), &attrs).unwrap();
+    assert!(*back == *op, "{op:?} round-trips to {back:?}");
+}
+
+/// Row-major index of a multi-index.
+fn ravel(idx: &[usize], shape: &[usize]) -> usize {
+    idx.iter().zip(shape).fold(0, |acc, (&i, &d)| acc * d + i)
+}
+
+/// Multi-index of a row-major index.
+fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for ax in (0..shape.len()).rev() {
+        idx[ax] = flat % shape[ax];
+        flat /= shape[ax];
+    }
+    idx
+}
+
+// ---- reference ----
+
+/// Naive softmax (or log-softmax) along `axis` (already normalised), by direct
+/// formula over each line of the tensor.
+fn naive_softmax(vals: &[f64], shape: &[usize], axis: usize, log: bool) -> Vec<f64> {
+    let mut out = vec![0.0; vals.len()];
+    for flat in 0..vals.len() {
+        let idx = unravel(flat, shape);
+        let line: Vec<f64> = (0..shape[axis])
+            .map(|k| {
+                let mut j = idx.clone();
+                j[axis] = k;
+                vals[ravel(&j, shape)]
+            })
+            .collect();
+        let m = line.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let denom: f64 = line.iter().map(|v| (v - m).exp()).sum();
+        out[flat] = if log {
+            vals[flat] - m - denom.ln()
+        } else {
+            (vals[flat] - m).exp() / denom
+        };
+    }
+    out
+}
+
+/// Naive mean cross-entropy: mean over rows of -log(softmax(row)[label]).
+fn naive_xent(logits: &[f64], n: usize, c: usize, labels: &[usize]) -> f64 {
+    let mut total = 0.0;
+    for r in 0..n {
+        let row = &logits[r * c..(r + 1) * c];
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        total += lse - row[labels[r]];
+    }
+    total / n as f64
+}
+
+// ---- hand-computed cases ----
+
+#[test]
+fn softmax_of_zero_and_ln2() {
+    for dtype in FLOATS {
+        let x = Tensor::from_f64(dtype, vec![2], &[0.0, 2f64.ln()]).unwrap();
+        // ln 2 is not exact in 16 bits: compare to the rounded input's exact softmax
+        // with the dtype's tolerance, and to 1/3, 2/3 loosely.
+        let xr = x.to_f64_vec();
+        let e = xr[1].exp();
+        let y = Softmax::default().eval(&[&x]).unwrap();
+        assert_close(
+            "softmax",
+            &y[0],
+            dtype,
+            &[2],
+            &[1.0 / (1.0 + e), e / (1.0 + e)],
+            dtype,
+            1.0,
+        );
+        assert_close(
+            "softmax",
+            &y[0],
+            dtype,
+            &[2],
+            &[1.0 / 3.0, 2.0 / 3.0],
+            DType::BF16,
+            1.0,
+        );
+        let ly = LogSoftmax::default().eval(&[&x]).unwrap();
+        let want = [-(1.0 + e).ln(), xr[1] - (1.0 + e).ln()];
+        assert_close("log_softmax", &ly[0], dtype, &[2], &want, dtype, 1.0);
+    }
+    let x = Tensor::from_f64(DType::F64, vec![2], &[0.0, 2f64.ln()]).unwrap();
+    let y = Softmax::default().eval(&[&x]).unwrap()[0].to_f64_vec();
+    assert!((y[0] - 1.0 / 3.0).abs() < 1e-15 && (y[1] - 2.0 / 3.0).abs() < 1e-15);
+    let ly = LogSoftmax::default().eval(&[&x]).unwrap()[0].to_f64_vec();
+    assert!((ly[0] - (1.0f64 / 3.0).ln()).abs() < 1e-15);
+    assert!((ly[1] - (2.0f64 / 3.0).ln()).abs() < 1e-15);
+}
+
+#[test]
+fn large_logits_are_stable() {
+    for dtype in FLOATS {
+        // 1000 overflows exp in every dtype without the max subtraction.
+        let x = Tensor::from_f64(dtype, vec![1, 3], &[1000.0, 1000.0, -1000.0]).unwrap();
+        let y = Softmax::default().eval(&[&x]).unwrap();
+        assert_close(
+            "softmax",
+            &y[0],
+            dtype,
+            &[1, 3],
+            &[0.5, 0.5, 0.0],
+            dtype,
+            1.0,
+        );
+        let ly = LogSoftmax::default().eval(&[&x]).unwrap();
+        let l2 = -(2f64.ln());
+        assert_close(
+            "log_softmax",
+            &ly[0],
+            dtype,
+            &[1, 3],
+            &[l2, l2, -2000.0 + l2],
+            dtype,
+            1.0,
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_known_values() {
+    for dtype in FLOATS {
+        for label_dtype in [DType::I32, DType::I64] {
+            // Row 0: softmax([0, ln 2]) = [1/3, 2/3], label 1: -ln(2/3) = ln 1.5.
+            // Row 1: two equal logits, label 0: ln 2.
+            let logits = Tensor::from_f64(dtype, vec![2, 2], &[0.0, 2f64.ln(), 5.0, 5.0]).unwrap();
+            let labels = Tensor::from_f64(label_dtype, vec![2], &[1.0, 0.0]).unwrap();
+            let op = SoftmaxCrossEntropy;
+            assert_eq!(
+                op.infer(&[&logits.ty(), &labels.ty()]).unwrap(),
+                vec![tt(dtype, &[])]
+            );
+            let loss = op.eval(&[&logits, &labels]).unwrap();
+            let want = (1.5f64.ln() + 2f64.ln()) / 2.0;
+            // 16-bit ln 2 is inexact: the bf16 tolerance for 16-bit inputs.
+            let td = if dtype.is_half() { DType::BF16 } else { dtype };
+            assert_close("xent", &loss[0], dtype, &[], &[want], td, 1.0);
+        }
+    }
+    // [1, 2, 3] with label 2: ln(e + e^2 + e^3) - 3.
+    let logits = Tensor::from_f64(DType::F64, vec![1, 3], &[1.0, 2.0, 3.0]).unwrap();
+    let labels = Tensor::from_f64(DType::I64, vec![1], &[2.0]).unwrap();
+    let loss = SoftmaxCrossEntropy.eval(&[&logits, &labels]).unwrap()[0].to_f64_vec()[0];
+    let e = std::f64::consts::E;
+    assert!(
+        (loss - ((e + e * e + e * e * e).ln() - 3.0)).abs() < 1e-14,
+        "{loss}"
+    );
+}
+
+// ---- every dtype against the reference ----
+
+#[test]
+fn softmax_and_log_softmax_vs_reference() {
+    let mut rng = Rng(3);
+    let shape = [3, 4, 5];
+    for dtype in FLOATS {
+        let (x, xr) = input(dtype, &shape, &rng.vals(60, -4.0, 4.0));
+        for axis in [-1i64, 0, 1, 2, -2] {
+            let ax = if axis < 0 {
+                (axis + 3) as usize
+            } else {
+                axis as usize
+            };
+            let want = naive_softmax(&xr, &shape, ax, false);
+            let y = Softmax { axis }.eval(&[&x]).unwrap();
+            assert_close(
+                &format!("softmax axis {axis}"),
+                &y[0],
+                dtype,
+                &shape,
+                &want,
+                dtype,
+                0.0,
+            );
+            let want = naive_softmax(&xr, &shape, ax, true);
+            let y = LogSoftmax { axis }.eval(&[&x]).unwrap();
+            // log-softmax values are O(|x|): scale by the input range.
+            assert_close(
+                &format!("log_softmax axis {axis}"),
+                &y[0],
+                dtype,
+                &shape,
+                &want,
+                dtype,
+                1.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn softmax_long_rows() {
+    let mut rng = Rng(5);
+    for dtype in FLOATS {
+        let (x, xr) = input(dtype, &[2, 1000], &rng.vals(2000, -8.0, 8.0));
+        let want = naive_softmax(&xr, &[2, 1000], 1, false);
+        let y = Softmax::default().eval(&[&x]).unwrap();
+        // Each value is ~1/1000 of the sum; compare relative to the largest value.
+        let scale = want.iter().cloned().fold(0.0, f64::max);
+        assert_close(
+            "softmax long",
+            &y[0],
+            dtype,
+            &[2, 1000],
+            &want,
+            dtype,
+            scale * 4.0,
+        );
+        let sum: f64 = y[0].to_f64_vec().iter().sum();
+        assert!(
+            (sum - 2.0).abs() < 1000.0 * tol(dtype) * 2.0,
+            "{dtype}: sum {sum}"
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_vs_reference() {
+    let mut rng = Rng(9);
+    let (n, c) = (16, 10);
+    for dtype in FLOATS {
+        let (logits, lr) = input(dtype, &[n, c], &rng.vals(n * c, -5.0, 5.0));
+        let labels: Vec<usize> = (0..n)
+            .map(|_| (rng.next_u64() % c as u64) as usize)
+            .collect();
+        let lf: Vec<f64> = labels.iter().map(|&l| l as f64).collect();
+        for label_dtype in [DType::I32, DType::I64] {
+            let lt = Tensor::from_f64(label_dtype, vec![n], &lf).unwrap();
+            let loss = SoftmaxCrossEntropy.eval(&[&logits, &lt]).unwrap();
+            let want = naive_xent(&lr, n, c, &labels);
+            assert_close("xent", &loss[0], dtype, &[], &[want], dtype, 1.0);
+        }
+    }
+}
+
+// ---- errors ----
+
+#[test]
+fn shape_and_dtype_errors() {
+    let e = infer_err(&Softmax { axis: 2 }, &[tt(DType::F32, &[2, 3])]);
+    assert!(e.contains("axis 2") && e.contains("out of range"), "{e}");
+    let e = infer_err(&LogSoftmax { axis: -3 }, &[tt(DType::F32, &[2, 3])]);
+    assert!(e.contains("axis -3"), "{e}");
+    let e = infer_err(&Softmax::default(), &[tt(DType::F32, &[])]);
+    assert!(e.contains("out of range"), "{e}");
+    let e = infer_err(&Softmax::default(), &[tt(DType::I32, &[3])]);
+    assert!(e.contains("float"), "{e}");
+
+    let x = SoftmaxCrossEntropy;
+    for ld in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        let e = infer_err(&x, &[tt(DType::F32, &[4, 3]), tt(ld, &[4])]);
+        assert!(
+            e.contains("float") && e.contains(ld.as_str()) && e.contains("i32"),
+            "{e}"
+        );
+    }
+    let e = infer_err(&x, &[tt(DType::F32, &[4, 3]), tt(DType::Bool, &[4])]);
+    assert!(e.contains("i32 or i64"), "{e}");
+    let e = infer_err(&x, &[tt(DType::F32, &[4, 3]), tt(DType::I64, &[5])]);
+    assert!(e.contains("[5]") && e.contains("[4]"), "{e}");
+    let e = infer_err(&x, &[tt(DType::F32, &[4, 3, 1]), tt(DType::I64, &[4])]);
+    assert!(e.contains("rank 2"), "{e}");
+    let e = infer_err(&x, &[tt(DType::I32, &[4, 3]), tt(DType::I64, &[4])]);
+    assert!(e.contains("logits") && e.contains("float"), "{e}");
+}
+
+#[test]
+fn label_out_of_range_at_eval() {
+    let logits = Tensor::from_f64(DType::F32, vec![3, 4], &[0.0; 12]).unwrap();
+    for (bad, idx) in [(4.0, 1), (-1.0, 2)] {
+        let mut l = vec![0.0, 1.0, 2.0];
+        l[idx] = bad;
+        for ld in [DType::I32, DType::I64] {
+            let labels = Tensor::from_f64(ld, vec![3], &l).unwrap();
+            let e = SoftmaxCrossEntropy.eval(&[&logits, &labels]).unwrap_err();
+            assert!(
+                e.contains(&format!("labels[{idx}]")) && e.contains(&format!("{}", bad as i64)),
+                "{e}"
+            );
+        }
+    }
+    // Zero classes: every label is out of range.
+    let logits = Tensor::from_f64(DType::F32, vec![2, 0], &[]).unwrap();
+    let labels = Tensor::from_f64(DType::I32, vec![2], &[0.0, 0.0]).unwrap();
+    assert!(SoftmaxCrossEntropy
+        .eval(&[&logits, &labels])
+        .unwrap_err()
+        .contains("labels[0]"));
+}
+
+#[test]
+fn typed_inputs_and_registry() {
+    assert_eq!(SoftmaxCrossEntropy.typed_inputs(2), vec![0]);
+    let groups = SoftmaxCrossEntropy.type_groups(2, 1);
+    assert_eq!(
+        (groups[0].inputs.as_slice(), groups[0].outputs.as_slice()),
+        (&[0][..], &[0][..])
+    );
+    assert!(groups[0].can_be_half);
+    assert!(groups
+        .iter()
+        .skip(1)
+        .all(|g| !g.can_be_half && g.outputs.is_empty()));
+    assert_eq!(Softmax::default().typed_inputs(1), vec![0]);
+    let op = parse("Softmax", &[]).unwrap();
+    assert_eq!(op.downcast_ref::<Softmax>(), Some(&Softmax { axis: -1 }));
+    let op = parse("LogSoftmax", &[("axis", AttrValue::Int(0))]).unwrap();
+    assert_eq!(
+        op.downcast_ref::<LogSoftmax>(),
+        Some(&LogSoftmax { axis: 0 })
+    );
+    assert_round_trip(op.as_ref());
+    assert_round_trip(&Softmax { axis: 1 });
+    assert_round_trip(&SoftmaxCrossEntropy);
+    assert!(parse("SoftmaxCrossEntropy", &[("axis", AttrValue::Int(0))]).is_err());
+}

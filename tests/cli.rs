@@ -1,0 +1,403 @@
+//! Happy paths of the `ampgraph` command line (DESIGN.md §3), run on the built binary.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use ampgraph::graph::format;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ampgraph");
+
+/// x [2,3] @ w [3,4] -> Relu.
+const MLP: &str = r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+  {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [2, 3]}},
+  {"name": "w", "op": "Variable", "attrs": {"dtype": "f32", "shape": [3, 4]}},
+  {"name": "mm", "op": "MatMul", "inputs": ["x", "w"], "attrs": {"transpose_a": false, "transpose_b": false}},
+  {"name": "act", "op": "Relu", "inputs": ["mm"], "attrs": {"_tool": "kept"}}
+], "outputs": ["act"]}"#;
+
+/// A directory private to one test.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("ampgraph-cli-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        Scratch(dir)
+    }
+
+    fn write(&self, name: &str, contents: &str) -> String {
+        let p = self.0.join(name);
+        std::fs::write(&p, contents).expect("write scratch file");
+        p.to_str().expect("utf-8 path").to_string()
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.0.join(name).to_str().expect("utf-8 path").to_string()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn ampgraph_with_stdin(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn ampgraph");
+    if let Some(bytes) = stdin {
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(bytes)
+            .expect("write stdin");
+    }
+    child.wait_with_output().expect("wait for ampgraph")
+}
+
+/// Runs the binary, asserts success and returns standard output.
+fn ok(args: &[&str]) -> String {
+    ok_stdin(args, None)
+}
+
+fn ok_stdin(args: &[&str], stdin: Option<&[u8]>) -> String {
+    let out = ampgraph_with_stdin(args, stdin);
+    assert!(
+        out.status.success(),
+        "ampgraph {} failed ({:?}): {}",
+        args.join(" "),
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+fn read(path: &str) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// The `outputs` list of `run --json`, as (name, shape, values).
+fn run_outputs(stdout: &str) -> Vec<(String, Vec<u64>, Vec<f64>)> {
+    let v: Value = serde_json::from_str(stdout).expect("run --json prints JSON");
+    v["outputs"]
+        .as_array()
+        .expect("outputs list")
+        .iter()
+        .map(|o| {
+            (
+                o["name"].as_str().expect("name").to_string(),
+                o["shape"]
+                    .as_array()
+                    .expect("shape")
+                    .iter()
+                    .map(|d| d.as_u64().expect("dim"))
+                    .collect(),
+                o["values"]
+                    .as_array()
+                    .expect("values")
+                    .iter()
+                    .map(|x| x.as_f64().expect("finite"))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn dump_in_every_format() {
+    let s = Scratch::new("dump");
+    let g = s.write("mlp.json", MLP);
+
+    let text = ok(&["dump", &g]);
+    assert!(text.starts_with("graph: 4 nodes"), "{text}");
+    assert!(text.contains("mm = MatMul(x, w)"), "{text}");
+    assert!(text.contains("f32[2, 4]"), "{text}");
+    assert!(text.contains("outputs: act"), "{text}");
+    assert_eq!(ok(&["dump", &g, "--format", "text"]), text);
+
+    let json = ok(&["dump", &g, "--format", "json"]);
+    let def = format::parse_json(json.as_bytes()).expect("dump --format json parses");
+    assert_eq!(def.nodes.len(), 4);
+    assert_eq!(def.outputs, vec!["act".to_string()]);
+    // Every node carries the inferred dtype; tool annotations survive.
+    assert!(def.nodes.iter().all(|n| n.dtype.is_some()));
+    assert!(json.contains(r#""_tool":"kept""#), "{json}");
+
+    let dot = ok(&["dump", &g, "--format", "dot"]);
+    assert!(dot.trim_start().starts_with("digraph"), "{dot}");
+    assert!(
+        dot.contains(r#""x" -> "mm""#) && dot.contains(r#""mm" -> "act""#),
+        "{dot}"
+    );
+    assert!(dot.trim_end().ends_with('}'));
+
+    // -o writes the file and nothing to stdout, for every format.
+    for (fmt, name) in [
+        ("text", "out.txt"),
+        ("json", "out.json"),
+        ("dot", "out.dot"),
+        ("bin", "out.bin"),
+    ] {
+        let path = s.path(name);
+        let stdout = ok(&["dump", &g, "--format", fmt, "-o", &path]);
+        assert!(stdout.is_empty(), "dump -o {fmt} printed {stdout:?}");
+        let bytes = read(&path);
+        match fmt {
+            "text" => assert_eq!(bytes, text.as_bytes()),
+            "json" => assert_eq!(bytes, json.as_bytes()),
+            "dot" => assert_eq!(bytes, dot.as_bytes()),
+            _ => {
+                assert!(
+                    format::is_bin(&bytes),
+                    "dump --format bin starts with the magic"
+                );
+                assert_eq!(format::from_bin(&bytes).expect("decodes"), def);
+                // The .bin loads like the JSON and dumps to the same JSON text.
+                assert_eq!(ok(&["dump", &path, "--format", "json"]), json);
+            }
+        }
+    }
+    // Binary to stdout is the same bytes.
+    let out = ampgraph_with_stdin(&["dump", &g, "--format", "bin"], None);
+    assert!(out.status.success());
+    assert_eq!(out.stdout, read(&s.path("out.bin")));
+}
+
+#[test]
+fn convert_json_bin_json_is_identical() {
+    let s = Scratch::new("convert");
+    let g = s.write("mlp.json", MLP);
+    let (a_json, a_bin, b_json) = (s.path("a.json"), s.path("a.bin"), s.path("b.json"));
+    ok(&["convert", &g, "-o", &a_json]);
+    ok(&["convert", &a_json, "-o", &a_bin]);
+    ok(&["convert", &a_bin, "-o", &b_json]);
+    assert!(format::is_bin(&read(&a_bin)));
+    assert_eq!(
+        read(&a_json),
+        read(&b_json),
+        "JSON -> bin -> JSON changed the text"
+    );
+    // Straight from the hand-written file too.
+    let (c_bin, c_json) = (s.path("c.bin"), s.path("c.json"));
+    ok(&["convert", &g, "-o", &c_bin]);
+    ok(&["convert", &c_bin, "-o", &c_json]);
+    assert_eq!(read(&c_json), read(&a_json));
+    assert_eq!(read(&c_bin), read(&a_bin));
+
+    // A rewritten graph (casts, f16 dtypes) round-trips as well.
+    let (r_json, r_bin, r2_json) = (s.path("r.json"), s.path("r.bin"), s.path("r2.json"));
+    ok(&["rewrite", &g, "--amp", "-o", &r_json]);
+    ok(&["convert", &r_json, "-o", &r_bin]);
+    ok(&["convert", &r_bin, "-o", &r2_json]);
+    assert_eq!(read(&r_json), read(&r2_json));
+}
+
+#[test]
+fn run_json_gives_hand_computed_values() {
+    let s = Scratch::new("run-values");
+    let g = s.write("mlp.json", MLP);
+    // Nested-list feeds for x, {"shape", "values"} feeds for w.
+    let feeds = s.write(
+        "feeds.json",
+        r#"{"x": [[1, -2, 3], [-4, 5, -6]],
+            "w": {"shape": [3, 4], "values": [1, 0, 0, 1,  0, 1, 0, -1,  0, 0, 1, 2]}}"#,
+    );
+    let out = run_outputs(&ok(&[
+        "run", &g, "--device", "cpu", "--feeds", &feeds, "--json",
+    ]));
+    // x @ w = [[1, -2, 3, 9], [-4, 5, -6, -21]]; Relu keeps the positives.
+    assert_eq!(
+        out,
+        vec![(
+            "act".to_string(),
+            vec![2, 4],
+            vec![1.0, 0.0, 3.0, 9.0, 0.0, 5.0, 0.0, 0.0]
+        )]
+    );
+
+    // Two outputs, one of them an output port of a node that is not the last.
+    let g2 = s.write(
+        "two.json",
+        r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+          {"name": "a", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [3]}},
+          {"name": "b", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [3]}},
+          {"name": "s", "op": "Sub", "inputs": ["a", "b"]},
+          {"name": "sq", "op": "Mul", "inputs": ["s", "s"]},
+          {"name": "total", "op": "Sum", "inputs": ["sq"], "attrs": {"axes": [0], "keep_dims": false}}
+        ], "outputs": ["total", "s"]}"#,
+    );
+    let feeds2 = s.write("feeds2.json", r#"{"a": [1.5, 2, -3], "b": [0.5, 4, 1]}"#);
+    let out = run_outputs(&ok(&[
+        "run", &g2, "--device", "cpu", "--feeds", &feeds2, "--json",
+    ]));
+    assert_eq!(
+        out,
+        vec![
+            ("total".to_string(), vec![], vec![1.0 + 4.0 + 16.0]),
+            ("s".to_string(), vec![3], vec![1.0, -2.0, -4.0]),
+        ]
+    );
+    // The text form names each output and its type.
+    let text = ok(&["run", &g2, "--device", "cpu", "--feeds", &feeds2]);
+    assert!(
+        text.contains("total: f32[]") || text.contains("total: f32"),
+        "{text}"
+    );
+    assert!(text.contains("21.000000"), "{text}");
+}
+
+#[test]
+fn run_seed_is_deterministic_and_keyed_by_name() {
+    let s = Scratch::new("run-seed");
+    let one = s.write(
+        "one.json",
+        r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+          {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [4, 5]}},
+          {"name": "out", "op": "Identity", "inputs": ["x"]}
+        ], "outputs": ["out"]}"#,
+    );
+    // A different graph: other nodes before it, x consumed differently.
+    let two = s.write(
+        "two.json",
+        r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+          {"name": "a", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [7]}},
+          {"name": "b", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [3, 3]}},
+          {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [4, 5]}},
+          {"name": "neg", "op": "Neg", "inputs": ["a"]},
+          {"name": "x_out", "op": "Identity", "inputs": ["x"]}
+        ], "outputs": ["neg", "x_out"]}"#,
+    );
+    let run = |g: &str, seed: &str| {
+        run_outputs(&ok(&[
+            "run", g, "--device", "cpu", "--seed", seed, "--json",
+        ]))
+    };
+    let a = run(&one, "42");
+    assert_eq!(a, run(&one, "42"), "same seed, same output");
+    let c = run(&one, "43");
+    assert_ne!(a[0].2, c[0].2, "another seed gives other values");
+    assert_eq!(a[0].2.len(), 20);
+    assert!(
+        a[0].2.iter().all(|v| (-1.0..1.0).contains(v)),
+        "{:?}",
+        a[0].2
+    );
+    let b = run(&two, "42");
+    assert_eq!(
+        b[1].2, a[0].2,
+        "the same placeholder name gets the same values in another graph"
+    );
+    // The default seed is fixed too.
+    assert_eq!(
+        ok(&["run", &one, "--device", "cpu", "--json"]),
+        ok(&["run", &one, "--device", "cpu", "--json"])
+    );
+}
+
+#[test]
+fn dash_reads_json_from_stdin() {
+    let s = Scratch::new("stdin");
+    let g = s.write("mlp.json", MLP);
+    assert_eq!(
+        ok_stdin(&["dump", "-"], Some(MLP.as_bytes())),
+        ok(&["dump", &g])
+    );
+    assert_eq!(
+        ok_stdin(&["dump", "-", "--format", "json"], Some(MLP.as_bytes())),
+        ok(&["dump", &g, "--format", "json"])
+    );
+    assert_eq!(
+        ok_stdin(
+            &["run", "-", "--device", "cpu", "--seed", "3", "--json"],
+            Some(MLP.as_bytes())
+        ),
+        ok(&["run", &g, "--device", "cpu", "--seed", "3", "--json"])
+    );
+    assert_eq!(
+        ok_stdin(&["rewrite", "-", "--amp"], Some(MLP.as_bytes())),
+        ok(&["rewrite", &g, "--amp"])
+    );
+}
+
+#[test]
+fn rewrite_amp_writes_a_loadable_graph_with_casts() {
+    let s = Scratch::new("rewrite");
+    let g = s.write("mlp.json", MLP);
+    let out = s.path("out.json");
+    let stdout = ok(&["rewrite", &g, "--amp", "-o", &out]);
+    assert!(
+        stdout.is_empty(),
+        "rewrite -o without --report prints nothing: {stdout:?}"
+    );
+    let rewritten = format::load(&out).expect("the rewritten graph loads");
+    rewritten.validate().expect("and validates");
+    let casts: Vec<_> = rewritten
+        .node_ids()
+        .filter(|&id| rewritten.node(id).op_name() == "Cast")
+        .collect();
+    assert!(!casts.is_empty(), "MatMul goes to f16 through Cast nodes");
+    // Every original node keeps its name; MatMul is allowlisted and becomes f16.
+    for name in ["x", "w", "mm", "act"] {
+        assert!(rewritten.find(name).is_some(), "{name} kept");
+    }
+    let mm = rewritten.node(rewritten.find("mm").expect("mm"));
+    assert_eq!(mm.outputs()[0].dtype, ampgraph::DType::F16);
+    // Graph outputs keep their declared type.
+    let act = rewritten.node(rewritten.find("act").expect("act"));
+    assert_eq!(act.outputs()[0].dtype, ampgraph::DType::F32);
+    // Every node carries a top-level dtype in the file.
+    let def = format::parse_json(&read(&out)).expect("parses");
+    assert!(def.nodes.iter().all(|n| n.dtype.is_some()));
+    // The same graph goes to stdout without -o, and .bin output by extension.
+    assert_eq!(
+        ok(&["rewrite", &g, "--amp"]).as_bytes(),
+        read(&out).as_slice()
+    );
+    let out_bin = s.path("out.bin");
+    ok(&["rewrite", &g, "--amp", "-o", &out_bin]);
+    assert_eq!(format::from_bin(&read(&out_bin)).expect("bin"), def);
+    // The rewritten graph runs.
+    let values = run_outputs(&ok(&["run", &out, "--device", "cpu", "--json"]));
+    assert_eq!(values[0].1, vec![2, 4]);
+    // --report with -o prints the summary.
+    let report = ok(&["rewrite", &g, "--amp", "-o", &out, "--report"]);
+    assert!(!report.is_empty());
+}
+
+#[test]
+fn explain_prints_the_precision() {
+    let s = Scratch::new("explain");
+    let g = s.write("mlp.json", MLP);
+    let mm = ok(&["explain", &g, "mm"]);
+    assert!(mm.contains("'mm'") && mm.contains("MatMul"), "{mm}");
+    assert!(mm.contains("f16"), "MatMul is converted: {mm}");
+    let act = ok(&["explain", &g, "act"]);
+    assert!(act.contains("'act'") && act.contains("f32"), "{act}");
+    let bf16 = ok(&["explain", &g, "mm", "--dtype", "bf16"]);
+    assert!(bf16.contains("bf16"), "{bf16}");
+}
+
+#[test]
+fn rewrite_keeps_tool_annotations() {
+    let s = Scratch::new("annotations");
+    let g = s.write("mlp.json", MLP);
+    let out = s.path("out.json");
+    ok(&["rewrite", &g, "--amp", "-o", &out]);
+    let text = String::from_utf8(read(&out)).expect("utf-8");
+    assert!(text.contains(r#""_tool":"kept""#), "{text}");
+    assert!(Path::new(&out).exists());
+}
