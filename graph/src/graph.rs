@@ -331,13 +331,58 @@ impl Graph {
         Ok((id, index))
     }
 
-    /// Nodes in an order where every node comes after its inputs; a cycle is an
-    /// error naming a node on it.
+    /// Nodes in an order where every node comes after its inputs, otherwise in
+    /// insertion (file) order; a cycle is an error naming a node on it.
     pub fn topo_order(&self) -> Result<Vec<NodeId>> {
-        petgraph::algo::toposort(&self.dag, None).map_err(|c| {
-            let n = &self.dag[c.node_id()];
-            GraphError::node(&n.name, n.op.name(), "is part of a cycle")
-        })
+        const NEW: u8 = 0;
+        const OPEN: u8 = 1;
+        const DONE: u8 = 2;
+        let capacity = self.dag.node_indices().map(|i| i.index() + 1).max().unwrap_or(0);
+        let mut state = vec![NEW; capacity];
+        let mut order = Vec::with_capacity(self.len());
+        // Iterative post-order DFS over inputs; each stack entry is (node, inputs pushed).
+        let mut stack: Vec<(NodeId, bool)> = Vec::new();
+        for root in self.dag.node_indices() {
+            if state[root.index()] != NEW {
+                continue;
+            }
+            stack.push((root, false));
+            while let Some((id, expanded)) = stack.pop() {
+                if expanded {
+                    state[id.index()] = DONE;
+                    order.push(id);
+                    continue;
+                }
+                match state[id.index()] {
+                    DONE => continue,
+                    OPEN => {
+                        let n = &self.dag[id];
+                        return Err(GraphError::node(&n.name, n.op.name(), "is part of a cycle"));
+                    }
+                    _ => {}
+                }
+                state[id.index()] = OPEN;
+                stack.push((id, true));
+                let mut inputs: Vec<(usize, NodeId)> = self
+                    .dag
+                    .edges_directed(id, Direction::Incoming)
+                    .map(|e| (e.weight().to_slot, e.source()))
+                    .collect();
+                // Visit input 0 first: push in reverse slot order.
+                inputs.sort_unstable_by(|a, b| b.cmp(a));
+                for (_, src) in inputs {
+                    match state[src.index()] {
+                        DONE => {}
+                        OPEN => {
+                            let n = &self.dag[src];
+                            return Err(GraphError::node(&n.name, n.op.name(), "is part of a cycle"));
+                        }
+                        _ => stack.push((src, false)),
+                    }
+                }
+            }
+        }
+        Ok(order)
     }
 
     /// Infers every node's output types from scratch, in topological order.

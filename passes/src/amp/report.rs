@@ -203,11 +203,10 @@ pub fn explain(g: &Graph, p: &Painting, config: &AmpConfig, name: &str) -> Resul
     } else if converted {
         reasons.push(match p.step[i] {
             Step::Allowlisted => format!("converted: {op} is allowlisted (always worth running in {t})"),
-            Step::BetweenAllow => {
-                let mut path = chain(g, p, v);
-                path.reverse();
-                format!("converted: it lies between allowlisted ops, on the path {}", path.join(" <- "))
-            }
+            Step::BetweenAllow => format!(
+                "converted: it lies between allowlisted ops, on the path {}",
+                chain(g, p, v).join(" -> ")
+            ),
             Step::FollowsAllow => {
                 let mut path = chain(g, p, v);
                 path.reverse();
