@@ -6,6 +6,7 @@
 
 mod cpu;
 pub mod feeds;
+pub mod gradcheck;
 
 use std::collections::HashMap;
 

@@ -6,6 +6,7 @@
 //! binary format.
 
 pub mod attrs;
+pub mod autodiff;
 pub mod dtype;
 pub mod error;
 pub mod format;

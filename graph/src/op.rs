@@ -6,6 +6,9 @@ use std::any::Any;
 use std::fmt;
 
 use crate::attrs::{AttrReader, AttrValue};
+use crate::autodiff::GradBuilder;
+use crate::error::GraphError;
+use crate::graph::Port;
 use crate::tensor::{Tensor, TensorType};
 
 /// How many inputs an op takes.
@@ -58,6 +61,21 @@ pub trait Op: fmt::Debug + Send + Sync + Any + OpClone {
     /// change together with output 0. The rest (batch-norm statistics, labels) keep theirs.
     fn typed_inputs(&self, num_inputs: usize) -> Vec<usize> {
         (0..num_inputs).collect()
+    }
+
+    /// The reverse-mode rule. `grads[k]` is the loss gradient of output `k` (`None` when
+    /// that output does not reach the loss); the result holds the gradient of each
+    /// input (`None` for inputs without one: integers, statistics). Rules add their
+    /// nodes through `b`.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let _ = (b, inputs, outputs, grads);
+        Err(crate::autodiff::not_differentiable(self.name()))
     }
 
     /// The op's type parameters (TensorFlow's type attributes): groups of input slots

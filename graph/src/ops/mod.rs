@@ -17,7 +17,7 @@ pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use linalg::{BatchMatMul, MatMul};
 pub use norm::{BatchNorm, LayerNorm};
-pub use reduce::{Reduce, ReduceKind};
+pub use reduce::{Reduce, ReduceKind, SumTo};
 pub use shape_ops::{Concat, Reshape, Transpose};
 pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
 pub use source::{Cast, Const, Placeholder, Variable};
@@ -32,6 +32,7 @@ const FAMILIES: &[&[OpEntry]] = &[
     conv::OPS,
     norm::OPS,
     reduce::OPS,
+    reduce::SUM_TO_OPS,
     softmax::OPS,
     shape_ops::OPS,
 ];

@@ -179,3 +179,60 @@ impl Op for Reduce {
         eval_float(self, x.dtype(), inputs)
     }
 }
+
+/// Sums `x` down to `shape`, which must broadcast to x's shape: the adjoint of
+/// broadcasting, used by the gradients of broadcasting ops.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SumTo {
+    pub shape: Vec<usize>,
+}
+
+pub(crate) const SUM_TO_OPS: &[OpEntry] = &[OpEntry {
+    name: "SumTo",
+    parse: |_, a| Ok(Box::new(SumTo { shape: a.shape("shape")? })),
+}];
+
+impl FloatKernel for SumTo {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x] = fixed(inputs)?;
+        check_sum_to(&self.shape, x.shape())?;
+        let map = crate::shape::broadcast_index_map(&self.shape, x.shape());
+        let mut out = vec![T::zero(); self.shape.iter().product()];
+        for (&v, &j) in T::read(x).iter().zip(&map) {
+            out[j] = out[j] + v;
+        }
+        Ok(vec![(self.shape.clone(), out)])
+    }
+}
+
+fn check_sum_to(target: &[usize], x: &[usize]) -> OpResult<()> {
+    match crate::shape::broadcast_shapes(target, x) {
+        Ok(s) if s == x => Ok(()),
+        _ => Err(format!(
+            "shape {} does not broadcast to the input's {}",
+            crate::tensor::ShapeDisplay(target),
+            crate::tensor::ShapeDisplay(x)
+        )),
+    }
+}
+
+impl Op for SumTo {
+    fn name(&self) -> &'static str {
+        "SumTo"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("shape", self.shape.as_slice().into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        require_float("the input", x.dtype)?;
+        check_sum_to(&self.shape, &x.shape)?;
+        Ok(vec![TensorType::new(x.dtype, self.shape.clone())])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        eval_float(self, inputs[0].dtype(), inputs)
+    }
+}

@@ -1,6 +1,9 @@
 //! Ops with no inputs (Placeholder, Variable, Const) and Cast.
 
 use crate::attrs::{AttrReader, AttrValue};
+use crate::autodiff::GradBuilder;
+use crate::error::GraphError;
+use crate::graph::Port;
 use crate::dtype::DType;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::tensor::{checked_numel, Data, ShapeDisplay, Tensor, TensorType};
@@ -175,6 +178,19 @@ impl Op for Cast {
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [x] = fixed(inputs)?;
         Ok(vec![x.cast(self.to)])
+    }
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let dtype = b.ty(inputs[0]).dtype;
+        Ok(match grads.first().copied().flatten() {
+            Some(dy) if dtype.is_float() => vec![Some(b.add(Cast { to: dtype }, &[dy])?)],
+            _ => vec![None],
+        })
     }
     /// The destination type comes first: it is what the node produces.
     fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
