@@ -448,94 +448,11 @@ fn bench_matmul_f32_2048() {
     let op = MatMul::default();
     op.eval(&[&a, &b]).unwrap(); // warm-up
     let mut best = f64::INFINITY;
-    for _ in 0..5 {
+    for _ in 0..10 {
         let t = std::time::Instant::now();
         op.eval(&[&a, &b]).unwrap();
         best = best.min(t.elapsed().as_secs_f64());
     }
     let gflops = 2.0 * (n as f64).powi(3) / best / 1e9;
     println!("ampgraph MatMul f32 {n}^3: best {best:.3} s, {gflops:.1} GFLOP/s");
-}
-
-#[test]
-#[ignore]
-fn bench_tmp_gemm_direct() {
-    let n = 2048usize;
-    let mut rng = Rng(3);
-    let a: Vec<f32> = rng.vec(n * n).iter().map(|&v| v as f32).collect();
-    let b: Vec<f32> = rng.vec(n * n).iter().map(|&v| v as f32).collect();
-    let mut c = vec![0f32; n * n];
-    for (name, par) in [
-        ("none", gemm::Parallelism::None),
-        ("rayon1", gemm::Parallelism::Rayon(1)),
-        ("rayon2", gemm::Parallelism::Rayon(2)),
-    ] {
-        let mut best = f64::INFINITY;
-        for _ in 0..4 {
-            let t = std::time::Instant::now();
-            unsafe {
-                gemm::gemm(
-                    n,
-                    n,
-                    n,
-                    c.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    a.as_ptr(),
-                    1,
-                    n as isize,
-                    b.as_ptr(),
-                    1,
-                    n as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    par,
-                );
-            }
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        println!(
-            "{name}: {:.1} GFLOP/s",
-            2.0 * (n as f64).powi(3) / best / 1e9
-        );
-    }
-    let mut best = f64::INFINITY;
-    for _ in 0..4 {
-        let t = std::time::Instant::now();
-        let (c0, c1) = c.split_at_mut(n * n / 2);
-        let (a0, a1) = a.split_at(n * n / 2);
-        let run = |cc: &mut [f32], aa: &[f32]| unsafe {
-            gemm::gemm(
-                n / 2,
-                n,
-                n,
-                cc.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                aa.as_ptr(),
-                1,
-                n as isize,
-                b.as_ptr(),
-                1,
-                n as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        };
-        rayon::join(|| run(c0, a0), || run(c1, a1));
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    println!(
-        "split2: {:.1} GFLOP/s",
-        2.0 * (n as f64).powi(3) / best / 1e9
-    );
 }

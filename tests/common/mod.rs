@@ -53,7 +53,7 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
     let fresh_input = |g: &mut Graph, rng: &mut Rng| -> Port {
         let name = g.fresh_name("input");
         let op: Box<dyn ampgraph::graph::Op> = match (menu, rng.below(8)) {
-            (Menu::Everything, 0) => Box::new(Variable(square.clone())),
+            (Menu::Everything, 0) => Box::new(Variable::new(square.clone())),
             (_, 1) => {
                 let values: Vec<f64> = (0..D * D).map(|_| rng.unit() - 0.5).collect();
                 Box::new(Const::new(Tensor::from_f64(DType::F32, vec![D, D], &values).unwrap()))

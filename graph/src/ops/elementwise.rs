@@ -1,9 +1,13 @@
-//! Elementwise ops: unary activations and math, broadcasting binary ops, BiasAdd.
+//! Elementwise ops: unary activations and math, broadcasting binary ops, BiasAdd,
+//! and their gradients (`UnaryGrad`, `BinaryGrad`).
 
 use crate::attrs::{AttrReader, AttrValue};
+use crate::autodiff::GradBuilder;
+use crate::error::GraphError;
+use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
-use crate::ops::DataFormat;
+use crate::ops::{DataFormat, Reduce, ReduceKind};
 use crate::shape::{broadcast_index_map, broadcast_shapes};
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -28,6 +32,26 @@ pub(crate) const OTHER_OPS: &[OpEntry] = &[OpEntry {
         }))
     },
 }];
+
+pub(crate) const GRAD_OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "UnaryGrad",
+        parse: |_, a| Ok(Box::new(UnaryGrad::parse(a)?)),
+    },
+    OpEntry {
+        name: "BinaryGrad",
+        parse: |_, a| Ok(Box::new(BinaryGrad::parse(a)?)),
+    },
+];
+
+/// The gradient of output 0, if it reaches the loss.
+fn grad0(grads: &[Option<Port>]) -> Option<Port> {
+    grads.first().copied().flatten()
+}
+
+fn inputs_of<const N: usize>(inputs: &[Port]) -> Result<[Port; N], GraphError> {
+    fixed(inputs).copied().map_err(GraphError::Format)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum UnaryKind {
@@ -147,6 +171,124 @@ impl UnaryKind {
             Identity => x,
         }
     }
+
+    /// The derivative `d apply(x) / dx`, in the kernel's compute type. At kinks it
+    /// takes TensorFlow's side: Relu, Relu6 (also at 6), Abs and Sign have slope 0 at
+    /// 0; LeakyRelu has `alpha` at 0; Elu and Selu take the right branch at 0 (TF
+    /// tests `y < 0`).
+    pub fn derivative<T: Real>(self, x: T) -> T {
+        use UnaryKind::*;
+        let zero = T::zero();
+        let one = T::one();
+        let half = T::lit(0.5);
+        match self {
+            Relu => {
+                if x > zero {
+                    one
+                } else {
+                    zero
+                }
+            }
+            Relu6 => {
+                if x > zero && x < T::lit(6.0) {
+                    one
+                } else {
+                    zero
+                }
+            }
+            Elu => {
+                if x < zero {
+                    x.exp()
+                } else {
+                    one
+                }
+            }
+            Selu => {
+                let d = if x < zero {
+                    T::lit(SELU_ALPHA) * x.exp()
+                } else {
+                    one
+                };
+                T::lit(SELU_SCALE) * d
+            }
+            // Phi(x) + x phi(x), phi the standard normal density.
+            Gelu { approximate: false } => {
+                let cdf = half * (one + (x * T::FRAC_1_SQRT_2()).erf());
+                let pdf = (-half * x * x).exp() * T::lit(1.0 / (2.0 * std::f64::consts::PI).sqrt());
+                // x * pdf is 0 where pdf underflows, even for infinite x.
+                if pdf == zero {
+                    cdf
+                } else {
+                    cdf + x * pdf
+                }
+            }
+            // With u = c (x + k x^3), t = tanh(u):
+            // 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2).
+            Gelu { approximate: true } => {
+                let c = T::lit((2.0 / std::f64::consts::PI).sqrt());
+                let k = T::lit(0.044715);
+                let t = (c * (x + k * x * x * x)).tanh();
+                let sech2 = one - t * t;
+                let tail = if sech2 == zero {
+                    zero // saturated: avoids 0 * inf for huge |x|
+                } else {
+                    half * x * sech2 * c * (one + T::lit(3.0) * k * x * x)
+                };
+                half * (one + t) + tail
+            }
+            LeakyRelu { alpha } => {
+                if x > zero {
+                    one
+                } else {
+                    T::lit(alpha)
+                }
+            }
+            Tanh => {
+                let t = x.tanh();
+                one - t * t
+            }
+            Sigmoid => {
+                let s = Sigmoid.apply(x);
+                s * (one - s)
+            }
+            Exp => x.exp(),
+            Log => one / x,
+            Log1p => one / (one + x),
+            Sqrt => half / x.sqrt(),
+            Rsqrt => {
+                let r = one / x.sqrt();
+                -half * r * r * r
+            }
+            Square => T::lit(2.0) * x,
+            Neg => -one,
+            Abs => Sign.apply(x),
+            Erf => T::lit(std::f64::consts::FRAC_2_SQRT_PI) * (-x * x).exp(),
+            // The logistic function, in a form that never overflows.
+            Softplus => {
+                if x >= zero {
+                    one / (one + (-x).exp())
+                } else {
+                    let e = x.exp();
+                    e / (one + e)
+                }
+            }
+            Reciprocal => {
+                let r = one / x;
+                -(r * r)
+            }
+            Sign => zero,
+            Identity => one,
+        }
+    }
+
+    /// The kind's own attributes (Gelu's `approximate`, LeakyRelu's `alpha`).
+    fn attrs(self) -> Vec<(&'static str, AttrValue)> {
+        match self {
+            UnaryKind::Gelu { approximate } => vec![("approximate", approximate.into())],
+            UnaryKind::LeakyRelu { alpha } => vec![("alpha", alpha.into())],
+            _ => vec![],
+        }
+    }
 }
 
 /// A one-input elementwise op.
@@ -197,11 +339,7 @@ impl Op for Unary {
         Arity::Exactly(1)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        match self.kind {
-            UnaryKind::Gelu { approximate } => vec![("approximate", approximate.into())],
-            UnaryKind::LeakyRelu { alpha } => vec![("alpha", alpha.into())],
-            _ => vec![],
-        }
+        self.kind.attrs()
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x] = fixed(inputs)?;
@@ -216,6 +354,110 @@ impl Op for Unary {
             return Ok(vec![(*x).clone()]);
         }
         eval_float(&self.kind, x.dtype(), inputs)
+    }
+    /// `dx = UnaryGrad(x, dy)`; Identity passes `dy` through; integer inputs (only
+    /// Identity takes them) get none.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let [x] = inputs_of(inputs)?;
+        let Some(dy) = grad0(grads) else {
+            return Ok(vec![None]);
+        };
+        if !b.ty(x).dtype.is_float() {
+            return Ok(vec![None]);
+        }
+        if self.kind == UnaryKind::Identity {
+            return Ok(vec![Some(dy)]);
+        }
+        Ok(vec![Some(b.add(UnaryGrad { kind: self.kind }, &[x, dy])?)])
+    }
+}
+
+/// The gradient of a [`Unary`] op: inputs `(x, dy)` of one shape and dtype, output
+/// `dx = kind'(x) * dy` (exactly 0 where the derivative is 0, whatever `dy` holds, as
+/// TensorFlow's masks give). Attrs: `kind` (the unary op's name) and that kind's own
+/// attrs (`approximate` for Gelu, `alpha` for LeakyRelu).
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnaryGrad {
+    pub kind: UnaryKind,
+}
+
+impl UnaryGrad {
+    pub fn new(kind: UnaryKind) -> Self {
+        UnaryGrad { kind }
+    }
+
+    fn parse(a: &mut AttrReader) -> OpResult<UnaryGrad> {
+        let kind = a.opt_str("kind")?.ok_or("missing attr 'kind'")?;
+        Ok(UnaryGrad {
+            kind: Unary::parse(&kind, a)
+                .map_err(|e| format!("attr 'kind': {e}"))?
+                .kind,
+        })
+    }
+}
+
+/// Requires `dy` to have the shape `want` (the shape of what it is the gradient of).
+fn check_dy(dy: &[usize], want: &[usize], of: &str) -> OpResult<()> {
+    if dy == want {
+        Ok(())
+    } else {
+        Err(format!(
+            "dy has shape {} but {of} has shape {}",
+            ShapeDisplay(dy),
+            ShapeDisplay(want)
+        ))
+    }
+}
+
+impl FloatKernel for UnaryGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x, dy] = fixed(inputs)?;
+        check_dy(dy.shape(), x.shape(), "x")?;
+        let dx = T::read(x)
+            .iter()
+            .zip(T::read(dy).iter())
+            .map(|(&x, &g)| {
+                let d = self.kind.derivative(x);
+                if d == T::zero() {
+                    d
+                } else {
+                    d * g
+                }
+            })
+            .collect();
+        Ok(vec![(x.shape().to_vec(), dx)])
+    }
+}
+
+impl Op for UnaryGrad {
+    fn name(&self) -> &'static str {
+        "UnaryGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut a = vec![("kind", self.kind.name().into())];
+        a.extend(self.kind.attrs());
+        a
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x, dy] = fixed(inputs)?;
+        let dtype = same_dtype(inputs)?;
+        require_float("the inputs", dtype)?;
+        check_dy(&dy.shape, &x.shape, "x")?;
+        Ok(vec![(*x).clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x, dy] = fixed(inputs)?;
+        self.infer(&[&x.ty(), &dy.ty()])?;
+        eval_float(self, x.dtype(), inputs)
     }
 }
 
@@ -279,6 +521,64 @@ impl BinaryKind {
             }
             BinaryKind::Pow => a.powf(b),
             BinaryKind::SquaredDifference => (a - b) * (a - b),
+        }
+    }
+
+    /// The loss gradient of operand `wrt` (0: a, 1: b) at one element: `dy` times
+    /// the partial derivative, in TensorFlow's forms. Maximum and Minimum send the
+    /// whole gradient to one operand, a tie going to `a` (TF's `x >= y` and `x <= y`
+    /// masks; a NaN operand sends it to `b`). Pow's `d/db` is 0 where `a <= 0` (TF),
+    /// and `d/da` is 0 where `b == 0` (the derivative of the constant `a^0`).
+    pub fn grad<T: Real>(self, wrt: usize, a: T, b: T, dy: T) -> T {
+        let zero = T::zero();
+        let first = wrt == 0;
+        let pick = |to_a: bool| if to_a == first { dy } else { zero };
+        match self {
+            BinaryKind::Add => dy,
+            BinaryKind::Sub => {
+                if first {
+                    dy
+                } else {
+                    -dy
+                }
+            }
+            BinaryKind::Mul => {
+                if first {
+                    dy * b
+                } else {
+                    dy * a
+                }
+            }
+            BinaryKind::Div => {
+                if first {
+                    dy / b
+                } else {
+                    dy * (-a / b) / b
+                }
+            }
+            BinaryKind::Maximum => pick(a >= b),
+            BinaryKind::Minimum => pick(a <= b),
+            BinaryKind::Pow => {
+                if first {
+                    if b == zero {
+                        zero
+                    } else {
+                        dy * b * a.powf(b - T::one())
+                    }
+                } else if a > zero {
+                    dy * a.powf(b) * a.ln()
+                } else {
+                    zero
+                }
+            }
+            BinaryKind::SquaredDifference => {
+                let g = T::lit(2.0) * (a - b) * dy;
+                if first {
+                    g
+                } else {
+                    -g
+                }
+            }
         }
     }
 }
@@ -355,6 +655,128 @@ impl Op for Binary {
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         eval_float(&self.kind, inputs[0].dtype(), inputs)
     }
+    /// Each operand's gradient is `BinaryGrad` (or `dy` itself where the partial is 1)
+    /// at the broadcast shape, summed back to the operand's shape.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let operands: [Port; 2] = inputs_of(inputs)?;
+        let Some(dy) = grad0(grads) else {
+            return Ok(vec![None, None]);
+        };
+        let mut out = Vec::with_capacity(2);
+        for (wrt, &p) in operands.iter().enumerate() {
+            let ty = b.ty(p).clone();
+            if !ty.dtype.is_float() {
+                out.push(None);
+                continue;
+            }
+            let g = if matches!((self.kind, wrt), (BinaryKind::Add, _) | (BinaryKind::Sub, 0)) {
+                dy
+            } else {
+                let op = BinaryGrad {
+                    kind: self.kind,
+                    wrt,
+                };
+                b.add(op, &[operands[0], operands[1], dy])?
+            };
+            out.push(Some(b.sum_to(g, &ty.shape)?));
+        }
+        Ok(out)
+    }
+}
+
+/// The gradient of a [`Binary`] op with respect to operand `wrt` (0 or 1): inputs
+/// `(a, b, dy)` with `dy` at the broadcast shape of `a` and `b`; the output, at that
+/// broadcast shape, is [`BinaryKind::grad`] elementwise. Summing it back to the
+/// operand's shape is left to a `SumTo`. Attrs: `kind` (the binary op's name), `wrt`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BinaryGrad {
+    pub kind: BinaryKind,
+    pub wrt: usize,
+}
+
+impl BinaryGrad {
+    pub fn new(kind: BinaryKind, wrt: usize) -> Self {
+        BinaryGrad { kind, wrt }
+    }
+
+    fn parse(a: &mut AttrReader) -> OpResult<BinaryGrad> {
+        let kind = a.opt_str("kind")?.ok_or("missing attr 'kind'")?;
+        let kind = Binary::parse(&kind)
+            .map_err(|e| format!("attr 'kind': {e}"))?
+            .kind;
+        let wrt = match a.opt_int("wrt")? {
+            Some(0) => 0,
+            Some(1) => 1,
+            Some(w) => return Err(format!("attr 'wrt' must be 0 or 1, got {w}")),
+            None => return Err("missing attr 'wrt'".into()),
+        };
+        Ok(BinaryGrad { kind, wrt })
+    }
+
+    fn output_shape(&self, a: &[usize], b: &[usize], dy: &[usize]) -> OpResult<Vec<usize>> {
+        if self.wrt > 1 {
+            return Err(format!("wrt must be 0 or 1, got {}", self.wrt));
+        }
+        let out = broadcast_shapes(a, b)?;
+        check_dy(dy, &out, "the broadcast of a and b")?;
+        Ok(out)
+    }
+}
+
+impl FloatKernel for BinaryGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [a, b, dy] = fixed(inputs)?;
+        let out = self.output_shape(a.shape(), b.shape(), dy.shape())?;
+        let (av, bv, gv) = (T::read(a), T::read(b), T::read(dy));
+        let f = |i: usize, j: usize, g: T| self.kind.grad(self.wrt, av[i], bv[j], g);
+        let dx = if a.shape() == b.shape() {
+            gv.iter().enumerate().map(|(i, &g)| f(i, i, g)).collect()
+        } else {
+            let ia = broadcast_index_map(a.shape(), &out);
+            let ib = broadcast_index_map(b.shape(), &out);
+            ia.iter()
+                .zip(&ib)
+                .zip(gv.iter())
+                .map(|((&i, &j), &g)| f(i, j, g))
+                .collect()
+        };
+        Ok(vec![(out, dx)])
+    }
+}
+
+impl Op for BinaryGrad {
+    fn name(&self) -> &'static str {
+        "BinaryGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("kind", self.kind.name().into()),
+            ("wrt", (self.wrt as i64).into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [a, b, dy] = fixed(inputs)?;
+        let dtype = same_dtype(inputs)?;
+        require_float("the inputs", dtype)?;
+        Ok(vec![TensorType::new(
+            dtype,
+            self.output_shape(&a.shape, &b.shape, &dy.shape)?,
+        )])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [a, b, dy] = fixed(inputs)?;
+        self.infer(&[&a.ty(), &b.ty(), &dy.ty()])?;
+        eval_float(self, a.dtype(), inputs)
+    }
 }
 
 /// Adds a 1-D bias along the channel axis (last for NHWC, 1 for NCHW).
@@ -421,5 +843,31 @@ impl Op for BiasAdd {
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         eval_float(self, inputs[0].dtype(), inputs)
+    }
+    /// `dx = dy`; `dbias` sums `dy` over every axis but the channel axis.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let [x, _bias] = inputs_of(inputs)?;
+        let Some(dy) = grad0(grads) else {
+            return Ok(vec![None, None]);
+        };
+        let rank = b.ty(x).rank();
+        if rank < 2 {
+            return Err(GraphError::Format(format!(
+                "x must have rank 2 or more, got {rank}"
+            )));
+        }
+        let channel = self.channel_axis(rank);
+        let axes: Vec<i64> = (0..rank)
+            .filter(|&a| a != channel)
+            .map(|a| a as i64)
+            .collect();
+        let dbias = b.add(Reduce::new(ReduceKind::Sum, Some(axes), false), &[dy])?;
+        Ok(vec![Some(dy), Some(dbias)])
     }
 }

@@ -20,7 +20,7 @@ pub use norm::{BatchNorm, LayerNorm};
 pub use reduce::{Reduce, ReduceKind, SumTo};
 pub use shape_ops::{Concat, Reshape, Transpose};
 pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
-pub use source::{Cast, Const, Placeholder, Variable};
+pub use source::{Cast, Const, Init, Placeholder, Variable};
 
 /// All op families' registry rows.
 const FAMILIES: &[&[OpEntry]] = &[

@@ -15,7 +15,13 @@ pub(crate) const OPS: &[OpEntry] = &[
     },
     OpEntry {
         name: "Variable",
-        parse: |_, a| Ok(Box::new(Variable(read_type(a)?))),
+        parse: |_, a| {
+            let ty = read_type(a)?;
+            Ok(Box::new(Variable {
+                ty,
+                init: Init::read(a)?,
+            }))
+        },
     },
     OpEntry {
         name: "Const",
@@ -72,9 +78,72 @@ impl Op for Placeholder {
     }
 }
 
+/// How a session fills a Variable before its first step.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum Init {
+    /// Glorot-uniform for rank >= 2 (weights), zeros otherwise (biases): Keras's defaults.
+    #[default]
+    Auto,
+    Zeros,
+    Constant(f64),
+    GlorotUniform,
+    GlorotNormal,
+    HeUniform,
+    HeNormal,
+}
+
+impl Init {
+    const NAMES: [(&'static str, Init); 6] = [
+        ("auto", Init::Auto),
+        ("zeros", Init::Zeros),
+        ("glorot_uniform", Init::GlorotUniform),
+        ("glorot_normal", Init::GlorotNormal),
+        ("he_uniform", Init::HeUniform),
+        ("he_normal", Init::HeNormal),
+    ];
+
+    fn read(a: &mut AttrReader) -> OpResult<Init> {
+        let value = a.opt_float("init_value")?;
+        match (a.opt_str("init")?.as_deref(), value) {
+            (Some("constant"), Some(v)) => Ok(Init::Constant(v)),
+            (Some("constant"), None) => Err("init \"constant\" needs attr 'init_value'".into()),
+            (_, Some(_)) => Err("attr 'init_value' goes with init \"constant\"".into()),
+            (None, None) => Ok(Init::Auto),
+            (Some(name), None) => Init::NAMES.iter().find(|(n, _)| *n == name).map(|&(_, i)| i).ok_or_else(|| {
+                format!("unknown init '{name}' (known: auto zeros constant glorot_uniform glorot_normal he_uniform he_normal)")
+            }),
+        }
+    }
+
+    fn attrs(self) -> Vec<(&'static str, AttrValue)> {
+        match self {
+            Init::Auto => vec![],
+            Init::Constant(v) => vec![("init", "constant".into()), ("init_value", v.into())],
+            other => Init::NAMES
+                .iter()
+                .filter(|(_, i)| *i == other)
+                .map(|(n, _)| ("init", AttrValue::from(*n)))
+                .collect(),
+        }
+    }
+}
+
 /// A trainable value held by the session (in f32 under AMP: the master weights).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Variable(pub TensorType);
+pub struct Variable {
+    pub ty: TensorType,
+    pub init: Init,
+}
+
+impl Variable {
+    pub fn new(ty: TensorType) -> Self {
+        Variable { ty, init: Init::Auto }
+    }
+
+    pub fn with_init(ty: TensorType, init: Init) -> Self {
+        Variable { ty, init }
+    }
+}
 
 impl Op for Variable {
     fn name(&self) -> &'static str {
@@ -84,10 +153,12 @@ impl Op for Variable {
         Arity::Exactly(0)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        type_attrs(&self.0)
+        let mut a = type_attrs(&self.ty);
+        a.extend(self.init.attrs());
+        a
     }
     fn infer(&self, _: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        Ok(vec![self.0.clone()])
+        Ok(vec![self.ty.clone()])
     }
     fn eval(&self, _: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         Err(not_computed("Variable"))
