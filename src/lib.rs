@@ -12,3 +12,8 @@ pub use ampgraph_exec::{CpuExecutor, Executor};
 pub use ampgraph_graph::{DType, Graph, GraphError, Port, Tensor, TensorType};
 
 pub mod cli;
+pub mod optim;
+pub mod session;
+
+pub use optim::enable_mixed_precision_graph_rewrite;
+pub use session::{Device, Session, SessionOptions};

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{Placeholder, Variable};
+use ampgraph_graph::ops::{AssignVariable, Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 
@@ -112,6 +112,8 @@ impl Executor for CpuExecutor {
             *reads.entry(p.node).or_default() += 1;
         }
         let mut values: HashMap<NodeId, Vec<Tensor>> = HashMap::new();
+        // Variable writes, applied when the step ends so that every read sees the old value.
+        let mut writes: Vec<(String, Tensor)> = Vec::new();
         for &id in &order {
             let node = graph.node(id);
             let op = node.op.name();
@@ -135,6 +137,17 @@ impl Executor for CpuExecutor {
                     ));
                 }
             }
+            if node.op.is::<AssignVariable>() {
+                let target = graph.node(graph.inputs(id)[0].node);
+                if !target.op.is::<Variable>() {
+                    return Err(ExecError::node(
+                        &node.name,
+                        op,
+                        format!("input 0 must be a Variable, got '{}' ({})", target.name, target.op.name()),
+                    ));
+                }
+                writes.push((target.name.clone(), outputs[0].clone()));
+            }
             values.insert(id, outputs);
             for p in graph.inputs(id) {
                 let left = reads.get_mut(&p.node).expect("counted above");
@@ -144,6 +157,8 @@ impl Executor for CpuExecutor {
                 }
             }
         }
-        Ok(fetches.iter().map(|p| values[&p.node][p.index].clone()).collect())
+        let fetched = fetches.iter().map(|p| values[&p.node][p.index].clone()).collect();
+        self.variables.extend(writes);
+        Ok(fetched)
     }
 }

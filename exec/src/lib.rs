@@ -5,6 +5,7 @@
 //! tensors freed after their last use.
 
 mod cpu;
+pub mod data;
 pub mod feeds;
 pub mod gradcheck;
 

@@ -18,6 +18,8 @@ use crate::ops::parse_op;
 
 pub const FORMAT_NAME: &str = "ampgraph.graph";
 pub const FORMAT_VERSION: u32 = 1;
+/// Top-level key (a tool key) marking a graph for the AMP rewrite.
+const MIXED_PRECISION_KEY: &str = "_mixed_precision";
 /// First bytes of a binary graph file, followed by the version as u32 little-endian.
 pub const BIN_MAGIC: &[u8; 8] = b"AMPGRAPH";
 /// Upper bound on what decoding a binary file may allocate.
@@ -28,6 +30,8 @@ const BIN_LIMIT: usize = 1 << 30;
 pub struct GraphDef {
     pub nodes: Vec<NodeDef>,
     pub outputs: Vec<String>,
+    /// The graph asks for the AMP rewrite to this type (`_mixed_precision` in JSON).
+    pub mixed_precision: Option<DType>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -58,7 +62,11 @@ impl GraphDef {
             })
             .collect();
         let outputs = g.outputs().iter().map(|&p| g.port_name(p)).collect();
-        GraphDef { nodes, outputs }
+        GraphDef {
+            nodes,
+            outputs,
+            mixed_precision: g.mixed_precision,
+        }
     }
 
     /// Parses every op and checks the graph: names, arity, inputs, acyclicity, types.
@@ -72,6 +80,7 @@ impl GraphDef {
             annotations.push(tool);
         }
         let mut g = Graph::from_parts(parts, &self.outputs)?;
+        g.mixed_precision = self.mixed_precision;
         for (n, tool) in self.nodes.iter().zip(annotations) {
             let id = g.require(&n.name)?;
             let node = g.node_mut(id);
@@ -135,7 +144,16 @@ pub fn parse_json(bytes: &[u8]) -> Result<GraphDef> {
             .collect::<Result<_>>()?,
         Some(_) => return Err(format_err("'outputs' must be a list of node names")),
     };
-    Ok(GraphDef { nodes, outputs })
+    let mixed_precision = match top.get(MIXED_PRECISION_KEY) {
+        None => None,
+        Some(Value::String(s)) => Some(s.parse::<DType>().map_err(|e| format_err(format!("'{MIXED_PRECISION_KEY}': {e}")))?),
+        Some(_) => return Err(format_err(format!("'{MIXED_PRECISION_KEY}' must be a dtype string"))),
+    };
+    Ok(GraphDef {
+        nodes,
+        outputs,
+        mixed_precision,
+    })
 }
 
 fn parse_node(index: usize, v: &Value) -> Result<NodeDef> {
@@ -268,7 +286,11 @@ pub fn to_json(def: &GraphDef) -> String {
         out.push('}');
         out.push_str(if i + 1 < def.nodes.len() { ",\n" } else { "\n" });
     }
-    let _ = writeln!(out, "  ],\n  \"outputs\": {}\n}}", Value::from(def.outputs.clone()));
+    let _ = write!(out, "  ],\n  \"outputs\": {}", Value::from(def.outputs.clone()));
+    if let Some(d) = def.mixed_precision {
+        let _ = write!(out, ",\n  \"{MIXED_PRECISION_KEY}\": {}", s(d.as_str()));
+    }
+    out.push_str("\n}\n");
     out
 }
 

@@ -64,6 +64,9 @@ pub struct Graph {
     dag: StableDiGraph<Node, Edge>,
     names: HashMap<String, NodeId>,
     outputs: Vec<Port>,
+    /// Set by `enable_mixed_precision_graph_rewrite`: a session runs the AMP pass
+    /// with this 16-bit type. Files carry it as `_mixed_precision`.
+    pub mixed_precision: Option<crate::DType>,
 }
 
 impl Graph {
@@ -513,6 +516,29 @@ impl Graph {
         let name = node.name.clone();
         self.names.remove(&name);
         self.dag.remove_node(id);
+        Ok(())
+    }
+
+    /// Keeps only what `keep` depends on, which become the outputs: an inference
+    /// graph from a training graph drops gradients, updates and optimizer slots.
+    pub fn prune(&mut self, keep: &[Port]) -> Result<()> {
+        for p in keep {
+            self.check_port(*p)?;
+        }
+        let mut needed = std::collections::HashSet::new();
+        let mut stack: Vec<NodeId> = keep.iter().map(|p| p.node).collect();
+        while let Some(id) = stack.pop() {
+            if needed.insert(id) {
+                stack.extend(self.inputs(id).into_iter().map(|p| p.node));
+            }
+        }
+        let dead: Vec<NodeId> = self.dag.node_indices().filter(|id| !needed.contains(id)).collect();
+        for id in dead {
+            let name = self.dag[id].name.clone();
+            self.names.remove(&name);
+            self.dag.remove_node(id);
+        }
+        self.outputs = keep.to_vec();
         Ok(())
     }
 

@@ -7,11 +7,13 @@
 
 pub mod attrs;
 pub mod autodiff;
+pub mod builder;
 pub mod dtype;
 pub mod error;
 pub mod format;
 pub mod graph;
 pub mod kernel;
+pub mod nn;
 pub mod op;
 pub mod ops;
 pub mod shape;

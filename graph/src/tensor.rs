@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use crate::dtype::DType;
 
 /// Element storage of a tensor, one variant per dtype.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Data {
     F32(Vec<f32>),
     F16(Vec<f16>),

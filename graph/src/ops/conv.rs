@@ -7,6 +7,10 @@
 use rayon::prelude::*;
 
 use crate::attrs::{AttrReader, AttrValue};
+use crate::autodiff::GradBuilder;
+use crate::dtype::DType;
+use crate::error::GraphError;
+use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::linalg::{gemm_into, MatView};
@@ -41,6 +45,54 @@ pub(crate) const OPS: &[OpEntry] = &[
         parse: |_, a| {
             let (ksize, strides, padding, data_format) = read_pool_attrs(a)?;
             Ok(Box::new(AvgPool {
+                ksize,
+                strides,
+                padding,
+                data_format,
+            }))
+        },
+    },
+    OpEntry {
+        name: "Conv2DBackpropInput",
+        parse: |_, a| {
+            Ok(Box::new(Conv2DBackpropInput {
+                input_shape: a.shape("input_shape")?,
+                strides: a.pair("strides", Some([1, 1]))?,
+                padding: Padding::read(a)?,
+                data_format: DataFormat::read(a)?,
+            }))
+        },
+    },
+    OpEntry {
+        name: "Conv2DBackpropFilter",
+        parse: |_, a| {
+            Ok(Box::new(Conv2DBackpropFilter {
+                filter_shape: a.shape("filter_shape")?,
+                strides: a.pair("strides", Some([1, 1]))?,
+                padding: Padding::read(a)?,
+                data_format: DataFormat::read(a)?,
+            }))
+        },
+    },
+    OpEntry {
+        name: "MaxPoolGrad",
+        parse: |_, a| {
+            let (ksize, strides, padding, data_format) = read_pool_attrs(a)?;
+            Ok(Box::new(MaxPoolGrad {
+                ksize,
+                strides,
+                padding,
+                data_format,
+            }))
+        },
+    },
+    OpEntry {
+        name: "AvgPoolGrad",
+        parse: |_, a| {
+            let input_shape = a.shape("input_shape")?;
+            let (ksize, strides, padding, data_format) = read_pool_attrs(a)?;
+            Ok(Box::new(AvgPoolGrad {
+                input_shape,
                 ksize,
                 strides,
                 padding,
@@ -161,6 +213,13 @@ struct Axis {
 
 impl Axis {
     fn new(padding: Padding, len: usize, window: usize, stride: usize) -> OpResult<Axis> {
+        // Window arithmetic runs in isize; sizes this large are mistakes, not images.
+        const MAX: usize = 1 << 40;
+        if len > MAX || window > MAX || stride > MAX {
+            return Err(format!(
+                "length {len}, window {window} or stride {stride} exceeds 2^40"
+            ));
+        }
         let (out, pad) = padding.output_len(len, window, stride)?;
         Ok(Axis {
             out,
@@ -209,8 +268,21 @@ impl Conv2D {
     }
 
     fn dims(&self, x: &[usize], filter: &[usize]) -> OpResult<ConvDims> {
+        self.dims_of("x", x, filter)
+    }
+
+    /// As [`dims`](Self::dims), naming the input tensor `what` in errors.
+    fn dims_of(&self, what: &str, x: &[usize], filter: &[usize]) -> OpResult<ConvDims> {
         check_pair("strides", self.strides)?;
-        let xi = Image::from_shape(self.data_format, "x", x)?;
+        for (name, shape) in [(what, x), ("the filter", filter)] {
+            if checked_numel(shape).is_none() {
+                return Err(format!(
+                    "{name} {} has more elements than can be addressed",
+                    ShapeDisplay(shape)
+                ));
+            }
+        }
+        let xi = Image::from_shape(self.data_format, what, x)?;
         let &[kh, kw, cin, cout] = filter else {
             return Err(format!(
                 "filter must have rank 4 (HWIO: [height, width, in_channels, out_channels]), got {}",
@@ -219,7 +291,7 @@ impl Conv2D {
         };
         if cin != xi.c {
             return Err(format!(
-                "x {} ({}) has {} channels but the filter {} expects {cin} input channels",
+                "{what} {} ({}) has {} channels but the filter {} expects {cin} input channels",
                 ShapeDisplay(x),
                 layout_name(self.data_format),
                 xi.c,
@@ -236,6 +308,9 @@ impl Conv2D {
             .map_err(|e| format!("height: {e}"))?;
         let cols = Axis::new(self.padding, xi.w, kw, self.strides[1])
             .map_err(|e| format!("width: {e}"))?;
+        if checked_numel(&[xi.n, cout, rows.out, cols.out]).is_none() {
+            return Err("the output shape overflows".into());
+        }
         let y = Image::new(self.data_format, xi.n, cout, rows.out, cols.out);
         Ok(ConvDims {
             x: xi,
@@ -391,6 +466,305 @@ impl Op for Conv2D {
         }
         eval_float(self, x.dtype(), inputs)
     }
+    /// `dx = Conv2DBackpropInput(filter, dy)`, `dfilter = Conv2DBackpropFilter(x, dy)`.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let (&[x, filter], Some(&Some(dy))) = (inputs, grads.first()) else {
+            return Ok(vec![None; inputs.len()]);
+        };
+        let dx = Conv2DBackpropInput {
+            input_shape: b.ty(x).shape.clone(),
+            strides: self.strides,
+            padding: self.padding,
+            data_format: self.data_format,
+        };
+        let dfilter = Conv2DBackpropFilter {
+            filter_shape: b.ty(filter).shape.clone(),
+            strides: self.strides,
+            padding: self.padding,
+            data_format: self.data_format,
+        };
+        Ok(vec![
+            Some(b.add(dx, &[filter, dy])?),
+            Some(b.add(dfilter, &[x, dy])?),
+        ])
+    }
+}
+
+impl ConvDims {
+    /// Output positions per image.
+    fn positions(&self) -> usize {
+        self.rows.out * self.cols.out
+    }
+
+    /// Elements of one im2col row: kh * kw * cin.
+    fn patch(&self) -> usize {
+        self.kh * self.kw * self.x.c
+    }
+
+    /// Runs of at most `block` output positions (counted over the batch in (image, oy,
+    /// ox) order) whose dy rows form one strided `[m, cout]` matrix: any run in NHWC,
+    /// runs inside one image in NCHW. Yields (first position, length).
+    fn position_blocks(&self, block: usize) -> Vec<(usize, usize)> {
+        let per_image = self.positions();
+        let total = self.x.n * per_image;
+        let block = block.max(1);
+        if self.y.sc == 1 {
+            (0..total)
+                .step_by(block)
+                .map(|f| (f, block.min(total - f)))
+                .collect()
+        } else {
+            (0..self.x.n)
+                .flat_map(|img| {
+                    (0..per_image)
+                        .step_by(block)
+                        .map(move |q| (img * per_image + q, block.min(per_image - q)))
+                })
+                .collect()
+        }
+    }
+
+    /// dy's rows for output positions `first..first + m` as a `[m, cout]` matrix.
+    fn dy_rows<'a, T>(&self, dy: &'a [T], first: usize) -> MatView<'a, T> {
+        let per_image = self.positions().max(1);
+        let (img, q) = (first / per_image, first % per_image);
+        MatView {
+            data: dy.get(img * self.y.sn + q * self.y.sx..).unwrap_or(&[]),
+            rs: self.y.sx,
+            cs: self.y.sc,
+        }
+    }
+}
+
+/// The inverse of [`im2col`]: adds each row of `cols` (output positions from `first`,
+/// counted over the batch) into the input positions its patch was read from.
+fn col2im<T: Real>(d: &ConvDims, cols: &[T], first: usize, dx: &mut [T]) {
+    let r = d.patch();
+    let per_image = d.positions();
+    for (p, row) in cols.chunks(r).enumerate() {
+        let img = (first + p) / per_image;
+        let q = (first + p) % per_image;
+        let (oy, ox) = (q / d.cols.out, q % d.cols.out);
+        let (y0, y1, ky0) = d.rows.range(oy);
+        let (x0, x1, kx0) = d.cols.range(ox);
+        let base = img * d.x.sn;
+        for (ky, iy) in (ky0..).zip(y0..y1) {
+            for (kx, ix) in (kx0..).zip(x0..x1) {
+                let dst = base + iy * d.x.sy + ix * d.x.sx;
+                let src = &row[(ky * d.kw + kx) * d.x.c..][..d.x.c];
+                for (ci, &v) in src.iter().enumerate() {
+                    let t = &mut dx[dst + ci * d.x.sc];
+                    *t = *t + v;
+                }
+            }
+        }
+    }
+}
+
+/// The conv facts shared by the two backprop ops: a Conv2D of `x` (shape `x`) and
+/// `filter`, whose output gradient `dy` must have the convolution's output shape.
+fn backprop_dims(
+    conv: &Conv2D,
+    what: &str,
+    x: &[usize],
+    filter: &[usize],
+    dy: &[usize],
+) -> OpResult<ConvDims> {
+    let d = conv.dims_of(what, x, filter)?;
+    let want = d.y.shape(conv.data_format);
+    if dy != want.as_slice() {
+        return Err(format!(
+            "dy has shape {} but the convolution of {what} {} ({}) with filter {} gives {}",
+            ShapeDisplay(dy),
+            ShapeDisplay(x),
+            layout_name(conv.data_format),
+            ShapeDisplay(filter),
+            ShapeDisplay(&want)
+        ));
+    }
+    Ok(d)
+}
+
+/// Requires two inputs of one float dtype.
+fn float_pair(inputs: &[&TensorType], what: [&str; 2]) -> OpResult<DType> {
+    let [a, b] = fixed(inputs)?;
+    require_float(what[0], a.dtype)?;
+    if a.dtype != b.dtype {
+        return Err(format!(
+            "{} is {} but {} is {}",
+            what[0], a.dtype, what[1], b.dtype
+        ));
+    }
+    Ok(a.dtype)
+}
+
+fn conv_attrs(
+    shape_key: &'static str,
+    shape: &[usize],
+    conv: &Conv2D,
+) -> Vec<(&'static str, AttrValue)> {
+    let mut a = vec![(shape_key, AttrValue::from(shape))];
+    a.extend(conv.attrs());
+    a
+}
+
+/// The gradient of [`Conv2D`] with respect to its input, TensorFlow's
+/// `Conv2DBackpropInput` (the input's shape an attr rather than a tensor): inputs
+/// `filter` (HWIO) and `dy` (the convolution's output shape); output `dx` of shape
+/// `input_shape`. Computed as `dy x filter^T` (one gemm per block of output
+/// positions) scattered back through col2im.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conv2DBackpropInput {
+    pub input_shape: Vec<usize>,
+    pub strides: [usize; 2],
+    pub padding: Padding,
+    pub data_format: DataFormat,
+}
+
+impl Conv2DBackpropInput {
+    fn conv(&self) -> Conv2D {
+        Conv2D::new(self.strides, self.padding, self.data_format)
+    }
+}
+
+impl FloatKernel for Conv2DBackpropInput {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [filter, dy] = fixed(inputs)?;
+        let shape = self.input_shape.clone();
+        let d = backprop_dims(
+            &self.conv(),
+            "input_shape",
+            &shape,
+            filter.shape(),
+            dy.shape(),
+        )?;
+        let total = checked_numel(&shape).ok_or("input_shape overflows")?;
+        let mut dx = vec![T::zero(); total];
+        let (r, cout) = (d.patch(), d.y.c);
+        if total == 0 || r == 0 || cout == 0 || d.positions() == 0 {
+            return Ok(vec![(shape, dx)]);
+        }
+        let (fv, dyv) = (T::read(filter), T::read(dy));
+        // filter^T [cout, R], read from the row-major [R, cout] filter.
+        let filter_t = MatView::dense(&fv, cout, true);
+        let block = (COLS_BUDGET / r).clamp(1, d.x.n * d.positions());
+        let mut cols = vec![T::zero(); block * r];
+        for (first, m) in d.position_blocks(block) {
+            let cols = &mut cols[..m * r];
+            gemm_into(m, r, cout, cols, d.dy_rows(&dyv, first), filter_t, true)?;
+            col2im(&d, cols, first, &mut dx);
+        }
+        Ok(vec![(shape, dx)])
+    }
+}
+
+impl Op for Conv2DBackpropInput {
+    fn name(&self) -> &'static str {
+        "Conv2DBackpropInput"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        conv_attrs("input_shape", &self.input_shape, &self.conv())
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let dtype = float_pair(inputs, ["the filter", "dy"])?;
+        let [filter, dy] = fixed(inputs)?;
+        backprop_dims(
+            &self.conv(),
+            "input_shape",
+            &self.input_shape,
+            &filter.shape,
+            &dy.shape,
+        )?;
+        Ok(vec![TensorType::new(dtype, self.input_shape.clone())])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let dtype = float_pair(&types.iter().collect::<Vec<_>>(), ["the filter", "dy"])?;
+        eval_float(self, dtype, inputs)
+    }
+}
+
+/// The gradient of [`Conv2D`] with respect to its filter, TensorFlow's
+/// `Conv2DBackpropFilter` (the filter's shape an attr): inputs `x` and `dy`; output
+/// `dfilter` of shape `filter_shape` (HWIO). Computed as `im2col(x)^T x dy`, one gemm
+/// per block of output positions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conv2DBackpropFilter {
+    pub filter_shape: Vec<usize>,
+    pub strides: [usize; 2],
+    pub padding: Padding,
+    pub data_format: DataFormat,
+}
+
+impl Conv2DBackpropFilter {
+    fn conv(&self) -> Conv2D {
+        Conv2D::new(self.strides, self.padding, self.data_format)
+    }
+}
+
+impl FloatKernel for Conv2DBackpropFilter {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x, dy] = fixed(inputs)?;
+        let shape = self.filter_shape.clone();
+        let d = backprop_dims(&self.conv(), "x", x.shape(), &shape, dy.shape())?;
+        let (r, cout) = (d.patch(), d.y.c);
+        let mut dfilter = vec![T::zero(); r * cout];
+        if dfilter.is_empty() || d.x.n * d.positions() == 0 {
+            return Ok(vec![(shape, dfilter)]);
+        }
+        let (xv, dyv) = (T::read(x), T::read(dy));
+        let block = (COLS_BUDGET / r).clamp(1, d.x.n * d.positions());
+        let mut cols = vec![T::zero(); block * r];
+        let mut part = vec![T::zero(); r * cout];
+        for (first, m) in d.position_blocks(block) {
+            let cols = &mut cols[..m * r];
+            im2col(&d, &xv, first, cols);
+            // cols^T [R, m] x dy rows [m, cout].
+            let lhs = MatView {
+                data: &cols[..],
+                rs: 1,
+                cs: r,
+            };
+            gemm_into(r, cout, m, &mut part, lhs, d.dy_rows(&dyv, first), true)?;
+            dfilter
+                .iter_mut()
+                .zip(&part)
+                .for_each(|(a, &v)| *a = *a + v);
+        }
+        Ok(vec![(shape, dfilter)])
+    }
+}
+
+impl Op for Conv2DBackpropFilter {
+    fn name(&self) -> &'static str {
+        "Conv2DBackpropFilter"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        conv_attrs("filter_shape", &self.filter_shape, &self.conv())
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let dtype = float_pair(inputs, ["x", "dy"])?;
+        let [x, dy] = fixed(inputs)?;
+        backprop_dims(&self.conv(), "x", &x.shape, &self.filter_shape, &dy.shape)?;
+        Ok(vec![TensorType::new(dtype, self.filter_shape.clone())])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let dtype = float_pair(&types.iter().collect::<Vec<_>>(), ["x", "dy"])?;
+        eval_float(self, dtype, inputs)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -545,6 +919,18 @@ macro_rules! pool_op {
                 let [x] = fixed(inputs)?;
                 eval_float(&self.pool(), x.dtype(), inputs)
             }
+            fn gradient(
+                &self,
+                b: &mut GradBuilder,
+                inputs: &[Port],
+                outputs: &[Port],
+                grads: &[Option<Port>],
+            ) -> Result<Vec<Option<Port>>, GraphError> {
+                let (&[x], &[y], Some(&Some(dy))) = (inputs, outputs, grads.first()) else {
+                    return Ok(vec![None; inputs.len()]);
+                };
+                Ok(vec![Some(self.pool_gradient(b, x, y, dy)?)])
+            }
         }
     };
 }
@@ -562,3 +948,284 @@ pool_op!(
     "AvgPool",
     PoolKind::Avg
 );
+
+impl MaxPool {
+    /// `dx = MaxPoolGrad(x, y, dy)`.
+    fn pool_gradient(
+        &self,
+        b: &mut GradBuilder,
+        x: Port,
+        y: Port,
+        dy: Port,
+    ) -> Result<Port, GraphError> {
+        let grad = MaxPoolGrad::new(self.ksize, self.strides, self.padding, self.data_format);
+        b.add(grad, &[x, y, dy])
+    }
+}
+
+impl AvgPool {
+    /// `dx = AvgPoolGrad(dy)`.
+    fn pool_gradient(
+        &self,
+        b: &mut GradBuilder,
+        x: Port,
+        _y: Port,
+        dy: Port,
+    ) -> Result<Port, GraphError> {
+        let grad = AvgPoolGrad {
+            input_shape: b.ty(x).shape.clone(),
+            ksize: self.ksize,
+            strides: self.strides,
+            padding: self.padding,
+            data_format: self.data_format,
+        };
+        b.add(grad, &[dy])
+    }
+}
+
+/// Requires `t` to have the pooled shape `want` and the dtype `dtype`.
+fn check_pooled(what: &str, t: &TensorType, dtype: DType, want: &[usize]) -> OpResult<()> {
+    if t.dtype != dtype {
+        return Err(format!("{what} is {} but must be {dtype}", t.dtype));
+    }
+    if t.shape != want {
+        return Err(format!(
+            "{what} has shape {} but the pooling output is {}",
+            ShapeDisplay(&t.shape),
+            ShapeDisplay(want)
+        ));
+    }
+    Ok(())
+}
+
+/// The gradient of [`MaxPool`], TensorFlow's `MaxPoolGrad`: inputs `x`, `y` (the
+/// pooling's output) and `dy`; output `dx` (x's type). Each window's gradient goes to
+/// the first maximum of the window in row-major order (a NaN counts as the maximum),
+/// which the kernel finds again in `x`, as TensorFlow's CPU kernel does; `y` is
+/// checked for its type only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MaxPoolGrad {
+    pub ksize: [usize; 2],
+    pub strides: [usize; 2],
+    pub padding: Padding,
+    pub data_format: DataFormat,
+}
+
+impl MaxPoolGrad {
+    pub fn new(
+        ksize: [usize; 2],
+        strides: [usize; 2],
+        padding: Padding,
+        data_format: DataFormat,
+    ) -> Self {
+        MaxPoolGrad {
+            ksize,
+            strides,
+            padding,
+            data_format,
+        }
+    }
+
+    fn pool(&self) -> Pool {
+        Pool {
+            kind: PoolKind::Max,
+            ksize: self.ksize,
+            strides: self.strides,
+            padding: self.padding,
+            data_format: self.data_format,
+        }
+    }
+
+    fn check(&self, inputs: &[&TensorType]) -> OpResult<TensorType> {
+        let [x, y, dy] = fixed(inputs)?;
+        require_float("x", x.dtype)?;
+        let (_, yi, _, _) = self.pool().dims(&x.shape)?;
+        let want = yi.shape(self.data_format);
+        check_pooled("y", y, x.dtype, &want)?;
+        check_pooled("dy", dy, x.dtype, &want)?;
+        Ok((*x).clone())
+    }
+}
+
+impl FloatKernel for MaxPoolGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x, _y, dy] = fixed(inputs)?;
+        let (xi, yi, rows, cols) = self.pool().dims(x.shape())?;
+        if dy.shape() != yi.shape(self.data_format) {
+            return Err("dy does not have the pooling output's shape".into());
+        }
+        let shape = x.shape().to_vec();
+        let mut dx = vec![T::zero(); x.len()];
+        if dx.is_empty() || dy.is_empty() {
+            return Ok(vec![(shape, dx)]);
+        }
+        let (xv, dyv) = (T::read(x), T::read(dy));
+        dx.par_chunks_mut(xi.per_image())
+            .zip(xv.par_chunks(xi.per_image()))
+            .zip(dyv.par_chunks(yi.per_image()))
+            .for_each(|((dst, src), grad)| {
+                for oy in 0..rows.out {
+                    let (y0, y1, _) = rows.range(oy);
+                    for ox in 0..cols.out {
+                        let (x0, x1, _) = cols.range(ox);
+                        for c in 0..xi.c {
+                            let mut best: Option<(usize, T)> = None;
+                            for iy in y0..y1 {
+                                for ix in x0..x1 {
+                                    let i = c * xi.sc + iy * xi.sy + ix * xi.sx;
+                                    let v = src[i];
+                                    let better = match best {
+                                        None => true,
+                                        Some((_, b)) => !b.is_nan() && (v.is_nan() || v > b),
+                                    };
+                                    if better {
+                                        best = Some((i, v));
+                                    }
+                                }
+                            }
+                            if let Some((i, _)) = best {
+                                let g = grad[c * yi.sc + oy * yi.sy + ox * yi.sx];
+                                dst[i] = dst[i] + g;
+                            }
+                        }
+                    }
+                }
+            });
+        Ok(vec![(shape, dx)])
+    }
+}
+
+impl Op for MaxPoolGrad {
+    fn name(&self) -> &'static str {
+        "MaxPoolGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        self.pool().attrs()
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        Ok(vec![self.check(inputs)?])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let x = self.check(&types.iter().collect::<Vec<_>>())?;
+        eval_float(self, x.dtype, inputs)
+    }
+}
+
+/// The gradient of [`AvgPool`], TensorFlow's `AvgPoolGrad` (the input's shape an
+/// attr): input `dy`; output `dx` of shape `input_shape`. Each window's gradient is
+/// spread evenly over its in-bounds elements (the count the forward divided by).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AvgPoolGrad {
+    pub input_shape: Vec<usize>,
+    pub ksize: [usize; 2],
+    pub strides: [usize; 2],
+    pub padding: Padding,
+    pub data_format: DataFormat,
+}
+
+impl AvgPoolGrad {
+    fn pool(&self) -> Pool {
+        Pool {
+            kind: PoolKind::Avg,
+            ksize: self.ksize,
+            strides: self.strides,
+            padding: self.padding,
+            data_format: self.data_format,
+        }
+    }
+
+    fn dims(&self, dy: &[usize]) -> OpResult<(Image, Image, Axis, Axis)> {
+        if checked_numel(&self.input_shape).is_none() {
+            return Err(format!(
+                "input_shape {} has more elements than can be addressed",
+                ShapeDisplay(&self.input_shape)
+            ));
+        }
+        let input = self.input_shape.as_slice();
+        if input.len() != 4 {
+            return Err(format!(
+                "input_shape must have rank 4 ({}), got {}",
+                layout_name(self.data_format),
+                ShapeDisplay(input)
+            ));
+        }
+        let dims = self.pool().dims(input)?;
+        let want = dims.1.shape(self.data_format);
+        if dy != want.as_slice() {
+            return Err(format!(
+                "dy has shape {} but pooling input_shape {} gives {}",
+                ShapeDisplay(dy),
+                ShapeDisplay(input),
+                ShapeDisplay(&want)
+            ));
+        }
+        Ok(dims)
+    }
+}
+
+impl FloatKernel for AvgPoolGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [dy] = fixed(inputs)?;
+        let (xi, yi, rows, cols) = self.dims(dy.shape())?;
+        let shape = self.input_shape.clone();
+        let mut dx = vec![T::zero(); xi.n * xi.per_image()];
+        if dx.is_empty() || dy.is_empty() {
+            return Ok(vec![(shape, dx)]);
+        }
+        let dyv = T::read(dy);
+        dx.par_chunks_mut(xi.per_image())
+            .zip(dyv.par_chunks(yi.per_image()))
+            .for_each(|(dst, grad)| {
+                for oy in 0..rows.out {
+                    let (y0, y1, _) = rows.range(oy);
+                    for ox in 0..cols.out {
+                        let (x0, x1, _) = cols.range(ox);
+                        let count = (y1 - y0) * (x1 - x0);
+                        if count == 0 {
+                            continue;
+                        }
+                        let inv = T::one() / T::lit(count as f64);
+                        for c in 0..xi.c {
+                            let g = grad[c * yi.sc + oy * yi.sy + ox * yi.sx] * inv;
+                            for iy in y0..y1 {
+                                for ix in x0..x1 {
+                                    let i = c * xi.sc + iy * xi.sy + ix * xi.sx;
+                                    dst[i] = dst[i] + g;
+                                }
+                            }
+                        }
+                    }
+                }
+            });
+        Ok(vec![(shape, dx)])
+    }
+}
+
+impl Op for AvgPoolGrad {
+    fn name(&self) -> &'static str {
+        "AvgPoolGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut a = vec![("input_shape", AttrValue::from(self.input_shape.as_slice()))];
+        a.extend(self.pool().attrs());
+        a
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [dy] = fixed(inputs)?;
+        require_float("dy", dy.dtype)?;
+        self.dims(&dy.shape)?;
+        Ok(vec![TensorType::new(dy.dtype, self.input_shape.clone())])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [dy] = fixed(inputs)?;
+        require_float("dy", dy.dtype())?;
+        eval_float(self, dy.dtype(), inputs)
+    }
+}

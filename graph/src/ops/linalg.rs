@@ -8,6 +8,9 @@ use std::any::TypeId;
 use rayon::prelude::*;
 
 use crate::attrs::AttrValue;
+use crate::autodiff::GradBuilder;
+use crate::error::GraphError;
+use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::shape::{broadcast_index_map, broadcast_shapes};
@@ -274,6 +277,50 @@ impl Op for MatMul {
         }
         eval_float(self, a.dtype(), inputs)
     }
+    /// With `y = op_a(a) op_b(b)`: `da = dy op_b(b)^T` and `db = op_a(a)^T dy`, each
+    /// written as one MatMul whose transpose flags absorb every transpose.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let (&[x, y], Some(&Some(dz))) = (inputs, grads.first()) else {
+            return Ok(vec![None; inputs.len()]);
+        };
+        let (da, db) = matmul_grad_products(self.transpose_a, self.transpose_b, x, y, dz);
+        let da = b.add(MatMul::new(da.2, da.3), &[da.0, da.1])?;
+        let db = b.add(MatMul::new(db.2, db.3), &[db.0, db.1])?;
+        Ok(vec![Some(da), Some(db)])
+    }
+}
+
+/// One product of a gradient rule: (lhs, rhs, transpose lhs, transpose rhs).
+type GradProduct = (Port, Port, bool, bool);
+
+/// The products giving the gradients of `a` and `b` in `z = op(a) op(b)` (TensorFlow's
+/// `_MatMulGrad`): with `ta`/`tb` the transpose flags of the forward product,
+///
+/// | ta, tb | da | db |
+/// |---|---|---|
+/// | F, F | dz b^T | a^T dz |
+/// | F, T | dz b | dz^T a |
+/// | T, F | b dz^T | a dz |
+/// | T, T | b^T dz^T | dz^T a^T |
+fn matmul_grad_products(
+    ta: bool,
+    tb: bool,
+    a: Port,
+    b: Port,
+    dz: Port,
+) -> (GradProduct, GradProduct) {
+    match (ta, tb) {
+        (false, false) => ((dz, b, false, true), (a, dz, true, false)),
+        (false, true) => ((dz, b, false, false), (dz, a, true, false)),
+        (true, false) => ((b, dz, false, true), (a, dz, false, false)),
+        (true, true) => ((b, dz, true, true), (dz, a, true, true)),
+    }
 }
 
 /// Batched matrix product: `a [..., m, k] x b [..., k, n] -> [..., m, n]`, the batch
@@ -410,5 +457,27 @@ impl Op for BatchMatMul {
             return Err(format!("a is {} but b is {}", a.dtype(), b.dtype()));
         }
         eval_float(self, a.dtype(), inputs)
+    }
+    /// As MatMul's rule, with BatchMatMul products (adjoint flags for the transposes);
+    /// an operand whose batch dimensions were broadcast gets its gradient summed back
+    /// to its own shape.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let (&[x, y], Some(&Some(dz))) = (inputs, grads.first()) else {
+            return Ok(vec![None; inputs.len()]);
+        };
+        let (dx, dy) = matmul_grad_products(self.adj_x, self.adj_y, x, y, dz);
+        let mut out = Vec::with_capacity(2);
+        for ((lhs, rhs, adj_l, adj_r), operand) in [(dx, x), (dy, y)] {
+            let full = b.add(BatchMatMul::new(adj_l, adj_r), &[lhs, rhs])?;
+            let shape = b.ty(operand).shape.clone();
+            out.push(Some(b.sum_to(full, &shape)?));
+        }
+        Ok(out)
     }
 }

@@ -9,18 +9,26 @@ pub mod reduce;
 pub mod shape_ops;
 pub mod softmax;
 pub mod source;
+pub mod train;
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::op::{Op, OpEntry, OpResult};
 
 pub use conv::{AvgPool, Conv2D, MaxPool};
+pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
+pub use norm::{BatchNormGrad, LayerNormGrad};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use linalg::{BatchMatMul, MatMul};
 pub use norm::{BatchNorm, LayerNorm};
 pub use reduce::{Reduce, ReduceKind, SumTo};
 pub use shape_ops::{Concat, Reshape, Transpose};
 pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
+pub use elementwise::{BinaryGrad, UnaryGrad};
+pub use reduce::ReduceGrad;
+pub use shape_ops::{BroadcastTo, Slice};
+pub use softmax::{SoftmaxCrossEntropyGrad, SoftmaxGrad};
 pub use source::{Cast, Const, Init, Placeholder, Variable};
+pub use train::{AllFinite, AssignVariable, Group, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule};
 
 /// All op families' registry rows.
 const FAMILIES: &[&[OpEntry]] = &[
@@ -28,13 +36,18 @@ const FAMILIES: &[&[OpEntry]] = &[
     elementwise::UNARY_OPS,
     elementwise::BINARY_OPS,
     elementwise::OTHER_OPS,
+    elementwise::GRAD_OPS,
     linalg::OPS,
     conv::OPS,
     norm::OPS,
     reduce::OPS,
     reduce::SUM_TO_OPS,
+    reduce::GRAD_OPS,
     softmax::OPS,
+    softmax::GRAD_OPS,
     shape_ops::OPS,
+    shape_ops::MORE_OPS,
+    train::OPS,
 ];
 
 /// Every op name the IR knows.

@@ -4,7 +4,10 @@
 //! every output is rounded once on store.
 
 use crate::attrs::{AttrReader, AttrValue};
+use crate::autodiff::GradBuilder;
 use crate::dtype::DType;
+use crate::error::GraphError;
+use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::DataFormat;
@@ -19,6 +22,14 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "LayerNorm",
         parse: |_, a| Ok(Box::new(LayerNorm::parse(a)?)),
+    },
+    OpEntry {
+        name: "BatchNormGrad",
+        parse: |_, a| Ok(Box::new(BatchNormGrad::parse(a)?)),
+    },
+    OpEntry {
+        name: "LayerNormGrad",
+        parse: |_, a| Ok(Box::new(LayerNormGrad::parse(a)?)),
     },
 ];
 
@@ -245,6 +256,227 @@ impl Op for BatchNorm {
             TypeGroup::new(vec![1, 2, 3, 4], vec![1, 2]).fixed(),
         ]
     }
+    /// One [`BatchNormGrad`] node gives dx, dscale and doffset. In training it reads
+    /// the batch statistics the forward computed (outputs 1 and 2); in inference the
+    /// given `mean` and `variance`, which get no gradient (as in TensorFlow: they are
+    /// running averages, not trained).
+    ///
+    /// The gradients of outputs 1 and 2 (the batch statistics, which feed the running
+    /// averages and not the loss) are ignored, as TensorFlow's `FusedBatchNorm`
+    /// gradient ignores them.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let (&[x, scale, _offset, mean, variance], Some(&Some(dy))) = (inputs, grads.first())
+        else {
+            return Ok(vec![None; inputs.len()]);
+        };
+        let (mean, variance) = match (self.training, outputs) {
+            (true, &[_, batch_mean, batch_variance]) => (batch_mean, batch_variance),
+            (true, _) => return Err(GraphError::Format("BatchNorm has 3 outputs".into())),
+            (false, _) => (mean, variance),
+        };
+        let grad = BatchNormGrad {
+            epsilon: self.epsilon,
+            training: self.training,
+            data_format: self.data_format,
+        };
+        let id = b.add_node(Box::new(grad), &[x, scale, mean, variance, dy])?;
+        Ok(vec![
+            Some(Port::new(id, 0)),
+            Some(Port::new(id, 1)),
+            Some(Port::new(id, 2)),
+            None,
+            None,
+        ])
+    }
+}
+
+/// The gradient of [`BatchNorm`], TensorFlow's `FusedBatchNormGradV3`: inputs `x`,
+/// `scale`, `mean`, `variance` and `dy` (x's type); outputs `dx` (x's type), `dscale`
+/// and `doffset` (`[C]`, the statistics' dtype U as in BatchNorm).
+///
+/// - `training = true`: `mean` and `variance` are the forward's `batch_mean` and
+///   `batch_variance` outputs (the variance with Bessel's correction, which the kernel
+///   undoes); with `xhat = (x - mean) / sqrt(var + eps)` per channel over its n
+///   elements: `doffset = sum dy`, `dscale = sum dy * xhat`,
+///   `dx = scale / sqrt(var + eps) * (dy - doffset / n - xhat * dscale / n)`.
+/// - `training = false`: `mean` and `variance` are the forward's inputs and
+///   `dx = dy * scale / sqrt(variance + eps)` (dscale and doffset as above).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchNormGrad {
+    pub epsilon: f64,
+    pub training: bool,
+    pub data_format: DataFormat,
+}
+
+impl BatchNormGrad {
+    fn parse(a: &mut AttrReader) -> OpResult<BatchNormGrad> {
+        Ok(BatchNormGrad {
+            epsilon: read_epsilon(a, 0.001)?,
+            training: a.bool_or("training", true)?,
+            data_format: DataFormat::read(a)?,
+        })
+    }
+
+    fn forward(&self) -> BatchNorm {
+        BatchNorm {
+            epsilon: self.epsilon,
+            training: self.training,
+            data_format: self.data_format,
+        }
+    }
+
+    /// Checks the input types; returns x's type and the channel count.
+    fn check(&self, inputs: &[&TensorType]) -> OpResult<(TensorType, usize)> {
+        let [x, scale, mean, variance, dy] = fixed(inputs)?;
+        require_float("x", x.dtype)?;
+        if x.rank() != 4 && x.rank() != 2 {
+            return Err(format!(
+                "x must have rank 4 ({}) or rank 2 [N, C], got shape {}",
+                match self.data_format {
+                    DataFormat::Nhwc => "NHWC",
+                    DataFormat::Nchw => "NCHW",
+                },
+                ShapeDisplay(&x.shape)
+            ));
+        }
+        if *dy != *x {
+            return Err(format!("dy is {dy} but must match x {x}"));
+        }
+        let c = x.shape[self.forward().channel_axis(x.rank())];
+        let u = BatchNorm::stats_dtype(x.dtype);
+        for (what, t) in [("scale", scale), ("mean", mean), ("variance", variance)] {
+            if t.dtype != u {
+                return Err(format!(
+                    "{what} is {} but must be {u} when x is {}",
+                    t.dtype, x.dtype
+                ));
+            }
+            if t.shape != [c] {
+                return Err(format!(
+                    "{what} has shape {} but x {} has {c} channels (expected [{c}])",
+                    ShapeDisplay(&t.shape),
+                    ShapeDisplay(&x.shape)
+                ));
+            }
+        }
+        Ok(((*x).clone(), c))
+    }
+
+    fn run<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let x = inputs.first().ok_or("missing input x")?;
+        let u = BatchNorm::stats_dtype(x.dtype());
+        let mut outs = self.compute::<T>(inputs)?.into_iter();
+        let mut store = |dtype| match outs.next() {
+            Some((shape, values)) => T::store(dtype, shape, values),
+            None => Err("internal: missing output".to_string()),
+        };
+        Ok(vec![store(x.dtype())?, store(u)?, store(u)?])
+    }
+}
+
+impl FloatKernel for BatchNormGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x, scale, mean, variance, dy] = fixed(inputs)?;
+        let shape = x.shape();
+        let axis = self.forward().channel_axis(shape.len());
+        let c = shape.get(axis).copied().ok_or("x has no channel axis")?;
+        let outer: usize = shape[..axis].iter().product();
+        let inner: usize = shape[axis + 1..].iter().product();
+        let (xs, dys) = (T::read(x), T::read(dy));
+        let (scale, mean, var) = (T::read(scale), T::read(mean), T::read(variance));
+        if xs.len() != dys.len() || [scale.len(), mean.len(), var.len()] != [c; 3] {
+            return Err("the inputs' shapes disagree".into());
+        }
+        let count = outer * inner;
+        let n = T::lit(count as f64);
+        // The biased variance the forward normalised with.
+        let unbias = if self.training && count > 1 {
+            T::lit((count - 1) as f64 / count as f64)
+        } else {
+            T::one()
+        };
+        let eps = T::lit(self.epsilon);
+        let inv: Vec<T> = var
+            .iter()
+            .map(|&v| T::one() / (v * unbias + eps).sqrt())
+            .collect();
+        let channel = |i: usize| (i / inner.max(1)) % c.max(1);
+        let mut sum_dy = vec![T::zero(); c];
+        let mut sum_dy_xc = vec![T::zero(); c];
+        for (i, (&xv, &g)) in xs.iter().zip(dys.iter()).enumerate() {
+            let ch = channel(i);
+            sum_dy[ch] = sum_dy[ch] + g;
+            sum_dy_xc[ch] = sum_dy_xc[ch] + g * (xv - mean[ch]);
+        }
+        let dscale: Vec<T> = (0..c).map(|ch| sum_dy_xc[ch] * inv[ch]).collect();
+        let dx = xs
+            .iter()
+            .zip(dys.iter())
+            .enumerate()
+            .map(|(i, (&xv, &g))| {
+                let ch = channel(i);
+                let a = scale[ch] * inv[ch];
+                if self.training {
+                    let xc = xv - mean[ch];
+                    a * (g - sum_dy[ch] / n - xc * inv[ch] * inv[ch] * sum_dy_xc[ch] / n)
+                } else {
+                    a * g
+                }
+            })
+            .collect();
+        Ok(vec![
+            (shape.to_vec(), dx),
+            (vec![c], dscale),
+            (vec![c], sum_dy),
+        ])
+    }
+}
+
+impl Op for BatchNormGrad {
+    fn name(&self) -> &'static str {
+        "BatchNormGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(5)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("epsilon", self.epsilon.into()),
+            ("training", self.training.into()),
+            ("data_format", self.data_format.into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let (x, c) = self.check(inputs)?;
+        let u = BatchNorm::stats_dtype(x.dtype);
+        Ok(vec![x, TensorType::new(u, [c]), TensorType::new(u, [c])])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types = types_of(inputs);
+        self.check(&types.iter().collect::<Vec<_>>())?;
+        match inputs[0].dtype() {
+            DType::F64 => self.run::<f64>(inputs),
+            _ => self.run::<f32>(inputs),
+        }
+    }
+    /// `x` and `dy` follow the compute type; the statistics keep theirs.
+    fn typed_inputs(&self, _num_inputs: usize) -> Vec<usize> {
+        vec![0, 4]
+    }
+    /// As BatchNorm: T (x, dy, dx) and U (scale and statistics, dscale and doffset;
+    /// never 16-bit).
+    fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![0, 4], vec![0]),
+            TypeGroup::new(vec![1, 2, 3], vec![1, 2]).fixed(),
+        ]
+    }
 }
 
 /// Layer normalisation over the trailing dims `axis..rank` of `x`, with `gamma` and
@@ -336,6 +568,137 @@ impl Op for LayerNorm {
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let types = types_of(inputs);
         self.infer(&types.iter().collect::<Vec<_>>())?;
+        eval_float(self, inputs[0].dtype(), inputs)
+    }
+    /// One [`LayerNormGrad`] node gives dx, dgamma and dbeta.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let (&[x, gamma, _beta], Some(&Some(dy))) = (inputs, grads.first()) else {
+            return Ok(vec![None; inputs.len()]);
+        };
+        let grad = LayerNormGrad {
+            axis: self.axis,
+            epsilon: self.epsilon,
+        };
+        let id = b.add_node(Box::new(grad), &[x, gamma, dy])?;
+        Ok((0..3).map(|k| Some(Port::new(id, k))).collect())
+    }
+}
+
+/// The gradient of [`LayerNorm`]: inputs `x`, `gamma` and `dy` (one float dtype);
+/// outputs `dx` (x's shape), `dgamma` and `dbeta` (gamma's shape). Per normalised row
+/// of L elements, with `xhat = (x - mean) / sqrt(var + eps)` and `g = dy * gamma`:
+/// `dx = (g - mean(g) - xhat * mean(g * xhat)) / sqrt(var + eps)`; `dgamma` sums
+/// `dy * xhat` and `dbeta` sums `dy` over the rows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNormGrad {
+    pub axis: i64,
+    pub epsilon: f64,
+}
+
+impl LayerNormGrad {
+    fn parse(a: &mut AttrReader) -> OpResult<LayerNormGrad> {
+        Ok(LayerNormGrad {
+            axis: a.opt_int("axis")?.unwrap_or(-1),
+            epsilon: read_epsilon(a, 1e-5)?,
+        })
+    }
+
+    /// Checks the input types; returns x's type and gamma's.
+    fn check(&self, inputs: &[&TensorType]) -> OpResult<(TensorType, TensorType)> {
+        let [x, gamma, dy] = fixed(inputs)?;
+        let dtype = same_dtype(inputs)?;
+        require_float("x", dtype)?;
+        let axis = normalize_axis(self.axis, x.rank())?;
+        let want = &x.shape[axis..];
+        if gamma.shape != want {
+            return Err(format!(
+                "gamma has shape {} but must be {} (x {} from axis {axis})",
+                ShapeDisplay(&gamma.shape),
+                ShapeDisplay(want),
+                ShapeDisplay(&x.shape)
+            ));
+        }
+        if dy.shape != x.shape {
+            return Err(format!(
+                "dy has shape {} but must match x {}",
+                ShapeDisplay(&dy.shape),
+                ShapeDisplay(&x.shape)
+            ));
+        }
+        Ok(((*x).clone(), (*gamma).clone()))
+    }
+}
+
+impl FloatKernel for LayerNormGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x, gamma, dy] = fixed(inputs)?;
+        let shape = x.shape();
+        let axis = normalize_axis(self.axis, shape.len())?;
+        let len: usize = shape[axis..].iter().product();
+        let (xs, gamma, dys) = (T::read(x), T::read(gamma), T::read(dy));
+        if gamma.len() != len || dys.len() != xs.len() {
+            return Err("gamma must match x.shape[axis..] and dy must match x".into());
+        }
+        let mut dx = Vec::with_capacity(xs.len());
+        let mut dgamma = vec![T::zero(); len];
+        let mut dbeta = vec![T::zero(); len];
+        if len > 0 {
+            let n = T::lit(len as f64);
+            let eps = T::lit(self.epsilon);
+            let mut xhat = vec![T::zero(); len];
+            for (row, drow) in xs.chunks(len).zip(dys.chunks(len)) {
+                let mean = row.iter().copied().sum::<T>() / n;
+                let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<T>() / n;
+                let inv = T::one() / (var + eps).sqrt();
+                xhat.iter_mut()
+                    .zip(row)
+                    .for_each(|(h, &v)| *h = (v - mean) * inv);
+                let (mut sum_g, mut sum_gx) = (T::zero(), T::zero());
+                for j in 0..len {
+                    let g = drow[j] * gamma[j];
+                    sum_g = sum_g + g;
+                    sum_gx = sum_gx + g * xhat[j];
+                    dgamma[j] = dgamma[j] + drow[j] * xhat[j];
+                    dbeta[j] = dbeta[j] + drow[j];
+                }
+                let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
+                dx.extend(
+                    (0..len).map(|j| (drow[j] * gamma[j] - mean_g - xhat[j] * mean_gx) * inv),
+                );
+            }
+        }
+        let gshape = shape[axis..].to_vec();
+        Ok(vec![
+            (shape.to_vec(), dx),
+            (gshape.clone(), dgamma),
+            (gshape, dbeta),
+        ])
+    }
+}
+
+impl Op for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "LayerNormGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("axis", self.axis.into()), ("epsilon", self.epsilon.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let (x, gamma) = self.check(inputs)?;
+        Ok(vec![x, gamma.clone(), gamma])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types = types_of(inputs);
+        self.check(&types.iter().collect::<Vec<_>>())?;
         eval_float(self, inputs[0].dtype(), inputs)
     }
 }

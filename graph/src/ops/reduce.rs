@@ -1,13 +1,18 @@
-//! Reductions: Sum, Mean, Max over a set of axes.
+//! Reductions: Sum, Mean, Max over a set of axes; their gradient `ReduceGrad`; and
+//! `SumTo`, the adjoint of broadcasting.
 //!
 //! Accumulation happens in the compute type (f32 for f16/bf16/f32, f64 for f64) and
 //! the result is rounded once on store.
 
 use crate::attrs::{AttrReader, AttrValue};
-use crate::kernel::{eval_float, require_float, FloatKernel, Real};
+use crate::autodiff::GradBuilder;
+use crate::error::GraphError;
+use crate::graph::Port;
+use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
-use crate::shape::normalize_axes;
-use crate::tensor::{strides, Tensor, TensorType};
+use crate::ops::BroadcastTo;
+use crate::shape::{broadcast_index_map, normalize_axes};
+use crate::tensor::{strides, ShapeDisplay, Tensor, TensorType};
 
 macro_rules! entries {
     ($($name:literal),* $(,)?) => {
@@ -16,6 +21,16 @@ macro_rules! entries {
 }
 
 pub(crate) const OPS: &[OpEntry] = entries!("Sum", "Mean", "Max");
+
+pub(crate) const GRAD_OPS: &[OpEntry] = &[OpEntry {
+    name: "ReduceGrad",
+    parse: |_, a| Ok(Box::new(ReduceGrad::parse(a)?)),
+}];
+
+/// The gradient of output 0, if it reaches the loss.
+fn grad0(grads: &[Option<Port>]) -> Option<Port> {
+    grads.first().copied().flatten()
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceKind {
@@ -178,6 +193,143 @@ impl Op for Reduce {
         require_float("the input", x.dtype())?;
         eval_float(self, x.dtype(), inputs)
     }
+    /// `dx = ReduceGrad(x, dy)`.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let [x] = fixed(inputs).map_err(GraphError::Format)?;
+        let Some(dy) = grad0(grads) else {
+            return Ok(vec![None]);
+        };
+        let op = ReduceGrad::new(self.kind, self.axes.clone(), self.keep_dims);
+        Ok(vec![Some(b.add(op, &[*x, dy])?)])
+    }
+}
+
+/// The gradient of a [`Reduce`] with the same `kind`, `axes` and `keep_dims`:
+/// inputs `(x, dy)`, `dy` of the reduction's output shape; the output, of x's type,
+/// broadcasts `dy` back over the reduced axes. Sum copies it, Mean divides it by the
+/// number of reduced elements, Max routes it to the elements equal to their maximum,
+/// split evenly among ties (TensorFlow's rule; a NaN maximum routes nothing).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReduceGrad {
+    pub kind: ReduceKind,
+    pub axes: Option<Vec<i64>>,
+    pub keep_dims: bool,
+}
+
+impl ReduceGrad {
+    pub fn new(kind: ReduceKind, axes: Option<Vec<i64>>, keep_dims: bool) -> Self {
+        ReduceGrad {
+            kind,
+            axes,
+            keep_dims,
+        }
+    }
+
+    fn parse(a: &mut AttrReader) -> OpResult<ReduceGrad> {
+        let name = a.opt_str("kind")?.ok_or("missing attr 'kind'")?;
+        let forward = Reduce::parse(&name, a).map_err(|e| format!("attr 'kind': {e}"))?;
+        Ok(ReduceGrad::new(forward.kind, forward.axes, forward.keep_dims))
+    }
+
+    fn forward(&self) -> Reduce {
+        Reduce::new(self.kind, self.axes.clone(), self.keep_dims)
+    }
+
+    /// Checks dy against the reduction of `x`; returns x's shape with reduced axes as 1.
+    fn kept_shape(&self, x: &[usize], dy: &[usize]) -> OpResult<Vec<usize>> {
+        let (out, kept) = self.forward().output_shapes(x)?;
+        if dy != out.as_slice() {
+            return Err(format!(
+                "dy has shape {} but the {} of x {} has shape {}",
+                ShapeDisplay(dy),
+                self.kind.name(),
+                ShapeDisplay(x),
+                ShapeDisplay(&out)
+            ));
+        }
+        Ok(kept)
+    }
+}
+
+impl FloatKernel for ReduceGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [x, dy] = fixed(inputs)?;
+        let kept = self.kept_shape(x.shape(), dy.shape())?;
+        // The output element each input element is reduced into.
+        let slot = broadcast_index_map(&kept, x.shape());
+        let gs = T::read(dy);
+        let xs = T::read(x);
+        let at = |j: usize| gs.get(j).copied().ok_or("reduction index out of range");
+        let dx = match self.kind {
+            ReduceKind::Sum => slot.iter().map(|&j| at(j)).collect::<Result<_, _>>()?,
+            ReduceKind::Mean => {
+                let count = T::lit(xs.len().checked_div(gs.len()).unwrap_or(0) as f64);
+                slot.iter()
+                    .map(|&j| Ok(at(j)? / count))
+                    .collect::<Result<_, &str>>()?
+            }
+            ReduceKind::Max => {
+                let mut max = vec![T::neg_infinity(); gs.len()];
+                for (&v, &j) in xs.iter().zip(&slot) {
+                    let m = max.get_mut(j).ok_or("reduction index out of range")?;
+                    *m = if v.is_nan() || m.is_nan() {
+                        T::nan()
+                    } else {
+                        m.max(v)
+                    };
+                }
+                let mut ties = vec![T::zero(); gs.len()];
+                for (&v, &j) in xs.iter().zip(&slot) {
+                    if v == max[j] {
+                        ties[j] = ties[j] + T::one();
+                    }
+                }
+                xs.iter()
+                    .zip(&slot)
+                    .map(|(&v, &j)| {
+                        Ok(if v == max[j] {
+                            at(j)? / ties[j]
+                        } else {
+                            T::zero()
+                        })
+                    })
+                    .collect::<Result<_, &str>>()?
+            }
+        };
+        Ok(vec![(x.shape().to_vec(), dx)])
+    }
+}
+
+impl Op for ReduceGrad {
+    fn name(&self) -> &'static str {
+        "ReduceGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut a = vec![("kind", self.kind.name().into())];
+        a.extend(self.forward().attrs());
+        a
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x, dy] = fixed(inputs)?;
+        let dtype = same_dtype(inputs)?;
+        require_float("the inputs", dtype)?;
+        self.kept_shape(&x.shape, &dy.shape)?;
+        Ok(vec![(*x).clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x, dy] = fixed(inputs)?;
+        self.infer(&[&x.ty(), &dy.ty()])?;
+        eval_float(self, x.dtype(), inputs)
+    }
 }
 
 /// Sums `x` down to `shape`, which must broadcast to x's shape: the adjoint of
@@ -234,5 +386,20 @@ impl Op for SumTo {
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         eval_float(self, inputs[0].dtype(), inputs)
+    }
+    /// `dx = BroadcastTo(dy, shape of x)`.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let [x] = fixed(inputs).map_err(GraphError::Format)?;
+        let Some(dy) = grad0(grads) else {
+            return Ok(vec![None]);
+        };
+        let shape = b.ty(*x).shape.clone();
+        Ok(vec![Some(b.add(BroadcastTo { shape }, &[dy])?)])
     }
 }

@@ -1,12 +1,15 @@
-//! Ops that move elements without computing on them: Reshape, Transpose, Concat.
-//! They work for every dtype and never round.
+//! Ops that move elements without computing on them: Reshape, Transpose, Concat,
+//! Slice, BroadcastTo. They work for every dtype and never round.
 
 use half::{bf16, f16};
 
 use crate::attrs::{AttrReader, AttrValue};
+use crate::autodiff::GradBuilder;
 use crate::dtype::DType;
+use crate::error::GraphError;
+use crate::graph::Port;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
-use crate::shape::normalize_axis;
+use crate::shape::{broadcast_index_map, broadcast_shapes, normalize_axis};
 use crate::tensor::{checked_numel, strides, Data, ShapeDisplay, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -26,6 +29,28 @@ pub(crate) const OPS: &[OpEntry] = &[
         },
     },
 ];
+
+pub(crate) const MORE_OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "Slice",
+        parse: |_, a| Ok(Box::new(Slice::parse(a)?)),
+    },
+    OpEntry {
+        name: "BroadcastTo",
+        parse: |_, a| Ok(Box::new(BroadcastTo { shape: a.shape("shape")? })),
+    },
+];
+
+/// The gradient of output 0, if it reaches the loss.
+fn grad0(grads: &[Option<Port>]) -> Option<Port> {
+    grads.first().copied().flatten()
+}
+
+/// The input's type, when it has a gradient (floats only).
+fn float_type(b: &GradBuilder, p: Port) -> Option<TensorType> {
+    let ty = b.ty(p);
+    ty.dtype.is_float().then(|| ty.clone())
+}
 
 /// One element type of [`Data`]: lets a kernel be written once over every dtype.
 trait Elem: Copy {
@@ -177,6 +202,21 @@ impl Op for Reshape {
         let shape = self.output_shape(x.shape())?;
         Ok(vec![(*x).clone().reshaped(shape)?])
     }
+    /// `dx = Reshape(dy, shape of x)`.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let [x] = fixed(inputs).map_err(GraphError::Format)?;
+        let (Some(dy), Some(ty)) = (grad0(grads), float_type(b, *x)) else {
+            return Ok(vec![None]);
+        };
+        let shape: Vec<i64> = ty.shape.iter().map(|&d| d as i64).collect();
+        Ok(vec![Some(b.add(Reshape::new(shape), &[dy])?)])
+    }
 }
 
 /// Permutes the axes of `x`: output axis `i` is input axis `perm[i]`.
@@ -267,6 +307,25 @@ impl Op for Transpose {
         let shape = self.output_shape(x.shape())?;
         let data = dispatch!(x.dtype(), transpose_typed(x, &self.perm, &shape))?;
         Ok(vec![Tensor::new(shape, data)?])
+    }
+    /// `dx = Transpose(dy, inverse of perm)`.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let [x] = fixed(inputs).map_err(GraphError::Format)?;
+        let (Some(dy), Some(ty)) = (grad0(grads), float_type(b, *x)) else {
+            return Ok(vec![None]);
+        };
+        self.output_shape(&ty.shape).map_err(GraphError::Format)?;
+        let mut inverse = vec![0; self.perm.len()];
+        for (i, &p) in self.perm.iter().enumerate() {
+            inverse[p] = i;
+        }
+        Ok(vec![Some(b.add(Transpose::new(inverse), &[dy])?)])
     }
 }
 
@@ -369,5 +428,224 @@ impl Op for Concat {
         let total = out.checked_len().unwrap_or(0);
         let data = dispatch!(out.dtype, concat_typed(inputs, axis, total))?;
         Ok(vec![Tensor::new(out.shape, data)?])
+    }
+    /// Input `i`'s gradient is the slice of `dy` it was copied to.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let Some(dy) = grad0(grads) else {
+            return Ok(vec![None; inputs.len()]);
+        };
+        let types: Vec<TensorType> = inputs.iter().map(|&p| b.ty(p).clone()).collect();
+        let (_, axis) = self
+            .output_type(&types.iter().collect::<Vec<_>>())
+            .map_err(GraphError::Format)?;
+        let mut offset = 0usize;
+        let mut out = Vec::with_capacity(inputs.len());
+        for ty in &types {
+            let mut begin = vec![0; ty.rank()];
+            begin[axis] = offset;
+            offset += ty.shape[axis];
+            out.push(if ty.dtype.is_float() {
+                let size = ty.shape.iter().map(|&d| d as i64).collect();
+                Some(b.add(Slice { begin, size }, &[dy])?)
+            } else {
+                None
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// Extracts the block of `x` that starts at `begin` and has extent `size` (TensorFlow's
+/// Slice with both as attrs): `size[i] == -1` takes everything from `begin[i]` on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slice {
+    pub begin: Vec<usize>,
+    pub size: Vec<i64>,
+}
+
+impl Slice {
+    pub fn new(begin: impl Into<Vec<usize>>, size: impl Into<Vec<i64>>) -> Self {
+        Slice {
+            begin: begin.into(),
+            size: size.into(),
+        }
+    }
+
+    fn parse(a: &mut AttrReader) -> OpResult<Slice> {
+        let begin = a.shape("begin")?;
+        let size = a.ints("size")?;
+        if let Some(&d) = size.iter().find(|&&d| d < -1) {
+            return Err(format!(
+                "attr 'size' {size:?} has a negative extent {d} (only -1 is allowed)"
+            ));
+        }
+        Ok(Slice { begin, size })
+    }
+
+    /// The output shape for an input shape: the block must lie inside the input.
+    pub fn output_shape(&self, input: &[usize]) -> OpResult<Vec<usize>> {
+        if self.begin.len() != input.len() || self.size.len() != input.len() {
+            return Err(format!(
+                "begin {:?} and size {:?} must both have one entry per axis of the input {}",
+                self.begin,
+                self.size,
+                ShapeDisplay(input)
+            ));
+        }
+        let mut out = Vec::with_capacity(input.len());
+        for (ax, ((&b, &s), &d)) in self.begin.iter().zip(&self.size).zip(input).enumerate() {
+            let size = if s == -1 {
+                d.checked_sub(b)
+            } else {
+                usize::try_from(s)
+                    .ok()
+                    .filter(|&s| b.checked_add(s).is_some_and(|end| end <= d))
+            };
+            out.push(size.ok_or_else(|| {
+                format!(
+                    "the slice begin {:?} size {:?} leaves the input {} on axis {ax}",
+                    self.begin,
+                    self.size,
+                    ShapeDisplay(input)
+                )
+            })?);
+        }
+        Ok(out)
+    }
+}
+
+fn slice_typed<T: Elem>(x: &Tensor, begin: &[usize], out_shape: &[usize]) -> OpResult<Data> {
+    let xs = typed::<T>(x)?;
+    let in_strides = strides(x.shape());
+    let n: usize = out_shape.iter().product();
+    let rank = out_shape.len();
+    let mut out = Vec::with_capacity(n);
+    let mut idx = vec![0usize; rank];
+    let mut pos: usize = begin.iter().zip(&in_strides).map(|(b, s)| b * s).sum();
+    for _ in 0..n {
+        out.push(*xs.get(pos).ok_or("slice index out of range")?);
+        for ax in (0..rank).rev() {
+            idx[ax] += 1;
+            pos += in_strides[ax];
+            if idx[ax] < out_shape[ax] {
+                break;
+            }
+            pos -= in_strides[ax] * idx[ax];
+            idx[ax] = 0;
+        }
+    }
+    Ok(T::wrap(out))
+}
+
+impl Op for Slice {
+    fn name(&self) -> &'static str {
+        "Slice"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("begin", self.begin.as_slice().into()),
+            ("size", self.size.clone().into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        Ok(vec![TensorType::new(x.dtype, self.output_shape(&x.shape)?)])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x] = fixed(inputs)?;
+        let shape = self.output_shape(x.shape())?;
+        let data = dispatch!(x.dtype(), slice_typed(x, &self.begin, &shape))?;
+        Ok(vec![Tensor::new(shape, data)?])
+    }
+}
+
+/// Broadcasts `x` to `shape` by NumPy rules (x's shape must broadcast to exactly
+/// `shape`): the adjoint of `SumTo`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BroadcastTo {
+    pub shape: Vec<usize>,
+}
+
+impl BroadcastTo {
+    pub fn new(shape: impl Into<Vec<usize>>) -> Self {
+        BroadcastTo {
+            shape: shape.into(),
+        }
+    }
+
+    fn check(&self, x: &[usize]) -> OpResult<()> {
+        match broadcast_shapes(x, &self.shape) {
+            Ok(s) if s == self.shape => {}
+            _ => {
+                return Err(format!(
+                    "the input {} does not broadcast to {}",
+                    ShapeDisplay(x),
+                    ShapeDisplay(&self.shape)
+                ))
+            }
+        }
+        if checked_numel(&self.shape).is_none() {
+            return Err(format!(
+                "the result {} has too many elements",
+                ShapeDisplay(&self.shape)
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn broadcast_typed<T: Elem>(x: &Tensor, shape: &[usize]) -> OpResult<Data> {
+    let xs = typed::<T>(x)?;
+    broadcast_index_map(x.shape(), shape)
+        .into_iter()
+        .map(|i| xs.get(i).copied().ok_or("broadcast index out of range"))
+        .collect::<Result<Vec<T>, _>>()
+        .map(T::wrap)
+        .map_err(String::from)
+}
+
+impl Op for BroadcastTo {
+    fn name(&self) -> &'static str {
+        "BroadcastTo"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("shape", self.shape.as_slice().into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        self.check(&x.shape)?;
+        Ok(vec![TensorType::new(x.dtype, self.shape.clone())])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x] = fixed(inputs)?;
+        self.check(x.shape())?;
+        let data = dispatch!(x.dtype(), broadcast_typed(x, &self.shape))?;
+        Ok(vec![Tensor::new(self.shape.clone(), data)?])
+    }
+    /// `dx = SumTo(dy, shape of x)`.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let [x] = fixed(inputs).map_err(GraphError::Format)?;
+        let (Some(dy), Some(ty)) = (grad0(grads), float_type(b, *x)) else {
+            return Ok(vec![None]);
+        };
+        Ok(vec![Some(b.sum_to(dy, &ty.shape)?)])
     }
 }

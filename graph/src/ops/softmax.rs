@@ -2,11 +2,15 @@
 //!
 //! All three subtract the maximum before exponentiating (no overflow for large
 //! logits), accumulate in the compute type (f32 for f16/bf16/f32, f64 for f64) and
-//! round once on store.
+//! round once on store. Their gradients are `SoftmaxGrad` (from the forward output,
+//! no exponential of unbounded values) and `SoftmaxCrossEntropyGrad`.
 
 use crate::attrs::{AttrReader, AttrValue};
+use crate::autodiff::GradBuilder;
 use crate::dtype::DType;
-use crate::kernel::{eval_float, require_float, FloatKernel, Real};
+use crate::error::GraphError;
+use crate::graph::Port;
+use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
@@ -33,6 +37,42 @@ pub(crate) const OPS: &[OpEntry] = &[
         parse: |_, _| Ok(Box::new(SoftmaxCrossEntropy)),
     },
 ];
+
+pub(crate) const GRAD_OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "SoftmaxGrad",
+        parse: |_, a| {
+            Ok(Box::new(SoftmaxGrad {
+                axis: read_axis(a)?,
+                log: a.bool_or("log", false)?,
+            }))
+        },
+    },
+    OpEntry {
+        name: "SoftmaxCrossEntropyGrad",
+        parse: |_, _| Ok(Box::new(SoftmaxCrossEntropyGrad)),
+    },
+];
+
+/// The gradient of output 0, if it reaches the loss.
+fn grad0(grads: &[Option<Port>]) -> Option<Port> {
+    grads.first().copied().flatten()
+}
+
+/// The gradient rule of Softmax and LogSoftmax: `SoftmaxGrad(y, dy)`.
+fn softmax_gradient(
+    axis: i64,
+    log: bool,
+    b: &mut GradBuilder,
+    outputs: &[Port],
+    grads: &[Option<Port>],
+) -> Result<Vec<Option<Port>>, GraphError> {
+    let [y] = fixed(outputs).map_err(GraphError::Format)?;
+    let Some(dy) = grad0(grads) else {
+        return Ok(vec![None]);
+    };
+    Ok(vec![Some(b.add(SoftmaxGrad { axis, log }, &[*y, dy])?)])
+}
 
 fn read_axis(a: &mut AttrReader) -> OpResult<i64> {
     Ok(a.opt_int("axis")?.unwrap_or(-1))
@@ -127,6 +167,15 @@ impl Op for Softmax {
         infer_softmax(self.axis, &[&x.ty()])?;
         eval_float(self, x.dtype(), inputs)
     }
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        _inputs: &[Port],
+        outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        softmax_gradient(self.axis, false, b, outputs, grads)
+    }
 }
 
 /// `x - max - log(sum(exp(x - max)))` along `axis` (default -1).
@@ -168,6 +217,97 @@ impl Op for LogSoftmax {
         let [x] = fixed(inputs)?;
         infer_softmax(self.axis, &[&x.ty()])?;
         eval_float(self, x.dtype(), inputs)
+    }
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        _inputs: &[Port],
+        outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        softmax_gradient(self.axis, true, b, outputs, grads)
+    }
+}
+
+/// The gradient of Softmax (`log: false`) or LogSoftmax (`log: true`) along `axis`,
+/// from the forward output `y` and its loss gradient `dy` (same shape and dtype):
+/// `dx = y * (dy - sum(dy * y))` for Softmax and `dx = dy - exp(y) * sum(dy)` for
+/// LogSoftmax, sums along `axis`. Only bounded values are exponentiated (`y <= 0`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SoftmaxGrad {
+    pub axis: i64,
+    pub log: bool,
+}
+
+impl SoftmaxGrad {
+    fn check(&self, y: &TensorType, dy: &TensorType) -> OpResult<()> {
+        same_dtype(&[y, dy])?;
+        require_float("the inputs", y.dtype)?;
+        normalize_axis(self.axis, y.rank())?;
+        if y.shape != dy.shape {
+            return Err(format!(
+                "dy has shape {} but y has shape {}",
+                ShapeDisplay(&dy.shape),
+                ShapeDisplay(&y.shape)
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl FloatKernel for SoftmaxGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [y, dy] = fixed(inputs)?;
+        self.check(&y.ty(), &dy.ty())?;
+        let shape = y.shape();
+        let axis = normalize_axis(self.axis, shape.len())?;
+        let len = shape[axis];
+        let inner: usize = shape[axis + 1..].iter().product();
+        let (ys, gs) = (T::read(y), T::read(dy));
+        let mut dx = vec![T::zero(); ys.len()];
+        if len == 0 || inner == 0 {
+            return Ok(vec![(shape.to_vec(), dx)]);
+        }
+        let outer = ys.len() / (len * inner);
+        for o in 0..outer {
+            for i in 0..inner {
+                let at = |k: usize| (o * len + k) * inner + i;
+                if self.log {
+                    let sum: T = (0..len).map(|k| gs[at(k)]).sum();
+                    for k in 0..len {
+                        dx[at(k)] = gs[at(k)] - ys[at(k)].exp() * sum;
+                    }
+                } else {
+                    let dot: T = (0..len).map(|k| gs[at(k)] * ys[at(k)]).sum();
+                    for k in 0..len {
+                        dx[at(k)] = ys[at(k)] * (gs[at(k)] - dot);
+                    }
+                }
+            }
+        }
+        Ok(vec![(shape.to_vec(), dx)])
+    }
+}
+
+impl Op for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "SoftmaxGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("axis", self.axis.into()), ("log", self.log.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [y, dy] = fixed(inputs)?;
+        self.check(y, dy)?;
+        Ok(vec![(*y).clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [y, dy] = fixed(inputs)?;
+        self.check(&y.ty(), &dy.ty())?;
+        eval_float(self, y.dtype(), inputs)
     }
 }
 
@@ -265,5 +405,103 @@ impl Op for SoftmaxCrossEntropy {
     /// Only the logits follow the compute type; the labels keep their integer dtype.
     fn typed_inputs(&self, _num_inputs: usize) -> Vec<usize> {
         vec![0]
+    }
+    /// `dlogits = SoftmaxCrossEntropyGrad(logits, labels, dloss)`; labels get none.
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let [logits, labels] = fixed(inputs).map_err(GraphError::Format)?;
+        let Some(dloss) = grad0(grads) else {
+            return Ok(vec![None, None]);
+        };
+        let dlogits = b.add(SoftmaxCrossEntropyGrad, &[*logits, *labels, dloss])?;
+        Ok(vec![Some(dlogits), None])
+    }
+}
+
+/// The gradient of [`SoftmaxCrossEntropy`] with respect to the logits: inputs
+/// `(logits [N, C], labels [N], dloss [])`, output `[N, C]` in logits' dtype:
+/// `(softmax(logits) - onehot(labels)) * dloss / N`, the softmax computed with the
+/// maximum subtracted. A label outside `[0, C)` is an error at evaluation.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SoftmaxCrossEntropyGrad;
+
+impl FloatKernel for SoftmaxCrossEntropyGrad {
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let [logits, labels, dloss] = fixed(inputs)?;
+        self.infer(&[&logits.ty(), &labels.ty(), &dloss.ty()])?;
+        let (n, c) = (logits.shape()[0], logits.shape()[1]);
+        let labels = labels
+            .to_i64_vec()
+            .ok_or_else(|| format!("labels must be i32 or i64, got {}", labels.dtype()))?;
+        let scale = T::read(dloss)
+            .first()
+            .copied()
+            .ok_or("dloss has no value")?
+            / T::lit(n as f64);
+        let xs = T::read(logits);
+        let mut dx = vec![T::zero(); xs.len()];
+        for (row, &label) in labels.iter().enumerate() {
+            let range = row * c..(row + 1) * c;
+            let (Some(xs), Some(out)) = (xs.get(range.clone()), dx.get_mut(range)) else {
+                return Err("logits have fewer values than their shape".into());
+            };
+            let class = usize::try_from(label)
+                .ok()
+                .filter(|&k| k < c)
+                .ok_or_else(|| {
+                    format!("labels[{row}] = {label} is out of range [0, {c}) for {c} classes")
+                })?;
+            let max = xs.iter().fold(
+                T::neg_infinity(),
+                |m, &v| if v > m || v.is_nan() { v } else { m },
+            );
+            let shift = if max.is_finite() { max } else { T::zero() };
+            let sum: T = xs.iter().map(|&v| (v - shift).exp()).sum();
+            for (k, (o, &v)) in out.iter_mut().zip(xs).enumerate() {
+                let p = (v - shift).exp() / sum;
+                let target = if k == class { T::one() } else { T::zero() };
+                *o = (p - target) * scale;
+            }
+        }
+        Ok(vec![(logits.shape().to_vec(), dx)])
+    }
+}
+
+impl Op for SoftmaxCrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "SoftmaxCrossEntropyGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [logits, labels, dloss] = fixed(inputs)?;
+        SoftmaxCrossEntropy.infer(&[logits, labels])?;
+        if dloss.dtype != logits.dtype {
+            return Err(format!(
+                "dloss is {} but logits are {}",
+                dloss.dtype, logits.dtype
+            ));
+        }
+        if !dloss.shape.is_empty() {
+            return Err(format!(
+                "dloss must be a scalar, got shape {}",
+                ShapeDisplay(&dloss.shape)
+            ));
+        }
+        Ok(vec![(*logits).clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [logits, _, _] = fixed(inputs)?;
+        eval_float(self, logits.dtype(), inputs)
+    }
+    /// Only the logits and dloss follow the compute type; the labels keep theirs.
+    fn typed_inputs(&self, _num_inputs: usize) -> Vec<usize> {
+        vec![0, 2]
     }
 }

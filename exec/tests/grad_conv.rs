@@ -1,0 +1,635 @@
+//! Gradients of Conv2D, MaxPool and AvgPool against central finite differences (over
+//! shapes, strides, SAME/VALID padding, NHWC/NCHW), and the kernels of the gradient
+//! ops Conv2DBackpropInput, Conv2DBackpropFilter, MaxPoolGrad and AvgPoolGrad against
+//! float64 references written here as direct loops, in f32, f16, bf16 and f64.
+//!
+//! Kernel tolerance for an output summing K terms (as in the forward tests):
+//!   |got - ref| <= rtol(dtype) * |ref| + 2 * K * u * sum |terms| + tiny
+//! with u the compute type's unit roundoff (2^-53 for f64, 2^-24 otherwise: f16 and
+//! bf16 compute in f32) and rtol the one rounding to the storage dtype.
+
+mod common;
+
+use ampgraph_graph::attrs::AttrValue;
+use ampgraph_graph::ops::{
+    AvgPool, AvgPoolGrad, Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, MaxPool,
+    MaxPoolGrad, Padding,
+};
+use ampgraph_graph::{DType, Op, Tensor};
+use common::*;
+use proptest::prelude::*;
+
+const FORMATS: [DataFormat; 2] = [DataFormat::Nhwc, DataFormat::Nchw];
+
+/// TensorFlow's rule, restated: (output length, padding before).
+fn tf_out(padding: Padding, len: usize, k: usize, s: usize) -> (usize, usize) {
+    match padding {
+        Padding::Valid => ((len - k) / s + 1, 0),
+        Padding::Same => {
+            let out = len.div_ceil(s);
+            let total = ((out - 1) * s + k).saturating_sub(len);
+            (out, total / 2)
+        }
+    }
+}
+
+/// A logical NHWC batch: dims and values indexed [n][h][w][c].
+#[derive(Clone, Debug)]
+struct Img {
+    n: usize,
+    h: usize,
+    w: usize,
+    c: usize,
+    v: Vec<f64>,
+}
+
+impl Img {
+    fn zeros(n: usize, h: usize, w: usize, c: usize) -> Img {
+        Img {
+            n,
+            h,
+            w,
+            c,
+            v: vec![0.0; n * h * w * c],
+        }
+    }
+    fn idx(&self, n: usize, y: usize, x: usize, c: usize) -> usize {
+        ((n * self.h + y) * self.w + x) * self.c + c
+    }
+    fn shape(&self, f: DataFormat) -> Vec<usize> {
+        match f {
+            DataFormat::Nhwc => vec![self.n, self.h, self.w, self.c],
+            DataFormat::Nchw => vec![self.n, self.c, self.h, self.w],
+        }
+    }
+    /// The values in layout `f`.
+    fn layout(&self, f: DataFormat) -> Vec<f64> {
+        match f {
+            DataFormat::Nhwc => self.v.clone(),
+            DataFormat::Nchw => {
+                let mut out = Vec::with_capacity(self.v.len());
+                for n in 0..self.n {
+                    for c in 0..self.c {
+                        for y in 0..self.h {
+                            for x in 0..self.w {
+                                out.push(self.v[self.idx(n, y, x, c)]);
+                            }
+                        }
+                    }
+                }
+                out
+            }
+        }
+    }
+    /// A tensor of layout `f` read back into NHWC order.
+    fn from_tensor(f: DataFormat, t: &Tensor) -> Img {
+        let s = t.shape();
+        let (n, h, w, c) = match f {
+            DataFormat::Nhwc => (s[0], s[1], s[2], s[3]),
+            DataFormat::Nchw => (s[0], s[2], s[3], s[1]),
+        };
+        let data = t.to_f64_vec();
+        let mut img = Img::zeros(n, h, w, c);
+        for ni in 0..n {
+            for ci in 0..c {
+                for yi in 0..h {
+                    for xi in 0..w {
+                        let src = match f {
+                            DataFormat::Nhwc => ((ni * h + yi) * w + xi) * c + ci,
+                            DataFormat::Nchw => ((ni * c + ci) * h + yi) * w + xi,
+                        };
+                        let dst = img.idx(ni, yi, xi, ci);
+                        img.v[dst] = data[src];
+                    }
+                }
+            }
+        }
+        img
+    }
+    /// This batch stored as `dtype` in layout `f`, and the batch as stored.
+    fn tensor(&self, dtype: DType, f: DataFormat) -> (Tensor, Img) {
+        let t = Tensor::from_f64(dtype, self.shape(f), &self.layout(f)).unwrap();
+        let back = Img::from_tensor(f, &t);
+        (t, back)
+    }
+}
+
+fn unit_roundoff(d: DType) -> f64 {
+    if d == DType::F64 {
+        2f64.powi(-53)
+    } else {
+        2f64.powi(-24)
+    }
+}
+
+fn tiny(d: DType) -> f64 {
+    match d {
+        DType::F16 => 2f64.powi(-24),
+        _ => 1e-300,
+    }
+}
+
+fn check_sums(what: &str, dtype: DType, k: usize, got: &[f64], want: &[f64], abs: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, ((&g, &r), &s)) in got.iter().zip(want).zip(abs).enumerate() {
+        let tol = rtol(dtype) * r.abs() + 2.0 * k as f64 * unit_roundoff(dtype) * s + tiny(dtype);
+        assert!(
+            (g - r).abs() <= tol,
+            "{what} {dtype}: element {i}: got {g}, want {r} (tolerance {tol:e})"
+        );
+    }
+}
+
+/// Calls `visit(n, oy, ox, ky, kx, iy, ix)` for every in-bounds window element.
+#[allow(clippy::too_many_arguments)]
+fn windows(
+    x: (usize, usize, usize),
+    k: [usize; 2],
+    strides: [usize; 2],
+    padding: Padding,
+    mut visit: impl FnMut(usize, usize, usize, usize, usize, usize, usize),
+) -> (usize, usize) {
+    let (n, h, w) = x;
+    let (oh, pt) = tf_out(padding, h, k[0], strides[0]);
+    let (ow, pl) = tf_out(padding, w, k[1], strides[1]);
+    for ni in 0..n {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for ky in 0..k[0] {
+                    for kx in 0..k[1] {
+                        let iy = (oy * strides[0] + ky) as isize - pt as isize;
+                        let ix = (ox * strides[1] + kx) as isize - pl as isize;
+                        if iy >= 0 && ix >= 0 && iy < h as isize && ix < w as isize {
+                            visit(ni, oy, ox, ky, kx, iy as usize, ix as usize);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (oh, ow)
+}
+
+fn rand_img(rng: &mut Gen, n: usize, h: usize, w: usize, c: usize) -> Img {
+    Img {
+        n,
+        h,
+        w,
+        c,
+        v: rng.vec(n * h * w * c, -1.0, 1.0),
+    }
+}
+
+fn padding_strategy() -> impl Strategy<Value = Padding> {
+    prop_oneof![Just(Padding::Same), Just(Padding::Valid)]
+}
+
+fn format_strategy() -> impl Strategy<Value = DataFormat> {
+    prop_oneof![Just(DataFormat::Nhwc), Just(DataFormat::Nchw)]
+}
+
+/// Values 0..n in random order, spread over [-1, 1): no ties, every gap 2/n, far
+/// wider than the finite-difference step.
+fn distinct(rng: &mut Gen, n: usize) -> Vec<f64> {
+    rng.perm(n)
+        .into_iter()
+        .map(|p| 2.0 * p as f64 / n as f64 - 1.0)
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    #[test]
+    fn conv2d_gradient_matches_finite_differences(
+        n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, cin in 1usize..=2,
+        cout in 1usize..=2, kh in 1usize..=3, kw in 1usize..=3,
+        sh in 1usize..=2, sw in 1usize..=2,
+        padding in padding_strategy(), format in format_strategy(), seed: u64,
+    ) {
+        let (h, w) = match padding {
+            Padding::Valid => (h.max(kh), w.max(kw)),
+            Padding::Same => (h, w),
+        };
+        let mut rng = Gen(seed);
+        let x = rand_img(&mut rng, n, h, w, cin);
+        let x = t64(&x.shape(format), &x.layout(format));
+        let filter = t64(&[kh, kw, cin, cout], &rng.vec(kh * kw * cin * cout, -1.0, 1.0));
+        assert_grad(Box::new(Conv2D::new([sh, sw], padding, format)), &[x, filter], seed);
+    }
+
+    #[test]
+    fn max_pool_gradient_matches_finite_differences(
+        n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, c in 1usize..=2,
+        kh in 1usize..=3, kw in 1usize..=3, sh in 1usize..=3, sw in 1usize..=3,
+        padding in padding_strategy(), format in format_strategy(), seed: u64,
+    ) {
+        let (h, w) = match padding {
+            Padding::Valid => (h.max(kh), w.max(kw)),
+            Padding::Same => (h, w),
+        };
+        let mut rng = Gen(seed);
+        let shape = Img::zeros(n, h, w, c).shape(format);
+        let x = t64(&shape, &distinct(&mut rng, numel(&shape)));
+        let op = MaxPool::new([kh, kw], [sh, sw], padding, format);
+        assert_grad(Box::new(op), &[x], seed);
+    }
+
+    #[test]
+    fn avg_pool_gradient_matches_finite_differences(
+        n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, c in 1usize..=2,
+        kh in 1usize..=3, kw in 1usize..=3, sh in 1usize..=3, sw in 1usize..=3,
+        padding in padding_strategy(), format in format_strategy(), seed: u64,
+    ) {
+        let (h, w) = match padding {
+            Padding::Valid => (h.max(kh), w.max(kw)),
+            Padding::Same => (h, w),
+        };
+        let mut rng = Gen(seed);
+        let x = rand_img(&mut rng, n, h, w, c);
+        let x = t64(&x.shape(format), &x.layout(format));
+        let op = AvgPool::new([kh, kw], [sh, sw], padding, format);
+        assert_grad(Box::new(op), &[x], seed);
+    }
+}
+
+/// Shapes for the kernel tests: (n, h, w, cin, cout, kh, kw, strides).
+type Case = (usize, usize, usize, usize, usize, usize, usize, [usize; 2]);
+
+const CASES: [Case; 6] = [
+    (1, 5, 5, 1, 1, 3, 3, [1, 1]),
+    (2, 6, 5, 3, 2, 3, 2, [2, 1]),
+    (1, 7, 7, 2, 4, 3, 3, [2, 2]),
+    (2, 4, 4, 2, 3, 1, 1, [1, 1]),
+    (1, 3, 3, 2, 2, 5, 5, [1, 1]),
+    (1, 9, 8, 4, 3, 2, 3, [3, 2]),
+];
+
+#[test]
+fn conv_backprop_kernels_match_reference() {
+    let mut rng = Gen(17);
+    for &(n, h, w, cin, cout, kh, kw, strides) in &CASES {
+        for padding in [Padding::Same, Padding::Valid] {
+            if padding == Padding::Valid && (h < kh || w < kw) {
+                continue;
+            }
+            let (oh, _) = tf_out(padding, h, kh, strides[0]);
+            let (ow, _) = tf_out(padding, w, kw, strides[1]);
+            let x0 = rand_img(&mut rng, n, h, w, cin);
+            let dy0 = rand_img(&mut rng, n, oh, ow, cout);
+            let f0 = rng.vec(kh * kw * cin * cout, -1.0, 1.0);
+            for dtype in FLOATS {
+                for f in FORMATS {
+                    let (xt, x) = x0.tensor(dtype, f);
+                    let (dyt, dy) = dy0.tensor(dtype, f);
+                    let (ft, fv) = stored(dtype, &[kh, kw, cin, cout], &f0);
+                    let fidx = |ky: usize, kx: usize, ci: usize, co: usize| {
+                        ((ky * kw + kx) * cin + ci) * cout + co
+                    };
+                    // Reference dx and dfilter.
+                    let mut dx = Img::zeros(n, h, w, cin);
+                    let mut dx_abs = dx.clone();
+                    let mut df = vec![0.0; f0.len()];
+                    let mut df_abs = df.clone();
+                    windows((n, h, w), [kh, kw], strides, padding, |ni, oy, ox, ky, kx, iy, ix| {
+                        for co in 0..cout {
+                            let g = dy.v[dy.idx(ni, oy, ox, co)];
+                            for ci in 0..cin {
+                                let xi = x.idx(ni, iy, ix, ci);
+                                let t = g * fv[fidx(ky, kx, ci, co)];
+                                dx.v[xi] += t;
+                                dx_abs.v[xi] += t.abs();
+                                let t = g * x.v[xi];
+                                df[fidx(ky, kx, ci, co)] += t;
+                                df_abs[fidx(ky, kx, ci, co)] += t.abs();
+                            }
+                        }
+                    });
+                    let what = format!(
+                        "x [{n},{h},{w},{cin}] filter [{kh},{kw},{cin},{cout}] {strides:?} {padding:?} {f:?}"
+                    );
+                    let op = Conv2DBackpropInput {
+                        input_shape: x.shape(f),
+                        strides,
+                        padding,
+                        data_format: f,
+                    };
+                    assert_round_trip(&op);
+                    let got = run(&op, &[&ft, &dyt]);
+                    let got = Img::from_tensor(f, &got);
+                    let k = kh * kw * cout;
+                    check_sums(&format!("dx {what}"), dtype, k, &got.v, &dx.v, &dx_abs.v);
+                    let op = Conv2DBackpropFilter {
+                        filter_shape: vec![kh, kw, cin, cout],
+                        strides,
+                        padding,
+                        data_format: f,
+                    };
+                    assert_round_trip(&op);
+                    let got = run(&op, &[&xt, &dyt]).to_f64_vec();
+                    let k = n * oh * ow;
+                    check_sums(&format!("dfilter {what}"), dtype, k, &got, &df, &df_abs);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pool_grad_kernels_match_reference() {
+    let mut rng = Gen(23);
+    let cases: [(usize, usize, usize, usize, [usize; 2], [usize; 2]); 5] = [
+        (1, 4, 4, 1, [2, 2], [2, 2]),
+        (2, 5, 6, 3, [3, 3], [1, 1]),
+        (1, 7, 5, 2, [3, 2], [2, 3]),
+        (2, 3, 3, 2, [4, 4], [1, 1]),
+        (1, 6, 6, 2, [1, 1], [2, 2]),
+    ];
+    for (n, h, w, c, k, strides) in cases {
+        for padding in [Padding::Same, Padding::Valid] {
+            if padding == Padding::Valid && (h < k[0] || w < k[1]) {
+                continue;
+            }
+            let (oh, _) = tf_out(padding, h, k[0], strides[0]);
+            let (ow, _) = tf_out(padding, w, k[1], strides[1]);
+            // Values on a coarse grid: ties in many windows, so first-max routing shows.
+            let mut x0 = rand_img(&mut rng, n, h, w, c);
+            x0.v.iter_mut().for_each(|v| *v = (*v * 3.0).round() / 4.0);
+            let dy0 = rand_img(&mut rng, n, oh, ow, c);
+            for dtype in FLOATS {
+                for f in FORMATS {
+                    let (xt, x) = x0.tensor(dtype, f);
+                    let (dyt, dy) = dy0.tensor(dtype, f);
+                    let what = format!("x [{n},{h},{w},{c}] k {k:?} {strides:?} {padding:?} {f:?}");
+                    // MaxPool: each window's dy goes to its first maximum in row-major order.
+                    let mut best: Vec<Option<(f64, usize)>> = vec![None; n * oh * ow * c];
+                    windows((n, h, w), k, strides, padding, |ni, oy, ox, _, _, iy, ix| {
+                        for ci in 0..c {
+                            let o = ((ni * oh + oy) * ow + ox) * c + ci;
+                            let i = x.idx(ni, iy, ix, ci);
+                            if best[o].is_none_or(|(b, _)| x.v[i] > b) {
+                                best[o] = Some((x.v[i], i));
+                            }
+                        }
+                    });
+                    let mut dx = Img::zeros(n, h, w, c);
+                    let mut dx_abs = dx.clone();
+                    for (o, b) in best.iter().enumerate() {
+                        let (_, i) = b.expect("every window has an element");
+                        dx.v[i] += dy.v[o];
+                        dx_abs.v[i] += dy.v[o].abs();
+                    }
+                    let forward = MaxPool::new(k, strides, padding, f);
+                    let yt = run(&forward, &[&xt]);
+                    let op = MaxPoolGrad::new(k, strides, padding, f);
+                    assert_round_trip(&op);
+                    let got = Img::from_tensor(f, &run(&op, &[&xt, &yt, &dyt]));
+                    let terms = k[0].div_ceil(strides[0]) * k[1].div_ceil(strides[1]);
+                    check_sums(&format!("MaxPoolGrad {what}"), dtype, terms, &got.v, &dx.v, &dx_abs.v);
+
+                    // AvgPool: dy / (in-bounds count) to every in-bounds element.
+                    let mut count = vec![0.0; n * oh * ow];
+                    windows((n, h, w), k, strides, padding, |ni, oy, ox, _, _, _, _| {
+                        count[(ni * oh + oy) * ow + ox] += 1.0;
+                    });
+                    let mut dx = Img::zeros(n, h, w, c);
+                    let mut dx_abs = dx.clone();
+                    windows((n, h, w), k, strides, padding, |ni, oy, ox, _, _, iy, ix| {
+                        for ci in 0..c {
+                            let o = ((ni * oh + oy) * ow + ox) * c + ci;
+                            let t = dy.v[o] / count[(ni * oh + oy) * ow + ox];
+                            let i = dx.idx(ni, iy, ix, ci);
+                            dx.v[i] += t;
+                            dx_abs.v[i] += t.abs();
+                        }
+                    });
+                    let op = AvgPoolGrad {
+                        input_shape: x.shape(f),
+                        ksize: k,
+                        strides,
+                        padding,
+                        data_format: f,
+                    };
+                    assert_round_trip(&op);
+                    let got = Img::from_tensor(f, &run(&op, &[&dyt]));
+                    check_sums(&format!("AvgPoolGrad {what}"), dtype, terms + 1, &got.v, &dx.v, &dx_abs.v);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn max_pool_grad_routes_ties_to_the_first_maximum() {
+    // One 2x2 window of equal values: all of dy goes to the top-left element.
+    for f in FORMATS {
+        let x = Tensor::from_f64(DType::F32, [1, 2, 2, 1], &[5.0; 4]).unwrap();
+        let y = Tensor::from_f64(DType::F32, [1, 1, 1, 1], &[5.0]).unwrap();
+        let dy = Tensor::from_f64(DType::F32, [1, 1, 1, 1], &[3.0]).unwrap();
+        let shape = match f {
+            DataFormat::Nhwc => [1, 2, 2, 1],
+            DataFormat::Nchw => [1, 1, 2, 2],
+        };
+        let x = x.reshaped(shape.to_vec()).unwrap();
+        let op = MaxPoolGrad::new([2, 2], [2, 2], Padding::Valid, f);
+        assert_eq!(run(&op, &[&x, &y, &dy]).to_f64_vec(), [3.0, 0.0, 0.0, 0.0]);
+    }
+}
+
+#[test]
+fn gradients_keep_the_forward_dtype() {
+    for dtype in FLOATS {
+        let mut rng = Gen(5);
+        let (x, _) = stored(dtype, &[1, 4, 4, 2], &rng.vec(32, -1.0, 1.0));
+        let (filt, _) = stored(dtype, &[3, 3, 2, 3], &rng.vec(54, -1.0, 1.0));
+        let conv = Conv2D::new([2, 2], Padding::Same, DataFormat::Nhwc);
+        let grads = graph_gradients(Box::new(conv), &[x.clone(), filt]);
+        assert_eq!(grads[0].ty(), tt(dtype, &[1, 4, 4, 2]));
+        assert_eq!(grads[1].ty(), tt(dtype, &[3, 3, 2, 3]));
+        for op in [
+            Box::new(MaxPool::new([2, 2], [2, 2], Padding::Valid, DataFormat::Nhwc)) as Box<dyn Op>,
+            Box::new(AvgPool::new([3, 3], [1, 1], Padding::Same, DataFormat::Nhwc)),
+        ] {
+            let grads = graph_gradients(op, std::slice::from_ref(&x));
+            assert_eq!(grads[0].ty(), tt(dtype, &[1, 4, 4, 2]));
+        }
+    }
+}
+
+#[test]
+fn backprop_ops_reject_bad_types() {
+    let f32t = |s: &[usize]| tt(DType::F32, s);
+    let nhwc = DataFormat::Nhwc;
+    let bi = Conv2DBackpropInput {
+        input_shape: vec![1, 5, 5, 2],
+        strides: [1, 1],
+        padding: Padding::Valid,
+        data_format: nhwc,
+    };
+    // Good: filter [3,3,2,4], dy [1,3,3,4].
+    let ok = bi.infer(&[&f32t(&[3, 3, 2, 4]), &f32t(&[1, 3, 3, 4])]).unwrap();
+    assert_eq!(ok, vec![f32t(&[1, 5, 5, 2])]);
+    let e = infer_err(&bi, &[f32t(&[3, 3, 2, 4]), f32t(&[1, 3, 3, 3])]);
+    assert!(e.contains("dy has shape [1, 3, 3, 3]") && e.contains("[1, 3, 3, 4]"), "{e}");
+    let e = infer_err(&bi, &[f32t(&[3, 3, 3, 4]), f32t(&[1, 3, 3, 4])]);
+    assert!(e.contains("channels"), "{e}");
+    let e = infer_err(&bi, &[f32t(&[3, 3, 2, 4]), tt(DType::F16, &[1, 3, 3, 4])]);
+    assert!(e.contains("f16"), "{e}");
+    let e = infer_err(&bi, &[tt(DType::I32, &[3, 3, 2, 4]), tt(DType::I32, &[1, 3, 3, 4])]);
+    assert!(e.contains("float"), "{e}");
+    let e = infer_err(&bi, &[f32t(&[3, 3, 2]), f32t(&[1, 3, 3, 4])]);
+    assert!(e.contains("filter must have rank 4"), "{e}");
+    let rank3 = Conv2DBackpropInput {
+        input_shape: vec![5, 5, 2],
+        ..bi.clone()
+    };
+    let e = infer_err(&rank3, &[f32t(&[3, 3, 2, 4]), f32t(&[1, 3, 3, 4])]);
+    assert!(e.contains("input_shape must have rank 4"), "{e}");
+    let small = Conv2DBackpropInput {
+        input_shape: vec![1, 2, 5, 2],
+        ..bi.clone()
+    };
+    let e = infer_err(&small, &[f32t(&[3, 3, 2, 4]), f32t(&[1, 3, 3, 4])]);
+    assert!(e.contains("height") && e.contains("VALID"), "{e}");
+    // Absurd sizes are errors, not overflows.
+    for input_shape in [
+        vec![1 << 40, 1 << 40, 1, 2],
+        vec![1, 1 << 50, 1, 2],
+        vec![usize::MAX, 2, 2, 2],
+    ] {
+        let big = Conv2DBackpropInput {
+            input_shape,
+            padding: Padding::Same,
+            ..bi.clone()
+        };
+        infer_err(&big, &[f32t(&[3, 3, 2, 4]), f32t(&[1, 3, 3, 4])]);
+    }
+
+    let bf = Conv2DBackpropFilter {
+        filter_shape: vec![3, 3, 2, 4],
+        strides: [2, 2],
+        padding: Padding::Same,
+        data_format: DataFormat::Nchw,
+    };
+    let ok = bf.infer(&[&f32t(&[1, 2, 5, 5]), &f32t(&[1, 4, 3, 3])]).unwrap();
+    assert_eq!(ok, vec![f32t(&[3, 3, 2, 4])]);
+    let e = infer_err(&bf, &[f32t(&[1, 2, 5, 5]), f32t(&[1, 3, 3, 4])]);
+    assert!(e.contains("dy has shape"), "{e}");
+    let e = infer_err(&bf, &[f32t(&[1, 5, 5, 2]), f32t(&[1, 4, 3, 3])]);
+    assert!(e.contains("channels"), "{e}");
+    let bad = Conv2DBackpropFilter {
+        filter_shape: vec![0, 3, 2, 4],
+        ..bf.clone()
+    };
+    let e = infer_err(&bad, &[f32t(&[1, 2, 5, 5]), f32t(&[1, 4, 3, 3])]);
+    assert!(e.contains("empty window"), "{e}");
+
+    // A kernel handed tensors infer would refuse errs instead of panicking.
+    let ft = Tensor::from_f64(DType::F32, [3, 3, 2, 4], &[0.0; 72]).unwrap();
+    let dy = Tensor::from_f64(DType::F32, [1, 2, 2, 4], &[0.0; 16]).unwrap();
+    assert!(bi.eval(&[&ft, &dy]).is_err());
+    let x = Tensor::from_f64(DType::F32, [1, 2, 5, 5], &[0.0; 50]).unwrap();
+    assert!(bf.eval(&[&x, &dy]).is_err());
+    assert!(bf.eval(&[&x]).is_err());
+}
+
+#[test]
+fn pool_grad_ops_reject_bad_types() {
+    let f32t = |s: &[usize]| tt(DType::F32, s);
+    let mp = MaxPoolGrad::new([2, 2], [2, 2], Padding::Valid, DataFormat::Nhwc);
+    let ok = mp
+        .infer(&[&f32t(&[1, 4, 4, 3]), &f32t(&[1, 2, 2, 3]), &f32t(&[1, 2, 2, 3])])
+        .unwrap();
+    assert_eq!(ok, vec![f32t(&[1, 4, 4, 3])]);
+    let e = infer_err(&mp, &[f32t(&[1, 4, 4, 3]), f32t(&[1, 2, 2, 3]), f32t(&[1, 2, 3, 3])]);
+    assert!(e.contains("dy has shape [1, 2, 3, 3]"), "{e}");
+    let e = infer_err(&mp, &[f32t(&[1, 4, 4, 3]), f32t(&[1, 4, 4, 3]), f32t(&[1, 2, 2, 3])]);
+    assert!(e.contains("y has shape"), "{e}");
+    let e = infer_err(
+        &mp,
+        &[f32t(&[1, 4, 4, 3]), f32t(&[1, 2, 2, 3]), tt(DType::BF16, &[1, 2, 2, 3])],
+    );
+    assert!(e.contains("dy is bf16"), "{e}");
+    let e = infer_err(&mp, &[f32t(&[4, 4, 3]), f32t(&[1, 2, 2, 3]), f32t(&[1, 2, 2, 3])]);
+    assert!(e.contains("rank 4"), "{e}");
+    let x = Tensor::from_f64(DType::F32, [1, 4, 4, 1], &[0.0; 16]).unwrap();
+    let dy = Tensor::from_f64(DType::F32, [1, 1, 1, 1], &[0.0]).unwrap();
+    assert!(mp.eval(&[&x, &dy, &dy]).is_err());
+
+    let ap = AvgPoolGrad {
+        input_shape: vec![1, 3, 5, 5],
+        ksize: [3, 3],
+        strides: [2, 2],
+        padding: Padding::Same,
+        data_format: DataFormat::Nchw,
+    };
+    assert_eq!(ap.infer(&[&f32t(&[1, 3, 3, 3])]).unwrap(), vec![f32t(&[1, 3, 5, 5])]);
+    let e = infer_err(&ap, &[f32t(&[1, 3, 2, 3])]);
+    assert!(e.contains("dy has shape [1, 3, 2, 3]") && e.contains("[1, 3, 3, 3]"), "{e}");
+    let e = infer_err(&ap, &[tt(DType::I64, &[1, 3, 3, 3])]);
+    assert!(e.contains("float"), "{e}");
+    let bad = AvgPoolGrad {
+        input_shape: vec![3, 5, 5],
+        ..ap.clone()
+    };
+    let e = infer_err(&bad, &[f32t(&[1, 3, 3, 3])]);
+    assert!(e.contains("input_shape must have rank 4"), "{e}");
+    let bad = AvgPoolGrad {
+        input_shape: vec![1 << 40, 1 << 40, 1 << 40, 1],
+        ..ap.clone()
+    };
+    infer_err(&bad, &[f32t(&[1, 3, 3, 3])]);
+    let bad = AvgPoolGrad {
+        input_shape: vec![1, 3, 2, 2],
+        padding: Padding::Valid,
+        ..ap.clone()
+    };
+    let e = infer_err(&bad, &[f32t(&[1, 3, 1, 1])]);
+    assert!(e.contains("VALID"), "{e}");
+    let dy = Tensor::from_f64(DType::F32, [1, 3, 2, 2], &[0.0; 12]).unwrap();
+    assert!(ap.eval(&[&dy]).is_err());
+}
+
+#[test]
+fn grad_op_attrs_parse_and_reject_mistakes() {
+    let strides = ("strides", AttrValue::Ints(vec![2, 1]));
+    let padding = ("padding", AttrValue::from("SAME"));
+    let nchw = ("data_format", AttrValue::from("NCHW"));
+    let shape = |k: &'static str| (k, AttrValue::Ints(vec![1, 2, 3, 4]));
+    let op = parse(
+        "Conv2DBackpropInput",
+        &[shape("input_shape"), strides.clone(), padding.clone(), nchw.clone()],
+    )
+    .unwrap();
+    assert_eq!(op.name(), "Conv2DBackpropInput");
+    assert_round_trip(op.as_ref());
+    let op = parse("Conv2DBackpropFilter", &[shape("filter_shape"), padding.clone()]).unwrap();
+    assert_round_trip(op.as_ref());
+    let ksize = ("ksize", AttrValue::Ints(vec![2, 2]));
+    let op = parse("MaxPoolGrad", &[ksize.clone(), strides.clone(), padding.clone()]).unwrap();
+    assert_round_trip(op.as_ref());
+    let op = parse(
+        "AvgPoolGrad",
+        &[shape("input_shape"), ksize.clone(), strides.clone(), padding.clone(), nchw],
+    )
+    .unwrap();
+    assert_round_trip(op.as_ref());
+
+    let err = |name: &str, attrs: &[(&str, AttrValue)]| parse(name, attrs).unwrap_err();
+    let e = err("Conv2DBackpropInput", &[strides.clone(), padding.clone()]);
+    assert!(e.contains("missing attr 'input_shape'"), "{e}");
+    let e = err("Conv2DBackpropFilter", &[("filter_shape", AttrValue::Ints(vec![3, -3, 1, 1])), padding.clone()]);
+    assert!(e.contains("negative"), "{e}");
+    let e = err("Conv2DBackpropInput", &[shape("input_shape"), ("strides", AttrValue::Ints(vec![0, 1])), padding.clone()]);
+    assert!(e.contains("strides"), "{e}");
+    let e = err("Conv2DBackpropInput", &[shape("input_shape")]);
+    assert!(e.contains("padding"), "{e}");
+    let e = err("MaxPoolGrad", &[strides.clone(), padding.clone()]);
+    assert!(e.contains("ksize"), "{e}");
+    let e = err("AvgPoolGrad", &[ksize.clone(), strides.clone(), padding.clone()]);
+    assert!(e.contains("input_shape"), "{e}");
+    let e = err("MaxPoolGrad", &[ksize, strides, padding, ("data_format", AttrValue::from("NCWH"))]);
+    assert!(e.contains("data_format"), "{e}");
+    let e = err("Conv2DBackpropFilter", &[shape("filter_shape"), ("padding", AttrValue::from("SAME")), ("dilations", AttrValue::Ints(vec![1, 1]))]);
+    assert!(e.contains("unknown attr 'dilations'"), "{e}");
+}

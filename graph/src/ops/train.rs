@@ -1,0 +1,411 @@
+//! Training ops: writing Variables, optimizer updates, dynamic loss scaling.
+//!
+//! Every update takes a `finite` flag (a bool scalar) as input 0: when it is false the
+//! outputs are the inputs, bit for bit, so a step whose gradients overflowed is
+//! skipped inside the graph with no host round trip.
+
+use crate::attrs::{AttrReader, AttrValue};
+use crate::dtype::DType;
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::tensor::{Data, ShapeDisplay, Tensor, TensorType};
+
+pub(crate) const OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "AssignVariable",
+        parse: |_, _| Ok(Box::new(AssignVariable)),
+    },
+    OpEntry {
+        name: "Group",
+        parse: |_, _| Ok(Box::new(Group)),
+    },
+    OpEntry {
+        name: "AllFinite",
+        parse: |_, _| Ok(Box::new(AllFinite)),
+    },
+    OpEntry {
+        name: "IncrementIf",
+        parse: |_, _| Ok(Box::new(IncrementIf)),
+    },
+    OpEntry {
+        name: "OptimizerUpdate",
+        parse: |_, a| Ok(Box::new(OptimizerUpdate::parse(a)?)),
+    },
+    OpEntry {
+        name: "LossScaleUpdate",
+        parse: |_, a| {
+            Ok(Box::new(LossScaleUpdate {
+                growth_interval: a.opt_int("growth_interval")?.unwrap_or(2000),
+                growth_factor: a.float_or("growth_factor", 2.0)?,
+                backoff_factor: a.float_or("backoff_factor", 0.5)?,
+            }))
+        },
+    },
+];
+
+fn bool_scalar() -> TensorType {
+    TensorType::new(DType::Bool, vec![])
+}
+
+fn require_flag(ty: &TensorType) -> OpResult<()> {
+    if *ty == bool_scalar() {
+        Ok(())
+    } else {
+        Err(format!("input 0 (finite) must be a bool scalar, got {ty}"))
+    }
+}
+
+fn flag(t: &Tensor) -> bool {
+    matches!(t.data(), Data::Bool(v) if v.first() == Some(&true))
+}
+
+/// Writes input 1 into the Variable at input 0 when the step ends (reads in the same
+/// step see the old value). Outputs the new value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AssignVariable;
+
+impl Op for AssignVariable {
+    fn name(&self) -> &'static str {
+        "AssignVariable"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [var, value] = fixed(inputs)?;
+        if var != value {
+            return Err(format!("the variable is {var} but the value is {value}"));
+        }
+        Ok(vec![(*value).clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [_, value] = fixed(inputs)?;
+        Ok(vec![(*value).clone()])
+    }
+}
+
+/// Depends on all its inputs and produces `true`: one fetch that runs a whole step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Group;
+
+impl Op for Group {
+    fn name(&self) -> &'static str {
+        "Group"
+    }
+    fn arity(&self) -> Arity {
+        Arity::AtLeast(0)
+    }
+    fn infer(&self, _: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        Ok(vec![bool_scalar()])
+    }
+    fn eval(&self, _: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        Ok(vec![Tensor::scalar(DType::Bool, 1.0)])
+    }
+}
+
+/// True when every element of every (float) input is finite.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllFinite;
+
+impl Op for AllFinite {
+    fn name(&self) -> &'static str {
+        "AllFinite"
+    }
+    fn arity(&self) -> Arity {
+        Arity::AtLeast(1)
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        if let Some((i, t)) = inputs.iter().enumerate().find(|(_, t)| !t.dtype.is_float()) {
+            return Err(format!("input {i} must be a float tensor, got {t}"));
+        }
+        Ok(vec![bool_scalar()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let finite = inputs.iter().all(|t| match t.data() {
+            Data::F32(v) => v.iter().all(|x| x.is_finite()),
+            Data::F16(v) => v.iter().all(|x| x.is_finite()),
+            Data::BF16(v) => v.iter().all(|x| x.is_finite()),
+            Data::F64(v) => v.iter().all(|x| x.is_finite()),
+            _ => true,
+        });
+        Ok(vec![Tensor::scalar(DType::Bool, f64::from(u8::from(finite)))])
+    }
+}
+
+/// `counter + 1` when `finite`, else `counter`: step counts of optimizers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IncrementIf;
+
+impl Op for IncrementIf {
+    fn name(&self) -> &'static str {
+        "IncrementIf"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [finite, counter] = fixed(inputs)?;
+        require_flag(finite)?;
+        if !counter.shape.is_empty() || counter.dtype == DType::Bool {
+            return Err(format!("the counter must be a numeric scalar, got {counter}"));
+        }
+        Ok(vec![(*counter).clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [finite, counter] = fixed(inputs)?;
+        let add = if flag(finite) { 1.0 } else { 0.0 };
+        Ok(vec![Tensor::scalar(counter.dtype(), counter.to_f64_vec()[0] + add)])
+    }
+}
+
+/// The update rule of an optimizer, applied to one variable.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Rule {
+    /// PyTorch's SGD: `buf = momentum*buf + g; var -= lr*(nesterov ? g + momentum*buf : buf)`.
+    Sgd { momentum: f64, nesterov: bool },
+    /// Adam (`decoupled`: AdamW's weight decay) with bias correction.
+    Adam { beta1: f64, beta2: f64, epsilon: f64, decoupled: bool },
+    /// LAMB: Adam's direction scaled per layer by ||var|| / ||update||.
+    Lamb { beta1: f64, beta2: f64, epsilon: f64 },
+}
+
+impl Rule {
+    /// Optimizer state tensors per variable, besides the shared step count.
+    pub fn slots(self) -> &'static [&'static str] {
+        match self {
+            Rule::Sgd { momentum, .. } if momentum == 0.0 => &[],
+            Rule::Sgd { .. } => &["momentum"],
+            Rule::Adam { .. } | Rule::Lamb { .. } => &["m", "v"],
+        }
+    }
+
+    /// Whether the rule reads the step count (for bias correction).
+    pub fn uses_step(self) -> bool {
+        !matches!(self, Rule::Sgd { .. })
+    }
+}
+
+/// One optimizer step for one variable. Inputs: `finite`, `var`, `grad`, the slots of
+/// the rule, then (Adam, LAMB) the step count after this step. Outputs: the new
+/// variable, then the new slots. Everything is computed in f64 and stored in f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerUpdate {
+    pub rule: Rule,
+    pub learning_rate: f64,
+    pub weight_decay: f64,
+}
+
+impl OptimizerUpdate {
+    fn parse(a: &mut AttrReader) -> OpResult<OptimizerUpdate> {
+        let beta1 = a.float_or("beta1", 0.9)?;
+        let beta2 = a.float_or("beta2", 0.999)?;
+        let epsilon = a.float_or("epsilon", 1e-7)?;
+        let rule = match a.opt_str("rule")?.as_deref() {
+            Some("sgd") => Rule::Sgd {
+                momentum: a.float_or("momentum", 0.0)?,
+                nesterov: a.bool_or("nesterov", false)?,
+            },
+            Some("adam") => Rule::Adam { beta1, beta2, epsilon, decoupled: false },
+            Some("adamw") => Rule::Adam { beta1, beta2, epsilon, decoupled: true },
+            Some("lamb") => Rule::Lamb { beta1, beta2, epsilon },
+            Some(other) => return Err(format!("unknown rule '{other}' (known: sgd adam adamw lamb)")),
+            None => return Err("missing attr 'rule'".into()),
+        };
+        Ok(OptimizerUpdate {
+            rule,
+            learning_rate: a.opt_float("learning_rate")?.ok_or("missing attr 'learning_rate'")?,
+            weight_decay: a.float_or("weight_decay", 0.0)?,
+        })
+    }
+
+    fn num_inputs(&self) -> usize {
+        3 + self.rule.slots().len() + usize::from(self.rule.uses_step())
+    }
+}
+
+impl Op for OptimizerUpdate {
+    fn name(&self) -> &'static str {
+        "OptimizerUpdate"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(self.num_inputs())
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut a: Vec<(&'static str, AttrValue)> = vec![
+            ("learning_rate", self.learning_rate.into()),
+            ("weight_decay", self.weight_decay.into()),
+        ];
+        match self.rule {
+            Rule::Sgd { momentum, nesterov } => {
+                a.extend([("rule", "sgd".into()), ("momentum", momentum.into()), ("nesterov", nesterov.into())])
+            }
+            Rule::Adam { beta1, beta2, epsilon, decoupled } => a.extend([
+                ("rule", if decoupled { "adamw" } else { "adam" }.into()),
+                ("beta1", beta1.into()),
+                ("beta2", beta2.into()),
+                ("epsilon", epsilon.into()),
+            ]),
+            Rule::Lamb { beta1, beta2, epsilon } => a.extend([
+                ("rule", "lamb".into()),
+                ("beta1", beta1.into()),
+                ("beta2", beta2.into()),
+                ("epsilon", epsilon.into()),
+            ]),
+        }
+        a
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        require_flag(inputs[0])?;
+        let var = inputs[1];
+        if !var.dtype.is_float() {
+            return Err(format!("the variable must be a float tensor, got {var}"));
+        }
+        let n_slots = self.rule.slots().len();
+        for (i, t) in inputs.iter().enumerate().skip(2).take(1 + n_slots) {
+            if t.shape != var.shape || !t.dtype.is_float() {
+                return Err(format!(
+                    "input {i} is {t} but the variable is {}{}",
+                    var.dtype,
+                    ShapeDisplay(&var.shape)
+                ));
+            }
+        }
+        if self.rule.uses_step() {
+            let step = inputs[3 + n_slots];
+            if !step.shape.is_empty() || step.dtype == DType::Bool {
+                return Err(format!("the step count must be a numeric scalar, got {step}"));
+            }
+        }
+        // The variable and its slots keep their types.
+        Ok(inputs[1..2].iter().chain(&inputs[3..3 + n_slots]).map(|t| (*t).clone()).collect())
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let n_slots = self.rule.slots().len();
+        let keep = || -> Vec<Tensor> {
+            inputs[1..2]
+                .iter()
+                .chain(&inputs[3..3 + n_slots])
+                .map(|t| (*t).clone())
+                .collect()
+        };
+        if !flag(inputs[0]) {
+            return Ok(keep());
+        }
+        let mut var = inputs[1].to_f64_vec();
+        let grad = inputs[2].to_f64_vec();
+        let mut slots: Vec<Vec<f64>> = inputs[3..3 + n_slots].iter().map(|t| t.to_f64_vec()).collect();
+        let (lr, wd) = (self.learning_rate, self.weight_decay);
+        match self.rule {
+            Rule::Sgd { momentum, nesterov } => {
+                for i in 0..var.len() {
+                    let g = grad[i] + wd * var[i];
+                    let step = match slots.first_mut() {
+                        None => g,
+                        Some(buf) => {
+                            buf[i] = momentum * buf[i] + g;
+                            if nesterov {
+                                g + momentum * buf[i]
+                            } else {
+                                buf[i]
+                            }
+                        }
+                    };
+                    var[i] -= lr * step;
+                }
+            }
+            Rule::Adam { beta1, beta2, epsilon, decoupled } => {
+                let t = inputs[3 + n_slots].to_f64_vec()[0];
+                let (c1, c2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
+                let [m, v] = slots.as_mut_slice() else {
+                    return Err("Adam keeps two slots".into());
+                };
+                for i in 0..var.len() {
+                    let g = if decoupled { grad[i] } else { grad[i] + wd * var[i] };
+                    m[i] = beta1 * m[i] + (1.0 - beta1) * g;
+                    v[i] = beta2 * v[i] + (1.0 - beta2) * g * g;
+                    let update = (m[i] / c1) / ((v[i] / c2).sqrt() + epsilon);
+                    let decay = if decoupled { wd * var[i] } else { 0.0 };
+                    var[i] -= lr * (update + decay);
+                }
+            }
+            Rule::Lamb { beta1, beta2, epsilon } => {
+                let t = inputs[3 + n_slots].to_f64_vec()[0];
+                let (c1, c2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
+                let [m, v] = slots.as_mut_slice() else {
+                    return Err("LAMB keeps two slots".into());
+                };
+                let mut update = vec![0.0; var.len()];
+                for i in 0..var.len() {
+                    m[i] = beta1 * m[i] + (1.0 - beta1) * grad[i];
+                    v[i] = beta2 * v[i] + (1.0 - beta2) * grad[i] * grad[i];
+                    update[i] = (m[i] / c1) / ((v[i] / c2).sqrt() + epsilon) + wd * var[i];
+                }
+                let norm = |x: &[f64]| x.iter().map(|a| a * a).sum::<f64>().sqrt();
+                let (w_norm, u_norm) = (norm(&var), norm(&update));
+                let trust = if w_norm > 0.0 && u_norm > 0.0 { w_norm / u_norm } else { 1.0 };
+                for i in 0..var.len() {
+                    var[i] -= lr * trust * update[i];
+                }
+            }
+        }
+        let store = |t: &Tensor, values: Vec<f64>| Tensor::new(t.shape().to_vec(), Data::from_f64(t.dtype(), values));
+        let mut out = vec![store(inputs[1], var)?];
+        for (t, s) in inputs[3..3 + n_slots].iter().zip(slots) {
+            out.push(store(t, s)?);
+        }
+        Ok(out)
+    }
+}
+
+/// Dynamic loss scaling, as TensorFlow's: inputs (`finite`, scale, good steps);
+/// outputs the new scale and count. After `growth_interval` finite steps in a row the
+/// scale grows by `growth_factor`; a non-finite step multiplies it by `backoff_factor`
+/// (never below 1) and restarts the count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossScaleUpdate {
+    pub growth_interval: i64,
+    pub growth_factor: f64,
+    pub backoff_factor: f64,
+}
+
+impl Op for LossScaleUpdate {
+    fn name(&self) -> &'static str {
+        "LossScaleUpdate"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("growth_interval", self.growth_interval.into()),
+            ("growth_factor", self.growth_factor.into()),
+            ("backoff_factor", self.backoff_factor.into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [finite, scale, good] = fixed(inputs)?;
+        require_flag(finite)?;
+        for (what, t) in [("scale", scale), ("good-step count", good)] {
+            if !t.shape.is_empty() || t.dtype == DType::Bool {
+                return Err(format!("the {what} must be a numeric scalar, got {t}"));
+            }
+        }
+        if self.growth_interval < 1 {
+            return Err("growth_interval must be at least 1".into());
+        }
+        Ok(vec![(*scale).clone(), (*good).clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [finite, scale, good] = fixed(inputs)?;
+        let (s, n) = (scale.to_f64_vec()[0], good.to_f64_vec()[0]);
+        let (s, n) = if flag(finite) {
+            if n + 1.0 >= self.growth_interval as f64 {
+                (s * self.growth_factor, 0.0)
+            } else {
+                (s, n + 1.0)
+            }
+        } else {
+            ((s * self.backoff_factor).max(1.0), 0.0)
+        };
+        Ok(vec![Tensor::scalar(scale.dtype(), s), Tensor::scalar(good.dtype(), n)])
+    }
+}

@@ -1,0 +1,310 @@
+//! Optimizers as graph updates of Variables, and the mixed-precision wrapper.
+//!
+//! `minimize` adds the gradients, one `OptimizerUpdate` per variable with its slots
+//! (Variables named `<var>/<slot>`, plus a shared `optimizer/step` for Adam and LAMB),
+//! the `AssignVariable`s, and a `Group` that runs them all: fetching
+//! [`TrainStep::step`] runs one training step.
+//!
+//! [`enable_mixed_precision_graph_rewrite`] wraps an optimizer with dynamic loss
+//! scaling, all inside the graph: scaled loss -> gradients -> unscale (in f32) ->
+//! all-finite check -> apply or skip -> scale update. No step needs the host.
+
+use ampgraph_graph::autodiff::gradients;
+use ampgraph_graph::ops::{
+    AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf, Init, LossScaleUpdate,
+    OptimizerUpdate, Rule, Unary, UnaryKind, Variable,
+};
+use ampgraph_graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
+
+/// What `minimize` built.
+#[derive(Clone, Debug)]
+pub struct TrainStep {
+    /// Fetch this to run one step (forward, backward, update).
+    pub step: Port,
+    /// The (unscaled) loss.
+    pub loss: Port,
+    /// The trainable variables, in graph order.
+    pub variables: Vec<NodeId>,
+    /// The loss scale in use (dynamic scaling only).
+    pub loss_scale: Option<Port>,
+}
+
+/// An optimizer that adds its update rule to a graph.
+pub trait Optimizer {
+    /// Adds the updates of `vars` by `grads` (skipped when `finite` is false) and
+    /// returns the nodes that write the new values.
+    fn apply_gradients(&self, g: &mut Graph, vars: &[NodeId], grads: &[Port], finite: Port) -> Result<Vec<Port>, GraphError>;
+
+    /// Adds the backward pass of `loss` and the updates of every float Variable it
+    /// depends on.
+    fn minimize(&self, g: &mut Graph, loss: Port) -> Result<TrainStep, GraphError> {
+        let vars = trainable_variables(g, loss)?;
+        let ports: Vec<Port> = vars.iter().map(|&v| v.into()).collect();
+        let grads = gradients(g, loss, &ports)?;
+        let finite = g.add(Const::new(Tensor::scalar(DType::Bool, 1.0)), &[])?;
+        let writes = self.apply_gradients(g, &vars, &grads, finite)?;
+        finish(g, loss, vars, writes, None)
+    }
+}
+
+/// Groups the writes into the step node and keeps the loss and step as graph outputs,
+/// so rewrites leave their types alone.
+fn finish(g: &mut Graph, loss: Port, variables: Vec<NodeId>, writes: Vec<Port>, loss_scale: Option<Port>) -> Result<TrainStep, GraphError> {
+    let name = g.fresh_name("train_step");
+    let step: Port = g.add_node(name, Box::new(Group), &writes)?.into();
+    let mut outputs = g.outputs().to_vec();
+    for p in [loss, step] {
+        if !outputs.contains(&p) {
+            outputs.push(p);
+        }
+    }
+    g.set_outputs(outputs)?;
+    Ok(TrainStep {
+        step,
+        loss,
+        variables,
+        loss_scale,
+    })
+}
+
+/// The float Variables `loss` depends on.
+pub fn trainable_variables(g: &Graph, loss: Port) -> Result<Vec<NodeId>, GraphError> {
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = vec![loss.node];
+    while let Some(id) = stack.pop() {
+        if seen.insert(id) {
+            stack.extend(g.inputs(id).into_iter().map(|p| p.node));
+        }
+    }
+    Ok(g.topo_order()?
+        .into_iter()
+        .filter(|id| seen.contains(id))
+        .filter(|&id| g.node(id).op.is::<Variable>() && g.node(id).outputs()[0].dtype.is_float())
+        .collect())
+}
+
+/// A scalar f32 Variable with a constant initial value.
+fn scalar_variable(g: &mut Graph, name: &str, value: f64) -> Result<Port, GraphError> {
+    let ty = TensorType::new(DType::F32, vec![]);
+    let init = if value == 0.0 { Init::Zeros } else { Init::Constant(value) };
+    Ok(g.add_node(name, Box::new(Variable::with_init(ty, init)), &[])?.into())
+}
+
+/// The optimizers of this crate: one update rule with a learning rate and weight decay.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RuleOptimizer {
+    pub rule: Rule,
+    pub learning_rate: f64,
+    pub weight_decay: f64,
+}
+
+/// Stochastic gradient descent, optionally with (Nesterov) momentum.
+pub struct Sgd;
+
+impl Sgd {
+    pub fn new(learning_rate: f64) -> RuleOptimizer {
+        Self::momentum(learning_rate, 0.0)
+    }
+
+    pub fn momentum(learning_rate: f64, momentum: f64) -> RuleOptimizer {
+        RuleOptimizer {
+            rule: Rule::Sgd { momentum, nesterov: false },
+            learning_rate,
+            weight_decay: 0.0,
+        }
+    }
+
+    pub fn nesterov(learning_rate: f64, momentum: f64) -> RuleOptimizer {
+        RuleOptimizer {
+            rule: Rule::Sgd { momentum, nesterov: true },
+            learning_rate,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// Adam, AdamW (decoupled weight decay) and LAMB (layer-wise trust ratio).
+pub struct Adam;
+
+impl Adam {
+    pub fn new(learning_rate: f64) -> RuleOptimizer {
+        RuleOptimizer {
+            rule: Rule::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-7, decoupled: false },
+            learning_rate,
+            weight_decay: 0.0,
+        }
+    }
+
+    pub fn adamw(learning_rate: f64, weight_decay: f64) -> RuleOptimizer {
+        RuleOptimizer {
+            rule: Rule::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-7, decoupled: true },
+            learning_rate,
+            weight_decay,
+        }
+    }
+
+    pub fn lamb(learning_rate: f64, weight_decay: f64) -> RuleOptimizer {
+        RuleOptimizer {
+            rule: Rule::Lamb { beta1: 0.9, beta2: 0.999, epsilon: 1e-6 },
+            learning_rate,
+            weight_decay,
+        }
+    }
+}
+
+impl RuleOptimizer {
+    pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+}
+
+/// Name of the shared step count of Adam and LAMB.
+pub const STEP_VARIABLE: &str = "optimizer/step";
+
+impl Optimizer for RuleOptimizer {
+    fn apply_gradients(&self, g: &mut Graph, vars: &[NodeId], grads: &[Port], finite: Port) -> Result<Vec<Port>, GraphError> {
+        let mut writes = Vec::new();
+        let step = if self.rule.uses_step() {
+            let counter = match g.find(STEP_VARIABLE) {
+                Some(id) => id.into(),
+                None => scalar_variable(g, STEP_VARIABLE, 0.0)?,
+            };
+            let next = g.add(IncrementIf, &[finite, counter])?;
+            writes.push(g.add(AssignVariable, &[counter, next])?);
+            Some(next)
+        } else {
+            None
+        };
+        for (&var, &grad) in vars.iter().zip(grads) {
+            let var_name = g.node(var).name.clone();
+            let ty = g.node(var).outputs()[0].clone();
+            let mut slots = Vec::new();
+            for slot in self.rule.slots() {
+                let v = Variable::with_init(ty.clone(), Init::Zeros);
+                slots.push(Port::from(g.add_node(format!("{var_name}/{slot}"), Box::new(v), &[])?));
+            }
+            let mut inputs = vec![finite, var.into(), grad];
+            inputs.extend(&slots);
+            inputs.extend(step);
+            let op = OptimizerUpdate {
+                rule: self.rule,
+                learning_rate: self.learning_rate,
+                weight_decay: self.weight_decay,
+            };
+            let name = g.fresh_name(&format!("{var_name}/update"));
+            let update = g.add_node(name, Box::new(op), &inputs)?;
+            for (k, target) in std::iter::once(Port::from(var)).chain(slots).enumerate() {
+                writes.push(g.add(AssignVariable, &[target, Port::new(update, k)])?);
+            }
+        }
+        Ok(writes)
+    }
+}
+
+/// How the loss is scaled under mixed precision.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LossScale {
+    /// TensorFlow's dynamic loss scale: start at `initial`, multiply by
+    /// `growth_factor` after `growth_interval` finite steps, by `backoff_factor` on
+    /// overflow (and skip that step).
+    Dynamic {
+        initial: f64,
+        growth_interval: i64,
+        growth_factor: f64,
+        backoff_factor: f64,
+    },
+    /// A constant scale (steps with non-finite gradients are still skipped).
+    Fixed(f64),
+}
+
+impl Default for LossScale {
+    fn default() -> Self {
+        LossScale::Dynamic {
+            initial: 32768.0,
+            growth_interval: 2000,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+        }
+    }
+}
+
+/// An optimizer whose `minimize` builds a loss-scaled, mixed-precision training step.
+#[derive(Clone, Debug)]
+pub struct MixedPrecision<O> {
+    pub inner: O,
+    pub loss_scale: LossScale,
+    /// The 16-bit type the session's AMP pass converts to.
+    pub dtype: DType,
+}
+
+impl<O> MixedPrecision<O> {
+    pub fn with_loss_scale(mut self, loss_scale: LossScale) -> Self {
+        self.loss_scale = loss_scale;
+        self
+    }
+
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+}
+
+/// Wraps `optimizer` for automatic mixed precision, as TensorFlow's function of the
+/// same name: dynamic loss scaling in the graph, and the graph marked so that a
+/// session runs the AMP rewrite (FP16 unless [`MixedPrecision::with_dtype`]).
+pub fn enable_mixed_precision_graph_rewrite<O: Optimizer>(optimizer: O) -> MixedPrecision<O> {
+    MixedPrecision {
+        inner: optimizer,
+        loss_scale: LossScale::default(),
+        dtype: DType::F16,
+    }
+}
+
+/// Names of the loss-scale state variables.
+pub const LOSS_SCALE_VARIABLE: &str = "loss_scale/scale";
+pub const GOOD_STEPS_VARIABLE: &str = "loss_scale/good_steps";
+
+impl<O: Optimizer> Optimizer for MixedPrecision<O> {
+    fn apply_gradients(&self, g: &mut Graph, vars: &[NodeId], grads: &[Port], finite: Port) -> Result<Vec<Port>, GraphError> {
+        self.inner.apply_gradients(g, vars, grads, finite)
+    }
+
+    fn minimize(&self, g: &mut Graph, loss: Port) -> Result<TrainStep, GraphError> {
+        let vars = trainable_variables(g, loss)?;
+        let loss32 = match g.ty(loss).dtype {
+            DType::F32 => loss,
+            _ => g.add(Cast { to: DType::F32 }, &[loss])?,
+        };
+        let (scale, dynamic) = match self.loss_scale {
+            LossScale::Dynamic { initial, growth_interval, growth_factor, backoff_factor } => {
+                let scale = scalar_variable(g, LOSS_SCALE_VARIABLE, initial)?;
+                let good = scalar_variable(g, GOOD_STEPS_VARIABLE, 0.0)?;
+                let update = LossScaleUpdate { growth_interval, growth_factor, backoff_factor };
+                (scale, Some((good, update)))
+            }
+            LossScale::Fixed(s) => (g.add(Const::new(Tensor::scalar(DType::F32, s)), &[])?, None),
+        };
+        let scaled = g.add(Binary::new(BinaryKind::Mul), &[loss32, scale])?;
+        let ports: Vec<Port> = vars.iter().map(|&v| v.into()).collect();
+        let grads = gradients(g, scaled, &ports)?;
+        // Unscale in f32: the explicit cast keeps the AMP pass from moving the
+        // multiplication into 16 bits, where 1/scale would underflow.
+        let inv = g.add(Unary::new(UnaryKind::Reciprocal), &[scale])?;
+        let mut unscaled = Vec::with_capacity(grads.len());
+        for grad in grads {
+            let grad32 = g.add(Cast { to: DType::F32 }, &[grad])?;
+            unscaled.push(g.add(Binary::new(BinaryKind::Mul), &[grad32, inv])?);
+        }
+        let finite = g.add(AllFinite, &unscaled)?;
+        let mut writes = self.inner.apply_gradients(g, &vars, &unscaled, finite)?;
+        let dynamic_scale = dynamic.as_ref().map(|_| scale);
+        if let Some((good, update)) = dynamic {
+            let node = g.add_node(g.fresh_name("loss_scale/update"), Box::new(update), &[finite, scale, good])?;
+            writes.push(g.add(AssignVariable, &[scale, Port::new(node, 0)])?);
+            writes.push(g.add(AssignVariable, &[good, Port::new(node, 1)])?);
+        }
+        g.mixed_precision = Some(self.dtype);
+        finish(g, loss, vars, writes, dynamic_scale)
+    }
+}
