@@ -111,7 +111,7 @@ fn reads_plain_copies_identically() {
         panic!()
     };
     assert!(px.iter().all(|&p| (0.0..=1.0).contains(&p)));
-    assert!(px.iter().any(|&p| p == 1.0));
+    assert!(px.contains(&1.0));
     let expect: Vec<f32> = plain
         .image(1)
         .unwrap()
@@ -318,7 +318,6 @@ fn synthetic_is_deterministic_and_balanced() {
             best == test.label(i).unwrap() as usize
         })
         .count();
-    eprintln!("nearest centroid: {correct}/500");
     assert!(correct > 350, "nearest centroid got {correct}/500");
     // ... but not trivially: it is not perfect.
     assert!(correct < 500, "nearest centroid got {correct}/500");
@@ -352,14 +351,4 @@ fn new_checks_its_parts() {
     assert!(Mnist::new(2, 2, vec![0; 7], vec![1, 2]).is_err());
     assert!(Mnist::new(0, 2, vec![], vec![]).is_err());
     assert!(Mnist::new(2, 2, vec![0; 8], vec![1, 11]).is_err());
-}
-
-#[test]
-fn zz_peek() {
-    let m = Mnist::synthetic(10, 5);
-    for i in [0, 2, 5, 8] {
-        for row in m.image(i).unwrap().chunks(28) {
-            eprintln!("{}", row.iter().map(|&p| match p { 0..=40 => ' ', 41..=120 => '.', 121..=200 => 'o', _ => '#' }).collect::<String>());
-        }
-    }
 }

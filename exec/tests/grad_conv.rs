@@ -256,13 +256,16 @@ proptest! {
 /// Shapes for the kernel tests: (n, h, w, cin, cout, kh, kw, strides).
 type Case = (usize, usize, usize, usize, usize, usize, usize, [usize; 2]);
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 8] = [
     (1, 5, 5, 1, 1, 3, 3, [1, 1]),
     (2, 6, 5, 3, 2, 3, 2, [2, 1]),
     (1, 7, 7, 2, 4, 3, 3, [2, 2]),
     (2, 4, 4, 2, 3, 1, 1, [1, 1]),
     (1, 3, 3, 2, 2, 5, 5, [1, 1]),
     (1, 9, 8, 4, 3, 2, 3, [3, 2]),
+    // One output position per image: NCHW dy rows do not run on across images.
+    (3, 2, 2, 2, 2, 2, 2, [2, 2]),
+    (3, 1, 1, 1, 2, 1, 1, [1, 1]),
 ];
 
 #[test]

@@ -100,7 +100,8 @@ pub fn gradients(g: &mut Graph, loss: Port, wrt: &[Port]) -> Result<Vec<Port>> {
     let seed = GradBuilder::new(g, "gradients").scalar(loss_ty.dtype, 1.0)?;
     grads.insert(loss, vec![seed]);
     for &id in order.iter().rev() {
-        if !(reaches_loss[id.index()] && from_wrt[id.index()]) {
+        // Sources (the `wrt` tensors themselves among them) have nothing to propagate to.
+        if !(reaches_loss[id.index()] && from_wrt[id.index()]) || g.node(id).op.arity() == crate::op::Arity::Exactly(0) {
             continue;
         }
         let n_out = g.node(id).outputs().len();

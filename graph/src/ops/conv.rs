@@ -509,12 +509,13 @@ impl ConvDims {
 
     /// Runs of at most `block` output positions (counted over the batch in (image, oy,
     /// ox) order) whose dy rows form one strided `[m, cout]` matrix: any run in NHWC,
-    /// runs inside one image in NCHW. Yields (first position, length).
+    /// runs inside one image in NCHW (unless cout = 1). Yields (first position, length).
     fn position_blocks(&self, block: usize) -> Vec<(usize, usize)> {
         let per_image = self.positions();
         let total = self.x.n * per_image;
         let block = block.max(1);
-        if self.y.sc == 1 {
+        if self.y.sn == per_image * self.y.sx {
+            // Consecutive positions are one stride apart across images too.
             (0..total)
                 .step_by(block)
                 .map(|f| (f, block.min(total - f)))
