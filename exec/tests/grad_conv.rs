@@ -294,20 +294,26 @@ fn conv_backprop_kernels_match_reference() {
                     let mut dx_abs = dx.clone();
                     let mut df = vec![0.0; f0.len()];
                     let mut df_abs = df.clone();
-                    windows((n, h, w), [kh, kw], strides, padding, |ni, oy, ox, ky, kx, iy, ix| {
-                        for co in 0..cout {
-                            let g = dy.v[dy.idx(ni, oy, ox, co)];
-                            for ci in 0..cin {
-                                let xi = x.idx(ni, iy, ix, ci);
-                                let t = g * fv[fidx(ky, kx, ci, co)];
-                                dx.v[xi] += t;
-                                dx_abs.v[xi] += t.abs();
-                                let t = g * x.v[xi];
-                                df[fidx(ky, kx, ci, co)] += t;
-                                df_abs[fidx(ky, kx, ci, co)] += t.abs();
+                    windows(
+                        (n, h, w),
+                        [kh, kw],
+                        strides,
+                        padding,
+                        |ni, oy, ox, ky, kx, iy, ix| {
+                            for co in 0..cout {
+                                let g = dy.v[dy.idx(ni, oy, ox, co)];
+                                for ci in 0..cin {
+                                    let xi = x.idx(ni, iy, ix, ci);
+                                    let t = g * fv[fidx(ky, kx, ci, co)];
+                                    dx.v[xi] += t;
+                                    dx_abs.v[xi] += t.abs();
+                                    let t = g * x.v[xi];
+                                    df[fidx(ky, kx, ci, co)] += t;
+                                    df_abs[fidx(ky, kx, ci, co)] += t.abs();
+                                }
                             }
-                        }
-                    });
+                        },
+                    );
                     let what = format!(
                         "x [{n},{h},{w},{cin}] filter [{kh},{kw},{cin},{cout}] {strides:?} {padding:?} {f:?}"
                     );
@@ -338,10 +344,13 @@ fn conv_backprop_kernels_match_reference() {
     }
 }
 
+type PoolCase = (usize, usize, usize, usize, [usize; 2], [usize; 2]);
+
 #[test]
 fn pool_grad_kernels_match_reference() {
     let mut rng = Gen(23);
-    let cases: [(usize, usize, usize, usize, [usize; 2], [usize; 2]); 5] = [
+    // (n, h, w, c, ksize, strides)
+    let cases: [PoolCase; 5] = [
         (1, 4, 4, 1, [2, 2], [2, 2]),
         (2, 5, 6, 3, [3, 3], [1, 1]),
         (1, 7, 5, 2, [3, 2], [2, 3]),
@@ -366,15 +375,21 @@ fn pool_grad_kernels_match_reference() {
                     let what = format!("x [{n},{h},{w},{c}] k {k:?} {strides:?} {padding:?} {f:?}");
                     // MaxPool: each window's dy goes to its first maximum in row-major order.
                     let mut best: Vec<Option<(f64, usize)>> = vec![None; n * oh * ow * c];
-                    windows((n, h, w), k, strides, padding, |ni, oy, ox, _, _, iy, ix| {
-                        for ci in 0..c {
-                            let o = ((ni * oh + oy) * ow + ox) * c + ci;
-                            let i = x.idx(ni, iy, ix, ci);
-                            if best[o].is_none_or(|(b, _)| x.v[i] > b) {
-                                best[o] = Some((x.v[i], i));
+                    windows(
+                        (n, h, w),
+                        k,
+                        strides,
+                        padding,
+                        |ni, oy, ox, _, _, iy, ix| {
+                            for ci in 0..c {
+                                let o = ((ni * oh + oy) * ow + ox) * c + ci;
+                                let i = x.idx(ni, iy, ix, ci);
+                                if best[o].is_none_or(|(b, _)| x.v[i] > b) {
+                                    best[o] = Some((x.v[i], i));
+                                }
                             }
-                        }
-                    });
+                        },
+                    );
                     let mut dx = Img::zeros(n, h, w, c);
                     let mut dx_abs = dx.clone();
                     for (o, b) in best.iter().enumerate() {
@@ -388,7 +403,14 @@ fn pool_grad_kernels_match_reference() {
                     assert_round_trip(&op);
                     let got = Img::from_tensor(f, &run(&op, &[&xt, &yt, &dyt]));
                     let terms = k[0].div_ceil(strides[0]) * k[1].div_ceil(strides[1]);
-                    check_sums(&format!("MaxPoolGrad {what}"), dtype, terms, &got.v, &dx.v, &dx_abs.v);
+                    check_sums(
+                        &format!("MaxPoolGrad {what}"),
+                        dtype,
+                        terms,
+                        &got.v,
+                        &dx.v,
+                        &dx_abs.v,
+                    );
 
                     // AvgPool: dy / (in-bounds count) to every in-bounds element.
                     let mut count = vec![0.0; n * oh * ow];
@@ -397,15 +419,21 @@ fn pool_grad_kernels_match_reference() {
                     });
                     let mut dx = Img::zeros(n, h, w, c);
                     let mut dx_abs = dx.clone();
-                    windows((n, h, w), k, strides, padding, |ni, oy, ox, _, _, iy, ix| {
-                        for ci in 0..c {
-                            let o = ((ni * oh + oy) * ow + ox) * c + ci;
-                            let t = dy.v[o] / count[(ni * oh + oy) * ow + ox];
-                            let i = dx.idx(ni, iy, ix, ci);
-                            dx.v[i] += t;
-                            dx_abs.v[i] += t.abs();
-                        }
-                    });
+                    windows(
+                        (n, h, w),
+                        k,
+                        strides,
+                        padding,
+                        |ni, oy, ox, _, _, iy, ix| {
+                            for ci in 0..c {
+                                let o = ((ni * oh + oy) * ow + ox) * c + ci;
+                                let t = dy.v[o] / count[(ni * oh + oy) * ow + ox];
+                                let i = dx.idx(ni, iy, ix, ci);
+                                dx.v[i] += t;
+                                dx_abs.v[i] += t.abs();
+                            }
+                        },
+                    );
                     let op = AvgPoolGrad {
                         input_shape: x.shape(f),
                         ksize: k,
@@ -415,7 +443,14 @@ fn pool_grad_kernels_match_reference() {
                     };
                     assert_round_trip(&op);
                     let got = Img::from_tensor(f, &run(&op, &[&dyt]));
-                    check_sums(&format!("AvgPoolGrad {what}"), dtype, terms + 1, &got.v, &dx.v, &dx_abs.v);
+                    check_sums(
+                        &format!("AvgPoolGrad {what}"),
+                        dtype,
+                        terms + 1,
+                        &got.v,
+                        &dx.v,
+                        &dx_abs.v,
+                    );
                 }
             }
         }
@@ -450,8 +485,18 @@ fn gradients_keep_the_forward_dtype() {
         assert_eq!(grads[0].ty(), tt(dtype, &[1, 4, 4, 2]));
         assert_eq!(grads[1].ty(), tt(dtype, &[3, 3, 2, 3]));
         for op in [
-            Box::new(MaxPool::new([2, 2], [2, 2], Padding::Valid, DataFormat::Nhwc)) as Box<dyn Op>,
-            Box::new(AvgPool::new([3, 3], [1, 1], Padding::Same, DataFormat::Nhwc)),
+            Box::new(MaxPool::new(
+                [2, 2],
+                [2, 2],
+                Padding::Valid,
+                DataFormat::Nhwc,
+            )) as Box<dyn Op>,
+            Box::new(AvgPool::new(
+                [3, 3],
+                [1, 1],
+                Padding::Same,
+                DataFormat::Nhwc,
+            )),
         ] {
             let grads = graph_gradients(op, std::slice::from_ref(&x));
             assert_eq!(grads[0].ty(), tt(dtype, &[1, 4, 4, 2]));
@@ -470,15 +515,23 @@ fn backprop_ops_reject_bad_types() {
         data_format: nhwc,
     };
     // Good: filter [3,3,2,4], dy [1,3,3,4].
-    let ok = bi.infer(&[&f32t(&[3, 3, 2, 4]), &f32t(&[1, 3, 3, 4])]).unwrap();
+    let ok = bi
+        .infer(&[&f32t(&[3, 3, 2, 4]), &f32t(&[1, 3, 3, 4])])
+        .unwrap();
     assert_eq!(ok, vec![f32t(&[1, 5, 5, 2])]);
     let e = infer_err(&bi, &[f32t(&[3, 3, 2, 4]), f32t(&[1, 3, 3, 3])]);
-    assert!(e.contains("dy has shape [1, 3, 3, 3]") && e.contains("[1, 3, 3, 4]"), "{e}");
+    assert!(
+        e.contains("dy has shape [1, 3, 3, 3]") && e.contains("[1, 3, 3, 4]"),
+        "{e}"
+    );
     let e = infer_err(&bi, &[f32t(&[3, 3, 3, 4]), f32t(&[1, 3, 3, 4])]);
     assert!(e.contains("channels"), "{e}");
     let e = infer_err(&bi, &[f32t(&[3, 3, 2, 4]), tt(DType::F16, &[1, 3, 3, 4])]);
     assert!(e.contains("f16"), "{e}");
-    let e = infer_err(&bi, &[tt(DType::I32, &[3, 3, 2, 4]), tt(DType::I32, &[1, 3, 3, 4])]);
+    let e = infer_err(
+        &bi,
+        &[tt(DType::I32, &[3, 3, 2, 4]), tt(DType::I32, &[1, 3, 3, 4])],
+    );
     assert!(e.contains("float"), "{e}");
     let e = infer_err(&bi, &[f32t(&[3, 3, 2]), f32t(&[1, 3, 3, 4])]);
     assert!(e.contains("filter must have rank 4"), "{e}");
@@ -514,7 +567,9 @@ fn backprop_ops_reject_bad_types() {
         padding: Padding::Same,
         data_format: DataFormat::Nchw,
     };
-    let ok = bf.infer(&[&f32t(&[1, 2, 5, 5]), &f32t(&[1, 4, 3, 3])]).unwrap();
+    let ok = bf
+        .infer(&[&f32t(&[1, 2, 5, 5]), &f32t(&[1, 4, 3, 3])])
+        .unwrap();
     assert_eq!(ok, vec![f32t(&[3, 3, 2, 4])]);
     let e = infer_err(&bf, &[f32t(&[1, 2, 5, 5]), f32t(&[1, 3, 3, 4])]);
     assert!(e.contains("dy has shape"), "{e}");
@@ -541,19 +596,44 @@ fn pool_grad_ops_reject_bad_types() {
     let f32t = |s: &[usize]| tt(DType::F32, s);
     let mp = MaxPoolGrad::new([2, 2], [2, 2], Padding::Valid, DataFormat::Nhwc);
     let ok = mp
-        .infer(&[&f32t(&[1, 4, 4, 3]), &f32t(&[1, 2, 2, 3]), &f32t(&[1, 2, 2, 3])])
+        .infer(&[
+            &f32t(&[1, 4, 4, 3]),
+            &f32t(&[1, 2, 2, 3]),
+            &f32t(&[1, 2, 2, 3]),
+        ])
         .unwrap();
     assert_eq!(ok, vec![f32t(&[1, 4, 4, 3])]);
-    let e = infer_err(&mp, &[f32t(&[1, 4, 4, 3]), f32t(&[1, 2, 2, 3]), f32t(&[1, 2, 3, 3])]);
+    let e = infer_err(
+        &mp,
+        &[
+            f32t(&[1, 4, 4, 3]),
+            f32t(&[1, 2, 2, 3]),
+            f32t(&[1, 2, 3, 3]),
+        ],
+    );
     assert!(e.contains("dy has shape [1, 2, 3, 3]"), "{e}");
-    let e = infer_err(&mp, &[f32t(&[1, 4, 4, 3]), f32t(&[1, 4, 4, 3]), f32t(&[1, 2, 2, 3])]);
+    let e = infer_err(
+        &mp,
+        &[
+            f32t(&[1, 4, 4, 3]),
+            f32t(&[1, 4, 4, 3]),
+            f32t(&[1, 2, 2, 3]),
+        ],
+    );
     assert!(e.contains("y has shape"), "{e}");
     let e = infer_err(
         &mp,
-        &[f32t(&[1, 4, 4, 3]), f32t(&[1, 2, 2, 3]), tt(DType::BF16, &[1, 2, 2, 3])],
+        &[
+            f32t(&[1, 4, 4, 3]),
+            f32t(&[1, 2, 2, 3]),
+            tt(DType::BF16, &[1, 2, 2, 3]),
+        ],
     );
     assert!(e.contains("dy is bf16"), "{e}");
-    let e = infer_err(&mp, &[f32t(&[4, 4, 3]), f32t(&[1, 2, 2, 3]), f32t(&[1, 2, 2, 3])]);
+    let e = infer_err(
+        &mp,
+        &[f32t(&[4, 4, 3]), f32t(&[1, 2, 2, 3]), f32t(&[1, 2, 2, 3])],
+    );
     assert!(e.contains("rank 4"), "{e}");
     let x = Tensor::from_f64(DType::F32, [1, 4, 4, 1], &[0.0; 16]).unwrap();
     let dy = Tensor::from_f64(DType::F32, [1, 1, 1, 1], &[0.0]).unwrap();
@@ -566,9 +646,15 @@ fn pool_grad_ops_reject_bad_types() {
         padding: Padding::Same,
         data_format: DataFormat::Nchw,
     };
-    assert_eq!(ap.infer(&[&f32t(&[1, 3, 3, 3])]).unwrap(), vec![f32t(&[1, 3, 5, 5])]);
+    assert_eq!(
+        ap.infer(&[&f32t(&[1, 3, 3, 3])]).unwrap(),
+        vec![f32t(&[1, 3, 5, 5])]
+    );
     let e = infer_err(&ap, &[f32t(&[1, 3, 2, 3])]);
-    assert!(e.contains("dy has shape [1, 3, 2, 3]") && e.contains("[1, 3, 3, 3]"), "{e}");
+    assert!(
+        e.contains("dy has shape [1, 3, 2, 3]") && e.contains("[1, 3, 3, 3]"),
+        "{e}"
+    );
     let e = infer_err(&ap, &[tt(DType::I64, &[1, 3, 3, 3])]);
     assert!(e.contains("float"), "{e}");
     let bad = AvgPoolGrad {
@@ -601,19 +687,38 @@ fn grad_op_attrs_parse_and_reject_mistakes() {
     let shape = |k: &'static str| (k, AttrValue::Ints(vec![1, 2, 3, 4]));
     let op = parse(
         "Conv2DBackpropInput",
-        &[shape("input_shape"), strides.clone(), padding.clone(), nchw.clone()],
+        &[
+            shape("input_shape"),
+            strides.clone(),
+            padding.clone(),
+            nchw.clone(),
+        ],
     )
     .unwrap();
     assert_eq!(op.name(), "Conv2DBackpropInput");
     assert_round_trip(op.as_ref());
-    let op = parse("Conv2DBackpropFilter", &[shape("filter_shape"), padding.clone()]).unwrap();
+    let op = parse(
+        "Conv2DBackpropFilter",
+        &[shape("filter_shape"), padding.clone()],
+    )
+    .unwrap();
     assert_round_trip(op.as_ref());
     let ksize = ("ksize", AttrValue::Ints(vec![2, 2]));
-    let op = parse("MaxPoolGrad", &[ksize.clone(), strides.clone(), padding.clone()]).unwrap();
+    let op = parse(
+        "MaxPoolGrad",
+        &[ksize.clone(), strides.clone(), padding.clone()],
+    )
+    .unwrap();
     assert_round_trip(op.as_ref());
     let op = parse(
         "AvgPoolGrad",
-        &[shape("input_shape"), ksize.clone(), strides.clone(), padding.clone(), nchw],
+        &[
+            shape("input_shape"),
+            ksize.clone(),
+            strides.clone(),
+            padding.clone(),
+            nchw,
+        ],
     )
     .unwrap();
     assert_round_trip(op.as_ref());
@@ -621,18 +726,49 @@ fn grad_op_attrs_parse_and_reject_mistakes() {
     let err = |name: &str, attrs: &[(&str, AttrValue)]| parse(name, attrs).unwrap_err();
     let e = err("Conv2DBackpropInput", &[strides.clone(), padding.clone()]);
     assert!(e.contains("missing attr 'input_shape'"), "{e}");
-    let e = err("Conv2DBackpropFilter", &[("filter_shape", AttrValue::Ints(vec![3, -3, 1, 1])), padding.clone()]);
+    let e = err(
+        "Conv2DBackpropFilter",
+        &[
+            ("filter_shape", AttrValue::Ints(vec![3, -3, 1, 1])),
+            padding.clone(),
+        ],
+    );
     assert!(e.contains("negative"), "{e}");
-    let e = err("Conv2DBackpropInput", &[shape("input_shape"), ("strides", AttrValue::Ints(vec![0, 1])), padding.clone()]);
+    let e = err(
+        "Conv2DBackpropInput",
+        &[
+            shape("input_shape"),
+            ("strides", AttrValue::Ints(vec![0, 1])),
+            padding.clone(),
+        ],
+    );
     assert!(e.contains("strides"), "{e}");
     let e = err("Conv2DBackpropInput", &[shape("input_shape")]);
     assert!(e.contains("padding"), "{e}");
     let e = err("MaxPoolGrad", &[strides.clone(), padding.clone()]);
     assert!(e.contains("ksize"), "{e}");
-    let e = err("AvgPoolGrad", &[ksize.clone(), strides.clone(), padding.clone()]);
+    let e = err(
+        "AvgPoolGrad",
+        &[ksize.clone(), strides.clone(), padding.clone()],
+    );
     assert!(e.contains("input_shape"), "{e}");
-    let e = err("MaxPoolGrad", &[ksize, strides, padding, ("data_format", AttrValue::from("NCWH"))]);
+    let e = err(
+        "MaxPoolGrad",
+        &[
+            ksize,
+            strides,
+            padding,
+            ("data_format", AttrValue::from("NCWH")),
+        ],
+    );
     assert!(e.contains("data_format"), "{e}");
-    let e = err("Conv2DBackpropFilter", &[shape("filter_shape"), ("padding", AttrValue::from("SAME")), ("dilations", AttrValue::Ints(vec![1, 1]))]);
+    let e = err(
+        "Conv2DBackpropFilter",
+        &[
+            shape("filter_shape"),
+            ("padding", AttrValue::from("SAME")),
+            ("dilations", AttrValue::Ints(vec![1, 1])),
+        ],
+    );
     assert!(e.contains("unknown attr 'dilations'"), "{e}");
 }

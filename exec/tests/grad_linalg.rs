@@ -149,7 +149,11 @@ fn backward_products_absorb_transposes() {
             &mat_shape(3, 5, ta),
             &mat_shape(5, 2, tb),
         );
-        assert_eq!(ops, ["MatMul", "MatMul"], "transpose_a={ta} transpose_b={tb}");
+        assert_eq!(
+            ops,
+            ["MatMul", "MatMul"],
+            "transpose_a={ta} transpose_b={tb}"
+        );
     }
     for (adj_x, adj_y) in [(false, false), (true, true)] {
         let mut sa = vec![4];

@@ -16,11 +16,11 @@ use ampgraph_exec::feeds::seeded_tensor;
 use ampgraph_exec::{CpuExecutor, Executor};
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::autodiff::gradients;
+use ampgraph_graph::op::TypeGroup;
 use ampgraph_graph::ops::{
     BatchNorm, BatchNormGrad, Binary, BinaryKind, Const, DataFormat, LayerNorm, LayerNormGrad,
     Placeholder, Reduce, ReduceKind,
 };
-use ampgraph_graph::op::TypeGroup;
 use ampgraph_graph::{DType, Graph, Op, Port, Tensor, TensorType};
 use common::*;
 use proptest::prelude::*;
@@ -271,7 +271,11 @@ fn batch_norm_grad_kernel_matches_reference() {
             };
             for dtype in FLOATS {
                 // The statistics are f32 unless x is f64 (f16/bf16 x: mixed precision).
-                let u = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+                let u = if dtype == DType::F64 {
+                    DType::F64
+                } else {
+                    DType::F32
+                };
                 let (xt, x) = stored(dtype, &shape, &x0);
                 let (dyt, dy) = stored(dtype, &shape, &dy0);
                 let (st, s) = stored(u, &[c], &scale0);
@@ -283,7 +287,8 @@ fn batch_norm_grad_kernel_matches_reference() {
                     data_format: format,
                 };
                 assert_round_trip(&op);
-                let types: Vec<TensorType> = [&xt, &st, &mt, &vt, &dyt].iter().map(|t| t.ty()).collect();
+                let types: Vec<TensorType> =
+                    [&xt, &st, &mt, &vt, &dyt].iter().map(|t| t.ty()).collect();
                 let inferred = op.infer(&types.iter().collect::<Vec<_>>()).unwrap();
                 let got = op.eval(&[&xt, &st, &mt, &vt, &dyt]).unwrap();
                 let got_types: Vec<TensorType> = got.iter().map(|t| t.ty()).collect();
@@ -297,11 +302,27 @@ fn batch_norm_grad_kernel_matches_reference() {
                 let scale_of = |v: &[f64]| v.iter().map(|a| a.abs()).fold(0.0, f64::max);
                 let what = format!("{format:?} {shape:?} training={training}");
                 let floor = 2.0 * n as f64 * scale_of(&want[0]);
-                check_close(&format!("dx {what}"), dtype, floor * 1e-3, &got[0].to_f64_vec(), &want[0]);
-                let tol_u = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+                check_close(
+                    &format!("dx {what}"),
+                    dtype,
+                    floor * 1e-3,
+                    &got[0].to_f64_vec(),
+                    &want[0],
+                );
+                let tol_u = if dtype == DType::F64 {
+                    DType::F64
+                } else {
+                    DType::F32
+                };
                 for (k, name) in [(1, "dscale"), (2, "doffset")] {
                     let floor = n as f64 * 4.0;
-                    check_close(&format!("{name} {what}"), tol_u, floor, &got[k].to_f64_vec(), &want[k]);
+                    check_close(
+                        &format!("{name} {what}"),
+                        tol_u,
+                        floor,
+                        &got[k].to_f64_vec(),
+                        &want[k],
+                    );
                 }
             }
         }
@@ -359,17 +380,42 @@ fn layer_norm_grad_kernel_matches_reference() {
             assert_round_trip(&op);
             let got = op.eval(&[&xt, &gt, &dyt]).unwrap();
             let types: Vec<TensorType> = got.iter().map(|t| t.ty()).collect();
-            assert_eq!(types, [tt(dtype, &shape), tt(dtype, &norm), tt(dtype, &norm)]);
+            assert_eq!(
+                types,
+                [tt(dtype, &shape), tt(dtype, &norm), tt(dtype, &norm)]
+            );
             let want = ref_ln_grad(&x, &g, &dy, len, 1e-5);
             let rows = numel(&shape) / len;
             let what = format!("{shape:?} axis {axis}");
             // dx: a few terms of magnitude up to |g| * inv (inv <= ~1/sqrt(eps) for a
             // row of one element, where dx is ~0): relative to the row's scale.
             let inv_max = 1.0 / 1e-5f64.sqrt();
-            let floor = if len == 1 { 4.0 * inv_max } else { 4.0 * len as f64 };
-            check_close(&format!("dx {what}"), dtype, floor, &got[0].to_f64_vec(), &want[0]);
-            check_close(&format!("dgamma {what}"), dtype, 4.0 * rows as f64, &got[1].to_f64_vec(), &want[1]);
-            check_close(&format!("dbeta {what}"), dtype, 2.0 * rows as f64, &got[2].to_f64_vec(), &want[2]);
+            let floor = if len == 1 {
+                4.0 * inv_max
+            } else {
+                4.0 * len as f64
+            };
+            check_close(
+                &format!("dx {what}"),
+                dtype,
+                floor,
+                &got[0].to_f64_vec(),
+                &want[0],
+            );
+            check_close(
+                &format!("dgamma {what}"),
+                dtype,
+                4.0 * rows as f64,
+                &got[1].to_f64_vec(),
+                &want[1],
+            );
+            check_close(
+                &format!("dbeta {what}"),
+                dtype,
+                2.0 * rows as f64,
+                &got[2].to_f64_vec(),
+                &want[2],
+            );
         }
     }
 }
@@ -392,7 +438,13 @@ fn batch_norm_grad_keeps_statistics_in_a_fixed_group() {
     // Mixed precision: f16 x and dy with f32 statistics.
     let f32c = tt(DType::F32, &[3]);
     let out = op
-        .infer(&[&tt(DType::F16, &[2, 3]), &f32c, &f32c, &f32c, &tt(DType::F16, &[2, 3])])
+        .infer(&[
+            &tt(DType::F16, &[2, 3]),
+            &f32c,
+            &f32c,
+            &f32c,
+            &tt(DType::F16, &[2, 3]),
+        ])
         .unwrap();
     assert_eq!(out, [tt(DType::F16, &[2, 3]), f32c.clone(), f32c]);
 }
@@ -406,18 +458,74 @@ fn norm_grad_ops_reject_bad_types() {
     };
     let f32t = |s: &[usize]| tt(DType::F32, s);
     let c = f32t(&[3]);
-    assert!(op.infer(&[&f32t(&[2, 3, 4, 4]), &c, &c, &c, &f32t(&[2, 3, 4, 4])]).is_ok());
-    let e = infer_err(&op, &[f32t(&[2, 4, 4, 3]), c.clone(), c.clone(), c.clone(), f32t(&[2, 4, 4, 3])]);
+    assert!(op
+        .infer(&[&f32t(&[2, 3, 4, 4]), &c, &c, &c, &f32t(&[2, 3, 4, 4])])
+        .is_ok());
+    let e = infer_err(
+        &op,
+        &[
+            f32t(&[2, 4, 4, 3]),
+            c.clone(),
+            c.clone(),
+            c.clone(),
+            f32t(&[2, 4, 4, 3]),
+        ],
+    );
     assert!(e.contains("4 channels"), "{e}");
-    let e = infer_err(&op, &[f32t(&[2, 3, 4, 4]), c.clone(), c.clone(), c.clone(), f32t(&[2, 3, 4, 5])]);
+    let e = infer_err(
+        &op,
+        &[
+            f32t(&[2, 3, 4, 4]),
+            c.clone(),
+            c.clone(),
+            c.clone(),
+            f32t(&[2, 3, 4, 5]),
+        ],
+    );
     assert!(e.contains("dy is f32[2, 3, 4, 5]"), "{e}");
-    let e = infer_err(&op, &[tt(DType::F16, &[2, 3]), tt(DType::F16, &[3]), c.clone(), c.clone(), tt(DType::F16, &[2, 3])]);
+    let e = infer_err(
+        &op,
+        &[
+            tt(DType::F16, &[2, 3]),
+            tt(DType::F16, &[3]),
+            c.clone(),
+            c.clone(),
+            tt(DType::F16, &[2, 3]),
+        ],
+    );
     assert!(e.contains("scale is f16 but must be f32"), "{e}");
-    let e = infer_err(&op, &[f32t(&[2, 3, 4]), c.clone(), c.clone(), c.clone(), f32t(&[2, 3, 4])]);
+    let e = infer_err(
+        &op,
+        &[
+            f32t(&[2, 3, 4]),
+            c.clone(),
+            c.clone(),
+            c.clone(),
+            f32t(&[2, 3, 4]),
+        ],
+    );
     assert!(e.contains("rank 4"), "{e}");
-    let e = infer_err(&op, &[f32t(&[2, 3]), c.clone(), c.clone(), f32t(&[0]), f32t(&[2, 3])]);
+    let e = infer_err(
+        &op,
+        &[
+            f32t(&[2, 3]),
+            c.clone(),
+            c.clone(),
+            f32t(&[0]),
+            f32t(&[2, 3]),
+        ],
+    );
     assert!(e.contains("variance has shape [0]"), "{e}");
-    let e = infer_err(&op, &[tt(DType::I32, &[2, 3]), c.clone(), c.clone(), c.clone(), tt(DType::I32, &[2, 3])]);
+    let e = infer_err(
+        &op,
+        &[
+            tt(DType::I32, &[2, 3]),
+            c.clone(),
+            c.clone(),
+            c.clone(),
+            tt(DType::I32, &[2, 3]),
+        ],
+    );
     assert!(e.contains("float"), "{e}");
     // Kernels handed mismatched tensors err rather than panic.
     let x = Tensor::from_f64(DType::F32, [2, 3], &[0.0; 6]).unwrap();
@@ -429,7 +537,9 @@ fn norm_grad_ops_reject_bad_types() {
         axis: -1,
         epsilon: 1e-5,
     };
-    let ok = ln.infer(&[&f32t(&[2, 4]), &f32t(&[4]), &f32t(&[2, 4])]).unwrap();
+    let ok = ln
+        .infer(&[&f32t(&[2, 4]), &f32t(&[4]), &f32t(&[2, 4])])
+        .unwrap();
     assert_eq!(ok, [f32t(&[2, 4]), f32t(&[4]), f32t(&[4])]);
     let e = infer_err(&ln, &[f32t(&[2, 4]), f32t(&[2, 4]), f32t(&[2, 4])]);
     assert!(e.contains("gamma has shape [2, 4] but must be [4]"), "{e}");
@@ -479,7 +589,10 @@ fn norm_grad_attrs_parse_and_reject_mistakes() {
     // Defaults: TensorFlow's epsilon, training (FusedBatchNormGrad's is_training), NHWC.
     let op = parse("BatchNormGrad", &[]).unwrap();
     let op = op.downcast_ref::<BatchNormGrad>().unwrap();
-    assert_eq!((op.epsilon, op.training, op.data_format), (0.001, true, DataFormat::Nhwc));
+    assert_eq!(
+        (op.epsilon, op.training, op.data_format),
+        (0.001, true, DataFormat::Nhwc)
+    );
     let op = parse("LayerNormGrad", &[("axis", AttrValue::Int(-2))]).unwrap();
     assert_round_trip(op.as_ref());
     let e = parse("BatchNormGrad", &[("epsilon", AttrValue::Float(-1.0))]).unwrap_err();
