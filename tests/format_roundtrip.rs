@@ -403,6 +403,7 @@ fn random_graph(seed: u64, size: usize) -> (GraphDef, Vec<(DType, Vec<usize>)>) 
     let def = GraphDef {
         nodes: b.nodes,
         outputs: outputs.into_iter().map(|v| v.port).collect(),
+        mixed_precision: [None, Some(DType::F16), Some(DType::BF16)][b.rng.below(3)],
     };
     (def, types)
 }

@@ -180,15 +180,19 @@ fn binary_inputs(kind: BinaryKind, na: usize, nb: usize, rng: &mut Gen) -> (Vec<
         BinaryKind::Pow => (rng.vec(na, 0.5, 2.0), rng.vec(nb, -2.0, 2.0)),
         // On interleaved grids: |a - b| >= 0.05 for every pair.
         BinaryKind::Maximum | BinaryKind::Minimum => (
-            (0..na).map(|_| (rng.below(40) as f64 - 20.0) * 0.1).collect(),
-            (0..nb).map(|_| (rng.below(40) as f64 - 20.0) * 0.1 + 0.05).collect(),
+            (0..na)
+                .map(|_| (rng.below(40) as f64 - 20.0) * 0.1)
+                .collect(),
+            (0..nb)
+                .map(|_| (rng.below(40) as f64 - 20.0) * 0.1 + 0.05)
+                .collect(),
         ),
         _ => (rng.vec(na, -2.0, 2.0), rng.vec(nb, -2.0, 2.0)),
     }
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
+    #![proptest_config(ProptestConfig::with_cases(128))]
 
     #[test]
     fn unary_gradients_match_finite_differences(shape in shape(3, 3), seed in any::<u64>()) {
@@ -256,10 +260,9 @@ fn broadcast(a: &[usize], b: &[usize]) -> Vec<usize> {
 /// The index into an operand of `shape` read at output multi-index `idx`.
 fn operand_index(idx: &[usize], shape: &[usize]) -> usize {
     let off = idx.len() - shape.len();
-    shape
-        .iter()
-        .enumerate()
-        .fold(0, |acc, (i, &d)| acc * d + if d == 1 { 0 } else { idx[off + i] })
+    shape.iter().enumerate().fold(0, |acc, (i, &d)| {
+        acc * d + if d == 1 { 0 } else { idx[off + i] }
+    })
 }
 
 fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
@@ -285,7 +288,13 @@ fn check_binary_grad(
         let want: Vec<f64> = (0..numel(out))
             .map(|i| {
                 let idx = unravel(i, out);
-                binary_grad(kind, wrt, a[operand_index(&idx, sa)], b[operand_index(&idx, sb)], g[i])
+                binary_grad(
+                    kind,
+                    wrt,
+                    a[operand_index(&idx, sa)],
+                    b[operand_index(&idx, sb)],
+                    g[i],
+                )
             })
             .collect();
         let got = run(&BinaryGrad::new(kind, wrt), &[&ta, &tb, &tg]);
@@ -314,9 +323,19 @@ fn unary_grad_kernel_matches_reference_in_every_dtype() {
         for dtype in FLOATS {
             let (x, xv) = stored(dtype, &[8, 8], &xs);
             let (dy, gv) = stored(dtype, &[8, 8], &dys);
-            let want: Vec<f64> = xv.iter().zip(&gv).map(|(&x, &g)| derivative(kind, x) * g).collect();
+            let want: Vec<f64> = xv
+                .iter()
+                .zip(&gv)
+                .map(|(&x, &g)| derivative(kind, x) * g)
+                .collect();
             let got = run(&UnaryGrad::new(kind), &[&x, &dy]);
-            check_close(&format!("UnaryGrad {kind:?}"), dtype, UNARY_FLOOR, &got.to_f64_vec(), &want);
+            check_close(
+                &format!("UnaryGrad {kind:?}"),
+                dtype,
+                UNARY_FLOOR,
+                &got.to_f64_vec(),
+                &want,
+            );
         }
     }
 }
@@ -346,7 +365,18 @@ fn unary_grad_kinks_follow_tensorflow() {
 
 #[test]
 fn unary_grad_survives_extreme_inputs() {
-    let xs = [0.0, -0.0, 1e-40, -1e-40, 6.0, 1e30, -1e30, f64::INFINITY, f64::NEG_INFINITY, f64::NAN];
+    let xs = [
+        0.0,
+        -0.0,
+        1e-40,
+        -1e-40,
+        6.0,
+        1e30,
+        -1e30,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::NAN,
+    ];
     for kind in all_unary() {
         for dtype in FLOATS {
             let (x, xv) = stored(dtype, &[xs.len()], &xs);
@@ -354,8 +384,14 @@ fn unary_grad_survives_extreme_inputs() {
             let got = run(&UnaryGrad::new(kind), &[&x, &dy]).to_f64_vec();
             // Saturating functions have finite derivatives at +-inf.
             for (&x, &d) in xv.iter().zip(&got) {
-                if matches!(kind, UnaryKind::Gelu { .. } | UnaryKind::Tanh | UnaryKind::Sigmoid
-                    | UnaryKind::Erf | UnaryKind::Softplus) && !x.is_nan()
+                if matches!(
+                    kind,
+                    UnaryKind::Gelu { .. }
+                        | UnaryKind::Tanh
+                        | UnaryKind::Sigmoid
+                        | UnaryKind::Erf
+                        | UnaryKind::Softplus
+                ) && !x.is_nan()
                 {
                     assert!(d.is_finite(), "{kind:?} {dtype}: derivative at {x} is {d}");
                 }
@@ -375,7 +411,11 @@ fn binary_grad_ties_and_edges() {
         let db = run(&BinaryGrad::new(kind, 1), &[&a, &b, &g]).to_f64_vec();
         assert_eq!(da[0], 1.0, "{kind:?}: a tie goes to a");
         assert_eq!(db[0], 0.0, "{kind:?}: a tie goes to a");
-        assert_eq!(da[1] + db[1], 1.0, "{kind:?}: the gradient goes to one operand");
+        assert_eq!(
+            da[1] + db[1],
+            1.0,
+            "{kind:?}: the gradient goes to one operand"
+        );
     }
     // Pow: d/db is 0 where a <= 0; d/da is 0 where b == 0 (even at a == 0).
     let (a, b) = (t(&[-2.0, 0.0]), t(&[2.0, 0.0]));
@@ -395,12 +435,19 @@ fn gradients_stay_in_half_precision() {
             let grads = graph_gradients(Box::new(Unary::new(kind)), &[x]);
             assert_eq!(grads[0].dtype(), dtype, "{kind:?}");
             let w = |i: usize| 0.25 + 0.5 * ((i % 5) as f64) / 4.0;
-            let want: Vec<f64> = xv.iter().enumerate().map(|(i, &x)| derivative(kind, x) * w(i)).collect();
+            let want: Vec<f64> = xv
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| derivative(kind, x) * w(i))
+                .collect();
             // Three roundings (the weight, the product, the derivative) in the half type.
             let got = grads[0].to_f64_vec();
             for (i, (&g, &r)) in got.iter().zip(&want).enumerate() {
                 let tol = 3.0 * rtol(dtype) * (r.abs() + UNARY_FLOOR);
-                assert!((g - r).abs() <= tol, "{kind:?} {dtype} [{i}]: got {g}, want {r}");
+                assert!(
+                    (g - r).abs() <= tol,
+                    "{kind:?} {dtype} [{i}]: got {g}, want {r}"
+                );
             }
         }
         for kind in BinaryKind::ALL {
@@ -408,12 +455,23 @@ fn gradients_stay_in_half_precision() {
             let (ta, _) = stored(dtype, &[2, 3], &a);
             let (tb, _) = stored(dtype, &[3], &b);
             let grads = graph_gradients(Box::new(Binary::new(kind)), &[ta, tb]);
-            assert_eq!(grads[0].ty(), ampgraph_graph::TensorType::new(dtype, vec![2, 3]));
-            assert_eq!(grads[1].ty(), ampgraph_graph::TensorType::new(dtype, vec![3]));
+            assert_eq!(
+                grads[0].ty(),
+                ampgraph_graph::TensorType::new(dtype, vec![2, 3])
+            );
+            assert_eq!(
+                grads[1].ty(),
+                ampgraph_graph::TensorType::new(dtype, vec![3])
+            );
         }
         let (x, _) = stored(dtype, &[2, 3], &[1.0; 6]);
         let (bias, _) = stored(dtype, &[3], &[1.0; 3]);
-        let grads = graph_gradients(Box::new(BiasAdd { data_format: DataFormat::Nhwc }), &[x, bias]);
+        let grads = graph_gradients(
+            Box::new(BiasAdd {
+                data_format: DataFormat::Nhwc,
+            }),
+            &[x, bias],
+        );
         assert_eq!(grads[1].dtype(), dtype);
         assert_eq!(grads[1].shape(), [3]);
     }
@@ -434,23 +492,48 @@ fn gradient_op_attrs_round_trip_and_reject_bad_values() {
     assert!(err("UnaryGrad", &[]).contains("missing attr 'kind'"));
     assert!(err("UnaryGrad", &[("kind", s("Foo"))]).contains("unknown unary op 'Foo'"));
     assert!(err("UnaryGrad", &[("kind", AttrValue::Int(1))]).contains("kind"));
-    assert!(err("UnaryGrad", &[("kind", s("Relu")), ("alpha", AttrValue::Float(0.1))])
-        .contains("unknown attr 'alpha'"));
-    let leaky = parse("UnaryGrad", &[("kind", s("LeakyRelu")), ("alpha", AttrValue::Float(0.3))]).unwrap();
-    assert_eq!(leaky.downcast_ref::<UnaryGrad>(), Some(&UnaryGrad::new(UnaryKind::LeakyRelu { alpha: 0.3 })));
+    assert!(err(
+        "UnaryGrad",
+        &[("kind", s("Relu")), ("alpha", AttrValue::Float(0.1))]
+    )
+    .contains("unknown attr 'alpha'"));
+    let leaky = parse(
+        "UnaryGrad",
+        &[("kind", s("LeakyRelu")), ("alpha", AttrValue::Float(0.3))],
+    )
+    .unwrap();
+    assert_eq!(
+        leaky.downcast_ref::<UnaryGrad>(),
+        Some(&UnaryGrad::new(UnaryKind::LeakyRelu { alpha: 0.3 }))
+    );
     assert!(err("BinaryGrad", &[("kind", s("Mul"))]).contains("missing attr 'wrt'"));
     assert!(err("BinaryGrad", &[("wrt", AttrValue::Int(0))]).contains("missing attr 'kind'"));
-    assert!(err("BinaryGrad", &[("kind", s("Mul")), ("wrt", AttrValue::Int(2))]).contains("0 or 1"));
-    assert!(err("BinaryGrad", &[("kind", s("Mul")), ("wrt", AttrValue::Int(-1))]).contains("0 or 1"));
-    assert!(err("BinaryGrad", &[("kind", s("Relu")), ("wrt", AttrValue::Int(0))])
-        .contains("unknown binary op"));
+    assert!(err(
+        "BinaryGrad",
+        &[("kind", s("Mul")), ("wrt", AttrValue::Int(2))]
+    )
+    .contains("0 or 1"));
+    assert!(err(
+        "BinaryGrad",
+        &[("kind", s("Mul")), ("wrt", AttrValue::Int(-1))]
+    )
+    .contains("0 or 1"));
+    assert!(err(
+        "BinaryGrad",
+        &[("kind", s("Relu")), ("wrt", AttrValue::Int(0))]
+    )
+    .contains("unknown binary op"));
 }
 
 #[test]
 fn gradient_ops_reject_bad_shapes_and_dtypes() {
     let relu = UnaryGrad::new(UnaryKind::Relu);
-    assert!(infer_err(&relu, &[tt(DType::F32, &[2, 3]), tt(DType::F32, &[3])]).contains("dy has shape"));
-    assert!(infer_err(&relu, &[tt(DType::F32, &[2]), tt(DType::F16, &[2])]).contains("input 1 is f16"));
+    assert!(
+        infer_err(&relu, &[tt(DType::F32, &[2, 3]), tt(DType::F32, &[3])]).contains("dy has shape")
+    );
+    assert!(
+        infer_err(&relu, &[tt(DType::F32, &[2]), tt(DType::F16, &[2])]).contains("input 1 is f16")
+    );
     assert!(infer_err(&relu, &[tt(DType::I32, &[2]), tt(DType::I32, &[2])]).contains("float"));
     assert!(infer_err(&relu, &[tt(DType::F32, &[2])]).contains("2 inputs"));
     let mul = BinaryGrad::new(BinaryKind::Mul, 1);
@@ -458,7 +541,11 @@ fn gradient_ops_reject_bad_shapes_and_dtypes() {
     assert!(infer_err(&mul, &[f(&[2, 3]), f(&[3]), f(&[3])]).contains("dy has shape"));
     assert!(infer_err(&mul, &[f(&[2, 3]), f(&[2]), f(&[2, 3])]).contains("do not broadcast"));
     assert!(infer_err(&mul, &[f(&[2]), f(&[2]), tt(DType::F64, &[2])]).contains("input 2 is f64"));
-    assert!(infer_err(&BinaryGrad::new(BinaryKind::Mul, 2), &[f(&[2]), f(&[2]), f(&[2])]).contains("0 or 1"));
+    assert!(infer_err(
+        &BinaryGrad::new(BinaryKind::Mul, 2),
+        &[f(&[2]), f(&[2]), f(&[2])]
+    )
+    .contains("0 or 1"));
     // The kernels check too: no panic on inputs infer would refuse.
     let x = t64(&[2, 3], &[1.0; 6]);
     let short = t64(&[3], &[1.0; 3]);
@@ -471,25 +558,42 @@ fn gradient_ops_reject_bad_shapes_and_dtypes() {
 fn rules_refuse_wrong_arity_without_panicking() {
     let mut g = Graph::new();
     let x: Port = g
-        .add_node("x", Box::new(ampgraph_graph::ops::Placeholder(tt(DType::F32, &[2]))), &[])
+        .add_node(
+            "x",
+            Box::new(ampgraph_graph::ops::Placeholder(tt(DType::F32, &[2]))),
+            &[],
+        )
         .unwrap()
         .into();
     let mut b = GradBuilder::new(&mut g, "t");
     let ops: Vec<Box<dyn Op>> = vec![
         Box::new(Unary::new(UnaryKind::Tanh)),
         Box::new(Binary::new(BinaryKind::Mul)),
-        Box::new(BiasAdd { data_format: DataFormat::Nhwc }),
+        Box::new(BiasAdd {
+            data_format: DataFormat::Nhwc,
+        }),
     ];
     for op in ops {
         assert!(op.gradient(&mut b, &[], &[], &[Some(x)]).is_err(), "{op:?}");
-        assert!(op.gradient(&mut b, &[x, x, x], &[], &[Some(x)]).is_err(), "{op:?}");
+        assert!(
+            op.gradient(&mut b, &[x, x, x], &[], &[Some(x)]).is_err(),
+            "{op:?}"
+        );
     }
     // No incoming gradient: nothing to do.
-    let none = Unary::new(UnaryKind::Tanh).gradient(&mut b, &[x], &[], &[None]).unwrap();
+    let none = Unary::new(UnaryKind::Tanh)
+        .gradient(&mut b, &[x], &[], &[None])
+        .unwrap();
     assert_eq!(none, vec![None]);
-    let none = Unary::new(UnaryKind::Tanh).gradient(&mut b, &[x], &[], &[]).unwrap();
+    let none = Unary::new(UnaryKind::Tanh)
+        .gradient(&mut b, &[x], &[], &[])
+        .unwrap();
     assert_eq!(none, vec![None]);
     // BiasAdd of a rank-1 x (refused by infer) is an error, not a panic.
-    assert!(BiasAdd { data_format: DataFormat::Nchw }.gradient(&mut b, &[x, x], &[], &[Some(x)]).is_err());
+    assert!(BiasAdd {
+        data_format: DataFormat::Nchw
+    }
+    .gradient(&mut b, &[x, x], &[], &[Some(x)])
+    .is_err());
     let _ = Tensor::scalar(DType::F32, 0.0);
 }

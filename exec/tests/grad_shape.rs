@@ -55,7 +55,7 @@ fn exact_values(dtype: DType, n: usize, rng: &mut Gen) -> Vec<f64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(ProptestConfig::with_cases(128))]
 
     #[test]
     fn reshape_gradient_matches_finite_differences(
@@ -239,11 +239,19 @@ fn attrs_round_trip_and_errors() {
     // Integer tensors have no gradient, and rules with the wrong arity are errors.
     let mut g = ampgraph_graph::Graph::new();
     let p: ampgraph_graph::Port = g
-        .add_node("x", Box::new(ampgraph_graph::ops::Placeholder(tt(DType::I32, &[2, 3]))), &[])
+        .add_node(
+            "x",
+            Box::new(ampgraph_graph::ops::Placeholder(tt(DType::I32, &[2, 3]))),
+            &[],
+        )
         .unwrap()
         .into();
     let q: ampgraph_graph::Port = g
-        .add_node("q", Box::new(ampgraph_graph::ops::Placeholder(f(&[2, 3]))), &[])
+        .add_node(
+            "q",
+            Box::new(ampgraph_graph::ops::Placeholder(f(&[2, 3]))),
+            &[],
+        )
         .unwrap()
         .into();
     let mut b = ampgraph_graph::autodiff::GradBuilder::new(&mut g, "t");
@@ -254,11 +262,22 @@ fn attrs_round_trip_and_errors() {
         Box::new(BroadcastTo::new([2, 2, 3])),
     ];
     for op in ops {
-        assert_eq!(op.gradient(&mut b, &[p], &[], &[Some(p)]).unwrap(), vec![None], "{op:?}");
+        assert_eq!(
+            op.gradient(&mut b, &[p], &[], &[Some(p)]).unwrap(),
+            vec![None],
+            "{op:?}"
+        );
         if op.name() != "Concat" {
-            assert!(op.gradient(&mut b, &[p, p], &[], &[Some(p)]).is_err(), "{op:?}");
+            assert!(
+                op.gradient(&mut b, &[p, p], &[], &[Some(p)]).is_err(),
+                "{op:?}"
+            );
         }
     }
-    assert!(Transpose::new([0, 0]).gradient(&mut b, &[q], &[], &[Some(q)]).is_err());
-    assert!(Concat::new(5).gradient(&mut b, &[q], &[], &[Some(q)]).is_err());
+    assert!(Transpose::new([0, 0])
+        .gradient(&mut b, &[q], &[], &[Some(q)])
+        .is_err());
+    assert!(Concat::new(5)
+        .gradient(&mut b, &[q], &[], &[Some(q)])
+        .is_err());
 }

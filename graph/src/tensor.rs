@@ -6,6 +6,8 @@
 
 use std::fmt;
 
+use std::sync::Arc;
+
 use half::{bf16, f16};
 
 use crate::dtype::DType;
@@ -86,10 +88,12 @@ pub fn strides(shape: &[usize]) -> Vec<usize> {
     s
 }
 
+/// A shape and its elements. The elements are shared: cloning a tensor is cheap, and
+/// so is handing the same value to many readers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     shape: Vec<usize>,
-    data: Data,
+    data: Arc<Data>,
 }
 
 impl Data {
@@ -182,7 +186,10 @@ impl Tensor {
                 data.len()
             ));
         }
-        Ok(Tensor { shape, data })
+        Ok(Tensor {
+            shape,
+            data: Arc::new(data),
+        })
     }
 
     /// Zeros of the given type. The caller has checked that the size is sane.
@@ -190,7 +197,7 @@ impl Tensor {
         let n = ty.checked_len().unwrap_or(0);
         Tensor {
             shape: ty.shape.clone(),
-            data: Data::from_f64(ty.dtype, std::iter::repeat_n(0.0, n)),
+            data: Arc::new(Data::from_f64(ty.dtype, std::iter::repeat_n(0.0, n))),
         }
     }
 
@@ -205,7 +212,7 @@ impl Tensor {
     pub fn scalar(dtype: DType, value: f64) -> Tensor {
         Tensor {
             shape: vec![],
-            data: Data::from_f64(dtype, [value]),
+            data: Arc::new(Data::from_f64(dtype, [value])),
         }
     }
 
@@ -233,8 +240,9 @@ impl Tensor {
         &self.data
     }
 
+    /// The elements, copied only when another tensor shares them.
     pub fn into_data(self) -> Data {
-        self.data
+        Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
     }
 
     pub fn to_f64_vec(&self) -> Vec<f64> {
@@ -247,27 +255,32 @@ impl Tensor {
 
     /// The same values with another shape of equal element count.
     pub fn reshaped(self, shape: Vec<usize>) -> Result<Tensor, String> {
-        Tensor::new(shape, self.data)
+        let n = checked_numel(&shape).ok_or("shape overflows the address space")?;
+        if n != self.data.len() {
+            return Err(format!("cannot reshape {} values to {}", self.data.len(), ShapeDisplay(&shape)));
+        }
+        Ok(Tensor { shape, data: self.data })
     }
 
     /// Elementwise conversion, rounding to nearest (floats) or truncating (ints).
     pub fn cast(&self, to: DType) -> Tensor {
-        let data = if to == self.dtype() {
-            self.data.clone()
-        } else if to == DType::F64 || self.dtype() == DType::F64 || !to.is_float() {
+        if to == self.dtype() {
+            return self.clone();
+        }
+        let data = if to == DType::F64 || self.dtype() == DType::F64 || !to.is_float() {
             Data::from_f64(to, self.data.to_f64())
         } else {
             Data::from_f32(to, self.data.to_f32())
         };
         Tensor {
             shape: self.shape.clone(),
-            data,
+            data: Arc::new(data),
         }
     }
 
     /// Integer view of an i32/i64 tensor (labels, indices).
     pub fn to_i64_vec(&self) -> Option<Vec<i64>> {
-        match &self.data {
+        match &*self.data {
             Data::I32(v) => Some(v.iter().map(|&x| x as i64).collect()),
             Data::I64(v) => Some(v.clone()),
             _ => None,

@@ -121,7 +121,11 @@ pub fn run(op: &dyn Op, inputs: &[&Tensor]) -> Tensor {
     let mut out = op.eval(inputs).expect("eval");
     assert_eq!(out.len(), 1);
     let y = out.remove(0);
-    assert_eq!(y.ty(), inferred[0], "{op:?}: eval's type differs from infer's");
+    assert_eq!(
+        y.ty(),
+        inferred[0],
+        "{op:?}: eval's type differs from infer's"
+    );
     y
 }
 
@@ -171,12 +175,19 @@ pub fn graph_gradients(op: Box<dyn Op>, inputs: &[Tensor]) -> Vec<Tensor> {
     let y = Port::new(y, 0);
     let ty = g.ty(y).clone();
     let n = ty.checked_len().unwrap();
-    let w: Vec<f64> = (0..n).map(|i| 0.25 + 0.5 * ((i % 5) as f64) / 4.0).collect();
+    let w: Vec<f64> = (0..n)
+        .map(|i| 0.25 + 0.5 * ((i % 5) as f64) / 4.0)
+        .collect();
     let w = g
-        .add(Const::new(Tensor::from_f64(ty.dtype, ty.shape.clone(), &w).unwrap()), &[])
+        .add(
+            Const::new(Tensor::from_f64(ty.dtype, ty.shape.clone(), &w).unwrap()),
+            &[],
+        )
         .unwrap();
     let prod = g.add(Binary::new(BinaryKind::Mul), &[y, w]).unwrap();
-    let loss = g.add(Reduce::new(ReduceKind::Sum, None, false), &[prod]).unwrap();
+    let loss = g
+        .add(Reduce::new(ReduceKind::Sum, None, false), &[prod])
+        .unwrap();
     let wrt: Vec<Port> = ports
         .iter()
         .zip(inputs)

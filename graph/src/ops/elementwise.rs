@@ -675,7 +675,10 @@ impl Op for Binary {
                 out.push(None);
                 continue;
             }
-            let g = if matches!((self.kind, wrt), (BinaryKind::Add, _) | (BinaryKind::Sub, 0)) {
+            let g = if matches!(
+                (self.kind, wrt),
+                (BinaryKind::Add, _) | (BinaryKind::Sub, 0)
+            ) {
                 dy
             } else {
                 let op = BinaryGrad {

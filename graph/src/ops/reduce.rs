@@ -234,7 +234,11 @@ impl ReduceGrad {
     fn parse(a: &mut AttrReader) -> OpResult<ReduceGrad> {
         let name = a.opt_str("kind")?.ok_or("missing attr 'kind'")?;
         let forward = Reduce::parse(&name, a).map_err(|e| format!("attr 'kind': {e}"))?;
-        Ok(ReduceGrad::new(forward.kind, forward.axes, forward.keep_dims))
+        Ok(ReduceGrad::new(
+            forward.kind,
+            forward.axes,
+            forward.keep_dims,
+        ))
     }
 
     fn forward(&self) -> Reduce {
@@ -341,7 +345,11 @@ pub struct SumTo {
 
 pub(crate) const SUM_TO_OPS: &[OpEntry] = &[OpEntry {
     name: "SumTo",
-    parse: |_, a| Ok(Box::new(SumTo { shape: a.shape("shape")? })),
+    parse: |_, a| {
+        Ok(Box::new(SumTo {
+            shape: a.shape("shape")?,
+        }))
+    },
 }];
 
 impl FloatKernel for SumTo {

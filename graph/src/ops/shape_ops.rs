@@ -37,7 +37,11 @@ pub(crate) const MORE_OPS: &[OpEntry] = &[
     },
     OpEntry {
         name: "BroadcastTo",
-        parse: |_, a| Ok(Box::new(BroadcastTo { shape: a.shape("shape")? })),
+        parse: |_, a| {
+            Ok(Box::new(BroadcastTo {
+                shape: a.shape("shape")?,
+            }))
+        },
     },
 ];
 

@@ -6,6 +6,7 @@
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
+use crate::kernel::{eval_float, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::tensor::{Data, ShapeDisplay, Tensor, TensorType};
 
@@ -186,7 +187,7 @@ impl Rule {
 
 /// One optimizer step for one variable. Inputs: `finite`, `var`, `grad`, the slots of
 /// the rule, then (Adam, LAMB) the step count after this step. Outputs: the new
-/// variable, then the new slots. Everything is computed in f64 and stored in f32.
+/// variable, then the new slots, computed in the variable's compute type.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OptimizerUpdate {
     pub rule: Rule,
@@ -290,69 +291,76 @@ impl Op for OptimizerUpdate {
         if !flag(inputs[0]) {
             return Ok(keep());
         }
-        let mut var = inputs[1].to_f64_vec();
-        let grad = inputs[2].to_f64_vec();
-        let mut slots: Vec<Vec<f64>> = inputs[3..3 + n_slots].iter().map(|t| t.to_f64_vec()).collect();
-        let (lr, wd) = (self.learning_rate, self.weight_decay);
+        eval_float(self, inputs[1].dtype(), inputs)
+    }
+}
+
+impl FloatKernel for OptimizerUpdate {
+    /// The update in the variable's compute type (f32 for f32 master weights).
+    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+        let n_slots = self.rule.slots().len();
+        let mut var = T::read(inputs[1]).into_owned();
+        let grad = T::read(inputs[2]);
+        let mut slots: Vec<Vec<T>> = inputs[3..3 + n_slots].iter().map(|t| T::read(t).into_owned()).collect();
+        let (lr, wd) = (T::lit(self.learning_rate), T::lit(self.weight_decay));
+        let one = T::one();
+        // Bias corrections 1 - beta^t, from the step count after this step.
+        let corrections = |beta1: f64, beta2: f64| -> (T, T) {
+            let t = inputs[3 + n_slots].to_f64_vec()[0];
+            (T::lit(1.0 - beta1.powf(t)), T::lit(1.0 - beta2.powf(t)))
+        };
         match self.rule {
             Rule::Sgd { momentum, nesterov } => {
-                for i in 0..var.len() {
-                    let g = grad[i] + wd * var[i];
-                    let step = match slots.first_mut() {
-                        None => g,
-                        Some(buf) => {
-                            buf[i] = momentum * buf[i] + g;
-                            if nesterov {
-                                g + momentum * buf[i]
-                            } else {
-                                buf[i]
-                            }
+                let m = T::lit(momentum);
+                match slots.first_mut() {
+                    None => var.iter_mut().zip(grad.iter()).for_each(|(w, &g)| *w = *w - lr * (g + wd * *w)),
+                    Some(buf) => {
+                        for ((w, &g), b) in var.iter_mut().zip(grad.iter()).zip(buf.iter_mut()) {
+                            let g = g + wd * *w;
+                            *b = m * *b + g;
+                            let step = if nesterov { g + m * *b } else { *b };
+                            *w = *w - lr * step;
                         }
-                    };
-                    var[i] -= lr * step;
+                    }
                 }
             }
             Rule::Adam { beta1, beta2, epsilon, decoupled } => {
-                let t = inputs[3 + n_slots].to_f64_vec()[0];
-                let (c1, c2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
+                let (c1, c2) = corrections(beta1, beta2);
+                let (b1, b2, eps) = (T::lit(beta1), T::lit(beta2), T::lit(epsilon));
                 let [m, v] = slots.as_mut_slice() else {
                     return Err("Adam keeps two slots".into());
                 };
                 for i in 0..var.len() {
                     let g = if decoupled { grad[i] } else { grad[i] + wd * var[i] };
-                    m[i] = beta1 * m[i] + (1.0 - beta1) * g;
-                    v[i] = beta2 * v[i] + (1.0 - beta2) * g * g;
-                    let update = (m[i] / c1) / ((v[i] / c2).sqrt() + epsilon);
-                    let decay = if decoupled { wd * var[i] } else { 0.0 };
-                    var[i] -= lr * (update + decay);
+                    m[i] = b1 * m[i] + (one - b1) * g;
+                    v[i] = b2 * v[i] + (one - b2) * g * g;
+                    let update = (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
+                    let decay = if decoupled { wd * var[i] } else { T::zero() };
+                    var[i] = var[i] - lr * (update + decay);
                 }
             }
             Rule::Lamb { beta1, beta2, epsilon } => {
-                let t = inputs[3 + n_slots].to_f64_vec()[0];
-                let (c1, c2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
+                let (c1, c2) = corrections(beta1, beta2);
+                let (b1, b2, eps) = (T::lit(beta1), T::lit(beta2), T::lit(epsilon));
                 let [m, v] = slots.as_mut_slice() else {
                     return Err("LAMB keeps two slots".into());
                 };
-                let mut update = vec![0.0; var.len()];
+                let mut update = vec![T::zero(); var.len()];
                 for i in 0..var.len() {
-                    m[i] = beta1 * m[i] + (1.0 - beta1) * grad[i];
-                    v[i] = beta2 * v[i] + (1.0 - beta2) * grad[i] * grad[i];
-                    update[i] = (m[i] / c1) / ((v[i] / c2).sqrt() + epsilon) + wd * var[i];
+                    m[i] = b1 * m[i] + (one - b1) * grad[i];
+                    v[i] = b2 * v[i] + (one - b2) * grad[i] * grad[i];
+                    update[i] = (m[i] / c1) / ((v[i] / c2).sqrt() + eps) + wd * var[i];
                 }
-                let norm = |x: &[f64]| x.iter().map(|a| a * a).sum::<f64>().sqrt();
+                let norm = |x: &[T]| x.iter().map(|&a| a * a).sum::<T>().sqrt();
                 let (w_norm, u_norm) = (norm(&var), norm(&update));
-                let trust = if w_norm > 0.0 && u_norm > 0.0 { w_norm / u_norm } else { 1.0 };
-                for i in 0..var.len() {
-                    var[i] -= lr * trust * update[i];
+                let trust = if w_norm > T::zero() && u_norm > T::zero() { w_norm / u_norm } else { one };
+                for (w, u) in var.iter_mut().zip(&update) {
+                    *w = *w - lr * trust * *u;
                 }
             }
         }
-        let store = |t: &Tensor, values: Vec<f64>| Tensor::new(t.shape().to_vec(), Data::from_f64(t.dtype(), values));
-        let mut out = vec![store(inputs[1], var)?];
-        for (t, s) in inputs[3..3 + n_slots].iter().zip(slots) {
-            out.push(store(t, s)?);
-        }
-        Ok(out)
+        let shape = inputs[1].shape().to_vec();
+        Ok(std::iter::once(var).chain(slots).map(|v| (shape.clone(), v)).collect())
     }
 }
 
