@@ -133,7 +133,10 @@ fn list_files_are_checked() {
     assert!(PrecisionLists::profile("nope").is_err());
     for profile in ["default_fp16", "default_bf16", "tensorflow"] {
         let lists = PrecisionLists::profile(profile).unwrap();
-        assert_eq!(lists.ops(ListClass::Allow), ["BatchMatMul", "Conv2D", "MatMul"]);
+        assert_eq!(
+            lists.ops(ListClass::Allow),
+            ["BatchMatMul", "Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput", "MatMul"]
+        );
     }
     assert!(AmpConfig::new(DType::F32).is_err());
 }
