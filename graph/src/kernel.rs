@@ -30,8 +30,27 @@ pub trait Real:
 }
 
 impl Real for f32 {
+    /// Eigen's rational approximation (as in TensorFlow's f32 kernels): at most
+    /// 4.2e-7 from the true erf, branch-free and several times faster than libm.
     fn erf(self) -> Self {
-        libm::erff(self)
+        const ALPHA: [f32; 7] = [
+            -2.726_142_3e-10,
+            2.770_681_4e-8,
+            -2.101_024e-6,
+            -5.692_506_4e-5,
+            -7.349_906_4e-4,
+            -2.954_600_0e-3,
+            -1.609_603_3e-2,
+        ];
+        const BETA: [f32; 5] = [-1.456_607_2e-5, -2.133_740_6e-4, -1.682_827e-3, -7.373_329e-3, -1.426_474e-2];
+        if self.is_nan() {
+            return self;
+        }
+        let x = self.clamp(-4.0, 4.0);
+        let x2 = x * x;
+        let p = ALPHA.iter().skip(1).fold(ALPHA[0], |acc, &c| acc * x2 + c) * x;
+        let q = BETA.iter().skip(1).fold(BETA[0], |acc, &c| acc * x2 + c);
+        p / q
     }
     fn lit(x: f64) -> Self {
         x as f32
@@ -112,4 +131,18 @@ pub fn same_dtype(types: &[&crate::tensor::TensorType]) -> OpResult<DType> {
         }
     }
     Ok(first)
+}
+
+/// Below this many elements an elementwise kernel runs on one thread: splitting
+/// smaller work costs more than it saves.
+const PARALLEL_MIN: usize = 1 << 15;
+
+/// `out[i] = f(i)` for `i` in `0..n`, split over the cores when `n` is large.
+pub fn par_fill<U: Send>(n: usize, f: impl Fn(usize) -> U + Sync + Send) -> Vec<U> {
+    use rayon::prelude::*;
+    if n < PARALLEL_MIN {
+        (0..n).map(f).collect()
+    } else {
+        (0..n).into_par_iter().map(f).collect()
+    }
 }

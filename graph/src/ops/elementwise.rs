@@ -5,7 +5,7 @@ use crate::attrs::{AttrReader, AttrValue};
 use crate::autodiff::GradBuilder;
 use crate::error::GraphError;
 use crate::graph::Port;
-use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
+use crate::kernel::{eval_float, par_fill, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::{DataFormat, Reduce, ReduceKind};
 use crate::shape::{broadcast_index_map, broadcast_shapes};
@@ -326,7 +326,8 @@ impl Unary {
 impl FloatKernel for UnaryKind {
     fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
         let [x] = fixed(inputs)?;
-        let y = T::read(x).iter().map(|&v| self.apply(v)).collect();
+        let xs = T::read(x);
+        let y = par_fill(xs.len(), |i| self.apply(xs[i]));
         Ok(vec![(x.shape().to_vec(), y)])
     }
 }
@@ -419,18 +420,15 @@ impl FloatKernel for UnaryGrad {
     fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
         let [x, dy] = fixed(inputs)?;
         check_dy(dy.shape(), x.shape(), "x")?;
-        let dx = T::read(x)
-            .iter()
-            .zip(T::read(dy).iter())
-            .map(|(&x, &g)| {
-                let d = self.kind.derivative(x);
-                if d == T::zero() {
-                    d
-                } else {
-                    d * g
-                }
-            })
-            .collect();
+        let (xs, gs) = (T::read(x), T::read(dy));
+        let dx = par_fill(xs.len(), |i| {
+            let d = self.kind.derivative(xs[i]);
+            if d == T::zero() {
+                d
+            } else {
+                d * gs[i]
+            }
+        });
         Ok(vec![(x.shape().to_vec(), dx)])
     }
 }
@@ -604,16 +602,16 @@ impl Binary {
 }
 
 /// Applies `f` over two broadcast operands into `out_shape`.
-pub(crate) fn broadcast_zip<T: Copy, U>(
+pub(crate) fn broadcast_zip<T: Copy + Sync, U: Send>(
     a: &[T],
     a_shape: &[usize],
     b: &[T],
     b_shape: &[usize],
     out_shape: &[usize],
-    f: impl Fn(T, T) -> U,
+    f: impl Fn(T, T) -> U + Sync + Send,
 ) -> Vec<U> {
     if a_shape == b_shape {
-        return a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect();
+        return par_fill(a.len(), |i| f(a[i], b[i]));
     }
     let ia = broadcast_index_map(a_shape, out_shape);
     let ib = broadcast_index_map(b_shape, out_shape);
@@ -739,7 +737,7 @@ impl FloatKernel for BinaryGrad {
         let (av, bv, gv) = (T::read(a), T::read(b), T::read(dy));
         let f = |i: usize, j: usize, g: T| self.kind.grad(self.wrt, av[i], bv[j], g);
         let dx = if a.shape() == b.shape() {
-            gv.iter().enumerate().map(|(i, &g)| f(i, i, g)).collect()
+            par_fill(gv.len(), |i| f(i, i, gv[i]))
         } else {
             let ia = broadcast_index_map(a.shape(), &out);
             let ib = broadcast_index_map(b.shape(), &out);
@@ -804,12 +802,8 @@ impl FloatKernel for BiasAdd {
         let axis = self.channel_axis(shape.len());
         let inner: usize = shape[axis + 1..].iter().product();
         let c = shape[axis];
-        let bias = T::read(bias);
-        let y = T::read(x)
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| v + bias[(i / inner) % c])
-            .collect();
+        let (bias, xs) = (T::read(bias), T::read(x));
+        let y = par_fill(xs.len(), |i| xs[i] + bias[(i / inner) % c]);
         Ok(vec![(shape.to_vec(), y)])
     }
 }
