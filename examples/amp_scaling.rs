@@ -5,7 +5,10 @@
 
 use std::time::Instant;
 
-use ampgraph::graph::ops::{BiasAdd, Binary, BinaryKind, DataFormat, MatMul, Placeholder, Reduce, ReduceKind, Unary, UnaryKind};
+use ampgraph::graph::ops::{
+    BiasAdd, Binary, BinaryKind, DataFormat, MatMul, Placeholder, Reduce, ReduceKind, Unary,
+    UnaryKind,
+};
 use ampgraph::graph::{Graph, NodeId, Op, Port};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::{DType, TensorType};
@@ -15,7 +18,11 @@ use ampgraph::{DType, TensorType};
 fn build(n: usize) -> Result<Graph, Box<dyn std::error::Error>> {
     let mut g = Graph::new();
     let square = TensorType::new(DType::F32, vec![8, 8]);
-    let bias = g.add_node("bias", Box::new(Placeholder(TensorType::new(DType::F32, vec![8]))), &[])?;
+    let bias = g.add_node(
+        "bias",
+        Box::new(Placeholder(TensorType::new(DType::F32, vec![8]))),
+        &[],
+    )?;
     let mut recent: Vec<Port> = Vec::new();
     let mut outputs = Vec::new();
     let mut state = 0x2545_F491_4F6C_DD1Du64;
@@ -26,14 +33,44 @@ fn build(n: usize) -> Result<Graph, Box<dyn std::error::Error>> {
         let pick = |k: u64| recent[recent.len() - 1 - (k as usize % recent.len().min(8))];
         let (op, inputs): (Box<dyn Op>, Vec<Port>) = match (recent.len() < 2, state % 16) {
             (true, _) | (_, 0) => (Box::new(Placeholder(square.clone())), vec![]),
-            (_, 1..=3) => (Box::new(MatMul { transpose_a: false, transpose_b: false }), vec![pick(state >> 8), pick(state >> 16)]),
-            (_, 4..=6) => (Box::new(Binary::new(BinaryKind::Add)), vec![pick(state >> 8), pick(state >> 16)]),
-            (_, 7) => (Box::new(BiasAdd { data_format: DataFormat::Nhwc }), vec![pick(state >> 8), bias.into()]),
-            (_, 8..=10) => (Box::new(Unary::new(UnaryKind::Relu)), vec![pick(state >> 8)]),
+            (_, 1..=3) => (
+                Box::new(MatMul {
+                    transpose_a: false,
+                    transpose_b: false,
+                }),
+                vec![pick(state >> 8), pick(state >> 16)],
+            ),
+            (_, 4..=6) => (
+                Box::new(Binary::new(BinaryKind::Add)),
+                vec![pick(state >> 8), pick(state >> 16)],
+            ),
+            (_, 7) => (
+                Box::new(BiasAdd {
+                    data_format: DataFormat::Nhwc,
+                }),
+                vec![pick(state >> 8), bias.into()],
+            ),
+            (_, 8..=10) => (
+                Box::new(Unary::new(UnaryKind::Relu)),
+                vec![pick(state >> 8)],
+            ),
             (_, 11) => (Box::new(Unary::new(UnaryKind::Exp)), vec![pick(state >> 8)]),
-            (_, 12) => (Box::new(Unary::new(UnaryKind::Tanh)), vec![pick(state >> 8)]),
-            (_, 13) => (Box::new(Reduce { kind: ReduceKind::Max, axes: Some(vec![1]), keep_dims: false }), vec![pick(state >> 8)]),
-            _ => (Box::new(Unary::new(UnaryKind::Identity)), vec![pick(state >> 8)]),
+            (_, 12) => (
+                Box::new(Unary::new(UnaryKind::Tanh)),
+                vec![pick(state >> 8)],
+            ),
+            (_, 13) => (
+                Box::new(Reduce {
+                    kind: ReduceKind::Max,
+                    axes: Some(vec![1]),
+                    keep_dims: false,
+                }),
+                vec![pick(state >> 8)],
+            ),
+            _ => (
+                Box::new(Unary::new(UnaryKind::Identity)),
+                vec![pick(state >> 8)],
+            ),
         };
         let id: NodeId = g.add_node(format!("n{i}"), op, &inputs)?;
         if g.node(id).outputs()[0].shape == [8, 8] {
@@ -48,10 +85,19 @@ fn build(n: usize) -> Result<Graph, Box<dyn std::error::Error>> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let sizes: Vec<usize> = std::env::args().skip(1).map(|a| a.parse()).collect::<Result<_, _>>()?;
-    let sizes = if sizes.is_empty() { vec![10_000, 100_000, 1_000_000] } else { sizes };
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse())
+        .collect::<Result<_, _>>()?;
+    let sizes = if sizes.is_empty() {
+        vec![10_000, 100_000, 1_000_000]
+    } else {
+        sizes
+    };
     let amp = AutoMixedPrecision::new(AmpConfig::with_profile(DType::F16, "tensorflow")?);
-    println!("| nodes | build (s) | analyze (s) | rewrite incl. analyze (s) | converted | fp16 casts |");
+    println!(
+        "| nodes | build (s) | analyze (s) | rewrite incl. analyze (s) | converted | fp16 casts |"
+    );
     println!("|---|---|---|---|---|---|");
     for n in sizes {
         let t = Instant::now();

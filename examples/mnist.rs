@@ -70,7 +70,12 @@ struct Args {
 
 /// The model's logits for `x` [batch, 784]; variables get the same names in every
 /// graph built by this function, so a training and an evaluation graph share them.
-fn logits(g: &mut Graph, model: Model, x: Port, batch: usize) -> Result<Port, Box<dyn std::error::Error>> {
+fn logits(
+    g: &mut Graph,
+    model: Model,
+    x: Port,
+    batch: usize,
+) -> Result<Port, Box<dyn std::error::Error>> {
     Ok(match model {
         Model::Mlp => {
             let h = nn::dense(g, x, 512, Some(Activation::Gelu))?;
@@ -79,9 +84,27 @@ fn logits(g: &mut Graph, model: Model, x: Port, batch: usize) -> Result<Port, Bo
         }
         Model::Cnn => {
             let img = g.reshape(x, [batch as i64, 28, 28, 1])?;
-            let c = nn::conv2d_layer(g, img, 16, [3, 3], [1, 1], Padding::Same, Some(Activation::Relu))?.output;
+            let c = nn::conv2d_layer(
+                g,
+                img,
+                16,
+                [3, 3],
+                [1, 1],
+                Padding::Same,
+                Some(Activation::Relu),
+            )?
+            .output;
             let p = g.max_pool(c, [2, 2], [2, 2], Padding::Valid, DataFormat::Nhwc)?;
-            let c = nn::conv2d_layer(g, p, 32, [3, 3], [1, 1], Padding::Same, Some(Activation::Relu))?.output;
+            let c = nn::conv2d_layer(
+                g,
+                p,
+                32,
+                [3, 3],
+                [1, 1],
+                Padding::Same,
+                Some(Activation::Relu),
+            )?
+            .output;
             let p = g.max_pool(c, [2, 2], [2, 2], Padding::Valid, DataFormat::Nhwc)?;
             let flat = g.reshape(p, [batch as i64, 7 * 7 * 32])?;
             let h = nn::dense(g, flat, 128, Some(Activation::Relu))?;
@@ -103,7 +126,12 @@ fn build(model: Model, batch: usize) -> Result<Net, Box<dyn std::error::Error>> 
     let labels = g.placeholder("labels", DType::I64, [batch])?;
     let logits = logits(&mut g, model, x, batch)?;
     g.set_outputs(vec![logits])?;
-    Ok(Net { graph: g, x, labels, logits })
+    Ok(Net {
+        graph: g,
+        x,
+        labels,
+        logits,
+    })
 }
 
 fn feeds(net: &Net, data: &Mnist, indices: &[usize]) -> Result<Feeds, Box<dyn std::error::Error>> {
@@ -128,7 +156,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     if args.train + args.eval > all.len() {
-        return Err(format!("--train {} + --eval {} exceeds the {} images available", args.train, args.eval, all.len()).into());
+        return Err(format!(
+            "--train {} + --eval {} exceeds the {} images available",
+            args.train,
+            args.eval,
+            all.len()
+        )
+        .into());
     }
     let train = all.slice(0, args.train);
     let eval = all.slice(all.len() - args.eval, all.len());
@@ -143,22 +177,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let loss = net.graph.softmax_cross_entropy(net.logits, net.labels)?;
     let sgd = Sgd::momentum(args.lr, args.momentum);
     let step: TrainStep = match amp_dtype {
-        Some(d) => enable_mixed_precision_graph_rewrite(sgd).with_dtype(d).minimize(&mut net.graph, loss)?,
+        Some(d) => enable_mixed_precision_graph_rewrite(sgd)
+            .with_dtype(d)
+            .minimize(&mut net.graph, loss)?,
         None => sgd.minimize(&mut net.graph, loss)?,
     };
     // Evaluation graph: the same variables, the whole eval set as batches of 500 or less.
-    let eval_batch = (1..=500.min(eval.len())).rev().find(|b| eval.len() % b == 0).unwrap_or(1);
+    let eval_batch = (1..=500.min(eval.len()))
+        .rev()
+        .find(|b| eval.len() % b == 0)
+        .unwrap_or(1);
     let mut eval_net = build(args.model, eval_batch)?;
     eval_net.graph.mixed_precision = amp_dtype;
 
-    let options = ampgraph::SessionOptions { seed: args.seed, amp: None };
+    let options = ampgraph::SessionOptions {
+        seed: args.seed,
+        amp: None,
+    };
     let mut session = Session::with_options(net.graph.clone(), Device::auto(), options.clone())?;
     let mut eval_session = Session::with_options(eval_net.graph.clone(), Device::auto(), options)?;
     for record in &session.passes {
         println!("{}", record.summary);
     }
     if args.resume {
-        let path = args.checkpoint.as_ref().ok_or("--resume needs --checkpoint PATH")?;
+        let path = args
+            .checkpoint
+            .as_ref()
+            .ok_or("--resume needs --checkpoint PATH")?;
         session.restore(path)?;
         println!("resumed from {}", path.display());
     }
@@ -170,10 +215,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         eval.len(),
         args.batch
     );
-    let style = ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> ");
+    let style = ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg}")?
+        .progress_chars("=> ");
     for epoch in 1..=args.epochs {
         let batches = train.batches(args.batch, args.seed.wrapping_add(epoch as u64));
-        let bar = ProgressBar::new(batches.len() as u64).with_style(style.clone()).with_prefix(epoch.to_string());
+        let bar = ProgressBar::new(batches.len() as u64)
+            .with_style(style.clone())
+            .with_prefix(epoch.to_string());
         let start = Instant::now();
         let mut loss_sum = 0.0;
         for (i, indices) in batches.iter().enumerate() {
@@ -199,12 +247,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let out = eval_session.run(&[eval_net.logits], &feeds(&eval_net, &eval, chunk)?)?;
             let logits = out[0].to_f64_vec();
             for (row, &i) in logits.chunks(10).zip(chunk) {
-                let predicted = (0..10).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap_or(0);
+                let predicted = (0..10)
+                    .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                    .unwrap_or(0);
                 correct += usize::from(Some(predicted as u8) == eval.label(i));
             }
         }
         let scale = match step.loss_scale {
-            Some(s) => format!(", loss scale {}", session.variable(&session.graph().node(s.node).name).map_or(0.0, |t| t.to_f64_vec()[0])),
+            Some(s) => format!(
+                ", loss scale {}",
+                session
+                    .variable(&session.graph().node(s.node).name)
+                    .map_or(0.0, |t| t.to_f64_vec()[0])
+            ),
             None => String::new(),
         };
         println!(

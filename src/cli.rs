@@ -9,7 +9,9 @@ use serde_json::Value;
 use thiserror::Error;
 
 use ampgraph_exec::feeds::seeded_tensor;
-use ampgraph_exec::{check_tensor_size, CpuExecutor, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
+use ampgraph_exec::{
+    check_tensor_size, CpuExecutor, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES,
+};
 use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
@@ -28,13 +30,20 @@ pub enum CliError {
     #[error("{0}")]
     Usage(String),
     #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 type Result<T> = std::result::Result<T, CliError>;
 
 #[derive(Parser, Debug)]
-#[command(name = "ampgraph", version, about = "Automatic mixed precision for dataflow graphs")]
+#[command(
+    name = "ampgraph",
+    version,
+    about = "Automatic mixed precision for dataflow graphs"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -159,7 +168,9 @@ fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
         selected.insert(0, "amp");
     }
     if selected.is_empty() {
-        return Err(CliError::Usage("no passes selected: use --amp and/or --passes NAME[,NAME...]".into()));
+        return Err(CliError::Usage(
+            "no passes selected: use --amp and/or --passes NAME[,NAME...]".into(),
+        ));
     }
     match selected.iter().find(|n| !PASS_NAMES.contains(n)) {
         Some(unknown) => Err(CliError::Usage(format!(
@@ -189,7 +200,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 match name {
                     // Run directly rather than through a PassManager to keep the full report.
                     "amp" => {
-                        let amp_report = AutoMixedPrecision::new(precision.config()?).rewrite(&mut g)?;
+                        let amp_report =
+                            AutoMixedPrecision::new(precision.config()?).rewrite(&mut g)?;
                         log::info!("{}", amp_report.summary());
                         text.push_str(&amp_report.detailed());
                     }
@@ -198,14 +210,19 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             }
             match &output {
                 Some(path) => {
-                    let fmt = if path.extension().is_some_and(|e| e == "bin") { DumpFormat::Bin } else { DumpFormat::Json };
+                    let fmt = if path.extension().is_some_and(|e| e == "bin") {
+                        DumpFormat::Bin
+                    } else {
+                        DumpFormat::Json
+                    };
                     write_file(path, &render(&g, fmt)?)?;
                     if report {
                         out.write_all(text.as_bytes()).map_err(io_err("<stdout>"))?;
                     }
                 }
                 None => {
-                    out.write_all(&render(&g, DumpFormat::Json)?).map_err(io_err("<stdout>"))?;
+                    out.write_all(&render(&g, DumpFormat::Json)?)
+                        .map_err(io_err("<stdout>"))?;
                     if report {
                         eprint!("{text}");
                     }
@@ -213,20 +230,33 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             }
             Ok(())
         }
-        Command::Explain { graph, node, precision } => {
+        Command::Explain {
+            graph,
+            node,
+            precision,
+        } => {
             let g = format::load(&graph)?;
             let amp = AutoMixedPrecision::new(precision.config()?);
             let painting = amp.analyze(&g)?;
             let explanation = explain(&g, &painting, &amp.config, &node)?;
             write!(out, "{explanation}").map_err(io_err("<stdout>"))
         }
-        Command::Dump { graph, format, output } => dump(&graph, format, output.as_deref(), out),
+        Command::Dump {
+            graph,
+            format,
+            output,
+        } => dump(&graph, format, output.as_deref(), out),
         Command::Convert { graph, output } => {
             let g = format::load(&graph)?;
             let fmt = match output.extension().and_then(|e| e.to_str()) {
                 Some("bin") => DumpFormat::Bin,
                 Some("json") => DumpFormat::Json,
-                _ => return Err(CliError::Usage(format!("{}: the output must end in .json or .bin", output.display()))),
+                _ => {
+                    return Err(CliError::Usage(format!(
+                        "{}: the output must end in .json or .bin",
+                        output.display()
+                    )))
+                }
             };
             write_file(&output, &render(&g, fmt)?)
         }
@@ -299,30 +329,45 @@ fn make_feeds(g: &Graph, seed: u64, file: Option<&Path>) -> Result<Feeds> {
 fn read_feeds(g: &Graph, path: &Path) -> Result<Feeds> {
     let shown = path.display().to_string();
     let bytes = std::fs::read(path).map_err(io_err(&shown))?;
-    let v: Value =
-        serde_json::from_slice(&bytes).map_err(|e| CliError::Usage(format!("{shown}: not valid JSON: {e}")))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| CliError::Usage(format!("{shown}: feeds must be a JSON object of name -> values")))?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| CliError::Usage(format!("{shown}: not valid JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| {
+        CliError::Usage(format!(
+            "{shown}: feeds must be a JSON object of name -> values"
+        ))
+    })?;
     let mut feeds = Feeds::new();
     for (name, value) in obj {
         let feed_err = |msg: String| ExecError::Feed {
             name: name.clone(),
             msg,
         };
-        let id = g.find(name).ok_or_else(|| feed_err("no node of this name in the graph".into()))?;
+        let id = g
+            .find(name)
+            .ok_or_else(|| feed_err("no node of this name in the graph".into()))?;
         let want = g.node(id).outputs()[0].clone();
         let (shape, values) = match value {
             Value::Object(o) => {
                 let shape = o
                     .get("shape")
                     .and_then(Value::as_array)
-                    .map(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<_>>>())
+                    .map(|a| {
+                        a.iter()
+                            .map(|d| d.as_u64().map(|d| d as usize))
+                            .collect::<Option<Vec<_>>>()
+                    })
                     .unwrap_or(Some(want.shape.clone()))
-                    .ok_or_else(|| feed_err("'shape' must be a list of non-negative integers".into()))?;
+                    .ok_or_else(|| {
+                        feed_err("'shape' must be a list of non-negative integers".into())
+                    })?;
                 let mut flat = Vec::new();
-                flatten(o.get("values").unwrap_or(&Value::Null), &mut Vec::new(), 0, &mut flat)
-                    .map_err(feed_err)?;
+                flatten(
+                    o.get("values").unwrap_or(&Value::Null),
+                    &mut Vec::new(),
+                    0,
+                    &mut flat,
+                )
+                .map_err(feed_err)?;
                 (shape, flat)
             }
             nested => {
@@ -339,7 +384,12 @@ fn read_feeds(g: &Graph, path: &Path) -> Result<Feeds> {
 }
 
 /// Flattens nested JSON lists of numbers, recording the shape and checking it is regular.
-fn flatten(v: &Value, shape: &mut Vec<usize>, depth: usize, out: &mut Vec<f64>) -> std::result::Result<(), String> {
+fn flatten(
+    v: &Value,
+    shape: &mut Vec<usize>,
+    depth: usize,
+    out: &mut Vec<f64>,
+) -> std::result::Result<(), String> {
     match v {
         Value::Number(n) => {
             if depth != shape.len() {
@@ -358,7 +408,9 @@ fn flatten(v: &Value, shape: &mut Vec<usize>, depth: usize, out: &mut Vec<f64>) 
             } else if shape.get(depth) != Some(&items.len()) {
                 return Err("ragged nested lists".into());
             }
-            items.iter().try_for_each(|x| flatten(x, shape, depth + 1, out))
+            items
+                .iter()
+                .try_for_each(|x| flatten(x, shape, depth + 1, out))
         }
         _ => Err("values must be numbers or nested lists of numbers".into()),
     }
@@ -368,7 +420,13 @@ fn json_number(x: f64) -> Value {
     if x.is_finite() {
         Value::from(x)
     } else {
-        Value::from(if x.is_nan() { "nan" } else if x > 0.0 { "inf" } else { "-inf" })
+        Value::from(if x.is_nan() {
+            "nan"
+        } else if x > 0.0 {
+            "inf"
+        } else {
+            "-inf"
+        })
     }
 }
 
@@ -395,7 +453,11 @@ fn print_outputs(g: &Graph, outputs: &[Tensor], json: bool, out: &mut dyn Write)
         let mut s = String::new();
         for (name, t) in names.iter().zip(outputs) {
             let v = t.to_f64_vec();
-            let shown: Vec<String> = v.iter().take(TEXT_VALUES).map(|x| format!("{x:.6}")).collect();
+            let shown: Vec<String> = v
+                .iter()
+                .take(TEXT_VALUES)
+                .map(|x| format!("{x:.6}"))
+                .collect();
             s.push_str(&format!("{name}: {}\n  [{}", t.ty(), shown.join(", ")));
             if v.len() > TEXT_VALUES {
                 let finite: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();

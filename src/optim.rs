@@ -11,8 +11,8 @@
 
 use ampgraph_graph::autodiff::gradients;
 use ampgraph_graph::ops::{
-    AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf, Init, LossScaleUpdate,
-    OptimizerUpdate, Rule, Unary, UnaryKind, Variable,
+    AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf, Init,
+    LossScaleUpdate, OptimizerUpdate, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 
@@ -33,7 +33,13 @@ pub struct TrainStep {
 pub trait Optimizer {
     /// Adds the updates of `vars` by `grads` (skipped when `finite` is false) and
     /// returns the nodes that write the new values.
-    fn apply_gradients(&self, g: &mut Graph, vars: &[NodeId], grads: &[Port], finite: Port) -> Result<Vec<Port>, GraphError>;
+    fn apply_gradients(
+        &self,
+        g: &mut Graph,
+        vars: &[NodeId],
+        grads: &[Port],
+        finite: Port,
+    ) -> Result<Vec<Port>, GraphError>;
 
     /// Adds the backward pass of `loss` and the updates of every float Variable it
     /// depends on.
@@ -49,7 +55,13 @@ pub trait Optimizer {
 
 /// Groups the writes into the step node and keeps the loss and step as graph outputs,
 /// so rewrites leave their types alone.
-fn finish(g: &mut Graph, loss: Port, variables: Vec<NodeId>, writes: Vec<Port>, loss_scale: Option<Port>) -> Result<TrainStep, GraphError> {
+fn finish(
+    g: &mut Graph,
+    loss: Port,
+    variables: Vec<NodeId>,
+    writes: Vec<Port>,
+    loss_scale: Option<Port>,
+) -> Result<TrainStep, GraphError> {
     let name = g.fresh_name("train_step");
     let step: Port = g.add_node(name, Box::new(Group), &writes)?.into();
     let mut outputs = g.outputs().to_vec();
@@ -86,8 +98,15 @@ pub fn trainable_variables(g: &Graph, loss: Port) -> Result<Vec<NodeId>, GraphEr
 /// A scalar f32 Variable with a constant initial value.
 fn scalar_variable(g: &mut Graph, name: &str, value: f64) -> Result<Port, GraphError> {
     let ty = TensorType::new(DType::F32, vec![]);
-    let init = if value == 0.0 { Init::Zeros } else { Init::Constant(value) };
-    Ok(g.add_node(name, Box::new(Variable::with_init(ty, init)), &[])?.into())
+    let init = if value == 0.0 {
+        Init::Zeros
+    } else {
+        Init::Constant(value)
+    };
+    Ok(
+        g.add_node(name, Box::new(Variable::with_init(ty, init)), &[])?
+            .into(),
+    )
 }
 
 /// The optimizers of this crate: one update rule with a learning rate and weight decay.
@@ -98,9 +117,11 @@ pub struct RuleOptimizer {
     pub weight_decay: f64,
 }
 
-/// Stochastic gradient descent, optionally with (Nesterov) momentum.
+/// Stochastic gradient descent, optionally with (Nesterov) momentum: constructors of
+/// [`RuleOptimizer`], so that models read `Sgd::momentum(0.05, 0.9)`.
 pub struct Sgd;
 
+#[allow(clippy::new_ret_no_self)] // a namespace of RuleOptimizer constructors
 impl Sgd {
     pub fn new(learning_rate: f64) -> RuleOptimizer {
         Self::momentum(learning_rate, 0.0)
@@ -108,7 +129,10 @@ impl Sgd {
 
     pub fn momentum(learning_rate: f64, momentum: f64) -> RuleOptimizer {
         RuleOptimizer {
-            rule: Rule::Sgd { momentum, nesterov: false },
+            rule: Rule::Sgd {
+                momentum,
+                nesterov: false,
+            },
             learning_rate,
             weight_decay: 0.0,
         }
@@ -116,20 +140,30 @@ impl Sgd {
 
     pub fn nesterov(learning_rate: f64, momentum: f64) -> RuleOptimizer {
         RuleOptimizer {
-            rule: Rule::Sgd { momentum, nesterov: true },
+            rule: Rule::Sgd {
+                momentum,
+                nesterov: true,
+            },
             learning_rate,
             weight_decay: 0.0,
         }
     }
 }
 
-/// Adam, AdamW (decoupled weight decay) and LAMB (layer-wise trust ratio).
+/// Adam, AdamW (decoupled weight decay) and LAMB (layer-wise trust ratio):
+/// constructors of [`RuleOptimizer`].
 pub struct Adam;
 
+#[allow(clippy::new_ret_no_self)] // a namespace of RuleOptimizer constructors
 impl Adam {
     pub fn new(learning_rate: f64) -> RuleOptimizer {
         RuleOptimizer {
-            rule: Rule::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-7, decoupled: false },
+            rule: Rule::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-7,
+                decoupled: false,
+            },
             learning_rate,
             weight_decay: 0.0,
         }
@@ -137,7 +171,12 @@ impl Adam {
 
     pub fn adamw(learning_rate: f64, weight_decay: f64) -> RuleOptimizer {
         RuleOptimizer {
-            rule: Rule::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-7, decoupled: true },
+            rule: Rule::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-7,
+                decoupled: true,
+            },
             learning_rate,
             weight_decay,
         }
@@ -145,7 +184,11 @@ impl Adam {
 
     pub fn lamb(learning_rate: f64, weight_decay: f64) -> RuleOptimizer {
         RuleOptimizer {
-            rule: Rule::Lamb { beta1: 0.9, beta2: 0.999, epsilon: 1e-6 },
+            rule: Rule::Lamb {
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-6,
+            },
             learning_rate,
             weight_decay,
         }
@@ -163,7 +206,13 @@ impl RuleOptimizer {
 pub const STEP_VARIABLE: &str = "optimizer/step";
 
 impl Optimizer for RuleOptimizer {
-    fn apply_gradients(&self, g: &mut Graph, vars: &[NodeId], grads: &[Port], finite: Port) -> Result<Vec<Port>, GraphError> {
+    fn apply_gradients(
+        &self,
+        g: &mut Graph,
+        vars: &[NodeId],
+        grads: &[Port],
+        finite: Port,
+    ) -> Result<Vec<Port>, GraphError> {
         let mut writes = Vec::new();
         let step = if self.rule.uses_step() {
             let counter = match g.find(STEP_VARIABLE) {
@@ -182,7 +231,11 @@ impl Optimizer for RuleOptimizer {
             let mut slots = Vec::new();
             for slot in self.rule.slots() {
                 let v = Variable::with_init(ty.clone(), Init::Zeros);
-                slots.push(Port::from(g.add_node(format!("{var_name}/{slot}"), Box::new(v), &[])?));
+                slots.push(Port::from(g.add_node(
+                    format!("{var_name}/{slot}"),
+                    Box::new(v),
+                    &[],
+                )?));
             }
             let mut inputs = vec![finite, var.into(), grad];
             inputs.extend(&slots);
@@ -266,7 +319,13 @@ pub const LOSS_SCALE_VARIABLE: &str = "loss_scale/scale";
 pub const GOOD_STEPS_VARIABLE: &str = "loss_scale/good_steps";
 
 impl<O: Optimizer> Optimizer for MixedPrecision<O> {
-    fn apply_gradients(&self, g: &mut Graph, vars: &[NodeId], grads: &[Port], finite: Port) -> Result<Vec<Port>, GraphError> {
+    fn apply_gradients(
+        &self,
+        g: &mut Graph,
+        vars: &[NodeId],
+        grads: &[Port],
+        finite: Port,
+    ) -> Result<Vec<Port>, GraphError> {
         self.inner.apply_gradients(g, vars, grads, finite)
     }
 
@@ -277,10 +336,19 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
             _ => g.add(Cast { to: DType::F32 }, &[loss])?,
         };
         let (scale, dynamic) = match self.loss_scale {
-            LossScale::Dynamic { initial, growth_interval, growth_factor, backoff_factor } => {
+            LossScale::Dynamic {
+                initial,
+                growth_interval,
+                growth_factor,
+                backoff_factor,
+            } => {
                 let scale = scalar_variable(g, LOSS_SCALE_VARIABLE, initial)?;
                 let good = scalar_variable(g, GOOD_STEPS_VARIABLE, 0.0)?;
-                let update = LossScaleUpdate { growth_interval, growth_factor, backoff_factor };
+                let update = LossScaleUpdate {
+                    growth_interval,
+                    growth_factor,
+                    backoff_factor,
+                };
                 (scale, Some((good, update)))
             }
             LossScale::Fixed(s) => (g.add(Const::new(Tensor::scalar(DType::F32, s)), &[])?, None),
@@ -300,7 +368,11 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
         let mut writes = self.inner.apply_gradients(g, &vars, &unscaled, finite)?;
         let dynamic_scale = dynamic.as_ref().map(|_| scale);
         if let Some((good, update)) = dynamic {
-            let node = g.add_node(g.fresh_name("loss_scale/update"), Box::new(update), &[finite, scale, good])?;
+            let node = g.add_node(
+                g.fresh_name("loss_scale/update"),
+                Box::new(update),
+                &[finite, scale, good],
+            )?;
             writes.push(g.add(AssignVariable, &[scale, Port::new(node, 0)])?);
             writes.push(g.add(AssignVariable, &[good, Port::new(node, 1)])?);
         }

@@ -50,19 +50,13 @@ impl Device {
 }
 
 /// Session settings.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct SessionOptions {
     /// Seed of the variables' initial values.
     pub seed: u64,
     /// AMP settings for a graph marked for mixed precision; `None` reads the
     /// defaults for the marked type and the `AMPGRAPH_AMP_*` environment.
     pub amp: Option<AmpConfig>,
-}
-
-impl Default for SessionOptions {
-    fn default() -> Self {
-        SessionOptions { seed: 0, amp: None }
-    }
 }
 
 pub struct Session {
@@ -89,7 +83,11 @@ impl Session {
 
     /// Runs the rewrite pipeline (AMP when the graph is marked for it), logs each
     /// pass's summary, and initialises every Variable from the seed.
-    pub fn with_options(mut graph: Graph, device: Device, options: SessionOptions) -> Result<Session, SessionError> {
+    pub fn with_options(
+        mut graph: Graph,
+        device: Device,
+        options: SessionOptions,
+    ) -> Result<Session, SessionError> {
         if let Device::Cuda(i) = device {
             return Err(SessionError::Device(format!(
                 "CUDA device {i} was asked for, but this build of ampgraph has no CUDA executor yet"
@@ -108,7 +106,10 @@ impl Session {
         for id in graph.node_ids() {
             let node = graph.node(id);
             if let Some(var) = node.op.downcast_ref::<Variable>() {
-                executor.variables.insert(node.name.clone(), initial_value(&node.name, var, options.seed));
+                executor.variables.insert(
+                    node.name.clone(),
+                    initial_value(&node.name, var, options.seed),
+                );
             }
         }
         Ok(Session {
@@ -120,7 +121,11 @@ impl Session {
 
     /// A session for inference: only what `outputs` need is kept (no gradients,
     /// updates or optimizer slots); restore a training checkpoint into it.
-    pub fn inference(mut graph: Graph, outputs: &[Port], device: Device) -> Result<Session, SessionError> {
+    pub fn inference(
+        mut graph: Graph,
+        outputs: &[Port],
+        device: Device,
+    ) -> Result<Session, SessionError> {
         graph.prune(outputs)?;
         Self::new(graph, device)
     }
@@ -190,41 +195,70 @@ impl Session {
         let (version, body) = rest
             .split_at_checked(4)
             .ok_or_else(|| checkpoint_err(path, "truncated header".into()))?;
-        let version = u32::from_le_bytes(version.try_into().map_err(|_| checkpoint_err(path, "truncated header".into()))?);
+        let version = u32::from_le_bytes(
+            version
+                .try_into()
+                .map_err(|_| checkpoint_err(path, "truncated header".into()))?,
+        );
         if version != CHECKPOINT_VERSION {
-            return Err(checkpoint_err(path, format!("version {version}, this ampgraph reads {CHECKPOINT_VERSION}")));
+            return Err(checkpoint_err(
+                path,
+                format!("version {version}, this ampgraph reads {CHECKPOINT_VERSION}"),
+            ));
         }
         let config = bincode::config::standard().with_limit::<{ 1 << 34 }>();
         let (entries, used): (Vec<CheckpointEntry>, usize) =
-            bincode::serde::decode_from_slice(body, config).map_err(|e| checkpoint_err(path, format!("corrupt: {e}")))?;
+            bincode::serde::decode_from_slice(body, config)
+                .map_err(|e| checkpoint_err(path, format!("corrupt: {e}")))?;
         if used != body.len() {
             return Err(checkpoint_err(path, "corrupt: trailing bytes".into()));
         }
-        let training = self.graph.node_ids().any(|id| self.graph.node(id).op.name() == "AssignVariable");
+        let training = self
+            .graph
+            .node_ids()
+            .any(|id| self.graph.node(id).op.name() == "AssignVariable");
         let mut loaded = BTreeMap::new();
         for e in entries {
-            let t = Tensor::new(e.shape, e.data).map_err(|m| checkpoint_err(path, format!("variable '{}': {m}", e.name)))?;
+            let t = Tensor::new(e.shape, e.data)
+                .map_err(|m| checkpoint_err(path, format!("variable '{}': {m}", e.name)))?;
             match self.executor.variables.get(&e.name) {
                 Some(cur) if cur.ty() != t.ty() => {
                     return Err(checkpoint_err(
                         path,
-                        format!("variable '{}' is {} in the checkpoint but {} in the graph", e.name, t.ty(), cur.ty()),
+                        format!(
+                            "variable '{}' is {} in the checkpoint but {} in the graph",
+                            e.name,
+                            t.ty(),
+                            cur.ty()
+                        ),
                     ))
                 }
                 Some(_) => {
                     loaded.insert(e.name, t);
                 }
                 None if training => {
-                    return Err(checkpoint_err(path, format!("variable '{}' is not in the graph", e.name)));
+                    return Err(checkpoint_err(
+                        path,
+                        format!("variable '{}' is not in the graph", e.name),
+                    ));
                 }
                 None => {}
             }
         }
-        if let Some(missing) = self.executor.variables.keys().find(|k| !loaded.contains_key(*k)) {
+        if let Some(missing) = self
+            .executor
+            .variables
+            .keys()
+            .find(|k| !loaded.contains_key(*k))
+        {
             let t = &self.executor.variables[missing];
             return Err(checkpoint_err(
                 path,
-                format!("has no value for variable '{missing}' {}{}", t.dtype(), ShapeDisplay(t.shape())),
+                format!(
+                    "has no value for variable '{missing}' {}{}",
+                    t.dtype(),
+                    ShapeDisplay(t.shape())
+                ),
             ));
         }
         self.executor.variables.extend(loaded);

@@ -26,7 +26,9 @@ fn agrees_with_tensorflow_on_the_oracle_cases() {
                 disagreements.push(format!("{file}: {name} is {got}, TensorFlow {want}"));
             }
         }
-        let tf = case["tf_casts_to_f16_excluding_const_and_variable"].as_u64().unwrap() as usize;
+        let tf = case["tf_casts_to_f16_excluding_const_and_variable"]
+            .as_u64()
+            .unwrap() as usize;
         let ours = report.stats.casts_to_half;
         ours_total += ours;
         tf_total += tf;
@@ -35,11 +37,18 @@ fn agrees_with_tensorflow_on_the_oracle_cases() {
         }
     }
     println!("node decisions: {agreed}/{compared} agree; fp16 casts: ours {ours_total}, TensorFlow {tf_total}");
-    assert!(compared > 3000, "the oracle set looks incomplete: {compared} decisions");
+    assert!(
+        compared > 3000,
+        "the oracle set looks incomplete: {compared} decisions"
+    );
     assert!(
         agreed as f64 >= 0.995 * compared as f64,
         "agreement {agreed}/{compared} is below 99.5%:\n{}",
         disagreements.join("\n")
     );
-    assert!(over_budget.is_empty(), "more casts than TensorFlow:\n{}", over_budget.join("\n"));
+    assert!(
+        over_budget.is_empty(),
+        "more casts than TensorFlow:\n{}",
+        over_budget.join("\n")
+    );
 }

@@ -32,7 +32,11 @@ fn check_structure(original: &Graph, config: &AmpConfig) -> Result<(), TestCaseE
     amp.rewrite(&mut g).unwrap();
     // The result validates, and the outputs keep their dtype and shape.
     g.validate().unwrap();
-    let before: Vec<_> = original.outputs().iter().map(|&p| original.ty(p).clone()).collect();
+    let before: Vec<_> = original
+        .outputs()
+        .iter()
+        .map(|&p| original.ty(p).clone())
+        .collect();
     let after: Vec<_> = g.outputs().iter().map(|&p| g.ty(p).clone()).collect();
     prop_assert_eq!(before, after);
     for id in g.node_ids() {
@@ -40,18 +44,25 @@ fn check_structure(original: &Graph, config: &AmpConfig) -> Result<(), TestCaseE
         let out = n.outputs()[0].dtype;
         match config.lists.class(n.op.name()) {
             // No deny op runs in 16 bits.
-            Some(ListClass::Deny) => prop_assert!(!out.is_half(), "deny op {} runs in {}", n.name, out),
+            Some(ListClass::Deny) => {
+                prop_assert!(!out.is_half(), "deny op {} runs in {}", n.name, out)
+            }
             // Every allow op (none is a graph output here) runs in 16 bits.
-            Some(ListClass::Allow) => prop_assert_eq!(out, config.target, "allow op {} runs in {}", n.name, out),
+            Some(ListClass::Allow) => {
+                prop_assert_eq!(out, config.target, "allow op {} runs in {}", n.name, out)
+            }
             _ => {}
         }
         if n.op.is::<Cast>() {
             // No cast reads a float-to-float cast, unless the original graph had that edge.
             let src = g.inputs(id)[0].node;
             let src_name = &g.node(src).name;
-            let original_edge = original
-                .find(&n.name)
-                .is_some_and(|o| original.inputs(o).iter().any(|p| &original.node(p.node).name == src_name));
+            let original_edge = original.find(&n.name).is_some_and(|o| {
+                original
+                    .inputs(o)
+                    .iter()
+                    .any(|p| &original.node(p.node).name == src_name)
+            });
             let float_cast = g.node(src).op.is::<Cast>() && g.ty(g.inputs(src)[0]).dtype.is_float();
             prop_assert!(
                 !float_cast || original_edge,
@@ -66,11 +77,25 @@ fn check_structure(original: &Graph, config: &AmpConfig) -> Result<(), TestCaseE
         for (consumer, _, port) in g.consumers(id) {
             let inserted = original.find(&g.node(consumer).name).is_none();
             if let (Some(c), true) = (g.node(consumer).op.downcast_ref::<Cast>(), inserted) {
-                prop_assert!(seen.insert((port, c.to)), "{} is cast twice to {}", n.name, c.to);
+                prop_assert!(
+                    seen.insert((port, c.to)),
+                    "{} is cast twice to {}",
+                    n.name,
+                    c.to
+                );
                 let twin = g.port_consumers(port).into_iter().any(|(d, _)| {
-                    d != consumer && g.node(d).op.downcast_ref::<Cast>().is_some_and(|o| o.to == c.to)
+                    d != consumer
+                        && g.node(d)
+                            .op
+                            .downcast_ref::<Cast>()
+                            .is_some_and(|o| o.to == c.to)
                 });
-                prop_assert!(!twin, "{} is cast to {} beside an existing cast", n.name, c.to);
+                prop_assert!(
+                    !twin,
+                    "{} is cast to {} beside an existing cast",
+                    n.name,
+                    c.to
+                );
             }
         }
         // Variables stay f32 (master weights).
@@ -89,7 +114,12 @@ fn feeds(g: &Graph, seed: u64) -> Feeds {
     g.node_ids()
         .map(|id| g.node(id))
         .filter(|n| n.op.is::<Placeholder>() || n.op.is::<Variable>())
-        .map(|n| (n.name.clone(), seeded_tensor(&n.name, &n.outputs()[0], seed)))
+        .map(|n| {
+            (
+                n.name.clone(),
+                seeded_tensor(&n.name, &n.outputs()[0], seed),
+            )
+        })
         .collect::<HashMap<String, Tensor>>()
 }
 
@@ -98,11 +128,19 @@ fn feeds(g: &Graph, seed: u64) -> Feeds {
 /// scale (inputs are in [-1, 1] and the ops are well-conditioned).
 fn check_numerics(original: &Graph, config: &AmpConfig, seed: u64) -> Result<(), TestCaseError> {
     let mut g = original.clone();
-    AutoMixedPrecision::new(config.clone()).rewrite(&mut g).unwrap();
+    AutoMixedPrecision::new(config.clone())
+        .rewrite(&mut g)
+        .unwrap();
     let f = feeds(original, seed);
-    let want = CpuExecutor::new().run(original, &f, original.outputs()).unwrap();
+    let want = CpuExecutor::new()
+        .run(original, &f, original.outputs())
+        .unwrap();
     let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
-    let unit_roundoff = if config.target == DType::BF16 { 2f64.powi(-8) } else { 2f64.powi(-11) };
+    let unit_roundoff = if config.target == DType::BF16 {
+        2f64.powi(-8)
+    } else {
+        2f64.powi(-11)
+    };
     let depth = common::depth(original) as f64;
     for (w, o) in want.iter().zip(&got) {
         let w = w.to_f64_vec();
@@ -111,7 +149,10 @@ fn check_numerics(original: &Graph, config: &AmpConfig, seed: u64) -> Result<(),
         // 8 inputs per dot product, rounding at each of `depth` ops.
         let bound = 8.0 * depth * unit_roundoff * scale;
         for (a, b) in w.iter().zip(&o) {
-            prop_assert!((a - b).abs() <= bound, "|{a} - {b}| > {bound} (depth {depth})");
+            prop_assert!(
+                (a - b).abs() <= bound,
+                "|{a} - {b}| > {bound} (depth {depth})"
+            );
         }
     }
     Ok(())

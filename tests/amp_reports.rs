@@ -85,17 +85,26 @@ fn explain_names_the_deny_node_and_path() {
     assert_eq!(e.dtype, DType::F32);
     assert_eq!(e.class, Some(ListClass::Infer));
     let text = e.to_string();
-    assert!(text.contains("blocked by denylisted node 'exp' (Exp) along exp -> add -> tanh"), "{text}");
+    assert!(
+        text.contains("blocked by denylisted node 'exp' (Exp) along exp -> add -> tanh"),
+        "{text}"
+    );
     let e = explain(&g, &p, &amp.config, "relu").unwrap();
     assert_eq!(e.dtype, DType::F16);
-    assert!(e.to_string().contains("clear op next to 'mm' (MatMul)"), "{e}");
+    assert!(
+        e.to_string().contains("clear op next to 'mm' (MatMul)"),
+        "{e}"
+    );
     let e = explain(&g, &p, &amp.config, "sq").unwrap();
     assert!(e.to_string().contains("Square is in no list"), "{e}");
     let e = explain(&g, &p, &amp.config, "out").unwrap();
     assert!(e.to_string().contains("graph output"), "{e}");
     let e = explain(&g, &p, &amp.config, "mm").unwrap();
     assert!(e.to_string().contains("allowlisted"), "{e}");
-    assert!(matches!(explain(&g, &p, &amp.config, "nope"), Err(PassError::Graph(_))));
+    assert!(matches!(
+        explain(&g, &p, &amp.config, "nope"),
+        Err(PassError::Graph(_))
+    ));
 }
 
 #[test]
@@ -119,15 +128,30 @@ fn environment_overrides_move_ops_between_lists() {
     let err = config
         .apply_vars(|k| (k == "AMPGRAPH_AMP_ALLOWLIST_ADD").then(|| "Conv3D".to_string()))
         .unwrap_err();
-    assert!(err.to_string().contains("AMPGRAPH_AMP_ALLOWLIST_ADD") && err.to_string().contains("Conv3D"), "{err}");
+    assert!(
+        err.to_string().contains("AMPGRAPH_AMP_ALLOWLIST_ADD")
+            && err.to_string().contains("Conv3D"),
+        "{err}"
+    );
 }
 
 #[test]
 fn list_files_are_checked() {
-    let err = PrecisionLists::from_toml("[lists]\nallow = [\"MatMul\", \"FooBar\"]\n", "my.toml").unwrap_err();
-    assert!(err.to_string().contains("my.toml: unknown op 'FooBar'"), "{err}");
-    let err = PrecisionLists::from_toml("[lists]\nallow = [\"MatMul\"]\ndeny = [\"MatMul\"]\n", "x.toml").unwrap_err();
-    assert!(err.to_string().contains("both the allow and the deny list"), "{err}");
+    let err = PrecisionLists::from_toml("[lists]\nallow = [\"MatMul\", \"FooBar\"]\n", "my.toml")
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("my.toml: unknown op 'FooBar'"),
+        "{err}"
+    );
+    let err = PrecisionLists::from_toml(
+        "[lists]\nallow = [\"MatMul\"]\ndeny = [\"MatMul\"]\n",
+        "x.toml",
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("both the allow and the deny list"),
+        "{err}"
+    );
     let err = PrecisionLists::from_toml("[lists]\nallowed = []\n", "x.toml").unwrap_err();
     assert!(err.to_string().contains("allowed"), "{err}");
     assert!(PrecisionLists::profile("nope").is_err());
@@ -135,7 +159,13 @@ fn list_files_are_checked() {
         let lists = PrecisionLists::profile(profile).unwrap();
         assert_eq!(
             lists.ops(ListClass::Allow),
-            ["BatchMatMul", "Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput", "MatMul"]
+            [
+                "BatchMatMul",
+                "Conv2D",
+                "Conv2DBackpropFilter",
+                "Conv2DBackpropInput",
+                "MatMul"
+            ]
         );
     }
     assert!(AmpConfig::new(DType::F32).is_err());
@@ -144,11 +174,16 @@ fn list_files_are_checked() {
 #[test]
 fn bf16_target_uses_bf16_casts() {
     let mut g = sample();
-    let report = AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap()).rewrite(&mut g).unwrap();
+    let report = AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap())
+        .rewrite(&mut g)
+        .unwrap();
     assert_eq!(dtype(&g, "mm"), DType::BF16);
     // In the bf16 lists Exp is infer: everything between the MatMuls converts.
     assert_eq!(dtype(&g, "tanh"), DType::BF16);
-    assert!(report.summary().to_string().contains("Total BF16 Cast ops used"));
+    assert!(report
+        .summary()
+        .to_string()
+        .contains("Total BF16 Cast ops used"));
     g.validate().unwrap();
 }
 
@@ -156,7 +191,9 @@ fn bf16_target_uses_bf16_casts() {
 fn log_path_dumps_before_and_after() {
     let dir = std::env::temp_dir().join(format!("ampgraph_dump_test_{}", std::process::id()));
     let mut config = tf();
-    config.apply_vars(|k| (k == "AMPGRAPH_AMP_LOG_PATH").then(|| dir.display().to_string())).unwrap();
+    config
+        .apply_vars(|k| (k == "AMPGRAPH_AMP_LOG_PATH").then(|| dir.display().to_string()))
+        .unwrap();
     let mut g = sample();
     AutoMixedPrecision::new(config).rewrite(&mut g).unwrap();
     let files: Vec<String> = std::fs::read_dir(&dir)
@@ -164,7 +201,10 @@ fn log_path_dumps_before_and_after() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     for suffix in ["_before.json", "_after.json", "_before.dot", "_after.dot"] {
-        assert!(files.iter().any(|f| f.ends_with(suffix)), "no *{suffix} in {files:?}");
+        assert!(
+            files.iter().any(|f| f.ends_with(suffix)),
+            "no *{suffix} in {files:?}"
+        );
     }
     let after = files.iter().find(|f| f.ends_with("_after.dot")).unwrap();
     let dot = std::fs::read_to_string(dir.join(after)).unwrap();

@@ -21,7 +21,12 @@ pub struct CpuExecutor {
 pub const DEFAULT_MAX_TENSOR_BYTES: u64 = 16 << 30;
 
 /// Refuses a tensor type whose storage exceeds `limit` bytes, before anything allocates it.
-pub fn check_tensor_size(name: &str, op: &str, ty: &TensorType, limit: u64) -> Result<(), ExecError> {
+pub fn check_tensor_size(
+    name: &str,
+    op: &str,
+    ty: &TensorType,
+    limit: u64,
+) -> Result<(), ExecError> {
     let bytes = ty
         .checked_len()
         .and_then(|n| (n as u64).checked_mul(ty.dtype.size_bytes() as u64));
@@ -30,7 +35,10 @@ pub fn check_tensor_size(name: &str, op: &str, ty: &TensorType, limit: u64) -> R
         _ => Err(ExecError::node(
             name,
             op,
-            format!("output {ty} is too large to allocate (limit {} GiB)", limit >> 30),
+            format!(
+                "output {ty} is too large to allocate (limit {} GiB)",
+                limit >> 30
+            ),
         )),
     }
 }
@@ -58,10 +66,19 @@ impl CpuExecutor {
                 stack.extend(graph.inputs(id).into_iter().map(|p| p.node));
             }
         }
-        Ok(graph.topo_order()?.into_iter().filter(|id| needed[id.index()]).collect())
+        Ok(graph
+            .topo_order()?
+            .into_iter()
+            .filter(|id| needed[id.index()])
+            .collect())
     }
 
-    fn source_value(&self, graph: &Graph, id: NodeId, feeds: &Feeds) -> Result<Option<Tensor>, ExecError> {
+    fn source_value(
+        &self,
+        graph: &Graph,
+        id: NodeId,
+        feeds: &Feeds,
+    ) -> Result<Option<Tensor>, ExecError> {
         let node = graph.node(id);
         let is_placeholder = node.op.is::<Placeholder>();
         let is_variable = node.op.is::<Variable>();
@@ -69,7 +86,10 @@ impl CpuExecutor {
             return Ok(None);
         }
         let want = &node.outputs()[0];
-        let value = match feeds.get(&node.name).or_else(|| self.variables.get(&node.name)) {
+        let value = match feeds
+            .get(&node.name)
+            .or_else(|| self.variables.get(&node.name))
+        {
             Some(v) => v,
             None if is_placeholder => {
                 return Err(ExecError::Feed {
@@ -99,7 +119,12 @@ impl CpuExecutor {
 }
 
 impl Executor for CpuExecutor {
-    fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> Result<Vec<Tensor>, ExecError> {
+    fn run(
+        &mut self,
+        graph: &Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+    ) -> Result<Vec<Tensor>, ExecError> {
         let order = Self::needed(graph, fetches)?;
         // How many reads of each node's outputs remain, so tensors free after their last use.
         let mut reads: HashMap<NodeId, usize> = HashMap::new();
@@ -124,8 +149,11 @@ impl Executor for CpuExecutor {
                 Some(v) => vec![v],
                 None => {
                     let inputs = graph.inputs(id);
-                    let args: Vec<&Tensor> = inputs.iter().map(|p| &values[&p.node][p.index]).collect();
-                    node.op.eval(&args).map_err(|m| ExecError::node(&node.name, op, m))?
+                    let args: Vec<&Tensor> =
+                        inputs.iter().map(|p| &values[&p.node][p.index]).collect();
+                    node.op
+                        .eval(&args)
+                        .map_err(|m| ExecError::node(&node.name, op, m))?
                 }
             };
             for (i, (t, want)) in outputs.iter().zip(node.outputs()).enumerate() {
@@ -143,7 +171,11 @@ impl Executor for CpuExecutor {
                     return Err(ExecError::node(
                         &node.name,
                         op,
-                        format!("input 0 must be a Variable, got '{}' ({})", target.name, target.op.name()),
+                        format!(
+                            "input 0 must be a Variable, got '{}' ({})",
+                            target.name,
+                            target.op.name()
+                        ),
                     ));
                 }
                 writes.push((target.name.clone(), outputs[0].clone()));
@@ -157,7 +189,10 @@ impl Executor for CpuExecutor {
                 }
             }
         }
-        let fetched = fetches.iter().map(|p| values[&p.node][p.index].clone()).collect();
+        let fetched = fetches
+            .iter()
+            .map(|p| values[&p.node][p.index].clone())
+            .collect();
         self.variables.extend(writes);
         Ok(fetched)
     }

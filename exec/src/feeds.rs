@@ -25,8 +25,9 @@ impl SplitMix64 {
 
 /// FNV-1a of the name, so the stream depends on the name and not on graph position.
 fn name_hash(name: &str) -> u64 {
-    name.bytes()
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// Integer feeds are drawn from `0..INT_RANGE` (class labels of small problems).

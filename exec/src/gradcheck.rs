@@ -27,14 +27,24 @@ fn err(e: impl std::fmt::Display) -> String {
 
 /// Differentiates `op` at `inputs` (float inputs should be f64) both ways. Every
 /// float input is differentiated; integer inputs are held fixed.
-pub fn check_op_gradient(op: Box<dyn Op>, inputs: &[Tensor], seed: u64) -> Result<GradCheck, String> {
-    if inputs.iter().any(|t| t.dtype().is_float() && t.dtype() != DType::F64) {
+pub fn check_op_gradient(
+    op: Box<dyn Op>,
+    inputs: &[Tensor],
+    seed: u64,
+) -> Result<GradCheck, String> {
+    if inputs
+        .iter()
+        .any(|t| t.dtype().is_float() && t.dtype() != DType::F64)
+    {
         return Err("gradcheck needs f64 float inputs".into());
     }
     let mut g = Graph::new();
     let mut placeholders = Vec::new();
     for (i, t) in inputs.iter().enumerate() {
-        let p: Port = g.add_node(format!("in{i}"), Box::new(Placeholder(t.ty())), &[]).map_err(err)?.into();
+        let p: Port = g
+            .add_node(format!("in{i}"), Box::new(Placeholder(t.ty())), &[])
+            .map_err(err)?
+            .into();
         placeholders.push(p);
     }
     let node = g.add_node("op", op, &placeholders).map_err(err)?;
@@ -46,11 +56,17 @@ pub fn check_op_gradient(op: Box<dyn Op>, inputs: &[Tensor], seed: u64) -> Resul
         }
         let w = seeded_tensor(&format!("weight{k}"), &ty, seed);
         let w = g.add(Const::new(w), &[]).map_err(err)?;
-        let prod = g.add(Binary::new(BinaryKind::Mul), &[Port::new(node, k), w]).map_err(err)?;
-        let term = g.add(Reduce::new(ReduceKind::Sum, None, false), &[prod]).map_err(err)?;
+        let prod = g
+            .add(Binary::new(BinaryKind::Mul), &[Port::new(node, k), w])
+            .map_err(err)?;
+        let term = g
+            .add(Reduce::new(ReduceKind::Sum, None, false), &[prod])
+            .map_err(err)?;
         loss = Some(match loss {
             None => term,
-            Some(l) => g.add(Binary::new(BinaryKind::Add), &[l, term]).map_err(err)?,
+            Some(l) => g
+                .add(Binary::new(BinaryKind::Add), &[l, term])
+                .map_err(err)?,
         });
     }
     let loss = loss.ok_or("the op has no float output")?;
@@ -64,7 +80,11 @@ pub fn check_op_gradient(op: Box<dyn Op>, inputs: &[Tensor], seed: u64) -> Resul
     let grads = gradients(&mut g, loss, &wrt_ports).map_err(err)?;
     g.validate().map_err(err)?;
     let feeds = |values: &[Tensor]| -> HashMap<String, Tensor> {
-        values.iter().enumerate().map(|(i, t)| (format!("in{i}"), t.clone())).collect()
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (format!("in{i}"), t.clone()))
+            .collect()
     };
     let mut exec = CpuExecutor::new();
     let analytic = exec.run(&g, &feeds(inputs), &grads).map_err(err)?;

@@ -19,7 +19,11 @@ pub use cpu::{check_tensor_size, CpuExecutor, DEFAULT_MAX_TENSOR_BYTES};
 #[derive(Debug, Error)]
 pub enum ExecError {
     #[error("node '{node}' ({op}): {msg}")]
-    Node { node: String, op: String, msg: String },
+    Node {
+        node: String,
+        op: String,
+        msg: String,
+    },
     #[error(transparent)]
     Graph(#[from] GraphError),
     #[error("feed '{name}': {msg}")]
@@ -41,5 +45,10 @@ pub type Feeds = HashMap<String, Tensor>;
 
 /// Something that computes the tensors at `fetches`.
 pub trait Executor {
-    fn run(&mut self, graph: &ampgraph_graph::Graph, feeds: &Feeds, fetches: &[Port]) -> Result<Vec<Tensor>, ExecError>;
+    fn run(
+        &mut self,
+        graph: &ampgraph_graph::Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+    ) -> Result<Vec<Tensor>, ExecError>;
 }

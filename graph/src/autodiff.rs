@@ -34,7 +34,9 @@ impl<'a> GradBuilder<'a> {
 
     /// Adds a node named `<stem>/<op>` and returns its id (for multi-output ops).
     pub fn add_node(&mut self, op: Box<dyn Op>, inputs: &[Port]) -> Result<NodeId> {
-        let name = self.graph.fresh_name(&format!("{}/{}", self.stem, op.name()));
+        let name = self
+            .graph
+            .fresh_name(&format!("{}/{}", self.stem, op.name()));
         self.graph.add_node(name, op, inputs)
     }
 
@@ -57,7 +59,12 @@ impl<'a> GradBuilder<'a> {
         if self.ty(grad).shape == shape {
             Ok(grad)
         } else {
-            self.add(SumTo { shape: shape.to_vec() }, &[grad])
+            self.add(
+                SumTo {
+                    shape: shape.to_vec(),
+                },
+                &[grad],
+            )
         }
     }
 }
@@ -101,7 +108,9 @@ pub fn gradients(g: &mut Graph, loss: Port, wrt: &[Port]) -> Result<Vec<Port>> {
     grads.insert(loss, vec![seed]);
     for &id in order.iter().rev() {
         // Sources (the `wrt` tensors themselves among them) have nothing to propagate to.
-        if !(reaches_loss[id.index()] && from_wrt[id.index()]) || g.node(id).op.arity() == crate::op::Arity::Exactly(0) {
+        if !(reaches_loss[id.index()] && from_wrt[id.index()])
+            || g.node(id).op.arity() == crate::op::Arity::Exactly(0)
+        {
             continue;
         }
         let n_out = g.node(id).outputs().len();
@@ -147,7 +156,9 @@ fn accumulate(g: &mut Graph, parts: Option<Vec<Port>>) -> Result<Option<Port>> {
     let Some(parts) = parts else { return Ok(None) };
     let mut b = GradBuilder::new(g, "gradients/accumulate");
     let mut iter = parts.into_iter();
-    let Some(mut sum) = iter.next() else { return Ok(None) };
+    let Some(mut sum) = iter.next() else {
+        return Ok(None);
+    };
     for p in iter {
         sum = b.binary(BinaryKind::Add, sum, p)?;
     }

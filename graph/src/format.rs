@@ -50,7 +50,11 @@ impl GraphDef {
             .node_ids()
             .map(|id| {
                 let n = g.node(id);
-                let mut attrs: AttrMap = n.op.attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+                let mut attrs: AttrMap =
+                    n.op.attrs()
+                        .into_iter()
+                        .map(|(k, v)| (k.to_string(), v))
+                        .collect();
                 attrs.extend(n.annotations.iter().map(|(k, v)| (k.clone(), v.clone())));
                 NodeDef {
                     name: n.name.clone(),
@@ -74,8 +78,13 @@ impl GraphDef {
         let mut parts = Vec::with_capacity(self.nodes.len());
         let mut annotations = Vec::new();
         for n in &self.nodes {
-            let (tool, own): (AttrMap, AttrMap) = n.attrs.clone().into_iter().partition(|(k, _)| k.starts_with('_'));
-            let op = parse_op(&n.op, AttrReader::new(own)).map_err(|m| GraphError::node(&n.name, &n.op, m))?;
+            let (tool, own): (AttrMap, AttrMap) = n
+                .attrs
+                .clone()
+                .into_iter()
+                .partition(|(k, _)| k.starts_with('_'));
+            let op = parse_op(&n.op, AttrReader::new(own))
+                .map_err(|m| GraphError::node(&n.name, &n.op, m))?;
             parts.push((n.name.clone(), op, n.inputs.clone()));
             annotations.push(tool);
         }
@@ -90,7 +99,10 @@ impl GraphDef {
                     return Err(GraphError::node(
                         &n.name,
                         &n.op,
-                        format!("the file says dtype {file} but its inputs make it {}", actual.dtype),
+                        format!(
+                            "the file says dtype {file} but its inputs make it {}",
+                            actual.dtype
+                        ),
                     ));
                 }
             }
@@ -111,21 +123,34 @@ pub fn parse_json(bytes: &[u8]) -> Result<GraphDef> {
         return Err(format_err("the file is empty"));
     }
     // serde_json refuses nesting deeper than 128 levels, so hostile input can't overflow the stack.
-    let v: Value = serde_json::from_slice(bytes).map_err(|e| format_err(format!("not valid JSON: {e}")))?;
-    let top = v.as_object().ok_or_else(|| format_err("a graph file must be a JSON object"))?;
+    let v: Value =
+        serde_json::from_slice(bytes).map_err(|e| format_err(format!("not valid JSON: {e}")))?;
+    let top = v
+        .as_object()
+        .ok_or_else(|| format_err("a graph file must be a JSON object"))?;
     for key in top.keys() {
-        if !matches!(key.as_str(), "format" | "version" | "nodes" | "outputs") && !key.starts_with('_') {
+        if !matches!(key.as_str(), "format" | "version" | "nodes" | "outputs")
+            && !key.starts_with('_')
+        {
             return Err(format_err(format!("unknown top-level key '{key}'")));
         }
     }
     match top.get("format") {
         Some(Value::String(s)) if s == FORMAT_NAME => {}
-        Some(other) => return Err(format_err(format!("'format' must be \"{FORMAT_NAME}\", got {other}"))),
+        Some(other) => {
+            return Err(format_err(format!(
+                "'format' must be \"{FORMAT_NAME}\", got {other}"
+            )))
+        }
         None => return Err(format_err(format!("missing 'format' (\"{FORMAT_NAME}\")"))),
     }
     match top.get("version").and_then(Value::as_u64) {
         Some(v) if v == u64::from(FORMAT_VERSION) => {}
-        Some(v) => return Err(format_err(format!("unsupported version {v} (this ampgraph reads version {FORMAT_VERSION})"))),
+        Some(v) => {
+            return Err(format_err(format!(
+                "unsupported version {v} (this ampgraph reads version {FORMAT_VERSION})"
+            )))
+        }
         None => return Err(format_err("missing or non-integer 'version'")),
     }
     let nodes = top
@@ -140,14 +165,25 @@ pub fn parse_json(bytes: &[u8]) -> Result<GraphDef> {
         None => Vec::new(),
         Some(Value::Array(a)) => a
             .iter()
-            .map(|o| o.as_str().map(str::to_string).ok_or_else(|| format_err("'outputs' must be a list of node names")))
+            .map(|o| {
+                o.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| format_err("'outputs' must be a list of node names"))
+            })
             .collect::<Result<_>>()?,
         Some(_) => return Err(format_err("'outputs' must be a list of node names")),
     };
     let mixed_precision = match top.get(MIXED_PRECISION_KEY) {
         None => None,
-        Some(Value::String(s)) => Some(s.parse::<DType>().map_err(|e| format_err(format!("'{MIXED_PRECISION_KEY}': {e}")))?),
-        Some(_) => return Err(format_err(format!("'{MIXED_PRECISION_KEY}' must be a dtype string"))),
+        Some(Value::String(s)) => Some(
+            s.parse::<DType>()
+                .map_err(|e| format_err(format!("'{MIXED_PRECISION_KEY}': {e}")))?,
+        ),
+        Some(_) => {
+            return Err(format_err(format!(
+                "'{MIXED_PRECISION_KEY}' must be a dtype string"
+            )))
+        }
     };
     Ok(GraphDef {
         nodes,
@@ -157,10 +193,16 @@ pub fn parse_json(bytes: &[u8]) -> Result<GraphDef> {
 }
 
 fn parse_node(index: usize, v: &Value) -> Result<NodeDef> {
-    let obj = v.as_object().ok_or_else(|| format_err(format!("node #{index} is not a JSON object")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| format_err(format!("node #{index} is not a JSON object")))?;
     let name = match obj.get("name") {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(_) => return Err(format_err(format!("node #{index}: 'name' must be a non-empty string"))),
+        Some(_) => {
+            return Err(format_err(format!(
+                "node #{index}: 'name' must be a non-empty string"
+            )))
+        }
         None => return Err(format_err(format!("node #{index} has no 'name'"))),
     };
     let op = match obj.get("op") {
@@ -169,7 +211,9 @@ fn parse_node(index: usize, v: &Value) -> Result<NodeDef> {
     };
     let err = |m: String| GraphError::node(&name, &op, m);
     for key in obj.keys() {
-        if !matches!(key.as_str(), "name" | "op" | "inputs" | "attrs" | "dtype") && !key.starts_with('_') {
+        if !matches!(key.as_str(), "name" | "op" | "inputs" | "attrs" | "dtype")
+            && !key.starts_with('_')
+        {
             return Err(err(format!("unknown key '{key}'")));
         }
     }
@@ -177,7 +221,11 @@ fn parse_node(index: usize, v: &Value) -> Result<NodeDef> {
         None => Vec::new(),
         Some(Value::Array(a)) => a
             .iter()
-            .map(|i| i.as_str().map(str::to_string).ok_or_else(|| err("'inputs' must be a list of strings".into())))
+            .map(|i| {
+                i.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| err("'inputs' must be a list of strings".into()))
+            })
             .collect::<Result<_>>()?,
         Some(_) => return Err(err("'inputs' must be a list of strings".into())),
     };
@@ -185,7 +233,11 @@ fn parse_node(index: usize, v: &Value) -> Result<NodeDef> {
         None => AttrMap::new(),
         Some(Value::Object(m)) => m
             .iter()
-            .map(|(k, v)| json_to_attr(v).map(|a| (k.clone(), a)).map_err(|e| err(format!("attr '{k}': {e}"))))
+            .map(|(k, v)| {
+                json_to_attr(v)
+                    .map(|a| (k.clone(), a))
+                    .map_err(|e| err(format!("attr '{k}': {e}")))
+            })
             .collect::<Result<_>>()?,
         Some(_) => return Err(err("'attrs' must be an object".into())),
     };
@@ -229,15 +281,21 @@ fn json_to_attr(v: &Value) -> std::result::Result<AttrValue, String> {
                     items
                         .iter()
                         .map(|x| match x {
-                            Value::Number(n) => n.as_f64().ok_or_else(|| "number out of range".to_string()),
-                            Value::String(s) => special_float(s).ok_or_else(|| format!("'{s}' is not a number")),
+                            Value::Number(n) => {
+                                n.as_f64().ok_or_else(|| "number out of range".to_string())
+                            }
+                            Value::String(s) => {
+                                special_float(s).ok_or_else(|| format!("'{s}' is not a number"))
+                            }
                             _ => Err("lists must hold numbers only".to_string()),
                         })
                         .collect::<std::result::Result<_, _>>()?,
                 )
             }
         }
-        Value::Null | Value::Object(_) => return Err("must be a boolean, number, string or list of numbers".into()),
+        Value::Null | Value::Object(_) => {
+            return Err("must be a boolean, number, string or list of numbers".into())
+        }
     })
 }
 
@@ -269,15 +327,22 @@ fn attr_to_json(v: &AttrValue) -> Value {
 pub fn to_json(def: &GraphDef) -> String {
     let s = |v: &str| Value::from(v).to_string();
     let mut out = String::new();
-    let _ = writeln!(out, "{{\n  \"format\": {},\n  \"version\": {FORMAT_VERSION},\n  \"nodes\": [", s(FORMAT_NAME));
+    let _ = writeln!(
+        out,
+        "{{\n  \"format\": {},\n  \"version\": {FORMAT_VERSION},\n  \"nodes\": [",
+        s(FORMAT_NAME)
+    );
     for (i, n) in def.nodes.iter().enumerate() {
         let _ = write!(out, "    {{\"name\": {}, \"op\": {}", s(&n.name), s(&n.op));
         if !n.inputs.is_empty() {
             let _ = write!(out, ", \"inputs\": {}", Value::from(n.inputs.clone()));
         }
         if !n.attrs.is_empty() {
-            let attrs: serde_json::Map<String, Value> =
-                n.attrs.iter().map(|(k, v)| (k.clone(), attr_to_json(v))).collect();
+            let attrs: serde_json::Map<String, Value> = n
+                .attrs
+                .iter()
+                .map(|(k, v)| (k.clone(), attr_to_json(v)))
+                .collect();
             let _ = write!(out, ", \"attrs\": {}", Value::Object(attrs));
         }
         if let Some(d) = n.dtype {
@@ -286,7 +351,11 @@ pub fn to_json(def: &GraphDef) -> String {
         out.push('}');
         out.push_str(if i + 1 < def.nodes.len() { ",\n" } else { "\n" });
     }
-    let _ = write!(out, "  ],\n  \"outputs\": {}", Value::from(def.outputs.clone()));
+    let _ = write!(
+        out,
+        "  ],\n  \"outputs\": {}",
+        Value::from(def.outputs.clone())
+    );
     if let Some(d) = def.mixed_precision {
         let _ = write!(out, ",\n  \"{MIXED_PRECISION_KEY}\": {}", s(d.as_str()));
     }
@@ -319,8 +388,14 @@ pub fn from_bin(bytes: &[u8]) -> Result<GraphDef> {
     let rest = bytes
         .strip_prefix(BIN_MAGIC.as_slice())
         .ok_or_else(|| format_err("not an ampgraph binary graph (bad magic)"))?;
-    let (version, body) = rest.split_at_checked(4).ok_or_else(|| format_err("truncated binary graph header"))?;
-    let version = u32::from_le_bytes(version.try_into().map_err(|_| format_err("truncated header"))?);
+    let (version, body) = rest
+        .split_at_checked(4)
+        .ok_or_else(|| format_err("truncated binary graph header"))?;
+    let version = u32::from_le_bytes(
+        version
+            .try_into()
+            .map_err(|_| format_err("truncated header"))?,
+    );
     if version != FORMAT_VERSION {
         return Err(format_err(format!(
             "unsupported binary version {version} (this ampgraph reads version {FORMAT_VERSION})"
@@ -338,7 +413,11 @@ pub fn from_bin(bytes: &[u8]) -> Result<GraphDef> {
 
 /// Reads a graph from JSON or binary bytes (told apart by the magic header).
 pub fn graph_from_bytes(bytes: &[u8]) -> Result<Graph> {
-    let def = if is_bin(bytes) { from_bin(bytes)? } else { parse_json(bytes)? };
+    let def = if is_bin(bytes) {
+        from_bin(bytes)?
+    } else {
+        parse_json(bytes)?
+    };
     def.to_graph()
 }
 
@@ -346,9 +425,11 @@ pub fn graph_from_bytes(bytes: &[u8]) -> Result<Graph> {
 pub fn load(path: &str) -> Result<Graph> {
     let bytes = if path == "-" {
         let mut buf = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf).map_err(|source| GraphError::Io {
-            path: "<stdin>".into(),
-            source,
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf).map_err(|source| {
+            GraphError::Io {
+                path: "<stdin>".into(),
+                source,
+            }
         })?;
         buf
     } else {
@@ -385,13 +466,12 @@ pub fn to_text(g: &Graph) -> String {
     for id in g.topo_order().unwrap_or_else(|_| g.node_ids().collect()) {
         let n = g.node(id);
         let inputs: Vec<String> = g.inputs(id).into_iter().map(|p| g.port_name(p)).collect();
-        let attrs: Vec<String> = n
-            .op
-            .attrs()
-            .iter()
-            .filter(|(k, _)| *k != "value")
-            .map(|(k, v)| format!("{k}={}", attr_to_json(v)))
-            .collect();
+        let attrs: Vec<String> =
+            n.op.attrs()
+                .iter()
+                .filter(|(k, _)| *k != "value")
+                .map(|(k, v)| format!("{k}={}", attr_to_json(v)))
+                .collect();
         let types: Vec<String> = n.outputs().iter().map(ToString::to_string).collect();
         let _ = write!(out, "{} = {}({})", n.name, n.op.name(), inputs.join(", "));
         if !attrs.is_empty() {
@@ -424,9 +504,19 @@ pub fn to_dot(g: &Graph, color: &dyn Fn(&Graph, NodeId) -> &'static str) -> Stri
     let mut out = String::from("digraph ampgraph {\n  rankdir=TB;\n  node [shape=box, style=filled, fontname=\"Helvetica\"];\n");
     for id in g.node_ids() {
         let n = g.node(id);
-        let ty = n.outputs().first().map(ToString::to_string).unwrap_or_default();
+        let ty = n
+            .outputs()
+            .first()
+            .map(ToString::to_string)
+            .unwrap_or_default();
         let label = format!("{}\\n{}\\n{}", n.name, n.op.name(), ty);
-        let _ = writeln!(out, "  {} [label=\"{}\", fillcolor=\"{}\"];", q(&n.name), label.replace('"', "'"), color(g, id));
+        let _ = writeln!(
+            out,
+            "  {} [label=\"{}\", fillcolor=\"{}\"];",
+            q(&n.name),
+            label.replace('"', "'"),
+            color(g, id)
+        );
     }
     for id in g.node_ids() {
         for (slot, p) in g.inputs(id).into_iter().enumerate() {

@@ -340,7 +340,12 @@ impl Graph {
         const NEW: u8 = 0;
         const OPEN: u8 = 1;
         const DONE: u8 = 2;
-        let capacity = self.dag.node_indices().map(|i| i.index() + 1).max().unwrap_or(0);
+        let capacity = self
+            .dag
+            .node_indices()
+            .map(|i| i.index() + 1)
+            .max()
+            .unwrap_or(0);
         let mut state = vec![NEW; capacity];
         let mut order = Vec::with_capacity(self.len());
         // Iterative post-order DFS over inputs; each stack entry is (node, inputs pushed).
@@ -378,7 +383,11 @@ impl Graph {
                         DONE => {}
                         OPEN => {
                             let n = &self.dag[src];
-                            return Err(GraphError::node(&n.name, n.op.name(), "is part of a cycle"));
+                            return Err(GraphError::node(
+                                &n.name,
+                                n.op.name(),
+                                "is part of a cycle",
+                            ));
                         }
                         _ => stack.push((src, false)),
                     }
@@ -463,7 +472,11 @@ impl Graph {
                 .any(|e| e.weight().to_slot == slot);
             if !has_slot {
                 let n = &self.dag[consumer];
-                return Err(GraphError::node(&n.name, n.op.name(), format!("has no input {slot}")));
+                return Err(GraphError::node(
+                    &n.name,
+                    n.op.name(),
+                    format!("has no input {slot}"),
+                ));
             }
         }
         let edges: Vec<(NodeId, NodeId, Edge)> = self
@@ -532,7 +545,11 @@ impl Graph {
                 stack.extend(self.inputs(id).into_iter().map(|p| p.node));
             }
         }
-        let dead: Vec<NodeId> = self.dag.node_indices().filter(|id| !needed.contains(id)).collect();
+        let dead: Vec<NodeId> = self
+            .dag
+            .node_indices()
+            .filter(|id| !needed.contains(id))
+            .collect();
         for id in dead {
             let name = self.dag[id].name.clone();
             self.names.remove(&name);

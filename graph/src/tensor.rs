@@ -257,9 +257,16 @@ impl Tensor {
     pub fn reshaped(self, shape: Vec<usize>) -> Result<Tensor, String> {
         let n = checked_numel(&shape).ok_or("shape overflows the address space")?;
         if n != self.data.len() {
-            return Err(format!("cannot reshape {} values to {}", self.data.len(), ShapeDisplay(&shape)));
+            return Err(format!(
+                "cannot reshape {} values to {}",
+                self.data.len(),
+                ShapeDisplay(&shape)
+            ));
         }
-        Ok(Tensor { shape, data: self.data })
+        Ok(Tensor {
+            shape,
+            data: self.data,
+        })
     }
 
     /// Elementwise conversion, rounding to nearest (floats) or truncating (ints).

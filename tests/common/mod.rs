@@ -2,8 +2,8 @@
 #![allow(dead_code)] // each test binary uses a different part of this module
 
 use ampgraph::graph::ops::{
-    BiasAdd, Binary, BinaryKind, Cast, Concat, Const, LogSoftmax, MatMul, Placeholder, Reduce, ReduceKind, Reshape, Softmax,
-    Transpose, Unary, UnaryKind, Variable,
+    BiasAdd, Binary, BinaryKind, Cast, Concat, Const, LogSoftmax, MatMul, Placeholder, Reduce,
+    ReduceKind, Reshape, Softmax, Transpose, Unary, UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 
@@ -56,7 +56,9 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
             (Menu::Everything, 0) => Box::new(Variable::new(square.clone())),
             (_, 1) => {
                 let values: Vec<f64> = (0..D * D).map(|_| rng.unit() - 0.5).collect();
-                Box::new(Const::new(Tensor::from_f64(DType::F32, vec![D, D], &values).unwrap()))
+                Box::new(Const::new(
+                    Tensor::from_f64(DType::F32, vec![D, D], &values).unwrap(),
+                ))
             }
             _ => Box::new(Placeholder(square.clone())),
         };
@@ -100,7 +102,12 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
         UnaryKind::Identity,
     ];
     let binary_all = BinaryKind::ALL;
-    let binary_safe = [BinaryKind::Add, BinaryKind::Mul, BinaryKind::Maximum, BinaryKind::Minimum];
+    let binary_safe = [
+        BinaryKind::Add,
+        BinaryKind::Mul,
+        BinaryKind::Maximum,
+        BinaryKind::Minimum,
+    ];
     let mut last_was_cast = vec![false; 0];
     for step in 0..size {
         let a = pool[pool.len() - 1 - rng.below(pool.len().min(6))];
@@ -117,18 +124,36 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
                 )
                 .unwrap(),
             2 | 3 => {
-                let k = if menu == Menu::Everything { rng.pick(&unary_all) } else { rng.pick(&unary_safe) };
+                let k = if menu == Menu::Everything {
+                    rng.pick(&unary_all)
+                } else {
+                    rng.pick(&unary_safe)
+                };
                 g.add(Unary::new(k), &[a]).unwrap()
             }
             4 | 5 => {
-                let k = if menu == Menu::Everything { rng.pick(&binary_all) } else { rng.pick(&binary_safe) };
+                let k = if menu == Menu::Everything {
+                    rng.pick(&binary_all)
+                } else {
+                    rng.pick(&binary_safe)
+                };
                 g.add(Binary::new(k), &[a, b]).unwrap()
             }
             6 => {
                 let bias = g
-                    .add_node(g.fresh_name("bias"), Box::new(Placeholder(TensorType::new(DType::F32, vec![D]))), &[])
+                    .add_node(
+                        g.fresh_name("bias"),
+                        Box::new(Placeholder(TensorType::new(DType::F32, vec![D]))),
+                        &[],
+                    )
                     .unwrap();
-                g.add(BiasAdd { data_format: ampgraph::graph::ops::DataFormat::Nhwc }, &[a, bias.into()]).unwrap()
+                g.add(
+                    BiasAdd {
+                        data_format: ampgraph::graph::ops::DataFormat::Nhwc,
+                    },
+                    &[a, bias.into()],
+                )
+                .unwrap()
             }
             7 if rng.below(2) == 0 => g.add(Softmax { axis: -1 }, &[a]).unwrap(),
             7 => g.add(LogSoftmax { axis: -1 }, &[a]).unwrap(),
@@ -143,17 +168,39 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
                 } else {
                     rng.pick(&[ReduceKind::Mean, ReduceKind::Max])
                 };
-                let r = g.add(Reduce { kind, axes: Some(vec![1]), keep_dims: true }, &[a]).unwrap();
+                let r = g
+                    .add(
+                        Reduce {
+                            kind,
+                            axes: Some(vec![1]),
+                            keep_dims: true,
+                        },
+                        &[a],
+                    )
+                    .unwrap();
                 g.add(Binary::new(BinaryKind::Add), &[b, r]).unwrap()
             }
             11 => {
                 let cat = g.add(Concat { axis: 1 }, &[a, b]).unwrap();
                 let w = g
-                    .add_node(g.fresh_name("w"), Box::new(Placeholder(TensorType::new(DType::F32, vec![2 * D, D]))), &[])
+                    .add_node(
+                        g.fresh_name("w"),
+                        Box::new(Placeholder(TensorType::new(DType::F32, vec![2 * D, D]))),
+                        &[],
+                    )
                     .unwrap();
-                g.add(MatMul { transpose_a: false, transpose_b: false }, &[cat, w.into()]).unwrap()
+                g.add(
+                    MatMul {
+                        transpose_a: false,
+                        transpose_b: false,
+                    },
+                    &[cat, w.into()],
+                )
+                .unwrap()
             }
-            12 if !last_was_cast.last().copied().unwrap_or(false) => g.add(Cast { to: DType::F32 }, &[a]).unwrap(),
+            12 if !last_was_cast.last().copied().unwrap_or(false) => {
+                g.add(Cast { to: DType::F32 }, &[a]).unwrap()
+            }
             _ => fresh_input(&mut g, &mut rng),
         };
         last_was_cast.push(kind == 12);
@@ -165,7 +212,9 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
         .map(|i| {
             let src = pool[pool.len() - 1 - i.min(pool.len() - 1)];
             let name = g.fresh_name("output");
-            g.add_node(name, Box::new(Unary::new(UnaryKind::Identity)), &[src]).unwrap().into()
+            g.add_node(name, Box::new(Unary::new(UnaryKind::Identity)), &[src])
+                .unwrap()
+                .into()
         })
         .collect();
     g.set_outputs(sinks).unwrap();

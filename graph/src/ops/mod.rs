@@ -16,19 +16,21 @@ use crate::op::{Op, OpEntry, OpResult};
 
 pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
-pub use norm::{BatchNormGrad, LayerNormGrad};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
+pub use elementwise::{BinaryGrad, UnaryGrad};
 pub use linalg::{BatchMatMul, MatMul};
 pub use norm::{BatchNorm, LayerNorm};
+pub use norm::{BatchNormGrad, LayerNormGrad};
+pub use reduce::ReduceGrad;
 pub use reduce::{Reduce, ReduceKind, SumTo};
+pub use shape_ops::{BroadcastTo, Slice};
 pub use shape_ops::{Concat, Reshape, Transpose};
 pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
-pub use elementwise::{BinaryGrad, UnaryGrad};
-pub use reduce::ReduceGrad;
-pub use shape_ops::{BroadcastTo, Slice};
 pub use softmax::{SoftmaxCrossEntropyGrad, SoftmaxGrad};
 pub use source::{Cast, Const, Init, Placeholder, Variable};
-pub use train::{AllFinite, AssignVariable, Group, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule};
+pub use train::{
+    AllFinite, AssignVariable, Group, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule,
+};
 
 /// All op families' registry rows.
 const FAMILIES: &[&[OpEntry]] = &[

@@ -2,9 +2,9 @@
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::autodiff::GradBuilder;
+use crate::dtype::DType;
 use crate::error::GraphError;
 use crate::graph::Port;
-use crate::dtype::DType;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::tensor::{checked_numel, Data, ShapeDisplay, Tensor, TensorType};
 
@@ -137,7 +137,10 @@ pub struct Variable {
 
 impl Variable {
     pub fn new(ty: TensorType) -> Self {
-        Variable { ty, init: Init::Auto }
+        Variable {
+            ty,
+            init: Init::Auto,
+        }
     }
 
     pub fn with_init(ty: TensorType, init: Init) -> Self {

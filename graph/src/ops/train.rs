@@ -128,7 +128,10 @@ impl Op for AllFinite {
             Data::F64(v) => v.iter().all(|x| x.is_finite()),
             _ => true,
         });
-        Ok(vec![Tensor::scalar(DType::Bool, f64::from(u8::from(finite)))])
+        Ok(vec![Tensor::scalar(
+            DType::Bool,
+            f64::from(u8::from(finite)),
+        )])
     }
 }
 
@@ -147,14 +150,19 @@ impl Op for IncrementIf {
         let [finite, counter] = fixed(inputs)?;
         require_flag(finite)?;
         if !counter.shape.is_empty() || counter.dtype == DType::Bool {
-            return Err(format!("the counter must be a numeric scalar, got {counter}"));
+            return Err(format!(
+                "the counter must be a numeric scalar, got {counter}"
+            ));
         }
         Ok(vec![(*counter).clone()])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [finite, counter] = fixed(inputs)?;
         let add = if flag(finite) { 1.0 } else { 0.0 };
-        Ok(vec![Tensor::scalar(counter.dtype(), counter.to_f64_vec()[0] + add)])
+        Ok(vec![Tensor::scalar(
+            counter.dtype(),
+            counter.to_f64_vec()[0] + add,
+        )])
     }
 }
 
@@ -164,16 +172,25 @@ pub enum Rule {
     /// PyTorch's SGD: `buf = momentum*buf + g; var -= lr*(nesterov ? g + momentum*buf : buf)`.
     Sgd { momentum: f64, nesterov: bool },
     /// Adam (`decoupled`: AdamW's weight decay) with bias correction.
-    Adam { beta1: f64, beta2: f64, epsilon: f64, decoupled: bool },
+    Adam {
+        beta1: f64,
+        beta2: f64,
+        epsilon: f64,
+        decoupled: bool,
+    },
     /// LAMB: Adam's direction scaled per layer by ||var|| / ||update||.
-    Lamb { beta1: f64, beta2: f64, epsilon: f64 },
+    Lamb {
+        beta1: f64,
+        beta2: f64,
+        epsilon: f64,
+    },
 }
 
 impl Rule {
     /// Optimizer state tensors per variable, besides the shared step count.
     pub fn slots(self) -> &'static [&'static str] {
         match self {
-            Rule::Sgd { momentum, .. } if momentum == 0.0 => &[],
+            Rule::Sgd { momentum: 0.0, .. } => &[],
             Rule::Sgd { .. } => &["momentum"],
             Rule::Adam { .. } | Rule::Lamb { .. } => &["m", "v"],
         }
@@ -205,15 +222,35 @@ impl OptimizerUpdate {
                 momentum: a.float_or("momentum", 0.0)?,
                 nesterov: a.bool_or("nesterov", false)?,
             },
-            Some("adam") => Rule::Adam { beta1, beta2, epsilon, decoupled: false },
-            Some("adamw") => Rule::Adam { beta1, beta2, epsilon, decoupled: true },
-            Some("lamb") => Rule::Lamb { beta1, beta2, epsilon },
-            Some(other) => return Err(format!("unknown rule '{other}' (known: sgd adam adamw lamb)")),
+            Some("adam") => Rule::Adam {
+                beta1,
+                beta2,
+                epsilon,
+                decoupled: false,
+            },
+            Some("adamw") => Rule::Adam {
+                beta1,
+                beta2,
+                epsilon,
+                decoupled: true,
+            },
+            Some("lamb") => Rule::Lamb {
+                beta1,
+                beta2,
+                epsilon,
+            },
+            Some(other) => {
+                return Err(format!(
+                    "unknown rule '{other}' (known: sgd adam adamw lamb)"
+                ))
+            }
             None => return Err("missing attr 'rule'".into()),
         };
         Ok(OptimizerUpdate {
             rule,
-            learning_rate: a.opt_float("learning_rate")?.ok_or("missing attr 'learning_rate'")?,
+            learning_rate: a
+                .opt_float("learning_rate")?
+                .ok_or("missing attr 'learning_rate'")?,
             weight_decay: a.float_or("weight_decay", 0.0)?,
         })
     }
@@ -236,16 +273,27 @@ impl Op for OptimizerUpdate {
             ("weight_decay", self.weight_decay.into()),
         ];
         match self.rule {
-            Rule::Sgd { momentum, nesterov } => {
-                a.extend([("rule", "sgd".into()), ("momentum", momentum.into()), ("nesterov", nesterov.into())])
-            }
-            Rule::Adam { beta1, beta2, epsilon, decoupled } => a.extend([
+            Rule::Sgd { momentum, nesterov } => a.extend([
+                ("rule", "sgd".into()),
+                ("momentum", momentum.into()),
+                ("nesterov", nesterov.into()),
+            ]),
+            Rule::Adam {
+                beta1,
+                beta2,
+                epsilon,
+                decoupled,
+            } => a.extend([
                 ("rule", if decoupled { "adamw" } else { "adam" }.into()),
                 ("beta1", beta1.into()),
                 ("beta2", beta2.into()),
                 ("epsilon", epsilon.into()),
             ]),
-            Rule::Lamb { beta1, beta2, epsilon } => a.extend([
+            Rule::Lamb {
+                beta1,
+                beta2,
+                epsilon,
+            } => a.extend([
                 ("rule", "lamb".into()),
                 ("beta1", beta1.into()),
                 ("beta2", beta2.into()),
@@ -273,11 +321,17 @@ impl Op for OptimizerUpdate {
         if self.rule.uses_step() {
             let step = inputs[3 + n_slots];
             if !step.shape.is_empty() || step.dtype == DType::Bool {
-                return Err(format!("the step count must be a numeric scalar, got {step}"));
+                return Err(format!(
+                    "the step count must be a numeric scalar, got {step}"
+                ));
             }
         }
         // The variable and its slots keep their types.
-        Ok(inputs[1..2].iter().chain(&inputs[3..3 + n_slots]).map(|t| (*t).clone()).collect())
+        Ok(inputs[1..2]
+            .iter()
+            .chain(&inputs[3..3 + n_slots])
+            .map(|t| (*t).clone())
+            .collect())
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let n_slots = self.rule.slots().len();
@@ -301,7 +355,10 @@ impl FloatKernel for OptimizerUpdate {
         let n_slots = self.rule.slots().len();
         let mut var = T::read(inputs[1]).into_owned();
         let grad = T::read(inputs[2]);
-        let mut slots: Vec<Vec<T>> = inputs[3..3 + n_slots].iter().map(|t| T::read(t).into_owned()).collect();
+        let mut slots: Vec<Vec<T>> = inputs[3..3 + n_slots]
+            .iter()
+            .map(|t| T::read(t).into_owned())
+            .collect();
         let (lr, wd) = (T::lit(self.learning_rate), T::lit(self.weight_decay));
         let one = T::one();
         // Bias corrections 1 - beta^t, from the step count after this step.
@@ -313,7 +370,10 @@ impl FloatKernel for OptimizerUpdate {
             Rule::Sgd { momentum, nesterov } => {
                 let m = T::lit(momentum);
                 match slots.first_mut() {
-                    None => var.iter_mut().zip(grad.iter()).for_each(|(w, &g)| *w = *w - lr * (g + wd * *w)),
+                    None => var
+                        .iter_mut()
+                        .zip(grad.iter())
+                        .for_each(|(w, &g)| *w = *w - lr * (g + wd * *w)),
                     Some(buf) => {
                         for ((w, &g), b) in var.iter_mut().zip(grad.iter()).zip(buf.iter_mut()) {
                             let g = g + wd * *w;
@@ -324,14 +384,23 @@ impl FloatKernel for OptimizerUpdate {
                     }
                 }
             }
-            Rule::Adam { beta1, beta2, epsilon, decoupled } => {
+            Rule::Adam {
+                beta1,
+                beta2,
+                epsilon,
+                decoupled,
+            } => {
                 let (c1, c2) = corrections(beta1, beta2);
                 let (b1, b2, eps) = (T::lit(beta1), T::lit(beta2), T::lit(epsilon));
                 let [m, v] = slots.as_mut_slice() else {
                     return Err("Adam keeps two slots".into());
                 };
                 for i in 0..var.len() {
-                    let g = if decoupled { grad[i] } else { grad[i] + wd * var[i] };
+                    let g = if decoupled {
+                        grad[i]
+                    } else {
+                        grad[i] + wd * var[i]
+                    };
                     m[i] = b1 * m[i] + (one - b1) * g;
                     v[i] = b2 * v[i] + (one - b2) * g * g;
                     let update = (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
@@ -339,7 +408,11 @@ impl FloatKernel for OptimizerUpdate {
                     var[i] = var[i] - lr * (update + decay);
                 }
             }
-            Rule::Lamb { beta1, beta2, epsilon } => {
+            Rule::Lamb {
+                beta1,
+                beta2,
+                epsilon,
+            } => {
                 let (c1, c2) = corrections(beta1, beta2);
                 let (b1, b2, eps) = (T::lit(beta1), T::lit(beta2), T::lit(epsilon));
                 let [m, v] = slots.as_mut_slice() else {
@@ -353,14 +426,21 @@ impl FloatKernel for OptimizerUpdate {
                 }
                 let norm = |x: &[T]| x.iter().map(|&a| a * a).sum::<T>().sqrt();
                 let (w_norm, u_norm) = (norm(&var), norm(&update));
-                let trust = if w_norm > T::zero() && u_norm > T::zero() { w_norm / u_norm } else { one };
+                let trust = if w_norm > T::zero() && u_norm > T::zero() {
+                    w_norm / u_norm
+                } else {
+                    one
+                };
                 for (w, u) in var.iter_mut().zip(&update) {
                     *w = *w - lr * trust * *u;
                 }
             }
         }
         let shape = inputs[1].shape().to_vec();
-        Ok(std::iter::once(var).chain(slots).map(|v| (shape.clone(), v)).collect())
+        Ok(std::iter::once(var)
+            .chain(slots)
+            .map(|v| (shape.clone(), v))
+            .collect())
     }
 }
 
@@ -414,6 +494,9 @@ impl Op for LossScaleUpdate {
         } else {
             ((s * self.backoff_factor).max(1.0), 0.0)
         };
-        Ok(vec![Tensor::scalar(scale.dtype(), s), Tensor::scalar(good.dtype(), n)])
+        Ok(vec![
+            Tensor::scalar(scale.dtype(), s),
+            Tensor::scalar(good.dtype(), n),
+        ])
     }
 }

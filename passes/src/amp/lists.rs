@@ -19,7 +19,12 @@ pub enum ListClass {
 }
 
 impl ListClass {
-    pub const ALL: [ListClass; 4] = [ListClass::Allow, ListClass::Infer, ListClass::Clear, ListClass::Deny];
+    pub const ALL: [ListClass; 4] = [
+        ListClass::Allow,
+        ListClass::Infer,
+        ListClass::Clear,
+        ListClass::Deny,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -49,9 +54,18 @@ impl fmt::Display for ListClass {
 
 /// The built-in profiles, compiled in so the binary works from any directory.
 const PROFILES: &[(&str, &str)] = &[
-    ("default_fp16", include_str!("../../../allowlists/default_fp16.toml")),
-    ("default_bf16", include_str!("../../../allowlists/default_bf16.toml")),
-    ("tensorflow", include_str!("../../../allowlists/tensorflow.toml")),
+    (
+        "default_fp16",
+        include_str!("../../../allowlists/default_fp16.toml"),
+    ),
+    (
+        "default_bf16",
+        include_str!("../../../allowlists/default_bf16.toml"),
+    ),
+    (
+        "tensorflow",
+        include_str!("../../../allowlists/tensorflow.toml"),
+    ),
 ];
 
 #[derive(Deserialize)]
@@ -84,14 +98,18 @@ impl PrecisionLists {
     pub fn profile(name: &str) -> Result<Self, PassError> {
         let (_, text) = PROFILES.iter().find(|(n, _)| *n == name).ok_or_else(|| {
             let names: Vec<&str> = PROFILES.iter().map(|(n, _)| *n).collect();
-            PassError::Lists(format!("unknown list profile '{name}' (known: {})", names.join(", ")))
+            PassError::Lists(format!(
+                "unknown list profile '{name}' (known: {})",
+                names.join(", ")
+            ))
         })?;
         Self::from_toml(text, name)
     }
 
     /// Parses a list file; `origin` names it in errors.
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, PassError> {
-        let file: ListFile = toml::from_str(text).map_err(|e| PassError::Lists(format!("{origin}: {e}")))?;
+        let file: ListFile =
+            toml::from_str(text).map_err(|e| PassError::Lists(format!("{origin}: {e}")))?;
         let mut lists = PrecisionLists {
             classes: BTreeMap::new(),
         };
@@ -143,7 +161,10 @@ impl PrecisionLists {
 
     /// Applies `AMPGRAPH_AMP_{ALLOW,INFER,CLEAR,DENY}LIST_{ADD,REMOVE}` (comma-separated op
     /// names), read through `var` so tests and the library API can supply their own.
-    pub fn apply_overrides(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), PassError> {
+    pub fn apply_overrides(
+        &mut self,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), PassError> {
         for class in ListClass::ALL {
             for (suffix, add) in [("REMOVE", false), ("ADD", true)] {
                 let key = format!("{}_{suffix}", class.env_stem());

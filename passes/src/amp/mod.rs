@@ -32,13 +32,19 @@ pub struct AmpConfig {
 impl AmpConfig {
     /// ampgraph's own lists for the target: `default_fp16` or `default_bf16`.
     pub fn new(target: DType) -> Result<Self, PassError> {
-        let profile = if target == DType::BF16 { "default_bf16" } else { "default_fp16" };
+        let profile = if target == DType::BF16 {
+            "default_bf16"
+        } else {
+            "default_fp16"
+        };
         Self::with_profile(target, profile)
     }
 
     pub fn with_profile(target: DType, profile: &str) -> Result<Self, PassError> {
         if !target.is_half() {
-            return Err(PassError::Lists(format!("the AMP target must be f16 or bf16, not {target}")));
+            return Err(PassError::Lists(format!(
+                "the AMP target must be f16 or bf16, not {target}"
+            )));
         }
         Ok(AmpConfig {
             target,

@@ -114,12 +114,14 @@ impl Painting {
 
     /// The vertex that types input `slot` of `id`.
     pub fn input_vertex(&self, id: NodeId, slot: usize) -> Option<u32> {
-        self.vertices(id).find(|&v| self.group[v as usize].inputs.contains(&slot))
+        self.vertices(id)
+            .find(|&v| self.group[v as usize].inputs.contains(&slot))
     }
 
     /// The vertex that types output `port` of `id`.
     pub fn output_vertex(&self, id: NodeId, port: usize) -> Option<u32> {
-        self.vertices(id).find(|&v| self.group[v as usize].outputs.contains(&port))
+        self.vertices(id)
+            .find(|&v| self.group[v as usize].outputs.contains(&port))
     }
 
     pub fn fanin(&self, v: u32) -> &[u32] {
@@ -199,7 +201,10 @@ impl Painting {
         let mut edges = Vec::new();
         for (&id, inputs) in p.order.iter().zip(&inputs_of) {
             for (slot, port) in inputs.iter().enumerate() {
-                if let (Some(src), Some(dst)) = (p.output_vertex(port.node, port.index), p.input_vertex(id, slot)) {
+                if let (Some(src), Some(dst)) = (
+                    p.output_vertex(port.node, port.index),
+                    p.input_vertex(id, slot),
+                ) {
                     edges.push((src, dst));
                 }
             }
@@ -287,8 +292,12 @@ impl Painting {
         while let Some(v) = queue.pop_front() {
             for k in self.fanout.start[v as usize]..self.fanout.start[v as usize + 1] {
                 let o = self.fanout.targets[k as usize];
-                let passable = matches!(self.class[o as usize], Some(ListClass::Clear | ListClass::Infer));
-                if !downstream[o as usize] && passable && !self.deny[o as usize] && self.eligible(o) {
+                let passable = matches!(
+                    self.class[o as usize],
+                    Some(ListClass::Clear | ListClass::Infer)
+                );
+                if !downstream[o as usize] && passable && !self.deny[o as usize] && self.eligible(o)
+                {
                     downstream[o as usize] = true;
                     queue.push_back(o);
                 }
@@ -318,7 +327,11 @@ impl Painting {
     fn infer_follows_allow(&mut self) {
         for v in 0..self.len() as u32 {
             let i = v as usize;
-            if self.allow[i] || self.deny[i] || !self.class_is(v, ListClass::Infer) || !self.eligible(v) {
+            if self.allow[i]
+                || self.deny[i]
+                || !self.class_is(v, ListClass::Infer)
+                || !self.eligible(v)
+            {
                 continue;
             }
             let mut allowed_fanin = NONE;
@@ -343,10 +356,20 @@ impl Painting {
             .filter(|&v| self.allow[v as usize] && self.process[v as usize])
             .collect();
         while let Some(v) = queue.pop_front() {
-            let neighbours: Vec<u32> = self.fanin.of(v).iter().chain(self.fanout.of(v)).copied().collect();
+            let neighbours: Vec<u32> = self
+                .fanin
+                .of(v)
+                .iter()
+                .chain(self.fanout.of(v))
+                .copied()
+                .collect();
             for o in neighbours {
                 let i = o as usize;
-                if !self.allow[i] && !self.deny[i] && self.class_is(o, ListClass::Clear) && self.eligible(o) {
+                if !self.allow[i]
+                    && !self.deny[i]
+                    && self.class_is(o, ListClass::Clear)
+                    && self.eligible(o)
+                {
                     self.mark_allow(o, Step::ClearNextToAllow, v);
                     queue.push_back(o);
                 }

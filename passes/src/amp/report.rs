@@ -92,20 +92,33 @@ impl AmpReport {
 
     /// The summary in the words of TensorFlow's Grappler report.
     pub fn summary(&self) -> PassSummary {
-        let half = if self.target == DType::BF16 { "BF16" } else { "FP16" };
+        let half = if self.target == DType::BF16 {
+            "BF16"
+        } else {
+            "FP16"
+        };
         PassSummary {
             title: "Automatic Mixed Precision Grappler Pass Summary:".into(),
             lines: vec![
                 format!("Total processable nodes: {}", self.processable),
-                format!("Recognized nodes available for conversion: {}", self.recognized),
+                format!(
+                    "Recognized nodes available for conversion: {}",
+                    self.recognized
+                ),
                 format!("Total nodes converted: {}", self.stats.nodes_converted),
                 format!(
                     "Total {half} Cast ops used (excluding Const and Variable casts): {}",
                     self.stats.casts_to_half
                 ),
-                format!("Allowlisted nodes converted: {}", self.allowlisted_converted),
+                format!(
+                    "Allowlisted nodes converted: {}",
+                    self.allowlisted_converted
+                ),
                 format!("Denylisted nodes blocking conversion: {}", self.denylisted),
-                format!("Nodes blocked from conversion by denylisted nodes: {}", self.blocked),
+                format!(
+                    "Nodes blocked from conversion by denylisted nodes: {}",
+                    self.blocked
+                ),
             ],
         }
     }
@@ -119,9 +132,17 @@ impl AmpReport {
             "Casts inserted: {} to {}, {} of Variables to {}, {} back to f32; Consts stored in {}: {}",
             st.casts_to_half, self.target, st.variable_casts, self.target, st.casts_to_f32, self.target, st.consts_folded
         );
-        let _ = writeln!(s, "{:<20} {:>7} {:>10} {:>8}", "op", "nodes", "converted", "blocked");
+        let _ = writeln!(
+            s,
+            "{:<20} {:>7} {:>10} {:>8}",
+            "op", "nodes", "converted", "blocked"
+        );
         for (op, c) in &self.per_op {
-            let _ = writeln!(s, "{op:<20} {:>7} {:>10} {:>8}", c.total, c.converted, c.blocked);
+            let _ = writeln!(
+                s,
+                "{op:<20} {:>7} {:>10} {:>8}",
+                c.total, c.converted, c.blocked
+            );
         }
         s
     }
@@ -186,20 +207,33 @@ fn chain(g: &Graph, p: &Painting, v: u32) -> Vec<String> {
 }
 
 /// Explains the decision on node `name` of `g` (the graph before the rewrite).
-pub fn explain(g: &Graph, p: &Painting, config: &AmpConfig, name: &str) -> Result<Explanation, PassError> {
+pub fn explain(
+    g: &Graph,
+    p: &Painting,
+    config: &AmpConfig,
+    name: &str,
+) -> Result<Explanation, PassError> {
     let id = g.require(name)?;
     let node = g.node(id);
     let v = p.primary(id);
     let i = v as usize;
     let t = config.target;
-    let dtype = node.outputs().first().map(|t| t.dtype).unwrap_or(DType::F32);
+    let dtype = node
+        .outputs()
+        .first()
+        .map(|t| t.dtype)
+        .unwrap_or(DType::F32);
     let converted = p.allow[i] && p.is_f32[i];
     let mut reasons = Vec::new();
     let op = node.op.name();
     if !p.process[i] {
-        reasons.push("kept: it is a graph output, and fetched tensors keep their declared type".into());
+        reasons.push(
+            "kept: it is a graph output, and fetched tensors keep their declared type".into(),
+        );
     } else if !p.is_f32[i] {
-        reasons.push(format!("kept: its type is {dtype}; only f32 tensors are converted"));
+        reasons.push(format!(
+            "kept: its type is {dtype}; only f32 tensors are converted"
+        ));
     } else if converted {
         reasons.push(match p.step[i] {
             Step::Allowlisted => format!("converted: {op} is allowlisted (always worth running in {t})"),
@@ -220,7 +254,9 @@ pub fn explain(g: &Graph, p: &Painting, config: &AmpConfig, name: &str) -> Resul
             Step::None | Step::Denied => "converted".into(),
         });
     } else if p.deny[i] && p.class[i] == Some(ListClass::Deny) {
-        reasons.push(format!("kept in f32: {op} is denylisted (numerically unsafe in {t})"));
+        reasons.push(format!(
+            "kept in f32: {op} is denylisted (numerically unsafe in {t})"
+        ));
     } else if p.deny[i] {
         let mut path = chain(g, p, v);
         path.reverse();
@@ -236,7 +272,12 @@ pub fn explain(g: &Graph, p: &Painting, config: &AmpConfig, name: &str) -> Resul
                 "kept in f32: {op} is in no list; ops in no list always run in f32"
             )),
             Some(ListClass::Infer) => {
-                let denied: Vec<u32> = p.fanin(v).iter().copied().filter(|&f| p.deny[f as usize]).collect();
+                let denied: Vec<u32> = p
+                    .fanin(v)
+                    .iter()
+                    .copied()
+                    .filter(|&f| p.deny[f as usize])
+                    .collect();
                 if let Some(&f) = denied.first() {
                     let mut path = chain(g, p, f);
                     path.reverse();
@@ -262,7 +303,9 @@ pub fn explain(g: &Graph, p: &Painting, config: &AmpConfig, name: &str) -> Resul
         .inputs(id)
         .iter()
         .map(|port| {
-            let half = p.output_vertex(port.node, port.index).is_some_and(|u| p.allow[u as usize] && p.is_f32[u as usize]);
+            let half = p
+                .output_vertex(port.node, port.index)
+                .is_some_and(|u| p.allow[u as usize] && p.is_f32[u as usize]);
             let ty = if half { t } else { g.ty(*port).dtype };
             format!("{} ({ty})", g.port_name(*port))
         })
@@ -281,14 +324,23 @@ pub fn explain(g: &Graph, p: &Painting, config: &AmpConfig, name: &str) -> Resul
 
 /// Writes the graph before and after the rewrite into `dir`: JSON, DOT coloured by
 /// precision and, where Graphviz is installed, SVG.
-pub(crate) fn dump(dir: &Path, before: &Graph, after: &Graph, report: &AmpReport) -> Result<(), PassError> {
+pub(crate) fn dump(
+    dir: &Path,
+    before: &Graph,
+    after: &Graph,
+    report: &AmpReport,
+) -> Result<(), PassError> {
     static RUN: AtomicUsize = AtomicUsize::new(0);
     let io = |path: &Path| {
         let path = path.display().to_string();
         move |source| PassError::Io { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let stem = format!("ampgraph_amp_{}_{}", std::process::id(), RUN.fetch_add(1, Ordering::Relaxed));
+    let stem = format!(
+        "ampgraph_amp_{}_{}",
+        std::process::id(),
+        RUN.fetch_add(1, Ordering::Relaxed)
+    );
     for (phase, g) in [("before", before), ("after", after)] {
         let json = dir.join(format!("{stem}_{phase}.json"));
         format::write_atomic(&json, format::to_json(&GraphDef::from_graph(g)).as_bytes())?;
@@ -305,6 +357,9 @@ pub(crate) fn dump(dir: &Path, before: &Graph, after: &Graph, report: &AmpReport
             .stderr(std::process::Stdio::null())
             .status();
     }
-    log::info!("AMP graphs dumped to {}/{stem}_{{before,after}}.{{json,dot}}", dir.display());
+    log::info!(
+        "AMP graphs dumped to {}/{stem}_{{before,after}}.{{json,dot}}",
+        dir.display()
+    );
     Ok(())
 }

@@ -61,7 +61,10 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             let mismatched: Vec<(NodeId, usize)> = consumers
                 .iter()
                 .copied()
-                .filter(|&(d, slot)| p.input_vertex(d, slot).is_some_and(|dv| p.allow[dv as usize] != src_allow))
+                .filter(|&(d, slot)| {
+                    p.input_vertex(d, slot)
+                        .is_some_and(|dv| p.allow[dv as usize] != src_allow)
+                })
                 .filter(|&(d, _)| !g.node(d).op.is::<Cast>())
                 .collect();
             if mismatched.is_empty() {
@@ -78,7 +81,11 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
                     g.set_op(id, Box::new(rounded));
                     continue;
                 }
-                let name = g.fresh_name(&format!("{}-{port_index}-{}", g.node(id).name, cast_suffix(to)));
+                let name = g.fresh_name(&format!(
+                    "{}-{port_index}-{}",
+                    g.node(id).name,
+                    cast_suffix(to)
+                ));
                 let new = g.add_node(name, Box::new(rounded), &[])?;
                 stats.inserted.push(new);
                 rewire(&mut changes, &mismatched, Port::new(new, 0));
@@ -93,13 +100,20 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             }
             // One cast per (tensor, dtype): reuse a Cast the graph already has.
             let existing = g.port_consumers(source).into_iter().find(|&(d, _)| {
-                g.node(d).op.downcast_ref::<Cast>().is_some_and(|c| c.to == to)
+                g.node(d)
+                    .op
+                    .downcast_ref::<Cast>()
+                    .is_some_and(|c| c.to == to)
             });
             if let Some((cast, _)) = existing {
                 rewire(&mut changes, &mismatched, Port::new(cast, 0));
                 continue;
             }
-            let name = g.fresh_name(&format!("{}-{port_index}-{}-AutoMixedPrecision", g.node(id).name, cast_suffix(to)));
+            let name = g.fresh_name(&format!(
+                "{}-{port_index}-{}-AutoMixedPrecision",
+                g.node(id).name,
+                cast_suffix(to)
+            ));
             let cast = g.add_node(name, Box::new(Cast { to }), &[source])?;
             stats.inserted.push(cast);
             rewire(&mut changes, &mismatched, Port::new(cast, 0));
@@ -120,7 +134,9 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
 fn const_tensor(c: &Const) -> Result<Tensor, PassError> {
     use ampgraph_graph::Op;
     let mut values = c.eval(&[]).map_err(PassError::Rewrite)?;
-    values.pop().ok_or_else(|| PassError::Rewrite("a Const produced no value".into()))
+    values
+        .pop()
+        .ok_or_else(|| PassError::Rewrite("a Const produced no value".into()))
 }
 
 /// The dtype `port` will have once the rewrite is done (types are re-inferred last).
