@@ -8,6 +8,7 @@ use std::fmt;
 
 use std::sync::Arc;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::dtype::DType;
@@ -142,10 +143,19 @@ impl Data {
 
     /// Values rounded into `dtype` storage from f32.
     pub fn from_f32(dtype: DType, values: Vec<f32>) -> Data {
+        // half's slice conversions use the CPU's conversion instructions where present.
         match dtype {
             DType::F32 => Data::F32(values),
-            DType::F16 => Data::F16(values.into_iter().map(f16::from_f32).collect()),
-            DType::BF16 => Data::BF16(values.into_iter().map(bf16::from_f32).collect()),
+            DType::F16 => {
+                let mut out = vec![f16::ZERO; values.len()];
+                out.convert_from_f32_slice(&values);
+                Data::F16(out)
+            }
+            DType::BF16 => {
+                let mut out = vec![bf16::ZERO; values.len()];
+                out.convert_from_f32_slice(&values);
+                Data::BF16(out)
+            }
             other => Data::from_f64(other, values.into_iter().map(f64::from)),
         }
     }
@@ -167,8 +177,8 @@ impl Data {
     pub fn to_f32(&self) -> Vec<f32> {
         match self {
             Data::F32(v) => v.clone(),
-            Data::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            Data::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Data::F16(v) => v.to_f32_vec(),
+            Data::BF16(v) => v.to_f32_vec(),
             other => other.to_f64().into_iter().map(|x| x as f32).collect(),
         }
     }

@@ -613,6 +613,14 @@ pub(crate) fn broadcast_zip<T: Copy + Sync, U: Send>(
     if a_shape == b_shape {
         return par_fill(a.len(), |i| f(a[i], b[i]));
     }
+    // A scalar operand (loss scales, learning rates) needs no index maps.
+    let n: usize = out_shape.iter().product();
+    if b.len() == 1 && a.len() == n {
+        return par_fill(n, |i| f(a[i], b[0]));
+    }
+    if a.len() == 1 && b.len() == n {
+        return par_fill(n, |i| f(a[0], b[i]));
+    }
     let ia = broadcast_index_map(a_shape, out_shape);
     let ib = broadcast_index_map(b_shape, out_shape);
     ia.iter().zip(&ib).map(|(&i, &j)| f(a[i], b[j])).collect()
