@@ -246,32 +246,12 @@ proptest! {
     }
 }
 
-/// NumPy broadcast of two shapes (restated).
-fn broadcast(a: &[usize], b: &[usize]) -> Vec<usize> {
-    let r = a.len().max(b.len());
-    let pad = |s: &[usize]| {
-        let mut v = vec![1; r - s.len()];
-        v.extend_from_slice(s);
-        v
-    };
-    pad(a).iter().zip(pad(b)).map(|(&x, y)| x.max(y)).collect()
-}
-
 /// The index into an operand of `shape` read at output multi-index `idx`.
 fn operand_index(idx: &[usize], shape: &[usize]) -> usize {
     let off = idx.len() - shape.len();
     shape.iter().enumerate().fold(0, |acc, (i, &d)| {
         acc * d + if d == 1 { 0 } else { idx[off + i] }
     })
-}
-
-fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
-    let mut idx = vec![0; shape.len()];
-    for ax in (0..shape.len()).rev() {
-        idx[ax] = flat % shape[ax];
-        flat /= shape[ax];
-    }
-    idx
 }
 
 fn check_binary_grad(

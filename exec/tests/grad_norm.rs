@@ -17,10 +17,7 @@ use ampgraph_exec::{CpuExecutor, Executor};
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::autodiff::gradients;
 use ampgraph_graph::op::TypeGroup;
-use ampgraph_graph::ops::{
-    BatchNorm, BatchNormGrad, Binary, BinaryKind, Const, DataFormat, LayerNorm, LayerNormGrad,
-    Placeholder, Reduce, ReduceKind,
-};
+use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat, LayerNorm, LayerNormGrad};
 use ampgraph_graph::{DType, Graph, Op, Port, Tensor, TensorType};
 use common::*;
 use proptest::prelude::*;
@@ -29,23 +26,9 @@ use proptest::prelude::*;
 /// |analytic - numeric| / max(1, |numeric|), the same measure as `check_op_gradient`.
 fn check_output0(op: Box<dyn Op>, inputs: &[Tensor], wrt: &[usize], seed: u64) -> f64 {
     let mut g = Graph::new();
-    let ports: Vec<Port> = inputs
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            g.add_node(format!("in{i}"), Box::new(Placeholder(t.ty())), &[])
-                .unwrap()
-                .into()
-        })
-        .collect();
-    let node = g.add_node("op", op, &ports).unwrap();
-    let y = Port::new(node, 0);
+    let (ports, y) = add_op_on_placeholders(&mut g, op, inputs);
     let w = seeded_tensor("weight0", g.ty(y), seed);
-    let w = g.add(Const::new(w), &[]).unwrap();
-    let prod = g.add(Binary::new(BinaryKind::Mul), &[y, w]).unwrap();
-    let loss = g
-        .add(Reduce::new(ReduceKind::Sum, None, false), &[prod])
-        .unwrap();
+    let loss = weighted_sum(&mut g, y, w);
     let wrt_ports: Vec<Port> = wrt.iter().map(|&i| ports[i]).collect();
     let grads = gradients(&mut g, loss, &wrt_ports).unwrap();
     g.validate().unwrap();

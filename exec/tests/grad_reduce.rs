@@ -91,25 +91,6 @@ proptest! {
     }
 }
 
-fn broadcast(a: &[usize], b: &[usize]) -> Vec<usize> {
-    let r = a.len().max(b.len());
-    let pad = |s: &[usize]| {
-        let mut v = vec![1; r - s.len()];
-        v.extend_from_slice(s);
-        v
-    };
-    pad(a).iter().zip(pad(b)).map(|(&x, y)| x.max(y)).collect()
-}
-
-fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
-    let mut idx = vec![0; shape.len()];
-    for ax in (0..shape.len()).rev() {
-        idx[ax] = flat % shape[ax];
-        flat /= shape[ax];
-    }
-    idx
-}
-
 /// Reference: the output slot of each input element, and the output shape.
 fn slots(shape: &[usize], axes: &Option<Vec<i64>>, keep_dims: bool) -> (Vec<usize>, Vec<usize>) {
     let r = shape.len() as i64;

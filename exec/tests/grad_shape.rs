@@ -21,29 +21,6 @@ const ALL_DTYPES: [DType; 7] = [
     DType::Bool,
 ];
 
-fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
-    let mut idx = vec![0; shape.len()];
-    for ax in (0..shape.len()).rev() {
-        idx[ax] = flat % shape[ax];
-        flat /= shape[ax];
-    }
-    idx
-}
-
-fn ravel(idx: &[usize], shape: &[usize]) -> usize {
-    idx.iter().zip(shape).fold(0, |acc, (&i, &d)| acc * d + i)
-}
-
-fn broadcast(a: &[usize], b: &[usize]) -> Vec<usize> {
-    let r = a.len().max(b.len());
-    let pad = |s: &[usize]| {
-        let mut v = vec![1; r - s.len()];
-        v.extend_from_slice(s);
-        v
-    };
-    pad(a).iter().zip(pad(b)).map(|(&x, y)| x.max(y)).collect()
-}
-
 /// Values every dtype holds exactly: small integers (0/1 for bool).
 fn exact_values(dtype: DType, n: usize, rng: &mut Gen) -> Vec<f64> {
     (0..n)

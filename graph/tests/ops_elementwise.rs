@@ -12,51 +12,13 @@
 //! Cast must round exactly as IEEE round-to-nearest-even, checked bit for bit
 //! against a rounding function written here.
 
+mod common;
+
 use ampgraph_graph::ops::{BiasAdd, Binary, BinaryKind, Cast, DataFormat, Unary, UnaryKind};
 use ampgraph_graph::{DType, Op, Tensor, TensorType};
+use common::Rng;
+use common::*;
 use proptest::prelude::*;
-
-const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
-
-/// splitmix64: small, deterministic, good enough for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        let u = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-        lo + (hi - lo) * u
-    }
-    fn vec(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-}
-
-fn rtol(d: DType) -> f64 {
-    match d {
-        DType::F64 => 1e-12,
-        DType::F32 => 1e-5,
-        DType::F16 => 2e-3,
-        DType::BF16 => 1.6e-2,
-        _ => unreachable!(),
-    }
-}
-
-fn tiny(d: DType) -> f64 {
-    match d {
-        DType::F64 => f64::MIN_POSITIVE,
-        DType::F32 => 1e-45,
-        DType::F16 => 2f64.powi(-24),
-        DType::BF16 => 1e-40,
-        _ => unreachable!(),
-    }
-}
 
 fn check(what: &str, dtype: DType, floor: f64, got: &[f64], want: &[f64]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -67,24 +29,6 @@ fn check(what: &str, dtype: DType, floor: f64, got: &[f64], want: &[f64]) {
             "{what} {dtype}: element {i}: got {g}, want {r} (tolerance {tol:e})"
         );
     }
-}
-
-fn run(op: &dyn Op, inputs: &[&Tensor]) -> Tensor {
-    let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-    let refs: Vec<&TensorType> = types.iter().collect();
-    let inferred = op.infer(&refs).expect("infer");
-    let mut out = op.eval(inputs).expect("eval");
-    assert_eq!(out.len(), 1);
-    let y = out.remove(0);
-    assert_eq!(y.ty(), inferred[0], "eval's type differs from infer's");
-    y
-}
-
-/// A tensor of `dtype` from `vals`, and its values as stored (rounded to the dtype).
-fn input(dtype: DType, shape: &[usize], vals: &[f64]) -> (Tensor, Vec<f64>) {
-    let t = Tensor::from_f64(dtype, shape.to_vec(), vals).unwrap();
-    let rounded = t.to_f64_vec();
-    (t, rounded)
 }
 
 // ---- reference functions, from their definitions ----
@@ -256,7 +200,7 @@ fn unary_ops_match_reference() {
     let mut rng = Rng(21);
     for kind in all_unary() {
         let (lo, hi) = unary_domain(kind);
-        let mut vals = rng.vec(257, lo, hi);
+        let mut vals = rng.vals(257, lo, hi);
         // Exact points where functions change form.
         if lo < 0.0 && hi > 0.0 {
             vals.extend([0.0, 1.0, -1.0]);
@@ -341,16 +285,16 @@ fn broadcast_ref(
 /// Operand values for `kind`: Pow wants a positive base, Div a divisor away from 0.
 fn binary_operands(kind: BinaryKind, rng: &mut Rng, na: usize, nb: usize) -> (Vec<f64>, Vec<f64>) {
     match kind {
-        BinaryKind::Pow => (rng.vec(na, 0.1, 3.0), rng.vec(nb, -2.0, 2.0)),
+        BinaryKind::Pow => (rng.vals(na, 0.1, 3.0), rng.vals(nb, -2.0, 2.0)),
         BinaryKind::Div => {
             let b = rng
-                .vec(nb, 0.2, 2.0)
+                .vals(nb, 0.2, 2.0)
                 .into_iter()
                 .map(|v| if rng.next_u64() % 2 == 0 { v } else { -v })
                 .collect();
-            (rng.vec(na, -3.0, 3.0), b)
+            (rng.vals(na, -3.0, 3.0), b)
         }
-        _ => (rng.vec(na, -3.0, 3.0), rng.vec(nb, -3.0, 3.0)),
+        _ => (rng.vals(na, -3.0, 3.0), rng.vals(nb, -3.0, 3.0)),
     }
 }
 
@@ -451,8 +395,8 @@ fn bias_add_both_formats() {
             };
             let c = shape[axis];
             let n: usize = shape.iter().product();
-            let (x, xv) = input(dtype, shape, &rng.vec(n, -3.0, 3.0));
-            let (b, bv) = input(dtype, &[c], &rng.vec(c, -3.0, 3.0));
+            let (x, xv) = input(dtype, shape, &rng.vals(n, -3.0, 3.0));
+            let (b, bv) = input(dtype, &[c], &rng.vals(c, -3.0, 3.0));
             let y = run(&BiasAdd { data_format: f }, &[&x, &b]);
             let inner: usize = shape[axis + 1..].iter().product();
             let want: Vec<f64> = (0..n).map(|i| xv[i] + bv[(i / inner) % c]).collect();
@@ -526,9 +470,9 @@ fn round_ref(x: f64, to: DType) -> f64 {
 #[test]
 fn cast_between_all_float_dtypes_rounds_to_nearest_even() {
     let mut rng = Rng(51);
-    let mut vals = rng.vec(500, -4.0, 4.0);
-    vals.extend(rng.vec(100, -1e5, 1e5)); // beyond f16's range: infinity
-    vals.extend(rng.vec(100, -1e-6, 1e-6)); // f16 subnormals
+    let mut vals = rng.vals(500, -4.0, 4.0);
+    vals.extend(rng.vals(100, -1e5, 1e5)); // beyond f16's range: infinity
+    vals.extend(rng.vals(100, -1e-6, 1e-6)); // f16 subnormals
     vals.extend([
         0.0,
         -0.0,

@@ -8,69 +8,16 @@
 //! f64, 2^-24 for f32/f16/bf16, which compute in f32), and tiny the storage dtype's
 //! smallest subnormal step.
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use ampgraph_graph::attrs::{AttrReader, AttrValue};
 use ampgraph_graph::ops::{parse_op, BatchMatMul, MatMul};
 use ampgraph_graph::{DType, Op, Tensor, TensorType};
+use common::Rng;
+use common::*;
 use proptest::prelude::*;
-
-const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
-
-/// splitmix64: small, deterministic, good enough for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        let u = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-        lo + (hi - lo) * u
-    }
-    fn vec(&mut self, n: usize) -> Vec<f64> {
-        (0..n).map(|_| self.uniform(-1.0, 1.0)).collect()
-    }
-}
-
-fn rtol(d: DType) -> f64 {
-    match d {
-        DType::F64 => 1e-12,
-        DType::F32 => 1e-5,
-        DType::F16 => 2e-3,
-        DType::BF16 => 1.6e-2,
-        _ => unreachable!(),
-    }
-}
-
-fn unit_roundoff(d: DType) -> f64 {
-    if d == DType::F64 {
-        2f64.powi(-53)
-    } else {
-        2f64.powi(-24)
-    }
-}
-
-fn tiny(d: DType) -> f64 {
-    match d {
-        DType::F64 => f64::MIN_POSITIVE,
-        DType::F32 => 1e-45,
-        DType::F16 => 2f64.powi(-24),
-        DType::BF16 => 1e-40,
-        _ => unreachable!(),
-    }
-}
-
-/// A tensor of `dtype` from `vals`, and its values as stored (rounded to the dtype).
-fn input(dtype: DType, shape: &[usize], vals: &[f64]) -> (Tensor, Vec<f64>) {
-    let t = Tensor::from_f64(dtype, shape.to_vec(), vals).unwrap();
-    let rounded = t.to_f64_vec();
-    (t, rounded)
-}
 
 /// Reference (value, sum of |terms|) of a[.., m, k] x b[.., k, n] for one matrix each,
 /// `a_at(i, p)` and `b_at(p, j)` reading the (possibly transposed) operands.
@@ -95,37 +42,6 @@ fn naive_matmul(
     (val, abs)
 }
 
-fn check_dot(what: &str, dtype: DType, k: usize, got: &[f64], want: &[f64], abs: &[f64]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, ((&g, &r), &s)) in got.iter().zip(want).zip(abs).enumerate() {
-        let tol = rtol(dtype) * r.abs() + 2.0 * k as f64 * unit_roundoff(dtype) * s + tiny(dtype);
-        assert!(
-            (g - r).abs() <= tol,
-            "{what} {dtype}: element {i}: got {g}, want {r} (tolerance {tol:e})"
-        );
-    }
-}
-
-fn run(op: &dyn Op, inputs: &[&Tensor]) -> Tensor {
-    let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-    let refs: Vec<&TensorType> = types.iter().collect();
-    let inferred = op.infer(&refs).expect("infer");
-    let mut out = op.eval(inputs).expect("eval");
-    assert_eq!(out.len(), 1);
-    let y = out.remove(0);
-    assert_eq!(y.ty(), inferred[0], "eval's type differs from infer's");
-    y
-}
-
-fn infer_err(op: &dyn Op, types: &[TensorType]) -> String {
-    let refs: Vec<&TensorType> = types.iter().collect();
-    op.infer(&refs).expect_err("infer should fail")
-}
-
-fn f32t(shape: &[usize]) -> TensorType {
-    TensorType::new(DType::F32, shape.to_vec())
-}
-
 /// Checks one MatMul of the given logical sizes against the reference.
 fn check_matmul(dtype: DType, m: usize, k: usize, n: usize, ta: bool, tb: bool, rng: &mut Rng) {
     let a_shape = if ta { [k, m] } else { [m, k] };
@@ -142,7 +58,7 @@ fn check_matmul(dtype: DType, m: usize, k: usize, n: usize, ta: bool, tb: bool, 
         |i, p| if ta { av[p * m + i] } else { av[i * k + p] },
         |p, j| if tb { bv[j * k + p] } else { bv[p * n + j] },
     );
-    check_dot(
+    check_sums(
         &format!("MatMul {m}x{k}x{n} ta={ta} tb={tb}"),
         dtype,
         k,
@@ -334,7 +250,7 @@ fn batch_matmul_matches_reference() {
                             }
                         },
                     );
-                    check_dot(
+                    check_sums(
                         &format!("BatchMatMul {a_shape:?} x {b_shape:?} batch {bi}"),
                         dtype,
                         k,

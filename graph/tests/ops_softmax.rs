@@ -1,129 +1,12 @@
 //! Softmax, LogSoftmax and SoftmaxCrossEntropy against a naive float64 reference,
 //! in f32, f16, bf16 and f64.
-#![allow(dead_code)]
 
-use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
-use ampgraph_graph::ops::{parse_op, LogSoftmax, Softmax, SoftmaxCrossEntropy};
-use ampgraph_graph::{DType, Op, Tensor, TensorType};
+mod common;
 
-// ---- shared test helpers (copied into each ops_* test file) ----
-
-const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
-
-/// Per-dtype tolerance, relative to the scale of the values compared.
-fn tol(d: DType) -> f64 {
-    match d {
-        DType::F64 => 1e-12,
-        DType::F32 => 1e-5,
-        DType::F16 => 2e-3,
-        DType::BF16 => 1.6e-2,
-        other => panic!("no tolerance for {other}"),
-    }
-}
-
-/// A small deterministic PRNG (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn vals(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
-        (0..n).map(|_| lo + (hi - lo) * self.uniform()).collect()
-    }
-}
-
-/// A tensor of `dtype` from f64 values, and the values it actually holds (rounded).
-fn input(dtype: DType, shape: &[usize], vals: &[f64]) -> (Tensor, Vec<f64>) {
-    let t = Tensor::from_f64(dtype, shape.to_vec(), vals).unwrap();
-    let r = t.to_f64_vec();
-    (t, r)
-}
-
-/// Asserts `got` has `dtype`, `shape` and values within `tol(tol_dtype) * max(scale, |want|)`.
-fn assert_close(
-    what: &str,
-    got: &Tensor,
-    dtype: DType,
-    shape: &[usize],
-    want: &[f64],
-    tol_dtype: DType,
-    scale: f64,
-) {
-    assert_eq!(got.dtype(), dtype, "{what}: dtype");
-    assert_eq!(got.shape(), shape, "{what}: shape");
-    let g = got.to_f64_vec();
-    assert_eq!(g.len(), want.len(), "{what}: length");
-    for (i, (&g, &w)) in g.iter().zip(want).enumerate() {
-        if w.is_nan() {
-            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
-        } else if w.is_infinite() {
-            assert_eq!(g, w, "{what}[{i}]");
-        } else {
-            let bound = tol(tol_dtype) * scale.max(w.abs());
-            assert!(
-                (g - w).abs() <= bound,
-                "{what}[{i}] ({tol_dtype}): got {g}, want {w}, |diff| {} > {bound}",
-                (g - w).abs()
-            );
-        }
-    }
-}
-
-fn tys(ts: &[&Tensor]) -> Vec<TensorType> {
-    ts.iter().map(|t| t.ty()).collect()
-}
-
-/// `op.infer` on the given types, expecting an error; returns its message.
-fn infer_err(op: &dyn Op, types: &[TensorType]) -> String {
-    let refs: Vec<&TensorType> = types.iter().collect();
-    match op.infer(&refs) {
-        Ok(t) => panic!("{} accepted {types:?} giving {t:?}", op.name()),
-        Err(e) => e,
-    }
-}
-
-fn tt(dtype: DType, shape: &[usize]) -> TensorType {
-    TensorType::new(dtype, shape.to_vec())
-}
-
-/// Builds an op from its file form.
-fn parse(name: &str, attrs: &[(&str, AttrValue)]) -> Result<Box<dyn Op>, String> {
-    let map: AttrMap = attrs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.clone()))
-        .collect();
-    parse_op(name, AttrReader::new(map))
-}
-
-/// The op's attrs written out and parsed back give the same op.
-fn assert_round_trip(op: &dyn Op) {
-    let attrs = op.attrs();
-    let back = parse(op.name(), &attrs).unwrap();
-    assert!(*back == *op, "{op:?} round-trips to {back:?}");
-}
-
-/// Row-major index of a multi-index.
-fn ravel(idx: &[usize], shape: &[usize]) -> usize {
-    idx.iter().zip(shape).fold(0, |acc, (&i, &d)| acc * d + i)
-}
-
-/// Multi-index of a row-major index.
-fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
-    let mut idx = vec![0; shape.len()];
-    for ax in (0..shape.len()).rev() {
-        idx[ax] = flat % shape[ax];
-        flat /= shape[ax];
-    }
-    idx
-}
+use ampgraph_graph::attrs::AttrValue;
+use ampgraph_graph::ops::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
+use ampgraph_graph::{DType, Op, Tensor};
+use common::*;
 
 // ---- reference ----
 
@@ -325,7 +208,7 @@ fn softmax_long_rows() {
         );
         let sum: f64 = y[0].to_f64_vec().iter().sum();
         assert!(
-            (sum - 2.0).abs() < 1000.0 * tol(dtype) * 2.0,
+            (sum - 2.0).abs() < 1000.0 * rtol(dtype) * 2.0,
             "{dtype}: sum {sum}"
         );
     }

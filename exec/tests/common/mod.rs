@@ -62,6 +62,32 @@ pub fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// Row-major index of a multi-index.
+pub fn ravel(idx: &[usize], shape: &[usize]) -> usize {
+    idx.iter().zip(shape).fold(0, |acc, (&i, &d)| acc * d + i)
+}
+
+/// Multi-index of a row-major index.
+pub fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for ax in (0..shape.len()).rev() {
+        idx[ax] = flat % shape[ax];
+        flat /= shape[ax];
+    }
+    idx
+}
+
+/// NumPy broadcast of two shapes (restated).
+pub fn broadcast(a: &[usize], b: &[usize]) -> Vec<usize> {
+    let r = a.len().max(b.len());
+    let pad = |s: &[usize]| {
+        let mut v = vec![1; r - s.len()];
+        v.extend_from_slice(s);
+        v
+    };
+    pad(a).iter().zip(pad(b)).map(|(&x, y)| x.max(y)).collect()
+}
+
 pub fn t64(shape: &[usize], values: &[f64]) -> Tensor {
     Tensor::from_f64(DType::F64, shape.to_vec(), values).unwrap()
 }
@@ -156,12 +182,13 @@ pub fn assert_round_trip(op: &dyn Op) {
     assert!(*back == *op, "{op:?} round-trips to {back:?}");
 }
 
-/// Differentiates `loss = sum(op(inputs) * w)` built entirely in the inputs' dtypes
-/// (f16 stays f16) and returns the gradient of each float input, run on the CPU with
-/// the given values. The graph is also checked to validate and to round-trip
-/// through the JSON format.
-pub fn graph_gradients(op: Box<dyn Op>, inputs: &[Tensor]) -> Vec<Tensor> {
-    let mut g = Graph::new();
+/// Adds a placeholder `in{i}` for each input and `op` (named "op") on them; returns
+/// the placeholders and the op's output 0.
+pub fn add_op_on_placeholders(
+    g: &mut Graph,
+    op: Box<dyn Op>,
+    inputs: &[Tensor],
+) -> (Vec<Port>, Port) {
     let ports: Vec<Port> = inputs
         .iter()
         .enumerate()
@@ -172,22 +199,31 @@ pub fn graph_gradients(op: Box<dyn Op>, inputs: &[Tensor]) -> Vec<Tensor> {
         })
         .collect();
     let y = g.add_node("op", op, &ports).unwrap();
-    let y = Port::new(y, 0);
+    (ports, Port::new(y, 0))
+}
+
+/// Adds `sum(y * w)` with `w` a constant; returns the loss.
+pub fn weighted_sum(g: &mut Graph, y: Port, w: Tensor) -> Port {
+    let w = g.add(Const::new(w), &[]).unwrap();
+    let prod = g.add(Binary::new(BinaryKind::Mul), &[y, w]).unwrap();
+    g.add(Reduce::new(ReduceKind::Sum, None, false), &[prod])
+        .unwrap()
+}
+
+/// Differentiates `loss = sum(op(inputs) * w)` built entirely in the inputs' dtypes
+/// (f16 stays f16) and returns the gradient of each float input, run on the CPU with
+/// the given values. The graph is also checked to validate and to round-trip
+/// through the JSON format.
+pub fn graph_gradients(op: Box<dyn Op>, inputs: &[Tensor]) -> Vec<Tensor> {
+    let mut g = Graph::new();
+    let (ports, y) = add_op_on_placeholders(&mut g, op, inputs);
     let ty = g.ty(y).clone();
     let n = ty.checked_len().unwrap();
     let w: Vec<f64> = (0..n)
         .map(|i| 0.25 + 0.5 * ((i % 5) as f64) / 4.0)
         .collect();
-    let w = g
-        .add(
-            Const::new(Tensor::from_f64(ty.dtype, ty.shape.clone(), &w).unwrap()),
-            &[],
-        )
-        .unwrap();
-    let prod = g.add(Binary::new(BinaryKind::Mul), &[y, w]).unwrap();
-    let loss = g
-        .add(Reduce::new(ReduceKind::Sum, None, false), &[prod])
-        .unwrap();
+    let w = Tensor::from_f64(ty.dtype, ty.shape.clone(), &w).unwrap();
+    let loss = weighted_sum(&mut g, y, w);
     let wrt: Vec<Port> = ports
         .iter()
         .zip(inputs)

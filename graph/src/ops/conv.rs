@@ -14,6 +14,7 @@ use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::linalg::{gemm_into, MatView};
+use crate::ops::types_of;
 use crate::ops::{DataFormat, Padding};
 use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
 
@@ -688,7 +689,7 @@ impl Op for Conv2DBackpropInput {
         Ok(vec![TensorType::new(dtype, self.input_shape.clone())])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let types = types_of(inputs);
         let dtype = float_pair(&types.iter().collect::<Vec<_>>(), ["the filter", "dy"])?;
         eval_float(self, dtype, inputs)
     }
@@ -762,7 +763,7 @@ impl Op for Conv2DBackpropFilter {
         Ok(vec![TensorType::new(dtype, self.filter_shape.clone())])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let types = types_of(inputs);
         let dtype = float_pair(&types.iter().collect::<Vec<_>>(), ["x", "dy"])?;
         eval_float(self, dtype, inputs)
     }
@@ -1110,7 +1111,7 @@ impl Op for MaxPoolGrad {
         Ok(vec![self.check(inputs)?])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let types = types_of(inputs);
         let x = self.check(&types.iter().collect::<Vec<_>>())?;
         eval_float(self, x.dtype, inputs)
     }

@@ -7,6 +7,7 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, par_fill, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::ops::grad0;
 use crate::ops::{DataFormat, Reduce, ReduceKind};
 use crate::shape::{broadcast_index_map, broadcast_shapes};
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
@@ -45,10 +46,6 @@ pub(crate) const GRAD_OPS: &[OpEntry] = &[
 ];
 
 /// The gradient of output 0, if it reaches the loss.
-fn grad0(grads: &[Option<Port>]) -> Option<Port> {
-    grads.first().copied().flatten()
-}
-
 fn inputs_of<const N: usize>(inputs: &[Port]) -> Result<[Port; N], GraphError> {
     fixed(inputs).copied().map_err(GraphError::Format)
 }

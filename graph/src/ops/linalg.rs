@@ -271,11 +271,7 @@ impl Op for MatMul {
         Ok(vec![TensorType::new(a.dtype, vec![m, n])])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let [a, b] = fixed(inputs)?;
-        if a.dtype() != b.dtype() {
-            return Err(format!("a is {} but b is {}", a.dtype(), b.dtype()));
-        }
-        eval_float(self, a.dtype(), inputs)
+        eval_same_dtype_pair(self, inputs)
     }
     /// With `y = op_a(a) op_b(b)`: `da = dy op_b(b)^T` and `db = op_a(a)^T dy`, each
     /// written as one MatMul whose transpose flags absorb every transpose.
@@ -294,6 +290,15 @@ impl Op for MatMul {
         let db = b.add(MatMul::new(db.2, db.3), &[db.0, db.1])?;
         Ok(vec![Some(da), Some(db)])
     }
+}
+
+/// Runs a product kernel on `a` and `b`, which must share one dtype.
+fn eval_same_dtype_pair<K: FloatKernel>(op: &K, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+    let [a, b] = fixed(inputs)?;
+    if a.dtype() != b.dtype() {
+        return Err(format!("a is {} but b is {}", a.dtype(), b.dtype()));
+    }
+    eval_float(op, a.dtype(), inputs)
 }
 
 /// One product of a gradient rule: (lhs, rhs, transpose lhs, transpose rhs).
@@ -452,11 +457,7 @@ impl Op for BatchMatMul {
         Ok(vec![TensorType::new(a.dtype, batch)])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let [a, b] = fixed(inputs)?;
-        if a.dtype() != b.dtype() {
-            return Err(format!("a is {} but b is {}", a.dtype(), b.dtype()));
-        }
-        eval_float(self, a.dtype(), inputs)
+        eval_same_dtype_pair(self, inputs)
     }
     /// As MatMul's rule, with BatchMatMul products (adjoint flags for the transposes);
     /// an operand whose batch dimensions were broadcast gets its gradient summed back

@@ -12,7 +12,9 @@ pub mod source;
 pub mod train;
 
 use crate::attrs::{AttrReader, AttrValue};
+use crate::graph::Port;
 use crate::op::{Op, OpEntry, OpResult};
+use crate::tensor::{Tensor, TensorType};
 
 pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
@@ -31,6 +33,16 @@ pub use source::{Cast, Const, Init, Placeholder, Variable};
 pub use train::{
     AllFinite, AssignVariable, Group, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule,
 };
+
+/// The gradient flowing into output 0, when there is one.
+fn grad0(grads: &[Option<Port>]) -> Option<Port> {
+    grads.first().copied().flatten()
+}
+
+/// The types of the given tensors, for checking them as `infer` does.
+fn types_of(inputs: &[&Tensor]) -> Vec<TensorType> {
+    inputs.iter().map(|t| t.ty()).collect()
+}
 
 /// All op families' registry rows.
 const FAMILIES: &[&[OpEntry]] = &[

@@ -10,6 +10,7 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
+use crate::ops::types_of;
 use crate::ops::DataFormat;
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
@@ -39,10 +40,6 @@ fn read_epsilon(a: &mut AttrReader, default: f64) -> OpResult<f64> {
         return Err(format!("attr 'epsilon' must be non-negative, got {eps}"));
     }
     Ok(eps)
-}
-
-fn types_of(inputs: &[&Tensor]) -> Vec<TensorType> {
-    inputs.iter().map(|t| t.ty()).collect()
 }
 
 /// Batch normalisation over every axis but the channel axis, as TensorFlow's

@@ -10,6 +10,7 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::ops::grad0;
 use crate::ops::BroadcastTo;
 use crate::shape::{broadcast_index_map, normalize_axes};
 use crate::tensor::{strides, ShapeDisplay, Tensor, TensorType};
@@ -28,10 +29,6 @@ pub(crate) const GRAD_OPS: &[OpEntry] = &[OpEntry {
 }];
 
 /// The gradient of output 0, if it reaches the loss.
-fn grad0(grads: &[Option<Port>]) -> Option<Port> {
-    grads.first().copied().flatten()
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceKind {
     Sum,

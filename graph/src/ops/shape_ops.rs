@@ -9,6 +9,7 @@ use crate::dtype::DType;
 use crate::error::GraphError;
 use crate::graph::Port;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::ops::{grad0, types_of};
 use crate::shape::{broadcast_index_map, broadcast_shapes, normalize_axis};
 use crate::tensor::{checked_numel, strides, Data, ShapeDisplay, Tensor, TensorType};
 
@@ -46,10 +47,6 @@ pub(crate) const MORE_OPS: &[OpEntry] = &[
 ];
 
 /// The gradient of output 0, if it reaches the loss.
-fn grad0(grads: &[Option<Port>]) -> Option<Port> {
-    grads.first().copied().flatten()
-}
-
 /// The input's type, when it has a gradient (floats only).
 fn float_type(b: &GradBuilder, p: Port) -> Option<TensorType> {
     let ty = b.ty(p);
@@ -273,12 +270,33 @@ fn transpose_typed<T: Elem>(x: &Tensor, perm: &[usize], out_shape: &[usize]) -> 
     let in_strides = strides(x.shape());
     // Stride in the input of each output axis.
     let stride: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+    let out = strided_gather(
+        xs,
+        0,
+        &stride,
+        out_shape,
+        xs.len(),
+        "transpose index out of range",
+    )?;
+    Ok(T::wrap(out))
+}
+
+/// `n` elements of `xs` read in row-major order over `out_shape`, starting at `start`
+/// and stepping `stride[ax]` along each output axis (an odometer over the output index).
+fn strided_gather<T: Elem>(
+    xs: &[T],
+    start: usize,
+    stride: &[usize],
+    out_shape: &[usize],
+    n: usize,
+    out_of_range: &'static str,
+) -> OpResult<Vec<T>> {
     let rank = out_shape.len();
-    let mut out = Vec::with_capacity(xs.len());
+    let mut out = Vec::with_capacity(n);
     let mut idx = vec![0usize; rank];
-    let mut pos = 0usize;
-    for _ in 0..xs.len() {
-        out.push(*xs.get(pos).ok_or("transpose index out of range")?);
+    let mut pos = start;
+    for _ in 0..n {
+        out.push(*xs.get(pos).ok_or(out_of_range)?);
         for ax in (0..rank).rev() {
             idx[ax] += 1;
             pos += stride[ax];
@@ -289,7 +307,7 @@ fn transpose_typed<T: Elem>(x: &Tensor, perm: &[usize], out_shape: &[usize]) -> 
             idx[ax] = 0;
         }
     }
-    Ok(T::wrap(out))
+    Ok(out)
 }
 
 impl Op for Transpose {
@@ -427,7 +445,7 @@ impl Op for Concat {
         Ok(vec![self.output_type(inputs)?.0])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let types = types_of(inputs);
         let (out, axis) = self.output_type(&types.iter().collect::<Vec<_>>())?;
         let total = out.checked_len().unwrap_or(0);
         let data = dispatch!(out.dtype, concat_typed(inputs, axis, total))?;
@@ -528,22 +546,15 @@ fn slice_typed<T: Elem>(x: &Tensor, begin: &[usize], out_shape: &[usize]) -> OpR
     let xs = typed::<T>(x)?;
     let in_strides = strides(x.shape());
     let n: usize = out_shape.iter().product();
-    let rank = out_shape.len();
-    let mut out = Vec::with_capacity(n);
-    let mut idx = vec![0usize; rank];
-    let mut pos: usize = begin.iter().zip(&in_strides).map(|(b, s)| b * s).sum();
-    for _ in 0..n {
-        out.push(*xs.get(pos).ok_or("slice index out of range")?);
-        for ax in (0..rank).rev() {
-            idx[ax] += 1;
-            pos += in_strides[ax];
-            if idx[ax] < out_shape[ax] {
-                break;
-            }
-            pos -= in_strides[ax] * idx[ax];
-            idx[ax] = 0;
-        }
-    }
+    let start: usize = begin.iter().zip(&in_strides).map(|(b, s)| b * s).sum();
+    let out = strided_gather(
+        xs,
+        start,
+        &in_strides,
+        out_shape,
+        n,
+        "slice index out of range",
+    )?;
     Ok(T::wrap(out))
 }
 

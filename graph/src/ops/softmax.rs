@@ -12,6 +12,7 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::ops::grad0;
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -55,10 +56,6 @@ pub(crate) const GRAD_OPS: &[OpEntry] = &[
 ];
 
 /// The gradient of output 0, if it reaches the loss.
-fn grad0(grads: &[Option<Port>]) -> Option<Port> {
-    grads.first().copied().flatten()
-}
-
 /// The gradient rule of Softmax and LogSoftmax: `SoftmaxGrad(y, dy)`.
 fn softmax_gradient(
     axis: i64,
@@ -133,101 +130,65 @@ pub struct Softmax {
     pub axis: i64,
 }
 
-impl Default for Softmax {
-    fn default() -> Self {
-        Softmax { axis: -1 }
-    }
-}
-
-impl FloatKernel for Softmax {
-    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
-        let [x] = fixed(inputs)?;
-        Ok(vec![(
-            x.shape().to_vec(),
-            softmax_along(x, self.axis, false)?,
-        )])
-    }
-}
-
-impl Op for Softmax {
-    fn name(&self) -> &'static str {
-        "Softmax"
-    }
-    fn arity(&self) -> Arity {
-        Arity::Exactly(1)
-    }
-    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("axis", self.axis.into())]
-    }
-    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        infer_softmax(self.axis, inputs)
-    }
-    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let [x] = fixed(inputs)?;
-        infer_softmax(self.axis, &[&x.ty()])?;
-        eval_float(self, x.dtype(), inputs)
-    }
-    fn gradient(
-        &self,
-        b: &mut GradBuilder,
-        _inputs: &[Port],
-        outputs: &[Port],
-        grads: &[Option<Port>],
-    ) -> Result<Vec<Option<Port>>, GraphError> {
-        softmax_gradient(self.axis, false, b, outputs, grads)
-    }
-}
-
 /// `x - max - log(sum(exp(x - max)))` along `axis` (default -1).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LogSoftmax {
     pub axis: i64,
 }
 
-impl Default for LogSoftmax {
-    fn default() -> Self {
-        LogSoftmax { axis: -1 }
-    }
+/// Default, kernel and `Op` of Softmax (`log: false`) and LogSoftmax (`log: true`),
+/// which differ only in their name and `log`.
+macro_rules! softmax_op {
+    ($ty:ident, $log:literal) => {
+        impl Default for $ty {
+            fn default() -> Self {
+                $ty { axis: -1 }
+            }
+        }
+
+        impl FloatKernel for $ty {
+            fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
+                let [x] = fixed(inputs)?;
+                Ok(vec![(
+                    x.shape().to_vec(),
+                    softmax_along(x, self.axis, $log)?,
+                )])
+            }
+        }
+
+        impl Op for $ty {
+            fn name(&self) -> &'static str {
+                stringify!($ty)
+            }
+            fn arity(&self) -> Arity {
+                Arity::Exactly(1)
+            }
+            fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+                vec![("axis", self.axis.into())]
+            }
+            fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+                infer_softmax(self.axis, inputs)
+            }
+            fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+                let [x] = fixed(inputs)?;
+                infer_softmax(self.axis, &[&x.ty()])?;
+                eval_float(self, x.dtype(), inputs)
+            }
+            fn gradient(
+                &self,
+                b: &mut GradBuilder,
+                _inputs: &[Port],
+                outputs: &[Port],
+                grads: &[Option<Port>],
+            ) -> Result<Vec<Option<Port>>, GraphError> {
+                softmax_gradient(self.axis, $log, b, outputs, grads)
+            }
+        }
+    };
 }
 
-impl FloatKernel for LogSoftmax {
-    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
-        let [x] = fixed(inputs)?;
-        Ok(vec![(
-            x.shape().to_vec(),
-            softmax_along(x, self.axis, true)?,
-        )])
-    }
-}
-
-impl Op for LogSoftmax {
-    fn name(&self) -> &'static str {
-        "LogSoftmax"
-    }
-    fn arity(&self) -> Arity {
-        Arity::Exactly(1)
-    }
-    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("axis", self.axis.into())]
-    }
-    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        infer_softmax(self.axis, inputs)
-    }
-    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let [x] = fixed(inputs)?;
-        infer_softmax(self.axis, &[&x.ty()])?;
-        eval_float(self, x.dtype(), inputs)
-    }
-    fn gradient(
-        &self,
-        b: &mut GradBuilder,
-        _inputs: &[Port],
-        outputs: &[Port],
-        grads: &[Option<Port>],
-    ) -> Result<Vec<Option<Port>>, GraphError> {
-        softmax_gradient(self.axis, true, b, outputs, grads)
-    }
-}
+softmax_op!(Softmax, false);
+softmax_op!(LogSoftmax, true);
 
 /// The gradient of Softmax (`log: false`) or LogSoftmax (`log: true`) along `axis`,
 /// from the forward output `y` and its loss gradient `dy` (same shape and dtype):
@@ -461,11 +422,19 @@ impl FloatKernel for SoftmaxCrossEntropyGrad {
                 |m, &v| if v > m || v.is_nan() { v } else { m },
             );
             let shift = if max.is_finite() { max } else { T::zero() };
-            let sum: T = xs.iter().map(|&v| (v - shift).exp()).sum();
-            for (k, (o, &v)) in out.iter_mut().zip(xs).enumerate() {
-                let p = (v - shift).exp() / sum;
-                let target = if k == class { T::one() } else { T::zero() };
-                *o = (p - target) * scale;
+            let exps: Vec<T> = xs.iter().map(|&v| (v - shift).exp()).collect();
+            let sum: T = exps.iter().copied().sum();
+            // p - 1 for the label as -(sum of the other classes) / sum: no cancellation
+            // when p is close to 1.
+            let others: T = exps
+                .iter()
+                .enumerate()
+                .filter(|&(k, _)| k != class)
+                .map(|(_, &e)| e)
+                .sum();
+            for (k, (o, &e)) in out.iter_mut().zip(&exps).enumerate() {
+                let d = if k == class { -others / sum } else { e / sum };
+                *o = d * scale;
             }
         }
         Ok(vec![(logits.shape().to_vec(), dx)])
