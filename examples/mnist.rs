@@ -194,8 +194,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seed: args.seed,
         amp: None,
     };
-    let mut session = Session::with_options(net.graph.clone(), Device::auto(), options.clone())?;
-    let mut eval_session = Session::with_options(eval_net.graph.clone(), Device::auto(), options)?;
+    let mut session = Session::with_options(
+        net.graph.clone(),
+        Device::auto_for(&net.graph),
+        options.clone(),
+    )?;
+    let mut eval_session = Session::with_options(
+        eval_net.graph.clone(),
+        Device::auto_for(&eval_net.graph),
+        options,
+    )?;
     for record in &session.passes {
         println!("{}", record.summary);
     }

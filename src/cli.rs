@@ -267,14 +267,18 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             feeds,
             json,
         } => {
-            if device == DeviceArg::Cuda {
-                return Err(CliError::Usage(
-                    "this build of ampgraph has no CUDA executor yet; use --device cpu".into(),
-                ));
-            }
             let g = format::load(&graph)?;
             let feeds = make_feeds(&g, seed, feeds.as_deref())?;
-            let outputs = CpuExecutor::new().run(&g, &feeds, g.outputs())?;
+            let use_cuda = match device {
+                DeviceArg::Cpu => false,
+                DeviceArg::Cuda => true,
+                DeviceArg::Auto => crate::Device::auto_for(&g) != crate::Device::Cpu,
+            };
+            let outputs = if use_cuda {
+                ampgraph_exec::CudaExecutor::new(0)?.run(&g, &feeds, g.outputs())?
+            } else {
+                CpuExecutor::new().run(&g, &feeds, g.outputs())?
+            };
             print_outputs(&g, &outputs, json, out)
         }
     }

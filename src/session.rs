@@ -7,12 +7,13 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use ampgraph_exec::cuda::{self, CudaOptions};
 use ampgraph_exec::feeds::initial_value;
-use ampgraph_exec::{CpuExecutor, ExecError, Executor, Feeds};
+use ampgraph_exec::{CpuExecutor, CudaExecutor, ExecError, Executor, Feeds};
 use ampgraph_graph::format::write_atomic;
 use ampgraph_graph::ops::Variable;
 use ampgraph_graph::tensor::ShapeDisplay;
-use ampgraph_graph::{Data, Graph, GraphError, Port, Tensor};
+use ampgraph_graph::{Data, Graph, GraphError, Port, Tensor, TensorType};
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph_passes::{PassError, PassManager, PassRecord};
 
@@ -38,10 +39,31 @@ pub enum Device {
 }
 
 impl Device {
-    /// CUDA when it can be used, else the CPU (saying why at info level).
+    /// CUDA device 0 when the driver, the CUDA libraries and a device are present,
+    /// else the CPU (saying why at info level).
     pub fn auto() -> Device {
-        log::info!("using the CPU: this build of ampgraph has no CUDA executor yet");
-        Device::Cpu
+        match cuda::available() {
+            Ok(_) => Device::Cuda(0),
+            Err(why) => {
+                log::info!("using the CPU: {why}");
+                Device::Cpu
+            }
+        }
+    }
+
+    /// As [`Device::auto`], but the CPU also where `graph` has an op without a CUDA
+    /// kernel yet (convolutions, pooling, batch norm).
+    pub fn auto_for(graph: &Graph) -> Device {
+        match Device::auto() {
+            Device::Cuda(i) => match CudaExecutor::check_supported(graph) {
+                Ok(()) => Device::Cuda(i),
+                Err(why) => {
+                    log::info!("using the CPU: {why}");
+                    Device::Cpu
+                }
+            },
+            cpu => cpu,
+        }
     }
 
     pub fn cuda(ordinal: usize) -> Device {
@@ -59,9 +81,69 @@ pub struct SessionOptions {
     pub amp: Option<AmpConfig>,
 }
 
+/// The executor a session runs on. Variables live in the executor: host tensors on
+/// the CPU, device tensors on CUDA (copied to the host when read).
+enum Backend {
+    Cpu(CpuExecutor),
+    Cuda(Box<CudaExecutor>),
+}
+
+impl Backend {
+    fn run(
+        &mut self,
+        graph: &Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+    ) -> Result<Vec<Tensor>, ExecError> {
+        match self {
+            Backend::Cpu(e) => e.run(graph, feeds, fetches),
+            Backend::Cuda(e) => e.run(graph, feeds, fetches),
+        }
+    }
+
+    fn variable(&self, name: &str) -> Option<&Tensor> {
+        match self {
+            Backend::Cpu(e) => e.variables.get(name),
+            Backend::Cuda(e) => e.variable(name),
+        }
+    }
+
+    fn try_variable(&self, name: &str) -> Result<Option<Tensor>, ExecError> {
+        match self {
+            Backend::Cpu(e) => Ok(e.variables.get(name).cloned()),
+            Backend::Cuda(e) => e.try_variable(name),
+        }
+    }
+
+    fn variable_type(&self, name: &str) -> Option<TensorType> {
+        match self {
+            Backend::Cpu(e) => e.variables.get(name).map(|t| t.ty()),
+            Backend::Cuda(e) => e.variable_type(name),
+        }
+    }
+
+    fn variable_names(&self) -> Vec<String> {
+        match self {
+            Backend::Cpu(e) => e.variables.keys().cloned().collect(),
+            Backend::Cuda(e) => e.variable_names(),
+        }
+    }
+
+    /// Sets a variable without checking its type (callers do).
+    fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError> {
+        match self {
+            Backend::Cpu(e) => {
+                e.variables.insert(name.to_string(), value);
+                Ok(())
+            }
+            Backend::Cuda(e) => e.set_variable(name, value),
+        }
+    }
+}
+
 pub struct Session {
     graph: Graph,
-    executor: CpuExecutor,
+    executor: Backend,
     /// What each rewrite pass did, in order.
     pub passes: Vec<PassRecord>,
 }
@@ -88,11 +170,6 @@ impl Session {
         device: Device,
         options: SessionOptions,
     ) -> Result<Session, SessionError> {
-        if let Device::Cuda(i) = device {
-            return Err(SessionError::Device(format!(
-                "CUDA device {i} was asked for, but this build of ampgraph has no CUDA executor yet"
-            )));
-        }
         let mut passes = PassManager::new();
         if let Some(dtype) = graph.mixed_precision {
             let config = match options.amp {
@@ -102,14 +179,18 @@ impl Session {
             passes.push(Box::new(AutoMixedPrecision::new(config)));
         }
         let records = passes.run(&mut graph)?;
-        let mut executor = CpuExecutor::new();
+        let mut executor = match device {
+            Device::Cpu => Backend::Cpu(CpuExecutor::new()),
+            Device::Cuda(i) => {
+                let e = CudaExecutor::new(i).map_err(|e| SessionError::Device(e.to_string()))?;
+                CudaExecutor::check_supported(&graph)?;
+                Backend::Cuda(Box::new(e))
+            }
+        };
         for id in graph.node_ids() {
             let node = graph.node(id);
             if let Some(var) = node.op.downcast_ref::<Variable>() {
-                executor.variables.insert(
-                    node.name.clone(),
-                    initial_value(&node.name, var, options.seed),
-                );
+                executor.set_variable(&node.name, initial_value(&node.name, var, options.seed))?;
             }
         }
         Ok(Session {
@@ -134,47 +215,65 @@ impl Session {
         &self.graph
     }
 
+    /// Where this session runs.
+    pub fn device(&self) -> Device {
+        match &self.executor {
+            Backend::Cpu(_) => Device::Cpu,
+            Backend::Cuda(e) => Device::Cuda(e.ordinal()),
+        }
+    }
+
+    /// The CUDA executor's settings (GEMM precision), when the session runs on CUDA.
+    pub fn cuda_options_mut(&mut self) -> Option<&mut CudaOptions> {
+        match &mut self.executor {
+            Backend::Cuda(e) => Some(&mut e.options),
+            Backend::Cpu(_) => None,
+        }
+    }
+
     /// Computes `fetches`; variable updates in the graph take effect when it returns.
     pub fn run(&mut self, fetches: &[Port], feeds: &Feeds) -> Result<Vec<Tensor>, SessionError> {
         Ok(self.executor.run(&self.graph, feeds, fetches)?)
     }
 
-    /// The current value of a variable.
+    /// The current value of a variable (on CUDA, copied from the device on first read
+    /// after each step that wrote it).
     pub fn variable(&self, name: &str) -> Option<&Tensor> {
-        self.executor.variables.get(name)
+        self.executor.variable(name)
     }
 
     /// Replaces a variable's value (same type).
     pub fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), SessionError> {
         let current = self
             .executor
-            .variables
-            .get_mut(name)
+            .variable_type(name)
             .ok_or_else(|| GraphError::UnknownNode(name.to_string()))?;
-        if current.ty() != value.ty() {
+        if current != value.ty() {
             return Err(ExecError::Feed {
                 name: name.into(),
-                msg: format!("expects {}, got {}", current.ty(), value.ty()),
+                msg: format!("expects {}, got {}", current, value.ty()),
             }
             .into());
         }
-        *current = value;
-        Ok(())
+        Ok(self.executor.set_variable(name, value)?)
     }
 
     /// Writes every variable (weights, optimizer slots, loss-scale state) to `path`
     /// atomically: a crash leaves the old checkpoint or the new one, never half.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), SessionError> {
         let path = path.as_ref();
-        let sorted: BTreeMap<&String, &Tensor> = self.executor.variables.iter().collect();
-        let entries: Vec<CheckpointEntry> = sorted
-            .into_iter()
-            .map(|(name, t)| CheckpointEntry {
-                name: name.clone(),
-                shape: t.shape().to_vec(),
-                data: t.data().clone(),
-            })
-            .collect();
+        let mut names = self.executor.variable_names();
+        names.sort();
+        let mut entries: Vec<CheckpointEntry> = Vec::with_capacity(names.len());
+        for name in names {
+            if let Some(t) = self.executor.try_variable(&name)? {
+                entries.push(CheckpointEntry {
+                    name,
+                    shape: t.shape().to_vec(),
+                    data: t.data().clone(),
+                });
+            }
+        }
         let mut bytes = CHECKPOINT_MAGIC.to_vec();
         bytes.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
         let body = bincode::serde::encode_to_vec(&entries, bincode::config::standard())
@@ -221,15 +320,15 @@ impl Session {
         for e in entries {
             let t = Tensor::new(e.shape, e.data)
                 .map_err(|m| checkpoint_err(path, format!("variable '{}': {m}", e.name)))?;
-            match self.executor.variables.get(&e.name) {
-                Some(cur) if cur.ty() != t.ty() => {
+            match self.executor.variable_type(&e.name) {
+                Some(cur) if cur != t.ty() => {
                     return Err(checkpoint_err(
                         path,
                         format!(
                             "variable '{}' is {} in the checkpoint but {} in the graph",
                             e.name,
                             t.ty(),
-                            cur.ty()
+                            cur
                         ),
                     ))
                 }
@@ -245,23 +344,25 @@ impl Session {
                 None => {}
             }
         }
-        if let Some(missing) = self
-            .executor
-            .variables
-            .keys()
-            .find(|k| !loaded.contains_key(*k))
-        {
-            let t = &self.executor.variables[missing];
+        let mut names = self.executor.variable_names();
+        names.sort();
+        if let Some(missing) = names.iter().find(|k| !loaded.contains_key(*k)) {
+            let t = self
+                .executor
+                .variable_type(missing)
+                .ok_or_else(|| GraphError::UnknownNode(missing.clone()))?;
             return Err(checkpoint_err(
                 path,
                 format!(
                     "has no value for variable '{missing}' {}{}",
-                    t.dtype(),
-                    ShapeDisplay(t.shape())
+                    t.dtype,
+                    ShapeDisplay(&t.shape)
                 ),
             ));
         }
-        self.executor.variables.extend(loaded);
+        for (name, t) in loaded {
+            self.executor.set_variable(&name, t)?;
+        }
         Ok(())
     }
 }

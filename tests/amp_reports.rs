@@ -208,7 +208,10 @@ fn log_path_dumps_before_and_after() {
     }
     // SVG too, where Graphviz is installed.
     if std::process::Command::new("dot").arg("-V").output().is_ok() {
-        assert!(files.iter().any(|f| f.ends_with("_after.svg")), "no SVG in {files:?}");
+        assert!(
+            files.iter().any(|f| f.ends_with("_after.svg")),
+            "no SVG in {files:?}"
+        );
     }
     let after = files.iter().find(|f| f.ends_with("_after.dot")).unwrap();
     let dot = std::fs::read_to_string(dir.join(after)).unwrap();

@@ -2,9 +2,11 @@
 //!
 //! [`CpuExecutor`] is the reference backend and the embedded default: every op's CPU
 //! kernel, in the op's own file in `ampgraph-graph`, run in topological order with
-//! tensors freed after their last use.
+//! tensors freed after their last use. [`cuda::CudaExecutor`] runs the same graphs on
+//! a GPU (CUDA loaded at run time; [`cuda::available`] says whether it can be used).
 
 mod cpu;
+pub mod cuda;
 pub mod data;
 pub mod feeds;
 pub mod gradcheck;
@@ -15,6 +17,7 @@ use ampgraph_graph::{GraphError, Port, Tensor};
 use thiserror::Error;
 
 pub use cpu::{check_tensor_size, CpuExecutor, DEFAULT_MAX_TENSOR_BYTES};
+pub use cuda::CudaExecutor;
 
 #[derive(Debug, Error)]
 pub enum ExecError {
@@ -28,6 +31,9 @@ pub enum ExecError {
     Graph(#[from] GraphError),
     #[error("feed '{name}': {msg}")]
     Feed { name: String, msg: String },
+    /// The device could not be used (no CUDA, a driver failure).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 impl ExecError {

@@ -1,10 +1,12 @@
 //! The graph: named nodes holding ops, edges carrying tensors from an output port
 //! of one node to an input slot of another, and the graph's outputs.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use foldhash::HashMap;
 
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
-use petgraph::visit::{EdgeRef, IntoEdgeReferences};
+use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
 
 use crate::error::{GraphError, Result};
@@ -55,8 +57,142 @@ impl Node {
 /// An edge: which output of the producer feeds which input slot of the consumer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Edge {
-    from_port: usize,
-    to_slot: usize,
+    from_port: u32,
+    to_slot: u32,
+}
+
+impl Edge {
+    /// Kept in 32 bits: edges are a large part of a graph's memory.
+    fn new(from_port: usize, to_slot: usize) -> Edge {
+        let narrow = |k: usize| u32::try_from(k).expect("port and slot numbers fit in 32 bits");
+        Edge {
+            from_port: narrow(from_port),
+            to_slot: narrow(to_slot),
+        }
+    }
+
+    fn port(self) -> usize {
+        self.from_port as usize
+    }
+
+    fn slot(self) -> usize {
+        self.to_slot as usize
+    }
+}
+
+/// Every node's inputs and readers at one moment, in flat arrays indexed by
+/// `NodeId::index()`: for walks over the whole graph, where asking [`Graph::inputs`]
+/// node by node would allocate and sort. It goes stale when the graph's edges change.
+#[derive(Clone, Debug, Default)]
+pub struct Adjacency {
+    inputs: InputTable,
+    consumer_start: Vec<u32>,
+    consumers: Vec<Consumer>,
+}
+
+/// The inputs of every node, in slot order.
+#[derive(Clone, Debug, Default)]
+struct InputTable {
+    start: Vec<u32>,
+    ports: Vec<Port>,
+}
+
+/// One reader of a node's output.
+#[derive(Clone, Copy, Debug)]
+struct Consumer {
+    node: NodeId,
+    slot: u32,
+    port: u32,
+}
+
+impl InputTable {
+    /// One pass over the edges: each lands at its slot.
+    fn new(g: &Graph) -> InputTable {
+        let mut start = vec![0u32; g.node_bound() + 1];
+        for e in g.dag.edge_references() {
+            start[e.target().index() + 1] += 1;
+        }
+        prefix_sums(&mut start);
+        let mut ports = vec![Port::new(NodeId::end(), 0); g.dag.edge_count()];
+        for e in g.dag.edge_references() {
+            let t = e.target().index();
+            let w = e.weight();
+            // The methods that add edges keep a node's input slots 0..n.
+            assert!(w.slot() < (start[t + 1] - start[t]) as usize);
+            ports[start[t] as usize + w.slot()] = Port::new(e.source(), w.port());
+        }
+        InputTable { start, ports }
+    }
+
+    #[inline]
+    fn of(&self, id: NodeId) -> &[Port] {
+        let i = id.index();
+        &self.ports[self.start[i] as usize..self.start[i + 1] as usize]
+    }
+}
+
+impl Adjacency {
+    fn new(g: &Graph) -> Adjacency {
+        let inputs = InputTable::new(g);
+        let bound = inputs.start.len() - 1;
+        let mut consumer_start = vec![0u32; bound + 1];
+        for p in &inputs.ports {
+            consumer_start[p.node.index() + 1] += 1;
+        }
+        prefix_sums(&mut consumer_start);
+        // Filled node by node, slot by slot: each node's readers come sorted.
+        let mut next = consumer_start.clone();
+        let unset = Consumer {
+            node: NodeId::end(),
+            slot: 0,
+            port: 0,
+        };
+        let mut consumers = vec![unset; inputs.ports.len()];
+        for node in (0..bound).map(NodeId::new) {
+            for (slot, p) in inputs.of(node).iter().enumerate() {
+                let k = &mut next[p.node.index()];
+                consumers[*k as usize] = Consumer {
+                    node,
+                    slot: slot as u32,
+                    port: p.index as u32,
+                };
+                *k += 1;
+            }
+        }
+        Adjacency {
+            inputs,
+            consumer_start,
+            consumers,
+        }
+    }
+
+    /// The inputs of a node, in slot order (as [`Graph::inputs`]).
+    #[inline]
+    pub fn inputs(&self, id: NodeId) -> &[Port] {
+        self.inputs.of(id)
+    }
+
+    /// Every (consumer, input slot) reading any output of `id`, sorted (as
+    /// [`Graph::consumers`]).
+    pub fn consumers(&self, id: NodeId) -> impl Iterator<Item = (NodeId, usize, Port)> + '_ {
+        let i = id.index();
+        self.consumers[self.consumer_start[i] as usize..self.consumer_start[i + 1] as usize]
+            .iter()
+            .map(move |c| (c.node, c.slot as usize, Port::new(id, c.port as usize)))
+    }
+
+    /// Every (consumer, input slot) reading `port`, sorted (as [`Graph::port_consumers`]).
+    pub fn port_consumers(&self, port: Port) -> impl Iterator<Item = (NodeId, usize)> + '_ {
+        self.consumers(port.node)
+            .filter(move |c| c.2 == port)
+            .map(|(n, s, _)| (n, s))
+    }
+}
+
+fn prefix_sums(counts: &mut [u32]) {
+    for i in 1..counts.len() {
+        counts[i] += counts[i - 1];
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -82,12 +218,19 @@ impl Graph {
         self.dag.node_count() == 0
     }
 
+    #[inline]
     pub fn node(&self, id: NodeId) -> &Node {
         &self.dag[id]
     }
 
     pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
         &mut self.dag[id]
+    }
+
+    /// One more than the largest node index: the length of tables indexed by
+    /// `NodeId::index()`.
+    pub fn node_bound(&self) -> usize {
+        self.dag.node_bound()
     }
 
     pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
@@ -105,6 +248,7 @@ impl Graph {
     }
 
     /// The type of the tensor at a port.
+    #[inline]
     pub fn ty(&self, port: Port) -> &TensorType {
         &self.dag[port.node].outputs[port.index]
     }
@@ -114,12 +258,7 @@ impl Graph {
         let mut edges: Vec<(usize, Port)> = self
             .dag
             .edges_directed(id, Direction::Incoming)
-            .map(|e| {
-                (
-                    e.weight().to_slot,
-                    Port::new(e.source(), e.weight().from_port),
-                )
-            })
+            .map(|e| (e.weight().slot(), Port::new(e.source(), e.weight().port())))
             .collect();
         edges.sort_unstable_by_key(|&(slot, _)| slot);
         edges.into_iter().map(|(_, p)| p).collect()
@@ -133,8 +272,8 @@ impl Graph {
             .map(|e| {
                 (
                     e.target(),
-                    e.weight().to_slot,
-                    Port::new(id, e.weight().from_port),
+                    e.weight().slot(),
+                    Port::new(id, e.weight().port()),
                 )
             })
             .collect();
@@ -234,14 +373,7 @@ impl Graph {
             annotations: BTreeMap::new(),
         });
         for (slot, p) in inputs.iter().enumerate() {
-            self.dag.add_edge(
-                p.node,
-                id,
-                Edge {
-                    from_port: p.index,
-                    to_slot: slot,
-                },
-            );
+            self.dag.add_edge(p.node, id, Edge::new(p.index, slot));
         }
         self.names.insert(name, id);
         Ok(id)
@@ -292,14 +424,7 @@ impl Graph {
                 let (src, port) = g
                     .parse_port_name(input)
                     .map_err(|m| GraphError::node(name, op.name(), format!("input {slot}: {m}")))?;
-                g.dag.add_edge(
-                    src,
-                    id,
-                    Edge {
-                        from_port: port,
-                        to_slot: slot,
-                    },
-                );
+                g.dag.add_edge(src, id, Edge::new(port, slot));
             }
         }
         g.infer_types()?;
@@ -334,20 +459,32 @@ impl Graph {
         Ok((id, index))
     }
 
+    /// Every node's inputs and readers as they are now, in flat arrays.
+    pub fn adjacency(&self) -> Adjacency {
+        Adjacency::new(self)
+    }
+
     /// Nodes in an order where every node comes after its inputs, otherwise in
     /// insertion (file) order; a cycle is an error naming a node on it.
     pub fn topo_order(&self) -> Result<Vec<NodeId>> {
+        self.topo_order_by(&InputTable::new(self))
+    }
+
+    /// [`topo_order`](Self::topo_order), reading the edges from `adj` (which must be current).
+    pub fn topo_order_in(&self, adj: &Adjacency) -> Result<Vec<NodeId>> {
+        self.topo_order_by(&adj.inputs)
+    }
+
+    fn topo_order_by(&self, inputs: &InputTable) -> Result<Vec<NodeId>> {
         const NEW: u8 = 0;
         const OPEN: u8 = 1;
         const DONE: u8 = 2;
-        let capacity = self
-            .dag
-            .node_indices()
-            .map(|i| i.index() + 1)
-            .max()
-            .unwrap_or(0);
-        let mut state = vec![NEW; capacity];
+        let mut state = vec![NEW; self.node_bound()];
         let mut order = Vec::with_capacity(self.len());
+        let cycle = |id: NodeId| {
+            let n = &self.dag[id];
+            GraphError::node(&n.name, n.op.name(), "is part of a cycle")
+        };
         // Iterative post-order DFS over inputs; each stack entry is (node, inputs pushed).
         let mut stack: Vec<(NodeId, bool)> = Vec::new();
         for root in self.dag.node_indices() {
@@ -363,33 +500,17 @@ impl Graph {
                 }
                 match state[id.index()] {
                     DONE => continue,
-                    OPEN => {
-                        let n = &self.dag[id];
-                        return Err(GraphError::node(&n.name, n.op.name(), "is part of a cycle"));
-                    }
+                    OPEN => return Err(cycle(id)),
                     _ => {}
                 }
                 state[id.index()] = OPEN;
                 stack.push((id, true));
-                let mut inputs: Vec<(usize, NodeId)> = self
-                    .dag
-                    .edges_directed(id, Direction::Incoming)
-                    .map(|e| (e.weight().to_slot, e.source()))
-                    .collect();
                 // Visit input 0 first: push in reverse slot order.
-                inputs.sort_unstable_by(|a, b| b.cmp(a));
-                for (_, src) in inputs {
-                    match state[src.index()] {
+                for p in inputs.of(id).iter().rev() {
+                    match state[p.node.index()] {
                         DONE => {}
-                        OPEN => {
-                            let n = &self.dag[src];
-                            return Err(GraphError::node(
-                                &n.name,
-                                n.op.name(),
-                                "is part of a cycle",
-                            ));
-                        }
-                        _ => stack.push((src, false)),
+                        OPEN => return Err(cycle(p.node)),
+                        _ => stack.push((p.node, false)),
                     }
                 }
             }
@@ -399,17 +520,18 @@ impl Graph {
 
     /// Infers every node's output types from scratch, in topological order.
     pub fn infer_types(&mut self) -> Result<()> {
-        for id in self.topo_order()? {
-            let outputs = self.infer_node(id)?;
+        let inputs = InputTable::new(self);
+        for id in self.topo_order_by(&inputs)? {
+            let outputs = self.infer_node(id, inputs.of(id))?;
             self.dag[id].outputs = outputs;
         }
         Ok(())
     }
 
-    fn infer_node(&self, id: NodeId) -> Result<Vec<TensorType>> {
+    /// The output types of `id` from its op and the types of `inputs`, its inputs.
+    fn infer_node(&self, id: NodeId, inputs: &[Port]) -> Result<Vec<TensorType>> {
         let node = &self.dag[id];
         let err = |msg: String| GraphError::node(&node.name, node.op.name(), msg);
-        let inputs = self.inputs(id);
         if !node.op.arity().accepts(inputs.len()) {
             return Err(err(format!(
                 "takes {}, got {}",
@@ -436,8 +558,9 @@ impl Graph {
     /// Checks the whole graph: acyclic, every node's types agree with its op's rule,
     /// outputs exist. Passes call this between rewrites in tests and debug builds.
     pub fn validate(&self) -> Result<()> {
-        for id in self.topo_order()? {
-            let inferred = self.infer_node(id)?;
+        let inputs = InputTable::new(self);
+        for id in self.topo_order_by(&inputs)? {
+            let inferred = self.infer_node(id, inputs.of(id))?;
             let node = &self.dag[id];
             if inferred != node.outputs {
                 return Err(GraphError::node(
@@ -469,7 +592,7 @@ impl Graph {
             let has_slot = self
                 .dag
                 .edges_directed(consumer, Direction::Incoming)
-                .any(|e| e.weight().to_slot == slot);
+                .any(|e| e.weight().slot() == slot);
             if !has_slot {
                 let n = &self.dag[consumer];
                 return Err(GraphError::node(
@@ -479,25 +602,28 @@ impl Graph {
                 ));
             }
         }
-        let edges: Vec<(NodeId, NodeId, Edge)> = self
-            .dag
-            .edge_references()
-            .map(|e| {
-                let w = *e.weight();
-                let key = (e.target(), w.to_slot);
-                match changes.binary_search_by_key(&key, |&(n, slot, _)| (n, slot)) {
-                    Ok(i) => {
-                        let to = changes[i].2;
-                        let moved = Edge {
-                            from_port: to.index,
-                            to_slot: w.to_slot,
-                        };
-                        (to.node, e.target(), moved)
-                    }
-                    Err(_) => (e.source(), e.target(), w),
+        // Most consumers keep all their inputs: look those up in `changes` not at all.
+        let mut rewired = vec![false; self.node_bound()];
+        for &(consumer, _, _) in &changes {
+            rewired[consumer.index()] = true;
+        }
+        let mut edges: Vec<(NodeId, NodeId, Edge)> = Vec::with_capacity(self.dag.edge_count());
+        for e in self.dag.edge_references() {
+            let (w, consumer) = (*e.weight(), e.target());
+            let change = if rewired[consumer.index()] {
+                let key = (consumer, w.slot());
+                changes.binary_search_by_key(&key, |&(n, s, _)| (n, s)).ok()
+            } else {
+                None
+            };
+            edges.push(match change {
+                Some(i) => {
+                    let to = changes[i].2;
+                    (to.node, consumer, Edge::new(to.index, w.slot()))
                 }
-            })
-            .collect();
+                None => (e.source(), consumer, w),
+            });
+        }
         self.dag.clear_edges();
         for (a, b, w) in edges {
             self.dag.add_edge(a, b, w);
@@ -561,7 +687,7 @@ impl Graph {
 
     /// Recomputes the types of `id` only (after a local rewrite whose inputs are final).
     pub fn refresh_types(&mut self, id: NodeId) -> Result<()> {
-        let outputs = self.infer_node(id)?;
+        let outputs = self.infer_node(id, &self.inputs(id))?;
         self.dag[id].outputs = outputs;
         Ok(())
     }

@@ -90,7 +90,7 @@ impl AutoMixedPrecision {
     pub fn rewrite(&self, graph: &mut Graph) -> Result<AmpReport, PassError> {
         let before = self.config.log_path.as_ref().map(|_| graph.clone());
         let painting = self.analyze(graph)?;
-        let report_base = AmpReport::decisions(graph, &painting, &self.config);
+        let report_base = AmpReport::decisions(&painting, &self.config);
         let stats = rewrite::apply(graph, &painting, self.config.target)?;
         let report = report_base.with_stats(stats);
         if let (Some(dir), Some(before)) = (&self.config.log_path, before) {

@@ -7,9 +7,11 @@
 
 use std::collections::VecDeque;
 
+use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::op::TypeGroup;
 use ampgraph_graph::ops::{Cast, Const, Variable};
 use ampgraph_graph::{DType, Graph, NodeId};
+use foldhash::HashMap;
 
 use super::lists::{ListClass, PrecisionLists};
 use crate::PassError;
@@ -43,7 +45,10 @@ pub struct Painting {
     /// First vertex of each node, indexed by `NodeId::index()` (NONE for vacant ids).
     first: Vec<u32>,
     pub node: Vec<NodeId>,
-    pub group: Vec<TypeGroup>,
+    /// The vertex's op, as an index into `op_names`.
+    pub(crate) op: Vec<u32>,
+    /// The op names met, each once (or more when equal names have different addresses).
+    pub(crate) op_names: Vec<&'static str>,
     pub class: Vec<Option<ListClass>>,
     /// The vertex's dtype is f32 (only f32 tensors take part in mixed precision).
     pub is_f32: Vec<bool>,
@@ -51,6 +56,15 @@ pub struct Painting {
     pub process: Vec<bool>,
     /// The node is a Cast.
     cast: Vec<bool>,
+    /// The vertex may become 16-bit: processable, f32, and its type allows it.
+    eligible: Vec<bool>,
+    /// The graph's edges as painted; the rewrite reads them too.
+    pub(crate) adjacency: Adjacency,
+    /// The vertex typing each input slot of a node (NONE where no type group holds
+    /// the slot).
+    slot_vertex: NodeRows,
+    /// The vertex typing each output port of a node.
+    port_vertex: NodeRows,
     fanin: Csr,
     fanout: Csr,
     pub allow: Vec<bool>,
@@ -60,31 +74,109 @@ pub struct Painting {
     pub parent: Vec<u32>,
 }
 
-/// Compressed adjacency lists.
+/// Compressed lists: row `r` is `targets[start[r]..start[r + 1]]`.
+#[derive(Default)]
 struct Csr {
     start: Vec<u32>,
     targets: Vec<u32>,
 }
 
 impl Csr {
-    fn new(n: usize, mut edges: Vec<(u32, u32)>) -> Csr {
-        edges.sort_unstable();
-        edges.dedup();
+    /// `n` rows from (row, target) pairs sorted by row.
+    fn from_sorted(n: usize, pairs: &[(u32, u32)]) -> Csr {
         let mut start = vec![0u32; n + 1];
-        for &(a, _) in &edges {
+        for &(a, _) in pairs {
             start[a as usize + 1] += 1;
         }
-        for i in 0..n {
-            start[i + 1] += start[i];
-        }
+        prefix_sums(&mut start);
         Csr {
             start,
-            targets: edges.into_iter().map(|(_, b)| b).collect(),
+            targets: pairs.iter().map(|&(_, b)| b).collect(),
         }
     }
 
-    fn of(&self, v: u32) -> &[u32] {
-        &self.targets[self.start[v as usize] as usize..self.start[v as usize + 1] as usize]
+    /// The reverse lists, each sorted when these rows are (a counting sort).
+    fn transpose(&self) -> Csr {
+        let n = self.start.len() - 1;
+        let mut start = vec![0u32; n + 1];
+        for &b in &self.targets {
+            start[b as usize + 1] += 1;
+        }
+        prefix_sums(&mut start);
+        let mut next = start.clone();
+        let mut targets = vec![NONE; self.targets.len()];
+        for a in 0..n as u32 {
+            for &b in self.of(a) {
+                targets[next[b as usize] as usize] = a;
+                next[b as usize] += 1;
+            }
+        }
+        Csr { start, targets }
+    }
+
+    fn span(&self, row: u32) -> std::ops::Range<usize> {
+        self.start[row as usize] as usize..self.start[row as usize + 1] as usize
+    }
+
+    fn of(&self, row: u32) -> &[u32] {
+        &self.targets[self.span(row)]
+    }
+}
+
+fn prefix_sums(counts: &mut [u32]) {
+    for i in 1..counts.len() {
+        counts[i] += counts[i - 1];
+    }
+}
+
+/// A list of vertices per node, indexed by `NodeId::index()`, set in any node order.
+#[derive(Default)]
+struct NodeRows {
+    span: Vec<(u32, u32)>,
+    items: Vec<u32>,
+}
+
+impl NodeRows {
+    fn new(bound: usize) -> NodeRows {
+        NodeRows {
+            span: vec![(0, 0); bound],
+            items: Vec::with_capacity(bound),
+        }
+    }
+
+    /// A new row of `len` NONEs for `id`, to fill in.
+    fn add(&mut self, id: NodeId, len: usize) -> &mut [u32] {
+        let start = self.items.len();
+        self.items.resize(start + len, NONE);
+        self.span[id.index()] = (start as u32, self.items.len() as u32);
+        &mut self.items[start..]
+    }
+
+    fn of(&self, id: NodeId) -> &[u32] {
+        let (start, end) = self.span[id.index()];
+        &self.items[start as usize..end as usize]
+    }
+
+    /// Entry `k` of the row of `id`, if a vertex is there.
+    fn vertex(&self, id: NodeId, k: usize) -> Option<u32> {
+        self.of(id).get(k).copied().filter(|&v| v != NONE)
+    }
+}
+
+/// Fills `row` (one entry per slot) with the first of `groups` (vertices `first..`)
+/// whose `slots_of` holds each slot.
+fn fill_vertices(
+    row: &mut [u32],
+    groups: &[TypeGroup],
+    first: u32,
+    slots_of: impl Fn(&TypeGroup) -> &[usize],
+) {
+    for (v, group) in (first..).zip(groups) {
+        for &slot in slots_of(group) {
+            if let Some(entry) = row.get_mut(slot).filter(|e| **e == NONE) {
+                *entry = v;
+            }
+        }
     }
 }
 
@@ -114,14 +206,28 @@ impl Painting {
 
     /// The vertex that types input `slot` of `id`.
     pub fn input_vertex(&self, id: NodeId, slot: usize) -> Option<u32> {
-        self.vertices(id)
-            .find(|&v| self.group[v as usize].inputs.contains(&slot))
+        self.slot_vertex.vertex(id, slot)
     }
 
     /// The vertex that types output `port` of `id`.
     pub fn output_vertex(&self, id: NodeId, port: usize) -> Option<u32> {
-        self.vertices(id)
-            .find(|&v| self.group[v as usize].outputs.contains(&port))
+        self.port_vertex.vertex(id, port)
+    }
+
+    /// The output ports whose type is vertex `v`.
+    pub fn output_ports(&self, v: u32) -> impl Iterator<Item = usize> + '_ {
+        let row = self.port_vertex.of(self.node[v as usize]);
+        (0..row.len()).filter(move |&port| row[port] == v)
+    }
+
+    /// Whether vertex `v` types some input slot.
+    fn types_inputs(&self, v: u32) -> bool {
+        self.slot_vertex.of(self.node[v as usize]).contains(&v)
+    }
+
+    /// Whether the node was a Cast when painted.
+    pub(crate) fn is_cast(&self, id: NodeId) -> bool {
+        self.cast[self.primary(id) as usize]
     }
 
     pub fn fanin(&self, v: u32) -> &[u32] {
@@ -133,8 +239,7 @@ impl Painting {
     }
 
     fn eligible(&self, v: u32) -> bool {
-        let i = v as usize;
-        self.process[i] && self.is_f32[i] && self.group[i].can_be_half
+        self.eligible[v as usize]
     }
 
     fn class_is(&self, v: u32, c: ListClass) -> bool {
@@ -155,68 +260,108 @@ impl Painting {
     }
 
     fn build(g: &Graph, lists: &PrecisionLists) -> Result<Painting, PassError> {
-        let order = g.topo_order()?;
-        let capacity = g.node_ids().map(|i| i.index() + 1).max().unwrap_or(0);
-        let mut preserved = vec![false; capacity];
-        for p in g.outputs() {
-            preserved[p.node.index()] = true;
-        }
+        let adjacency = g.adjacency();
+        let order = g.topo_order_in(&adjacency)?;
         let mut p = Painting {
-            first: vec![NONE; capacity],
+            first: vec![NONE; g.node_bound()],
             node: Vec::with_capacity(order.len()),
-            group: Vec::with_capacity(order.len()),
+            op: Vec::with_capacity(order.len()),
+            op_names: Vec::new(),
             class: Vec::with_capacity(order.len()),
             is_f32: Vec::with_capacity(order.len()),
             process: Vec::with_capacity(order.len()),
             cast: Vec::with_capacity(order.len()),
-            fanin: Csr::new(0, vec![]),
-            fanout: Csr::new(0, vec![]),
+            eligible: Vec::with_capacity(order.len()),
+            adjacency,
+            slot_vertex: NodeRows::new(g.node_bound()),
+            port_vertex: NodeRows::new(g.node_bound()),
+            fanin: Csr::default(),
+            fanout: Csr::default(),
             allow: vec![],
             deny: vec![],
             step: vec![],
             parent: vec![],
             order,
         };
-        let mut inputs_of = Vec::with_capacity(p.order.len());
-        for &id in &p.order {
-            let node = g.node(id);
-            let inputs = g.inputs(id);
-            p.first[id.index()] = p.node.len() as u32;
-            let class = lists.class(node.op.name());
-            for group in node.op.type_groups(inputs.len(), node.outputs().len()) {
-                let dtype = match (group.outputs.first(), group.inputs.first()) {
-                    (Some(&o), _) => node.outputs()[o].dtype,
-                    (None, Some(&i)) => g.ty(inputs[i]).dtype,
-                    (None, None) => DType::Bool,
-                };
-                p.node.push(id);
-                p.class.push(class);
-                p.is_f32.push(dtype == DType::F32);
-                p.process.push(!preserved[id.index()]);
-                p.cast.push(node.op.is::<Cast>());
-                p.group.push(group);
-            }
-            inputs_of.push(inputs);
-        }
-        let mut edges = Vec::new();
-        for (&id, inputs) in p.order.iter().zip(&inputs_of) {
-            for (slot, port) in inputs.iter().enumerate() {
-                if let (Some(src), Some(dst)) = (
-                    p.output_vertex(port.node, port.index),
-                    p.input_vertex(id, slot),
-                ) {
-                    edges.push((src, dst));
-                }
-            }
-        }
-        let n = p.node.len();
-        p.fanin = Csr::new(n, edges.iter().map(|&(a, b)| (b, a)).collect());
-        p.fanout = Csr::new(n, edges);
+        p.add_vertices(g, lists);
+        p.fanin = p.vertex_fanin();
+        p.fanout = p.fanin.transpose();
+        let n = p.len();
         p.allow = vec![false; n];
         p.deny = vec![false; n];
         p.step = vec![Step::None; n];
         p.parent = vec![NONE; n];
         Ok(p)
+    }
+
+    /// One vertex per type group of each node, nodes in topological order.
+    fn add_vertices(&mut self, g: &Graph, lists: &PrecisionLists) {
+        let mut preserved = vec![false; self.first.len()];
+        for port in g.outputs() {
+            preserved[port.node.index()] = true;
+        }
+        // Each op name is numbered and looked up in the lists once, not once per node;
+        // the names are static, so their address and length identify them.
+        let mut ops: HashMap<(usize, usize), (u32, Option<ListClass>)> = HashMap::default();
+        for &id in &self.order {
+            let node = g.node(id);
+            let inputs = self.adjacency.inputs(id);
+            let first = self.node.len() as u32;
+            self.first[id.index()] = first;
+            let op = node.op.name();
+            let (kind, class) = *ops
+                .entry((op.as_ptr() as usize, op.len()))
+                .or_insert_with(|| {
+                    self.op_names.push(op);
+                    (self.op_names.len() as u32 - 1, lists.class(op))
+                });
+            let is_cast = node.op.is::<Cast>();
+            let process = !preserved[id.index()];
+            let groups = node.op.type_groups(inputs.len(), node.outputs().len());
+            for group in &groups {
+                let dtype = match (group.outputs.first(), group.inputs.first()) {
+                    (Some(&o), _) => node.outputs()[o].dtype,
+                    (None, Some(&i)) => g.ty(inputs[i]).dtype,
+                    (None, None) => DType::Bool,
+                };
+                let is_f32 = dtype == DType::F32;
+                self.node.push(id);
+                self.op.push(kind);
+                self.class.push(class);
+                self.is_f32.push(is_f32);
+                self.process.push(process);
+                self.cast.push(is_cast);
+                self.eligible.push(process && is_f32 && group.can_be_half);
+            }
+            let slots = self.slot_vertex.add(id, inputs.len());
+            fill_vertices(slots, &groups, first, |t| &t.inputs);
+            let ports = self.port_vertex.add(id, node.outputs().len());
+            fill_vertices(ports, &groups, first, |t| &t.outputs);
+        }
+    }
+
+    /// The vertex edges (producer's output vertex to consumer's input vertex),
+    /// collapsed, as the sorted fanin of each vertex.
+    fn vertex_fanin(&self) -> Csr {
+        let mut pairs: Vec<(u32, u32)> = Vec::with_capacity(self.len());
+        let mut of_node: Vec<(u32, u32)> = Vec::new();
+        for &id in &self.order {
+            of_node.clear();
+            for (slot, port) in self.adjacency.inputs(id).iter().enumerate() {
+                if let (Some(src), Some(dst)) = (
+                    self.output_vertex(port.node, port.index),
+                    self.input_vertex(id, slot),
+                ) {
+                    of_node.push((dst, src));
+                }
+            }
+            // Vertices are numbered node by node along `order`: sorting each node's
+            // pairs sorts them all.
+            of_node.sort_unstable();
+            of_node.dedup();
+            pairs.extend_from_slice(&of_node);
+        }
+        Csr::from_sorted(self.len(), &pairs)
     }
 
     fn mark_allow(&mut self, v: u32, step: Step, parent: u32) {
@@ -356,24 +501,22 @@ impl Painting {
             .filter(|&v| self.allow[v as usize] && self.process[v as usize])
             .collect();
         while let Some(v) = queue.pop_front() {
-            let neighbours: Vec<u32> = self
-                .fanin
-                .of(v)
-                .iter()
-                .chain(self.fanout.of(v))
-                .copied()
-                .collect();
-            for o in neighbours {
-                let i = o as usize;
-                if !self.allow[i]
-                    && !self.deny[i]
-                    && self.class_is(o, ListClass::Clear)
-                    && self.eligible(o)
-                {
-                    self.mark_allow(o, Step::ClearNextToAllow, v);
-                    queue.push_back(o);
-                }
+            for k in self.fanin.span(v) {
+                self.join_clear(self.fanin.targets[k], v, &mut queue);
             }
+            for k in self.fanout.span(v) {
+                self.join_clear(self.fanout.targets[k], v, &mut queue);
+            }
+        }
+    }
+
+    /// Phase 5 at `o`, a neighbour of the f16 vertex `v`.
+    fn join_clear(&mut self, o: u32, v: u32, queue: &mut VecDeque<u32>) {
+        let i = o as usize;
+        if !self.allow[i] && !self.deny[i] && self.class_is(o, ListClass::Clear) && self.eligible(o)
+        {
+            self.mark_allow(o, Step::ClearNextToAllow, v);
+            queue.push_back(o);
         }
     }
 
@@ -383,7 +526,7 @@ impl Painting {
         for v in 0..self.len() as u32 {
             let i = v as usize;
             // A Cast's destination vertex has outputs and no inputs.
-            let destination = self.cast[i] && self.group[i].inputs.is_empty();
+            let destination = self.cast[i] && !self.types_inputs(v);
             if !destination || !self.is_f32[i] || !self.process[i] || self.allow[i] {
                 continue;
             }

@@ -24,6 +24,14 @@ pub struct OpCounts {
     pub blocked: usize,
 }
 
+impl OpCounts {
+    fn add(&mut self, other: &OpCounts) {
+        self.total += other.total;
+        self.converted += other.converted;
+        self.blocked += other.blocked;
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct AmpReport {
     pub target: DType,
@@ -44,7 +52,7 @@ pub struct AmpReport {
 
 impl AmpReport {
     /// The decisions of a painting, before the rewrite adds its counts.
-    pub(crate) fn decisions(g: &Graph, p: &Painting, config: &AmpConfig) -> AmpReport {
+    pub(crate) fn decisions(p: &Painting, config: &AmpConfig) -> AmpReport {
         let mut r = AmpReport {
             target: config.target,
             processable: 0,
@@ -56,9 +64,10 @@ impl AmpReport {
             denied: vec![false; p.node.iter().map(|n| n.index() + 1).max().unwrap_or(0)],
             stats: RewriteStats::default(),
         };
+        let mut per_op = vec![OpCounts::default(); p.op_names.len()];
         for &id in &p.order {
             let v = p.primary(id) as usize;
-            let counts = r.per_op.entry(g.node(id).op.name()).or_default();
+            let counts = &mut per_op[p.op[v] as usize];
             counts.total += 1;
             if !p.is_f32[v] {
                 continue;
@@ -81,6 +90,9 @@ impl AmpReport {
                     r.blocked += 1;
                 }
             }
+        }
+        for (name, counts) in p.op_names.iter().zip(per_op) {
+            r.per_op.entry(name).or_default().add(&counts);
         }
         r
     }

@@ -5,6 +5,8 @@
 use ampgraph_graph::ops::{Cast, Const};
 use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor};
 
+use foldhash::HashMap;
+
 use super::paint::{is_const_or_variable, Painting};
 use crate::PassError;
 
@@ -39,6 +41,9 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
     let outputs: Vec<Port> = g.outputs().to_vec();
     // Rewiring happens in one batch at the end (see Graph::rewire).
     let mut changes: Vec<(NodeId, usize, Port)> = Vec::new();
+    // The casts this rewrite inserted, by (tensor, dtype).
+    let mut inserted: HashMap<(Port, DType), NodeId> = HashMap::default();
+    let mut mismatched: Vec<(NodeId, usize)> = Vec::new();
     // Existing Casts to f32 whose readers are all f16 now cast to f16 directly.
     for v in 0..p.len() {
         if p.step[v] == super::paint::Step::CastToHalf {
@@ -54,26 +59,25 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
         if src_allow && p.primary(id) as usize == v {
             stats.nodes_converted += 1;
         }
-        for &port_index in &p.group[v].outputs {
+        for port_index in p.output_ports(v as u32) {
             let port = Port::new(id, port_index);
-            let consumers = g.port_consumers(port);
-            // A Cast reader converts whatever it reads: it needs no cast in front.
-            let mismatched: Vec<(NodeId, usize)> = consumers
-                .iter()
-                .copied()
-                .filter(|&(d, slot)| {
-                    p.input_vertex(d, slot)
-                        .is_some_and(|dv| p.allow[dv as usize] != src_allow)
-                })
-                .filter(|&(d, _)| !g.node(d).op.is::<Cast>())
-                .collect();
+            // The graph's edges have not changed since painting: the painting's
+            // adjacency still holds every reader.
+            mismatched.clear();
+            let mut readers = 0;
+            for (d, slot) in p.adjacency.port_consumers(port) {
+                readers += 1;
+                if needs_cast(p, d, slot, src_allow) {
+                    mismatched.push((d, slot));
+                }
+            }
             if mismatched.is_empty() {
                 continue;
             }
             let to = if src_allow { DType::F32 } else { target };
             let const_values = g.node(id).op.downcast_ref::<Const>().cloned();
             if let (Some(c), true) = (&const_values, to == target) {
-                let whole = mismatched.len() == consumers.len() && !outputs.contains(&port);
+                let whole = mismatched.len() == readers && !outputs.contains(&port);
                 let rounded = Const::new(const_tensor(c)?.cast(target));
                 stats.consts_folded += 1;
                 if whole {
@@ -93,19 +97,13 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             }
             // Never a cast of a float cast: convert what the existing Cast reads, or read
             // it directly when it already has the wanted type.
-            let source = cast_source(g, port);
+            let source = cast_source(g, p, port);
             if source != port && final_dtype(g, p, source, target) == to {
                 rewire(&mut changes, &mismatched, source);
                 continue;
             }
             // One cast per (tensor, dtype): reuse a Cast the graph already has.
-            let existing = g.port_consumers(source).into_iter().find(|&(d, _)| {
-                g.node(d)
-                    .op
-                    .downcast_ref::<Cast>()
-                    .is_some_and(|c| c.to == to)
-            });
-            if let Some((cast, _)) = existing {
+            if let Some(cast) = existing_cast(g, p, &inserted, source, to) {
                 rewire(&mut changes, &mismatched, Port::new(cast, 0));
                 continue;
             }
@@ -115,6 +113,7 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
                 cast_suffix(to)
             ));
             let cast = g.add_node(name, Box::new(Cast { to }), &[source])?;
+            inserted.insert((source, to), cast);
             stats.inserted.push(cast);
             rewire(&mut changes, &mismatched, Port::new(cast, 0));
             if to == DType::F32 {
@@ -129,6 +128,36 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
     g.rewire(changes)?;
     g.infer_types()?;
     Ok(stats)
+}
+
+/// Whether input `slot` of `reader` wants the other precision than its producer's
+/// (`src_allow`). A Cast reader converts whatever it reads: it needs no cast in front.
+fn needs_cast(p: &Painting, reader: NodeId, slot: usize, src_allow: bool) -> bool {
+    p.input_vertex(reader, slot)
+        .is_some_and(|dv| p.allow[dv as usize] != src_allow)
+        && !p.is_cast(reader)
+}
+
+/// A Cast of `source` to `to`: the first the graph had, else the one this rewrite
+/// inserted. (It inserts one only where the graph had none.)
+fn existing_cast(
+    g: &Graph,
+    p: &Painting,
+    inserted: &HashMap<(Port, DType), NodeId>,
+    source: Port,
+    to: DType,
+) -> Option<NodeId> {
+    p.adjacency
+        .port_consumers(source)
+        .map(|(d, _)| d)
+        .find(|&d| {
+            p.is_cast(d)
+                && g.node(d)
+                    .op
+                    .downcast_ref::<Cast>()
+                    .is_some_and(|c| c.to == to)
+        })
+        .or_else(|| inserted.get(&(source, to)).copied())
 }
 
 fn const_tensor(c: &Const) -> Result<Tensor, PassError> {
@@ -153,9 +182,9 @@ fn final_dtype(g: &Graph, p: &Painting, port: Port, target: DType) -> DType {
 
 /// The tensor a chain of float-to-float Casts ending at `port` starts from. (A cast
 /// from an integer type changes values, so the chain stops there.)
-fn cast_source(g: &Graph, mut port: Port) -> Port {
-    while g.node(port.node).op.is::<Cast>() {
-        let input = g.inputs(port.node)[0];
+fn cast_source(g: &Graph, p: &Painting, mut port: Port) -> Port {
+    while p.is_cast(port.node) {
+        let input = p.adjacency.inputs(port.node)[0];
         if !g.ty(input).dtype.is_float() {
             break;
         }

@@ -1,0 +1,459 @@
+//! The device side of the CUDA executor: context and stream, device tensors in pooled
+//! buffers, uploads and downloads, and NVRTC kernels compiled once per process.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use half::{bf16, f16};
+
+use ampgraph_graph::tensor::ShapeDisplay;
+use ampgraph_graph::{DType, Data, Tensor, TensorType};
+
+use super::src::MAX_RANK;
+
+/// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
+pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(format!("{what}: {msg}"))
+        }
+    }
+}
+
+/// Shape and strides of a strided kernel argument (up to [`MAX_RANK`] dims).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Dims(pub [i64; MAX_RANK]);
+
+// SAFETY: a plain array of i64, laid out as the kernels' `struct Dims`.
+unsafe impl DeviceRepr for Dims {}
+
+impl Dims {
+    pub fn new(v: &[usize]) -> Result<Dims, String> {
+        if v.len() > MAX_RANK {
+            return Err(format!(
+                "rank {} is above the CUDA kernels' limit of {MAX_RANK}",
+                v.len()
+            ));
+        }
+        let mut d = Dims::default();
+        for (o, &x) in d.0.iter_mut().zip(v) {
+            *o = x as i64;
+        }
+        Ok(d)
+    }
+}
+
+/// One kernel argument.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(u64),
+    I64(i64),
+    I32(i32),
+    F64(f64),
+    Dims(Dims),
+}
+
+/// Free device buffers by capacity, for reuse.
+#[derive(Default)]
+pub struct Pool {
+    free: HashMap<usize, Vec<CudaSlice<u8>>>,
+    /// Bytes currently handed out (live tensors).
+    pub live: usize,
+    /// The most bytes ever live at once.
+    pub peak: usize,
+}
+
+/// A device allocation; back to the pool when the last tensor using it drops.
+pub struct Buf {
+    slice: Option<CudaSlice<u8>>,
+    cap: usize,
+    ptr: u64,
+    pool: Arc<Mutex<Pool>>,
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        if let Some(s) = self.slice.take() {
+            if let Ok(mut p) = self.pool.lock() {
+                p.live = p.live.saturating_sub(self.cap);
+                p.free.entry(self.cap).or_default().push(s);
+            }
+        }
+    }
+}
+
+/// A tensor on the device. Cloning shares the buffer (Reshape and Identity alias).
+#[derive(Clone)]
+pub struct DTensor {
+    buf: Arc<Buf>,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl DTensor {
+    pub fn ptr(&self) -> u64 {
+        self.buf.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn bytes(&self) -> usize {
+        self.len() * self.dtype.size_bytes()
+    }
+    pub fn ty(&self) -> TensorType {
+        TensorType::new(self.dtype, self.shape.clone())
+    }
+    /// The same buffer with another shape of equal size.
+    pub fn reshaped(&self, shape: Vec<usize>) -> DTensor {
+        DTensor {
+            buf: self.buf.clone(),
+            dtype: self.dtype,
+            shape,
+        }
+    }
+    pub fn arg(&self) -> Arg {
+        Arg::Ptr(self.ptr())
+    }
+}
+
+/// PTX by (arch, kernel key), shared by every executor of the process.
+fn ptx_cache() -> &'static Mutex<HashMap<String, Ptx>> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Ptx>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Include directories for `cuda_fp16.h` and `cuda_bf16.h`.
+fn include_paths() -> Vec<String> {
+    let mut roots = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(v) = std::env::var(var) {
+            roots.push(v);
+        }
+    }
+    roots.push("/usr/local/cuda".into());
+    let mut out = Vec::new();
+    for r in roots {
+        for sub in ["include", "include/cccl"] {
+            let p = format!("{r}/{sub}");
+            if std::path::Path::new(&p).is_dir() && !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+pub struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// `compute_90` for an H100.
+    arch: String,
+    pub name: String,
+    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(String, &'static str), Arc<CudaFunction>>>,
+    pub pool: Arc<Mutex<Pool>>,
+}
+
+fn drv<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
+    move |e| format!("CUDA {what}: {e:?}")
+}
+
+impl Device {
+    pub fn new(ordinal: usize) -> Result<Device, String> {
+        let ctx = CudaContext::new(ordinal).map_err(drv("context"))?;
+        // One stream orders every use of a buffer; cudarc's per-buffer events are not needed.
+        // SAFETY: no buffer of this context exists yet and all work goes to one stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(drv("stream"))?;
+        let (major, minor) = ctx.compute_capability().map_err(drv("device query"))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        Ok(Device {
+            ctx,
+            stream,
+            arch: format!("compute_{major}{minor}"),
+            name,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            pool: Arc::new(Mutex::new(Pool::default())),
+        })
+    }
+
+    /// A fresh (uninitialised) tensor. `who` names it in an out-of-memory error.
+    pub fn alloc(&self, dtype: DType, shape: &[usize], who: &str) -> Result<DTensor, String> {
+        let n: usize = shape.iter().product();
+        let bytes = n * dtype.size_bytes();
+        let cap = bytes.max(1).div_ceil(256) * 256;
+        let reused = {
+            let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
+            let s = p.free.get_mut(&cap).and_then(|v| v.pop());
+            if s.is_some() {
+                p.live += cap;
+                p.peak = p.peak.max(p.live);
+            }
+            s
+        };
+        let slice = match reused {
+            Some(s) => s,
+            None => {
+                // SAFETY: u8 has no invalid bit patterns; every kernel writes before reads.
+                let first = unsafe { self.stream.alloc::<u8>(cap) };
+                let s = match first {
+                    Ok(s) => s,
+                    Err(_) => {
+                        // Give the pool's free buffers back and try once more.
+                        if let Ok(mut p) = self.pool.lock() {
+                            p.free.clear();
+                        }
+                        let _ = self.stream.synchronize();
+                        unsafe { self.stream.alloc::<u8>(cap) }.map_err(|e| {
+                            format!(
+                                "out of device memory allocating {bytes} bytes for {who} {}{} ({e:?})",
+                                dtype,
+                                ShapeDisplay(shape)
+                            )
+                        })?
+                    }
+                };
+                let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
+                p.live += cap;
+                p.peak = p.peak.max(p.live);
+                s
+            }
+        };
+        let ptr = {
+            let (p, _sync) = slice.device_ptr(&self.stream);
+            p
+        };
+        Ok(DTensor {
+            buf: Arc::new(Buf {
+                slice: Some(slice),
+                cap,
+                ptr,
+                pool: self.pool.clone(),
+            }),
+            dtype,
+            shape: shape.to_vec(),
+        })
+    }
+
+    pub fn upload(&self, t: &Tensor, who: &str) -> Result<DTensor, String> {
+        let d = self.alloc(t.dtype(), t.shape(), who)?;
+        let bytes = to_bytes(t.data());
+        if !bytes.is_empty() {
+            // SAFETY: the buffer holds at least `bytes.len()` bytes; the copy is ordered
+            // on the stream, and a pageable source is staged before the call returns.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(d.ptr(), &bytes, self.stream.cu_stream())
+                    .map_err(drv("upload"))?;
+            }
+        }
+        Ok(d)
+    }
+
+    pub fn download(&self, d: &DTensor) -> Result<Tensor, String> {
+        let mut bytes = vec![0u8; d.bytes()];
+        if !bytes.is_empty() {
+            // SAFETY: the buffer holds `bytes.len()` bytes; the host side is read only
+            // after the stream synchronises below.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut bytes,
+                    d.ptr(),
+                    self.stream.cu_stream(),
+                )
+                .map_err(drv("download"))?;
+            }
+        }
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        Tensor::new(d.shape.clone(), from_bytes(d.dtype, &bytes))
+    }
+
+    /// Sets every byte of `d` to zero.
+    pub fn zero(&self, d: &DTensor) -> Result<(), String> {
+        if d.bytes() == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range lies inside the buffer; ordered on this stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(d.ptr(), 0, d.bytes(), self.stream.cu_stream())
+        }
+        .map_err(drv("memset"))
+    }
+
+    /// The kernel `name` of the module `key` (built from `src()` on first use).
+    fn function(
+        &self,
+        key: &str,
+        src: impl FnOnce() -> String,
+        name: &'static str,
+    ) -> Result<Arc<CudaFunction>, String> {
+        let fkey = (key.to_string(), name);
+        if let Some(f) = self.functions.lock().map_err(|_| "poisoned")?.get(&fkey) {
+            return Ok(f.clone());
+        }
+        let module = {
+            let mut modules = self.modules.lock().map_err(|_| "poisoned")?;
+            match modules.get(key) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = self.compile(key, src)?;
+                    let m = self
+                        .ctx
+                        .load_module(ptx)
+                        .map_err(|e| format!("loading kernel module '{key}': {e:?}"))?;
+                    modules.insert(key.to_string(), m.clone());
+                    m
+                }
+            }
+        };
+        let f = Arc::new(
+            module
+                .load_function(name)
+                .map_err(|e| format!("kernel '{name}' of '{key}': {e:?}"))?,
+        );
+        self.functions
+            .lock()
+            .map_err(|_| "poisoned")?
+            .insert(fkey, f.clone());
+        Ok(f)
+    }
+
+    fn compile(&self, key: &str, src: impl FnOnce() -> String) -> Result<Ptx, String> {
+        let ckey = format!("{}/{key}", self.arch);
+        if let Some(p) = ptx_cache().lock().map_err(|_| "poisoned")?.get(&ckey) {
+            return Ok(p.clone());
+        }
+        let src = src();
+        let opts = CompileOptions {
+            fmad: Some(false),
+            include_paths: include_paths(),
+            options: vec![format!("--gpu-architecture={}", self.arch)],
+            name: Some(format!("{}.cu", key.replace(['/', ' '], "_"))),
+            ..Default::default()
+        };
+        let ptx = guard("NVRTC", || {
+            compile_ptx_with_opts(&src, opts).map_err(|e| match e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => format!(
+                    "NVRTC could not compile kernel '{key}':\n{}",
+                    log.to_string_lossy()
+                ),
+                other => format!("NVRTC could not compile kernel '{key}': {other:?}"),
+            })
+        })?;
+        ptx_cache()
+            .lock()
+            .map_err(|_| "poisoned")?
+            .insert(ckey, ptx.clone());
+        Ok(ptx)
+    }
+
+    /// Launches kernel `name` of module `key` over `grid` blocks of `block` threads.
+    pub fn launch(
+        &self,
+        key: &str,
+        src: impl FnOnce() -> String,
+        name: &'static str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<(), String> {
+        let f = self.function(key, src, name)?;
+        let mut b = self.stream.launch_builder(&f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::I64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F64(v) => b.arg(v),
+                Arg::Dims(d) => b.arg(d),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid.max(1), 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument list matches the generated kernel's signature, and every
+        // pointer is a live buffer of the size the kernel indexes (checked by the caller).
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| format!("launching kernel '{key}': {e:?}"))
+    }
+
+    /// An elementwise launch over `n` items.
+    pub fn launch_n(
+        &self,
+        key: &str,
+        src: impl FnOnce() -> String,
+        n: usize,
+        args: &[Arg],
+    ) -> Result<(), String> {
+        if n == 0 {
+            return Ok(());
+        }
+        let grid = n.div_ceil(256).min(1 << 20) as u32;
+        self.launch(key, src, "k", grid, 256, args)
+    }
+}
+
+/// Threads per block for a row of `len` elements: a warp multiple up to 256.
+pub fn row_block(len: usize) -> u32 {
+    (len.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+/// Blocks for `rows` rows (grid-stride loops cover the rest).
+pub fn row_grid(rows: usize) -> u32 {
+    rows.clamp(1, 1 << 20) as u32
+}
+
+fn to_bytes(d: &Data) -> Vec<u8> {
+    match d {
+        Data::F32(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+        Data::F16(v) => v.iter().flat_map(|x| x.to_bits().to_ne_bytes()).collect(),
+        Data::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_ne_bytes()).collect(),
+        Data::F64(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+        Data::I32(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+        Data::I64(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+        Data::Bool(v) => v.iter().map(|&b| u8::from(b)).collect(),
+    }
+}
+
+fn from_bytes(dtype: DType, b: &[u8]) -> Data {
+    fn chunks<const N: usize>(b: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
+        b.chunks_exact(N).map(|c| {
+            let mut a = [0u8; N];
+            a.copy_from_slice(c);
+            a
+        })
+    }
+    match dtype {
+        DType::F32 => Data::F32(chunks::<4>(b).map(f32::from_ne_bytes).collect()),
+        DType::F16 => Data::F16(
+            chunks::<2>(b)
+                .map(|c| f16::from_bits(u16::from_ne_bytes(c)))
+                .collect(),
+        ),
+        DType::BF16 => Data::BF16(
+            chunks::<2>(b)
+                .map(|c| bf16::from_bits(u16::from_ne_bytes(c)))
+                .collect(),
+        ),
+        DType::F64 => Data::F64(chunks::<8>(b).map(f64::from_ne_bytes).collect()),
+        DType::I32 => Data::I32(chunks::<4>(b).map(i32::from_ne_bytes).collect()),
+        DType::I64 => Data::I64(chunks::<8>(b).map(i64::from_ne_bytes).collect()),
+        DType::Bool => Data::Bool(b.iter().map(|&x| x != 0).collect()),
+    }
+}

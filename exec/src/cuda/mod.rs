@@ -1,0 +1,413 @@
+//! The CUDA executor: tensors on one GPU, GEMMs through cuBLASLt, every other op
+//! (except convolutions, pooling and batch norm, which wait for cuDNN) as NVRTC
+//! kernels generated per (op, dtype) and compiled once per process.
+//!
+//! CUDA is loaded at run time (`cudarc`'s dynamic loading): the crate builds and runs
+//! on machines without it, and [`available`] says why CUDA cannot be used there. No
+//! cudarc panic reaches a caller: the libraries are checked for before first use and
+//! CUDA calls that could panic run under a guard.
+//!
+//! Variables live on the device across runs; `AssignVariable` writes replace them when
+//! the step ends. Host copies of variables ([`CudaExecutor::variable`]) are downloaded
+//! on demand and cached until the next write. Intermediate tensors return to a
+//! size-keyed buffer pool after their last use; only fetched values are copied back.
+
+mod device;
+mod gemm;
+mod ops;
+mod src;
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use ampgraph_graph::ops::{AssignVariable, Const, Group, Placeholder, Variable};
+use ampgraph_graph::tensor::ShapeDisplay;
+use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
+
+use crate::{check_tensor_size, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
+
+use device::{guard, DTensor, Device};
+use gemm::Gemm;
+pub use gemm::GemmOptions;
+
+/// The number of CUDA devices, or why CUDA cannot be used on this machine (no driver
+/// library, no device, no NVRTC or cuBLASLt library).
+pub fn available() -> Result<usize, String> {
+    // SAFETY: only tries to open the library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("the CUDA driver library (libcuda.so) was not found".into());
+    }
+    let n = guard("CUDA driver", || {
+        cudarc::driver::result::init()
+            .map_err(|e| format!("the CUDA driver failed to start: {e:?}"))?;
+        cudarc::driver::result::device::get_count()
+            .map_err(|e| format!("the CUDA driver could not count devices: {e:?}"))
+    })?;
+    if n <= 0 {
+        return Err("the CUDA driver found no device".into());
+    }
+    libraries_present()?;
+    Ok(n as usize)
+}
+
+/// Checks the other libraries the executor loads (NVRTC, cuBLASLt).
+fn libraries_present() -> Result<(), String> {
+    // SAFETY: only try to open the libraries.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err("the NVRTC library (libnvrtc.so) was not found".into());
+    }
+    if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        return Err("the cuBLASLt library (libcublasLt.so) was not found".into());
+    }
+    Ok(())
+}
+
+/// Settings of a CUDA executor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    pub gemm: GemmOptions,
+}
+
+/// A variable's value on the device, and its host copy once asked for.
+struct VarSlot {
+    value: DTensor,
+    host: OnceLock<Tensor>,
+}
+
+/// Runs graphs on one CUDA device.
+pub struct CudaExecutor {
+    dev: Device,
+    gemm: Gemm,
+    pub options: CudaOptions,
+    variables: HashMap<String, VarSlot>,
+    /// Uploaded Consts (and Group's `true`) by node name, with the value they hold.
+    consts: HashMap<String, (Tensor, DTensor)>,
+    /// The largest tensor one op may produce, in bytes.
+    pub max_tensor_bytes: u64,
+}
+
+fn dev_err(msg: String) -> ExecError {
+    ExecError::Device(msg)
+}
+
+impl CudaExecutor {
+    /// An executor on device `ordinal`, or a clear error where CUDA cannot be used.
+    pub fn new(ordinal: usize) -> Result<CudaExecutor, ExecError> {
+        Self::with_options(ordinal, CudaOptions::default())
+    }
+
+    pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<CudaExecutor, ExecError> {
+        let count = available().map_err(|e| dev_err(format!("CUDA is not available: {e}")))?;
+        if ordinal >= count {
+            return Err(dev_err(format!(
+                "CUDA device {ordinal} was asked for, but there {} only {count}",
+                if count == 1 { "is" } else { "are" }
+            )));
+        }
+        let (dev, gemm) = guard("CUDA", || {
+            let dev = Device::new(ordinal)?;
+            let gemm = Gemm::new(&dev)?;
+            Ok((dev, gemm))
+        })
+        .map_err(dev_err)?;
+        log::info!("CUDA executor on device {ordinal}: {}", dev.name);
+        Ok(CudaExecutor {
+            dev,
+            gemm,
+            options,
+            variables: HashMap::new(),
+            consts: HashMap::new(),
+            max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
+        })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.dev.ctx.ordinal()
+    }
+
+    /// The GPU's name.
+    pub fn device_name(&self) -> &str {
+        &self.dev.name
+    }
+
+    /// The most bytes of device tensors (variables included) live at once so far.
+    pub fn peak_bytes(&self) -> usize {
+        self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)
+    }
+
+    /// Refuses a graph with an op that has no CUDA kernel, naming the first such node.
+    pub fn check_supported(graph: &Graph) -> Result<(), ExecError> {
+        for id in graph.node_ids() {
+            let node = graph.node(id);
+            if let Some(msg) = ops::unsupported(node.op.as_ref()) {
+                return Err(ExecError::node(&node.name, node.op.name(), msg));
+            }
+        }
+        Ok(())
+    }
+
+    /// Names of the variables this executor holds.
+    pub fn variable_names(&self) -> Vec<String> {
+        self.variables.keys().cloned().collect()
+    }
+
+    /// A variable's type, without copying it to the host.
+    pub fn variable_type(&self, name: &str) -> Option<TensorType> {
+        self.variables.get(name).map(|v| v.value.ty())
+    }
+
+    /// A variable's current value, copied to the host on first use after each write
+    /// (a failed copy is logged and reads as `None`; [`try_variable`](Self::try_variable)
+    /// returns the error).
+    pub fn variable(&self, name: &str) -> Option<&Tensor> {
+        let slot = self.variables.get(name)?;
+        if slot.host.get().is_none() {
+            match guard("CUDA", || self.dev.download(&slot.value)) {
+                Ok(t) => {
+                    let _ = slot.host.set(t);
+                }
+                Err(e) => {
+                    log::error!("variable '{name}': {e}");
+                    return None;
+                }
+            }
+        }
+        slot.host.get()
+    }
+
+    /// A variable's current value, or the error of copying it.
+    pub fn try_variable(&self, name: &str) -> Result<Option<Tensor>, ExecError> {
+        let Some(slot) = self.variables.get(name) else {
+            return Ok(None);
+        };
+        if let Some(t) = slot.host.get() {
+            return Ok(Some(t.clone()));
+        }
+        let t =
+            guard("CUDA", || self.dev.download(&slot.value)).map_err(|msg| ExecError::Feed {
+                name: name.into(),
+                msg,
+            })?;
+        let _ = slot.host.set(t.clone());
+        Ok(Some(t))
+    }
+
+    /// Sets (or creates) a variable, copying the value to the device.
+    pub fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError> {
+        let dev = guard("CUDA", || {
+            self.dev.upload(&value, &format!("variable '{name}'"))
+        })
+        .map_err(|msg| ExecError::Feed {
+            name: name.into(),
+            msg,
+        })?;
+        let host = OnceLock::new();
+        let _ = host.set(value);
+        self.variables
+            .insert(name.to_string(), VarSlot { value: dev, host });
+        Ok(())
+    }
+
+    /// The nodes `fetches` depend on, in topological order.
+    fn needed(graph: &Graph, fetches: &[Port]) -> Result<Vec<NodeId>, ExecError> {
+        let mut needed = vec![false; graph.node_ids().map(|i| i.index() + 1).max().unwrap_or(0)];
+        let mut stack: Vec<NodeId> = fetches.iter().map(|p| p.node).collect();
+        while let Some(id) = stack.pop() {
+            if !std::mem::replace(&mut needed[id.index()], true) {
+                stack.extend(graph.inputs(id).into_iter().map(|p| p.node));
+            }
+        }
+        Ok(graph
+            .topo_order()?
+            .into_iter()
+            .filter(|id| needed[id.index()])
+            .collect())
+    }
+
+    /// The value of a source node (Placeholder, Variable, Const, Group), if it is one.
+    fn source_value(
+        &mut self,
+        graph: &Graph,
+        id: NodeId,
+        feeds: &Feeds,
+    ) -> Result<Option<DTensor>, ExecError> {
+        let node = graph.node(id);
+        let op = node.op.as_ref();
+        let is_placeholder = op.is::<Placeholder>();
+        let is_variable = op.is::<Variable>();
+        let want = &node.outputs()[0];
+        let check = |t: &TensorType| -> Result<(), ExecError> {
+            if t != want {
+                return Err(ExecError::Feed {
+                    name: node.name.clone(),
+                    msg: format!("expects {want}, got {}{}", t.dtype, ShapeDisplay(&t.shape)),
+                });
+            }
+            Ok(())
+        };
+        if is_placeholder || is_variable {
+            if let Some(v) = feeds.get(&node.name) {
+                check(&v.ty())?;
+                let d = guard("CUDA", || {
+                    self.dev.upload(v, &format!("feed '{}'", node.name))
+                })
+                .map_err(|msg| ExecError::Feed {
+                    name: node.name.clone(),
+                    msg,
+                })?;
+                return Ok(Some(d));
+            }
+            if is_variable {
+                if let Some(slot) = self.variables.get(&node.name) {
+                    check(&slot.value.ty())?;
+                    return Ok(Some(slot.value.clone()));
+                }
+                return Err(ExecError::Feed {
+                    name: node.name.clone(),
+                    msg: format!("Variable {want} has no value (initialise or feed it)"),
+                });
+            }
+            return Err(ExecError::Feed {
+                name: node.name.clone(),
+                msg: format!("Placeholder {want} was not fed"),
+            });
+        }
+        let host = if let Some(k) = op.downcast_ref::<Const>() {
+            match &k.values {
+                Some(v) => Tensor::new(k.ty.shape.clone(), v.clone())
+                    .map_err(|m| ExecError::node(&node.name, "Const", m))?,
+                None => Tensor::zeros(&k.ty),
+            }
+        } else if op.is::<Group>() {
+            Tensor::scalar(ampgraph_graph::DType::Bool, 1.0)
+        } else {
+            return Ok(None);
+        };
+        if let Some((t, d)) = self.consts.get(&node.name) {
+            if *t == host {
+                return Ok(Some(d.clone()));
+            }
+        }
+        let d = guard("CUDA", || {
+            self.dev.upload(&host, &format!("node '{}'", node.name))
+        })
+        .map_err(|m| ExecError::node(&node.name, op.name(), m))?;
+        self.consts.insert(node.name.clone(), (host, d.clone()));
+        Ok(Some(d))
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn run(
+        &mut self,
+        graph: &Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+    ) -> Result<Vec<Tensor>, ExecError> {
+        guard("CUDA", || {
+            self.dev
+                .ctx
+                .bind_to_thread()
+                .map_err(|e| format!("CUDA context: {e:?}"))
+        })
+        .map_err(dev_err)?;
+        let order = Self::needed(graph, fetches)?;
+        for &id in &order {
+            let node = graph.node(id);
+            if let Some(msg) = ops::unsupported(node.op.as_ref()) {
+                return Err(ExecError::node(&node.name, node.op.name(), msg));
+            }
+        }
+        let mut reads: HashMap<NodeId, usize> = HashMap::new();
+        for &id in &order {
+            for p in graph.inputs(id) {
+                *reads.entry(p.node).or_default() += 1;
+            }
+        }
+        for p in fetches {
+            *reads.entry(p.node).or_default() += 1;
+        }
+        let mut values: HashMap<NodeId, Vec<DTensor>> = HashMap::new();
+        let mut writes: Vec<(String, DTensor)> = Vec::new();
+        for &id in &order {
+            let node = graph.node(id);
+            let op = node.op.name();
+            for ty in node.outputs() {
+                check_tensor_size(&node.name, op, ty, self.max_tensor_bytes)?;
+            }
+            let outputs = match self.source_value(graph, id, feeds)? {
+                Some(v) => vec![v],
+                None => {
+                    let inputs: Vec<DTensor> = graph
+                        .inputs(id)
+                        .iter()
+                        .map(|p| values[&p.node][p.index].clone())
+                        .collect();
+                    let ctx = ops::Ctx {
+                        dev: &self.dev,
+                        gemm: &self.gemm,
+                        gemm_options: self.options.gemm,
+                        name: &node.name,
+                    };
+                    guard("CUDA", || {
+                        ops::eval(&ctx, node.op.as_ref(), &inputs, node.outputs())
+                    })
+                    .map_err(|m| ExecError::node(&node.name, op, m))?
+                }
+            };
+            for (i, (t, want)) in outputs.iter().zip(node.outputs()).enumerate() {
+                if t.dtype != want.dtype || t.shape != want.shape {
+                    return Err(ExecError::node(
+                        &node.name,
+                        op,
+                        format!("kernel produced {} for output {i}, expected {want}", t.ty()),
+                    ));
+                }
+            }
+            if node.op.is::<AssignVariable>() {
+                let target = graph.node(graph.inputs(id)[0].node);
+                if !target.op.is::<Variable>() {
+                    return Err(ExecError::node(
+                        &node.name,
+                        op,
+                        format!(
+                            "input 0 must be a Variable, got '{}' ({})",
+                            target.name,
+                            target.op.name()
+                        ),
+                    ));
+                }
+                writes.push((target.name.clone(), outputs[0].clone()));
+            }
+            values.insert(id, outputs);
+            for p in graph.inputs(id) {
+                if let Some(left) = reads.get_mut(&p.node) {
+                    *left -= 1;
+                    if *left == 0 {
+                        values.remove(&p.node);
+                    }
+                }
+            }
+        }
+        let mut fetched = Vec::with_capacity(fetches.len());
+        for p in fetches {
+            let node = graph.node(p.node);
+            let d = &values[&p.node][p.index];
+            let t = guard("CUDA", || self.dev.download(d))
+                .map_err(|m| ExecError::node(&node.name, node.op.name(), m))?;
+            fetched.push(t);
+        }
+        drop(values);
+        for (name, value) in writes {
+            self.variables.insert(
+                name,
+                VarSlot {
+                    value,
+                    host: OnceLock::new(),
+                },
+            );
+        }
+        Ok(fetched)
+    }
+}

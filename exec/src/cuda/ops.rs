@@ -1,0 +1,963 @@
+//! One node on the device: the op's kernels (NVRTC) or GEMM (cuBLASLt).
+
+use ampgraph_graph::ops::{
+    AllFinite, AssignVariable, BatchMatMul, BiasAdd, Binary, BinaryGrad, BroadcastTo, Cast, Concat,
+    Const, DataFormat, Group, IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate,
+    MatMul, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice, Softmax,
+    SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad,
+    UnaryKind,
+};
+use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
+use ampgraph_graph::tensor::strides;
+use ampgraph_graph::{DType, Op, Tensor, TensorType};
+
+use super::device::{row_block, row_grid, Arg, DTensor, Device, Dims};
+use super::gemm::{Gemm, GemmOptions, Product};
+use super::src;
+
+/// Ops that wait for cuDNN.
+pub const CUDNN_OPS: &[&str] = &[
+    "Conv2D",
+    "Conv2DBackpropInput",
+    "Conv2DBackpropFilter",
+    "MaxPool",
+    "AvgPool",
+    "MaxPoolGrad",
+    "AvgPoolGrad",
+    "BatchNorm",
+    "BatchNormGrad",
+];
+
+/// Every op with a CUDA kernel (sources are the executor's own business).
+const SUPPORTED: &[&str] = &[
+    "Placeholder",
+    "Variable",
+    "Const",
+    "Cast",
+    "Relu",
+    "Relu6",
+    "Elu",
+    "Selu",
+    "Gelu",
+    "LeakyRelu",
+    "Tanh",
+    "Sigmoid",
+    "Exp",
+    "Log",
+    "Log1p",
+    "Sqrt",
+    "Rsqrt",
+    "Square",
+    "Neg",
+    "Abs",
+    "Erf",
+    "Softplus",
+    "Reciprocal",
+    "Sign",
+    "Identity",
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Maximum",
+    "Minimum",
+    "Pow",
+    "SquaredDifference",
+    "BiasAdd",
+    "UnaryGrad",
+    "BinaryGrad",
+    "MatMul",
+    "BatchMatMul",
+    "LayerNorm",
+    "LayerNormGrad",
+    "Sum",
+    "Mean",
+    "Max",
+    "SumTo",
+    "ReduceGrad",
+    "Softmax",
+    "LogSoftmax",
+    "SoftmaxCrossEntropy",
+    "SoftmaxGrad",
+    "SoftmaxCrossEntropyGrad",
+    "Reshape",
+    "Transpose",
+    "Concat",
+    "Slice",
+    "BroadcastTo",
+    "AssignVariable",
+    "Group",
+    "AllFinite",
+    "IncrementIf",
+    "OptimizerUpdate",
+    "LossScaleUpdate",
+];
+
+/// Why `op` cannot run on the device, if it cannot.
+pub fn unsupported(op: &dyn Op) -> Option<String> {
+    let name = op.name();
+    if CUDNN_OPS.contains(&name) {
+        return Some(format!(
+            "{name} has no CUDA kernel yet (cuDNN comes later); use Device::Cpu"
+        ));
+    }
+    if !SUPPORTED.contains(&name) {
+        return Some(format!("{name} has no CUDA kernel; use Device::Cpu"));
+    }
+    None
+}
+
+/// What a node's kernels need besides the device.
+pub struct Ctx<'a> {
+    pub dev: &'a Device,
+    pub gemm: &'a Gemm,
+    pub gemm_options: GemmOptions,
+    /// The node's name, for out-of-memory errors.
+    pub name: &'a str,
+}
+
+impl Ctx<'_> {
+    fn alloc(&self, ty: &TensorType) -> Result<DTensor, String> {
+        self.dev
+            .alloc(ty.dtype, &ty.shape, &format!("node '{}'", self.name))
+    }
+    fn temp(&self, dtype: DType, n: usize) -> Result<DTensor, String> {
+        self.dev
+            .alloc(dtype, &[n], &format!("scratch of node '{}'", self.name))
+    }
+}
+
+fn float_only(d: DType) -> Result<(), String> {
+    if matches!(d, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        Ok(())
+    } else {
+        Err(format!("no CUDA kernel for dtype {d}"))
+    }
+}
+
+/// The accumulator dtype of float kernels' scratch buffers.
+fn acc_dtype(d: DType) -> DType {
+    if d == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+fn numel(s: &[usize]) -> usize {
+    s.iter().product()
+}
+
+/// Strides of `shape` read as `out` (NumPy broadcasting; 0 where it repeats).
+fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let rank = out.len();
+    let offset = rank - shape.len().min(rank);
+    let st = strides(shape);
+    (0..rank)
+        .map(|i| {
+            if i < offset || shape[i - offset] == 1 {
+                0
+            } else {
+                st[i - offset]
+            }
+        })
+        .collect()
+}
+
+/// How a binary operand is indexed: (mode, strides); see `src::binary`.
+fn operand(shape: &[usize], out: &[usize]) -> Result<(i32, Dims), String> {
+    let (n, total) = (numel(shape), numel(out));
+    Ok(if n == total {
+        (0, Dims::default())
+    } else if n == 1 {
+        (1, Dims::default())
+    } else {
+        (2, Dims::new(&broadcast_strides(shape, out))?)
+    })
+}
+
+/// The kept and reduced (dims, strides) of reducing `shape` over sorted `axes`.
+struct Split {
+    ks: Vec<usize>,
+    kst: Vec<usize>,
+    rs: Vec<usize>,
+    rst: Vec<usize>,
+}
+
+fn split(shape: &[usize], axes: &[usize]) -> Split {
+    let st = strides(shape);
+    let mut s = Split {
+        ks: vec![],
+        kst: vec![],
+        rs: vec![],
+        rst: vec![],
+    };
+    for (i, (&d, &t)) in shape.iter().zip(&st).enumerate() {
+        if axes.contains(&i) {
+            s.rs.push(d);
+            s.rst.push(t);
+        } else {
+            s.ks.push(d);
+            s.kst.push(t);
+        }
+    }
+    s
+}
+
+fn split_args(s: &Split) -> Result<Vec<Arg>, String> {
+    Ok(vec![
+        Arg::I64(numel(&s.ks) as i64),
+        Arg::I64(numel(&s.rs) as i64),
+        Arg::I32(s.ks.len() as i32),
+        Arg::Dims(Dims::new(&s.ks)?),
+        Arg::Dims(Dims::new(&s.kst)?),
+        Arg::I32(s.rs.len() as i32),
+        Arg::Dims(Dims::new(&s.rs)?),
+        Arg::Dims(Dims::new(&s.rst)?),
+    ])
+}
+
+fn reduce_into(
+    c: &Ctx,
+    x: &DTensor,
+    y: &DTensor,
+    kind: ReduceKind,
+    axes: &[usize],
+) -> Result<(), String> {
+    float_only(x.dtype)?;
+    let s = split(&x.shape, axes);
+    let (out_len, count) = (numel(&s.ks), numel(&s.rs));
+    if out_len == 0 {
+        return Ok(());
+    }
+    let mut args = vec![x.arg(), y.arg()];
+    args.extend(split_args(&s)?);
+    let key = format!("reduce/{}/{}", x.dtype, kind.name());
+    let make = || src::reduce(x.dtype, kind);
+    if count <= 64 || (out_len >= 4096 && count <= 4096) {
+        let grid = out_len.div_ceil(256).min(1 << 20) as u32;
+        c.dev.launch(&key, make, "k_thread", grid, 256, &args)
+    } else {
+        c.dev
+            .launch(&key, make, "k", row_grid(out_len), row_block(count), &args)
+    }
+}
+
+/// (len, inner, rows) of a softmax-like op along `axis`.
+fn along(shape: &[usize], axis: i64) -> Result<(usize, usize, usize), String> {
+    let axis = normalize_axis(axis, shape.len())?;
+    let len = shape[axis];
+    let inner = numel(&shape[axis + 1..]);
+    let total = numel(shape);
+    let rows = if len == 0 || inner == 0 {
+        0
+    } else {
+        total / len
+    };
+    Ok((len, inner, rows))
+}
+
+fn gather(c: &Ctx, x: &DTensor, y: &DTensor, st: &[usize], offset: usize) -> Result<(), String> {
+    let bytes = x.dtype.size_bytes();
+    let n = y.len();
+    c.dev.launch_n(
+        &format!("gather/{bytes}"),
+        || src::gather(bytes),
+        n,
+        &[
+            x.arg(),
+            y.arg(),
+            Arg::I64(n as i64),
+            Arg::I32(y.shape.len() as i32),
+            Arg::Dims(Dims::new(&y.shape)?),
+            Arg::Dims(Dims::new(st)?),
+            Arg::I64(offset as i64),
+        ],
+    )
+}
+
+/// Computes a node's outputs from its inputs, on the device.
+pub fn eval(
+    c: &Ctx,
+    op: &dyn Op,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let out0 = outs.first().ok_or("the node has no outputs")?;
+    let input = |i: usize| -> Result<&DTensor, String> {
+        inputs.get(i).ok_or_else(|| format!("missing input {i}"))
+    };
+    let dev = c.dev;
+
+    if let Some(u) = op.downcast_ref::<Unary>() {
+        let x = input(0)?;
+        if u.kind == UnaryKind::Identity {
+            return Ok(vec![x.clone()]);
+        }
+        float_only(x.dtype)?;
+        let y = c.alloc(out0)?;
+        let n = x.len();
+        dev.launch_n(
+            &format!("unary/{}/{:?}", x.dtype, u.kind),
+            || src::unary(x.dtype, u.kind),
+            n,
+            &[x.arg(), y.arg(), Arg::I64(n as i64)],
+        )?;
+        return Ok(vec![y]);
+    }
+    if let Some(u) = op.downcast_ref::<UnaryGrad>() {
+        let (x, dy) = (input(0)?, input(1)?);
+        float_only(x.dtype)?;
+        let dx = c.alloc(out0)?;
+        let n = x.len();
+        dev.launch_n(
+            &format!("unary_grad/{}/{:?}", x.dtype, u.kind),
+            || src::unary_grad(x.dtype, u.kind),
+            n,
+            &[x.arg(), dy.arg(), dx.arg(), Arg::I64(n as i64)],
+        )?;
+        return Ok(vec![dx]);
+    }
+    if op.downcast_ref::<Binary>().is_some() || op.downcast_ref::<BinaryGrad>().is_some() {
+        let (a, b) = (input(0)?, input(1)?);
+        float_only(a.dtype)?;
+        let y = c.alloc(out0)?;
+        let shape = &out0.shape;
+        let n = numel(shape);
+        let (ma, sa) = operand(&a.shape, shape)?;
+        let (mb, sb) = operand(&b.shape, shape)?;
+        let mut args = vec![a.arg(), b.arg()];
+        let key;
+        let make: Box<dyn FnOnce() -> String>;
+        if let Some(bin) = op.downcast_ref::<Binary>() {
+            key = format!("binary/{}/{:?}", a.dtype, bin.kind);
+            let (d, k) = (a.dtype, bin.kind);
+            make = Box::new(move || src::binary(d, k));
+        } else {
+            let g = op
+                .downcast_ref::<BinaryGrad>()
+                .ok_or("internal: BinaryGrad")?;
+            args.push(input(2)?.arg());
+            key = format!("binary_grad/{}/{:?}/{}", a.dtype, g.kind, g.wrt);
+            let (d, k, w) = (a.dtype, g.kind, g.wrt);
+            make = Box::new(move || src::binary_grad(d, k, w));
+        }
+        args.extend([
+            y.arg(),
+            Arg::I64(n as i64),
+            Arg::I32(shape.len() as i32),
+            Arg::Dims(Dims::new(if ma == 2 || mb == 2 { shape } else { &[] })?),
+            Arg::I32(ma),
+            Arg::Dims(sa),
+            Arg::I32(mb),
+            Arg::Dims(sb),
+        ]);
+        dev.launch_n(&key, make, n, &args)?;
+        return Ok(vec![y]);
+    }
+    if let Some(b) = op.downcast_ref::<BiasAdd>() {
+        let (x, bias) = (input(0)?, input(1)?);
+        float_only(x.dtype)?;
+        let rank = x.shape.len();
+        let axis = match b.data_format {
+            DataFormat::Nhwc => rank - 1,
+            DataFormat::Nchw => 1,
+        };
+        let inner = numel(&x.shape[axis + 1..]);
+        let ch = x.shape[axis];
+        let y = c.alloc(out0)?;
+        let n = x.len();
+        dev.launch_n(
+            &format!("bias_add/{}", x.dtype),
+            || src::bias_add(x.dtype),
+            n,
+            &[
+                x.arg(),
+                bias.arg(),
+                y.arg(),
+                Arg::I64(n as i64),
+                Arg::I64(inner as i64),
+                Arg::I64(ch as i64),
+            ],
+        )?;
+        return Ok(vec![y]);
+    }
+    if let Some(cast) = op.downcast_ref::<Cast>() {
+        let x = input(0)?;
+        if x.dtype == cast.to {
+            return Ok(vec![x.clone()]);
+        }
+        let y = c.alloc(out0)?;
+        let n = x.len();
+        dev.launch_n(
+            &format!("cast/{}/{}", x.dtype, cast.to),
+            || src::cast(x.dtype, cast.to),
+            n,
+            &[x.arg(), y.arg(), Arg::I64(n as i64)],
+        )?;
+        return Ok(vec![y]);
+    }
+    if op.downcast_ref::<Reshape>().is_some() {
+        return Ok(vec![input(0)?.reshaped(out0.shape.clone())]);
+    }
+    if op.downcast_ref::<AssignVariable>().is_some() {
+        return Ok(vec![input(1)?.clone()]);
+    }
+    if let Some(t) = op.downcast_ref::<Transpose>() {
+        let x = input(0)?;
+        let in_st = strides(&x.shape);
+        let st: Vec<usize> = t.perm.iter().map(|&p| in_st[p]).collect();
+        let y = c.alloc(out0)?;
+        gather(c, x, &y, &st, 0)?;
+        return Ok(vec![y]);
+    }
+    if let Some(s) = op.downcast_ref::<Slice>() {
+        let x = input(0)?;
+        let st = strides(&x.shape);
+        let offset = s.begin.iter().zip(&st).map(|(b, s)| b * s).sum();
+        let y = c.alloc(out0)?;
+        gather(c, x, &y, &st, offset)?;
+        return Ok(vec![y]);
+    }
+    if op.downcast_ref::<BroadcastTo>().is_some() {
+        let x = input(0)?;
+        if x.shape == out0.shape {
+            return Ok(vec![x.clone()]);
+        }
+        let y = c.alloc(out0)?;
+        gather(c, x, &y, &broadcast_strides(&x.shape, &out0.shape), 0)?;
+        return Ok(vec![y]);
+    }
+    if let Some(cc) = op.downcast_ref::<Concat>() {
+        let y = c.alloc(out0)?;
+        let axis = normalize_axis(cc.axis, out0.shape.len())?;
+        let inner_out = numel(&out0.shape[axis..]);
+        let below = numel(&out0.shape[axis + 1..]);
+        let bytes = out0.dtype.size_bytes();
+        let mut off = 0usize;
+        for x in inputs {
+            let n = x.len();
+            let inner_in = numel(&x.shape[axis..]);
+            if n > 0 {
+                dev.launch_n(
+                    &format!("concat/{bytes}"),
+                    || src::concat(bytes),
+                    n,
+                    &[
+                        x.arg(),
+                        y.arg(),
+                        Arg::I64(n as i64),
+                        Arg::I64(inner_in as i64),
+                        Arg::I64(inner_out as i64),
+                        Arg::I64(off as i64),
+                    ],
+                )?;
+            }
+            off += x.shape[axis] * below;
+        }
+        return Ok(vec![y]);
+    }
+    if let Some(r) = op.downcast_ref::<Reduce>() {
+        let x = input(0)?;
+        let axes = r.reduced_axes(x.shape.len())?;
+        let y = c.alloc(out0)?;
+        reduce_into(c, x, &y, r.kind, &axes)?;
+        return Ok(vec![y]);
+    }
+    if let Some(s) = op.downcast_ref::<SumTo>() {
+        let x = input(0)?;
+        let (r, t) = (x.shape.len(), s.shape.len());
+        let axes: Vec<usize> = (0..r)
+            .filter(|&a| a + t < r || (s.shape[a + t - r] == 1 && x.shape[a] != 1))
+            .collect();
+        if axes.is_empty() {
+            return Ok(vec![x.reshaped(out0.shape.clone())]);
+        }
+        let y = c.alloc(out0)?;
+        reduce_into(c, x, &y, ReduceKind::Sum, &axes)?;
+        return Ok(vec![y]);
+    }
+    if let Some(r) = op.downcast_ref::<ReduceGrad>() {
+        let (x, dy) = (input(0)?, input(1)?);
+        float_only(x.dtype)?;
+        let axes = Reduce::new(r.kind, r.axes.clone(), r.keep_dims).reduced_axes(x.shape.len())?;
+        let dx = c.alloc(out0)?;
+        let n = x.len();
+        if r.kind == ReduceKind::Max {
+            let s = split(&x.shape, &axes);
+            if numel(&s.ks) > 0 {
+                let mut args = vec![x.arg(), dy.arg(), dx.arg()];
+                args.extend(split_args(&s)?);
+                dev.launch(
+                    &format!("reduce_max_grad/{}", x.dtype),
+                    || src::reduce_max_grad(x.dtype),
+                    "k",
+                    row_grid(numel(&s.ks)),
+                    row_block(numel(&s.rs)),
+                    &args,
+                )?;
+            }
+        } else {
+            let kept: Vec<usize> = x
+                .shape
+                .iter()
+                .enumerate()
+                .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+                .collect();
+            let div = if r.kind == ReduceKind::Mean {
+                n.checked_div(dy.len()).unwrap_or(0) as f64
+            } else {
+                1.0
+            };
+            dev.launch_n(
+                &format!("broadcast_div/{}", x.dtype),
+                || src::broadcast_div(x.dtype),
+                n,
+                &[
+                    dy.arg(),
+                    dx.arg(),
+                    Arg::I64(n as i64),
+                    Arg::I32(x.shape.len() as i32),
+                    Arg::Dims(Dims::new(&x.shape)?),
+                    Arg::Dims(Dims::new(&broadcast_strides(&kept, &x.shape))?),
+                    Arg::F64(div),
+                ],
+            )?;
+        }
+        return Ok(vec![dx]);
+    }
+    let softmax_axis = op
+        .downcast_ref::<Softmax>()
+        .map(|s| (s.axis, false))
+        .or_else(|| op.downcast_ref::<LogSoftmax>().map(|s| (s.axis, true)));
+    if let Some((axis, log)) = softmax_axis {
+        let x = input(0)?;
+        float_only(x.dtype)?;
+        let (len, inner, rows) = along(&x.shape, axis)?;
+        let y = c.alloc(out0)?;
+        if rows > 0 {
+            dev.launch(
+                &format!("softmax/{}/{log}", x.dtype),
+                || src::softmax(x.dtype, log),
+                "k",
+                row_grid(rows),
+                row_block(len),
+                &[
+                    x.arg(),
+                    y.arg(),
+                    Arg::I64(rows as i64),
+                    Arg::I64(len as i64),
+                    Arg::I64(inner as i64),
+                ],
+            )?;
+        }
+        return Ok(vec![y]);
+    }
+    if let Some(s) = op.downcast_ref::<SoftmaxGrad>() {
+        let (y, dy) = (input(0)?, input(1)?);
+        float_only(y.dtype)?;
+        let (len, inner, rows) = along(&y.shape, s.axis)?;
+        let dx = c.alloc(out0)?;
+        if rows > 0 {
+            dev.launch(
+                &format!("softmax_grad/{}/{}", y.dtype, s.log),
+                || src::softmax_grad(y.dtype, s.log),
+                "k",
+                row_grid(rows),
+                row_block(len),
+                &[
+                    y.arg(),
+                    dy.arg(),
+                    dx.arg(),
+                    Arg::I64(rows as i64),
+                    Arg::I64(len as i64),
+                    Arg::I64(inner as i64),
+                ],
+            )?;
+        }
+        return Ok(vec![dx]);
+    }
+    if op.downcast_ref::<SoftmaxCrossEntropy>().is_some() {
+        let (x, labels) = (input(0)?, input(1)?);
+        float_only(x.dtype)?;
+        let (n, classes) = (x.shape[0], x.shape[1]);
+        let rows = c.temp(acc_dtype(x.dtype), n)?;
+        let y = c.alloc(out0)?;
+        let key = format!("sce/{}/{}", x.dtype, labels.dtype);
+        let make = || src::sce(x.dtype, labels.dtype);
+        if n > 0 {
+            dev.launch(
+                &key,
+                make,
+                "k_rows",
+                row_grid(n),
+                row_block(classes),
+                &[
+                    x.arg(),
+                    labels.arg(),
+                    rows.arg(),
+                    Arg::I64(n as i64),
+                    Arg::I64(classes as i64),
+                ],
+            )?;
+        }
+        dev.launch(
+            &key,
+            || src::sce(x.dtype, labels.dtype),
+            "k_mean",
+            1,
+            256,
+            &[rows.arg(), y.arg(), Arg::I64(n as i64)],
+        )?;
+        return Ok(vec![y]);
+    }
+    if op.downcast_ref::<SoftmaxCrossEntropyGrad>().is_some() {
+        let (x, labels, dl) = (input(0)?, input(1)?, input(2)?);
+        float_only(x.dtype)?;
+        let (n, classes) = (x.shape[0], x.shape[1]);
+        let dx = c.alloc(out0)?;
+        if n > 0 {
+            dev.launch(
+                &format!("sce_grad/{}/{}", x.dtype, labels.dtype),
+                || src::sce_grad(x.dtype, labels.dtype),
+                "k",
+                row_grid(n),
+                row_block(classes),
+                &[
+                    x.arg(),
+                    labels.arg(),
+                    dl.arg(),
+                    dx.arg(),
+                    Arg::I64(n as i64),
+                    Arg::I64(classes as i64),
+                ],
+            )?;
+        }
+        return Ok(vec![dx]);
+    }
+    if let Some(ln) = op.downcast_ref::<LayerNorm>() {
+        let (x, g, b) = (input(0)?, input(1)?, input(2)?);
+        float_only(x.dtype)?;
+        let axis = normalize_axis(ln.axis, x.shape.len())?;
+        let len = numel(&x.shape[axis..]);
+        let rows = x.len().checked_div(len).unwrap_or(0);
+        let y = c.alloc(out0)?;
+        if rows > 0 {
+            dev.launch(
+                &format!("layer_norm/{}/{:e}", x.dtype, ln.epsilon),
+                || src::layer_norm(x.dtype, ln.epsilon),
+                "k",
+                row_grid(rows),
+                row_block(len),
+                &[
+                    x.arg(),
+                    g.arg(),
+                    b.arg(),
+                    y.arg(),
+                    Arg::I64(rows as i64),
+                    Arg::I64(len as i64),
+                ],
+            )?;
+        }
+        return Ok(vec![y]);
+    }
+    if let Some(ln) = op.downcast_ref::<LayerNormGrad>() {
+        let (x, g, dy) = (input(0)?, input(1)?, input(2)?);
+        float_only(x.dtype)?;
+        let axis = normalize_axis(ln.axis, x.shape.len())?;
+        let len = numel(&x.shape[axis..]);
+        let rows = x.len().checked_div(len).unwrap_or(0);
+        let dx = c.alloc(out0)?;
+        let dg = c.alloc(outs.get(1).ok_or("missing output 1")?)?;
+        let db = c.alloc(outs.get(2).ok_or("missing output 2")?)?;
+        let stats = c.temp(acc_dtype(x.dtype), 2 * rows)?;
+        let key = format!("layer_norm_grad/{}/{:e}", x.dtype, ln.epsilon);
+        if rows > 0 {
+            dev.launch(
+                &key,
+                || src::layer_norm_grad(x.dtype, ln.epsilon),
+                "k_rows",
+                row_grid(rows),
+                row_block(len),
+                &[
+                    x.arg(),
+                    g.arg(),
+                    dy.arg(),
+                    dx.arg(),
+                    stats.arg(),
+                    Arg::I64(rows as i64),
+                    Arg::I64(len as i64),
+                ],
+            )?;
+        }
+        if len > 0 {
+            dev.launch(
+                &key,
+                || src::layer_norm_grad(x.dtype, ln.epsilon),
+                "k_cols",
+                len.div_ceil(256).min(1 << 20) as u32,
+                256,
+                &[
+                    x.arg(),
+                    dy.arg(),
+                    stats.arg(),
+                    dg.arg(),
+                    db.arg(),
+                    Arg::I64(rows as i64),
+                    Arg::I64(len as i64),
+                ],
+            )?;
+        }
+        return Ok(vec![dx, dg, db]);
+    }
+    if let Some(m) = op.downcast_ref::<MatMul>() {
+        let (a, b) = (input(0)?, input(1)?);
+        float_only(a.dtype)?;
+        let y = c.alloc(out0)?;
+        let (mm, nn) = (out0.shape[0], out0.shape[1]);
+        let k = if m.transpose_a {
+            a.shape[0]
+        } else {
+            a.shape[1]
+        };
+        c.gemm.run(
+            dev,
+            &Product {
+                a,
+                b,
+                c: &y,
+                m: mm,
+                n: nn,
+                k,
+                transpose_a: m.transpose_a,
+                transpose_b: m.transpose_b,
+                batch: 1,
+                stride_a: 0,
+                stride_b: 0,
+                offset_a: 0,
+                offset_b: 0,
+                offset_c: 0,
+            },
+            c.gemm_options,
+        )?;
+        return Ok(vec![y]);
+    }
+    if let Some(bm) = op.downcast_ref::<BatchMatMul>() {
+        let (a, b) = (input(0)?, input(1)?);
+        float_only(a.dtype)?;
+        let y = c.alloc(out0)?;
+        let (ra, rb, ro) = (a.shape.len(), b.shape.len(), out0.shape.len());
+        let (mm, nn) = (out0.shape[ro - 2], out0.shape[ro - 1]);
+        let k = if bm.adj_x {
+            a.shape[ra - 2]
+        } else {
+            a.shape[ra - 1]
+        };
+        let batch_shape = &out0.shape[..ro - 2];
+        let total = numel(batch_shape);
+        let (ba, bb) = (numel(&a.shape[..ra - 2]), numel(&b.shape[..rb - 2]));
+        let (sa, sb) = (mm * k, k * nn);
+        let stride = |n: usize, s: usize| -> Option<usize> {
+            if n == total {
+                Some(s)
+            } else if n == 1 {
+                Some(0)
+            } else {
+                None
+            }
+        };
+        let product = |batch, stride_a, stride_b, offset_a, offset_b, offset_c| Product {
+            a,
+            b,
+            c: &y,
+            m: mm,
+            n: nn,
+            k,
+            transpose_a: bm.adj_x,
+            transpose_b: bm.adj_y,
+            batch,
+            stride_a,
+            stride_b,
+            offset_a,
+            offset_b,
+            offset_c,
+        };
+        match (stride(ba, sa), stride(bb, sb)) {
+            (Some(s1), Some(s2)) => {
+                c.gemm
+                    .run(dev, &product(total, s1, s2, 0, 0, 0), c.gemm_options)?
+            }
+            _ => {
+                // Batches that broadcast both ways: one product per output matrix.
+                let ia = broadcast_index_map(&a.shape[..ra - 2], batch_shape);
+                let ib = broadcast_index_map(&b.shape[..rb - 2], batch_shape);
+                for (o, (&i, &j)) in ia.iter().zip(&ib).enumerate() {
+                    c.gemm.run(
+                        dev,
+                        &product(1, 0, 0, i * sa, j * sb, o * mm * nn),
+                        c.gemm_options,
+                    )?;
+                }
+            }
+        }
+        return Ok(vec![y]);
+    }
+    if op.downcast_ref::<AllFinite>().is_some() {
+        let flag = c.alloc(out0)?;
+        dev.launch(
+            "fill_flag",
+            src::fill_flag,
+            "k",
+            1,
+            1,
+            &[flag.arg(), Arg::I32(1)],
+        )?;
+        for x in inputs {
+            float_only(x.dtype)?;
+            let n = x.len();
+            dev.launch_n(
+                &format!("all_finite/{}", x.dtype),
+                || src::all_finite(x.dtype),
+                n,
+                &[x.arg(), Arg::I64(n as i64), flag.arg()],
+            )?;
+        }
+        return Ok(vec![flag]);
+    }
+    if op.downcast_ref::<IncrementIf>().is_some() {
+        let (f, counter) = (input(0)?, input(1)?);
+        let y = c.alloc(out0)?;
+        dev.launch(
+            &format!("increment_if/{}", counter.dtype),
+            || src::increment_if(counter.dtype),
+            "k",
+            1,
+            1,
+            &[f.arg(), counter.arg(), y.arg()],
+        )?;
+        return Ok(vec![y]);
+    }
+    if let Some(l) = op.downcast_ref::<LossScaleUpdate>() {
+        let (f, s, g) = (input(0)?, input(1)?, input(2)?);
+        let s_out = c.alloc(out0)?;
+        let g_out = c.alloc(outs.get(1).ok_or("missing output 1")?)?;
+        dev.launch(
+            &format!(
+                "loss_scale_update/{}/{}/{}/{:e}/{:e}",
+                s.dtype, g.dtype, l.growth_interval, l.growth_factor, l.backoff_factor
+            ),
+            || {
+                src::loss_scale_update(
+                    s.dtype,
+                    g.dtype,
+                    l.growth_interval,
+                    l.growth_factor,
+                    l.backoff_factor,
+                )
+            },
+            "k",
+            1,
+            1,
+            &[f.arg(), s.arg(), g.arg(), s_out.arg(), g_out.arg()],
+        )?;
+        return Ok(vec![s_out, g_out]);
+    }
+    if let Some(u) = op.downcast_ref::<OptimizerUpdate>() {
+        return optimizer(c, u, inputs, outs);
+    }
+    if let Some(k) = op.downcast_ref::<Const>() {
+        // Normally served from the executor's constant cache; this uploads afresh.
+        let t = match &k.values {
+            Some(v) => Tensor::new(k.ty.shape.clone(), v.clone())?,
+            None => Tensor::zeros(&k.ty),
+        };
+        return Ok(vec![dev.upload(&t, c.name)?]);
+    }
+    if op.downcast_ref::<Group>().is_some() {
+        return Ok(vec![dev.upload(&Tensor::scalar(DType::Bool, 1.0), c.name)?]);
+    }
+    Err(unsupported(op).unwrap_or_else(|| format!("{} has no CUDA kernel", op.name())))
+}
+
+fn optimizer(
+    c: &Ctx,
+    u: &OptimizerUpdate,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let n_slots = u.rule.slots().len();
+    let need = 3 + n_slots + usize::from(u.rule.uses_step());
+    if inputs.len() != need || outs.len() != 1 + n_slots {
+        return Err(format!("expected {need} inputs"));
+    }
+    let (flag, var, grad) = (&inputs[0], &inputs[1], &inputs[2]);
+    float_only(var.dtype)?;
+    float_only(grad.dtype)?;
+    let slots = &inputs[3..3 + n_slots];
+    if let Some(s) = slots.iter().find(|s| s.dtype != var.dtype) {
+        return Err(format!(
+            "slots must have the variable's dtype {} on CUDA, got {}",
+            var.dtype, s.dtype
+        ));
+    }
+    let step = u.rule.uses_step().then(|| &inputs[3 + n_slots]);
+    let outputs = outs
+        .iter()
+        .map(|t| c.alloc(t))
+        .collect::<Result<Vec<_>, _>>()?;
+    let n = var.len();
+    let key = format!(
+        "optimizer/{}/{}/{:?}/{:?}/{:e}/{:e}",
+        var.dtype,
+        grad.dtype,
+        step.map(|s| s.dtype),
+        u.rule,
+        u.learning_rate,
+        u.weight_decay
+    );
+    let make = || {
+        src::optimizer(
+            var.dtype,
+            grad.dtype,
+            step.map(|s| s.dtype),
+            u.rule,
+            u.learning_rate,
+            u.weight_decay,
+        )
+    };
+    let mut args = vec![flag.arg(), var.arg(), grad.arg()];
+    args.extend(slots.iter().map(|s| s.arg()));
+    if let Some(s) = step {
+        args.push(s.arg());
+    }
+    if let Rule::Lamb { .. } = u.rule {
+        let acc = acc_dtype(var.dtype);
+        let scratch = c.temp(acc, n)?;
+        let sums = c.temp(acc, 2)?;
+        c.dev.zero(&sums)?;
+        args.extend(outputs[1..].iter().map(|o| o.arg()));
+        args.extend([scratch.arg(), sums.arg(), Arg::I64(n as i64)]);
+        let grid = n.div_ceil(256).clamp(1, 1024) as u32;
+        c.dev.launch(&key, make, "k", grid, 256, &args)?;
+        c.dev.launch(
+            &key,
+            make,
+            "k_apply",
+            n.div_ceil(256).clamp(1, 1 << 20) as u32,
+            256,
+            &[
+                flag.arg(),
+                var.arg(),
+                scratch.arg(),
+                sums.arg(),
+                outputs[0].arg(),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        return Ok(outputs);
+    }
+    args.extend(outputs.iter().map(|o| o.arg()));
+    args.push(Arg::I64(n as i64));
+    c.dev.launch_n(&key, make, n, &args)?;
+    Ok(outputs)
+}

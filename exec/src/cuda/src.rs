@@ -1,0 +1,820 @@
+//! CUDA C++ source of the NVRTC kernels, generated per (op, dtype).
+//!
+//! Every kernel loads its inputs into the compute type (`float` for f32/f16/bf16,
+//! `double` for f64), computes there and rounds once on store, as the CPU reference
+//! kernels do. Op attributes (alphas, learning rates, epsilons) are baked into the
+//! source as literals; shapes and strides are kernel arguments, so one compiled module
+//! serves every shape. Block reductions accumulate in the compute type (f32 for the
+//! 16-bit types).
+
+use ampgraph_graph::ops::{BinaryKind, ReduceKind, Rule, UnaryKind};
+use ampgraph_graph::DType;
+
+/// The most dimensions a strided kernel argument holds (larger ranks are refused).
+pub const MAX_RANK: usize = 8;
+
+/// A C literal for an f64 constant (full precision; non-finite values spelled out).
+pub fn lit(v: f64) -> String {
+    if v.is_nan() {
+        "F_NAN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "F_INF" } else { "(-F_INF)" }.into()
+    } else {
+        format!("{v:e}")
+    }
+}
+
+const PRELUDE: &str = r#"
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+typedef long long i64;
+typedef unsigned char u8;
+#define F_NAN __int_as_float(0x7fc00000)
+#define F_INF __int_as_float(0x7f800000)
+struct Dims { i64 n[8]; };
+
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_expm1(float x) { return expm1f(x); }
+__device__ __forceinline__ double m_expm1(double x) { return expm1(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float m_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double m_pow(double x, double y) { return pow(x, y); }
+__device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double m_abs(double x) { return fabs(x); }
+__device__ __forceinline__ float m_max(float x, float y) { return fmaxf(x, y); }
+__device__ __forceinline__ double m_max(double x, double y) { return fmax(x, y); }
+__device__ __forceinline__ float m_min(float x, float y) { return fminf(x, y); }
+__device__ __forceinline__ double m_min(double x, double y) { return fmin(x, y); }
+__device__ __forceinline__ bool m_isnan(float x) { return isnan(x); }
+__device__ __forceinline__ bool m_isnan(double x) { return isnan(x); }
+__device__ __forceinline__ bool m_isfinite(float x) { return isfinite(x); }
+__device__ __forceinline__ bool m_isfinite(double x) { return isfinite(x); }
+// Eigen's rational erf for f32, as the CPU reference kernels use.
+__device__ __forceinline__ float m_erf(float x0) {
+  if (isnan(x0)) return x0;
+  float x = fminf(fmaxf(x0, -4.0f), 4.0f);
+  float x2 = x * x;
+  float p = -2.72614225801306e-10f;
+  p = p * x2 + 2.77068142495902e-08f;
+  p = p * x2 + -2.10102402082508e-06f;
+  p = p * x2 + -5.69250639462346e-05f;
+  p = p * x2 + -7.34990630326855e-04f;
+  p = p * x2 + -2.95459980854025e-03f;
+  p = p * x2 + -1.60960333262415e-02f;
+  p = p * x;
+  float q = -1.45660718464996e-05f;
+  q = q * x2 + -2.13374055278905e-04f;
+  q = q * x2 + -1.68282697438203e-03f;
+  q = q * x2 + -7.37332916720468e-03f;
+  q = q * x2 + -1.42647390514189e-02f;
+  return p / q;
+}
+__device__ __forceinline__ double m_erf(double x) { return erf(x); }
+// Max that lets NaN win.
+template <typename A> __device__ __forceinline__ A nanmax(A a, A b) {
+  return m_isnan(a) ? a : (m_isnan(b) ? b : (a > b ? a : b));
+}
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+template <typename A> __device__ __forceinline__ A warp_max(A v) {
+  for (int o = 16; o > 0; o >>= 1) v = nanmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Block-wide reductions; `sh` holds 32 values; every thread gets the result.
+template <typename A> __device__ A block_sum(A v, A* sh) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  if (w == 0) {
+    v = lane < nw ? sh[lane] : (A)0;
+    v = warp_sum(v);
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  v = sh[0];
+  __syncthreads();
+  return v;
+}
+template <typename A> __device__ A block_max(A v, A* sh) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  if (w == 0) {
+    v = lane < nw ? sh[lane] : (A)(-F_INF);
+    v = warp_max(v);
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  v = sh[0];
+  __syncthreads();
+  return v;
+}
+// Offset of row-major index `i` over `shape` (rank `r`) with `strides`.
+__device__ __forceinline__ i64 strided(i64 i, int r, const Dims& shape, const Dims& strides) {
+  i64 off = 0;
+  for (int d = r - 1; d >= 0; --d) {
+    i64 n = shape.n[d];
+    off += (i % n) * strides.n[d];
+    i /= n;
+  }
+  return off;
+}
+#define GRID_LOOP(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+"#;
+
+/// Storage type, compute type, load and store expressions of a dtype.
+fn type_parts(d: DType) -> (&'static str, &'static str, &'static str, &'static str) {
+    match d {
+        DType::F32 => ("float", "float", "p[i]", "p[i] = v"),
+        DType::F16 => (
+            "__half",
+            "float",
+            "__half2float(p[i])",
+            "p[i] = __float2half_rn(v)",
+        ),
+        DType::BF16 => (
+            "__nv_bfloat16",
+            "float",
+            "__bfloat162float(p[i])",
+            "p[i] = __float2bfloat16_rn(v)",
+        ),
+        DType::F64 => ("double", "double", "p[i]", "p[i] = v"),
+        DType::I32 => ("int", "int", "p[i]", "p[i] = v"),
+        DType::I64 => ("long long", "long long", "p[i]", "p[i] = v"),
+        DType::Bool => ("unsigned char", "int", "(int)p[i]", "p[i] = (v != 0)"),
+    }
+}
+
+/// Typedefs `T<s>`, `C<s>` (compute) and `A<s>` (accumulator) and `ld<s>`/`st<s>`.
+fn type_block(suffix: &str, d: DType) -> String {
+    let (t, c, ld, st) = type_parts(d);
+    let a = if d == DType::F64 { "double" } else { "float" };
+    format!(
+        "typedef {t} T{suffix}; typedef {c} C{suffix}; typedef {a} A{suffix};\n\
+         __device__ __forceinline__ C{suffix} ld{suffix}(const T{suffix}* p, i64 i) {{ return {ld}; }}\n\
+         __device__ __forceinline__ void st{suffix}(T{suffix}* p, i64 i, C{suffix} v) {{ {st}; }}\n"
+    )
+}
+
+/// A module of one dtype (unsuffixed `T`, `C`, `A`, `ld`, `st`) and `body`.
+pub fn module(d: DType, body: &str) -> String {
+    format!("{PRELUDE}{}{body}", type_block("", d))
+}
+
+/// A module with several named dtypes (`T<suffix>` ...).
+pub fn module_multi(types: &[(&str, DType)], body: &str) -> String {
+    let mut s = PRELUDE.to_string();
+    for (suffix, d) in types {
+        s.push_str(&type_block(suffix, *d));
+    }
+    s.push_str(body);
+    s
+}
+
+const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
+const SELU_SCALE: f64 = 1.050_700_987_355_480_5;
+
+/// Statement computing `C y` from `C x`.
+pub fn unary_expr(kind: UnaryKind) -> String {
+    use UnaryKind::*;
+    let e = match kind {
+        Relu => "m_max(x, (C)0)".to_string(),
+        Relu6 => "m_min(m_max(x, (C)0), (C)6)".to_string(),
+        Elu => "x > (C)0 ? x : m_expm1(x)".to_string(),
+        Selu => format!(
+            "(C){} * (x > (C)0 ? x : (C){} * m_expm1(x))",
+            lit(SELU_SCALE),
+            lit(SELU_ALPHA)
+        ),
+        Gelu { approximate: false } => format!(
+            "(C)0.5 * x * ((C)1 + m_erf(x * (C){}))",
+            lit(std::f64::consts::FRAC_1_SQRT_2)
+        ),
+        Gelu { approximate: true } => format!(
+            "(C)0.5 * x * ((C)1 + m_tanh((C){} * (x + (C)0.044715 * x * x * x)))",
+            lit((2.0 / std::f64::consts::PI).sqrt())
+        ),
+        LeakyRelu { alpha } => format!("x > (C)0 ? x : (C){} * x", lit(alpha)),
+        Tanh => "m_tanh(x)".into(),
+        Sigmoid => "(C)1 / ((C)1 + m_exp(-x))".into(),
+        Exp => "m_exp(x)".into(),
+        Log => "m_log(x)".into(),
+        Log1p => "m_log1p(x)".into(),
+        Sqrt => "m_sqrt(x)".into(),
+        Rsqrt => "(C)1 / m_sqrt(x)".into(),
+        Square => "x * x".into(),
+        Neg => "-x".into(),
+        Abs => "m_abs(x)".into(),
+        Erf => "m_erf(x)".into(),
+        Softplus => "m_max(x, (C)0) + m_log1p(m_exp(-m_abs(x)))".into(),
+        Reciprocal => "(C)1 / x".into(),
+        Sign => "x > (C)0 ? (C)1 : (x < (C)0 ? (C)-1 : x)".into(),
+        Identity => "x".into(),
+    };
+    format!("C y = {e};")
+}
+
+/// Statements computing `C d`, the derivative at `C x`.
+pub fn derivative_expr(kind: UnaryKind) -> String {
+    use UnaryKind::*;
+    match kind {
+        Relu => "C d = x > (C)0 ? (C)1 : (C)0;".into(),
+        Relu6 => "C d = (x > (C)0 && x < (C)6) ? (C)1 : (C)0;".into(),
+        Elu => "C d = x < (C)0 ? m_exp(x) : (C)1;".into(),
+        Selu => format!(
+            "C d = (C){} * (x < (C)0 ? (C){} * m_exp(x) : (C)1);",
+            lit(SELU_SCALE),
+            lit(SELU_ALPHA)
+        ),
+        Gelu { approximate: false } => format!(
+            "C cdf = (C)0.5 * ((C)1 + m_erf(x * (C){}));\n\
+             C pdf = m_exp(-(C)0.5 * x * x) * (C){};\n\
+             C d = pdf == (C)0 ? cdf : cdf + x * pdf;",
+            lit(std::f64::consts::FRAC_1_SQRT_2),
+            lit(1.0 / (2.0 * std::f64::consts::PI).sqrt())
+        ),
+        Gelu { approximate: true } => format!(
+            "C c = (C){}; C k = (C)0.044715;\n\
+             C t = m_tanh(c * (x + k * x * x * x));\n\
+             C sech2 = (C)1 - t * t;\n\
+             C tail = sech2 == (C)0 ? (C)0 : (C)0.5 * x * sech2 * c * ((C)1 + (C)3 * k * x * x);\n\
+             C d = (C)0.5 * ((C)1 + t) + tail;",
+            lit((2.0 / std::f64::consts::PI).sqrt())
+        ),
+        LeakyRelu { alpha } => format!("C d = x > (C)0 ? (C)1 : (C){};", lit(alpha)),
+        Tanh => "C t = m_tanh(x); C d = (C)1 - t * t;".into(),
+        Sigmoid => "C s = (C)1 / ((C)1 + m_exp(-x)); C d = s * ((C)1 - s);".into(),
+        Exp => "C d = m_exp(x);".into(),
+        Log => "C d = (C)1 / x;".into(),
+        Log1p => "C d = (C)1 / ((C)1 + x);".into(),
+        Sqrt => "C d = (C)0.5 / m_sqrt(x);".into(),
+        Rsqrt => "C r = (C)1 / m_sqrt(x); C d = -(C)0.5 * r * r * r;".into(),
+        Square => "C d = (C)2 * x;".into(),
+        Neg => "C d = (C)-1;".into(),
+        Abs => "C d = x > (C)0 ? (C)1 : (x < (C)0 ? (C)-1 : x);".into(),
+        Erf => format!(
+            "C d = (C){} * m_exp(-x * x);",
+            lit(std::f64::consts::FRAC_2_SQRT_PI)
+        ),
+        Softplus => "C d; if (x >= (C)0) { d = (C)1 / ((C)1 + m_exp(-x)); } else { C e = m_exp(x); d = e / ((C)1 + e); }".into(),
+        Reciprocal => "C r = (C)1 / x; C d = -(r * r);".into(),
+        Sign => "C d = (C)0;".into(),
+        Identity => "C d = (C)1;".into(),
+    }
+}
+
+pub fn unary(d: DType, kind: UnaryKind) -> String {
+    module(
+        d,
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, T* py, i64 n) {{\n\
+               GRID_LOOP(i, n) {{ C x = ld(px, i); {} st(py, i, y); }}\n}}\n",
+            unary_expr(kind)
+        ),
+    )
+}
+
+pub fn unary_grad(d: DType, kind: UnaryKind) -> String {
+    module(
+        d,
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, const T* pdy, T* pdx, i64 n) {{\n\
+               GRID_LOOP(i, n) {{ C x = ld(px, i); {}\n st(pdx, i, d == (C)0 ? d : d * ld(pdy, i)); }}\n}}\n",
+            derivative_expr(kind)
+        ),
+    )
+}
+
+fn binary_expr(kind: BinaryKind) -> &'static str {
+    match kind {
+        BinaryKind::Add => "a + b",
+        BinaryKind::Sub => "a - b",
+        BinaryKind::Mul => "a * b",
+        BinaryKind::Div => "a / b",
+        BinaryKind::Maximum => "(m_isnan(a) || m_isnan(b)) ? (C)F_NAN : m_max(a, b)",
+        BinaryKind::Minimum => "(m_isnan(a) || m_isnan(b)) ? (C)F_NAN : m_min(a, b)",
+        BinaryKind::Pow => "m_pow(a, b)",
+        BinaryKind::SquaredDifference => "(a - b) * (a - b)",
+    }
+}
+
+fn binary_grad_expr(kind: BinaryKind, wrt: usize) -> &'static str {
+    let first = wrt == 0;
+    match (kind, first) {
+        (BinaryKind::Add, _) => "g",
+        (BinaryKind::Sub, true) => "g",
+        (BinaryKind::Sub, false) => "-g",
+        (BinaryKind::Mul, true) => "g * b",
+        (BinaryKind::Mul, false) => "g * a",
+        (BinaryKind::Div, true) => "g / b",
+        (BinaryKind::Div, false) => "g * (-a / b) / b",
+        (BinaryKind::Maximum, true) => "(a >= b) ? g : (C)0",
+        (BinaryKind::Maximum, false) => "(a >= b) ? (C)0 : g",
+        (BinaryKind::Minimum, true) => "(a <= b) ? g : (C)0",
+        (BinaryKind::Minimum, false) => "(a <= b) ? (C)0 : g",
+        (BinaryKind::Pow, true) => "b == (C)0 ? (C)0 : g * b * m_pow(a, b - (C)1)",
+        (BinaryKind::Pow, false) => "a > (C)0 ? g * m_pow(a, b) * m_log(a) : (C)0",
+        (BinaryKind::SquaredDifference, true) => "(C)2 * (a - b) * g",
+        (BinaryKind::SquaredDifference, false) => "-((C)2 * (a - b) * g)",
+    }
+}
+
+/// Index of an operand: mode 0 identity, 1 scalar, 2 strided over the output shape.
+const OPERAND_INDEX: &str = r#"
+__device__ __forceinline__ i64 operand_index(i64 i, int mode, int r, const Dims& shape, const Dims& st) {
+  return mode == 0 ? i : (mode == 1 ? 0 : strided(i, r, shape, st));
+}
+"#;
+
+pub fn binary(d: DType, kind: BinaryKind) -> String {
+    module(
+        d,
+        &format!(
+            "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n\
+               GRID_LOOP(i, n) {{ C a = ld(pa, operand_index(i, ma, r, shape, sa)); C b = ld(pb, operand_index(i, mb, r, shape, sb)); st(py, i, {}); }}\n}}\n",
+            binary_expr(kind)
+        ),
+    )
+}
+
+pub fn binary_grad(d: DType, kind: BinaryKind, wrt: usize) -> String {
+    module(
+        d,
+        &format!(
+            "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, const T* pg, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n\
+               GRID_LOOP(i, n) {{ C a = ld(pa, operand_index(i, ma, r, shape, sa)); C b = ld(pb, operand_index(i, mb, r, shape, sb)); C g = ld(pg, i); st(py, i, {}); }}\n}}\n",
+            binary_grad_expr(kind, wrt)
+        ),
+    )
+}
+
+pub fn bias_add(d: DType) -> String {
+    module(
+        d,
+        "extern \"C\" __global__ void k(const T* px, const T* pb, T* py, i64 n, i64 inner, i64 c) {\n\
+           GRID_LOOP(i, n) { st(py, i, ld(px, i) + ld(pb, (i / inner) % c)); }\n}\n",
+    )
+}
+
+pub fn cast(from: DType, to: DType) -> String {
+    let body = if to == DType::Bool {
+        "GRID_LOOP(i, n) { py[i] = (ldI(px, i) != 0) ? 1 : 0; }"
+    } else if from.is_int() || to.is_int() {
+        // Through f64, as the CPU does: float-to-int conversions saturate (NaN to 0).
+        "GRID_LOOP(i, n) { stO(py, i, (CO)(double)ldI(px, i)); }"
+    } else {
+        "GRID_LOOP(i, n) { stO(py, i, (CO)ldI(px, i)); }"
+    };
+    module_multi(
+        &[("I", from), ("O", to)],
+        &format!("extern \"C\" __global__ void k(const TI* px, TO* py, i64 n) {{\n{body}\n}}\n"),
+    )
+}
+
+/// The unsigned type of a byte width, for kernels that only move data.
+fn word(bytes: usize) -> &'static str {
+    match bytes {
+        1 => "unsigned char",
+        2 => "unsigned short",
+        4 => "unsigned int",
+        _ => "unsigned long long",
+    }
+}
+
+/// `y[i] = x[offset + strided(i)]`: transposes, slices, broadcasts.
+pub fn gather(bytes: usize) -> String {
+    format!(
+        "{PRELUDE}typedef {} E;\n\
+         extern \"C\" __global__ void k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset) {{\n\
+           GRID_LOOP(i, n) {{ py[i] = px[offset + strided(i, r, shape, st)]; }}\n}}\n",
+        word(bytes)
+    )
+}
+
+/// Copies one concat input into its place in the output.
+pub fn concat(bytes: usize) -> String {
+    format!(
+        "{PRELUDE}typedef {} E;\n\
+         extern \"C\" __global__ void k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off) {{\n\
+           GRID_LOOP(i, n) {{ py[(i / inner_in) * inner_out + off + i % inner_in] = px[i]; }}\n}}\n",
+        word(bytes)
+    )
+}
+
+/// `y[i] = x[strided(i)] / div` (ReduceGrad of Sum and Mean).
+pub fn broadcast_div(d: DType) -> String {
+    module(
+        d,
+        "extern \"C\" __global__ void k(const T* px, T* py, i64 n, int r, Dims shape, Dims sst, double div) {\n\
+           GRID_LOOP(i, n) { st(py, i, ld(px, strided(i, r, shape, sst)) / (C)div); }\n}\n",
+    )
+}
+
+/// Reductions over arbitrary axes: the kept axes (`ks`, `kst`) index outputs, the
+/// reduced ones (`rs`, `rst`) the elements summed into each. `k` gives each output a
+/// block; `k_thread` gives each output a thread (few elements per output).
+pub fn reduce(d: DType, kind: ReduceKind) -> String {
+    let (init, combine, block) = match kind {
+        ReduceKind::Max => ("(A)(-F_INF)", "acc = nanmax(acc, v);", "block_max"),
+        _ => ("(A)0", "acc += v;", "block_sum"),
+    };
+    let finish = if kind == ReduceKind::Mean {
+        "acc / (A)count"
+    } else {
+        "acc"
+    };
+    module(
+        d,
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, T* py, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 o = blockIdx.x; o < out_len; o += gridDim.x) {{\n\
+                 i64 base = strided(o, kr, ks, kst);\n\
+                 A acc = {init};\n\
+                 for (i64 j = threadIdx.x; j < count; j += blockDim.x) {{ A v = (A)ld(px, base + strided(j, rr, rs, rst)); {combine} }}\n\
+                 acc = {block}(acc, sh);\n\
+                 if (threadIdx.x == 0) st(py, o, (C)({finish}));\n\
+               }}\n}}\n\
+             extern \"C\" __global__ void k_thread(const T* px, T* py, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {{\n\
+               GRID_LOOP(o, out_len) {{\n\
+                 i64 base = strided(o, kr, ks, kst);\n\
+                 A acc = {init};\n\
+                 for (i64 j = 0; j < count; ++j) {{ A v = (A)ld(px, base + strided(j, rr, rs, rst)); {combine} }}\n\
+                 st(py, o, (C)({finish}));\n\
+               }}\n}}\n"
+        ),
+    )
+}
+
+/// ReduceGrad of Max: the gradient goes to the maxima, split evenly between ties.
+pub fn reduce_max_grad(d: DType) -> String {
+    module(
+        d,
+        "extern \"C\" __global__ void k(const T* px, const T* pdy, T* pdx, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {\n\
+           __shared__ A sh[32];\n\
+           for (i64 o = blockIdx.x; o < out_len; o += gridDim.x) {\n\
+             i64 base = strided(o, kr, ks, kst);\n\
+             A m = (A)(-F_INF);\n\
+             for (i64 j = threadIdx.x; j < count; j += blockDim.x) m = nanmax(m, (A)ld(px, base + strided(j, rr, rs, rst)));\n\
+             m = block_max(m, sh);\n\
+             A ties = 0;\n\
+             for (i64 j = threadIdx.x; j < count; j += blockDim.x) ties += ((A)ld(px, base + strided(j, rr, rs, rst)) == m) ? (A)1 : (A)0;\n\
+             ties = block_sum(ties, sh);\n\
+             C g = ld(pdy, o);\n\
+             for (i64 j = threadIdx.x; j < count; j += blockDim.x) {\n\
+               i64 at = base + strided(j, rr, rs, rst);\n\
+               st(pdx, at, ((A)ld(px, at) == m) ? (C)(g / (C)ties) : (C)0);\n\
+             }\n\
+           }\n}\n",
+    )
+}
+
+/// Softmax (log = false) or LogSoftmax along an axis: a block per row of `len`
+/// elements `inner` apart.
+pub fn softmax(d: DType, log: bool) -> String {
+    let write = if log {
+        "st(py, at, (C)((A)ld(px, at) - shift - lse));"
+    } else {
+        "st(py, at, (C)(m_exp((A)ld(px, at) - shift) / sum));"
+    };
+    module(
+        d,
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, T* py, i64 rows, i64 len, i64 inner) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
+                 i64 base = (row / inner) * len * inner + row % inner;\n\
+                 A m = (A)(-F_INF);\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{ A v = (A)ld(px, base + j * inner); if (v > m || m_isnan(v)) m = v; }}\n\
+                 m = block_max(m, sh);\n\
+                 A shift = m_isfinite(m) ? m : (A)0;\n\
+                 A sum = 0;\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) sum += m_exp((A)ld(px, base + j * inner) - shift);\n\
+                 sum = block_sum(sum, sh);\n\
+                 A lse = m_log(sum);\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{ i64 at = base + j * inner; {write} }}\n\
+               }}\n}}\n"
+        ),
+    )
+}
+
+pub fn softmax_grad(d: DType, log: bool) -> String {
+    let (acc, write) = if log {
+        (
+            "s += (A)ld(pg, at);",
+            "st(pdx, at, (C)((A)ld(pg, at) - m_exp((A)ld(py, at)) * s));",
+        )
+    } else {
+        (
+            "s += (A)ld(pg, at) * (A)ld(py, at);",
+            "st(pdx, at, (C)((A)ld(py, at) * ((A)ld(pg, at) - s)));",
+        )
+    };
+    module(
+        d,
+        &format!(
+            "extern \"C\" __global__ void k(const T* py, const T* pg, T* pdx, i64 rows, i64 len, i64 inner) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
+                 i64 base = (row / inner) * len * inner + row % inner;\n\
+                 A s = 0;\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{ i64 at = base + j * inner; {acc} }}\n\
+                 s = block_sum(s, sh);\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{ i64 at = base + j * inner; {write} }}\n\
+               }}\n}}\n"
+        ),
+    )
+}
+
+/// Row max and sum of exponentials of logits row `row` (block-wide).
+const SCE_ROW: &str = r#"
+__device__ void sce_row(const T* px, i64 row, i64 c, A* sh, A* shift_out, A* sum_out) {
+  A m = (A)(-F_INF);
+  for (i64 j = threadIdx.x; j < c; j += blockDim.x) { A v = (A)ld(px, row * c + j); if (v > m || m_isnan(v)) m = v; }
+  m = block_max(m, sh);
+  A shift = m_isfinite(m) ? m : (A)0;
+  A sum = 0;
+  for (i64 j = threadIdx.x; j < c; j += blockDim.x) sum += m_exp((A)ld(px, row * c + j) - shift);
+  sum = block_sum(sum, sh);
+  *shift_out = shift;
+  *sum_out = sum;
+}
+"#;
+
+/// SoftmaxCrossEntropy: `k_rows` writes each row's loss (f32/f64), `k_mean` their mean.
+pub fn sce(d: DType, labels: DType) -> String {
+    module_multi(
+        &[("", d), ("L", labels)],
+        &format!(
+            "{SCE_ROW}extern \"C\" __global__ void k_rows(const T* px, const TL* pl, A* rows_out, i64 n, i64 c) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                 A shift, sum; sce_row(px, row, c, sh, &shift, &sum);\n\
+                 i64 label = (i64)pl[row];\n\
+                 if (threadIdx.x == 0) rows_out[row] = (label < 0 || label >= c) ? (A)F_NAN : (m_log(sum) + shift) - (A)ld(px, row * c + label);\n\
+               }}\n}}\n\
+             extern \"C\" __global__ void k_mean(const A* rows, T* py, i64 n) {{\n\
+               __shared__ A sh[32];\n\
+               A s = 0;\n\
+               for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += rows[j];\n\
+               s = block_sum(s, sh);\n\
+               if (threadIdx.x == 0) st(py, 0, (C)(s / (A)n));\n}}\n"
+        ),
+    )
+}
+
+pub fn sce_grad(d: DType, labels: DType) -> String {
+    module_multi(
+        &[("", d), ("L", labels)],
+        &format!(
+            "{SCE_ROW}extern \"C\" __global__ void k(const T* px, const TL* pl, const T* pdl, T* pdx, i64 n, i64 c) {{\n\
+               __shared__ A sh[32];\n\
+               C scale = ld(pdl, 0) / (C)n;\n\
+               for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                 A shift, sum; sce_row(px, row, c, sh, &shift, &sum);\n\
+                 i64 label = (i64)pl[row];\n\
+                 bool bad = label < 0 || label >= c;\n\
+                 for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{\n\
+                   C p = (C)(m_exp((A)ld(px, row * c + j) - shift) / sum);\n\
+                   C target = j == label ? (C)1 : (C)0;\n\
+                   st(pdx, row * c + j, bad ? (C)F_NAN : (p - target) * scale);\n\
+                 }}\n\
+               }}\n}}\n"
+        ),
+    )
+}
+
+/// Mean and 1/sqrt(var + eps) of row `row` of `len` elements (block-wide).
+const LN_STATS: &str = r#"
+__device__ void ln_stats(const T* px, i64 row, i64 len, A eps, A* sh, A* mean_out, A* inv_out) {
+  A s = 0;
+  for (i64 j = threadIdx.x; j < len; j += blockDim.x) s += (A)ld(px, row * len + j);
+  A mean = block_sum(s, sh) / (A)len;
+  A v = 0;
+  for (i64 j = threadIdx.x; j < len; j += blockDim.x) { A t = (A)ld(px, row * len + j) - mean; v += t * t; }
+  A var = block_sum(v, sh) / (A)len;
+  *mean_out = mean;
+  *inv_out = (A)1 / m_sqrt(var + eps);
+}
+"#;
+
+pub fn layer_norm(d: DType, eps: f64) -> String {
+    module(
+        d,
+        &format!(
+            "{LN_STATS}extern \"C\" __global__ void k(const T* px, const T* pg, const T* pb, T* py, i64 rows, i64 len) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
+                 A mean, inv; ln_stats(px, row, len, (A)(C){eps}, sh, &mean, &inv);\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
+                   i64 at = row * len + j;\n\
+                   st(py, at, (C)(((A)ld(px, at) - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)));\n\
+                 }}\n\
+               }}\n}}\n",
+            eps = lit(eps)
+        ),
+    )
+}
+
+/// LayerNormGrad: `k_rows` writes dx and each row's mean and inverse deviation;
+/// `k_cols` sums dgamma and dbeta over the rows, a thread per column.
+pub fn layer_norm_grad(d: DType, eps: f64) -> String {
+    module(
+        d,
+        &format!(
+            "{LN_STATS}extern \"C\" __global__ void k_rows(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
+                 A mean, inv; ln_stats(px, row, len, (A)(C){eps}, sh, &mean, &inv);\n\
+                 A sg = 0, sgx = 0;\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
+                   i64 at = row * len + j;\n\
+                   A g = (A)ld(pdy, at) * (A)ld(pg, j);\n\
+                   sg += g; sgx += g * (((A)ld(px, at) - mean) * inv);\n\
+                 }}\n\
+                 A mg = block_sum(sg, sh) / (A)len;\n\
+                 A mgx = block_sum(sgx, sh) / (A)len;\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
+                   i64 at = row * len + j;\n\
+                   A xhat = ((A)ld(px, at) - mean) * inv;\n\
+                   st(pdx, at, (C)(((A)ld(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv));\n\
+                 }}\n\
+                 if (threadIdx.x == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
+               }}\n}}\n\
+             extern \"C\" __global__ void k_cols(const T* px, const T* pdy, const A* stats, T* pdg, T* pdb, i64 rows, i64 len) {{\n\
+               GRID_LOOP(j, len) {{\n\
+                 A dg = 0, db = 0;\n\
+                 for (i64 row = 0; row < rows; ++row) {{\n\
+                   i64 at = row * len + j;\n\
+                   A dy = (A)ld(pdy, at);\n\
+                   dg += dy * (((A)ld(px, at) - stats[2 * row]) * stats[2 * row + 1]);\n\
+                   db += dy;\n\
+                 }}\n\
+                 st(pdg, j, (C)dg); st(pdb, j, (C)db);\n\
+               }}\n}}\n",
+            eps = lit(eps)
+        ),
+    )
+}
+
+/// Sets `flag[0] = v`.
+pub fn fill_flag() -> String {
+    format!("{PRELUDE}extern \"C\" __global__ void k(u8* flag, int v) {{ flag[0] = (u8)v; }}\n")
+}
+
+/// Clears `flag[0]` where `x` has a non-finite element.
+pub fn all_finite(d: DType) -> String {
+    module(
+        d,
+        "extern \"C\" __global__ void k(const T* px, i64 n, u8* flag) {\n\
+           GRID_LOOP(i, n) { if (!m_isfinite((A)ld(px, i))) flag[0] = 0; }\n}\n",
+    )
+}
+
+pub fn increment_if(d: DType) -> String {
+    module(
+        d,
+        "extern \"C\" __global__ void k(const u8* f, const T* pc, T* py) {\n\
+           C v = ld(pc, 0); if (f[0]) v = v + (C)1; st(py, 0, v);\n}\n",
+    )
+}
+
+pub fn loss_scale_update(
+    scale: DType,
+    good: DType,
+    interval: i64,
+    growth: f64,
+    backoff: f64,
+) -> String {
+    module_multi(
+        &[("S", scale), ("G", good)],
+        &format!(
+            "extern \"C\" __global__ void k(const u8* f, const TS* ps, const TG* pg, TS* ps_out, TG* pg_out) {{\n\
+               double s = (double)ldS(ps, 0), n = (double)ldG(pg, 0);\n\
+               if (f[0]) {{ if (n + 1.0 >= (double){interval}) {{ s = s * {growth}; n = 0.0; }} else {{ n = n + 1.0; }} }}\n\
+               else {{ s = fmax(s * {backoff}, 1.0); n = 0.0; }}\n\
+               stS(ps_out, 0, (CS)s); stG(pg_out, 0, (CG)n);\n}}\n",
+            growth = lit(growth),
+            backoff = lit(backoff)
+        ),
+    )
+}
+
+/// OptimizerUpdate. Arguments: flag, var, grad, slots..., [step], out var, out
+/// slots..., [lamb scratch, lamb sums], n. Skipped steps copy the inputs.
+pub fn optimizer(
+    var: DType,
+    grad: DType,
+    step: Option<DType>,
+    rule: Rule,
+    lr: f64,
+    wd: f64,
+) -> String {
+    let mut types = vec![("", var), ("G", grad)];
+    if let Some(s) = step {
+        types.push(("S", s));
+    }
+    let (lr, wd) = (lit(lr), lit(wd));
+    let head = "C w = ld(pw, i); C g = (C)ldG(pg, i);";
+    let body = match rule {
+        Rule::Sgd { momentum: 0.0, .. } => format!(
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, T* pw_out, i64 n) {{\n\
+               GRID_LOOP(i, n) {{ if (!f[0]) {{ pw_out[i] = pw[i]; continue; }} {head} st(pw_out, i, w - (C){lr} * (g + (C){wd} * w)); }}\n}}\n"
+        ),
+        Rule::Sgd { momentum, nesterov } => format!(
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, const T* pb, T* pw_out, T* pb_out, i64 n) {{\n\
+               GRID_LOOP(i, n) {{\n\
+                 if (!f[0]) {{ pw_out[i] = pw[i]; pb_out[i] = pb[i]; continue; }}\n\
+                 {head} C m = (C){mo};\n\
+                 g = g + (C){wd} * w;\n\
+                 C b = m * ld(pb, i) + g;\n\
+                 C step = {step};\n\
+                 st(pb_out, i, b); st(pw_out, i, w - (C){lr} * step);\n\
+               }}\n}}\n",
+            mo = lit(momentum),
+            step = if nesterov { "g + m * b" } else { "b" }
+        ),
+        Rule::Adam {
+            beta1,
+            beta2,
+            epsilon,
+            decoupled,
+        } => format!(
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, const T* pm, const T* pv, const TS* ps, T* pw_out, T* pm_out, T* pv_out, i64 n) {{\n\
+               double t = (double)ldS(ps, 0);\n\
+               C c1 = (C)(1.0 - pow({b1}, t)), c2 = (C)(1.0 - pow({b2}, t));\n\
+               C b1 = (C){b1}, b2 = (C){b2}, eps = (C){eps};\n\
+               GRID_LOOP(i, n) {{\n\
+                 if (!f[0]) {{ pw_out[i] = pw[i]; pm_out[i] = pm[i]; pv_out[i] = pv[i]; continue; }}\n\
+                 {head}\n\
+                 {coupled}\n\
+                 C m = b1 * ld(pm, i) + ((C)1 - b1) * g;\n\
+                 C v = b2 * ld(pv, i) + ((C)1 - b2) * g * g;\n\
+                 C update = (m / c1) / (m_sqrt(v / c2) + eps);\n\
+                 C decay = {decay};\n\
+                 st(pm_out, i, m); st(pv_out, i, v); st(pw_out, i, w - (C){lr} * (update + decay));\n\
+               }}\n}}\n",
+            b1 = lit(beta1),
+            b2 = lit(beta2),
+            eps = lit(epsilon),
+            coupled = if decoupled {
+                String::new()
+            } else {
+                format!("g = g + (C){wd} * w;")
+            },
+            decay = if decoupled {
+                format!("(C){wd} * w")
+            } else {
+                "(C)0".into()
+            }
+        ),
+        Rule::Lamb {
+            beta1,
+            beta2,
+            epsilon,
+        } => format!(
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, const T* pm, const T* pv, const TS* ps, T* pm_out, T* pv_out, A* scratch, A* sums, i64 n) {{\n\
+               double t = (double)ldS(ps, 0);\n\
+               C c1 = (C)(1.0 - pow({b1}, t)), c2 = (C)(1.0 - pow({b2}, t));\n\
+               C b1 = (C){b1}, b2 = (C){b2}, eps = (C){eps};\n\
+               __shared__ A sh[32];\n\
+               A ws = 0, us = 0;\n\
+               GRID_LOOP(i, n) {{\n\
+                 if (!f[0]) {{ pm_out[i] = pm[i]; pv_out[i] = pv[i]; continue; }}\n\
+                 {head}\n\
+                 C m = b1 * ld(pm, i) + ((C)1 - b1) * g;\n\
+                 C v = b2 * ld(pv, i) + ((C)1 - b2) * g * g;\n\
+                 C u = (m / c1) / (m_sqrt(v / c2) + eps) + (C){wd} * w;\n\
+                 st(pm_out, i, m); st(pv_out, i, v); scratch[i] = (A)u;\n\
+                 ws += (A)w * (A)w; us += (A)u * (A)u;\n\
+               }}\n\
+               ws = block_sum(ws, sh); us = block_sum(us, sh);\n\
+               if (threadIdx.x == 0) {{ atomicAdd(&sums[0], ws); atomicAdd(&sums[1], us); }}\n}}\n\
+             extern \"C\" __global__ void k_apply(const u8* f, const T* pw, const A* scratch, const A* sums, T* pw_out, i64 n) {{\n\
+               A wn = m_sqrt(sums[0]), un = m_sqrt(sums[1]);\n\
+               A trust = (wn > (A)0 && un > (A)0) ? wn / un : (A)1;\n\
+               GRID_LOOP(i, n) {{\n\
+                 if (!f[0]) {{ pw_out[i] = pw[i]; continue; }}\n\
+                 st(pw_out, i, (C)((A)ld(pw, i) - (A){lr} * trust * scratch[i]));\n\
+               }}\n}}\n",
+            b1 = lit(beta1),
+            b2 = lit(beta2),
+            eps = lit(epsilon),
+        ),
+    };
+    module_multi(&types, &body)
+}

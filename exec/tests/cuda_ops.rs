@@ -1,0 +1,709 @@
+//! Every op with a CUDA kernel against the CPU reference, in f32, f16, bf16 (and f64
+//! where it is cheap), within dtype tolerances. Skips (printing why) without CUDA.
+
+#![allow(clippy::cloned_ref_to_slice_refs)] // `&[x.clone()]` reads better in the tables
+
+use ampgraph_exec::{cuda, CpuExecutor, CudaExecutor, Executor, Feeds};
+use ampgraph_graph::ops::*;
+use ampgraph_graph::{DType, Data, Graph, Op, Port, Tensor};
+
+/// A CUDA executor, or `None` (after printing why) where CUDA is unavailable.
+fn gpu() -> Option<CudaExecutor> {
+    match cuda::available() {
+        Err(why) => {
+            println!("skipping: {why}");
+            None
+        }
+        Ok(_) => Some(CudaExecutor::new(0).expect("CUDA is available but the executor failed")),
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn vec(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+        (0..n).map(|_| lo + (hi - lo) * self.next()).collect()
+    }
+}
+
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        DType::F64 => 1e-11,
+        _ => 0.0,
+    }
+}
+
+/// Elementwise closeness: |gpu - cpu| <= tol * max(|cpu|, scale), NaN matching NaN.
+fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor, scale: f64) {
+    assert_eq!(gpu.ty(), cpu.ty(), "{what}: types differ");
+    let t = tol(cpu.dtype());
+    let (g, c) = (gpu.to_f64_vec(), cpu.to_f64_vec());
+    let mut worst = (0.0, 0usize);
+    for (i, (&a, &b)) in g.iter().zip(&c).enumerate() {
+        if a.is_nan() && b.is_nan() || a == b {
+            continue;
+        }
+        let err = (a - b).abs() / b.abs().max(scale);
+        assert!(err.is_finite(), "{what}: element {i}: gpu {a} vs cpu {b}");
+        if err > worst.0 {
+            worst = (err, i);
+        }
+    }
+    assert!(
+        worst.0 <= t,
+        "{what}: element {}: gpu {} vs cpu {} (relative error {:.3e} > {t:e})",
+        worst.1,
+        g[worst.1],
+        c[worst.1],
+        worst.0
+    );
+}
+
+/// Runs `op` on placeholders holding `inputs` on both executors and compares every output.
+fn check(gpu: &mut CudaExecutor, what: &str, op: impl Op, inputs: &[Tensor]) {
+    check_scaled(gpu, what, op, inputs, 1.0)
+}
+
+fn check_scaled(gpu: &mut CudaExecutor, what: &str, op: impl Op, inputs: &[Tensor], scale: f64) {
+    let mut g = Graph::new();
+    let mut feeds = Feeds::new();
+    let ports: Vec<Port> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let name = format!("in{i}");
+            feeds.insert(name.clone(), t.clone());
+            g.placeholder(&name, t.dtype(), t.shape().to_vec())
+                .expect("placeholder")
+        })
+        .collect();
+    let y = g.add(op, &ports).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let outs: Vec<Port> = (0..g.node(y.node).outputs().len())
+        .map(|k| Port::new(y.node, k))
+        .collect();
+    let cpu = CpuExecutor::new()
+        .run(&g, &feeds, &outs)
+        .unwrap_or_else(|e| panic!("{what}: cpu: {e}"));
+    let dev = gpu
+        .run(&g, &feeds, &outs)
+        .unwrap_or_else(|e| panic!("{what}: cuda: {e}"));
+    for (k, (a, b)) in dev.iter().zip(&cpu).enumerate() {
+        assert_close(&format!("{what} output {k}"), a, b, scale);
+    }
+}
+
+fn t(dtype: DType, shape: &[usize], v: &[f64]) -> Tensor {
+    Tensor::from_f64(dtype, shape.to_vec(), v).expect("tensor")
+}
+
+fn rand(r: &mut Rng, dtype: DType, shape: &[usize], lo: f64, hi: f64) -> Tensor {
+    let n = shape.iter().product();
+    t(dtype, shape, &r.vec(n, lo, hi))
+}
+
+const HALF_AND_F32: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+
+fn unary_kinds() -> Vec<(UnaryKind, f64, f64)> {
+    use UnaryKind::*;
+    vec![
+        (Relu, -3.0, 3.0),
+        (Relu6, -2.0, 8.0),
+        (Elu, -3.0, 3.0),
+        (Selu, -3.0, 3.0),
+        (Gelu { approximate: false }, -4.0, 4.0),
+        (Gelu { approximate: true }, -4.0, 4.0),
+        (LeakyRelu { alpha: 0.2 }, -3.0, 3.0),
+        (Tanh, -3.0, 3.0),
+        (Sigmoid, -6.0, 6.0),
+        (Exp, -3.0, 3.0),
+        (Log, 0.1, 5.0),
+        (Log1p, -0.5, 5.0),
+        (Sqrt, 0.01, 9.0),
+        (Rsqrt, 0.1, 9.0),
+        (Square, -3.0, 3.0),
+        (Neg, -3.0, 3.0),
+        (Abs, -3.0, 3.0),
+        (Erf, -3.0, 3.0),
+        (Softplus, -10.0, 10.0),
+        (Reciprocal, 0.5, 4.0),
+        (Sign, -3.0, 3.0),
+        (Identity, -3.0, 3.0),
+    ]
+}
+
+#[test]
+fn unary_and_unary_grad() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(1);
+    for d in FLOATS {
+        for (kind, lo, hi) in unary_kinds() {
+            let x = rand(&mut r, d, &[7, 33], lo, hi);
+            let dy = rand(&mut r, d, &[7, 33], -1.0, 1.0);
+            check(
+                &mut gpu,
+                &format!("{kind:?} {d}"),
+                Unary::new(kind),
+                &[x.clone()],
+            );
+            check(
+                &mut gpu,
+                &format!("{kind:?} grad {d}"),
+                UnaryGrad::new(kind),
+                &[x, dy],
+            );
+        }
+    }
+    // Identity on integers aliases.
+    let i = Tensor::new(vec![3], Data::I32(vec![1, -2, 3])).unwrap();
+    check(
+        &mut gpu,
+        "Identity i32",
+        Unary::new(UnaryKind::Identity),
+        &[i],
+    );
+}
+
+#[test]
+fn binary_and_binary_grad_with_broadcasting() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(2);
+    let shapes: [(&[usize], &[usize]); 5] = [
+        (&[4, 5], &[4, 5]),
+        (&[4, 5], &[]),
+        (&[], &[4, 5]),
+        (&[4, 1, 3], &[5, 1]),
+        (&[2, 3, 4], &[3, 1]),
+    ];
+    for d in FLOATS {
+        for kind in BinaryKind::ALL {
+            for (sa, sb) in shapes {
+                let (lo, hi) = if kind == BinaryKind::Pow {
+                    (0.2, 2.0)
+                } else {
+                    (-2.0, 2.0)
+                };
+                let a = rand(&mut r, d, sa, lo, hi);
+                let mut b = rand(&mut r, d, sb, lo, hi);
+                if kind == BinaryKind::Div {
+                    b = rand(&mut r, d, sb, 0.5, 2.0);
+                }
+                let what = format!("{kind:?} {d} {sa:?} {sb:?}");
+                check(&mut gpu, &what, Binary::new(kind), &[a.clone(), b.clone()]);
+                let out = ampgraph_graph::shape::broadcast_shapes(sa, sb).unwrap();
+                let dy = rand(&mut r, d, &out, -1.0, 1.0);
+                for wrt in 0..2 {
+                    check(
+                        &mut gpu,
+                        &format!("{what} grad {wrt}"),
+                        BinaryGrad::new(kind, wrt),
+                        &[a.clone(), b.clone(), dy.clone()],
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bias_add_cast_and_shape_ops() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(3);
+    for d in FLOATS {
+        let x = rand(&mut r, d, &[2, 3, 4, 5], -2.0, 2.0);
+        let b5 = rand(&mut r, d, &[5], -1.0, 1.0);
+        let b3 = rand(&mut r, d, &[3], -1.0, 1.0);
+        check(
+            &mut gpu,
+            "BiasAdd NHWC",
+            BiasAdd {
+                data_format: DataFormat::Nhwc,
+            },
+            &[x.clone(), b5],
+        );
+        check(
+            &mut gpu,
+            "BiasAdd NCHW",
+            BiasAdd {
+                data_format: DataFormat::Nchw,
+            },
+            &[x.clone(), b3],
+        );
+        check(&mut gpu, "Reshape", Reshape::new(vec![6, -1]), &[x.clone()]);
+        check(
+            &mut gpu,
+            "Transpose",
+            Transpose::new(vec![2, 0, 3, 1]),
+            &[x.clone()],
+        );
+        check(
+            &mut gpu,
+            "Slice",
+            Slice::new(vec![1, 0, 1, 2], vec![1, -1, 2, 3]),
+            &[x.clone()],
+        );
+        let small = rand(&mut r, d, &[3, 1], -1.0, 1.0);
+        check(
+            &mut gpu,
+            "BroadcastTo",
+            BroadcastTo::new(vec![2, 3, 4]),
+            &[small],
+        );
+        let y = rand(&mut r, d, &[2, 1, 4, 5], -1.0, 1.0);
+        check(
+            &mut gpu,
+            "Concat 1",
+            Concat::new(1),
+            &[x.clone(), y, x.clone()],
+        );
+        check(
+            &mut gpu,
+            "Concat -1",
+            Concat::new(-1),
+            &[x.clone(), x.clone()],
+        );
+        for to in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::F64,
+            DType::I32,
+            DType::I64,
+            DType::Bool,
+        ] {
+            check(
+                &mut gpu,
+                &format!("Cast {d}->{to}"),
+                Cast { to },
+                &[x.clone()],
+            );
+        }
+    }
+    let i = Tensor::new(vec![4], Data::I64(vec![0, -3, 7, 1 << 40])).unwrap();
+    for to in [DType::F32, DType::F16, DType::I32, DType::Bool] {
+        check(
+            &mut gpu,
+            &format!("Cast i64->{to}"),
+            Cast { to },
+            &[i.clone()],
+        );
+    }
+    let b = Tensor::new(vec![3], Data::Bool(vec![true, false, true])).unwrap();
+    check(
+        &mut gpu,
+        "Cast bool->f16",
+        Cast { to: DType::F16 },
+        &[b.clone()],
+    );
+    check(&mut gpu, "Transpose bool", Transpose::new(vec![0]), &[b]);
+}
+
+#[test]
+fn reductions_and_their_gradients() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(4);
+    let cases: Vec<(Vec<usize>, Option<Vec<i64>>, bool)> = vec![
+        (vec![5, 7], None, false),
+        (vec![5, 7], Some(vec![0]), false),
+        (vec![5, 7], Some(vec![1]), true),
+        (vec![3, 4, 5], Some(vec![0, 2]), false),
+        (vec![3, 4, 5], Some(vec![-1]), true),
+        (vec![2, 3000], Some(vec![1]), false),
+        (vec![300, 40], Some(vec![0]), false),
+        (vec![6000, 3], Some(vec![1]), false),
+    ];
+    for d in FLOATS {
+        for kind in ReduceKind::ALL {
+            for (shape, axes, keep) in &cases {
+                let x = rand(&mut r, d, shape, -2.0, 2.0);
+                let what = format!("{} {d} {shape:?} {axes:?}", kind.name());
+                let n: usize = shape.iter().product();
+                let scale = if kind == ReduceKind::Sum {
+                    (n as f64).sqrt()
+                } else {
+                    1.0
+                };
+                let op = Reduce::new(kind, axes.clone(), *keep);
+                let out = op.infer(&[&x.ty()]).unwrap().remove(0);
+                check_scaled(&mut gpu, &what, op, &[x.clone()], scale);
+                let dy = rand(&mut r, d, &out.shape, -1.0, 1.0);
+                check(
+                    &mut gpu,
+                    &format!("{what} grad"),
+                    ReduceGrad::new(kind, axes.clone(), *keep),
+                    &[x, dy],
+                );
+            }
+        }
+        // Max with ties splits the gradient.
+        let x = t(d, &[2, 3], &[1.0, 3.0, 3.0, -1.0, -1.0, -2.0]);
+        let dy = t(d, &[2], &[1.0, 2.0]);
+        check(
+            &mut gpu,
+            "Max ties grad",
+            ReduceGrad::new(ReduceKind::Max, Some(vec![1]), false),
+            &[x, dy],
+        );
+        for (from, to) in [
+            (vec![4, 3, 5], vec![3, 1]),
+            (vec![4, 5], vec![5]),
+            (vec![4, 5], vec![4, 5]),
+            (vec![200, 8], vec![1, 8]),
+        ] {
+            let x = rand(&mut r, d, &from, -1.0, 1.0);
+            check_scaled(
+                &mut gpu,
+                &format!("SumTo {d} {from:?}->{to:?}"),
+                SumTo { shape: to },
+                &[x],
+                4.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn softmax_family_and_cross_entropy() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(5);
+    for d in FLOATS {
+        for (shape, axis) in [
+            (vec![4, 10], -1),
+            (vec![3, 1000], 1),
+            (vec![3, 5, 4], 1),
+            (vec![2, 3, 4], 0),
+        ] {
+            let x = rand(&mut r, d, &shape, -5.0, 5.0);
+            let dy = rand(&mut r, d, &shape, -1.0, 1.0);
+            let what = format!("{d} {shape:?} axis {axis}");
+            check(
+                &mut gpu,
+                &format!("Softmax {what}"),
+                Softmax { axis },
+                &[x.clone()],
+            );
+            check(
+                &mut gpu,
+                &format!("LogSoftmax {what}"),
+                LogSoftmax { axis },
+                &[x.clone()],
+            );
+            let y = Softmax { axis }.eval(&[&x]).unwrap().remove(0);
+            let ly = LogSoftmax { axis }.eval(&[&x]).unwrap().remove(0);
+            check(
+                &mut gpu,
+                &format!("SoftmaxGrad {what}"),
+                SoftmaxGrad { axis, log: false },
+                &[y, dy.clone()],
+            );
+            check(
+                &mut gpu,
+                &format!("LogSoftmaxGrad {what}"),
+                SoftmaxGrad { axis, log: true },
+                &[ly, dy],
+            );
+        }
+        for (n, c, ld) in [
+            (8usize, 10usize, DType::I32),
+            (64, 10, DType::I64),
+            (5, 700, DType::I32),
+        ] {
+            let x = rand(&mut r, d, &[n, c], -4.0, 4.0);
+            let labels: Vec<f64> = (0..n).map(|i| ((i * 7) % c) as f64).collect();
+            let l = t(ld, &[n], &labels);
+            check(
+                &mut gpu,
+                &format!("SCE {d} {n}x{c}"),
+                SoftmaxCrossEntropy,
+                &[x.clone(), l.clone()],
+            );
+            let dl = t(d, &[], &[1.5]);
+            check(
+                &mut gpu,
+                &format!("SCE grad {d} {n}x{c}"),
+                SoftmaxCrossEntropyGrad,
+                &[x, l, dl],
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_norm_and_grad() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(6);
+    for d in FLOATS {
+        for (shape, axis) in [
+            (vec![4, 16], -1i64),
+            (vec![3, 2, 300], 1),
+            (vec![5, 1024], 1),
+        ] {
+            let x = rand(&mut r, d, &shape, -2.0, 2.0);
+            let a = if axis < 0 {
+                shape.len() - 1
+            } else {
+                axis as usize
+            };
+            let gshape = shape[a..].to_vec();
+            let g = rand(&mut r, d, &gshape, 0.5, 1.5);
+            let b = rand(&mut r, d, &gshape, -0.5, 0.5);
+            let dy = rand(&mut r, d, &shape, -1.0, 1.0);
+            let what = format!("{d} {shape:?} axis {axis}");
+            check(
+                &mut gpu,
+                &format!("LayerNorm {what}"),
+                LayerNorm {
+                    axis,
+                    epsilon: 1e-5,
+                },
+                &[x.clone(), g.clone(), b],
+            );
+            check_scaled(
+                &mut gpu,
+                &format!("LayerNormGrad {what}"),
+                LayerNormGrad {
+                    axis,
+                    epsilon: 1e-5,
+                },
+                &[x, g, dy],
+                2.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_and_batch_matmul() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(7);
+    for d in FLOATS {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (m, k, n) = (33, 70, 17);
+            let a = rand(
+                &mut r,
+                d,
+                &if ta { vec![k, m] } else { vec![m, k] },
+                -1.0,
+                1.0,
+            );
+            let b = rand(
+                &mut r,
+                d,
+                &if tb { vec![n, k] } else { vec![k, n] },
+                -1.0,
+                1.0,
+            );
+            check_scaled(
+                &mut gpu,
+                &format!("MatMul {d} {ta} {tb}"),
+                MatMul::new(ta, tb),
+                &[a, b],
+                4.0,
+            );
+        }
+        let cases: [(&[usize], &[usize], bool, bool); 5] = [
+            (&[3, 4, 5], &[3, 5, 6], false, false),
+            (&[3, 5, 4], &[3, 6, 5], true, true),
+            (&[2, 3, 4, 5], &[1, 5, 6], false, false),
+            (&[4, 5], &[2, 3, 5, 6], false, false),
+            (&[2, 1, 4, 5], &[1, 3, 5, 6], false, false),
+        ];
+        for (sa, sb, ax, ay) in cases {
+            let a = rand(&mut r, d, sa, -1.0, 1.0);
+            let b = rand(&mut r, d, sb, -1.0, 1.0);
+            check_scaled(
+                &mut gpu,
+                &format!("BatchMatMul {d} {sa:?} {sb:?}"),
+                BatchMatMul::new(ax, ay),
+                &[a, b],
+                2.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn training_ops() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(8);
+    let yes = Tensor::scalar(DType::Bool, 1.0);
+    let no = Tensor::scalar(DType::Bool, 0.0);
+    for d in HALF_AND_F32 {
+        let ok = rand(&mut r, d, &[5, 7], -1.0, 1.0);
+        let bad = t(d, &[2], &[1.0, f64::INFINITY]);
+        let nan = t(d, &[2], &[f64::NAN, 1.0]);
+        check(
+            &mut gpu,
+            "AllFinite ok",
+            AllFinite,
+            &[ok.clone(), ok.clone()],
+        );
+        check(&mut gpu, "AllFinite inf", AllFinite, &[ok.clone(), bad]);
+        check(&mut gpu, "AllFinite nan", AllFinite, &[nan, ok]);
+    }
+    for cd in [DType::I64, DType::I32, DType::F32] {
+        let c = Tensor::scalar(cd, 41.0);
+        check(
+            &mut gpu,
+            "IncrementIf yes",
+            IncrementIf,
+            &[yes.clone(), c.clone()],
+        );
+        check(&mut gpu, "IncrementIf no", IncrementIf, &[no.clone(), c]);
+    }
+    let lsu = LossScaleUpdate {
+        growth_interval: 3,
+        growth_factor: 2.0,
+        backoff_factor: 0.5,
+    };
+    for (f, good) in [(&yes, 0.0), (&yes, 2.0), (&no, 1.0)] {
+        check(
+            &mut gpu,
+            "LossScaleUpdate",
+            lsu.clone(),
+            &[
+                f.clone(),
+                Tensor::scalar(DType::F32, 1024.0),
+                Tensor::scalar(DType::I64, good),
+            ],
+        );
+    }
+    check(
+        &mut gpu,
+        "LossScaleUpdate floor",
+        lsu,
+        &[
+            no.clone(),
+            Tensor::scalar(DType::F32, 1.0),
+            Tensor::scalar(DType::I32, 0.0),
+        ],
+    );
+    let rules = [
+        Rule::Sgd {
+            momentum: 0.0,
+            nesterov: false,
+        },
+        Rule::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+        },
+        Rule::Sgd {
+            momentum: 0.9,
+            nesterov: true,
+        },
+        Rule::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-7,
+            decoupled: false,
+        },
+        Rule::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-7,
+            decoupled: true,
+        },
+        Rule::Lamb {
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-6,
+        },
+    ];
+    for d in [DType::F32, DType::F16, DType::F64] {
+        for rule in rules {
+            for flag in [&yes, &no] {
+                let shape = [300, 7];
+                let mut inputs = vec![
+                    flag.clone(),
+                    rand(&mut r, d, &shape, -1.0, 1.0),
+                    rand(&mut r, d, &shape, -1.0, 1.0),
+                ];
+                for _ in rule.slots() {
+                    inputs.push(rand(&mut r, d, &shape, 0.0, 1.0));
+                }
+                if rule.uses_step() {
+                    inputs.push(Tensor::scalar(DType::I64, 3.0));
+                }
+                let op = OptimizerUpdate {
+                    rule,
+                    learning_rate: 0.01,
+                    weight_decay: 0.01,
+                };
+                check(
+                    &mut gpu,
+                    &format!("OptimizerUpdate {d} {rule:?} {:?}", flag.to_f64_vec()),
+                    op,
+                    &inputs,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn variables_live_on_the_device_and_assignments_apply_at_step_end() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut g = Graph::new();
+    let v = g.variable("v", DType::F32, [3]).unwrap();
+    let one = g.scalar(DType::F32, 1.0).unwrap();
+    let v1 = g.add(Binary::new(BinaryKind::Add), &[v, one]).unwrap();
+    let assign = g.add(AssignVariable, &[v, v1]).unwrap();
+    let read = g.add(Unary::new(UnaryKind::Identity), &[v]).unwrap();
+    gpu.set_variable("v", t(DType::F32, &[3], &[1.0, 2.0, 3.0]))
+        .unwrap();
+    for step in 0..3 {
+        let out = gpu.run(&g, &Feeds::new(), &[read, assign]).unwrap();
+        let base = step as f64;
+        assert_eq!(
+            out[0].to_f64_vec(),
+            vec![1.0 + base, 2.0 + base, 3.0 + base],
+            "reads the old value"
+        );
+        assert_eq!(
+            out[1].to_f64_vec(),
+            vec![2.0 + base, 3.0 + base, 4.0 + base]
+        );
+    }
+    assert_eq!(gpu.variable("v").unwrap().to_f64_vec(), vec![4.0, 5.0, 6.0]);
+    assert!(gpu.peak_bytes() > 0);
+}
+
+#[test]
+fn unsupported_ops_are_clear_errors() {
+    // No device needed: the check happens before anything runs.
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [1, 8, 8, 3]).unwrap();
+    let f = g.variable("f", DType::F32, [3, 3, 3, 4]).unwrap();
+    g.conv2d(x, f, [1, 1], Padding::Same, DataFormat::Nhwc)
+        .unwrap();
+    let err = CudaExecutor::check_supported(&g).unwrap_err().to_string();
+    assert!(
+        err.contains("Conv2D has no CUDA kernel yet (cuDNN comes later); use Device::Cpu"),
+        "{err}"
+    );
+    assert!(err.contains("conv2d"), "names the node: {err}");
+}
+
+#[test]
+fn no_cuda_is_a_clear_error_not_a_panic() {
+    match cuda::available() {
+        Ok(n) => println!("CUDA available: {n} device(s)"),
+        Err(why) => {
+            let err = CudaExecutor::new(0)
+                .err()
+                .expect("no CUDA, no executor")
+                .to_string();
+            assert!(err.contains("CUDA is not available"), "{err}");
+            assert!(err.contains(&why), "{err}");
+        }
+    }
+}

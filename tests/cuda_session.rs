@@ -1,0 +1,273 @@
+//! Whole graphs on the GPU against the CPU: an MNIST-like MLP training step (AMP f16
+//! and bf16, fp32; momentum SGD and Adam) compared after 3 steps, the oracle graphs of
+//! family "mlp" (as written and AMP-rewritten), checkpoints across devices, and
+//! `Device::auto()`. Each test prints "skipping: <reason>" and passes without CUDA.
+
+use std::path::{Path, PathBuf};
+
+use ampgraph::exec::cuda;
+use ampgraph::exec::feeds::seeded_tensor;
+use ampgraph::exec::{CpuExecutor, CudaExecutor, Executor, Feeds};
+use ampgraph::graph::format;
+use ampgraph::graph::nn::{self, Activation};
+use ampgraph::graph::ops::{Placeholder, Variable};
+use ampgraph::graph::{DType, Graph, Port, Tensor};
+use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd};
+use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::{Device, Session};
+
+fn cuda_or_skip() -> bool {
+    match cuda::available() {
+        Ok(_) => true,
+        Err(why) => {
+            println!("skipping: {why}");
+            false
+        }
+    }
+}
+
+/// max |a - b| / max(|b|, 1) over two tensors of one type (NaN matching NaN).
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.ty(), b.ty());
+    a.to_f64_vec()
+        .iter()
+        .zip(b.to_f64_vec())
+        .map(|(&x, y)| {
+            if x == y || (x.is_nan() && y.is_nan()) {
+                0.0
+            } else {
+                (x - y).abs() / y.abs().max(1.0)
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+const BATCH: usize = 32;
+
+/// x[32, 784] -> dense 128 relu -> dense 64 relu -> dense 10 -> cross-entropy.
+fn mlp() -> (Graph, Port) {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [BATCH, 784]).unwrap();
+    let labels = g.placeholder("labels", DType::I32, [BATCH]).unwrap();
+    let h = nn::dense(&mut g, x, 128, Some(Activation::Relu)).unwrap();
+    let h = nn::dense(&mut g, h, 64, Some(Activation::Relu)).unwrap();
+    let logits = nn::dense(&mut g, h, 10, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    g.set_outputs(vec![logits]).unwrap();
+    (g, loss)
+}
+
+fn batch(step: usize) -> Feeds {
+    let x: Vec<f64> = (0..BATCH * 784)
+        .map(|i| (((i * 31 + step * 17) % 255) as f64) / 255.0)
+        .collect();
+    let labels: Vec<f64> = (0..BATCH).map(|i| ((i * 3 + step) % 10) as f64).collect();
+    Feeds::from([
+        (
+            "x".to_string(),
+            Tensor::from_f64(DType::F32, vec![BATCH, 784], &x).unwrap(),
+        ),
+        (
+            "labels".to_string(),
+            Tensor::from_f64(DType::I32, vec![BATCH], &labels).unwrap(),
+        ),
+    ])
+}
+
+/// Trains 3 steps on both devices and compares the losses and every variable.
+fn compare_training(what: &str, amp: Option<DType>, adam: bool, tol: f64) {
+    let (mut g, loss) = mlp();
+    let inner = if adam {
+        Adam::new(1e-3)
+    } else {
+        Sgd::momentum(0.05, 0.9)
+    };
+    let step = match amp {
+        Some(dtype) => enable_mixed_precision_graph_rewrite(inner)
+            .with_dtype(dtype)
+            .with_loss_scale(LossScale::Dynamic {
+                initial: 1024.0,
+                growth_interval: 2,
+                growth_factor: 2.0,
+                backoff_factor: 0.5,
+            })
+            .minimize(&mut g, loss)
+            .unwrap(),
+        None => inner.minimize(&mut g, loss).unwrap(),
+    };
+    let mut cpu = Session::new(g.clone(), Device::Cpu).unwrap();
+    let mut gpu = Session::new(g, Device::cuda(0)).unwrap();
+    assert_eq!(gpu.device(), Device::Cuda(0));
+    for s in 0..3 {
+        let f = batch(s);
+        let a = cpu.run(&[step.loss, step.step], &f).unwrap();
+        let b = gpu.run(&[step.loss, step.step], &f).unwrap();
+        let e = rel_err(&b[0], &a[0]);
+        println!(
+            "{what}: step {s}: loss cpu {:?} gpu {:?}",
+            a[0].to_f64_vec(),
+            b[0].to_f64_vec()
+        );
+        assert!(e <= tol, "{what}: step {s}: loss differs by {e:.3e}");
+    }
+    let g = gpu.graph().clone();
+    for id in g.node_ids() {
+        let n = g.node(id);
+        if n.op.is::<Variable>() {
+            let (a, b) = (
+                cpu.variable(&n.name).unwrap(),
+                gpu.variable(&n.name).unwrap(),
+            );
+            let e = rel_err(b, a);
+            assert!(
+                e <= tol,
+                "{what}: variable '{}' differs by {e:.3e} after 3 steps",
+                n.name
+            );
+        }
+    }
+}
+
+#[test]
+fn mlp_training_step_fp32_matches_the_cpu() {
+    if !cuda_or_skip() {
+        return;
+    }
+    compare_training("fp32 sgd", None, false, 1e-4);
+    compare_training("fp32 adam", None, true, 1e-4);
+}
+
+#[test]
+fn mlp_training_step_amp_matches_the_cpu() {
+    if !cuda_or_skip() {
+        return;
+    }
+    compare_training("amp f16 sgd", Some(DType::F16), false, 1e-2);
+    compare_training("amp f16 adam", Some(DType::F16), true, 1e-2);
+    compare_training("amp bf16 sgd", Some(DType::BF16), false, 5e-2);
+}
+
+#[test]
+fn checkpoints_move_between_devices() {
+    if !cuda_or_skip() {
+        return;
+    }
+    let (mut g, loss) = mlp();
+    let step = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.05, 0.9))
+        .minimize(&mut g, loss)
+        .unwrap();
+    let mut gpu = Session::new(g.clone(), Device::cuda(0)).unwrap();
+    gpu.run(&[step.step], &batch(0)).unwrap();
+    let path = std::env::temp_dir().join(format!("ampgraph-cuda-{}.ckpt", std::process::id()));
+    gpu.save(&path).unwrap();
+    let mut cpu = Session::new(g, Device::Cpu).unwrap();
+    cpu.restore(&path).unwrap();
+    let a = cpu.run(&[step.loss], &batch(1)).unwrap();
+    let b = gpu.run(&[step.loss], &batch(1)).unwrap();
+    assert!(rel_err(&b[0], &a[0]) < 1e-2);
+    gpu.restore(&path).unwrap();
+    let _ = std::fs::remove_file(path);
+}
+
+/// `AMPGRAPH_ORACLE_DIR`, else ../shared/oracle/public next to the repository.
+fn oracle_dir() -> PathBuf {
+    match std::env::var_os("AMPGRAPH_ORACLE_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle/public"),
+    }
+}
+
+/// The oracle graphs of family "mlp", by file name.
+fn mlp_oracle_graphs() -> Vec<(String, Graph)> {
+    let dir = oracle_dir();
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        println!("no oracle cases in {}", dir.display());
+        return vec![];
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    files
+        .into_iter()
+        .filter_map(|p| {
+            let case: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).ok()?).ok()?;
+            if case.get("family")?.as_str()? != "mlp" {
+                return None;
+            }
+            let bytes = serde_json::to_vec(case.get("graph")?).ok()?;
+            let g = format::graph_from_bytes(&bytes).ok()?;
+            Some((p.file_name()?.to_string_lossy().into_owned(), g))
+        })
+        .collect()
+}
+
+#[test]
+fn oracle_mlp_graphs_match_the_cpu() {
+    if !cuda_or_skip() {
+        return;
+    }
+    let graphs = mlp_oracle_graphs();
+    let mut gpu = CudaExecutor::new(0).unwrap();
+    let mut compared = 0;
+    for (name, g0) in &graphs {
+        for amp in [None, Some(DType::F16), Some(DType::BF16)] {
+            let mut g = g0.clone();
+            if let Some(d) = amp {
+                let config = AmpConfig::new(d).unwrap();
+                AutoMixedPrecision::new(config).rewrite(&mut g).unwrap();
+            }
+            if CudaExecutor::check_supported(&g).is_err() {
+                continue;
+            }
+            let mut feeds = Feeds::new();
+            for id in g.node_ids() {
+                let n = g.node(id);
+                if n.op.is::<Placeholder>() || n.op.is::<Variable>() {
+                    feeds.insert(n.name.clone(), seeded_tensor(&n.name, &n.outputs()[0], 0));
+                }
+            }
+            let outs = g.outputs().to_vec();
+            let a = CpuExecutor::new().run(&g, &feeds, &outs).unwrap();
+            let b = gpu
+                .run(&g, &feeds, &outs)
+                .unwrap_or_else(|e| panic!("{name} ({amp:?}): {e}"));
+            for (k, (x, y)) in b.iter().zip(&a).enumerate() {
+                // The compute precision decides: an f32 output of an AMP graph
+                // carries the 16-bit rounding of everything before it.
+                let tol = match (amp, y.dtype()) {
+                    (Some(DType::BF16), _) | (_, DType::BF16) => 1e-1,
+                    (Some(DType::F16), _) | (_, DType::F16) => 2e-2,
+                    _ => 1e-3,
+                };
+                let e = rel_err(x, y);
+                assert!(
+                    e <= tol,
+                    "{name} ({amp:?}) output {k} {}: differs by {e:.3e}",
+                    g.port_name(outs[k])
+                );
+            }
+            compared += 1;
+        }
+    }
+    println!("compared {compared} oracle graph runs on the GPU");
+}
+
+#[test]
+fn auto_picks_cuda_where_available() {
+    let auto = Device::auto();
+    match cuda::available() {
+        Ok(_) => assert_eq!(auto, Device::Cuda(0)),
+        Err(why) => {
+            println!("skipping the CUDA half: {why}");
+            assert_eq!(auto, Device::Cpu);
+            let (g, _) = mlp();
+            let err = Session::new(g, Device::cuda(0))
+                .err()
+                .expect("no CUDA")
+                .to_string();
+            assert!(err.contains("CUDA is not available"), "{err}");
+        }
+    }
+}
