@@ -528,6 +528,31 @@ impl Graph {
         Ok(())
     }
 
+    /// Re-infers the types of `touched` nodes (a new op or new inputs) and of every
+    /// node downstream whose input types changed as a result; the rest keep theirs,
+    /// since a node's types follow from its op and its inputs' types alone.
+    pub fn infer_types_from(&mut self, touched: &[NodeId]) -> Result<()> {
+        let inputs = InputTable::new(self);
+        let bound = self.node_bound();
+        let mut dirty = vec![false; bound];
+        for t in touched {
+            dirty[t.index()] = true;
+        }
+        let mut changed = vec![false; bound];
+        for id in self.topo_order_by(&inputs)? {
+            let ins = inputs.of(id);
+            if !dirty[id.index()] && !ins.iter().any(|p| changed[p.node.index()]) {
+                continue;
+            }
+            let outputs = self.infer_node(id, ins)?;
+            if outputs != self.dag[id].outputs {
+                changed[id.index()] = true;
+                self.dag[id].outputs = outputs;
+            }
+        }
+        Ok(())
+    }
+
     /// The output types of `id` from its op and the types of `inputs`, its inputs.
     fn infer_node(&self, id: NodeId, inputs: &[Port]) -> Result<Vec<TensorType>> {
         let node = &self.dag[id];

@@ -44,10 +44,14 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
     // The casts this rewrite inserted, by (tensor, dtype).
     let mut inserted: HashMap<(Port, DType), NodeId> = HashMap::default();
     let mut mismatched: Vec<(NodeId, usize)> = Vec::new();
+    // Nodes given a new op; with the rewired readers and the inserted nodes they are
+    // where type changes start (see Graph::infer_types_from).
+    let mut new_ops: Vec<NodeId> = Vec::new();
     // Existing Casts to f32 whose readers are all f16 now cast to f16 directly.
     for v in 0..p.len() {
         if p.step[v] == super::paint::Step::CastToHalf {
             g.set_op(p.node[v], Box::new(Cast { to: target }));
+            new_ops.push(p.node[v]);
         }
     }
     for v in 0..p.len() {
@@ -83,6 +87,7 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
                 if whole {
                     // Every reader wants the 16-bit value: store it that way.
                     g.set_op(id, Box::new(rounded));
+                    new_ops.push(id);
                     continue;
                 }
                 let name = g.fresh_name(&format!(
@@ -125,8 +130,11 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             }
         }
     }
+    let mut touched: Vec<NodeId> = changes.iter().map(|&(d, _, _)| d).collect();
+    touched.extend(new_ops);
+    touched.extend(&stats.inserted);
     g.rewire(changes)?;
-    g.infer_types()?;
+    g.infer_types_from(&touched)?;
     Ok(stats)
 }
 

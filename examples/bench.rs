@@ -1,0 +1,740 @@
+//! The reference workloads of `../shared/bench/torch_anchor.py` (`mlp`, `transformer`),
+//! timed as a training step and as an inference forward pass in fp32, tf32, AMP fp16
+//! and AMP bf16, printed in torch_anchor.py's format so the two tables paste side by
+//! side.
+//!
+//! ```sh
+//! cargo run --release --example bench -- --workload mlp
+//! cargo run --release --example bench -- --workload transformer --modes amp_fp16 --phases train
+//! cargo run --release --example bench -- --workload mlp --device cpu --batch 8 --hidden 32 --din 16 --classes 10
+//! ```
+//!
+//! Every dimension is a flag whose default is torch_anchor.py's size:
+//!
+//! - `mlp`: x[8192,1024] -> 4 x (Linear 4096 + GELU) -> Linear 1000, cross-entropy on
+//!   integer labels [8192].
+//! - `transformer`: x[16,512,768] -> 4 pre-LN blocks (LayerNorm, q/k/v Linears (three
+//!   d -> d GEMMs where torch runs one d -> 3d and splits it: ampgraph's Slice has no
+//!   gradient yet), 12 heads, explicit attention `softmax(QK^T / sqrt(d_head)) @ V`, output
+//!   projection, residual; LayerNorm, Linear 4d + GELU, Linear d, residual) -> LayerNorm
+//!   -> Linear 1000 on every token; cross-entropy over the [16*512, 1000] logits against
+//!   integer labels [16*512].
+//!
+//! A train step is forward, loss, backward and the SGD-momentum update (lr 1e-3,
+//! momentum 0.9), all in one graph; the AMP modes wrap the optimizer with
+//! [`enable_mixed_precision_graph_rewrite`] (dynamic loss scaling in the graph, in bf16
+//! too, where PyTorch turns its GradScaler off). Inference is the forward pass of a
+//! graph pruned to the logits, as [`ampgraph::Session::inference`] prunes it. Modes:
+//! `fp32` (TF32 off), `tf32` (f32 GEMMs on TF32 Tensor Cores), `amp_fp16`, `amp_bf16`.
+//!
+//! Timing: the CUDA executor does not expose its stream, so there are no CUDA events:
+//! each step is one `run` of the executor, which returns only after the stream has
+//! synchronised (it downloads the fetched value: the step's 1-byte `Group` flag), and
+//! the time is the wall clock around that call. It therefore includes the executor's
+//! host-side scheduling and launch overhead, as CUDA events around PyTorch's eager
+//! step do where the GPU waits for the host. The median of `--iters` after `--warmup`.
+//!
+//! Feeds: x and the labels are generated once on the host (normal x, uniform labels).
+//! With `--feeds resident` (the default) they are uploaded once and stay on the device,
+//! as torch_anchor.py's tensors do: after the training graph is built they become
+//! non-trainable Variables. `--feeds upload` feeds them as Placeholders, uploaded
+//! every step (the header says which).
+//!
+//! Peak memory: the executor's device pool high-water mark (bytes of live tensors,
+//! variables included, since the executor was created), like
+//! `torch.cuda.max_memory_allocated`. The executor is driven directly, with the same
+//! preparation as `Session` (the AMP pass when the graph is marked for it, variables
+//! from their initialisers), because `Session` does not expose the executor's peak.
+//!
+//! Without CUDA the example says so and exits 0; `--device cpu` runs the same graphs on
+//! the CPU executor (use tiny sizes).
+
+use std::error::Error;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+
+use ampgraph::exec::cuda::{self, CudaExecutor};
+use ampgraph::exec::feeds::initial_value;
+use ampgraph::exec::{CpuExecutor, Executor, Feeds};
+use ampgraph::graph::nn::{self, Activation};
+use ampgraph::graph::ops::{Group, Init, Variable};
+use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
+use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
+use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::passes::PassManager;
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    Mlp,
+    Transformer,
+}
+
+impl Workload {
+    fn name(self) -> &'static str {
+        match self {
+            Workload::Mlp => "mlp",
+            Workload::Transformer => "transformer",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DeviceArg {
+    Cuda,
+    Cpu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum FeedMode {
+    /// Uploaded once; they stay on the device (as in torch_anchor.py).
+    Resident,
+    /// Fed as Placeholders and uploaded every step.
+    Upload,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Time torch_anchor.py's workloads on ampgraph (train step and inference)")]
+struct Args {
+    #[arg(long, value_enum, default_value = "mlp")]
+    workload: Workload,
+    /// Batch size (mlp 8192, transformer 16).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// mlp: input features (1024).
+    #[arg(long)]
+    din: Option<usize>,
+    /// mlp: hidden width (4096).
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// mlp: hidden layers; transformer: blocks (4).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// transformer: sequence length (512).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// transformer: attention heads (12).
+    #[arg(long)]
+    heads: Option<usize>,
+    /// transformer: model width (768).
+    #[arg(long)]
+    dmodel: Option<usize>,
+    /// Output classes (1000).
+    #[arg(long)]
+    classes: Option<usize>,
+    /// Timed steps (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    iters: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Comma-separated: fp32, tf32, amp_fp16, amp_bf16.
+    #[arg(long, default_value = "fp32,tf32,amp_fp16,amp_bf16")]
+    modes: String,
+    /// Comma-separated: train, infer.
+    #[arg(long, default_value = "train,infer")]
+    phases: String,
+    #[arg(long, value_enum, default_value = "cuda")]
+    device: DeviceArg,
+    #[arg(long, value_enum, default_value = "resident")]
+    feeds: FeedMode,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    ordinal: usize,
+    /// Seed of the variables' initial values and of the data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// The sizes of one workload, each from its flag or torch_anchor.py's default.
+#[derive(Clone, Copy, Debug)]
+enum Config {
+    Mlp {
+        batch: usize,
+        d_in: usize,
+        hidden: usize,
+        depth: usize,
+        classes: usize,
+    },
+    Transformer {
+        batch: usize,
+        seq: usize,
+        d: usize,
+        heads: usize,
+        layers: usize,
+        classes: usize,
+    },
+}
+
+impl Config {
+    fn from_args(a: &Args) -> Res<Config> {
+        let c = match a.workload {
+            Workload::Mlp => Config::Mlp {
+                batch: a.batch.unwrap_or(8192),
+                d_in: a.din.unwrap_or(1024),
+                hidden: a.hidden.unwrap_or(4096),
+                depth: a.layers.unwrap_or(4),
+                classes: a.classes.unwrap_or(1000),
+            },
+            Workload::Transformer => {
+                let d = a.dmodel.unwrap_or(768);
+                let heads = a.heads.unwrap_or(12);
+                if heads == 0 || d % heads != 0 {
+                    return Err(
+                        format!("--dmodel {d} must be a multiple of --heads {heads}").into(),
+                    );
+                }
+                Config::Transformer {
+                    batch: a.batch.unwrap_or(16),
+                    seq: a.seq.unwrap_or(512),
+                    d,
+                    heads,
+                    layers: a.layers.unwrap_or(4),
+                    classes: a.classes.unwrap_or(1000),
+                }
+            }
+        };
+        Ok(c)
+    }
+
+    fn describe(&self) -> String {
+        match *self {
+            Config::Mlp {
+                batch,
+                d_in,
+                hidden,
+                depth,
+                classes,
+            } => format!(
+                "x[{batch},{d_in}] -> {depth} x (Linear {hidden} + GELU) -> Linear {classes}, cross-entropy"
+            ),
+            Config::Transformer {
+                batch,
+                seq,
+                d,
+                heads,
+                layers,
+                classes,
+            } => format!(
+                "x[{batch},{seq},{d}], {layers} pre-LN blocks ({heads} heads, explicit softmax attention, MLP 4x GELU), LayerNorm, Linear {classes}"
+            ),
+        }
+    }
+
+    /// torch_anchor.py's `flops_train`: 6 * (2-D parameters) * tokens, plus the
+    /// attention products for the transformer.
+    fn flops_train(&self) -> f64 {
+        match *self {
+            Config::Mlp {
+                batch,
+                d_in,
+                hidden,
+                depth,
+                classes,
+            } => {
+                let n = if depth == 0 {
+                    d_in * classes
+                } else {
+                    d_in * hidden + (depth - 1) * hidden * hidden + hidden * classes
+                };
+                6.0 * n as f64 * batch as f64
+            }
+            Config::Transformer {
+                batch,
+                seq,
+                d,
+                layers,
+                classes,
+                ..
+            } => {
+                let n = layers * 12 * d * d + d * classes;
+                let tok = (batch * seq) as f64;
+                let att = 4.0 * batch as f64 * (seq * seq) as f64 * d as f64 * layers as f64;
+                6.0 * n as f64 * tok + 3.0 * att
+            }
+        }
+    }
+
+    /// x and labels, generated on the host: x standard normal, labels uniform.
+    fn data(&self, seed: u64) -> Res<(Tensor, Tensor)> {
+        let (x_shape, n_labels, classes) = match *self {
+            Config::Mlp {
+                batch,
+                d_in,
+                classes,
+                ..
+            } => (vec![batch, d_in], batch, classes),
+            Config::Transformer {
+                batch,
+                seq,
+                d,
+                classes,
+                ..
+            } => (vec![batch, seq, d], batch * seq, classes),
+        };
+        let mut rng = SplitMix64(seed ^ 0xB3_4C_4D_41_52_4B);
+        let n: usize = x_shape.iter().product();
+        let xs: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+        let labels: Vec<i64> = (0..n_labels)
+            .map(|_| (rng.next() % classes.max(1) as u64) as i64)
+            .collect();
+        Ok((
+            Tensor::new(x_shape, Data::F32(xs))?,
+            Tensor::new(vec![n_labels], Data::I64(labels))?,
+        ))
+    }
+}
+
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn unit(&mut self) -> f64 {
+        ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.unit(), self.unit());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    }
+}
+
+/// The forward graph of a workload: logits and the mean cross-entropy loss.
+struct Model {
+    graph: Graph,
+    logits: Port,
+    loss: Port,
+}
+
+const X: &str = "x";
+const LABELS: &str = "labels";
+
+fn build(cfg: &Config) -> Res<Model> {
+    let mut g = Graph::new();
+    let (logits, labels) = match *cfg {
+        Config::Mlp {
+            batch,
+            d_in,
+            hidden,
+            depth,
+            classes,
+        } => {
+            let x = g.placeholder(X, DType::F32, [batch, d_in])?;
+            let labels = g.placeholder(LABELS, DType::I64, [batch])?;
+            let mut h = x;
+            for _ in 0..depth {
+                h = nn::dense(&mut g, h, hidden, Some(Activation::Gelu))?;
+            }
+            (nn::dense(&mut g, h, classes, None)?, labels)
+        }
+        Config::Transformer {
+            batch,
+            seq,
+            d,
+            heads,
+            layers,
+            classes,
+        } => {
+            let x = g.placeholder(X, DType::F32, [batch, seq, d])?;
+            let labels = g.placeholder(LABELS, DType::I64, [batch * seq])?;
+            // The residual stream as [b*t, d]: the Linear layers see 2-D inputs.
+            let mut h = g.reshape(x, [(batch * seq) as i64, d as i64])?;
+            for _ in 0..layers {
+                h = block(&mut g, h, batch, seq, d, heads)?;
+            }
+            let h = layer_norm(&mut g, h, d)?;
+            // Linear on every token; torch's cross_entropy(out.reshape(-1, classes), y).
+            (nn::dense(&mut g, h, classes, None)?, labels)
+        }
+    };
+    let loss = g.softmax_cross_entropy(logits, labels)?;
+    Ok(Model {
+        graph: g,
+        logits,
+        loss,
+    })
+}
+
+/// torch's `nn.LayerNorm(d)` (epsilon 1e-5, gamma ones, beta zeros) over the last axis.
+fn layer_norm(g: &mut Graph, x: Port, d: usize) -> Res<Port> {
+    let mut i = 0;
+    while g.find(&format!("layer_norm_{i}/gamma")).is_some() {
+        i += 1;
+    }
+    let scope = format!("layer_norm_{i}");
+    let ty = TensorType::new(DType::F32, vec![d]);
+    let gamma = g.add_node(
+        format!("{scope}/gamma"),
+        Box::new(Variable::with_init(ty.clone(), Init::Constant(1.0))),
+        &[],
+    )?;
+    let beta = g.add_node(
+        format!("{scope}/beta"),
+        Box::new(Variable::with_init(ty, Init::Zeros)),
+        &[],
+    )?;
+    let axis = g.ty(x).rank() as i64 - 1;
+    Ok(g.layer_norm(x, gamma.into(), beta.into(), axis, 1e-5)?)
+}
+
+/// torch_anchor.py's `Block.forward` on the residual stream `x [b*t, d]`.
+fn block(g: &mut Graph, x: Port, b: usize, t: usize, d: usize, heads: usize) -> Res<Port> {
+    let dh = d / heads;
+    let n = b * t;
+    let h = layer_norm(g, x, d)?;
+    // torch: q, k, v = qkv(h).split(d, dim=-1). Slice has no gradient in ampgraph
+    // yet, so three d -> d Linears (the same FLOPs, three GEMMs instead of one); each
+    // .view(b, t, heads, dh).transpose(1, 2).
+    let mut split = Vec::with_capacity(3);
+    for _ in 0..3 {
+        let part = nn::dense(g, h, d, None)?;
+        let part = g.reshape(part, [b as i64, t as i64, heads as i64, dh as i64])?;
+        split.push(g.transpose(part, [0, 2, 1, 3])?);
+    }
+    let (q, k, v) = (split[0], split[1], split[2]);
+    // att = (q @ k^T) * (1 / sqrt(dh)); softmax; @ v
+    let att = g.batch_matmul_adj(q, k, false, true)?;
+    let scale = g.scalar(DType::F32, 1.0 / (dh as f64).sqrt())?;
+    let att = g.mul(att, scale)?;
+    let att = g.softmax(att, -1)?;
+    let y = g.batch_matmul(att, v)?;
+    // (att @ v).transpose(1, 2).reshape(b, t, d)
+    let y = g.transpose(y, [0, 2, 1, 3])?;
+    let y = g.reshape(y, [n as i64, d as i64])?;
+    let x = {
+        let p = nn::dense(g, y, d, None)?;
+        g.plus(x, p)?
+    };
+    let h = layer_norm(g, x, d)?;
+    let h = nn::dense(g, h, 4 * d, Some(Activation::Gelu))?;
+    let h = nn::dense(g, h, d, None)?;
+    Ok(g.plus(x, h)?)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Fp32,
+    Tf32,
+    AmpF16,
+    AmpBf16,
+}
+
+impl Mode {
+    fn parse(s: &str) -> Res<Mode> {
+        Ok(match s {
+            "fp32" => Mode::Fp32,
+            "tf32" => Mode::Tf32,
+            "amp_fp16" => Mode::AmpF16,
+            "amp_bf16" => Mode::AmpBf16,
+            other => {
+                return Err(
+                    format!("unknown mode '{other}' (fp32, tf32, amp_fp16, amp_bf16)").into(),
+                )
+            }
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Fp32 => "fp32",
+            Mode::Tf32 => "tf32",
+            Mode::AmpF16 => "amp_fp16",
+            Mode::AmpBf16 => "amp_bf16",
+        }
+    }
+
+    fn amp(self) -> Option<DType> {
+        match self {
+            Mode::AmpF16 => Some(DType::F16),
+            Mode::AmpBf16 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+/// The executor a run uses. Driven directly rather than through `Session` for its
+/// peak-memory counter; prepared as `Session::with_options` prepares it.
+enum Exec {
+    Cpu(CpuExecutor),
+    Cuda(Box<CudaExecutor>),
+}
+
+impl Exec {
+    fn run(&mut self, g: &Graph, feeds: &Feeds, fetches: &[Port]) -> Res<Vec<Tensor>> {
+        Ok(match self {
+            Exec::Cpu(e) => e.run(g, feeds, fetches)?,
+            Exec::Cuda(e) => e.run(g, feeds, fetches)?,
+        })
+    }
+
+    fn set_variable(&mut self, name: &str, value: Tensor) -> Res<()> {
+        match self {
+            Exec::Cpu(e) => {
+                e.variables.insert(name.to_string(), value);
+            }
+            Exec::Cuda(e) => e.set_variable(name, value)?,
+        }
+        Ok(())
+    }
+
+    fn peak_bytes(&self) -> Option<usize> {
+        match self {
+            Exec::Cpu(_) => None,
+            Exec::Cuda(e) => Some(e.peak_bytes()),
+        }
+    }
+}
+
+struct Record {
+    workload: &'static str,
+    mode: &'static str,
+    phase: &'static str,
+    median_ms: f64,
+    min_ms: f64,
+    max_ms: f64,
+    peak_mib: Option<f64>,
+    tflops: Option<f64>,
+    loss: Option<f64>,
+}
+
+/// Python's `round(v, n)` as `print` writes it (shortest form, at least one decimal).
+fn py(v: f64, digits: i32) -> String {
+    let p = 10f64.powi(digits);
+    let r = (v * p).round() / p;
+    let s = format!("{r}");
+    if s.contains('.') || s.contains('e') || !r.is_finite() {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+fn py_opt(v: Option<f64>, digits: i32) -> String {
+    v.map_or("None".into(), |v| py(v, digits))
+}
+
+fn json_opt(v: Option<f64>, digits: i32) -> String {
+    v.map_or("null".into(), |v| py(v, digits))
+}
+
+fn run_one(
+    args: &Args,
+    cfg: &Config,
+    mode: Mode,
+    infer: bool,
+    data: &(Tensor, Tensor),
+) -> Res<Record> {
+    let Model {
+        mut graph,
+        logits,
+        loss,
+    } = build(cfg)?;
+    let (fetch, loss) = if infer {
+        // One fetch that needs the logits but downloads one byte, not the logits.
+        let done = graph.add(Group, &[logits])?;
+        graph.mixed_precision = mode.amp();
+        graph.prune(&[done])?;
+        (done, None)
+    } else {
+        let sgd = Sgd::momentum(1e-3, 0.9);
+        let step = match mode.amp() {
+            Some(dtype) => enable_mixed_precision_graph_rewrite(sgd)
+                .with_dtype(dtype)
+                .minimize(&mut graph, loss)?,
+            None => sgd.minimize(&mut graph, loss)?,
+        };
+        (step.step, Some(step.loss))
+    };
+    // Resident feeds: the (already differentiated) graph reads x and the labels from
+    // non-trainable Variables, set once below.
+    let mut feeds = Feeds::new();
+    for (name, value) in [(X, &data.0), (LABELS, &data.1)] {
+        let Some(id) = graph.find(name) else { continue };
+        match args.feeds {
+            FeedMode::Resident => {
+                graph.set_op(id, Box::new(Variable::with_init(value.ty(), Init::Zeros)));
+            }
+            FeedMode::Upload => {
+                feeds.insert(name.to_string(), value.clone());
+            }
+        }
+    }
+    // What Session::with_options does: the AMP pass for a marked graph, then the
+    // variables from their initialisers.
+    let mut passes = PassManager::new();
+    if let Some(dtype) = graph.mixed_precision {
+        passes.push(Box::new(AutoMixedPrecision::new(
+            AmpConfig::new(dtype)?.from_env()?,
+        )));
+    }
+    passes.run(&mut graph)?;
+    let mut exec = match args.device {
+        DeviceArg::Cpu => Exec::Cpu(CpuExecutor::new()),
+        DeviceArg::Cuda => {
+            let mut e = CudaExecutor::new(args.ordinal)?;
+            CudaExecutor::check_supported(&graph)?;
+            e.options.gemm.allow_tf32 = mode == Mode::Tf32;
+            Exec::Cuda(Box::new(e))
+        }
+    };
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        if let Some(var) = node.op.downcast_ref::<Variable>() {
+            let value = match (args.feeds, node.name.as_str()) {
+                (FeedMode::Resident, X) => data.0.clone(),
+                (FeedMode::Resident, LABELS) => data.1.clone(),
+                _ => initial_value(&node.name, var, args.seed),
+            };
+            exec.set_variable(&node.name, value)?;
+        }
+    }
+    for _ in 0..args.warmup {
+        exec.run(&graph, &feeds, &[fetch])?;
+    }
+    let mut times = Vec::with_capacity(args.iters);
+    for _ in 0..args.iters.max(1) {
+        let start = Instant::now();
+        exec.run(&graph, &feeds, &[fetch])?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let peak = exec.peak_bytes().map(|b| b as f64 / (1u64 << 20) as f64);
+    // As torch_anchor.py: the loss after the timed steps (a forward pass only: the
+    // fetch needs no update).
+    let loss = match loss {
+        Some(l) => Some(exec.run(&graph, &feeds, &[l])?[0].to_f64_vec()[0]),
+        None => None,
+    };
+    let flops = cfg.flops_train() / if infer { 3.0 } else { 1.0 };
+    Ok(Record {
+        workload: args.workload.name(),
+        mode: mode.name(),
+        phase: if infer { "infer" } else { "train" },
+        median_ms: median,
+        min_ms: times[0],
+        max_ms: times[times.len() - 1],
+        peak_mib: peak,
+        tflops: Some(flops / median / 1e9),
+        loss,
+    })
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let args = Args::parse();
+    match bench(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn bench(args: &Args) -> Res<()> {
+    let cfg = Config::from_args(args)?;
+    let modes = args
+        .modes
+        .split(',')
+        .map(|m| Mode::parse(m.trim()))
+        .collect::<Res<Vec<_>>>()?;
+    let phases = args
+        .phases
+        .split(',')
+        .map(|p| match p.trim() {
+            "train" => Ok(false),
+            "infer" => Ok(true),
+            other => Err(format!("unknown phase '{other}' (train, infer)").into()),
+        })
+        .collect::<Res<Vec<bool>>>()?;
+    let device_name = match args.device {
+        DeviceArg::Cuda => {
+            if let Err(why) = cuda::available() {
+                println!(
+                    "bench: no CUDA device here ({why}); nothing to measure. Run it on the GPU \
+                     machine, or pass --device cpu with tiny sizes."
+                );
+                return Ok(());
+            }
+            CudaExecutor::new(args.ordinal)?.device_name().to_string()
+        }
+        DeviceArg::Cpu => format!(
+            "CPU ({} threads)",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+    };
+    println!("# ampgraph {} on {device_name}", env!("CARGO_PKG_VERSION"));
+    println!("# {}: {}", args.workload.name(), cfg.describe());
+    println!(
+        "# timing: wall clock around each synchronous step (no CUDA events), median of {} after {} warm-up",
+        args.iters.max(1),
+        args.warmup
+    );
+    println!(
+        "# feeds: {}",
+        match args.feeds {
+            FeedMode::Resident =>
+                "generated once on the host, uploaded once, resident on the device",
+            FeedMode::Upload => "generated once on the host, UPLOADED EVERY STEP (x and labels)",
+        }
+    );
+    let data = cfg.data(args.seed)?;
+    let mut rows = Vec::new();
+    for &mode in &modes {
+        for &infer in &phases {
+            match run_one(args, &cfg, mode, infer, &data) {
+                Ok(r) => {
+                    let mut line = format!(
+                        "{{\"workload\": \"{}\", \"mode\": \"{}\", \"phase\": \"{}\", \"median_ms\": {}, \"min_ms\": {}, \"max_ms\": {}, \"peak_mem_mib\": {}, \"tflops\": {}",
+                        r.workload,
+                        r.mode,
+                        r.phase,
+                        py(r.median_ms, 3),
+                        py(r.min_ms, 3),
+                        py(r.max_ms, 3),
+                        json_opt(r.peak_mib, 1),
+                        json_opt(r.tflops, 1),
+                    );
+                    if let Some(l) = r.loss {
+                        line += &format!(", \"loss\": {}", py(l, 4));
+                    }
+                    println!("{line}}}");
+                    rows.push(r);
+                }
+                Err(e) => println!(
+                    "{{\"workload\": \"{}\", \"mode\": \"{}\", \"infer\": {infer}, \"error\": {}}}",
+                    args.workload.name(),
+                    mode.name(),
+                    serde_json::Value::String(e.to_string().chars().take(300).collect())
+                ),
+            }
+        }
+    }
+    println!("\n| workload | phase | mode | median ms | TFLOP/s | peak MiB |");
+    println!("|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {} | {} | {} |",
+            r.workload,
+            r.phase,
+            r.mode,
+            py(r.median_ms, 3),
+            py_opt(r.tflops, 1),
+            py_opt(r.peak_mib, 1)
+        );
+    }
+    Ok(())
+}
