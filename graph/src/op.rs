@@ -83,6 +83,8 @@ pub trait Op: fmt::Debug + Send + Sync + Any + OpClone {
     /// primary type, the one mixed precision changes. By default every input and
     /// output share the [`typed_inputs`](Op::typed_inputs) type; an op whose other
     /// inputs form a fixed-precision group (batch-norm statistics) overrides this.
+    /// The groups must depend only on the op's name and the two counts (the AMP pass
+    /// computes them once per such triple).
     fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
         let typed = self.typed_inputs(num_inputs);
         let rest: Vec<usize> = (0..num_inputs).filter(|i| !typed.contains(i)).collect();

@@ -303,6 +303,8 @@ impl Painting {
         // Each op name is numbered and looked up in the lists once, not once per node;
         // the names are static, so their address and length identify them.
         let mut ops: HashMap<(usize, usize), (u32, Option<ListClass>)> = HashMap::default();
+        let mut group_index: HashMap<(u32, usize, usize), usize> = HashMap::default();
+        let mut group_sets: Vec<Vec<TypeGroup>> = Vec::new();
         for &id in &self.order {
             let node = g.node(id);
             let inputs = self.adjacency.inputs(id);
@@ -317,8 +319,15 @@ impl Painting {
                 });
             let is_cast = node.op.is::<Cast>();
             let process = !preserved[id.index()];
-            let groups = node.op.type_groups(inputs.len(), node.outputs().len());
-            for group in &groups {
+            // Type groups depend only on the op and its input and output counts
+            // (Op::type_groups): computed once per such triple, not once per node.
+            let key = (kind, inputs.len(), node.outputs().len());
+            let set = *group_index.entry(key).or_insert_with(|| {
+                group_sets.push(node.op.type_groups(key.1, key.2));
+                group_sets.len() - 1
+            });
+            let groups = &group_sets[set];
+            for group in groups {
                 let dtype = match (group.outputs.first(), group.inputs.first()) {
                     (Some(&o), _) => node.outputs()[o].dtype,
                     (None, Some(&i)) => g.ty(inputs[i]).dtype,
@@ -334,9 +343,9 @@ impl Painting {
                 self.eligible.push(process && is_f32 && group.can_be_half);
             }
             let slots = self.slot_vertex.add(id, inputs.len());
-            fill_vertices(slots, &groups, first, |t| &t.inputs);
+            fill_vertices(slots, groups, first, |t| &t.inputs);
             let ports = self.port_vertex.add(id, node.outputs().len());
-            fill_vertices(ports, &groups, first, |t| &t.outputs);
+            fill_vertices(ports, groups, first, |t| &t.outputs);
         }
     }
 
