@@ -146,6 +146,9 @@ fn check_numerics(original: &Graph, config: &AmpConfig, seed: u64) -> Result<(),
         let w = w.to_f64_vec();
         let o = o.to_f64_vec();
         let scale = w.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        // Well-conditioned means representable in 16 bits: values near f16's largest
+        // (65504) round to infinity, which is no rounding error to bound.
+        prop_assume!(scale < 1e4, "the f32 outputs leave the f16 range");
         // 8 inputs per dot product, rounding at each of `depth` ops.
         let bound = 8.0 * depth * unit_roundoff * scale;
         for (a, b) in w.iter().zip(&o) {

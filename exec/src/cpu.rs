@@ -2,10 +2,11 @@
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{AssignVariable, Placeholder, Variable};
+use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 
+use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{ExecError, Executor, Feeds};
 
 /// Runs graphs on the host with each op's reference kernel.
@@ -55,22 +56,6 @@ impl Default for CpuExecutor {
 impl CpuExecutor {
     pub fn new() -> Self {
         Self::default()
-    }
-
-    /// The nodes `fetches` depend on, in topological order.
-    fn needed(graph: &Graph, fetches: &[Port]) -> Result<Vec<NodeId>, ExecError> {
-        let mut needed = vec![false; graph.node_ids().map(|i| i.index() + 1).max().unwrap_or(0)];
-        let mut stack: Vec<NodeId> = fetches.iter().map(|p| p.node).collect();
-        while let Some(id) = stack.pop() {
-            if !std::mem::replace(&mut needed[id.index()], true) {
-                stack.extend(graph.inputs(id).into_iter().map(|p| p.node));
-            }
-        }
-        Ok(graph
-            .topo_order()?
-            .into_iter()
-            .filter(|id| needed[id.index()])
-            .collect())
     }
 
     fn source_value(
@@ -125,17 +110,8 @@ impl Executor for CpuExecutor {
         feeds: &Feeds,
         fetches: &[Port],
     ) -> Result<Vec<Tensor>, ExecError> {
-        let order = Self::needed(graph, fetches)?;
-        // How many reads of each node's outputs remain, so tensors free after their last use.
-        let mut reads: HashMap<NodeId, usize> = HashMap::new();
-        for &id in &order {
-            for p in graph.inputs(id) {
-                *reads.entry(p.node).or_default() += 1;
-            }
-        }
-        for p in fetches {
-            *reads.entry(p.node).or_default() += 1;
-        }
+        let mut schedule = Schedule::new(graph, fetches)?;
+        let order = std::mem::take(&mut schedule.order);
         let mut values: HashMap<NodeId, Vec<Tensor>> = HashMap::new();
         // Variable writes, applied when the step ends so that every read sees the old value.
         let mut writes: Vec<(String, Tensor)> = Vec::new();
@@ -156,37 +132,13 @@ impl Executor for CpuExecutor {
                         .map_err(|m| ExecError::node(&node.name, op, m))?
                 }
             };
-            for (i, (t, want)) in outputs.iter().zip(node.outputs()).enumerate() {
-                if t.dtype() != want.dtype || t.shape() != want.shape.as_slice() {
-                    return Err(ExecError::node(
-                        &node.name,
-                        op,
-                        format!("kernel produced {} for output {i}, expected {want}", t.ty()),
-                    ));
-                }
-            }
-            if node.op.is::<AssignVariable>() {
-                let target = graph.node(graph.inputs(id)[0].node);
-                if !target.op.is::<Variable>() {
-                    return Err(ExecError::node(
-                        &node.name,
-                        op,
-                        format!(
-                            "input 0 must be a Variable, got '{}' ({})",
-                            target.name,
-                            target.op.name()
-                        ),
-                    ));
-                }
-                writes.push((target.name.clone(), outputs[0].clone()));
+            check_outputs(node, outputs.iter().map(|t| t.ty()))?;
+            if let Some(variable) = assigned_variable(graph, id)? {
+                writes.push((variable, outputs[0].clone()));
             }
             values.insert(id, outputs);
-            for p in graph.inputs(id) {
-                let left = reads.get_mut(&p.node).expect("counted above");
-                *left -= 1;
-                if *left == 0 {
-                    values.remove(&p.node);
-                }
+            for done in schedule.consume_inputs(graph, id) {
+                values.remove(&done);
             }
         }
         let fetched = fetches

@@ -10,6 +10,7 @@ pub mod cuda;
 pub mod data;
 pub mod feeds;
 pub mod gradcheck;
+mod schedule;
 
 use std::collections::HashMap;
 

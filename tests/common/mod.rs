@@ -114,15 +114,22 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
         let b = rng.pick(&pool);
         let kind = rng.below(if menu == Menu::Everything { 14 } else { 12 });
         let out: Port = match kind {
-            0 | 1 => g
-                .add(
-                    MatMul {
-                        transpose_a: rng.below(4) == 0,
-                        transpose_b: rng.below(4) == 0,
-                    },
-                    &[a, b],
-                )
-                .unwrap(),
+            0 | 1 => {
+                let mm = g
+                    .add(
+                        MatMul {
+                            transpose_a: rng.below(4) == 0,
+                            transpose_b: rng.below(4) == 0,
+                        },
+                        &[a, b],
+                    )
+                    .unwrap();
+                // Chains of products grow 8x per step; keep magnitudes inside f16's range.
+                match menu {
+                    Menu::WellConditioned => g.add(Unary::new(UnaryKind::Tanh), &[mm]).unwrap(),
+                    Menu::Everything => mm,
+                }
+            }
             2 | 3 => {
                 let k = if menu == Menu::Everything {
                     rng.pick(&unary_all)

@@ -20,10 +20,11 @@ mod src;
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use ampgraph_graph::ops::{AssignVariable, Const, Group, Placeholder, Variable};
+use ampgraph_graph::ops::{Const, Group, Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 
+use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{check_tensor_size, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
 
 use device::{guard, DTensor, Device};
@@ -209,22 +210,6 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// The nodes `fetches` depend on, in topological order.
-    fn needed(graph: &Graph, fetches: &[Port]) -> Result<Vec<NodeId>, ExecError> {
-        let mut needed = vec![false; graph.node_ids().map(|i| i.index() + 1).max().unwrap_or(0)];
-        let mut stack: Vec<NodeId> = fetches.iter().map(|p| p.node).collect();
-        while let Some(id) = stack.pop() {
-            if !std::mem::replace(&mut needed[id.index()], true) {
-                stack.extend(graph.inputs(id).into_iter().map(|p| p.node));
-            }
-        }
-        Ok(graph
-            .topo_order()?
-            .into_iter()
-            .filter(|id| needed[id.index()])
-            .collect())
-    }
-
     /// The value of a source node (Placeholder, Variable, Const, Group), if it is one.
     fn source_value(
         &mut self,
@@ -312,21 +297,13 @@ impl Executor for CudaExecutor {
                 .map_err(|e| format!("CUDA context: {e:?}"))
         })
         .map_err(dev_err)?;
-        let order = Self::needed(graph, fetches)?;
+        let mut schedule = Schedule::new(graph, fetches)?;
+        let order = std::mem::take(&mut schedule.order);
         for &id in &order {
             let node = graph.node(id);
             if let Some(msg) = ops::unsupported(node.op.as_ref()) {
                 return Err(ExecError::node(&node.name, node.op.name(), msg));
             }
-        }
-        let mut reads: HashMap<NodeId, usize> = HashMap::new();
-        for &id in &order {
-            for p in graph.inputs(id) {
-                *reads.entry(p.node).or_default() += 1;
-            }
-        }
-        for p in fetches {
-            *reads.entry(p.node).or_default() += 1;
         }
         let mut values: HashMap<NodeId, Vec<DTensor>> = HashMap::new();
         let mut writes: Vec<(String, DTensor)> = Vec::new();
@@ -356,38 +333,13 @@ impl Executor for CudaExecutor {
                     .map_err(|m| ExecError::node(&node.name, op, m))?
                 }
             };
-            for (i, (t, want)) in outputs.iter().zip(node.outputs()).enumerate() {
-                if t.dtype != want.dtype || t.shape != want.shape {
-                    return Err(ExecError::node(
-                        &node.name,
-                        op,
-                        format!("kernel produced {} for output {i}, expected {want}", t.ty()),
-                    ));
-                }
-            }
-            if node.op.is::<AssignVariable>() {
-                let target = graph.node(graph.inputs(id)[0].node);
-                if !target.op.is::<Variable>() {
-                    return Err(ExecError::node(
-                        &node.name,
-                        op,
-                        format!(
-                            "input 0 must be a Variable, got '{}' ({})",
-                            target.name,
-                            target.op.name()
-                        ),
-                    ));
-                }
-                writes.push((target.name.clone(), outputs[0].clone()));
+            check_outputs(node, outputs.iter().map(|t| t.ty()))?;
+            if let Some(variable) = assigned_variable(graph, id)? {
+                writes.push((variable, outputs[0].clone()));
             }
             values.insert(id, outputs);
-            for p in graph.inputs(id) {
-                if let Some(left) = reads.get_mut(&p.node) {
-                    *left -= 1;
-                    if *left == 0 {
-                        values.remove(&p.node);
-                    }
-                }
+            for done in schedule.consume_inputs(graph, id) {
+                values.remove(&done);
             }
         }
         let mut fetched = Vec::with_capacity(fetches.len());
