@@ -656,6 +656,14 @@ impl Graph {
         Ok(())
     }
 
+    /// Records a new dtype for the tensor at `port`, for a rewrite that knows what
+    /// re-inference would give (the AMP pass: a converted op's outputs take the 16-bit
+    /// type, shapes unchanged) and skips it on large graphs. [`validate`](Self::validate)
+    /// checks the result in tests and debug builds.
+    pub fn set_dtype(&mut self, port: Port, dtype: crate::DType) {
+        self.dag[port.node].outputs[port.index].dtype = dtype;
+    }
+
     /// Replaces the op of a node (same inputs); types are re-inferred by the caller.
     pub fn set_op(&mut self, id: NodeId, op: Box<dyn Op>) {
         self.dag[id].op = op;

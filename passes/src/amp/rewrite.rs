@@ -44,8 +44,7 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
     // The casts this rewrite inserted, by (tensor, dtype).
     let mut inserted: HashMap<(Port, DType), NodeId> = HashMap::default();
     let mut mismatched: Vec<(NodeId, usize)> = Vec::new();
-    // Nodes given a new op; with the rewired readers and the inserted nodes they are
-    // where type changes start (see Graph::infer_types_from).
+    // Nodes given a new op: Casts and Consts whose output becomes the target type.
     let mut new_ops: Vec<NodeId> = Vec::new();
     // Existing Casts to f32 whose readers are all f16 now cast to f16 directly.
     for v in 0..p.len() {
@@ -130,11 +129,24 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
             }
         }
     }
-    let mut touched: Vec<NodeId> = changes.iter().map(|&(d, _, _)| d).collect();
-    touched.extend(new_ops);
-    touched.extend(&stats.inserted);
     g.rewire(changes)?;
-    g.infer_types_from(&touched)?;
+    // The new types are known without re-inference: a converted vertex's outputs and
+    // the retyped Casts and Consts take the target type; every other node keeps its
+    // types (the inserted ones were inferred as they were added, and a rewired reader
+    // reads the dtype it read before). Tests and debug builds check this.
+    for v in 0..p.len() {
+        if p.allow[v] && p.is_f32[v] {
+            for port in p.output_ports(v as u32) {
+                g.set_dtype(Port::new(p.node[v], port), target);
+            }
+        }
+    }
+    for id in new_ops {
+        g.set_dtype(Port::new(id, 0), target);
+    }
+    if cfg!(debug_assertions) {
+        g.validate()?;
+    }
     Ok(stats)
 }
 
