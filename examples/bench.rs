@@ -147,6 +147,13 @@ struct Args {
     /// Seed of the variables' initial values and of the data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// After timing, run this many more steps synchronising after every op and print
+    /// where the time goes, per kind of op (CUDA only).
+    #[arg(long, default_value_t = 0)]
+    profile: usize,
+    /// Write each graph as it runs (after the passes) to DIR/<workload>-<phase>-<mode>.txt.
+    #[arg(long)]
+    dump: Option<std::path::PathBuf>,
 }
 
 /// The sizes of one workload, each from its flag or torch_anchor.py's default.
@@ -580,6 +587,12 @@ fn run_one(
         )));
     }
     passes.run(&mut graph)?;
+    if let Some(dir) = &args.dump {
+        let phase = if infer { "infer" } else { "train" };
+        let path = dir.join(format!("{}-{phase}-{}.txt", args.workload.name(), mode.name()));
+        std::fs::write(&path, ampgraph::graph::format::to_text(&graph))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     let mut exec = match args.device {
         DeviceArg::Cpu => Exec::Cpu(CpuExecutor::new()),
         DeviceArg::Cuda => {
@@ -618,6 +631,21 @@ fn run_one(
         Some(l) => Some(exec.run(&graph, &feeds, &[l])?[0].to_f64_vec()[0]),
         None => None,
     };
+    if let (Exec::Cuda(e), true) = (&mut exec, args.profile > 0) {
+        e.options.profile = true;
+        for _ in 0..args.profile {
+            e.run(&graph, &feeds, &[fetch])?;
+        }
+        e.options.profile = false;
+        println!(
+            "# profile of {} {} {} ({} steps, synchronised per op):\n{}",
+            args.workload.name(),
+            if infer { "infer" } else { "train" },
+            mode.name(),
+            args.profile,
+            e.profile.table(30)
+        );
+    }
     let flops = cfg.flops_train() / if infer { 3.0 } else { 1.0 };
     Ok(Record {
         workload: args.workload.name(),

@@ -320,6 +320,9 @@ fn reductions_and_their_gradients() {
         (vec![2, 3000], Some(vec![1]), false),
         (vec![300, 40], Some(vec![0]), false),
         (vec![6000, 3], Some(vec![1]), false),
+        // Leading axes over many rows: the chunked column sums.
+        (vec![1000, 70], Some(vec![0]), false),
+        (vec![9, 130, 33], Some(vec![0, 1]), true),
     ];
     for d in FLOATS {
         for kind in ReduceKind::ALL {
@@ -446,6 +449,7 @@ fn layer_norm_and_grad() {
             (vec![4, 16], -1i64),
             (vec![3, 2, 300], 1),
             (vec![5, 1024], 1),
+            (vec![700, 40], -1),
         ] {
             let x = rand(&mut r, d, &shape, -2.0, 2.0);
             let a = if axis < 0 {

@@ -67,6 +67,43 @@ fn libraries_present() -> Result<(), String> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaOptions {
     pub gemm: GemmOptions,
+    /// Synchronise after every op and add its time to [`CudaExecutor::profile`]
+    /// (slows the step; for finding where a step's time goes).
+    pub profile: bool,
+}
+
+/// Time spent per kind of op (op name, output dtype and shape) while profiling.
+#[derive(Clone, Debug, Default)]
+pub struct OpProfile {
+    entries: HashMap<String, (u64, f64)>,
+}
+
+impl OpProfile {
+    fn add(&mut self, key: String, secs: f64) {
+        let e = self.entries.entry(key).or_default();
+        e.0 += 1;
+        e.1 += secs;
+    }
+
+    /// The `top` most expensive kinds as a table: total ms, calls, share of the whole.
+    pub fn table(&self, top: usize) -> String {
+        let total: f64 = self.entries.values().map(|e| e.1).sum();
+        let mut rows: Vec<(&String, &(u64, f64))> = self.entries.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let mut out = format!(
+            "| op (output) | calls | total ms | share |\n|---|---|---|---|\n| all | {} | {:.3} | 100% |\n",
+            self.entries.values().map(|e| e.0).sum::<u64>(),
+            total * 1e3
+        );
+        for (key, (calls, secs)) in rows.into_iter().take(top) {
+            out.push_str(&format!(
+                "| {key} | {calls} | {:.3} | {:.1}% |\n",
+                secs * 1e3,
+                100.0 * secs / total.max(f64::MIN_POSITIVE)
+            ));
+        }
+        out
+    }
 }
 
 /// A variable's value on the device, and its host copy once asked for.
@@ -85,6 +122,8 @@ pub struct CudaExecutor {
     consts: HashMap<String, (Tensor, DTensor)>,
     /// The largest tensor one op may produce, in bytes.
     pub max_tensor_bytes: u64,
+    /// Per-op times, filled while `options.profile` is on.
+    pub profile: OpProfile,
 }
 
 fn dev_err(msg: String) -> ExecError {
@@ -119,6 +158,7 @@ impl CudaExecutor {
             variables: HashMap::new(),
             consts: HashMap::new(),
             max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
+            profile: OpProfile::default(),
         })
     }
 
@@ -327,10 +367,23 @@ impl Executor for CudaExecutor {
                         gemm_options: self.options.gemm,
                         name: &node.name,
                     };
-                    guard("CUDA", || {
-                        ops::eval(&ctx, node.op.as_ref(), &inputs, node.outputs())
+                    let start = std::time::Instant::now();
+                    let out = guard("CUDA", || {
+                        let out = ops::eval(&ctx, node.op.as_ref(), &inputs, node.outputs())?;
+                        if self.options.profile {
+                            self.dev.stream.synchronize().map_err(|e| format!("{e:?}"))?;
+                        }
+                        Ok(out)
                     })
-                    .map_err(|m| ExecError::node(&node.name, op, m))?
+                    .map_err(|m| ExecError::node(&node.name, op, m))?;
+                    if self.options.profile {
+                        let key = match node.outputs().first() {
+                            Some(ty) => format!("{op} {ty}"),
+                            None => op.to_string(),
+                        };
+                        self.profile.add(key, start.elapsed().as_secs_f64());
+                    }
+                    out
                 }
             };
             check_outputs(node, outputs.iter().map(|t| t.ty()))?;

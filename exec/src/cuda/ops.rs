@@ -230,6 +230,23 @@ fn reduce_into(
     if out_len == 0 {
         return Ok(());
     }
+    // Reducing the leading axes (bias gradients, batch sums): column sums of a
+    // [count, out_len] matrix.
+    if kind != ReduceKind::Max && count > 1 && axes.iter().enumerate().all(|(i, &a)| i == a) {
+        let scale = if kind == ReduceKind::Mean {
+            1.0 / count as f64
+        } else {
+            1.0
+        };
+        return column_sums(
+            c,
+            &format!("column_sum/{}", x.dtype),
+            || src::column_sum(x.dtype),
+            &[x.arg()],
+            (count, out_len),
+            &[(y, scale)],
+        );
+    }
     let mut args = vec![x.arg(), y.arg()];
     args.extend(split_args(&s)?);
     let key = format!("reduce/{}/{}", x.dtype, kind.name());
@@ -241,6 +258,39 @@ fn reduce_into(
         c.dev
             .launch(&key, make, "k", row_grid(out_len), row_block(count), &args)
     }
+}
+
+/// Launches the column-sum kernels of module `key` (see `src::column_sums`) over a
+/// `[rows, len]` matrix read through `inputs`, writing each `(output, scale)`.
+fn column_sums(
+    c: &Ctx,
+    key: &str,
+    make: impl Fn() -> String,
+    inputs: &[Arg],
+    (rows, len): (usize, usize),
+    outs: &[(&DTensor, f64)],
+) -> Result<(), String> {
+    let acc = acc_dtype(outs.first().ok_or("no outputs")?.0.dtype);
+    let tiles = len.div_ceil(32);
+    let most_blocks = (i32::MAX as usize) / tiles.max(1);
+    let chunks = rows.div_ceil(64).clamp(1, src::COLUMN_CHUNKS.min(most_blocks.max(1)));
+    let chunk_rows = rows.div_ceil(chunks);
+    let blocks = u32::try_from(tiles * chunks).map_err(|_| "too many columns for one launch")?;
+    let part = c.temp(acc, chunks * outs.len() * len)?;
+    let mut args = inputs.to_vec();
+    args.extend([
+        part.arg(),
+        Arg::I64(rows as i64),
+        Arg::I64(len as i64),
+        Arg::I64(chunk_rows as i64),
+    ]);
+    c.dev.launch(key, &make, "k_cols_part", blocks, 256, &args)?;
+    let mut args = vec![part.arg(), Arg::I64(len as i64), Arg::I64(chunks as i64)];
+    for (y, scale) in outs {
+        args.extend([y.arg(), Arg::F64(*scale)]);
+    }
+    let grid = len.div_ceil(256).min(1 << 20) as u32;
+    c.dev.launch(key, &make, "k_cols_fin", grid, 256, &args)
 }
 
 /// (len, inner, rows) of a softmax-like op along `axis`.
@@ -691,21 +741,13 @@ pub fn eval(
             )?;
         }
         if len > 0 {
-            dev.launch(
+            column_sums(
+                c,
                 &key,
                 || src::layer_norm_grad(x.dtype, ln.epsilon),
-                "k_cols",
-                len.div_ceil(256).min(1 << 20) as u32,
-                256,
-                &[
-                    x.arg(),
-                    dy.arg(),
-                    stats.arg(),
-                    dg.arg(),
-                    db.arg(),
-                    Arg::I64(rows as i64),
-                    Arg::I64(len as i64),
-                ],
+                &[x.arg(), dy.arg(), stats.arg()],
+                (rows, len),
+                &[(&dg, 1.0), (&db, 1.0)],
             )?;
         }
         return Ok(vec![dx, dg, db]);

@@ -123,13 +123,19 @@ template <typename A> __device__ A block_max(A v, A* sh) {
   __syncthreads();
   return v;
 }
-// Offset of row-major index `i` over `shape` (rank `r`) with `strides`.
+// Offset of row-major index `i` over `shape` (rank `r`) with `strides`. Unrolled
+// over the constant rank limit: a loop indexing the Dims parameters with a variable
+// would copy them into local memory in every thread, which made every strided kernel
+// several times slower than its memory traffic.
 __device__ __forceinline__ i64 strided(i64 i, int r, const Dims& shape, const Dims& strides) {
   i64 off = 0;
-  for (int d = r - 1; d >= 0; --d) {
-    i64 n = shape.n[d];
-    off += (i % n) * strides.n[d];
-    i /= n;
+#pragma unroll
+  for (int d = 7; d >= 0; --d) {
+    if (d < r) {
+      i64 n = shape.n[d];
+      off += (i % n) * strides.n[d];
+      i /= n;
+    }
   }
   return off;
 }
@@ -630,8 +636,64 @@ pub fn layer_norm(d: DType, eps: f64) -> String {
     )
 }
 
+/// Rows a block of the column-sum kernels reads at once (its warps), and the most row
+/// chunks (blocks per column tile) they use.
+pub const COLUMN_ROWS: usize = 8;
+pub const COLUMN_CHUNKS: usize = 128;
+
+/// Column sums of a `[rows, len]` matrix, deterministic, in two kernels.
+/// `k_cols_part` (grid: column tiles of 32 x row chunks, 256 threads) has each warp
+/// read 32 adjacent columns of a row (coalesced), adds the [`COLUMN_ROWS`] warps'
+/// partials in shared memory and writes one partial per (chunk, column); `k_cols_fin`
+/// adds a column's chunk partials and stores `scale<k> * sum`. `params` are the input
+/// parameters, `row_setup` runs per element with `row`, `j` and `at = row * len + j`
+/// defined, and `terms` are the summed expressions, one output `py<k>` each.
+fn column_sums(params: &str, row_setup: &str, terms: &[&str]) -> String {
+    let n = terms.len();
+    let mut accs = String::new();
+    let mut adds = String::new();
+    let mut shares = String::new();
+    let mut partials = String::new();
+    let mut outs = String::new();
+    let mut finals = String::new();
+    for (k, term) in terms.iter().enumerate() {
+        accs.push_str(&format!("A acc{k} = 0; "));
+        adds.push_str(&format!("acc{k} += {term}; "));
+        shares.push_str(&format!("sh[{k}][ty][tx] = acc{k}; "));
+        partials.push_str(&format!(
+            "{{ A s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[{k}][w][tx]; part[(chunk * {n} + {k}) * len + j] = s; }}\n"
+        ));
+        outs.push_str(&format!(", T* py{k}, double scale{k}"));
+        finals.push_str(&format!(
+            "{{ A s = 0; for (i64 c = 0; c < chunks; ++c) s += part[(c * {n} + {k}) * len + j]; st(py{k}, j, (C)(s * (A)scale{k})); }}\n"
+        ));
+    }
+    format!(
+        "extern \"C\" __global__ void k_cols_part({params}, A* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
+           __shared__ A sh[{n}][{COLUMN_ROWS}][33];\n\
+           int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+           i64 tiles = (len + 31) / 32;\n\
+           i64 j = (blockIdx.x % tiles) * 32 + tx, chunk = blockIdx.x / tiles;\n\
+           i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
+           {accs}\n\
+           if (j < len) for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{ i64 at = row * len + j; {row_setup} {adds} }}\n\
+           {shares}\n\
+           __syncthreads();\n\
+           if (ty == 0 && j < len) {{\n{partials}}}\n\
+         }}\n\
+         extern \"C\" __global__ void k_cols_fin(const A* part, i64 len, i64 chunks{outs}) {{\n\
+           GRID_LOOP(j, len) {{\n{finals}}}\n\
+         }}\n"
+    )
+}
+
+/// Sum over the rows of a `[rows, len]` matrix (Mean through the scale).
+pub fn column_sum(d: DType) -> String {
+    module(d, &column_sums("const T* px", "", &["(A)ld(px, at)"]))
+}
+
 /// LayerNormGrad: `k_rows` writes dx and each row's mean and inverse deviation;
-/// `k_cols` sums dgamma and dbeta over the rows, a thread per column.
+/// the column sums (see [`column_sums`]) give dgamma and dbeta.
 pub fn layer_norm_grad(d: DType, eps: f64) -> String {
     module(
         d,
@@ -654,19 +716,13 @@ pub fn layer_norm_grad(d: DType, eps: f64) -> String {
                    st(pdx, at, (C)(((A)ld(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv));\n\
                  }}\n\
                  if (threadIdx.x == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
-               }}\n}}\n\
-             extern \"C\" __global__ void k_cols(const T* px, const T* pdy, const A* stats, T* pdg, T* pdb, i64 rows, i64 len) {{\n\
-               GRID_LOOP(j, len) {{\n\
-                 A dg = 0, db = 0;\n\
-                 for (i64 row = 0; row < rows; ++row) {{\n\
-                   i64 at = row * len + j;\n\
-                   A dy = (A)ld(pdy, at);\n\
-                   dg += dy * (((A)ld(px, at) - stats[2 * row]) * stats[2 * row + 1]);\n\
-                   db += dy;\n\
-                 }}\n\
-                 st(pdg, j, (C)dg); st(pdb, j, (C)db);\n\
-               }}\n}}\n",
-            eps = lit(eps)
+               }}\n}}\n{cols}",
+            eps = lit(eps),
+            cols = column_sums(
+                "const T* px, const T* pdy, const A* stats",
+                "A dy = (A)ld(pdy, at);",
+                &["dy * (((A)ld(px, at) - stats[2 * row]) * stats[2 * row + 1])", "dy"],
+            )
         ),
     )
 }
