@@ -589,7 +589,11 @@ fn run_one(
     passes.run(&mut graph)?;
     if let Some(dir) = &args.dump {
         let phase = if infer { "infer" } else { "train" };
-        let path = dir.join(format!("{}-{phase}-{}.txt", args.workload.name(), mode.name()));
+        let path = dir.join(format!(
+            "{}-{phase}-{}.txt",
+            args.workload.name(),
+            mode.name()
+        ));
         std::fs::write(&path, ampgraph::graph::format::to_text(&graph))
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }

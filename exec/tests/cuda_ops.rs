@@ -251,6 +251,28 @@ fn bias_add_cast_and_shape_ops() {
             Slice::new(vec![1, 0, 1, 2], vec![1, -1, 2, 3]),
             &[x.clone()],
         );
+        // Contiguous last axes move as wide words: attention's head transposes, and
+        // slices whose offsets allow some widths and not others.
+        let heads = rand(&mut r, d, &[2, 6, 3, 16], -2.0, 2.0);
+        check(
+            &mut gpu,
+            "Transpose heads",
+            Transpose::new(vec![0, 2, 1, 3]),
+            &[heads.clone()],
+        );
+        let slices: [(Vec<usize>, Vec<i64>); 3] = [
+            (vec![0, 0, 0, 8], vec![2, 6, 3, 8]),
+            (vec![1, 2, 0, 2], vec![1, 3, 3, 12]),
+            (vec![0, 1, 1, 1], vec![2, 4, 2, 15]),
+        ];
+        for (begin, size) in slices {
+            check(
+                &mut gpu,
+                &format!("Slice {begin:?} {size:?}"),
+                Slice::new(begin, size),
+                &[heads.clone()],
+            );
+        }
         let small = rand(&mut r, d, &[3, 1], -1.0, 1.0);
         check(
             &mut gpu,
@@ -382,6 +404,8 @@ fn softmax_family_and_cross_entropy() {
         for (shape, axis) in [
             (vec![4, 10], -1),
             (vec![3, 1000], 1),
+            (vec![37, 96], -1),
+            (vec![3, 2000], 1),
             (vec![3, 5, 4], 1),
             (vec![2, 3, 4], 0),
         ] {

@@ -15,7 +15,7 @@ use half::{bf16, f16};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
-use super::src::MAX_RANK;
+use super::src::{MAX_RANK, UNROLL};
 
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
@@ -405,6 +405,21 @@ impl Device {
             return Ok(());
         }
         let grid = n.div_ceil(256).min(1 << 20) as u32;
+        self.launch(key, src, "k", grid, 256, args)
+    }
+
+    /// A launch of an elementwise kernel whose threads take [`UNROLL`] items each.
+    pub fn launch_unrolled(
+        &self,
+        key: &str,
+        src: impl FnOnce() -> String,
+        n: usize,
+        args: &[Arg],
+    ) -> Result<(), String> {
+        if n == 0 {
+            return Ok(());
+        }
+        let grid = n.div_ceil(256 * UNROLL).min(1 << 20) as u32;
         self.launch(key, src, "k", grid, 256, args)
     }
 }

@@ -371,7 +371,10 @@ impl Executor for CudaExecutor {
                     let out = guard("CUDA", || {
                         let out = ops::eval(&ctx, node.op.as_ref(), &inputs, node.outputs())?;
                         if self.options.profile {
-                            self.dev.stream.synchronize().map_err(|e| format!("{e:?}"))?;
+                            self.dev
+                                .stream
+                                .synchronize()
+                                .map_err(|e| format!("{e:?}"))?;
                         }
                         Ok(out)
                     })

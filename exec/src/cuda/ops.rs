@@ -273,7 +273,9 @@ fn column_sums(
     let acc = acc_dtype(outs.first().ok_or("no outputs")?.0.dtype);
     let tiles = len.div_ceil(32);
     let most_blocks = (i32::MAX as usize) / tiles.max(1);
-    let chunks = rows.div_ceil(64).clamp(1, src::COLUMN_CHUNKS.min(most_blocks.max(1)));
+    let chunks = rows
+        .div_ceil(64)
+        .clamp(1, src::COLUMN_CHUNKS.min(most_blocks.max(1)));
     let chunk_rows = rows.div_ceil(chunks);
     let blocks = u32::try_from(tiles * chunks).map_err(|_| "too many columns for one launch")?;
     let part = c.temp(acc, chunks * outs.len() * len)?;
@@ -284,13 +286,38 @@ fn column_sums(
         Arg::I64(len as i64),
         Arg::I64(chunk_rows as i64),
     ]);
-    c.dev.launch(key, &make, "k_cols_part", blocks, 256, &args)?;
+    c.dev
+        .launch(key, &make, "k_cols_part", blocks, 256, &args)?;
     let mut args = vec![part.arg(), Arg::I64(len as i64), Arg::I64(chunks as i64)];
     for (y, scale) in outs {
         args.extend([y.arg(), Arg::F64(*scale)]);
     }
     let grid = len.div_ceil(256).min(1 << 20) as u32;
     c.dev.launch(key, &make, "k_cols_fin", grid, 256, &args)
+}
+
+/// Launches a softmax-like module over `rows` rows of `len` values `inner` apart: a
+/// warp per row (`k_warp`) when the rows are contiguous and short, else a block per
+/// row (`k`).
+fn row_kernel(
+    c: &Ctx,
+    key: &str,
+    make: impl Fn() -> String,
+    tensors: &[Arg],
+    (rows, len, inner): (usize, usize, usize),
+) -> Result<(), String> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut args = tensors.to_vec();
+    args.extend([Arg::I64(rows as i64), Arg::I64(len as i64)]);
+    if inner == 1 && len <= src::WARP_ROW_MAX {
+        let grid = rows.div_ceil(8).min(1 << 20) as u32;
+        return c.dev.launch(key, &make, "k_warp", grid, 256, &args);
+    }
+    args.push(Arg::I64(inner as i64));
+    c.dev
+        .launch(key, &make, "k", row_grid(rows), row_block(len), &args)
 }
 
 /// (len, inner, rows) of a softmax-like op along `axis`.
@@ -307,9 +334,31 @@ fn along(shape: &[usize], axis: i64) -> Result<(usize, usize, usize), String> {
     Ok((len, inner, rows))
 }
 
+/// `y[i] = x[offset + strided(i)]` for transposes, slices and broadcasts. Where the
+/// last axis is contiguous in both, its runs move as words of up to 16 bytes.
 fn gather(c: &Ctx, x: &DTensor, y: &DTensor, st: &[usize], offset: usize) -> Result<(), String> {
-    let bytes = x.dtype.size_bytes();
-    let n = y.len();
+    let esize = x.dtype.size_bytes();
+    let (mut shape, mut st, mut offset) = (y.shape.clone(), st.to_vec(), offset);
+    let mut group = 1;
+    if let (Some(&inner), Some(&1)) = (shape.last(), st.last()) {
+        let outer = &st[..st.len() - 1];
+        group = (16 / esize).max(1);
+        while group > 1
+            && !(inner % group == 0 && offset % group == 0 && outer.iter().all(|s| s % group == 0))
+        {
+            group /= 2;
+        }
+    }
+    if group > 1 {
+        let last = shape.len() - 1;
+        shape[last] /= group;
+        for s in &mut st[..last] {
+            *s /= group;
+        }
+        offset /= group;
+    }
+    let bytes = esize * group;
+    let n = numel(&shape);
     c.dev.launch_n(
         &format!("gather/{bytes}"),
         || src::gather(bytes),
@@ -318,9 +367,9 @@ fn gather(c: &Ctx, x: &DTensor, y: &DTensor, st: &[usize], offset: usize) -> Res
             x.arg(),
             y.arg(),
             Arg::I64(n as i64),
-            Arg::I32(y.shape.len() as i32),
-            Arg::Dims(Dims::new(&y.shape)?),
-            Arg::Dims(Dims::new(st)?),
+            Arg::I32(shape.len() as i32),
+            Arg::Dims(Dims::new(&shape)?),
+            Arg::Dims(Dims::new(&st)?),
             Arg::I64(offset as i64),
         ],
     )
@@ -347,7 +396,7 @@ pub fn eval(
         float_only(x.dtype)?;
         let y = c.alloc(out0)?;
         let n = x.len();
-        dev.launch_n(
+        dev.launch_unrolled(
             &format!("unary/{}/{:?}", x.dtype, u.kind),
             || src::unary(x.dtype, u.kind),
             n,
@@ -360,7 +409,7 @@ pub fn eval(
         float_only(x.dtype)?;
         let dx = c.alloc(out0)?;
         let n = x.len();
-        dev.launch_n(
+        dev.launch_unrolled(
             &format!("unary_grad/{}/{:?}", x.dtype, u.kind),
             || src::unary_grad(x.dtype, u.kind),
             n,
@@ -402,7 +451,7 @@ pub fn eval(
             Arg::I32(mb),
             Arg::Dims(sb),
         ]);
-        dev.launch_n(&key, make, n, &args)?;
+        dev.launch_unrolled(&key, make, n, &args)?;
         return Ok(vec![y]);
     }
     if let Some(b) = op.downcast_ref::<BiasAdd>() {
@@ -417,7 +466,7 @@ pub fn eval(
         let ch = x.shape[axis];
         let y = c.alloc(out0)?;
         let n = x.len();
-        dev.launch_n(
+        dev.launch_unrolled(
             &format!("bias_add/{}", x.dtype),
             || src::bias_add(x.dtype),
             n,
@@ -439,7 +488,7 @@ pub fn eval(
         }
         let y = c.alloc(out0)?;
         let n = x.len();
-        dev.launch_n(
+        dev.launch_unrolled(
             &format!("cast/{}/{}", x.dtype, cast.to),
             || src::cast(x.dtype, cast.to),
             n,
@@ -585,22 +634,10 @@ pub fn eval(
         float_only(x.dtype)?;
         let (len, inner, rows) = along(&x.shape, axis)?;
         let y = c.alloc(out0)?;
-        if rows > 0 {
-            dev.launch(
-                &format!("softmax/{}/{log}", x.dtype),
-                || src::softmax(x.dtype, log),
-                "k",
-                row_grid(rows),
-                row_block(len),
-                &[
-                    x.arg(),
-                    y.arg(),
-                    Arg::I64(rows as i64),
-                    Arg::I64(len as i64),
-                    Arg::I64(inner as i64),
-                ],
-            )?;
-        }
+        let per = src::warp_row_values(len);
+        let key = format!("softmax/{}/{log}/{per}", x.dtype);
+        let make = || src::softmax(x.dtype, log, per);
+        row_kernel(c, &key, make, &[x.arg(), y.arg()], (rows, len, inner))?;
         return Ok(vec![y]);
     }
     if let Some(s) = op.downcast_ref::<SoftmaxGrad>() {
@@ -608,23 +645,16 @@ pub fn eval(
         float_only(y.dtype)?;
         let (len, inner, rows) = along(&y.shape, s.axis)?;
         let dx = c.alloc(out0)?;
-        if rows > 0 {
-            dev.launch(
-                &format!("softmax_grad/{}/{}", y.dtype, s.log),
-                || src::softmax_grad(y.dtype, s.log),
-                "k",
-                row_grid(rows),
-                row_block(len),
-                &[
-                    y.arg(),
-                    dy.arg(),
-                    dx.arg(),
-                    Arg::I64(rows as i64),
-                    Arg::I64(len as i64),
-                    Arg::I64(inner as i64),
-                ],
-            )?;
-        }
+        let per = src::warp_row_values(len);
+        let key = format!("softmax_grad/{}/{}/{per}", y.dtype, s.log);
+        let make = || src::softmax_grad(y.dtype, s.log, per);
+        row_kernel(
+            c,
+            &key,
+            make,
+            &[y.arg(), dy.arg(), dx.arg()],
+            (rows, len, inner),
+        )?;
         return Ok(vec![dx]);
     }
     if op.downcast_ref::<SoftmaxCrossEntropy>().is_some() {

@@ -283,13 +283,43 @@ pub fn derivative_expr(kind: UnaryKind) -> String {
     }
 }
 
+/// Elements each thread of an [`unrolled`] kernel handles per grid step.
+pub const UNROLL: usize = 4;
+
+/// The loop of an elementwise kernel over `n` elements, each thread taking
+/// [`UNROLL`] elements a block apart (coalesced): first every load (`(type, name,
+/// expression of i)`), then `body` per element with the names bound. With the loads
+/// issued together, each thread keeps several in flight; one at a time, 2-byte loads
+/// left the memory system mostly idle.
+fn unrolled(loads: &[(&str, &str, &str)], body: &str) -> String {
+    let mut declare = String::new();
+    let mut load = String::new();
+    let mut bind = String::new();
+    for (ty, name, expr) in loads {
+        declare.push_str(&format!("{ty} r_{name}[{UNROLL}]; "));
+        load.push_str(&format!("r_{name}[u] = {expr}; "));
+        bind.push_str(&format!("{ty} {name} = r_{name}[u]; "));
+    }
+    format!(
+        "for (i64 b0 = (i64)blockIdx.x * blockDim.x * {UNROLL} + threadIdx.x; b0 < n; b0 += (i64)gridDim.x * blockDim.x * {UNROLL}) {{\n\
+           {declare}\n\
+           #pragma unroll\n\
+           for (int u = 0; u < {UNROLL}; ++u) {{ i64 i = b0 + (i64)u * blockDim.x; if (i < n) {{ {load}}} }}\n\
+           #pragma unroll\n\
+           for (int u = 0; u < {UNROLL}; ++u) {{ i64 i = b0 + (i64)u * blockDim.x; if (i < n) {{ {bind}{body} }} }}\n\
+         }}\n"
+    )
+}
+
 pub fn unary(d: DType, kind: UnaryKind) -> String {
     module(
         d,
         &format!(
-            "extern \"C\" __global__ void k(const T* px, T* py, i64 n) {{\n\
-               GRID_LOOP(i, n) {{ C x = ld(px, i); {} st(py, i, y); }}\n}}\n",
-            unary_expr(kind)
+            "extern \"C\" __global__ void k(const T* px, T* py, i64 n) {{\n{}}}\n",
+            unrolled(
+                &[("C", "x", "ld(px, i)")],
+                &format!("{} st(py, i, y);", unary_expr(kind))
+            )
         ),
     )
 }
@@ -298,9 +328,14 @@ pub fn unary_grad(d: DType, kind: UnaryKind) -> String {
     module(
         d,
         &format!(
-            "extern \"C\" __global__ void k(const T* px, const T* pdy, T* pdx, i64 n) {{\n\
-               GRID_LOOP(i, n) {{ C x = ld(px, i); {}\n st(pdx, i, d == (C)0 ? d : d * ld(pdy, i)); }}\n}}\n",
-            derivative_expr(kind)
+            "extern \"C\" __global__ void k(const T* px, const T* pdy, T* pdx, i64 n) {{\n{}}}\n",
+            unrolled(
+                &[("C", "x", "ld(px, i)"), ("C", "g", "ld(pdy, i)")],
+                &format!(
+                    "{}\n st(pdx, i, d == (C)0 ? d : d * g);",
+                    derivative_expr(kind)
+                )
+            )
         ),
     )
 }
@@ -346,13 +381,19 @@ __device__ __forceinline__ i64 operand_index(i64 i, int mode, int r, const Dims&
 }
 "#;
 
+/// The operands of the binary kernels: a and b broadcast, the gradient g not.
+const BINARY_LOADS: [(&str, &str, &str); 3] = [
+    ("C", "a", "ld(pa, operand_index(i, ma, r, shape, sa))"),
+    ("C", "b", "ld(pb, operand_index(i, mb, r, shape, sb))"),
+    ("C", "g", "ld(pg, i)"),
+];
+
 pub fn binary(d: DType, kind: BinaryKind) -> String {
     module(
         d,
         &format!(
-            "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n\
-               GRID_LOOP(i, n) {{ C a = ld(pa, operand_index(i, ma, r, shape, sa)); C b = ld(pb, operand_index(i, mb, r, shape, sb)); st(py, i, {}); }}\n}}\n",
-            binary_expr(kind)
+            "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n{}}}\n",
+            unrolled(&BINARY_LOADS[..2], &format!("st(py, i, {});", binary_expr(kind)))
         ),
     )
 }
@@ -361,9 +402,8 @@ pub fn binary_grad(d: DType, kind: BinaryKind, wrt: usize) -> String {
     module(
         d,
         &format!(
-            "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, const T* pg, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n\
-               GRID_LOOP(i, n) {{ C a = ld(pa, operand_index(i, ma, r, shape, sa)); C b = ld(pb, operand_index(i, mb, r, shape, sb)); C g = ld(pg, i); st(py, i, {}); }}\n}}\n",
-            binary_grad_expr(kind, wrt)
+            "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, const T* pg, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n{}}}\n",
+            unrolled(&BINARY_LOADS, &format!("st(py, i, {});", binary_grad_expr(kind, wrt)))
         ),
     )
 }
@@ -371,23 +411,28 @@ pub fn binary_grad(d: DType, kind: BinaryKind, wrt: usize) -> String {
 pub fn bias_add(d: DType) -> String {
     module(
         d,
-        "extern \"C\" __global__ void k(const T* px, const T* pb, T* py, i64 n, i64 inner, i64 c) {\n\
-           GRID_LOOP(i, n) { st(py, i, ld(px, i) + ld(pb, (i / inner) % c)); }\n}\n",
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, const T* pb, T* py, i64 n, i64 inner, i64 c) {{\n{}}}\n",
+            unrolled(
+                &[("C", "x", "ld(px, i)"), ("C", "b", "ld(pb, (i / inner) % c)")],
+                "st(py, i, x + b);"
+            )
+        ),
     )
 }
 
 pub fn cast(from: DType, to: DType) -> String {
     let body = if to == DType::Bool {
-        "GRID_LOOP(i, n) { py[i] = (ldI(px, i) != 0) ? 1 : 0; }"
+        unrolled(&[("CI", "x", "ldI(px, i)")], "py[i] = (x != 0) ? 1 : 0;")
     } else if from.is_int() || to.is_int() {
         // Through f64, as the CPU does: float-to-int conversions saturate (NaN to 0).
-        "GRID_LOOP(i, n) { stO(py, i, (CO)(double)ldI(px, i)); }"
+        unrolled(&[("CI", "x", "ldI(px, i)")], "stO(py, i, (CO)(double)x);")
     } else {
-        "GRID_LOOP(i, n) { stO(py, i, (CO)ldI(px, i)); }"
+        unrolled(&[("CI", "x", "ldI(px, i)")], "stO(py, i, (CO)x);")
     };
     module_multi(
         &[("I", from), ("O", to)],
-        &format!("extern \"C\" __global__ void k(const TI* px, TO* py, i64 n) {{\n{body}\n}}\n"),
+        &format!("extern \"C\" __global__ void k(const TI* px, TO* py, i64 n) {{\n{body}}}\n"),
     )
 }
 
@@ -397,7 +442,8 @@ fn word(bytes: usize) -> &'static str {
         1 => "unsigned char",
         2 => "unsigned short",
         4 => "unsigned int",
-        _ => "unsigned long long",
+        8 => "unsigned long long",
+        _ => "uint4",
     }
 }
 
@@ -491,12 +537,52 @@ pub fn reduce_max_grad(d: DType) -> String {
 
 /// Softmax (log = false) or LogSoftmax along an axis: a block per row of `len`
 /// elements `inner` apart.
-pub fn softmax(d: DType, log: bool) -> String {
+/// The longest softmax row a warp holds in registers (`k_warp`), and the values per
+/// lane a row of `len` needs there (a power of two, so few variants compile).
+pub const WARP_ROW_MAX: usize = 1024;
+
+pub fn warp_row_values(len: usize) -> usize {
+    len.div_ceil(32).next_power_of_two()
+}
+
+/// The loop of a warp-per-row kernel: each warp takes rows `row` of `len` values
+/// (`len <= 32 * per`), lane `lane` holding values `lane + 32 t`.
+fn warp_rows(body: &str) -> String {
+    format!(
+        "int lane = threadIdx.x & 31;\n\
+         for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows; row += (i64)gridDim.x * (blockDim.x >> 5)) {{\n\
+           i64 base = row * len;\n{body}\n}}\n"
+    )
+}
+
+/// Softmax or LogSoftmax along a contiguous axis. `k` gives each row a block and reads
+/// it three times; `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives
+/// each row a warp that reads it once into registers.
+pub fn softmax(d: DType, log: bool, per: usize) -> String {
     let write = if log {
         "st(py, at, (C)((A)ld(px, at) - shift - lse));"
     } else {
         "st(py, at, (C)(m_exp((A)ld(px, at) - shift) / sum));"
     };
+    let write_warp = if log {
+        "st(py, base + j, (C)(v[t] - shift - lse));"
+    } else {
+        "st(py, base + j, (C)(m_exp(v[t] - shift) / sum));"
+    };
+    let warp = warp_rows(&format!(
+        "A v[{per}]; A m = (A)(-F_INF);\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)(-F_INF); if (v[t] > m || m_isnan(v[t])) m = v[t]; }}\n\
+         m = warp_max(m);\n\
+         A shift = m_isfinite(m) ? m : (A)0;\n\
+         A sum = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) sum += m_exp(v[t] - shift); }}\n\
+         sum = warp_sum(sum);\n\
+         A lse = m_log(sum);\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ {write_warp} }} }}"
+    ));
     module(
         d,
         &format!(
@@ -513,12 +599,14 @@ pub fn softmax(d: DType, log: bool) -> String {
                  sum = block_sum(sum, sh);\n\
                  A lse = m_log(sum);\n\
                  for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{ i64 at = base + j * inner; {write} }}\n\
-               }}\n}}\n"
+               }}\n}}\n\
+             extern \"C\" __global__ void k_warp(const T* px, T* py, i64 rows, i64 len) {{\n{warp}}}\n"
         ),
     )
 }
 
-pub fn softmax_grad(d: DType, log: bool) -> String {
+/// The gradient of [`softmax`], with the same two kernels.
+pub fn softmax_grad(d: DType, log: bool, per: usize) -> String {
     let (acc, write) = if log {
         (
             "s += (A)ld(pg, at);",
@@ -530,6 +618,19 @@ pub fn softmax_grad(d: DType, log: bool) -> String {
             "st(pdx, at, (C)((A)ld(py, at) * ((A)ld(pg, at) - s)));",
         )
     };
+    let (acc_warp, write_warp) = if log {
+        ("s += gv[t];", "(C)(gv[t] - m_exp(yv[t]) * s)")
+    } else {
+        ("s += gv[t] * yv[t];", "(C)(yv[t] * (gv[t] - s))")
+    };
+    let warp = warp_rows(&format!(
+        "A yv[{per}], gv[{per}]; A s = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ yv[t] = (A)ld(py, base + j); gv[t] = (A)ld(pg, base + j); {acc_warp} }} }}\n\
+         s = warp_sum(s);\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) st(pdx, base + j, {write_warp}); }}"
+    ));
     module(
         d,
         &format!(
@@ -541,7 +642,8 @@ pub fn softmax_grad(d: DType, log: bool) -> String {
                  for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{ i64 at = base + j * inner; {acc} }}\n\
                  s = block_sum(s, sh);\n\
                  for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{ i64 at = base + j * inner; {write} }}\n\
-               }}\n}}\n"
+               }}\n}}\n\
+             extern \"C\" __global__ void k_warp(const T* py, const T* pg, T* pdx, i64 rows, i64 len) {{\n{warp}}}\n"
         ),
     )
 }
