@@ -669,6 +669,55 @@ impl Graph {
         self.dag[id].op = op;
     }
 
+    /// Gives a node a new op and new inputs, keeping its name and its readers: a
+    /// rewrite that replaces what a node computes in place (a folded constant, a
+    /// cheaper equivalent). Its own types are inferred here; readers' are re-inferred
+    /// by the caller where they changed. No reader or graph output may read an output
+    /// port the new op lacks.
+    pub fn set_node(&mut self, id: NodeId, op: Box<dyn Op>, inputs: &[Port]) -> Result<()> {
+        let node = &self.dag[id];
+        let err = |msg: String| GraphError::node(&node.name, op.name(), msg);
+        if !op.arity().accepts(inputs.len()) {
+            return Err(err(format!("takes {}, got {}", op.arity(), inputs.len())));
+        }
+        for p in inputs {
+            self.check_port(*p)?;
+        }
+        let types: Vec<&TensorType> = inputs.iter().map(|p| self.ty(*p)).collect();
+        let outputs = op.infer(&types).map_err(err)?;
+        let read_ports = self
+            .dag
+            .edges_directed(id, Direction::Outgoing)
+            .map(|e| e.weight().port())
+            .chain(
+                self.outputs
+                    .iter()
+                    .filter(|p| p.node == id)
+                    .map(|p| p.index),
+            );
+        if let Some(port) = read_ports.into_iter().find(|&k| k >= outputs.len()) {
+            return Err(err(format!(
+                "output {port} is read but the new op has {} outputs",
+                outputs.len()
+            )));
+        }
+        let old: Vec<_> = self
+            .dag
+            .edges_directed(id, Direction::Incoming)
+            .map(|e| e.id())
+            .collect();
+        for e in old {
+            self.dag.remove_edge(e);
+        }
+        for (slot, p) in inputs.iter().enumerate() {
+            self.dag.add_edge(p.node, id, Edge::new(p.index, slot));
+        }
+        let node = &mut self.dag[id];
+        node.op = op;
+        node.outputs = outputs;
+        Ok(())
+    }
+
     /// Removes a node that nothing reads.
     pub fn remove_node(&mut self, id: NodeId) -> Result<()> {
         let node = &self.dag[id];
