@@ -71,9 +71,6 @@ impl Pass for Algebraic {
                 counts.to_identity
             ),
         ];
-        for line in &lines {
-            log::info!("{line}");
-        }
         Ok(summary("algebraic", lines))
     }
 }

@@ -61,7 +61,6 @@ impl Pass for ConstFold {
             "const-fold: folded {folded} nodes ({} of constants)",
             format_bytes(bytes)
         );
-        log::info!("{line}");
         Ok(summary("const-fold", vec![line]))
     }
 }

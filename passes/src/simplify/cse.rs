@@ -49,7 +49,6 @@ impl Pass for Cse {
         let merged = edits.forwarded();
         edits.apply(g)?;
         let line = format!("cse: merged {merged} nodes");
-        log::info!("{line}");
         Ok(summary("cse", vec![line]))
     }
 }

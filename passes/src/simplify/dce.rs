@@ -47,7 +47,6 @@ impl Pass for Dce {
             "dce: removed {removed} dead nodes ({} of tensors no longer computed)",
             format_bytes(bytes)
         );
-        log::info!("{line}");
         Ok(summary("dce", vec![line]))
     }
 }

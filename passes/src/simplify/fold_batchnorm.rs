@@ -173,9 +173,6 @@ impl Pass for FoldBatchNorm {
                 bypasses.len()
             ),
         ];
-        for line in &lines {
-            log::info!("{line}");
-        }
         Ok(summary("fold-batchnorm", lines))
     }
 }

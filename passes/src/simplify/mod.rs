@@ -72,6 +72,7 @@ pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
 }
 
 /// The summary every simplification pass reports: a title and one line per count.
+/// [`PassManager`](crate::PassManager) logs it at info level, as it does AMP's.
 pub(crate) fn summary(pass: &str, lines: Vec<String>) -> crate::PassSummary {
     crate::PassSummary {
         title: format!("{pass} pass summary:"),

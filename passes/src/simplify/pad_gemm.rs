@@ -34,7 +34,6 @@ impl Pass for PadGemm {
         }
         let line =
             format!("pad-gemm: padded {padded} 16-bit MatMuls to multiples of {GEMM_MULTIPLE}");
-        log::info!("{line}");
         Ok(summary("pad-gemm", vec![line]))
     }
 }
