@@ -55,126 +55,137 @@ impl Pass for FoldBatchNorm {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
-        let adj = g.adjacency();
-        let is_output = output_nodes(g);
-        // Read by `reader` alone, and no graph output.
-        let only_read_by = |id: NodeId, reader: NodeId| {
-            !is_output[id.index()] && adj.consumers(id).all(|(c, _, _)| c == reader)
-        };
-        // Output `k` of a BatchNorm unread (its statistics outputs).
-        let unread = |bn: NodeId, k: usize| {
-            let port = Port::new(bn, k);
-            adj.port_consumers(port).next().is_none() && !g.outputs().contains(&port)
-        };
-        let mut folds = Vec::new();
-        let mut bypasses = Vec::new();
-        for bn in g.node_ids() {
-            let Some(op) = g.node(bn).op.downcast_ref::<BatchNorm>() else {
-                continue;
-            };
-            let x = adj.inputs(bn)[0];
-            let rank = g.ty(x).rank();
-            let channel_axis = op.channel_axis(rank);
-            let bias_add = g.node(x.node).op.downcast_ref::<BiasAdd>().filter(|b| {
-                bias_channel_axis(b.data_format, rank) == channel_axis && only_read_by(x.node, bn)
-            });
-            if op.training {
-                if bias_add.is_some() && unread(bn, 1) {
-                    bypasses.push((bn, adj.inputs(x.node)[0]));
-                }
-                continue;
+        // A fold can expose another (a BatchNorm after a folded one reads a BiasAdd
+        // now): sweep until nothing changes, so a second run has nothing left to do.
+        let (mut folded, mut bypassed) = (0, 0);
+        loop {
+            let (f, b) = sweep(g)?;
+            if f + b == 0 {
+                break;
             }
-            if !unread(bn, 1) || !unread(bn, 2) {
-                continue;
-            }
-            let (product, bias) = match bias_add {
-                Some(_) => (adj.inputs(x.node)[0], Some(adj.inputs(x.node)[1])),
-                None => (x, None),
-            };
-            let reader = if bias.is_some() { x.node } else { bn };
-            if !only_read_by(product.node, reader) {
-                continue;
-            }
-            let [_, filter] = adj.inputs(product.node) else {
-                continue;
-            };
-            let filter_shape = &g.ty(*filter).shape;
-            let product_op = &g.node(product.node).op;
-            let (filter_channel, bias_format) = if let Some(c) = product_op.downcast_ref::<Conv2D>()
-            {
-                let out_axis = match c.data_format {
-                    DataFormat::Nhwc => 3,
-                    DataFormat::Nchw => 1,
-                };
-                if out_axis != channel_axis {
-                    continue;
-                }
-                let channels = filter_shape[3];
-                (ChannelOf::Last { channels }, c.data_format)
-            } else if let Some(m) = product_op.downcast_ref::<MatMul>() {
-                let channel = if m.transpose_b {
-                    ChannelOf::First {
-                        inner: filter_shape[1],
-                    }
-                } else {
-                    ChannelOf::Last {
-                        channels: filter_shape[1],
-                    }
-                };
-                (channel, DataFormat::Nhwc)
-            } else {
-                continue;
-            };
-            let constants = std::iter::once(*filter)
-                .chain(bias)
-                .chain(adj.inputs(bn)[1..].iter().copied());
-            if constants
-                .into_iter()
-                .all(|p| g.node(p.node).op.is::<Const>())
-            {
-                folds.push(Fold {
-                    bn,
-                    product: product.node,
-                    filter: *filter,
-                    filter_channel,
-                    bias,
-                    bias_format,
-                });
-            }
-        }
-        // New filters and biases first, then one rewiring, then the BatchNorms become
-        // BiasAdds (their old inputs are gone by then).
-        let mut changes: Vec<(NodeId, usize, Port)> = Vec::new();
-        let mut new_biases = Vec::with_capacity(folds.len());
-        for f in &folds {
-            let (filter, bias) = folded_constants(g, f, adj.inputs(f.bn))?;
-            let name = g.fresh_name(&format!("{}/folded_filter", g.node(f.product).name));
-            let filter = g.add_node(name, Box::new(Const::new(filter)), &[])?;
-            let name = g.fresh_name(&format!("{}/folded_bias", g.node(f.bn).name));
-            let bias = g.add_node(name, Box::new(Const::new(bias)), &[])?;
-            changes.push((f.product, 1, filter.into()));
-            new_biases.push(bias);
-        }
-        changes.extend(bypasses.iter().map(|&(bn, x)| (bn, 0, x)));
-        g.rewire(changes)?;
-        for (f, bias) in folds.iter().zip(new_biases) {
-            let op = BiasAdd {
-                data_format: f.bias_format,
-            };
-            g.set_node(f.bn, Box::new(op), &[f.product.into(), bias.into()])?;
+            folded += f;
+            bypassed += b;
         }
         let lines = vec![
+            format!("fold-batchnorm: folded {folded} inference BatchNorms into their products"),
             format!(
-                "fold-batchnorm: folded {} inference BatchNorms into their products",
-                folds.len()
-            ),
-            format!(
-                "fold-batchnorm: bypassed {} BiasAdds cancelled by a training BatchNorm",
-                bypasses.len()
+                "fold-batchnorm: bypassed {bypassed} BiasAdds cancelled by a training BatchNorm"
             ),
         ];
         Ok(summary("fold-batchnorm", lines))
     }
+}
+
+/// One pass over the BatchNorms; returns the numbers folded and bypassed.
+fn sweep(g: &mut Graph) -> Result<(usize, usize), PassError> {
+    let adj = g.adjacency();
+    let is_output = output_nodes(g);
+    // Read by `reader` alone, and no graph output.
+    let only_read_by = |id: NodeId, reader: NodeId| {
+        !is_output[id.index()] && adj.consumers(id).all(|(c, _, _)| c == reader)
+    };
+    // Output `k` of a BatchNorm unread (its statistics outputs).
+    let unread = |bn: NodeId, k: usize| {
+        let port = Port::new(bn, k);
+        adj.port_consumers(port).next().is_none() && !g.outputs().contains(&port)
+    };
+    let mut folds = Vec::new();
+    let mut bypasses = Vec::new();
+    for bn in g.node_ids() {
+        let Some(op) = g.node(bn).op.downcast_ref::<BatchNorm>() else {
+            continue;
+        };
+        let x = adj.inputs(bn)[0];
+        let rank = g.ty(x).rank();
+        let channel_axis = op.channel_axis(rank);
+        let bias_add = g.node(x.node).op.downcast_ref::<BiasAdd>().filter(|b| {
+            bias_channel_axis(b.data_format, rank) == channel_axis && only_read_by(x.node, bn)
+        });
+        if op.training {
+            if bias_add.is_some() && unread(bn, 1) {
+                bypasses.push((bn, adj.inputs(x.node)[0]));
+            }
+            continue;
+        }
+        if !unread(bn, 1) || !unread(bn, 2) {
+            continue;
+        }
+        let (product, bias) = match bias_add {
+            Some(_) => (adj.inputs(x.node)[0], Some(adj.inputs(x.node)[1])),
+            None => (x, None),
+        };
+        let reader = if bias.is_some() { x.node } else { bn };
+        if !only_read_by(product.node, reader) {
+            continue;
+        }
+        let [_, filter] = adj.inputs(product.node) else {
+            continue;
+        };
+        let filter_shape = &g.ty(*filter).shape;
+        let product_op = &g.node(product.node).op;
+        let (filter_channel, bias_format) = if let Some(c) = product_op.downcast_ref::<Conv2D>() {
+            let out_axis = match c.data_format {
+                DataFormat::Nhwc => 3,
+                DataFormat::Nchw => 1,
+            };
+            if out_axis != channel_axis {
+                continue;
+            }
+            let channels = filter_shape[3];
+            (ChannelOf::Last { channels }, c.data_format)
+        } else if let Some(m) = product_op.downcast_ref::<MatMul>() {
+            let channel = if m.transpose_b {
+                ChannelOf::First {
+                    inner: filter_shape[1],
+                }
+            } else {
+                ChannelOf::Last {
+                    channels: filter_shape[1],
+                }
+            };
+            (channel, DataFormat::Nhwc)
+        } else {
+            continue;
+        };
+        let constants = std::iter::once(*filter)
+            .chain(bias)
+            .chain(adj.inputs(bn)[1..].iter().copied());
+        if constants
+            .into_iter()
+            .all(|p| g.node(p.node).op.is::<Const>())
+        {
+            folds.push(Fold {
+                bn,
+                product: product.node,
+                filter: *filter,
+                filter_channel,
+                bias,
+                bias_format,
+            });
+        }
+    }
+    // New filters and biases first, then one rewiring, then the BatchNorms become
+    // BiasAdds (their old inputs are gone by then).
+    let mut changes: Vec<(NodeId, usize, Port)> = Vec::new();
+    let mut new_biases = Vec::with_capacity(folds.len());
+    for f in &folds {
+        let (filter, bias) = folded_constants(g, f, adj.inputs(f.bn))?;
+        let name = g.fresh_name(&format!("{}/folded_filter", g.node(f.product).name));
+        let filter = g.add_node(name, Box::new(Const::new(filter)), &[])?;
+        let name = g.fresh_name(&format!("{}/folded_bias", g.node(f.bn).name));
+        let bias = g.add_node(name, Box::new(Const::new(bias)), &[])?;
+        changes.push((f.product, 1, filter.into()));
+        new_biases.push(bias);
+    }
+    changes.extend(bypasses.iter().map(|&(bn, x)| (bn, 0, x)));
+    g.rewire(changes)?;
+    for (f, bias) in folds.iter().zip(new_biases) {
+        let op = BiasAdd {
+            data_format: f.bias_format,
+        };
+        g.set_node(f.bn, Box::new(op), &[f.product.into(), bias.into()])?;
+    }
+    Ok((folds.len(), bypasses.len()))
 }
 
 /// The channel axis of a BiasAdd on a tensor of the given rank.
@@ -392,5 +403,39 @@ mod tests {
         g.set_outputs(vec![bn, mm]).unwrap();
         FoldBatchNorm.run(&mut g).unwrap();
         assert_eq!(g.node(g.find("bn").unwrap()).op_name(), "BatchNorm");
+    }
+
+    /// MatMul -> BatchNorm -> BatchNorm (inference) -> BatchNorm (training): the
+    /// second fold and the bypass appear only once the first fold is done.
+    #[test]
+    fn folds_chains_in_one_run() {
+        let mut g = Graph::new();
+        let x = add(
+            &mut g,
+            "x",
+            Placeholder(TensorType::new(DType::F32, [4, 2])),
+            &[],
+        );
+        let w = konst(&mut g, "w", &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        let mm = add(&mut g, "mm", MatMul::new(false, false), &[x, w]);
+        let s = konst(&mut g, "s", &[2], &[2.0, 2.0]);
+        let bn1 = add(&mut g, "bn1", BatchNorm::default(), &[mm, s, s, s, s]);
+        let bn2 = add(&mut g, "bn2", BatchNorm::default(), &[bn1, s, s, s, s]);
+        let train = BatchNorm {
+            training: true,
+            ..BatchNorm::default()
+        };
+        let bn3 = add(&mut g, "bn3", train, &[bn2, s, s, s, s]);
+        g.set_outputs(vec![bn3]).unwrap();
+        let s = FoldBatchNorm.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(
+            s.lines[0].contains("folded 2 ") && s.lines[1].contains("bypassed 1 "),
+            "{s}"
+        );
+        let bn3 = g.find("bn3").unwrap();
+        assert_eq!(g.node(g.inputs(bn3)[0].node).name, "mm");
+        let again = FoldBatchNorm.run(&mut g).unwrap();
+        assert!(again.lines[0].contains("folded 0 ") && again.lines[1].contains("bypassed 0 "));
     }
 }
