@@ -8,6 +8,9 @@
 //! - Training (`training = true`): a BiasAdd right before the BatchNorm is cancelled by
 //!   the subtraction of the batch mean, and is bypassed when nothing else reads it and
 //!   the batch mean (which it shifts) is not read.
+//!
+//! The bypassed BiasAdds are removed; other nodes a fold leaves unread (old filters,
+//! biases and statistics) are left to `dce`.
 
 use ampgraph_graph::ops::{BatchNorm, BiasAdd, Const, Conv2D, DataFormat, MatMul};
 use ampgraph_graph::{Graph, NodeId, Port, Tensor};
@@ -28,6 +31,8 @@ struct Fold {
     /// How the filter's elements map to output channels.
     filter_channel: ChannelOf,
     bias: Option<Port>,
+    /// The BiasAdd between product and BatchNorm, unread once the fold is done.
+    bias_add: Option<NodeId>,
     bias_format: DataFormat,
 }
 
@@ -103,7 +108,7 @@ fn sweep(g: &mut Graph) -> Result<(usize, usize), PassError> {
         });
         if op.training {
             if bias_add.is_some() && unread(bn, 1) {
-                bypasses.push((bn, adj.inputs(x.node)[0]));
+                bypasses.push((bn, x.node, adj.inputs(x.node)[0]));
             }
             continue;
         }
@@ -160,6 +165,7 @@ fn sweep(g: &mut Graph) -> Result<(usize, usize), PassError> {
                 filter: *filter,
                 filter_channel,
                 bias,
+                bias_add: bias.map(|_| x.node),
                 bias_format,
             });
         }
@@ -177,13 +183,19 @@ fn sweep(g: &mut Graph) -> Result<(usize, usize), PassError> {
         changes.push((f.product, 1, filter.into()));
         new_biases.push(bias);
     }
-    changes.extend(bypasses.iter().map(|&(bn, x)| (bn, 0, x)));
+    changes.extend(bypasses.iter().map(|&(bn, _, x)| (bn, 0, x)));
     g.rewire(changes)?;
     for (f, bias) in folds.iter().zip(new_biases) {
         let op = BiasAdd {
             data_format: f.bias_format,
         };
         g.set_node(f.bn, Box::new(op), &[f.product.into(), bias.into()])?;
+    }
+    // The bypassed BiasAdds had no other reader: removed here, so that what read
+    // them is read by nothing else and a second run finds nothing new.
+    let bypassed = bypasses.iter().map(|b| b.1);
+    for id in folds.iter().filter_map(|f| f.bias_add).chain(bypassed) {
+        g.remove_node(id)?;
     }
     Ok((folds.len(), bypasses.len()))
 }
@@ -374,7 +386,7 @@ mod tests {
         let s = FoldBatchNorm.run(&mut g).unwrap();
         g.validate().unwrap();
         assert!(
-            s.lines[0].contains("folded 1 ") && s.lines[1].contains("bypassed 1 "),
+            s.lines[0].contains("folded 1 ") && s.lines[1].contains("bypassed 2 "),
             "{s}"
         );
         // a = [1/2, 1/1]: row 0 halves, row 1 stays; bias' = offset = 0.
@@ -383,8 +395,10 @@ mod tests {
             &values(&g, g.inputs(mm)[1]),
             &[0.5, 1.0, 1.5, 4.0, 5.0, 6.0],
         );
+        // `biased` goes, then the folded `bn` (a BiasAdd now) is cancelled too.
         let tbn = g.find("tbn").unwrap();
-        assert_eq!(g.node(g.inputs(tbn)[0].node).name, "bn");
+        assert_eq!(g.node(g.inputs(tbn)[0].node).name, "mm");
+        assert!(g.find("biased").is_none() && g.find("bn").is_none());
     }
 
     #[test]
