@@ -4,6 +4,7 @@
 use ampgraph_graph::ops::Const;
 use ampgraph_graph::{Graph, NodeId, Tensor};
 use foldhash::HashMap;
+use std::collections::hash_map::Entry;
 
 use super::{const_value, is_stateful, node_error, summary};
 use crate::{Pass, PassError, PassSummary};
@@ -33,13 +34,14 @@ impl Pass for ConstFold {
             }
             let mut args = Vec::with_capacity(inputs.len());
             for p in inputs {
-                if !values.contains_key(&p.node) {
-                    match const_value(g, p.node)? {
-                        Some(v) => values.insert(p.node, v),
+                let value = match values.entry(p.node) {
+                    Entry::Occupied(known) => known.get().clone(),
+                    Entry::Vacant(slot) => match const_value(g, p.node)? {
+                        Some(v) => slot.insert(v).clone(),
                         None => break,
-                    };
-                }
-                args.push(values[&p.node].clone());
+                    },
+                };
+                args.push(value);
             }
             if args.len() < inputs.len() {
                 continue;
