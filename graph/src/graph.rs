@@ -774,3 +774,62 @@ impl Graph {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{BatchNorm, Const, Placeholder, Unary, UnaryKind};
+    use crate::DType;
+
+    #[test]
+    fn set_node_replaces_op_and_inputs_keeping_name_and_readers() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, [2]);
+        let x = g
+            .add_node("x", Box::new(Placeholder(ty.clone())), &[])
+            .unwrap();
+        let y = g
+            .add_node("y", Box::new(Unary::new(UnaryKind::Relu)), &[x.into()])
+            .unwrap();
+        let z = g
+            .add_node("z", Box::new(Unary::new(UnaryKind::Neg)), &[y.into()])
+            .unwrap();
+        g.set_outputs(vec![y.into()]).unwrap();
+        let c = Const::new(crate::Tensor::from_f64(DType::F32, [2], &[1.0, 2.0]).unwrap());
+        g.set_node(y, Box::new(c), &[]).unwrap();
+        g.validate().unwrap();
+        assert_eq!(g.find("y"), Some(y));
+        assert_eq!(g.node(y).op_name(), "Const");
+        assert!(g.inputs(y).is_empty());
+        assert!(g.consumers(x).is_empty());
+        assert_eq!(g.inputs(z), [Port::from(y)]);
+    }
+
+    #[test]
+    fn set_node_refuses_to_drop_a_read_output() {
+        let mut g = Graph::new();
+        let x = g
+            .add_node(
+                "x",
+                Box::new(Placeholder(TensorType::new(DType::F32, [2, 3]))),
+                &[],
+            )
+            .unwrap();
+        let s = g
+            .add_node(
+                "s",
+                Box::new(Placeholder(TensorType::new(DType::F32, [3]))),
+                &[],
+            )
+            .unwrap();
+        let stats = [x, s, s, s, s].map(Port::from);
+        let bn = g
+            .add_node("bn", Box::new(BatchNorm::default()), &stats)
+            .unwrap();
+        g.set_outputs(vec![Port::new(bn, 1)]).unwrap();
+        let identity = Box::new(Unary::new(UnaryKind::Identity));
+        let err = g.set_node(bn, identity, &[x.into()]).unwrap_err();
+        assert!(err.to_string().contains("output 1 is read"), "{err}");
+        assert_eq!(g.node(bn).op_name(), "BatchNorm");
+    }
+}
