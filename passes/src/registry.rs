@@ -1,5 +1,6 @@
 //! The passes `ampgraph rewrite --passes` can name that need no configuration, by
-//! name; one row per pass. (AMP takes its precision settings and is built apart.)
+//! name; one row per pass (docs/passes.md describes them). AMP takes its precision
+//! settings and is built apart.
 
 use crate::simplify::{Algebraic, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm};
 use crate::{Pass, PassManager};
@@ -7,8 +8,6 @@ use crate::{Pass, PassManager};
 /// One row of the registry.
 pub struct PassEntry {
     pub name: &'static str,
-    /// One line for help texts.
-    pub about: &'static str,
     pub make: fn() -> Box<dyn Pass>,
 }
 
@@ -16,32 +15,26 @@ pub struct PassEntry {
 pub const PASSES: &[PassEntry] = &[
     PassEntry {
         name: "const-fold",
-        about: "evaluate nodes whose inputs are all constants",
         make: || Box::new(ConstFold),
     },
     PassEntry {
         name: "algebraic",
-        about: "bypass x*1, x+0, Identity, no-op Cast/Reshape/Transpose; merge Transpose/Reshape chains",
         make: || Box::new(Algebraic),
     },
     PassEntry {
         name: "cse",
-        about: "merge nodes computing the same op of the same inputs",
         make: || Box::new(Cse),
     },
     PassEntry {
         name: "dce",
-        about: "remove nodes no output or variable write depends on",
         make: || Box::new(Dce),
     },
     PassEntry {
         name: "fold-batchnorm",
-        about: "fold inference BatchNorms into Conv2D/MatMul constants; drop biases training BatchNorms cancel",
         make: || Box::new(FoldBatchNorm),
     },
     PassEntry {
         name: "pad-gemm",
-        about: "pad 16-bit MatMuls to multiples of 8 for Tensor Cores",
         make: || Box::new(PadGemm),
     },
 ];
