@@ -17,7 +17,7 @@ use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
 use ampgraph_passes::amp::report::explain;
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
-use ampgraph_passes::PassError;
+use ampgraph_passes::{registry, PassError, PassManager};
 
 #[derive(Debug, Error)]
 pub enum CliError {
@@ -88,8 +88,7 @@ pub enum Command {
         amp: bool,
         #[command(flatten)]
         precision: PrecisionArgs,
-        /// Passes to run, comma-separated, in order (known: amp).
-        #[arg(long, value_delimiter = ',')]
+        #[arg(long, value_delimiter = ',', help = passes_help())]
         passes: Vec<String>,
         /// Where to write the result (.json or .bin); JSON on standard output otherwise.
         #[arg(short, long)]
@@ -161,6 +160,20 @@ impl PrecisionArgs {
     }
 }
 
+/// Every pass name `--passes` accepts.
+fn known_passes() -> impl Iterator<Item = &'static str> {
+    std::iter::once("amp").chain(registry::names())
+}
+
+/// The `--passes` help: the known names, from the registry.
+fn passes_help() -> String {
+    format!(
+        "Passes to run, comma-separated, in order (known: {}; simplification pipeline: {})",
+        known_passes().collect::<Vec<_>>().join(", "),
+        registry::SIMPLIFY_PIPELINE.join(",")
+    )
+}
+
 /// The passes named on the command line, in order; `--amp` puts AMP first.
 fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
     let mut selected: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -172,17 +185,14 @@ fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
             "no passes selected: use --amp and/or --passes NAME[,NAME...]".into(),
         ));
     }
-    match selected.iter().find(|n| !PASS_NAMES.contains(n)) {
+    match selected.iter().find(|n| !known_passes().any(|k| k == **n)) {
         Some(unknown) => Err(CliError::Usage(format!(
             "unknown pass '{unknown}' (known: {})",
-            PASS_NAMES.join(", ")
+            known_passes().collect::<Vec<_>>().join(", ")
         ))),
         None => Ok(selected),
     }
 }
-
-/// Passes `rewrite --passes` knows.
-const PASS_NAMES: &[&str] = &["amp"];
 
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
@@ -205,7 +215,16 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                         log::info!("{}", amp_report.summary());
                         text.push_str(&amp_report.detailed());
                     }
-                    other => unreachable!("selected_passes admits only known passes, not {other}"),
+                    other => {
+                        let pass = registry::by_name(other)
+                            .ok_or_else(|| CliError::Usage(format!("unknown pass '{other}'")))?;
+                        let mut manager = PassManager::new();
+                        manager.validate = true;
+                        manager.push(pass);
+                        for record in manager.run(&mut g)? {
+                            text.push_str(&record.summary.to_string());
+                        }
+                    }
                 }
             }
             match &output {

@@ -2,15 +2,13 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
-use ampgraph::exec::feeds::seeded_tensor;
-use ampgraph::exec::{CpuExecutor, Executor, Feeds};
-use ampgraph::graph::format::{to_json, GraphDef};
-use ampgraph::graph::ops::{Cast, Placeholder, Variable};
+use ampgraph::exec::{CpuExecutor, Executor};
+use ampgraph::graph::ops::{Cast, Variable};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, ListClass};
-use ampgraph::{DType, Graph, Tensor};
-use common::{random_graph, Menu};
+use ampgraph::{DType, Graph};
+use common::{feeds, json, random_graph, Menu};
 use proptest::prelude::*;
 
 /// The three profiles with their targets.
@@ -20,10 +18,6 @@ fn configs() -> Vec<AmpConfig> {
         AmpConfig::with_profile(DType::F16, "default_fp16").unwrap(),
         AmpConfig::with_profile(DType::BF16, "default_bf16").unwrap(),
     ]
-}
-
-fn json(g: &Graph) -> String {
-    to_json(&GraphDef::from_graph(g))
 }
 
 fn check_structure(original: &Graph, config: &AmpConfig) -> Result<(), TestCaseError> {
@@ -108,19 +102,6 @@ fn check_structure(original: &Graph, config: &AmpConfig) -> Result<(), TestCaseE
     amp.rewrite(&mut again).unwrap();
     prop_assert_eq!(json(&g), json(&again));
     Ok(())
-}
-
-fn feeds(g: &Graph, seed: u64) -> Feeds {
-    g.node_ids()
-        .map(|id| g.node(id))
-        .filter(|n| n.op.is::<Placeholder>() || n.op.is::<Variable>())
-        .map(|n| {
-            (
-                n.name.clone(),
-                seeded_tensor(&n.name, &n.outputs()[0], seed),
-            )
-        })
-        .collect::<HashMap<String, Tensor>>()
 }
 
 /// The rewritten graph computes the f32 graph's outputs within the 16-bit rounding

@@ -401,3 +401,54 @@ fn rewrite_keeps_tool_annotations() {
     assert!(text.contains(r#""_tool":"kept""#), "{text}");
     assert!(Path::new(&out).exists());
 }
+
+/// Relu(x) twice (a common subexpression) and a branch no output reads.
+const REDUNDANT: &str = r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+  {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [2, 3]}},
+  {"name": "a", "op": "Relu", "inputs": ["x"]},
+  {"name": "b", "op": "Relu", "inputs": ["x"]},
+  {"name": "sum", "op": "Add", "inputs": ["a", "b"]},
+  {"name": "dead", "op": "Exp", "inputs": ["b"]}
+], "outputs": ["sum"]}"#;
+
+#[test]
+fn rewrite_runs_simplification_passes_by_name() {
+    let mlp = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/graphs/mlp.json");
+    let rewritten =
+        format::graph_from_bytes(ok(&["rewrite", mlp, "--passes", "cse,dce"]).as_bytes())
+            .expect("the rewritten MLP loads");
+    rewritten.validate().expect("and validates");
+    // Nothing in the MLP is redundant or dead: every node stays.
+    let original = format::load(mlp).expect("mlp.json loads");
+    assert_eq!(rewritten.len(), original.len());
+
+    let s = Scratch::new("simplify");
+    let g = s.write("redundant.json", REDUNDANT);
+    let out = s.path("out.json");
+    let report = ok(&["rewrite", &g, "--passes", "cse,dce", "-o", &out, "--report"]);
+    assert!(report.contains("cse: merged 1 nodes"), "{report}");
+    assert!(report.contains("dce: removed 1 dead nodes"), "{report}");
+    let simplified = format::load(&out).expect("the result loads");
+    let mut names: Vec<_> = simplified
+        .node_ids()
+        .map(|id| simplified.node(id).name.clone())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["a", "sum", "x"]);
+}
+
+#[test]
+fn rewrite_rejects_an_unknown_pass_naming_it() {
+    let mlp = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/graphs/mlp.json");
+    let out = ampgraph_with_stdin(&["rewrite", mlp, "--passes", "cse,no-such-pass"], None);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    assert!(lines[0].contains("'no-such-pass'"), "{stderr}");
+    assert!(
+        lines[0].contains("cse") && lines[0].contains("fold-batchnorm"),
+        "{stderr}"
+    );
+}

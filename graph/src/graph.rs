@@ -669,6 +669,55 @@ impl Graph {
         self.dag[id].op = op;
     }
 
+    /// Gives a node a new op and new inputs, keeping its name and its readers: a
+    /// rewrite that replaces what a node computes in place (a folded constant, a
+    /// cheaper equivalent). Its own types are inferred here; readers' are re-inferred
+    /// by the caller where they changed. No reader or graph output may read an output
+    /// port the new op lacks.
+    pub fn set_node(&mut self, id: NodeId, op: Box<dyn Op>, inputs: &[Port]) -> Result<()> {
+        let node = &self.dag[id];
+        let err = |msg: String| GraphError::node(&node.name, op.name(), msg);
+        if !op.arity().accepts(inputs.len()) {
+            return Err(err(format!("takes {}, got {}", op.arity(), inputs.len())));
+        }
+        for p in inputs {
+            self.check_port(*p)?;
+        }
+        let types: Vec<&TensorType> = inputs.iter().map(|p| self.ty(*p)).collect();
+        let outputs = op.infer(&types).map_err(err)?;
+        let read_ports = self
+            .dag
+            .edges_directed(id, Direction::Outgoing)
+            .map(|e| e.weight().port())
+            .chain(
+                self.outputs
+                    .iter()
+                    .filter(|p| p.node == id)
+                    .map(|p| p.index),
+            );
+        if let Some(port) = read_ports.into_iter().find(|&k| k >= outputs.len()) {
+            return Err(err(format!(
+                "output {port} is read but the new op has {} outputs",
+                outputs.len()
+            )));
+        }
+        let old: Vec<_> = self
+            .dag
+            .edges_directed(id, Direction::Incoming)
+            .map(|e| e.id())
+            .collect();
+        for e in old {
+            self.dag.remove_edge(e);
+        }
+        for (slot, p) in inputs.iter().enumerate() {
+            self.dag.add_edge(p.node, id, Edge::new(p.index, slot));
+        }
+        let node = &mut self.dag[id];
+        node.op = op;
+        node.outputs = outputs;
+        Ok(())
+    }
+
     /// Removes a node that nothing reads.
     pub fn remove_node(&mut self, id: NodeId) -> Result<()> {
         let node = &self.dag[id];
@@ -723,5 +772,64 @@ impl Graph {
         let outputs = self.infer_node(id, &self.inputs(id))?;
         self.dag[id].outputs = outputs;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{BatchNorm, Const, Placeholder, Unary, UnaryKind};
+    use crate::DType;
+
+    #[test]
+    fn set_node_replaces_op_and_inputs_keeping_name_and_readers() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, [2]);
+        let x = g
+            .add_node("x", Box::new(Placeholder(ty.clone())), &[])
+            .unwrap();
+        let y = g
+            .add_node("y", Box::new(Unary::new(UnaryKind::Relu)), &[x.into()])
+            .unwrap();
+        let z = g
+            .add_node("z", Box::new(Unary::new(UnaryKind::Neg)), &[y.into()])
+            .unwrap();
+        g.set_outputs(vec![y.into()]).unwrap();
+        let c = Const::new(crate::Tensor::from_f64(DType::F32, [2], &[1.0, 2.0]).unwrap());
+        g.set_node(y, Box::new(c), &[]).unwrap();
+        g.validate().unwrap();
+        assert_eq!(g.find("y"), Some(y));
+        assert_eq!(g.node(y).op_name(), "Const");
+        assert!(g.inputs(y).is_empty());
+        assert!(g.consumers(x).is_empty());
+        assert_eq!(g.inputs(z), [Port::from(y)]);
+    }
+
+    #[test]
+    fn set_node_refuses_to_drop_a_read_output() {
+        let mut g = Graph::new();
+        let x = g
+            .add_node(
+                "x",
+                Box::new(Placeholder(TensorType::new(DType::F32, [2, 3]))),
+                &[],
+            )
+            .unwrap();
+        let s = g
+            .add_node(
+                "s",
+                Box::new(Placeholder(TensorType::new(DType::F32, [3]))),
+                &[],
+            )
+            .unwrap();
+        let stats = [x, s, s, s, s].map(Port::from);
+        let bn = g
+            .add_node("bn", Box::new(BatchNorm::default()), &stats)
+            .unwrap();
+        g.set_outputs(vec![Port::new(bn, 1)]).unwrap();
+        let identity = Box::new(Unary::new(UnaryKind::Identity));
+        let err = g.set_node(bn, identity, &[x.into()]).unwrap_err();
+        assert!(err.to_string().contains("output 1 is read"), "{err}");
+        assert_eq!(g.node(bn).op_name(), "BatchNorm");
     }
 }

@@ -2,9 +2,12 @@
 //!
 //! A rewrite is a [`Pass`]; a [`PassManager`] runs an ordered pipeline of them, times
 //! each, validates the graph between them (in tests and debug builds) and collects
-//! each pass's summary. The heart is [`amp::AutoMixedPrecision`].
+//! each pass's summary. The heart is [`amp::AutoMixedPrecision`]; [`simplify`] holds
+//! the graph simplifications, and [`registry`] names every pass that needs no settings.
 
 pub mod amp;
+pub mod registry;
+pub mod simplify;
 
 use std::time::{Duration, Instant};
 

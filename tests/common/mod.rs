@@ -1,9 +1,14 @@
 //! Shared by the integration tests: a random graph generator and helpers.
 #![allow(dead_code)] // each test binary uses a different part of this module
 
+use std::collections::HashMap;
+
+use ampgraph::exec::feeds::seeded_tensor;
+use ampgraph::exec::Feeds;
+use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::ops::{
-    BiasAdd, Binary, BinaryKind, Cast, Concat, Const, LogSoftmax, MatMul, Placeholder, Reduce,
-    ReduceKind, Reshape, Softmax, Transpose, Unary, UnaryKind, Variable,
+    BatchNorm, BiasAdd, Binary, BinaryKind, Cast, Concat, Const, DataFormat, LogSoftmax, MatMul,
+    Placeholder, Reduce, ReduceKind, Reshape, Softmax, Transpose, Unary, UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 
@@ -39,7 +44,14 @@ pub enum Menu {
     Everything,
     /// Only ops whose f16 error stays proportional to the value scale (for numerics).
     WellConditioned,
+    /// WellConditioned, plus what simplification passes rewrite: constant
+    /// subexpressions, duplicates, x*1 and x+0, Transpose pairs, dead branches,
+    /// BatchNorms after products and biases.
+    Simplifiable,
 }
+
+/// How many extra step kinds [`Menu::Simplifiable`] draws from (see `simplifiable_step`).
+const SIMPLIFIABLE_STEPS: usize = 7;
 
 const D: usize = 8;
 
@@ -112,7 +124,11 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
     for step in 0..size {
         let a = pool[pool.len() - 1 - rng.below(pool.len().min(6))];
         let b = rng.pick(&pool);
-        let kind = rng.below(if menu == Menu::Everything { 14 } else { 12 });
+        let kind = rng.below(match menu {
+            Menu::Everything => 14,
+            Menu::WellConditioned => 12,
+            Menu::Simplifiable => 12 + SIMPLIFIABLE_STEPS,
+        });
         let out: Port = match kind {
             0 | 1 => {
                 let mm = g
@@ -126,8 +142,8 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
                     .unwrap();
                 // Chains of products grow 8x per step; keep magnitudes inside f16's range.
                 match menu {
-                    Menu::WellConditioned => g.add(Unary::new(UnaryKind::Tanh), &[mm]).unwrap(),
                     Menu::Everything => mm,
+                    _ => g.add(Unary::new(UnaryKind::Tanh), &[mm]).unwrap(),
                 }
             }
             2 | 3 => {
@@ -205,6 +221,9 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
                 )
                 .unwrap()
             }
+            k if menu == Menu::Simplifiable && k >= 12 => {
+                simplifiable_step(&mut g, &mut rng, k - 12, a, b, &unary_safe)
+            }
             12 if !last_was_cast.last().copied().unwrap_or(false) => {
                 g.add(Cast { to: DType::F32 }, &[a]).unwrap()
             }
@@ -226,6 +245,153 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
         .collect();
     g.set_outputs(sinks).unwrap();
     g
+}
+
+/// A `[8, 8]`-valued step that a simplification pass rewrites; `kind` below
+/// `SIMPLIFIABLE_STEPS`.
+fn simplifiable_step(
+    g: &mut Graph,
+    rng: &mut Rng,
+    kind: usize,
+    a: Port,
+    b: Port,
+    unary: &[UnaryKind],
+) -> Port {
+    let konst = |g: &mut Graph, shape: &[usize], value: &mut dyn FnMut() -> f64| -> Port {
+        let n: usize = shape.iter().product();
+        let values: Vec<f64> = (0..n).map(|_| value()).collect();
+        let t = Tensor::from_f64(DType::F32, shape, &values).unwrap();
+        g.add(Const::new(t), &[]).unwrap()
+    };
+    let add = |g: &mut Graph, op: &dyn Fn() -> Box<dyn ampgraph::graph::Op>, inputs: &[Port]| {
+        let name = g.fresh_name(&op().name().to_lowercase());
+        Port::from(g.add_node(name, op(), inputs).unwrap())
+    };
+    let binary =
+        |k: BinaryKind| move || -> Box<dyn ampgraph::graph::Op> { Box::new(Binary::new(k)) };
+    match kind {
+        // The same op of the same inputs twice (cse).
+        0 => {
+            let k = rng.pick(unary);
+            let unary_op = move || -> Box<dyn ampgraph::graph::Op> { Box::new(Unary::new(k)) };
+            let x1 = add(g, &unary_op, &[a]);
+            let x2 = add(g, &unary_op, &[a]);
+            let m1 = add(g, &binary(BinaryKind::Mul), &[x1, b]);
+            let m2 = add(g, &binary(BinaryKind::Mul), &[x2, b]);
+            add(g, &binary(BinaryKind::Add), &[m1, m2])
+        }
+        // x*1, 1*x, x+0, 0+x, x-0, x/1 with a scalar, row or full constant; Identity,
+        // Cast to f32 (algebraic).
+        1 => {
+            let shape = rng.pick(&[&[][..], &[D][..], &[D, D][..]]);
+            let (k, neutral, left) = rng.pick(&[
+                (BinaryKind::Mul, 1.0, false),
+                (BinaryKind::Mul, 1.0, true),
+                (BinaryKind::Add, 0.0, false),
+                (BinaryKind::Add, 0.0, true),
+                (BinaryKind::Sub, 0.0, false),
+                (BinaryKind::Div, 1.0, false),
+            ]);
+            let c = konst(g, shape, &mut || neutral);
+            let x = match rng.below(3) {
+                0 => g.add(Unary::new(UnaryKind::Identity), &[a]).unwrap(),
+                1 => g.add(Cast { to: DType::F32 }, &[a]).unwrap(),
+                _ => a,
+            };
+            let inputs = if left { [c, x] } else { [x, c] };
+            add(g, &binary(k), &inputs)
+        }
+        // A Transpose of a Transpose (algebraic).
+        2 => {
+            let t = g.add(Transpose::new([1, 0]), &[a]).unwrap();
+            let t = g.add(Transpose::new([1, 0]), &[t]).unwrap();
+            g.add(Binary::new(BinaryKind::Maximum), &[t, b]).unwrap()
+        }
+        // Ops of constants only (const-fold).
+        3 => {
+            let c1 = konst(g, &[D, D], &mut || rng.unit() - 0.5);
+            let c2 = konst(g, &[D], &mut || rng.unit() - 0.5);
+            let k = rng.pick(&[BinaryKind::Add, BinaryKind::Mul, BinaryKind::Maximum]);
+            let e = add(g, &binary(k), &[c1, c2]);
+            let t = g.add(Unary::new(rng.pick(unary)), &[e]).unwrap();
+            g.add(Binary::new(BinaryKind::Add), &[a, t]).unwrap()
+        }
+        // A branch nothing reads (dce).
+        4 => {
+            let dead = g.add(Unary::new(UnaryKind::Exp), &[a]).unwrap();
+            g.add(Binary::new(BinaryKind::Mul), &[dead, b]).unwrap();
+            g.add(Binary::new(BinaryKind::Minimum), &[a, b]).unwrap()
+        }
+        // MatMul by a constant, maybe a constant bias, then an inference BatchNorm
+        // (fold-batchnorm).
+        5 => {
+            let transpose_b = rng.below(2) == 0;
+            let w = konst(g, &[D, D], &mut || rng.unit() - 0.5);
+            let mut x = g.add(MatMul::new(false, transpose_b), &[a, w]).unwrap();
+            if rng.below(2) == 0 {
+                let bias = konst(g, &[D], &mut || rng.unit() - 0.5);
+                let op = BiasAdd {
+                    data_format: DataFormat::Nhwc,
+                };
+                x = g.add(op, &[x, bias]).unwrap();
+            }
+            let stats: Vec<Port> = (0..4)
+                .map(|i| {
+                    konst(g, &[D], &mut || {
+                        if i == 1 {
+                            rng.unit() - 0.5
+                        } else {
+                            0.5 + rng.unit()
+                        }
+                    })
+                })
+                .collect();
+            let bn = BatchNorm {
+                epsilon: 1e-3,
+                training: false,
+                data_format: DataFormat::Nhwc,
+            };
+            let y = g
+                .add(bn, &[x, stats[0], stats[1], stats[2], stats[3]])
+                .unwrap();
+            g.add(Unary::new(UnaryKind::Tanh), &[y]).unwrap()
+        }
+        // A bias right before a training BatchNorm, which cancels it (fold-batchnorm).
+        _ => {
+            let bias = konst(g, &[D], &mut || rng.unit() - 0.5);
+            let op = BiasAdd {
+                data_format: DataFormat::Nhwc,
+            };
+            let x = g.add(op, &[a, bias]).unwrap();
+            let scale = konst(g, &[D], &mut || 0.5 + rng.unit());
+            let offset = konst(g, &[D], &mut || rng.unit() - 0.5);
+            let bn = BatchNorm {
+                epsilon: 0.1,
+                training: true,
+                data_format: DataFormat::Nhwc,
+            };
+            g.add(bn, &[x, scale, offset, offset, scale]).unwrap()
+        }
+    }
+}
+
+/// The graph as JSON: equal renderings are equal graphs.
+pub fn json(g: &Graph) -> String {
+    to_json(&GraphDef::from_graph(g))
+}
+
+/// Seeded values for every Placeholder and Variable of `g`.
+pub fn feeds(g: &Graph, seed: u64) -> Feeds {
+    g.node_ids()
+        .map(|id| g.node(id))
+        .filter(|n| n.op.is::<Placeholder>() || n.op.is::<Variable>())
+        .map(|n| {
+            (
+                n.name.clone(),
+                seeded_tensor(&n.name, &n.outputs()[0], seed),
+            )
+        })
+        .collect::<HashMap<String, Tensor>>()
 }
 
 /// Longest path length (in nodes) of the graph.

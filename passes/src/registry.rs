@@ -1,0 +1,79 @@
+//! The passes `ampgraph rewrite --passes` can name that need no configuration, by
+//! name; one row per pass (docs/passes.md describes them). AMP takes its precision
+//! settings and is built apart.
+
+use crate::simplify::{Algebraic, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm};
+use crate::{Pass, PassManager};
+
+/// One row of the registry.
+pub struct PassEntry {
+    pub name: &'static str,
+    pub make: fn() -> Box<dyn Pass>,
+}
+
+/// Every configuration-free pass.
+pub const PASSES: &[PassEntry] = &[
+    PassEntry {
+        name: "const-fold",
+        make: || Box::new(ConstFold),
+    },
+    PassEntry {
+        name: "algebraic",
+        make: || Box::new(Algebraic),
+    },
+    PassEntry {
+        name: "cse",
+        make: || Box::new(Cse),
+    },
+    PassEntry {
+        name: "dce",
+        make: || Box::new(Dce),
+    },
+    PassEntry {
+        name: "fold-batchnorm",
+        make: || Box::new(FoldBatchNorm),
+    },
+    PassEntry {
+        name: "pad-gemm",
+        make: || Box::new(PadGemm),
+    },
+];
+
+/// The simplification pipeline, in order: folding exposes identities, removing
+/// identities exposes common subexpressions, and all three leave dead nodes.
+pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"];
+
+/// The names of the registered passes, in registry order.
+pub fn names() -> impl Iterator<Item = &'static str> {
+    PASSES.iter().map(|e| e.name)
+}
+
+/// A new instance of the pass of that name.
+pub fn by_name(name: &str) -> Option<Box<dyn Pass>> {
+    PASSES.iter().find(|e| e.name == name).map(|e| (e.make)())
+}
+
+/// A pass manager running [`SIMPLIFY_PIPELINE`].
+pub fn default_pipeline() -> PassManager {
+    let mut pm = PassManager::new();
+    for name in SIMPLIFY_PIPELINE {
+        if let Some(pass) = by_name(name) {
+            pm.push(pass);
+        }
+    }
+    pm
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_row_builds_the_pass_of_its_name() {
+        for entry in PASSES {
+            assert_eq!((entry.make)().name(), entry.name);
+        }
+        assert!(by_name("no-such-pass").is_none());
+        assert_eq!(default_pipeline().names(), SIMPLIFY_PIPELINE);
+    }
+}

@@ -1,0 +1,173 @@
+//! Graph simplification: constant folding, common-subexpression elimination,
+//! dead-node elimination, algebraic identities, batch-norm folding and GEMM padding.
+//!
+//! Each pass is one small type in its own file. They share the helpers below: which
+//! ops hold or write state (never folded, merged or removed as dead), and [`Edits`],
+//! the rewiring a topological sweep decides and applies in one batch.
+
+mod algebraic;
+mod const_fold;
+mod cse;
+mod dce;
+mod fold_batchnorm;
+mod pad_gemm;
+
+pub use algebraic::Algebraic;
+pub use const_fold::ConstFold;
+pub use cse::Cse;
+pub use dce::Dce;
+pub use fold_batchnorm::FoldBatchNorm;
+pub use pad_gemm::PadGemm;
+
+use ampgraph_graph::graph::Adjacency;
+use ampgraph_graph::ops::{
+    AssignVariable, Const, IncrementIf, LossScaleUpdate, OptimizerUpdate, Placeholder, Variable,
+};
+use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
+use foldhash::{HashMap, HashSet};
+
+use crate::PassError;
+
+/// Ops whose value is not a function of their op and inputs alone (fed or held
+/// values) or that compute state written back at the end of a step: never folded or
+/// merged.
+pub(crate) fn is_stateful(op: &dyn Op) -> bool {
+    op.is::<Placeholder>()
+        || op.is::<Variable>()
+        || op.is::<AssignVariable>()
+        || op.is::<OptimizerUpdate>()
+        || op.is::<LossScaleUpdate>()
+        || op.is::<IncrementIf>()
+}
+
+/// Ops that change state when they run: the roots, besides the graph outputs, of
+/// what must be kept.
+pub(crate) fn has_side_effects(op: &dyn Op) -> bool {
+    op.is::<AssignVariable>()
+}
+
+/// The value of a Const node, `None` for any other node.
+pub(crate) fn const_value(g: &Graph, id: NodeId) -> Result<Option<Tensor>, PassError> {
+    let node = g.node(id);
+    let Some(c) = node.op.downcast_ref::<Const>() else {
+        return Ok(None);
+    };
+    let mut values = c.eval(&[]).map_err(|m| node_error(g, id, &m))?;
+    Ok(values.pop())
+}
+
+/// An error about one node, naming it and its op.
+pub(crate) fn node_error(g: &Graph, id: NodeId, msg: &str) -> PassError {
+    let node = g.node(id);
+    PassError::Rewrite(format!("node '{}' ({}): {msg}", node.name, node.op_name()))
+}
+
+/// Which nodes the graph outputs name, indexed by `NodeId::index()`.
+pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
+    let mut is_output = vec![false; g.node_bound()];
+    for p in g.outputs() {
+        is_output[p.node.index()] = true;
+    }
+    is_output
+}
+
+/// The summary every simplification pass reports: a title and one line per count.
+/// [`PassManager`](crate::PassManager) logs it at info level, as it does AMP's.
+pub(crate) fn summary(pass: &str, lines: Vec<String>) -> crate::PassSummary {
+    crate::PassSummary {
+        title: format!("{pass} pass summary:"),
+        lines,
+    }
+}
+
+/// Rewiring decided during one sweep over the graph in topological order and applied
+/// in one batch at the end ([`Graph::rewire`] rebuilds every edge, so edge by edge
+/// it would be quadratic). While sweeping, [`input`](Edits::input) gives a node's
+/// inputs as the edits so far leave them.
+pub(crate) struct Edits {
+    adj: Adjacency,
+    /// Tensors whose readers move to another tensor; targets are never forwarded.
+    forward: HashMap<Port, Port>,
+    /// Input slots given a new tensor.
+    inputs: HashMap<(NodeId, usize), Port>,
+    /// Nodes whose every output is forwarded: removed once nothing reads them.
+    forwarded: Vec<NodeId>,
+}
+
+impl Edits {
+    pub fn new(g: &Graph) -> Edits {
+        Edits {
+            adj: g.adjacency(),
+            forward: HashMap::default(),
+            inputs: HashMap::default(),
+            forwarded: Vec::new(),
+        }
+    }
+
+    /// The graph's adjacency before any edit.
+    pub fn adjacency(&self) -> &Adjacency {
+        &self.adj
+    }
+
+    /// Input `slot` of `id` as the edits leave it.
+    pub fn input(&self, id: NodeId, slot: usize) -> Port {
+        let original = self.adj.inputs(id)[slot];
+        self.inputs
+            .get(&(id, slot))
+            .copied()
+            .unwrap_or_else(|| self.resolve(original))
+    }
+
+    /// Every input of `id` as the edits leave it.
+    pub fn inputs(&self, id: NodeId) -> Vec<Port> {
+        (0..self.adj.inputs(id).len())
+            .map(|slot| self.input(id, slot))
+            .collect()
+    }
+
+    fn resolve(&self, p: Port) -> Port {
+        self.forward.get(&p).copied().unwrap_or(p)
+    }
+
+    /// Every reader of `node`'s outputs reads `to(port)` instead; `node` goes away.
+    /// `node` must not be a graph output.
+    pub fn forward_node(&mut self, node: NodeId, num_outputs: usize, to: impl Fn(usize) -> Port) {
+        for k in 0..num_outputs {
+            let target = self.resolve(to(k));
+            self.forward.insert(Port::new(node, k), target);
+        }
+        self.forwarded.push(node);
+    }
+
+    /// Points input `slot` of `id` at `to`.
+    pub fn set_input(&mut self, id: NodeId, slot: usize, to: Port) {
+        self.inputs.insert((id, slot), self.resolve(to));
+    }
+
+    pub fn forwarded(&self) -> usize {
+        self.forwarded.len()
+    }
+
+    /// Rewires the graph, removes the forwarded nodes and re-infers the types of the
+    /// rewired nodes.
+    pub fn apply(self, g: &mut Graph) -> Result<(), PassError> {
+        let mut changes = Vec::new();
+        for id in g.node_ids() {
+            for (slot, &old) in self.adj.inputs(id).iter().enumerate() {
+                let new = self.input(id, slot);
+                if new != old {
+                    changes.push((id, slot, new));
+                }
+            }
+        }
+        let mut touched: Vec<NodeId> = changes.iter().map(|c| c.0).collect();
+        g.rewire(changes)?;
+        let removed: HashSet<NodeId> = self.forwarded.iter().copied().collect();
+        for &id in &self.forwarded {
+            g.remove_node(id)?;
+        }
+        touched.retain(|id| !removed.contains(id));
+        g.infer_types_from(&touched)?;
+        Ok(())
+    }
+}

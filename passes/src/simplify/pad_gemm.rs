@@ -1,0 +1,224 @@
+//! GEMM padding for Tensor Cores: a 16-bit MatMul whose M, N or K is not a multiple
+//! of 8 multiplies zero-padded operands (Concat with zero Consts) and the result is
+//! sliced back. Zero rows and columns add exact zeros to every dot product, and the
+//! padded rows and columns of the result are sliced off, so the values are unchanged.
+
+use ampgraph_graph::ops::{Concat, Const, MatMul, Slice};
+use ampgraph_graph::{Graph, NodeId, Port, TensorType};
+
+use super::summary;
+use crate::{Pass, PassError, PassSummary};
+
+/// Tensor Core tiles want every GEMM dimension a multiple of this (f16, bf16).
+pub const GEMM_MULTIPLE: usize = 8;
+
+/// The `pad-gemm` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PadGemm;
+
+impl Pass for PadGemm {
+    fn name(&self) -> &'static str {
+        "pad-gemm"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let candidates: Vec<NodeId> = g
+            .node_ids()
+            .filter(|&id| g.node(id).op.is::<MatMul>() && g.node(id).outputs()[0].dtype.is_half())
+            .collect();
+        let mut padded = 0;
+        for id in candidates {
+            if pad(g, id)? {
+                padded += 1;
+            }
+        }
+        let line =
+            format!("pad-gemm: padded {padded} 16-bit MatMuls to multiples of {GEMM_MULTIPLE}");
+        Ok(summary("pad-gemm", vec![line]))
+    }
+}
+
+fn round_up(d: usize) -> usize {
+    d.div_ceil(GEMM_MULTIPLE) * GEMM_MULTIPLE
+}
+
+/// Pads the MatMul `id` when a dimension needs it: the product moves to a new node
+/// of padded operands, and `id` becomes the Slice of it (keeping its name and type).
+fn pad(g: &mut Graph, id: NodeId) -> Result<bool, PassError> {
+    let Some(&MatMul {
+        transpose_a,
+        transpose_b,
+    }) = g.node(id).op.downcast_ref::<MatMul>()
+    else {
+        return Ok(false);
+    };
+    let [a, b] = g.inputs(id)[..] else {
+        return Ok(false);
+    };
+    let [m, n] = g.node(id).outputs()[0].shape[..] else {
+        return Ok(false);
+    };
+    let k = g.ty(a).shape[if transpose_a { 0 } else { 1 }];
+    let (pm, pk, pn) = (round_up(m), round_up(k), round_up(n));
+    if (pm, pk, pn) == (m, k, n) {
+        return Ok(false);
+    }
+    let orient = |rows: usize, cols: usize, transposed: bool| {
+        if transposed {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        }
+    };
+    let stem = g.node(id).name.clone();
+    let a = pad_matrix(g, a, orient(pm, pk, transpose_a), &format!("{stem}/pad_a"))?;
+    let b = pad_matrix(g, b, orient(pk, pn, transpose_b), &format!("{stem}/pad_b"))?;
+    let name = g.fresh_name(&format!("{stem}/padded"));
+    let product = g.add_node(
+        name,
+        Box::new(MatMul::new(transpose_a, transpose_b)),
+        &[a, b],
+    )?;
+    let slice = Slice::new([0, 0], [m as i64, n as i64]);
+    g.set_node(id, Box::new(slice), &[product.into()])?;
+    Ok(true)
+}
+
+/// `x` with zero columns, then zero rows, appended up to `rows` x `cols`.
+fn pad_matrix(
+    g: &mut Graph,
+    mut x: Port,
+    (rows, cols): (usize, usize),
+    stem: &str,
+) -> Result<Port, PassError> {
+    for axis in [1, 0] {
+        let ty = g.ty(x).clone();
+        let want = if axis == 1 { cols } else { rows };
+        if ty.shape[axis] == want {
+            continue;
+        }
+        let mut zero_shape = ty.shape.clone();
+        zero_shape[axis] = want - ty.shape[axis];
+        // No values: a lazily materialised zero tensor, `value` absent in files.
+        let zeros = Const {
+            ty: TensorType::new(ty.dtype, zero_shape),
+            values: None,
+        };
+        let z = g.add_node(g.fresh_name(&format!("{stem}/zeros")), Box::new(zeros), &[])?;
+        let name = g.fresh_name(stem);
+        x = g
+            .add_node(name, Box::new(Concat::new(axis as i64)), &[x, z.into()])?
+            .into();
+    }
+    Ok(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ampgraph_graph::ops::Placeholder;
+    use ampgraph_graph::{DType, Tensor};
+
+    fn matrix(rows: usize, cols: usize, seed: f64) -> Tensor {
+        let v: Vec<f64> = (0..rows * cols)
+            .map(|i| ((i as f64 * 0.37 + seed).sin() * 4.0).round() / 4.0)
+            .collect();
+        Tensor::from_f64(DType::F16, [rows, cols], &v).unwrap()
+    }
+
+    /// Evaluates the graph's single output from Const inputs (every node's kernel in
+    /// topological order), as a test-local reference executor.
+    fn eval(g: &Graph) -> Tensor {
+        let mut values: std::collections::HashMap<NodeId, Tensor> = Default::default();
+        for id in g.topo_order().unwrap() {
+            let args: Vec<Tensor> = g
+                .inputs(id)
+                .iter()
+                .map(|p| values[&p.node].clone())
+                .collect();
+            let refs: Vec<&Tensor> = args.iter().collect();
+            let out = g.node(id).op.eval(&refs).unwrap().remove(0);
+            values.insert(id, out);
+        }
+        values[&g.outputs()[0].node].clone()
+    }
+
+    #[test]
+    fn pads_a_5x7_by_7x3_f16_product_and_keeps_its_values() {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut g = Graph::new();
+            let a = if ta {
+                matrix(7, 5, 0.1)
+            } else {
+                matrix(5, 7, 0.1)
+            };
+            let b = if tb {
+                matrix(3, 7, 2.0)
+            } else {
+                matrix(7, 3, 2.0)
+            };
+            let a = g.add_node("a", Box::new(Const::new(a)), &[]).unwrap();
+            let b = g.add_node("b", Box::new(Const::new(b)), &[]).unwrap();
+            let mm = g
+                .add_node("mm", Box::new(MatMul::new(ta, tb)), &[a.into(), b.into()])
+                .unwrap();
+            g.set_outputs(vec![mm.into()]).unwrap();
+            let want = eval(&g);
+
+            let s = PadGemm.run(&mut g).unwrap();
+            g.validate().unwrap();
+            assert_eq!(
+                s.lines[0],
+                "pad-gemm: padded 1 16-bit MatMuls to multiples of 8"
+            );
+            let padded = g.find("mm/padded").unwrap();
+            let [pa, pb] = g.inputs(padded)[..] else {
+                panic!()
+            };
+            let (sa, sb) = (&g.ty(pa).shape, &g.ty(pb).shape);
+            assert_eq!(sa[0] % 8 + sa[1] % 8 + sb[0] % 8 + sb[1] % 8, 0);
+            assert_eq!(g.node(mm).op_name(), "Slice");
+            assert_eq!(g.ty(mm.into()), &TensorType::new(DType::F16, [5, 3]));
+            assert_eq!(eval(&g), want, "transpose_a {ta}, transpose_b {tb}");
+            // Idempotent.
+            assert_eq!(
+                PadGemm.run(&mut g).unwrap().lines[0],
+                "pad-gemm: padded 0 16-bit MatMuls to multiples of 8"
+            );
+        }
+    }
+
+    #[test]
+    fn leaves_f32_and_aligned_products_alone() {
+        let mut g = Graph::new();
+        let x = g
+            .add_node(
+                "x",
+                Box::new(Placeholder(TensorType::new(DType::F32, [5, 7]))),
+                &[],
+            )
+            .unwrap();
+        let y = g
+            .add_node(
+                "y",
+                Box::new(Placeholder(TensorType::new(DType::F16, [8, 16]))),
+                &[],
+            )
+            .unwrap();
+        g.add_node(
+            "f32",
+            Box::new(MatMul::new(false, true)),
+            &[x.into(), x.into()],
+        )
+        .unwrap();
+        g.add_node(
+            "aligned",
+            Box::new(MatMul::new(true, false)),
+            &[y.into(), y.into()],
+        )
+        .unwrap();
+        let before = g.len();
+        PadGemm.run(&mut g).unwrap();
+        assert_eq!(g.len(), before);
+    }
+}

@@ -1,0 +1,178 @@
+//! Properties of the simplification passes on random graphs (tests/common's generator,
+//! `Menu::Simplifiable`): each pass alone and the whole pipeline leave a valid graph
+//! with the same outputs (names, dtypes, shapes, values on the CPU) and are idempotent.
+
+mod common;
+
+use ampgraph::exec::{CpuExecutor, Executor};
+use ampgraph::graph::ops::{MatMul, Placeholder};
+use ampgraph::passes::registry::{self, SIMPLIFY_PIPELINE};
+use ampgraph::passes::PassManager;
+use ampgraph::{DType, Graph, Tensor, TensorType};
+use common::{feeds, json, random_graph, Menu};
+use proptest::prelude::*;
+
+/// Passes that can fire on the generator's f32 graphs (pad-gemm needs 16-bit products).
+const F32_PASSES: &[&str] = &["const-fold", "algebraic", "cse", "dce", "fold-batchnorm"];
+
+/// `g` rewritten by the named passes, validated after each.
+fn rewrite(g: &Graph, passes: &[&str]) -> Graph {
+    let mut manager = PassManager::new();
+    manager.validate = true;
+    for name in passes {
+        manager.push(registry::by_name(name).expect("a registered pass"));
+    }
+    let mut out = g.clone();
+    manager.run(&mut out).expect("the passes succeed");
+    out
+}
+
+/// Values agree within 1e-5 of the output's scale (non-finite values exactly): the
+/// passes other than fold-batchnorm compute the very same operations.
+fn check_close(want: &[Tensor], got: &[Tensor]) -> Result<(), TestCaseError> {
+    for (w, o) in want.iter().zip(got) {
+        prop_assert_eq!(w.ty(), o.ty());
+        let (w, o) = (w.to_f64_vec(), o.to_f64_vec());
+        let scale = w
+            .iter()
+            .filter(|x| x.is_finite())
+            .fold(1.0f64, |m, x| m.max(x.abs()));
+        for (a, b) in w.iter().zip(&o) {
+            if a.is_finite() {
+                prop_assert!(
+                    (a - b).abs() <= 1e-5 * scale,
+                    "{} vs {} (scale {})",
+                    a,
+                    b,
+                    scale
+                );
+            } else {
+                prop_assert!(a == b || (a.is_nan() && b.is_nan()), "{} vs {}", a, b);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The properties for one list of passes.
+fn check(original: &Graph, passes: &[&str], seed: u64) -> Result<(), TestCaseError> {
+    let g = rewrite(original, passes);
+    g.validate().unwrap();
+    let names = |g: &Graph| -> Vec<(String, TensorType)> {
+        g.outputs()
+            .iter()
+            .map(|&p| (g.port_name(p), g.ty(p).clone()))
+            .collect()
+    };
+    prop_assert_eq!(names(original), names(&g), "passes {:?}", passes);
+    let f = feeds(original, seed);
+    let want = CpuExecutor::new()
+        .run(original, &f, original.outputs())
+        .unwrap();
+    let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
+    check_close(&want, &got)?;
+    let again = rewrite(&g, passes);
+    prop_assert_eq!(json(&g), json(&again), "passes {:?} not idempotent", passes);
+    Ok(())
+}
+
+#[test]
+fn each_pass_fires_on_a_fair_share_of_generated_graphs() {
+    let cases = 100;
+    for pass in F32_PASSES {
+        let fired = (0..cases)
+            .filter(|&seed| {
+                let g = random_graph(seed, 20, Menu::Simplifiable);
+                json(&rewrite(&g, &[pass])) != json(&g)
+            })
+            .count();
+        assert!(
+            fired >= cases as usize / 4,
+            "{pass} fired on {fired} of {cases} graphs"
+        );
+    }
+}
+
+/// One unit in the last place at `x` of the 16-bit type `dtype`.
+fn ulp(x: f64, dtype: DType) -> f64 {
+    let (fraction_bits, min_exponent) = if dtype == DType::BF16 {
+        (7, -126)
+    } else {
+        (10, -14)
+    };
+    let exponent = if x == 0.0 {
+        min_exponent
+    } else {
+        x.log2().floor() as i32
+    };
+    2f64.powi(exponent.max(min_exponent) - fraction_bits)
+}
+
+/// A 16-bit `m x k` by `k x n` product of Placeholders, operands transposed as asked.
+fn half_product(dtype: DType, (m, k, n): (usize, usize, usize), ta: bool, tb: bool) -> Graph {
+    let mut g = Graph::new();
+    let shape = |rows, cols, t: bool| if t { [cols, rows] } else { [rows, cols] };
+    let a = g
+        .add_node(
+            "a",
+            Box::new(Placeholder(TensorType::new(dtype, shape(m, k, ta)))),
+            &[],
+        )
+        .unwrap();
+    let b = g
+        .add_node(
+            "b",
+            Box::new(Placeholder(TensorType::new(dtype, shape(k, n, tb)))),
+            &[],
+        )
+        .unwrap();
+    let mm = g
+        .add_node("mm", Box::new(MatMul::new(ta, tb)), &[a.into(), b.into()])
+        .unwrap();
+    g.set_outputs(vec![mm.into()]).unwrap();
+    g
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn each_pass_and_the_pipeline_keep_outputs_and_are_idempotent(
+        seed in any::<u64>(),
+        size in 1usize..30,
+    ) {
+        let g = random_graph(seed, size, Menu::Simplifiable);
+        for pass in registry::names() {
+            check(&g, &[pass], seed)?;
+        }
+        check(&g, SIMPLIFY_PIPELINE, seed)?;
+        // The pipeline, then batch-norm folding and the dead nodes it leaves.
+        let everything = [SIMPLIFY_PIPELINE, &["fold-batchnorm", "dce"]].concat();
+        check(&g, &everything, seed)?;
+    }
+
+    #[test]
+    fn pad_gemm_keeps_16_bit_products_to_the_ulp(
+        seed in any::<u64>(),
+        dims in (1usize..20, 1usize..20, 1usize..20),
+        bf16 in any::<bool>(),
+        ta in any::<bool>(),
+        tb in any::<bool>(),
+    ) {
+        let dtype = if bf16 { DType::BF16 } else { DType::F16 };
+        let g = half_product(dtype, dims, ta, tb);
+        let padded = rewrite(&g, &["pad-gemm"]);
+        let aligned = dims.0 % 8 == 0 && dims.1 % 8 == 0 && dims.2 % 8 == 0;
+        prop_assert_eq!(padded.len() == g.len(), aligned);
+        let f = feeds(&g, seed);
+        let want = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
+        let got = CpuExecutor::new().run(&padded, &f, padded.outputs()).unwrap();
+        prop_assert_eq!(want[0].ty(), got[0].ty());
+        // The padding adds exact zeros; only the f32 accumulation order of the CPU
+        // kernel depends on K, which can move the 16-bit result by one ulp.
+        for (a, b) in want[0].to_f64_vec().iter().zip(got[0].to_f64_vec()) {
+            prop_assert!((a - b).abs() <= ulp(a.abs().max(b.abs()), dtype), "{} vs {}", a, b);
+        }
+        prop_assert_eq!(json(&padded), json(&rewrite(&padded, &["pad-gemm"])));
+    }
+}
