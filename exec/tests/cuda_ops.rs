@@ -509,6 +509,13 @@ fn layer_norm_and_grad() {
     }
 }
 
+/// FusedMatMul's epilogues with (m, k, n): odd and Tensor-Core-aligned sizes.
+const EPILOGUE_CASES: [(Epilogue, (usize, usize, usize)); 3] = [
+    (Epilogue::Bias, (33, 70, 17)),
+    (Epilogue::BiasRelu, (64, 32, 24)),
+    (Epilogue::BiasGeluTanh, (40, 16, 48)),
+];
+
 #[test]
 fn matmul_and_batch_matmul() {
     let Some(mut gpu) = gpu() else { return };
@@ -537,6 +544,29 @@ fn matmul_and_batch_matmul() {
                 &[a, b],
                 4.0,
             );
+        }
+        // Bias and activation in the GEMM's epilogue (the pass leaves f64 products be).
+        let epilogues = if d == DType::F64 {
+            &[][..]
+        } else {
+            &EPILOGUE_CASES[..]
+        };
+        for &(epilogue, (m, k, n)) in epilogues {
+            for (ta, tb) in [(false, false), (true, true)] {
+                let a = rand(&mut r, d, &if ta { [k, m] } else { [m, k] }, -1.0, 1.0);
+                let b = rand(&mut r, d, &if tb { [n, k] } else { [k, n] }, -1.0, 1.0);
+                let bias = rand(&mut r, d, &[n], -1.0, 1.0);
+                check_scaled(
+                    &mut gpu,
+                    &format!("FusedMatMul {} {d} {ta} {tb}", epilogue.name()),
+                    FusedMatMul {
+                        product: MatMul::new(ta, tb),
+                        epilogue,
+                    },
+                    &[a, b, bias],
+                    4.0,
+                );
+            }
         }
         let cases: [(&[usize], &[usize], bool, bool); 5] = [
             (&[3, 4, 5], &[3, 5, 6], false, false),

@@ -6,6 +6,7 @@
 //! the graph simplifications, and [`registry`] names every pass that needs no settings.
 
 pub mod amp;
+pub mod epilogue;
 pub mod registry;
 pub mod simplify;
 

@@ -2,6 +2,7 @@
 //! name; one row per pass (docs/passes.md describes them). AMP takes its precision
 //! settings and is built apart.
 
+use crate::epilogue::GemmEpilogue;
 use crate::simplify::{Algebraic, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm};
 use crate::{Pass, PassManager};
 
@@ -36,6 +37,10 @@ pub const PASSES: &[PassEntry] = &[
     PassEntry {
         name: "pad-gemm",
         make: || Box::new(PadGemm),
+    },
+    PassEntry {
+        name: "gemm-epilogue",
+        make: || Box::new(GemmEpilogue),
     },
 ];
 

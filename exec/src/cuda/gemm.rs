@@ -6,19 +6,22 @@
 //! Batches use the strided-batched layout; an operand whose batch broadcasts has
 //! stride 0.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::size_of;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use half::f16;
 
+use ampgraph_graph::ops::Epilogue;
 use ampgraph_graph::DType;
 
 use super::device::{DTensor, Device};
 
 /// Precision settings of the GEMMs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct GemmOptions {
     /// f32 GEMMs may use TF32 Tensor Cores (PyTorch's `allow_tf32`).
     pub allow_tf32: bool,
@@ -32,10 +35,43 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 pub struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: DTensor,
+    /// Descriptors and the chosen algorithm per product shape: building them and asking
+    /// the heuristic costs more host time than launching the product.
+    plans: Mutex<HashMap<PlanKey, Arc<Plan>>>,
+}
+
+/// What a plan depends on: everything about a product but its pointers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct PlanKey {
+    dtype: DType,
+    m: usize,
+    n: usize,
+    k: usize,
+    transpose_a: bool,
+    transpose_b: bool,
+    batch: usize,
+    stride_a: usize,
+    stride_b: usize,
+    opts: GemmOptions,
+    epilogue: Option<Epilogue>,
+}
+
+/// A product's descriptors and algorithm, ready to run on any operands of its shape.
+struct Plan {
+    desc: Desc,
+    la: Layout,
+    lb: Layout,
+    lc: Layout,
+    algo: sys::cublasLtMatmulAlgo_t,
+    scale_ty: sys::cudaDataType,
 }
 
 // SAFETY: the handle is used from one executor at a time (`&mut` access).
 unsafe impl Send for Gemm {}
+// SAFETY: a plan's descriptors are only read after it is built, under the plan lock
+// or through the executor that owns the Gemm.
+unsafe impl Send for Plan {}
+unsafe impl Sync for Plan {}
 
 impl Drop for Gemm {
     fn drop(&mut self) {
@@ -119,6 +155,8 @@ pub struct Product<'a> {
     pub offset_a: usize,
     pub offset_b: usize,
     pub offset_c: usize,
+    /// A bias over the output's columns (and an activation) applied in the epilogue.
+    pub bias: Option<(&'a DTensor, Epilogue)>,
 }
 
 impl Gemm {
@@ -133,19 +171,123 @@ impl Gemm {
                     return Err(e);
                 }
             };
-        Ok(Gemm { handle, workspace })
+        Ok(Gemm {
+            handle,
+            workspace,
+            plans: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn run(&self, dev: &Device, p: &Product, opts: GemmOptions) -> Result<(), String> {
         let dtype = p.c.dtype;
-        let (m, n, k) = (p.m, p.n, p.k);
-        if m == 0 || n == 0 || p.batch == 0 {
+        if p.m == 0 || p.n == 0 || p.batch == 0 {
             return Ok(());
         }
-        if k == 0 {
+        if p.k == 0 {
             return dev.zero(p.c);
         }
+        let key = PlanKey {
+            dtype,
+            m: p.m,
+            n: p.n,
+            k: p.k,
+            transpose_a: p.transpose_a,
+            transpose_b: p.transpose_b,
+            batch: p.batch,
+            stride_a: p.stride_a,
+            stride_b: p.stride_b,
+            opts,
+            epilogue: p.bias.map(|(_, e)| e),
+        };
+        let cached = self
+            .plans
+            .lock()
+            .map_err(|_| "poisoned")?
+            .get(&key)
+            .cloned();
+        let plan = match cached {
+            Some(plan) => plan,
+            None => {
+                let plan = Arc::new(self.plan(&key)?);
+                self.plans
+                    .lock()
+                    .map_err(|_| "poisoned")?
+                    .insert(key, plan.clone());
+                plan
+            }
+        };
         let esize = dtype.size_bytes() as u64;
+        let scale_ty = plan.scale_ty;
+        let ws = self.workspace.bytes();
+        let (one32, zero32) = (1f32, 0f32);
+        let (one64, zero64) = (1f64, 0f64);
+        let (one16, zero16) = (f16::ONE, f16::ZERO);
+        let (alpha, beta): (*const c_void, *const c_void) = match scale_ty {
+            sys::cudaDataType::CUDA_R_64F => {
+                ((&one64) as *const f64 as _, (&zero64) as *const f64 as _)
+            }
+            sys::cudaDataType::CUDA_R_16F => {
+                ((&one16) as *const f16 as _, (&zero16) as *const f16 as _)
+            }
+            _ => ((&one32) as *const f32 as _, (&zero32) as *const f32 as _),
+        };
+        if let Some((bias, _)) = p.bias {
+            let ptr = bias.ptr() as *const c_void;
+            // SAFETY: the attribute is a device pointer; the bias holds n elements of the
+            // output's type (checked by the op's type rule).
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    plan.desc.0,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&ptr) as *const *const c_void as *const c_void,
+                    size_of::<*const c_void>(),
+                )
+            }
+            .map_err(err("bias pointer"))?;
+        }
+        let a = p.a.ptr() + p.offset_a as u64 * esize;
+        let b = p.b.ptr() + p.offset_b as u64 * esize;
+        let c = p.c.ptr() + p.offset_c as u64 * esize;
+        // SAFETY: the caller checked that each operand's buffer holds the matrices the
+        // layouts describe; alpha/beta have the scale type; ordered on the stream.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc.0,
+                alpha,
+                beta,
+                b as *const c_void,
+                plan.lb.0,
+                a as *const c_void,
+                plan.la.0,
+                c as *const c_void,
+                plan.lc.0,
+                c as *mut c_void,
+                plan.lc.0,
+                (&plan.algo) as *const _,
+                self.workspace.ptr() as *mut c_void,
+                ws,
+                dev.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(err("matmul"))
+    }
+
+    /// Builds the descriptors of a product and asks cuBLASLt's heuristic for its algorithm.
+    fn plan(&self, key: &PlanKey) -> Result<Plan, String> {
+        let PlanKey {
+            dtype,
+            m,
+            n,
+            k,
+            transpose_a,
+            transpose_b,
+            batch,
+            stride_a,
+            stride_b,
+            opts,
+            epilogue,
+        } = *key;
         let (mat_ty, compute, scale_ty) = match dtype {
             DType::F32 => (
                 sys::cudaDataType::CUDA_R_32F,
@@ -178,24 +320,24 @@ impl Gemm {
             ),
             other => return Err(format!("no matrix product for {other}")),
         };
-        let batch = i32::try_from(p.batch).map_err(|_| "batch too large for cuBLASLt")?;
+        let batch_count = i32::try_from(batch).map_err(|_| "batch too large for cuBLASLt")?;
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
         // Column-major view: first operand is B (as stored), second is A.
-        let (b_rows, b_cols, ldb) = if p.transpose_b {
+        let (b_rows, b_cols, ldb) = if transpose_b {
             (k64, n64, k as i64)
         } else {
             (n64, k64, n as i64)
         };
-        let (a_rows, a_cols, lda) = if p.transpose_a {
+        let (a_rows, a_cols, lda) = if transpose_a {
             (m64, k64, m as i64)
         } else {
             (k64, m64, k as i64)
         };
-        let lb = layout(mat_ty, b_rows, b_cols, ldb, batch, p.stride_b as i64)?;
-        let la = layout(mat_ty, a_rows, a_cols, lda, batch, p.stride_a as i64)?;
-        let lc = layout(mat_ty, n64, m64, n as i64, batch, (m * n) as i64)?;
+        let lb = layout(mat_ty, b_rows, b_cols, ldb, batch_count, stride_b as i64)?;
+        let la = layout(mat_ty, a_rows, a_cols, lda, batch_count, stride_a as i64)?;
+        let lc = layout(mat_ty, n64, m64, n as i64, batch_count, (m * n) as i64)?;
         let desc = Desc(lt::create_matmul_desc(compute, scale_ty).map_err(err("descriptor"))?);
-        let (tb, ta) = (i32::from(p.transpose_b), i32::from(p.transpose_a));
+        let (tb, ta) = (i32::from(transpose_b), i32::from(transpose_a));
         // SAFETY: cublasOperation_t is an i32 enum (0 = N, 1 = T).
         unsafe {
             lt::set_matmul_desc_attribute(
@@ -212,6 +354,25 @@ impl Gemm {
                 size_of::<i32>(),
             )
             .map_err(err("transpose"))?;
+        }
+        if let Some(e) = epilogue {
+            // Column-major, the output is [n x m]: the bias runs along its rows, as
+            // cuBLASLt's epilogue adds it.
+            let code = match e {
+                Epilogue::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                Epilogue::BiasRelu => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS,
+                Epilogue::BiasGeluTanh => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+            };
+            // SAFETY: the attribute is a cublasLtEpilogue_t.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc.0,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    (&code) as *const sys::cublasLtEpilogue_t as *const c_void,
+                    size_of::<sys::cublasLtEpilogue_t>(),
+                )
+            }
+            .map_err(err("epilogue"))?;
         }
         let pref = Pref(lt::create_matmul_pref().map_err(err("preference"))?);
         let ws = self.workspace.bytes();
@@ -232,46 +393,16 @@ impl Gemm {
         .map_err(|e| {
             format!(
                 "cuBLASLt has no algorithm for a {dtype} product [{m}x{k}] x [{k}x{n}] (batch {}): {e:?}",
-                p.batch
+                batch
             )
         })?;
-        let (one32, zero32) = (1f32, 0f32);
-        let (one64, zero64) = (1f64, 0f64);
-        let (one16, zero16) = (f16::ONE, f16::ZERO);
-        let (alpha, beta): (*const c_void, *const c_void) = match scale_ty {
-            sys::cudaDataType::CUDA_R_64F => {
-                ((&one64) as *const f64 as _, (&zero64) as *const f64 as _)
-            }
-            sys::cudaDataType::CUDA_R_16F => {
-                ((&one16) as *const f16 as _, (&zero16) as *const f16 as _)
-            }
-            _ => ((&one32) as *const f32 as _, (&zero32) as *const f32 as _),
-        };
-        let a = p.a.ptr() + p.offset_a as u64 * esize;
-        let b = p.b.ptr() + p.offset_b as u64 * esize;
-        let c = p.c.ptr() + p.offset_c as u64 * esize;
-        // SAFETY: the caller checked that each operand's buffer holds the matrices the
-        // layouts describe; alpha/beta have the scale type; ordered on the stream.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                desc.0,
-                alpha,
-                beta,
-                b as *const c_void,
-                lb.0,
-                a as *const c_void,
-                la.0,
-                c as *const c_void,
-                lc.0,
-                c as *mut c_void,
-                lc.0,
-                (&heuristic.algo) as *const _,
-                self.workspace.ptr() as *mut c_void,
-                ws,
-                dev.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(err("matmul"))
+        Ok(Plan {
+            desc,
+            la,
+            lb,
+            lc,
+            algo: heuristic.algo,
+            scale_ty,
+        })
     }
 }

@@ -172,6 +172,35 @@ impl CudaExecutor {
         &self.dev.name
     }
 
+    /// [`Executor::run`], also returning the step's milliseconds on the device as CUDA
+    /// events recorded on the stream before and after it measure them.
+    pub fn run_timed(
+        &mut self,
+        graph: &Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+    ) -> Result<(Vec<Tensor>, f64), ExecError> {
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let event = |dev: &Device| {
+            guard("CUDA", || {
+                dev.stream
+                    .record_event(timing)
+                    .map_err(|e| format!("recording an event: {e:?}"))
+            })
+            .map_err(dev_err)
+        };
+        let start = event(&self.dev)?;
+        let out = self.run(graph, feeds, fetches)?;
+        let end = event(&self.dev)?;
+        let ms = guard("CUDA", || {
+            start
+                .elapsed_ms(&end)
+                .map_err(|e| format!("timing events: {e:?}"))
+        })
+        .map_err(dev_err)?;
+        Ok((out, f64::from(ms)))
+    }
+
     /// The most bytes of device tensors (variables included) live at once so far.
     pub fn peak_bytes(&self) -> usize {
         self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)

@@ -2,10 +2,10 @@
 
 use ampgraph_graph::ops::{
     AllFinite, AssignVariable, BatchMatMul, BiasAdd, Binary, BinaryGrad, BroadcastTo, Cast, Concat,
-    Const, DataFormat, Group, IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate,
-    MatMul, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice, Softmax,
-    SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad,
-    UnaryKind,
+    Const, DataFormat, FusedMatMul, Group, IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax,
+    LossScaleUpdate, MatMul, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice,
+    Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxGrad, SumTo, Transpose, Unary,
+    UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
 use ampgraph_graph::tensor::strides;
@@ -67,6 +67,7 @@ const SUPPORTED: &[&str] = &[
     "UnaryGrad",
     "BinaryGrad",
     "MatMul",
+    "FusedMatMul",
     "BatchMatMul",
     "LayerNorm",
     "LayerNormGrad",
@@ -782,9 +783,14 @@ pub fn eval(
         }
         return Ok(vec![dx, dg, db]);
     }
-    if let Some(m) = op.downcast_ref::<MatMul>() {
+    let fused = op.downcast_ref::<FusedMatMul>();
+    if let Some(m) = op.downcast_ref::<MatMul>().or(fused.map(|f| &f.product)) {
         let (a, b) = (input(0)?, input(1)?);
         float_only(a.dtype)?;
+        let bias = match fused {
+            Some(f) => Some((input(2)?, f.epilogue)),
+            None => None,
+        };
         let y = c.alloc(out0)?;
         let (mm, nn) = (out0.shape[0], out0.shape[1]);
         let k = if m.transpose_a {
@@ -809,6 +815,7 @@ pub fn eval(
                 offset_a: 0,
                 offset_b: 0,
                 offset_c: 0,
+                bias,
             },
             c.gemm_options,
         )?;
@@ -853,6 +860,7 @@ pub fn eval(
             offset_a,
             offset_b,
             offset_c,
+            bias: None,
         };
         match (stride(ba, sa), stride(bb, sb)) {
             (Some(s1), Some(s2)) => {

@@ -13,6 +13,7 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::ops::{BiasAdd, DataFormat, Unary, UnaryKind};
 use crate::shape::{broadcast_index_map, broadcast_shapes};
 use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
 
@@ -23,6 +24,18 @@ pub(crate) const OPS: &[OpEntry] = &[
             Ok(Box::new(MatMul {
                 transpose_a: a.bool_or("transpose_a", false)?,
                 transpose_b: a.bool_or("transpose_b", false)?,
+            }))
+        },
+    },
+    OpEntry {
+        name: "FusedMatMul",
+        parse: |_, a| {
+            Ok(Box::new(FusedMatMul {
+                product: MatMul {
+                    transpose_a: a.bool_or("transpose_a", false)?,
+                    transpose_b: a.bool_or("transpose_b", false)?,
+                },
+                epilogue: a.choice("epilogue", &Epilogue::NAMES, None)?,
             }))
         },
     },
@@ -480,5 +493,95 @@ impl Op for BatchMatMul {
             out.push(Some(b.sum_to(full, &shape)?));
         }
         Ok(out)
+    }
+}
+
+/// The activation a [`FusedMatMul`] applies after its bias: those cuBLASLt's epilogues
+/// compute exactly as the unfused op does (its GELU is the tanh approximation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    Bias,
+    BiasRelu,
+    BiasGeluTanh,
+}
+
+impl Epilogue {
+    const NAMES: [(&'static str, Epilogue); 3] = [
+        ("bias", Epilogue::Bias),
+        ("bias_relu", Epilogue::BiasRelu),
+        ("bias_gelu_tanh", Epilogue::BiasGeluTanh),
+    ];
+
+    pub fn name(self) -> &'static str {
+        Self::NAMES
+            .iter()
+            .find(|(_, e)| *e == self)
+            .map_or("bias", |(n, _)| n)
+    }
+
+    /// The activation op, if any.
+    pub fn activation(self) -> Option<UnaryKind> {
+        match self {
+            Epilogue::Bias => None,
+            Epilogue::BiasRelu => Some(UnaryKind::Relu),
+            Epilogue::BiasGeluTanh => Some(UnaryKind::Gelu { approximate: true }),
+        }
+    }
+
+    /// The epilogue that also applies `kind`, where one exists.
+    pub fn with_activation(kind: UnaryKind) -> Option<Epilogue> {
+        match kind {
+            UnaryKind::Relu => Some(Epilogue::BiasRelu),
+            UnaryKind::Gelu { approximate: true } => Some(Epilogue::BiasGeluTanh),
+            _ => None,
+        }
+    }
+}
+
+/// `act(MatMul(a, b) + bias)` as one node (TensorFlow's `_FusedMatMul`): the product
+/// with its bias (a vector over the output's columns) and activation folded into the
+/// GEMM's epilogue. The CPU kernel runs the unfused ops in turn, rounding between them
+/// as they do, so fusing never changes a CPU result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedMatMul {
+    pub product: MatMul,
+    pub epilogue: Epilogue,
+}
+
+impl Op for FusedMatMul {
+    fn name(&self) -> &'static str {
+        "FusedMatMul"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = self.product.attrs();
+        attrs.push(("epilogue", self.epilogue.name().into()));
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [a, b, bias] = fixed(inputs)?;
+        let out = self.product.infer(&[a, b])?;
+        let n = out[0].shape[1];
+        if bias.shape != [n] || bias.dtype != a.dtype {
+            return Err(format!(
+                "the bias must be {}[{n}] (one per output column), got {bias}",
+                a.dtype
+            ));
+        }
+        Ok(out)
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [a, b, bias] = fixed(inputs)?;
+        let product = self.product.eval(&[a, b])?;
+        let with_bias = BiasAdd {
+            data_format: DataFormat::Nhwc,
+        }
+        .eval(&[&product[0], bias])?;
+        match self.epilogue.activation() {
+            Some(kind) => Unary::new(kind).eval(&[&with_bias[0]]),
+            None => Ok(with_bias),
+        }
     }
 }

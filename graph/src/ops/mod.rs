@@ -20,7 +20,7 @@ pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
-pub use linalg::{BatchMatMul, MatMul};
+pub use linalg::{BatchMatMul, Epilogue, FusedMatMul, MatMul};
 pub use norm::{BatchNorm, LayerNorm};
 pub use norm::{BatchNormGrad, LayerNormGrad};
 pub use reduce::ReduceGrad;

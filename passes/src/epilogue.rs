@@ -1,0 +1,282 @@
+//! GEMM epilogues: `MatMul -> BiasAdd [-> Relu | tanh-GELU]` becomes one
+//! [`FusedMatMul`], whose bias and activation the CUDA executor folds into the
+//! cuBLASLt call (PyTorch's `addmm` and `F.linear` do the same with the bias).
+//!
+//! A product fuses only with the BiasAdd that is its sole reader, and an activation
+//! only where it is the BiasAdd's sole reader: an intermediate someone else reads (the
+//! pre-activation a GELU's gradient needs in a training graph, a graph output) has to
+//! exist, so it stays unfused. The fused node takes the name of the last node it
+//! replaces.
+
+use ampgraph_graph::graph::Adjacency;
+use ampgraph_graph::ops::{BiasAdd, DataFormat, Epilogue, FusedMatMul, MatMul, Unary};
+use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
+
+use crate::{Pass, PassError, PassSummary};
+
+/// The GEMM-epilogue pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GemmEpilogue;
+
+/// One product with what folds into it.
+struct Candidate {
+    matmul: NodeId,
+    bias_add: NodeId,
+    /// The activation node and its epilogue, when one fuses too.
+    activation: Option<(NodeId, Epilogue)>,
+}
+
+/// The node that alone reads `port`, when exactly one node reads it through one slot
+/// and it is not a graph output.
+fn sole_reader(g: &Graph, adj: &Adjacency, port: Port) -> Option<NodeId> {
+    if g.outputs().contains(&port) || adj.consumers(port.node).any(|(_, _, p)| p != port) {
+        return None;
+    }
+    let mut readers = adj.port_consumers(port);
+    match (readers.next(), readers.next()) {
+        (Some((reader, _)), None) => Some(reader),
+        _ => None,
+    }
+}
+
+fn tensor_bytes(ty: &TensorType) -> usize {
+    ty.checked_len().unwrap_or(0) * ty.dtype.size_bytes()
+}
+
+fn find(g: &Graph) -> Result<Vec<Candidate>, PassError> {
+    let adj = g.adjacency();
+    let mut found = Vec::new();
+    for id in g.topo_order_in(&adj)? {
+        let Some(bias_add) = g.node(id).op.downcast_ref::<BiasAdd>() else {
+            continue;
+        };
+        let [x, _bias] = adj.inputs(id) else {
+            continue;
+        };
+        // NCHW on a matrix also adds along the last axis.
+        let along_columns = bias_add.data_format == DataFormat::Nhwc || g.ty(*x).rank() == 2;
+        // cuBLASLt's epilogues take f32, f16 and bf16 products.
+        let is_product = x.index == 0
+            && g.node(x.node).op.is::<MatMul>()
+            && matches!(g.ty(*x).dtype, DType::F32 | DType::F16 | DType::BF16);
+        if !along_columns || !is_product || sole_reader(g, &adj, *x) != Some(id) {
+            continue;
+        }
+        let activation = sole_reader(g, &adj, Port::new(id, 0)).and_then(|reader| {
+            let unary = g.node(reader).op.downcast_ref::<Unary>()?;
+            Some((reader, Epilogue::with_activation(unary.kind)?))
+        });
+        found.push(Candidate {
+            matmul: x.node,
+            bias_add: id,
+            activation,
+        });
+    }
+    Ok(found)
+}
+
+impl Pass for GemmEpilogue {
+    fn name(&self) -> &'static str {
+        "gemm-epilogue"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let candidates = find(g)?;
+        let (mut activations, mut bytes_saved) = (0usize, 0usize);
+        for c in &candidates {
+            let product = g
+                .node(c.matmul)
+                .op
+                .downcast_ref::<MatMul>()
+                .cloned()
+                .ok_or_else(|| PassError::Rewrite("a fusion candidate is not a MatMul".into()))?;
+            let [a, b] = g.inputs(c.matmul)[..] else {
+                return Err(PassError::Rewrite(format!(
+                    "MatMul '{}' does not have two inputs",
+                    g.node(c.matmul).name
+                )));
+            };
+            let bias = g.inputs(c.bias_add)[1];
+            let (last, epilogue) = c.activation.unwrap_or((c.bias_add, Epilogue::Bias));
+            // Each intermediate tensor no longer exists: written once and read once.
+            bytes_saved += 2 * tensor_bytes(g.ty(Port::new(c.matmul, 0)));
+            g.set_node(
+                last,
+                Box::new(FusedMatMul { product, epilogue }),
+                &[a, b, bias],
+            )?;
+            if c.activation.is_some() {
+                activations += 1;
+                bytes_saved += 2 * tensor_bytes(g.ty(Port::new(c.bias_add, 0)));
+                g.remove_node(c.bias_add)?;
+            }
+            g.remove_node(c.matmul)?;
+        }
+        let fused = candidates.len();
+        let summary = PassSummary {
+            title: "GEMM epilogue pass summary:".into(),
+            lines: vec![
+                format!("Products that took their bias: {fused}"),
+                format!("... and their activation too: {activations}"),
+                format!("Kernels fewer per run: {}", fused + activations),
+                format!(
+                    "Memory traffic saved per run: {:.1} MiB",
+                    bytes_saved as f64 / (1 << 20) as f64
+                ),
+            ],
+        };
+        Ok(summary)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ampgraph_graph::ops::{Placeholder, UnaryKind};
+    use ampgraph_graph::Tensor;
+
+    fn placeholder(g: &mut Graph, name: &str, dtype: DType, shape: &[usize]) -> Port {
+        let ty = TensorType::new(dtype, shape.to_vec());
+        g.add_node(name, Box::new(Placeholder(ty)), &[])
+            .unwrap()
+            .into()
+    }
+
+    /// x[4,3] @ w[3,5] + b[5], then `act` (None: no activation), as the graph output.
+    fn dense(dtype: DType, act: Option<UnaryKind>) -> Graph {
+        let mut g = Graph::new();
+        let x = placeholder(&mut g, "x", dtype, &[4, 3]);
+        let w = placeholder(&mut g, "w", dtype, &[3, 5]);
+        let b = placeholder(&mut g, "b", dtype, &[5]);
+        let mm = g
+            .add_node("mm", Box::new(MatMul::new(false, false)), &[x, w])
+            .unwrap();
+        let biased = g
+            .add_node(
+                "bias_add",
+                Box::new(BiasAdd {
+                    data_format: DataFormat::Nhwc,
+                }),
+                &[mm.into(), b],
+            )
+            .unwrap();
+        let out = match act {
+            Some(kind) => g
+                .add_node("act", Box::new(Unary::new(kind)), &[biased.into()])
+                .unwrap(),
+            None => biased,
+        };
+        g.set_outputs(vec![out.into()]).unwrap();
+        g
+    }
+
+    fn values(n: usize, seed: f64) -> Vec<f64> {
+        (0..n)
+            .map(|i| (i as f64 * 0.37 + seed).sin() * 2.0)
+            .collect()
+    }
+
+    /// The graph's output, from its own CPU kernels in topological order.
+    fn run(g: &Graph) -> Tensor {
+        let mut vals: std::collections::HashMap<NodeId, Vec<Tensor>> = Default::default();
+        for id in g.topo_order().unwrap() {
+            let node = g.node(id);
+            let out = if node.op.is::<Placeholder>() {
+                let ty = &node.outputs()[0];
+                let seed = node.name.len() as f64;
+                vec![Tensor::from_f64(
+                    ty.dtype,
+                    ty.shape.clone(),
+                    &values(ty.checked_len().unwrap(), seed),
+                )
+                .unwrap()]
+            } else {
+                let ins: Vec<Tensor> = g
+                    .inputs(id)
+                    .iter()
+                    .map(|p| vals[&p.node][p.index].clone())
+                    .collect();
+                let refs: Vec<&Tensor> = ins.iter().collect();
+                node.op.eval(&refs).unwrap()
+            };
+            vals.insert(id, out);
+        }
+        let o = g.outputs()[0];
+        vals[&o.node][o.index].clone()
+    }
+
+    #[test]
+    fn bias_and_activation_fold_into_the_product_with_the_same_values() {
+        for (dtype, act, epilogue, nodes) in [
+            (DType::F32, None, Epilogue::Bias, 4),
+            (DType::F16, Some(UnaryKind::Relu), Epilogue::BiasRelu, 4),
+            (
+                DType::BF16,
+                Some(UnaryKind::Gelu { approximate: true }),
+                Epilogue::BiasGeluTanh,
+                4,
+            ),
+        ] {
+            let g = dense(dtype, act);
+            let before = run(&g);
+            let mut fused = g.clone();
+            let summary = GemmEpilogue.run(&mut fused).unwrap();
+            fused.validate().unwrap();
+            assert_eq!(
+                fused.len(),
+                nodes,
+                "{dtype} {act:?}: x, w, b and the fused node"
+            );
+            let out = fused.outputs()[0].node;
+            let op = fused.node(out).op.downcast_ref::<FusedMatMul>().unwrap();
+            assert_eq!(op.epilogue, epilogue);
+            let last = if act.is_some() { "act" } else { "bias_add" };
+            assert_eq!(
+                fused.node(out).name,
+                last,
+                "the fused node keeps the last name"
+            );
+            assert_eq!(
+                run(&fused),
+                before,
+                "{dtype} {act:?}: bitwise the unfused values"
+            );
+            assert!(summary.lines[0].ends_with(": 1"), "{summary}");
+            // Idempotent: nothing left to fuse.
+            let again = fused.clone();
+            GemmEpilogue.run(&mut fused).unwrap();
+            assert_eq!(fused.len(), again.len());
+        }
+    }
+
+    #[test]
+    fn exact_gelu_and_read_intermediates_stay_unfused() {
+        // The exact (erf) GELU has no cuBLASLt epilogue: only the bias fuses.
+        let mut g = dense(DType::F16, Some(UnaryKind::Gelu { approximate: false }));
+        GemmEpilogue.run(&mut g).unwrap();
+        let fused: Vec<&str> = g
+            .node_ids()
+            .filter_map(|id| {
+                g.node(id)
+                    .op
+                    .downcast_ref::<FusedMatMul>()
+                    .map(|f| f.epilogue.name())
+            })
+            .collect();
+        assert_eq!(fused, ["bias"]);
+        assert!(g.find("act").is_some());
+
+        // A product read by another node keeps its own output.
+        let mut g = dense(DType::F32, None);
+        let mm = g.find("mm").unwrap();
+        let also = g
+            .add_node("also", Box::new(Unary::new(UnaryKind::Neg)), &[mm.into()])
+            .unwrap();
+        let out = g.outputs()[0];
+        g.set_outputs(vec![out, also.into()]).unwrap();
+        let before = g.len();
+        GemmEpilogue.run(&mut g).unwrap();
+        assert_eq!(g.len(), before);
+        assert!(g.node_ids().all(|id| !g.node(id).op.is::<FusedMatMul>()));
+    }
+}
