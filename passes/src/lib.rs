@@ -5,6 +5,7 @@
 //! each pass's summary. The heart is [`amp::AutoMixedPrecision`].
 
 pub mod amp;
+pub mod fuse;
 
 use std::time::{Duration, Instant};
 
