@@ -17,6 +17,7 @@ use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
 use ampgraph_passes::amp::report::explain;
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
+use ampgraph_passes::fuse::Fuse;
 use ampgraph_passes::PassError;
 
 #[derive(Debug, Error)]
@@ -182,7 +183,7 @@ fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
 }
 
 /// Passes `rewrite --passes` knows.
-const PASS_NAMES: &[&str] = &["amp"];
+const PASS_NAMES: &[&str] = &["amp", "fuse"];
 
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
@@ -204,6 +205,11 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                             AutoMixedPrecision::new(precision.config()?).rewrite(&mut g)?;
                         log::info!("{}", amp_report.summary());
                         text.push_str(&amp_report.detailed());
+                    }
+                    "fuse" => {
+                        let summary = Fuse.rewrite(&mut g)?.summary();
+                        log::info!("{summary}");
+                        text.push_str(&summary.to_string());
                     }
                     other => unreachable!("selected_passes admits only known passes, not {other}"),
                 }

@@ -142,14 +142,14 @@ struct Fused {
     internal_bytes: u64,
 }
 
-/// The program of group `k`.
+/// The program of a group: its members in topological order, which nodes belong to
+/// it, and which members' tensors are read outside it.
 fn program(
     g: &Graph,
     adj: &Adjacency,
-    group: &[usize],
-    k: usize,
     members: &[NodeId],
-    is_output: &[bool],
+    in_group: impl Fn(NodeId) -> bool,
+    exported: impl Fn(NodeId) -> bool,
 ) -> Result<Fused, String> {
     // The instruction computing each member, and reading each input.
     let mut value_of: HashMap<NodeId, usize> = HashMap::default();
@@ -164,7 +164,7 @@ fn program(
         let op = ElementOp::of(node.op.as_ref()).ok_or("internal: a member is not elementwise")?;
         let mut args = Vec::new();
         for &p in adj.inputs(m) {
-            let v = if group[p.node.index()] == k {
+            let v = if in_group(p.node) {
                 *value_of
                     .get(&p.node)
                     .ok_or("internal: a member reads a later member")?
@@ -181,14 +181,12 @@ fn program(
             args.push(v);
         }
         let ty = node.outputs()[0].clone();
-        let exported =
-            is_output[m.index()] || adj.consumers(m).any(|(c, _, _)| group[c.index()] != k);
         instrs.push(Instr {
             expr: Expr::Apply(op, args),
             ty: ty.clone(),
         });
         value_of.insert(m, instrs.len() - 1);
-        if exported {
+        if exported(m) {
             outputs.push(instrs.len() - 1);
             exports.push(m);
         } else {
@@ -214,88 +212,102 @@ fn kernels(g: &Graph) -> usize {
 }
 
 impl Fuse {
-    /// Fuses every group of two or more elementwise nodes.
+    /// Fuses every group of two or more elementwise nodes. Rounds repeat until one
+    /// fuses nothing: the join test is conservative, and with the first round's groups
+    /// gone a later round may find a join it refused. So a second run changes nothing.
     pub fn rewrite(&self, g: &mut Graph) -> Result<FuseReport, PassError> {
         let mut report = FuseReport {
             nodes_before: g.len(),
             kernels_before: kernels(g),
             ..FuseReport::default()
         };
-        let adj = g.adjacency();
-        let order = g.topo_order_in(&adj)?;
-        let (group, groups) = find_groups(g, &adj, &order);
-        let mut is_output = vec![false; g.node_bound()];
-        for p in g.outputs() {
-            is_output[p.node.index()] = true;
-        }
-        // Each fused member's output port on its fused node, by node index.
-        let mut export_port: Vec<Option<Port>> = vec![None; g.node_bound()];
-        let mut fused_member = vec![false; g.node_bound()];
-        let mut created: Vec<(NodeId, Vec<Port>)> = Vec::new();
-        for (k, members) in groups.iter().enumerate().filter(|(_, m)| m.len() >= 2) {
-            let first = &g.node(members[0]).name;
-            let name = g.fresh_name(&format!("fused/{first}"));
-            let fused = program(g, &adj, &group, k, members, &is_output)
-                .map_err(|e| PassError::Rewrite(format!("group '{name}': {e}")))?;
-            let names: Vec<&str> = members.iter().map(|&m| g.node(m).name.as_str()).collect();
-            let members_attr = AttrValue::Str(names.join(","));
-            let id = g.add_node(name, Box::new(fused.op), &fused.inputs)?;
-            g.node_mut(id)
-                .annotations
-                .insert(MEMBERS_ANNOTATION.into(), members_attr);
-            for (o, &m) in fused.exports.iter().enumerate() {
-                export_port[m.index()] = Some(Port::new(id, o));
-            }
-            for &m in members {
-                fused_member[m.index()] = true;
-            }
-            created.push((id, fused.inputs));
-            report.groups += 1;
-            report.fused_nodes += members.len();
-            report.bytes_saved += fused.internal_bytes;
-        }
-        if report.groups == 0 {
-            report.nodes_after = report.nodes_before;
-            report.kernels_after = report.kernels_before;
-            return Ok(report);
-        }
-        let exported = |p: Port| export_port[p.node.index()].filter(|_| p.index == 0);
-        // Readers of fused members: other nodes, and fused nodes reading another group.
-        let mut changes = Vec::new();
-        for &id in &order {
-            if fused_member[id.index()] {
-                continue;
-            }
-            for (slot, &p) in adj.inputs(id).iter().enumerate() {
-                if let Some(to) = exported(p) {
-                    changes.push((id, slot, to));
-                }
-            }
-        }
-        for (id, inputs) in &created {
-            for (slot, &p) in inputs.iter().enumerate() {
-                if let Some(to) = exported(p) {
-                    changes.push((*id, slot, to));
-                }
-            }
-        }
-        g.rewire(changes)?;
-        let outputs: Vec<Port> = g
-            .outputs()
-            .iter()
-            .map(|&p| exported(p).unwrap_or(p))
-            .collect();
-        g.set_outputs(outputs)?;
-        // Readers first: a member is read only by later members by now.
-        for &id in order.iter().rev() {
-            if fused_member[id.index()] {
-                g.remove_node(id)?;
-            }
-        }
+        while fuse_round(g, &mut report)? {}
         report.nodes_after = g.len();
         report.kernels_after = kernels(g);
         Ok(report)
     }
+}
+
+/// One round of fusion, counted into `report`; whether it fused any group.
+fn fuse_round(g: &mut Graph, report: &mut FuseReport) -> Result<bool, PassError> {
+    let adj = g.adjacency();
+    let order = g.topo_order_in(&adj)?;
+    let (group, groups) = find_groups(g, &adj, &order);
+    let mut is_output = vec![false; g.node_bound()];
+    for p in g.outputs() {
+        is_output[p.node.index()] = true;
+    }
+    // Each fused member's output port on its fused node, by node index.
+    let mut export_port: Vec<Option<Port>> = vec![None; g.node_bound()];
+    let mut fused_member = vec![false; g.node_bound()];
+    let mut created: Vec<(NodeId, Vec<Port>)> = Vec::new();
+    for (k, members) in groups.iter().enumerate().filter(|(_, m)| m.len() >= 2) {
+        let first = &g.node(members[0]).name;
+        let name = g.fresh_name(&format!("fused/{first}"));
+        let exported = |m: NodeId| {
+            is_output[m.index()] || adj.consumers(m).any(|(c, _, _)| group[c.index()] != k)
+        };
+        if !members.iter().any(|&m| exported(m)) {
+            // Nothing reads the group: dead code, left to dead-code elimination.
+            continue;
+        }
+        let in_group = |m: NodeId| group[m.index()] == k;
+        let fused = program(g, &adj, members, in_group, exported)
+            .map_err(|e| PassError::Rewrite(format!("group '{name}': {e}")))?;
+        let names: Vec<&str> = members.iter().map(|&m| g.node(m).name.as_str()).collect();
+        let members_attr = AttrValue::Str(names.join(","));
+        let id = g.add_node(name, Box::new(fused.op), &fused.inputs)?;
+        g.node_mut(id)
+            .annotations
+            .insert(MEMBERS_ANNOTATION.into(), members_attr);
+        for (o, &m) in fused.exports.iter().enumerate() {
+            export_port[m.index()] = Some(Port::new(id, o));
+        }
+        for &m in members {
+            fused_member[m.index()] = true;
+        }
+        created.push((id, fused.inputs));
+        report.groups += 1;
+        report.fused_nodes += members.len();
+        report.bytes_saved += fused.internal_bytes;
+    }
+    if created.is_empty() {
+        return Ok(false);
+    }
+    let exported = |p: Port| export_port[p.node.index()].filter(|_| p.index == 0);
+    // Readers of fused members: other nodes, and fused nodes reading another group.
+    let mut changes = Vec::new();
+    for &id in &order {
+        if fused_member[id.index()] {
+            continue;
+        }
+        for (slot, &p) in adj.inputs(id).iter().enumerate() {
+            if let Some(to) = exported(p) {
+                changes.push((id, slot, to));
+            }
+        }
+    }
+    for (id, inputs) in &created {
+        for (slot, &p) in inputs.iter().enumerate() {
+            if let Some(to) = exported(p) {
+                changes.push((*id, slot, to));
+            }
+        }
+    }
+    g.rewire(changes)?;
+    let outputs: Vec<Port> = g
+        .outputs()
+        .iter()
+        .map(|&p| exported(p).unwrap_or(p))
+        .collect();
+    g.set_outputs(outputs)?;
+    // Readers first: a member is read only by later members by now.
+    for &id in order.iter().rev() {
+        if fused_member[id.index()] {
+            g.remove_node(id)?;
+        }
+    }
+    Ok(true)
 }
 
 impl Pass for Fuse {
