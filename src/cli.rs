@@ -89,7 +89,7 @@ pub enum Command {
         amp: bool,
         #[command(flatten)]
         precision: PrecisionArgs,
-        /// Passes to run, comma-separated, in order (known: amp).
+        /// Passes to run, comma-separated, in order (known: amp, fuse).
         #[arg(long, value_delimiter = ',')]
         passes: Vec<String>,
         /// Where to write the result (.json or .bin); JSON on standard output otherwise.
