@@ -452,3 +452,30 @@ fn rewrite_rejects_an_unknown_pass_naming_it() {
         "{stderr}"
     );
 }
+
+#[test]
+fn rewrite_amp_then_fuse_runs_the_same() {
+    let s = Scratch::new("fuse");
+    let g = s.write("mlp.json", MLP);
+    let (amp, fused) = (s.path("amp.json"), s.path("fused.json"));
+    ok(&["rewrite", &g, "--amp", "-o", &amp]);
+    let report = ok(&[
+        "rewrite", &g, "--amp", "--passes", "fuse", "-o", &fused, "--report",
+    ]);
+    assert!(
+        report.contains("Elementwise Fusion Pass Summary:"),
+        "{report}"
+    );
+    assert!(report.contains("Groups fused: 1"), "{report}");
+    let rewritten = format::load(&fused).expect("the fused graph loads");
+    rewritten.validate().expect("and validates");
+    assert!(rewritten
+        .node_ids()
+        .any(|id| rewritten.node(id).op_name() == "FusedElementwise"));
+    let run = |path: &str| run_outputs(&ok(&["run", path, "--device", "cpu", "--json"]));
+    let (want, got) = (run(&amp), run(&fused));
+    assert_eq!(want.len(), got.len());
+    for (w, o) in want.iter().zip(&got) {
+        assert_eq!((&w.1, &w.2), (&o.1, &o.2));
+    }
+}

@@ -14,6 +14,7 @@ use crate::attrs::{AttrMap, AttrReader, AttrValue};
 use crate::dtype::DType;
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, NodeId};
+use crate::ops::fused::MEMBERS_ANNOTATION;
 use crate::ops::parse_op;
 
 pub const FORMAT_NAME: &str = "ampgraph.graph";
@@ -498,10 +499,12 @@ pub fn default_color(g: &Graph, id: NodeId) -> &'static str {
 }
 
 /// Graphviz DOT with one box per node, edges labelled with their tensor types and
-/// nodes filled by `color` (see [`default_color`]).
+/// nodes filled by `color` (see [`default_color`]). A fused node sits in a dashed
+/// cluster labelled with the nodes it replaced.
 pub fn to_dot(g: &Graph, color: &dyn Fn(&Graph, NodeId) -> &'static str) -> String {
     let q = |s: &str| Value::from(s).to_string();
     let mut out = String::from("digraph ampgraph {\n  rankdir=TB;\n  node [shape=box, style=filled, fontname=\"Helvetica\"];\n");
+    let mut clusters = 0;
     for id in g.node_ids() {
         let n = g.node(id);
         let ty = n
@@ -510,13 +513,26 @@ pub fn to_dot(g: &Graph, color: &dyn Fn(&Graph, NodeId) -> &'static str) -> Stri
             .map(ToString::to_string)
             .unwrap_or_default();
         let label = format!("{}\\n{}\\n{}", n.name, n.op.name(), ty);
-        let _ = writeln!(
-            out,
-            "  {} [label=\"{}\", fillcolor=\"{}\"];",
+        let node_line = format!(
+            "{} [label=\"{}\", fillcolor=\"{}\"];",
             q(&n.name),
             label.replace('"', "'"),
             color(g, id)
         );
+        match n.annotations.get(MEMBERS_ANNOTATION) {
+            Some(AttrValue::Str(members)) => {
+                let title = format!("fused: {}", members.replace(',', ", "));
+                let _ = writeln!(
+                    out,
+                    "  subgraph cluster_{clusters} {{\n    label={};\n    style=\"dashed,rounded\";\n    {node_line}\n  }}",
+                    q(&title)
+                );
+                clusters += 1;
+            }
+            _ => {
+                let _ = writeln!(out, "  {node_line}");
+            }
+        }
     }
     for id in g.node_ids() {
         for (slot, p) in g.inputs(id).into_iter().enumerate() {

@@ -7,6 +7,7 @@
 
 pub mod amp;
 pub mod epilogue;
+pub mod fuse;
 pub mod registry;
 pub mod simplify;
 

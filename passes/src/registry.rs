@@ -3,6 +3,7 @@
 //! settings and is built apart.
 
 use crate::epilogue::GemmEpilogue;
+use crate::fuse::Fuse;
 use crate::simplify::{Algebraic, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm};
 use crate::{Pass, PassManager};
 
@@ -41,6 +42,10 @@ pub const PASSES: &[PassEntry] = &[
     PassEntry {
         name: "gemm-epilogue",
         make: || Box::new(GemmEpilogue),
+    },
+    PassEntry {
+        name: "fuse",
+        make: || Box::new(Fuse),
     },
 ];
 

@@ -2,10 +2,10 @@
 
 use ampgraph_graph::ops::{
     AllFinite, AssignVariable, BatchMatMul, BiasAdd, Binary, BinaryGrad, BroadcastTo, Cast, Concat,
-    Const, DataFormat, FusedMatMul, Group, IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax,
-    LossScaleUpdate, MatMul, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice,
-    Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxGrad, SumTo, Transpose, Unary,
-    UnaryGrad, UnaryKind,
+    Const, DataFormat, FusedElementwise, FusedMatMul, Group, IncrementIf, LayerNorm, LayerNormGrad,
+    LogSoftmax, LossScaleUpdate, MatMul, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape,
+    Rule, Slice, Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxGrad, SumTo,
+    Transpose, Unary, UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
 use ampgraph_graph::tensor::strides;
@@ -66,6 +66,7 @@ const SUPPORTED: &[&str] = &[
     "BiasAdd",
     "UnaryGrad",
     "BinaryGrad",
+    "FusedElementwise",
     "MatMul",
     "FusedMatMul",
     "BatchMatMul",
@@ -481,6 +482,19 @@ pub fn eval(
             ],
         )?;
         return Ok(vec![y]);
+    }
+    if let Some(f) = op.downcast_ref::<FusedElementwise>() {
+        let outputs = outs
+            .iter()
+            .map(|t| c.alloc(t))
+            .collect::<Result<Vec<_>, _>>()?;
+        let n = f.domain_len();
+        let mut args: Vec<Arg> = inputs.iter().map(DTensor::arg).collect();
+        args.extend(outputs.iter().map(DTensor::arg));
+        args.push(Arg::I64(n as i64));
+        // The program text holds every dtype and shape the source bakes in.
+        dev.launch_n(&format!("fused/{f}"), || src::fused(f), n, &args)?;
+        return Ok(outputs);
     }
     if let Some(cast) = op.downcast_ref::<Cast>() {
         let x = input(0)?;

@@ -7,7 +7,9 @@
 //! serves every shape. Block reductions accumulate in the compute type (f32 for the
 //! 16-bit types).
 
-use ampgraph_graph::ops::{BinaryKind, ReduceKind, Rule, UnaryKind};
+use ampgraph_graph::ops::fused::{Expr, Operand};
+use ampgraph_graph::ops::{BinaryKind, ElementOp, FusedElementwise, ReduceKind, Rule, UnaryKind};
+use ampgraph_graph::tensor::strides;
 use ampgraph_graph::DType;
 
 /// The most dimensions a strided kernel argument holds (larger ranks are refused).
@@ -340,7 +342,8 @@ pub fn unary_grad(d: DType, kind: UnaryKind) -> String {
     )
 }
 
-fn binary_expr(kind: BinaryKind) -> &'static str {
+/// Expression of `C a` and `C b`.
+pub fn binary_expr(kind: BinaryKind) -> &'static str {
     match kind {
         BinaryKind::Add => "a + b",
         BinaryKind::Sub => "a - b",
@@ -353,7 +356,8 @@ fn binary_expr(kind: BinaryKind) -> &'static str {
     }
 }
 
-fn binary_grad_expr(kind: BinaryKind, wrt: usize) -> &'static str {
+/// Expression of `C a`, `C b` and the output gradient `C g`.
+pub fn binary_grad_expr(kind: BinaryKind, wrt: usize) -> &'static str {
     let first = wrt == 0;
     match (kind, first) {
         (BinaryKind::Add, _) => "g",
@@ -975,4 +979,173 @@ pub fn optimizer(
         ),
     };
     module_multi(&types, &body)
+}
+
+/// `r_<dtype>(x)`: a compute value (float or double) rounded to a float dtype, in
+/// that dtype's compute type. From double, 16-bit types round once, as the CPU does.
+const ROUNDING: &str = r#"
+__device__ __forceinline__ float r_f32(float x) { return x; }
+__device__ __forceinline__ float r_f32(double x) { return (float)x; }
+__device__ __forceinline__ float r_f16(float x) { return __half2float(__float2half_rn(x)); }
+__device__ __forceinline__ float r_f16(double x) { return __half2float(__double2half(x)); }
+__device__ __forceinline__ float r_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ float r_bf16(double x) { return __bfloat162float(__double2bfloat16(x)); }
+__device__ __forceinline__ double r_f64(float x) { return (double)x; }
+__device__ __forceinline__ double r_f64(double x) { return x; }
+"#;
+
+/// The compute type of a float dtype.
+fn compute_type(d: DType) -> &'static str {
+    if d == DType::F64 {
+        "double"
+    } else {
+        "float"
+    }
+}
+
+/// Index into a `view`-shaped input of element `i` of the row-major shape `into`
+/// (NumPy broadcasting; shapes are the program's, baked in).
+fn broadcast_index(view: &[usize], into: &[usize]) -> String {
+    let rank = into.len();
+    let offset = rank - view.len().min(rank);
+    let view_strides = strides(view);
+    let terms: Vec<String> = (offset..rank)
+        .filter(|&d| view[d - offset] != 1)
+        .map(|d| {
+            let inner: usize = into[d + 1..].iter().product();
+            format!("(i / {inner} % {}) * {}", into[d], view_strides[d - offset])
+        })
+        .collect();
+    if terms.is_empty() {
+        "0".into()
+    } else {
+        terms.join(" + ")
+    }
+}
+
+/// One kernel for a fused program, a thread per element `i` of its domain: each
+/// value in its compute type, rounded to its dtype as the unfused ops stored it;
+/// inputs with fewer elements read at their broadcast index. Arguments: the inputs,
+/// the outputs, then `n`.
+pub fn fused(p: &FusedElementwise) -> String {
+    let instrs = p.instrs();
+    let n = p.domain_len();
+    let mut types = Vec::new();
+    let mut params = Vec::new();
+    for ins in instrs {
+        if let Expr::Input(k) = ins.expr {
+            types.push((format!("I{k}"), ins.ty.dtype));
+            params.push(format!("const TI{k}* in{k}"));
+        }
+    }
+    for (o, &v) in p.outputs().iter().enumerate() {
+        types.push((format!("O{o}"), instrs[v].ty.dtype));
+        params.push(format!("TO{o}* out{o}"));
+    }
+    let mut body = String::new();
+    for (j, ins) in instrs.iter().enumerate() {
+        let ty = compute_type(ins.ty.dtype);
+        let (op, args) = match &ins.expr {
+            Expr::Input(k) if ins.ty.checked_len() == Some(n) => {
+                body.push_str(&format!("    {ty} v{j} = ldI{k}(in{k}, i);\n"));
+                continue;
+            }
+            // Broadcast: read where used.
+            Expr::Input(_) => continue,
+            Expr::Apply(op, args) => (*op, args),
+        };
+        let operand = |slot: usize| match p.operand(j, slot) {
+            Operand::Value(v) => format!("v{v}"),
+            Operand::Broadcast { input, view, into } => {
+                format!("ldI{input}(in{input}, {})", broadcast_index(&view, &into))
+            }
+        };
+        let names = ["a", "b", "c"];
+        let mut block = format!("typedef {} C;", compute_type(instrs[args[0]].ty.dtype));
+        for (slot, name) in names.iter().enumerate().take(args.len()) {
+            block.push_str(&format!(" C {name} = {};", operand(slot)));
+        }
+        let compute = match op {
+            ElementOp::Unary(kind) => format!("C x = a; {}", unary_expr(kind)),
+            ElementOp::UnaryGrad(kind) => format!(
+                "C x = a; {}\n      C y = d == (C)0 ? d : d * b;",
+                derivative_expr(kind)
+            ),
+            ElementOp::Binary(kind) => format!("C y = {};", binary_expr(kind)),
+            ElementOp::BinaryGrad(kind, wrt) => {
+                format!("C g = c; C y = {};", binary_grad_expr(kind, wrt))
+            }
+            ElementOp::BiasAdd(_) => "C y = a + b;".into(),
+            ElementOp::Cast(_) => "C y = a;".into(),
+        };
+        body.push_str(&format!(
+            "    {ty} v{j};\n    {{ {block}\n      {compute}\n      v{j} = r_{}(y); }}\n",
+            ins.ty.dtype
+        ));
+    }
+    for (o, &v) in p.outputs().iter().enumerate() {
+        body.push_str(&format!("    stO{o}(out{o}, i, v{v});\n"));
+    }
+    let types: Vec<(&str, DType)> = types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
+    module_multi(
+        &types,
+        &format!(
+            "{ROUNDING}extern \"C\" __global__ void k({}, i64 n) {{\n  GRID_LOOP(i, n) {{\n{body}  }}\n}}\n",
+            params.join(", ")
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
+    use ampgraph_graph::ops::parse_op;
+
+    fn program(text: &str, outputs: Vec<i64>) -> FusedElementwise {
+        let mut attrs = AttrMap::new();
+        attrs.insert("program".into(), AttrValue::Str(text.into()));
+        attrs.insert("outputs".into(), AttrValue::Ints(outputs));
+        let op = parse_op("FusedElementwise", AttrReader::new(attrs)).unwrap();
+        op.downcast_ref::<FusedElementwise>().unwrap().clone()
+    }
+
+    #[test]
+    fn broadcast_index_follows_numpy_rules() {
+        assert_eq!(broadcast_index(&[6], &[4, 6]), "(i / 1 % 6) * 1");
+        assert_eq!(broadcast_index(&[4, 1], &[4, 6]), "(i / 6 % 4) * 1");
+        assert_eq!(
+            broadcast_index(&[3, 1, 1], &[2, 3, 4, 5]),
+            "(i / 20 % 3) * 1"
+        );
+        assert_eq!(broadcast_index(&[], &[4, 6]), "0");
+        assert_eq!(broadcast_index(&[1, 1], &[4, 6]), "0");
+    }
+
+    #[test]
+    fn fused_source_rounds_each_value_and_stores_each_output() {
+        let p = program(
+            "v0 = in0: f32[4, 6]; v1 = in1: f32[6]; v2 = BiasAdd<data_format=NHWC>(v0, v1): f32[4, 6]; \
+             v3 = Relu(v2): f32[4, 6]; v4 = Cast<to=f16>(v3): f16[4, 6]; v5 = in2: f16[]; \
+             v6 = Mul(v4, v5): f16[4, 6]; v7 = UnaryGrad<kind=Tanh>(v6, v4): f16[4, 6]",
+            vec![3, 7],
+        );
+        let src = fused(&p);
+        for want in [
+            "void k(const TI0* in0, const TI1* in1, const TI2* in2, TO0* out0, TO1* out1, i64 n)",
+            "float v0 = ldI0(in0, i);",
+            "C b = ldI1(in1, (i / 1 % 6) * 1);",
+            "v2 = r_f32(y);",
+            "m_max(x, (C)0)",
+            "v4 = r_f16(y);",
+            "C b = ldI2(in2, 0);",
+            "C y = d == (C)0 ? d : d * b;",
+            "stO0(out0, i, v3);",
+            "stO1(out1, i, v7);",
+        ] {
+            assert!(src.contains(want), "missing `{want}` in\n{src}");
+        }
+        // Broadcast inputs are not loaded at the domain index.
+        assert!(!src.contains("ldI1(in1, i)"), "{src}");
+    }
 }

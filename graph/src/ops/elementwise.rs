@@ -278,6 +278,18 @@ impl UnaryKind {
         }
     }
 
+    /// The loss gradient of `x` given the loss gradient `dy` of `apply(x)`: what
+    /// `UnaryGrad` computes per element. A zero slope stays zero even where `dy` is
+    /// infinite or NaN (no `0 * inf`).
+    pub fn input_grad<T: Real>(self, x: T, dy: T) -> T {
+        let d = self.derivative(x);
+        if d == T::zero() {
+            d
+        } else {
+            d * dy
+        }
+    }
+
     /// The kind's own attributes (Gelu's `approximate`, LeakyRelu's `alpha`).
     fn attrs(self) -> Vec<(&'static str, AttrValue)> {
         match self {
@@ -418,14 +430,7 @@ impl FloatKernel for UnaryGrad {
         let [x, dy] = fixed(inputs)?;
         check_dy(dy.shape(), x.shape(), "x")?;
         let (xs, gs) = (T::read(x), T::read(dy));
-        let dx = par_fill(xs.len(), |i| {
-            let d = self.kind.derivative(xs[i]);
-            if d == T::zero() {
-                d
-            } else {
-                d * gs[i]
-            }
-        });
+        let dx = par_fill(xs.len(), |i| self.kind.input_grad(xs[i], gs[i]));
         Ok(vec![(x.shape().to_vec(), dx)])
     }
 }
@@ -792,7 +797,8 @@ pub struct BiasAdd {
 }
 
 impl BiasAdd {
-    fn channel_axis(&self, rank: usize) -> usize {
+    /// The channel axis of an input of rank `rank` (2 or more).
+    pub fn channel_axis(&self, rank: usize) -> usize {
         match self.data_format {
             DataFormat::Nhwc => rank - 1,
             DataFormat::Nchw => 1,

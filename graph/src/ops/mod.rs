@@ -3,6 +3,7 @@
 
 pub mod conv;
 pub mod elementwise;
+pub mod fused;
 pub mod linalg;
 pub mod norm;
 pub mod reduce;
@@ -20,6 +21,7 @@ pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
+pub use fused::{ElementOp, FusedElementwise};
 pub use linalg::{BatchMatMul, Epilogue, FusedMatMul, MatMul};
 pub use norm::{BatchNorm, LayerNorm};
 pub use norm::{BatchNormGrad, LayerNormGrad};
@@ -51,6 +53,7 @@ const FAMILIES: &[&[OpEntry]] = &[
     elementwise::BINARY_OPS,
     elementwise::OTHER_OPS,
     elementwise::GRAD_OPS,
+    fused::OPS,
     linalg::OPS,
     conv::OPS,
     norm::OPS,

@@ -1,0 +1,145 @@
+//! Properties of elementwise fusion on random graphs (tests/common's generator), with
+//! and without the AMP rewrite first: the fused graph validates, keeps its outputs'
+//! types, computes bitwise the same values on the CPU, survives JSON and binary files,
+//! and a second run changes nothing.
+
+mod common;
+
+use std::collections::HashMap;
+
+use ampgraph::exec::feeds::seeded_tensor;
+use ampgraph::exec::{CpuExecutor, Executor, Feeds};
+use ampgraph::graph::format::{self, to_json, GraphDef};
+use ampgraph::graph::ops::{FusedElementwise, Placeholder, Variable};
+use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::passes::fuse::{Fuse, FuseReport};
+use ampgraph::{DType, Graph, Tensor};
+use common::{random_graph, Menu};
+use proptest::prelude::*;
+
+fn json(g: &Graph) -> String {
+    to_json(&GraphDef::from_graph(g))
+}
+
+fn feeds(g: &Graph, seed: u64) -> Feeds {
+    g.node_ids()
+        .map(|id| g.node(id))
+        .filter(|n| n.op.is::<Placeholder>() || n.op.is::<Variable>())
+        .map(|n| {
+            (
+                n.name.clone(),
+                seeded_tensor(&n.name, &n.outputs()[0], seed),
+            )
+        })
+        .collect::<HashMap<String, Tensor>>()
+}
+
+/// Same type and the same bits in every element (any NaN matching any NaN).
+fn identical(a: &Tensor, b: &Tensor) -> bool {
+    a.ty() == b.ty()
+        && a.to_f64_vec()
+            .iter()
+            .zip(b.to_f64_vec())
+            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+}
+
+/// The random graph, after AMP when `amp` is set.
+fn prepared(seed: u64, size: usize, amp: bool) -> Graph {
+    let mut g = random_graph(seed, size, Menu::Everything);
+    if amp {
+        let config = AmpConfig::with_profile(DType::F16, "tensorflow").unwrap();
+        AutoMixedPrecision::new(config).rewrite(&mut g).unwrap();
+    }
+    g
+}
+
+fn check_fusion(unfused: &Graph, seed: u64) -> Result<FuseReport, TestCaseError> {
+    let mut g = unfused.clone();
+    let report = Fuse.rewrite(&mut g).unwrap();
+    g.validate().unwrap();
+    prop_assert_eq!(report.nodes_after, g.len());
+    prop_assert_eq!(
+        report.nodes_before - report.fused_nodes + report.groups + report.named_outputs,
+        report.nodes_after
+    );
+    let fused = g
+        .node_ids()
+        .filter(|&id| g.node(id).op.is::<FusedElementwise>())
+        .count();
+    prop_assert_eq!(fused, report.groups);
+    // Outputs keep dtype and shape.
+    let before: Vec<_> = unfused
+        .outputs()
+        .iter()
+        .map(|&p| unfused.ty(p).clone())
+        .collect();
+    let after: Vec<_> = g.outputs().iter().map(|&p| g.ty(p).clone()).collect();
+    prop_assert_eq!(before, after);
+    // The CPU computes the same bits: every intermediate rounds as before.
+    let f = feeds(unfused, seed);
+    let want = CpuExecutor::new()
+        .run(unfused, &f, unfused.outputs())
+        .unwrap();
+    let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
+    for (k, (w, o)) in want.iter().zip(&got).enumerate() {
+        prop_assert!(identical(w, o), "output {}: {:?} vs {:?}", k, w, o);
+    }
+    // JSON -> graph -> binary -> graph -> JSON is unchanged.
+    let text = json(&g);
+    let from_json = format::graph_from_bytes(text.as_bytes()).unwrap();
+    let bin = format::to_bin(&GraphDef::from_graph(&from_json)).unwrap();
+    let from_bin = format::graph_from_bytes(&bin).unwrap();
+    prop_assert_eq!(&text, &json(&from_bin));
+    // Idempotent.
+    let mut again = g.clone();
+    let second = Fuse.rewrite(&mut again).unwrap();
+    prop_assert_eq!(second.groups, 0);
+    prop_assert_eq!(text, json(&again));
+    Ok(report)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn fusion_is_valid_exact_and_idempotent(seed in any::<u64>(), size in 1usize..40) {
+        check_fusion(&prepared(seed, size, false), seed)?;
+    }
+
+    #[test]
+    fn fusion_after_amp_is_valid_exact_and_idempotent(seed in any::<u64>(), size in 1usize..40) {
+        check_fusion(&prepared(seed, size, true), seed)?;
+    }
+}
+
+/// Fusion is not vacuous: it fires on most random graphs, with and without AMP.
+#[test]
+fn fusion_fires_on_most_random_graphs() {
+    for amp in [false, true] {
+        let fired = (0..64u64)
+            .filter(|&seed| {
+                let mut g = prepared(seed, 24, amp);
+                Fuse.rewrite(&mut g).unwrap().groups > 0
+            })
+            .count();
+        assert!(
+            fired >= 40,
+            "fusion fired on {fired} of 64 graphs (amp: {amp})"
+        );
+    }
+}
+
+/// DOT dumps draw a fused node inside a cluster labelled with its members.
+#[test]
+fn dot_shows_fused_nodes_as_clusters() {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [2, 3]).unwrap();
+    let r = g.relu(x).unwrap();
+    let y = g.tanh(r).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    Fuse.rewrite(&mut g).unwrap();
+    let dot = format::to_dot(&g, &format::default_color);
+    assert!(dot.contains("subgraph cluster_0 {"), "{dot}");
+    assert!(dot.contains("label=\"fused: relu, tanh\""), "{dot}");
+    assert!(dot.contains("\"fused/relu\" [label="), "{dot}");
+}
