@@ -151,6 +151,14 @@ struct Args {
     /// where the time goes, per kind of op (CUDA only).
     #[arg(long, default_value_t = 0)]
     profile: usize,
+    /// Run the fusion passes (GEMM epilogues, then elementwise fusion) after AMP.
+    /// Not yet the default: their CUDA kernels have not run on a GPU yet.
+    #[arg(long)]
+    fused: bool,
+    /// Build each graph, run the passes and print what each did; run no step (no
+    /// device needed).
+    #[arg(long)]
+    passes_only: bool,
     /// Write each graph as it runs (after the passes) to DIR/<workload>-<phase>-<mode>.txt.
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
@@ -542,7 +550,7 @@ fn run_one(
     mode: Mode,
     infer: bool,
     data: &(Tensor, Tensor),
-) -> Res<Record> {
+) -> Res<Option<Record>> {
     let Model {
         mut graph,
         logits,
@@ -586,7 +594,33 @@ fn run_one(
             AmpConfig::new(dtype)?.from_env()?,
         )));
     }
-    passes.run(&mut graph)?;
+    if args.fused {
+        for name in ampgraph::passes::registry::CUDA_PIPELINE {
+            passes.push(ampgraph::passes::registry::by_name(name).ok_or("unknown pass")?);
+        }
+    }
+    // The ports fetched below are the graph's outputs, which the passes keep.
+    graph.set_outputs([fetch].into_iter().chain(loss).collect())?;
+    let nodes_before = graph.len();
+    let records = passes.run(&mut graph)?;
+    let (fetch, loss) = (graph.outputs()[0], graph.outputs().get(1).copied());
+    if args.passes_only {
+        let phase = if infer { "infer" } else { "train" };
+        let (workload, mode) = (args.workload.name(), mode.name());
+        println!(
+            "# {workload} {phase} {mode}: {nodes_before} nodes before the passes, {} after",
+            graph.len()
+        );
+        for r in &records {
+            println!(
+                "## {} ({:.1} ms)\n{}",
+                r.pass,
+                r.elapsed.as_secs_f64() * 1e3,
+                r.summary
+            );
+        }
+        return Ok(None);
+    }
     if let Some(dir) = &args.dump {
         let phase = if infer { "infer" } else { "train" };
         let path = dir.join(format!(
@@ -657,7 +691,7 @@ fn run_one(
         );
     }
     let flops = cfg.flops_train() / if infer { 3.0 } else { 1.0 };
-    Ok(Record {
+    Ok(Some(Record {
         workload: args.workload.name(),
         mode: mode.name(),
         phase: if infer { "infer" } else { "train" },
@@ -667,7 +701,7 @@ fn run_one(
         peak_mib: peak,
         tflops: Some(flops / median / 1e9),
         loss,
-    })
+    }))
 }
 
 fn main() -> ExitCode {
@@ -699,6 +733,7 @@ fn bench(args: &Args) -> Res<()> {
         })
         .collect::<Res<Vec<bool>>>()?;
     let device_name = match args.device {
+        _ if args.passes_only => "no device (passes only)".to_string(),
         DeviceArg::Cuda => {
             if let Err(why) = cuda::available() {
                 println!(
@@ -734,7 +769,8 @@ fn bench(args: &Args) -> Res<()> {
     for &mode in &modes {
         for &infer in &phases {
             match run_one(args, &cfg, mode, infer, &data) {
-                Ok(r) => {
+                Ok(None) => {}
+                Ok(Some(r)) => {
                     let mut line = format!(
                         "{{\"workload\": \"{}\", \"mode\": \"{}\", \"phase\": \"{}\", \"median_ms\": {}, \"min_ms\": {}, \"max_ms\": {}, \"peak_mem_mib\": {}, \"tflops\": {}",
                         r.workload,

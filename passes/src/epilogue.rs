@@ -120,8 +120,8 @@ impl Pass for GemmEpilogue {
                 format!("... and their activation too: {activations}"),
                 format!("Kernels fewer per run: {}", fused + activations),
                 format!(
-                    "Memory traffic saved per run: {:.1} MiB",
-                    bytes_saved as f64 / (1 << 20) as f64
+                    "Memory traffic saved per run: {}",
+                    crate::format_bytes(bytes_saved as u64)
                 ),
             ],
         };

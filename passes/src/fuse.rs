@@ -66,8 +66,8 @@ impl FuseReport {
                     self.kernels_before, self.kernels_after
                 ),
                 format!(
-                    "Memory traffic saved: {} bytes (intermediate tensors no longer written and read)",
-                    self.bytes_saved
+                    "Memory traffic saved per run: {} (intermediate tensors no longer written and read)",
+                    crate::format_bytes(self.bytes_saved)
                 ),
             ],
         }
@@ -472,7 +472,7 @@ mod tests {
         assert!(summary.contains("Groups fused: 1"), "{summary}");
         assert!(summary.contains("Kernels: 4 before, 2 after"), "{summary}");
         assert!(
-            summary.contains("Memory traffic saved: 384 bytes"),
+            summary.contains("Memory traffic saved per run: 384 B"),
             "{summary}"
         );
     }

@@ -38,6 +38,15 @@ pub enum PassError {
     },
 }
 
+/// A byte count as pass summaries print it: `512 B`, `1.2 KiB`, `1086.5 MiB`.
+pub fn format_bytes(bytes: u64) -> String {
+    match bytes {
+        b if b < 1024 => format!("{b} B"),
+        b if b < 1 << 20 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+    }
+}
+
 /// What a pass reports after it ran: a title and the lines of its summary.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PassSummary {

@@ -53,6 +53,11 @@ pub const PASSES: &[PassEntry] = &[
 /// identities exposes common subexpressions, and all three leave dead nodes.
 pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"];
 
+/// The fusion pipeline for a CUDA graph after AMP (`bench --fused`): products take
+/// their bias and activation into the GEMM, then the remaining elementwise chains fuse
+/// into generated kernels.
+pub const CUDA_PIPELINE: &[&str] = &["gemm-epilogue", "fuse"];
+
 /// The names of the registered passes, in registry order.
 pub fn names() -> impl Iterator<Item = &'static str> {
     PASSES.iter().map(|e| e.name)

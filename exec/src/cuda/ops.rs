@@ -493,7 +493,7 @@ pub fn eval(
         args.extend(outputs.iter().map(DTensor::arg));
         args.push(Arg::I64(n as i64));
         // The program text holds every dtype and shape the source bakes in.
-        dev.launch_n(&format!("fused/{f}"), || src::fused(f), n, &args)?;
+        dev.launch_unrolled(&format!("fused/{f}"), || src::fused(f), n, &args)?;
         return Ok(outputs);
     }
     if let Some(cast) = op.downcast_ref::<Cast>() {

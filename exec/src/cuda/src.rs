@@ -1023,10 +1023,10 @@ fn broadcast_index(view: &[usize], into: &[usize]) -> String {
     }
 }
 
-/// One kernel for a fused program, a thread per element `i` of its domain: each
-/// value in its compute type, rounded to its dtype as the unfused ops stored it;
-/// inputs with fewer elements read at their broadcast index. Arguments: the inputs,
-/// the outputs, then `n`.
+/// One kernel for a fused program over the elements `i` of its domain ([`unrolled`]:
+/// the full-size inputs are loaded first): each value in its compute type, rounded to
+/// its dtype as the unfused ops stored it; inputs with fewer elements read at their
+/// broadcast index. Arguments: the inputs, the outputs, then `n`.
 pub fn fused(p: &FusedElementwise) -> String {
     let instrs = p.instrs();
     let n = p.domain_len();
@@ -1042,12 +1042,13 @@ pub fn fused(p: &FusedElementwise) -> String {
         types.push((format!("O{o}"), instrs[v].ty.dtype));
         params.push(format!("TO{o}* out{o}"));
     }
+    let mut loads: Vec<(String, String, String)> = Vec::new();
     let mut body = String::new();
     for (j, ins) in instrs.iter().enumerate() {
         let ty = compute_type(ins.ty.dtype);
         let (op, args) = match &ins.expr {
             Expr::Input(k) if ins.ty.checked_len() == Some(n) => {
-                body.push_str(&format!("    {ty} v{j} = ldI{k}(in{k}, i);\n"));
+                loads.push((ty.to_string(), format!("v{j}"), format!("ldI{k}(in{k}, i)")));
                 continue;
             }
             // Broadcast: read where used.
@@ -1087,11 +1088,16 @@ pub fn fused(p: &FusedElementwise) -> String {
         body.push_str(&format!("    stO{o}(out{o}, i, v{v});\n"));
     }
     let types: Vec<(&str, DType)> = types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
+    let loads: Vec<(&str, &str, &str)> = loads
+        .iter()
+        .map(|(t, v, e)| (t.as_str(), v.as_str(), e.as_str()))
+        .collect();
     module_multi(
         &types,
         &format!(
-            "{ROUNDING}extern \"C\" __global__ void k({}, i64 n) {{\n  GRID_LOOP(i, n) {{\n{body}  }}\n}}\n",
-            params.join(", ")
+            "{ROUNDING}extern \"C\" __global__ void k({}, i64 n) {{\n{}}}\n",
+            params.join(", "),
+            unrolled(&loads, &body)
         ),
     )
 }
@@ -1133,7 +1139,8 @@ mod tests {
         let src = fused(&p);
         for want in [
             "void k(const TI0* in0, const TI1* in1, const TI2* in2, TO0* out0, TO1* out1, i64 n)",
-            "float v0 = ldI0(in0, i);",
+            "r_v0[u] = ldI0(in0, i);",
+            "float v0 = r_v0[u];",
             "C b = ldI1(in1, (i / 1 % 6) * 1);",
             "v2 = r_f32(y);",
             "m_max(x, (C)0)",

@@ -7,7 +7,7 @@ use foldhash::HashMap;
 use std::collections::hash_map::Entry;
 
 use super::{const_value, is_stateful, node_error, summary};
-use crate::{Pass, PassError, PassSummary};
+use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// Results larger than this many elements are not folded: a Const that size would
 /// bloat the graph file and the rewrite's memory for little gain.
@@ -61,7 +61,7 @@ impl Pass for ConstFold {
         }
         let line = format!(
             "const-fold: folded {folded} nodes ({} of constants)",
-            format_bytes(bytes)
+            format_bytes(bytes as u64)
         );
         Ok(summary("const-fold", vec![line]))
     }
@@ -77,15 +77,6 @@ fn foldable(g: &Graph, id: NodeId) -> bool {
     !node.op.is::<Const>()
         && !is_stateful(node.op.as_ref())
         && out.checked_len().is_some_and(|n| n <= MAX_FOLDED_ELEMENTS)
-}
-
-/// `1.2 KiB`, `512 B`.
-pub(crate) fn format_bytes(bytes: usize) -> String {
-    match bytes {
-        b if b < 1024 => format!("{b} B"),
-        b if b < 1 << 20 => format!("{:.1} KiB", b as f64 / 1024.0),
-        b => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
-    }
 }
 
 #[cfg(test)]

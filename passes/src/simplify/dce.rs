@@ -4,8 +4,8 @@
 
 use ampgraph_graph::Graph;
 
-use super::{const_fold::format_bytes, has_side_effects, summary};
-use crate::{Pass, PassError, PassSummary};
+use super::{has_side_effects, summary};
+use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `dce` pass.
 #[derive(Clone, Copy, Debug, Default)]
@@ -45,7 +45,7 @@ impl Pass for Dce {
         }
         let line = format!(
             "dce: removed {removed} dead nodes ({} of tensors no longer computed)",
-            format_bytes(bytes)
+            format_bytes(bytes as u64)
         );
         Ok(summary("dce", vec![line]))
     }
