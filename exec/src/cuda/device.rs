@@ -15,6 +15,7 @@ use half::{bf16, f16};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
+use super::kernel_cache::DiskCache;
 use super::src::{MAX_RANK, UNROLL};
 
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
@@ -135,6 +136,21 @@ fn ptx_cache() -> &'static Mutex<HashMap<String, Ptx>> {
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// NVRTC's version (`major.minor`), asked once: part of every disk-cache key.
+fn nvrtc_version() -> &'static str {
+    static VERSION: OnceLock<String> = OnceLock::new();
+    VERSION.get_or_init(|| {
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: two out-parameters, written by NVRTC; a missing library panics
+        // inside cudarc, which the executor's guard turns into an error.
+        let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+        match status {
+            cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => format!("{major}.{minor}"),
+            other => format!("unknown ({other:?})"),
+        }
+    })
+}
+
 /// Include directories for `cuda_fp16.h` and `cuda_bf16.h`.
 fn include_paths() -> Vec<String> {
     let mut roots = Vec::new();
@@ -165,6 +181,8 @@ pub struct Device {
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(String, &'static str), Arc<CudaFunction>>>,
     pub pool: Arc<Mutex<Pool>>,
+    /// Compiled PTX kept between processes.
+    disk_cache: DiskCache,
 }
 
 fn drv<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
@@ -188,6 +206,7 @@ impl Device {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             pool: Arc::new(Mutex::new(Pool::default())),
+            disk_cache: DiskCache::from_env(),
         })
     }
 
@@ -337,10 +356,21 @@ impl Device {
             return Ok(p.clone());
         }
         let src = src();
+        let arch_option = format!("--gpu-architecture={}", self.arch);
+        // Everything the PTX depends on; the headers come with the NVRTC version.
+        let disk_key = [nvrtc_version(), &arch_option, "--fmad=false", &src];
+        if let Some(text) = self.disk_cache.load(&disk_key) {
+            let ptx = Ptx::from_src(text);
+            ptx_cache()
+                .lock()
+                .map_err(|_| "poisoned")?
+                .insert(ckey, ptx.clone());
+            return Ok(ptx);
+        }
         let opts = CompileOptions {
             fmad: Some(false),
             include_paths: include_paths(),
-            options: vec![format!("--gpu-architecture={}", self.arch)],
+            options: vec![arch_option.clone()],
             name: Some(format!("{}.cu", key.replace(['/', ' '], "_"))),
             ..Default::default()
         };
@@ -353,6 +383,9 @@ impl Device {
                 other => format!("NVRTC could not compile kernel '{key}': {other:?}"),
             })
         })?;
+        if ptx.as_bytes().is_some() {
+            self.disk_cache.store(&disk_key, &ptx.to_src());
+        }
         ptx_cache()
             .lock()
             .map_err(|_| "poisoned")?

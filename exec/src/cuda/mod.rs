@@ -14,6 +14,7 @@
 
 mod device;
 mod gemm;
+pub mod kernel_cache;
 mod ops;
 mod src;
 
