@@ -14,8 +14,8 @@
 //! - `mlp`: x[8192,1024] -> 4 x (Linear 4096 + GELU) -> Linear 1000, cross-entropy on
 //!   integer labels [8192].
 //! - `transformer`: x[16,512,768] -> 4 pre-LN blocks (LayerNorm, q/k/v Linears (three
-//!   d -> d GEMMs where torch runs one d -> 3d and splits it: ampgraph's Slice has no
-//!   gradient yet), 12 heads, explicit attention `softmax(QK^T / sqrt(d_head)) @ V`, output
+//!   d -> d GEMMs where torch runs one d -> 3d and splits it: the gradient of three
+//!   Slices would be three zero-padded tensors summed, not yet one Concat), 12 heads, explicit attention `softmax(QK^T / sqrt(d_head)) @ V`, output
 //!   projection, residual; LayerNorm, Linear 4d + GELU, Linear d, residual) -> LayerNorm
 //!   -> Linear 1000 on every token; cross-entropy over the [16*512, 1000] logits against
 //!   integer labels [16*512].
@@ -409,9 +409,10 @@ fn block(g: &mut Graph, x: Port, b: usize, t: usize, d: usize, heads: usize) -> 
     let dh = d / heads;
     let n = b * t;
     let h = layer_norm(g, x, d)?;
-    // torch: q, k, v = qkv(h).split(d, dim=-1). Slice has no gradient in ampgraph
-    // yet, so three d -> d Linears (the same FLOPs, three GEMMs instead of one); each
-    // .view(b, t, heads, dh).transpose(1, 2).
+    // torch: q, k, v = qkv(h).split(d, dim=-1). Here three d -> d Linears (the same
+    // FLOPs, three GEMMs instead of one): the gradients of three Slices would be
+    // zero-padded and summed, where torch concatenates; each .view(b, t, heads,
+    // dh).transpose(1, 2).
     let mut split = Vec::with_capacity(3);
     for _ in 0..3 {
         let part = nn::dense(g, h, d, None)?;

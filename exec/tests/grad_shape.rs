@@ -1,5 +1,5 @@
 //! Gradients of Reshape, Transpose (random permutations), Concat (random axes and
-//! parts) and BroadcastTo against central finite differences, and the kernels of the
+//! parts), Slice (random blocks) and BroadcastTo against central finite differences, and the kernels of the
 //! new data-movement ops `Slice` and `BroadcastTo` against references written here
 //! with index arithmetic, in every dtype (they copy, so results must be exact).
 
@@ -83,6 +83,20 @@ proptest! {
             .collect();
         let axis = if negative { axis as i64 - rank as i64 } else { axis as i64 };
         assert_grad(Box::new(Concat::new(axis)), &inputs, seed);
+    }
+
+    #[test]
+    fn slice_gradient_matches_finite_differences(shape in shape(3, 4), seed in any::<u64>()) {
+        let mut rng = Gen(seed);
+        let mut begin = Vec::new();
+        let mut size = Vec::new();
+        for &d in &shape {
+            let b = rng.below(d);
+            begin.push(b);
+            size.push(if rng.below(3) == 0 { -1 } else { 1 + rng.below(d - b) as i64 });
+        }
+        let x = t64(&shape, &rng.vec(numel(&shape), -2.0, 2.0));
+        assert_grad(Box::new(Slice::new(begin, size)), &[x], seed);
     }
 
     #[test]

@@ -581,6 +581,51 @@ impl Op for Slice {
         let data = dispatch!(x.dtype(), slice_typed(x, &self.begin, &shape))?;
         Ok(vec![Tensor::new(shape, data)?])
     }
+    /// `dx` is `dy` back in its place among zeros: along each axis the slice cut, a
+    /// Concat of broadcast zeros before it, `dy`, and zeros after it (ops every
+    /// executor has, none needing a kernel of its own).
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        _outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let (Some(dy), [x]) = (grad0(grads), inputs) else {
+            return Ok(vec![None; inputs.len()]);
+        };
+        let x_ty = b.ty(*x).clone();
+        if !x_ty.dtype.is_float() {
+            return Ok(vec![None]);
+        }
+        let cut = self.output_shape(&x_ty.shape).map_err(GraphError::Format)?;
+        let zero = b.scalar(x_ty.dtype, 0.0)?;
+        let mut dx = dy;
+        let mut shape = cut.clone();
+        for axis in 0..shape.len() {
+            let before = self.begin[axis];
+            let after = x_ty.shape[axis] - before - cut[axis];
+            if before == 0 && after == 0 {
+                continue;
+            }
+            let mut zeros = |extent: usize| {
+                let mut zeros_shape = shape.clone();
+                zeros_shape[axis] = extent;
+                b.add(BroadcastTo::new(zeros_shape), &[zero])
+            };
+            let mut parts = Vec::with_capacity(3);
+            if before > 0 {
+                parts.push(zeros(before)?);
+            }
+            parts.push(dx);
+            if after > 0 {
+                parts.push(zeros(after)?);
+            }
+            dx = b.add(Concat::new(axis as i64), &parts)?;
+            shape[axis] = x_ty.shape[axis];
+        }
+        Ok(vec![Some(dx)])
+    }
 }
 
 /// Broadcasts `x` to `shape` by NumPy rules (x's shape must broadcast to exactly
