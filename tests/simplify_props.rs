@@ -6,7 +6,8 @@ mod common;
 
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::ops::{MatMul, Placeholder};
-use ampgraph::passes::registry::{self, SIMPLIFY_PIPELINE};
+use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::passes::registry::{self, CUDA_PIPELINE, SIMPLIFY_PIPELINE};
 use ampgraph::passes::PassManager;
 use ampgraph::{DType, Graph, Tensor, TensorType};
 use common::{feeds, json, random_graph, Menu};
@@ -148,6 +149,24 @@ proptest! {
         check(&g, SIMPLIFY_PIPELINE, seed)?;
         // The pipeline, then batch-norm folding and the dead nodes it leaves.
         let everything = [SIMPLIFY_PIPELINE, &["fold-batchnorm", "dce"]].concat();
+        check(&g, &everything, seed)?;
+    }
+
+    /// After AMP, the whole pipeline (simplifications, GEMM epilogues, fusion, padding)
+    /// computes what AMP alone computes, so the f16 error bound that amp_props proves
+    /// for AMP holds for the optimized graph too.
+    #[test]
+    fn the_whole_pipeline_after_amp_keeps_amps_outputs(
+        seed in any::<u64>(),
+        size in 1usize..30,
+        bf16 in any::<bool>(),
+    ) {
+        let mut g = random_graph(seed, size, Menu::Simplifiable);
+        let dtype = if bf16 { DType::BF16 } else { DType::F16 };
+        AutoMixedPrecision::new(AmpConfig::new(dtype).unwrap())
+            .rewrite(&mut g)
+            .unwrap();
+        let everything = [SIMPLIFY_PIPELINE, CUDA_PIPELINE, &["pad-gemm"]].concat();
         check(&g, &everything, seed)?;
     }
 
