@@ -331,11 +331,13 @@ impl Graph {
         }
     }
 
-    /// A name not yet used, from a stem: `matmul`, `matmul_1`, ...
-    pub fn fresh_name(&self, stem: &str) -> String {
-        if !self.names.contains_key(stem) {
-            return stem.to_string();
+    /// A name not yet used, from a stem: `matmul`, `matmul_1`, ... (An owned stem is
+    /// returned as it is when free.)
+    pub fn fresh_name(&self, stem: impl AsRef<str> + Into<String>) -> String {
+        if !self.names.contains_key(stem.as_ref()) {
+            return stem.into();
         }
+        let stem = stem.as_ref();
         // Start at the node count so that naming many nodes stays linear.
         (self.len()..)
             .map(|i| format!("{stem}_{i}"))
@@ -355,9 +357,6 @@ impl Graph {
         if name.is_empty() {
             return Err(GraphError::Format("a node has an empty name".into()));
         }
-        if self.names.contains_key(&name) {
-            return Err(err("a node of this name already exists".into()));
-        }
         if !op.arity().accepts(inputs.len()) {
             return Err(err(format!("takes {}, got {}", op.arity(), inputs.len())));
         }
@@ -366,16 +365,27 @@ impl Graph {
         }
         let types: Vec<&TensorType> = inputs.iter().map(|p| self.ty(*p)).collect();
         let outputs = op.infer(&types).map_err(err)?;
+        // One lookup of the name both checks it and files the node under it.
+        let slot = match self.names.entry(name) {
+            std::collections::hash_map::Entry::Occupied(e) => {
+                return Err(GraphError::node(
+                    e.key(),
+                    op.name(),
+                    "a node of this name already exists",
+                ))
+            }
+            std::collections::hash_map::Entry::Vacant(v) => v,
+        };
         let id = self.dag.add_node(Node {
-            name: name.clone(),
+            name: slot.key().clone(),
             op,
             outputs,
             annotations: BTreeMap::new(),
         });
+        slot.insert(id);
         for (slot, p) in inputs.iter().enumerate() {
             self.dag.add_edge(p.node, id, Edge::new(p.index, slot));
         }
-        self.names.insert(name, id);
         Ok(id)
     }
 

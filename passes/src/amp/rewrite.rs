@@ -35,6 +35,24 @@ fn cast_suffix(to: DType) -> &'static str {
     }
 }
 
+/// `{node}-{port}-CastToFp16{tail}`, TensorFlow's name for a cast it inserts; built
+/// by hand because `format!` cost more than the rest of inserting a cast.
+fn cast_name(node: &str, port: usize, to: DType, tail: &str) -> String {
+    let suffix = cast_suffix(to);
+    let mut name = String::with_capacity(node.len() + suffix.len() + tail.len() + 24);
+    name.push_str(node);
+    name.push('-');
+    if port < 10 {
+        name.push(char::from(b'0' + port as u8));
+    } else {
+        name.push_str(&port.to_string());
+    }
+    name.push('-');
+    name.push_str(suffix);
+    name.push_str(tail);
+    name
+}
+
 /// Applies `p` to `g`, converting allow vertices to `target`.
 pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<RewriteStats, PassError> {
     let mut stats = RewriteStats::default();
@@ -89,11 +107,7 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
                     new_ops.push(id);
                     continue;
                 }
-                let name = g.fresh_name(&format!(
-                    "{}-{port_index}-{}",
-                    g.node(id).name,
-                    cast_suffix(to)
-                ));
+                let name = g.fresh_name(cast_name(&g.node(id).name, port_index, to, ""));
                 let new = g.add_node(name, Box::new(rounded), &[])?;
                 stats.inserted.push(new);
                 rewire(&mut changes, &mismatched, Port::new(new, 0));
@@ -111,10 +125,11 @@ pub(crate) fn apply(g: &mut Graph, p: &Painting, target: DType) -> Result<Rewrit
                 rewire(&mut changes, &mismatched, Port::new(cast, 0));
                 continue;
             }
-            let name = g.fresh_name(&format!(
-                "{}-{port_index}-{}-AutoMixedPrecision",
-                g.node(id).name,
-                cast_suffix(to)
+            let name = g.fresh_name(cast_name(
+                &g.node(id).name,
+                port_index,
+                to,
+                "-AutoMixedPrecision",
             ));
             let cast = g.add_node(name, Box::new(Cast { to }), &[source])?;
             inserted.insert((source, to), cast);
