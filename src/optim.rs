@@ -245,7 +245,7 @@ impl Optimizer for RuleOptimizer {
                 learning_rate: self.learning_rate,
                 weight_decay: self.weight_decay,
             };
-            let name = g.fresh_name(&format!("{var_name}/update"));
+            let name = g.fresh_name(format!("{var_name}/update"));
             let update = g.add_node(name, Box::new(op), &inputs)?;
             for (k, target) in std::iter::once(Port::from(var)).chain(slots).enumerate() {
                 writes.push(g.add(AssignVariable, &[target, Port::new(update, k)])?);

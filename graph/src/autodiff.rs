@@ -36,7 +36,7 @@ impl<'a> GradBuilder<'a> {
     pub fn add_node(&mut self, op: Box<dyn Op>, inputs: &[Port]) -> Result<NodeId> {
         let name = self
             .graph
-            .fresh_name(&format!("{}/{}", self.stem, op.name()));
+            .fresh_name(format!("{}/{}", self.stem, op.name()));
         self.graph.add_node(name, op, inputs)
     }
 

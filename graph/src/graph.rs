@@ -391,7 +391,7 @@ impl Graph {
 
     /// Adds a node named after its op and returns its output 0.
     pub fn add(&mut self, op: impl Op, inputs: &[Port]) -> Result<Port> {
-        let name = self.fresh_name(&op.name().to_lowercase());
+        let name = self.fresh_name(op.name().to_lowercase());
         Ok(self.add_node(name, Box::new(op), inputs)?.into())
     }
 

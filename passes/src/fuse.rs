@@ -254,7 +254,7 @@ fn fuse_round(g: &mut Graph, report: &mut FuseReport) -> Result<bool, PassError>
     let mut created: Vec<(NodeId, Vec<Port>)> = Vec::new();
     for (k, members) in groups.iter().enumerate().filter(|(_, m)| m.len() >= 2) {
         let first = &g.node(members[0]).name;
-        let name = g.fresh_name(&format!("fused/{first}"));
+        let name = g.fresh_name(format!("fused/{first}"));
         let exported = |m: NodeId| {
             is_output[m.index()] || adj.consumers(m).any(|(c, _, _)| group[c.index()] != k)
         };

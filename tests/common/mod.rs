@@ -264,7 +264,7 @@ fn simplifiable_step(
         g.add(Const::new(t), &[]).unwrap()
     };
     let add = |g: &mut Graph, op: &dyn Fn() -> Box<dyn ampgraph::graph::Op>, inputs: &[Port]| {
-        let name = g.fresh_name(&op().name().to_lowercase());
+        let name = g.fresh_name(op().name().to_lowercase());
         Port::from(g.add_node(name, op(), inputs).unwrap())
     };
     let binary =

@@ -176,9 +176,9 @@ fn sweep(g: &mut Graph) -> Result<(usize, usize), PassError> {
     let mut new_biases = Vec::with_capacity(folds.len());
     for f in &folds {
         let (filter, bias) = folded_constants(g, f, adj.inputs(f.bn))?;
-        let name = g.fresh_name(&format!("{}/folded_filter", g.node(f.product).name));
+        let name = g.fresh_name(format!("{}/folded_filter", g.node(f.product).name));
         let filter = g.add_node(name, Box::new(Const::new(filter)), &[])?;
-        let name = g.fresh_name(&format!("{}/folded_bias", g.node(f.bn).name));
+        let name = g.fresh_name(format!("{}/folded_bias", g.node(f.bn).name));
         let bias = g.add_node(name, Box::new(Const::new(bias)), &[])?;
         changes.push((f.product, 1, filter.into()));
         new_biases.push(bias);

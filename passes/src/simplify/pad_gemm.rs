@@ -73,7 +73,7 @@ fn pad(g: &mut Graph, id: NodeId) -> Result<bool, PassError> {
     let stem = g.node(id).name.clone();
     let a = pad_matrix(g, a, orient(pm, pk, transpose_a), &format!("{stem}/pad_a"))?;
     let b = pad_matrix(g, b, orient(pk, pn, transpose_b), &format!("{stem}/pad_b"))?;
-    let name = g.fresh_name(&format!("{stem}/padded"));
+    let name = g.fresh_name(format!("{stem}/padded"));
     let product = g.add_node(
         name,
         Box::new(MatMul::new(transpose_a, transpose_b)),
@@ -104,7 +104,7 @@ fn pad_matrix(
             ty: TensorType::new(ty.dtype, zero_shape),
             values: None,
         };
-        let z = g.add_node(g.fresh_name(&format!("{stem}/zeros")), Box::new(zeros), &[])?;
+        let z = g.add_node(g.fresh_name(format!("{stem}/zeros")), Box::new(zeros), &[])?;
         let name = g.fresh_name(stem);
         x = g
             .add_node(name, Box::new(Concat::new(axis as i64)), &[x, z.into()])?
