@@ -5,34 +5,14 @@
 
 mod common;
 
-use std::collections::HashMap;
-
-use ampgraph::exec::feeds::seeded_tensor;
-use ampgraph::exec::{CpuExecutor, Executor, Feeds};
-use ampgraph::graph::format::{self, to_json, GraphDef};
-use ampgraph::graph::ops::{FusedElementwise, Placeholder, Variable};
+use ampgraph::exec::{CpuExecutor, Executor};
+use ampgraph::graph::format::{self, GraphDef};
+use ampgraph::graph::ops::FusedElementwise;
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::fuse::{Fuse, FuseReport};
 use ampgraph::{DType, Graph, Tensor};
-use common::{random_graph, Menu};
+use common::{feeds, json, random_graph, Menu};
 use proptest::prelude::*;
-
-fn json(g: &Graph) -> String {
-    to_json(&GraphDef::from_graph(g))
-}
-
-fn feeds(g: &Graph, seed: u64) -> Feeds {
-    g.node_ids()
-        .map(|id| g.node(id))
-        .filter(|n| n.op.is::<Placeholder>() || n.op.is::<Variable>())
-        .map(|n| {
-            (
-                n.name.clone(),
-                seeded_tensor(&n.name, &n.outputs()[0], seed),
-            )
-        })
-        .collect::<HashMap<String, Tensor>>()
-}
 
 /// Same type and the same bits in every element (any NaN matching any NaN).
 fn identical(a: &Tensor, b: &Tensor) -> bool {

@@ -2,21 +2,13 @@
 //! casts, biases (NHWC and NCHW), a broadcast scalar and row, gradients, several
 //! outputs. Skips (printing why) without CUDA.
 
-use ampgraph_exec::{cuda, CpuExecutor, CudaExecutor, Executor, Feeds};
+mod common;
+
+use ampgraph_exec::{CpuExecutor, CudaExecutor, Executor, Feeds};
 use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
 use ampgraph_graph::ops::parse_op;
 use ampgraph_graph::{DType, Graph, Port, Tensor};
-
-/// A CUDA executor, or `None` (after printing why) where CUDA is unavailable.
-fn gpu() -> Option<CudaExecutor> {
-    match cuda::available() {
-        Err(why) => {
-            println!("skipping: {why}");
-            None
-        }
-        Ok(_) => Some(CudaExecutor::new(0).expect("CUDA is available but the executor failed")),
-    }
-}
+use common::gpu;
 
 /// Deterministic values in [lo, hi).
 fn values(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {

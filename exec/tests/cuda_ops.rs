@@ -3,20 +3,12 @@
 
 #![allow(clippy::cloned_ref_to_slice_refs)] // `&[x.clone()]` reads better in the tables
 
+mod common;
+
 use ampgraph_exec::{cuda, CpuExecutor, CudaExecutor, Executor, Feeds};
 use ampgraph_graph::ops::*;
 use ampgraph_graph::{DType, Data, Graph, Op, Port, Tensor};
-
-/// A CUDA executor, or `None` (after printing why) where CUDA is unavailable.
-fn gpu() -> Option<CudaExecutor> {
-    match cuda::available() {
-        Err(why) => {
-            println!("skipping: {why}");
-            None
-        }
-        Ok(_) => Some(CudaExecutor::new(0).expect("CUDA is available but the executor failed")),
-    }
-}
+use common::{gpu, FLOATS};
 
 struct Rng(u64);
 impl Rng {
@@ -111,7 +103,6 @@ fn rand(r: &mut Rng, dtype: DType, shape: &[usize], lo: f64, hi: f64) -> Tensor 
 }
 
 const HALF_AND_F32: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
 
 fn unary_kinds() -> Vec<(UnaryKind, f64, f64)> {
     use UnaryKind::*;

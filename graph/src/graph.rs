@@ -345,6 +345,20 @@ impl Graph {
             .expect("an unused name exists")
     }
 
+    /// The output types of a node `name` computing `op` from `inputs`, after checking
+    /// its arity and that every input exists.
+    fn output_types(&self, name: &str, op: &dyn Op, inputs: &[Port]) -> Result<Vec<TensorType>> {
+        let err = |msg: String| GraphError::node(name, op.name(), msg);
+        if !op.arity().accepts(inputs.len()) {
+            return Err(err(format!("takes {}, got {}", op.arity(), inputs.len())));
+        }
+        for p in inputs {
+            self.check_port(*p)?;
+        }
+        let types: Vec<&TensorType> = inputs.iter().map(|p| self.ty(*p)).collect();
+        op.infer(&types).map_err(err)
+    }
+
     /// Adds a node, checking its name, arity and input types as it goes.
     pub fn add_node(
         &mut self,
@@ -353,18 +367,10 @@ impl Graph {
         inputs: &[Port],
     ) -> Result<NodeId> {
         let name = name.into();
-        let err = |msg: String| GraphError::node(&name, op.name(), msg);
         if name.is_empty() {
             return Err(GraphError::Format("a node has an empty name".into()));
         }
-        if !op.arity().accepts(inputs.len()) {
-            return Err(err(format!("takes {}, got {}", op.arity(), inputs.len())));
-        }
-        for p in inputs {
-            self.check_port(*p)?;
-        }
-        let types: Vec<&TensorType> = inputs.iter().map(|p| self.ty(*p)).collect();
-        let outputs = op.infer(&types).map_err(err)?;
+        let outputs = self.output_types(&name, op.as_ref(), inputs)?;
         // One lookup of the name both checks it and files the node under it.
         let slot = match self.names.entry(name) {
             std::collections::hash_map::Entry::Occupied(e) => {
@@ -687,14 +693,7 @@ impl Graph {
     pub fn set_node(&mut self, id: NodeId, op: Box<dyn Op>, inputs: &[Port]) -> Result<()> {
         let node = &self.dag[id];
         let err = |msg: String| GraphError::node(&node.name, op.name(), msg);
-        if !op.arity().accepts(inputs.len()) {
-            return Err(err(format!("takes {}, got {}", op.arity(), inputs.len())));
-        }
-        for p in inputs {
-            self.check_port(*p)?;
-        }
-        let types: Vec<&TensorType> = inputs.iter().map(|p| self.ty(*p)).collect();
-        let outputs = op.infer(&types).map_err(err)?;
+        let outputs = self.output_types(&node.name, op.as_ref(), inputs)?;
         let read_ports = self
             .dag
             .edges_directed(id, Direction::Outgoing)

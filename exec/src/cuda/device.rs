@@ -426,7 +426,7 @@ impl Device {
             .map_err(|e| format!("launching kernel '{key}': {e:?}"))
     }
 
-    /// An elementwise launch over `n` items.
+    /// An elementwise launch over `n` items, a thread per item.
     pub fn launch_n(
         &self,
         key: &str,
@@ -434,11 +434,7 @@ impl Device {
         n: usize,
         args: &[Arg],
     ) -> Result<(), String> {
-        if n == 0 {
-            return Ok(());
-        }
-        let grid = n.div_ceil(256).min(1 << 20) as u32;
-        self.launch(key, src, "k", grid, 256, args)
+        self.launch_items(key, src, n, 1, args)
     }
 
     /// A launch of an elementwise kernel whose threads take [`UNROLL`] items each.
@@ -449,10 +445,23 @@ impl Device {
         n: usize,
         args: &[Arg],
     ) -> Result<(), String> {
+        self.launch_items(key, src, n, UNROLL, args)
+    }
+
+    /// Enough blocks of 256 threads for `n` items, `per_thread` each (grid-stride
+    /// loops take the rest beyond the grid limit).
+    fn launch_items(
+        &self,
+        key: &str,
+        src: impl FnOnce() -> String,
+        n: usize,
+        per_thread: usize,
+        args: &[Arg],
+    ) -> Result<(), String> {
         if n == 0 {
             return Ok(());
         }
-        let grid = n.div_ceil(256 * UNROLL).min(1 << 20) as u32;
+        let grid = n.div_ceil(256 * per_thread).min(1 << 20) as u32;
         self.launch(key, src, "k", grid, 256, args)
     }
 }

@@ -1,14 +1,26 @@
-//! Helpers shared by the gradient tests: deterministic data, tolerances, op runners.
+//! Helpers shared by the gradient and GPU tests: deterministic data, tolerances, op
+//! runners, the CUDA executor or the reason there is none.
 // Each test binary uses a different subset of these helpers.
 #![allow(dead_code)]
 
 use ampgraph_exec::gradcheck::check_op_gradient;
-use ampgraph_exec::{CpuExecutor, Executor};
+use ampgraph_exec::{cuda, CpuExecutor, CudaExecutor, Executor};
 use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
 use ampgraph_graph::autodiff::gradients;
 use ampgraph_graph::ops::{parse_op, Binary, BinaryKind, Const, Placeholder, Reduce, ReduceKind};
 use ampgraph_graph::{DType, Graph, Op, Port, Tensor, TensorType};
 use proptest::prelude::*;
+
+/// A CUDA executor, or `None` (after printing why) where CUDA is unavailable.
+pub fn gpu() -> Option<CudaExecutor> {
+    match cuda::available() {
+        Err(why) => {
+            println!("skipping: {why}");
+            None
+        }
+        Ok(_) => Some(CudaExecutor::new(0).expect("CUDA is available but the executor failed")),
+    }
+}
 
 pub const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
 
