@@ -267,6 +267,20 @@ mod tests {
         g.add_node(name, Box::new(op), inputs).unwrap().into()
     }
 
+    /// `mm = x[4, 2] @ w`, w a Const 2x2.
+    fn product_of_constant_weights() -> (Graph, Port) {
+        let mut g = Graph::new();
+        let x = add(
+            &mut g,
+            "x",
+            Placeholder(TensorType::new(DType::F32, [4, 2])),
+            &[],
+        );
+        let w = konst(&mut g, "w", &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        let mm = add(&mut g, "mm", MatMul::new(false, false), &[x, w]);
+        (g, mm)
+    }
+
     fn konst(g: &mut Graph, name: &str, shape: &[usize], v: &[f64]) -> Port {
         add(
             g,
@@ -403,15 +417,7 @@ mod tests {
 
     #[test]
     fn leaves_batchnorms_whose_product_has_other_readers() {
-        let mut g = Graph::new();
-        let x = add(
-            &mut g,
-            "x",
-            Placeholder(TensorType::new(DType::F32, [4, 2])),
-            &[],
-        );
-        let w = konst(&mut g, "w", &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
-        let mm = add(&mut g, "mm", MatMul::new(false, false), &[x, w]);
+        let (mut g, mm) = product_of_constant_weights();
         let s = konst(&mut g, "s", &[2], &[1.0, 1.0]);
         let bn = add(&mut g, "bn", BatchNorm::default(), &[mm, s, s, s, s]);
         g.set_outputs(vec![bn, mm]).unwrap();
@@ -423,15 +429,7 @@ mod tests {
     /// second fold and the bypass appear only once the first fold is done.
     #[test]
     fn folds_chains_in_one_run() {
-        let mut g = Graph::new();
-        let x = add(
-            &mut g,
-            "x",
-            Placeholder(TensorType::new(DType::F32, [4, 2])),
-            &[],
-        );
-        let w = konst(&mut g, "w", &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
-        let mm = add(&mut g, "mm", MatMul::new(false, false), &[x, w]);
+        let (mut g, mm) = product_of_constant_weights();
         let s = konst(&mut g, "s", &[2], &[2.0, 2.0]);
         let bn1 = add(&mut g, "bn1", BatchNorm::default(), &[mm, s, s, s, s]);
         let bn2 = add(&mut g, "bn2", BatchNorm::default(), &[bn1, s, s, s, s]);
