@@ -521,6 +521,8 @@ struct Record {
     min_ms: f64,
     max_ms: f64,
     peak_mib: Option<f64>,
+    /// The memory plan's arena for the step's computed tensors (variables apart).
+    planned_mib: f64,
     tflops: Option<f64>,
     loss: Option<f64>,
 }
@@ -605,6 +607,7 @@ fn run_one(
     let nodes_before = graph.len();
     let records = passes.run(&mut graph)?;
     let (fetch, loss) = (graph.outputs()[0], graph.outputs().get(1).copied());
+    let plan = ampgraph::exec::memory_plan::plan(&graph, &[fetch])?;
     if args.passes_only {
         let phase = if infer { "infer" } else { "train" };
         let (workload, mode) = (args.workload.name(), mode.name());
@@ -620,6 +623,12 @@ fn run_one(
                 r.summary
             );
         }
+        println!(
+            "## memory plan: arena {:.1} MiB (alive at once at most {:.1} MiB; every tensor apart {:.1} MiB)",
+            mib(plan.arena_bytes),
+            mib(plan.live_bytes),
+            mib(plan.total_bytes)
+        );
         return Ok(None);
     }
     if let Some(dir) = &args.dump {
@@ -669,7 +678,7 @@ fn run_one(
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let peak = exec.peak_bytes().map(|b| b as f64 / (1u64 << 20) as f64);
+    let peak = exec.peak_bytes().map(mib);
     // As torch_anchor.py: the loss after the timed steps (a forward pass only: the
     // fetch needs no update).
     let loss = match loss {
@@ -700,9 +709,14 @@ fn run_one(
         min_ms: times[0],
         max_ms: times[times.len() - 1],
         peak_mib: peak,
+        planned_mib: mib(plan.arena_bytes),
         tflops: Some(flops / median / 1e9),
         loss,
     }))
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
 }
 
 fn main() -> ExitCode {
@@ -773,7 +787,7 @@ fn bench(args: &Args) -> Res<()> {
                 Ok(None) => {}
                 Ok(Some(r)) => {
                     let mut line = format!(
-                        "{{\"workload\": \"{}\", \"mode\": \"{}\", \"phase\": \"{}\", \"median_ms\": {}, \"min_ms\": {}, \"max_ms\": {}, \"peak_mem_mib\": {}, \"tflops\": {}",
+                        "{{\"workload\": \"{}\", \"mode\": \"{}\", \"phase\": \"{}\", \"median_ms\": {}, \"min_ms\": {}, \"max_ms\": {}, \"peak_mem_mib\": {}, \"planned_arena_mib\": {}, \"tflops\": {}",
                         r.workload,
                         r.mode,
                         r.phase,
@@ -781,6 +795,7 @@ fn bench(args: &Args) -> Res<()> {
                         py(r.min_ms, 3),
                         py(r.max_ms, 3),
                         json_opt(r.peak_mib, 1),
+                        py(r.planned_mib, 1),
                         json_opt(r.tflops, 1),
                     );
                     if let Some(l) = r.loss {

@@ -10,6 +10,7 @@ pub mod cuda;
 pub mod data;
 pub mod feeds;
 pub mod gradcheck;
+pub mod memory_plan;
 mod schedule;
 
 use std::collections::HashMap;

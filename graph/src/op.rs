@@ -78,6 +78,13 @@ pub trait Op: fmt::Debug + Send + Sync + Any + OpClone {
         Err(crate::autodiff::not_differentiable(self.name()))
     }
 
+    /// Whether output 0 is input 0 itself, seen anew (a Reshape, an Identity, the value
+    /// an assignment passes on): executors alias it instead of running a kernel, and
+    /// memory plans give it no buffer of its own.
+    fn is_view(&self) -> bool {
+        false
+    }
+
     /// The op's type parameters (TensorFlow's type attributes): groups of input slots
     /// and output ports that always share one dtype. The first group is the node's
     /// primary type, the one mixed precision changes. By default every input and

@@ -19,7 +19,7 @@ use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::fused::{Expr, Instr, MEMBERS_ANNOTATION};
 use ampgraph_graph::ops::{
-    Const, ElementOp, FusedElementwise, Placeholder, Reshape, Unary, UnaryKind, Variable,
+    Const, ElementOp, FusedElementwise, Placeholder, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 use foldhash::HashMap;
@@ -207,17 +207,12 @@ fn program(
     })
 }
 
-/// Nodes that launch work: not sources, and not the Identities and Reshapes that
-/// executors run as aliases.
+/// Nodes that launch work: not sources, and not the views executors run as aliases.
 fn kernels(g: &Graph) -> usize {
     g.node_ids()
         .filter(|&id| {
             let op = &g.node(id).op;
-            let alias = op.is::<Reshape>()
-                || op
-                    .downcast_ref::<Unary>()
-                    .is_some_and(|u| u.kind == UnaryKind::Identity);
-            !(alias || op.is::<Placeholder>() || op.is::<Variable>() || op.is::<Const>())
+            !(op.is_view() || op.is::<Placeholder>() || op.is::<Variable>() || op.is::<Const>())
         })
         .count()
 }

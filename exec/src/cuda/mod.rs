@@ -449,3 +449,23 @@ impl Executor for CudaExecutor {
         Ok(fetched)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::OpProfile;
+
+    #[test]
+    fn the_profile_table_ranks_kinds_of_op_by_time() {
+        let mut p = OpProfile::default();
+        p.add("MatMul f16[8, 8]".into(), 0.003);
+        p.add("Relu f16[8, 8]".into(), 0.001);
+        p.add("MatMul f16[8, 8]".into(), 0.003);
+        p.add("Cast f32[8]".into(), 0.002);
+        let table = p.table(2);
+        let rows: Vec<&str> = table.lines().collect();
+        assert_eq!(rows[2], "| all | 4 | 9.000 | 100% |");
+        assert_eq!(rows[3], "| MatMul f16[8, 8] | 2 | 6.000 | 66.7% |");
+        assert_eq!(rows[4], "| Cast f32[8] | 1 | 2.000 | 22.2% |");
+        assert_eq!(rows.len(), 5, "only the top 2 kinds:\n{table}");
+    }
+}

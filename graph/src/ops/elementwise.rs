@@ -345,6 +345,9 @@ impl Op for Unary {
     fn name(&self) -> &'static str {
         self.kind.name()
     }
+    fn is_view(&self) -> bool {
+        self.kind == UnaryKind::Identity
+    }
     fn arity(&self) -> Arity {
         Arity::Exactly(1)
     }

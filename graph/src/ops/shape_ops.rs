@@ -188,6 +188,9 @@ impl Op for Reshape {
     fn name(&self) -> &'static str {
         "Reshape"
     }
+    fn is_view(&self) -> bool {
+        true
+    }
     fn arity(&self) -> Arity {
         Arity::Exactly(1)
     }

@@ -68,6 +68,9 @@ impl Op for AssignVariable {
     fn name(&self) -> &'static str {
         "AssignVariable"
     }
+    fn is_view(&self) -> bool {
+        true
+    }
     fn arity(&self) -> Arity {
         Arity::Exactly(2)
     }

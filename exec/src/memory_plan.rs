@@ -1,0 +1,260 @@
+//! A step's memory, planned before it runs: every tensor the step computes gets an
+//! offset in one arena, chosen from the tensors' lifetimes in the schedule so that
+//! tensors never alive at once share bytes. The arena's size is the step's planned
+//! peak; the most bytes alive at once is a lower bound no plan can beat.
+//!
+//! Sources (Placeholders, Variables, Consts) live outside the arena: fed or persistent.
+//! A view ([`Op::is_view`]: Reshape, Identity, an assignment's value) shares its
+//! input's buffer, whose lifetime then runs to the view's last reader. Fetched tensors
+//! and the values assignments write live to the end of the step.
+//!
+//! Offsets come from the greedy-by-size heuristic (TensorFlow Lite's arena planner):
+//! the largest buffers are placed first, each at the lowest offset clear of every
+//! placed buffer whose lifetime overlaps its own.
+//!
+//! [`Op::is_view`]: ampgraph_graph::Op::is_view
+
+use ampgraph_graph::ops::{AssignVariable, Const, Placeholder, Variable};
+use ampgraph_graph::{Graph, Port};
+
+use crate::schedule::Schedule;
+use crate::ExecError;
+
+/// Buffers start at multiples of this many bytes (what device allocators guarantee).
+pub const ALIGNMENT: usize = 256;
+
+/// One tensor's place in the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlannedBuffer {
+    /// The tensor (views of it share the buffer).
+    pub port: Port,
+    /// Steps (positions in the schedule) from the one that writes it to the last that
+    /// reads it, inclusive.
+    pub first: usize,
+    pub last: usize,
+    pub offset: usize,
+    /// Its size rounded up to [`ALIGNMENT`].
+    pub bytes: usize,
+}
+
+impl PlannedBuffer {
+    fn alive_with(&self, other: &PlannedBuffer) -> bool {
+        self.first <= other.last && other.first <= self.last
+    }
+}
+
+/// Where every tensor of a step lives.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryPlan {
+    pub buffers: Vec<PlannedBuffer>,
+    /// The arena's size: the step's planned peak bytes.
+    pub arena_bytes: usize,
+    /// The most bytes alive at one step: no plan needs less.
+    pub live_bytes: usize,
+    /// The bytes of every buffer added up: what a step allocating each tensor anew and
+    /// freeing nothing would need.
+    pub total_bytes: usize,
+}
+
+/// Plans the memory of the step that computes `fetches`.
+pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
+    let order = Schedule::new(graph, fetches)?.order;
+    let end = order.len();
+    let is_source = |p: Port| {
+        let op = &graph.node(p.node).op;
+        op.is::<Placeholder>() || op.is::<Variable>() || op.is::<Const>()
+    };
+    // The buffer a tensor lives in: a view's is its input's.
+    let root = |mut p: Port| {
+        while p.index == 0 && graph.node(p.node).op.is_view() {
+            match graph.inputs(p.node).first() {
+                Some(&input) => p = input,
+                None => break,
+            }
+        }
+        p
+    };
+    let mut buffers: Vec<PlannedBuffer> = Vec::new();
+    let mut slot_of: std::collections::HashMap<Port, usize> = Default::default();
+    for (i, &id) in order.iter().enumerate() {
+        let node = graph.node(id);
+        if node.op.is_view() {
+            continue;
+        }
+        for (k, ty) in node.outputs().iter().enumerate() {
+            let port = Port::new(id, k);
+            if is_source(port) {
+                continue;
+            }
+            let size = ty.checked_len().unwrap_or(0) * ty.dtype.size_bytes();
+            slot_of.insert(port, buffers.len());
+            buffers.push(PlannedBuffer {
+                port,
+                first: i,
+                last: i,
+                offset: 0,
+                bytes: size.max(1).div_ceil(ALIGNMENT) * ALIGNMENT,
+            });
+        }
+    }
+    let mut extend = |p: Port, to: usize| {
+        if let Some(&b) = slot_of.get(&root(p)) {
+            buffers[b].last = buffers[b].last.max(to);
+        }
+    };
+    for (i, &id) in order.iter().enumerate() {
+        for p in graph.inputs(id) {
+            extend(p, i);
+        }
+        // What an assignment writes outlives the step.
+        if graph.node(id).op.is::<AssignVariable>() {
+            extend(Port::new(id, 0), end);
+        }
+    }
+    for &p in fetches {
+        extend(p, end);
+    }
+    place(&mut buffers);
+    Ok(summarise(buffers, end))
+}
+
+/// Greedy by size: the largest first, each at the lowest offset clear of the placed
+/// buffers alive at the same time.
+fn place(buffers: &mut [PlannedBuffer]) {
+    let mut by_size: Vec<usize> = (0..buffers.len()).collect();
+    by_size.sort_by_key(|&b| (std::cmp::Reverse(buffers[b].bytes), buffers[b].first));
+    // Placed buffers, kept sorted by offset.
+    let mut placed: Vec<usize> = Vec::with_capacity(buffers.len());
+    for b in by_size {
+        let mut offset = 0;
+        for &other in &placed {
+            let o = &buffers[other];
+            if !o.alive_with(&buffers[b]) {
+                continue;
+            }
+            if offset + buffers[b].bytes <= o.offset {
+                break;
+            }
+            offset = offset.max(o.offset + o.bytes);
+        }
+        buffers[b].offset = offset;
+        let at = placed.partition_point(|&p| buffers[p].offset <= offset);
+        placed.insert(at, b);
+    }
+}
+
+fn summarise(buffers: Vec<PlannedBuffer>, steps: usize) -> MemoryPlan {
+    let arena_bytes = buffers
+        .iter()
+        .map(|b| b.offset + b.bytes)
+        .max()
+        .unwrap_or(0);
+    let total_bytes = buffers.iter().map(|b| b.bytes).sum();
+    // Bytes alive at each step, from +size at `first` and -size after `last`.
+    let mut delta = vec![0isize; steps + 2];
+    for b in &buffers {
+        delta[b.first] += b.bytes as isize;
+        delta[b.last + 1] -= b.bytes as isize;
+    }
+    let mut alive = 0isize;
+    let mut live_bytes = 0usize;
+    for d in delta {
+        alive += d;
+        live_bytes = live_bytes.max(alive as usize);
+    }
+    MemoryPlan {
+        buffers,
+        arena_bytes,
+        live_bytes,
+        total_bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ampgraph_graph::ops::{Reshape, Unary, UnaryKind};
+    use ampgraph_graph::{DType, TensorType};
+
+    fn placeholder(g: &mut Graph, name: &str, shape: &[usize]) -> Port {
+        let ty = TensorType::new(DType::F32, shape.to_vec());
+        g.add_node(name, Box::new(Placeholder(ty)), &[])
+            .unwrap()
+            .into()
+    }
+
+    fn relu(g: &mut Graph, x: Port) -> Port {
+        g.add(Unary::new(UnaryKind::Relu), &[x]).unwrap()
+    }
+
+    /// No two buffers alive at once overlap, and the sizes add up as they must.
+    fn assert_sound(plan: &MemoryPlan) {
+        for (i, a) in plan.buffers.iter().enumerate() {
+            for b in &plan.buffers[i + 1..] {
+                let apart = a.offset + a.bytes <= b.offset || b.offset + b.bytes <= a.offset;
+                assert!(!a.alive_with(b) || apart, "{a:?} overlaps {b:?}");
+            }
+        }
+        assert!(plan.live_bytes <= plan.arena_bytes);
+        assert!(plan.arena_bytes <= plan.total_bytes);
+    }
+
+    #[test]
+    fn a_chain_needs_two_buffers_not_one_per_op() {
+        // x -> relu -> relu -> ... (8 times), 1 KiB each: each value dies as the next
+        // op runs, so two buffers take turns.
+        let mut g = Graph::new();
+        let mut h = placeholder(&mut g, "x", &[256]);
+        for _ in 0..8 {
+            h = relu(&mut g, h);
+        }
+        let plan = plan(&g, &[h]).unwrap();
+        assert_sound(&plan);
+        assert_eq!(plan.buffers.len(), 8, "the placeholder is fed, not planned");
+        assert_eq!(plan.total_bytes, 8 * 1024);
+        assert_eq!(plan.live_bytes, 2 * 1024);
+        assert_eq!(plan.arena_bytes, 2 * 1024);
+    }
+
+    #[test]
+    fn views_share_their_input_and_extend_its_life() {
+        // a = relu(x); v = reshape(a); b = relu(x); c = relu(b); out = v + c:
+        // a lives until the add reads it through the view.
+        let mut g = Graph::new();
+        let x = placeholder(&mut g, "x", &[4, 64]);
+        let a = relu(&mut g, x);
+        let v = g.add(Reshape::new(vec![64, 4]), &[a]).unwrap();
+        let v = g.add(Reshape::new(vec![4, 64]), &[v]).unwrap();
+        let b = relu(&mut g, x);
+        let c = relu(&mut g, b);
+        let out = g.plus(v, c).unwrap();
+        let plan = plan(&g, &[out]).unwrap();
+        assert_sound(&plan);
+        assert_eq!(
+            plan.buffers.len(),
+            4,
+            "a, b, c, out: the reshapes have none"
+        );
+        let a_buf = plan.buffers.iter().find(|b| b.port == a).unwrap();
+        let add_step = plan.buffers.iter().find(|b| b.port == out).unwrap().first;
+        assert_eq!(a_buf.last, add_step);
+        // a, b (until c runs) and c are alive together; then a, c and the sum.
+        assert_eq!(plan.live_bytes, 3 * 1024);
+    }
+
+    #[test]
+    fn fetched_values_live_to_the_end() {
+        let mut g = Graph::new();
+        let x = placeholder(&mut g, "x", &[256]);
+        let early = relu(&mut g, x);
+        let mut h = early;
+        for _ in 0..4 {
+            h = relu(&mut g, h);
+        }
+        let plan = plan(&g, &[early, h]).unwrap();
+        assert_sound(&plan);
+        let kept = plan.buffers.iter().find(|b| b.port == early).unwrap();
+        assert_eq!(kept.last, 6, "past the last of the 6 steps (x and 5 relus)");
+        assert_eq!(plan.arena_bytes, 3 * 1024);
+    }
+}
