@@ -192,7 +192,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let options = ampgraph::SessionOptions {
         seed: args.seed,
-        amp: None,
+        ..Default::default()
     };
     let mut session = Session::with_options(
         net.graph.clone(),

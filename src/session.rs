@@ -1,7 +1,7 @@
 //! Sessions: a graph prepared for a device (rewrite passes run, variables
 //! initialised) that runs steps, and saves and restores its variables.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -15,7 +15,7 @@ use ampgraph_graph::ops::Variable;
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Data, Graph, GraphError, Port, Tensor, TensorType};
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
-use ampgraph_passes::{PassError, PassManager, PassRecord};
+use ampgraph_passes::{registry, PassError, PassManager, PassRecord};
 
 #[derive(Debug, Error)]
 pub enum SessionError {
@@ -79,6 +79,10 @@ pub struct SessionOptions {
     /// AMP settings for a graph marked for mixed precision; `None` reads the
     /// defaults for the marked type and the `AMPGRAPH_AMP_*` environment.
     pub amp: Option<AmpConfig>,
+    /// Passes to run after AMP, by registry name (e.g. `registry::CUDA_PIPELINE`):
+    /// on a copy of the graph per set of fetches, whose values they keep, so that
+    /// fusing never hides a tensor someone fetches. None by default.
+    pub passes: Vec<String>,
 }
 
 /// The executor a session runs on. Variables live in the executor: host tensors on
@@ -146,6 +150,10 @@ pub struct Session {
     executor: Backend,
     /// What each rewrite pass did, in order.
     pub passes: Vec<PassRecord>,
+    /// The passes of [`SessionOptions::passes`], run per set of fetches.
+    per_fetch_passes: Vec<String>,
+    /// The graph each set of fetches runs, with the ports to fetch from it.
+    optimized: HashMap<Vec<Port>, (Graph, Vec<Port>)>,
 }
 
 const CHECKPOINT_MAGIC: &[u8; 8] = b"AMPGCKPT";
@@ -179,6 +187,17 @@ impl Session {
             passes.push(Box::new(AutoMixedPrecision::new(config)));
         }
         let records = passes.run(&mut graph)?;
+        if let Some(unknown) = options
+            .passes
+            .iter()
+            .find(|name| registry::by_name(name).is_none())
+        {
+            return Err(PassError::Rewrite(format!(
+                "unknown pass '{unknown}' (known: {})",
+                registry::names().collect::<Vec<_>>().join(", ")
+            ))
+            .into());
+        }
         let mut executor = match device {
             Device::Cpu => Backend::Cpu(CpuExecutor::new()),
             Device::Cuda(i) => {
@@ -197,6 +216,8 @@ impl Session {
             graph,
             executor,
             passes: records,
+            per_fetch_passes: options.passes,
+            optimized: HashMap::new(),
         })
     }
 
@@ -213,6 +234,12 @@ impl Session {
 
     pub fn graph(&self) -> &Graph {
         &self.graph
+    }
+
+    /// The graph a run of `fetches` executes: after [`SessionOptions::passes`] once
+    /// such a run happened, else the session's graph.
+    pub fn graph_for(&self, fetches: &[Port]) -> &Graph {
+        self.optimized.get(fetches).map_or(&self.graph, |(g, _)| g)
     }
 
     /// Where this session runs.
@@ -233,7 +260,26 @@ impl Session {
 
     /// Computes `fetches`; variable updates in the graph take effect when it returns.
     pub fn run(&mut self, fetches: &[Port], feeds: &Feeds) -> Result<Vec<Tensor>, SessionError> {
-        Ok(self.executor.run(&self.graph, feeds, fetches)?)
+        if self.per_fetch_passes.is_empty() {
+            return Ok(self.executor.run(&self.graph, feeds, fetches)?);
+        }
+        if !self.optimized.contains_key(fetches) {
+            let mut graph = self.graph.clone();
+            graph.set_outputs(fetches.to_vec())?;
+            let mut passes = PassManager::new();
+            for name in &self.per_fetch_passes {
+                // Names were checked when the session was built.
+                passes.push(
+                    registry::by_name(name)
+                        .ok_or_else(|| PassError::Rewrite(format!("unknown pass '{name}'")))?,
+                );
+            }
+            passes.run(&mut graph)?;
+            let ports = graph.outputs().to_vec();
+            self.optimized.insert(fetches.to_vec(), (graph, ports));
+        }
+        let (graph, ports) = &self.optimized[fetches];
+        Ok(self.executor.run(graph, feeds, ports)?)
     }
 
     /// The current value of a variable (on CUDA, copied from the device on first read

@@ -12,6 +12,7 @@ use ampgraph::optim::{
     enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd, TrainStep,
     GOOD_STEPS_VARIABLE, LOSS_SCALE_VARIABLE,
 };
+use ampgraph::passes::registry::{CUDA_PIPELINE, SIMPLIFY_PIPELINE};
 use ampgraph::session::SessionError;
 use ampgraph::{Device, Session, SessionOptions};
 
@@ -193,7 +194,7 @@ fn resumed_training_is_bit_identical() {
         Device::Cpu,
         SessionOptions {
             seed: 99,
-            amp: None,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -216,6 +217,67 @@ fn resumed_training_is_bit_identical() {
         scalar(&b, GOOD_STEPS_VARIABLE)
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The fusion passes run per set of fetches: training with them computes bitwise
+/// what training without them does (the CPU runs fused nodes exactly), a skipped
+/// non-finite step included, and a fetched tensor inside a fused group is still there.
+#[test]
+fn training_with_the_fusion_passes_is_bit_identical() {
+    let session = |passes: &[&str]| {
+        let (mut g, loss, logits, _) = model();
+        let opt = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.1, 0.9))
+            .with_loss_scale(dynamic(1024.0, 2));
+        let step = opt.minimize(&mut g, loss).unwrap();
+        let options = SessionOptions {
+            passes: passes.iter().map(|p| p.to_string()).collect(),
+            ..Default::default()
+        };
+        let s = Session::with_options(g, Device::Cpu, options).unwrap();
+        (s, step, logits)
+    };
+    let (mut plain, step, logits) = session(&[]);
+    let pipeline = [SIMPLIFY_PIPELINE, CUDA_PIPELINE].concat();
+    let (mut fused, fused_step, fused_logits) = session(&pipeline);
+    for k in 0..5 {
+        let poison = if k == 2 { Some(f32::INFINITY) } else { None };
+        let want = plain
+            .run(&[step.step, step.loss, logits], &feeds(k, poison))
+            .unwrap();
+        let got = fused
+            .run(
+                &[fused_step.step, fused_step.loss, fused_logits],
+                &feeds(k, poison),
+            )
+            .unwrap();
+        assert_eq!(want, got, "step {k}");
+    }
+    assert_eq!(weights_and_slots(&plain), weights_and_slots(&fused));
+    assert_eq!(
+        scalar(&plain, LOSS_SCALE_VARIABLE),
+        scalar(&fused, LOSS_SCALE_VARIABLE)
+    );
+    // The passes did fire.
+    let ran = fused.graph_for(&[fused_step.step, fused_step.loss, fused_logits]);
+    let count = |op: &str| {
+        ran.node_ids()
+            .filter(|&id| ran.node(id).op_name() == op)
+            .count()
+    };
+    // The hidden layer's product takes its bias; the logits' bias is added in f32
+    // after a cast (the loss is denylisted), so it fuses with that cast instead.
+    assert_eq!(count("FusedMatMul"), 1);
+    assert!(count("FusedElementwise") > 0);
+
+    let (g, _, _, _) = model();
+    let options = SessionOptions {
+        passes: vec!["fuse".into(), "no-such-pass".into()],
+        ..Default::default()
+    };
+    let err = Session::with_options(g, Device::Cpu, options)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("'no-such-pass'"), "{err}");
 }
 
 #[test]
