@@ -1156,3 +1156,195 @@ mod tests {
         assert!(!src.contains("ldI1(in1, i)"), "{src}");
     }
 }
+
+/// Every kind of generated kernel, in every dtype it serves, must at least parse: with
+/// no GPU in CI, a C++ compiler and stand-ins for the CUDA declarations catch a broken
+/// template (a stray brace, an undeclared name) before a GPU run does.
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+    use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
+    use ampgraph_graph::ops::parse_op;
+    use std::path::Path;
+    use std::process::Command;
+
+    /// The CUDA names the kernels use, declared for a host C++ compiler.
+    const CUDA_STANDINS: &str = r#"
+#include <math.h>
+#include <cmath>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) alignas(n)
+struct dim3_ { unsigned x, y, z; };
+extern dim3_ threadIdx, blockIdx, blockDim, gridDim;
+struct __half { unsigned short x; };
+struct __nv_bfloat16 { unsigned short x; };
+float __half2float(__half); __half __float2half_rn(float); __half __double2half(double);
+float __bfloat162float(__nv_bfloat16); __nv_bfloat16 __float2bfloat16_rn(float);
+__nv_bfloat16 __double2bfloat16(double);
+float __int_as_float(int);
+template <class T> T __shfl_xor_sync(unsigned, T, int);
+template <class T> T atomicAdd(T*, T);
+void __syncthreads();
+struct uint4 { unsigned x, y, z, w; };
+using std::isnan; using std::isfinite;
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+"#;
+
+    fn fused_program(text: &str, outputs: Vec<i64>) -> FusedElementwise {
+        let mut attrs = AttrMap::new();
+        attrs.insert("program".into(), AttrValue::Str(text.into()));
+        attrs.insert("outputs".into(), AttrValue::Ints(outputs));
+        let op = parse_op("FusedElementwise", AttrReader::new(attrs)).unwrap();
+        op.downcast_ref::<FusedElementwise>().unwrap().clone()
+    }
+
+    fn every_kind_of_kernel() -> Vec<(String, String)> {
+        let mut k: Vec<(String, String)> = Vec::new();
+        for d in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let gelu = UnaryKind::Gelu { approximate: false };
+            let tanh_gelu = UnaryKind::Gelu { approximate: true };
+            k.extend([
+                (format!("unary_{d}"), unary(d, gelu)),
+                (format!("unary_selu_{d}"), unary(d, UnaryKind::Selu)),
+                (format!("unary_grad_{d}"), unary_grad(d, tanh_gelu)),
+                (format!("binary_{d}"), binary(d, BinaryKind::Maximum)),
+                (
+                    format!("binary_grad_{d}"),
+                    binary_grad(d, BinaryKind::Pow, 1),
+                ),
+                (format!("bias_add_{d}"), bias_add(d)),
+                (format!("broadcast_div_{d}"), broadcast_div(d)),
+                (format!("reduce_mean_{d}"), reduce(d, ReduceKind::Mean)),
+                (format!("reduce_max_{d}"), reduce(d, ReduceKind::Max)),
+                (format!("reduce_max_grad_{d}"), reduce_max_grad(d)),
+                (format!("column_sum_{d}"), column_sum(d)),
+                (format!("log_softmax_{d}"), softmax(d, true, 4)),
+                (format!("softmax_{d}"), softmax(d, false, 32)),
+                (format!("softmax_grad_{d}"), softmax_grad(d, false, 8)),
+                (format!("log_softmax_grad_{d}"), softmax_grad(d, true, 1)),
+                (format!("layer_norm_{d}"), layer_norm(d, 1e-5)),
+                (format!("layer_norm_grad_{d}"), layer_norm_grad(d, 1e-5)),
+                (format!("sce_{d}"), sce(d, DType::I64)),
+                (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
+                (format!("all_finite_{d}"), all_finite(d)),
+                (format!("increment_if_{d}"), increment_if(d)),
+            ]);
+            let rules = [
+                Rule::Sgd {
+                    momentum: 0.0,
+                    nesterov: false,
+                },
+                Rule::Sgd {
+                    momentum: 0.9,
+                    nesterov: true,
+                },
+                Rule::Adam {
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    epsilon: 1e-8,
+                    decoupled: true,
+                },
+                Rule::Lamb {
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    epsilon: 1e-6,
+                },
+            ];
+            for (r, rule) in rules.into_iter().enumerate() {
+                let src = optimizer(DType::F32, d, Some(DType::I64), rule, 1e-3, 1e-2);
+                k.push((format!("optimizer_{r}_{d}"), src));
+            }
+        }
+        for (from, to) in [
+            (DType::F16, DType::F32),
+            (DType::F32, DType::Bool),
+            (DType::I64, DType::F16),
+            (DType::BF16, DType::I32),
+        ] {
+            k.push((format!("cast_{from}_{to}"), cast(from, to)));
+        }
+        for bytes in [1, 2, 4, 8, 16] {
+            k.push((format!("gather_{bytes}"), gather(bytes)));
+        }
+        k.push(("concat".into(), concat(2)));
+        k.push(("fill_flag".into(), fill_flag()));
+        k.push((
+            "loss_scale_update".into(),
+            loss_scale_update(DType::F32, DType::I64, 2000, 2.0, 0.5),
+        ));
+        let programs = [
+            (
+                "v0 = in0: f32[4, 6]; v1 = in1: f32[6]; v2 = BiasAdd<data_format=NHWC>(v0, v1): f32[4, 6]; \
+                 v3 = Relu(v2): f32[4, 6]; v4 = Cast<to=f16>(v3): f16[4, 6]; v5 = in2: f16[]; \
+                 v6 = Mul(v4, v5): f16[4, 6]; v7 = UnaryGrad<kind=Tanh>(v6, v4): f16[4, 6]",
+                vec![3, 7],
+            ),
+            (
+                "v0 = in0: bf16[4, 6]; v1 = in1: bf16[4, 1]; v2 = BinaryGrad<kind=Div, wrt=1>(v0, v1, v0): bf16[4, 6]; \
+                 v3 = Cast<to=f64>(v2): f64[4, 6]; v4 = Gelu<approximate=true>(v3): f64[4, 6]; \
+                 v5 = Cast<to=f16>(v4): f16[4, 6]",
+                vec![5],
+            ),
+        ];
+        for (i, (text, outputs)) in programs.into_iter().enumerate() {
+            k.push((format!("fused_{i}"), fused(&fused_program(text, outputs))));
+        }
+        k
+    }
+
+    /// Whether `source` parses; the compiler's complaint otherwise.
+    fn parses(cxx: &str, dir: &Path, name: &str, source: &str) -> Result<(), String> {
+        let file = dir.join(format!("{name}.cu"));
+        std::fs::write(&file, source).map_err(|e| e.to_string())?;
+        let out = Command::new(cxx)
+            .args(["-std=c++17", "-fsyntax-only", "-x", "c++", "-I"])
+            .arg(dir)
+            .arg("-include")
+            .arg(dir.join("cuda_standins.h"))
+            .arg(&file)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!("{name}: {}", String::from_utf8_lossy(&out.stderr)))
+        }
+    }
+
+    #[test]
+    fn every_generated_kernel_parses() {
+        let Some(cxx) = ["c++", "g++", "clang++"]
+            .into_iter()
+            .find(|c| Command::new(c).arg("--version").output().is_ok())
+        else {
+            println!("skipping: no C++ compiler to parse the kernels with");
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("ampgraph-kernels-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for header in ["cuda_fp16.h", "cuda_bf16.h"] {
+            std::fs::write(dir.join(header), "").unwrap();
+        }
+        std::fs::write(dir.join("cuda_standins.h"), CUDA_STANDINS).unwrap();
+        let kernels = every_kind_of_kernel();
+        let half = kernels.len() / 2;
+        let (first, second) = kernels.split_at(half);
+        let check = |part: &[(String, String)]| -> Vec<String> {
+            part.iter()
+                .filter_map(|(name, src)| parses(cxx, &dir, name, src).err())
+                .collect()
+        };
+        let failures: Vec<String> = std::thread::scope(|s| {
+            let other = s.spawn(|| check(second));
+            let mut f = check(first);
+            f.extend(other.join().unwrap());
+            f
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        assert!(kernels.len() > 100);
+    }
+}
