@@ -775,13 +775,6 @@ impl Graph {
         self.outputs = keep.to_vec();
         Ok(())
     }
-
-    /// Recomputes the types of `id` only (after a local rewrite whose inputs are final).
-    pub fn refresh_types(&mut self, id: NodeId) -> Result<()> {
-        let outputs = self.infer_node(id, &self.inputs(id))?;
-        self.dag[id].outputs = outputs;
-        Ok(())
-    }
 }
 
 #[cfg(test)]

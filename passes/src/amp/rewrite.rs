@@ -203,7 +203,7 @@ fn const_tensor(c: &Const) -> Result<Tensor, PassError> {
         .ok_or_else(|| PassError::Rewrite("a Const produced no value".into()))
 }
 
-/// The dtype `port` will have once the rewrite is done (types are re-inferred last).
+/// The dtype `port` will have once the rewrite is done (its types are set last).
 fn final_dtype(g: &Graph, p: &Painting, port: Port, target: DType) -> DType {
     let converted = p
         .output_vertex(port.node, port.index)
