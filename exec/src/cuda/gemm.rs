@@ -68,8 +68,9 @@ struct Plan {
 
 // SAFETY: the handle is used from one executor at a time (`&mut` access).
 unsafe impl Send for Gemm {}
-// SAFETY: a plan's descriptors are only read after it is built, under the plan lock
-// or through the executor that owns the Gemm.
+// SAFETY: a plan is used only through the Gemm that built it, whose executor runs one
+// product at a time (`&mut` access): setting the bias pointer on its descriptor before
+// a product never races another use.
 unsafe impl Send for Plan {}
 unsafe impl Sync for Plan {}
 
