@@ -155,18 +155,21 @@ fn list_files_are_checked() {
     let err = PrecisionLists::from_toml("[lists]\nallowed = []\n", "x.toml").unwrap_err();
     assert!(err.to_string().contains("allowed"), "{err}");
     assert!(PrecisionLists::profile("nope").is_err());
+    let tensorflow_allow = [
+        "BatchMatMul",
+        "Conv2D",
+        "Conv2DBackpropFilter",
+        "Conv2DBackpropInput",
+        "MatMul",
+    ];
     for profile in ["default_fp16", "default_bf16", "tensorflow"] {
         let lists = PrecisionLists::profile(profile).unwrap();
-        assert_eq!(
-            lists.ops(ListClass::Allow),
-            [
-                "BatchMatMul",
-                "Conv2D",
-                "Conv2DBackpropFilter",
-                "Conv2DBackpropInput",
-                "MatMul"
-            ]
-        );
+        let mut want = tensorflow_allow.to_vec();
+        // Ours also allow the fused product (TensorFlow forms its own after AMP).
+        if profile != "tensorflow" {
+            want.insert(4, "FusedMatMul");
+        }
+        assert_eq!(lists.ops(ListClass::Allow), want, "{profile}");
     }
     assert!(AmpConfig::new(DType::F32).is_err());
 }
