@@ -179,7 +179,8 @@ pub struct Device {
     arch: String,
     pub name: String,
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<(String, &'static str), Arc<CudaFunction>>>,
+    /// Kernels by module key, then by name.
+    functions: Mutex<HashMap<String, HashMap<&'static str, Arc<CudaFunction>>>>,
     pub pool: Arc<Mutex<Pool>>,
     /// Compiled PTX kept between processes.
     disk_cache: DiskCache,
@@ -210,8 +211,14 @@ impl Device {
         })
     }
 
-    /// A fresh (uninitialised) tensor. `who` names it in an out-of-memory error.
-    pub fn alloc(&self, dtype: DType, shape: &[usize], who: &str) -> Result<DTensor, String> {
+    /// A fresh (uninitialised) tensor. `who` names it in an out-of-memory error (and is
+    /// formatted only then: allocations are on every step's path).
+    pub fn alloc(
+        &self,
+        dtype: DType,
+        shape: &[usize],
+        who: &dyn std::fmt::Display,
+    ) -> Result<DTensor, String> {
         let n: usize = shape.iter().product();
         let bytes = n * dtype.size_bytes();
         let cap = bytes.max(1).div_ceil(256) * 256;
@@ -268,7 +275,7 @@ impl Device {
         })
     }
 
-    pub fn upload(&self, t: &Tensor, who: &str) -> Result<DTensor, String> {
+    pub fn upload(&self, t: &Tensor, who: &dyn std::fmt::Display) -> Result<DTensor, String> {
         let d = self.alloc(t.dtype(), t.shape(), who)?;
         let bytes = to_bytes(t.data());
         if !bytes.is_empty() {
@@ -319,9 +326,15 @@ impl Device {
         src: impl FnOnce() -> String,
         name: &'static str,
     ) -> Result<Arc<CudaFunction>, String> {
-        let fkey = (key.to_string(), name);
-        if let Some(f) = self.functions.lock().map_err(|_| "poisoned")?.get(&fkey) {
-            return Ok(f.clone());
+        let cached = self
+            .functions
+            .lock()
+            .map_err(|_| "poisoned")?
+            .get(key)
+            .and_then(|m| m.get(name))
+            .cloned();
+        if let Some(f) = cached {
+            return Ok(f);
         }
         let module = {
             let mut modules = self.modules.lock().map_err(|_| "poisoned")?;
@@ -346,7 +359,9 @@ impl Device {
         self.functions
             .lock()
             .map_err(|_| "poisoned")?
-            .insert(fkey, f.clone());
+            .entry(key.to_string())
+            .or_default()
+            .insert(name, f.clone());
         Ok(f)
     }
 

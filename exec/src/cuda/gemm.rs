@@ -163,15 +163,18 @@ pub struct Product<'a> {
 impl Gemm {
     pub fn new(dev: &Device) -> Result<Gemm, String> {
         let handle = lt::create_handle().map_err(err("create"))?;
-        let workspace =
-            match dev.alloc(DType::F32, &[WORKSPACE_BYTES / 4], "the cuBLASLt workspace") {
-                Ok(w) => w,
-                Err(e) => {
-                    // SAFETY: just created.
-                    let _ = unsafe { lt::destroy_handle(handle) };
-                    return Err(e);
-                }
-            };
+        let workspace = match dev.alloc(
+            DType::F32,
+            &[WORKSPACE_BYTES / 4],
+            &"the cuBLASLt workspace",
+        ) {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: just created.
+                let _ = unsafe { lt::destroy_handle(handle) };
+                return Err(e);
+            }
+        };
         Ok(Gemm {
             handle,
             workspace,

@@ -267,7 +267,7 @@ impl CudaExecutor {
     /// Sets (or creates) a variable, copying the value to the device.
     pub fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError> {
         let dev = guard("CUDA", || {
-            self.dev.upload(&value, &format!("variable '{name}'"))
+            self.dev.upload(&value, &ops::Owner("variable", name))
         })
         .map_err(|msg| ExecError::Feed {
             name: name.into(),
@@ -305,7 +305,7 @@ impl CudaExecutor {
             if let Some(v) = feeds.get(&node.name) {
                 check(&v.ty())?;
                 let d = guard("CUDA", || {
-                    self.dev.upload(v, &format!("feed '{}'", node.name))
+                    self.dev.upload(v, &ops::Owner("feed", &node.name))
                 })
                 .map_err(|msg| ExecError::Feed {
                     name: node.name.clone(),
@@ -345,7 +345,7 @@ impl CudaExecutor {
             }
         }
         let d = guard("CUDA", || {
-            self.dev.upload(&host, &format!("node '{}'", node.name))
+            self.dev.upload(&host, &ops::Owner("node", &node.name))
         })
         .map_err(|m| ExecError::node(&node.name, op.name(), m))?;
         self.consts.insert(node.name.clone(), (host, d.clone()));

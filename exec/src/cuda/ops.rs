@@ -121,11 +121,20 @@ pub struct Ctx<'a> {
 impl Ctx<'_> {
     fn alloc(&self, ty: &TensorType) -> Result<DTensor, String> {
         self.dev
-            .alloc(ty.dtype, &ty.shape, &format!("node '{}'", self.name))
+            .alloc(ty.dtype, &ty.shape, &Owner("node", self.name))
     }
     fn temp(&self, dtype: DType, n: usize) -> Result<DTensor, String> {
         self.dev
-            .alloc(dtype, &[n], &format!("scratch of node '{}'", self.name))
+            .alloc(dtype, &[n], &Owner("scratch of node", self.name))
+    }
+}
+
+/// What a buffer is for, as an out-of-memory error says it: `node 'mm'`.
+pub(crate) struct Owner<'a>(pub &'static str, pub &'a str);
+
+impl std::fmt::Display for Owner<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} '{}'", self.0, self.1)
     }
 }
 
@@ -965,10 +974,13 @@ pub fn eval(
             Some(v) => Tensor::new(k.ty.shape.clone(), v.clone())?,
             None => Tensor::zeros(&k.ty),
         };
-        return Ok(vec![dev.upload(&t, c.name)?]);
+        return Ok(vec![dev.upload(&t, &Owner("node", c.name))?]);
     }
     if op.downcast_ref::<Group>().is_some() {
-        return Ok(vec![dev.upload(&Tensor::scalar(DType::Bool, 1.0), c.name)?]);
+        return Ok(vec![dev.upload(
+            &Tensor::scalar(DType::Bool, 1.0),
+            &Owner("node", c.name),
+        )?]);
     }
     Err(unsupported(op).unwrap_or_else(|| format!("{} has no CUDA kernel", op.name())))
 }
