@@ -97,6 +97,35 @@ pub struct Tensor {
     data: Arc<Data>,
 }
 
+/// `v` as the f32 whose last bit is set when rounding dropped anything ("round to
+/// odd"): rounding that f32 again to a format at least two bits narrower (f16, bf16)
+/// gives `v` correctly rounded, with no double-rounding error.
+fn f32_round_to_odd(v: f64) -> f32 {
+    let nearest = v as f32;
+    if !nearest.is_finite() || f64::from(nearest) == v {
+        return nearest;
+    }
+    let bits = nearest.to_bits();
+    // The same sign-magnitude bits one step toward zero when rounding went away from it.
+    let toward_zero = if f64::from(nearest).abs() > v.abs() {
+        bits - 1
+    } else {
+        bits
+    };
+    f32::from_bits(toward_zero | 1)
+}
+
+/// `v` correctly rounded to f16 (half's own f64 conversion drops the low 32 bits of
+/// the mantissa before rounding, which can round a value past a midpoint wrongly).
+pub fn f16_from_f64(v: f64) -> f16 {
+    f16::from_f32(f32_round_to_odd(v))
+}
+
+/// `v` correctly rounded to bf16 (see [`f16_from_f64`]).
+pub fn bf16_from_f64(v: f64) -> bf16 {
+    bf16::from_f32(f32_round_to_odd(v))
+}
+
 impl Data {
     pub fn dtype(&self) -> DType {
         match self {
@@ -132,8 +161,8 @@ impl Data {
         let it = values.into_iter();
         match dtype {
             DType::F32 => Data::F32(it.map(|v| v as f32).collect()),
-            DType::F16 => Data::F16(it.map(f16::from_f64).collect()),
-            DType::BF16 => Data::BF16(it.map(bf16::from_f64).collect()),
+            DType::F16 => Data::F16(it.map(f16_from_f64).collect()),
+            DType::BF16 => Data::BF16(it.map(bf16_from_f64).collect()),
             DType::F64 => Data::F64(it.collect()),
             DType::I32 => Data::I32(it.map(|v| v as i32).collect()),
             DType::I64 => Data::I64(it.map(|v| v as i64).collect()),
@@ -302,5 +331,42 @@ impl Tensor {
             Data::I64(v) => Some(v.clone()),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod rounding_tests {
+    use super::*;
+
+    #[test]
+    fn f64_rounds_to_16_bits_once() {
+        // Just above the midpoint of two bf16 values, by less than f64's low 32 bits can
+        // say: half's own conversion rounds it down, the correct result is up.
+        let (lo, hi) = (212.0 * 2f64.powi(-13), 213.0 * 2f64.powi(-13));
+        let mid = (lo + hi) / 2.0;
+        let above = mid + 2f64.powi(-40);
+        assert_eq!(bf16_from_f64(above).to_f64(), hi);
+        assert_eq!(bf16_from_f64(mid - 2f64.powi(-40)).to_f64(), lo);
+        // Ties go to even, exact values stay, specials pass through.
+        assert_eq!(bf16_from_f64(mid).to_f64(), lo);
+        assert_eq!(f16_from_f64(1.0 + 2f64.powi(-11)).to_f64(), 1.0);
+        assert_eq!(
+            f16_from_f64(1.0 + 2f64.powi(-11) + 2f64.powi(-45)).to_f64(),
+            1.0 + 2f64.powi(-10)
+        );
+        assert_eq!(f16_from_f64(-0.25).to_f64(), -0.25);
+        assert!(f16_from_f64(f64::NAN).is_nan());
+        assert_eq!(f16_from_f64(1e6).to_f64(), f64::INFINITY);
+        assert_eq!(bf16_from_f64(-1e300).to_f64(), f64::NEG_INFINITY);
+        // An f32 value converts as f32's own conversion does.
+        for x in [0.1f32, -3.3, 65519.0, 1e-7, -2.5e-39] {
+            assert_eq!(f16_from_f64(f64::from(x)), f16::from_f32(x), "{x}");
+            assert_eq!(bf16_from_f64(f64::from(x)), bf16::from_f32(x), "{x}");
+        }
+        // Tiny values round to odd in f32's subnormals, then correctly to 16 bits.
+        assert_eq!(
+            bf16_from_f64(1e-45).to_f64(),
+            bf16::from_f32(1e-45).to_f64()
+        );
     }
 }

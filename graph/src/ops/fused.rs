@@ -24,7 +24,6 @@
 
 use std::fmt;
 
-use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::attrs::{AttrMap, AttrReader, AttrValue};
@@ -36,7 +35,7 @@ use crate::ops::{
     UnaryKind,
 };
 use crate::shape::broadcast_index_map;
-use crate::tensor::{checked_numel, Data, Tensor, TensorType};
+use crate::tensor::{bf16_from_f64, checked_numel, f16_from_f64, Data, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[OpEntry {
     name: "FusedElementwise",
@@ -314,8 +313,8 @@ enum Read {
 fn round_to(dtype: DType, v: f64) -> f64 {
     match dtype {
         DType::F32 => v as f32 as f64,
-        DType::F16 => f16::from_f64(v).to_f64(),
-        DType::BF16 => bf16::from_f64(v).to_f64(),
+        DType::F16 => f16_from_f64(v).to_f64(),
+        DType::BF16 => bf16_from_f64(v).to_f64(),
         _ => v,
     }
 }
