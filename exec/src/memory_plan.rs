@@ -86,7 +86,7 @@ pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
             if is_source(port) {
                 continue;
             }
-            let size = ty.checked_len().unwrap_or(0) * ty.dtype.size_bytes();
+            let size = ty.size_bytes();
             slot_of.insert(port, buffers.len());
             buffers.push(PlannedBuffer {
                 port,

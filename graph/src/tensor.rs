@@ -52,6 +52,11 @@ impl TensorType {
     pub fn with_dtype(&self, dtype: DType) -> Self {
         TensorType::new(dtype, self.shape.clone())
     }
+
+    /// Bytes a tensor of this type holds (0 when its element count overflows).
+    pub fn size_bytes(&self) -> usize {
+        self.checked_len().unwrap_or(0) * self.dtype.size_bytes()
+    }
 }
 
 impl fmt::Display for TensorType {

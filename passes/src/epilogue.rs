@@ -10,7 +10,7 @@
 
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::{BiasAdd, DataFormat, Epilogue, FusedMatMul, MatMul, Unary};
-use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
+use ampgraph_graph::{DType, Graph, NodeId, Port};
 
 use crate::{Pass, PassError, PassSummary};
 
@@ -37,10 +37,6 @@ fn sole_reader(g: &Graph, adj: &Adjacency, port: Port) -> Option<NodeId> {
         (Some((reader, _)), None) => Some(reader),
         _ => None,
     }
-}
-
-fn tensor_bytes(ty: &TensorType) -> usize {
-    ty.checked_len().unwrap_or(0) * ty.dtype.size_bytes()
 }
 
 fn find(g: &Graph) -> Result<Vec<Candidate>, PassError> {
@@ -99,7 +95,7 @@ impl Pass for GemmEpilogue {
             let bias = g.inputs(c.bias_add)[1];
             let (last, epilogue) = c.activation.unwrap_or((c.bias_add, Epilogue::Bias));
             // Each intermediate tensor no longer exists: written once and read once.
-            bytes_saved += 2 * tensor_bytes(g.ty(Port::new(c.matmul, 0)));
+            bytes_saved += 2 * g.ty(Port::new(c.matmul, 0)).size_bytes();
             g.set_node(
                 last,
                 Box::new(FusedMatMul { product, epilogue }),
@@ -107,7 +103,7 @@ impl Pass for GemmEpilogue {
             )?;
             if c.activation.is_some() {
                 activations += 1;
-                bytes_saved += 2 * tensor_bytes(g.ty(Port::new(c.bias_add, 0)));
+                bytes_saved += 2 * g.ty(Port::new(c.bias_add, 0)).size_bytes();
                 g.remove_node(c.bias_add)?;
             }
             g.remove_node(c.matmul)?;

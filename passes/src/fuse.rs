@@ -195,8 +195,7 @@ fn program(
             outputs.push(instrs.len() - 1);
             exports.push(m);
         } else {
-            let bytes = ty.checked_len().unwrap_or(0) * ty.dtype.size_bytes();
-            internal_bytes += 2 * bytes as u64;
+            internal_bytes += 2 * ty.size_bytes() as u64;
         }
     }
     Ok(Fused {

@@ -2,7 +2,7 @@
 //! (AssignVariable) depends on never run (an executor's schedule starts from what is
 //! fetched) and are removed.
 
-use ampgraph_graph::Graph;
+use ampgraph_graph::{Graph, TensorType};
 
 use super::{has_side_effects, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
@@ -38,7 +38,7 @@ impl Pass for Dce {
                 .node(id)
                 .outputs()
                 .iter()
-                .map(|t| t.checked_len().unwrap_or(0) * t.dtype.size_bytes())
+                .map(TensorType::size_bytes)
                 .sum::<usize>();
             g.remove_node(id)?;
             removed += 1;
