@@ -150,8 +150,8 @@ pub struct Session {
     executor: Backend,
     /// What each rewrite pass did, in order.
     pub passes: Vec<PassRecord>,
-    /// The passes of [`SessionOptions::passes`], run per set of fetches.
-    per_fetch_passes: Vec<String>,
+    /// The passes of [`SessionOptions::passes`], run per set of fetches (none: `None`).
+    per_fetch_passes: Option<PassManager>,
     /// The graph each set of fetches runs, with the ports to fetch from it.
     optimized: HashMap<Vec<Port>, (Graph, Vec<Port>)>,
 }
@@ -187,17 +187,21 @@ impl Session {
             passes.push(Box::new(AutoMixedPrecision::new(config)));
         }
         let records = passes.run(&mut graph)?;
-        if let Some(unknown) = options
-            .passes
-            .iter()
-            .find(|name| registry::by_name(name).is_none())
-        {
-            return Err(PassError::Rewrite(format!(
-                "unknown pass '{unknown}' (known: {})",
-                registry::names().collect::<Vec<_>>().join(", ")
-            ))
-            .into());
-        }
+        let per_fetch_passes = match options.passes.is_empty() {
+            true => None,
+            false => {
+                let mut manager = PassManager::new();
+                for name in &options.passes {
+                    manager.push(registry::by_name(name).ok_or_else(|| {
+                        PassError::Rewrite(format!(
+                            "unknown pass '{name}' (known: {})",
+                            registry::names().collect::<Vec<_>>().join(", ")
+                        ))
+                    })?);
+                }
+                Some(manager)
+            }
+        };
         let mut executor = match device {
             Device::Cpu => Backend::Cpu(CpuExecutor::new()),
             Device::Cuda(i) => {
@@ -216,7 +220,7 @@ impl Session {
             graph,
             executor,
             passes: records,
-            per_fetch_passes: options.passes,
+            per_fetch_passes,
             optimized: HashMap::new(),
         })
     }
@@ -260,20 +264,12 @@ impl Session {
 
     /// Computes `fetches`; variable updates in the graph take effect when it returns.
     pub fn run(&mut self, fetches: &[Port], feeds: &Feeds) -> Result<Vec<Tensor>, SessionError> {
-        if self.per_fetch_passes.is_empty() {
+        let Some(passes) = &self.per_fetch_passes else {
             return Ok(self.executor.run(&self.graph, feeds, fetches)?);
-        }
+        };
         if !self.optimized.contains_key(fetches) {
             let mut graph = self.graph.clone();
             graph.set_outputs(fetches.to_vec())?;
-            let mut passes = PassManager::new();
-            for name in &self.per_fetch_passes {
-                // Names were checked when the session was built.
-                passes.push(
-                    registry::by_name(name)
-                        .ok_or_else(|| PassError::Rewrite(format!("unknown pass '{name}'")))?,
-                );
-            }
             passes.run(&mut graph)?;
             let ports = graph.outputs().to_vec();
             self.optimized.insert(fetches.to_vec(), (graph, ports));

@@ -64,8 +64,8 @@ impl std::fmt::Display for PassSummary {
     }
 }
 
-/// One graph rewrite.
-pub trait Pass {
+/// One graph rewrite (shareable across threads, as the sessions holding them are).
+pub trait Pass: Send + Sync {
     /// The pass's name, as `ampgraph rewrite --passes` selects it.
     fn name(&self) -> &'static str;
 
