@@ -57,6 +57,7 @@ use clap::{Parser, ValueEnum};
 
 use ampgraph::exec::cuda::{self, CudaExecutor};
 use ampgraph::exec::feeds::initial_value;
+use ampgraph::exec::rng::SplitMix64;
 use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{Group, Init, Variable};
@@ -290,11 +291,11 @@ impl Config {
                 ..
             } => (vec![batch, seq, d], batch * seq, classes),
         };
-        let mut rng = SplitMix64(seed ^ 0xB3_4C_4D_41_52_4B);
+        let mut rng = SplitMix64::new(seed ^ 0xB3_4C_4D_41_52_4B);
         let n: usize = x_shape.iter().product();
-        let xs: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+        let xs: Vec<f32> = (0..n).map(|_| standard_normal(&mut rng) as f32).collect();
         let labels: Vec<i64> = (0..n_labels)
-            .map(|_| (rng.next() % classes.max(1) as u64) as i64)
+            .map(|_| (rng.next_u64() % classes.max(1) as u64) as i64)
             .collect();
         Ok((
             Tensor::new(x_shape, Data::F32(xs))?,
@@ -303,27 +304,11 @@ impl Config {
     }
 }
 
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    }
-
-    /// Standard normal (Box-Muller).
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.unit(), self.unit());
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
-    }
+/// A standard normal value (Box-Muller on uniforms in (0, 1], so the log is finite).
+fn standard_normal(rng: &mut SplitMix64) -> f64 {
+    let mut unit = || ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+    let (u, v) = (unit(), unit());
+    (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
 }
 
 /// The forward graph of a workload: logits and the mean cross-entropy loss.

@@ -25,6 +25,8 @@ use ampgraph_graph::{Data, Tensor};
 use flate2::bufread::MultiGzDecoder;
 use thiserror::Error;
 
+use crate::rng::SplitMix64;
+
 /// Magic number of an idx file of unsigned bytes with 3 dimensions (images).
 pub const IMAGES_MAGIC: u32 = 0x0000_0803;
 /// Magic number of an idx file of unsigned bytes with 1 dimension (labels).
@@ -496,44 +498,6 @@ pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {
     v
 }
 
-/// SplitMix64: a small, fast, well-mixed generator; enough for shuffling and noise.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn new(seed: u64) -> Self {
-        SplitMix64(seed)
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Uniform in `[lo, hi)`.
-    fn range(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * self.unit()
-    }
-
-    /// Uniform in `0..n` (n > 0), by rejection so that it is unbiased.
-    fn below(&mut self, n: u64) -> u64 {
-        let zone = u64::MAX - u64::MAX % n;
-        loop {
-            let x = self.next_u64();
-            if x < zone {
-                return x % n;
-            }
-        }
-    }
-}
-
 /// Seven-segment strokes on a 28x28 canvas: corners of a 12x18 box centred at (14, 14).
 const SEGMENTS: [[f32; 4]; 7] = {
     const L: f32 = 8.0;
@@ -592,7 +556,7 @@ fn render_digit(class: usize, side: usize, rng: &mut SplitMix64, out: &mut Vec<u
                 .map(|s| segment_dist2(u, v, s))
                 .fold(f32::INFINITY, f32::min);
             let ink = strength * (-d2 * inv_two_var).exp();
-            let noise = 0.2 * rng.unit() - 0.05;
+            let noise = 0.2 * rng.unit_f32() - 0.05;
             let value = (ink + noise).clamp(0.0, 1.0);
             out.push((value * 255.0).round() as u8);
         }

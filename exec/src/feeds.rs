@@ -5,23 +5,7 @@
 use ampgraph_graph::ops::{Init, Variable};
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
-/// SplitMix64: tiny, fast and good enough to fill test tensors.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-}
+use crate::rng::SplitMix64;
 
 /// FNV-1a of the name, so the stream depends on the name and not on graph position.
 fn name_hash(name: &str) -> u64 {
@@ -36,11 +20,11 @@ pub const INT_RANGE: u64 = 10;
 /// Values for a tensor named `name`: floats uniform in [-1, 1), integers in
 /// [0, INT_RANGE), booleans fair coins. The caller has checked the size.
 pub fn seeded_tensor(name: &str, ty: &TensorType, seed: u64) -> Tensor {
-    let mut rng = SplitMix64(name_hash(name) ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D));
+    let mut rng = SplitMix64::new(name_hash(name) ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D));
     let n = ty.checked_len().unwrap_or(0);
     let values = (0..n).map(|_| match ty.dtype {
-        DType::I32 | DType::I64 => (rng.next() % INT_RANGE) as f64,
-        DType::Bool => (rng.next() & 1) as f64,
+        DType::I32 | DType::I64 => (rng.next_u64() % INT_RANGE) as f64,
+        DType::Bool => (rng.next_u64() & 1) as f64,
         _ => rng.unit() * 2.0 - 1.0,
     });
     Tensor::new(ty.shape.clone(), Data::from_f64(ty.dtype, values)).expect("length matches shape")
@@ -68,7 +52,8 @@ fn fans(shape: &[usize]) -> (f64, f64) {
 /// The initial value of a Variable named `name`: deterministic in the name and seed.
 pub fn initial_value(name: &str, var: &Variable, seed: u64) -> Tensor {
     let ty = &var.ty;
-    let mut rng = SplitMix64(name_hash(name) ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED);
+    let mut rng =
+        SplitMix64::new(name_hash(name) ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED);
     let n = ty.checked_len().unwrap_or(0);
     let (fan_in, fan_out) = fans(&ty.shape);
     let init = match var.init {

@@ -11,6 +11,7 @@ pub mod data;
 pub mod feeds;
 pub mod gradcheck;
 pub mod memory_plan;
+pub mod rng;
 mod schedule;
 
 use std::collections::HashMap;
