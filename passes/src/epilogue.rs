@@ -129,7 +129,7 @@ impl Pass for GemmEpilogue {
 mod tests {
     use super::*;
     use ampgraph_graph::ops::{Placeholder, UnaryKind};
-    use ampgraph_graph::Tensor;
+    use ampgraph_graph::{Tensor, TensorType};
 
     fn placeholder(g: &mut Graph, name: &str, dtype: DType, shape: &[usize]) -> Port {
         let ty = TensorType::new(dtype, shape.to_vec());
