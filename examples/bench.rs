@@ -55,7 +55,7 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
-use ampgraph::exec::cuda::{self, CudaExecutor};
+use ampgraph::exec::cuda::{self, CudaExecutor, LaunchCounts};
 use ampgraph::exec::feeds::initial_value;
 use ampgraph::exec::rng::SplitMix64;
 use ampgraph::exec::{CpuExecutor, Executor, Feeds};
@@ -508,6 +508,8 @@ struct Record {
     peak_mib: Option<f64>,
     /// The memory plan's arena for the step's computed tensors (variables apart).
     planned_mib: f64,
+    /// What one step puts on the stream (CUDA only).
+    launches: Option<LaunchCounts>,
     tflops: Option<f64>,
     loss: Option<f64>,
 }
@@ -663,6 +665,14 @@ fn run_one(
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
+    let launches = match &mut exec {
+        Exec::Cuda(e) => {
+            let before = e.launches();
+            e.run(&graph, &feeds, &[fetch])?;
+            Some(e.launches() - before)
+        }
+        Exec::Cpu(_) => None,
+    };
     let peak = exec.peak_bytes().map(mib);
     // As torch_anchor.py: the loss after the timed steps (a forward pass only: the
     // fetch needs no update).
@@ -695,6 +705,7 @@ fn run_one(
         max_ms: times[times.len() - 1],
         peak_mib: peak,
         planned_mib: mib(plan.arena_bytes),
+        launches,
         tflops: Some(flops / median / 1e9),
         loss,
     }))
@@ -785,6 +796,16 @@ fn bench(args: &Args) -> Res<()> {
                     );
                     if let Some(l) = r.loss {
                         line += &format!(", \"loss\": {}", py(l, 4));
+                    }
+                    if let Some(c) = r.launches {
+                        line += &format!(
+                            ", \"launches\": {{\"kernel\": {}, \"gemm\": {}, \"memset\": {}, \"memcpy\": {}, \"total\": {}}}",
+                            c.kernels,
+                            c.gemms,
+                            c.memsets,
+                            c.memcpys,
+                            c.total()
+                        );
                     }
                     println!("{line}}}");
                     rows.push(r);

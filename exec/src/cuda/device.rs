@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
@@ -75,6 +76,62 @@ pub struct Pool {
     pub live: usize,
     /// The most bytes ever live at once.
     pub peak: usize,
+}
+
+/// Work put on the stream since the device was opened, by kind (what a profiler such as
+/// nsys would count as launches: a cuBLASLt call may run one or two kernels of its own).
+#[derive(Debug, Default)]
+pub struct Launches {
+    pub kernels: AtomicU64,
+    pub gemms: AtomicU64,
+    pub memsets: AtomicU64,
+    pub memcpys: AtomicU64,
+}
+
+/// A snapshot of [`Launches`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchCounts {
+    /// NVRTC kernels.
+    pub kernels: u64,
+    /// cuBLASLt matmul calls.
+    pub gemms: u64,
+    pub memsets: u64,
+    /// Host-device copies (uploads of feeds, downloads of fetches).
+    pub memcpys: u64,
+}
+
+impl LaunchCounts {
+    /// Everything put on the stream.
+    pub fn total(&self) -> u64 {
+        self.kernels + self.gemms + self.memsets + self.memcpys
+    }
+}
+
+impl std::ops::Sub for LaunchCounts {
+    type Output = LaunchCounts;
+    fn sub(self, o: LaunchCounts) -> LaunchCounts {
+        LaunchCounts {
+            kernels: self.kernels - o.kernels,
+            gemms: self.gemms - o.gemms,
+            memsets: self.memsets - o.memsets,
+            memcpys: self.memcpys - o.memcpys,
+        }
+    }
+}
+
+impl Launches {
+    pub fn count(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> LaunchCounts {
+        LaunchCounts {
+            kernels: self.kernels.load(Ordering::Relaxed),
+            gemms: self.gemms.load(Ordering::Relaxed),
+            memsets: self.memsets.load(Ordering::Relaxed),
+            memcpys: self.memcpys.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// A device allocation; back to the pool when the last tensor using it drops.
@@ -184,6 +241,7 @@ pub struct Device {
     pub pool: Arc<Mutex<Pool>>,
     /// Compiled PTX kept between processes.
     disk_cache: DiskCache,
+    pub launches: Launches,
 }
 
 fn drv<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
@@ -208,6 +266,7 @@ impl Device {
             functions: Mutex::new(HashMap::new()),
             pool: Arc::new(Mutex::new(Pool::default())),
             disk_cache: DiskCache::from_env(),
+            launches: Launches::default(),
         })
     }
 
@@ -279,6 +338,7 @@ impl Device {
         let d = self.alloc(t.dtype(), t.shape(), who)?;
         let bytes = to_bytes(t.data());
         if !bytes.is_empty() {
+            Launches::count(&self.launches.memcpys);
             // SAFETY: the buffer holds at least `bytes.len()` bytes; the copy is ordered
             // on the stream, and a pageable source is staged before the call returns.
             unsafe {
@@ -292,6 +352,7 @@ impl Device {
     pub fn download(&self, d: &DTensor) -> Result<Tensor, String> {
         let mut bytes = vec![0u8; d.bytes()];
         if !bytes.is_empty() {
+            Launches::count(&self.launches.memcpys);
             // SAFETY: the buffer holds `bytes.len()` bytes; the host side is read only
             // after the stream synchronises below.
             unsafe {
@@ -312,6 +373,7 @@ impl Device {
         if d.bytes() == 0 {
             return Ok(());
         }
+        Launches::count(&self.launches.memsets);
         // SAFETY: the range lies inside the buffer; ordered on this stream.
         unsafe {
             cudarc::driver::result::memset_d8_async(d.ptr(), 0, d.bytes(), self.stream.cu_stream())
@@ -434,6 +496,7 @@ impl Device {
             block_dim: (block, 1, 1),
             shared_mem_bytes: 0,
         };
+        Launches::count(&self.launches.kernels);
         // SAFETY: the argument list matches the generated kernel's signature, and every
         // pointer is a live buffer of the size the kernel indexes (checked by the caller).
         unsafe { b.launch(cfg) }

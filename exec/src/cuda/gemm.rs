@@ -18,7 +18,7 @@ use half::f16;
 use ampgraph_graph::ops::Epilogue;
 use ampgraph_graph::DType;
 
-use super::device::{DTensor, Device};
+use super::device::{DTensor, Device, Launches};
 
 /// Precision settings of the GEMMs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -252,6 +252,7 @@ impl Gemm {
         let a = p.a.ptr() + p.offset_a as u64 * esize;
         let b = p.b.ptr() + p.offset_b as u64 * esize;
         let c = p.c.ptr() + p.offset_c as u64 * esize;
+        Launches::count(&dev.launches.gemms);
         // SAFETY: the caller checked that each operand's buffer holds the matrices the
         // layouts describe; alpha/beta have the scale type; ordered on the stream.
         unsafe {

@@ -28,6 +28,7 @@ use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{check_tensor_size, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
 
+pub use device::LaunchCounts;
 use device::{guard, DTensor, Device};
 use gemm::Gemm;
 pub use gemm::GemmOptions;
@@ -203,6 +204,12 @@ impl CudaExecutor {
     }
 
     /// The most bytes of device tensors (variables included) live at once so far.
+    /// Work put on the stream so far (kernels, cuBLASLt calls, memsets, copies); the
+    /// difference of two snapshots counts a step's launches.
+    pub fn launches(&self) -> LaunchCounts {
+        self.dev.launches.snapshot()
+    }
+
     pub fn peak_bytes(&self) -> usize {
         self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)
     }
