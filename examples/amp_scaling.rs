@@ -60,11 +60,7 @@ fn build(n: usize) -> Result<Graph, Box<dyn std::error::Error>> {
                 vec![pick(state >> 8)],
             ),
             (_, 13) => (
-                Box::new(Reduce {
-                    kind: ReduceKind::Max,
-                    axes: Some(vec![1]),
-                    keep_dims: false,
-                }),
+                Box::new(Reduce::new(ReduceKind::Max, Some(vec![1]), false)),
                 vec![pick(state >> 8)],
             ),
             _ => (

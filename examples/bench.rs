@@ -148,8 +148,8 @@ struct Args {
     /// Seed of the variables' initial values and of the data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// After timing, run this many more steps synchronising after every op and print
-    /// where the time goes, per kind of op (CUDA only).
+    /// After timing, run this many more steps timing every op with CUDA events and
+    /// print where the time goes, per kind of op (CUDA only).
     #[arg(long, default_value_t = 0)]
     profile: usize,
     /// Run the fusion passes (GEMM epilogues, then elementwise fusion) after AMP.
@@ -160,6 +160,10 @@ struct Args {
     /// device needed).
     #[arg(long)]
     passes_only: bool,
+    /// With --passes-only: how many of the largest tensors alive at the planned peak
+    /// to list.
+    #[arg(long, default_value_t = 12)]
+    peak_top: usize,
     /// Write each graph as it runs (after the passes) to DIR/<workload>-<phase>-<mode>.txt.
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
@@ -616,6 +620,19 @@ fn run_one(
             mib(plan.live_bytes),
             mib(plan.total_bytes)
         );
+        println!("## alive at the peak (step {}):", plan.peak_step);
+        for b in plan.alive_at_peak().iter().take(args.peak_top) {
+            let node = graph.node(b.port.node);
+            println!(
+                "  {:>8.1} MiB  {} ({}) {}  steps {}..{}",
+                mib(b.bytes),
+                node.name,
+                node.op.name(),
+                node.outputs()[b.port.index],
+                b.first,
+                b.last
+            );
+        }
         return Ok(None);
     }
     if let Some(dir) = &args.dump {

@@ -51,6 +51,8 @@ pub struct MemoryPlan {
     pub arena_bytes: usize,
     /// The most bytes alive at one step: no plan needs less.
     pub live_bytes: usize,
+    /// The (first) step at which `live_bytes` are alive.
+    pub peak_step: usize,
     /// The bytes of every buffer added up: what a step allocating each tensor anew and
     /// freeing nothing would need.
     pub total_bytes: usize,
@@ -157,16 +159,32 @@ fn summarise(buffers: Vec<PlannedBuffer>, steps: usize) -> MemoryPlan {
         delta[b.last + 1] -= b.bytes as isize;
     }
     let mut alive = 0isize;
-    let mut live_bytes = 0usize;
-    for d in delta {
+    let (mut live_bytes, mut peak_step) = (0usize, 0usize);
+    for (step, d) in delta.into_iter().enumerate() {
         alive += d;
-        live_bytes = live_bytes.max(alive as usize);
+        if alive as usize > live_bytes {
+            (live_bytes, peak_step) = (alive as usize, step);
+        }
     }
     MemoryPlan {
         buffers,
         arena_bytes,
         live_bytes,
+        peak_step,
         total_bytes,
+    }
+}
+
+impl MemoryPlan {
+    /// The buffers alive at the peak, largest first: what to shrink to lower it.
+    pub fn alive_at_peak(&self) -> Vec<&PlannedBuffer> {
+        let mut alive: Vec<&PlannedBuffer> = self
+            .buffers
+            .iter()
+            .filter(|b| b.first <= self.peak_step && self.peak_step <= b.last)
+            .collect();
+        alive.sort_by_key(|b| std::cmp::Reverse(b.bytes));
+        alive
     }
 }
 

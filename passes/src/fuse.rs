@@ -352,33 +352,12 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+    use crate::testing::run;
     use ampgraph_graph::ops::{BiasAdd, Cast, DataFormat, MatMul, Transpose, Unary, UnaryKind};
     use ampgraph_graph::{DType, Tensor};
 
     fn unary(g: &mut Graph, kind: UnaryKind, x: Port) -> Port {
         g.add(Unary::new(kind), &[x]).unwrap()
-    }
-
-    /// Runs the graph with the CPU kernels, placeholders fed by name.
-    fn run(g: &Graph, feeds: &HashMap<&str, Tensor>) -> Vec<Tensor> {
-        let mut vals: HashMap<NodeId, Vec<Tensor>> = HashMap::new();
-        for id in g.topo_order().unwrap() {
-            let node = g.node(id);
-            let out = match feeds.get(node.name.as_str()) {
-                Some(t) => vec![t.clone()],
-                None => {
-                    let inputs = g.inputs(id);
-                    let ins: Vec<&Tensor> =
-                        inputs.iter().map(|p| &vals[&p.node][p.index]).collect();
-                    node.op.eval(&ins).unwrap()
-                }
-            };
-            vals.insert(id, out);
-        }
-        g.outputs()
-            .iter()
-            .map(|p| vals[&p.node][p.index].clone())
-            .collect()
     }
 
     fn ramp(shape: &[usize]) -> Tensor {

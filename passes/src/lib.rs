@@ -10,6 +10,8 @@ pub mod epilogue;
 pub mod fuse;
 pub mod registry;
 pub mod simplify;
+#[cfg(test)]
+mod testing;
 
 use std::time::{Duration, Instant};
 

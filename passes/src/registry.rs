@@ -4,7 +4,7 @@
 
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
-use crate::simplify::{Algebraic, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm};
+use crate::simplify::{Algebraic, CastIntoReduce, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm};
 use crate::{Pass, PassManager};
 
 /// One row of the registry.
@@ -32,6 +32,10 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(Dce),
     },
     PassEntry {
+        name: "cast-into-reduce",
+        make: || Box::new(CastIntoReduce),
+    },
+    PassEntry {
         name: "fold-batchnorm",
         make: || Box::new(FoldBatchNorm),
     },
@@ -53,10 +57,10 @@ pub const PASSES: &[PassEntry] = &[
 /// identities exposes common subexpressions, and all three leave dead nodes.
 pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"];
 
-/// The fusion pipeline for a CUDA graph after AMP (`bench --fused`): products take
-/// their bias and activation into the GEMM, then the remaining elementwise chains fuse
-/// into generated kernels.
-pub const CUDA_PIPELINE: &[&str] = &["gemm-epilogue", "fuse"];
+/// The fusion pipeline for a CUDA graph after AMP (`bench --fused`): reductions
+/// take the widening casts AMP put before them, products their bias and activation
+/// into the GEMM, then the remaining elementwise chains fuse into generated kernels.
+pub const CUDA_PIPELINE: &[&str] = &["cast-into-reduce", "gemm-epilogue", "fuse"];
 
 /// The names of the registered passes, in registry order.
 pub fn names() -> impl Iterator<Item = &'static str> {

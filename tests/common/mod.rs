@@ -191,16 +191,7 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
                 } else {
                     rng.pick(&[ReduceKind::Mean, ReduceKind::Max])
                 };
-                let r = g
-                    .add(
-                        Reduce {
-                            kind,
-                            axes: Some(vec![1]),
-                            keep_dims: true,
-                        },
-                        &[a],
-                    )
-                    .unwrap();
+                let r = g.add(Reduce::new(kind, Some(vec![1]), true), &[a]).unwrap();
                 g.add(Binary::new(BinaryKind::Add), &[b, r]).unwrap()
             }
             11 => {

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
-    LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use half::{bf16, f16};
@@ -17,7 +17,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
 use super::kernel_cache::DiskCache;
-use super::src::{MAX_RANK, UNROLL};
+use super::src::{MAX_RANK, VECTOR};
 
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
@@ -470,6 +470,13 @@ impl Device {
         Ok(ptx)
     }
 
+    /// A timing event recorded on the stream now.
+    pub fn timing_event(&self) -> Result<CudaEvent, String> {
+        self.stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| format!("CUDA event: {e:?}"))
+    }
+
     /// Launches kernel `name` of module `key` over `grid` blocks of `block` threads.
     pub fn launch(
         &self,
@@ -515,15 +522,15 @@ impl Device {
         self.launch_items(key, src, n, 1, args)
     }
 
-    /// A launch of an elementwise kernel whose threads take [`UNROLL`] items each.
-    pub fn launch_unrolled(
+    /// A launch of an elementwise kernel whose threads take up to [`VECTOR`] items each.
+    pub fn launch_elementwise(
         &self,
         key: &str,
         src: impl FnOnce() -> String,
         n: usize,
         args: &[Arg],
     ) -> Result<(), String> {
-        self.launch_items(key, src, n, UNROLL, args)
+        self.launch_items(key, src, n, VECTOR, args)
     }
 
     /// Enough blocks of 256 threads for `n` items, `per_thread` each (grid-stride

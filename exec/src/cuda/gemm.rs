@@ -28,9 +28,19 @@ pub struct GemmOptions {
     /// f16 GEMMs may accumulate in f16 (PyTorch's
     /// `allow_fp16_reduced_precision_reduction`); by default they accumulate in f32.
     pub allow_fp16_reduced_precision_reduction: bool,
+    /// Take cuBLASLt's first heuristic pick for every product instead of timing its
+    /// candidates on first use (autotuning: the pick can be tens of percent slower,
+    /// e.g. TF32 products with a non-transposed weight; the timed choice may differ
+    /// between runs, so results are reproducible bit for bit only with this set).
+    pub heuristic_only: bool,
 }
 
 const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// The heuristic's candidates timed per product shape, and the runs timed per
+/// candidate (after one untimed run).
+const CANDIDATES: usize = 8;
+const TIMED_RUNS: usize = 3;
 
 pub struct Gemm {
     handle: sys::cublasLtHandle_t,
@@ -62,6 +72,8 @@ struct Plan {
     la: Layout,
     lb: Layout,
     lc: Layout,
+    /// The heuristic's candidates, best guess first; `run` times them on first use.
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
     algo: sys::cublasLtMatmulAlgo_t,
     scale_ty: sys::cudaDataType,
 }
@@ -209,16 +221,10 @@ impl Gemm {
             .map_err(|_| "poisoned")?
             .get(&key)
             .cloned();
-        let plan = match cached {
+        let fresh = cached.is_none();
+        let mut plan = match cached {
             Some(plan) => plan,
-            None => {
-                let plan = Arc::new(self.plan(&key)?);
-                self.plans
-                    .lock()
-                    .map_err(|_| "poisoned")?
-                    .insert(key, plan.clone());
-                plan
-            }
+            None => Arc::new(self.plan(&key)?),
         };
         let esize = dtype.size_bytes() as u64;
         let scale_ty = plan.scale_ty;
@@ -252,30 +258,76 @@ impl Gemm {
         let a = p.a.ptr() + p.offset_a as u64 * esize;
         let b = p.b.ptr() + p.offset_b as u64 * esize;
         let c = p.c.ptr() + p.offset_c as u64 * esize;
-        Launches::count(&dev.launches.gemms);
-        // SAFETY: the caller checked that each operand's buffer holds the matrices the
-        // layouts describe; alpha/beta have the scale type; ordered on the stream.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                plan.desc.0,
-                alpha,
-                beta,
-                b as *const c_void,
-                plan.lb.0,
-                a as *const c_void,
-                plan.la.0,
-                c as *const c_void,
-                plan.lc.0,
-                c as *mut c_void,
-                plan.lc.0,
-                (&plan.algo) as *const _,
-                self.workspace.ptr() as *mut c_void,
-                ws,
-                dev.stream.cu_stream() as sys::cudaStream_t,
-            )
+        let matmul = |plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t| {
+            // SAFETY: the caller checked that each operand's buffer holds the matrices
+            // the layouts describe; alpha/beta have the scale type; ordered on the stream.
+            unsafe {
+                lt::matmul(
+                    self.handle,
+                    plan.desc.0,
+                    alpha,
+                    beta,
+                    b as *const c_void,
+                    plan.lb.0,
+                    a as *const c_void,
+                    plan.la.0,
+                    c as *const c_void,
+                    plan.lc.0,
+                    c as *mut c_void,
+                    plan.lc.0,
+                    algo as *const _,
+                    self.workspace.ptr() as *mut c_void,
+                    ws,
+                    dev.stream.cu_stream() as sys::cudaStream_t,
+                )
+            }
+            .map_err(err("matmul"))
+        };
+        if fresh {
+            if !opts.heuristic_only && plan.candidates.len() > 1 {
+                // Not shared yet: the plan is still ours to change.
+                let algo = self.fastest(dev, &plan, &matmul)?;
+                if let Some(p) = Arc::get_mut(&mut plan) {
+                    p.algo = algo;
+                }
+            }
+            self.plans
+                .lock()
+                .map_err(|_| "poisoned")?
+                .insert(key, plan.clone());
         }
-        .map_err(err("matmul"))
+        Launches::count(&dev.launches.gemms);
+        matmul(&plan, &plan.algo)
+    }
+
+    /// Times each of a plan's candidates on the product's own operands (the output is
+    /// overwritten by the real run after) and returns the fastest. Synchronises the
+    /// stream, once per product shape.
+    fn fastest(
+        &self,
+        dev: &Device,
+        plan: &Plan,
+        matmul: &dyn Fn(&Plan, &sys::cublasLtMatmulAlgo_t) -> Result<(), String>,
+    ) -> Result<sys::cublasLtMatmulAlgo_t, String> {
+        let mut best = (f32::INFINITY, plan.algo);
+        for algo in &plan.candidates {
+            // A candidate the heuristic offered but that fails to run is passed over.
+            if matmul(plan, algo).is_err() {
+                continue;
+            }
+            let start = dev.timing_event()?;
+            for _ in 0..TIMED_RUNS {
+                matmul(plan, algo)?;
+            }
+            let end = dev.timing_event()?;
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| format!("CUDA event: {e:?}"))?;
+            if ms < best.0 {
+                best = (ms, *algo);
+            }
+        }
+        Ok(best.1)
     }
 
     /// Builds the descriptors of a product and asks cuBLASLt's heuristic for its algorithm.
@@ -391,22 +443,43 @@ impl Gemm {
             )
             .map_err(err("workspace size"))?;
         }
-        // SAFETY: every descriptor is live.
-        let heuristic = unsafe {
-            lt::get_matmul_algo_heuristic(self.handle, desc.0, lb.0, la.0, lc.0, lc.0, pref.0)
-        }
-        .map_err(|e| {
-            format!(
-                "cuBLASLt has no algorithm for a {dtype} product [{m}x{k}] x [{k}x{n}] (batch {}): {e:?}",
-                batch
+        // SAFETY: zeroed is a valid bit pattern for the plain-data result struct.
+        let mut found: [sys::cublasLtMatmulHeuristicResult_t; CANDIDATES] =
+            unsafe { std::mem::zeroed() };
+        let mut count = 0;
+        // SAFETY: every descriptor is live; `found` has room for CANDIDATES results.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                desc.0,
+                lb.0,
+                la.0,
+                lc.0,
+                lc.0,
+                pref.0,
+                CANDIDATES as i32,
+                found.as_mut_ptr(),
+                &mut count,
             )
-        })?;
+        };
+        let candidates: Vec<sys::cublasLtMatmulAlgo_t> = found
+            [..count.clamp(0, CANDIDATES as i32) as usize]
+            .iter()
+            .filter(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|h| h.algo)
+            .collect();
+        let Some(&algo) = candidates.first() else {
+            return Err(format!(
+                "cuBLASLt has no algorithm for a {dtype} product [{m}x{k}] x [{k}x{n}] (batch {batch}): {status:?}"
+            ));
+        };
         Ok(Plan {
             desc,
             la,
             lb,
             lc,
-            algo: heuristic.algo,
+            candidates,
+            algo,
             scale_ty,
         })
     }

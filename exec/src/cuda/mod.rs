@@ -69,8 +69,8 @@ fn libraries_present() -> Result<(), String> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaOptions {
     pub gemm: GemmOptions,
-    /// Synchronise after every op and add its time to [`CudaExecutor::profile`]
-    /// (slows the step; for finding where a step's time goes).
+    /// Time every op with CUDA events and add its time to [`CudaExecutor::profile`]
+    /// (slows the step a little; for finding where a step's time goes).
     pub profile: bool,
 }
 
@@ -384,6 +384,7 @@ impl Executor for CudaExecutor {
         }
         let mut values: HashMap<NodeId, Vec<DTensor>> = HashMap::new();
         let mut writes: Vec<(String, DTensor)> = Vec::new();
+        let mut timed = Vec::new();
         for &id in &order {
             let node = graph.node(id);
             let op = node.op.name();
@@ -404,26 +405,24 @@ impl Executor for CudaExecutor {
                         gemm_options: self.options.gemm,
                         name: &node.name,
                     };
-                    // Only a profiled step reads the clock and waits for each op.
-                    let start = self.options.profile.then(std::time::Instant::now);
+                    // Only a profiled step brackets each op with timing events.
                     let out = guard("CUDA", || {
+                        let start = self
+                            .options
+                            .profile
+                            .then(|| self.dev.timing_event())
+                            .transpose()?;
                         let out = ops::eval(&ctx, node.op.as_ref(), &inputs, node.outputs())?;
-                        if start.is_some() {
-                            self.dev
-                                .stream
-                                .synchronize()
-                                .map_err(|e| format!("{e:?}"))?;
+                        if let Some(start) = start {
+                            let key = match node.outputs().first() {
+                                Some(ty) => format!("{op} {ty}"),
+                                None => op.to_string(),
+                            };
+                            timed.push((key, start, self.dev.timing_event()?));
                         }
                         Ok(out)
                     })
                     .map_err(|m| ExecError::node(&node.name, op, m))?;
-                    if let Some(start) = start {
-                        let key = match node.outputs().first() {
-                            Some(ty) => format!("{op} {ty}"),
-                            None => op.to_string(),
-                        };
-                        self.profile.add(key, start.elapsed().as_secs_f64());
-                    }
                     out
                 }
             };
@@ -435,6 +434,12 @@ impl Executor for CudaExecutor {
             for done in schedule.consume_inputs(graph, id) {
                 values.remove(&done);
             }
+        }
+        for (key, start, end) in timed {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| ExecError::Device(format!("CUDA timing event: {e:?}")))?;
+            self.profile.add(key, f64::from(ms) / 1e3);
         }
         let mut fetched = Vec::with_capacity(fetches.len());
         for p in fetches {

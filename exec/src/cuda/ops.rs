@@ -251,8 +251,8 @@ fn reduce_into(
         };
         return column_sums(
             c,
-            &format!("column_sum/{}", x.dtype),
-            || src::column_sum(x.dtype),
+            &format!("column_sum/{}/{}", x.dtype, y.dtype),
+            || src::column_sum(x.dtype, y.dtype),
             &[x.arg()],
             (count, out_len),
             &[(y, scale)],
@@ -260,8 +260,8 @@ fn reduce_into(
     }
     let mut args = vec![x.arg(), y.arg()];
     args.extend(split_args(&s)?);
-    let key = format!("reduce/{}/{}", x.dtype, kind.name());
-    let make = || src::reduce(x.dtype, kind);
+    let key = format!("reduce/{}/{}/{}", x.dtype, y.dtype, kind.name());
+    let make = || src::reduce(x.dtype, y.dtype, kind);
     if count <= 64 || (out_len >= 4096 && count <= 4096) {
         let grid = out_len.div_ceil(256).min(1 << 20) as u32;
         c.dev.launch(&key, make, "k_thread", grid, 256, &args)
@@ -407,7 +407,7 @@ pub fn eval(
         float_only(x.dtype)?;
         let y = c.alloc(out0)?;
         let n = x.len();
-        dev.launch_unrolled(
+        dev.launch_elementwise(
             &format!("unary/{}/{:?}", x.dtype, u.kind),
             || src::unary(x.dtype, u.kind),
             n,
@@ -420,7 +420,7 @@ pub fn eval(
         float_only(x.dtype)?;
         let dx = c.alloc(out0)?;
         let n = x.len();
-        dev.launch_unrolled(
+        dev.launch_elementwise(
             &format!("unary_grad/{}/{:?}", x.dtype, u.kind),
             || src::unary_grad(x.dtype, u.kind),
             n,
@@ -462,7 +462,7 @@ pub fn eval(
             Arg::I32(mb),
             Arg::Dims(sb),
         ]);
-        dev.launch_unrolled(&key, make, n, &args)?;
+        dev.launch_elementwise(&key, make, n, &args)?;
         return Ok(vec![y]);
     }
     if let Some(b) = op.downcast_ref::<BiasAdd>() {
@@ -477,7 +477,7 @@ pub fn eval(
         let ch = x.shape[axis];
         let y = c.alloc(out0)?;
         let n = x.len();
-        dev.launch_unrolled(
+        dev.launch_elementwise(
             &format!("bias_add/{}", x.dtype),
             || src::bias_add(x.dtype),
             n,
@@ -502,7 +502,7 @@ pub fn eval(
         args.extend(outputs.iter().map(DTensor::arg));
         args.push(Arg::I64(n as i64));
         // The program text holds every dtype and shape the source bakes in.
-        dev.launch_unrolled(&format!("fused/{f}"), || src::fused(f), n, &args)?;
+        dev.launch_elementwise(&format!("fused/{f}"), || src::fused(f), n, &args)?;
         return Ok(outputs);
     }
     if let Some(cast) = op.downcast_ref::<Cast>() {
@@ -512,7 +512,7 @@ pub fn eval(
         }
         let y = c.alloc(out0)?;
         let n = x.len();
-        dev.launch_unrolled(
+        dev.launch_elementwise(
             &format!("cast/{}/{}", x.dtype, cast.to),
             || src::cast(x.dtype, cast.to),
             n,
@@ -918,7 +918,7 @@ pub fn eval(
         for x in inputs {
             float_only(x.dtype)?;
             let n = x.len();
-            dev.launch_n(
+            dev.launch_elementwise(
                 &format!("all_finite/{}", x.dtype),
                 || src::all_finite(x.dtype),
                 n,

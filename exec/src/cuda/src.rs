@@ -142,6 +142,13 @@ __device__ __forceinline__ i64 strided(i64 i, int r, const Dims& shape, const Di
   return off;
 }
 #define GRID_LOOP(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+// N consecutive elements of a pointer's type, moved as one vector load or store.
+template <typename P> struct Elem;
+template <typename T> struct Elem<T*> { typedef T t; };
+template <typename T> struct Elem<const T*> { typedef T t; };
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
+#define VEC_T(p, N) Vec<typename Elem<decltype(p)>::t, N>
+#define ALIGNED(p, N) ((unsigned long long)(p) % sizeof(VEC_T(p, N)) == 0)
 "#;
 
 /// Storage type, compute type, load and store expressions of a dtype.
@@ -285,32 +292,137 @@ pub fn derivative_expr(kind: UnaryKind) -> String {
     }
 }
 
-/// Elements each thread of an [`unrolled`] kernel handles per grid step.
-pub const UNROLL: usize = 4;
+/// Elements each thread of an [`elementwise`] kernel takes per grid step, at most
+/// (16 bytes of its widest streamed type): the launch sizes its grid by it.
+pub const VECTOR: usize = 8;
 
-/// The loop of an elementwise kernel over `n` elements, each thread taking
-/// [`UNROLL`] elements a block apart (coalesced): first every load (`(type, name,
-/// expression of i)`), then `body` per element with the names bound. With the loads
-/// issued together, each thread keeps several in flight; one at a time, 2-byte loads
-/// left the memory system mostly idle.
-fn unrolled(loads: &[(&str, &str, &str)], body: &str) -> String {
-    let mut declare = String::new();
-    let mut load = String::new();
-    let mut bind = String::new();
-    for (ty, name, expr) in loads {
-        declare.push_str(&format!("{ty} r_{name}[{UNROLL}]; "));
-        load.push_str(&format!("r_{name}[u] = {expr}; "));
-        bind.push_str(&format!("{ty} {name} = r_{name}[u]; "));
+/// Where an elementwise kernel reads one of its inputs for element `i`.
+pub enum At<'a> {
+    /// At `i` itself, in a tensor of the domain's size: read in 16-byte vectors.
+    Own,
+    /// At an index expression of `i` (a broadcast read).
+    Gather(&'a str),
+    /// At `i` where the runtime condition holds, else at the index expression (an
+    /// operand whose broadcast mode is a kernel argument).
+    OwnIf(&'a str, &'a str),
+}
+
+/// An input of an elementwise kernel, bound as `ty name = loader(ptr, index)`.
+pub struct Load<'a> {
+    pub ty: &'a str,
+    pub name: &'a str,
+    pub loader: &'a str,
+    pub ptr: &'a str,
+    /// Bytes of the stored element (sizes the vectors).
+    pub bytes: usize,
+    pub at: At<'a>,
+}
+
+/// An output of an elementwise kernel: `storer(ptr, i, value)`, always at `i`.
+pub struct Store<'a> {
+    pub storer: &'a str,
+    pub ptr: &'a str,
+    pub bytes: usize,
+    pub value: &'a str,
+}
+
+/// The loop of an elementwise kernel over the `n` elements `i` of its domain: every
+/// input bound, `body` run, every output stored. Where every streamed pointer is
+/// aligned, each thread moves [`VECTOR`] (or fewer, to keep to 16 bytes) consecutive
+/// elements of each streamed tensor with one vector load or store; the rest, and
+/// misaligned views, go one element at a time. One 2-byte load per thread left the
+/// memory system mostly idle (half of PyTorch's bandwidth).
+fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
+    let mut streamed: Vec<(&str, usize, Option<&str>)> = Vec::new();
+    for l in loads {
+        match l.at {
+            At::Own => streamed.push((l.ptr, l.bytes, None)),
+            At::OwnIf(cond, _) => streamed.push((l.ptr, l.bytes, Some(cond))),
+            At::Gather(_) => {}
+        }
+    }
+    streamed.extend(stores.iter().map(|s| (s.ptr, s.bytes, None)));
+    let widest = streamed.iter().map(|s| s.1).max().unwrap_or(1);
+    let v = (16 / widest).clamp(1, VECTOR);
+    let mut aligned: Vec<String> = streamed
+        .iter()
+        .map(|(p, _, cond)| match cond {
+            None => format!("ALIGNED({p}, V)"),
+            Some(c) => format!("(!({c}) || ALIGNED({p}, V))"),
+        })
+        .collect();
+    if aligned.is_empty() {
+        aligned.push("true".into());
+    }
+    let (mut fetch, mut bind_vec, mut bind_one) = (String::new(), String::new(), String::new());
+    for l in loads {
+        let (ty, name, ld, p) = (l.ty, l.name, l.loader, l.ptr);
+        match l.at {
+            At::Own => {
+                fetch.push_str(&format!(
+                    "const VEC_T({p}, V) s_{p} = *(const VEC_T({p}, V)*)({p} + i0);\n"
+                ));
+                bind_vec.push_str(&format!("{ty} {name} = {ld}(s_{p}.v, u); "));
+                bind_one.push_str(&format!("{ty} {name} = {ld}({p}, i); "));
+            }
+            At::Gather(index) => {
+                bind_vec.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+                bind_one.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+            }
+            At::OwnIf(cond, index) => {
+                fetch.push_str(&format!(
+                    "VEC_T({p}, V) s_{p}; if ({cond}) s_{p} = *(const VEC_T({p}, V)*)({p} + i0);\n"
+                ));
+                bind_vec.push_str(&format!(
+                    "{ty} {name} = ({cond}) ? {ld}(s_{p}.v, u) : {ld}({p}, {index}); "
+                ));
+                bind_one.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+            }
+        }
+    }
+    let (mut put_vec, mut put_one, mut flush) = (String::new(), String::new(), String::new());
+    for s in stores {
+        let (st, p, value) = (s.storer, s.ptr, s.value);
+        fetch.push_str(&format!("VEC_T({p}, V) s_{p};\n"));
+        put_vec.push_str(&format!("{st}(s_{p}.v, u, {value}); "));
+        put_one.push_str(&format!("{st}({p}, i, {value}); "));
+        flush.push_str(&format!("*(VEC_T({p}, V)*)({p} + i0) = s_{p};\n"));
     }
     format!(
-        "for (i64 b0 = (i64)blockIdx.x * blockDim.x * {UNROLL} + threadIdx.x; b0 < n; b0 += (i64)gridDim.x * blockDim.x * {UNROLL}) {{\n\
-           {declare}\n\
+        "constexpr int V = {v};\n\
+         const i64 nv = ({aligned}) ? n / V : 0;\n\
+         for (i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x; b < nv; b += (i64)gridDim.x * blockDim.x) {{\n\
+           const i64 i0 = b * V;\n\
+           {fetch}\
            #pragma unroll\n\
-           for (int u = 0; u < {UNROLL}; ++u) {{ i64 i = b0 + (i64)u * blockDim.x; if (i < n) {{ {load}}} }}\n\
-           #pragma unroll\n\
-           for (int u = 0; u < {UNROLL}; ++u) {{ i64 i = b0 + (i64)u * blockDim.x; if (i < n) {{ {bind}{body} }} }}\n\
-         }}\n"
+           for (int u = 0; u < V; ++u) {{ const i64 i = i0 + u; {bind_vec}\n{body}\n{put_vec} }}\n\
+           {flush}\
+         }}\n\
+         for (i64 i = nv * V + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {{ {bind_one}\n{body}\n{put_one} }}\n",
+        aligned = aligned.join(" && ")
     )
+}
+
+/// A full-size input `ptr` of the kernel's one dtype `d`, bound as `C name`.
+fn own<'a>(d: DType, name: &'a str, ptr: &'a str) -> Load<'a> {
+    Load {
+        ty: "C",
+        name,
+        loader: "ld",
+        ptr,
+        bytes: d.size_bytes(),
+        at: At::Own,
+    }
+}
+
+/// The output `ptr` of the kernel's one dtype `d`.
+fn store<'a>(d: DType, ptr: &'a str, value: &'a str) -> Store<'a> {
+    Store {
+        storer: "st",
+        ptr,
+        bytes: d.size_bytes(),
+        value,
+    }
 }
 
 pub fn unary(d: DType, kind: UnaryKind) -> String {
@@ -318,9 +430,10 @@ pub fn unary(d: DType, kind: UnaryKind) -> String {
         d,
         &format!(
             "extern \"C\" __global__ void k(const T* px, T* py, i64 n) {{\n{}}}\n",
-            unrolled(
-                &[("C", "x", "ld(px, i)")],
-                &format!("{} st(py, i, y);", unary_expr(kind))
+            elementwise(
+                &[own(d, "x", "px")],
+                &unary_expr(kind),
+                &[store(d, "py", "y")]
             )
         ),
     )
@@ -331,12 +444,10 @@ pub fn unary_grad(d: DType, kind: UnaryKind) -> String {
         d,
         &format!(
             "extern \"C\" __global__ void k(const T* px, const T* pdy, T* pdx, i64 n) {{\n{}}}\n",
-            unrolled(
-                &[("C", "x", "ld(px, i)"), ("C", "g", "ld(pdy, i)")],
-                &format!(
-                    "{}\n st(pdx, i, d == (C)0 ? d : d * g);",
-                    derivative_expr(kind)
-                )
+            elementwise(
+                &[own(d, "x", "px"), own(d, "g", "pdy")],
+                &derivative_expr(kind),
+                &[store(d, "pdx", "(d == (C)0 ? d : d * g)")]
             )
         ),
     )
@@ -385,19 +496,30 @@ __device__ __forceinline__ i64 operand_index(i64 i, int mode, int r, const Dims&
 }
 "#;
 
-/// The operands of the binary kernels: a and b broadcast, the gradient g not.
-const BINARY_LOADS: [(&str, &str, &str); 3] = [
-    ("C", "a", "ld(pa, operand_index(i, ma, r, shape, sa))"),
-    ("C", "b", "ld(pb, operand_index(i, mb, r, shape, sb))"),
-    ("C", "g", "ld(pg, i)"),
-];
+/// The operands of the binary kernels: a and b broadcast (mode 0: full size), the
+/// gradient g not.
+fn binary_loads(d: DType) -> [Load<'static>; 3] {
+    let broadcast = |name, ptr, cond, index| Load {
+        ty: "C",
+        name,
+        loader: "ld",
+        ptr,
+        bytes: d.size_bytes(),
+        at: At::OwnIf(cond, index),
+    };
+    [
+        broadcast("a", "pa", "ma == 0", "operand_index(i, ma, r, shape, sa)"),
+        broadcast("b", "pb", "mb == 0", "operand_index(i, mb, r, shape, sb)"),
+        own(d, "g", "pg"),
+    ]
+}
 
 pub fn binary(d: DType, kind: BinaryKind) -> String {
     module(
         d,
         &format!(
             "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n{}}}\n",
-            unrolled(&BINARY_LOADS[..2], &format!("st(py, i, {});", binary_expr(kind)))
+            elementwise(&binary_loads(d)[..2], "", &[store(d, "py", binary_expr(kind))])
         ),
     )
 }
@@ -407,7 +529,11 @@ pub fn binary_grad(d: DType, kind: BinaryKind, wrt: usize) -> String {
         d,
         &format!(
             "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, const T* pg, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n{}}}\n",
-            unrolled(&BINARY_LOADS, &format!("st(py, i, {});", binary_grad_expr(kind, wrt)))
+            elementwise(
+                &binary_loads(d),
+                "",
+                &[store(d, "py", binary_grad_expr(kind, wrt))]
+            )
         ),
     )
 }
@@ -417,23 +543,40 @@ pub fn bias_add(d: DType) -> String {
         d,
         &format!(
             "extern \"C\" __global__ void k(const T* px, const T* pb, T* py, i64 n, i64 inner, i64 c) {{\n{}}}\n",
-            unrolled(
-                &[("C", "x", "ld(px, i)"), ("C", "b", "ld(pb, (i / inner) % c)")],
-                "st(py, i, x + b);"
+            elementwise(
+                &[
+                    own(d, "x", "px"),
+                    Load {
+                        at: At::Gather("(i / inner) % c"),
+                        ..own(d, "b", "pb")
+                    }
+                ],
+                "",
+                &[store(d, "py", "x + b")]
             )
         ),
     )
 }
 
 pub fn cast(from: DType, to: DType) -> String {
-    let body = if to == DType::Bool {
-        unrolled(&[("CI", "x", "ldI(px, i)")], "py[i] = (x != 0) ? 1 : 0;")
+    let value = if to == DType::Bool {
+        "(CO)(x != 0)"
     } else if from.is_int() || to.is_int() {
         // Through f64, as the CPU does: float-to-int conversions saturate (NaN to 0).
-        unrolled(&[("CI", "x", "ldI(px, i)")], "stO(py, i, (CO)(double)x);")
+        "(CO)(double)x"
     } else {
-        unrolled(&[("CI", "x", "ldI(px, i)")], "stO(py, i, (CO)x);")
+        "(CO)x"
     };
+    let x = Load {
+        ty: "CI",
+        loader: "ldI",
+        ..own(from, "x", "px")
+    };
+    let y = Store {
+        storer: "stO",
+        ..store(to, "py", value)
+    };
+    let body = elementwise(&[x], "", &[y]);
     module_multi(
         &[("I", from), ("O", to)],
         &format!("extern \"C\" __global__ void k(const TI* px, TO* py, i64 n) {{\n{body}}}\n"),
@@ -483,34 +626,35 @@ pub fn broadcast_div(d: DType) -> String {
 /// Reductions over arbitrary axes: the kept axes (`ks`, `kst`) index outputs, the
 /// reduced ones (`rs`, `rst`) the elements summed into each. `k` gives each output a
 /// block; `k_thread` gives each output a thread (few elements per output).
-pub fn reduce(d: DType, kind: ReduceKind) -> String {
+/// Reductions of `d` storing `out` (the same, or a type `d` widens into exactly).
+pub fn reduce(d: DType, out: DType, kind: ReduceKind) -> String {
     let (init, combine, block) = match kind {
-        ReduceKind::Max => ("(A)(-F_INF)", "acc = nanmax(acc, v);", "block_max"),
-        _ => ("(A)0", "acc += v;", "block_sum"),
+        ReduceKind::Max => ("(AO)(-F_INF)", "acc = nanmax(acc, v);", "block_max"),
+        _ => ("(AO)0", "acc += v;", "block_sum"),
     };
     let finish = if kind == ReduceKind::Mean {
-        "acc / (A)count"
+        "acc / (AO)count"
     } else {
         "acc"
     };
-    module(
-        d,
+    module_multi(
+        &[("", d), ("O", out)],
         &format!(
-            "extern \"C\" __global__ void k(const T* px, T* py, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {{\n\
-               __shared__ A sh[32];\n\
+            "extern \"C\" __global__ void k(const T* px, TO* py, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {{\n\
+               __shared__ AO sh[32];\n\
                for (i64 o = blockIdx.x; o < out_len; o += gridDim.x) {{\n\
                  i64 base = strided(o, kr, ks, kst);\n\
-                 A acc = {init};\n\
-                 for (i64 j = threadIdx.x; j < count; j += blockDim.x) {{ A v = (A)ld(px, base + strided(j, rr, rs, rst)); {combine} }}\n\
+                 AO acc = {init};\n\
+                 for (i64 j = threadIdx.x; j < count; j += blockDim.x) {{ AO v = (AO)ld(px, base + strided(j, rr, rs, rst)); {combine} }}\n\
                  acc = {block}(acc, sh);\n\
-                 if (threadIdx.x == 0) st(py, o, (C)({finish}));\n\
+                 if (threadIdx.x == 0) stO(py, o, (CO)({finish}));\n\
                }}\n}}\n\
-             extern \"C\" __global__ void k_thread(const T* px, T* py, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {{\n\
+             extern \"C\" __global__ void k_thread(const T* px, TO* py, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {{\n\
                GRID_LOOP(o, out_len) {{\n\
                  i64 base = strided(o, kr, ks, kst);\n\
-                 A acc = {init};\n\
-                 for (i64 j = 0; j < count; ++j) {{ A v = (A)ld(px, base + strided(j, rr, rs, rst)); {combine} }}\n\
-                 st(py, o, (C)({finish}));\n\
+                 AO acc = {init};\n\
+                 for (i64 j = 0; j < count; ++j) {{ AO v = (AO)ld(px, base + strided(j, rr, rs, rst)); {combine} }}\n\
+                 stO(py, o, (CO)({finish}));\n\
                }}\n}}\n"
         ),
     )
@@ -753,8 +897,11 @@ pub const COLUMN_CHUNKS: usize = 128;
 /// partials in shared memory and writes one partial per (chunk, column); `k_cols_fin`
 /// adds a column's chunk partials and stores `scale<k> * sum`. `params` are the input
 /// parameters, `row_setup` runs per element with `row`, `j` and `at = row * len + j`
-/// defined, and `terms` are the summed expressions, one output `py<k>` each.
-fn column_sums(params: &str, row_setup: &str, terms: &[&str]) -> String {
+/// defined, and `terms` are the summed expressions, one output `py<k>` each, of type
+/// `T<out>` (accumulated in `A<out>`, `out` a type suffix of the module).
+/// The row loop is unrolled so that each warp has several rows' loads in flight: one
+/// at a time kept a third of the memory bandwidth busy.
+fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> String {
     let n = terms.len();
     let mut accs = String::new();
     let mut adds = String::new();
@@ -763,39 +910,46 @@ fn column_sums(params: &str, row_setup: &str, terms: &[&str]) -> String {
     let mut outs = String::new();
     let mut finals = String::new();
     for (k, term) in terms.iter().enumerate() {
-        accs.push_str(&format!("A acc{k} = 0; "));
+        accs.push_str(&format!("A{out} acc{k} = 0; "));
         adds.push_str(&format!("acc{k} += {term}; "));
         shares.push_str(&format!("sh[{k}][ty][tx] = acc{k}; "));
         partials.push_str(&format!(
-            "{{ A s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[{k}][w][tx]; part[(chunk * {n} + {k}) * len + j] = s; }}\n"
+            "{{ A{out} s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[{k}][w][tx]; part[(chunk * {n} + {k}) * len + j] = s; }}\n"
         ));
-        outs.push_str(&format!(", T* py{k}, double scale{k}"));
+        outs.push_str(&format!(", T{out}* py{k}, double scale{k}"));
         finals.push_str(&format!(
-            "{{ A s = 0; for (i64 c = 0; c < chunks; ++c) s += part[(c * {n} + {k}) * len + j]; st(py{k}, j, (C)(s * (A)scale{k})); }}\n"
+            "{{ A{out} s = 0; for (i64 c = 0; c < chunks; ++c) s += part[(c * {n} + {k}) * len + j]; st{out}(py{k}, j, (C{out})(s * (A{out})scale{k})); }}\n"
         ));
     }
     format!(
-        "extern \"C\" __global__ void k_cols_part({params}, A* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
-           __shared__ A sh[{n}][{COLUMN_ROWS}][33];\n\
+        "extern \"C\" __global__ void k_cols_part({params}, A{out}* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
+           __shared__ A{out} sh[{n}][{COLUMN_ROWS}][33];\n\
            int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
            i64 tiles = (len + 31) / 32;\n\
            i64 j = (blockIdx.x % tiles) * 32 + tx, chunk = blockIdx.x / tiles;\n\
            i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
            {accs}\n\
-           if (j < len) for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{ i64 at = row * len + j; {row_setup} {adds} }}\n\
+           if (j < len) {{\n\
+             #pragma unroll 8\n\
+             for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{ i64 at = row * len + j; {row_setup} {adds} }}\n\
+           }}\n\
            {shares}\n\
            __syncthreads();\n\
            if (ty == 0 && j < len) {{\n{partials}}}\n\
          }}\n\
-         extern \"C\" __global__ void k_cols_fin(const A* part, i64 len, i64 chunks{outs}) {{\n\
+         extern \"C\" __global__ void k_cols_fin(const A{out}* part, i64 len, i64 chunks{outs}) {{\n\
            GRID_LOOP(j, len) {{\n{finals}}}\n\
          }}\n"
     )
 }
 
-/// Sum over the rows of a `[rows, len]` matrix (Mean through the scale).
-pub fn column_sum(d: DType) -> String {
-    module(d, &column_sums("const T* px", "", &["(A)ld(px, at)"]))
+/// Sum over the rows of a `[rows, len]` matrix of `d` (Mean through the scale),
+/// stored as `out`.
+pub fn column_sum(d: DType, out: DType) -> String {
+    module_multi(
+        &[("", d), ("O", out)],
+        &column_sums("const T* px", "", &["(AO)ld(px, at)"], "O"),
+    )
 }
 
 /// LayerNormGrad: `k_rows` writes dx and each row's mean and inverse deviation;
@@ -828,6 +982,7 @@ pub fn layer_norm_grad(d: DType, eps: f64) -> String {
                 "const T* px, const T* pdy, const A* stats",
                 "A dy = (A)ld(pdy, at);",
                 &["dy * (((A)ld(px, at) - stats[2 * row]) * stats[2 * row + 1])", "dy"],
+                "",
             )
         ),
     )
@@ -842,8 +997,14 @@ pub fn fill_flag() -> String {
 pub fn all_finite(d: DType) -> String {
     module(
         d,
-        "extern \"C\" __global__ void k(const T* px, i64 n, u8* flag) {\n\
-           GRID_LOOP(i, n) { if (!m_isfinite((A)ld(px, i))) flag[0] = 0; }\n}\n",
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, i64 n, u8* flag) {{\n{}}}\n",
+            elementwise(
+                &[own(d, "x", "px")],
+                "if (!m_isfinite((A)x)) flag[0] = 0;",
+                &[]
+            )
+        ),
     )
 }
 
@@ -1023,8 +1184,8 @@ fn broadcast_index(view: &[usize], into: &[usize]) -> String {
     }
 }
 
-/// One kernel for a fused program over the elements `i` of its domain ([`unrolled`]:
-/// the full-size inputs are loaded first): each value in its compute type, rounded to
+/// One kernel for a fused program over the elements `i` of its domain ([`elementwise`]:
+/// the full-size inputs streamed in vectors): each value in its compute type, rounded to
 /// its dtype as the unfused ops stored it; inputs with fewer elements read at their
 /// broadcast index. Arguments: the inputs, the outputs, then `n`.
 pub fn fused(p: &FusedElementwise) -> String {
@@ -1042,13 +1203,14 @@ pub fn fused(p: &FusedElementwise) -> String {
         types.push((format!("O{o}"), instrs[v].ty.dtype));
         params.push(format!("TO{o}* out{o}"));
     }
-    let mut loads: Vec<(String, String, String)> = Vec::new();
+    // (compute type, value name, input index, stored bytes) of each full-size input.
+    let mut full: Vec<(&str, String, usize, usize)> = Vec::new();
     let mut body = String::new();
     for (j, ins) in instrs.iter().enumerate() {
         let ty = compute_type(ins.ty.dtype);
         let (op, args) = match &ins.expr {
             Expr::Input(k) if ins.ty.checked_len() == Some(n) => {
-                loads.push((ty.to_string(), format!("v{j}"), format!("ldI{k}(in{k}, i)")));
+                full.push((ty, format!("v{j}"), *k, ins.ty.dtype.size_bytes()));
                 continue;
             }
             // Broadcast: read where used.
@@ -1084,20 +1246,48 @@ pub fn fused(p: &FusedElementwise) -> String {
             ins.ty.dtype
         ));
     }
-    for (o, &v) in p.outputs().iter().enumerate() {
-        body.push_str(&format!("    stO{o}(out{o}, i, v{v});\n"));
-    }
-    let types: Vec<(&str, DType)> = types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
-    let loads: Vec<(&str, &str, &str)> = loads
+    let names: Vec<(String, String)> = full
         .iter()
-        .map(|(t, v, e)| (t.as_str(), v.as_str(), e.as_str()))
+        .map(|&(_, _, k, _)| (format!("ldI{k}"), format!("in{k}")))
         .collect();
+    let loads: Vec<Load> = full
+        .iter()
+        .zip(&names)
+        .map(|((ty, name, _, bytes), (loader, ptr))| Load {
+            ty,
+            name,
+            loader,
+            ptr,
+            bytes: *bytes,
+            at: At::Own,
+        })
+        .collect();
+    let outputs: Vec<(String, String, String)> = (0..p.outputs().len())
+        .map(|o| {
+            (
+                format!("stO{o}"),
+                format!("out{o}"),
+                format!("v{}", p.outputs()[o]),
+            )
+        })
+        .collect();
+    let stores: Vec<Store> = outputs
+        .iter()
+        .zip(p.outputs())
+        .map(|((storer, ptr, value), &v)| Store {
+            storer,
+            ptr,
+            bytes: instrs[v].ty.dtype.size_bytes(),
+            value,
+        })
+        .collect();
+    let types: Vec<(&str, DType)> = types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
     module_multi(
         &types,
         &format!(
             "{ROUNDING}extern \"C\" __global__ void k({}, i64 n) {{\n{}}}\n",
             params.join(", "),
-            unrolled(&loads, &body)
+            elementwise(&loads, &body, &stores)
         ),
     )
 }
@@ -1139,8 +1329,9 @@ mod tests {
         let src = fused(&p);
         for want in [
             "void k(const TI0* in0, const TI1* in1, const TI2* in2, TO0* out0, TO1* out1, i64 n)",
-            "r_v0[u] = ldI0(in0, i);",
-            "float v0 = r_v0[u];",
+            "s_in0 = *(const VEC_T(in0, V)*)(in0 + i0);",
+            "float v0 = ldI0(s_in0.v, u);",
+            "float v0 = ldI0(in0, i);",
             "C b = ldI1(in1, (i / 1 % 6) * 1);",
             "v2 = r_f32(y);",
             "m_max(x, (C)0)",
@@ -1149,6 +1340,10 @@ mod tests {
             "C y = d == (C)0 ? d : d * b;",
             "stO0(out0, i, v3);",
             "stO1(out1, i, v7);",
+            "stO1(s_out1.v, u, v7);",
+            "*(VEC_T(out1, V)*)(out1 + i0) = s_out1;",
+            // 16 bytes of f32 at a time.
+            "constexpr int V = 4;",
         ] {
             assert!(src.contains(want), "missing `{want}` in\n{src}");
         }
@@ -1217,10 +1412,14 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 ),
                 (format!("bias_add_{d}"), bias_add(d)),
                 (format!("broadcast_div_{d}"), broadcast_div(d)),
-                (format!("reduce_mean_{d}"), reduce(d, ReduceKind::Mean)),
-                (format!("reduce_max_{d}"), reduce(d, ReduceKind::Max)),
+                (format!("reduce_mean_{d}"), reduce(d, d, ReduceKind::Mean)),
+                (
+                    format!("reduce_max_{d}"),
+                    reduce(d, DType::F64, ReduceKind::Max),
+                ),
                 (format!("reduce_max_grad_{d}"), reduce_max_grad(d)),
-                (format!("column_sum_{d}"), column_sum(d)),
+                (format!("column_sum_{d}"), column_sum(d, d)),
+                (format!("column_sum_{d}_f64"), column_sum(d, DType::F64)),
                 (format!("log_softmax_{d}"), softmax(d, true, 4)),
                 (format!("softmax_{d}"), softmax(d, false, 32)),
                 (format!("softmax_grad_{d}"), softmax_grad(d, false, 8)),

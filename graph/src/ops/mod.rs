@@ -26,7 +26,7 @@ pub use linalg::{BatchMatMul, Epilogue, FusedMatMul, MatMul};
 pub use norm::{BatchNorm, LayerNorm};
 pub use norm::{BatchNormGrad, LayerNormGrad};
 pub use reduce::ReduceGrad;
-pub use reduce::{Reduce, ReduceKind, SumTo};
+pub use reduce::{widens_exactly, Reduce, ReduceKind, SumTo};
 pub use shape_ops::{BroadcastTo, Slice};
 pub use shape_ops::{Concat, Reshape, Transpose};
 pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};

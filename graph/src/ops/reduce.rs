@@ -11,9 +11,10 @@ use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::grad0;
-use crate::ops::BroadcastTo;
+use crate::ops::{BroadcastTo, Cast};
 use crate::shape::{broadcast_index_map, normalize_axes};
 use crate::tensor::{strides, ShapeDisplay, Tensor, TensorType};
+use crate::DType;
 
 macro_rules! entries {
     ($($name:literal),* $(,)?) => {
@@ -51,11 +52,23 @@ impl ReduceKind {
 /// Reduces `x` over `axes` (all axes when `None`; negative axes count from the end;
 /// an empty list reduces nothing). With `keep_dims` the reduced axes stay as size 1.
 /// Empty reductions give 0 (Sum), NaN (Mean) and -inf (Max); Max propagates NaN.
+///
+/// `to` (attr `to`) gives the output a wider float type than the input's: the
+/// reduction of a Cast to `to` with the Cast folded in, reading the narrow tensor
+/// instead of a widened copy of it ([`widens_exactly`] pairs only, so the values are
+/// the same).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Reduce {
     pub kind: ReduceKind,
     pub axes: Option<Vec<i64>>,
     pub keep_dims: bool,
+    pub to: Option<DType>,
+}
+
+/// Whether every `from` value is exactly a `to` value (a Cast that loses nothing).
+pub fn widens_exactly(from: DType, to: DType) -> bool {
+    use DType::*;
+    from == to || matches!((from, to), (F16 | BF16, F32) | (F16 | BF16 | F32, F64))
 }
 
 impl Reduce {
@@ -64,7 +77,19 @@ impl Reduce {
             kind,
             axes,
             keep_dims,
+            to: None,
         }
+    }
+
+    /// The same reduction with its output in `to`.
+    pub fn with_output(mut self, to: DType) -> Self {
+        self.to = Some(to);
+        self
+    }
+
+    /// The output dtype for an input of `dtype`.
+    pub fn output_dtype(&self, dtype: DType) -> DType {
+        self.to.unwrap_or(dtype)
     }
 
     fn parse(name: &str, a: &mut AttrReader) -> OpResult<Reduce> {
@@ -76,6 +101,11 @@ impl Reduce {
             kind,
             axes: a.opt_ints("axes")?,
             keep_dims: a.bool_or("keep_dims", false)?,
+            to: a
+                .opt_str("to")?
+                .map(|s| s.parse())
+                .transpose()
+                .map_err(|e| format!("attr 'to': {e}"))?,
         })
     }
 
@@ -177,18 +207,29 @@ impl Op for Reduce {
             a.push(("axes", axes.clone().into()));
         }
         a.push(("keep_dims", self.keep_dims.into()));
+        if let Some(to) = self.to {
+            a.push(("to", to.into()));
+        }
         a
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x] = fixed(inputs)?;
         require_float("the input", x.dtype)?;
+        let to = self.output_dtype(x.dtype);
+        if !widens_exactly(x.dtype, to) {
+            return Err(format!(
+                "output type {to} does not hold every {} value of the input exactly",
+                x.dtype
+            ));
+        }
         let (out, _) = self.output_shapes(&x.shape)?;
-        Ok(vec![TensorType::new(x.dtype, out)])
+        Ok(vec![TensorType::new(to, out)])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [x] = fixed(inputs)?;
-        require_float("the input", x.dtype())?;
-        eval_float(self, x.dtype(), inputs)
+        self.infer(&[&x.ty()])?;
+        // In the output's compute type: what a Cast to it, then the reduction, computes.
+        eval_float(self, self.output_dtype(x.dtype()), inputs)
     }
     /// `dx = ReduceGrad(x, dy)`.
     fn gradient(
@@ -203,6 +244,14 @@ impl Op for Reduce {
             return Ok(vec![None]);
         };
         let op = ReduceGrad::new(self.kind, self.axes.clone(), self.keep_dims);
+        // With a wider output, dy is rounded back to x's type, as the folded Cast's
+        // gradient would.
+        let narrow = b.ty(*x).dtype;
+        let dy = if b.ty(dy).dtype == narrow {
+            dy
+        } else {
+            b.add(Cast { to: narrow }, &[dy])?
+        };
         Ok(vec![Some(b.add(op, &[*x, dy])?)])
     }
 }

@@ -1,11 +1,13 @@
 //! Graph simplification: constant folding, common-subexpression elimination,
-//! dead-node elimination, algebraic identities, batch-norm folding and GEMM padding.
+//! dead-node elimination, algebraic identities, widening casts folded into
+//! reductions, batch-norm folding and GEMM padding.
 //!
 //! Each pass is one small type in its own file. They share the helpers below: which
 //! ops hold or write state (never folded, merged or removed as dead), and [`Edits`],
 //! the rewiring a topological sweep decides and applies in one batch.
 
 mod algebraic;
+mod cast_into_reduce;
 mod const_fold;
 mod cse;
 mod dce;
@@ -13,6 +15,7 @@ mod fold_batchnorm;
 mod pad_gemm;
 
 pub use algebraic::Algebraic;
+pub use cast_into_reduce::CastIntoReduce;
 pub use const_fold::ConstFold;
 pub use cse::Cse;
 pub use dce::Dce;

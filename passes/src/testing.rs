@@ -1,0 +1,26 @@
+//! Helpers of the passes' unit tests.
+
+use std::collections::HashMap;
+
+use ampgraph_graph::{Graph, NodeId, Tensor};
+
+/// Runs the graph with the CPU kernels, placeholders fed by name.
+pub fn run(g: &Graph, feeds: &HashMap<&str, Tensor>) -> Vec<Tensor> {
+    let mut vals: HashMap<NodeId, Vec<Tensor>> = HashMap::new();
+    for id in g.topo_order().unwrap() {
+        let node = g.node(id);
+        let out = match feeds.get(node.name.as_str()) {
+            Some(t) => vec![t.clone()],
+            None => {
+                let inputs = g.inputs(id);
+                let ins: Vec<&Tensor> = inputs.iter().map(|p| &vals[&p.node][p.index]).collect();
+                node.op.eval(&ins).unwrap()
+            }
+        };
+        vals.insert(id, out);
+    }
+    g.outputs()
+        .iter()
+        .map(|p| vals[&p.node][p.index].clone())
+        .collect()
+}
