@@ -152,10 +152,10 @@ struct Args {
     /// print where the time goes, per kind of op (CUDA only).
     #[arg(long, default_value_t = 0)]
     profile: usize,
-    /// Run the fusion passes (GEMM epilogues, then elementwise fusion) after AMP.
-    /// Not yet the default: their CUDA kernels have not run on a GPU yet.
-    #[arg(long)]
-    fused: bool,
+    /// The passes run after AMP, comma-separated registry names, or `none`
+    /// (default: the CUDA pipeline, `cast-into-reduce,gemm-epilogue,fuse`).
+    #[arg(long, value_delimiter = ',')]
+    passes: Option<Vec<String>>,
     /// Build each graph, run the passes and print what each did; run no step (no
     /// device needed).
     #[arg(long)]
@@ -167,6 +167,17 @@ struct Args {
     /// Write each graph as it runs (after the passes) to DIR/<workload>-<phase>-<mode>.txt.
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
+}
+
+impl Args {
+    /// The names of the passes run after AMP.
+    fn pipeline(&self) -> Vec<&str> {
+        match &self.passes {
+            None => ampgraph::passes::registry::CUDA_PIPELINE.to_vec(),
+            Some(names) if names.iter().any(|n| n == "none") => Vec::new(),
+            Some(names) => names.iter().map(String::as_str).collect(),
+        }
+    }
 }
 
 /// The sizes of one workload, each from its flag or torch_anchor.py's default.
@@ -588,10 +599,11 @@ fn run_one(
             AmpConfig::new(dtype)?.from_env()?,
         )));
     }
-    if args.fused {
-        for name in ampgraph::passes::registry::CUDA_PIPELINE {
-            passes.push(ampgraph::passes::registry::by_name(name).ok_or("unknown pass")?);
-        }
+    for name in args.pipeline() {
+        passes.push(
+            ampgraph::passes::registry::by_name(name)
+                .ok_or_else(|| format!("unknown pass '{name}'"))?,
+        );
     }
     // The ports fetched below are the graph's outputs, which the passes keep.
     graph.set_outputs([fetch].into_iter().chain(loss).collect())?;
@@ -704,7 +716,7 @@ fn run_one(
         }
         e.options.profile = false;
         println!(
-            "# profile of {} {} {} ({} steps, synchronised per op):\n{}",
+            "# profile of {} {} {} ({} steps, each op timed with CUDA events):\n{}",
             args.workload.name(),
             if infer { "infer" } else { "train" },
             mode.name(),
@@ -783,6 +795,15 @@ fn bench(args: &Args) -> Res<()> {
         "# timing: CUDA events around each step (wall clock on the CPU), median of {} after {} warm-up",
         args.iters.max(1),
         args.warmup
+    );
+    let pipeline = args.pipeline();
+    println!(
+        "# passes after AMP: {}",
+        if pipeline.is_empty() {
+            "none".to_string()
+        } else {
+            pipeline.join(",")
+        }
     );
     println!(
         "# feeds: {}",

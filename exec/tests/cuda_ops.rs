@@ -352,11 +352,21 @@ fn reductions_and_their_gradients() {
                 let out = op.infer(&[&x.ty()]).unwrap().remove(0);
                 check_scaled(&mut gpu, &what, op.clone(), &[x.clone()], scale);
                 // A widening cast folded in: the sum of the narrow values, stored wide.
-                let wide = if d == DType::F64 { None } else { Some(DType::F64) };
+                let wide = if d == DType::F64 {
+                    None
+                } else {
+                    Some(DType::F64)
+                };
                 for to in [Some(DType::F32), wide].into_iter().flatten() {
                     if widens_exactly(d, to) && to != d {
                         let op = op.clone().with_output(to);
-                        check_scaled(&mut gpu, &format!("{what} to {to}"), op, &[x.clone()], scale);
+                        check_scaled(
+                            &mut gpu,
+                            &format!("{what} to {to}"),
+                            op,
+                            &[x.clone()],
+                            scale,
+                        );
                     }
                 }
                 let dy = rand(&mut r, d, &out.shape, -1.0, 1.0);

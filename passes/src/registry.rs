@@ -57,7 +57,7 @@ pub const PASSES: &[PassEntry] = &[
 /// identities exposes common subexpressions, and all three leave dead nodes.
 pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"];
 
-/// The fusion pipeline for a CUDA graph after AMP (`bench --fused`): reductions
+/// The fusion pipeline for a CUDA graph after AMP (the default of `bench --passes`): reductions
 /// take the widening casts AMP put before them, products their bias and activation
 /// into the GEMM, then the remaining elementwise chains fuse into generated kernels.
 pub const CUDA_PIPELINE: &[&str] = &["cast-into-reduce", "gemm-epilogue", "fuse"];

@@ -39,7 +39,7 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// The heuristic's candidates timed per product shape, and the runs timed per
 /// candidate (after one untimed run).
-const CANDIDATES: usize = 8;
+const CANDIDATES: usize = 16;
 const TIMED_RUNS: usize = 3;
 
 pub struct Gemm {
@@ -91,6 +91,30 @@ impl Drop for Gemm {
         // SAFETY: created by `Gemm::new`, destroyed once.
         let _ = unsafe { lt::destroy_handle(self.handle) };
     }
+}
+
+/// cuBLASLt's ids of an algorithm and its tile (for the autotuning log).
+fn algo_id(algo: &sys::cublasLtMatmulAlgo_t) -> String {
+    let attr = |which| {
+        let (mut v, mut written) = (-1i32, 0usize);
+        // SAFETY: both attributes are 32-bit; `algo` was filled by the heuristic.
+        let _ = unsafe {
+            sys::cublasLtMatmulAlgoConfigGetAttribute(
+                algo,
+                which,
+                (&mut v) as *mut i32 as *mut c_void,
+                size_of::<i32>(),
+                &mut written,
+            )
+        };
+        v
+    };
+    use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
+    format!(
+        "{}/{}",
+        attr(A::CUBLASLT_ALGO_CONFIG_ID),
+        attr(A::CUBLASLT_ALGO_CONFIG_TILE_ID)
+    )
 }
 
 fn err(what: &str) -> impl FnOnce(lt::CublasError) -> String + '_ {
@@ -286,7 +310,7 @@ impl Gemm {
         if fresh {
             if !opts.heuristic_only && plan.candidates.len() > 1 {
                 // Not shared yet: the plan is still ours to change.
-                let algo = self.fastest(dev, &plan, &matmul)?;
+                let algo = self.fastest(dev, &key, &plan, &matmul)?;
                 if let Some(p) = Arc::get_mut(&mut plan) {
                     p.algo = algo;
                 }
@@ -306,10 +330,12 @@ impl Gemm {
     fn fastest(
         &self,
         dev: &Device,
+        key: &PlanKey,
         plan: &Plan,
         matmul: &dyn Fn(&Plan, &sys::cublasLtMatmulAlgo_t) -> Result<(), String>,
     ) -> Result<sys::cublasLtMatmulAlgo_t, String> {
         let mut best = (f32::INFINITY, plan.algo);
+        let mut times = Vec::with_capacity(plan.candidates.len());
         for algo in &plan.candidates {
             // A candidate the heuristic offered but that fails to run is passed over.
             if matmul(plan, algo).is_err() {
@@ -323,10 +349,16 @@ impl Gemm {
             let ms = start
                 .elapsed_ms(&end)
                 .map_err(|e| format!("CUDA event: {e:?}"))?;
+            times.push(format!("{}:{:.3}", algo_id(algo), ms / TIMED_RUNS as f32));
             if ms < best.0 {
                 best = (ms, *algo);
             }
         }
+        log::debug!(
+            "GEMM {key:?}: ms per run of each candidate (algo id:ms) {}; took {}",
+            times.join(" "),
+            algo_id(&best.1)
+        );
         Ok(best.1)
     }
 

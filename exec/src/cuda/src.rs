@@ -59,7 +59,9 @@ __device__ __forceinline__ bool m_isnan(float x) { return isnan(x); }
 __device__ __forceinline__ bool m_isnan(double x) { return isnan(x); }
 __device__ __forceinline__ bool m_isfinite(float x) { return isfinite(x); }
 __device__ __forceinline__ bool m_isfinite(double x) { return isfinite(x); }
-// Eigen's rational erf for f32, as the CPU reference kernels use.
+// Eigen's rational erf for f32, as the CPU reference kernels use; the quotient by
+// the fast reciprocal (2 ulp): an IEEE division made GELU and its gradient bound by
+// arithmetic rather than memory.
 __device__ __forceinline__ float m_erf(float x0) {
   if (isnan(x0)) return x0;
   float x = fminf(fmaxf(x0, -4.0f), 4.0f);
@@ -77,7 +79,7 @@ __device__ __forceinline__ float m_erf(float x0) {
   q = q * x2 + -1.68282697438203e-03f;
   q = q * x2 + -7.37332916720468e-03f;
   q = q * x2 + -1.42647390514189e-02f;
-  return p / q;
+  return __fdividef(p, q);
 }
 __device__ __forceinline__ double m_erf(double x) { return erf(x); }
 // Max that lets NaN win.
@@ -712,24 +714,37 @@ pub fn softmax(d: DType, log: bool, per: usize) -> String {
     } else {
         "st(py, at, (C)(m_exp((A)ld(px, at) - shift) / sum));"
     };
-    let write_warp = if log {
-        "st(py, base + j, (C)(v[t] - shift - lse));"
+    // The warp kernel computes each exponential once (kept in `v`) and multiplies by
+    // the sum's reciprocal: with two exponentials and a division per element it was
+    // bound by arithmetic, at half of PyTorch's speed.
+    let (accumulate, finish, write_warp) = if log {
+        (
+            "sum += m_exp(v[t] - shift);",
+            "A lse = m_log(sum);",
+            "st(py, base + j, (C)(v[t] - shift - lse));",
+        )
     } else {
-        "st(py, base + j, (C)(m_exp(v[t] - shift) / sum));"
+        (
+            "v[t] = m_exp(v[t] - shift); sum += v[t];",
+            "A inv = (A)1 / sum;",
+            "st(py, base + j, (C)(v[t] * inv));",
+        )
     };
     let warp = warp_rows(&format!(
         "A v[{per}]; A m = (A)(-F_INF);\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)(-F_INF); if (v[t] > m || m_isnan(v[t])) m = v[t]; }}\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)(-F_INF); }}\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) m = nanmax(m, v[t]);\n\
          m = warp_max(m);\n\
          A shift = m_isfinite(m) ? m : (A)0;\n\
          A sum = 0;\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) sum += m_exp(v[t] - shift); }}\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{ {accumulate} }} }}\n\
          sum = warp_sum(sum);\n\
-         A lse = m_log(sum);\n\
+         {finish}\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ {write_warp} }} }}"
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{ {write_warp} }} }}"
     ));
     module(
         d,
@@ -774,10 +789,12 @@ pub fn softmax_grad(d: DType, log: bool, per: usize) -> String {
     let warp = warp_rows(&format!(
         "A yv[{per}], gv[{per}]; A s = 0;\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ yv[t] = (A)ld(py, base + j); gv[t] = (A)ld(pg, base + j); {acc_warp} }} }}\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; yv[t] = j < len ? (A)ld(py, base + j) : (A)0; gv[t] = j < len ? (A)ld(pg, base + j) : (A)0; }}\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ {acc_warp} }}\n\
          s = warp_sum(s);\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) st(pdx, base + j, {write_warp}); }}"
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) st(pdx, base + j, {write_warp}); }}"
     ));
     module(
         d,
@@ -1379,7 +1396,7 @@ struct __nv_bfloat16 { unsigned short x; };
 float __half2float(__half); __half __float2half_rn(float); __half __double2half(double);
 float __bfloat162float(__nv_bfloat16); __nv_bfloat16 __float2bfloat16_rn(float);
 __nv_bfloat16 __double2bfloat16(double);
-float __int_as_float(int);
+float __int_as_float(int); float __fdividef(float, float);
 template <class T> T __shfl_xor_sync(unsigned, T, int);
 template <class T> T atomicAdd(T*, T);
 void __syncthreads();
