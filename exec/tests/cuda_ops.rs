@@ -584,13 +584,16 @@ fn matmul_and_batch_matmul() {
             (&[4, 5], &[2, 3, 5, 6], false, false),
             (&[2, 1, 4, 5], &[1, 3, 5, 6], false, false),
         ];
-        for (sa, sb, ax, ay) in cases {
+        for (i, (sa, sb, ax, ay)) in cases.into_iter().enumerate() {
             let a = rand(&mut r, d, sa, -1.0, 1.0);
             let b = rand(&mut r, d, sb, -1.0, 1.0);
+            // Every other case scaled in the GEMM (alpha), the last (batches that
+            // broadcast both ways) one product per matrix.
+            let alpha = if i % 2 == 0 { 0.125 } else { 1.0 };
             check_scaled(
                 &mut gpu,
-                &format!("BatchMatMul {d} {sa:?} {sb:?}"),
-                BatchMatMul::new(ax, ay),
+                &format!("BatchMatMul {d} {sa:?} {sb:?} alpha {alpha}"),
+                BatchMatMul::new(ax, ay).with_alpha(alpha),
                 &[a, b],
                 2.0,
             );

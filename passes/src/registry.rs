@@ -4,7 +4,9 @@
 
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
-use crate::simplify::{Algebraic, CastIntoReduce, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm};
+use crate::simplify::{
+    Algebraic, CastIntoReduce, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm, ScaleIntoMatmul,
+};
 use crate::{Pass, PassManager};
 
 /// One row of the registry.
@@ -36,6 +38,10 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(CastIntoReduce),
     },
     PassEntry {
+        name: "scale-into-matmul",
+        make: || Box::new(ScaleIntoMatmul),
+    },
+    PassEntry {
         name: "fold-batchnorm",
         make: || Box::new(FoldBatchNorm),
     },
@@ -57,10 +63,18 @@ pub const PASSES: &[PassEntry] = &[
 /// identities exposes common subexpressions, and all three leave dead nodes.
 pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"];
 
-/// The fusion pipeline for a CUDA graph after AMP (the default of `bench --passes`): reductions
-/// take the widening casts AMP put before them, products their bias and activation
-/// into the GEMM, then the remaining elementwise chains fuse into generated kernels.
-pub const CUDA_PIPELINE: &[&str] = &["cast-into-reduce", "gemm-epilogue", "fuse"];
+/// The fusion pipeline for a CUDA graph after AMP (the default of `bench --passes`):
+/// dead nodes go first (gradients built for constants would otherwise count as
+/// readers and block folds), reductions take the widening casts AMP put before them,
+/// batched products their scalar scalings, products their bias and activation into
+/// the GEMM, then the remaining elementwise chains fuse into generated kernels.
+pub const CUDA_PIPELINE: &[&str] = &[
+    "dce",
+    "cast-into-reduce",
+    "scale-into-matmul",
+    "gemm-epilogue",
+    "fuse",
+];
 
 /// The names of the registered passes, in registry order.
 pub fn names() -> impl Iterator<Item = &'static str> {

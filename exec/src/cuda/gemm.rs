@@ -192,6 +192,8 @@ pub struct Product<'a> {
     pub offset_a: usize,
     pub offset_b: usize,
     pub offset_c: usize,
+    /// Scales the product (BLAS's alpha).
+    pub alpha: f64,
     /// A bias over the output's columns (and an activation) applied in the epilogue.
     pub bias: Option<(&'a DTensor, Epilogue)>,
 }
@@ -253,17 +255,17 @@ impl Gemm {
         let esize = dtype.size_bytes() as u64;
         let scale_ty = plan.scale_ty;
         let ws = self.workspace.bytes();
-        let (one32, zero32) = (1f32, 0f32);
-        let (one64, zero64) = (1f64, 0f64);
-        let (one16, zero16) = (f16::ONE, f16::ZERO);
+        let (alpha32, zero32) = (p.alpha as f32, 0f32);
+        let (alpha64, zero64) = (p.alpha, 0f64);
+        let (alpha16, zero16) = (f16::from_f64(p.alpha), f16::ZERO);
         let (alpha, beta): (*const c_void, *const c_void) = match scale_ty {
             sys::cudaDataType::CUDA_R_64F => {
-                ((&one64) as *const f64 as _, (&zero64) as *const f64 as _)
+                ((&alpha64) as *const f64 as _, (&zero64) as *const f64 as _)
             }
             sys::cudaDataType::CUDA_R_16F => {
-                ((&one16) as *const f16 as _, (&zero16) as *const f16 as _)
+                ((&alpha16) as *const f16 as _, (&zero16) as *const f16 as _)
             }
-            _ => ((&one32) as *const f32 as _, (&zero32) as *const f32 as _),
+            _ => ((&alpha32) as *const f32 as _, (&zero32) as *const f32 as _),
         };
         if let Some((bias, _)) = p.bias {
             let ptr = bias.ptr() as *const c_void;

@@ -838,6 +838,7 @@ pub fn eval(
                 offset_a: 0,
                 offset_b: 0,
                 offset_c: 0,
+                alpha: 1.0,
                 bias,
             },
             c.gemm_options,
@@ -883,6 +884,7 @@ pub fn eval(
             offset_a,
             offset_b,
             offset_c,
+            alpha: bm.alpha,
             bias: None,
         };
         match (stride(ba, sa), stride(bb, sb)) {

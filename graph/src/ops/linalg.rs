@@ -45,6 +45,7 @@ pub(crate) const OPS: &[OpEntry] = &[
             Ok(Box::new(BatchMatMul {
                 adj_x: a.bool_or("adj_x", false)?,
                 adj_y: a.bool_or("adj_y", false)?,
+                alpha: a.float_or("alpha", 1.0)?,
             }))
         },
     },
@@ -343,11 +344,20 @@ fn matmul_grad_products(
 
 /// Batched matrix product: `a [..., m, k] x b [..., k, n] -> [..., m, n]`, the batch
 /// dimensions broadcast as in NumPy; `adj_x`/`adj_y` transpose the last two axes
-/// (the adjoint, for real numbers).
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+/// (the adjoint, for real numbers). `alpha` (attr, default 1) scales the product, as
+/// BLAS's does: the scale-into-matmul pass folds scalar multiplications in, which
+/// then cost no pass over memory.
+#[derive(Clone, Debug, PartialEq)]
 pub struct BatchMatMul {
     pub adj_x: bool,
     pub adj_y: bool,
+    pub alpha: f64,
+}
+
+impl Default for BatchMatMul {
+    fn default() -> Self {
+        BatchMatMul::new(false, false)
+    }
 }
 
 /// The shape facts of one batched product.
@@ -360,7 +370,17 @@ struct BatchDims {
 
 impl BatchMatMul {
     pub fn new(adj_x: bool, adj_y: bool) -> Self {
-        BatchMatMul { adj_x, adj_y }
+        BatchMatMul {
+            adj_x,
+            adj_y,
+            alpha: 1.0,
+        }
+    }
+
+    /// The same product scaled by `alpha`.
+    pub fn with_alpha(mut self, alpha: f64) -> Self {
+        self.alpha = alpha;
+        self
     }
 
     fn dims(&self, a: &[usize], b: &[usize]) -> OpResult<BatchDims> {
@@ -446,6 +466,10 @@ impl FloatKernel for BatchMatMul {
                 .zip(pairs.par_iter())
                 .try_for_each(|(dst, &p)| one(dst, p, false))?;
         }
+        if self.alpha != 1.0 {
+            let alpha = T::lit(self.alpha);
+            out.iter_mut().for_each(|v| *v = *v * alpha);
+        }
         Ok(vec![(shape, out)])
     }
 }
@@ -458,7 +482,11 @@ impl Op for BatchMatMul {
         Arity::Exactly(2)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("adj_x", self.adj_x.into()), ("adj_y", self.adj_y.into())]
+        let mut attrs = vec![("adj_x", self.adj_x.into()), ("adj_y", self.adj_y.into())];
+        if self.alpha != 1.0 {
+            attrs.push(("alpha", self.alpha.into()));
+        }
+        attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [a, b] = fixed(inputs)?;
@@ -488,7 +516,8 @@ impl Op for BatchMatMul {
         let (dx, dy) = matmul_grad_products(self.adj_x, self.adj_y, x, y, dz);
         let mut out = Vec::with_capacity(2);
         for ((lhs, rhs, adj_l, adj_r), operand) in [(dx, x), (dy, y)] {
-            let full = b.add(BatchMatMul::new(adj_l, adj_r), &[lhs, rhs])?;
+            let op = BatchMatMul::new(adj_l, adj_r).with_alpha(self.alpha);
+            let full = b.add(op, &[lhs, rhs])?;
             let shape = b.ty(operand).shape.clone();
             out.push(Some(b.sum_to(full, &shape)?));
         }
