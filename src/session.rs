@@ -79,10 +79,11 @@ pub struct SessionOptions {
     /// AMP settings for a graph marked for mixed precision; `None` reads the
     /// defaults for the marked type and the `AMPGRAPH_AMP_*` environment.
     pub amp: Option<AmpConfig>,
-    /// Passes to run after AMP, by registry name (e.g. `registry::CUDA_PIPELINE`):
-    /// on a copy of the graph per set of fetches, whose values they keep, so that
-    /// fusing never hides a tensor someone fetches. None by default.
-    pub passes: Vec<String>,
+    /// Passes to run after AMP, by registry name: on a copy of the graph per set of
+    /// fetches, whose values they keep, so that fusing never hides a tensor someone
+    /// fetches. `None` takes the device's default: [`registry::CUDA_PIPELINE`] on
+    /// CUDA, none on the CPU (whose kernels gain nothing from them).
+    pub passes: Option<Vec<String>>,
 }
 
 /// The executor a session runs on. Variables live in the executor: host tensors on
@@ -187,11 +188,19 @@ impl Session {
             passes.push(Box::new(AutoMixedPrecision::new(config)));
         }
         let records = passes.run(&mut graph)?;
-        let per_fetch_passes = match options.passes.is_empty() {
+        let names: Vec<String> = match (options.passes, device) {
+            (Some(names), _) => names,
+            (None, Device::Cuda(_)) => registry::CUDA_PIPELINE
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            (None, Device::Cpu) => Vec::new(),
+        };
+        let per_fetch_passes = match names.is_empty() {
             true => None,
             false => {
                 let mut manager = PassManager::new();
-                for name in &options.passes {
+                for name in &names {
                     manager.push(registry::by_name(name).ok_or_else(|| {
                         PassError::Rewrite(format!(
                             "unknown pass '{name}' (known: {})",

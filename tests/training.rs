@@ -230,7 +230,7 @@ fn training_with_the_fusion_passes_is_bit_identical() {
             .with_loss_scale(dynamic(1024.0, 2));
         let step = opt.minimize(&mut g, loss).unwrap();
         let options = SessionOptions {
-            passes: passes.iter().map(|p| p.to_string()).collect(),
+            passes: Some(passes.iter().map(|p| p.to_string()).collect()),
             ..Default::default()
         };
         let s = Session::with_options(g, Device::Cpu, options).unwrap();
@@ -271,7 +271,7 @@ fn training_with_the_fusion_passes_is_bit_identical() {
 
     let (g, _, _, _) = model();
     let options = SessionOptions {
-        passes: vec!["fuse".into(), "no-such-pass".into()],
+        passes: Some(vec!["fuse".into(), "no-such-pass".into()]),
         ..Default::default()
     };
     let err = Session::with_options(g, Device::Cpu, options)
