@@ -4,9 +4,10 @@
 //! peak; the most bytes alive at once is a lower bound no plan can beat.
 //!
 //! Sources (Placeholders, Variables, Consts) live outside the arena: fed or persistent.
+//! So do the values assignments write (a variable's next value outlives the step).
 //! A view ([`Op::is_view`]: Reshape, Identity, an assignment's value) shares its
 //! input's buffer, whose lifetime then runs to the view's last reader. Fetched tensors
-//! and the values assignments write live to the end of the step.
+//! live to the end of the step.
 //!
 //! Offsets come from the greedy-by-size heuristic (TensorFlow Lite's arena planner):
 //! the largest buffers are placed first, each at the lowest offset clear of every
@@ -58,6 +59,19 @@ pub struct MemoryPlan {
     pub total_bytes: usize,
 }
 
+/// A hash of everything a plan depends on (the nodes, their ops' names, types and
+/// inputs, and the fetches): executors keep plans by it.
+pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    fetches.hash(&mut h);
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        (id.index(), node.op.name(), node.outputs(), graph.inputs(id)).hash(&mut h);
+    }
+    h.finish()
+}
+
 /// Plans the memory of the step that computes `fetches`.
 pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
@@ -76,6 +90,11 @@ pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
         }
         p
     };
+    let assigned: std::collections::HashSet<Port> = order
+        .iter()
+        .filter(|&&id| graph.node(id).op.is::<AssignVariable>())
+        .filter_map(|&id| graph.inputs(id).get(1).map(|&v| root(v)))
+        .collect();
     let mut buffers: Vec<PlannedBuffer> = Vec::new();
     let mut slot_of: std::collections::HashMap<Port, usize> = Default::default();
     for (i, &id) in order.iter().enumerate() {
@@ -85,7 +104,7 @@ pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
         }
         for (k, ty) in node.outputs().iter().enumerate() {
             let port = Port::new(id, k);
-            if is_source(port) {
+            if is_source(port) || assigned.contains(&port) {
                 continue;
             }
             let size = ty.size_bytes();
@@ -107,10 +126,6 @@ pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
     for (i, &id) in order.iter().enumerate() {
         for p in graph.inputs(id) {
             extend(p, i);
-        }
-        // What an assignment writes outlives the step.
-        if graph.node(id).op.is::<AssignVariable>() {
-            extend(Port::new(id, 0), end);
         }
     }
     for &p in fetches {
@@ -176,6 +191,11 @@ fn summarise(buffers: Vec<PlannedBuffer>, steps: usize) -> MemoryPlan {
 }
 
 impl MemoryPlan {
+    /// Each planned tensor's offset in the arena.
+    pub fn offsets(&self) -> std::collections::HashMap<Port, usize> {
+        self.buffers.iter().map(|b| (b.port, b.offset)).collect()
+    }
+
     /// The buffers alive at the peak, largest first: what to shrink to lower it.
     pub fn alive_at_peak(&self) -> Vec<&PlannedBuffer> {
         let mut alive: Vec<&PlannedBuffer> = self
@@ -258,6 +278,18 @@ mod tests {
         assert_eq!(a_buf.last, add_step);
         // a, b (until c runs) and c are alive together; then a, c and the sum.
         assert_eq!(plan.live_bytes, 3 * 1024);
+    }
+
+    #[test]
+    fn assigned_values_are_not_in_the_arena() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, vec![256]);
+        let v = g.add_node("v", Box::new(Variable::new(ty)), &[]).unwrap();
+        let next = relu(&mut g, v.into());
+        let assign = g.add(AssignVariable, &[v.into(), next]).unwrap();
+        let plan = plan(&g, &[assign]).unwrap();
+        assert!(plan.buffers.is_empty(), "{:?}", plan.buffers);
+        assert_eq!(plan.arena_bytes, 0);
     }
 
     #[test]

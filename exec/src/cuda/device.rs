@@ -153,17 +153,40 @@ impl Drop for Buf {
     }
 }
 
-/// A tensor on the device. Cloning shares the buffer (Reshape and Identity alias).
+/// A tensor on the device: a buffer of its own, or a slot at `offset` bytes into a
+/// shared one (a step's arena). Cloning shares the buffer (Reshape and Identity alias).
 #[derive(Clone)]
 pub struct DTensor {
     buf: Arc<Buf>,
+    offset: usize,
     pub dtype: DType,
     pub shape: Vec<usize>,
 }
 
 impl DTensor {
     pub fn ptr(&self) -> u64 {
-        self.buf.ptr
+        self.buf.ptr + self.offset as u64
+    }
+    /// A tensor of `ty` at byte `offset` of this one's buffer.
+    pub fn slot(&self, offset: usize, ty: &TensorType) -> Result<DTensor, String> {
+        let offset = self.offset + offset;
+        if offset + ty.size_bytes() > self.buf.cap {
+            return Err(format!(
+                "a slot of {} bytes at offset {offset} overruns a buffer of {} bytes",
+                ty.size_bytes(),
+                self.buf.cap
+            ));
+        }
+        Ok(DTensor {
+            buf: self.buf.clone(),
+            offset,
+            dtype: ty.dtype,
+            shape: ty.shape.clone(),
+        })
+    }
+    /// Whether both live in the same buffer.
+    pub fn shares_buffer(&self, other: &DTensor) -> bool {
+        Arc::ptr_eq(&self.buf, &other.buf)
     }
     pub fn len(&self) -> usize {
         self.shape.iter().product()
@@ -178,6 +201,7 @@ impl DTensor {
     pub fn reshaped(&self, shape: Vec<usize>) -> DTensor {
         DTensor {
             buf: self.buf.clone(),
+            offset: self.offset,
             dtype: self.dtype,
             shape,
         }
@@ -329,6 +353,7 @@ impl Device {
                 ptr,
                 pool: self.pool.clone(),
             }),
+            offset: 0,
             dtype,
             shape: shape.to_vec(),
         })
@@ -366,6 +391,31 @@ impl Device {
         }
         self.stream.synchronize().map_err(drv("synchronize"))?;
         Tensor::new(d.shape.clone(), from_bytes(d.dtype, &bytes))
+    }
+
+    /// Copies `src` into `dst` (of the same size), on the stream.
+    pub fn copy(&self, src: &DTensor, dst: &DTensor) -> Result<(), String> {
+        if src.bytes() != dst.bytes() {
+            return Err(format!(
+                "copy of {} bytes into {}",
+                src.bytes(),
+                dst.bytes()
+            ));
+        }
+        if src.bytes() == 0 {
+            return Ok(());
+        }
+        Launches::count(&self.launches.memcpys);
+        // SAFETY: both ranges lie inside their buffers; ordered on this stream.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.ptr(),
+                src.ptr(),
+                src.bytes(),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(drv("copy"))
     }
 
     /// Sets every byte of `d` to zero.

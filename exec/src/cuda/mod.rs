@@ -9,8 +9,11 @@
 //!
 //! Variables live on the device across runs; `AssignVariable` writes replace them when
 //! the step ends. Host copies of variables ([`CudaExecutor::variable`]) are downloaded
-//! on demand and cached until the next write. Intermediate tensors return to a
-//! size-keyed buffer pool after their last use; only fetched values are copied back.
+//! on demand and cached until the next write. A step's intermediate tensors live in
+//! one arena, each at the offset the step's memory plan ([`crate::memory_plan`])
+//! gave it; the plan is made on a graph's first run and kept by the graph's
+//! fingerprint. Fed values, the values assignments write and kernels' scratch come
+//! from a size-keyed buffer pool. Only fetched values are copied back.
 
 mod device;
 mod gemm;
@@ -18,13 +21,15 @@ pub mod kernel_cache;
 mod ops;
 mod src;
 
+use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use ampgraph_graph::ops::{Const, Group, Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
-use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
+use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
 
+use crate::memory_plan;
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{check_tensor_size, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
 
@@ -114,6 +119,13 @@ struct VarSlot {
     host: OnceLock<Tensor>,
 }
 
+/// A step's memory plan as the executor uses it.
+struct StepMemory {
+    /// Each planned tensor's byte offset in the arena.
+    offsets: HashMap<Port, usize>,
+    arena_bytes: usize,
+}
+
 /// Runs graphs on one CUDA device.
 pub struct CudaExecutor {
     dev: Device,
@@ -126,6 +138,10 @@ pub struct CudaExecutor {
     pub max_tensor_bytes: u64,
     /// Per-op times, filled while `options.profile` is on.
     pub profile: OpProfile,
+    /// Memory plans by [`memory_plan::fingerprint`] of the graph and fetches.
+    plans: HashMap<u64, Arc<StepMemory>>,
+    /// The arena every step's planned tensors live in (as large as the largest plan).
+    arena: Option<DTensor>,
 }
 
 fn dev_err(msg: String) -> ExecError {
@@ -161,7 +177,56 @@ impl CudaExecutor {
             consts: HashMap::new(),
             max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
             profile: OpProfile::default(),
+            plans: HashMap::new(),
+            arena: None,
         })
+    }
+
+    /// The memory plan of a run of `fetches` from `graph`, made on first use.
+    fn step_memory(
+        &mut self,
+        graph: &Graph,
+        fetches: &[Port],
+    ) -> Result<Arc<StepMemory>, ExecError> {
+        let key = memory_plan::fingerprint(graph, fetches);
+        if let Some(m) = self.plans.get(&key) {
+            return Ok(m.clone());
+        }
+        let plan = memory_plan::plan(graph, fetches)?;
+        log::debug!(
+            "memory plan: {} tensors in an arena of {} bytes ({} apart)",
+            plan.buffers.len(),
+            plan.arena_bytes,
+            plan.total_bytes
+        );
+        let m = Arc::new(StepMemory {
+            offsets: plan.offsets(),
+            arena_bytes: plan.arena_bytes,
+        });
+        self.plans.insert(key, m.clone());
+        Ok(m)
+    }
+
+    /// The arena, grown to at least `bytes`.
+    fn arena(&mut self, bytes: usize) -> Result<Option<DTensor>, ExecError> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        if let Some(a) = self.arena.as_ref().filter(|a| a.bytes() >= bytes) {
+            return Ok(Some(a.clone()));
+        }
+        // The old arena goes back to the pool first, where the new one may reuse it.
+        self.arena = None;
+        let arena = guard("CUDA", || {
+            self.dev.alloc(
+                DType::F32,
+                &[bytes.div_ceil(4)],
+                &format!("the step's tensors (an arena of {bytes} bytes)"),
+            )
+        })
+        .map_err(dev_err)?;
+        self.arena = Some(arena.clone());
+        Ok(Some(arena))
     }
 
     /// The device ordinal.
@@ -203,13 +268,14 @@ impl CudaExecutor {
         Ok((out, f64::from(ms)))
     }
 
-    /// The most bytes of device tensors (variables included) live at once so far.
     /// Work put on the stream so far (kernels, cuBLASLt calls, memsets, copies); the
     /// difference of two snapshots counts a step's launches.
     pub fn launches(&self) -> LaunchCounts {
         self.dev.launches.snapshot()
     }
 
+    /// The most bytes of device tensors (variables and the arena included) allocated
+    /// at once so far.
     pub fn peak_bytes(&self) -> usize {
         self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)
     }
@@ -376,6 +442,8 @@ impl Executor for CudaExecutor {
         .map_err(dev_err)?;
         let mut schedule = Schedule::new(graph, fetches)?;
         let order = std::mem::take(&mut schedule.order);
+        let memory = self.step_memory(graph, fetches)?;
+        let arena = self.arena(memory.arena_bytes)?;
         for &id in &order {
             let node = graph.node(id);
             if let Some(msg) = ops::unsupported(node.op.as_ref()) {
@@ -399,11 +467,29 @@ impl Executor for CudaExecutor {
                         .iter()
                         .map(|p| values[&p.node][p.index].clone())
                         .collect();
+                    let planned: Vec<Option<DTensor>> = match &arena {
+                        Some(a) => node
+                            .outputs()
+                            .iter()
+                            .enumerate()
+                            .map(|(k, ty)| {
+                                memory
+                                    .offsets
+                                    .get(&Port::new(id, k))
+                                    .map(|&at| a.slot(at, ty))
+                                    .transpose()
+                            })
+                            .collect::<Result<_, String>>()
+                            .map_err(|m| ExecError::node(&node.name, op, m))?,
+                        None => Vec::new(),
+                    };
                     let ctx = ops::Ctx {
                         dev: &self.dev,
                         gemm: &self.gemm,
                         gemm_options: self.options.gemm,
                         name: &node.name,
+                        planned: &planned,
+                        allocated: Cell::new(0),
                     };
                     // Only a profiled step brackets each op with timing events.
                     let out = guard("CUDA", || {
@@ -412,7 +498,18 @@ impl Executor for CudaExecutor {
                             .profile
                             .then(|| self.dev.timing_event())
                             .transpose()?;
-                        let out = ops::eval(&ctx, node.op.as_ref(), &inputs, node.outputs())?;
+                        let mut out = ops::eval(&ctx, node.op.as_ref(), &inputs, node.outputs())?;
+                        // An op that returns an input (a Cast to the same type) where
+                        // the plan gave the output a slot of its own: the input's slot
+                        // is reused after its last planned reader, so the value moves.
+                        for (o, slot) in out.iter_mut().zip(&planned) {
+                            if let (Some(slot), Some(a)) = (slot, &arena) {
+                                if o.ptr() != slot.ptr() && o.shares_buffer(a) {
+                                    self.dev.copy(o, slot)?;
+                                    *o = slot.clone();
+                                }
+                            }
+                        }
                         if let Some(start) = start {
                             let key = match node.outputs().first() {
                                 Some(ty) => format!("{op} {ty}"),

@@ -116,12 +116,23 @@ pub struct Ctx<'a> {
     pub gemm_options: GemmOptions,
     /// The node's name, for out-of-memory errors.
     pub name: &'a str,
+    /// The node's outputs' slots in the step's arena, by output index (`None`: a
+    /// buffer of its own). Every op allocates its outputs in order.
+    pub planned: &'a [Option<DTensor>],
+    pub allocated: std::cell::Cell<usize>,
 }
 
 impl Ctx<'_> {
+    /// The next output's buffer: its planned slot, or one from the pool.
     fn alloc(&self, ty: &TensorType) -> Result<DTensor, String> {
-        self.dev
-            .alloc(ty.dtype, &ty.shape, &Owner("node", self.name))
+        let k = self.allocated.get();
+        self.allocated.set(k + 1);
+        match self.planned.get(k) {
+            Some(Some(slot)) if slot.ty() == *ty => Ok(slot.clone()),
+            _ => self
+                .dev
+                .alloc(ty.dtype, &ty.shape, &Owner("node", self.name)),
+        }
     }
     fn temp(&self, dtype: DType, n: usize) -> Result<DTensor, String> {
         self.dev
