@@ -15,8 +15,8 @@
 //!
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
-use ampgraph_graph::ops::{AssignVariable, Const, Placeholder, Variable};
-use ampgraph_graph::{Graph, Port};
+use ampgraph_graph::ops::{AssignVariable, Const, OptimizerUpdate, Placeholder, Variable};
+use ampgraph_graph::{Graph, NodeId, Port};
 
 use crate::schedule::Schedule;
 use crate::ExecError;
@@ -70,6 +70,65 @@ pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
         (id.index(), node.op.name(), node.outputs(), graph.inputs(id)).hash(&mut h);
     }
     h.finish()
+}
+
+/// The optimizer outputs that may be written over the variable they replace: output
+/// `k` of an OptimizerUpdate (0 the variable, then its slots), assigned to the
+/// Variable node it updates, where nothing later in the step reads that variable's
+/// old value (directly or through a view) and it is not fetched. The update kernels
+/// are elementwise, reading each element before writing it, so the variable needs
+/// no second buffer for its next value.
+pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, NodeId)>, ExecError> {
+    let order = Schedule::new(graph, fetches)?.order;
+    let position: std::collections::HashMap<NodeId, usize> =
+        order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    // The last step that reads a node's values, through views; an assignment does
+    // not read the variable it writes.
+    let last_read = |start: NodeId| {
+        let (mut last, mut stack) = (None, vec![start]);
+        while let Some(id) = stack.pop() {
+            for (reader, slot, _) in graph.consumers(id) {
+                let Some(&at) = position.get(&reader) else {
+                    continue;
+                };
+                let op = &graph.node(reader).op;
+                if op.is::<AssignVariable>() && slot == 0 {
+                    continue;
+                }
+                last = last.max(Some(at));
+                if op.is_view() {
+                    stack.push(reader);
+                }
+            }
+        }
+        last
+    };
+    let mut found = Vec::new();
+    for (at, &id) in order.iter().enumerate() {
+        if !graph.node(id).op.is::<OptimizerUpdate>() {
+            continue;
+        }
+        let inputs = graph.inputs(id);
+        for k in 0..graph.node(id).outputs().len() {
+            let Some(&target) = inputs.get(if k == 0 { 1 } else { 2 + k }) else {
+                continue;
+            };
+            let port = Port::new(id, k);
+            let writes_target = graph.port_consumers(port).iter().any(|&(reader, _)| {
+                graph.node(reader).op.is::<AssignVariable>()
+                    && graph.inputs(reader).first() == Some(&target)
+            });
+            if target.index == 0
+                && graph.node(target.node).op.is::<Variable>()
+                && writes_target
+                && !fetches.iter().any(|f| f.node == target.node)
+                && last_read(target.node) <= Some(at)
+            {
+                found.push((port, target.node));
+            }
+        }
+    }
+    Ok(found)
 }
 
 /// Plans the memory of the step that computes `fetches`.
@@ -290,6 +349,42 @@ mod tests {
         let plan = plan(&g, &[assign]).unwrap();
         assert!(plan.buffers.is_empty(), "{:?}", plan.buffers);
         assert_eq!(plan.arena_bytes, 0);
+    }
+
+    /// `v -= 0.1 * relu(v)`, assigned back; with `late_reader`, `v` is also read by
+    /// an Add of the update's result, which must run after it.
+    fn update(late_reader: bool) -> (Graph, Vec<Port>) {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, vec![256]);
+        let v = g.add_node("v", Box::new(Variable::new(ty)), &[]).unwrap();
+        let finite = g
+            .add(Const::new(ampgraph_graph::Tensor::scalar(DType::Bool, 1.0)), &[])
+            .unwrap();
+        let grad = relu(&mut g, v.into());
+        let sgd = OptimizerUpdate {
+            rule: ampgraph_graph::ops::Rule::Sgd {
+                momentum: 0.0,
+                nesterov: false,
+            },
+            learning_rate: 0.1,
+            weight_decay: 0.0,
+        };
+        let next = g.add(sgd, &[finite, v.into(), grad]).unwrap();
+        let mut fetches = vec![g.add(AssignVariable, &[v.into(), next]).unwrap()];
+        if late_reader {
+            fetches.push(g.plus(next, v.into()).unwrap());
+        }
+        (g, fetches)
+    }
+
+    #[test]
+    fn an_update_overwrites_its_variable_only_when_no_one_reads_it_later() {
+        let (g, fetches) = update(false);
+        let found = in_place_updates(&g, &fetches).unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(g.node(found[0].1).name, "v");
+        let (g, fetches) = update(true);
+        assert!(in_place_updates(&g, &fetches).unwrap().is_empty());
     }
 
     #[test]

@@ -124,6 +124,9 @@ struct StepMemory {
     /// Each planned tensor's byte offset in the arena.
     offsets: HashMap<Port, usize>,
     arena_bytes: usize,
+    /// Optimizer outputs written over the variable they replace, by the variable's
+    /// name ([`memory_plan::in_place_updates`]).
+    in_place: HashMap<Port, String>,
 }
 
 /// Runs graphs on one CUDA device.
@@ -199,9 +202,14 @@ impl CudaExecutor {
             plan.arena_bytes,
             plan.total_bytes
         );
+        let in_place = memory_plan::in_place_updates(graph, fetches)?
+            .into_iter()
+            .map(|(port, var)| (port, graph.node(var).name.clone()))
+            .collect();
         let m = Arc::new(StepMemory {
             offsets: plan.offsets(),
             arena_bytes: plan.arena_bytes,
+            in_place,
         });
         self.plans.insert(key, m.clone());
         Ok(m)
@@ -467,22 +475,22 @@ impl Executor for CudaExecutor {
                         .iter()
                         .map(|p| values[&p.node][p.index].clone())
                         .collect();
-                    let planned: Vec<Option<DTensor>> = match &arena {
-                        Some(a) => node
-                            .outputs()
-                            .iter()
-                            .enumerate()
-                            .map(|(k, ty)| {
-                                memory
-                                    .offsets
-                                    .get(&Port::new(id, k))
-                                    .map(|&at| a.slot(at, ty))
-                                    .transpose()
-                            })
-                            .collect::<Result<_, String>>()
-                            .map_err(|m| ExecError::node(&node.name, op, m))?,
-                        None => Vec::new(),
-                    };
+                    let planned: Vec<Option<DTensor>> = node
+                        .outputs()
+                        .iter()
+                        .enumerate()
+                        .map(|(k, ty)| {
+                            let port = Port::new(id, k);
+                            if let Some(var) = memory.in_place.get(&port) {
+                                return Ok(self.variables.get(var).map(|v| v.value.clone()));
+                            }
+                            match (&arena, memory.offsets.get(&port)) {
+                                (Some(a), Some(&at)) => a.slot(at, ty).map(Some),
+                                _ => Ok(None),
+                            }
+                        })
+                        .collect::<Result<_, String>>()
+                        .map_err(|m| ExecError::node(&node.name, op, m))?;
                     let ctx = ops::Ctx {
                         dev: &self.dev,
                         gemm: &self.gemm,
