@@ -13,10 +13,7 @@
 //! one arena, each at the offset the step's memory plan ([`crate::memory_plan`])
 //! gave it; the plan is made on a graph's first run and kept by the graph's
 //! fingerprint. Fed values, the values assignments write and kernels' scratch come
-//! from a size-keyed buffer pool. An optimizer update writes over the variable it
-//! replaces where nothing later in the step reads the old value. Casts of variables
-//! the graph never writes (an inference graph's f16 weights) are kept until the
-//! variable changes. Only fetched values are copied back.
+//! from a size-keyed buffer pool. Only fetched values are copied back.
 
 mod device;
 mod gemm;
@@ -130,9 +127,6 @@ struct StepMemory {
     /// Optimizer outputs written over the variable they replace, by the variable's
     /// name ([`memory_plan::in_place_updates`]).
     in_place: HashMap<Port, String>,
-    /// Casts of variables the graph never writes, by the variable's name
-    /// ([`memory_plan::constant_casts`]): computed once, then kept in `cast_cache`.
-    constant_casts: HashMap<Port, String>,
 }
 
 /// Runs graphs on one CUDA device.
@@ -151,9 +145,6 @@ pub struct CudaExecutor {
     plans: HashMap<u64, Arc<StepMemory>>,
     /// The arena every step's planned tensors live in (as large as the largest plan).
     arena: Option<DTensor>,
-    /// Casts of variables by (variable, dtype), kept until the variable is written:
-    /// an inference step casts its weights once, not every step.
-    cast_cache: HashMap<(String, DType), DTensor>,
 }
 
 fn dev_err(msg: String) -> ExecError {
@@ -191,7 +182,6 @@ impl CudaExecutor {
             profile: OpProfile::default(),
             plans: HashMap::new(),
             arena: None,
-            cast_cache: HashMap::new(),
         })
     }
 
@@ -205,10 +195,7 @@ impl CudaExecutor {
         if let Some(m) = self.plans.get(&key) {
             return Ok(m.clone());
         }
-        let constant_casts: HashMap<Port, String> =
-            memory_plan::constant_casts(graph).into_iter().collect();
-        let outside = constant_casts.keys().copied().collect();
-        let plan = memory_plan::plan_outside(graph, fetches, &outside)?;
+        let plan = memory_plan::plan(graph, fetches)?;
         log::debug!(
             "memory plan: {} tensors in an arena of {} bytes ({} apart)",
             plan.buffers.len(),
@@ -223,7 +210,6 @@ impl CudaExecutor {
             offsets: plan.offsets(),
             arena_bytes: plan.arena_bytes,
             in_place,
-            constant_casts,
         });
         self.plans.insert(key, m.clone());
         Ok(m)
@@ -372,7 +358,6 @@ impl CudaExecutor {
         let _ = host.set(value);
         self.variables
             .insert(name.to_string(), VarSlot { value: dev, host });
-        self.cast_cache.retain(|(var, _), _| var != name);
         Ok(())
     }
 
@@ -482,22 +467,7 @@ impl Executor for CudaExecutor {
             for ty in node.outputs() {
                 check_tensor_size(&node.name, op, ty, self.max_tensor_bytes)?;
             }
-            // A cast of an unwritten, unfed variable: kept from an earlier step.
-            let cast_key = memory
-                .constant_casts
-                .get(&Port::new(id, 0))
-                .filter(|var| !feeds.contains_key(var.as_str()))
-                .map(|var| (var.clone(), node.outputs()[0].dtype));
-            let kept = cast_key
-                .as_ref()
-                .and_then(|k| self.cast_cache.get(k))
-                .cloned();
-            let keep = cast_key.filter(|_| kept.is_none());
-            let source = match kept {
-                Some(t) => Some(t),
-                None => self.source_value(graph, id, feeds)?,
-            };
-            let outputs = match source {
+            let outputs = match self.source_value(graph, id, feeds)? {
                 Some(v) => vec![v],
                 None => {
                     let inputs: Vec<DTensor> = graph
@@ -562,9 +532,6 @@ impl Executor for CudaExecutor {
                 }
             };
             check_outputs(node, outputs.iter().map(|t| t.ty()))?;
-            if let Some(key) = keep {
-                self.cast_cache.insert(key, outputs[0].clone());
-            }
             if let Some(variable) = assigned_variable(graph, id)? {
                 writes.push((variable, outputs[0].clone()));
             }
@@ -589,7 +556,6 @@ impl Executor for CudaExecutor {
         }
         drop(values);
         for (name, value) in writes {
-            self.cast_cache.retain(|(var, _), _| *var != name);
             self.variables.insert(
                 name,
                 VarSlot {
