@@ -358,7 +358,10 @@ mod tests {
         let ty = TensorType::new(DType::F32, vec![256]);
         let v = g.add_node("v", Box::new(Variable::new(ty)), &[]).unwrap();
         let finite = g
-            .add(Const::new(ampgraph_graph::Tensor::scalar(DType::Bool, 1.0)), &[])
+            .add(
+                Const::new(ampgraph_graph::Tensor::scalar(DType::Bool, 1.0)),
+                &[],
+            )
             .unwrap();
         let grad = relu(&mut g, v.into());
         let sgd = OptimizerUpdate {
