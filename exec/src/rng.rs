@@ -2,6 +2,16 @@
 //! ampgraph makes (seeded feeds and initial values, the synthetic data set, shuffles,
 //! the benchmarks' data).
 
+/// Advances a SplitMix64 state and returns the next value (for generators that keep
+/// their state in a plain `u64`, such as the tests' own).
+pub fn step(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// A SplitMix64 stream from its seed.
 #[derive(Clone, Debug)]
 pub struct SplitMix64(u64);
@@ -12,11 +22,7 @@ impl SplitMix64 {
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        step(&mut self.0)
     }
 
     /// Uniform in `[0, 1)`, from 53 bits.
