@@ -13,7 +13,10 @@
 //! one arena, each at the offset the step's memory plan ([`crate::memory_plan`])
 //! gave it; the plan is made on a graph's first run and kept by the graph's
 //! fingerprint. Fed values, the values assignments write and kernels' scratch come
-//! from a size-keyed buffer pool. Only fetched values are copied back.
+//! from a size-keyed buffer pool. An optimizer update writes over the variable it
+//! replaces where nothing later in the step reads the old value (so a step that
+//! fails after such an update leaves that variable updated). Only fetched values are
+//! copied back.
 
 mod device;
 mod gemm;
