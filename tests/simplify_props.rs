@@ -13,8 +13,16 @@ use ampgraph::{DType, Graph, Tensor, TensorType};
 use common::{feeds, json, random_graph, Menu};
 use proptest::prelude::*;
 
-/// Passes that can fire on the generator's f32 graphs (pad-gemm needs 16-bit products).
-const F32_PASSES: &[&str] = &["const-fold", "algebraic", "cse", "dce", "fold-batchnorm"];
+/// Passes that can fire on the generator's f32 graphs (pad-gemm needs 16-bit products,
+/// cast-into-reduce casts that widen).
+const F32_PASSES: &[&str] = &[
+    "const-fold",
+    "algebraic",
+    "cse",
+    "dce",
+    "fold-batchnorm",
+    "scale-into-matmul",
+];
 
 /// `g` rewritten by the named passes, validated after each.
 fn rewrite(g: &Graph, passes: &[&str]) -> Graph {

@@ -7,8 +7,9 @@ use ampgraph::exec::feeds::seeded_tensor;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::ops::{
-    BatchNorm, BiasAdd, Binary, BinaryKind, Cast, Concat, Const, DataFormat, LogSoftmax, MatMul,
-    Placeholder, Reduce, ReduceKind, Reshape, Softmax, Transpose, Unary, UnaryKind, Variable,
+    BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, Cast, Concat, Const, DataFormat,
+    LogSoftmax, MatMul, Placeholder, Reduce, ReduceKind, Reshape, Softmax, Transpose, Unary,
+    UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 
@@ -47,7 +48,7 @@ pub enum Menu {
 }
 
 /// How many extra step kinds [`Menu::Simplifiable`] draws from (see `simplifiable_step`).
-const SIMPLIFIABLE_STEPS: usize = 7;
+const SIMPLIFIABLE_STEPS: usize = 8;
 
 const D: usize = 8;
 
@@ -342,6 +343,18 @@ fn simplifiable_step(
                 .add(bn, &[x, stats[0], stats[1], stats[2], stats[3]])
                 .unwrap();
             g.add(Unary::new(UnaryKind::Tanh), &[y]).unwrap()
+        }
+        // Products scaled by a scalar, after or before (scale-into-matmul).
+        6 => {
+            // Powers of two fold at 16 bits too (exactly); others only at 32 and 64.
+            let c = konst(g, &[], &mut || rng.pick(&[0.125, 0.5, 0.3, 1.7]));
+            if rng.below(2) == 0 {
+                let p = g.add(BatchMatMul::new(false, true), &[a, b]).unwrap();
+                g.add(Binary::new(BinaryKind::Mul), &[p, c]).unwrap()
+            } else {
+                let scaled = g.add(Binary::new(BinaryKind::Mul), &[c, a]).unwrap();
+                g.add(BatchMatMul::new(true, false), &[scaled, b]).unwrap()
+            }
         }
         // A bias right before a training BatchNorm, which cancels it (fold-batchnorm).
         _ => {

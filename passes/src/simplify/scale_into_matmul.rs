@@ -10,13 +10,15 @@
 //!
 //! `c` is a scalar Const, or a Cast of one (AMP casts constants into the product's
 //! type). Nodes that are graph outputs keep their values and names: they never fold
-//! away. Exact in real arithmetic; the product rounds once where it rounded before and
-//! after the multiplication.
+//! away. The product rounds once where it rounded before and after the
+//! multiplication, which changes nothing in f32 and f64 (the CPU multiplies the f32
+//! product as the Mul did); a 16-bit product folds only a power of two (attention's
+//! 1/sqrt(64) = 1/8), whose scaling commutes with rounding.
 
 use std::collections::HashSet;
 
 use ampgraph_graph::ops::{BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast};
-use ampgraph_graph::{Graph, NodeId, Op, Port};
+use ampgraph_graph::{DType, Graph, NodeId, Op, Port};
 
 use super::{const_value, node_error, output_nodes, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
@@ -48,15 +50,15 @@ fn scalar(g: &Graph, p: Port) -> Result<Option<f64>, PassError> {
     Ok(value.to_f64_vec().first().copied())
 }
 
-/// `(v, c)` where node `id` computes `v * c` for a scalar constant `c`, with `v` of the
-/// node's own type.
-fn scaling(g: &Graph, id: NodeId) -> Result<Option<(Port, f64)>, PassError> {
+/// `(v, c, the scale's port)` where node `id` computes `v * c` for a scalar constant
+/// `c`, with `v` of the node's own type.
+fn scaling(g: &Graph, id: NodeId) -> Result<Option<(Port, f64, Port)>, PassError> {
     let node = g.node(id);
     let inputs = g.inputs(id);
-    let (v, c) = if node.op.downcast_ref::<Binary>().map(|b| b.kind) == Some(BinaryKind::Mul) {
+    let (v, c, k) = if node.op.downcast_ref::<Binary>().map(|b| b.kind) == Some(BinaryKind::Mul) {
         match (scalar(g, inputs[0])?, scalar(g, inputs[1])?) {
-            (_, Some(c)) => (inputs[0], c),
-            (Some(c), None) => (inputs[1], c),
+            (_, Some(c)) => (inputs[0], c, inputs[1]),
+            (Some(c), None) => (inputs[1], c, inputs[0]),
             (None, None) => return Ok(None),
         }
     } else if let Some(grad) = node.op.downcast_ref::<BinaryGrad>() {
@@ -65,13 +67,41 @@ fn scaling(g: &Graph, id: NodeId) -> Result<Option<(Port, f64)>, PassError> {
             return Ok(None);
         }
         match scalar(g, inputs[1 - grad.wrt])? {
-            Some(c) => (inputs[2], c),
+            Some(c) => (inputs[2], c, inputs[1 - grad.wrt]),
             None => return Ok(None),
         }
     } else {
         return Ok(None);
     };
-    Ok((node.outputs() == [g.ty(v).clone()]).then_some((v, c)))
+    let exact = match g.ty(v).dtype {
+        DType::F32 | DType::F64 => true,
+        _ => is_power_of_two(c),
+    };
+    Ok((exact && node.outputs() == [g.ty(v).clone()]).then_some((v, c, k)))
+}
+
+/// Whether `c` is ±2^k (scaling by it is exact, short of overflow and subnormals).
+fn is_power_of_two(c: f64) -> bool {
+    c.is_normal() && c.to_bits() & ((1u64 << 52) - 1) == 0
+}
+
+/// Removes the scale (a Const, or a Cast and its Const) once nothing reads it.
+fn remove_unread(
+    g: &mut Graph,
+    scale: Port,
+    is_output: &[bool],
+    removed: &mut HashSet<NodeId>,
+) -> Result<(), PassError> {
+    let mut node = Some(scale.node);
+    while let Some(id) = node {
+        if is_output[id.index()] || !g.consumers(id).is_empty() {
+            break;
+        }
+        node = g.inputs(id).first().map(|p| p.node);
+        g.remove_node(id)?;
+        removed.insert(id);
+    }
+    Ok(())
 }
 
 fn batch_matmul(g: &Graph, id: NodeId) -> Option<&BatchMatMul> {
@@ -97,11 +127,13 @@ impl Pass for ScaleIntoMatmul {
         let order = g.topo_order()?;
         let mut removed: HashSet<NodeId> = HashSet::new();
         let (mut into_readers, mut into_producer, mut bytes) = (0usize, 0usize, 0usize);
-        for &id in &order {
-            if is_output[id.index()] {
+        // Readers first: in a chain of scalings the one next to the products folds
+        // first, and the one before it then has only products for readers.
+        for &id in order.iter().rev() {
+            if removed.contains(&id) || is_output[id.index()] {
                 continue;
             }
-            let Some((v, c)) = scaling(g, id)? else {
+            let Some((v, c, k)) = scaling(g, id)? else {
                 continue;
             };
             let readers = g.consumers(id);
@@ -119,13 +151,14 @@ impl Pass for ScaleIntoMatmul {
             bytes += 2 * g.node(id).outputs()[0].size_bytes();
             g.remove_node(id)?;
             removed.insert(id);
+            remove_unread(g, k, &is_output, &mut removed)?;
             into_readers += 1;
         }
         for &id in &order {
             if removed.contains(&id) || is_output[id.index()] {
                 continue;
             }
-            let Some((v, c)) = scaling(g, id)? else {
+            let Some((v, c, k)) = scaling(g, id)? else {
                 continue;
             };
             let sole_reader = g.consumers(v.node).iter().all(|&(r, _, _)| r == id);
@@ -142,6 +175,7 @@ impl Pass for ScaleIntoMatmul {
             bytes += 2 * g.node(id).outputs()[0].size_bytes();
             g.remove_node(id)?;
             removed.insert(id);
+            remove_unread(g, k, &is_output, &mut removed)?;
             into_producer += 1;
         }
         let lines = vec![
@@ -238,6 +272,30 @@ mod tests {
         let mut again = after.clone();
         ScaleIntoMatmul.run(&mut again).unwrap();
         assert_eq!(again.len(), after.len());
+    }
+
+    #[test]
+    fn sixteen_bit_products_take_powers_of_two_only() {
+        assert!(is_power_of_two(0.125) && is_power_of_two(-4.0));
+        assert!(!is_power_of_two(0.3) && !is_power_of_two(0.0) && !is_power_of_two(f64::NAN));
+        for (c, folds) in [(0.125, true), (1.0 / 96f64.sqrt(), false)] {
+            let mut g = Graph::new();
+            let ty = TensorType::new(DType::F16, vec![2, 3, 3]);
+            let a: Port = g
+                .add_node("a", Box::new(Placeholder(ty)), &[])
+                .unwrap()
+                .into();
+            let s = g.add(BatchMatMul::new(false, false), &[a, a]).unwrap();
+            let k = g
+                .add(Const::new(Tensor::scalar(DType::F16, c)), &[])
+                .unwrap();
+            let scaled = g.add(Binary::new(BinaryKind::Mul), &[s, k]).unwrap();
+            let out = g.add(Softmax { axis: -1 }, &[scaled]).unwrap();
+            g.set_outputs(vec![out]).unwrap();
+            ScaleIntoMatmul.run(&mut g).unwrap();
+            let alpha = batch_matmul(&g, s.node).unwrap().alpha;
+            assert_eq!(alpha != 1.0, folds, "scale {c}");
+        }
     }
 
     #[test]
