@@ -2,7 +2,7 @@
 //!
 //! A [`Graph`] is a typed dataflow graph on petgraph. Each node holds an [`Op`]; each
 //! op lives in one file under [`ops`] with its attributes, shape/dtype rule and CPU
-//! reference kernel. [`format`] reads and writes the JSON interchange format and the
+//! reference kernel. [`format`](mod@format) reads and writes the JSON interchange format and the
 //! binary format.
 
 pub mod attrs;

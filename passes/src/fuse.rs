@@ -41,7 +41,7 @@ pub struct FuseReport {
     pub named_outputs: usize,
     pub nodes_before: usize,
     pub nodes_after: usize,
-    /// Nodes that run a kernel (all but sources and aliases: see [`kernels`]).
+    /// Nodes that run a kernel (all but sources and aliases: see `kernels`).
     pub kernels_before: usize,
     pub kernels_after: usize,
     /// Bytes of the tensors now internal to a fused node, each written once and read

@@ -88,7 +88,7 @@ pub struct Launches {
     pub memcpys: AtomicU64,
 }
 
-/// A snapshot of [`Launches`].
+/// A snapshot of the device's launch counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LaunchCounts {
     /// NVRTC kernels.

@@ -4,7 +4,7 @@
 //! GEMM padding.
 //!
 //! Each pass is one small type in its own file. They share the helpers below: which
-//! ops hold or write state (never folded, merged or removed as dead), and [`Edits`],
+//! ops hold or write state (never folded, merged or removed as dead), and `Edits`,
 //! the rewiring a topological sweep decides and applies in one batch.
 
 mod algebraic;
