@@ -153,7 +153,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     profile: usize,
     /// The passes run after AMP, comma-separated registry names, or `none`
-    /// (default: the CUDA pipeline, `cast-into-reduce,gemm-epilogue,fuse`).
+    /// (default: the CUDA pipeline, `registry::CUDA_PIPELINE`).
     #[arg(long, value_delimiter = ',')]
     passes: Option<Vec<String>>,
     /// Build each graph, run the passes and print what each did; run no step (no

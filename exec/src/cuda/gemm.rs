@@ -72,8 +72,6 @@ struct Plan {
     la: Layout,
     lb: Layout,
     lc: Layout,
-    /// The heuristic's candidates, best guess first; `run` times them on first use.
-    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
     algo: sys::cublasLtMatmulAlgo_t,
     scale_ty: sys::cudaDataType,
 }
@@ -247,10 +245,13 @@ impl Gemm {
             .map_err(|_| "poisoned")?
             .get(&key)
             .cloned();
-        let fresh = cached.is_none();
-        let mut plan = match cached {
-            Some(plan) => plan,
-            None => Arc::new(self.plan(&key)?),
+        // A new plan comes with the heuristic's candidates, timed below on first use.
+        let (mut plan, candidates) = match cached {
+            Some(plan) => (plan, None),
+            None => {
+                let (plan, candidates) = self.plan(&key)?;
+                (Arc::new(plan), Some(candidates))
+            }
         };
         let esize = dtype.size_bytes() as u64;
         let scale_ty = plan.scale_ty;
@@ -309,10 +310,10 @@ impl Gemm {
             }
             .map_err(err("matmul"))
         };
-        if fresh {
-            if !opts.heuristic_only && plan.candidates.len() > 1 {
+        if let Some(candidates) = candidates {
+            if !opts.heuristic_only && candidates.len() > 1 {
                 // Not shared yet: the plan is still ours to change.
-                let algo = self.fastest(dev, &key, &plan, &matmul)?;
+                let algo = Self::fastest(dev, &key, &plan, &candidates, &matmul)?;
                 if let Some(p) = Arc::get_mut(&mut plan) {
                     p.algo = algo;
                 }
@@ -326,19 +327,19 @@ impl Gemm {
         matmul(&plan, &plan.algo)
     }
 
-    /// Times each of a plan's candidates on the product's own operands (the output is
+    /// Times each of `candidates` on the product's own operands (the output is
     /// overwritten by the real run after) and returns the fastest. Synchronises the
     /// stream, once per product shape.
     fn fastest(
-        &self,
         dev: &Device,
         key: &PlanKey,
         plan: &Plan,
+        candidates: &[sys::cublasLtMatmulAlgo_t],
         matmul: &dyn Fn(&Plan, &sys::cublasLtMatmulAlgo_t) -> Result<(), String>,
     ) -> Result<sys::cublasLtMatmulAlgo_t, String> {
         let mut best = (f32::INFINITY, plan.algo);
-        let mut times = Vec::with_capacity(plan.candidates.len());
-        for algo in &plan.candidates {
+        let mut times = Vec::with_capacity(candidates.len());
+        for algo in candidates {
             // A candidate the heuristic offered but that fails to run is passed over.
             if matmul(plan, algo).is_err() {
                 continue;
@@ -364,8 +365,9 @@ impl Gemm {
         Ok(best.1)
     }
 
-    /// Builds the descriptors of a product and asks cuBLASLt's heuristic for its algorithm.
-    fn plan(&self, key: &PlanKey) -> Result<Plan, String> {
+    /// Builds the descriptors of a product and asks cuBLASLt's heuristic for its
+    /// algorithm: the plan takes the first candidate, all of them come back too.
+    fn plan(&self, key: &PlanKey) -> Result<(Plan, Vec<sys::cublasLtMatmulAlgo_t>), String> {
         let PlanKey {
             dtype,
             m,
@@ -507,14 +509,14 @@ impl Gemm {
                 "cuBLASLt has no algorithm for a {dtype} product [{m}x{k}] x [{k}x{n}] (batch {batch}): {status:?}"
             ));
         };
-        Ok(Plan {
+        let plan = Plan {
             desc,
             la,
             lb,
             lc,
-            candidates,
             algo,
             scale_ty,
-        })
+        };
+        Ok((plan, candidates))
     }
 }

@@ -258,15 +258,7 @@ impl CudaExecutor {
         feeds: &Feeds,
         fetches: &[Port],
     ) -> Result<(Vec<Tensor>, f64), ExecError> {
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let event = |dev: &Device| {
-            guard("CUDA", || {
-                dev.stream
-                    .record_event(timing)
-                    .map_err(|e| format!("recording an event: {e:?}"))
-            })
-            .map_err(dev_err)
-        };
+        let event = |dev: &Device| guard("CUDA", || dev.timing_event()).map_err(dev_err);
         let start = event(&self.dev)?;
         let out = self.run(graph, feeds, fetches)?;
         let end = event(&self.dev)?;

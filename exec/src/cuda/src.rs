@@ -299,7 +299,7 @@ pub fn derivative_expr(kind: UnaryKind) -> String {
 pub const VECTOR: usize = 8;
 
 /// Where an elementwise kernel reads one of its inputs for element `i`.
-pub enum At<'a> {
+enum At<'a> {
     /// At `i` itself, in a tensor of the domain's size: read in 16-byte vectors.
     Own,
     /// At an index expression of `i` (a broadcast read).
@@ -310,22 +310,22 @@ pub enum At<'a> {
 }
 
 /// An input of an elementwise kernel, bound as `ty name = loader(ptr, index)`.
-pub struct Load<'a> {
-    pub ty: &'a str,
-    pub name: &'a str,
-    pub loader: &'a str,
-    pub ptr: &'a str,
+struct Load<'a> {
+    ty: &'a str,
+    name: &'a str,
+    loader: &'a str,
+    ptr: &'a str,
     /// Bytes of the stored element (sizes the vectors).
-    pub bytes: usize,
-    pub at: At<'a>,
+    bytes: usize,
+    at: At<'a>,
 }
 
 /// An output of an elementwise kernel: `storer(ptr, i, value)`, always at `i`.
-pub struct Store<'a> {
-    pub storer: &'a str,
-    pub ptr: &'a str,
-    pub bytes: usize,
-    pub value: &'a str,
+struct Store<'a> {
+    storer: &'a str,
+    ptr: &'a str,
+    bytes: usize,
+    value: &'a str,
 }
 
 /// The loop of an elementwise kernel over the `n` elements `i` of its domain: every
@@ -502,12 +502,8 @@ __device__ __forceinline__ i64 operand_index(i64 i, int mode, int r, const Dims&
 /// gradient g not.
 fn binary_loads(d: DType) -> [Load<'static>; 3] {
     let broadcast = |name, ptr, cond, index| Load {
-        ty: "C",
-        name,
-        loader: "ld",
-        ptr,
-        bytes: d.size_bytes(),
         at: At::OwnIf(cond, index),
+        ..own(d, name, ptr)
     };
     [
         broadcast("a", "pa", "ma == 0", "operand_index(i, ma, r, shape, sa)"),

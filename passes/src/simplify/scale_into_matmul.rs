@@ -85,6 +85,22 @@ fn is_power_of_two(c: f64) -> bool {
     c.is_normal() && c.to_bits() & ((1u64 << 52) - 1) == 0
 }
 
+/// Removes a scaling node that now has no readers, then its scale if that is left
+/// unread too; returns the bytes of memory traffic saved (its output, written and read).
+fn remove_folded(
+    g: &mut Graph,
+    id: NodeId,
+    scale: Port,
+    is_output: &[bool],
+    removed: &mut HashSet<NodeId>,
+) -> Result<usize, PassError> {
+    let bytes = 2 * g.node(id).outputs()[0].size_bytes();
+    g.remove_node(id)?;
+    removed.insert(id);
+    remove_unread(g, scale, is_output, removed)?;
+    Ok(bytes)
+}
+
 /// Removes the scale (a Const, or a Cast and its Const) once nothing reads it.
 fn remove_unread(
     g: &mut Graph,
@@ -148,10 +164,7 @@ impl Pass for ScaleIntoMatmul {
                 scale(g, reader, c)?;
                 g.set_input(reader, slot, v)?;
             }
-            bytes += 2 * g.node(id).outputs()[0].size_bytes();
-            g.remove_node(id)?;
-            removed.insert(id);
-            remove_unread(g, k, &is_output, &mut removed)?;
+            bytes += remove_folded(g, id, k, &is_output, &mut removed)?;
             into_readers += 1;
         }
         for &id in &order {
@@ -172,10 +185,7 @@ impl Pass for ScaleIntoMatmul {
             scale(g, v.node, c)?;
             let readers = g.consumers(id);
             g.rewire(readers.iter().map(|&(r, slot, _)| (r, slot, v)).collect())?;
-            bytes += 2 * g.node(id).outputs()[0].size_bytes();
-            g.remove_node(id)?;
-            removed.insert(id);
-            remove_unread(g, k, &is_output, &mut removed)?;
+            bytes += remove_folded(g, id, k, &is_output, &mut removed)?;
             into_producer += 1;
         }
         let lines = vec![
