@@ -169,6 +169,34 @@ fn checkpoints_move_between_devices() {
     let _ = std::fs::remove_file(path);
 }
 
+/// An AMP inference session keeps its f16 weight casts between runs; setting a
+/// variable drops the stale cast, so the next run sees the new weights.
+#[test]
+fn inference_recasts_weights_only_after_they_change() {
+    if !cuda_or_skip() {
+        return;
+    }
+    let (mut g, _) = mlp();
+    g.mixed_precision = Some(DType::F16);
+    let logits = g.outputs()[0];
+    let mut gpu = Session::inference(g.clone(), &[logits], Device::cuda(0)).unwrap();
+    let mut cpu = Session::inference(g, &[logits], Device::Cpu).unwrap();
+    let first = gpu.run(&[logits], &batch(0)).unwrap();
+    let again = gpu.run(&[logits], &batch(0)).unwrap();
+    assert_eq!(first, again, "the kept casts give the same logits");
+    assert!(rel_err(&first[0], &cpu.run(&[logits], &batch(0)).unwrap()[0]) < 1e-2);
+    // Scale the first layer's weights on both devices.
+    let name = "dense/kernel";
+    let w = cpu.variable(name).unwrap();
+    let doubled: Vec<f64> = w.to_f64_vec().iter().map(|v| 2.0 * v).collect();
+    let doubled = Tensor::from_f64(w.dtype(), w.shape().to_vec(), &doubled).unwrap();
+    gpu.set_variable(name, doubled.clone()).unwrap();
+    cpu.set_variable(name, doubled).unwrap();
+    let changed = gpu.run(&[logits], &batch(0)).unwrap();
+    assert_ne!(changed, first, "the new weights were used");
+    assert!(rel_err(&changed[0], &cpu.run(&[logits], &batch(0)).unwrap()[0]) < 1e-2);
+}
+
 /// `AMPGRAPH_ORACLE_DIR`, else ../shared/oracle/public next to the repository.
 fn oracle_dir() -> PathBuf {
     match std::env::var_os("AMPGRAPH_ORACLE_DIR") {

@@ -15,7 +15,7 @@
 //!
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
-use ampgraph_graph::ops::{AssignVariable, Const, OptimizerUpdate, Placeholder, Variable};
+use ampgraph_graph::ops::{AssignVariable, Cast, Const, OptimizerUpdate, Placeholder, Variable};
 use ampgraph_graph::{Graph, NodeId, Port};
 
 use crate::schedule::Schedule;
@@ -131,8 +131,43 @@ pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, No
     Ok(found)
 }
 
+/// Casts of variables that no assignment in the graph writes (the f16 copies AMP
+/// makes of an inference graph's weights), each with its variable's name: their
+/// values hold until the variable is written, so an executor may keep them from one
+/// step to the next instead of casting again.
+pub fn constant_casts(graph: &Graph) -> Vec<(Port, String)> {
+    let written: std::collections::HashSet<NodeId> = graph
+        .node_ids()
+        .filter(|&id| graph.node(id).op.is::<AssignVariable>())
+        .filter_map(|id| graph.inputs(id).first().map(|p| p.node))
+        .collect();
+    graph
+        .node_ids()
+        .filter_map(|id| {
+            let cast = graph.node(id).op.downcast_ref::<Cast>()?;
+            let &[x] = &graph.inputs(id)[..] else {
+                return None;
+            };
+            let var = graph.node(x.node);
+            let widens_or_narrows = graph.ty(x).dtype != cast.to;
+            (var.op.is::<Variable>() && !written.contains(&x.node) && widens_or_narrows)
+                .then(|| (Port::new(id, 0), var.name.clone()))
+        })
+        .collect()
+}
+
 /// Plans the memory of the step that computes `fetches`.
 pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
+    plan_outside(graph, fetches, &Default::default())
+}
+
+/// [`plan`], with the tensors of `outside` kept out of the arena too (values an
+/// executor keeps beyond the step).
+pub fn plan_outside(
+    graph: &Graph,
+    fetches: &[Port],
+    outside: &std::collections::HashSet<Port>,
+) -> Result<MemoryPlan, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
     let end = order.len();
     let is_source = |p: Port| {
@@ -163,7 +198,7 @@ pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
         }
         for (k, ty) in node.outputs().iter().enumerate() {
             let port = Port::new(id, k);
-            if is_source(port) || assigned.contains(&port) {
+            if is_source(port) || assigned.contains(&port) || outside.contains(&port) {
                 continue;
             }
             let size = ty.size_bytes();
@@ -388,6 +423,23 @@ mod tests {
         assert_eq!(g.node(found[0].1).name, "v");
         let (g, fetches) = update(true);
         assert!(in_place_updates(&g, &fetches).unwrap().is_empty());
+    }
+
+    #[test]
+    fn casts_of_variables_no_one_writes_are_constant_and_outside_the_arena() {
+        let (mut g, mut fetches) = update(false);
+        let ty = TensorType::new(DType::F32, vec![256]);
+        let w = g.add_node("w", Box::new(Variable::new(ty)), &[]).unwrap();
+        let w16 = g.add(Cast { to: DType::F16 }, &[w.into()]).unwrap();
+        let v = g.find("v").unwrap();
+        let v16 = g.add(Cast { to: DType::F16 }, &[v.into()]).unwrap();
+        fetches.extend([w16, v16]);
+        // v is assigned: only w's cast holds from step to step.
+        assert_eq!(constant_casts(&g), vec![(w16, "w".to_string())]);
+        let inside = plan(&g, &fetches).unwrap();
+        let outside = plan_outside(&g, &fetches, &[w16].into_iter().collect()).unwrap();
+        assert!(inside.buffers.iter().any(|b| b.port == w16));
+        assert!(!outside.buffers.iter().any(|b| b.port == w16));
     }
 
     #[test]

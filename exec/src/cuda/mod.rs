@@ -15,8 +15,9 @@
 //! fingerprint. Fed values, the values assignments write and kernels' scratch come
 //! from a size-keyed buffer pool. An optimizer update writes over the variable it
 //! replaces where nothing later in the step reads the old value (so a step that
-//! fails after such an update leaves that variable updated). Only fetched values are
-//! copied back.
+//! fails after such an update leaves that variable updated). Casts of variables the
+//! graph never writes (an inference graph's f16 weights) are kept until the variable
+//! changes. Only fetched values are copied back.
 
 mod device;
 mod gemm;
@@ -130,6 +131,9 @@ struct StepMemory {
     /// Optimizer outputs written over the variable they replace, by the variable's
     /// name ([`memory_plan::in_place_updates`]).
     in_place: HashMap<Port, String>,
+    /// Casts of variables the graph never writes, by the variable's name
+    /// ([`memory_plan::constant_casts`]): computed once, then kept in `cast_cache`.
+    constant_casts: HashMap<Port, String>,
 }
 
 /// Runs graphs on one CUDA device.
@@ -148,6 +152,9 @@ pub struct CudaExecutor {
     plans: HashMap<u64, Arc<StepMemory>>,
     /// The arena every step's planned tensors live in (as large as the largest plan).
     arena: Option<DTensor>,
+    /// Casts of variables by (variable, dtype), kept until the variable is written:
+    /// an inference step casts its weights once, not every step.
+    cast_cache: HashMap<(String, DType), DTensor>,
 }
 
 fn dev_err(msg: String) -> ExecError {
@@ -185,6 +192,7 @@ impl CudaExecutor {
             profile: OpProfile::default(),
             plans: HashMap::new(),
             arena: None,
+            cast_cache: HashMap::new(),
         })
     }
 
@@ -198,7 +206,10 @@ impl CudaExecutor {
         if let Some(m) = self.plans.get(&key) {
             return Ok(m.clone());
         }
-        let plan = memory_plan::plan(graph, fetches)?;
+        let constant_casts: HashMap<Port, String> =
+            memory_plan::constant_casts(graph).into_iter().collect();
+        let outside = constant_casts.keys().copied().collect();
+        let plan = memory_plan::plan_outside(graph, fetches, &outside)?;
         log::debug!(
             "memory plan: {} tensors in an arena of {} bytes ({} apart)",
             plan.buffers.len(),
@@ -213,6 +224,7 @@ impl CudaExecutor {
             offsets: plan.offsets(),
             arena_bytes: plan.arena_bytes,
             in_place,
+            constant_casts,
         });
         self.plans.insert(key, m.clone());
         Ok(m)
@@ -353,6 +365,7 @@ impl CudaExecutor {
         let _ = host.set(value);
         self.variables
             .insert(name.to_string(), VarSlot { value: dev, host });
+        self.cast_cache.retain(|(var, _), _| var != name);
         Ok(())
     }
 
@@ -462,7 +475,22 @@ impl Executor for CudaExecutor {
             for ty in node.outputs() {
                 check_tensor_size(&node.name, op, ty, self.max_tensor_bytes)?;
             }
-            let outputs = match self.source_value(graph, id, feeds)? {
+            // A cast of an unwritten, unfed variable: kept from an earlier step.
+            let cast_key = memory
+                .constant_casts
+                .get(&Port::new(id, 0))
+                .filter(|var| !feeds.contains_key(var.as_str()))
+                .map(|var| (var.clone(), node.outputs()[0].dtype));
+            let kept = cast_key
+                .as_ref()
+                .and_then(|k| self.cast_cache.get(k))
+                .cloned();
+            let keep = cast_key.filter(|_| kept.is_none());
+            let source = match kept {
+                Some(t) => Some(t),
+                None => self.source_value(graph, id, feeds)?,
+            };
+            let outputs = match source {
                 Some(v) => vec![v],
                 None => {
                     let inputs: Vec<DTensor> = graph
@@ -527,6 +555,9 @@ impl Executor for CudaExecutor {
                 }
             };
             check_outputs(node, outputs.iter().map(|t| t.ty()))?;
+            if let Some(key) = keep {
+                self.cast_cache.insert(key, outputs[0].clone());
+            }
             if let Some(variable) = assigned_variable(graph, id)? {
                 writes.push((variable, outputs[0].clone()));
             }
@@ -551,6 +582,7 @@ impl Executor for CudaExecutor {
         }
         drop(values);
         for (name, value) in writes {
+            self.cast_cache.retain(|(var, _), _| *var != name);
             self.variables.insert(
                 name,
                 VarSlot {
