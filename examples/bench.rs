@@ -40,9 +40,10 @@
 //! non-trainable Variables. `--feeds upload` feeds them as Placeholders, uploaded
 //! every step (the header says which).
 //!
-//! Peak memory: the executor's device pool high-water mark (bytes of live tensors,
-//! variables included, since the executor was created), like
-//! `torch.cuda.max_memory_allocated`. The executor is driven directly, with the same
+//! Peak memory: the executor's device pool high-water mark over the timed steps
+//! (bytes of live tensors, variables included; reset after the warm-up), like
+//! `torch.cuda.max_memory_allocated` after torch_anchor.py's
+//! `reset_peak_memory_stats`. The executor is driven directly, with the same
 //! preparation as `Session` (the AMP pass when the graph is marked for it, variables
 //! from their initialisers), because `Session` does not expose the executor's peak.
 //!
@@ -679,6 +680,9 @@ fn run_one(
     }
     for _ in 0..args.warmup {
         exec.run(&graph, &feeds, &[fetch])?;
+    }
+    if let Exec::Cuda(e) = &exec {
+        e.reset_peak_bytes();
     }
     let mut times = Vec::with_capacity(args.iters);
     for _ in 0..args.iters.max(1) {

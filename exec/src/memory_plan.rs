@@ -156,6 +156,28 @@ pub fn constant_casts(graph: &Graph) -> Vec<(Port, String)> {
         .collect()
 }
 
+/// The variables among `casts` ([`constant_casts`]) that nothing else reads, no
+/// other op and no fetch: once their casts are kept, a step needs no copy of the
+/// variable itself.
+pub fn read_only_through_casts(
+    graph: &Graph,
+    fetches: &[Port],
+    casts: &[(Port, String)],
+) -> std::collections::HashSet<NodeId> {
+    let cast_nodes: std::collections::HashSet<NodeId> = casts.iter().map(|c| c.0.node).collect();
+    casts
+        .iter()
+        .filter_map(|c| graph.inputs(c.0.node).first().map(|x| x.node))
+        .filter(|&var| {
+            graph
+                .consumers(var)
+                .iter()
+                .all(|(reader, _, _)| cast_nodes.contains(reader))
+                && !fetches.iter().any(|f| f.node == var)
+        })
+        .collect()
+}
+
 /// Plans the memory of the step that computes `fetches`.
 pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
     plan_outside(graph, fetches, &Default::default())
@@ -440,6 +462,26 @@ mod tests {
         let outside = plan_outside(&g, &fetches, &[w16].into_iter().collect()).unwrap();
         assert!(inside.buffers.iter().any(|b| b.port == w16));
         assert!(!outside.buffers.iter().any(|b| b.port == w16));
+    }
+
+    #[test]
+    fn a_variable_read_elsewhere_or_fetched_is_not_read_only_through_casts() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, vec![64]);
+        let mut var = |name: &str| {
+            g.add_node(name, Box::new(Variable::new(ty.clone())), &[])
+                .unwrap()
+        };
+        let (a, b, c) = (var("a"), var("b"), var("c"));
+        let cast = |g: &mut Graph, x: NodeId| g.add(Cast { to: DType::F16 }, &[x.into()]).unwrap();
+        let (a16, b16, c16) = (cast(&mut g, a), cast(&mut g, b), cast(&mut g, c));
+        // b is also read in f32 (a Relu); c is fetched.
+        let b_sum = relu(&mut g, b.into());
+        let fetches = vec![a16, b16, c16, b_sum, c.into()];
+        let casts = constant_casts(&g);
+        assert_eq!(casts.len(), 3);
+        let only = read_only_through_casts(&g, &fetches, &casts);
+        assert_eq!(only, [a].into_iter().collect());
     }
 
     #[test]

@@ -117,10 +117,22 @@ impl OpProfile {
     }
 }
 
-/// A variable's value on the device, and its host copy once asked for.
+/// A variable's value on the device and its host copy, at least one of them present.
+/// The host copy, once set, is current; the device copy is dropped only while it is
+/// (see [`StepMemory::cast_only`]).
 struct VarSlot {
-    value: DTensor,
+    device: Option<DTensor>,
     host: OnceLock<Tensor>,
+}
+
+impl VarSlot {
+    fn ty(&self) -> TensorType {
+        match (&self.device, self.host.get()) {
+            (Some(d), _) => d.ty(),
+            (None, Some(h)) => h.ty(),
+            (None, None) => unreachable!("a variable slot holds a value on the device or the host"),
+        }
+    }
 }
 
 /// A step's memory plan as the executor uses it.
@@ -134,6 +146,11 @@ struct StepMemory {
     /// Casts of variables the graph never writes, by the variable's name
     /// ([`memory_plan::constant_casts`]): computed once, then kept in `cast_cache`.
     constant_casts: HashMap<Port, String>,
+    /// Variables nothing but those casts reads, with their casts' `cast_cache` keys:
+    /// while every cast is kept the step skips the variable, and after the step its
+    /// device copy is dropped if the host copy is current (an inference session then
+    /// holds its weights once, in f16, as PyTorch's `model.half()` would).
+    cast_only: HashMap<NodeId, Vec<(String, DType)>>,
 }
 
 /// Runs graphs on one CUDA device.
@@ -206,8 +223,17 @@ impl CudaExecutor {
         if let Some(m) = self.plans.get(&key) {
             return Ok(m.clone());
         }
-        let constant_casts: HashMap<Port, String> =
-            memory_plan::constant_casts(graph).into_iter().collect();
+        let casts = memory_plan::constant_casts(graph);
+        let mut cast_only: HashMap<NodeId, Vec<(String, DType)>> = HashMap::new();
+        for var in memory_plan::read_only_through_casts(graph, fetches, &casts) {
+            let name = &graph.node(var).name;
+            let keys = casts
+                .iter()
+                .filter(|(_, v)| v == name)
+                .map(|(cast, _)| (name.clone(), graph.ty(*cast).dtype));
+            cast_only.insert(var, keys.collect());
+        }
+        let constant_casts: HashMap<Port, String> = casts.into_iter().collect();
         let outside = constant_casts.keys().copied().collect();
         let plan = memory_plan::plan_outside(graph, fetches, &outside)?;
         log::debug!(
@@ -225,6 +251,7 @@ impl CudaExecutor {
             arena_bytes: plan.arena_bytes,
             in_place,
             constant_casts,
+            cast_only,
         });
         self.plans.insert(key, m.clone());
         Ok(m)
@@ -290,9 +317,22 @@ impl CudaExecutor {
     }
 
     /// The most bytes of device tensors (variables and the arena included) allocated
-    /// at once so far.
+    /// at once since the executor was made or [`reset_peak_bytes`](Self::reset_peak_bytes).
     pub fn peak_bytes(&self) -> usize {
         self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)
+    }
+
+    /// Device bytes held by live tensors now (variables, kept casts, the arena).
+    pub fn live_bytes(&self) -> usize {
+        self.dev.pool.lock().map(|p| p.live).unwrap_or(0)
+    }
+
+    /// Starts [`peak_bytes`](Self::peak_bytes) again from what is live now (as
+    /// PyTorch's `torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peak_bytes(&self) {
+        if let Ok(mut p) = self.dev.pool.lock() {
+            p.peak = p.live;
+        }
     }
 
     /// Refuses a graph with an op that has no CUDA kernel, naming the first such node.
@@ -313,26 +353,20 @@ impl CudaExecutor {
 
     /// A variable's type, without copying it to the host.
     pub fn variable_type(&self, name: &str) -> Option<TensorType> {
-        self.variables.get(name).map(|v| v.value.ty())
+        self.variables.get(name).map(VarSlot::ty)
     }
 
     /// A variable's current value, copied to the host on first use after each write
     /// (a failed copy is logged and reads as `None`; [`try_variable`](Self::try_variable)
     /// returns the error).
     pub fn variable(&self, name: &str) -> Option<&Tensor> {
-        let slot = self.variables.get(name)?;
-        if slot.host.get().is_none() {
-            match guard("CUDA", || self.dev.download(&slot.value)) {
-                Ok(t) => {
-                    let _ = slot.host.set(t);
-                }
-                Err(e) => {
-                    log::error!("variable '{name}': {e}");
-                    return None;
-                }
+        match self.try_variable(name) {
+            Ok(_) => self.variables.get(name)?.host.get(),
+            Err(e) => {
+                log::error!("{e}");
+                None
             }
         }
-        slot.host.get()
     }
 
     /// A variable's current value, or the error of copying it.
@@ -340,14 +374,15 @@ impl CudaExecutor {
         let Some(slot) = self.variables.get(name) else {
             return Ok(None);
         };
-        if let Some(t) = slot.host.get() {
-            return Ok(Some(t.clone()));
-        }
-        let t =
-            guard("CUDA", || self.dev.download(&slot.value)).map_err(|msg| ExecError::Feed {
-                name: name.into(),
-                msg,
-            })?;
+        let device = match (slot.host.get(), &slot.device) {
+            (Some(t), _) => return Ok(Some(t.clone())),
+            (None, Some(d)) => d,
+            (None, None) => unreachable!("a variable slot holds a value on the device or the host"),
+        };
+        let t = guard("CUDA", || self.dev.download(device)).map_err(|msg| ExecError::Feed {
+            name: name.into(),
+            msg,
+        })?;
         let _ = slot.host.set(t.clone());
         Ok(Some(t))
     }
@@ -363,10 +398,23 @@ impl CudaExecutor {
         })?;
         let host = OnceLock::new();
         let _ = host.set(value);
-        self.variables
-            .insert(name.to_string(), VarSlot { value: dev, host });
+        self.variables.insert(
+            name.to_string(),
+            VarSlot {
+                device: Some(dev),
+                host,
+            },
+        );
         self.cast_cache.retain(|(var, _), _| var != name);
         Ok(())
+    }
+
+    /// Whether `var` is read only through casts and every one of them is kept.
+    fn casts_kept(&self, memory: &StepMemory, var: NodeId) -> bool {
+        memory
+            .cast_only
+            .get(&var)
+            .is_some_and(|keys| keys.iter().all(|k| self.cast_cache.contains_key(k)))
     }
 
     /// The value of a source node (Placeholder, Variable, Const, Group), if it is one.
@@ -403,9 +451,27 @@ impl CudaExecutor {
                 return Ok(Some(d));
             }
             if is_variable {
-                if let Some(slot) = self.variables.get(&node.name) {
-                    check(&slot.value.ty())?;
-                    return Ok(Some(slot.value.clone()));
+                if let Some(slot) = self.variables.get_mut(&node.name) {
+                    check(&slot.ty())?;
+                    if let Some(d) = &slot.device {
+                        return Ok(Some(d.clone()));
+                    }
+                    // Dropped while only kept casts read it: upload the host copy.
+                    let Some(host) = slot.host.get() else {
+                        return Err(ExecError::Device(format!(
+                            "variable '{}' has neither a device nor a host copy",
+                            node.name
+                        )));
+                    };
+                    let d = guard("CUDA", || {
+                        self.dev.upload(host, &ops::Owner("variable", &node.name))
+                    })
+                    .map_err(|msg| ExecError::Feed {
+                        name: node.name.clone(),
+                        msg,
+                    })?;
+                    slot.device = Some(d.clone());
+                    return Ok(Some(d));
                 }
                 return Err(ExecError::Feed {
                     name: node.name.clone(),
@@ -475,6 +541,9 @@ impl Executor for CudaExecutor {
             for ty in node.outputs() {
                 check_tensor_size(&node.name, op, ty, self.max_tensor_bytes)?;
             }
+            if !feeds.contains_key(&node.name) && self.casts_kept(&memory, id) {
+                continue;
+            }
             // A cast of an unwritten, unfed variable: kept from an earlier step.
             let cast_key = memory
                 .constant_casts
@@ -505,7 +574,7 @@ impl Executor for CudaExecutor {
                         .map(|(k, ty)| {
                             let port = Port::new(id, k);
                             if let Some(var) = memory.in_place.get(&port) {
-                                return Ok(self.variables.get(var).map(|v| v.value.clone()));
+                                return Ok(self.variables.get(var).and_then(|v| v.device.clone()));
                             }
                             match (&arena, memory.offsets.get(&port)) {
                                 (Some(a), Some(&at)) => a.slot(at, ty).map(Some),
@@ -586,10 +655,21 @@ impl Executor for CudaExecutor {
             self.variables.insert(
                 name,
                 VarSlot {
-                    value,
+                    device: Some(value),
                     host: OnceLock::new(),
                 },
             );
+        }
+        for &var in memory.cast_only.keys() {
+            let name = &graph.node(var).name;
+            if feeds.contains_key(name) || !self.casts_kept(&memory, var) {
+                continue;
+            }
+            if let Some(slot) = self.variables.get_mut(name) {
+                if slot.host.get().is_some() {
+                    slot.device = None;
+                }
+            }
         }
         Ok(fetched)
     }

@@ -1,0 +1,86 @@
+//! What the CUDA executor keeps between steps: casts of weights no step writes, and
+//! which copies of such a weight stay on the device. Skips (printing why) without CUDA.
+
+mod common;
+
+use ampgraph_exec::{CpuExecutor, Executor, Feeds};
+use ampgraph_graph::ops::{BatchMatMul, Cast, Variable};
+use ampgraph_graph::{DType, Graph, Port, Tensor, TensorType};
+use common::{gpu, Gen};
+
+const N: usize = 512;
+
+/// x[8, N] (f16) times the f16 cast of the f32 variable w[N, N]: an inference
+/// layer after AMP.
+fn layer() -> (Graph, Port, Port) {
+    let mut g = Graph::new();
+    let w_ty = TensorType::new(DType::F32, vec![N, N]);
+    let w = g.add_node("w", Box::new(Variable::new(w_ty)), &[]).unwrap();
+    let w16 = g.add(Cast { to: DType::F16 }, &[w.into()]).unwrap();
+    let x = g.placeholder("x", DType::F16, vec![8, N]).unwrap();
+    let y = g.add(BatchMatMul::default(), &[x, w16]).unwrap();
+    (g, w.into(), y)
+}
+
+fn weights(scale: f64) -> Tensor {
+    let v: Vec<f64> = Gen(7)
+        .vec(N * N, -0.1, 0.1)
+        .iter()
+        .map(|x| x * scale)
+        .collect();
+    Tensor::from_f64(DType::F32, vec![N, N], &v).unwrap()
+}
+
+fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter()
+        .zip(&b)
+        .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+/// After the first run the executor keeps w's f16 cast and, the host copy being
+/// current, drops w's f32 copy from the device; a graph that reads w itself uploads
+/// it again; setting w drops the kept cast, so the next run uses the new weights.
+#[test]
+fn weights_read_only_through_casts_leave_the_device() {
+    let Some(mut gpu) = gpu() else { return };
+    let (g, w, y) = layer();
+    let mut feeds = Feeds::new();
+    let x = Gen(3).vec(8 * N, -1.0, 1.0);
+    feeds.insert(
+        "x".into(),
+        Tensor::from_f64(DType::F16, vec![8, N], &x).unwrap(),
+    );
+    let mut cpu = CpuExecutor::new();
+    cpu.variables.insert("w".into(), weights(1.0));
+    gpu.set_variable("w", weights(1.0)).unwrap();
+    let with_f32_weights = gpu.live_bytes();
+    let expected = cpu.run(&g, &feeds, &[y]).unwrap();
+    let first = gpu.run(&g, &feeds, &[y]).unwrap();
+    let second = gpu.run(&g, &feeds, &[y]).unwrap();
+    assert!(max_rel_diff(&first[0], &expected[0]) < 2e-3);
+    assert_eq!(first, second, "the kept cast gives the same product");
+    // w's 1 MiB in f32 left, its 0.5 MiB f16 cast stays; the arena is a few KiB.
+    let (f32_bytes, f16_bytes) = (N * N * 4, N * N * 2);
+    let live = gpu.live_bytes();
+    assert!(
+        live + f32_bytes - f16_bytes <= with_f32_weights + 64 * 1024,
+        "live {live} bytes, {with_f32_weights} before the first run"
+    );
+    // The host copy answers; a graph that reads w in f32 gets it back on the device.
+    assert_eq!(gpu.variable("w").unwrap(), &weights(1.0));
+    let fetched = gpu.run(&g, &Feeds::new(), &[w]).unwrap();
+    assert_eq!(fetched[0], weights(1.0));
+    // New weights: the kept cast goes, the next run casts again.
+    gpu.set_variable("w", weights(2.0)).unwrap();
+    cpu.variables.insert("w".into(), weights(2.0));
+    let changed = gpu.run(&g, &feeds, &[y]).unwrap();
+    let expected = cpu.run(&g, &feeds, &[y]).unwrap();
+    assert!(max_rel_diff(&changed[0], &expected[0]) < 2e-3);
+    assert!(
+        max_rel_diff(&changed[0], &first[0]) > 0.5,
+        "the new weights were used"
+    );
+}
