@@ -483,6 +483,8 @@ fn layer_norm_and_grad() {
             (vec![3, 2, 300], 1),
             (vec![5, 1024], 1),
             (vec![700, 40], -1),
+            // Longer than a warp holds: the block-per-row kernels.
+            (vec![3, 1500], -1),
         ] {
             let x = rand(&mut r, d, &shape, -2.0, 2.0);
             let a = if axis < 0 {

@@ -318,28 +318,31 @@ fn column_sums(
     c.dev.launch(key, &make, "k_cols_fin", grid, 256, &args)
 }
 
-/// Launches a softmax-like module over `rows` rows of `len` values `inner` apart: a
-/// warp per row (`k_warp`) when the rows are contiguous and short, else a block per
-/// row (`k`).
+/// Launches a module's row kernels over `rows` rows of `len` values: `warp` (a warp
+/// per row, held in registers) when the rows are contiguous and short, else `block`
+/// (a block per row). Both take `tensors`, rows and len; `inner` (the distance
+/// between a row's values) goes to `block` too where the module's rows may be
+/// strided (softmax), and is `None` where they are always contiguous.
 fn row_kernel(
     c: &Ctx,
     key: &str,
     make: impl Fn() -> String,
+    (block, warp): (&'static str, &'static str),
     tensors: &[Arg],
-    (rows, len, inner): (usize, usize, usize),
+    (rows, len, inner): (usize, usize, Option<usize>),
 ) -> Result<(), String> {
     if rows == 0 {
         return Ok(());
     }
     let mut args = tensors.to_vec();
     args.extend([Arg::I64(rows as i64), Arg::I64(len as i64)]);
-    if inner == 1 && len <= src::WARP_ROW_MAX {
+    if inner.unwrap_or(1) == 1 && len <= src::WARP_ROW_MAX {
         let grid = rows.div_ceil(8).min(1 << 20) as u32;
-        return c.dev.launch(key, &make, "k_warp", grid, 256, &args);
+        return c.dev.launch(key, &make, warp, grid, 256, &args);
     }
-    args.push(Arg::I64(inner as i64));
+    args.extend(inner.map(|i| Arg::I64(i as i64)));
     c.dev
-        .launch(key, &make, "k", row_grid(rows), row_block(len), &args)
+        .launch(key, &make, block, row_grid(rows), row_block(len), &args)
 }
 
 /// (len, inner, rows) of a softmax-like op along `axis`.
@@ -672,7 +675,14 @@ pub fn eval(
         let per = src::warp_row_values(len);
         let key = format!("softmax/{}/{log}/{per}", x.dtype);
         let make = || src::softmax(x.dtype, log, per);
-        row_kernel(c, &key, make, &[x.arg(), y.arg()], (rows, len, inner))?;
+        row_kernel(
+            c,
+            &key,
+            make,
+            ("k", "k_warp"),
+            &[x.arg(), y.arg()],
+            (rows, len, Some(inner)),
+        )?;
         return Ok(vec![y]);
     }
     if let Some(s) = op.downcast_ref::<SoftmaxGrad>() {
@@ -687,8 +697,9 @@ pub fn eval(
             c,
             &key,
             make,
+            ("k", "k_warp"),
             &[y.arg(), dy.arg(), dx.arg()],
-            (rows, len, inner),
+            (rows, len, Some(inner)),
         )?;
         return Ok(vec![dx]);
     }
@@ -757,23 +768,15 @@ pub fn eval(
         let len = numel(&x.shape[axis..]);
         let rows = x.len().checked_div(len).unwrap_or(0);
         let y = c.alloc(out0)?;
-        if rows > 0 {
-            dev.launch(
-                &format!("layer_norm/{}/{:e}", x.dtype, ln.epsilon),
-                || src::layer_norm(x.dtype, ln.epsilon),
-                "k",
-                row_grid(rows),
-                row_block(len),
-                &[
-                    x.arg(),
-                    g.arg(),
-                    b.arg(),
-                    y.arg(),
-                    Arg::I64(rows as i64),
-                    Arg::I64(len as i64),
-                ],
-            )?;
-        }
+        let per = src::warp_row_values(len);
+        row_kernel(
+            c,
+            &format!("layer_norm/{}/{:e}/{per}", x.dtype, ln.epsilon),
+            || src::layer_norm(x.dtype, ln.epsilon, per),
+            ("k", "k_warp"),
+            &[x.arg(), g.arg(), b.arg(), y.arg()],
+            (rows, len, None),
+        )?;
         return Ok(vec![y]);
     }
     if let Some(ln) = op.downcast_ref::<LayerNormGrad>() {
@@ -786,30 +789,22 @@ pub fn eval(
         let dg = c.alloc(outs.get(1).ok_or("missing output 1")?)?;
         let db = c.alloc(outs.get(2).ok_or("missing output 2")?)?;
         let stats = c.temp(acc_dtype(x.dtype), 2 * rows)?;
-        let key = format!("layer_norm_grad/{}/{:e}", x.dtype, ln.epsilon);
-        if rows > 0 {
-            dev.launch(
-                &key,
-                || src::layer_norm_grad(x.dtype, ln.epsilon),
-                "k_rows",
-                row_grid(rows),
-                row_block(len),
-                &[
-                    x.arg(),
-                    g.arg(),
-                    dy.arg(),
-                    dx.arg(),
-                    stats.arg(),
-                    Arg::I64(rows as i64),
-                    Arg::I64(len as i64),
-                ],
-            )?;
-        }
+        let per = src::warp_row_values(len);
+        let key = format!("layer_norm_grad/{}/{:e}/{per}", x.dtype, ln.epsilon);
+        let make = || src::layer_norm_grad(x.dtype, ln.epsilon, per);
+        row_kernel(
+            c,
+            &key,
+            make,
+            ("k_rows", "k_rows_warp"),
+            &[x.arg(), g.arg(), dy.arg(), dx.arg(), stats.arg()],
+            (rows, len, None),
+        )?;
         if len > 0 {
             column_sums(
                 c,
                 &key,
-                || src::layer_norm_grad(x.dtype, ln.epsilon),
+                make,
                 &[x.arg(), dy.arg(), stats.arg()],
                 (rows, len),
                 &[(&dg, 1.0), (&db, 1.0)],

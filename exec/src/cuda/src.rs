@@ -881,7 +881,34 @@ __device__ void ln_stats(const T* px, i64 row, i64 len, A eps, A* sh, A* mean_ou
 }
 "#;
 
-pub fn layer_norm(d: DType, eps: f64) -> String {
+/// Mean and 1/sqrt(var + eps) of the row a warp holds in `v` (`per` values a lane,
+/// value `t` at column `lane + 32 t`), both passes in registers.
+fn ln_warp_stats(per: usize) -> String {
+    format!(
+        "A s = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) s += v[t];\n\
+         A mean = warp_sum(s) / (A)len;\n\
+         A q = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; A c = j < len ? v[t] - mean : (A)0; q += c * c; }}\n\
+         A inv = (A)1 / m_sqrt(warp_sum(q) / (A)len + eps);\n"
+    )
+}
+
+/// LayerNorm over rows of `len`: `k` gives each row a block (three passes over it);
+/// `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives each row a
+/// warp that reads it once into registers.
+pub fn layer_norm(d: DType, eps: f64, per: usize) -> String {
+    let warp = warp_rows(&format!(
+        "A v[{per}];\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)0; }}\n\
+         {stats}\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) st(py, base + j, (C)((v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j))); }}",
+        stats = ln_warp_stats(per)
+    ));
     module(
         d,
         &format!(
@@ -893,7 +920,9 @@ pub fn layer_norm(d: DType, eps: f64) -> String {
                    i64 at = row * len + j;\n\
                    st(py, at, (C)(((A)ld(px, at) - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)));\n\
                  }}\n\
-               }}\n}}\n",
+               }}\n}}\n\
+             extern \"C\" __global__ void k_warp(const T* px, const T* pg, const T* pb, T* py, i64 rows, i64 len) {{\n\
+               const A eps = (A)(C){eps};\n{warp}}}\n",
             eps = lit(eps)
         ),
     )
@@ -965,9 +994,24 @@ pub fn column_sum(d: DType, out: DType) -> String {
     )
 }
 
-/// LayerNormGrad: `k_rows` writes dx and each row's mean and inverse deviation;
-/// the column sums (see [`column_sums`]) give dgamma and dbeta.
-pub fn layer_norm_grad(d: DType, eps: f64) -> String {
+/// LayerNormGrad: `k_rows` (a block per row) or `k_rows_warp` (a warp per row held in
+/// registers, as [`layer_norm`]'s `k_warp`) writes dx and each row's mean and inverse
+/// deviation; the column sums (see [`column_sums`]) give dgamma and dbeta.
+pub fn layer_norm_grad(d: DType, eps: f64, per: usize) -> String {
+    let warp = warp_rows(&format!(
+        "A v[{per}], dy[{per}];\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; bool in = j < len; v[t] = in ? (A)ld(px, base + j) : (A)0; dy[t] = in ? (A)ld(pdy, base + j) * (A)ld(pg, j) : (A)0; }}\n\
+         {stats}\
+         A sg = 0, sgx = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ v[t] = (v[t] - mean) * inv; sg += dy[t]; sgx += dy[t] * v[t]; }}\n\
+         A mg = warp_sum(sg) / (A)len, mgx = warp_sum(sgx) / (A)len;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) st(pdx, base + j, (C)((dy[t] - mg - v[t] * mgx) * inv)); }}\n\
+         if (lane == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}",
+        stats = ln_warp_stats(per)
+    ));
     module(
         d,
         &format!(
@@ -989,7 +1033,9 @@ pub fn layer_norm_grad(d: DType, eps: f64) -> String {
                    st(pdx, at, (C)(((A)ld(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv));\n\
                  }}\n\
                  if (threadIdx.x == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
-               }}\n}}\n{cols}",
+               }}\n}}\n\
+             extern \"C\" __global__ void k_rows_warp(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
+               const A eps = (A)(C){eps};\n{warp}}}\n{cols}",
             eps = lit(eps),
             cols = column_sums(
                 "const T* px, const T* pdy, const A* stats",
@@ -1437,8 +1483,8 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 (format!("softmax_{d}"), softmax(d, false, 32)),
                 (format!("softmax_grad_{d}"), softmax_grad(d, false, 8)),
                 (format!("log_softmax_grad_{d}"), softmax_grad(d, true, 1)),
-                (format!("layer_norm_{d}"), layer_norm(d, 1e-5)),
-                (format!("layer_norm_grad_{d}"), layer_norm_grad(d, 1e-5)),
+                (format!("layer_norm_{d}"), layer_norm(d, 1e-5, 32)),
+                (format!("layer_norm_grad_{d}"), layer_norm_grad(d, 1e-5, 4)),
                 (format!("sce_{d}"), sce(d, DType::I64)),
                 (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
                 (format!("all_finite_{d}"), all_finite(d)),
