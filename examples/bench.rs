@@ -655,7 +655,8 @@ fn run_one(
             args.workload.name(),
             mode.name()
         ));
-        std::fs::write(&path, ampgraph::graph::format::to_text(&graph))
+        std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&path, ampgraph::graph::format::to_text(&graph)))
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
     let mut exec = match args.device {

@@ -244,6 +244,7 @@ impl Optimizer for RuleOptimizer {
                 rule: self.rule,
                 learning_rate: self.learning_rate,
                 weight_decay: self.weight_decay,
+                grad_scale: false,
             };
             let name = g.fresh_name(format!("{var_name}/update"));
             let update = g.add_node(name, Box::new(op), &inputs)?;
@@ -364,7 +365,7 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
             let grad32 = g.add(Cast { to: DType::F32 }, &[grad])?;
             unscaled.push(g.add(Binary::new(BinaryKind::Mul), &[grad32, inv])?);
         }
-        let finite = g.add(AllFinite, &unscaled)?;
+        let finite = g.add(AllFinite::default(), &unscaled)?;
         let mut writes = self.inner.apply_gradients(g, &vars, &unscaled, finite)?;
         let dynamic_scale = dynamic.as_ref().map(|_| scale);
         if let Some((good, update)) = dynamic {

@@ -428,6 +428,7 @@ mod tests {
             },
             learning_rate: 0.1,
             weight_decay: 0.0,
+            grad_scale: false,
         };
         let next = g.add(sgd, &[finite, v.into(), grad]).unwrap();
         let mut fetches = vec![g.add(AssignVariable, &[v.into(), next]).unwrap()];

@@ -613,14 +613,27 @@ fn training_ops() {
         let ok = rand(&mut r, d, &[5, 7], -1.0, 1.0);
         let bad = t(d, &[2], &[1.0, f64::INFINITY]);
         let nan = t(d, &[2], &[f64::NAN, 1.0]);
+        let plain = AllFinite::default();
         check(
             &mut gpu,
             "AllFinite ok",
-            AllFinite,
+            plain.clone(),
             &[ok.clone(), ok.clone()],
         );
-        check(&mut gpu, "AllFinite inf", AllFinite, &[ok.clone(), bad]);
-        check(&mut gpu, "AllFinite nan", AllFinite, &[nan, ok]);
+        check(&mut gpu, "AllFinite inf", plain.clone(), &[ok.clone(), bad]);
+        check(&mut gpu, "AllFinite nan", plain, &[nan, ok.clone()]);
+        // Scaled: the products are checked, in the scale's dtype. 60000 * 1e35
+        // overflows f32; times 2^-10 it does not.
+        let scaled = AllFinite { scaled: true };
+        let big = t(d, &[2], &[60000.0, 1.0]);
+        for (s, what) in [(1e35, "overflows"), (1.0 / 1024.0, "fits")] {
+            check(
+                &mut gpu,
+                &format!("AllFinite scaled {d} {what}"),
+                scaled.clone(),
+                &[ok.clone(), big.clone(), Tensor::scalar(DType::F32, s)],
+            );
+        }
     }
     for cd in [DType::I64, DType::I32, DType::F32] {
         let c = Tensor::scalar(cd, 41.0);
@@ -690,14 +703,23 @@ fn training_ops() {
             epsilon: 1e-6,
         },
     ];
-    for d in [DType::F32, DType::F16, DType::F64] {
+    // (variable dtype, gradient dtype, gradient scale): the scaled forms read a
+    // 16-bit gradient and unscale it in the variable's dtype.
+    let kinds = [
+        (DType::F32, DType::F32, None),
+        (DType::F16, DType::F16, None),
+        (DType::F64, DType::F64, None),
+        (DType::F32, DType::F16, Some(1.0 / 1024.0)),
+        (DType::F64, DType::BF16, Some(0.5)),
+    ];
+    for (d, gd, grad_scale) in kinds {
         for rule in rules {
             for flag in [&yes, &no] {
                 let shape = [300, 7];
                 let mut inputs = vec![
                     flag.clone(),
                     rand(&mut r, d, &shape, -1.0, 1.0),
-                    rand(&mut r, d, &shape, -1.0, 1.0),
+                    rand(&mut r, gd, &shape, -1.0, 1.0),
                 ];
                 for _ in rule.slots() {
                     inputs.push(rand(&mut r, d, &shape, 0.0, 1.0));
@@ -705,14 +727,19 @@ fn training_ops() {
                 if rule.uses_step() {
                     inputs.push(Tensor::scalar(DType::I64, 3.0));
                 }
+                inputs.extend(grad_scale.map(|s| Tensor::scalar(d, s)));
                 let op = OptimizerUpdate {
                     rule,
                     learning_rate: 0.01,
                     weight_decay: 0.01,
+                    grad_scale: grad_scale.is_some(),
                 };
                 check(
                     &mut gpu,
-                    &format!("OptimizerUpdate {d} {rule:?} {:?}", flag.to_f64_vec()),
+                    &format!(
+                        "OptimizerUpdate {d} grad {gd} scale {grad_scale:?} {rule:?} {:?}",
+                        flag.to_f64_vec()
+                    ),
                     op,
                     &inputs,
                 );

@@ -913,7 +913,11 @@ pub fn eval(
         }
         return Ok(vec![y]);
     }
-    if op.downcast_ref::<AllFinite>().is_some() {
+    if let Some(a) = op.downcast_ref::<AllFinite>() {
+        let (checked, scale) = match inputs.split_last() {
+            Some((s, xs)) if a.scaled => (xs, Some(s)),
+            _ => (inputs, None),
+        };
         let flag = c.alloc(out0)?;
         dev.launch(
             "fill_flag",
@@ -923,14 +927,17 @@ pub fn eval(
             1,
             &[flag.arg(), Arg::I32(1)],
         )?;
-        for x in inputs {
+        for x in checked {
             float_only(x.dtype)?;
             let n = x.len();
+            let scale_dtype = scale.map(|s| s.dtype);
+            let mut args = vec![x.arg(), Arg::I64(n as i64), flag.arg()];
+            args.extend(scale.map(|s| s.arg()));
             dev.launch_elementwise(
-                &format!("all_finite/{}", x.dtype),
-                || src::all_finite(x.dtype),
+                &format!("all_finite/{}/{scale_dtype:?}", x.dtype),
+                || src::all_finite(x.dtype, scale_dtype),
                 n,
-                &[x.arg(), Arg::I64(n as i64), flag.arg()],
+                &args,
             )?;
         }
         return Ok(vec![flag]);
@@ -1000,7 +1007,7 @@ fn optimizer(
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
     let n_slots = u.rule.slots().len();
-    let need = 3 + n_slots + usize::from(u.rule.uses_step());
+    let need = 3 + n_slots + usize::from(u.rule.uses_step()) + usize::from(u.grad_scale);
     if inputs.len() != need || outs.len() != 1 + n_slots {
         return Err(format!("expected {need} inputs"));
     }
@@ -1020,10 +1027,12 @@ fn optimizer(
         .map(|t| c.alloc(t))
         .collect::<Result<Vec<_>, _>>()?;
     let n = var.len();
+    let grad_scale = u.grad_scale.then(|| &inputs[need - 1]);
     let key = format!(
-        "optimizer/{}/{}/{:?}/{:?}/{:e}/{:e}",
+        "optimizer/{}/{}/{}/{:?}/{:?}/{:e}/{:e}",
         var.dtype,
         grad.dtype,
+        u.grad_scale,
         step.map(|s| s.dtype),
         u.rule,
         u.learning_rate,
@@ -1033,6 +1042,7 @@ fn optimizer(
         src::optimizer(
             var.dtype,
             grad.dtype,
+            u.grad_scale,
             step.map(|s| s.dtype),
             u.rule,
             u.learning_rate,
@@ -1040,6 +1050,7 @@ fn optimizer(
         )
     };
     let mut args = vec![flag.arg(), var.arg(), grad.arg()];
+    args.extend(grad_scale.map(|s| s.arg()));
     args.extend(slots.iter().map(|s| s.arg()));
     if let Some(s) = step {
         args.push(s.arg());

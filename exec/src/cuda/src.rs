@@ -59,6 +59,10 @@ __device__ __forceinline__ bool m_isnan(float x) { return isnan(x); }
 __device__ __forceinline__ bool m_isnan(double x) { return isnan(x); }
 __device__ __forceinline__ bool m_isfinite(float x) { return isfinite(x); }
 __device__ __forceinline__ bool m_isfinite(double x) { return isfinite(x); }
+// A product never contracted into an fma with what follows: folded unscaling
+// (`x * s` then the update) rounds as the separate multiplication did.
+__device__ __forceinline__ float m_mul_rn(float x, float y) { return __fmul_rn(x, y); }
+__device__ __forceinline__ double m_mul_rn(double x, double y) { return __dmul_rn(x, y); }
 // Eigen's rational erf for f32, as the CPU reference kernels use; the quotient by
 // the fast reciprocal (2 ulp): an IEEE division made GELU and its gradient bound by
 // arithmetic rather than memory.
@@ -1052,15 +1056,20 @@ pub fn fill_flag() -> String {
     format!("{PRELUDE}extern \"C\" __global__ void k(u8* flag, int v) {{ flag[0] = (u8)v; }}\n")
 }
 
-/// Clears `flag[0]` where `x` has a non-finite element.
-pub fn all_finite(d: DType) -> String {
-    module(
-        d,
+/// Clears `flag[0]` where `x` has a non-finite element; with `scale` (the dtype of
+/// a scalar `ps`), where `x * s` does, the product in that dtype.
+pub fn all_finite(d: DType, scale: Option<DType>) -> String {
+    let (param, check) = match scale {
+        Some(_) => (", const TS* ps", "m_mul_rn((CS)x, ldS(ps, 0))"),
+        None => ("", "(A)x"),
+    };
+    module_multi(
+        &[("", d), ("S", scale.unwrap_or(d))],
         &format!(
-            "extern \"C\" __global__ void k(const T* px, i64 n, u8* flag) {{\n{}}}\n",
+            "extern \"C\" __global__ void k(const T* px, i64 n, u8* flag{param}) {{\n{}}}\n",
             elementwise(
                 &[own(d, "x", "px")],
-                "if (!m_isfinite((A)x)) flag[0] = 0;",
+                &format!("if (!m_isfinite({check})) flag[0] = 0;"),
                 &[]
             )
         ),
@@ -1096,11 +1105,14 @@ pub fn loss_scale_update(
     )
 }
 
-/// OptimizerUpdate. Arguments: flag, var, grad, slots..., [step], out var, out
-/// slots..., [lamb scratch, lamb sums], n. Skipped steps copy the inputs.
+/// OptimizerUpdate. Arguments: flag, var, grad, [grad scale], slots..., [step], out
+/// var, out slots..., [lamb scratch, lamb sums], n. Skipped steps copy the inputs.
+/// With `grad_scale` the gradient is multiplied by the scalar (of the variable's
+/// dtype) first.
 pub fn optimizer(
     var: DType,
     grad: DType,
+    grad_scale: bool,
     step: Option<DType>,
     rule: Rule,
     lr: f64,
@@ -1111,14 +1123,21 @@ pub fn optimizer(
         types.push(("S", s));
     }
     let (lr, wd) = (lit(lr), lit(wd));
-    let head = "C w = ld(pw, i); C g = (C)ldG(pg, i);";
+    let (grad_in, head) = if grad_scale {
+        (
+            "const TG* pg, const T* pgs",
+            "C w = ld(pw, i); C g = m_mul_rn((C)ldG(pg, i), ld(pgs, 0));",
+        )
+    } else {
+        ("const TG* pg", "C w = ld(pw, i); C g = (C)ldG(pg, i);")
+    };
     let body = match rule {
         Rule::Sgd { momentum: 0.0, .. } => format!(
-            "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, T* pw_out, i64 n) {{\n\
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, T* pw_out, i64 n) {{\n\
                GRID_LOOP(i, n) {{ if (!f[0]) {{ pw_out[i] = pw[i]; continue; }} {head} st(pw_out, i, w - (C){lr} * (g + (C){wd} * w)); }}\n}}\n"
         ),
         Rule::Sgd { momentum, nesterov } => format!(
-            "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, const T* pb, T* pw_out, T* pb_out, i64 n) {{\n\
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pb, T* pw_out, T* pb_out, i64 n) {{\n\
                GRID_LOOP(i, n) {{\n\
                  if (!f[0]) {{ pw_out[i] = pw[i]; pb_out[i] = pb[i]; continue; }}\n\
                  {head} C m = (C){mo};\n\
@@ -1136,7 +1155,7 @@ pub fn optimizer(
             epsilon,
             decoupled,
         } => format!(
-            "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, const T* pm, const T* pv, const TS* ps, T* pw_out, T* pm_out, T* pv_out, i64 n) {{\n\
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, T* pw_out, T* pm_out, T* pv_out, i64 n) {{\n\
                double t = (double)ldS(ps, 0);\n\
                C c1 = (C)(1.0 - pow({b1}, t)), c2 = (C)(1.0 - pow({b2}, t));\n\
                C b1 = (C){b1}, b2 = (C){b2}, eps = (C){eps};\n\
@@ -1169,7 +1188,7 @@ pub fn optimizer(
             beta2,
             epsilon,
         } => format!(
-            "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, const T* pm, const T* pv, const TS* ps, T* pm_out, T* pv_out, A* scratch, A* sums, i64 n) {{\n\
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, T* pm_out, T* pv_out, A* scratch, A* sums, i64 n) {{\n\
                double t = (double)ldS(ps, 0);\n\
                C c1 = (C)(1.0 - pow({b1}, t)), c2 = (C)(1.0 - pow({b2}, t));\n\
                C b1 = (C){b1}, b2 = (C){b2}, eps = (C){eps};\n\
@@ -1439,6 +1458,7 @@ float __half2float(__half); __half __float2half_rn(float); __half __double2half(
 float __bfloat162float(__nv_bfloat16); __nv_bfloat16 __float2bfloat16_rn(float);
 __nv_bfloat16 __double2bfloat16(double);
 float __int_as_float(int); float __fdividef(float, float);
+float __fmul_rn(float, float); double __dmul_rn(double, double);
 template <class T> T __shfl_xor_sync(unsigned, T, int);
 template <class T> T atomicAdd(T*, T);
 void __syncthreads();
@@ -1487,7 +1507,11 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 (format!("layer_norm_grad_{d}"), layer_norm_grad(d, 1e-5, 4)),
                 (format!("sce_{d}"), sce(d, DType::I64)),
                 (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
-                (format!("all_finite_{d}"), all_finite(d)),
+                (format!("all_finite_{d}"), all_finite(d, None)),
+                (
+                    format!("all_finite_scaled_{d}"),
+                    all_finite(d, Some(DType::F32)),
+                ),
                 (format!("increment_if_{d}"), increment_if(d)),
             ]);
             let rules = [
@@ -1512,8 +1536,10 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 },
             ];
             for (r, rule) in rules.into_iter().enumerate() {
-                let src = optimizer(DType::F32, d, Some(DType::I64), rule, 1e-3, 1e-2);
-                k.push((format!("optimizer_{r}_{d}"), src));
+                for scaled in [false, true] {
+                    let src = optimizer(DType::F32, d, scaled, Some(DType::I64), rule, 1e-3, 1e-2);
+                    k.push((format!("optimizer_{r}_{d}_{scaled}"), src));
+                }
             }
         }
         for (from, to) in [

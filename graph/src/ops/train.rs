@@ -21,7 +21,11 @@ pub(crate) const OPS: &[OpEntry] = &[
     },
     OpEntry {
         name: "AllFinite",
-        parse: |_, _| Ok(Box::new(AllFinite)),
+        parse: |_, a| {
+            Ok(Box::new(AllFinite {
+                scaled: a.bool_or("scaled", false)?,
+            }))
+        },
     },
     OpEntry {
         name: "IncrementIf",
@@ -106,31 +110,76 @@ impl Op for Group {
     }
 }
 
-/// True when every element of every (float) input is finite.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AllFinite;
+/// True when every element of every (float) input is finite. `scaled`: the last
+/// input is an f32 or f64 scalar `s` and the elements checked are the products
+/// `x * s`, each in `s`'s dtype (what `AllFinite(Mul(Cast(x), s))` checks, without
+/// writing the products: the `unscale-into-update` pass folds the loss-scale
+/// unscaling in).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AllFinite {
+    pub scaled: bool,
+}
+
+/// The scalar a scaled op multiplies by: an f32 or f64 scalar.
+fn require_scale(ty: &TensorType) -> OpResult<()> {
+    if ty.shape.is_empty() && matches!(ty.dtype, DType::F32 | DType::F64) {
+        Ok(())
+    } else {
+        Err(format!("the scale must be an f32 or f64 scalar, got {ty}"))
+    }
+}
+
+/// Whether every element of `t` times `scale` (both rounded to `scale`'s dtype, the
+/// product too) is finite.
+fn products_finite(t: &Tensor, scale: &Tensor) -> bool {
+    let s = scale.to_f64_vec()[0];
+    let v = t.to_f64_vec();
+    // An f32 product computed in f64 is exact, and rounds to the f32 product.
+    match scale.dtype() {
+        DType::F32 => v.iter().all(|&x| ((x as f32) * (s as f32)).is_finite()),
+        _ => v.iter().all(|&x| (x * s).is_finite()),
+    }
+}
 
 impl Op for AllFinite {
     fn name(&self) -> &'static str {
         "AllFinite"
     }
     fn arity(&self) -> Arity {
-        Arity::AtLeast(1)
+        Arity::AtLeast(1 + usize::from(self.scaled))
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        if self.scaled {
+            vec![("scaled", true.into())]
+        } else {
+            vec![]
+        }
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        if let Some((i, t)) = inputs.iter().enumerate().find(|(_, t)| !t.dtype.is_float()) {
+        let checked = inputs.len() - usize::from(self.scaled);
+        if let Some((i, t)) = inputs[..checked]
+            .iter()
+            .enumerate()
+            .find(|(_, t)| !t.dtype.is_float())
+        {
             return Err(format!("input {i} must be a float tensor, got {t}"));
+        }
+        if self.scaled {
+            require_scale(inputs[checked])?;
         }
         Ok(vec![bool_scalar()])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let finite = inputs.iter().all(|t| match t.data() {
-            Data::F32(v) => v.iter().all(|x| x.is_finite()),
-            Data::F16(v) => v.iter().all(|x| x.is_finite()),
-            Data::BF16(v) => v.iter().all(|x| x.is_finite()),
-            Data::F64(v) => v.iter().all(|x| x.is_finite()),
-            _ => true,
-        });
+        let finite = match inputs.split_last() {
+            Some((scale, xs)) if self.scaled => xs.iter().all(|t| products_finite(t, scale)),
+            _ => inputs.iter().all(|t| match t.data() {
+                Data::F32(v) => v.iter().all(|x| x.is_finite()),
+                Data::F16(v) => v.iter().all(|x| x.is_finite()),
+                Data::BF16(v) => v.iter().all(|x| x.is_finite()),
+                Data::F64(v) => v.iter().all(|x| x.is_finite()),
+                _ => true,
+            }),
+        };
         Ok(vec![Tensor::scalar(
             DType::Bool,
             f64::from(u8::from(finite)),
@@ -213,6 +262,10 @@ pub struct OptimizerUpdate {
     pub rule: Rule,
     pub learning_rate: f64,
     pub weight_decay: f64,
+    /// A last input, a scalar of the variable's dtype, multiplies the gradient (in
+    /// that dtype) before the rule: the loss-scale unscaling, folded in by the
+    /// `unscale-into-update` pass so the gradient is read in its own (16-bit) type.
+    pub grad_scale: bool,
 }
 
 impl OptimizerUpdate {
@@ -255,11 +308,14 @@ impl OptimizerUpdate {
                 .opt_float("learning_rate")?
                 .ok_or("missing attr 'learning_rate'")?,
             weight_decay: a.float_or("weight_decay", 0.0)?,
+            grad_scale: a.bool_or("grad_scale", false)?,
         })
     }
 
     fn num_inputs(&self) -> usize {
-        3 + self.rule.slots().len() + usize::from(self.rule.uses_step())
+        3 + self.rule.slots().len()
+            + usize::from(self.rule.uses_step())
+            + usize::from(self.grad_scale)
     }
 }
 
@@ -303,6 +359,9 @@ impl Op for OptimizerUpdate {
                 ("epsilon", epsilon.into()),
             ]),
         }
+        if self.grad_scale {
+            a.push(("grad_scale", true.into()));
+        }
         a
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
@@ -326,6 +385,16 @@ impl Op for OptimizerUpdate {
             if !step.shape.is_empty() || step.dtype == DType::Bool {
                 return Err(format!(
                     "the step count must be a numeric scalar, got {step}"
+                ));
+            }
+        }
+        if self.grad_scale {
+            let scale = inputs[inputs.len() - 1];
+            require_scale(scale)?;
+            if scale.dtype != var.dtype {
+                return Err(format!(
+                    "the gradient scale is {scale} but the variable is {}",
+                    var.dtype
                 ));
             }
         }
@@ -357,7 +426,11 @@ impl FloatKernel for OptimizerUpdate {
     fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
         let n_slots = self.rule.slots().len();
         let mut var = T::read(inputs[1]).into_owned();
-        let grad = T::read(inputs[2]);
+        let mut grad = T::read(inputs[2]);
+        if self.grad_scale {
+            let s = T::read(inputs[inputs.len() - 1])[0];
+            grad = grad.iter().map(|&g| g * s).collect::<Vec<T>>().into();
+        }
         let mut slots: Vec<Vec<T>> = inputs[3..3 + n_slots]
             .iter()
             .map(|t| T::read(t).into_owned())
@@ -501,5 +574,60 @@ impl Op for LossScaleUpdate {
             Tensor::scalar(scale.dtype(), s),
             Tensor::scalar(good.dtype(), n),
         ])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eval(op: &dyn Op, inputs: &[Tensor]) -> Vec<Tensor> {
+        let refs: Vec<&Tensor> = inputs.iter().collect();
+        let types: Vec<TensorType> = inputs.iter().map(Tensor::ty).collect();
+        op.infer(&types.iter().collect::<Vec<_>>()).unwrap();
+        op.eval(&refs).unwrap()
+    }
+
+    #[test]
+    fn scaled_all_finite_checks_the_products_in_the_scales_dtype() {
+        let x = Tensor::from_f64(DType::F16, vec![2], &[60000.0, -1.0]).unwrap();
+        let check = |s: Tensor| eval(&AllFinite { scaled: true }, &[x.clone(), s])[0].clone();
+        let yes = Tensor::scalar(DType::Bool, 1.0);
+        let no = Tensor::scalar(DType::Bool, 0.0);
+        assert_eq!(check(Tensor::scalar(DType::F32, 1.0 / 1024.0)), yes);
+        // 60000 * 1e35 = 6e39: past f32's 3.4e38, within f64's range.
+        assert_eq!(check(Tensor::scalar(DType::F32, 1e35)), no);
+        assert_eq!(check(Tensor::scalar(DType::F64, 1e35)), yes);
+        let bad_scale = AllFinite { scaled: true }.infer(&[&x.ty(), &x.ty()]);
+        assert!(bad_scale.unwrap_err().contains("f32 or f64 scalar"));
+    }
+
+    #[test]
+    fn a_scaled_gradient_is_unscaled_before_the_rule() {
+        let sgd = |grad_scale| OptimizerUpdate {
+            rule: Rule::Sgd {
+                momentum: 0.0,
+                nesterov: false,
+            },
+            learning_rate: 0.5,
+            weight_decay: 0.0,
+            grad_scale,
+        };
+        let yes = Tensor::scalar(DType::Bool, 1.0);
+        let w = Tensor::from_f64(DType::F32, vec![2], &[1.0, 2.0]).unwrap();
+        let g = Tensor::from_f64(DType::F16, vec![2], &[1024.0, -2048.0]).unwrap();
+        let s = Tensor::scalar(DType::F32, 1.0 / 1024.0);
+        // w - 0.5 * g / 1024.
+        let out = eval(&sgd(true), &[yes.clone(), w.clone(), g.clone(), s]);
+        assert_eq!(out[0].to_f64_vec(), vec![0.5, 3.0]);
+        let out = eval(&sgd(false), &[yes.clone(), w.clone(), g.clone()]);
+        assert_eq!(out[0].to_f64_vec(), vec![-511.0, 1026.0]);
+        // The scale has the variable's dtype.
+        let f64_scale = Tensor::scalar(DType::F64, 1.0);
+        let types = [yes.ty(), w.ty(), g.ty(), f64_scale.ty()];
+        let err = sgd(true)
+            .infer(&types.iter().collect::<Vec<_>>())
+            .unwrap_err();
+        assert!(err.contains("gradient scale"), "{err}");
     }
 }
