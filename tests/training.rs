@@ -5,7 +5,8 @@ use ampgraph::exec::data::Mnist;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{
-    Binary, BinaryKind, Const, Init, Reduce, ReduceKind, Unary, UnaryKind, Variable,
+    AllFinite, Binary, BinaryKind, Const, Init, OptimizerUpdate, Reduce, ReduceKind, Unary,
+    UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{
@@ -222,52 +223,70 @@ fn resumed_training_is_bit_identical() {
 /// The fusion passes run per set of fetches: training with them computes bitwise
 /// what training without them does (the CPU runs fused nodes exactly), a skipped
 /// non-finite step included, and a fetched tensor inside a fused group is still there.
+/// For each rule: the unscaling folded into the updates (`unscale-into-update`)
+/// multiplies as the separate products did.
 #[test]
 fn training_with_the_fusion_passes_is_bit_identical() {
-    let session = |passes: &[&str]| {
-        let (mut g, loss, logits, _) = model();
-        let opt = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.1, 0.9))
-            .with_loss_scale(dynamic(1024.0, 2));
-        let step = opt.minimize(&mut g, loss).unwrap();
-        let options = SessionOptions {
-            passes: Some(passes.iter().map(|p| p.to_string()).collect()),
-            ..Default::default()
+    let optimizers = [
+        Sgd::momentum(0.1, 0.9),
+        Sgd::nesterov(0.1, 0.9).with_weight_decay(0.01),
+        Adam::new(0.01),
+        Adam::adamw(0.01, 0.1),
+        Adam::lamb(0.01, 0.01),
+    ];
+    for optimizer in optimizers {
+        let session = |passes: &[&str]| {
+            let (mut g, loss, logits, _) = model();
+            let opt = enable_mixed_precision_graph_rewrite(optimizer.clone())
+                .with_loss_scale(dynamic(1024.0, 2));
+            let step = opt.minimize(&mut g, loss).unwrap();
+            let options = SessionOptions {
+                passes: Some(passes.iter().map(|p| p.to_string()).collect()),
+                ..Default::default()
+            };
+            let s = Session::with_options(g, Device::Cpu, options).unwrap();
+            (s, step, logits)
         };
-        let s = Session::with_options(g, Device::Cpu, options).unwrap();
-        (s, step, logits)
-    };
-    let (mut plain, step, logits) = session(&[]);
-    let pipeline = [SIMPLIFY_PIPELINE, CUDA_PIPELINE].concat();
-    let (mut fused, fused_step, fused_logits) = session(&pipeline);
-    for k in 0..5 {
-        let poison = if k == 2 { Some(f32::INFINITY) } else { None };
-        let want = plain
-            .run(&[step.step, step.loss, logits], &feeds(k, poison))
-            .unwrap();
-        let got = fused
-            .run(
-                &[fused_step.step, fused_step.loss, fused_logits],
-                &feeds(k, poison),
-            )
-            .unwrap();
-        assert_eq!(want, got, "step {k}");
+        let (mut plain, step, logits) = session(&[]);
+        let pipeline = [SIMPLIFY_PIPELINE, CUDA_PIPELINE].concat();
+        let (mut fused, fused_step, fused_logits) = session(&pipeline);
+        for k in 0..5 {
+            let poison = if k == 2 { Some(f32::INFINITY) } else { None };
+            let want = plain
+                .run(&[step.step, step.loss, logits], &feeds(k, poison))
+                .unwrap();
+            let got = fused
+                .run(
+                    &[fused_step.step, fused_step.loss, fused_logits],
+                    &feeds(k, poison),
+                )
+                .unwrap();
+            assert_eq!(want, got, "step {k}, {optimizer:?}");
+        }
+        assert_eq!(weights_and_slots(&plain), weights_and_slots(&fused));
+        assert_eq!(
+            scalar(&plain, LOSS_SCALE_VARIABLE),
+            scalar(&fused, LOSS_SCALE_VARIABLE)
+        );
+        // The passes did fire.
+        let ran = fused.graph_for(&[fused_step.step, fused_step.loss, fused_logits]);
+        let count = |op: &str| {
+            ran.node_ids()
+                .filter(|&id| ran.node(id).op_name() == op)
+                .count()
+        };
+        // The hidden layer's product takes its bias; the logits' bias is added in f32
+        // after a cast (the loss is denylisted), so it fuses with that cast instead.
+        assert_eq!(count("FusedMatMul"), 1);
+        assert!(count("FusedElementwise") > 0);
+        let unscaling_folded = ran.node_ids().all(|id| {
+            let op = &ran.node(id).op;
+            op.downcast_ref::<OptimizerUpdate>()
+                .is_none_or(|u| u.grad_scale)
+                && op.downcast_ref::<AllFinite>().is_none_or(|a| a.scaled)
+        });
+        assert!(unscaling_folded, "{optimizer:?}");
     }
-    assert_eq!(weights_and_slots(&plain), weights_and_slots(&fused));
-    assert_eq!(
-        scalar(&plain, LOSS_SCALE_VARIABLE),
-        scalar(&fused, LOSS_SCALE_VARIABLE)
-    );
-    // The passes did fire.
-    let ran = fused.graph_for(&[fused_step.step, fused_step.loss, fused_logits]);
-    let count = |op: &str| {
-        ran.node_ids()
-            .filter(|&id| ran.node(id).op_name() == op)
-            .count()
-    };
-    // The hidden layer's product takes its bias; the logits' bias is added in f32
-    // after a cast (the loss is denylisted), so it fuses with that cast instead.
-    assert_eq!(count("FusedMatMul"), 1);
-    assert!(count("FusedElementwise") > 0);
 
     let (g, _, _, _) = model();
     let options = SessionOptions {

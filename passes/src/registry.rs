@@ -6,6 +6,7 @@ use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::simplify::{
     Algebraic, CastIntoReduce, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm, ScaleIntoMatmul,
+    UnscaleIntoUpdate,
 };
 use crate::{Pass, PassManager};
 
@@ -42,6 +43,10 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(ScaleIntoMatmul),
     },
     PassEntry {
+        name: "unscale-into-update",
+        make: || Box::new(UnscaleIntoUpdate),
+    },
+    PassEntry {
         name: "fold-batchnorm",
         make: || Box::new(FoldBatchNorm),
     },
@@ -66,12 +71,14 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// The fusion pipeline for a CUDA graph after AMP (the default of `bench --passes`):
 /// dead nodes go first (gradients built for constants would otherwise count as
 /// readers and block folds), reductions take the widening casts AMP put before them,
-/// batched products their scalar scalings, products their bias and activation into
-/// the GEMM, then the remaining elementwise chains fuse into generated kernels.
+/// batched products their scalar scalings, the finiteness check and the optimizer
+/// updates the loss-scale unscaling, products their bias and activation into the
+/// GEMM, then the remaining elementwise chains fuse into generated kernels.
 pub const CUDA_PIPELINE: &[&str] = &[
     "dce",
     "cast-into-reduce",
     "scale-into-matmul",
+    "unscale-into-update",
     "gemm-epilogue",
     "fuse",
 ];

@@ -1,7 +1,7 @@
 //! Graph simplification: constant folding, common-subexpression elimination,
 //! dead-node elimination, algebraic identities, widening casts folded into
-//! reductions, scalar scalings folded into batched products, batch-norm folding and
-//! GEMM padding.
+//! reductions, scalar scalings folded into batched products, loss-scale unscaling
+//! folded into the optimizer updates, batch-norm folding and GEMM padding.
 //!
 //! Each pass is one small type in its own file. They share the helpers below: which
 //! ops hold or write state (never folded, merged or removed as dead), and `Edits`,
@@ -15,6 +15,7 @@ mod dce;
 mod fold_batchnorm;
 mod pad_gemm;
 mod scale_into_matmul;
+mod unscale_into_update;
 
 pub use algebraic::Algebraic;
 pub use cast_into_reduce::CastIntoReduce;
@@ -24,6 +25,7 @@ pub use dce::Dce;
 pub use fold_batchnorm::FoldBatchNorm;
 pub use pad_gemm::PadGemm;
 pub use scale_into_matmul::ScaleIntoMatmul;
+pub use unscale_into_update::UnscaleIntoUpdate;
 
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::{
