@@ -245,6 +245,7 @@ impl Optimizer for RuleOptimizer {
                 learning_rate: self.learning_rate,
                 weight_decay: self.weight_decay,
                 grad_scale: false,
+                cast_to: None,
             };
             let name = g.fresh_name(format!("{var_name}/update"));
             let update = g.add_node(name, Box::new(op), &inputs)?;

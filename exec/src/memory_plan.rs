@@ -156,6 +156,43 @@ pub fn constant_casts(graph: &Graph) -> Vec<(Port, String)> {
         .collect()
 }
 
+/// Casts of variables that an optimizer update writes and also outputs cast to the
+/// cast's dtype (`OptimizerUpdate::cast_to`): each cast with its variable's name and
+/// the update output holding the next step's value of the cast.
+pub fn update_casts(graph: &Graph) -> Vec<(Port, String, Port)> {
+    let mut found = Vec::new();
+    for id in graph.node_ids() {
+        if !graph.node(id).op.is::<AssignVariable>() {
+            continue;
+        }
+        let &[var, value] = &graph.inputs(id)[..] else {
+            continue;
+        };
+        let Some(update) = graph.node(value.node).op.downcast_ref::<OptimizerUpdate>() else {
+            continue;
+        };
+        let (Some(to), 0) = (update.cast_to, value.index) else {
+            continue;
+        };
+        if graph.inputs(value.node).get(1) != Some(&var) {
+            continue;
+        }
+        let cast_out = Port::new(value.node, 1 + update.rule.slots().len());
+        for (reader, _, _) in graph.consumers(var.node) {
+            if graph
+                .node(reader)
+                .op
+                .downcast_ref::<Cast>()
+                .is_some_and(|c| c.to == to)
+            {
+                let name = graph.node(var.node).name.clone();
+                found.push((Port::new(reader, 0), name, cast_out));
+            }
+        }
+    }
+    found
+}
+
 /// The variables among `casts` ([`constant_casts`]) that nothing else reads, no
 /// other op and no fetch: once their casts are kept, a step needs no copy of the
 /// variable itself.
@@ -429,6 +466,7 @@ mod tests {
             learning_rate: 0.1,
             weight_decay: 0.0,
             grad_scale: false,
+            cast_to: None,
         };
         let next = g.add(sgd, &[finite, v.into(), grad]).unwrap();
         let mut fetches = vec![g.add(AssignVariable, &[v.into(), next]).unwrap()];

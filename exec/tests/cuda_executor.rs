@@ -1,10 +1,13 @@
-//! What the CUDA executor keeps between steps: casts of weights no step writes, and
-//! which copies of such a weight stay on the device. Skips (printing why) without CUDA.
+//! What the CUDA executor keeps between steps: casts of weights no step writes (and
+//! which copies of such a weight stay on the device), and the casts optimizer updates
+//! write with their variable. Skips (printing why) without CUDA.
 
 mod common;
 
 use ampgraph_exec::{CpuExecutor, Executor, Feeds};
-use ampgraph_graph::ops::{BatchMatMul, Cast, Variable};
+use ampgraph_graph::ops::{
+    AssignVariable, BatchMatMul, Cast, Const, OptimizerUpdate, Rule, Variable,
+};
 use ampgraph_graph::{DType, Graph, Port, Tensor, TensorType};
 use common::{gpu, Gen};
 
@@ -83,4 +86,63 @@ fn weights_read_only_through_casts_leave_the_device() {
         max_rel_diff(&changed[0], &first[0]) > 0.5,
         "the new weights were used"
     );
+}
+
+/// A training step whose update also writes w's f16 copy (`cast_to`): from the
+/// second step the forward pass's Cast kernel no longer runs, and each step's product
+/// uses the weights the previous update wrote, as on the CPU.
+#[test]
+fn updates_that_write_the_cast_replace_the_cast_kernel() {
+    let Some(mut gpu) = gpu() else { return };
+    let (mut g, w, y) = layer();
+    let grad = g.placeholder("grad", DType::F32, vec![N, N]).unwrap();
+    let yes = g
+        .add(Const::new(Tensor::scalar(DType::Bool, 1.0)), &[])
+        .unwrap();
+    let sgd = OptimizerUpdate {
+        rule: Rule::Sgd {
+            momentum: 0.0,
+            nesterov: false,
+        },
+        learning_rate: 0.5,
+        weight_decay: 0.0,
+        grad_scale: false,
+        cast_to: Some(DType::F16),
+    };
+    let new = g.add(sgd, &[yes, w, grad]).unwrap();
+    let assign = g.add(AssignVariable, &[w, new]).unwrap();
+    let mut feeds = Feeds::new();
+    let x = Gen(3).vec(8 * N, -1.0, 1.0);
+    feeds.insert(
+        "x".into(),
+        Tensor::from_f64(DType::F16, vec![8, N], &x).unwrap(),
+    );
+    let step = Gen(5).vec(N * N, -0.1, 0.1);
+    feeds.insert(
+        "grad".into(),
+        Tensor::from_f64(DType::F32, vec![N, N], &step).unwrap(),
+    );
+    let mut cpu = CpuExecutor::new();
+    cpu.variables.insert("w".into(), weights(1.0));
+    gpu.set_variable("w", weights(1.0)).unwrap();
+    let mut kernels = Vec::new();
+    for k in 0..4 {
+        if k == 2 {
+            // Set from outside: the kept cast goes and the Cast kernel runs again.
+            cpu.variables.insert("w".into(), weights(2.0));
+            gpu.set_variable("w", weights(2.0)).unwrap();
+        }
+        let before = gpu.launches();
+        let got = gpu.run(&g, &feeds, &[y, assign]).unwrap();
+        kernels.push((gpu.launches() - before).kernels);
+        let want = cpu.run(&g, &feeds, &[y, assign]).unwrap();
+        assert!(max_rel_diff(&got[0], &want[0]) < 2e-3, "step {k}");
+        assert!(
+            max_rel_diff(&got[1], &want[1]) < 1e-6,
+            "step {k}: the update"
+        );
+    }
+    assert_eq!(kernels[1] + 1, kernels[0], "{kernels:?}");
+    assert_eq!(kernels[2], kernels[0], "{kernels:?}");
+    assert_eq!(kernels[3], kernels[1], "{kernels:?}");
 }

@@ -704,7 +704,7 @@ fn training_ops() {
         },
     ];
     // (variable dtype, gradient dtype, gradient scale): the scaled forms read a
-    // 16-bit gradient and unscale it in the variable's dtype.
+    // 16-bit gradient and unscale it in the variable's dtype, and write a cast.
     let kinds = [
         (DType::F32, DType::F32, None),
         (DType::F16, DType::F16, None),
@@ -733,6 +733,9 @@ fn training_ops() {
                     learning_rate: 0.01,
                     weight_decay: 0.01,
                     grad_scale: grad_scale.is_some(),
+                    // The scaled forms also write the new variable in the
+                    // gradient's 16-bit type.
+                    cast_to: grad_scale.map(|_| gd),
                 };
                 check(
                     &mut gpu,

@@ -5,8 +5,8 @@
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::simplify::{
-    Algebraic, CastIntoReduce, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm, ScaleIntoMatmul,
-    UnscaleIntoUpdate,
+    Algebraic, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm,
+    ScaleIntoMatmul, UnscaleIntoUpdate,
 };
 use crate::{Pass, PassManager};
 
@@ -47,6 +47,10 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(UnscaleIntoUpdate),
     },
     PassEntry {
+        name: "cast-into-update",
+        make: || Box::new(CastIntoUpdate),
+    },
+    PassEntry {
         name: "fold-batchnorm",
         make: || Box::new(FoldBatchNorm),
     },
@@ -72,13 +76,15 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// dead nodes go first (gradients built for constants would otherwise count as
 /// readers and block folds), reductions take the widening casts AMP put before them,
 /// batched products their scalar scalings, the finiteness check and the optimizer
-/// updates the loss-scale unscaling, products their bias and activation into the
-/// GEMM, then the remaining elementwise chains fuse into generated kernels.
+/// updates the loss-scale unscaling, the updates the casts of their variables,
+/// products their bias and activation into the GEMM, then the remaining elementwise
+/// chains fuse into generated kernels.
 pub const CUDA_PIPELINE: &[&str] = &[
     "dce",
     "cast-into-reduce",
     "scale-into-matmul",
     "unscale-into-update",
+    "cast-into-update",
     "gemm-epilogue",
     "fuse",
 ];

@@ -17,7 +17,9 @@
 //! replaces where nothing later in the step reads the old value (so a step that
 //! fails after such an update leaves that variable updated). Casts of variables the
 //! graph never writes (an inference graph's f16 weights) are kept until the variable
-//! changes. Only fetched values are copied back.
+//! changes, and so are the casts an optimizer update writes with its variable
+//! (`cast_to`): the next step's Cast kernel does not run. Only fetched values are
+//! copied back.
 
 mod device;
 mod gemm;
@@ -151,6 +153,12 @@ struct StepMemory {
     /// device copy is dropped if the host copy is current (an inference session then
     /// holds its weights once, in f16, as PyTorch's `model.half()` would).
     cast_only: HashMap<NodeId, Vec<(String, DType)>>,
+    /// Casts of variables an optimizer update writes together with their cast
+    /// ([`memory_plan::update_casts`]), by the variable's name: served from
+    /// `cast_cache`, which the update's cast output refills when the step commits.
+    update_casts: HashMap<Port, String>,
+    /// Those updates' cast outputs, with the variable's name.
+    cast_outputs: HashMap<Port, String>,
 }
 
 /// Runs graphs on one CUDA device.
@@ -234,7 +242,19 @@ impl CudaExecutor {
             cast_only.insert(var, keys.collect());
         }
         let constant_casts: HashMap<Port, String> = casts.into_iter().collect();
-        let outside = constant_casts.keys().copied().collect();
+        let mut update_casts = HashMap::new();
+        let mut cast_outputs = HashMap::new();
+        for (cast, var, out) in memory_plan::update_casts(graph) {
+            update_casts.insert(cast, var.clone());
+            cast_outputs.insert(out, var);
+        }
+        // Kept values live beyond the step, outside the arena.
+        let outside = constant_casts
+            .keys()
+            .chain(update_casts.keys())
+            .chain(cast_outputs.keys())
+            .copied()
+            .collect();
         let plan = memory_plan::plan_outside(graph, fetches, &outside)?;
         log::debug!(
             "memory plan: {} tensors in an arena of {} bytes ({} apart)",
@@ -252,6 +272,8 @@ impl CudaExecutor {
             in_place,
             constant_casts,
             cast_only,
+            update_casts,
+            cast_outputs,
         });
         self.plans.insert(key, m.clone());
         Ok(m)
@@ -534,6 +556,8 @@ impl Executor for CudaExecutor {
         }
         let mut values: HashMap<NodeId, Vec<DTensor>> = HashMap::new();
         let mut writes: Vec<(String, DTensor)> = Vec::new();
+        // Casts optimizer updates wrote of their new values, by variable.
+        let mut written_casts: Vec<(String, DTensor)> = Vec::new();
         let mut timed = Vec::new();
         for &id in &order {
             let node = graph.node(id);
@@ -544,17 +568,20 @@ impl Executor for CudaExecutor {
             if !feeds.contains_key(&node.name) && self.casts_kept(&memory, id) {
                 continue;
             }
-            // A cast of an unwritten, unfed variable: kept from an earlier step.
-            let cast_key = memory
-                .constant_casts
-                .get(&Port::new(id, 0))
+            // A cast of an unfed variable kept from an earlier step: one no step
+            // writes, or one an update wrote together with its cast.
+            let port = Port::new(id, 0);
+            let constant = memory.constant_casts.get(&port);
+            let cast_key = constant
+                .or(memory.update_casts.get(&port))
                 .filter(|var| !feeds.contains_key(var.as_str()))
                 .map(|var| (var.clone(), node.outputs()[0].dtype));
             let kept = cast_key
                 .as_ref()
                 .and_then(|k| self.cast_cache.get(k))
                 .cloned();
-            let keep = cast_key.filter(|_| kept.is_none());
+            // Only a constant cast computed now holds for later steps.
+            let keep = cast_key.filter(|_| kept.is_none() && constant.is_some());
             let source = match kept {
                 Some(t) => Some(t),
                 None => self.source_value(graph, id, feeds)?,
@@ -630,6 +657,11 @@ impl Executor for CudaExecutor {
             if let Some(variable) = assigned_variable(graph, id)? {
                 writes.push((variable, outputs[0].clone()));
             }
+            for (k, out) in outputs.iter().enumerate() {
+                if let Some(var) = memory.cast_outputs.get(&Port::new(id, k)) {
+                    written_casts.push((var.clone(), out.clone()));
+                }
+            }
             values.insert(id, outputs);
             for done in schedule.consume_inputs(graph, id) {
                 values.remove(&done);
@@ -650,6 +682,8 @@ impl Executor for CudaExecutor {
             fetched.push(t);
         }
         drop(values);
+        let written: std::collections::HashSet<String> =
+            writes.iter().map(|(name, _)| name.clone()).collect();
         for (name, value) in writes {
             self.cast_cache.retain(|(var, _), _| *var != name);
             self.variables.insert(
@@ -659,6 +693,13 @@ impl Executor for CudaExecutor {
                     host: OnceLock::new(),
                 },
             );
+        }
+        // An update's cast holds once its variable is written (not when the step
+        // fetched the update without assigning it).
+        for (var, cast) in written_casts {
+            if written.contains(&var) {
+                self.cast_cache.insert((var, cast.dtype), cast);
+            }
         }
         for &var in memory.cast_only.keys() {
             let name = &graph.node(var).name;

@@ -1008,7 +1008,8 @@ fn optimizer(
 ) -> Result<Vec<DTensor>, String> {
     let n_slots = u.rule.slots().len();
     let need = 3 + n_slots + usize::from(u.rule.uses_step()) + usize::from(u.grad_scale);
-    if inputs.len() != need || outs.len() != 1 + n_slots {
+    let n_outs = 1 + n_slots + usize::from(u.cast_to.is_some());
+    if inputs.len() != need || outs.len() != n_outs {
         return Err(format!("expected {need} inputs"));
     }
     let (flag, var, grad) = (&inputs[0], &inputs[1], &inputs[2]);
@@ -1029,11 +1030,12 @@ fn optimizer(
     let n = var.len();
     let grad_scale = u.grad_scale.then(|| &inputs[need - 1]);
     let key = format!(
-        "optimizer/{}/{}/{}/{:?}/{:?}/{:e}/{:e}",
+        "optimizer/{}/{}/{}/{:?}/{:?}/{:?}/{:e}/{:e}",
         var.dtype,
         grad.dtype,
         u.grad_scale,
         step.map(|s| s.dtype),
+        u.cast_to,
         u.rule,
         u.learning_rate,
         u.weight_decay
@@ -1044,6 +1046,7 @@ fn optimizer(
             grad.dtype,
             u.grad_scale,
             step.map(|s| s.dtype),
+            u.cast_to,
             u.rule,
             u.learning_rate,
             u.weight_decay,
@@ -1060,24 +1063,25 @@ fn optimizer(
         let scratch = c.temp(acc, n)?;
         let sums = c.temp(acc, 2)?;
         c.dev.zero(&sums)?;
-        args.extend(outputs[1..].iter().map(|o| o.arg()));
+        args.extend(outputs[1..1 + n_slots].iter().map(|o| o.arg()));
         args.extend([scratch.arg(), sums.arg(), Arg::I64(n as i64)]);
         let grid = n.div_ceil(256).clamp(1, 1024) as u32;
         c.dev.launch(&key, make, "k", grid, 256, &args)?;
+        // The variable's outputs: itself, then its cast if any (the slots came above).
+        let mut apply = vec![flag.arg(), var.arg(), scratch.arg(), sums.arg()];
+        apply.extend(
+            std::iter::once(&outputs[0])
+                .chain(&outputs[1 + n_slots..])
+                .map(|o| o.arg()),
+        );
+        apply.push(Arg::I64(n as i64));
         c.dev.launch(
             &key,
             make,
             "k_apply",
             n.div_ceil(256).clamp(1, 1 << 20) as u32,
             256,
-            &[
-                flag.arg(),
-                var.arg(),
-                scratch.arg(),
-                sums.arg(),
-                outputs[0].arg(),
-                Arg::I64(n as i64),
-            ],
+            &apply,
         )?;
         return Ok(outputs);
     }

@@ -1106,14 +1106,17 @@ pub fn loss_scale_update(
 }
 
 /// OptimizerUpdate. Arguments: flag, var, grad, [grad scale], slots..., [step], out
-/// var, out slots..., [lamb scratch, lamb sums], n. Skipped steps copy the inputs.
-/// With `grad_scale` the gradient is multiplied by the scalar (of the variable's
-/// dtype) first.
+/// var, out slots..., [cast out], [lamb scratch, lamb sums], n. Skipped steps copy
+/// the inputs. With `grad_scale` the gradient is multiplied by the scalar (of the
+/// variable's dtype) first; with `cast_to` the kernel that writes the variable also
+/// writes its cast (of the stored value, as a Cast kernel would).
+#[allow(clippy::too_many_arguments)]
 pub fn optimizer(
     var: DType,
     grad: DType,
     grad_scale: bool,
     step: Option<DType>,
+    cast_to: Option<DType>,
     rule: Rule,
     lr: f64,
     wd: f64,
@@ -1122,6 +1125,13 @@ pub fn optimizer(
     if let Some(s) = step {
         types.push(("S", s));
     }
+    if let Some(k) = cast_to {
+        types.push(("K", k));
+    }
+    let (cp, cs) = match cast_to {
+        Some(_) => (", TK* pk_out", " stK(pk_out, i, (CK)ld(pw_out, i));"),
+        None => ("", ""),
+    };
     let (lr, wd) = (lit(lr), lit(wd));
     let (grad_in, head) = if grad_scale {
         (
@@ -1133,18 +1143,18 @@ pub fn optimizer(
     };
     let body = match rule {
         Rule::Sgd { momentum: 0.0, .. } => format!(
-            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, T* pw_out, i64 n) {{\n\
-               GRID_LOOP(i, n) {{ if (!f[0]) {{ pw_out[i] = pw[i]; continue; }} {head} st(pw_out, i, w - (C){lr} * (g + (C){wd} * w)); }}\n}}\n"
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, T* pw_out{cp}, i64 n) {{\n\
+               GRID_LOOP(i, n) {{ if (!f[0]) {{ pw_out[i] = pw[i];{cs} continue; }} {head} st(pw_out, i, w - (C){lr} * (g + (C){wd} * w));{cs} }}\n}}\n"
         ),
         Rule::Sgd { momentum, nesterov } => format!(
-            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pb, T* pw_out, T* pb_out, i64 n) {{\n\
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pb, T* pw_out, T* pb_out{cp}, i64 n) {{\n\
                GRID_LOOP(i, n) {{\n\
-                 if (!f[0]) {{ pw_out[i] = pw[i]; pb_out[i] = pb[i]; continue; }}\n\
+                 if (!f[0]) {{ pw_out[i] = pw[i]; pb_out[i] = pb[i];{cs} continue; }}\n\
                  {head} C m = (C){mo};\n\
                  g = g + (C){wd} * w;\n\
                  C b = m * ld(pb, i) + g;\n\
                  C step = {step};\n\
-                 st(pb_out, i, b); st(pw_out, i, w - (C){lr} * step);\n\
+                 st(pb_out, i, b); st(pw_out, i, w - (C){lr} * step);{cs}\n\
                }}\n}}\n",
             mo = lit(momentum),
             step = if nesterov { "g + m * b" } else { "b" }
@@ -1155,19 +1165,19 @@ pub fn optimizer(
             epsilon,
             decoupled,
         } => format!(
-            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, T* pw_out, T* pm_out, T* pv_out, i64 n) {{\n\
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, T* pw_out, T* pm_out, T* pv_out{cp}, i64 n) {{\n\
                double t = (double)ldS(ps, 0);\n\
                C c1 = (C)(1.0 - pow({b1}, t)), c2 = (C)(1.0 - pow({b2}, t));\n\
                C b1 = (C){b1}, b2 = (C){b2}, eps = (C){eps};\n\
                GRID_LOOP(i, n) {{\n\
-                 if (!f[0]) {{ pw_out[i] = pw[i]; pm_out[i] = pm[i]; pv_out[i] = pv[i]; continue; }}\n\
+                 if (!f[0]) {{ pw_out[i] = pw[i]; pm_out[i] = pm[i]; pv_out[i] = pv[i];{cs} continue; }}\n\
                  {head}\n\
                  {coupled}\n\
                  C m = b1 * ld(pm, i) + ((C)1 - b1) * g;\n\
                  C v = b2 * ld(pv, i) + ((C)1 - b2) * g * g;\n\
                  C update = (m / c1) / (m_sqrt(v / c2) + eps);\n\
                  C decay = {decay};\n\
-                 st(pm_out, i, m); st(pv_out, i, v); st(pw_out, i, w - (C){lr} * (update + decay));\n\
+                 st(pm_out, i, m); st(pv_out, i, v); st(pw_out, i, w - (C){lr} * (update + decay));{cs}\n\
                }}\n}}\n",
             b1 = lit(beta1),
             b2 = lit(beta2),
@@ -1205,12 +1215,12 @@ pub fn optimizer(
                }}\n\
                ws = block_sum(ws, sh); us = block_sum(us, sh);\n\
                if (threadIdx.x == 0) {{ atomicAdd(&sums[0], ws); atomicAdd(&sums[1], us); }}\n}}\n\
-             extern \"C\" __global__ void k_apply(const u8* f, const T* pw, const A* scratch, const A* sums, T* pw_out, i64 n) {{\n\
+             extern \"C\" __global__ void k_apply(const u8* f, const T* pw, const A* scratch, const A* sums, T* pw_out{cp}, i64 n) {{\n\
                A wn = m_sqrt(sums[0]), un = m_sqrt(sums[1]);\n\
                A trust = (wn > (A)0 && un > (A)0) ? wn / un : (A)1;\n\
                GRID_LOOP(i, n) {{\n\
-                 if (!f[0]) {{ pw_out[i] = pw[i]; continue; }}\n\
-                 st(pw_out, i, (C)((A)ld(pw, i) - (A){lr} * trust * scratch[i]));\n\
+                 if (!f[0]) {{ pw_out[i] = pw[i];{cs} continue; }}\n\
+                 st(pw_out, i, (C)((A)ld(pw, i) - (A){lr} * trust * scratch[i]));{cs}\n\
                }}\n}}\n",
             b1 = lit(beta1),
             b2 = lit(beta2),
@@ -1537,7 +1547,17 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
             ];
             for (r, rule) in rules.into_iter().enumerate() {
                 for scaled in [false, true] {
-                    let src = optimizer(DType::F32, d, scaled, Some(DType::I64), rule, 1e-3, 1e-2);
+                    let cast = scaled.then_some(DType::F16);
+                    let src = optimizer(
+                        DType::F32,
+                        d,
+                        scaled,
+                        Some(DType::I64),
+                        cast,
+                        rule,
+                        1e-3,
+                        1e-2,
+                    );
                     k.push((format!("optimizer_{r}_{d}_{scaled}"), src));
                 }
             }

@@ -266,6 +266,11 @@ pub struct OptimizerUpdate {
     /// that dtype) before the rule: the loss-scale unscaling, folded in by the
     /// `unscale-into-update` pass so the gradient is read in its own (16-bit) type.
     pub grad_scale: bool,
+    /// A last output: the new variable cast to this dtype (the copy AMP's forward
+    /// pass reads next step), written by the update instead of a Cast kernel of its
+    /// own (the `cast-into-update` pass sets it; executors may keep it for the next
+    /// step's Cast).
+    pub cast_to: Option<DType>,
 }
 
 impl OptimizerUpdate {
@@ -309,6 +314,11 @@ impl OptimizerUpdate {
                 .ok_or("missing attr 'learning_rate'")?,
             weight_decay: a.float_or("weight_decay", 0.0)?,
             grad_scale: a.bool_or("grad_scale", false)?,
+            cast_to: a
+                .opt_str("cast_to")?
+                .map(|s| s.parse())
+                .transpose()
+                .map_err(|e| format!("attr 'cast_to': {e}"))?,
         })
     }
 
@@ -362,6 +372,9 @@ impl Op for OptimizerUpdate {
         if self.grad_scale {
             a.push(("grad_scale", true.into()));
         }
+        if let Some(to) = self.cast_to {
+            a.push(("cast_to", to.into()));
+        }
         a
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
@@ -398,11 +411,18 @@ impl Op for OptimizerUpdate {
                 ));
             }
         }
-        // The variable and its slots keep their types.
+        if let Some(to) = self.cast_to.filter(|d| !d.is_float()) {
+            return Err(format!("cast_to must be a float dtype, got {to}"));
+        }
+        // The variable and its slots keep their types; then the cast, if any.
+        let cast = self
+            .cast_to
+            .map(|to| TensorType::new(to, var.shape.clone()));
         Ok(inputs[1..2]
             .iter()
             .chain(&inputs[3..3 + n_slots])
             .map(|t| (*t).clone())
+            .chain(cast)
             .collect())
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
@@ -414,10 +434,15 @@ impl Op for OptimizerUpdate {
                 .map(|t| (*t).clone())
                 .collect()
         };
-        if !flag(inputs[0]) {
-            return Ok(keep());
+        let mut outputs = if flag(inputs[0]) {
+            eval_float(self, inputs[1].dtype(), inputs)?
+        } else {
+            keep()
+        };
+        if let Some(to) = self.cast_to {
+            outputs.push(outputs[0].cast(to));
         }
-        eval_float(self, inputs[1].dtype(), inputs)
+        Ok(outputs)
     }
 }
 
@@ -612,6 +637,7 @@ mod tests {
             learning_rate: 0.5,
             weight_decay: 0.0,
             grad_scale,
+            cast_to: None,
         };
         let yes = Tensor::scalar(DType::Bool, 1.0);
         let w = Tensor::from_f64(DType::F32, vec![2], &[1.0, 2.0]).unwrap();

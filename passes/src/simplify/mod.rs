@@ -1,7 +1,8 @@
 //! Graph simplification: constant folding, common-subexpression elimination,
 //! dead-node elimination, algebraic identities, widening casts folded into
 //! reductions, scalar scalings folded into batched products, loss-scale unscaling
-//! folded into the optimizer updates, batch-norm folding and GEMM padding.
+//! and the master weights' casts folded into the optimizer updates, batch-norm
+//! folding and GEMM padding.
 //!
 //! Each pass is one small type in its own file. They share the helpers below: which
 //! ops hold or write state (never folded, merged or removed as dead), and `Edits`,
@@ -9,6 +10,7 @@
 
 mod algebraic;
 mod cast_into_reduce;
+mod cast_into_update;
 mod const_fold;
 mod cse;
 mod dce;
@@ -19,6 +21,7 @@ mod unscale_into_update;
 
 pub use algebraic::Algebraic;
 pub use cast_into_reduce::CastIntoReduce;
+pub use cast_into_update::CastIntoUpdate;
 pub use const_fold::ConstFold;
 pub use cse::Cse;
 pub use dce::Dce;

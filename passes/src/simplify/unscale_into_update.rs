@@ -210,6 +210,7 @@ mod tests {
                 learning_rate: 0.5,
                 weight_decay: 0.0,
                 grad_scale: false,
+                cast_to: None,
             };
             outputs.push(g.add(sgd, &[finite, var, p]).unwrap());
         }
