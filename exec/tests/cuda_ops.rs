@@ -335,6 +335,8 @@ fn reductions_and_their_gradients() {
         (vec![6000, 3], Some(vec![1]), false),
         // Leading axes over many rows: the chunked column sums.
         (vec![1000, 70], Some(vec![0]), false),
+        // Columns in 16-byte words (k_cols_part_vec), the last tile partly full.
+        (vec![500, 264], Some(vec![0]), false),
         (vec![9, 130, 33], Some(vec![0, 1]), true),
     ];
     for d in FLOATS {

@@ -260,6 +260,12 @@ fn reduce_into(
         } else {
             1.0
         };
+        let v = src::column_vector(x.dtype);
+        let part = if out_len % v == 0 && x.ptr() % 16 == 0 {
+            ("k_cols_part_vec", 32 * v)
+        } else {
+            ("k_cols_part", 32)
+        };
         return column_sums(
             c,
             &format!("column_sum/{}/{}", x.dtype, y.dtype),
@@ -267,6 +273,7 @@ fn reduce_into(
             &[x.arg()],
             (count, out_len),
             &[(y, scale)],
+            part,
         );
     }
     let mut args = vec![x.arg(), y.arg()];
@@ -283,7 +290,9 @@ fn reduce_into(
 }
 
 /// Launches the column-sum kernels of module `key` (see `src::column_sums`) over a
-/// `[rows, len]` matrix read through `inputs`, writing each `(output, scale)`.
+/// `[rows, len]` matrix read through `inputs`, writing each `(output, scale)`. The
+/// partial sums come from kernel `part` (`k_cols_part`, or a form such as
+/// `k_cols_part_vec` whose tiles are `width` columns wide).
 fn column_sums(
     c: &Ctx,
     key: &str,
@@ -291,9 +300,10 @@ fn column_sums(
     inputs: &[Arg],
     (rows, len): (usize, usize),
     outs: &[(&DTensor, f64)],
+    (part_kernel, width): (&'static str, usize),
 ) -> Result<(), String> {
     let acc = acc_dtype(outs.first().ok_or("no outputs")?.0.dtype);
-    let tiles = len.div_ceil(32);
+    let tiles = len.div_ceil(width);
     let most_blocks = (i32::MAX as usize) / tiles.max(1);
     let chunks = rows
         .div_ceil(64)
@@ -308,8 +318,7 @@ fn column_sums(
         Arg::I64(len as i64),
         Arg::I64(chunk_rows as i64),
     ]);
-    c.dev
-        .launch(key, &make, "k_cols_part", blocks, 256, &args)?;
+    c.dev.launch(key, &make, part_kernel, blocks, 256, &args)?;
     let mut args = vec![part.arg(), Arg::I64(len as i64), Arg::I64(chunks as i64)];
     for (y, scale) in outs {
         args.extend([y.arg(), Arg::F64(*scale)]);
@@ -808,6 +817,7 @@ pub fn eval(
                 &[x.arg(), dy.arg(), stats.arg()],
                 (rows, len),
                 &[(&dg, 1.0), (&db, 1.0)],
+                ("k_cols_part", 32),
             )?;
         }
         return Ok(vec![dx, dg, db]);

@@ -990,12 +990,50 @@ fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> Stri
 }
 
 /// Sum over the rows of a `[rows, len]` matrix of `d` (Mean through the scale),
-/// stored as `out`.
+/// stored as `out`. Besides [`column_sums`]' kernels, `k_cols_part_vec` does
+/// `k_cols_part`'s work with each lane reading a 16-byte word of [`column_vector`]
+/// adjacent columns (a warp reads 512 contiguous bytes of a row, not 64): for `len` a
+/// multiple of that and a 16-byte aligned matrix.
 pub fn column_sum(d: DType, out: DType) -> String {
+    let v = column_vector(d);
     module_multi(
         &[("", d), ("O", out)],
-        &column_sums("const T* px", "", &["(AO)ld(px, at)"], "O"),
+        &format!(
+            "{}extern \"C\" __global__ void k_cols_part_vec(const T* px, AO* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
+               __shared__ AO sh[{COLUMN_ROWS}][{width}];\n\
+               int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+               i64 tiles = (len + {width} - 1) / {width};\n\
+               i64 j = (blockIdx.x % tiles) * {width} + tx * {v}, chunk = blockIdx.x / tiles;\n\
+               i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
+               AO acc[{v}];\n\
+               #pragma unroll\n\
+               for (int e = 0; e < {v}; ++e) acc[e] = 0;\n\
+               if (j < len) {{\n\
+                 #pragma unroll 4\n\
+                 for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{\n\
+                   uint4 word = *(const uint4*)(px + row * len + j);\n\
+                   const T* x = (const T*)&word;\n\
+                   #pragma unroll\n\
+                   for (int e = 0; e < {v}; ++e) acc[e] += (AO)ld(x, e);\n\
+                 }}\n\
+               }}\n\
+               #pragma unroll\n\
+               for (int e = 0; e < {v}; ++e) sh[ty][tx * {v} + e] = acc[e];\n\
+               __syncthreads();\n\
+               if (ty == 0 && j < len) {{\n\
+                 #pragma unroll\n\
+                 for (int e = 0; e < {v}; ++e) {{ AO s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[w][tx * {v} + e]; part[chunk * len + j + e] = s; }}\n\
+               }}\n\
+             }}\n",
+            column_sums("const T* px", "", &["(AO)ld(px, at)"], "O"),
+            width = 32 * v,
+        ),
     )
+}
+
+/// Elements of `d` in a 16-byte word: the columns a lane of `k_cols_part_vec` sums.
+pub fn column_vector(d: DType) -> usize {
+    16 / d.size_bytes()
 }
 
 /// LayerNormGrad: `k_rows` (a block per row) or `k_rows_warp` (a warp per row held in
