@@ -354,6 +354,16 @@ fn row_kernel(
         .launch(key, &make, block, row_grid(rows), row_block(len), &args)
 }
 
+/// The rows a layer norm over the axes from `axis` on normalises: (rows, values per
+/// row, values per lane of the warp kernels).
+fn normalized_rows(x: &DTensor, axis: i64) -> Result<(usize, usize, usize), String> {
+    float_only(x.dtype)?;
+    let axis = normalize_axis(axis, x.shape.len())?;
+    let len = numel(&x.shape[axis..]);
+    let rows = x.len().checked_div(len).unwrap_or(0);
+    Ok((rows, len, src::warp_row_values(len)))
+}
+
 /// (len, inner, rows) of a softmax-like op along `axis`.
 fn along(shape: &[usize], axis: i64) -> Result<(usize, usize, usize), String> {
     let axis = normalize_axis(axis, shape.len())?;
@@ -772,12 +782,8 @@ pub fn eval(
     }
     if let Some(ln) = op.downcast_ref::<LayerNorm>() {
         let (x, g, b) = (input(0)?, input(1)?, input(2)?);
-        float_only(x.dtype)?;
-        let axis = normalize_axis(ln.axis, x.shape.len())?;
-        let len = numel(&x.shape[axis..]);
-        let rows = x.len().checked_div(len).unwrap_or(0);
+        let (rows, len, per) = normalized_rows(x, ln.axis)?;
         let y = c.alloc(out0)?;
-        let per = src::warp_row_values(len);
         row_kernel(
             c,
             &format!("layer_norm/{}/{:e}/{per}", x.dtype, ln.epsilon),
@@ -790,15 +796,11 @@ pub fn eval(
     }
     if let Some(ln) = op.downcast_ref::<LayerNormGrad>() {
         let (x, g, dy) = (input(0)?, input(1)?, input(2)?);
-        float_only(x.dtype)?;
-        let axis = normalize_axis(ln.axis, x.shape.len())?;
-        let len = numel(&x.shape[axis..]);
-        let rows = x.len().checked_div(len).unwrap_or(0);
+        let (rows, len, per) = normalized_rows(x, ln.axis)?;
         let dx = c.alloc(out0)?;
         let dg = c.alloc(outs.get(1).ok_or("missing output 1")?)?;
         let db = c.alloc(outs.get(2).ok_or("missing output 2")?)?;
         let stats = c.temp(acc_dtype(x.dtype), 2 * rows)?;
-        let per = src::warp_row_values(len);
         let key = format!("layer_norm_grad/{}/{:e}/{per}", x.dtype, ln.epsilon);
         let make = || src::layer_norm_grad(x.dtype, ln.epsilon, per);
         row_kernel(
