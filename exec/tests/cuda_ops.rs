@@ -66,6 +66,19 @@ fn check(gpu: &mut CudaExecutor, what: &str, op: impl Op, inputs: &[Tensor]) {
 }
 
 fn check_scaled(gpu: &mut CudaExecutor, what: &str, op: impl Op, inputs: &[Tensor], scale: f64) {
+    let (dev, cpu) = run_both(gpu, what, op, inputs);
+    for (k, (a, b)) in dev.iter().zip(&cpu).enumerate() {
+        assert_close(&format!("{what} output {k}"), a, b, scale);
+    }
+}
+
+/// `op` over `inputs` on the GPU and on the CPU: (GPU outputs, CPU outputs).
+fn run_both(
+    gpu: &mut CudaExecutor,
+    what: &str,
+    op: impl Op,
+    inputs: &[Tensor],
+) -> (Vec<Tensor>, Vec<Tensor>) {
     let mut g = Graph::new();
     let mut feeds = Feeds::new();
     let ports: Vec<Port> = inputs
@@ -88,9 +101,7 @@ fn check_scaled(gpu: &mut CudaExecutor, what: &str, op: impl Op, inputs: &[Tenso
     let dev = gpu
         .run(&g, &feeds, &outs)
         .unwrap_or_else(|e| panic!("{what}: cuda: {e}"));
-    for (k, (a, b)) in dev.iter().zip(&cpu).enumerate() {
-        assert_close(&format!("{what} output {k}"), a, b, scale);
-    }
+    (dev, cpu)
 }
 
 fn t(dtype: DType, shape: &[usize], v: &[f64]) -> Tensor {
@@ -569,16 +580,30 @@ fn matmul_and_batch_matmul() {
                 let a = rand(&mut r, d, &if ta { [k, m] } else { [m, k] }, -1.0, 1.0);
                 let b = rand(&mut r, d, &if tb { [n, k] } else { [k, n] }, -1.0, 1.0);
                 let bias = rand(&mut r, d, &[n], -1.0, 1.0);
-                check_scaled(
-                    &mut gpu,
-                    &format!("FusedMatMul {} {d} {ta} {tb}", epilogue.name()),
-                    FusedMatMul {
-                        product: MatMul::new(ta, tb),
-                        epilogue,
-                    },
-                    &[a, b, bias],
-                    4.0,
-                );
+                let fused = FusedMatMul {
+                    product: MatMul::new(ta, tb),
+                    epilogue,
+                    to: None,
+                };
+                let what = format!("FusedMatMul {} {d} {ta} {tb}", epilogue.name());
+                let inputs = [a, b, bias];
+                check_scaled(&mut gpu, &what, fused.clone(), &inputs, 4.0);
+                // Stored in f32 by the GEMM: the CPU's f16 result, to the rounding
+                // the GPU skips.
+                if d != DType::F32 {
+                    let wide = FusedMatMul {
+                        to: Some(DType::F32),
+                        ..fused
+                    };
+                    let (dev, cpu) = run_both(&mut gpu, &what, wide, &inputs);
+                    assert_eq!(dev[0].dtype(), DType::F32);
+                    assert_close(
+                        &format!("{what} to f32"),
+                        &dev[0].cast(d),
+                        &cpu[0].cast(d),
+                        4.0,
+                    );
+                }
             }
         }
         let cases: [(&[usize], &[usize], bool, bool); 5] = [

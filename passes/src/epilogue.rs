@@ -5,11 +5,13 @@
 //! A product fuses only with the BiasAdd that is its sole reader, and an activation
 //! only where it is the BiasAdd's sole reader: an intermediate someone else reads (the
 //! pre-activation a GELU's gradient needs in a training graph, a graph output) has to
-//! exist, so it stays unfused. The fused node takes the name of the last node it
+//! exist, so it stays unfused. Then a 16-bit fused product whose sole reader is a Cast
+//! to f32 (AMP's cast back before the loss or a graph output) stores its result in
+//! f32 itself (`FusedMatMul::to`). The fused node takes the name of the last node it
 //! replaces.
 
 use ampgraph_graph::graph::Adjacency;
-use ampgraph_graph::ops::{BiasAdd, DataFormat, Epilogue, FusedMatMul, MatMul, Unary};
+use ampgraph_graph::ops::{BiasAdd, Cast, DataFormat, Epilogue, FusedMatMul, MatMul, Unary};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
 use crate::{Pass, PassError, PassSummary};
@@ -37,6 +39,45 @@ fn sole_reader(g: &Graph, adj: &Adjacency, port: Port) -> Option<NodeId> {
         (Some((reader, _)), None) => Some(reader),
         _ => None,
     }
+}
+
+/// Folds into each 16-bit FusedMatMul the Cast to f32 that alone reads it: the fused
+/// node replaces the Cast (and takes its name). Returns the folds and the bytes of the
+/// 16-bit results no longer written and read back.
+fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
+    let adj = g.adjacency();
+    let mut folds = Vec::new();
+    for id in g.node_ids() {
+        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
+            continue;
+        };
+        let product = Port::new(id, 0);
+        let narrow = matches!(g.ty(product).dtype, DType::F16 | DType::BF16);
+        if fused.to.is_some() || !narrow {
+            continue;
+        }
+        let Some(cast) = sole_reader(g, &adj, product) else {
+            continue;
+        };
+        if g.node(cast).op.downcast_ref::<Cast>().map(|c| c.to) == Some(DType::F32) {
+            folds.push((id, cast));
+        }
+    }
+    let mut bytes = 0;
+    for &(id, cast) in &folds {
+        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
+            continue;
+        };
+        let wide = FusedMatMul {
+            to: Some(DType::F32),
+            ..fused.clone()
+        };
+        bytes += 2 * g.ty(Port::new(id, 0)).size_bytes();
+        let inputs = g.inputs(id).to_vec();
+        g.set_node(cast, Box::new(wide), &inputs)?;
+        g.remove_node(id)?;
+    }
+    Ok((folds.len(), bytes))
 }
 
 fn find(g: &Graph) -> Result<Vec<Candidate>, PassError> {
@@ -98,7 +139,11 @@ impl Pass for GemmEpilogue {
             bytes_saved += 2 * g.ty(Port::new(c.matmul, 0)).size_bytes();
             g.set_node(
                 last,
-                Box::new(FusedMatMul { product, epilogue }),
+                Box::new(FusedMatMul {
+                    product,
+                    epilogue,
+                    to: None,
+                }),
                 &[a, b, bias],
             )?;
             if c.activation.is_some() {
@@ -109,12 +154,15 @@ impl Pass for GemmEpilogue {
             g.remove_node(c.matmul)?;
         }
         let fused = candidates.len();
+        let (wide, wide_bytes) = fold_output_casts(g)?;
+        bytes_saved += wide_bytes;
         let summary = PassSummary {
             title: "GEMM epilogue pass summary:".into(),
             lines: vec![
                 format!("Products that took their bias: {fused}"),
                 format!("... and their activation too: {activations}"),
-                format!("Kernels fewer per run: {}", fused + activations),
+                format!("... that store their result in f32 (a Cast folded): {wide}"),
+                format!("Kernels fewer per run: {}", fused + activations + wide),
                 format!(
                     "Memory traffic saved per run: {}",
                     crate::format_bytes(bytes_saved as u64)
@@ -242,6 +290,39 @@ mod tests {
             let again = fused.clone();
             GemmEpilogue.run(&mut fused).unwrap();
             assert_eq!(fused.len(), again.len());
+        }
+    }
+
+    #[test]
+    fn a_cast_to_f32_after_a_16_bit_product_folds_in() {
+        for dtype in [DType::F16, DType::BF16, DType::F32] {
+            let mut g = dense(dtype, Some(UnaryKind::Relu));
+            let relu = g.outputs()[0];
+            let cast = g
+                .add_node("logits", Box::new(Cast { to: DType::F32 }), &[relu])
+                .unwrap();
+            g.set_outputs(vec![cast.into()]).unwrap();
+            let before = run(&g);
+            let mut fused = g.clone();
+            let summary = GemmEpilogue.run(&mut fused).unwrap();
+            fused.validate().unwrap();
+            let out = fused.outputs()[0].node;
+            let op = fused.node(out).op.downcast_ref::<FusedMatMul>();
+            let narrow = dtype != DType::F32;
+            assert_eq!(
+                op.map(|f| f.to),
+                narrow.then_some(Some(DType::F32)),
+                "{dtype}"
+            );
+            if narrow {
+                assert_eq!(fused.len(), 4, "x, w, b and the fused node");
+                assert_eq!(fused.node(out).name, "logits", "the cast's name stays");
+                assert!(summary.lines[2].ends_with(": 1"), "{summary}");
+            }
+            assert_eq!(run(&fused), before, "{dtype}: bitwise the unfused values");
+            let again = fused.clone();
+            GemmEpilogue.run(&mut fused).unwrap();
+            assert_eq!(fused.len(), again.len(), "idempotent");
         }
     }
 

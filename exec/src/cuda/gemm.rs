@@ -56,6 +56,8 @@ pub struct Gemm {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct PlanKey {
     dtype: DType,
+    /// The output's dtype: `dtype`, or f32 for a 16-bit product stored wide.
+    out: DType,
     m: usize,
     n: usize,
     k: usize,
@@ -221,7 +223,12 @@ impl Gemm {
     }
 
     pub fn run(&self, dev: &Device, p: &Product, opts: GemmOptions) -> Result<(), String> {
-        let dtype = p.c.dtype;
+        let (dtype, out) = (p.a.dtype, p.c.dtype);
+        let wide_16_bit = matches!(dtype, DType::F16 | DType::BF16) && out == DType::F32;
+        let allowed = out == dtype || (wide_16_bit && !opts.allow_fp16_reduced_precision_reduction);
+        if !allowed {
+            return Err(format!("no {dtype} product stored as {out}"));
+        }
         if p.m == 0 || p.n == 0 || p.batch == 0 {
             return Ok(());
         }
@@ -230,6 +237,7 @@ impl Gemm {
         }
         let key = PlanKey {
             dtype,
+            out,
             m: p.m,
             n: p.n,
             k: p.k,
@@ -379,6 +387,7 @@ impl Gemm {
     fn plan(&self, key: &PlanKey) -> Result<(Plan, Vec<sys::cublasLtMatmulAlgo_t>), String> {
         let PlanKey {
             dtype,
+            out,
             m,
             n,
             k,
@@ -437,7 +446,13 @@ impl Gemm {
         };
         let lb = layout(mat_ty, b_rows, b_cols, ldb, batch_count, stride_b as i64)?;
         let la = layout(mat_ty, a_rows, a_cols, lda, batch_count, stride_a as i64)?;
-        let lc = layout(mat_ty, n64, m64, n as i64, batch_count, (m * n) as i64)?;
+        // A 16-bit product stored in f32 (run() allows no other mix).
+        let out_ty = if out == dtype {
+            mat_ty
+        } else {
+            sys::cudaDataType::CUDA_R_32F
+        };
+        let lc = layout(out_ty, n64, m64, n as i64, batch_count, (m * n) as i64)?;
         let desc = Desc(lt::create_matmul_desc(compute, scale_ty).map_err(err("descriptor"))?);
         let (tb, ta) = (i32::from(transpose_b), i32::from(transpose_a));
         // SAFETY: cublasOperation_t is an i32 enum (0 = N, 1 = T).
@@ -475,6 +490,19 @@ impl Gemm {
                 )
             }
             .map_err(err("epilogue"))?;
+            // The bias keeps the operands' type when the output is wider.
+            if out != dtype {
+                // SAFETY: the attribute is a cudaDataType (an i32 enum).
+                unsafe {
+                    lt::set_matmul_desc_attribute(
+                        desc.0,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                        (&mat_ty) as *const sys::cudaDataType as *const c_void,
+                        size_of::<sys::cudaDataType>(),
+                    )
+                }
+                .map_err(err("bias type"))?;
+            }
         }
         let pref = Pref(lt::create_matmul_pref().map_err(err("preference"))?);
         let ws = self.workspace.bytes();

@@ -364,6 +364,17 @@ fn normalized_rows(x: &DTensor, axis: i64) -> Result<(usize, usize, usize), Stri
     Ok((rows, len, src::warp_row_values(len)))
 }
 
+/// `y = x` converted to `y`'s dtype, element by element.
+fn cast_into(c: &Ctx, x: &DTensor, y: &DTensor) -> Result<(), String> {
+    let n = x.len();
+    c.dev.launch_elementwise(
+        &format!("cast/{}/{}", x.dtype, y.dtype),
+        || src::cast(x.dtype, y.dtype),
+        n,
+        &[x.arg(), y.arg(), Arg::I64(n as i64)],
+    )
+}
+
 /// (len, inner, rows) of a softmax-like op along `axis`.
 fn along(shape: &[usize], axis: i64) -> Result<(usize, usize, usize), String> {
     let axis = normalize_axis(axis, shape.len())?;
@@ -544,13 +555,7 @@ pub fn eval(
             return Ok(vec![x.clone()]);
         }
         let y = c.alloc(out0)?;
-        let n = x.len();
-        dev.launch_elementwise(
-            &format!("cast/{}/{}", x.dtype, cast.to),
-            || src::cast(x.dtype, cast.to),
-            n,
-            &[x.arg(), y.arg(), Arg::I64(n as i64)],
-        )?;
+        cast_into(c, x, &y)?;
         return Ok(vec![y]);
     }
     if op.downcast_ref::<Reshape>().is_some() {
@@ -839,28 +844,34 @@ pub fn eval(
         } else {
             a.shape[1]
         };
-        c.gemm.run(
-            dev,
-            &Product {
-                a,
-                b,
-                c: &y,
-                m: mm,
-                n: nn,
-                k,
-                transpose_a: m.transpose_a,
-                transpose_b: m.transpose_b,
-                batch: 1,
-                stride_a: 0,
-                stride_b: 0,
-                offset_a: 0,
-                offset_b: 0,
-                offset_c: 0,
-                alpha: 1.0,
-                bias,
-            },
-            c.gemm_options,
-        )?;
+        let product = |out| Product {
+            a,
+            b,
+            c: out,
+            m: mm,
+            n: nn,
+            k,
+            transpose_a: m.transpose_a,
+            transpose_b: m.transpose_b,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            offset_a: 0,
+            offset_b: 0,
+            offset_c: 0,
+            alpha: 1.0,
+            bias,
+        };
+        let run = c.gemm.run(dev, &product(&y), c.gemm_options);
+        if let (Err(why), true) = (&run, y.dtype != a.dtype) {
+            // No cuBLASLt kernel stores this product wide: in its own type, then a cast.
+            log::debug!("{}: {why}; storing the product, then casting", c.name);
+            let narrow = c.temp(a.dtype, y.len())?;
+            c.gemm.run(dev, &product(&narrow), c.gemm_options)?;
+            cast_into(c, &narrow, &y)?;
+            return Ok(vec![y]);
+        }
+        run?;
         return Ok(vec![y]);
     }
     if let Some(bm) = op.downcast_ref::<BatchMatMul>() {

@@ -9,11 +9,12 @@ use rayon::prelude::*;
 
 use crate::attrs::AttrValue;
 use crate::autodiff::GradBuilder;
+use crate::dtype::DType;
 use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
-use crate::ops::{BiasAdd, DataFormat, Unary, UnaryKind};
+use crate::ops::{widens_exactly, BiasAdd, DataFormat, Unary, UnaryKind};
 use crate::shape::{broadcast_index_map, broadcast_shapes};
 use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
 
@@ -36,6 +37,11 @@ pub(crate) const OPS: &[OpEntry] = &[
                     transpose_b: a.bool_or("transpose_b", false)?,
                 },
                 epilogue: a.choice("epilogue", &Epilogue::NAMES, None)?,
+                to: a
+                    .opt_str("to")?
+                    .map(|s| s.parse())
+                    .transpose()
+                    .map_err(|e| format!("attr 'to': {e}"))?,
             }))
         },
     },
@@ -570,11 +576,13 @@ impl Epilogue {
 /// `act(MatMul(a, b) + bias)` as one node (TensorFlow's `_FusedMatMul`): the product
 /// with its bias (a vector over the output's columns) and activation folded into the
 /// GEMM's epilogue. The CPU kernel runs the unfused ops in turn, rounding between them
-/// as they do, so fusing never changes a CPU result.
+/// as they do, so fusing never changes a CPU result. `to`: the result is stored in
+/// this wider dtype (a widening Cast folded in; cuBLASLt writes it directly).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FusedMatMul {
     pub product: MatMul,
     pub epilogue: Epilogue,
+    pub to: Option<DType>,
 }
 
 impl Op for FusedMatMul {
@@ -587,6 +595,9 @@ impl Op for FusedMatMul {
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
         let mut attrs = self.product.attrs();
         attrs.push(("epilogue", self.epilogue.name().into()));
+        if let Some(to) = self.to {
+            attrs.push(("to", to.into()));
+        }
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
@@ -599,7 +610,14 @@ impl Op for FusedMatMul {
                 a.dtype
             ));
         }
-        Ok(out)
+        match self.to {
+            Some(to) if to != a.dtype && !widens_exactly(a.dtype, to) => Err(format!(
+                "the result can be stored wider only: {} does not widen to {to}",
+                a.dtype
+            )),
+            Some(to) => Ok(vec![TensorType::new(to, out[0].shape.clone())]),
+            None => Ok(out),
+        }
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [a, b, bias] = fixed(inputs)?;
@@ -608,9 +626,13 @@ impl Op for FusedMatMul {
             data_format: DataFormat::Nhwc,
         }
         .eval(&[&product[0], bias])?;
-        match self.epilogue.activation() {
-            Some(kind) => Unary::new(kind).eval(&[&with_bias[0]]),
-            None => Ok(with_bias),
+        let mut out = match self.epilogue.activation() {
+            Some(kind) => Unary::new(kind).eval(&[&with_bias[0]])?,
+            None => with_bias,
+        };
+        if let Some(to) = self.to {
+            out[0] = out[0].cast(to);
         }
+        Ok(out)
     }
 }
