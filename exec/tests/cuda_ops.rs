@@ -427,6 +427,8 @@ fn softmax_family_and_cross_entropy() {
             (vec![4, 10], -1),
             (vec![3, 1000], 1),
             (vec![37, 96], -1),
+            // Rows of whole 16-byte words for every dtype: the k_warp_vec kernels.
+            (vec![9, 512], -1),
             (vec![3, 2000], 1),
             (vec![3, 5, 4], 1),
             (vec![2, 3, 4], 0),
@@ -495,6 +497,7 @@ fn layer_norm_and_grad() {
             (vec![4, 16], -1i64),
             (vec![3, 2, 300], 1),
             (vec![5, 1024], 1),
+            (vec![7, 768], -1),
             (vec![700, 40], -1),
             // Longer than a warp holds: the block-per-row kernels.
             (vec![3, 1500], -1),

@@ -355,13 +355,36 @@ fn row_kernel(
 }
 
 /// The rows a layer norm over the axes from `axis` on normalises: (rows, values per
-/// row, values per lane of the warp kernels).
-fn normalized_rows(x: &DTensor, axis: i64) -> Result<(usize, usize, usize), String> {
+/// row).
+fn normalized_rows(x: &DTensor, axis: i64) -> Result<(usize, usize), String> {
     float_only(x.dtype)?;
     let axis = normalize_axis(axis, x.shape.len())?;
     let len = numel(&x.shape[axis..]);
     let rows = x.len().checked_div(len).unwrap_or(0);
-    Ok((rows, len, src::warp_row_values(len)))
+    Ok((rows, len))
+}
+
+/// The values per lane and the warp kernel of a row module over rows of `len`
+/// values: `k_warp_vec` (16-byte words, rows of exactly `32 * per` values) where the
+/// rows are contiguous, `len` is a multiple of 32 words and every tensor is 16-byte
+/// aligned, else `k_warp`.
+fn warp_row_form(
+    len: usize,
+    dtype: DType,
+    contiguous: bool,
+    tensors: &[&DTensor],
+) -> (usize, &'static str) {
+    let words = 32 * src::column_vector(dtype);
+    let vector = contiguous
+        && len > 0
+        && len <= src::WARP_ROW_MAX
+        && len % words == 0
+        && tensors.iter().all(|t| t.ptr() % 16 == 0);
+    if vector {
+        (len / 32, "k_warp_vec")
+    } else {
+        (src::warp_row_values(len), "k_warp")
+    }
 }
 
 /// `y = x` converted to `y`'s dtype, element by element.
@@ -696,14 +719,14 @@ pub fn eval(
         float_only(x.dtype)?;
         let (len, inner, rows) = along(&x.shape, axis)?;
         let y = c.alloc(out0)?;
-        let per = src::warp_row_values(len);
+        let (per, warp) = warp_row_form(len, x.dtype, inner == 1, &[x, &y]);
         let key = format!("softmax/{}/{log}/{per}", x.dtype);
         let make = || src::softmax(x.dtype, log, per);
         row_kernel(
             c,
             &key,
             make,
-            ("k", "k_warp"),
+            ("k", warp),
             &[x.arg(), y.arg()],
             (rows, len, Some(inner)),
         )?;
@@ -787,13 +810,14 @@ pub fn eval(
     }
     if let Some(ln) = op.downcast_ref::<LayerNorm>() {
         let (x, g, b) = (input(0)?, input(1)?, input(2)?);
-        let (rows, len, per) = normalized_rows(x, ln.axis)?;
+        let (rows, len) = normalized_rows(x, ln.axis)?;
         let y = c.alloc(out0)?;
+        let (per, warp) = warp_row_form(len, x.dtype, true, &[x, &y]);
         row_kernel(
             c,
             &format!("layer_norm/{}/{:e}/{per}", x.dtype, ln.epsilon),
             || src::layer_norm(x.dtype, ln.epsilon, per),
-            ("k", "k_warp"),
+            ("k", warp),
             &[x.arg(), g.arg(), b.arg(), y.arg()],
             (rows, len, None),
         )?;
@@ -801,7 +825,8 @@ pub fn eval(
     }
     if let Some(ln) = op.downcast_ref::<LayerNormGrad>() {
         let (x, g, dy) = (input(0)?, input(1)?, input(2)?);
-        let (rows, len, per) = normalized_rows(x, ln.axis)?;
+        let (rows, len) = normalized_rows(x, ln.axis)?;
+        let per = src::warp_row_values(len);
         let dx = c.alloc(out0)?;
         let dg = c.alloc(outs.get(1).ok_or("missing output 1")?)?;
         let db = c.alloc(outs.get(2).ok_or("missing output 2")?)?;

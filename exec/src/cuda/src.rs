@@ -705,9 +705,42 @@ fn warp_rows(body: &str) -> String {
     )
 }
 
+/// Rows of exactly `32 * per` values whose lanes move 16-byte words of `v` values
+/// ([`column_vector`]): value `w * v + q` of a lane is column `(32 * w + lane) * v + q`.
+/// The code loading row `base` of `ptr` into `A arr[per]`.
+fn warp_load_words(ptr: &str, arr: &str, per: usize, v: usize) -> String {
+    format!(
+        "#pragma unroll\n\
+         for (int w = 0; w < {words}; ++w) {{\n\
+           uint4 word = *(const uint4*)({ptr} + base + (i64)(32 * w + lane) * {v});\n\
+           const T* e = (const T*)&word;\n\
+           #pragma unroll\n\
+           for (int q = 0; q < {v}; ++q) {arr}[w * {v} + q] = (A)ld(e, q);\n\
+         }}\n",
+        words = per / v
+    )
+}
+
+/// The code storing `value` (an expression of the value's index `i` and column `j`)
+/// for each of a lane's values into row `base` of `ptr`, a word at a time.
+fn warp_store_words(ptr: &str, value: &str, per: usize, v: usize) -> String {
+    format!(
+        "#pragma unroll\n\
+         for (int w = 0; w < {words}; ++w) {{\n\
+           i64 j0 = (i64)(32 * w + lane) * {v};\n\
+           __align__(16) T o[{v}];\n\
+           #pragma unroll\n\
+           for (int q = 0; q < {v}; ++q) {{ int i = w * {v} + q; i64 j = j0 + q; st(o, q, (C)({value})); }}\n\
+           *(uint4*)({ptr} + base + j0) = *(const uint4*)o;\n\
+         }}\n",
+        words = per / v
+    )
+}
+
 /// Softmax or LogSoftmax along a contiguous axis. `k` gives each row a block and reads
 /// it three times; `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives
-/// each row a warp that reads it once into registers.
+/// each row a warp that reads it once into registers; `k_warp_vec` does so for rows of
+/// exactly `32 * per` values, moving 16-byte words.
 pub fn softmax(d: DType, log: bool, per: usize) -> String {
     let write = if log {
         "st(py, at, (C)((A)ld(px, at) - shift - lse));"
@@ -746,6 +779,33 @@ pub fn softmax(d: DType, log: bool, per: usize) -> String {
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{ {write_warp} }} }}"
     ));
+    // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`): no masks.
+    let v = column_vector(d);
+    let warp_vec = warp_rows(&format!(
+        "A v[{per}]; A m = (A)(-F_INF);\n\
+         {load}\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) m = nanmax(m, v[t]);\n\
+         m = warp_max(m);\n\
+         A shift = m_isfinite(m) ? m : (A)0;\n\
+         A sum = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ {accumulate} }}\n\
+         sum = warp_sum(sum);\n\
+         {finish}\n\
+         {store}",
+        load = warp_load_words("px", "v", per, v),
+        store = warp_store_words(
+            "py",
+            if log {
+                "v[i] - shift - lse"
+            } else {
+                "v[i] * inv"
+            },
+            per,
+            v
+        ),
+    ));
     module(
         d,
         &format!(
@@ -763,7 +823,8 @@ pub fn softmax(d: DType, log: bool, per: usize) -> String {
                  A lse = m_log(sum);\n\
                  for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{ i64 at = base + j * inner; {write} }}\n\
                }}\n}}\n\
-             extern \"C\" __global__ void k_warp(const T* px, T* py, i64 rows, i64 len) {{\n{warp}}}\n"
+             extern \"C\" __global__ void k_warp(const T* px, T* py, i64 rows, i64 len) {{\n{warp}}}\n\
+             extern \"C\" __global__ void k_warp_vec(const T* px, T* py, i64 rows, i64 len) {{\n{warp_vec}}}\n"
         ),
     )
 }
@@ -902,7 +963,8 @@ fn ln_warp_stats(per: usize) -> String {
 
 /// LayerNorm over rows of `len`: `k` gives each row a block (three passes over it);
 /// `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives each row a
-/// warp that reads it once into registers.
+/// warp that reads it once into registers; `k_warp_vec` does so for rows of exactly
+/// `32 * per` values, moving 16-byte words.
 pub fn layer_norm(d: DType, eps: f64, per: usize) -> String {
     let warp = warp_rows(&format!(
         "A v[{per}];\n\
@@ -912,6 +974,19 @@ pub fn layer_norm(d: DType, eps: f64, per: usize) -> String {
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) st(py, base + j, (C)((v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j))); }}",
         stats = ln_warp_stats(per)
+    ));
+    // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`).
+    let v = column_vector(d);
+    let warp_vec = warp_rows(&format!(
+        "A v[{per}];\n{load}{stats}{store}",
+        load = warp_load_words("px", "v", per, v),
+        stats = ln_warp_stats(per),
+        store = warp_store_words(
+            "py",
+            "(v[i] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)",
+            per,
+            v
+        ),
     ));
     module(
         d,
@@ -926,7 +1001,9 @@ pub fn layer_norm(d: DType, eps: f64, per: usize) -> String {
                  }}\n\
                }}\n}}\n\
              extern \"C\" __global__ void k_warp(const T* px, const T* pg, const T* pb, T* py, i64 rows, i64 len) {{\n\
-               const A eps = (A)(C){eps};\n{warp}}}\n",
+               const A eps = (A)(C){eps};\n{warp}}}\n\
+             extern \"C\" __global__ void k_warp_vec(const T* px, const T* pg, const T* pb, T* py, i64 rows, i64 len) {{\n\
+               const A eps = (A)(C){eps};\n{warp_vec}}}\n",
             eps = lit(eps)
         ),
     )
