@@ -826,8 +826,8 @@ pub fn eval(
     if let Some(ln) = op.downcast_ref::<LayerNormGrad>() {
         let (x, g, dy) = (input(0)?, input(1)?, input(2)?);
         let (rows, len) = normalized_rows(x, ln.axis)?;
-        let per = src::warp_row_values(len);
         let dx = c.alloc(out0)?;
+        let (per, warp) = warp_row_form(len, x.dtype, true, &[x, dy, &dx]);
         let dg = c.alloc(outs.get(1).ok_or("missing output 1")?)?;
         let db = c.alloc(outs.get(2).ok_or("missing output 2")?)?;
         let stats = c.temp(acc_dtype(x.dtype), 2 * rows)?;
@@ -837,7 +837,7 @@ pub fn eval(
             c,
             &key,
             make,
-            ("k_rows", "k_rows_warp"),
+            ("k", warp),
             &[x.arg(), g.arg(), dy.arg(), dx.arg(), stats.arg()],
             (rows, len, None),
         )?;

@@ -1113,28 +1113,49 @@ pub fn column_vector(d: DType) -> usize {
     16 / d.size_bytes()
 }
 
-/// LayerNormGrad: `k_rows` (a block per row) or `k_rows_warp` (a warp per row held in
-/// registers, as [`layer_norm`]'s `k_warp`) writes dx and each row's mean and inverse
-/// deviation; the column sums (see [`column_sums`]) give dgamma and dbeta.
+/// LayerNormGrad: `k` (a block per row), `k_warp` (a warp per row held in registers,
+/// as [`layer_norm`]'s) or `k_warp_vec` (the same moving 16-byte words, rows of exactly
+/// `32 * per` values) writes dx and each row's mean and inverse deviation; the column
+/// sums (see [`column_sums`]) give dgamma and dbeta.
 pub fn layer_norm_grad(d: DType, eps: f64, per: usize) -> String {
+    // Given x in `v` and dy * gamma in `dy`: xhat, then dx's two row means.
+    let middle = format!(
+        "{stats}\
+         A sg = 0, sgx = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ v[t] = (v[t] - mean) * inv; sg += dy[t]; sgx += dy[t] * v[t]; }}\n\
+         A mg = warp_sum(sg) / (A)len, mgx = warp_sum(sgx) / (A)len;\n",
+        stats = ln_warp_stats(per)
+    );
+    let row_stats = "if (lane == 0) { stats[2 * row] = mean; stats[2 * row + 1] = inv; }";
     let warp = warp_rows(&format!(
         "A v[{per}], dy[{per}];\n\
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; bool in = j < len; v[t] = in ? (A)ld(px, base + j) : (A)0; dy[t] = in ? (A)ld(pdy, base + j) * (A)ld(pg, j) : (A)0; }}\n\
-         {stats}\
-         A sg = 0, sgx = 0;\n\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ v[t] = (v[t] - mean) * inv; sg += dy[t]; sgx += dy[t] * v[t]; }}\n\
-         A mg = warp_sum(sg) / (A)len, mgx = warp_sum(sgx) / (A)len;\n\
+         {middle}\
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) st(pdx, base + j, (C)((dy[t] - mg - v[t] * mgx) * inv)); }}\n\
-         if (lane == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}",
-        stats = ln_warp_stats(per)
+         {row_stats}"
+    ));
+    let v = column_vector(d);
+    let warp_vec = warp_rows(&format!(
+        "A v[{per}], dy[{per}];\n\
+         {load_x}{load_dy}\
+         #pragma unroll\n\
+         for (int w = 0; w < {words}; ++w) {{\n\
+           #pragma unroll\n\
+           for (int q = 0; q < {v}; ++q) dy[w * {v} + q] *= (A)ld(pg, (i64)(32 * w + lane) * {v} + q);\n\
+         }}\n\
+         {middle}{store}{row_stats}",
+        load_x = warp_load_words("px", "v", per, v),
+        load_dy = warp_load_words("pdy", "dy", per, v),
+        words = per / v,
+        store = warp_store_words("pdx", "(dy[i] - mg - v[i] * mgx) * inv", per, v),
     ));
     module(
         d,
         &format!(
-            "{LN_STATS}extern \"C\" __global__ void k_rows(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
+            "{LN_STATS}extern \"C\" __global__ void k(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
                __shared__ A sh[32];\n\
                for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
                  A mean, inv; ln_stats(px, row, len, (A)(C){eps}, sh, &mean, &inv);\n\
@@ -1153,8 +1174,10 @@ pub fn layer_norm_grad(d: DType, eps: f64, per: usize) -> String {
                  }}\n\
                  if (threadIdx.x == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
                }}\n}}\n\
-             extern \"C\" __global__ void k_rows_warp(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
-               const A eps = (A)(C){eps};\n{warp}}}\n{cols}",
+             extern \"C\" __global__ void k_warp(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
+               const A eps = (A)(C){eps};\n{warp}}}\n\
+             extern \"C\" __global__ void k_warp_vec(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
+               const A eps = (A)(C){eps};\n{warp_vec}}}\n{cols}",
             eps = lit(eps),
             cols = column_sums(
                 "const T* px, const T* pdy, const A* stats",
@@ -1629,7 +1652,7 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 (format!("softmax_grad_{d}"), softmax_grad(d, false, 8)),
                 (format!("log_softmax_grad_{d}"), softmax_grad(d, true, 1)),
                 (format!("layer_norm_{d}"), layer_norm(d, 1e-5, 32)),
-                (format!("layer_norm_grad_{d}"), layer_norm_grad(d, 1e-5, 4)),
+                (format!("layer_norm_grad_{d}"), layer_norm_grad(d, 1e-5, 32)),
                 (format!("sce_{d}"), sce(d, DType::I64)),
                 (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
                 (format!("all_finite_{d}"), all_finite(d, None)),
