@@ -157,8 +157,14 @@ impl AttrReader {
     }
 
     pub fn dtype(&mut self, key: &str) -> R<DType> {
-        let s = self.opt_str(key)?.ok_or_else(|| Self::missing(key))?;
-        s.parse().map_err(|e| format!("attr '{key}': {e}"))
+        self.opt_dtype(key)?.ok_or_else(|| Self::missing(key))
+    }
+
+    /// A dtype attr, `None` when absent.
+    pub fn opt_dtype(&mut self, key: &str) -> R<Option<DType>> {
+        self.opt_str(key)?
+            .map(|s| s.parse().map_err(|e| format!("attr '{key}': {e}")))
+            .transpose()
     }
 
     pub fn opt_ints(&mut self, key: &str) -> R<Option<Vec<i64>>> {

@@ -37,11 +37,7 @@ pub(crate) const OPS: &[OpEntry] = &[
                     transpose_b: a.bool_or("transpose_b", false)?,
                 },
                 epilogue: a.choice("epilogue", &Epilogue::NAMES, None)?,
-                to: a
-                    .opt_str("to")?
-                    .map(|s| s.parse())
-                    .transpose()
-                    .map_err(|e| format!("attr 'to': {e}"))?,
+                to: a.opt_dtype("to")?,
             }))
         },
     },

@@ -101,11 +101,7 @@ impl Reduce {
             kind,
             axes: a.opt_ints("axes")?,
             keep_dims: a.bool_or("keep_dims", false)?,
-            to: a
-                .opt_str("to")?
-                .map(|s| s.parse())
-                .transpose()
-                .map_err(|e| format!("attr 'to': {e}"))?,
+            to: a.opt_dtype("to")?,
         })
     }
 

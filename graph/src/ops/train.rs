@@ -314,11 +314,7 @@ impl OptimizerUpdate {
                 .ok_or("missing attr 'learning_rate'")?,
             weight_decay: a.float_or("weight_decay", 0.0)?,
             grad_scale: a.bool_or("grad_scale", false)?,
-            cast_to: a
-                .opt_str("cast_to")?
-                .map(|s| s.parse())
-                .transpose()
-                .map_err(|e| format!("attr 'cast_to': {e}"))?,
+            cast_to: a.opt_dtype("cast_to")?,
         })
     }
 
