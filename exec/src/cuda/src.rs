@@ -721,7 +721,7 @@ fn warp_load_words(ptr: &str, arr: &str, per: usize, v: usize) -> String {
     )
 }
 
-/// The code storing `value` (an expression of the value's index `i` and column `j`)
+/// The code storing `value` (an expression of the value's index `t` and column `j`)
 /// for each of a lane's values into row `base` of `ptr`, a word at a time.
 fn warp_store_words(ptr: &str, value: &str, per: usize, v: usize) -> String {
     format!(
@@ -730,7 +730,7 @@ fn warp_store_words(ptr: &str, value: &str, per: usize, v: usize) -> String {
            i64 j0 = (i64)(32 * w + lane) * {v};\n\
            __align__(16) T o[{v}];\n\
            #pragma unroll\n\
-           for (int q = 0; q < {v}; ++q) {{ int i = w * {v} + q; i64 j = j0 + q; st(o, q, (C)({value})); }}\n\
+           for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; i64 j = j0 + q; st(o, q, (C)({value})); }}\n\
            *(uint4*)({ptr} + base + j0) = *(const uint4*)o;\n\
          }}\n",
         words = per / v
@@ -747,64 +747,56 @@ pub fn softmax(d: DType, log: bool, per: usize) -> String {
     } else {
         "st(py, at, (C)(m_exp((A)ld(px, at) - shift) / sum));"
     };
-    // The warp kernel computes each exponential once (kept in `v`) and multiplies by
+    // The warp kernels compute each exponential once (kept in `v`) and multiply by
     // the sum's reciprocal: with two exponentials and a division per element it was
-    // bound by arithmetic, at half of PyTorch's speed.
-    let (accumulate, finish, write_warp) = if log {
+    // bound by arithmetic, at half of PyTorch's speed. `value` is output `t`.
+    let (accumulate, finish, value) = if log {
         (
             "sum += m_exp(v[t] - shift);",
             "A lse = m_log(sum);",
-            "st(py, base + j, (C)(v[t] - shift - lse));",
+            "v[t] - shift - lse",
         )
     } else {
         (
             "v[t] = m_exp(v[t] - shift); sum += v[t];",
             "A inv = (A)1 / sum;",
-            "st(py, base + j, (C)(v[t] * inv));",
+            "v[t] * inv",
         )
     };
+    // From the row in `v` (`guard` wraps what only the row's own values may do) to
+    // what `value` needs.
+    let reduce = |guard: &dyn Fn(&str) -> String| {
+        format!(
+            "#pragma unroll\n\
+             for (int t = 0; t < {per}; ++t) m = nanmax(m, v[t]);\n\
+             m = warp_max(m);\n\
+             A shift = m_isfinite(m) ? m : (A)0;\n\
+             A sum = 0;\n\
+             #pragma unroll\n\
+             for (int t = 0; t < {per}; ++t) {{ {} }}\n\
+             sum = warp_sum(sum);\n\
+             {finish}\n",
+            guard(accumulate)
+        )
+    };
+    let in_row = |code: &str| format!("int j = lane + 32 * t; if (j < len) {{ {code} }}");
     let warp = warp_rows(&format!(
         "A v[{per}]; A m = (A)(-F_INF);\n\
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)(-F_INF); }}\n\
+         {reduced}\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) m = nanmax(m, v[t]);\n\
-         m = warp_max(m);\n\
-         A shift = m_isfinite(m) ? m : (A)0;\n\
-         A sum = 0;\n\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{ {accumulate} }} }}\n\
-         sum = warp_sum(sum);\n\
-         {finish}\n\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{ {write_warp} }} }}"
+         for (int t = 0; t < {per}; ++t) {{ {write} }}",
+        reduced = reduce(&in_row),
+        write = in_row(&format!("st(py, base + j, (C)({value}));")),
     ));
     // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`): no masks.
     let v = column_vector(d);
     let warp_vec = warp_rows(&format!(
-        "A v[{per}]; A m = (A)(-F_INF);\n\
-         {load}\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) m = nanmax(m, v[t]);\n\
-         m = warp_max(m);\n\
-         A shift = m_isfinite(m) ? m : (A)0;\n\
-         A sum = 0;\n\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ {accumulate} }}\n\
-         sum = warp_sum(sum);\n\
-         {finish}\n\
-         {store}",
+        "A v[{per}]; A m = (A)(-F_INF);\n{load}{reduced}{store}",
         load = warp_load_words("px", "v", per, v),
-        store = warp_store_words(
-            "py",
-            if log {
-                "v[i] - shift - lse"
-            } else {
-                "v[i] * inv"
-            },
-            per,
-            v
-        ),
+        reduced = reduce(&|code: &str| code.to_string()),
+        store = warp_store_words("py", value, per, v),
     ));
     module(
         d,
@@ -983,7 +975,7 @@ pub fn layer_norm(d: DType, eps: f64, per: usize) -> String {
         stats = ln_warp_stats(per),
         store = warp_store_words(
             "py",
-            "(v[i] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)",
+            "(v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)",
             per,
             v
         ),
@@ -1150,7 +1142,7 @@ pub fn layer_norm_grad(d: DType, eps: f64, per: usize) -> String {
         load_x = warp_load_words("px", "v", per, v),
         load_dy = warp_load_words("pdy", "dy", per, v),
         words = per / v,
-        store = warp_store_words("pdx", "(dy[i] - mg - v[i] * mgx) * inv", per, v),
+        store = warp_store_words("pdx", "(dy[t] - mg - v[t] * mgx) * inv", per, v),
     ));
     module(
         d,
