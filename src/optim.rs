@@ -240,13 +240,7 @@ impl Optimizer for RuleOptimizer {
             let mut inputs = vec![finite, var.into(), grad];
             inputs.extend(&slots);
             inputs.extend(step);
-            let op = OptimizerUpdate {
-                rule: self.rule,
-                learning_rate: self.learning_rate,
-                weight_decay: self.weight_decay,
-                grad_scale: false,
-                cast_to: None,
-            };
+            let op = OptimizerUpdate::new(self.rule, self.learning_rate, self.weight_decay);
             let name = g.fresh_name(format!("{var_name}/update"));
             let update = g.add_node(name, Box::new(op), &inputs)?;
             for (k, target) in std::iter::once(Port::from(var)).chain(slots).enumerate() {

@@ -15,7 +15,9 @@
 //!
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
-use ampgraph_graph::ops::{AssignVariable, Cast, Const, OptimizerUpdate, Placeholder, Variable};
+use ampgraph_graph::ops::{
+    variable_updates, AssignVariable, Cast, Const, OptimizerUpdate, Placeholder, Variable,
+};
 use ampgraph_graph::{Graph, NodeId, Port};
 
 use crate::schedule::Schedule;
@@ -161,31 +163,22 @@ pub fn constant_casts(graph: &Graph) -> Vec<(Port, String)> {
 /// the update output holding the next step's value of the cast.
 pub fn update_casts(graph: &Graph) -> Vec<(Port, String, Port)> {
     let mut found = Vec::new();
-    for id in graph.node_ids() {
-        if !graph.node(id).op.is::<AssignVariable>() {
-            continue;
-        }
-        let &[var, value] = &graph.inputs(id)[..] else {
+    for (var, id) in variable_updates(graph) {
+        let Some(update) = graph.node(id).op.downcast_ref::<OptimizerUpdate>() else {
             continue;
         };
-        let Some(update) = graph.node(value.node).op.downcast_ref::<OptimizerUpdate>() else {
+        let Some(to) = update.cast_to else {
             continue;
         };
-        let (Some(to), 0) = (update.cast_to, value.index) else {
-            continue;
-        };
-        if graph.inputs(value.node).get(1) != Some(&var) {
-            continue;
-        }
-        let cast_out = Port::new(value.node, 1 + update.rule.slots().len());
-        for (reader, _, _) in graph.consumers(var.node) {
+        let cast_out = Port::new(id, 1 + update.rule.slots().len());
+        for (reader, _, _) in graph.consumers(var) {
             if graph
                 .node(reader)
                 .op
                 .downcast_ref::<Cast>()
                 .is_some_and(|c| c.to == to)
             {
-                let name = graph.node(var.node).name.clone();
+                let name = graph.node(var).name.clone();
                 found.push((Port::new(reader, 0), name, cast_out));
             }
         }
@@ -458,16 +451,14 @@ mod tests {
             )
             .unwrap();
         let grad = relu(&mut g, v.into());
-        let sgd = OptimizerUpdate {
-            rule: ampgraph_graph::ops::Rule::Sgd {
+        let sgd = OptimizerUpdate::new(
+            ampgraph_graph::ops::Rule::Sgd {
                 momentum: 0.0,
                 nesterov: false,
             },
-            learning_rate: 0.1,
-            weight_decay: 0.0,
-            grad_scale: false,
-            cast_to: None,
-        };
+            0.1,
+            0.0,
+        );
         let next = g.add(sgd, &[finite, v.into(), grad]).unwrap();
         let mut fetches = vec![g.add(AssignVariable, &[v.into(), next]).unwrap()];
         if late_reader {

@@ -100,14 +100,15 @@ fn updates_that_write_the_cast_replace_the_cast_kernel() {
         .add(Const::new(Tensor::scalar(DType::Bool, 1.0)), &[])
         .unwrap();
     let sgd = OptimizerUpdate {
-        rule: Rule::Sgd {
-            momentum: 0.0,
-            nesterov: false,
-        },
-        learning_rate: 0.5,
-        weight_decay: 0.0,
-        grad_scale: false,
         cast_to: Some(DType::F16),
+        ..OptimizerUpdate::new(
+            Rule::Sgd {
+                momentum: 0.0,
+                nesterov: false,
+            },
+            0.5,
+            0.0,
+        )
     };
     let new = g.add(sgd, &[yes, w, grad]).unwrap();
     let assign = g.add(AssignVariable, &[w, new]).unwrap();

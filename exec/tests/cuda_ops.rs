@@ -759,13 +759,11 @@ fn training_ops() {
                 }
                 inputs.extend(grad_scale.map(|s| Tensor::scalar(d, s)));
                 let op = OptimizerUpdate {
-                    rule,
-                    learning_rate: 0.01,
-                    weight_decay: 0.01,
                     grad_scale: grad_scale.is_some(),
                     // The scaled forms also write the new variable in the
                     // gradient's 16-bit type.
                     cast_to: grad_scale.map(|_| gd),
+                    ..OptimizerUpdate::new(rule, 0.01, 0.01)
                 };
                 check(
                     &mut gpu,

@@ -33,7 +33,8 @@ pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
 pub use softmax::{SoftmaxCrossEntropyGrad, SoftmaxGrad};
 pub use source::{Cast, Const, Init, Placeholder, Variable};
 pub use train::{
-    AllFinite, AssignVariable, Group, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule,
+    variable_updates, AllFinite, AssignVariable, Group, IncrementIf, LossScaleUpdate,
+    OptimizerUpdate, Rule,
 };
 
 /// The gradient flowing into output 0, when there is one.

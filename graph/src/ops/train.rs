@@ -6,8 +6,10 @@
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
+use crate::graph::{Graph, NodeId};
 use crate::kernel::{eval_float, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::ops::Variable;
 use crate::tensor::{Data, ShapeDisplay, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -274,6 +276,18 @@ pub struct OptimizerUpdate {
 }
 
 impl OptimizerUpdate {
+    /// An update by `rule` that reads its gradient as it is and writes no cast (the
+    /// passes set `grad_scale` and `cast_to`).
+    pub fn new(rule: Rule, learning_rate: f64, weight_decay: f64) -> OptimizerUpdate {
+        OptimizerUpdate {
+            rule,
+            learning_rate,
+            weight_decay,
+            grad_scale: false,
+            cast_to: None,
+        }
+    }
+
     fn parse(a: &mut AttrReader) -> OpResult<OptimizerUpdate> {
         let beta1 = a.float_or("beta1", 0.9)?;
         let beta2 = a.float_or("beta2", 0.999)?;
@@ -541,6 +555,25 @@ impl FloatKernel for OptimizerUpdate {
     }
 }
 
+/// The optimizer updates whose new value (output 0) an assignment writes to the
+/// Variable they update: `(variable, update)` pairs, in node order.
+pub fn variable_updates(graph: &Graph) -> Vec<(NodeId, NodeId)> {
+    graph
+        .node_ids()
+        .filter(|&id| graph.node(id).op.is::<AssignVariable>())
+        .filter_map(|id| {
+            let &[var, value] = &graph.inputs(id)[..] else {
+                return None;
+            };
+            let is_update = graph.node(value.node).op.is::<OptimizerUpdate>();
+            let updates_var = graph.inputs(value.node).get(1) == Some(&var);
+            let is_variable = graph.node(var.node).op.is::<Variable>();
+            (is_update && value.index == 0 && updates_var && is_variable)
+                .then_some((var.node, value.node))
+        })
+        .collect()
+}
+
 /// Dynamic loss scaling, as TensorFlow's: inputs (`finite`, scale, good steps);
 /// outputs the new scale and count. After `growth_interval` finite steps in a row the
 /// scale grows by `growth_factor`; a non-finite step multiplies it by `backoff_factor`
@@ -601,6 +634,7 @@ impl Op for LossScaleUpdate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::graph::Port;
 
     fn eval(op: &dyn Op, inputs: &[Tensor]) -> Vec<Tensor> {
         let refs: Vec<&Tensor> = inputs.iter().collect();
@@ -624,16 +658,47 @@ mod tests {
     }
 
     #[test]
+    fn variable_updates_pair_each_variable_with_the_update_writing_it() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, vec![3]);
+        let mut var = |name: &str| {
+            g.add_node(name, Box::new(Variable::new(ty.clone())), &[])
+                .unwrap()
+        };
+        let (w, m, other) = (var("w"), var("w/momentum"), var("other"));
+        let yes = g.scalar(DType::Bool, 1.0).unwrap();
+        let momentum = Rule::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+        };
+        let update = g
+            .add_node(
+                "update",
+                Box::new(OptimizerUpdate::new(momentum, 0.1, 0.0)),
+                &[yes, w.into(), other.into(), m.into()],
+            )
+            .unwrap();
+        for (target, value) in [(w, Port::new(update, 0)), (m, Port::new(update, 1))] {
+            g.add(AssignVariable, &[target.into(), value]).unwrap();
+        }
+        // Written, but not by an update.
+        g.add(AssignVariable, &[other.into(), w.into()]).unwrap();
+        // The slot is output 1, not the variable the update updates.
+        assert_eq!(variable_updates(&g), vec![(w, update)]);
+    }
+
+    #[test]
     fn a_scaled_gradient_is_unscaled_before_the_rule() {
         let sgd = |grad_scale| OptimizerUpdate {
-            rule: Rule::Sgd {
-                momentum: 0.0,
-                nesterov: false,
-            },
-            learning_rate: 0.5,
-            weight_decay: 0.0,
             grad_scale,
-            cast_to: None,
+            ..OptimizerUpdate::new(
+                Rule::Sgd {
+                    momentum: 0.0,
+                    nesterov: false,
+                },
+                0.5,
+                0.0,
+            )
         };
         let yes = Tensor::scalar(DType::Bool, 1.0);
         let w = Tensor::from_f64(DType::F32, vec![2], &[1.0, 2.0]).unwrap();

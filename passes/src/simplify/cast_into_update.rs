@@ -8,8 +8,8 @@
 //! or a variable set from outside, needs it; an executor that keeps the update's cast
 //! for the next step (the CUDA one does) runs it only then.
 
-use ampgraph_graph::ops::{AssignVariable, Cast, OptimizerUpdate, Variable};
-use ampgraph_graph::{Graph, NodeId, Port};
+use ampgraph_graph::ops::{variable_updates, Cast, OptimizerUpdate};
+use ampgraph_graph::{Graph, Port};
 
 use super::summary;
 use crate::{format_bytes, Pass, PassError, PassSummary};
@@ -25,26 +25,8 @@ impl Pass for CastIntoUpdate {
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         // Each variable's writer, where it is an optimizer update's new value.
-        let mut updates: Vec<(NodeId, NodeId)> = Vec::new();
-        for id in g.node_ids() {
-            if !g.node(id).op.is::<AssignVariable>() {
-                continue;
-            }
-            let &[var, value] = &g.inputs(id)[..] else {
-                continue;
-            };
-            let update = g.node(value.node).op.downcast_ref::<OptimizerUpdate>();
-            let writes_var = g.inputs(value.node).get(1) == Some(&var);
-            if update.is_some_and(|u| u.cast_to.is_none())
-                && value.index == 0
-                && writes_var
-                && g.node(var.node).op.is::<Variable>()
-            {
-                updates.push((var.node, value.node));
-            }
-        }
         let (mut folded, mut bytes) = (0usize, 0usize);
-        for (var, update) in updates {
+        for (var, update) in variable_updates(g) {
             let var_dtype = g.ty(Port::new(var, 0)).dtype;
             // The first narrowing cast AMP made of the variable.
             let cast = g.consumers(var).into_iter().find_map(|(reader, _, _)| {
@@ -54,7 +36,12 @@ impl Pass for CastIntoUpdate {
             let Some((cast, to)) = cast else {
                 continue;
             };
-            let Some(op) = g.node(update).op.downcast_ref::<OptimizerUpdate>() else {
+            let Some(op) = g
+                .node(update)
+                .op
+                .downcast_ref::<OptimizerUpdate>()
+                .filter(|u| u.cast_to.is_none())
+            else {
                 continue;
             };
             let op = OptimizerUpdate {
@@ -78,7 +65,7 @@ impl Pass for CastIntoUpdate {
 mod tests {
     use super::*;
     use crate::testing::run as run_cpu;
-    use ampgraph_graph::ops::{Const, Rule};
+    use ampgraph_graph::ops::{AssignVariable, Const, Rule, Variable};
     use ampgraph_graph::{DType, Tensor, TensorType};
 
     /// `w: f32[3]` read as f16, updated by SGD with a fed gradient.
@@ -93,16 +80,14 @@ mod tests {
         let yes = g
             .add(Const::new(Tensor::scalar(DType::Bool, 1.0)), &[])
             .unwrap();
-        let sgd = OptimizerUpdate {
-            rule: Rule::Sgd {
+        let sgd = OptimizerUpdate::new(
+            Rule::Sgd {
                 momentum: 0.0,
                 nesterov: false,
             },
-            learning_rate: 0.5,
-            weight_decay: 0.0,
-            grad_scale: false,
-            cast_to: None,
-        };
+            0.5,
+            0.0,
+        );
         let new = g.add(sgd, &[yes, w.into(), grad]).unwrap();
         let assign = g.add(AssignVariable, &[w.into(), new]).unwrap();
         g.set_outputs(vec![w16, assign]).unwrap();

@@ -202,16 +202,14 @@ mod tests {
         for (k, &p) in products.iter().enumerate() {
             let shape = g.ty(p).shape.clone();
             let var = input(&mut g, &format!("w{k}"), DType::F32, &shape);
-            let sgd = OptimizerUpdate {
-                rule: Rule::Sgd {
+            let sgd = OptimizerUpdate::new(
+                Rule::Sgd {
                     momentum: 0.0,
                     nesterov: false,
                 },
-                learning_rate: 0.5,
-                weight_decay: 0.0,
-                grad_scale: false,
-                cast_to: None,
-            };
+                0.5,
+                0.0,
+            );
             outputs.push(g.add(sgd, &[finite, var, p]).unwrap());
         }
         if leak {
