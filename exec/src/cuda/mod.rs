@@ -182,6 +182,19 @@ pub struct CudaExecutor {
     cast_cache: HashMap<(String, DType), DTensor>,
 }
 
+/// Uploads a fed or held value (`kind` "feed" or "variable"), an error naming it.
+fn upload_value(
+    dev: &Device,
+    t: &Tensor,
+    kind: &'static str,
+    name: &str,
+) -> Result<DTensor, ExecError> {
+    guard("CUDA", || dev.upload(t, &ops::Owner(kind, name))).map_err(|msg| ExecError::Feed {
+        name: name.into(),
+        msg,
+    })
+}
+
 fn dev_err(msg: String) -> ExecError {
     ExecError::Device(msg)
 }
@@ -411,13 +424,7 @@ impl CudaExecutor {
 
     /// Sets (or creates) a variable, copying the value to the device.
     pub fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError> {
-        let dev = guard("CUDA", || {
-            self.dev.upload(&value, &ops::Owner("variable", name))
-        })
-        .map_err(|msg| ExecError::Feed {
-            name: name.into(),
-            msg,
-        })?;
+        let dev = upload_value(&self.dev, &value, "variable", name)?;
         let host = OnceLock::new();
         let _ = host.set(value);
         self.variables.insert(
@@ -463,14 +470,7 @@ impl CudaExecutor {
         if is_placeholder || is_variable {
             if let Some(v) = feeds.get(&node.name) {
                 check(&v.ty())?;
-                let d = guard("CUDA", || {
-                    self.dev.upload(v, &ops::Owner("feed", &node.name))
-                })
-                .map_err(|msg| ExecError::Feed {
-                    name: node.name.clone(),
-                    msg,
-                })?;
-                return Ok(Some(d));
+                return upload_value(&self.dev, v, "feed", &node.name).map(Some);
             }
             if is_variable {
                 if let Some(slot) = self.variables.get_mut(&node.name) {
@@ -485,13 +485,7 @@ impl CudaExecutor {
                             node.name
                         )));
                     };
-                    let d = guard("CUDA", || {
-                        self.dev.upload(host, &ops::Owner("variable", &node.name))
-                    })
-                    .map_err(|msg| ExecError::Feed {
-                        name: node.name.clone(),
-                        msg,
-                    })?;
+                    let d = upload_value(&self.dev, host, "variable", &node.name)?;
                     slot.device = Some(d.clone());
                     return Ok(Some(d));
                 }
