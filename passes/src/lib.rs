@@ -6,6 +6,7 @@
 //! the graph simplifications, and [`registry`] names every pass that needs no settings.
 
 pub mod amp;
+pub mod attention;
 pub mod epilogue;
 pub mod fuse;
 pub mod registry;

@@ -2,6 +2,7 @@
 //! name; one row per pass (docs/passes.md describes them). AMP takes its precision
 //! settings and is built apart.
 
+use crate::attention::FuseAttention;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::simplify::{
@@ -43,6 +44,10 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(ScaleIntoMatmul),
     },
     PassEntry {
+        name: "fuse-attention",
+        make: || Box::new(FuseAttention),
+    },
+    PassEntry {
         name: "unscale-into-update",
         make: || Box::new(UnscaleIntoUpdate),
     },
@@ -75,7 +80,8 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// The fusion pipeline for a CUDA graph after AMP (the default of `bench --passes`):
 /// dead nodes go first (gradients built for constants would otherwise count as
 /// readers and block folds), reductions take the widening casts AMP put before them,
-/// batched products their scalar scalings, the finiteness check and the optimizer
+/// batched products their scalar scalings, explicit attentions become fused ones
+/// (scores never stored), the finiteness check and the optimizer
 /// updates the loss-scale unscaling, the updates the casts of their variables,
 /// products their bias and activation into the GEMM, then the remaining elementwise
 /// chains fuse into generated kernels.
@@ -83,6 +89,7 @@ pub const CUDA_PIPELINE: &[&str] = &[
     "dce",
     "cast-into-reduce",
     "scale-into-matmul",
+    "fuse-attention",
     "unscale-into-update",
     "cast-into-update",
     "gemm-epilogue",

@@ -1,6 +1,7 @@
 //! Every operation of the IR, one file per family, and the registry that builds an op
 //! from its name and attributes.
 
+pub mod attention;
 pub mod conv;
 pub mod elementwise;
 pub mod fused;
@@ -17,6 +18,7 @@ use crate::graph::Port;
 use crate::op::{Op, OpEntry, OpResult};
 use crate::tensor::{Tensor, TensorType};
 
+pub use attention::{FusedAttention, FusedAttentionGrad};
 pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
@@ -56,6 +58,7 @@ const FAMILIES: &[&[OpEntry]] = &[
     elementwise::GRAD_OPS,
     fused::OPS,
     linalg::OPS,
+    attention::OPS,
     conv::OPS,
     norm::OPS,
     reduce::OPS,

@@ -1,0 +1,311 @@
+//! Fused scaled dot-product attention: `softmax(scale * Q K^T) V` per batch and head
+//! as one op, and its gradient as another, so that the scores `[batch, heads, q, k]`
+//! never exist as tensors (FlashAttention's idea; the `fuse-attention` pass builds
+//! them from the explicit BatchMatMul-Softmax-BatchMatMul form).
+//!
+//! Layout: `q [B, Sq, H, D]`, `k` and `v [B, Sk, H, D]`, `o [B, Sq, H, D]`: heads after
+//! the sequence, as the projections produce them, so no transposes split or merge the
+//! heads. Output 1 is the log-sum-exp of each row of scaled scores, `lse [B, H, Sq]`
+//! in the compute type (f32 for f16/bf16/f32, f64 for f64), which the gradient reuses
+//! instead of recomputing the row statistics.
+
+use crate::attrs::AttrValue;
+use crate::autodiff::GradBuilder;
+use crate::dtype::DType;
+use crate::error::GraphError;
+use crate::graph::Port;
+use crate::kernel::{require_float, same_dtype, Real};
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
+use crate::ops::grad0;
+use crate::tensor::{ShapeDisplay, Tensor, TensorType};
+
+pub(crate) const OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "FusedAttention",
+        parse: |_, a| {
+            Ok(Box::new(FusedAttention {
+                scale: a.float_or("scale", 1.0)?,
+            }))
+        },
+    },
+    OpEntry {
+        name: "FusedAttentionGrad",
+        parse: |_, a| {
+            Ok(Box::new(FusedAttentionGrad {
+                scale: a.float_or("scale", 1.0)?,
+            }))
+        },
+    },
+];
+
+/// `o = softmax(scale * q k^T) v` per batch and head; also the rows' log-sum-exp.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedAttention {
+    pub scale: f64,
+}
+
+/// The gradients `dq, dk, dv` of [`FusedAttention`] from its inputs, its outputs
+/// `o` and `lse`, and the loss gradient `do` of `o`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedAttentionGrad {
+    pub scale: f64,
+}
+
+/// The dtype of the row statistics: the compute type.
+pub fn lse_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// The sizes of one attention: batch, heads, query and key lengths, head width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionDims {
+    pub batch: usize,
+    pub heads: usize,
+    pub q_len: usize,
+    pub k_len: usize,
+    pub head_dim: usize,
+}
+
+impl AttentionDims {
+    /// Checks `q [B, Sq, H, D]`, `k` and `v [B, Sk, H, D]` of one float dtype.
+    pub fn of(q: &TensorType, k: &TensorType, v: &TensorType) -> OpResult<AttentionDims> {
+        same_dtype(&[q, k, v])?;
+        require_float("q, k and v", q.dtype)?;
+        let [b, sq, h, d] = q.shape[..] else {
+            return Err(format!(
+                "q must be [batch, seq, heads, head_dim], got {}",
+                ShapeDisplay(&q.shape)
+            ));
+        };
+        if k.shape.len() != 4 || k.shape != v.shape {
+            return Err(format!(
+                "k and v must be [batch, seq, heads, head_dim] alike, got {} and {}",
+                ShapeDisplay(&k.shape),
+                ShapeDisplay(&v.shape)
+            ));
+        }
+        if k.shape[0] != b || k.shape[2] != h || k.shape[3] != d {
+            return Err(format!(
+                "k {} does not match q {} in batch, heads or head_dim",
+                ShapeDisplay(&k.shape),
+                ShapeDisplay(&q.shape)
+            ));
+        }
+        Ok(AttentionDims {
+            batch: b,
+            heads: h,
+            q_len: sq,
+            k_len: k.shape[1],
+            head_dim: d,
+        })
+    }
+
+    fn lse_type(&self, dtype: DType) -> TensorType {
+        TensorType::new(lse_dtype(dtype), [self.batch, self.heads, self.q_len])
+    }
+
+    /// Offset of row `s` of head `h` in batch `b` of a `[B, S, H, D]` tensor.
+    fn row(&self, len: usize, b: usize, s: usize, h: usize) -> usize {
+        ((b * len + s) * self.heads + h) * self.head_dim
+    }
+}
+
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    a.iter().zip(b).map(|(&x, &y)| x * y).sum()
+}
+
+/// The scaled scores of query row `qi` of (`b`, `h`) against every key, into `s`.
+fn scores<T: Real>(
+    dims: &AttentionDims,
+    (q, k): (&[T], &[T]),
+    (b, h, qi): (usize, usize, usize),
+    scale: T,
+    s: &mut [T],
+) {
+    let d = dims.head_dim;
+    let qr = dims.row(dims.q_len, b, qi, h);
+    for (j, sj) in s.iter_mut().enumerate() {
+        let kr = dims.row(dims.k_len, b, j, h);
+        *sj = scale * dot(&q[qr..qr + d], &k[kr..kr + d]);
+    }
+}
+
+impl Op for FusedAttention {
+    fn name(&self) -> &'static str {
+        "FusedAttention"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("scale", self.scale.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [q, k, v] = fixed(inputs)?;
+        let dims = AttentionDims::of(q, k, v)?;
+        Ok(vec![(*q).clone(), dims.lse_type(q.dtype)])
+    }
+    fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![0, 1, 2], vec![0]),
+            TypeGroup::new(vec![], vec![1]).fixed(),
+        ]
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [q, k, v] = fixed(inputs)?;
+        let dims = AttentionDims::of(&q.ty(), &k.ty(), &v.ty())?;
+        match q.dtype() {
+            DType::F64 => attention::<f64>(self.scale, &dims, q, k, v),
+            _ => attention::<f32>(self.scale, &dims, q, k, v),
+        }
+    }
+    fn gradient(
+        &self,
+        b: &mut GradBuilder,
+        inputs: &[Port],
+        outputs: &[Port],
+        grads: &[Option<Port>],
+    ) -> Result<Vec<Option<Port>>, GraphError> {
+        let (Some(d_o), [o, lse]) = (grad0(grads), outputs) else {
+            return Ok(vec![None; inputs.len()]);
+        };
+        let [q, k, v] = fixed(inputs).map_err(GraphError::Format)?;
+        let op = FusedAttentionGrad { scale: self.scale };
+        let id = b.add_node(Box::new(op), &[*q, *k, *v, *o, *lse, d_o])?;
+        Ok((0..3).map(|i| Some(Port::new(id, i))).collect())
+    }
+}
+
+/// The reference forward: per row, the scores, their maximum-shifted exponentials,
+/// the weighted sum of values and the log-sum-exp.
+fn attention<T: Real>(
+    scale: f64,
+    dims: &AttentionDims,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> OpResult<Vec<Tensor>> {
+    let (qs, ks, vs) = (T::read(q), T::read(k), T::read(v));
+    let d = dims.head_dim;
+    let mut o = vec![T::zero(); qs.len()];
+    let mut lse = Vec::with_capacity(dims.batch * dims.heads * dims.q_len);
+    let mut s = vec![T::zero(); dims.k_len];
+    for b in 0..dims.batch {
+        for h in 0..dims.heads {
+            for qi in 0..dims.q_len {
+                scores(dims, (&qs, &ks), (b, h, qi), T::lit(scale), &mut s);
+                let max = s.iter().copied().fold(T::neg_infinity(), T::max);
+                let shift = if max.is_finite() { max } else { T::zero() };
+                s.iter_mut().for_each(|x| *x = (*x - shift).exp());
+                let sum: T = s.iter().copied().sum();
+                let or = dims.row(dims.q_len, b, qi, h);
+                for (j, &p) in s.iter().enumerate() {
+                    let vr = dims.row(dims.k_len, b, j, h);
+                    for (oc, &vc) in o[or..or + d].iter_mut().zip(&vs[vr..vr + d]) {
+                        *oc = *oc + p * vc;
+                    }
+                }
+                o[or..or + d].iter_mut().for_each(|x| *x = *x / sum);
+                lse.push(shift + sum.ln());
+            }
+        }
+    }
+    let lse_shape = vec![dims.batch, dims.heads, dims.q_len];
+    Ok(vec![
+        T::store(q.dtype(), q.shape().to_vec(), o)?,
+        T::store(lse_dtype(q.dtype()), lse_shape, lse)?,
+    ])
+}
+
+impl Op for FusedAttentionGrad {
+    fn name(&self) -> &'static str {
+        "FusedAttentionGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(6)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("scale", self.scale.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [q, k, v, o, lse, d_o] = fixed(inputs)?;
+        let dims = AttentionDims::of(q, k, v)?;
+        for (what, t) in [("o", o), ("do", d_o)] {
+            if *t != *q {
+                return Err(format!("{what} is {t} but q is {q}"));
+            }
+        }
+        let want = dims.lse_type(q.dtype);
+        if **lse != want {
+            return Err(format!("lse is {lse} but must be {want}"));
+        }
+        Ok(vec![(*q).clone(), (*k).clone(), (*v).clone()])
+    }
+    fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![0, 1, 2, 3, 5], vec![0, 1, 2]),
+            TypeGroup::new(vec![4], vec![]).fixed(),
+        ]
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let refs: Vec<&TensorType> = types.iter().collect();
+        self.infer(&refs)?;
+        let dims = AttentionDims::of(refs[0], refs[1], refs[2])?;
+        match inputs[0].dtype() {
+            DType::F64 => attention_grad::<f64>(self.scale, &dims, inputs),
+            _ => attention_grad::<f32>(self.scale, &dims, inputs),
+        }
+    }
+}
+
+/// The reference backward, as the fused kernels compute it: the probabilities from
+/// the saved log-sum-exp, `dp = do v^T`, `ds = p (dp - rowsum(do * o))`, then
+/// `dq = scale ds k`, `dk = scale ds^T q`, `dv = p^T do`.
+fn attention_grad<T: Real>(
+    scale: f64,
+    dims: &AttentionDims,
+    inputs: &[&Tensor],
+) -> OpResult<Vec<Tensor>> {
+    let [q, k, v, o, lse, d_o] = fixed(inputs)?;
+    let (qs, ks, vs) = (T::read(q), T::read(k), T::read(v));
+    let (os, lses, dos) = (T::read(o), T::read(lse), T::read(d_o));
+    let d = dims.head_dim;
+    let mut dq = vec![T::zero(); qs.len()];
+    let mut dk = vec![T::zero(); ks.len()];
+    let mut dv = vec![T::zero(); vs.len()];
+    let (mut p, mut ds) = (vec![T::zero(); dims.k_len], vec![T::zero(); dims.k_len]);
+    let scale = T::lit(scale);
+    for b in 0..dims.batch {
+        for h in 0..dims.heads {
+            for qi in 0..dims.q_len {
+                scores(dims, (&qs, &ks), (b, h, qi), scale, &mut p);
+                let row_lse = lses[(b * dims.heads + h) * dims.q_len + qi];
+                p.iter_mut().for_each(|x| *x = (*x - row_lse).exp());
+                let qr = dims.row(dims.q_len, b, qi, h);
+                let delta = dot(&dos[qr..qr + d], &os[qr..qr + d]);
+                for (j, (dsj, &pj)) in ds.iter_mut().zip(&p).enumerate() {
+                    let vr = dims.row(dims.k_len, b, j, h);
+                    *dsj = pj * (dot(&dos[qr..qr + d], &vs[vr..vr + d]) - delta);
+                }
+                for (j, (&pj, &dsj)) in p.iter().zip(&ds).enumerate() {
+                    let kr = dims.row(dims.k_len, b, j, h);
+                    for c in 0..d {
+                        dq[qr + c] = dq[qr + c] + scale * dsj * ks[kr + c];
+                        dk[kr + c] = dk[kr + c] + scale * dsj * qs[qr + c];
+                        dv[kr + c] = dv[kr + c] + pj * dos[qr + c];
+                    }
+                }
+            }
+        }
+    }
+    Ok(vec![
+        T::store(q.dtype(), q.shape().to_vec(), dq)?,
+        T::store(k.dtype(), k.shape().to_vec(), dk)?,
+        T::store(v.dtype(), v.shape().to_vec(), dv)?,
+    ])
+}

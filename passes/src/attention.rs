@@ -1,0 +1,385 @@
+//! Attention fusion: the explicit form `softmax(scale * Q K^T) V` —
+//! `BatchMatMul(adj_y, alpha) -> Softmax -> BatchMatMul` on `[B, H, S, D]` heads —
+//! becomes one [`FusedAttention`], and in a training graph the gradient nodes autodiff
+//! built for it (the two products' and the softmax's) one [`FusedAttentionGrad`]. The
+//! scores and probabilities `[B, H, Sq, Sk]` (and their gradients) are then never
+//! written: the CUDA kernels keep each tile of them in registers.
+//!
+//! The fused ops take the heads after the sequence (`[B, S, H, D]`, the projections'
+//! layout): where an operand is the usual `Transpose(perm=[0,2,1,3])` of such a
+//! tensor, the fused op reads that tensor and the transpose goes away; elsewhere a
+//! transpose is added. Run `scale-into-matmul` first: the scale must be the first
+//! product's `alpha`.
+//!
+//! Only 16-bit attention with a head width of at most 64 (a multiple of 16) fuses:
+//! what the CUDA kernels (Tensor Core `mma`) compute. The match is exact: a
+//! probability or score tensor anybody else reads keeps the graph as it is.
+
+use std::collections::HashSet;
+
+use ampgraph_graph::ops::Transpose;
+use ampgraph_graph::ops::{BatchMatMul, FusedAttention, FusedAttentionGrad, Softmax, SoftmaxGrad};
+use ampgraph_graph::shape::normalize_axis;
+use ampgraph_graph::{DType, Graph, NodeId, Port};
+
+use crate::{format_bytes, Pass, PassError, PassSummary};
+
+/// The attention-fusion pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FuseAttention;
+
+/// The head widths the fused kernels take.
+pub fn head_dim_supported(d: usize) -> bool {
+    d > 0 && d % 16 == 0 && d <= 64
+}
+
+const HEADS_SWAP: [usize; 4] = [0, 2, 1, 3];
+
+/// One explicit attention and, in a training graph, its gradient nodes.
+struct Core {
+    scores: NodeId,
+    softmax: NodeId,
+    product: NodeId,
+    /// The operands, heads first `[B, H, S, D]`.
+    q: Port,
+    k: Port,
+    v: Port,
+    scale: f64,
+    backward: Option<Backward>,
+}
+
+struct Backward {
+    /// The loss gradient of the product, `[B, H, Sq, D]`.
+    d_y: Port,
+    d_p: NodeId,
+    softmax_grad: NodeId,
+    d_q: Option<NodeId>,
+    d_k: Option<NodeId>,
+    d_v: Option<NodeId>,
+}
+
+fn batch_matmul(g: &Graph, id: NodeId) -> Option<&BatchMatMul> {
+    g.node(id).op.downcast_ref::<BatchMatMul>()
+}
+
+/// A product of the given adjoints (and scale).
+fn is_product(g: &Graph, id: NodeId, adj: (bool, bool), alpha: f64) -> bool {
+    batch_matmul(g, id).is_some_and(|m| (m.adj_x, m.adj_y) == adj && m.alpha == alpha)
+}
+
+/// Whether `axis` is the last of a rank-4 tensor.
+fn is_last_axis(axis: i64) -> bool {
+    normalize_axis(axis, 4) == Ok(3)
+}
+
+/// The readers of `port`, or `None` when it is a graph output.
+fn readers(g: &Graph, port: Port) -> Option<Vec<(NodeId, usize)>> {
+    (!g.outputs().contains(&port)).then(|| g.port_consumers(port))
+}
+
+fn is_heads_swap(g: &Graph, id: NodeId) -> bool {
+    g.node(id)
+        .op
+        .downcast_ref::<Transpose>()
+        .is_some_and(|t| t.perm == HEADS_SWAP)
+}
+
+/// The explicit attention whose softmax is `softmax`, when it is one the kernels take.
+fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
+    let sm = g.node(softmax).op.downcast_ref::<Softmax>()?;
+    let s = g.inputs(softmax)[0];
+    let [q, k] = g.inputs(s.node)[..] else {
+        return None;
+    };
+    let scale = batch_matmul(g, s.node)?.alpha;
+    let (qt, kt) = (g.ty(q), g.ty(k));
+    let shapes_fit = qt.rank() == 4
+        && kt.rank() == 4
+        && qt.shape[..2] == kt.shape[..2]
+        && qt.shape[3] == kt.shape[3];
+    if !is_last_axis(sm.axis)
+        || !is_product(g, s.node, (false, true), scale)
+        || !shapes_fit
+        || !matches!(qt.dtype, DType::F16 | DType::BF16)
+        || !head_dim_supported(qt.shape[3])
+        || readers(g, s)? != [(softmax, 0)]
+    {
+        return None;
+    }
+    let p = Port::new(softmax, 0);
+    let (mut product, mut d_v, mut softmax_grad) = (None, None, None);
+    for (reader, slot) in readers(g, p)? {
+        let free = |found: &Option<NodeId>| slot == 0 && found.is_none();
+        if free(&product) && is_product(g, reader, (false, false), 1.0) {
+            product = Some(reader);
+        } else if free(&d_v) && is_product(g, reader, (true, false), 1.0) {
+            d_v = Some(reader);
+        } else if free(&softmax_grad)
+            && g.node(reader)
+                .op
+                .downcast_ref::<SoftmaxGrad>()
+                .is_some_and(|sg| !sg.log && is_last_axis(sg.axis))
+        {
+            softmax_grad = Some(reader);
+        } else {
+            return None;
+        }
+    }
+    let product = product?;
+    let v = g.inputs(product)[1];
+    if g.ty(v) != kt {
+        return None;
+    }
+    let backward = match softmax_grad {
+        Some(sg) => Some(find_backward(g, (q, k, v), scale, sg, d_v)?),
+        None if d_v.is_none() => None,
+        None => return None,
+    };
+    Some(Core {
+        scores: s.node,
+        softmax,
+        product,
+        q,
+        k,
+        v,
+        scale,
+        backward,
+    })
+}
+
+/// The gradient nodes around the softmax's gradient `sg`: `dp = dy v^T` before it,
+/// `dq = scale ds k` and `dk = scale ds^T q` after it; `d_v` (`p^T dy`) must read the
+/// same `dy`.
+fn find_backward(
+    g: &Graph,
+    (q, k, v): (Port, Port, Port),
+    scale: f64,
+    sg: NodeId,
+    d_v: Option<NodeId>,
+) -> Option<Backward> {
+    let d_p = g.inputs(sg)[1];
+    let d_y = g.inputs(d_p.node)[0];
+    let d_p_ok = d_p.index == 0
+        && is_product(g, d_p.node, (false, true), 1.0)
+        && g.inputs(d_p.node)[1] == v
+        && readers(g, d_p)? == [(sg, 1)];
+    if !d_p_ok || d_v.is_some_and(|dv| g.inputs(dv)[1] != d_y) {
+        return None;
+    }
+    let (mut d_q, mut d_k) = (None, None);
+    for (reader, slot) in readers(g, Port::new(sg, 0))? {
+        let other = g.inputs(reader)[1];
+        if slot == 0 && d_q.is_none() && other == k && is_product(g, reader, (false, false), scale)
+        {
+            d_q = Some(reader);
+        } else if slot == 0
+            && d_k.is_none()
+            && other == q
+            && is_product(g, reader, (true, false), scale)
+        {
+            d_k = Some(reader);
+        } else {
+            return None;
+        }
+    }
+    Some(Backward {
+        d_y,
+        d_p: d_p.node,
+        softmax_grad: sg,
+        d_q,
+        d_k,
+        d_v,
+    })
+}
+
+/// What the rewrites did, for the summary.
+#[derive(Default)]
+struct Tally {
+    forward: usize,
+    backward: usize,
+    added_kernels: usize,
+}
+
+/// `p` (`[B, H, S, D]`) with the heads after the sequence: the tensor a heads swap
+/// read, or a new swap.
+fn heads_last(g: &mut Graph, p: Port, tally: &mut Tally) -> Result<Port, PassError> {
+    if p.index == 0 && is_heads_swap(g, p.node) {
+        return Ok(g.inputs(p.node)[0]);
+    }
+    tally.added_kernels += 1;
+    swap_heads(g, p)
+}
+
+fn swap_heads(g: &mut Graph, p: Port) -> Result<Port, PassError> {
+    let name = g.fresh_name(format!("{}/swap_heads", g.node(p.node).name));
+    Ok(
+        g.add_node(name, Box::new(Transpose::new(HEADS_SWAP)), &[p])?
+            .into(),
+    )
+}
+
+/// Every reader of `from` (and the graph outputs naming it) reads `to` instead.
+fn redirect(g: &mut Graph, from: Port, to: Port) -> Result<(), PassError> {
+    let changes = g
+        .port_consumers(from)
+        .into_iter()
+        .map(|(n, slot)| (n, slot, to))
+        .collect();
+    g.rewire(changes)?;
+    if g.outputs().contains(&from) {
+        let outputs = g
+            .outputs()
+            .iter()
+            .map(|&p| if p == from { to } else { p })
+            .collect();
+        g.set_outputs(outputs)?;
+    }
+    Ok(())
+}
+
+/// Replaces `old` (`[B, H, S, D]`) by `new` (`[B, S, H, D]`): readers that swap the
+/// heads back read `new` itself, the others a swap of it. Returns the swaps bypassed.
+fn replace_heads_first(
+    g: &mut Graph,
+    old: Port,
+    new: Port,
+    tally: &mut Tally,
+) -> Result<Vec<NodeId>, PassError> {
+    let mut bypassed = Vec::new();
+    let mut others = false;
+    for (reader, _) in g.port_consumers(old) {
+        if is_heads_swap(g, reader) && !bypassed.contains(&reader) {
+            bypassed.push(reader);
+        } else if !is_heads_swap(g, reader) {
+            others = true;
+        }
+    }
+    for &swap in &bypassed {
+        redirect(g, Port::new(swap, 0), new)?;
+    }
+    if others || g.outputs().contains(&old) {
+        tally.added_kernels += 1;
+        let swapped = swap_heads(g, new)?;
+        redirect(g, old, swapped)?;
+    }
+    Ok(bypassed)
+}
+
+/// The heads swaps among the producers of `ports`.
+fn swaps(g: &Graph, ports: &[Port]) -> Vec<NodeId> {
+    ports
+        .iter()
+        .map(|p| p.node)
+        .filter(|&id| is_heads_swap(g, id))
+        .collect()
+}
+
+/// Rewrites one core; returns the nodes that may have become unread.
+fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, PassError> {
+    let mut stale = vec![c.scores, c.softmax, c.product];
+    stale.extend(swaps(g, &[c.q, c.k, c.v]));
+    let q = heads_last(g, c.q, tally)?;
+    let k = heads_last(g, c.k, tally)?;
+    let v = heads_last(g, c.v, tally)?;
+    let name = g.fresh_name(format!("{}/FusedAttention", g.node(c.product).name));
+    let scale = c.scale;
+    let att = g.add_node(name, Box::new(FusedAttention { scale }), &[q, k, v])?;
+    let (o, lse) = (Port::new(att, 0), Port::new(att, 1));
+    stale.extend(replace_heads_first(g, Port::new(c.product, 0), o, tally)?);
+    tally.forward += 1;
+    tally.added_kernels += 1;
+    let Some(b) = &c.backward else {
+        return Ok(stale);
+    };
+    stale.extend([b.d_p, b.softmax_grad]);
+    stale.extend(swaps(g, &[b.d_y]));
+    let d_o = heads_last(g, b.d_y, tally)?;
+    let name = g.fresh_name(format!(
+        "{}/FusedAttentionGrad",
+        g.node(b.softmax_grad).name
+    ));
+    let grad = g.add_node(
+        name,
+        Box::new(FusedAttentionGrad { scale }),
+        &[q, k, v, o, lse, d_o],
+    )?;
+    for (i, node) in [b.d_q, b.d_k, b.d_v].into_iter().enumerate() {
+        if let Some(node) = node {
+            stale.push(node);
+            stale.extend(replace_heads_first(
+                g,
+                Port::new(node, 0),
+                Port::new(grad, i),
+                tally,
+            )?);
+        }
+    }
+    tally.backward += 1;
+    tally.added_kernels += 1;
+    Ok(stale)
+}
+
+/// Removes the nodes of `stale` nothing reads any more (readers first); returns the
+/// kernels and the bytes of their outputs (each written once and read at least once).
+fn remove_unread(g: &mut Graph, stale: Vec<NodeId>) -> Result<(usize, usize), PassError> {
+    let mut left: Vec<NodeId> = {
+        let mut seen = HashSet::new();
+        stale.into_iter().filter(|id| seen.insert(*id)).collect()
+    };
+    let (mut kernels, mut bytes) = (0, 0);
+    loop {
+        let before = left.len();
+        let mut kept = Vec::with_capacity(left.len());
+        for id in left {
+            let read = !g.consumers(id).is_empty() || g.outputs().iter().any(|p| p.node == id);
+            if read {
+                kept.push(id);
+                continue;
+            }
+            let node = g.node(id);
+            if !node.op.is_view() {
+                kernels += 1;
+                bytes += 2 * node.outputs().iter().map(|t| t.size_bytes()).sum::<usize>();
+            }
+            g.remove_node(id)?;
+        }
+        left = kept;
+        if left.len() == before {
+            return Ok((kernels, bytes));
+        }
+    }
+}
+
+impl Pass for FuseAttention {
+    fn name(&self) -> &'static str {
+        "fuse-attention"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let cores: Vec<Core> = g
+            .node_ids()
+            .filter_map(|id| find_core(g, id))
+            .collect::<Vec<_>>();
+        let mut tally = Tally::default();
+        let mut stale = Vec::new();
+        for c in &cores {
+            stale.extend(rewrite(g, c, &mut tally)?);
+        }
+        let (removed, bytes) = remove_unread(g, stale)?;
+        Ok(PassSummary {
+            title: "Attention fusion pass summary:".into(),
+            lines: vec![
+                format!("Attentions fused: {}", tally.forward),
+                format!("... with their gradient: {}", tally.backward),
+                format!(
+                    "Kernels per run: {removed} removed, {} added",
+                    tally.added_kernels
+                ),
+                format!(
+                    "Memory traffic saved per run: {}",
+                    format_bytes(bytes as u64)
+                ),
+            ],
+        })
+    }
+}
