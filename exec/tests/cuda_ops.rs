@@ -837,3 +837,51 @@ fn no_cuda_is_a_clear_error_not_a_panic() {
         }
     }
 }
+
+/// The largest magnitude of a tensor (at least `floor`): the scale its errors are
+/// measured against where outputs are sums of many rounded products.
+fn magnitude(t: &Tensor, floor: f64) -> f64 {
+    t.to_f64_vec().iter().fold(floor, |m, v| m.max(v.abs()))
+}
+
+#[test]
+fn fused_attention_and_its_gradient() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(13);
+    // (batch, heads, q_len, k_len, head_dim, scale): whole and partial 64-row tiles,
+    // cross attention, every head width the kernels take, and large scores (scale 2)
+    // that move the running maximum between tiles.
+    let cases = [
+        (2, 3, 80, 100, 64, 0.125),
+        (1, 2, 128, 64, 32, 1.0 / 32f64.sqrt()),
+        (3, 1, 17, 130, 16, 0.25),
+        (1, 2, 64, 192, 48, 2.0),
+    ];
+    for d in [DType::F16, DType::BF16] {
+        for (b, h, sq, sk, hd, scale) in cases {
+            let what = format!("{d} b{b} h{h} q{sq} k{sk} d{hd} scale {scale}");
+            let q = rand(&mut r, d, &[b, sq, h, hd], -2.0, 2.0);
+            let k = rand(&mut r, d, &[b, sk, h, hd], -2.0, 2.0);
+            let v = rand(&mut r, d, &[b, sk, h, hd], -1.0, 1.0);
+            let (dev, cpu) = run_both(
+                &mut gpu,
+                &what,
+                FusedAttention { scale },
+                &[q.clone(), k.clone(), v.clone()],
+            );
+            assert_close(&format!("FusedAttention o {what}"), &dev[0], &cpu[0], 1.0);
+            assert_close(&format!("FusedAttention lse {what}"), &dev[1], &cpu[1], 1.0);
+            let d_o = rand(&mut r, d, &[b, sq, h, hd], -1.0, 1.0);
+            let inputs = [q, k, v, cpu[0].clone(), cpu[1].clone(), d_o];
+            let (dev, cpu) = run_both(&mut gpu, &what, FusedAttentionGrad { scale }, &inputs);
+            for (name, a, c) in [
+                ("dq", &dev[0], &cpu[0]),
+                ("dk", &dev[1], &cpu[1]),
+                ("dv", &dev[2], &cpu[2]),
+            ] {
+                let what = format!("FusedAttentionGrad {name} {what}");
+                assert_close(&what, a, c, magnitude(c, 1e-3));
+            }
+        }
+    }
+}

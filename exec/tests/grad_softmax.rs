@@ -1,13 +1,14 @@
 //! Gradients of Softmax and LogSoftmax (random axes) and SoftmaxCrossEntropy against
 //! central finite differences, and the kernels of `SoftmaxGrad` and
 //! `SoftmaxCrossEntropyGrad` against float64 references written here, in every
-//! float dtype, including logits far beyond exp's range.
+//! float dtype, including logits far beyond exp's range; FusedAttention's gradient
+//! against finite differences.
 
 mod common;
 
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::ops::{
-    LogSoftmax, Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxGrad,
+    FusedAttention, LogSoftmax, Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxGrad,
 };
 use ampgraph_graph::{DType, Op, Tensor};
 use common::*;
@@ -50,6 +51,22 @@ fn labels(dtype: DType, n: usize, c: usize, rng: &mut Gen) -> (Tensor, Vec<usize
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// FusedAttention's rule (FusedAttentionGrad's CPU kernel) against central
+    /// differences of its output `o`; `lse` is a saved statistic with no gradient.
+    #[test]
+    fn fused_attention_gradient_matches_finite_differences(
+        (b, h, sq, sk, d) in (1usize..=2, 1usize..=2, 1usize..=4, 1usize..=5, 1usize..=3),
+        scale in 0.1f64..2.0,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Gen(seed);
+        let q = t64(&[b, sq, h, d], &rng.vec(b * sq * h * d, -2.0, 2.0));
+        let k = t64(&[b, sk, h, d], &rng.vec(b * sk * h * d, -2.0, 2.0));
+        let v = t64(&[b, sk, h, d], &rng.vec(b * sk * h * d, -1.0, 1.0));
+        let err = check_output0(Box::new(FusedAttention { scale }), &[q, k, v], &[0, 1, 2], seed);
+        prop_assert!(err < GRAD_TOL, "relative error {err:e}");
+    }
 
     #[test]
     fn softmax_gradients_match_finite_differences(

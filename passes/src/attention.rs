@@ -17,6 +17,7 @@
 
 use std::collections::HashSet;
 
+use ampgraph_graph::ops::attention::tensor_core_head_dim;
 use ampgraph_graph::ops::Transpose;
 use ampgraph_graph::ops::{BatchMatMul, FusedAttention, FusedAttentionGrad, Softmax, SoftmaxGrad};
 use ampgraph_graph::shape::normalize_axis;
@@ -27,11 +28,6 @@ use crate::{format_bytes, Pass, PassError, PassSummary};
 /// The attention-fusion pass.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FuseAttention;
-
-/// The head widths the fused kernels take.
-pub fn head_dim_supported(d: usize) -> bool {
-    d > 0 && d % 16 == 0 && d <= 64
-}
 
 const HEADS_SWAP: [usize; 4] = [0, 2, 1, 3];
 
@@ -101,7 +97,7 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
         || !is_product(g, s.node, (false, true), scale)
         || !shapes_fit
         || !matches!(qt.dtype, DType::F16 | DType::BF16)
-        || !head_dim_supported(qt.shape[3])
+        || !tensor_core_head_dim(qt.shape[3])
         || readers(g, s)? != [(softmax, 0)]
     {
         return None;

@@ -258,6 +258,8 @@ pub struct Device {
     pub stream: Arc<CudaStream>,
     /// `compute_90` for an H100.
     arch: String,
+    /// The compute capability, `90` for an H100.
+    pub sm: u32,
     pub name: String,
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
     /// Kernels by module key, then by name.
@@ -285,6 +287,7 @@ impl Device {
             ctx,
             stream,
             arch: format!("compute_{major}{minor}"),
+            sm: (major * 10 + minor) as u32,
             name,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),

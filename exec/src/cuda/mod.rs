@@ -21,6 +21,7 @@
 //! (`cast_to`): the next step's Cast kernel does not run. Only fetched values are
 //! copied back.
 
+mod attention;
 mod device;
 mod gemm;
 pub mod kernel_cache;

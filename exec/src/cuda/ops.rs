@@ -2,10 +2,10 @@
 
 use ampgraph_graph::ops::{
     AllFinite, AssignVariable, BatchMatMul, BiasAdd, Binary, BinaryGrad, BroadcastTo, Cast, Concat,
-    Const, DataFormat, FusedElementwise, FusedMatMul, Group, IncrementIf, LayerNorm, LayerNormGrad,
-    LogSoftmax, LossScaleUpdate, MatMul, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape,
-    Rule, Slice, Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxGrad, SumTo,
-    Transpose, Unary, UnaryGrad, UnaryKind,
+    Const, DataFormat, FusedAttention, FusedAttentionGrad, FusedElementwise, FusedMatMul, Group,
+    IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate, MatMul, OptimizerUpdate,
+    Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice, Softmax, SoftmaxCrossEntropy,
+    SoftmaxCrossEntropyGrad, SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
 use ampgraph_graph::tensor::strides;
@@ -13,7 +13,7 @@ use ampgraph_graph::{DType, Op, Tensor, TensorType};
 
 use super::device::{row_block, row_grid, Arg, DTensor, Device, Dims};
 use super::gemm::{Gemm, GemmOptions, Product};
-use super::src;
+use super::{attention, src};
 
 /// Ops that wait for cuDNN.
 pub const CUDNN_OPS: &[&str] = &[
@@ -70,6 +70,8 @@ const SUPPORTED: &[&str] = &[
     "MatMul",
     "FusedMatMul",
     "BatchMatMul",
+    "FusedAttention",
+    "FusedAttentionGrad",
     "LayerNorm",
     "LayerNormGrad",
     "Sum",
@@ -124,7 +126,7 @@ pub struct Ctx<'a> {
 
 impl Ctx<'_> {
     /// The next output's buffer: its planned slot, or one from the pool.
-    fn alloc(&self, ty: &TensorType) -> Result<DTensor, String> {
+    pub(super) fn alloc(&self, ty: &TensorType) -> Result<DTensor, String> {
         let k = self.allocated.get();
         self.allocated.set(k + 1);
         match self.planned.get(k) {
@@ -134,7 +136,7 @@ impl Ctx<'_> {
                 .alloc(ty.dtype, &ty.shape, &Owner("node", self.name)),
         }
     }
-    fn temp(&self, dtype: DType, n: usize) -> Result<DTensor, String> {
+    pub(super) fn temp(&self, dtype: DType, n: usize) -> Result<DTensor, String> {
         self.dev
             .alloc(dtype, &[n], &Owner("scratch of node", self.name))
     }
@@ -807,6 +809,12 @@ pub fn eval(
             )?;
         }
         return Ok(vec![dx]);
+    }
+    if let Some(a) = op.downcast_ref::<FusedAttention>() {
+        return attention::forward(c, a.scale, inputs, outs);
+    }
+    if let Some(a) = op.downcast_ref::<FusedAttentionGrad>() {
+        return attention::backward(c, a.scale, inputs, outs);
     }
     if let Some(ln) = op.downcast_ref::<LayerNorm>() {
         let (x, g, b) = (input(0)?, input(1)?, input(2)?);

@@ -1603,6 +1603,11 @@ template <class T> T __shfl_xor_sync(unsigned, T, int);
 template <class T> T atomicAdd(T*, T);
 void __syncthreads();
 struct uint4 { unsigned x, y, z, w; };
+uint4 make_uint4(unsigned, unsigned, unsigned, unsigned);
+#define __launch_bounds__(n)
+struct __half2 { unsigned x; };
+struct __nv_bfloat162 { unsigned x; };
+__half2 __floats2half2_rn(float, float); __nv_bfloat162 __floats2bfloat162_rn(float, float);
 using std::isnan; using std::isfinite;
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 "#;
@@ -1704,6 +1709,12 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
             k.push((format!("gather_{bytes}"), gather(bytes)));
         }
         k.push(("concat".into(), concat(2)));
+        for (d, head_dim) in [(DType::F16, 64), (DType::BF16, 32)] {
+            k.push((
+                format!("attention_{d}"),
+                super::super::attention::source(d, head_dim),
+            ));
+        }
         k.push(("fill_flag".into(), fill_flag()));
         k.push((
             "loss_scale_update".into(),

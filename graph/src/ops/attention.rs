@@ -51,6 +51,12 @@ pub struct FusedAttentionGrad {
     pub scale: f64,
 }
 
+/// The head widths the fused CUDA kernels take: multiples of the Tensor Core step
+/// (16) up to 64, where a block's tiles fit in 48 KiB of shared memory.
+pub fn tensor_core_head_dim(d: usize) -> bool {
+    d > 0 && d % 16 == 0 && d <= 64
+}
+
 /// The dtype of the row statistics: the compute type.
 pub fn lse_dtype(dtype: DType) -> DType {
     if dtype == DType::F64 {

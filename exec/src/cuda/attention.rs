@@ -1,0 +1,534 @@
+//! FusedAttention and FusedAttentionGrad on the device: FlashAttention-2's algorithm
+//! on Tensor Cores (`mma.sync` m16n8k16, f16 or bf16 operands, f32 accumulators).
+//!
+//! A block of 8 warps takes 128 rows (queries, or keys in the gradient's dK/dV kernel)
+//! of one (batch, head), a warp 16 of them, and walks the other side in tiles of 64
+//! staged in shared memory, whose B fragments `ldmatrix` reads (transposing where
+//! the product needs it). The scores of a tile live in the accumulator registers
+//! and go straight back into the next product as its A operand: the `[Sq, Sk]` scores
+//! are never stored. The forward keeps a running maximum and sum per row (online
+//! softmax) and saves each row's log-sum-exp; the gradient recomputes the
+//! probabilities from it, `dk`/`dv` in one kernel per key tile and `dq` in another
+//! per query tile (which first writes `delta = rowsum(do * o)` for the former), so no
+//! atomics are needed.
+
+use ampgraph_graph::ops::attention::{tensor_core_head_dim, AttentionDims};
+use ampgraph_graph::{DType, TensorType};
+
+use super::device::{Arg, DTensor};
+use super::ops::Ctx;
+use super::src;
+
+/// Rows of a block's own side: 8 warps of 16 (`ROWS` in the source).
+const ROWS: usize = 128;
+const THREADS: u32 = 256;
+
+const BODY: &str = r#"
+#define HD @HD@
+#define WARPS 8
+#define ROWS (16 * WARPS)
+#define TILE 64
+#define LDS (HD + 8)
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  @T2@ v = @PACK@(lo, hi);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ __forceinline__ unsigned ld32(const T* p) { return *reinterpret_cast<const unsigned*>(p); }
+// c += a b for a 16x16 A fragment and a 16x8 B fragment (registers as PTX lays them out:
+// lane = 4 g + t holds rows g and g + 8, columns 2t, 2t + 1 (+ 8)).
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#ifdef __CUDA_ARCH__
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.@MMA@.@MMA@.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// The B fragments of n-tiles n0 (b[0], b[1]) and n0 + 8 (b[2], b[3]) at k-step k0 of a
+// shared [row][LDS] tile m: `trans` false reads B[k][n] = m[n][k], true B[k][n] = m[k][n].
+template <bool trans> __device__ __forceinline__ void ldm_b(unsigned* b, const T* m, int n0, int k0, int lane) {
+  const int row = lane & 7, hi_n = (lane >> 4) << 3, hi_k = ((lane >> 3) & 1) << 3;
+  const T* p = trans ? m + (k0 + row + hi_k) * LDS + n0 + hi_n : m + (n0 + row + hi_n) * LDS + k0 + hi_k;
+#ifdef __CUDA_ARCH__
+  unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a));
+#else
+  b[0] = b[1] = b[2] = b[3] = ld32(p);
+#endif
+}
+// The A fragment at rows r0.., columns c0.. of a shared [row][LDS] tile.
+__device__ __forceinline__ void load_a(unsigned* a, const T* m, int r0, int c0, int g, int t) {
+  a[0] = ld32(m + (r0 + g) * LDS + c0 + 2 * t);
+  a[1] = ld32(m + (r0 + g + 8) * LDS + c0 + 2 * t);
+  a[2] = ld32(m + (r0 + g) * LDS + c0 + 2 * t + 8);
+  a[3] = ld32(m + (r0 + g + 8) * LDS + c0 + 2 * t + 8);
+}
+// c (16 x TILE) += a (16 x HD, registers) m^T, m a shared [TILE][LDS] tile.
+__device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const T* m, int lane) {
+#pragma unroll
+  for (int j = 0; j < TILE / 8; j += 2)
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; kc++) {
+      unsigned b[4];
+      ldm_b<false>(b, m, 8 * j, 16 * kc, lane);
+      mma(c[j], a[kc], b[0], b[1]);
+      mma(c[j + 1], a[kc], b[2], b[3]);
+    }
+}
+// c (16 x HD) += s (16 x TILE accumulators, rounded to T) m, m a shared [TILE][LDS] tile.
+__device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m, int lane) {
+#pragma unroll
+  for (int kc = 0; kc < TILE / 16; kc++) {
+    unsigned a[4] = {pack2(s[2 * kc][0], s[2 * kc][1]), pack2(s[2 * kc][2], s[2 * kc][3]),
+                     pack2(s[2 * kc + 1][0], s[2 * kc + 1][1]), pack2(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+    for (int j = 0; j < HD / 8; j += 2) {
+      unsigned b[4];
+      ldm_b<true>(b, m, 8 * j, 16 * kc, lane);
+      mma(c[j], a, b[0], b[1]);
+      mma(c[j + 1], a, b[2], b[3]);
+    }
+  }
+}
+// Copies 16 bytes (or `bytes` < 16, 4 or 0: zeros past the end) to shared memory, in
+// the background (cp.async); `commit` closes a group, `wait<n>` waits for all but n.
+__device__ __forceinline__ void copy_async(void* sm, const void* x, int bytes) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;"
+               :: "r"((unsigned)__cvta_generic_to_shared(sm)), "l"(x), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void copy_async4(void* sm, const void* x, bool in) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+               :: "r"((unsigned)__cvta_generic_to_shared(sm)), "l"(x), "r"(in ? 4 : 0) : "memory");
+#endif
+}
+__device__ __forceinline__ void commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int n> __device__ __forceinline__ void wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" :: "n"(n) : "memory");
+#endif
+}
+// Starts copying rows r0 .. r0 + n of one (batch, head) of a [B, S, H, HD] tensor (`x`
+// at its row 0, rows `stride` apart) into sm[row][LDS], zeros past S.
+__device__ __forceinline__ void load_rows(T* sm, const T* x, int stride, int S, int r0, int n) {
+  for (int i = threadIdx.x; i < n * (HD / 8); i += blockDim.x) {
+    int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+    bool in = r0 + r < S;
+    copy_async(sm + r * LDS + c, x + (in ? (r0 + r) * stride + c : 0), in ? 16 : 0);
+  }
+}
+// Starts copying n values of a row statistic from `x` (zeros past S).
+__device__ __forceinline__ void load_stat(float* sm, const float* x, int S, int r0, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) copy_async4(sm + i, x + (r0 + i < S ? r0 + i : 0), r0 + i < S);
+}
+// Rows r and r + 8 (accumulators times mul0, mul1) of such a tensor, where they exist.
+__device__ __forceinline__ void store_rows(T* y, float (*acc)[4], float mul0, float mul1, int stride, int S, int r, int t) {
+#pragma unroll
+  for (int j = 0; j < HD / 8; j++) {
+    int c = 8 * j + 2 * t;
+    if (r < S) *reinterpret_cast<unsigned*>(y + r * stride + c) = pack2(acc[j][0] * mul0, acc[j][1] * mul0);
+    if (r + 8 < S) *reinterpret_cast<unsigned*>(y + (r + 8) * stride + c) = pack2(acc[j][2] * mul1, acc[j][3] * mul1);
+  }
+}
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+template <int N> __device__ __forceinline__ void zero(float (*a)[4]) {
+#pragma unroll
+  for (int i = 0; i < N; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
+}
+// The block's (batch, head) and first row, and the lane's place.
+struct Place {
+  int lane, w, g, t, first;
+  i64 b, h;
+  __device__ Place(int len, int H) {
+    lane = threadIdx.x & 31; w = threadIdx.x >> 5; g = lane >> 2; t = lane & 3;
+    const int tiles = (len + ROWS - 1) / ROWS;
+    const i64 bh = blockIdx.x / tiles;
+    first = (blockIdx.x % tiles) * ROWS;
+    b = bh / H; h = bh % H;
+  }
+  // Row 0 of this (batch, head) in a [B, len, H, HD] tensor.
+  template <typename P> __device__ P* at(P* x, int len, int H) const { return x + (b * len * H + h) * HD; }
+  __device__ i64 stat(int len, int H) const { return (b * H + h) * len; }
+};
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const T* k, const T* v, T* o, float* lse,
+                                                               int H, int Sq, int Sk, double scale) {
+  // Two buffers of a K and a V tile: the next tile arrives while this one is used.
+  __align__(16) __shared__ T sm[2][2 * TILE * LDS];
+  const Place p(Sq, H);
+  const int stride = H * HD;
+  const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H);
+  const float sl2 = (float)scale * LOG2E;
+  load_rows(sm[1], p.at(q, Sq, H), stride, Sq, p.first, ROWS);
+  commit();
+  load_rows(sm[0], kb, stride, Sk, 0, TILE);
+  load_rows(sm[0] + TILE * LDS, vb, stride, Sk, 0, TILE);
+  commit();
+  wait<1>();
+  __syncthreads();
+  unsigned qa[HD / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < HD / 16; kc++) load_a(qa[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
+  __syncthreads();
+  float acc[HD / 8][4];
+  zero<HD / 8>(acc);
+  // Running maximum (log2 units) and sum of rows g and g + 8; the sums are this lane's part.
+  float m0 = -F_INF, m1 = -F_INF, l0 = 0.f, l1 = 0.f;
+  for (int k0 = 0, it = 0; k0 < Sk; k0 += TILE, it++) {
+    const T* ks = sm[it & 1];
+    const T* vs = ks + TILE * LDS;
+    if (k0 + TILE < Sk) {
+      T* next = sm[(it + 1) & 1];
+      load_rows(next, kb, stride, Sk, k0 + TILE, TILE);
+      load_rows(next + TILE * LDS, vb, stride, Sk, k0 + TILE, TILE);
+      commit();
+      wait<1>();
+    } else {
+      wait<0>();
+    }
+    __syncthreads();
+    float s[TILE / 8][4];
+    zero<TILE / 8>(s);
+    mma_a_mt(s, qa, ks, p.lane);
+    float mx0 = -F_INF, mx1 = -F_INF;
+#pragma unroll
+    for (int j = 0; j < TILE / 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        bool in = k0 + 8 * j + 2 * p.t + (e & 1) < Sk;
+        s[j][e] = in ? s[j][e] * sl2 : -F_INF;
+        if (e < 2) mx0 = fmaxf(mx0, s[j][e]); else mx1 = fmaxf(mx1, s[j][e]);
+      }
+    float n0 = fmaxf(m0, quad_max(mx0)), n1 = fmaxf(m1, quad_max(mx1));
+    float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
+    m0 = n0; m1 = n1; l0 *= a0; l1 *= a1;
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) { acc[j][0] *= a0; acc[j][1] *= a0; acc[j][2] *= a1; acc[j][3] *= a1; }
+#pragma unroll
+    for (int j = 0; j < TILE / 8; j++) {
+      s[j][0] = exp2f(s[j][0] - n0); s[j][1] = exp2f(s[j][1] - n0);
+      s[j][2] = exp2f(s[j][2] - n1); s[j][3] = exp2f(s[j][3] - n1);
+      l0 += s[j][0] + s[j][1]; l1 += s[j][2] + s[j][3];
+    }
+    mma_s_m(acc, s, vs, p.lane);
+    __syncthreads();
+  }
+  l0 = quad_sum(l0); l1 = quad_sum(l1);
+  const int r = p.first + 16 * p.w + p.g;
+  store_rows(p.at(o, Sq, H), acc, 1.f / l0, 1.f / l1, stride, Sq, r, p.t);
+  if (p.t == 0) {
+    float* l = lse + p.stat(Sq, H);
+    if (r < Sq) l[r] = (m0 + log2f(l0)) * LN2;
+    if (r + 8 < Sq) l[r + 8] = (m1 + log2f(l1)) * LN2;
+  }
+}
+
+// dq for ROWS queries; first delta = rowsum(do * o) of them, for k_dkv.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dq(const T* q, const T* k, const T* v, const T* o,
+    const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, double scale) {
+  __align__(16) __shared__ T sm[2][2 * TILE * LDS];
+  const Place p(Sq, H);
+  const int stride = H * HD;
+  const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H), *ob = p.at(o, Sq, H), *db = p.at(d_o, Sq, H);
+  const float sl2 = (float)scale * LOG2E;
+  unsigned qa[HD / 16][4], da[HD / 16][4];
+  load_rows(sm[0], p.at(q, Sq, H), stride, Sq, p.first, ROWS);
+  load_rows(sm[1], db, stride, Sq, p.first, ROWS);
+  commit();
+  wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int kc = 0; kc < HD / 16; kc++) {
+    load_a(qa[kc], sm[0], 16 * p.w, 16 * kc, p.g, p.t);
+    load_a(da[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
+  }
+  __syncthreads();
+  load_rows(sm[0], kb, stride, Sk, 0, TILE);
+  load_rows(sm[0] + TILE * LDS, vb, stride, Sk, 0, TILE);
+  commit();
+  // delta and the log-sum-exp (log2 units) of rows g and g + 8.
+  float d0 = 0.f, d1 = 0.f, L0 = 0.f, L1 = 0.f;
+  const float* lb = lse + p.stat(Sq, H);
+  float* deltab = delta + p.stat(Sq, H);
+  for (int rr = 0; rr < 16; rr++) {
+    const int row = p.first + 16 * p.w + rr;
+    float part = 0.f;
+    if (row < Sq)
+      for (int c = p.lane; c < HD; c += 32) part += ld(db, row * stride + c) * ld(ob, row * stride + c);
+    const float sum = warp_sum(part);
+    const float l = row < Sq ? lb[row] * LOG2E : 0.f;
+    if (p.lane == 0 && row < Sq) deltab[row] = sum;
+    if (rr == p.g) { d0 = sum; L0 = l; }
+    if (rr == p.g + 8) { d1 = sum; L1 = l; }
+  }
+  float acc[HD / 8][4];
+  zero<HD / 8>(acc);
+  for (int k0 = 0, it = 0; k0 < Sk; k0 += TILE, it++) {
+    const T* ks = sm[it & 1];
+    const T* vs = ks + TILE * LDS;
+    if (k0 + TILE < Sk) {
+      T* next = sm[(it + 1) & 1];
+      load_rows(next, kb, stride, Sk, k0 + TILE, TILE);
+      load_rows(next + TILE * LDS, vb, stride, Sk, k0 + TILE, TILE);
+      commit();
+      wait<1>();
+    } else {
+      wait<0>();
+    }
+    __syncthreads();
+    float s[TILE / 8][4], dp[TILE / 8][4];
+    zero<TILE / 8>(s);
+    zero<TILE / 8>(dp);
+    mma_a_mt(s, qa, ks, p.lane);
+    mma_a_mt(dp, da, vs, p.lane);
+#pragma unroll
+    for (int j = 0; j < TILE / 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        bool in = k0 + 8 * j + 2 * p.t + (e & 1) < Sk;
+        float pr = in ? exp2f(s[j][e] * sl2 - (e < 2 ? L0 : L1)) : 0.f;
+        s[j][e] = pr * (dp[j][e] - (e < 2 ? d0 : d1));
+      }
+    mma_s_m(acc, s, ks, p.lane);
+    __syncthreads();
+  }
+  store_rows(p.at(dq, Sq, H), acc, (float)scale, (float)scale, stride, Sq, p.first + 16 * p.w + p.g, p.t);
+}
+
+// dk and dv for ROWS keys, walking every query tile.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
+    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, double scale) {
+  __align__(16) __shared__ T sm[2][2 * TILE * LDS];
+  __shared__ float stats[2][2][TILE];
+  const Place p(Sk, H);
+  const int stride = H * HD;
+  const T *qb = p.at(q, Sq, H), *db = p.at(d_o, Sq, H);
+  const float *lb = lse + p.stat(Sq, H), *deltab = delta + p.stat(Sq, H);
+  const float sl2 = (float)scale * LOG2E;
+  unsigned ka[HD / 16][4], va[HD / 16][4];
+  load_rows(sm[0], p.at(k, Sk, H), stride, Sk, p.first, ROWS);
+  load_rows(sm[1], p.at(v, Sk, H), stride, Sk, p.first, ROWS);
+  commit();
+  wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int kc = 0; kc < HD / 16; kc++) {
+    load_a(ka[kc], sm[0], 16 * p.w, 16 * kc, p.g, p.t);
+    load_a(va[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
+  }
+  __syncthreads();
+  float dka[HD / 8][4], dva[HD / 8][4];
+  zero<HD / 8>(dka);
+  zero<HD / 8>(dva);
+  load_rows(sm[0], qb, stride, Sq, 0, TILE);
+  load_rows(sm[0] + TILE * LDS, db, stride, Sq, 0, TILE);
+  load_stat(stats[0][0], lb, Sq, 0, TILE);
+  load_stat(stats[0][1], deltab, Sq, 0, TILE);
+  commit();
+  for (int q0 = 0, it = 0; q0 < Sq; q0 += TILE, it++) {
+    const T* qs = sm[it & 1];
+    const T* ds = qs + TILE * LDS;
+    const float *ls = stats[it & 1][0], *dl = stats[it & 1][1];
+    if (q0 + TILE < Sq) {
+      const int b = (it + 1) & 1;
+      load_rows(sm[b], qb, stride, Sq, q0 + TILE, TILE);
+      load_rows(sm[b] + TILE * LDS, db, stride, Sq, q0 + TILE, TILE);
+      load_stat(stats[b][0], lb, Sq, q0 + TILE, TILE);
+      load_stat(stats[b][1], deltab, Sq, q0 + TILE, TILE);
+      commit();
+      wait<1>();
+    } else {
+      wait<0>();
+    }
+    __syncthreads();
+    // Transposed tiles: rows are this warp's keys, columns the tile's queries.
+    float s[TILE / 8][4], dp[TILE / 8][4];
+    zero<TILE / 8>(s);
+    zero<TILE / 8>(dp);
+    mma_a_mt(s, ka, qs, p.lane);
+    mma_a_mt(dp, va, ds, p.lane);
+#pragma unroll
+    for (int j = 0; j < TILE / 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int col = 8 * j + 2 * p.t + (e & 1);
+        float pr = q0 + col < Sq ? exp2f((s[j][e] * sl2) - ls[col] * LOG2E) : 0.f;
+        s[j][e] = pr;
+        dp[j][e] = pr * (dp[j][e] - dl[col]);
+      }
+    mma_s_m(dva, s, ds, p.lane);
+    mma_s_m(dka, dp, qs, p.lane);
+    __syncthreads();
+  }
+  const int r = p.first + 16 * p.w + p.g;
+  store_rows(p.at(dk, Sk, H), dka, (float)scale, (float)scale, stride, Sk, r, p.t);
+  store_rows(p.at(dv, Sk, H), dva, 1.f, 1.f, stride, Sk, r, p.t);
+}
+"#;
+
+/// The module of the three kernels for `dtype` (f16 or bf16) and head width `head_dim`.
+pub fn source(dtype: DType, head_dim: usize) -> String {
+    let (pair, pack, mma) = match dtype {
+        DType::BF16 => ("__nv_bfloat162", "__floats2bfloat162_rn", "bf16"),
+        _ => ("__half2", "__floats2half2_rn", "f16"),
+    };
+    let body = BODY
+        .replace("@HD@", &head_dim.to_string())
+        .replace("@T2@", pair)
+        .replace("@PACK@", pack)
+        .replace("@MMA@", mma);
+    src::module(dtype, &body)
+}
+
+/// The sizes of an attention whose tensors the kernels can take, or why not.
+fn checked_dims(c: &Ctx, tensors: &[&DTensor]) -> Result<AttentionDims, String> {
+    let ty = |t: &DTensor| TensorType::new(t.dtype, t.shape.clone());
+    let [q, k, v, ..] = tensors else {
+        return Err("internal: attention without q, k and v".into());
+    };
+    let dims = AttentionDims::of(&ty(q), &ty(k), &ty(v))?;
+    if !matches!(q.dtype, DType::F16 | DType::BF16) {
+        return Err(format!("no CUDA attention kernel for {}", q.dtype));
+    }
+    if !tensor_core_head_dim(dims.head_dim) {
+        return Err(format!(
+            "no CUDA attention kernel for head width {} (a multiple of 16 up to 64)",
+            dims.head_dim
+        ));
+    }
+    // Offsets within one (batch, head) are 32-bit.
+    if dims.q_len.max(dims.k_len) * dims.heads * dims.head_dim > i32::MAX as usize {
+        return Err("attention too large for the kernels' 32-bit offsets".into());
+    }
+    if c.dev.sm < 80 {
+        return Err("the attention kernels need Tensor Core mma (compute capability 8.0)".into());
+    }
+    // q, k, v (and do) are read in 16-byte words.
+    if tensors
+        .iter()
+        .any(|t| t.dtype == q.dtype && t.ptr() % 16 != 0)
+    {
+        return Err("internal: attention tensors must be 16-byte aligned".into());
+    }
+    Ok(dims)
+}
+
+fn launch(
+    c: &Ctx,
+    kernel: &'static str,
+    dims: &AttentionDims,
+    rows: usize,
+    dtype: DType,
+    tensors: &[&DTensor],
+    scale: f64,
+) -> Result<(), String> {
+    let blocks = dims.batch * dims.heads * rows.div_ceil(ROWS);
+    if blocks == 0 {
+        return Ok(());
+    }
+    let blocks = u32::try_from(blocks).map_err(|_| "attention too large for one grid")?;
+    let mut args: Vec<Arg> = tensors.iter().map(|t| t.arg()).collect();
+    let int = |n: usize| i32::try_from(n).map_err(|_| "attention too large".to_string());
+    args.extend([
+        Arg::I32(int(dims.heads)?),
+        Arg::I32(int(dims.q_len)?),
+        Arg::I32(int(dims.k_len)?),
+        Arg::F64(scale),
+    ]);
+    let d = dims.head_dim;
+    c.dev.launch(
+        &format!("attention/{dtype}/{d}"),
+        || source(dtype, d),
+        kernel,
+        blocks,
+        THREADS,
+        &args,
+    )
+}
+
+/// `o, lse = FusedAttention(q, k, v)`.
+pub fn forward(
+    c: &Ctx,
+    scale: f64,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let [q, k, v] = inputs else {
+        return Err("FusedAttention takes q, k and v".into());
+    };
+    let [o_ty, lse_ty] = outs else {
+        return Err("FusedAttention has two outputs".into());
+    };
+    let o = c.alloc(o_ty)?;
+    let lse = c.alloc(lse_ty)?;
+    let dims = checked_dims(c, &[q, k, v, &o, &lse])?;
+    launch(
+        c,
+        "k_fwd",
+        &dims,
+        dims.q_len,
+        q.dtype,
+        &[q, k, v, &o, &lse],
+        scale,
+    )?;
+    Ok(vec![o, lse])
+}
+
+/// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do)`.
+pub fn backward(
+    c: &Ctx,
+    scale: f64,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let [q, k, v, o, lse, d_o] = inputs else {
+        return Err("FusedAttentionGrad takes q, k, v, o, lse and do".into());
+    };
+    let [dq_ty, dk_ty, dv_ty] = outs else {
+        return Err("FusedAttentionGrad has three outputs".into());
+    };
+    let (dq, dk, dv) = (c.alloc(dq_ty)?, c.alloc(dk_ty)?, c.alloc(dv_ty)?);
+    let dims = checked_dims(c, &[q, k, v, o, lse, d_o, &dq, &dk, &dv])?;
+    let delta = c.temp(DType::F32, lse.len())?;
+    let d = q.dtype;
+    launch(
+        c,
+        "k_dq",
+        &dims,
+        dims.q_len,
+        d,
+        &[q, k, v, o, lse, d_o, &dq, &delta],
+        scale,
+    )?;
+    launch(
+        c,
+        "k_dkv",
+        &dims,
+        dims.k_len,
+        d,
+        &[q, k, v, lse, &delta, d_o, &dk, &dv],
+        scale,
+    )?;
+    Ok(vec![dq, dk, dv])
+}
