@@ -1,0 +1,233 @@
+//! The fuse-attention pass on random explicit attentions (the bench transformer's
+//! form: heads split by transposes, `softmax(q k^T * scale) v`, heads merged), with
+//! and without their autodiff gradients, in f16 and bf16: the pass fuses exactly one
+//! attention (and its gradient), leaves a valid graph that survives JSON, changes
+//! nothing on a second run, and the CPU computes the outputs and gradients within
+//! the 16-bit rounding bound of the same graph evaluated in f64.
+
+mod common;
+
+use std::collections::HashMap;
+
+use ampgraph::exec::{CpuExecutor, Executor};
+use ampgraph::graph::autodiff::gradients;
+use ampgraph::graph::ops::{BatchMatMul, FusedAttention, FusedAttentionGrad, Softmax};
+use ampgraph::graph::Op;
+use ampgraph::passes::attention::FuseAttention;
+use ampgraph::passes::simplify::{Dce, ScaleIntoMatmul};
+use ampgraph::passes::{Pass, PassSummary};
+use ampgraph::{DType, Graph, Port, Tensor};
+use common::json;
+use proptest::prelude::*;
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    batch: usize,
+    heads: usize,
+    q_len: usize,
+    k_len: usize,
+    head_dim: usize,
+    scale: f64,
+    train: bool,
+}
+
+/// The explicit attention of `case` in `dtype` (its scale a power of two, which
+/// `scale-into-matmul` folds into a 16-bit product); outputs y (and dq, dk, dv when
+/// training, of the loss sum(y * w)).
+fn explicit(case: Case, dtype: DType) -> Graph {
+    let Case {
+        batch: b,
+        heads: h,
+        q_len,
+        k_len,
+        head_dim: d,
+        ..
+    } = case;
+    let mut g = Graph::new();
+    let q = g.placeholder("q", dtype, [b, q_len, h, d]).unwrap();
+    let k = g.placeholder("k", dtype, [b, k_len, h, d]).unwrap();
+    let v = g.placeholder("v", dtype, [b, k_len, h, d]).unwrap();
+    let split = |g: &mut Graph, x: Port| g.transpose(x, [0, 2, 1, 3]).unwrap();
+    let (qt, kt, vt) = (split(&mut g, q), split(&mut g, k), split(&mut g, v));
+    let s = g.batch_matmul_adj(qt, kt, false, true).unwrap();
+    let scale = g.scalar(dtype, case.scale).unwrap();
+    let s = g.mul(s, scale).unwrap();
+    let p = g.softmax(s, -1).unwrap();
+    let y = g.batch_matmul(p, vt).unwrap();
+    let y = g.transpose(y, [0, 2, 1, 3]).unwrap();
+    let mut outputs = vec![y];
+    if case.train {
+        let w = g.placeholder("w", dtype, [b, q_len, h, d]).unwrap();
+        let yw = g.mul(y, w).unwrap();
+        let loss = g.sum(yw, None, false).unwrap();
+        outputs.extend(gradients(&mut g, loss, &[q, k, v]).unwrap());
+    }
+    g.set_outputs(outputs).unwrap();
+    g
+}
+
+/// Values in [-2, 2] for q and k, [-1, 1] for v and w, rounded to `dtype`.
+fn feeds(case: Case, dtype: DType, seed: u64) -> HashMap<String, Tensor> {
+    let mut rng = common::Rng(seed);
+    let (b, h, d) = (case.batch, case.heads, case.head_dim);
+    [
+        ("q", case.q_len, 2.0),
+        ("k", case.k_len, 2.0),
+        ("v", case.k_len, 1.0),
+        ("w", case.q_len, 1.0),
+    ]
+    .into_iter()
+    .map(|(name, len, range)| {
+        let values: Vec<f64> = (0..b * len * h * d)
+            .map(|_| (2.0 * rng.unit() - 1.0) * range)
+            .collect();
+        let t = Tensor::from_f64(dtype, vec![b, len, h, d], &values).unwrap();
+        (name.to_string(), t)
+    })
+    .collect()
+}
+
+fn widened(feeds: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    feeds
+        .iter()
+        .map(|(n, t)| (n.clone(), t.cast(DType::F64)))
+        .collect()
+}
+
+fn fuse(g: &mut Graph) -> PassSummary {
+    Dce.run(g).unwrap();
+    ScaleIntoMatmul.run(g).unwrap();
+    FuseAttention.run(g).unwrap()
+}
+
+/// The number at the end of summary line `k`.
+fn count(summary: &PassSummary, k: usize) -> usize {
+    let line = &summary.lines[k];
+    line.rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("{line}"))
+}
+
+fn has<T: Op>(g: &Graph) -> bool {
+    g.node_ids().any(|id| g.node(id).op.is::<T>())
+}
+
+fn check(case: Case, dtype: DType, seed: u64) -> Result<(), TestCaseError> {
+    let mut g = explicit(case, dtype);
+    let summary = fuse(&mut g);
+    g.validate().unwrap();
+    prop_assert_eq!(count(&summary, 0), 1, "{}", summary);
+    prop_assert_eq!(count(&summary, 1), usize::from(case.train), "{}", summary);
+    prop_assert!(has::<FusedAttention>(&g));
+    prop_assert_eq!(has::<FusedAttentionGrad>(&g), case.train);
+    prop_assert!(
+        !has::<Softmax>(&g) && !has::<BatchMatMul>(&g),
+        "the explicit form is gone"
+    );
+    // JSON round trip and idempotence.
+    let text = json(&g);
+    let back = ampgraph::graph::format::graph_from_bytes(text.as_bytes()).unwrap();
+    prop_assert_eq!(&text, &json(&back));
+    let mut again = g.clone();
+    prop_assert_eq!(count(&FuseAttention.run(&mut again).unwrap(), 0), 0);
+    prop_assert_eq!(&text, &json(&again));
+    // Values: the fused 16-bit graph against the explicit graph in f64.
+    let f = feeds(case, dtype, seed);
+    let truth_graph = explicit(case, DType::F64);
+    let truth = CpuExecutor::new()
+        .run(&truth_graph, &widened(&f), truth_graph.outputs())
+        .unwrap();
+    let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
+    let unit_roundoff = if dtype == DType::BF16 {
+        2f64.powi(-8)
+    } else {
+        2f64.powi(-11)
+    };
+    for (k, (want, got)) in truth.iter().zip(&got).enumerate() {
+        prop_assert_eq!(got.dtype(), dtype);
+        prop_assert_eq!(got.shape(), want.shape());
+        let want = want.to_f64_vec();
+        let scale = want.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        // A few roundings (probabilities, dS, the output) of values up to `scale`.
+        let bound = 16.0 * unit_roundoff * scale;
+        for (i, (a, b)) in want.iter().zip(got.to_f64_vec()).enumerate() {
+            prop_assert!(
+                (a - b).abs() <= bound,
+                "output {k} element {i}: {a} vs {b} (bound {bound})"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        (1usize..=2, 1usize..=3, 1usize..=70, 1usize..=70),
+        prop::sample::select(vec![16usize, 32, 64]),
+        1i32..=4,
+        any::<bool>(),
+    )
+        .prop_map(
+            |((batch, heads, q_len, k_len), head_dim, halvings, train)| Case {
+                batch,
+                heads,
+                q_len,
+                k_len,
+                head_dim,
+                scale: 2f64.powi(-halvings),
+                train,
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn fused_attention_is_valid_accurate_and_idempotent(
+        c in case(),
+        bf16 in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        check(c, if bf16 { DType::BF16 } else { DType::F16 }, seed)?;
+    }
+}
+
+/// What the kernels cannot take, or a probability tensor somebody else reads, stays
+/// explicit.
+#[test]
+fn unsupported_attentions_stay_explicit() {
+    let base = Case {
+        batch: 1,
+        heads: 2,
+        q_len: 8,
+        k_len: 8,
+        head_dim: 16,
+        scale: 0.25,
+        train: true,
+    };
+    let wide = Case {
+        head_dim: 80,
+        ..base
+    };
+    for (what, mut g) in [
+        ("f32", explicit(base, DType::F32)),
+        ("head width 80", explicit(wide, DType::F16)),
+    ] {
+        let summary = fuse(&mut g);
+        assert_eq!(count(&summary, 0), 0, "{what}: {summary}");
+        assert!(has::<Softmax>(&g), "{what}");
+    }
+    // The probabilities as a graph output.
+    let mut g = explicit(base, DType::F16);
+    let p = g
+        .node_ids()
+        .find(|&id| g.node(id).op.is::<Softmax>())
+        .unwrap();
+    let mut outputs = g.outputs().to_vec();
+    outputs.push(p.into());
+    g.set_outputs(outputs).unwrap();
+    assert_eq!(count(&fuse(&mut g), 0), 0);
+}
