@@ -154,17 +154,20 @@ fn find_backward(
     d_v: Option<NodeId>,
 ) -> Option<Backward> {
     let d_p = g.inputs(sg)[1];
-    let d_y = g.inputs(d_p.node)[0];
-    let d_p_ok = d_p.index == 0
-        && is_product(g, d_p.node, (false, true), 1.0)
-        && g.inputs(d_p.node)[1] == v
-        && readers(g, d_p)? == [(sg, 1)];
+    // Only a product is looked into: other nodes may have fewer inputs.
+    if !is_product(g, d_p.node, (false, true), 1.0) {
+        return None;
+    }
+    let [d_y, d_p_v] = g.inputs(d_p.node)[..] else {
+        return None;
+    };
+    let d_p_ok = d_p.index == 0 && d_p_v == v && readers(g, d_p)? == [(sg, 1)];
     if !d_p_ok || d_v.is_some_and(|dv| g.inputs(dv)[1] != d_y) {
         return None;
     }
     let (mut d_q, mut d_k) = (None, None);
     for (reader, slot) in readers(g, Port::new(sg, 0))? {
-        let other = g.inputs(reader)[1];
+        let other = *g.inputs(reader).get(1)?;
         if slot == 0 && d_q.is_none() && other == k && is_product(g, reader, (false, false), scale)
         {
             d_q = Some(reader);
