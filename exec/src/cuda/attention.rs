@@ -171,19 +171,53 @@ struct Place {
   template <typename P> __device__ P* at(P* x, int len, int H) const { return x + (b * len * H + h) * HD; }
   __device__ i64 stat(int len, int H) const { return (b * H + h) * len; }
 };
+typedef T Buffer[2 * TILE * LDS];
+// Starts copying the tiles at rows r0.. of `a` and `b` into `buf`, a's rows first.
+__device__ __forceinline__ void load_pair(T* buf, const T* a, const T* b, int stride, int S, int r0) {
+  load_rows(buf, a, stride, S, r0, TILE);
+  load_rows(buf + TILE * LDS, b, stride, S, r0, TILE);
+}
+// Before a double-buffered walk uses its tile `it` (rows r0.. of S): starts the next
+// one, where there is one (`start(buffer, first row)` issues its copies), then waits
+// for this one.
+template <typename F> __device__ __forceinline__ void next_tile(int it, int r0, int S, F start) {
+  if (r0 + TILE < S) {
+    start((it + 1) & 1, r0 + TILE);
+    commit();
+    wait<1>();
+  } else {
+    wait<0>();
+  }
+  __syncthreads();
+}
+// The A fragments of this warp's 16 rows of the block's ROWS rows of x and y.
+__device__ __forceinline__ void stage_a(unsigned (*xa)[4], unsigned (*ya)[4], Buffer* sm, const T* x,
+                                        const T* y, int stride, int S, const Place& p) {
+  load_rows(sm[0], x, stride, S, p.first, ROWS);
+  load_rows(sm[1], y, stride, S, p.first, ROWS);
+  commit();
+  wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int kc = 0; kc < HD / 16; kc++) {
+    load_a(xa[kc], sm[0], 16 * p.w, 16 * kc, p.g, p.t);
+    load_a(ya[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
+  }
+  __syncthreads();
+}
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const T* k, const T* v, T* o, float* lse,
                                                                int H, int Sq, int Sk, double scale) {
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
-  __align__(16) __shared__ T sm[2][2 * TILE * LDS];
+  __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H);
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H);
   const float sl2 = (float)scale * LOG2E;
   load_rows(sm[1], p.at(q, Sq, H), stride, Sq, p.first, ROWS);
   commit();
-  load_rows(sm[0], kb, stride, Sk, 0, TILE);
-  load_rows(sm[0] + TILE * LDS, vb, stride, Sk, 0, TILE);
+  auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, vb, stride, Sk, r0); };
+  start(0, 0);
   commit();
   wait<1>();
   __syncthreads();
@@ -198,16 +232,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
   for (int k0 = 0, it = 0; k0 < Sk; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
     const T* vs = ks + TILE * LDS;
-    if (k0 + TILE < Sk) {
-      T* next = sm[(it + 1) & 1];
-      load_rows(next, kb, stride, Sk, k0 + TILE, TILE);
-      load_rows(next + TILE * LDS, vb, stride, Sk, k0 + TILE, TILE);
-      commit();
-      wait<1>();
-    } else {
-      wait<0>();
-    }
-    __syncthreads();
+    next_tile(it, k0, Sk, start);
     float s[TILE / 8][4];
     zero<TILE / 8>(s);
     mma_a_mt(s, qa, ks, p.lane);
@@ -247,25 +272,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
 // dq for ROWS queries; first delta = rowsum(do * o) of them, for k_dkv.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dq(const T* q, const T* k, const T* v, const T* o,
     const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, double scale) {
-  __align__(16) __shared__ T sm[2][2 * TILE * LDS];
+  __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H);
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H), *ob = p.at(o, Sq, H), *db = p.at(d_o, Sq, H);
   const float sl2 = (float)scale * LOG2E;
   unsigned qa[HD / 16][4], da[HD / 16][4];
-  load_rows(sm[0], p.at(q, Sq, H), stride, Sq, p.first, ROWS);
-  load_rows(sm[1], db, stride, Sq, p.first, ROWS);
-  commit();
-  wait<0>();
-  __syncthreads();
-#pragma unroll
-  for (int kc = 0; kc < HD / 16; kc++) {
-    load_a(qa[kc], sm[0], 16 * p.w, 16 * kc, p.g, p.t);
-    load_a(da[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
-  }
-  __syncthreads();
-  load_rows(sm[0], kb, stride, Sk, 0, TILE);
-  load_rows(sm[0] + TILE * LDS, vb, stride, Sk, 0, TILE);
+  stage_a(qa, da, sm, p.at(q, Sq, H), db, stride, Sq, p);
+  auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, vb, stride, Sk, r0); };
+  start(0, 0);
   commit();
   // delta and the log-sum-exp (log2 units) of rows g and g + 8.
   float d0 = 0.f, d1 = 0.f, L0 = 0.f, L1 = 0.f;
@@ -287,16 +302,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dq(const T* q, const 
   for (int k0 = 0, it = 0; k0 < Sk; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
     const T* vs = ks + TILE * LDS;
-    if (k0 + TILE < Sk) {
-      T* next = sm[(it + 1) & 1];
-      load_rows(next, kb, stride, Sk, k0 + TILE, TILE);
-      load_rows(next + TILE * LDS, vb, stride, Sk, k0 + TILE, TILE);
-      commit();
-      wait<1>();
-    } else {
-      wait<0>();
-    }
-    __syncthreads();
+    next_tile(it, k0, Sk, start);
     float s[TILE / 8][4], dp[TILE / 8][4];
     zero<TILE / 8>(s);
     zero<TILE / 8>(dp);
@@ -319,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dq(const T* q, const 
 // dk and dv for ROWS keys, walking every query tile.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
     const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, double scale) {
-  __align__(16) __shared__ T sm[2][2 * TILE * LDS];
+  __align__(16) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
   const Place p(Sk, H);
   const int stride = H * HD;
@@ -327,41 +333,22 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   const float *lb = lse + p.stat(Sq, H), *deltab = delta + p.stat(Sq, H);
   const float sl2 = (float)scale * LOG2E;
   unsigned ka[HD / 16][4], va[HD / 16][4];
-  load_rows(sm[0], p.at(k, Sk, H), stride, Sk, p.first, ROWS);
-  load_rows(sm[1], p.at(v, Sk, H), stride, Sk, p.first, ROWS);
-  commit();
-  wait<0>();
-  __syncthreads();
-#pragma unroll
-  for (int kc = 0; kc < HD / 16; kc++) {
-    load_a(ka[kc], sm[0], 16 * p.w, 16 * kc, p.g, p.t);
-    load_a(va[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
-  }
-  __syncthreads();
+  stage_a(ka, va, sm, p.at(k, Sk, H), p.at(v, Sk, H), stride, Sk, p);
   float dka[HD / 8][4], dva[HD / 8][4];
   zero<HD / 8>(dka);
   zero<HD / 8>(dva);
-  load_rows(sm[0], qb, stride, Sq, 0, TILE);
-  load_rows(sm[0] + TILE * LDS, db, stride, Sq, 0, TILE);
-  load_stat(stats[0][0], lb, Sq, 0, TILE);
-  load_stat(stats[0][1], deltab, Sq, 0, TILE);
+  auto start = [&](int buf, int r0) {
+    load_pair(sm[buf], qb, db, stride, Sq, r0);
+    load_stat(stats[buf][0], lb, Sq, r0, TILE);
+    load_stat(stats[buf][1], deltab, Sq, r0, TILE);
+  };
+  start(0, 0);
   commit();
   for (int q0 = 0, it = 0; q0 < Sq; q0 += TILE, it++) {
     const T* qs = sm[it & 1];
     const T* ds = qs + TILE * LDS;
     const float *ls = stats[it & 1][0], *dl = stats[it & 1][1];
-    if (q0 + TILE < Sq) {
-      const int b = (it + 1) & 1;
-      load_rows(sm[b], qb, stride, Sq, q0 + TILE, TILE);
-      load_rows(sm[b] + TILE * LDS, db, stride, Sq, q0 + TILE, TILE);
-      load_stat(stats[b][0], lb, Sq, q0 + TILE, TILE);
-      load_stat(stats[b][1], deltab, Sq, q0 + TILE, TILE);
-      commit();
-      wait<1>();
-    } else {
-      wait<0>();
-    }
-    __syncthreads();
+    next_tile(it, q0, Sq, start);
     // Transposed tiles: rows are this warp's keys, columns the tile's queries.
     float s[TILE / 8][4], dp[TILE / 8][4];
     zero<TILE / 8>(s);
