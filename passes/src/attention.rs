@@ -247,10 +247,10 @@ fn replace_heads_first(
     let mut bypassed = Vec::new();
     let mut others = false;
     for (reader, _) in g.port_consumers(old) {
-        if is_heads_swap(g, reader) && !bypassed.contains(&reader) {
-            bypassed.push(reader);
-        } else if !is_heads_swap(g, reader) {
+        if !is_heads_swap(g, reader) {
             others = true;
+        } else if !bypassed.contains(&reader) {
+            bypassed.push(reader);
         }
     }
     for &swap in &bypassed {

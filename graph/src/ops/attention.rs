@@ -238,17 +238,8 @@ impl Op for FusedAttentionGrad {
         vec![("scale", self.scale.into())]
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let [q, k, v, o, lse, d_o] = fixed(inputs)?;
-        let dims = AttentionDims::of(q, k, v)?;
-        for (what, t) in [("o", o), ("do", d_o)] {
-            if *t != *q {
-                return Err(format!("{what} is {t} but q is {q}"));
-            }
-        }
-        let want = dims.lse_type(q.dtype);
-        if **lse != want {
-            return Err(format!("lse is {lse} but must be {want}"));
-        }
+        grad_dims(inputs)?;
+        let [q, k, v, _, _, _] = fixed(inputs)?;
         Ok(vec![(*q).clone(), (*k).clone(), (*v).clone()])
     }
     fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
@@ -259,14 +250,29 @@ impl Op for FusedAttentionGrad {
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-        let refs: Vec<&TensorType> = types.iter().collect();
-        self.infer(&refs)?;
-        let dims = AttentionDims::of(refs[0], refs[1], refs[2])?;
+        let dims = grad_dims(&types.iter().collect::<Vec<_>>())?;
         match inputs[0].dtype() {
             DType::F64 => attention_grad::<f64>(self.scale, &dims, inputs),
             _ => attention_grad::<f32>(self.scale, &dims, inputs),
         }
     }
+}
+
+/// The sizes of a FusedAttentionGrad over `q, k, v, o, lse, do`, once `o` and `do`
+/// are checked against `q` and `lse` against the sizes.
+fn grad_dims(inputs: &[&TensorType]) -> OpResult<AttentionDims> {
+    let [q, k, v, o, lse, d_o] = fixed(inputs)?;
+    let dims = AttentionDims::of(q, k, v)?;
+    for (what, t) in [("o", o), ("do", d_o)] {
+        if *t != *q {
+            return Err(format!("{what} is {t} but q is {q}"));
+        }
+    }
+    let want = dims.lse_type(q.dtype);
+    if **lse != want {
+        return Err(format!("lse is {lse} but must be {want}"));
+    }
+    Ok(dims)
 }
 
 /// The reference backward, as the fused kernels compute it: the probabilities from
