@@ -79,7 +79,7 @@ const NONE: usize = usize::MAX;
 
 /// Whether a node can join a group: an elementwise op over float tensors with one
 /// non-empty output.
-fn fusible(g: &Graph, id: NodeId, inputs: &[Port]) -> bool {
+pub(crate) fn fusible(g: &Graph, id: NodeId, inputs: &[Port]) -> bool {
     let node = g.node(id);
     let [out] = node.outputs() else {
         return false;
@@ -140,16 +140,16 @@ fn find_groups(g: &Graph, adj: &Adjacency, order: &[NodeId]) -> (Vec<usize>, Vec
 
 /// A group turned into a program: the fused node's op, inputs, and which member each
 /// of its outputs stands for.
-struct Fused {
-    op: FusedElementwise,
-    inputs: Vec<Port>,
+pub(crate) struct Fused {
+    pub(crate) op: FusedElementwise,
+    pub(crate) inputs: Vec<Port>,
     exports: Vec<NodeId>,
     internal_bytes: u64,
 }
 
 /// The program of a group: its members in topological order, which nodes belong to
 /// it, and which members' tensors are read outside it.
-fn program(
+pub(crate) fn program(
     g: &Graph,
     adj: &Adjacency,
     members: &[NodeId],

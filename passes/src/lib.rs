@@ -11,6 +11,7 @@ pub mod epilogue;
 pub mod fuse;
 pub mod registry;
 pub mod simplify;
+pub mod sum_into_elementwise;
 #[cfg(test)]
 mod testing;
 

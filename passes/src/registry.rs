@@ -5,6 +5,7 @@
 use crate::attention::FuseAttention;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
+use crate::sum_into_elementwise::SumIntoElementwise;
 use crate::simplify::{
     Algebraic, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm,
     ScaleIntoMatmul, UnscaleIntoUpdate,
@@ -71,6 +72,10 @@ pub const PASSES: &[PassEntry] = &[
         name: "fuse",
         make: || Box::new(Fuse),
     },
+    PassEntry {
+        name: "sum-into-elementwise",
+        make: || Box::new(SumIntoElementwise),
+    },
 ];
 
 /// The simplification pipeline, in order: folding exposes identities, removing
@@ -84,7 +89,8 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// (scores never stored), the finiteness check and the optimizer
 /// updates the loss-scale unscaling, the updates the casts of their variables,
 /// products their bias and activation into the GEMM, then the remaining elementwise
-/// chains fuse into generated kernels.
+/// chains fuse into generated kernels, and those kernels take the bias gradients
+/// summed from what they compute.
 pub const CUDA_PIPELINE: &[&str] = &[
     "dce",
     "cast-into-reduce",
@@ -94,6 +100,7 @@ pub const CUDA_PIPELINE: &[&str] = &[
     "cast-into-update",
     "gemm-epilogue",
     "fuse",
+    "sum-into-elementwise",
 ];
 
 /// The names of the registered passes, in registry order.

@@ -13,7 +13,11 @@
 //! v4 = Cast<to=f16>(v3): f16[64, 512]
 //! ```
 //!
-//! and the `outputs` attr lists the values the node outputs, in order.
+//! and the `outputs` attr lists the values the node outputs, in order. The optional
+//! `column_sums` attr lists values whose sums over every axis but the last (a bias
+//! gradient: [`FusedElementwise::column_sum`]) the node outputs after those, in f32
+//! (f64 for f64 values): the reduction reads its operand while the program computes
+//! it, not back from memory.
 //!
 //! Every value but the inputs has the element count N of the outputs (the program's
 //! domain); an input with fewer elements is broadcast where it is read (NumPy rules;
@@ -31,8 +35,8 @@ use crate::dtype::DType;
 use crate::kernel::Real;
 use crate::op::{Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::{
-    parse_op, BiasAdd, Binary, BinaryGrad, BinaryKind, Cast, DataFormat, Unary, UnaryGrad,
-    UnaryKind,
+    parse_op, BiasAdd, Binary, BinaryGrad, BinaryKind, Cast, DataFormat, Reduce, ReduceKind,
+    Unary, UnaryGrad, UnaryKind,
 };
 use crate::shape::broadcast_index_map;
 use crate::tensor::{bf16_from_f64, checked_numel, f16_from_f64, Data, Tensor, TensorType};
@@ -148,6 +152,8 @@ pub enum Operand {
 pub struct FusedElementwise {
     instrs: Vec<Instr>,
     outputs: Vec<usize>,
+    /// Values whose column sums are output after `outputs`.
+    sums: Vec<usize>,
     num_inputs: usize,
 }
 
@@ -190,8 +196,30 @@ impl FusedElementwise {
         Ok(FusedElementwise {
             instrs,
             outputs,
+            sums: Vec::new(),
             num_inputs,
         })
+    }
+
+    /// The same program also outputting the column sums of `sums` (values of the
+    /// domain's size, the domain of rank 2 or more), after its other outputs.
+    pub fn with_column_sums(mut self, sums: Vec<usize>) -> OpResult<FusedElementwise> {
+        let n = self.domain_len();
+        for &v in &sums {
+            let ty = &self
+                .instrs
+                .get(v)
+                .ok_or_else(|| format!("column sum of v{v}, which is not defined"))?
+                .ty;
+            if ty.rank() < 2 || ty.checked_len() != Some(n) {
+                return Err(format!(
+                    "column sum of v{v} ({ty}): only values of the domain's {n} elements \
+                     with two or more axes have column sums"
+                ));
+            }
+        }
+        self.sums = sums;
+        Ok(self)
     }
 
     pub fn instrs(&self) -> &[Instr] {
@@ -205,6 +233,19 @@ impl FusedElementwise {
 
     pub fn num_inputs(&self) -> usize {
         self.num_inputs
+    }
+
+    /// The values whose column sums the node outputs after [`Self::outputs`].
+    pub fn column_sums(&self) -> &[usize] {
+        &self.sums
+    }
+
+    /// The reduction a column sum of value `v` is: a Sum over every axis but the last,
+    /// accumulated and stored in `f32` (`f64` for an f64 value).
+    pub fn column_sum(&self, v: usize) -> Reduce {
+        let ty = &self.instrs[v].ty;
+        let leading = (0..ty.rank().saturating_sub(1) as i64).collect();
+        Reduce::new(ReduceKind::Sum, Some(leading), false).with_output(column_sum_dtype(ty.dtype))
     }
 
     /// N: the element count of every value but the inputs.
@@ -257,7 +298,15 @@ impl FusedElementwise {
                     .map_err(|e| format!("attr 'program', statement {j} '{}': {e}", s.trim()))
             })
             .collect::<OpResult<Vec<Instr>>>()?;
-        FusedElementwise::new(instrs, outputs).map_err(|e| format!("attr 'program': {e}"))
+        let sums = a
+            .opt_ints("column_sums")?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| usize::try_from(v).map_err(|_| format!("attr 'column_sums' holds {v}")))
+            .collect::<OpResult<Vec<usize>>>()?;
+        FusedElementwise::new(instrs, outputs)
+            .and_then(|f| f.with_column_sums(sums))
+            .map_err(|e| format!("attr 'program': {e}"))
     }
 
     /// Per instruction, how the CPU kernel computes it.
@@ -309,6 +358,15 @@ enum Read {
     Gather(usize, Vec<usize>),
 }
 
+/// The dtype column sums of `dtype` values accumulate in and are stored as.
+pub fn column_sum_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 /// Rounds `v` to the nearest value of a float `dtype`, as storing it would.
 fn round_to(dtype: DType, v: f64) -> f64 {
     match dtype {
@@ -332,13 +390,15 @@ impl Op for FusedElementwise {
     }
 
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![
+        let ints = |values: &[usize]| AttrValue::Ints(values.iter().map(|&v| v as i64).collect());
+        let mut attrs = vec![
             ("program", AttrValue::Str(self.to_string())),
-            (
-                "outputs",
-                AttrValue::Ints(self.outputs.iter().map(|&o| o as i64).collect()),
-            ),
-        ]
+            ("outputs", ints(&self.outputs)),
+        ];
+        if !self.sums.is_empty() {
+            attrs.push(("column_sums", ints(&self.sums)));
+        }
+        attrs
     }
 
     /// Recomputes every instruction's type from the inputs' with the op's own rule
@@ -386,10 +446,16 @@ impl Op for FusedElementwise {
                 ));
             }
         }
+        let sums = self.sums.iter().map(|&v| {
+            let ty = &self.instrs[v].ty;
+            let last = ty.shape[ty.rank() - 1];
+            TensorType::new(column_sum_dtype(ty.dtype), vec![last])
+        });
         Ok(self
             .outputs
             .iter()
             .map(|&o| self.instrs[o].ty.clone())
+            .chain(sums)
             .collect())
     }
 
@@ -401,12 +467,14 @@ impl Op for FusedElementwise {
         let values: Vec<Vec<f64>> = inputs.iter().map(|t| t.to_f64_vec()).collect();
         let plan = self.plan(inputs);
         let n = self.domain_len();
+        // The outputs' values, then those summed (each sum reduces its value's tensor).
+        let stored: Vec<usize> = self.outputs.iter().chain(&self.sums).copied().collect();
         let chunks: Vec<Vec<Vec<f64>>> = (0..n.div_ceil(CHUNK))
             .into_par_iter()
             .map(|c| {
                 let range = c * CHUNK..n.min((c + 1) * CHUNK);
                 let mut vals = vec![0.0; self.instrs.len()];
-                let mut outs = vec![Vec::with_capacity(range.len()); self.outputs.len()];
+                let mut outs = vec![Vec::with_capacity(range.len()); stored.len()];
                 for i in range {
                     for (j, step) in plan.iter().enumerate() {
                         vals[j] = match step {
@@ -434,21 +502,27 @@ impl Op for FusedElementwise {
                             }
                         };
                     }
-                    for (out, &j) in outs.iter_mut().zip(&self.outputs) {
+                    for (out, &j) in outs.iter_mut().zip(&stored) {
                         out.push(vals[j]);
                     }
                 }
                 outs
             })
             .collect();
-        out_types
-            .into_iter()
-            .enumerate()
-            .map(|(o, ty)| {
-                let v = chunks.iter().flat_map(|c| c[o].iter().copied());
-                Tensor::new(ty.shape, Data::from_f64(ty.dtype, v))
-            })
-            .collect()
+        let tensor = |o: usize, ty: &TensorType| {
+            let v = chunks.iter().flat_map(|c| c[o].iter().copied());
+            Tensor::new(ty.shape.clone(), Data::from_f64(ty.dtype, v))
+        };
+        let mut results = Vec::with_capacity(out_types.len());
+        for (o, &v) in stored.iter().enumerate() {
+            if o < self.outputs.len() {
+                results.push(tensor(o, &out_types[o])?);
+            } else {
+                let value = tensor(o, &self.instrs[v].ty)?;
+                results.extend(self.column_sum(v).eval(&[&value])?);
+            }
+        }
+        Ok(results)
     }
 
     /// Each input and output is its own fixed type: the program mixes dtypes on
@@ -696,6 +770,60 @@ mod tests {
             vec![4, 3],
         )
         .unwrap()
+    }
+
+    #[test]
+    fn column_sums_are_the_sums_of_the_stored_values_over_the_leading_axes() {
+        // f16 [3, 4, 6]: dx = gelu'(x) * dy, exported and summed into f32[6] (a bias
+        // gradient), and the f16 input summed too.
+        let t = ty(DType::F16, &[3, 4, 6]);
+        let p = FusedElementwise::new(
+            vec![
+                input(0, t.clone()),
+                input(1, t.clone()),
+                apply(
+                    ElementOp::UnaryGrad(UnaryKind::Gelu { approximate: false }),
+                    &[0, 1],
+                    t.clone(),
+                ),
+            ],
+            vec![2],
+        )
+        .unwrap()
+        .with_column_sums(vec![2, 0])
+        .unwrap();
+        let inputs = [data(DType::F16, &[3, 4, 6], 1), data(DType::F16, &[3, 4, 6], 2)];
+        let refs: Vec<&Tensor> = inputs.iter().collect();
+        let out = p.eval(&refs).unwrap();
+        assert_eq!(out.len(), 3);
+        let types: Vec<TensorType> = out.iter().map(Tensor::ty).collect();
+        let tys: Vec<&TensorType> = inputs.iter().map(|_| &t).collect();
+        assert_eq!(p.infer(&tys).unwrap(), types);
+        assert_eq!(types[1], ty(DType::F32, &[6]));
+        // Against sums in f64 of the stored f16 values (exact: 12 terms of f16 in f32
+        // may round; the f64 sum rounded to f32 is within an f32 ulp or two).
+        for (sum, of) in [(&out[1], &out[0]), (&out[2], &inputs[0])] {
+            let (s, v) = (sum.to_f64_vec(), of.to_f64_vec());
+            for (j, &got) in s.iter().enumerate() {
+                let want: f64 = (0..12).map(|r| v[r * 6 + j]).sum();
+                assert!((got - want).abs() <= 1e-6 * want.abs().max(1.0), "{got} vs {want}");
+            }
+        }
+        // The attr round-trips; an empty list writes no attr.
+        let back = reparse(&p).unwrap();
+        assert_eq!(back.downcast_ref::<FusedElementwise>(), Some(&p));
+        assert!(bias_relu_cast().attrs().iter().all(|(k, _)| *k != "column_sums"));
+        // Only full-size values of rank 2 or more have column sums.
+        let bias = bias_relu_cast();
+        let e = bias.clone().with_column_sums(vec![1]).unwrap_err();
+        assert!(e.contains("column sum of v1 (f32[6])"), "{e}");
+        assert!(bias.clone().with_column_sums(vec![9]).is_err());
+        let flat = FusedElementwise::new(
+            vec![input(0, ty(DType::F32, &[5])), apply(ElementOp::Unary(UnaryKind::Relu), &[0], ty(DType::F32, &[5]))],
+            vec![1],
+        )
+        .unwrap();
+        assert!(flat.with_column_sums(vec![1]).is_err());
     }
 
     #[test]

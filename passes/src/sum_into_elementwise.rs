@@ -1,0 +1,243 @@
+//! Column sums taken into the elementwise kernel that computes their operand: a
+//! `Sum` over every axis but the last (a bias gradient) of a tensor that a
+//! `FusedElementwise` node or a lone elementwise node produces becomes one more output
+//! of that node ([`FusedElementwise::with_column_sums`]). The kernel adds each value
+//! up as it stores it, so the sum no longer reads the tensor back from memory, and
+//! its launches go. After fp16 AMP, each hidden layer's bias gradient is summed by the
+//! kernel computing the activation's gradient.
+//!
+//! Only sums that accumulate and store in the program's column-sum type (f32 for
+//! f16/bf16/f32 operands, after `cast-into-reduce` has given f16 bias gradients their
+//! f32 output; f64 for f64) fold, so the result is the Sum's. A Sum that is a graph
+//! output stays.
+
+use ampgraph_graph::attrs::AttrValue;
+use ampgraph_graph::graph::Adjacency;
+use ampgraph_graph::ops::fused::{column_sum_dtype, MEMBERS_ANNOTATION};
+use ampgraph_graph::ops::{FusedElementwise, Reduce, ReduceKind};
+use ampgraph_graph::{DType, Graph, NodeId, Port};
+
+use crate::fuse::{fusible, program};
+use crate::simplify::{output_nodes, summary};
+use crate::{format_bytes, Pass, PassError, PassSummary};
+
+/// The `sum-into-elementwise` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SumIntoElementwise;
+
+/// Whether `reduce`, reading a tensor of that rank and dtype, is a column sum.
+fn is_column_sum(reduce: &Reduce, rank: usize, dtype: DType) -> bool {
+    reduce.kind == ReduceKind::Sum
+        && !reduce.keep_dims
+        && rank >= 2
+        && reduce
+            .reduced_axes(rank)
+            .is_ok_and(|axes| axes.iter().copied().eq(0..rank - 1))
+        && reduce.output_dtype(dtype) == column_sum_dtype(dtype)
+}
+
+/// The program a producer runs with its column sums: a fused node's own, or a lone
+/// elementwise node's one instruction (with its inputs, in order).
+fn producer_program(
+    g: &Graph,
+    adj: &Adjacency,
+    id: NodeId,
+) -> Option<(FusedElementwise, Vec<Port>)> {
+    let node = g.node(id);
+    if let Some(f) = node.op.downcast_ref::<FusedElementwise>() {
+        return Some((f.clone(), adj.inputs(id).to_vec()));
+    }
+    if !fusible(g, id, adj.inputs(id)) {
+        return None;
+    }
+    let fused = program(g, adj, &[id], |m| m == id, |_| true).ok()?;
+    Some((fused.op, fused.inputs))
+}
+
+impl Pass for SumIntoElementwise {
+    fn name(&self) -> &'static str {
+        "sum-into-elementwise"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let is_output = output_nodes(g);
+        // The column sums each producer takes: (sum node, port summed).
+        let mut taken: Vec<(NodeId, Vec<(NodeId, Port)>)> = Vec::new();
+        for id in g.node_ids() {
+            let Some(reduce) = g.node(id).op.downcast_ref::<Reduce>() else {
+                continue;
+            };
+            let [x] = g.inputs(id)[..] else {
+                continue;
+            };
+            let ty = g.ty(x);
+            if is_output[id.index()] || !is_column_sum(reduce, ty.rank(), ty.dtype) {
+                continue;
+            }
+            let producer = g.node(x.node);
+            let summable = match producer.op.downcast_ref::<FusedElementwise>() {
+                Some(f) => x.index < f.outputs().len(),
+                None => producer.outputs().len() == 1,
+            };
+            if !summable {
+                continue;
+            }
+            match taken.iter_mut().find(|(p, _)| *p == x.node) {
+                Some((_, sums)) => sums.push((id, x)),
+                None => taken.push((x.node, vec![(id, x)])),
+            }
+        }
+        // Producers keep their inputs: one adjacency serves every rewrite below.
+        let adj = g.adjacency();
+        let (mut folded, mut bytes) = (0usize, 0u64);
+        let mut rewired = Vec::new();
+        let mut removed = Vec::new();
+        for (producer, sums) in taken {
+            let Some((op, inputs)) = producer_program(g, &adj, producer) else {
+                continue;
+            };
+            let first_sum = op.outputs().len() + op.column_sums().len();
+            let values: Vec<usize> = sums.iter().map(|(_, x)| op.outputs()[x.index]).collect();
+            let all: Vec<usize> = op.column_sums().iter().copied().chain(values).collect();
+            let op = op
+                .with_column_sums(all)
+                .map_err(|e| PassError::Rewrite(format!("'{}': {e}", g.node(producer).name)))?;
+            let mut members = match g.node(producer).annotations.get(MEMBERS_ANNOTATION) {
+                Some(AttrValue::Str(s)) => s.clone(),
+                _ => g.node(producer).name.clone(),
+            };
+            for (k, &(sum, x)) in sums.iter().enumerate() {
+                members.push(',');
+                members.push_str(&g.node(sum).name);
+                bytes += g.ty(x).size_bytes() as u64;
+                for (reader, slot, _) in g.consumers(sum) {
+                    rewired.push((reader, slot, Port::new(producer, first_sum + k)));
+                }
+                removed.push(sum);
+            }
+            g.set_node(producer, Box::new(op), &inputs)?;
+            g.node_mut(producer)
+                .annotations
+                .insert(MEMBERS_ANNOTATION.into(), AttrValue::Str(members));
+            folded += sums.len();
+        }
+        g.rewire(rewired)?;
+        for id in removed {
+            g.remove_node(id)?;
+        }
+        let lines = vec![
+            format!(
+                "sum-into-elementwise: {folded} column sums computed by the elementwise kernel producing their operand ({folded} reductions fewer per run)"
+            ),
+            format!(
+                "sum-into-elementwise: {} of tensors no longer read back",
+                format_bytes(bytes)
+            ),
+        ];
+        Ok(summary("sum-into-elementwise", lines))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::run as run_cpu;
+    use ampgraph_graph::ops::{MatMul, Unary, UnaryGrad, UnaryKind};
+    use ampgraph_graph::Tensor;
+
+    /// The backward of `gelu(x w + b)` in f16 as AMP leaves it: `dz = gelu'(z) * dy`,
+    /// the bias gradient `Sum<to=f32>(dz)` (read by a Neg) and `dx = dz w^T` (dz has a
+    /// second reader).
+    fn backward(sum: Reduce) -> Graph {
+        let mut g = Graph::new();
+        let z = g.placeholder("z", DType::F16, [16, 8]).unwrap();
+        let dy = g.placeholder("dy", DType::F16, [16, 8]).unwrap();
+        let w = g.placeholder("w", DType::F16, [4, 8]).unwrap();
+        let gelu = UnaryKind::Gelu { approximate: false };
+        let dz = g.add(UnaryGrad { kind: gelu }, &[z, dy]).unwrap();
+        let db = g.add(sum, &[dz]).unwrap();
+        let mm = MatMul {
+            transpose_b: true,
+            ..MatMul::default()
+        };
+        let dx = g.add(mm, &[dz, w]).unwrap();
+        let neg = g.add(Unary::new(UnaryKind::Neg), &[db]).unwrap();
+        g.set_outputs(vec![neg, dx]).unwrap();
+        g
+    }
+
+    fn bias_grad() -> Reduce {
+        Reduce::new(ReduceKind::Sum, Some(vec![0]), false).with_output(DType::F32)
+    }
+
+    fn feeds() -> std::collections::HashMap<String, Tensor> {
+        let ramp = |n: usize, k: f64| -> Vec<f64> {
+            (0..n).map(|i| (i as f64 * k).sin() * 3.0).collect()
+        };
+        [
+            ("z", vec![16, 8], ramp(128, 0.37)),
+            ("dy", vec![16, 8], ramp(128, 0.91)),
+            ("w", vec![4, 8], ramp(32, 0.13)),
+        ]
+        .into_iter()
+        .map(|(name, shape, v)| {
+            (name.to_string(), Tensor::from_f64(DType::F16, shape, &v).unwrap())
+        })
+        .collect()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u64> {
+        t.to_f64_vec().iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn a_bias_gradient_is_summed_by_the_kernel_computing_its_operand() {
+        let before = backward(bias_grad());
+        let mut g = before.clone();
+        let summary = SumIntoElementwise.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(summary.lines[0].contains(": 1 column sums"), "{summary}");
+        // The Sum is gone; the gradient node computes dz and its column sums.
+        assert!(g.node_ids().all(|id| !g.node(id).op.is::<Reduce>()));
+        let id = g
+            .node_ids()
+            .find(|&id| g.node(id).op.is::<FusedElementwise>())
+            .unwrap();
+        let f = g.node(id).op.downcast_ref::<FusedElementwise>().unwrap();
+        assert_eq!(f.column_sums(), &[f.outputs()[0]]);
+        assert_eq!(g.inputs(g.outputs()[0].node), &[Port::new(id, 1)]);
+        // Bit-exact on the CPU, and a second run changes nothing.
+        let f = feeds();
+        let feeds = f.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let (want, got) = (run_cpu(&before, &feeds), run_cpu(&g, &feeds));
+        for (w, o) in want.iter().zip(&got) {
+            assert_eq!(w.ty(), o.ty());
+            assert_eq!(bits(w), bits(o));
+        }
+        let text = ampgraph_graph::format::to_text(&g);
+        let summary = SumIntoElementwise.run(&mut g).unwrap();
+        assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
+        assert_eq!(text, ampgraph_graph::format::to_text(&g));
+    }
+
+    #[test]
+    fn sums_of_another_type_or_axes_and_graph_outputs_stay() {
+        let f16_sum = Reduce::new(ReduceKind::Sum, Some(vec![0]), false);
+        let row_sum = Reduce::new(ReduceKind::Sum, Some(vec![1]), false).with_output(DType::F32);
+        let kept_dims = Reduce::new(ReduceKind::Sum, Some(vec![0]), true).with_output(DType::F32);
+        let mean = Reduce::new(ReduceKind::Mean, Some(vec![0]), false).with_output(DType::F32);
+        for sum in [f16_sum, row_sum, kept_dims, mean] {
+            let mut g = backward(sum.clone());
+            let summary = SumIntoElementwise.run(&mut g).unwrap();
+            assert!(summary.lines[0].contains(": 0 column sums"), "{sum:?}");
+        }
+        // A bias gradient that is itself a graph output keeps its node.
+        let mut g = backward(bias_grad());
+        let mut outputs = g.outputs().to_vec();
+        let sum = g.inputs(outputs[0].node)[0].node;
+        outputs.push(Port::new(sum, 0));
+        g.set_outputs(outputs).unwrap();
+        SumIntoElementwise.run(&mut g).unwrap();
+        assert!(g.node(sum).op.is::<Reduce>());
+    }
+}
