@@ -36,9 +36,24 @@ fn tol(d: DType) -> f64 {
 /// Builds a fused node over placeholders of the given types from its program text,
 /// runs it on both executors and compares every output.
 fn check(gpu: &mut CudaExecutor, program: &str, outputs: &[i64], inputs: &[(DType, &[usize])]) {
+    check_sums(gpu, program, outputs, &[], inputs);
+}
+
+/// [`check`] for a program that also outputs the column sums of `sums`: the sums
+/// are compared within the accumulation order's rounding (f32: rows of ulps).
+fn check_sums(
+    gpu: &mut CudaExecutor,
+    program: &str,
+    outputs: &[i64],
+    sums: &[i64],
+    inputs: &[(DType, &[usize])],
+) {
     let mut attrs = AttrMap::new();
     attrs.insert("program".into(), AttrValue::Str(program.into()));
     attrs.insert("outputs".into(), AttrValue::Ints(outputs.to_vec()));
+    if !sums.is_empty() {
+        attrs.insert("column_sums".into(), AttrValue::Ints(sums.to_vec()));
+    }
     let op = parse_op("FusedElementwise", AttrReader::new(attrs)).expect("program parses");
     let mut g = Graph::new();
     let mut feeds = Feeds::new();
@@ -53,14 +68,22 @@ fn check(gpu: &mut CudaExecutor, program: &str, outputs: &[i64], inputs: &[(DTyp
     let id = g
         .add_node("fused", op, &ports)
         .unwrap_or_else(|e| panic!("{program}: {e}"));
-    let outs: Vec<Port> = (0..outputs.len()).map(|k| Port::new(id, k)).collect();
+    let outs: Vec<Port> = (0..outputs.len() + sums.len())
+        .map(|k| Port::new(id, k))
+        .collect();
     let cpu = CpuExecutor::new().run(&g, &feeds, &outs).unwrap();
     let dev = gpu
         .run(&g, &feeds, &outs)
         .unwrap_or_else(|e| panic!("{program}: cuda: {e}"));
     for (k, (d, c)) in dev.iter().zip(&cpu).enumerate() {
         assert_eq!(d.ty(), c.ty(), "output {k} of {program}");
-        let t = tol(c.dtype());
+        // A sum of r rows: each partial sum may round differently (f32: 2^-24 each).
+        let t = if k < outputs.len() {
+            tol(c.dtype())
+        } else {
+            let rows = (g.ty(ports[0]).checked_len().unwrap_or(0) / c.len()) as f64;
+            tol(c.dtype()) * rows.sqrt().max(4.0)
+        };
         for (i, (a, b)) in d.to_f64_vec().iter().zip(c.to_f64_vec()).enumerate() {
             let close =
                 a == &b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= t * b.abs().max(1.0);
@@ -118,5 +141,39 @@ fn fused_programs_match_the_cpu() {
          v3 = Sigmoid(v2): f16[1000]",
         &[3, 2],
         &[(DType::F64, &[1000])],
+    );
+}
+
+#[test]
+fn fused_column_sums_match_the_cpu() {
+    let Some(mut gpu) = gpu() else { return };
+    // The mlp's bias gradient: the f16 GELU gradient summed in f32 over 4096 rows
+    // (vector kernel: rows of 256 halves), and its f16 input summed too.
+    let gelu_grad = "v0 = in0: f16[4096, 256]; v1 = in1: f16[4096, 256]; \
+                     v2 = UnaryGrad<kind=Gelu, approximate=false>(v0, v1): f16[4096, 256]";
+    check_sums(
+        &mut gpu,
+        gelu_grad,
+        &[2],
+        &[2, 0],
+        &[(DType::F16, &[4096, 256]), (DType::F16, &[4096, 256])],
+    );
+    // Rows of 100: not a multiple of the vector, one element at a time; a rank-3
+    // domain summed over its two leading axes; a broadcast bias; f32.
+    check_sums(
+        &mut gpu,
+        "v0 = in0: f32[3, 70, 100]; v1 = in1: f32[100]; v2 = BiasAdd<data_format=NHWC>(v0, v1): f32[3, 70, 100]; \
+         v3 = Tanh(v2): f32[3, 70, 100]",
+        &[3],
+        &[3, 2],
+        &[(DType::F32, &[3, 70, 100]), (DType::F32, &[100])],
+    );
+    // f64 values sum in f64.
+    check_sums(
+        &mut gpu,
+        "v0 = in0: f64[300, 24]; v1 = Exp(v0): f64[300, 24]",
+        &[1],
+        &[1],
+        &[(DType::F64, &[300, 24])],
     );
 }

@@ -5,11 +5,11 @@
 use crate::attention::FuseAttention;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
-use crate::sum_into_elementwise::SumIntoElementwise;
 use crate::simplify::{
     Algebraic, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm,
     ScaleIntoMatmul, UnscaleIntoUpdate,
 };
+use crate::sum_into_elementwise::SumIntoElementwise;
 use crate::{Pass, PassManager};
 
 /// One row of the registry.

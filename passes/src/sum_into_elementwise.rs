@@ -13,7 +13,7 @@
 
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::graph::Adjacency;
-use ampgraph_graph::ops::fused::{column_sum_dtype, MEMBERS_ANNOTATION};
+use ampgraph_graph::ops::fused::{column_sum_dtype, MAX_COLUMN_SUMS, MEMBERS_ANNOTATION};
 use ampgraph_graph::ops::{FusedElementwise, Reduce, ReduceKind};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
@@ -97,8 +97,22 @@ impl Pass for SumIntoElementwise {
                 continue;
             };
             let first_sum = op.outputs().len() + op.column_sums().len();
-            let values: Vec<usize> = sums.iter().map(|(_, x)| op.outputs()[x.index]).collect();
-            let all: Vec<usize> = op.column_sums().iter().copied().chain(values).collect();
+            // One dtype and at most MAX_COLUMN_SUMS sums per program; the rest stay.
+            let dtype_of = |v: usize| column_sum_dtype(op.instrs()[v].ty.dtype);
+            let mut all = op.column_sums().to_vec();
+            let mut dtype = all.first().map(|&v| dtype_of(v));
+            let mut kept = Vec::new();
+            for (sum, x) in sums {
+                let v = op.outputs()[x.index];
+                if all.len() < MAX_COLUMN_SUMS && *dtype.get_or_insert(dtype_of(v)) == dtype_of(v) {
+                    all.push(v);
+                    kept.push((sum, x));
+                }
+            }
+            let sums = kept;
+            if sums.is_empty() {
+                continue;
+            }
             let op = op
                 .with_column_sums(all)
                 .map_err(|e| PassError::Rewrite(format!("'{}': {e}", g.node(producer).name)))?;
@@ -171,9 +185,8 @@ mod tests {
     }
 
     fn feeds() -> std::collections::HashMap<String, Tensor> {
-        let ramp = |n: usize, k: f64| -> Vec<f64> {
-            (0..n).map(|i| (i as f64 * k).sin() * 3.0).collect()
-        };
+        let ramp =
+            |n: usize, k: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * k).sin() * 3.0).collect() };
         [
             ("z", vec![16, 8], ramp(128, 0.37)),
             ("dy", vec![16, 8], ramp(128, 0.91)),
@@ -181,7 +194,10 @@ mod tests {
         ]
         .into_iter()
         .map(|(name, shape, v)| {
-            (name.to_string(), Tensor::from_f64(DType::F16, shape, &v).unwrap())
+            (
+                name.to_string(),
+                Tensor::from_f64(DType::F16, shape, &v).unwrap(),
+            )
         })
         .collect()
     }

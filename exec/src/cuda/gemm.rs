@@ -196,7 +196,9 @@ pub struct Product<'a> {
     pub offset_c: usize,
     /// Scales the product (BLAS's alpha).
     pub alpha: f64,
-    /// A bias over the output's columns (and an activation) applied in the epilogue.
+    /// A bias over the output's columns (and an activation) applied in the epilogue,
+    /// of the output's dtype (cuBLASLt's default bias type; it has no f16 bias for an
+    /// f16 product stored in f32).
     pub bias: Option<(&'a DTensor, Epilogue)>,
 }
 
@@ -228,6 +230,12 @@ impl Gemm {
         let allowed = out == dtype || (wide_16_bit && !opts.allow_fp16_reduced_precision_reduction);
         if !allowed {
             return Err(format!("no {dtype} product stored as {out}"));
+        }
+        if let Some((bias, _)) = p.bias.filter(|(b, _)| b.dtype != out) {
+            return Err(format!(
+                "a {} bias for a product stored as {out}",
+                bias.dtype
+            ));
         }
         if p.m == 0 || p.n == 0 || p.batch == 0 {
             return Ok(());
@@ -490,19 +498,17 @@ impl Gemm {
                 )
             }
             .map_err(err("epilogue"))?;
-            // The bias keeps the operands' type when the output is wider.
-            if out != dtype {
-                // SAFETY: the attribute is a cudaDataType (an i32 enum).
-                unsafe {
-                    lt::set_matmul_desc_attribute(
-                        desc.0,
-                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                        (&mat_ty) as *const sys::cudaDataType as *const c_void,
-                        size_of::<sys::cudaDataType>(),
-                    )
-                }
-                .map_err(err("bias type"))?;
+            // The bias has the output's type (said outright for a widened output).
+            // SAFETY: the attribute is a cudaDataType (an i32 enum).
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc.0,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                    (&out_ty) as *const sys::cudaDataType as *const c_void,
+                    size_of::<sys::cudaDataType>(),
+                )
             }
+            .map_err(err("bias type"))?;
         }
         let pref = Pref(lt::create_matmul_pref().map_err(err("preference"))?);
         let ws = self.workspace.bytes();

@@ -325,7 +325,7 @@ fn column_sums(
     for (y, scale) in outs {
         args.extend([y.arg(), Arg::F64(*scale)]);
     }
-    let grid = len.div_ceil(256).min(1 << 20) as u32;
+    let grid = len.div_ceil(32).min(1 << 20) as u32;
     c.dev.launch(key, &make, "k_cols_fin", grid, 256, &args)
 }
 
@@ -567,11 +567,36 @@ pub fn eval(
             .map(|t| c.alloc(t))
             .collect::<Result<Vec<_>, _>>()?;
         let n = f.domain_len();
+        let (stored, sums) = outputs.split_at(f.outputs().len());
         let mut args: Vec<Arg> = inputs.iter().map(DTensor::arg).collect();
-        args.extend(outputs.iter().map(DTensor::arg));
-        args.push(Arg::I64(n as i64));
-        // The program text holds every dtype and shape the source bakes in.
-        dev.launch_elementwise(&format!("fused/{f}"), || src::fused(f), n, &args)?;
+        args.extend(stored.iter().map(DTensor::arg));
+        // The program text and its column sums hold every dtype and shape the source
+        // bakes in.
+        let key = format!("fused/{f}/{:?}", f.column_sums());
+        if sums.is_empty() {
+            args.push(Arg::I64(n as i64));
+            dev.launch_elementwise(&key, || src::fused(f), n, &args)?;
+        } else {
+            // Column sums of the domain's rows (its last axis).
+            let len = out0.shape.last().copied().unwrap_or(1).max(1);
+            let v = src::fused_vector(f);
+            let streamed = inputs.iter().filter(|t| t.len() == n).chain(stored);
+            let part = if len % v == 0 && streamed.into_iter().all(|t| t.ptr() % 16 == 0) {
+                ("k_cols_part_vec", 32 * v)
+            } else {
+                ("k_cols_part", 32)
+            };
+            let outs: Vec<(&DTensor, f64)> = sums.iter().map(|s| (s, 1.0)).collect();
+            column_sums(
+                c,
+                &key,
+                || src::fused(f),
+                &args,
+                (n / len, len),
+                &outs,
+                part,
+            )?;
+        }
         return Ok(outputs);
     }
     if let Some(cast) = op.downcast_ref::<Cast>() {
@@ -877,7 +902,7 @@ pub fn eval(
         } else {
             a.shape[1]
         };
-        let product = |out| Product {
+        let product = |out, bias| Product {
             a,
             b,
             c: out,
@@ -895,12 +920,23 @@ pub fn eval(
             alpha: 1.0,
             bias,
         };
-        let run = c.gemm.run(dev, &product(&y), c.gemm_options);
+        // cuBLASLt adds a bias of the output's type: a 16-bit bias of a product
+        // stored in f32 is widened first (exactly; a kernel over the bias alone).
+        let wide_bias = match bias {
+            Some((b, e)) if b.dtype != y.dtype => {
+                let wide = c.temp(y.dtype, b.len())?;
+                cast_into(c, b, &wide)?;
+                Some((wide, e))
+            }
+            _ => None,
+        };
+        let stored_bias = wide_bias.as_ref().map(|(b, e)| (b, *e)).or(bias);
+        let run = c.gemm.run(dev, &product(&y, stored_bias), c.gemm_options);
         if let (Err(why), true) = (&run, y.dtype != a.dtype) {
             // No cuBLASLt kernel stores this product wide: in its own type, then a cast.
             log::debug!("{}: {why}; storing the product, then casting", c.name);
             let narrow = c.temp(a.dtype, y.len())?;
-            c.gemm.run(dev, &product(&narrow), c.gemm_options)?;
+            c.gemm.run(dev, &product(&narrow, bias), c.gemm_options)?;
             cast_into(c, &narrow, &y)?;
             return Ok(vec![y]);
         }

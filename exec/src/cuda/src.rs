@@ -7,7 +7,7 @@
 //! serves every shape. Block reductions accumulate in the compute type (f32 for the
 //! 16-bit types).
 
-use ampgraph_graph::ops::fused::{Expr, Operand};
+use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, Operand};
 use ampgraph_graph::ops::{BinaryKind, ElementOp, FusedElementwise, ReduceKind, Rule, UnaryKind};
 use ampgraph_graph::tensor::strides;
 use ampgraph_graph::DType;
@@ -332,13 +332,28 @@ struct Store<'a> {
     value: &'a str,
 }
 
-/// The loop of an elementwise kernel over the `n` elements `i` of its domain: every
-/// input bound, `body` run, every output stored. Where every streamed pointer is
-/// aligned, each thread moves [`VECTOR`] (or fewer, to keep to 16 bytes) consecutive
-/// elements of each streamed tensor with one vector load or store; the rest, and
-/// misaligned views, go one element at a time. One 2-byte load per thread left the
-/// memory system mostly idle (half of PyTorch's bandwidth).
-fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
+/// Elements a vector of an elementwise loop moves when its widest streamed type has
+/// `widest` bytes: 16 bytes of it, at most [`VECTOR`] elements.
+fn vector_len(widest: usize) -> usize {
+    (16 / widest.max(1)).clamp(1, VECTOR)
+}
+
+/// What an elementwise loop streams, as source fragments: per vector of `v` elements
+/// at `i0`, the inputs' loads and outputs' declarations (`fetch`), each element `u`
+/// bound (`bind_vec`) and put (`put_vec`), then the outputs' stores (`flush`); per
+/// element `i` alone, `bind_one` and `put_one`. `aligned` tests every streamed pointer.
+struct Streams {
+    v: usize,
+    aligned: String,
+    fetch: String,
+    bind_vec: String,
+    put_vec: String,
+    flush: String,
+    bind_one: String,
+    put_one: String,
+}
+
+fn streams(loads: &[Load], stores: &[Store]) -> Streams {
     let mut streamed: Vec<(&str, usize, Option<&str>)> = Vec::new();
     for l in loads {
         match l.at {
@@ -348,8 +363,7 @@ fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
         }
     }
     streamed.extend(stores.iter().map(|s| (s.ptr, s.bytes, None)));
-    let widest = streamed.iter().map(|s| s.1).max().unwrap_or(1);
-    let v = (16 / widest).clamp(1, VECTOR);
+    let v = vector_len(streamed.iter().map(|s| s.1).max().unwrap_or(1));
     let mut aligned: Vec<String> = streamed
         .iter()
         .map(|(p, _, cond)| match cond {
@@ -394,6 +408,35 @@ fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
         put_one.push_str(&format!("{st}({p}, i, {value}); "));
         flush.push_str(&format!("*(VEC_T({p}, V)*)({p} + i0) = s_{p};\n"));
     }
+    Streams {
+        v,
+        aligned: aligned.join(" && "),
+        fetch,
+        bind_vec,
+        put_vec,
+        flush,
+        bind_one,
+        put_one,
+    }
+}
+
+/// The loop of an elementwise kernel over the `n` elements `i` of its domain: every
+/// input bound, `body` run, every output stored. Where every streamed pointer is
+/// aligned, each thread moves [`VECTOR`] (or fewer, to keep to 16 bytes) consecutive
+/// elements of each streamed tensor with one vector load or store; the rest, and
+/// misaligned views, go one element at a time. One 2-byte load per thread left the
+/// memory system mostly idle (half of PyTorch's bandwidth).
+fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
+    let Streams {
+        v,
+        aligned,
+        fetch,
+        bind_vec,
+        put_vec,
+        flush,
+        bind_one,
+        put_one,
+    } = streams(loads, stores);
     format!(
         "constexpr int V = {v};\n\
          const i64 nv = ({aligned}) ? n / V : 0;\n\
@@ -404,8 +447,7 @@ fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
            for (int u = 0; u < V; ++u) {{ const i64 i = i0 + u; {bind_vec}\n{body}\n{put_vec} }}\n\
            {flush}\
          }}\n\
-         for (i64 i = nv * V + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {{ {bind_one}\n{body}\n{put_one} }}\n",
-        aligned = aligned.join(" && ")
+         for (i64 i = nv * V + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {{ {bind_one}\n{body}\n{put_one} }}\n"
     )
 }
 
@@ -1010,7 +1052,9 @@ pub const COLUMN_CHUNKS: usize = 128;
 /// `k_cols_part` (grid: column tiles of 32 x row chunks, 256 threads) has each warp
 /// read 32 adjacent columns of a row (coalesced), adds the [`COLUMN_ROWS`] warps'
 /// partials in shared memory and writes one partial per (chunk, column); `k_cols_fin`
-/// adds a column's chunk partials and stores `scale<k> * sum`. `params` are the input
+/// (grid: column tiles of 32, 256 threads) adds a column's chunk partials, each warp
+/// a stride of chunks (coalesced rows of partials; a thread per column adding all of
+/// them in turn left most of the GPU idle), and stores `scale<k> * sum`. `params` are the input
 /// parameters, `row_setup` runs per element with `row`, `j` and `at = row * len + j`
 /// defined, and `terms` are the summed expressions, one output `py<k>` each, of type
 /// `T<out>` (accumulated in `A<out>`, `out` a type suffix of the module).
@@ -1033,7 +1077,10 @@ fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> Stri
         ));
         outs.push_str(&format!(", T{out}* py{k}, double scale{k}"));
         finals.push_str(&format!(
-            "{{ A{out} s = 0; for (i64 c = 0; c < chunks; ++c) s += part[(c * {n} + {k}) * len + j]; st{out}(py{k}, j, (C{out})(s * (A{out})scale{k})); }}\n"
+            "{{ A{out} s = 0; if (j < len) for (i64 c = ty; c < chunks; c += {COLUMN_ROWS}) s += part[(c * {n} + {k}) * len + j];\n\
+               fin[ty][tx] = s; __syncthreads();\n\
+               if (ty == 0 && j < len) {{ for (int w = 1; w < {COLUMN_ROWS}; ++w) s += fin[w][tx]; st{out}(py{k}, j, (C{out})(s * (A{out})scale{k})); }}\n\
+               __syncthreads(); }}\n"
         ));
     }
     format!(
@@ -1053,7 +1100,10 @@ fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> Stri
            if (ty == 0 && j < len) {{\n{partials}}}\n\
          }}\n\
          extern \"C\" __global__ void k_cols_fin(const A{out}* part, i64 len, i64 chunks{outs}) {{\n\
-           GRID_LOOP(j, len) {{\n{finals}}}\n\
+           __shared__ A{out} fin[{COLUMN_ROWS}][33];\n\
+           int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+           for (i64 j0 = (i64)blockIdx.x * 32; j0 < len; j0 += (i64)gridDim.x * 32) {{\n\
+             i64 j = j0 + tx;\n{finals}}}\n\
          }}\n"
     )
 }
@@ -1402,110 +1452,219 @@ fn broadcast_index(view: &[usize], into: &[usize]) -> String {
     }
 }
 
-/// One kernel for a fused program over the elements `i` of its domain ([`elementwise`]:
-/// the full-size inputs streamed in vectors): each value in its compute type, rounded to
-/// its dtype as the unfused ops stored it; inputs with fewer elements read at their
-/// broadcast index. Arguments: the inputs, the outputs, then `n`.
-pub fn fused(p: &FusedElementwise) -> String {
-    let instrs = p.instrs();
-    let n = p.domain_len();
-    let mut types = Vec::new();
-    let mut params = Vec::new();
-    for ins in instrs {
-        if let Expr::Input(k) = ins.expr {
-            types.push((format!("I{k}"), ins.ty.dtype));
-            params.push(format!("const TI{k}* in{k}"));
+/// A fused program as kernel source fragments: the module's dtypes (`I<k>` per input,
+/// `O<o>` per output), the parameters (inputs, then outputs), the body computing each
+/// value `vj` of element `i` (in its compute type, rounded to its dtype as the unfused
+/// op stored it; inputs with fewer elements read at their broadcast index), and the
+/// full-size inputs and the outputs, which the kernels stream.
+struct FusedParts {
+    types: Vec<(String, DType)>,
+    params: Vec<String>,
+    body: String,
+    /// (compute type, value name, loader, pointer, stored bytes) of each full-size input.
+    full: Vec<(&'static str, String, String, String, usize)>,
+    /// (storer, pointer, value name, stored bytes) of each output.
+    outputs: Vec<(String, String, String, usize)>,
+}
+
+impl FusedParts {
+    fn new(p: &FusedElementwise) -> FusedParts {
+        let instrs = p.instrs();
+        let n = p.domain_len();
+        let mut parts = FusedParts {
+            types: Vec::new(),
+            params: Vec::new(),
+            body: String::new(),
+            full: Vec::new(),
+            outputs: Vec::new(),
+        };
+        for ins in instrs {
+            if let Expr::Input(k) = ins.expr {
+                parts.types.push((format!("I{k}"), ins.ty.dtype));
+                parts.params.push(format!("const TI{k}* in{k}"));
+            }
         }
-    }
-    for (o, &v) in p.outputs().iter().enumerate() {
-        types.push((format!("O{o}"), instrs[v].ty.dtype));
-        params.push(format!("TO{o}* out{o}"));
-    }
-    // (compute type, value name, input index, stored bytes) of each full-size input.
-    let mut full: Vec<(&str, String, usize, usize)> = Vec::new();
-    let mut body = String::new();
-    for (j, ins) in instrs.iter().enumerate() {
-        let ty = compute_type(ins.ty.dtype);
-        let (op, args) = match &ins.expr {
-            Expr::Input(k) if ins.ty.checked_len() == Some(n) => {
-                full.push((ty, format!("v{j}"), *k, ins.ty.dtype.size_bytes()));
-                continue;
-            }
-            // Broadcast: read where used.
-            Expr::Input(_) => continue,
-            Expr::Apply(op, args) => (*op, args),
-        };
-        let operand = |slot: usize| match p.operand(j, slot) {
-            Operand::Value(v) => format!("v{v}"),
-            Operand::Broadcast { input, view, into } => {
-                format!("ldI{input}(in{input}, {})", broadcast_index(&view, &into))
-            }
-        };
-        let names = ["a", "b", "c"];
-        let mut block = format!("typedef {} C;", compute_type(instrs[args[0]].ty.dtype));
-        for (slot, name) in names.iter().enumerate().take(args.len()) {
-            block.push_str(&format!(" C {name} = {};", operand(slot)));
-        }
-        let compute = match op {
-            ElementOp::Unary(kind) => format!("C x = a; {}", unary_expr(kind)),
-            ElementOp::UnaryGrad(kind) => format!(
-                "C x = a; {}\n      C y = d == (C)0 ? d : d * b;",
-                derivative_expr(kind)
-            ),
-            ElementOp::Binary(kind) => format!("C y = {};", binary_expr(kind)),
-            ElementOp::BinaryGrad(kind, wrt) => {
-                format!("C g = c; C y = {};", binary_grad_expr(kind, wrt))
-            }
-            ElementOp::BiasAdd(_) => "C y = a + b;".into(),
-            ElementOp::Cast(_) => "C y = a;".into(),
-        };
-        body.push_str(&format!(
-            "    {ty} v{j};\n    {{ {block}\n      {compute}\n      v{j} = r_{}(y); }}\n",
-            ins.ty.dtype
-        ));
-    }
-    let names: Vec<(String, String)> = full
-        .iter()
-        .map(|&(_, _, k, _)| (format!("ldI{k}"), format!("in{k}")))
-        .collect();
-    let loads: Vec<Load> = full
-        .iter()
-        .zip(&names)
-        .map(|((ty, name, _, bytes), (loader, ptr))| Load {
-            ty,
-            name,
-            loader,
-            ptr,
-            bytes: *bytes,
-            at: At::Own,
-        })
-        .collect();
-    let outputs: Vec<(String, String, String)> = (0..p.outputs().len())
-        .map(|o| {
-            (
+        for (o, &v) in p.outputs().iter().enumerate() {
+            let dtype = instrs[v].ty.dtype;
+            parts.types.push((format!("O{o}"), dtype));
+            parts.params.push(format!("TO{o}* out{o}"));
+            parts.outputs.push((
                 format!("stO{o}"),
                 format!("out{o}"),
-                format!("v{}", p.outputs()[o]),
-            )
-        })
-        .collect();
-    let stores: Vec<Store> = outputs
+                format!("v{v}"),
+                dtype.size_bytes(),
+            ));
+        }
+        for (j, ins) in instrs.iter().enumerate() {
+            let ty = compute_type(ins.ty.dtype);
+            let (op, args) = match &ins.expr {
+                Expr::Input(k) if ins.ty.checked_len() == Some(n) => {
+                    let bytes = ins.ty.dtype.size_bytes();
+                    parts.full.push((
+                        ty,
+                        format!("v{j}"),
+                        format!("ldI{k}"),
+                        format!("in{k}"),
+                        bytes,
+                    ));
+                    continue;
+                }
+                // Broadcast: read where used.
+                Expr::Input(_) => continue,
+                Expr::Apply(op, args) => (*op, args),
+            };
+            let operand = |slot: usize| match p.operand(j, slot) {
+                Operand::Value(v) => format!("v{v}"),
+                Operand::Broadcast { input, view, into } => {
+                    format!("ldI{input}(in{input}, {})", broadcast_index(&view, &into))
+                }
+            };
+            let names = ["a", "b", "c"];
+            let mut block = format!("typedef {} C;", compute_type(instrs[args[0]].ty.dtype));
+            for (slot, name) in names.iter().enumerate().take(args.len()) {
+                block.push_str(&format!(" C {name} = {};", operand(slot)));
+            }
+            let compute = match op {
+                ElementOp::Unary(kind) => format!("C x = a; {}", unary_expr(kind)),
+                ElementOp::UnaryGrad(kind) => format!(
+                    "C x = a; {}\n      C y = d == (C)0 ? d : d * b;",
+                    derivative_expr(kind)
+                ),
+                ElementOp::Binary(kind) => format!("C y = {};", binary_expr(kind)),
+                ElementOp::BinaryGrad(kind, wrt) => {
+                    format!("C g = c; C y = {};", binary_grad_expr(kind, wrt))
+                }
+                ElementOp::BiasAdd(_) => "C y = a + b;".into(),
+                ElementOp::Cast(_) => "C y = a;".into(),
+            };
+            parts.body.push_str(&format!(
+                "    {ty} v{j};\n    {{ {block}\n      {compute}\n      v{j} = r_{}(y); }}\n",
+                ins.ty.dtype
+            ));
+        }
+        parts
+    }
+
+    fn loads(&self) -> Vec<Load<'_>> {
+        self.full
+            .iter()
+            .map(|(ty, name, loader, ptr, bytes)| Load {
+                ty,
+                name,
+                loader,
+                ptr,
+                bytes: *bytes,
+                at: At::Own,
+            })
+            .collect()
+    }
+
+    fn stores(&self) -> Vec<Store<'_>> {
+        self.outputs
+            .iter()
+            .map(|(storer, ptr, value, bytes)| Store {
+                storer,
+                ptr,
+                bytes: *bytes,
+                value,
+            })
+            .collect()
+    }
+}
+
+/// The elements per vector of a fused program's column-sum kernel `k_cols_part_vec`:
+/// the launch takes it for rows whose length is a multiple of it.
+pub fn fused_vector(p: &FusedElementwise) -> usize {
+    let parts = FusedParts::new(p);
+    let widest = parts.full.iter().map(|f| f.4);
+    vector_len(
+        widest
+            .chain(parts.outputs.iter().map(|o| o.3))
+            .max()
+            .unwrap_or(1),
+    )
+}
+
+/// The kernels of a fused program. Without column sums, `k` over the elements `i` of
+/// its domain ([`elementwise`]: the full-size inputs streamed in vectors); arguments:
+/// the inputs, the outputs, then `n`. With column sums, [`column_sums`]' kernels over
+/// the domain as `[rows, len]` rows of its last axis: each computes and stores the
+/// outputs of the elements it reads and adds up the summed values as it goes (the
+/// sums in `S`, f32 or f64), and `k_cols_part_vec` does the same moving vectors of
+/// [`fused_vector`] elements of a row (aligned rows whose length is a multiple of
+/// it).
+pub fn fused(p: &FusedElementwise) -> String {
+    let parts = FusedParts::new(p);
+    let (loads, stores) = (parts.loads(), parts.stores());
+    let params = parts.params.join(", ");
+    let mut types: Vec<(&str, DType)> = parts.types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
+    let Some(&first_sum) = p.column_sums().first() else {
+        return module_multi(
+            &types,
+            &format!(
+                "{ROUNDING}extern \"C\" __global__ void k({params}, i64 n) {{\n{}}}\n",
+                elementwise(&loads, &parts.body, &stores)
+            ),
+        );
+    };
+    types.push(("S", column_sum_dtype(p.instrs()[first_sum].ty.dtype)));
+    let sums: Vec<String> = p
+        .column_sums()
         .iter()
-        .zip(p.outputs())
-        .map(|((storer, ptr, value), &v)| Store {
-            storer,
-            ptr,
-            bytes: instrs[v].ty.dtype.size_bytes(),
-            value,
-        })
+        .map(|v| format!("(AS)v{v}"))
         .collect();
-    let types: Vec<(&str, DType)> = types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
+    let Streams {
+        v,
+        fetch,
+        bind_vec,
+        put_vec,
+        flush,
+        bind_one,
+        put_one,
+        ..
+    } = streams(&loads, &stores);
+    let (width, count) = (32 * v, sums.len());
+    let (mut accs, mut adds, mut shares, mut partials) =
+        (String::new(), String::new(), String::new(), String::new());
+    for (k, term) in sums.iter().enumerate() {
+        accs.push_str(&format!("AS acc{k}[V] = {{}};\n"));
+        adds.push_str(&format!("acc{k}[u] += {term}; "));
+        shares.push_str(&format!(
+            "for (int e = 0; e < V; ++e) sh[{k}][ty][tx * V + e] = acc{k}[e];\n"
+        ));
+        partials.push_str(&format!(
+            "for (int e = 0; e < V; ++e) {{ AS s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[{k}][w][tx * V + e]; part[(chunk * {count} + {k}) * len + j + e] = s; }}\n"
+        ));
+    }
+    let row_setup = format!("const i64 i = at; {bind_one}\n{}\n{put_one}", parts.body);
+    let terms: Vec<&str> = sums.iter().map(String::as_str).collect();
     module_multi(
         &types,
         &format!(
-            "{ROUNDING}extern \"C\" __global__ void k({}, i64 n) {{\n{}}}\n",
-            params.join(", "),
-            elementwise(&loads, &body, &stores)
+            "{ROUNDING}{}extern \"C\" __global__ void k_cols_part_vec({params}, AS* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
+               constexpr int V = {v};\n\
+               __shared__ AS sh[{count}][{COLUMN_ROWS}][{width}];\n\
+               int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+               i64 tiles = (len + {width} - 1) / {width};\n\
+               i64 j = (blockIdx.x % tiles) * {width} + tx * V, chunk = blockIdx.x / tiles;\n\
+               i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
+               {accs}\
+               if (j < len) {{\n\
+                 #pragma unroll 2\n\
+                 for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{\n\
+                   const i64 i0 = row * len + j;\n\
+                   {fetch}\
+                   #pragma unroll\n\
+                   for (int u = 0; u < V; ++u) {{ const i64 i = i0 + u; {bind_vec}\n{body}\n{put_vec} {adds}}}\n\
+                   {flush}\
+                 }}\n\
+               }}\n\
+               {shares}\
+               __syncthreads();\n\
+               if (ty == 0 && j < len) {{\n{partials}}}\n\
+             }}\n",
+            column_sums(&params, &row_setup, &terms, "S"),
+            body = parts.body,
         ),
     )
 }
@@ -1736,6 +1895,26 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
         ];
         for (i, (text, outputs)) in programs.into_iter().enumerate() {
             k.push((format!("fused_{i}"), fused(&fused_program(text, outputs))));
+        }
+        // Column sums: an f16 GELU gradient summed in f32 (with a summed input), and f64.
+        let sums = [
+            (
+                "v0 = in0: f16[8, 16]; v1 = in1: f16[8, 16]; \
+                 v2 = UnaryGrad<kind=Gelu, approximate=false>(v0, v1): f16[8, 16]",
+                vec![2],
+                vec![2, 0],
+            ),
+            (
+                "v0 = in0: f64[2, 3, 4]; v1 = Exp(v0): f64[2, 3, 4]",
+                vec![1],
+                vec![1],
+            ),
+        ];
+        for (i, (text, outputs, summed)) in sums.into_iter().enumerate() {
+            let p = fused_program(text, outputs)
+                .with_column_sums(summed)
+                .unwrap();
+            k.push((format!("fused_sums_{i}"), fused(&p)));
         }
         k
     }

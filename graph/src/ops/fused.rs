@@ -35,8 +35,8 @@ use crate::dtype::DType;
 use crate::kernel::Real;
 use crate::op::{Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::{
-    parse_op, BiasAdd, Binary, BinaryGrad, BinaryKind, Cast, DataFormat, Reduce, ReduceKind,
-    Unary, UnaryGrad, UnaryKind,
+    parse_op, BiasAdd, Binary, BinaryGrad, BinaryKind, Cast, DataFormat, Reduce, ReduceKind, Unary,
+    UnaryGrad, UnaryKind,
 };
 use crate::shape::broadcast_index_map;
 use crate::tensor::{bf16_from_f64, checked_numel, f16_from_f64, Data, Tensor, TensorType};
@@ -202,8 +202,15 @@ impl FusedElementwise {
     }
 
     /// The same program also outputting the column sums of `sums` (values of the
-    /// domain's size, the domain of rank 2 or more), after its other outputs.
+    /// domain's size, the domain of rank 2 or more, all summed in one dtype; at most
+    /// [`MAX_COLUMN_SUMS`]), after its other outputs.
     pub fn with_column_sums(mut self, sums: Vec<usize>) -> OpResult<FusedElementwise> {
+        if sums.len() > MAX_COLUMN_SUMS {
+            return Err(format!(
+                "{} column sums: a program takes at most {MAX_COLUMN_SUMS}",
+                sums.len()
+            ));
+        }
         let n = self.domain_len();
         for &v in &sums {
             let ty = &self
@@ -217,6 +224,12 @@ impl FusedElementwise {
                      with two or more axes have column sums"
                 ));
             }
+        }
+        let dtypes = sums
+            .iter()
+            .map(|&v| column_sum_dtype(self.instrs[v].ty.dtype));
+        if dtypes.collect::<std::collections::BTreeSet<_>>().len() > 1 {
+            return Err("column sums in both f32 and f64: a program sums in one dtype".into());
         }
         self.sums = sums;
         Ok(self)
@@ -357,6 +370,10 @@ enum Read {
     /// Input `k` at `index[element]`.
     Gather(usize, Vec<usize>),
 }
+
+/// The most column sums one program takes (a CUDA kernel holds each sum's partials
+/// for a tile of columns in shared memory).
+pub const MAX_COLUMN_SUMS: usize = 4;
 
 /// The dtype column sums of `dtype` values accumulate in and are stored as.
 pub fn column_sum_dtype(dtype: DType) -> DType {
@@ -792,7 +809,10 @@ mod tests {
         .unwrap()
         .with_column_sums(vec![2, 0])
         .unwrap();
-        let inputs = [data(DType::F16, &[3, 4, 6], 1), data(DType::F16, &[3, 4, 6], 2)];
+        let inputs = [
+            data(DType::F16, &[3, 4, 6], 1),
+            data(DType::F16, &[3, 4, 6], 2),
+        ];
         let refs: Vec<&Tensor> = inputs.iter().collect();
         let out = p.eval(&refs).unwrap();
         assert_eq!(out.len(), 3);
@@ -806,20 +826,33 @@ mod tests {
             let (s, v) = (sum.to_f64_vec(), of.to_f64_vec());
             for (j, &got) in s.iter().enumerate() {
                 let want: f64 = (0..12).map(|r| v[r * 6 + j]).sum();
-                assert!((got - want).abs() <= 1e-6 * want.abs().max(1.0), "{got} vs {want}");
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                    "{got} vs {want}"
+                );
             }
         }
         // The attr round-trips; an empty list writes no attr.
         let back = reparse(&p).unwrap();
         assert_eq!(back.downcast_ref::<FusedElementwise>(), Some(&p));
-        assert!(bias_relu_cast().attrs().iter().all(|(k, _)| *k != "column_sums"));
+        assert!(bias_relu_cast()
+            .attrs()
+            .iter()
+            .all(|(k, _)| *k != "column_sums"));
         // Only full-size values of rank 2 or more have column sums.
         let bias = bias_relu_cast();
         let e = bias.clone().with_column_sums(vec![1]).unwrap_err();
         assert!(e.contains("column sum of v1 (f32[6])"), "{e}");
         assert!(bias.clone().with_column_sums(vec![9]).is_err());
         let flat = FusedElementwise::new(
-            vec![input(0, ty(DType::F32, &[5])), apply(ElementOp::Unary(UnaryKind::Relu), &[0], ty(DType::F32, &[5]))],
+            vec![
+                input(0, ty(DType::F32, &[5])),
+                apply(
+                    ElementOp::Unary(UnaryKind::Relu),
+                    &[0],
+                    ty(DType::F32, &[5]),
+                ),
+            ],
             vec![1],
         )
         .unwrap();
