@@ -467,6 +467,9 @@ fn softmax_family_and_cross_entropy() {
             (8usize, 10usize, DType::I32),
             (64, 10, DType::I64),
             (5, 700, DType::I32),
+            // The mlp's 1000 classes (a warp per row), and rows too long for a warp.
+            (9, 1000, DType::I64),
+            (3, 1500, DType::I64),
         ] {
             let x = rand(&mut r, d, &[n, c], -4.0, 4.0);
             let labels: Vec<f64> = (0..n).map(|i| ((i * 7) % c) as f64).collect();
@@ -650,8 +653,34 @@ fn training_ops() {
             plain.clone(),
             &[ok.clone(), ok.clone()],
         );
-        check(&mut gpu, "AllFinite inf", plain.clone(), &[ok.clone(), bad]);
-        check(&mut gpu, "AllFinite nan", plain, &[nan, ok.clone()]);
+        check(
+            &mut gpu,
+            "AllFinite inf",
+            plain.clone(),
+            &[ok.clone(), bad.clone()],
+        );
+        check(&mut gpu, "AllFinite nan", plain.clone(), &[nan, ok.clone()]);
+        // Eleven tensors of two dtypes (lists of at most 8 per launch): the bad
+        // value in the last, then none.
+        let other = if d == DType::F32 {
+            DType::F16
+        } else {
+            DType::F32
+        };
+        let mut many: Vec<Tensor> = (0..10)
+            .map(|i| {
+                if i % 3 == 0 {
+                    ok.cast(other)
+                } else {
+                    ok.clone()
+                }
+            })
+            .collect();
+        many.push(bad);
+        check(&mut gpu, "AllFinite eleven, inf last", plain.clone(), &many);
+        many.pop();
+        many.push(ok.clone());
+        check(&mut gpu, "AllFinite eleven", plain, &many);
         // Scaled: the products are checked, in the scale's dtype. 60000 * 1e35
         // overflows f32; times 2^-10 it does not.
         let scaled = AllFinite { scaled: true };

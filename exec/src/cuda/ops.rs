@@ -783,30 +783,23 @@ pub fn eval(
         let (n, classes) = (x.shape[0], x.shape[1]);
         let rows = c.temp(acc_dtype(x.dtype), n)?;
         let y = c.alloc(out0)?;
-        let key = format!("sce/{}/{}", x.dtype, labels.dtype);
-        let make = || src::sce(x.dtype, labels.dtype);
-        if n > 0 {
-            dev.launch(
-                &key,
-                make,
-                "k_rows",
-                row_grid(n),
-                row_block(classes),
-                &[
-                    x.arg(),
-                    labels.arg(),
-                    rows.arg(),
-                    Arg::I64(n as i64),
-                    Arg::I64(classes as i64),
-                ],
-            )?;
-        }
+        let per = src::warp_row_values(classes);
+        let key = format!("sce/{}/{}/{per}", x.dtype, labels.dtype);
+        let make = || src::sce(x.dtype, labels.dtype, per);
+        row_kernel(
+            c,
+            &key,
+            make,
+            ("k_rows", "k_warp"),
+            &[x.arg(), labels.arg(), rows.arg()],
+            (n, classes, None),
+        )?;
         dev.launch(
             &key,
-            || src::sce(x.dtype, labels.dtype),
+            make,
             "k_mean",
             1,
-            256,
+            1024,
             &[rows.arg(), y.arg(), Arg::I64(n as i64)],
         )?;
         return Ok(vec![y]);
@@ -816,23 +809,15 @@ pub fn eval(
         float_only(x.dtype)?;
         let (n, classes) = (x.shape[0], x.shape[1]);
         let dx = c.alloc(out0)?;
-        if n > 0 {
-            dev.launch(
-                &format!("sce_grad/{}/{}", x.dtype, labels.dtype),
-                || src::sce_grad(x.dtype, labels.dtype),
-                "k",
-                row_grid(n),
-                row_block(classes),
-                &[
-                    x.arg(),
-                    labels.arg(),
-                    dl.arg(),
-                    dx.arg(),
-                    Arg::I64(n as i64),
-                    Arg::I64(classes as i64),
-                ],
-            )?;
-        }
+        let per = src::warp_row_values(classes);
+        row_kernel(
+            c,
+            &format!("sce_grad/{}/{}/{per}", x.dtype, labels.dtype),
+            || src::sce_grad(x.dtype, labels.dtype, per),
+            ("k", "k_warp"),
+            &[x.arg(), labels.arg(), dl.arg(), dx.arg()],
+            (n, classes, None),
+        )?;
         return Ok(vec![dx]);
     }
     if let Some(a) = op.downcast_ref::<FusedAttention>() {
@@ -1019,18 +1004,35 @@ pub fn eval(
             1,
             &[flag.arg(), Arg::I32(1)],
         )?;
+        // One launch per dtype and MAX_RANK tensors: ten gradients' checks launched
+        // one by one cost more than reading them.
+        let mut by_dtype: Vec<(DType, Vec<&DTensor>)> = Vec::new();
         for x in checked {
             float_only(x.dtype)?;
-            let n = x.len();
-            let scale_dtype = scale.map(|s| s.dtype);
-            let mut args = vec![x.arg(), Arg::I64(n as i64), flag.arg()];
-            args.extend(scale.map(|s| s.arg()));
-            dev.launch_elementwise(
-                &format!("all_finite/{}/{scale_dtype:?}", x.dtype),
-                || src::all_finite(x.dtype, scale_dtype),
-                n,
-                &args,
-            )?;
+            match by_dtype.iter_mut().find(|(d, _)| *d == x.dtype) {
+                Some((_, xs)) => xs.push(x),
+                None => by_dtype.push((x.dtype, vec![x])),
+            }
+        }
+        let scale_dtype = scale.map(|s| s.dtype);
+        for (dtype, xs) in by_dtype {
+            for list in xs.chunks(src::MAX_RANK) {
+                let ptrs: Vec<usize> = list.iter().map(|x| x.ptr() as usize).collect();
+                let lens: Vec<usize> = list.iter().map(|x| x.len()).collect();
+                let mut args = vec![
+                    Arg::Dims(Dims::new(&ptrs)?),
+                    Arg::Dims(Dims::new(&lens)?),
+                    Arg::I32(list.len() as i32),
+                    flag.arg(),
+                ];
+                args.extend(scale.map(|s| s.arg()));
+                dev.launch_elementwise(
+                    &format!("all_finite/{dtype}/{scale_dtype:?}"),
+                    || src::all_finite(dtype, scale_dtype),
+                    lens.iter().copied().max().unwrap_or(0),
+                    &args,
+                )?;
+            }
         }
         return Ok(vec![flag]);
     }
