@@ -783,17 +783,24 @@ pub fn eval(
         let (n, classes) = (x.shape[0], x.shape[1]);
         let rows = c.temp(acc_dtype(x.dtype), n)?;
         let y = c.alloc(out0)?;
-        let per = src::warp_row_values(classes);
-        let key = format!("sce/{}/{}/{per}", x.dtype, labels.dtype);
-        let make = || src::sce(x.dtype, labels.dtype, per);
-        row_kernel(
-            c,
-            &key,
-            make,
-            ("k_rows", "k_warp"),
-            &[x.arg(), labels.arg(), rows.arg()],
-            (n, classes, None),
-        )?;
+        let key = format!("sce/{}/{}", x.dtype, labels.dtype);
+        let make = || src::sce(x.dtype, labels.dtype);
+        if n > 0 {
+            dev.launch(
+                &key,
+                make,
+                "k_rows",
+                row_grid(n),
+                row_block(classes),
+                &[
+                    x.arg(),
+                    labels.arg(),
+                    rows.arg(),
+                    Arg::I64(n as i64),
+                    Arg::I64(classes as i64),
+                ],
+            )?;
+        }
         dev.launch(
             &key,
             make,
@@ -809,15 +816,23 @@ pub fn eval(
         float_only(x.dtype)?;
         let (n, classes) = (x.shape[0], x.shape[1]);
         let dx = c.alloc(out0)?;
-        let per = src::warp_row_values(classes);
-        row_kernel(
-            c,
-            &format!("sce_grad/{}/{}/{per}", x.dtype, labels.dtype),
-            || src::sce_grad(x.dtype, labels.dtype, per),
-            ("k", "k_warp"),
-            &[x.arg(), labels.arg(), dl.arg(), dx.arg()],
-            (n, classes, None),
-        )?;
+        if n > 0 {
+            dev.launch(
+                &format!("sce_grad/{}/{}", x.dtype, labels.dtype),
+                || src::sce_grad(x.dtype, labels.dtype),
+                "k",
+                row_grid(n),
+                row_block(classes),
+                &[
+                    x.arg(),
+                    labels.arg(),
+                    dl.arg(),
+                    dx.arg(),
+                    Arg::I64(n as i64),
+                    Arg::I64(classes as i64),
+                ],
+            )?;
+        }
         return Ok(vec![dx]);
     }
     if let Some(a) = op.downcast_ref::<FusedAttention>() {

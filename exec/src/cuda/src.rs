@@ -923,32 +923,8 @@ __device__ void sce_row(const T* px, i64 row, i64 c, A* sh, A* shift_out, A* sum
 }
 "#;
 
-/// A warp's row of logits for the cross-entropy kernels: `v[t]` the exponential of
-/// value `lane + 32 t` (0 past the row) shifted by the row's max, `sum` their sum.
-fn sce_warp_row(per: usize) -> String {
-    format!(
-        "A v[{per}]; A m = (A)(-F_INF);\n\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)(-F_INF); m = nanmax(m, v[t]); }}\n\
-         m = warp_max(m);\n\
-         A shift = m_isfinite(m) ? m : (A)0;\n\
-         A sum = 0;\n\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? m_exp(v[t] - shift) : (A)0; sum += v[t]; }}\n\
-         sum = warp_sum(sum);\n\
-         i64 label = (i64)pl[row];\n\
-         bool bad = label < 0 || label >= len;\n"
-    )
-}
-
-/// SoftmaxCrossEntropy: `k_rows` (a block per row) or `k_warp` (a warp per row of at
-/// most `32 * per` classes, held in registers) writes each row's loss (f32/f64),
-/// `k_mean` their mean.
-pub fn sce(d: DType, labels: DType, per: usize) -> String {
-    let warp = warp_rows(&format!(
-        "{}if (lane == 0) rows_out[row] = bad ? (A)F_NAN : (m_log(sum) + shift) - (A)ld(px, base + label);",
-        sce_warp_row(per)
-    ));
+/// SoftmaxCrossEntropy: `k_rows` writes each row's loss (f32/f64), `k_mean` their mean.
+pub fn sce(d: DType, labels: DType) -> String {
     module_multi(
         &[("", d), ("L", labels)],
         &format!(
@@ -959,7 +935,6 @@ pub fn sce(d: DType, labels: DType, per: usize) -> String {
                  i64 label = (i64)pl[row];\n\
                  if (threadIdx.x == 0) rows_out[row] = (label < 0 || label >= c) ? (A)F_NAN : (m_log(sum) + shift) - (A)ld(px, row * c + label);\n\
                }}\n}}\n\
-             extern \"C\" __global__ void k_warp(const T* px, const TL* pl, A* rows_out, i64 rows, i64 len) {{\n{warp}}}\n\
              extern \"C\" __global__ void k_mean(const A* rows, T* py, i64 n) {{\n\
                __shared__ A sh[32];\n\
                A s = 0;\n\
@@ -970,17 +945,7 @@ pub fn sce(d: DType, labels: DType, per: usize) -> String {
     )
 }
 
-/// SoftmaxCrossEntropyGrad: `k` (a block per row) or `k_warp` (a warp per row, as
-/// [`sce`]'s: each exponential computed once).
-pub fn sce_grad(d: DType, labels: DType, per: usize) -> String {
-    let warp = warp_rows(&format!(
-        "{}A inv = (A)1 / sum;\n\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{\n\
-           C target = j == label ? (C)1 : (C)0;\n\
-           st(pdx, base + j, bad ? (C)F_NAN : ((C)(v[t] * inv) - target) * scale); }} }}",
-        sce_warp_row(per)
-    ));
+pub fn sce_grad(d: DType, labels: DType) -> String {
     module_multi(
         &[("", d), ("L", labels)],
         &format!(
@@ -996,9 +961,7 @@ pub fn sce_grad(d: DType, labels: DType, per: usize) -> String {
                    C target = j == label ? (C)1 : (C)0;\n\
                    st(pdx, row * c + j, bad ? (C)F_NAN : (p - target) * scale);\n\
                  }}\n\
-               }}\n}}\n\
-             extern \"C\" __global__ void k_warp(const T* px, const TL* pl, const T* pdl, T* pdx, i64 rows, i64 len) {{\n\
-               C scale = ld(pdl, 0) / (C)rows;\n{warp}}}\n"
+               }}\n}}\n"
         ),
     )
 }
@@ -1287,7 +1250,11 @@ pub fn all_finite(d: DType, scale: Option<DType>) -> String {
         &[("", d), ("S", scale.unwrap_or(d))],
         &format!(
             "extern \"C\" __global__ void k(Dims ptrs, Dims lens, int count, u8* flag{param}) {{\n\
-               for (int t = 0; t < count; ++t) {{\n\
+               // Unrolled over the list's limit: the Dims indexed by a variable would be\n\
+               // copied into local memory by every thread.\n\
+               #pragma unroll\n\
+               for (int t = 0; t < {MAX_RANK}; ++t) {{\n\
+                 if (t >= count) break;\n\
                  const T* px = (const T*)ptrs.n[t]; const i64 n = lens.n[t];\n{}}}\n}}\n",
             elementwise(
                 &[own(d, "x", "px")],
@@ -1851,8 +1818,8 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 (format!("log_softmax_grad_{d}"), softmax_grad(d, true, 1)),
                 (format!("layer_norm_{d}"), layer_norm(d, 1e-5, 32)),
                 (format!("layer_norm_grad_{d}"), layer_norm_grad(d, 1e-5, 32)),
-                (format!("sce_{d}"), sce(d, DType::I64, 32)),
-                (format!("sce_grad_{d}"), sce_grad(d, DType::I32, 4)),
+                (format!("sce_{d}"), sce(d, DType::I64)),
+                (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
                 (format!("all_finite_{d}"), all_finite(d, None)),
                 (
                     format!("all_finite_scaled_{d}"),
