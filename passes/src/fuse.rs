@@ -108,6 +108,14 @@ fn find_groups(g: &Graph, adj: &Adjacency, order: &[NodeId]) -> (Vec<usize>, Vec
             .unwrap_or(-1);
         if !fusible(g, id, inputs) {
             reach[id.index()] = upstream;
+            if g.node(id).op.is::<FusedElementwise>() {
+                // A fused node (a lone node that took a column sum included) blocks
+                // joins across it as its group did: an empty group of its own, so a
+                // later run groups its neighbours as the first did.
+                groups.push(Vec::new());
+                group_len.push(0);
+                reach[id.index()] = upstream.max(groups.len() as i64 - 1);
+            }
             continue;
         }
         let len = g.node(id).outputs()[0].checked_len().unwrap_or(0);

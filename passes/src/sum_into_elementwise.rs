@@ -1,10 +1,12 @@
-//! Column sums taken into the elementwise kernel that computes their operand: a
-//! `Sum` over every axis but the last (a bias gradient) of a tensor that a
-//! `FusedElementwise` node or a lone elementwise node produces becomes one more output
-//! of that node ([`FusedElementwise::with_column_sums`]). The kernel adds each value
-//! up as it stores it, so the sum no longer reads the tensor back from memory, and
-//! its launches go. After fp16 AMP, each hidden layer's bias gradient is summed by the
-//! kernel computing the activation's gradient.
+//! Column sums taken into the elementwise kernel that computes or reads their operand:
+//! a `Sum` over every axis but the last (a bias gradient) of a tensor that a
+//! `FusedElementwise` node or a lone elementwise node produces, or else reads whole,
+//! becomes one more output of that node ([`FusedElementwise::with_column_sums`]). The
+//! kernel adds each value up as it stores or loads it, so the sum no longer reads the
+//! tensor from memory on its own, and its launches go. After fp16 AMP, each hidden
+//! layer's bias gradient is summed by the kernel computing the activation's gradient,
+//! and the output layer's by the cast of the loss gradient to f16. A kernel that
+//! depends on the sum itself never takes it.
 //!
 //! Only sums that accumulate and store in the program's column-sum type (f32 for
 //! f16/bf16/f32 operands, after `cast-into-reduce` has given f16 bias gradients their
@@ -13,7 +15,7 @@
 
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::graph::Adjacency;
-use ampgraph_graph::ops::fused::{column_sum_dtype, MAX_COLUMN_SUMS, MEMBERS_ANNOTATION};
+use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, MAX_COLUMN_SUMS, MEMBERS_ANNOTATION};
 use ampgraph_graph::ops::{FusedElementwise, Reduce, ReduceKind};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
@@ -34,6 +36,92 @@ fn is_column_sum(reduce: &Reduce, rank: usize, dtype: DType) -> bool {
             .reduced_axes(rank)
             .is_ok_and(|axes| axes.iter().copied().eq(0..rank - 1))
         && reduce.output_dtype(dtype) == column_sum_dtype(dtype)
+}
+
+/// Where the kernel that takes a column sum finds the summed tensor.
+#[derive(Clone, Copy, Debug)]
+enum Operand {
+    /// Its own output (a port of the kernel's node).
+    Output(Port),
+    /// A tensor it reads whole (another node's output).
+    Read(Port),
+}
+
+impl Operand {
+    fn port(self) -> Port {
+        match self {
+            Operand::Output(p) | Operand::Read(p) => p,
+        }
+    }
+
+    /// The program value holding the tensor, if the program has it at full size.
+    fn value(self, op: &FusedElementwise, inputs: &[Port]) -> Option<usize> {
+        let v = match self {
+            Operand::Output(p) => *op.outputs().get(p.index)?,
+            Operand::Read(p) => {
+                let k = inputs.iter().position(|&q| q == p)?;
+                op.instrs()
+                    .iter()
+                    .position(|ins| matches!(ins.expr, Expr::Input(i) if i == k))?
+            }
+        };
+        (op.instrs()[v].ty.checked_len() == Some(op.domain_len())).then_some(v)
+    }
+}
+
+/// The kernel that can take the column sum `sum` of `x`: the fused or lone
+/// elementwise node producing `x`, or else one reading `x` whole that something reads
+/// and that does not itself depend on the sum (it would then compute its own input).
+fn summing_kernel(
+    g: &Graph,
+    is_output: &[bool],
+    sum: NodeId,
+    x: Port,
+) -> Option<(NodeId, Operand)> {
+    let elementwise = |id: NodeId| {
+        let node = g.node(id);
+        match node.op.downcast_ref::<FusedElementwise>() {
+            Some(f) => Some(f.domain_len()),
+            None => fusible(g, id, &g.inputs(id))
+                .then(|| node.outputs()[0].checked_len())
+                .flatten(),
+        }
+    };
+    let producer = g.node(x.node);
+    let own_output = match producer.op.downcast_ref::<FusedElementwise>() {
+        Some(f) => x.index < f.outputs().len(),
+        None => elementwise(x.node).is_some(),
+    };
+    if own_output {
+        return Some((x.node, Operand::Output(x)));
+    }
+    let len = g.ty(x).checked_len()?;
+    // Only a reader that is itself read: a dead one would come back to life.
+    let live = |c: NodeId| is_output[c.index()] || !g.consumers(c).is_empty();
+    let mut readers: Vec<NodeId> = g
+        .consumers(x.node)
+        .into_iter()
+        .filter(|&(c, _, p)| p == x && c != sum && elementwise(c) == Some(len) && live(c))
+        .map(|(c, _, _)| c)
+        .collect();
+    readers.sort();
+    readers.dedup();
+    let downstream = reachable_from(g, sum);
+    let reader = readers.into_iter().find(|r| !downstream[r.index()])?;
+    Some((reader, Operand::Read(x)))
+}
+
+/// Which nodes depend on `start` (itself included).
+fn reachable_from(g: &Graph, start: NodeId) -> Vec<bool> {
+    let mut seen = vec![false; g.node_bound()];
+    let mut stack = vec![start];
+    while let Some(id) = stack.pop() {
+        if std::mem::replace(&mut seen[id.index()], true) {
+            continue;
+        }
+        stack.extend(g.consumers(id).into_iter().map(|(c, _, _)| c));
+    }
+    seen
 }
 
 /// The program a producer runs with its column sums: a fused node's own, or a lone
@@ -61,8 +149,8 @@ impl Pass for SumIntoElementwise {
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let is_output = output_nodes(g);
-        // The column sums each producer takes: (sum node, port summed).
-        let mut taken: Vec<(NodeId, Vec<(NodeId, Port)>)> = Vec::new();
+        // The column sums each kernel takes: (sum node, where its operand is).
+        let mut taken: Vec<(NodeId, Vec<(NodeId, Operand)>)> = Vec::new();
         for id in g.node_ids() {
             let Some(reduce) = g.node(id).op.downcast_ref::<Reduce>() else {
                 continue;
@@ -74,20 +162,15 @@ impl Pass for SumIntoElementwise {
             if is_output[id.index()] || !is_column_sum(reduce, ty.rank(), ty.dtype) {
                 continue;
             }
-            let producer = g.node(x.node);
-            let summable = match producer.op.downcast_ref::<FusedElementwise>() {
-                Some(f) => x.index < f.outputs().len(),
-                None => producer.outputs().len() == 1,
-            };
-            if !summable {
+            let Some((kernel, operand)) = summing_kernel(g, &is_output, id, x) else {
                 continue;
-            }
-            match taken.iter_mut().find(|(p, _)| *p == x.node) {
-                Some((_, sums)) => sums.push((id, x)),
-                None => taken.push((x.node, vec![(id, x)])),
+            };
+            match taken.iter_mut().find(|(k, _)| *k == kernel) {
+                Some((_, sums)) => sums.push((id, operand)),
+                None => taken.push((kernel, vec![(id, operand)])),
             }
         }
-        // Producers keep their inputs: one adjacency serves every rewrite below.
+        // Kernels keep their inputs: one adjacency serves every rewrite below.
         let adj = g.adjacency();
         let (mut folded, mut bytes) = (0usize, 0u64);
         let mut rewired = Vec::new();
@@ -102,11 +185,13 @@ impl Pass for SumIntoElementwise {
             let mut all = op.column_sums().to_vec();
             let mut dtype = all.first().map(|&v| dtype_of(v));
             let mut kept = Vec::new();
-            for (sum, x) in sums {
-                let v = op.outputs()[x.index];
+            for (sum, operand) in sums {
+                let Some(v) = operand.value(&op, &inputs) else {
+                    continue;
+                };
                 if all.len() < MAX_COLUMN_SUMS && *dtype.get_or_insert(dtype_of(v)) == dtype_of(v) {
                     all.push(v);
-                    kept.push((sum, x));
+                    kept.push((sum, operand.port()));
                 }
             }
             let sums = kept;
@@ -234,6 +319,66 @@ mod tests {
         let summary = SumIntoElementwise.run(&mut g).unwrap();
         assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
         assert_eq!(text, ampgraph_graph::format::to_text(&g));
+    }
+
+    /// `g: f32[16, 8]` (a Placeholder: no kernel produces it) read by `Cast<f16>` and
+    /// by its bias gradient `Sum(g)`; with `cycle`, the Sum also feeds a BiasAdd of
+    /// `g`, which reads `g` whole but cannot compute its own bias.
+    fn read_twice(cycle: bool) -> Graph {
+        let mut g = Graph::new();
+        let x = g.placeholder("g", DType::F32, [16, 8]).unwrap();
+        let half = g
+            .add(ampgraph_graph::ops::Cast { to: DType::F16 }, &[x])
+            .unwrap();
+        let sum = Reduce::new(ReduceKind::Sum, Some(vec![0]), false);
+        let db = g.add(sum, &[x]).unwrap();
+        let mut outputs = vec![half, g.add(Unary::new(UnaryKind::Neg), &[db]).unwrap()];
+        if cycle {
+            let biased = ampgraph_graph::ops::BiasAdd {
+                data_format: ampgraph_graph::ops::DataFormat::Nhwc,
+            };
+            outputs.push(g.add(biased, &[x, db]).unwrap());
+        }
+        g.set_outputs(outputs).unwrap();
+        g
+    }
+
+    #[test]
+    fn a_kernel_reading_the_operand_whole_sums_it_unless_it_depends_on_the_sum() {
+        let before = read_twice(false);
+        let mut g = before.clone();
+        let summary = SumIntoElementwise.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(summary.lines[0].contains(": 1 column sums"), "{summary}");
+        let id = g.outputs()[0].node;
+        let f = g.node(id).op.downcast_ref::<FusedElementwise>().unwrap();
+        // The sum is of the program's input (v0), the f32 tensor itself.
+        assert_eq!(f.column_sums(), &[0]);
+        let ramp: Vec<f64> = (0..128).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
+        let x = Tensor::from_f64(DType::F32, vec![16, 8], &ramp).unwrap();
+        let feeds = [("g", x)].into_iter().collect();
+        for (w, o) in run_cpu(&before, &feeds).iter().zip(&run_cpu(&g, &feeds)) {
+            assert_eq!(bits(w), bits(o));
+        }
+        // A BiasAdd of g by the sum reads g whole but needs the sum first; the Cast
+        // still takes it.
+        let mut g = read_twice(true);
+        SumIntoElementwise.run(&mut g).unwrap();
+        g.validate().unwrap();
+        let fused: Vec<_> = g
+            .node_ids()
+            .filter(|&id| g.node(id).op.is::<FusedElementwise>())
+            .map(|id| g.node(id).name.clone())
+            .collect();
+        assert_eq!(fused, ["cast"]);
+        // With the Cast gone, nothing can take it.
+        let mut g = read_twice(true);
+        let outputs = g.outputs()[1..].to_vec();
+        g.set_outputs(outputs).unwrap();
+        let cast = g.find("cast").unwrap();
+        g.remove_node(cast).unwrap();
+        let summary = SumIntoElementwise.run(&mut g).unwrap();
+        assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
     }
 
     #[test]
