@@ -152,6 +152,8 @@ __device__ __forceinline__ i64 strided(i64 i, int r, const Dims& shape, const Di
 template <typename P> struct Elem;
 template <typename T> struct Elem<T*> { typedef T t; };
 template <typename T> struct Elem<const T*> { typedef T t; };
+template <typename T> struct Elem<T* __restrict__> { typedef T t; };
+template <typename T> struct Elem<const T* __restrict__> { typedef T t; };
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
 #define VEC_T(p, N) Vec<typename Elem<decltype(p)>::t, N>
 #define ALIGNED(p, N) ((unsigned long long)(p) % sizeof(VEC_T(p, N)) == 0)
@@ -1462,7 +1464,9 @@ fn broadcast_index(view: &[usize], into: &[usize]) -> String {
 }
 
 /// A fused program as kernel source fragments: the module's dtypes (`I<k>` per input,
-/// `O<o>` per output), the parameters (inputs, then outputs), the body computing each
+/// `O<o>` per output), the parameters (inputs, then outputs; `__restrict__`: a node's
+/// output never shares memory with its inputs, and the column-sum kernels' row loop
+/// may then load the next rows before storing this one), the body computing each
 /// value `vj` of element `i` (in its compute type, rounded to its dtype as the unfused
 /// op stored it; inputs with fewer elements read at their broadcast index), and the
 /// full-size inputs and the outputs, which the kernels stream.
@@ -1490,13 +1494,15 @@ impl FusedParts {
         for ins in instrs {
             if let Expr::Input(k) = ins.expr {
                 parts.types.push((format!("I{k}"), ins.ty.dtype));
-                parts.params.push(format!("const TI{k}* in{k}"));
+                parts
+                    .params
+                    .push(format!("const TI{k}* __restrict__ in{k}"));
             }
         }
         for (o, &v) in p.outputs().iter().enumerate() {
             let dtype = instrs[v].ty.dtype;
             parts.types.push((format!("O{o}"), dtype));
-            parts.params.push(format!("TO{o}* out{o}"));
+            parts.params.push(format!("TO{o}* __restrict__ out{o}"));
             parts.outputs.push((
                 format!("stO{o}"),
                 format!("out{o}"),
