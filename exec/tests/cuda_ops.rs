@@ -522,6 +522,7 @@ fn layer_norm_and_grad() {
                 LayerNorm {
                     axis,
                     epsilon: 1e-5,
+                    to: None,
                 },
                 &[x.clone(), g.clone(), b],
             );
@@ -535,6 +536,32 @@ fn layer_norm_and_grad() {
                 &[x, g, dy],
                 2.0,
             );
+        }
+    }
+    // Casts folded in: 16-bit x (and dy) read and widened into f32 parameters' math,
+    // the output stored in 16 bits or f32; word rows, odd rows and block rows.
+    for narrow in [DType::F16, DType::BF16] {
+        for shape in [vec![7usize, 768], vec![5, 40], vec![3, 1500]] {
+            let len = shape[1];
+            let x = rand(&mut r, narrow, &shape, -2.0, 2.0);
+            let dy = rand(&mut r, narrow, &shape, -1.0, 1.0);
+            let g = rand(&mut r, DType::F32, &[len], 0.5, 1.5);
+            let b = rand(&mut r, DType::F32, &[len], -0.5, 0.5);
+            for to in [Some(narrow), None] {
+                let ln = LayerNorm {
+                    axis: -1,
+                    epsilon: 1e-5,
+                    to,
+                };
+                let what = format!("LayerNorm {narrow} {shape:?} to {to:?}");
+                check(&mut gpu, &what, ln, &[x.clone(), g.clone(), b.clone()]);
+            }
+            let grad = LayerNormGrad {
+                axis: -1,
+                epsilon: 1e-5,
+            };
+            let what = format!("LayerNormGrad {narrow} {shape:?}");
+            check_scaled(&mut gpu, &what, grad, &[x, g, dy], 2.0);
         }
     }
 }

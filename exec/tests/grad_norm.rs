@@ -76,7 +76,15 @@ proptest! {
         // A row of one element normalises to 0 whatever x is: only the epsilon keeps
         // the curvature bounded, so rows have 2+ elements unless epsilon is large.
         prop_assume!(numel(&norm) > 1 || eps > 0.01);
-        assert_grad(Box::new(LayerNorm { axis, epsilon: eps }), &inputs, seed);
+        assert_grad(
+            Box::new(LayerNorm {
+                axis,
+                epsilon: eps,
+                to: None,
+            }),
+            &inputs,
+            seed,
+        );
     }
 }
 

@@ -200,7 +200,14 @@ impl Graph {
         axis: i64,
         epsilon: f64,
     ) -> Result<Port> {
-        self.add(LayerNorm { axis, epsilon }, &[x, gamma, beta])
+        self.add(
+            LayerNorm {
+                axis,
+                epsilon,
+                to: None,
+            },
+            &[x, gamma, beta],
+        )
     }
 
     // ----- elementwise ---------------------------------------------------------------

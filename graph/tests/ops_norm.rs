@@ -340,6 +340,7 @@ fn layer_norm_hand_computed() {
         let op = LayerNorm {
             axis: -1,
             epsilon: 0.0,
+            to: None,
         };
         let out = op.eval(&[&x, &g, &b]).unwrap();
         let s = 1.5f64.sqrt(); // 1 / sqrt(2/3)
@@ -374,6 +375,7 @@ fn layer_norm_vs_reference() {
             let op = LayerNorm {
                 axis,
                 epsilon: 1e-5,
+                to: None,
             };
             assert_eq!(
                 op.infer(&[&x.ty(), &g.ty(), &b.ty()]).unwrap(),
@@ -407,6 +409,7 @@ fn layer_norm_errors_and_registry() {
     let op1 = LayerNorm {
         axis: 1,
         epsilon: 1e-5,
+        to: None,
     };
     let e = infer_err(
         &op1,
@@ -417,6 +420,7 @@ fn layer_norm_errors_and_registry() {
         &LayerNorm {
             axis: 3,
             epsilon: 1e-5,
+            to: None,
         },
         &[x.clone(), tt(DType::F32, &[4]), tt(DType::F32, &[4])],
     );
@@ -429,7 +433,8 @@ fn layer_norm_errors_and_registry() {
         op.downcast_ref::<LayerNorm>(),
         Some(&LayerNorm {
             axis: -1,
-            epsilon: 1e-5
+            epsilon: 1e-5,
+            to: None,
         })
     );
     assert_eq!(op.typed_inputs(3), vec![0, 1, 2]);
@@ -445,8 +450,66 @@ fn layer_norm_errors_and_registry() {
         op.downcast_ref::<LayerNorm>(),
         Some(&LayerNorm {
             axis: 1,
-            epsilon: 1e-6
+            epsilon: 1e-6,
+            to: None,
         })
     );
     assert_round_trip(op.as_ref());
+}
+
+/// With a 16-bit x (and dy), f32 parameters and a 16-bit output, LayerNorm and its
+/// gradient give bitwise what the casts around the f32 ops gave: the widening is exact
+/// and the output rounds once, as the Cast rounded it.
+#[test]
+fn layer_norm_takes_its_casts_in() {
+    use ampgraph_graph::ops::{Cast, LayerNormGrad};
+    let vals =
+        |n: usize, k: f64| -> Vec<f64> { (0..n).map(|i| ((i as f64 * k).sin() * 2.0)).collect() };
+    for narrow in [DType::F16, DType::BF16] {
+        let x = Tensor::from_f64(narrow, vec![6, 40], &vals(240, 0.37)).unwrap();
+        let dy = Tensor::from_f64(narrow, vec![6, 40], &vals(240, 0.91)).unwrap();
+        let g = Tensor::from_f64(DType::F32, vec![40], &vals(40, 0.13)).unwrap();
+        let b = Tensor::from_f64(DType::F32, vec![40], &vals(40, 0.29)).unwrap();
+        let wide = |t: &Tensor| Cast { to: DType::F32 }.eval(&[t]).unwrap().remove(0);
+        let f32_ln = LayerNorm::default();
+        let y32 = f32_ln.eval(&[&wide(&x), &g, &b]).unwrap().remove(0);
+        let want = Cast { to: narrow }.eval(&[&y32]).unwrap().remove(0);
+        let folded = LayerNorm {
+            to: Some(narrow),
+            ..LayerNorm::default()
+        };
+        let got = folded.eval(&[&x, &g, &b]).unwrap().remove(0);
+        assert_eq!(got.ty(), want.ty());
+        assert_eq!(got.to_f64_vec(), want.to_f64_vec());
+        // Without `to`, gamma's dtype.
+        let got = f32_ln.eval(&[&x, &g, &b]).unwrap().remove(0);
+        assert_eq!(got.to_f64_vec(), y32.to_f64_vec());
+        let grad = LayerNormGrad {
+            axis: -1,
+            epsilon: 1e-5,
+        };
+        let want = grad.eval(&[&wide(&x), &g, &wide(&dy)]).unwrap();
+        let got = grad.eval(&[&x, &g, &dy]).unwrap();
+        for (w, o) in want.iter().zip(&got) {
+            assert_eq!(w.ty(), o.ty());
+            assert_eq!(w.to_f64_vec(), o.to_f64_vec());
+        }
+    }
+    // An x wider than gamma, or one that does not widen exactly, is refused by name.
+    let e = LayerNorm::default()
+        .infer(&[
+            &TensorType::new(DType::F32, vec![2, 4]),
+            &TensorType::new(DType::F16, vec![4]),
+            &TensorType::new(DType::F16, vec![4]),
+        ])
+        .unwrap_err();
+    assert!(e.contains("x is f32 but gamma is f16"), "{e}");
+    let e = LayerNorm::default()
+        .infer(&[
+            &TensorType::new(DType::BF16, vec![2, 4]),
+            &TensorType::new(DType::F16, vec![4]),
+            &TensorType::new(DType::F16, vec![4]),
+        ])
+        .unwrap_err();
+    assert!(e.contains("x is bf16 but gamma is f16"), "{e}");
 }

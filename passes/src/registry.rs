@@ -6,8 +6,8 @@ use crate::attention::FuseAttention;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::simplify::{
-    Algebraic, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm, PadGemm,
-    ScaleIntoMatmul, UnscaleIntoUpdate,
+    Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
+    PadGemm, ScaleIntoMatmul, UnscaleIntoUpdate,
 };
 use crate::sum_into_elementwise::SumIntoElementwise;
 use crate::{Pass, PassManager};
@@ -39,6 +39,10 @@ pub const PASSES: &[PassEntry] = &[
     PassEntry {
         name: "cast-into-reduce",
         make: || Box::new(CastIntoReduce),
+    },
+    PassEntry {
+        name: "cast-into-norm",
+        make: || Box::new(CastIntoNorm),
     },
     PassEntry {
         name: "scale-into-matmul",
@@ -85,6 +89,7 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// The fusion pipeline for a CUDA graph after AMP (the default of `bench --passes`):
 /// dead nodes go first (gradients built for constants would otherwise count as
 /// readers and block folds), reductions take the widening casts AMP put before them,
+/// layer norms the casts AMP put around them,
 /// batched products their scalar scalings, explicit attentions become fused ones
 /// (scores never stored), the finiteness check and the optimizer
 /// updates the loss-scale unscaling, the updates the casts of their variables,
@@ -94,6 +99,7 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 pub const CUDA_PIPELINE: &[&str] = &[
     "dce",
     "cast-into-reduce",
+    "cast-into-norm",
     "scale-into-matmul",
     "fuse-attention",
     "unscale-into-update",

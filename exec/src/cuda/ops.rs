@@ -845,11 +845,17 @@ pub fn eval(
         let (x, g, b) = (input(0)?, input(1)?, input(2)?);
         let (rows, len) = normalized_rows(x, ln.axis)?;
         let y = c.alloc(out0)?;
-        let (per, warp) = warp_row_form(len, x.dtype, true, &[x, &y]);
+        let types = src::NormTypes {
+            params: g.dtype,
+            x: x.dtype,
+            dy: x.dtype,
+            y: y.dtype,
+        };
+        let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &[x, &y]);
         row_kernel(
             c,
-            &format!("layer_norm/{}/{:e}/{per}", x.dtype, ln.epsilon),
-            || src::layer_norm(x.dtype, ln.epsilon, per),
+            &format!("layer_norm/{types:?}/{:e}/{per}", ln.epsilon),
+            || src::layer_norm(types, ln.epsilon, per),
             ("k", warp),
             &[x.arg(), g.arg(), b.arg(), y.arg()],
             (rows, len, None),
@@ -860,12 +866,18 @@ pub fn eval(
         let (x, g, dy) = (input(0)?, input(1)?, input(2)?);
         let (rows, len) = normalized_rows(x, ln.axis)?;
         let dx = c.alloc(out0)?;
-        let (per, warp) = warp_row_form(len, x.dtype, true, &[x, dy, &dx]);
+        let types = src::NormTypes {
+            params: g.dtype,
+            x: x.dtype,
+            dy: dy.dtype,
+            y: dx.dtype,
+        };
+        let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &[x, dy, &dx]);
         let dg = c.alloc(outs.get(1).ok_or("missing output 1")?)?;
         let db = c.alloc(outs.get(2).ok_or("missing output 2")?)?;
-        let stats = c.temp(acc_dtype(x.dtype), 2 * rows)?;
-        let key = format!("layer_norm_grad/{}/{:e}/{per}", x.dtype, ln.epsilon);
-        let make = || src::layer_norm_grad(x.dtype, ln.epsilon, per);
+        let stats = c.temp(acc_dtype(g.dtype), 2 * rows)?;
+        let key = format!("layer_norm_grad/{types:?}/{:e}/{per}", ln.epsilon);
+        let make = || src::layer_norm_grad(types, ln.epsilon, per);
         row_kernel(
             c,
             &key,

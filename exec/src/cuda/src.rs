@@ -751,15 +751,15 @@ fn warp_rows(body: &str) -> String {
 
 /// Rows of exactly `32 * per` values whose lanes move 16-byte words of `v` values
 /// ([`column_vector`]): value `w * v + q` of a lane is column `(32 * w + lane) * v + q`.
-/// The code loading row `base` of `ptr` into `A arr[per]`.
-fn warp_load_words(ptr: &str, arr: &str, per: usize, v: usize) -> String {
+/// The code loading row `base` of `ptr` (of the module's type `T<ty>`) into `A arr[per]`.
+fn warp_load_words(ptr: &str, arr: &str, per: usize, v: usize, ty: &str) -> String {
     format!(
         "#pragma unroll\n\
          for (int w = 0; w < {words}; ++w) {{\n\
            uint4 word = *(const uint4*)({ptr} + base + (i64)(32 * w + lane) * {v});\n\
-           const T* e = (const T*)&word;\n\
+           const T{ty}* e = (const T{ty}*)&word;\n\
            #pragma unroll\n\
-           for (int q = 0; q < {v}; ++q) {arr}[w * {v} + q] = (A)ld(e, q);\n\
+           for (int q = 0; q < {v}; ++q) {arr}[w * {v} + q] = (A)ld{ty}(e, q);\n\
          }}\n",
         words = per / v
     )
@@ -767,14 +767,14 @@ fn warp_load_words(ptr: &str, arr: &str, per: usize, v: usize) -> String {
 
 /// The code storing `value` (an expression of the value's index `t` and column `j`)
 /// for each of a lane's values into row `base` of `ptr`, a word at a time.
-fn warp_store_words(ptr: &str, value: &str, per: usize, v: usize) -> String {
+fn warp_store_words(ptr: &str, value: &str, per: usize, v: usize, ty: &str) -> String {
     format!(
         "#pragma unroll\n\
          for (int w = 0; w < {words}; ++w) {{\n\
            i64 j0 = (i64)(32 * w + lane) * {v};\n\
-           __align__(16) T o[{v}];\n\
+           __align__(16) T{ty} o[{v}];\n\
            #pragma unroll\n\
-           for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; i64 j = j0 + q; st(o, q, (C)({value})); }}\n\
+           for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; i64 j = j0 + q; st{ty}(o, q, (C{ty})({value})); }}\n\
            *(uint4*)({ptr} + base + j0) = *(const uint4*)o;\n\
          }}\n",
         words = per / v
@@ -838,9 +838,9 @@ pub fn softmax(d: DType, log: bool, per: usize) -> String {
     let v = column_vector(d);
     let warp_vec = warp_rows(&format!(
         "A v[{per}]; A m = (A)(-F_INF);\n{load}{reduced}{store}",
-        load = warp_load_words("px", "v", per, v),
+        load = warp_load_words("px", "v", per, v, ""),
         reduced = reduce(&|code: &str| code.to_string()),
-        store = warp_store_words("py", value, per, v),
+        store = warp_store_words("py", value, per, v, ""),
     ));
     module(
         d,
@@ -970,12 +970,12 @@ pub fn sce_grad(d: DType, labels: DType) -> String {
 
 /// Mean and 1/sqrt(var + eps) of row `row` of `len` elements (block-wide).
 const LN_STATS: &str = r#"
-__device__ void ln_stats(const T* px, i64 row, i64 len, A eps, A* sh, A* mean_out, A* inv_out) {
+__device__ void ln_stats(const TX* px, i64 row, i64 len, A eps, A* sh, A* mean_out, A* inv_out) {
   A s = 0;
-  for (i64 j = threadIdx.x; j < len; j += blockDim.x) s += (A)ld(px, row * len + j);
+  for (i64 j = threadIdx.x; j < len; j += blockDim.x) s += (A)ldX(px, row * len + j);
   A mean = block_sum(s, sh) / (A)len;
   A v = 0;
-  for (i64 j = threadIdx.x; j < len; j += blockDim.x) { A t = (A)ld(px, row * len + j) - mean; v += t * t; }
+  for (i64 j = threadIdx.x; j < len; j += blockDim.x) { A t = (A)ldX(px, row * len + j) - mean; v += t * t; }
   A var = block_sum(v, sh) / (A)len;
   *mean_out = mean;
   *inv_out = (A)1 / m_sqrt(var + eps);
@@ -1001,48 +1001,92 @@ fn ln_warp_stats(per: usize) -> String {
 /// `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives each row a
 /// warp that reads it once into registers; `k_warp_vec` does so for rows of exactly
 /// `32 * per` values, moving 16-byte words.
-pub fn layer_norm(d: DType, eps: f64, per: usize) -> String {
+pub fn layer_norm(types: NormTypes, eps: f64, per: usize) -> String {
     let warp = warp_rows(&format!(
         "A v[{per}];\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)0; }}\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ldX(px, base + j) : (A)0; }}\n\
          {stats}\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) st(py, base + j, (C)((v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j))); }}",
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) stY(py, base + j, (CY)((v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j))); }}",
         stats = ln_warp_stats(per)
     ));
-    // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`).
-    let v = column_vector(d);
+    // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`; x and y of one
+    // size).
+    let v = column_vector(types.x);
     let warp_vec = warp_rows(&format!(
         "A v[{per}];\n{load}{stats}{store}",
-        load = warp_load_words("px", "v", per, v),
+        load = warp_load_words("px", "v", per, v, "X"),
         stats = ln_warp_stats(per),
         store = warp_store_words(
             "py",
             "(v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)",
             per,
-            v
+            v,
+            "Y"
         ),
     ));
-    module(
-        d,
+    let params = "const TX* px, const T* pg, const T* pb, TY* py, i64 rows, i64 len";
+    module_multi(
+        &types.blocks(),
         &format!(
-            "{LN_STATS}extern \"C\" __global__ void k(const T* px, const T* pg, const T* pb, T* py, i64 rows, i64 len) {{\n\
+            "{LN_STATS}extern \"C\" __global__ void k({params}) {{\n\
                __shared__ A sh[32];\n\
                for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
                  A mean, inv; ln_stats(px, row, len, (A)(C){eps}, sh, &mean, &inv);\n\
                  for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
                    i64 at = row * len + j;\n\
-                   st(py, at, (C)(((A)ld(px, at) - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)));\n\
+                   stY(py, at, (CY)(((A)ldX(px, at) - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)));\n\
                  }}\n\
                }}\n}}\n\
-             extern \"C\" __global__ void k_warp(const T* px, const T* pg, const T* pb, T* py, i64 rows, i64 len) {{\n\
+             extern \"C\" __global__ void k_warp({params}) {{\n\
                const A eps = (A)(C){eps};\n{warp}}}\n\
-             extern \"C\" __global__ void k_warp_vec(const T* px, const T* pg, const T* pb, T* py, i64 rows, i64 len) {{\n\
+             extern \"C\" __global__ void k_warp_vec({params}) {{\n\
                const A eps = (A)(C){eps};\n{warp_vec}}}\n",
             eps = lit(eps)
         ),
     )
+}
+
+/// The dtypes of a normalisation's kernels: `T` the parameters' (gamma, beta; the
+/// math in their compute type), `TX` x's, `TD` dy's (gradients), `TY` the normalised
+/// output's or dx's. A 16-bit x or dy with f32 parameters is a widening Cast folded in,
+/// a 16-bit y an output Cast.
+#[derive(Clone, Copy, Debug)]
+pub struct NormTypes {
+    pub params: DType,
+    pub x: DType,
+    pub dy: DType,
+    pub y: DType,
+}
+
+impl NormTypes {
+    /// Every tensor of one dtype.
+    #[cfg(test)]
+    pub fn uniform(d: DType) -> NormTypes {
+        NormTypes {
+            params: d,
+            x: d,
+            dy: d,
+            y: d,
+        }
+    }
+
+    fn blocks(self) -> [(&'static str, DType); 4] {
+        [
+            ("", self.params),
+            ("X", self.x),
+            ("D", self.dy),
+            ("Y", self.y),
+        ]
+    }
+
+    /// Whether the word kernels (`k_warp_vec`) can move them: x, dy and y hold as many
+    /// values per 16-byte word.
+    pub fn same_words(self) -> bool {
+        let bytes = self.x.size_bytes();
+        self.dy.size_bytes() == bytes && self.y.size_bytes() == bytes
+    }
 }
 
 /// Rows a block of the column-sum kernels reads at once (its warps), and the most row
@@ -1161,7 +1205,7 @@ pub fn column_vector(d: DType) -> usize {
 /// as [`layer_norm`]'s) or `k_warp_vec` (the same moving 16-byte words, rows of exactly
 /// `32 * per` values) writes dx and each row's mean and inverse deviation; the column
 /// sums (see [`column_sums`]) give dgamma and dbeta.
-pub fn layer_norm_grad(d: DType, eps: f64, per: usize) -> String {
+pub fn layer_norm_grad(types: NormTypes, eps: f64, per: usize) -> String {
     // Given x in `v` and dy * gamma in `dy`: xhat, then dx's two row means.
     let middle = format!(
         "{stats}\
@@ -1175,13 +1219,13 @@ pub fn layer_norm_grad(d: DType, eps: f64, per: usize) -> String {
     let warp = warp_rows(&format!(
         "A v[{per}], dy[{per}];\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; bool in = j < len; v[t] = in ? (A)ld(px, base + j) : (A)0; dy[t] = in ? (A)ld(pdy, base + j) * (A)ld(pg, j) : (A)0; }}\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; bool in = j < len; v[t] = in ? (A)ldX(px, base + j) : (A)0; dy[t] = in ? (A)ldD(pdy, base + j) * (A)ld(pg, j) : (A)0; }}\n\
          {middle}\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) st(pdx, base + j, (C)((dy[t] - mg - v[t] * mgx) * inv)); }}\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) stY(pdx, base + j, (CY)((dy[t] - mg - v[t] * mgx) * inv)); }}\n\
          {row_stats}"
     ));
-    let v = column_vector(d);
+    let v = column_vector(types.x);
     let warp_vec = warp_rows(&format!(
         "A v[{per}], dy[{per}];\n\
          {load_x}{load_dy}\
@@ -1191,42 +1235,42 @@ pub fn layer_norm_grad(d: DType, eps: f64, per: usize) -> String {
            for (int q = 0; q < {v}; ++q) dy[w * {v} + q] *= (A)ld(pg, (i64)(32 * w + lane) * {v} + q);\n\
          }}\n\
          {middle}{store}{row_stats}",
-        load_x = warp_load_words("px", "v", per, v),
-        load_dy = warp_load_words("pdy", "dy", per, v),
+        load_x = warp_load_words("px", "v", per, v, "X"),
+        load_dy = warp_load_words("pdy", "dy", per, v, "D"),
         words = per / v,
-        store = warp_store_words("pdx", "(dy[t] - mg - v[t] * mgx) * inv", per, v),
+        store = warp_store_words("pdx", "(dy[t] - mg - v[t] * mgx) * inv", per, v, "Y"),
     ));
-    module(
-        d,
+    module_multi(
+        &types.blocks(),
         &format!(
-            "{LN_STATS}extern \"C\" __global__ void k(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
+            "{LN_STATS}extern \"C\" __global__ void k(const TX* px, const T* pg, const TD* pdy, TY* pdx, A* stats, i64 rows, i64 len) {{\n\
                __shared__ A sh[32];\n\
                for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
                  A mean, inv; ln_stats(px, row, len, (A)(C){eps}, sh, &mean, &inv);\n\
                  A sg = 0, sgx = 0;\n\
                  for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
                    i64 at = row * len + j;\n\
-                   A g = (A)ld(pdy, at) * (A)ld(pg, j);\n\
-                   sg += g; sgx += g * (((A)ld(px, at) - mean) * inv);\n\
+                   A g = (A)ldD(pdy, at) * (A)ld(pg, j);\n\
+                   sg += g; sgx += g * (((A)ldX(px, at) - mean) * inv);\n\
                  }}\n\
                  A mg = block_sum(sg, sh) / (A)len;\n\
                  A mgx = block_sum(sgx, sh) / (A)len;\n\
                  for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
                    i64 at = row * len + j;\n\
-                   A xhat = ((A)ld(px, at) - mean) * inv;\n\
-                   st(pdx, at, (C)(((A)ld(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv));\n\
+                   A xhat = ((A)ldX(px, at) - mean) * inv;\n\
+                   stY(pdx, at, (CY)(((A)ldD(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv));\n\
                  }}\n\
                  if (threadIdx.x == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
                }}\n}}\n\
-             extern \"C\" __global__ void k_warp(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
+             extern \"C\" __global__ void k_warp(const TX* px, const T* pg, const TD* pdy, TY* pdx, A* stats, i64 rows, i64 len) {{\n\
                const A eps = (A)(C){eps};\n{warp}}}\n\
-             extern \"C\" __global__ void k_warp_vec(const T* px, const T* pg, const T* pdy, T* pdx, A* stats, i64 rows, i64 len) {{\n\
+             extern \"C\" __global__ void k_warp_vec(const TX* px, const T* pg, const TD* pdy, TY* pdx, A* stats, i64 rows, i64 len) {{\n\
                const A eps = (A)(C){eps};\n{warp_vec}}}\n{cols}",
             eps = lit(eps),
             cols = column_sums(
-                "const T* px, const T* pdy, const A* stats",
-                "A dy = (A)ld(pdy, at);",
-                &["dy * (((A)ld(px, at) - stats[2 * row]) * stats[2 * row + 1])", "dy"],
+                "const TX* px, const TD* pdy, const A* stats",
+                "A dy = (A)ldD(pdy, at);",
+                &["dy * (((A)ldX(px, at) - stats[2 * row]) * stats[2 * row + 1])", "dy"],
                 "",
             )
         ),
@@ -1720,7 +1764,7 @@ mod tests {
         );
         let src = fused(&p);
         for want in [
-            "void k(const TI0* in0, const TI1* in1, const TI2* in2, TO0* out0, TO1* out1, i64 n)",
+            "void k(const TI0* __restrict__ in0, const TI1* __restrict__ in1, const TI2* __restrict__ in2, TO0* __restrict__ out0, TO1* __restrict__ out1, i64 n)",
             "s_in0 = *(const VEC_T(in0, V)*)(in0 + i0);",
             "float v0 = ldI0(s_in0.v, u);",
             "float v0 = ldI0(in0, i);",
@@ -1822,8 +1866,14 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 (format!("softmax_{d}"), softmax(d, false, 32)),
                 (format!("softmax_grad_{d}"), softmax_grad(d, false, 8)),
                 (format!("log_softmax_grad_{d}"), softmax_grad(d, true, 1)),
-                (format!("layer_norm_{d}"), layer_norm(d, 1e-5, 32)),
-                (format!("layer_norm_grad_{d}"), layer_norm_grad(d, 1e-5, 32)),
+                (
+                    format!("layer_norm_{d}"),
+                    layer_norm(NormTypes::uniform(d), 1e-5, 32),
+                ),
+                (
+                    format!("layer_norm_grad_{d}"),
+                    layer_norm_grad(NormTypes::uniform(d), 1e-5, 32),
+                ),
                 (format!("sce_{d}"), sce(d, DType::I64)),
                 (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
                 (format!("all_finite_{d}"), all_finite(d, None)),
@@ -1887,6 +1937,20 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
             k.push((
                 format!("attention_{d}"),
                 super::super::attention::source(d, head_dim),
+            ));
+        }
+        // Casts folded into the normalisations: f16 x and dy, f32 math, f16 or f32 out.
+        for y in [DType::F16, DType::F32] {
+            let types = NormTypes {
+                params: DType::F32,
+                x: DType::F16,
+                dy: DType::BF16,
+                y,
+            };
+            k.push((format!("layer_norm_mixed_{y}"), layer_norm(types, 1e-5, 8)));
+            k.push((
+                format!("layer_norm_grad_mixed_{y}"),
+                layer_norm_grad(types, 1e-5, 8),
             ));
         }
         k.push(("fill_flag".into(), fill_flag()));

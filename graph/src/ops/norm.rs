@@ -11,7 +11,7 @@ use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::types_of;
-use crate::ops::DataFormat;
+use crate::ops::{widens_exactly, DataFormat};
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -483,6 +483,9 @@ impl Op for BatchNormGrad {
 pub struct LayerNorm {
     pub axis: i64,
     pub epsilon: f64,
+    /// The output's dtype when it is not gamma's (attr `to`): a Cast of the output
+    /// folded in, the result rounded once as the Cast rounded it.
+    pub to: Option<DType>,
 }
 
 impl Default for LayerNorm {
@@ -490,6 +493,7 @@ impl Default for LayerNorm {
         LayerNorm {
             axis: -1,
             epsilon: 1e-5,
+            to: None,
         }
     }
 }
@@ -499,7 +503,22 @@ impl LayerNorm {
         Ok(LayerNorm {
             axis: a.opt_int("axis")?.unwrap_or(-1),
             epsilon: read_epsilon(a, 1e-5)?,
+            to: a.opt_dtype("to")?,
         })
+    }
+}
+
+/// The dtype a normalisation computes in: gamma's. `x` (and LayerNormGrad's `dy`)
+/// may be narrower when that type holds every value of it (a widening Cast folded in:
+/// the kernel reads the narrow tensor and widens it as the Cast did).
+fn norm_dtype(what: &str, dtype: DType, params: DType) -> OpResult<()> {
+    require_float(what, dtype)?;
+    if widens_exactly(dtype, params) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} is {dtype} but gamma is {params}: {what} must be gamma's dtype or one it widens from exactly"
+        ))
     }
 }
 
@@ -542,12 +561,19 @@ impl Op for LayerNorm {
         Arity::Exactly(3)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("axis", self.axis.into()), ("epsilon", self.epsilon.into())]
+        let mut attrs = vec![("axis", self.axis.into()), ("epsilon", self.epsilon.into())];
+        if let Some(to) = self.to {
+            attrs.push(("to", AttrValue::Str(to.to_string())));
+        }
+        attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x, gamma, beta] = fixed(inputs)?;
-        let dtype = same_dtype(inputs)?;
-        require_float("x", dtype)?;
+        let dtype = same_dtype(&[gamma, beta])?;
+        require_float("gamma", dtype)?;
+        norm_dtype("x", x.dtype, dtype)?;
+        let out = self.to.unwrap_or(dtype);
+        require_float("to", out)?;
         let axis = normalize_axis(self.axis, x.rank())?;
         let want = &x.shape[axis..];
         for (what, t) in [("gamma", gamma), ("beta", beta)] {
@@ -560,12 +586,14 @@ impl Op for LayerNorm {
                 ));
             }
         }
-        Ok(vec![(*x).clone()])
+        Ok(vec![TensorType::new(out, x.shape.clone())])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let types = types_of(inputs);
-        self.infer(&types.iter().collect::<Vec<_>>())?;
-        eval_float(self, inputs[0].dtype(), inputs)
+        let out = self.infer(&types.iter().collect::<Vec<_>>())?;
+        let y = eval_float(self, inputs[1].dtype(), inputs)?;
+        // A folded output Cast rounds as the Cast did.
+        Ok(y.into_iter().map(|y| y.cast(out[0].dtype)).collect())
     }
     /// One [`LayerNormGrad`] node gives dx, dgamma and dbeta.
     fn gradient(
@@ -587,8 +615,9 @@ impl Op for LayerNorm {
     }
 }
 
-/// The gradient of [`LayerNorm`]: inputs `x`, `gamma` and `dy` (one float dtype);
-/// outputs `dx` (x's shape), `dgamma` and `dbeta` (gamma's shape). Per normalised row
+/// The gradient of [`LayerNorm`]: inputs `x`, `gamma` and `dy` (gamma's float dtype,
+/// or for `x` and `dy` one it widens from exactly); outputs `dx` (x's shape),
+/// `dgamma` and `dbeta` (gamma's shape), all in gamma's dtype. Per normalised row
 /// of L elements, with `xhat = (x - mean) / sqrt(var + eps)` and `g = dy * gamma`:
 /// `dx = (g - mean(g) - xhat * mean(g * xhat)) / sqrt(var + eps)`; `dgamma` sums
 /// `dy * xhat` and `dbeta` sums `dy` over the rows.
@@ -606,11 +635,12 @@ impl LayerNormGrad {
         })
     }
 
-    /// Checks the input types; returns x's type and gamma's.
+    /// Checks the input types; returns dx's type (x's shape, gamma's dtype) and gamma's.
     fn check(&self, inputs: &[&TensorType]) -> OpResult<(TensorType, TensorType)> {
         let [x, gamma, dy] = fixed(inputs)?;
-        let dtype = same_dtype(inputs)?;
-        require_float("x", dtype)?;
+        require_float("gamma", gamma.dtype)?;
+        norm_dtype("x", x.dtype, gamma.dtype)?;
+        norm_dtype("dy", dy.dtype, gamma.dtype)?;
         let axis = normalize_axis(self.axis, x.rank())?;
         let want = &x.shape[axis..];
         if gamma.shape != want {
@@ -628,7 +658,10 @@ impl LayerNormGrad {
                 ShapeDisplay(&x.shape)
             ));
         }
-        Ok(((*x).clone(), (*gamma).clone()))
+        Ok((
+            TensorType::new(gamma.dtype, x.shape.clone()),
+            (*gamma).clone(),
+        ))
     }
 }
 
@@ -696,6 +729,6 @@ impl Op for LayerNormGrad {
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let types = types_of(inputs);
         self.check(&types.iter().collect::<Vec<_>>())?;
-        eval_float(self, inputs[0].dtype(), inputs)
+        eval_float(self, inputs[1].dtype(), inputs)
     }
 }

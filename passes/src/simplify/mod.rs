@@ -1,6 +1,6 @@
 //! Graph simplification: constant folding, common-subexpression elimination,
 //! dead-node elimination, algebraic identities, widening casts folded into
-//! reductions, scalar scalings folded into batched products, loss-scale unscaling
+//! reductions and casts into layer normalisation, scalar scalings folded into batched products, loss-scale unscaling
 //! and the master weights' casts folded into the optimizer updates, batch-norm
 //! folding and GEMM padding.
 //!
@@ -9,6 +9,7 @@
 //! the rewiring a topological sweep decides and applies in one batch.
 
 mod algebraic;
+mod cast_into_norm;
 mod cast_into_reduce;
 mod cast_into_update;
 mod const_fold;
@@ -20,6 +21,7 @@ mod scale_into_matmul;
 mod unscale_into_update;
 
 pub use algebraic::Algebraic;
+pub use cast_into_norm::CastIntoNorm;
 pub use cast_into_reduce::CastIntoReduce;
 pub use cast_into_update::CastIntoUpdate;
 pub use const_fold::ConstFold;
