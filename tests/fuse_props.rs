@@ -42,6 +42,19 @@ fn prepared(seed: u64, size: usize, amp: bool) -> Graph {
     g
 }
 
+/// The rewritten graph computes bitwise the original's outputs on the CPU.
+fn same_bits_on_the_cpu(original: &Graph, g: &Graph, seed: u64) -> Result<(), TestCaseError> {
+    let f = feeds(original, seed);
+    let want = CpuExecutor::new()
+        .run(original, &f, original.outputs())
+        .unwrap();
+    let got = CpuExecutor::new().run(g, &f, g.outputs()).unwrap();
+    for (k, (w, o)) in want.iter().zip(&got).enumerate() {
+        prop_assert!(identical(w, o), "output {}: {:?} vs {:?}", k, w, o);
+    }
+    Ok(())
+}
+
 fn check_fusion(unfused: &Graph, seed: u64) -> Result<FuseReport, TestCaseError> {
     let mut g = unfused.clone();
     let report = Fuse.rewrite(&mut g).unwrap();
@@ -65,14 +78,7 @@ fn check_fusion(unfused: &Graph, seed: u64) -> Result<FuseReport, TestCaseError>
     let after: Vec<_> = g.outputs().iter().map(|&p| g.ty(p).clone()).collect();
     prop_assert_eq!(before, after);
     // The CPU computes the same bits: every intermediate rounds as before.
-    let f = feeds(unfused, seed);
-    let want = CpuExecutor::new()
-        .run(unfused, &f, unfused.outputs())
-        .unwrap();
-    let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
-    for (k, (w, o)) in want.iter().zip(&got).enumerate() {
-        prop_assert!(identical(w, o), "output {}: {:?} vs {:?}", k, w, o);
-    }
+    same_bits_on_the_cpu(unfused, &g, seed)?;
     // JSON -> graph -> binary -> graph -> JSON is unchanged.
     let text = json(&g);
     let from_json = format::graph_from_bytes(text.as_bytes()).unwrap();
@@ -122,14 +128,7 @@ fn check_column_sums(unfused: &Graph, seed: u64) -> Result<usize, TestCaseError>
     SumIntoElementwise.run(&mut g).unwrap();
     g.validate().unwrap();
     let folded = before - sums(&g);
-    let f = feeds(unfused, seed);
-    let want = CpuExecutor::new()
-        .run(unfused, &f, unfused.outputs())
-        .unwrap();
-    let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
-    for (k, (w, o)) in want.iter().zip(&got).enumerate() {
-        prop_assert!(identical(w, o), "output {}: {:?} vs {:?}", k, w, o);
-    }
+    same_bits_on_the_cpu(unfused, &g, seed)?;
     let text = json(&g);
     prop_assert_eq!(
         &text,

@@ -240,7 +240,7 @@ impl Pass for SumIntoElementwise {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::run as run_cpu;
+    use crate::testing::{assert_same_bits, run as run_cpu};
     use ampgraph_graph::ops::{MatMul, Unary, UnaryGrad, UnaryKind};
     use ampgraph_graph::Tensor;
 
@@ -287,10 +287,6 @@ mod tests {
         .collect()
     }
 
-    fn bits(t: &Tensor) -> Vec<u64> {
-        t.to_f64_vec().iter().map(|v| v.to_bits()).collect()
-    }
-
     #[test]
     fn a_bias_gradient_is_summed_by_the_kernel_computing_its_operand() {
         let before = backward(bias_grad());
@@ -310,11 +306,7 @@ mod tests {
         // Bit-exact on the CPU, and a second run changes nothing.
         let f = feeds();
         let feeds = f.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-        let (want, got) = (run_cpu(&before, &feeds), run_cpu(&g, &feeds));
-        for (w, o) in want.iter().zip(&got) {
-            assert_eq!(w.ty(), o.ty());
-            assert_eq!(bits(w), bits(o));
-        }
+        assert_same_bits(&run_cpu(&before, &feeds), &run_cpu(&g, &feeds));
         let text = ampgraph_graph::format::to_text(&g);
         let summary = SumIntoElementwise.run(&mut g).unwrap();
         assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
@@ -357,9 +349,7 @@ mod tests {
         let ramp: Vec<f64> = (0..128).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
         let x = Tensor::from_f64(DType::F32, vec![16, 8], &ramp).unwrap();
         let feeds = [("g", x)].into_iter().collect();
-        for (w, o) in run_cpu(&before, &feeds).iter().zip(&run_cpu(&g, &feeds)) {
-            assert_eq!(bits(w), bits(o));
-        }
+        assert_same_bits(&run_cpu(&before, &feeds), &run_cpu(&g, &feeds));
         // A BiasAdd of g by the sum reads g whole but needs the sum first; the Cast
         // still takes it.
         let mut g = read_twice(true);

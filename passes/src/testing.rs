@@ -24,3 +24,13 @@ pub fn run(g: &Graph, feeds: &HashMap<&str, Tensor>) -> Vec<Tensor> {
         .map(|p| vals[&p.node][p.index].clone())
         .collect()
 }
+
+/// Asserts that two runs' outputs have the same types and the same bits.
+pub fn assert_same_bits(want: &[Tensor], got: &[Tensor]) {
+    assert_eq!(want.len(), got.len());
+    let bits = |t: &Tensor| -> Vec<u64> { t.to_f64_vec().iter().map(|v| v.to_bits()).collect() };
+    for (k, (w, o)) in want.iter().zip(got).enumerate() {
+        assert_eq!(w.ty(), o.ty(), "output {k}");
+        assert_eq!(bits(w), bits(o), "output {k}");
+    }
+}

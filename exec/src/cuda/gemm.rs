@@ -123,6 +123,28 @@ fn err(what: &str) -> impl FnOnce(lt::CublasError) -> String + '_ {
     move |e| format!("cuBLASLt {what}: {e:?}")
 }
 
+/// Sets attribute `attr` of a matmul descriptor to `value`.
+///
+/// # Safety
+/// `T` must be the attribute's documented type, and `desc` a live descriptor.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+    what: &str,
+) -> Result<(), String> {
+    // SAFETY: the caller's contract; the pointer and size describe `value`.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            value as *const T as *const c_void,
+            size_of::<T>(),
+        )
+    }
+    .map_err(err(what))
+}
+
 struct Layout(sys::cublasLtMatrixLayout_t);
 impl Drop for Layout {
     fn drop(&mut self) {
@@ -289,16 +311,15 @@ impl Gemm {
         if let Some((bias, _)) = p.bias {
             let ptr = bias.ptr() as *const c_void;
             // SAFETY: the attribute is a device pointer; the bias holds n elements of the
-            // output's type (checked by the op's type rule).
+            // output's type (checked above and by the op's type rule).
             unsafe {
-                lt::set_matmul_desc_attribute(
+                set_desc(
                     plan.desc.0,
                     sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    (&ptr) as *const *const c_void as *const c_void,
-                    size_of::<*const c_void>(),
+                    &ptr,
+                    "bias pointer",
                 )
-            }
-            .map_err(err("bias pointer"))?;
+            }?;
         }
         let a = p.a.ptr() + p.offset_a as u64 * esize;
         let b = p.b.ptr() + p.offset_b as u64 * esize;
@@ -463,22 +484,11 @@ impl Gemm {
         let lc = layout(out_ty, n64, m64, n as i64, batch_count, (m * n) as i64)?;
         let desc = Desc(lt::create_matmul_desc(compute, scale_ty).map_err(err("descriptor"))?);
         let (tb, ta) = (i32::from(transpose_b), i32::from(transpose_a));
+        use sys::cublasLtMatmulDescAttributes_t as Attr;
         // SAFETY: cublasOperation_t is an i32 enum (0 = N, 1 = T).
         unsafe {
-            lt::set_matmul_desc_attribute(
-                desc.0,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                (&tb) as *const i32 as *const c_void,
-                size_of::<i32>(),
-            )
-            .map_err(err("transpose"))?;
-            lt::set_matmul_desc_attribute(
-                desc.0,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                (&ta) as *const i32 as *const c_void,
-                size_of::<i32>(),
-            )
-            .map_err(err("transpose"))?;
+            set_desc(desc.0, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &tb, "transpose")?;
+            set_desc(desc.0, Attr::CUBLASLT_MATMUL_DESC_TRANSB, &ta, "transpose")?;
         }
         if let Some(e) = epilogue {
             // Column-major, the output is [n x m]: the bias runs along its rows, as
@@ -488,27 +498,22 @@ impl Gemm {
                 Epilogue::BiasRelu => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS,
                 Epilogue::BiasGeluTanh => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
             };
-            // SAFETY: the attribute is a cublasLtEpilogue_t.
-            unsafe {
-                lt::set_matmul_desc_attribute(
-                    desc.0,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                    (&code) as *const sys::cublasLtEpilogue_t as *const c_void,
-                    size_of::<sys::cublasLtEpilogue_t>(),
-                )
-            }
-            .map_err(err("epilogue"))?;
             // The bias has the output's type (said outright for a widened output).
-            // SAFETY: the attribute is a cudaDataType (an i32 enum).
+            // SAFETY: the attributes are a cublasLtEpilogue_t and a cudaDataType.
             unsafe {
-                lt::set_matmul_desc_attribute(
+                set_desc(
                     desc.0,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                    (&out_ty) as *const sys::cudaDataType as *const c_void,
-                    size_of::<sys::cudaDataType>(),
-                )
+                    Attr::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &code,
+                    "epilogue",
+                )?;
+                set_desc(
+                    desc.0,
+                    Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                    &out_ty,
+                    "bias type",
+                )?;
             }
-            .map_err(err("bias type"))?;
         }
         let pref = Pref(lt::create_matmul_pref().map_err(err("preference"))?);
         let ws = self.workspace.bytes();

@@ -12,7 +12,7 @@
 use ampgraph_graph::ops::{widens_exactly, Cast, LayerNorm, LayerNormGrad};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use super::{output_nodes, summary};
+use super::{output_nodes, remove_unread, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `cast-into-norm` pass.
@@ -86,17 +86,7 @@ impl Pass for CastIntoNorm {
             g.set_node(id, op, &inputs)?;
         }
         g.rewire(rewired)?;
-        casts.sort();
-        casts.dedup();
-        let (mut removed, mut bytes) = (0usize, 0usize);
-        for cast in casts {
-            if is_output[cast.index()] || !g.consumers(cast).is_empty() {
-                continue;
-            }
-            bytes += g.node(cast).outputs()[0].size_bytes();
-            g.remove_node(cast)?;
-            removed += 1;
-        }
+        let (removed, bytes) = remove_unread(g, casts, &is_output)?;
         let lines = vec![
             format!("cast-into-norm: {widenings} normalisation inputs read the narrow tensor a widening Cast fed them"),
             format!("cast-into-norm: {narrowings} output Casts stored by the LayerNorm itself"),
@@ -112,7 +102,7 @@ impl Pass for CastIntoNorm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::run as run_cpu;
+    use crate::testing::{assert_same_bits, run as run_cpu};
     use ampgraph_graph::ops::Unary;
     use ampgraph_graph::ops::UnaryKind;
     use ampgraph_graph::{DType, Tensor};
@@ -182,14 +172,7 @@ mod tests {
             // All three go, but x's widening where the Neg still reads it.
             assert_eq!(casts(&g), usize::from(shared), "{summary}");
             let f = feeds();
-            let (want, got) = (run_cpu(&before, &f), run_cpu(&g, &f));
-            for (w, o) in want.iter().zip(&got) {
-                assert_eq!(w.ty(), o.ty());
-                let bits = |t: &Tensor| -> Vec<u64> {
-                    t.to_f64_vec().iter().map(|v| v.to_bits()).collect()
-                };
-                assert_eq!(bits(w), bits(o));
-            }
+            assert_same_bits(&run_cpu(&before, &f), &run_cpu(&g, &f));
             let text = ampgraph_graph::format::to_text(&g);
             let again = CastIntoNorm.run(&mut g).unwrap();
             assert!(again.lines[0].contains(": 0 "), "{again}");

@@ -12,7 +12,7 @@
 use ampgraph_graph::ops::{widens_exactly, Cast, Reduce};
 use ampgraph_graph::{Graph, NodeId};
 
-use super::{output_nodes, summary};
+use super::{output_nodes, remove_unread, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `cast-into-reduce` pass.
@@ -50,18 +50,8 @@ impl Pass for CastIntoReduce {
             casts.push(x.node);
             folded += 1;
         }
-        casts.sort();
-        casts.dedup();
         let is_output = output_nodes(g);
-        let (mut removed, mut bytes) = (0usize, 0usize);
-        for cast in casts {
-            if is_output[cast.index()] || !g.consumers(cast).is_empty() {
-                continue;
-            }
-            bytes += g.node(cast).outputs()[0].size_bytes();
-            g.remove_node(cast)?;
-            removed += 1;
-        }
+        let (removed, bytes) = remove_unread(g, casts, &is_output)?;
         let lines = vec![
             format!("cast-into-reduce: {folded} reductions read the narrow tensor a widening Cast fed them"),
             format!(

@@ -84,6 +84,27 @@ pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
     is_output
 }
 
+/// Removes the `nodes` (folded casts) that nothing reads any more and no graph output
+/// names; returns how many went and the bytes of the tensors they no longer write.
+pub(crate) fn remove_unread(
+    g: &mut Graph,
+    mut nodes: Vec<NodeId>,
+    is_output: &[bool],
+) -> Result<(usize, usize), PassError> {
+    nodes.sort();
+    nodes.dedup();
+    let (mut removed, mut bytes) = (0usize, 0usize);
+    for id in nodes {
+        if is_output[id.index()] || !g.consumers(id).is_empty() {
+            continue;
+        }
+        bytes += g.node(id).outputs()[0].size_bytes();
+        g.remove_node(id)?;
+        removed += 1;
+    }
+    Ok((removed, bytes))
+}
+
 /// The summary every simplification pass reports: a title and one line per count.
 /// [`PassManager`](crate::PassManager) logs it at info level, as it does AMP's.
 pub(crate) fn summary(pass: &str, lines: Vec<String>) -> crate::PassSummary {
