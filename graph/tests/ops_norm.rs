@@ -464,7 +464,7 @@ fn layer_norm_errors_and_registry() {
 fn layer_norm_takes_its_casts_in() {
     use ampgraph_graph::ops::{Cast, LayerNormGrad};
     let vals =
-        |n: usize, k: f64| -> Vec<f64> { (0..n).map(|i| ((i as f64 * k).sin() * 2.0)).collect() };
+        |n: usize, k: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * k).sin() * 2.0).collect() };
     for narrow in [DType::F16, DType::BF16] {
         let x = Tensor::from_f64(narrow, vec![6, 40], &vals(240, 0.37)).unwrap();
         let dy = Tensor::from_f64(narrow, vec![6, 40], &vals(240, 0.91)).unwrap();
