@@ -492,8 +492,17 @@ fn norm_grad_ops_reject_bad_types() {
     assert!(e.contains("gamma has shape [2, 4] but must be [4]"), "{e}");
     let e = infer_err(&ln, &[f32t(&[2, 4]), f32t(&[4]), f32t(&[4, 2])]);
     assert!(e.contains("dy has shape [4, 2]"), "{e}");
-    let e = infer_err(&ln, &[f32t(&[2, 4]), f32t(&[4]), tt(DType::F16, &[2, 4])]);
-    assert!(e.contains("f16"), "{e}");
+    // A 16-bit dy (or x) with f32 parameters is a folded widening Cast: accepted,
+    // outputs in the parameters' dtype. One wider than gamma is refused by name.
+    let ok = ln
+        .infer(&[&f32t(&[2, 4]), &f32t(&[4]), &tt(DType::F16, &[2, 4])])
+        .unwrap();
+    assert_eq!(ok, [f32t(&[2, 4]), f32t(&[4]), f32t(&[4])]);
+    let f16t = |s: &[usize]| tt(DType::F16, s);
+    let e = infer_err(&ln, &[f16t(&[2, 4]), f16t(&[4]), f32t(&[2, 4])]);
+    assert!(e.contains("dy is f32 but gamma is f16"), "{e}");
+    let e = infer_err(&ln, &[tt(DType::BF16, &[2, 4]), f16t(&[4]), f16t(&[2, 4])]);
+    assert!(e.contains("x is bf16 but gamma is f16"), "{e}");
     let bad_axis = LayerNormGrad {
         axis: 2,
         epsilon: 1e-5,
