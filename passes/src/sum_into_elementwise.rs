@@ -71,10 +71,11 @@ impl Operand {
 
 /// The kernel that can take the column sum `sum` of `x`: the fused or lone
 /// elementwise node producing `x`, or else one reading `x` whole that something reads
-/// and that does not itself depend on the sum (it would then compute its own input).
+/// and that depends on no column sum (`downstream`).
 fn summing_kernel(
     g: &Graph,
     is_output: &[bool],
+    downstream: &[bool],
     sum: NodeId,
     x: Port,
 ) -> Option<(NodeId, Operand)> {
@@ -106,15 +107,14 @@ fn summing_kernel(
         .collect();
     readers.sort();
     readers.dedup();
-    let downstream = reachable_from(g, sum);
     let reader = readers.into_iter().find(|r| !downstream[r.index()])?;
     Some((reader, Operand::Read(x)))
 }
 
-/// Which nodes depend on `start` (itself included).
-fn reachable_from(g: &Graph, start: NodeId) -> Vec<bool> {
+/// Which nodes depend on any of `starts` (themselves included).
+fn reachable_from(g: &Graph, starts: impl IntoIterator<Item = NodeId>) -> Vec<bool> {
     let mut seen = vec![false; g.node_bound()];
-    let mut stack = vec![start];
+    let mut stack: Vec<NodeId> = starts.into_iter().collect();
     while let Some(id) = stack.pop() {
         if std::mem::replace(&mut seen[id.index()], true) {
             continue;
@@ -149,20 +149,25 @@ impl Pass for SumIntoElementwise {
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let is_output = output_nodes(g);
+        let sums: Vec<(NodeId, Port)> = g
+            .node_ids()
+            .filter_map(|id| {
+                let reduce = g.node(id).op.downcast_ref::<Reduce>()?;
+                let [x] = g.inputs(id)[..] else {
+                    return None;
+                };
+                let ty = g.ty(x);
+                (!is_output[id.index()] && is_column_sum(reduce, ty.rank(), ty.dtype))
+                    .then_some((id, x))
+            })
+            .collect();
+        // What depends on any of them: a kernel reading an operand whole must not (it
+        // would compute its own input, or two such kernels each other's).
+        let downstream = reachable_from(g, sums.iter().map(|&(id, _)| id));
         // The column sums each kernel takes: (sum node, where its operand is).
         let mut taken: Vec<(NodeId, Vec<(NodeId, Operand)>)> = Vec::new();
-        for id in g.node_ids() {
-            let Some(reduce) = g.node(id).op.downcast_ref::<Reduce>() else {
-                continue;
-            };
-            let [x] = g.inputs(id)[..] else {
-                continue;
-            };
-            let ty = g.ty(x);
-            if is_output[id.index()] || !is_column_sum(reduce, ty.rank(), ty.dtype) {
-                continue;
-            }
-            let Some((kernel, operand)) = summing_kernel(g, &is_output, id, x) else {
+        for (id, x) in sums {
+            let Some((kernel, operand)) = summing_kernel(g, &is_output, &downstream, id, x) else {
                 continue;
             };
             match taken.iter_mut().find(|(k, _)| *k == kernel) {
@@ -368,6 +373,29 @@ mod tests {
         let cast = g.find("cast").unwrap();
         g.remove_node(cast).unwrap();
         let summary = SumIntoElementwise.run(&mut g).unwrap();
+        assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
+    }
+
+    /// Two sums whose only whole readers each depend on the other sum: folding both
+    /// would make the two kernels read each other. Neither folds.
+    #[test]
+    fn kernels_that_depend_on_a_column_sum_never_take_one() {
+        use ampgraph_graph::ops::{BiasAdd, DataFormat};
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [4, 3]).unwrap();
+        let y = g.placeholder("y", DType::F32, [4, 3]).unwrap();
+        let s1 = g.add(bias_grad(), &[x]).unwrap();
+        let s2 = g.add(bias_grad(), &[y]).unwrap();
+        let n1 = g.add(Unary::new(UnaryKind::Neg), &[s1]).unwrap();
+        let n2 = g.add(Unary::new(UnaryKind::Neg), &[s2]).unwrap();
+        let bias = || BiasAdd {
+            data_format: DataFormat::Nhwc,
+        };
+        let k1 = g.add(bias(), &[x, n2]).unwrap();
+        let k2 = g.add(bias(), &[y, n1]).unwrap();
+        g.set_outputs(vec![k1, k2]).unwrap();
+        let summary = SumIntoElementwise.run(&mut g).unwrap();
+        g.validate().unwrap();
         assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
     }
 
