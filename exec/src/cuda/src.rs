@@ -1651,7 +1651,9 @@ pub fn fused_vector(p: &FusedElementwise) -> usize {
 /// outputs of the elements it reads and adds up the summed values as it goes (the
 /// sums in `S`, f32 or f64), and `k_cols_part_vec` does the same moving vectors of
 /// [`fused_vector`] elements of a row (aligned rows whose length is a multiple of
-/// it).
+/// it). Its row loop is unrolled 4 times, so that loads of four rows are in flight:
+/// the mlp's GELU gradient with its bias sum took 160 us a layer unrolled once, 112
+/// twice, 100 four times and 104 eight times (H100).
 pub fn fused(p: &FusedElementwise) -> String {
     let parts = FusedParts::new(p);
     let (loads, stores) = (parts.loads(), parts.stores());
@@ -1709,7 +1711,7 @@ pub fn fused(p: &FusedElementwise) -> String {
                i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
                {accs}\
                if (j < len) {{\n\
-                 #pragma unroll 2\n\
+                 #pragma unroll 4\n\
                  for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{\n\
                    const i64 i0 = row * len + j;\n\
                    {fetch}\
