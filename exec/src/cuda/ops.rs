@@ -580,8 +580,9 @@ pub fn eval(
             // Column sums of the domain's rows (its last axis).
             let len = out0.shape.last().copied().unwrap_or(1).max(1);
             let v = src::fused_vector(f);
-            let streamed = inputs.iter().filter(|t| t.len() == n).chain(stored);
-            let part = if len % v == 0 && streamed.into_iter().all(|t| t.ptr() % 16 == 0) {
+            let aligned =
+                (inputs.iter().filter(|t| t.len() == n).chain(stored)).all(|t| t.ptr() % 16 == 0);
+            let part = if len % v == 0 && aligned {
                 ("k_cols_part_vec", 32 * v)
             } else {
                 ("k_cols_part", 32)
