@@ -1631,17 +1631,21 @@ impl FusedParts {
     }
 }
 
-/// The elements per vector of a fused program's column-sum kernel `k_cols_part_vec`:
-/// the launch takes it for rows whose length is a multiple of it.
+/// The elements per vector of a fused program's column-sum kernel `k_cols_part_vec`
+/// (16 bytes of the widest tensor it streams: its full-size inputs and its outputs):
+/// the launch takes it for rows whose length is a multiple of it. Read from the
+/// program's types, not its generated source: the launch asks at every run.
 pub fn fused_vector(p: &FusedElementwise) -> usize {
-    let parts = FusedParts::new(p);
-    let widest = parts.full.iter().map(|f| f.4);
-    vector_len(
-        widest
-            .chain(parts.outputs.iter().map(|o| o.3))
-            .max()
-            .unwrap_or(1),
-    )
+    let (instrs, n) = (p.instrs(), p.domain_len());
+    let inputs = instrs
+        .iter()
+        .filter(|ins| matches!(ins.expr, Expr::Input(_)) && ins.ty.checked_len() == Some(n));
+    let outputs = p.outputs().iter().map(|&v| &instrs[v]);
+    let widest = inputs
+        .chain(outputs)
+        .map(|ins| ins.ty.dtype.size_bytes())
+        .max();
+    vector_len(widest.unwrap_or(1))
 }
 
 /// The kernels of a fused program. Without column sums, `k` over the elements `i` of
@@ -1754,6 +1758,34 @@ mod tests {
         );
         assert_eq!(broadcast_index(&[], &[4, 6]), "0");
         assert_eq!(broadcast_index(&[1, 1], &[4, 6]), "0");
+    }
+
+    /// The launch's vector width is the one the column-sum kernel was generated with:
+    /// f16 streams move 8, an f32 input or output 4, an f64 one 2; a broadcast input
+    /// does not count.
+    #[test]
+    fn fused_vector_is_the_generated_kernels() {
+        for (text, outputs, want) in [
+            (
+                "v0 = in0: f16[8, 16]; v1 = in1: f32[16]; v2 = Cast<to=f32>(v0): f32[8, 16]; \
+                 v3 = BiasAdd<data_format=NHWC>(v2, v1): f32[8, 16]; v4 = Cast<to=f16>(v3): f16[8, 16]",
+                vec![4],
+                8,
+            ),
+            (
+                "v0 = in0: f32[8, 16]; v1 = Cast<to=f16>(v0): f16[8, 16]",
+                vec![1],
+                4,
+            ),
+            ("v0 = in0: f16[8, 16]; v1 = Cast<to=f64>(v0): f64[8, 16]", vec![1], 2),
+        ] {
+            let p = program(text, outputs).with_column_sums(vec![0]).unwrap();
+            assert_eq!(fused_vector(&p), want, "{text}");
+            assert!(
+                fused(&p).contains(&format!("constexpr int V = {want};")),
+                "{text}"
+            );
+        }
     }
 
     #[test]
