@@ -53,11 +53,13 @@ impl Pass for CastIntoNorm {
                 };
             let mut inputs = g.inputs(id);
             let params = g.ty(inputs[1]).dtype;
+            let mut changed = false;
             for &slot in widenable {
                 if let Some(narrow) = widened(g, inputs[slot], params) {
                     casts.push(inputs[slot].node);
                     inputs[slot] = narrow;
                     widenings += 1;
+                    changed = true;
                 }
             }
             let mut op = node.op.clone();
@@ -74,6 +76,7 @@ impl Pass for CastIntoNorm {
                 {
                     ln.to = Some(to);
                     op = Box::new(ln);
+                    changed = true;
                     for (cast, _, _) in readers {
                         for (reader, slot, _) in g.consumers(cast) {
                             rewired.push((reader, slot, Port::new(id, 0)));
@@ -83,7 +86,9 @@ impl Pass for CastIntoNorm {
                     }
                 }
             }
-            g.set_node(id, op, &inputs)?;
+            if changed {
+                g.set_node(id, op, &inputs)?;
+            }
         }
         g.rewire(rewired)?;
         let (removed, bytes) = remove_unread(g, casts, &is_output)?;
