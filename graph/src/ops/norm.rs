@@ -590,10 +590,12 @@ impl Op for LayerNorm {
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let types = types_of(inputs);
-        let out = self.infer(&types.iter().collect::<Vec<_>>())?;
+        let out = self.infer(&types.iter().collect::<Vec<_>>())?[0].dtype;
         let y = eval_float(self, inputs[1].dtype(), inputs)?;
         // A folded output Cast rounds as the Cast did.
-        Ok(y.into_iter().map(|y| y.cast(out[0].dtype)).collect())
+        Ok(y.into_iter()
+            .map(|y| if y.dtype() == out { y } else { y.cast(out) })
+            .collect())
     }
     /// One [`LayerNormGrad`] node gives dx, dgamma and dbeta.
     fn gradient(
