@@ -451,14 +451,7 @@ mod tests {
             )
             .unwrap();
         let grad = relu(&mut g, v.into());
-        let sgd = OptimizerUpdate::new(
-            ampgraph_graph::ops::Rule::Sgd {
-                momentum: 0.0,
-                nesterov: false,
-            },
-            0.1,
-            0.0,
-        );
+        let sgd = OptimizerUpdate::new(ampgraph_graph::ops::Rule::PLAIN_SGD, 0.1, 0.0);
         let next = g.add(sgd, &[finite, v.into(), grad]).unwrap();
         let mut fetches = vec![g.add(AssignVariable, &[v.into(), next]).unwrap()];
         if late_reader {

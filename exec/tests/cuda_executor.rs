@@ -101,14 +101,7 @@ fn updates_that_write_the_cast_replace_the_cast_kernel() {
         .unwrap();
     let sgd = OptimizerUpdate {
         cast_to: Some(DType::F16),
-        ..OptimizerUpdate::new(
-            Rule::Sgd {
-                momentum: 0.0,
-                nesterov: false,
-            },
-            0.5,
-            0.0,
-        )
+        ..OptimizerUpdate::new(Rule::PLAIN_SGD, 0.5, 0.0)
     };
     let new = g.add(sgd, &[yes, w, grad]).unwrap();
     let assign = g.add(AssignVariable, &[w, new]).unwrap();

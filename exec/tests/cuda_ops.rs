@@ -759,10 +759,7 @@ fn training_ops() {
         ],
     );
     let rules = [
-        Rule::Sgd {
-            momentum: 0.0,
-            nesterov: false,
-        },
+        Rule::PLAIN_SGD,
         Rule::Sgd {
             momentum: 0.9,
             nesterov: false,

@@ -1918,10 +1918,7 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 (format!("increment_if_{d}"), increment_if(d)),
             ]);
             let rules = [
-                Rule::Sgd {
-                    momentum: 0.0,
-                    nesterov: false,
-                },
+                Rule::PLAIN_SGD,
                 Rule::Sgd {
                     momentum: 0.9,
                     nesterov: true,

@@ -241,6 +241,12 @@ pub enum Rule {
 }
 
 impl Rule {
+    /// Plain SGD: `var -= lr * g`, no momentum and no state.
+    pub const PLAIN_SGD: Rule = Rule::Sgd {
+        momentum: 0.0,
+        nesterov: false,
+    };
+
     /// Optimizer state tensors per variable, besides the shared step count.
     pub fn slots(self) -> &'static [&'static str] {
         match self {
@@ -691,14 +697,7 @@ mod tests {
     fn a_scaled_gradient_is_unscaled_before_the_rule() {
         let sgd = |grad_scale| OptimizerUpdate {
             grad_scale,
-            ..OptimizerUpdate::new(
-                Rule::Sgd {
-                    momentum: 0.0,
-                    nesterov: false,
-                },
-                0.5,
-                0.0,
-            )
+            ..OptimizerUpdate::new(Rule::PLAIN_SGD, 0.5, 0.0)
         };
         let yes = Tensor::scalar(DType::Bool, 1.0);
         let w = Tensor::from_f64(DType::F32, vec![2], &[1.0, 2.0]).unwrap();

@@ -80,14 +80,7 @@ mod tests {
         let yes = g
             .add(Const::new(Tensor::scalar(DType::Bool, 1.0)), &[])
             .unwrap();
-        let sgd = OptimizerUpdate::new(
-            Rule::Sgd {
-                momentum: 0.0,
-                nesterov: false,
-            },
-            0.5,
-            0.0,
-        );
+        let sgd = OptimizerUpdate::new(Rule::PLAIN_SGD, 0.5, 0.0);
         let new = g.add(sgd, &[yes, w.into(), grad]).unwrap();
         let assign = g.add(AssignVariable, &[w.into(), new]).unwrap();
         g.set_outputs(vec![w16, assign]).unwrap();

@@ -202,14 +202,7 @@ mod tests {
         for (k, &p) in products.iter().enumerate() {
             let shape = g.ty(p).shape.clone();
             let var = input(&mut g, &format!("w{k}"), DType::F32, &shape);
-            let sgd = OptimizerUpdate::new(
-                Rule::Sgd {
-                    momentum: 0.0,
-                    nesterov: false,
-                },
-                0.5,
-                0.0,
-            );
+            let sgd = OptimizerUpdate::new(Rule::PLAIN_SGD, 0.5, 0.0);
             outputs.push(g.add(sgd, &[finite, var, p]).unwrap());
         }
         if leak {
