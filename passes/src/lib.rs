@@ -7,6 +7,7 @@
 
 pub mod amp;
 pub mod attention;
+pub mod cross_entropy;
 pub mod epilogue;
 pub mod fuse;
 pub mod registry;

@@ -3,6 +3,7 @@
 //! settings and is built apart.
 
 use crate::attention::FuseAttention;
+use crate::cross_entropy::FuseCrossEntropy;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::simplify::{
@@ -43,6 +44,10 @@ pub const PASSES: &[PassEntry] = &[
     PassEntry {
         name: "cast-into-norm",
         make: || Box::new(CastIntoNorm),
+    },
+    PassEntry {
+        name: "fuse-cross-entropy",
+        make: || Box::new(FuseCrossEntropy),
     },
     PassEntry {
         name: "scale-into-matmul",
@@ -89,7 +94,8 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// The fusion pipeline for a CUDA graph after AMP (the default of `bench --passes`):
 /// dead nodes go first (gradients built for constants would otherwise count as
 /// readers and block folds), reductions take the widening casts AMP put before them,
-/// layer norms the casts AMP put around them,
+/// layer norms the casts AMP put around them, cross-entropy its gradient (one read of
+/// the logits for both, the casts around them folded),
 /// batched products their scalar scalings, explicit attentions become fused ones
 /// (scores never stored), the finiteness check and the optimizer
 /// updates the loss-scale unscaling, the updates the casts of their variables,
@@ -100,6 +106,7 @@ pub const CUDA_PIPELINE: &[&str] = &[
     "dce",
     "cast-into-reduce",
     "cast-into-norm",
+    "fuse-cross-entropy",
     "scale-into-matmul",
     "fuse-attention",
     "unscale-into-update",

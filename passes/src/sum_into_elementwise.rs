@@ -28,7 +28,7 @@ use crate::{format_bytes, Pass, PassError, PassSummary};
 pub struct SumIntoElementwise;
 
 /// Whether `reduce`, reading a tensor of that rank and dtype, is a column sum.
-fn is_column_sum(reduce: &Reduce, rank: usize, dtype: DType) -> bool {
+pub(crate) fn is_column_sum(reduce: &Reduce, rank: usize, dtype: DType) -> bool {
     reduce.kind == ReduceKind::Sum
         && !reduce.keep_dims
         && rank >= 2

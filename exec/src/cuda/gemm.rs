@@ -113,9 +113,14 @@ fn algo_id(algo: &sys::cublasLtMatmulAlgo_t) -> String {
     };
     use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
     format!(
-        "{}/{}",
+        "{}/{}/c{}/s{}/w{}/k{}/o{}",
         attr(A::CUBLASLT_ALGO_CONFIG_ID),
-        attr(A::CUBLASLT_ALGO_CONFIG_TILE_ID)
+        attr(A::CUBLASLT_ALGO_CONFIG_TILE_ID),
+        attr(A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+        attr(A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+        attr(A::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+        attr(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+        attr(A::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION)
     )
 }
 
@@ -401,6 +406,13 @@ impl Gemm {
             times.push(format!("{}:{t:.3}", algo_id(algo)));
             if t < best.0 {
                 best = (t, **algo);
+            }
+        }
+        if let Ok(tile) = std::env::var("AMPGRAPH_GEMM_TILE") {
+            if tile == "first" {
+                best.1 = candidates[0];
+            } else if let Some(a) = runnable.iter().find(|a| algo_id(a).split('/').nth(1) == Some(tile.as_str())) {
+                best.1 = **a;
             }
         }
         log::debug!(

@@ -5,7 +5,7 @@ use ampgraph_graph::ops::{
     Const, DataFormat, FusedAttention, FusedAttentionGrad, FusedElementwise, FusedMatMul, Group,
     IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate, MatMul, OptimizerUpdate,
     Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice, Softmax, SoftmaxCrossEntropy,
-    SoftmaxCrossEntropyGrad, SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad, UnaryKind,
+    SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
 use ampgraph_graph::tensor::strides;
@@ -84,6 +84,7 @@ const SUPPORTED: &[&str] = &[
     "SoftmaxCrossEntropy",
     "SoftmaxGrad",
     "SoftmaxCrossEntropyGrad",
+    "SoftmaxCrossEntropyWithGrad",
     "Reshape",
     "Transpose",
     "Concat",
@@ -289,6 +290,25 @@ fn reduce_into(
         c.dev
             .launch(&key, make, "k", row_grid(out_len), row_block(count), &args)
     }
+}
+
+/// `k_mean` of a cross-entropy module: the mean of the `n` rows' losses into `y`.
+fn sce_mean(
+    c: &Ctx,
+    key: &str,
+    make: impl Fn() -> String,
+    rows: &DTensor,
+    y: &DTensor,
+    n: usize,
+) -> Result<(), String> {
+    c.dev.launch(
+        key,
+        make,
+        "k_mean",
+        1,
+        1024,
+        &[rows.arg(), y.arg(), Arg::I64(n as i64)],
+    )
 }
 
 /// Launches the column-sum kernels of module `key` (see `src::column_sums`) over a
@@ -802,15 +822,41 @@ pub fn eval(
                 ],
             )?;
         }
-        dev.launch(
-            &key,
-            make,
-            "k_mean",
-            1,
-            1024,
-            &[rows.arg(), y.arg(), Arg::I64(n as i64)],
-        )?;
+        sce_mean(c, &key, make, &rows, &y, n)?;
         return Ok(vec![y]);
+    }
+    if op.downcast_ref::<SoftmaxCrossEntropyWithGrad>().is_some() {
+        let (x, labels, dl) = (input(0)?, input(1)?, input(2)?);
+        float_only(x.dtype)?;
+        let (n, classes) = (x.shape[0], x.shape[1]);
+        let rows = c.temp(acc_dtype(dl.dtype), n)?;
+        let loss = c.alloc(out0)?;
+        let grad = c.alloc(outs.get(1).ok_or("the node has no gradient output")?)?;
+        let key = format!(
+            "sce_with_grad/{}/{}/{}/{}",
+            x.dtype, dl.dtype, grad.dtype, labels.dtype
+        );
+        let make = || src::sce_with_grad(x.dtype, dl.dtype, grad.dtype, labels.dtype);
+        if n > 0 {
+            dev.launch(
+                &key,
+                make,
+                "k_rows",
+                row_grid(n),
+                row_block(classes),
+                &[
+                    x.arg(),
+                    labels.arg(),
+                    dl.arg(),
+                    grad.arg(),
+                    rows.arg(),
+                    Arg::I64(n as i64),
+                    Arg::I64(classes as i64),
+                ],
+            )?;
+        }
+        sce_mean(c, &key, make, &rows, &loss, n)?;
+        return Ok(vec![loss, grad]);
     }
     if op.downcast_ref::<SoftmaxCrossEntropyGrad>().is_some() {
         let (x, labels, dl) = (input(0)?, input(1)?, input(2)?);

@@ -911,38 +911,67 @@ pub fn softmax_grad(d: DType, log: bool, per: usize) -> String {
 }
 
 /// Row max and sum of exponentials of logits row `row` (block-wide).
-const SCE_ROW: &str = r#"
-__device__ void sce_row(const T* px, i64 row, i64 c, A* sh, A* shift_out, A* sum_out) {
-  A m = (A)(-F_INF);
-  for (i64 j = threadIdx.x; j < c; j += blockDim.x) { A v = (A)ld(px, row * c + j); if (v > m || m_isnan(v)) m = v; }
-  m = block_max(m, sh);
-  A shift = m_isfinite(m) ? m : (A)0;
-  A sum = 0;
-  for (i64 j = threadIdx.x; j < c; j += blockDim.x) sum += m_exp((A)ld(px, row * c + j) - shift);
-  sum = block_sum(sum, sh);
-  *shift_out = shift;
-  *sum_out = sum;
+/// The shift (the row's maximum, where finite) and the sum of `exp(x - shift)` of
+/// row `row` of `c` logits, block-wide; `sce_row{t}` reads logits of type `T{t}`.
+fn sce_row(t: &str) -> String {
+    format!(
+        "__device__ void sce_row{t}(const T{t}* px, i64 row, i64 c, A* sh, A* shift_out, A* sum_out) {{\n\
+           A m = (A)(-F_INF);\n\
+           for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{ A v = (A)ld{t}(px, row * c + j); if (v > m || m_isnan(v)) m = v; }}\n\
+           m = block_max(m, sh);\n\
+           A shift = m_isfinite(m) ? m : (A)0;\n\
+           A sum = 0;\n\
+           for (i64 j = threadIdx.x; j < c; j += blockDim.x) sum += m_exp((A)ld{t}(px, row * c + j) - shift);\n\
+           sum = block_sum(sum, sh);\n\
+           *shift_out = shift;\n\
+           *sum_out = sum;\n\
+         }}\n"
+    )
 }
-"#;
+
+/// The loss of each row (`sce_loss{t}`: NaN for a label out of range), and `k_mean`,
+/// the mean of the rows' losses stored as `T`.
+fn sce_loss_and_mean(t: &str) -> String {
+    format!(
+        "__device__ A sce_loss{t}(const T{t}* px, i64 row, i64 c, i64 label, A shift, A sum) {{\n\
+           return (label < 0 || label >= c) ? (A)F_NAN : (m_log(sum) + shift) - (A)ld{t}(px, row * c + label);\n\
+         }}\n\
+         extern \"C\" __global__ void k_mean(const A* rows, T* py, i64 n) {{\n\
+           __shared__ A sh[32];\n\
+           A s = 0;\n\
+           for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += rows[j];\n\
+           s = block_sum(s, sh);\n\
+           if (threadIdx.x == 0) st(py, 0, (C)(s / (A)n));\n\
+         }}\n"
+    )
+}
+
+/// The statements storing row `row`'s gradient `(softmax - onehot(label)) * scale`
+/// through `st{g}` into `pdx` (NaN for a label out of range), from logits read by `ld{t}`.
+fn sce_grad_row(t: &str, g: &str) -> String {
+    format!(
+        "bool bad = label < 0 || label >= c;\n\
+         for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{\n\
+           C p = (C)(m_exp((A)ld{t}(px, row * c + j) - shift) / sum);\n\
+           C target = j == label ? (C)1 : (C)0;\n\
+           st{g}(pdx, row * c + j, bad ? (C)F_NAN : (p - target) * scale);\n\
+         }}\n"
+    )
+}
 
 /// SoftmaxCrossEntropy: `k_rows` writes each row's loss (f32/f64), `k_mean` their mean.
 pub fn sce(d: DType, labels: DType) -> String {
     module_multi(
         &[("", d), ("L", labels)],
         &format!(
-            "{SCE_ROW}extern \"C\" __global__ void k_rows(const T* px, const TL* pl, A* rows_out, i64 n, i64 c) {{\n\
+            "{}{}extern \"C\" __global__ void k_rows(const T* px, const TL* pl, A* rows_out, i64 n, i64 c) {{\n\
                __shared__ A sh[32];\n\
                for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
                  A shift, sum; sce_row(px, row, c, sh, &shift, &sum);\n\
-                 i64 label = (i64)pl[row];\n\
-                 if (threadIdx.x == 0) rows_out[row] = (label < 0 || label >= c) ? (A)F_NAN : (m_log(sum) + shift) - (A)ld(px, row * c + label);\n\
-               }}\n}}\n\
-             extern \"C\" __global__ void k_mean(const A* rows, T* py, i64 n) {{\n\
-               __shared__ A sh[32];\n\
-               A s = 0;\n\
-               for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += rows[j];\n\
-               s = block_sum(s, sh);\n\
-               if (threadIdx.x == 0) st(py, 0, (C)(s / (A)n));\n}}\n"
+                 if (threadIdx.x == 0) rows_out[row] = sce_loss(px, row, c, (i64)pl[row], shift, sum);\n\
+               }}\n}}\n",
+            sce_row(""),
+            sce_loss_and_mean("")
         ),
     )
 }
@@ -951,19 +980,39 @@ pub fn sce_grad(d: DType, labels: DType) -> String {
     module_multi(
         &[("", d), ("L", labels)],
         &format!(
-            "{SCE_ROW}extern \"C\" __global__ void k(const T* px, const TL* pl, const T* pdl, T* pdx, i64 n, i64 c) {{\n\
+            "{}extern \"C\" __global__ void k(const T* px, const TL* pl, const T* pdl, T* pdx, i64 n, i64 c) {{\n\
                __shared__ A sh[32];\n\
                C scale = ld(pdl, 0) / (C)n;\n\
                for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
                  A shift, sum; sce_row(px, row, c, sh, &shift, &sum);\n\
                  i64 label = (i64)pl[row];\n\
-                 bool bad = label < 0 || label >= c;\n\
-                 for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{\n\
-                   C p = (C)(m_exp((A)ld(px, row * c + j) - shift) / sum);\n\
-                   C target = j == label ? (C)1 : (C)0;\n\
-                   st(pdx, row * c + j, bad ? (C)F_NAN : (p - target) * scale);\n\
-                 }}\n\
-               }}\n}}\n"
+                 {}\
+               }}\n}}\n",
+            sce_row(""),
+            sce_grad_row("", "")
+        ),
+    )
+}
+
+/// SoftmaxCrossEntropyWithGrad: `k_rows` reads each row of logits (`TX`, widened to
+/// the compute type `T`) for both its loss and its gradient (stored as `TG`), then
+/// `k_mean` as [`sce`]'s.
+pub fn sce_with_grad(logits: DType, compute: DType, grad: DType, labels: DType) -> String {
+    module_multi(
+        &[("", compute), ("X", logits), ("G", grad), ("L", labels)],
+        &format!(
+            "{}{}extern \"C\" __global__ void k_rows(const TX* px, const TL* pl, const T* pdl, TG* pdx, A* rows_out, i64 n, i64 c) {{\n\
+               __shared__ A sh[32];\n\
+               C scale = ld(pdl, 0) / (C)n;\n\
+               for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                 A shift, sum; sce_rowX(px, row, c, sh, &shift, &sum);\n\
+                 i64 label = (i64)pl[row];\n\
+                 if (threadIdx.x == 0) rows_out[row] = sce_lossX(px, row, c, label, shift, sum);\n\
+                 {}\
+               }}\n}}\n",
+            sce_row("X"),
+            sce_loss_and_mean("X"),
+            sce_grad_row("X", "G")
         ),
     )
 }

@@ -32,7 +32,9 @@ pub use reduce::{widens_exactly, Reduce, ReduceKind, SumTo};
 pub use shape_ops::{BroadcastTo, Slice};
 pub use shape_ops::{Concat, Reshape, Transpose};
 pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
-pub use softmax::{SoftmaxCrossEntropyGrad, SoftmaxGrad};
+pub use softmax::{
+    SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, MAX_SUMMED_CLASSES,
+};
 pub use source::{Cast, Const, Init, Placeholder, Variable};
 pub use train::{
     variable_updates, AllFinite, AssignVariable, Group, IncrementIf, LossScaleUpdate,

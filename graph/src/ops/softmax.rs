@@ -11,6 +11,8 @@ use crate::dtype::DType;
 use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
+use crate::ops::{widens_exactly, Reduce, ReduceKind};
+use crate::op::TypeGroup;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::grad0;
 use crate::shape::normalize_axis;
@@ -52,6 +54,15 @@ pub(crate) const GRAD_OPS: &[OpEntry] = &[
     OpEntry {
         name: "SoftmaxCrossEntropyGrad",
         parse: |_, _| Ok(Box::new(SoftmaxCrossEntropyGrad)),
+    },
+    OpEntry {
+        name: "SoftmaxCrossEntropyWithGrad",
+        parse: |_, a| {
+            Ok(Box::new(SoftmaxCrossEntropyWithGrad {
+                grad_dtype: a.opt_dtype("grad_dtype")?,
+                column_sum: a.bool_or("column_sum", false)?,
+            }))
+        },
     },
 ];
 
@@ -472,5 +483,102 @@ impl Op for SoftmaxCrossEntropyGrad {
     /// Only the logits and dloss follow the compute type; the labels keep theirs.
     fn typed_inputs(&self, _num_inputs: usize) -> Vec<usize> {
         vec![0, 2]
+    }
+}
+
+/// [`SoftmaxCrossEntropy`] and [`SoftmaxCrossEntropyGrad`] of the same logits in one
+/// op (the `fuse-cross-entropy` pass builds it), so a kernel reads the logits once for
+/// both: inputs `(logits [N, C], labels [N], dloss [])`, outputs the loss (a scalar of
+/// dloss' dtype, the compute type), `dlogits [N, C]` and, with `column_sum`, the sum
+/// of `dlogits` over the batch `[C]` (the output bias' gradient, as a `Sum` over axis
+/// 0 of the compute-type gradient gives it).
+///
+/// Logits narrower than the compute type are widened exactly first (a widening Cast
+/// folded in); `dlogits` is rounded once to `grad_dtype` where that is set (a
+/// narrowing Cast of the gradient folded in), else it has the compute type; the
+/// column sum adds the values before that rounding.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SoftmaxCrossEntropyWithGrad {
+    pub grad_dtype: Option<DType>,
+    pub column_sum: bool,
+}
+
+/// The most classes whose gradient's column sum [`SoftmaxCrossEntropyWithGrad`] takes:
+/// the CUDA kernel keeps a block's sums in static shared memory (at most 32 KiB, f64).
+pub const MAX_SUMMED_CLASSES: usize = 4096;
+
+impl SoftmaxCrossEntropyWithGrad {
+    /// The Sum that gives output 2 from the compute-type gradient.
+    pub fn column_sum_op() -> Reduce {
+        Reduce::new(ReduceKind::Sum, Some(vec![0]), false)
+    }
+}
+
+impl Op for SoftmaxCrossEntropyWithGrad {
+    fn name(&self) -> &'static str {
+        "SoftmaxCrossEntropyWithGrad"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs: Vec<(&'static str, AttrValue)> = Vec::new();
+        if let Some(d) = self.grad_dtype {
+            attrs.push(("grad_dtype", AttrValue::Str(d.to_string())));
+        }
+        if self.column_sum {
+            attrs.push(("column_sum", true.into()));
+        }
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [logits, labels, dloss] = fixed(inputs)?;
+        let compute = dloss.dtype;
+        require_float("dloss", compute)?;
+        require_float("logits", logits.dtype)?;
+        if !widens_exactly(logits.dtype, compute) {
+            return Err(format!(
+                "logits are {} but dloss is {compute}: logits must be dloss' dtype or one it widens from exactly",
+                logits.dtype
+            ));
+        }
+        let wide = TensorType::new(compute, logits.shape.clone());
+        let grad = SoftmaxCrossEntropyGrad.infer(&[&wide, labels, dloss])?.remove(0);
+        let grad_dtype = self.grad_dtype.unwrap_or(compute);
+        require_float("grad_dtype", grad_dtype)?;
+        let mut out = vec![
+            TensorType::new(compute, []),
+            TensorType::new(grad_dtype, grad.shape.clone()),
+        ];
+        if self.column_sum {
+            out.extend(Self::column_sum_op().infer(&[&grad])?);
+        }
+        Ok(out)
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [logits, labels, dloss] = fixed(inputs)?;
+        let types = [logits.ty(), labels.ty(), dloss.ty()];
+        let out = self.infer(&types.iter().collect::<Vec<_>>())?;
+        let wide = logits.cast(dloss.dtype());
+        let mut outputs = eval_float(&SoftmaxCrossEntropy, dloss.dtype(), &[&wide, labels])?;
+        let grad = eval_float(&SoftmaxCrossEntropyGrad, dloss.dtype(), &[&wide, labels, dloss])?
+            .remove(0);
+        let sums = match self.column_sum {
+            true => Self::column_sum_op().eval(&[&grad])?,
+            false => Vec::new(),
+        };
+        outputs.push(grad.cast(out[1].dtype));
+        outputs.extend(sums);
+        Ok(outputs)
+    }
+    /// A rewrite after mixed precision: every type stays as the pass chose it.
+    fn type_groups(&self, _num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
+        let mut groups = vec![
+            TypeGroup::new(vec![2], vec![0]).fixed(),
+            TypeGroup::new(vec![0], vec![]).fixed(),
+            TypeGroup::new(vec![1], vec![]).fixed(),
+        ];
+        groups.extend((1..num_outputs).map(|k| TypeGroup::new(vec![], vec![k]).fixed()));
+        groups
     }
 }

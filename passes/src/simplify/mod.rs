@@ -85,7 +85,8 @@ pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
 }
 
 /// Removes the `nodes` (folded casts) that nothing reads any more and no graph output
-/// names; returns how many went and the bytes of the tensors they no longer write.
+/// names, also those that only others of them read; returns how many went and the
+/// bytes of the tensors they no longer write.
 pub(crate) fn remove_unread(
     g: &mut Graph,
     mut nodes: Vec<NodeId>,
@@ -94,15 +95,23 @@ pub(crate) fn remove_unread(
     nodes.sort();
     nodes.dedup();
     let (mut removed, mut bytes) = (0usize, 0usize);
-    for id in nodes {
-        if is_output[id.index()] || !g.consumers(id).is_empty() {
-            continue;
+    loop {
+        let before = nodes.len();
+        let mut kept = Vec::with_capacity(before);
+        for id in nodes {
+            if is_output[id.index()] || !g.consumers(id).is_empty() {
+                kept.push(id);
+                continue;
+            }
+            bytes += g.node(id).outputs()[0].size_bytes();
+            g.remove_node(id)?;
+            removed += 1;
         }
-        bytes += g.node(id).outputs()[0].size_bytes();
-        g.remove_node(id)?;
-        removed += 1;
+        nodes = kept;
+        if nodes.len() == before {
+            return Ok((removed, bytes));
+        }
     }
-    Ok((removed, bytes))
 }
 
 /// The summary every simplification pass reports: a title and one line per count.

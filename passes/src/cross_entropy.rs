@@ -1,0 +1,175 @@
+//! Cross-entropy and its gradient in one op. A training step computes
+//! `SoftmaxCrossEntropy(logits, labels)` and, after autodiff,
+//! `SoftmaxCrossEntropyGrad(logits, labels, dloss)`: two kernels that each read the
+//! logits, and after AMP a Cast kernel that narrows the gradient for the 16-bit
+//! products reading it. This pass gives the loss node the op
+//! [`SoftmaxCrossEntropyWithGrad`]: one kernel reads each row of logits once and
+//! writes its loss and its gradient, already narrowed. It also reads the 16-bit
+//! logits under AMP's widening Cast (exact), so the product making them stores half
+//! the bytes. The output bias' gradient, a Sum of the gradient over the batch, becomes
+//! a third output, added up by the same kernel.
+//!
+//! The gradient's input `dloss` must not depend on the loss. Autodiff of AMP's scaled
+//! loss `loss * scale` gives `BinaryGrad<Mul, wrt=0>(loss, scale, dy)`, which reads
+//! the loss only for its type: the pass first makes it `Mul(dy, scale)`, the same
+//! product.
+
+use ampgraph_graph::ops::{
+    widens_exactly, Binary, BinaryGrad, BinaryKind, Cast, Reduce, SoftmaxCrossEntropy,
+    SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, MAX_SUMMED_CLASSES,
+};
+use ampgraph_graph::{DType, Graph, NodeId, Port};
+
+use crate::simplify::{output_nodes, remove_unread, summary};
+use crate::sum_into_elementwise::is_column_sum;
+use crate::{format_bytes, Pass, PassError, PassSummary};
+
+/// The `fuse-cross-entropy` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FuseCrossEntropy;
+
+/// `dloss` as a tensor that does not depend on the loss node `loss`, if it can be:
+/// a gradient of the product `loss * other` (shapes equal) becomes `Mul(dy, other)`.
+fn independent_of(g: &mut Graph, dloss: Port, loss: NodeId) -> Result<Option<Port>, PassError> {
+    let node = g.node(dloss.node);
+    if let Some(bg) = node.op.downcast_ref::<BinaryGrad>() {
+        let inputs = g.inputs(dloss.node);
+        let ty = g.ty(dloss);
+        let same = inputs.iter().all(|&p| g.ty(p) == ty);
+        if bg.kind == BinaryKind::Mul && same && inputs[bg.wrt] == Port::new(loss, 0) {
+            let (other, dy) = (inputs[1 - bg.wrt], inputs[2]);
+            g.set_node(dloss.node, Box::new(Binary::new(BinaryKind::Mul)), &[dy, other])?;
+        }
+    }
+    // Any other path from the loss still ties them.
+    let (mut stack, mut seen) = (vec![dloss.node], vec![false; g.node_bound()]);
+    while let Some(id) = stack.pop() {
+        if id == loss {
+            return Ok(None);
+        }
+        if !std::mem::replace(&mut seen[id.index()], true) {
+            stack.extend(g.inputs(id).iter().map(|p| p.node));
+        }
+    }
+    Ok(Some(dloss))
+}
+
+/// The narrow tensor under a widening Cast into `wide` at `p`, if `p` is one.
+fn widened(g: &Graph, p: Port, wide: DType) -> Option<Port> {
+    let cast = g.node(p.node).op.downcast_ref::<Cast>()?;
+    let [narrow] = g.inputs(p.node)[..] else {
+        return None;
+    };
+    let from = g.ty(narrow).dtype;
+    (cast.to == wide && from != wide && widens_exactly(from, wide)).then_some(narrow)
+}
+
+/// How the readers of the gradient `grad` (`[N, C]`, compute type) fold: the column
+/// Sum among them (at most one, no graph output), and the one dtype the rest all
+/// cast it to, where they all are such Casts (none a graph output) that the kernel
+/// rounds to as the Cast did (once).
+fn fold_readers(
+    g: &Graph,
+    grad: NodeId,
+    compute: DType,
+    is_output: &[bool],
+) -> (Option<NodeId>, Option<DType>) {
+    let readers: Vec<NodeId> = g.consumers(grad).iter().map(|r| r.0).collect();
+    let ty = g.node(grad).outputs()[0].clone();
+    let sum = readers.iter().copied().find(|&r| {
+        let summed = g.node(r).op.downcast_ref::<Reduce>();
+        !is_output[r.index()]
+            && ty.shape.get(1).is_some_and(|&c| c <= MAX_SUMMED_CLASSES)
+            && summed.is_some_and(|s| is_column_sum(s, ty.rank(), ty.dtype))
+    });
+    let cast_to = |c: NodeId| {
+        let to = g.node(c).op.downcast_ref::<Cast>()?.to;
+        // f64 rounded to 16 bits in a kernel would round twice, through f32.
+        let twice = compute == DType::F64 && to.size_bytes() < 4;
+        (!is_output[c.index()] && to.is_float() && !twice).then_some(to)
+    };
+    let mut rest = readers.iter().copied().filter(|&r| Some(r) != sum);
+    let first = rest.next().and_then(cast_to);
+    let narrowed = first.filter(|_| rest.all(|c| cast_to(c) == first));
+    (sum, narrowed)
+}
+
+impl Pass for FuseCrossEntropy {
+    fn name(&self) -> &'static str {
+        "fuse-cross-entropy"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let is_output = output_nodes(g);
+        let (mut fused, mut widenings, mut narrowings, mut sums) = (0usize, 0usize, 0usize, 0usize);
+        let mut stale = Vec::new();
+        let mut rewired = Vec::new();
+        let grads: Vec<NodeId> = g
+            .node_ids()
+            .filter(|&id| g.node(id).op.is::<SoftmaxCrossEntropyGrad>())
+            .collect();
+        for grad in grads {
+            let [logits, labels, dloss] = g.inputs(grad)[..] else {
+                continue;
+            };
+            let loss = g.port_consumers(logits).into_iter().find(|&(c, slot)| {
+                slot == 0
+                    && g.node(c).op.is::<SoftmaxCrossEntropy>()
+                    && g.inputs(c)[1] == labels
+            });
+            let Some((loss, _)) = loss.filter(|_| !is_output[grad.index()]) else {
+                continue;
+            };
+            let Some(dloss) = independent_of(g, dloss, loss)? else {
+                continue;
+            };
+            let compute = g.ty(dloss).dtype;
+            let read = match widened(g, logits, compute) {
+                Some(narrow) => {
+                    stale.push(logits.node);
+                    widenings += 1;
+                    narrow
+                }
+                None => logits,
+            };
+            let (sum, grad_dtype) = fold_readers(g, grad, compute, &is_output);
+            // The gradient's readers: those of its Casts where they fold; the Sum's.
+            let mut readers = Vec::new();
+            for (reader, slot, _) in g.consumers(grad) {
+                if Some(reader) == sum {
+                    let to_sum = g.consumers(reader).into_iter();
+                    readers.extend(to_sum.map(|(r, s, _)| (r, s, Port::new(loss, 2))));
+                    stale.push(reader);
+                    sums += 1;
+                } else if grad_dtype.is_some() {
+                    let to_cast = g.consumers(reader).into_iter();
+                    readers.extend(to_cast.map(|(r, s, _)| (r, s, Port::new(loss, 1))));
+                    stale.push(reader);
+                    narrowings += 1;
+                } else {
+                    readers.push((reader, slot, Port::new(loss, 1)));
+                }
+            }
+            let op = SoftmaxCrossEntropyWithGrad {
+                grad_dtype,
+                column_sum: sum.is_some(),
+            };
+            g.set_node(loss, Box::new(op), &[read, labels, dloss])?;
+            rewired.extend(readers);
+            stale.push(grad);
+            fused += 1;
+        }
+        g.rewire(rewired)?;
+        let (removed, bytes) = remove_unread(g, stale, &is_output)?;
+        let lines = vec![
+            format!("fuse-cross-entropy: {fused} losses computed with their gradient by one kernel"),
+            format!("fuse-cross-entropy: {widenings} widening Casts of the logits and {narrowings} narrowing Casts of the gradient folded in"),
+            format!("fuse-cross-entropy: {sums} column sums of the gradient (bias gradients) added up by the same kernel"),
+            format!(
+                "fuse-cross-entropy: removed {removed} kernels ({} of tensors no longer written, and read back)",
+                format_bytes(bytes as u64)
+            ),
+        ];
+        Ok(summary("fuse-cross-entropy", lines))
+    }
+}
