@@ -279,6 +279,9 @@ fn training_with_the_fusion_passes_is_bit_identical() {
         // after a cast (the loss is denylisted), so it fuses with that cast instead.
         assert_eq!(count("FusedMatMul"), 1);
         assert!(count("FusedElementwise") > 0);
+        // The loss and its gradient in one op (the fetched loss included).
+        assert_eq!(count("SoftmaxCrossEntropyWithGrad"), 1);
+        assert_eq!(count("SoftmaxCrossEntropyGrad"), 0);
         let unscaling_folded = ran.node_ids().all(|id| {
             let op = &ran.node(id).op;
             op.downcast_ref::<OptimizerUpdate>()

@@ -491,6 +491,48 @@ fn softmax_family_and_cross_entropy() {
     }
 }
 
+/// The loss and its gradient in one kernel: f16 logits widened to f32, the gradient
+/// stored in f16 with its f32 column sums (the mlp's output layer; more rows than the
+/// kernel's row chunks), and each float type alone, with and without the sums.
+#[test]
+fn cross_entropy_with_its_gradient() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(11);
+    let cases = [
+        (
+            DType::F16,
+            DType::F32,
+            Some(DType::F16),
+            true,
+            3000usize,
+            1000usize,
+        ),
+        (DType::BF16, DType::F32, Some(DType::BF16), true, 40, 10),
+        (DType::F32, DType::F32, None, false, 64, 700),
+        (DType::F32, DType::F32, None, true, 9, 1500),
+        (DType::F64, DType::F64, Some(DType::F32), true, 33, 40),
+        (DType::F16, DType::F32, None, false, 5, 3),
+    ];
+    for (logits, compute, grad_dtype, column_sum, n, c) in cases {
+        let x = rand(&mut r, logits, &[n, c], -4.0, 4.0);
+        let labels: Vec<f64> = (0..n).map(|i| ((i * 7) % c) as f64).collect();
+        let l = t(DType::I64, &[n], &labels);
+        let dl = t(compute, &[], &[1024.0]);
+        let op = SoftmaxCrossEntropyWithGrad {
+            grad_dtype,
+            column_sum,
+        };
+        // Sums of n values compare at the scale of the values they add.
+        check_scaled(
+            &mut gpu,
+            &format!("{op:?} {logits} {n}x{c}"),
+            op.clone(),
+            &[x, l, dl],
+            16.0,
+        );
+    }
+}
+
 #[test]
 fn layer_norm_and_grad() {
     let Some(mut gpu) = gpu() else { return };

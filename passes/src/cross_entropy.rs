@@ -38,7 +38,11 @@ fn independent_of(g: &mut Graph, dloss: Port, loss: NodeId) -> Result<Option<Por
         let same = inputs.iter().all(|&p| g.ty(p) == ty);
         if bg.kind == BinaryKind::Mul && same && inputs[bg.wrt] == Port::new(loss, 0) {
             let (other, dy) = (inputs[1 - bg.wrt], inputs[2]);
-            g.set_node(dloss.node, Box::new(Binary::new(BinaryKind::Mul)), &[dy, other])?;
+            g.set_node(
+                dloss.node,
+                Box::new(Binary::new(BinaryKind::Mul)),
+                &[dy, other],
+            )?;
         }
     }
     // Any other path from the loss still ties them.
@@ -113,9 +117,7 @@ impl Pass for FuseCrossEntropy {
                 continue;
             };
             let loss = g.port_consumers(logits).into_iter().find(|&(c, slot)| {
-                slot == 0
-                    && g.node(c).op.is::<SoftmaxCrossEntropy>()
-                    && g.inputs(c)[1] == labels
+                slot == 0 && g.node(c).op.is::<SoftmaxCrossEntropy>() && g.inputs(c)[1] == labels
             });
             let Some((loss, _)) = loss.filter(|_| !is_output[grad.index()]) else {
                 continue;
@@ -171,5 +173,154 @@ impl Pass for FuseCrossEntropy {
             ),
         ];
         Ok(summary("fuse-cross-entropy", lines))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{assert_same_bits, run as run_cpu};
+    use ampgraph_graph::ops::{Unary, UnaryKind};
+    use ampgraph_graph::Tensor;
+    use std::collections::HashMap;
+
+    /// An AMP training step's loss end: `logits: f16 -> Cast<f32> -> loss`; the
+    /// gradient of `loss * scale` (`BinaryGrad<Mul>`), the loss' gradient, its column
+    /// Sum (read by a Neg) and its Cast to f16 read by a Tanh. With `tied`, dloss also
+    /// reads the loss.
+    fn graph(tied: bool) -> Graph {
+        let mut g = Graph::new();
+        let logits = g.placeholder("logits", DType::F16, [6, 5]).unwrap();
+        let labels = g.placeholder("labels", DType::I64, [6]).unwrap();
+        let scale = g.placeholder("scale", DType::F32, []).unwrap();
+        let one = g.scalar(DType::F32, 1.0).unwrap();
+        let wide = g.add(Cast { to: DType::F32 }, &[logits]).unwrap();
+        let loss = g.add(SoftmaxCrossEntropy, &[wide, labels]).unwrap();
+        let mut dloss = g
+            .add(BinaryGrad::new(BinaryKind::Mul, 0), &[loss, scale, one])
+            .unwrap();
+        if tied {
+            dloss = g.add(Binary::new(BinaryKind::Add), &[dloss, loss]).unwrap();
+        }
+        let grad = g
+            .add(SoftmaxCrossEntropyGrad, &[wide, labels, dloss])
+            .unwrap();
+        let sum = g.sum(grad, Some(&[0]), false).unwrap();
+        let bias_grad = g.add(Unary::new(UnaryKind::Neg), &[sum]).unwrap();
+        let half = g.add(Cast { to: DType::F16 }, &[grad]).unwrap();
+        let t = g.add(Unary::new(UnaryKind::Tanh), &[half]).unwrap();
+        g.set_outputs(vec![loss, bias_grad, t]).unwrap();
+        g
+    }
+
+    fn feeds() -> HashMap<&'static str, Tensor> {
+        let logits: Vec<f64> = (0..30).map(|i| (i as f64 * 0.77).sin() * 3.0).collect();
+        HashMap::from([
+            (
+                "logits",
+                Tensor::from_f64(DType::F16, vec![6, 5], &logits).unwrap(),
+            ),
+            (
+                "labels",
+                Tensor::from_f64(DType::I64, vec![6], &[0.0, 4.0, 2.0, 2.0, 1.0, 3.0]).unwrap(),
+            ),
+            ("scale", Tensor::scalar(DType::F32, 1024.0)),
+        ])
+    }
+
+    fn count(g: &Graph, name: &str) -> usize {
+        g.node_ids()
+            .filter(|&id| g.node(id).op_name() == name)
+            .count()
+    }
+
+    #[test]
+    fn the_loss_its_gradient_casts_and_bias_sum_become_one_op_bit_exactly() {
+        let before = graph(false);
+        let mut g = before.clone();
+        let summary = FuseCrossEntropy.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(summary.lines[0].contains(": 1 losses"), "{summary}");
+        assert!(
+            summary.lines[1].contains(": 1 widening Casts of the logits and 1 narrowing"),
+            "{summary}"
+        );
+        assert!(summary.lines[2].contains(": 1 column sums"), "{summary}");
+        for gone in ["SoftmaxCrossEntropyGrad", "Cast", "Sum", "BinaryGrad"] {
+            assert_eq!(
+                count(&g, gone),
+                0,
+                "{gone} left:\n{}",
+                ampgraph_graph::format::to_text(&g)
+            );
+        }
+        let fused = g.find("softmaxcrossentropy").unwrap();
+        let op = g
+            .node(fused)
+            .op
+            .downcast_ref::<SoftmaxCrossEntropyWithGrad>();
+        assert_eq!(
+            op,
+            Some(&SoftmaxCrossEntropyWithGrad {
+                grad_dtype: Some(DType::F16),
+                column_sum: true
+            })
+        );
+        assert_eq!(g.ty(g.inputs(fused)[0]).dtype, DType::F16);
+        assert_same_bits(&run_cpu(&before, &feeds()), &run_cpu(&g, &feeds()));
+        // Idempotent.
+        let text = ampgraph_graph::format::to_text(&g);
+        let again = FuseCrossEntropy.run(&mut g).unwrap();
+        assert!(again.lines[0].contains(": 0 losses"), "{again}");
+        assert_eq!(text, ampgraph_graph::format::to_text(&g));
+    }
+
+    #[test]
+    fn a_gradient_that_depends_on_the_loss_value_or_is_an_output_stays_apart() {
+        let mut g = graph(true);
+        let summary = FuseCrossEntropy.run(&mut g).unwrap();
+        assert!(summary.lines[0].contains(": 0 losses"), "{summary}");
+        assert_eq!(count(&g, "SoftmaxCrossEntropyGrad"), 1);
+
+        // The f32 gradient fetched: nothing fuses (its readers would need it anyway).
+        let mut g = graph(false);
+        let grad = g.find("softmaxcrossentropygrad").unwrap();
+        let mut outputs = g.outputs().to_vec();
+        outputs.push(Port::new(grad, 0));
+        g.set_outputs(outputs).unwrap();
+        let before = g.clone();
+        let summary = FuseCrossEntropy.run(&mut g).unwrap();
+        assert!(summary.lines[0].contains(": 0 losses"), "{summary}");
+        assert_same_bits(&run_cpu(&before, &feeds()), &run_cpu(&g, &feeds()));
+    }
+
+    #[test]
+    fn a_gradient_read_in_its_own_type_keeps_it() {
+        // A second reader of the f32 gradient: no narrowing, the Sum still folds.
+        let mut g = graph(false);
+        let grad = g.find("softmaxcrossentropygrad").unwrap();
+        let neg = g
+            .add(Unary::new(UnaryKind::Neg), &[Port::new(grad, 0)])
+            .unwrap();
+        let mut outputs = g.outputs().to_vec();
+        outputs.push(neg);
+        g.set_outputs(outputs).unwrap();
+        let before = g.clone();
+        FuseCrossEntropy.run(&mut g).unwrap();
+        g.validate().unwrap();
+        let fused = g.find("softmaxcrossentropy").unwrap();
+        let op = g
+            .node(fused)
+            .op
+            .downcast_ref::<SoftmaxCrossEntropyWithGrad>();
+        assert_eq!(
+            op,
+            Some(&SoftmaxCrossEntropyWithGrad {
+                grad_dtype: None,
+                column_sum: true
+            })
+        );
+        assert_eq!(count(&g, "Cast"), 1);
+        assert_same_bits(&run_cpu(&before, &feeds()), &run_cpu(&g, &feeds()));
     }
 }

@@ -95,7 +95,8 @@ impl Drop for Gemm {
     }
 }
 
-/// cuBLASLt's ids of an algorithm and its tile (for the autotuning log).
+/// cuBLASLt's ids of an algorithm and its configuration (for the autotuning log):
+/// algo/tile/cluster shape/stages/swizzle/split-k/custom option.
 fn algo_id(algo: &sys::cublasLtMatmulAlgo_t) -> String {
     let attr = |which| {
         let (mut v, mut written) = (-1i32, 0usize);
@@ -406,13 +407,6 @@ impl Gemm {
             times.push(format!("{}:{t:.3}", algo_id(algo)));
             if t < best.0 {
                 best = (t, **algo);
-            }
-        }
-        if let Ok(tile) = std::env::var("AMPGRAPH_GEMM_TILE") {
-            if tile == "first" {
-                best.1 = candidates[0];
-            } else if let Some(a) = runnable.iter().find(|a| algo_id(a).split('/').nth(1) == Some(tile.as_str())) {
-                best.1 = **a;
             }
         }
         log::debug!(

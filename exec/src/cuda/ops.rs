@@ -5,7 +5,8 @@ use ampgraph_graph::ops::{
     Const, DataFormat, FusedAttention, FusedAttentionGrad, FusedElementwise, FusedMatMul, Group,
     IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate, MatMul, OptimizerUpdate,
     Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice, Softmax, SoftmaxCrossEntropy,
-    SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad, UnaryKind,
+    SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, SumTo, Transpose, Unary,
+    UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
 use ampgraph_graph::tensor::strides;
@@ -292,6 +293,10 @@ fn reduce_into(
     }
 }
 
+/// Row chunks (blocks) of a cross-entropy kernel that sums its gradient's columns:
+/// about a wave of blocks (fewer left the GPU waiting on each row's reductions).
+const SCE_SUM_CHUNKS: usize = 1024;
+
 /// `k_mean` of a cross-entropy module: the mean of the `n` rows' losses into `y`.
 fn sce_mean(
     c: &Ctx,
@@ -341,6 +346,20 @@ fn column_sums(
         Arg::I64(chunk_rows as i64),
     ]);
     c.dev.launch(key, &make, part_kernel, blocks, 256, &args)?;
+    column_sums_fin(c, key, make, &part, len, chunks, outs)
+}
+
+/// `k_cols_fin`: adds `chunks` rows of partial column sums (`len` each, per output) in
+/// `part` and writes each `(output, scale)`.
+fn column_sums_fin(
+    c: &Ctx,
+    key: &str,
+    make: impl Fn() -> String,
+    part: &DTensor,
+    len: usize,
+    chunks: usize,
+    outs: &[(&DTensor, f64)],
+) -> Result<(), String> {
     let mut args = vec![part.arg(), Arg::I64(len as i64), Arg::I64(chunks as i64)];
     for (y, scale) in outs {
         args.extend([y.arg(), Arg::F64(*scale)]);
@@ -825,38 +844,75 @@ pub fn eval(
         sce_mean(c, &key, make, &rows, &y, n)?;
         return Ok(vec![y]);
     }
-    if op.downcast_ref::<SoftmaxCrossEntropyWithGrad>().is_some() {
+    if let Some(f) = op.downcast_ref::<SoftmaxCrossEntropyWithGrad>() {
         let (x, labels, dl) = (input(0)?, input(1)?, input(2)?);
         float_only(x.dtype)?;
         let (n, classes) = (x.shape[0], x.shape[1]);
         let rows = c.temp(acc_dtype(dl.dtype), n)?;
-        let loss = c.alloc(out0)?;
-        let grad = c.alloc(outs.get(1).ok_or("the node has no gradient output")?)?;
+        let output = |k: usize| {
+            outs.get(k)
+                .ok_or("the node lacks an output")
+                .map(|t| c.alloc(t))
+        };
+        let (loss, grad) = (output(0)??, output(1)??);
+        let sums = if f.column_sum {
+            Some(output(2)??)
+        } else {
+            None
+        };
+        // With column sums, a block per chunk of rows: its sums are one partial each.
+        let blocks = match sums {
+            Some(_) => n.min(SCE_SUM_CHUNKS),
+            None => n,
+        };
+        let part = c.temp(
+            acc_dtype(dl.dtype),
+            if sums.is_some() { blocks * classes } else { 1 },
+        )?;
+        let summed = sums.as_ref().map(|_| classes);
         let key = format!(
-            "sce_with_grad/{}/{}/{}/{}",
+            "sce_with_grad/{}/{}/{}/{}/{summed:?}",
             x.dtype, dl.dtype, grad.dtype, labels.dtype
         );
-        let make = || src::sce_with_grad(x.dtype, dl.dtype, grad.dtype, labels.dtype);
+        let types = (x.dtype, dl.dtype, grad.dtype, labels.dtype);
+        let make = || src::sce_with_grad(types.0, types.1, types.2, types.3, summed);
         if n > 0 {
             dev.launch(
                 &key,
                 make,
                 "k_rows",
-                row_grid(n),
-                row_block(classes),
+                row_grid(blocks),
+                match summed {
+                    Some(_) => src::SCE_SUM_THREADS as u32,
+                    None => row_block(classes),
+                },
                 &[
                     x.arg(),
                     labels.arg(),
                     dl.arg(),
                     grad.arg(),
                     rows.arg(),
+                    part.arg(),
                     Arg::I64(n as i64),
                     Arg::I64(classes as i64),
                 ],
             )?;
         }
         sce_mean(c, &key, make, &rows, &loss, n)?;
-        return Ok(vec![loss, grad]);
+        let mut out = vec![loss, grad];
+        if let Some(sums) = sums {
+            column_sums_fin(
+                c,
+                &key,
+                make,
+                &part,
+                classes,
+                blocks.max(1),
+                &[(&sums, 1.0)],
+            )?;
+            out.push(sums);
+        }
+        return Ok(out);
     }
     if op.downcast_ref::<SoftmaxCrossEntropyGrad>().is_some() {
         let (x, labels, dl) = (input(0)?, input(1)?, input(2)?);

@@ -63,26 +63,28 @@ __device__ __forceinline__ bool m_isfinite(double x) { return isfinite(x); }
 // (`x * s` then the update) rounds as the separate multiplication did.
 __device__ __forceinline__ float m_mul_rn(float x, float y) { return __fmul_rn(x, y); }
 __device__ __forceinline__ double m_mul_rn(double x, double y) { return __dmul_rn(x, y); }
-// Eigen's rational erf for f32, as the CPU reference kernels use; the quotient by
-// the fast reciprocal (2 ulp): an IEEE division made GELU and its gradient bound by
+// Eigen's rational erf for f32, as the CPU reference kernels use, its polynomials
+// evaluated with fused multiply-adds (the kernels are built without contraction, so
+// they are written out) and the quotient by the fast reciprocal (2 ulp): with separate
+// products and sums, or an IEEE division, GELU and its gradient were bound by
 // arithmetic rather than memory.
 __device__ __forceinline__ float m_erf(float x0) {
   if (isnan(x0)) return x0;
   float x = fminf(fmaxf(x0, -4.0f), 4.0f);
   float x2 = x * x;
   float p = -2.72614225801306e-10f;
-  p = p * x2 + 2.77068142495902e-08f;
-  p = p * x2 + -2.10102402082508e-06f;
-  p = p * x2 + -5.69250639462346e-05f;
-  p = p * x2 + -7.34990630326855e-04f;
-  p = p * x2 + -2.95459980854025e-03f;
-  p = p * x2 + -1.60960333262415e-02f;
+  p = __fmaf_rn(p, x2, 2.77068142495902e-08f);
+  p = __fmaf_rn(p, x2, -2.10102402082508e-06f);
+  p = __fmaf_rn(p, x2, -5.69250639462346e-05f);
+  p = __fmaf_rn(p, x2, -7.34990630326855e-04f);
+  p = __fmaf_rn(p, x2, -2.95459980854025e-03f);
+  p = __fmaf_rn(p, x2, -1.60960333262415e-02f);
   p = p * x;
   float q = -1.45660718464996e-05f;
-  q = q * x2 + -2.13374055278905e-04f;
-  q = q * x2 + -1.68282697438203e-03f;
-  q = q * x2 + -7.37332916720468e-03f;
-  q = q * x2 + -1.42647390514189e-02f;
+  q = __fmaf_rn(q, x2, -2.13374055278905e-04f);
+  q = __fmaf_rn(q, x2, -1.68282697438203e-03f);
+  q = __fmaf_rn(q, x2, -7.37332916720468e-03f);
+  q = __fmaf_rn(q, x2, -1.42647390514189e-02f);
   return __fdividef(p, q);
 }
 __device__ __forceinline__ double m_erf(double x) { return erf(x); }
@@ -946,15 +948,17 @@ fn sce_loss_and_mean(t: &str) -> String {
     )
 }
 
-/// The statements storing row `row`'s gradient `(softmax - onehot(label)) * scale`
-/// through `st{g}` into `pdx` (NaN for a label out of range), from logits read by `ld{t}`.
+/// The statements storing row `row`'s gradient `d = (softmax - onehot(label)) * scale`
+/// through `st{g}` into `pdx` (NaN for a label out of range), from logits read by
+/// `ld{t}`.
 fn sce_grad_row(t: &str, g: &str) -> String {
     format!(
         "bool bad = label < 0 || label >= c;\n\
          for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{\n\
            C p = (C)(m_exp((A)ld{t}(px, row * c + j) - shift) / sum);\n\
            C target = j == label ? (C)1 : (C)0;\n\
-           st{g}(pdx, row * c + j, bad ? (C)F_NAN : (p - target) * scale);\n\
+           C d = bad ? (C)F_NAN : (p - target) * scale;\n\
+           st{g}(pdx, row * c + j, d);\n\
          }}\n"
     )
 }
@@ -994,25 +998,91 @@ pub fn sce_grad(d: DType, labels: DType) -> String {
     )
 }
 
+/// Threads of a block of the cross-entropy kernel that sums its gradient's columns.
+pub const SCE_SUM_THREADS: usize = 256;
+
 /// SoftmaxCrossEntropyWithGrad: `k_rows` reads each row of logits (`TX`, widened to
 /// the compute type `T`) for both its loss and its gradient (stored as `TG`), then
-/// `k_mean` as [`sce`]'s.
-pub fn sce_with_grad(logits: DType, compute: DType, grad: DType, labels: DType) -> String {
+/// `k_mean` as [`sce`]'s. With `summed_classes` (the class count, at most
+/// [`MAX_SUMMED_CLASSES`](ampgraph_graph::ops::MAX_SUMMED_CLASSES)) the kernel also
+/// adds up the gradient's columns: a block of [`SCE_SUM_THREADS`] takes a chunk of
+/// rows, each thread the same columns of every row, held in registers (one read of
+/// the logits, the exponentials kept), so its column sums are registers too; it writes
+/// them to `part` as the chunk's partial sums and `k_cols_fin` adds the chunks. The
+/// values, their order and the block reductions are those of [`sce_grad`].
+pub fn sce_with_grad(
+    logits: DType,
+    compute: DType,
+    grad: DType,
+    labels: DType,
+    summed_classes: Option<usize>,
+) -> String {
+    let types = [("", compute), ("X", logits), ("G", grad), ("L", labels)];
+    let params =
+        "const TX* px, const TL* pl, const T* pdl, TG* pdx, A* rows_out, A* part, i64 n, i64 c";
+    let Some(classes) = summed_classes else {
+        return module_multi(
+            &types,
+            &format!(
+                "{}{}extern \"C\" __global__ void k_rows({params}) {{\n\
+                   __shared__ A sh[32];\n\
+                   C scale = ld(pdl, 0) / (C)n;\n\
+                   for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                     A shift, sum; sce_rowX(px, row, c, sh, &shift, &sum);\n\
+                     i64 label = (i64)pl[row];\n\
+                     if (threadIdx.x == 0) rows_out[row] = sce_lossX(px, row, c, label, shift, sum);\n\
+                     {}\
+                   }}\n}}\n",
+                sce_row("X"),
+                sce_loss_and_mean("X"),
+                sce_grad_row("X", "G")
+            ),
+        );
+    };
+    let per = classes.div_ceil(SCE_SUM_THREADS).max(1);
     module_multi(
-        &[("", compute), ("X", logits), ("G", grad), ("L", labels)],
+        &types,
         &format!(
-            "{}{}extern \"C\" __global__ void k_rows(const TX* px, const TL* pl, const T* pdl, TG* pdx, A* rows_out, i64 n, i64 c) {{\n\
+            "{}extern \"C\" __global__ void __launch_bounds__({SCE_SUM_THREADS}) k_rows({params}) {{\n\
                __shared__ A sh[32];\n\
                C scale = ld(pdl, 0) / (C)n;\n\
+               A acc[{per}], e[{per}];\n\
+               #pragma unroll\n\
+               for (int k = 0; k < {per}; ++k) acc[k] = 0;\n\
                for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
-                 A shift, sum; sce_rowX(px, row, c, sh, &shift, &sum);\n\
+                 A m = (A)(-F_INF);\n\
+                 #pragma unroll\n\
+                 for (int k = 0; k < {per}; ++k) {{\n\
+                   i64 j = threadIdx.x + k * {SCE_SUM_THREADS};\n\
+                   e[k] = j < c ? (A)ldX(px, row * c + j) : (A)(-F_INF);\n\
+                   if (e[k] > m || m_isnan(e[k])) m = e[k];\n\
+                 }}\n\
+                 m = block_max(m, sh);\n\
+                 A shift = m_isfinite(m) ? m : (A)0;\n\
+                 A sum = 0;\n\
+                 #pragma unroll\n\
+                 for (int k = 0; k < {per}; ++k) if (threadIdx.x + k * {SCE_SUM_THREADS} < c) {{ e[k] = m_exp(e[k] - shift); sum += e[k]; }}\n\
+                 sum = block_sum(sum, sh);\n\
                  i64 label = (i64)pl[row];\n\
                  if (threadIdx.x == 0) rows_out[row] = sce_lossX(px, row, c, label, shift, sum);\n\
-                 {}\
-               }}\n}}\n",
-            sce_row("X"),
+                 bool bad = label < 0 || label >= c;\n\
+                 #pragma unroll\n\
+                 for (int k = 0; k < {per}; ++k) {{\n\
+                   i64 j = threadIdx.x + k * {SCE_SUM_THREADS};\n\
+                   if (j < c) {{\n\
+                     C p = (C)(e[k] / sum);\n\
+                     C target = j == label ? (C)1 : (C)0;\n\
+                     C d = bad ? (C)F_NAN : (p - target) * scale;\n\
+                     stG(pdx, row * c + j, d);\n\
+                     acc[k] += (A)d;\n\
+                   }}\n\
+                 }}\n\
+               }}\n\
+               #pragma unroll\n\
+               for (int k = 0; k < {per}; ++k) {{ i64 j = threadIdx.x + k * {SCE_SUM_THREADS}; if (j < c) part[blockIdx.x * c + j] = acc[k]; }}\n\
+             }}\n{}",
             sce_loss_and_mean("X"),
-            sce_grad_row("X", "G")
+            column_sums_fin(1, ""),
         ),
     )
 }
@@ -1161,21 +1231,12 @@ fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> Stri
     let mut adds = String::new();
     let mut shares = String::new();
     let mut partials = String::new();
-    let mut outs = String::new();
-    let mut finals = String::new();
     for (k, term) in terms.iter().enumerate() {
         accs.push_str(&format!("A{out} acc{k} = 0; "));
         adds.push_str(&format!("acc{k} += {term}; "));
         shares.push_str(&format!("sh[{k}][ty][tx] = acc{k}; "));
         partials.push_str(&format!(
             "{{ A{out} s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[{k}][w][tx]; part[(chunk * {n} + {k}) * len + j] = s; }}\n"
-        ));
-        outs.push_str(&format!(", T{out}* py{k}, double scale{k}"));
-        finals.push_str(&format!(
-            "{{ A{out} s = 0; if (j < len) for (i64 c = ty; c < chunks; c += {COLUMN_ROWS}) s += part[(c * {n} + {k}) * len + j];\n\
-               fin[ty][tx] = s; __syncthreads();\n\
-               if (ty == 0 && j < len) {{ for (int w = 1; w < {COLUMN_ROWS}; ++w) s += fin[w][tx]; st{out}(py{k}, j, (C{out})(s * (A{out})scale{k})); }}\n\
-               __syncthreads(); }}\n"
         ));
     }
     format!(
@@ -1193,8 +1254,29 @@ fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> Stri
            {shares}\n\
            __syncthreads();\n\
            if (ty == 0 && j < len) {{\n{partials}}}\n\
-         }}\n\
-         extern \"C\" __global__ void k_cols_fin(const A{out}* part, i64 len, i64 chunks{outs}) {{\n\
+         }}\n{}",
+        column_sums_fin(n, out)
+    )
+}
+
+/// `k_cols_fin` of [`column_sums`]: adds the chunks' partials `part[(chunk * n + k)
+/// * len + j]` of each of `n` sums and stores `scale<k> * sum` into `py<k>`.
+fn column_sums_fin(n: usize, out: &str) -> String {
+    let mut outs = String::new();
+    let mut finals = String::new();
+    for k in 0..n {
+        outs.push_str(&format!(", T{out}* py{k}, double scale{k}"));
+        finals.push_str(&format!(
+            "{{ A{out} s = 0; if (j < len) {{\n\
+                 #pragma unroll 8\n\
+                 for (i64 c = ty; c < chunks; c += {COLUMN_ROWS}) s += part[(c * {n} + {k}) * len + j]; }}\n\
+               fin[ty][tx] = s; __syncthreads();\n\
+               if (ty == 0 && j < len) {{ for (int w = 1; w < {COLUMN_ROWS}; ++w) s += fin[w][tx]; st{out}(py{k}, j, (C{out})(s * (A{out})scale{k})); }}\n\
+               __syncthreads(); }}\n"
+        ));
+    }
+    format!(
+        "extern \"C\" __global__ void k_cols_fin(const A{out}* part, i64 len, i64 chunks{outs}) {{\n\
            __shared__ A{out} fin[{COLUMN_ROWS}][33];\n\
            int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
            for (i64 j0 = (i64)blockIdx.x * 32; j0 < len; j0 += (i64)gridDim.x * 32) {{\n\
@@ -1899,7 +1981,7 @@ float __half2float(__half); __half __float2half_rn(float); __half __double2half(
 float __bfloat162float(__nv_bfloat16); __nv_bfloat16 __float2bfloat16_rn(float);
 __nv_bfloat16 __double2bfloat16(double);
 float __int_as_float(int); float __fdividef(float, float);
-float __fmul_rn(float, float); double __dmul_rn(double, double);
+float __fmul_rn(float, float); float __fmaf_rn(float, float, float); double __dmul_rn(double, double);
 template <class T> T __shfl_xor_sync(unsigned, T, int);
 template <class T> T atomicAdd(T*, T);
 void __syncthreads();
@@ -1959,6 +2041,14 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 ),
                 (format!("sce_{d}"), sce(d, DType::I64)),
                 (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
+                (
+                    format!("sce_with_grad_{d}"),
+                    sce_with_grad(d, d, d, DType::I32, None),
+                ),
+                (
+                    format!("sce_with_grad_summed_{d}"),
+                    sce_with_grad(DType::F16, d, DType::F16, DType::I64, Some(1000)),
+                ),
                 (format!("all_finite_{d}"), all_finite(d, None)),
                 (
                     format!("all_finite_scaled_{d}"),

@@ -11,10 +11,10 @@ use crate::dtype::DType;
 use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
-use crate::ops::{widens_exactly, Reduce, ReduceKind};
 use crate::op::TypeGroup;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::grad0;
+use crate::ops::{widens_exactly, Reduce, ReduceKind};
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -504,7 +504,8 @@ pub struct SoftmaxCrossEntropyWithGrad {
 }
 
 /// The most classes whose gradient's column sum [`SoftmaxCrossEntropyWithGrad`] takes:
-/// the CUDA kernel keeps a block's sums in static shared memory (at most 32 KiB, f64).
+/// the CUDA kernel holds each thread's share of a row, and its column sums, in
+/// registers (16 of each for 256 threads).
 pub const MAX_SUMMED_CLASSES: usize = 4096;
 
 impl SoftmaxCrossEntropyWithGrad {
@@ -543,7 +544,9 @@ impl Op for SoftmaxCrossEntropyWithGrad {
             ));
         }
         let wide = TensorType::new(compute, logits.shape.clone());
-        let grad = SoftmaxCrossEntropyGrad.infer(&[&wide, labels, dloss])?.remove(0);
+        let grad = SoftmaxCrossEntropyGrad
+            .infer(&[&wide, labels, dloss])?
+            .remove(0);
         let grad_dtype = self.grad_dtype.unwrap_or(compute);
         require_float("grad_dtype", grad_dtype)?;
         let mut out = vec![
@@ -561,8 +564,12 @@ impl Op for SoftmaxCrossEntropyWithGrad {
         let out = self.infer(&types.iter().collect::<Vec<_>>())?;
         let wide = logits.cast(dloss.dtype());
         let mut outputs = eval_float(&SoftmaxCrossEntropy, dloss.dtype(), &[&wide, labels])?;
-        let grad = eval_float(&SoftmaxCrossEntropyGrad, dloss.dtype(), &[&wide, labels, dloss])?
-            .remove(0);
+        let grad = eval_float(
+            &SoftmaxCrossEntropyGrad,
+            dloss.dtype(),
+            &[&wide, labels, dloss],
+        )?
+        .remove(0);
         let sums = match self.column_sum {
             true => Self::column_sum_op().eval(&[&grad])?,
             false => Vec::new(),
