@@ -15,12 +15,12 @@
 //! product.
 
 use ampgraph_graph::ops::{
-    widens_exactly, Binary, BinaryGrad, BinaryKind, Cast, Reduce, SoftmaxCrossEntropy,
-    SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, MAX_SUMMED_CLASSES,
+    Binary, BinaryGrad, BinaryKind, Cast, Reduce, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad,
+    SoftmaxCrossEntropyWithGrad, MAX_SUMMED_CLASSES,
 };
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
-use crate::simplify::{output_nodes, remove_unread, summary};
+use crate::simplify::{output_nodes, remove_unread, summary, widened};
 use crate::sum_into_elementwise::is_column_sum;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -56,16 +56,6 @@ fn independent_of(g: &mut Graph, dloss: Port, loss: NodeId) -> Result<Option<Por
         }
     }
     Ok(Some(dloss))
-}
-
-/// The narrow tensor under a widening Cast into `wide` at `p`, if `p` is one.
-fn widened(g: &Graph, p: Port, wide: DType) -> Option<Port> {
-    let cast = g.node(p.node).op.downcast_ref::<Cast>()?;
-    let [narrow] = g.inputs(p.node)[..] else {
-        return None;
-    };
-    let from = g.ty(narrow).dtype;
-    (cast.to == wide && from != wide && widens_exactly(from, wide)).then_some(narrow)
 }
 
 /// How the readers of the gradient `grad` (`[N, C]`, compute type) fold: the column
@@ -228,6 +218,12 @@ mod tests {
         ])
     }
 
+    /// The fused op the loss node holds, if it does.
+    fn fused_op(g: &Graph) -> Option<&SoftmaxCrossEntropyWithGrad> {
+        let id = g.find("softmaxcrossentropy")?;
+        g.node(id).op.downcast_ref::<SoftmaxCrossEntropyWithGrad>()
+    }
+
     fn count(g: &Graph, name: &str) -> usize {
         g.node_ids()
             .filter(|&id| g.node(id).op_name() == name)
@@ -254,18 +250,14 @@ mod tests {
                 ampgraph_graph::format::to_text(&g)
             );
         }
-        let fused = g.find("softmaxcrossentropy").unwrap();
-        let op = g
-            .node(fused)
-            .op
-            .downcast_ref::<SoftmaxCrossEntropyWithGrad>();
         assert_eq!(
-            op,
+            fused_op(&g),
             Some(&SoftmaxCrossEntropyWithGrad {
                 grad_dtype: Some(DType::F16),
                 column_sum: true
             })
         );
+        let fused = g.find("softmaxcrossentropy").unwrap();
         assert_eq!(g.ty(g.inputs(fused)[0]).dtype, DType::F16);
         assert_same_bits(&run_cpu(&before, &feeds()), &run_cpu(&g, &feeds()));
         // Idempotent.
@@ -308,13 +300,8 @@ mod tests {
         let before = g.clone();
         FuseCrossEntropy.run(&mut g).unwrap();
         g.validate().unwrap();
-        let fused = g.find("softmaxcrossentropy").unwrap();
-        let op = g
-            .node(fused)
-            .op
-            .downcast_ref::<SoftmaxCrossEntropyWithGrad>();
         assert_eq!(
-            op,
+            fused_op(&g),
             Some(&SoftmaxCrossEntropyWithGrad {
                 grad_dtype: None,
                 column_sum: true

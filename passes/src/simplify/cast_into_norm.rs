@@ -9,25 +9,15 @@
 //! dtype), so the kernels see the same values. An input Cast that something else also
 //! reads stays for its other readers; one left unread is removed.
 
-use ampgraph_graph::ops::{widens_exactly, Cast, LayerNorm, LayerNormGrad};
+use ampgraph_graph::ops::{Cast, LayerNorm, LayerNormGrad};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use super::{output_nodes, remove_unread, summary};
+use super::{output_nodes, remove_unread, summary, widened};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `cast-into-norm` pass.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CastIntoNorm;
-
-/// The narrow tensor a widening Cast at `p` reads, if `p` is such a Cast into `wide`.
-fn widened(g: &Graph, p: Port, wide: ampgraph_graph::DType) -> Option<Port> {
-    let cast = g.node(p.node).op.downcast_ref::<Cast>()?;
-    let [narrow] = g.inputs(p.node)[..] else {
-        return None;
-    };
-    let from = g.ty(narrow).dtype;
-    (cast.to == wide && from != wide && widens_exactly(from, wide)).then_some(narrow)
-}
 
 impl Pass for CastIntoNorm {
     fn name(&self) -> &'static str {

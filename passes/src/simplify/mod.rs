@@ -34,9 +34,10 @@ pub use unscale_into_update::UnscaleIntoUpdate;
 
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::{
-    AssignVariable, Const, IncrementIf, LossScaleUpdate, OptimizerUpdate, Placeholder, Variable,
+    widens_exactly, AssignVariable, Cast, Const, IncrementIf, LossScaleUpdate, OptimizerUpdate,
+    Placeholder, Variable,
 };
-use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
+use ampgraph_graph::{DType, Graph, NodeId, Op, Port, Tensor};
 use foldhash::{HashMap, HashSet};
 
 use crate::PassError;
@@ -82,6 +83,17 @@ pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
         is_output[p.node.index()] = true;
     }
     is_output
+}
+
+/// The narrow tensor a widening Cast at `p` reads, if `p` is a Cast into `wide` that
+/// loses nothing (a kernel reading the narrow tensor sees the same values).
+pub(crate) fn widened(g: &Graph, p: Port, wide: DType) -> Option<Port> {
+    let cast = g.node(p.node).op.downcast_ref::<Cast>()?;
+    let [narrow] = g.inputs(p.node)[..] else {
+        return None;
+    };
+    let from = g.ty(narrow).dtype;
+    (cast.to == wide && from != wide && widens_exactly(from, wide)).then_some(narrow)
 }
 
 /// Removes the `nodes` (folded casts) that nothing reads any more and no graph output
