@@ -855,21 +855,20 @@ pub fn eval(
                 .map(|t| c.alloc(t))
         };
         let (loss, grad) = (output(0)??, output(1)??);
-        let sums = if f.column_sum {
-            Some(output(2)??)
-        } else {
-            None
+        let sums = match f.column_sum {
+            true => Some(output(2)??),
+            false => None,
         };
+        let summed = f.column_sum.then_some(classes);
         // With column sums, a block per chunk of rows: its sums are one partial each.
-        let blocks = match sums {
-            Some(_) => n.min(SCE_SUM_CHUNKS),
-            None => n,
+        let (blocks, threads, part_len) = match summed {
+            Some(_) => {
+                let blocks = n.min(SCE_SUM_CHUNKS);
+                (blocks, src::SCE_SUM_THREADS as u32, blocks * classes)
+            }
+            None => (n, row_block(classes), 1),
         };
-        let part = c.temp(
-            acc_dtype(dl.dtype),
-            if sums.is_some() { blocks * classes } else { 1 },
-        )?;
-        let summed = sums.as_ref().map(|_| classes);
+        let part = c.temp(acc_dtype(dl.dtype), part_len)?;
         let key = format!(
             "sce_with_grad/{}/{}/{}/{}/{summed:?}",
             x.dtype, dl.dtype, grad.dtype, labels.dtype
@@ -882,10 +881,7 @@ pub fn eval(
                 make,
                 "k_rows",
                 row_grid(blocks),
-                match summed {
-                    Some(_) => src::SCE_SUM_THREADS as u32,
-                    None => row_block(classes),
-                },
+                threads,
                 &[
                     x.arg(),
                     labels.arg(),

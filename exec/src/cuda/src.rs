@@ -948,18 +948,23 @@ fn sce_loss_and_mean(t: &str) -> String {
     )
 }
 
-/// The statements storing row `row`'s gradient `d = (softmax - onehot(label)) * scale`
-/// through `st{g}` into `pdx` (NaN for a label out of range), from logits read by
-/// `ld{t}`.
+/// One element of the loss gradient, `(softmax - onehot(label)) * scale` from the
+/// element's `exp(x - shift)` and the row's sum, NaN for a label out of range.
+const SCE_DX: &str = r#"
+__device__ __forceinline__ C sce_dx(A e, A sum, bool is_label, bool bad, C scale) {
+  C p = (C)(e / sum);
+  C target = is_label ? (C)1 : (C)0;
+  return bad ? (C)F_NAN : (p - target) * scale;
+}
+"#;
+
+/// The statements storing row `row`'s gradient ([`SCE_DX`]) through `st{g}` into
+/// `pdx`, from logits read by `ld{t}`.
 fn sce_grad_row(t: &str, g: &str) -> String {
     format!(
         "bool bad = label < 0 || label >= c;\n\
-         for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{\n\
-           C p = (C)(m_exp((A)ld{t}(px, row * c + j) - shift) / sum);\n\
-           C target = j == label ? (C)1 : (C)0;\n\
-           C d = bad ? (C)F_NAN : (p - target) * scale;\n\
-           st{g}(pdx, row * c + j, d);\n\
-         }}\n"
+         for (i64 j = threadIdx.x; j < c; j += blockDim.x)\n\
+           st{g}(pdx, row * c + j, sce_dx(m_exp((A)ld{t}(px, row * c + j) - shift), sum, j == label, bad, scale));\n"
     )
 }
 
@@ -984,7 +989,7 @@ pub fn sce_grad(d: DType, labels: DType) -> String {
     module_multi(
         &[("", d), ("L", labels)],
         &format!(
-            "{}extern \"C\" __global__ void k(const T* px, const TL* pl, const T* pdl, T* pdx, i64 n, i64 c) {{\n\
+            "{SCE_DX}{}extern \"C\" __global__ void k(const T* px, const TL* pl, const T* pdl, T* pdx, i64 n, i64 c) {{\n\
                __shared__ A sh[32];\n\
                C scale = ld(pdl, 0) / (C)n;\n\
                for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
@@ -1024,7 +1029,7 @@ pub fn sce_with_grad(
         return module_multi(
             &types,
             &format!(
-                "{}{}extern \"C\" __global__ void k_rows({params}) {{\n\
+                "{SCE_DX}{}{}extern \"C\" __global__ void k_rows({params}) {{\n\
                    __shared__ A sh[32];\n\
                    C scale = ld(pdl, 0) / (C)n;\n\
                    for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
@@ -1043,7 +1048,7 @@ pub fn sce_with_grad(
     module_multi(
         &types,
         &format!(
-            "{}extern \"C\" __global__ void __launch_bounds__({SCE_SUM_THREADS}) k_rows({params}) {{\n\
+            "{SCE_DX}{}extern \"C\" __global__ void __launch_bounds__({SCE_SUM_THREADS}) k_rows({params}) {{\n\
                __shared__ A sh[32];\n\
                C scale = ld(pdl, 0) / (C)n;\n\
                A acc[{per}], e[{per}];\n\
@@ -1070,9 +1075,7 @@ pub fn sce_with_grad(
                  for (int k = 0; k < {per}; ++k) {{\n\
                    i64 j = threadIdx.x + k * {SCE_SUM_THREADS};\n\
                    if (j < c) {{\n\
-                     C p = (C)(e[k] / sum);\n\
-                     C target = j == label ? (C)1 : (C)0;\n\
-                     C d = bad ? (C)F_NAN : (p - target) * scale;\n\
+                     C d = sce_dx(e[k], sum, j == label, bad, scale);\n\
                      stG(pdx, row * c + j, d);\n\
                      acc[k] += (A)d;\n\
                    }}\n\
