@@ -10,6 +10,7 @@ use ampgraph_graph::{Graph, Node, NodeId, Port, TensorType};
 use crate::ExecError;
 
 /// The nodes a step runs, in topological order, and the reads left of each value.
+#[derive(Clone)]
 pub(crate) struct Schedule {
     pub order: Vec<NodeId>,
     reads: HashMap<NodeId, usize>,

@@ -138,8 +138,12 @@ impl VarSlot {
     }
 }
 
-/// A step's memory plan as the executor uses it.
+/// A step's memory plan as the executor uses it, with the step's schedule (both made
+/// once per graph and fetches: the host work before a step's first launch is time the
+/// GPU waits).
 struct StepMemory {
+    /// The nodes the step runs, in order, with their values' reads.
+    schedule: Schedule,
     /// Each planned tensor's byte offset in the arena.
     offsets: HashMap<Port, usize>,
     arena_bytes: usize,
@@ -245,6 +249,13 @@ impl CudaExecutor {
         if let Some(m) = self.plans.get(&key) {
             return Ok(m.clone());
         }
+        let schedule = Schedule::new(graph, fetches)?;
+        for &id in &schedule.order {
+            let node = graph.node(id);
+            if let Some(msg) = ops::unsupported(node.op.as_ref()) {
+                return Err(ExecError::node(&node.name, node.op.name(), msg));
+            }
+        }
         let casts = memory_plan::constant_casts(graph);
         let mut cast_only: HashMap<NodeId, Vec<(String, DType)>> = HashMap::new();
         for var in memory_plan::read_only_through_casts(graph, fetches, &casts) {
@@ -281,6 +292,7 @@ impl CudaExecutor {
             .map(|(port, var)| (port, graph.node(var).name.clone()))
             .collect();
         let m = Arc::new(StepMemory {
+            schedule,
             offsets: plan.offsets(),
             arena_bytes: plan.arena_bytes,
             in_place,
@@ -539,16 +551,10 @@ impl Executor for CudaExecutor {
                 .map_err(|e| format!("CUDA context: {e:?}"))
         })
         .map_err(dev_err)?;
-        let mut schedule = Schedule::new(graph, fetches)?;
-        let order = std::mem::take(&mut schedule.order);
         let memory = self.step_memory(graph, fetches)?;
+        let mut schedule = memory.schedule.clone();
+        let order = std::mem::take(&mut schedule.order);
         let arena = self.arena(memory.arena_bytes)?;
-        for &id in &order {
-            let node = graph.node(id);
-            if let Some(msg) = ops::unsupported(node.op.as_ref()) {
-                return Err(ExecError::node(&node.name, node.op.name(), msg));
-            }
-        }
         let mut values: HashMap<NodeId, Vec<DTensor>> = HashMap::new();
         let mut writes: Vec<(String, DTensor)> = Vec::new();
         // Casts optimizer updates wrote of their new values, by variable.
@@ -668,15 +674,43 @@ impl Executor for CudaExecutor {
                 .map_err(|e| ExecError::Device(format!("CUDA timing event: {e:?}")))?;
             self.profile.add(key, f64::from(ms) / 1e3);
         }
-        let mut fetched = Vec::with_capacity(fetches.len());
-        for p in fetches {
-            let node = graph.node(p.node);
-            let d = &values[&p.node][p.index];
-            let t = guard("CUDA", || self.dev.download(d))
-                .map_err(|m| ExecError::node(&node.name, node.op.name(), m))?;
-            fetched.push(t);
-        }
+        // What to download; the rest of the step's values go back now.
+        let fetched: Vec<(&str, &str, DTensor)> = fetches
+            .iter()
+            .map(|p| {
+                let node = graph.node(p.node);
+                (
+                    node.name.as_str(),
+                    node.op.name(),
+                    values[&p.node][p.index].clone(),
+                )
+            })
+            .collect();
         drop(values);
+        self.commit(&memory, graph, feeds, writes, written_casts);
+        // Last: the download waits for the stream, and the host work above ran
+        // while the GPU was still busy with the step.
+        fetched
+            .into_iter()
+            .map(|(name, op, d)| {
+                guard("CUDA", || self.dev.download(&d)).map_err(|m| ExecError::node(name, op, m))
+            })
+            .collect()
+    }
+}
+
+impl CudaExecutor {
+    /// Makes a step's variable writes current: the variables take their new values,
+    /// the casts the updates wrote are kept, and a variable read only through kept
+    /// casts drops its device copy (when its host copy is current).
+    fn commit(
+        &mut self,
+        memory: &StepMemory,
+        graph: &Graph,
+        feeds: &Feeds,
+        writes: Vec<(String, DTensor)>,
+        written_casts: Vec<(String, DTensor)>,
+    ) {
         let written: std::collections::HashSet<String> =
             writes.iter().map(|(name, _)| name.clone()).collect();
         for (name, value) in writes {
@@ -707,7 +741,6 @@ impl Executor for CudaExecutor {
                 }
             }
         }
-        Ok(fetched)
     }
 }
 

@@ -1307,6 +1307,6 @@ fn optimizer(
     }
     args.extend(outputs.iter().map(|o| o.arg()));
     args.push(Arg::I64(n as i64));
-    c.dev.launch_n(&key, make, n, &args)?;
+    c.dev.launch_elementwise(&key, make, n, &args)?;
     Ok(outputs)
 }
