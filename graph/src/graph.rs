@@ -195,8 +195,43 @@ fn prefix_sums(counts: &mut [u32]) {
     }
 }
 
+/// Which graph and which of its edits a [`Graph`] is at: a fresh graph (new or
+/// cloned) gets a number no other graph in the process has, and every `&mut` method
+/// counts an edit. Equal revisions mean the same graph, unchanged, so an executor
+/// can keep what it derived from it (its schedule, its memory plan) without hashing
+/// the graph again at every step.
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct Revision {
+    graph: u64,
+    edits: u64,
+}
+
+impl Revision {
+    fn fresh() -> Revision {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        Revision {
+            graph: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            edits: 0,
+        }
+    }
+}
+
+impl Default for Revision {
+    fn default() -> Self {
+        Revision::fresh()
+    }
+}
+
+/// A clone is another graph: its edits must not meet the original's revisions.
+impl Clone for Revision {
+    fn clone(&self) -> Self {
+        Revision::fresh()
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
+    revision: Revision,
     dag: StableDiGraph<Node, Edge>,
     names: HashMap<String, NodeId>,
     outputs: Vec<Port>,
@@ -224,7 +259,19 @@ impl Graph {
     }
 
     pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        self.edited();
         &mut self.dag[id]
+    }
+
+    /// Counts an edit (every `&mut` method calls it first).
+    fn edited(&mut self) {
+        self.revision.edits += 1;
+    }
+
+    /// This graph and its edit count: equal between two calls only if the graph was
+    /// not changed in between (see [`Revision`]).
+    pub fn revision(&self) -> (u64, u64) {
+        (self.revision.graph, self.revision.edits)
     }
 
     /// One more than the largest node index: the length of tables indexed by
@@ -295,6 +342,7 @@ impl Graph {
     }
 
     pub fn set_outputs(&mut self, outputs: Vec<Port>) -> Result<()> {
+        self.edited();
         for p in &outputs {
             self.check_port(*p)?;
         }
@@ -366,6 +414,7 @@ impl Graph {
         op: Box<dyn Op>,
         inputs: &[Port],
     ) -> Result<NodeId> {
+        self.edited();
         let name = name.into();
         if name.is_empty() {
             return Err(GraphError::Format("a node has an empty name".into()));
@@ -397,6 +446,7 @@ impl Graph {
 
     /// Adds a node named after its op and returns its output 0.
     pub fn add(&mut self, op: impl Op, inputs: &[Port]) -> Result<Port> {
+        self.edited();
         let name = self.fresh_name(op.name().to_lowercase());
         Ok(self.add_node(name, Box::new(op), inputs)?.into())
     }
@@ -536,6 +586,7 @@ impl Graph {
 
     /// Infers every node's output types from scratch, in topological order.
     pub fn infer_types(&mut self) -> Result<()> {
+        self.edited();
         let inputs = InputTable::new(self);
         for id in self.topo_order_by(&inputs)? {
             let outputs = self.infer_node(id, inputs.of(id))?;
@@ -548,6 +599,7 @@ impl Graph {
     /// node downstream whose input types changed as a result; the rest keep theirs,
     /// since a node's types follow from its op and its inputs' types alone.
     pub fn infer_types_from(&mut self, touched: &[NodeId]) -> Result<()> {
+        self.edited();
         let inputs = InputTable::new(self);
         let bound = self.node_bound();
         let mut dirty = vec![false; bound];
@@ -620,6 +672,7 @@ impl Graph {
     /// Points input `slot` of `consumer` at `to`. Types are re-inferred by the caller;
     /// many edges are rewired in one [`Graph::rewire`].
     pub fn set_input(&mut self, consumer: NodeId, slot: usize, to: Port) -> Result<()> {
+        self.edited();
         self.rewire(vec![(consumer, slot, to)])
     }
 
@@ -627,6 +680,7 @@ impl Graph {
     /// petgraph unlinks a removed edge by walking its producer's edge list, so edge
     /// by edge this would be quadratic in a producer's fan-out.
     pub fn rewire(&mut self, mut changes: Vec<(NodeId, usize, Port)>) -> Result<()> {
+        self.edited();
         changes.sort_unstable_by_key(|&(n, slot, _)| (n, slot));
         for &(consumer, slot, to) in &changes {
             self.check_port(to)?;
@@ -677,11 +731,13 @@ impl Graph {
     /// type, shapes unchanged) and skips it on large graphs. [`validate`](Self::validate)
     /// checks the result in tests and debug builds.
     pub fn set_dtype(&mut self, port: Port, dtype: crate::DType) {
+        self.edited();
         self.dag[port.node].outputs[port.index].dtype = dtype;
     }
 
     /// Replaces the op of a node (same inputs); types are re-inferred by the caller.
     pub fn set_op(&mut self, id: NodeId, op: Box<dyn Op>) {
+        self.edited();
         self.dag[id].op = op;
     }
 
@@ -691,6 +747,7 @@ impl Graph {
     /// by the caller where they changed. No reader or graph output may read an output
     /// port the new op lacks.
     pub fn set_node(&mut self, id: NodeId, op: Box<dyn Op>, inputs: &[Port]) -> Result<()> {
+        self.edited();
         let node = &self.dag[id];
         let err = |msg: String| GraphError::node(&node.name, op.name(), msg);
         let outputs = self.output_types(&node.name, op.as_ref(), inputs)?;
@@ -729,6 +786,7 @@ impl Graph {
 
     /// Removes a node that nothing reads.
     pub fn remove_node(&mut self, id: NodeId) -> Result<()> {
+        self.edited();
         let node = &self.dag[id];
         if self
             .dag
@@ -752,6 +810,7 @@ impl Graph {
     /// Keeps only what `keep` depends on, which become the outputs: an inference
     /// graph from a training graph drops gradients, updates and optimizer slots.
     pub fn prune(&mut self, keep: &[Port]) -> Result<()> {
+        self.edited();
         for p in keep {
             self.check_port(*p)?;
         }
@@ -782,6 +841,35 @@ mod tests {
     use super::*;
     use crate::ops::{BatchNorm, Const, Placeholder, Unary, UnaryKind};
     use crate::DType;
+
+    #[test]
+    fn the_revision_changes_with_every_edit_and_differs_between_graphs() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, [2]);
+        let x = g.add_node("x", Box::new(Placeholder(ty)), &[]).unwrap();
+        let r0 = g.revision();
+        let _ = (g.topo_order().unwrap(), g.len(), g.ty(Port::new(x, 0)));
+        assert_eq!(g.revision(), r0, "reads leave it");
+        let y = g
+            .add(Unary::new(UnaryKind::Exp), &[Port::new(x, 0)])
+            .unwrap();
+        let r1 = g.revision();
+        assert_ne!(r1, r0);
+        g.node_mut(y.node)
+            .annotations
+            .insert("k".into(), "v".into());
+        assert_ne!(g.revision(), r1, "a mutable borrow of a node counts");
+        let r2 = g.revision();
+        g.set_outputs(vec![y]).unwrap();
+        assert_ne!(g.revision(), r2);
+        // A clone is another graph: the same edits on both never give equal revisions.
+        let mut h = g.clone();
+        assert_ne!(h.revision().0, g.revision().0);
+        g.set_op(y.node, Box::new(Unary::new(UnaryKind::Log)));
+        h.set_op(y.node, Box::new(Unary::new(UnaryKind::Tanh)));
+        assert_ne!(g.revision(), h.revision());
+        assert_ne!(Graph::new().revision(), Graph::new().revision());
+    }
 
     #[test]
     fn set_node_replaces_op_and_inputs_keeping_name_and_readers() {

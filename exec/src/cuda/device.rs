@@ -530,6 +530,20 @@ impl Device {
             .map_err(|e| format!("CUDA event: {e:?}"))
     }
 
+    /// An event for timing, not yet recorded.
+    pub fn event(&self) -> Result<CudaEvent, String> {
+        self.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| format!("CUDA event: {e:?}"))
+    }
+
+    /// Records `event` on the stream (after the work put on it so far).
+    pub fn record(&self, event: &CudaEvent) -> Result<(), String> {
+        event
+            .record(&self.stream)
+            .map_err(|e| format!("CUDA event: {e:?}"))
+    }
+
     /// Launches kernel `name` of module `key` over `grid` blocks of `block` threads.
     pub fn launch(
         &self,

@@ -12,7 +12,7 @@
 //! on demand and cached until the next write. A step's intermediate tensors live in
 //! one arena, each at the offset the step's memory plan ([`crate::memory_plan`])
 //! gave it; the plan is made on a graph's first run and kept by the graph's
-//! fingerprint. Fed values, the values assignments write and kernels' scratch come
+//! fingerprint (the last one also by the graph's revision, which needs no hashing). Fed values, the values assignments write and kernels' scratch come
 //! from a size-keyed buffer pool. An optimizer update writes over the variable it
 //! replaces where nothing later in the step reads the old value (so a step that
 //! fails after such an update leaves that variable updated). Casts of variables the
@@ -180,6 +180,10 @@ pub struct CudaExecutor {
     pub profile: OpProfile,
     /// Memory plans by [`memory_plan::fingerprint`] of the graph and fetches.
     plans: HashMap<u64, Arc<StepMemory>>,
+    /// The last plan used, by the graph's [`Graph::revision`] and the fetches: a
+    /// training loop's steps skip hashing the graph (tens of microseconds of host
+    /// time before the step's first launch, while the GPU waits).
+    last_plan: Option<((u64, u64), Vec<Port>, Arc<StepMemory>)>,
     /// The arena every step's planned tensors live in (as large as the largest plan).
     arena: Option<DTensor>,
     /// Casts of variables by (variable, dtype), kept until the variable is written:
@@ -234,6 +238,7 @@ impl CudaExecutor {
             max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
             profile: OpProfile::default(),
             plans: HashMap::new(),
+            last_plan: None,
             arena: None,
             cast_cache: HashMap::new(),
         })
@@ -245,8 +250,14 @@ impl CudaExecutor {
         graph: &Graph,
         fetches: &[Port],
     ) -> Result<Arc<StepMemory>, ExecError> {
+        if let Some((revision, last_fetches, m)) = &self.last_plan {
+            if *revision == graph.revision() && last_fetches == fetches {
+                return Ok(m.clone());
+            }
+        }
         let key = memory_plan::fingerprint(graph, fetches);
         if let Some(m) = self.plans.get(&key) {
+            self.last_plan = Some((graph.revision(), fetches.to_vec(), m.clone()));
             return Ok(m.clone());
         }
         let schedule = Schedule::new(graph, fetches)?;
@@ -302,6 +313,7 @@ impl CudaExecutor {
             cast_outputs,
         });
         self.plans.insert(key, m.clone());
+        self.last_plan = Some((graph.revision(), fetches.to_vec(), m.clone()));
         Ok(m)
     }
 
@@ -337,18 +349,21 @@ impl CudaExecutor {
         &self.dev.name
     }
 
-    /// [`Executor::run`], also returning the step's milliseconds on the device as CUDA
-    /// events recorded on the stream before and after it measure them.
+    /// [`Executor::run`], also returning the step's milliseconds on the device: CUDA
+    /// events recorded on the stream before the step's first launch and after its last
+    /// kernel, before the fetches' download (as `torch.cuda.Event`s around a PyTorch
+    /// step, whose loss stays on the device).
     pub fn run_timed(
         &mut self,
         graph: &Graph,
         feeds: &Feeds,
         fetches: &[Port],
     ) -> Result<(Vec<Tensor>, f64), ExecError> {
-        let event = |dev: &Device| guard("CUDA", || dev.timing_event()).map_err(dev_err);
-        let start = event(&self.dev)?;
-        let out = self.run(graph, feeds, fetches)?;
-        let end = event(&self.dev)?;
+        // Both made now: creating one takes host time the measurement would count.
+        let [start, end] = [(); 2].map(|()| guard("CUDA", || self.dev.event()).map_err(dev_err));
+        let (start, end) = (start?, end?);
+        guard("CUDA", || self.dev.record(&start)).map_err(dev_err)?;
+        let out = self.run_step(graph, feeds, fetches, Some(&end))?;
         let ms = guard("CUDA", || {
             start
                 .elapsed_ms(&end)
@@ -544,6 +559,20 @@ impl Executor for CudaExecutor {
         feeds: &Feeds,
         fetches: &[Port],
     ) -> Result<Vec<Tensor>, ExecError> {
+        self.run_step(graph, feeds, fetches, None)
+    }
+}
+
+impl CudaExecutor {
+    /// A step; `done`, if given, is recorded on the stream after its kernels and
+    /// before the fetches' download.
+    fn run_step(
+        &mut self,
+        graph: &Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+        done: Option<&cudarc::driver::CudaEvent>,
+    ) -> Result<Vec<Tensor>, ExecError> {
         guard("CUDA", || {
             self.dev
                 .ctx
@@ -687,6 +716,9 @@ impl Executor for CudaExecutor {
             })
             .collect();
         drop(values);
+        if let Some(e) = done {
+            guard("CUDA", || self.dev.record(e)).map_err(dev_err)?;
+        }
         self.commit(&memory, graph, feeds, writes, written_casts);
         // Last: the download waits for the stream, and the host work above ran
         // while the GPU was still busy with the step.
@@ -697,9 +729,7 @@ impl Executor for CudaExecutor {
             })
             .collect()
     }
-}
 
-impl CudaExecutor {
     /// Makes a step's variable writes current: the variables take their new values,
     /// the casts the updates wrote are kept, and a variable read only through kept
     /// casts drops its device copy (when its host copy is current).
