@@ -166,6 +166,9 @@ struct StepMemory {
     cast_outputs: HashMap<Port, String>,
 }
 
+/// A plan with the graph revision and fetches it was last used for.
+type LastPlan = ((u64, u64), Vec<Port>, Arc<StepMemory>);
+
 /// Runs graphs on one CUDA device.
 pub struct CudaExecutor {
     dev: Device,
@@ -183,7 +186,7 @@ pub struct CudaExecutor {
     /// The last plan used, by the graph's [`Graph::revision`] and the fetches: a
     /// training loop's steps skip hashing the graph (tens of microseconds of host
     /// time before the step's first launch, while the GPU waits).
-    last_plan: Option<((u64, u64), Vec<Port>, Arc<StepMemory>)>,
+    last_plan: Option<LastPlan>,
     /// The arena every step's planned tensors live in (as large as the largest plan).
     arena: Option<DTensor>,
     /// Casts of variables by (variable, dtype), kept until the variable is written:
@@ -762,7 +765,7 @@ impl CudaExecutor {
         }
         for &var in memory.cast_only.keys() {
             let name = &graph.node(var).name;
-            if feeds.contains_key(name) || !self.casts_kept(&memory, var) {
+            if feeds.contains_key(name) || !self.casts_kept(memory, var) {
                 continue;
             }
             if let Some(slot) = self.variables.get_mut(name) {
