@@ -525,9 +525,9 @@ impl Device {
 
     /// A timing event recorded on the stream now.
     pub fn timing_event(&self) -> Result<CudaEvent, String> {
-        self.stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| format!("CUDA event: {e:?}"))
+        let event = self.event()?;
+        self.record(&event)?;
+        Ok(event)
     }
 
     /// An event for timing, not yet recorded.

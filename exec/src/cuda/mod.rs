@@ -12,8 +12,9 @@
 //! on demand and cached until the next write. A step's intermediate tensors live in
 //! one arena, each at the offset the step's memory plan ([`crate::memory_plan`])
 //! gave it; the plan is made on a graph's first run and kept by the graph's
-//! fingerprint (the last one also by the graph's revision, which needs no hashing). Fed values, the values assignments write and kernels' scratch come
-//! from a size-keyed buffer pool. An optimizer update writes over the variable it
+//! fingerprint (the last one also by the graph's revision, which needs no hashing).
+//! Fed values, the values assignments write and kernels' scratch come from a
+//! size-keyed buffer pool. An optimizer update writes over the variable it
 //! replaces where nothing later in the step reads the old value (so a step that
 //! fails after such an update leaves that variable updated). Casts of variables the
 //! graph never writes (an inference graph's f16 weights) are kept until the variable
@@ -166,6 +167,64 @@ struct StepMemory {
     cast_outputs: HashMap<Port, String>,
 }
 
+impl StepMemory {
+    /// The plan of a run of `fetches` from `graph`; refuses an op with no CUDA kernel.
+    fn new(graph: &Graph, fetches: &[Port]) -> Result<StepMemory, ExecError> {
+        let schedule = Schedule::new(graph, fetches)?;
+        for &id in &schedule.order {
+            let node = graph.node(id);
+            if let Some(msg) = ops::unsupported(node.op.as_ref()) {
+                return Err(ExecError::node(&node.name, node.op.name(), msg));
+            }
+        }
+        let casts = memory_plan::constant_casts(graph);
+        let mut cast_only: HashMap<NodeId, Vec<(String, DType)>> = HashMap::new();
+        for var in memory_plan::read_only_through_casts(graph, fetches, &casts) {
+            let name = &graph.node(var).name;
+            let keys = casts
+                .iter()
+                .filter(|(_, v)| v == name)
+                .map(|(cast, _)| (name.clone(), graph.ty(*cast).dtype));
+            cast_only.insert(var, keys.collect());
+        }
+        let constant_casts: HashMap<Port, String> = casts.into_iter().collect();
+        let mut update_casts = HashMap::new();
+        let mut cast_outputs = HashMap::new();
+        for (cast, var, out) in memory_plan::update_casts(graph) {
+            update_casts.insert(cast, var.clone());
+            cast_outputs.insert(out, var);
+        }
+        // Kept values live beyond the step, outside the arena.
+        let outside = constant_casts
+            .keys()
+            .chain(update_casts.keys())
+            .chain(cast_outputs.keys())
+            .copied()
+            .collect();
+        let plan = memory_plan::plan_outside(graph, fetches, &outside)?;
+        log::debug!(
+            "memory plan: {} tensors in an arena of {} bytes ({} apart)",
+            plan.buffers.len(),
+            plan.arena_bytes,
+            plan.total_bytes
+        );
+        let in_place = memory_plan::in_place_updates(graph, fetches)?
+            .into_iter()
+            .map(|(port, var)| (port, graph.node(var).name.clone()))
+            .collect();
+        Ok(StepMemory {
+            schedule,
+            offsets: plan.offsets(),
+            arena_bytes: plan.arena_bytes,
+            in_place,
+            constant_casts,
+            cast_only,
+            update_casts,
+            cast_outputs,
+        })
+    }
+}
+
 /// A plan with the graph revision and fetches it was last used for.
 type LastPlan = ((u64, u64), Vec<Port>, Arc<StepMemory>);
 
@@ -259,63 +318,14 @@ impl CudaExecutor {
             }
         }
         let key = memory_plan::fingerprint(graph, fetches);
-        if let Some(m) = self.plans.get(&key) {
-            self.last_plan = Some((graph.revision(), fetches.to_vec(), m.clone()));
-            return Ok(m.clone());
-        }
-        let schedule = Schedule::new(graph, fetches)?;
-        for &id in &schedule.order {
-            let node = graph.node(id);
-            if let Some(msg) = ops::unsupported(node.op.as_ref()) {
-                return Err(ExecError::node(&node.name, node.op.name(), msg));
+        let m = match self.plans.get(&key) {
+            Some(m) => m.clone(),
+            None => {
+                let m = Arc::new(StepMemory::new(graph, fetches)?);
+                self.plans.insert(key, m.clone());
+                m
             }
-        }
-        let casts = memory_plan::constant_casts(graph);
-        let mut cast_only: HashMap<NodeId, Vec<(String, DType)>> = HashMap::new();
-        for var in memory_plan::read_only_through_casts(graph, fetches, &casts) {
-            let name = &graph.node(var).name;
-            let keys = casts
-                .iter()
-                .filter(|(_, v)| v == name)
-                .map(|(cast, _)| (name.clone(), graph.ty(*cast).dtype));
-            cast_only.insert(var, keys.collect());
-        }
-        let constant_casts: HashMap<Port, String> = casts.into_iter().collect();
-        let mut update_casts = HashMap::new();
-        let mut cast_outputs = HashMap::new();
-        for (cast, var, out) in memory_plan::update_casts(graph) {
-            update_casts.insert(cast, var.clone());
-            cast_outputs.insert(out, var);
-        }
-        // Kept values live beyond the step, outside the arena.
-        let outside = constant_casts
-            .keys()
-            .chain(update_casts.keys())
-            .chain(cast_outputs.keys())
-            .copied()
-            .collect();
-        let plan = memory_plan::plan_outside(graph, fetches, &outside)?;
-        log::debug!(
-            "memory plan: {} tensors in an arena of {} bytes ({} apart)",
-            plan.buffers.len(),
-            plan.arena_bytes,
-            plan.total_bytes
-        );
-        let in_place = memory_plan::in_place_updates(graph, fetches)?
-            .into_iter()
-            .map(|(port, var)| (port, graph.node(var).name.clone()))
-            .collect();
-        let m = Arc::new(StepMemory {
-            schedule,
-            offsets: plan.offsets(),
-            arena_bytes: plan.arena_bytes,
-            in_place,
-            constant_casts,
-            cast_only,
-            update_casts,
-            cast_outputs,
-        });
-        self.plans.insert(key, m.clone());
+        };
         self.last_plan = Some((graph.revision(), fetches.to_vec(), m.clone()));
         Ok(m)
     }
@@ -363,8 +373,8 @@ impl CudaExecutor {
         fetches: &[Port],
     ) -> Result<(Vec<Tensor>, f64), ExecError> {
         // Both made now: creating one takes host time the measurement would count.
-        let [start, end] = [(); 2].map(|()| guard("CUDA", || self.dev.event()).map_err(dev_err));
-        let (start, end) = (start?, end?);
+        let start = guard("CUDA", || self.dev.event()).map_err(dev_err)?;
+        let end = guard("CUDA", || self.dev.event()).map_err(dev_err)?;
         guard("CUDA", || self.dev.record(&start)).map_err(dev_err)?;
         let out = self.run_step(graph, feeds, fetches, Some(&end))?;
         let ms = guard("CUDA", || {

@@ -368,6 +368,25 @@ fn column_sums_fin(
     c.dev.launch(key, &make, "k_cols_fin", grid, 256, &args)
 }
 
+/// Kernel `name` of module `key` with a block per row (of `len` values) of `rows`:
+/// arguments `tensors`, then `rows` and `len`.
+fn block_rows(
+    c: &Ctx,
+    key: &str,
+    make: impl Fn() -> String,
+    name: &'static str,
+    tensors: &[Arg],
+    (rows, len): (usize, usize),
+) -> Result<(), String> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut args = tensors.to_vec();
+    args.extend([Arg::I64(rows as i64), Arg::I64(len as i64)]);
+    c.dev
+        .launch(key, &make, name, row_grid(rows), row_block(len), &args)
+}
+
 /// Launches a module's row kernels over `rows` rows of `len` values: `warp` (a warp
 /// per row, held in registers) when the rows are contiguous and short, else `block`
 /// (a block per row). Both take `tensors`, rows and len; `inner` (the distance
@@ -825,22 +844,14 @@ pub fn eval(
         let y = c.alloc(out0)?;
         let key = format!("sce/{}/{}", x.dtype, labels.dtype);
         let make = || src::sce(x.dtype, labels.dtype);
-        if n > 0 {
-            dev.launch(
-                &key,
-                make,
-                "k_rows",
-                row_grid(n),
-                row_block(classes),
-                &[
-                    x.arg(),
-                    labels.arg(),
-                    rows.arg(),
-                    Arg::I64(n as i64),
-                    Arg::I64(classes as i64),
-                ],
-            )?;
-        }
+        block_rows(
+            c,
+            &key,
+            make,
+            "k_rows",
+            &[x.arg(), labels.arg(), rows.arg()],
+            (n, classes),
+        )?;
         sce_mean(c, &key, make, &rows, &y, n)?;
         return Ok(vec![y]);
     }
@@ -855,9 +866,10 @@ pub fn eval(
                 .map(|t| c.alloc(t))
         };
         let (loss, grad) = (output(0)??, output(1)??);
-        let sums = match f.column_sum {
-            true => Some(output(2)??),
-            false => None,
+        let sums = if f.column_sum {
+            Some(output(2)??)
+        } else {
+            None
         };
         let summed = f.column_sum.then_some(classes);
         // With column sums, a block per chunk of rows: its sums are one partial each.
@@ -915,23 +927,14 @@ pub fn eval(
         float_only(x.dtype)?;
         let (n, classes) = (x.shape[0], x.shape[1]);
         let dx = c.alloc(out0)?;
-        if n > 0 {
-            dev.launch(
-                &format!("sce_grad/{}/{}", x.dtype, labels.dtype),
-                || src::sce_grad(x.dtype, labels.dtype),
-                "k",
-                row_grid(n),
-                row_block(classes),
-                &[
-                    x.arg(),
-                    labels.arg(),
-                    dl.arg(),
-                    dx.arg(),
-                    Arg::I64(n as i64),
-                    Arg::I64(classes as i64),
-                ],
-            )?;
-        }
+        block_rows(
+            c,
+            &format!("sce_grad/{}/{}", x.dtype, labels.dtype),
+            || src::sce_grad(x.dtype, labels.dtype),
+            "k",
+            &[x.arg(), labels.arg(), dl.arg(), dx.arg()],
+            (n, classes),
+        )?;
         return Ok(vec![dx]);
     }
     if let Some(a) = op.downcast_ref::<FusedAttention>() {

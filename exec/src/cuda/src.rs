@@ -1511,13 +1511,18 @@ pub fn optimizer(
         types.push(("K", k));
     }
     let (lr, wd) = (lit(lr), lit(wd));
-    let lamb = matches!(rule, Rule::Lamb { .. });
-    if !lamb {
+    // LAMB's update needs the norms of the whole update: two grid loops of its own.
+    let Rule::Lamb {
+        beta1,
+        beta2,
+        epsilon,
+    } = rule
+    else {
         return module_multi(
             &types,
             &elementwise_update(var, grad, grad_scale, cast_to, rule, &lr, &wd),
         );
-    }
+    };
     let (cp, cs) = match cast_to {
         Some(_) => (", TK* pk_out", " stK(pk_out, i, (CK)ld(pw_out, i));"),
         None => ("", ""),
@@ -1530,12 +1535,7 @@ pub fn optimizer(
     } else {
         ("const TG* pg", "C w = ld(pw, i); C g = (C)ldG(pg, i);")
     };
-    let body = match rule {
-        Rule::Lamb {
-            beta1,
-            beta2,
-            epsilon,
-        } => format!(
+    let body = format!(
             "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, T* pm_out, T* pv_out, A* scratch, A* sums, i64 n) {{\n\
                double t = (double)ldS(ps, 0);\n\
                C c1 = (C)(1.0 - pow({b1}, t)), c2 = (C)(1.0 - pow({b2}, t));\n\
@@ -1563,9 +1563,7 @@ pub fn optimizer(
             b1 = lit(beta1),
             b2 = lit(beta2),
             eps = lit(epsilon),
-        ),
-        _ => unreachable!("only LAMB's two passes are written out here"),
-    };
+        );
     module_multi(&types, &body)
 }
 
@@ -1590,96 +1588,104 @@ fn elementwise_update(
         at: At::Own,
     };
     let mut loads = vec![own(var, "w", "pw"), own_grad];
-    let (mut params, mut stores) = (String::new(), vec![store(var, "pw_out", "w_new")]);
-    let (mut setup, body) = (
-        String::new(),
-        match rule {
-            Rule::Sgd { momentum, nesterov } if momentum != 0.0 => {
-                loads.push(own(var, "b", "pb"));
-                params.push_str("const T* pb, ");
-                stores.push(store(var, "pb_out", "b_new"));
+    let mut stores = vec![store(var, "pw_out", "w_new")];
+    // Per rule: the slot (and step) parameters, the outputs, code before the loop and
+    // the loop's body, which sets w_new (and the slots' new values) where `ok`.
+    let (slots, outs, setup, body) = match rule {
+        Rule::Sgd { momentum, nesterov } if momentum != 0.0 => {
+            loads.push(own(var, "b", "pb"));
+            stores.push(store(var, "pb_out", "b_new"));
+            let mo = lit(momentum);
+            let step = if nesterov {
+                format!("g + (C){mo} * b_new")
+            } else {
+                "b_new".into()
+            };
+            (
+                "const T* pb, ",
+                "T* pw_out, T* pb_out",
+                String::new(),
                 format!(
-                "C b_new = b;\n\
-                 if (ok) {{ g = g + (C){wd} * w; b_new = (C){mo} * b + g; w_new = w - (C){lr} * ({step}); }}",
-                mo = lit(momentum),
-                step = if nesterov { format!("g + (C){} * b_new", lit(momentum)) } else { "b_new".into() }
+                    "C b_new = b;\n\
+                     if (ok) {{ g = g + (C){wd} * w; b_new = (C){mo} * b + g; w_new = w - (C){lr} * ({step}); }}"
+                ),
             )
-            }
-            Rule::Sgd { .. } => format!("if (ok) w_new = w - (C){lr} * (g + (C){wd} * w);"),
-            Rule::Adam {
-                beta1,
-                beta2,
-                epsilon,
-                decoupled,
-            } => {
-                loads.push(own(var, "m", "pm"));
-                loads.push(own(var, "v", "pv"));
-                params.push_str("const T* pm, const T* pv, const TS* ps, ");
-                stores.push(store(var, "pm_out", "m_new"));
-                stores.push(store(var, "pv_out", "v_new"));
-                let (b1, b2, eps) = (lit(beta1), lit(beta2), lit(epsilon));
+        }
+        Rule::Sgd { .. } => (
+            "",
+            "T* pw_out",
+            String::new(),
+            format!("if (ok) w_new = w - (C){lr} * (g + (C){wd} * w);"),
+        ),
+        Rule::Adam {
+            beta1,
+            beta2,
+            epsilon,
+            decoupled,
+        } => {
+            loads.push(own(var, "m", "pm"));
+            loads.push(own(var, "v", "pv"));
+            stores.push(store(var, "pm_out", "m_new"));
+            stores.push(store(var, "pv_out", "v_new"));
+            let (b1, b2, eps) = (lit(beta1), lit(beta2), lit(epsilon));
+            let (coupled, decay) = if decoupled {
+                (String::new(), format!("(C){wd} * w"))
+            } else {
+                (format!("g = g + (C){wd} * w;"), "(C)0".into())
+            };
+            (
+                "const T* pm, const T* pv, const TS* ps, ",
+                "T* pw_out, T* pm_out, T* pv_out",
+                format!(
+                    "const double t = (double)ldS(ps, 0);\n\
+                     const C c1 = (C)(1.0 - pow({b1}, t)), c2 = (C)(1.0 - pow({b2}, t));\n"
+                ),
                 format!(
                     "C m_new = m, v_new = v;\n\
-                 if (ok) {{\n\
-                   {coupled}\n\
-                   m_new = (C){b1} * m + ((C)1 - (C){b1}) * g;\n\
-                   v_new = (C){b2} * v + ((C)1 - (C){b2}) * g * g;\n\
-                   C update = (m_new / c1) / (m_sqrt(v_new / c2) + (C){eps});\n\
-                   w_new = w - (C){lr} * (update + {decay});\n\
-                 }}",
-                    coupled = if decoupled {
-                        String::new()
-                    } else {
-                        format!("g = g + (C){wd} * w;")
-                    },
-                    decay = if decoupled {
-                        format!("(C){wd} * w")
-                    } else {
-                        "(C)0".into()
-                    }
-                )
-            }
-            Rule::Lamb { .. } => unreachable!("LAMB needs the norms of the whole update"),
-        },
-    );
-    if let Rule::Adam { beta1, beta2, .. } = rule {
-        setup = format!(
-            "const double t = (double)ldS(ps, 0);\n\
-             const C c1 = (C)(1.0 - pow({}, t)), c2 = (C)(1.0 - pow({}, t));\n",
-            lit(beta1),
-            lit(beta2)
-        );
-    }
-    let outs = match rule {
-        Rule::Sgd { momentum, .. } if momentum != 0.0 => "T* pw_out, T* pb_out",
-        Rule::Adam { .. } => "T* pw_out, T* pm_out, T* pv_out",
-        _ => "T* pw_out",
+                     if (ok) {{\n\
+                       {coupled}\n\
+                       m_new = (C){b1} * m + ((C)1 - (C){b1}) * g;\n\
+                       v_new = (C){b2} * v + ((C)1 - (C){b2}) * g * g;\n\
+                       C update = (m_new / c1) / (m_sqrt(v_new / c2) + (C){eps});\n\
+                       w_new = w - (C){lr} * (update + {decay});\n\
+                     }}"
+                ),
+            )
+        }
+        Rule::Lamb { .. } => unreachable!("LAMB needs the norms of the whole update"),
     };
     // The cast is of the value as stored (rounded to the variable's type).
-    let cast = cast_to.map(|_| {
-        stores.push(Store {
-            storer: "stK",
-            ptr: "pk_out",
-            bytes: cast_to.map_or(0, DType::size_bytes),
-            value: "(CK)w_kept",
-        });
-        "T w_t[1]; st(w_t, 0, w_new); const C w_kept = ld(w_t, 0);"
-    });
-    let scale = if grad_scale { "const T* pgs, " } else { "" };
-    let g = if grad_scale {
-        "m_mul_rn(g_in, gs)"
+    let (cast_out, kept) = match cast_to {
+        Some(k) => {
+            stores.push(Store {
+                storer: "stK",
+                ptr: "pk_out",
+                bytes: k.size_bytes(),
+                value: "(CK)w_kept",
+            });
+            (
+                ", TK* pk_out",
+                "T w_t[1]; st(w_t, 0, w_new); const C w_kept = ld(w_t, 0);",
+            )
+        }
+        None => ("", ""),
+    };
+    let (scale, gs, g) = if grad_scale {
+        (
+            "const T* pgs, ",
+            "const C gs = ld(pgs, 0);\n",
+            "m_mul_rn(g_in, gs)",
+        )
     } else {
-        "g_in"
+        ("", "", "g_in")
     };
     format!(
-        "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, {scale}{params}{outs}{cast_arg}, i64 n) {{\n\
+        "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, {scale}{slots}{outs}{cast_out}, i64 n) {{\n\
            const bool ok = f[0] != 0;\n\
            {gs}{setup}{loop}}}\n",
-        cast_arg = if cast_to.is_some() { ", TK* pk_out" } else { "" },
-        gs = if grad_scale { "const C gs = ld(pgs, 0);\n" } else { "" },
         loop = elementwise(
             &loads,
-            &format!("C g = {g}; C w_new = w;\n{body}\n{}", cast.unwrap_or("")),
+            &format!("C g = {g}; C w_new = w;\n{body}\n{kept}"),
             &stores
         )
     )
