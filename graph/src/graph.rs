@@ -263,7 +263,8 @@ impl Graph {
         &mut self.dag[id]
     }
 
-    /// Counts an edit (every `&mut` method calls it first).
+    /// Counts an edit (every `&mut` method calls it first, or through the one it
+    /// delegates to).
     fn edited(&mut self) {
         self.revision.edits += 1;
     }
@@ -446,7 +447,6 @@ impl Graph {
 
     /// Adds a node named after its op and returns its output 0.
     pub fn add(&mut self, op: impl Op, inputs: &[Port]) -> Result<Port> {
-        self.edited();
         let name = self.fresh_name(op.name().to_lowercase());
         Ok(self.add_node(name, Box::new(op), inputs)?.into())
     }
@@ -672,7 +672,6 @@ impl Graph {
     /// Points input `slot` of `consumer` at `to`. Types are re-inferred by the caller;
     /// many edges are rewired in one [`Graph::rewire`].
     pub fn set_input(&mut self, consumer: NodeId, slot: usize, to: Port) -> Result<()> {
-        self.edited();
         self.rewire(vec![(consumer, slot, to)])
     }
 

@@ -15,13 +15,13 @@
 //! product.
 
 use ampgraph_graph::ops::{
-    Binary, BinaryGrad, BinaryKind, Cast, Reduce, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad,
+    Binary, BinaryGrad, BinaryKind, Reduce, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad,
     SoftmaxCrossEntropyWithGrad, MAX_SUMMED_CLASSES,
 };
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
-use crate::simplify::{output_nodes, remove_unread, summary, widened};
-use crate::sum_into_elementwise::is_column_sum;
+use crate::simplify::{one_cast_dtype, output_nodes, remove_unread, summary, widened};
+use crate::sum_into_elementwise::{is_column_sum, reachable_from};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `fuse-cross-entropy` pass.
@@ -46,16 +46,8 @@ fn independent_of(g: &mut Graph, dloss: Port, loss: NodeId) -> Result<Option<Por
         }
     }
     // Any other path from the loss still ties them.
-    let (mut stack, mut seen) = (vec![dloss.node], vec![false; g.node_bound()]);
-    while let Some(id) = stack.pop() {
-        if id == loss {
-            return Ok(None);
-        }
-        if !std::mem::replace(&mut seen[id.index()], true) {
-            stack.extend(g.inputs(id).iter().map(|p| p.node));
-        }
-    }
-    Ok(Some(dloss))
+    let tied = reachable_from(g, [loss])[dloss.node.index()];
+    Ok((!tied).then_some(dloss))
 }
 
 /// How the readers of the gradient `grad` (`[N, C]`, compute type) fold: the column
@@ -76,16 +68,10 @@ fn fold_readers(
             && ty.shape.get(1).is_some_and(|&c| c <= MAX_SUMMED_CLASSES)
             && summed.is_some_and(|s| is_column_sum(s, ty.rank(), ty.dtype))
     });
-    let cast_to = |c: NodeId| {
-        let to = g.node(c).op.downcast_ref::<Cast>()?.to;
-        // f64 rounded to 16 bits in a kernel would round twice, through f32.
-        let twice = compute == DType::F64 && to.size_bytes() < 4;
-        (!is_output[c.index()] && to.is_float() && !twice).then_some(to)
-    };
-    let mut rest = readers.iter().copied().filter(|&r| Some(r) != sum);
-    let first = rest.next().and_then(cast_to);
-    let narrowed = first.filter(|_| rest.all(|c| cast_to(c) == first));
-    (sum, narrowed)
+    let rest = readers.iter().copied().filter(|&r| Some(r) != sum);
+    // f64 rounded to 16 bits in a kernel would round twice, through f32.
+    let once = |to: DType| compute != DType::F64 || to.size_bytes() >= 4;
+    (sum, one_cast_dtype(g, rest, is_output, once))
 }
 
 impl Pass for FuseCrossEntropy {
@@ -170,7 +156,7 @@ impl Pass for FuseCrossEntropy {
 mod tests {
     use super::*;
     use crate::testing::{assert_same_bits, run as run_cpu};
-    use ampgraph_graph::ops::{Unary, UnaryKind};
+    use ampgraph_graph::ops::{Cast, Unary, UnaryKind};
     use ampgraph_graph::Tensor;
     use std::collections::HashMap;
 

@@ -112,7 +112,7 @@ fn summing_kernel(
 }
 
 /// Which nodes depend on any of `starts` (themselves included).
-fn reachable_from(g: &Graph, starts: impl IntoIterator<Item = NodeId>) -> Vec<bool> {
+pub(crate) fn reachable_from(g: &Graph, starts: impl IntoIterator<Item = NodeId>) -> Vec<bool> {
     let mut seen = vec![false; g.node_bound()];
     let mut stack: Vec<NodeId> = starts.into_iter().collect();
     while let Some(id) = stack.pop() {

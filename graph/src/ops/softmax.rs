@@ -570,9 +570,10 @@ impl Op for SoftmaxCrossEntropyWithGrad {
             &[&wide, labels, dloss],
         )?
         .remove(0);
-        let sums = match self.column_sum {
-            true => Self::column_sum_op().eval(&[&grad])?,
-            false => Vec::new(),
+        let sums = if self.column_sum {
+            Self::column_sum_op().eval(&[&grad])?
+        } else {
+            Vec::new()
         };
         outputs.push(grad.cast(out[1].dtype));
         outputs.extend(sums);

@@ -9,10 +9,10 @@
 //! dtype), so the kernels see the same values. An input Cast that something else also
 //! reads stays for its other readers; one left unread is removed.
 
-use ampgraph_graph::ops::{Cast, LayerNorm, LayerNormGrad};
+use ampgraph_graph::ops::{LayerNorm, LayerNormGrad};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use super::{output_nodes, remove_unread, summary, widened};
+use super::{one_cast_dtype, output_nodes, remove_unread, summary, widened};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `cast-into-norm` pass.
@@ -56,14 +56,8 @@ impl Pass for CastIntoNorm {
             if let Some(mut ln) = ln.filter(|ln| ln.to.is_none() && !is_output[id.index()]) {
                 // Every reader a Cast to one float dtype, none of them a graph output.
                 let readers = g.consumers(id);
-                let cast_to = |c: NodeId| {
-                    let cast = g.node(c).op.downcast_ref::<Cast>()?;
-                    (!is_output[c.index()] && cast.to.is_float()).then_some(cast.to)
-                };
-                let first = readers.first().and_then(|&(c, _, _)| cast_to(c));
-                if let Some(to) =
-                    first.filter(|_| readers.iter().all(|&(c, _, _)| cast_to(c) == first))
-                {
+                let cast_nodes = readers.iter().map(|&(c, _, _)| c);
+                if let Some(to) = one_cast_dtype(g, cast_nodes, &is_output, |_| true) {
                     ln.to = Some(to);
                     op = Box::new(ln);
                     changed = true;
@@ -98,8 +92,8 @@ impl Pass for CastIntoNorm {
 mod tests {
     use super::*;
     use crate::testing::{assert_same_bits, run as run_cpu};
-    use ampgraph_graph::ops::Unary;
     use ampgraph_graph::ops::UnaryKind;
+    use ampgraph_graph::ops::{Cast, Unary};
     use ampgraph_graph::{DType, Tensor};
 
     /// The transformer's first block after AMP: `x: f16 -> Cast<f32> -> LayerNorm (f32

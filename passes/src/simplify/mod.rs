@@ -1,8 +1,8 @@
 //! Graph simplification: constant folding, common-subexpression elimination,
 //! dead-node elimination, algebraic identities, widening casts folded into
-//! reductions and casts into layer normalisation, scalar scalings folded into batched products, loss-scale unscaling
-//! and the master weights' casts folded into the optimizer updates, batch-norm
-//! folding and GEMM padding.
+//! reductions and casts into layer normalisation, scalar scalings folded into
+//! batched products, loss-scale unscaling and the master weights' casts folded into
+//! the optimizer updates, batch-norm folding and GEMM padding.
 //!
 //! Each pass is one small type in its own file. They share the helpers below: which
 //! ops hold or write state (never folded, merged or removed as dead), and `Edits`,
@@ -94,6 +94,24 @@ pub(crate) fn widened(g: &Graph, p: Port, wide: DType) -> Option<Port> {
     };
     let from = g.ty(narrow).dtype;
     (cast.to == wide && from != wide && widens_exactly(from, wide)).then_some(narrow)
+}
+
+/// The one float dtype every node of `readers` casts to, where each is a Cast that
+/// is no graph output and whose dtype `fits` accepts (None for no readers): a kernel
+/// storing its result in that dtype replaces them all.
+pub(crate) fn one_cast_dtype(
+    g: &Graph,
+    readers: impl IntoIterator<Item = NodeId>,
+    is_output: &[bool],
+    fits: impl Fn(DType) -> bool,
+) -> Option<DType> {
+    let cast_to = |c: NodeId| {
+        let to = g.node(c).op.downcast_ref::<Cast>()?.to;
+        (!is_output[c.index()] && to.is_float() && fits(to)).then_some(to)
+    };
+    let mut readers = readers.into_iter();
+    let first = readers.next().and_then(cast_to);
+    first.filter(|_| readers.all(|c| cast_to(c) == first))
 }
 
 /// Removes the `nodes` (folded casts) that nothing reads any more and no graph output
