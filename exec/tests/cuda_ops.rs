@@ -507,6 +507,8 @@ fn cross_entropy_with_its_gradient() {
             3000usize,
             1000usize,
         ),
+        // More rows than the summing kernel has blocks (1024): several rows a block.
+        (DType::F16, DType::F32, Some(DType::F16), true, 8200, 24),
         (DType::BF16, DType::F32, Some(DType::BF16), true, 40, 10),
         (DType::F32, DType::F32, None, false, 64, 700),
         (DType::F32, DType::F32, None, true, 9, 1500),

@@ -1133,8 +1133,8 @@ pub fn eval(
             1,
             &[flag.arg(), Arg::I32(1)],
         )?;
-        // One launch per dtype and MAX_RANK tensors: ten gradients' checks launched
-        // one by one cost more than reading them.
+        // One launch for all, in lists of one dtype and at most MAX_RANK tensors: ten
+        // gradients' checks launched one by one cost more than reading them.
         let mut by_dtype: Vec<(DType, Vec<&DTensor>)> = Vec::new();
         for x in checked {
             float_only(x.dtype)?;
@@ -1143,26 +1143,33 @@ pub fn eval(
                 None => by_dtype.push((x.dtype, vec![x])),
             }
         }
-        let scale_dtype = scale.map(|s| s.dtype);
-        for (dtype, xs) in by_dtype {
-            for list in xs.chunks(src::MAX_RANK) {
-                let ptrs: Vec<usize> = list.iter().map(|x| x.ptr() as usize).collect();
-                let lens: Vec<usize> = list.iter().map(|x| x.len()).collect();
-                let mut args = vec![
-                    Arg::Dims(Dims::new(&ptrs)?),
-                    Arg::Dims(Dims::new(&lens)?),
-                    Arg::I32(list.len() as i32),
-                    flag.arg(),
-                ];
-                args.extend(scale.map(|s| s.arg()));
-                dev.launch_elementwise(
-                    &format!("all_finite/{dtype}/{scale_dtype:?}"),
-                    || src::all_finite(dtype, scale_dtype),
-                    lens.iter().copied().max().unwrap_or(0),
-                    &args,
-                )?;
-            }
+        let lists: Vec<(DType, &[&DTensor])> = by_dtype
+            .iter()
+            .flat_map(|(d, xs)| xs.chunks(src::MAX_RANK).map(|list| (*d, list)))
+            .collect();
+        if lists.is_empty() {
+            return Ok(vec![flag]);
         }
+        let mut args = Vec::new();
+        for (_, list) in &lists {
+            let ptrs: Vec<usize> = list.iter().map(|x| x.ptr() as usize).collect();
+            let lens: Vec<usize> = list.iter().map(|x| x.len()).collect();
+            args.extend([
+                Arg::Dims(Dims::new(&ptrs)?),
+                Arg::Dims(Dims::new(&lens)?),
+                Arg::I32(list.len() as i32),
+            ]);
+        }
+        args.push(flag.arg());
+        args.extend(scale.map(|s| s.arg()));
+        let dtypes: Vec<DType> = lists.iter().map(|(d, _)| *d).collect();
+        let scale_dtype = scale.map(|s| s.dtype);
+        dev.launch_elementwise(
+            &format!("all_finite/{dtypes:?}/{scale_dtype:?}"),
+            || src::all_finite(&dtypes, scale_dtype),
+            checked.iter().map(|x| x.len()).max().unwrap_or(0),
+            &args,
+        )?;
         return Ok(vec![flag]);
     }
     if op.downcast_ref::<IncrementIf>().is_some() {

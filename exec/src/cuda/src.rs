@@ -1429,31 +1429,57 @@ pub fn fill_flag() -> String {
     format!("{PRELUDE}extern \"C\" __global__ void k(u8* flag, int v) {{ flag[0] = (u8)v; }}\n")
 }
 
-/// Clears `flag[0]` where `x` has a non-finite element; with `scale` (the dtype of
-/// a scalar `ps`), where `x * s` does, the product in that dtype.
-/// AllFinite over a list of up to [`MAX_RANK`] tensors of `d` (their addresses and
-/// lengths in two `Dims`), one launch for all: clears `flag` at a value that is not
-/// finite (times the scale `ps` when folded unscaling gave one).
-pub fn all_finite(d: DType, scale: Option<DType>) -> String {
-    let (param, check) = match scale {
-        Some(_) => (", const TS* ps", "m_mul_rn((CS)x, ldS(ps, 0))"),
-        None => ("", "(A)x"),
-    };
+/// AllFinite in one launch: `lists` are the dtypes of lists of up to [`MAX_RANK`]
+/// tensors each (list `q`: their addresses and lengths in `ptrs<q>` and `lens<q>`,
+/// `count<q>` of them), checked one after another by the whole grid. Clears `flag` at
+/// a value that is not finite (times the scale `ps`, in its dtype, when folded
+/// unscaling gave one). One launch for all dtypes: the mlp's f32 bias gradients in a
+/// launch of their own ran on two blocks for 7.5 us.
+pub fn all_finite(lists: &[DType], scale: Option<DType>) -> String {
+    let suffixes: Vec<String> = (0..lists.len()).map(|q| format!("L{q}")).collect();
+    let mut types: Vec<(&str, DType)> = suffixes
+        .iter()
+        .map(String::as_str)
+        .zip(lists.iter().copied())
+        .collect();
+    types.push(("S", scale.or(lists.first().copied()).unwrap_or(DType::F32)));
+    let mut params: Vec<String> = (0..lists.len())
+        .map(|q| format!("Dims ptrs{q}, Dims lens{q}, int count{q}"))
+        .collect();
+    params.push("u8* flag".into());
+    if scale.is_some() {
+        params.push("const TS* ps".into());
+    }
+    let mut body = String::new();
+    for (q, (suffix, d)) in suffixes.iter().zip(lists).enumerate() {
+        let (ty, loader) = (format!("C{suffix}"), format!("ld{suffix}"));
+        let check = match scale {
+            Some(_) => "m_mul_rn((CS)x, ldS(ps, 0))".to_string(),
+            None => format!("(A{suffix})x"),
+        };
+        let x = Load {
+            ty: &ty,
+            name: "x",
+            loader: &loader,
+            ptr: "px",
+            bytes: d.size_bytes(),
+            at: At::Own,
+        };
+        // Unrolled over the list's limit: the Dims indexed by a variable would be
+        // copied into local memory by every thread.
+        body.push_str(&format!(
+            "#pragma unroll\n\
+             for (int t = 0; t < {MAX_RANK}; ++t) {{\n\
+               if (t >= count{q}) break;\n\
+               const T{suffix}* px = (const T{suffix}*)ptrs{q}.n[t]; const i64 n = lens{q}.n[t];\n{}}}\n",
+            elementwise(&[x], &format!("if (!m_isfinite({check})) flag[0] = 0;"), &[])
+        ));
+    }
     module_multi(
-        &[("", d), ("S", scale.unwrap_or(d))],
+        &types,
         &format!(
-            "extern \"C\" __global__ void k(Dims ptrs, Dims lens, int count, u8* flag{param}) {{\n\
-               // Unrolled over the list's limit: the Dims indexed by a variable would be\n\
-               // copied into local memory by every thread.\n\
-               #pragma unroll\n\
-               for (int t = 0; t < {MAX_RANK}; ++t) {{\n\
-                 if (t >= count) break;\n\
-                 const T* px = (const T*)ptrs.n[t]; const i64 n = lens.n[t];\n{}}}\n}}\n",
-            elementwise(
-                &[own(d, "x", "px")],
-                &format!("if (!m_isfinite({check})) flag[0] = 0;"),
-                &[]
-            )
+            "extern \"C\" __global__ void k({}) {{\n{body}}}\n",
+            params.join(", ")
         ),
     )
 }
@@ -1881,9 +1907,12 @@ pub fn fused_vector(p: &FusedElementwise) -> usize {
 /// outputs of the elements it reads and adds up the summed values as it goes (the
 /// sums in `S`, f32 or f64), and `k_cols_part_vec` does the same moving vectors of
 /// [`fused_vector`] elements of a row (aligned rows whose length is a multiple of
-/// it). Its row loop is unrolled 4 times, so that loads of four rows are in flight:
-/// the mlp's GELU gradient with its bias sum took 160 us a layer unrolled once, 112
-/// twice, 100 four times and 104 eight times (H100).
+/// it). Its row loop is not unrolled: with 16-byte vectors a row is a long enough
+/// stretch of loads and arithmetic, and unrolling only costs registers and so resident
+/// blocks. The mlp's GELU gradient with its bias sum on a [8192, 4096] f16 matrix
+/// (H100, alone): unrolled 4 times 103 us (54 registers), twice 102 (62), not at all
+/// 83 (40); an f16 Add with its column sum 99, 100 and 82 (in the step: the GELU
+/// gradient 98 -> 83 us).
 pub fn fused(p: &FusedElementwise) -> String {
     let parts = FusedParts::new(p);
     let (loads, stores) = (parts.loads(), parts.stores());
@@ -1941,7 +1970,7 @@ pub fn fused(p: &FusedElementwise) -> String {
                i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
                {accs}\
                if (j < len) {{\n\
-                 #pragma unroll 4\n\
+                 #pragma unroll 1\n\
                  for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{\n\
                    const i64 i0 = row * len + j;\n\
                    {fetch}\
@@ -2144,10 +2173,10 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                     format!("sce_with_grad_summed_{d}"),
                     sce_with_grad(DType::F16, d, DType::F16, DType::I64, Some(1000)),
                 ),
-                (format!("all_finite_{d}"), all_finite(d, None)),
+                (format!("all_finite_{d}"), all_finite(&[d], None)),
                 (
                     format!("all_finite_scaled_{d}"),
-                    all_finite(d, Some(DType::F32)),
+                    all_finite(&[d, DType::F32], Some(DType::F32)),
                 ),
                 (format!("increment_if_{d}"), increment_if(d)),
             ]);
