@@ -165,7 +165,7 @@ struct Args {
     /// to list.
     #[arg(long, default_value_t = 12)]
     peak_top: usize,
-    /// Write each graph as it runs (after the passes) to DIR/<workload>-<phase>-<mode>.txt.
+    /// Write each graph after the passes (also with --passes-only) to DIR/<workload>-<phase>-<mode>.txt.
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
 }
@@ -612,6 +612,17 @@ fn run_one(
     let records = passes.run(&mut graph)?;
     let (fetch, loss) = (graph.outputs()[0], graph.outputs().get(1).copied());
     let plan = ampgraph::exec::memory_plan::plan(&graph, &[fetch])?;
+    if let Some(dir) = &args.dump {
+        let phase = if infer { "infer" } else { "train" };
+        let path = dir.join(format!(
+            "{}-{phase}-{}.txt",
+            args.workload.name(),
+            mode.name()
+        ));
+        std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&path, ampgraph::graph::format::to_text(&graph)))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     if args.passes_only {
         let phase = if infer { "infer" } else { "train" };
         let (workload, mode) = (args.workload.name(), mode.name());
@@ -647,17 +658,6 @@ fn run_one(
             );
         }
         return Ok(None);
-    }
-    if let Some(dir) = &args.dump {
-        let phase = if infer { "infer" } else { "train" };
-        let path = dir.join(format!(
-            "{}-{phase}-{}.txt",
-            args.workload.name(),
-            mode.name()
-        ));
-        std::fs::create_dir_all(dir)
-            .and_then(|()| std::fs::write(&path, ampgraph::graph::format::to_text(&graph)))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
     }
     let mut exec = match args.device {
         DeviceArg::Cpu => Exec::Cpu(CpuExecutor::new()),
