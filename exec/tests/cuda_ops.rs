@@ -661,10 +661,28 @@ fn matmul_and_batch_matmul() {
                     product: MatMul::new(ta, tb),
                     epilogue,
                     to: None,
+                    residual: false,
                 };
                 let what = format!("FusedMatMul {} {d} {ta} {tb}", epilogue.name());
                 let inputs = [a, b, bias];
                 check_scaled(&mut gpu, &what, fused.clone(), &inputs, 4.0);
+                // A residual added as cuBLASLt's C matrix (bias only).
+                if epilogue == Epilogue::Bias {
+                    let residual = rand(&mut r, d, &[m, n], -4.0, 4.0);
+                    let with_residual = FusedMatMul {
+                        residual: true,
+                        ..fused.clone()
+                    };
+                    let mut four = inputs.to_vec();
+                    four.push(residual);
+                    check_scaled(
+                        &mut gpu,
+                        &format!("{what} residual"),
+                        with_residual,
+                        &four,
+                        4.0,
+                    );
+                }
                 // Stored in f32 by the GEMM: the CPU's f16 result, to the rounding
                 // the GPU skips.
                 if d != DType::F32 {

@@ -5,13 +5,17 @@
 //! A product fuses only with the BiasAdd that is its sole reader, and an activation
 //! only where it is the BiasAdd's sole reader: an intermediate someone else reads (the
 //! pre-activation a GELU's gradient needs in a training graph, a graph output) has to
-//! exist, so it stays unfused. Then a 16-bit fused product whose sole reader is a Cast
-//! to f32 (AMP's cast back before the loss or a graph output) stores its result in
-//! f32 itself (`FusedMatMul::to`). The fused node takes the name of the last node it
-//! replaces.
+//! exist, so it stays unfused. Then a fused product without an activation whose sole
+//! reader is an `Add` of a tensor of its own type (a residual connection) adds that
+//! tensor itself (`FusedMatMul::residual`, cuBLASLt's `C` with beta 1), and a 16-bit
+//! fused product whose sole reader is a Cast to f32 (AMP's cast back before the loss
+//! or a graph output) stores its result in f32 itself (`FusedMatMul::to`). The fused
+//! node takes the name of the last node it replaces.
 
 use ampgraph_graph::graph::Adjacency;
-use ampgraph_graph::ops::{BiasAdd, Cast, DataFormat, Epilogue, FusedMatMul, MatMul, Unary};
+use ampgraph_graph::ops::{
+    BiasAdd, Binary, BinaryKind, Cast, DataFormat, Epilogue, FusedMatMul, MatMul, Unary,
+};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
 use crate::{Pass, PassError, PassSummary};
@@ -53,7 +57,7 @@ fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
         };
         let product = Port::new(id, 0);
         let narrow = matches!(g.ty(product).dtype, DType::F16 | DType::BF16);
-        if fused.to.is_some() || !narrow {
+        if fused.to.is_some() || fused.residual || !narrow {
             continue;
         }
         let Some(cast) = sole_reader(g, &adj, product) else {
@@ -75,6 +79,51 @@ fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
         bytes += 2 * g.ty(Port::new(id, 0)).size_bytes();
         let inputs = g.inputs(id).to_vec();
         g.set_node(cast, Box::new(wide), &inputs)?;
+        g.remove_node(id)?;
+    }
+    Ok((folds.len(), bytes))
+}
+
+/// Folds into each FusedMatMul without an activation the `Add` that alone reads it
+/// when the other addend has the product's type (a residual connection: cuBLASLt
+/// adds it as the `C` matrix): the fused node replaces the Add (and takes its name).
+/// Returns the folds and the bytes no longer written and read back (the sum).
+fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
+    let adj = g.adjacency();
+    let mut folds = Vec::new();
+    for id in g.node_ids() {
+        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
+            continue;
+        };
+        if fused.residual || fused.to.is_some() || fused.epilogue.activation().is_some() {
+            continue;
+        }
+        let product = Port::new(id, 0);
+        let Some(add) = sole_reader(g, &adj, product) else {
+            continue;
+        };
+        let is_add =
+            g.node(add).op.downcast_ref::<Binary>().map(|b| b.kind) == Some(BinaryKind::Add);
+        let other = g.inputs(add).iter().copied().find(|&p| p != product);
+        if let (true, Some(other)) = (is_add, other) {
+            if g.ty(other) == g.ty(product) {
+                folds.push((id, add, other));
+            }
+        }
+    }
+    let mut bytes = 0;
+    for &(id, add, other) in &folds {
+        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
+            continue;
+        };
+        let with_residual = FusedMatMul {
+            residual: true,
+            ..fused.clone()
+        };
+        bytes += 2 * g.ty(Port::new(id, 0)).size_bytes();
+        let mut inputs = g.inputs(id).to_vec();
+        inputs.push(other);
+        g.set_node(add, Box::new(with_residual), &inputs)?;
         g.remove_node(id)?;
     }
     Ok((folds.len(), bytes))
@@ -143,6 +192,7 @@ impl Pass for GemmEpilogue {
                     product,
                     epilogue,
                     to: None,
+                    residual: false,
                 }),
                 &[a, b, bias],
             )?;
@@ -154,15 +204,20 @@ impl Pass for GemmEpilogue {
             g.remove_node(c.matmul)?;
         }
         let fused = candidates.len();
+        let (residuals, residual_bytes) = fold_residual_adds(g)?;
         let (wide, wide_bytes) = fold_output_casts(g)?;
-        bytes_saved += wide_bytes;
+        bytes_saved += residual_bytes + wide_bytes;
         let summary = PassSummary {
             title: "GEMM epilogue pass summary:".into(),
             lines: vec![
                 format!("Products that took their bias: {fused}"),
                 format!("... and their activation too: {activations}"),
+                format!("... that add a residual too (an Add folded): {residuals}"),
                 format!("... that store their result in f32 (a Cast folded): {wide}"),
-                format!("Kernels fewer per run: {}", fused + activations + wide),
+                format!(
+                    "Kernels fewer per run: {}",
+                    fused + activations + residuals + wide
+                ),
                 format!(
                     "Memory traffic saved per run: {}",
                     crate::format_bytes(bytes_saved as u64)
@@ -317,12 +372,58 @@ mod tests {
             if narrow {
                 assert_eq!(fused.len(), 4, "x, w, b and the fused node");
                 assert_eq!(fused.node(out).name, "logits", "the cast's name stays");
-                assert!(summary.lines[2].ends_with(": 1"), "{summary}");
+                assert!(summary.lines[3].ends_with(": 1"), "{summary}");
             }
             assert_eq!(run(&fused), before, "{dtype}: bitwise the unfused values");
             let again = fused.clone();
             GemmEpilogue.run(&mut fused).unwrap();
             assert_eq!(fused.len(), again.len(), "idempotent");
+        }
+    }
+
+    /// `dense` whose output is added to `r` (a placeholder of `r_shape`), in the
+    /// order `r + dense` or `dense + r`.
+    fn residual(dtype: DType, act: Option<UnaryKind>, r_shape: &[usize], r_first: bool) -> Graph {
+        let mut g = dense(dtype, act);
+        let y = g.outputs()[0];
+        let r = placeholder(&mut g, "r", dtype, r_shape);
+        let ins = if r_first { [r, y] } else { [y, r] };
+        let add = g
+            .add_node("add", Box::new(Binary::new(BinaryKind::Add)), &ins)
+            .unwrap();
+        g.set_outputs(vec![add.into()]).unwrap();
+        g
+    }
+
+    #[test]
+    fn a_residual_add_folds_into_the_product_with_the_same_values() {
+        for (dtype, r_first) in [(DType::F32, true), (DType::F16, false), (DType::BF16, true)] {
+            let g = residual(dtype, None, &[4, 5], r_first);
+            let before = run(&g);
+            let mut fused = g.clone();
+            let summary = GemmEpilogue.run(&mut fused).unwrap();
+            fused.validate().unwrap();
+            assert_eq!(fused.len(), 5, "{dtype}: x, w, b, r and the fused node");
+            let out = fused.outputs()[0].node;
+            assert_eq!(fused.node(out).name, "add", "the Add's name stays");
+            let op = fused.node(out).op.downcast_ref::<FusedMatMul>().unwrap();
+            assert!(op.residual && op.epilogue == Epilogue::Bias);
+            assert_eq!(fused.inputs(out)[3], Port::new(fused.find("r").unwrap(), 0));
+            assert!(summary.lines[2].ends_with(": 1"), "{summary}");
+            assert!(summary.lines[4].ends_with(": 2"), "{summary}");
+            assert_eq!(run(&fused), before, "{dtype}: bitwise the unfused values");
+            let again = fused.clone();
+            GemmEpilogue.run(&mut fused).unwrap();
+            assert_eq!(fused.len(), again.len(), "idempotent");
+        }
+        // Not after an activation, nor an addend that broadcasts.
+        for (act, r_shape) in [(Some(UnaryKind::Relu), [4, 5]), (None, [1, 5])] {
+            let mut g = residual(DType::F32, act, &r_shape, false);
+            GemmEpilogue.run(&mut g).unwrap();
+            assert!(
+                g.find("add").is_some_and(|id| g.node(id).op.is::<Binary>()),
+                "{act:?} {r_shape:?}"
+            );
         }
     }
 

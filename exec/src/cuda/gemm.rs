@@ -68,6 +68,7 @@ struct PlanKey {
     stride_b: usize,
     opts: GemmOptions,
     epilogue: Option<Epilogue>,
+    residual: bool,
 }
 
 /// A product's descriptors and algorithm, ready to run on any operands of its shape.
@@ -228,6 +229,10 @@ pub struct Product<'a> {
     /// of the output's dtype (cuBLASLt's default bias type; it has no f16 bias for an
     /// f16 product stored in f32).
     pub bias: Option<(&'a DTensor, Epilogue)>,
+    /// A matrix of the output's type and shape added to the product (cuBLASLt's `C`,
+    /// beta 1; never the output's own buffer, so autotuning's repeated runs write the
+    /// same result).
+    pub residual: Option<&'a DTensor>,
 }
 
 impl Gemm {
@@ -265,10 +270,17 @@ impl Gemm {
                 bias.dtype
             ));
         }
+        if let Some(r) = p.residual {
+            if r.dtype != out || r.len() != p.c.len() || r.ptr() == p.c.ptr() || p.batch != 1 {
+                return Err(format!(
+                    "a residual must be a separate {out} matrix of the output's size (one product)"
+                ));
+            }
+        }
         if p.m == 0 || p.n == 0 || p.batch == 0 {
             return Ok(());
         }
-        if p.k == 0 {
+        if p.k == 0 && p.residual.is_none() {
             return dev.zero(p.c);
         }
         let key = PlanKey {
@@ -284,6 +296,7 @@ impl Gemm {
             stride_b: p.stride_b,
             opts,
             epilogue: p.bias.map(|(_, e)| e),
+            residual: p.residual.is_some(),
         };
         let cached = self
             .plans
@@ -302,17 +315,18 @@ impl Gemm {
         let esize = dtype.size_bytes() as u64;
         let scale_ty = plan.scale_ty;
         let ws = self.workspace.bytes();
-        let (alpha32, zero32) = (p.alpha as f32, 0f32);
-        let (alpha64, zero64) = (p.alpha, 0f64);
-        let (alpha16, zero16) = (f16::from_f64(p.alpha), f16::ZERO);
+        let beta_value = if p.residual.is_some() { 1.0 } else { 0.0 };
+        let (alpha32, beta32) = (p.alpha as f32, beta_value as f32);
+        let (alpha64, beta64) = (p.alpha, beta_value);
+        let (alpha16, beta16) = (f16::from_f64(p.alpha), f16::from_f64(beta_value));
         let (alpha, beta): (*const c_void, *const c_void) = match scale_ty {
             sys::cudaDataType::CUDA_R_64F => {
-                ((&alpha64) as *const f64 as _, (&zero64) as *const f64 as _)
+                ((&alpha64) as *const f64 as _, (&beta64) as *const f64 as _)
             }
             sys::cudaDataType::CUDA_R_16F => {
-                ((&alpha16) as *const f16 as _, (&zero16) as *const f16 as _)
+                ((&alpha16) as *const f16 as _, (&beta16) as *const f16 as _)
             }
-            _ => ((&alpha32) as *const f32 as _, (&zero32) as *const f32 as _),
+            _ => ((&alpha32) as *const f32 as _, (&beta32) as *const f32 as _),
         };
         if let Some((bias, _)) = p.bias {
             let ptr = bias.ptr() as *const c_void;
@@ -330,6 +344,8 @@ impl Gemm {
         let a = p.a.ptr() + p.offset_a as u64 * esize;
         let b = p.b.ptr() + p.offset_b as u64 * esize;
         let c = p.c.ptr() + p.offset_c as u64 * esize;
+        // cuBLASLt reads C: the residual, else the output itself (times beta 0).
+        let c_in = p.residual.map_or(c, |r| r.ptr());
         let matmul = |plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t| {
             // SAFETY: the caller checked that each operand's buffer holds the matrices
             // the layouts describe; alpha/beta have the scale type; ordered on the stream.
@@ -343,7 +359,7 @@ impl Gemm {
                     plan.lb.0,
                     a as *const c_void,
                     plan.la.0,
-                    c as *const c_void,
+                    c_in as *const c_void,
                     plan.lc.0,
                     c as *mut c_void,
                     plan.lc.0,
@@ -433,6 +449,8 @@ impl Gemm {
             stride_b,
             opts,
             epilogue,
+            // Descriptors are the same with a residual (beta and C's pointer differ).
+            residual: _,
         } = *key;
         let (mat_ty, compute, scale_ty) = match dtype {
             DType::F32 => (

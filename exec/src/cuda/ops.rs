@@ -1009,6 +1009,10 @@ pub fn eval(
             Some(f) => Some((input(2)?, f.epilogue)),
             None => None,
         };
+        let residual = match fused {
+            Some(f) if f.residual => Some(input(3)?),
+            _ => None,
+        };
         let y = c.alloc(out0)?;
         let (mm, nn) = (out0.shape[0], out0.shape[1]);
         let k = if m.transpose_a {
@@ -1033,6 +1037,7 @@ pub fn eval(
             offset_c: 0,
             alpha: 1.0,
             bias,
+            residual,
         };
         // cuBLASLt adds a bias of the output's type: a 16-bit bias of a product
         // stored in f32 is widened first (exactly; a kernel over the bias alone).
@@ -1098,6 +1103,7 @@ pub fn eval(
             offset_c,
             alpha: bm.alpha,
             bias: None,
+            residual: None,
         };
         match (stride(ba, sa), stride(bb, sb)) {
             (Some(s1), Some(s2)) => {

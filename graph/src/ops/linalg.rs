@@ -14,7 +14,7 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
-use crate::ops::{widens_exactly, BiasAdd, DataFormat, Unary, UnaryKind};
+use crate::ops::{widens_exactly, BiasAdd, Binary, BinaryKind, DataFormat, Unary, UnaryKind};
 use crate::shape::{broadcast_index_map, broadcast_shapes};
 use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
 
@@ -38,6 +38,7 @@ pub(crate) const OPS: &[OpEntry] = &[
                 },
                 epilogue: a.choice("epilogue", &Epilogue::NAMES, None)?,
                 to: a.opt_dtype("to")?,
+                residual: a.bool_or("residual", false)?,
             }))
         },
     },
@@ -574,11 +575,15 @@ impl Epilogue {
 /// GEMM's epilogue. The CPU kernel runs the unfused ops in turn, rounding between them
 /// as they do, so fusing never changes a CPU result. `to`: the result is stored in
 /// this wider dtype (a widening Cast folded in; cuBLASLt writes it directly).
+/// `residual`: a fourth input of the output's type is added after the bias (a
+/// residual connection's `Add`, cuBLASLt's `C` matrix with beta 1); only without an
+/// activation or a wider result.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FusedMatMul {
     pub product: MatMul,
     pub epilogue: Epilogue,
     pub to: Option<DType>,
+    pub residual: bool,
 }
 
 impl Op for FusedMatMul {
@@ -586,7 +591,7 @@ impl Op for FusedMatMul {
         "FusedMatMul"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(3)
+        Arity::Exactly(if self.residual { 4 } else { 3 })
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
         let mut attrs = self.product.attrs();
@@ -594,10 +599,30 @@ impl Op for FusedMatMul {
         if let Some(to) = self.to {
             attrs.push(("to", to.into()));
         }
+        if self.residual {
+            attrs.push(("residual", true.into()));
+        }
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let [a, b, bias] = fixed(inputs)?;
+        let (a, b, bias) = match inputs {
+            [a, b, bias] | [a, b, bias, _] => (*a, *b, *bias),
+            _ => return Err(format!("expected 3 or 4 inputs, got {}", inputs.len())),
+        };
+        if let Some(r) = inputs.get(3) {
+            let out = self.product.infer(&[a, b])?;
+            if self.epilogue.activation().is_some() || self.to.is_some() {
+                return Err(
+                    "a residual is added only without an activation or a wider result".into(),
+                );
+            }
+            if **r != out[0] {
+                return Err(format!(
+                    "the residual must be {} (the output's type), got {r}",
+                    out[0]
+                ));
+            }
+        }
         let out = self.product.infer(&[a, b])?;
         let n = out[0].shape[1];
         if bias.shape != [n] || bias.dtype != a.dtype {
@@ -616,7 +641,10 @@ impl Op for FusedMatMul {
         }
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let [a, b, bias] = fixed(inputs)?;
+        let (a, b, bias) = match inputs {
+            [a, b, bias] | [a, b, bias, _] => (*a, *b, *bias),
+            _ => return Err(format!("expected 3 or 4 inputs, got {}", inputs.len())),
+        };
         let product = self.product.eval(&[a, b])?;
         let with_bias = BiasAdd {
             data_format: DataFormat::Nhwc,
@@ -628,6 +656,9 @@ impl Op for FusedMatMul {
         };
         if let Some(to) = self.to {
             out[0] = out[0].cast(to);
+        }
+        if let Some(r) = inputs.get(3) {
+            out = Binary::new(BinaryKind::Add).eval(&[&out[0], r])?;
         }
         Ok(out)
     }
