@@ -45,10 +45,14 @@ fn sole_reader(g: &Graph, adj: &Adjacency, port: Port) -> Option<NodeId> {
     }
 }
 
-/// Folds into each 16-bit FusedMatMul the Cast to f32 that alone reads it: the fused
-/// node replaces the Cast (and takes its name). Returns the folds and the bytes of the
-/// 16-bit results no longer written and read back.
-fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
+/// Folds into each FusedMatMul the node that alone reads its product where `fold`
+/// (given the product, the fused op and that reader) says how: the op to become and
+/// an extra input. The fused node replaces the reader (and takes its name). Returns
+/// the folds and the bytes of the products no longer written and read back.
+fn fold_sole_readers(
+    g: &mut Graph,
+    fold: impl Fn(&Graph, Port, &FusedMatMul, NodeId) -> Option<(FusedMatMul, Option<Port>)>,
+) -> Result<(usize, usize), PassError> {
     let adj = g.adjacency();
     let mut folds = Vec::new();
     for id in g.node_ids() {
@@ -56,77 +60,56 @@ fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
             continue;
         };
         let product = Port::new(id, 0);
-        let narrow = matches!(g.ty(product).dtype, DType::F16 | DType::BF16);
-        if fused.to.is_some() || fused.residual || !narrow {
-            continue;
-        }
-        let Some(cast) = sole_reader(g, &adj, product) else {
+        let Some(reader) = sole_reader(g, &adj, product) else {
             continue;
         };
-        if g.node(cast).op.downcast_ref::<Cast>().map(|c| c.to) == Some(DType::F32) {
-            folds.push((id, cast));
+        if let Some((op, extra)) = fold(g, product, fused, reader) {
+            folds.push((id, reader, op, extra));
         }
     }
     let mut bytes = 0;
-    for &(id, cast) in &folds {
-        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
-            continue;
-        };
-        let wide = FusedMatMul {
-            to: Some(DType::F32),
-            ..fused.clone()
-        };
-        bytes += 2 * g.ty(Port::new(id, 0)).size_bytes();
-        let inputs = g.inputs(id).to_vec();
-        g.set_node(cast, Box::new(wide), &inputs)?;
-        g.remove_node(id)?;
-    }
-    Ok((folds.len(), bytes))
-}
-
-/// Folds into each FusedMatMul without an activation the `Add` that alone reads it
-/// when the other addend has the product's type (a residual connection: cuBLASLt
-/// adds it as the `C` matrix): the fused node replaces the Add (and takes its name).
-/// Returns the folds and the bytes no longer written and read back (the sum).
-fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
-    let adj = g.adjacency();
-    let mut folds = Vec::new();
-    for id in g.node_ids() {
-        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
-            continue;
-        };
-        if fused.residual || fused.to.is_some() || fused.epilogue.activation().is_some() {
-            continue;
-        }
-        let product = Port::new(id, 0);
-        let Some(add) = sole_reader(g, &adj, product) else {
-            continue;
-        };
-        let is_add =
-            g.node(add).op.downcast_ref::<Binary>().map(|b| b.kind) == Some(BinaryKind::Add);
-        let other = g.inputs(add).iter().copied().find(|&p| p != product);
-        if let (true, Some(other)) = (is_add, other) {
-            if g.ty(other) == g.ty(product) {
-                folds.push((id, add, other));
-            }
-        }
-    }
-    let mut bytes = 0;
-    for &(id, add, other) in &folds {
-        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
-            continue;
-        };
-        let with_residual = FusedMatMul {
-            residual: true,
-            ..fused.clone()
-        };
+    let count = folds.len();
+    for (id, reader, op, extra) in folds {
         bytes += 2 * g.ty(Port::new(id, 0)).size_bytes();
         let mut inputs = g.inputs(id).to_vec();
-        inputs.push(other);
-        g.set_node(add, Box::new(with_residual), &inputs)?;
+        inputs.extend(extra);
+        g.set_node(reader, Box::new(op), &inputs)?;
         g.remove_node(id)?;
     }
-    Ok((folds.len(), bytes))
+    Ok((count, bytes))
+}
+
+/// A 16-bit FusedMatMul read only by a Cast to f32 stores its result in f32.
+fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
+    fold_sole_readers(g, |g, product, fused, cast| {
+        let narrow = matches!(g.ty(product).dtype, DType::F16 | DType::BF16);
+        let to_f32 = g.node(cast).op.downcast_ref::<Cast>().map(|c| c.to) == Some(DType::F32);
+        (narrow && to_f32 && fused.to.is_none() && !fused.residual).then(|| {
+            let wide = FusedMatMul {
+                to: Some(DType::F32),
+                ..fused.clone()
+            };
+            (wide, None)
+        })
+    })
+}
+
+/// A FusedMatMul without an activation read only by an `Add` whose other addend has
+/// the product's type (a residual connection) adds that addend itself (cuBLASLt's `C`).
+fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
+    fold_sole_readers(g, |g, product, fused, add| {
+        let plain = !fused.residual && fused.to.is_none() && fused.epilogue.activation().is_none();
+        let is_add =
+            g.node(add).op.downcast_ref::<Binary>().map(|b| b.kind) == Some(BinaryKind::Add);
+        let other = g.inputs(add).iter().copied().find(|&p| p != product)?;
+        (plain && is_add && g.ty(other) == g.ty(product)).then(|| {
+            let with_residual = FusedMatMul {
+                residual: true,
+                ..fused.clone()
+            };
+            (with_residual, Some(other))
+        })
+    })
 }
 
 fn find(g: &Graph) -> Result<Vec<Candidate>, PassError> {

@@ -586,6 +586,15 @@ pub struct FusedMatMul {
     pub residual: bool,
 }
 
+/// A FusedMatMul's operands: a, b, the bias and the residual when there is one.
+fn fused_operands<'a, T>(inputs: &[&'a T]) -> OpResult<(&'a T, &'a T, &'a T, Option<&'a T>)> {
+    match *inputs {
+        [a, b, bias] => Ok((a, b, bias, None)),
+        [a, b, bias, r] => Ok((a, b, bias, Some(r))),
+        _ => Err(format!("expected 3 or 4 inputs, got {}", inputs.len())),
+    }
+}
+
 impl Op for FusedMatMul {
     fn name(&self) -> &'static str {
         "FusedMatMul"
@@ -605,25 +614,21 @@ impl Op for FusedMatMul {
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let (a, b, bias) = match inputs {
-            [a, b, bias] | [a, b, bias, _] => (*a, *b, *bias),
-            _ => return Err(format!("expected 3 or 4 inputs, got {}", inputs.len())),
-        };
-        if let Some(r) = inputs.get(3) {
-            let out = self.product.infer(&[a, b])?;
+        let (a, b, bias, residual) = fused_operands(inputs)?;
+        let out = self.product.infer(&[a, b])?;
+        if let Some(r) = residual {
             if self.epilogue.activation().is_some() || self.to.is_some() {
                 return Err(
                     "a residual is added only without an activation or a wider result".into(),
                 );
             }
-            if **r != out[0] {
+            if *r != out[0] {
                 return Err(format!(
                     "the residual must be {} (the output's type), got {r}",
                     out[0]
                 ));
             }
         }
-        let out = self.product.infer(&[a, b])?;
         let n = out[0].shape[1];
         if bias.shape != [n] || bias.dtype != a.dtype {
             return Err(format!(
@@ -641,10 +646,7 @@ impl Op for FusedMatMul {
         }
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let (a, b, bias) = match inputs {
-            [a, b, bias] | [a, b, bias, _] => (*a, *b, *bias),
-            _ => return Err(format!("expected 3 or 4 inputs, got {}", inputs.len())),
-        };
+        let (a, b, bias, residual) = fused_operands(inputs)?;
         let product = self.product.eval(&[a, b])?;
         let with_bias = BiasAdd {
             data_format: DataFormat::Nhwc,
@@ -657,7 +659,7 @@ impl Op for FusedMatMul {
         if let Some(to) = self.to {
             out[0] = out[0].cast(to);
         }
-        if let Some(r) = inputs.get(3) {
+        if let Some(r) = residual {
             out = Binary::new(BinaryKind::Add).eval(&[&out[0], r])?;
         }
         Ok(out)
