@@ -34,6 +34,19 @@
 //! launches, the events count that wait, as they do for PyTorch's eager step. The median
 //! of `--iters` after `--warmup`. On the CPU: the wall clock around each step.
 //!
+//! Initial values (`--init torch`, the default): the Linear layers start as torch's
+//! `nn.Linear` does (kernel and bias uniform in ±1/sqrt(fan_in)), not from the graph's
+//! Keras-style initialisers, so the GEMMs see the same value distributions as
+//! PyTorch's (under the GPU's power limit a GEMM's speed depends on its operands).
+//!
+//! Power: an H100 holds its boost clock for the first 100 ms or so of a dense
+//! training loop, then its 700 W limit lowers the clock; a run of 30 steps of a few
+//! milliseconds straddles that point (`--print-times` shows it), so medians move by a
+//! few percent between runs. Past that point a step's energy sets its time: where
+//! the timed steps take a second or more (`--iters 300`), the record carries the
+//! joules a step took and the mean watts (NVML's energy counter, host time between
+//! steps included); `scripts/energy.py` measures PyTorch's the same way beside ours.
+//!
 //! Feeds: x and the labels are generated once on the host (normal x, uniform labels).
 //! With `--feeds resident` (the default) they are uploaded once and stay on the device,
 //! as torch_anchor.py's tensors do: after the training graph is built they become
@@ -56,8 +69,11 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
+mod energy;
+use energy::EnergyCounter;
+
 use ampgraph::exec::cuda::{self, CudaExecutor, LaunchCounts};
-use ampgraph::exec::feeds::initial_value;
+use ampgraph::exec::feeds::{initial_value, seeded_tensor};
 use ampgraph::exec::rng::SplitMix64;
 use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::nn::{self, Activation};
@@ -130,9 +146,14 @@ struct Args {
     /// Timed steps (the median is reported).
     #[arg(long, default_value_t = 30)]
     iters: usize,
-    /// Untimed steps first.
-    #[arg(long, default_value_t = 5)]
+    /// Untimed steps first (torch_anchor.py's 8: both sides time the same stretch of
+    /// steps).
+    #[arg(long, default_value_t = 8)]
     warmup: usize,
+    /// Print every timed step's time in order (the power limiter shows as a step up
+    /// after the first 100 ms or so of sustained load).
+    #[arg(long)]
+    print_times: bool,
     /// Comma-separated: fp32, tf32, amp_fp16, amp_bf16.
     #[arg(long, default_value = "fp32,tf32,amp_fp16,amp_bf16")]
     modes: String,
@@ -165,6 +186,11 @@ struct Args {
     /// to list.
     #[arg(long, default_value_t = 12)]
     peak_top: usize,
+    /// Initial values of the Linear layers: `torch` (nn.Linear's defaults, as
+    /// torch_anchor.py's model starts) or `keras` (the graph's own initialisers:
+    /// Glorot-uniform kernels, zero biases).
+    #[arg(long, value_enum, default_value = "torch")]
+    init: InitStyle,
     /// Write each graph after the passes (also with --passes-only) to DIR/<workload>-<phase>-<mode>.txt.
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
@@ -326,6 +352,46 @@ fn standard_normal(rng: &mut SplitMix64) -> f64 {
     let (u, v) = (unit(), unit());
     (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
 }
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum InitStyle {
+    Torch,
+    Keras,
+}
+
+/// With `--init torch`, the initial value of an `nn::dense` layer's `<scope>/kernel`
+/// `[in, out]` or `<scope>/bias`: uniform in ±1/sqrt(in) for both, as torch's
+/// `nn.Linear` starts (kaiming-uniform with a = sqrt(5), and its bias rule). The values
+/// feed the GEMMs, whose speed under the power cap depends on them, so the comparison
+/// with torch_anchor.py starts from the same distributions. None for other variables.
+fn torch_linear_value(graph: &Graph, name: &str, args: &Args) -> Option<Res<Tensor>> {
+    if args.init != InitStyle::Torch {
+        return None;
+    }
+    let scope = name
+        .strip_suffix("/kernel")
+        .or_else(|| name.strip_suffix("/bias"))?;
+    let kernel = graph.find(&format!("{scope}/kernel"))?;
+    let fan_in = *graph
+        .node(kernel)
+        .op
+        .downcast_ref::<Variable>()?
+        .ty
+        .shape
+        .first()?;
+    let limit = 1.0 / (fan_in as f64).sqrt();
+    let ty = &graph
+        .node(graph.find(name)?)
+        .op
+        .downcast_ref::<Variable>()?
+        .ty;
+    let unit = seeded_tensor(name, ty, args.seed).to_f64_vec();
+    let values = Data::from_f64(ty.dtype, unit.into_iter().map(|u| u * limit));
+    Some(Tensor::new(ty.shape.clone(), values).map_err(Into::into))
+}
+
+/// The shortest run of timed steps whose energy the bench reports.
+const MIN_ENERGY_SECONDS: f64 = 1.0;
 
 /// The forward graph of a workload: logits and the mean cross-entropy loss.
 struct Model {
@@ -528,6 +594,8 @@ struct Record {
     launches: Option<LaunchCounts>,
     tflops: Option<f64>,
     loss: Option<f64>,
+    /// Joules a timed step took and the mean watts over the timed steps (NVML).
+    joules: Option<(f64, f64)>,
 }
 
 /// Python's `round(v, n)` as `print` writes it (shortest form, at least one decimal).
@@ -674,7 +742,10 @@ fn run_one(
             let value = match (args.feeds, node.name.as_str()) {
                 (FeedMode::Resident, X) => data.0.clone(),
                 (FeedMode::Resident, LABELS) => data.1.clone(),
-                _ => initial_value(&node.name, var, args.seed),
+                _ => match torch_linear_value(&graph, &node.name, args) {
+                    Some(value) => value?,
+                    None => initial_value(&node.name, var, args.seed),
+                },
             };
             exec.set_variable(&node.name, value)?;
         }
@@ -685,6 +756,12 @@ fn run_one(
     if let Exec::Cuda(e) = &exec {
         e.reset_peak_bytes();
     }
+    let energy = match args.device {
+        DeviceArg::Cuda => EnergyCounter::open(args.ordinal as u32),
+        DeviceArg::Cpu => None,
+    };
+    let energy_before = energy.as_ref().and_then(|e| e.millijoules());
+    let timed_from = Instant::now();
     let mut times = Vec::with_capacity(args.iters);
     for _ in 0..args.iters.max(1) {
         let start = Instant::now();
@@ -696,6 +773,18 @@ fn run_one(
             }
         };
         times.push(device_ms.unwrap_or(start.elapsed().as_secs_f64() * 1e3));
+    }
+    // Joules and watts over the timed steps, host time between steps included; only
+    // over a second or more, as NVML's counter moves in steps of tens of milliseconds.
+    let wall_s = timed_from.elapsed().as_secs_f64();
+    let energy_used = energy
+        .as_ref()
+        .filter(|_| wall_s >= MIN_ENERGY_SECONDS)
+        .and_then(|e| Some((e.millijoules()? - energy_before?) as f64));
+    let joules = energy_used.map(|mj| (mj / 1e3 / times.len() as f64, mj / 1e3 / wall_s));
+    if args.print_times {
+        let shown: Vec<String> = times.iter().map(|t| format!("{t:.3}")).collect();
+        println!("# step ms in order: {}", shown.join(" "));
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
@@ -742,6 +831,7 @@ fn run_one(
         launches,
         tflops: Some(flops / median / 1e9),
         loss,
+        joules,
     }))
 }
 
@@ -839,6 +929,9 @@ fn bench(args: &Args) -> Res<()> {
                     );
                     if let Some(l) = r.loss {
                         line += &format!(", \"loss\": {}", py(l, 4));
+                    }
+                    if let Some((j, w)) = r.joules {
+                        line += &format!(", \"joules\": {}, \"watts\": {}", py(j, 3), py(w, 0));
                     }
                     if let Some(c) = r.launches {
                         line += &format!(
