@@ -69,9 +69,6 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
-mod energy;
-use energy::EnergyCounter;
-
 use ampgraph::exec::cuda::{self, CudaExecutor, LaunchCounts};
 use ampgraph::exec::feeds::{initial_value, seeded_tensor};
 use ampgraph::exec::rng::SplitMix64;
@@ -82,6 +79,9 @@ use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::PassManager;
+
+mod energy;
+use energy::EnergyCounter;
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
