@@ -364,7 +364,12 @@ enum InitStyle {
 /// `nn.Linear` starts (kaiming-uniform with a = sqrt(5), and its bias rule). The values
 /// feed the GEMMs, whose speed under the power cap depends on them, so the comparison
 /// with torch_anchor.py starts from the same distributions. None for other variables.
-fn torch_linear_value(graph: &Graph, name: &str, args: &Args) -> Option<Res<Tensor>> {
+fn torch_linear_value(
+    graph: &Graph,
+    name: &str,
+    ty: &TensorType,
+    args: &Args,
+) -> Option<Res<Tensor>> {
     if args.init != InitStyle::Torch {
         return None;
     }
@@ -380,11 +385,6 @@ fn torch_linear_value(graph: &Graph, name: &str, args: &Args) -> Option<Res<Tens
         .shape
         .first()?;
     let limit = 1.0 / (fan_in as f64).sqrt();
-    let ty = &graph
-        .node(graph.find(name)?)
-        .op
-        .downcast_ref::<Variable>()?
-        .ty;
     let unit = seeded_tensor(name, ty, args.seed).to_f64_vec();
     let values = Data::from_f64(ty.dtype, unit.into_iter().map(|u| u * limit));
     Some(Tensor::new(ty.shape.clone(), values).map_err(Into::into))
@@ -742,7 +742,7 @@ fn run_one(
             let value = match (args.feeds, node.name.as_str()) {
                 (FeedMode::Resident, X) => data.0.clone(),
                 (FeedMode::Resident, LABELS) => data.1.clone(),
-                _ => match torch_linear_value(&graph, &node.name, args) {
+                _ => match torch_linear_value(&graph, &node.name, &var.ty, args) {
                     Some(value) => value?,
                     None => initial_value(&node.name, var, args.seed),
                 },

@@ -925,7 +925,6 @@ pub fn softmax_grad(d: DType, log: bool, per: usize) -> String {
     )
 }
 
-/// Row max and sum of exponentials of logits row `row` (block-wide).
 /// The shift (the row's maximum, where finite) and the sum of `exp(x - shift)` of
 /// row `row` of `c` logits, block-wide; `sce_row{t}` reads logits of type `T{t}`.
 fn sce_row(t: &str) -> String {
