@@ -14,18 +14,9 @@ use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::fuse::{Fuse, FuseReport};
 use ampgraph::passes::sum_into_elementwise::SumIntoElementwise;
 use ampgraph::passes::Pass;
-use ampgraph::{DType, Graph, Port, Tensor};
-use common::{feeds, json, random_graph, Menu, Rng};
+use ampgraph::{DType, Graph, Port};
+use common::{feeds, identical, json, random_graph, Menu, Rng};
 use proptest::prelude::*;
-
-/// Same type and the same bits in every element (any NaN matching any NaN).
-fn identical(a: &Tensor, b: &Tensor) -> bool {
-    a.ty() == b.ty()
-        && a.to_f64_vec()
-            .iter()
-            .zip(b.to_f64_vec())
-            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
-}
 
 /// The random graph, after AMP when `amp` is set: TensorFlow's f16 lists for even
 /// seeds, ampgraph's bf16 lists for odd ones (bf16 rounds differently).

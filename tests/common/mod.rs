@@ -429,3 +429,12 @@ pub fn oracle_graph(case: &serde_json::Value) -> Graph {
     let bytes = serde_json::to_vec(&case["graph"]).unwrap();
     ampgraph::graph::format::graph_from_bytes(&bytes).unwrap()
 }
+
+/// Same type and the same bits in every element (any NaN matching any NaN).
+pub fn identical(a: &Tensor, b: &Tensor) -> bool {
+    a.ty() == b.ty()
+        && a.to_f64_vec()
+            .iter()
+            .zip(b.to_f64_vec())
+            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+}

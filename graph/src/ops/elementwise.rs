@@ -45,7 +45,7 @@ pub(crate) const GRAD_OPS: &[OpEntry] = &[
     },
 ];
 
-/// The gradient of output 0, if it reaches the loss.
+/// The ports of a fixed-size list (an op's inputs or outputs).
 fn inputs_of<const N: usize>(inputs: &[Port]) -> Result<[Port; N], GraphError> {
     fixed(inputs).copied().map_err(GraphError::Format)
 }
@@ -369,12 +369,15 @@ impl Op for Unary {
         eval_float(&self.kind, x.dtype(), inputs)
     }
     /// `dx = UnaryGrad(x, dy)`; Identity passes `dy` through; integer inputs (only
-    /// Identity takes them) get none.
+    /// Identity takes them) get none. Relu and Relu6 pass their output instead of `x`
+    /// (as TensorFlow's ReluGrad may): `y` is in (0, 6) exactly where `x` is, so the
+    /// mask is the same, and the pre-activation need not outlive the forward pass
+    /// (a GEMM can then apply the activation in its epilogue in training too).
     fn gradient(
         &self,
         b: &mut GradBuilder,
         inputs: &[Port],
-        _outputs: &[Port],
+        outputs: &[Port],
         grads: &[Option<Port>],
     ) -> Result<Vec<Option<Port>>, GraphError> {
         let [x] = inputs_of(inputs)?;
@@ -384,10 +387,14 @@ impl Op for Unary {
         if !b.ty(x).dtype.is_float() {
             return Ok(vec![None]);
         }
-        if self.kind == UnaryKind::Identity {
-            return Ok(vec![Some(dy)]);
-        }
-        Ok(vec![Some(b.add(UnaryGrad { kind: self.kind }, &[x, dy])?)])
+        let mask_source = match self.kind {
+            UnaryKind::Identity => return Ok(vec![Some(dy)]),
+            UnaryKind::Relu | UnaryKind::Relu6 => inputs_of::<1>(outputs)?[0],
+            _ => x,
+        };
+        Ok(vec![Some(
+            b.add(UnaryGrad { kind: self.kind }, &[mask_source, dy])?,
+        )])
     }
 }
 
