@@ -131,6 +131,9 @@ struct Args {
     /// mlp: hidden layers; transformer: blocks (4).
     #[arg(long)]
     layers: Option<usize>,
+    /// mlp: the hidden layers' activation (torch_anchor.py's is the exact GELU).
+    #[arg(long, value_enum, default_value = "gelu")]
+    activation: ActivationArg,
     /// transformer: sequence length (512).
     #[arg(long)]
     seq: Option<usize>,
@@ -216,6 +219,7 @@ enum Config {
         hidden: usize,
         depth: usize,
         classes: usize,
+        activation: Activation,
     },
     Transformer {
         batch: usize,
@@ -236,6 +240,7 @@ impl Config {
                 hidden: a.hidden.unwrap_or(4096),
                 depth: a.layers.unwrap_or(4),
                 classes: a.classes.unwrap_or(1000),
+                activation: a.activation.layer(),
             },
             Workload::Transformer => {
                 let d = a.dmodel.unwrap_or(768);
@@ -266,8 +271,9 @@ impl Config {
                 hidden,
                 depth,
                 classes,
+                activation,
             } => format!(
-                "x[{batch},{d_in}] -> {depth} x (Linear {hidden} + GELU) -> Linear {classes}, cross-entropy"
+                "x[{batch},{d_in}] -> {depth} x (Linear {hidden} + {activation:?}) -> Linear {classes}, cross-entropy"
             ),
             Config::Transformer {
                 batch,
@@ -292,6 +298,7 @@ impl Config {
                 hidden,
                 depth,
                 classes,
+                ..
             } => {
                 let n = if depth == 0 {
                     d_in * classes
@@ -354,6 +361,21 @@ fn standard_normal(rng: &mut SplitMix64) -> f64 {
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ActivationArg {
+    Gelu,
+    Relu,
+}
+
+impl ActivationArg {
+    fn layer(self) -> Activation {
+        match self {
+            ActivationArg::Gelu => Activation::Gelu,
+            ActivationArg::Relu => Activation::Relu,
+        }
+    }
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum InitStyle {
     Torch,
     Keras,
@@ -412,12 +434,13 @@ fn build(cfg: &Config) -> Res<Model> {
             hidden,
             depth,
             classes,
+            activation,
         } => {
             let x = g.placeholder(X, DType::F32, [batch, d_in])?;
             let labels = g.placeholder(LABELS, DType::I64, [batch])?;
             let mut h = x;
             for _ in 0..depth {
-                h = nn::dense(&mut g, h, hidden, Some(Activation::Gelu))?;
+                h = nn::dense(&mut g, h, hidden, Some(activation))?;
             }
             (nn::dense(&mut g, h, classes, None)?, labels)
         }
