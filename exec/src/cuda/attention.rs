@@ -269,8 +269,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
   }
 }
 
-// dq for ROWS queries; first delta = rowsum(do * o) of them, for k_dkv.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dq(const T* q, const T* k, const T* v, const T* o,
+// dq for ROWS queries; first delta = rowsum(do * o) of them, for k_dkv. Two blocks a
+// multiprocessor: 128 registers (167 unbounded, one block), 156 -> 117 us on the
+// transformer's [16, 512, 12, 64] f16 heads (H100).
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, const T* k, const T* v, const T* o,
     const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H);
@@ -313,7 +315,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dq(const T* q, const 
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         bool in = k0 + 8 * j + 2 * p.t + (e & 1) < Sk;
-        float pr = in ? exp2f(s[j][e] * sl2 - (e < 2 ? L0 : L1)) : 0.f;
+        // fmaf by hand: modules compile with --fmad=false (elementwise kernels match the
+        // CPU bit for bit); as a multiply and a subtract, k_dkv's took 231 registers
+        // and 212 us, against 212 and 139 us with fmaf (the shapes above).
+        float pr = in ? exp2f(fmaf(s[j][e], sl2, -(e < 2 ? L0 : L1))) : 0.f;
         s[j][e] = pr * (dp[j][e] - (e < 2 ? d0 : d1));
       }
     mma_s_m(acc, s, ks, p.lane);
@@ -360,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         int col = 8 * j + 2 * p.t + (e & 1);
-        float pr = q0 + col < Sq ? exp2f((s[j][e] * sl2) - ls[col] * LOG2E) : 0.f;
+        float pr = q0 + col < Sq ? exp2f(fmaf(s[j][e], sl2, -ls[col] * LOG2E)) : 0.f;
         s[j][e] = pr;
         dp[j][e] = pr * (dp[j][e] - dl[col]);
       }

@@ -2110,7 +2110,7 @@ template <class T> T atomicAdd(T*, T);
 void __syncthreads();
 struct uint4 { unsigned x, y, z, w; };
 uint4 make_uint4(unsigned, unsigned, unsigned, unsigned);
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 struct __half2 { unsigned x; };
 struct __nv_bfloat162 { unsigned x; };
 __half2 __floats2half2_rn(float, float); __nv_bfloat162 __floats2bfloat162_rn(float, float);
@@ -2307,6 +2307,21 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
             Ok(())
         } else {
             Err(format!("{name}: {}", String::from_utf8_lossy(&out.stderr)))
+        }
+    }
+
+    /// With `AMPGRAPH_DUMP_KERNELS=DIR`, writes one source of every kind of kernel to
+    /// DIR/<name>.cu, for `nvcc -arch=sm_90 --fmad=false -Xptxas -v -c` on the GPU
+    /// machine (registers, spills) or a microbenchmark; otherwise does nothing.
+    #[test]
+    fn dump_kernels_when_asked() {
+        let Some(dir) = std::env::var_os("AMPGRAPH_DUMP_KERNELS") else {
+            return;
+        };
+        let dir = Path::new(&dir);
+        std::fs::create_dir_all(dir).unwrap();
+        for (name, source) in every_kind_of_kernel() {
+            std::fs::write(dir.join(format!("{name}.cu")), source).unwrap();
         }
     }
 
