@@ -212,9 +212,15 @@ fn unsupported_attentions_stay_explicit() {
         head_dim: 80,
         ..base
     };
+    // The kernels take the scores' row maximum before scaling.
+    let negative = Case {
+        scale: -0.25,
+        ..base
+    };
     for (what, mut g) in [
         ("f32", explicit(base, DType::F32)),
         ("head width 80", explicit(wide, DType::F16)),
+        ("negative scale", explicit(negative, DType::F16)),
     ] {
         let summary = fuse(&mut g);
         assert_eq!(count(&summary, 0), 0, "{what}: {summary}");

@@ -11,8 +11,9 @@
 //! transpose is added. Run `scale-into-matmul` first: the scale must be the first
 //! product's `alpha`.
 //!
-//! Only 16-bit attention with a head width of at most 64 (a multiple of 16) fuses:
-//! what the CUDA kernels (Tensor Core `mma`) compute. The match is exact: a
+//! Only 16-bit attention with a head width of at most 64 (a multiple of 16) and a
+//! positive scale fuses: what the CUDA kernels (Tensor Core `mma`) compute (they take
+//! each row's maximum of the unscaled scores). The match is exact: a
 //! probability or score tensor anybody else reads keeps the graph as it is.
 
 use std::collections::HashSet;
@@ -94,6 +95,7 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
         && qt.shape[..2] == kt.shape[..2]
         && qt.shape[3] == kt.shape[3];
     if !is_last_axis(sm.axis)
+        || !(scale > 0.0 && scale.is_finite())
         || !is_product(g, s.node, (false, true), scale)
         || !shapes_fit
         || !matches!(qt.dtype, DType::F16 | DType::BF16)

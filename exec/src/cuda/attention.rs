@@ -242,18 +242,20 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         bool in = k0 + 8 * j + 2 * p.t + (e & 1) < Sk;
-        s[j][e] = in ? s[j][e] * sl2 : -F_INF;
+        s[j][e] = in ? s[j][e] : -F_INF;
         if (e < 2) mx0 = fmaxf(mx0, s[j][e]); else mx1 = fmaxf(mx1, s[j][e]);
       }
-    float n0 = fmaxf(m0, quad_max(mx0)), n1 = fmaxf(m1, quad_max(mx1));
+    // The maximum of the raw scores, scaled (the scale is positive); the exponent by
+    // fmaf (see k_dq): 72.5 -> 70.5 us, and no spill.
+    float n0 = fmaxf(m0, quad_max(mx0) * sl2), n1 = fmaxf(m1, quad_max(mx1) * sl2);
     float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
     m0 = n0; m1 = n1; l0 *= a0; l1 *= a1;
 #pragma unroll
     for (int j = 0; j < HD / 8; j++) { acc[j][0] *= a0; acc[j][1] *= a0; acc[j][2] *= a1; acc[j][3] *= a1; }
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++) {
-      s[j][0] = exp2f(s[j][0] - n0); s[j][1] = exp2f(s[j][1] - n0);
-      s[j][2] = exp2f(s[j][2] - n1); s[j][3] = exp2f(s[j][3] - n1);
+      s[j][0] = exp2f(fmaf(s[j][0], sl2, -n0)); s[j][1] = exp2f(fmaf(s[j][1], sl2, -n0));
+      s[j][2] = exp2f(fmaf(s[j][2], sl2, -n1)); s[j][3] = exp2f(fmaf(s[j][3], sl2, -n1));
       l0 += s[j][0] + s[j][1]; l1 += s[j][2] + s[j][3];
     }
     mma_s_m(acc, s, vs, p.lane);
@@ -394,7 +396,13 @@ pub fn source(dtype: DType, head_dim: usize) -> String {
 }
 
 /// The sizes of an attention whose tensors the kernels can take, or why not.
-fn checked_dims(c: &Ctx, tensors: &[&DTensor]) -> Result<AttentionDims, String> {
+fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDims, String> {
+    if !(scale > 0.0 && scale.is_finite()) {
+        // The forward kernel scales each row's maximum of the raw scores.
+        return Err(format!(
+            "no CUDA attention kernel for the scale {scale} (positive only)"
+        ));
+    }
     let ty = |t: &DTensor| TensorType::new(t.dtype, t.shape.clone());
     let [q, k, v, ..] = tensors else {
         return Err("internal: attention without q, k and v".into());
@@ -474,7 +482,7 @@ pub fn forward(
     };
     let o = c.alloc(o_ty)?;
     let lse = c.alloc(lse_ty)?;
-    let dims = checked_dims(c, &[q, k, v, &o, &lse])?;
+    let dims = checked_dims(c, scale, &[q, k, v, &o, &lse])?;
     launch(
         c,
         "k_fwd",
@@ -501,7 +509,7 @@ pub fn backward(
         return Err("FusedAttentionGrad has three outputs".into());
     };
     let (dq, dk, dv) = (c.alloc(dq_ty)?, c.alloc(dk_ty)?, c.alloc(dv_ty)?);
-    let dims = checked_dims(c, &[q, k, v, o, lse, d_o, &dq, &dk, &dv])?;
+    let dims = checked_dims(c, scale, &[q, k, v, o, lse, d_o, &dq, &dk, &dv])?;
     let delta = c.temp(DType::F32, lse.len())?;
     let d = q.dtype;
     launch(
