@@ -94,8 +94,9 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
         && kt.rank() == 4
         && qt.shape[..2] == kt.shape[..2]
         && qt.shape[3] == kt.shape[3];
+    let positive_scale = scale > 0.0 && scale.is_finite();
     if !is_last_axis(sm.axis)
-        || !(scale > 0.0 && scale.is_finite())
+        || !positive_scale
         || !is_product(g, s.node, (false, true), scale)
         || !shapes_fit
         || !matches!(qt.dtype, DType::F16 | DType::BF16)
