@@ -400,7 +400,8 @@ impl Op for Unary {
 
 /// The gradient of a [`Unary`] op: inputs `(x, dy)` of one shape and dtype, output
 /// `dx = kind'(x) * dy` (exactly 0 where the derivative is 0, whatever `dy` holds, as
-/// TensorFlow's masks give). Attrs: `kind` (the unary op's name) and that kind's own
+/// TensorFlow's masks give). For Relu and Relu6, autodiff passes the activation's
+/// output as `x`: its derivative mask is the same. Attrs: `kind` (the unary op's name) and that kind's own
 /// attrs (`approximate` for Gelu, `alpha` for LeakyRelu).
 #[derive(Clone, Debug, PartialEq)]
 pub struct UnaryGrad {
