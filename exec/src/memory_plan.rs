@@ -16,7 +16,8 @@
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
 use ampgraph_graph::ops::{
-    variable_updates, AssignVariable, Cast, Const, OptimizerUpdate, Placeholder, Variable,
+    update_members, variable_updates, AssignVariable, Cast, Const, Placeholder, Variable,
+    VariableUpdate,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 
@@ -74,8 +75,9 @@ pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
     h.finish()
 }
 
-/// The optimizer outputs that may be written over the variable they replace: output
-/// `k` of an OptimizerUpdate (0 the variable, then its slots), assigned to the
+/// The optimizer outputs that may be written over the variable they replace: a
+/// member's variable or slot output of an OptimizerUpdate (or of a grouped one's
+/// member, `update_members`), assigned to the
 /// Variable node it updates, where nothing later in the step reads that variable's
 /// old value (directly or through a view) and it is not fetched. The update kernels
 /// are elementwise, reading each element before writing it, so the variable needs
@@ -107,12 +109,18 @@ pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, No
     };
     let mut found = Vec::new();
     for (at, &id) in order.iter().enumerate() {
-        if !graph.node(id).op.is::<OptimizerUpdate>() {
+        let Some((update, members)) = update_members(graph.node(id).op.as_ref()) else {
             continue;
-        }
+        };
         let inputs = graph.inputs(id);
-        for k in 0..graph.node(id).outputs().len() {
-            let Some(&target) = inputs.get(if k == 0 { 1 } else { 2 + k }) else {
+        let (n_in, n_out) = (update.num_inputs(), update.num_outputs());
+        // Each member's variable and slots (its cast replaces nothing).
+        let replaced = (0..members).flat_map(|m| {
+            (0..=update.rule.slots().len())
+                .map(move |k| (m * n_out + k, m * n_in + if k == 0 { 1 } else { 2 + k }))
+        });
+        for (k, slot) in replaced {
+            let Some(&target) = inputs.get(slot) else {
                 continue;
             };
             let port = Port::new(id, k);
@@ -163,14 +171,22 @@ pub fn constant_casts(graph: &Graph) -> Vec<(Port, String)> {
 /// the update output holding the next step's value of the cast.
 pub fn update_casts(graph: &Graph) -> Vec<(Port, String, Port)> {
     let mut found = Vec::new();
-    for (var, id) in variable_updates(graph) {
-        let Some(update) = graph.node(id).op.downcast_ref::<OptimizerUpdate>() else {
+    for VariableUpdate {
+        variable: var,
+        node: id,
+        member,
+    } in variable_updates(graph)
+    {
+        let Some((update, _)) = update_members(graph.node(id).op.as_ref()) else {
             continue;
         };
         let Some(to) = update.cast_to else {
             continue;
         };
-        let cast_out = Port::new(id, 1 + update.rule.slots().len());
+        let cast_out = Port::new(
+            id,
+            member * update.num_outputs() + 1 + update.rule.slots().len(),
+        );
         for (reader, _, _) in graph.consumers(var) {
             if graph
                 .node(reader)
@@ -357,7 +373,9 @@ impl MemoryPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ampgraph_graph::ops::{Reshape, Unary, UnaryKind};
+    use ampgraph_graph::ops::{
+        GroupedOptimizerUpdate, OptimizerUpdate, Reshape, Rule, Unary, UnaryKind,
+    };
     use ampgraph_graph::{DType, TensorType};
 
     fn placeholder(g: &mut Graph, name: &str, shape: &[usize]) -> Port {
@@ -451,13 +469,74 @@ mod tests {
             )
             .unwrap();
         let grad = relu(&mut g, v.into());
-        let sgd = OptimizerUpdate::new(ampgraph_graph::ops::Rule::PLAIN_SGD, 0.1, 0.0);
+        let sgd = OptimizerUpdate::new(Rule::PLAIN_SGD, 0.1, 0.0);
         let next = g.add(sgd, &[finite, v.into(), grad]).unwrap();
         let mut fetches = vec![g.add(AssignVariable, &[v.into(), next]).unwrap()];
         if late_reader {
             fetches.push(g.plus(next, v.into()).unwrap());
         }
         (g, fetches)
+    }
+
+    #[test]
+    fn a_grouped_update_overwrites_each_members_variable_and_slot() {
+        let mut g = Graph::new();
+        let var = |g: &mut Graph, name: &str| -> Port {
+            let ty = TensorType::new(DType::F32, vec![8]);
+            g.add_node(name, Box::new(Variable::new(ty)), &[])
+                .unwrap()
+                .into()
+        };
+        let (v, mv, u, mu) = (
+            var(&mut g, "v"),
+            var(&mut g, "v/momentum"),
+            var(&mut g, "u"),
+            var(&mut g, "u/momentum"),
+        );
+        let finite = g
+            .add(
+                Const::new(ampgraph_graph::Tensor::scalar(DType::Bool, 1.0)),
+                &[],
+            )
+            .unwrap();
+        let (gv, gu) = (relu(&mut g, v), relu(&mut g, u));
+        let momentum = OptimizerUpdate::new(
+            Rule::Sgd {
+                momentum: 0.9,
+                nesterov: false,
+            },
+            0.1,
+            0.0,
+        );
+        let grouped = g
+            .add_node(
+                "grouped",
+                Box::new(GroupedOptimizerUpdate {
+                    update: momentum,
+                    members: 2,
+                }),
+                &[finite, v, gv, mv, finite, u, gu, mu],
+            )
+            .unwrap();
+        let fetches: Vec<Port> = [v, mv, u, mu]
+            .into_iter()
+            .enumerate()
+            .map(|(k, target)| {
+                g.add(AssignVariable, &[target, Port::new(grouped, k)])
+                    .unwrap()
+            })
+            .collect();
+        let mut found = in_place_updates(&g, &fetches).unwrap();
+        found.sort_by_key(|(port, _)| port.index);
+        let names: Vec<&str> = found
+            .iter()
+            .map(|(_, var)| g.node(*var).name.as_str())
+            .collect();
+        assert_eq!(names, ["v", "v/momentum", "u", "u/momentum"]);
+        assert!(found
+            .iter()
+            .enumerate()
+            .all(|(k, (port, _))| *port == Port::new(grouped, k)));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Reads a timeline written by cupti_trace.c (gzip or plain CSV): splits it into steps
 at idle gaps, prints the median span of the steps with the most common op count, and
-one step's ops (start, duration, kind, grid, block, name) with its busy time and gaps.
+one step's ops (start, duration, kind, grid, block, name) with its busy time and gaps,
+then the step's time per kernel name.
 
     python3 timeline.py ours.csv.gz [--gap-us 60] [--step -3]
 """
@@ -49,11 +50,22 @@ def main():
     ap.add_argument("--step", type=int, default=-3)
     a = ap.parse_args()
     ss = steps(load(a.path), a.gap_us * 1e3)
-    n = collections.Counter(len(s) for s in ss if len(s) > 3).most_common(1)[0][0]
+    # The op count that covers the most ops: the training loop's steps, not the
+    # many short runs of autotuning or warm-up.
+    counts = collections.Counter(len(s) for s in ss if len(s) > 3)
+    n = max(counts, key=lambda k: k * counts[k])
     same = [s for s in ss if len(s) == n]
     spans = [(s[-1][2] - s[0][1]) / 1e3 for s in same]
     print(f"{len(same)} steps of {n} ops: median span {statistics.median(spans):.1f} us")
     show(same[a.step])
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for r in same[a.step]:
+        name = re.sub(r"void |<.*", "", r[6])[:70]
+        per[name][0] += 1
+        per[name][1] += (r[2] - r[1]) / 1e3
+    print("us total, calls, kernel:")
+    for name, (calls, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        print(f"{us:9.1f} {calls:4d} {name}")
 
 
 if __name__ == "__main__":

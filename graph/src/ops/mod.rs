@@ -37,8 +37,8 @@ pub use softmax::{
 };
 pub use source::{Cast, Const, Init, Placeholder, Variable};
 pub use train::{
-    variable_updates, AllFinite, AssignVariable, Group, IncrementIf, LossScaleUpdate,
-    OptimizerUpdate, Rule,
+    update_members, variable_updates, AllFinite, AssignVariable, Group, GroupedOptimizerUpdate,
+    IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule, VariableUpdate,
 };
 
 /// The gradient flowing into output 0, when there is one.

@@ -38,6 +38,19 @@ pub(crate) const OPS: &[OpEntry] = &[
         parse: |_, a| Ok(Box::new(OptimizerUpdate::parse(a)?)),
     },
     OpEntry {
+        name: "GroupedOptimizerUpdate",
+        parse: |_, a| {
+            let members = a.opt_int("members")?.ok_or("missing attr 'members'")?;
+            Ok(Box::new(GroupedOptimizerUpdate {
+                update: OptimizerUpdate::parse(a)?,
+                members: usize::try_from(members)
+                    .ok()
+                    .filter(|&m| m > 0)
+                    .ok_or("attr 'members' must be positive")?,
+            }))
+        },
+    },
+    OpEntry {
         name: "LossScaleUpdate",
         parse: |_, a| {
             Ok(Box::new(LossScaleUpdate {
@@ -338,10 +351,17 @@ impl OptimizerUpdate {
         })
     }
 
-    fn num_inputs(&self) -> usize {
+    /// `finite`, the variable, its gradient, the slots, the step count (Adam, LAMB)
+    /// and the gradient scale (`grad_scale`).
+    pub fn num_inputs(&self) -> usize {
         3 + self.rule.slots().len()
             + usize::from(self.rule.uses_step())
             + usize::from(self.grad_scale)
+    }
+
+    /// The new variable, its new slots and its cast (`cast_to`).
+    pub fn num_outputs(&self) -> usize {
+        1 + self.rule.slots().len() + usize::from(self.cast_to.is_some())
     }
 }
 
@@ -561,9 +581,77 @@ impl FloatKernel for OptimizerUpdate {
     }
 }
 
-/// The optimizer updates whose new value (output 0) an assignment writes to the
-/// Variable they update: `(variable, update)` pairs, in node order.
-pub fn variable_updates(graph: &Graph) -> Vec<(NodeId, NodeId)> {
+/// Several [`OptimizerUpdate`]s of one configuration as one node (PyTorch's
+/// multi-tensor optimizers), so that an executor updates many small variables in one
+/// launch: the inputs are each member's inputs in turn, in an update's order, and the
+/// outputs each member's outputs in turn. Members may differ in shape. The
+/// `group-updates` pass makes them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupedOptimizerUpdate {
+    pub update: OptimizerUpdate,
+    pub members: usize,
+}
+
+impl Op for GroupedOptimizerUpdate {
+    fn name(&self) -> &'static str {
+        "GroupedOptimizerUpdate"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(self.members * self.update.num_inputs())
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut a = self.update.attrs();
+        a.push(("members", (self.members as i64).into()));
+        a
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let mut out = Vec::with_capacity(self.members * self.update.num_outputs());
+        for (m, member) in inputs.chunks(self.update.num_inputs()).enumerate() {
+            out.extend(
+                self.update
+                    .infer(member)
+                    .map_err(|e| format!("member {m}: {e}"))?,
+            );
+        }
+        Ok(out)
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let mut out = Vec::with_capacity(self.members * self.update.num_outputs());
+        for (m, member) in inputs.chunks(self.update.num_inputs()).enumerate() {
+            out.extend(
+                self.update
+                    .eval(member)
+                    .map_err(|e| format!("member {m}: {e}"))?,
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// The update configuration of an [`OptimizerUpdate`] (one member) or a
+/// [`GroupedOptimizerUpdate`] (its members), with the member count. Member `m`'s
+/// inputs start at slot `m * update.num_inputs()`, its outputs at port
+/// `m * update.num_outputs()`.
+pub fn update_members(op: &dyn Op) -> Option<(&OptimizerUpdate, usize)> {
+    if let Some(u) = op.downcast_ref::<OptimizerUpdate>() {
+        return Some((u, 1));
+    }
+    op.downcast_ref::<GroupedOptimizerUpdate>()
+        .map(|g| (&g.update, g.members))
+}
+
+/// A Variable that an optimizer update writes: the update's node and its member
+/// (0 for a plain [`OptimizerUpdate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VariableUpdate {
+    pub variable: NodeId,
+    pub node: NodeId,
+    pub member: usize,
+}
+
+/// The optimizer updates whose new value (a member's first output) an assignment
+/// writes to the Variable they update, in node order.
+pub fn variable_updates(graph: &Graph) -> Vec<VariableUpdate> {
     graph
         .node_ids()
         .filter(|&id| graph.node(id).op.is::<AssignVariable>())
@@ -571,11 +659,16 @@ pub fn variable_updates(graph: &Graph) -> Vec<(NodeId, NodeId)> {
             let &[var, value] = &graph.inputs(id)[..] else {
                 return None;
             };
-            let is_update = graph.node(value.node).op.is::<OptimizerUpdate>();
-            let updates_var = graph.inputs(value.node).get(1) == Some(&var);
+            let (update, _) = update_members(graph.node(value.node).op.as_ref())?;
+            let (n_in, n_out) = (update.num_inputs(), update.num_outputs());
+            let member = value.index / n_out;
+            let updates_var = graph.inputs(value.node).get(member * n_in + 1) == Some(&var);
             let is_variable = graph.node(var.node).op.is::<Variable>();
-            (is_update && value.index == 0 && updates_var && is_variable)
-                .then_some((var.node, value.node))
+            (value.index % n_out == 0 && updates_var && is_variable).then_some(VariableUpdate {
+                variable: var.node,
+                node: value.node,
+                member,
+            })
         })
         .collect()
 }
@@ -671,7 +764,13 @@ mod tests {
             g.add_node(name, Box::new(Variable::new(ty.clone())), &[])
                 .unwrap()
         };
-        let (w, m, other) = (var("w"), var("w/momentum"), var("other"));
+        let (w, m, other, a, b) = (
+            var("w"),
+            var("w/momentum"),
+            var("other"),
+            var("a"),
+            var("b"),
+        );
         let yes = g.scalar(DType::Bool, 1.0).unwrap();
         let momentum = Rule::Sgd {
             momentum: 0.9,
@@ -689,8 +788,97 @@ mod tests {
         }
         // Written, but not by an update.
         g.add(AssignVariable, &[other.into(), w.into()]).unwrap();
+        // Two members of a grouped update (plain SGD: one input less, no slot).
+        let grouped = g
+            .add_node(
+                "grouped",
+                Box::new(GroupedOptimizerUpdate {
+                    update: OptimizerUpdate::new(Rule::PLAIN_SGD, 0.1, 0.0),
+                    members: 2,
+                }),
+                &[yes, a.into(), other.into(), yes, b.into(), other.into()],
+            )
+            .unwrap();
+        assert_eq!(g.node(grouped).outputs().len(), 2);
+        for (target, k) in [(b, 1), (a, 0)] {
+            g.add(AssignVariable, &[target.into(), Port::new(grouped, k)])
+                .unwrap();
+        }
         // The slot is output 1, not the variable the update updates.
-        assert_eq!(variable_updates(&g), vec![(w, update)]);
+        let found = |variable, node, member| VariableUpdate {
+            variable,
+            node,
+            member,
+        };
+        assert_eq!(
+            variable_updates(&g),
+            vec![
+                found(w, update, 0),
+                found(b, grouped, 1),
+                found(a, grouped, 0)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_grouped_update_computes_its_members_updates() {
+        let adam = OptimizerUpdate {
+            grad_scale: true,
+            cast_to: Some(DType::F16),
+            ..OptimizerUpdate::new(
+                Rule::Adam {
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    epsilon: 1e-7,
+                    decoupled: true,
+                },
+                0.01,
+                0.1,
+            )
+        };
+        let t = |shape: Vec<usize>, v: &[f64]| Tensor::from_f64(DType::F32, shape, v).unwrap();
+        let yes = Tensor::scalar(DType::Bool, 1.0);
+        let (step, scale) = (
+            Tensor::scalar(DType::F32, 3.0),
+            Tensor::scalar(DType::F32, 0.5),
+        );
+        let first = [
+            yes.clone(),
+            t(vec![2], &[1.0, -2.0]),
+            t(vec![2], &[0.5, 4.0]),
+            t(vec![2], &[0.1, 0.2]),
+            t(vec![2], &[0.3, 0.4]),
+            step.clone(),
+            scale.clone(),
+        ];
+        let second = [
+            yes,
+            t(vec![1, 3], &[3.0, 0.0, -1.0]),
+            t(vec![1, 3], &[-1.0, 2.0, 8.0]),
+            t(vec![1, 3], &[0.0, 0.5, 0.0]),
+            t(vec![1, 3], &[1.0, 0.0, 2.0]),
+            step,
+            scale,
+        ];
+        let grouped = GroupedOptimizerUpdate {
+            update: adam.clone(),
+            members: 2,
+        };
+        let all: Vec<Tensor> = first.iter().chain(&second).cloned().collect();
+        let mut want = eval(&adam, &first);
+        want.extend(eval(&adam, &second));
+        assert_eq!(eval(&grouped, &all), want);
+        let types: Vec<TensorType> = all.iter().map(|t| t.ty()).collect();
+        let refs: Vec<&TensorType> = types.iter().collect();
+        let out = grouped.infer(&refs).unwrap();
+        assert_eq!(out.len(), 8, "each member: w, m, v and the f16 copy");
+        assert_eq!(out[7], TensorType::new(DType::F16, vec![1, 3]));
+        // A member with a wrong input names itself.
+        let mut bad = refs.clone();
+        let wrong = TensorType::new(DType::F32, vec![4]);
+        bad[9] = &wrong;
+        let err = grouped.infer(&bad).unwrap_err();
+        assert!(err.starts_with("member 1: "), "{err}");
     }
 
     #[test]

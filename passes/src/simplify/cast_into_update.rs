@@ -8,7 +8,7 @@
 //! or a variable set from outside, needs it; an executor that keeps the update's cast
 //! for the next step (the CUDA one does) runs it only then.
 
-use ampgraph_graph::ops::{variable_updates, Cast, OptimizerUpdate};
+use ampgraph_graph::ops::{variable_updates, Cast, OptimizerUpdate, VariableUpdate};
 use ampgraph_graph::{Graph, Port};
 
 use super::summary;
@@ -26,7 +26,12 @@ impl Pass for CastIntoUpdate {
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         // Each variable's writer, where it is an optimizer update's new value.
         let (mut folded, mut bytes) = (0usize, 0usize);
-        for (var, update) in variable_updates(g) {
+        for VariableUpdate {
+            variable: var,
+            node: update,
+            ..
+        } in variable_updates(g)
+        {
             let var_dtype = g.ty(Port::new(var, 0)).dtype;
             // The first narrowing cast AMP made of the variable.
             let cast = g.consumers(var).into_iter().find_map(|(reader, _, _)| {
