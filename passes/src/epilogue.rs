@@ -8,8 +8,9 @@
 //! exist, so it stays unfused. (A Relu's gradient reads the Relu's output, so Relus
 //! fuse in training too. cuBLASLt's `GELU_AUX_BIAS` and `DGELU[_BGRAD]` epilogues,
 //! which would keep the pre-activation or apply the gradient, measured slower on the
-//! H100 than the plain epilogue plus a generated kernel: docs/passes.md.) Then a fused product without an activation whose sole
-//! reader is an `Add` of a tensor of its own type (a residual connection) adds that
+//! H100 than the plain epilogue plus a generated kernel: docs/passes.md.) Then a
+//! fused product without an activation whose sole reader is an `Add` of a tensor of
+//! its own type (a residual connection) adds that
 //! tensor itself (`FusedMatMul::residual`, cuBLASLt's `C` with beta 1), and a 16-bit
 //! fused product whose sole reader is a Cast to f32 (AMP's cast back before the loss
 //! or a graph output) stores its result in f32 itself (`FusedMatMul::to`). The fused

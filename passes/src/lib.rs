@@ -10,6 +10,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod epilogue;
 pub mod fuse;
+pub mod group_updates;
 pub mod registry;
 pub mod simplify;
 pub mod sum_into_elementwise;

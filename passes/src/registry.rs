@@ -6,6 +6,7 @@ use crate::attention::FuseAttention;
 use crate::cross_entropy::FuseCrossEntropy;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
+use crate::group_updates::GroupUpdates;
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
     PadGemm, ScaleIntoMatmul, UnscaleIntoUpdate,
@@ -84,6 +85,10 @@ pub const PASSES: &[PassEntry] = &[
     PassEntry {
         name: "sum-into-elementwise",
         make: || Box::new(SumIntoElementwise),
+    },
+    PassEntry {
+        name: "group-updates",
+        make: || Box::new(GroupUpdates),
     },
 ];
 

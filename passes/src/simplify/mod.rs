@@ -34,8 +34,8 @@ pub use unscale_into_update::UnscaleIntoUpdate;
 
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::{
-    widens_exactly, AssignVariable, Cast, Const, IncrementIf, LossScaleUpdate, OptimizerUpdate,
-    Placeholder, Variable,
+    widens_exactly, AssignVariable, Cast, Const, GroupedOptimizerUpdate, IncrementIf,
+    LossScaleUpdate, OptimizerUpdate, Placeholder, Variable,
 };
 use ampgraph_graph::{DType, Graph, NodeId, Op, Port, Tensor};
 use foldhash::{HashMap, HashSet};
@@ -50,6 +50,7 @@ pub(crate) fn is_stateful(op: &dyn Op) -> bool {
         || op.is::<Variable>()
         || op.is::<AssignVariable>()
         || op.is::<OptimizerUpdate>()
+        || op.is::<GroupedOptimizerUpdate>()
         || op.is::<LossScaleUpdate>()
         || op.is::<IncrementIf>()
 }
