@@ -6,7 +6,7 @@ use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{
     AllFinite, Binary, BinaryKind, Const, Epilogue, FusedMatMul, Init, OptimizerUpdate, Reduce,
-    ReduceKind, Unary, UnaryKind, Variable,
+    ReduceKind, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{
@@ -324,6 +324,9 @@ fn training_with_the_fusion_passes_is_bit_identical() {
                 && op.downcast_ref::<AllFinite>().is_none_or(|a| a.scaled)
         });
         assert!(unscaling_folded, "{optimizer:?}");
+        // The small variables' updates share nodes (LAMB's need their own norms).
+        let lamb = matches!(optimizer.rule, Rule::Lamb { .. });
+        assert_eq!(count("GroupedOptimizerUpdate") > 0, !lamb, "{optimizer:?}");
     }
 
     let (g, _, _, _) = model();

@@ -893,6 +893,42 @@ fn training_ops() {
             }
         }
     }
+    // Grouped: 35 members of 1 to 300 values (two launches of at most 32), each
+    // with its own values, against the members' updates on the CPU.
+    for (d, gd, grad_scale) in [kinds[0], kinds[3]] {
+        for rule in [rules[1], rules[4]] {
+            let update = OptimizerUpdate {
+                grad_scale: grad_scale.is_some(),
+                cast_to: grad_scale.map(|_| gd),
+                ..OptimizerUpdate::new(rule, 0.01, 0.01)
+            };
+            let mut inputs = Vec::new();
+            for m in 0..35 {
+                let shape = [(m * 37) % 300 + 1];
+                inputs.extend([
+                    yes.clone(),
+                    rand(&mut r, d, &shape, -1.0, 1.0),
+                    rand(&mut r, gd, &shape, -1.0, 1.0),
+                ]);
+                for _ in rule.slots() {
+                    inputs.push(rand(&mut r, d, &shape, 0.0, 1.0));
+                }
+                if rule.uses_step() {
+                    inputs.push(Tensor::scalar(DType::I64, 3.0));
+                }
+                inputs.extend(grad_scale.map(|s| Tensor::scalar(d, s)));
+            }
+            check(
+                &mut gpu,
+                &format!("GroupedOptimizerUpdate {d} grad {gd} scale {grad_scale:?} {rule:?}"),
+                GroupedOptimizerUpdate {
+                    update,
+                    members: 35,
+                },
+                &inputs,
+            );
+        }
+    }
 }
 
 #[test]

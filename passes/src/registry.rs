@@ -105,8 +105,8 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// (scores never stored), the finiteness check and the optimizer
 /// updates the loss-scale unscaling, the updates the casts of their variables,
 /// products their bias and activation into the GEMM, then the remaining elementwise
-/// chains fuse into generated kernels, and those kernels take the bias gradients
-/// summed from what they compute.
+/// chains fuse into generated kernels, those kernels take the bias gradients summed
+/// from what they compute, and the small variables' updates share launches.
 pub const CUDA_PIPELINE: &[&str] = &[
     "dce",
     "cast-into-reduce",
@@ -119,6 +119,7 @@ pub const CUDA_PIPELINE: &[&str] = &[
     "gemm-epilogue",
     "fuse",
     "sum-into-elementwise",
+    "group-updates",
 ];
 
 /// The names of the registered passes, in registry order.

@@ -17,7 +17,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
 use super::kernel_cache::DiskCache;
-use super::src::{MAX_RANK, VECTOR};
+use super::src::{GROUP_MEMBERS, GROUP_POINTERS, MAX_RANK, VECTOR};
 
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
@@ -59,13 +59,55 @@ impl Dims {
 }
 
 /// One kernel argument.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum Arg {
     Ptr(u64),
     I64(i64),
     I32(i32),
     F64(f64),
     Dims(Dims),
+    Table(Box<UpdateTable>),
+}
+
+/// The pointers and lengths of a grouped optimizer update's members, laid out as the
+/// kernels' `struct UpdateTable` (a by-value parameter): row `m` holds member `m`'s
+/// arguments in its kernel's order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct UpdateTable {
+    ptrs: [[u64; GROUP_POINTERS]; GROUP_MEMBERS],
+    lens: [i64; GROUP_MEMBERS],
+}
+
+// SAFETY: plain arrays of u64 and i64, laid out as the kernels' `struct UpdateTable`.
+unsafe impl DeviceRepr for UpdateTable {}
+
+impl Default for UpdateTable {
+    fn default() -> Self {
+        UpdateTable {
+            ptrs: [[0; GROUP_POINTERS]; GROUP_MEMBERS],
+            lens: [0; GROUP_MEMBERS],
+        }
+    }
+}
+
+impl UpdateTable {
+    /// Row `row`: a member's pointer arguments and its length.
+    pub fn set(&mut self, row: usize, args: &[Arg], len: usize) -> Result<(), String> {
+        let slots = self
+            .ptrs
+            .get_mut(row)
+            .filter(|slots| args.len() <= slots.len())
+            .ok_or("internal: a grouped update's table is too small")?;
+        for (slot, arg) in slots.iter_mut().zip(args) {
+            let Arg::Ptr(p) = arg else {
+                return Err("internal: a grouped update takes pointers only".into());
+            };
+            *slot = *p;
+        }
+        self.lens[row] = len as i64;
+        Ok(())
+    }
 }
 
 /// Free device buffers by capacity, for reuse.
@@ -563,6 +605,7 @@ impl Device {
                 Arg::I32(v) => b.arg(v),
                 Arg::F64(v) => b.arg(v),
                 Arg::Dims(d) => b.arg(d),
+                Arg::Table(t) => b.arg(t.as_ref()),
             };
         }
         let cfg = LaunchConfig {

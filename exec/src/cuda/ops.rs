@@ -3,16 +3,16 @@
 use ampgraph_graph::ops::{
     AllFinite, AssignVariable, BatchMatMul, BiasAdd, Binary, BinaryGrad, BroadcastTo, Cast, Concat,
     Const, DataFormat, FusedAttention, FusedAttentionGrad, FusedElementwise, FusedMatMul, Group,
-    IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate, MatMul, OptimizerUpdate,
-    Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice, Softmax, SoftmaxCrossEntropy,
-    SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, SumTo, Transpose, Unary,
-    UnaryGrad, UnaryKind,
+    GroupedOptimizerUpdate, IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate,
+    MatMul, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice, Softmax,
+    SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, SumTo,
+    Transpose, Unary, UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
 use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, Tensor, TensorType};
 
-use super::device::{row_block, row_grid, Arg, DTensor, Device, Dims};
+use super::device::{row_block, row_grid, Arg, DTensor, Device, Dims, UpdateTable};
 use super::gemm::{Gemm, GemmOptions, Product};
 use super::{attention, src};
 
@@ -96,6 +96,7 @@ const SUPPORTED: &[&str] = &[
     "AllFinite",
     "IncrementIf",
     "OptimizerUpdate",
+    "GroupedOptimizerUpdate",
     "LossScaleUpdate",
 ];
 
@@ -1219,6 +1220,9 @@ pub fn eval(
     if let Some(u) = op.downcast_ref::<OptimizerUpdate>() {
         return optimizer(c, u, inputs, outs);
     }
+    if let Some(g) = op.downcast_ref::<GroupedOptimizerUpdate>() {
+        return grouped_optimizer(c, g, inputs, outs);
+    }
     if let Some(k) = op.downcast_ref::<Const>() {
         // Normally served from the executor's constant cache; this uploads afresh.
         let t = match &k.values {
@@ -1236,64 +1240,93 @@ pub fn eval(
     Err(unsupported(op).unwrap_or_else(|| format!("{} has no CUDA kernel", op.name())))
 }
 
+/// One update's operands, checked: `inputs` in an update's order.
+struct UpdateOperands<'a> {
+    flag: &'a DTensor,
+    var: &'a DTensor,
+    grad: &'a DTensor,
+    grad_scale: Option<&'a DTensor>,
+    slots: &'a [DTensor],
+    step: Option<&'a DTensor>,
+}
+
+impl<'a> UpdateOperands<'a> {
+    fn of(u: &OptimizerUpdate, inputs: &'a [DTensor]) -> Result<Self, String> {
+        let n_slots = u.rule.slots().len();
+        if inputs.len() != u.num_inputs() {
+            return Err(format!("expected {} inputs", u.num_inputs()));
+        }
+        let (flag, var, grad) = (&inputs[0], &inputs[1], &inputs[2]);
+        float_only(var.dtype)?;
+        float_only(grad.dtype)?;
+        let slots = &inputs[3..3 + n_slots];
+        if let Some(s) = slots.iter().find(|s| s.dtype != var.dtype) {
+            return Err(format!(
+                "slots must have the variable's dtype {} on CUDA, got {}",
+                var.dtype, s.dtype
+            ));
+        }
+        Ok(UpdateOperands {
+            flag,
+            var,
+            grad,
+            grad_scale: u.grad_scale.then(|| &inputs[inputs.len() - 1]),
+            slots,
+            step: u.rule.uses_step().then(|| &inputs[3 + n_slots]),
+        })
+    }
+
+    /// The kernels' module for these operands' dtypes: its cache key and source.
+    fn module(&self, u: &OptimizerUpdate) -> (String, impl Fn() -> String) {
+        let (var, grad, step) = (self.var.dtype, self.grad.dtype, self.step.map(|s| s.dtype));
+        let key = format!(
+            "optimizer/{var}/{grad}/{}/{step:?}/{:?}/{:?}/{:e}/{:e}",
+            u.grad_scale, u.cast_to, u.rule, u.learning_rate, u.weight_decay
+        );
+        let u = u.clone();
+        let make = move || {
+            src::optimizer(
+                var,
+                grad,
+                u.grad_scale,
+                step,
+                u.cast_to,
+                u.rule,
+                u.learning_rate,
+                u.weight_decay,
+            )
+        };
+        (key, make)
+    }
+
+    /// The arguments the kernels take before their outputs: flag, var, grad, [grad
+    /// scale], slots..., [step].
+    fn args(&self) -> Vec<Arg> {
+        let mut args = vec![self.flag.arg(), self.var.arg(), self.grad.arg()];
+        args.extend(self.grad_scale.map(|s| s.arg()));
+        args.extend(self.slots.iter().map(|s| s.arg()));
+        args.extend(self.step.map(|s| s.arg()));
+        args
+    }
+}
+
 fn optimizer(
     c: &Ctx,
     u: &OptimizerUpdate,
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
-    let n_slots = u.rule.slots().len();
-    let need = 3 + n_slots + usize::from(u.rule.uses_step()) + usize::from(u.grad_scale);
-    let n_outs = 1 + n_slots + usize::from(u.cast_to.is_some());
-    if inputs.len() != need || outs.len() != n_outs {
-        return Err(format!("expected {need} inputs"));
+    let operands = UpdateOperands::of(u, inputs)?;
+    if outs.len() != u.num_outputs() {
+        return Err(format!("expected {} outputs", u.num_outputs()));
     }
-    let (flag, var, grad) = (&inputs[0], &inputs[1], &inputs[2]);
-    float_only(var.dtype)?;
-    float_only(grad.dtype)?;
-    let slots = &inputs[3..3 + n_slots];
-    if let Some(s) = slots.iter().find(|s| s.dtype != var.dtype) {
-        return Err(format!(
-            "slots must have the variable's dtype {} on CUDA, got {}",
-            var.dtype, s.dtype
-        ));
-    }
-    let step = u.rule.uses_step().then(|| &inputs[3 + n_slots]);
     let outputs = outs
         .iter()
         .map(|t| c.alloc(t))
         .collect::<Result<Vec<_>, _>>()?;
-    let n = var.len();
-    let grad_scale = u.grad_scale.then(|| &inputs[need - 1]);
-    let key = format!(
-        "optimizer/{}/{}/{}/{:?}/{:?}/{:?}/{:e}/{:e}",
-        var.dtype,
-        grad.dtype,
-        u.grad_scale,
-        step.map(|s| s.dtype),
-        u.cast_to,
-        u.rule,
-        u.learning_rate,
-        u.weight_decay
-    );
-    let make = || {
-        src::optimizer(
-            var.dtype,
-            grad.dtype,
-            u.grad_scale,
-            step.map(|s| s.dtype),
-            u.cast_to,
-            u.rule,
-            u.learning_rate,
-            u.weight_decay,
-        )
-    };
-    let mut args = vec![flag.arg(), var.arg(), grad.arg()];
-    args.extend(grad_scale.map(|s| s.arg()));
-    args.extend(slots.iter().map(|s| s.arg()));
-    if let Some(s) = step {
-        args.push(s.arg());
-    }
+    let (var, n, n_slots) = (operands.var, operands.var.len(), u.rule.slots().len());
+    let (key, make) = operands.module(u);
+    let mut args = operands.args();
     if let Rule::Lamb { .. } = u.rule {
         let acc = acc_dtype(var.dtype);
         let scratch = c.temp(acc, n)?;
@@ -1302,9 +1335,9 @@ fn optimizer(
         args.extend(outputs[1..1 + n_slots].iter().map(|o| o.arg()));
         args.extend([scratch.arg(), sums.arg(), Arg::I64(n as i64)]);
         let grid = n.div_ceil(256).clamp(1, 1024) as u32;
-        c.dev.launch(&key, make, "k", grid, 256, &args)?;
+        c.dev.launch(&key, &make, "k", grid, 256, &args)?;
         // The variable's outputs: itself, then its cast if any (the slots came above).
-        let mut apply = vec![flag.arg(), var.arg(), scratch.arg(), sums.arg()];
+        let mut apply = vec![operands.flag.arg(), var.arg(), scratch.arg(), sums.arg()];
         apply.extend(
             std::iter::once(&outputs[0])
                 .chain(&outputs[1 + n_slots..])
@@ -1324,5 +1357,66 @@ fn optimizer(
     args.extend(outputs.iter().map(|o| o.arg()));
     args.push(Arg::I64(n as i64));
     c.dev.launch_elementwise(&key, make, n, &args)?;
+    Ok(outputs)
+}
+
+/// A GroupedOptimizerUpdate: [`src::GROUP_MEMBERS`] members a launch of `k_group`,
+/// a block each, their pointers in a by-value table. Every member has the first's
+/// dtypes (the `group-updates` pass groups only such updates).
+fn grouped_optimizer(
+    c: &Ctx,
+    g: &GroupedOptimizerUpdate,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let u = &g.update;
+    if let Rule::Lamb { .. } = u.rule {
+        return Err("LAMB updates are not grouped: each needs its own variable's norms".into());
+    }
+    let (n_in, n_out) = (u.num_inputs(), u.num_outputs());
+    if inputs.len() != g.members * n_in || outs.len() != g.members * n_out {
+        return Err(format!(
+            "expected {} inputs and {} outputs",
+            g.members * n_in,
+            g.members * n_out
+        ));
+    }
+    let outputs = outs
+        .iter()
+        .map(|t| c.alloc(t))
+        .collect::<Result<Vec<_>, _>>()?;
+    let members = inputs
+        .chunks(n_in)
+        .map(|member| UpdateOperands::of(u, member))
+        .collect::<Result<Vec<_>, _>>()?;
+    let Some(first) = members.first() else {
+        return Ok(outputs);
+    };
+    let dtypes = |m: &[DTensor]| m.iter().map(|t| t.dtype).collect::<Vec<_>>();
+    if let Some(k) = inputs
+        .chunks(n_in)
+        .position(|m| dtypes(m) != dtypes(&inputs[..n_in]))
+    {
+        return Err(format!("member {k}'s dtypes differ from member 0's"));
+    }
+    let (key, make) = first.module(u);
+    let rows: Vec<(&UpdateOperands, &[DTensor])> =
+        members.iter().zip(outputs.chunks(n_out)).collect();
+    for chunk in rows.chunks(src::GROUP_MEMBERS) {
+        let mut table = UpdateTable::default();
+        for (row, (operands, outs)) in chunk.iter().enumerate() {
+            let mut args = operands.args();
+            args.extend(outs.iter().map(|o| o.arg()));
+            table.set(row, &args, operands.var.len())?;
+        }
+        c.dev.launch(
+            &key,
+            &make,
+            "k_group",
+            chunk.len() as u32,
+            256,
+            &[Arg::Table(Box::new(table))],
+        )?;
+    }
     Ok(outputs)
 }

@@ -444,6 +444,17 @@ fn streams(loads: &[Load], stores: &[Store]) -> Streams {
 /// misaligned views, go one element at a time. One 2-byte load per thread left the
 /// memory system mostly idle (half of PyTorch's bandwidth).
 fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
+    elementwise_in(loads, body, stores, ("blockIdx.x", "gridDim.x"))
+}
+
+/// [`elementwise`]'s loop as run by block `block` of `blocks` (expressions): a
+/// grouped kernel runs each member's loop in blocks of its own.
+fn elementwise_in(
+    loads: &[Load],
+    body: &str,
+    stores: &[Store],
+    (block, blocks): (&str, &str),
+) -> String {
     let Streams {
         v,
         aligned,
@@ -457,14 +468,14 @@ fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
     format!(
         "constexpr int V = {v};\n\
          const i64 nv = ({aligned}) ? n / V : 0;\n\
-         for (i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x; b < nv; b += (i64)gridDim.x * blockDim.x) {{\n\
+         for (i64 b = (i64)({block}) * blockDim.x + threadIdx.x; b < nv; b += (i64)({blocks}) * blockDim.x) {{\n\
            const i64 i0 = b * V;\n\
            {fetch}\
            #pragma unroll\n\
            for (int u = 0; u < V; ++u) {{ const i64 i = i0 + u; {bind_vec}\n{body}\n{put_vec} }}\n\
            {flush}\
          }}\n\
-         for (i64 i = nv * V + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {{ {bind_one}\n{body}\n{put_one} }}\n"
+         for (i64 i = nv * V + (i64)({block}) * blockDim.x + threadIdx.x; i < n; i += (i64)({blocks}) * blockDim.x) {{ {bind_one}\n{body}\n{put_one} }}\n"
     )
 }
 
@@ -1512,6 +1523,12 @@ pub fn loss_scale_update(
     )
 }
 
+/// The members of a grouped update one `k_group` launch takes, and the pointers of
+/// each (an update's inputs and outputs): its table is a by-value kernel parameter,
+/// 3.3 KiB of CUDA's 4 KiB.
+pub const GROUP_MEMBERS: usize = 32;
+pub const GROUP_POINTERS: usize = 12;
+
 /// OptimizerUpdate. Arguments: flag, var, grad, [grad scale], slots..., [step], out
 /// var, out slots..., [cast out], [lamb scratch, lamb sums], n. Skipped steps copy
 /// the inputs. With `grad_scale` the gradient is multiplied by the scalar (of the
@@ -1704,15 +1721,36 @@ fn elementwise_update(
     } else {
         ("", "", "g_in")
     };
+    let params = format!("const u8* f, const T* pw, const TG* pg, {scale}{slots}{outs}{cast_out}");
+    // The parameters' names, and each as k_group reads it from its table row.
+    let declared: Vec<(&str, &str)> = params
+        .split(',')
+        .filter_map(|p| p.trim().rsplit_once(' '))
+        .collect();
+    let names: Vec<&str> = declared.iter().map(|(_, name)| *name).collect();
+    let from_table: Vec<String> = declared
+        .iter()
+        .enumerate()
+        .map(|(k, (ty, _))| format!("({ty})t.p[m][{k}]"))
+        .collect();
     format!(
-        "extern \"C\" __global__ void k(const u8* f, const T* pw, const TG* pg, {scale}{slots}{outs}{cast_out}, i64 n) {{\n\
+        "__device__ __forceinline__ void update({params}, i64 n, i64 block, i64 blocks) {{\n\
            const bool ok = f[0] != 0;\n\
-           {gs}{setup}{loop}}}\n",
-        loop = elementwise(
+           {gs}{setup}{loop}}}\n\
+         extern \"C\" __global__ void k({params}, i64 n) {{ update({names}, n, blockIdx.x, gridDim.x); }}\n\
+         struct UpdateTable {{ const void* p[{GROUP_MEMBERS}][{GROUP_POINTERS}]; i64 n[{GROUP_MEMBERS}]; }};\n\
+         // A grouped update: block m updates member m (its pointers in row m).\n\
+         extern \"C\" __global__ void k_group(const UpdateTable t) {{\n\
+           const int m = blockIdx.x;\n\
+           update({from_table}, t.n[m], 0, 1);\n}}\n",
+        loop = elementwise_in(
             &loads,
             &format!("C g = {g}; C w_new = w;\n{body}\n{kept}"),
-            &stores
-        )
+            &stores,
+            ("block", "blocks"),
+        ),
+        names = names.join(", "),
+        from_table = from_table.join(", "),
     )
 }
 
