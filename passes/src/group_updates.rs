@@ -73,23 +73,27 @@ fn members_depend_on_each_other(g: &Graph, members: &[NodeId]) -> bool {
     false
 }
 
-/// Replaces `members` (updates of `update`'s configuration) by one grouped node.
+/// Replaces `members` (updates of `update`'s configuration) by one grouped node, which
+/// takes the first member's place and name: a schedule in node order then runs it
+/// where the first update ran, and the members' gradients (a bias gradient's column
+/// sum, say) run early instead of keeping what they read alive to the step's end.
 fn group(g: &mut Graph, update: OptimizerUpdate, members: &[NodeId]) -> Result<(), PassError> {
     let n_out = update.num_outputs();
     let inputs: Vec<Port> = members
         .iter()
         .flat_map(|&id| g.inputs(id).to_vec())
         .collect();
-    let name = g.fresh_name("grouped_optimizer_update");
+    let node = members[0];
     let op = GroupedOptimizerUpdate {
         update,
         members: members.len(),
     };
-    let node = g.add_node(name, Box::new(op), &inputs)?;
+    // Member 0's readers keep their ports.
+    g.set_node(node, Box::new(op), &inputs)?;
     let moved = |m: usize, port: Port| Port::new(node, m * n_out + port.index);
     let mut changes = Vec::new();
     let mut outputs = g.outputs().to_vec();
-    for (m, &id) in members.iter().enumerate() {
+    for (m, &id) in members.iter().enumerate().skip(1) {
         for (reader, slot, port) in g.consumers(id) {
             changes.push((reader, slot, moved(m, port)));
         }
@@ -99,7 +103,7 @@ fn group(g: &mut Graph, update: OptimizerUpdate, members: &[NodeId]) -> Result<(
     }
     g.rewire(changes)?;
     g.set_outputs(outputs)?;
-    for &id in members {
+    for &id in &members[1..] {
         g.remove_node(id)?;
     }
     Ok(())
