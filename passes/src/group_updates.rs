@@ -209,6 +209,10 @@ mod tests {
         let feeds: HashMap<&str, Tensor> =
             feeds.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
         let want = run(&g, &feeds);
+        let first_update = g
+            .node_ids()
+            .find(|&id| g.node(id).op.is::<OptimizerUpdate>())
+            .unwrap();
         let mut grouped = g.clone();
         let summary = GroupUpdates.run(&mut grouped).unwrap();
         grouped.validate().unwrap();
@@ -221,6 +225,10 @@ mod tests {
         );
         assert!(summary.lines[0].contains("(3 launches fewer"), "{summary}");
         assert_same_bits(&want, &run(&grouped, &feeds));
+        // The first group took its first member's place and name.
+        let first = grouped.node(first_update);
+        assert!(first.op.is::<GroupedOptimizerUpdate>());
+        assert_eq!(first.name, g.node(first_update).name);
         // Idempotent.
         let before = grouped.len();
         GroupUpdates.run(&mut grouped).unwrap();
