@@ -725,6 +725,40 @@ fn matmul_and_batch_matmul() {
     }
 }
 
+/// An update's inputs: `flag`, a variable of `d` and a gradient of `gd` of `shape`,
+/// the rule's slots, its step (3) and the gradient scale if any.
+fn update_inputs(
+    r: &mut Rng,
+    flag: &Tensor,
+    (d, gd, grad_scale): (DType, DType, Option<f64>),
+    rule: Rule,
+    shape: &[usize],
+) -> Vec<Tensor> {
+    let mut inputs = vec![
+        flag.clone(),
+        rand(r, d, shape, -1.0, 1.0),
+        rand(r, gd, shape, -1.0, 1.0),
+    ];
+    for _ in rule.slots() {
+        inputs.push(rand(r, d, shape, 0.0, 1.0));
+    }
+    if rule.uses_step() {
+        inputs.push(Tensor::scalar(DType::I64, 3.0));
+    }
+    inputs.extend(grad_scale.map(|s| Tensor::scalar(d, s)));
+    inputs
+}
+
+/// An update by `rule`; the scaled forms (a 16-bit gradient `gd` unscaled in the
+/// variable's dtype) also write the new variable in `gd`.
+fn scaled_update(rule: Rule, gd: DType, grad_scale: Option<f64>) -> OptimizerUpdate {
+    OptimizerUpdate {
+        grad_scale: grad_scale.is_some(),
+        cast_to: grad_scale.map(|_| gd),
+        ..OptimizerUpdate::new(rule, 0.01, 0.01)
+    }
+}
+
 #[test]
 fn training_ops() {
     let Some(mut gpu) = gpu() else { return };
@@ -861,26 +895,8 @@ fn training_ops() {
         for rule in rules {
             for flag in [&yes, &no] {
                 // 2107 elements: the vectorised loops leave a tail for every dtype.
-                let shape = [301, 7];
-                let mut inputs = vec![
-                    flag.clone(),
-                    rand(&mut r, d, &shape, -1.0, 1.0),
-                    rand(&mut r, gd, &shape, -1.0, 1.0),
-                ];
-                for _ in rule.slots() {
-                    inputs.push(rand(&mut r, d, &shape, 0.0, 1.0));
-                }
-                if rule.uses_step() {
-                    inputs.push(Tensor::scalar(DType::I64, 3.0));
-                }
-                inputs.extend(grad_scale.map(|s| Tensor::scalar(d, s)));
-                let op = OptimizerUpdate {
-                    grad_scale: grad_scale.is_some(),
-                    // The scaled forms also write the new variable in the
-                    // gradient's 16-bit type.
-                    cast_to: grad_scale.map(|_| gd),
-                    ..OptimizerUpdate::new(rule, 0.01, 0.01)
-                };
+                let inputs = update_inputs(&mut r, flag, (d, gd, grad_scale), rule, &[301, 7]);
+                let op = scaled_update(rule, gd, grad_scale);
                 check(
                     &mut gpu,
                     &format!(
@@ -897,27 +913,13 @@ fn training_ops() {
     // with its own values, against the members' updates on the CPU.
     for (d, gd, grad_scale) in [kinds[0], kinds[3]] {
         for rule in [rules[1], rules[4]] {
-            let update = OptimizerUpdate {
-                grad_scale: grad_scale.is_some(),
-                cast_to: grad_scale.map(|_| gd),
-                ..OptimizerUpdate::new(rule, 0.01, 0.01)
-            };
-            let mut inputs = Vec::new();
-            for m in 0..35 {
-                let shape = [(m * 37) % 300 + 1];
-                inputs.extend([
-                    yes.clone(),
-                    rand(&mut r, d, &shape, -1.0, 1.0),
-                    rand(&mut r, gd, &shape, -1.0, 1.0),
-                ]);
-                for _ in rule.slots() {
-                    inputs.push(rand(&mut r, d, &shape, 0.0, 1.0));
-                }
-                if rule.uses_step() {
-                    inputs.push(Tensor::scalar(DType::I64, 3.0));
-                }
-                inputs.extend(grad_scale.map(|s| Tensor::scalar(d, s)));
-            }
+            let update = scaled_update(rule, gd, grad_scale);
+            let inputs: Vec<Tensor> = (0..35)
+                .flat_map(|m| {
+                    let shape = [(m * 37) % 300 + 1];
+                    update_inputs(&mut r, &yes, (d, gd, grad_scale), rule, &shape)
+                })
+                .collect();
             check(
                 &mut gpu,
                 &format!("GroupedOptimizerUpdate {d} grad {gd} scale {grad_scale:?} {rule:?}"),

@@ -605,24 +605,23 @@ impl Op for GroupedOptimizerUpdate {
         a
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let mut out = Vec::with_capacity(self.members * self.update.num_outputs());
-        for (m, member) in inputs.chunks(self.update.num_inputs()).enumerate() {
-            out.extend(
-                self.update
-                    .infer(member)
-                    .map_err(|e| format!("member {m}: {e}"))?,
-            );
-        }
-        Ok(out)
+        self.per_member(inputs, |member| self.update.infer(member))
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        self.per_member(inputs, |member| self.update.eval(member))
+    }
+}
+
+impl GroupedOptimizerUpdate {
+    /// `f` of each member's inputs, the results in turn; an error names its member.
+    fn per_member<I, O>(
+        &self,
+        inputs: &[I],
+        f: impl Fn(&[I]) -> OpResult<Vec<O>>,
+    ) -> OpResult<Vec<O>> {
         let mut out = Vec::with_capacity(self.members * self.update.num_outputs());
         for (m, member) in inputs.chunks(self.update.num_inputs()).enumerate() {
-            out.extend(
-                self.update
-                    .eval(member)
-                    .map_err(|e| format!("member {m}: {e}"))?,
-            );
+            out.extend(f(member).map_err(|e| format!("member {m}: {e}"))?);
         }
         Ok(out)
     }
