@@ -1533,7 +1533,9 @@ pub const GROUP_POINTERS: usize = 12;
 /// var, out slots..., [cast out], [lamb scratch, lamb sums], n. Skipped steps copy
 /// the inputs. With `grad_scale` the gradient is multiplied by the scalar (of the
 /// variable's dtype) first; with `cast_to` the kernel that writes the variable also
-/// writes its cast (of the stored value, as a Cast kernel would).
+/// writes its cast (of the stored value, as a Cast kernel would). SGD and Adam
+/// modules also have `k_group`, a GroupedOptimizerUpdate's kernel: block `m` updates
+/// member `m`, whose arguments but `n` are row `m` of an `UpdateTable`.
 #[allow(clippy::too_many_arguments)]
 pub fn optimizer(
     var: DType,
