@@ -140,6 +140,7 @@ mod tests {
 
     use super::*;
     use crate::testing::{assert_same_bits, run};
+    use ampgraph_graph::format;
     use ampgraph_graph::ops::{AssignVariable, Placeholder, Variable};
     use ampgraph_graph::{Tensor, TensorType};
 
@@ -229,6 +230,12 @@ mod tests {
         let first = grouped.node(first_update);
         assert!(first.op.is::<GroupedOptimizerUpdate>());
         assert_eq!(first.name, g.node(first_update).name);
+        // The grouped nodes go through the JSON format and back.
+        let def = format::GraphDef::from_graph(&grouped);
+        let back = format::parse_json(format::to_json(&def).as_bytes())
+            .and_then(|d| d.to_graph())
+            .unwrap();
+        assert_same_bits(&want, &run(&back, &feeds));
         // Idempotent.
         let before = grouped.len();
         GroupUpdates.run(&mut grouped).unwrap();
