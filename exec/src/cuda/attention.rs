@@ -1,10 +1,11 @@
 //! FusedAttention and FusedAttentionGrad on the device: FlashAttention-2's algorithm
 //! on Tensor Cores (`mma.sync` m16n8k16, f16 or bf16 operands, f32 accumulators).
 //!
-//! A block of 8 warps takes 128 rows (queries, or keys in the gradient's dK/dV kernel)
-//! of one (batch, head), a warp 16 of them, and walks the other side in tiles of 64
-//! staged in shared memory, whose B fragments `ldmatrix` reads (transposing where
-//! the product needs it). The scores of a tile live in the accumulator registers
+//! A block of 8 warps takes 128 rows (queries; keys in the gradient's dK/dV kernel,
+//! whose blocks are 4 warps and 64 rows, tiles 32: [`NARROW`]) of one (batch, head), a
+//! warp 16 of them, and walks the other side in tiles of 64 staged in shared memory,
+//! whose B fragments `ldmatrix` reads (transposing where the product needs it). The
+//! scores of a tile live in the accumulator registers
 //! and go straight back into the next product as its A operand: the `[Sq, Sk]` scores
 //! are never stored. The forward keeps a running maximum and sum per row (online
 //! softmax) and saves each row's log-sum-exp; the gradient recomputes the
@@ -19,15 +20,33 @@ use super::device::{Arg, DTensor};
 use super::ops::Ctx;
 use super::src;
 
-/// Rows of a block's own side: 8 warps of 16 (`ROWS` in the source).
-const ROWS: usize = 128;
-const THREADS: u32 = 256;
+/// A module's blocks: `warps` warps of 16 rows of the block's own side each (`ROWS`
+/// in the source), walking the other side in tiles of `tile` rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    warps: usize,
+    tile: usize,
+}
+
+/// The forward and dq kernels' shape.
+pub const WIDE: Shape = Shape { warps: 8, tile: 64 };
+/// k_dkv's: with 166 registers it runs three blocks a multiprocessor (12 warps; one
+/// block of 8 in WIDE's): 138 -> 124 us on the transformer's [16, 512, 12, 64] f16
+/// heads (H100), where the forward and dq kernels are slower in it (71 -> 79 us, 115
+/// -> 117).
+pub const NARROW: Shape = Shape { warps: 4, tile: 32 };
+
+impl Shape {
+    fn rows(self) -> usize {
+        16 * self.warps
+    }
+}
 
 const BODY: &str = r#"
 #define HD @HD@
-#define WARPS 8
+#define WARPS @WARPS@
 #define ROWS (16 * WARPS)
-#define TILE 64
+#define TILE @TILE@
 #define LDS (HD + 8)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -381,14 +400,18 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 }
 "#;
 
-/// The module of the three kernels for `dtype` (f16 or bf16) and head width `head_dim`.
-pub fn source(dtype: DType, head_dim: usize) -> String {
+/// The module of the three kernels for `dtype` (f16 or bf16), head width `head_dim`
+/// and block shape `shape` (its rows at most two tiles: `stage_a` stages them in the
+/// two tile buffers).
+pub fn source(dtype: DType, head_dim: usize, shape: Shape) -> String {
     let (pair, pack, mma) = match dtype {
         DType::BF16 => ("__nv_bfloat162", "__floats2bfloat162_rn", "bf16"),
         _ => ("__half2", "__floats2half2_rn", "f16"),
     };
     let body = BODY
         .replace("@HD@", &head_dim.to_string())
+        .replace("@WARPS@", &shape.warps.to_string())
+        .replace("@TILE@", &shape.tile.to_string())
         .replace("@T2@", pair)
         .replace("@PACK@", pack)
         .replace("@MMA@", mma);
@@ -436,14 +459,14 @@ fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDi
 
 fn launch(
     c: &Ctx,
-    kernel: &'static str,
+    (kernel, shape): (&'static str, Shape),
     dims: &AttentionDims,
     rows: usize,
     dtype: DType,
     tensors: &[&DTensor],
     scale: f64,
 ) -> Result<(), String> {
-    let blocks = dims.batch * dims.heads * rows.div_ceil(ROWS);
+    let blocks = dims.batch * dims.heads * rows.div_ceil(shape.rows());
     if blocks == 0 {
         return Ok(());
     }
@@ -458,11 +481,11 @@ fn launch(
     ]);
     let d = dims.head_dim;
     c.dev.launch(
-        &format!("attention/{dtype}/{d}"),
-        || source(dtype, d),
+        &format!("attention/{dtype}/{d}/{}x{}", shape.warps, shape.tile),
+        || source(dtype, d, shape),
         kernel,
         blocks,
-        THREADS,
+        32 * shape.warps as u32,
         &args,
     )
 }
@@ -485,7 +508,7 @@ pub fn forward(
     let dims = checked_dims(c, scale, &[q, k, v, &o, &lse])?;
     launch(
         c,
-        "k_fwd",
+        ("k_fwd", WIDE),
         &dims,
         dims.q_len,
         q.dtype,
@@ -514,7 +537,7 @@ pub fn backward(
     let d = q.dtype;
     launch(
         c,
-        "k_dq",
+        ("k_dq", WIDE),
         &dims,
         dims.q_len,
         d,
@@ -523,7 +546,7 @@ pub fn backward(
     )?;
     launch(
         c,
-        "k_dkv",
+        ("k_dkv", NARROW),
         &dims,
         dims.k_len,
         d,

@@ -2266,10 +2266,11 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
             k.push((format!("gather_{bytes}"), gather(bytes)));
         }
         k.push(("concat".into(), concat(2)));
-        for (d, head_dim) in [(DType::F16, 64), (DType::BF16, 32)] {
+        use super::super::attention::{NARROW, WIDE};
+        for (d, head_dim, shape) in [(DType::F16, 64, WIDE), (DType::BF16, 32, NARROW)] {
             k.push((
                 format!("attention_{d}"),
-                super::super::attention::source(d, head_dim),
+                super::super::attention::source(d, head_dim, shape),
             ));
         }
         // Casts folded into the normalisations: f16 x and dy, f32 math, f16 or f32 out.
