@@ -8,11 +8,10 @@
 //! each fills the GPU. LAMB's updates need norms over the whole variable and stay
 //! apart too.
 
-use std::collections::HashSet;
-
 use ampgraph_graph::ops::{GroupedOptimizerUpdate, OptimizerUpdate, Rule};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
+use crate::sum_into_elementwise::reachable_from;
 use crate::{Pass, PassError, PassSummary};
 
 /// The largest variable whose update is grouped.
@@ -55,22 +54,13 @@ fn buckets(g: &Graph) -> Vec<Bucket> {
 /// Whether anything a member computes flows into another member's inputs (a group
 /// would then be its own ancestor).
 fn members_depend_on_each_other(g: &Graph, members: &[NodeId]) -> bool {
-    let adj = g.adjacency();
-    let targets: HashSet<NodeId> = members.iter().copied().collect();
-    let mut seen = HashSet::new();
-    let mut stack: Vec<NodeId> = members
+    let readers: Vec<NodeId> = members
         .iter()
-        .flat_map(|&m| adj.consumers(m).map(|(reader, _, _)| reader))
+        .flat_map(|&m| g.consumers(m))
+        .map(|(reader, _, _)| reader)
         .collect();
-    while let Some(id) = stack.pop() {
-        if targets.contains(&id) {
-            return true;
-        }
-        if seen.insert(id) {
-            stack.extend(adj.consumers(id).map(|(reader, _, _)| reader));
-        }
-    }
-    false
+    let downstream = reachable_from(g, readers);
+    members.iter().any(|m| downstream[m.index()])
 }
 
 /// Replaces `members` (updates of `update`'s configuration) by one grouped node, which
@@ -243,7 +233,7 @@ mod tests {
     }
 
     #[test]
-    fn lamb_and_single_updates_stay_apart() {
+    fn lamb_single_and_chained_updates_stay_apart() {
         let lamb = OptimizerUpdate::new(
             Rule::Lamb {
                 beta1: 0.9,
@@ -265,7 +255,16 @@ mod tests {
             g.set_outputs(outputs).unwrap();
         }
         let (mut one, _) = model(&[3], &[momentum(0.1)]);
-        for g in [&mut g, &mut one] {
+        // The second update's gradient is the first's new value.
+        let (mut chained, _) = model(&[3, 3], &[momentum(0.1), momentum(0.1)]);
+        let updates: Vec<NodeId> = chained
+            .node_ids()
+            .filter(|&id| chained.node(id).op.is::<OptimizerUpdate>())
+            .collect();
+        chained
+            .set_input(updates[1], 2, Port::new(updates[0], 0))
+            .unwrap();
+        for g in [&mut g, &mut one, &mut chained] {
             let before = g.len();
             GroupUpdates.run(g).unwrap();
             assert_eq!(g.len(), before);
