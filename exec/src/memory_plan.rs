@@ -114,10 +114,10 @@ pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, No
         };
         let inputs = graph.inputs(id);
         let (n_in, n_out) = (update.num_inputs(), update.num_outputs());
-        // Each member's variable and slots (its cast replaces nothing).
         let replaced = (0..members).flat_map(|m| {
-            (0..=update.rule.slots().len())
-                .map(move |k| (m * n_out + k, m * n_in + if k == 0 { 1 } else { 2 + k }))
+            update
+                .replaced_inputs()
+                .map(move |(k, slot)| (m * n_out + k, m * n_in + slot))
         });
         for (k, slot) in replaced {
             let Some(&target) = inputs.get(slot) else {
@@ -180,13 +180,10 @@ pub fn update_casts(graph: &Graph) -> Vec<(Port, String, Port)> {
         let Some((update, _)) = update_members(graph.node(id).op.as_ref()) else {
             continue;
         };
-        let Some(to) = update.cast_to else {
+        let (Some(to), Some(cast)) = (update.cast_to, update.cast_output()) else {
             continue;
         };
-        let cast_out = Port::new(
-            id,
-            member * update.num_outputs() + 1 + update.rule.slots().len(),
-        );
+        let cast_out = Port::new(id, member * update.num_outputs() + cast);
         for (reader, _, _) in graph.consumers(var) {
             if graph
                 .node(reader)
@@ -476,6 +473,57 @@ mod tests {
             fetches.push(g.plus(next, v.into()).unwrap());
         }
         (g, fetches)
+    }
+
+    #[test]
+    fn update_casts_find_each_grouped_members_cast_output() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, vec![4]);
+        let finite = g
+            .add(
+                Const::new(ampgraph_graph::Tensor::scalar(DType::Bool, 1.0)),
+                &[],
+            )
+            .unwrap();
+        let (a, b) = (
+            Port::from(
+                g.add_node("a", Box::new(Variable::new(ty.clone())), &[])
+                    .unwrap(),
+            ),
+            Port::from(g.add_node("b", Box::new(Variable::new(ty)), &[]).unwrap()),
+        );
+        let casts: Vec<Port> = [a, b]
+            .into_iter()
+            .map(|v| g.add(Cast { to: DType::F16 }, &[v]).unwrap())
+            .collect();
+        let (ga, gb) = (relu(&mut g, a), relu(&mut g, b));
+        // Plain SGD with a cast: each member's outputs are its variable and its cast.
+        let sgd = OptimizerUpdate {
+            cast_to: Some(DType::F16),
+            ..OptimizerUpdate::new(Rule::PLAIN_SGD, 0.1, 0.0)
+        };
+        let grouped = g
+            .add_node(
+                "grouped",
+                Box::new(GroupedOptimizerUpdate {
+                    update: sgd,
+                    members: 2,
+                }),
+                &[finite, a, ga, finite, b, gb],
+            )
+            .unwrap();
+        for (target, k) in [(a, 0), (b, 2)] {
+            g.add(AssignVariable, &[target, Port::new(grouped, k)])
+                .unwrap();
+        }
+        let found = update_casts(&g);
+        assert_eq!(
+            found,
+            vec![
+                (casts[0], "a".to_string(), Port::new(grouped, 1)),
+                (casts[1], "b".to_string(), Port::new(grouped, 3)),
+            ]
+        );
     }
 
     #[test]

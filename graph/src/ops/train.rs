@@ -363,6 +363,17 @@ impl OptimizerUpdate {
     pub fn num_outputs(&self) -> usize {
         1 + self.rule.slots().len() + usize::from(self.cast_to.is_some())
     }
+
+    /// The outputs that are new values of inputs, each with that input's slot: the
+    /// variable (input 1), then each slot (inputs 3..).
+    pub fn replaced_inputs(&self) -> impl Iterator<Item = (usize, usize)> {
+        (0..=self.rule.slots().len()).map(|k| (k, if k == 0 { 1 } else { 2 + k }))
+    }
+
+    /// The output holding the new variable cast to `cast_to`, when there is one.
+    pub fn cast_output(&self) -> Option<usize> {
+        self.cast_to.map(|_| 1 + self.rule.slots().len())
+    }
 }
 
 impl Op for OptimizerUpdate {
