@@ -1393,10 +1393,8 @@ fn grouped_optimizer(
         return Ok(outputs);
     };
     let dtypes = |m: &[DTensor]| m.iter().map(|t| t.dtype).collect::<Vec<_>>();
-    if let Some(k) = inputs
-        .chunks(n_in)
-        .position(|m| dtypes(m) != dtypes(&inputs[..n_in]))
-    {
+    let first_dtypes = dtypes(&inputs[..n_in]);
+    if let Some(k) = inputs.chunks(n_in).position(|m| dtypes(m) != first_dtypes) {
         return Err(format!("member {k}'s dtypes differ from member 0's"));
     }
     let (key, make) = first.module(u);
