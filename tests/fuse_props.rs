@@ -2,16 +2,20 @@
 //! and without the AMP rewrite first: the fused graph validates, keeps its outputs'
 //! types, computes bitwise the same values on the CPU, survives JSON and binary files,
 //! and a second run changes nothing. The same holds for `fuse` followed by
-//! `sum-into-elementwise` on those graphs with bias-gradient-like column sums added.
+//! `sum-into-elementwise` on those graphs with bias-gradient-like column sums added,
+//! and for `norm-grad-epilogue` on random layer-norm gradients added to a residual.
 
 mod common;
 
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::format::{self, GraphDef};
 use ampgraph::graph::ops::fused::column_sum_dtype;
-use ampgraph::graph::ops::{FusedElementwise, Reduce, ReduceKind, Unary, UnaryKind};
+use ampgraph::graph::ops::{
+    Binary, BinaryKind, FusedElementwise, LayerNormGrad, Reduce, ReduceKind, Unary, UnaryKind,
+};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::fuse::{Fuse, FuseReport};
+use ampgraph::passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph::passes::sum_into_elementwise::SumIntoElementwise;
 use ampgraph::passes::Pass;
 use ampgraph::{DType, Graph, Port};
@@ -153,6 +157,100 @@ proptest! {
     fn fusion_after_amp_is_valid_exact_and_idempotent(seed in any::<u64>(), size in 1usize..40) {
         check_fusion(&prepared(seed, size, true), seed)?;
     }
+}
+
+/// A LayerNormGrad's dx added to a residual gradient, as a pre-LN block's backward
+/// pass has it, with what the draw picks: the dtype, `rows x len` (normalised over
+/// the last axis, or the last two of a rank-3 x), the operand order, column sums of
+/// the Add, of the residual and of dx itself, and a second reader of dx or of the Add.
+fn residual_norm_grad(seed: u64) -> Graph {
+    let mut rng = Rng(seed);
+    let dtype = rng.pick(&[DType::F32, DType::F16, DType::BF16, DType::F64]);
+    let (rows, len) = (1 + rng.below(12), 1 + rng.below(20));
+    let (shape, axis) = if rng.below(4) == 0 {
+        (vec![rows, 2, len], 1)
+    } else {
+        (vec![rows, len], -1)
+    };
+    let gamma_shape = if axis == 1 { vec![2, len] } else { vec![len] };
+    let mut g = Graph::new();
+    let x = g.placeholder("x", dtype, shape.clone()).unwrap();
+    let gamma = g.placeholder("gamma", dtype, gamma_shape).unwrap();
+    let dy = g.placeholder("dy", dtype, shape.clone()).unwrap();
+    let r = g.placeholder("r", dtype, shape.clone()).unwrap();
+    let grad = g
+        .add(LayerNormGrad::new(axis, 1e-5), &[x, gamma, dy])
+        .unwrap()
+        .node;
+    let dx = Port::new(grad, 0);
+    let operands = if rng.below(2) == 0 { [dx, r] } else { [r, dx] };
+    let add = g.add(Binary::new(BinaryKind::Add), &operands).unwrap();
+    // A product reads the Add (elementwise readers would fuse with it).
+    let rank = shape.len();
+    let max = Reduce::new(ReduceKind::Max, Some(vec![rank as i64 - 1]), false);
+    let mut outputs = vec![
+        Port::new(grad, 1),
+        Port::new(grad, 2),
+        g.add(max, &[add]).unwrap(),
+    ];
+    let leading: Vec<i64> = (0..rank as i64 - 1).collect();
+    // dx's own sum and a second reader are rarer: each keeps the Add apart.
+    for (summed, one_in) in [(add, 2), (r, 2), (dx, 4)] {
+        if rng.below(one_in) == 0 {
+            let sum = Reduce::new(ReduceKind::Sum, Some(leading.clone()), false)
+                .with_output(column_sum_dtype(dtype));
+            let s = g.add(sum, &[summed]).unwrap();
+            outputs.push(g.add(Unary::new(UnaryKind::Neg), &[s]).unwrap());
+        }
+    }
+    match rng.below(8) {
+        0 => outputs.push(dx),
+        1 => outputs.push(add),
+        _ => {}
+    }
+    g.set_outputs(outputs).unwrap();
+    g
+}
+
+/// The CUDA pipeline's order around `norm-grad-epilogue`.
+fn norm_grad_epilogue(g: &mut Graph) -> usize {
+    Fuse.rewrite(g).unwrap();
+    SumIntoElementwise.run(g).unwrap();
+    let before = g.len();
+    NormGradEpilogueFusion.run(g).unwrap();
+    before - g.len()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// `norm-grad-epilogue` after fusion and the column sums: valid, bitwise the same
+    /// on the CPU, the same after JSON, idempotent.
+    #[test]
+    fn norm_grad_epilogue_is_exact_and_idempotent(seed in any::<u64>()) {
+        let original = residual_norm_grad(seed);
+        let mut g = original.clone();
+        norm_grad_epilogue(&mut g);
+        g.validate().unwrap();
+        same_bits_on_the_cpu(&original, &g, seed)?;
+        let text = json(&g);
+        prop_assert_eq!(
+            &text,
+            &json(&format::graph_from_bytes(text.as_bytes()).unwrap())
+        );
+        let mut again = g.clone();
+        prop_assert_eq!(norm_grad_epilogue(&mut again), 0);
+        prop_assert_eq!(text, json(&again));
+    }
+}
+
+/// The epilogue fold is not vacuous: it fires on most such graphs.
+#[test]
+fn norm_grad_epilogue_fires_on_most_residual_graphs() {
+    let fired = (0..64u64)
+        .filter(|&seed| norm_grad_epilogue(&mut residual_norm_grad(seed)) > 0)
+        .count();
+    assert!(fired >= 24, "the epilogue fused in {fired} of 64 graphs");
 }
 
 /// Fusion is not vacuous: it fires on most random graphs, with and without AMP.

@@ -5,8 +5,8 @@ use ampgraph::exec::data::Mnist;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{
-    AllFinite, Binary, BinaryKind, Const, Epilogue, FusedMatMul, Init, OptimizerUpdate, Reduce,
-    ReduceKind, Rule, Unary, UnaryKind, Variable,
+    AllFinite, Binary, BinaryKind, Const, Epilogue, FusedMatMul, Init, LayerNormGrad,
+    NormGradEpilogue, OptimizerUpdate, Reduce, ReduceKind, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{
@@ -338,6 +338,85 @@ fn training_with_the_fusion_passes_is_bit_identical() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("'no-such-pass'"), "{err}");
+}
+
+/// x[8,4] -> dense 6 -> two pre-LN residual blocks `x + dense(gelu(dense(LN(x))))`
+/// -> LayerNorm -> dense 3 -> cross-entropy: each block's LayerNorm gradient is added
+/// to the gradient along the residual.
+fn pre_ln_model() -> (Graph, Port, Port) {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [BATCH, 4]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
+    let mut h = nn::dense(&mut g, x, 6, None).unwrap();
+    let layer_norm = |g: &mut Graph, x: Port, k: usize| {
+        let ty = TensorType::new(DType::F32, vec![6]);
+        let param = |g: &mut Graph, name: &str, init: Init| -> Port {
+            let v = Variable::with_init(ty.clone(), init);
+            g.add_node(format!("ln_{k}/{name}"), Box::new(v), &[])
+                .unwrap()
+                .into()
+        };
+        let gamma = param(g, "gamma", Init::Constant(1.0));
+        let beta = param(g, "beta", Init::Zeros);
+        g.layer_norm(x, gamma, beta, 1, 1e-5).unwrap()
+    };
+    for k in 0..2 {
+        let n = layer_norm(&mut g, h, k);
+        let wide = nn::dense(&mut g, n, 12, Some(Activation::Gelu)).unwrap();
+        let back = nn::dense(&mut g, wide, 6, None).unwrap();
+        h = g.plus(h, back).unwrap();
+    }
+    let n = layer_norm(&mut g, h, 2);
+    let logits = nn::dense(&mut g, n, 3, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    g.set_outputs(vec![logits]).unwrap();
+    (g, loss, logits)
+}
+
+/// AMP training of a pre-LN residual model: the pipeline (the LayerNorm gradients'
+/// epilogue included) trains bit for bit as the unfused graph, a skipped step too.
+#[test]
+fn pre_ln_training_with_the_norm_grad_epilogue_is_bit_identical() {
+    let session = |passes: &[&str]| {
+        let (mut g, loss, logits) = pre_ln_model();
+        let opt = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.1, 0.9))
+            .with_loss_scale(dynamic(1024.0, 2));
+        let step = opt.minimize(&mut g, loss).unwrap();
+        let options = SessionOptions {
+            passes: Some(passes.iter().map(|p| p.to_string()).collect()),
+            ..Default::default()
+        };
+        let s = Session::with_options(g, Device::Cpu, options).unwrap();
+        (s, step, logits)
+    };
+    let (mut plain, step, logits) = session(&[]);
+    let pipeline = [SIMPLIFY_PIPELINE, CUDA_PIPELINE].concat();
+    let (mut fused, fused_step, fused_logits) = session(&pipeline);
+    for k in 0..5 {
+        let poison = if k == 2 { Some(f32::INFINITY) } else { None };
+        let want = plain
+            .run(&[step.step, step.loss, logits], &feeds(k, poison))
+            .unwrap();
+        let got = fused
+            .run(
+                &[fused_step.step, fused_step.loss, fused_logits],
+                &feeds(k, poison),
+            )
+            .unwrap();
+        let same = want.len() == got.len() && want.iter().zip(&got).all(|(w, g)| identical(w, g));
+        assert!(same, "step {k}: {want:?} against {got:?}");
+    }
+    assert_eq!(weights_and_slots(&plain), weights_and_slots(&fused));
+    // Both blocks' LayerNorm gradients took the Add and the bias gradient's sum.
+    let ran = fused.graph_for(&[fused_step.step, fused_step.loss, fused_logits]);
+    let epilogues: Vec<NormGradEpilogue> = ran
+        .node_ids()
+        .filter_map(|id| ran.node(id).op.downcast_ref::<LayerNormGrad>())
+        .map(|ln| ln.epilogue)
+        .filter(|e| e.residual)
+        .collect();
+    assert_eq!(epilogues.len(), 2, "{epilogues:?}");
+    assert!(epilogues.iter().all(|e| e.sum_dx), "{epilogues:?}");
 }
 
 #[test]

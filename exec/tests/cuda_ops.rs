@@ -573,10 +573,7 @@ fn layer_norm_and_grad() {
             check_scaled(
                 &mut gpu,
                 &format!("LayerNormGrad {what}"),
-                LayerNormGrad {
-                    axis,
-                    epsilon: 1e-5,
-                },
+                LayerNormGrad::new(axis, 1e-5),
                 &[x, g, dy],
                 2.0,
             );
@@ -600,12 +597,72 @@ fn layer_norm_and_grad() {
                 let what = format!("LayerNorm {narrow} {shape:?} to {to:?}");
                 check(&mut gpu, &what, ln, &[x.clone(), g.clone(), b.clone()]);
             }
-            let grad = LayerNormGrad {
-                axis: -1,
-                epsilon: 1e-5,
-            };
+            let grad = LayerNormGrad::new(-1, 1e-5);
             let what = format!("LayerNormGrad {narrow} {shape:?}");
             check_scaled(&mut gpu, &what, grad, &[x, g, dy], 2.0);
+        }
+    }
+}
+
+/// LayerNormGrad's epilogue: the residual added to dx and the column sums, on the
+/// row kernels (word rows, odd rows, a warp taking several rows of 9000), the block
+/// kernels (rows of 1500) and normalised rows that are not the summed columns.
+#[test]
+fn layer_norm_grad_epilogue() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(16);
+    let epilogues = [
+        NormGradEpilogue {
+            residual: true,
+            ..Default::default()
+        },
+        NormGradEpilogue {
+            sum_dx: true,
+            ..Default::default()
+        },
+        NormGradEpilogue {
+            residual: true,
+            sum_dx: true,
+            sum_residual: true,
+        },
+    ];
+    for d in FLOATS {
+        for (shape, axis) in [
+            (vec![4, 16], -1i64),
+            (vec![7, 768], -1),
+            (vec![700, 40], -1),
+            (vec![9000, 32], -1),
+            (vec![3, 1500], -1),
+            (vec![3, 2, 300], 1),
+        ] {
+            let a = shape.len() - if axis < 0 { 1 } else { 2 };
+            let x = rand(&mut r, d, &shape, -2.0, 2.0);
+            let g = rand(&mut r, d, &shape[a..], 0.5, 1.5);
+            let dy = rand(&mut r, d, &shape, -1.0, 1.0);
+            let residual = rand(&mut r, d, &shape, -1.0, 1.0);
+            let rows: usize = shape[..shape.len() - 1].iter().product();
+            for epilogue in epilogues {
+                let mut inputs = vec![x.clone(), g.clone(), dy.clone()];
+                if epilogue.residual {
+                    inputs.push(residual.clone());
+                }
+                let op = LayerNormGrad {
+                    epilogue,
+                    ..LayerNormGrad::new(axis, 1e-5)
+                };
+                let what = format!("{d} {shape:?} axis {axis} {epilogue:?}");
+                let (dev, cpu) = run_both(&mut gpu, &what, op, &inputs);
+                assert_eq!(dev.len(), 3 + epilogue.sums(), "{what}");
+                for (k, (a, b)) in dev.iter().zip(&cpu).enumerate() {
+                    // Sums of many rows compare at the scale of the values they add.
+                    let scale = if k == 0 {
+                        2.0
+                    } else {
+                        2.0 * (rows as f64).sqrt()
+                    };
+                    assert_close(&format!("{what} output {k}"), a, b, scale);
+                }
+            }
         }
     }
 }

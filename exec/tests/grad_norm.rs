@@ -320,10 +320,7 @@ fn layer_norm_grad_kernel_matches_reference() {
             let (xt, x) = stored(dtype, &shape, &x0);
             let (dyt, dy) = stored(dtype, &shape, &dy0);
             let (gt, g) = stored(dtype, &norm, &g0);
-            let op = LayerNormGrad {
-                axis,
-                epsilon: 1e-5,
-            };
+            let op = LayerNormGrad::new(axis, 1e-5);
             assert_round_trip(&op);
             let got = op.eval(&[&xt, &gt, &dyt]).unwrap();
             let types: Vec<TensorType> = got.iter().map(|t| t.ty()).collect();
@@ -480,10 +477,7 @@ fn norm_grad_ops_reject_bad_types() {
     assert!(op.eval(&[&x, &s, &s, &s, &x]).is_err());
     assert!(op.eval(&[&x]).is_err());
 
-    let ln = LayerNormGrad {
-        axis: -1,
-        epsilon: 1e-5,
-    };
+    let ln = LayerNormGrad::new(-1, 1e-5);
     let ok = ln
         .infer(&[&f32t(&[2, 4]), &f32t(&[4]), &f32t(&[2, 4])])
         .unwrap();
@@ -503,10 +497,7 @@ fn norm_grad_ops_reject_bad_types() {
     assert!(e.contains("dy is f32 but gamma is f16"), "{e}");
     let e = infer_err(&ln, &[tt(DType::BF16, &[2, 4]), f16t(&[4]), f16t(&[2, 4])]);
     assert!(e.contains("x is bf16 but gamma is f16"), "{e}");
-    let bad_axis = LayerNormGrad {
-        axis: 2,
-        epsilon: 1e-5,
-    };
+    let bad_axis = LayerNormGrad::new(2, 1e-5);
     let e = infer_err(&bad_axis, &[f32t(&[2, 4]), f32t(&[4]), f32t(&[2, 4])]);
     assert!(e.contains("axis 2 is out of range"), "{e}");
     let e = infer_err(&ln, &[f32t(&[]), f32t(&[]), f32t(&[])]);

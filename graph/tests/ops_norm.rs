@@ -484,10 +484,7 @@ fn layer_norm_takes_its_casts_in() {
         // Without `to`, gamma's dtype.
         let got = f32_ln.eval(&[&x, &g, &b]).unwrap().remove(0);
         assert_eq!(got.to_f64_vec(), y32.to_f64_vec());
-        let grad = LayerNormGrad {
-            axis: -1,
-            epsilon: 1e-5,
-        };
+        let grad = LayerNormGrad::new(-1, 1e-5);
         let want = grad.eval(&[&wide(&x), &g, &wide(&dy)]).unwrap();
         let got = grad.eval(&[&x, &g, &dy]).unwrap();
         for (w, o) in want.iter().zip(&got) {

@@ -7,6 +7,7 @@ use crate::cross_entropy::FuseCrossEntropy;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::group_updates::GroupUpdates;
+use crate::norm_grad_epilogue::NormGradEpilogueFusion;
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
     PadGemm, ScaleIntoMatmul, UnscaleIntoUpdate,
@@ -87,6 +88,10 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(SumIntoElementwise),
     },
     PassEntry {
+        name: "norm-grad-epilogue",
+        make: || Box::new(NormGradEpilogueFusion),
+    },
+    PassEntry {
         name: "group-updates",
         make: || Box::new(GroupUpdates),
     },
@@ -119,6 +124,7 @@ pub const CUDA_PIPELINE: &[&str] = &[
     "gemm-epilogue",
     "fuse",
     "sum-into-elementwise",
+    "norm-grad-epilogue",
     "group-updates",
 ];
 

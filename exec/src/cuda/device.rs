@@ -306,6 +306,10 @@ pub struct Device {
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
     /// Kernels by module key, then by name.
     functions: Mutex<HashMap<String, HashMap<&'static str, Arc<CudaFunction>>>>,
+    /// Streaming multiprocessors (132 on an H100).
+    pub multiprocessors: u32,
+    /// Blocks of a kernel that fit on the GPU at once, by module key and name.
+    resident: Mutex<HashMap<(String, &'static str), u32>>,
     pub pool: Arc<Mutex<Pool>>,
     /// Compiled PTX kept between processes.
     disk_cache: DiskCache,
@@ -325,6 +329,9 @@ impl Device {
         let stream = ctx.new_stream().map_err(drv("stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(drv("device query"))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("device query"))?;
         Ok(Device {
             ctx,
             stream,
@@ -333,6 +340,8 @@ impl Device {
             name,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            multiprocessors: multiprocessors.max(1) as u32,
+            resident: Mutex::new(HashMap::new()),
             pool: Arc::new(Mutex::new(Pool::default())),
             disk_cache: DiskCache::from_env(),
             launches: Launches::default(),
@@ -584,6 +593,29 @@ impl Device {
         event
             .record(&self.stream)
             .map_err(|e| format!("CUDA event: {e:?}"))
+    }
+
+    /// How many blocks of `block` threads of kernel `name` of module `key` the GPU
+    /// runs at once (its multiprocessors times the blocks one holds, given the
+    /// kernel's registers and shared memory): a grid of that many is one full wave.
+    pub fn resident_blocks(
+        &self,
+        key: &str,
+        src: impl FnOnce() -> String,
+        name: &'static str,
+        block: u32,
+    ) -> Result<u32, String> {
+        let id = (key.to_string(), name);
+        if let Some(&n) = self.resident.lock().map_err(|_| "poisoned")?.get(&id) {
+            return Ok(n);
+        }
+        let per_sm = self
+            .function(key, src, name)?
+            .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
+            .map_err(drv("occupancy query"))?;
+        let n = per_sm.max(1) * self.multiprocessors;
+        self.resident.lock().map_err(|_| "poisoned")?.insert(id, n);
+        Ok(n)
     }
 
     /// Launches kernel `name` of module `key` over `grid` blocks of `block` threads.

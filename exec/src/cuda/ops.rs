@@ -425,6 +425,101 @@ fn normalized_rows(x: &DTensor, axis: i64) -> Result<(usize, usize), String> {
     Ok((rows, len))
 }
 
+/// LayerNormGrad and its epilogue. Rows of at most [`src::WARP_ROW_MAX`] values: the
+/// row kernels add dgamma, dbeta and the epilogue's column sums up as they go (where
+/// the normalised rows are the summed columns), a wave of blocks, and `k_cols_fin`
+/// adds the blocks' partials. Longer rows: a block per row, then a column pass over x
+/// and dy for dgamma and dbeta. Column sums left over are those of a Sum.
+fn layer_norm_grad(
+    c: &Ctx,
+    ln: &LayerNormGrad,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let input = |k: usize| inputs.get(k).ok_or(format!("missing input {k}"));
+    let (x, g, dy) = (input(0)?, input(1)?, input(2)?);
+    let epi = ln.epilogue;
+    let residual = if epi.residual { Some(input(3)?) } else { None };
+    let (rows, len) = normalized_rows(x, ln.axis)?;
+    let out: Vec<DTensor> = outs.iter().map(|t| c.alloc(t)).collect::<Result<_, _>>()?;
+    let [dx, dg, db, sums @ ..] = &out[..] else {
+        return Err("LayerNormGrad has three outputs".into());
+    };
+    let types = src::NormTypes {
+        params: g.dtype,
+        x: x.dtype,
+        dy: dy.dtype,
+        y: dx.dtype,
+    };
+    let mut tensors = vec![x.arg(), g.arg(), dy.arg()];
+    tensors.extend(residual.map(DTensor::arg));
+    tensors.push(dx.arg());
+    let eps = ln.epsilon;
+    // The summed columns are the normalised rows' values (the last axis normalised).
+    let columns_are_rows = x.shape.last() == Some(&len);
+    if rows > 0 && len > 0 && len <= src::WARP_ROW_MAX {
+        let mut checked = vec![x, dy, dx];
+        checked.extend(residual);
+        let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &checked);
+        let form = src::NormGradForm {
+            residual: epi.residual,
+            sum_dx: epi.sum_dx && columns_are_rows,
+            sum_residual: epi.sum_residual && columns_are_rows,
+        };
+        let key = format!("layer_norm_grad_rows/{types:?}/{eps:e}/{per}/{form:?}");
+        let make = || src::layer_norm_grad_rows(types, eps, per, form);
+        let blocks = c
+            .dev
+            .resident_blocks(&key, make, warp, 256)?
+            .min(rows.div_ceil(8).min(1 << 20) as u32);
+        let mut outputs = vec![(dg, 1.0), (db, 1.0)];
+        if columns_are_rows {
+            outputs.extend(sums.iter().map(|s| (s, 1.0)));
+        }
+        let part = c.temp(acc_dtype(g.dtype), blocks as usize * outputs.len() * len)?;
+        let mut args = tensors;
+        args.extend([part.arg(), Arg::I64(rows as i64), Arg::I64(len as i64)]);
+        c.dev.launch(&key, make, warp, blocks, 256, &args)?;
+        column_sums_fin(c, &key, make, &part, len, blocks as usize, &outputs)?;
+        if columns_are_rows {
+            return Ok(out);
+        }
+    } else {
+        let key = format!("layer_norm_grad_block/{types:?}/{eps:e}/{:?}", epi.residual);
+        let form = src::NormGradForm {
+            residual: epi.residual,
+            ..Default::default()
+        };
+        let make = || src::layer_norm_grad_block(types, eps, form);
+        let stats = c.temp(acc_dtype(g.dtype), 2 * rows)?;
+        let mut args = tensors;
+        args.push(stats.arg());
+        block_rows(c, &key, make, "k", &args, (rows, len))?;
+        // With no rows this writes dgamma's and dbeta's zeros.
+        if len > 0 {
+            column_sums(
+                c,
+                &key,
+                make,
+                &[x.arg(), dy.arg(), stats.arg()],
+                (rows, len),
+                &[(dg, 1.0), (db, 1.0)],
+                ("k_cols_part", 32),
+            )?;
+        }
+    }
+    let mut summed = Vec::new();
+    if epi.sum_dx {
+        summed.push(dx);
+    }
+    summed.extend(residual.filter(|_| epi.sum_residual));
+    for (t, sum) in summed.into_iter().zip(sums) {
+        let leading: Vec<usize> = (0..t.shape.len().saturating_sub(1)).collect();
+        reduce_into(c, t, sum, ReduceKind::Sum, &leading)?;
+    }
+    Ok(out)
+}
+
 /// The values per lane and the warp kernel of a row module over rows of `len`
 /// values: `k_warp_vec` (16-byte words, rows of exactly `32 * per` values) where the
 /// rows are contiguous, `len` is a multiple of 32 words and every tensor is 16-byte
@@ -966,41 +1061,7 @@ pub fn eval(
         return Ok(vec![y]);
     }
     if let Some(ln) = op.downcast_ref::<LayerNormGrad>() {
-        let (x, g, dy) = (input(0)?, input(1)?, input(2)?);
-        let (rows, len) = normalized_rows(x, ln.axis)?;
-        let dx = c.alloc(out0)?;
-        let types = src::NormTypes {
-            params: g.dtype,
-            x: x.dtype,
-            dy: dy.dtype,
-            y: dx.dtype,
-        };
-        let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &[x, dy, &dx]);
-        let dg = c.alloc(outs.get(1).ok_or("missing output 1")?)?;
-        let db = c.alloc(outs.get(2).ok_or("missing output 2")?)?;
-        let stats = c.temp(acc_dtype(g.dtype), 2 * rows)?;
-        let key = format!("layer_norm_grad/{types:?}/{:e}/{per}", ln.epsilon);
-        let make = || src::layer_norm_grad(types, ln.epsilon, per);
-        row_kernel(
-            c,
-            &key,
-            make,
-            ("k", warp),
-            &[x.arg(), g.arg(), dy.arg(), dx.arg(), stats.arg()],
-            (rows, len, None),
-        )?;
-        if len > 0 {
-            column_sums(
-                c,
-                &key,
-                make,
-                &[x.arg(), dy.arg(), stats.arg()],
-                (rows, len),
-                &[(&dg, 1.0), (&db, 1.0)],
-                ("k_cols_part", 32),
-            )?;
-        }
-        return Ok(vec![dx, dg, db]);
+        return layer_norm_grad(c, ln, inputs, outs);
     }
     let fused = op.downcast_ref::<FusedMatMul>();
     if let Some(m) = op.downcast_ref::<MatMul>().or(fused.map(|f| &f.product)) {

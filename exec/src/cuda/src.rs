@@ -1358,49 +1358,179 @@ pub fn column_vector(d: DType) -> usize {
     16 / d.size_bytes()
 }
 
-/// LayerNormGrad: `k` (a block per row), `k_warp` (a warp per row held in registers,
-/// as [`layer_norm`]'s) or `k_warp_vec` (the same moving 16-byte words, rows of exactly
-/// `32 * per` values) writes dx and each row's mean and inverse deviation; the column
-/// sums (see [`column_sums`]) give dgamma and dbeta.
-pub fn layer_norm_grad(types: NormTypes, eps: f64, per: usize) -> String {
-    // Given x in `v` and dy * gamma in `dy`: xhat, then dx's two row means.
-    let middle = format!(
-        "{stats}\
-         A sg = 0, sgx = 0;\n\
-         #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ v[t] = (v[t] - mean) * inv; sg += dy[t]; sgx += dy[t] * v[t]; }}\n\
-         A mg = warp_sum(sg) / (A)len, mgx = warp_sum(sgx) / (A)len;\n",
-        stats = ln_warp_stats(per)
+/// What a LayerNormGrad module computes past dx, dgamma and dbeta (the op's
+/// `NormGradEpilogue`): `residual` adds the tensor `pr` (dx's dtype) to the rounded dx
+/// as an Add would; `row_sums` of the output's and the residual's column sums
+/// (`sum_dx`, `sum_residual`, in that order) are added up by the row kernels with
+/// dgamma and dbeta (where the normalised rows are the summed columns).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NormGradForm {
+    pub residual: bool,
+    pub sum_dx: bool,
+    pub sum_residual: bool,
+}
+
+impl NormGradForm {
+    /// The residual pointer parameter, when there is one.
+    fn residual_param(self) -> &'static str {
+        if self.residual {
+            "const TY* pr, "
+        } else {
+            ""
+        }
+    }
+
+    /// The code rounding `value` to dx's dtype into `TY o` (and adding the residual
+    /// `A r`, loaded by `residual`, rounding again, as the Add read the rounded dx).
+    fn output(self, value: &str, residual: &str) -> String {
+        let add = if self.residual {
+            format!("A r = (A){residual}; stY(&o, 0, (CY)((A)ldY(&o, 0) + r));")
+        } else {
+            String::new()
+        };
+        format!("TY o; stY(&o, 0, (CY)({value})); {add}")
+    }
+}
+
+/// LayerNormGrad over rows of at most [`WARP_ROW_MAX`] values, a warp per row held in
+/// registers: `k_warp` (value `t` of a lane at column `lane + 32 t`) or `k_warp_vec`
+/// (rows of exactly `32 * per` values moved in 16-byte words). Each warp takes rows
+/// `gridDim.x * 8` apart, adds its rows' terms of dgamma, dbeta and the form's sums up
+/// in registers, and the block's eight warps add theirs in turn into one partial per
+/// block and column (`part[(block * n + k) * len + j]`, n sums); `k_cols_fin` adds
+/// the blocks' partials. So the rows are read once, not again for the column sums.
+pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGradForm) -> String {
+    let mut sums = vec!["dy[t] * v[t]", "dy[t]"];
+    if form.sum_dx {
+        sums.push("(A)ldY(&o, 0)");
+    }
+    if form.sum_residual {
+        sums.push("r");
+    }
+    let n = sums.len();
+    // The sums of x's and dy's terms (dy before gamma scales it), then the output's,
+    // which exist only as each value is stored.
+    let (row_terms, out_terms) = sums.split_at(2);
+    let add = |terms: &[&str], first: usize| -> String {
+        terms
+            .iter()
+            .enumerate()
+            .map(|(k, term)| format!("acc{}[t] += {term}; ", first + k))
+            .collect()
+    };
+    let row_adds = add(row_terms, 0);
+    let out_adds = add(out_terms, 2);
+    let accs: String = (0..n)
+        .map(|k| format!("A acc{k}[{per}];\n#pragma unroll\nfor (int t = 0; t < {per}; ++t) acc{k}[t] = 0;\n"))
+        .collect();
+    let params = format!(
+        "const TX* px, const T* pg, const TD* pdy, {}TY* pdx, A* part, i64 rows, i64 len",
+        form.residual_param()
     );
-    let row_stats = "if (lane == 0) { stats[2 * row] = mean; stats[2 * row + 1] = inv; }";
-    let warp = warp_rows(&format!(
+    // The kernel around a row's code: the accumulators, the warp loop, then the
+    // block's partials. `column` is the column of a lane's value `t`.
+    let kernel = |name: &str, row: &str, column: &str| -> String {
+        let mut partials = String::new();
+        for k in 0..n {
+            partials.push_str(&format!(
+                "for (int w = 0; w < 8; ++w) {{\n\
+                   if (warp == w) {{\n\
+                     #pragma unroll\n\
+                     for (int t = 0; t < {per}; ++t) {{ i64 j = {column}; if (j < len) sh[j] = (w == 0 ? (A)0 : sh[j]) + acc{k}[t]; }}\n\
+                   }}\n\
+                   __syncthreads();\n\
+                 }}\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) part[((i64)blockIdx.x * {n} + {k}) * len + j] = sh[j];\n\
+                 __syncthreads();\n"
+            ));
+        }
+        format!(
+            "extern \"C\" __global__ void __launch_bounds__(256) {name}({params}) {{\n\
+               const A eps = (A)(C){eps};\n\
+               __shared__ A sh[{width}];\n\
+               int warp = threadIdx.x >> 5;\n\
+               {accs}{rows}{partials}}}\n",
+            eps = lit(eps),
+            width = 32 * per,
+            rows = warp_rows(row),
+        )
+    };
+    // Given x in `v` and dy in `dy` (zero past the row): the column terms, xhat in
+    // `v`, dy * gamma in `dy`, and dx's two row means.
+    let middle = |gamma: &str| {
+        format!(
+            "{stats}\
+             A sg = 0, sgx = 0;\n\
+             #pragma unroll\n\
+             for (int t = 0; t < {per}; ++t) {{\n\
+               v[t] = (v[t] - mean) * inv;\n\
+               {row_adds}\n\
+               dy[t] *= {gamma}; sg += dy[t]; sgx += dy[t] * v[t];\n\
+             }}\n\
+             A mg = warp_sum(sg) / (A)len, mgx = warp_sum(sgx) / (A)len;\n",
+            stats = ln_warp_stats(per)
+        )
+    };
+    let dx = "(dy[t] - mg - v[t] * mgx) * inv";
+    let warp = format!(
         "A v[{per}], dy[{per}];\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; bool in = j < len; v[t] = in ? (A)ldX(px, base + j) : (A)0; dy[t] = in ? (A)ldD(pdy, base + j) * (A)ld(pg, j) : (A)0; }}\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; bool in = j < len; v[t] = in ? (A)ldX(px, base + j) : (A)0; dy[t] = in ? (A)ldD(pdy, base + j) : (A)0; }}\n\
          {middle}\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) stY(pdx, base + j, (CY)((dy[t] - mg - v[t] * mgx) * inv)); }}\n\
-         {row_stats}"
-    ));
+         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ {out} pdx[base + j] = o; {out_adds}}} }}\n",
+        middle = middle("(lane + 32 * t < len ? (A)ld(pg, lane + 32 * t) : (A)0)"),
+        out = form.output(dx, "ldY(pr, base + j)"),
+    );
     let v = column_vector(types.x);
-    let warp_vec = warp_rows(&format!(
+    let words = per / v;
+    let column_vec = format!("(i64)(32 * (t / {v}) + lane) * {v} + t % {v}");
+    let warp_vec = format!(
         "A v[{per}], dy[{per}];\n\
-         {load_x}{load_dy}\
+         {load_x}{load_dy}{middle}\
          #pragma unroll\n\
          for (int w = 0; w < {words}; ++w) {{\n\
+           i64 j0 = (i64)(32 * w + lane) * {v};\n\
+           __align__(16) TY ow[{v}];\n\
+           {load_r}\
            #pragma unroll\n\
-           for (int q = 0; q < {v}; ++q) dy[w * {v} + q] *= (A)ld(pg, (i64)(32 * w + lane) * {v} + q);\n\
-         }}\n\
-         {middle}{store}{row_stats}",
+           for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; {out} ow[q] = o; {out_adds}}}\n\
+           *(uint4*)(pdx + base + j0) = *(const uint4*)ow;\n\
+         }}\n",
         load_x = warp_load_words("px", "v", per, v, "X"),
         load_dy = warp_load_words("pdy", "dy", per, v, "D"),
-        words = per / v,
-        store = warp_store_words("pdx", "(dy[t] - mg - v[t] * mgx) * inv", per, v, "Y"),
-    ));
+        middle = middle(&format!("(A)ld(pg, {column_vec})")),
+        load_r = if form.residual {
+            "uint4 rw = *(const uint4*)(pr + base + j0); const TY* re = (const TY*)&rw;\n"
+        } else {
+            ""
+        },
+        out = form.output(dx, "ldY(re, q)"),
+    );
     module_multi(
         &types.blocks(),
         &format!(
-            "{LN_STATS}extern \"C\" __global__ void k(const TX* px, const T* pg, const TD* pdy, TY* pdx, A* stats, i64 rows, i64 len) {{\n\
+            "{}{}{}",
+            kernel("k_warp", &warp, "lane + 32 * t"),
+            kernel("k_warp_vec", &warp_vec, &column_vec),
+            column_sums_fin(n, "")
+        ),
+    )
+}
+
+/// LayerNormGrad over rows of any length, a block per row: `k` writes dx (plus the
+/// residual, as [`NormGradForm::output`]) and each row's mean and inverse deviation;
+/// the column sums (see [`column_sums`]) give dgamma and dbeta from them. The form's
+/// own column sums are left to the caller.
+pub fn layer_norm_grad_block(types: NormTypes, eps: f64, form: NormGradForm) -> String {
+    let out = form.output(
+        "((A)ldD(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv",
+        "ldY(pr, at)",
+    );
+    module_multi(
+        &types.blocks(),
+        &format!(
+            "{LN_STATS}extern \"C\" __global__ void k(const TX* px, const T* pg, const TD* pdy, {residual}TY* pdx, A* stats, i64 rows, i64 len) {{\n\
                __shared__ A sh[32];\n\
                for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
                  A mean, inv; ln_stats(px, row, len, (A)(C){eps}, sh, &mean, &inv);\n\
@@ -1415,14 +1545,11 @@ pub fn layer_norm_grad(types: NormTypes, eps: f64, per: usize) -> String {
                  for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
                    i64 at = row * len + j;\n\
                    A xhat = ((A)ldX(px, at) - mean) * inv;\n\
-                   stY(pdx, at, (CY)(((A)ldD(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv));\n\
+                   {out} pdx[at] = o;\n\
                  }}\n\
                  if (threadIdx.x == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
-               }}\n}}\n\
-             extern \"C\" __global__ void k_warp(const TX* px, const T* pg, const TD* pdy, TY* pdx, A* stats, i64 rows, i64 len) {{\n\
-               const A eps = (A)(C){eps};\n{warp}}}\n\
-             extern \"C\" __global__ void k_warp_vec(const TX* px, const T* pg, const TD* pdy, TY* pdx, A* stats, i64 rows, i64 len) {{\n\
-               const A eps = (A)(C){eps};\n{warp_vec}}}\n{cols}",
+               }}\n}}\n{cols}",
+            residual = form.residual_param(),
             eps = lit(eps),
             cols = column_sums(
                 "const TX* px, const TD* pdy, const A* stats",
@@ -2200,7 +2327,31 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 ),
                 (
                     format!("layer_norm_grad_{d}"),
-                    layer_norm_grad(NormTypes::uniform(d), 1e-5, 32),
+                    layer_norm_grad_rows(NormTypes::uniform(d), 1e-5, 32, NormGradForm::default()),
+                ),
+                (
+                    format!("layer_norm_grad_residual_{d}"),
+                    layer_norm_grad_rows(
+                        NormTypes::uniform(d),
+                        1e-5,
+                        24,
+                        NormGradForm {
+                            residual: true,
+                            sum_dx: true,
+                            sum_residual: true,
+                        },
+                    ),
+                ),
+                (
+                    format!("layer_norm_grad_block_{d}"),
+                    layer_norm_grad_block(
+                        NormTypes::uniform(d),
+                        1e-5,
+                        NormGradForm {
+                            residual: true,
+                            ..NormGradForm::default()
+                        },
+                    ),
                 ),
                 (format!("sce_{d}"), sce(d, DType::I64)),
                 (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
@@ -2284,7 +2435,11 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
             k.push((format!("layer_norm_mixed_{y}"), layer_norm(types, 1e-5, 8)));
             k.push((
                 format!("layer_norm_grad_mixed_{y}"),
-                layer_norm_grad(types, 1e-5, 8),
+                layer_norm_grad_rows(types, 1e-5, 8, NormGradForm::default()),
+            ));
+            k.push((
+                format!("layer_norm_grad_block_mixed_{y}"),
+                layer_norm_grad_block(types, 1e-5, NormGradForm::default()),
             ));
         }
         k.push(("fill_flag".into(), fill_flag()));

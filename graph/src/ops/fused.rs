@@ -256,9 +256,7 @@ impl FusedElementwise {
     /// The reduction a column sum of value `v` is: a Sum over every axis but the last,
     /// accumulated and stored in `f32` (`f64` for an f64 value).
     pub fn column_sum(&self, v: usize) -> Reduce {
-        let ty = &self.instrs[v].ty;
-        let leading = (0..ty.rank().saturating_sub(1) as i64).collect();
-        Reduce::new(ReduceKind::Sum, Some(leading), false).with_output(column_sum_dtype(ty.dtype))
+        column_sum_of(&self.instrs[v].ty)
     }
 
     /// N: the element count of every value but the inputs.
@@ -382,6 +380,13 @@ pub fn column_sum_dtype(dtype: DType) -> DType {
     } else {
         DType::F32
     }
+}
+
+/// The column sum of a tensor of type `ty`: a Sum over every axis but the last (a bias
+/// gradient), accumulated and stored in [`column_sum_dtype`].
+pub fn column_sum_of(ty: &TensorType) -> Reduce {
+    let leading = (0..ty.rank().saturating_sub(1) as i64).collect();
+    Reduce::new(ReduceKind::Sum, Some(leading), false).with_output(column_sum_dtype(ty.dtype))
 }
 
 /// Rounds `v` to the nearest value of a float `dtype`, as storing it would.

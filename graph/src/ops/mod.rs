@@ -26,7 +26,7 @@ pub use elementwise::{BinaryGrad, UnaryGrad};
 pub use fused::{ElementOp, FusedElementwise};
 pub use linalg::{BatchMatMul, Epilogue, FusedMatMul, MatMul};
 pub use norm::{BatchNorm, LayerNorm};
-pub use norm::{BatchNormGrad, LayerNormGrad};
+pub use norm::{BatchNormGrad, LayerNormGrad, NormGradEpilogue};
 pub use reduce::ReduceGrad;
 pub use reduce::{widens_exactly, Reduce, ReduceKind, SumTo};
 pub use shape_ops::{BroadcastTo, Slice};

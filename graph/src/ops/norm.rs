@@ -10,8 +10,9 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
+use crate::ops::fused::column_sum_of;
 use crate::ops::types_of;
-use crate::ops::{widens_exactly, DataFormat};
+use crate::ops::{widens_exactly, Binary, BinaryKind, DataFormat};
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -608,10 +609,7 @@ impl Op for LayerNorm {
         let (&[x, gamma, _beta], Some(&Some(dy))) = (inputs, grads.first()) else {
             return Ok(vec![None; inputs.len()]);
         };
-        let grad = LayerNormGrad {
-            axis: self.axis,
-            epsilon: self.epsilon,
-        };
+        let grad = LayerNormGrad::new(self.axis, self.epsilon);
         let id = b.add_node(Box::new(grad), &[x, gamma, dy])?;
         Ok((0..3).map(|k| Some(Port::new(id, k))).collect())
     }
@@ -623,22 +621,83 @@ impl Op for LayerNorm {
 /// of L elements, with `xhat = (x - mean) / sqrt(var + eps)` and `g = dy * gamma`:
 /// `dx = (g - mean(g) - xhat * mean(g * xhat)) / sqrt(var + eps)`; `dgamma` sums
 /// `dy * xhat` and `dbeta` sums `dy` over the rows.
+///
+/// With an [`NormGradEpilogue`] (fused by the `norm-grad-epilogue` pass) it also adds
+/// a fourth input to dx and outputs column sums after dbeta.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerNormGrad {
     pub axis: i64,
     pub epsilon: f64,
+    pub epilogue: NormGradEpilogue,
+}
+
+/// What a [`LayerNormGrad`] does past dx, dgamma and dbeta. In a pre-LN transformer
+/// each norm's dx is added to the gradient arriving along the residual branch, and
+/// that sum's column sums are a bias gradient: one pass over the rows does it all.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NormGradEpilogue {
+    /// A fourth input `r` (x's shape, dx's dtype): output 0 is `Add(dx, r)`, with dx
+    /// rounded to its dtype first, as the Add read it (attr `residual`).
+    pub residual: bool,
+    /// One more output: output 0's column sums (attr `sum_dx`).
+    pub sum_dx: bool,
+    /// One more output, after `sum_dx`'s: the residual's column sums (attr
+    /// `sum_residual`).
+    pub sum_residual: bool,
+}
+
+impl NormGradEpilogue {
+    /// How many column sums it outputs.
+    pub fn sums(self) -> usize {
+        usize::from(self.sum_dx) + usize::from(self.sum_residual)
+    }
 }
 
 impl LayerNormGrad {
+    /// Without an epilogue.
+    pub fn new(axis: i64, epsilon: f64) -> LayerNormGrad {
+        LayerNormGrad {
+            axis,
+            epsilon,
+            epilogue: NormGradEpilogue::default(),
+        }
+    }
+
     fn parse(a: &mut AttrReader) -> OpResult<LayerNormGrad> {
         Ok(LayerNormGrad {
             axis: a.opt_int("axis")?.unwrap_or(-1),
             epsilon: read_epsilon(a, 1e-5)?,
+            epilogue: NormGradEpilogue {
+                residual: a.bool_or("residual", false)?,
+                sum_dx: a.bool_or("sum_dx", false)?,
+                sum_residual: a.bool_or("sum_residual", false)?,
+            },
         })
     }
 
     /// Checks the input types; returns dx's type (x's shape, gamma's dtype) and gamma's.
     fn check(&self, inputs: &[&TensorType]) -> OpResult<(TensorType, TensorType)> {
+        let epi = self.epilogue;
+        if epi.sum_residual && !epi.residual {
+            return Err("sum_residual needs a residual".into());
+        }
+        if epi.sums() > 0 && inputs.first().is_some_and(|x| x.rank() < 2) {
+            return Err("column sums need x of rank 2 or more".into());
+        }
+        let (dx, gamma) = self.check_norm(inputs.get(..3).ok_or("missing inputs")?)?;
+        if let Some(r) = inputs.get(3) {
+            if **r != dx {
+                return Err(format!(
+                    "the residual is {} but must be dx's type {}",
+                    r, dx
+                ));
+            }
+        }
+        Ok((dx, gamma))
+    }
+
+    /// Checks x, gamma and dy.
+    fn check_norm(&self, inputs: &[&TensorType]) -> OpResult<(TensorType, TensorType)> {
         let [x, gamma, dy] = fixed(inputs)?;
         require_float("gamma", gamma.dtype)?;
         norm_dtype("x", x.dtype, gamma.dtype)?;
@@ -719,18 +778,63 @@ impl Op for LayerNormGrad {
         "LayerNormGrad"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(3)
+        Arity::Exactly(if self.epilogue.residual { 4 } else { 3 })
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("axis", self.axis.into()), ("epsilon", self.epsilon.into())]
+        let mut attrs = vec![("axis", self.axis.into()), ("epsilon", self.epsilon.into())];
+        let epi = self.epilogue;
+        for (name, on) in [
+            ("residual", epi.residual),
+            ("sum_dx", epi.sum_dx),
+            ("sum_residual", epi.sum_residual),
+        ] {
+            if on {
+                attrs.push((name, AttrValue::Bool(true)));
+            }
+        }
+        attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let (x, gamma) = self.check(inputs)?;
-        Ok(vec![x, gamma.clone(), gamma])
+        let (dx, gamma) = self.check(inputs)?;
+        let sum = column_sum_of(&dx).infer(&[&dx])?.remove(0);
+        let mut out = vec![dx, gamma.clone(), gamma];
+        out.extend(std::iter::repeat_n(sum, self.epilogue.sums()));
+        Ok(out)
     }
+    /// The fused epilogue runs as the ops it replaced: an Add of the rounded dx and the
+    /// residual, then Sums.
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let types = types_of(inputs);
         self.check(&types.iter().collect::<Vec<_>>())?;
-        eval_float(self, inputs[1].dtype(), inputs)
+        let mut out = eval_float(self, inputs[1].dtype(), &inputs[..3])?;
+        let epi = self.epilogue;
+        if let (true, Some(r)) = (epi.residual, inputs.get(3)) {
+            out[0] = Binary::new(BinaryKind::Add).eval(&[&out[0], r])?.remove(0);
+        }
+        let mut summed = Vec::new();
+        if epi.sum_dx {
+            summed.push(&out[0]);
+        }
+        if let (true, Some(r)) = (epi.sum_residual, inputs.get(3)) {
+            summed.push(r);
+        }
+        let sums = summed
+            .into_iter()
+            .map(|t| Ok(column_sum_of(&t.ty()).eval(&[t])?.remove(0)))
+            .collect::<OpResult<Vec<_>>>()?;
+        out.extend(sums);
+        Ok(out)
+    }
+    /// One type for x, gamma, dy (and the residual), dx, dgamma and dbeta; the column
+    /// sums keep theirs.
+    fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
+        let mut groups = vec![TypeGroup::new(
+            (0..num_inputs).collect(),
+            (0..num_outputs.min(3)).collect(),
+        )];
+        if num_outputs > 3 {
+            groups.push(TypeGroup::new(vec![], (3..num_outputs).collect()).fixed());
+        }
+        groups
     }
 }

@@ -111,10 +111,7 @@ mod tests {
         let half = g.add(Cast { to: DType::F16 }, &[y]).unwrap();
         let t = g.add(Unary::new(UnaryKind::Tanh), &[half]).unwrap();
         let wide_dy = g.add(Cast { to: DType::F32 }, &[dy]).unwrap();
-        let grad = LayerNormGrad {
-            axis: -1,
-            epsilon: 1e-5,
-        };
+        let grad = LayerNormGrad::new(-1, 1e-5);
         let id = g
             .add_node("lngrad", Box::new(grad), &[wide_x, gamma, wide_dy])
             .unwrap();
