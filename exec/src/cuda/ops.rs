@@ -425,10 +425,10 @@ fn normalized_rows(x: &DTensor, axis: i64) -> Result<(usize, usize), String> {
     Ok((rows, len))
 }
 
-/// LayerNormGrad and its epilogue. Rows of at most [`src::WARP_ROW_MAX`] values: the
-/// row kernels add dgamma, dbeta and the epilogue's column sums up as they go (where
-/// the normalised rows are the summed columns), a wave of blocks, and `k_cols_fin`
-/// adds the blocks' partials. Longer rows: a block per row, then a column pass over x
+/// LayerNormGrad and its epilogue. Rows of at most [`src::WARP_ROW_MAX`] values: a
+/// wave of blocks each writes dx for a range of rows and adds up their dgamma, dbeta
+/// and the epilogue's column sums (where the normalised rows are the summed columns);
+/// `k_cols_fin` adds the blocks' partials. Longer rows: a block per row, then a column pass over x
 /// and dy for dgamma and dbeta. Column sums left over are those of a Sum.
 fn layer_norm_grad(
     c: &Ctx,
@@ -468,17 +468,25 @@ fn layer_norm_grad(
         };
         let key = format!("layer_norm_grad_rows/{types:?}/{eps:e}/{per}/{form:?}");
         let make = || src::layer_norm_grad_rows(types, eps, per, form);
+        // A wave of blocks of at least 32 rows: few partials for `k_cols_fin`.
         let blocks = c
             .dev
             .resident_blocks(&key, make, warp, 256)?
-            .min(rows.div_ceil(8).min(1 << 20) as u32);
+            .min(rows.div_ceil(32).min(1 << 20) as u32);
         let mut outputs = vec![(dg, 1.0), (db, 1.0)];
         if columns_are_rows {
             outputs.extend(sums.iter().map(|s| (s, 1.0)));
         }
-        let part = c.temp(acc_dtype(g.dtype), blocks as usize * outputs.len() * len)?;
+        let acc = acc_dtype(g.dtype);
+        let stats = c.temp(acc, 2 * rows)?;
+        let part = c.temp(acc, blocks as usize * outputs.len() * len)?;
         let mut args = tensors;
-        args.extend([part.arg(), Arg::I64(rows as i64), Arg::I64(len as i64)]);
+        args.extend([
+            stats.arg(),
+            part.arg(),
+            Arg::I64(rows as i64),
+            Arg::I64(len as i64),
+        ]);
         c.dev.launch(&key, make, warp, blocks, 256, &args)?;
         column_sums_fin(c, &key, make, &part, len, blocks as usize, &outputs)?;
         if columns_are_rows {

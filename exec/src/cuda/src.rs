@@ -1108,7 +1108,7 @@ pub fn sce_with_grad(
                for (int k = 0; k < {per}; ++k) {{ i64 j = threadIdx.x + k * {SCE_SUM_THREADS}; if (j < c) part[blockIdx.x * c + j] = acc[k]; }}\n\
              }}\n{}",
             sce_loss_and_mean("X"),
-            column_sums_fin(1, ""),
+            column_sums_fin("", &[""]),
         ),
     )
 }
@@ -1281,29 +1281,31 @@ fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> Stri
            __syncthreads();\n\
            if (ty == 0 && j < len) {{\n{partials}}}\n\
          }}\n{}",
-        column_sums_fin(n, out)
+        column_sums_fin(out, &vec![out; n])
     )
 }
 
 /// `k_cols_fin` of [`column_sums`]: adds the chunks' partials `part[(chunk * n + k)
-/// * len + j]` of each of `n` sums and stores `scale<k> * sum` into `py<k>`.
-fn column_sums_fin(n: usize, out: &str) -> String {
-    let mut outs = String::new();
+/// * len + j]` (of type `A<acc>`) of each of the `n = outs.len()` sums and stores
+/// `scale<k> * sum` into `py<k>`, of the module's type `T<outs[k]>`.
+fn column_sums_fin(acc: &str, outs: &[&str]) -> String {
+    let n = outs.len();
+    let mut params = String::new();
     let mut finals = String::new();
-    for k in 0..n {
-        outs.push_str(&format!(", T{out}* py{k}, double scale{k}"));
+    for (k, out) in outs.iter().enumerate() {
+        params.push_str(&format!(", T{out}* py{k}, double scale{k}"));
         finals.push_str(&format!(
-            "{{ A{out} s = 0; if (j < len) {{\n\
+            "{{ A{acc} s = 0; if (j < len) {{\n\
                  #pragma unroll 8\n\
                  for (i64 c = ty; c < chunks; c += {COLUMN_ROWS}) s += part[(c * {n} + {k}) * len + j]; }}\n\
                fin[ty][tx] = s; __syncthreads();\n\
-               if (ty == 0 && j < len) {{ for (int w = 1; w < {COLUMN_ROWS}; ++w) s += fin[w][tx]; st{out}(py{k}, j, (C{out})(s * (A{out})scale{k})); }}\n\
+               if (ty == 0 && j < len) {{ for (int w = 1; w < {COLUMN_ROWS}; ++w) s += fin[w][tx]; st{out}(py{k}, j, (C{out})(s * (A{acc})scale{k})); }}\n\
                __syncthreads(); }}\n"
         ));
     }
     format!(
-        "extern \"C\" __global__ void k_cols_fin(const A{out}* part, i64 len, i64 chunks{outs}) {{\n\
-           __shared__ A{out} fin[{COLUMN_ROWS}][33];\n\
+        "extern \"C\" __global__ void k_cols_fin(const A{acc}* part, i64 len, i64 chunks{params}) {{\n\
+           __shared__ A{acc} fin[{COLUMN_ROWS}][33];\n\
            int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
            for (i64 j0 = (i64)blockIdx.x * 32; j0 < len; j0 += (i64)gridDim.x * 32) {{\n\
              i64 j = j0 + tx;\n{finals}}}\n\
@@ -1392,81 +1394,114 @@ impl NormGradForm {
     }
 }
 
-/// LayerNormGrad over rows of at most [`WARP_ROW_MAX`] values, a warp per row held in
-/// registers: `k_warp` (value `t` of a lane at column `lane + 32 t`) or `k_warp_vec`
-/// (rows of exactly `32 * per` values moved in 16-byte words). Each warp takes rows
-/// `gridDim.x * 8` apart, adds its rows' terms of dgamma, dbeta and the form's sums up
-/// in registers, and the block's eight warps add theirs in turn into one partial per
-/// block and column (`part[(block * n + k) * len + j]`, n sums); `k_cols_fin` adds
-/// the blocks' partials. So the rows are read once, not again for the column sums.
+/// LayerNormGrad over rows of at most [`WARP_ROW_MAX`] values. Each block takes a
+/// contiguous range of rows. First a warp per row, held in registers: `k_warp` (value
+/// `t` of a lane at column `lane + 32 t`) or `k_warp_vec` (rows of exactly `32 * per`
+/// values moved in 16-byte words) writes dx (plus the residual) and the row's mean and
+/// inverse deviation. Then the block's threads add the range's column terms up, a
+/// column each, reading the rows it has just read and written again (from the cache,
+/// not memory): dgamma, dbeta and the form's sums, one partial per block and column
+/// (`part[(block * n + k) * len + j]`, n sums) that `k_cols_fin` adds. (Adding the
+/// terms up in the warps' registers instead took 210 registers, a block per
+/// multiprocessor, and ran at half the speed.)
 pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGradForm) -> String {
-    let mut sums = vec!["dy[t] * v[t]", "dy[t]"];
+    // The summed terms of element `e` of a lane's columns (`xhat` and `dy` given).
+    let mut terms = vec!["dy * xhat".to_string(), "dy".to_string()];
+    let mut loaded = vec![("px", "X", "x"), ("pdy", "D", "dy")];
     if form.sum_dx {
-        sums.push("(A)ldY(&o, 0)");
+        terms.push("o_e".into());
+        loaded.push(("pdx", "Y", "o"));
     }
     if form.sum_residual {
-        sums.push("r");
+        terms.push("r_e".into());
+        loaded.push(("pr", "Y", "r"));
     }
-    let n = sums.len();
-    // The sums of x's and dy's terms (dy before gamma scales it), then the output's,
-    // which exist only as each value is stored.
-    let (row_terms, out_terms) = sums.split_at(2);
-    let add = |terms: &[&str], first: usize| -> String {
-        terms
-            .iter()
-            .enumerate()
-            .map(|(k, term)| format!("acc{}[t] += {term}; ", first + k))
-            .collect()
-    };
-    let row_adds = add(row_terms, 0);
-    let out_adds = add(out_terms, 2);
-    let accs: String = (0..n)
-        .map(|k| format!("A acc{k}[{per}];\n#pragma unroll\nfor (int t = 0; t < {per}; ++t) acc{k}[t] = 0;\n"))
-        .collect();
+    let n = terms.len();
     let params = format!(
-        "const TX* px, const T* pg, const TD* pdy, {}TY* pdx, A* part, i64 rows, i64 len",
+        "const TX* px, const T* pg, const TD* pdy, {}TY* pdx, A* stats, A* part, i64 rows, i64 len",
         form.residual_param()
     );
-    // The kernel around a row's code: the accumulators, the warp loop, then the
-    // block's partials. `column` is the column of a lane's value `t`.
-    let kernel = |name: &str, row: &str, column: &str| -> String {
-        let mut partials = String::new();
+    // The column pass over the block's rows: warp `ty` takes rows `first + ty + 8 i`,
+    // lane `tx` `vals` adjacent columns of a tile of `32 * vals` (a 16-byte word of
+    // each tensor where `vals > 1`); the eight warps' sums meet in shared memory.
+    let column_pass = |vals: usize| -> String {
+        let mut loads = String::new();
+        let mut elements = String::new();
+        for (ptr, ty, name) in &loaded {
+            if vals > 1 {
+                loads.push_str(&format!(
+                    "uint4 w_{name} = *(const uint4*)({ptr} + at); const T{ty}* e_{name} = (const T{ty}*)&w_{name};\n"
+                ));
+                elements.push_str(&format!("A {name}_e = (A)ld{ty}(e_{name}, e); "));
+            } else {
+                elements.push_str(&format!("A {name}_e = (A)ld{ty}({ptr}, at); "));
+            }
+        }
+        let adds: String = terms
+            .iter()
+            .enumerate()
+            .map(|(k, term)| format!("s{k}[e] += {term}; "))
+            .collect();
+        let accs: String = (0..n)
+            .map(|k| format!("A s{k}[{vals}]; for (int e = 0; e < {vals}; ++e) s{k}[e] = 0;\n"))
+            .collect();
+        let mut combine = String::new();
         for k in 0..n {
-            partials.push_str(&format!(
-                "for (int w = 0; w < 8; ++w) {{\n\
-                   if (warp == w) {{\n\
-                     #pragma unroll\n\
-                     for (int t = 0; t < {per}; ++t) {{ i64 j = {column}; if (j < len) sh[j] = (w == 0 ? (A)0 : sh[j]) + acc{k}[t]; }}\n\
-                   }}\n\
-                   __syncthreads();\n\
+            combine.push_str(&format!(
+                "for (int e = 0; e < {vals}; ++e) sh[ty][tx * {vals} + e] = s{k}[e];\n\
+                 __syncthreads();\n\
+                 for (int c = threadIdx.x; c < {width}; c += blockDim.x) if (j0 + c < len) {{\n\
+                   A t = 0; for (int w = 0; w < 8; ++w) t += sh[w][c];\n\
+                   part[((i64)blockIdx.x * {n} + {k}) * len + j0 + c] = t;\n\
                  }}\n\
-                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) part[((i64)blockIdx.x * {n} + {k}) * len + j] = sh[j];\n\
-                 __syncthreads();\n"
+                 __syncthreads();\n",
+                width = 32 * vals
             ));
         }
         format!(
-            "extern \"C\" __global__ void __launch_bounds__(256) {name}({params}) {{\n\
-               const A eps = (A)(C){eps};\n\
-               __shared__ A sh[{width}];\n\
-               int warp = threadIdx.x >> 5;\n\
-               {accs}{rows}{partials}}}\n",
-            eps = lit(eps),
-            width = 32 * per,
-            rows = warp_rows(row),
+            "__shared__ A sh[8][{width}];\n\
+             int tx = lane, ty = threadIdx.x >> 5;\n\
+             for (i64 j0 = 0; j0 < len; j0 += {width}) {{\n\
+               i64 j = j0 + tx * {vals};\n\
+               {accs}\
+               if (j < len) {{\n\
+                 #pragma unroll 4\n\
+                 for (i64 row = first + ty; row < end; row += 8) {{\n\
+                   i64 at = row * len + j;\n\
+                   A mean = stats[2 * row], inv = stats[2 * row + 1];\n\
+                   {loads}\
+                   #pragma unroll\n\
+                   for (int e = 0; e < {vals}; ++e) {{ {elements}A dy = dy_e, xhat = (x_e - mean) * inv; {adds}}}\n\
+                 }}\n\
+               }}\n\
+               {combine}\
+             }}\n",
+            width = 32 * vals
         )
     };
-    // Given x in `v` and dy in `dy` (zero past the row): the column terms, xhat in
-    // `v`, dy * gamma in `dy`, and dx's two row means.
+    let kernel = |name: &str, row: &str, vals: usize| -> String {
+        format!(
+            "extern \"C\" __global__ void __launch_bounds__(256) {name}({params}) {{\n\
+               const A eps = (A)(C){eps};\n\
+               i64 span = (rows + gridDim.x - 1) / gridDim.x;\n\
+               i64 first = (i64)blockIdx.x * span, end = min(rows, first + span);\n\
+               int lane = threadIdx.x & 31;\n\
+               for (i64 row = first + (threadIdx.x >> 5); row < end; row += blockDim.x >> 5) {{\n\
+                 i64 base = row * len;\n{row}\n\
+                 if (lane == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
+               }}\n\
+               __syncthreads();\n{pass}}}\n",
+            eps = lit(eps),
+            pass = column_pass(vals),
+        )
+    };
+    // Given x in `v` and dy in `dy`: xhat in `v`, dy * gamma in `dy`, dx's row means.
     let middle = |gamma: &str| {
         format!(
             "{stats}\
              A sg = 0, sgx = 0;\n\
              #pragma unroll\n\
-             for (int t = 0; t < {per}; ++t) {{\n\
-               v[t] = (v[t] - mean) * inv;\n\
-               {row_adds}\n\
-               dy[t] *= {gamma}; sg += dy[t]; sgx += dy[t] * v[t];\n\
-             }}\n\
+             for (int t = 0; t < {per}; ++t) {{ v[t] = (v[t] - mean) * inv; dy[t] *= {gamma}; sg += dy[t]; sgx += dy[t] * v[t]; }}\n\
              A mg = warp_sum(sg) / (A)len, mgx = warp_sum(sgx) / (A)len;\n",
             stats = ln_warp_stats(per)
         )
@@ -1478,13 +1513,11 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
          for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; bool in = j < len; v[t] = in ? (A)ldX(px, base + j) : (A)0; dy[t] = in ? (A)ldD(pdy, base + j) : (A)0; }}\n\
          {middle}\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ {out} pdx[base + j] = o; {out_adds}}} }}\n",
+         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ {out} pdx[base + j] = o; }} }}\n",
         middle = middle("(lane + 32 * t < len ? (A)ld(pg, lane + 32 * t) : (A)0)"),
         out = form.output(dx, "ldY(pr, base + j)"),
     );
     let v = column_vector(types.x);
-    let words = per / v;
-    let column_vec = format!("(i64)(32 * (t / {v}) + lane) * {v} + t % {v}");
     let warp_vec = format!(
         "A v[{per}], dy[{per}];\n\
          {load_x}{load_dy}{middle}\
@@ -1494,12 +1527,15 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
            __align__(16) TY ow[{v}];\n\
            {load_r}\
            #pragma unroll\n\
-           for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; {out} ow[q] = o; {out_adds}}}\n\
+           for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; {out} ow[q] = o; }}\n\
            *(uint4*)(pdx + base + j0) = *(const uint4*)ow;\n\
          }}\n",
         load_x = warp_load_words("px", "v", per, v, "X"),
         load_dy = warp_load_words("pdy", "dy", per, v, "D"),
-        middle = middle(&format!("(A)ld(pg, {column_vec})")),
+        middle = middle(&format!(
+            "(A)ld(pg, (i64)(32 * (t / {v}) + lane) * {v} + t % {v})"
+        )),
+        words = per / v,
         load_r = if form.residual {
             "uint4 rw = *(const uint4*)(pr + base + j0); const TY* re = (const TY*)&rw;\n"
         } else {
@@ -1507,13 +1543,19 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
         },
         out = form.output(dx, "ldY(re, q)"),
     );
+    // dgamma and dbeta in the parameters' dtype, the form's sums in dx's column-sum
+    // dtype (`S`).
+    let mut blocks = types.blocks().to_vec();
+    blocks.push(("S", column_sum_dtype(types.y)));
+    let mut outs = vec![""; 2];
+    outs.resize(n, "S");
     module_multi(
-        &types.blocks(),
+        &blocks,
         &format!(
             "{}{}{}",
-            kernel("k_warp", &warp, "lane + 32 * t"),
-            kernel("k_warp_vec", &warp_vec, &column_vec),
-            column_sums_fin(n, "")
+            kernel("k_warp", &warp, 1),
+            kernel("k_warp_vec", &warp_vec, v),
+            column_sums_fin("", &outs)
         ),
     )
 }
