@@ -1518,14 +1518,15 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
         out = form.output(dx, "ldY(pr, base + j)"),
     );
     let v = column_vector(types.x);
+    // The residual's words are loaded with x and dy: one wait for memory a row.
     let warp_vec = format!(
         "A v[{per}], dy[{per}];\n\
-         {load_x}{load_dy}{middle}\
+         {load_x}{load_dy}{load_r}{middle}\
          #pragma unroll\n\
          for (int w = 0; w < {words}; ++w) {{\n\
            i64 j0 = (i64)(32 * w + lane) * {v};\n\
            __align__(16) TY ow[{v}];\n\
-           {load_r}\
+           {residual_word}\
            #pragma unroll\n\
            for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; {out} ow[q] = o; }}\n\
            *(uint4*)(pdx + base + j0) = *(const uint4*)ow;\n\
@@ -1537,7 +1538,20 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
         )),
         words = per / v,
         load_r = if form.residual {
-            "uint4 rw = *(const uint4*)(pr + base + j0); const TY* re = (const TY*)&rw;\n"
+            format!(
+                "uint4 rw[{size}];\n\
+                 #pragma unroll\n\
+                 for (int w = 0; w < {words}; ++w) rw[w] = *(const uint4*)(pr + base + (i64)(32 * w + lane) * {v});\n",
+                words = per / v,
+                // A module of rows shorter than a warp's words still compiles
+                // `k_warp_vec` (never launched): no array of size zero.
+                size = (per / v).max(1),
+            )
+        } else {
+            String::new()
+        },
+        residual_word = if form.residual {
+            "const TY* re = (const TY*)&rw[w];\n"
         } else {
             ""
         },
@@ -2381,6 +2395,18 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                             residual: true,
                             sum_dx: true,
                             sum_residual: true,
+                        },
+                    ),
+                ),
+                (
+                    format!("layer_norm_grad_residual_short_{d}"),
+                    layer_norm_grad_rows(
+                        NormTypes::uniform(d),
+                        1e-5,
+                        1,
+                        NormGradForm {
+                            residual: true,
+                            ..NormGradForm::default()
                         },
                     ),
                 ),
