@@ -111,7 +111,9 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// updates the loss-scale unscaling, the updates the casts of their variables,
 /// products their bias and activation into the GEMM, then the remaining elementwise
 /// chains fuse into generated kernels, those kernels take the bias gradients summed
-/// from what they compute, and the small variables' updates share launches.
+/// from what they compute, layer-norm gradients the Adds of the residual gradient
+/// after them (with those bias gradients), and the small variables' updates share
+/// launches.
 pub const CUDA_PIPELINE: &[&str] = &[
     "dce",
     "cast-into-reduce",
