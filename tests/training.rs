@@ -10,8 +10,8 @@ use ampgraph::graph::ops::{
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{
-    enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd, TrainStep,
-    GOOD_STEPS_VARIABLE, LOSS_SCALE_VARIABLE,
+    enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, RuleOptimizer, Sgd,
+    TrainStep, GOOD_STEPS_VARIABLE, LOSS_SCALE_VARIABLE,
 };
 use ampgraph::passes::registry::{CUDA_PIPELINE, SIMPLIFY_PIPELINE};
 use ampgraph::session::SessionError;
@@ -233,6 +233,46 @@ fn resumed_training_is_bit_identical() {
 /// non-finite step included, and a fetched tensor inside a fused group is still there.
 /// For each rule: the unscaling folded into the updates (`unscale-into-update`)
 /// multiplies as the separate products did.
+/// Trains `model` (graph, loss, logits) under AMP with `optimizer` for five steps (the
+/// third poisoned with an infinity) without passes and with the simplification and
+/// CUDA pipelines, asserts that both train bit for bit alike (loss, logits, weights,
+/// slots and loss scale), and returns the graph the pipeline's session ran.
+fn assert_trains_alike_with_the_passes(
+    model: impl Fn() -> (Graph, Port, Port),
+    optimizer: &RuleOptimizer,
+    what: &str,
+) -> Graph {
+    let session = |passes: &[&str]| {
+        let (mut g, loss, logits) = model();
+        let opt = enable_mixed_precision_graph_rewrite(optimizer.clone())
+            .with_loss_scale(dynamic(1024.0, 2));
+        let step = opt.minimize(&mut g, loss).unwrap();
+        let options = SessionOptions {
+            passes: Some(passes.iter().map(|p| p.to_string()).collect()),
+            ..Default::default()
+        };
+        let s = Session::with_options(g, Device::Cpu, options).unwrap();
+        (s, [step.step, step.loss, logits])
+    };
+    let (mut plain, plain_fetch) = session(&[]);
+    let pipeline = [SIMPLIFY_PIPELINE, CUDA_PIPELINE].concat();
+    let (mut fused, fused_fetch) = session(&pipeline);
+    for k in 0..5 {
+        let poison = if k == 2 { Some(f32::INFINITY) } else { None };
+        let want = plain.run(&plain_fetch, &feeds(k, poison)).unwrap();
+        let got = fused.run(&fused_fetch, &feeds(k, poison)).unwrap();
+        // Bit for bit; a poisoned step's Relu logits are NaN on both sides.
+        let same = want.len() == got.len() && want.iter().zip(&got).all(|(w, g)| identical(w, g));
+        assert!(same, "step {k}, {what}: {want:?} against {got:?}");
+    }
+    assert_eq!(weights_and_slots(&plain), weights_and_slots(&fused));
+    assert_eq!(
+        scalar(&plain, LOSS_SCALE_VARIABLE),
+        scalar(&fused, LOSS_SCALE_VARIABLE)
+    );
+    fused.graph_for(&fused_fetch).clone()
+}
+
 #[test]
 fn training_with_the_fusion_passes_is_bit_identical() {
     let runs = [
@@ -247,47 +287,13 @@ fn training_with_the_fusion_passes_is_bit_identical() {
         (Activation::Relu, Sgd::momentum(0.1, 0.9)),
     ];
     for (act, optimizer) in runs {
-        let session = |passes: &[&str]| {
-            let (mut g, loss, logits, _) = model_with(act);
-            let opt = enable_mixed_precision_graph_rewrite(optimizer.clone())
-                .with_loss_scale(dynamic(1024.0, 2));
-            let step = opt.minimize(&mut g, loss).unwrap();
-            let options = SessionOptions {
-                passes: Some(passes.iter().map(|p| p.to_string()).collect()),
-                ..Default::default()
-            };
-            let s = Session::with_options(g, Device::Cpu, options).unwrap();
-            (s, step, logits)
+        let model = || {
+            let (g, loss, logits, _) = model_with(act);
+            (g, loss, logits)
         };
-        let (mut plain, step, logits) = session(&[]);
-        let pipeline = [SIMPLIFY_PIPELINE, CUDA_PIPELINE].concat();
-        let (mut fused, fused_step, fused_logits) = session(&pipeline);
-        for k in 0..5 {
-            let poison = if k == 2 { Some(f32::INFINITY) } else { None };
-            let want = plain
-                .run(&[step.step, step.loss, logits], &feeds(k, poison))
-                .unwrap();
-            let got = fused
-                .run(
-                    &[fused_step.step, fused_step.loss, fused_logits],
-                    &feeds(k, poison),
-                )
-                .unwrap();
-            // Bit for bit; the poisoned step's Relu logits are NaN on both sides.
-            let same =
-                want.len() == got.len() && want.iter().zip(&got).all(|(w, g)| identical(w, g));
-            assert!(
-                same,
-                "step {k}, {act:?}, {optimizer:?}: {want:?} against {got:?}"
-            );
-        }
-        assert_eq!(weights_and_slots(&plain), weights_and_slots(&fused));
-        assert_eq!(
-            scalar(&plain, LOSS_SCALE_VARIABLE),
-            scalar(&fused, LOSS_SCALE_VARIABLE)
-        );
+        let what = format!("{act:?}, {optimizer:?}");
+        let ran = assert_trains_alike_with_the_passes(model, &optimizer, &what);
         // The passes did fire.
-        let ran = fused.graph_for(&[fused_step.step, fused_step.loss, fused_logits]);
         let count = |op: &str| {
             ran.node_ids()
                 .filter(|&id| ran.node(id).op_name() == op)
@@ -377,38 +383,9 @@ fn pre_ln_model() -> (Graph, Port, Port) {
 /// epilogue included) trains bit for bit as the unfused graph, a skipped step too.
 #[test]
 fn pre_ln_training_with_the_norm_grad_epilogue_is_bit_identical() {
-    let session = |passes: &[&str]| {
-        let (mut g, loss, logits) = pre_ln_model();
-        let opt = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.1, 0.9))
-            .with_loss_scale(dynamic(1024.0, 2));
-        let step = opt.minimize(&mut g, loss).unwrap();
-        let options = SessionOptions {
-            passes: Some(passes.iter().map(|p| p.to_string()).collect()),
-            ..Default::default()
-        };
-        let s = Session::with_options(g, Device::Cpu, options).unwrap();
-        (s, step, logits)
-    };
-    let (mut plain, step, logits) = session(&[]);
-    let pipeline = [SIMPLIFY_PIPELINE, CUDA_PIPELINE].concat();
-    let (mut fused, fused_step, fused_logits) = session(&pipeline);
-    for k in 0..5 {
-        let poison = if k == 2 { Some(f32::INFINITY) } else { None };
-        let want = plain
-            .run(&[step.step, step.loss, logits], &feeds(k, poison))
-            .unwrap();
-        let got = fused
-            .run(
-                &[fused_step.step, fused_step.loss, fused_logits],
-                &feeds(k, poison),
-            )
-            .unwrap();
-        let same = want.len() == got.len() && want.iter().zip(&got).all(|(w, g)| identical(w, g));
-        assert!(same, "step {k}: {want:?} against {got:?}");
-    }
-    assert_eq!(weights_and_slots(&plain), weights_and_slots(&fused));
+    let optimizer = Sgd::momentum(0.1, 0.9);
+    let ran = assert_trains_alike_with_the_passes(pre_ln_model, &optimizer, "pre-LN");
     // Both blocks' LayerNorm gradients took the Add and the bias gradient's sum.
-    let ran = fused.graph_for(&[fused_step.step, fused_step.loss, fused_logits]);
     let epilogues: Vec<NormGradEpilogue> = ran
         .node_ids()
         .filter_map(|id| ran.node(id).op.downcast_ref::<LayerNormGrad>())
