@@ -4,9 +4,9 @@ use ampgraph_graph::ops::{
     AllFinite, AssignVariable, BatchMatMul, BiasAdd, Binary, BinaryGrad, BroadcastTo, Cast, Concat,
     Const, DataFormat, FusedAttention, FusedAttentionGrad, FusedElementwise, FusedMatMul, Group,
     GroupedOptimizerUpdate, IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate,
-    MatMul, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape, Rule, Slice, Softmax,
-    SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, SumTo,
-    Transpose, Unary, UnaryGrad, UnaryKind,
+    MatMul, NormGradEpilogue, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape, Rule,
+    Slice, Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad,
+    SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
 use ampgraph_graph::tensor::strides;
@@ -461,13 +461,14 @@ fn layer_norm_grad(
         let mut checked = vec![x, dy, dx];
         checked.extend(residual);
         let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &checked);
-        let form = src::NormGradForm {
-            residual: epi.residual,
+        // The kernels take the epilogue's sums where their columns are the rows'.
+        let in_rows = NormGradEpilogue {
             sum_dx: epi.sum_dx && columns_are_rows,
             sum_residual: epi.sum_residual && columns_are_rows,
+            ..epi
         };
-        let key = format!("layer_norm_grad_rows/{types:?}/{eps:e}/{per}/{form:?}");
-        let make = || src::layer_norm_grad_rows(types, eps, per, form);
+        let key = format!("layer_norm_grad_rows/{types:?}/{eps:e}/{per}/{in_rows:?}");
+        let make = || src::layer_norm_grad_rows(types, eps, per, in_rows);
         // A wave of blocks of at least 32 rows: few partials for `k_cols_fin`.
         let blocks = c
             .dev
@@ -494,11 +495,7 @@ fn layer_norm_grad(
         }
     } else {
         let key = format!("layer_norm_grad_block/{types:?}/{eps:e}/{:?}", epi.residual);
-        let form = src::NormGradForm {
-            residual: epi.residual,
-            ..Default::default()
-        };
-        let make = || src::layer_norm_grad_block(types, eps, form);
+        let make = || src::layer_norm_grad_block(types, eps, epi.residual);
         let stats = c.temp(acc_dtype(g.dtype), 2 * rows)?;
         let mut args = tensors;
         args.push(stats.arg());
@@ -516,12 +513,7 @@ fn layer_norm_grad(
             )?;
         }
     }
-    let mut summed = Vec::new();
-    if epi.sum_dx {
-        summed.push(dx);
-    }
-    summed.extend(residual.filter(|_| epi.sum_residual));
-    for (t, sum) in summed.into_iter().zip(sums) {
+    for (t, sum) in epi.summed(dx, residual).into_iter().zip(sums) {
         let leading: Vec<usize> = (0..t.shape.len().saturating_sub(1)).collect();
         reduce_into(c, t, sum, ReduceKind::Sum, &leading)?;
     }

@@ -8,7 +8,9 @@
 //! 16-bit types).
 
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, Operand};
-use ampgraph_graph::ops::{BinaryKind, ElementOp, FusedElementwise, ReduceKind, Rule, UnaryKind};
+use ampgraph_graph::ops::{
+    BinaryKind, ElementOp, FusedElementwise, NormGradEpilogue, ReduceKind, Rule, UnaryKind,
+};
 use ampgraph_graph::tensor::strides;
 use ampgraph_graph::DType;
 
@@ -1360,66 +1362,58 @@ pub fn column_vector(d: DType) -> usize {
     16 / d.size_bytes()
 }
 
-/// What a LayerNormGrad module computes past dx, dgamma and dbeta (the op's
-/// `NormGradEpilogue`): `residual` adds the tensor `pr` (dx's dtype) to the rounded dx
-/// as an Add would; `row_sums` of the output's and the residual's column sums
-/// (`sum_dx`, `sum_residual`, in that order) are added up by the row kernels with
-/// dgamma and dbeta (where the normalised rows are the summed columns).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct NormGradForm {
-    pub residual: bool,
-    pub sum_dx: bool,
-    pub sum_residual: bool,
+/// The residual pointer parameter of a LayerNormGrad kernel, when it adds one.
+fn residual_param(residual: bool) -> &'static str {
+    if residual {
+        "const TY* pr, "
+    } else {
+        ""
+    }
 }
 
-impl NormGradForm {
-    /// The residual pointer parameter, when there is one.
-    fn residual_param(self) -> &'static str {
-        if self.residual {
-            "const TY* pr, "
-        } else {
-            ""
-        }
-    }
-
-    /// The code rounding `value` to dx's dtype into `TY o` (and adding the residual
-    /// `A r`, loaded by `residual`, rounding again, as the Add read the rounded dx).
-    fn output(self, value: &str, residual: &str) -> String {
-        let add = if self.residual {
-            format!("A r = (A){residual}; stY(&o, 0, (CY)((A)ldY(&o, 0) + r));")
-        } else {
-            String::new()
-        };
-        format!("TY o; stY(&o, 0, (CY)({value})); {add}")
-    }
+/// The code rounding `value` to dx's dtype into `TY o`; with a `residual`, then adding
+/// `A r` (loaded by `load`) and rounding again, as the Add read the rounded dx.
+fn norm_grad_output(residual: bool, value: &str, load: &str) -> String {
+    let add = if residual {
+        format!("A r = (A){load}; stY(&o, 0, (CY)((A)ldY(&o, 0) + r));")
+    } else {
+        String::new()
+    };
+    format!("TY o; stY(&o, 0, (CY)({value})); {add}")
 }
 
 /// LayerNormGrad over rows of at most [`WARP_ROW_MAX`] values. Each block takes a
 /// contiguous range of rows. First a warp per row, held in registers: `k_warp` (value
 /// `t` of a lane at column `lane + 32 t`) or `k_warp_vec` (rows of exactly `32 * per`
 /// values moved in 16-byte words) writes dx (plus the residual) and the row's mean and
-/// inverse deviation. Then the block's threads add the range's column terms up, a
-/// column each, reading the rows it has just read and written again (from the cache,
-/// not memory): dgamma, dbeta and the form's sums, one partial per block and column
+/// inverse deviation. Then the block's eight warps add the range's column terms up,
+/// reading the rows just read and written again (from the cache, not memory) a 16-byte
+/// word a lane where the rows are words: dgamma, dbeta and the epilogue's sums (all
+/// of `epi` is computed here), one partial per block and column
 /// (`part[(block * n + k) * len + j]`, n sums) that `k_cols_fin` adds. (Adding the
 /// terms up in the warps' registers instead took 210 registers, a block per
 /// multiprocessor, and ran at half the speed.)
-pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGradForm) -> String {
+pub fn layer_norm_grad_rows(
+    types: NormTypes,
+    eps: f64,
+    per: usize,
+    epi: NormGradEpilogue,
+) -> String {
     // The summed terms of element `e` of a lane's columns (`xhat` and `dy` given).
-    let mut terms = vec!["dy * xhat".to_string(), "dy".to_string()];
+    let mut terms = vec!["dy * xhat", "dy"];
     let mut loaded = vec![("px", "X", "x"), ("pdy", "D", "dy")];
-    if form.sum_dx {
-        terms.push("o_e".into());
+    if epi.sum_dx {
+        terms.push("o_e");
         loaded.push(("pdx", "Y", "o"));
     }
-    if form.sum_residual {
-        terms.push("r_e".into());
+    if epi.sum_residual {
+        terms.push("r_e");
         loaded.push(("pr", "Y", "r"));
     }
     let n = terms.len();
     let params = format!(
         "const TX* px, const T* pg, const TD* pdy, {}TY* pdx, A* stats, A* part, i64 rows, i64 len",
-        form.residual_param()
+        residual_param(epi.residual)
     );
     // The column pass over the block's rows: warp `ty` takes rows `first + ty + 8 i`,
     // lane `tx` `vals` adjacent columns of a tile of `32 * vals` (a 16-byte word of
@@ -1515,7 +1509,7 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ {out} pdx[base + j] = o; }} }}\n",
         middle = middle("(lane + 32 * t < len ? (A)ld(pg, lane + 32 * t) : (A)0)"),
-        out = form.output(dx, "ldY(pr, base + j)"),
+        out = norm_grad_output(epi.residual, dx, "ldY(pr, base + j)"),
     );
     let v = column_vector(types.x);
     // The residual's words are loaded with x and dy: one wait for memory a row.
@@ -1537,7 +1531,7 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
             "(A)ld(pg, (i64)(32 * (t / {v}) + lane) * {v} + t % {v})"
         )),
         words = per / v,
-        load_r = if form.residual {
+        load_r = if epi.residual {
             format!(
                 "uint4 rw[{size}];\n\
                  #pragma unroll\n\
@@ -1550,12 +1544,12 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
         } else {
             String::new()
         },
-        residual_word = if form.residual {
+        residual_word = if epi.residual {
             "const TY* re = (const TY*)&rw[w];\n"
         } else {
             ""
         },
-        out = form.output(dx, "ldY(re, q)"),
+        out = norm_grad_output(epi.residual, dx, "ldY(re, q)"),
     );
     // dgamma and dbeta in the parameters' dtype, the form's sums in dx's column-sum
     // dtype (`S`).
@@ -1575,11 +1569,12 @@ pub fn layer_norm_grad_rows(types: NormTypes, eps: f64, per: usize, form: NormGr
 }
 
 /// LayerNormGrad over rows of any length, a block per row: `k` writes dx (plus the
-/// residual, as [`NormGradForm::output`]) and each row's mean and inverse deviation;
-/// the column sums (see [`column_sums`]) give dgamma and dbeta from them. The form's
-/// own column sums are left to the caller.
-pub fn layer_norm_grad_block(types: NormTypes, eps: f64, form: NormGradForm) -> String {
-    let out = form.output(
+/// `residual`, as [`norm_grad_output`]) and each row's mean and inverse deviation;
+/// the column sums (see [`column_sums`]) give dgamma and dbeta from them. The
+/// epilogue's column sums are left to the caller.
+pub fn layer_norm_grad_block(types: NormTypes, eps: f64, residual: bool) -> String {
+    let out = norm_grad_output(
+        residual,
         "((A)ldD(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv",
         "ldY(pr, at)",
     );
@@ -1605,7 +1600,7 @@ pub fn layer_norm_grad_block(types: NormTypes, eps: f64, form: NormGradForm) -> 
                  }}\n\
                  if (threadIdx.x == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
                }}\n}}\n{cols}",
-            residual = form.residual_param(),
+            residual = residual_param(residual),
             eps = lit(eps),
             cols = column_sums(
                 "const TX* px, const TD* pdy, const A* stats",
@@ -2383,7 +2378,12 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 ),
                 (
                     format!("layer_norm_grad_{d}"),
-                    layer_norm_grad_rows(NormTypes::uniform(d), 1e-5, 32, NormGradForm::default()),
+                    layer_norm_grad_rows(
+                        NormTypes::uniform(d),
+                        1e-5,
+                        32,
+                        NormGradEpilogue::default(),
+                    ),
                 ),
                 (
                     format!("layer_norm_grad_residual_{d}"),
@@ -2391,7 +2391,7 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                         NormTypes::uniform(d),
                         1e-5,
                         24,
-                        NormGradForm {
+                        NormGradEpilogue {
                             residual: true,
                             sum_dx: true,
                             sum_residual: true,
@@ -2404,22 +2404,15 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                         NormTypes::uniform(d),
                         1e-5,
                         1,
-                        NormGradForm {
+                        NormGradEpilogue {
                             residual: true,
-                            ..NormGradForm::default()
+                            ..NormGradEpilogue::default()
                         },
                     ),
                 ),
                 (
                     format!("layer_norm_grad_block_{d}"),
-                    layer_norm_grad_block(
-                        NormTypes::uniform(d),
-                        1e-5,
-                        NormGradForm {
-                            residual: true,
-                            ..NormGradForm::default()
-                        },
-                    ),
+                    layer_norm_grad_block(NormTypes::uniform(d), 1e-5, true),
                 ),
                 (format!("sce_{d}"), sce(d, DType::I64)),
                 (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
@@ -2503,11 +2496,11 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
             k.push((format!("layer_norm_mixed_{y}"), layer_norm(types, 1e-5, 8)));
             k.push((
                 format!("layer_norm_grad_mixed_{y}"),
-                layer_norm_grad_rows(types, 1e-5, 8, NormGradForm::default()),
+                layer_norm_grad_rows(types, 1e-5, 8, NormGradEpilogue::default()),
             ));
             k.push((
                 format!("layer_norm_grad_block_mixed_{y}"),
-                layer_norm_grad_block(types, 1e-5, NormGradForm::default()),
+                layer_norm_grad_block(types, 1e-5, false),
             ));
         }
         k.push(("fill_flag".into(), fill_flag()));

@@ -651,6 +651,14 @@ impl NormGradEpilogue {
     pub fn sums(self) -> usize {
         usize::from(self.sum_dx) + usize::from(self.sum_residual)
     }
+
+    /// The tensors its column sums sum, in output order: `dx` (the output, the residual
+    /// added) and the `residual`.
+    pub fn summed<'a, T>(self, dx: &'a T, residual: Option<&'a T>) -> Vec<&'a T> {
+        let dx = self.sum_dx.then_some(dx);
+        let residual = residual.filter(|_| self.sum_residual);
+        dx.into_iter().chain(residual).collect()
+    }
 }
 
 impl LayerNormGrad {
@@ -811,14 +819,8 @@ impl Op for LayerNormGrad {
         if let (true, Some(r)) = (epi.residual, inputs.get(3)) {
             out[0] = Binary::new(BinaryKind::Add).eval(&[&out[0], r])?.remove(0);
         }
-        let mut summed = Vec::new();
-        if epi.sum_dx {
-            summed.push(&out[0]);
-        }
-        if let (true, Some(r)) = (epi.sum_residual, inputs.get(3)) {
-            summed.push(r);
-        }
-        let sums = summed
+        let sums = epi
+            .summed(&out[0], inputs.get(3).copied())
             .into_iter()
             .map(|t| Ok(column_sum_of(&t.ty()).eval(&[t])?.remove(0)))
             .collect::<OpResult<Vec<_>>>()?;
