@@ -4,7 +4,7 @@
 mod common;
 
 use ampgraph_graph::attrs::AttrValue;
-use ampgraph_graph::ops::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
+use ampgraph_graph::ops::{FusedSoftmax, LogSoftmax, Softmax, SoftmaxCrossEntropy};
 use ampgraph_graph::{DType, Op, Tensor};
 use common::*;
 
@@ -313,4 +313,83 @@ fn typed_inputs_and_registry() {
     assert_round_trip(&Softmax { axis: 1 });
     assert_round_trip(&SoftmaxCrossEntropy);
     assert!(parse("SoftmaxCrossEntropy", &[("axis", AttrValue::Int(0))]).is_err());
+}
+
+// ---- FusedSoftmax: the softmax of an elementwise prologue ----
+
+/// `FusedSoftmax` over `x[3, 8] * s + mask[8]` (s a scalar input), from its file form.
+fn masked(dtype: DType, axis: i64, log: bool) -> Box<dyn Op> {
+    let program = format!(
+        "v0 = in0: {dtype}[3, 8]; v1 = in1: {dtype}[]; v2 = Mul(v0, v1): {dtype}[3, 8]; \
+         v3 = in2: {dtype}[8]; v4 = Add(v2, v3): {dtype}[3, 8]"
+    );
+    parse(
+        "FusedSoftmax",
+        &[
+            ("axis", AttrValue::Int(axis)),
+            ("log", AttrValue::Bool(log)),
+            ("program", AttrValue::Str(program)),
+            ("outputs", AttrValue::Ints(vec![4])),
+        ],
+    )
+    .unwrap()
+}
+
+#[test]
+fn fused_softmax_is_the_softmax_of_its_prologue() {
+    let mut rng = Rng(9);
+    for dtype in FLOATS {
+        let (x, xr) = input(dtype, &[3, 8], &rng.vals(24, -3.0, 3.0));
+        let (s, sr) = input(dtype, &[], &[0.75]);
+        let mut mask_vals = rng.vals(8, -1.0, 1.0);
+        mask_vals[5] = f64::NEG_INFINITY;
+        let (mask, mr) = input(dtype, &[8], &mask_vals);
+        // The prologue's value as the unfused Mul and Add store it: rounded to the
+        // dtype after each op (the products and sums are exact in f64).
+        let round = |v: Vec<f64>| input(dtype, &[v.len()], &v).1;
+        let scaled = round(xr.iter().map(|v| v * sr[0]).collect());
+        let pre = round(
+            scaled
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v + mr[i % 8])
+                .collect(),
+        );
+        for log in [false, true] {
+            let op = masked(dtype, -1, log);
+            assert_round_trip(op.as_ref());
+            let y = run(op.as_ref(), &[&x, &s, &mask]);
+            let want = naive_softmax(&pre, &[3, 8], 1, log);
+            let what = format!("{dtype} fused softmax (log {log})");
+            assert_close(&what, &y, dtype, &[3, 8], &want, dtype, f64::from(u8::from(log)));
+            let masked_out = y.to_f64_vec();
+            let zero = if log { f64::NEG_INFINITY } else { 0.0 };
+            assert!((0..3).all(|r| masked_out[r * 8 + 5] == zero), "{what}: the masked column");
+            // Bit for bit what the Mul, the Add and the softmax give as nodes.
+            let pre_t = Tensor::from_f64(dtype, vec![3, 8], &pre).unwrap();
+            let plain = op.downcast_ref::<FusedSoftmax>().unwrap().softmax();
+            assert_eq!(plain.eval(&[&pre_t]).unwrap()[0], y, "{what}: bits");
+        }
+    }
+}
+
+#[test]
+fn fused_softmax_errors_name_the_problem() {
+    let program = "v0 = in0: f32[2, 4]; v1 = Neg(v0): f32[2, 4]; v2 = Exp(v0): f32[2, 4]";
+    let two = |outputs: Vec<i64>| {
+        parse(
+            "FusedSoftmax",
+            &[
+                ("program", AttrValue::Str(program.into())),
+                ("outputs", AttrValue::Ints(outputs)),
+            ],
+        )
+    };
+    assert!(two(vec![2]).is_ok());
+    let e = two(vec![1, 2]).unwrap_err();
+    assert!(e.contains("outputs one value"), "{e}");
+    let e = infer_err(masked(DType::F32, 2, false).as_ref(), &[f32t(&[3, 8]), f32t(&[]), f32t(&[8])]);
+    assert!(e.contains("axis"), "{e}");
+    let e = infer_err(masked(DType::F32, -1, false).as_ref(), &[f32t(&[3, 8]), f32t(&[]), f32t(&[7])]);
+    assert!(e.contains("v3"), "{e}");
 }

@@ -14,6 +14,7 @@ pub mod group_updates;
 pub mod norm_grad_epilogue;
 pub mod registry;
 pub mod simplify;
+pub mod softmax_prologue;
 pub mod sum_into_elementwise;
 #[cfg(test)]
 mod testing;

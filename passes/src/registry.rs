@@ -12,6 +12,7 @@ use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
     PadGemm, ScaleIntoMatmul, UnscaleIntoUpdate,
 };
+use crate::softmax_prologue::SoftmaxPrologue;
 use crate::sum_into_elementwise::SumIntoElementwise;
 use crate::{Pass, PassManager};
 
@@ -84,6 +85,10 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(Fuse),
     },
     PassEntry {
+        name: "softmax-prologue",
+        make: || Box::new(SoftmaxPrologue),
+    },
+    PassEntry {
         name: "sum-into-elementwise",
         make: || Box::new(SumIntoElementwise),
     },
@@ -110,7 +115,8 @@ pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"
 /// (scores never stored), the finiteness check and the optimizer
 /// updates the loss-scale unscaling, the updates the casts of their variables,
 /// products their bias and activation into the GEMM, then the remaining elementwise
-/// chains fuse into generated kernels, those kernels take the bias gradients summed
+/// chains fuse into generated kernels (a softmax takes the one computing its operand),
+/// those kernels take the bias gradients summed
 /// from what they compute, layer-norm gradients the Adds of the residual gradient
 /// after them (with those bias gradients), and the small variables' updates share
 /// launches.
@@ -125,6 +131,7 @@ pub const CUDA_PIPELINE: &[&str] = &[
     "cast-into-update",
     "gemm-epilogue",
     "fuse",
+    "softmax-prologue",
     "sum-into-elementwise",
     "norm-grad-epilogue",
     "group-updates",

@@ -126,7 +126,7 @@ pub(crate) fn reachable_from(g: &Graph, starts: impl IntoIterator<Item = NodeId>
 
 /// The program a producer runs with its column sums: a fused node's own, or a lone
 /// elementwise node's one instruction (with its inputs, in order).
-fn producer_program(
+pub(crate) fn producer_program(
     g: &Graph,
     adj: &Adjacency,
     id: NodeId,

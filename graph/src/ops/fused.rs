@@ -294,7 +294,7 @@ impl FusedElementwise {
         }
     }
 
-    fn parse(a: &mut AttrReader) -> OpResult<FusedElementwise> {
+    pub(crate) fn parse(a: &mut AttrReader) -> OpResult<FusedElementwise> {
         let text = a.opt_str("program")?.ok_or("missing attr 'program'")?;
         let outputs = a
             .ints("outputs")?

@@ -31,7 +31,7 @@ pub use reduce::ReduceGrad;
 pub use reduce::{widens_exactly, Reduce, ReduceKind, SumTo};
 pub use shape_ops::{BroadcastTo, Slice};
 pub use shape_ops::{Concat, Reshape, Transpose};
-pub use softmax::{LogSoftmax, Softmax, SoftmaxCrossEntropy};
+pub use softmax::{FusedSoftmax, LogSoftmax, Softmax, SoftmaxCrossEntropy};
 pub use softmax::{
     SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, MAX_SUMMED_CLASSES,
 };

@@ -14,7 +14,7 @@ use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::TypeGroup;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::grad0;
-use crate::ops::{widens_exactly, Reduce, ReduceKind};
+use crate::ops::{widens_exactly, FusedElementwise, Reduce, ReduceKind};
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -38,6 +38,13 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "SoftmaxCrossEntropy",
         parse: |_, _| Ok(Box::new(SoftmaxCrossEntropy)),
+    },
+    OpEntry {
+        name: "FusedSoftmax",
+        parse: |_, a| {
+            let (axis, log) = (read_axis(a)?, a.bool_or("log", false)?);
+            FusedSoftmax::new(axis, log, FusedElementwise::parse(a)?).map(|op| Box::new(op) as _)
+        },
     },
 ];
 
@@ -200,6 +207,79 @@ macro_rules! softmax_op {
 
 softmax_op!(Softmax, false);
 softmax_op!(LogSoftmax, true);
+
+/// Softmax (`log: false`) or LogSoftmax (`log: true`) along `axis` of the value an
+/// elementwise program computes (the `softmax-prologue` pass builds it from a Softmax
+/// and the fused program or lone elementwise node that alone reads into it: a mask
+/// added, a scale, a cast): the inputs are the program's, the output the softmax of
+/// its one output. A kernel computes the program's value as it loads the row, so the
+/// value is never stored and read back. The CPU kernel runs the program (rounding its
+/// value to its dtype, as the node it replaces stored it) and then the softmax's own
+/// kernel: bit-exact against the ops it replaces.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedSoftmax {
+    pub axis: i64,
+    pub log: bool,
+    prologue: FusedElementwise,
+}
+
+impl FusedSoftmax {
+    /// The softmax of `prologue`'s value: a program with one output and no column sums.
+    pub fn new(axis: i64, log: bool, prologue: FusedElementwise) -> OpResult<FusedSoftmax> {
+        if prologue.outputs().len() != 1 || !prologue.column_sums().is_empty() {
+            return Err(format!(
+                "a softmax prologue outputs one value and no column sums, this one {} values and {} sums",
+                prologue.outputs().len(),
+                prologue.column_sums().len()
+            ));
+        }
+        Ok(FusedSoftmax {
+            axis,
+            log,
+            prologue,
+        })
+    }
+
+    /// The program computing the softmax's operand.
+    pub fn prologue(&self) -> &FusedElementwise {
+        &self.prologue
+    }
+
+    /// The softmax applied to the prologue's value, as a node of its own.
+    pub fn softmax(&self) -> Box<dyn Op> {
+        if self.log {
+            Box::new(LogSoftmax { axis: self.axis })
+        } else {
+            Box::new(Softmax { axis: self.axis })
+        }
+    }
+}
+
+impl Op for FusedSoftmax {
+    fn name(&self) -> &'static str {
+        "FusedSoftmax"
+    }
+    fn arity(&self) -> Arity {
+        self.prologue.arity()
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = vec![("axis", self.axis.into()), ("log", self.log.into())];
+        attrs.extend(self.prologue.attrs());
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let x = self.prologue.infer(inputs)?;
+        infer_softmax(self.axis, &x.iter().collect::<Vec<_>>())
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let x = self.prologue.eval(inputs)?;
+        self.softmax().eval(&x.iter().collect::<Vec<_>>())
+    }
+    /// Each input and the output keep their types, as the program's do.
+    fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
+        self.prologue.type_groups(num_inputs, num_outputs)
+    }
+}
 
 /// The gradient of Softmax (`log: false`) or LogSoftmax (`log: true`) along `axis`,
 /// from the forward output `y` and its loss gradient `dy` (same shape and dtype):
