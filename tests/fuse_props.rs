@@ -3,7 +3,8 @@
 //! types, computes bitwise the same values on the CPU, survives JSON and binary files,
 //! and a second run changes nothing. The same holds for `fuse` followed by
 //! `sum-into-elementwise` on those graphs with bias-gradient-like column sums added,
-//! and for `norm-grad-epilogue` on random layer-norm gradients added to a residual.
+//! for `norm-grad-epilogue` on random layer-norm gradients added to a residual, and
+//! for `softmax-prologue` on those graphs with softmaxes of their outputs.
 
 mod common;
 
@@ -11,11 +12,13 @@ use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::format::{self, GraphDef};
 use ampgraph::graph::ops::fused::column_sum_dtype;
 use ampgraph::graph::ops::{
-    Binary, BinaryKind, FusedElementwise, LayerNormGrad, Reduce, ReduceKind, Unary, UnaryKind,
+    Binary, BinaryKind, FusedElementwise, FusedSoftmax, LayerNormGrad, LogSoftmax, Reduce,
+    ReduceKind, Softmax, Unary, UnaryKind,
 };
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::fuse::{Fuse, FuseReport};
 use ampgraph::passes::norm_grad_epilogue::NormGradEpilogueFusion;
+use ampgraph::passes::softmax_prologue::SoftmaxPrologue;
 use ampgraph::passes::sum_into_elementwise::SumIntoElementwise;
 use ampgraph::passes::Pass;
 use ampgraph::{DType, Graph, Port};
@@ -157,6 +160,85 @@ proptest! {
     fn fusion_after_amp_is_valid_exact_and_idempotent(seed in any::<u64>(), size in 1usize..40) {
         check_fusion(&prepared(seed, size, true), seed)?;
     }
+}
+
+/// The graph with a Softmax or LogSoftmax (along a random axis) of most of its float
+/// outputs in their place; now and then the output stays an output as well, and so
+/// keeps its kernel.
+fn with_softmaxes(mut g: Graph, seed: u64) -> Graph {
+    let mut rng = Rng(seed ^ 0x50f7);
+    let mut outputs = Vec::new();
+    for p in g.outputs().to_vec() {
+        let ty = g.ty(p).clone();
+        if !ty.dtype.is_float() || ty.rank() == 0 || rng.below(4) == 0 {
+            outputs.push(p);
+            continue;
+        }
+        let axis = rng.below(ty.rank()) as i64
+            - if rng.below(2) == 0 {
+                ty.rank() as i64
+            } else {
+                0
+            };
+        let y = if rng.below(3) == 0 {
+            g.add(LogSoftmax { axis }, &[p]).unwrap()
+        } else {
+            g.add(Softmax { axis }, &[p]).unwrap()
+        };
+        outputs.push(y);
+        if rng.below(6) == 0 {
+            outputs.push(p);
+        }
+    }
+    g.set_outputs(outputs).unwrap();
+    g
+}
+
+/// `fuse` then `softmax-prologue`: valid, bitwise the same on the CPU, the same after
+/// JSON, idempotent. Returns the softmaxes that took a prologue.
+fn check_softmax_prologue(original: &Graph, seed: u64) -> Result<usize, TestCaseError> {
+    let mut g = original.clone();
+    Fuse.rewrite(&mut g).unwrap();
+    SoftmaxPrologue.run(&mut g).unwrap();
+    g.validate().unwrap();
+    same_bits_on_the_cpu(original, &g, seed)?;
+    let text = json(&g);
+    prop_assert_eq!(
+        &text,
+        &json(&format::graph_from_bytes(text.as_bytes()).unwrap())
+    );
+    let mut again = g.clone();
+    Fuse.rewrite(&mut again).unwrap();
+    SoftmaxPrologue.run(&mut again).unwrap();
+    prop_assert_eq!(text, json(&again));
+    Ok(g.node_ids()
+        .filter(|&id| g.node(id).op.is::<FusedSoftmax>())
+        .count())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn softmax_prologues_are_exact_and_idempotent(
+        seed in any::<u64>(),
+        size in 1usize..40,
+        amp in any::<bool>(),
+    ) {
+        check_softmax_prologue(&with_softmaxes(prepared(seed, size, amp), seed), seed)?;
+    }
+}
+
+/// The prologue fold is not vacuous: it fires on most graphs.
+#[test]
+fn softmax_prologues_fold_on_most_random_graphs() {
+    let fired = (0..64u64)
+        .filter(|&seed| {
+            let g = with_softmaxes(prepared(seed, 24, seed % 4 == 0), seed);
+            check_softmax_prologue(&g, seed).unwrap() > 0
+        })
+        .count();
+    assert!(fired >= 32, "the fold fired on {fired} of 64 graphs");
 }
 
 /// A LayerNormGrad's dx added to a residual gradient, as a pre-LN block's backward

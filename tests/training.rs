@@ -5,7 +5,7 @@ use ampgraph::exec::data::Mnist;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{
-    AllFinite, Binary, BinaryKind, Const, Epilogue, FusedMatMul, Init, LayerNormGrad,
+    AllFinite, Binary, BinaryKind, Const, Epilogue, FusedMatMul, FusedSoftmax, Init, LayerNormGrad,
     NormGradEpilogue, OptimizerUpdate, Reduce, ReduceKind, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
@@ -394,6 +394,47 @@ fn pre_ln_training_with_the_norm_grad_epilogue_is_bit_identical() {
         .collect();
     assert_eq!(epilogues.len(), 2, "{epilogues:?}");
     assert!(epilogues.iter().all(|e| e.sum_dx), "{epilogues:?}");
+}
+
+/// x[8,4] -> dense 8 = h -> causal self-attention over the 8 rows,
+/// `softmax(h h^T * 0.25 + mask) h` -> dense 3 -> cross-entropy: the masked softmax is
+/// not fused attention, and its scaled, masked scores are the prologue.
+fn masked_attention_model() -> (Graph, Port, Port) {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [BATCH, 4]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
+    let h = nn::dense(&mut g, x, 8, None).unwrap();
+    let scores = g.matmul_t(h, h, false, true).unwrap();
+    let quarter = g.scalar(DType::F32, 0.25).unwrap();
+    let scaled = g.mul(scores, quarter).unwrap();
+    let mask: Vec<f64> = (0..BATCH * BATCH)
+        .map(|i| if i % BATCH > i / BATCH { -1e4 } else { 0.0 })
+        .collect();
+    let mask = g
+        .constant(Tensor::from_f64(DType::F32, vec![BATCH, BATCH], &mask).unwrap())
+        .unwrap();
+    let masked = g.plus(scaled, mask).unwrap();
+    let p = g.softmax(masked, -1).unwrap();
+    let context = g.matmul(p, h).unwrap();
+    let logits = nn::dense(&mut g, context, 3, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    g.set_outputs(vec![logits]).unwrap();
+    (g, loss, logits)
+}
+
+/// AMP training through a masked softmax: the pipeline (the softmax computing its
+/// scaled, masked scores itself) trains bit for bit as the unfused graph.
+#[test]
+fn masked_attention_training_with_the_softmax_prologue_is_bit_identical() {
+    let optimizer = Sgd::momentum(0.1, 0.9);
+    let ran = assert_trains_alike_with_the_passes(masked_attention_model, &optimizer, "masked");
+    let fused: Vec<&FusedSoftmax> = ran
+        .node_ids()
+        .filter_map(|id| ran.node(id).op.downcast_ref::<FusedSoftmax>())
+        .collect();
+    assert_eq!(fused.len(), 1);
+    // The scale and the mask at least.
+    assert!(fused[0].prologue().instrs().len() >= 5, "{:?}", fused[0]);
 }
 
 #[test]

@@ -143,6 +143,11 @@ struct Args {
     /// transformer: model width (768).
     #[arg(long)]
     dmodel: Option<usize>,
+    /// transformer: causal attention, a mask added to the scores before the softmax
+    /// (torch_anchor.py's attention has none). `fuse-attention` does not take a mask:
+    /// the softmax stays a node, and `softmax-prologue` gives it the masked scores.
+    #[arg(long)]
+    causal: bool,
     /// Output classes (1000).
     #[arg(long)]
     classes: Option<usize>,
@@ -228,6 +233,7 @@ enum Config {
         heads: usize,
         layers: usize,
         classes: usize,
+        causal: bool,
     },
 }
 
@@ -257,6 +263,7 @@ impl Config {
                     heads,
                     layers: a.layers.unwrap_or(4),
                     classes: a.classes.unwrap_or(1000),
+                    causal: a.causal,
                 }
             }
         };
@@ -282,8 +289,10 @@ impl Config {
                 heads,
                 layers,
                 classes,
+                causal,
             } => format!(
-                "x[{batch},{seq},{d}], {layers} pre-LN blocks ({heads} heads, explicit softmax attention, MLP 4x GELU), LayerNorm, Linear {classes}"
+                "x[{batch},{seq},{d}], {layers} pre-LN blocks ({heads} heads, explicit {}softmax attention, MLP 4x GELU), LayerNorm, Linear {classes}",
+                if causal { "causal " } else { "" }
             ),
         }
     }
@@ -451,13 +460,30 @@ fn build(cfg: &Config) -> Res<Model> {
             heads,
             layers,
             classes,
+            causal,
         } => {
             let x = g.placeholder(X, DType::F32, [batch, seq, d])?;
             let labels = g.placeholder(LABELS, DType::I64, [batch * seq])?;
             // The residual stream as [b*t, d]: the Linear layers see 2-D inputs.
             let mut h = g.reshape(x, [(batch * seq) as i64, d as i64])?;
+            // -inf above the diagonal: token i attends to tokens 0..=i.
+            let mask = if causal {
+                let values: Vec<f32> = (0..seq * seq)
+                    .map(|i| {
+                        if i % seq > i / seq {
+                            f32::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let mask = Tensor::new(vec![seq, seq], Data::F32(values))?;
+                Some(g.constant(mask)?)
+            } else {
+                None
+            };
             for _ in 0..layers {
-                h = block(&mut g, h, batch, seq, d, heads)?;
+                h = block(&mut g, h, (batch, seq), d, heads, mask)?;
             }
             let h = layer_norm(&mut g, h, d)?;
             // Linear on every token; torch's cross_entropy(out.reshape(-1, classes), y).
@@ -494,8 +520,16 @@ fn layer_norm(g: &mut Graph, x: Port, d: usize) -> Res<Port> {
     Ok(g.layer_norm(x, gamma.into(), beta.into(), axis, 1e-5)?)
 }
 
-/// torch_anchor.py's `Block.forward` on the residual stream `x [b*t, d]`.
-fn block(g: &mut Graph, x: Port, b: usize, t: usize, d: usize, heads: usize) -> Res<Port> {
+/// torch_anchor.py's `Block.forward` on the residual stream `x [b*t, d]`, with `mask`
+/// (`[t, t]`) added to the attention scores where given.
+fn block(
+    g: &mut Graph,
+    x: Port,
+    (b, t): (usize, usize),
+    d: usize,
+    heads: usize,
+    mask: Option<Port>,
+) -> Res<Port> {
     let dh = d / heads;
     let n = b * t;
     let h = layer_norm(g, x, d)?;
@@ -513,7 +547,10 @@ fn block(g: &mut Graph, x: Port, b: usize, t: usize, d: usize, heads: usize) -> 
     // att = (q @ k^T) * (1 / sqrt(dh)); softmax; @ v
     let att = g.batch_matmul_adj(q, k, false, true)?;
     let scale = g.scalar(DType::F32, 1.0 / (dh as f64).sqrt())?;
-    let att = g.mul(att, scale)?;
+    let mut att = g.mul(att, scale)?;
+    if let Some(mask) = mask {
+        att = g.plus(att, mask)?;
+    }
     let att = g.softmax(att, -1)?;
     let y = g.batch_matmul(att, v)?;
     // (att @ v).transpose(1, 2).reshape(b, t, d)

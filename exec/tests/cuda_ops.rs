@@ -495,6 +495,88 @@ fn softmax_family_and_cross_entropy() {
     }
 }
 
+/// `FusedSoftmax` of `x * s + mask` (`mask` along the softmax's axis and the ones after
+/// it, broadcast over the rest), computed in `wide`: the kernel with its prologue,
+/// against the CPU. Rows a warp holds (masked lanes, 16-byte words), rows too long for
+/// a warp and a softmax over a middle axis (both through the prologue's own kernel).
+#[test]
+fn fused_softmax_prologues() {
+    use ampgraph_graph::ops::fused::{Expr, Instr};
+    use ampgraph_graph::TensorType;
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(23);
+    let input = |k: usize, ty: &TensorType| Instr {
+        expr: Expr::Input(k),
+        ty: ty.clone(),
+    };
+    let apply = |op: ElementOp, args: Vec<usize>, ty: &TensorType| Instr {
+        expr: Expr::Apply(op, args),
+        ty: ty.clone(),
+    };
+    for d in FLOATS {
+        let wide = if d.size_bytes() == 2 { DType::F32 } else { d };
+        for (shape, axis) in [
+            (vec![4, 10], -1i64),
+            (vec![9, 512], -1),
+            (vec![2, 6, 128], -1),
+            (vec![3, 1500], -1),
+            (vec![3, 5, 4], 1),
+        ] {
+            let a = if axis < 0 {
+                shape.len() - 1
+            } else {
+                axis as usize
+            };
+            let x_ty = TensorType::new(d, shape.clone());
+            let wide_ty = TensorType::new(wide, shape.clone());
+            let mask_ty = TensorType::new(wide, shape[a..].to_vec());
+            let program = FusedElementwise::new(
+                vec![
+                    input(0, &x_ty),
+                    input(1, &TensorType::new(d, vec![])),
+                    apply(ElementOp::Binary(BinaryKind::Mul), vec![0, 1], &x_ty),
+                    apply(ElementOp::Cast(wide), vec![2], &wide_ty),
+                    input(2, &mask_ty),
+                    apply(ElementOp::Binary(BinaryKind::Add), vec![3, 4], &wide_ty),
+                ],
+                vec![5],
+            )
+            .unwrap();
+            let x = rand(&mut r, d, &shape, -4.0, 4.0);
+            let s = t(d, &[], &[0.75]);
+            let mut mask = r.vec(mask_ty.shape.iter().product(), -1.0, 1.0);
+            mask[1] = f64::NEG_INFINITY;
+            let mask = t(wide, &mask_ty.shape, &mask);
+            for log in [false, true] {
+                let op = FusedSoftmax::new(axis, log, program.clone()).unwrap();
+                let what = format!("FusedSoftmax {d} {shape:?} axis {axis} log {log}");
+                check(&mut gpu, &what, op, &[x.clone(), s.clone(), mask.clone()]);
+            }
+        }
+    }
+    // f32 scores and mask, the softmax in f16 after a narrowing cast: vectors of 4.
+    let shape = [5, 256];
+    let f32s = TensorType::new(DType::F32, shape.to_vec());
+    let program = FusedElementwise::new(
+        vec![
+            input(0, &f32s),
+            input(1, &TensorType::new(DType::F32, vec![256])),
+            apply(ElementOp::Binary(BinaryKind::Add), vec![0, 1], &f32s),
+            apply(
+                ElementOp::Cast(DType::F16),
+                vec![2],
+                &TensorType::new(DType::F16, shape.to_vec()),
+            ),
+        ],
+        vec![3],
+    )
+    .unwrap();
+    let x = rand(&mut r, DType::F32, &shape, -4.0, 4.0);
+    let mask = rand(&mut r, DType::F32, &[256], -1.0, 1.0);
+    let op = FusedSoftmax::new(-1, false, program).unwrap();
+    check(&mut gpu, "FusedSoftmax f32 -> f16", op, &[x, mask]);
+}
+
 /// The loss and its gradient in one kernel: f16 logits widened to f32, the gradient
 /// stored in f16 with its f32 column sums (the mlp's output layer; more rows than the
 /// kernel's row chunks), and each float type alone, with and without the sums.

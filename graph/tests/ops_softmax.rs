@@ -361,10 +361,21 @@ fn fused_softmax_is_the_softmax_of_its_prologue() {
             let y = run(op.as_ref(), &[&x, &s, &mask]);
             let want = naive_softmax(&pre, &[3, 8], 1, log);
             let what = format!("{dtype} fused softmax (log {log})");
-            assert_close(&what, &y, dtype, &[3, 8], &want, dtype, f64::from(u8::from(log)));
+            assert_close(
+                &what,
+                &y,
+                dtype,
+                &[3, 8],
+                &want,
+                dtype,
+                f64::from(u8::from(log)),
+            );
             let masked_out = y.to_f64_vec();
             let zero = if log { f64::NEG_INFINITY } else { 0.0 };
-            assert!((0..3).all(|r| masked_out[r * 8 + 5] == zero), "{what}: the masked column");
+            assert!(
+                (0..3).all(|r| masked_out[r * 8 + 5] == zero),
+                "{what}: the masked column"
+            );
             // Bit for bit what the Mul, the Add and the softmax give as nodes.
             let pre_t = Tensor::from_f64(dtype, vec![3, 8], &pre).unwrap();
             let plain = op.downcast_ref::<FusedSoftmax>().unwrap().softmax();
@@ -388,8 +399,14 @@ fn fused_softmax_errors_name_the_problem() {
     assert!(two(vec![2]).is_ok());
     let e = two(vec![1, 2]).unwrap_err();
     assert!(e.contains("outputs one value"), "{e}");
-    let e = infer_err(masked(DType::F32, 2, false).as_ref(), &[f32t(&[3, 8]), f32t(&[]), f32t(&[8])]);
+    let e = infer_err(
+        masked(DType::F32, 2, false).as_ref(),
+        &[f32t(&[3, 8]), f32t(&[]), f32t(&[8])],
+    );
     assert!(e.contains("axis"), "{e}");
-    let e = infer_err(masked(DType::F32, -1, false).as_ref(), &[f32t(&[3, 8]), f32t(&[]), f32t(&[7])]);
+    let e = infer_err(
+        masked(DType::F32, -1, false).as_ref(),
+        &[f32t(&[3, 8]), f32t(&[]), f32t(&[7])],
+    );
     assert!(e.contains("v3"), "{e}");
 }

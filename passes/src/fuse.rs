@@ -19,7 +19,7 @@ use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::fused::{Expr, Instr, MEMBERS_ANNOTATION};
 use ampgraph_graph::ops::{
-    Const, ElementOp, FusedElementwise, Placeholder, Unary, UnaryKind, Variable,
+    Const, ElementOp, FusedElementwise, FusedSoftmax, Placeholder, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 use foldhash::HashMap;
@@ -108,10 +108,12 @@ fn find_groups(g: &Graph, adj: &Adjacency, order: &[NodeId]) -> (Vec<usize>, Vec
             .unwrap_or(-1);
         if !fusible(g, id, inputs) {
             reach[id.index()] = upstream;
-            if g.node(id).op.is::<FusedElementwise>() {
-                // A fused node (a lone node that took a column sum included) blocks
-                // joins across it as its group did: an empty group of its own, so a
-                // later run groups its neighbours as the first did.
+            let op = &g.node(id).op;
+            if op.is::<FusedElementwise>() || op.is::<FusedSoftmax>() {
+                // A fused node (a lone node that took a column sum, or a softmax that
+                // took its operand's program, included) blocks joins across it as its
+                // group did: an empty group of its own, so a later run groups its
+                // neighbours as the first did.
                 groups.push(Vec::new());
                 group_len.push(0);
                 reach[id.index()] = upstream.max(groups.len() as i64 - 1);

@@ -114,7 +114,13 @@ mod tests {
         let k = g.placeholder("k", dtype, [B, S, D]).unwrap();
         let v = g.placeholder("v", dtype, [B, S, D]).unwrap();
         let mask: Vec<f64> = (0..S * S)
-            .map(|i| if i % S > i / S { f64::NEG_INFINITY } else { 0.0 })
+            .map(|i| {
+                if i % S > i / S {
+                    f64::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let mask = g
             .constant(Tensor::from_f64(dtype, vec![S, S], &mask).unwrap())
@@ -123,8 +129,12 @@ mod tests {
             .constant(Tensor::from_f64(dtype, vec![], &[0.25]).unwrap())
             .unwrap();
         let scores = g.add(BatchMatMul::new(false, true), &[q, k]).unwrap();
-        let scaled = g.add(Binary::new(BinaryKind::Mul), &[scores, quarter]).unwrap();
-        let mut masked = g.add(Binary::new(BinaryKind::Add), &[scaled, mask]).unwrap();
+        let scaled = g
+            .add(Binary::new(BinaryKind::Mul), &[scores, quarter])
+            .unwrap();
+        let mut masked = g
+            .add(Binary::new(BinaryKind::Add), &[scaled, mask])
+            .unwrap();
         if wide {
             masked = g.add(Cast { to: DType::F32 }, &[masked]).unwrap();
         }
@@ -150,7 +160,9 @@ mod tests {
     }
 
     fn count(g: &Graph, name: &str) -> usize {
-        g.node_ids().filter(|&id| g.node(id).op_name() == name).count()
+        g.node_ids()
+            .filter(|&id| g.node(id).op_name() == name)
+            .count()
     }
 
     #[test]

@@ -2,11 +2,11 @@
 
 use ampgraph_graph::ops::{
     AllFinite, AssignVariable, BatchMatMul, BiasAdd, Binary, BinaryGrad, BroadcastTo, Cast, Concat,
-    Const, DataFormat, FusedAttention, FusedAttentionGrad, FusedElementwise, FusedMatMul, Group,
-    GroupedOptimizerUpdate, IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax, LossScaleUpdate,
-    MatMul, NormGradEpilogue, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind, Reshape, Rule,
-    Slice, Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad,
-    SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad, UnaryKind,
+    Const, DataFormat, FusedAttention, FusedAttentionGrad, FusedElementwise, FusedMatMul,
+    FusedSoftmax, Group, GroupedOptimizerUpdate, IncrementIf, LayerNorm, LayerNormGrad, LogSoftmax,
+    LossScaleUpdate, MatMul, NormGradEpilogue, OptimizerUpdate, Reduce, ReduceGrad, ReduceKind,
+    Reshape, Rule, Slice, Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad,
+    SoftmaxCrossEntropyWithGrad, SoftmaxGrad, SumTo, Transpose, Unary, UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::shape::{broadcast_index_map, normalize_axis};
 use ampgraph_graph::tensor::strides;
@@ -82,6 +82,7 @@ const SUPPORTED: &[&str] = &[
     "ReduceGrad",
     "Softmax",
     "LogSoftmax",
+    "FusedSoftmax",
     "SoftmaxCrossEntropy",
     "SoftmaxGrad",
     "SoftmaxCrossEntropyGrad",
@@ -543,6 +544,64 @@ fn warp_row_form(
     }
 }
 
+/// `y = softmax(x)` (or log-softmax) along `axis`.
+fn softmax_into(c: &Ctx, x: &DTensor, y: &DTensor, axis: i64, log: bool) -> Result<(), String> {
+    float_only(x.dtype)?;
+    let (len, inner, rows) = along(&x.shape, axis)?;
+    let (per, warp) = warp_row_form(len, x.dtype, inner == 1, &[x, y]);
+    let key = format!("softmax/{}/{log}/{per}", x.dtype);
+    let make = || src::softmax(x.dtype, log, per);
+    row_kernel(
+        c,
+        &key,
+        make,
+        ("k", warp),
+        &[x.arg(), y.arg()],
+        (rows, len, Some(inner)),
+    )
+}
+
+/// `y = FusedSoftmax(inputs)`. Contiguous rows a warp holds: one kernel computing the
+/// prologue as it loads each row (16-byte words where the rows are whole words of the
+/// prologue's vectors and the streamed tensors aligned). Other rows: the prologue's
+/// elementwise kernel into a temporary, then the softmax kernels.
+fn fused_softmax(c: &Ctx, f: &FusedSoftmax, inputs: &[DTensor], y: &DTensor) -> Result<(), String> {
+    float_only(y.dtype)?;
+    let p = f.prologue();
+    let (len, inner, rows) = along(&y.shape, f.axis)?;
+    let n = p.domain_len();
+    let mut args: Vec<Arg> = inputs.iter().map(DTensor::arg).collect();
+    if inner != 1 || len > src::WARP_ROW_MAX {
+        let x = c.temp(y.dtype, n)?.reshaped(y.shape.clone());
+        args.extend([x.arg(), Arg::I64(n as i64)]);
+        // The key of the program's own kernel (a FusedElementwise without sums).
+        let key = format!("fused/{p}/[]");
+        c.dev.launch_elementwise(&key, || src::fused(p), n, &args)?;
+        return softmax_into(c, &x, y, f.axis, f.log);
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let v = src::fused_vector(p);
+    let streamed = inputs.iter().filter(|t| t.len() == n).chain([y]);
+    let (per, kernel) = if len % (32 * v) == 0 && streamed.into_iter().all(|t| t.ptr() % 16 == 0) {
+        (len / 32, "k_warp_vec")
+    } else {
+        (src::warp_row_values(len), "k_warp")
+    };
+    args.extend([y.arg(), Arg::I64(rows as i64), Arg::I64(len as i64)]);
+    let key = format!("fused_softmax/{p}/{}/{per}", f.log);
+    let grid = rows.div_ceil(8).min(1 << 20) as u32;
+    c.dev.launch(
+        &key,
+        || src::fused_softmax(f, per),
+        kernel,
+        grid,
+        256,
+        &args,
+    )
+}
+
 /// `y = x` converted to `y`'s dtype, element by element.
 fn cast_into(c: &Ctx, x: &DTensor, y: &DTensor) -> Result<(), String> {
     let n = x.len();
@@ -897,21 +956,13 @@ pub fn eval(
         .map(|s| (s.axis, false))
         .or_else(|| op.downcast_ref::<LogSoftmax>().map(|s| (s.axis, true)));
     if let Some((axis, log)) = softmax_axis {
-        let x = input(0)?;
-        float_only(x.dtype)?;
-        let (len, inner, rows) = along(&x.shape, axis)?;
         let y = c.alloc(out0)?;
-        let (per, warp) = warp_row_form(len, x.dtype, inner == 1, &[x, &y]);
-        let key = format!("softmax/{}/{log}/{per}", x.dtype);
-        let make = || src::softmax(x.dtype, log, per);
-        row_kernel(
-            c,
-            &key,
-            make,
-            ("k", warp),
-            &[x.arg(), y.arg()],
-            (rows, len, Some(inner)),
-        )?;
+        softmax_into(c, input(0)?, &y, axis, log)?;
+        return Ok(vec![y]);
+    }
+    if let Some(f) = op.downcast_ref::<FusedSoftmax>() {
+        let y = c.alloc(out0)?;
+        fused_softmax(c, f, inputs, &y)?;
         return Ok(vec![y]);
     }
     if let Some(s) = op.downcast_ref::<SoftmaxGrad>() {

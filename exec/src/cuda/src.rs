@@ -9,7 +9,8 @@
 
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, Operand};
 use ampgraph_graph::ops::{
-    BinaryKind, ElementOp, FusedElementwise, NormGradEpilogue, ReduceKind, Rule, UnaryKind,
+    BinaryKind, ElementOp, FusedElementwise, FusedSoftmax, NormGradEpilogue, ReduceKind, Rule,
+    UnaryKind,
 };
 use ampgraph_graph::tensor::strides;
 use ampgraph_graph::DType;
@@ -757,8 +758,6 @@ pub fn reduce_max_grad(d: DType) -> String {
     )
 }
 
-/// Softmax (log = false) or LogSoftmax along an axis: a block per row of `len`
-/// elements `inner` apart.
 /// The longest softmax row a warp holds in registers (`k_warp`), and the values per
 /// lane a row of `len` needs there (a power of two, so few variants compile).
 pub const WARP_ROW_MAX: usize = 1024;
@@ -809,19 +808,20 @@ fn warp_store_words(ptr: &str, value: &str, per: usize, v: usize, ty: &str) -> S
     )
 }
 
-/// Softmax or LogSoftmax along a contiguous axis. `k` gives each row a block and reads
-/// it three times; `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives
-/// each row a warp that reads it once into registers; `k_warp_vec` does so for rows of
-/// exactly `32 * per` values, moving 16-byte words.
-pub fn softmax(d: DType, log: bool, per: usize) -> String {
-    let write = if log {
-        "st(py, at, (C)((A)ld(px, at) - shift - lse));"
-    } else {
-        "st(py, at, (C)(m_exp((A)ld(px, at) - shift) / sum));"
-    };
-    // The warp kernels compute each exponential once (kept in `v`) and multiply by
-    // the sum's reciprocal: with two exponentials and a division per element it was
-    // bound by arithmetic, at half of PyTorch's speed. `value` is output `t`.
+/// The body of a warp-per-row softmax kernel ([`warp_rows`]): `load` puts the row's
+/// values of the lane into `A v[per]`, padding with -inf where `guarded` (lane values
+/// `j = lane + 32 t` of a row shorter than `32 * per`; `in_row` runs code only for
+/// values of the row), and `store(value)` stores them, `value` the expression of
+/// output `t`. The kernel computes each exponential once (kept in `v`) and multiplies
+/// by the sum's reciprocal: with two exponentials and a division per element it was
+/// bound by arithmetic, at half of PyTorch's speed.
+fn softmax_warp(
+    log: bool,
+    per: usize,
+    load: &str,
+    guarded: bool,
+    store: &dyn Fn(&str) -> String,
+) -> String {
     let (accumulate, finish, value) = if log {
         (
             "sum += m_exp(v[t] - shift);",
@@ -835,41 +835,66 @@ pub fn softmax(d: DType, log: bool, per: usize) -> String {
             "v[t] * inv",
         )
     };
-    // From the row in `v` (`guard` wraps what only the row's own values may do) to
-    // what `value` needs.
-    let reduce = |guard: &dyn Fn(&str) -> String| {
-        format!(
-            "#pragma unroll\n\
-             for (int t = 0; t < {per}; ++t) m = nanmax(m, v[t]);\n\
-             m = warp_max(m);\n\
-             A shift = m_isfinite(m) ? m : (A)0;\n\
-             A sum = 0;\n\
-             #pragma unroll\n\
-             for (int t = 0; t < {per}; ++t) {{ {} }}\n\
-             sum = warp_sum(sum);\n\
-             {finish}\n",
-            guard(accumulate)
-        )
+    let accumulate = if guarded {
+        in_row(accumulate)
+    } else {
+        accumulate.to_string()
     };
-    let in_row = |code: &str| format!("int j = lane + 32 * t; if (j < len) {{ {code} }}");
-    let warp = warp_rows(&format!(
-        "A v[{per}]; A m = (A)(-F_INF);\n\
+    warp_rows(&format!(
+        "A v[{per}]; A m = (A)(-F_INF);\n{load}\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)(-F_INF); }}\n\
-         {reduced}\
+         for (int t = 0; t < {per}; ++t) m = nanmax(m, v[t]);\n\
+         m = warp_max(m);\n\
+         A shift = m_isfinite(m) ? m : (A)0;\n\
+         A sum = 0;\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ {write} }}",
-        reduced = reduce(&in_row),
-        write = in_row(&format!("st(py, base + j, (C)({value}));")),
-    ));
+         for (int t = 0; t < {per}; ++t) {{ {accumulate} }}\n\
+         sum = warp_sum(sum);\n\
+         {finish}\n{}",
+        store(value)
+    ))
+}
+
+/// `code` run for lane value `t` of a warp's row only where it is in the row.
+fn in_row(code: &str) -> String {
+    format!("int j = lane + 32 * t; if (j < len) {{ {code} }}")
+}
+
+/// Softmax or LogSoftmax along a contiguous axis. `k` gives each row a block and reads
+/// it three times; `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives
+/// each row a warp that reads it once into registers; `k_warp_vec` does so for rows of
+/// exactly `32 * per` values, moving 16-byte words.
+pub fn softmax(d: DType, log: bool, per: usize) -> String {
+    let write = if log {
+        "st(py, at, (C)((A)ld(px, at) - shift - lse));"
+    } else {
+        "st(py, at, (C)(m_exp((A)ld(px, at) - shift) / sum));"
+    };
+    let warp = softmax_warp(
+        log,
+        per,
+        &format!(
+            "#pragma unroll\n\
+             for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)(-F_INF); }}\n"
+        ),
+        true,
+        &|value| {
+            format!(
+                "#pragma unroll\n\
+                 for (int t = 0; t < {per}; ++t) {{ {} }}",
+                in_row(&format!("st(py, base + j, (C)({value}));"))
+            )
+        },
+    );
     // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`): no masks.
     let v = column_vector(d);
-    let warp_vec = warp_rows(&format!(
-        "A v[{per}]; A m = (A)(-F_INF);\n{load}{reduced}{store}",
-        load = warp_load_words("px", "v", per, v, ""),
-        reduced = reduce(&|code: &str| code.to_string()),
-        store = warp_store_words("py", value, per, v, ""),
-    ));
+    let warp_vec = softmax_warp(
+        log,
+        per,
+        &warp_load_words("px", "v", per, v, ""),
+        false,
+        &|value| warp_store_words("py", value, per, v, ""),
+    );
     module(
         d,
         &format!(
@@ -2206,6 +2231,84 @@ pub fn fused(p: &FusedElementwise) -> String {
     )
 }
 
+/// The kernels of a [`FusedSoftmax`] whose rows are contiguous and at most
+/// [`WARP_ROW_MAX`] long: [`softmax`]'s `k_warp` and `k_warp_vec` with each value of
+/// the row computed by the prologue as it is loaded (the prologue's inputs bound at
+/// element `i = base + j` of the domain, broadcast ones at their index) instead of
+/// read from memory. `k_warp_vec` takes rows of exactly `32 * per` values that are a
+/// whole number of vectors of [`fused_vector`] elements (aligned tensors): each lane
+/// loads and stores such vectors. Arguments: the prologue's inputs, the output (`out0`,
+/// of type `TO0`), `rows` and `len`.
+pub fn fused_softmax(op: &FusedSoftmax, per: usize) -> String {
+    let p = op.prologue();
+    let parts = FusedParts::new(p);
+    let loads = parts.loads();
+    let Streams {
+        fetch,
+        bind_vec,
+        bind_one,
+        ..
+    } = streams(&loads, &[]);
+    let value = format!("v{}", p.outputs()[0]);
+    let body = &parts.body;
+    let mut types: Vec<(&str, DType)> = parts.types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
+    types.push(("", p.instrs()[p.outputs()[0]].ty.dtype));
+    let params = parts.params.join(", ");
+    let warp = softmax_warp(
+        op.log,
+        per,
+        &format!(
+            "#pragma unroll\n\
+             for (int t = 0; t < {per}; ++t) {{\n\
+               int j = lane + 32 * t;\n\
+               if (j < len) {{ const i64 i = base + j; {bind_one}\n{body}\n v[t] = (A){value}; }} else v[t] = (A)(-F_INF);\n\
+             }}\n"
+        ),
+        true,
+        &|out| {
+            format!(
+                "#pragma unroll\n\
+                 for (int t = 0; t < {per}; ++t) {{ {} }}",
+                in_row(&format!("stO0(out0, base + j, (CO0)({out}));"))
+            )
+        },
+    );
+    let words = |code: &str| {
+        format!(
+            "#pragma unroll\n\
+             for (int w = 0; w < {per} / V; ++w) {{\n\
+               const i64 i0 = base + (i64)(32 * w + lane) * V;\n{code}}}\n"
+        )
+    };
+    let warp_vec = softmax_warp(
+        op.log,
+        per,
+        &words(&format!(
+            "{fetch}\
+             #pragma unroll\n\
+             for (int u = 0; u < V; ++u) {{ const i64 i = i0 + u; {bind_vec}\n{body}\n v[w * V + u] = (A){value}; }}\n"
+        )),
+        false,
+        &|out| {
+            words(&format!(
+                "VEC_T(out0, V) o;\n\
+                 #pragma unroll\n\
+                 for (int u = 0; u < V; ++u) {{ const int t = w * V + u; stO0(o.v, u, (CO0)({out})); }}\n\
+                 *(VEC_T(out0, V)*)(out0 + i0) = o;\n"
+            ))
+        },
+    );
+    module_multi(
+        &types,
+        &format!(
+            "{ROUNDING}extern \"C\" __global__ void k_warp({params}, i64 rows, i64 len) {{\n{warp}}}\n\
+             extern \"C\" __global__ void k_warp_vec({params}, i64 rows, i64 len) {{\n\
+               constexpr int V = {v};\n{warp_vec}}}\n",
+            v = fused_vector(p),
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2544,6 +2647,26 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 .with_column_sums(summed)
                 .unwrap();
             k.push((format!("fused_sums_{i}"), fused(&p)));
+        }
+        // Softmax prologues: f16 scores scaled, an f32 mask added (vectors of 4), and
+        // bf16 widened to f64 (a log-softmax).
+        let prologues = [
+            (
+                "v0 = in0: f16[2, 4, 64]; v1 = in1: f16[]; v2 = Mul(v0, v1): f16[2, 4, 64]; \
+                 v3 = Cast<to=f32>(v2): f32[2, 4, 64]; v4 = in2: f32[4, 64]; \
+                 v5 = Add(v3, v4): f32[2, 4, 64]",
+                5,
+                false,
+            ),
+            (
+                "v0 = in0: bf16[3, 40]; v1 = Cast<to=f64>(v0): f64[3, 40]",
+                1,
+                true,
+            ),
+        ];
+        for (i, (text, value, log)) in prologues.into_iter().enumerate() {
+            let op = FusedSoftmax::new(-1, log, fused_program(text, vec![value])).unwrap();
+            k.push((format!("fused_softmax_{i}"), fused_softmax(&op, 2)));
         }
         k
     }
