@@ -36,9 +36,8 @@ fn rewrite(g: &Graph, passes: &[&str]) -> Graph {
     out
 }
 
-/// Values agree within 1e-5 of the output's scale (non-finite values exactly): the
-/// passes other than fold-batchnorm compute the very same operations.
-fn check_close(want: &[Tensor], got: &[Tensor]) -> Result<(), TestCaseError> {
+/// Values agree within `tol` of the output's scale (non-finite values exactly).
+fn check_close(want: &[Tensor], got: &[Tensor], tol: f64) -> Result<(), TestCaseError> {
     for (w, o) in want.iter().zip(got) {
         prop_assert_eq!(w.ty(), o.ty());
         let (w, o) = (w.to_f64_vec(), o.to_f64_vec());
@@ -49,7 +48,7 @@ fn check_close(want: &[Tensor], got: &[Tensor]) -> Result<(), TestCaseError> {
         for (a, b) in w.iter().zip(&o) {
             if a.is_finite() {
                 prop_assert!(
-                    (a - b).abs() <= 1e-5 * scale,
+                    (a - b).abs() <= tol * scale,
                     "{} vs {} (scale {})",
                     a,
                     b,
@@ -79,7 +78,17 @@ fn check(original: &Graph, passes: &[&str], seed: u64) -> Result<(), TestCaseErr
         .run(original, &f, original.outputs())
         .unwrap();
     let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
-    check_close(&want, &got)?;
+    // The passes other than fold-batchnorm compute the very same operations: 1e-5.
+    // fold-batchnorm is exact in real arithmetic only: the training BatchNorm whose
+    // BiasAdd it removes normalises `x - mean(x)` where it normalised `(x + b) -
+    // mean(x + b)`, rounded at |x| + |b| and scaled by up to 1/sqrt(epsilon) (about 3
+    // for the generator's 0.1), and folded filters round in their own dtype.
+    let tol = if passes.contains(&"fold-batchnorm") {
+        1e-4
+    } else {
+        1e-5
+    };
+    check_close(&want, &got, tol)?;
     let again = rewrite(&g, passes);
     prop_assert_eq!(json(&g), json(&again), "passes {:?} not idempotent", passes);
     Ok(())
