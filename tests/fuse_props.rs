@@ -112,31 +112,42 @@ fn with_column_sums(mut g: Graph, seed: u64) -> Graph {
     g
 }
 
-/// `fuse` then `sum-into-elementwise`: valid, bitwise the same on the CPU, the same
-/// after JSON, and a second run of both changes nothing. Returns the sums folded.
-fn check_column_sums(unfused: &Graph, seed: u64) -> Result<usize, TestCaseError> {
-    let mut g = unfused.clone();
-    Fuse.rewrite(&mut g).unwrap();
-    let sums = |g: &Graph| {
-        g.node_ids()
-            .filter(|&id| g.node(id).op.is::<Reduce>())
-            .count()
-    };
-    let before = sums(&g);
-    SumIntoElementwise.run(&mut g).unwrap();
+/// `rewrite` applied to `original`: valid, bitwise the same on the CPU, the same after
+/// JSON, and a second application changes nothing. Returns the rewritten graph.
+fn check_rewrite(
+    original: &Graph,
+    seed: u64,
+    rewrite: impl Fn(&mut Graph),
+) -> Result<Graph, TestCaseError> {
+    let mut g = original.clone();
+    rewrite(&mut g);
     g.validate().unwrap();
-    let folded = before - sums(&g);
-    same_bits_on_the_cpu(unfused, &g, seed)?;
+    same_bits_on_the_cpu(original, &g, seed)?;
     let text = json(&g);
     prop_assert_eq!(
         &text,
         &json(&format::graph_from_bytes(text.as_bytes()).unwrap())
     );
     let mut again = g.clone();
-    Fuse.rewrite(&mut again).unwrap();
-    SumIntoElementwise.run(&mut again).unwrap();
+    rewrite(&mut again);
     prop_assert_eq!(text, json(&again));
-    Ok(folded)
+    Ok(g)
+}
+
+/// `fuse` then `sum-into-elementwise` pass [`check_rewrite`]. Returns the sums folded.
+fn check_column_sums(unfused: &Graph, seed: u64) -> Result<usize, TestCaseError> {
+    let sums = |g: &Graph| {
+        g.node_ids()
+            .filter(|&id| g.node(id).op.is::<Reduce>())
+            .count()
+    };
+    let mut fused = unfused.clone();
+    Fuse.rewrite(&mut fused).unwrap();
+    let g = check_rewrite(unfused, seed, |g| {
+        Fuse.rewrite(g).unwrap();
+        SumIntoElementwise.run(g).unwrap();
+    })?;
+    Ok(sums(&fused) - sums(&g))
 }
 
 proptest! {
@@ -194,23 +205,13 @@ fn with_softmaxes(mut g: Graph, seed: u64) -> Graph {
     g
 }
 
-/// `fuse` then `softmax-prologue`: valid, bitwise the same on the CPU, the same after
-/// JSON, idempotent. Returns the softmaxes that took a prologue.
+/// `fuse` then `softmax-prologue` pass [`check_rewrite`]. Returns the softmaxes that
+/// took a prologue.
 fn check_softmax_prologue(original: &Graph, seed: u64) -> Result<usize, TestCaseError> {
-    let mut g = original.clone();
-    Fuse.rewrite(&mut g).unwrap();
-    SoftmaxPrologue.run(&mut g).unwrap();
-    g.validate().unwrap();
-    same_bits_on_the_cpu(original, &g, seed)?;
-    let text = json(&g);
-    prop_assert_eq!(
-        &text,
-        &json(&format::graph_from_bytes(text.as_bytes()).unwrap())
-    );
-    let mut again = g.clone();
-    Fuse.rewrite(&mut again).unwrap();
-    SoftmaxPrologue.run(&mut again).unwrap();
-    prop_assert_eq!(text, json(&again));
+    let g = check_rewrite(original, seed, |g| {
+        Fuse.rewrite(g).unwrap();
+        SoftmaxPrologue.run(g).unwrap();
+    })?;
     Ok(g.node_ids()
         .filter(|&id| g.node(id).op.is::<FusedSoftmax>())
         .count())
@@ -310,19 +311,9 @@ proptest! {
     /// on the CPU, the same after JSON, idempotent.
     #[test]
     fn norm_grad_epilogue_is_exact_and_idempotent(seed in any::<u64>()) {
-        let original = residual_norm_grad(seed);
-        let mut g = original.clone();
-        norm_grad_epilogue(&mut g);
-        g.validate().unwrap();
-        same_bits_on_the_cpu(&original, &g, seed)?;
-        let text = json(&g);
-        prop_assert_eq!(
-            &text,
-            &json(&format::graph_from_bytes(text.as_bytes()).unwrap())
-        );
-        let mut again = g.clone();
-        prop_assert_eq!(norm_grad_epilogue(&mut again), 0);
-        prop_assert_eq!(text, json(&again));
+        check_rewrite(&residual_norm_grad(seed), seed, |g| {
+            norm_grad_epilogue(g);
+        })?;
     }
 }
 
