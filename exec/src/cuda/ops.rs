@@ -583,8 +583,9 @@ fn fused_softmax(c: &Ctx, f: &FusedSoftmax, inputs: &[DTensor], y: &DTensor) -> 
         return Ok(());
     }
     let v = src::fused_vector(p);
-    let streamed = inputs.iter().filter(|t| t.len() == n).chain([y]);
-    let (per, kernel) = if len % (32 * v) == 0 && streamed.into_iter().all(|t| t.ptr() % 16 == 0) {
+    let streamed = src::fused_streamed_inputs(p);
+    let aligned = (streamed.iter().map(|&k| &inputs[k]).chain([y])).all(|t| t.ptr() % 16 == 0);
+    let (per, kernel) = if len % (32 * v) == 0 && aligned {
         (len / 32, "k_warp_vec")
     } else {
         (src::warp_row_values(len), "k_warp")
@@ -793,8 +794,9 @@ pub fn eval(
             // Column sums of the domain's rows (its last axis).
             let len = out0.shape.last().copied().unwrap_or(1).max(1);
             let v = src::fused_vector(f);
+            let streamed = src::fused_streamed_inputs(f);
             let aligned =
-                (inputs.iter().filter(|t| t.len() == n).chain(stored)).all(|t| t.ptr() % 16 == 0);
+                (streamed.iter().map(|&k| &inputs[k]).chain(stored)).all(|t| t.ptr() % 16 == 0);
             let part = if len % v == 0 && aligned {
                 ("k_cols_part_vec", 32 * v)
             } else {

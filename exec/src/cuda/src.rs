@@ -331,6 +331,10 @@ enum At<'a> {
     /// At `i` where the runtime condition holds, else at the index expression (an
     /// operand whose broadcast mode is a kernel argument).
     OwnIf(&'a str, &'a str),
+    /// At an index expression of `i` (a broadcast read) that moves with `i` along
+    /// the last axis, whose length is a multiple of the vectors: the vector of `i0`
+    /// is `V` consecutive elements at the second expression (the first's at `i0`).
+    Rows(&'a str, &'a str),
 }
 
 /// An input of an elementwise kernel, bound as `ty name = loader(ptr, index)`.
@@ -379,11 +383,17 @@ fn streams(loads: &[Load], stores: &[Store]) -> Streams {
         match l.at {
             At::Own => streamed.push((l.ptr, l.bytes, None)),
             At::OwnIf(cond, _) => streamed.push((l.ptr, l.bytes, Some(cond))),
-            At::Gather(_) => {}
+            // Aligned with the rest, but its element size does not set the vectors'.
+            At::Gather(_) | At::Rows(..) => {}
         }
     }
     streamed.extend(stores.iter().map(|s| (s.ptr, s.bytes, None)));
     let v = vector_len(streamed.iter().map(|s| s.1).max().unwrap_or(1));
+    for l in loads {
+        if let At::Rows(..) = l.at {
+            streamed.push((l.ptr, l.bytes, None));
+        }
+    }
     let mut aligned: Vec<String> = streamed
         .iter()
         .map(|(p, _, cond)| match cond {
@@ -407,6 +417,13 @@ fn streams(loads: &[Load], stores: &[Store]) -> Streams {
             }
             At::Gather(index) => {
                 bind_vec.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+                bind_one.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+            }
+            At::Rows(index, at_i0) => {
+                fetch.push_str(&format!(
+                    "const VEC_T({p}, V) s_{p} = *(const VEC_T({p}, V)*)({p} + {at_i0});\n"
+                ));
+                bind_vec.push_str(&format!("{ty} {name} = {ld}(s_{p}.v, u); "));
                 bind_one.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
             }
             At::OwnIf(cond, index) => {
@@ -1981,9 +1998,9 @@ fn compute_type(d: DType) -> &'static str {
     }
 }
 
-/// Index into a `view`-shaped input of element `i` of the row-major shape `into`
-/// (NumPy broadcasting; shapes are the program's, baked in).
-fn broadcast_index(view: &[usize], into: &[usize]) -> String {
+/// Index into a `view`-shaped input of element `var` (`i`, say) of the row-major
+/// shape `into` (NumPy broadcasting; shapes are the program's, baked in).
+fn broadcast_index(view: &[usize], into: &[usize], var: &str) -> String {
     let rank = into.len();
     let offset = rank - view.len().min(rank);
     let view_strides = strides(view);
@@ -1991,7 +2008,11 @@ fn broadcast_index(view: &[usize], into: &[usize]) -> String {
         .filter(|&d| view[d - offset] != 1)
         .map(|d| {
             let inner: usize = into[d + 1..].iter().product();
-            format!("(i / {inner} % {}) * {}", into[d], view_strides[d - offset])
+            format!(
+                "({var} / {inner} % {}) * {}",
+                into[d],
+                view_strides[d - offset]
+            )
         })
         .collect();
     if terms.is_empty() {
@@ -2007,26 +2028,93 @@ fn broadcast_index(view: &[usize], into: &[usize]) -> String {
 /// may then load the next rows before storing this one), the body computing each
 /// value `vj` of element `i` (in its compute type, rounded to its dtype as the unfused
 /// op stored it; inputs with fewer elements read at their broadcast index), and the
-/// full-size inputs and the outputs, which the kernels stream.
+/// streamed inputs (full-size, and broadcast along the last axis: [`row_broadcast`])
+/// and the outputs.
 struct FusedParts {
     types: Vec<(String, DType)>,
     params: Vec<String>,
     body: String,
-    /// (compute type, value name, loader, pointer, stored bytes) of each full-size input.
-    full: Vec<(&'static str, String, String, String, usize)>,
+    streamed: Vec<StreamedInput>,
     /// (storer, pointer, value name, stored bytes) of each output.
     outputs: Vec<(String, String, String, usize)>,
+}
+
+/// An input a fused kernel streams: bound as `ty name = loader(ptr, ...)` at `i`
+/// itself (`rows: None`) or at its broadcast index along the last axis (`rows`: the
+/// index at `i` and at `i0`).
+struct StreamedInput {
+    ty: &'static str,
+    name: String,
+    loader: String,
+    ptr: String,
+    bytes: usize,
+    rows: Option<(String, String)>,
+}
+
+/// The broadcast index of input value `j` (of fewer elements than the domain) when
+/// every use reads it at the same index and that index moves with the element along
+/// the domain's last axis, whose length is a multiple of `v`: (at `i`, at `i0`). A
+/// vector of `v` elements at `i0` then reads `v` consecutive values of the input, at
+/// most 16 bytes (a 16-byte aligned tensor holds such vectors aligned).
+fn row_broadcast(p: &FusedElementwise, j: usize, v: usize) -> Option<(String, String)> {
+    if p.instrs()[j].ty.dtype.size_bytes() * v > 16 {
+        return None;
+    }
+    let mut uses = p
+        .instrs()
+        .iter()
+        .enumerate()
+        .flat_map(|(k, ins)| match &ins.expr {
+            Expr::Apply(_, args) => (0..args.len())
+                .filter(|&slot| args[slot] == j)
+                .map(|slot| p.operand(k, slot))
+                .collect(),
+            Expr::Input(_) => Vec::new(),
+        });
+    let first = uses.next()?;
+    if uses.any(|u| u != first) {
+        return None;
+    }
+    let Operand::Broadcast { view, into, .. } = first else {
+        return None;
+    };
+    let last = *into.last()?;
+    (view.last() == Some(&last) && last % v == 0).then(|| {
+        (
+            broadcast_index(&view, &into, "i"),
+            broadcast_index(&view, &into, "i0"),
+        )
+    })
+}
+
+/// The inputs (numbers `k` of `in<k>`) a fused program's vector loops load in
+/// vectors: those of the domain's size and those [`row_broadcast`] reads. A launch
+/// choosing a vector kernel checks their alignment.
+pub fn fused_streamed_inputs(p: &FusedElementwise) -> Vec<usize> {
+    let (n, v) = (p.domain_len(), fused_vector(p));
+    p.instrs()
+        .iter()
+        .enumerate()
+        .filter_map(|(j, ins)| match ins.expr {
+            Expr::Input(k)
+                if ins.ty.checked_len() == Some(n) || row_broadcast(p, j, v).is_some() =>
+            {
+                Some(k)
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 impl FusedParts {
     fn new(p: &FusedElementwise) -> FusedParts {
         let instrs = p.instrs();
-        let n = p.domain_len();
+        let (n, v) = (p.domain_len(), fused_vector(p));
         let mut parts = FusedParts {
             types: Vec::new(),
             params: Vec::new(),
             body: String::new(),
-            full: Vec::new(),
+            streamed: Vec::new(),
             outputs: Vec::new(),
         };
         for ins in instrs {
@@ -2048,29 +2136,36 @@ impl FusedParts {
                 dtype.size_bytes(),
             ));
         }
+        let mut bound = vec![false; instrs.len()];
         for (j, ins) in instrs.iter().enumerate() {
             let ty = compute_type(ins.ty.dtype);
             let (op, args) = match &ins.expr {
-                Expr::Input(k) if ins.ty.checked_len() == Some(n) => {
-                    let bytes = ins.ty.dtype.size_bytes();
-                    parts.full.push((
-                        ty,
-                        format!("v{j}"),
-                        format!("ldI{k}"),
-                        format!("in{k}"),
-                        bytes,
-                    ));
+                Expr::Input(k) => {
+                    let rows = row_broadcast(p, j, v);
+                    // Other broadcast inputs are read where used.
+                    if ins.ty.checked_len() == Some(n) || rows.is_some() {
+                        bound[j] = true;
+                        parts.streamed.push(StreamedInput {
+                            ty,
+                            name: format!("v{j}"),
+                            loader: format!("ldI{k}"),
+                            ptr: format!("in{k}"),
+                            bytes: ins.ty.dtype.size_bytes(),
+                            rows,
+                        });
+                    }
                     continue;
                 }
-                // Broadcast: read where used.
-                Expr::Input(_) => continue,
                 Expr::Apply(op, args) => (*op, args),
             };
             let operand = |slot: usize| match p.operand(j, slot) {
-                Operand::Value(v) => format!("v{v}"),
-                Operand::Broadcast { input, view, into } => {
-                    format!("ldI{input}(in{input}, {})", broadcast_index(&view, &into))
+                Operand::Broadcast { input, view, into } if !bound[args[slot]] => {
+                    format!(
+                        "ldI{input}(in{input}, {})",
+                        broadcast_index(&view, &into, "i")
+                    )
                 }
+                _ => format!("v{}", args[slot]),
             };
             let names = ["a", "b", "c"];
             let mut block = format!("typedef {} C;", compute_type(instrs[args[0]].ty.dtype));
@@ -2099,15 +2194,18 @@ impl FusedParts {
     }
 
     fn loads(&self) -> Vec<Load<'_>> {
-        self.full
+        self.streamed
             .iter()
-            .map(|(ty, name, loader, ptr, bytes)| Load {
-                ty,
-                name,
-                loader,
-                ptr,
-                bytes: *bytes,
-                at: At::Own,
+            .map(|s| Load {
+                ty: s.ty,
+                name: &s.name,
+                loader: &s.loader,
+                ptr: &s.ptr,
+                bytes: s.bytes,
+                at: match &s.rows {
+                    None => At::Own,
+                    Some((at_i, at_i0)) => At::Rows(at_i, at_i0),
+                },
             })
             .collect()
     }
@@ -2325,14 +2423,14 @@ mod tests {
 
     #[test]
     fn broadcast_index_follows_numpy_rules() {
-        assert_eq!(broadcast_index(&[6], &[4, 6]), "(i / 1 % 6) * 1");
-        assert_eq!(broadcast_index(&[4, 1], &[4, 6]), "(i / 6 % 4) * 1");
+        assert_eq!(broadcast_index(&[6], &[4, 6], "i"), "(i / 1 % 6) * 1");
+        assert_eq!(broadcast_index(&[4, 1], &[4, 6], "i"), "(i / 6 % 4) * 1");
         assert_eq!(
-            broadcast_index(&[3, 1, 1], &[2, 3, 4, 5]),
+            broadcast_index(&[3, 1, 1], &[2, 3, 4, 5], "i"),
             "(i / 20 % 3) * 1"
         );
-        assert_eq!(broadcast_index(&[], &[4, 6]), "0");
-        assert_eq!(broadcast_index(&[1, 1], &[4, 6]), "0");
+        assert_eq!(broadcast_index(&[], &[4, 6], "i"), "0");
+        assert_eq!(broadcast_index(&[1, 1], &[4, 6], "i"), "0");
     }
 
     /// The launch's vector width is the one the column-sum kernel was generated with:
@@ -2360,6 +2458,47 @@ mod tests {
                 fused(&p).contains(&format!("constexpr int V = {want};")),
                 "{text}"
             );
+        }
+    }
+
+    /// Broadcast inputs move in vectors where every use reads them along the last
+    /// axis in whole vectors of at most 16 bytes; the launch checks those inputs'
+    /// alignment with the full-size ones'.
+    #[test]
+    fn row_broadcasts_are_streamed_in_vectors() {
+        for (text, want) in [
+            // f16 vectors of 8: a [16] row bias streams, a [8, 1] column does not.
+            (
+                "v0 = in0: f16[8, 16]; v1 = in1: f16[16]; v2 = Add(v0, v1): f16[8, 16]; \
+                 v3 = in2: f16[8, 1]; v4 = Mul(v2, v3): f16[8, 16]",
+                vec![0, 1],
+            ),
+            // An f32 row under f16 vectors of 8 would be 32 bytes a vector.
+            (
+                "v0 = in0: f16[8, 16]; v1 = in1: f32[16]; v2 = Cast<to=f32>(v0): f32[8, 16]; \
+                 v3 = Add(v2, v1): f32[8, 16]; v4 = Cast<to=f16>(v3): f16[8, 16]",
+                vec![0],
+            ),
+            // Rows of 12 are not whole vectors of 8.
+            (
+                "v0 = in0: f16[8, 12]; v1 = in1: f16[12]; v2 = Add(v0, v1): f16[8, 12]",
+                vec![0],
+            ),
+            // Read at two different indices: along the rows and along the channels.
+            (
+                "v0 = in0: f32[2, 4, 4]; v1 = in1: f32[4]; v2 = Add(v0, v1): f32[2, 4, 4]; \
+                 v3 = BiasAdd<data_format=NCHW>(v2, v1): f32[2, 4, 4]",
+                vec![0],
+            ),
+        ] {
+            // The last value is the output.
+            let last = text.matches("; ").count() as i64;
+            let p = program(text, vec![last]);
+            assert_eq!(fused_streamed_inputs(&p), want, "{text}");
+            let source = fused(&p);
+            for k in &want[1..] {
+                assert!(source.contains(&format!("s_in{k}.v")), "{text}");
+            }
         }
     }
 
@@ -2628,7 +2767,8 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
         for (i, (text, outputs)) in programs.into_iter().enumerate() {
             k.push((format!("fused_{i}"), fused(&fused_program(text, outputs))));
         }
-        // Column sums: an f16 GELU gradient summed in f32 (with a summed input), and f64.
+        // Column sums: an f16 GELU gradient summed in f32 (with a summed input), f64, and
+        // a row bias.
         let sums = [
             (
                 "v0 = in0: f16[8, 16]; v1 = in1: f16[8, 16]; \
@@ -2640,6 +2780,12 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
                 "v0 = in0: f64[2, 3, 4]; v1 = Exp(v0): f64[2, 3, 4]",
                 vec![1],
                 vec![1],
+            ),
+            // A bias along the rows, loaded in vectors.
+            (
+                "v0 = in0: f16[8, 16]; v1 = in1: f16[16]; v2 = Add(v0, v1): f16[8, 16]",
+                vec![2],
+                vec![2],
             ),
         ];
         for (i, (text, outputs, summed)) in sums.into_iter().enumerate() {
