@@ -544,6 +544,12 @@ fn warp_row_form(
     }
 }
 
+/// The kernel-cache key of a fused program's module: the program text and its column
+/// sums hold every dtype and shape the source bakes in.
+fn fused_key(f: &FusedElementwise) -> String {
+    format!("fused/{f}/{:?}", f.column_sums())
+}
+
 /// `y = softmax(x)` (or log-softmax) along `axis`.
 fn softmax_into(c: &Ctx, x: &DTensor, y: &DTensor, axis: i64, log: bool) -> Result<(), String> {
     float_only(x.dtype)?;
@@ -574,9 +580,8 @@ fn fused_softmax(c: &Ctx, f: &FusedSoftmax, inputs: &[DTensor], y: &DTensor) -> 
     if inner != 1 || len > src::WARP_ROW_MAX {
         let x = c.temp(y.dtype, n)?.reshaped(y.shape.clone());
         args.extend([x.arg(), Arg::I64(n as i64)]);
-        // The key of the program's own kernel (a FusedElementwise without sums).
-        let key = format!("fused/{p}/[]");
-        c.dev.launch_elementwise(&key, || src::fused(p), n, &args)?;
+        c.dev
+            .launch_elementwise(&fused_key(p), || src::fused(p), n, &args)?;
         return softmax_into(c, &x, y, f.axis, f.log);
     }
     if rows == 0 {
@@ -784,9 +789,7 @@ pub fn eval(
         let (stored, sums) = outputs.split_at(f.outputs().len());
         let mut args: Vec<Arg> = inputs.iter().map(DTensor::arg).collect();
         args.extend(stored.iter().map(DTensor::arg));
-        // The program text and its column sums hold every dtype and shape the source
-        // bakes in.
-        let key = format!("fused/{f}/{:?}", f.column_sums());
+        let key = fused_key(f);
         if sums.is_empty() {
             args.push(Arg::I64(n as i64));
             dev.launch_elementwise(&key, || src::fused(f), n, &args)?;

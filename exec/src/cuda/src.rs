@@ -383,7 +383,8 @@ fn streams(loads: &[Load], stores: &[Store]) -> Streams {
         match l.at {
             At::Own => streamed.push((l.ptr, l.bytes, None)),
             At::OwnIf(cond, _) => streamed.push((l.ptr, l.bytes, Some(cond))),
-            // Aligned with the rest, but its element size does not set the vectors'.
+            // Gathers load an element at a time; rows are checked for alignment below
+            // but do not set the vectors' length.
             At::Gather(_) | At::Rows(..) => {}
         }
     }

@@ -210,9 +210,9 @@ softmax_op!(LogSoftmax, true);
 
 /// Softmax (`log: false`) or LogSoftmax (`log: true`) along `axis` of the value an
 /// elementwise program computes (the `softmax-prologue` pass builds it from a Softmax
-/// and the fused program or lone elementwise node that alone reads into it: a mask
-/// added, a scale, a cast): the inputs are the program's, the output the softmax of
-/// its one output. A kernel computes the program's value as it loads the row, so the
+/// and the fused program or lone elementwise node computing its operand for it alone:
+/// a mask added, a scale, a cast): the inputs are the program's, the output the
+/// softmax of its one output. A kernel computes the program's value as it loads the row, so the
 /// value is never stored and read back. The CPU kernel runs the program (rounding its
 /// value to its dtype, as the node it replaces stored it) and then the softmax's own
 /// kernel: bit-exact against the ops it replaces.
