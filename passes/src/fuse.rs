@@ -216,6 +216,24 @@ pub(crate) fn program(
     })
 }
 
+/// Records on `node` the names of the nodes it now stands for, in the
+/// `_fused_members` annotation: those `absorbed` stood for (its own annotation, or its
+/// name), then the names of `added`.
+pub(crate) fn record_members(g: &mut Graph, node: NodeId, absorbed: NodeId, added: &[NodeId]) {
+    let absorbed = g.node(absorbed);
+    let mut members = match absorbed.annotations.get(MEMBERS_ANNOTATION) {
+        Some(AttrValue::Str(s)) => s.clone(),
+        _ => absorbed.name.clone(),
+    };
+    for &a in added {
+        members.push(',');
+        members.push_str(&g.node(a).name);
+    }
+    g.node_mut(node)
+        .annotations
+        .insert(MEMBERS_ANNOTATION.into(), AttrValue::Str(members));
+}
+
 /// Nodes that launch work: not sources, and not the views executors run as aliases.
 fn kernels(g: &Graph) -> usize {
     g.node_ids()

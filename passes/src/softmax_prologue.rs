@@ -11,11 +11,10 @@
 //! The fused op runs the program and then the softmax's own kernel on the CPU, so the
 //! result is bit-exact.
 
-use ampgraph_graph::attrs::AttrValue;
-use ampgraph_graph::ops::fused::MEMBERS_ANNOTATION;
 use ampgraph_graph::ops::{FusedSoftmax, LogSoftmax, Softmax};
 use ampgraph_graph::{Graph, NodeId};
 
+use crate::fuse::record_members;
 use crate::simplify::{output_nodes, remove_unread, summary};
 use crate::sum_into_elementwise::producer_program;
 use crate::{format_bytes, Pass, PassError, PassSummary};
@@ -61,18 +60,9 @@ impl Pass for SoftmaxPrologue {
             let Ok(op) = FusedSoftmax::new(axis, log, program) else {
                 continue;
             };
-            let producer = g.node(x.node);
-            let mut members = match producer.annotations.get(MEMBERS_ANNOTATION) {
-                Some(AttrValue::Str(s)) => s.clone(),
-                _ => producer.name.clone(),
-            };
-            members.push(',');
-            members.push_str(&g.node(id).name);
             bytes += 2 * g.ty(x).size_bytes() as u64;
             g.set_node(id, Box::new(op), &inputs)?;
-            g.node_mut(id)
-                .annotations
-                .insert(MEMBERS_ANNOTATION.into(), AttrValue::Str(members));
+            record_members(g, id, x.node, &[id]);
             stale.push(x.node);
             fused += 1;
         }
@@ -96,6 +86,7 @@ mod tests {
     use crate::fuse::Fuse;
     use crate::testing::{assert_same_bits, run as run_cpu};
     use ampgraph_graph::format::to_text;
+    use ampgraph_graph::ops::fused::MEMBERS_ANNOTATION;
     use ampgraph_graph::ops::{BatchMatMul, Binary, BinaryKind, Cast, Unary, UnaryKind};
     use ampgraph_graph::{DType, Port, Tensor};
     use std::collections::HashMap;

@@ -13,13 +13,12 @@
 //! f32 output; f64 for f64) fold, so the result is the Sum's. A Sum that is a graph
 //! output stays.
 
-use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::graph::Adjacency;
-use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, MAX_COLUMN_SUMS, MEMBERS_ANNOTATION};
+use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, MAX_COLUMN_SUMS};
 use ampgraph_graph::ops::{FusedElementwise, Reduce, ReduceKind};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
-use crate::fuse::{fusible, program};
+use crate::fuse::{fusible, program, record_members};
 use crate::simplify::{output_nodes, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -206,13 +205,7 @@ impl Pass for SumIntoElementwise {
             let op = op
                 .with_column_sums(all)
                 .map_err(|e| PassError::Rewrite(format!("'{}': {e}", g.node(producer).name)))?;
-            let mut members = match g.node(producer).annotations.get(MEMBERS_ANNOTATION) {
-                Some(AttrValue::Str(s)) => s.clone(),
-                _ => g.node(producer).name.clone(),
-            };
             for (k, &(sum, x)) in sums.iter().enumerate() {
-                members.push(',');
-                members.push_str(&g.node(sum).name);
                 bytes += g.ty(x).size_bytes() as u64;
                 for (reader, slot, _) in g.consumers(sum) {
                     rewired.push((reader, slot, Port::new(producer, first_sum + k)));
@@ -220,9 +213,8 @@ impl Pass for SumIntoElementwise {
                 removed.push(sum);
             }
             g.set_node(producer, Box::new(op), &inputs)?;
-            g.node_mut(producer)
-                .annotations
-                .insert(MEMBERS_ANNOTATION.into(), AttrValue::Str(members));
+            let summed: Vec<NodeId> = sums.iter().map(|&(sum, _)| sum).collect();
+            record_members(g, producer, producer, &summed);
             folded += sums.len();
         }
         g.rewire(rewired)?;
