@@ -584,9 +584,6 @@ fn fused_softmax(c: &Ctx, f: &FusedSoftmax, inputs: &[DTensor], y: &DTensor) -> 
             .launch_elementwise(&fused_key(p), || src::fused(p), n, &args)?;
         return softmax_into(c, &x, y, f.axis, f.log);
     }
-    if rows == 0 {
-        return Ok(());
-    }
     let v = src::fused_vector(p);
     let streamed = src::fused_streamed_inputs(p);
     let aligned = (streamed.iter().map(|&k| &inputs[k]).chain([y])).all(|t| t.ptr() % 16 == 0);
@@ -595,16 +592,16 @@ fn fused_softmax(c: &Ctx, f: &FusedSoftmax, inputs: &[DTensor], y: &DTensor) -> 
     } else {
         (src::warp_row_values(len), "k_warp")
     };
-    args.extend([y.arg(), Arg::I64(rows as i64), Arg::I64(len as i64)]);
+    args.push(y.arg());
     let key = format!("fused_softmax/{p}/{}/{per}", f.log);
-    let grid = rows.div_ceil(8).min(1 << 20) as u32;
-    c.dev.launch(
+    // Rows a warp holds: `row_kernel` launches the warp kernel.
+    row_kernel(
+        c,
         &key,
         || src::fused_softmax(f, per),
-        kernel,
-        grid,
-        256,
+        (kernel, kernel),
         &args,
+        (rows, len, None),
     )
 }
 

@@ -878,6 +878,28 @@ fn in_row(code: &str) -> String {
     format!("int j = lane + 32 * t; if (j < len) {{ {code} }}")
 }
 
+/// [`softmax_warp`] over rows of at most `32 * per` values, lane value `t` at column
+/// `j = lane + 32 t` (-inf past the row's end): `load` is code setting `v[t]` from
+/// column `j` (at `base + j`), `store(value)` code storing `value` there.
+fn softmax_warp_lanes(log: bool, per: usize, load: &str, store: &dyn Fn(&str) -> String) -> String {
+    softmax_warp(
+        log,
+        per,
+        &format!(
+            "#pragma unroll\n\
+             for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{ {load} }} else v[t] = (A)(-F_INF); }}\n"
+        ),
+        true,
+        &|value| {
+            format!(
+                "#pragma unroll\n\
+                 for (int t = 0; t < {per}; ++t) {{ {} }}",
+                in_row(&store(value))
+            )
+        },
+    )
+}
+
 /// Softmax or LogSoftmax along a contiguous axis. `k` gives each row a block and reads
 /// it three times; `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives
 /// each row a warp that reads it once into registers; `k_warp_vec` does so for rows of
@@ -888,22 +910,9 @@ pub fn softmax(d: DType, log: bool, per: usize) -> String {
     } else {
         "st(py, at, (C)(m_exp((A)ld(px, at) - shift) / sum));"
     };
-    let warp = softmax_warp(
-        log,
-        per,
-        &format!(
-            "#pragma unroll\n\
-             for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ld(px, base + j) : (A)(-F_INF); }}\n"
-        ),
-        true,
-        &|value| {
-            format!(
-                "#pragma unroll\n\
-                 for (int t = 0; t < {per}; ++t) {{ {} }}",
-                in_row(&format!("st(py, base + j, (C)({value}));"))
-            )
-        },
-    );
+    let warp = softmax_warp_lanes(log, per, "v[t] = (A)ld(px, base + j);", &|value| {
+        format!("st(py, base + j, (C)({value}));")
+    });
     // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`): no masks.
     let v = column_vector(d);
     let warp_vec = softmax_warp(
@@ -2052,12 +2061,12 @@ struct StreamedInput {
     rows: Option<(String, String)>,
 }
 
-/// The broadcast index of input value `j` (of fewer elements than the domain) when
-/// every use reads it at the same index and that index moves with the element along
-/// the domain's last axis, whose length is a multiple of `v`: (at `i`, at `i0`). A
-/// vector of `v` elements at `i0` then reads `v` consecutive values of the input, at
-/// most 16 bytes (a 16-byte aligned tensor holds such vectors aligned).
-fn row_broadcast(p: &FusedElementwise, j: usize, v: usize) -> Option<(String, String)> {
+/// How input value `j` (of fewer elements than the domain) is broadcast, `(view,
+/// into)`, when every use reads it at the same index and that index moves with the
+/// element along the domain's last axis, whose length is a multiple of `v`. A vector
+/// of `v` elements at `i0` then reads `v` consecutive values of the input, at most 16
+/// bytes (a 16-byte aligned tensor holds such vectors aligned).
+fn row_broadcast(p: &FusedElementwise, j: usize, v: usize) -> Option<(Vec<usize>, Vec<usize>)> {
     if p.instrs()[j].ty.dtype.size_bytes() * v > 16 {
         return None;
     }
@@ -2080,12 +2089,7 @@ fn row_broadcast(p: &FusedElementwise, j: usize, v: usize) -> Option<(String, St
         return None;
     };
     let last = *into.last()?;
-    (view.last() == Some(&last) && last % v == 0).then(|| {
-        (
-            broadcast_index(&view, &into, "i"),
-            broadcast_index(&view, &into, "i0"),
-        )
-    })
+    (view.last() == Some(&last) && last % v == 0).then_some((view, into))
 }
 
 /// The inputs (numbers `k` of `in<k>`) a fused program's vector loops load in
@@ -2142,7 +2146,12 @@ impl FusedParts {
             let ty = compute_type(ins.ty.dtype);
             let (op, args) = match &ins.expr {
                 Expr::Input(k) => {
-                    let rows = row_broadcast(p, j, v);
+                    let rows = row_broadcast(p, j, v).map(|(view, into)| {
+                        (
+                            broadcast_index(&view, &into, "i"),
+                            broadcast_index(&view, &into, "i0"),
+                        )
+                    });
                     // Other broadcast inputs are read where used.
                     if ins.ty.checked_len() == Some(n) || rows.is_some() {
                         bound[j] = true;
@@ -2353,24 +2362,11 @@ pub fn fused_softmax(op: &FusedSoftmax, per: usize) -> String {
     let mut types: Vec<(&str, DType)> = parts.types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
     types.push(("", p.instrs()[p.outputs()[0]].ty.dtype));
     let params = parts.params.join(", ");
-    let warp = softmax_warp(
+    let warp = softmax_warp_lanes(
         op.log,
         per,
-        &format!(
-            "#pragma unroll\n\
-             for (int t = 0; t < {per}; ++t) {{\n\
-               int j = lane + 32 * t;\n\
-               if (j < len) {{ const i64 i = base + j; {bind_one}\n{body}\n v[t] = (A){value}; }} else v[t] = (A)(-F_INF);\n\
-             }}\n"
-        ),
-        true,
-        &|out| {
-            format!(
-                "#pragma unroll\n\
-                 for (int t = 0; t < {per}; ++t) {{ {} }}",
-                in_row(&format!("stO0(out0, base + j, (CO0)({out}));"))
-            )
-        },
+        &format!("const i64 i = base + j; {bind_one}\n{body}\n v[t] = (A){value};"),
+        &|out| format!("stO0(out0, base + j, (CO0)({out}));"),
     );
     let words = |code: &str| {
         format!(
