@@ -550,6 +550,17 @@ fn fused_key(f: &FusedElementwise) -> String {
     format!("fused/{f}/{:?}", f.column_sums())
 }
 
+/// Whether the tensors a fused program's vector kernels move in 16-byte words are
+/// aligned to them: its streamed inputs (`src::fused_streamed_inputs`) and `outputs`.
+fn streams_aligned<'a>(
+    p: &FusedElementwise,
+    inputs: &'a [DTensor],
+    outputs: impl IntoIterator<Item = &'a DTensor>,
+) -> bool {
+    let streamed = src::fused_streamed_inputs(p);
+    (streamed.iter().map(|&k| &inputs[k]).chain(outputs)).all(|t| t.ptr() % 16 == 0)
+}
+
 /// `y = softmax(x)` (or log-softmax) along `axis`.
 fn softmax_into(c: &Ctx, x: &DTensor, y: &DTensor, axis: i64, log: bool) -> Result<(), String> {
     float_only(x.dtype)?;
@@ -585,9 +596,7 @@ fn fused_softmax(c: &Ctx, f: &FusedSoftmax, inputs: &[DTensor], y: &DTensor) -> 
         return softmax_into(c, &x, y, f.axis, f.log);
     }
     let v = src::fused_vector(p);
-    let streamed = src::fused_streamed_inputs(p);
-    let aligned = (streamed.iter().map(|&k| &inputs[k]).chain([y])).all(|t| t.ptr() % 16 == 0);
-    let (per, kernel) = if len % (32 * v) == 0 && aligned {
+    let (per, kernel) = if len % (32 * v) == 0 && streams_aligned(p, inputs, [y]) {
         (len / 32, "k_warp_vec")
     } else {
         (src::warp_row_values(len), "k_warp")
@@ -794,10 +803,7 @@ pub fn eval(
             // Column sums of the domain's rows (its last axis).
             let len = out0.shape.last().copied().unwrap_or(1).max(1);
             let v = src::fused_vector(f);
-            let streamed = src::fused_streamed_inputs(f);
-            let aligned =
-                (streamed.iter().map(|&k| &inputs[k]).chain(stored)).all(|t| t.ptr() % 16 == 0);
-            let part = if len % v == 0 && aligned {
+            let part = if len % v == 0 && streams_aligned(f, inputs, stored) {
                 ("k_cols_part_vec", 32 * v)
             } else {
                 ("k_cols_part", 32)
