@@ -1,5 +1,6 @@
 //! The fuse-attention pass on random explicit attentions (the bench transformer's
-//! form: heads split by transposes, `softmax(q k^T * scale) v`, heads merged), with
+//! form: heads split by transposes, `softmax(q k^T * scale) v`, heads merged; causal
+//! ones with a `-inf` mask above the diagonal added to the scores), with
 //! and without their autodiff gradients, in f16 and bf16: the pass fuses exactly one
 //! attention (and its gradient), leaves a valid graph that survives JSON, changes
 //! nothing on a second run, and the CPU computes the outputs and gradients within
@@ -11,7 +12,7 @@ use std::collections::HashMap;
 
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::autodiff::gradients;
-use ampgraph::graph::ops::{BatchMatMul, FusedAttention, FusedAttentionGrad, Softmax};
+use ampgraph::graph::ops::{BatchMatMul, Const, FusedAttention, FusedAttentionGrad, Softmax};
 use ampgraph::graph::Op;
 use ampgraph::passes::attention::FuseAttention;
 use ampgraph::passes::simplify::{Dce, ScaleIntoMatmul};
@@ -29,6 +30,21 @@ struct Case {
     head_dim: usize,
     scale: f64,
     train: bool,
+    causal: bool,
+}
+
+/// The causal mask of `case` in `dtype`, `[Sq, Sk]`: `-inf` where key `j > i`.
+fn causal_mask(case: Case, dtype: DType) -> Tensor {
+    let values: Vec<f64> = (0..case.q_len * case.k_len)
+        .map(|n| {
+            if n % case.k_len > n / case.k_len {
+                f64::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_f64(dtype, vec![case.q_len, case.k_len], &values).unwrap()
 }
 
 /// The explicit attention of `case` in `dtype` (its scale a power of two, which
@@ -51,7 +67,11 @@ fn explicit(case: Case, dtype: DType) -> Graph {
     let (qt, kt, vt) = (split(&mut g, q), split(&mut g, k), split(&mut g, v));
     let s = g.batch_matmul_adj(qt, kt, false, true).unwrap();
     let scale = g.scalar(dtype, case.scale).unwrap();
-    let s = g.mul(s, scale).unwrap();
+    let mut s = g.mul(s, scale).unwrap();
+    if case.causal {
+        let mask = g.constant(causal_mask(case, dtype)).unwrap();
+        s = g.plus(s, mask).unwrap();
+    }
     let p = g.softmax(s, -1).unwrap();
     let y = g.batch_matmul(p, vt).unwrap();
     let y = g.transpose(y, [0, 2, 1, 3]).unwrap();
@@ -120,11 +140,20 @@ fn check(case: Case, dtype: DType, seed: u64) -> Result<(), TestCaseError> {
     g.validate().unwrap();
     prop_assert_eq!(count(&summary, 0), 1, "{}", summary);
     prop_assert_eq!(count(&summary, 1), usize::from(case.train), "{}", summary);
-    prop_assert!(has::<FusedAttention>(&g));
-    prop_assert_eq!(has::<FusedAttentionGrad>(&g), case.train);
+    let causal = |id| {
+        let op = &g.node(id).op;
+        op.downcast_ref::<FusedAttention>()
+            .map(|a| a.causal)
+            .or(op.downcast_ref::<FusedAttentionGrad>().map(|a| a.causal))
+    };
+    let flags: Vec<bool> = g.node_ids().filter_map(causal).collect();
+    prop_assert_eq!(flags, vec![case.causal; 1 + usize::from(case.train)]);
+    let mask_left = g
+        .node_ids()
+        .any(|id| g.node(id).op.is::<Const>() && g.ty(Port::new(id, 0)).rank() == 2);
     prop_assert!(
-        !has::<Softmax>(&g) && !has::<BatchMatMul>(&g),
-        "the explicit form is gone"
+        !has::<Softmax>(&g) && !has::<BatchMatMul>(&g) && !mask_left,
+        "the explicit form (and any mask) is gone"
     );
     // JSON round trip and idempotence.
     let text = json(&g);
@@ -168,9 +197,10 @@ fn case() -> impl Strategy<Value = Case> {
         prop::sample::select(vec![16usize, 32, 64]),
         1i32..=4,
         any::<bool>(),
+        any::<bool>(),
     )
         .prop_map(
-            |((batch, heads, q_len, k_len), head_dim, halvings, train)| Case {
+            |((batch, heads, q_len, k_len), head_dim, halvings, train, causal)| Case {
                 batch,
                 heads,
                 q_len,
@@ -178,6 +208,7 @@ fn case() -> impl Strategy<Value = Case> {
                 head_dim,
                 scale: 2f64.powi(-halvings),
                 train,
+                causal,
             },
         )
 }
@@ -207,6 +238,7 @@ fn unsupported_attentions_stay_explicit() {
         head_dim: 16,
         scale: 0.25,
         train: true,
+        causal: false,
     };
     let wide = Case {
         head_dim: 80,
@@ -236,4 +268,38 @@ fn unsupported_attentions_stay_explicit() {
     outputs.push(p.into());
     g.set_outputs(outputs).unwrap();
     assert_eq!(count(&fuse(&mut g), 0), 0);
+}
+
+/// Only the causal mask makes a causal attention: a mask that differs from it in one
+/// entry, or masks with a finite value, keeps the explicit form (and its Add).
+#[test]
+fn other_masks_stay_explicit() {
+    let case = Case {
+        batch: 1,
+        heads: 2,
+        q_len: 8,
+        k_len: 12,
+        head_dim: 16,
+        scale: 0.25,
+        train: true,
+        causal: true,
+    };
+    let mut g = explicit(case, DType::F16);
+    assert_eq!(count(&fuse(&mut g), 0), 1, "the causal mask fuses");
+    let causal = causal_mask(case, DType::F16).to_f64_vec();
+    let mut one_off = causal.clone();
+    one_off[3] = 0.0; // query 0 sees key 3
+    let finite: Vec<f64> = causal.iter().map(|&v| v.max(-1e4)).collect();
+    for (what, values) in [("one entry off", one_off), ("finite", finite)] {
+        let mut g = explicit(case, DType::F16);
+        let mask = g
+            .node_ids()
+            .find(|&id| g.node(id).op.is::<Const>() && g.ty(Port::new(id, 0)).rank() == 2)
+            .unwrap();
+        let t = Tensor::from_f64(DType::F16, vec![case.q_len, case.k_len], &values).unwrap();
+        g.set_op(mask, Box::new(Const::new(t)));
+        let summary = fuse(&mut g);
+        assert_eq!(count(&summary, 0), 0, "{what}: {summary}");
+        assert!(has::<Softmax>(&g), "{what}");
+    }
 }

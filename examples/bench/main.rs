@@ -144,8 +144,9 @@ struct Args {
     #[arg(long)]
     dmodel: Option<usize>,
     /// transformer: causal attention, a mask added to the scores before the softmax
-    /// (torch_anchor.py's attention has none). `fuse-attention` does not take a mask:
-    /// the softmax stays a node, and `softmax-prologue` gives it the masked scores.
+    /// (torch_anchor.py's attention has none). `fuse-attention` makes the fused
+    /// attention causal; without that pass, `softmax-prologue` gives the softmax the
+    /// masked scores.
     #[arg(long)]
     causal: bool,
     /// Output classes (1000).

@@ -1149,30 +1149,41 @@ fn fused_attention_and_its_gradient() {
     let mut r = Rng(13);
     // (batch, heads, q_len, k_len, head_dim, scale): whole and partial 64-row tiles,
     // cross attention, every head width the kernels take, and large scores (scale 2)
-    // that move the running maximum between tiles.
+    // that move the running maximum between tiles; each plain and causal. The last
+    // two walk several blocks each way, causal ones where a block's queries see
+    // none of the keys past the diagonal (q300 k130) and where keys lie past every
+    // query (q70 k300: dk and dv zero there).
     let cases = [
         (2, 3, 80, 100, 64, 0.125),
         (1, 2, 128, 64, 32, 1.0 / 32f64.sqrt()),
         (3, 1, 17, 130, 16, 0.25),
         (1, 2, 64, 192, 48, 2.0),
+        (1, 2, 300, 130, 64, 0.125),
+        (2, 1, 70, 300, 32, 0.25),
     ];
+    let causal_cases = cases.iter().flat_map(|&c| [(c, false), (c, true)]);
     for d in [DType::F16, DType::BF16] {
-        for (b, h, sq, sk, hd, scale) in cases {
-            let what = format!("{d} b{b} h{h} q{sq} k{sk} d{hd} scale {scale}");
+        for ((b, h, sq, sk, hd, scale), causal) in causal_cases.clone() {
+            let what = format!("{d} b{b} h{h} q{sq} k{sk} d{hd} scale {scale} causal {causal}");
             let q = rand(&mut r, d, &[b, sq, h, hd], -2.0, 2.0);
             let k = rand(&mut r, d, &[b, sk, h, hd], -2.0, 2.0);
             let v = rand(&mut r, d, &[b, sk, h, hd], -1.0, 1.0);
             let (dev, cpu) = run_both(
                 &mut gpu,
                 &what,
-                FusedAttention { scale },
+                FusedAttention { scale, causal },
                 &[q.clone(), k.clone(), v.clone()],
             );
             assert_close(&format!("FusedAttention o {what}"), &dev[0], &cpu[0], 1.0);
             assert_close(&format!("FusedAttention lse {what}"), &dev[1], &cpu[1], 1.0);
             let d_o = rand(&mut r, d, &[b, sq, h, hd], -1.0, 1.0);
             let inputs = [q, k, v, cpu[0].clone(), cpu[1].clone(), d_o];
-            let (dev, cpu) = run_both(&mut gpu, &what, FusedAttentionGrad { scale }, &inputs);
+            let (dev, cpu) = run_both(
+                &mut gpu,
+                &what,
+                FusedAttentionGrad { scale, causal },
+                &inputs,
+            );
             for (name, a, c) in [
                 ("dq", &dev[0], &cpu[0]),
                 ("dk", &dev[1], &cpu[1]),

@@ -11,6 +11,12 @@
 //! transpose is added. Run `scale-into-matmul` first: the scale must be the first
 //! product's `alpha`.
 //!
+//! A causal mask added to the scaled scores (`BatchMatMul -> Add(mask) -> Softmax`,
+//! the mask a constant `[Sq, Sk]`, leading 1s allowed, of `-inf` above the diagonal
+//! and 0 elsewhere, through Casts) makes the fused ops causal: the kernels then skip
+//! the masked tiles. Other masks keep the explicit form (`softmax-prologue` still
+//! fuses their Add into the softmax).
+//!
 //! Only 16-bit attention with a head width of at most 64 (a multiple of 16) and a
 //! positive scale fuses: what the CUDA kernels (Tensor Core `mma`) compute (they take
 //! each row's maximum of the unscaled scores). The match is exact: a
@@ -19,8 +25,10 @@
 use std::collections::HashSet;
 
 use ampgraph_graph::ops::attention::tensor_core_head_dim;
-use ampgraph_graph::ops::Transpose;
-use ampgraph_graph::ops::{BatchMatMul, FusedAttention, FusedAttentionGrad, Softmax, SoftmaxGrad};
+use ampgraph_graph::ops::{
+    BatchMatMul, Binary, BinaryKind, Cast, Const, FusedAttention, FusedAttentionGrad, Softmax,
+    SoftmaxGrad, Transpose,
+};
 use ampgraph_graph::shape::normalize_axis;
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
@@ -35,6 +43,8 @@ const HEADS_SWAP: [usize; 4] = [0, 2, 1, 3];
 /// One explicit attention and, in a training graph, its gradient nodes.
 struct Core {
     scores: NodeId,
+    /// The causal mask's Add and the nodes that make the mask.
+    masking: Vec<NodeId>,
     softmax: NodeId,
     product: NodeId,
     /// The operands, heads first `[B, H, S, D]`.
@@ -42,6 +52,7 @@ struct Core {
     k: Port,
     v: Port,
     scale: f64,
+    causal: bool,
     backward: Option<Backward>,
 }
 
@@ -81,10 +92,67 @@ fn is_heads_swap(g: &Graph, id: NodeId) -> bool {
         .is_some_and(|t| t.perm == HEADS_SWAP)
 }
 
+/// Whether `port` is a constant of `[Sq, Sk]` (leading 1s allowed) values, `-inf`
+/// above the diagonal and 0 elsewhere, made by a Const and Casts (which keep both
+/// values); with those nodes.
+fn causal_mask(g: &Graph, mut port: Port, (sq, sk): (usize, usize)) -> Option<Vec<NodeId>> {
+    let mut nodes = vec![port.node];
+    while g.node(port.node).op.is::<Cast>() {
+        port = g.inputs(port.node)[0];
+        nodes.push(port.node);
+    }
+    let values = g
+        .node(port.node)
+        .op
+        .downcast_ref::<Const>()?
+        .values
+        .as_ref()?;
+    let shape = &g.ty(port).shape;
+    let leading_ones = shape.len() >= 2 && shape[..shape.len() - 2].iter().all(|&n| n == 1);
+    if !leading_ones || shape[shape.len() - 2..] != [sq, sk] {
+        return None;
+    }
+    let masked = |i: usize, j: usize| if j > i { f64::NEG_INFINITY } else { 0.0 };
+    let values = values.to_f64();
+    let exact = (0..sq).all(|i| (0..sk).all(|j| values[i * sk + j] == masked(i, j)));
+    exact.then_some(nodes)
+}
+
+/// The scores a softmax reads, `s`, split into the product and, where `s` is that
+/// product plus a causal mask (nothing else reading the product), the Add and the
+/// mask's nodes.
+fn unmask(g: &Graph, s: Port) -> Option<(Port, Vec<NodeId>)> {
+    let is_add = g
+        .node(s.node)
+        .op
+        .downcast_ref::<Binary>()
+        .is_some_and(|b| b.kind == BinaryKind::Add);
+    if !is_add {
+        return Some((s, Vec::new()));
+    }
+    let ty = g.ty(s);
+    let [a, b] = g.inputs(s.node)[..] else {
+        return None;
+    };
+    [(a, b), (b, a)].into_iter().find_map(|(product, mask)| {
+        let (sq, sk) = (*ty.shape.get(2)?, *ty.shape.get(3)?);
+        if g.ty(product) != ty || readers(g, product)?.len() != 1 {
+            return None;
+        }
+        let mut masking = causal_mask(g, mask, (sq, sk))?;
+        masking.push(s.node);
+        Some((product, masking))
+    })
+}
+
 /// The explicit attention whose softmax is `softmax`, when it is one the kernels take.
 fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     let sm = g.node(softmax).op.downcast_ref::<Softmax>()?;
-    let s = g.inputs(softmax)[0];
+    let input = g.inputs(softmax)[0];
+    if readers(g, input)? != [(softmax, 0)] {
+        return None;
+    }
+    let (s, masking) = unmask(g, input)?;
     let [q, k] = g.inputs(s.node)[..] else {
         return None;
     };
@@ -101,7 +169,6 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
         || !shapes_fit
         || !matches!(qt.dtype, DType::F16 | DType::BF16)
         || !tensor_core_head_dim(qt.shape[3])
-        || readers(g, s)? != [(softmax, 0)]
     {
         return None;
     }
@@ -136,6 +203,8 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     };
     Some(Core {
         scores: s.node,
+        causal: !masking.is_empty(),
+        masking,
         softmax,
         product,
         q,
@@ -279,13 +348,14 @@ fn swaps(g: &Graph, ports: &[Port]) -> Vec<NodeId> {
 /// Rewrites one core; returns the nodes that may have become unread.
 fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, PassError> {
     let mut stale = vec![c.scores, c.softmax, c.product];
+    stale.extend(&c.masking);
     stale.extend(swaps(g, &[c.q, c.k, c.v]));
     let q = heads_last(g, c.q, tally)?;
     let k = heads_last(g, c.k, tally)?;
     let v = heads_last(g, c.v, tally)?;
     let name = g.fresh_name(format!("{}/FusedAttention", g.node(c.product).name));
-    let scale = c.scale;
-    let att = g.add_node(name, Box::new(FusedAttention { scale }), &[q, k, v])?;
+    let (scale, causal) = (c.scale, c.causal);
+    let att = g.add_node(name, Box::new(FusedAttention { scale, causal }), &[q, k, v])?;
     let (o, lse) = (Port::new(att, 0), Port::new(att, 1));
     stale.extend(replace_heads_first(g, Port::new(c.product, 0), o, tally)?);
     tally.forward += 1;
@@ -302,7 +372,7 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
     ));
     let grad = g.add_node(
         name,
-        Box::new(FusedAttentionGrad { scale }),
+        Box::new(FusedAttentionGrad { scale, causal }),
         &[q, k, v, o, lse, d_o],
     )?;
     for (i, node) in [b.d_q, b.d_k, b.d_v].into_iter().enumerate() {

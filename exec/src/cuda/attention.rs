@@ -11,9 +11,12 @@
 //! softmax) and saves each row's log-sum-exp; the gradient recomputes the
 //! probabilities from it, `dk`/`dv` in one kernel per key tile and `dq` in another
 //! per query tile (which first writes `delta = rowsum(do * o)` for the former), so no
-//! atomics are needed.
+//! atomics are needed. A causal attention walks only the tiles at or below the
+//! diagonal, masks the scores above it in the tiles that cross it, and a warp skips
+//! a tile whose scores it masks whole (its contribution would be exactly zero).
 
 use ampgraph_graph::ops::attention::{tensor_core_head_dim, AttentionDims};
+use ampgraph_graph::ops::{FusedAttention, FusedAttentionGrad};
 use ampgraph_graph::{DType, TensorType};
 
 use super::device::{Arg, DTensor};
@@ -225,8 +228,13 @@ __device__ __forceinline__ void stage_a(unsigned (*xa)[4], unsigned (*ya)[4], Bu
   __syncthreads();
 }
 
+// The keys a causal walk over the block's queries needs (all of them otherwise).
+__device__ __forceinline__ int keys_needed(int causal, int Sk, int first) { return causal ? min(Sk, first + ROWS) : Sk; }
+// One past the last key query `r` sees.
+__device__ __forceinline__ int key_limit(int causal, int Sk, int r) { return causal ? min(Sk, r + 1) : Sk; }
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const T* k, const T* v, T* o, float* lse,
-                                                               int H, int Sq, int Sk, double scale) {
+                                                               int H, int Sq, int Sk, int causal, double scale) {
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H);
@@ -248,10 +256,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
   zero<HD / 8>(acc);
   // Running maximum (log2 units) and sum of rows g and g + 8; the sums are this lane's part.
   float m0 = -F_INF, m1 = -F_INF, l0 = 0.f, l1 = 0.f;
-  for (int k0 = 0, it = 0; k0 < Sk; k0 += TILE, it++) {
+  const int r = p.first + 16 * p.w + p.g, lim0 = key_limit(causal, Sk, r), lim1 = key_limit(causal, Sk, r + 8);
+  const int kend = keys_needed(causal, Sk, p.first);
+  for (int k0 = 0, it = 0; k0 < kend; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
     const T* vs = ks + TILE * LDS;
-    next_tile(it, k0, Sk, start);
+    next_tile(it, k0, kend, start);
+    if (causal && k0 > r - p.g + 15) {  // the warp's rows see none of the tile's keys
+      __syncthreads();
+      continue;
+    }
     float s[TILE / 8][4];
     zero<TILE / 8>(s);
     mma_a_mt(s, qa, ks, p.lane);
@@ -260,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        bool in = k0 + 8 * j + 2 * p.t + (e & 1) < Sk;
+        bool in = k0 + 8 * j + 2 * p.t + (e & 1) < (e < 2 ? lim0 : lim1);
         s[j][e] = in ? s[j][e] : -F_INF;
         if (e < 2) mx0 = fmaxf(mx0, s[j][e]); else mx1 = fmaxf(mx1, s[j][e]);
       }
@@ -281,7 +295,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
     __syncthreads();
   }
   l0 = quad_sum(l0); l1 = quad_sum(l1);
-  const int r = p.first + 16 * p.w + p.g;
   store_rows(p.at(o, Sq, H), acc, 1.f / l0, 1.f / l1, stride, Sq, r, p.t);
   if (p.t == 0) {
     float* l = lse + p.stat(Sq, H);
@@ -294,7 +307,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
 // multiprocessor: 128 registers (167 unbounded, one block), 156 -> 117 us on the
 // transformer's [16, 512, 12, 64] f16 heads (H100).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, const T* k, const T* v, const T* o,
-    const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, double scale) {
+    const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, int causal, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H);
   const int stride = H * HD;
@@ -322,10 +335,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
   }
   float acc[HD / 8][4];
   zero<HD / 8>(acc);
-  for (int k0 = 0, it = 0; k0 < Sk; k0 += TILE, it++) {
+  const int r = p.first + 16 * p.w + p.g, lim0 = key_limit(causal, Sk, r), lim1 = key_limit(causal, Sk, r + 8);
+  const int kend = keys_needed(causal, Sk, p.first);
+  for (int k0 = 0, it = 0; k0 < kend; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
     const T* vs = ks + TILE * LDS;
-    next_tile(it, k0, Sk, start);
+    next_tile(it, k0, kend, start);
+    if (causal && k0 > r - p.g + 15) {  // the warp's rows see none of the tile's keys
+      __syncthreads();
+      continue;
+    }
     float s[TILE / 8][4], dp[TILE / 8][4];
     zero<TILE / 8>(s);
     zero<TILE / 8>(dp);
@@ -335,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        bool in = k0 + 8 * j + 2 * p.t + (e & 1) < Sk;
+        bool in = k0 + 8 * j + 2 * p.t + (e & 1) < (e < 2 ? lim0 : lim1);
         // fmaf by hand: modules compile with --fmad=false (elementwise kernels match the
         // CPU bit for bit); as a multiply and a subtract, k_dkv's took 231 registers
         // and 212 us, against 212 and 139 us with fmaf (the shapes above).
@@ -345,12 +364,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     mma_s_m(acc, s, ks, p.lane);
     __syncthreads();
   }
-  store_rows(p.at(dq, Sq, H), acc, (float)scale, (float)scale, stride, Sq, p.first + 16 * p.w + p.g, p.t);
+  store_rows(p.at(dq, Sq, H), acc, (float)scale, (float)scale, stride, Sq, r, p.t);
 }
 
 // dk and dv for ROWS keys, walking every query tile.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
-    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, double scale) {
+    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, int causal, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
   const Place p(Sk, H);
@@ -368,13 +387,23 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     load_stat(stats[buf][0], lb, Sq, r0, TILE);
     load_stat(stats[buf][1], deltab, Sq, r0, TILE);
   };
-  start(0, 0);
-  commit();
-  for (int q0 = 0, it = 0; q0 < Sq; q0 += TILE, it++) {
+  // A causal walk starts at the tile of the block's first key: earlier queries see
+  // none of its keys.
+  const int r = p.first + 16 * p.w + p.g, qbegin = causal ? p.first / TILE * TILE : 0;
+  const int qmin0 = causal ? r : 0, qmin1 = causal ? r + 8 : 0;
+  if (qbegin < Sq) {
+    start(0, qbegin);
+    commit();
+  }
+  for (int q0 = qbegin, it = 0; q0 < Sq; q0 += TILE, it++) {
     const T* qs = sm[it & 1];
     const T* ds = qs + TILE * LDS;
     const float *ls = stats[it & 1][0], *dl = stats[it & 1][1];
     next_tile(it, q0, Sq, start);
+    if (causal && q0 + TILE <= r - p.g) {  // the tile's queries see none of the warp's keys
+      __syncthreads();
+      continue;
+    }
     // Transposed tiles: rows are this warp's keys, columns the tile's queries.
     float s[TILE / 8][4], dp[TILE / 8][4];
     zero<TILE / 8>(s);
@@ -386,7 +415,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         int col = 8 * j + 2 * p.t + (e & 1);
-        float pr = q0 + col < Sq ? exp2f(fmaf(s[j][e], sl2, -ls[col] * LOG2E)) : 0.f;
+        bool in = q0 + col < Sq && q0 + col >= (e < 2 ? qmin0 : qmin1);
+        float pr = in ? exp2f(fmaf(s[j][e], sl2, -ls[col] * LOG2E)) : 0.f;
         s[j][e] = pr;
         dp[j][e] = pr * (dp[j][e] - dl[col]);
       }
@@ -394,7 +424,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     mma_s_m(dka, dp, qs, p.lane);
     __syncthreads();
   }
-  const int r = p.first + 16 * p.w + p.g;
   store_rows(p.at(dk, Sk, H), dka, (float)scale, (float)scale, stride, Sk, r, p.t);
   store_rows(p.at(dv, Sk, H), dva, 1.f, 1.f, stride, Sk, r, p.t);
 }
@@ -457,6 +486,13 @@ fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDi
     Ok(dims)
 }
 
+/// The scale and the causal flag, which every kernel takes.
+#[derive(Clone, Copy)]
+struct Rule {
+    scale: f64,
+    causal: bool,
+}
+
 fn launch(
     c: &Ctx,
     (kernel, shape): (&'static str, Shape),
@@ -464,7 +500,7 @@ fn launch(
     rows: usize,
     dtype: DType,
     tensors: &[&DTensor],
-    scale: f64,
+    rule: Rule,
 ) -> Result<(), String> {
     let blocks = dims.batch * dims.heads * rows.div_ceil(shape.rows());
     if blocks == 0 {
@@ -477,7 +513,8 @@ fn launch(
         Arg::I32(int(dims.heads)?),
         Arg::I32(int(dims.q_len)?),
         Arg::I32(int(dims.k_len)?),
-        Arg::F64(scale),
+        Arg::I32(rule.causal.into()),
+        Arg::F64(rule.scale),
     ]);
     let d = dims.head_dim;
     c.dev.launch(
@@ -493,7 +530,7 @@ fn launch(
 /// `o, lse = FusedAttention(q, k, v)`.
 pub fn forward(
     c: &Ctx,
-    scale: f64,
+    op: &FusedAttention,
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
@@ -505,7 +542,11 @@ pub fn forward(
     };
     let o = c.alloc(o_ty)?;
     let lse = c.alloc(lse_ty)?;
-    let dims = checked_dims(c, scale, &[q, k, v, &o, &lse])?;
+    let dims = checked_dims(c, op.scale, &[q, k, v, &o, &lse])?;
+    let rule = Rule {
+        scale: op.scale,
+        causal: op.causal,
+    };
     launch(
         c,
         ("k_fwd", WIDE),
@@ -513,7 +554,7 @@ pub fn forward(
         dims.q_len,
         q.dtype,
         &[q, k, v, &o, &lse],
-        scale,
+        rule,
     )?;
     Ok(vec![o, lse])
 }
@@ -521,7 +562,7 @@ pub fn forward(
 /// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do)`.
 pub fn backward(
     c: &Ctx,
-    scale: f64,
+    op: &FusedAttentionGrad,
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
@@ -532,7 +573,11 @@ pub fn backward(
         return Err("FusedAttentionGrad has three outputs".into());
     };
     let (dq, dk, dv) = (c.alloc(dq_ty)?, c.alloc(dk_ty)?, c.alloc(dv_ty)?);
-    let dims = checked_dims(c, scale, &[q, k, v, o, lse, d_o, &dq, &dk, &dv])?;
+    let dims = checked_dims(c, op.scale, &[q, k, v, o, lse, d_o, &dq, &dk, &dv])?;
+    let rule = Rule {
+        scale: op.scale,
+        causal: op.causal,
+    };
     let delta = c.temp(DType::F32, lse.len())?;
     let d = q.dtype;
     launch(
@@ -542,7 +587,7 @@ pub fn backward(
         dims.q_len,
         d,
         &[q, k, v, o, lse, d_o, &dq, &delta],
-        scale,
+        rule,
     )?;
     launch(
         c,
@@ -551,7 +596,7 @@ pub fn backward(
         dims.k_len,
         d,
         &[q, k, v, lse, &delta, d_o, &dk, &dv],
-        scale,
+        rule,
     )?;
     Ok(vec![dq, dk, dv])
 }

@@ -1093,10 +1093,10 @@ pub fn eval(
         return Ok(vec![dx]);
     }
     if let Some(a) = op.downcast_ref::<FusedAttention>() {
-        return attention::forward(c, a.scale, inputs, outs);
+        return attention::forward(c, a, inputs, outs);
     }
     if let Some(a) = op.downcast_ref::<FusedAttentionGrad>() {
-        return attention::backward(c, a.scale, inputs, outs);
+        return attention::backward(c, a, inputs, outs);
     }
     if let Some(ln) = op.downcast_ref::<LayerNorm>() {
         let (x, g, b) = (input(0)?, input(1)?, input(2)?);

@@ -1,7 +1,9 @@
 //! Fused scaled dot-product attention: `softmax(scale * Q K^T) V` per batch and head
 //! as one op, and its gradient as another, so that the scores `[batch, heads, q, k]`
 //! never exist as tensors (FlashAttention's idea; the `fuse-attention` pass builds
-//! them from the explicit BatchMatMul-Softmax-BatchMatMul form).
+//! them from the explicit BatchMatMul-Softmax-BatchMatMul form). A causal attention
+//! masks the scores of keys after the query (key `j > i` for query `i`, counted from
+//! the start of both sequences, as an additive `-inf` mask above the diagonal does).
 //!
 //! Layout: `q [B, Sq, H, D]`, `k` and `v [B, Sk, H, D]`, `o [B, Sq, H, D]`: heads after
 //! the sequence, as the projections produce them, so no transposes split or merge the
@@ -25,6 +27,7 @@ pub(crate) const OPS: &[OpEntry] = &[
         parse: |_, a| {
             Ok(Box::new(FusedAttention {
                 scale: a.float_or("scale", 1.0)?,
+                causal: a.bool_or("causal", false)?,
             }))
         },
     },
@@ -33,6 +36,7 @@ pub(crate) const OPS: &[OpEntry] = &[
         parse: |_, a| {
             Ok(Box::new(FusedAttentionGrad {
                 scale: a.float_or("scale", 1.0)?,
+                causal: a.bool_or("causal", false)?,
             }))
         },
     },
@@ -42,6 +46,8 @@ pub(crate) const OPS: &[OpEntry] = &[
 #[derive(Clone, Debug, PartialEq)]
 pub struct FusedAttention {
     pub scale: f64,
+    /// Query `i` attends to keys `0..=i` only.
+    pub causal: bool,
 }
 
 /// The gradients `dq, dk, dv` of [`FusedAttention`] from its inputs, its outputs
@@ -49,6 +55,7 @@ pub struct FusedAttention {
 #[derive(Clone, Debug, PartialEq)]
 pub struct FusedAttentionGrad {
     pub scale: f64,
+    pub causal: bool,
 }
 
 /// The head widths the fused CUDA kernels take: multiples of the Tensor Core step
@@ -124,19 +131,34 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).map(|(&x, &y)| x * y).sum()
 }
 
-/// The scaled scores of query row `qi` of (`b`, `h`) against every key, into `s`.
+/// The attrs both ops write: `causal` only where set, so files from before it read
+/// the same.
+fn attention_attrs(scale: f64, causal: bool) -> Vec<(&'static str, AttrValue)> {
+    let mut attrs = vec![("scale", scale.into())];
+    if causal {
+        attrs.push(("causal", true.into()));
+    }
+    attrs
+}
+
+/// The scaled scores of query row `qi` of (`b`, `h`) against every key, into `s`;
+/// `-inf` for the keys a causal attention masks.
 fn scores<T: Real>(
     dims: &AttentionDims,
     (q, k): (&[T], &[T]),
     (b, h, qi): (usize, usize, usize),
-    scale: T,
+    (scale, causal): (T, bool),
     s: &mut [T],
 ) {
     let d = dims.head_dim;
     let qr = dims.row(dims.q_len, b, qi, h);
     for (j, sj) in s.iter_mut().enumerate() {
         let kr = dims.row(dims.k_len, b, j, h);
-        *sj = scale * dot(&q[qr..qr + d], &k[kr..kr + d]);
+        *sj = if causal && j > qi {
+            T::neg_infinity()
+        } else {
+            scale * dot(&q[qr..qr + d], &k[kr..kr + d])
+        };
     }
 }
 
@@ -148,7 +170,7 @@ impl Op for FusedAttention {
         Arity::Exactly(3)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("scale", self.scale.into())]
+        attention_attrs(self.scale, self.causal)
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [q, k, v] = fixed(inputs)?;
@@ -165,8 +187,8 @@ impl Op for FusedAttention {
         let [q, k, v] = fixed(inputs)?;
         let dims = AttentionDims::of(&q.ty(), &k.ty(), &v.ty())?;
         match q.dtype() {
-            DType::F64 => attention::<f64>(self.scale, &dims, q, k, v),
-            _ => attention::<f32>(self.scale, &dims, q, k, v),
+            DType::F64 => attention::<f64>(self, &dims, q, k, v),
+            _ => attention::<f32>(self, &dims, q, k, v),
         }
     }
     fn gradient(
@@ -180,7 +202,10 @@ impl Op for FusedAttention {
             return Ok(vec![None; inputs.len()]);
         };
         let [q, k, v] = fixed(inputs).map_err(GraphError::Format)?;
-        let op = FusedAttentionGrad { scale: self.scale };
+        let op = FusedAttentionGrad {
+            scale: self.scale,
+            causal: self.causal,
+        };
         let id = b.add_node(Box::new(op), &[*q, *k, *v, *o, *lse, d_o])?;
         Ok((0..3).map(|i| Some(Port::new(id, i))).collect())
     }
@@ -189,7 +214,7 @@ impl Op for FusedAttention {
 /// The reference forward: per row, the scores, their maximum-shifted exponentials,
 /// the weighted sum of values and the log-sum-exp.
 fn attention<T: Real>(
-    scale: f64,
+    op: &FusedAttention,
     dims: &AttentionDims,
     q: &Tensor,
     k: &Tensor,
@@ -200,10 +225,11 @@ fn attention<T: Real>(
     let mut o = vec![T::zero(); qs.len()];
     let mut lse = Vec::with_capacity(dims.batch * dims.heads * dims.q_len);
     let mut s = vec![T::zero(); dims.k_len];
+    let rule = (T::lit(op.scale), op.causal);
     for b in 0..dims.batch {
         for h in 0..dims.heads {
             for qi in 0..dims.q_len {
-                scores(dims, (&qs, &ks), (b, h, qi), T::lit(scale), &mut s);
+                scores(dims, (&qs, &ks), (b, h, qi), rule, &mut s);
                 let max = s.iter().copied().fold(T::neg_infinity(), T::max);
                 let shift = if max.is_finite() { max } else { T::zero() };
                 s.iter_mut().for_each(|x| *x = (*x - shift).exp());
@@ -235,7 +261,7 @@ impl Op for FusedAttentionGrad {
         Arity::Exactly(6)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("scale", self.scale.into())]
+        attention_attrs(self.scale, self.causal)
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         grad_dims(inputs)?;
@@ -252,8 +278,8 @@ impl Op for FusedAttentionGrad {
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         let dims = grad_dims(&types.iter().collect::<Vec<_>>())?;
         match inputs[0].dtype() {
-            DType::F64 => attention_grad::<f64>(self.scale, &dims, inputs),
-            _ => attention_grad::<f32>(self.scale, &dims, inputs),
+            DType::F64 => attention_grad::<f64>(self, &dims, inputs),
+            _ => attention_grad::<f32>(self, &dims, inputs),
         }
     }
 }
@@ -279,7 +305,7 @@ fn grad_dims(inputs: &[&TensorType]) -> OpResult<AttentionDims> {
 /// the saved log-sum-exp, `dp = do v^T`, `ds = p (dp - rowsum(do * o))`, then
 /// `dq = scale ds k`, `dk = scale ds^T q`, `dv = p^T do`.
 fn attention_grad<T: Real>(
-    scale: f64,
+    op: &FusedAttentionGrad,
     dims: &AttentionDims,
     inputs: &[&Tensor],
 ) -> OpResult<Vec<Tensor>> {
@@ -291,11 +317,11 @@ fn attention_grad<T: Real>(
     let mut dk = vec![T::zero(); ks.len()];
     let mut dv = vec![T::zero(); vs.len()];
     let (mut p, mut ds) = (vec![T::zero(); dims.k_len], vec![T::zero(); dims.k_len]);
-    let scale = T::lit(scale);
+    let scale = T::lit(op.scale);
     for b in 0..dims.batch {
         for h in 0..dims.heads {
             for qi in 0..dims.q_len {
-                scores(dims, (&qs, &ks), (b, h, qi), scale, &mut p);
+                scores(dims, (&qs, &ks), (b, h, qi), (scale, op.causal), &mut p);
                 let row_lse = lses[(b * dims.heads + h) * dims.q_len + qi];
                 p.iter_mut().for_each(|x| *x = (*x - row_lse).exp());
                 let qr = dims.row(dims.q_len, b, qi, h);
