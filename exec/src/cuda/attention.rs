@@ -178,15 +178,27 @@ template <int N> __device__ __forceinline__ void zero(float (*a)[4]) {
 #pragma unroll
   for (int i = 0; i < N; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
 }
-// The block's (batch, head) and first row, and the lane's place.
+// The block's (batch, head) and first row, and the lane's place. Blocks take the
+// (batch, head)s slowest; in a causal attention the row tiles go slowest instead,
+// those with the most work first (`late_heavy`: the later rows, as queries), so
+// the short blocks fill the last wave.
 struct Place {
   int lane, w, g, t, first;
   i64 b, h;
-  __device__ Place(int len, int H) {
+  __device__ Place(int len, int H, int causal, bool late_heavy) {
     lane = threadIdx.x & 31; w = threadIdx.x >> 5; g = lane >> 2; t = lane & 3;
     const int tiles = (len + ROWS - 1) / ROWS;
-    const i64 bh = blockIdx.x / tiles;
-    first = (blockIdx.x % tiles) * ROWS;
+    i64 bh;
+    int tile;
+    if (causal) {
+      const int heads = gridDim.x / tiles, slow = blockIdx.x / heads;
+      bh = blockIdx.x % heads;
+      tile = late_heavy ? tiles - 1 - slow : slow;
+    } else {
+      bh = blockIdx.x / tiles;
+      tile = blockIdx.x % tiles;
+    }
+    first = tile * ROWS;
     b = bh / H; h = bh % H;
   }
   // Row 0 of this (batch, head) in a [B, len, H, HD] tensor.
@@ -237,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
                                                                int H, int Sq, int Sk, int causal, double scale) {
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
   __align__(16) __shared__ Buffer sm[2];
-  const Place p(Sq, H);
+  const Place p(Sq, H, causal, true);
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H);
   const float sl2 = (float)scale * LOG2E;
@@ -309,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, const T* k, const T* v, const T* o,
     const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, int causal, double scale) {
   __align__(16) __shared__ Buffer sm[2];
-  const Place p(Sq, H);
+  const Place p(Sq, H, causal, true);
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H), *ob = p.at(o, Sq, H), *db = p.at(d_o, Sq, H);
   const float sl2 = (float)scale * LOG2E;
@@ -372,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, int causal, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
-  const Place p(Sk, H);
+  const Place p(Sk, H, causal, false);
   const int stride = H * HD;
   const T *qb = p.at(q, Sq, H), *db = p.at(d_o, Sq, H);
   const float *lb = lse + p.stat(Sq, H), *deltab = delta + p.stat(Sq, H);
