@@ -12,7 +12,9 @@ use std::collections::HashMap;
 
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::autodiff::gradients;
-use ampgraph::graph::ops::{BatchMatMul, Const, FusedAttention, FusedAttentionGrad, Softmax};
+use ampgraph::graph::ops::{
+    BatchMatMul, Binary, BinaryGrad, BinaryKind, Const, FusedAttention, FusedAttentionGrad, Softmax,
+};
 use ampgraph::graph::Op;
 use ampgraph::passes::attention::FuseAttention;
 use ampgraph::passes::simplify::{Dce, ScaleIntoMatmul};
@@ -47,9 +49,10 @@ fn causal_mask(case: Case, dtype: DType) -> Tensor {
     Tensor::from_f64(dtype, vec![case.q_len, case.k_len], &values).unwrap()
 }
 
-/// The explicit attention of `case` in `dtype` (its scale a power of two, which
-/// `scale-into-matmul` folds into a 16-bit product); outputs y (and dq, dk, dv when
-/// training, of the loss sum(y * w)).
+/// The explicit attention of `case` in `dtype` (a power-of-two scale, which
+/// `scale-into-matmul` folds into a 16-bit product, or 1/sqrt(head_dim), which stays
+/// a Mul for 32 and 48); outputs y (and dq, dk, dv when training, of the loss
+/// sum(y * w)).
 fn explicit(case: Case, dtype: DType) -> Graph {
     let Case {
         batch: b,
@@ -194,8 +197,9 @@ fn check(case: Case, dtype: DType, seed: u64) -> Result<(), TestCaseError> {
 fn case() -> impl Strategy<Value = Case> {
     (
         (1usize..=2, 1usize..=3, 1usize..=70, 1usize..=70),
-        prop::sample::select(vec![16usize, 32, 64]),
-        1i32..=4,
+        prop::sample::select(vec![16usize, 32, 48, 64]),
+        // 0: 1/sqrt(head_dim), as attention scales.
+        0i32..=4,
         any::<bool>(),
         any::<bool>(),
     )
@@ -206,7 +210,10 @@ fn case() -> impl Strategy<Value = Case> {
                 q_len,
                 k_len,
                 head_dim,
-                scale: 2f64.powi(-halvings),
+                scale: match halvings {
+                    0 => 1.0 / (head_dim as f64).sqrt(),
+                    h => 2f64.powi(-h),
+                },
                 train,
                 causal,
             },
@@ -301,5 +308,55 @@ fn other_masks_stay_explicit() {
         let summary = fuse(&mut g);
         assert_eq!(count(&summary, 0), 0, "{what}: {summary}");
         assert!(has::<Softmax>(&g), "{what}");
+    }
+}
+
+/// 1/sqrt(32) and 1/sqrt(48) are no powers of two: `scale-into-matmul` leaves their
+/// 16-bit Mul (and its gradient's), and the fused ops take the scale from it.
+#[test]
+fn scales_left_as_a_mul_fuse() {
+    for (head_dim, causal) in [(32, false), (48, true)] {
+        let case = Case {
+            batch: 2,
+            heads: 3,
+            q_len: 40,
+            k_len: 40,
+            head_dim,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            train: true,
+            causal,
+        };
+        let mut g = explicit(case, DType::F16);
+        Dce.run(&mut g).unwrap();
+        ScaleIntoMatmul.run(&mut g).unwrap();
+        // Muls (and Mul gradients) of the scores [B, H, Sq, Sk].
+        let scores = [case.batch, case.heads, case.q_len, case.k_len];
+        let muls = |g: &Graph| {
+            g.node_ids()
+                .filter(|&id| {
+                    let op = &g.node(id).op;
+                    let mul = op.downcast_ref::<Binary>().map(|b| b.kind) == Some(BinaryKind::Mul)
+                        || op.downcast_ref::<BinaryGrad>().map(|b| b.kind) == Some(BinaryKind::Mul);
+                    mul && g.ty(Port::new(id, 0)).shape == scores
+                })
+                .count()
+        };
+        assert_eq!(muls(&g), 2, "the scale and its gradient stay Muls");
+        check(case, DType::F16, 7).unwrap();
+        let fused = {
+            let mut g = g.clone();
+            FuseAttention.run(&mut g).unwrap();
+            g
+        };
+        let scale = fused
+            .node_ids()
+            .find_map(|id| fused.node(id).op.downcast_ref::<FusedAttention>())
+            .unwrap()
+            .scale;
+        let want = Tensor::from_f64(DType::F16, vec![], &[case.scale])
+            .unwrap()
+            .to_f64_vec()[0];
+        assert_eq!(scale, want, "the 16-bit scale the Mul multiplied by");
+        assert_eq!(muls(&fused), 0, "the scale's Mul and its gradient are gone");
     }
 }

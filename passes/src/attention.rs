@@ -8,8 +8,10 @@
 //! The fused ops take the heads after the sequence (`[B, S, H, D]`, the projections'
 //! layout): where an operand is the usual `Transpose(perm=[0,2,1,3])` of such a
 //! tensor, the fused op reads that tensor and the transpose goes away; elsewhere a
-//! transpose is added. Run `scale-into-matmul` first: the scale must be the first
-//! product's `alpha`.
+//! transpose is added. The scale is the first product's `alpha` (where
+//! `scale-into-matmul` folded it) times a scalar constant that multiplies the
+//! product, if any: the fused op computes the scores in f32, so a 16-bit scale that
+//! is no power of two (1/sqrt(32)) fuses too, its gradient's Mul with it.
 //!
 //! A causal mask added to the scaled scores (`BatchMatMul -> Add(mask) -> Softmax`,
 //! the mask a constant `[Sq, Sk]`, leading 1s allowed, of `-inf` above the diagonal
@@ -24,10 +26,11 @@
 
 use std::collections::HashSet;
 
+use crate::simplify::scale_into_matmul::scalar;
 use ampgraph_graph::ops::attention::tensor_core_head_dim;
 use ampgraph_graph::ops::{
-    BatchMatMul, Binary, BinaryKind, Cast, Const, FusedAttention, FusedAttentionGrad, Softmax,
-    SoftmaxGrad, Transpose,
+    BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, Const, FusedAttention, FusedAttentionGrad,
+    Softmax, SoftmaxGrad, Transpose,
 };
 use ampgraph_graph::shape::normalize_axis;
 use ampgraph_graph::{DType, Graph, NodeId, Port};
@@ -43,8 +46,10 @@ const HEADS_SWAP: [usize; 4] = [0, 2, 1, 3];
 /// One explicit attention and, in a training graph, its gradient nodes.
 struct Core {
     scores: NodeId,
-    /// The causal mask's Add and the nodes that make the mask.
-    masking: Vec<NodeId>,
+    /// The nodes between the product and the softmax: the scale's Mul, the causal
+    /// mask's Add, and the nodes that make the mask.
+    between: Vec<NodeId>,
+    causal: bool,
     softmax: NodeId,
     product: NodeId,
     /// The operands, heads first `[B, H, S, D]`.
@@ -52,8 +57,15 @@ struct Core {
     k: Port,
     v: Port,
     scale: f64,
-    causal: bool,
     backward: Option<Backward>,
+}
+
+/// A Mul of the scores' product by a scalar constant.
+#[derive(Clone, Copy)]
+struct Scaling {
+    mul: NodeId,
+    by: f64,
+    constant: Port,
 }
 
 struct Backward {
@@ -61,6 +73,8 @@ struct Backward {
     d_y: Port,
     d_p: NodeId,
     softmax_grad: NodeId,
+    /// The scaling's gradient (`dS * c`), where the scale is a Mul.
+    scale_grad: Option<NodeId>,
     d_q: Option<NodeId>,
     d_k: Option<NodeId>,
     d_v: Option<NodeId>,
@@ -95,12 +109,9 @@ fn is_heads_swap(g: &Graph, id: NodeId) -> bool {
 /// Whether `port` is a constant of `[Sq, Sk]` (leading 1s allowed) values, `-inf`
 /// above the diagonal and 0 elsewhere, made by a Const and Casts (which keep both
 /// values); with those nodes.
-fn causal_mask(g: &Graph, mut port: Port, (sq, sk): (usize, usize)) -> Option<Vec<NodeId>> {
-    let mut nodes = vec![port.node];
-    while g.node(port.node).op.is::<Cast>() {
-        port = g.inputs(port.node)[0];
-        nodes.push(port.node);
-    }
+fn causal_mask(g: &Graph, port: Port, (sq, sk): (usize, usize)) -> Option<Vec<NodeId>> {
+    let nodes = through_casts(g, port);
+    let port = Port::new(*nodes.last()?, 0);
     let values = g
         .node(port.node)
         .op
@@ -116,6 +127,17 @@ fn causal_mask(g: &Graph, mut port: Port, (sq, sk): (usize, usize)) -> Option<Ve
     let values = values.to_f64();
     let exact = (0..sq).all(|i| (0..sk).all(|j| values[i * sk + j] == masked(i, j)));
     exact.then_some(nodes)
+}
+
+/// The node of `port` and, while it is a Cast, the node it reads: the last one makes
+/// the value the Casts convert.
+fn through_casts(g: &Graph, mut port: Port) -> Vec<NodeId> {
+    let mut nodes = vec![port.node];
+    while g.node(port.node).op.is::<Cast>() {
+        port = g.inputs(port.node)[0];
+        nodes.push(port.node);
+    }
+    nodes
 }
 
 /// The scores a softmax reads, `s`, split into the product and, where `s` is that
@@ -145,6 +167,33 @@ fn unmask(g: &Graph, s: Port) -> Option<(Port, Vec<NodeId>)> {
     })
 }
 
+/// The product whose scores `s` are, and the Mul by a scalar constant that made `s`
+/// from it, if one did.
+fn unscale(g: &Graph, s: Port) -> Option<(Port, Option<Scaling>)> {
+    let is_mul = g
+        .node(s.node)
+        .op
+        .downcast_ref::<Binary>()
+        .is_some_and(|b| b.kind == BinaryKind::Mul);
+    if !is_mul {
+        return Some((s, None));
+    }
+    let [a, b] = g.inputs(s.node)[..] else {
+        return None;
+    };
+    let scalar = |p| scalar(g, p).ok().flatten();
+    let (product, by, constant) = match (scalar(a), scalar(b)) {
+        (None, Some(by)) => (a, by, b),
+        (Some(by), None) => (b, by, a),
+        _ => return None,
+    };
+    if g.ty(product) != g.ty(s) {
+        return None;
+    }
+    let mul = s.node;
+    Some((product, Some(Scaling { mul, by, constant })))
+}
+
 /// The explicit attention whose softmax is `softmax`, when it is one the kernels take.
 fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     let sm = g.node(softmax).op.downcast_ref::<Softmax>()?;
@@ -152,11 +201,18 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     if readers(g, input)? != [(softmax, 0)] {
         return None;
     }
-    let (s, masking) = unmask(g, input)?;
+    let (scaled, mut between) = unmask(g, input)?;
+    let causal = !between.is_empty();
+    let (s, scaling) = unscale(g, scaled)?;
+    if let Some(scaling) = scaling {
+        between.push(scaling.mul);
+        between.extend(through_casts(g, scaling.constant));
+    }
     let [q, k] = g.inputs(s.node)[..] else {
         return None;
     };
-    let scale = batch_matmul(g, s.node)?.alpha;
+    let alpha = batch_matmul(g, s.node)?.alpha;
+    let scale = alpha * scaling.map_or(1.0, |x| x.by);
     let (qt, kt) = (g.ty(q), g.ty(k));
     let shapes_fit = qt.rank() == 4
         && kt.rank() == 4
@@ -165,7 +221,7 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     let positive_scale = scale > 0.0 && scale.is_finite();
     if !is_last_axis(sm.axis)
         || !positive_scale
-        || !is_product(g, s.node, (false, true), scale)
+        || !is_product(g, s.node, (false, true), alpha)
         || !shapes_fit
         || !matches!(qt.dtype, DType::F16 | DType::BF16)
         || !tensor_core_head_dim(qt.shape[3])
@@ -197,14 +253,24 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
         return None;
     }
     let backward = match softmax_grad {
-        Some(sg) => Some(find_backward(g, (q, k, v), scale, sg, d_v)?),
+        Some(sg) => Some(find_backward(g, (q, k, v), (s, alpha, scaling), sg, d_v)?),
         None if d_v.is_none() => None,
         None => return None,
     };
+    // A scaled product is read by its Mul and that Mul's gradient alone.
+    if let Some(scaling) = scaling {
+        let scale_grad = backward.as_ref().and_then(|b| b.scale_grad);
+        let others = readers(g, s)?
+            .into_iter()
+            .any(|(r, _)| r != scaling.mul && Some(r) != scale_grad);
+        if others {
+            return None;
+        }
+    }
     Some(Core {
         scores: s.node,
-        causal: !masking.is_empty(),
-        masking,
+        between,
+        causal,
         softmax,
         product,
         q,
@@ -215,13 +281,27 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     })
 }
 
+/// The gradient of `scaling` (the product `s` times a constant) that reads the
+/// softmax's gradient `sg`: a BinaryGrad of the Mul with respect to `s`.
+fn scale_grad(g: &Graph, sg: NodeId, s: Port, scaling: Scaling) -> Option<NodeId> {
+    let [(reader, 2)] = readers(g, Port::new(sg, 0))?[..] else {
+        return None;
+    };
+    let grad = g.node(reader).op.downcast_ref::<BinaryGrad>()?;
+    let inputs = g.inputs(reader);
+    let by_constant = inputs.get(1 - grad.wrt) == Some(&scaling.constant);
+    let matches = grad.kind == BinaryKind::Mul && inputs[grad.wrt] == s && by_constant;
+    matches.then_some(reader)
+}
+
 /// The gradient nodes around the softmax's gradient `sg`: `dp = dy v^T` before it,
-/// `dq = scale ds k` and `dk = scale ds^T q` after it; `d_v` (`p^T dy`) must read the
-/// same `dy`.
+/// `dq = alpha ds k` and `dk = alpha ds^T q` after it, where `ds` is the softmax's
+/// gradient times the scaling's constant if the scores' product `s` was scaled by a
+/// Mul; `d_v` (`p^T dy`) must read the same `dy`.
 fn find_backward(
     g: &Graph,
     (q, k, v): (Port, Port, Port),
-    scale: f64,
+    (s, alpha, scaling): (Port, f64, Option<Scaling>),
     sg: NodeId,
     d_v: Option<NodeId>,
 ) -> Option<Backward> {
@@ -237,16 +317,21 @@ fn find_backward(
     if !d_p_ok || d_v.is_some_and(|dv| g.inputs(dv)[1] != d_y) {
         return None;
     }
+    let scale_grad = match scaling {
+        Some(scaling) => Some(scale_grad(g, sg, s, scaling)?),
+        None => None,
+    };
+    let d_s = Port::new(scale_grad.unwrap_or(sg), 0);
     let (mut d_q, mut d_k) = (None, None);
-    for (reader, slot) in readers(g, Port::new(sg, 0))? {
+    for (reader, slot) in readers(g, d_s)? {
         let other = *g.inputs(reader).get(1)?;
-        if slot == 0 && d_q.is_none() && other == k && is_product(g, reader, (false, false), scale)
+        if slot == 0 && d_q.is_none() && other == k && is_product(g, reader, (false, false), alpha)
         {
             d_q = Some(reader);
         } else if slot == 0
             && d_k.is_none()
             && other == q
-            && is_product(g, reader, (true, false), scale)
+            && is_product(g, reader, (true, false), alpha)
         {
             d_k = Some(reader);
         } else {
@@ -257,6 +342,7 @@ fn find_backward(
         d_y,
         d_p: d_p.node,
         softmax_grad: sg,
+        scale_grad,
         d_q,
         d_k,
         d_v,
@@ -348,7 +434,7 @@ fn swaps(g: &Graph, ports: &[Port]) -> Vec<NodeId> {
 /// Rewrites one core; returns the nodes that may have become unread.
 fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, PassError> {
     let mut stale = vec![c.scores, c.softmax, c.product];
-    stale.extend(&c.masking);
+    stale.extend(&c.between);
     stale.extend(swaps(g, &[c.q, c.k, c.v]));
     let q = heads_last(g, c.q, tally)?;
     let k = heads_last(g, c.k, tally)?;
@@ -364,6 +450,7 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
         return Ok(stale);
     };
     stale.extend([b.d_p, b.softmax_grad]);
+    stale.extend(b.scale_grad);
     stale.extend(swaps(g, &[b.d_y]));
     let d_o = heads_last(g, b.d_y, tally)?;
     let name = g.fresh_name(format!(

@@ -17,7 +17,7 @@ mod cse;
 mod dce;
 mod fold_batchnorm;
 mod pad_gemm;
-mod scale_into_matmul;
+pub(crate) mod scale_into_matmul;
 mod unscale_into_update;
 
 pub use algebraic::Algebraic;

@@ -28,7 +28,7 @@ use crate::{format_bytes, Pass, PassError, PassSummary};
 pub struct ScaleIntoMatmul;
 
 /// The value of a one-element constant (through a Cast), if `p` is one.
-fn scalar(g: &Graph, p: Port) -> Result<Option<f64>, PassError> {
+pub(crate) fn scalar(g: &Graph, p: Port) -> Result<Option<f64>, PassError> {
     let mut node = p.node;
     let mut cast_to = None;
     if let Some(cast) = g.node(node).op.downcast_ref::<Cast>() {
