@@ -197,7 +197,7 @@ fn check(case: Case, dtype: DType, seed: u64) -> Result<(), TestCaseError> {
 fn case() -> impl Strategy<Value = Case> {
     (
         (1usize..=2, 1usize..=3, 1usize..=70, 1usize..=70),
-        prop::sample::select(vec![16usize, 32, 48, 64]),
+        prop::sample::select(vec![16usize, 32, 48, 64, 80, 128]),
         // 0: 1/sqrt(head_dim), as attention scales.
         0i32..=4,
         any::<bool>(),
@@ -248,7 +248,7 @@ fn unsupported_attentions_stay_explicit() {
         causal: false,
     };
     let wide = Case {
-        head_dim: 80,
+        head_dim: 144,
         ..base
     };
     // The kernels take the scores' row maximum before scaling.
@@ -258,7 +258,7 @@ fn unsupported_attentions_stay_explicit() {
     };
     for (what, mut g) in [
         ("f32", explicit(base, DType::F32)),
-        ("head width 80", explicit(wide, DType::F16)),
+        ("head width 144", explicit(wide, DType::F16)),
         ("negative scale", explicit(negative, DType::F16)),
     ] {
         let summary = fuse(&mut g);

@@ -1149,8 +1149,9 @@ fn fused_attention_and_its_gradient() {
     let mut r = Rng(13);
     // (batch, heads, q_len, k_len, head_dim, scale): whole and partial 64-row tiles,
     // cross attention, every head width the kernels take, and large scores (scale 2)
-    // that move the running maximum between tiles; each plain and causal. The last
-    // two walk several blocks each way, causal ones where a block's queries see
+    // that move the running maximum between tiles; each plain and causal; heads
+    // wider than 64 (96, 128: every kernel in narrow blocks). Two cases walk several
+    // blocks each way, causal ones where a block's queries see
     // none of the keys past the diagonal (q300 k130) and where keys lie past every
     // query (q70 k300: dk and dv zero there).
     let cases = [
@@ -1160,6 +1161,8 @@ fn fused_attention_and_its_gradient() {
         (1, 2, 64, 192, 48, 2.0),
         (1, 2, 300, 130, 64, 0.125),
         (2, 1, 70, 300, 32, 0.25),
+        (1, 2, 150, 140, 128, 1.0 / 128f64.sqrt()),
+        (2, 1, 70, 90, 96, 0.125),
     ];
     let causal_cases = cases.iter().flat_map(|&c| [(c, false), (c, true)]);
     for d in [DType::F16, DType::BF16] {

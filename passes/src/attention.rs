@@ -19,7 +19,7 @@
 //! the masked tiles. Other masks keep the explicit form (`softmax-prologue` still
 //! fuses their Add into the softmax).
 //!
-//! Only 16-bit attention with a head width of at most 64 (a multiple of 16) and a
+//! Only 16-bit attention with a head width of at most 128 (a multiple of 16) and a
 //! positive scale fuses: what the CUDA kernels (Tensor Core `mma`) compute (they take
 //! each row's maximum of the unscaled scores). The match is exact: a
 //! probability or score tensor anybody else reads keeps the graph as it is.

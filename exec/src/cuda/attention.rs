@@ -2,7 +2,8 @@
 //! on Tensor Cores (`mma.sync` m16n8k16, f16 or bf16 operands, f32 accumulators).
 //!
 //! A block of 8 warps takes 128 rows (queries; keys in the gradient's dK/dV kernel,
-//! whose blocks are 4 warps and 64 rows, tiles 32: [`NARROW`]) of one (batch, head), a
+//! whose blocks are 4 warps and 64 rows, tiles 32: [`NARROW`], as every kernel's for
+//! heads wider than 64) of one (batch, head), a
 //! warp 16 of them, and walks the other side in tiles of 64 staged in shared memory,
 //! whose B fragments `ldmatrix` reads (transposing where the product needs it). The
 //! scores of a tile live in the accumulator registers
@@ -31,13 +32,24 @@ pub struct Shape {
     tile: usize,
 }
 
-/// The forward and dq kernels' shape.
+/// The forward and dq kernels' shape for heads of up to 64.
 pub const WIDE: Shape = Shape { warps: 8, tile: 64 };
 /// k_dkv's: with 166 registers it runs three blocks a multiprocessor (12 warps; one
 /// block of 8 in WIDE's): 138 -> 124 us on the transformer's [16, 512, 12, 64] f16
 /// heads (H100), where the forward and dq kernels are slower in it (71 -> 79 us, 115
 /// -> 117).
 pub const NARROW: Shape = Shape { warps: 4, tile: 32 };
+
+/// The shape of `kernel`'s blocks for heads `head_dim` wide: wider than 64, every
+/// kernel takes NARROW's (WIDE's double-buffered tiles would not fit in 48 KiB, and
+/// its accumulators would spill).
+pub fn shape_of(kernel: &str, head_dim: usize) -> Shape {
+    if kernel == "k_dkv" || head_dim > 64 {
+        NARROW
+    } else {
+        WIDE
+    }
+}
 
 impl Shape {
     fn rows(self) -> usize {
@@ -477,7 +489,7 @@ fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDi
     }
     if !tensor_core_head_dim(dims.head_dim) {
         return Err(format!(
-            "no CUDA attention kernel for head width {} (a multiple of 16 up to 64)",
+            "no CUDA attention kernel for head width {} (a multiple of 16 up to 128)",
             dims.head_dim
         ));
     }
@@ -507,13 +519,14 @@ struct Rule {
 
 fn launch(
     c: &Ctx,
-    (kernel, shape): (&'static str, Shape),
+    kernel: &'static str,
     dims: &AttentionDims,
     rows: usize,
     dtype: DType,
     tensors: &[&DTensor],
     rule: Rule,
 ) -> Result<(), String> {
+    let shape = shape_of(kernel, dims.head_dim);
     let blocks = dims.batch * dims.heads * rows.div_ceil(shape.rows());
     if blocks == 0 {
         return Ok(());
@@ -561,7 +574,7 @@ pub fn forward(
     };
     launch(
         c,
-        ("k_fwd", WIDE),
+        "k_fwd",
         &dims,
         dims.q_len,
         q.dtype,
@@ -594,7 +607,7 @@ pub fn backward(
     let d = q.dtype;
     launch(
         c,
-        ("k_dq", WIDE),
+        "k_dq",
         &dims,
         dims.q_len,
         d,
@@ -603,7 +616,7 @@ pub fn backward(
     )?;
     launch(
         c,
-        ("k_dkv", NARROW),
+        "k_dkv",
         &dims,
         dims.k_len,
         d,

@@ -2718,9 +2718,13 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
         }
         k.push(("concat".into(), concat(2)));
         use super::super::attention::{NARROW, WIDE};
-        for (d, head_dim, shape) in [(DType::F16, 64, WIDE), (DType::BF16, 32, NARROW)] {
+        for (d, head_dim, shape) in [
+            (DType::F16, 64, WIDE),
+            (DType::BF16, 32, NARROW),
+            (DType::F16, 128, NARROW),
+        ] {
             k.push((
-                format!("attention_{d}"),
+                format!("attention_{d}_{head_dim}"),
                 super::super::attention::source(d, head_dim, shape),
             ));
         }
