@@ -62,6 +62,9 @@ const BODY: &str = r#"
 #define WARPS @WARPS@
 #define ROWS (16 * WARPS)
 #define TILE @TILE@
+// A causal module: a compile-time flag, so a plain attention's kernels carry none of
+// the masking's registers.
+#define CAUSAL @CAUSAL@
 #define LDS (HD + 8)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -197,12 +200,12 @@ template <int N> __device__ __forceinline__ void zero(float (*a)[4]) {
 struct Place {
   int lane, w, g, t, first;
   i64 b, h;
-  __device__ Place(int len, int H, int causal, bool late_heavy) {
+  __device__ Place(int len, int H, bool late_heavy) {
     lane = threadIdx.x & 31; w = threadIdx.x >> 5; g = lane >> 2; t = lane & 3;
     const int tiles = (len + ROWS - 1) / ROWS;
     i64 bh;
     int tile;
-    if (causal) {
+    if (CAUSAL) {
       const int heads = gridDim.x / tiles, slow = blockIdx.x / heads;
       bh = blockIdx.x % heads;
       tile = late_heavy ? tiles - 1 - slow : slow;
@@ -253,15 +256,15 @@ __device__ __forceinline__ void stage_a(unsigned (*xa)[4], unsigned (*ya)[4], Bu
 }
 
 // The keys a causal walk over the block's queries needs (all of them otherwise).
-__device__ __forceinline__ int keys_needed(int causal, int Sk, int first) { return causal ? min(Sk, first + ROWS) : Sk; }
+__device__ __forceinline__ int keys_needed(int Sk, int first) { return CAUSAL ? min(Sk, first + ROWS) : Sk; }
 // One past the last key query `r` sees.
-__device__ __forceinline__ int key_limit(int causal, int Sk, int r) { return causal ? min(Sk, r + 1) : Sk; }
+__device__ __forceinline__ int key_limit(int Sk, int r) { return CAUSAL ? min(Sk, r + 1) : Sk; }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const T* k, const T* v, T* o, float* lse,
-                                                               int H, int Sq, int Sk, int causal, double scale) {
+                                                               int H, int Sq, int Sk, double scale) {
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
   __align__(16) __shared__ Buffer sm[2];
-  const Place p(Sq, H, causal, true);
+  const Place p(Sq, H, true);
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H);
   const float sl2 = (float)scale * LOG2E;
@@ -280,16 +283,19 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
   zero<HD / 8>(acc);
   // Running maximum (log2 units) and sum of rows g and g + 8; the sums are this lane's part.
   float m0 = -F_INF, m1 = -F_INF, l0 = 0.f, l1 = 0.f;
-  const int r = p.first + 16 * p.w + p.g, lim0 = key_limit(causal, Sk, r), lim1 = key_limit(causal, Sk, r + 8);
-  const int kend = keys_needed(causal, Sk, p.first);
+  const int r = p.first + 16 * p.w + p.g;
+  const int kend = keys_needed(Sk, p.first);
   for (int k0 = 0, it = 0; k0 < kend; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
     const T* vs = ks + TILE * LDS;
     next_tile(it, k0, kend, start);
-    if (causal && k0 > r - p.g + 15) {  // the warp's rows see none of the tile's keys
+    if (CAUSAL && k0 > r - p.g + 15) {  // the warp's rows see none of the tile's keys
       __syncthreads();
       continue;
     }
+    // The keys of the tile rows g and g + 8 see, counted from this lane's first
+    // column: a compare with a constant per score.
+    const int left0 = key_limit(Sk, r) - k0 - 2 * p.t, left1 = key_limit(Sk, r + 8) - k0 - 2 * p.t;
     float s[TILE / 8][4];
     zero<TILE / 8>(s);
     mma_a_mt(s, qa, ks, p.lane);
@@ -298,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        bool in = k0 + 8 * j + 2 * p.t + (e & 1) < (e < 2 ? lim0 : lim1);
+        bool in = 8 * j + (e & 1) < (e < 2 ? left0 : left1);
         s[j][e] = in ? s[j][e] : -F_INF;
         if (e < 2) mx0 = fmaxf(mx0, s[j][e]); else mx1 = fmaxf(mx1, s[j][e]);
       }
@@ -331,9 +337,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_fwd(const T* q, const
 // multiprocessor: 128 registers (167 unbounded, one block), 156 -> 117 us on the
 // transformer's [16, 512, 12, 64] f16 heads (H100).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, const T* k, const T* v, const T* o,
-    const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, int causal, double scale) {
+    const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, double scale) {
   __align__(16) __shared__ Buffer sm[2];
-  const Place p(Sq, H, causal, true);
+  const Place p(Sq, H, true);
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H), *ob = p.at(o, Sq, H), *db = p.at(d_o, Sq, H);
   const float sl2 = (float)scale * LOG2E;
@@ -359,16 +365,19 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
   }
   float acc[HD / 8][4];
   zero<HD / 8>(acc);
-  const int r = p.first + 16 * p.w + p.g, lim0 = key_limit(causal, Sk, r), lim1 = key_limit(causal, Sk, r + 8);
-  const int kend = keys_needed(causal, Sk, p.first);
+  const int r = p.first + 16 * p.w + p.g;
+  const int kend = keys_needed(Sk, p.first);
   for (int k0 = 0, it = 0; k0 < kend; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
     const T* vs = ks + TILE * LDS;
     next_tile(it, k0, kend, start);
-    if (causal && k0 > r - p.g + 15) {  // the warp's rows see none of the tile's keys
+    if (CAUSAL && k0 > r - p.g + 15) {  // the warp's rows see none of the tile's keys
       __syncthreads();
       continue;
     }
+    // The keys of the tile rows g and g + 8 see, counted from this lane's first
+    // column: a compare with a constant per score.
+    const int left0 = key_limit(Sk, r) - k0 - 2 * p.t, left1 = key_limit(Sk, r + 8) - k0 - 2 * p.t;
     float s[TILE / 8][4], dp[TILE / 8][4];
     zero<TILE / 8>(s);
     zero<TILE / 8>(dp);
@@ -378,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        bool in = k0 + 8 * j + 2 * p.t + (e & 1) < (e < 2 ? lim0 : lim1);
+        bool in = 8 * j + (e & 1) < (e < 2 ? left0 : left1);
         // fmaf by hand: modules compile with --fmad=false (elementwise kernels match the
         // CPU bit for bit); as a multiply and a subtract, k_dkv's took 231 registers
         // and 212 us, against 212 and 139 us with fmaf (the shapes above).
@@ -393,10 +402,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
 
 // dk and dv for ROWS keys, walking every query tile.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
-    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, int causal, double scale) {
+    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
-  const Place p(Sk, H, causal, false);
+  const Place p(Sk, H, false);
   const int stride = H * HD;
   const T *qb = p.at(q, Sq, H), *db = p.at(d_o, Sq, H);
   const float *lb = lse + p.stat(Sq, H), *deltab = delta + p.stat(Sq, H);
@@ -413,8 +422,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   };
   // A causal walk starts at the tile of the block's first key: earlier queries see
   // none of its keys.
-  const int r = p.first + 16 * p.w + p.g, qbegin = causal ? p.first / TILE * TILE : 0;
-  const int qmin0 = causal ? r : 0, qmin1 = causal ? r + 8 : 0;
+  const int r = p.first + 16 * p.w + p.g, qbegin = CAUSAL ? p.first / TILE * TILE : 0;
+  const int qmin0 = CAUSAL ? r : 0, qmin1 = CAUSAL ? r + 8 : 0;
   if (qbegin < Sq) {
     start(0, qbegin);
     commit();
@@ -424,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     const T* ds = qs + TILE * LDS;
     const float *ls = stats[it & 1][0], *dl = stats[it & 1][1];
     next_tile(it, q0, Sq, start);
-    if (causal && q0 + TILE <= r - p.g) {  // the tile's queries see none of the warp's keys
+    if (CAUSAL && q0 + TILE <= r - p.g) {  // the tile's queries see none of the warp's keys
       __syncthreads();
       continue;
     }
@@ -453,10 +462,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 }
 "#;
 
-/// The module of the three kernels for `dtype` (f16 or bf16), head width `head_dim`
-/// and block shape `shape` (its rows at most two tiles: `stage_a` stages them in the
-/// two tile buffers).
-pub fn source(dtype: DType, head_dim: usize, shape: Shape) -> String {
+/// The module of the three kernels for `dtype` (f16 or bf16), head width `head_dim`,
+/// block shape `shape` (its rows at most two tiles: `stage_a` stages them in the
+/// two tile buffers), causal or not.
+pub fn source(dtype: DType, head_dim: usize, shape: Shape, causal: bool) -> String {
     let (pair, pack, mma) = match dtype {
         DType::BF16 => ("__nv_bfloat162", "__floats2bfloat162_rn", "bf16"),
         _ => ("__half2", "__floats2half2_rn", "f16"),
@@ -465,6 +474,7 @@ pub fn source(dtype: DType, head_dim: usize, shape: Shape) -> String {
         .replace("@HD@", &head_dim.to_string())
         .replace("@WARPS@", &shape.warps.to_string())
         .replace("@TILE@", &shape.tile.to_string())
+        .replace("@CAUSAL@", if causal { "1" } else { "0" })
         .replace("@T2@", pair)
         .replace("@PACK@", pack)
         .replace("@MMA@", mma);
@@ -510,7 +520,8 @@ fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDi
     Ok(dims)
 }
 
-/// The scale and the causal flag, which every kernel takes.
+/// The scale, which every kernel takes, and whether the attention is causal (a
+/// module of its own).
 #[derive(Clone, Copy)]
 struct Rule {
     scale: f64,
@@ -538,13 +549,16 @@ fn launch(
         Arg::I32(int(dims.heads)?),
         Arg::I32(int(dims.q_len)?),
         Arg::I32(int(dims.k_len)?),
-        Arg::I32(rule.causal.into()),
         Arg::F64(rule.scale),
     ]);
-    let d = dims.head_dim;
+    let (d, causal) = (dims.head_dim, rule.causal);
+    let kind = if causal { "causal" } else { "plain" };
     c.dev.launch(
-        &format!("attention/{dtype}/{d}/{}x{}", shape.warps, shape.tile),
-        || source(dtype, d, shape),
+        &format!(
+            "attention/{dtype}/{d}/{}x{}/{kind}",
+            shape.warps, shape.tile
+        ),
+        || source(dtype, d, shape, causal),
         kernel,
         blocks,
         32 * shape.warps as u32,
