@@ -13,7 +13,8 @@ use std::collections::HashMap;
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::autodiff::gradients;
 use ampgraph::graph::ops::{
-    BatchMatMul, Binary, BinaryGrad, BinaryKind, Const, FusedAttention, FusedAttentionGrad, Softmax,
+    BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, Const, FusedAttention, FusedAttentionGrad,
+    Softmax,
 };
 use ampgraph::graph::Op;
 use ampgraph::passes::attention::FuseAttention;
@@ -278,7 +279,8 @@ fn unsupported_attentions_stay_explicit() {
 }
 
 /// Only the causal mask makes a causal attention: a mask that differs from it in one
-/// entry, or masks with a finite value, keeps the explicit form (and its Add).
+/// entry, or a 16-bit mask with a finite value, keeps the explicit form (and its
+/// Add); an f32 mask of -1e9 is `-inf` once cast to 16 bits, and fuses.
 #[test]
 fn other_masks_stay_explicit() {
     let case = Case {
@@ -309,6 +311,19 @@ fn other_masks_stay_explicit() {
         assert_eq!(count(&summary, 0), 0, "{what}: {summary}");
         assert!(has::<Softmax>(&g), "{what}");
     }
+    let mut g = explicit(case, DType::F16);
+    let mask = g
+        .node_ids()
+        .find(|&id| g.node(id).op.is::<Const>() && g.ty(Port::new(id, 0)).rank() == 2)
+        .unwrap();
+    let large: Vec<f64> = causal.iter().map(|&v| v.max(-1e9)).collect();
+    let large = Tensor::from_f64(DType::F32, vec![case.q_len, case.k_len], &large).unwrap();
+    let large = g.constant(large).unwrap();
+    g.set_node(mask, Box::new(Cast { to: DType::F16 }), &[large])
+        .unwrap();
+    let summary = fuse(&mut g);
+    assert_eq!(count(&summary, 0), 1, "-1e9 cast to f16: {summary}");
+    assert_eq!(count(&summary, 1), 1, "{summary}");
 }
 
 /// 1/sqrt(32) and 1/sqrt(48) are no powers of two: `scale-into-matmul` leaves their

@@ -26,11 +26,12 @@
 
 use std::collections::HashSet;
 
+use crate::simplify::const_value;
 use crate::simplify::scale_into_matmul::scalar;
 use ampgraph_graph::ops::attention::tensor_core_head_dim;
 use ampgraph_graph::ops::{
-    BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, Const, FusedAttention, FusedAttentionGrad,
-    Softmax, SoftmaxGrad, Transpose,
+    BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, FusedAttention, FusedAttentionGrad, Softmax,
+    SoftmaxGrad, Transpose,
 };
 use ampgraph_graph::shape::normalize_axis;
 use ampgraph_graph::{DType, Graph, NodeId, Port};
@@ -107,24 +108,22 @@ fn is_heads_swap(g: &Graph, id: NodeId) -> bool {
 }
 
 /// Whether `port` is a constant of `[Sq, Sk]` (leading 1s allowed) values, `-inf`
-/// above the diagonal and 0 elsewhere, made by a Const and Casts (which keep both
-/// values); with those nodes.
+/// above the diagonal and 0 elsewhere, made by a Const and Casts (whose rounding
+/// counts: a mask of -1e9 is `-inf` in 16 bits); with those nodes.
 fn causal_mask(g: &Graph, port: Port, (sq, sk): (usize, usize)) -> Option<Vec<NodeId>> {
     let nodes = through_casts(g, port);
-    let port = Port::new(*nodes.last()?, 0);
-    let values = g
-        .node(port.node)
-        .op
-        .downcast_ref::<Const>()?
-        .values
-        .as_ref()?;
-    let shape = &g.ty(port).shape;
+    let (&source, casts) = nodes.split_last()?;
+    let mut value = const_value(g, source).ok()??;
+    let shape = value.shape();
     let leading_ones = shape.len() >= 2 && shape[..shape.len() - 2].iter().all(|&n| n == 1);
     if !leading_ones || shape[shape.len() - 2..] != [sq, sk] {
         return None;
     }
+    for &cast in casts.iter().rev() {
+        value = g.node(cast).op.eval(&[&value]).ok()?.pop()?;
+    }
     let masked = |i: usize, j: usize| if j > i { f64::NEG_INFINITY } else { 0.0 };
-    let values = values.to_f64();
+    let values = value.to_f64_vec();
     let exact = (0..sq).all(|i| (0..sk).all(|j| values[i * sk + j] == masked(i, j)));
     exact.then_some(nodes)
 }
