@@ -17,10 +17,10 @@ use ampgraph::graph::ops::{
     Softmax,
 };
 use ampgraph::graph::Op;
+use ampgraph::graph::{DType, Graph, NodeId, Port, Tensor};
 use ampgraph::passes::attention::FuseAttention;
 use ampgraph::passes::simplify::{Dce, ScaleIntoMatmul};
 use ampgraph::passes::{Pass, PassSummary};
-use ampgraph::{DType, Graph, Port, Tensor};
 use common::json;
 use proptest::prelude::*;
 
@@ -138,6 +138,12 @@ fn has<T: Op>(g: &Graph) -> bool {
     g.node_ids().any(|id| g.node(id).op.is::<T>())
 }
 
+/// The causal mask's Const (the one of rank 2), if the graph has it.
+fn mask(g: &Graph) -> Option<NodeId> {
+    g.node_ids()
+        .find(|&id| g.node(id).op.is::<Const>() && g.ty(Port::new(id, 0)).rank() == 2)
+}
+
 fn check(case: Case, dtype: DType, seed: u64) -> Result<(), TestCaseError> {
     let mut g = explicit(case, dtype);
     let summary = fuse(&mut g);
@@ -152,11 +158,8 @@ fn check(case: Case, dtype: DType, seed: u64) -> Result<(), TestCaseError> {
     };
     let flags: Vec<bool> = g.node_ids().filter_map(causal).collect();
     prop_assert_eq!(flags, vec![case.causal; 1 + usize::from(case.train)]);
-    let mask_left = g
-        .node_ids()
-        .any(|id| g.node(id).op.is::<Const>() && g.ty(Port::new(id, 0)).rank() == 2);
     prop_assert!(
-        !has::<Softmax>(&g) && !has::<BatchMatMul>(&g) && !mask_left,
+        !has::<Softmax>(&g) && !has::<BatchMatMul>(&g) && mask(&g).is_none(),
         "the explicit form (and any mask) is gone"
     );
     // JSON round trip and idempotence.
@@ -301,25 +304,18 @@ fn other_masks_stay_explicit() {
     let finite: Vec<f64> = causal.iter().map(|&v| v.max(-1e4)).collect();
     for (what, values) in [("one entry off", one_off), ("finite", finite)] {
         let mut g = explicit(case, DType::F16);
-        let mask = g
-            .node_ids()
-            .find(|&id| g.node(id).op.is::<Const>() && g.ty(Port::new(id, 0)).rank() == 2)
-            .unwrap();
         let t = Tensor::from_f64(DType::F16, vec![case.q_len, case.k_len], &values).unwrap();
-        g.set_op(mask, Box::new(Const::new(t)));
+        g.set_op(mask(&g).unwrap(), Box::new(Const::new(t)));
         let summary = fuse(&mut g);
         assert_eq!(count(&summary, 0), 0, "{what}: {summary}");
         assert!(has::<Softmax>(&g), "{what}");
     }
     let mut g = explicit(case, DType::F16);
-    let mask = g
-        .node_ids()
-        .find(|&id| g.node(id).op.is::<Const>() && g.ty(Port::new(id, 0)).rank() == 2)
-        .unwrap();
+    let f16_mask = mask(&g).unwrap();
     let large: Vec<f64> = causal.iter().map(|&v| v.max(-1e9)).collect();
     let large = Tensor::from_f64(DType::F32, vec![case.q_len, case.k_len], &large).unwrap();
     let large = g.constant(large).unwrap();
-    g.set_node(mask, Box::new(Cast { to: DType::F16 }), &[large])
+    g.set_node(f16_mask, Box::new(Cast { to: DType::F16 }), &[large])
         .unwrap();
     let summary = fuse(&mut g);
     assert_eq!(count(&summary, 0), 1, "-1e9 cast to f16: {summary}");

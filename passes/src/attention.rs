@@ -139,22 +139,23 @@ fn through_casts(g: &Graph, mut port: Port) -> Vec<NodeId> {
     nodes
 }
 
+/// The operands of the node of `p` where it is a Binary of `kind`.
+fn operands(g: &Graph, p: Port, kind: BinaryKind) -> Option<[Port; 2]> {
+    let binary = g.node(p.node).op.downcast_ref::<Binary>()?;
+    let [a, b] = g.inputs(p.node)[..] else {
+        return None;
+    };
+    (binary.kind == kind).then_some([a, b])
+}
+
 /// The scores a softmax reads, `s`, split into the product and, where `s` is that
 /// product plus a causal mask (nothing else reading the product), the Add and the
 /// mask's nodes.
 fn unmask(g: &Graph, s: Port) -> Option<(Port, Vec<NodeId>)> {
-    let is_add = g
-        .node(s.node)
-        .op
-        .downcast_ref::<Binary>()
-        .is_some_and(|b| b.kind == BinaryKind::Add);
-    if !is_add {
+    let Some([a, b]) = operands(g, s, BinaryKind::Add) else {
         return Some((s, Vec::new()));
-    }
-    let ty = g.ty(s);
-    let [a, b] = g.inputs(s.node)[..] else {
-        return None;
     };
+    let ty = g.ty(s);
     [(a, b), (b, a)].into_iter().find_map(|(product, mask)| {
         let (sq, sk) = (*ty.shape.get(2)?, *ty.shape.get(3)?);
         if g.ty(product) != ty || readers(g, product)?.len() != 1 {
@@ -169,16 +170,8 @@ fn unmask(g: &Graph, s: Port) -> Option<(Port, Vec<NodeId>)> {
 /// The product whose scores `s` are, and the Mul by a scalar constant that made `s`
 /// from it, if one did.
 fn unscale(g: &Graph, s: Port) -> Option<(Port, Option<Scaling>)> {
-    let is_mul = g
-        .node(s.node)
-        .op
-        .downcast_ref::<Binary>()
-        .is_some_and(|b| b.kind == BinaryKind::Mul);
-    if !is_mul {
+    let Some([a, b]) = operands(g, s, BinaryKind::Mul) else {
         return Some((s, None));
-    }
-    let [a, b] = g.inputs(s.node)[..] else {
-        return None;
     };
     let scalar = |p| scalar(g, p).ok().flatten();
     let (product, by, constant) = match (scalar(a), scalar(b)) {
