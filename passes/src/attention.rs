@@ -15,8 +15,8 @@
 //!
 //! A causal mask added to the scaled scores (`BatchMatMul -> Add(mask) -> Softmax`,
 //! the mask a constant `[Sq, Sk]`, leading 1s allowed, of `-inf` above the diagonal
-//! and 0 elsewhere, through Casts) makes the fused ops causal: the kernels then skip
-//! the masked tiles. Other masks keep the explicit form (`softmax-prologue` still
+//! and 0 elsewhere once its Casts have rounded it) makes the fused ops causal: the
+//! kernels then skip the masked tiles. Other masks keep the explicit form (`softmax-prologue` still
 //! fuses their Add into the softmax).
 //!
 //! Only 16-bit attention with a head width of at most 128 (a multiple of 16) and a
@@ -148,22 +148,22 @@ fn operands(g: &Graph, p: Port, kind: BinaryKind) -> Option<[Port; 2]> {
     (binary.kind == kind).then_some([a, b])
 }
 
-/// The scores a softmax reads, `s`, split into the product and, where `s` is that
-/// product plus a causal mask (nothing else reading the product), the Add and the
+/// The input `x` of a softmax split into the scaled scores and, where `x` is those
+/// scores plus a causal mask (nothing else reading the scores), the Add and the
 /// mask's nodes.
-fn unmask(g: &Graph, s: Port) -> Option<(Port, Vec<NodeId>)> {
-    let Some([a, b]) = operands(g, s, BinaryKind::Add) else {
-        return Some((s, Vec::new()));
+fn unmask(g: &Graph, x: Port) -> Option<(Port, Vec<NodeId>)> {
+    let Some([a, b]) = operands(g, x, BinaryKind::Add) else {
+        return Some((x, Vec::new()));
     };
-    let ty = g.ty(s);
-    [(a, b), (b, a)].into_iter().find_map(|(product, mask)| {
+    let ty = g.ty(x);
+    [(a, b), (b, a)].into_iter().find_map(|(scores, mask)| {
         let (sq, sk) = (*ty.shape.get(2)?, *ty.shape.get(3)?);
-        if g.ty(product) != ty || readers(g, product)?.len() != 1 {
+        if g.ty(scores) != ty || readers(g, scores)?.len() != 1 {
             return None;
         }
         let mut masking = causal_mask(g, mask, (sq, sk))?;
-        masking.push(s.node);
-        Some((product, masking))
+        masking.push(x.node);
+        Some((scores, masking))
     })
 }
 
