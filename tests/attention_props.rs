@@ -1,6 +1,7 @@
 //! The fuse-attention pass on random explicit attentions (the bench transformer's
 //! form: heads split by transposes, `softmax(q k^T * scale) v`, heads merged; causal
-//! ones with a `-inf` mask above the diagonal added to the scores), with
+//! ones with a `-inf` mask above the diagonal added to the scores, and key-biased ones
+//! with a fed `[B, 1, 1, Sk]` padding mask or bias added), with
 //! and without their autodiff gradients, in f16 and bf16: the pass fuses exactly one
 //! attention (and its gradient), leaves a valid graph that survives JSON, changes
 //! nothing on a second run, and the CPU computes the outputs and gradients within
@@ -34,6 +35,7 @@ struct Case {
     scale: f64,
     train: bool,
     causal: bool,
+    key_bias: bool,
 }
 
 /// The causal mask of `case` in `dtype`, `[Sq, Sk]`: `-inf` where key `j > i`.
@@ -55,6 +57,13 @@ fn causal_mask(case: Case, dtype: DType) -> Tensor {
 /// a Mul for 32 and 48); outputs y (and dq, dk, dv when training, of the loss
 /// sum(y * w)).
 fn explicit(case: Case, dtype: DType) -> Graph {
+    let bias = [case.batch, 1, 1, case.k_len];
+    explicit_with(case, dtype, &bias, false)
+}
+
+/// [`explicit`] with the key bias (where `case.key_bias`) of shape `bias`, and its
+/// gradient an output too where `bias_grad`.
+fn explicit_with(case: Case, dtype: DType, bias: &[usize], bias_grad: bool) -> Graph {
     let Case {
         batch: b,
         heads: h,
@@ -76,6 +85,14 @@ fn explicit(case: Case, dtype: DType) -> Graph {
         let mask = g.constant(causal_mask(case, dtype)).unwrap();
         s = g.plus(s, mask).unwrap();
     }
+    let mut differentiate = vec![q, k, v];
+    if case.key_bias {
+        let bias = g.placeholder("bias", dtype, bias.to_vec()).unwrap();
+        s = g.plus(bias, s).unwrap();
+        if bias_grad {
+            differentiate.push(bias);
+        }
+    }
     let p = g.softmax(s, -1).unwrap();
     let y = g.batch_matmul(p, vt).unwrap();
     let y = g.transpose(y, [0, 2, 1, 3]).unwrap();
@@ -84,16 +101,25 @@ fn explicit(case: Case, dtype: DType) -> Graph {
         let w = g.placeholder("w", dtype, [b, q_len, h, d]).unwrap();
         let yw = g.mul(y, w).unwrap();
         let loss = g.sum(yw, None, false).unwrap();
-        outputs.extend(gradients(&mut g, loss, &[q, k, v]).unwrap());
+        outputs.extend(gradients(&mut g, loss, &differentiate).unwrap());
     }
     g.set_outputs(outputs).unwrap();
     g
 }
 
-/// Values in [-2, 2] for q and k, [-1, 1] for v and w, rounded to `dtype`.
+/// Values in [-2, 2] for q and k, [-1, 1] for v and w, rounded to `dtype`; a key
+/// bias in [-1, 1], `-inf` (padding) on the last third of batch 0's keys.
 fn feeds(case: Case, dtype: DType, seed: u64) -> HashMap<String, Tensor> {
     let mut rng = common::Rng(seed);
     let (b, h, d) = (case.batch, case.heads, case.head_dim);
+    let mut bias: Vec<f64> = (0..b * case.k_len)
+        .map(|_| 2.0 * rng.unit() - 1.0)
+        .collect();
+    // Key 0 always stays, so no row is masked whole.
+    let padded = (2 * case.k_len).div_ceil(3).max(1);
+    bias[padded..case.k_len].fill(f64::NEG_INFINITY);
+    let bias = Tensor::from_f64(dtype, vec![b, 1, 1, case.k_len], &bias).unwrap();
+    let bias = ("bias".to_string(), bias);
     [
         ("q", case.q_len, 2.0),
         ("k", case.k_len, 2.0),
@@ -108,6 +134,7 @@ fn feeds(case: Case, dtype: DType, seed: u64) -> HashMap<String, Tensor> {
         let t = Tensor::from_f64(dtype, vec![b, len, h, d], &values).unwrap();
         (name.to_string(), t)
     })
+    .chain(case.key_bias.then_some(bias))
     .collect()
 }
 
@@ -150,14 +177,17 @@ fn check(case: Case, dtype: DType, seed: u64) -> Result<(), TestCaseError> {
     g.validate().unwrap();
     prop_assert_eq!(count(&summary, 0), 1, "{}", summary);
     prop_assert_eq!(count(&summary, 1), usize::from(case.train), "{}", summary);
-    let causal = |id| {
+    let masks = |id| {
         let op = &g.node(id).op;
         op.downcast_ref::<FusedAttention>()
-            .map(|a| a.causal)
-            .or(op.downcast_ref::<FusedAttentionGrad>().map(|a| a.causal))
+            .map(|a| (a.causal, a.key_bias))
+            .or(op
+                .downcast_ref::<FusedAttentionGrad>()
+                .map(|a| (a.causal, a.key_bias)))
     };
-    let flags: Vec<bool> = g.node_ids().filter_map(causal).collect();
-    prop_assert_eq!(flags, vec![case.causal; 1 + usize::from(case.train)]);
+    let flags: Vec<(bool, bool)> = g.node_ids().filter_map(masks).collect();
+    let want = (case.causal, case.key_bias);
+    prop_assert_eq!(flags, vec![want; 1 + usize::from(case.train)]);
     prop_assert!(
         !has::<Softmax>(&g) && !has::<BatchMatMul>(&g) && mask(&g).is_none(),
         "the explicit form (and any mask) is gone"
@@ -205,10 +235,10 @@ fn case() -> impl Strategy<Value = Case> {
         // 0: 1/sqrt(head_dim), as attention scales.
         0i32..=4,
         any::<bool>(),
-        any::<bool>(),
+        (any::<bool>(), any::<bool>()),
     )
         .prop_map(
-            |((batch, heads, q_len, k_len), head_dim, halvings, train, causal)| Case {
+            |((batch, heads, q_len, k_len), head_dim, halvings, train, (causal, key_bias))| Case {
                 batch,
                 heads,
                 q_len,
@@ -220,6 +250,7 @@ fn case() -> impl Strategy<Value = Case> {
                 },
                 train,
                 causal,
+                key_bias,
             },
         )
 }
@@ -250,6 +281,7 @@ fn unsupported_attentions_stay_explicit() {
         scale: 0.25,
         train: true,
         causal: false,
+        key_bias: false,
     };
     let wide = Case {
         head_dim: 144,
@@ -295,6 +327,7 @@ fn other_masks_stay_explicit() {
         scale: 0.25,
         train: true,
         causal: true,
+        key_bias: false,
     };
     let mut g = explicit(case, DType::F16);
     assert_eq!(count(&fuse(&mut g), 0), 1, "the causal mask fuses");
@@ -336,6 +369,7 @@ fn scales_left_as_a_mul_fuse() {
             scale: 1.0 / (head_dim as f64).sqrt(),
             train: true,
             causal,
+            key_bias: false,
         };
         let mut g = explicit(case, DType::F16);
         Dce.run(&mut g).unwrap();
@@ -369,5 +403,36 @@ fn scales_left_as_a_mul_fuse() {
             .to_f64_vec()[0];
         assert_eq!(scale, want, "the 16-bit scale the Mul multiplied by");
         assert_eq!(muls(&fused), 0, "the scale's Mul and its gradient are gone");
+    }
+}
+
+/// A key bias is any `[B or 1, 1, 1, Sk]` tensor that takes no gradient: one row
+/// shared by the batches fuses; a bias per query, or one whose gradient is asked for,
+/// keeps the explicit form.
+#[test]
+fn key_bias_rules() {
+    let case = Case {
+        batch: 2,
+        heads: 2,
+        q_len: 8,
+        k_len: 12,
+        head_dim: 16,
+        scale: 0.25,
+        train: true,
+        causal: false,
+        key_bias: true,
+    };
+    let (b, sq, sk) = (case.batch, case.q_len, case.k_len);
+    let expect = [
+        ("shared row", vec![1, 1, 1, sk], false, 1),
+        ("per query", vec![b, 1, sq, sk], false, 0),
+        ("with its gradient", vec![b, 1, 1, sk], true, 0),
+    ];
+    for (what, shape, bias_grad, fused) in expect {
+        let mut g = explicit_with(case, DType::F16, &shape, bias_grad);
+        let summary = fuse(&mut g);
+        g.validate().unwrap();
+        assert_eq!(count(&summary, 0), fused, "{what}: {summary}");
+        assert_eq!(has::<Softmax>(&g), fused == 0, "{what}");
     }
 }

@@ -1153,7 +1153,9 @@ fn fused_attention_and_its_gradient() {
     // wider than 64 (96, 128: every kernel in narrow blocks). Two cases walk several
     // blocks each way, causal ones where a block's queries see
     // none of the keys past the diagonal (q300 k130) and where keys lie past every
-    // query (q70 k300: dk and dv zero there).
+    // query (q70 k300: dk and dv zero there). Every case also runs with a key bias
+    // (one row for all batches where the batch is odd, else one per batch): values in
+    // [-2, 2], and -inf on the last third of the keys (padding) in batch 0.
     let cases = [
         (2, 3, 80, 100, 64, 0.125),
         (1, 2, 128, 64, 32, 1.0 / 32f64.sqrt()),
@@ -1164,27 +1166,47 @@ fn fused_attention_and_its_gradient() {
         (1, 2, 150, 140, 128, 1.0 / 128f64.sqrt()),
         (2, 1, 70, 90, 96, 0.125),
     ];
-    let causal_cases = cases.iter().flat_map(|&c| [(c, false), (c, true)]);
+    let masks = [(false, false), (true, false), (false, true), (true, true)];
+    let masked_cases = cases.iter().flat_map(|&c| masks.map(|m| (c, m)));
     for d in [DType::F16, DType::BF16] {
-        for ((b, h, sq, sk, hd, scale), causal) in causal_cases.clone() {
-            let what = format!("{d} b{b} h{h} q{sq} k{sk} d{hd} scale {scale} causal {causal}");
+        for ((b, h, sq, sk, hd, scale), (causal, key_bias)) in masked_cases.clone() {
+            let what = format!(
+                "{d} b{b} h{h} q{sq} k{sk} d{hd} scale {scale} causal {causal} key bias {key_bias}"
+            );
             let q = rand(&mut r, d, &[b, sq, h, hd], -2.0, 2.0);
             let k = rand(&mut r, d, &[b, sk, h, hd], -2.0, 2.0);
             let v = rand(&mut r, d, &[b, sk, h, hd], -1.0, 1.0);
+            let mut forward = vec![q.clone(), k.clone(), v.clone()];
+            let bias = key_bias.then(|| {
+                let rows = if b % 2 == 1 { 1 } else { b };
+                let mut values = rand(&mut r, d, &[rows * sk], -2.0, 2.0).to_f64_vec();
+                values[2 * sk.div_ceil(3)..sk].fill(f64::NEG_INFINITY);
+                Tensor::from_f64(d, vec![rows, 1, 1, sk], &values).unwrap()
+            });
+            forward.extend(bias.clone());
             let (dev, cpu) = run_both(
                 &mut gpu,
                 &what,
-                FusedAttention { scale, causal },
-                &[q.clone(), k.clone(), v.clone()],
+                FusedAttention {
+                    scale,
+                    causal,
+                    key_bias,
+                },
+                &forward,
             );
             assert_close(&format!("FusedAttention o {what}"), &dev[0], &cpu[0], 1.0);
             assert_close(&format!("FusedAttention lse {what}"), &dev[1], &cpu[1], 1.0);
             let d_o = rand(&mut r, d, &[b, sq, h, hd], -1.0, 1.0);
-            let inputs = [q, k, v, cpu[0].clone(), cpu[1].clone(), d_o];
+            let mut inputs = vec![q, k, v, cpu[0].clone(), cpu[1].clone(), d_o];
+            inputs.extend(bias);
             let (dev, cpu) = run_both(
                 &mut gpu,
                 &what,
-                FusedAttentionGrad { scale, causal },
+                FusedAttentionGrad {
+                    scale,
+                    causal,
+                    key_bias,
+                },
                 &inputs,
             );
             for (name, a, c) in [

@@ -53,20 +53,32 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
     /// FusedAttention's rule (FusedAttentionGrad's CPU kernel) against central
-    /// differences of its output `o`, causal or not; `lse` is a saved statistic with
-    /// no gradient.
+    /// differences of its output `o`, causal or not, with or without a key bias
+    /// (finite values, or -inf on the keys after the first); `lse` is a saved
+    /// statistic with no gradient.
     #[test]
     fn fused_attention_gradient_matches_finite_differences(
         (b, h, sq, sk, d) in (1usize..=2, 1usize..=2, 1usize..=4, 1usize..=5, 1usize..=3),
         scale in 0.1f64..2.0,
         causal in any::<bool>(),
+        key_bias in prop::option::of((any::<bool>(), any::<bool>())),
         seed in any::<u64>(),
     ) {
         let mut rng = Gen(seed);
         let q = t64(&[b, sq, h, d], &rng.vec(b * sq * h * d, -2.0, 2.0));
         let k = t64(&[b, sk, h, d], &rng.vec(b * sk * h * d, -2.0, 2.0));
         let v = t64(&[b, sk, h, d], &rng.vec(b * sk * h * d, -1.0, 1.0));
-        let err = check_output0(Box::new(FusedAttention { scale, causal }), &[q, k, v], &[0, 1, 2], seed);
+        let mut inputs = vec![q, k, v];
+        if let Some((per_batch, padded)) = key_bias {
+            let rows = if per_batch { b } else { 1 };
+            let mut values = rng.vec(rows * sk, -1.0, 1.0);
+            if padded {
+                values.iter_mut().enumerate().filter(|(j, _)| j % sk > 0).step_by(2).for_each(|(_, x)| *x = f64::NEG_INFINITY);
+            }
+            inputs.push(t64(&[rows, 1, 1, sk], &values));
+        }
+        let op = FusedAttention { scale, causal, key_bias: key_bias.is_some() };
+        let err = check_output0(Box::new(op), &inputs, &[0, 1, 2], seed);
         prop_assert!(err < GRAD_TOL, "relative error {err:e}");
     }
 

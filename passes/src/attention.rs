@@ -13,11 +13,17 @@
 //! product, if any: the fused op computes the scores in f32, so a 16-bit scale that
 //! is no power of two (1/sqrt(32)) fuses too, its gradient's Mul with it.
 //!
-//! A causal mask added to the scaled scores (`BatchMatMul -> Add(mask) -> Softmax`,
-//! the mask a constant `[Sq, Sk]`, leading 1s allowed, of `-inf` above the diagonal
-//! and 0 elsewhere once its Casts have rounded it) makes the fused ops causal: the
-//! kernels then skip the masked tiles. Other masks keep the explicit form (`softmax-prologue` still
-//! fuses their Add into the softmax).
+//! Masks added to the scaled scores (`BatchMatMul -> Add(mask) -> Softmax`, up to
+//! two Adds) fuse in two forms:
+//! - a causal mask, a constant `[Sq, Sk]` (leading 1s allowed) of `-inf` above the
+//!   diagonal and 0 elsewhere once its Casts have rounded it, makes the fused ops
+//!   causal: the kernels then skip the masked tiles;
+//! - any tensor `[B or 1, 1, 1, Sk]` of the scores' dtype (a padding mask, a per-key
+//!   bias) becomes the fused ops' key bias, where it takes no gradient (autodiff's
+//!   gradient of it would read the softmax's gradient, and the match fails).
+//!
+//! Other masks keep the explicit form (`softmax-prologue` still fuses their Add into
+//! the softmax).
 //!
 //! Only 16-bit attention with a head width of at most 128 (a multiple of 16) and a
 //! positive scale fuses: what the CUDA kernels (Tensor Core `mma`) compute (they take
@@ -34,7 +40,7 @@ use ampgraph_graph::ops::{
     SoftmaxGrad, Transpose,
 };
 use ampgraph_graph::shape::normalize_axis;
-use ampgraph_graph::{DType, Graph, NodeId, Port};
+use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
 
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -47,10 +53,10 @@ const HEADS_SWAP: [usize; 4] = [0, 2, 1, 3];
 /// One explicit attention and, in a training graph, its gradient nodes.
 struct Core {
     scores: NodeId,
-    /// The nodes between the product and the softmax: the scale's Mul, the causal
-    /// mask's Add, and the nodes that make the mask.
+    /// The nodes between the product and the softmax: the scale's Mul, the masks'
+    /// Adds, and the nodes that make the causal mask.
     between: Vec<NodeId>,
-    causal: bool,
+    masks: Masks,
     softmax: NodeId,
     product: NodeId,
     /// The operands, heads first `[B, H, S, D]`.
@@ -148,23 +154,59 @@ fn operands(g: &Graph, p: Port, kind: BinaryKind) -> Option<[Port; 2]> {
     (binary.kind == kind).then_some([a, b])
 }
 
-/// The input `x` of a softmax split into the scaled scores and, where `x` is those
-/// scores plus a causal mask (nothing else reading the scores), the Add and the
-/// mask's nodes.
-fn unmask(g: &Graph, x: Port) -> Option<(Port, Vec<NodeId>)> {
-    let Some([a, b]) = operands(g, x, BinaryKind::Add) else {
-        return Some((x, Vec::new()));
-    };
-    let ty = g.ty(x);
-    [(a, b), (b, a)].into_iter().find_map(|(scores, mask)| {
+/// Whether `port` can be a key bias of scores of type `scores`: `[B or 1, 1, 1, Sk]`
+/// of their dtype.
+fn is_key_bias(g: &Graph, port: Port, scores: &TensorType) -> bool {
+    let t = g.ty(port);
+    let batch_ok = t
+        .shape
+        .first()
+        .is_some_and(|&n| n == 1 || Some(&n) == scores.shape.first());
+    t.dtype == scores.dtype
+        && t.rank() == 4
+        && batch_ok
+        && t.shape[1..3] == [1, 1]
+        && scores.shape.get(3) == Some(&t.shape[3])
+}
+
+/// The masks added to the scores.
+#[derive(Clone, Debug, Default)]
+struct Masks {
+    causal: bool,
+    key_bias: Option<Port>,
+}
+
+/// The input `x` of a softmax split into the scaled scores and the masks that Adds
+/// put on them (a causal mask, a key bias; nothing else reading the scores below
+/// each Add), with those Adds and the causal mask's nodes.
+fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
+    let (mut masks, mut nodes) = (Masks::default(), Vec::new());
+    while let Some([a, b]) = operands(g, x, BinaryKind::Add) {
+        let ty = g.ty(x);
         let (sq, sk) = (*ty.shape.get(2)?, *ty.shape.get(3)?);
-        if g.ty(scores) != ty || readers(g, scores)?.len() != 1 {
-            return None;
+        let (scores, found) = [(a, b), (b, a)].into_iter().find_map(|(scores, mask)| {
+            if g.ty(scores) != ty || readers(g, scores)?.len() != 1 {
+                return None;
+            }
+            if !masks.causal {
+                if let Some(made_by) = causal_mask(g, mask, (sq, sk)) {
+                    return Some((scores, Ok(made_by)));
+                }
+            }
+            let key_bias = masks.key_bias.is_none() && is_key_bias(g, mask, ty);
+            key_bias.then_some((scores, Err(mask)))
+        })?;
+        match found {
+            Ok(made_by) => {
+                masks.causal = true;
+                nodes.extend(made_by);
+            }
+            Err(bias) => masks.key_bias = Some(bias),
         }
-        let mut masking = causal_mask(g, mask, (sq, sk))?;
-        masking.push(x.node);
-        Some((scores, masking))
-    })
+        nodes.push(x.node);
+        x = scores;
+    }
+    Some((x, masks, nodes))
 }
 
 /// The product whose scores `s` are, and the Mul by a scalar constant that made `s`
@@ -193,8 +235,7 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     if readers(g, input)? != [(softmax, 0)] {
         return None;
     }
-    let (scaled, mut between) = unmask(g, input)?;
-    let causal = !between.is_empty();
+    let (scaled, masks, mut between) = unmask(g, input)?;
     let (s, scaling) = unscale(g, scaled)?;
     if let Some(scaling) = scaling {
         between.push(scaling.mul);
@@ -262,7 +303,7 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     Some(Core {
         scores: s.node,
         between,
-        causal,
+        masks,
         softmax,
         product,
         q,
@@ -432,8 +473,15 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
     let k = heads_last(g, c.k, tally)?;
     let v = heads_last(g, c.v, tally)?;
     let name = g.fresh_name(format!("{}/FusedAttention", g.node(c.product).name));
-    let (scale, causal) = (c.scale, c.causal);
-    let att = g.add_node(name, Box::new(FusedAttention { scale, causal }), &[q, k, v])?;
+    let (scale, causal, key_bias) = (c.scale, c.masks.causal, c.masks.key_bias);
+    let op = FusedAttention {
+        scale,
+        causal,
+        key_bias: key_bias.is_some(),
+    };
+    let mut inputs = vec![q, k, v];
+    inputs.extend(key_bias);
+    let att = g.add_node(name, Box::new(op), &inputs)?;
     let (o, lse) = (Port::new(att, 0), Port::new(att, 1));
     stale.extend(replace_heads_first(g, Port::new(c.product, 0), o, tally)?);
     tally.forward += 1;
@@ -449,11 +497,14 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
         "{}/FusedAttentionGrad",
         g.node(b.softmax_grad).name
     ));
-    let grad = g.add_node(
-        name,
-        Box::new(FusedAttentionGrad { scale, causal }),
-        &[q, k, v, o, lse, d_o],
-    )?;
+    let op = FusedAttentionGrad {
+        scale,
+        causal,
+        key_bias: key_bias.is_some(),
+    };
+    let mut inputs = vec![q, k, v, o, lse, d_o];
+    inputs.extend(key_bias);
+    let grad = g.add_node(name, Box::new(op), &inputs)?;
     for (i, node) in [b.d_q, b.d_k, b.d_v].into_iter().enumerate() {
         if let Some(node) = node {
             stale.push(node);

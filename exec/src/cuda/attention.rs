@@ -65,6 +65,9 @@ const BODY: &str = r#"
 // A causal module: a compile-time flag, so a plain attention's kernels carry none of
 // the masking's registers.
 #define CAUSAL @CAUSAL@
+// A key bias (`bias[b * bias_stride + key]`, added to the scaled scores): a module of
+// its own too.
+#define BIAS @BIAS@
 #define LDS (HD + 8)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -257,18 +260,21 @@ __device__ __forceinline__ void stage_a(unsigned (*xa)[4], unsigned (*ya)[4], Bu
 
 // The keys a causal walk over the block's queries needs (all of them otherwise).
 __device__ __forceinline__ int keys_needed(int Sk, int first) { return CAUSAL ? min(Sk, first + ROWS) : Sk; }
+// The key bias of `key` in log2 units (the scores' exponents are base 2); callers
+// pass key 0 for the columns past Sk, so no load leaves the row.
+__device__ __forceinline__ float key_bias(const T* row, int key) { return BIAS ? ld(row, key) * LOG2E : 0.f; }
 // One past the last key query `r` sees.
 __device__ __forceinline__ int key_limit(int Sk, int r) { return CAUSAL ? min(Sk, r + 1) : Sk; }
 
 // Two blocks a multiprocessor (128 registers): the causal module's took 130 and ran
 // one (61 against 50 us on the transformer's heads).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, const T* k, const T* v, T* o, float* lse,
-                                                               int H, int Sq, int Sk, double scale) {
+                                                               int H, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
   const int stride = H * HD;
-  const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H);
+  const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H), *bias_row = bias + p.b * bias_stride;
   const float sl2 = (float)scale * LOG2E;
   load_rows(sm[1], p.at(q, Sq, H), stride, Sq, p.first, ROWS);
   commit();
@@ -307,20 +313,37 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         bool in = 8 * j + (e & 1) < (e < 2 ? left0 : left1);
+#if BIAS
+        // Biased scores in log2 units: their maximum is taken after the bias.
+        s[j][e] = in ? fmaf(s[j][e], sl2, key_bias(bias_row, in ? k0 + 8 * j + 2 * p.t + (e & 1) : 0)) : -F_INF;
+#else
         s[j][e] = in ? s[j][e] : -F_INF;
+#endif
         if (e < 2) mx0 = fmaxf(mx0, s[j][e]); else mx1 = fmaxf(mx1, s[j][e]);
       }
+#if BIAS
+    float n0 = fmaxf(m0, quad_max(mx0)), n1 = fmaxf(m1, quad_max(mx1));
+    // A row whose keys so far are all masked keeps a maximum of -inf: shift by 0.
+    const float sh0 = n0 == -F_INF ? 0.f : n0, sh1 = n1 == -F_INF ? 0.f : n1;
+    float a0 = exp2f(m0 - sh0), a1 = exp2f(m1 - sh1);
+#else
     // The maximum of the raw scores, scaled (the scale is positive); the exponent by
     // fmaf (see k_dq): 72.5 -> 70.5 us, and no spill.
     float n0 = fmaxf(m0, quad_max(mx0) * sl2), n1 = fmaxf(m1, quad_max(mx1) * sl2);
     float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
+#endif
     m0 = n0; m1 = n1; l0 *= a0; l1 *= a1;
 #pragma unroll
     for (int j = 0; j < HD / 8; j++) { acc[j][0] *= a0; acc[j][1] *= a0; acc[j][2] *= a1; acc[j][3] *= a1; }
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++) {
+#if BIAS
+      s[j][0] = exp2f(s[j][0] - sh0); s[j][1] = exp2f(s[j][1] - sh0);
+      s[j][2] = exp2f(s[j][2] - sh1); s[j][3] = exp2f(s[j][3] - sh1);
+#else
       s[j][0] = exp2f(fmaf(s[j][0], sl2, -n0)); s[j][1] = exp2f(fmaf(s[j][1], sl2, -n0));
       s[j][2] = exp2f(fmaf(s[j][2], sl2, -n1)); s[j][3] = exp2f(fmaf(s[j][3], sl2, -n1));
+#endif
       l0 += s[j][0] + s[j][1]; l1 += s[j][2] + s[j][3];
     }
     mma_s_m(acc, s, vs, p.lane);
@@ -339,11 +362,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
 // multiprocessor: 128 registers (167 unbounded, one block), 156 -> 117 us on the
 // transformer's [16, 512, 12, 64] f16 heads (H100).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, const T* k, const T* v, const T* o,
-    const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, double scale) {
+    const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H), *ob = p.at(o, Sq, H), *db = p.at(d_o, Sq, H);
+  const T* bias_row = bias + p.b * bias_stride;
   const float sl2 = (float)scale * LOG2E;
   unsigned qa[HD / 16][4], da[HD / 16][4];
   stage_a(qa, da, sm, p.at(q, Sq, H), db, stride, Sq, p);
@@ -393,7 +417,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
         // fmaf by hand: modules compile with --fmad=false (elementwise kernels match the
         // CPU bit for bit); as a multiply and a subtract, k_dkv's took 231 registers
         // and 212 us, against 212 and 139 us with fmaf (the shapes above).
-        float pr = in ? exp2f(fmaf(s[j][e], sl2, -(e < 2 ? L0 : L1))) : 0.f;
+#if BIAS
+        const float shift = key_bias(bias_row, in ? k0 + 8 * j + 2 * p.t + (e & 1) : 0) - (e < 2 ? L0 : L1);
+#else
+        const float shift = -(e < 2 ? L0 : L1);
+#endif
+        float pr = in ? exp2f(fmaf(s[j][e], sl2, shift)) : 0.f;
         s[j][e] = pr * (dp[j][e] - (e < 2 ? d0 : d1));
       }
     mma_s_m(acc, s, ks, p.lane);
@@ -404,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
 
 // dk and dv for ROWS keys, walking every query tile.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
-    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, double scale) {
+    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
   const Place p(Sk, H, false);
@@ -426,6 +455,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   // none of its keys.
   const int r = p.first + 16 * p.w + p.g, qbegin = CAUSAL ? p.first / TILE * TILE : 0;
   const int qmin0 = CAUSAL ? r : 0, qmin1 = CAUSAL ? r + 8 : 0;
+  // This lane's keys' bias (log2 units): the same in every query tile.
+  const T* bias_row = bias + p.b * bias_stride;
+  const float kb0 = BIAS && r < Sk ? key_bias(bias_row, r) : 0.f, kb1 = BIAS && r + 8 < Sk ? key_bias(bias_row, r + 8) : 0.f;
   if (qbegin < Sq) {
     start(0, qbegin);
     commit();
@@ -451,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
       for (int e = 0; e < 4; e++) {
         int col = 8 * j + 2 * p.t + (e & 1);
         bool in = q0 + col < Sq && q0 + col >= (e < 2 ? qmin0 : qmin1);
-        float pr = in ? exp2f(fmaf(s[j][e], sl2, -ls[col] * LOG2E)) : 0.f;
+        float pr = in ? exp2f(fmaf(s[j][e], sl2, (e < 2 ? kb0 : kb1) - ls[col] * LOG2E)) : 0.f;
         s[j][e] = pr;
         dp[j][e] = pr * (dp[j][e] - dl[col]);
       }
@@ -466,8 +498,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 
 /// The module of the three kernels for `dtype` (f16 or bf16), head width `head_dim`,
 /// block shape `shape` (its rows at most two tiles: `stage_a` stages them in the
-/// two tile buffers), causal or not.
-pub fn source(dtype: DType, head_dim: usize, shape: Shape, causal: bool) -> String {
+/// two tile buffers), with or without the masks `(causal, key bias)`.
+pub fn source(
+    dtype: DType,
+    head_dim: usize,
+    shape: Shape,
+    (causal, key_bias): (bool, bool),
+) -> String {
     let (pair, pack, mma) = match dtype {
         DType::BF16 => ("__nv_bfloat162", "__floats2bfloat162_rn", "bf16"),
         _ => ("__half2", "__floats2half2_rn", "f16"),
@@ -477,6 +514,7 @@ pub fn source(dtype: DType, head_dim: usize, shape: Shape, causal: bool) -> Stri
         .replace("@WARPS@", &shape.warps.to_string())
         .replace("@TILE@", &shape.tile.to_string())
         .replace("@CAUSAL@", if causal { "1" } else { "0" })
+        .replace("@BIAS@", if key_bias { "1" } else { "0" })
         .replace("@T2@", pair)
         .replace("@PACK@", pack)
         .replace("@MMA@", mma);
@@ -522,12 +560,55 @@ fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDi
     Ok(dims)
 }
 
-/// The scale, which every kernel takes, and whether the attention is causal (a
-/// module of its own).
+/// The scale, which every kernel takes, whether the attention is causal, and its
+/// key bias (each a module of its own).
 #[derive(Clone, Copy)]
-struct Rule {
+struct Rule<'a> {
     scale: f64,
     causal: bool,
+    key_bias: Option<&'a DTensor>,
+}
+
+impl<'a> Rule<'a> {
+    /// The rule of an op's attrs; its key bias, the input after `fixed` ones.
+    fn new(
+        scale: f64,
+        causal: bool,
+        inputs: &'a [DTensor],
+        fixed: usize,
+    ) -> Result<Rule<'a>, String> {
+        let key_bias = match &inputs[fixed.min(inputs.len())..] {
+            [] => None,
+            [bias] => Some(bias),
+            _ => return Err(format!("attention takes at most {} inputs", fixed + 1)),
+        };
+        Ok(Rule {
+            scale,
+            causal,
+            key_bias,
+        })
+    }
+
+    /// The key bias's pointer and batch stride (0 where one row serves every batch);
+    /// a null pointer where there is none.
+    fn key_bias_args(&self, dims: &AttentionDims, dtype: DType) -> Result<[Arg; 2], String> {
+        let Some(bias) = self.key_bias else {
+            return Ok([Arg::Ptr(0), Arg::I32(0)]);
+        };
+        let batch = bias.shape.first().copied().unwrap_or(0);
+        let shape_ok = bias.shape.len() == 4
+            && (batch == 1 || batch == dims.batch)
+            && bias.shape[1..] == [1, 1, dims.k_len];
+        if !shape_ok || bias.dtype != dtype {
+            return Err(format!(
+                "the key bias must be {dtype}[{} or 1, 1, 1, {}], got {}{:?}",
+                dims.batch, dims.k_len, bias.dtype, bias.shape
+            ));
+        }
+        let stride = if batch == 1 { 0 } else { dims.k_len };
+        let stride = i32::try_from(stride).map_err(|_| "key bias too long".to_string())?;
+        Ok([bias.arg(), Arg::I32(stride)])
+    }
 }
 
 fn launch(
@@ -551,16 +632,22 @@ fn launch(
         Arg::I32(int(dims.heads)?),
         Arg::I32(int(dims.q_len)?),
         Arg::I32(int(dims.k_len)?),
-        Arg::F64(rule.scale),
     ]);
-    let (d, causal) = (dims.head_dim, rule.causal);
-    let kind = if causal { "causal" } else { "plain" };
+    args.extend(rule.key_bias_args(dims, dtype)?);
+    args.push(Arg::F64(rule.scale));
+    let (d, masks) = (dims.head_dim, (rule.causal, rule.key_bias.is_some()));
+    let kind = match masks {
+        (false, false) => "plain",
+        (true, false) => "causal",
+        (false, true) => "key-bias",
+        (true, true) => "causal+key-bias",
+    };
     c.dev.launch(
         &format!(
             "attention/{dtype}/{d}/{}x{}/{kind}",
             shape.warps, shape.tile
         ),
-        || source(dtype, d, shape, causal),
+        || source(dtype, d, shape, masks),
         kernel,
         blocks,
         32 * shape.warps as u32,
@@ -568,26 +655,23 @@ fn launch(
     )
 }
 
-/// `o, lse = FusedAttention(q, k, v)`.
+/// `o, lse = FusedAttention(q, k, v[, key bias])`.
 pub fn forward(
     c: &Ctx,
     op: &FusedAttention,
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
-    let [q, k, v] = inputs else {
+    let [q, k, v, ..] = inputs else {
         return Err("FusedAttention takes q, k and v".into());
     };
+    let rule = Rule::new(op.scale, op.causal, inputs, 3)?;
     let [o_ty, lse_ty] = outs else {
         return Err("FusedAttention has two outputs".into());
     };
     let o = c.alloc(o_ty)?;
     let lse = c.alloc(lse_ty)?;
     let dims = checked_dims(c, op.scale, &[q, k, v, &o, &lse])?;
-    let rule = Rule {
-        scale: op.scale,
-        causal: op.causal,
-    };
     launch(
         c,
         "k_fwd",
@@ -600,25 +684,22 @@ pub fn forward(
     Ok(vec![o, lse])
 }
 
-/// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do)`.
+/// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do[, key bias])`.
 pub fn backward(
     c: &Ctx,
     op: &FusedAttentionGrad,
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
-    let [q, k, v, o, lse, d_o] = inputs else {
+    let [q, k, v, o, lse, d_o, ..] = inputs else {
         return Err("FusedAttentionGrad takes q, k, v, o, lse and do".into());
     };
+    let rule = Rule::new(op.scale, op.causal, inputs, 6)?;
     let [dq_ty, dk_ty, dv_ty] = outs else {
         return Err("FusedAttentionGrad has three outputs".into());
     };
     let (dq, dk, dv) = (c.alloc(dq_ty)?, c.alloc(dk_ty)?, c.alloc(dv_ty)?);
     let dims = checked_dims(c, op.scale, &[q, k, v, o, lse, d_o, &dq, &dk, &dv])?;
-    let rule = Rule {
-        scale: op.scale,
-        causal: op.causal,
-    };
     let delta = c.temp(DType::F32, lse.len())?;
     let d = q.dtype;
     launch(

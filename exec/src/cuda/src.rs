@@ -2718,14 +2718,15 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
         }
         k.push(("concat".into(), concat(2)));
         use super::super::attention::{NARROW, WIDE};
-        for (d, head_dim, shape, causal) in [
-            (DType::F16, 64, WIDE, false),
-            (DType::BF16, 32, NARROW, false),
-            (DType::F16, 128, NARROW, true),
+        for (d, head_dim, shape, causal, key_bias) in [
+            (DType::F16, 64, WIDE, false, false),
+            (DType::BF16, 32, NARROW, false, true),
+            (DType::F16, 128, NARROW, true, false),
+            (DType::F16, 64, WIDE, true, true),
         ] {
             k.push((
-                format!("attention_{d}_{head_dim}_{causal}"),
-                super::super::attention::source(d, head_dim, shape, causal),
+                format!("attention_{d}_{head_dim}_{causal}_{key_bias}"),
+                super::super::attention::source(d, head_dim, shape, (causal, key_bias)),
             ));
         }
         // Casts folded into the normalisations: f16 x and dy, f32 math, f16 or f32 out.

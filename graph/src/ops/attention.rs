@@ -4,6 +4,9 @@
 //! them from the explicit BatchMatMul-Softmax-BatchMatMul form). A causal attention
 //! masks the scores of keys after the query (key `j > i` for query `i`, counted from
 //! the start of both sequences, as an additive `-inf` mask above the diagonal does).
+//! With `key_bias`, a last input `[B or 1, 1, 1, Sk]` is added to the scaled scores of
+//! each key: a padding mask (0 for a key, `-inf` for padding) or any per-key bias. It
+//! takes no gradient.
 //!
 //! Layout: `q [B, Sq, H, D]`, `k` and `v [B, Sk, H, D]`, `o [B, Sq, H, D]`: heads after
 //! the sequence, as the projections produce them, so no transposes split or merge the
@@ -28,6 +31,7 @@ pub(crate) const OPS: &[OpEntry] = &[
             Ok(Box::new(FusedAttention {
                 scale: a.float_or("scale", 1.0)?,
                 causal: a.bool_or("causal", false)?,
+                key_bias: a.bool_or("key_bias", false)?,
             }))
         },
     },
@@ -37,6 +41,7 @@ pub(crate) const OPS: &[OpEntry] = &[
             Ok(Box::new(FusedAttentionGrad {
                 scale: a.float_or("scale", 1.0)?,
                 causal: a.bool_or("causal", false)?,
+                key_bias: a.bool_or("key_bias", false)?,
             }))
         },
     },
@@ -48,6 +53,8 @@ pub struct FusedAttention {
     pub scale: f64,
     /// Query `i` attends to keys `0..=i` only.
     pub causal: bool,
+    /// A fourth input `[B or 1, 1, 1, Sk]` is added to each key's scaled scores.
+    pub key_bias: bool,
 }
 
 /// The gradients `dq, dk, dv` of [`FusedAttention`] from its inputs, its outputs
@@ -56,6 +63,8 @@ pub struct FusedAttention {
 pub struct FusedAttentionGrad {
     pub scale: f64,
     pub causal: bool,
+    /// A seventh input, the forward's key bias.
+    pub key_bias: bool,
 }
 
 /// The head widths the fused CUDA kernels take: multiples of the Tensor Core step
@@ -132,34 +141,68 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).map(|(&x, &y)| x * y).sum()
 }
 
-/// The attrs both ops write: `causal` only where set, so files from before it read
-/// the same.
-fn attention_attrs(scale: f64, causal: bool) -> Vec<(&'static str, AttrValue)> {
+/// The attrs both ops write: `causal` and `key_bias` only where set, so files from
+/// before them read the same.
+fn attention_attrs(scale: f64, causal: bool, key_bias: bool) -> Vec<(&'static str, AttrValue)> {
     let mut attrs = vec![("scale", scale.into())];
-    if causal {
-        attrs.push(("causal", true.into()));
+    for (name, set) in [("causal", causal), ("key_bias", key_bias)] {
+        if set {
+            attrs.push((name, true.into()));
+        }
     }
     attrs
 }
 
-/// The scaled scores of query row `qi` of (`b`, `h`) against every key, into `s`;
-/// `-inf` for the keys a causal attention masks.
-fn scores<T: Real>(
-    dims: &AttentionDims,
-    (q, k): (&[T], &[T]),
-    (b, h, qi): (usize, usize, usize),
-    (scale, causal): (T, bool),
-    s: &mut [T],
-) {
-    let d = dims.head_dim;
-    let qr = dims.row(dims.q_len, b, qi, h);
-    for (j, sj) in s.iter_mut().enumerate() {
-        let kr = dims.row(dims.k_len, b, j, h);
-        *sj = if causal && j > qi {
-            T::neg_infinity()
-        } else {
-            scale * dot(&q[qr..qr + d], &k[kr..kr + d])
-        };
+/// Checks a key bias against the sizes: `[B or 1, 1, 1, Sk]` of q's dtype.
+fn check_key_bias(bias: &TensorType, dims: &AttentionDims, dtype: DType) -> OpResult<()> {
+    let batch_ok = matches!(bias.shape.first(), Some(&n) if n == 1 || n == dims.batch);
+    if bias.rank() != 4 || !batch_ok || bias.shape[1..] != [1, 1, dims.k_len] {
+        return Err(format!(
+            "key bias must be [{} or 1, 1, 1, {}], got {}",
+            dims.batch,
+            dims.k_len,
+            ShapeDisplay(&bias.shape)
+        ));
+    }
+    if bias.dtype != dtype {
+        return Err(format!("key bias is {} but q is {dtype}", bias.dtype));
+    }
+    Ok(())
+}
+
+/// How scores are made: the scale, the causal mask, and the key bias's values (one
+/// row of `Sk`, or one per batch).
+struct ScoreRule<'a, T> {
+    scale: T,
+    causal: bool,
+    key_bias: Option<&'a [T]>,
+}
+
+impl<T: Real> ScoreRule<'_, T> {
+    /// The scaled scores of query row `qi` of (`b`, `h`) against every key, into `s`:
+    /// plus the key bias, `-inf` for the keys a causal attention masks.
+    fn scores(
+        &self,
+        dims: &AttentionDims,
+        (q, k): (&[T], &[T]),
+        (b, h, qi): (usize, usize, usize),
+        s: &mut [T],
+    ) {
+        let d = dims.head_dim;
+        let qr = dims.row(dims.q_len, b, qi, h);
+        let bias = self.key_bias.map(|all| {
+            let row = if all.len() == dims.k_len { 0 } else { b };
+            &all[row * dims.k_len..(row + 1) * dims.k_len]
+        });
+        for (j, sj) in s.iter_mut().enumerate() {
+            let kr = dims.row(dims.k_len, b, j, h);
+            *sj = if self.causal && j > qi {
+                T::neg_infinity()
+            } else {
+                let score = self.scale * dot(&q[qr..qr + d], &k[kr..kr + d]);
+                bias.map_or(score, |bias| score + bias[j])
+            };
+        }
     }
 }
 
@@ -168,28 +211,27 @@ impl Op for FusedAttention {
         "FusedAttention"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(3)
+        Arity::Exactly(3 + usize::from(self.key_bias))
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        attention_attrs(self.scale, self.causal)
+        attention_attrs(self.scale, self.causal, self.key_bias)
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let [q, k, v] = fixed(inputs)?;
-        let dims = AttentionDims::of(q, k, v)?;
-        Ok(vec![(*q).clone(), dims.lse_type(q.dtype)])
+        let (q, dims) = forward_dims(self.key_bias, inputs)?;
+        Ok(vec![q.clone(), dims.lse_type(q.dtype)])
     }
-    fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+    fn type_groups(&self, num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
         vec![
-            TypeGroup::new(vec![0, 1, 2], vec![0]),
+            TypeGroup::new((0..num_inputs).collect(), vec![0]),
             TypeGroup::new(vec![], vec![1]).fixed(),
         ]
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let [q, k, v] = fixed(inputs)?;
-        let dims = AttentionDims::of(&q.ty(), &k.ty(), &v.ty())?;
-        match q.dtype() {
-            DType::F64 => attention::<f64>(self, &dims, q, k, v),
-            _ => attention::<f32>(self, &dims, q, k, v),
+        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let (_, dims) = forward_dims(self.key_bias, &types.iter().collect::<Vec<_>>())?;
+        match inputs[0].dtype() {
+            DType::F64 => attention::<f64>(self, &dims, inputs),
+            _ => attention::<f32>(self, &dims, inputs),
         }
     }
     fn gradient(
@@ -202,14 +244,38 @@ impl Op for FusedAttention {
         let (Some(d_o), [o, lse]) = (grad0(grads), outputs) else {
             return Ok(vec![None; inputs.len()]);
         };
-        let [q, k, v] = fixed(inputs).map_err(GraphError::Format)?;
+        let (qkv, bias) = inputs.split_at(3.min(inputs.len()));
+        let [q, k, v] = fixed(qkv).map_err(GraphError::Format)?;
         let op = FusedAttentionGrad {
             scale: self.scale,
             causal: self.causal,
+            key_bias: self.key_bias,
         };
-        let id = b.add_node(Box::new(op), &[*q, *k, *v, *o, *lse, d_o])?;
-        Ok((0..3).map(|i| Some(Port::new(id, i))).collect())
+        let mut grad_inputs = vec![*q, *k, *v, *o, *lse, d_o];
+        grad_inputs.extend(bias);
+        let id = b.add_node(Box::new(op), &grad_inputs)?;
+        // The key bias (a mask) takes no gradient.
+        let mut grads: Vec<Option<Port>> = (0..3).map(|i| Some(Port::new(id, i))).collect();
+        grads.extend(bias.iter().map(|_| None));
+        Ok(grads)
     }
+}
+
+/// The sizes of a FusedAttention over `q, k, v` (and a key bias where `key_bias`),
+/// with q's type.
+fn forward_dims<'a>(
+    key_bias: bool,
+    inputs: &[&'a TensorType],
+) -> OpResult<(&'a TensorType, AttentionDims)> {
+    let (qkv, bias) = inputs.split_at(3.min(inputs.len()));
+    let [q, k, v] = fixed(qkv)?;
+    let dims = AttentionDims::of(q, k, v)?;
+    match bias {
+        [] if !key_bias => {}
+        [bias] if key_bias => check_key_bias(bias, &dims, q.dtype)?,
+        _ => return Err(format!("expected {} inputs", 3 + usize::from(key_bias))),
+    }
+    Ok((q, dims))
 }
 
 /// The reference forward: per row, the scores, their maximum-shifted exponentials,
@@ -217,20 +283,24 @@ impl Op for FusedAttention {
 fn attention<T: Real>(
     op: &FusedAttention,
     dims: &AttentionDims,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    inputs: &[&Tensor],
 ) -> OpResult<Vec<Tensor>> {
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     let (qs, ks, vs) = (T::read(q), T::read(k), T::read(v));
+    let bias = inputs.get(3).map(|t| T::read(t));
+    let rule = ScoreRule {
+        scale: T::lit(op.scale),
+        causal: op.causal,
+        key_bias: bias.as_deref(),
+    };
     let d = dims.head_dim;
     let mut o = vec![T::zero(); qs.len()];
     let mut lse = Vec::with_capacity(dims.batch * dims.heads * dims.q_len);
     let mut s = vec![T::zero(); dims.k_len];
-    let rule = (T::lit(op.scale), op.causal);
     for b in 0..dims.batch {
         for h in 0..dims.heads {
             for qi in 0..dims.q_len {
-                scores(dims, (&qs, &ks), (b, h, qi), rule, &mut s);
+                rule.scores(dims, (&qs, &ks), (b, h, qi), &mut s);
                 let max = s.iter().copied().fold(T::neg_infinity(), T::max);
                 let shift = if max.is_finite() { max } else { T::zero() };
                 s.iter_mut().for_each(|x| *x = (*x - shift).exp());
@@ -259,25 +329,26 @@ impl Op for FusedAttentionGrad {
         "FusedAttentionGrad"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(6)
+        Arity::Exactly(6 + usize::from(self.key_bias))
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        attention_attrs(self.scale, self.causal)
+        attention_attrs(self.scale, self.causal, self.key_bias)
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        grad_dims(inputs)?;
-        let [q, k, v, _, _, _] = fixed(inputs)?;
-        Ok(vec![(*q).clone(), (*k).clone(), (*v).clone()])
+        grad_dims(self.key_bias, inputs)?;
+        Ok(inputs[..3].iter().map(|t| (*t).clone()).collect())
     }
-    fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+    fn type_groups(&self, num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+        let mut group = vec![0, 1, 2, 3, 5];
+        group.extend(6..num_inputs);
         vec![
-            TypeGroup::new(vec![0, 1, 2, 3, 5], vec![0, 1, 2]),
+            TypeGroup::new(group, vec![0, 1, 2]),
             TypeGroup::new(vec![4], vec![]).fixed(),
         ]
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-        let dims = grad_dims(&types.iter().collect::<Vec<_>>())?;
+        let dims = grad_dims(self.key_bias, &types.iter().collect::<Vec<_>>())?;
         match inputs[0].dtype() {
             DType::F64 => attention_grad::<f64>(self, &dims, inputs),
             _ => attention_grad::<f32>(self, &dims, inputs),
@@ -285,11 +356,15 @@ impl Op for FusedAttentionGrad {
     }
 }
 
-/// The sizes of a FusedAttentionGrad over `q, k, v, o, lse, do`, once `o` and `do`
-/// are checked against `q` and `lse` against the sizes.
-fn grad_dims(inputs: &[&TensorType]) -> OpResult<AttentionDims> {
-    let [q, k, v, o, lse, d_o] = fixed(inputs)?;
-    let dims = AttentionDims::of(q, k, v)?;
+/// The sizes of a FusedAttentionGrad over `q, k, v, o, lse, do` (and a key bias
+/// where `key_bias`), once `o` and `do` are checked against `q` and `lse` against the
+/// sizes.
+fn grad_dims(key_bias: bool, inputs: &[&TensorType]) -> OpResult<AttentionDims> {
+    let (first, rest) = inputs.split_at(6.min(inputs.len()));
+    let [q, k, v, o, lse, d_o] = fixed(first)?;
+    let mut forward = vec![*q, *k, *v];
+    forward.extend(rest);
+    let (_, dims) = forward_dims(key_bias, &forward)?;
     for (what, t) in [("o", o), ("do", d_o)] {
         if *t != *q {
             return Err(format!("{what} is {t} but q is {q}"));
@@ -310,19 +385,25 @@ fn attention_grad<T: Real>(
     dims: &AttentionDims,
     inputs: &[&Tensor],
 ) -> OpResult<Vec<Tensor>> {
-    let [q, k, v, o, lse, d_o] = fixed(inputs)?;
+    let [q, k, v, o, lse, d_o] = fixed(&inputs[..6])?;
     let (qs, ks, vs) = (T::read(q), T::read(k), T::read(v));
     let (os, lses, dos) = (T::read(o), T::read(lse), T::read(d_o));
+    let bias = inputs.get(6).map(|t| T::read(t));
+    let rule = ScoreRule {
+        scale: T::lit(op.scale),
+        causal: op.causal,
+        key_bias: bias.as_deref(),
+    };
     let d = dims.head_dim;
     let mut dq = vec![T::zero(); qs.len()];
     let mut dk = vec![T::zero(); ks.len()];
     let mut dv = vec![T::zero(); vs.len()];
     let (mut p, mut ds) = (vec![T::zero(); dims.k_len], vec![T::zero(); dims.k_len]);
-    let scale = T::lit(op.scale);
+    let scale = rule.scale;
     for b in 0..dims.batch {
         for h in 0..dims.heads {
             for qi in 0..dims.q_len {
-                scores(dims, (&qs, &ks), (b, h, qi), (scale, op.causal), &mut p);
+                rule.scores(dims, (&qs, &ks), (b, h, qi), &mut p);
                 let row_lse = lses[(b * dims.heads + h) * dims.q_len + qi];
                 p.iter_mut().for_each(|x| *x = (*x - row_lse).exp());
                 let qr = dims.row(dims.q_len, b, qi, h);
