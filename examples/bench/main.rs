@@ -149,6 +149,12 @@ struct Args {
     /// masked scores.
     #[arg(long)]
     causal: bool,
+    /// transformer: a key padding mask `[batch, 1, 1, seq]` added to the scores (batch
+    /// element i pads its last i * seq / (2 * batch) keys with -inf), as
+    /// `scripts/torch_causal.py --padding` does PyTorch's; `fuse-attention` makes it
+    /// the fused attention's key bias.
+    #[arg(long)]
+    key_padding: bool,
     /// Output classes (1000).
     #[arg(long)]
     classes: Option<usize>,
@@ -235,6 +241,7 @@ enum Config {
         layers: usize,
         classes: usize,
         causal: bool,
+        key_padding: bool,
     },
 }
 
@@ -265,6 +272,7 @@ impl Config {
                     layers: a.layers.unwrap_or(4),
                     classes: a.classes.unwrap_or(1000),
                     causal: a.causal,
+                    key_padding: a.key_padding,
                 }
             }
         };
@@ -291,9 +299,11 @@ impl Config {
                 layers,
                 classes,
                 causal,
+                key_padding,
             } => format!(
-                "x[{batch},{seq},{d}], {layers} pre-LN blocks ({heads} heads, explicit {}softmax attention, MLP 4x GELU), LayerNorm, Linear {classes}",
-                if causal { "causal " } else { "" }
+                "x[{batch},{seq},{d}], {layers} pre-LN blocks ({heads} heads, explicit {}{}softmax attention, MLP 4x GELU), LayerNorm, Linear {classes}",
+                if causal { "causal " } else { "" },
+                if key_padding { "key-padded " } else { "" }
             ),
         }
     }
@@ -462,29 +472,32 @@ fn build(cfg: &Config) -> Res<Model> {
             layers,
             classes,
             causal,
+            key_padding,
         } => {
             let x = g.placeholder(X, DType::F32, [batch, seq, d])?;
             let labels = g.placeholder(LABELS, DType::I64, [batch * seq])?;
             // The residual stream as [b*t, d]: the Linear layers see 2-D inputs.
             let mut h = g.reshape(x, [(batch * seq) as i64, d as i64])?;
-            // -inf above the diagonal: token i attends to tokens 0..=i.
-            let mask = if causal {
-                let values: Vec<f32> = (0..seq * seq)
-                    .map(|i| {
-                        if i % seq > i / seq {
-                            f32::NEG_INFINITY
-                        } else {
-                            0.0
-                        }
-                    })
+            // -inf where a query may not look: above the diagonal (token i attends to
+            // tokens 0..=i), on the padded keys.
+            let mask = |shape: Vec<usize>, masked: &dyn Fn(usize) -> bool| {
+                let values = (0..shape.iter().product())
+                    .map(|i| if masked(i) { f32::NEG_INFINITY } else { 0.0 })
                     .collect();
-                let mask = Tensor::new(vec![seq, seq], Data::F32(values))?;
-                Some(g.constant(mask)?)
-            } else {
-                None
+                Tensor::new(shape, Data::F32(values))
             };
+            let mut masks = Vec::new();
+            if causal {
+                let causal = mask(vec![seq, seq], &|i| i % seq > i / seq)?;
+                masks.push(g.constant(causal)?);
+            }
+            if key_padding {
+                let kept = |b: usize| seq - b * seq / (2 * batch);
+                let padding = mask(vec![batch, 1, 1, seq], &|i| i % seq >= kept(i / seq))?;
+                masks.push(g.constant(padding)?);
+            }
             for _ in 0..layers {
-                h = block(&mut g, h, (batch, seq), d, heads, mask)?;
+                h = block(&mut g, h, (batch, seq), d, heads, &masks)?;
             }
             let h = layer_norm(&mut g, h, d)?;
             // Linear on every token; torch's cross_entropy(out.reshape(-1, classes), y).
@@ -521,15 +534,15 @@ fn layer_norm(g: &mut Graph, x: Port, d: usize) -> Res<Port> {
     Ok(g.layer_norm(x, gamma.into(), beta.into(), axis, 1e-5)?)
 }
 
-/// torch_anchor.py's `Block.forward` on the residual stream `x [b*t, d]`, with `mask`
-/// (`[t, t]`) added to the attention scores where given.
+/// torch_anchor.py's `Block.forward` on the residual stream `x [b*t, d]`, with `masks`
+/// added to the attention scores.
 fn block(
     g: &mut Graph,
     x: Port,
     (b, t): (usize, usize),
     d: usize,
     heads: usize,
-    mask: Option<Port>,
+    masks: &[Port],
 ) -> Res<Port> {
     let dh = d / heads;
     let n = b * t;
@@ -549,7 +562,7 @@ fn block(
     let att = g.batch_matmul_adj(q, k, false, true)?;
     let scale = g.scalar(DType::F32, 1.0 / (dh as f64).sqrt())?;
     let mut att = g.mul(att, scale)?;
-    if let Some(mask) = mask {
+    for &mask in masks {
         att = g.plus(att, mask)?;
     }
     let att = g.softmax(att, -1)?;

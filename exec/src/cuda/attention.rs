@@ -455,9 +455,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   // none of its keys.
   const int r = p.first + 16 * p.w + p.g, qbegin = CAUSAL ? p.first / TILE * TILE : 0;
   const int qmin0 = CAUSAL ? r : 0, qmin1 = CAUSAL ? r + 8 : 0;
+#if BIAS
   // This lane's keys' bias (log2 units): the same in every query tile.
   const T* bias_row = bias + p.b * bias_stride;
-  const float kb0 = BIAS && r < Sk ? key_bias(bias_row, r) : 0.f, kb1 = BIAS && r + 8 < Sk ? key_bias(bias_row, r + 8) : 0.f;
+  const float kb0 = r < Sk ? key_bias(bias_row, r) : 0.f, kb1 = r + 8 < Sk ? key_bias(bias_row, r + 8) : 0.f;
+#endif
   if (qbegin < Sq) {
     start(0, qbegin);
     commit();
@@ -483,7 +485,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
       for (int e = 0; e < 4; e++) {
         int col = 8 * j + 2 * p.t + (e & 1);
         bool in = q0 + col < Sq && q0 + col >= (e < 2 ? qmin0 : qmin1);
-        float pr = in ? exp2f(fmaf(s[j][e], sl2, (e < 2 ? kb0 : kb1) - ls[col] * LOG2E)) : 0.f;
+#if BIAS
+        const float shift = (e < 2 ? kb0 : kb1) - ls[col] * LOG2E;
+#else
+        const float shift = -ls[col] * LOG2E;
+#endif
+        float pr = in ? exp2f(fmaf(s[j][e], sl2, shift)) : 0.f;
         s[j][e] = pr;
         dp[j][e] = pr * (dp[j][e] - dl[col]);
       }
