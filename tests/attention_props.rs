@@ -38,6 +38,19 @@ struct Case {
     key_bias: bool,
 }
 
+/// A small training attention the unit tests vary.
+const SMALL: Case = Case {
+    batch: 1,
+    heads: 2,
+    q_len: 8,
+    k_len: 12,
+    head_dim: 16,
+    scale: 0.25,
+    train: true,
+    causal: false,
+    key_bias: false,
+};
+
 /// The causal mask of `case` in `dtype`, `[Sq, Sk]`: `-inf` where key `j > i`.
 fn causal_mask(case: Case, dtype: DType) -> Tensor {
     let values: Vec<f64> = (0..case.q_len * case.k_len)
@@ -272,17 +285,7 @@ proptest! {
 /// explicit.
 #[test]
 fn unsupported_attentions_stay_explicit() {
-    let base = Case {
-        batch: 1,
-        heads: 2,
-        q_len: 8,
-        k_len: 8,
-        head_dim: 16,
-        scale: 0.25,
-        train: true,
-        causal: false,
-        key_bias: false,
-    };
+    let base = Case { k_len: 8, ..SMALL };
     let wide = Case {
         head_dim: 144,
         ..base
@@ -319,15 +322,8 @@ fn unsupported_attentions_stay_explicit() {
 #[test]
 fn other_masks_stay_explicit() {
     let case = Case {
-        batch: 1,
-        heads: 2,
-        q_len: 8,
-        k_len: 12,
-        head_dim: 16,
-        scale: 0.25,
-        train: true,
         causal: true,
-        key_bias: false,
+        ..SMALL
     };
     let mut g = explicit(case, DType::F16);
     assert_eq!(count(&fuse(&mut g), 0), 1, "the causal mask fuses");
@@ -413,14 +409,8 @@ fn scales_left_as_a_mul_fuse() {
 fn key_bias_rules() {
     let case = Case {
         batch: 2,
-        heads: 2,
-        q_len: 8,
-        k_len: 12,
-        head_dim: 16,
-        scale: 0.25,
-        train: true,
-        causal: false,
         key_bias: true,
+        ..SMALL
     };
     let (b, sq, sk) = (case.batch, case.q_len, case.k_len);
     let expect = [
@@ -434,5 +424,49 @@ fn key_bias_rules() {
         g.validate().unwrap();
         assert_eq!(count(&summary, 0), fused, "{what}: {summary}");
         assert_eq!(has::<Softmax>(&g), fused == 0, "{what}");
+    }
+}
+
+/// A key bias of the wrong shape or dtype, or a missing one, is an error naming the
+/// node and the problem.
+#[test]
+fn bad_key_biases_are_clear_errors() {
+    let op = FusedAttention {
+        scale: 0.25,
+        causal: false,
+        key_bias: true,
+    };
+    for (bias_shape, bias_dtype, want) in [
+        (
+            vec![2, 1, 4, 12],
+            DType::F16,
+            "key bias must be [2 or 1, 1, 1, 12], got [2, 1, 4, 12]",
+        ),
+        (
+            vec![3, 1, 1, 12],
+            DType::F16,
+            "key bias must be [2 or 1, 1, 1, 12]",
+        ),
+        (
+            vec![1, 1, 1, 12],
+            DType::F32,
+            "key bias is f32 but q is f16",
+        ),
+    ] {
+        let mut g = Graph::new();
+        let q = g.placeholder("q", DType::F16, [2, 8, 2, 16]).unwrap();
+        let k = g.placeholder("k", DType::F16, [2, 12, 2, 16]).unwrap();
+        let v = g.placeholder("v", DType::F16, [2, 12, 2, 16]).unwrap();
+        let bias = g.placeholder("bias", bias_dtype, bias_shape).unwrap();
+        let err = g
+            .add_node("att", Box::new(op.clone()), &[q, k, v, bias])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want) && err.contains("att"), "{err}");
+        let err = g
+            .add_node("no_bias", Box::new(op.clone()), &[q, k, v])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no_bias") && err.contains("4 inputs"), "{err}");
     }
 }

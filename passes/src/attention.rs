@@ -176,6 +176,13 @@ struct Masks {
     key_bias: Option<Port>,
 }
 
+/// One mask an Add puts on the scores.
+enum Mask {
+    /// The causal mask, with the nodes that make it.
+    Causal(Vec<NodeId>),
+    KeyBias(Port),
+}
+
 /// The input `x` of a softmax split into the scaled scores and the masks that Adds
 /// put on them (a causal mask, a key bias; nothing else reading the scores below
 /// each Add), with those Adds and the causal mask's nodes.
@@ -190,18 +197,18 @@ fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
             }
             if !masks.causal {
                 if let Some(made_by) = causal_mask(g, mask, (sq, sk)) {
-                    return Some((scores, Ok(made_by)));
+                    return Some((scores, Mask::Causal(made_by)));
                 }
             }
             let key_bias = masks.key_bias.is_none() && is_key_bias(g, mask, ty);
-            key_bias.then_some((scores, Err(mask)))
+            key_bias.then_some((scores, Mask::KeyBias(mask)))
         })?;
         match found {
-            Ok(made_by) => {
+            Mask::Causal(made_by) => {
                 masks.causal = true;
                 nodes.extend(made_by);
             }
-            Err(bias) => masks.key_bias = Some(bias),
+            Mask::KeyBias(bias) => masks.key_bias = Some(bias),
         }
         nodes.push(x.node);
         x = scores;
