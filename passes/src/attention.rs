@@ -192,7 +192,11 @@ fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
         let ty = g.ty(x);
         let (sq, sk) = (*ty.shape.get(2)?, *ty.shape.get(3)?);
         let (scores, found) = [(a, b), (b, a)].into_iter().find_map(|(scores, mask)| {
-            if g.ty(scores) != ty || readers(g, scores)?.len() != 1 {
+            // Where both sides have the scores' type (one query, one key), the scores
+            // are the side the product's chain makes.
+            let chained =
+                g.node(scores.node).op.is::<BatchMatMul>() || g.node(scores.node).op.is::<Binary>();
+            if !chained || g.ty(scores) != ty || readers(g, scores)?.len() != 1 {
                 return None;
             }
             if !masks.causal {
