@@ -155,7 +155,7 @@ impl Pass for FuseCrossEntropy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{assert_same_bits, run as run_cpu};
+    use crate::testing::{assert_same_bits, count, run as run_cpu};
     use ampgraph_graph::ops::{Cast, Unary, UnaryKind};
     use ampgraph_graph::Tensor;
     use std::collections::HashMap;
@@ -208,12 +208,6 @@ mod tests {
     fn fused_op(g: &Graph) -> Option<&SoftmaxCrossEntropyWithGrad> {
         let id = g.find("softmaxcrossentropy")?;
         g.node(id).op.downcast_ref::<SoftmaxCrossEntropyWithGrad>()
-    }
-
-    fn count(g: &Graph, name: &str) -> usize {
-        g.node_ids()
-            .filter(|&id| g.node(id).op_name() == name)
-            .count()
     }
 
     #[test]

@@ -129,7 +129,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::testing::{assert_same_bits, run};
+    use crate::testing::{assert_same_bits, count, run};
     use ampgraph_graph::format;
     use ampgraph_graph::ops::{AssignVariable, Placeholder, Variable};
     use ampgraph_graph::{Tensor, TensorType};
@@ -176,12 +176,6 @@ mod tests {
         }
         g.set_outputs(outputs).unwrap();
         (g, feeds)
-    }
-
-    fn count(g: &Graph, op: &str) -> usize {
-        g.node_ids()
-            .filter(|&id| g.node(id).op_name() == op)
-            .count()
     }
 
     #[test]

@@ -84,7 +84,7 @@ impl Pass for SoftmaxPrologue {
 mod tests {
     use super::*;
     use crate::fuse::Fuse;
-    use crate::testing::{assert_same_bits, run as run_cpu};
+    use crate::testing::{assert_same_bits, count, run as run_cpu};
     use ampgraph_graph::format::to_text;
     use ampgraph_graph::ops::fused::MEMBERS_ANNOTATION;
     use ampgraph_graph::ops::{BatchMatMul, Binary, BinaryKind, Cast, Unary, UnaryKind};
@@ -148,12 +148,6 @@ mod tests {
             Tensor::from_f64(dtype, vec![B, S, D], &v).unwrap()
         };
         HashMap::from([("q", ramp(0.37)), ("k", ramp(0.91)), ("v", ramp(0.13))])
-    }
-
-    fn count(g: &Graph, name: &str) -> usize {
-        g.node_ids()
-            .filter(|&id| g.node(id).op_name() == name)
-            .count()
     }
 
     #[test]

@@ -4,6 +4,13 @@ use std::collections::HashMap;
 
 use ampgraph_graph::{Graph, NodeId, Tensor};
 
+/// How many nodes of the graph run the op named `op`.
+pub fn count(g: &Graph, op: &str) -> usize {
+    g.node_ids()
+        .filter(|&id| g.node(id).op_name() == op)
+        .count()
+}
+
 /// Runs the graph with the CPU kernels, placeholders fed by name.
 pub fn run(g: &Graph, feeds: &HashMap<&str, Tensor>) -> Vec<Tensor> {
     let mut vals: HashMap<NodeId, Vec<Tensor>> = HashMap::new();

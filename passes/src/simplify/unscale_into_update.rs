@@ -173,7 +173,7 @@ impl Pass for UnscaleIntoUpdate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::run as run_cpu;
+    use crate::testing::{count, run as run_cpu};
     use ampgraph_graph::ops::{Placeholder, Rule, Unary, UnaryKind};
     use ampgraph_graph::{DType, Tensor, TensorType};
 
@@ -210,12 +210,6 @@ mod tests {
         }
         g.set_outputs(outputs).unwrap();
         g
-    }
-
-    fn count(g: &Graph, op: &str) -> usize {
-        g.node_ids()
-            .filter(|&id| g.node(id).op_name() == op)
-            .count()
     }
 
     #[test]
