@@ -34,7 +34,7 @@ use std::collections::HashSet;
 
 use crate::simplify::const_value;
 use crate::simplify::scale_into_matmul::scalar;
-use ampgraph_graph::ops::attention::tensor_core_head_dim;
+use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim};
 use ampgraph_graph::ops::{
     BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, FusedAttention, FusedAttentionGrad, Softmax,
     SoftmaxGrad, Transpose,
@@ -154,19 +154,13 @@ fn operands(g: &Graph, p: Port, kind: BinaryKind) -> Option<[Port; 2]> {
     (binary.kind == kind).then_some([a, b])
 }
 
-/// Whether `port` can be a key bias of scores of type `scores`: `[B or 1, 1, 1, Sk]`
-/// of their dtype.
+/// Whether `port` can be a key bias of scores of type `scores` `[B, H, Sq, Sk]`: what
+/// the fused op takes (`check_key_bias`).
 fn is_key_bias(g: &Graph, port: Port, scores: &TensorType) -> bool {
-    let t = g.ty(port);
-    let batch_ok = t
-        .shape
-        .first()
-        .is_some_and(|&n| n == 1 || Some(&n) == scores.shape.first());
-    t.dtype == scores.dtype
-        && t.rank() == 4
-        && batch_ok
-        && t.shape[1..3] == [1, 1]
-        && scores.shape.get(3) == Some(&t.shape[3])
+    let (Some(&batch), Some(&k_len)) = (scores.shape.first(), scores.shape.get(3)) else {
+        return false;
+    };
+    check_key_bias(g.ty(port), (batch, k_len), scores.dtype).is_ok()
 }
 
 /// The masks added to the scores.

@@ -16,7 +16,7 @@
 //! diagonal, masks the scores above it in the tiles that cross it, and a warp skips
 //! a tile whose scores it masks whole (its contribution would be exactly zero).
 
-use ampgraph_graph::ops::attention::{tensor_core_head_dim, AttentionDims};
+use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
 use ampgraph_graph::ops::{FusedAttention, FusedAttentionGrad};
 use ampgraph_graph::{DType, TensorType};
 
@@ -602,17 +602,9 @@ impl<'a> Rule<'a> {
         let Some(bias) = self.key_bias else {
             return Ok([Arg::Ptr(0), Arg::I32(0)]);
         };
-        let batch = bias.shape.first().copied().unwrap_or(0);
-        let shape_ok = bias.shape.len() == 4
-            && (batch == 1 || batch == dims.batch)
-            && bias.shape[1..] == [1, 1, dims.k_len];
-        if !shape_ok || bias.dtype != dtype {
-            return Err(format!(
-                "the key bias must be {dtype}[{} or 1, 1, 1, {}], got {}{:?}",
-                dims.batch, dims.k_len, bias.dtype, bias.shape
-            ));
-        }
-        let stride = if batch == 1 { 0 } else { dims.k_len };
+        let ty = TensorType::new(bias.dtype, bias.shape.clone());
+        check_key_bias(&ty, (dims.batch, dims.k_len), dtype)?;
+        let stride = if bias.shape[0] == 1 { 0 } else { dims.k_len };
         let stride = i32::try_from(stride).map_err(|_| "key bias too long".to_string())?;
         Ok([bias.arg(), Arg::I32(stride)])
     }

@@ -153,14 +153,17 @@ fn attention_attrs(scale: f64, causal: bool, key_bias: bool) -> Vec<(&'static st
     attrs
 }
 
-/// Checks a key bias against the sizes: `[B or 1, 1, 1, Sk]` of q's dtype.
-fn check_key_bias(bias: &TensorType, dims: &AttentionDims, dtype: DType) -> OpResult<()> {
-    let batch_ok = matches!(bias.shape.first(), Some(&n) if n == 1 || n == dims.batch);
-    if bias.rank() != 4 || !batch_ok || bias.shape[1..] != [1, 1, dims.k_len] {
+/// Checks a key bias of an attention over `batch` and `k_len` keys in `dtype`:
+/// `[batch or 1, 1, 1, k_len]` of that dtype.
+pub fn check_key_bias(
+    bias: &TensorType,
+    (batch, k_len): (usize, usize),
+    dtype: DType,
+) -> OpResult<()> {
+    let batch_ok = matches!(bias.shape.first(), Some(&n) if n == 1 || n == batch);
+    if bias.rank() != 4 || !batch_ok || bias.shape[1..] != [1, 1, k_len] {
         return Err(format!(
-            "key bias must be [{} or 1, 1, 1, {}], got {}",
-            dims.batch,
-            dims.k_len,
+            "key bias must be [{batch} or 1, 1, 1, {k_len}], got {}",
             ShapeDisplay(&bias.shape)
         ));
     }
@@ -272,7 +275,7 @@ fn forward_dims<'a>(
     let dims = AttentionDims::of(q, k, v)?;
     match bias {
         [] if !key_bias => {}
-        [bias] if key_bias => check_key_bias(bias, &dims, q.dtype)?,
+        [bias] if key_bias => check_key_bias(bias, (dims.batch, dims.k_len), q.dtype)?,
         _ => return Err(format!("expected {} inputs", 3 + usize::from(key_bias))),
     }
     Ok((q, dims))
