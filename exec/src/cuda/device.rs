@@ -17,7 +17,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
 use super::kernel_cache::DiskCache;
-use super::src::{GROUP_MEMBERS, GROUP_POINTERS, MAX_RANK, VECTOR};
+use super::kernels::{GROUP_MEMBERS, GROUP_POINTERS, MAX_RANK, VECTOR};
 
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {

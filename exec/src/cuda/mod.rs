@@ -22,18 +22,15 @@
 //! (`cast_to`): the next step's Cast kernel does not run. Only fetched values are
 //! copied back.
 
-mod attention;
 mod device;
 mod gemm;
 pub mod kernel_cache;
-mod ops;
-mod src;
+mod kernels;
 
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use ampgraph_graph::ops::{Const, Group, Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
 
@@ -45,6 +42,7 @@ pub use device::LaunchCounts;
 use device::{guard, DTensor, Device};
 use gemm::Gemm;
 pub use gemm::GemmOptions;
+use kernels::{Lowered, Owner, Source};
 
 /// The number of CUDA devices, or why CUDA cannot be used on this machine (no driver
 /// library, no device, no NVRTC or cuBLASLt library).
@@ -145,6 +143,10 @@ impl VarSlot {
 struct StepMemory {
     /// The nodes the step runs, in order, with their values' reads.
     schedule: Schedule,
+    /// Each of those nodes lowered, in the same order.
+    lowered: Vec<Lowered>,
+    /// The Variable each AssignVariable among them writes, by position.
+    assigns: HashMap<NodeId, String>,
     /// Each planned tensor's byte offset in the arena.
     offsets: HashMap<Port, usize>,
     arena_bytes: usize,
@@ -168,13 +170,19 @@ struct StepMemory {
 }
 
 impl StepMemory {
-    /// The plan of a run of `fetches` from `graph`; refuses an op with no CUDA kernel.
+    /// The plan of a run of `fetches` from `graph`, every node lowered; refuses a node
+    /// no kernel takes.
     fn new(graph: &Graph, fetches: &[Port]) -> Result<StepMemory, ExecError> {
         let schedule = Schedule::new(graph, fetches)?;
+        let lowered = schedule
+            .order
+            .iter()
+            .map(|&id| lower(graph, id))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut assigns = HashMap::new();
         for &id in &schedule.order {
-            let node = graph.node(id);
-            if let Some(msg) = ops::unsupported(node.op.as_ref()) {
-                return Err(ExecError::node(&node.name, node.op.name(), msg));
+            if let Some(var) = assigned_variable(graph, id)? {
+                assigns.insert(id, var);
             }
         }
         let casts = memory_plan::constant_casts(graph);
@@ -214,6 +222,8 @@ impl StepMemory {
             .collect();
         Ok(StepMemory {
             schedule,
+            lowered,
+            assigns,
             offsets: plan.offsets(),
             arena_bytes: plan.arena_bytes,
             in_place,
@@ -223,6 +233,18 @@ impl StepMemory {
             cast_outputs,
         })
     }
+}
+
+/// Node `id` of `graph` lowered, or an error naming it.
+fn lower(graph: &Graph, id: NodeId) -> Result<Lowered, ExecError> {
+    let node = graph.node(id);
+    let inputs: Vec<TensorType> = graph
+        .inputs(id)
+        .iter()
+        .map(|&p| graph.ty(p).clone())
+        .collect();
+    kernels::lower(node.op.as_ref(), &inputs, node.outputs())
+        .map_err(|msg| ExecError::node(&node.name, node.op.name(), msg))
 }
 
 /// A plan with the graph revision and fetches it was last used for.
@@ -260,7 +282,7 @@ fn upload_value(
     kind: &'static str,
     name: &str,
 ) -> Result<DTensor, ExecError> {
-    guard("CUDA", || dev.upload(t, &ops::Owner(kind, name))).map_err(|msg| ExecError::Feed {
+    guard("CUDA", || dev.upload(t, &Owner(kind, name))).map_err(|msg| ExecError::Feed {
         name: name.into(),
         msg,
     })
@@ -411,13 +433,11 @@ impl CudaExecutor {
         }
     }
 
-    /// Refuses a graph with an op that has no CUDA kernel, naming the first such node.
+    /// Refuses a graph with a node no CUDA kernel takes, naming the first such node
+    /// (the lowering a step's plan makes; no device needed).
     pub fn check_supported(graph: &Graph) -> Result<(), ExecError> {
         for id in graph.node_ids() {
-            let node = graph.node(id);
-            if let Some(msg) = ops::unsupported(node.op.as_ref()) {
-                return Err(ExecError::node(&node.name, node.op.name(), msg));
-            }
+            lower(graph, id)?;
         }
         Ok(())
     }
@@ -487,17 +507,13 @@ impl CudaExecutor {
             .is_some_and(|keys| keys.iter().all(|k| self.cast_cache.contains_key(k)))
     }
 
-    /// The value of a source node (Placeholder, Variable, Const, Group), if it is one.
+    /// The value of a source node: fed, held (a Variable) or constant.
     fn source_value(
         &mut self,
-        graph: &Graph,
-        id: NodeId,
+        node: &ampgraph_graph::Node,
+        source: &Source,
         feeds: &Feeds,
-    ) -> Result<Option<DTensor>, ExecError> {
-        let node = graph.node(id);
-        let op = node.op.as_ref();
-        let is_placeholder = op.is::<Placeholder>();
-        let is_variable = op.is::<Variable>();
+    ) -> Result<DTensor, ExecError> {
         let want = &node.outputs()[0];
         let check = |t: &TensorType| -> Result<(), ExecError> {
             if t != want {
@@ -508,60 +524,51 @@ impl CudaExecutor {
             }
             Ok(())
         };
-        if is_placeholder || is_variable {
-            if let Some(v) = feeds.get(&node.name) {
-                check(&v.ty())?;
-                return upload_value(&self.dev, v, "feed", &node.name).map(Some);
-            }
-            if is_variable {
-                if let Some(slot) = self.variables.get_mut(&node.name) {
-                    check(&slot.ty())?;
-                    if let Some(d) = &slot.device {
-                        return Ok(Some(d.clone()));
-                    }
-                    // Dropped while only kept casts read it: upload the host copy.
-                    let Some(host) = slot.host.get() else {
-                        return Err(ExecError::Device(format!(
-                            "variable '{}' has neither a device nor a host copy",
-                            node.name
-                        )));
-                    };
-                    let d = upload_value(&self.dev, host, "variable", &node.name)?;
-                    slot.device = Some(d.clone());
-                    return Ok(Some(d));
+        let host = match source {
+            Source::Placeholder | Source::Variable => {
+                if let Some(v) = feeds.get(&node.name) {
+                    check(&v.ty())?;
+                    return upload_value(&self.dev, v, "feed", &node.name);
                 }
-                return Err(ExecError::Feed {
-                    name: node.name.clone(),
-                    msg: format!("Variable {want} has no value (initialise or feed it)"),
-                });
+                if let Source::Placeholder = source {
+                    return Err(ExecError::Feed {
+                        name: node.name.clone(),
+                        msg: format!("Placeholder {want} was not fed"),
+                    });
+                }
+                let Some(slot) = self.variables.get_mut(&node.name) else {
+                    return Err(ExecError::Feed {
+                        name: node.name.clone(),
+                        msg: format!("Variable {want} has no value (initialise or feed it)"),
+                    });
+                };
+                check(&slot.ty())?;
+                if let Some(d) = &slot.device {
+                    return Ok(d.clone());
+                }
+                // Dropped while only kept casts read it: upload the host copy.
+                let Some(host) = slot.host.get() else {
+                    return Err(ExecError::Device(format!(
+                        "variable '{}' has neither a device nor a host copy",
+                        node.name
+                    )));
+                };
+                let d = upload_value(&self.dev, host, "variable", &node.name)?;
+                slot.device = Some(d.clone());
+                return Ok(d);
             }
-            return Err(ExecError::Feed {
-                name: node.name.clone(),
-                msg: format!("Placeholder {want} was not fed"),
-            });
-        }
-        let host = if let Some(k) = op.downcast_ref::<Const>() {
-            match &k.values {
-                Some(v) => Tensor::new(k.ty.shape.clone(), v.clone())
-                    .map_err(|m| ExecError::node(&node.name, "Const", m))?,
-                None => Tensor::zeros(&k.ty),
-            }
-        } else if op.is::<Group>() {
-            Tensor::scalar(ampgraph_graph::DType::Bool, 1.0)
-        } else {
-            return Ok(None);
+            Source::Value(host) => host,
         };
         if let Some((t, d)) = self.consts.get(&node.name) {
-            if *t == host {
-                return Ok(Some(d.clone()));
+            if t == host {
+                return Ok(d.clone());
             }
         }
-        let d = guard("CUDA", || {
-            self.dev.upload(&host, &ops::Owner("node", &node.name))
-        })
-        .map_err(|m| ExecError::node(&node.name, op.name(), m))?;
-        self.consts.insert(node.name.clone(), (host, d.clone()));
-        Ok(Some(d))
+        let d = guard("CUDA", || self.dev.upload(host, &Owner("node", &node.name)))
+            .map_err(|m| ExecError::node(&node.name, node.op.name(), m))?;
+        self.consts
+            .insert(node.name.clone(), (host.clone(), d.clone()));
+        Ok(d)
     }
 }
 
@@ -602,7 +609,7 @@ impl CudaExecutor {
         // Casts optimizer updates wrote of their new values, by variable.
         let mut written_casts: Vec<(String, DTensor)> = Vec::new();
         let mut timed = Vec::new();
-        for &id in &order {
+        for (&id, lowered) in order.iter().zip(&memory.lowered) {
             let node = graph.node(id);
             let op = node.op.name();
             for ty in node.outputs() {
@@ -625,13 +632,10 @@ impl CudaExecutor {
                 .cloned();
             // Only a constant cast computed now holds for later steps.
             let keep = cast_key.filter(|_| kept.is_none() && constant.is_some());
-            let source = match kept {
-                Some(t) => Some(t),
-                None => self.source_value(graph, id, feeds)?,
-            };
-            let outputs = match source {
-                Some(v) => vec![v],
-                None => {
+            let outputs = match (kept, lowered) {
+                (Some(t), _) => vec![t],
+                (None, Lowered::Source(source)) => vec![self.source_value(node, source, feeds)?],
+                (None, Lowered::Kernel(kernel)) => {
                     let inputs: Vec<DTensor> = graph
                         .inputs(id)
                         .iter()
@@ -653,7 +657,7 @@ impl CudaExecutor {
                         })
                         .collect::<Result<_, String>>()
                         .map_err(|m| ExecError::node(&node.name, op, m))?;
-                    let ctx = ops::Ctx {
+                    let ctx = kernels::Ctx {
                         dev: &self.dev,
                         gemm: &self.gemm,
                         gemm_options: self.options.gemm,
@@ -668,7 +672,7 @@ impl CudaExecutor {
                             .profile
                             .then(|| self.dev.timing_event())
                             .transpose()?;
-                        let mut out = ops::eval(&ctx, node.op.as_ref(), &inputs, node.outputs())?;
+                        let mut out = kernel.launch(&ctx, &inputs)?;
                         // An op that returns an input (a Cast to the same type) where
                         // the plan gave the output a slot of its own: the input's slot
                         // is reused after its last planned reader, so the value moves.
@@ -697,8 +701,8 @@ impl CudaExecutor {
             if let Some(key) = keep {
                 self.cast_cache.insert(key, outputs[0].clone());
             }
-            if let Some(variable) = assigned_variable(graph, id)? {
-                writes.push((variable, outputs[0].clone()));
+            if let Some(variable) = memory.assigns.get(&id) {
+                writes.push((variable.clone(), outputs[0].clone()));
             }
             for (k, out) in outputs.iter().enumerate() {
                 if let Some(var) = memory.cast_outputs.get(&Port::new(id, k)) {

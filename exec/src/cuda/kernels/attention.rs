@@ -18,15 +18,72 @@
 
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
 use ampgraph_graph::ops::{FusedAttention, FusedAttentionGrad};
-use ampgraph_graph::{DType, TensorType};
+use ampgraph_graph::{DType, Op, TensorType};
 
-use super::device::{Arg, DTensor};
-use super::ops::Ctx;
-use super::src;
+use super::codegen::module;
+use super::{kernel, Ctx, CudaKernel, KernelSpec};
+use crate::cuda::device::{Arg, DTensor};
+
+/// The module of one attention: `k_fwd(q, k, v, o, lse, ...)`, `k_dq(q, k, v, o, lse,
+/// do, dq, delta, ...)` and `k_dkv(q, k, v, lse, delta, do, dk, dv, ...)`, each then
+/// taking `int heads, int q_len, int k_len, const T* key_bias, int bias_stride,
+/// double scale`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Spec {
+    dtype: DType,
+    head_dim: usize,
+    shape: Shape,
+    causal: bool,
+    key_bias: bool,
+}
+
+impl KernelSpec for Spec {
+    const FAMILY: &'static str = "attention";
+    fn source(&self) -> String {
+        source(
+            self.dtype,
+            self.head_dim,
+            self.shape,
+            (self.causal, self.key_bias),
+        )
+    }
+}
+
+pub(super) fn lower(
+    op: &dyn Op,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Option<Result<Box<dyn CudaKernel>, String>> {
+    let outs = outs.to_vec();
+    if let Some(a) = op.downcast_ref::<FusedAttention>() {
+        let a = a.clone();
+        return Some(
+            static_check(a.scale, ins)
+                .map(|()| kernel(move |c, inputs| forward(c, &a, inputs, &outs))),
+        );
+    }
+    if let Some(a) = op.downcast_ref::<FusedAttentionGrad>() {
+        let a = a.clone();
+        return Some(
+            static_check(a.scale, ins)
+                .map(|()| kernel(move |c, inputs| backward(c, &a, inputs, &outs))),
+        );
+    }
+    None
+}
+
+/// What [`checked_dims`] can refuse before any device is there: the scale, the dtype,
+/// the head width and the kernels' 32-bit offsets.
+fn static_check(scale: f64, ins: &[TensorType]) -> Result<(), String> {
+    let [q, k, v, ..] = ins else {
+        return Err("attention takes q, k and v".into());
+    };
+    dims_of(scale, q, k, v).map(|_| ())
+}
 
 /// A module's blocks: `warps` warps of 16 rows of the block's own side each (`ROWS`
 /// in the source), walking the other side in tiles of `tile` rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Shape {
     warps: usize,
     tile: usize,
@@ -525,22 +582,23 @@ pub fn source(
         .replace("@T2@", pair)
         .replace("@PACK@", pack)
         .replace("@MMA@", mma);
-    src::module(dtype, &body)
+    module(dtype, &body)
 }
 
-/// The sizes of an attention whose tensors the kernels can take, or why not.
-fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDims, String> {
+/// The sizes of an attention of these types that the kernels can take, or why not.
+fn dims_of(
+    scale: f64,
+    q: &TensorType,
+    k: &TensorType,
+    v: &TensorType,
+) -> Result<AttentionDims, String> {
     if !(scale > 0.0 && scale.is_finite()) {
         // The forward kernel scales each row's maximum of the raw scores.
         return Err(format!(
             "no CUDA attention kernel for the scale {scale} (positive only)"
         ));
     }
-    let ty = |t: &DTensor| TensorType::new(t.dtype, t.shape.clone());
-    let [q, k, v, ..] = tensors else {
-        return Err("internal: attention without q, k and v".into());
-    };
-    let dims = AttentionDims::of(&ty(q), &ty(k), &ty(v))?;
+    let dims = AttentionDims::of(q, k, v)?;
     if !matches!(q.dtype, DType::F16 | DType::BF16) {
         return Err(format!("no CUDA attention kernel for {}", q.dtype));
     }
@@ -554,6 +612,15 @@ fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDi
     if dims.q_len.max(dims.k_len) * dims.heads * dims.head_dim > i32::MAX as usize {
         return Err("attention too large for the kernels' 32-bit offsets".into());
     }
+    Ok(dims)
+}
+
+/// The sizes of an attention whose tensors the kernels can take, or why not.
+fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDims, String> {
+    let [q, k, v, ..] = tensors else {
+        return Err("internal: attention without q, k and v".into());
+    };
+    let dims = dims_of(scale, &q.ty(), &k.ty(), &v.ty())?;
     if c.dev.sm < 80 {
         return Err("the attention kernels need Tensor Core mma (compute capability 8.0)".into());
     }
@@ -634,28 +701,18 @@ fn launch(
     ]);
     args.extend(rule.key_bias_args(dims, dtype)?);
     args.push(Arg::F64(rule.scale));
-    let (d, masks) = (dims.head_dim, (rule.causal, rule.key_bias.is_some()));
-    let kind = match masks {
-        (false, false) => "plain",
-        (true, false) => "causal",
-        (false, true) => "key-bias",
-        (true, true) => "causal+key-bias",
+    let spec = Spec {
+        dtype,
+        head_dim: dims.head_dim,
+        shape,
+        causal: rule.causal,
+        key_bias: rule.key_bias.is_some(),
     };
-    c.dev.launch(
-        &format!(
-            "attention/{dtype}/{d}/{}x{}/{kind}",
-            shape.warps, shape.tile
-        ),
-        || source(dtype, d, shape, masks),
-        kernel,
-        blocks,
-        32 * shape.warps as u32,
-        &args,
-    )
+    c.launch(&spec, kernel, (blocks, 32 * shape.warps as u32), &args)
 }
 
 /// `o, lse = FusedAttention(q, k, v[, key bias])`.
-pub fn forward(
+fn forward(
     c: &Ctx,
     op: &FusedAttention,
     inputs: &[DTensor],
@@ -684,7 +741,7 @@ pub fn forward(
 }
 
 /// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do[, key bias])`.
-pub fn backward(
+fn backward(
     c: &Ctx,
     op: &FusedAttentionGrad,
     inputs: &[DTensor],

@@ -1,0 +1,572 @@
+//! What the kernel generators share: the prelude every module starts with, the
+//! typedefs and load/store helpers of a dtype, elementwise loops that move 16-byte
+//! vectors, and the warp-row and column-sum pieces of the row kernels.
+//!
+//! Every kernel loads its inputs into the compute type (`float` for f32/f16/bf16,
+//! `double` for f64), computes there and rounds once on store, as the CPU reference
+//! kernels do. Op attributes (alphas, learning rates, epsilons) are baked into the
+//! source as literals; shapes and strides are kernel arguments, so one compiled module
+//! serves every shape. Block reductions accumulate in the compute type (f32 for the
+//! 16-bit types).
+
+use ampgraph_graph::DType;
+
+/// The most dimensions a strided kernel argument holds (larger ranks are refused).
+pub(crate) const MAX_RANK: usize = 8;
+
+/// A C literal for an f64 constant (full precision; non-finite values spelled out).
+pub(crate) fn lit(v: f64) -> String {
+    if v.is_nan() {
+        "F_NAN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "F_INF" } else { "(-F_INF)" }.into()
+    } else {
+        format!("{v:e}")
+    }
+}
+
+pub(crate) const PRELUDE: &str = r#"
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+typedef long long i64;
+typedef unsigned char u8;
+#define F_NAN __int_as_float(0x7fc00000)
+#define F_INF __int_as_float(0x7f800000)
+struct Dims { i64 n[8]; };
+
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+// exp by the hardware's base-2 exponential (a few ulp; used where a 16-bit result
+// cannot see the difference and the full expf's range reduction costs throughput).
+__device__ __forceinline__ float m_exp_approx(float x) { return __expf(x); }
+__device__ __forceinline__ double m_exp_approx(double x) { return exp(x); }
+__device__ __forceinline__ float m_expm1(float x) { return expm1f(x); }
+__device__ __forceinline__ double m_expm1(double x) { return expm1(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float m_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double m_pow(double x, double y) { return pow(x, y); }
+__device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double m_abs(double x) { return fabs(x); }
+__device__ __forceinline__ float m_max(float x, float y) { return fmaxf(x, y); }
+__device__ __forceinline__ double m_max(double x, double y) { return fmax(x, y); }
+__device__ __forceinline__ float m_min(float x, float y) { return fminf(x, y); }
+__device__ __forceinline__ double m_min(double x, double y) { return fmin(x, y); }
+__device__ __forceinline__ bool m_isnan(float x) { return isnan(x); }
+__device__ __forceinline__ bool m_isnan(double x) { return isnan(x); }
+__device__ __forceinline__ bool m_isfinite(float x) { return isfinite(x); }
+__device__ __forceinline__ bool m_isfinite(double x) { return isfinite(x); }
+// A product never contracted into an fma with what follows: folded unscaling
+// (`x * s` then the update) rounds as the separate multiplication did.
+__device__ __forceinline__ float m_mul_rn(float x, float y) { return __fmul_rn(x, y); }
+__device__ __forceinline__ double m_mul_rn(double x, double y) { return __dmul_rn(x, y); }
+// Eigen's rational erf for f32, as the CPU reference kernels use, its polynomials
+// evaluated with fused multiply-adds (the kernels are built without contraction, so
+// they are written out) and the quotient by the fast reciprocal (2 ulp): with separate
+// products and sums, or an IEEE division, GELU and its gradient were bound by
+// arithmetic rather than memory. Straight-line code: NaN is chosen at the end rather
+// than branched to, and the denominator (at most -0.0142 over the clamped range) needs
+// none of `__fdividef`'s guard against tiny divisors; each cost GELU's kernels about
+// five of their 35 instructions an element, and the power-capped H100 runs them
+// bound by instruction issue.
+__device__ __forceinline__ float m_rcp_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float m_erf(float x0) {
+  float x = fminf(fmaxf(x0, -4.0f), 4.0f);
+  float x2 = x * x;
+  float p = -2.72614225801306e-10f;
+  p = __fmaf_rn(p, x2, 2.77068142495902e-08f);
+  p = __fmaf_rn(p, x2, -2.10102402082508e-06f);
+  p = __fmaf_rn(p, x2, -5.69250639462346e-05f);
+  p = __fmaf_rn(p, x2, -7.34990630326855e-04f);
+  p = __fmaf_rn(p, x2, -2.95459980854025e-03f);
+  p = __fmaf_rn(p, x2, -1.60960333262415e-02f);
+  p = p * x;
+  float q = -1.45660718464996e-05f;
+  q = __fmaf_rn(q, x2, -2.13374055278905e-04f);
+  q = __fmaf_rn(q, x2, -1.68282697438203e-03f);
+  q = __fmaf_rn(q, x2, -7.37332916720468e-03f);
+  q = __fmaf_rn(q, x2, -1.42647390514189e-02f);
+  float y = p * m_rcp_approx(q);
+  return isnan(x0) ? x0 : y;
+}
+__device__ __forceinline__ double m_erf(double x) { return erf(x); }
+// Max that lets NaN win.
+template <typename A> __device__ __forceinline__ A nanmax(A a, A b) {
+  return m_isnan(a) ? a : (m_isnan(b) ? b : (a > b ? a : b));
+}
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+template <typename A> __device__ __forceinline__ A warp_max(A v) {
+  for (int o = 16; o > 0; o >>= 1) v = nanmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Block-wide reductions; `sh` holds 32 values; every thread gets the result.
+template <typename A> __device__ A block_sum(A v, A* sh) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  if (w == 0) {
+    v = lane < nw ? sh[lane] : (A)0;
+    v = warp_sum(v);
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  v = sh[0];
+  __syncthreads();
+  return v;
+}
+template <typename A> __device__ A block_max(A v, A* sh) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  if (w == 0) {
+    v = lane < nw ? sh[lane] : (A)(-F_INF);
+    v = warp_max(v);
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  v = sh[0];
+  __syncthreads();
+  return v;
+}
+// Offset of row-major index `i` over `shape` (rank `r`) with `strides`. Unrolled
+// over the constant rank limit: a loop indexing the Dims parameters with a variable
+// would copy them into local memory in every thread, which made every strided kernel
+// several times slower than its memory traffic.
+__device__ __forceinline__ i64 strided(i64 i, int r, const Dims& shape, const Dims& strides) {
+  i64 off = 0;
+#pragma unroll
+  for (int d = 7; d >= 0; --d) {
+    if (d < r) {
+      i64 n = shape.n[d];
+      off += (i % n) * strides.n[d];
+      i /= n;
+    }
+  }
+  return off;
+}
+#define GRID_LOOP(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+// N consecutive elements of a pointer's type, moved as one vector load or store.
+template <typename P> struct Elem;
+template <typename T> struct Elem<T*> { typedef T t; };
+template <typename T> struct Elem<const T*> { typedef T t; };
+template <typename T> struct Elem<T* __restrict__> { typedef T t; };
+template <typename T> struct Elem<const T* __restrict__> { typedef T t; };
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
+#define VEC_T(p, N) Vec<typename Elem<decltype(p)>::t, N>
+#define ALIGNED(p, N) ((unsigned long long)(p) % sizeof(VEC_T(p, N)) == 0)
+"#;
+
+/// Storage type, compute type, load and store expressions of a dtype.
+pub(crate) fn type_parts(d: DType) -> (&'static str, &'static str, &'static str, &'static str) {
+    match d {
+        DType::F32 => ("float", "float", "p[i]", "p[i] = v"),
+        DType::F16 => (
+            "__half",
+            "float",
+            "__half2float(p[i])",
+            "p[i] = __float2half_rn(v)",
+        ),
+        DType::BF16 => (
+            "__nv_bfloat16",
+            "float",
+            "__bfloat162float(p[i])",
+            "p[i] = __float2bfloat16_rn(v)",
+        ),
+        DType::F64 => ("double", "double", "p[i]", "p[i] = v"),
+        DType::I32 => ("int", "int", "p[i]", "p[i] = v"),
+        DType::I64 => ("long long", "long long", "p[i]", "p[i] = v"),
+        DType::Bool => ("unsigned char", "int", "(int)p[i]", "p[i] = (v != 0)"),
+    }
+}
+
+/// Typedefs `T<s>`, `C<s>` (compute) and `A<s>` (accumulator) and `ld<s>`/`st<s>`.
+pub(crate) fn type_block(suffix: &str, d: DType) -> String {
+    let (t, c, ld, st) = type_parts(d);
+    let a = if d == DType::F64 { "double" } else { "float" };
+    format!(
+        "typedef {t} T{suffix}; typedef {c} C{suffix}; typedef {a} A{suffix};\n\
+         __device__ __forceinline__ C{suffix} ld{suffix}(const T{suffix}* p, i64 i) {{ return {ld}; }}\n\
+         __device__ __forceinline__ void st{suffix}(T{suffix}* p, i64 i, C{suffix} v) {{ {st}; }}\n"
+    )
+}
+
+/// A module of one dtype (unsuffixed `T`, `C`, `A`, `ld`, `st`) and `body`.
+pub(crate) fn module(d: DType, body: &str) -> String {
+    format!("{PRELUDE}{}{body}", type_block("", d))
+}
+
+/// A module with several named dtypes (`T<suffix>` ...).
+pub(crate) fn module_multi(types: &[(&str, DType)], body: &str) -> String {
+    let mut s = PRELUDE.to_string();
+    for (suffix, d) in types {
+        s.push_str(&type_block(suffix, *d));
+    }
+    s.push_str(body);
+    s
+}
+
+/// Elements each thread of an [`elementwise`] kernel takes per grid step, at most
+/// (16 bytes of its widest streamed type): the launch sizes its grid by it.
+pub(crate) const VECTOR: usize = 8;
+
+/// Where an elementwise kernel reads one of its inputs for element `i`.
+pub(crate) enum At<'a> {
+    /// At `i` itself, in a tensor of the domain's size: read in 16-byte vectors.
+    Own,
+    /// At an index expression of `i` (a broadcast read).
+    Gather(&'a str),
+    /// At `i` where the runtime condition holds, else at the index expression (an
+    /// operand whose broadcast mode is a kernel argument).
+    OwnIf(&'a str, &'a str),
+    /// At an index expression of `i` (a broadcast read) that moves with `i` along
+    /// the last axis, whose length is a multiple of the vectors: the vector of `i0`
+    /// is `V` consecutive elements at the second expression (the first's at `i0`).
+    Rows(&'a str, &'a str),
+}
+
+/// An input of an elementwise kernel, bound as `ty name = loader(ptr, index)`.
+pub(crate) struct Load<'a> {
+    pub(crate) ty: &'a str,
+    pub(crate) name: &'a str,
+    pub(crate) loader: &'a str,
+    pub(crate) ptr: &'a str,
+    /// Bytes of the stored element (sizes the vectors).
+    pub(crate) bytes: usize,
+    pub(crate) at: At<'a>,
+}
+
+/// An output of an elementwise kernel: `storer(ptr, i, value)`, always at `i`.
+pub(crate) struct Store<'a> {
+    pub(crate) storer: &'a str,
+    pub(crate) ptr: &'a str,
+    pub(crate) bytes: usize,
+    pub(crate) value: &'a str,
+}
+
+/// Elements a vector of an elementwise loop moves when its widest streamed type has
+/// `widest` bytes: 16 bytes of it, at most [`VECTOR`] elements.
+pub(crate) fn vector_len(widest: usize) -> usize {
+    (16 / widest.max(1)).clamp(1, VECTOR)
+}
+
+/// What an elementwise loop streams, as source fragments: per vector of `v` elements
+/// at `i0`, the inputs' loads and outputs' declarations (`fetch`), each element `u`
+/// bound (`bind_vec`) and put (`put_vec`), then the outputs' stores (`flush`); per
+/// element `i` alone, `bind_one` and `put_one`. `aligned` tests every streamed pointer.
+pub(crate) struct Streams {
+    pub(crate) v: usize,
+    pub(crate) aligned: String,
+    pub(crate) fetch: String,
+    pub(crate) bind_vec: String,
+    pub(crate) put_vec: String,
+    pub(crate) flush: String,
+    pub(crate) bind_one: String,
+    pub(crate) put_one: String,
+}
+
+pub(crate) fn streams(loads: &[Load], stores: &[Store]) -> Streams {
+    let mut streamed: Vec<(&str, usize, Option<&str>)> = Vec::new();
+    for l in loads {
+        match l.at {
+            At::Own => streamed.push((l.ptr, l.bytes, None)),
+            At::OwnIf(cond, _) => streamed.push((l.ptr, l.bytes, Some(cond))),
+            // Gathers load an element at a time; rows are checked for alignment below
+            // but do not set the vectors' length.
+            At::Gather(_) | At::Rows(..) => {}
+        }
+    }
+    streamed.extend(stores.iter().map(|s| (s.ptr, s.bytes, None)));
+    let v = vector_len(streamed.iter().map(|s| s.1).max().unwrap_or(1));
+    for l in loads {
+        if let At::Rows(..) = l.at {
+            streamed.push((l.ptr, l.bytes, None));
+        }
+    }
+    let mut aligned: Vec<String> = streamed
+        .iter()
+        .map(|(p, _, cond)| match cond {
+            None => format!("ALIGNED({p}, V)"),
+            Some(c) => format!("(!({c}) || ALIGNED({p}, V))"),
+        })
+        .collect();
+    if aligned.is_empty() {
+        aligned.push("true".into());
+    }
+    let (mut fetch, mut bind_vec, mut bind_one) = (String::new(), String::new(), String::new());
+    for l in loads {
+        let (ty, name, ld, p) = (l.ty, l.name, l.loader, l.ptr);
+        match l.at {
+            At::Own => {
+                fetch.push_str(&format!(
+                    "const VEC_T({p}, V) s_{p} = *(const VEC_T({p}, V)*)({p} + i0);\n"
+                ));
+                bind_vec.push_str(&format!("{ty} {name} = {ld}(s_{p}.v, u); "));
+                bind_one.push_str(&format!("{ty} {name} = {ld}({p}, i); "));
+            }
+            At::Gather(index) => {
+                bind_vec.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+                bind_one.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+            }
+            At::Rows(index, at_i0) => {
+                fetch.push_str(&format!(
+                    "const VEC_T({p}, V) s_{p} = *(const VEC_T({p}, V)*)({p} + {at_i0});\n"
+                ));
+                bind_vec.push_str(&format!("{ty} {name} = {ld}(s_{p}.v, u); "));
+                bind_one.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+            }
+            At::OwnIf(cond, index) => {
+                fetch.push_str(&format!(
+                    "VEC_T({p}, V) s_{p}; if ({cond}) s_{p} = *(const VEC_T({p}, V)*)({p} + i0);\n"
+                ));
+                bind_vec.push_str(&format!(
+                    "{ty} {name} = ({cond}) ? {ld}(s_{p}.v, u) : {ld}({p}, {index}); "
+                ));
+                bind_one.push_str(&format!("{ty} {name} = {ld}({p}, {index}); "));
+            }
+        }
+    }
+    let (mut put_vec, mut put_one, mut flush) = (String::new(), String::new(), String::new());
+    for s in stores {
+        let (st, p, value) = (s.storer, s.ptr, s.value);
+        fetch.push_str(&format!("VEC_T({p}, V) s_{p};\n"));
+        put_vec.push_str(&format!("{st}(s_{p}.v, u, {value}); "));
+        put_one.push_str(&format!("{st}({p}, i, {value}); "));
+        flush.push_str(&format!("*(VEC_T({p}, V)*)({p} + i0) = s_{p};\n"));
+    }
+    Streams {
+        v,
+        aligned: aligned.join(" && "),
+        fetch,
+        bind_vec,
+        put_vec,
+        flush,
+        bind_one,
+        put_one,
+    }
+}
+
+/// The loop of an elementwise kernel over the `n` elements `i` of its domain: every
+/// input bound, `body` run, every output stored. Where every streamed pointer is
+/// aligned, each thread moves [`VECTOR`] (or fewer, to keep to 16 bytes) consecutive
+/// elements of each streamed tensor with one vector load or store; the rest, and
+/// misaligned views, go one element at a time. One 2-byte load per thread left the
+/// memory system mostly idle (half of PyTorch's bandwidth).
+pub(crate) fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> String {
+    elementwise_in(loads, body, stores, ("blockIdx.x", "gridDim.x"))
+}
+
+/// [`elementwise`]'s loop as run by block `block` of `blocks` (expressions): a
+/// grouped kernel runs each member's loop in blocks of its own.
+pub(crate) fn elementwise_in(
+    loads: &[Load],
+    body: &str,
+    stores: &[Store],
+    (block, blocks): (&str, &str),
+) -> String {
+    let Streams {
+        v,
+        aligned,
+        fetch,
+        bind_vec,
+        put_vec,
+        flush,
+        bind_one,
+        put_one,
+    } = streams(loads, stores);
+    format!(
+        "constexpr int V = {v};\n\
+         const i64 nv = ({aligned}) ? n / V : 0;\n\
+         for (i64 b = (i64)({block}) * blockDim.x + threadIdx.x; b < nv; b += (i64)({blocks}) * blockDim.x) {{\n\
+           const i64 i0 = b * V;\n\
+           {fetch}\
+           #pragma unroll\n\
+           for (int u = 0; u < V; ++u) {{ const i64 i = i0 + u; {bind_vec}\n{body}\n{put_vec} }}\n\
+           {flush}\
+         }}\n\
+         for (i64 i = nv * V + (i64)({block}) * blockDim.x + threadIdx.x; i < n; i += (i64)({blocks}) * blockDim.x) {{ {bind_one}\n{body}\n{put_one} }}\n"
+    )
+}
+
+/// A full-size input `ptr` of the kernel's one dtype `d`, bound as `C name`.
+pub(crate) fn own<'a>(d: DType, name: &'a str, ptr: &'a str) -> Load<'a> {
+    Load {
+        ty: "C",
+        name,
+        loader: "ld",
+        ptr,
+        bytes: d.size_bytes(),
+        at: At::Own,
+    }
+}
+
+/// The output `ptr` of the kernel's one dtype `d`.
+pub(crate) fn store<'a>(d: DType, ptr: &'a str, value: &'a str) -> Store<'a> {
+    Store {
+        storer: "st",
+        ptr,
+        bytes: d.size_bytes(),
+        value,
+    }
+}
+
+/// The unsigned type of a byte width, for kernels that only move data.
+pub(crate) fn word(bytes: usize) -> &'static str {
+    match bytes {
+        1 => "unsigned char",
+        2 => "unsigned short",
+        4 => "unsigned int",
+        8 => "unsigned long long",
+        _ => "uint4",
+    }
+}
+
+/// The longest softmax row a warp holds in registers (`k_warp`), and the values per
+/// lane a row of `len` needs there (a power of two, so few variants compile).
+pub(crate) const WARP_ROW_MAX: usize = 1024;
+
+pub(crate) fn warp_row_values(len: usize) -> usize {
+    len.div_ceil(32).next_power_of_two()
+}
+
+/// The loop of a warp-per-row kernel: each warp takes rows `row` of `len` values
+/// (`len <= 32 * per`), lane `lane` holding values `lane + 32 t`.
+pub(crate) fn warp_rows(body: &str) -> String {
+    format!(
+        "int lane = threadIdx.x & 31;\n\
+         for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows; row += (i64)gridDim.x * (blockDim.x >> 5)) {{\n\
+           i64 base = row * len;\n{body}\n}}\n"
+    )
+}
+
+/// Rows of exactly `32 * per` values whose lanes move 16-byte words of `v` values
+/// ([`column_vector`]): value `w * v + q` of a lane is column `(32 * w + lane) * v + q`.
+/// The code loading row `base` of `ptr` (of the module's type `T<ty>`) into `A arr[per]`.
+pub(crate) fn warp_load_words(ptr: &str, arr: &str, per: usize, v: usize, ty: &str) -> String {
+    format!(
+        "#pragma unroll\n\
+         for (int w = 0; w < {words}; ++w) {{\n\
+           uint4 word = *(const uint4*)({ptr} + base + (i64)(32 * w + lane) * {v});\n\
+           const T{ty}* e = (const T{ty}*)&word;\n\
+           #pragma unroll\n\
+           for (int q = 0; q < {v}; ++q) {arr}[w * {v} + q] = (A)ld{ty}(e, q);\n\
+         }}\n",
+        words = per / v
+    )
+}
+
+/// The code storing `value` (an expression of the value's index `t` and column `j`)
+/// for each of a lane's values into row `base` of `ptr`, a word at a time.
+pub(crate) fn warp_store_words(ptr: &str, value: &str, per: usize, v: usize, ty: &str) -> String {
+    format!(
+        "#pragma unroll\n\
+         for (int w = 0; w < {words}; ++w) {{\n\
+           i64 j0 = (i64)(32 * w + lane) * {v};\n\
+           __align__(16) T{ty} o[{v}];\n\
+           #pragma unroll\n\
+           for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; i64 j = j0 + q; st{ty}(o, q, (C{ty})({value})); }}\n\
+           *(uint4*)({ptr} + base + j0) = *(const uint4*)o;\n\
+         }}\n",
+        words = per / v
+    )
+}
+
+/// Rows a block of the column-sum kernels reads at once (its warps), and the most row
+/// chunks (blocks per column tile) they use.
+pub(crate) const COLUMN_ROWS: usize = 8;
+pub(crate) const COLUMN_CHUNKS: usize = 128;
+
+/// Column sums of a `[rows, len]` matrix, deterministic, in two kernels.
+/// `k_cols_part` (grid: column tiles of 32 x row chunks, 256 threads) has each warp
+/// read 32 adjacent columns of a row (coalesced), adds the [`COLUMN_ROWS`] warps'
+/// partials in shared memory and writes one partial per (chunk, column); `k_cols_fin`
+/// (grid: column tiles of 32, 256 threads) adds a column's chunk partials, each warp
+/// a stride of chunks (coalesced rows of partials; a thread per column adding all of
+/// them in turn left most of the GPU idle), and stores `scale<k> * sum`. `params` are the input
+/// parameters, `row_setup` runs per element with `row`, `j` and `at = row * len + j`
+/// defined, and `terms` are the summed expressions, one output `py<k>` each, of type
+/// `T<out>` (accumulated in `A<out>`, `out` a type suffix of the module).
+/// The row loop is unrolled so that each warp has several rows' loads in flight: one
+/// at a time kept a third of the memory bandwidth busy.
+pub(crate) fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> String {
+    let n = terms.len();
+    let mut accs = String::new();
+    let mut adds = String::new();
+    let mut shares = String::new();
+    let mut partials = String::new();
+    for (k, term) in terms.iter().enumerate() {
+        accs.push_str(&format!("A{out} acc{k} = 0; "));
+        adds.push_str(&format!("acc{k} += {term}; "));
+        shares.push_str(&format!("sh[{k}][ty][tx] = acc{k}; "));
+        partials.push_str(&format!(
+            "{{ A{out} s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[{k}][w][tx]; part[(chunk * {n} + {k}) * len + j] = s; }}\n"
+        ));
+    }
+    format!(
+        "extern \"C\" __global__ void k_cols_part({params}, A{out}* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
+           __shared__ A{out} sh[{n}][{COLUMN_ROWS}][33];\n\
+           int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+           i64 tiles = (len + 31) / 32;\n\
+           i64 j = (blockIdx.x % tiles) * 32 + tx, chunk = blockIdx.x / tiles;\n\
+           i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
+           {accs}\n\
+           if (j < len) {{\n\
+             #pragma unroll 8\n\
+             for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{ i64 at = row * len + j; {row_setup} {adds} }}\n\
+           }}\n\
+           {shares}\n\
+           __syncthreads();\n\
+           if (ty == 0 && j < len) {{\n{partials}}}\n\
+         }}\n{}",
+        column_sums_fin(out, &vec![out; n])
+    )
+}
+
+/// `k_cols_fin` of [`column_sums`]: adds the chunks' partials `part[(chunk * n + k)
+/// * len + j]` (of type `A<acc>`) of each of the `n = outs.len()` sums and stores
+/// `scale<k> * sum` into `py<k>`, of the module's type `T<outs[k]>`.
+pub(crate) fn column_sums_fin(acc: &str, outs: &[&str]) -> String {
+    let n = outs.len();
+    let mut params = String::new();
+    let mut finals = String::new();
+    for (k, out) in outs.iter().enumerate() {
+        params.push_str(&format!(", T{out}* py{k}, double scale{k}"));
+        finals.push_str(&format!(
+            "{{ A{acc} s = 0; if (j < len) {{\n\
+                 #pragma unroll 8\n\
+                 for (i64 c = ty; c < chunks; c += {COLUMN_ROWS}) s += part[(c * {n} + {k}) * len + j]; }}\n\
+               fin[ty][tx] = s; __syncthreads();\n\
+               if (ty == 0 && j < len) {{ for (int w = 1; w < {COLUMN_ROWS}; ++w) s += fin[w][tx]; st{out}(py{k}, j, (C{out})(s * (A{acc})scale{k})); }}\n\
+               __syncthreads(); }}\n"
+        ));
+    }
+    format!(
+        "extern \"C\" __global__ void k_cols_fin(const A{acc}* part, i64 len, i64 chunks{params}) {{\n\
+           __shared__ A{acc} fin[{COLUMN_ROWS}][33];\n\
+           int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+           for (i64 j0 = (i64)blockIdx.x * 32; j0 < len; j0 += (i64)gridDim.x * 32) {{\n\
+             i64 j = j0 + tx;\n{finals}}}\n\
+         }}\n"
+    )
+}
+
+/// Elements of `d` in a 16-byte word: the columns a lane of `k_cols_part_vec` sums.
+pub(crate) fn column_vector(d: DType) -> usize {
+    16 / d.size_bytes()
+}

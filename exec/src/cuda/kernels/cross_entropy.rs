@@ -1,0 +1,369 @@
+//! Sparse softmax cross-entropy: the mean loss over rows of logits (a block per row,
+//! then one block for the mean), its gradient, and both at once with the gradient's
+//! column sums (the fused form `fuse-cross-entropy` makes).
+
+use ampgraph_graph::ops::{
+    SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad,
+};
+use ampgraph_graph::{DType, Op, TensorType};
+
+use super::codegen::{column_sums_fin, module_multi};
+use super::{
+    acc_dtype, block_rows, first, float_input, input, kernel, launch_column_sums_fin, Ctx,
+    CudaKernel, KernelSpec,
+};
+use crate::cuda::device::{row_block, row_grid, Arg, DTensor};
+
+/// Row chunks (blocks) of a cross-entropy kernel that sums its gradient's columns:
+/// about a wave of blocks (fewer left the GPU waiting on each row's reductions).
+const SCE_SUM_CHUNKS: usize = 1024;
+
+/// The modules of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Spec {
+    /// `k_rows(const T* px, const L* pl, A* rows, i64 n, i64 c)`, then
+    /// `k_mean(const A* rows, T* py, i64 n)`.
+    Loss { dtype: DType, labels: DType },
+    /// `k(const T* px, const L* pl, const T* pdl, T* pdx, i64 n, i64 c)`
+    Grad { dtype: DType, labels: DType },
+    /// `k_rows(const TX* px, const L* pl, const T* pdl, TG* pg, A* rows, A* part, i64
+    /// n, i64 c)`, `k_mean`, and with `summed` (the classes) `k_cols_fin`.
+    WithGrad {
+        x: DType,
+        dl: DType,
+        grad: DType,
+        labels: DType,
+        summed: Option<usize>,
+    },
+}
+
+impl KernelSpec for Spec {
+    const FAMILY: &'static str = "cross_entropy";
+    fn source(&self) -> String {
+        match *self {
+            Spec::Loss { dtype, labels } => sce(dtype, labels),
+            Spec::Grad { dtype, labels } => sce_grad(dtype, labels),
+            Spec::WithGrad {
+                x,
+                dl,
+                grad,
+                labels,
+                summed,
+            } => sce_with_grad(x, dl, grad, labels, summed),
+        }
+    }
+}
+
+pub(super) fn lower(
+    op: &dyn Op,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Option<Result<Box<dyn CudaKernel>, String>> {
+    if op.is::<SoftmaxCrossEntropy>() {
+        return Some(lower_loss(ins, outs));
+    }
+    if let Some(f) = op.downcast_ref::<SoftmaxCrossEntropyWithGrad>() {
+        return Some(lower_with_grad(f.column_sum, ins, outs));
+    }
+    if op.is::<SoftmaxCrossEntropyGrad>() {
+        return Some(lower_grad(ins, outs));
+    }
+    None
+}
+
+/// (rows, classes) of the logits and the labels' dtype.
+fn logits(ins: &[TensorType]) -> Result<(usize, usize, DType), String> {
+    let [x, labels, ..] = ins else {
+        return Err("cross-entropy takes logits and labels".into());
+    };
+    let [n, classes] = x.shape[..] else {
+        return Err("cross-entropy takes [rows, classes] logits".into());
+    };
+    Ok((n, classes, labels.dtype))
+}
+
+fn lower_loss(ins: &[TensorType], outs: &[TensorType]) -> Result<Box<dyn CudaKernel>, String> {
+    let dtype = float_input(ins)?;
+    let (n, classes, labels) = logits(ins)?;
+    let spec = Spec::Loss { dtype, labels };
+    let out = first(outs)?;
+    Ok(kernel(move |c, inputs| {
+        let (x, labels) = (input(inputs, 0)?, input(inputs, 1)?);
+        let rows = c.temp(acc_dtype(dtype), n)?;
+        let y = c.alloc(&out)?;
+        block_rows(
+            c,
+            &spec,
+            "k_rows",
+            &[x.arg(), labels.arg(), rows.arg()],
+            (n, classes),
+        )?;
+        sce_mean(c, &spec, &rows, &y, n)?;
+        Ok(vec![y])
+    }))
+}
+
+fn lower_grad(ins: &[TensorType], outs: &[TensorType]) -> Result<Box<dyn CudaKernel>, String> {
+    let dtype = float_input(ins)?;
+    let (n, classes, labels) = logits(ins)?;
+    let spec = Spec::Grad { dtype, labels };
+    let out = first(outs)?;
+    Ok(kernel(move |c, inputs| {
+        let (x, labels, dl) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
+        let dx = c.alloc(&out)?;
+        block_rows(
+            c,
+            &spec,
+            "k",
+            &[x.arg(), labels.arg(), dl.arg(), dx.arg()],
+            (n, classes),
+        )?;
+        Ok(vec![dx])
+    }))
+}
+
+fn lower_with_grad(
+    column_sum: bool,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    let x = float_input(ins)?;
+    let (n, classes, labels) = logits(ins)?;
+    let dl = ins.get(2).ok_or("missing input 2")?.dtype;
+    let grad = outs.get(1).ok_or("the node lacks an output")?.dtype;
+    if column_sum && outs.len() < 3 {
+        return Err("the node lacks an output".into());
+    }
+    let summed = column_sum.then_some(classes);
+    // With column sums, a block per chunk of rows: its sums are one partial each.
+    let (blocks, threads, part_len) = match summed {
+        Some(_) => {
+            let blocks = n.min(SCE_SUM_CHUNKS);
+            (blocks, SCE_SUM_THREADS as u32, blocks * classes)
+        }
+        None => (n, row_block(classes), 1),
+    };
+    let spec = Spec::WithGrad {
+        x,
+        dl,
+        grad,
+        labels,
+        summed,
+    };
+    let outs = outs.to_vec();
+    Ok(kernel(move |c, inputs| {
+        let (x, labels, dl) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
+        let rows = c.temp(acc_dtype(dl.dtype), n)?;
+        let out = c.alloc_all(&outs)?;
+        let part = c.temp(acc_dtype(dl.dtype), part_len)?;
+        if n > 0 {
+            c.launch(
+                &spec,
+                "k_rows",
+                (row_grid(blocks), threads),
+                &[
+                    x.arg(),
+                    labels.arg(),
+                    dl.arg(),
+                    out[1].arg(),
+                    rows.arg(),
+                    part.arg(),
+                    Arg::I64(n as i64),
+                    Arg::I64(classes as i64),
+                ],
+            )?;
+        }
+        sce_mean(c, &spec, &rows, &out[0], n)?;
+        if summed.is_some() {
+            launch_column_sums_fin(c, &spec, &part, classes, blocks.max(1), &[(&out[2], 1.0)])?;
+        }
+        Ok(out)
+    }))
+}
+
+/// `k_mean` of a cross-entropy module: the mean of the `n` rows' losses into `y`.
+fn sce_mean(c: &Ctx, spec: &Spec, rows: &DTensor, y: &DTensor, n: usize) -> Result<(), String> {
+    c.launch(
+        spec,
+        "k_mean",
+        (1, 1024),
+        &[rows.arg(), y.arg(), Arg::I64(n as i64)],
+    )
+}
+
+/// The shift (the row's maximum, where finite) and the sum of `exp(x - shift)` of
+/// row `row` of `c` logits, block-wide; `sce_row{t}` reads logits of type `T{t}`.
+fn sce_row(t: &str) -> String {
+    format!(
+        "__device__ void sce_row{t}(const T{t}* px, i64 row, i64 c, A* sh, A* shift_out, A* sum_out) {{\n\
+           A m = (A)(-F_INF);\n\
+           for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{ A v = (A)ld{t}(px, row * c + j); if (v > m || m_isnan(v)) m = v; }}\n\
+           m = block_max(m, sh);\n\
+           A shift = m_isfinite(m) ? m : (A)0;\n\
+           A sum = 0;\n\
+           for (i64 j = threadIdx.x; j < c; j += blockDim.x) sum += m_exp((A)ld{t}(px, row * c + j) - shift);\n\
+           sum = block_sum(sum, sh);\n\
+           *shift_out = shift;\n\
+           *sum_out = sum;\n\
+         }}\n"
+    )
+}
+
+/// The loss of each row (`sce_loss{t}`: NaN for a label out of range), and `k_mean`,
+/// the mean of the rows' losses stored as `T`.
+fn sce_loss_and_mean(t: &str) -> String {
+    format!(
+        "__device__ A sce_loss{t}(const T{t}* px, i64 row, i64 c, i64 label, A shift, A sum) {{\n\
+           return (label < 0 || label >= c) ? (A)F_NAN : (m_log(sum) + shift) - (A)ld{t}(px, row * c + label);\n\
+         }}\n\
+         extern \"C\" __global__ void k_mean(const A* rows, T* py, i64 n) {{\n\
+           __shared__ A sh[32];\n\
+           A s = 0;\n\
+           for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += rows[j];\n\
+           s = block_sum(s, sh);\n\
+           if (threadIdx.x == 0) st(py, 0, (C)(s / (A)n));\n\
+         }}\n"
+    )
+}
+
+/// One element of the loss gradient, `(softmax - onehot(label)) * scale` from the
+/// element's `exp(x - shift)` and the row's sum, NaN for a label out of range.
+const SCE_DX: &str = r#"
+__device__ __forceinline__ C sce_dx(A e, A sum, bool is_label, bool bad, C scale) {
+  C p = (C)(e / sum);
+  C target = is_label ? (C)1 : (C)0;
+  return bad ? (C)F_NAN : (p - target) * scale;
+}
+"#;
+
+/// The statements storing row `row`'s gradient ([`SCE_DX`]) through `st{g}` into
+/// `pdx`, from logits read by `ld{t}`.
+fn sce_grad_row(t: &str, g: &str) -> String {
+    format!(
+        "bool bad = label < 0 || label >= c;\n\
+         for (i64 j = threadIdx.x; j < c; j += blockDim.x)\n\
+           st{g}(pdx, row * c + j, sce_dx(m_exp((A)ld{t}(px, row * c + j) - shift), sum, j == label, bad, scale));\n"
+    )
+}
+
+/// SoftmaxCrossEntropy: `k_rows` writes each row's loss (f32/f64), `k_mean` their mean.
+pub(super) fn sce(d: DType, labels: DType) -> String {
+    module_multi(
+        &[("", d), ("L", labels)],
+        &format!(
+            "{}{}extern \"C\" __global__ void k_rows(const T* px, const TL* pl, A* rows_out, i64 n, i64 c) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                 A shift, sum; sce_row(px, row, c, sh, &shift, &sum);\n\
+                 if (threadIdx.x == 0) rows_out[row] = sce_loss(px, row, c, (i64)pl[row], shift, sum);\n\
+               }}\n}}\n",
+            sce_row(""),
+            sce_loss_and_mean("")
+        ),
+    )
+}
+
+pub(super) fn sce_grad(d: DType, labels: DType) -> String {
+    module_multi(
+        &[("", d), ("L", labels)],
+        &format!(
+            "{SCE_DX}{}extern \"C\" __global__ void k(const T* px, const TL* pl, const T* pdl, T* pdx, i64 n, i64 c) {{\n\
+               __shared__ A sh[32];\n\
+               C scale = ld(pdl, 0) / (C)n;\n\
+               for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                 A shift, sum; sce_row(px, row, c, sh, &shift, &sum);\n\
+                 i64 label = (i64)pl[row];\n\
+                 {}\
+               }}\n}}\n",
+            sce_row(""),
+            sce_grad_row("", "")
+        ),
+    )
+}
+
+/// Threads of a block of the cross-entropy kernel that sums its gradient's columns.
+const SCE_SUM_THREADS: usize = 256;
+
+/// SoftmaxCrossEntropyWithGrad: `k_rows` reads each row of logits (`TX`, widened to
+/// the compute type `T`) for both its loss and its gradient (stored as `TG`), then
+/// `k_mean` as [`sce`]'s. With `summed_classes` (the class count, at most
+/// [`MAX_SUMMED_CLASSES`](ampgraph_graph::ops::MAX_SUMMED_CLASSES)) the kernel also
+/// adds up the gradient's columns: a block of [`SCE_SUM_THREADS`] takes a chunk of
+/// rows, each thread the same columns of every row, held in registers (one read of
+/// the logits, the exponentials kept), so its column sums are registers too; it writes
+/// them to `part` as the chunk's partial sums and `k_cols_fin` adds the chunks. The
+/// values, their order and the block reductions are those of [`sce_grad`].
+pub(super) fn sce_with_grad(
+    logits: DType,
+    compute: DType,
+    grad: DType,
+    labels: DType,
+    summed_classes: Option<usize>,
+) -> String {
+    let types = [("", compute), ("X", logits), ("G", grad), ("L", labels)];
+    let params =
+        "const TX* px, const TL* pl, const T* pdl, TG* pdx, A* rows_out, A* part, i64 n, i64 c";
+    let Some(classes) = summed_classes else {
+        return module_multi(
+            &types,
+            &format!(
+                "{SCE_DX}{}{}extern \"C\" __global__ void k_rows({params}) {{\n\
+                   __shared__ A sh[32];\n\
+                   C scale = ld(pdl, 0) / (C)n;\n\
+                   for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                     A shift, sum; sce_rowX(px, row, c, sh, &shift, &sum);\n\
+                     i64 label = (i64)pl[row];\n\
+                     if (threadIdx.x == 0) rows_out[row] = sce_lossX(px, row, c, label, shift, sum);\n\
+                     {}\
+                   }}\n}}\n",
+                sce_row("X"),
+                sce_loss_and_mean("X"),
+                sce_grad_row("X", "G")
+            ),
+        );
+    };
+    let per = classes.div_ceil(SCE_SUM_THREADS).max(1);
+    module_multi(
+        &types,
+        &format!(
+            "{SCE_DX}{}extern \"C\" __global__ void __launch_bounds__({SCE_SUM_THREADS}) k_rows({params}) {{\n\
+               __shared__ A sh[32];\n\
+               C scale = ld(pdl, 0) / (C)n;\n\
+               A acc[{per}], e[{per}];\n\
+               #pragma unroll\n\
+               for (int k = 0; k < {per}; ++k) acc[k] = 0;\n\
+               for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                 A m = (A)(-F_INF);\n\
+                 #pragma unroll\n\
+                 for (int k = 0; k < {per}; ++k) {{\n\
+                   i64 j = threadIdx.x + k * {SCE_SUM_THREADS};\n\
+                   e[k] = j < c ? (A)ldX(px, row * c + j) : (A)(-F_INF);\n\
+                   if (e[k] > m || m_isnan(e[k])) m = e[k];\n\
+                 }}\n\
+                 m = block_max(m, sh);\n\
+                 A shift = m_isfinite(m) ? m : (A)0;\n\
+                 A sum = 0;\n\
+                 #pragma unroll\n\
+                 for (int k = 0; k < {per}; ++k) if (threadIdx.x + k * {SCE_SUM_THREADS} < c) {{ e[k] = m_exp(e[k] - shift); sum += e[k]; }}\n\
+                 sum = block_sum(sum, sh);\n\
+                 i64 label = (i64)pl[row];\n\
+                 if (threadIdx.x == 0) rows_out[row] = sce_lossX(px, row, c, label, shift, sum);\n\
+                 bool bad = label < 0 || label >= c;\n\
+                 #pragma unroll\n\
+                 for (int k = 0; k < {per}; ++k) {{\n\
+                   i64 j = threadIdx.x + k * {SCE_SUM_THREADS};\n\
+                   if (j < c) {{\n\
+                     C d = sce_dx(e[k], sum, j == label, bad, scale);\n\
+                     stG(pdx, row * c + j, d);\n\
+                     acc[k] += (A)d;\n\
+                   }}\n\
+                 }}\n\
+               }}\n\
+               #pragma unroll\n\
+               for (int k = 0; k < {per}; ++k) {{ i64 j = threadIdx.x + k * {SCE_SUM_THREADS}; if (j < c) part[blockIdx.x * c + j] = acc[k]; }}\n\
+             }}\n{}",
+            sce_loss_and_mean("X"),
+            column_sums_fin("", &[""]),
+        ),
+    )
+}

@@ -1,0 +1,501 @@
+//! Elementwise ops, a thread per element (16-byte vectors where aligned): the unary
+//! ops and their gradients, the broadcasting binary ops and theirs, BiasAdd and Cast.
+
+use ampgraph_graph::ops::{
+    BiasAdd, Binary, BinaryGrad, BinaryKind, Cast, DataFormat, Unary, UnaryGrad, UnaryKind,
+};
+use ampgraph_graph::tensor::strides;
+use ampgraph_graph::{DType, Op, TensorType};
+
+use super::codegen::{elementwise, lit, module, module_multi, own, store, At, Load, Store};
+use super::{first, float_input, input, kernel, numel, Ctx, CudaKernel, KernelSpec};
+use crate::cuda::device::{Arg, DTensor, Dims};
+
+/// The modules of the family, one per (op kind, dtypes).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Spec {
+    /// `k(const T* px, T* py, i64 n)`
+    Unary { dtype: DType, kind: UnaryKind },
+    /// `k(const T* px, const T* pdy, T* pdx, i64 n)`
+    UnaryGrad { dtype: DType, kind: UnaryKind },
+    /// `k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa,
+    /// int mb, Dims sb)`: see [`Operands`].
+    Binary { dtype: DType, kind: BinaryKind },
+    /// As `Binary` with the output gradient `const T* pg` after `pb`.
+    BinaryGrad {
+        dtype: DType,
+        kind: BinaryKind,
+        wrt: usize,
+    },
+    /// `k(const T* px, const T* pb, T* py, i64 n, i64 inner, i64 c)`
+    BiasAdd { dtype: DType },
+    /// `k(const TI* px, TO* py, i64 n)`
+    Cast { from: DType, to: DType },
+}
+
+impl KernelSpec for Spec {
+    const FAMILY: &'static str = "elementwise";
+    fn source(&self) -> String {
+        match *self {
+            Spec::Unary { dtype, kind } => unary(dtype, kind),
+            Spec::UnaryGrad { dtype, kind } => unary_grad(dtype, kind),
+            Spec::Binary { dtype, kind } => binary(dtype, kind),
+            Spec::BinaryGrad { dtype, kind, wrt } => binary_grad(dtype, kind, wrt),
+            Spec::BiasAdd { dtype } => bias_add(dtype),
+            Spec::Cast { from, to } => cast(from, to),
+        }
+    }
+}
+
+pub(super) fn lower(
+    op: &dyn Op,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Option<Result<Box<dyn CudaKernel>, String>> {
+    if let Some(u) = op.downcast_ref::<Unary>() {
+        return Some(lower_unary(u.kind, ins, outs));
+    }
+    if let Some(u) = op.downcast_ref::<UnaryGrad>() {
+        return Some(lower_unary_grad(u.kind, ins, outs));
+    }
+    if let Some(b) = op.downcast_ref::<Binary>() {
+        return Some(lower_binary(ins, outs, |dtype| Spec::Binary {
+            dtype,
+            kind: b.kind,
+        }));
+    }
+    if let Some(g) = op.downcast_ref::<BinaryGrad>() {
+        return Some(lower_binary(ins, outs, |dtype| Spec::BinaryGrad {
+            dtype,
+            kind: g.kind,
+            wrt: g.wrt,
+        }));
+    }
+    if let Some(b) = op.downcast_ref::<BiasAdd>() {
+        return Some(lower_bias_add(b.data_format, ins, outs));
+    }
+    if let Some(cast) = op.downcast_ref::<Cast>() {
+        return Some(lower_cast(cast.to, ins, outs));
+    }
+    None
+}
+
+fn lower_unary(
+    kind: UnaryKind,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    if kind == UnaryKind::Identity {
+        return Ok(kernel(|_, inputs| Ok(vec![input(inputs, 0)?.clone()])));
+    }
+    let spec = Spec::Unary {
+        dtype: float_input(ins)?,
+        kind,
+    };
+    let out = first(outs)?;
+    Ok(kernel(move |c, inputs| {
+        let x = input(inputs, 0)?;
+        let y = c.alloc(&out)?;
+        let n = x.len();
+        c.launch_elementwise(&spec, n, &[x.arg(), y.arg(), Arg::I64(n as i64)])?;
+        Ok(vec![y])
+    }))
+}
+
+fn lower_unary_grad(
+    kind: UnaryKind,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    let spec = Spec::UnaryGrad {
+        dtype: float_input(ins)?,
+        kind,
+    };
+    let out = first(outs)?;
+    Ok(kernel(move |c, inputs| {
+        let (x, dy) = (input(inputs, 0)?, input(inputs, 1)?);
+        let dx = c.alloc(&out)?;
+        let n = x.len();
+        c.launch_elementwise(&spec, n, &[x.arg(), dy.arg(), dx.arg(), Arg::I64(n as i64)])?;
+        Ok(vec![dx])
+    }))
+}
+
+/// Strides of `shape` read as `out` (NumPy broadcasting; 0 where it repeats).
+pub(super) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let rank = out.len();
+    let offset = rank - shape.len().min(rank);
+    let st = strides(shape);
+    (0..rank)
+        .map(|i| {
+            if i < offset || shape[i - offset] == 1 {
+                0
+            } else {
+                st[i - offset]
+            }
+        })
+        .collect()
+}
+
+/// How a binary operand is indexed: (mode, strides); see `OPERAND_INDEX`.
+fn operand(shape: &[usize], out: &[usize]) -> Result<(i32, Dims), String> {
+    let (n, total) = (numel(shape), numel(out));
+    Ok(if n == total {
+        (0, Dims::default())
+    } else if n == 1 {
+        (1, Dims::default())
+    } else {
+        (2, Dims::new(&broadcast_strides(shape, out))?)
+    })
+}
+
+/// A binary op or gradient: the operands' broadcast modes are fixed by the shapes, so
+/// every argument but the pointers is made here.
+fn lower_binary(
+    ins: &[TensorType],
+    outs: &[TensorType],
+    spec: impl Fn(DType) -> Spec,
+) -> Result<Box<dyn CudaKernel>, String> {
+    let spec = spec(float_input(ins)?);
+    let out = first(outs)?;
+    let [a, b, ..] = ins else {
+        return Err("a binary op takes two inputs".into());
+    };
+    let shape = &out.shape;
+    let n = numel(shape);
+    let (ma, sa) = operand(&a.shape, shape)?;
+    let (mb, sb) = operand(&b.shape, shape)?;
+    let sizes = [
+        Arg::I64(n as i64),
+        Arg::I32(shape.len() as i32),
+        Arg::Dims(Dims::new(if ma == 2 || mb == 2 { shape } else { &[] })?),
+        Arg::I32(ma),
+        Arg::Dims(sa),
+        Arg::I32(mb),
+        Arg::Dims(sb),
+    ];
+    let operands = if matches!(spec, Spec::BinaryGrad { .. }) {
+        3
+    } else {
+        2
+    };
+    Ok(kernel(move |c, inputs| {
+        let y = c.alloc(&out)?;
+        let mut args = (0..operands)
+            .map(|k| input(inputs, k).map(DTensor::arg))
+            .collect::<Result<Vec<_>, _>>()?;
+        args.push(y.arg());
+        args.extend(sizes.iter().cloned());
+        c.launch_elementwise(&spec, n, &args)?;
+        Ok(vec![y])
+    }))
+}
+
+fn lower_bias_add(
+    format: DataFormat,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    let dtype = float_input(ins)?;
+    let x = &ins[0];
+    let axis = match format {
+        DataFormat::Nhwc => x.shape.len().checked_sub(1).ok_or("BiasAdd of a scalar")?,
+        DataFormat::Nchw => 1,
+    };
+    let inner = numel(&x.shape[axis + 1..]);
+    let ch = x.shape[axis];
+    let out = first(outs)?;
+    Ok(kernel(move |c, inputs| {
+        let (x, bias) = (input(inputs, 0)?, input(inputs, 1)?);
+        let y = c.alloc(&out)?;
+        let n = x.len();
+        c.launch_elementwise(
+            &Spec::BiasAdd { dtype },
+            n,
+            &[
+                x.arg(),
+                bias.arg(),
+                y.arg(),
+                Arg::I64(n as i64),
+                Arg::I64(inner as i64),
+                Arg::I64(ch as i64),
+            ],
+        )?;
+        Ok(vec![y])
+    }))
+}
+
+fn lower_cast(
+    to: DType,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    if ins.first().ok_or("Cast takes one input")?.dtype == to {
+        return Ok(kernel(|_, inputs| Ok(vec![input(inputs, 0)?.clone()])));
+    }
+    let ty = first(outs)?;
+    Ok(kernel(move |c, inputs| {
+        let y = c.alloc(&ty)?;
+        cast_into(c, input(inputs, 0)?, &y)?;
+        Ok(vec![y])
+    }))
+}
+
+/// `y = x` converted to `y`'s dtype, element by element.
+pub(super) fn cast_into(c: &Ctx, x: &DTensor, y: &DTensor) -> Result<(), String> {
+    let n = x.len();
+    c.launch_elementwise(
+        &Spec::Cast {
+            from: x.dtype,
+            to: y.dtype,
+        },
+        n,
+        &[x.arg(), y.arg(), Arg::I64(n as i64)],
+    )
+}
+
+const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
+const SELU_SCALE: f64 = 1.050_700_987_355_480_5;
+
+/// Statement computing `C y` from `C x`.
+pub(super) fn unary_expr(kind: UnaryKind) -> String {
+    use UnaryKind::*;
+    let e = match kind {
+        Relu => "m_max(x, (C)0)".to_string(),
+        Relu6 => "m_min(m_max(x, (C)0), (C)6)".to_string(),
+        Elu => "x > (C)0 ? x : m_expm1(x)".to_string(),
+        Selu => format!(
+            "(C){} * (x > (C)0 ? x : (C){} * m_expm1(x))",
+            lit(SELU_SCALE),
+            lit(SELU_ALPHA)
+        ),
+        Gelu { approximate: false } => format!(
+            "(C)0.5 * x * ((C)1 + m_erf(x * (C){}))",
+            lit(std::f64::consts::FRAC_1_SQRT_2)
+        ),
+        Gelu { approximate: true } => format!(
+            "(C)0.5 * x * ((C)1 + m_tanh((C){} * (x + (C)0.044715 * x * x * x)))",
+            lit((2.0 / std::f64::consts::PI).sqrt())
+        ),
+        LeakyRelu { alpha } => format!("x > (C)0 ? x : (C){} * x", lit(alpha)),
+        Tanh => "m_tanh(x)".into(),
+        Sigmoid => "(C)1 / ((C)1 + m_exp(-x))".into(),
+        Exp => "m_exp(x)".into(),
+        Log => "m_log(x)".into(),
+        Log1p => "m_log1p(x)".into(),
+        Sqrt => "m_sqrt(x)".into(),
+        Rsqrt => "(C)1 / m_sqrt(x)".into(),
+        Square => "x * x".into(),
+        Neg => "-x".into(),
+        Abs => "m_abs(x)".into(),
+        Erf => "m_erf(x)".into(),
+        Softplus => "m_max(x, (C)0) + m_log1p(m_exp(-m_abs(x)))".into(),
+        Reciprocal => "(C)1 / x".into(),
+        Sign => "x > (C)0 ? (C)1 : (x < (C)0 ? (C)-1 : x)".into(),
+        Identity => "x".into(),
+    };
+    format!("C y = {e};")
+}
+
+/// Statements computing `C d`, the derivative at `C x`.
+pub(super) fn derivative_expr(kind: UnaryKind) -> String {
+    use UnaryKind::*;
+    match kind {
+        Relu => "C d = x > (C)0 ? (C)1 : (C)0;".into(),
+        Relu6 => "C d = (x > (C)0 && x < (C)6) ? (C)1 : (C)0;".into(),
+        Elu => "C d = x < (C)0 ? m_exp(x) : (C)1;".into(),
+        Selu => format!(
+            "C d = (C){} * (x < (C)0 ? (C){} * m_exp(x) : (C)1);",
+            lit(SELU_SCALE),
+            lit(SELU_ALPHA)
+        ),
+        Gelu { approximate: false } => format!(
+            "C cdf = (C)0.5 * ((C)1 + m_erf(x * (C){}));\n\
+             C pdf = m_exp_approx(-(C)0.5 * x * x) * (C){};\n\
+             C d = pdf == (C)0 ? cdf : cdf + x * pdf;",
+            lit(std::f64::consts::FRAC_1_SQRT_2),
+            lit(1.0 / (2.0 * std::f64::consts::PI).sqrt())
+        ),
+        Gelu { approximate: true } => format!(
+            "C c = (C){}; C k = (C)0.044715;\n\
+             C t = m_tanh(c * (x + k * x * x * x));\n\
+             C sech2 = (C)1 - t * t;\n\
+             C tail = sech2 == (C)0 ? (C)0 : (C)0.5 * x * sech2 * c * ((C)1 + (C)3 * k * x * x);\n\
+             C d = (C)0.5 * ((C)1 + t) + tail;",
+            lit((2.0 / std::f64::consts::PI).sqrt())
+        ),
+        LeakyRelu { alpha } => format!("C d = x > (C)0 ? (C)1 : (C){};", lit(alpha)),
+        Tanh => "C t = m_tanh(x); C d = (C)1 - t * t;".into(),
+        Sigmoid => "C s = (C)1 / ((C)1 + m_exp(-x)); C d = s * ((C)1 - s);".into(),
+        Exp => "C d = m_exp(x);".into(),
+        Log => "C d = (C)1 / x;".into(),
+        Log1p => "C d = (C)1 / ((C)1 + x);".into(),
+        Sqrt => "C d = (C)0.5 / m_sqrt(x);".into(),
+        Rsqrt => "C r = (C)1 / m_sqrt(x); C d = -(C)0.5 * r * r * r;".into(),
+        Square => "C d = (C)2 * x;".into(),
+        Neg => "C d = (C)-1;".into(),
+        Abs => "C d = x > (C)0 ? (C)1 : (x < (C)0 ? (C)-1 : x);".into(),
+        Erf => format!(
+            "C d = (C){} * m_exp(-x * x);",
+            lit(std::f64::consts::FRAC_2_SQRT_PI)
+        ),
+        Softplus => "C d; if (x >= (C)0) { d = (C)1 / ((C)1 + m_exp(-x)); } else { C e = m_exp(x); d = e / ((C)1 + e); }".into(),
+        Reciprocal => "C r = (C)1 / x; C d = -(r * r);".into(),
+        Sign => "C d = (C)0;".into(),
+        Identity => "C d = (C)1;".into(),
+    }
+}
+
+pub(super) fn unary(d: DType, kind: UnaryKind) -> String {
+    module(
+        d,
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, T* py, i64 n) {{\n{}}}\n",
+            elementwise(
+                &[own(d, "x", "px")],
+                &unary_expr(kind),
+                &[store(d, "py", "y")]
+            )
+        ),
+    )
+}
+
+pub(super) fn unary_grad(d: DType, kind: UnaryKind) -> String {
+    module(
+        d,
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, const T* pdy, T* pdx, i64 n) {{\n{}}}\n",
+            elementwise(
+                &[own(d, "x", "px"), own(d, "g", "pdy")],
+                &derivative_expr(kind),
+                &[store(d, "pdx", "(d == (C)0 ? d : d * g)")]
+            )
+        ),
+    )
+}
+
+/// Expression of `C a` and `C b`.
+pub(super) fn binary_expr(kind: BinaryKind) -> &'static str {
+    match kind {
+        BinaryKind::Add => "a + b",
+        BinaryKind::Sub => "a - b",
+        BinaryKind::Mul => "a * b",
+        BinaryKind::Div => "a / b",
+        BinaryKind::Maximum => "(m_isnan(a) || m_isnan(b)) ? (C)F_NAN : m_max(a, b)",
+        BinaryKind::Minimum => "(m_isnan(a) || m_isnan(b)) ? (C)F_NAN : m_min(a, b)",
+        BinaryKind::Pow => "m_pow(a, b)",
+        BinaryKind::SquaredDifference => "(a - b) * (a - b)",
+    }
+}
+
+/// Expression of `C a`, `C b` and the output gradient `C g`.
+pub(super) fn binary_grad_expr(kind: BinaryKind, wrt: usize) -> &'static str {
+    let first = wrt == 0;
+    match (kind, first) {
+        (BinaryKind::Add, _) => "g",
+        (BinaryKind::Sub, true) => "g",
+        (BinaryKind::Sub, false) => "-g",
+        (BinaryKind::Mul, true) => "g * b",
+        (BinaryKind::Mul, false) => "g * a",
+        (BinaryKind::Div, true) => "g / b",
+        (BinaryKind::Div, false) => "g * (-a / b) / b",
+        (BinaryKind::Maximum, true) => "(a >= b) ? g : (C)0",
+        (BinaryKind::Maximum, false) => "(a >= b) ? (C)0 : g",
+        (BinaryKind::Minimum, true) => "(a <= b) ? g : (C)0",
+        (BinaryKind::Minimum, false) => "(a <= b) ? (C)0 : g",
+        (BinaryKind::Pow, true) => "b == (C)0 ? (C)0 : g * b * m_pow(a, b - (C)1)",
+        (BinaryKind::Pow, false) => "a > (C)0 ? g * m_pow(a, b) * m_log(a) : (C)0",
+        (BinaryKind::SquaredDifference, true) => "(C)2 * (a - b) * g",
+        (BinaryKind::SquaredDifference, false) => "-((C)2 * (a - b) * g)",
+    }
+}
+
+/// Index of an operand: mode 0 identity, 1 scalar, 2 strided over the output shape.
+const OPERAND_INDEX: &str = r#"
+__device__ __forceinline__ i64 operand_index(i64 i, int mode, int r, const Dims& shape, const Dims& st) {
+  return mode == 0 ? i : (mode == 1 ? 0 : strided(i, r, shape, st));
+}
+"#;
+
+/// The operands of the binary kernels: a and b broadcast (mode 0: full size), the
+/// gradient g not.
+fn binary_loads(d: DType) -> [Load<'static>; 3] {
+    let broadcast = |name, ptr, cond, index| Load {
+        at: At::OwnIf(cond, index),
+        ..own(d, name, ptr)
+    };
+    [
+        broadcast("a", "pa", "ma == 0", "operand_index(i, ma, r, shape, sa)"),
+        broadcast("b", "pb", "mb == 0", "operand_index(i, mb, r, shape, sb)"),
+        own(d, "g", "pg"),
+    ]
+}
+
+pub(super) fn binary(d: DType, kind: BinaryKind) -> String {
+    module(
+        d,
+        &format!(
+            "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n{}}}\n",
+            elementwise(&binary_loads(d)[..2], "", &[store(d, "py", binary_expr(kind))])
+        ),
+    )
+}
+
+pub(super) fn binary_grad(d: DType, kind: BinaryKind, wrt: usize) -> String {
+    module(
+        d,
+        &format!(
+            "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, const T* pg, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n{}}}\n",
+            elementwise(
+                &binary_loads(d),
+                "",
+                &[store(d, "py", binary_grad_expr(kind, wrt))]
+            )
+        ),
+    )
+}
+
+pub(super) fn bias_add(d: DType) -> String {
+    module(
+        d,
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, const T* pb, T* py, i64 n, i64 inner, i64 c) {{\n{}}}\n",
+            elementwise(
+                &[
+                    own(d, "x", "px"),
+                    Load {
+                        at: At::Gather("(i / inner) % c"),
+                        ..own(d, "b", "pb")
+                    }
+                ],
+                "",
+                &[store(d, "py", "x + b")]
+            )
+        ),
+    )
+}
+
+pub(super) fn cast(from: DType, to: DType) -> String {
+    let value = if to == DType::Bool {
+        "(CO)(x != 0)"
+    } else if from.is_int() || to.is_int() {
+        // Through f64, as the CPU does: float-to-int conversions saturate (NaN to 0).
+        "(CO)(double)x"
+    } else {
+        "(CO)x"
+    };
+    let x = Load {
+        ty: "CI",
+        loader: "ldI",
+        ..own(from, "x", "px")
+    };
+    let y = Store {
+        storer: "stO",
+        ..store(to, "py", value)
+    };
+    let body = elementwise(&[x], "", &[y]);
+    module_multi(
+        &[("I", from), ("O", to)],
+        &format!("extern \"C\" __global__ void k(const TI* px, TO* py, i64 n) {{\n{body}}}\n"),
+    )
+}

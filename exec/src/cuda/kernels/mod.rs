@@ -1,0 +1,401 @@
+//! The CUDA kernels, one file per family, and the lowering that picks them.
+//!
+//! A step's plan lowers every node once ([`lower`]): a source (a fed or held value, a
+//! constant) or a [`CudaKernel`] that launches the node's work with the step's buffers.
+//! A node no family takes is refused there, with its name, op and types, so which ops
+//! run on the device is exactly what the families lower.
+//!
+//! Each family file holds its module specs (a [`KernelSpec`]: the cache key of a
+//! compiled module is the spec itself, so key and source cannot disagree), their
+//! source generators, the kernels' argument lists next to their C signatures, the
+//! launches and the family's unit tests. [`codegen`] holds what the generators share:
+//! the prelude, dtype blocks, vectorised elementwise loops, warp-row and column-sum
+//! pieces. `docs/architecture.md` walks through adding an op or a family.
+
+pub(crate) mod attention;
+pub(crate) mod codegen;
+mod cross_entropy;
+mod elementwise;
+mod fused;
+mod matmul;
+mod norm;
+#[cfg(test)]
+mod parse_check;
+mod reduce;
+mod shape;
+mod softmax;
+mod training;
+
+use std::cell::Cell;
+use std::fmt::Debug;
+
+use ampgraph_graph::ops::{Const, Group, Placeholder, Variable};
+use ampgraph_graph::tensor::ShapeDisplay;
+use ampgraph_graph::{DType, Op, Tensor, TensorType};
+
+use super::device::{row_block, row_grid, Arg, DTensor, Device};
+use super::gemm::{Gemm, GemmOptions};
+
+pub(crate) use codegen::{MAX_RANK, VECTOR};
+pub(crate) use training::{GROUP_MEMBERS, GROUP_POINTERS};
+
+/// What a compiled module is generated from. Its `Debug` form (derived) is the module's
+/// cache key: every field the source reads is in it.
+pub(crate) trait KernelSpec: Debug {
+    /// The family, naming the key (`elementwise/Unary { .. }`).
+    const FAMILY: &'static str;
+    /// The module's CUDA C++ source.
+    fn source(&self) -> String;
+    /// The module's cache key.
+    fn key(&self) -> String {
+        format!("{}/{self:?}", Self::FAMILY)
+    }
+}
+
+/// A node's work on the device, decided when the step is planned.
+pub(crate) trait CudaKernel {
+    /// Computes the node's outputs from its inputs, allocating them through `c`.
+    fn launch(&self, c: &Ctx, inputs: &[DTensor]) -> Result<Vec<DTensor>, String>;
+}
+
+impl<F: Fn(&Ctx, &[DTensor]) -> Result<Vec<DTensor>, String>> CudaKernel for F {
+    fn launch(&self, c: &Ctx, inputs: &[DTensor]) -> Result<Vec<DTensor>, String> {
+        self(c, inputs)
+    }
+}
+
+/// A kernel from its launch closure (what a family's `lower` returns).
+fn kernel(
+    f: impl Fn(&Ctx, &[DTensor]) -> Result<Vec<DTensor>, String> + 'static,
+) -> Box<dyn CudaKernel> {
+    Box::new(f)
+}
+
+/// A node's values that the executor supplies rather than computes.
+pub(crate) enum Source {
+    Placeholder,
+    Variable,
+    /// A Const's value (zeros where it holds none), or Group's `true`.
+    Value(Tensor),
+}
+
+/// What a node becomes on the device.
+pub(crate) enum Lowered {
+    Source(Source),
+    Kernel(Box<dyn CudaKernel>),
+}
+
+/// A family's lowering: `None` where the op is not the family's, else its kernel or
+/// why it cannot run (a dtype or shape the kernels do not take).
+type Lowering =
+    fn(&dyn Op, &[TensorType], &[TensorType]) -> Option<Result<Box<dyn CudaKernel>, String>>;
+
+/// Every family, asked in turn.
+const FAMILIES: &[Lowering] = &[
+    elementwise::lower,
+    fused::lower,
+    shape::lower,
+    reduce::lower,
+    softmax::lower,
+    cross_entropy::lower,
+    norm::lower,
+    matmul::lower,
+    attention::lower,
+    training::lower,
+];
+
+/// Lowers a node (`op` with its input and output types) once, for every step.
+pub(crate) fn lower(
+    op: &dyn Op,
+    inputs: &[TensorType],
+    outputs: &[TensorType],
+) -> Result<Lowered, String> {
+    if op.is::<Placeholder>() {
+        return Ok(Lowered::Source(Source::Placeholder));
+    }
+    if op.is::<Variable>() {
+        return Ok(Lowered::Source(Source::Variable));
+    }
+    if let Some(k) = op.downcast_ref::<Const>() {
+        let value = match &k.values {
+            Some(v) => Tensor::new(k.ty.shape.clone(), v.clone())?,
+            None => Tensor::zeros(&k.ty),
+        };
+        return Ok(Lowered::Source(Source::Value(value)));
+    }
+    if op.is::<Group>() {
+        return Ok(Lowered::Source(Source::Value(Tensor::scalar(
+            DType::Bool,
+            1.0,
+        ))));
+    }
+    for family in FAMILIES {
+        if let Some(k) = family(op, inputs, outputs) {
+            return k.map(Lowered::Kernel);
+        }
+    }
+    let types: Vec<String> = inputs
+        .iter()
+        .map(|t| format!("{}{}", t.dtype, ShapeDisplay(&t.shape)))
+        .collect();
+    Err(format!(
+        "{} has no CUDA kernel for inputs ({}); use Device::Cpu",
+        op.name(),
+        types.join(", ")
+    ))
+}
+
+/// What a node's kernels need besides the device.
+pub struct Ctx<'a> {
+    pub dev: &'a Device,
+    pub gemm: &'a Gemm,
+    pub gemm_options: GemmOptions,
+    /// The node's name, for out-of-memory errors.
+    pub name: &'a str,
+    /// The node's outputs' slots in the step's arena, by output index (`None`: a
+    /// buffer of its own). Every op allocates its outputs in order.
+    pub planned: &'a [Option<DTensor>],
+    pub allocated: Cell<usize>,
+}
+
+impl Ctx<'_> {
+    /// The next output's buffer: its planned slot, or one from the pool.
+    pub(crate) fn alloc(&self, ty: &TensorType) -> Result<DTensor, String> {
+        let k = self.allocated.get();
+        self.allocated.set(k + 1);
+        match self.planned.get(k) {
+            Some(Some(slot)) if slot.ty() == *ty => Ok(slot.clone()),
+            _ => self
+                .dev
+                .alloc(ty.dtype, &ty.shape, &Owner("node", self.name)),
+        }
+    }
+
+    /// Every output's buffer, in order.
+    fn alloc_all(&self, outs: &[TensorType]) -> Result<Vec<DTensor>, String> {
+        outs.iter().map(|t| self.alloc(t)).collect()
+    }
+
+    pub(crate) fn temp(&self, dtype: DType, n: usize) -> Result<DTensor, String> {
+        self.dev
+            .alloc(dtype, &[n], &Owner("scratch of node", self.name))
+    }
+
+    /// Launches kernel `name` of the module `spec` over `grid` blocks of `block` threads.
+    fn launch<S: KernelSpec>(
+        &self,
+        spec: &S,
+        name: &'static str,
+        (grid, block): (u32, u32),
+        args: &[Arg],
+    ) -> Result<(), String> {
+        self.dev
+            .launch(&spec.key(), || spec.source(), name, grid, block, args)
+    }
+
+    /// How many blocks of `block` threads of kernel `name` of `spec` fill the GPU once.
+    fn resident_blocks<S: KernelSpec>(
+        &self,
+        spec: &S,
+        name: &'static str,
+        block: u32,
+    ) -> Result<u32, String> {
+        self.dev
+            .resident_blocks(&spec.key(), || spec.source(), name, block)
+    }
+
+    /// An elementwise launch of `spec`'s `k` whose threads take up to [`VECTOR`] items.
+    fn launch_elementwise<S: KernelSpec>(
+        &self,
+        spec: &S,
+        n: usize,
+        args: &[Arg],
+    ) -> Result<(), String> {
+        self.dev
+            .launch_elementwise(&spec.key(), || spec.source(), n, args)
+    }
+
+    /// An elementwise launch of `spec`'s `k`, a thread per item.
+    fn launch_n<S: KernelSpec>(&self, spec: &S, n: usize, args: &[Arg]) -> Result<(), String> {
+        self.dev.launch_n(&spec.key(), || spec.source(), n, args)
+    }
+}
+
+/// What a buffer is for, as an out-of-memory error says it: `node 'mm'`.
+pub(crate) struct Owner<'a>(pub &'static str, pub &'a str);
+
+impl std::fmt::Display for Owner<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} '{}'", self.0, self.1)
+    }
+}
+
+/// Refuses the dtypes the float kernels do not take.
+fn float_only(d: DType) -> Result<(), String> {
+    if matches!(d, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        Ok(())
+    } else {
+        Err(format!("no CUDA kernel for dtype {d}"))
+    }
+}
+
+/// The accumulator dtype of float kernels' scratch buffers.
+fn acc_dtype(d: DType) -> DType {
+    if d == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+fn numel(s: &[usize]) -> usize {
+    s.iter().product()
+}
+
+/// Input `k` of a kernel's inputs.
+fn input(inputs: &[DTensor], k: usize) -> Result<&DTensor, String> {
+    inputs.get(k).ok_or_else(|| format!("missing input {k}"))
+}
+
+/// The first input's dtype, refused where it is not a float.
+fn float_input(inputs: &[TensorType]) -> Result<DType, String> {
+    let d = inputs.first().ok_or("the node has no inputs")?.dtype;
+    float_only(d)?;
+    Ok(d)
+}
+
+/// The first output's type.
+fn first(outs: &[TensorType]) -> Result<TensorType, String> {
+    outs.first()
+        .cloned()
+        .ok_or_else(|| "the node has no outputs".into())
+}
+
+/// Kernel `name` of module `spec` with a block per row (of `len` values) of `rows`:
+/// arguments `tensors`, then `rows` and `len`.
+fn block_rows<S: KernelSpec>(
+    c: &Ctx,
+    spec: &S,
+    name: &'static str,
+    tensors: &[Arg],
+    (rows, len): (usize, usize),
+) -> Result<(), String> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut args = tensors.to_vec();
+    args.extend([Arg::I64(rows as i64), Arg::I64(len as i64)]);
+    c.launch(spec, name, (row_grid(rows), row_block(len)), &args)
+}
+
+/// Launches a module's row kernels over `rows` rows of `len` values: `warp` (a warp
+/// per row, held in registers) when the rows are contiguous and short, else `block`
+/// (a block per row). Both take `tensors`, rows and len; `inner` (the distance
+/// between a row's values) goes to `block` too where the module's rows may be
+/// strided (softmax), and is `None` where they are always contiguous.
+fn row_kernel<S: KernelSpec>(
+    c: &Ctx,
+    spec: &S,
+    (block, warp): (&'static str, &'static str),
+    tensors: &[Arg],
+    (rows, len, inner): (usize, usize, Option<usize>),
+) -> Result<(), String> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut args = tensors.to_vec();
+    args.extend([Arg::I64(rows as i64), Arg::I64(len as i64)]);
+    if inner.unwrap_or(1) == 1 && len <= codegen::WARP_ROW_MAX {
+        let grid = rows.div_ceil(8).min(1 << 20) as u32;
+        return c.launch(spec, warp, (grid, 256), &args);
+    }
+    args.extend(inner.map(|i| Arg::I64(i as i64)));
+    c.launch(spec, block, (row_grid(rows), row_block(len)), &args)
+}
+
+/// The values per lane and the warp kernel of a row module over rows of `len`
+/// values: `k_warp_vec` (16-byte words, rows of exactly `32 * per` values) where the
+/// rows are contiguous, `len` is a multiple of 32 words and every tensor is 16-byte
+/// aligned, else `k_warp`.
+fn warp_row_form(
+    len: usize,
+    dtype: DType,
+    contiguous: bool,
+    tensors: &[&DTensor],
+) -> (usize, &'static str) {
+    let words = 32 * codegen::column_vector(dtype);
+    let vector = contiguous
+        && len > 0
+        && len <= codegen::WARP_ROW_MAX
+        && len % words == 0
+        && tensors.iter().all(|t| t.ptr() % 16 == 0);
+    if vector {
+        (len / 32, "k_warp_vec")
+    } else {
+        (codegen::warp_row_values(len), "k_warp")
+    }
+}
+
+/// Launches the column-sum kernels of module `spec` (see `codegen::column_sums`) over
+/// a `[rows, len]` matrix read through `inputs`, writing each `(output, scale)`. The
+/// partial sums come from kernel `part` (`k_cols_part`, or a form such as
+/// `k_cols_part_vec` whose tiles are `width` columns wide).
+fn launch_column_sums<S: KernelSpec>(
+    c: &Ctx,
+    spec: &S,
+    inputs: &[Arg],
+    (rows, len): (usize, usize),
+    outs: &[(&DTensor, f64)],
+    (part_kernel, width): (&'static str, usize),
+) -> Result<(), String> {
+    let acc = acc_dtype(outs.first().ok_or("no outputs")?.0.dtype);
+    let tiles = len.div_ceil(width);
+    let most_blocks = (i32::MAX as usize) / tiles.max(1);
+    let chunks = rows
+        .div_ceil(64)
+        .clamp(1, codegen::COLUMN_CHUNKS.min(most_blocks.max(1)));
+    let chunk_rows = rows.div_ceil(chunks);
+    let blocks = u32::try_from(tiles * chunks).map_err(|_| "too many columns for one launch")?;
+    let part = c.temp(acc, chunks * outs.len() * len)?;
+    let mut args = inputs.to_vec();
+    args.extend([
+        part.arg(),
+        Arg::I64(rows as i64),
+        Arg::I64(len as i64),
+        Arg::I64(chunk_rows as i64),
+    ]);
+    c.launch(spec, part_kernel, (blocks, 256), &args)?;
+    launch_column_sums_fin(c, spec, &part, len, chunks, outs)
+}
+
+/// `k_cols_fin`: adds `chunks` rows of partial column sums (`len` each, per output) in
+/// `part` and writes each `(output, scale)`.
+fn launch_column_sums_fin<S: KernelSpec>(
+    c: &Ctx,
+    spec: &S,
+    part: &DTensor,
+    len: usize,
+    chunks: usize,
+    outs: &[(&DTensor, f64)],
+) -> Result<(), String> {
+    let mut args = vec![part.arg(), Arg::I64(len as i64), Arg::I64(chunks as i64)];
+    for (y, scale) in outs {
+        args.extend([y.arg(), Arg::F64(*scale)]);
+    }
+    let grid = len.div_ceil(32).min(1 << 20) as u32;
+    c.launch(spec, "k_cols_fin", (grid, 256), &args)
+}
+
+/// (len, inner, rows) of a softmax-like op along `axis`.
+fn along(shape: &[usize], axis: i64) -> Result<(usize, usize, usize), String> {
+    let axis = ampgraph_graph::shape::normalize_axis(axis, shape.len())?;
+    let len = shape[axis];
+    let inner = numel(&shape[axis + 1..]);
+    let total = numel(shape);
+    let rows = if len == 0 || inner == 0 {
+        0
+    } else {
+        total / len
+    };
+    Ok((len, inner, rows))
+}

@@ -1,0 +1,612 @@
+//! LayerNorm over the trailing axes and its gradient (with the epilogue
+//! `norm-grad-epilogue` folds in: a residual gradient added, column sums of dx and the
+//! residual): a warp per row held in registers for rows of up to
+//! [`WARP_ROW_MAX`] values, else a block per row.
+
+use ampgraph_graph::ops::fused::column_sum_dtype;
+use ampgraph_graph::ops::{LayerNorm, LayerNormGrad, NormGradEpilogue, ReduceKind};
+use ampgraph_graph::shape::normalize_axis;
+use ampgraph_graph::{DType, Op, TensorType};
+
+use super::codegen::{
+    column_sums, column_sums_fin, column_vector, lit, module_multi, warp_load_words, warp_rows,
+    warp_store_words, WARP_ROW_MAX,
+};
+use super::reduce::reduce_into;
+use super::{
+    acc_dtype, block_rows, first, float_only, input, kernel, launch_column_sums,
+    launch_column_sums_fin, numel, row_kernel, warp_row_form, Ctx, CudaKernel, KernelSpec,
+};
+use crate::cuda::device::{Arg, DTensor};
+
+/// The modules of the family (`per` values a lane in the warp kernels).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Spec {
+    /// `k` (a block per row), `k_warp`, `k_warp_vec(const TX* px, const T* pg, const
+    /// T* pb, TY* py, i64 rows, i64 len)`.
+    LayerNorm {
+        types: NormTypes,
+        epsilon: f64,
+        per: usize,
+    },
+    /// `k_warp`, `k_warp_vec(const TX* px, const T* pg, const TD* pdy, [const TY* pr,]
+    /// TY* pdx, A* stats, A* part, i64 rows, i64 len)`, then `k_cols_fin`.
+    GradRows {
+        types: NormTypes,
+        epsilon: f64,
+        per: usize,
+        epilogue: NormGradEpilogue,
+    },
+    /// `k(const TX* px, const T* pg, const TD* pdy, [const TY* pr,] TY* pdx, A* stats,
+    /// i64 rows, i64 len)`, then `k_cols_part` and `k_cols_fin` for dgamma and dbeta.
+    GradBlock {
+        types: NormTypes,
+        epsilon: f64,
+        residual: bool,
+    },
+}
+
+impl KernelSpec for Spec {
+    const FAMILY: &'static str = "norm";
+    fn source(&self) -> String {
+        match *self {
+            Spec::LayerNorm {
+                types,
+                epsilon,
+                per,
+            } => layer_norm(types, epsilon, per),
+            Spec::GradRows {
+                types,
+                epsilon,
+                per,
+                epilogue,
+            } => layer_norm_grad_rows(types, epsilon, per, epilogue),
+            Spec::GradBlock {
+                types,
+                epsilon,
+                residual,
+            } => layer_norm_grad_block(types, epsilon, residual),
+        }
+    }
+}
+
+pub(super) fn lower(
+    op: &dyn Op,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Option<Result<Box<dyn CudaKernel>, String>> {
+    if let Some(ln) = op.downcast_ref::<LayerNorm>() {
+        return Some(lower_layer_norm(ln, ins, outs));
+    }
+    if let Some(ln) = op.downcast_ref::<LayerNormGrad>() {
+        let ln = ln.clone();
+        let outs = outs.to_vec();
+        if let Err(e) = normalized_rows(ins.first()?, ln.axis) {
+            return Some(Err(e));
+        }
+        return Some(Ok(kernel(move |c, inputs| {
+            layer_norm_grad(c, &ln, inputs, &outs)
+        })));
+    }
+    None
+}
+
+/// The rows a layer norm over the axes from `axis` on normalises: (rows, values per
+/// row).
+fn normalized_rows(x: &TensorType, axis: i64) -> Result<(usize, usize), String> {
+    float_only(x.dtype)?;
+    let axis = normalize_axis(axis, x.shape.len())?;
+    let len = numel(&x.shape[axis..]);
+    let rows = numel(&x.shape).checked_div(len).unwrap_or(0);
+    Ok((rows, len))
+}
+
+fn lower_layer_norm(
+    ln: &LayerNorm,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    let [x, g, ..] = ins else {
+        return Err("LayerNorm takes x, gamma and beta".into());
+    };
+    let (rows, len) = normalized_rows(x, ln.axis)?;
+    let out = first(outs)?;
+    let types = NormTypes {
+        params: g.dtype,
+        x: x.dtype,
+        dy: x.dtype,
+        y: out.dtype,
+    };
+    let epsilon = ln.epsilon;
+    Ok(kernel(move |c, inputs| {
+        let (x, g, b) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
+        let y = c.alloc(&out)?;
+        let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &[x, &y]);
+        row_kernel(
+            c,
+            &Spec::LayerNorm {
+                types,
+                epsilon,
+                per,
+            },
+            ("k", warp),
+            &[x.arg(), g.arg(), b.arg(), y.arg()],
+            (rows, len, None),
+        )?;
+        Ok(vec![y])
+    }))
+}
+
+/// LayerNormGrad and its epilogue. Rows of at most [`WARP_ROW_MAX`] values: a
+/// wave of blocks each writes dx for a range of rows and adds up their dgamma, dbeta
+/// and the epilogue's column sums (where the normalised rows are the summed columns);
+/// `k_cols_fin` adds the blocks' partials. Longer rows: a block per row, then a column pass over x
+/// and dy for dgamma and dbeta. Column sums left over are those of a Sum.
+fn layer_norm_grad(
+    c: &Ctx,
+    ln: &LayerNormGrad,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let (x, g, dy) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
+    let epi = ln.epilogue;
+    let residual = if epi.residual {
+        Some(input(inputs, 3)?)
+    } else {
+        None
+    };
+    let (rows, len) = normalized_rows(&x.ty(), ln.axis)?;
+    let out = c.alloc_all(outs)?;
+    let [dx, dg, db, sums @ ..] = &out[..] else {
+        return Err("LayerNormGrad has three outputs".into());
+    };
+    let types = NormTypes {
+        params: g.dtype,
+        x: x.dtype,
+        dy: dy.dtype,
+        y: dx.dtype,
+    };
+    let mut tensors = vec![x.arg(), g.arg(), dy.arg()];
+    tensors.extend(residual.map(DTensor::arg));
+    tensors.push(dx.arg());
+    let epsilon = ln.epsilon;
+    // The summed columns are the normalised rows' values (the last axis normalised).
+    let columns_are_rows = x.shape.last() == Some(&len);
+    if rows > 0 && len > 0 && len <= WARP_ROW_MAX {
+        let mut checked = vec![x, dy, dx];
+        checked.extend(residual);
+        let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &checked);
+        // The kernels take the epilogue's sums where their columns are the rows'.
+        let in_rows = NormGradEpilogue {
+            sum_dx: epi.sum_dx && columns_are_rows,
+            sum_residual: epi.sum_residual && columns_are_rows,
+            ..epi
+        };
+        let spec = Spec::GradRows {
+            types,
+            epsilon,
+            per,
+            epilogue: in_rows,
+        };
+        // A wave of blocks of at least 32 rows: few partials for `k_cols_fin`.
+        let blocks = c
+            .resident_blocks(&spec, warp, 256)?
+            .min(rows.div_ceil(32).min(1 << 20) as u32);
+        let mut outputs = vec![(dg, 1.0), (db, 1.0)];
+        if columns_are_rows {
+            outputs.extend(sums.iter().map(|s| (s, 1.0)));
+        }
+        let acc = acc_dtype(g.dtype);
+        let stats = c.temp(acc, 2 * rows)?;
+        let part = c.temp(acc, blocks as usize * outputs.len() * len)?;
+        let mut args = tensors;
+        args.extend([
+            stats.arg(),
+            part.arg(),
+            Arg::I64(rows as i64),
+            Arg::I64(len as i64),
+        ]);
+        c.launch(&spec, warp, (blocks, 256), &args)?;
+        launch_column_sums_fin(c, &spec, &part, len, blocks as usize, &outputs)?;
+        if columns_are_rows {
+            return Ok(out);
+        }
+    } else {
+        let spec = Spec::GradBlock {
+            types,
+            epsilon,
+            residual: epi.residual,
+        };
+        let stats = c.temp(acc_dtype(g.dtype), 2 * rows)?;
+        let mut args = tensors;
+        args.push(stats.arg());
+        block_rows(c, &spec, "k", &args, (rows, len))?;
+        // With no rows this writes dgamma's and dbeta's zeros.
+        if len > 0 {
+            launch_column_sums(
+                c,
+                &spec,
+                &[x.arg(), dy.arg(), stats.arg()],
+                (rows, len),
+                &[(dg, 1.0), (db, 1.0)],
+                ("k_cols_part", 32),
+            )?;
+        }
+    }
+    for (t, sum) in epi.summed(dx, residual).into_iter().zip(sums) {
+        let leading: Vec<usize> = (0..t.shape.len().saturating_sub(1)).collect();
+        reduce_into(c, t, sum, ReduceKind::Sum, &leading)?;
+    }
+    Ok(out)
+}
+
+/// Mean and 1/sqrt(var + eps) of row `row` of `len` elements (block-wide).
+const LN_STATS: &str = r#"
+__device__ void ln_stats(const TX* px, i64 row, i64 len, A eps, A* sh, A* mean_out, A* inv_out) {
+  A s = 0;
+  for (i64 j = threadIdx.x; j < len; j += blockDim.x) s += (A)ldX(px, row * len + j);
+  A mean = block_sum(s, sh) / (A)len;
+  A v = 0;
+  for (i64 j = threadIdx.x; j < len; j += blockDim.x) { A t = (A)ldX(px, row * len + j) - mean; v += t * t; }
+  A var = block_sum(v, sh) / (A)len;
+  *mean_out = mean;
+  *inv_out = (A)1 / m_sqrt(var + eps);
+}
+"#;
+
+/// Mean and 1/sqrt(var + eps) of the row a warp holds in `v` (`per` values a lane,
+/// value `t` at column `lane + 32 t`), both passes in registers.
+fn ln_warp_stats(per: usize) -> String {
+    format!(
+        "A s = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) s += v[t];\n\
+         A mean = warp_sum(s) / (A)len;\n\
+         A q = 0;\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; A c = j < len ? v[t] - mean : (A)0; q += c * c; }}\n\
+         A inv = (A)1 / m_sqrt(warp_sum(q) / (A)len + eps);\n"
+    )
+}
+
+/// LayerNorm over rows of `len`: `k` gives each row a block (three passes over it);
+/// `k_warp` (rows of at most `32 * per` values, [`WARP_ROW_MAX`]) gives each row a
+/// warp that reads it once into registers; `k_warp_vec` does so for rows of exactly
+/// `32 * per` values, moving 16-byte words.
+pub(super) fn layer_norm(types: NormTypes, eps: f64, per: usize) -> String {
+    let warp = warp_rows(&format!(
+        "A v[{per}];\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ldX(px, base + j) : (A)0; }}\n\
+         {stats}\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) stY(py, base + j, (CY)((v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j))); }}",
+        stats = ln_warp_stats(per)
+    ));
+    // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`; x and y of one
+    // size).
+    let v = column_vector(types.x);
+    let warp_vec = warp_rows(&format!(
+        "A v[{per}];\n{load}{stats}{store}",
+        load = warp_load_words("px", "v", per, v, "X"),
+        stats = ln_warp_stats(per),
+        store = warp_store_words(
+            "py",
+            "(v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)",
+            per,
+            v,
+            "Y"
+        ),
+    ));
+    let params = "const TX* px, const T* pg, const T* pb, TY* py, i64 rows, i64 len";
+    module_multi(
+        &types.blocks(),
+        &format!(
+            "{LN_STATS}extern \"C\" __global__ void k({params}) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
+                 A mean, inv; ln_stats(px, row, len, (A)(C){eps}, sh, &mean, &inv);\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
+                   i64 at = row * len + j;\n\
+                   stY(py, at, (CY)(((A)ldX(px, at) - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)));\n\
+                 }}\n\
+               }}\n}}\n\
+             extern \"C\" __global__ void k_warp({params}) {{\n\
+               const A eps = (A)(C){eps};\n{warp}}}\n\
+             extern \"C\" __global__ void k_warp_vec({params}) {{\n\
+               const A eps = (A)(C){eps};\n{warp_vec}}}\n",
+            eps = lit(eps)
+        ),
+    )
+}
+
+/// The dtypes of a normalisation's kernels: `T` the parameters' (gamma, beta; the
+/// math in their compute type), `TX` x's, `TD` dy's (gradients), `TY` the normalised
+/// output's or dx's. A 16-bit x or dy with f32 parameters is a widening Cast folded in,
+/// a 16-bit y an output Cast.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct NormTypes {
+    pub params: DType,
+    pub x: DType,
+    pub dy: DType,
+    pub y: DType,
+}
+
+impl NormTypes {
+    /// Every tensor of one dtype.
+    #[cfg(test)]
+    pub fn uniform(d: DType) -> NormTypes {
+        NormTypes {
+            params: d,
+            x: d,
+            dy: d,
+            y: d,
+        }
+    }
+
+    fn blocks(self) -> [(&'static str, DType); 4] {
+        [
+            ("", self.params),
+            ("X", self.x),
+            ("D", self.dy),
+            ("Y", self.y),
+        ]
+    }
+
+    /// Whether the word kernels (`k_warp_vec`) can move them: x, dy and y hold as many
+    /// values per 16-byte word.
+    pub fn same_words(self) -> bool {
+        let bytes = self.x.size_bytes();
+        self.dy.size_bytes() == bytes && self.y.size_bytes() == bytes
+    }
+}
+
+/// The residual pointer parameter of a LayerNormGrad kernel, when it adds one.
+fn residual_param(residual: bool) -> &'static str {
+    if residual {
+        "const TY* pr, "
+    } else {
+        ""
+    }
+}
+
+/// The code rounding `value` to dx's dtype into `TY o`; with a `residual`, then adding
+/// `A r` (loaded by `load`) and rounding again, as the Add read the rounded dx.
+fn norm_grad_output(residual: bool, value: &str, load: &str) -> String {
+    let add = if residual {
+        format!("A r = (A){load}; stY(&o, 0, (CY)((A)ldY(&o, 0) + r));")
+    } else {
+        String::new()
+    };
+    format!("TY o; stY(&o, 0, (CY)({value})); {add}")
+}
+
+/// LayerNormGrad over rows of at most [`WARP_ROW_MAX`] values. Each block takes a
+/// contiguous range of rows. First a warp per row, held in registers: `k_warp` (value
+/// `t` of a lane at column `lane + 32 t`) or `k_warp_vec` (rows of exactly `32 * per`
+/// values moved in 16-byte words) writes dx (plus the residual) and the row's mean and
+/// inverse deviation. Then the block's eight warps add the range's column terms up,
+/// reading the rows just read and written again (from the cache, not memory) a 16-byte
+/// word a lane where the rows are words: dgamma, dbeta and the epilogue's sums (all
+/// of `epi` is computed here), one partial per block and column
+/// (`part[(block * n + k) * len + j]`, n sums) that `k_cols_fin` adds. (Adding the
+/// terms up in the warps' registers instead took 210 registers, a block per
+/// multiprocessor, and ran at half the speed.)
+pub(super) fn layer_norm_grad_rows(
+    types: NormTypes,
+    eps: f64,
+    per: usize,
+    epi: NormGradEpilogue,
+) -> String {
+    // The summed terms of element `e` of a lane's columns (`xhat` and `dy` given).
+    let mut terms = vec!["dy * xhat", "dy"];
+    let mut loaded = vec![("px", "X", "x"), ("pdy", "D", "dy")];
+    if epi.sum_dx {
+        terms.push("o_e");
+        loaded.push(("pdx", "Y", "o"));
+    }
+    if epi.sum_residual {
+        terms.push("r_e");
+        loaded.push(("pr", "Y", "r"));
+    }
+    let n = terms.len();
+    let params = format!(
+        "const TX* px, const T* pg, const TD* pdy, {}TY* pdx, A* stats, A* part, i64 rows, i64 len",
+        residual_param(epi.residual)
+    );
+    // The column pass over the block's rows: warp `ty` takes rows `first + ty + 8 i`,
+    // lane `tx` `vals` adjacent columns of a tile of `32 * vals` (a 16-byte word of
+    // each tensor where `vals > 1`); the eight warps' sums meet in shared memory.
+    let column_pass = |vals: usize| -> String {
+        let mut loads = String::new();
+        let mut elements = String::new();
+        for (ptr, ty, name) in &loaded {
+            if vals > 1 {
+                loads.push_str(&format!(
+                    "uint4 w_{name} = *(const uint4*)({ptr} + at); const T{ty}* e_{name} = (const T{ty}*)&w_{name};\n"
+                ));
+                elements.push_str(&format!("A {name}_e = (A)ld{ty}(e_{name}, e); "));
+            } else {
+                elements.push_str(&format!("A {name}_e = (A)ld{ty}({ptr}, at); "));
+            }
+        }
+        let adds: String = terms
+            .iter()
+            .enumerate()
+            .map(|(k, term)| format!("s{k}[e] += {term}; "))
+            .collect();
+        let accs: String = (0..n)
+            .map(|k| format!("A s{k}[{vals}]; for (int e = 0; e < {vals}; ++e) s{k}[e] = 0;\n"))
+            .collect();
+        let mut combine = String::new();
+        for k in 0..n {
+            combine.push_str(&format!(
+                "for (int e = 0; e < {vals}; ++e) sh[ty][tx * {vals} + e] = s{k}[e];\n\
+                 __syncthreads();\n\
+                 for (int c = threadIdx.x; c < {width}; c += blockDim.x) if (j0 + c < len) {{\n\
+                   A t = 0; for (int w = 0; w < 8; ++w) t += sh[w][c];\n\
+                   part[((i64)blockIdx.x * {n} + {k}) * len + j0 + c] = t;\n\
+                 }}\n\
+                 __syncthreads();\n",
+                width = 32 * vals
+            ));
+        }
+        format!(
+            "__shared__ A sh[8][{width}];\n\
+             int tx = lane, ty = threadIdx.x >> 5;\n\
+             for (i64 j0 = 0; j0 < len; j0 += {width}) {{\n\
+               i64 j = j0 + tx * {vals};\n\
+               {accs}\
+               if (j < len) {{\n\
+                 #pragma unroll 4\n\
+                 for (i64 row = first + ty; row < end; row += 8) {{\n\
+                   i64 at = row * len + j;\n\
+                   A mean = stats[2 * row], inv = stats[2 * row + 1];\n\
+                   {loads}\
+                   #pragma unroll\n\
+                   for (int e = 0; e < {vals}; ++e) {{ {elements}A dy = dy_e, xhat = (x_e - mean) * inv; {adds}}}\n\
+                 }}\n\
+               }}\n\
+               {combine}\
+             }}\n",
+            width = 32 * vals
+        )
+    };
+    let kernel = |name: &str, row: &str, vals: usize| -> String {
+        format!(
+            "extern \"C\" __global__ void __launch_bounds__(256) {name}({params}) {{\n\
+               const A eps = (A)(C){eps};\n\
+               i64 span = (rows + gridDim.x - 1) / gridDim.x;\n\
+               i64 first = (i64)blockIdx.x * span, end = min(rows, first + span);\n\
+               int lane = threadIdx.x & 31;\n\
+               for (i64 row = first + (threadIdx.x >> 5); row < end; row += blockDim.x >> 5) {{\n\
+                 i64 base = row * len;\n{row}\n\
+                 if (lane == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
+               }}\n\
+               __syncthreads();\n{pass}}}\n",
+            eps = lit(eps),
+            pass = column_pass(vals),
+        )
+    };
+    // Given x in `v` and dy in `dy`: xhat in `v`, dy * gamma in `dy`, dx's row means.
+    let middle = |gamma: &str| {
+        format!(
+            "{stats}\
+             A sg = 0, sgx = 0;\n\
+             #pragma unroll\n\
+             for (int t = 0; t < {per}; ++t) {{ v[t] = (v[t] - mean) * inv; dy[t] *= {gamma}; sg += dy[t]; sgx += dy[t] * v[t]; }}\n\
+             A mg = warp_sum(sg) / (A)len, mgx = warp_sum(sgx) / (A)len;\n",
+            stats = ln_warp_stats(per)
+        )
+    };
+    let dx = "(dy[t] - mg - v[t] * mgx) * inv";
+    let warp = format!(
+        "A v[{per}], dy[{per}];\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; bool in = j < len; v[t] = in ? (A)ldX(px, base + j) : (A)0; dy[t] = in ? (A)ldD(pdy, base + j) : (A)0; }}\n\
+         {middle}\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ {out} pdx[base + j] = o; }} }}\n",
+        middle = middle("(lane + 32 * t < len ? (A)ld(pg, lane + 32 * t) : (A)0)"),
+        out = norm_grad_output(epi.residual, dx, "ldY(pr, base + j)"),
+    );
+    let v = column_vector(types.x);
+    // The residual's words are loaded with x and dy: one wait for memory a row.
+    let warp_vec = format!(
+        "A v[{per}], dy[{per}];\n\
+         {load_x}{load_dy}{load_r}{middle}\
+         #pragma unroll\n\
+         for (int w = 0; w < {words}; ++w) {{\n\
+           i64 j0 = (i64)(32 * w + lane) * {v};\n\
+           __align__(16) TY ow[{v}];\n\
+           {residual_word}\
+           #pragma unroll\n\
+           for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; {out} ow[q] = o; }}\n\
+           *(uint4*)(pdx + base + j0) = *(const uint4*)ow;\n\
+         }}\n",
+        load_x = warp_load_words("px", "v", per, v, "X"),
+        load_dy = warp_load_words("pdy", "dy", per, v, "D"),
+        middle = middle(&format!(
+            "(A)ld(pg, (i64)(32 * (t / {v}) + lane) * {v} + t % {v})"
+        )),
+        words = per / v,
+        load_r = if epi.residual {
+            format!(
+                "uint4 rw[{size}];\n\
+                 #pragma unroll\n\
+                 for (int w = 0; w < {words}; ++w) rw[w] = *(const uint4*)(pr + base + (i64)(32 * w + lane) * {v});\n",
+                words = per / v,
+                // A module of rows shorter than a warp's words still compiles
+                // `k_warp_vec` (never launched): no array of size zero.
+                size = (per / v).max(1),
+            )
+        } else {
+            String::new()
+        },
+        residual_word = if epi.residual {
+            "const TY* re = (const TY*)&rw[w];\n"
+        } else {
+            ""
+        },
+        out = norm_grad_output(epi.residual, dx, "ldY(re, q)"),
+    );
+    // dgamma and dbeta in the parameters' dtype, the form's sums in dx's column-sum
+    // dtype (`S`).
+    let mut blocks = types.blocks().to_vec();
+    blocks.push(("S", column_sum_dtype(types.y)));
+    let mut outs = vec![""; 2];
+    outs.resize(n, "S");
+    module_multi(
+        &blocks,
+        &format!(
+            "{}{}{}",
+            kernel("k_warp", &warp, 1),
+            kernel("k_warp_vec", &warp_vec, v),
+            column_sums_fin("", &outs)
+        ),
+    )
+}
+
+/// LayerNormGrad over rows of any length, a block per row: `k` writes dx (plus the
+/// `residual`, as [`norm_grad_output`]) and each row's mean and inverse deviation;
+/// the column sums (see [`column_sums`]) give dgamma and dbeta from them. The
+/// epilogue's column sums are left to the caller.
+pub(super) fn layer_norm_grad_block(types: NormTypes, eps: f64, residual: bool) -> String {
+    let out = norm_grad_output(
+        residual,
+        "((A)ldD(pdy, at) * (A)ld(pg, j) - mg - xhat * mgx) * inv",
+        "ldY(pr, at)",
+    );
+    module_multi(
+        &types.blocks(),
+        &format!(
+            "{LN_STATS}extern \"C\" __global__ void k(const TX* px, const T* pg, const TD* pdy, {residual}TY* pdx, A* stats, i64 rows, i64 len) {{\n\
+               __shared__ A sh[32];\n\
+               for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
+                 A mean, inv; ln_stats(px, row, len, (A)(C){eps}, sh, &mean, &inv);\n\
+                 A sg = 0, sgx = 0;\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
+                   i64 at = row * len + j;\n\
+                   A g = (A)ldD(pdy, at) * (A)ld(pg, j);\n\
+                   sg += g; sgx += g * (((A)ldX(px, at) - mean) * inv);\n\
+                 }}\n\
+                 A mg = block_sum(sg, sh) / (A)len;\n\
+                 A mgx = block_sum(sgx, sh) / (A)len;\n\
+                 for (i64 j = threadIdx.x; j < len; j += blockDim.x) {{\n\
+                   i64 at = row * len + j;\n\
+                   A xhat = ((A)ldX(px, at) - mean) * inv;\n\
+                   {out} pdx[at] = o;\n\
+                 }}\n\
+                 if (threadIdx.x == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
+               }}\n}}\n{cols}",
+            residual = residual_param(residual),
+            eps = lit(eps),
+            cols = column_sums(
+                "const TX* px, const TD* pdy, const A* stats",
+                "A dy = (A)ldD(pdy, at);",
+                &["dy * (((A)ldX(px, at) - stats[2 * row]) * stats[2 * row + 1])", "dy"],
+                "",
+            )
+        ),
+    )
+}

@@ -1,0 +1,357 @@
+//! Every kind of generated kernel parsed by the host C++ compiler (with stand-ins for
+//! the CUDA declarations), so a broken template fails CI on machines without a GPU;
+//! `AMPGRAPH_DUMP_KERNELS=DIR` writes them out for `nvcc` or a comparison.
+
+use super::cross_entropy::{sce, sce_grad, sce_with_grad};
+use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad};
+use super::fused::fused;
+use super::norm::{layer_norm, layer_norm_grad_block, layer_norm_grad_rows, NormTypes};
+use super::reduce::{broadcast_div, column_sum, reduce, reduce_max_grad};
+use super::shape::{concat, gather};
+use super::softmax::{fused_softmax, softmax, softmax_grad};
+use super::training::{all_finite, fill_flag, increment_if, loss_scale_update, optimizer};
+use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
+use ampgraph_graph::ops::{
+    parse_op, BinaryKind, FusedElementwise, FusedSoftmax, NormGradEpilogue, ReduceKind, Rule,
+    UnaryKind,
+};
+use ampgraph_graph::DType;
+use std::path::Path;
+use std::process::Command;
+/// The CUDA names the kernels use, declared for a host C++ compiler.
+const CUDA_STANDINS: &str = r#"
+#include <math.h>
+#include <cmath>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) alignas(n)
+struct dim3_ { unsigned x, y, z; };
+extern dim3_ threadIdx, blockIdx, blockDim, gridDim;
+struct __half { unsigned short x; };
+struct __nv_bfloat16 { unsigned short x; };
+float __half2float(__half); __half __float2half_rn(float); __half __double2half(double);
+float __bfloat162float(__nv_bfloat16); __nv_bfloat16 __float2bfloat16_rn(float);
+__nv_bfloat16 __double2bfloat16(double);
+float __int_as_float(int); float __expf(float);
+float __fmul_rn(float, float); float __fmaf_rn(float, float, float); double __dmul_rn(double, double);
+template <class T> T __shfl_xor_sync(unsigned, T, int);
+template <class T> T atomicAdd(T*, T);
+void __syncthreads();
+struct uint4 { unsigned x, y, z, w; };
+uint4 make_uint4(unsigned, unsigned, unsigned, unsigned);
+#define __launch_bounds__(...)
+struct __half2 { unsigned x; };
+struct __nv_bfloat162 { unsigned x; };
+__half2 __floats2half2_rn(float, float); __nv_bfloat162 __floats2bfloat162_rn(float, float);
+using std::isnan; using std::isfinite;
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+"#;
+
+fn fused_program(text: &str, outputs: Vec<i64>) -> FusedElementwise {
+    let mut attrs = AttrMap::new();
+    attrs.insert("program".into(), AttrValue::Str(text.into()));
+    attrs.insert("outputs".into(), AttrValue::Ints(outputs));
+    let op = parse_op("FusedElementwise", AttrReader::new(attrs)).unwrap();
+    op.downcast_ref::<FusedElementwise>().unwrap().clone()
+}
+
+fn every_kind_of_kernel() -> Vec<(String, String)> {
+    let mut k: Vec<(String, String)> = Vec::new();
+    for d in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        let gelu = UnaryKind::Gelu { approximate: false };
+        let tanh_gelu = UnaryKind::Gelu { approximate: true };
+        k.extend([
+            (format!("unary_{d}"), unary(d, gelu)),
+            (format!("unary_selu_{d}"), unary(d, UnaryKind::Selu)),
+            (format!("unary_grad_{d}"), unary_grad(d, tanh_gelu)),
+            (format!("binary_{d}"), binary(d, BinaryKind::Maximum)),
+            (
+                format!("binary_grad_{d}"),
+                binary_grad(d, BinaryKind::Pow, 1),
+            ),
+            (format!("bias_add_{d}"), bias_add(d)),
+            (format!("broadcast_div_{d}"), broadcast_div(d)),
+            (format!("reduce_mean_{d}"), reduce(d, d, ReduceKind::Mean)),
+            (
+                format!("reduce_max_{d}"),
+                reduce(d, DType::F64, ReduceKind::Max),
+            ),
+            (format!("reduce_max_grad_{d}"), reduce_max_grad(d)),
+            (format!("column_sum_{d}"), column_sum(d, d)),
+            (format!("column_sum_{d}_f64"), column_sum(d, DType::F64)),
+            (format!("log_softmax_{d}"), softmax(d, true, 4)),
+            (format!("softmax_{d}"), softmax(d, false, 32)),
+            (format!("softmax_grad_{d}"), softmax_grad(d, false, 8)),
+            (format!("log_softmax_grad_{d}"), softmax_grad(d, true, 1)),
+            (
+                format!("layer_norm_{d}"),
+                layer_norm(NormTypes::uniform(d), 1e-5, 32),
+            ),
+            (
+                format!("layer_norm_grad_{d}"),
+                layer_norm_grad_rows(NormTypes::uniform(d), 1e-5, 32, NormGradEpilogue::default()),
+            ),
+            (
+                format!("layer_norm_grad_residual_{d}"),
+                layer_norm_grad_rows(
+                    NormTypes::uniform(d),
+                    1e-5,
+                    24,
+                    NormGradEpilogue {
+                        residual: true,
+                        sum_dx: true,
+                        sum_residual: true,
+                    },
+                ),
+            ),
+            (
+                format!("layer_norm_grad_residual_short_{d}"),
+                layer_norm_grad_rows(
+                    NormTypes::uniform(d),
+                    1e-5,
+                    1,
+                    NormGradEpilogue {
+                        residual: true,
+                        ..NormGradEpilogue::default()
+                    },
+                ),
+            ),
+            (
+                format!("layer_norm_grad_block_{d}"),
+                layer_norm_grad_block(NormTypes::uniform(d), 1e-5, true),
+            ),
+            (format!("sce_{d}"), sce(d, DType::I64)),
+            (format!("sce_grad_{d}"), sce_grad(d, DType::I32)),
+            (
+                format!("sce_with_grad_{d}"),
+                sce_with_grad(d, d, d, DType::I32, None),
+            ),
+            (
+                format!("sce_with_grad_summed_{d}"),
+                sce_with_grad(DType::F16, d, DType::F16, DType::I64, Some(1000)),
+            ),
+            (format!("all_finite_{d}"), all_finite(&[d], None)),
+            (
+                format!("all_finite_scaled_{d}"),
+                all_finite(&[d, DType::F32], Some(DType::F32)),
+            ),
+            (format!("increment_if_{d}"), increment_if(d)),
+        ]);
+        let rules = [
+            Rule::PLAIN_SGD,
+            Rule::Sgd {
+                momentum: 0.9,
+                nesterov: true,
+            },
+            Rule::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-8,
+                decoupled: true,
+            },
+            Rule::Lamb {
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-6,
+            },
+        ];
+        for (r, rule) in rules.into_iter().enumerate() {
+            for scaled in [false, true] {
+                let cast = scaled.then_some(DType::F16);
+                let src = optimizer(
+                    DType::F32,
+                    d,
+                    scaled,
+                    Some(DType::I64),
+                    cast,
+                    rule,
+                    1e-3,
+                    1e-2,
+                );
+                k.push((format!("optimizer_{r}_{d}_{scaled}"), src));
+            }
+        }
+    }
+    for (from, to) in [
+        (DType::F16, DType::F32),
+        (DType::F32, DType::Bool),
+        (DType::I64, DType::F16),
+        (DType::BF16, DType::I32),
+    ] {
+        k.push((format!("cast_{from}_{to}"), cast(from, to)));
+    }
+    for bytes in [1, 2, 4, 8, 16] {
+        k.push((format!("gather_{bytes}"), gather(bytes)));
+    }
+    k.push(("concat".into(), concat(2)));
+    use super::attention::{NARROW, WIDE};
+    for (d, head_dim, shape, causal, key_bias) in [
+        (DType::F16, 64, WIDE, false, false),
+        (DType::BF16, 32, NARROW, false, true),
+        (DType::F16, 128, NARROW, true, false),
+        (DType::F16, 64, WIDE, true, true),
+    ] {
+        k.push((
+            format!("attention_{d}_{head_dim}_{causal}_{key_bias}"),
+            super::attention::source(d, head_dim, shape, (causal, key_bias)),
+        ));
+    }
+    // Casts folded into the normalisations: f16 x and dy, f32 math, f16 or f32 out.
+    for y in [DType::F16, DType::F32] {
+        let types = NormTypes {
+            params: DType::F32,
+            x: DType::F16,
+            dy: DType::BF16,
+            y,
+        };
+        k.push((format!("layer_norm_mixed_{y}"), layer_norm(types, 1e-5, 8)));
+        k.push((
+            format!("layer_norm_grad_mixed_{y}"),
+            layer_norm_grad_rows(types, 1e-5, 8, NormGradEpilogue::default()),
+        ));
+        k.push((
+            format!("layer_norm_grad_block_mixed_{y}"),
+            layer_norm_grad_block(types, 1e-5, false),
+        ));
+    }
+    k.push(("fill_flag".into(), fill_flag()));
+    k.push((
+        "loss_scale_update".into(),
+        loss_scale_update(DType::F32, DType::I64, 2000, 2.0, 0.5),
+    ));
+    let programs = [
+        (
+            "v0 = in0: f32[4, 6]; v1 = in1: f32[6]; v2 = BiasAdd<data_format=NHWC>(v0, v1): f32[4, 6]; \
+             v3 = Relu(v2): f32[4, 6]; v4 = Cast<to=f16>(v3): f16[4, 6]; v5 = in2: f16[]; \
+             v6 = Mul(v4, v5): f16[4, 6]; v7 = UnaryGrad<kind=Tanh>(v6, v4): f16[4, 6]",
+            vec![3, 7],
+        ),
+        (
+            "v0 = in0: bf16[4, 6]; v1 = in1: bf16[4, 1]; v2 = BinaryGrad<kind=Div, wrt=1>(v0, v1, v0): bf16[4, 6]; \
+             v3 = Cast<to=f64>(v2): f64[4, 6]; v4 = Gelu<approximate=true>(v3): f64[4, 6]; \
+             v5 = Cast<to=f16>(v4): f16[4, 6]",
+            vec![5],
+        ),
+    ];
+    for (i, (text, outputs)) in programs.into_iter().enumerate() {
+        k.push((format!("fused_{i}"), fused(&fused_program(text, outputs))));
+    }
+    // Column sums: an f16 GELU gradient summed in f32 (with a summed input), f64, and
+    // a row bias.
+    let sums = [
+        (
+            "v0 = in0: f16[8, 16]; v1 = in1: f16[8, 16]; \
+             v2 = UnaryGrad<kind=Gelu, approximate=false>(v0, v1): f16[8, 16]",
+            vec![2],
+            vec![2, 0],
+        ),
+        (
+            "v0 = in0: f64[2, 3, 4]; v1 = Exp(v0): f64[2, 3, 4]",
+            vec![1],
+            vec![1],
+        ),
+        // A bias along the rows, loaded in vectors.
+        (
+            "v0 = in0: f16[8, 16]; v1 = in1: f16[16]; v2 = Add(v0, v1): f16[8, 16]",
+            vec![2],
+            vec![2],
+        ),
+    ];
+    for (i, (text, outputs, summed)) in sums.into_iter().enumerate() {
+        let p = fused_program(text, outputs)
+            .with_column_sums(summed)
+            .unwrap();
+        k.push((format!("fused_sums_{i}"), fused(&p)));
+    }
+    // Softmax prologues: f16 scores scaled, an f32 mask added (vectors of 4), and
+    // bf16 widened to f64 (a log-softmax).
+    let prologues = [
+        (
+            "v0 = in0: f16[2, 4, 64]; v1 = in1: f16[]; v2 = Mul(v0, v1): f16[2, 4, 64]; \
+             v3 = Cast<to=f32>(v2): f32[2, 4, 64]; v4 = in2: f32[4, 64]; \
+             v5 = Add(v3, v4): f32[2, 4, 64]",
+            5,
+            false,
+        ),
+        (
+            "v0 = in0: bf16[3, 40]; v1 = Cast<to=f64>(v0): f64[3, 40]",
+            1,
+            true,
+        ),
+    ];
+    for (i, (text, value, log)) in prologues.into_iter().enumerate() {
+        let op = FusedSoftmax::new(-1, log, fused_program(text, vec![value])).unwrap();
+        k.push((format!("fused_softmax_{i}"), fused_softmax(&op, 2)));
+    }
+    k
+}
+
+/// Whether `source` parses; the compiler's complaint otherwise.
+fn parses(cxx: &str, dir: &Path, name: &str, source: &str) -> Result<(), String> {
+    let file = dir.join(format!("{name}.cu"));
+    std::fs::write(&file, source).map_err(|e| e.to_string())?;
+    let out = Command::new(cxx)
+        .args(["-std=c++17", "-fsyntax-only", "-x", "c++", "-I"])
+        .arg(dir)
+        .arg("-include")
+        .arg(dir.join("cuda_standins.h"))
+        .arg(&file)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{name}: {}", String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
+/// With `AMPGRAPH_DUMP_KERNELS=DIR`, writes one source of every kind of kernel to
+/// DIR/<name>.cu, for `nvcc -arch=sm_90 --fmad=false -Xptxas -v -c` on the GPU
+/// machine (registers, spills) or a microbenchmark; otherwise does nothing.
+#[test]
+fn dump_kernels_when_asked() {
+    let Some(dir) = std::env::var_os("AMPGRAPH_DUMP_KERNELS") else {
+        return;
+    };
+    let dir = Path::new(&dir);
+    std::fs::create_dir_all(dir).unwrap();
+    for (name, source) in every_kind_of_kernel() {
+        std::fs::write(dir.join(format!("{name}.cu")), source).unwrap();
+    }
+}
+
+#[test]
+fn every_generated_kernel_parses() {
+    let Some(cxx) = ["c++", "g++", "clang++"]
+        .into_iter()
+        .find(|c| Command::new(c).arg("--version").output().is_ok())
+    else {
+        println!("skipping: no C++ compiler to parse the kernels with");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("ampgraph-kernels-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for header in ["cuda_fp16.h", "cuda_bf16.h"] {
+        std::fs::write(dir.join(header), "").unwrap();
+    }
+    std::fs::write(dir.join("cuda_standins.h"), CUDA_STANDINS).unwrap();
+    let kernels = every_kind_of_kernel();
+    let half = kernels.len() / 2;
+    let (first, second) = kernels.split_at(half);
+    let check = |part: &[(String, String)]| -> Vec<String> {
+        part.iter()
+            .filter_map(|(name, src)| parses(cxx, &dir, name, src).err())
+            .collect()
+    };
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let other = s.spawn(|| check(second));
+        let mut f = check(first);
+        f.extend(other.join().unwrap());
+        f
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(kernels.len() > 100);
+}

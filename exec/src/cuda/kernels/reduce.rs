@@ -1,0 +1,362 @@
+//! Reductions: Sum, Mean and Max over any axes (a block or a thread per output), sums
+//! over leading axes as column sums (bias gradients), SumTo, and ReduceGrad.
+
+use ampgraph_graph::ops::{Reduce, ReduceGrad, ReduceKind, SumTo};
+use ampgraph_graph::tensor::strides;
+use ampgraph_graph::{DType, Op, TensorType};
+
+use super::codegen::{column_sums, column_vector, module, module_multi, COLUMN_ROWS};
+use super::elementwise::broadcast_strides;
+use super::{first, float_input, float_only, input, kernel, numel, Ctx, CudaKernel, KernelSpec};
+use crate::cuda::device::{row_block, row_grid, Arg, DTensor, Dims};
+
+/// The modules of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Spec {
+    /// `k` and `k_thread(const T* px, TO* py, i64 out_len, i64 count, int kr, Dims ks,
+    /// Dims kst, int rr, Dims rs, Dims rst)`
+    Reduce {
+        dtype: DType,
+        out: DType,
+        kind: ReduceKind,
+    },
+    /// `k(const T* px, const T* pdy, T* pdx, ...)`, the sizes as `Reduce`'s.
+    ReduceMaxGrad { dtype: DType },
+    /// `k(const T* px, T* py, i64 n, int r, Dims shape, Dims sst, double div)`
+    BroadcastDiv { dtype: DType },
+    /// Column sums of a `[rows, len]` matrix: `k_cols_part(_vec)(const T* px, AO*
+    /// part, i64 rows, i64 len, i64 chunk_rows)`, then `k_cols_fin`.
+    ColumnSum { dtype: DType, out: DType },
+}
+
+impl KernelSpec for Spec {
+    const FAMILY: &'static str = "reduce";
+    fn source(&self) -> String {
+        match *self {
+            Spec::Reduce { dtype, out, kind } => reduce(dtype, out, kind),
+            Spec::ReduceMaxGrad { dtype } => reduce_max_grad(dtype),
+            Spec::BroadcastDiv { dtype } => broadcast_div(dtype),
+            Spec::ColumnSum { dtype, out } => column_sum(dtype, out),
+        }
+    }
+}
+
+pub(super) fn lower(
+    op: &dyn Op,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Option<Result<Box<dyn CudaKernel>, String>> {
+    if let Some(r) = op.downcast_ref::<Reduce>() {
+        return Some(lower_reduce(r, ins, outs));
+    }
+    if let Some(s) = op.downcast_ref::<SumTo>() {
+        return Some(lower_sum_to(s, ins, outs));
+    }
+    if let Some(r) = op.downcast_ref::<ReduceGrad>() {
+        return Some(lower_reduce_grad(r, ins, outs));
+    }
+    None
+}
+
+fn lower_reduce(
+    r: &Reduce,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    let x = ins.first().ok_or("Reduce takes one input")?;
+    float_only(x.dtype)?;
+    let axes = r.reduced_axes(x.shape.len())?;
+    let (out, kind) = (first(outs)?, r.kind);
+    Ok(kernel(move |c, inputs| {
+        let y = c.alloc(&out)?;
+        reduce_into(c, input(inputs, 0)?, &y, kind, &axes)?;
+        Ok(vec![y])
+    }))
+}
+
+fn lower_sum_to(
+    s: &SumTo,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    let x = ins.first().ok_or("SumTo takes one input")?;
+    let out = first(outs)?;
+    let (r, t) = (x.shape.len(), s.shape.len());
+    let axes: Vec<usize> = (0..r)
+        .filter(|&a| a + t < r || (s.shape[a + t - r] == 1 && x.shape[a] != 1))
+        .collect();
+    if axes.is_empty() {
+        return Ok(kernel(move |_, inputs| {
+            Ok(vec![input(inputs, 0)?.reshaped(out.shape.clone())])
+        }));
+    }
+    float_only(x.dtype)?;
+    Ok(kernel(move |c, inputs| {
+        let y = c.alloc(&out)?;
+        reduce_into(c, input(inputs, 0)?, &y, ReduceKind::Sum, &axes)?;
+        Ok(vec![y])
+    }))
+}
+
+fn lower_reduce_grad(
+    r: &ReduceGrad,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    let dtype = float_input(ins)?;
+    let x = &ins[0];
+    let axes = Reduce::new(r.kind, r.axes.clone(), r.keep_dims).reduced_axes(x.shape.len())?;
+    let out = first(outs)?;
+    let n = numel(&x.shape);
+    if r.kind == ReduceKind::Max {
+        let s = split(&x.shape, &axes);
+        let (kept, count) = (numel(&s.ks), numel(&s.rs));
+        let sizes = split_args(&s)?;
+        let spec = Spec::ReduceMaxGrad { dtype };
+        return Ok(kernel(move |c, inputs| {
+            let (x, dy) = (input(inputs, 0)?, input(inputs, 1)?);
+            let dx = c.alloc(&out)?;
+            if kept > 0 {
+                let mut args = vec![x.arg(), dy.arg(), dx.arg()];
+                args.extend(sizes.iter().cloned());
+                c.launch(&spec, "k", (row_grid(kept), row_block(count)), &args)?;
+            }
+            Ok(vec![dx])
+        }));
+    }
+    let kept: Vec<usize> = x
+        .shape
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+        .collect();
+    let dy_len = ins.get(1).map_or(0, |t| numel(&t.shape));
+    let div = if r.kind == ReduceKind::Mean {
+        n.checked_div(dy_len).unwrap_or(0) as f64
+    } else {
+        1.0
+    };
+    let sizes = [
+        Arg::I64(n as i64),
+        Arg::I32(x.shape.len() as i32),
+        Arg::Dims(Dims::new(&x.shape)?),
+        Arg::Dims(Dims::new(&broadcast_strides(&kept, &x.shape))?),
+        Arg::F64(div),
+    ];
+    let spec = Spec::BroadcastDiv { dtype };
+    Ok(kernel(move |c, inputs| {
+        let dy = input(inputs, 1)?;
+        let dx = c.alloc(&out)?;
+        let mut args = vec![dy.arg(), dx.arg()];
+        args.extend(sizes.iter().cloned());
+        c.launch_n(&spec, n, &args)?;
+        Ok(vec![dx])
+    }))
+}
+
+/// The kept and reduced (dims, strides) of reducing `shape` over sorted `axes`.
+struct Split {
+    ks: Vec<usize>,
+    kst: Vec<usize>,
+    rs: Vec<usize>,
+    rst: Vec<usize>,
+}
+
+fn split(shape: &[usize], axes: &[usize]) -> Split {
+    let st = strides(shape);
+    let mut s = Split {
+        ks: vec![],
+        kst: vec![],
+        rs: vec![],
+        rst: vec![],
+    };
+    for (i, (&d, &t)) in shape.iter().zip(&st).enumerate() {
+        if axes.contains(&i) {
+            s.rs.push(d);
+            s.rst.push(t);
+        } else {
+            s.ks.push(d);
+            s.kst.push(t);
+        }
+    }
+    s
+}
+
+fn split_args(s: &Split) -> Result<Vec<Arg>, String> {
+    Ok(vec![
+        Arg::I64(numel(&s.ks) as i64),
+        Arg::I64(numel(&s.rs) as i64),
+        Arg::I32(s.ks.len() as i32),
+        Arg::Dims(Dims::new(&s.ks)?),
+        Arg::Dims(Dims::new(&s.kst)?),
+        Arg::I32(s.rs.len() as i32),
+        Arg::Dims(Dims::new(&s.rs)?),
+        Arg::Dims(Dims::new(&s.rst)?),
+    ])
+}
+
+/// `y = reduce(x)` over sorted `axes`.
+pub(super) fn reduce_into(
+    c: &Ctx,
+    x: &DTensor,
+    y: &DTensor,
+    kind: ReduceKind,
+    axes: &[usize],
+) -> Result<(), String> {
+    float_only(x.dtype)?;
+    let s = split(&x.shape, axes);
+    let (out_len, count) = (numel(&s.ks), numel(&s.rs));
+    if out_len == 0 {
+        return Ok(());
+    }
+    // Reducing the leading axes (bias gradients, batch sums): column sums of a
+    // [count, out_len] matrix.
+    if kind != ReduceKind::Max && count > 1 && axes.iter().enumerate().all(|(i, &a)| i == a) {
+        let scale = if kind == ReduceKind::Mean {
+            1.0 / count as f64
+        } else {
+            1.0
+        };
+        let v = column_vector(x.dtype);
+        let part = if out_len % v == 0 && x.ptr() % 16 == 0 {
+            ("k_cols_part_vec", 32 * v)
+        } else {
+            ("k_cols_part", 32)
+        };
+        return super::launch_column_sums(
+            c,
+            &Spec::ColumnSum {
+                dtype: x.dtype,
+                out: y.dtype,
+            },
+            &[x.arg()],
+            (count, out_len),
+            &[(y, scale)],
+            part,
+        );
+    }
+    let mut args = vec![x.arg(), y.arg()];
+    args.extend(split_args(&s)?);
+    let spec = Spec::Reduce {
+        dtype: x.dtype,
+        out: y.dtype,
+        kind,
+    };
+    if count <= 64 || (out_len >= 4096 && count <= 4096) {
+        let grid = out_len.div_ceil(256).min(1 << 20) as u32;
+        c.launch(&spec, "k_thread", (grid, 256), &args)
+    } else {
+        c.launch(&spec, "k", (row_grid(out_len), row_block(count)), &args)
+    }
+}
+
+/// `y[i] = x[strided(i)] / div` (ReduceGrad of Sum and Mean).
+pub(super) fn broadcast_div(d: DType) -> String {
+    module(
+        d,
+        "extern \"C\" __global__ void k(const T* px, T* py, i64 n, int r, Dims shape, Dims sst, double div) {\n\
+           GRID_LOOP(i, n) { st(py, i, ld(px, strided(i, r, shape, sst)) / (C)div); }\n}\n",
+    )
+}
+
+/// Reductions over arbitrary axes: the kept axes (`ks`, `kst`) index outputs, the
+/// reduced ones (`rs`, `rst`) the elements summed into each. `k` gives each output a
+/// block; `k_thread` gives each output a thread (few elements per output).
+/// Reductions of `d` storing `out` (the same, or a type `d` widens into exactly).
+pub(super) fn reduce(d: DType, out: DType, kind: ReduceKind) -> String {
+    let (init, combine, block) = match kind {
+        ReduceKind::Max => ("(AO)(-F_INF)", "acc = nanmax(acc, v);", "block_max"),
+        _ => ("(AO)0", "acc += v;", "block_sum"),
+    };
+    let finish = if kind == ReduceKind::Mean {
+        "acc / (AO)count"
+    } else {
+        "acc"
+    };
+    module_multi(
+        &[("", d), ("O", out)],
+        &format!(
+            "extern \"C\" __global__ void k(const T* px, TO* py, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {{\n\
+               __shared__ AO sh[32];\n\
+               for (i64 o = blockIdx.x; o < out_len; o += gridDim.x) {{\n\
+                 i64 base = strided(o, kr, ks, kst);\n\
+                 AO acc = {init};\n\
+                 for (i64 j = threadIdx.x; j < count; j += blockDim.x) {{ AO v = (AO)ld(px, base + strided(j, rr, rs, rst)); {combine} }}\n\
+                 acc = {block}(acc, sh);\n\
+                 if (threadIdx.x == 0) stO(py, o, (CO)({finish}));\n\
+               }}\n}}\n\
+             extern \"C\" __global__ void k_thread(const T* px, TO* py, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {{\n\
+               GRID_LOOP(o, out_len) {{\n\
+                 i64 base = strided(o, kr, ks, kst);\n\
+                 AO acc = {init};\n\
+                 for (i64 j = 0; j < count; ++j) {{ AO v = (AO)ld(px, base + strided(j, rr, rs, rst)); {combine} }}\n\
+                 stO(py, o, (CO)({finish}));\n\
+               }}\n}}\n"
+        ),
+    )
+}
+
+/// ReduceGrad of Max: the gradient goes to the maxima, split evenly between ties.
+pub(super) fn reduce_max_grad(d: DType) -> String {
+    module(
+        d,
+        "extern \"C\" __global__ void k(const T* px, const T* pdy, T* pdx, i64 out_len, i64 count, int kr, Dims ks, Dims kst, int rr, Dims rs, Dims rst) {\n\
+           __shared__ A sh[32];\n\
+           for (i64 o = blockIdx.x; o < out_len; o += gridDim.x) {\n\
+             i64 base = strided(o, kr, ks, kst);\n\
+             A m = (A)(-F_INF);\n\
+             for (i64 j = threadIdx.x; j < count; j += blockDim.x) m = nanmax(m, (A)ld(px, base + strided(j, rr, rs, rst)));\n\
+             m = block_max(m, sh);\n\
+             A ties = 0;\n\
+             for (i64 j = threadIdx.x; j < count; j += blockDim.x) ties += ((A)ld(px, base + strided(j, rr, rs, rst)) == m) ? (A)1 : (A)0;\n\
+             ties = block_sum(ties, sh);\n\
+             C g = ld(pdy, o);\n\
+             for (i64 j = threadIdx.x; j < count; j += blockDim.x) {\n\
+               i64 at = base + strided(j, rr, rs, rst);\n\
+               st(pdx, at, ((A)ld(px, at) == m) ? (C)(g / (C)ties) : (C)0);\n\
+             }\n\
+           }\n}\n",
+    )
+}
+
+/// Sum over the rows of a `[rows, len]` matrix of `d` (Mean through the scale),
+/// stored as `out`. Besides [`column_sums`]' kernels, `k_cols_part_vec` does
+/// `k_cols_part`'s work with each lane reading a 16-byte word of [`column_vector`]
+/// adjacent columns (a warp reads 512 contiguous bytes of a row, not 64): for `len` a
+/// multiple of that and a 16-byte aligned matrix.
+pub(super) fn column_sum(d: DType, out: DType) -> String {
+    let v = column_vector(d);
+    module_multi(
+        &[("", d), ("O", out)],
+        &format!(
+            "{}extern \"C\" __global__ void k_cols_part_vec(const T* px, AO* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
+               __shared__ AO sh[{COLUMN_ROWS}][{width}];\n\
+               int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+               i64 tiles = (len + {width} - 1) / {width};\n\
+               i64 j = (blockIdx.x % tiles) * {width} + tx * {v}, chunk = blockIdx.x / tiles;\n\
+               i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
+               AO acc[{v}];\n\
+               #pragma unroll\n\
+               for (int e = 0; e < {v}; ++e) acc[e] = 0;\n\
+               if (j < len) {{\n\
+                 #pragma unroll 4\n\
+                 for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{\n\
+                   uint4 word = *(const uint4*)(px + row * len + j);\n\
+                   const T* x = (const T*)&word;\n\
+                   #pragma unroll\n\
+                   for (int e = 0; e < {v}; ++e) acc[e] += (AO)ld(x, e);\n\
+                 }}\n\
+               }}\n\
+               #pragma unroll\n\
+               for (int e = 0; e < {v}; ++e) sh[ty][tx * {v} + e] = acc[e];\n\
+               __syncthreads();\n\
+               if (ty == 0 && j < len) {{\n\
+                 #pragma unroll\n\
+                 for (int e = 0; e < {v}; ++e) {{ AO s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[w][tx * {v} + e]; part[chunk * len + j + e] = s; }}\n\
+               }}\n\
+             }}\n",
+            column_sums("const T* px", "", &["(AO)ld(px, at)"], "O"),
+            width = 32 * v,
+        ),
+    )
+}

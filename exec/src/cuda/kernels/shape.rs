@@ -1,0 +1,190 @@
+//! Ops that only move data: Transpose, Slice and BroadcastTo as one strided gather
+//! (its indexing fixed when the node is lowered), Concat, and the views that launch
+//! nothing (Reshape, AssignVariable's value).
+
+use ampgraph_graph::ops::{AssignVariable, BroadcastTo, Concat, Reshape, Slice, Transpose};
+use ampgraph_graph::shape::normalize_axis;
+use ampgraph_graph::tensor::strides;
+use ampgraph_graph::{Op, TensorType};
+
+use super::codegen::{word, PRELUDE};
+use super::elementwise::broadcast_strides;
+use super::{first, input, kernel, numel, CudaKernel, KernelSpec};
+use crate::cuda::device::Arg;
+use crate::cuda::device::Dims;
+
+/// The modules of the family, by the bytes of the words they move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Spec {
+    /// `k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset)`
+    Gather { bytes: usize },
+    /// `k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off)`
+    Concat { bytes: usize },
+}
+
+impl KernelSpec for Spec {
+    const FAMILY: &'static str = "shape";
+    fn source(&self) -> String {
+        match *self {
+            Spec::Gather { bytes } => gather(bytes),
+            Spec::Concat { bytes } => concat(bytes),
+        }
+    }
+}
+
+pub(super) fn lower(
+    op: &dyn Op,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Option<Result<Box<dyn CudaKernel>, String>> {
+    let x = ins.first();
+    let out = outs.first();
+    let (Some(x), Some(out)) = (x, out) else {
+        return None;
+    };
+    if op.is::<Reshape>() {
+        let shape = out.shape.clone();
+        return Some(Ok(kernel(move |_, inputs| {
+            Ok(vec![input(inputs, 0)?.reshaped(shape.clone())])
+        })));
+    }
+    if op.is::<AssignVariable>() {
+        return Some(Ok(kernel(|_, inputs| Ok(vec![input(inputs, 1)?.clone()]))));
+    }
+    if let Some(t) = op.downcast_ref::<Transpose>() {
+        let in_st = strides(&x.shape);
+        let st: Vec<usize> = t.perm.iter().map(|&p| in_st[p]).collect();
+        return Some(lower_gather(x, out, &st, 0));
+    }
+    if let Some(s) = op.downcast_ref::<Slice>() {
+        let st = strides(&x.shape);
+        let offset = s.begin.iter().zip(&st).map(|(b, s)| b * s).sum();
+        return Some(lower_gather(x, out, &st, offset));
+    }
+    if op.is::<BroadcastTo>() {
+        if x.shape == out.shape {
+            return Some(Ok(kernel(|_, inputs| Ok(vec![input(inputs, 0)?.clone()]))));
+        }
+        return Some(lower_gather(
+            x,
+            out,
+            &broadcast_strides(&x.shape, &out.shape),
+            0,
+        ));
+    }
+    if let Some(cc) = op.downcast_ref::<Concat>() {
+        return Some(lower_concat(cc.axis, ins, outs));
+    }
+    None
+}
+
+/// `y[i] = x[offset + strided(i)]` for transposes, slices and broadcasts. Where the
+/// last axis is contiguous in both, its runs move as words of up to 16 bytes.
+fn lower_gather(
+    x: &TensorType,
+    out: &TensorType,
+    st: &[usize],
+    offset: usize,
+) -> Result<Box<dyn CudaKernel>, String> {
+    let esize = x.dtype.size_bytes();
+    let (mut shape, mut st, mut offset) = (out.shape.clone(), st.to_vec(), offset);
+    let mut group = 1;
+    if let (Some(&inner), Some(&1)) = (shape.last(), st.last()) {
+        let outer = &st[..st.len() - 1];
+        group = (16 / esize).max(1);
+        while group > 1
+            && !(inner % group == 0 && offset % group == 0 && outer.iter().all(|s| s % group == 0))
+        {
+            group /= 2;
+        }
+    }
+    if group > 1 {
+        let last = shape.len() - 1;
+        shape[last] /= group;
+        for s in &mut st[..last] {
+            *s /= group;
+        }
+        offset /= group;
+    }
+    let spec = Spec::Gather {
+        bytes: esize * group,
+    };
+    let n = numel(&shape);
+    let sizes = [
+        Arg::I64(n as i64),
+        Arg::I32(shape.len() as i32),
+        Arg::Dims(Dims::new(&shape)?),
+        Arg::Dims(Dims::new(&st)?),
+        Arg::I64(offset as i64),
+    ];
+    let out = out.clone();
+    Ok(kernel(move |c, inputs| {
+        let y = c.alloc(&out)?;
+        let mut args = vec![input(inputs, 0)?.arg(), y.arg()];
+        args.extend(sizes.iter().cloned());
+        c.launch_n(&spec, n, &args)?;
+        Ok(vec![y])
+    }))
+}
+
+/// Each input copied into its place in the output, a launch each.
+fn lower_concat(
+    axis: i64,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> Result<Box<dyn CudaKernel>, String> {
+    let out = first(outs)?;
+    let axis = normalize_axis(axis, out.shape.len())?;
+    let inner_out = numel(&out.shape[axis..]);
+    let below = numel(&out.shape[axis + 1..]);
+    let spec = Spec::Concat {
+        bytes: out.dtype.size_bytes(),
+    };
+    // Per input: (elements, inner size, offset in the output's inner block).
+    let mut parts = Vec::new();
+    let mut off = 0usize;
+    for x in ins {
+        parts.push((numel(&x.shape), numel(&x.shape[axis..]), off));
+        off += x.shape[axis] * below;
+    }
+    Ok(kernel(move |c, inputs| {
+        let y = c.alloc(&out)?;
+        for (k, &(n, inner_in, off)) in parts.iter().enumerate() {
+            if n > 0 {
+                c.launch_n(
+                    &spec,
+                    n,
+                    &[
+                        input(inputs, k)?.arg(),
+                        y.arg(),
+                        Arg::I64(n as i64),
+                        Arg::I64(inner_in as i64),
+                        Arg::I64(inner_out as i64),
+                        Arg::I64(off as i64),
+                    ],
+                )?;
+            }
+        }
+        Ok(vec![y])
+    }))
+}
+
+/// `y[i] = x[offset + strided(i)]`: transposes, slices, broadcasts.
+pub(super) fn gather(bytes: usize) -> String {
+    format!(
+        "{PRELUDE}typedef {} E;\n\
+         extern \"C\" __global__ void k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset) {{\n\
+           GRID_LOOP(i, n) {{ py[i] = px[offset + strided(i, r, shape, st)]; }}\n}}\n",
+        word(bytes)
+    )
+}
+
+/// Copies one concat input into its place in the output.
+pub(super) fn concat(bytes: usize) -> String {
+    format!(
+        "{PRELUDE}typedef {} E;\n\
+         extern \"C\" __global__ void k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off) {{\n\
+           GRID_LOOP(i, n) {{ py[(i / inner_in) * inner_out + off + i % inner_in] = px[i]; }}\n}}\n",
+        word(bytes)
+    )
+}
