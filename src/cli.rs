@@ -82,7 +82,12 @@ pub enum Command {
     },
     /// Rewrite a graph: automatic mixed precision and other passes.
     Rewrite {
-        graph: String,
+        #[arg(required_unless_present = "list_passes")]
+        graph: Option<String>,
+        /// Print the passes --passes can name (besides `amp`), one a line with what each
+        /// does, and exit.
+        #[arg(long, exclusive = true)]
+        list_passes: bool,
         /// Run the automatic mixed precision pass.
         #[arg(long)]
         amp: bool,
@@ -174,6 +179,15 @@ fn passes_help() -> String {
     )
 }
 
+/// `rewrite --list-passes`: each registered pass's name and summary, one a line.
+fn list_passes(out: &mut dyn Write) -> Result<()> {
+    let width = registry::names().map(str::len).max().unwrap_or(0);
+    for entry in registry::PASSES {
+        writeln!(out, "{:width$}  {}", entry.name, entry.summary).map_err(io_err("<stdout>"))?;
+    }
+    Ok(())
+}
+
 /// The passes named on the command line, in order; `--amp` puts AMP first.
 fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
     let mut selected: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -197,13 +211,18 @@ fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::Rewrite {
+            list_passes: true, ..
+        } => list_passes(out),
+        Command::Rewrite {
             graph,
             amp,
             precision,
             passes,
             output,
             report,
+            ..
         } => {
+            let graph = graph.ok_or_else(|| CliError::Usage("rewrite needs a GRAPH".into()))?;
             let mut g = format::load(&graph)?;
             let mut text = String::new();
             for name in selected_passes(amp, &passes)? {
