@@ -10,14 +10,16 @@ use thiserror::Error;
 
 use ampgraph_exec::feeds::seeded_tensor;
 use ampgraph_exec::{
-    check_tensor_size, CpuExecutor, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES,
+    check_tensor_size, ExecError, ExecOptions, Feeds, KernelCache, DEFAULT_MAX_TENSOR_BYTES,
 };
 use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
 use ampgraph_passes::amp::report::explain;
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
-use ampgraph_passes::{registry, PassError, PassManager};
+use ampgraph_passes::{registry, PassError};
+
+use crate::session::{registry_passes, Device, Session, SessionError, SessionOptions};
 
 #[derive(Debug, Error)]
 pub enum CliError {
@@ -27,6 +29,8 @@ pub enum CliError {
     Exec(#[from] ExecError),
     #[error(transparent)]
     Pass(#[from] PassError),
+    #[error(transparent)]
+    Session(#[from] SessionError),
     #[error("{0}")]
     Usage(String),
     #[error("{path}: {source}")]
@@ -82,7 +86,12 @@ pub enum Command {
     },
     /// Rewrite a graph: automatic mixed precision and other passes.
     Rewrite {
-        graph: String,
+        #[arg(required_unless_present = "list_passes")]
+        graph: Option<String>,
+        /// Print the passes --passes can name (besides `amp`), one a line with what each
+        /// does, and exit.
+        #[arg(long, exclusive = true)]
+        list_passes: bool,
         /// Run the automatic mixed precision pass.
         #[arg(long)]
         amp: bool,
@@ -119,7 +128,39 @@ pub enum Command {
         /// Print the outputs as JSON (every value).
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        executor: ExecutorArgs,
     },
+}
+
+/// The executor's switches (`SessionOptions::executor` and `kernel_cache`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ExecutorArgs {
+    /// f32 matrix products may use TF32 Tensor Cores (CUDA; PyTorch's `allow_tf32`).
+    #[arg(long)]
+    pub allow_tf32: bool,
+    /// f16 matrix products may accumulate in f16 (CUDA; PyTorch's
+    /// `allow_fp16_reduced_precision_reduction`).
+    #[arg(long)]
+    pub allow_fp16_reduced_precision_reduction: bool,
+    /// Where compiled CUDA kernels are kept, or `off` (overrides AMPGRAPH_KERNEL_CACHE).
+    #[arg(long, value_name = "DIR|off")]
+    pub kernel_cache: Option<KernelCache>,
+}
+
+impl ExecutorArgs {
+    /// Session options with these switches (and the defaults otherwise).
+    pub fn session_options(&self) -> SessionOptions {
+        SessionOptions {
+            executor: ExecOptions {
+                allow_tf32: self.allow_tf32,
+                allow_fp16_reduced_precision_reduction: self.allow_fp16_reduced_precision_reduction,
+                ..ExecOptions::default()
+            },
+            kernel_cache: self.kernel_cache.clone().unwrap_or_default(),
+            ..SessionOptions::default()
+        }
+    }
 }
 
 /// The target precision and lists of the AMP pass.
@@ -174,6 +215,15 @@ fn passes_help() -> String {
     )
 }
 
+/// `rewrite --list-passes`: each registered pass's name and summary, one a line.
+fn list_passes(out: &mut dyn Write) -> Result<()> {
+    let width = registry::names().map(str::len).max().unwrap_or(0);
+    for entry in registry::PASSES {
+        writeln!(out, "{:width$}  {}", entry.name, entry.summary).map_err(io_err("<stdout>"))?;
+    }
+    Ok(())
+}
+
 /// The passes named on the command line, in order; `--amp` puts AMP first.
 fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
     let mut selected: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -197,13 +247,18 @@ fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::Rewrite {
+            list_passes: true, ..
+        } => list_passes(out),
+        Command::Rewrite {
             graph,
             amp,
             precision,
             passes,
             output,
             report,
+            ..
         } => {
+            let graph = graph.ok_or_else(|| CliError::Usage("rewrite needs a GRAPH".into()))?;
             let mut g = format::load(&graph)?;
             let mut text = String::new();
             for name in selected_passes(amp, &passes)? {
@@ -216,11 +271,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                         text.push_str(&amp_report.detailed());
                     }
                     other => {
-                        let pass = registry::by_name(other)
-                            .ok_or_else(|| CliError::Usage(format!("unknown pass '{other}'")))?;
-                        let mut manager = PassManager::new();
+                        let mut manager = registry_passes(&[other])?;
                         manager.validate = true;
-                        manager.push(pass);
                         for record in manager.run(&mut g)? {
                             text.push_str(&record.summary.to_string());
                         }
@@ -285,20 +337,21 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             seed,
             feeds,
             json,
+            executor,
         } => {
             let g = format::load(&graph)?;
             let feeds = make_feeds(&g, seed, feeds.as_deref())?;
-            let use_cuda = match device {
-                DeviceArg::Cpu => false,
-                DeviceArg::Cuda => true,
-                DeviceArg::Auto => crate::Device::auto_for(&g) != crate::Device::Cpu,
+            let device = match device {
+                DeviceArg::Cpu => Device::Cpu,
+                DeviceArg::Cuda => Device::Cuda(0),
+                DeviceArg::Auto => Device::auto_for(&g),
             };
-            let outputs = if use_cuda {
-                ampgraph_exec::CudaExecutor::new(0)?.run(&g, &feeds, g.outputs())?
-            } else {
-                CpuExecutor::new().run(&g, &feeds, g.outputs())?
-            };
-            print_outputs(&g, &outputs, json, out)
+            // As a session runs it: AMP where the graph is marked for it, then the
+            // device's passes; the feeds give every Variable its value.
+            let mut session = Session::with_options(g, device, executor.session_options())?;
+            let fetches = session.graph().outputs().to_vec();
+            let outputs = session.run(&fetches, &feeds)?;
+            print_outputs(session.graph(), &outputs, json, out)
         }
     }
 }
@@ -499,4 +552,38 @@ fn print_outputs(g: &Graph, outputs: &[Tensor], json: bool, out: &mut dyn Write)
         s
     };
     out.write_all(text.as_bytes()).map_err(io_err("<stdout>"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(extra: &[&str]) -> std::result::Result<ExecutorArgs, clap::Error> {
+        let args = ["ampgraph", "run", "g.json"].iter().chain(extra);
+        match Cli::try_parse_from(args)?.command {
+            Command::Run { executor, .. } => Ok(executor),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn run_flags_set_the_session_options() {
+        let plain = run_args(&[]).unwrap().session_options();
+        assert_eq!(plain.executor, ExecOptions::default());
+        assert_eq!(plain.kernel_cache, KernelCache::FromEnv);
+        let set = run_args(&[
+            "--allow-tf32",
+            "--allow-fp16-reduced-precision-reduction",
+            "--kernel-cache",
+            "/tmp/kernels",
+        ])
+        .unwrap()
+        .session_options();
+        assert!(set.executor.allow_tf32);
+        assert!(set.executor.allow_fp16_reduced_precision_reduction);
+        assert_eq!(set.kernel_cache, KernelCache::Dir("/tmp/kernels".into()));
+        let off = run_args(&["--kernel-cache", "off"]).unwrap();
+        assert_eq!(off.session_options().kernel_cache, KernelCache::Off);
+        assert!(run_args(&["--kernel-cache", ""]).is_err());
+    }
 }

@@ -9,11 +9,14 @@ use thiserror::Error;
 
 use ampgraph_exec::cuda::{self, CudaOptions};
 use ampgraph_exec::feeds::initial_value;
-use ampgraph_exec::{CpuExecutor, CudaExecutor, ExecError, Executor, Feeds};
+use ampgraph_exec::{
+    check_tensor_size, CpuExecutor, CudaExecutor, ExecError, ExecOptions, Executor, Feeds,
+    KernelCache, DEFAULT_MAX_TENSOR_BYTES,
+};
 use ampgraph_graph::format::write_atomic;
 use ampgraph_graph::ops::Variable;
 use ampgraph_graph::tensor::ShapeDisplay;
-use ampgraph_graph::{Data, Graph, GraphError, Port, Tensor, TensorType};
+use ampgraph_graph::{Data, Graph, GraphError, Port, Tensor};
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph_passes::{registry, PassError, PassManager, PassRecord};
 
@@ -69,6 +72,25 @@ impl Device {
     pub fn cuda(ordinal: usize) -> Device {
         Device::Cuda(ordinal)
     }
+
+    /// A new executor on this device with `options`, keeping compiled kernels where
+    /// `kernel_cache` says (a clear error where CUDA cannot be used).
+    pub fn executor(
+        self,
+        options: ExecOptions,
+        kernel_cache: &KernelCache,
+    ) -> Result<Box<dyn Executor + Send>, SessionError> {
+        let mut executor: Box<dyn Executor + Send> = match self {
+            Device::Cpu => Box::new(CpuExecutor::new()),
+            Device::Cuda(i) => Box::new(CudaExecutor::with_kernel_cache(
+                i,
+                CudaOptions::default(),
+                kernel_cache,
+            )?),
+        };
+        executor.set_options(options);
+        Ok(executor)
+    }
 }
 
 /// Session settings.
@@ -81,74 +103,92 @@ pub struct SessionOptions {
     pub amp: Option<AmpConfig>,
     /// Passes to run after AMP, by registry name: on a copy of the graph per set of
     /// fetches, whose values they keep, so that fusing never hides a tensor someone
-    /// fetches. `None` takes the device's default: [`registry::CUDA_PIPELINE`] on
-    /// CUDA, none on the CPU (whose kernels gain nothing from them).
+    /// fetches. `None` takes the executor's [`Executor::default_passes`]: the fusion
+    /// pipeline [`cuda::PIPELINE`] on CUDA, none on the CPU (whose kernels gain
+    /// nothing from them).
     pub passes: Option<Vec<String>>,
+    /// The executor's switches: TF32 for f32 products and f16 products accumulated in
+    /// f16 (both off: PyTorch's `allow_tf32` and
+    /// `allow_fp16_reduced_precision_reduction`), per-op profiling. The CPU ignores them.
+    pub executor: ExecOptions,
+    /// Where the CUDA executor keeps the kernels it compiles: by default where
+    /// `AMPGRAPH_KERNEL_CACHE` says (else the XDG cache directory); a directory or
+    /// [`KernelCache::Off`] here overrides the environment.
+    pub kernel_cache: KernelCache,
 }
 
-/// The executor a session runs on. Variables live in the executor: host tensors on
-/// the CPU, device tensors on CUDA (copied to the host when read).
-enum Backend {
-    Cpu(CpuExecutor),
-    Cuda(Box<CudaExecutor>),
+/// A pass manager running the registry passes `names` in order; an unknown name is an
+/// error that lists the known ones.
+pub fn registry_passes<S: AsRef<str>>(names: &[S]) -> Result<PassManager, PassError> {
+    let mut manager = PassManager::new();
+    for name in names {
+        let name = name.as_ref();
+        manager.push(registry::by_name(name).ok_or_else(|| {
+            PassError::Rewrite(format!(
+                "unknown pass '{name}' (known: {})",
+                registry::names().collect::<Vec<_>>().join(", ")
+            ))
+        })?);
+    }
+    Ok(manager)
 }
 
-impl Backend {
-    fn run(
-        &mut self,
+/// The rewrite passes of a session, in one place for sessions, `ampgraph run` and the
+/// bench: AMP where the graph is marked for mixed precision, then the passes after it
+/// ([`SessionOptions::passes`], else the executor's defaults).
+pub struct Pipeline {
+    /// The AMP pass, for a marked graph (else no pass).
+    pub amp: PassManager,
+    /// The passes after AMP, by registry name.
+    pub names: Vec<String>,
+    /// Those passes (a session runs them per set of fetches).
+    pub after_amp: PassManager,
+}
+
+impl Pipeline {
+    /// The pipeline a session with `options` runs on `graph`, where the executor's
+    /// default passes after AMP are `default_passes` ([`Executor::default_passes`]).
+    pub fn new(
         graph: &Graph,
-        feeds: &Feeds,
-        fetches: &[Port],
-    ) -> Result<Vec<Tensor>, ExecError> {
-        match self {
-            Backend::Cpu(e) => e.run(graph, feeds, fetches),
-            Backend::Cuda(e) => e.run(graph, feeds, fetches),
+        options: &SessionOptions,
+        default_passes: &[&str],
+    ) -> Result<Pipeline, SessionError> {
+        let mut amp = PassManager::new();
+        if let Some(dtype) = graph.mixed_precision {
+            let config = match &options.amp {
+                Some(c) => c.clone(),
+                None => AmpConfig::new(dtype)?.from_env()?,
+            };
+            amp.push(Box::new(AutoMixedPrecision::new(config)));
         }
+        let names: Vec<String> = match &options.passes {
+            Some(names) => names.clone(),
+            None => default_passes.iter().map(|s| s.to_string()).collect(),
+        };
+        let after_amp = registry_passes(&names)?;
+        Ok(Pipeline {
+            amp,
+            names,
+            after_amp,
+        })
     }
 
-    fn variable(&self, name: &str) -> Option<&Tensor> {
-        match self {
-            Backend::Cpu(e) => e.variables.get(name),
-            Backend::Cuda(e) => e.variable(name),
-        }
-    }
-
-    fn try_variable(&self, name: &str) -> Result<Option<Tensor>, ExecError> {
-        match self {
-            Backend::Cpu(e) => Ok(e.variables.get(name).cloned()),
-            Backend::Cuda(e) => e.try_variable(name),
-        }
-    }
-
-    fn variable_type(&self, name: &str) -> Option<TensorType> {
-        match self {
-            Backend::Cpu(e) => e.variables.get(name).map(|t| t.ty()),
-            Backend::Cuda(e) => e.variable_type(name),
-        }
-    }
-
-    fn variable_names(&self) -> Vec<String> {
-        match self {
-            Backend::Cpu(e) => e.variables.keys().cloned().collect(),
-            Backend::Cuda(e) => e.variable_names(),
-        }
-    }
-
-    /// Sets a variable without checking its type (callers do).
-    fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError> {
-        match self {
-            Backend::Cpu(e) => {
-                e.variables.insert(name.to_string(), value);
-                Ok(())
-            }
-            Backend::Cuda(e) => e.set_variable(name, value),
-        }
+    /// Runs AMP and then the passes after it on `graph`, whose outputs they keep (a
+    /// session runs the second part per set of fetches instead), returning what each
+    /// pass did.
+    pub fn run(&self, graph: &mut Graph) -> Result<Vec<PassRecord>, SessionError> {
+        let mut records = self.amp.run(graph)?;
+        records.extend(self.after_amp.run(graph)?);
+        Ok(records)
     }
 }
 
 pub struct Session {
     graph: Graph,
-    executor: Backend,
+    device: Device,
+    /// Variables live in the executor: host tensors on the CPU, device tensors on CUDA
+    /// (copied to the host when read).
+    executor: Box<dyn Executor + Send>,
     /// What each rewrite pass did, in order.
     pub passes: Vec<PassRecord>,
     /// The passes of [`SessionOptions::passes`], run per set of fetches (none: `None`).
@@ -179,54 +219,21 @@ impl Session {
         device: Device,
         options: SessionOptions,
     ) -> Result<Session, SessionError> {
-        let mut passes = PassManager::new();
-        if let Some(dtype) = graph.mixed_precision {
-            let config = match options.amp {
-                Some(c) => c,
-                None => AmpConfig::new(dtype)?.from_env()?,
-            };
-            passes.push(Box::new(AutoMixedPrecision::new(config)));
-        }
-        let records = passes.run(&mut graph)?;
-        let names: Vec<String> = match (options.passes, device) {
-            (Some(names), _) => names,
-            (None, Device::Cuda(_)) => registry::CUDA_PIPELINE
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
-            (None, Device::Cpu) => Vec::new(),
-        };
-        let per_fetch_passes = match names.is_empty() {
-            true => None,
-            false => {
-                let mut manager = PassManager::new();
-                for name in &names {
-                    manager.push(registry::by_name(name).ok_or_else(|| {
-                        PassError::Rewrite(format!(
-                            "unknown pass '{name}' (known: {})",
-                            registry::names().collect::<Vec<_>>().join(", ")
-                        ))
-                    })?);
-                }
-                Some(manager)
-            }
-        };
-        let mut executor = match device {
-            Device::Cpu => Backend::Cpu(CpuExecutor::new()),
-            Device::Cuda(i) => {
-                let e = CudaExecutor::new(i).map_err(|e| SessionError::Device(e.to_string()))?;
-                CudaExecutor::check_supported(&graph)?;
-                Backend::Cuda(Box::new(e))
-            }
-        };
+        let mut executor = device.executor(options.executor, &options.kernel_cache)?;
+        let pipeline = Pipeline::new(&graph, &options, executor.default_passes())?;
+        let records = pipeline.amp.run(&mut graph)?;
+        executor.check_supported(&graph)?;
         for id in graph.node_ids() {
             let node = graph.node(id);
             if let Some(var) = node.op.downcast_ref::<Variable>() {
+                check_tensor_size(&node.name, "Variable", &var.ty, DEFAULT_MAX_TENSOR_BYTES)?;
                 executor.set_variable(&node.name, initial_value(&node.name, var, options.seed))?;
             }
         }
+        let per_fetch_passes = (!pipeline.names.is_empty()).then_some(pipeline.after_amp);
         Ok(Session {
             graph,
+            device,
             executor,
             passes: records,
             per_fetch_passes,
@@ -257,24 +264,45 @@ impl Session {
 
     /// Where this session runs.
     pub fn device(&self) -> Device {
-        match &self.executor {
-            Backend::Cpu(_) => Device::Cpu,
-            Backend::Cuda(e) => Device::Cuda(e.ordinal()),
-        }
+        self.device
     }
 
-    /// The CUDA executor's settings (GEMM precision), when the session runs on CUDA.
-    pub fn cuda_options_mut(&mut self) -> Option<&mut CudaOptions> {
-        match &mut self.executor {
-            Backend::Cuda(e) => Some(&mut e.options),
-            Backend::Cpu(_) => None,
-        }
+    /// The executor: its device's name, switches ([`Executor::set_options`]), memory
+    /// and launch counters where it has them.
+    pub fn executor(&self) -> &dyn Executor {
+        self.executor.as_ref()
+    }
+
+    /// The executor, to change its switches (setting variables through it skips
+    /// [`Session::set_variable`]'s type check).
+    pub fn executor_mut(&mut self) -> &mut dyn Executor {
+        self.executor.as_mut()
     }
 
     /// Computes `fetches`; variable updates in the graph take effect when it returns.
     pub fn run(&mut self, fetches: &[Port], feeds: &Feeds) -> Result<Vec<Tensor>, SessionError> {
+        self.step(fetches, |e, graph, ports| e.run(graph, feeds, ports))
+    }
+
+    /// [`Session::run`], also returning the step's milliseconds on the device where the
+    /// executor times them there ([`Executor::run_timed`]: CUDA events; `None` on the CPU).
+    pub fn run_timed(
+        &mut self,
+        fetches: &[Port],
+        feeds: &Feeds,
+    ) -> Result<(Vec<Tensor>, Option<f64>), SessionError> {
+        self.step(fetches, |e, graph, ports| e.run_timed(graph, feeds, ports))
+    }
+
+    /// Runs `run` on the graph a run of `fetches` executes (made on first use) and the
+    /// ports to fetch from it.
+    fn step<T>(
+        &mut self,
+        fetches: &[Port],
+        run: impl FnOnce(&mut dyn Executor, &Graph, &[Port]) -> Result<T, ExecError>,
+    ) -> Result<T, SessionError> {
         let Some(passes) = &self.per_fetch_passes else {
-            return Ok(self.executor.run(&self.graph, feeds, fetches)?);
+            return Ok(run(self.executor.as_mut(), &self.graph, fetches)?);
         };
         if !self.optimized.contains_key(fetches) {
             let mut graph = self.graph.clone();
@@ -284,7 +312,7 @@ impl Session {
             self.optimized.insert(fetches.to_vec(), (graph, ports));
         }
         let (graph, ports) = &self.optimized[fetches];
-        Ok(self.executor.run(graph, feeds, ports)?)
+        Ok(run(self.executor.as_mut(), graph, ports)?)
     }
 
     /// The current value of a variable (on CUDA, copied from the device on first read
@@ -422,5 +450,79 @@ fn checkpoint_err(path: &Path, msg: String) -> SessionError {
     SessionError::Checkpoint {
         path: path.display().to_string(),
         msg,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cuda_pipeline_resolves_through_the_registry() {
+        let manager = registry_passes(cuda::PIPELINE).unwrap();
+        assert_eq!(manager.names(), cuda::PIPELINE);
+        let err = registry_passes(&["dce", "no-such-pass"]).err().unwrap();
+        assert!(
+            err.to_string().contains("unknown pass 'no-such-pass'"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_pipeline_takes_the_executors_defaults_unless_told() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", ampgraph_graph::DType::F32, [2]).unwrap();
+        g.set_outputs(vec![x]).unwrap();
+        let defaults = Pipeline::new(&g, &SessionOptions::default(), cuda::PIPELINE).unwrap();
+        assert_eq!(defaults.names, cuda::PIPELINE);
+        assert!(
+            defaults.amp.names().is_empty(),
+            "no AMP for an unmarked graph"
+        );
+        let chosen = SessionOptions {
+            passes: Some(vec!["fuse".into()]),
+            ..Default::default()
+        };
+        let chosen = Pipeline::new(&g, &chosen, cuda::PIPELINE).unwrap();
+        assert_eq!(chosen.after_amp.names(), ["fuse"]);
+        g.mixed_precision = Some(ampgraph_graph::DType::F16);
+        let marked = Pipeline::new(&g, &SessionOptions::default(), &[]).unwrap();
+        assert_eq!(marked.amp.names().len(), 1);
+        assert!(marked.names.is_empty());
+    }
+
+    #[test]
+    fn executor_options_reach_the_executor() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", ampgraph_graph::DType::F32, [2]).unwrap();
+        g.set_outputs(vec![x]).unwrap();
+        let executor = ExecOptions {
+            allow_tf32: true,
+            allow_fp16_reduced_precision_reduction: true,
+            profile: false,
+        };
+        let options = SessionOptions {
+            executor,
+            kernel_cache: KernelCache::Off,
+            ..Default::default()
+        };
+        let mut s = Session::with_options(g, Device::Cpu, options).unwrap();
+        assert_eq!(s.executor().options(), executor);
+        assert!(s.executor().device_name().starts_with("CPU"));
+        assert!(s.executor().default_passes().is_empty());
+        assert_eq!(
+            s.executor().peak_bytes(),
+            None,
+            "the CPU counts no device memory"
+        );
+        s.executor_mut().set_options(ExecOptions::default());
+        assert_eq!(s.executor().options(), ExecOptions::default());
+        let feeds = Feeds::from([(
+            "x".to_string(),
+            Tensor::from_f64(ampgraph_graph::DType::F32, vec![2], &[1.0, 2.0]).unwrap(),
+        )]);
+        let (out, device_ms) = s.run_timed(&[x], &feeds).unwrap();
+        assert_eq!(out[0].to_f64_vec(), [1.0, 2.0]);
+        assert_eq!(device_ms, None, "the CPU has no device clock");
     }
 }

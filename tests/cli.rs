@@ -1,4 +1,4 @@
-//! Happy paths of the `ampgraph` command line (DESIGN.md §3), run on the built binary.
+//! Happy paths of the `ampgraph` command line (docs/design.md §3), run on the built binary.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -451,6 +451,29 @@ fn rewrite_rejects_an_unknown_pass_naming_it() {
         lines[0].contains("cse") && lines[0].contains("fold-batchnorm"),
         "{stderr}"
     );
+}
+
+#[test]
+fn rewrite_lists_every_registered_pass_once_with_its_summary() {
+    use ampgraph::passes::registry;
+    let listing = ok(&["rewrite", "--list-passes"]);
+    let lines: Vec<&str> = listing.lines().collect();
+    assert_eq!(lines.len(), registry::PASSES.len(), "{listing}");
+    for entry in registry::PASSES {
+        let rows: Vec<&str> = lines
+            .iter()
+            .copied()
+            .filter(|l| l.split_whitespace().next() == Some(entry.name))
+            .collect();
+        assert_eq!(rows.len(), 1, "`{}` in:\n{listing}", entry.name);
+        let summary = rows[0][entry.name.len()..].trim();
+        assert!(!summary.is_empty(), "`{}` has no summary", entry.name);
+        assert_eq!(summary, entry.summary);
+    }
+    // The flag stands alone: with a graph it is a usage error.
+    let mlp = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/graphs/mlp.json");
+    let out = ampgraph_with_stdin(&["rewrite", mlp, "--list-passes"], None);
+    assert_eq!(out.status.code(), Some(2));
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! Bad input of every kind makes the CLI exit with status 2 and print one line
-//! `error: ...` naming the node and the problem, never a panic (DESIGN.md §3).
+//! `error: ...` naming the node and the problem, never a panic (docs/design.md §3).
 //!
 //! The corpus lives in `tests/bad_inputs/` (see its README.md); [`CASES`] below is the
 //! manifest: each file, what it checks, and a substring the error line must contain.

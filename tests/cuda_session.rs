@@ -1,20 +1,21 @@
 //! Whole graphs on the GPU against the CPU: an MNIST-like MLP training step (AMP f16
 //! and bf16, fp32; momentum SGD and Adam) compared after 3 steps, the oracle graphs of
-//! family "mlp" (as written and AMP-rewritten), checkpoints across devices, and
+//! family "mlp" (as written and AMP-rewritten), checkpoints across devices, the GEMM
+//! precision switches of `SessionOptions::executor` against float64, and
 //! `Device::auto()`. Each test prints "skipping: <reason>" and passes without CUDA.
 
 use std::path::{Path, PathBuf};
 
 use ampgraph::exec::cuda;
 use ampgraph::exec::feeds::seeded_tensor;
-use ampgraph::exec::{CpuExecutor, CudaExecutor, Executor, Feeds};
+use ampgraph::exec::{CpuExecutor, CudaExecutor, ExecOptions, Executor, Feeds};
 use ampgraph::graph::format;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{Placeholder, Variable};
 use ampgraph::graph::{DType, Graph, Port, Tensor};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
-use ampgraph::{Device, Session};
+use ampgraph::{Device, Session, SessionOptions};
 
 fn cuda_or_skip() -> bool {
     match cuda::available() {
@@ -195,6 +196,98 @@ fn inference_recasts_weights_only_after_they_change() {
     let changed = gpu.run(&[logits], &batch(0)).unwrap();
     assert_ne!(changed, first, "the new weights were used");
     assert!(rel_err(&changed[0], &cpu.run(&[logits], &batch(0)).unwrap()[0]) < 1e-2);
+}
+
+/// A product `[m, k] x [k, n]` of `dtype` operands (values uniform in [-1, 1), rounded
+/// to `dtype`) run through a CUDA session with `options`, and its error against the
+/// float64 product of the same operands: the largest `|got - exact|` relative to the
+/// sum of the terms' magnitudes, `sum_k |a_ik b_kj|`, the scale a dot product's
+/// rounding error is bounded by.
+fn product_error(dtype: DType, (m, k, n): (usize, usize, usize), options: ExecOptions) -> f64 {
+    let mut g = Graph::new();
+    let a = g.placeholder("a", dtype, [m, k]).unwrap();
+    let b = g.placeholder("b", dtype, [k, n]).unwrap();
+    let c = g.matmul(a, b).unwrap();
+    let operand = |name: &str, rows: usize, cols: usize, salt: u64| {
+        let mut state = salt;
+        let values: Vec<f64> = (0..rows * cols)
+            .map(|_| {
+                let bits = ampgraph::exec::rng::step(&mut state) >> 11;
+                2.0 * bits as f64 / (1u64 << 53) as f64 - 1.0
+            })
+            .collect();
+        let t = Tensor::from_f64(dtype, vec![rows, cols], &values).unwrap();
+        (name.to_string(), t)
+    };
+    let feeds = Feeds::from([operand("a", m, k, 1), operand("b", k, n, 2)]);
+    let session_options = SessionOptions {
+        executor: options,
+        ..Default::default()
+    };
+    let mut session = Session::with_options(g, Device::cuda(0), session_options).unwrap();
+    assert_eq!(session.executor().options(), options);
+    let got = session.run(&[c], &feeds).unwrap()[0].to_f64_vec();
+    let (a, b) = (feeds["a"].to_f64_vec(), feeds["b"].to_f64_vec());
+    let mut worst = 0.0f64;
+    for i in 0..m {
+        for j in 0..n {
+            let (mut exact, mut scale) = (0.0, 0.0);
+            for l in 0..k {
+                let term = a[i * k + l] * b[l * n + j];
+                exact += term;
+                scale += term.abs();
+            }
+            worst = worst.max((got[i * n + j] - exact).abs() / scale);
+        }
+    }
+    worst
+}
+
+/// Each GEMM switch reaches cuBLASLt through the session, within its documented bound
+/// (README, `ExecOptions`), relative to `sum_k |a_ik b_kj|`: f32 1e-5, f32 with TF32
+/// 1e-2 (and worse than 1e-5: the switch took effect), f16 products (f32
+/// accumulation, one f16 rounding) 1e-3, accumulated in f16 1e-2 (and worse than with
+/// f32 accumulation), all for K = 256.
+#[test]
+fn gemm_precision_switches_hold_their_bounds() {
+    if !cuda_or_skip() {
+        return;
+    }
+    let shape = (64, 256, 96);
+    let f32_plain = product_error(DType::F32, shape, ExecOptions::default());
+    let tf32 = product_error(
+        DType::F32,
+        shape,
+        ExecOptions {
+            allow_tf32: true,
+            ..Default::default()
+        },
+    );
+    let f16_plain = product_error(DType::F16, shape, ExecOptions::default());
+    let f16_reduced = product_error(
+        DType::F16,
+        shape,
+        ExecOptions {
+            allow_fp16_reduced_precision_reduction: true,
+            ..Default::default()
+        },
+    );
+    println!(
+        "relative errors: f32 {f32_plain:.2e}, tf32 {tf32:.2e}, f16 {f16_plain:.2e}, \
+         f16 reduced {f16_reduced:.2e}"
+    );
+    assert!(f32_plain <= 1e-5, "f32: {f32_plain:.3e}");
+    assert!(tf32 <= 1e-2, "tf32: {tf32:.3e}");
+    assert!(
+        tf32 > 1e-5,
+        "TF32 was asked for but the product is f32-exact: {tf32:.3e}"
+    );
+    assert!(f16_plain <= 1e-3, "f16: {f16_plain:.3e}");
+    assert!(f16_reduced <= 1e-2, "f16 reduced: {f16_reduced:.3e}");
+    assert!(
+        f16_reduced > f16_plain,
+        "f16 accumulation was asked for but is no less precise: {f16_reduced:.3e}"
+    );
 }
 
 /// `AMPGRAPH_ORACLE_DIR`, else ../shared/oracle/public next to the repository.

@@ -4,10 +4,11 @@
 
 mod common;
 
+use ampgraph::exec::cuda::PIPELINE as CUDA_PIPELINE;
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::ops::{MatMul, Placeholder};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
-use ampgraph::passes::registry::{self, CUDA_PIPELINE, SIMPLIFY_PIPELINE};
+use ampgraph::passes::registry::{self, SIMPLIFY_PIPELINE};
 use ampgraph::passes::PassManager;
 use ampgraph::{DType, Graph, Tensor, TensorType};
 use common::{feeds, json, random_graph, Menu};

@@ -1,6 +1,7 @@
 //! Training: dynamic loss scaling in the graph, optimizers, checkpoints, inference
 //! sessions, and a short MNIST run with and without AMP.
 
+use ampgraph::exec::cuda::PIPELINE as CUDA_PIPELINE;
 use ampgraph::exec::data::Mnist;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
@@ -13,7 +14,7 @@ use ampgraph::optim::{
     enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, RuleOptimizer, Sgd,
     TrainStep, GOOD_STEPS_VARIABLE, LOSS_SCALE_VARIABLE,
 };
-use ampgraph::passes::registry::{CUDA_PIPELINE, SIMPLIFY_PIPELINE};
+use ampgraph::passes::registry::SIMPLIFY_PIPELINE;
 use ampgraph::session::SessionError;
 use ampgraph::{Device, Session, SessionOptions};
 use common::identical;

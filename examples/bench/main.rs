@@ -56,9 +56,17 @@
 //! Peak memory: the executor's device pool high-water mark over the timed steps
 //! (bytes of live tensors, variables included; reset after the warm-up), like
 //! `torch.cuda.max_memory_allocated` after torch_anchor.py's
-//! `reset_peak_memory_stats`. The executor is driven directly, with the same
-//! preparation as `Session` (the AMP pass when the graph is marked for it, variables
-//! from their initialisers), because `Session` does not expose the executor's peak.
+//! `reset_peak_memory_stats`.
+//!
+//! The graph goes through the session's [`Pipeline`] (AMP for a marked graph, then the
+//! passes after it) and runs on the executor [`Device::executor`] makes, through the
+//! [`Executor`](ampgraph::exec::Executor) trait (timing, peak memory, launch counts and
+//! the profile included), as in a `Session`; but the passes run once, on a graph whose
+//! outputs are the step's flag and the loss: the step computes the loss, as PyTorch's
+//! does, while downloading one byte (a session's copy per set of fetches would drop
+//! what is not fetched). `--allow-tf32`, `--allow-fp16-reduced-precision-reduction` and
+//! `--kernel-cache DIR|off` are `ampgraph run`'s executor flags (the `tf32` mode turns
+//! TF32 on by itself).
 //!
 //! Without CUDA the example says so and exits 0; `--device cpu` runs the same graphs on
 //! the CPU executor (use tiny sizes).
@@ -69,16 +77,17 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
-use ampgraph::exec::cuda::{self, CudaExecutor, LaunchCounts};
+use ampgraph::cli::ExecutorArgs;
+use ampgraph::exec::cuda::{self, LaunchCounts};
 use ampgraph::exec::feeds::{initial_value, seeded_tensor};
 use ampgraph::exec::rng::SplitMix64;
-use ampgraph::exec::{CpuExecutor, Executor, Feeds};
+use ampgraph::exec::{ExecOptions, Feeds};
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{Group, Init, Variable};
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
-use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
-use ampgraph::passes::PassManager;
+use ampgraph::session::Pipeline;
+use ampgraph::{Device, SessionOptions};
 
 mod energy;
 use energy::EnergyCounter;
@@ -104,6 +113,15 @@ impl Workload {
 enum DeviceArg {
     Cuda,
     Cpu,
+}
+
+impl DeviceArg {
+    fn device(self, ordinal: usize) -> Device {
+        match self {
+            DeviceArg::Cuda => Device::Cuda(ordinal),
+            DeviceArg::Cpu => Device::Cpu,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -190,7 +208,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     profile: usize,
     /// The passes run after AMP, comma-separated registry names, or `none`
-    /// (default: the CUDA pipeline, `registry::CUDA_PIPELINE`).
+    /// (default: the CUDA pipeline, `exec::cuda::PIPELINE`, on either device).
     #[arg(long, value_delimiter = ',')]
     passes: Option<Vec<String>>,
     /// Build each graph, run the passes and print what each did; run no step (no
@@ -209,16 +227,26 @@ struct Args {
     /// Write each graph after the passes (also with --passes-only) to DIR/<workload>-<phase>-<mode>.txt.
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    executor: ExecutorArgs,
 }
 
 impl Args {
     /// The names of the passes run after AMP.
     fn pipeline(&self) -> Vec<&str> {
         match &self.passes {
-            None => ampgraph::passes::registry::CUDA_PIPELINE.to_vec(),
+            None => cuda::PIPELINE.to_vec(),
             Some(names) if names.iter().any(|n| n == "none") => Vec::new(),
             Some(names) => names.iter().map(String::as_str).collect(),
         }
+    }
+
+    /// The session options of a run in `mode`: the passes and the executor's switches.
+    fn session_options(&self, mode: Mode) -> SessionOptions {
+        let mut options = self.executor.session_options();
+        options.executor.allow_tf32 |= mode == Mode::Tf32;
+        options.passes = Some(self.pipeline().into_iter().map(String::from).collect());
+        options
     }
 }
 
@@ -621,39 +649,6 @@ impl Mode {
     }
 }
 
-/// The executor a run uses. Driven directly rather than through `Session` for its
-/// peak-memory counter; prepared as `Session::with_options` prepares it.
-enum Exec {
-    Cpu(CpuExecutor),
-    Cuda(Box<CudaExecutor>),
-}
-
-impl Exec {
-    fn run(&mut self, g: &Graph, feeds: &Feeds, fetches: &[Port]) -> Res<Vec<Tensor>> {
-        Ok(match self {
-            Exec::Cpu(e) => e.run(g, feeds, fetches)?,
-            Exec::Cuda(e) => e.run(g, feeds, fetches)?,
-        })
-    }
-
-    fn set_variable(&mut self, name: &str, value: Tensor) -> Res<()> {
-        match self {
-            Exec::Cpu(e) => {
-                e.variables.insert(name.to_string(), value);
-            }
-            Exec::Cuda(e) => e.set_variable(name, value)?,
-        }
-        Ok(())
-    }
-
-    fn peak_bytes(&self) -> Option<usize> {
-        match self {
-            Exec::Cpu(_) => None,
-            Exec::Cuda(e) => Some(e.peak_bytes()),
-        }
-    }
-}
-
 struct Record {
     workload: &'static str,
     mode: &'static str,
@@ -734,24 +729,13 @@ fn run_one(
             }
         }
     }
-    // What Session::with_options does: the AMP pass for a marked graph, then the
-    // variables from their initialisers.
-    let mut passes = PassManager::new();
-    if let Some(dtype) = graph.mixed_precision {
-        passes.push(Box::new(AutoMixedPrecision::new(
-            AmpConfig::new(dtype)?.from_env()?,
-        )));
-    }
-    for name in args.pipeline() {
-        passes.push(
-            ampgraph::passes::registry::by_name(name)
-                .ok_or_else(|| format!("unknown pass '{name}'"))?,
-        );
-    }
+    // The session's pipeline: the AMP pass for a marked graph, then the passes after it.
+    let options = args.session_options(mode);
+    let pipeline = Pipeline::new(&graph, &options, cuda::PIPELINE)?;
     // The ports fetched below are the graph's outputs, which the passes keep.
     graph.set_outputs([fetch].into_iter().chain(loss).collect())?;
     let nodes_before = graph.len();
-    let records = passes.run(&mut graph)?;
+    let records = pipeline.run(&mut graph)?;
     let (fetch, loss) = (graph.outputs()[0], graph.outputs().get(1).copied());
     let plan = ampgraph::exec::memory_plan::plan(&graph, &[fetch])?;
     if let Some(dir) = &args.dump {
@@ -801,15 +785,11 @@ fn run_one(
         }
         return Ok(None);
     }
-    let mut exec = match args.device {
-        DeviceArg::Cpu => Exec::Cpu(CpuExecutor::new()),
-        DeviceArg::Cuda => {
-            let mut e = CudaExecutor::new(args.ordinal)?;
-            CudaExecutor::check_supported(&graph)?;
-            e.options.gemm.allow_tf32 = mode == Mode::Tf32;
-            Exec::Cuda(Box::new(e))
-        }
-    };
+    let mut exec = args
+        .device
+        .device(args.ordinal)
+        .executor(options.executor, &options.kernel_cache)?;
+    exec.check_supported(&graph)?;
     for id in graph.node_ids() {
         let node = graph.node(id);
         if let Some(var) = node.op.downcast_ref::<Variable>() {
@@ -827,9 +807,7 @@ fn run_one(
     for _ in 0..args.warmup {
         exec.run(&graph, &feeds, &[fetch])?;
     }
-    if let Exec::Cuda(e) = &exec {
-        e.reset_peak_bytes();
-    }
+    exec.reset_peak_bytes();
     let energy = match args.device {
         DeviceArg::Cuda => EnergyCounter::open(args.ordinal as u32),
         DeviceArg::Cpu => None,
@@ -839,13 +817,7 @@ fn run_one(
     let mut times = Vec::with_capacity(args.iters);
     for _ in 0..args.iters.max(1) {
         let start = Instant::now();
-        let device_ms = match &mut exec {
-            Exec::Cuda(e) => Some(e.run_timed(&graph, &feeds, &[fetch])?.1),
-            Exec::Cpu(e) => {
-                e.run(&graph, &feeds, &[fetch])?;
-                None
-            }
-        };
+        let (_, device_ms) = exec.run_timed(&graph, &feeds, &[fetch])?;
         times.push(device_ms.unwrap_or(start.elapsed().as_secs_f64() * 1e3));
     }
     // Joules and watts over the timed steps, host time between steps included; only
@@ -862,13 +834,12 @@ fn run_one(
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let launches = match &mut exec {
-        Exec::Cuda(e) => {
-            let before = e.launches();
-            e.run(&graph, &feeds, &[fetch])?;
-            Some(e.launches() - before)
+    let launches = match exec.launches() {
+        Some(before) => {
+            exec.run(&graph, &feeds, &[fetch])?;
+            exec.launches().map(|after| after - before)
         }
-        Exec::Cpu(_) => None,
+        None => None,
     };
     let peak = exec.peak_bytes().map(mib);
     // As torch_anchor.py: the loss after the timed steps (a forward pass only: the
@@ -877,20 +848,26 @@ fn run_one(
         Some(l) => Some(exec.run(&graph, &feeds, &[l])?[0].to_f64_vec()[0]),
         None => None,
     };
-    if let (Exec::Cuda(e), true) = (&mut exec, args.profile > 0) {
-        e.options.profile = true;
+    if args.profile > 0 && args.device == DeviceArg::Cuda {
+        let plain = exec.options();
+        exec.set_options(ExecOptions {
+            profile: true,
+            ..plain
+        });
         for _ in 0..args.profile {
-            e.run(&graph, &feeds, &[fetch])?;
+            exec.run(&graph, &feeds, &[fetch])?;
         }
-        e.options.profile = false;
-        println!(
-            "# profile of {} {} {} ({} steps, each op timed with CUDA events):\n{}",
-            args.workload.name(),
-            if infer { "infer" } else { "train" },
-            mode.name(),
-            args.profile,
-            e.profile.table(30)
-        );
+        exec.set_options(plain);
+        if let Some(table) = exec.profile_table(30) {
+            println!(
+                "# profile of {} {} {} ({} steps, each op timed with CUDA events):\n{}",
+                args.workload.name(),
+                if infer { "infer" } else { "train" },
+                mode.name(),
+                args.profile,
+                table
+            );
+        }
     }
     let flops = cfg.flops_train() / if infer { 3.0 } else { 1.0 };
     Ok(Some(Record {
@@ -951,12 +928,14 @@ fn bench(args: &Args) -> Res<()> {
                 );
                 return Ok(());
             }
-            CudaExecutor::new(args.ordinal)?.device_name().to_string()
+            let options = args.executor.session_options();
+            Device::Cuda(args.ordinal)
+                .executor(options.executor, &options.kernel_cache)?
+                .device_name()
         }
-        DeviceArg::Cpu => format!(
-            "CPU ({} threads)",
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        ),
+        DeviceArg::Cpu => Device::Cpu
+            .executor(ExecOptions::default(), &Default::default())?
+            .device_name(),
     };
     println!("# ampgraph {} on {device_name}", env!("CARGO_PKG_VERSION"));
     println!("# {}: {}", args.workload.name(), cfg.describe());
@@ -974,6 +953,20 @@ fn bench(args: &Args) -> Res<()> {
             pipeline.join(",")
         }
     );
+    let switches = args.executor.session_options();
+    let mut set = Vec::new();
+    if switches.executor.allow_tf32 {
+        set.push("TF32 for f32 products in every mode".to_string());
+    }
+    if switches.executor.allow_fp16_reduced_precision_reduction {
+        set.push("f16 products accumulate in f16".to_string());
+    }
+    if let Some(cache) = &args.executor.kernel_cache {
+        set.push(format!("kernel cache {cache:?}"));
+    }
+    if !set.is_empty() {
+        println!("# executor: {}", set.join(", "));
+    }
     println!(
         "# feeds: {}",
         match args.feeds {

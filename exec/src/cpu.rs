@@ -7,7 +7,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
-use crate::{ExecError, Executor, Feeds};
+use crate::{ExecError, ExecOptions, Executor, Feeds};
 
 /// Runs graphs on the host with each op's reference kernel.
 #[derive(Debug)]
@@ -16,6 +16,8 @@ pub struct CpuExecutor {
     pub variables: HashMap<String, Tensor>,
     /// The largest tensor one op may produce, in bytes.
     pub max_tensor_bytes: u64,
+    /// Kept for [`Executor::options`]; the CPU kernels' arithmetic does not change.
+    options: ExecOptions,
 }
 
 /// 16 GiB: larger than any tensor this machine class can hold next to its inputs.
@@ -49,6 +51,7 @@ impl Default for CpuExecutor {
         CpuExecutor {
             variables: HashMap::new(),
             max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
+            options: ExecOptions::default(),
         }
     }
 }
@@ -104,6 +107,40 @@ impl CpuExecutor {
 }
 
 impl Executor for CpuExecutor {
+    fn device_name(&self) -> String {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        format!("CPU ({threads} threads)")
+    }
+
+    fn options(&self) -> ExecOptions {
+        self.options
+    }
+
+    fn set_options(&mut self, options: ExecOptions) {
+        self.options = options;
+    }
+
+    fn variable(&self, name: &str) -> Option<&Tensor> {
+        self.variables.get(name)
+    }
+
+    fn try_variable(&self, name: &str) -> Result<Option<Tensor>, ExecError> {
+        Ok(self.variables.get(name).cloned())
+    }
+
+    fn variable_type(&self, name: &str) -> Option<TensorType> {
+        self.variables.get(name).map(Tensor::ty)
+    }
+
+    fn variable_names(&self) -> Vec<String> {
+        self.variables.keys().cloned().collect()
+    }
+
+    fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError> {
+        self.variables.insert(name.to_string(), value);
+        Ok(())
+    }
+
     fn run(
         &mut self,
         graph: &Graph,

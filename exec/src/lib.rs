@@ -16,11 +16,12 @@ mod schedule;
 
 use std::collections::HashMap;
 
-use ampgraph_graph::{GraphError, Port, Tensor};
+use ampgraph_graph::{Graph, GraphError, Port, Tensor, TensorType};
 use thiserror::Error;
 
 pub use cpu::{check_tensor_size, CpuExecutor, DEFAULT_MAX_TENSOR_BYTES};
-pub use cuda::CudaExecutor;
+pub use cuda::kernel_cache::KernelCache;
+pub use cuda::{CudaExecutor, LaunchCounts};
 
 #[derive(Debug, Error)]
 pub enum ExecError {
@@ -52,12 +53,108 @@ impl ExecError {
 /// Values given to a run, by node name: Placeholders (and Variables, to override).
 pub type Feeds = HashMap<String, Tensor>;
 
-/// Something that computes the tensors at `fetches`.
+/// Switches of an executor's arithmetic, the same for every backend (PyTorch's names).
+/// A backend ignores what it has no use for: the CPU all of them (its f32 products are
+/// plain f32 and its 16-bit products accumulate in f32, whatever these say).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecOptions {
+    /// f32 matrix products may round their operands to TF32 (10-bit mantissa) on the
+    /// Tensor Cores (PyTorch's `allow_tf32`): each term `a_ik b_kj` then carries up to
+    /// about 1e-3 relative error, a product's about 1e-4 of `sum_k |a_ik b_kj|` (the
+    /// GPU tests allow 1e-2 for K = 256, and plain f32 1e-5).
+    pub allow_tf32: bool,
+    /// f16 matrix products may accumulate in f16 (PyTorch's
+    /// `allow_fp16_reduced_precision_reduction`): every partial sum rounds to f16
+    /// (2^-11 relative), so the error grows with the inner dimension (the GPU tests
+    /// allow 1e-2 of `sum_k |a_ik b_kj|` for K = 256, and 1e-3 for the default f32
+    /// accumulation with the result's one f16 rounding).
+    pub allow_fp16_reduced_precision_reduction: bool,
+    /// Time every op (CUDA events) for [`Executor::profile_table`]; slows steps a little.
+    pub profile: bool,
+}
+
+/// Something that holds variables and computes the tensors at `fetches`: the one
+/// interface sessions, the command line and the bench drive every backend through.
 pub trait Executor {
+    /// What runs the graphs: the GPU's name, "CPU (16 threads)".
+    fn device_name(&self) -> String;
+
+    /// The registry names of the passes a session runs after AMP on this backend unless
+    /// told otherwise (`ampgraph_passes::registry` resolves them).
+    fn default_passes(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// Refuses a graph with an op this backend has no kernel for, naming the first
+    /// such node.
+    fn check_supported(&self, _graph: &Graph) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    /// The switches the executor runs with.
+    fn options(&self) -> ExecOptions;
+
+    /// Changes the switches; the next run uses them.
+    fn set_options(&mut self, options: ExecOptions);
+
     fn run(
         &mut self,
-        graph: &ampgraph_graph::Graph,
+        graph: &Graph,
         feeds: &Feeds,
         fetches: &[Port],
     ) -> Result<Vec<Tensor>, ExecError>;
+
+    /// [`run`](Self::run), also returning the step's milliseconds on the device where the
+    /// backend times it there (CUDA events around the step's kernels); `None` elsewhere.
+    fn run_timed(
+        &mut self,
+        graph: &Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+    ) -> Result<(Vec<Tensor>, Option<f64>), ExecError> {
+        Ok((self.run(graph, feeds, fetches)?, None))
+    }
+
+    /// A variable's current value (on a device, copied to the host on first read after
+    /// each write; a failed copy reads as `None`, [`try_variable`](Self::try_variable)
+    /// returns its error).
+    fn variable(&self, name: &str) -> Option<&Tensor>;
+
+    /// A variable's current value, or the error of copying it to the host.
+    fn try_variable(&self, name: &str) -> Result<Option<Tensor>, ExecError>;
+
+    /// A variable's type, without copying its value.
+    fn variable_type(&self, name: &str) -> Option<TensorType>;
+
+    /// The names of the variables the executor holds, in no particular order.
+    fn variable_names(&self) -> Vec<String>;
+
+    /// Sets (or creates) a variable; its type is not checked against any graph.
+    fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError>;
+
+    /// The most bytes of device memory held at once since the executor was made or
+    /// [`reset_peak_bytes`](Self::reset_peak_bytes), where the backend counts them.
+    fn peak_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// Device bytes held now (variables, kept values, the step arena), where counted.
+    fn live_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// Starts [`peak_bytes`](Self::peak_bytes) again from what is live now.
+    fn reset_peak_bytes(&self) {}
+
+    /// Work put on the device so far, where the backend counts it: the difference of
+    /// two snapshots counts a step's launches.
+    fn launches(&self) -> Option<LaunchCounts> {
+        None
+    }
+
+    /// The `top` most expensive kinds of op over the runs made with
+    /// [`ExecOptions::profile`] on, as a Markdown table, where the backend profiles.
+    fn profile_table(&self, _top: usize) -> Option<String> {
+        None
+    }
 }

@@ -1,4 +1,4 @@
-//! Convenience methods on [`Graph`] for writing models by hand (DESIGN.md §6):
+//! Convenience methods on [`Graph`] for writing models by hand (docs/design.md §6):
 //!
 //! ```
 //! use ampgraph_graph::{DType, Graph};

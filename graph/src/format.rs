@@ -1,4 +1,4 @@
-//! File formats: the `ampgraph.graph` JSON interchange format (DESIGN.md §2), a
+//! File formats: the `ampgraph.graph` JSON interchange format (docs/design.md §2), a
 //! compact binary form of the same content, and text / Graphviz dumps.
 //!
 //! Both file formats go through [`GraphDef`], the untyped file-level form; building a

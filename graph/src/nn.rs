@@ -1,5 +1,5 @@
 //! Layers in the manner of Keras: each creates its Variables and ops under a fresh
-//! scope (`dense`, `dense_1`, ...), so a model reads as DESIGN.md §6 shows:
+//! scope (`dense`, `dense_1`, ...), so a model reads as docs/design.md §6 shows:
 //!
 //! ```
 //! use ampgraph_graph::nn::{self, Activation};

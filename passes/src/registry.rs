@@ -19,6 +19,9 @@ use crate::{Pass, PassManager};
 /// One row of the registry.
 pub struct PassEntry {
     pub name: &'static str,
+    /// One sentence on what the pass does (`ampgraph rewrite --list-passes` prints it;
+    /// docs/passes.md has the details).
+    pub summary: &'static str,
     pub make: fn() -> Box<dyn Pass>,
 }
 
@@ -26,78 +29,97 @@ pub struct PassEntry {
 pub const PASSES: &[PassEntry] = &[
     PassEntry {
         name: "const-fold",
+        summary: "Replaces a node whose inputs are all Consts by a Const of its value.",
         make: || Box::new(ConstFold),
     },
     PassEntry {
         name: "algebraic",
+        summary: "Bypasses nodes that return their input (x*1, x+0, same-type Casts, identity Reshapes and Transposes) and merges chained Transposes and Reshapes.",
         make: || Box::new(Algebraic),
     },
     PassEntry {
         name: "cse",
+        summary: "Merges nodes with equal ops and attributes that read the same tensors.",
         make: || Box::new(Cse),
     },
     PassEntry {
         name: "dce",
+        summary: "Removes nodes that no graph output or variable write depends on.",
         make: || Box::new(Dce),
     },
     PassEntry {
         name: "cast-into-reduce",
+        summary: "A Sum, Mean or Max reads the input of the widening Cast before it and stores the wide type itself.",
         make: || Box::new(CastIntoReduce),
     },
     PassEntry {
         name: "cast-into-norm",
+        summary: "A LayerNorm or LayerNormGrad takes in the Casts around it: it reads the narrow input and stores the narrow output.",
         make: || Box::new(CastIntoNorm),
     },
     PassEntry {
         name: "fuse-cross-entropy",
+        summary: "The softmax cross-entropy loss, its gradient and the output bias gradient become one SoftmaxCrossEntropyWithGrad.",
         make: || Box::new(FuseCrossEntropy),
     },
     PassEntry {
         name: "scale-into-matmul",
+        summary: "A multiplication by a scalar constant folds into BatchMatMul's alpha.",
         make: || Box::new(ScaleIntoMatmul),
     },
     PassEntry {
         name: "fuse-attention",
+        summary: "Explicit attention (with a causal mask or key bias) and its gradient become FusedAttention and FusedAttentionGrad.",
         make: || Box::new(FuseAttention),
     },
     PassEntry {
         name: "unscale-into-update",
+        summary: "The loss-scale unscaling of the gradients folds into the finiteness check and the optimizer updates.",
         make: || Box::new(UnscaleIntoUpdate),
     },
     PassEntry {
         name: "cast-into-update",
+        summary: "An optimizer update also writes the 16-bit copy of the f32 variable it updates.",
         make: || Box::new(CastIntoUpdate),
     },
     PassEntry {
         name: "fold-batchnorm",
+        summary: "An inference BatchNorm folds into the filter and bias of the Conv2D or MatMul before it.",
         make: || Box::new(FoldBatchNorm),
     },
     PassEntry {
         name: "pad-gemm",
+        summary: "A 16-bit MatMul whose M, N or K is not a multiple of 8 multiplies zero-padded operands.",
         make: || Box::new(PadGemm),
     },
     PassEntry {
         name: "gemm-epilogue",
+        summary: "MatMul, BiasAdd, Relu or tanh-GELU, a residual Add and a Cast to f32 become one FusedMatMul (cuBLASLt epilogue).",
         make: || Box::new(GemmEpilogue),
     },
     PassEntry {
         name: "fuse",
+        summary: "Connected elementwise ops become one FusedElementwise node with a generated kernel.",
         make: || Box::new(Fuse),
     },
     PassEntry {
         name: "softmax-prologue",
+        summary: "A Softmax or LogSoftmax takes the elementwise program computing its operand as its prologue (FusedSoftmax).",
         make: || Box::new(SoftmaxPrologue),
     },
     PassEntry {
         name: "sum-into-elementwise",
+        summary: "A bias gradient's column Sum becomes an extra output of the elementwise kernel that produces its operand.",
         make: || Box::new(SumIntoElementwise),
     },
     PassEntry {
         name: "norm-grad-epilogue",
+        summary: "A LayerNormGrad takes the Add of the residual gradient (and its column sums) as its epilogue.",
         make: || Box::new(NormGradEpilogueFusion),
     },
     PassEntry {
         name: "group-updates",
+        summary: "The optimizer updates of small variables sharing one configuration become one GroupedOptimizerUpdate.",
         make: || Box::new(GroupUpdates),
     },
 ];
@@ -105,37 +127,6 @@ pub const PASSES: &[PassEntry] = &[
 /// The simplification pipeline, in order: folding exposes identities, removing
 /// identities exposes common subexpressions, and all three leave dead nodes.
 pub const SIMPLIFY_PIPELINE: &[&str] = &["const-fold", "algebraic", "cse", "dce"];
-
-/// The fusion pipeline for a CUDA graph after AMP (the default of `bench --passes`):
-/// dead nodes go first (gradients built for constants would otherwise count as
-/// readers and block folds), reductions take the widening casts AMP put before them,
-/// layer norms the casts AMP put around them, cross-entropy its gradient (one read of
-/// the logits for both, the casts around them folded),
-/// batched products their scalar scalings, explicit attentions become fused ones
-/// (scores never stored), the finiteness check and the optimizer
-/// updates the loss-scale unscaling, the updates the casts of their variables,
-/// products their bias and activation into the GEMM, then the remaining elementwise
-/// chains fuse into generated kernels (a softmax takes the one computing its operand),
-/// those kernels take the bias gradients summed
-/// from what they compute, layer-norm gradients the Adds of the residual gradient
-/// after them (with those bias gradients), and the small variables' updates share
-/// launches.
-pub const CUDA_PIPELINE: &[&str] = &[
-    "dce",
-    "cast-into-reduce",
-    "cast-into-norm",
-    "fuse-cross-entropy",
-    "scale-into-matmul",
-    "fuse-attention",
-    "unscale-into-update",
-    "cast-into-update",
-    "gemm-epilogue",
-    "fuse",
-    "softmax-prologue",
-    "sum-into-elementwise",
-    "norm-grad-epilogue",
-    "group-updates",
-];
 
 /// The names of the registered passes, in registry order.
 pub fn names() -> impl Iterator<Item = &'static str> {
@@ -169,5 +160,22 @@ mod tests {
         }
         assert!(by_name("no-such-pass").is_none());
         assert_eq!(default_pipeline().names(), SIMPLIFY_PIPELINE);
+    }
+
+    #[test]
+    fn every_pass_has_a_summary_and_a_row_in_docs_passes_md() {
+        let doc = include_str!("../../docs/passes.md");
+        for entry in PASSES {
+            assert!(
+                !entry.summary.trim().is_empty() && !entry.summary.contains('\n'),
+                "{}: the summary must be one non-empty line",
+                entry.name
+            );
+            assert!(
+                doc.contains(&format!("| `{}` |", entry.name)),
+                "docs/passes.md has no table row for `{}`",
+                entry.name
+            );
+        }
     }
 }

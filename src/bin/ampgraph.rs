@@ -1,4 +1,4 @@
-//! The `ampgraph` command line: see `ampgraph --help` and DESIGN.md §3.
+//! The `ampgraph` command line: see `ampgraph --help` and docs/design.md §3.
 
 use std::process::ExitCode;
 

@@ -35,6 +35,45 @@ pub struct GemmOptions {
     pub heuristic_only: bool,
 }
 
+/// The cuBLASLt types of a product: its matrices' data type, the compute type and
+/// the type of alpha and beta.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComputeTypes {
+    pub data: sys::cudaDataType,
+    pub compute: sys::cublasComputeType_t,
+    pub scale: sys::cudaDataType,
+}
+
+/// How a product of `dtype` matrices computes under `opts`: the one place the
+/// precision switches act. f32 computes in f32 (`CUBLAS_COMPUTE_32F_FAST_TF32` with
+/// `allow_tf32`: operands rounded to TF32's 10-bit mantissa), f16 and bf16 accumulate
+/// in f32 (f16 in f16, `CUBLAS_COMPUTE_16F` with f16 alpha and beta, with
+/// `allow_fp16_reduced_precision_reduction`), f64 in f64.
+pub fn compute_type(dtype: DType, opts: GemmOptions) -> Result<ComputeTypes, String> {
+    use sys::cublasComputeType_t as C;
+    use sys::cudaDataType as T;
+    let (data, compute, scale) = match dtype {
+        DType::F32 if opts.allow_tf32 => (
+            T::CUDA_R_32F,
+            C::CUBLAS_COMPUTE_32F_FAST_TF32,
+            T::CUDA_R_32F,
+        ),
+        DType::F32 => (T::CUDA_R_32F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
+        DType::F16 if opts.allow_fp16_reduced_precision_reduction => {
+            (T::CUDA_R_16F, C::CUBLAS_COMPUTE_16F, T::CUDA_R_16F)
+        }
+        DType::F16 => (T::CUDA_R_16F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
+        DType::BF16 => (T::CUDA_R_16BF, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
+        DType::F64 => (T::CUDA_R_64F, C::CUBLAS_COMPUTE_64F, T::CUDA_R_64F),
+        other => return Err(format!("no matrix product for {other}")),
+    };
+    Ok(ComputeTypes {
+        data,
+        compute,
+        scale,
+    })
+}
+
 const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// The heuristic's candidates timed per product shape, the runs timed per candidate
@@ -452,38 +491,11 @@ impl Gemm {
             // Descriptors are the same with a residual (beta and C's pointer differ).
             residual: _,
         } = *key;
-        let (mat_ty, compute, scale_ty) = match dtype {
-            DType::F32 => (
-                sys::cudaDataType::CUDA_R_32F,
-                if opts.allow_tf32 {
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-                } else {
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-                },
-                sys::cudaDataType::CUDA_R_32F,
-            ),
-            DType::F16 if opts.allow_fp16_reduced_precision_reduction => (
-                sys::cudaDataType::CUDA_R_16F,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_16F,
-                sys::cudaDataType::CUDA_R_16F,
-            ),
-            DType::F16 => (
-                sys::cudaDataType::CUDA_R_16F,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cudaDataType::CUDA_R_32F,
-            ),
-            DType::BF16 => (
-                sys::cudaDataType::CUDA_R_16BF,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cudaDataType::CUDA_R_32F,
-            ),
-            DType::F64 => (
-                sys::cudaDataType::CUDA_R_64F,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-                sys::cudaDataType::CUDA_R_64F,
-            ),
-            other => return Err(format!("no matrix product for {other}")),
-        };
+        let ComputeTypes {
+            data: mat_ty,
+            compute,
+            scale: scale_ty,
+        } = compute_type(dtype, opts)?;
         let batch_count = i32::try_from(batch).map_err(|_| "batch too large for cuBLASLt")?;
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
         // Column-major view: first operand is B (as stored), second is A.
@@ -590,5 +602,81 @@ impl Gemm {
             scale_ty,
         };
         Ok((plan, candidates))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sys::cublasComputeType_t as C;
+    use sys::cudaDataType as T;
+
+    fn types(dtype: DType, allow_tf32: bool, reduced: bool) -> ComputeTypes {
+        let opts = GemmOptions {
+            allow_tf32,
+            allow_fp16_reduced_precision_reduction: reduced,
+            ..GemmOptions::default()
+        };
+        compute_type(dtype, opts).unwrap()
+    }
+
+    #[test]
+    fn by_default_products_compute_in_f32_or_wider() {
+        let plain = |data, compute, scale| ComputeTypes {
+            data,
+            compute,
+            scale,
+        };
+        assert_eq!(
+            types(DType::F32, false, false),
+            plain(T::CUDA_R_32F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F)
+        );
+        assert_eq!(
+            types(DType::F16, false, false),
+            plain(T::CUDA_R_16F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F)
+        );
+        assert_eq!(
+            types(DType::BF16, false, false),
+            plain(T::CUDA_R_16BF, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F)
+        );
+        assert_eq!(
+            types(DType::F64, false, false),
+            plain(T::CUDA_R_64F, C::CUBLAS_COMPUTE_64F, T::CUDA_R_64F)
+        );
+        assert!(compute_type(DType::I32, GemmOptions::default()).is_err());
+    }
+
+    #[test]
+    fn allow_tf32_changes_only_f32_products() {
+        assert_eq!(
+            types(DType::F32, true, false).compute,
+            C::CUBLAS_COMPUTE_32F_FAST_TF32
+        );
+        for dtype in [DType::F16, DType::BF16, DType::F64] {
+            assert_eq!(
+                types(dtype, true, false),
+                types(dtype, false, false),
+                "{dtype}"
+            );
+        }
+    }
+
+    #[test]
+    fn reduced_precision_reduction_changes_only_f16_products() {
+        assert_eq!(
+            types(DType::F16, false, true),
+            ComputeTypes {
+                data: T::CUDA_R_16F,
+                compute: C::CUBLAS_COMPUTE_16F,
+                scale: T::CUDA_R_16F,
+            }
+        );
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            assert_eq!(
+                types(dtype, false, true),
+                types(dtype, false, false),
+                "{dtype}"
+            );
+        }
     }
 }

@@ -9,14 +9,61 @@
 //! Entries are written atomically. The cache is an optimisation only: every failure
 //! to read or write it is logged at debug level and otherwise ignored.
 //!
-//! Where: `AMPGRAPH_KERNEL_CACHE` (a directory, or `off`), else
-//! `$XDG_CACHE_HOME/ampgraph/kernels`, else `$HOME/.cache/ampgraph/kernels`.
+//! Where: the executor's [`KernelCache`] setting (`SessionOptions::kernel_cache`,
+//! `--kernel-cache DIR|off`); by default `AMPGRAPH_KERNEL_CACHE` (a directory, or
+//! `off`), else `$XDG_CACHE_HOME/ampgraph/kernels`, else `$HOME/.cache/ampgraph/kernels`.
 
+use std::cell::RefCell;
 use std::path::PathBuf;
+use std::str::FromStr;
 
 use ampgraph_graph::format::write_atomic;
 
 const MAGIC: &str = "ampgraph-ptx 1";
+
+/// Where an executor keeps the kernels it compiles.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum KernelCache {
+    /// Where the environment says (`AMPGRAPH_KERNEL_CACHE`, else the XDG cache directory).
+    #[default]
+    FromEnv,
+    /// Nowhere: every process compiles its kernels again.
+    Off,
+    /// In this directory, whatever the environment says.
+    Dir(PathBuf),
+}
+
+impl FromStr for KernelCache {
+    type Err = String;
+
+    /// `off`, or a directory.
+    fn from_str(s: &str) -> Result<KernelCache, String> {
+        match s {
+            "" => Err("the kernel cache must be a directory or 'off'".into()),
+            "off" => Ok(KernelCache::Off),
+            dir => Ok(KernelCache::Dir(PathBuf::from(dir))),
+        }
+    }
+}
+
+thread_local! {
+    /// The cache [`DiskCache::from_env`] returns on this thread while [`with_cache`] runs.
+    static CHOSEN: RefCell<Option<DiskCache>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with [`DiskCache::from_env`] returning the cache `setting` picks on this
+/// thread (an executor made inside `f` keeps its kernels there).
+pub fn with_cache<T>(setting: &KernelCache, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<DiskCache>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CHOSEN.with(|c| *c.borrow_mut() = self.0.take());
+        }
+    }
+    let cache = DiskCache::new(setting);
+    let _restore = Restore(CHOSEN.with(|c| c.borrow_mut().replace(cache)));
+    f()
+}
 
 /// The on-disk PTX cache (or none, when disabled or no directory is known).
 #[derive(Clone, Debug)]
@@ -25,9 +72,21 @@ pub struct DiskCache {
 }
 
 impl DiskCache {
-    /// The cache the environment asks for.
+    /// The cache the environment asks for (inside [`with_cache`], the one it was given).
     pub fn from_env() -> DiskCache {
+        if let Some(chosen) = CHOSEN.with(|c| c.borrow().clone()) {
+            return chosen;
+        }
         DiskCache::resolve(|k| std::env::var(k).ok())
+    }
+
+    /// The cache `setting` picks.
+    pub fn new(setting: &KernelCache) -> DiskCache {
+        match setting {
+            KernelCache::FromEnv => DiskCache::resolve(|k| std::env::var(k).ok()),
+            KernelCache::Off => DiskCache { dir: None },
+            KernelCache::Dir(dir) => DiskCache::at(dir),
+        }
     }
 
     /// As [`from_env`](Self::from_env), reading variables through `var`.
@@ -199,5 +258,24 @@ mod tests {
         let off = DiskCache::resolve(env(&[("AMPGRAPH_KERNEL_CACHE", "off")]));
         off.store(&["x"], "ptx");
         assert_eq!(off.load(&["x"]), None);
+    }
+
+    #[test]
+    fn the_setting_overrides_the_environment_while_an_executor_is_made() {
+        assert_eq!("off".parse(), Ok(KernelCache::Off));
+        assert_eq!("/k".parse(), Ok(KernelCache::Dir(PathBuf::from("/k"))));
+        assert!("".parse::<KernelCache>().is_err());
+        let env = DiskCache::from_env().dir().cloned();
+        let inside = with_cache(&KernelCache::Dir(PathBuf::from("/chosen")), || {
+            let nested = with_cache(&KernelCache::Off, || DiskCache::from_env().dir().cloned());
+            (DiskCache::from_env().dir().cloned(), nested)
+        });
+        assert_eq!(inside, (Some(PathBuf::from("/chosen")), None));
+        assert_eq!(DiskCache::from_env().dir().cloned(), env, "restored after");
+        assert_eq!(
+            DiskCache::new(&KernelCache::FromEnv).dir().cloned(),
+            env,
+            "the default reads the environment"
+        );
     }
 }

@@ -26,6 +26,7 @@ mod device;
 mod gemm;
 pub mod kernel_cache;
 mod kernels;
+mod pipeline;
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -36,13 +37,14 @@ use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
 
 use crate::memory_plan;
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
-use crate::{check_tensor_size, ExecError, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
+use crate::{check_tensor_size, ExecError, ExecOptions, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
 
 pub use device::LaunchCounts;
 use device::{guard, DTensor, Device};
 use gemm::Gemm;
 pub use gemm::GemmOptions;
 use kernels::{Lowered, Owner, Source};
+pub use pipeline::PIPELINE;
 
 /// The number of CUDA devices, or why CUDA cannot be used on this machine (no driver
 /// library, no device, no NVRTC or cuBLASLt library).
@@ -572,7 +574,49 @@ impl CudaExecutor {
     }
 }
 
+impl CudaExecutor {
+    /// As [`with_options`](Self::with_options), keeping compiled kernels where `cache`
+    /// says rather than where the environment does.
+    pub fn with_kernel_cache(
+        ordinal: usize,
+        options: CudaOptions,
+        cache: &kernel_cache::KernelCache,
+    ) -> Result<CudaExecutor, ExecError> {
+        kernel_cache::with_cache(cache, || Self::with_options(ordinal, options))
+    }
+}
+
 impl Executor for CudaExecutor {
+    fn device_name(&self) -> String {
+        CudaExecutor::device_name(self).to_string()
+    }
+
+    fn default_passes(&self) -> &'static [&'static str] {
+        PIPELINE
+    }
+
+    fn check_supported(&self, graph: &Graph) -> Result<(), ExecError> {
+        CudaExecutor::check_supported(graph)
+    }
+
+    fn options(&self) -> ExecOptions {
+        ExecOptions {
+            allow_tf32: self.options.gemm.allow_tf32,
+            allow_fp16_reduced_precision_reduction: self
+                .options
+                .gemm
+                .allow_fp16_reduced_precision_reduction,
+            profile: self.options.profile,
+        }
+    }
+
+    fn set_options(&mut self, options: ExecOptions) {
+        self.options.gemm.allow_tf32 = options.allow_tf32;
+        self.options.gemm.allow_fp16_reduced_precision_reduction =
+            options.allow_fp16_reduced_precision_reduction;
+        self.options.profile = options.profile;
+    }
+
     fn run(
         &mut self,
         graph: &Graph,
@@ -580,6 +624,56 @@ impl Executor for CudaExecutor {
         fetches: &[Port],
     ) -> Result<Vec<Tensor>, ExecError> {
         self.run_step(graph, feeds, fetches, None)
+    }
+
+    fn run_timed(
+        &mut self,
+        graph: &Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+    ) -> Result<(Vec<Tensor>, Option<f64>), ExecError> {
+        let (out, ms) = CudaExecutor::run_timed(self, graph, feeds, fetches)?;
+        Ok((out, Some(ms)))
+    }
+
+    fn variable(&self, name: &str) -> Option<&Tensor> {
+        CudaExecutor::variable(self, name)
+    }
+
+    fn try_variable(&self, name: &str) -> Result<Option<Tensor>, ExecError> {
+        CudaExecutor::try_variable(self, name)
+    }
+
+    fn variable_type(&self, name: &str) -> Option<TensorType> {
+        CudaExecutor::variable_type(self, name)
+    }
+
+    fn variable_names(&self) -> Vec<String> {
+        CudaExecutor::variable_names(self)
+    }
+
+    fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError> {
+        CudaExecutor::set_variable(self, name, value)
+    }
+
+    fn peak_bytes(&self) -> Option<usize> {
+        Some(CudaExecutor::peak_bytes(self))
+    }
+
+    fn live_bytes(&self) -> Option<usize> {
+        Some(CudaExecutor::live_bytes(self))
+    }
+
+    fn reset_peak_bytes(&self) {
+        CudaExecutor::reset_peak_bytes(self)
+    }
+
+    fn launches(&self) -> Option<LaunchCounts> {
+        Some(CudaExecutor::launches(self))
+    }
+
+    fn profile_table(&self, top: usize) -> Option<String> {
+        Some(self.profile.table(top))
     }
 }
 

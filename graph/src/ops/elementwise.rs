@@ -1,5 +1,15 @@
 //! Elementwise ops: unary activations and math, broadcasting binary ops, BiasAdd,
-//! and their gradients (`UnaryGrad`, `BinaryGrad`).
+//! and their gradients (`UnaryGrad`, `BinaryGrad`). The maths of each unary and
+//! binary function (CPU and CUDA, value and derivative) is one row of the tables in
+//! `elementwise/kinds.rs`; this file holds the ops that run them.
+//!
+//! To add a unary op: add one row to the `unary_kinds!` table in `elementwise/kinds.rs`,
+//! then put its name in the precision lists of each `allowlists/*.toml`.
+
+mod kinds;
+
+pub use kinds::{cuda_lit, BinaryKind, UnaryKind};
+pub(crate) use kinds::{BINARY_OPS, UNARY_OPS};
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::autodiff::GradBuilder;
@@ -11,19 +21,6 @@ use crate::ops::grad0;
 use crate::ops::{DataFormat, Reduce, ReduceKind};
 use crate::shape::{broadcast_index_map, broadcast_shapes};
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
-
-macro_rules! entries {
-    ($parse:expr; $($name:literal),* $(,)?) => {
-        &[$(OpEntry { name: $name, parse: $parse }),*]
-    };
-}
-
-pub(crate) const UNARY_OPS: &[OpEntry] = entries!(|n, a| Ok(Box::new(Unary::parse(n, a)?));
-    "Relu", "Relu6", "Elu", "Selu", "Gelu", "LeakyRelu", "Tanh", "Sigmoid", "Exp", "Log", "Log1p",
-    "Sqrt", "Rsqrt", "Square", "Neg", "Abs", "Erf", "Softplus", "Reciprocal", "Sign", "Identity");
-
-pub(crate) const BINARY_OPS: &[OpEntry] = entries!(|n, _| Ok(Box::new(Binary::parse(n)?));
-    "Add", "Sub", "Mul", "Div", "Maximum", "Minimum", "Pow", "SquaredDifference");
 
 pub(crate) const OTHER_OPS: &[OpEntry] = &[OpEntry {
     name: "BiasAdd",
@@ -50,256 +47,6 @@ fn inputs_of<const N: usize>(inputs: &[Port]) -> Result<[Port; N], GraphError> {
     fixed(inputs).copied().map_err(GraphError::Format)
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum UnaryKind {
-    Relu,
-    Relu6,
-    Elu,
-    Selu,
-    Gelu { approximate: bool },
-    LeakyRelu { alpha: f64 },
-    Tanh,
-    Sigmoid,
-    Exp,
-    Log,
-    Log1p,
-    Sqrt,
-    Rsqrt,
-    Square,
-    Neg,
-    Abs,
-    Erf,
-    Softplus,
-    Reciprocal,
-    Sign,
-    Identity,
-}
-
-const SELU_ALPHA: f64 = 1.673_263_242_354_377_284_817_042_991_671_7;
-const SELU_SCALE: f64 = 1.050_700_987_355_480_493_419_334_985_294_6;
-
-impl UnaryKind {
-    pub fn name(self) -> &'static str {
-        use UnaryKind::*;
-        match self {
-            Relu => "Relu",
-            Relu6 => "Relu6",
-            Elu => "Elu",
-            Selu => "Selu",
-            Gelu { .. } => "Gelu",
-            LeakyRelu { .. } => "LeakyRelu",
-            Tanh => "Tanh",
-            Sigmoid => "Sigmoid",
-            Exp => "Exp",
-            Log => "Log",
-            Log1p => "Log1p",
-            Sqrt => "Sqrt",
-            Rsqrt => "Rsqrt",
-            Square => "Square",
-            Neg => "Neg",
-            Abs => "Abs",
-            Erf => "Erf",
-            Softplus => "Softplus",
-            Reciprocal => "Reciprocal",
-            Sign => "Sign",
-            Identity => "Identity",
-        }
-    }
-
-    /// The function itself, in the kernel's compute type.
-    pub fn apply<T: Real>(self, x: T) -> T {
-        use UnaryKind::*;
-        let zero = T::zero();
-        let one = T::one();
-        match self {
-            Relu => x.max(zero),
-            Relu6 => x.max(zero).min(T::lit(6.0)),
-            Elu => {
-                if x > zero {
-                    x
-                } else {
-                    x.exp_m1()
-                }
-            }
-            Selu => {
-                let y = if x > zero {
-                    x
-                } else {
-                    T::lit(SELU_ALPHA) * x.exp_m1()
-                };
-                T::lit(SELU_SCALE) * y
-            }
-            Gelu { approximate: false } => T::lit(0.5) * x * (one + (x * T::FRAC_1_SQRT_2()).erf()),
-            Gelu { approximate: true } => {
-                let inner = T::lit((2.0 / std::f64::consts::PI).sqrt())
-                    * (x + T::lit(0.044715) * x * x * x);
-                T::lit(0.5) * x * (one + inner.tanh())
-            }
-            LeakyRelu { alpha } => {
-                if x > zero {
-                    x
-                } else {
-                    T::lit(alpha) * x
-                }
-            }
-            Tanh => x.tanh(),
-            Sigmoid => one / (one + (-x).exp()),
-            Exp => x.exp(),
-            Log => x.ln(),
-            Log1p => x.ln_1p(),
-            Sqrt => x.sqrt(),
-            Rsqrt => one / x.sqrt(),
-            Square => x * x,
-            Neg => -x,
-            Abs => x.abs(),
-            Erf => x.erf(),
-            // max(x, 0) + log1p(exp(-|x|)): no overflow for large x.
-            Softplus => x.max(zero) + (-x.abs()).exp().ln_1p(),
-            Reciprocal => one / x,
-            Sign => {
-                if x > zero {
-                    one
-                } else if x < zero {
-                    -one
-                } else {
-                    x // keeps NaN and signed zero
-                }
-            }
-            Identity => x,
-        }
-    }
-
-    /// The derivative `d apply(x) / dx`, in the kernel's compute type. At kinks it
-    /// takes TensorFlow's side: Relu, Relu6 (also at 6), Abs and Sign have slope 0 at
-    /// 0; LeakyRelu has `alpha` at 0; Elu and Selu take the right branch at 0 (TF
-    /// tests `y < 0`).
-    pub fn derivative<T: Real>(self, x: T) -> T {
-        use UnaryKind::*;
-        let zero = T::zero();
-        let one = T::one();
-        let half = T::lit(0.5);
-        match self {
-            Relu => {
-                if x > zero {
-                    one
-                } else {
-                    zero
-                }
-            }
-            Relu6 => {
-                if x > zero && x < T::lit(6.0) {
-                    one
-                } else {
-                    zero
-                }
-            }
-            Elu => {
-                if x < zero {
-                    x.exp()
-                } else {
-                    one
-                }
-            }
-            Selu => {
-                let d = if x < zero {
-                    T::lit(SELU_ALPHA) * x.exp()
-                } else {
-                    one
-                };
-                T::lit(SELU_SCALE) * d
-            }
-            // Phi(x) + x phi(x), phi the standard normal density.
-            Gelu { approximate: false } => {
-                let cdf = half * (one + (x * T::FRAC_1_SQRT_2()).erf());
-                let pdf = (-half * x * x).exp() * T::lit(1.0 / (2.0 * std::f64::consts::PI).sqrt());
-                // x * pdf is 0 where pdf underflows, even for infinite x.
-                if pdf == zero {
-                    cdf
-                } else {
-                    cdf + x * pdf
-                }
-            }
-            // With u = c (x + k x^3), t = tanh(u):
-            // 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2).
-            Gelu { approximate: true } => {
-                let c = T::lit((2.0 / std::f64::consts::PI).sqrt());
-                let k = T::lit(0.044715);
-                let t = (c * (x + k * x * x * x)).tanh();
-                let sech2 = one - t * t;
-                let tail = if sech2 == zero {
-                    zero // saturated: avoids 0 * inf for huge |x|
-                } else {
-                    half * x * sech2 * c * (one + T::lit(3.0) * k * x * x)
-                };
-                half * (one + t) + tail
-            }
-            LeakyRelu { alpha } => {
-                if x > zero {
-                    one
-                } else {
-                    T::lit(alpha)
-                }
-            }
-            Tanh => {
-                let t = x.tanh();
-                one - t * t
-            }
-            Sigmoid => {
-                let s = Sigmoid.apply(x);
-                s * (one - s)
-            }
-            Exp => x.exp(),
-            Log => one / x,
-            Log1p => one / (one + x),
-            Sqrt => half / x.sqrt(),
-            Rsqrt => {
-                let r = one / x.sqrt();
-                -half * r * r * r
-            }
-            Square => T::lit(2.0) * x,
-            Neg => -one,
-            Abs => Sign.apply(x),
-            Erf => T::lit(std::f64::consts::FRAC_2_SQRT_PI) * (-x * x).exp(),
-            // The logistic function, in a form that never overflows.
-            Softplus => {
-                if x >= zero {
-                    one / (one + (-x).exp())
-                } else {
-                    let e = x.exp();
-                    e / (one + e)
-                }
-            }
-            Reciprocal => {
-                let r = one / x;
-                -(r * r)
-            }
-            Sign => zero,
-            Identity => one,
-        }
-    }
-
-    /// The loss gradient of `x` given the loss gradient `dy` of `apply(x)`: what
-    /// `UnaryGrad` computes per element. A zero slope stays zero even where `dy` is
-    /// infinite or NaN (no `0 * inf`).
-    pub fn input_grad<T: Real>(self, x: T, dy: T) -> T {
-        let d = self.derivative(x);
-        if d == T::zero() {
-            d
-        } else {
-            d * dy
-        }
-    }
-
-    /// The kind's own attributes (Gelu's `approximate`, LeakyRelu's `alpha`).
-    fn attrs(self) -> Vec<(&'static str, AttrValue)> {
-        match self {
-            UnaryKind::Gelu { approximate } => vec![("approximate", approximate.into())],
-            UnaryKind::LeakyRelu { alpha } => vec![("alpha", alpha.into())],
-            _ => vec![],
-        }
-    }
-}
-
 /// A one-input elementwise op.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Unary {
@@ -309,26 +56,6 @@ pub struct Unary {
 impl Unary {
     pub fn new(kind: UnaryKind) -> Self {
         Unary { kind }
-    }
-
-    fn parse(name: &str, a: &mut AttrReader) -> OpResult<Unary> {
-        use UnaryKind::*;
-        let kind = match name {
-            "Gelu" => Gelu {
-                approximate: a.bool_or("approximate", false)?,
-            },
-            "LeakyRelu" => LeakyRelu {
-                alpha: a.float_or("alpha", 0.2)?,
-            },
-            other => [
-                Relu, Relu6, Elu, Selu, Tanh, Sigmoid, Exp, Log, Log1p, Sqrt, Rsqrt, Square, Neg,
-                Abs, Erf, Softplus, Reciprocal, Sign, Identity,
-            ]
-            .into_iter()
-            .find(|k| k.name() == other)
-            .ok_or_else(|| format!("unknown unary op '{other}'"))?,
-        };
-        Ok(Unary { kind })
     }
 }
 
@@ -416,9 +143,7 @@ impl UnaryGrad {
     fn parse(a: &mut AttrReader) -> OpResult<UnaryGrad> {
         let kind = a.opt_str("kind")?.ok_or("missing attr 'kind'")?;
         Ok(UnaryGrad {
-            kind: Unary::parse(&kind, a)
-                .map_err(|e| format!("attr 'kind': {e}"))?
-                .kind,
+            kind: UnaryKind::parse(&kind, a).map_err(|e| format!("attr 'kind': {e}"))?,
         })
     }
 }
@@ -472,128 +197,6 @@ impl Op for UnaryGrad {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BinaryKind {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Maximum,
-    Minimum,
-    Pow,
-    SquaredDifference,
-}
-
-impl BinaryKind {
-    pub const ALL: [BinaryKind; 8] = [
-        BinaryKind::Add,
-        BinaryKind::Sub,
-        BinaryKind::Mul,
-        BinaryKind::Div,
-        BinaryKind::Maximum,
-        BinaryKind::Minimum,
-        BinaryKind::Pow,
-        BinaryKind::SquaredDifference,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            BinaryKind::Add => "Add",
-            BinaryKind::Sub => "Sub",
-            BinaryKind::Mul => "Mul",
-            BinaryKind::Div => "Div",
-            BinaryKind::Maximum => "Maximum",
-            BinaryKind::Minimum => "Minimum",
-            BinaryKind::Pow => "Pow",
-            BinaryKind::SquaredDifference => "SquaredDifference",
-        }
-    }
-
-    pub fn apply<T: Real>(self, a: T, b: T) -> T {
-        match self {
-            BinaryKind::Add => a + b,
-            BinaryKind::Sub => a - b,
-            BinaryKind::Mul => a * b,
-            BinaryKind::Div => a / b,
-            // NaN wins, as in TensorFlow and CUDA's fmaxf on NaN-propagating paths.
-            BinaryKind::Maximum => {
-                if a.is_nan() || b.is_nan() {
-                    T::nan()
-                } else {
-                    a.max(b)
-                }
-            }
-            BinaryKind::Minimum => {
-                if a.is_nan() || b.is_nan() {
-                    T::nan()
-                } else {
-                    a.min(b)
-                }
-            }
-            BinaryKind::Pow => a.powf(b),
-            BinaryKind::SquaredDifference => (a - b) * (a - b),
-        }
-    }
-
-    /// The loss gradient of operand `wrt` (0: a, 1: b) at one element: `dy` times
-    /// the partial derivative, in TensorFlow's forms. Maximum and Minimum send the
-    /// whole gradient to one operand, a tie going to `a` (TF's `x >= y` and `x <= y`
-    /// masks; a NaN operand sends it to `b`). Pow's `d/db` is 0 where `a <= 0` (TF),
-    /// and `d/da` is 0 where `b == 0` (the derivative of the constant `a^0`).
-    pub fn grad<T: Real>(self, wrt: usize, a: T, b: T, dy: T) -> T {
-        let zero = T::zero();
-        let first = wrt == 0;
-        let pick = |to_a: bool| if to_a == first { dy } else { zero };
-        match self {
-            BinaryKind::Add => dy,
-            BinaryKind::Sub => {
-                if first {
-                    dy
-                } else {
-                    -dy
-                }
-            }
-            BinaryKind::Mul => {
-                if first {
-                    dy * b
-                } else {
-                    dy * a
-                }
-            }
-            BinaryKind::Div => {
-                if first {
-                    dy / b
-                } else {
-                    dy * (-a / b) / b
-                }
-            }
-            BinaryKind::Maximum => pick(a >= b),
-            BinaryKind::Minimum => pick(a <= b),
-            BinaryKind::Pow => {
-                if first {
-                    if b == zero {
-                        zero
-                    } else {
-                        dy * b * a.powf(b - T::one())
-                    }
-                } else if a > zero {
-                    dy * a.powf(b) * a.ln()
-                } else {
-                    zero
-                }
-            }
-            BinaryKind::SquaredDifference => {
-                let g = T::lit(2.0) * (a - b) * dy;
-                if first {
-                    g
-                } else {
-                    -g
-                }
-            }
-        }
-    }
-}
-
 /// A two-input elementwise op with NumPy broadcasting.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Binary {
@@ -603,14 +206,6 @@ pub struct Binary {
 impl Binary {
     pub fn new(kind: BinaryKind) -> Self {
         Binary { kind }
-    }
-
-    fn parse(name: &str) -> OpResult<Binary> {
-        BinaryKind::ALL
-            .into_iter()
-            .find(|k| k.name() == name)
-            .map(Binary::new)
-            .ok_or_else(|| format!("unknown binary op '{name}'"))
     }
 }
 
@@ -729,9 +324,7 @@ impl BinaryGrad {
 
     fn parse(a: &mut AttrReader) -> OpResult<BinaryGrad> {
         let kind = a.opt_str("kind")?.ok_or("missing attr 'kind'")?;
-        let kind = Binary::parse(&kind)
-            .map_err(|e| format!("attr 'kind': {e}"))?
-            .kind;
+        let kind = BinaryKind::parse(&kind).map_err(|e| format!("attr 'kind': {e}"))?;
         let wrt = match a.opt_int("wrt")? {
             Some(0) => 0,
             Some(1) => 1,

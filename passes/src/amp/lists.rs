@@ -1,6 +1,6 @@
 //! Precision lists: which ops are always worth running in 16 bits (allow), which
 //! follow their inputs (infer), which follow their neighbours (clear) and which are
-//! numerically unsafe (deny). Profiles live in `allowlists/*.toml` (DESIGN.md §4).
+//! numerically unsafe (deny). Profiles live in `allowlists/*.toml` (docs/design.md §4).
 
 use std::collections::BTreeMap;
 use std::fmt;

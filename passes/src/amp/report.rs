@@ -1,4 +1,4 @@
-//! What the AMP pass did and why: the Grappler-style summary (DESIGN.md §5), per-op
+//! What the AMP pass did and why: the Grappler-style summary (docs/design.md §5), per-op
 //! counts, explanations of single nodes, and the before/after dumps.
 
 use std::collections::BTreeMap;

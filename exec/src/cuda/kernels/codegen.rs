@@ -14,16 +14,8 @@ use ampgraph_graph::DType;
 /// The most dimensions a strided kernel argument holds (larger ranks are refused).
 pub(crate) const MAX_RANK: usize = 8;
 
-/// A C literal for an f64 constant (full precision; non-finite values spelled out).
-pub(crate) fn lit(v: f64) -> String {
-    if v.is_nan() {
-        "F_NAN".into()
-    } else if v.is_infinite() {
-        if v > 0.0 { "F_INF" } else { "(-F_INF)" }.into()
-    } else {
-        format!("{v:e}")
-    }
-}
+/// A C literal for an f64 constant (the one the elementwise ops' expressions use).
+pub(crate) use ampgraph_graph::ops::elementwise::cuda_lit as lit;
 
 pub(crate) const PRELUDE: &str = r#"
 #include <cuda_fp16.h>

@@ -7,7 +7,7 @@ use ampgraph_graph::ops::{
 use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::{elementwise, lit, module, module_multi, own, store, At, Load, Store};
+use super::codegen::{elementwise, module, module_multi, own, store, At, Load, Store};
 use super::{first, float_input, input, kernel, numel, Ctx, CudaKernel, KernelSpec};
 use crate::cuda::device::{Arg, DTensor, Dims};
 
@@ -254,98 +254,6 @@ pub(super) fn cast_into(c: &Ctx, x: &DTensor, y: &DTensor) -> Result<(), String>
     )
 }
 
-const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
-const SELU_SCALE: f64 = 1.050_700_987_355_480_5;
-
-/// Statement computing `C y` from `C x`.
-pub(super) fn unary_expr(kind: UnaryKind) -> String {
-    use UnaryKind::*;
-    let e = match kind {
-        Relu => "m_max(x, (C)0)".to_string(),
-        Relu6 => "m_min(m_max(x, (C)0), (C)6)".to_string(),
-        Elu => "x > (C)0 ? x : m_expm1(x)".to_string(),
-        Selu => format!(
-            "(C){} * (x > (C)0 ? x : (C){} * m_expm1(x))",
-            lit(SELU_SCALE),
-            lit(SELU_ALPHA)
-        ),
-        Gelu { approximate: false } => format!(
-            "(C)0.5 * x * ((C)1 + m_erf(x * (C){}))",
-            lit(std::f64::consts::FRAC_1_SQRT_2)
-        ),
-        Gelu { approximate: true } => format!(
-            "(C)0.5 * x * ((C)1 + m_tanh((C){} * (x + (C)0.044715 * x * x * x)))",
-            lit((2.0 / std::f64::consts::PI).sqrt())
-        ),
-        LeakyRelu { alpha } => format!("x > (C)0 ? x : (C){} * x", lit(alpha)),
-        Tanh => "m_tanh(x)".into(),
-        Sigmoid => "(C)1 / ((C)1 + m_exp(-x))".into(),
-        Exp => "m_exp(x)".into(),
-        Log => "m_log(x)".into(),
-        Log1p => "m_log1p(x)".into(),
-        Sqrt => "m_sqrt(x)".into(),
-        Rsqrt => "(C)1 / m_sqrt(x)".into(),
-        Square => "x * x".into(),
-        Neg => "-x".into(),
-        Abs => "m_abs(x)".into(),
-        Erf => "m_erf(x)".into(),
-        Softplus => "m_max(x, (C)0) + m_log1p(m_exp(-m_abs(x)))".into(),
-        Reciprocal => "(C)1 / x".into(),
-        Sign => "x > (C)0 ? (C)1 : (x < (C)0 ? (C)-1 : x)".into(),
-        Identity => "x".into(),
-    };
-    format!("C y = {e};")
-}
-
-/// Statements computing `C d`, the derivative at `C x`.
-pub(super) fn derivative_expr(kind: UnaryKind) -> String {
-    use UnaryKind::*;
-    match kind {
-        Relu => "C d = x > (C)0 ? (C)1 : (C)0;".into(),
-        Relu6 => "C d = (x > (C)0 && x < (C)6) ? (C)1 : (C)0;".into(),
-        Elu => "C d = x < (C)0 ? m_exp(x) : (C)1;".into(),
-        Selu => format!(
-            "C d = (C){} * (x < (C)0 ? (C){} * m_exp(x) : (C)1);",
-            lit(SELU_SCALE),
-            lit(SELU_ALPHA)
-        ),
-        Gelu { approximate: false } => format!(
-            "C cdf = (C)0.5 * ((C)1 + m_erf(x * (C){}));\n\
-             C pdf = m_exp_approx(-(C)0.5 * x * x) * (C){};\n\
-             C d = pdf == (C)0 ? cdf : cdf + x * pdf;",
-            lit(std::f64::consts::FRAC_1_SQRT_2),
-            lit(1.0 / (2.0 * std::f64::consts::PI).sqrt())
-        ),
-        Gelu { approximate: true } => format!(
-            "C c = (C){}; C k = (C)0.044715;\n\
-             C t = m_tanh(c * (x + k * x * x * x));\n\
-             C sech2 = (C)1 - t * t;\n\
-             C tail = sech2 == (C)0 ? (C)0 : (C)0.5 * x * sech2 * c * ((C)1 + (C)3 * k * x * x);\n\
-             C d = (C)0.5 * ((C)1 + t) + tail;",
-            lit((2.0 / std::f64::consts::PI).sqrt())
-        ),
-        LeakyRelu { alpha } => format!("C d = x > (C)0 ? (C)1 : (C){};", lit(alpha)),
-        Tanh => "C t = m_tanh(x); C d = (C)1 - t * t;".into(),
-        Sigmoid => "C s = (C)1 / ((C)1 + m_exp(-x)); C d = s * ((C)1 - s);".into(),
-        Exp => "C d = m_exp(x);".into(),
-        Log => "C d = (C)1 / x;".into(),
-        Log1p => "C d = (C)1 / ((C)1 + x);".into(),
-        Sqrt => "C d = (C)0.5 / m_sqrt(x);".into(),
-        Rsqrt => "C r = (C)1 / m_sqrt(x); C d = -(C)0.5 * r * r * r;".into(),
-        Square => "C d = (C)2 * x;".into(),
-        Neg => "C d = (C)-1;".into(),
-        Abs => "C d = x > (C)0 ? (C)1 : (x < (C)0 ? (C)-1 : x);".into(),
-        Erf => format!(
-            "C d = (C){} * m_exp(-x * x);",
-            lit(std::f64::consts::FRAC_2_SQRT_PI)
-        ),
-        Softplus => "C d; if (x >= (C)0) { d = (C)1 / ((C)1 + m_exp(-x)); } else { C e = m_exp(x); d = e / ((C)1 + e); }".into(),
-        Reciprocal => "C r = (C)1 / x; C d = -(r * r);".into(),
-        Sign => "C d = (C)0;".into(),
-        Identity => "C d = (C)1;".into(),
-    }
-}
-
 pub(super) fn unary(d: DType, kind: UnaryKind) -> String {
     module(
         d,
@@ -353,7 +261,7 @@ pub(super) fn unary(d: DType, kind: UnaryKind) -> String {
             "extern \"C\" __global__ void k(const T* px, T* py, i64 n) {{\n{}}}\n",
             elementwise(
                 &[own(d, "x", "px")],
-                &unary_expr(kind),
+                &kind.cuda_expr(),
                 &[store(d, "py", "y")]
             )
         ),
@@ -367,47 +275,11 @@ pub(super) fn unary_grad(d: DType, kind: UnaryKind) -> String {
             "extern \"C\" __global__ void k(const T* px, const T* pdy, T* pdx, i64 n) {{\n{}}}\n",
             elementwise(
                 &[own(d, "x", "px"), own(d, "g", "pdy")],
-                &derivative_expr(kind),
+                &kind.cuda_derivative(),
                 &[store(d, "pdx", "(d == (C)0 ? d : d * g)")]
             )
         ),
     )
-}
-
-/// Expression of `C a` and `C b`.
-pub(super) fn binary_expr(kind: BinaryKind) -> &'static str {
-    match kind {
-        BinaryKind::Add => "a + b",
-        BinaryKind::Sub => "a - b",
-        BinaryKind::Mul => "a * b",
-        BinaryKind::Div => "a / b",
-        BinaryKind::Maximum => "(m_isnan(a) || m_isnan(b)) ? (C)F_NAN : m_max(a, b)",
-        BinaryKind::Minimum => "(m_isnan(a) || m_isnan(b)) ? (C)F_NAN : m_min(a, b)",
-        BinaryKind::Pow => "m_pow(a, b)",
-        BinaryKind::SquaredDifference => "(a - b) * (a - b)",
-    }
-}
-
-/// Expression of `C a`, `C b` and the output gradient `C g`.
-pub(super) fn binary_grad_expr(kind: BinaryKind, wrt: usize) -> &'static str {
-    let first = wrt == 0;
-    match (kind, first) {
-        (BinaryKind::Add, _) => "g",
-        (BinaryKind::Sub, true) => "g",
-        (BinaryKind::Sub, false) => "-g",
-        (BinaryKind::Mul, true) => "g * b",
-        (BinaryKind::Mul, false) => "g * a",
-        (BinaryKind::Div, true) => "g / b",
-        (BinaryKind::Div, false) => "g * (-a / b) / b",
-        (BinaryKind::Maximum, true) => "(a >= b) ? g : (C)0",
-        (BinaryKind::Maximum, false) => "(a >= b) ? (C)0 : g",
-        (BinaryKind::Minimum, true) => "(a <= b) ? g : (C)0",
-        (BinaryKind::Minimum, false) => "(a <= b) ? (C)0 : g",
-        (BinaryKind::Pow, true) => "b == (C)0 ? (C)0 : g * b * m_pow(a, b - (C)1)",
-        (BinaryKind::Pow, false) => "a > (C)0 ? g * m_pow(a, b) * m_log(a) : (C)0",
-        (BinaryKind::SquaredDifference, true) => "(C)2 * (a - b) * g",
-        (BinaryKind::SquaredDifference, false) => "-((C)2 * (a - b) * g)",
-    }
 }
 
 /// Index of an operand: mode 0 identity, 1 scalar, 2 strided over the output shape.
@@ -436,7 +308,7 @@ pub(super) fn binary(d: DType, kind: BinaryKind) -> String {
         d,
         &format!(
             "{OPERAND_INDEX}extern \"C\" __global__ void k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa, int mb, Dims sb) {{\n{}}}\n",
-            elementwise(&binary_loads(d)[..2], "", &[store(d, "py", binary_expr(kind))])
+            elementwise(&binary_loads(d)[..2], "", &[store(d, "py", kind.cuda_expr())])
         ),
     )
 }
@@ -449,7 +321,7 @@ pub(super) fn binary_grad(d: DType, kind: BinaryKind, wrt: usize) -> String {
             elementwise(
                 &binary_loads(d),
                 "",
-                &[store(d, "py", binary_grad_expr(kind, wrt))]
+                &[store(d, "py", kind.cuda_grad_expr(wrt))]
             )
         ),
     )

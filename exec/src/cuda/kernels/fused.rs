@@ -13,7 +13,6 @@ use super::codegen::{
     column_sums, elementwise, module_multi, streams, vector_len, At, Load, Store, Streams,
     COLUMN_ROWS,
 };
-use super::elementwise::{binary_expr, binary_grad_expr, derivative_expr, unary_expr};
 use super::{kernel, launch_column_sums, CudaKernel, KernelSpec};
 use crate::cuda::device::{Arg, DTensor};
 
@@ -307,14 +306,14 @@ impl FusedParts {
                 block.push_str(&format!(" C {name} = {};", operand(slot)));
             }
             let compute = match op {
-                ElementOp::Unary(kind) => format!("C x = a; {}", unary_expr(kind)),
+                ElementOp::Unary(kind) => format!("C x = a; {}", kind.cuda_expr()),
                 ElementOp::UnaryGrad(kind) => format!(
                     "C x = a; {}\n      C y = d == (C)0 ? d : d * b;",
-                    derivative_expr(kind)
+                    kind.cuda_derivative()
                 ),
-                ElementOp::Binary(kind) => format!("C y = {};", binary_expr(kind)),
+                ElementOp::Binary(kind) => format!("C y = {};", kind.cuda_expr()),
                 ElementOp::BinaryGrad(kind, wrt) => {
-                    format!("C g = c; C y = {};", binary_grad_expr(kind, wrt))
+                    format!("C g = c; C y = {};", kind.cuda_grad_expr(wrt))
                 }
                 ElementOp::BiasAdd(_) => "C y = a + b;".into(),
                 ElementOp::Cast(_) => "C y = a;".into(),
