@@ -1116,8 +1116,11 @@ fn unsupported_ops_are_clear_errors() {
         .unwrap();
     let err = CudaExecutor::check_supported(&g).unwrap_err().to_string();
     assert!(
-        err.contains("Conv2D has no CUDA kernel yet (cuDNN comes later); use Device::Cpu"),
-        "{err}"
+        err.contains(
+            "(Conv2D): Conv2D has no CUDA kernel for inputs (f32[1, 8, 8, 3], f32[3, 3, 3, 4]); \
+             use Device::Cpu"
+        ),
+        "the lowering names the op and its input types: {err}"
     );
     assert!(err.contains("conv2d"), "names the node: {err}");
 }

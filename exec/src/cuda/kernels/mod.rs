@@ -53,12 +53,12 @@ pub(crate) trait KernelSpec: Debug {
 }
 
 /// A node's work on the device, decided when the step is planned.
-pub(crate) trait CudaKernel {
+pub(crate) trait CudaKernel: Send + Sync {
     /// Computes the node's outputs from its inputs, allocating them through `c`.
     fn launch(&self, c: &Ctx, inputs: &[DTensor]) -> Result<Vec<DTensor>, String>;
 }
 
-impl<F: Fn(&Ctx, &[DTensor]) -> Result<Vec<DTensor>, String>> CudaKernel for F {
+impl<F: Fn(&Ctx, &[DTensor]) -> Result<Vec<DTensor>, String> + Send + Sync> CudaKernel for F {
     fn launch(&self, c: &Ctx, inputs: &[DTensor]) -> Result<Vec<DTensor>, String> {
         self(c, inputs)
     }
@@ -66,7 +66,7 @@ impl<F: Fn(&Ctx, &[DTensor]) -> Result<Vec<DTensor>, String>> CudaKernel for F {
 
 /// A kernel from its launch closure (what a family's `lower` returns).
 fn kernel(
-    f: impl Fn(&Ctx, &[DTensor]) -> Result<Vec<DTensor>, String> + 'static,
+    f: impl Fn(&Ctx, &[DTensor]) -> Result<Vec<DTensor>, String> + Send + Sync + 'static,
 ) -> Box<dyn CudaKernel> {
     Box::new(f)
 }
