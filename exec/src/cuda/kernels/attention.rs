@@ -21,7 +21,7 @@ use ampgraph_graph::ops::{FusedAttention, FusedAttentionGrad};
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::module;
-use super::{kernel, Ctx, CudaKernel, KernelSpec};
+use super::{kernel, Ctx, KernelSpec, Lowering};
 use crate::cuda::device::{Arg, DTensor};
 
 /// The module of one attention: `k_fwd(q, k, v, o, lse, ...)`, `k_dq(q, k, v, o, lse,
@@ -49,11 +49,7 @@ impl KernelSpec for Spec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     let outs = outs.to_vec();
     if let Some(a) = op.downcast_ref::<FusedAttention>() {
         let a = a.clone();

@@ -9,8 +9,8 @@ use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{column_sums_fin, module_multi};
 use super::{
-    acc_dtype, block_rows, first, float_input, input, kernel, launch_column_sums_fin, Ctx,
-    CudaKernel, KernelSpec,
+    acc_dtype, block_rows, first, float_input, input, kernel, launch_column_sums_fin, one_output,
+    Ctx, CudaKernel, KernelSpec, Lowering,
 };
 use crate::cuda::device::{row_block, row_grid, Arg, DTensor};
 
@@ -54,11 +54,7 @@ impl KernelSpec for Spec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if op.is::<SoftmaxCrossEntropy>() {
         return Some(lower_loss(ins, outs));
     }
@@ -87,10 +83,9 @@ fn lower_loss(ins: &[TensorType], outs: &[TensorType]) -> Result<Box<dyn CudaKer
     let (n, classes, labels) = logits(ins)?;
     let spec = Spec::Loss { dtype, labels };
     let out = first(outs)?;
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, y| {
         let (x, labels) = (input(inputs, 0)?, input(inputs, 1)?);
         let rows = c.temp(acc_dtype(dtype), n)?;
-        let y = c.alloc(&out)?;
         block_rows(
             c,
             &spec,
@@ -98,8 +93,8 @@ fn lower_loss(ins: &[TensorType], outs: &[TensorType]) -> Result<Box<dyn CudaKer
             &[x.arg(), labels.arg(), rows.arg()],
             (n, classes),
         )?;
-        sce_mean(c, &spec, &rows, &y, n)?;
-        Ok(vec![y])
+        sce_mean(c, &spec, &rows, y, n)?;
+        Ok(())
     }))
 }
 
@@ -108,9 +103,8 @@ fn lower_grad(ins: &[TensorType], outs: &[TensorType]) -> Result<Box<dyn CudaKer
     let (n, classes, labels) = logits(ins)?;
     let spec = Spec::Grad { dtype, labels };
     let out = first(outs)?;
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, dx| {
         let (x, labels, dl) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
-        let dx = c.alloc(&out)?;
         block_rows(
             c,
             &spec,
@@ -118,7 +112,7 @@ fn lower_grad(ins: &[TensorType], outs: &[TensorType]) -> Result<Box<dyn CudaKer
             &[x.arg(), labels.arg(), dl.arg(), dx.arg()],
             (n, classes),
         )?;
-        Ok(vec![dx])
+        Ok(())
     }))
 }
 

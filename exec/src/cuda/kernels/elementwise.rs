@@ -8,7 +8,9 @@ use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{elementwise, module, module_multi, own, store, At, Load, Store};
-use super::{first, float_input, input, kernel, numel, Ctx, CudaKernel, KernelSpec};
+use super::{
+    first, float_input, input, kernel, numel, one_output, Ctx, CudaKernel, KernelSpec, Lowering,
+};
 use crate::cuda::device::{Arg, DTensor, Dims};
 
 /// The modules of the family, one per (op kind, dtypes).
@@ -47,11 +49,7 @@ impl KernelSpec for Spec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(u) = op.downcast_ref::<Unary>() {
         return Some(lower_unary(u.kind, ins, outs));
     }
@@ -93,12 +91,11 @@ fn lower_unary(
         kind,
     };
     let out = first(outs)?;
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, y| {
         let x = input(inputs, 0)?;
-        let y = c.alloc(&out)?;
         let n = x.len();
         c.launch_elementwise(&spec, n, &[x.arg(), y.arg(), Arg::I64(n as i64)])?;
-        Ok(vec![y])
+        Ok(())
     }))
 }
 
@@ -112,12 +109,11 @@ fn lower_unary_grad(
         kind,
     };
     let out = first(outs)?;
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, dx| {
         let (x, dy) = (input(inputs, 0)?, input(inputs, 1)?);
-        let dx = c.alloc(&out)?;
         let n = x.len();
         c.launch_elementwise(&spec, n, &[x.arg(), dy.arg(), dx.arg(), Arg::I64(n as i64)])?;
-        Ok(vec![dx])
+        Ok(())
     }))
 }
 
@@ -179,15 +175,14 @@ fn lower_binary(
     } else {
         2
     };
-    Ok(kernel(move |c, inputs| {
-        let y = c.alloc(&out)?;
+    Ok(one_output(out, move |c, inputs, y| {
         let mut args = (0..operands)
             .map(|k| input(inputs, k).map(DTensor::arg))
             .collect::<Result<Vec<_>, _>>()?;
         args.push(y.arg());
         args.extend(sizes.iter().cloned());
         c.launch_elementwise(&spec, n, &args)?;
-        Ok(vec![y])
+        Ok(())
     }))
 }
 
@@ -205,9 +200,8 @@ fn lower_bias_add(
     let inner = numel(&x.shape[axis + 1..]);
     let ch = x.shape[axis];
     let out = first(outs)?;
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, y| {
         let (x, bias) = (input(inputs, 0)?, input(inputs, 1)?);
-        let y = c.alloc(&out)?;
         let n = x.len();
         c.launch_elementwise(
             &Spec::BiasAdd { dtype },
@@ -221,7 +215,7 @@ fn lower_bias_add(
                 Arg::I64(ch as i64),
             ],
         )?;
-        Ok(vec![y])
+        Ok(())
     }))
 }
 

@@ -13,7 +13,7 @@ use super::codegen::{
     column_sums, elementwise, module_multi, streams, vector_len, At, Load, Store, Streams,
     COLUMN_ROWS,
 };
-use super::{kernel, launch_column_sums, CudaKernel, KernelSpec};
+use super::{kernel, launch_column_sums, CudaKernel, KernelSpec, Lowering};
 use crate::cuda::device::{Arg, DTensor};
 
 /// A fused program's module: `k(<inputs>, <outputs>, i64 n)`, or with column sums
@@ -54,11 +54,7 @@ impl KernelSpec for Spec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    _ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, _ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     let f = op.downcast_ref::<FusedElementwise>()?;
     Some(Ok(lower_program(f, outs)))
 }

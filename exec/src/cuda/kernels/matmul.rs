@@ -7,14 +7,10 @@ use ampgraph_graph::shape::broadcast_index_map;
 use ampgraph_graph::{Op, TensorType};
 
 use super::elementwise::cast_into;
-use super::{first, float_input, input, kernel, numel, CudaKernel};
+use super::{first, float_input, input, numel, one_output, CudaKernel, Lowering};
 use crate::cuda::gemm::Product;
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     let fused = op.downcast_ref::<FusedMatMul>();
     if let Some(m) = op.downcast_ref::<MatMul>().or(fused.map(|f| &f.product)) {
         return Some(lower_matmul(m, fused, ins, outs));
@@ -44,7 +40,7 @@ fn lower_matmul(
     let (transpose_a, transpose_b) = (m.transpose_a, m.transpose_b);
     let epilogue = fused.map(|f| f.epilogue);
     let has_residual = fused.is_some_and(|f| f.residual);
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, y| {
         let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
         let bias = match epilogue {
             Some(e) => Some((input(inputs, 2)?, e)),
@@ -55,7 +51,6 @@ fn lower_matmul(
         } else {
             None
         };
-        let y = c.alloc(&out)?;
         let product = |out, bias| Product {
             a,
             b,
@@ -86,17 +81,17 @@ fn lower_matmul(
             _ => None,
         };
         let stored_bias = wide_bias.as_ref().map(|(b, e)| (b, *e)).or(bias);
-        let run = c.gemm.run(c.dev, &product(&y, stored_bias), c.gemm_options);
+        let run = c.gemm.run(c.dev, &product(y, stored_bias), c.gemm_options);
         if let (Err(why), true) = (&run, y.dtype != a.dtype) {
             // No cuBLASLt kernel stores this product wide: in its own type, then a cast.
             log::debug!("{}: {why}; storing the product, then casting", c.name);
             let narrow = c.temp(a.dtype, y.len())?;
             c.gemm.run(c.dev, &product(&narrow, bias), c.gemm_options)?;
-            cast_into(c, &narrow, &y)?;
-            return Ok(vec![y]);
+            cast_into(c, &narrow, y)?;
+            return Ok(());
         }
         run?;
-        Ok(vec![y])
+        Ok(())
     }))
 }
 
@@ -146,14 +141,13 @@ fn lower_batch_matmul(
         }
     };
     let (adj_x, adj_y, alpha) = (bm.adj_x, bm.adj_y, bm.alpha);
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, y| {
         let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
-        let y = c.alloc(&out)?;
         for &[batch, stride_a, stride_b, offset_a, offset_b, offset_c] in &products {
             let p = Product {
                 a,
                 b,
-                c: &y,
+                c: y,
                 m: mm,
                 n: nn,
                 k,
@@ -171,6 +165,6 @@ fn lower_batch_matmul(
             };
             c.gemm.run(c.dev, &p, c.gemm_options)?;
         }
-        Ok(vec![y])
+        Ok(())
     }))
 }

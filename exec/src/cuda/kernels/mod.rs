@@ -71,6 +71,18 @@ fn kernel(
     Box::new(f)
 }
 
+/// A kernel of one output, of type `out`: `f` computes it into the buffer it is given.
+fn one_output(
+    out: TensorType,
+    f: impl Fn(&Ctx, &[DTensor], &DTensor) -> Result<(), String> + Send + Sync + 'static,
+) -> Box<dyn CudaKernel> {
+    kernel(move |c, inputs| {
+        let y = c.alloc(&out)?;
+        f(c, inputs, &y)?;
+        Ok(vec![y])
+    })
+}
+
 /// A node's values that the executor supplies rather than computes.
 pub(crate) enum Source {
     Placeholder,
@@ -85,13 +97,15 @@ pub(crate) enum Lowered {
     Kernel(Box<dyn CudaKernel>),
 }
 
-/// A family's lowering: `None` where the op is not the family's, else its kernel or
-/// why it cannot run (a dtype or shape the kernels do not take).
-type Lowering =
-    fn(&dyn Op, &[TensorType], &[TensorType]) -> Option<Result<Box<dyn CudaKernel>, String>>;
+/// What a family's `lower` answers: `None` where the op is not the family's, else its
+/// kernel or why it cannot run (a dtype or shape the kernels do not take).
+type Lowering = Option<Result<Box<dyn CudaKernel>, String>>;
+
+/// A family's `lower`: the op with its input and output types.
+type Lower = fn(&dyn Op, &[TensorType], &[TensorType]) -> Lowering;
 
 /// Every family, asked in turn.
-const FAMILIES: &[Lowering] = &[
+const FAMILIES: &[Lower] = &[
     elementwise::lower,
     fused::lower,
     shape::lower,

@@ -15,7 +15,8 @@ use super::codegen::{
 use super::reduce::reduce_into;
 use super::{
     acc_dtype, block_rows, first, float_only, input, kernel, launch_column_sums,
-    launch_column_sums_fin, numel, row_kernel, warp_row_form, Ctx, CudaKernel, KernelSpec,
+    launch_column_sums_fin, numel, one_output, row_kernel, warp_row_form, Ctx, CudaKernel,
+    KernelSpec, Lowering,
 };
 use crate::cuda::device::{Arg, DTensor};
 
@@ -70,11 +71,7 @@ impl KernelSpec for Spec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(ln) = op.downcast_ref::<LayerNorm>() {
         return Some(lower_layer_norm(ln, ins, outs));
     }
@@ -118,10 +115,9 @@ fn lower_layer_norm(
         y: out.dtype,
     };
     let epsilon = ln.epsilon;
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, y| {
         let (x, g, b) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
-        let y = c.alloc(&out)?;
-        let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &[x, &y]);
+        let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &[x, y]);
         row_kernel(
             c,
             &Spec::LayerNorm {
@@ -133,7 +129,7 @@ fn lower_layer_norm(
             &[x.arg(), g.arg(), b.arg(), y.arg()],
             (rows, len, None),
         )?;
-        Ok(vec![y])
+        Ok(())
     }))
 }
 

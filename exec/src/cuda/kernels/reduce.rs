@@ -7,7 +7,10 @@ use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{column_sums, column_vector, module, module_multi, COLUMN_ROWS};
 use super::elementwise::broadcast_strides;
-use super::{first, float_input, float_only, input, kernel, numel, Ctx, CudaKernel, KernelSpec};
+use super::{
+    first, float_input, float_only, input, kernel, numel, one_output, Ctx, CudaKernel, KernelSpec,
+    Lowering,
+};
 use crate::cuda::device::{row_block, row_grid, Arg, DTensor, Dims};
 
 /// The modules of the family.
@@ -41,11 +44,7 @@ impl KernelSpec for Spec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(r) = op.downcast_ref::<Reduce>() {
         return Some(lower_reduce(r, ins, outs));
     }
@@ -67,10 +66,9 @@ fn lower_reduce(
     float_only(x.dtype)?;
     let axes = r.reduced_axes(x.shape.len())?;
     let (out, kind) = (first(outs)?, r.kind);
-    Ok(kernel(move |c, inputs| {
-        let y = c.alloc(&out)?;
-        reduce_into(c, input(inputs, 0)?, &y, kind, &axes)?;
-        Ok(vec![y])
+    Ok(one_output(out, move |c, inputs, y| {
+        reduce_into(c, input(inputs, 0)?, y, kind, &axes)?;
+        Ok(())
     }))
 }
 
@@ -91,10 +89,9 @@ fn lower_sum_to(
         }));
     }
     float_only(x.dtype)?;
-    Ok(kernel(move |c, inputs| {
-        let y = c.alloc(&out)?;
-        reduce_into(c, input(inputs, 0)?, &y, ReduceKind::Sum, &axes)?;
-        Ok(vec![y])
+    Ok(one_output(out, move |c, inputs, y| {
+        reduce_into(c, input(inputs, 0)?, y, ReduceKind::Sum, &axes)?;
+        Ok(())
     }))
 }
 
@@ -113,15 +110,14 @@ fn lower_reduce_grad(
         let (kept, count) = (numel(&s.ks), numel(&s.rs));
         let sizes = split_args(&s)?;
         let spec = Spec::ReduceMaxGrad { dtype };
-        return Ok(kernel(move |c, inputs| {
+        return Ok(one_output(out, move |c, inputs, dx| {
             let (x, dy) = (input(inputs, 0)?, input(inputs, 1)?);
-            let dx = c.alloc(&out)?;
             if kept > 0 {
                 let mut args = vec![x.arg(), dy.arg(), dx.arg()];
                 args.extend(sizes.iter().cloned());
                 c.launch(&spec, "k", (row_grid(kept), row_block(count)), &args)?;
             }
-            Ok(vec![dx])
+            Ok(())
         }));
     }
     let kept: Vec<usize> = x
@@ -144,13 +140,12 @@ fn lower_reduce_grad(
         Arg::F64(div),
     ];
     let spec = Spec::BroadcastDiv { dtype };
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, dx| {
         let dy = input(inputs, 1)?;
-        let dx = c.alloc(&out)?;
         let mut args = vec![dy.arg(), dx.arg()];
         args.extend(sizes.iter().cloned());
         c.launch_n(&spec, n, &args)?;
-        Ok(vec![dx])
+        Ok(())
     }))
 }
 

@@ -9,7 +9,7 @@ use ampgraph_graph::{Op, TensorType};
 
 use super::codegen::{word, PRELUDE};
 use super::elementwise::broadcast_strides;
-use super::{first, input, kernel, numel, CudaKernel, KernelSpec};
+use super::{first, input, kernel, numel, one_output, CudaKernel, KernelSpec, Lowering};
 use crate::cuda::device::Arg;
 use crate::cuda::device::Dims;
 
@@ -32,11 +32,7 @@ impl KernelSpec for Spec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     let x = ins.first();
     let out = outs.first();
     let (Some(x), Some(out)) = (x, out) else {
@@ -118,12 +114,11 @@ fn lower_gather(
         Arg::I64(offset as i64),
     ];
     let out = out.clone();
-    Ok(kernel(move |c, inputs| {
-        let y = c.alloc(&out)?;
+    Ok(one_output(out, move |c, inputs, y| {
         let mut args = vec![input(inputs, 0)?.arg(), y.arg()];
         args.extend(sizes.iter().cloned());
         c.launch_n(&spec, n, &args)?;
-        Ok(vec![y])
+        Ok(())
     }))
 }
 
@@ -147,8 +142,7 @@ fn lower_concat(
         parts.push((numel(&x.shape), numel(&x.shape[axis..]), off));
         off += x.shape[axis] * below;
     }
-    Ok(kernel(move |c, inputs| {
-        let y = c.alloc(&out)?;
+    Ok(one_output(out, move |c, inputs, y| {
         for (k, &(n, inner_in, off)) in parts.iter().enumerate() {
             if n > 0 {
                 c.launch_n(
@@ -165,7 +159,7 @@ fn lower_concat(
                 )?;
             }
         }
-        Ok(vec![y])
+        Ok(())
     }))
 }
 

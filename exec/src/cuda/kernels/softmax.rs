@@ -13,8 +13,8 @@ use super::codegen::{
 };
 use super::fused::{fused_vector, streams_aligned, FusedParts, ROUNDING};
 use super::{
-    along, first, float_input, float_only, input, kernel, row_kernel, warp_row_form, Ctx,
-    CudaKernel, KernelSpec,
+    along, first, float_input, float_only, input, one_output, row_kernel, warp_row_form, Ctx,
+    CudaKernel, KernelSpec, Lowering,
 };
 use crate::cuda::device::{Arg, DTensor};
 
@@ -79,11 +79,7 @@ impl KernelSpec for FusedSoftmaxSpec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     let softmax_axis = op
         .downcast_ref::<Softmax>()
         .map(|s| (s.axis, false))
@@ -108,10 +104,9 @@ fn lower_softmax(
 ) -> Result<Box<dyn CudaKernel>, String> {
     float_input(ins)?;
     let out = first(outs)?;
-    Ok(kernel(move |c, inputs| {
-        let y = c.alloc(&out)?;
-        softmax_into(c, input(inputs, 0)?, &y, axis, log)?;
-        Ok(vec![y])
+    Ok(one_output(out, move |c, inputs, y| {
+        softmax_into(c, input(inputs, 0)?, y, axis, log)?;
+        Ok(())
     }))
 }
 
@@ -128,9 +123,8 @@ fn lower_softmax_grad(
         per: warp_row_values(len),
     };
     let out = first(outs)?;
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, dx| {
         let (y, dy) = (input(inputs, 0)?, input(inputs, 1)?);
-        let dx = c.alloc(&out)?;
         row_kernel(
             c,
             &spec,
@@ -138,7 +132,7 @@ fn lower_softmax_grad(
             &[y.arg(), dy.arg(), dx.arg()],
             (rows, len, Some(inner)),
         )?;
-        Ok(vec![dx])
+        Ok(())
     }))
 }
 
@@ -177,14 +171,13 @@ fn lower_fused_softmax(
     let (axis, log) = (f.axis, f.log);
     if inner != 1 || len > WARP_ROW_MAX {
         let prologue = super::fused::Spec::new(p);
-        return Ok(kernel(move |c, inputs| {
-            let y = c.alloc(&out)?;
+        return Ok(one_output(out, move |c, inputs, y| {
             let x = c.temp(y.dtype, n)?.reshaped(y.shape.clone());
             let mut args: Vec<Arg> = inputs.iter().map(DTensor::arg).collect();
             args.extend([x.arg(), Arg::I64(n as i64)]);
             c.launch_elementwise(&prologue, n, &args)?;
-            softmax_into(c, &x, &y, axis, log)?;
-            Ok(vec![y])
+            softmax_into(c, &x, y, axis, log)?;
+            Ok(())
         }));
     }
     let v = fused_vector(p);
@@ -192,9 +185,8 @@ fn lower_fused_softmax(
     let vector = FusedSoftmaxSpec::new(f, len / 32);
     let plain = FusedSoftmaxSpec::new(f, warp_row_values(len));
     let program = p.clone();
-    Ok(kernel(move |c, inputs| {
-        let y = c.alloc(&out)?;
-        let (spec, name) = if whole_words && streams_aligned(&program, inputs, [&y]) {
+    Ok(one_output(out, move |c, inputs, y| {
+        let (spec, name) = if whole_words && streams_aligned(&program, inputs, [y]) {
             (&vector, "k_warp_vec")
         } else {
             (&plain, "k_warp")
@@ -203,7 +195,7 @@ fn lower_fused_softmax(
         args.push(y.arg());
         // Rows a warp holds: `row_kernel` launches the warp kernel.
         row_kernel(c, spec, (name, name), &args, (rows, len, None))?;
-        Ok(vec![y])
+        Ok(())
     }))
 }
 

@@ -11,7 +11,9 @@ use super::codegen::{
     elementwise, elementwise_in, lit, module, module_multi, own, store, At, Load, Store, MAX_RANK,
     PRELUDE,
 };
-use super::{acc_dtype, first, float_only, input, kernel, Ctx, CudaKernel, KernelSpec};
+use super::{
+    acc_dtype, first, float_only, input, kernel, one_output, Ctx, CudaKernel, KernelSpec, Lowering,
+};
 use crate::cuda::device::{Arg, DTensor, Dims, UpdateTable};
 
 /// The modules of the family.
@@ -91,11 +93,7 @@ impl KernelSpec for Spec {
     }
 }
 
-pub(super) fn lower(
-    op: &dyn Op,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Option<Result<Box<dyn CudaKernel>, String>> {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(a) = op.downcast_ref::<AllFinite>() {
         return Some(lower_all_finite(a.scaled, ins, outs));
     }
@@ -144,11 +142,10 @@ fn lower_all_finite(
     };
     let out = first(outs)?;
     let n_checked = checked.len();
-    Ok(kernel(move |c, inputs| {
-        let flag = c.alloc(&out)?;
+    Ok(one_output(out, move |c, inputs, flag| {
         c.launch(&Spec::FillFlag, "k", (1, 1), &[flag.arg(), Arg::I32(1)])?;
         if lists.is_empty() {
-            return Ok(vec![flag]);
+            return Ok(());
         }
         let mut args = Vec::new();
         for (_, list) in &lists {
@@ -166,7 +163,7 @@ fn lower_all_finite(
         }
         let most = inputs[..n_checked].iter().map(DTensor::len).max();
         c.launch_elementwise(&spec, most.unwrap_or(0), &args)?;
-        Ok(vec![flag])
+        Ok(())
     }))
 }
 
@@ -181,11 +178,10 @@ fn lower_increment_if(
             .dtype,
     };
     let out = first(outs)?;
-    Ok(kernel(move |c, inputs| {
+    Ok(one_output(out, move |c, inputs, y| {
         let (f, counter) = (input(inputs, 0)?, input(inputs, 1)?);
-        let y = c.alloc(&out)?;
         c.launch(&spec, "k", (1, 1), &[f.arg(), counter.arg(), y.arg()])?;
-        Ok(vec![y])
+        Ok(())
     }))
 }
 
