@@ -62,15 +62,28 @@ pub struct MemoryPlan {
     pub total_bytes: usize,
 }
 
-/// A hash of everything a plan depends on (the nodes, their ops' names, types and
-/// inputs, and the fetches): executors keep plans by it.
+/// A hash of everything a plan depends on (the nodes, their ops' names, attributes,
+/// types and inputs, and the fetches): executors keep plans by it, and a CUDA plan
+/// holds each node's kernel, which its attributes (and a Const's values) decide.
 pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
+    use ampgraph_graph::attrs::AttrValue;
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     fetches.hash(&mut h);
     for id in graph.node_ids() {
         let node = graph.node(id);
         (id.index(), node.op.name(), node.outputs(), graph.inputs(id)).hash(&mut h);
+        for (name, value) in node.op.attrs() {
+            name.hash(&mut h);
+            match value {
+                AttrValue::Bool(b) => b.hash(&mut h),
+                AttrValue::Int(i) => i.hash(&mut h),
+                AttrValue::Float(f) => f.to_bits().hash(&mut h),
+                AttrValue::Str(s) => s.hash(&mut h),
+                AttrValue::Ints(v) => v.hash(&mut h),
+                AttrValue::Floats(v) => v.iter().for_each(|f| f.to_bits().hash(&mut h)),
+            }
+        }
     }
     h.finish()
 }
@@ -370,6 +383,21 @@ impl MemoryPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fingerprints_tell_apart_graphs_that_differ_only_in_attributes() {
+        let graph = |kind: UnaryKind| {
+            let mut g = Graph::new();
+            let x = placeholder(&mut g, "x", &[4]);
+            let y = g.add_node("y", Box::new(Unary::new(kind)), &[x]).unwrap();
+            (g, Port::from(y))
+        };
+        let (a, ya) = graph(UnaryKind::LeakyRelu { alpha: 0.2 });
+        let (b, yb) = graph(UnaryKind::LeakyRelu { alpha: 0.3 });
+        let (c, yc) = graph(UnaryKind::LeakyRelu { alpha: 0.2 });
+        assert_ne!(fingerprint(&a, &[ya]), fingerprint(&b, &[yb]));
+        assert_eq!(fingerprint(&a, &[ya]), fingerprint(&c, &[yc]));
+    }
     use ampgraph_graph::ops::{
         GroupedOptimizerUpdate, OptimizerUpdate, Reshape, Rule, Unary, UnaryKind,
     };
