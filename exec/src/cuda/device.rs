@@ -17,7 +17,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
 use super::kernel_cache::DiskCache;
-use super::kernels::{GROUP_MEMBERS, GROUP_POINTERS, MAX_RANK, VECTOR};
+use super::kernels::{GROUP_MEMBERS, GROUP_POINTERS, MAX_RANK};
 
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
@@ -653,31 +653,9 @@ impl Device {
             .map_err(|e| format!("launching kernel '{key}': {e:?}"))
     }
 
-    /// An elementwise launch over `n` items, a thread per item.
-    pub fn launch_n(
-        &self,
-        key: &str,
-        src: impl FnOnce() -> String,
-        n: usize,
-        args: &[Arg],
-    ) -> Result<(), String> {
-        self.launch_items(key, src, n, 1, args)
-    }
-
-    /// A launch of an elementwise kernel whose threads take up to [`VECTOR`] items each.
-    pub fn launch_elementwise(
-        &self,
-        key: &str,
-        src: impl FnOnce() -> String,
-        n: usize,
-        args: &[Arg],
-    ) -> Result<(), String> {
-        self.launch_items(key, src, n, VECTOR, args)
-    }
-
     /// Enough blocks of 256 threads for `n` items, `per_thread` each (grid-stride
     /// loops take the rest beyond the grid limit).
-    fn launch_items(
+    pub fn launch_items(
         &self,
         key: &str,
         src: impl FnOnce() -> String,

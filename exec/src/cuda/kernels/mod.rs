@@ -226,12 +226,13 @@ impl Ctx<'_> {
         args: &[Arg],
     ) -> Result<(), String> {
         self.dev
-            .launch_elementwise(&spec.key(), || spec.source(), n, args)
+            .launch_items(&spec.key(), || spec.source(), n, VECTOR, args)
     }
 
     /// An elementwise launch of `spec`'s `k`, a thread per item.
     fn launch_n<S: KernelSpec>(&self, spec: &S, n: usize, args: &[Arg]) -> Result<(), String> {
-        self.dev.launch_n(&spec.key(), || spec.source(), n, args)
+        self.dev
+            .launch_items(&spec.key(), || spec.source(), n, 1, args)
     }
 }
 
