@@ -7,7 +7,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
-use crate::{ExecError, ExecOptions, Executor, Feeds};
+use crate::{ExecError, ExecOptions, Executor, Feeds, RunResult};
 
 /// Runs graphs on the host with each op's reference kernel.
 #[derive(Debug)]
@@ -141,12 +141,7 @@ impl Executor for CpuExecutor {
         Ok(())
     }
 
-    fn run(
-        &mut self,
-        graph: &Graph,
-        feeds: &Feeds,
-        fetches: &[Port],
-    ) -> Result<Vec<Tensor>, ExecError> {
+    fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> RunResult {
         let mut schedule = Schedule::new(graph, fetches)?;
         let order = std::mem::take(&mut schedule.order);
         let mut values: HashMap<NodeId, Vec<Tensor>> = HashMap::new();

@@ -50,6 +50,12 @@ impl ExecError {
     }
 }
 
+/// What a run returns: the fetched tensors, in the order of the fetches.
+pub type RunResult = Result<Vec<Tensor>, ExecError>;
+
+/// A run's tensors and, where the backend times it on the device, its milliseconds.
+pub type TimedRunResult = Result<(Vec<Tensor>, Option<f64>), ExecError>;
+
 /// Values given to a run, by node name: Placeholders (and Variables, to override).
 pub type Feeds = HashMap<String, Tensor>;
 
@@ -97,21 +103,11 @@ pub trait Executor {
     /// Changes the switches; the next run uses them.
     fn set_options(&mut self, options: ExecOptions);
 
-    fn run(
-        &mut self,
-        graph: &Graph,
-        feeds: &Feeds,
-        fetches: &[Port],
-    ) -> Result<Vec<Tensor>, ExecError>;
+    fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> RunResult;
 
     /// [`run`](Self::run), also returning the step's milliseconds on the device where the
     /// backend times it there (CUDA events around the step's kernels); `None` elsewhere.
-    fn run_timed(
-        &mut self,
-        graph: &Graph,
-        feeds: &Feeds,
-        fetches: &[Port],
-    ) -> Result<(Vec<Tensor>, Option<f64>), ExecError> {
+    fn run_timed(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> TimedRunResult {
         Ok((self.run(graph, feeds, fetches)?, None))
     }
 

@@ -37,7 +37,10 @@ use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
 
 use crate::memory_plan;
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
-use crate::{check_tensor_size, ExecError, ExecOptions, Executor, Feeds, DEFAULT_MAX_TENSOR_BYTES};
+use crate::{
+    check_tensor_size, ExecError, ExecOptions, Executor, Feeds, RunResult, TimedRunResult,
+    DEFAULT_MAX_TENSOR_BYTES,
+};
 
 pub use device::LaunchCounts;
 use device::{guard, DTensor, Device};
@@ -617,21 +620,11 @@ impl Executor for CudaExecutor {
         self.options.profile = options.profile;
     }
 
-    fn run(
-        &mut self,
-        graph: &Graph,
-        feeds: &Feeds,
-        fetches: &[Port],
-    ) -> Result<Vec<Tensor>, ExecError> {
+    fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> RunResult {
         self.run_step(graph, feeds, fetches, None)
     }
 
-    fn run_timed(
-        &mut self,
-        graph: &Graph,
-        feeds: &Feeds,
-        fetches: &[Port],
-    ) -> Result<(Vec<Tensor>, Option<f64>), ExecError> {
+    fn run_timed(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> TimedRunResult {
         let (out, ms) = CudaExecutor::run_timed(self, graph, feeds, fetches)?;
         Ok((out, Some(ms)))
     }

@@ -10,7 +10,7 @@ use ampgraph_graph::{DType, Op, TensorType};
 use super::codegen::{column_sums_fin, module_multi};
 use super::{
     acc_dtype, block_rows, first, float_input, input, kernel, launch_column_sums_fin, one_output,
-    Ctx, CudaKernel, KernelSpec, Lowering,
+    Ctx, KernelResult, Lowering,
 };
 use crate::cuda::device::{row_block, row_grid, Arg, DTensor};
 
@@ -18,51 +18,30 @@ use crate::cuda::device::{row_block, row_grid, Arg, DTensor};
 /// about a wave of blocks (fewer left the GPU waiting on each row's reductions).
 const SCE_SUM_CHUNKS: usize = 1024;
 
-/// The modules of the family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Spec {
-    /// `k_rows(const T* px, const L* pl, A* rows, i64 n, i64 c)`, then
-    /// `k_mean(const A* rows, T* py, i64 n)`.
-    Loss { dtype: DType, labels: DType },
-    /// `k(const T* px, const L* pl, const T* pdl, T* pdx, i64 n, i64 c)`
-    Grad { dtype: DType, labels: DType },
-    /// `k_rows(const TX* px, const L* pl, const T* pdl, TG* pg, A* rows, A* part, i64
-    /// n, i64 c)`, `k_mean`, and with `summed` (the classes) `k_cols_fin`.
-    WithGrad {
-        x: DType,
-        dl: DType,
-        grad: DType,
-        labels: DType,
-        summed: Option<usize>,
-    },
-}
-
-impl KernelSpec for Spec {
-    const FAMILY: &'static str = "cross_entropy";
-    fn source(&self) -> String {
-        match *self {
-            Spec::Loss { dtype, labels } => sce(dtype, labels),
-            Spec::Grad { dtype, labels } => sce_grad(dtype, labels),
-            Spec::WithGrad {
-                x,
-                dl,
-                grad,
-                labels,
-                summed,
-            } => sce_with_grad(x, dl, grad, labels, summed),
-        }
+kernel_specs! {
+    /// The modules of the family.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    enum Spec in "cross_entropy" {
+        /// `k_rows(const T* px, const L* pl, A* rows, i64 n, i64 c)`, then
+        /// `k_mean(const A* rows, T* py, i64 n)`.
+        Loss { dtype: DType, labels: DType } => sce(dtype, labels),
+        /// `k(const T* px, const L* pl, const T* pdl, T* pdx, i64 n, i64 c)`
+        Grad { dtype: DType, labels: DType } => sce_grad(dtype, labels),
+        /// `k_rows(const TX* px, const L* pl, const T* pdl, TG* pg, A* rows, A* part, i64
+        /// n, i64 c)`, `k_mean`, and with `summed` (the classes) `k_cols_fin`.
+        WithGrad { x: DType, dl: DType, grad: DType, labels: DType, summed: Option<usize> } => sce_with_grad(x, dl, grad, labels, summed),
     }
 }
 
 pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if op.is::<SoftmaxCrossEntropy>() {
-        return Some(lower_loss(ins, outs));
+        return Some(lower_loss(false, ins, outs));
     }
     if let Some(f) = op.downcast_ref::<SoftmaxCrossEntropyWithGrad>() {
         return Some(lower_with_grad(f.column_sum, ins, outs));
     }
     if op.is::<SoftmaxCrossEntropyGrad>() {
-        return Some(lower_grad(ins, outs));
+        return Some(lower_loss(true, ins, outs));
     }
     None
 }
@@ -78,49 +57,30 @@ fn logits(ins: &[TensorType]) -> Result<(usize, usize, DType), String> {
     Ok((n, classes, labels.dtype))
 }
 
-fn lower_loss(ins: &[TensorType], outs: &[TensorType]) -> Result<Box<dyn CudaKernel>, String> {
+/// The mean loss, or (`grad`) its gradient: a block per row of logits.
+fn lower_loss(grad: bool, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let dtype = float_input(ins)?;
     let (n, classes, labels) = logits(ins)?;
-    let spec = Spec::Loss { dtype, labels };
     let out = first(outs)?;
+    if grad {
+        let spec = Spec::Grad { dtype, labels };
+        return Ok(one_output(out, move |c, inputs, dx| {
+            let (x, labels, dl) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
+            let tensors = [x.arg(), labels.arg(), dl.arg(), dx.arg()];
+            block_rows(c, &spec, "k", &tensors, (n, classes))
+        }));
+    }
+    let spec = Spec::Loss { dtype, labels };
     Ok(one_output(out, move |c, inputs, y| {
         let (x, labels) = (input(inputs, 0)?, input(inputs, 1)?);
         let rows = c.temp(acc_dtype(dtype), n)?;
-        block_rows(
-            c,
-            &spec,
-            "k_rows",
-            &[x.arg(), labels.arg(), rows.arg()],
-            (n, classes),
-        )?;
-        sce_mean(c, &spec, &rows, y, n)?;
-        Ok(())
+        let tensors = [x.arg(), labels.arg(), rows.arg()];
+        block_rows(c, &spec, "k_rows", &tensors, (n, classes))?;
+        sce_mean(c, &spec, &rows, y, n)
     }))
 }
 
-fn lower_grad(ins: &[TensorType], outs: &[TensorType]) -> Result<Box<dyn CudaKernel>, String> {
-    let dtype = float_input(ins)?;
-    let (n, classes, labels) = logits(ins)?;
-    let spec = Spec::Grad { dtype, labels };
-    let out = first(outs)?;
-    Ok(one_output(out, move |c, inputs, dx| {
-        let (x, labels, dl) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
-        block_rows(
-            c,
-            &spec,
-            "k",
-            &[x.arg(), labels.arg(), dl.arg(), dx.arg()],
-            (n, classes),
-        )?;
-        Ok(())
-    }))
-}
-
-fn lower_with_grad(
-    column_sum: bool,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_with_grad(column_sum: bool, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let x = float_input(ins)?;
     let (n, classes, labels) = logits(ins)?;
     let dl = ins.get(2).ok_or("missing input 2")?.dtype;

@@ -8,44 +8,26 @@ use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{elementwise, module, module_multi, own, store, At, Load, Store};
-use super::{
-    first, float_input, input, kernel, numel, one_output, Ctx, CudaKernel, KernelSpec, Lowering,
-};
+use super::{first, float_input, input, kernel, numel, one_output, Ctx, KernelResult, Lowering};
 use crate::cuda::device::{Arg, DTensor, Dims};
 
-/// The modules of the family, one per (op kind, dtypes).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Spec {
-    /// `k(const T* px, T* py, i64 n)`
-    Unary { dtype: DType, kind: UnaryKind },
-    /// `k(const T* px, const T* pdy, T* pdx, i64 n)`
-    UnaryGrad { dtype: DType, kind: UnaryKind },
-    /// `k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa,
-    /// int mb, Dims sb)`: see [`Operands`].
-    Binary { dtype: DType, kind: BinaryKind },
-    /// As `Binary` with the output gradient `const T* pg` after `pb`.
-    BinaryGrad {
-        dtype: DType,
-        kind: BinaryKind,
-        wrt: usize,
-    },
-    /// `k(const T* px, const T* pb, T* py, i64 n, i64 inner, i64 c)`
-    BiasAdd { dtype: DType },
-    /// `k(const TI* px, TO* py, i64 n)`
-    Cast { from: DType, to: DType },
-}
-
-impl KernelSpec for Spec {
-    const FAMILY: &'static str = "elementwise";
-    fn source(&self) -> String {
-        match *self {
-            Spec::Unary { dtype, kind } => unary(dtype, kind),
-            Spec::UnaryGrad { dtype, kind } => unary_grad(dtype, kind),
-            Spec::Binary { dtype, kind } => binary(dtype, kind),
-            Spec::BinaryGrad { dtype, kind, wrt } => binary_grad(dtype, kind, wrt),
-            Spec::BiasAdd { dtype } => bias_add(dtype),
-            Spec::Cast { from, to } => cast(from, to),
-        }
+kernel_specs! {
+    /// The modules of the family, one per (op kind, dtypes).
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Spec in "elementwise" {
+        /// `k(const T* px, T* py, i64 n)`
+        Unary { dtype: DType, kind: UnaryKind } => unary(dtype, kind),
+        /// `k(const T* px, const T* pdy, T* pdx, i64 n)`
+        UnaryGrad { dtype: DType, kind: UnaryKind } => unary_grad(dtype, kind),
+        /// `k(const T* pa, const T* pb, T* py, i64 n, int r, Dims shape, int ma, Dims sa,
+        /// int mb, Dims sb)`: see [`Operands`].
+        Binary { dtype: DType, kind: BinaryKind } => binary(dtype, kind),
+        /// As `Binary` with the output gradient `const T* pg` after `pb`.
+        BinaryGrad { dtype: DType, kind: BinaryKind, wrt: usize } => binary_grad(dtype, kind, wrt),
+        /// `k(const T* px, const T* pb, T* py, i64 n, i64 inner, i64 c)`
+        BiasAdd { dtype: DType } => bias_add(dtype),
+        /// `k(const TI* px, TO* py, i64 n)`
+        Cast { from: DType, to: DType } => cast(from, to),
     }
 }
 
@@ -78,11 +60,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     None
 }
 
-fn lower_unary(
-    kind: UnaryKind,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_unary(kind: UnaryKind, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     if kind == UnaryKind::Identity {
         return Ok(kernel(|_, inputs| Ok(vec![input(inputs, 0)?.clone()])));
     }
@@ -99,11 +77,7 @@ fn lower_unary(
     }))
 }
 
-fn lower_unary_grad(
-    kind: UnaryKind,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_unary_grad(kind: UnaryKind, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let spec = Spec::UnaryGrad {
         dtype: float_input(ins)?,
         kind,
@@ -151,7 +125,7 @@ fn lower_binary(
     ins: &[TensorType],
     outs: &[TensorType],
     spec: impl Fn(DType) -> Spec,
-) -> Result<Box<dyn CudaKernel>, String> {
+) -> KernelResult {
     let spec = spec(float_input(ins)?);
     let out = first(outs)?;
     let [a, b, ..] = ins else {
@@ -186,11 +160,7 @@ fn lower_binary(
     }))
 }
 
-fn lower_bias_add(
-    format: DataFormat,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_bias_add(format: DataFormat, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let dtype = float_input(ins)?;
     let x = &ins[0];
     let axis = match format {
@@ -219,11 +189,7 @@ fn lower_bias_add(
     }))
 }
 
-fn lower_cast(
-    to: DType,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_cast(to: DType, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     if ins.first().ok_or("Cast takes one input")?.dtype == to {
         return Ok(kernel(|_, inputs| Ok(vec![input(inputs, 0)?.clone()])));
     }

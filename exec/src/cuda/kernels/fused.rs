@@ -2,8 +2,6 @@
 //! kernel, each value computed in its compute type and rounded as the unfused op
 //! stored it, with optional column sums of its values over the leading axes.
 
-use std::fmt;
-
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, Operand};
 use ampgraph_graph::ops::{ElementOp, FusedElementwise};
 use ampgraph_graph::tensor::strides;
@@ -13,45 +11,22 @@ use super::codegen::{
     column_sums, elementwise, module_multi, streams, vector_len, At, Load, Store, Streams,
     COLUMN_ROWS,
 };
-use super::{kernel, launch_column_sums, CudaKernel, KernelSpec, Lowering};
+use super::{kernel, launch_column_sums, CudaKernel, Lowering, ProgramSpec};
 use crate::cuda::device::{Arg, DTensor};
 
 /// A fused program's module: `k(<inputs>, <outputs>, i64 n)`, or with column sums
 /// `k_cols_part(_vec)(<inputs>, <outputs>, AS* part, i64 rows, i64 len, i64
 /// chunk_rows)` and `k_cols_fin`. Its key holds the program's text and its column sums
-/// (every dtype and shape the source bakes in), made once.
-#[derive(Clone)]
-pub(crate) struct Spec {
-    program: FusedElementwise,
-    key: String,
-}
+/// (every dtype and shape the source bakes in).
+pub(crate) type Spec = ProgramSpec<FusedElementwise>;
 
-impl Spec {
-    pub(super) fn new(program: &FusedElementwise) -> Spec {
-        Spec {
-            key: format!(
-                "fused/Fused {{ program: {program}, column_sums: {:?} }}",
-                program.column_sums()
-            ),
-            program: program.clone(),
-        }
-    }
-}
-
-impl fmt::Debug for Spec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.key)
-    }
-}
-
-impl KernelSpec for Spec {
-    const FAMILY: &'static str = "fused";
-    fn source(&self) -> String {
-        fused(&self.program)
-    }
-    fn key(&self) -> String {
-        self.key.clone()
-    }
+/// The spec of `program`'s module.
+pub(super) fn spec(program: &FusedElementwise) -> Spec {
+    let key = format!(
+        "fused/Fused {{ program: {program}, column_sums: {:?} }}",
+        program.column_sums()
+    );
+    ProgramSpec::new(key, program.clone(), fused)
 }
 
 pub(super) fn lower(op: &dyn Op, _ins: &[TensorType], outs: &[TensorType]) -> Lowering {
@@ -60,7 +35,7 @@ pub(super) fn lower(op: &dyn Op, _ins: &[TensorType], outs: &[TensorType]) -> Lo
 }
 
 fn lower_program(f: &FusedElementwise, outs: &[TensorType]) -> Box<dyn CudaKernel> {
-    let spec = Spec::new(f);
+    let spec = spec(f);
     let outs = outs.to_vec();
     let n = f.domain_len();
     let stored_count = f.outputs().len();
@@ -459,12 +434,13 @@ pub(super) fn fused(p: &FusedElementwise) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
     use ampgraph_graph::ops::parse_op;
 
-    fn program(text: &str, outputs: Vec<i64>) -> FusedElementwise {
+    /// A FusedElementwise of a program's text and its stored values.
+    pub(in crate::cuda::kernels) fn program(text: &str, outputs: Vec<i64>) -> FusedElementwise {
         let mut attrs = AttrMap::new();
         attrs.insert("program".into(), AttrValue::Str(text.into()));
         attrs.insert("outputs".into(), AttrValue::Ints(outputs));

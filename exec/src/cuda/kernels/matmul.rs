@@ -7,7 +7,7 @@ use ampgraph_graph::shape::broadcast_index_map;
 use ampgraph_graph::{Op, TensorType};
 
 use super::elementwise::cast_into;
-use super::{first, float_input, input, numel, one_output, CudaKernel, Lowering};
+use super::{first, float_input, input, numel, one_output, KernelResult, Lowering};
 use crate::cuda::gemm::Product;
 
 pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
@@ -26,7 +26,7 @@ fn lower_matmul(
     fused: Option<&FusedMatMul>,
     ins: &[TensorType],
     outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+) -> KernelResult {
     float_input(ins)?;
     let out = first(outs)?;
     let [mm, nn] = out.shape[..] else {
@@ -95,11 +95,7 @@ fn lower_matmul(
     }))
 }
 
-fn lower_batch_matmul(
-    bm: &BatchMatMul,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_batch_matmul(bm: &BatchMatMul, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     float_input(ins)?;
     let out = first(outs)?;
     let [a, b, ..] = ins else {

@@ -12,6 +12,38 @@
 //! the prelude, dtype blocks, vectorised elementwise loops, warp-row and column-sum
 //! pieces. `docs/architecture.md` walks through adding an op or a family.
 
+/// A family's module specs from one row per module: the `Spec` enum (the kernels' C
+/// signatures in each variant's doc comment) and its [`KernelSpec`], each variant's
+/// source the expression after its `=>` (its fields bound by value).
+macro_rules! kernel_specs {
+    (
+        $(#[$attr:meta])*
+        enum Spec in $family:literal {
+            $(
+                $(#[doc = $doc:literal])*
+                $variant:ident { $($field:ident: $ty:ty),* } => $source:expr,
+            )+
+        }
+    ) => {
+        $(#[$attr])*
+        pub(crate) enum Spec {
+            $($(#[doc = $doc])* $variant { $($field: $ty),* },)+
+        }
+
+        impl super::KernelSpec for Spec {
+            const FAMILY: &'static str = $family;
+            fn source(&self) -> String {
+                match self {
+                    $(Spec::$variant { $($field),* } => {
+                        $(let $field = $field.clone();)*
+                        $source
+                    })+
+                }
+            }
+        }
+    };
+}
+
 pub(crate) mod attention;
 pub(crate) mod codegen;
 mod cross_entropy;
@@ -49,6 +81,41 @@ pub(crate) trait KernelSpec: Debug {
     /// The module's cache key.
     fn key(&self) -> String {
         format!("{}/{self:?}", Self::FAMILY)
+    }
+}
+
+/// The spec of a module generated from a program (a fused elementwise program, a
+/// softmax's prologue): its key, made once from the program's text (long to format
+/// at every launch), and its source generator.
+pub(crate) struct ProgramSpec<T> {
+    key: String,
+    program: T,
+    source: fn(&T) -> String,
+}
+
+impl<T> ProgramSpec<T> {
+    fn new(key: String, program: T, source: fn(&T) -> String) -> Self {
+        ProgramSpec {
+            key,
+            program,
+            source,
+        }
+    }
+}
+
+impl<T> Debug for ProgramSpec<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.key)
+    }
+}
+
+impl<T> KernelSpec for ProgramSpec<T> {
+    const FAMILY: &'static str = "program";
+    fn source(&self) -> String {
+        (self.source)(&self.program)
+    }
+    fn key(&self) -> String {
+        self.key.clone()
     }
 }
 
@@ -99,7 +166,10 @@ pub(crate) enum Lowered {
 
 /// What a family's `lower` answers: `None` where the op is not the family's, else its
 /// kernel or why it cannot run (a dtype or shape the kernels do not take).
-type Lowering = Option<Result<Box<dyn CudaKernel>, String>>;
+type Lowering = Option<KernelResult>;
+
+/// A node's kernel, or why no kernel takes it.
+type KernelResult = Result<Box<dyn CudaKernel>, String>;
 
 /// A family's `lower`: the op with its input and output types.
 type Lower = fn(&dyn Op, &[TensorType], &[TensorType]) -> Lowering;

@@ -15,59 +15,24 @@ use super::codegen::{
 use super::reduce::reduce_into;
 use super::{
     acc_dtype, block_rows, first, float_only, input, kernel, launch_column_sums,
-    launch_column_sums_fin, numel, one_output, row_kernel, warp_row_form, Ctx, CudaKernel,
-    KernelSpec, Lowering,
+    launch_column_sums_fin, numel, one_output, row_kernel, warp_row_form, Ctx, KernelResult,
+    Lowering,
 };
 use crate::cuda::device::{Arg, DTensor};
 
-/// The modules of the family (`per` values a lane in the warp kernels).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Spec {
-    /// `k` (a block per row), `k_warp`, `k_warp_vec(const TX* px, const T* pg, const
-    /// T* pb, TY* py, i64 rows, i64 len)`.
-    LayerNorm {
-        types: NormTypes,
-        epsilon: f64,
-        per: usize,
-    },
-    /// `k_warp`, `k_warp_vec(const TX* px, const T* pg, const TD* pdy, [const TY* pr,]
-    /// TY* pdx, A* stats, A* part, i64 rows, i64 len)`, then `k_cols_fin`.
-    GradRows {
-        types: NormTypes,
-        epsilon: f64,
-        per: usize,
-        epilogue: NormGradEpilogue,
-    },
-    /// `k(const TX* px, const T* pg, const TD* pdy, [const TY* pr,] TY* pdx, A* stats,
-    /// i64 rows, i64 len)`, then `k_cols_part` and `k_cols_fin` for dgamma and dbeta.
-    GradBlock {
-        types: NormTypes,
-        epsilon: f64,
-        residual: bool,
-    },
-}
-
-impl KernelSpec for Spec {
-    const FAMILY: &'static str = "norm";
-    fn source(&self) -> String {
-        match *self {
-            Spec::LayerNorm {
-                types,
-                epsilon,
-                per,
-            } => layer_norm(types, epsilon, per),
-            Spec::GradRows {
-                types,
-                epsilon,
-                per,
-                epilogue,
-            } => layer_norm_grad_rows(types, epsilon, per, epilogue),
-            Spec::GradBlock {
-                types,
-                epsilon,
-                residual,
-            } => layer_norm_grad_block(types, epsilon, residual),
-        }
+kernel_specs! {
+    /// The modules of the family (`per` values a lane in the warp kernels).
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Spec in "norm" {
+        /// `k` (a block per row), `k_warp`, `k_warp_vec(const TX* px, const T* pg, const
+        /// T* pb, TY* py, i64 rows, i64 len)`.
+        LayerNorm { types: NormTypes, epsilon: f64, per: usize } => layer_norm(types, epsilon, per),
+        /// `k_warp`, `k_warp_vec(const TX* px, const T* pg, const TD* pdy, [const TY* pr,]
+        /// TY* pdx, A* stats, A* part, i64 rows, i64 len)`, then `k_cols_fin`.
+        GradRows { types: NormTypes, epsilon: f64, per: usize, epilogue: NormGradEpilogue } => layer_norm_grad_rows(types, epsilon, per, epilogue),
+        /// `k(const TX* px, const T* pg, const TD* pdy, [const TY* pr,] TY* pdx, A* stats,
+        /// i64 rows, i64 len)`, then `k_cols_part` and `k_cols_fin` for dgamma and dbeta.
+        GradBlock { types: NormTypes, epsilon: f64, residual: bool } => layer_norm_grad_block(types, epsilon, residual),
     }
 }
 
@@ -98,11 +63,7 @@ fn normalized_rows(x: &TensorType, axis: i64) -> Result<(usize, usize), String> 
     Ok((rows, len))
 }
 
-fn lower_layer_norm(
-    ln: &LayerNorm,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_layer_norm(ln: &LayerNorm, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let [x, g, ..] = ins else {
         return Err("LayerNorm takes x, gamma and beta".into());
     };

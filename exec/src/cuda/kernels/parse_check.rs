@@ -5,15 +5,14 @@
 use super::cross_entropy::{sce, sce_grad, sce_with_grad};
 use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad};
 use super::fused::fused;
+use super::fused::tests::program as fused_program;
 use super::norm::{layer_norm, layer_norm_grad_block, layer_norm_grad_rows, NormTypes};
 use super::reduce::{broadcast_div, column_sum, reduce, reduce_max_grad};
 use super::shape::{concat, gather};
 use super::softmax::{fused_softmax, softmax, softmax_grad};
 use super::training::{all_finite, fill_flag, increment_if, loss_scale_update, optimizer};
-use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
 use ampgraph_graph::ops::{
-    parse_op, BinaryKind, FusedElementwise, FusedSoftmax, NormGradEpilogue, ReduceKind, Rule,
-    UnaryKind,
+    BinaryKind, FusedSoftmax, NormGradEpilogue, ReduceKind, Rule, UnaryKind,
 };
 use ampgraph_graph::DType;
 use std::path::Path;
@@ -48,14 +47,6 @@ __half2 __floats2half2_rn(float, float); __nv_bfloat162 __floats2bfloat162_rn(fl
 using std::isnan; using std::isfinite;
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 "#;
-
-fn fused_program(text: &str, outputs: Vec<i64>) -> FusedElementwise {
-    let mut attrs = AttrMap::new();
-    attrs.insert("program".into(), AttrValue::Str(text.into()));
-    attrs.insert("outputs".into(), AttrValue::Ints(outputs));
-    let op = parse_op("FusedElementwise", AttrReader::new(attrs)).unwrap();
-    op.downcast_ref::<FusedElementwise>().unwrap().clone()
-}
 
 fn every_kind_of_kernel() -> Vec<(String, String)> {
     let mut k: Vec<(String, String)> = Vec::new();

@@ -8,39 +8,24 @@ use ampgraph_graph::{DType, Op, TensorType};
 use super::codegen::{column_sums, column_vector, module, module_multi, COLUMN_ROWS};
 use super::elementwise::broadcast_strides;
 use super::{
-    first, float_input, float_only, input, kernel, numel, one_output, Ctx, CudaKernel, KernelSpec,
-    Lowering,
+    first, float_input, float_only, input, kernel, numel, one_output, Ctx, KernelResult, Lowering,
 };
 use crate::cuda::device::{row_block, row_grid, Arg, DTensor, Dims};
 
-/// The modules of the family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Spec {
-    /// `k` and `k_thread(const T* px, TO* py, i64 out_len, i64 count, int kr, Dims ks,
-    /// Dims kst, int rr, Dims rs, Dims rst)`
-    Reduce {
-        dtype: DType,
-        out: DType,
-        kind: ReduceKind,
-    },
-    /// `k(const T* px, const T* pdy, T* pdx, ...)`, the sizes as `Reduce`'s.
-    ReduceMaxGrad { dtype: DType },
-    /// `k(const T* px, T* py, i64 n, int r, Dims shape, Dims sst, double div)`
-    BroadcastDiv { dtype: DType },
-    /// Column sums of a `[rows, len]` matrix: `k_cols_part(_vec)(const T* px, AO*
-    /// part, i64 rows, i64 len, i64 chunk_rows)`, then `k_cols_fin`.
-    ColumnSum { dtype: DType, out: DType },
-}
-
-impl KernelSpec for Spec {
-    const FAMILY: &'static str = "reduce";
-    fn source(&self) -> String {
-        match *self {
-            Spec::Reduce { dtype, out, kind } => reduce(dtype, out, kind),
-            Spec::ReduceMaxGrad { dtype } => reduce_max_grad(dtype),
-            Spec::BroadcastDiv { dtype } => broadcast_div(dtype),
-            Spec::ColumnSum { dtype, out } => column_sum(dtype, out),
-        }
+kernel_specs! {
+    /// The modules of the family.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    enum Spec in "reduce" {
+        /// `k` and `k_thread(const T* px, TO* py, i64 out_len, i64 count, int kr, Dims ks,
+        /// Dims kst, int rr, Dims rs, Dims rst)`
+        Reduce { dtype: DType, out: DType, kind: ReduceKind } => reduce(dtype, out, kind),
+        /// `k(const T* px, const T* pdy, T* pdx, ...)`, the sizes as `Reduce`'s.
+        ReduceMaxGrad { dtype: DType } => reduce_max_grad(dtype),
+        /// `k(const T* px, T* py, i64 n, int r, Dims shape, Dims sst, double div)`
+        BroadcastDiv { dtype: DType } => broadcast_div(dtype),
+        /// Column sums of a `[rows, len]` matrix: `k_cols_part(_vec)(const T* px, AO*
+        /// part, i64 rows, i64 len, i64 chunk_rows)`, then `k_cols_fin`.
+        ColumnSum { dtype: DType, out: DType } => column_sum(dtype, out),
     }
 }
 
@@ -57,11 +42,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     None
 }
 
-fn lower_reduce(
-    r: &Reduce,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_reduce(r: &Reduce, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let x = ins.first().ok_or("Reduce takes one input")?;
     float_only(x.dtype)?;
     let axes = r.reduced_axes(x.shape.len())?;
@@ -72,11 +53,7 @@ fn lower_reduce(
     }))
 }
 
-fn lower_sum_to(
-    s: &SumTo,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_sum_to(s: &SumTo, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let x = ins.first().ok_or("SumTo takes one input")?;
     let out = first(outs)?;
     let (r, t) = (x.shape.len(), s.shape.len());
@@ -95,11 +72,7 @@ fn lower_sum_to(
     }))
 }
 
-fn lower_reduce_grad(
-    r: &ReduceGrad,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_reduce_grad(r: &ReduceGrad, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let dtype = float_input(ins)?;
     let x = &ins[0];
     let axes = Reduce::new(r.kind, r.axes.clone(), r.keep_dims).reduced_axes(x.shape.len())?;

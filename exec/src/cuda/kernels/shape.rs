@@ -9,26 +9,18 @@ use ampgraph_graph::{Op, TensorType};
 
 use super::codegen::{word, PRELUDE};
 use super::elementwise::broadcast_strides;
-use super::{first, input, kernel, numel, one_output, CudaKernel, KernelSpec, Lowering};
+use super::{first, input, kernel, numel, one_output, KernelResult, Lowering};
 use crate::cuda::device::Arg;
 use crate::cuda::device::Dims;
 
-/// The modules of the family, by the bytes of the words they move.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Spec {
-    /// `k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset)`
-    Gather { bytes: usize },
-    /// `k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off)`
-    Concat { bytes: usize },
-}
-
-impl KernelSpec for Spec {
-    const FAMILY: &'static str = "shape";
-    fn source(&self) -> String {
-        match *self {
-            Spec::Gather { bytes } => gather(bytes),
-            Spec::Concat { bytes } => concat(bytes),
-        }
+kernel_specs! {
+    /// The modules of the family, by the bytes of the words they move.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    enum Spec in "shape" {
+        /// `k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset)`
+        Gather { bytes: usize } => gather(bytes),
+        /// `k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off)`
+        Concat { bytes: usize } => concat(bytes),
     }
 }
 
@@ -76,12 +68,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
 
 /// `y[i] = x[offset + strided(i)]` for transposes, slices and broadcasts. Where the
 /// last axis is contiguous in both, its runs move as words of up to 16 bytes.
-fn lower_gather(
-    x: &TensorType,
-    out: &TensorType,
-    st: &[usize],
-    offset: usize,
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_gather(x: &TensorType, out: &TensorType, st: &[usize], offset: usize) -> KernelResult {
     let esize = x.dtype.size_bytes();
     let (mut shape, mut st, mut offset) = (out.shape.clone(), st.to_vec(), offset);
     let mut group = 1;
@@ -123,11 +110,7 @@ fn lower_gather(
 }
 
 /// Each input copied into its place in the output, a launch each.
-fn lower_concat(
-    axis: i64,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let out = first(outs)?;
     let axis = normalize_axis(axis, out.shape.len())?;
     let inner_out = numel(&out.shape[axis..]);

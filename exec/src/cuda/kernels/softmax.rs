@@ -2,8 +2,6 @@
 //! registers, else a block per row), their gradient, and FusedSoftmax: a softmax whose
 //! rows an elementwise prologue computes as the kernel loads them.
 
-use std::fmt;
-
 use ampgraph_graph::ops::{FusedSoftmax, LogSoftmax, Softmax, SoftmaxGrad};
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -14,69 +12,35 @@ use super::codegen::{
 use super::fused::{fused_vector, streams_aligned, FusedParts, ROUNDING};
 use super::{
     along, first, float_input, float_only, input, one_output, row_kernel, warp_row_form, Ctx,
-    CudaKernel, KernelSpec, Lowering,
+    KernelResult, Lowering, ProgramSpec,
 };
 use crate::cuda::device::{Arg, DTensor};
 
-/// The modules of Softmax and SoftmaxGrad: `per` values a lane in the warp kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Spec {
-    /// `k(const T* px, T* py, i64 rows, i64 len, i64 inner)` (a block per row),
-    /// `k_warp` and `k_warp_vec(const T* px, T* py, i64 rows, i64 len)`.
-    Softmax { dtype: DType, log: bool, per: usize },
-    /// `k(const T* py, const T* pdy, T* pdx, i64 rows, i64 len, i64 inner)`, `k_warp`.
-    SoftmaxGrad { dtype: DType, log: bool, per: usize },
-}
-
-impl KernelSpec for Spec {
-    const FAMILY: &'static str = "softmax";
-    fn source(&self) -> String {
-        match *self {
-            Spec::Softmax { dtype, log, per } => softmax(dtype, log, per),
-            Spec::SoftmaxGrad { dtype, log, per } => softmax_grad(dtype, log, per),
-        }
+kernel_specs! {
+    /// The modules of Softmax and SoftmaxGrad: `per` values a lane in the warp kernels.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    enum Spec in "softmax" {
+        /// `k(const T* px, T* py, i64 rows, i64 len, i64 inner)` (a block per row),
+        /// `k_warp` and `k_warp_vec(const T* px, T* py, i64 rows, i64 len)`.
+        Softmax { dtype: DType, log: bool, per: usize } => softmax(dtype, log, per),
+        /// `k(const T* py, const T* pdy, T* pdx, i64 rows, i64 len, i64 inner)`, `k_warp`.
+        SoftmaxGrad { dtype: DType, log: bool, per: usize } => softmax_grad(dtype, log, per),
     }
 }
 
 /// A FusedSoftmax's module: `k_warp` and `k_warp_vec(<prologue's inputs>, TO0* out0,
 /// i64 rows, i64 len)`. Its key holds the prologue's text (every dtype and shape the
 /// source bakes in), made once.
-#[derive(Clone)]
-pub(crate) struct FusedSoftmaxSpec {
-    op: FusedSoftmax,
-    per: usize,
-    key: String,
-}
+type FusedSoftmaxSpec = ProgramSpec<(FusedSoftmax, usize)>;
 
-impl FusedSoftmaxSpec {
-    fn new(op: &FusedSoftmax, per: usize) -> Self {
-        let key = format!(
-            "softmax/FusedSoftmax {{ prologue: {}, log: {}, per: {per} }}",
-            op.prologue(),
-            op.log
-        );
-        FusedSoftmaxSpec {
-            op: op.clone(),
-            per,
-            key,
-        }
-    }
-}
-
-impl fmt::Debug for FusedSoftmaxSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.key)
-    }
-}
-
-impl KernelSpec for FusedSoftmaxSpec {
-    const FAMILY: &'static str = "softmax";
-    fn source(&self) -> String {
-        fused_softmax(&self.op, self.per)
-    }
-    fn key(&self) -> String {
-        self.key.clone()
-    }
+/// The spec of `op`'s module with `per` values a lane.
+fn fused_softmax_spec(op: &FusedSoftmax, per: usize) -> FusedSoftmaxSpec {
+    let key = format!(
+        "softmax/FusedSoftmax {{ prologue: {}, log: {}, per: {per} }}",
+        op.prologue(),
+        op.log
+    );
+    ProgramSpec::new(key, (op.clone(), per), |(op, per)| fused_softmax(op, *per))
 }
 
 pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
@@ -96,12 +60,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     None
 }
 
-fn lower_softmax(
-    axis: i64,
-    log: bool,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_softmax(axis: i64, log: bool, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     float_input(ins)?;
     let out = first(outs)?;
     Ok(one_output(out, move |c, inputs, y| {
@@ -110,11 +69,7 @@ fn lower_softmax(
     }))
 }
 
-fn lower_softmax_grad(
-    s: &SoftmaxGrad,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_softmax_grad(s: &SoftmaxGrad, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let dtype = float_input(ins)?;
     let (len, inner, rows) = along(&ins[0].shape, s.axis)?;
     let spec = Spec::SoftmaxGrad {
@@ -159,10 +114,7 @@ fn softmax_into(c: &Ctx, x: &DTensor, y: &DTensor, axis: i64, log: bool) -> Resu
 /// prologue as it loads each row (16-byte words where the rows are whole words of the
 /// prologue's vectors and the streamed tensors aligned). Other rows: the prologue's
 /// elementwise kernel into a temporary, then the softmax kernels.
-fn lower_fused_softmax(
-    f: &FusedSoftmax,
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_fused_softmax(f: &FusedSoftmax, outs: &[TensorType]) -> KernelResult {
     let out = first(outs)?;
     float_only(out.dtype)?;
     let p = f.prologue();
@@ -170,7 +122,7 @@ fn lower_fused_softmax(
     let n = p.domain_len();
     let (axis, log) = (f.axis, f.log);
     if inner != 1 || len > WARP_ROW_MAX {
-        let prologue = super::fused::Spec::new(p);
+        let prologue = super::fused::spec(p);
         return Ok(one_output(out, move |c, inputs, y| {
             let x = c.temp(y.dtype, n)?.reshaped(y.shape.clone());
             let mut args: Vec<Arg> = inputs.iter().map(DTensor::arg).collect();
@@ -182,8 +134,8 @@ fn lower_fused_softmax(
     }
     let v = fused_vector(p);
     let whole_words = len % (32 * v) == 0;
-    let vector = FusedSoftmaxSpec::new(f, len / 32);
-    let plain = FusedSoftmaxSpec::new(f, warp_row_values(len));
+    let vector = fused_softmax_spec(f, len / 32);
+    let plain = fused_softmax_spec(f, warp_row_values(len));
     let program = p.clone();
     Ok(one_output(out, move |c, inputs, y| {
         let (spec, name) = if whole_words && streams_aligned(&program, inputs, [y]) {

@@ -11,85 +11,24 @@ use super::codegen::{
     elementwise, elementwise_in, lit, module, module_multi, own, store, At, Load, Store, MAX_RANK,
     PRELUDE,
 };
-use super::{
-    acc_dtype, first, float_only, input, kernel, one_output, Ctx, CudaKernel, KernelSpec, Lowering,
-};
+use super::{acc_dtype, first, float_only, input, kernel, one_output, Ctx, KernelResult, Lowering};
 use crate::cuda::device::{Arg, DTensor, Dims, UpdateTable};
 
-/// The modules of the family.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Spec {
-    /// `k(u8* flag, int v)`: `flag[0] = v`.
-    FillFlag,
-    /// `k(Dims ptrs0, Dims lens0, int count0, ..., u8* flag[, const TS* ps])`: a list of
-    /// up to [`MAX_RANK`] tensors per entry of `lists` (their dtypes).
-    AllFinite {
-        lists: Vec<DType>,
-        scale: Option<DType>,
-    },
-    /// `k(const u8* flag, const T* counter, T* y)`
-    IncrementIf { dtype: DType },
-    /// `k(const u8* flag, const T* scale, const TG* good, T* scale_out, TG* good_out)`
-    LossScaleUpdate {
-        scale: DType,
-        good_steps: DType,
-        growth_interval: i64,
-        growth_factor: f64,
-        backoff_factor: f64,
-    },
-    /// `k` (and `k_group`, `k_apply` for LAMB): see [`optimizer`].
-    Optimizer {
-        var: DType,
-        grad: DType,
-        grad_scale: bool,
-        step: Option<DType>,
-        cast_to: Option<DType>,
-        rule: Rule,
-        learning_rate: f64,
-        weight_decay: f64,
-    },
-}
-
-impl KernelSpec for Spec {
-    const FAMILY: &'static str = "training";
-    fn source(&self) -> String {
-        match self {
-            Spec::FillFlag => fill_flag(),
-            Spec::AllFinite { lists, scale } => all_finite(lists, *scale),
-            Spec::IncrementIf { dtype } => increment_if(*dtype),
-            Spec::LossScaleUpdate {
-                scale,
-                good_steps,
-                growth_interval,
-                growth_factor,
-                backoff_factor,
-            } => loss_scale_update(
-                *scale,
-                *good_steps,
-                *growth_interval,
-                *growth_factor,
-                *backoff_factor,
-            ),
-            Spec::Optimizer {
-                var,
-                grad,
-                grad_scale,
-                step,
-                cast_to,
-                rule,
-                learning_rate,
-                weight_decay,
-            } => optimizer(
-                *var,
-                *grad,
-                *grad_scale,
-                *step,
-                *cast_to,
-                *rule,
-                *learning_rate,
-                *weight_decay,
-            ),
-        }
+kernel_specs! {
+    /// The modules of the family.
+    #[derive(Clone, Debug, PartialEq)]
+    enum Spec in "training" {
+        /// `k(u8* flag, int v)`: `flag[0] = v`.
+        FillFlag {} => fill_flag(),
+        /// `k(Dims ptrs0, Dims lens0, int count0, ..., u8* flag[, const TS* ps])`: a list of
+        /// up to [`MAX_RANK`] tensors per entry of `lists` (their dtypes).
+        AllFinite { lists: Vec<DType>, scale: Option<DType> } => all_finite(&lists, scale),
+        /// `k(const u8* flag, const T* counter, T* y)`
+        IncrementIf { dtype: DType } => increment_if(dtype),
+        /// `k(const u8* flag, const T* scale, const TG* good, T* scale_out, TG* good_out)`
+        LossScaleUpdate { scale: DType, good_steps: DType, growth_interval: i64, growth_factor: f64, backoff_factor: f64 } => loss_scale_update(scale, good_steps, growth_interval, growth_factor, backoff_factor),
+        /// `k` (and `k_group`, `k_apply` for LAMB): see [`optimizer`].
+        Optimizer { var: DType, grad: DType, grad_scale: bool, step: Option<DType>, cast_to: Option<DType>, rule: Rule, learning_rate: f64, weight_decay: f64 } => optimizer(var, grad, grad_scale, step, cast_to, rule, learning_rate, weight_decay),
     }
 }
 
@@ -114,11 +53,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
 
 /// One launch for all, in lists of one dtype and at most [`MAX_RANK`] tensors: ten
 /// gradients' checks launched one by one cost more than reading them.
-fn lower_all_finite(
-    scaled: bool,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_all_finite(scaled: bool, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let (checked, scale) = match ins.split_last() {
         Some((s, xs)) if scaled => (xs, Some(s.dtype)),
         _ => (ins, None),
@@ -143,7 +78,7 @@ fn lower_all_finite(
     let out = first(outs)?;
     let n_checked = checked.len();
     Ok(one_output(out, move |c, inputs, flag| {
-        c.launch(&Spec::FillFlag, "k", (1, 1), &[flag.arg(), Arg::I32(1)])?;
+        c.launch(&Spec::FillFlag {}, "k", (1, 1), &[flag.arg(), Arg::I32(1)])?;
         if lists.is_empty() {
             return Ok(());
         }
@@ -167,10 +102,7 @@ fn lower_all_finite(
     }))
 }
 
-fn lower_increment_if(
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_increment_if(ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let spec = Spec::IncrementIf {
         dtype: ins
             .get(1)
@@ -189,7 +121,7 @@ fn lower_loss_scale_update(
     l: &LossScaleUpdate,
     ins: &[TensorType],
     outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+) -> KernelResult {
     let [_, s, g, ..] = ins else {
         return Err("LossScaleUpdate takes a flag, the scale and its counter".into());
     };
@@ -261,11 +193,7 @@ fn update_args(u: &OptimizerUpdate, inputs: &[DTensor]) -> Vec<Arg> {
     args
 }
 
-fn lower_optimizer(
-    u: &OptimizerUpdate,
-    ins: &[TensorType],
-    outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+fn lower_optimizer(u: &OptimizerUpdate, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let spec = update_spec(u, ins)?;
     if outs.len() != u.num_outputs() {
         return Err(format!("expected {} outputs", u.num_outputs()));
@@ -329,7 +257,7 @@ fn lower_grouped_optimizer(
     g: &GroupedOptimizerUpdate,
     ins: &[TensorType],
     outs: &[TensorType],
-) -> Result<Box<dyn CudaKernel>, String> {
+) -> KernelResult {
     let u = g.update.clone();
     if let Rule::Lamb { .. } = u.rule {
         return Err("LAMB updates are not grouped: each needs its own variable's norms".into());
