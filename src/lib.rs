@@ -16,4 +16,4 @@ pub mod optim;
 pub mod session;
 
 pub use optim::enable_mixed_precision_graph_rewrite;
-pub use session::{Device, Session, SessionOptions};
+pub use session::{Device, RestoreOptions, Session, SessionOptions};

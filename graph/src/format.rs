@@ -5,7 +5,8 @@
 //! [`Graph`] from it parses every op's attributes and checks the whole graph.
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -442,20 +443,85 @@ pub fn load(path: &str) -> Result<Graph> {
     graph_from_bytes(&bytes)
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file beside it, then a rename.
+/// Writes `bytes` to `path` atomically: a temporary file beside it, flushed to disk
+/// (`sync_all`), then a rename over `path`, then (on Unix) an fsync of the directory
+/// so that the rename itself survives a crash. On any error the temporary is removed
+/// and `path` is left as it was.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, bytes, false)
+}
+
+/// [`write_atomic`], and where `path` already exists its previous contents are kept
+/// as `PATH.prev` (replaced atomically too) before the new file takes its place, so
+/// that one bad write never destroys the last good file.
+pub fn write_atomic_keeping_previous(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, bytes, true)
+}
+
+/// `path` with `suffix` appended to its file name.
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+/// The file that [`write_atomic_keeping_previous`] keeps the previous contents of
+/// `path` in: `PATH.prev`.
+pub fn previous_path(path: &Path) -> PathBuf {
+    with_suffix(path, ".prev")
+}
+
+fn write_atomic_with(path: &Path, bytes: &[u8], keep_previous: bool) -> Result<()> {
     let io = |source| GraphError::Io {
         path: path.display().to_string(),
         source,
     };
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp{}", std::process::id()));
-    let tmp = std::path::PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(|e| {
+    let pid = std::process::id();
+    let tmp = with_suffix(path, &format!(".tmp{pid}"));
+    let prev = previous_path(path);
+    let prev_tmp = with_suffix(&prev, &format!(".tmp{pid}"));
+    let result = (|| -> std::io::Result<()> {
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(bytes)?;
+            f.sync_all()?;
+        }
+        if keep_previous && path.exists() {
+            // A link (else a copy) of the current file, renamed over PATH.prev: PATH
+            // itself is never missing, and PATH.prev is always whole.
+            let _ = std::fs::remove_file(&prev_tmp);
+            if std::fs::hard_link(path, &prev_tmp).is_err() {
+                std::fs::copy(path, &prev_tmp)?;
+                std::fs::File::open(&prev_tmp)?.sync_all()?;
+            }
+            std::fs::rename(&prev_tmp, &prev)?;
+        }
+        std::fs::rename(&tmp, path)?;
+        sync_parent(path)
+    })();
+    result.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
+        if keep_previous {
+            let _ = std::fs::remove_file(&prev_tmp);
+        }
         io(e)
     })
+}
+
+/// Flushes the directory holding `path` (its entries: a rename), where the platform
+/// can open a directory for that (Unix).
+fn sync_parent(path: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
 }
 
 // ---------------------------------------------------------------- dumps
