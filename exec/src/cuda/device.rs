@@ -321,7 +321,8 @@ fn drv<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
 }
 
 impl Device {
-    pub fn new(ordinal: usize) -> Result<Device, String> {
+    /// The device `ordinal`, keeping compiled kernels in `disk_cache`.
+    pub fn new(ordinal: usize, disk_cache: DiskCache) -> Result<Device, String> {
         let ctx = CudaContext::new(ordinal).map_err(drv("context"))?;
         // One stream orders every use of a buffer; cudarc's per-buffer events are not needed.
         // SAFETY: no buffer of this context exists yet and all work goes to one stream.
@@ -343,7 +344,7 @@ impl Device {
             multiprocessors: multiprocessors.max(1) as u32,
             resident: Mutex::new(HashMap::new()),
             pool: Arc::new(Mutex::new(Pool::default())),
-            disk_cache: DiskCache::from_env(),
+            disk_cache,
             launches: Launches::default(),
         })
     }

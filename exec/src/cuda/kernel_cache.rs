@@ -13,7 +13,6 @@
 //! `--kernel-cache DIR|off`); by default `AMPGRAPH_KERNEL_CACHE` (a directory, or
 //! `off`), else `$XDG_CACHE_HOME/ampgraph/kernels`, else `$HOME/.cache/ampgraph/kernels`.
 
-use std::cell::RefCell;
 use std::path::PathBuf;
 use std::str::FromStr;
 
@@ -46,25 +45,6 @@ impl FromStr for KernelCache {
     }
 }
 
-thread_local! {
-    /// The cache [`DiskCache::from_env`] returns on this thread while [`with_cache`] runs.
-    static CHOSEN: RefCell<Option<DiskCache>> = const { RefCell::new(None) };
-}
-
-/// Runs `f` with [`DiskCache::from_env`] returning the cache `setting` picks on this
-/// thread (an executor made inside `f` keeps its kernels there).
-pub fn with_cache<T>(setting: &KernelCache, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<DiskCache>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            CHOSEN.with(|c| *c.borrow_mut() = self.0.take());
-        }
-    }
-    let cache = DiskCache::new(setting);
-    let _restore = Restore(CHOSEN.with(|c| c.borrow_mut().replace(cache)));
-    f()
-}
-
 /// The on-disk PTX cache (or none, when disabled or no directory is known).
 #[derive(Clone, Debug)]
 pub struct DiskCache {
@@ -72,18 +52,15 @@ pub struct DiskCache {
 }
 
 impl DiskCache {
-    /// The cache the environment asks for (inside [`with_cache`], the one it was given).
+    /// The cache the environment asks for.
     pub fn from_env() -> DiskCache {
-        if let Some(chosen) = CHOSEN.with(|c| c.borrow().clone()) {
-            return chosen;
-        }
         DiskCache::resolve(|k| std::env::var(k).ok())
     }
 
     /// The cache `setting` picks.
     pub fn new(setting: &KernelCache) -> DiskCache {
         match setting {
-            KernelCache::FromEnv => DiskCache::resolve(|k| std::env::var(k).ok()),
+            KernelCache::FromEnv => DiskCache::from_env(),
             KernelCache::Off => DiskCache { dir: None },
             KernelCache::Dir(dir) => DiskCache::at(dir),
         }
@@ -261,17 +238,14 @@ mod tests {
     }
 
     #[test]
-    fn the_setting_overrides_the_environment_while_an_executor_is_made() {
+    fn the_setting_overrides_the_environment() {
         assert_eq!("off".parse(), Ok(KernelCache::Off));
         assert_eq!("/k".parse(), Ok(KernelCache::Dir(PathBuf::from("/k"))));
         assert!("".parse::<KernelCache>().is_err());
         let env = DiskCache::from_env().dir().cloned();
-        let inside = with_cache(&KernelCache::Dir(PathBuf::from("/chosen")), || {
-            let nested = with_cache(&KernelCache::Off, || DiskCache::from_env().dir().cloned());
-            (DiskCache::from_env().dir().cloned(), nested)
-        });
-        assert_eq!(inside, (Some(PathBuf::from("/chosen")), None));
-        assert_eq!(DiskCache::from_env().dir().cloned(), env, "restored after");
+        let chosen = DiskCache::new(&KernelCache::Dir(PathBuf::from("/chosen")));
+        assert_eq!(chosen.dir().cloned(), Some(PathBuf::from("/chosen")));
+        assert_eq!(DiskCache::new(&KernelCache::Off).dir().cloned(), None);
         assert_eq!(
             DiskCache::new(&KernelCache::FromEnv).dir().cloned(),
             env,

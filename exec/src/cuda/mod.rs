@@ -304,6 +304,16 @@ impl CudaExecutor {
     }
 
     pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<CudaExecutor, ExecError> {
+        Self::with_kernel_cache(ordinal, options, &kernel_cache::KernelCache::FromEnv)
+    }
+
+    /// As [`with_options`](Self::with_options), keeping compiled kernels where `cache`
+    /// says rather than where the environment does.
+    pub fn with_kernel_cache(
+        ordinal: usize,
+        options: CudaOptions,
+        cache: &kernel_cache::KernelCache,
+    ) -> Result<CudaExecutor, ExecError> {
         let count = available().map_err(|e| dev_err(format!("CUDA is not available: {e}")))?;
         if ordinal >= count {
             return Err(dev_err(format!(
@@ -312,7 +322,7 @@ impl CudaExecutor {
             )));
         }
         let (dev, gemm) = guard("CUDA", || {
-            let dev = Device::new(ordinal)?;
+            let dev = Device::new(ordinal, kernel_cache::DiskCache::new(cache))?;
             let gemm = Gemm::new(&dev)?;
             Ok((dev, gemm))
         })
@@ -574,18 +584,6 @@ impl CudaExecutor {
         self.consts
             .insert(node.name.clone(), (host.clone(), d.clone()));
         Ok(d)
-    }
-}
-
-impl CudaExecutor {
-    /// As [`with_options`](Self::with_options), keeping compiled kernels where `cache`
-    /// says rather than where the environment does.
-    pub fn with_kernel_cache(
-        ordinal: usize,
-        options: CudaOptions,
-        cache: &kernel_cache::KernelCache,
-    ) -> Result<CudaExecutor, ExecError> {
-        kernel_cache::with_cache(cache, || Self::with_options(ordinal, options))
     }
 }
 
