@@ -238,54 +238,6 @@ fn entry_checksum(name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> u3
     h.finalize()
 }
 
-/// A variable's values as little-endian bytes.
-fn data_to_bytes(data: &Data) -> Vec<u8> {
-    match data {
-        Data::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Data::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        Data::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        Data::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Data::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Data::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Data::Bool(v) => v.iter().map(|&b| u8::from(b)).collect(),
-    }
-}
-
-/// The inverse of [`data_to_bytes`].
-fn data_from_bytes(dtype: DType, bytes: &[u8]) -> Result<Data, String> {
-    let size = dtype.size_bytes();
-    if bytes.len() % size != 0 {
-        return Err(format!(
-            "{} bytes is not a whole number of {dtype} values",
-            bytes.len()
-        ));
-    }
-    fn each<const N: usize, T>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
-        bytes
-            .chunks_exact(N)
-            .map(|c| f(c.try_into().expect("chunks_exact gives N bytes")))
-            .collect()
-    }
-    Ok(match dtype {
-        DType::F32 => Data::F32(each(bytes, f32::from_le_bytes)),
-        DType::F16 => Data::F16(each(bytes, |b| f16::from_bits(u16::from_le_bytes(b)))),
-        DType::BF16 => Data::BF16(each(bytes, |b| bf16::from_bits(u16::from_le_bytes(b)))),
-        DType::F64 => Data::F64(each(bytes, f64::from_le_bytes)),
-        DType::I32 => Data::I32(each(bytes, i32::from_le_bytes)),
-        DType::I64 => Data::I64(each(bytes, i64::from_le_bytes)),
-        DType::Bool => Data::Bool(
-            bytes
-                .iter()
-                .map(|&b| match b {
-                    0 => Ok(false),
-                    1 => Ok(true),
-                    _ => Err(format!("bool byte {b} is neither 0 nor 1")),
-                })
-                .collect::<Result<_, _>>()?,
-        ),
-    })
-}
-
 /// How many of `data`'s values are NaN or infinite, and the index of the first.
 fn non_finite(data: &Data) -> Option<(usize, usize)> {
     fn count<T: Copy>(v: &[T], finite: impl Fn(T) -> bool) -> Option<(usize, usize)> {
@@ -449,7 +401,7 @@ impl Session {
         for name in names {
             if let Some(t) = self.executor.try_variable(&name)? {
                 let dtype = t.data().dtype();
-                let bytes = data_to_bytes(t.data());
+                let bytes = t.data().to_le_bytes();
                 let checksum = entry_checksum(&name, dtype, t.shape(), &bytes);
                 entries.push(CheckpointEntry {
                     name,
@@ -497,7 +449,7 @@ impl Session {
             .any(|id| self.graph.node(id).op.name() == "AssignVariable");
         let mut loaded = BTreeMap::new();
         for e in entries {
-            let data = data_from_bytes(e.dtype, &e.bytes)
+            let data = Data::from_le_bytes(e.dtype, &e.bytes)
                 .map_err(|m| checkpoint_err(path, format!("variable '{}': {m}", e.name)))?;
             if !options.allow_non_finite {
                 if let Some((count, first)) = non_finite(&data) {

@@ -132,6 +132,59 @@ pub fn bf16_from_f64(v: f64) -> bf16 {
 }
 
 impl Data {
+    /// The values as little-endian bytes (bools one byte each, 0 or 1): a device
+    /// buffer's layout and a checkpoint's.
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        match self {
+            Data::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Data::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+            Data::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+            Data::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Data::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Data::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Data::Bool(v) => v.iter().map(|&b| u8::from(b)).collect(),
+        }
+    }
+
+    /// The inverse of [`to_le_bytes`](Self::to_le_bytes): values of `dtype`, or why
+    /// `bytes` are not such values (a partial value, a bool byte other than 0 or 1).
+    pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Result<Data, String> {
+        let size = dtype.size_bytes();
+        if bytes.len() % size != 0 {
+            return Err(format!(
+                "{} bytes is not a whole number of {dtype} values",
+                bytes.len()
+            ));
+        }
+        fn each<const N: usize, T>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
+            bytes
+                .chunks_exact(N)
+                .map(|c| {
+                    let mut a = [0u8; N];
+                    a.copy_from_slice(c);
+                    f(a)
+                })
+                .collect()
+        }
+        Ok(match dtype {
+            DType::F32 => Data::F32(each(bytes, f32::from_le_bytes)),
+            DType::F16 => Data::F16(each(bytes, |b| f16::from_bits(u16::from_le_bytes(b)))),
+            DType::BF16 => Data::BF16(each(bytes, |b| bf16::from_bits(u16::from_le_bytes(b)))),
+            DType::F64 => Data::F64(each(bytes, f64::from_le_bytes)),
+            DType::I32 => Data::I32(each(bytes, i32::from_le_bytes)),
+            DType::I64 => Data::I64(each(bytes, i64::from_le_bytes)),
+            DType::Bool => Data::Bool(
+                bytes
+                    .iter()
+                    .map(|&b| match b {
+                        0 => Ok(false),
+                        1 => Ok(true),
+                        _ => Err(format!("bool byte {b} is neither 0 nor 1")),
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+        })
+    }
     pub fn dtype(&self) -> DType {
         match self {
             Data::F32(_) => DType::F32,

@@ -11,7 +11,6 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
-use half::{bf16, f16};
 
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
@@ -416,7 +415,7 @@ impl Device {
 
     pub fn upload(&self, t: &Tensor, who: &dyn std::fmt::Display) -> Result<DTensor, String> {
         let d = self.alloc(t.dtype(), t.shape(), who)?;
-        let bytes = to_bytes(t.data());
+        let bytes = t.data().to_le_bytes();
         if !bytes.is_empty() {
             Launches::count(&self.launches.memcpys);
             // SAFETY: the buffer holds at least `bytes.len()` bytes; the copy is ordered
@@ -445,7 +444,7 @@ impl Device {
             }
         }
         self.stream.synchronize().map_err(drv("synchronize"))?;
-        Tensor::new(d.shape.clone(), from_bytes(d.dtype, &bytes))
+        Tensor::new(d.shape.clone(), Data::from_le_bytes(d.dtype, &bytes)?)
     }
 
     /// Copies `src` into `dst` (of the same size), on the stream.
@@ -680,43 +679,4 @@ pub fn row_block(len: usize) -> u32 {
 /// Blocks for `rows` rows (grid-stride loops cover the rest).
 pub fn row_grid(rows: usize) -> u32 {
     rows.clamp(1, 1 << 20) as u32
-}
-
-fn to_bytes(d: &Data) -> Vec<u8> {
-    match d {
-        Data::F32(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
-        Data::F16(v) => v.iter().flat_map(|x| x.to_bits().to_ne_bytes()).collect(),
-        Data::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_ne_bytes()).collect(),
-        Data::F64(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
-        Data::I32(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
-        Data::I64(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
-        Data::Bool(v) => v.iter().map(|&b| u8::from(b)).collect(),
-    }
-}
-
-fn from_bytes(dtype: DType, b: &[u8]) -> Data {
-    fn chunks<const N: usize>(b: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
-        b.chunks_exact(N).map(|c| {
-            let mut a = [0u8; N];
-            a.copy_from_slice(c);
-            a
-        })
-    }
-    match dtype {
-        DType::F32 => Data::F32(chunks::<4>(b).map(f32::from_ne_bytes).collect()),
-        DType::F16 => Data::F16(
-            chunks::<2>(b)
-                .map(|c| f16::from_bits(u16::from_ne_bytes(c)))
-                .collect(),
-        ),
-        DType::BF16 => Data::BF16(
-            chunks::<2>(b)
-                .map(|c| bf16::from_bits(u16::from_ne_bytes(c)))
-                .collect(),
-        ),
-        DType::F64 => Data::F64(chunks::<8>(b).map(f64::from_ne_bytes).collect()),
-        DType::I32 => Data::I32(chunks::<4>(b).map(i32::from_ne_bytes).collect()),
-        DType::I64 => Data::I64(chunks::<8>(b).map(i64::from_ne_bytes).collect()),
-        DType::Bool => Data::Bool(b.iter().map(|&x| x != 0).collect()),
-    }
 }
