@@ -75,6 +75,10 @@ pub struct ExecOptions {
     /// allow 1e-2 of `sum_k |a_ik b_kj|` for K = 256, and 1e-3 for the default f32
     /// accumulation with the result's one f16 rounding).
     pub allow_fp16_reduced_precision_reduction: bool,
+    /// Convolutions use only algorithms whose results are the same from run to run
+    /// (PyTorch's `cudnn.deterministic`), the fastest of those; by default the fastest
+    /// of all, timed on first use (`cudnn.benchmark`).
+    pub deterministic_convolutions: bool,
     /// Time every op (CUDA events) for [`Executor::profile_table`]; slows steps a little.
     pub profile: bool,
 }

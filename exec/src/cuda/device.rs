@@ -125,6 +125,7 @@ pub struct Pool {
 pub struct Launches {
     pub kernels: AtomicU64,
     pub gemms: AtomicU64,
+    pub dnn: AtomicU64,
     pub memsets: AtomicU64,
     pub memcpys: AtomicU64,
 }
@@ -136,6 +137,8 @@ pub struct LaunchCounts {
     pub kernels: u64,
     /// cuBLASLt matmul calls.
     pub gemms: u64,
+    /// cuDNN calls (convolutions, batch normalisation).
+    pub dnn: u64,
     pub memsets: u64,
     /// Host-device copies (uploads of feeds, downloads of fetches).
     pub memcpys: u64,
@@ -144,7 +147,7 @@ pub struct LaunchCounts {
 impl LaunchCounts {
     /// Everything put on the stream.
     pub fn total(&self) -> u64 {
-        self.kernels + self.gemms + self.memsets + self.memcpys
+        self.kernels + self.gemms + self.dnn + self.memsets + self.memcpys
     }
 }
 
@@ -154,6 +157,7 @@ impl std::ops::Sub for LaunchCounts {
         LaunchCounts {
             kernels: self.kernels - o.kernels,
             gemms: self.gemms - o.gemms,
+            dnn: self.dnn - o.dnn,
             memsets: self.memsets - o.memsets,
             memcpys: self.memcpys - o.memcpys,
         }
@@ -169,6 +173,7 @@ impl Launches {
         LaunchCounts {
             kernels: self.kernels.load(Ordering::Relaxed),
             gemms: self.gemms.load(Ordering::Relaxed),
+            dnn: self.dnn.load(Ordering::Relaxed),
             memsets: self.memsets.load(Ordering::Relaxed),
             memcpys: self.memcpys.load(Ordering::Relaxed),
         }

@@ -23,6 +23,7 @@
 //! copied back.
 
 mod device;
+mod dnn;
 mod gemm;
 pub mod kernel_cache;
 mod kernels;
@@ -44,6 +45,8 @@ use crate::{
 
 pub use device::LaunchCounts;
 use device::{guard, DTensor, Device};
+use dnn::Dnn;
+pub use dnn::{Choice as ConvAlgorithm, DnnOptions};
 use gemm::Gemm;
 pub use gemm::GemmOptions;
 use kernels::{Lowered, Owner, Source};
@@ -85,6 +88,7 @@ fn libraries_present() -> Result<(), String> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaOptions {
     pub gemm: GemmOptions,
+    pub dnn: DnnOptions,
     /// Time every op with CUDA events and add its time to [`CudaExecutor::profile`]
     /// (slows the step a little; for finding where a step's time goes).
     pub profile: bool,
@@ -259,6 +263,7 @@ type LastPlan = ((u64, u64), Vec<Port>, Arc<StepMemory>);
 pub struct CudaExecutor {
     dev: Device,
     gemm: Gemm,
+    dnn: Dnn,
     pub options: CudaOptions,
     variables: HashMap<String, VarSlot>,
     /// Uploaded Consts (and Group's `true`) by node name, with the value they hold.
@@ -321,16 +326,19 @@ impl CudaExecutor {
                 if count == 1 { "is" } else { "are" }
             )));
         }
+        let disk = kernel_cache::DiskCache::new(cache);
         let (dev, gemm) = guard("CUDA", || {
-            let dev = Device::new(ordinal, kernel_cache::DiskCache::new(cache))?;
+            let dev = Device::new(ordinal, disk.clone())?;
             let gemm = Gemm::new(&dev)?;
             Ok((dev, gemm))
         })
         .map_err(dev_err)?;
+        let dnn = Dnn::new(&dev, disk.dir());
         log::info!("CUDA executor on device {ordinal}: {}", dev.name);
         Ok(CudaExecutor {
             dev,
             gemm,
+            dnn,
             options,
             variables: HashMap::new(),
             consts: HashMap::new(),
@@ -427,6 +435,11 @@ impl CudaExecutor {
     /// difference of two snapshots counts a step's launches.
     pub fn launches(&self) -> LaunchCounts {
         self.dev.launches.snapshot()
+    }
+
+    /// The cuDNN convolution algorithms chosen so far (each also logged at info level).
+    pub fn conv_algorithms(&self) -> Vec<ConvAlgorithm> {
+        self.dnn.choices()
     }
 
     /// The most bytes of device tensors (variables and the arena included) allocated
@@ -607,6 +620,7 @@ impl Executor for CudaExecutor {
                 .options
                 .gemm
                 .allow_fp16_reduced_precision_reduction,
+            deterministic_convolutions: self.options.dnn.deterministic,
             profile: self.options.profile,
         }
     }
@@ -615,6 +629,7 @@ impl Executor for CudaExecutor {
         self.options.gemm.allow_tf32 = options.allow_tf32;
         self.options.gemm.allow_fp16_reduced_precision_reduction =
             options.allow_fp16_reduced_precision_reduction;
+        self.options.dnn.deterministic = options.deterministic_convolutions;
         self.options.profile = options.profile;
     }
 
@@ -746,6 +761,8 @@ impl CudaExecutor {
                         dev: &self.dev,
                         gemm: &self.gemm,
                         gemm_options: self.options.gemm,
+                        dnn: &self.dnn,
+                        dnn_options: self.options.dnn,
                         name: &node.name,
                         planned: &planned,
                         allocated: Cell::new(0),

@@ -45,7 +45,9 @@ macro_rules! kernel_specs {
 }
 
 pub(crate) mod attention;
+mod batch_norm;
 pub(crate) mod codegen;
+mod conv;
 mod cross_entropy;
 mod elementwise;
 mod fused;
@@ -66,6 +68,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Op, Tensor, TensorType};
 
 use super::device::{row_block, row_grid, Arg, DTensor, Device};
+use super::dnn::{Dnn, DnnOptions};
 use super::gemm::{Gemm, GemmOptions};
 
 pub(crate) use codegen::{MAX_RANK, VECTOR};
@@ -185,6 +188,8 @@ const FAMILIES: &[Lower] = &[
     norm::lower,
     matmul::lower,
     attention::lower,
+    conv::lower,
+    batch_norm::lower,
     training::lower,
 ];
 
@@ -234,6 +239,8 @@ pub struct Ctx<'a> {
     pub dev: &'a Device,
     pub gemm: &'a Gemm,
     pub gemm_options: GemmOptions,
+    pub dnn: &'a Dnn,
+    pub dnn_options: DnnOptions,
     /// The node's name, for out-of-memory errors.
     pub name: &'a str,
     /// The node's outputs' slots in the step's arena, by output index (`None`: a

@@ -2,6 +2,7 @@
 //! the CUDA declarations), so a broken template fails CI on machines without a GPU;
 //! `AMPGRAPH_DUMP_KERNELS=DIR` writes them out for `nvcc` or a comparison.
 
+use super::conv::pad_end;
 use super::cross_entropy::{sce, sce_grad, sce_with_grad};
 use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad};
 use super::fused::fused;
@@ -175,6 +176,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     }
     for bytes in [1, 2, 4, 8, 16] {
         k.push((format!("gather_{bytes}"), gather(bytes)));
+        k.push((format!("pad_end_{bytes}"), pad_end(bytes)));
     }
     k.push(("concat".into(), concat(2)));
     use super::attention::{NARROW, WIDE};

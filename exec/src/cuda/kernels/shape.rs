@@ -9,9 +9,8 @@ use ampgraph_graph::{Op, TensorType};
 
 use super::codegen::{word, PRELUDE};
 use super::elementwise::broadcast_strides;
-use super::{first, input, kernel, numel, one_output, KernelResult, Lowering};
-use crate::cuda::device::Arg;
-use crate::cuda::device::Dims;
+use super::{first, input, kernel, numel, one_output, Ctx, KernelResult, Lowering};
+use crate::cuda::device::{Arg, DTensor, Dims};
 
 kernel_specs! {
     /// The modules of the family, by the bytes of the words they move.
@@ -66,47 +65,73 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     None
 }
 
-/// `y[i] = x[offset + strided(i)]` for transposes, slices and broadcasts. Where the
-/// last axis is contiguous in both, its runs move as words of up to 16 bytes.
+/// `y[i] = x[offset + strided(i)]` for transposes, slices and broadcasts.
 fn lower_gather(x: &TensorType, out: &TensorType, st: &[usize], offset: usize) -> KernelResult {
-    let esize = x.dtype.size_bytes();
-    let (mut shape, mut st, mut offset) = (out.shape.clone(), st.to_vec(), offset);
-    let mut group = 1;
-    if let (Some(&inner), Some(&1)) = (shape.last(), st.last()) {
-        let outer = &st[..st.len() - 1];
-        group = (16 / esize).max(1);
-        while group > 1
-            && !(inner % group == 0 && offset % group == 0 && outer.iter().all(|s| s % group == 0))
-        {
-            group /= 2;
-        }
-    }
-    if group > 1 {
-        let last = shape.len() - 1;
-        shape[last] /= group;
-        for s in &mut st[..last] {
-            *s /= group;
-        }
-        offset /= group;
-    }
-    let spec = Spec::Gather {
-        bytes: esize * group,
-    };
-    let n = numel(&shape);
-    let sizes = [
-        Arg::I64(n as i64),
-        Arg::I32(shape.len() as i32),
-        Arg::Dims(Dims::new(&shape)?),
-        Arg::Dims(Dims::new(&st)?),
-        Arg::I64(offset as i64),
-    ];
-    let out = out.clone();
-    Ok(one_output(out, move |c, inputs, y| {
-        let mut args = vec![input(inputs, 0)?.arg(), y.arg()];
-        args.extend(sizes.iter().cloned());
-        c.launch_n(&spec, n, &args)?;
-        Ok(())
+    let gather = Gather::new(x.dtype.size_bytes(), &out.shape, st, offset)?;
+    Ok(one_output(out.clone(), move |c, inputs, y| {
+        gather.launch(c, input(inputs, 0)?, y)
     }))
+}
+
+/// A strided gather fixed when its node is lowered: `y[i] = x[offset + strided(i)]`
+/// over an output of `shape`, reading `x` with strides `st` (elements). Where the last
+/// axis is contiguous in both, its runs move as words of up to 16 bytes.
+pub(super) struct Gather {
+    spec: Spec,
+    n: usize,
+    sizes: [Arg; 5],
+}
+
+impl Gather {
+    /// The gather of elements of `esize` bytes.
+    pub(super) fn new(
+        esize: usize,
+        shape: &[usize],
+        st: &[usize],
+        offset: usize,
+    ) -> Result<Gather, String> {
+        let (mut shape, mut st, mut offset) = (shape.to_vec(), st.to_vec(), offset);
+        let mut group = 1;
+        if let (Some(&inner), Some(&1)) = (shape.last(), st.last()) {
+            let outer = &st[..st.len() - 1];
+            group = (16 / esize).max(1);
+            while group > 1
+                && !(inner % group == 0
+                    && offset % group == 0
+                    && outer.iter().all(|s| s % group == 0))
+            {
+                group /= 2;
+            }
+        }
+        if group > 1 {
+            let last = shape.len() - 1;
+            shape[last] /= group;
+            for s in &mut st[..last] {
+                *s /= group;
+            }
+            offset /= group;
+        }
+        let n = numel(&shape);
+        Ok(Gather {
+            spec: Spec::Gather {
+                bytes: esize * group,
+            },
+            n,
+            sizes: [
+                Arg::I64(n as i64),
+                Arg::I32(shape.len() as i32),
+                Arg::Dims(Dims::new(&shape)?),
+                Arg::Dims(Dims::new(&st)?),
+                Arg::I64(offset as i64),
+            ],
+        })
+    }
+
+    pub(super) fn launch(&self, c: &Ctx, x: &DTensor, y: &DTensor) -> Result<(), String> {
+        let mut args = vec![x.arg(), y.arg()];
+        args.extend(self.sizes.iter().cloned());
+        c.launch_n(&self.spec, self.n, &args)
+    }
 }
 
 /// Each input copied into its place in the output, a launch each.

@@ -1,0 +1,920 @@
+//! cuDNN: convolutions and batch normalisation.
+//!
+//! The library is loaded at run time like the driver (`libcudnn.so.9`): a machine
+//! without it still runs everything else, and a node needing it is refused when its
+//! step is planned ([`available`]), so `Device::auto_for` picks the CPU for it.
+//!
+//! Convolution algorithms are chosen per (direction, shapes, dtype, layout, math) the
+//! first time a shape runs — PyTorch's `cudnn.benchmark`: cuDNN times every candidate
+//! (`cudnnFind*Algorithm`), the fastest within the workspace limit is kept (only the
+//! deterministic ones with [`DnnOptions::deterministic`]), in memory and in a file beside
+//! the kernel cache, so a new process does not time them again. Every choice is logged
+//! at info level and listed by [`Dnn::choices`].
+//!
+//! One workspace serves every call: the largest the chosen algorithms need (at most
+//! the limit), allocated while the first step tunes, then reused.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cudnn::sys;
+use sys::cudnnDataType_t as CudnnType;
+
+use ampgraph_graph::ops::DataFormat;
+use ampgraph_graph::DType;
+
+use super::device::{DTensor, Device, Launches};
+
+/// Whether cuDNN (9 or later) can be loaded; the reason where it cannot.
+pub fn available() -> Result<(), String> {
+    static PRESENT: OnceLock<Result<(), String>> = OnceLock::new();
+    PRESENT
+        .get_or_init(|| {
+            // SAFETY: only tries to open the library.
+            if !unsafe { sys::is_culib_present() } {
+                return Err("cuDNN (libcudnn.so.9) was not found on the library path".into());
+            }
+            // SAFETY: the library is present; the call reads a constant.
+            let version = unsafe { sys::cudnnGetVersion() };
+            if version < 90000 {
+                return Err(format!(
+                    "cuDNN {version} was found; ampgraph needs cuDNN 9 or later"
+                ));
+            }
+            Ok(())
+        })
+        .clone()
+}
+
+/// How convolution algorithms are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DnnOptions {
+    /// Only algorithms whose results are the same from run to run (PyTorch's
+    /// `cudnn.deterministic`): the fastest of those, which may be slower.
+    pub deterministic: bool,
+    /// The most workspace bytes one algorithm may use.
+    pub workspace_limit: usize,
+}
+
+impl Default for DnnOptions {
+    fn default() -> Self {
+        DnnOptions {
+            deterministic: false,
+            workspace_limit: 256 << 20,
+        }
+    }
+}
+
+/// Which of a convolution's three products a call computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// `y = conv(x, w)`.
+    Forward,
+    /// `dx` from `w` and `dy`.
+    BackwardData,
+    /// `dw` from `x` and `dy`.
+    BackwardFilter,
+}
+
+/// A convolution as cuDNN sees it: the input after any extra padding at its end (the
+/// asymmetric part of a SAME padding is made explicit by the caller), symmetric
+/// padding, and the filter `[k, c, r, s]` in the layout's filter format (KRSC for
+/// NHWC, KCRS for NCHW).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvShape {
+    pub dtype: DType,
+    pub layout: DataFormat,
+    /// Input `[n, c, h, w]`.
+    pub input: [usize; 4],
+    /// Output channels and window `[k, r, s]`.
+    pub filter: [usize; 3],
+    pub pad: [usize; 2],
+    pub strides: [usize; 2],
+    /// Output `[h, w]`.
+    pub out: [usize; 2],
+    /// f32 convolutions may use TF32 Tensor Cores.
+    pub allow_tf32: bool,
+}
+
+impl ConvShape {
+    fn output(&self) -> [usize; 4] {
+        [self.input[0], self.filter[0], self.out[0], self.out[1]]
+    }
+}
+
+/// One algorithm chosen for one convolution, as the log and [`Dnn::choices`] say it.
+#[derive(Clone, Debug)]
+pub struct Choice {
+    pub direction: Direction,
+    pub shape: ConvShape,
+    /// cuDNN's name of the algorithm and its math (`IMPLICIT_PRECOMP_GEMM tensor-op`).
+    pub algorithm: String,
+    /// Milliseconds per run as timed, `None` for a choice read from the disk file.
+    pub ms: Option<f32>,
+    pub workspace: usize,
+    /// How many candidates ran (0 for a choice read from disk).
+    pub candidates: usize,
+}
+
+/// An algorithm by its cuDNN number and math type, with its workspace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Algo {
+    id: u32,
+    math: u32,
+    workspace: usize,
+}
+
+/// The descriptors of one convolution and its chosen algorithm.
+struct ConvPlan {
+    x: TensorDesc,
+    y: TensorDesc,
+    w: FilterDesc,
+    conv: ConvDesc,
+    algo: Algo,
+}
+
+/// The key of a chosen algorithm, in memory and on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct PlanKey {
+    direction: Direction,
+    shape: ConvShape,
+    deterministic: bool,
+}
+
+impl PlanKey {
+    /// The line key of the disk file: the key's `Debug` form without spaces.
+    fn text(&self) -> String {
+        format!("{self:?}").replace(' ', "")
+    }
+}
+
+pub struct Dnn {
+    /// Created on first use: a machine without cuDNN never loads it.
+    handle: OnceLock<Result<Handle, String>>,
+    stream: sys::cudaStream_t,
+    plans: Mutex<HashMap<PlanKey, Arc<ConvPlan>>>,
+    /// Algorithms read from the disk file, by [`PlanKey::text`].
+    stored: Mutex<HashMap<String, Algo>>,
+    choices: Mutex<Vec<Choice>>,
+    workspace: Mutex<Option<DTensor>>,
+    /// The file of chosen algorithms (none where the kernel cache is off).
+    file: Option<PathBuf>,
+}
+
+// SAFETY: the handle and descriptors are used from one executor at a time (`&mut`
+// access to the executor runs one node at a time), on the executor's one stream.
+unsafe impl Send for Dnn {}
+unsafe impl Sync for Dnn {}
+unsafe impl Send for ConvPlan {}
+unsafe impl Sync for ConvPlan {}
+
+struct Handle(sys::cudnnHandle_t);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreate, destroyed once.
+        unsafe { sys::cudnnDestroy(self.0) };
+    }
+}
+
+fn check(what: &str, status: sys::cudnnStatus_t) -> Result<(), String> {
+    if status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        return Ok(());
+    }
+    // SAFETY: cuDNN returns a static C string for every status.
+    let text = unsafe { std::ffi::CStr::from_ptr(sys::cudnnGetErrorString(status)) };
+    Err(format!("cuDNN {what}: {}", text.to_string_lossy()))
+}
+
+macro_rules! descriptor {
+    ($name:ident, $raw:ty, $create:ident, $destroy:ident) => {
+        struct $name($raw);
+
+        impl $name {
+            fn new() -> Result<$name, String> {
+                let mut d = std::ptr::null_mut();
+                // SAFETY: writes one descriptor.
+                check(stringify!($create), unsafe { sys::$create(&mut d) })?;
+                Ok($name(d))
+            }
+        }
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                // SAFETY: created by `new`, destroyed once.
+                unsafe { sys::$destroy(self.0) };
+            }
+        }
+    };
+}
+
+descriptor!(
+    TensorDesc,
+    sys::cudnnTensorDescriptor_t,
+    cudnnCreateTensorDescriptor,
+    cudnnDestroyTensorDescriptor
+);
+descriptor!(
+    FilterDesc,
+    sys::cudnnFilterDescriptor_t,
+    cudnnCreateFilterDescriptor,
+    cudnnDestroyFilterDescriptor
+);
+descriptor!(
+    ConvDesc,
+    sys::cudnnConvolutionDescriptor_t,
+    cudnnCreateConvolutionDescriptor,
+    cudnnDestroyConvolutionDescriptor
+);
+
+fn data_type(d: DType) -> Result<CudnnType, String> {
+    Ok(match d {
+        DType::F32 => CudnnType::CUDNN_DATA_FLOAT,
+        DType::F16 => CudnnType::CUDNN_DATA_HALF,
+        DType::BF16 => CudnnType::CUDNN_DATA_BFLOAT16,
+        DType::F64 => CudnnType::CUDNN_DATA_DOUBLE,
+        other => return Err(format!("cuDNN takes no {other} tensors")),
+    })
+}
+
+fn format(layout: DataFormat) -> sys::cudnnTensorFormat_t {
+    match layout {
+        DataFormat::Nhwc => sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+        DataFormat::Nchw => sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+    }
+}
+
+fn dim(v: usize) -> Result<i32, String> {
+    i32::try_from(v).map_err(|_| format!("dimension {v} is too large for cuDNN"))
+}
+
+fn dims4(v: [usize; 4]) -> Result<[i32; 4], String> {
+    Ok([dim(v[0])?, dim(v[1])?, dim(v[2])?, dim(v[3])?])
+}
+
+/// A packed 4-D tensor `[n, c, h, w]` of `layout`.
+fn tensor_desc(dtype: DType, layout: DataFormat, nchw: [usize; 4]) -> Result<TensorDesc, String> {
+    let d = TensorDesc::new()?;
+    let [n, c, h, w] = dims4(nchw)?;
+    // SAFETY: a live descriptor.
+    check("tensor descriptor", unsafe {
+        sys::cudnnSetTensor4dDescriptor(d.0, format(layout), data_type(dtype)?, n, c, h, w)
+    })?;
+    Ok(d)
+}
+
+/// The scale type of alpha and beta: f64 for f64 tensors, else f32.
+enum Scale {
+    F32(f32),
+    F64(f64),
+}
+
+impl Scale {
+    fn of(dtype: DType, v: f64) -> Scale {
+        if dtype == DType::F64 {
+            Scale::F64(v)
+        } else {
+            Scale::F32(v as f32)
+        }
+    }
+    fn ptr(&self) -> *const c_void {
+        match self {
+            Scale::F32(v) => v as *const f32 as *const c_void,
+            Scale::F64(v) => v as *const f64 as *const c_void,
+        }
+    }
+}
+
+/// cuDNN's perf result, the same layout for the three directions; read with plain
+/// integers (an enum holding a value Rust does not know would be undefined).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Perf {
+    algo: u32,
+    status: u32,
+    time: f32,
+    memory: usize,
+    determinism: u32,
+    math: u32,
+    reserved: [i32; 3],
+}
+
+const FWD_ALGOS: [sys::cudnnConvolutionFwdAlgo_t; 8] = {
+    use sys::cudnnConvolutionFwdAlgo_t::*;
+    [
+        CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
+        CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+        CUDNN_CONVOLUTION_FWD_ALGO_GEMM,
+        CUDNN_CONVOLUTION_FWD_ALGO_DIRECT,
+        CUDNN_CONVOLUTION_FWD_ALGO_FFT,
+        CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING,
+        CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD,
+        CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED,
+    ]
+};
+const BWD_DATA_ALGOS: [sys::cudnnConvolutionBwdDataAlgo_t; 6] = {
+    use sys::cudnnConvolutionBwdDataAlgo_t::*;
+    [
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_0,
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT,
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING,
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD,
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED,
+    ]
+};
+const BWD_FILTER_ALGOS: [sys::cudnnConvolutionBwdFilterAlgo_t; 7] = {
+    use sys::cudnnConvolutionBwdFilterAlgo_t::*;
+    [
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT,
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3,
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD,
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED,
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING,
+    ]
+};
+const MATH_TYPES: [sys::cudnnMathType_t; 4] = {
+    use sys::cudnnMathType_t::*;
+    [
+        CUDNN_DEFAULT_MATH,
+        CUDNN_TENSOR_OP_MATH,
+        CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION,
+        CUDNN_FMA_MATH,
+    ]
+};
+
+fn pick<T: Copy>(table: &[T], i: u32, what: &str) -> Result<T, String> {
+    table
+        .get(i as usize)
+        .copied()
+        .ok_or_else(|| format!("cuDNN returned unknown {what} {i}"))
+}
+
+impl Algo {
+    fn name(&self, direction: Direction) -> String {
+        let algo = match direction {
+            Direction::Forward => pick(&FWD_ALGOS, self.id, "").map(|a| format!("{a:?}")),
+            Direction::BackwardData => {
+                pick(&BWD_DATA_ALGOS, self.id, "").map(|a| format!("{a:?}"))
+            }
+            Direction::BackwardFilter => {
+                pick(&BWD_FILTER_ALGOS, self.id, "").map(|a| format!("{a:?}"))
+            }
+        }
+        .unwrap_or_else(|_| format!("algo {}", self.id));
+        let short = algo.rsplit("_ALGO_").next().unwrap_or(&algo).to_string();
+        let math = match self.math {
+            1 => " tensor-op",
+            2 => " tensor-op (converting)",
+            3 => " fma",
+            _ => "",
+        };
+        format!("{short}{math}")
+    }
+}
+
+/// The operands of one convolution call: `x`, `w` and `y` in the forward's roles;
+/// the direction decides which is written (y forward, x backward-data, w
+/// backward-filter).
+pub struct ConvOperands<'a> {
+    pub x: &'a DTensor,
+    pub w: &'a DTensor,
+    pub y: &'a DTensor,
+}
+
+impl Dnn {
+    /// cuDNN for `dev`'s stream, keeping chosen algorithms in `dir` (the kernel cache's
+    /// directory) where there is one. Loads nothing yet.
+    pub fn new(dev: &Device, dir: Option<&PathBuf>) -> Dnn {
+        let file = dir.map(|d| {
+            let gpu: String = dev
+                .name
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+                .collect();
+            d.join(format!("cudnn-algorithms-{gpu}.txt"))
+        });
+        Dnn {
+            handle: OnceLock::new(),
+            stream: dev.stream.cu_stream() as sys::cudaStream_t,
+            plans: Mutex::new(HashMap::new()),
+            stored: Mutex::new(HashMap::new()),
+            choices: Mutex::new(Vec::new()),
+            workspace: Mutex::new(None),
+            file,
+        }
+    }
+
+    fn handle(&self) -> Result<sys::cudnnHandle_t, String> {
+        self.handle
+            .get_or_init(|| {
+                available()?;
+                let mut h = std::ptr::null_mut();
+                // SAFETY: writes one handle.
+                check("create", unsafe { sys::cudnnCreate(&mut h) })?;
+                let handle = Handle(h);
+                // SAFETY: a live handle and the executor's stream.
+                check("set stream", unsafe { sys::cudnnSetStream(h, self.stream) })?;
+                self.load_stored();
+                Ok(handle)
+            })
+            .as_ref()
+            .map(|h| h.0)
+            .map_err(Clone::clone)
+    }
+
+    /// The algorithms chosen so far, in the order they were chosen.
+    pub fn choices(&self) -> Vec<Choice> {
+        self.choices.lock().map(|c| c.clone()).unwrap_or_default()
+    }
+
+    /// Reads the disk file of chosen algorithms (each line: key, algo, math,
+    /// workspace bytes, cuDNN version); lines of another cuDNN version are ignored.
+    fn load_stored(&self) {
+        let Some(text) = self
+            .file
+            .as_ref()
+            .and_then(|f| std::fs::read_to_string(f).ok())
+        else {
+            return;
+        };
+        // SAFETY: cuDNN is loaded (called from `handle`).
+        let version = unsafe { sys::cudnnGetVersion() }.to_string();
+        let mut stored = HashMap::new();
+        for line in text.lines() {
+            let f: Vec<&str> = line.split('\t').collect();
+            let [key, id, math, workspace, v] = f[..] else {
+                continue;
+            };
+            let (Ok(id), Ok(math), Ok(workspace)) = (id.parse(), math.parse(), workspace.parse())
+            else {
+                continue;
+            };
+            if v == version {
+                stored.insert(key.to_string(), Algo { id, math, workspace });
+            }
+        }
+        if let Ok(mut s) = self.stored.lock() {
+            *s = stored;
+        }
+    }
+
+    /// Adds a chosen algorithm to the disk file (rewritten whole, atomically).
+    fn store(&self, key: &PlanKey, algo: Algo) {
+        let Some(file) = &self.file else { return };
+        let Ok(mut stored) = self.stored.lock() else {
+            return;
+        };
+        stored.insert(key.text(), algo);
+        // SAFETY: cuDNN is loaded (an algorithm was just chosen).
+        let version = unsafe { sys::cudnnGetVersion() };
+        let mut lines: Vec<String> = stored
+            .iter()
+            .map(|(k, a)| format!("{k}\t{}\t{}\t{}\t{version}\n", a.id, a.math, a.workspace))
+            .collect();
+        lines.sort();
+        let written = file
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .map_err(|e| e.to_string())
+            .and_then(|()| {
+                ampgraph_graph::format::write_atomic(file, lines.concat().as_bytes())
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = written {
+            log::debug!("cuDNN algorithms not stored in {}: {e}", file.display());
+        }
+    }
+
+    /// Runs one convolution product (`direction`) of `shape` on `ops`.
+    pub fn conv(
+        &self,
+        dev: &Device,
+        direction: Direction,
+        shape: &ConvShape,
+        options: DnnOptions,
+        ops: ConvOperands,
+    ) -> Result<(), String> {
+        let handle = self.handle()?;
+        let key = PlanKey {
+            direction,
+            shape: *shape,
+            deterministic: options.deterministic,
+        };
+        let cached = self.plans.lock().map_err(|_| "poisoned")?.get(&key).cloned();
+        let plan = match cached {
+            Some(p) => p,
+            None => {
+                let plan = Arc::new(self.plan(handle, &key, options)?);
+                self.plans
+                    .lock()
+                    .map_err(|_| "poisoned")?
+                    .insert(key, plan.clone());
+                plan
+            }
+        };
+        let workspace = self.workspace(dev, plan.algo.workspace)?;
+        let (ws, ws_bytes) = match &workspace {
+            Some(w) => (w.ptr() as *mut c_void, plan.algo.workspace),
+            None => (std::ptr::null_mut(), 0),
+        };
+        let (one, zero) = (Scale::of(shape.dtype, 1.0), Scale::of(shape.dtype, 0.0));
+        let (x, w, y) = (ops.x.ptr(), ops.w.ptr(), ops.y.ptr());
+        Launches::count(&dev.launches.dnn);
+        // SAFETY: the descriptors describe the operands' buffers (the caller made them
+        // from the tensors' shapes); the workspace holds the algorithm's bytes; ordered
+        // on the executor's stream.
+        let status = unsafe {
+            match direction {
+                Direction::Forward => sys::cudnnConvolutionForward(
+                    handle,
+                    one.ptr(),
+                    plan.x.0,
+                    x as *const c_void,
+                    plan.w.0,
+                    w as *const c_void,
+                    plan.conv.0,
+                    pick(&FWD_ALGOS, plan.algo.id, "algorithm")?,
+                    ws,
+                    ws_bytes,
+                    zero.ptr(),
+                    plan.y.0,
+                    y as *mut c_void,
+                ),
+                Direction::BackwardData => sys::cudnnConvolutionBackwardData(
+                    handle,
+                    one.ptr(),
+                    plan.w.0,
+                    w as *const c_void,
+                    plan.y.0,
+                    y as *const c_void,
+                    plan.conv.0,
+                    pick(&BWD_DATA_ALGOS, plan.algo.id, "algorithm")?,
+                    ws,
+                    ws_bytes,
+                    zero.ptr(),
+                    plan.x.0,
+                    x as *mut c_void,
+                ),
+                Direction::BackwardFilter => sys::cudnnConvolutionBackwardFilter(
+                    handle,
+                    one.ptr(),
+                    plan.x.0,
+                    x as *const c_void,
+                    plan.y.0,
+                    y as *const c_void,
+                    plan.conv.0,
+                    pick(&BWD_FILTER_ALGOS, plan.algo.id, "algorithm")?,
+                    ws,
+                    ws_bytes,
+                    zero.ptr(),
+                    plan.w.0,
+                    w as *mut c_void,
+                ),
+            }
+        };
+        check("convolution", status)
+    }
+
+    /// The shared workspace, grown to at least `bytes` (none for 0 bytes).
+    fn workspace(&self, dev: &Device, bytes: usize) -> Result<Option<DTensor>, String> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let mut ws = self.workspace.lock().map_err(|_| "poisoned")?;
+        if ws.as_ref().is_none_or(|w| w.bytes() < bytes) {
+            *ws = None;
+            *ws = Some(dev.alloc(DType::F32, &[bytes.div_ceil(4)], &"the cuDNN workspace")?);
+        }
+        Ok(ws.clone())
+    }
+
+    /// The descriptors of `key`'s convolution and its algorithm: stored on disk, else
+    /// timed now.
+    fn plan(
+        &self,
+        handle: sys::cudnnHandle_t,
+        key: &PlanKey,
+        options: DnnOptions,
+    ) -> Result<ConvPlan, String> {
+        let s = &key.shape;
+        let x = tensor_desc(s.dtype, s.layout, s.input)?;
+        let y = tensor_desc(s.dtype, s.layout, s.output())?;
+        let w = FilterDesc::new()?;
+        let [k, r, sw] = s.filter;
+        let [wk, wc, wr, ws] = dims4([k, s.input[1], r, sw])?;
+        // SAFETY: a live descriptor.
+        check("filter descriptor", unsafe {
+            sys::cudnnSetFilter4dDescriptor(w.0, data_type(s.dtype)?, format(s.layout), wk, wc, wr, ws)
+        })?;
+        let conv = ConvDesc::new()?;
+        // 16-bit convolutions accumulate in f32.
+        let compute = if s.dtype == DType::F64 {
+            CudnnType::CUDNN_DATA_DOUBLE
+        } else {
+            CudnnType::CUDNN_DATA_FLOAT
+        };
+        // SAFETY: a live descriptor.
+        check("convolution descriptor", unsafe {
+            sys::cudnnSetConvolution2dDescriptor(
+                conv.0,
+                dim(s.pad[0])?,
+                dim(s.pad[1])?,
+                dim(s.strides[0])?,
+                dim(s.strides[1])?,
+                1,
+                1,
+                sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                compute,
+            )
+        })?;
+        let mut plan = ConvPlan {
+            x,
+            y,
+            w,
+            conv,
+            algo: Algo {
+                id: 0,
+                math: 0,
+                workspace: 0,
+            },
+        };
+        let stored = self
+            .stored
+            .lock()
+            .map_err(|_| "poisoned")?
+            .get(&key.text())
+            .copied();
+        let (algo, ms, candidates) = match stored {
+            Some(a) if a.workspace <= options.workspace_limit => (a, None, 0),
+            _ => {
+                let (algo, ms, n) = self.fastest(handle, key, &plan, options)?;
+                self.store(key, algo);
+                (algo, Some(ms), n)
+            }
+        };
+        // SAFETY: a live descriptor; the math type the algorithm was timed with.
+        check("math type", unsafe {
+            sys::cudnnSetConvolutionMathType(plan.conv.0, pick(&MATH_TYPES, algo.math, "math")?)
+        })?;
+        plan.algo = algo;
+        let choice = Choice {
+            direction: key.direction,
+            shape: *s,
+            algorithm: algo.name(key.direction),
+            ms,
+            workspace: algo.workspace,
+            candidates,
+        };
+        log::info!("cuDNN {}", choice);
+        if let Ok(mut c) = self.choices.lock() {
+            c.push(choice);
+        }
+        Ok(plan)
+    }
+
+    /// Times every algorithm of `key`'s convolution (cuDNN allocates the buffers) and
+    /// returns the fastest that fits the workspace limit (and is deterministic where
+    /// asked), its time, and how many ran.
+    fn fastest(
+        &self,
+        handle: sys::cudnnHandle_t,
+        key: &PlanKey,
+        plan: &ConvPlan,
+        options: DnnOptions,
+    ) -> Result<(Algo, f32, usize), String> {
+        // f32 convolutions use TF32 Tensor Cores only where allowed.
+        let s = &key.shape;
+        let math = match (s.dtype, s.allow_tf32) {
+            (DType::F32, false) => sys::cudnnMathType_t::CUDNN_FMA_MATH,
+            (DType::F64, _) => sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+            _ => sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+        };
+        // SAFETY: a live descriptor.
+        check("math type", unsafe {
+            sys::cudnnSetConvolutionMathType(plan.conv.0, math)
+        })?;
+        const MOST: usize = 16;
+        let mut perf = [Perf {
+            algo: 0,
+            status: 0,
+            time: 0.0,
+            memory: 0,
+            determinism: 0,
+            math: 0,
+            reserved: [0; 3],
+        }; MOST];
+        let mut returned = 0i32;
+        // SAFETY: the descriptors are live; `perf` holds MOST results of the layout
+        // cuDNN writes (Perf mirrors its structs field for field).
+        let status = unsafe {
+            match key.direction {
+                Direction::Forward => sys::cudnnFindConvolutionForwardAlgorithm(
+                    handle,
+                    plan.x.0,
+                    plan.w.0,
+                    plan.conv.0,
+                    plan.y.0,
+                    MOST as i32,
+                    &mut returned,
+                    perf.as_mut_ptr() as *mut sys::cudnnConvolutionFwdAlgoPerf_t,
+                ),
+                Direction::BackwardData => sys::cudnnFindConvolutionBackwardDataAlgorithm(
+                    handle,
+                    plan.w.0,
+                    plan.y.0,
+                    plan.conv.0,
+                    plan.x.0,
+                    MOST as i32,
+                    &mut returned,
+                    perf.as_mut_ptr() as *mut sys::cudnnConvolutionBwdDataAlgoPerf_t,
+                ),
+                Direction::BackwardFilter => sys::cudnnFindConvolutionBackwardFilterAlgorithm(
+                    handle,
+                    plan.x.0,
+                    plan.y.0,
+                    plan.conv.0,
+                    plan.w.0,
+                    MOST as i32,
+                    &mut returned,
+                    perf.as_mut_ptr() as *mut sys::cudnnConvolutionBwdFilterAlgoPerf_t,
+                ),
+            }
+        };
+        check("algorithm search", status)?;
+        let ran = &perf[..(returned.max(0) as usize).min(MOST)];
+        // cuDNN sorts the results by time.
+        let best = ran.iter().find(|p| {
+            p.status == 0
+                && p.memory <= options.workspace_limit
+                && (!options.deterministic || p.determinism == 1)
+        });
+        match best {
+            Some(p) => Ok((
+                Algo {
+                    id: p.algo,
+                    math: p.math,
+                    workspace: p.memory,
+                },
+                p.time,
+                ran.len(),
+            )),
+            None => Err(format!(
+                "no {}cuDNN algorithm runs this convolution within the workspace limit of {} MiB ({} tried)",
+                if options.deterministic { "deterministic " } else { "" },
+                options.workspace_limit >> 20,
+                ran.len()
+            )),
+        }
+    }
+
+    /// Batch normalisation of `x` (`[n, c, h, w]` in `layout`) over all but the
+    /// channels: in training with the batch's statistics, writing the batch mean and
+    /// the batch variance with Bessel's correction into `stats`; else with the given
+    /// `stats` (mean, variance). `params` are the scale and offset (`[c]`, f32 or f64).
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm(
+        &self,
+        dev: &Device,
+        layout: DataFormat,
+        nchw: [usize; 4],
+        epsilon: f64,
+        training: bool,
+        x: &DTensor,
+        [scale, offset]: [&DTensor; 2],
+        [mean, variance]: [&DTensor; 2],
+        y: &DTensor,
+    ) -> Result<(), String> {
+        let handle = self.handle()?;
+        let xd = tensor_desc(x.dtype, layout, nchw)?;
+        let pd = tensor_desc(scale.dtype, DataFormat::Nchw, [1, nchw[1], 1, 1])?;
+        let (one, zero) = (Scale::of(x.dtype, 1.0), Scale::of(x.dtype, 0.0));
+        let ptr = |t: &DTensor| t.ptr() as *mut c_void;
+        Launches::count(&dev.launches.dnn);
+        // SAFETY: the descriptors describe the buffers (the caller checked the types);
+        // ordered on the executor's stream.
+        let status = unsafe {
+            if training {
+                // With an averaging factor of 1 the running averages cuDNN updates
+                // are the batch statistics (the variance with Bessel's correction),
+                // once they hold no NaN to carry over.
+                dev.zero(mean)?;
+                dev.zero(variance)?;
+                sys::cudnnBatchNormalizationForwardTraining(
+                    handle,
+                    bn_mode(layout, x.dtype),
+                    one.ptr(),
+                    zero.ptr(),
+                    xd.0,
+                    ptr(x),
+                    xd.0,
+                    ptr(y),
+                    pd.0,
+                    ptr(scale),
+                    ptr(offset),
+                    1.0,
+                    ptr(mean),
+                    ptr(variance),
+                    epsilon,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                )
+            } else {
+                sys::cudnnBatchNormalizationForwardInference(
+                    handle,
+                    sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+                    one.ptr(),
+                    zero.ptr(),
+                    xd.0,
+                    ptr(x),
+                    xd.0,
+                    ptr(y),
+                    pd.0,
+                    ptr(scale),
+                    ptr(offset),
+                    ptr(mean),
+                    ptr(variance),
+                    epsilon,
+                )
+            }
+        };
+        check("batch norm", status)
+    }
+
+    /// The gradient of a training batch normalisation: `dx`, `dscale`, `doffset` from
+    /// `x`, `dy` and the scale, the batch statistics computed again from `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_grad(
+        &self,
+        dev: &Device,
+        layout: DataFormat,
+        nchw: [usize; 4],
+        epsilon: f64,
+        [x, scale, dy]: [&DTensor; 3],
+        [dx, dscale, doffset]: [&DTensor; 3],
+    ) -> Result<(), String> {
+        let handle = self.handle()?;
+        let xd = tensor_desc(x.dtype, layout, nchw)?;
+        let pd = tensor_desc(scale.dtype, DataFormat::Nchw, [1, nchw[1], 1, 1])?;
+        let (one, zero) = (Scale::of(x.dtype, 1.0), Scale::of(x.dtype, 0.0));
+        let ptr = |t: &DTensor| t.ptr() as *mut c_void;
+        Launches::count(&dev.launches.dnn);
+        // SAFETY: as in `batch_norm`; no saved statistics (cuDNN computes them again).
+        let status = unsafe {
+            sys::cudnnBatchNormalizationBackward(
+                handle,
+                bn_mode(layout, x.dtype),
+                one.ptr(),
+                zero.ptr(),
+                one.ptr(),
+                zero.ptr(),
+                xd.0,
+                ptr(x),
+                xd.0,
+                ptr(dy),
+                xd.0,
+                ptr(dx),
+                pd.0,
+                ptr(scale),
+                ptr(dscale),
+                ptr(doffset),
+                epsilon,
+                std::ptr::null(),
+                std::ptr::null(),
+            )
+        };
+        check("batch norm gradient", status)
+    }
+}
+
+/// cuDNN's persistent batch-norm kernels (one pass over memory where the batch fits)
+/// take NHWC 16-bit tensors; the plain spatial mode takes everything.
+fn bn_mode(layout: DataFormat, dtype: DType) -> sys::cudnnBatchNormMode_t {
+    if layout == DataFormat::Nhwc && dtype.is_half() {
+        sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+    } else {
+        sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL
+    }
+}
+
+impl std::fmt::Display for Choice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.shape;
+        let [n, c, h, w] = s.input;
+        let [k, r, sw] = s.filter;
+        write!(
+            f,
+            "{:?} {} {:?} x[{n},{c},{h},{w}] filter {k}x{r}x{sw} stride {}x{} pad {}x{}: {}",
+            self.direction, s.dtype, s.layout, s.strides[0], s.strides[1], s.pad[0], s.pad[1], self.algorithm
+        )?;
+        match self.ms {
+            Some(ms) => write!(f, ", {ms:.3} ms of {} timed", self.candidates)?,
+            None => write!(f, " (from the disk file)")?,
+        }
+        write!(f, ", workspace {} KiB", self.workspace >> 10)
+    }
+}
