@@ -7,7 +7,7 @@ mod common;
 
 use ampgraph_exec::{cuda, CpuExecutor, CudaExecutor, Executor, Feeds};
 use ampgraph_graph::ops::*;
-use ampgraph_graph::{DType, Data, Graph, Op, Port, Tensor};
+use ampgraph_graph::{DType, Data, Graph, Op, Port, Tensor, TensorType};
 use common::{gpu, FLOATS};
 
 struct Rng(u64);
@@ -1106,23 +1106,285 @@ fn variables_live_on_the_device_and_assignments_apply_at_step_end() {
     assert!(gpu.peak_bytes() > 0);
 }
 
+/// An op no CUDA family lowers.
+#[derive(Clone, Debug, PartialEq)]
+struct Opaque;
+
+impl Op for Opaque {
+    fn name(&self) -> &'static str {
+        "Opaque"
+    }
+    fn arity(&self) -> ampgraph_graph::op::Arity {
+        ampgraph_graph::op::Arity::Exactly(1)
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> Result<Vec<TensorType>, String> {
+        Ok(vec![inputs[0].clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>, String> {
+        Ok(vec![inputs[0].clone()])
+    }
+}
+
 #[test]
 fn unsupported_ops_are_clear_errors() {
     // No device needed: the check happens before anything runs.
     let mut g = Graph::new();
     let x = g.placeholder("x", DType::F32, [1, 8, 8, 3]).unwrap();
-    let f = g.variable("f", DType::F32, [3, 3, 3, 4]).unwrap();
-    g.conv2d(x, f, [1, 1], Padding::Same, DataFormat::Nhwc)
-        .unwrap();
+    g.add_node("mystery", Box::new(Opaque), &[x]).unwrap();
     let err = CudaExecutor::check_supported(&g).unwrap_err().to_string();
     assert!(
         err.contains(
-            "(Conv2D): Conv2D has no CUDA kernel for inputs (f32[1, 8, 8, 3], f32[3, 3, 3, 4]); \
-             use Device::Cpu"
+            "(Opaque): Opaque has no CUDA kernel for inputs (f32[1, 8, 8, 3]); use Device::Cpu"
         ),
         "the lowering names the op and its input types: {err}"
     );
-    assert!(err.contains("conv2d"), "names the node: {err}");
+    assert!(err.contains("mystery"), "names the node: {err}");
+}
+
+/// (n, h, w, c, k, r, s, strides, padding): odd sizes, channels not multiples of 8,
+/// batch 1, both paddings (SAME's asymmetric cases included), strides 1 to 3.
+const CONV_SHAPES: [(
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    [usize; 2],
+    Padding,
+); 8] = [
+    (1, 5, 7, 3, 4, 3, 3, [1, 1], Padding::Same),
+    (2, 8, 8, 5, 6, 3, 3, [2, 2], Padding::Same),
+    (2, 9, 6, 17, 8, 3, 2, [2, 1], Padding::Valid),
+    (1, 7, 7, 8, 16, 1, 1, [2, 2], Padding::Same),
+    (3, 6, 10, 4, 3, 4, 4, [1, 1], Padding::Same),
+    (2, 5, 5, 3, 2, 5, 5, [1, 1], Padding::Valid),
+    (2, 11, 13, 6, 5, 3, 3, [3, 2], Padding::Same),
+    (4, 16, 16, 16, 32, 3, 3, [1, 1], Padding::Same),
+];
+
+#[test]
+fn convolutions_and_their_gradients_match_the_cpu() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(11);
+    let mut failures: Vec<String> = Vec::new();
+    // Every case runs (a failure is kept, not raised) so one run shows them all.
+    macro_rules! try_check {
+        ($gpu:expr, $what:expr, $op:expr, $inputs:expr, $scale:expr $(,)?) => {
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                check_scaled($gpu, $what, $op, $inputs, $scale)
+            }));
+            if let Err(e) = run {
+                failures.push(e.downcast_ref::<String>().cloned().unwrap_or_default());
+            }
+        };
+    }
+    for format in [DataFormat::Nhwc, DataFormat::Nchw] {
+        for d in FLOATS {
+            for &(n, h, w, c, k, kh, kw, strides, padding) in &CONV_SHAPES {
+                let image = |c: usize, h: usize, w: usize| match format {
+                    DataFormat::Nhwc => vec![n, h, w, c],
+                    DataFormat::Nchw => vec![n, c, h, w],
+                };
+                let x = rand(&mut r, d, &image(c, h, w), -1.0, 1.0);
+                let f = rand(&mut r, d, &[kh, kw, c, k], -1.0, 1.0);
+                let conv = Conv2D::new(strides, padding, format);
+                let what = format!(
+                    "{format:?} {d} x{:?} f{:?} {strides:?} {padding:?}",
+                    x.shape(),
+                    f.shape()
+                );
+                let (ys, _) = run_both(&mut gpu, &what, conv.clone(), &[x.clone(), f.clone()]);
+                let dy = rand(&mut r, d, ys[0].shape(), -1.0, 1.0);
+                // Errors grow with the terms a sum adds: judge them against its typical size.
+                let terms = (kh * kw * c) as f64;
+                try_check!(
+                    &mut gpu,
+                    &format!("Conv2D {what}"),
+                    conv,
+                    &[x.clone(), f.clone()],
+                    terms.sqrt(),
+                );
+                let dx = Conv2DBackpropInput {
+                    input_shape: x.shape().to_vec(),
+                    strides,
+                    padding,
+                    data_format: format,
+                };
+                let terms = (kh * kw * k) as f64;
+                try_check!(
+                    &mut gpu,
+                    &format!("Conv2DBackpropInput {what}"),
+                    dx,
+                    &[f.clone(), dy.clone()],
+                    terms.sqrt(),
+                );
+                let df = Conv2DBackpropFilter {
+                    filter_shape: f.shape().to_vec(),
+                    strides,
+                    padding,
+                    data_format: format,
+                };
+                let terms = (dy.len() / k) as f64;
+                try_check!(
+                    &mut gpu,
+                    &format!("Conv2DBackpropFilter {what}"),
+                    df,
+                    &[x, dy],
+                    terms.sqrt(),
+                );
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    let chosen = gpu.conv_algorithms();
+    assert!(!chosen.is_empty(), "the chosen algorithms are listed");
+    println!(
+        "{} cuDNN algorithm choices, e.g. {}",
+        chosen.len(),
+        chosen[0]
+    );
+}
+
+#[test]
+fn batch_norm_and_its_gradient_match_the_cpu() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(12);
+    let shapes: [(&[usize], DataFormat); 5] = [
+        (&[2, 5, 7, 3], DataFormat::Nhwc),
+        (&[1, 4, 4, 8], DataFormat::Nhwc),
+        (&[3, 6, 5, 4], DataFormat::Nchw),
+        (&[16, 5], DataFormat::Nhwc),
+        (&[8, 9, 9, 24], DataFormat::Nhwc),
+    ];
+    for d in FLOATS {
+        let u = if d == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        for (shape, format) in shapes {
+            let c = if format == DataFormat::Nchw && shape.len() == 4 {
+                shape[1]
+            } else {
+                shape[shape.len() - 1]
+            };
+            let x = rand(&mut r, d, shape, -2.0, 3.0);
+            let scale = rand(&mut r, u, &[c], 0.5, 1.5);
+            let offset = rand(&mut r, u, &[c], -0.5, 0.5);
+            let mean = rand(&mut r, u, &[c], -0.2, 0.2);
+            let var = rand(&mut r, u, &[c], 0.5, 2.0);
+            for training in [true, false] {
+                let bn = BatchNorm {
+                    epsilon: 1e-3,
+                    training,
+                    data_format: format,
+                };
+                let what = format!("BatchNorm {d} {shape:?} {format:?} training {training}");
+                check(
+                    &mut gpu,
+                    &what,
+                    bn,
+                    &[
+                        x.clone(),
+                        scale.clone(),
+                        offset.clone(),
+                        mean.clone(),
+                        var.clone(),
+                    ],
+                );
+            }
+            // The gradient reads the forward's batch statistics.
+            let bn = BatchNorm {
+                epsilon: 1e-3,
+                training: true,
+                data_format: format,
+            };
+            let (_, stats) = run_both(
+                &mut gpu,
+                "statistics",
+                bn,
+                &[
+                    x.clone(),
+                    scale.clone(),
+                    offset.clone(),
+                    mean.clone(),
+                    var.clone(),
+                ],
+            );
+            let dy = rand(&mut r, d, shape, -1.0, 1.0);
+            let grad = BatchNormGrad {
+                epsilon: 1e-3,
+                training: true,
+                data_format: format,
+            };
+            let what = format!("BatchNormGrad {d} {shape:?} {format:?}");
+            let count = (x.len() / c) as f64;
+            check_scaled(
+                &mut gpu,
+                &what,
+                grad,
+                &[x, scale.clone(), stats[1].clone(), stats[2].clone(), dy],
+                count.sqrt(),
+            );
+        }
+    }
+}
+
+#[test]
+fn conv_algorithms_are_timed_once_then_read_from_disk_and_deterministic_ones_repeat() {
+    let Some(_) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ampgraph-cudnn-{}", std::process::id()));
+    let cache = ampgraph_exec::KernelCache::Dir(dir.clone());
+    let mut r = Rng(13);
+    let x = rand(&mut r, DType::F16, &[4, 12, 12, 16], -1.0, 1.0);
+    let dy = rand(&mut r, DType::F16, &[4, 12, 12, 24], -1.0, 1.0);
+    let df = Conv2DBackpropFilter {
+        filter_shape: vec![3, 3, 16, 24],
+        strides: [1, 1],
+        padding: Padding::Same,
+        data_format: DataFormat::Nhwc,
+    };
+    let run = |options: cuda::CudaOptions| {
+        let mut gpu = CudaExecutor::with_kernel_cache(0, options, &cache).expect("executor");
+        let (out, _) = run_both(&mut gpu, "dfilter", df.clone(), &[x.clone(), dy.clone()]);
+        (out, gpu.conv_algorithms())
+    };
+    let (_, timed) = run(cuda::CudaOptions::default());
+    assert!(
+        timed.iter().all(|c| c.ms.is_some() && c.candidates > 0),
+        "timed: {timed:?}"
+    );
+    let file = std::fs::read_dir(&dir).unwrap().flatten().find(|e| {
+        e.file_name()
+            .to_string_lossy()
+            .starts_with("cudnn-algorithms")
+    });
+    assert!(file.is_some(), "the choices are kept in {}", dir.display());
+    let (_, stored) = run(cuda::CudaOptions::default());
+    assert!(
+        stored.iter().all(|c| c.ms.is_none()),
+        "read from disk: {stored:?}"
+    );
+    assert_eq!(timed[0].algorithm, stored[0].algorithm);
+    // Deterministic algorithms give the same bits every run.
+    let deterministic = cuda::CudaOptions {
+        dnn: cuda::DnnOptions {
+            deterministic: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let (a, _) = run(deterministic);
+    let (b, _) = run(deterministic);
+    assert_eq!(a[0].to_f64_vec(), b[0].to_f64_vec());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -358,9 +358,7 @@ impl Algo {
     fn name(&self, direction: Direction) -> String {
         let algo = match direction {
             Direction::Forward => pick(&FWD_ALGOS, self.id, "").map(|a| format!("{a:?}")),
-            Direction::BackwardData => {
-                pick(&BWD_DATA_ALGOS, self.id, "").map(|a| format!("{a:?}"))
-            }
+            Direction::BackwardData => pick(&BWD_DATA_ALGOS, self.id, "").map(|a| format!("{a:?}")),
             Direction::BackwardFilter => {
                 pick(&BWD_FILTER_ALGOS, self.id, "").map(|a| format!("{a:?}"))
             }
@@ -455,7 +453,14 @@ impl Dnn {
                 continue;
             };
             if v == version {
-                stored.insert(key.to_string(), Algo { id, math, workspace });
+                stored.insert(
+                    key.to_string(),
+                    Algo {
+                        id,
+                        math,
+                        workspace,
+                    },
+                );
             }
         }
         if let Ok(mut s) = self.stored.lock() {
@@ -505,7 +510,12 @@ impl Dnn {
             shape: *shape,
             deterministic: options.deterministic,
         };
-        let cached = self.plans.lock().map_err(|_| "poisoned")?.get(&key).cloned();
+        let cached = self
+            .plans
+            .lock()
+            .map_err(|_| "poisoned")?
+            .get(&key)
+            .cloned();
         let plan = match cached {
             Some(p) => p,
             None => {
@@ -609,7 +619,15 @@ impl Dnn {
         let [wk, wc, wr, ws] = dims4([k, s.input[1], r, sw])?;
         // SAFETY: a live descriptor.
         check("filter descriptor", unsafe {
-            sys::cudnnSetFilter4dDescriptor(w.0, data_type(s.dtype)?, format(s.layout), wk, wc, wr, ws)
+            sys::cudnnSetFilter4dDescriptor(
+                w.0,
+                data_type(s.dtype)?,
+                format(s.layout),
+                wk,
+                wc,
+                wr,
+                ws,
+            )
         })?;
         let conv = ConvDesc::new()?;
         // 16-bit convolutions accumulate in f32.
@@ -763,12 +781,31 @@ impl Dnn {
                 p.time,
                 ran.len(),
             )),
-            None => Err(format!(
-                "no {}cuDNN algorithm runs this convolution within the workspace limit of {} MiB ({} tried)",
-                if options.deterministic { "deterministic " } else { "" },
-                options.workspace_limit >> 20,
-                ran.len()
-            )),
+            None => {
+                let tried: Vec<String> = ran
+                    .iter()
+                    .map(|p| {
+                        let algo = Algo {
+                            id: p.algo,
+                            math: p.math,
+                            workspace: p.memory,
+                        };
+                        format!(
+                            "{} status {} {}deterministic {} KiB",
+                            algo.name(key.direction),
+                            p.status,
+                            if p.determinism == 1 { "" } else { "non-" },
+                            p.memory >> 10
+                        )
+                    })
+                    .collect();
+                Err(format!(
+                    "no {}cuDNN algorithm runs this convolution within the workspace limit of {} MiB (tried: {})",
+                    if options.deterministic { "deterministic " } else { "" },
+                    options.workspace_limit >> 20,
+                    tried.join("; ")
+                ))
+            }
         }
     }
 
@@ -909,7 +946,14 @@ impl std::fmt::Display for Choice {
         write!(
             f,
             "{:?} {} {:?} x[{n},{c},{h},{w}] filter {k}x{r}x{sw} stride {}x{} pad {}x{}: {}",
-            self.direction, s.dtype, s.layout, s.strides[0], s.strides[1], s.pad[0], s.pad[1], self.algorithm
+            self.direction,
+            s.dtype,
+            s.layout,
+            s.strides[0],
+            s.strides[1],
+            s.pad[0],
+            s.pad[1],
+            self.algorithm
         )?;
         match self.ms {
             Some(ms) => write!(f, ", {ms:.3} ms of {} timed", self.candidates)?,

@@ -72,8 +72,17 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
         } else {
             // The given statistics pass through as outputs 1 and 2.
             let (mean, var) = (input(inputs, 3)?, input(inputs, 4)?);
-            c.dnn
-                .batch_norm(c.dev, layout, nchw, epsilon, false, x, params, [mean, var], &y)?;
+            c.dnn.batch_norm(
+                c.dev,
+                layout,
+                nchw,
+                epsilon,
+                false,
+                x,
+                params,
+                [mean, var],
+                &y,
+            )?;
             Ok(vec![y, mean.clone(), var.clone()])
         }
     }))

@@ -33,7 +33,14 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(conv) = op.downcast_ref::<Conv2D>() {
         let (x, w) = (ins.first()?, ins.get(1)?);
         let attrs = (conv.strides, conv.padding, conv.data_format);
-        return Some(lower_conv(Direction::Forward, attrs, &x.shape, &w.shape, ins, outs));
+        return Some(lower_conv(
+            Direction::Forward,
+            attrs,
+            &x.shape,
+            &w.shape,
+            ins,
+            outs,
+        ));
     }
     if let Some(b) = op.downcast_ref::<Conv2DBackpropInput>() {
         let w = ins.first()?;
