@@ -53,6 +53,7 @@ mod matmul;
 mod norm;
 #[cfg(test)]
 mod parse_check;
+mod pool;
 mod reduce;
 mod shape;
 mod softmax;
@@ -186,6 +187,7 @@ const FAMILIES: &[Lower] = &[
     matmul::lower,
     attention::lower,
     training::lower,
+    pool::lower,
 ];
 
 /// Lowers a node (`op` with its input and output types) once, for every step.
