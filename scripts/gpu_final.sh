@@ -12,6 +12,7 @@ if [ "$part" != bench ]; then
   AMPGRAPH_ORACLE_DIR=$PWD/oracle run_test session ./cuda_session --test-threads 4 &
   run_test fused ./cuda_fused &
   run_test executor ./cuda_executor &
+  run_test pool ./cuda_pool --test-threads 4 &
   wait
 fi
 if [ "$part" != tests ]; then

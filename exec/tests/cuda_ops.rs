@@ -5,10 +5,10 @@
 
 mod common;
 
-use ampgraph_exec::{cuda, CpuExecutor, CudaExecutor, Executor, Feeds};
+use ampgraph_exec::{cuda, CudaExecutor, Executor, Feeds};
 use ampgraph_graph::ops::*;
-use ampgraph_graph::{DType, Data, Graph, Op, Port, Tensor, TensorType};
-use common::{gpu, FLOATS};
+use ampgraph_graph::{DType, Data, Graph, Op, Tensor, TensorType};
+use common::{gpu, run_both, FLOATS};
 
 struct Rng(u64);
 impl Rng {
@@ -74,38 +74,6 @@ fn check_scaled(gpu: &mut CudaExecutor, what: &str, op: impl Op, inputs: &[Tenso
     for (k, (a, b)) in dev.iter().zip(&cpu).enumerate() {
         assert_close(&format!("{what} output {k}"), a, b, scale);
     }
-}
-
-/// `op` over `inputs` on the GPU and on the CPU: (GPU outputs, CPU outputs).
-fn run_both(
-    gpu: &mut CudaExecutor,
-    what: &str,
-    op: impl Op,
-    inputs: &[Tensor],
-) -> (Vec<Tensor>, Vec<Tensor>) {
-    let mut g = Graph::new();
-    let mut feeds = Feeds::new();
-    let ports: Vec<Port> = inputs
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let name = format!("in{i}");
-            feeds.insert(name.clone(), t.clone());
-            g.placeholder(&name, t.dtype(), t.shape().to_vec())
-                .expect("placeholder")
-        })
-        .collect();
-    let y = g.add(op, &ports).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let outs: Vec<Port> = (0..g.node(y.node).outputs().len())
-        .map(|k| Port::new(y.node, k))
-        .collect();
-    let cpu = CpuExecutor::new()
-        .run(&g, &feeds, &outs)
-        .unwrap_or_else(|e| panic!("{what}: cpu: {e}"));
-    let dev = gpu
-        .run(&g, &feeds, &outs)
-        .unwrap_or_else(|e| panic!("{what}: cuda: {e}"));
-    (dev, cpu)
 }
 
 fn t(dtype: DType, shape: &[usize], v: &[f64]) -> Tensor {

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use ampgraph_exec::gradcheck::{check_op_gradient, check_output0_gradient};
-use ampgraph_exec::{cuda, CpuExecutor, CudaExecutor, Executor};
+use ampgraph_exec::{cuda, CpuExecutor, CudaExecutor, Executor, Feeds};
 use ampgraph_graph::attrs::{AttrMap, AttrReader, AttrValue};
 use ampgraph_graph::autodiff::gradients;
 use ampgraph_graph::ops::{parse_op, Binary, BinaryKind, Const, Placeholder, Reduce, ReduceKind};
@@ -208,6 +208,49 @@ pub fn add_op_on_placeholders(
         .collect();
     let y = g.add_node("op", op, &ports).unwrap();
     (ports, Port::new(y, 0))
+}
+
+/// A graph of `op` on placeholders `in{i}` and the feeds giving them `inputs`; the
+/// op's outputs.
+pub fn op_graph(op: Box<dyn Op>, inputs: &[Tensor]) -> (Graph, Feeds, Vec<Port>) {
+    let mut g = Graph::new();
+    let (_, y) = add_op_on_placeholders(&mut g, op, inputs);
+    let outs = (0..g.node(y.node).outputs().len())
+        .map(|k| Port::new(y.node, k))
+        .collect();
+    let feeds = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (format!("in{i}"), t.clone()))
+        .collect();
+    (g, feeds, outs)
+}
+
+/// `op` over `inputs` on the GPU and on the CPU: (GPU outputs, CPU outputs).
+pub fn run_both(
+    gpu: &mut CudaExecutor,
+    what: &str,
+    op: impl Op,
+    inputs: &[Tensor],
+) -> (Vec<Tensor>, Vec<Tensor>) {
+    run_both_boxed(gpu, what, Box::new(op), inputs)
+}
+
+/// [`run_both`] of a boxed op.
+pub fn run_both_boxed(
+    gpu: &mut CudaExecutor,
+    what: &str,
+    op: Box<dyn Op>,
+    inputs: &[Tensor],
+) -> (Vec<Tensor>, Vec<Tensor>) {
+    let (g, feeds, outs) = op_graph(op, inputs);
+    let cpu = CpuExecutor::new()
+        .run(&g, &feeds, &outs)
+        .unwrap_or_else(|e| panic!("{what}: cpu: {e}"));
+    let dev = gpu
+        .run(&g, &feeds, &outs)
+        .unwrap_or_else(|e| panic!("{what}: cuda: {e}"));
+    (dev, cpu)
 }
 
 /// Adds `sum(y * w)` with `w` a constant; returns the loss.

@@ -55,6 +55,7 @@ mod matmul;
 mod norm;
 #[cfg(test)]
 mod parse_check;
+mod pool;
 mod reduce;
 mod shape;
 mod softmax;
@@ -191,6 +192,7 @@ const FAMILIES: &[Lower] = &[
     conv::lower,
     batch_norm::lower,
     training::lower,
+    pool::lower,
 ];
 
 /// Lowers a node (`op` with its input and output types) once, for every step.

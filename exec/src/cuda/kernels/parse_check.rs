@@ -8,6 +8,7 @@ use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad}
 use super::fused::fused;
 use super::fused::tests::program as fused_program;
 use super::norm::{layer_norm, layer_norm_grad_block, layer_norm_grad_rows, NormTypes};
+use super::pool::{avg_pool, avg_pool_grad, max_pool, max_pool_grad};
 use super::reduce::{broadcast_div, column_sum, reduce, reduce_max_grad};
 use super::shape::{concat, gather};
 use super::softmax::{fused_softmax, softmax, softmax_grad};
@@ -130,6 +131,10 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                 all_finite(&[d, DType::F32], Some(DType::F32)),
             ),
             (format!("increment_if_{d}"), increment_if(d)),
+            (format!("max_pool_{d}"), max_pool(d)),
+            (format!("avg_pool_{d}"), avg_pool(d)),
+            (format!("max_pool_grad_{d}"), max_pool_grad(d)),
+            (format!("avg_pool_grad_{d}"), avg_pool_grad(d)),
         ]);
         let rules = [
             Rule::PLAIN_SGD,

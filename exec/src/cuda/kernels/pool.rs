@@ -1,0 +1,401 @@
+//! Pooling over 2-D images in NHWC or NCHW, TensorFlow's semantics as the CPU kernels
+//! (`graph/src/ops/conv.rs`) have them: MaxPool and AvgPool a thread per output;
+//! MaxPoolGrad and AvgPoolGrad a thread per input element, gathering from the output
+//! windows that cover it, so no atomics and the same result every run.
+//!
+//! Every kernel adds in the CPU's order (a window's elements row-major; an input
+//! element's window gradients in output order oy, ox) and rounds as it does (f32 for
+//! the 16-bit types, once on store; AvgPoolGrad scales by the reciprocal of the count,
+//! AvgPool divides by it), so the results are the CPU's bit for bit.
+
+use ampgraph_graph::ops::{AvgPool, AvgPoolGrad, DataFormat, MaxPool, MaxPoolGrad, Padding};
+use ampgraph_graph::tensor::ShapeDisplay;
+use ampgraph_graph::{DType, Op, TensorType};
+
+use super::codegen::module;
+use super::{first, float_input, input, numel, one_output, CudaKernel, KernelResult, Lowering};
+use crate::cuda::device::{Arg, DTensor};
+
+kernel_specs! {
+    /// The modules of the family, one per op and dtype; `GEOMETRY` stands for
+    /// [`GEOMETRY`]'s parameters.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    enum Spec in "pool" {
+        /// `k(const T* px, T* py, i64 total, GEOMETRY)`, a thread per output.
+        MaxPool { dtype: DType } => max_pool(dtype),
+        /// `k(const T* px, T* py, i64 total, GEOMETRY)`, a thread per output.
+        AvgPool { dtype: DType } => avg_pool(dtype),
+        /// `k(const T* px, const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread per
+        /// input element.
+        MaxPoolGrad { dtype: DType } => max_pool_grad(dtype),
+        /// `k(const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread per input element.
+        AvgPoolGrad { dtype: DType } => avg_pool_grad(dtype),
+    }
+}
+
+/// The parameters (type, name) every kernel takes after its tensors and element count:
+/// the layout (NHWC when `nhwc`), the input's channels, rows and columns, the output's
+/// rows and columns, and the window's size, stride and padding before, by axis (rows
+/// first). [`Geometry::new`] makes the arguments in this order.
+const GEOMETRY: [(&str, &str); 12] = [
+    ("int", "nhwc"),
+    ("i64", "c"),
+    ("i64", "h"),
+    ("i64", "w"),
+    ("i64", "oh"),
+    ("i64", "ow"),
+    ("i64", "kh"),
+    ("i64", "kw"),
+    ("i64", "sh"),
+    ("i64", "sw"),
+    ("i64", "ph"),
+    ("i64", "pw"),
+];
+
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
+    if let Some(p) = op.downcast_ref::<MaxPool>() {
+        let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
+        return Some(lower_forward(
+            |dtype| Spec::MaxPool { dtype },
+            &attrs,
+            ins,
+            outs,
+        ));
+    }
+    if let Some(p) = op.downcast_ref::<AvgPool>() {
+        let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
+        return Some(lower_forward(
+            |dtype| Spec::AvgPool { dtype },
+            &attrs,
+            ins,
+            outs,
+        ));
+    }
+    if let Some(p) = op.downcast_ref::<MaxPoolGrad>() {
+        let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
+        return Some(lower_max_pool_grad(&attrs, ins, outs));
+    }
+    if let Some(p) = op.downcast_ref::<AvgPoolGrad>() {
+        let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
+        return Some(lower_avg_pool_grad(&attrs, &p.input_shape, ins, outs));
+    }
+    None
+}
+
+/// The attributes the four pooling ops share.
+struct Attrs {
+    ksize: [usize; 2],
+    strides: [usize; 2],
+    padding: Padding,
+    format: DataFormat,
+}
+
+impl Attrs {
+    fn new(ksize: [usize; 2], strides: [usize; 2], padding: Padding, format: DataFormat) -> Self {
+        Attrs {
+            ksize,
+            strides,
+            padding,
+            format,
+        }
+    }
+}
+
+/// A pooling's input and output shapes and its kernels' [`GEOMETRY`] arguments.
+struct Geometry {
+    input: Vec<usize>,
+    output: Vec<usize>,
+    args: Vec<Arg>,
+}
+
+impl Geometry {
+    /// The pooling of an input of shape `input` (in the attrs' layout).
+    fn new(attrs: &Attrs, input: &[usize]) -> Result<Geometry, String> {
+        let &[d0, d1, d2, d3] = input else {
+            return Err(format!(
+                "pooling takes a rank-4 image tensor, got {}",
+                ShapeDisplay(input)
+            ));
+        };
+        let nhwc = attrs.format == DataFormat::Nhwc;
+        let (n, c, h, w) = if nhwc {
+            (d0, d3, d1, d2)
+        } else {
+            (d0, d1, d2, d3)
+        };
+        let [kh, kw] = attrs.ksize;
+        let [sh, sw] = attrs.strides;
+        if kh == 0 || kw == 0 || sh == 0 || sw == 0 {
+            return Err(format!(
+                "pooling needs positive ksize and strides, got ksize {:?}, strides {:?}",
+                attrs.ksize, attrs.strides
+            ));
+        }
+        let (oh, ph) = attrs
+            .padding
+            .output_len(h, kh, sh)
+            .map_err(|e| format!("height: {e}"))?;
+        let (ow, pw) = attrs
+            .padding
+            .output_len(w, kw, sw)
+            .map_err(|e| format!("width: {e}"))?;
+        let output = if nhwc {
+            vec![n, oh, ow, c]
+        } else {
+            vec![n, c, oh, ow]
+        };
+        let mut args = vec![Arg::I32(nhwc.into())];
+        args.extend([c, h, w, oh, ow, kh, kw, sh, sw, ph, pw].map(|v| Arg::I64(v as i64)));
+        Ok(Geometry {
+            input: input.to_vec(),
+            output,
+            args,
+        })
+    }
+}
+
+/// Refuses `t` (the op's `what`) unless it is of `dtype` and shape `shape`.
+fn expect(what: &str, t: Option<&TensorType>, dtype: DType, shape: &[usize]) -> Result<(), String> {
+    let t = t.ok_or_else(|| format!("the pooling op has no {what}"))?;
+    if t.dtype != dtype || t.shape != shape {
+        return Err(format!(
+            "{what} is {}{} but the pooling needs {dtype}{}",
+            t.dtype,
+            ShapeDisplay(&t.shape),
+            ShapeDisplay(shape)
+        ));
+    }
+    Ok(())
+}
+
+/// MaxPool or AvgPool (`spec` of the dtype): `y` from `x`.
+fn lower_forward(
+    spec: impl Fn(DType) -> Spec,
+    attrs: &Attrs,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
+    let dtype = float_input(ins)?;
+    let g = Geometry::new(attrs, &ins[0].shape)?;
+    let y = first(outs)?;
+    expect("y", Some(&y), dtype, &g.output)?;
+    let total = numel(&g.output);
+    Ok(pooling_kernel(spec(dtype), &[0], y, total, g))
+}
+
+/// MaxPoolGrad: `dx` from `x`, `y` (its type checked only, as on the CPU) and `dy`.
+fn lower_max_pool_grad(attrs: &Attrs, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+    let dtype = float_input(ins)?;
+    let g = Geometry::new(attrs, &ins[0].shape)?;
+    expect("y", ins.get(1), dtype, &g.output)?;
+    expect("dy", ins.get(2), dtype, &g.output)?;
+    let dx = first(outs)?;
+    expect("dx", Some(&dx), dtype, &g.input)?;
+    let total = numel(&g.input);
+    Ok(pooling_kernel(
+        Spec::MaxPoolGrad { dtype },
+        &[0, 2],
+        dx,
+        total,
+        g,
+    ))
+}
+
+/// AvgPoolGrad: `dx` (of shape `input_shape`) from `dy`.
+fn lower_avg_pool_grad(
+    attrs: &Attrs,
+    input_shape: &[usize],
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
+    let dtype = float_input(ins)?;
+    let g = Geometry::new(attrs, input_shape)?;
+    expect("dy", ins.first(), dtype, &g.output)?;
+    let dx = first(outs)?;
+    expect("dx", Some(&dx), dtype, &g.input)?;
+    let total = numel(&g.input);
+    Ok(pooling_kernel(
+        Spec::AvgPoolGrad { dtype },
+        &[0],
+        dx,
+        total,
+        g,
+    ))
+}
+
+/// Kernel `k` of `spec` writing `out`, a thread per each of its `total` elements: its
+/// arguments the node's inputs numbered `reads`, the output, `total` and the geometry.
+fn pooling_kernel(
+    spec: Spec,
+    reads: &'static [usize],
+    out: TensorType,
+    total: usize,
+    g: Geometry,
+) -> Box<dyn CudaKernel> {
+    one_output(out, move |c, inputs, y| {
+        let mut args = reads
+            .iter()
+            .map(|&k| input(inputs, k).map(DTensor::arg))
+            .collect::<Result<Vec<_>, _>>()?;
+        args.extend([y.arg(), Arg::I64(total as i64)]);
+        args.extend(g.args.iter().cloned());
+        c.launch_n(&spec, total, &args)
+    })
+}
+
+/// What every pooling kernel uses: an element's place in an image tensor, the input
+/// range of an output's window (the CPU's `Axis::range`), the outputs whose windows
+/// cover an input position, and the first maximum of a window.
+const POOLING: &str = r#"
+// Where an element of an image tensor lies: image, channel, row, column.
+struct Pixel { i64 b, ch, y, x; };
+// Positions [lo, hi) along one axis.
+struct Range { i64 lo, hi; };
+__device__ __forceinline__ i64 range_len(Range r) { return r.hi - r.lo; }
+struct Pooling {
+  int nhwc;
+  i64 c, h, w, oh, ow, kh, kw, sh, sw, ph, pw;
+  // Element `i` of a contiguous tensor of images of `rows` x `cols`.
+  __device__ __forceinline__ Pixel pixel(i64 i, i64 rows, i64 cols) const {
+    Pixel p;
+    if (nhwc) { p.ch = i % c; i /= c; p.x = i % cols; i /= cols; p.y = i % rows; p.b = i / rows; }
+    else { p.x = i % cols; i /= cols; p.y = i % rows; i /= rows; p.ch = i % c; p.b = i / c; }
+    return p;
+  }
+  __device__ __forceinline__ i64 offset(i64 b, i64 ch, i64 y, i64 x, i64 rows, i64 cols) const {
+    return nhwc ? ((b * rows + y) * cols + x) * c + ch : ((b * c + ch) * rows + y) * cols + x;
+  }
+  __device__ __forceinline__ i64 input_offset(i64 b, i64 ch, i64 y, i64 x) const { return offset(b, ch, y, x, h, w); }
+  __device__ __forceinline__ i64 output_offset(i64 b, i64 ch, i64 y, i64 x) const { return offset(b, ch, y, x, oh, ow); }
+};
+// The in-bounds input positions of output position `o`'s window along an axis of
+// `len` (padding takes no part).
+__device__ __forceinline__ Range window(i64 o, i64 stride, i64 pad, i64 size, i64 len) {
+  i64 start = o * stride - pad, end = start + size;
+  Range r;
+  r.lo = start < 0 ? 0 : start;
+  r.hi = end > len ? len : end;
+  if (r.hi < r.lo) r.hi = r.lo;
+  return r;
+}
+// The output positions (of `out`) whose windows along an axis hold input position `i`:
+// o * stride - pad <= i < o * stride - pad + size.
+__device__ __forceinline__ Range covering(i64 i, i64 stride, i64 pad, i64 size, i64 out) {
+  i64 first = i + pad - size + 1;
+  Range r;
+  r.lo = first <= 0 ? 0 : (first + stride - 1) / stride;
+  r.hi = (i + pad) / stride + 1;
+  if (r.hi > out) r.hi = out;
+  return r;
+}
+// The first maximum of the window (rows `ry`, columns `rx`) of image `b`, channel
+// `ch`, in row-major order, with a NaN counting as the maximum: its input offset (-1
+// for an empty window) and value (-inf then). MaxPool's value is the CPU's (NaN
+// propagates); MaxPoolGrad's element the one the CPU gives the window's gradient.
+struct Max { i64 at; A value; };
+__device__ __forceinline__ Max first_max(const T* px, const Pooling& g, i64 b, i64 ch, Range ry, Range rx) {
+  Max m = {-1, (A)(-F_INF)};
+  for (i64 y = ry.lo; y < ry.hi; ++y) {
+    for (i64 x = rx.lo; x < rx.hi; ++x) {
+      i64 at = g.input_offset(b, ch, y, x);
+      A v = (A)ld(px, at);
+      if (m.at < 0 || (!m_isnan(m.value) && (m_isnan(v) || v > m.value))) { m.at = at; m.value = v; }
+    }
+  }
+  return m;
+}
+"#;
+
+/// Kernel `k` over `total` elements `i` of tensors `tensors` (the parameters before
+/// `total`): `body` runs per element with the geometry `g` bound.
+fn pooling_module(d: DType, tensors: &str, body: &str) -> String {
+    let params: Vec<String> = GEOMETRY.iter().map(|(t, n)| format!("{t} {n}")).collect();
+    let names: Vec<&str> = GEOMETRY.iter().map(|(_, n)| *n).collect();
+    module(
+        d,
+        &format!(
+            "{POOLING}extern \"C\" __global__ void k({tensors}, i64 total, {}) {{\n\
+               const Pooling g = {{{}}};\n\
+               GRID_LOOP(i, total) {{\n{body}\n}}\n}}\n",
+            params.join(", "),
+            names.join(", ")
+        ),
+    )
+}
+
+/// A forward kernel: output `i`'s window (`o`, rows `ry`, columns `rx`) bound for
+/// `body`, which stores `py[i]`.
+fn forward(d: DType, body: &str) -> String {
+    pooling_module(
+        d,
+        "const T* px, T* py",
+        &format!(
+            "Pixel o = g.pixel(i, g.oh, g.ow);\n\
+             Range ry = window(o.y, g.sh, g.ph, g.kh, g.h), rx = window(o.x, g.sw, g.pw, g.kw, g.w);\n\
+             {body}"
+        ),
+    )
+}
+
+/// A gradient kernel: input element `i` (`p`) gathers into `acc` what `contribution`
+/// adds for each output window (`oy`, `ox`, rows `ry`, columns `rx`) covering it, in
+/// the CPU's order, and stores it in `pdx[i]`.
+fn gradient(d: DType, tensors: &str, contribution: &str) -> String {
+    pooling_module(
+        d,
+        &format!("{tensors}, T* pdx"),
+        &format!(
+            "Pixel p = g.pixel(i, g.h, g.w);\n\
+             Range oys = covering(p.y, g.sh, g.ph, g.kh, g.oh), oxs = covering(p.x, g.sw, g.pw, g.kw, g.ow);\n\
+             A acc = 0;\n\
+             for (i64 oy = oys.lo; oy < oys.hi; ++oy) {{\n\
+               for (i64 ox = oxs.lo; ox < oxs.hi; ++ox) {{\n\
+                 Range ry = window(oy, g.sh, g.ph, g.kh, g.h), rx = window(ox, g.sw, g.pw, g.kw, g.w);\n\
+                 A dy = (A)ld(pdy, g.output_offset(p.b, p.ch, oy, ox));\n\
+                 {contribution}\n\
+               }}\n\
+             }}\n\
+             st(pdx, i, (C)acc);"
+        ),
+    )
+}
+
+pub(super) fn max_pool(d: DType) -> String {
+    forward(
+        d,
+        "st(py, i, (C)first_max(px, g, o.b, o.ch, ry, rx).value);",
+    )
+}
+
+/// The mean over the window's in-bounds elements (zero for an empty window, as the
+/// CPU's).
+pub(super) fn avg_pool(d: DType) -> String {
+    forward(
+        d,
+        "A sum = 0;\n\
+         for (i64 y = ry.lo; y < ry.hi; ++y) {\n\
+           for (i64 x = rx.lo; x < rx.hi; ++x) sum += (A)ld(px, g.input_offset(o.b, o.ch, y, x));\n\
+         }\n\
+         i64 count = range_len(ry) * range_len(rx);\n\
+         st(py, i, (C)(count > 0 ? sum / (A)count : sum));",
+    )
+}
+
+/// Each covering window's gradient where this element is the window's first maximum
+/// (found again in `x`: windows are small).
+pub(super) fn max_pool_grad(d: DType) -> String {
+    gradient(
+        d,
+        "const T* px, const T* pdy",
+        "if (first_max(px, g, p.b, p.ch, ry, rx).at == i) acc += dy;",
+    )
+}
+
+/// Each covering window's gradient spread evenly over its in-bounds elements.
+pub(super) fn avg_pool_grad(d: DType) -> String {
+    gradient(
+        d,
+        "const T* pdy",
+        "acc += dy * ((A)1 / (A)(range_len(ry) * range_len(rx)));",
+    )
+}
