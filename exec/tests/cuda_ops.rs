@@ -1111,7 +1111,8 @@ fn unsupported_ops_are_clear_errors() {
 
 /// (n, h, w, c, k, r, s, strides, padding): odd sizes, channels not multiples of 8,
 /// batch 1, both paddings (SAME's asymmetric cases included), strides 1 to 3.
-const CONV_SHAPES: [(
+/// (n, h, w, c, k, r, s, strides, padding).
+type ConvCase = (
     usize,
     usize,
     usize,
@@ -1121,7 +1122,9 @@ const CONV_SHAPES: [(
     usize,
     [usize; 2],
     Padding,
-); 8] = [
+);
+
+const CONV_SHAPES: [ConvCase; 8] = [
     (1, 5, 7, 3, 4, 3, 3, [1, 1], Padding::Same),
     (2, 8, 8, 5, 6, 3, 3, [2, 2], Padding::Same),
     (2, 9, 6, 17, 8, 3, 2, [2, 1], Padding::Valid),
