@@ -16,13 +16,14 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use ampgraph::cli::DeviceArg;
 use ampgraph::exec::data::Mnist;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{DataFormat, Padding};
 use ampgraph::graph::{DType, Graph, Port};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep};
-use ampgraph::{Device, Session};
+use ampgraph::Session;
 
 #[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
 enum Model {
@@ -66,6 +67,9 @@ struct Args {
     /// Start from the checkpoint instead of a fresh initialisation.
     #[arg(long)]
     resume: bool,
+    /// Where to train: `auto` is CUDA device 0 where it runs every node, else the CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
 }
 
 /// The model's logits for `x` [batch, 784]; variables get the same names in every
@@ -196,12 +200,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut session = Session::with_options(
         net.graph.clone(),
-        Device::auto_for(&net.graph),
+        args.device.for_graph(&net.graph),
         options.clone(),
     )?;
     let mut eval_session = Session::with_options(
         eval_net.graph.clone(),
-        Device::auto_for(&eval_net.graph),
+        args.device.for_graph(&eval_net.graph),
         options,
     )?;
     for record in &session.passes {

@@ -68,6 +68,17 @@ pub enum DeviceArg {
     Auto,
 }
 
+impl DeviceArg {
+    /// The device to run `g` on (`auto`: CUDA device 0 where it runs every node).
+    pub fn for_graph(self, g: &ampgraph_graph::Graph) -> Device {
+        match self {
+            DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Cuda => Device::Cuda(0),
+            DeviceArg::Auto => Device::auto_for(g),
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Print a graph as text, JSON, Graphviz DOT or binary.
@@ -143,6 +154,10 @@ pub struct ExecutorArgs {
     /// `allow_fp16_reduced_precision_reduction`).
     #[arg(long)]
     pub allow_fp16_reduced_precision_reduction: bool,
+    /// Convolutions use only deterministic cuDNN algorithms (CUDA; PyTorch's
+    /// `cudnn.deterministic`); by default the fastest, timed on first use.
+    #[arg(long)]
+    pub deterministic_convolutions: bool,
     /// Where compiled CUDA kernels are kept, or `off` (overrides AMPGRAPH_KERNEL_CACHE).
     #[arg(long, value_name = "DIR|off")]
     pub kernel_cache: Option<KernelCache>,
@@ -155,6 +170,7 @@ impl ExecutorArgs {
             executor: ExecOptions {
                 allow_tf32: self.allow_tf32,
                 allow_fp16_reduced_precision_reduction: self.allow_fp16_reduced_precision_reduction,
+                deterministic_convolutions: self.deterministic_convolutions,
                 ..ExecOptions::default()
             },
             kernel_cache: self.kernel_cache.clone().unwrap_or_default(),
@@ -341,11 +357,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         } => {
             let g = format::load(&graph)?;
             let feeds = make_feeds(&g, seed, feeds.as_deref())?;
-            let device = match device {
-                DeviceArg::Cpu => Device::Cpu,
-                DeviceArg::Cuda => Device::Cuda(0),
-                DeviceArg::Auto => Device::auto_for(&g),
-            };
+            let device = device.for_graph(&g);
             // As a session runs it: AMP where the graph is marked for it, then the
             // device's passes; the feeds give every Variable its value.
             let mut session = Session::with_options(g, device, executor.session_options())?;
@@ -574,6 +586,7 @@ mod tests {
         let set = run_args(&[
             "--allow-tf32",
             "--allow-fp16-reduced-precision-reduction",
+            "--deterministic-convolutions",
             "--kernel-cache",
             "/tmp/kernels",
         ])
@@ -581,6 +594,7 @@ mod tests {
         .session_options();
         assert!(set.executor.allow_tf32);
         assert!(set.executor.allow_fp16_reduced_precision_reduction);
+        assert!(set.executor.deterministic_convolutions);
         assert_eq!(set.kernel_cache, KernelCache::Dir("/tmp/kernels".into()));
         let off = run_args(&["--kernel-cache", "off"]).unwrap();
         assert_eq!(off.session_options().kernel_cache, KernelCache::Off);

@@ -626,6 +626,7 @@ mod tests {
         let executor = ExecOptions {
             allow_tf32: true,
             allow_fp16_reduced_precision_reduction: true,
+            deterministic_convolutions: true,
             profile: false,
         };
         let options = SessionOptions {

@@ -75,9 +75,42 @@ fn batch(step: usize) -> Feeds {
     ])
 }
 
-/// Trains 3 steps on both devices and compares the losses and every variable.
+/// x[32, 784] as 28x28 images -> conv 3x3 8 + batch norm (training) + relu -> max
+/// pool 2x2 -> conv 3x3 stride 2 12 + relu -> dense 10 -> cross-entropy: every
+/// convolution, pooling and batch-norm kernel and their gradients in one step.
+fn cnn() -> (Graph, Port) {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [BATCH, 784]).unwrap();
+    let labels = g.placeholder("labels", DType::I32, [BATCH]).unwrap();
+    let images = g.reshape(x, [BATCH as i64, 28, 28, 1]).unwrap();
+    let same = ampgraph::graph::ops::Padding::Same;
+    let c = nn::conv2d_layer(&mut g, images, 8, [3, 3], [1, 1], same, None).unwrap();
+    let bn = nn::batch_norm_layer(&mut g, c.output, true).unwrap();
+    let h = g.relu(bn.output).unwrap();
+    let nhwc = ampgraph::graph::ops::DataFormat::Nhwc;
+    let h = g.max_pool(h, [2, 2], [2, 2], same, nhwc).unwrap();
+    let c = nn::conv2d_layer(&mut g, h, 12, [3, 3], [2, 2], same, Some(Activation::Relu)).unwrap();
+    let h = g.reshape(c.output, [BATCH as i64, 7 * 7 * 12]).unwrap();
+    let logits = nn::dense(&mut g, h, 10, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    g.set_outputs(vec![logits]).unwrap();
+    (g, loss)
+}
+
+/// Trains 3 steps of `model` on both devices and compares the losses and every
+/// variable.
 fn compare_training(what: &str, amp: Option<DType>, adam: bool, tol: f64) {
-    let (mut g, loss) = mlp();
+    compare_model_training(what, mlp, amp, adam, tol)
+}
+
+fn compare_model_training(
+    what: &str,
+    model: fn() -> (Graph, Port),
+    amp: Option<DType>,
+    adam: bool,
+    tol: f64,
+) {
+    let (mut g, loss) = model();
     let inner = if adam {
         Adam::new(1e-3)
     } else {
@@ -146,6 +179,15 @@ fn mlp_training_step_amp_matches_the_cpu() {
     compare_training("amp f16 sgd", Some(DType::F16), false, 1e-2);
     compare_training("amp f16 adam", Some(DType::F16), true, 1e-2);
     compare_training("amp bf16 sgd", Some(DType::BF16), false, 5e-2);
+}
+
+#[test]
+fn cnn_training_steps_match_the_cpu() {
+    if !cuda_or_skip() {
+        return;
+    }
+    compare_model_training("cnn fp32", cnn, None, false, 1e-4);
+    compare_model_training("cnn AMP f16", cnn, Some(DType::F16), false, 2e-2);
 }
 
 #[test]

@@ -716,6 +716,10 @@ impl Dnn {
         check("math type", unsafe {
             sys::cudnnSetConvolutionMathType(plan.conv.0, math)
         })?;
+        // Searches in several threads at once (executors of their own, each with a
+        // handle) failed with internal errors on the H100's cuDNN 9.14: one at a time.
+        static SEARCH: Mutex<()> = Mutex::new(());
+        let _one_at_a_time = SEARCH.lock().map_err(|_| "poisoned")?;
         const MOST: usize = 16;
         let mut perf = [Perf {
             algo: 0,

@@ -11,7 +11,7 @@
 //!   data gradient is computed for the extended input and cropped).
 
 use ampgraph_graph::ops::{Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, Padding};
-use ampgraph_graph::{Op, TensorType};
+use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{word, PRELUDE};
 use super::shape::Gather;
@@ -110,6 +110,9 @@ fn lower_conv(
     let dtype = float_input(ins)?;
     if ins.iter().any(|t| t.dtype != dtype) {
         return Err("cuDNN convolutions take operands of one dtype".into());
+    }
+    if dtype == DType::F64 && layout == DataFormat::Nhwc && direction != Direction::Forward {
+        return Err("cuDNN has no f64 NHWC convolution gradients; use NCHW or Device::Cpu".into());
     }
     let out = first(outs)?;
     let [n, c, h, w] = nchw(layout, x_shape)?;
