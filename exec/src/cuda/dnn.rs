@@ -290,7 +290,7 @@ impl Scale {
 /// cuDNN's perf result, the same layout for the three directions; read with plain
 /// integers (an enum holding a value Rust does not know would be undefined).
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Perf {
     algo: u32,
     status: u32,
@@ -299,6 +299,37 @@ struct Perf {
     determinism: u32,
     math: u32,
     reserved: [i32; 3],
+}
+
+impl Perf {
+    fn algo(&self) -> Algo {
+        Algo {
+            id: self.algo,
+            math: self.math,
+            workspace: self.memory,
+        }
+    }
+}
+
+/// Each result as `ALGO math status S [non-]deterministic N KiB`, for errors.
+fn describe(direction: Direction, results: &[Perf]) -> String {
+    let each: Vec<String> = results
+        .iter()
+        .map(|p| {
+            format!(
+                "{} status {} {}deterministic {} KiB",
+                p.algo().name(direction),
+                p.status,
+                if p.determinism == 1 { "" } else { "non-" },
+                p.memory >> 10
+            )
+        })
+        .collect();
+    if each.is_empty() {
+        "none".into()
+    } else {
+        each.join("; ")
+    }
 }
 
 const FWD_ALGOS: [sys::cudnnConvolutionFwdAlgo_t; 8] = {
@@ -519,7 +550,7 @@ impl Dnn {
         let plan = match cached {
             Some(p) => p,
             None => {
-                let plan = Arc::new(self.plan(handle, &key, options)?);
+                let plan = Arc::new(self.plan(dev, handle, &key, options, &ops)?);
                 self.plans
                     .lock()
                     .map_err(|_| "poisoned")?
@@ -607,9 +638,11 @@ impl Dnn {
     /// timed now.
     fn plan(
         &self,
+        dev: &Device,
         handle: sys::cudnnHandle_t,
         key: &PlanKey,
         options: DnnOptions,
+        ops: &ConvOperands,
     ) -> Result<ConvPlan, String> {
         let s = &key.shape;
         let x = tensor_desc(s.dtype, s.layout, s.input)?;
@@ -670,7 +703,7 @@ impl Dnn {
         let (algo, ms, candidates) = match stored {
             Some(a) if a.workspace <= options.workspace_limit => (a, None, 0),
             _ => {
-                let (algo, ms, n) = self.fastest(handle, key, &plan, options)?;
+                let (algo, ms, n) = self.fastest(dev, handle, key, &plan, options, ops)?;
                 self.store(key, algo);
                 (algo, Some(ms), n)
             }
@@ -695,15 +728,19 @@ impl Dnn {
         Ok(plan)
     }
 
-    /// Times every algorithm of `key`'s convolution (cuDNN allocates the buffers) and
-    /// returns the fastest that fits the workspace limit (and is deterministic where
-    /// asked), its time, and how many ran.
+    /// Times every algorithm of `key`'s convolution on the call's own operands (the
+    /// output is overwritten by the real run after) with a search workspace of the
+    /// limit, freed after; returns the fastest that fits the limit (and is
+    /// deterministic where asked), its time, and how many ran. Where no timed run
+    /// succeeds, cuDNN's heuristic order picks, untimed.
     fn fastest(
         &self,
+        dev: &Device,
         handle: sys::cudnnHandle_t,
         key: &PlanKey,
         plan: &ConvPlan,
         options: DnnOptions,
+        ops: &ConvOperands,
     ) -> Result<(Algo, f32, usize), String> {
         // f32 convolutions use TF32 Tensor Cores only where allowed.
         let s = &key.shape;
@@ -716,101 +753,130 @@ impl Dnn {
         check("math type", unsafe {
             sys::cudnnSetConvolutionMathType(plan.conv.0, math)
         })?;
-        // Searches in several threads at once (executors of their own, each with a
-        // handle) failed with internal errors on the H100's cuDNN 9.14: one at a time.
-        static SEARCH: Mutex<()> = Mutex::new(());
-        let _one_at_a_time = SEARCH.lock().map_err(|_| "poisoned")?;
+        let usable = |p: &&Perf| {
+            p.status == 0
+                && p.memory <= options.workspace_limit
+                && (!options.deterministic || p.determinism == 1)
+        };
+        let timed = {
+            // One search at a time in the process: several at once (executors in
+            // other threads) failed with internal errors on cuDNN 9.14.
+            static SEARCH: Mutex<()> = Mutex::new(());
+            let _one_at_a_time = SEARCH.lock().map_err(|_| "poisoned")?;
+            let workspace = dev.alloc(
+                DType::F32,
+                &[options.workspace_limit.div_ceil(4)],
+                &"the cuDNN algorithm search",
+            )?;
+            let ws = (workspace.ptr() as *mut c_void, workspace.bytes());
+            self.perf(handle, key.direction, plan, Some((ops, ws)))?
+        };
+        if let Some(p) = timed.iter().find(usable) {
+            return Ok((p.algo(), p.time, timed.len()));
+        }
+        let ranked = self.perf(handle, key.direction, plan, None)?;
+        if let Some(p) = ranked.iter().find(usable) {
+            log::warn!(
+                "cuDNN: no timed run succeeded ({}); taking the heuristic's pick",
+                describe(key.direction, &timed)
+            );
+            return Ok((p.algo(), f32::NAN, 0));
+        }
+        Err(format!(
+            "no {}cuDNN algorithm runs this convolution within the workspace limit of {} MiB (timed: {}; ranked: {})",
+            if options.deterministic { "deterministic " } else { "" },
+            options.workspace_limit >> 20,
+            describe(key.direction, &timed),
+            describe(key.direction, &ranked),
+        ))
+    }
+
+    /// cuDNN's results for every algorithm of a convolution: timed on `run`'s operands
+    /// and workspace (`cudnnFind*AlgorithmEx`), else ranked by its heuristics
+    /// (`cudnnGet*Algorithm_v7`, nothing runs).
+    fn perf(
+        &self,
+        handle: sys::cudnnHandle_t,
+        direction: Direction,
+        plan: &ConvPlan,
+        run: Option<(&ConvOperands, (*mut c_void, usize))>,
+    ) -> Result<Vec<Perf>, String> {
         const MOST: usize = 16;
-        let mut perf = [Perf {
-            algo: 0,
-            status: 0,
-            time: 0.0,
-            memory: 0,
-            determinism: 0,
-            math: 0,
-            reserved: [0; 3],
-        }; MOST];
+        let mut perf = [Perf::default(); MOST];
         let mut returned = 0i32;
-        // SAFETY: the descriptors are live; `perf` holds MOST results of the layout
-        // cuDNN writes (Perf mirrors its structs field for field).
+        let (n, out) = (MOST as i32, &mut returned as *mut i32);
+        let (x, w, y) = (plan.x.0, plan.w.0, plan.y.0);
+        let c = plan.conv.0;
+        // SAFETY: the descriptors are live and describe the operands' buffers; `perf`
+        // holds MOST results of the layout cuDNN writes (Perf mirrors its structs).
         let status = unsafe {
-            match key.direction {
-                Direction::Forward => sys::cudnnFindConvolutionForwardAlgorithm(
+            use Direction::*;
+            let fwd = perf.as_mut_ptr() as *mut sys::cudnnConvolutionFwdAlgoPerf_t;
+            let bwd_data = perf.as_mut_ptr() as *mut sys::cudnnConvolutionBwdDataAlgoPerf_t;
+            let bwd_filter = perf.as_mut_ptr() as *mut sys::cudnnConvolutionBwdFilterAlgoPerf_t;
+            match (direction, run) {
+                (Forward, Some((o, (ws, bytes)))) => sys::cudnnFindConvolutionForwardAlgorithmEx(
                     handle,
-                    plan.x.0,
-                    plan.w.0,
-                    plan.conv.0,
-                    plan.y.0,
-                    MOST as i32,
-                    &mut returned,
-                    perf.as_mut_ptr() as *mut sys::cudnnConvolutionFwdAlgoPerf_t,
+                    x,
+                    o.x.ptr() as _,
+                    w,
+                    o.w.ptr() as _,
+                    c,
+                    y,
+                    o.y.ptr() as _,
+                    n,
+                    out,
+                    fwd,
+                    ws,
+                    bytes,
                 ),
-                Direction::BackwardData => sys::cudnnFindConvolutionBackwardDataAlgorithm(
-                    handle,
-                    plan.w.0,
-                    plan.y.0,
-                    plan.conv.0,
-                    plan.x.0,
-                    MOST as i32,
-                    &mut returned,
-                    perf.as_mut_ptr() as *mut sys::cudnnConvolutionBwdDataAlgoPerf_t,
+                (BackwardData, Some((o, (ws, bytes)))) => {
+                    sys::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                        handle,
+                        w,
+                        o.w.ptr() as _,
+                        y,
+                        o.y.ptr() as _,
+                        c,
+                        x,
+                        o.x.ptr() as _,
+                        n,
+                        out,
+                        bwd_data,
+                        ws,
+                        bytes,
+                    )
+                }
+                (BackwardFilter, Some((o, (ws, bytes)))) => {
+                    sys::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                        handle,
+                        x,
+                        o.x.ptr() as _,
+                        y,
+                        o.y.ptr() as _,
+                        c,
+                        w,
+                        o.w.ptr() as _,
+                        n,
+                        out,
+                        bwd_filter,
+                        ws,
+                        bytes,
+                    )
+                }
+                (Forward, None) => {
+                    sys::cudnnGetConvolutionForwardAlgorithm_v7(handle, x, w, c, y, n, out, fwd)
+                }
+                (BackwardData, None) => sys::cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                    handle, w, y, c, x, n, out, bwd_data,
                 ),
-                Direction::BackwardFilter => sys::cudnnFindConvolutionBackwardFilterAlgorithm(
-                    handle,
-                    plan.x.0,
-                    plan.y.0,
-                    plan.conv.0,
-                    plan.w.0,
-                    MOST as i32,
-                    &mut returned,
-                    perf.as_mut_ptr() as *mut sys::cudnnConvolutionBwdFilterAlgoPerf_t,
+                (BackwardFilter, None) => sys::cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                    handle, x, y, c, w, n, out, bwd_filter,
                 ),
             }
         };
         check("algorithm search", status)?;
-        let ran = &perf[..(returned.max(0) as usize).min(MOST)];
-        // cuDNN sorts the results by time.
-        let best = ran.iter().find(|p| {
-            p.status == 0
-                && p.memory <= options.workspace_limit
-                && (!options.deterministic || p.determinism == 1)
-        });
-        match best {
-            Some(p) => Ok((
-                Algo {
-                    id: p.algo,
-                    math: p.math,
-                    workspace: p.memory,
-                },
-                p.time,
-                ran.len(),
-            )),
-            None => {
-                let tried: Vec<String> = ran
-                    .iter()
-                    .map(|p| {
-                        let algo = Algo {
-                            id: p.algo,
-                            math: p.math,
-                            workspace: p.memory,
-                        };
-                        format!(
-                            "{} status {} {}deterministic {} KiB",
-                            algo.name(key.direction),
-                            p.status,
-                            if p.determinism == 1 { "" } else { "non-" },
-                            p.memory >> 10
-                        )
-                    })
-                    .collect();
-                Err(format!(
-                    "no {}cuDNN algorithm runs this convolution within the workspace limit of {} MiB (tried: {})",
-                    if options.deterministic { "deterministic " } else { "" },
-                    options.workspace_limit >> 20,
-                    tried.join("; ")
-                ))
-            }
-        }
+        Ok(perf[..(returned.max(0) as usize).min(MOST)].to_vec())
     }
 
     /// Batch normalisation of `x` (`[n, c, h, w]` in `layout`) over all but the
@@ -960,6 +1026,7 @@ impl std::fmt::Display for Choice {
             self.algorithm
         )?;
         match self.ms {
+            Some(ms) if ms.is_nan() => write!(f, " (cuDNN's heuristic pick: timing failed)")?,
             Some(ms) => write!(f, ", {ms:.3} ms of {} timed", self.candidates)?,
             None => write!(f, " (from the disk file)")?,
         }
