@@ -380,15 +380,29 @@ impl StepFootprint {
             ),
             format!("every tensor apart: {}", amount(plan.total_bytes)),
             format!(
-                "variables: {} in {} variables",
-                amount(self.variable_bytes),
-                self.variables
+                "variables ({} nodes): {}",
+                self.variables,
+                amount(self.variable_bytes)
             ),
             format!("fed: {}", amount(self.fed_bytes)),
             format!("constants: {}", amount(self.constant_bytes)),
             format!("kept casts: {}", amount(self.kept_cast_bytes)),
-            format!("written beside the old values: {}", amount(self.written_bytes)),
-            format!("peak step: {}", plan.peak_step),
+            format!(
+                "written beside the old values: {}",
+                amount(self.written_bytes)
+            ),
+            match plan.buffers.iter().find(|b| b.first == plan.peak_step) {
+                Some(b) => {
+                    let node = graph.node(b.port.node);
+                    format!(
+                        "peak step: {} (while '{}' ({}) runs)",
+                        plan.peak_step,
+                        node.name,
+                        node.op.name()
+                    )
+                }
+                None => format!("peak step: {}", plan.peak_step),
+            },
             "alive at the peak, largest first:".to_string(),
         ];
         for b in plan.alive_at_peak().into_iter().take(top) {
@@ -852,7 +866,11 @@ mod tests {
         assert_eq!(f.plan.arena_bytes, 2 * 512, "x16 and y");
         assert_eq!(f.peak_bytes(), 1024 + 1024 + 512 + 2 * 512);
         let report = f.report(&g, 5);
-        for field in ["planned peak: 3584 bytes", "kept casts: 512 bytes", "  mul ("] {
+        for field in [
+            "planned peak: 3584 bytes",
+            "kept casts: 512 bytes",
+            "  mul (",
+        ] {
             assert!(report.contains(field), "{field} in {report}");
         }
     }
