@@ -1,12 +1,15 @@
-//! The reference workloads of `../shared/bench/torch_anchor.py` (`mlp`, `transformer`),
-//! timed as a training step and as an inference forward pass in fp32, tf32, AMP fp16
-//! and AMP bf16, printed in torch_anchor.py's format so the two tables paste side by
-//! side.
+//! The reference workloads of `../shared/bench/torch_anchor.py` (`mlp`, `transformer`,
+//! `convnet`), timed as a training step and as an inference forward pass in fp32, tf32,
+//! AMP fp16 and AMP bf16, printed in torch_anchor.py's format so the two tables paste
+//! side by side; or, with `--max-batch-under-mib N`, the largest batch each mode's
+//! planned step fits in N MiB.
 //!
 //! ```sh
 //! cargo run --release --example bench -- --workload mlp
 //! cargo run --release --example bench -- --workload transformer --modes amp_fp16 --phases train
 //! cargo run --release --example bench -- --workload mlp --device cpu --batch 8 --hidden 32 --din 16 --classes 10
+//! cargo run --release --example bench -- --workload convnet --device cpu --batch 2 --hw 8 --width 4
+//! cargo run --release --example bench -- --workload convnet --max-batch-under-mib 8192
 //! ```
 //!
 //! Every dimension is a flag whose default is torch_anchor.py's size:
@@ -19,6 +22,18 @@
 //!   projection, residual; LayerNorm, Linear 4d + GELU, Linear d, residual) -> LayerNorm
 //!   -> Linear 1000 on every token; cross-entropy over the [16*512, 1000] logits against
 //!   integer labels [16*512].
+//! - `convnet`: x[256,3,64,64] in NCHW, PyTorch's layout (`--batch`, `--hw`) -> 8 x
+//!   (Conv2D 3x3 without bias + BatchNorm + Relu) with widths c,c,2c,2c,4c,4c,8c,8c
+//!   (`--width` c = 64) and strides 1,1,2,1,2,1,2,1 -> the mean over H and W -> Linear
+//!   10 (`--classes`), cross-entropy on integer labels [256]. The convolutions pad SAME:
+//!   PyTorch's `padding=1` output sizes, but at stride 2 TensorFlow's SAME pads (0, 1)
+//!   where PyTorch pads (1, 1), the same cost, not the same windows. The batch norms
+//!   (epsilon 1e-5) normalise with the batch's statistics in the train step, which
+//!   also assigns their running mean and variance as PyTorch updates them (momentum
+//!   0.1, the unbiased batch variance); the inference graph reads those. torch_anchor.py
+//!   runs PyTorch's in channels-last memory except in fp32; the graph is NCHW for the
+//!   CUDA pipeline's layout pass to convert. No TFLOP/s (torch_anchor.py has no FLOP
+//!   count for it either).
 //!
 //! A train step is forward, loss, backward and the SGD-momentum update (lr 1e-3,
 //! momentum 0.9), all in one graph; the AMP modes wrap the optimizer with
@@ -34,10 +49,12 @@
 //! launches, the events count that wait, as they do for PyTorch's eager step. The median
 //! of `--iters` after `--warmup`. On the CPU: the wall clock around each step.
 //!
-//! Initial values (`--init torch`, the default): the Linear layers start as torch's
-//! `nn.Linear` does (kernel and bias uniform in ±1/sqrt(fan_in)), not from the graph's
-//! Keras-style initialisers, so the GEMMs see the same value distributions as
-//! PyTorch's (under the GPU's power limit a GEMM's speed depends on its operands).
+//! Initial values (`--init torch`, the default): the Linear and convolution layers
+//! start as torch's `nn.Linear` and `nn.Conv2d` do (kernel and bias uniform in
+//! ±1/sqrt(fan_in)), not from the graph's Keras-style initialisers, so the GEMMs see
+//! the same value distributions as PyTorch's (under the GPU's power limit a GEMM's
+//! speed depends on its operands). Batch norms start as PyTorch's (scale ones, offset
+//! zeros, running mean zeros, running variance ones).
 //!
 //! Power: an H100 holds its boost clock for the first 100 ms or so of a dense
 //! training loop, then its 700 W limit lowers the clock; a run of 30 steps of a few
@@ -56,7 +73,21 @@
 //! Peak memory: the executor's device pool high-water mark over the timed steps
 //! (bytes of live tensors, variables included; reset after the warm-up), like
 //! `torch.cuda.max_memory_allocated` after torch_anchor.py's
-//! `reset_peak_memory_stats`.
+//! `reset_peak_memory_stats`. Beside it, from the memory plan made on the host
+//! ([`step_footprint`], as `ampgraph plan` prints it): `planned_arena_mib`, the arena
+//! of the step's computed tensors as the CUDA executor plans it (the 16-bit casts it
+//! keeps between steps outside it), and `planned_peak_mib`, that arena with everything
+//! beside it: every variable (weights, optimizer slots, loss-scale state, resident
+//! inputs), the casts kept, fed inputs, constants, and the variables' next values that
+//! updates do not write in place (the first step holds a kept cast beside its f32
+//! variable, so both count). Neither counts the GEMM library's workspace.
+//!
+//! Largest batch (`--max-batch-under-mib N`): for each mode and phase, the largest
+//! batch whose `planned_peak_mib` is at most N MiB, found by doubling the batch from 1
+//! and then bisecting; each candidate's graph is built and goes through the same passes
+//! as a timed run, and is planned on the host (no device, no step run). One JSON line
+//! per mode and phase with the batch, its plan's parts and the next batch's peak, and
+//! for the AMP modes `batch_vs_fp32`, their batch over fp32's; then a table.
 //!
 //! The graph goes through the session's [`Pipeline`] (AMP for a marked graph, then the
 //! passes after it) and runs on the executor [`Device::executor`] makes, through the
