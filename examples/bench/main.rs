@@ -1082,10 +1082,10 @@ fn bench(args: &Args) -> Res<()> {
         })
         .collect::<Res<Vec<bool>>>()?;
     let device_name = match args.device {
-        _ if args.passes_only => "no device (passes only)".to_string(),
         _ if args.max_batch_under_mib.is_some() => {
             "no device (memory planned on the host)".to_string()
         }
+        _ if args.passes_only => "no device (passes only)".to_string(),
         DeviceArg::Cuda => {
             if let Err(why) = cuda::available() {
                 println!(
