@@ -1,8 +1,10 @@
 #!/bin/bash
 # On the GPU machine, in bundle/ (scripts/make_bundle.sh): the GPU tests (side by
-# side), then, alone on the GPU, the bench beside torch_anchor.py; outputs under $OUT.
-# `./gpu_final.sh tests` or `./gpu_final.sh bench` runs one half (each fits one
-# 10-minute device call); no argument runs both.
+# side), then, alone on the GPU, the bench beside torch_anchor.py; outputs under $OUT
+# (7 files: the device returns few, so the benches of every workload go to ours.txt and
+# PyTorch's to torch.txt). `./gpu_final.sh tests` or `./gpu_final.sh bench` runs one
+# half (each fits one 10-minute device call: the bench half's timeouts add up to 600 s
+# at most); no argument runs both.
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 part=${1:-all}
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date; } > $OUT/env.txt
@@ -16,6 +18,11 @@ if [ "$part" != bench ]; then
   wait
 fi
 if [ "$part" != tests ]; then
-  for w in mlp transformer; do timeout 120 ./bench --workload $w > $OUT/ours_$w.txt 2>&1; done
-  timeout 180 python3 torch_anchor.py --only mlp,transformer --modes fp32,tf32,amp_fp16,amp_bf16,compile_fp16 > $OUT/torch.txt 2>&1
+  # run_bench WORKLOAD SECONDS
+  run_bench() { timeout $2 ./bench --workload $1 >> $OUT/ours.txt 2>&1; echo "bench $1 exit $?" >> $OUT/ours.txt; }
+  : > $OUT/ours.txt
+  run_bench mlp 120; run_bench transformer 120; run_bench convnet 60
+  modes=fp32,tf32,amp_fp16,amp_bf16,compile_fp16
+  timeout 180 python3 torch_anchor.py --only mlp,transformer --modes $modes > $OUT/torch.txt 2>&1
+  timeout 120 python3 torch_anchor.py --only convnet --modes $modes >> $OUT/torch.txt 2>&1
 fi

@@ -3,7 +3,11 @@
 workloads, counted by torch.profiler (CUPTI): CUDA kernels, memsets and memcpys of one
 step after warm-up. Run beside torch_anchor.py on the GPU machine:
 
-    python3 torch_launches.py --only mlp,transformer --modes amp_fp16,compile_fp16
+    python3 torch_launches.py --only mlp,transformer,convnet --modes amp_fp16,compile_fp16
+
+The convnet runs as torch_anchor.py runs it: cuDNN autotuned (`cudnn.benchmark`; the
+warm-up steps take the tuning), TF32 in cuDNN too in the tf32 mode, channels-last
+memory except in fp32.
 """
 import argparse, collections, json
 import torch, torch.nn.functional as F
@@ -14,7 +18,12 @@ import torch_anchor as ta
 def count(name, cfg, mode, infer, table):
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+    torch.backends.cudnn.allow_tf32 = mode == "tf32"
+    torch.backends.cudnn.benchmark = True
     m, x, y = ta.build(cfg, "cuda")
+    if cfg["kind"] == "convnet" and mode != "fp32":
+        m = m.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
     opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
     amp = {"amp_fp16": torch.float16, "amp_bf16": torch.bfloat16, "compile_fp16": torch.float16}.get(mode)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
@@ -53,7 +62,7 @@ def count(name, cfg, mode, infer, table):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="mlp,transformer")
+    ap.add_argument("--only", default="mlp,transformer,convnet")
     ap.add_argument("--modes", default="amp_fp16,compile_fp16")
     ap.add_argument("--table", action="store_true", help="also print where the step's GPU time goes")
     a = ap.parse_args()

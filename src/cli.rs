@@ -12,6 +12,7 @@ use ampgraph_exec::feeds::seeded_tensor;
 use ampgraph_exec::{
     check_tensor_size, ExecError, ExecOptions, Feeds, KernelCache, DEFAULT_MAX_TENSOR_BYTES,
 };
+use ampgraph_exec::{cuda, memory_plan};
 use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
@@ -19,7 +20,7 @@ use ampgraph_passes::amp::report::explain;
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
 use ampgraph_passes::{registry, PassError};
 
-use crate::session::{registry_passes, Device, Session, SessionError, SessionOptions};
+use crate::session::{registry_passes, Device, Pipeline, Session, SessionError, SessionOptions};
 
 #[derive(Debug, Error)]
 pub enum CliError {
@@ -142,6 +143,36 @@ pub enum Command {
         #[command(flatten)]
         executor: ExecutorArgs,
     },
+    /// Plan the device memory of one step on the host, as the CUDA executor plans
+    /// it (after AMP where the graph is marked for it and the passes after it): the
+    /// planned peak and its parts (the arena, the variables, what else lives beside
+    /// the arena), the lower bound, the peak step and the largest tensors alive there.
+    Plan {
+        graph: String,
+        /// What the step computes: `name` or `name:k`, comma-separated (default: the
+        /// graph's outputs).
+        #[arg(long, value_delimiter = ',', value_name = "PORT")]
+        fetch: Vec<String>,
+        /// The passes after AMP: registry names, comma-separated, or `none` (default:
+        /// the CUDA pipeline, as a CUDA session runs them).
+        #[arg(long, value_delimiter = ',', value_name = "LIST")]
+        passes: Option<Vec<String>>,
+        /// How many of the largest tensors alive at the peak to list.
+        #[arg(long, default_value_t = 10)]
+        top: usize,
+    },
+}
+
+/// A `--passes` list after AMP that may be `none`: the names to run, or `None` where
+/// it was not given (the executor's defaults).
+pub fn passes_after_amp(names: Option<&[String]>) -> Option<Vec<String>> {
+    names.map(|names| {
+        if names.iter().any(|n| n == "none") {
+            Vec::new()
+        } else {
+            names.to_vec()
+        }
+    })
 }
 
 /// The executor's switches (`SessionOptions::executor` and `kernel_cache`).
@@ -347,6 +378,12 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             };
             write_file(&output, &render(&g, fmt)?)
         }
+        Command::Plan {
+            graph,
+            fetch,
+            passes,
+            top,
+        } => plan(&graph, &fetch, passes.as_deref(), top, out),
         Command::Run {
             graph,
             device,
@@ -395,6 +432,42 @@ fn dump(path: &str, fmt: DumpFormat, output: Option<&Path>, out: &mut dyn Write)
         Some(p) => write_file(p, &bytes),
         None => out.write_all(&bytes).map_err(io_err("<stdout>")),
     }
+}
+
+/// `ampgraph plan`: the graph through the pipeline a CUDA session runs (with
+/// `passes` after AMP where given), then its step's memory plan.
+fn plan(
+    path: &str,
+    fetch: &[String],
+    passes: Option<&[String]>,
+    top: usize,
+    out: &mut dyn Write,
+) -> Result<()> {
+    let mut g = format::load(path)?;
+    let fetches = match fetch {
+        [] => g.outputs().to_vec(),
+        names => names
+            .iter()
+            .map(|name| {
+                g.port_by_name(name)
+                    .map_err(|e| CliError::Usage(format!("--fetch {name}: {e}")))
+            })
+            .collect::<Result<_>>()?,
+    };
+    if fetches.is_empty() {
+        return Err(CliError::Usage(format!(
+            "{path}: the graph has no outputs; name what the step computes with --fetch NAME[,NAME...]"
+        )));
+    }
+    let options = SessionOptions {
+        passes: passes_after_amp(passes),
+        ..SessionOptions::default()
+    };
+    let pipeline = Pipeline::new(&g, &options, cuda::PIPELINE)?;
+    let (_, fetches) = pipeline.run_for(&mut g, &fetches)?;
+    let footprint = memory_plan::step_footprint(&g, &fetches)?;
+    out.write_all(footprint.report(&g, top).as_bytes())
+        .map_err(io_err("<stdout>"))
 }
 
 /// Feeds from the file where given, seeded values for every other Placeholder and Variable.

@@ -182,6 +182,18 @@ impl Pipeline {
         records.extend(self.after_amp.run(graph)?);
         Ok(records)
     }
+
+    /// [`Pipeline::run`] for a step of `fetches`, which become `graph`'s outputs (so
+    /// the passes keep them); also returns the fetched ports after the passes.
+    pub fn run_for(
+        &self,
+        graph: &mut Graph,
+        fetches: &[Port],
+    ) -> Result<(Vec<PassRecord>, Vec<Port>), SessionError> {
+        graph.set_outputs(fetches.to_vec())?;
+        let records = self.run(graph)?;
+        Ok((records, graph.outputs().to_vec()))
+    }
 }
 
 pub struct Session {

@@ -502,3 +502,42 @@ fn rewrite_amp_then_fuse_runs_the_same() {
         assert_eq!((&w.1, &w.2), (&o.1, &o.2));
     }
 }
+
+#[test]
+fn plan_prints_the_peak_and_its_parts() {
+    let s = Scratch::new("plan");
+    let g = s.write("mlp.json", MLP);
+    // x [2,3] and w [3,4] (one 256-byte aligned buffer each) beside the arena, where
+    // mm and act [2,4] are alive together while act runs.
+    let unfused = ok(&["plan", &g, "--passes", "none"]);
+    for line in [
+        "planned peak: 1024 bytes (0.0 MiB)",
+        "arena: 512 bytes",
+        "lower bound (most bytes alive at once): 512 bytes",
+        "every tensor apart: 512 bytes",
+        "variables (1 nodes): 256 bytes",
+        "fed: 256 bytes",
+        "constants: 0 bytes",
+        "kept casts: 0 bytes",
+        "written beside the old values: 0 bytes",
+        "peak step: 3 (while 'act' (Relu) runs)",
+        "alive at the peak, largest first:",
+        "mm (MatMul) f32[2, 4]  steps 2..3",
+        "act (Relu) f32[2, 4]  steps 3..4",
+    ] {
+        assert!(unfused.contains(line), "{line:?} missing from:\n{unfused}");
+    }
+    // A fetch of the product alone plans only it.
+    let product = ok(&["plan", &g, "--passes", "none", "--fetch", "mm"]);
+    assert!(product.contains("arena: 256 bytes"), "{product}");
+    assert!(!product.contains("act (Relu)"), "{product}");
+    // The CUDA pipeline by default: the fusions never plan more.
+    let fused = ok(&["plan", &g, "--top", "1"]);
+    let peak = |report: &str| -> u64 {
+        let line = report.lines().next().expect("a first line");
+        let bytes = line.strip_prefix("planned peak: ").expect("the peak first");
+        bytes.split(' ').next().unwrap().parse().expect("bytes")
+    };
+    assert!(peak(&fused) <= peak(&unfused), "{fused}");
+    assert_eq!(fused.lines().filter(|l| l.contains(" MiB  ")).count(), 1);
+}

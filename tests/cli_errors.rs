@@ -200,20 +200,24 @@ fn check_success(what: &str, out: &Output) -> Result<(), String> {
     }
 }
 
-/// Runs `run` and `rewrite --amp` on a file and checks both fail properly.
+/// Runs `run`, `rewrite --amp` and `plan` on a file and checks all fail properly
+/// (`rewrite` and `plan` succeed where only running is impossible).
 fn check_file(path: &str, expect: &[&str], rewrite_fails: bool, failures: &mut Vec<String>) {
     let run = ampgraph(&["run", path, "--device", "cpu"], None);
     if let Err(e) = check_failure(&format!("run {path}"), &run, expect) {
         failures.push(e);
     }
-    let rewrite = ampgraph(&["rewrite", path, "--amp"], None);
-    let result = if rewrite_fails {
-        check_failure(&format!("rewrite --amp {path}"), &rewrite, expect)
-    } else {
-        check_success(&format!("rewrite --amp {path}"), &rewrite)
-    };
-    if let Err(e) = result {
-        failures.push(e);
+    for args in [&["rewrite", path, "--amp"][..], &["plan", path]] {
+        let out = ampgraph(args, None);
+        let what = args.join(" ");
+        let result = if rewrite_fails {
+            check_failure(&what, &out, expect)
+        } else {
+            check_success(&what, &out)
+        };
+        if let Err(e) = result {
+            failures.push(e);
+        }
     }
 }
 
@@ -356,6 +360,15 @@ fn unreadable_files_and_absent_nodes_fail_properly() {
     )
     .expect("write");
     let graph = graph.to_str().expect("utf-8").to_string();
+    let no_outputs = dir.join("no_outputs.json");
+    std::fs::write(
+        &no_outputs,
+        r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+            {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [2]}}],
+            "outputs": []}"#,
+    )
+    .expect("write");
+    let no_outputs = no_outputs.to_str().expect("utf-8");
     let missing = dir.join("no_such_file.json");
     let missing = missing.to_str().expect("utf-8");
     let dir_str = dir.to_str().expect("utf-8");
@@ -366,6 +379,17 @@ fn unreadable_files_and_absent_nodes_fail_properly() {
         (vec!["dump", missing], vec!["no_such_file.json"]),
         (vec!["run", dir_str], vec![dir_str]),
         (vec!["explain", &graph, "nobody"], vec!["nobody"]),
+        (vec!["plan", missing], vec!["no_such_file.json"]),
+        (
+            vec!["plan", &graph, "--fetch", "act,nobody"],
+            vec!["--fetch nobody", "no node named 'nobody'"],
+        ),
+        (vec!["plan", &graph, "--fetch", "act:1"], vec!["output 1"]),
+        (vec!["plan", no_outputs], vec!["no outputs", "--fetch"]),
+        (
+            vec!["plan", &graph, "--passes", "bogus"],
+            vec!["unknown pass 'bogus'"],
+        ),
     ];
     for (args, expect) in &cases {
         let out = ampgraph(args, None);

@@ -1,12 +1,15 @@
-//! The reference workloads of `../shared/bench/torch_anchor.py` (`mlp`, `transformer`),
-//! timed as a training step and as an inference forward pass in fp32, tf32, AMP fp16
-//! and AMP bf16, printed in torch_anchor.py's format so the two tables paste side by
-//! side.
+//! The reference workloads of `../shared/bench/torch_anchor.py` (`mlp`, `transformer`,
+//! `convnet`), timed as a training step and as an inference forward pass in fp32, tf32,
+//! AMP fp16 and AMP bf16, printed in torch_anchor.py's format so the two tables paste
+//! side by side; or, with `--max-batch-under-mib N`, the largest batch each mode's
+//! planned step fits in N MiB.
 //!
 //! ```sh
 //! cargo run --release --example bench -- --workload mlp
 //! cargo run --release --example bench -- --workload transformer --modes amp_fp16 --phases train
 //! cargo run --release --example bench -- --workload mlp --device cpu --batch 8 --hidden 32 --din 16 --classes 10
+//! cargo run --release --example bench -- --workload convnet --device cpu --batch 2 --hw 8 --width 4
+//! cargo run --release --example bench -- --workload convnet --max-batch-under-mib 8192
 //! ```
 //!
 //! Every dimension is a flag whose default is torch_anchor.py's size:
@@ -19,6 +22,18 @@
 //!   projection, residual; LayerNorm, Linear 4d + GELU, Linear d, residual) -> LayerNorm
 //!   -> Linear 1000 on every token; cross-entropy over the [16*512, 1000] logits against
 //!   integer labels [16*512].
+//! - `convnet`: x[256,3,64,64] in NCHW, PyTorch's layout (`--batch`, `--hw`) -> 8 x
+//!   (Conv2D 3x3 without bias + BatchNorm + Relu) with widths c,c,2c,2c,4c,4c,8c,8c
+//!   (`--width` c = 64) and strides 1,1,2,1,2,1,2,1 -> the mean over H and W -> Linear
+//!   10 (`--classes`), cross-entropy on integer labels [256]. The convolutions pad SAME:
+//!   PyTorch's `padding=1` output sizes, but at stride 2 TensorFlow's SAME pads (0, 1)
+//!   where PyTorch pads (1, 1), the same cost, not the same windows. The batch norms
+//!   (epsilon 1e-5) normalise with the batch's statistics in the train step, which
+//!   also assigns their running mean and variance as PyTorch updates them (momentum
+//!   0.1, the unbiased batch variance); the inference graph reads those. torch_anchor.py
+//!   runs PyTorch's in channels-last memory except in fp32; the graph is NCHW for the
+//!   CUDA pipeline's layout pass to convert. No TFLOP/s (torch_anchor.py has no FLOP
+//!   count for it either).
 //!
 //! A train step is forward, loss, backward and the SGD-momentum update (lr 1e-3,
 //! momentum 0.9), all in one graph; the AMP modes wrap the optimizer with
@@ -34,10 +49,12 @@
 //! launches, the events count that wait, as they do for PyTorch's eager step. The median
 //! of `--iters` after `--warmup`. On the CPU: the wall clock around each step.
 //!
-//! Initial values (`--init torch`, the default): the Linear layers start as torch's
-//! `nn.Linear` does (kernel and bias uniform in ±1/sqrt(fan_in)), not from the graph's
-//! Keras-style initialisers, so the GEMMs see the same value distributions as
-//! PyTorch's (under the GPU's power limit a GEMM's speed depends on its operands).
+//! Initial values (`--init torch`, the default): the Linear and convolution layers
+//! start as torch's `nn.Linear` and `nn.Conv2d` do (kernel and bias uniform in
+//! ±1/sqrt(fan_in)), not from the graph's Keras-style initialisers, so the GEMMs see
+//! the same value distributions as PyTorch's (under the GPU's power limit a GEMM's
+//! speed depends on its operands). Batch norms start as PyTorch's (scale ones, offset
+//! zeros, running mean zeros, running variance ones).
 //!
 //! Power: an H100 holds its boost clock for the first 100 ms or so of a dense
 //! training loop, then its 700 W limit lowers the clock; a run of 30 steps of a few
@@ -56,7 +73,21 @@
 //! Peak memory: the executor's device pool high-water mark over the timed steps
 //! (bytes of live tensors, variables included; reset after the warm-up), like
 //! `torch.cuda.max_memory_allocated` after torch_anchor.py's
-//! `reset_peak_memory_stats`.
+//! `reset_peak_memory_stats`. Beside it, from the memory plan made on the host
+//! ([`step_footprint`], as `ampgraph plan` prints it): `planned_arena_mib`, the arena
+//! of the step's computed tensors as the CUDA executor plans it (the 16-bit casts it
+//! keeps between steps outside it), and `planned_peak_mib`, that arena with everything
+//! beside it: every variable (weights, optimizer slots, loss-scale state, resident
+//! inputs), the casts kept, fed inputs, constants, and the variables' next values that
+//! updates do not write in place (the first step holds a kept cast beside its f32
+//! variable, so both count). Neither counts the GEMM library's workspace.
+//!
+//! Largest batch (`--max-batch-under-mib N`): for each mode and phase, the largest
+//! batch whose `planned_peak_mib` is at most N MiB, found by doubling the batch from 1
+//! and then bisecting; each candidate's graph is built and goes through the same passes
+//! as a timed run, and is planned on the host (no device, no step run). One JSON line
+//! per mode and phase with the batch, its plan's parts and the next batch's peak, and
+//! for the AMP modes `batch_vs_fp32`, their batch over fp32's; then a table.
 //!
 //! The graph goes through the session's [`Pipeline`] (AMP for a marked graph, then the
 //! passes after it) and runs on the executor [`Device::executor`] makes, through the
@@ -77,19 +108,26 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
-use ampgraph::cli::ExecutorArgs;
+use ampgraph::cli::{passes_after_amp, ExecutorArgs};
 use ampgraph::exec::cuda::{self, LaunchCounts};
 use ampgraph::exec::feeds::{initial_value, seeded_tensor};
+use ampgraph::exec::memory_plan::{mib, step_footprint};
 use ampgraph::exec::rng::SplitMix64;
 use ampgraph::exec::{ExecOptions, Feeds};
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{Group, Init, Variable};
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
+use ampgraph::passes::PassRecord;
 use ampgraph::session::Pipeline;
 use ampgraph::{Device, SessionOptions};
 
+mod convnet;
 mod energy;
+mod fit;
+#[cfg(test)]
+mod tests;
+
 use energy::EnergyCounter;
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -98,6 +136,7 @@ type Res<T> = Result<T, Box<dyn Error>>;
 enum Workload {
     Mlp,
     Transformer,
+    Convnet,
 }
 
 impl Workload {
@@ -105,6 +144,7 @@ impl Workload {
         match self {
             Workload::Mlp => "mlp",
             Workload::Transformer => "transformer",
+            Workload::Convnet => "convnet",
         }
     }
 }
@@ -137,7 +177,7 @@ enum FeedMode {
 struct Args {
     #[arg(long, value_enum, default_value = "mlp")]
     workload: Workload,
-    /// Batch size (mlp 8192, transformer 16).
+    /// Batch size (mlp 8192, transformer 16, convnet 256).
     #[arg(long)]
     batch: Option<usize>,
     /// mlp: input features (1024).
@@ -173,7 +213,13 @@ struct Args {
     /// the fused attention's key bias.
     #[arg(long)]
     key_padding: bool,
-    /// Output classes (1000).
+    /// convnet: the first layers' channels, c in widths c,c,2c,2c,4c,4c,8c,8c (64).
+    #[arg(long)]
+    width: Option<usize>,
+    /// convnet: the images' height and width (64).
+    #[arg(long)]
+    hw: Option<usize>,
+    /// Output classes (mlp and transformer 1000, convnet 10).
     #[arg(long)]
     classes: Option<usize>,
     /// Timed steps (the median is reported).
@@ -227,25 +273,28 @@ struct Args {
     /// Write each graph after the passes (also with --passes-only) to DIR/<workload>-<phase>-<mode>.txt.
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
+    /// For each mode and phase, find the largest batch whose planned step (the
+    /// memory plan's arena, the variables, casts kept and inputs beside it) fits this
+    /// many MiB, after the same passes as a timed run; run no step (no device
+    /// needed). The other sizes are the flags' (the batch's is ignored).
+    #[arg(long, value_name = "MIB")]
+    max_batch_under_mib: Option<f64>,
     #[command(flatten)]
     executor: ExecutorArgs,
 }
 
 impl Args {
     /// The names of the passes run after AMP.
-    fn pipeline(&self) -> Vec<&str> {
-        match &self.passes {
-            None => cuda::PIPELINE.to_vec(),
-            Some(names) if names.iter().any(|n| n == "none") => Vec::new(),
-            Some(names) => names.iter().map(String::as_str).collect(),
-        }
+    fn pipeline(&self) -> Vec<String> {
+        passes_after_amp(self.passes.as_deref())
+            .unwrap_or_else(|| cuda::PIPELINE.iter().map(|s| s.to_string()).collect())
     }
 
     /// The session options of a run in `mode`: the passes and the executor's switches.
     fn session_options(&self, mode: Mode) -> SessionOptions {
         let mut options = self.executor.session_options();
         options.executor.allow_tf32 |= mode == Mode::Tf32;
-        options.passes = Some(self.pipeline().into_iter().map(String::from).collect());
+        options.passes = Some(self.pipeline());
         options
     }
 }
@@ -270,6 +319,12 @@ enum Config {
         classes: usize,
         causal: bool,
         key_padding: bool,
+    },
+    Convnet {
+        batch: usize,
+        hw: usize,
+        width: usize,
+        classes: usize,
     },
 }
 
@@ -303,8 +358,24 @@ impl Config {
                     key_padding: a.key_padding,
                 }
             }
+            Workload::Convnet => Config::Convnet {
+                batch: a.batch.unwrap_or(256),
+                hw: a.hw.unwrap_or(64),
+                width: a.width.unwrap_or(64),
+                classes: a.classes.unwrap_or(10),
+            },
         };
         Ok(c)
+    }
+
+    /// The same workload at another batch size.
+    fn with_batch(mut self, size: usize) -> Config {
+        match &mut self {
+            Config::Mlp { batch, .. }
+            | Config::Transformer { batch, .. }
+            | Config::Convnet { batch, .. } => *batch = size,
+        }
+        self
     }
 
     fn describe(&self) -> String {
@@ -333,13 +404,30 @@ impl Config {
                 if causal { "causal " } else { "" },
                 if key_padding { "key-padded " } else { "" }
             ),
+            Config::Convnet {
+                batch,
+                hw,
+                width,
+                classes,
+            } => {
+                let (widths, strides): (Vec<String>, Vec<String>) = convnet::LAYERS
+                    .iter()
+                    .map(|&(times, stride)| ((times * width).to_string(), stride.to_string()))
+                    .unzip();
+                format!(
+                    "x[{batch},3,{hw},{hw}] NCHW -> {} x (Conv 3x3 SAME, no bias + BatchNorm + ReLU) with widths {} and strides {} -> mean over H,W -> Linear {classes}, cross-entropy",
+                    convnet::LAYERS.len(),
+                    widths.join(","),
+                    strides.join(",")
+                )
+            }
         }
     }
 
     /// torch_anchor.py's `flops_train`: 6 * (2-D parameters) * tokens, plus the
-    /// attention products for the transformer.
-    fn flops_train(&self) -> f64 {
-        match *self {
+    /// attention products for the transformer; none for the convnet (as there).
+    fn flops_train(&self) -> Option<f64> {
+        let flops = match *self {
             Config::Mlp {
                 batch,
                 d_in,
@@ -368,7 +456,9 @@ impl Config {
                 let att = 4.0 * batch as f64 * (seq * seq) as f64 * d as f64 * layers as f64;
                 6.0 * n as f64 * tok + 3.0 * att
             }
-        }
+            Config::Convnet { .. } => return None,
+        };
+        Some(flops)
     }
 
     /// x and labels, generated on the host: x standard normal, labels uniform.
@@ -387,6 +477,9 @@ impl Config {
                 classes,
                 ..
             } => (vec![batch, seq, d], batch * seq, classes),
+            Config::Convnet {
+                batch, hw, classes, ..
+            } => (vec![batch, 3, hw, hw], batch, classes),
         };
         let mut rng = SplitMix64::new(seed ^ 0xB3_4C_4D_41_52_4B);
         let n: usize = x_shape.iter().product();
@@ -429,17 +522,14 @@ enum InitStyle {
     Keras,
 }
 
-/// With `--init torch`, the initial value of an `nn::dense` layer's `<scope>/kernel`
-/// `[in, out]` or `<scope>/bias`: uniform in ±1/sqrt(in) for both, as torch's
-/// `nn.Linear` starts (kaiming-uniform with a = sqrt(5), and its bias rule). The values
-/// feed the GEMMs, whose speed under the power cap depends on them, so the comparison
-/// with torch_anchor.py starts from the same distributions. None for other variables.
-fn torch_linear_value(
-    graph: &Graph,
-    name: &str,
-    ty: &TensorType,
-    args: &Args,
-) -> Option<Res<Tensor>> {
+/// With `--init torch`, the initial value of a layer's `<scope>/kernel` (an
+/// `nn::dense` kernel `[in, out]`, a convolution's HWIO `[kh, kw, cin, cout]`) or
+/// `<scope>/bias`: uniform in ±1/sqrt(fan_in) for both, fan_in the kernel's elements
+/// per output (`in`, `kh * kw * cin`), as torch's `nn.Linear` and `nn.Conv2d` start
+/// (kaiming-uniform with a = sqrt(5), and their bias rule). The values feed the GEMMs,
+/// whose speed under the power cap depends on them, so the comparison with
+/// torch_anchor.py starts from the same distributions. None for other variables.
+fn torch_value(graph: &Graph, name: &str, ty: &TensorType, args: &Args) -> Option<Res<Tensor>> {
     if args.init != InitStyle::Torch {
         return None;
     }
@@ -447,13 +537,14 @@ fn torch_linear_value(
         .strip_suffix("/kernel")
         .or_else(|| name.strip_suffix("/bias"))?;
     let kernel = graph.find(&format!("{scope}/kernel"))?;
-    let fan_in = *graph
+    let (_, per_output) = graph
         .node(kernel)
         .op
         .downcast_ref::<Variable>()?
         .ty
         .shape
-        .first()?;
+        .split_last()?;
+    let fan_in: usize = per_output.iter().product();
     let limit = 1.0 / (fan_in as f64).sqrt();
     let unit = seeded_tensor(name, ty, args.seed).to_f64_vec();
     let values = Data::from_f64(ty.dtype, unit.into_iter().map(|u| u * limit));
@@ -468,13 +559,18 @@ struct Model {
     graph: Graph,
     logits: Port,
     loss: Port,
+    /// In training, the assignments a step makes besides the optimizer's: the batch
+    /// norms' running averages.
+    running_updates: Vec<Port>,
 }
 
 const X: &str = "x";
 const LABELS: &str = "labels";
 
-fn build(cfg: &Config) -> Res<Model> {
+/// The forward graph of `cfg`, its batch norms (if any) in training mode or not.
+fn build(cfg: &Config, training: bool) -> Res<Model> {
     let mut g = Graph::new();
+    let mut running_updates = Vec::new();
     let (logits, labels) = match *cfg {
         Config::Mlp {
             batch,
@@ -531,13 +627,35 @@ fn build(cfg: &Config) -> Res<Model> {
             // Linear on every token; torch's cross_entropy(out.reshape(-1, classes), y).
             (nn::dense(&mut g, h, classes, None)?, labels)
         }
+        Config::Convnet {
+            batch,
+            hw,
+            width,
+            classes,
+        } => {
+            let x = g.placeholder(X, DType::F32, [batch, 3, hw, hw])?;
+            let labels = g.placeholder(LABELS, DType::I64, [batch])?;
+            let net = convnet::build(&mut g, x, width, classes, training)?;
+            running_updates = net.running_updates;
+            (net.logits, labels)
+        }
     };
     let loss = g.softmax_cross_entropy(logits, labels)?;
     Ok(Model {
         graph: g,
         logits,
         loss,
+        running_updates,
     })
+}
+
+/// An f32 Variable starting at `init`.
+fn f32_variable(g: &mut Graph, name: String, shape: Vec<usize>, init: Init) -> Res<Port> {
+    let ty = TensorType::new(DType::F32, shape);
+    Ok(
+        g.add_node(name, Box::new(Variable::with_init(ty, init)), &[])?
+            .into(),
+    )
 }
 
 /// torch's `nn.LayerNorm(d)` (epsilon 1e-5, gamma ones, beta zeros) over the last axis.
@@ -547,19 +665,10 @@ fn layer_norm(g: &mut Graph, x: Port, d: usize) -> Res<Port> {
         i += 1;
     }
     let scope = format!("layer_norm_{i}");
-    let ty = TensorType::new(DType::F32, vec![d]);
-    let gamma = g.add_node(
-        format!("{scope}/gamma"),
-        Box::new(Variable::with_init(ty.clone(), Init::Constant(1.0))),
-        &[],
-    )?;
-    let beta = g.add_node(
-        format!("{scope}/beta"),
-        Box::new(Variable::with_init(ty, Init::Zeros)),
-        &[],
-    )?;
+    let gamma = f32_variable(g, format!("{scope}/gamma"), vec![d], Init::Constant(1.0))?;
+    let beta = f32_variable(g, format!("{scope}/beta"), vec![d], Init::Zeros)?;
     let axis = g.ty(x).rank() as i64 - 1;
-    Ok(g.layer_norm(x, gamma.into(), beta.into(), axis, 1e-5)?)
+    Ok(g.layer_norm(x, gamma, beta, axis, 1e-5)?)
 }
 
 /// torch_anchor.py's `Block.forward` on the residual stream `x [b*t, d]`, with `masks`
@@ -659,6 +768,8 @@ struct Record {
     peak_mib: Option<f64>,
     /// The memory plan's arena for the step's computed tensors (variables apart).
     planned_mib: f64,
+    /// The planned peak: the arena and what lives beside it (`StepFootprint`).
+    planned_peak_mib: f64,
     /// What one step puts on the stream (CUDA only).
     launches: Option<LaunchCounts>,
     tflops: Option<f64>,
@@ -679,6 +790,24 @@ fn py(v: f64, digits: i32) -> String {
     }
 }
 
+/// The JSON line of a mode and phase that failed, as torch_anchor.py prints one.
+fn error_line(args: &Args, mode: Mode, infer: bool, e: &dyn Error) -> String {
+    format!(
+        "{{\"workload\": \"{}\", \"mode\": \"{}\", \"infer\": {infer}, \"error\": {}}}",
+        args.workload.name(),
+        mode.name(),
+        serde_json::Value::String(e.to_string().chars().take(300).collect())
+    )
+}
+
+fn phase_name(infer: bool) -> &'static str {
+    if infer {
+        "infer"
+    } else {
+        "train"
+    }
+}
+
 fn py_opt(v: Option<f64>, digits: i32) -> String {
     v.map_or("None".into(), |v| py(v, digits))
 }
@@ -687,20 +816,29 @@ fn json_opt(v: Option<f64>, digits: i32) -> String {
     v.map_or("null".into(), |v| py(v, digits))
 }
 
-fn run_one(
-    args: &Args,
-    cfg: &Config,
-    mode: Mode,
-    infer: bool,
-    data: &(Tensor, Tensor),
-) -> Res<Option<Record>> {
+/// A workload's step after the passes, as a timed run executes it.
+struct Step {
+    graph: Graph,
+    /// What each step fetches: the training step's flag, or in inference a `Group` of
+    /// the logits (one fetch that needs them but downloads one byte, not them).
+    fetch: Port,
+    /// The training loss.
+    loss: Option<Port>,
+    nodes_before: usize,
+    records: Vec<PassRecord>,
+}
+
+/// Builds the graph of `cfg`'s training step (`infer` false) or forward pass in
+/// `mode`, and runs the session's pipeline on it: the AMP pass for a marked graph,
+/// then the passes after it.
+fn prepare(args: &Args, cfg: &Config, mode: Mode, infer: bool) -> Res<Step> {
     let Model {
         mut graph,
         logits,
         loss,
-    } = build(cfg)?;
+        running_updates,
+    } = build(cfg, !infer)?;
     let (fetch, loss) = if infer {
-        // One fetch that needs the logits but downloads one byte, not the logits.
         let done = graph.add(Group, &[logits])?;
         graph.mixed_precision = mode.amp();
         graph.prune(&[done])?;
@@ -713,33 +851,87 @@ fn run_one(
                 .minimize(&mut graph, loss)?,
             None => sgd.minimize(&mut graph, loss)?,
         };
-        (step.step, Some(step.loss))
+        // The running averages are written by the same step, skipped or not (as
+        // PyTorch's forward writes them whatever the GradScaler then does).
+        let fetch = match running_updates[..] {
+            [] => step.step,
+            _ => graph.add(Group, &[&[step.step], &running_updates[..]].concat())?,
+        };
+        (fetch, Some(step.loss))
     };
     // Resident feeds: the (already differentiated) graph reads x and the labels from
-    // non-trainable Variables, set once below.
-    let mut feeds = Feeds::new();
-    for (name, value) in [(X, &data.0), (LABELS, &data.1)] {
-        let Some(id) = graph.find(name) else { continue };
-        match args.feeds {
-            FeedMode::Resident => {
-                graph.set_op(id, Box::new(Variable::with_init(value.ty(), Init::Zeros)));
+    // non-trainable Variables, set once (`initial_values`).
+    if args.feeds == FeedMode::Resident {
+        for name in [X, LABELS] {
+            if let Some(id) = graph.find(name) {
+                let ty = graph.ty(id.into()).clone();
+                graph.set_op(id, Box::new(Variable::with_init(ty, Init::Zeros)));
             }
-            FeedMode::Upload => {
+        }
+    }
+    let nodes_before = graph.len();
+    let pipeline = Pipeline::new(&graph, &args.session_options(mode), cuda::PIPELINE)?;
+    let fetches: Vec<Port> = [fetch].into_iter().chain(loss).collect();
+    let (records, fetched) = pipeline.run_for(&mut graph, &fetches)?;
+    Ok(Step {
+        graph,
+        fetch: fetched[0],
+        loss: fetched.get(1).copied(),
+        nodes_before,
+        records,
+    })
+}
+
+/// Every Variable's first value: the data where x and the labels are resident, else
+/// torch's initial values (`--init torch`) or the graph's.
+fn initial_values(
+    args: &Args,
+    graph: &Graph,
+    data: &(Tensor, Tensor),
+) -> Res<Vec<(String, Tensor)>> {
+    let mut values = Vec::new();
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        if let Some(var) = node.op.downcast_ref::<Variable>() {
+            let value = match (args.feeds, node.name.as_str()) {
+                (FeedMode::Resident, X) => data.0.clone(),
+                (FeedMode::Resident, LABELS) => data.1.clone(),
+                _ => match torch_value(graph, &node.name, &var.ty, args) {
+                    Some(value) => value?,
+                    None => initial_value(&node.name, var, args.seed),
+                },
+            };
+            values.push((node.name.clone(), value));
+        }
+    }
+    Ok(values)
+}
+
+fn run_one(
+    args: &Args,
+    cfg: &Config,
+    mode: Mode,
+    infer: bool,
+    data: &(Tensor, Tensor),
+) -> Res<Option<Record>> {
+    let Step {
+        graph,
+        fetch,
+        loss,
+        nodes_before,
+        records,
+    } = prepare(args, cfg, mode, infer)?;
+    let mut feeds = Feeds::new();
+    if args.feeds == FeedMode::Upload {
+        for (name, value) in [(X, &data.0), (LABELS, &data.1)] {
+            if graph.find(name).is_some() {
                 feeds.insert(name.to_string(), value.clone());
             }
         }
     }
-    // The session's pipeline: the AMP pass for a marked graph, then the passes after it.
-    let options = args.session_options(mode);
-    let pipeline = Pipeline::new(&graph, &options, cuda::PIPELINE)?;
-    // The ports fetched below are the graph's outputs, which the passes keep.
-    graph.set_outputs([fetch].into_iter().chain(loss).collect())?;
-    let nodes_before = graph.len();
-    let records = pipeline.run(&mut graph)?;
-    let (fetch, loss) = (graph.outputs()[0], graph.outputs().get(1).copied());
-    let plan = ampgraph::exec::memory_plan::plan(&graph, &[fetch])?;
+    let footprint = step_footprint(&graph, &[fetch])?;
+    let phase = phase_name(infer);
     if let Some(dir) = &args.dump {
-        let phase = if infer { "infer" } else { "train" };
         let path = dir.join(format!(
             "{}-{phase}-{}.txt",
             args.workload.name(),
@@ -750,7 +942,6 @@ fn run_one(
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
     if args.passes_only {
-        let phase = if infer { "infer" } else { "train" };
         let (workload, mode) = (args.workload.name(), mode.name());
         println!(
             "# {workload} {phase} {mode}: {nodes_before} nodes before the passes, {} after",
@@ -764,45 +955,20 @@ fn run_one(
                 r.summary
             );
         }
-        println!(
-            "## memory plan: arena {:.1} MiB (alive at once at most {:.1} MiB; every tensor apart {:.1} MiB)",
-            mib(plan.arena_bytes),
-            mib(plan.live_bytes),
-            mib(plan.total_bytes)
+        print!(
+            "## memory plan\n{}",
+            footprint.report(&graph, args.peak_top)
         );
-        println!("## alive at the peak (step {}):", plan.peak_step);
-        for b in plan.alive_at_peak().iter().take(args.peak_top) {
-            let node = graph.node(b.port.node);
-            println!(
-                "  {:>8.1} MiB  {} ({}) {}  steps {}..{}",
-                mib(b.bytes),
-                node.name,
-                node.op.name(),
-                node.outputs()[b.port.index],
-                b.first,
-                b.last
-            );
-        }
         return Ok(None);
     }
+    let options = args.session_options(mode);
     let mut exec = args
         .device
         .device(args.ordinal)
         .executor(options.executor, &options.kernel_cache)?;
     exec.check_supported(&graph)?;
-    for id in graph.node_ids() {
-        let node = graph.node(id);
-        if let Some(var) = node.op.downcast_ref::<Variable>() {
-            let value = match (args.feeds, node.name.as_str()) {
-                (FeedMode::Resident, X) => data.0.clone(),
-                (FeedMode::Resident, LABELS) => data.1.clone(),
-                _ => match torch_linear_value(&graph, &node.name, &var.ty, args) {
-                    Some(value) => value?,
-                    None => initial_value(&node.name, var, args.seed),
-                },
-            };
-            exec.set_variable(&node.name, value)?;
-        }
+    for (name, value) in initial_values(args, &graph, data)? {
+        exec.set_variable(&name, value)?;
     }
     for _ in 0..args.warmup {
         exec.run(&graph, &feeds, &[fetch])?;
@@ -862,32 +1028,29 @@ fn run_one(
             println!(
                 "# profile of {} {} {} ({} steps, each op timed with CUDA events):\n{}",
                 args.workload.name(),
-                if infer { "infer" } else { "train" },
+                phase,
                 mode.name(),
                 args.profile,
                 table
             );
         }
     }
-    let flops = cfg.flops_train() / if infer { 3.0 } else { 1.0 };
+    let flops = cfg.flops_train().map(|f| f / if infer { 3.0 } else { 1.0 });
     Ok(Some(Record {
         workload: args.workload.name(),
         mode: mode.name(),
-        phase: if infer { "infer" } else { "train" },
+        phase,
         median_ms: median,
         min_ms: times[0],
         max_ms: times[times.len() - 1],
         peak_mib: peak,
-        planned_mib: mib(plan.arena_bytes),
+        planned_mib: mib(footprint.plan.arena_bytes),
+        planned_peak_mib: mib(footprint.peak_bytes()),
         launches,
-        tflops: Some(flops / median / 1e9),
+        tflops: flops.map(|f| f / median / 1e9),
         loss,
         joules,
     }))
-}
-
-fn mib(bytes: usize) -> f64 {
-    bytes as f64 / (1u64 << 20) as f64
 }
 
 fn main() -> ExitCode {
@@ -919,6 +1082,9 @@ fn bench(args: &Args) -> Res<()> {
         })
         .collect::<Res<Vec<bool>>>()?;
     let device_name = match args.device {
+        _ if args.max_batch_under_mib.is_some() => {
+            "no device (memory planned on the host)".to_string()
+        }
         _ if args.passes_only => "no device (passes only)".to_string(),
         DeviceArg::Cuda => {
             if let Err(why) = cuda::available() {
@@ -939,11 +1105,6 @@ fn bench(args: &Args) -> Res<()> {
     };
     println!("# ampgraph {} on {device_name}", env!("CARGO_PKG_VERSION"));
     println!("# {}: {}", args.workload.name(), cfg.describe());
-    println!(
-        "# timing: CUDA events around each step (wall clock on the CPU), median of {} after {} warm-up",
-        args.iters.max(1),
-        args.warmup
-    );
     let pipeline = args.pipeline();
     println!(
         "# passes after AMP: {}",
@@ -975,6 +1136,14 @@ fn bench(args: &Args) -> Res<()> {
             FeedMode::Upload => "generated once on the host, UPLOADED EVERY STEP (x and labels)",
         }
     );
+    if let Some(budget_mib) = args.max_batch_under_mib {
+        return fit::report(args, &cfg, &modes, &phases, budget_mib);
+    }
+    println!(
+        "# timing: CUDA events around each step (wall clock on the CPU), median of {} after {} warm-up",
+        args.iters.max(1),
+        args.warmup
+    );
     let data = cfg.data(args.seed)?;
     let mut rows = Vec::new();
     for &mode in &modes {
@@ -983,7 +1152,7 @@ fn bench(args: &Args) -> Res<()> {
                 Ok(None) => {}
                 Ok(Some(r)) => {
                     let mut line = format!(
-                        "{{\"workload\": \"{}\", \"mode\": \"{}\", \"phase\": \"{}\", \"median_ms\": {}, \"min_ms\": {}, \"max_ms\": {}, \"peak_mem_mib\": {}, \"planned_arena_mib\": {}, \"tflops\": {}",
+                        "{{\"workload\": \"{}\", \"mode\": \"{}\", \"phase\": \"{}\", \"median_ms\": {}, \"min_ms\": {}, \"max_ms\": {}, \"peak_mem_mib\": {}, \"planned_arena_mib\": {}, \"planned_peak_mib\": {}, \"tflops\": {}",
                         r.workload,
                         r.mode,
                         r.phase,
@@ -992,6 +1161,7 @@ fn bench(args: &Args) -> Res<()> {
                         py(r.max_ms, 3),
                         json_opt(r.peak_mib, 1),
                         py(r.planned_mib, 1),
+                        py(r.planned_peak_mib, 1),
                         json_opt(r.tflops, 1),
                     );
                     if let Some(l) = r.loss {
@@ -1013,12 +1183,7 @@ fn bench(args: &Args) -> Res<()> {
                     println!("{line}}}");
                     rows.push(r);
                 }
-                Err(e) => println!(
-                    "{{\"workload\": \"{}\", \"mode\": \"{}\", \"infer\": {infer}, \"error\": {}}}",
-                    args.workload.name(),
-                    mode.name(),
-                    serde_json::Value::String(e.to_string().chars().take(300).collect())
-                ),
+                Err(e) => println!("{}", error_line(args, mode, infer, e.as_ref())),
             }
         }
     }

@@ -20,6 +20,7 @@ use ampgraph_graph::ops::{
     VariableUpdate,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
+use std::collections::HashSet;
 
 use crate::schedule::Schedule;
 use crate::ExecError;
@@ -248,25 +249,9 @@ pub fn plan_outside(
 ) -> Result<MemoryPlan, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
     let end = order.len();
-    let is_source = |p: Port| {
-        let op = &graph.node(p.node).op;
-        op.is::<Placeholder>() || op.is::<Variable>() || op.is::<Const>()
-    };
-    // The buffer a tensor lives in: a view's is its input's.
-    let root = |mut p: Port| {
-        while p.index == 0 && graph.node(p.node).op.is_view() {
-            match graph.inputs(p.node).first() {
-                Some(&input) => p = input,
-                None => break,
-            }
-        }
-        p
-    };
-    let assigned: std::collections::HashSet<Port> = order
-        .iter()
-        .filter(|&&id| graph.node(id).op.is::<AssignVariable>())
-        .filter_map(|&id| graph.inputs(id).get(1).map(|&v| root(v)))
-        .collect();
+    let is_source = |p: Port| is_source(graph, p);
+    let root = |p: Port| root(graph, p);
+    let assigned = assigned_values(graph, &order);
     let mut buffers: Vec<PlannedBuffer> = Vec::new();
     let mut slot_of: std::collections::HashMap<Port, usize> = Default::default();
     for (i, &id) in order.iter().enumerate() {
@@ -286,7 +271,7 @@ pub fn plan_outside(
                 first: i,
                 last: i,
                 offset: 0,
-                bytes: size.max(1).div_ceil(ALIGNMENT) * ALIGNMENT,
+                bytes: aligned(size),
             });
         }
     }
@@ -305,6 +290,197 @@ pub fn plan_outside(
     }
     place(&mut buffers);
     Ok(summarise(buffers, end))
+}
+
+/// Whether `p` is a Placeholder's, Variable's or Const's value (fed or persistent).
+fn is_source(graph: &Graph, p: Port) -> bool {
+    let op = &graph.node(p.node).op;
+    op.is::<Placeholder>() || op.is::<Variable>() || op.is::<Const>()
+}
+
+/// The buffer a tensor lives in: a view's is its input's.
+fn root(graph: &Graph, mut p: Port) -> Port {
+    while p.index == 0 && graph.node(p.node).op.is_view() {
+        match graph.inputs(p.node).first() {
+            Some(&input) => p = input,
+            None => break,
+        }
+    }
+    p
+}
+
+/// The buffers of the values the assignments among `order` write.
+fn assigned_values(graph: &Graph, order: &[NodeId]) -> HashSet<Port> {
+    order
+        .iter()
+        .filter(|&&id| graph.node(id).op.is::<AssignVariable>())
+        .filter_map(|&id| graph.inputs(id).get(1).map(|&v| root(graph, v)))
+        .collect()
+}
+
+/// The casts the CUDA executor keeps beyond a step, outside its arena: casts of
+/// variables no step writes ([`constant_casts`]), casts of variables an optimizer
+/// update writes with their cast, and those updates' cast outputs, which replace them
+/// when the step ends ([`update_casts`]).
+pub fn kept_casts(graph: &Graph) -> HashSet<Port> {
+    let constant = constant_casts(graph).into_iter().map(|(cast, _)| cast);
+    let updated = update_casts(graph)
+        .into_iter()
+        .flat_map(|(cast, _, next)| [cast, next]);
+    constant.chain(updated).collect()
+}
+
+/// A step's device memory, planned on the host: the arena of the tensors it computes
+/// and what lives beside it. Each part is rounded up to [`ALIGNMENT`] per tensor. Not
+/// counted: the GEMM library's workspace, kernels' code, the CUDA context.
+#[derive(Clone, Debug, Default)]
+pub struct StepFootprint {
+    /// The arena, with the kept casts outside it (as the CUDA executor plans it).
+    pub plan: MemoryPlan,
+    /// Every Variable of the graph (an executor holds them all): weights, optimizer
+    /// slots, loss-scale state, inputs made resident.
+    pub variable_bytes: usize,
+    pub variables: usize,
+    /// The Placeholders the step reads, fed (uploaded) per step.
+    pub fed_bytes: usize,
+    /// The Consts the step reads (uploaded once).
+    pub constant_bytes: usize,
+    /// The casts kept from one step to the next ([`kept_casts`] but the updates' cast
+    /// outputs): the 16-bit copies of the weights an AMP step keeps. The first step
+    /// holds them beside their variables' f32 copies, so both count.
+    pub kept_cast_bytes: usize,
+    /// New values made outside the arena during the step, alive beside the values
+    /// they replace until it ends: variables' next values that optimizer updates do
+    /// not write in place ([`in_place_updates`]), the updates' cast outputs.
+    pub written_bytes: usize,
+}
+
+impl StepFootprint {
+    /// The step's planned peak: the arena and everything beside it.
+    pub fn peak_bytes(&self) -> usize {
+        self.plan.arena_bytes
+            + self.variable_bytes
+            + self.fed_bytes
+            + self.constant_bytes
+            + self.kept_cast_bytes
+            + self.written_bytes
+    }
+
+    /// A report of the plan: the peak and its parts, the lower bound, the peak step
+    /// and the `top` largest tensors alive there, one a line.
+    pub fn report(&self, graph: &Graph, top: usize) -> String {
+        let amount = |bytes: usize| format!("{bytes} bytes ({:.1} MiB)", mib(bytes));
+        let plan = &self.plan;
+        let mut lines = vec![
+            format!("planned peak: {}", amount(self.peak_bytes())),
+            format!("arena: {}", amount(plan.arena_bytes)),
+            format!(
+                "lower bound (most bytes alive at once): {}",
+                amount(plan.live_bytes)
+            ),
+            format!("every tensor apart: {}", amount(plan.total_bytes)),
+            format!(
+                "variables ({} nodes): {}",
+                self.variables,
+                amount(self.variable_bytes)
+            ),
+            format!("fed: {}", amount(self.fed_bytes)),
+            format!("constants: {}", amount(self.constant_bytes)),
+            format!("kept casts: {}", amount(self.kept_cast_bytes)),
+            format!(
+                "written beside the old values: {}",
+                amount(self.written_bytes)
+            ),
+            match plan.buffers.iter().find(|b| b.first == plan.peak_step) {
+                Some(b) => {
+                    let node = graph.node(b.port.node);
+                    format!(
+                        "peak step: {} (while '{}' ({}) runs)",
+                        plan.peak_step,
+                        node.name,
+                        node.op.name()
+                    )
+                }
+                None => format!("peak step: {}", plan.peak_step),
+            },
+            "alive at the peak, largest first:".to_string(),
+        ];
+        for b in plan.alive_at_peak().into_iter().take(top) {
+            let node = graph.node(b.port.node);
+            lines.push(format!(
+                "  {:>8.1} MiB  {} ({}) {}  steps {}..{}",
+                mib(b.bytes),
+                graph.port_name(b.port),
+                node.op.name(),
+                graph.ty(b.port),
+                b.first,
+                b.last
+            ));
+        }
+        lines.join("\n") + "\n"
+    }
+}
+
+/// Bytes in MiB.
+pub fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+fn aligned(bytes: usize) -> usize {
+    bytes.max(1).div_ceil(ALIGNMENT) * ALIGNMENT
+}
+
+/// The device memory of the step that computes `fetches`, planned on the host as the
+/// CUDA executor plans it (the arena with the kept casts outside), with what lives
+/// beside the arena.
+pub fn step_footprint(graph: &Graph, fetches: &[Port]) -> Result<StepFootprint, ExecError> {
+    let kept = kept_casts(graph);
+    let plan = plan_outside(graph, fetches, &kept)?;
+    let order = Schedule::new(graph, fetches)?.order;
+    let bytes = |p: &Port| aligned(graph.ty(*p).size_bytes());
+    let mut footprint = StepFootprint {
+        plan,
+        ..StepFootprint::default()
+    };
+    for id in graph.node_ids() {
+        if graph.node(id).op.is::<Variable>() {
+            footprint.variables += 1;
+            footprint.variable_bytes += bytes(&id.into());
+        }
+    }
+    for &id in &order {
+        let op = &graph.node(id).op;
+        if op.is::<Placeholder>() {
+            footprint.fed_bytes += bytes(&id.into());
+        } else if op.is::<Const>() {
+            footprint.constant_bytes += bytes(&id.into());
+        }
+    }
+    let in_step: HashSet<NodeId> = order.iter().copied().collect();
+    let cast_outputs: HashSet<Port> = update_casts(graph)
+        .into_iter()
+        .map(|(_, _, next)| next)
+        .filter(|p| in_step.contains(&p.node))
+        .collect();
+    footprint.kept_cast_bytes = kept
+        .iter()
+        .filter(|p| in_step.contains(&p.node) && !cast_outputs.contains(p))
+        .map(bytes)
+        .sum();
+    let in_place: HashSet<Port> = in_place_updates(graph, fetches)?
+        .into_iter()
+        .map(|(port, _)| port)
+        .collect();
+    let next_values = assigned_values(graph, &order)
+        .into_iter()
+        .filter(|&p| !is_source(graph, p) && !in_place.contains(&p));
+    footprint.written_bytes = next_values
+        .chain(cast_outputs)
+        .collect::<HashSet<Port>>()
+        .iter()
+        .map(bytes)
+        .sum();
+    Ok(footprint)
 }
 
 /// Greedy by size: the largest first, each at the lowest offset clear of the placed
@@ -660,6 +836,43 @@ mod tests {
         assert_eq!(casts.len(), 3);
         let only = read_only_through_casts(&g, &fetches, &casts);
         assert_eq!(only, [a].into_iter().collect());
+    }
+
+    #[test]
+    fn a_footprint_counts_what_lives_beside_the_arena() {
+        // v's update is written in place unless v is read after it; the finite flag
+        // is a Const.
+        for (late_reader, written) in [(false, 0), (true, 1024)] {
+            let (g, fetches) = update(late_reader);
+            let f = step_footprint(&g, &fetches).unwrap();
+            assert_eq!((f.variables, f.variable_bytes), (1, 1024));
+            assert_eq!((f.fed_bytes, f.kept_cast_bytes), (0, 0));
+            assert_eq!(f.constant_bytes, ALIGNMENT);
+            assert_eq!(f.written_bytes, written, "late reader: {late_reader}");
+        }
+        // An inference step: x fed, w kept as its f16 cast (256 f16 values).
+        let mut g = Graph::new();
+        let x = placeholder(&mut g, "x", &[256]);
+        let ty = TensorType::new(DType::F32, vec![256]);
+        let w = g.add_node("w", Box::new(Variable::new(ty)), &[]).unwrap();
+        let w16 = g.add(Cast { to: DType::F16 }, &[w.into()]).unwrap();
+        let x16 = g.add(Cast { to: DType::F16 }, &[x]).unwrap();
+        let y = g.mul(x16, w16).unwrap();
+        let f = step_footprint(&g, &[y]).unwrap();
+        assert_eq!(kept_casts(&g), [w16].into_iter().collect());
+        assert_eq!((f.fed_bytes, f.variable_bytes), (1024, 1024));
+        assert_eq!(f.kept_cast_bytes, 512);
+        assert!(!f.plan.buffers.iter().any(|b| b.port == w16));
+        assert_eq!(f.plan.arena_bytes, 2 * 512, "x16 and y");
+        assert_eq!(f.peak_bytes(), 1024 + 1024 + 512 + 2 * 512);
+        let report = f.report(&g, 5);
+        for field in [
+            "planned peak: 3584 bytes",
+            "kept casts: 512 bytes",
+            "  mul (",
+        ] {
+            assert!(report.contains(field), "{field} in {report}");
+        }
     }
 
     #[test]

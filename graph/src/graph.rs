@@ -380,6 +380,15 @@ impl Graph {
         }
     }
 
+    /// The port spelled `name` or `name:k` (as [`Graph::port_name`] writes it), or an
+    /// error when no such node or output exists.
+    pub fn port_by_name(&self, s: &str) -> Result<Port> {
+        let (id, index) = self.parse_port_name(s).map_err(GraphError::Format)?;
+        let port = Port::new(id, index);
+        self.check_port(port)?;
+        Ok(port)
+    }
+
     /// A name not yet used, from a stem: `matmul`, `matmul_1`, ... (An owned stem is
     /// returned as it is when free.)
     pub fn fresh_name(&self, stem: impl AsRef<str> + Into<String>) -> String {
@@ -840,6 +849,21 @@ mod tests {
     use super::*;
     use crate::ops::{BatchNorm, Const, Placeholder, Unary, UnaryKind};
     use crate::DType;
+
+    #[test]
+    fn ports_spelled_by_name_round_trip_and_unknown_ones_are_errors() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, [2]);
+        let x = g.add_node("x", Box::new(Placeholder(ty)), &[]).unwrap();
+        let y = g.add(Unary::new(UnaryKind::Exp), &[x.into()]).unwrap();
+        for p in [Port::from(x), y] {
+            assert_eq!(g.port_by_name(&g.port_name(p)).unwrap(), p);
+        }
+        let missing = g.port_by_name("ghost").unwrap_err().to_string();
+        assert_eq!(missing, "no node named 'ghost'");
+        let past = g.port_by_name("x:1").unwrap_err().to_string();
+        assert!(past.contains("output 1 does not exist"), "{past}");
+    }
 
     #[test]
     fn the_revision_changes_with_every_edit_and_differs_between_graphs() {
