@@ -1172,9 +1172,10 @@ fn bench(args: &Args) -> Res<()> {
                     }
                     if let Some(c) = r.launches {
                         line += &format!(
-                            ", \"launches\": {{\"kernel\": {}, \"gemm\": {}, \"memset\": {}, \"memcpy\": {}, \"total\": {}}}",
+                            ", \"launches\": {{\"kernel\": {}, \"gemm\": {}, \"cudnn\": {}, \"memset\": {}, \"memcpy\": {}, \"total\": {}}}",
                             c.kernels,
                             c.gemms,
+                            c.dnn,
                             c.memsets,
                             c.memcpys,
                             c.total()
