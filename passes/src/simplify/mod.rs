@@ -8,7 +8,7 @@
 //! ops hold or write state (never folded, merged or removed as dead), and `Edits`,
 //! the rewiring a topological sweep decides and applies in one batch.
 
-mod algebraic;
+pub(crate) mod algebraic;
 mod cast_into_norm;
 mod cast_into_reduce;
 mod cast_into_update;
