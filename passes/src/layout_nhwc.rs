@@ -10,7 +10,8 @@
 //! and Cast whose operands are the image or broadcast a single value, fused programs of
 //! such ops), reductions of images (axes remapped: the global average pool's Mean over
 //! `[2, 3]` becomes `[1, 2]`, a bias gradient's Sum over `[0, 2, 3]` becomes `[0, 1, 2]`),
-//! their gradients, and Concat of images (axis 1 becomes 3).
+//! their gradients, Concat of images (axis 1 becomes 3) and Slice of images (Concat's
+//! gradient; begin and size permuted).
 //!
 //! The pass decides one layout per node rather than inserting Transposes around every
 //! op and sinking them: the NCHW-only ops are NHWC; a layout-agnostic op starts NHWC
@@ -33,7 +34,7 @@ use ampgraph_graph::ops::fused::Instr;
 use ampgraph_graph::ops::{
     AvgPool, AvgPoolGrad, BatchNorm, BatchNormGrad, BiasAdd, Binary, BinaryGrad, Cast, Concat,
     Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, ElementOp, FusedElementwise,
-    MaxPool, MaxPoolGrad, Reduce, ReduceGrad, SumTo, Transpose, Unary, UnaryGrad,
+    MaxPool, MaxPoolGrad, Reduce, ReduceGrad, Slice, SumTo, Transpose, Unary, UnaryGrad,
 };
 use ampgraph_graph::{Graph, NodeId, Op, Port, TensorType};
 use foldhash::{HashMap, HashSet};
@@ -74,7 +75,7 @@ macro_rules! layout_sensitive {
 
                 $(
                     fn permute_shape_attrs(&mut self) {
-                        self.$shape = nhwc_shape(&self.$shape);
+                        self.$shape = nhwc_order(&self.$shape);
                     }
                 )?
             }
@@ -107,8 +108,8 @@ struct NhwcForm {
     sensitive: bool,
 }
 
-/// An NCHW shape in NHWC order.
-fn nhwc_shape(nchw: &[usize]) -> Vec<usize> {
+/// Per-axis values of an NCHW tensor (its shape, a slice's begin) in NHWC order.
+fn nhwc_order<T: Copy>(nchw: &[T]) -> Vec<T> {
     TO_NHWC.iter().map(|&a| nchw[a]).collect()
 }
 
@@ -226,6 +227,13 @@ fn agnostic_form(
         let total = s.shape.iter().all(|&d| d == 1) && is_image(first);
         return total.then(|| (vec![0], vec![], op.clone_op()));
     }
+    if let Some(s) = op.downcast_ref::<Slice>() {
+        if !is_image(first) || s.begin.len() != 4 || s.size.len() != 4 {
+            return None;
+        }
+        let twin = Slice::new(nhwc_order(&s.begin), nhwc_order(&s.size));
+        return Some((vec![0], vec![0], Box::new(twin)));
+    }
     if let Some(c) = op.downcast_ref::<Concat>() {
         if !inputs.iter().all(|t| t.rank() == 4) {
             return None;
@@ -288,7 +296,7 @@ fn nhwc_program(fused: &FusedElementwise) -> Option<FusedElementwise> {
             if bias_add {
                 None
             } else if ins.ty.shape == domain.shape {
-                let ty = TensorType::new(ins.ty.dtype, nhwc_shape(&ins.ty.shape));
+                let ty = TensorType::new(ins.ty.dtype, nhwc_order(&ins.ty.shape));
                 Some(Instr {
                     expr: ins.expr.clone(),
                     ty,
@@ -813,6 +821,9 @@ mod tests {
         let b = conv(&mut g, x, 2, 1, 1, Padding::Same);
         let cat = g.concat(&[a, b], 1).unwrap();
         let mean = g.mean(cat, Some(&[-2, -1]), false).unwrap();
+        let part = g
+            .add(Slice::new([0, 1, 0, 2], [-1, 3, -1, 3]), &[cat])
+            .unwrap();
         let sum = g.sum(cat, Some(&[0, 2, 3]), false).unwrap();
         let flat = g.reshape(a, [2, -1]).unwrap();
         // A per-channel scale broadcast from [1, C, 1, 1] is NCHW only.
@@ -820,7 +831,8 @@ mod tests {
         let scaled = g.mul(cat, per_channel).unwrap();
         let scaled = conv(&mut g, scaled, 3, 1, 1, Padding::Valid);
         let pooled = g.mean(scaled, Some(&[2, 3]), false).unwrap();
-        g.set_outputs(vec![mean, sum, flat, pooled]).unwrap();
+        let part = g.mean(part, Some(&[1, 2, 3]), false).unwrap();
+        g.set_outputs(vec![mean, sum, flat, pooled, part]).unwrap();
 
         let (after, _) = layout(&g);
         assert!(nchw_ops(&after).is_empty());
@@ -834,15 +846,26 @@ mod tests {
             after.node(concat).op.downcast_ref::<Concat>().unwrap().axis,
             3
         );
-        let axes = |name: &str| {
+        // The outputs' Means and Sum, in order.
+        let axes = |k: usize| {
             let r = after
-                .node(after.find(name).unwrap())
+                .node(after.outputs()[k].node)
                 .op
                 .downcast_ref::<Reduce>();
             r.unwrap().axes.clone().unwrap()
         };
-        assert_eq!(axes("mean"), [1, 2]);
-        assert_eq!(axes("sum"), [0, 1, 2]);
+        assert_eq!(axes(0), [1, 2]);
+        assert_eq!(axes(1), [0, 1, 2]);
+        assert_eq!(axes(4), [1, 2, 3]);
+        let slice = after
+            .node(after.find("slice").unwrap())
+            .op
+            .downcast_ref::<Slice>();
+        let slice = slice.unwrap();
+        assert_eq!(
+            (&slice.begin[..], &slice.size[..]),
+            (&[0, 0, 2, 1][..], &[-1, -1, 3, 3][..])
+        );
     }
 
     #[test]
