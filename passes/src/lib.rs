@@ -11,6 +11,7 @@ pub mod cross_entropy;
 pub mod epilogue;
 pub mod fuse;
 pub mod group_updates;
+pub mod layout_nhwc;
 pub mod norm_grad_epilogue;
 pub mod registry;
 pub mod simplify;

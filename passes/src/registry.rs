@@ -7,10 +7,11 @@ use crate::cross_entropy::FuseCrossEntropy;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::group_updates::GroupUpdates;
+use crate::layout_nhwc::LayoutNhwc;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
-    PadGemm, ScaleIntoMatmul, UnscaleIntoUpdate,
+    PadConvChannels, PadGemm, ScaleIntoMatmul, UnscaleIntoUpdate,
 };
 use crate::softmax_prologue::SoftmaxPrologue;
 use crate::sum_into_elementwise::SumIntoElementwise;
@@ -91,6 +92,16 @@ pub const PASSES: &[PassEntry] = &[
         name: "pad-gemm",
         summary: "A 16-bit MatMul whose M, N or K is not a multiple of 8 multiplies zero-padded operands.",
         make: || Box::new(PadGemm),
+    },
+    PassEntry {
+        name: "pad-conv-channels",
+        summary: "A 16-bit convolution (or its gradient) whose channel counts are not multiples of 8 runs on zero-padded channels and is sliced back.",
+        make: || Box::new(PadConvChannels),
+    },
+    PassEntry {
+        name: "layout-nhwc",
+        summary: "NCHW convolutions, pools, batch norms and bias adds (and their gradients) compute on NHWC tensors, with Transposes only at the graph's NCHW inputs and outputs.",
+        make: || Box::new(LayoutNhwc),
     },
     PassEntry {
         name: "gemm-epilogue",

@@ -3,21 +3,27 @@
 
 /// The fusion pipeline for a CUDA graph after AMP ([`Executor::default_passes`] of the
 /// CUDA executor, and the default of `bench --passes`): dead nodes go first (gradients
-/// built for constants would otherwise count as readers and block folds), reductions
-/// take the widening casts AMP put before them, layer norms the casts AMP put around
-/// them, cross-entropy its gradient (one read of the logits for both, the casts around
-/// them folded), batched products their scalar scalings, explicit attentions become
-/// fused ones (scores never stored), the finiteness check and the optimizer updates the
-/// loss-scale unscaling, the updates the casts of their variables, products their bias
-/// and activation into the GEMM, then the remaining elementwise chains fuse into
-/// generated kernels (a softmax takes the one computing its operand), those kernels
-/// take the bias gradients summed from what they compute, layer-norm gradients the Adds
-/// of the residual gradient after them (with those bias gradients), and the small
-/// variables' updates share launches.
+/// built for constants would otherwise count as readers and block folds), NCHW
+/// convolution networks compute in NHWC inside (the pass cancels its Transposes against
+/// the graph's own, leaving them at the NCHW inputs and outputs) before anything fuses
+/// the elementwise ops between the convolutions, 16-bit convolutions pad their channels
+/// to multiples of 8 (on the NHWC channel axis by then), reductions take the widening
+/// casts AMP put before them, layer norms the casts AMP put around them, cross-entropy
+/// its gradient (one read of the logits for both, the casts around them folded),
+/// batched products their scalar scalings, explicit attentions become fused ones
+/// (scores never stored), the finiteness check and the optimizer updates the loss-scale
+/// unscaling, the updates the casts of their variables, products their bias and
+/// activation into the GEMM, then the remaining elementwise chains fuse into generated
+/// kernels (a softmax takes the one computing its operand), those kernels take the bias
+/// gradients summed from what they compute, layer-norm gradients the Adds of the
+/// residual gradient after them (with those bias gradients), and the small variables'
+/// updates share launches.
 ///
 /// [`Executor::default_passes`]: crate::Executor::default_passes
 pub const PIPELINE: &[&str] = &[
     "dce",
+    "layout-nhwc",
+    "pad-conv-channels",
     "cast-into-reduce",
     "cast-into-norm",
     "fuse-cross-entropy",

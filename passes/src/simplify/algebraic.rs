@@ -3,6 +3,9 @@
 //! the identity permutation) are bypassed, and chains of Transposes or of Reshapes
 //! become one node. A node that is a graph output keeps its name: it becomes an
 //! Identity of its input instead.
+//!
+//! [`simplify`] with [`Identities::Transposes`] does the Transpose part alone:
+//! `layout-nhwc` cancels the Transposes it inserts against the graph's own with it.
 
 use ampgraph_graph::ops::{Binary, BinaryKind, Cast, Const, Reshape, Transpose, Unary, UnaryKind};
 use ampgraph_graph::{Graph, NodeId, Port};
@@ -14,12 +17,22 @@ use crate::{Pass, PassError, PassSummary};
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Algebraic;
 
-#[derive(Default)]
-struct Counts {
-    bypassed: usize,
-    transposes: usize,
-    reshapes: usize,
-    to_identity: usize,
+/// Which identities a sweep removes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Identities {
+    /// Every one the module documentation lists (the `algebraic` pass).
+    All,
+    /// Transposes only: chains merged, identity permutations bypassed.
+    Transposes,
+}
+
+/// What one sweep did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub bypassed: usize,
+    pub transposes: usize,
+    pub reshapes: usize,
+    pub to_identity: usize,
 }
 
 impl Pass for Algebraic {
@@ -28,38 +41,7 @@ impl Pass for Algebraic {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
-        let is_output = output_nodes(g);
-        let mut edits = Edits::new(g);
-        let mut counts = Counts::default();
-        // Graph outputs that compute their input: made Identity once the rewiring is done.
-        let mut to_identity: Vec<(NodeId, Port)> = Vec::new();
-        for id in g.topo_order_in(edits.adjacency())? {
-            // Inputs are final here: every producer was visited first.
-            if let Some((op, input)) = collapse_chain(g, &edits, id) {
-                if op.is::<Transpose>() {
-                    counts.transposes += 1;
-                } else {
-                    counts.reshapes += 1;
-                }
-                g.set_op(id, op);
-                edits.set_input(id, 0, input);
-            }
-            let Some(x) = passed_through(g, &edits, id) else {
-                continue;
-            };
-            if !is_output[id.index()] {
-                edits.forward_node(id, 1, |_| x);
-                counts.bypassed += 1;
-            } else if !is_identity(g, id) {
-                to_identity.push((id, x));
-                counts.to_identity += 1;
-            }
-        }
-        edits.apply(g)?;
-        // Each `x` is final: it was visited, and resolved, before its reader.
-        for &(id, x) in &to_identity {
-            g.set_node(id, Box::new(Unary::new(UnaryKind::Identity)), &[x])?;
-        }
+        let counts = simplify(g, Identities::All)?;
         let lines = vec![
             format!("algebraic: bypassed {} no-op nodes", counts.bypassed),
             format!(
@@ -75,6 +57,43 @@ impl Pass for Algebraic {
     }
 }
 
+/// One sweep in topological order removing the identities `which` names.
+pub(crate) fn simplify(g: &mut Graph, which: Identities) -> Result<Counts, PassError> {
+    let is_output = output_nodes(g);
+    let mut edits = Edits::new(g);
+    let mut counts = Counts::default();
+    // Graph outputs that compute their input: made Identity once the rewiring is done.
+    let mut to_identity: Vec<(NodeId, Port)> = Vec::new();
+    for id in g.topo_order_in(edits.adjacency())? {
+        // Inputs are final here: every producer was visited first.
+        if let Some((op, input)) = collapse_chain(g, &edits, id, which) {
+            if op.is::<Transpose>() {
+                counts.transposes += 1;
+            } else {
+                counts.reshapes += 1;
+            }
+            g.set_op(id, op);
+            edits.set_input(id, 0, input);
+        }
+        let Some(x) = passed_through(g, &edits, id, which) else {
+            continue;
+        };
+        if !is_output[id.index()] {
+            edits.forward_node(id, 1, |_| x);
+            counts.bypassed += 1;
+        } else if !is_identity(g, id) {
+            to_identity.push((id, x));
+            counts.to_identity += 1;
+        }
+    }
+    edits.apply(g)?;
+    // Each `x` is final: it was visited, and resolved, before its reader.
+    for &(id, x) in &to_identity {
+        g.set_node(id, Box::new(Unary::new(UnaryKind::Identity)), &[x])?;
+    }
+    Ok(counts)
+}
+
 fn is_identity(g: &Graph, id: NodeId) -> bool {
     g.node(id)
         .op
@@ -88,9 +107,11 @@ fn collapse_chain(
     g: &Graph,
     edits: &Edits,
     id: NodeId,
+    which: Identities,
 ) -> Option<(Box<dyn ampgraph_graph::Op>, Port)> {
     let op = &g.node(id).op;
-    if !op.is::<Transpose>() && !op.is::<Reshape>() {
+    let reshape = op.is::<Reshape>() && which == Identities::All;
+    if !op.is::<Transpose>() && !reshape {
         return None;
     }
     let x = edits.input(id, 0);
@@ -111,20 +132,23 @@ fn collapse_chain(
 }
 
 /// The input a node passes through unchanged (same dtype, shape and values), if any.
-fn passed_through(g: &Graph, edits: &Edits, id: NodeId) -> Option<Port> {
+fn passed_through(g: &Graph, edits: &Edits, id: NodeId, which: Identities) -> Option<Port> {
     let node = g.node(id);
     let [out] = node.outputs() else {
         return None;
     };
     let op = &node.op;
-    let candidate = if let Some(b) = op.downcast_ref::<Binary>() {
+    let identity_transpose = op
+        .downcast_ref::<Transpose>()
+        .is_some_and(|t| t.perm.iter().enumerate().all(|(i, &p)| i == p));
+    let all = which == Identities::All;
+    let candidate = if let Some(b) = op.downcast_ref::<Binary>().filter(|_| all) {
         neutral_operand(g, b.kind, edits.input(id, 0), edits.input(id, 1))?
-    } else if is_identity(g, id)
-        || op.downcast_ref::<Cast>().is_some()
-        || op.downcast_ref::<Reshape>().is_some()
-        || op
-            .downcast_ref::<Transpose>()
-            .is_some_and(|t| t.perm.iter().enumerate().all(|(i, &p)| i == p))
+    } else if identity_transpose
+        || all
+            && (is_identity(g, id)
+                || op.downcast_ref::<Cast>().is_some()
+                || op.downcast_ref::<Reshape>().is_some())
     {
         edits.input(id, 0)
     } else {

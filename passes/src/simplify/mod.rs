@@ -2,13 +2,13 @@
 //! dead-node elimination, algebraic identities, widening casts folded into
 //! reductions and casts into layer normalisation, scalar scalings folded into
 //! batched products, loss-scale unscaling and the master weights' casts folded into
-//! the optimizer updates, batch-norm folding and GEMM padding.
+//! the optimizer updates, batch-norm folding, and GEMM and convolution-channel padding.
 //!
 //! Each pass is one small type in its own file. They share the helpers below: which
 //! ops hold or write state (never folded, merged or removed as dead), and `Edits`,
 //! the rewiring a topological sweep decides and applies in one batch.
 
-mod algebraic;
+pub(crate) mod algebraic;
 mod cast_into_norm;
 mod cast_into_reduce;
 mod cast_into_update;
@@ -16,6 +16,7 @@ mod const_fold;
 mod cse;
 mod dce;
 mod fold_batchnorm;
+mod pad_conv_channels;
 mod pad_gemm;
 pub(crate) mod scale_into_matmul;
 mod unscale_into_update;
@@ -28,6 +29,7 @@ pub use const_fold::ConstFold;
 pub use cse::Cse;
 pub use dce::Dce;
 pub use fold_batchnorm::FoldBatchNorm;
+pub use pad_conv_channels::PadConvChannels;
 pub use pad_gemm::PadGemm;
 pub use scale_into_matmul::ScaleIntoMatmul;
 pub use unscale_into_update::UnscaleIntoUpdate;

@@ -38,7 +38,8 @@ impl Pass for PadGemm {
     }
 }
 
-fn round_up(d: usize) -> usize {
+/// `d` rounded up to a multiple of [`GEMM_MULTIPLE`].
+pub(super) fn round_up(d: usize) -> usize {
     d.div_ceil(GEMM_MULTIPLE) * GEMM_MULTIPLE
 }
 
@@ -87,30 +88,38 @@ fn pad(g: &mut Graph, id: NodeId) -> Result<bool, PassError> {
 /// `x` with zero columns, then zero rows, appended up to `rows` x `cols`.
 fn pad_matrix(
     g: &mut Graph,
-    mut x: Port,
+    x: Port,
     (rows, cols): (usize, usize),
     stem: &str,
 ) -> Result<Port, PassError> {
-    for axis in [1, 0] {
-        let ty = g.ty(x).clone();
-        let want = if axis == 1 { cols } else { rows };
-        if ty.shape[axis] == want {
-            continue;
-        }
-        let mut zero_shape = ty.shape.clone();
-        zero_shape[axis] = want - ty.shape[axis];
-        // No values: a lazily materialised zero tensor, `value` absent in files.
-        let zeros = Const {
-            ty: TensorType::new(ty.dtype, zero_shape),
-            values: None,
-        };
-        let z = g.add_node(g.fresh_name(format!("{stem}/zeros")), Box::new(zeros), &[])?;
-        let name = g.fresh_name(stem);
-        x = g
-            .add_node(name, Box::new(Concat::new(axis as i64)), &[x, z.into()])?
-            .into();
+    let x = pad_axis(g, x, 1, cols, stem)?;
+    pad_axis(g, x, 0, rows, stem)
+}
+
+/// `x` with zeros appended along `axis` up to `len` (`x` itself when it has that
+/// length): a Concat with a zero Const, named after `stem`.
+pub(super) fn pad_axis(
+    g: &mut Graph,
+    x: Port,
+    axis: usize,
+    len: usize,
+    stem: &str,
+) -> Result<Port, PassError> {
+    let ty = g.ty(x).clone();
+    if ty.shape[axis] == len {
+        return Ok(x);
     }
-    Ok(x)
+    let mut zero_shape = ty.shape.clone();
+    zero_shape[axis] = len - ty.shape[axis];
+    // No values: a lazily materialised zero tensor, `value` absent in files.
+    let zeros = Const {
+        ty: TensorType::new(ty.dtype, zero_shape),
+        values: None,
+    };
+    let z = g.add_node(g.fresh_name(format!("{stem}/zeros")), Box::new(zeros), &[])?;
+    let name = g.fresh_name(stem);
+    let padded = g.add_node(name, Box::new(Concat::new(axis as i64)), &[x, z.into()])?;
+    Ok(padded.into())
 }
 
 #[cfg(test)]
