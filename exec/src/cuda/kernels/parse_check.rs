@@ -2,6 +2,7 @@
 //! the CUDA declarations), so a broken template fails CI on machines without a GPU;
 //! `AMPGRAPH_DUMP_KERNELS=DIR` writes them out for `nvcc` or a comparison.
 
+use super::batch_norm::{backward as batch_norm_backward, forward as batch_norm_forward};
 use super::conv::pad_end;
 use super::cross_entropy::{sce, sce_grad, sce_with_grad};
 use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad};
@@ -182,6 +183,15 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     for bytes in [1, 2, 4, 8, 16] {
         k.push((format!("gather_{bytes}"), gather(bytes)));
         k.push((format!("pad_end_{bytes}"), pad_end(bytes)));
+    }
+    for (x, u) in [
+        (DType::F32, DType::F32),
+        (DType::F16, DType::F32),
+        (DType::BF16, DType::F32),
+        (DType::F64, DType::F64),
+    ] {
+        k.push((format!("batch_norm_{x}"), batch_norm_forward(x, u)));
+        k.push((format!("batch_norm_grad_{x}"), batch_norm_backward(x, u)));
     }
     k.push(("concat".into(), concat(2)));
     use super::attention::{NARROW, WIDE};
