@@ -91,7 +91,7 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
         return Err("BatchNorm has three outputs".into());
     };
     let (y_ty, mean_ty, var_ty) = (y_ty.clone(), mean_ty.clone(), var_ty.clone());
-    let own = channels_last(layout, nchw).then(|| Spec::Forward {
+    let own = channels_last(layout, nchw).then_some(Spec::Forward {
         x: y_ty.dtype,
         u: mean_ty.dtype,
     });
@@ -335,7 +335,7 @@ fn lower_batch_norm_grad(
     let (layout, nchw) = geometry(g.data_format, g.epsilon, true, ins)?;
     let epsilon = g.epsilon;
     let outs = outs.to_vec();
-    let own = channels_last(layout, nchw).then(|| Spec::Backward {
+    let own = channels_last(layout, nchw).then_some(Spec::Backward {
         x: outs[0].dtype,
         u: outs[1].dtype,
     });
