@@ -15,12 +15,12 @@
 //!
 //! The pass decides one layout per node rather than inserting Transposes around every
 //! op and sinking them: the NCHW-only ops are NHWC; a layout-agnostic op starts NHWC
-//! when one of its images comes NHWC (in topological order, so the backward pass
-//! follows the forward one), and then flips wherever that needs fewer Transposes, until
-//! none does. A Transpose goes on each tensor whose producer and some reader disagree
+//! when one of its images comes NHWC or it reads none (in topological order, so the
+//! backward pass follows the forward one), and then flips wherever that needs fewer
+//! Transposes, until none does. A graph without NCHW-only ops is left as it is. A Transpose goes on each tensor whose producer and some reader disagree
 //! (one per tensor, shared by its readers): after graph inputs (Placeholders, Variables,
-//! Constants), before graph outputs and before ops that only take NCHW (Reshape,
-//! BroadcastTo, a broadcast against a `[1, C, 1, 1]` operand, MatMul...). A converted
+//! Constants), before graph outputs and before every other op that reads an image
+//! (Reshape, BroadcastTo, a broadcast against a `[1, C, 1, 1]` operand). A converted
 //! node that is a graph output keeps its name by becoming the Transpose back of a new
 //! node `<name>/nhwc`; a node with several outputs cannot, so a BatchNorm (or fused
 //! program) whose image output is a graph output stays NCHW. Last, the Transposes are
@@ -480,14 +480,19 @@ fn plan<'a>(g: &Graph, adj: &'a Adjacency, order: &[NodeId], counts: &mut Counts
         .copied()
         .filter(|&id| plan.form(id).is_some_and(|f| !f.sensitive))
         .collect();
+    // Nothing to convert: no layout-agnostic op moves on its own.
+    if !plan.nhwc.contains(&true) {
+        return plan;
+    }
     // Start from the images flowing out of the NCHW-only ops, forward and (in a
-    // training graph) through the gradients that follow them.
+    // training graph) through the gradients that follow them. An op without images to
+    // read (a Concat of `[N, 1, 1, 1]` tensors) costs nothing upstream either way.
     for &id in &agnostic {
         let inputs = adj.inputs(id);
-        let fed_nhwc = plan
-            .form(id)
-            .is_some_and(|f| f.inputs.iter().any(|&s| plan.is_nhwc(inputs[s])));
-        plan.nhwc[id.index()] = fed_nhwc;
+        let starts_nhwc = plan.form(id).is_some_and(|f| {
+            f.inputs.is_empty() || f.inputs.iter().any(|&s| plan.is_nhwc(inputs[s]))
+        });
+        plan.nhwc[id.index()] = starts_nhwc;
     }
     // Each flip removes a Transpose, so this ends.
     loop {
@@ -512,9 +517,9 @@ fn rewrite(
 ) -> Result<usize, PassError> {
     let adj = plan.adj;
     // Where the NHWC computation of each converted node runs: the node itself, or for a
-    // graph output a new node whose Transpose back the old one becomes.
+    // graph output a new node whose Transpose back the old one becomes. The new nodes
+    // go in first, while every type they are checked against is still the original.
     let mut compute: HashMap<NodeId, NodeId> = HashMap::default();
-    let mut inserted = 0;
     for &id in converted {
         let form = plan.form(id).expect("converted nodes have a form");
         let moved = form
@@ -525,15 +530,23 @@ fn rewrite(
             let node = g.node(id);
             let name = g.fresh_name(format!("{}/nhwc", node.name));
             let op = node.op.clone();
-            let new = g.add_node(name, op, adj.inputs(id))?;
-            g.set_node(id, Box::new(Transpose::new(TO_NCHW)), &[new.into()])?;
-            inserted += 1;
-            new
+            g.add_node(name, op, adj.inputs(id))?
         } else {
             id
         };
-        g.set_op(at, form.op.clone());
         compute.insert(id, at);
+    }
+    // Types are stale from here on (a Transpose of any rank-4 tensor type-checks);
+    // they are inferred again once everything is rewired.
+    let mut inserted = 0;
+    for &id in converted {
+        let at = compute[&id];
+        if at != id {
+            g.set_node(id, Box::new(Transpose::new(TO_NCHW)), &[at.into()])?;
+            inserted += 1;
+        }
+        let form = plan.form(id).expect("converted nodes have a form");
+        g.set_op(at, form.op.clone());
     }
     let nhwc_at = |p: Port| Port::new(compute[&p.node], p.index);
     // One Transpose per tensor, shared by its readers.
@@ -751,6 +764,57 @@ mod tests {
         assert_eq!(
             after.node(after.find(&conv_out).unwrap()).op_name(),
             "Conv2D"
+        );
+    }
+
+    #[test]
+    fn consecutive_fetched_images_each_become_a_transpose_back() {
+        // One channel: the fetched ReLU's NCHW shape read as NHWC would be 1 high.
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [1, 5, 5, 7]).unwrap();
+        let y = conv(&mut g, x, 1, 3, 1, Padding::Same);
+        let relu = g.relu(y).unwrap();
+        let pool = g
+            .max_pool(relu, [2, 2], [2, 2], Padding::Valid, DataFormat::Nchw)
+            .unwrap();
+        let z = conv(&mut g, pool, 2, 1, 1, Padding::Same);
+        let z = g.mean(z, Some(&[2, 3]), false).unwrap();
+        g.set_outputs(vec![z, relu, pool]).unwrap();
+
+        let (after, _) = layout(&g);
+        assert!(nchw_ops(&after).is_empty());
+        assert_eq!(
+            transposes(&after),
+            [
+                ("maxpool/nhwc".into(), TO_NCHW.to_vec()),
+                ("relu/nhwc".into(), TO_NCHW.to_vec()),
+                ("x".into(), TO_NHWC.to_vec()),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_op_between_an_nhwc_image_and_nchw_ones_takes_the_cheaper_layout() {
+        // The sum of a convolution and a fed NCHW tensor, fetched: in NHWC it needs the
+        // fed tensor in and the sum out, in NCHW only the convolution's output out.
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 3, 5, 5]).unwrap();
+        let y = conv(&mut g, x, 4, 3, 1, Padding::Same);
+        let residual = g.placeholder("residual", DType::F32, [2, 4, 5, 5]).unwrap();
+        let sum = g.plus(y, residual).unwrap();
+        g.set_outputs(vec![sum]).unwrap();
+
+        let (after, summary) = layout(&g);
+        assert_eq!(
+            summary.lines[1],
+            "layout-nhwc: 0 layout-agnostic ops compute on NHWC images"
+        );
+        assert_eq!(
+            transposes(&after),
+            [
+                ("conv2d".into(), TO_NCHW.to_vec()),
+                ("x".into(), TO_NHWC.to_vec())
+            ]
         );
     }
 
