@@ -10,7 +10,7 @@ use ampgraph::graph::ops::{MatMul, Placeholder};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::registry::{self, SIMPLIFY_PIPELINE};
 use ampgraph::passes::PassManager;
-use ampgraph::{DType, Graph, Tensor, TensorType};
+use ampgraph::{DType, Graph, TensorType};
 use common::{check_close, feeds, json, random_graph, ulp, Menu};
 use proptest::prelude::*;
 

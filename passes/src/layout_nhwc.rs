@@ -126,8 +126,8 @@ fn layout_free(ty: &TensorType) -> bool {
     per_image || ty.shape.iter().all(|&d| d == 1)
 }
 
-/// The NHWC twin of an NCHW-only op of type `T`, with its image slots and outputs.
-fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<(Vec<usize>, Vec<usize>, Box<dyn Op>)> {
+/// The NHWC form of an NCHW-only op of type `T`.
+fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<NhwcForm> {
     let mut twin = op.downcast_ref::<T>()?.clone();
     if *twin.data_format() != DataFormat::Nchw {
         return None;
@@ -135,62 +135,60 @@ fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<(Vec<usize>, Vec<usize>,
     *twin.data_format() = DataFormat::Nhwc;
     twin.permute_shape_attrs();
     let (inputs, outputs) = T::IMAGES;
-    Some((inputs.to_vec(), outputs.to_vec(), Box::new(twin)))
+    Some(NhwcForm {
+        inputs: inputs.to_vec(),
+        outputs: outputs.to_vec(),
+        op: Box::new(twin),
+        sensitive: true,
+    })
 }
+
+/// The NCHW-only ops' forms.
+const SENSITIVE: [fn(&dyn Op) -> Option<NhwcForm>; 10] = [
+    sensitive::<Conv2D>,
+    sensitive::<Conv2DBackpropInput>,
+    sensitive::<Conv2DBackpropFilter>,
+    sensitive::<MaxPool>,
+    sensitive::<AvgPool>,
+    sensitive::<MaxPoolGrad>,
+    sensitive::<AvgPoolGrad>,
+    sensitive::<BatchNorm>,
+    sensitive::<BatchNormGrad>,
+    sensitive::<BiasAdd>,
+];
 
 /// `op` on NHWC images, if the node can compute there.
 fn nhwc_form(op: &dyn Op, inputs: &[&TensorType], outputs: &[TensorType]) -> Option<NhwcForm> {
-    let sensitive_twin = sensitive::<Conv2D>(op)
-        .or_else(|| sensitive::<Conv2DBackpropInput>(op))
-        .or_else(|| sensitive::<Conv2DBackpropFilter>(op))
-        .or_else(|| sensitive::<MaxPool>(op))
-        .or_else(|| sensitive::<AvgPool>(op))
-        .or_else(|| sensitive::<MaxPoolGrad>(op))
-        .or_else(|| sensitive::<AvgPoolGrad>(op))
-        .or_else(|| sensitive::<BatchNorm>(op))
-        .or_else(|| sensitive::<BatchNormGrad>(op))
-        .or_else(|| sensitive::<BiasAdd>(op));
-    let (image_inputs, image_outputs, twin, is_sensitive) = match sensitive_twin {
+    let mut form = match SENSITIVE.iter().find_map(|form| form(op)) {
         // BatchNorm and BiasAdd also take rank-2 `[N, C]` tensors, the same in both
         // layouts.
-        Some((ins, outs, twin)) => {
-            let rank4 = ins
+        Some(f)
+            if !f
+                .inputs
                 .iter()
-                .all(|&s| inputs.get(s).is_some_and(|t| t.rank() == 4));
-            if !rank4 {
-                return None;
-            }
-            (ins, outs, twin, true)
+                .all(|&s| inputs.get(s).is_some_and(|t| t.rank() == 4)) =>
+        {
+            return None
         }
-        None => {
-            let (ins, outs, twin) = agnostic_form(op, inputs, outputs)?;
-            (ins, outs, twin, false)
-        }
+        Some(f) => f,
+        None => agnostic_form(op, inputs, outputs)?,
     };
-    let form = NhwcForm {
-        inputs: image_inputs
-            .into_iter()
-            .filter(|&s| is_image(inputs[s]))
-            .collect(),
-        outputs: image_outputs
-            .into_iter()
-            .filter(|&k| is_image(&outputs[k]))
-            .collect(),
-        op: twin,
-        sensitive: is_sensitive,
-    };
+    form.inputs.retain(|&s| is_image(inputs[s]));
+    form.outputs.retain(|&k| is_image(&outputs[k]));
     // An NCHW-only op converts whatever its shapes; an agnostic one without images has
     // no layout.
     let has_images = !form.inputs.is_empty() || !form.outputs.is_empty();
-    (is_sensitive || has_images).then_some(form)
+    (form.sensitive || has_images).then_some(form)
 }
 
-/// A layout-agnostic op on NHWC images: its image slots, image outputs and op.
-fn agnostic_form(
-    op: &dyn Op,
-    inputs: &[&TensorType],
-    outputs: &[TensorType],
-) -> Option<(Vec<usize>, Vec<usize>, Box<dyn Op>)> {
+/// A layout-agnostic op on NHWC images.
+fn agnostic_form(op: &dyn Op, inputs: &[&TensorType], outputs: &[TensorType]) -> Option<NhwcForm> {
+    let form = |inputs: Vec<usize>, outputs: Vec<usize>, op: Box<dyn Op>| NhwcForm {
+        inputs,
+        outputs,
+        op,
+        sensitive: false,
+    };
     let first = inputs.first()?;
     let elementwise = op.is::<Unary>()
         || op.is::<UnaryGrad>()
@@ -207,32 +205,32 @@ fn agnostic_form(
                 return None;
             }
         }
-        return Some((images, vec![0], op.clone_op()));
+        return Some(form(images, vec![0], op.clone_op()));
     }
     if let Some(r) = op.downcast_ref::<Reduce>() {
         let (axes, image_out) = nhwc_reduction(r, first)?;
         let twin = Reduce { axes, ..r.clone() };
         let outs = if image_out { vec![0] } else { vec![] };
-        return Some((vec![0], outs, Box::new(twin)));
+        return Some(form(vec![0], outs, Box::new(twin)));
     }
     if let Some(r) = op.downcast_ref::<ReduceGrad>() {
         let forward = Reduce::new(r.kind, r.axes.clone(), r.keep_dims);
         let (axes, image_dy) = nhwc_reduction(&forward, first)?;
         let twin = ReduceGrad::new(r.kind, axes, r.keep_dims);
         let ins = if image_dy { vec![0, 1] } else { vec![0] };
-        return Some((ins, vec![0], Box::new(twin)));
+        return Some(form(ins, vec![0], Box::new(twin)));
     }
     if let Some(s) = op.downcast_ref::<SumTo>() {
         // A sum to a single value reads the image in any order.
         let total = s.shape.iter().all(|&d| d == 1) && is_image(first);
-        return total.then(|| (vec![0], vec![], op.clone_op()));
+        return total.then(|| form(vec![0], vec![], op.clone_op()));
     }
     if let Some(s) = op.downcast_ref::<Slice>() {
         if !is_image(first) || s.begin.len() != 4 || s.size.len() != 4 {
             return None;
         }
         let twin = Slice::new(nhwc_order(&s.begin), nhwc_order(&s.size));
-        return Some((vec![0], vec![0], Box::new(twin)));
+        return Some(form(vec![0], vec![0], Box::new(twin)));
     }
     if let Some(c) = op.downcast_ref::<Concat>() {
         if !inputs.iter().all(|t| t.rank() == 4) {
@@ -240,12 +238,12 @@ fn agnostic_form(
         }
         let axis = ampgraph_graph::shape::normalize_axis(c.axis, 4).ok()?;
         let twin = Concat::new(TO_NCHW[axis] as i64);
-        return Some(((0..inputs.len()).collect(), vec![0], Box::new(twin)));
+        return Some(form((0..inputs.len()).collect(), vec![0], Box::new(twin)));
     }
     let fused = op.downcast_ref::<FusedElementwise>()?;
     let twin = nhwc_program(fused)?;
-    let images = (0..inputs.len()).filter(|&s| is_image(inputs[s])).collect();
-    Some((images, (0..outputs.len()).collect(), Box::new(twin)))
+    let all = |n: usize| (0..n).collect();
+    Some(form(all(inputs.len()), all(outputs.len()), Box::new(twin)))
 }
 
 /// The NHWC axes of a reduction of an NCHW image `x`, and whether its result is an
