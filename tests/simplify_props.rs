@@ -10,8 +10,8 @@ use ampgraph::graph::ops::{MatMul, Placeholder};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::registry::{self, SIMPLIFY_PIPELINE};
 use ampgraph::passes::PassManager;
-use ampgraph::{DType, Graph, Tensor, TensorType};
-use common::{feeds, json, random_graph, Menu};
+use ampgraph::{DType, Graph, TensorType};
+use common::{check_close, feeds, json, random_graph, ulp, Menu};
 use proptest::prelude::*;
 
 /// Passes that can fire on the generator's f32 graphs (pad-gemm needs 16-bit products,
@@ -35,32 +35,6 @@ fn rewrite(g: &Graph, passes: &[&str]) -> Graph {
     let mut out = g.clone();
     manager.run(&mut out).expect("the passes succeed");
     out
-}
-
-/// Values agree within `tol` of the output's scale (non-finite values exactly).
-fn check_close(want: &[Tensor], got: &[Tensor], tol: f64) -> Result<(), TestCaseError> {
-    for (w, o) in want.iter().zip(got) {
-        prop_assert_eq!(w.ty(), o.ty());
-        let (w, o) = (w.to_f64_vec(), o.to_f64_vec());
-        let scale = w
-            .iter()
-            .filter(|x| x.is_finite())
-            .fold(1.0f64, |m, x| m.max(x.abs()));
-        for (a, b) in w.iter().zip(&o) {
-            if a.is_finite() {
-                prop_assert!(
-                    (a - b).abs() <= tol * scale,
-                    "{} vs {} (scale {})",
-                    a,
-                    b,
-                    scale
-                );
-            } else {
-                prop_assert!(a == b || (a.is_nan() && b.is_nan()), "{} vs {}", a, b);
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The properties for one list of passes.
@@ -110,21 +84,6 @@ fn each_pass_fires_on_a_fair_share_of_generated_graphs() {
             "{pass} fired on {fired} of {cases} graphs"
         );
     }
-}
-
-/// One unit in the last place at `x` of the 16-bit type `dtype`.
-fn ulp(x: f64, dtype: DType) -> f64 {
-    let (fraction_bits, min_exponent) = if dtype == DType::BF16 {
-        (7, -126)
-    } else {
-        (10, -14)
-    };
-    let exponent = if x == 0.0 {
-        min_exponent
-    } else {
-        x.log2().floor() as i32
-    };
-    2f64.powi(exponent.max(min_exponent) - fraction_bits)
 }
 
 /// A 16-bit `m x k` by `k x n` product of Placeholders, operands transposed as asked.

@@ -15,12 +15,12 @@
 //!
 //! The pass decides one layout per node rather than inserting Transposes around every
 //! op and sinking them: the NCHW-only ops are NHWC; a layout-agnostic op starts NHWC
-//! when one of its images comes NHWC (in topological order, so the backward pass
-//! follows the forward one), and then flips wherever that needs fewer Transposes, until
-//! none does. A Transpose goes on each tensor whose producer and some reader disagree
+//! when one of its images comes NHWC or it reads none (in topological order, so the
+//! backward pass follows the forward one), and then flips wherever that needs fewer
+//! Transposes, until none does. A graph without NCHW-only ops is left as it is. A Transpose goes on each tensor whose producer and some reader disagree
 //! (one per tensor, shared by its readers): after graph inputs (Placeholders, Variables,
-//! Constants), before graph outputs and before ops that only take NCHW (Reshape,
-//! BroadcastTo, a broadcast against a `[1, C, 1, 1]` operand, MatMul...). A converted
+//! Constants), before graph outputs and before every other op that reads an image
+//! (Reshape, BroadcastTo, a broadcast against a `[1, C, 1, 1]` operand). A converted
 //! node that is a graph output keeps its name by becoming the Transpose back of a new
 //! node `<name>/nhwc`; a node with several outputs cannot, so a BatchNorm (or fused
 //! program) whose image output is a graph output stays NCHW. Last, the Transposes are
@@ -126,8 +126,8 @@ fn layout_free(ty: &TensorType) -> bool {
     per_image || ty.shape.iter().all(|&d| d == 1)
 }
 
-/// The NHWC twin of an NCHW-only op of type `T`, with its image slots and outputs.
-fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<(Vec<usize>, Vec<usize>, Box<dyn Op>)> {
+/// The NHWC form of an NCHW-only op of type `T`.
+fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<NhwcForm> {
     let mut twin = op.downcast_ref::<T>()?.clone();
     if *twin.data_format() != DataFormat::Nchw {
         return None;
@@ -135,62 +135,60 @@ fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<(Vec<usize>, Vec<usize>,
     *twin.data_format() = DataFormat::Nhwc;
     twin.permute_shape_attrs();
     let (inputs, outputs) = T::IMAGES;
-    Some((inputs.to_vec(), outputs.to_vec(), Box::new(twin)))
+    Some(NhwcForm {
+        inputs: inputs.to_vec(),
+        outputs: outputs.to_vec(),
+        op: Box::new(twin),
+        sensitive: true,
+    })
 }
+
+/// The NCHW-only ops' forms.
+const SENSITIVE: [fn(&dyn Op) -> Option<NhwcForm>; 10] = [
+    sensitive::<Conv2D>,
+    sensitive::<Conv2DBackpropInput>,
+    sensitive::<Conv2DBackpropFilter>,
+    sensitive::<MaxPool>,
+    sensitive::<AvgPool>,
+    sensitive::<MaxPoolGrad>,
+    sensitive::<AvgPoolGrad>,
+    sensitive::<BatchNorm>,
+    sensitive::<BatchNormGrad>,
+    sensitive::<BiasAdd>,
+];
 
 /// `op` on NHWC images, if the node can compute there.
 fn nhwc_form(op: &dyn Op, inputs: &[&TensorType], outputs: &[TensorType]) -> Option<NhwcForm> {
-    let sensitive_twin = sensitive::<Conv2D>(op)
-        .or_else(|| sensitive::<Conv2DBackpropInput>(op))
-        .or_else(|| sensitive::<Conv2DBackpropFilter>(op))
-        .or_else(|| sensitive::<MaxPool>(op))
-        .or_else(|| sensitive::<AvgPool>(op))
-        .or_else(|| sensitive::<MaxPoolGrad>(op))
-        .or_else(|| sensitive::<AvgPoolGrad>(op))
-        .or_else(|| sensitive::<BatchNorm>(op))
-        .or_else(|| sensitive::<BatchNormGrad>(op))
-        .or_else(|| sensitive::<BiasAdd>(op));
-    let (image_inputs, image_outputs, twin, is_sensitive) = match sensitive_twin {
+    let mut form = match SENSITIVE.iter().find_map(|form| form(op)) {
         // BatchNorm and BiasAdd also take rank-2 `[N, C]` tensors, the same in both
         // layouts.
-        Some((ins, outs, twin)) => {
-            let rank4 = ins
+        Some(f)
+            if !f
+                .inputs
                 .iter()
-                .all(|&s| inputs.get(s).is_some_and(|t| t.rank() == 4));
-            if !rank4 {
-                return None;
-            }
-            (ins, outs, twin, true)
+                .all(|&s| inputs.get(s).is_some_and(|t| t.rank() == 4)) =>
+        {
+            return None
         }
-        None => {
-            let (ins, outs, twin) = agnostic_form(op, inputs, outputs)?;
-            (ins, outs, twin, false)
-        }
+        Some(f) => f,
+        None => agnostic_form(op, inputs, outputs)?,
     };
-    let form = NhwcForm {
-        inputs: image_inputs
-            .into_iter()
-            .filter(|&s| is_image(inputs[s]))
-            .collect(),
-        outputs: image_outputs
-            .into_iter()
-            .filter(|&k| is_image(&outputs[k]))
-            .collect(),
-        op: twin,
-        sensitive: is_sensitive,
-    };
+    form.inputs.retain(|&s| is_image(inputs[s]));
+    form.outputs.retain(|&k| is_image(&outputs[k]));
     // An NCHW-only op converts whatever its shapes; an agnostic one without images has
     // no layout.
     let has_images = !form.inputs.is_empty() || !form.outputs.is_empty();
-    (is_sensitive || has_images).then_some(form)
+    (form.sensitive || has_images).then_some(form)
 }
 
-/// A layout-agnostic op on NHWC images: its image slots, image outputs and op.
-fn agnostic_form(
-    op: &dyn Op,
-    inputs: &[&TensorType],
-    outputs: &[TensorType],
-) -> Option<(Vec<usize>, Vec<usize>, Box<dyn Op>)> {
+/// A layout-agnostic op on NHWC images.
+fn agnostic_form(op: &dyn Op, inputs: &[&TensorType], outputs: &[TensorType]) -> Option<NhwcForm> {
+    let form = |inputs: Vec<usize>, outputs: Vec<usize>, op: Box<dyn Op>| NhwcForm {
+        inputs,
+        outputs,
+        op,
+        sensitive: false,
+    };
     let first = inputs.first()?;
     let elementwise = op.is::<Unary>()
         || op.is::<UnaryGrad>()
@@ -207,32 +205,32 @@ fn agnostic_form(
                 return None;
             }
         }
-        return Some((images, vec![0], op.clone_op()));
+        return Some(form(images, vec![0], op.clone_op()));
     }
     if let Some(r) = op.downcast_ref::<Reduce>() {
         let (axes, image_out) = nhwc_reduction(r, first)?;
         let twin = Reduce { axes, ..r.clone() };
         let outs = if image_out { vec![0] } else { vec![] };
-        return Some((vec![0], outs, Box::new(twin)));
+        return Some(form(vec![0], outs, Box::new(twin)));
     }
     if let Some(r) = op.downcast_ref::<ReduceGrad>() {
         let forward = Reduce::new(r.kind, r.axes.clone(), r.keep_dims);
         let (axes, image_dy) = nhwc_reduction(&forward, first)?;
         let twin = ReduceGrad::new(r.kind, axes, r.keep_dims);
         let ins = if image_dy { vec![0, 1] } else { vec![0] };
-        return Some((ins, vec![0], Box::new(twin)));
+        return Some(form(ins, vec![0], Box::new(twin)));
     }
     if let Some(s) = op.downcast_ref::<SumTo>() {
         // A sum to a single value reads the image in any order.
         let total = s.shape.iter().all(|&d| d == 1) && is_image(first);
-        return total.then(|| (vec![0], vec![], op.clone_op()));
+        return total.then(|| form(vec![0], vec![], op.clone_op()));
     }
     if let Some(s) = op.downcast_ref::<Slice>() {
         if !is_image(first) || s.begin.len() != 4 || s.size.len() != 4 {
             return None;
         }
         let twin = Slice::new(nhwc_order(&s.begin), nhwc_order(&s.size));
-        return Some((vec![0], vec![0], Box::new(twin)));
+        return Some(form(vec![0], vec![0], Box::new(twin)));
     }
     if let Some(c) = op.downcast_ref::<Concat>() {
         if !inputs.iter().all(|t| t.rank() == 4) {
@@ -240,12 +238,12 @@ fn agnostic_form(
         }
         let axis = ampgraph_graph::shape::normalize_axis(c.axis, 4).ok()?;
         let twin = Concat::new(TO_NCHW[axis] as i64);
-        return Some(((0..inputs.len()).collect(), vec![0], Box::new(twin)));
+        return Some(form((0..inputs.len()).collect(), vec![0], Box::new(twin)));
     }
     let fused = op.downcast_ref::<FusedElementwise>()?;
     let twin = nhwc_program(fused)?;
-    let images = (0..inputs.len()).filter(|&s| is_image(inputs[s])).collect();
-    Some((images, (0..outputs.len()).collect(), Box::new(twin)))
+    let all = |n: usize| (0..n).collect();
+    Some(form(all(inputs.len()), all(outputs.len()), Box::new(twin)))
 }
 
 /// The NHWC axes of a reduction of an NCHW image `x`, and whether its result is an
@@ -480,14 +478,19 @@ fn plan<'a>(g: &Graph, adj: &'a Adjacency, order: &[NodeId], counts: &mut Counts
         .copied()
         .filter(|&id| plan.form(id).is_some_and(|f| !f.sensitive))
         .collect();
+    // Nothing to convert: no layout-agnostic op moves on its own.
+    if !plan.nhwc.contains(&true) {
+        return plan;
+    }
     // Start from the images flowing out of the NCHW-only ops, forward and (in a
-    // training graph) through the gradients that follow them.
+    // training graph) through the gradients that follow them. An op without images to
+    // read (a Concat of `[N, 1, 1, 1]` tensors) costs nothing upstream either way.
     for &id in &agnostic {
         let inputs = adj.inputs(id);
-        let fed_nhwc = plan
-            .form(id)
-            .is_some_and(|f| f.inputs.iter().any(|&s| plan.is_nhwc(inputs[s])));
-        plan.nhwc[id.index()] = fed_nhwc;
+        let starts_nhwc = plan.form(id).is_some_and(|f| {
+            f.inputs.is_empty() || f.inputs.iter().any(|&s| plan.is_nhwc(inputs[s]))
+        });
+        plan.nhwc[id.index()] = starts_nhwc;
     }
     // Each flip removes a Transpose, so this ends.
     loop {
@@ -512,9 +515,9 @@ fn rewrite(
 ) -> Result<usize, PassError> {
     let adj = plan.adj;
     // Where the NHWC computation of each converted node runs: the node itself, or for a
-    // graph output a new node whose Transpose back the old one becomes.
+    // graph output a new node whose Transpose back the old one becomes. The new nodes
+    // go in first, while every type they are checked against is still the original.
     let mut compute: HashMap<NodeId, NodeId> = HashMap::default();
-    let mut inserted = 0;
     for &id in converted {
         let form = plan.form(id).expect("converted nodes have a form");
         let moved = form
@@ -525,15 +528,23 @@ fn rewrite(
             let node = g.node(id);
             let name = g.fresh_name(format!("{}/nhwc", node.name));
             let op = node.op.clone();
-            let new = g.add_node(name, op, adj.inputs(id))?;
-            g.set_node(id, Box::new(Transpose::new(TO_NCHW)), &[new.into()])?;
-            inserted += 1;
-            new
+            g.add_node(name, op, adj.inputs(id))?
         } else {
             id
         };
-        g.set_op(at, form.op.clone());
         compute.insert(id, at);
+    }
+    // Types are stale from here on (a Transpose of any rank-4 tensor type-checks);
+    // they are inferred again once everything is rewired.
+    let mut inserted = 0;
+    for &id in converted {
+        let at = compute[&id];
+        if at != id {
+            g.set_node(id, Box::new(Transpose::new(TO_NCHW)), &[at.into()])?;
+            inserted += 1;
+        }
+        let form = plan.form(id).expect("converted nodes have a form");
+        g.set_op(at, form.op.clone());
     }
     let nhwc_at = |p: Port| Port::new(compute[&p.node], p.index);
     // One Transpose per tensor, shared by its readers.
@@ -751,6 +762,57 @@ mod tests {
         assert_eq!(
             after.node(after.find(&conv_out).unwrap()).op_name(),
             "Conv2D"
+        );
+    }
+
+    #[test]
+    fn consecutive_fetched_images_each_become_a_transpose_back() {
+        // One channel: the fetched ReLU's NCHW shape read as NHWC would be 1 high.
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [1, 5, 5, 7]).unwrap();
+        let y = conv(&mut g, x, 1, 3, 1, Padding::Same);
+        let relu = g.relu(y).unwrap();
+        let pool = g
+            .max_pool(relu, [2, 2], [2, 2], Padding::Valid, DataFormat::Nchw)
+            .unwrap();
+        let z = conv(&mut g, pool, 2, 1, 1, Padding::Same);
+        let z = g.mean(z, Some(&[2, 3]), false).unwrap();
+        g.set_outputs(vec![z, relu, pool]).unwrap();
+
+        let (after, _) = layout(&g);
+        assert!(nchw_ops(&after).is_empty());
+        assert_eq!(
+            transposes(&after),
+            [
+                ("maxpool/nhwc".into(), TO_NCHW.to_vec()),
+                ("relu/nhwc".into(), TO_NCHW.to_vec()),
+                ("x".into(), TO_NHWC.to_vec()),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_op_between_an_nhwc_image_and_nchw_ones_takes_the_cheaper_layout() {
+        // The sum of a convolution and a fed NCHW tensor, fetched: in NHWC it needs the
+        // fed tensor in and the sum out, in NCHW only the convolution's output out.
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 3, 5, 5]).unwrap();
+        let y = conv(&mut g, x, 4, 3, 1, Padding::Same);
+        let residual = g.placeholder("residual", DType::F32, [2, 4, 5, 5]).unwrap();
+        let sum = g.plus(y, residual).unwrap();
+        g.set_outputs(vec![sum]).unwrap();
+
+        let (after, summary) = layout(&g);
+        assert_eq!(
+            summary.lines[1],
+            "layout-nhwc: 0 layout-agnostic ops compute on NHWC images"
+        );
+        assert_eq!(
+            transposes(&after),
+            [
+                ("conv2d".into(), TO_NCHW.to_vec()),
+                ("x".into(), TO_NHWC.to_vec())
+            ]
         );
     }
 

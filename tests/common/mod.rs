@@ -12,6 +12,7 @@ use ampgraph::graph::ops::{
     UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
+use proptest::prelude::{prop_assert, prop_assert_eq, TestCaseError};
 
 /// SplitMix64, for reproducible graphs from a proptest-chosen seed.
 pub struct Rng(pub u64);
@@ -437,4 +438,45 @@ pub fn identical(a: &Tensor, b: &Tensor) -> bool {
             .iter()
             .zip(b.to_f64_vec())
             .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+}
+
+/// Values agree within `tol` of the output's scale (non-finite values exactly).
+pub fn check_close(want: &[Tensor], got: &[Tensor], tol: f64) -> Result<(), TestCaseError> {
+    for (w, o) in want.iter().zip(got) {
+        prop_assert_eq!(w.ty(), o.ty());
+        let (w, o) = (w.to_f64_vec(), o.to_f64_vec());
+        let scale = w
+            .iter()
+            .filter(|x| x.is_finite())
+            .fold(1.0f64, |m, x| m.max(x.abs()));
+        for (a, b) in w.iter().zip(&o) {
+            if a.is_finite() {
+                prop_assert!(
+                    (a - b).abs() <= tol * scale,
+                    "{} vs {} (scale {})",
+                    a,
+                    b,
+                    scale
+                );
+            } else {
+                prop_assert!(a == b || (a.is_nan() && b.is_nan()), "{} vs {}", a, b);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One unit in the last place at `x` of the 16-bit type `dtype`.
+pub fn ulp(x: f64, dtype: DType) -> f64 {
+    let (fraction_bits, min_exponent) = if dtype == DType::BF16 {
+        (7, -126)
+    } else {
+        (10, -14)
+    };
+    let exponent = if x == 0.0 {
+        min_exponent
+    } else {
+        x.log2().floor() as i32
+    };
+    2f64.powi(exponent.max(min_exponent) - fraction_bits)
 }
