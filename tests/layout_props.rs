@@ -365,7 +365,7 @@ proptest! {
     ) {
         let net = random_net(seed, DType::F32);
         let g = &net.graph;
-        let after = rewritten(g, &LayoutNhwc)?;
+        let after = rewritten(g, &LayoutNhwc::EVERY_GRAPH)?;
         prop_assert!(nchw_ops(&after).is_empty(), "{:?}", nchw_ops(&after));
         let (into, out) = transposes(&after);
         prop_assert_eq!(into, ["x"]);
@@ -381,7 +381,7 @@ proptest! {
         let net = random_net(seed, DType::F32);
         let (images_in, images_out) = (net.images_in_training(), net.images_out());
         let (g, fetch) = training_step(net);
-        let after = rewritten(&g, &LayoutNhwc)?;
+        let after = rewritten(&g, &LayoutNhwc::EVERY_GRAPH)?;
         prop_assert!(nchw_ops(&after).is_empty(), "{:?}", nchw_ops(&after));
         let (into, out) = transposes(&after);
         prop_assert_eq!(into.iter().filter(|t| *t == "x").count(), 1);
@@ -452,7 +452,7 @@ proptest! {
     ) {
         let dtype = if bf16 { DType::BF16 } else { DType::F16 };
         let (g, fetch) = training_step(random_net(seed, dtype));
-        let nhwc = rewritten(&g, &LayoutNhwc)?;
+        let nhwc = rewritten(&g, &LayoutNhwc::EVERY_GRAPH)?;
         let padded = rewritten(&nhwc, &PadConvChannels)?;
         channels_aligned(&padded)?;
         same_step((&nhwc, &fetch), (&padded, &fetch), seed, 0.0)?;

@@ -100,8 +100,8 @@ pub const PASSES: &[PassEntry] = &[
     },
     PassEntry {
         name: "layout-nhwc",
-        summary: "NCHW convolutions, pools, batch norms and bias adds (and their gradients) compute on NHWC tensors, with Transposes only at the graph's NCHW inputs and outputs.",
-        make: || Box::new(LayoutNhwc),
+        summary: "In a graph with a 16-bit convolution, NCHW convolutions, pools, batch norms and bias adds (and their gradients) compute on NHWC tensors, with Transposes only at the graph's NCHW inputs and outputs.",
+        make: || Box::new(LayoutNhwc::SIXTEEN_BIT),
     },
     PassEntry {
         name: "gemm-epilogue",
