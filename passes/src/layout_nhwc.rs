@@ -52,7 +52,7 @@ pub const TO_NCHW: [usize; 4] = [0, 3, 1, 2];
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LayoutNhwc {
     /// Leave graphs NCHW unless a convolution in them is 16-bit: on the H100, cuDNN's
-    /// f32 NHWC convolution gradients took 50 times its NCHW ones (the registry's
+    /// f32 NHWC convolution gradients took about 40 times its NCHW ones (the registry's
     /// `layout-nhwc`, in the CUDA pipeline, is this form).
     pub sixteen_bit_only: bool,
 }
