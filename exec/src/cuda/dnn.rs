@@ -897,8 +897,7 @@ impl Dnn {
         y: &DTensor,
     ) -> Result<(), String> {
         let handle = self.handle()?;
-        let xd = tensor_desc(x.dtype, layout, nchw)?;
-        let pd = tensor_desc(scale.dtype, DataFormat::Nchw, [1, nchw[1], 1, 1])?;
+        let (xd, pd) = batch_norm_descriptors(x, scale, layout, nchw)?;
         let (one, zero) = (Scale::of(x.dtype, 1.0), Scale::of(x.dtype, 0.0));
         let ptr = |t: &DTensor| t.ptr() as *mut c_void;
         Launches::count(&dev.launches.dnn);
@@ -965,8 +964,7 @@ impl Dnn {
         [dx, dscale, doffset]: [&DTensor; 3],
     ) -> Result<(), String> {
         let handle = self.handle()?;
-        let xd = tensor_desc(x.dtype, layout, nchw)?;
-        let pd = tensor_desc(scale.dtype, DataFormat::Nchw, [1, nchw[1], 1, 1])?;
+        let (xd, pd) = batch_norm_descriptors(x, scale, layout, nchw)?;
         let (one, zero) = (Scale::of(x.dtype, 1.0), Scale::of(x.dtype, 0.0));
         let ptr = |t: &DTensor| t.ptr() as *mut c_void;
         Launches::count(&dev.launches.dnn);
@@ -996,6 +994,19 @@ impl Dnn {
         };
         check("batch norm gradient", status)
     }
+}
+
+/// The descriptors of a batch norm's images (`x`, `[n, c, h, w]` in `layout`) and of
+/// its per-channel parameters and statistics (`[1, c, 1, 1]` of `scale`'s dtype).
+fn batch_norm_descriptors(
+    x: &DTensor,
+    scale: &DTensor,
+    layout: DataFormat,
+    nchw: [usize; 4],
+) -> Result<(TensorDesc, TensorDesc), String> {
+    let images = tensor_desc(x.dtype, layout, nchw)?;
+    let params = tensor_desc(scale.dtype, DataFormat::Nchw, [1, nchw[1], 1, 1])?;
+    Ok((images, params))
 }
 
 /// cuDNN's persistent batch-norm kernels (one pass over memory where the batch fits)

@@ -12,7 +12,10 @@ use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat};
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{column_sums, elementwise, module_multi, own, store, At, Load};
-use super::{float_input, input, kernel, launch_column_sums, Ctx, KernelResult, Lowering};
+use super::{
+    acc_dtype, float_input, input, kernel, launch_column_partials, launch_column_sums, Ctx,
+    KernelResult, Lowering,
+};
 use crate::cuda::device::{Arg, DTensor};
 use crate::cuda::dnn;
 
@@ -143,20 +146,15 @@ fn batch_statistics(
     (rows, len): (usize, usize),
     epsilon: f64,
 ) -> Result<DTensor, String> {
-    let acc = acc_of(mean.dtype);
-    let chunks = rows.div_ceil(64).clamp(1, super::codegen::COLUMN_CHUNKS);
-    let chunk_rows = rows.div_ceil(chunks);
-    let tiles = len.div_ceil(32);
-    let part = c.temp(acc, chunks * 2 * len)?;
-    let blocks = u32::try_from(tiles * chunks).map_err(|_| "too many channels")?;
-    let sizes = [
-        Arg::I64(rows as i64),
-        Arg::I64(len as i64),
-        Arg::I64(chunk_rows as i64),
-    ];
-    let mut args = vec![x.arg(), part.arg()];
-    args.extend(sizes);
-    c.launch(spec, "k_cols_part", (blocks, 256), &args)?;
+    let acc = acc_dtype(mean.dtype);
+    let (part, chunks) = launch_column_partials(
+        c,
+        spec,
+        &[x.arg()],
+        (rows, len),
+        (acc, 2),
+        ("k_cols_part", 32),
+    )?;
     let ab = c.temp(acc, 2 * len)?;
     let args = [
         part.arg(),
@@ -184,7 +182,7 @@ fn affine(
     len: usize,
     epsilon: f64,
 ) -> Result<DTensor, String> {
-    let ab = c.temp(acc_of(mean.dtype), 2 * len)?;
+    let ab = c.temp(acc_dtype(mean.dtype), 2 * len)?;
     let args = [
         scale.arg(),
         offset.arg(),
@@ -220,14 +218,6 @@ fn apply(
     c.launch_elementwise(spec, n, &args)
 }
 
-fn acc_of(stats: DType) -> DType {
-    if stats == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// The per-channel values of a channels-last elementwise pass, read as `name` from
 /// `ptr` of type `ty` with `loader`.
 fn per_channel<'a>(
@@ -248,7 +238,7 @@ fn per_channel<'a>(
 }
 
 pub(super) fn forward(x: DType, u: DType) -> String {
-    let ab = acc_of(u).size_bytes();
+    let ab = acc_dtype(u).size_bytes();
     let apply = elementwise(
         &[
             own(x, "x", "px"),

@@ -94,10 +94,6 @@ fn in_layout(layout: DataFormat, [n, c, h, w]: [usize; 4]) -> Vec<usize> {
     }
 }
 
-fn strides_of(shape: &[usize]) -> Vec<usize> {
-    ampgraph_graph::tensor::strides(shape)
-}
-
 fn lower_conv(
     direction: Direction,
     (strides, padding, layout): ([usize; 2], Padding, DataFormat),
@@ -147,7 +143,12 @@ fn lower_conv(
         to: x_padded.clone(),
     });
     let crop = match &extended {
-        Some(_) => Some(Gather::new(esize, &x_ty, &strides_of(&x_padded), 0)?),
+        Some(_) => Some(Gather::new(
+            esize,
+            &x_ty,
+            &ampgraph_graph::tensor::strides(&x_padded),
+            0,
+        )?),
         None => None,
     };
     // HWIO <-> the layout's filter order.

@@ -440,9 +440,24 @@ fn launch_column_sums<S: KernelSpec>(
     inputs: &[Arg],
     (rows, len): (usize, usize),
     outs: &[(&DTensor, f64)],
-    (part_kernel, width): (&'static str, usize),
+    part_kernel: (&'static str, usize),
 ) -> Result<(), String> {
     let acc = acc_dtype(outs.first().ok_or("no outputs")?.0.dtype);
+    let (part, chunks) =
+        launch_column_partials(c, spec, inputs, (rows, len), (acc, outs.len()), part_kernel)?;
+    launch_column_sums_fin(c, spec, &part, len, chunks, outs)
+}
+
+/// The first kernel of [`launch_column_sums`]: `sums` partial column sums of `acc` per
+/// row chunk, `part[(chunk * sums + k) * len + j]`; returns them and the chunk count.
+fn launch_column_partials<S: KernelSpec>(
+    c: &Ctx,
+    spec: &S,
+    inputs: &[Arg],
+    (rows, len): (usize, usize),
+    (acc, sums): (DType, usize),
+    (part_kernel, width): (&'static str, usize),
+) -> Result<(DTensor, usize), String> {
     let tiles = len.div_ceil(width);
     let most_blocks = (i32::MAX as usize) / tiles.max(1);
     let chunks = rows
@@ -450,7 +465,7 @@ fn launch_column_sums<S: KernelSpec>(
         .clamp(1, codegen::COLUMN_CHUNKS.min(most_blocks.max(1)));
     let chunk_rows = rows.div_ceil(chunks);
     let blocks = u32::try_from(tiles * chunks).map_err(|_| "too many columns for one launch")?;
-    let part = c.temp(acc, chunks * outs.len() * len)?;
+    let part = c.temp(acc, chunks * sums * len)?;
     let mut args = inputs.to_vec();
     args.extend([
         part.arg(),
@@ -459,7 +474,7 @@ fn launch_column_sums<S: KernelSpec>(
         Arg::I64(chunk_rows as i64),
     ]);
     c.launch(spec, part_kernel, (blocks, 256), &args)?;
-    launch_column_sums_fin(c, spec, &part, len, chunks, outs)
+    Ok((part, chunks))
 }
 
 /// `k_cols_fin`: adds `chunks` rows of partial column sums (`len` each, per output) in
