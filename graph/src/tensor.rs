@@ -325,6 +325,12 @@ impl Tensor {
         TensorType::new(self.dtype(), self.shape.clone())
     }
 
+    /// Whether `other` is this tensor or a clone of it (one buffer, one shape): a check
+    /// that costs nothing, where `==` compares every value.
+    pub fn is_clone_of(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.data, &other.data) && self.shape == other.shape
+    }
+
     pub fn len(&self) -> usize {
         self.data.len()
     }

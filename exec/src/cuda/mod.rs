@@ -98,6 +98,12 @@ pub struct CudaOptions {
 #[derive(Clone, Debug, Default)]
 pub struct OpProfile {
     entries: HashMap<String, (u64, f64)>,
+    /// Profiled steps, their device time (first launch to last) and the host time
+    /// spent putting them on the stream: where the host takes longer than the ops, the
+    /// GPU waits between them.
+    steps: u64,
+    step_secs: f64,
+    host_secs: f64,
 }
 
 impl OpProfile {
@@ -113,7 +119,11 @@ impl OpProfile {
         let mut rows: Vec<(&String, &(u64, f64))> = self.entries.iter().collect();
         rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
         let mut out = format!(
-            "| op (output) | calls | total ms | share |\n|---|---|---|---|\n| all | {} | {:.3} | 100% |\n",
+            "steps: {}, on the device {:.3} ms, enqueued by the host in {:.3} ms\n\
+             | op (output) | calls | total ms | share |\n|---|---|---|---|\n| all | {} | {:.3} | 100% |\n",
+            self.steps,
+            self.step_secs * 1e3,
+            self.host_secs * 1e3,
             self.entries.values().map(|e| e.0).sum::<u64>(),
             total * 1e3
         );
@@ -588,7 +598,9 @@ impl CudaExecutor {
             Source::Value(host) => host,
         };
         if let Some((t, d)) = self.consts.get(&node.name) {
-            if t == host {
+            // The graph's own value first: comparing a large constant's values would
+            // cost host time every step.
+            if t.is_clone_of(host) || t == host {
                 return Ok(d.clone());
             }
         }
@@ -700,6 +712,13 @@ impl CudaExecutor {
                 .map_err(|e| format!("CUDA context: {e:?}"))
         })
         .map_err(dev_err)?;
+        let host_start = std::time::Instant::now();
+        let step_start = self
+            .options
+            .profile
+            .then(|| guard("CUDA", || self.dev.timing_event()))
+            .transpose()
+            .map_err(dev_err)?;
         let memory = self.step_memory(graph, fetches)?;
         let mut schedule = memory.schedule.clone();
         let order = std::mem::take(&mut schedule.order);
@@ -816,11 +835,19 @@ impl CudaExecutor {
                 values.remove(&done);
             }
         }
-        for (key, start, end) in timed {
-            let ms = start
-                .elapsed_ms(&end)
-                .map_err(|e| ExecError::Device(format!("CUDA timing event: {e:?}")))?;
-            self.profile.add(key, f64::from(ms) / 1e3);
+        if let Some(step_start) = step_start {
+            self.profile.host_secs += host_start.elapsed().as_secs_f64();
+            let step_end = guard("CUDA", || self.dev.timing_event()).map_err(dev_err)?;
+            let elapsed = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
+                a.elapsed_ms(b)
+                    .map_err(|e| ExecError::Device(format!("CUDA timing event: {e:?}")))
+            };
+            self.profile.steps += 1;
+            self.profile.step_secs += f64::from(elapsed(&step_start, &step_end)?) / 1e3;
+            for (key, start, end) in timed {
+                self.profile
+                    .add(key, f64::from(elapsed(&start, &end)?) / 1e3);
+            }
         }
         // What to download; the rest of the step's values go back now.
         let fetched: Vec<(&str, &str, DTensor)> = fetches
