@@ -97,7 +97,8 @@ pub struct CudaOptions {
 /// Time spent per kind of op (op name, output dtype and shape) while profiling.
 #[derive(Clone, Debug, Default)]
 pub struct OpProfile {
-    entries: HashMap<String, (u64, f64)>,
+    /// Per kind: calls, device seconds, host seconds (lowered kernel's launch call).
+    entries: HashMap<String, OpTimes>,
     /// Profiled steps, their device time (first launch to last) and the host time
     /// spent putting them on the stream: where the host takes longer than the ops, the
     /// GPU waits between them.
@@ -106,33 +107,53 @@ pub struct OpProfile {
     host_secs: f64,
 }
 
+#[derive(Clone, Copy, Debug, Default)]
+struct OpTimes {
+    calls: u64,
+    device_secs: f64,
+    host_secs: f64,
+}
+
 impl OpProfile {
-    fn add(&mut self, key: String, secs: f64) {
+    fn add(&mut self, key: String, device_secs: f64, host_secs: f64) {
         let e = self.entries.entry(key).or_default();
-        e.0 += 1;
-        e.1 += secs;
+        e.calls += 1;
+        e.device_secs += device_secs;
+        e.host_secs += host_secs;
     }
 
-    /// The `top` most expensive kinds as a table: total ms, calls, share of the whole.
+    /// The `top` most expensive kinds as a table: calls, device ms, host ms (launching
+    /// them), share of the device time.
     pub fn table(&self, top: usize) -> String {
-        let total: f64 = self.entries.values().map(|e| e.1).sum();
-        let mut rows: Vec<(&String, &(u64, f64))> = self.entries.iter().collect();
-        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let total = self
+            .entries
+            .values()
+            .fold(OpTimes::default(), |a, e| OpTimes {
+                calls: a.calls + e.calls,
+                device_secs: a.device_secs + e.device_secs,
+                host_secs: a.host_secs + e.host_secs,
+            });
+        let mut rows: Vec<(&String, &OpTimes)> = self.entries.iter().collect();
+        rows.sort_by(|a, b| b.1.device_secs.total_cmp(&a.1.device_secs));
+        let row = |key: &str, e: &OpTimes| {
+            format!(
+                "| {key} | {} | {:.3} | {:.3} | {:.1}% |\n",
+                e.calls,
+                e.device_secs * 1e3,
+                e.host_secs * 1e3,
+                100.0 * e.device_secs / total.device_secs.max(f64::MIN_POSITIVE)
+            )
+        };
         let mut out = format!(
             "steps: {}, on the device {:.3} ms, enqueued by the host in {:.3} ms\n\
-             | op (output) | calls | total ms | share |\n|---|---|---|---|\n| all | {} | {:.3} | 100% |\n",
+             | op (output) | calls | device ms | host ms | share |\n|---|---|---|---|---|\n",
             self.steps,
             self.step_secs * 1e3,
             self.host_secs * 1e3,
-            self.entries.values().map(|e| e.0).sum::<u64>(),
-            total * 1e3
         );
-        for (key, (calls, secs)) in rows.into_iter().take(top) {
-            out.push_str(&format!(
-                "| {key} | {calls} | {:.3} | {:.1}% |\n",
-                secs * 1e3,
-                100.0 * secs / total.max(f64::MIN_POSITIVE)
-            ));
+        out.push_str(&row("all", &total));
+        for (key, e) in rows.into_iter().take(top) {
+            out.push_str(&row(key, e));
         }
         out
     }
@@ -793,7 +814,9 @@ impl CudaExecutor {
                             .profile
                             .then(|| self.dev.timing_event())
                             .transpose()?;
+                        let host_start = std::time::Instant::now();
                         let mut out = kernel.launch(&ctx, &inputs)?;
+                        let host_secs = host_start.elapsed().as_secs_f64();
                         // An op that returns an input (a Cast to the same type) where
                         // the plan gave the output a slot of its own: the input's slot
                         // is reused after its last planned reader, so the value moves.
@@ -810,7 +833,7 @@ impl CudaExecutor {
                                 Some(ty) => format!("{op} {ty}"),
                                 None => op.to_string(),
                             };
-                            timed.push((key, start, self.dev.timing_event()?));
+                            timed.push((key, start, self.dev.timing_event()?, host_secs));
                         }
                         Ok(out)
                     })
@@ -844,9 +867,9 @@ impl CudaExecutor {
             };
             self.profile.steps += 1;
             self.profile.step_secs += f64::from(elapsed(&step_start, &step_end)?) / 1e3;
-            for (key, start, end) in timed {
-                self.profile
-                    .add(key, f64::from(elapsed(&start, &end)?) / 1e3);
+            for (key, start, end, host_secs) in timed {
+                let device_secs = f64::from(elapsed(&start, &end)?) / 1e3;
+                self.profile.add(key, device_secs, host_secs);
             }
         }
         // What to download; the rest of the step's values go back now.
@@ -927,15 +950,15 @@ mod tests {
     #[test]
     fn the_profile_table_ranks_kinds_of_op_by_time() {
         let mut p = OpProfile::default();
-        p.add("MatMul f16[8, 8]".into(), 0.003);
-        p.add("Relu f16[8, 8]".into(), 0.001);
-        p.add("MatMul f16[8, 8]".into(), 0.003);
-        p.add("Cast f32[8]".into(), 0.002);
+        p.add("MatMul f16[8, 8]".into(), 0.003, 0.001);
+        p.add("Relu f16[8, 8]".into(), 0.001, 0.0);
+        p.add("MatMul f16[8, 8]".into(), 0.003, 0.001);
+        p.add("Cast f32[8]".into(), 0.002, 0.0005);
         let table = p.table(2);
         let rows: Vec<&str> = table.lines().collect();
-        assert_eq!(rows[2], "| all | 4 | 9.000 | 100% |");
-        assert_eq!(rows[3], "| MatMul f16[8, 8] | 2 | 6.000 | 66.7% |");
-        assert_eq!(rows[4], "| Cast f32[8] | 1 | 2.000 | 22.2% |");
-        assert_eq!(rows.len(), 5, "only the top 2 kinds:\n{table}");
+        assert_eq!(rows[3], "| all | 4 | 9.000 | 2.500 | 100.0% |");
+        assert_eq!(rows[4], "| MatMul f16[8, 8] | 2 | 6.000 | 2.000 | 66.7% |");
+        assert_eq!(rows[5], "| Cast f32[8] | 1 | 2.000 | 0.500 | 22.2% |");
+        assert_eq!(rows.len(), 6, "only the top 2 kinds:\n{table}");
     }
 }

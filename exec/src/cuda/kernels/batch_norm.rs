@@ -11,10 +11,13 @@
 use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat};
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::{column_sums, elementwise, module_multi, own, store, At, Load};
+use super::codegen::{
+    column_sums, column_sums_words, column_vector, elementwise, module_multi, own, store, At, Load,
+    COLUMN_ROWS,
+};
 use super::{
     acc_dtype, float_input, input, kernel, launch_column_partials, launch_column_sums, Ctx,
-    KernelResult, Lowering,
+    KernelResult, Lowering, Partials,
 };
 use crate::cuda::device::{Arg, DTensor};
 use crate::cuda::dnn;
@@ -153,7 +156,7 @@ fn batch_statistics(
         &[x.arg()],
         (rows, len),
         (acc, 2),
-        ("k_cols_part", 32),
+        Partials::for_rows(len, x.dtype, &[x]),
     )?;
     let ab = c.temp(acc, 2 * len)?;
     let args = [
@@ -169,7 +172,7 @@ fn batch_statistics(
         Arg::I64(rows as i64),
         Arg::F64(epsilon),
     ];
-    c.launch(spec, "k_stats", (len.div_ceil(256) as u32, 256), &args)?;
+    c.launch(spec, "k_stats", (len.div_ceil(32) as u32, 256), &args)?;
     Ok(ab)
 }
 
@@ -248,20 +251,38 @@ pub(super) fn forward(x: DType, u: DType) -> String {
         "",
         &[store(x, "py", "(C)((AU)x * a + b)")],
     );
+    // Sums of x and x^2 shifted by row 0 (no cancellation for a large mean).
     let sums = column_sums(
         "const T* px",
         "AU v = (AU)ld(px, at) - (AU)ld(px, j);",
         &["v", "v * v"],
         "U",
     );
+    let word_sums = column_sums_words(
+        "const T* px",
+        &[("px", "x")],
+        (
+            "AU x0[V]; for (int e = 0; e < V; ++e) x0[e] = (AU)ld(px, j0 + e);",
+            "AU v = (AU)ld(x, e) - x0[e];",
+        ),
+        &["v", "v * v"],
+        ("U", column_vector(x)),
+    );
     module_multi(
         &[("", x), ("U", u)],
         &format!(
             "__device__ __forceinline__ AU ldA(const AU* p, i64 i) {{ return p[i]; }}
-             {sums}             extern \"C\" __global__ void k_stats(const AU* part, const T* px, const TU* pscale, const TU* poffset, TU* pmean, TU* pvar, AU* pab, i64 len, i64 chunks, i64 rows, double eps) {{\n\
-               GRID_LOOP(j, len) {{\n\
-                 AU s = 0, q = 0;\n\
-                 for (i64 c = 0; c < chunks; ++c) {{ s += part[(c * 2) * len + j]; q += part[(c * 2 + 1) * len + j]; }}\n\
+             {sums}{word_sums}\
+             extern \"C\" __global__ void k_stats(const AU* part, const T* px, const TU* pscale, const TU* poffset, TU* pmean, TU* pvar, AU* pab, i64 len, i64 chunks, i64 rows, double eps) {{\n\
+               __shared__ AU sh[2][{COLUMN_ROWS}][33];\n\
+               int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+               i64 j = (i64)blockIdx.x * 32 + tx;\n\
+               AU s = 0, q = 0;\n\
+               if (j < len) for (i64 c = ty; c < chunks; c += {COLUMN_ROWS}) {{ s += part[(c * 2) * len + j]; q += part[(c * 2 + 1) * len + j]; }}\n\
+               sh[0][ty][tx] = s; sh[1][ty][tx] = q;\n\
+               __syncthreads();\n\
+               if (ty == 0 && j < len) {{\n\
+                 for (int w = 1; w < {COLUMN_ROWS}; ++w) {{ s += sh[0][w][tx]; q += sh[1][w][tx]; }}\n\
                  AU n = (AU)rows, d = s / n, var = q / n - d * d;\n\
                  if (var < 0) var = 0;\n\
                  AU mean = (AU)ld(px, j) + d;\n\
@@ -306,10 +327,21 @@ pub(super) fn backward(x: DType, u: DType) -> String {
         &["g", "g * xh"],
         "U",
     );
+    let word_sums = column_sums_words(
+        "const T* px, const T* pdy, const TU* pmean, const TU* pvar, double unbias, double eps",
+        &[("px", "x"), ("pdy", "dy")],
+        (
+            "AU m[V], inv[V];\n\
+             for (int e = 0; e < V; ++e) { m[e] = (AU)ldU(pmean, j0 + e); inv[e] = (AU)1 / sqrt((AU)ldU(pvar, j0 + e) * (AU)unbias + (AU)eps); }",
+            "AU g = (AU)ld(dy, e); AU xh = ((AU)ld(x, e) - m[e]) * inv[e];",
+        ),
+        &["g", "g * xh"],
+        ("U", column_vector(x)),
+    );
     module_multi(
         &[("", x), ("U", u)],
         &format!(
-            "{sums}extern \"C\" __global__ void k(const T* px, const T* pdy, const TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, T* pdx, i64 n, i64 len, double unbias, double eps, double inv_n) {{\n{dx}}}\n"
+            "{sums}{word_sums}extern \"C\" __global__ void k(const T* px, const T* pdy, const TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, T* pdx, i64 n, i64 len, double unbias, double eps, double inv_n) {{\n{dx}}}\n"
         ),
     )
 }
@@ -350,7 +382,8 @@ fn lower_batch_norm_grad(
                     Arg::F64(epsilon),
                 ];
                 let outs = [(&doffset, 1.0), (&dscale, 1.0)];
-                launch_column_sums(c, spec, &stats, (rows, len), &outs, ("k_cols_part", 32))?;
+                let partials = Partials::for_rows(len, x.dtype, &[x, dy]);
+                launch_column_sums(c, spec, &stats, (rows, len), &outs, partials)?;
                 let args = [
                     x.arg(),
                     dy.arg(),

@@ -558,6 +558,77 @@ pub(crate) fn column_sums_fin(acc: &str, outs: &[&str]) -> String {
     )
 }
 
+/// Threads of a [`column_sums_words`] block.
+pub(crate) const COLUMN_WORD_THREADS: usize = 256;
+
+/// Partial column sums of a `[rows, len]` matrix read in whole 16-byte words of `v`
+/// values, for rows of at most [`COLUMN_WORD_THREADS`] words (`len % v == 0`): the
+/// statistics of channels-last batch norms, whose few channels leave most lanes of
+/// [`column_sums`]' 32-column tiles idle (and a warp reading 64 bytes of a row). Kernel
+/// `k_cols_words` (grid: row chunks; [`COLUMN_WORD_THREADS`] threads): thread `t` sums
+/// columns `g * v ..= g * v + v - 1` (`g = t % groups`, `groups = len / v`) of rows
+/// `r, r + per, ...` (`r = t / groups`, `per = threads / groups`) of its block's chunk,
+/// so a warp reads up to 512 contiguous bytes; the block adds its `per` partials of
+/// each column in shared memory and writes `part[(chunk * n + k) * len + j]`, the
+/// layout [`column_sums_fin`] reads. `words` are `(pointer, name)`: each row's word of
+/// `pointer` is readable as `const T* name` (by `ld(name, e)`); `prologue` runs once
+/// per thread with `j0` (its first column) and `V` defined, `setup` per value with `e`
+/// and `j = j0 + e`, and `terms` are the summed expressions, accumulated in `A<out>`.
+pub(crate) fn column_sums_words(
+    params: &str,
+    words: &[(&str, &str)],
+    (prologue, setup): (&str, &str),
+    terms: &[&str],
+    (out, v): (&str, usize),
+) -> String {
+    let n = terms.len();
+    let threads = COLUMN_WORD_THREADS;
+    let mut loads = String::new();
+    for (ptr, name) in words {
+        loads.push_str(&format!(
+            "uint4 w_{name} = *(const uint4*)({ptr} + row * len + j0); const T* {name} = (const T*)&w_{name};\n"
+        ));
+    }
+    let (mut accs, mut adds, mut shares, mut partials) =
+        (String::new(), String::new(), String::new(), String::new());
+    for (k, term) in terms.iter().enumerate() {
+        accs.push_str(&format!(
+            "A{out} acc{k}[V]; for (int e = 0; e < V; ++e) acc{k}[e] = 0;\n"
+        ));
+        adds.push_str(&format!("acc{k}[e] += {term}; "));
+        shares.push_str(&format!("sh[{k}][t * V + e] = acc{k}[e]; "));
+        partials.push_str(&format!(
+            "{{ A{out} s = 0; for (int q = 0; q < per; ++q) s += sh[{k}][(q * groups + cg) * V + ce]; part[((i64)blockIdx.x * {n} + {k}) * len + c] = s; }}\n"
+        ));
+    }
+    format!(
+        "extern \"C\" __global__ void k_cols_words({params}, A{out}* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
+           const int V = {v};\n\
+           __shared__ A{out} sh[{n}][{threads} * V];\n\
+           int groups = (int)(len / V), per = {threads} / groups, t = threadIdx.x, r = t / groups;\n\
+           i64 j0 = (i64)(t % groups) * V;\n\
+           {accs}\
+           if (r < per) {{\n\
+             {prologue}\n\
+             i64 end = min(rows, ((i64)blockIdx.x + 1) * chunk_rows);\n\
+             #pragma unroll 4\n\
+             for (i64 row = (i64)blockIdx.x * chunk_rows + r; row < end; row += per) {{\n\
+               {loads}\
+               #pragma unroll\n\
+               for (int e = 0; e < V; ++e) {{ i64 j = j0 + e; (void)j; {setup} {adds}}}\n\
+             }}\n\
+           }}\n\
+           #pragma unroll\n\
+           for (int e = 0; e < V; ++e) {{ {shares}}}\n\
+           __syncthreads();\n\
+           for (i64 c = t; c < len; c += {threads}) {{\n\
+             int cg = (int)(c / V), ce = (int)(c % V);\n\
+             {partials}\
+           }}\n\
+         }}\n"
+    )
+}
+
 /// Elements of `d` in a 16-byte word: the columns a lane of `k_cols_part_vec` sums.
 pub(crate) fn column_vector(d: DType) -> usize {
     16 / d.size_bytes()

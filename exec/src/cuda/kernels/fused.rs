@@ -11,7 +11,7 @@ use super::codegen::{
     column_sums, elementwise, module_multi, streams, vector_len, At, Load, Store, Streams,
     COLUMN_ROWS,
 };
-use super::{kernel, launch_column_sums, CudaKernel, Lowering, ProgramSpec};
+use super::{kernel, launch_column_sums, CudaKernel, Lowering, Partials, ProgramSpec};
 use crate::cuda::device::{Arg, DTensor};
 
 /// A fused program's module: `k(<inputs>, <outputs>, i64 n)`, or with column sums
@@ -58,9 +58,9 @@ fn lower_program(f: &FusedElementwise, outs: &[TensorType]) -> Box<dyn CudaKerne
             c.launch_elementwise(&spec, n, &args)?;
         } else {
             let part = if len % v == 0 && streams_aligned(&program, inputs, stored) {
-                ("k_cols_part_vec", 32 * v)
+                Partials::Tiles("k_cols_part_vec", 32 * v)
             } else {
-                ("k_cols_part", 32)
+                Partials::Tiles("k_cols_part", 32)
             };
             let outs: Vec<(&DTensor, f64)> = sums.iter().map(|s| (s, 1.0)).collect();
             launch_column_sums(c, &spec, &args, (n / len, len), &outs, part)?;

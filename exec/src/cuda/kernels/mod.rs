@@ -430,21 +430,48 @@ fn warp_row_form(
     }
 }
 
+/// The kernel of a module that writes partial column sums (see `codegen::column_sums`).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Partials {
+    /// `k_cols_part`, or a form such as `k_cols_part_vec`, over tiles of this many
+    /// columns times row chunks.
+    Tiles(&'static str, usize),
+    /// `k_cols_words` (`codegen::column_sums_words`): a block per row chunk, reading
+    /// whole rows in 16-byte words of this many values.
+    Words(usize),
+}
+
+impl Partials {
+    /// `k_cols_words` where `len` columns of `dtype` are whole words and at most a block's
+    /// threads' worth of them and every matrix is 16-byte aligned, else `k_cols_part`.
+    fn for_rows(len: usize, dtype: DType, matrices: &[&DTensor]) -> Partials {
+        let v = codegen::column_vector(dtype);
+        if len > 0
+            && len % v == 0
+            && len / v <= codegen::COLUMN_WORD_THREADS
+            && matrices.iter().all(|t| t.ptr() % 16 == 0)
+        {
+            Partials::Words(v)
+        } else {
+            Partials::Tiles("k_cols_part", 32)
+        }
+    }
+}
+
 /// Launches the column-sum kernels of module `spec` (see `codegen::column_sums`) over
-/// a `[rows, len]` matrix read through `inputs`, writing each `(output, scale)`. The
-/// partial sums come from kernel `part` (`k_cols_part`, or a form such as
-/// `k_cols_part_vec` whose tiles are `width` columns wide).
+/// a `[rows, len]` matrix read through `inputs`, writing each `(output, scale)`; the
+/// partial sums come from `partials`.
 fn launch_column_sums<S: KernelSpec>(
     c: &Ctx,
     spec: &S,
     inputs: &[Arg],
     (rows, len): (usize, usize),
     outs: &[(&DTensor, f64)],
-    part_kernel: (&'static str, usize),
+    partials: Partials,
 ) -> Result<(), String> {
     let acc = acc_dtype(outs.first().ok_or("no outputs")?.0.dtype);
     let (part, chunks) =
-        launch_column_partials(c, spec, inputs, (rows, len), (acc, outs.len()), part_kernel)?;
+        launch_column_partials(c, spec, inputs, (rows, len), (acc, outs.len()), partials)?;
     launch_column_sums_fin(c, spec, &part, len, chunks, outs)
 }
 
@@ -456,13 +483,30 @@ fn launch_column_partials<S: KernelSpec>(
     inputs: &[Arg],
     (rows, len): (usize, usize),
     (acc, sums): (DType, usize),
-    (part_kernel, width): (&'static str, usize),
+    partials: Partials,
 ) -> Result<(DTensor, usize), String> {
-    let tiles = len.div_ceil(width);
-    let most_blocks = (i32::MAX as usize) / tiles.max(1);
-    let chunks = rows
-        .div_ceil(64)
-        .clamp(1, codegen::COLUMN_CHUNKS.min(most_blocks.max(1)));
+    let (name, chunks, tiles, threads) = match partials {
+        Partials::Tiles(name, width) => {
+            let tiles = len.div_ceil(width);
+            let most_blocks = (i32::MAX as usize) / tiles.max(1);
+            let chunks = rows
+                .div_ceil(64)
+                .clamp(1, codegen::COLUMN_CHUNKS.min(most_blocks.max(1)));
+            (name, chunks, tiles, 256)
+        }
+        Partials::Words(v) => {
+            // Rows a block reads at once; each thread then takes 16 or more rows, in
+            // enough blocks to keep every multiprocessor's loads in flight.
+            let per = codegen::COLUMN_WORD_THREADS / (len / v).max(1);
+            let chunks = rows.div_ceil(per * 16).clamp(1, WORD_CHUNKS);
+            (
+                "k_cols_words",
+                chunks,
+                1,
+                codegen::COLUMN_WORD_THREADS as u32,
+            )
+        }
+    };
     let chunk_rows = rows.div_ceil(chunks);
     let blocks = u32::try_from(tiles * chunks).map_err(|_| "too many columns for one launch")?;
     let part = c.temp(acc, chunks * sums * len)?;
@@ -473,9 +517,12 @@ fn launch_column_partials<S: KernelSpec>(
         Arg::I64(len as i64),
         Arg::I64(chunk_rows as i64),
     ]);
-    c.launch(spec, part_kernel, (blocks, 256), &args)?;
+    c.launch(spec, name, (blocks, threads), &args)?;
     Ok((part, chunks))
 }
+
+/// The most row chunks (blocks) of `k_cols_words`: about four per multiprocessor.
+const WORD_CHUNKS: usize = 512;
 
 /// `k_cols_fin`: adds `chunks` rows of partial column sums (`len` each, per output) in
 /// `part` and writes each `(output, scale)`.

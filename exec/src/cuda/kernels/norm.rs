@@ -16,7 +16,7 @@ use super::reduce::reduce_into;
 use super::{
     acc_dtype, block_rows, first, float_only, input, kernel, launch_column_sums,
     launch_column_sums_fin, numel, one_output, row_kernel, warp_row_form, Ctx, KernelResult,
-    Lowering,
+    Lowering, Partials,
 };
 use crate::cuda::device::{Arg, DTensor};
 
@@ -186,7 +186,7 @@ fn layer_norm_grad(
                 &[x.arg(), dy.arg(), stats.arg()],
                 (rows, len),
                 &[(dg, 1.0), (db, 1.0)],
-                ("k_cols_part", 32),
+                Partials::Tiles("k_cols_part", 32),
             )?;
         }
     }

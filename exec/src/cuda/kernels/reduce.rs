@@ -9,6 +9,7 @@ use super::codegen::{column_sums, column_vector, module, module_multi, COLUMN_RO
 use super::elementwise::broadcast_strides;
 use super::{
     first, float_input, float_only, input, kernel, numel, one_output, Ctx, KernelResult, Lowering,
+    Partials,
 };
 use crate::cuda::device::{row_block, row_grid, Arg, DTensor, Dims};
 
@@ -187,9 +188,9 @@ pub(super) fn reduce_into(
         };
         let v = column_vector(x.dtype);
         let part = if out_len % v == 0 && x.ptr() % 16 == 0 {
-            ("k_cols_part_vec", 32 * v)
+            Partials::Tiles("k_cols_part_vec", 32 * v)
         } else {
-            ("k_cols_part", 32)
+            Partials::Tiles("k_cols_part", 32)
         };
         return super::launch_column_sums(
             c,
