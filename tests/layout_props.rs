@@ -18,8 +18,8 @@ use std::collections::BTreeSet;
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::attrs::AttrValue;
 use ampgraph::graph::ops::{
-    BatchNorm, Concat, Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, Padding,
-    Transpose, Variable,
+    BatchNorm, Concat, Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat,
+    NormActivation, Padding, Transpose, Variable,
 };
 use ampgraph::optim::{Optimizer, Sgd};
 use ampgraph::passes::layout_nhwc::{LayoutNhwc, TO_NCHW, TO_NHWC};
@@ -129,6 +129,7 @@ impl Builder {
                 epsilon: 0.01,
                 training: self.rng.below(2) == 0,
                 data_format: DataFormat::Nchw,
+                activation: NormActivation::Identity,
             };
             x = self.g.add(bn, &[x, scale, offset, mean, variance]).unwrap();
         }

@@ -16,7 +16,7 @@
 //! loss depends on, leaves them alone. In inference the batch norms read them.
 
 use ampgraph::graph::nn;
-use ampgraph::graph::ops::{AssignVariable, BatchNorm, DataFormat, Init, Padding};
+use ampgraph::graph::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Padding};
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor};
 
 use super::{f32_variable, Res};
@@ -81,6 +81,7 @@ pub fn build(g: &mut Graph, x: Port, width: usize, classes: usize, training: boo
             epsilon: BN_EPSILON,
             training,
             data_format: DataFormat::Nchw,
+            activation: NormActivation::Identity,
         };
         let (mean, variance) = unread.map_or((moving_mean, moving_variance), |e| (e, e));
         let y = g.add(op, &[y, scale, offset, mean, variance])?;

@@ -1239,12 +1239,17 @@ fn convolutions_and_their_gradients_match_the_cpu() {
 fn batch_norm_and_its_gradient_match_the_cpu() {
     let Some(mut gpu) = gpu() else { return };
     let mut r = Rng(12);
-    let shapes: [(&[usize], DataFormat); 5] = [
+    // Channels-last statistics read whole 16-byte words where the channels fill them
+    // (8 and 24 channels, and many row chunks at 64; 1024 f64 channels are too many
+    // words for a block) and 32-column tiles otherwise (3 and 5 channels).
+    let shapes: [(&[usize], DataFormat); 7] = [
         (&[2, 5, 7, 3], DataFormat::Nhwc),
         (&[1, 4, 4, 8], DataFormat::Nhwc),
         (&[3, 6, 5, 4], DataFormat::Nchw),
         (&[16, 5], DataFormat::Nhwc),
         (&[8, 9, 9, 24], DataFormat::Nhwc),
+        (&[32, 16, 16, 64], DataFormat::Nhwc),
+        (&[2, 3, 3, 1024], DataFormat::Nhwc),
     ];
     for d in FLOATS {
         let u = if d == DType::F64 {
@@ -1263,59 +1268,50 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
             let offset = rand(&mut r, u, &[c], -0.5, 0.5);
             let mean = rand(&mut r, u, &[c], -0.2, 0.2);
             let var = rand(&mut r, u, &[c], 0.5, 2.0);
-            for training in [true, false] {
+            let inputs = [x.clone(), scale.clone(), offset, mean, var];
+            for activation in [NormActivation::Identity, NormActivation::Relu] {
+                for training in [true, false] {
+                    let bn = BatchNorm {
+                        epsilon: 1e-3,
+                        training,
+                        data_format: format,
+                        activation,
+                    };
+                    let what = format!(
+                        "BatchNorm {d} {shape:?} {format:?} training {training} {activation:?}"
+                    );
+                    check(&mut gpu, &what, bn, &inputs);
+                }
+                // The gradient reads the forward's batch statistics (and, with the
+                // ReLU, its output).
                 let bn = BatchNorm {
                     epsilon: 1e-3,
-                    training,
+                    training: true,
                     data_format: format,
+                    activation,
                 };
-                let what = format!("BatchNorm {d} {shape:?} {format:?} training {training}");
-                check(
-                    &mut gpu,
-                    &what,
-                    bn,
-                    &[
-                        x.clone(),
-                        scale.clone(),
-                        offset.clone(),
-                        mean.clone(),
-                        var.clone(),
-                    ],
-                );
-            }
-            // The gradient reads the forward's batch statistics.
-            let bn = BatchNorm {
-                epsilon: 1e-3,
-                training: true,
-                data_format: format,
-            };
-            let (_, stats) = run_both(
-                &mut gpu,
-                "statistics",
-                bn,
-                &[
+                let (_, forward) = run_both(&mut gpu, "statistics", bn, &inputs);
+                let dy = rand(&mut r, d, shape, -1.0, 1.0);
+                let grad = BatchNormGrad {
+                    epsilon: 1e-3,
+                    training: true,
+                    data_format: format,
+                    activation,
+                };
+                let what = format!("BatchNormGrad {d} {shape:?} {format:?} {activation:?}");
+                let count = (x.len() / c) as f64;
+                let mut grad_inputs = vec![
                     x.clone(),
                     scale.clone(),
-                    offset.clone(),
-                    mean.clone(),
-                    var.clone(),
-                ],
-            );
-            let dy = rand(&mut r, d, shape, -1.0, 1.0);
-            let grad = BatchNormGrad {
-                epsilon: 1e-3,
-                training: true,
-                data_format: format,
-            };
-            let what = format!("BatchNormGrad {d} {shape:?} {format:?}");
-            let count = (x.len() / c) as f64;
-            check_scaled(
-                &mut gpu,
-                &what,
-                grad,
-                &[x, scale.clone(), stats[1].clone(), stats[2].clone(), dy],
-                count.sqrt(),
-            );
+                    forward[1].clone(),
+                    forward[2].clone(),
+                    dy,
+                ];
+                if activation == NormActivation::Relu {
+                    grad_inputs.push(forward[0].clone());
+                }
+                check_scaled(&mut gpu, &what, grad, &grad_inputs, count.sqrt());
+            }
         }
     }
 }

@@ -12,7 +12,9 @@ mod common;
 
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::op::TypeGroup;
-use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat, LayerNorm, LayerNormGrad};
+use ampgraph_graph::ops::{
+    BatchNorm, BatchNormGrad, DataFormat, LayerNorm, LayerNormGrad, NormActivation,
+};
 use ampgraph_graph::{DType, Op, Tensor, TensorType};
 use common::*;
 use proptest::prelude::*;
@@ -52,7 +54,7 @@ proptest! {
         let shape = bn_shape(format, n, h, w, c);
         let mut rng = Gen(seed);
         let inputs = bn_inputs(&mut rng, &shape, c);
-        let op = BatchNorm { epsilon: eps, training, data_format: format };
+        let op = BatchNorm { epsilon: eps, training, data_format: format, activation: NormActivation::Identity };
         let err = check_output0(Box::new(op), &inputs, &[0, 1, 2], seed);
         prop_assert!(err < GRAD_TOL, "{shape:?} training={training}: max relative error {err:e}");
     }
@@ -103,6 +105,7 @@ fn batch_norm_gradient_fixed_cases() {
                 epsilon: 1e-3,
                 training,
                 data_format: format,
+                activation: NormActivation::Identity,
             };
             let err = check_output0(Box::new(op), &inputs, &[0, 1, 2], 3);
             assert!(err < GRAD_TOL, "{format:?} {shape:?} {training}: {err:e}");
@@ -120,6 +123,7 @@ fn batch_norm_rule_shape() {
             epsilon: 1e-3,
             training,
             data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
         };
         let grads = graph_gradients(Box::new(op), &inputs);
         assert_eq!(grads.len(), 5);
@@ -232,6 +236,7 @@ fn batch_norm_grad_kernel_matches_reference() {
                     epsilon: 1e-3,
                     training,
                     data_format: format,
+                    activation: NormActivation::Identity,
                 };
                 assert_round_trip(&op);
                 let types: Vec<TensorType> =
@@ -370,6 +375,7 @@ fn batch_norm_grad_keeps_statistics_in_a_fixed_group() {
         epsilon: 1e-3,
         training: true,
         data_format: DataFormat::Nhwc,
+        activation: NormActivation::Identity,
     };
     assert_eq!(op.typed_inputs(5), vec![0, 4]);
     assert_eq!(
@@ -399,6 +405,7 @@ fn norm_grad_ops_reject_bad_types() {
         epsilon: 1e-3,
         training: true,
         data_format: DataFormat::Nchw,
+        activation: NormActivation::Identity,
     };
     let f32t = |s: &[usize]| tt(DType::F32, s);
     let c = f32t(&[3]);
@@ -530,7 +537,8 @@ fn norm_grad_attrs_parse_and_reject_mistakes() {
         BatchNormGrad {
             epsilon: 0.01,
             training: false,
-            data_format: DataFormat::Nchw
+            data_format: DataFormat::Nchw,
+            activation: NormActivation::Identity,
         }
     );
     // Defaults: TensorFlow's epsilon, training (FusedBatchNormGrad's is_training), NHWC.

@@ -4,7 +4,7 @@ mod common;
 
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::op::TypeGroup;
-use ampgraph_graph::ops::{BatchNorm, DataFormat, LayerNorm};
+use ampgraph_graph::ops::{BatchNorm, DataFormat, LayerNorm, NormActivation};
 use ampgraph_graph::{DType, Op, Tensor, TensorType};
 use common::*;
 
@@ -121,6 +121,7 @@ fn run_batch_norm_case(
         epsilon: eps,
         training,
         data_format: format,
+        activation: NormActivation::Identity,
     };
     let inputs = [&x, &scale, &offset, &mean, &var];
     let types = tys(&inputs);
@@ -166,6 +167,7 @@ fn batch_norm_hand_computed() {
             epsilon: 0.0,
             training: false,
             data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
         };
         let out = op.eval(&[&x, &scale, &offset, &mean, &var]).unwrap();
         assert_close("y", &out[0], dtype, &[2, 2], &[-1., 0., 1., 2.], dtype, 1.0);
@@ -178,6 +180,7 @@ fn batch_norm_hand_computed() {
             epsilon: 0.0,
             training: true,
             data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
         };
         let out = op.eval(&[&x, &ones, &zeros, &zeros, &ones]).unwrap();
         assert_close(
@@ -293,7 +296,8 @@ fn batch_norm_registry_and_typed_inputs() {
         Some(&BatchNorm {
             epsilon: 0.001,
             training: false,
-            data_format: DataFormat::Nhwc
+            data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
         })
     );
     assert_eq!(op.typed_inputs(5), vec![0]);
@@ -318,7 +322,8 @@ fn batch_norm_registry_and_typed_inputs() {
         Some(&BatchNorm {
             epsilon: 1e-5,
             training: true,
-            data_format: DataFormat::Nchw
+            data_format: DataFormat::Nchw,
+            activation: NormActivation::Identity,
         })
     );
     assert_round_trip(op.as_ref());

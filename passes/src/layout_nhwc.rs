@@ -36,7 +36,7 @@ use ampgraph_graph::ops::{
     Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, ElementOp, FusedElementwise,
     MaxPool, MaxPoolGrad, Reduce, ReduceGrad, Slice, SumTo, Transpose, Unary, UnaryGrad,
 };
-use ampgraph_graph::{Graph, NodeId, Op, Port, TensorType};
+use ampgraph_graph::{Arity, Graph, NodeId, Op, Port, TensorType};
 use foldhash::{HashMap, HashSet};
 
 use crate::simplify::algebraic::{self, Identities};
@@ -119,7 +119,8 @@ layout_sensitive! {
     MaxPoolGrad: [0, 1, 2] => [0];
     AvgPoolGrad: [0] => [0], input_shape;
     BatchNorm: [0] => [0];
-    BatchNormGrad: [0, 4] => [0];
+    // With an activation, input 5 (the forward's output) too.
+    BatchNormGrad: [0, 4, 5] => [0];
     BiasAdd: [0] => [0];
 }
 
@@ -161,8 +162,16 @@ fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<NhwcForm> {
     *twin.data_format() = DataFormat::Nhwc;
     twin.permute_shape_attrs();
     let (inputs, outputs) = T::IMAGES;
+    let arity = twin.arity();
     Some(NhwcForm {
-        inputs: inputs.to_vec(),
+        inputs: inputs
+            .iter()
+            .copied()
+            .filter(|&slot| match arity {
+                Arity::Exactly(n) => slot < n,
+                Arity::AtLeast(_) => true,
+            })
+            .collect(),
         outputs: outputs.to_vec(),
         op: Box::new(twin),
         sensitive: true,
@@ -650,7 +659,7 @@ mod tests {
     use ampgraph_graph::attrs::AttrValue;
     use ampgraph_graph::autodiff::gradients;
     use ampgraph_graph::format::{to_json, GraphDef};
-    use ampgraph_graph::ops::Padding;
+    use ampgraph_graph::ops::{NormActivation, Padding};
     use ampgraph_graph::{DType, Tensor};
 
     use super::*;
@@ -702,6 +711,7 @@ mod tests {
             epsilon: 1e-3,
             training,
             data_format: DataFormat::Nchw,
+            activation: NormActivation::Identity,
         };
         g.add(bn, &[x, params[0], params[1], params[2], params[3]])
             .unwrap()
@@ -864,6 +874,7 @@ mod tests {
             epsilon: 1e-3,
             training: true,
             data_format: DataFormat::Nchw,
+            activation: NormActivation::Identity,
         };
         let y = g.add(bn, &[y, scale, offset, offset, scale]).unwrap();
         let y = g.relu(y).unwrap();

@@ -10,6 +10,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod epilogue;
 pub mod fuse;
+pub mod fuse_batchnorm_activation;
 pub mod group_updates;
 pub mod layout_nhwc;
 pub mod norm_grad_epilogue;

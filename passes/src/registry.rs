@@ -6,6 +6,7 @@ use crate::attention::FuseAttention;
 use crate::cross_entropy::FuseCrossEntropy;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
+use crate::fuse_batchnorm_activation::FuseBatchNormActivation;
 use crate::group_updates::GroupUpdates;
 use crate::layout_nhwc::LayoutNhwc;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
@@ -102,6 +103,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "layout-nhwc",
         summary: "In a graph with a 16-bit convolution, NCHW convolutions, pools, batch norms and bias adds (and their gradients) compute on NHWC tensors, with Transposes only at the graph's NCHW inputs and outputs.",
         make: || Box::new(LayoutNhwc::SIXTEEN_BIT),
+    },
+    PassEntry {
+        name: "fuse-batchnorm-activation",
+        summary: "A BatchNorm takes the Relu after it, and a BatchNormGrad the Relu's gradient mask (TensorFlow's _FusedBatchNormEx).",
+        make: || Box::new(FuseBatchNormActivation),
     },
     PassEntry {
         name: "gemm-epilogue",

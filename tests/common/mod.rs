@@ -8,8 +8,8 @@ use ampgraph::exec::Feeds;
 use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::ops::{
     BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, Cast, Concat, Const, DataFormat,
-    LogSoftmax, MatMul, Placeholder, Reduce, ReduceKind, Reshape, Softmax, Transpose, Unary,
-    UnaryKind, Variable,
+    LogSoftmax, MatMul, NormActivation, Placeholder, Reduce, ReduceKind, Reshape, Softmax,
+    Transpose, Unary, UnaryKind, Variable,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 use proptest::prelude::{prop_assert, prop_assert_eq, TestCaseError};
@@ -339,6 +339,7 @@ fn simplifiable_step(
                 epsilon: 1e-3,
                 training: false,
                 data_format: DataFormat::Nhwc,
+                activation: NormActivation::Identity,
             };
             let y = g
                 .add(bn, &[x, stats[0], stats[1], stats[2], stats[3]])
@@ -370,6 +371,7 @@ fn simplifiable_step(
                 epsilon: 0.1,
                 training: true,
                 data_format: DataFormat::Nhwc,
+                activation: NormActivation::Identity,
             };
             g.add(bn, &[x, scale, offset, offset, scale]).unwrap()
         }

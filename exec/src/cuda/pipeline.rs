@@ -24,6 +24,7 @@ pub const PIPELINE: &[&str] = &[
     "dce",
     "layout-nhwc",
     "pad-conv-channels",
+    "fuse-batchnorm-activation",
     "cast-into-reduce",
     "cast-into-norm",
     "fuse-cross-entropy",

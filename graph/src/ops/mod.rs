@@ -25,7 +25,7 @@ pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
 pub use fused::{ElementOp, FusedElementwise};
 pub use linalg::{BatchMatMul, Epilogue, FusedMatMul, MatMul};
-pub use norm::{BatchNorm, LayerNorm};
+pub use norm::{BatchNorm, LayerNorm, NormActivation};
 pub use norm::{BatchNormGrad, LayerNormGrad, NormGradEpilogue};
 pub use reduce::ReduceGrad;
 pub use reduce::{widens_exactly, Reduce, ReduceKind, SumTo};

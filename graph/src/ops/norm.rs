@@ -43,6 +43,46 @@ fn read_epsilon(a: &mut AttrReader, default: f64) -> OpResult<f64> {
     Ok(eps)
 }
 
+/// The activation a batch norm applies to its output, TensorFlow's
+/// `_FusedBatchNormEx` `activation_mode` (attr `activation_mode`, written only when not
+/// `Identity`): `fuse-batchnorm-activation` folds a following Relu in, so the
+/// normalised values and their ReLU are one pass over memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NormActivation {
+    #[default]
+    Identity,
+    Relu,
+}
+
+impl NormActivation {
+    fn read(a: &mut AttrReader) -> OpResult<NormActivation> {
+        a.choice(
+            "activation_mode",
+            &[
+                ("Identity", NormActivation::Identity),
+                ("Relu", NormActivation::Relu),
+            ],
+            Some(NormActivation::Identity),
+        )
+    }
+
+    /// The attribute, where it is not the default.
+    fn attr(self) -> Option<(&'static str, AttrValue)> {
+        match self {
+            NormActivation::Identity => None,
+            NormActivation::Relu => Some(("activation_mode", AttrValue::Str("Relu".into()))),
+        }
+    }
+
+    /// The activation of `y`, as the Unary op computes it.
+    fn apply<T: Real>(self, y: T) -> T {
+        match self {
+            NormActivation::Identity => y,
+            NormActivation::Relu => y.max(T::zero()),
+        }
+    }
+}
+
 /// Batch normalisation over every axis but the channel axis, as TensorFlow's
 /// `FusedBatchNormV3`.
 ///
@@ -58,11 +98,14 @@ fn read_epsilon(a: &mut AttrReader, default: f64) -> OpResult<f64> {
 ///   with Bessel's correction (`n / (n - 1)`, n the count per channel; unchanged when
 ///   n = 1), as TensorFlow outputs it for the running averages. In training the
 ///   `mean` and `variance` inputs are not read and may also be empty (`[0]`).
+///
+/// With `activation = Relu`, `y` is the ReLU of the normalised values.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BatchNorm {
     pub epsilon: f64,
     pub training: bool,
     pub data_format: DataFormat,
+    pub activation: NormActivation,
 }
 
 impl Default for BatchNorm {
@@ -71,6 +114,7 @@ impl Default for BatchNorm {
             epsilon: 0.001,
             training: false,
             data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
         }
     }
 }
@@ -81,6 +125,7 @@ impl BatchNorm {
             epsilon: read_epsilon(a, 0.001)?,
             training: a.bool_or("training", false)?,
             data_format: DataFormat::read(a)?,
+            activation: NormActivation::read(a)?,
         })
     }
 
@@ -156,7 +201,7 @@ impl BatchNorm {
             .enumerate()
             .map(|(i, &val)| {
                 let ch = (i / inner.max(1)) % c.max(1);
-                val * a[ch] + b[ch]
+                self.activation.apply(val * a[ch] + b[ch])
             })
             .collect();
         Ok([y, out_m, out_v])
@@ -187,11 +232,13 @@ impl Op for BatchNorm {
         Arity::Exactly(5)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![
+        let mut attrs = vec![
             ("epsilon", self.epsilon.into()),
             ("training", self.training.into()),
             ("data_format", self.data_format.into()),
-        ]
+        ];
+        attrs.extend(self.activation.attr());
+        attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x, scale, offset, mean, variance] = fixed(inputs)?;
@@ -261,7 +308,7 @@ impl Op for BatchNorm {
     ///
     /// The gradients of outputs 1 and 2 (the batch statistics, which feed the running
     /// averages and not the loss) are ignored, as TensorFlow's `FusedBatchNorm`
-    /// gradient ignores them.
+    /// gradient ignores them. With an activation the gradient also reads `y`.
     fn gradient(
         &self,
         b: &mut GradBuilder,
@@ -282,8 +329,16 @@ impl Op for BatchNorm {
             epsilon: self.epsilon,
             training: self.training,
             data_format: self.data_format,
+            activation: self.activation,
         };
-        let id = b.add_node(Box::new(grad), &[x, scale, mean, variance, dy])?;
+        let mut operands = vec![x, scale, mean, variance, dy];
+        if self.activation != NormActivation::Identity {
+            let y = *outputs
+                .first()
+                .ok_or_else(|| GraphError::Format("BatchNorm has 3 outputs".into()))?;
+            operands.push(y);
+        }
+        let id = b.add_node(Box::new(grad), &operands)?;
         Ok(vec![
             Some(Port::new(id, 0)),
             Some(Port::new(id, 1)),
@@ -305,11 +360,16 @@ impl Op for BatchNorm {
 ///   `dx = scale / sqrt(var + eps) * (dy - doffset / n - xhat * dscale / n)`.
 /// - `training = false`: `mean` and `variance` are the forward's inputs and
 ///   `dx = dy * scale / sqrt(variance + eps)` (dscale and doffset as above).
+///
+/// With `activation = Relu` (the gradient of a BatchNorm with that activation,
+/// TensorFlow's `_FusedBatchNormGradEx`) a sixth input `y`, the forward's output,
+/// masks `dy` first: the gradient of the normalised values is `dy` where `y > 0`, else 0.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BatchNormGrad {
     pub epsilon: f64,
     pub training: bool,
     pub data_format: DataFormat,
+    pub activation: NormActivation,
 }
 
 impl BatchNormGrad {
@@ -318,6 +378,7 @@ impl BatchNormGrad {
             epsilon: read_epsilon(a, 0.001)?,
             training: a.bool_or("training", true)?,
             data_format: DataFormat::read(a)?,
+            activation: NormActivation::read(a)?,
         })
     }
 
@@ -326,12 +387,33 @@ impl BatchNormGrad {
             epsilon: self.epsilon,
             training: self.training,
             data_format: self.data_format,
+            activation: self.activation,
+        }
+    }
+
+    /// Inputs: 5, and `y` with an activation.
+    fn inputs(&self) -> usize {
+        match self.activation {
+            NormActivation::Identity => 5,
+            NormActivation::Relu => 6,
         }
     }
 
     /// Checks the input types; returns x's type and the channel count.
     fn check(&self, inputs: &[&TensorType]) -> OpResult<(TensorType, usize)> {
-        let [x, scale, mean, variance, dy] = fixed(inputs)?;
+        if inputs.len() != self.inputs() {
+            return Err(format!(
+                "expected {} inputs, got {}",
+                self.inputs(),
+                inputs.len()
+            ));
+        }
+        let [x, scale, mean, variance, dy] = fixed(&inputs[..5])?;
+        if let Some(y) = inputs.get(5) {
+            if **y != **x {
+                return Err(format!("y is {y} but must match x {x}"));
+            }
+        }
         require_float("x", x.dtype)?;
         if x.rank() != 4 && x.rank() != 2 {
             return Err(format!(
@@ -380,13 +462,24 @@ impl BatchNormGrad {
 
 impl FloatKernel for BatchNormGrad {
     fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
-        let [x, scale, mean, variance, dy] = fixed(inputs)?;
+        let [x, scale, mean, variance, dy] = fixed(&inputs[..inputs.len().min(5)])?;
         let shape = x.shape();
         let axis = self.forward().channel_axis(shape.len());
         let c = shape.get(axis).copied().ok_or("x has no channel axis")?;
         let outer: usize = shape[..axis].iter().product();
         let inner: usize = shape[axis + 1..].iter().product();
-        let (xs, dys) = (T::read(x), T::read(dy));
+        let (xs, mut dys) = (T::read(x), T::read(dy));
+        if let Some(y) = inputs.get(5) {
+            // The activation's gradient, as UnaryGrad's: dy where the output was
+            // positive, else exactly 0.
+            let ys = T::read(y);
+            dys = dys
+                .iter()
+                .zip(ys.iter())
+                .map(|(&g, &y)| if y > T::zero() { g } else { T::zero() })
+                .collect::<Vec<T>>()
+                .into();
+        }
         let (scale, mean, var) = (T::read(scale), T::read(mean), T::read(variance));
         if xs.len() != dys.len() || [scale.len(), mean.len(), var.len()] != [c; 3] {
             return Err("the inputs' shapes disagree".into());
@@ -441,14 +534,10 @@ impl Op for BatchNormGrad {
         "BatchNormGrad"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(5)
+        Arity::Exactly(self.inputs())
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![
-            ("epsilon", self.epsilon.into()),
-            ("training", self.training.into()),
-            ("data_format", self.data_format.into()),
-        ]
+        self.forward().attrs()
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let (x, c) = self.check(inputs)?;
@@ -463,15 +552,15 @@ impl Op for BatchNormGrad {
             _ => self.run::<f32>(inputs),
         }
     }
-    /// `x` and `dy` follow the compute type; the statistics keep theirs.
-    fn typed_inputs(&self, _num_inputs: usize) -> Vec<usize> {
-        vec![0, 4]
+    /// `x`, `dy` (and `y`) follow the compute type; the statistics keep theirs.
+    fn typed_inputs(&self, num_inputs: usize) -> Vec<usize> {
+        [0, 4, 5].into_iter().filter(|&i| i < num_inputs).collect()
     }
-    /// As BatchNorm: T (x, dy, dx) and U (scale and statistics, dscale and doffset;
+    /// As BatchNorm: T (x, dy, y, dx) and U (scale and statistics, dscale and doffset;
     /// never 16-bit).
-    fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+    fn type_groups(&self, num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
         vec![
-            TypeGroup::new(vec![0, 4], vec![0]),
+            TypeGroup::new(self.typed_inputs(num_inputs), vec![0]),
             TypeGroup::new(vec![1, 2, 3], vec![1, 2]).fixed(),
         ]
     }

@@ -12,7 +12,7 @@
 //! The bypassed BiasAdds are removed; other nodes a fold leaves unread (old filters,
 //! biases and statistics) are left to `dce`.
 
-use ampgraph_graph::ops::{BatchNorm, BiasAdd, Const, Conv2D, DataFormat, MatMul};
+use ampgraph_graph::ops::{BatchNorm, BiasAdd, Const, Conv2D, DataFormat, MatMul, NormActivation};
 use ampgraph_graph::{Graph, NodeId, Port, Tensor};
 
 use super::{const_value, node_error, output_nodes, summary};
@@ -112,7 +112,8 @@ fn sweep(g: &mut Graph) -> Result<(usize, usize), PassError> {
             }
             continue;
         }
-        if !unread(bn, 1) || !unread(bn, 2) {
+        // A folded BatchNorm becomes a BiasAdd, which has no activation.
+        if !unread(bn, 1) || !unread(bn, 2) || op.activation != NormActivation::Identity {
             continue;
         }
         let (product, bias) = match bias_add {
@@ -335,6 +336,7 @@ mod tests {
             epsilon: 0.0,
             training: false,
             data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
         };
         let bn = add(&mut g, "bn", bn_op, &[biased, scale, offset, mean, var]);
         g.set_outputs(vec![bn]).unwrap();
@@ -377,6 +379,7 @@ mod tests {
             epsilon: 1.0,
             training: false,
             data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
         };
         let bn = add(&mut g, "bn", bn_op, &[mm, ones, zeros, zeros, var]);
         // Training mode: the bias is cancelled by the batch mean.
@@ -393,6 +396,7 @@ mod tests {
             epsilon: 1e-3,
             training: true,
             data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
         };
         let tbn = add(&mut g, "tbn", train_op, &[biased, ones, zeros, zeros, ones]);
         g.set_outputs(vec![tbn]).unwrap();

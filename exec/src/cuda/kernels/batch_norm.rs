@@ -8,12 +8,12 @@
 //! took 7 ms forward and 17 ms backward on a `[256, 64, 64, 64]` f16 batch on the H100,
 //! a hundred times these. NCHW images go to cuDNN (`crate::cuda::dnn`).
 
-use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat};
+use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat, NormActivation};
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{
-    column_sums, column_sums_words, column_vector, elementwise, module_multi, own, store, At, Load,
-    COLUMN_ROWS,
+    column_sums, column_sums_words, column_vector, elementwise, module, module_multi, own, store,
+    At, Load, COLUMN_ROWS,
 };
 use super::{
     acc_dtype, float_input, input, kernel, launch_column_partials, launch_column_sums, Ctx,
@@ -32,13 +32,22 @@ kernel_specs! {
         /// chunks, i64 rows, double eps)`, `k_affine(const TU* pscale, const TU*
         /// poffset, const TU* pmean, const TU* pvar, AU* pab, i64 len, double eps)`,
         /// `k(const T* px, const AU* pa, const AU* pb, T* py, i64 n, i64 len)`.
-        Forward { x: DType, u: DType } => forward(x, u),
+        /// With `relu`, `k` stores the ReLU of the normalised values.
+        Forward { x: DType, u: DType, relu: bool } => forward(x, u, relu),
         /// `k_cols_part(const T* px, const T* pdy, const TU* pmean, const TU* pvar,
         /// double unbias, double eps, AU* part, i64 rows, i64 len, i64 chunk_rows)` and
         /// `k_cols_fin` (sum dy, sum dy * xhat), `k(const T* px, const T* pdy, const
         /// TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU*
         /// pdscale, T* pdx, i64 n, i64 len, double unbias, double eps, double inv_n)`.
-        Backward { x: DType, u: DType } => backward(x, u),
+        /// With `relu`, every kernel also reads `const T* py` after `pdy`, the
+        /// forward's output, and takes `dy` as 0 where `y <= 0`.
+        Backward { x: DType, u: DType, relu: bool } => backward(x, u, relu),
+        /// `k(const T* px, T* py, i64 n)`: the ReLU of `x` (in place: `px == py`),
+        /// after cuDNN's NCHW batch norm.
+        Relu { x: DType } => relu(x),
+        /// `k(const T* py, const T* pdy, T* pg, i64 n)`: `dy` where `y > 0`, else 0,
+        /// before cuDNN's NCHW batch norm gradient.
+        ReluMask { x: DType } => relu_mask(x),
     }
 }
 
@@ -97,9 +106,11 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
         return Err("BatchNorm has three outputs".into());
     };
     let (y_ty, mean_ty, var_ty) = (y_ty.clone(), mean_ty.clone(), var_ty.clone());
+    let relu = bn.activation == NormActivation::Relu;
     let own = channels_last(layout, nchw).then_some(Spec::Forward {
         x: y_ty.dtype,
         u: mean_ty.dtype,
+        relu,
     });
     let (rows, len) = (nchw[0] * nchw[2] * nchw[3], nchw[1]);
     Ok(kernel(move |c, inputs| {
@@ -122,17 +133,25 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
                 };
                 apply(c, spec, x, &ab, &y, len)?;
             }
-            None => c.dnn.batch_norm(
-                c.dev,
-                layout,
-                nchw,
-                epsilon,
-                training,
-                x,
-                params,
-                [&mean, &var],
-                &y,
-            )?,
+            None => {
+                c.dnn.batch_norm(
+                    c.dev,
+                    layout,
+                    nchw,
+                    epsilon,
+                    training,
+                    x,
+                    params,
+                    [&mean, &var],
+                    &y,
+                )?;
+                if relu {
+                    let spec = Spec::Relu { x: y.dtype };
+                    // In place: each element is read before it is written.
+                    let args = [y.arg(), y.arg(), Arg::I64(y.len() as i64)];
+                    c.launch_elementwise(&spec, y.len(), &args)?;
+                }
+            }
         }
         Ok(vec![y, mean, var])
     }))
@@ -240,8 +259,13 @@ fn per_channel<'a>(
     }
 }
 
-pub(super) fn forward(x: DType, u: DType) -> String {
+pub(super) fn forward(x: DType, u: DType, relu: bool) -> String {
     let ab = acc_dtype(u).size_bytes();
+    let normalised = if relu {
+        "(C)m_max((AU)x * a + b, (AU)0)"
+    } else {
+        "(C)((AU)x * a + b)"
+    };
     let apply = elementwise(
         &[
             own(x, "x", "px"),
@@ -249,7 +273,7 @@ pub(super) fn forward(x: DType, u: DType) -> String {
             per_channel("AU", "ldA", "b", "pb", ab),
         ],
         "",
-        &[store(x, "py", "(C)((AU)x * a + b)")],
+        &[store(x, "py", normalised)],
     );
     // Sums of x and x^2 shifted by row 0 (no cancellation for a large mean).
     let sums = column_sums(
@@ -300,40 +324,68 @@ pub(super) fn forward(x: DType, u: DType) -> String {
     )
 }
 
-pub(super) fn backward(x: DType, u: DType) -> String {
+pub(super) fn backward(x: DType, u: DType, relu: bool) -> String {
     let stats = u.size_bytes();
+    // The ReLU's gradient mask where the kernels read dy.
+    let (y_param, masked, tile_dy, word_dy) = if relu {
+        (
+            ", const T* py",
+            "AU g0 = (AU)yv > (AU)0 ? (AU)dy : (AU)0;",
+            "AU g = (AU)ld(py, at) > (AU)0 ? (AU)ld(pdy, at) : (AU)0;",
+            "AU g = (AU)ld(y, e) > (AU)0 ? (AU)ld(dy, e) : (AU)0;",
+        )
+    } else {
+        (
+            "",
+            "AU g0 = (AU)dy;",
+            "AU g = (AU)ld(pdy, at);",
+            "AU g = (AU)ld(dy, e);",
+        )
+    };
+    let mut words = vec![("px", "x"), ("pdy", "dy")];
+    let mut streams = vec![own(x, "x", "px"), own(x, "dy", "pdy")];
+    if relu {
+        words.push(("py", "y"));
+        streams.push(own(x, "yv", "py"));
+    }
+    streams.extend([
+        per_channel("CU", "ldU", "g", "pscale", stats),
+        per_channel("CU", "ldU", "m", "pmean", stats),
+        per_channel("CU", "ldU", "v", "pvar", stats),
+        per_channel("CU", "ldU", "doff", "pdoff", stats),
+        per_channel("CU", "ldU", "dscale", "pdscale", stats),
+    ]);
     let dx = elementwise(
-        &[
-            own(x, "x", "px"),
-            own(x, "dy", "pdy"),
-            per_channel("CU", "ldU", "g", "pscale", stats),
-            per_channel("CU", "ldU", "m", "pmean", stats),
-            per_channel("CU", "ldU", "v", "pvar", stats),
-            per_channel("CU", "ldU", "doff", "pdoff", stats),
-            per_channel("CU", "ldU", "dscale", "pdscale", stats),
-        ],
-        "AU inv = (AU)1 / sqrt((AU)v * (AU)unbias + (AU)eps);\n\
-         AU xh = ((AU)x - (AU)m) * inv;",
+        &streams,
+        &format!(
+            "AU inv = (AU)1 / sqrt((AU)v * (AU)unbias + (AU)eps);\n\
+             AU xh = ((AU)x - (AU)m) * inv;\n{masked}"
+        ),
         &[store(
             x,
             "pdx",
-            "(C)((AU)g * inv * ((AU)dy - ((AU)doff + xh * (AU)dscale) * (AU)inv_n))",
+            "(C)((AU)g * inv * (g0 - ((AU)doff + xh * (AU)dscale) * (AU)inv_n))",
         )],
     );
+    let params = format!(
+        "const T* px, const T* pdy{y_param}, const TU* pmean, const TU* pvar, double unbias, double eps"
+    );
     let sums = column_sums(
-        "const T* px, const T* pdy, const TU* pmean, const TU* pvar, double unbias, double eps",
-        "AU g = (AU)ld(pdy, at);\n\
-         AU xh = ((AU)ld(px, at) - (AU)ldU(pmean, j)) / sqrt((AU)ldU(pvar, j) * (AU)unbias + (AU)eps);",
+        &params,
+        &format!(
+            "{tile_dy}\n\
+             AU xh = ((AU)ld(px, at) - (AU)ldU(pmean, j)) / sqrt((AU)ldU(pvar, j) * (AU)unbias + (AU)eps);"
+        ),
         &["g", "g * xh"],
         "U",
     );
     let word_sums = column_sums_words(
-        "const T* px, const T* pdy, const TU* pmean, const TU* pvar, double unbias, double eps",
-        &[("px", "x"), ("pdy", "dy")],
+        &params,
+        &words,
         (
             "AU m[V], inv[V];\n\
              for (int e = 0; e < V; ++e) { m[e] = (AU)ldU(pmean, j0 + e); inv[e] = (AU)1 / sqrt((AU)ldU(pvar, j0 + e) * (AU)unbias + (AU)eps); }",
-            "AU g = (AU)ld(dy, e); AU xh = ((AU)ld(x, e) - m[e]) * inv[e];",
+            &format!("{word_dy} AU xh = ((AU)ld(x, e) - m[e]) * inv[e];"),
         ),
         &["g", "g * xh"],
         ("U", column_vector(x)),
@@ -341,7 +393,7 @@ pub(super) fn backward(x: DType, u: DType) -> String {
     module_multi(
         &[("", x), ("U", u)],
         &format!(
-            "{sums}{word_sums}extern \"C\" __global__ void k(const T* px, const T* pdy, const TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, T* pdx, i64 n, i64 len, double unbias, double eps, double inv_n) {{\n{dx}}}\n"
+            "{sums}{word_sums}extern \"C\" __global__ void k(const T* px, const T* pdy{y_param}, const TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, T* pdx, i64 n, i64 len, double unbias, double eps, double inv_n) {{\n{dx}}}\n"
         ),
     )
 }
@@ -357,13 +409,17 @@ fn lower_batch_norm_grad(
     let (layout, nchw) = geometry(g.data_format, g.epsilon, true, ins)?;
     let epsilon = g.epsilon;
     let outs = outs.to_vec();
+    let relu = g.activation == NormActivation::Relu;
     let own = channels_last(layout, nchw).then_some(Spec::Backward {
         x: outs[0].dtype,
         u: outs[1].dtype,
+        relu,
     });
     let (rows, len) = (nchw[0] * nchw[2] * nchw[3], nchw[1]);
     Ok(kernel(move |c, inputs| {
         let (x, scale, dy) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 4)?);
+        // The forward's output, whose ReLU mask applies to dy.
+        let y = relu.then(|| input(inputs, 5)).transpose()?;
         let [dx, dscale, doffset]: [_; 3] = c
             .alloc_all(&outs)?
             .try_into()
@@ -373,43 +429,78 @@ fn lower_batch_norm_grad(
                 let (mean, var) = (input(inputs, 2)?, input(inputs, 3)?);
                 let n = rows as f64;
                 let unbias = (n - 1.0) / n;
-                let stats = [
-                    x.arg(),
-                    dy.arg(),
-                    mean.arg(),
-                    var.arg(),
-                    Arg::F64(unbias),
-                    Arg::F64(epsilon),
-                ];
+                let images: Vec<&DTensor> = [x, dy].into_iter().chain(y).collect();
+                let image_args = images.iter().map(|t| t.arg());
+                let stats: Vec<Arg> = image_args
+                    .clone()
+                    .chain([mean.arg(), var.arg(), Arg::F64(unbias), Arg::F64(epsilon)])
+                    .collect();
                 let outs = [(&doffset, 1.0), (&dscale, 1.0)];
-                let partials = Partials::for_rows(len, x.dtype, &[x, dy]);
+                let partials = Partials::for_rows(len, x.dtype, &images);
                 launch_column_sums(c, spec, &stats, (rows, len), &outs, partials)?;
-                let args = [
-                    x.arg(),
-                    dy.arg(),
-                    scale.arg(),
-                    mean.arg(),
-                    var.arg(),
-                    doffset.arg(),
-                    dscale.arg(),
-                    dx.arg(),
-                    Arg::I64(x.len() as i64),
-                    Arg::I64(len as i64),
-                    Arg::F64(unbias),
-                    Arg::F64(epsilon),
-                    Arg::F64(1.0 / n),
-                ];
+                let args: Vec<Arg> = image_args
+                    .chain([
+                        scale.arg(),
+                        mean.arg(),
+                        var.arg(),
+                        doffset.arg(),
+                        dscale.arg(),
+                        dx.arg(),
+                        Arg::I64(x.len() as i64),
+                        Arg::I64(len as i64),
+                        Arg::F64(unbias),
+                        Arg::F64(epsilon),
+                        Arg::F64(1.0 / n),
+                    ])
+                    .collect();
                 c.launch_elementwise(spec, x.len(), &args)?;
             }
-            None => c.dnn.batch_norm_grad(
-                c.dev,
-                layout,
-                nchw,
-                epsilon,
-                [x, scale, dy],
-                [&dx, &dscale, &doffset],
-            )?,
+            None => {
+                let masked = match y {
+                    Some(y) => {
+                        let g = c.temp(dy.dtype, dy.len())?;
+                        let args = [y.arg(), dy.arg(), g.arg(), Arg::I64(dy.len() as i64)];
+                        c.launch_elementwise(&Spec::ReluMask { x: dy.dtype }, dy.len(), &args)?;
+                        Some(g)
+                    }
+                    None => None,
+                };
+                c.dnn.batch_norm_grad(
+                    c.dev,
+                    layout,
+                    nchw,
+                    epsilon,
+                    [x, scale, masked.as_ref().unwrap_or(dy)],
+                    [&dx, &dscale, &doffset],
+                )?
+            }
         }
         Ok(vec![dx, dscale, doffset])
     }))
+}
+
+pub(super) fn relu(x: DType) -> String {
+    let body = elementwise(
+        &[own(x, "v", "px")],
+        "",
+        &[store(x, "py", "(C)m_max((A)v, (A)0)")],
+    );
+    module(
+        x,
+        &format!("extern \"C\" __global__ void k(const T* px, T* py, i64 n) {{\n{body}}}\n"),
+    )
+}
+
+pub(super) fn relu_mask(x: DType) -> String {
+    let body = elementwise(
+        &[own(x, "yv", "py"), own(x, "g", "pdy")],
+        "",
+        &[store(x, "pg", "(C)((A)yv > (A)0 ? (A)g : (A)0)")],
+    );
+    module(
+        x,
+        &format!(
+            "extern \"C\" __global__ void k(const T* py, const T* pdy, T* pg, i64 n) {{\n{body}}}\n"
+        ),
+    )
 }

@@ -1,0 +1,229 @@
+//! Batch norms take the ReLU after them, as TensorFlow's `_FusedBatchNormEx` with
+//! `activation_mode = "Relu"`: `Relu(BatchNorm(x):0)`, the ReLU the normalised values'
+//! only reader, becomes one BatchNorm with `activation = Relu`, so the normalised
+//! values are not written and read back. The gradient follows, as
+//! `_FusedBatchNormGradEx`: `BatchNormGrad(x, scale, mean, var, UnaryGrad{Relu}(y,
+//! dy))`, the UnaryGrad read by nothing else, becomes `BatchNormGrad{Relu}(x, scale,
+//! mean, var, dy, y)`, which masks `dy` by `y > 0` where it reads it. In a convnet's
+//! training step each Conv + BatchNorm + ReLU layer loses two elementwise passes over
+//! its activations.
+//!
+//! Bit-exact on the CPU: the fused BatchNorm computes the ReLU as the Unary op does
+//! (rounding commutes with it), and the fused gradient's mask is UnaryGrad's.
+
+use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, NormActivation, Unary, UnaryGrad, UnaryKind};
+use ampgraph_graph::{Graph, NodeId, Port};
+
+use crate::simplify::{output_nodes, remove_unread, summary};
+use crate::{format_bytes, Pass, PassError, PassSummary};
+
+/// The `fuse-batchnorm-activation` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FuseBatchNormActivation;
+
+/// `port`, read only by `(reader, slot)` and not a graph output.
+fn only_read_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -> bool {
+    g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
+}
+
+/// The BatchNorm (without an activation) whose output 0 only the Relu `relu` reads.
+fn relu_of_batch_norm(g: &Graph, relu: NodeId) -> Option<(Port, BatchNorm)> {
+    let unary = g.node(relu).op.downcast_ref::<Unary>()?;
+    let [y] = g.inputs(relu)[..] else {
+        return None;
+    };
+    let bn = g.node(y.node).op.downcast_ref::<BatchNorm>()?;
+    let fusable = unary.kind == UnaryKind::Relu
+        && y.index == 0
+        && bn.activation == NormActivation::Identity
+        && only_read_by(g, y, relu, 0);
+    fusable.then(|| (y, bn.clone()))
+}
+
+/// The BatchNormGrad (without an activation) whose `dy` is `UnaryGrad{Relu}(y, dy')`
+/// read by nothing else, `y` of x's type: its inputs with `dy'` for `dy` and `y` last.
+fn relu_grad_operand(g: &Graph, grad: NodeId) -> Option<(Vec<Port>, BatchNormGrad, Port)> {
+    let op = g.node(grad).op.downcast_ref::<BatchNormGrad>()?;
+    let mut inputs = g.inputs(grad);
+    let masked = *inputs.get(4)?;
+    let unary = g.node(masked.node).op.downcast_ref::<UnaryGrad>()?;
+    let [y, dy] = g.inputs(masked.node)[..] else {
+        return None;
+    };
+    let fusable = op.activation == NormActivation::Identity
+        && unary.kind == UnaryKind::Relu
+        && only_read_by(g, masked, grad, 4)
+        && g.ty(y) == g.ty(inputs[0]);
+    if !fusable {
+        return None;
+    }
+    inputs[4] = dy;
+    inputs.push(y);
+    Some((inputs, op.clone(), masked))
+}
+
+impl Pass for FuseBatchNormActivation {
+    fn name(&self) -> &'static str {
+        "fuse-batchnorm-activation"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let is_output = output_nodes(g);
+        let (mut forward, mut backward, mut bytes) = (0usize, 0usize, 0usize);
+        let mut stale = Vec::new();
+        let ids: Vec<NodeId> = g.node_ids().collect();
+        for &relu in &ids {
+            if is_output[relu.index()] {
+                continue;
+            }
+            let Some((y, bn)) = relu_of_batch_norm(g, relu) else {
+                continue;
+            };
+            let op = BatchNorm {
+                activation: NormActivation::Relu,
+                ..bn
+            };
+            let inputs = g.inputs(y.node);
+            g.set_node(y.node, Box::new(op), &inputs)?;
+            let readers = g.consumers(relu);
+            g.rewire(
+                readers
+                    .into_iter()
+                    .map(|(r, slot, _)| (r, slot, y))
+                    .collect(),
+            )?;
+            bytes += 2 * g.ty(y).size_bytes();
+            forward += 1;
+            stale.push(relu);
+        }
+        for &grad in &ids {
+            let Some((inputs, op, masked)) = relu_grad_operand(g, grad) else {
+                continue;
+            };
+            let op = BatchNormGrad {
+                activation: NormActivation::Relu,
+                ..op
+            };
+            g.set_node(grad, Box::new(op), &inputs)?;
+            bytes += 2 * g.ty(masked).size_bytes();
+            backward += 1;
+            stale.push(masked.node);
+        }
+        let (removed, _) = remove_unread(g, stale, &is_output)?;
+        let lines = vec![
+            format!(
+                "fuse-batchnorm-activation: {forward} BatchNorms apply the ReLU after them, {backward} BatchNormGrads its gradient ({removed} kernels fewer)"
+            ),
+            format!(
+                "fuse-batchnorm-activation: {} of tensors no longer written and read back",
+                format_bytes(bytes as u64)
+            ),
+        ];
+        Ok(summary("fuse-batchnorm-activation", lines))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::count;
+    use crate::testing::{assert_same_bits, run as run_cpu};
+    use ampgraph_graph::autodiff::gradients;
+    use ampgraph_graph::ops::DataFormat;
+    use ampgraph_graph::{DType, Tensor};
+    use std::collections::HashMap;
+
+    /// `loss = sum(relu(BatchNorm(x)) * w)` and its gradients with respect to x and the
+    /// batch norm's scale and offset, for a channels-last `[2, 3, 3, 4]` x.
+    fn training_graph(dtype: DType) -> (Graph, Vec<Port>) {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", dtype, [2, 3, 3, 4]).unwrap();
+        let w = g.placeholder("w", dtype, [2, 3, 3, 4]).unwrap();
+        let stats = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let scale = g.placeholder("scale", stats, [4]).unwrap();
+        let offset = g.placeholder("offset", stats, [4]).unwrap();
+        let bn = BatchNorm {
+            epsilon: 1e-3,
+            training: true,
+            data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
+        };
+        let y = g.add(bn, &[x, scale, offset, scale, offset]).unwrap();
+        let r = g.relu(y).unwrap();
+        let weighted = g.mul(r, w).unwrap();
+        let loss = g.sum(weighted, None, false).unwrap();
+        let grads = gradients(&mut g, loss, &[x, scale, offset]).unwrap();
+        let mut fetches = vec![loss];
+        fetches.extend(grads);
+        g.set_outputs(fetches.clone()).unwrap();
+        (g, fetches)
+    }
+
+    fn feeds(dtype: DType) -> HashMap<&'static str, Tensor> {
+        let values = |k: f64| -> Vec<f64> { (0..72).map(|i| (i as f64 * k).sin() * 2.0).collect() };
+        let stats = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let image = |k| Tensor::from_f64(dtype, [2, 3, 3, 4], &values(k)).unwrap();
+        HashMap::from([
+            ("x", image(0.7)),
+            ("w", image(1.3)),
+            (
+                "scale",
+                Tensor::from_f64(stats, [4], &[1.0, 0.5, 2.0, 1.5]).unwrap(),
+            ),
+            (
+                "offset",
+                Tensor::from_f64(stats, [4], &[0.1, -0.2, 0.3, 0.0]).unwrap(),
+            ),
+        ])
+    }
+
+    #[test]
+    fn a_training_step_fuses_both_ways_bit_for_bit() {
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let (mut g, _) = training_graph(dtype);
+            let before = run_cpu(&g, &feeds(dtype));
+            let s = FuseBatchNormActivation.run(&mut g).unwrap();
+            assert!(
+                s.lines[0].contains("1 BatchNorms apply the ReLU after them, 1 BatchNormGrads"),
+                "{}",
+                s.lines[0]
+            );
+            assert_eq!(
+                (count(&g, "Relu"), count(&g, "UnaryGrad")),
+                (0, 0),
+                "{dtype}"
+            );
+            assert_same_bits(&before, &run_cpu(&g, &feeds(dtype)));
+        }
+    }
+
+    /// The gradient's mask reads the ReLU's output, equal in sign to its input: the
+    /// gradient fuses even where the forward cannot.
+    #[test]
+    fn a_normalised_value_read_elsewhere_keeps_its_relu() {
+        let (mut g, mut fetches) = training_graph(DType::F32);
+        // The BatchNorm's output itself is fetched too.
+        let bn = g
+            .node_ids()
+            .find(|&id| g.node(id).op.is::<BatchNorm>())
+            .unwrap();
+        fetches.push(Port::new(bn, 0));
+        g.set_outputs(fetches).unwrap();
+        let before = run_cpu(&g, &feeds(DType::F32));
+        let s = FuseBatchNormActivation.run(&mut g).unwrap();
+        assert!(
+            s.lines[0].contains("0 BatchNorms apply the ReLU after them, 1 BatchNormGrads"),
+            "{}",
+            s.lines[0]
+        );
+        assert_same_bits(&before, &run_cpu(&g, &feeds(DType::F32)));
+    }
+}
