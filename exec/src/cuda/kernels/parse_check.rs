@@ -3,7 +3,7 @@
 //! `AMPGRAPH_DUMP_KERNELS=DIR` writes them out for `nvcc` or a comparison.
 
 use super::batch_norm::{backward as batch_norm_backward, forward as batch_norm_forward};
-use super::conv::pad_end;
+use super::conv::pad;
 use super::cross_entropy::{sce, sce_grad, sce_with_grad};
 use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad};
 use super::fused::fused;
@@ -182,7 +182,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     }
     for bytes in [1, 2, 4, 8, 16] {
         k.push((format!("gather_{bytes}"), gather(bytes)));
-        k.push((format!("pad_end_{bytes}"), pad_end(bytes)));
+        k.push((format!("pad_{bytes}"), pad(bytes)));
     }
     for (x, u) in [
         (DType::F32, DType::F32),
