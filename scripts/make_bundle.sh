@@ -13,7 +13,7 @@ for t in cuda_ops cuda_fused cuda_executor cuda_pool cuda_session; do
 done
 cp target/release/examples/bench bundle/
 strip bundle/cuda_ops bundle/cuda_fused bundle/cuda_executor bundle/cuda_pool bundle/cuda_session bundle/bench
-cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layouts.py scripts/gpu_final.sh scripts/energy.py scripts/torch_causal.py bundle/
+cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layouts.py scripts/gpu_final.sh scripts/energy.py scripts/torch_causal.py scripts/torch_convnet_width.py scripts/gpu_convnet.sh bundle/
 mkdir -p bundle/trace && cp scripts/trace/* bundle/trace/
 cp ../shared/oracle/public/*.json bundle/oracle/ 2>/dev/null || true
 du -sh bundle

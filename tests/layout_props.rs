@@ -1,8 +1,10 @@
 //! Properties of `layout-nhwc` and `pad-conv-channels` on random NCHW convolutional
-//! classifiers (odd image sizes, channel counts that are not multiples of 8, strided and
-//! padded convolutions, pools, batch norms in training and inference, residual Adds,
+//! classifiers (odd image sizes, channel counts that are not multiples of 8, strided
+//! convolutions padded SAME, VALID or explicitly (symmetric or not), pools, batch norms
+//! in training and inference, residual Adds,
 //! Concats, a global-mean or flattening head), forward and as whole SGD training steps,
-//! evaluated on the CPU before and after the passes.
+//! evaluated on the CPU before and after the passes; the rewritten graph's file reads
+//! back as the same graph (explicit pads written in the new layout's order).
 //!
 //! `layout-nhwc`: the same outputs (and the same variables after a training step) up to
 //! the CPU convolutions' summation order, no NCHW op left, and exactly one Transpose
@@ -17,6 +19,7 @@ use std::collections::BTreeSet;
 
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::attrs::AttrValue;
+use ampgraph::graph::format::parse_json;
 use ampgraph::graph::ops::{
     BatchNorm, Concat, Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat,
     NormActivation, Padding, Transpose, Variable,
@@ -99,6 +102,32 @@ impl Builder {
         }
     }
 
+    /// Padding for a convolution's `k` x `k` window over `x`: a third of the time
+    /// explicit pads of 0 to 2 a side, each drawn alone (PyTorch's symmetric ones and
+    /// asymmetric ones), where a window fits; else as [`padding`](Self::padding).
+    fn conv_padding(&mut self, x: Port, k: usize) -> Padding {
+        let [_, _, h, w] = self.shape(x);
+        let mut pads = [[0; 2]; 2];
+        pads.iter_mut()
+            .flatten()
+            .for_each(|p| *p = self.rng.below(3));
+        let fits = h + pads[0][0] + pads[0][1] >= k && w + pads[1][0] + pads[1][1] >= k;
+        if fits && self.rng.below(3) == 0 {
+            Padding::Explicit(pads)
+        } else {
+            self.padding(x, k)
+        }
+    }
+
+    /// SAME or PyTorch's 1 on every side: a 3 x 3 window at stride 1 keeps the shape.
+    fn keeping_padding(&mut self) -> Padding {
+        if self.rng.below(2) == 0 {
+            Padding::Same
+        } else {
+            Padding::Explicit([[1, 1]; 2])
+        }
+    }
+
     /// A `k` x `k` convolution to `cout` channels.
     fn conv(&mut self, x: Port, cout: usize, k: usize, stride: usize, padding: Padding) -> Port {
         let cin = self.shape(x)[1];
@@ -142,14 +171,15 @@ impl Builder {
         match self.rng.below(5) {
             0 => {
                 let (cout, k) = (self.rng.pick(&CHANNELS), self.rng.pick(&[1, 3]));
-                let (stride, padding) = (self.rng.pick(&[1, 2]), self.padding(x, k));
+                let (stride, padding) = (self.rng.pick(&[1, 2]), self.conv_padding(x, k));
                 let y = self.conv(x, cout, k, stride, padding);
                 let y = self.normalise(y);
                 self.g.relu(y).unwrap()
             }
             1 => {
-                // A residual block: SAME at stride 1 keeps the shape for the Add.
-                let y = self.conv(x, c, 3, 1, Padding::Same);
+                // A residual block: the shape kept for the Add.
+                let padding = self.keeping_padding();
+                let y = self.conv(x, c, 3, 1, padding);
                 let y = self.normalise(y);
                 let y = self.g.plus(y, x).unwrap();
                 self.g.relu(y).unwrap()
@@ -171,7 +201,8 @@ impl Builder {
                 // An inception-like pair of branches joined along the channels.
                 let (ca, cb) = (self.rng.pick(&CHANNELS), self.rng.pick(&CHANNELS));
                 let a = self.conv(x, ca, 1, 1, Padding::Same);
-                let b = self.conv(x, cb, 3, 1, Padding::Same);
+                let padding = self.keeping_padding();
+                let b = self.conv(x, cb, 3, 1, padding);
                 let cat = self.g.add(Concat::new(1), &[a, b]).unwrap();
                 self.g.relu(cat).unwrap()
             }
@@ -253,6 +284,10 @@ fn rewritten(g: &Graph, pass: &dyn Pass) -> Result<Graph, TestCaseError> {
         "{} is not idempotent",
         pass.name()
     );
+    let reread = parse_json(json(&out).as_bytes())
+        .and_then(|d| d.to_graph())
+        .unwrap();
+    prop_assert_eq!(json(&reread), json(&out), "the file does not read back");
     Ok(out)
 }
 
@@ -403,7 +438,11 @@ proptest! {
         let (h, w) = (rng.pick(&[3, 5, 7, 9]), rng.pick(&[3, 5, 7, 9]));
         let k = rng.pick(&[1, 2, 3]);
         let stride = [rng.pick(&[1, 2]), rng.pick(&[1, 2])];
-        let padding = if rng.below(2) == 0 { Padding::Same } else { Padding::Valid };
+        let padding = match rng.below(3) {
+            0 => Padding::Same,
+            1 => Padding::Valid,
+            _ => Padding::Explicit([[rng.below(4), rng.below(4)], [rng.below(4), rng.below(4)]]),
+        };
         let image = |c: usize, h: usize, w: usize| match format {
             DataFormat::Nhwc => [n, h, w, c],
             DataFormat::Nchw => [n, c, h, w],

@@ -2,9 +2,9 @@
 //! `LAYERS.len()` x (Conv2D 3x3, no bias + BatchNorm + Relu), the mean over H and W,
 //! then Linear (MatMul + BiasAdd) to the classes.
 //!
-//! Convolutions pad SAME, TensorFlow's rule, which gives the output sizes of PyTorch's
-//! `padding=1` at every stride; at stride 2 on an even size TensorFlow pads (0, 1)
-//! where PyTorch pads (1, 1): the same cost, not the same windows.
+//! Convolutions pad explicitly one zero on every side, PyTorch's `padding=1`: the same
+//! windows as PyTorch's at every stride (TensorFlow's SAME would pad (0, 1) at stride 2
+//! on an even size). Symmetric, the padding goes to cuDNN with no copy of the input.
 //!
 //! Batch norms are PyTorch's `nn.BatchNorm2d` (epsilon 1e-5, scale ones, offset zeros,
 //! running mean zeros and variance ones). In training they normalise with the batch's
@@ -33,6 +33,9 @@ pub const LAYERS: [(usize, usize); 8] = [
     (8, 2),
     (8, 1),
 ];
+
+/// `nn.Conv2d(..., padding=1)`: one zero before and after each spatial axis.
+pub const PADDING: Padding = Padding::Explicit([[1, 1], [1, 1]]);
 
 /// `nn.BatchNorm2d`'s epsilon.
 const BN_EPSILON: f64 = 1e-5;
@@ -69,7 +72,7 @@ pub fn build(g: &mut Graph, x: Port, width: usize, classes: usize, training: boo
             vec![3, 3, cin, cout],
             Init::GlorotUniform,
         )?;
-        let y = g.conv2d(h, kernel, [stride, stride], Padding::Same, DataFormat::Nchw)?;
+        let y = g.conv2d(h, kernel, [stride, stride], PADDING, DataFormat::Nchw)?;
         let stat = |g: &mut Graph, leaf: &str, init| {
             f32_variable(g, format!("bn_{i}/{leaf}"), vec![cout], init)
         };

@@ -25,9 +25,9 @@
 //! - `convnet`: x[256,3,64,64] in NCHW, PyTorch's layout (`--batch`, `--hw`) -> 8 x
 //!   (Conv2D 3x3 without bias + BatchNorm + Relu) with widths c,c,2c,2c,4c,4c,8c,8c
 //!   (`--width` c = 64) and strides 1,1,2,1,2,1,2,1 -> the mean over H and W -> Linear
-//!   10 (`--classes`), cross-entropy on integer labels [256]. The convolutions pad SAME:
-//!   PyTorch's `padding=1` output sizes, but at stride 2 TensorFlow's SAME pads (0, 1)
-//!   where PyTorch pads (1, 1), the same cost, not the same windows. The batch norms
+//!   10 (`--classes`), cross-entropy on integer labels [256]. The convolutions pad
+//!   explicitly 1 on every side, PyTorch's `padding=1`: the same windows as PyTorch's
+//!   at every stride (TensorFlow's SAME would pad (0, 1) at stride 2). The batch norms
 //!   (epsilon 1e-5) normalise with the batch's statistics in the train step, which
 //!   also assigns their running mean and variance as PyTorch updates them (momentum
 //!   0.1, the unbiased batch variance); the inference graph reads those. torch_anchor.py
@@ -415,7 +415,7 @@ impl Config {
                     .map(|&(times, stride)| ((times * width).to_string(), stride.to_string()))
                     .unzip();
                 format!(
-                    "x[{batch},3,{hw},{hw}] NCHW -> {} x (Conv 3x3 SAME, no bias + BatchNorm + ReLU) with widths {} and strides {} -> mean over H,W -> Linear {classes}, cross-entropy",
+                    "x[{batch},3,{hw},{hw}] NCHW -> {} x (Conv 3x3 pad 1, no bias + BatchNorm + ReLU) with widths {} and strides {} -> mean over H,W -> Linear {classes}, cross-entropy",
                     convnet::LAYERS.len(),
                     widths.join(","),
                     strides.join(",")

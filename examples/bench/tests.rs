@@ -38,7 +38,7 @@ fn scalar(exec: &mut CpuExecutor, graph: &Graph, port: Port) -> f64 {
 }
 
 /// The convnet's forward pass in f64, written out from PyTorch's `ConvNet`
-/// (torch_anchor.py) with TensorFlow's SAME windows: the logits `[batch, classes]` and
+/// (torch_anchor.py) with its `padding=1` windows: the logits `[batch, classes]` and
 /// each batch norm's batch mean and biased variance per channel.
 struct Reference {
     logits: Vec<f64>,
@@ -57,9 +57,9 @@ fn reference(
     let mut batch_stats = Vec::new();
     for layer in 0..8 {
         let (cout, s) = (WIDTHS[layer] * width, STRIDES[layer]);
-        let out = size.div_ceil(s);
-        // TensorFlow's SAME: the padding the windows need, its smaller half first.
-        let before = ((out - 1) * s + 3).saturating_sub(size) / 2;
+        // PyTorch's padding=1: one zero on every side.
+        let before = 1;
+        let out = (size + 2 * before - 3) / s + 1;
         let k = &values[&format!("conv_{layer}/kernel")];
         let mut y = vec![0.0; batch * cout * out * out];
         for n in 0..batch {
@@ -177,6 +177,13 @@ fn every_layer_has_pytorchs_shape_and_the_parameters_are_pytorchs() {
         [4, 32, 2, 2],
     ];
     assert_eq!(shapes("Conv2D"), want);
+    // PyTorch's windows: one zero on every side, at stride 2 too.
+    let paddings: Vec<_> = g
+        .node_ids()
+        .filter_map(|id| g.node(id).op.downcast_ref::<ampgraph::graph::ops::Conv2D>())
+        .map(|c| c.padding)
+        .collect();
+    assert_eq!(paddings, [convnet::PADDING; 8]);
     assert_eq!(shapes("BatchNorm"), want);
     assert_eq!(shapes("Relu"), want);
     assert_eq!(shapes("Mean"), [[4, 32]]);

@@ -1110,8 +1110,9 @@ fn unsupported_ops_are_clear_errors() {
 }
 
 /// (n, h, w, c, k, r, s, strides, padding): odd sizes, channels not multiples of 8,
-/// batch 1, both paddings (SAME's asymmetric cases included), strides 1 to 3.
-/// (n, h, w, c, k, r, s, strides, padding).
+/// batch 1, SAME (its asymmetric cases included), VALID and explicit pads (symmetric,
+/// more before than after, more after than before, wider than the window), strides 1
+/// to 3.
 type ConvCase = (
     usize,
     usize,
@@ -1124,7 +1125,7 @@ type ConvCase = (
     Padding,
 );
 
-const CONV_SHAPES: [ConvCase; 8] = [
+const CONV_SHAPES: [ConvCase; 13] = [
     (1, 5, 7, 3, 4, 3, 3, [1, 1], Padding::Same),
     (2, 8, 8, 5, 6, 3, 3, [2, 2], Padding::Same),
     (2, 9, 6, 17, 8, 3, 2, [2, 1], Padding::Valid),
@@ -1133,6 +1134,66 @@ const CONV_SHAPES: [ConvCase; 8] = [
     (2, 5, 5, 3, 2, 5, 5, [1, 1], Padding::Valid),
     (2, 11, 13, 6, 5, 3, 3, [3, 2], Padding::Same),
     (4, 16, 16, 16, 32, 3, 3, [1, 1], Padding::Same),
+    // PyTorch's `padding=1` at stride 2: cuDNN's own padding, no copy.
+    (
+        2,
+        8,
+        8,
+        5,
+        6,
+        3,
+        3,
+        [2, 2],
+        Padding::Explicit([[1, 1], [1, 1]]),
+    ),
+    // Before > after: zeros added at the input's start.
+    (
+        1,
+        7,
+        9,
+        3,
+        4,
+        3,
+        3,
+        [1, 2],
+        Padding::Explicit([[2, 0], [3, 1]]),
+    ),
+    // After > before: zeros added at its end.
+    (
+        2,
+        6,
+        7,
+        4,
+        5,
+        3,
+        2,
+        [2, 1],
+        Padding::Explicit([[0, 2], [1, 3]]),
+    ),
+    // Both at once, pads wider than the window (windows of zeros only).
+    (
+        1,
+        5,
+        6,
+        2,
+        3,
+        2,
+        3,
+        [1, 1],
+        Padding::Explicit([[4, 1], [0, 5]]),
+    ),
+    // A 1x1 window with cuDNN padding wider than it.
+    (
+        2,
+        5,
+        5,
+        8,
+        8,
+        1,
+        1,
+        [1, 1],
+        Padding::Explicit([[1, 1], [3, 2]]),
+    ),
 ];
 
 #[test]

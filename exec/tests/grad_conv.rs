@@ -1,5 +1,6 @@
 //! Gradients of Conv2D, MaxPool and AvgPool against central finite differences (over
-//! shapes, strides, SAME/VALID padding, NHWC/NCHW), and the kernels of the gradient
+//! shapes, strides, SAME/VALID padding, Conv2D's EXPLICIT pads, NHWC/NCHW), and the
+//! kernels of the gradient
 //! ops Conv2DBackpropInput, Conv2DBackpropFilter, MaxPoolGrad and AvgPoolGrad against
 //! float64 references written here as direct loops, in f32, f16, bf16 and f64.
 //!
@@ -21,8 +22,9 @@ use proptest::prelude::*;
 
 const FORMATS: [DataFormat; 2] = [DataFormat::Nhwc, DataFormat::Nchw];
 
-/// TensorFlow's rule, restated: (output length, padding before).
-fn tf_out(padding: Padding, len: usize, k: usize, s: usize) -> (usize, usize) {
+/// TensorFlow's rule for spatial axis `axis` (0 height, 1 width), restated: (output
+/// length, padding before).
+fn tf_out(padding: Padding, axis: usize, len: usize, k: usize, s: usize) -> (usize, usize) {
     match padding {
         Padding::Valid => ((len - k) / s + 1, 0),
         Padding::Same => {
@@ -30,7 +32,25 @@ fn tf_out(padding: Padding, len: usize, k: usize, s: usize) -> (usize, usize) {
             let total = ((out - 1) * s + k).saturating_sub(len);
             (out, total / 2)
         }
+        Padding::Explicit(pads) => {
+            let [before, after] = pads[axis];
+            ((len + before + after - k) / s + 1, before)
+        }
     }
+}
+
+/// The smallest length at least `len` that a `k` window fits on axis `axis`.
+fn fit(padding: Padding, axis: usize, len: usize, k: usize) -> usize {
+    match padding {
+        Padding::Valid => len.max(k),
+        Padding::Same => len,
+        Padding::Explicit(pads) => len.max(k.saturating_sub(pads[axis][0] + pads[axis][1])),
+    }
+}
+
+/// Whether a `[kh, kw]` window fits an `h` x `w` image.
+fn fits(padding: Padding, h: usize, w: usize, [kh, kw]: [usize; 2]) -> bool {
+    fit(padding, 0, h, kh) == h && fit(padding, 1, w, kw) == w
 }
 
 /// A logical NHWC batch: dims and values indexed [n][h][w][c].
@@ -150,8 +170,8 @@ fn windows(
     mut visit: impl FnMut(usize, usize, usize, usize, usize, usize, usize),
 ) -> (usize, usize) {
     let (n, h, w) = x;
-    let (oh, pt) = tf_out(padding, h, k[0], strides[0]);
-    let (ow, pl) = tf_out(padding, w, k[1], strides[1]);
+    let (oh, pt) = tf_out(padding, 0, h, k[0], strides[0]);
+    let (ow, pl) = tf_out(padding, 1, w, k[1], strides[1]);
     for ni in 0..n {
         for oy in 0..oh {
             for ox in 0..ow {
@@ -184,6 +204,15 @@ fn padding_strategy() -> impl Strategy<Value = Padding> {
     prop_oneof![Just(Padding::Same), Just(Padding::Valid)]
 }
 
+/// SAME, VALID or explicit pads of 0 to 3 (wider than some windows).
+fn conv_padding_strategy() -> impl Strategy<Value = Padding> {
+    let pair = || [0usize..=3, 0usize..=3];
+    prop_oneof![
+        padding_strategy(),
+        [pair(), pair()].prop_map(Padding::Explicit),
+    ]
+}
+
 fn format_strategy() -> impl Strategy<Value = DataFormat> {
     prop_oneof![Just(DataFormat::Nhwc), Just(DataFormat::Nchw)]
 }
@@ -205,12 +234,9 @@ proptest! {
         n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, cin in 1usize..=2,
         cout in 1usize..=2, kh in 1usize..=3, kw in 1usize..=3,
         sh in 1usize..=2, sw in 1usize..=2,
-        padding in padding_strategy(), format in format_strategy(), seed: u64,
+        padding in conv_padding_strategy(), format in format_strategy(), seed: u64,
     ) {
-        let (h, w) = match padding {
-            Padding::Valid => (h.max(kh), w.max(kw)),
-            Padding::Same => (h, w),
-        };
+        let (h, w) = (fit(padding, 0, h, kh), fit(padding, 1, w, kw));
         let mut rng = Gen(seed);
         let x = rand_img(&mut rng, n, h, w, cin);
         let x = t64(&x.shape(format), &x.layout(format));
@@ -224,10 +250,7 @@ proptest! {
         kh in 1usize..=3, kw in 1usize..=3, sh in 1usize..=3, sw in 1usize..=3,
         padding in padding_strategy(), format in format_strategy(), seed: u64,
     ) {
-        let (h, w) = match padding {
-            Padding::Valid => (h.max(kh), w.max(kw)),
-            Padding::Same => (h, w),
-        };
+        let (h, w) = (fit(padding, 0, h, kh), fit(padding, 1, w, kw));
         let mut rng = Gen(seed);
         let shape = Img::zeros(n, h, w, c).shape(format);
         let x = t64(&shape, &distinct(&mut rng, numel(&shape)));
@@ -241,10 +264,7 @@ proptest! {
         kh in 1usize..=3, kw in 1usize..=3, sh in 1usize..=3, sw in 1usize..=3,
         padding in padding_strategy(), format in format_strategy(), seed: u64,
     ) {
-        let (h, w) = match padding {
-            Padding::Valid => (h.max(kh), w.max(kw)),
-            Padding::Same => (h, w),
-        };
+        let (h, w) = (fit(padding, 0, h, kh), fit(padding, 1, w, kw));
         let mut rng = Gen(seed);
         let x = rand_img(&mut rng, n, h, w, c);
         let x = t64(&x.shape(format), &x.layout(format));
@@ -272,12 +292,21 @@ const CASES: [Case; 8] = [
 fn conv_backprop_kernels_match_reference() {
     let mut rng = Gen(17);
     for &(n, h, w, cin, cout, kh, kw, strides) in &CASES {
-        for padding in [Padding::Same, Padding::Valid] {
-            if padding == Padding::Valid && (h < kh || w < kw) {
+        // Explicit: symmetric, more after than before (height) and before than after
+        // (width), pads wider than the window.
+        let paddings = [
+            Padding::Same,
+            Padding::Valid,
+            Padding::Explicit([[1, 1], [1, 1]]),
+            Padding::Explicit([[0, 2], [3, 1]]),
+            Padding::Explicit([[kh + 1, 0], [1, kw + 2]]),
+        ];
+        for padding in paddings {
+            if !fits(padding, h, w, [kh, kw]) {
                 continue;
             }
-            let (oh, _) = tf_out(padding, h, kh, strides[0]);
-            let (ow, _) = tf_out(padding, w, kw, strides[1]);
+            let (oh, _) = tf_out(padding, 0, h, kh, strides[0]);
+            let (ow, _) = tf_out(padding, 1, w, kw, strides[1]);
             let x0 = rand_img(&mut rng, n, h, w, cin);
             let dy0 = rand_img(&mut rng, n, oh, ow, cout);
             let f0 = rng.vec(kh * kw * cin * cout, -1.0, 1.0);
@@ -359,11 +388,11 @@ fn pool_grad_kernels_match_reference() {
     ];
     for (n, h, w, c, k, strides) in cases {
         for padding in [Padding::Same, Padding::Valid] {
-            if padding == Padding::Valid && (h < k[0] || w < k[1]) {
+            if !fits(padding, h, w, k) {
                 continue;
             }
-            let (oh, _) = tf_out(padding, h, k[0], strides[0]);
-            let (ow, _) = tf_out(padding, w, k[1], strides[1]);
+            let (oh, _) = tf_out(padding, 0, h, k[0], strides[0]);
+            let (ow, _) = tf_out(padding, 1, w, k[1], strides[1]);
             // Values on a coarse grid: ties in many windows, so first-max routing shows.
             let mut x0 = rand_img(&mut rng, n, h, w, c);
             x0.v.iter_mut().for_each(|v| *v = (*v * 3.0).round() / 4.0);
@@ -453,6 +482,34 @@ fn pool_grad_kernels_match_reference() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Explicit pads equal to what SAME or VALID pad give both gradients bit for bit.
+#[test]
+fn explicit_padding_gradients_equal_same_and_valid() {
+    let mut rng = Gen(29);
+    // (h, w, k, stride, SAME's (before, after) for height and width)
+    let cases = [
+        (8, 6, 3, 2, [[0, 1], [0, 1]]), // stride 2 over an even input: 0 before, 1 after
+        (7, 6, 3, 2, [[1, 1], [0, 1]]),
+        (6, 8, 4, 1, [[1, 2], [1, 2]]),
+    ];
+    for (h, w, k, stride, pads) in cases {
+        for f in FORMATS {
+            let x = rand_img(&mut rng, 2, h, w, 3);
+            let (xt, _) = x.tensor(DType::F32, f);
+            let (ft, _) = stored(DType::F32, &[k, k, 3, 4], &rng.vec(k * k * 12, -1.0, 1.0));
+            let grads = |padding| {
+                let conv = Conv2D::new([stride, stride], padding, f);
+                graph_gradients(Box::new(conv), &[xt.clone(), ft.clone()])
+            };
+            let what = format!("{h}x{w} k{k} s{stride} {f:?}");
+            let explicit = grads(Padding::Explicit(pads));
+            assert_eq!(explicit, grads(Padding::Same), "{what}");
+            let zero = grads(Padding::Explicit([[0, 0], [0, 0]]));
+            assert_eq!(zero, grads(Padding::Valid), "{what}");
         }
     }
 }
@@ -703,6 +760,23 @@ fn grad_op_attrs_parse_and_reject_mistakes() {
     )
     .unwrap();
     assert_round_trip(op.as_ref());
+    let explicit = [
+        ("padding", AttrValue::from("EXPLICIT")),
+        (
+            "explicit_paddings",
+            AttrValue::Ints(vec![0, 0, 0, 0, 1, 2, 0, 3]),
+        ),
+    ];
+    for (name, key) in [
+        ("Conv2DBackpropInput", "input_shape"),
+        ("Conv2DBackpropFilter", "filter_shape"),
+    ] {
+        let mut a = vec![shape(key), nchw.clone()];
+        a.extend(explicit.iter().cloned());
+        let op = parse(name, &a).unwrap();
+        assert!(op.attrs().contains(&explicit[1]), "{name}");
+        assert_round_trip(op.as_ref());
+    }
     let ksize = ("ksize", AttrValue::Ints(vec![2, 2]));
     let op = parse(
         "MaxPoolGrad",

@@ -77,6 +77,12 @@ fn convolution_pooling_norms() -> R {
     assert_eq!((op(&g, y), shape(&g, y)), ("Conv2D", vec![2, 8, 8, 4]));
     let v = g.conv2d(x, f, [2, 2], Padding::Valid, DataFormat::Nhwc)?;
     assert_eq!(shape(&g, v), [2, 3, 3, 4]);
+    // PyTorch's padding=1 at stride 2; 3 zeros after the rows: 8 + 3 - 3 + 1 of them.
+    let (torch, rows) = ([[1, 1]; 2], [[0, 3], [0, 0]]);
+    let p = g.conv2d(x, f, [2, 2], Padding::Explicit(torch), DataFormat::Nhwc)?;
+    assert_eq!(shape(&g, p), [2, 4, 4, 4]);
+    let p = g.conv2d(x, f, [1, 1], Padding::Explicit(rows), DataFormat::Nhwc)?;
+    assert_eq!(shape(&g, p), [2, 9, 6, 4]);
     let bad = g.variable("bad", DType::F32, [3, 3, 5, 4])?;
     assert!(g
         .conv2d(x, bad, [1, 1], Padding::Same, DataFormat::Nhwc)
@@ -289,6 +295,9 @@ fn conv_and_batch_norm_layers() -> R {
     assert_eq!(c.kernel, g.require("conv2d/kernel")?.into());
     let c2 = nn::conv2d_layer(&mut g, c.output, 8, [3, 3], [2, 2], Padding::Valid, None)?;
     assert_eq!(shape(&g, c2.output), [8, 13, 13, 8]);
+    let explicit = Padding::Explicit([[1, 1]; 2]);
+    let c3 = nn::conv2d_layer(&mut g, c2.output, 4, [3, 3], [2, 2], explicit, None)?;
+    assert_eq!(shape(&g, c3.output), [8, 7, 7, 4]);
     assert_eq!(
         shape(&g, g.require("conv2d_1/kernel")?.into()),
         [3, 3, 16, 8]

@@ -1,6 +1,6 @@
 //! Conv2D, MaxPool and AvgPool against an independent float64 reference (direct
-//! loops written here, TensorFlow's SAME/VALID rule restated here), in f32, f16, bf16
-//! and f64, NHWC and NCHW.
+//! loops written here, TensorFlow's SAME/VALID/EXPLICIT rule restated here), in f32,
+//! f16, bf16 and f64, NHWC and NCHW.
 //!
 //! Tolerance for an output that sums K terms (a convolution: K = kh*kw*cin; an
 //! average: K = window elements), per dtype:
@@ -18,14 +18,19 @@ use common::*;
 
 const FORMATS: [DataFormat; 2] = [DataFormat::Nhwc, DataFormat::Nchw];
 
-/// TensorFlow's rule, restated: (output length, padding before).
-fn tf_out(padding: Padding, len: usize, k: usize, s: usize) -> (usize, usize) {
+/// TensorFlow's rule for spatial axis `axis` (0 height, 1 width), restated: (output
+/// length, padding before).
+fn tf_out(padding: Padding, axis: usize, len: usize, k: usize, s: usize) -> (usize, usize) {
     match padding {
         Padding::Valid => ((len - k) / s + 1, 0),
         Padding::Same => {
             let out = len.div_ceil(s);
             let total = ((out - 1) * s + k).saturating_sub(len);
             (out, total / 2)
+        }
+        Padding::Explicit(pads) => {
+            let [before, after] = pads[axis];
+            ((len + before + after - k) / s + 1, before)
         }
     }
 }
@@ -111,8 +116,8 @@ fn ref_conv(
     strides: [usize; 2],
     padding: Padding,
 ) -> (Images, Images) {
-    let (oh, pt) = tf_out(padding, x.h, kh, strides[0]);
-    let (ow, pl) = tf_out(padding, x.w, kw, strides[1]);
+    let (oh, pt) = tf_out(padding, 0, x.h, kh, strides[0]);
+    let (ow, pl) = tf_out(padding, 1, x.w, kw, strides[1]);
     let cin = x.c;
     let mut val = vec![0.0; x.n * oh * ow * cout];
     let mut abs = val.clone();
@@ -158,8 +163,8 @@ fn ref_pool(
     strides: [usize; 2],
     padding: Padding,
 ) -> (Images, Images, Images) {
-    let (oh, pt) = tf_out(padding, x.h, ksize[0], strides[0]);
-    let (ow, pl) = tf_out(padding, x.w, ksize[1], strides[1]);
+    let (oh, pt) = tf_out(padding, 0, x.h, ksize[0], strides[0]);
+    let (ow, pl) = tf_out(padding, 1, x.w, ksize[1], strides[1]);
     let len = x.n * oh * ow * x.c;
     let (mut val, mut abs, mut cnt) = (vec![0.0; len], vec![0.0; len], vec![0.0; len]);
     for n in 0..x.n {
@@ -345,13 +350,76 @@ fn conv_matches_reference() {
     for dtype in FLOATS {
         for f in FORMATS {
             for case in &cases {
-                for padding in [Padding::Same, Padding::Valid] {
-                    if padding == Padding::Valid && (case.kh > case.h || case.kw > case.w) {
-                        continue;
-                    }
+                for padding in paddings(case) {
                     check_conv(case, dtype, f, padding, &mut rng);
                 }
             }
+        }
+    }
+}
+
+/// The paddings a case's window fits: SAME, VALID, and explicit ones: symmetric,
+/// more after than before (height) and before than after (width), pads wider than the
+/// window (some windows read zeros only).
+fn paddings(case: &ConvCase) -> Vec<Padding> {
+    let (kh, kw) = (case.kh, case.kw);
+    [
+        Padding::Same,
+        Padding::Valid,
+        Padding::Explicit([[1, 1], [1, 1]]),
+        Padding::Explicit([[0, 2], [3, 1]]),
+        Padding::Explicit([[kh + 1, 0], [1, kw + 2]]),
+    ]
+    .into_iter()
+    .filter(|&p| {
+        let fits = |axis: usize, len: usize, k: usize| match p {
+            Padding::Same => true,
+            Padding::Valid => len >= k,
+            Padding::Explicit(pads) => len + pads[axis][0] + pads[axis][1] >= k,
+        };
+        fits(0, case.h, kh) && fits(1, case.w, kw)
+    })
+    .collect()
+}
+
+/// Explicit pads equal to what SAME or VALID pad give the same windows, so the same
+/// values bit for bit.
+#[test]
+fn explicit_padding_equals_same_and_valid() {
+    let mut rng = Rng(3);
+    // (h, w, k, stride, SAME's (before, after) for height and width)
+    let cases = [
+        (8, 6, 3, 2, [[0, 1], [0, 1]]), // stride 2 over an even input: 0 before, 1 after
+        (7, 6, 3, 2, [[1, 1], [0, 1]]),
+        (7, 7, 3, 1, [[1, 1], [1, 1]]),
+        (6, 8, 4, 1, [[1, 2], [1, 2]]),
+        (9, 5, 2, 2, [[0, 1], [0, 1]]),
+    ];
+    for (h, w, k, stride, pads) in cases {
+        for f in FORMATS {
+            let x = Images {
+                n: 2,
+                h,
+                w,
+                c: 3,
+                v: rng.vec(2 * h * w * 3),
+            };
+            let (xt, _) = x.tensor(DType::F32, f);
+            let ft = Tensor::from_f64(DType::F32, [k, k, 3, 4], &rng.vec(k * k * 12)).unwrap();
+            let strides = [stride, stride];
+            let conv = |p| run(&Conv2D::new(strides, p, f), &[&xt, &ft]);
+            let explicit = Padding::Explicit(pads);
+            assert_eq!(
+                conv(explicit),
+                conv(Padding::Same),
+                "{h}x{w} k{k} s{stride} {f:?}"
+            );
+            let zero = Padding::Explicit([[0, 0], [0, 0]]);
+            assert_eq!(
+                conv(zero),
+                conv(Padding::Valid),
+                "{h}x{w} k{k} s{stride} {f:?}"
+            );
         }
     }
 }
@@ -435,6 +503,12 @@ fn conv_output_shapes_follow_tensorflow() {
         (Padding::Valid, 28, 5, 1, 24),
         (Padding::Valid, 7, 3, 2, 3),
         (Padding::Valid, 8, 3, 3, 2),
+        // Explicit: (len + before + after - k) / stride + 1, PyTorch's rule.
+        (Padding::Explicit([[1, 1]; 2]), 28, 3, 2, 14),
+        (Padding::Explicit([[1, 1]; 2]), 7, 3, 2, 4),
+        (Padding::Explicit([[0, 0]; 2]), 28, 5, 1, 24),
+        (Padding::Explicit([[3, 2]; 2]), 7, 3, 2, 5),
+        (Padding::Explicit([[0, 9]; 2]), 1, 4, 3, 3),
     ];
     for (padding, len, k, s, want) in cases {
         let op = Conv2D::new([s, s], padding, DataFormat::Nhwc);
@@ -504,6 +578,180 @@ fn conv_parse_attrs() {
     .err()
     .unwrap();
     assert!(e.contains("data_format"), "{e}");
+}
+
+#[test]
+fn conv_explicit_padding_errors() {
+    // Too little for one window, on either axis.
+    let op = Conv2D::new(
+        [1, 1],
+        Padding::Explicit([[1, 0], [0, 0]]),
+        DataFormat::Nhwc,
+    );
+    let e = infer_err(&op, &[f32t(&[1, 1, 4, 1]), f32t(&[3, 3, 1, 1])]);
+    assert!(
+        e.contains("height") && e.contains("1 before and 0 after"),
+        "{e}"
+    );
+    let op = Conv2D::new(
+        [1, 1],
+        Padding::Explicit([[5, 5], [0, 1]]),
+        DataFormat::Nchw,
+    );
+    let e = infer_err(&op, &[f32t(&[1, 1, 4, 2]), f32t(&[3, 4, 1, 1])]);
+    assert!(e.contains("width") && e.contains("window 4"), "{e}");
+    // Pads that overflow, or beyond any image.
+    let op = Conv2D::new(
+        [1, 1],
+        Padding::Explicit([[usize::MAX, 1], [0, 0]]),
+        DataFormat::Nhwc,
+    );
+    let e = infer_err(&op, &[f32t(&[1, 4, 4, 1]), f32t(&[3, 3, 1, 1])]);
+    assert!(e.contains("overflows"), "{e}");
+    let op = Conv2D::new(
+        [1, 1],
+        Padding::Explicit([[0, 0], [1 << 41, 0]]),
+        DataFormat::Nhwc,
+    );
+    let e = infer_err(&op, &[f32t(&[1, 4, 4, 1]), f32t(&[3, 3, 1, 1])]);
+    assert!(e.contains("width") && e.contains("2^40"), "{e}");
+}
+
+/// A Conv2D's attrs in `format` with `padding: EXPLICIT` and `explicit_paddings`.
+fn explicit_attrs(format: &str, list: Vec<i64>) -> Vec<(&'static str, AttrValue)> {
+    vec![
+        ("padding", "EXPLICIT".into()),
+        ("explicit_paddings", AttrValue::Ints(list)),
+        ("data_format", format.into()),
+    ]
+}
+
+#[test]
+fn conv_explicit_padding_attrs_round_trip() {
+    let pads = Padding::Explicit([[1, 2], [3, 4]]);
+    // The pairs follow data_format: (N, H, W, C) or (N, C, H, W).
+    for (format, f, list) in [
+        ("NHWC", DataFormat::Nhwc, vec![0, 0, 1, 2, 3, 4, 0, 0]),
+        ("NCHW", DataFormat::Nchw, vec![0, 0, 0, 0, 1, 2, 3, 4]),
+    ] {
+        let op = parse_op("Conv2D", attrs(&explicit_attrs(format, list.clone()))).unwrap();
+        assert_eq!(
+            op.downcast_ref::<Conv2D>(),
+            Some(&Conv2D::new([1, 1], pads, f))
+        );
+        let written = op.attrs();
+        assert!(
+            written.contains(&("explicit_paddings", AttrValue::Ints(list.clone()))),
+            "{written:?}"
+        );
+        assert_round_trip(&*op);
+        for (name, shape_key) in [
+            ("Conv2DBackpropInput", "input_shape"),
+            ("Conv2DBackpropFilter", "filter_shape"),
+        ] {
+            let mut a = explicit_attrs(format, list.clone());
+            a.push((shape_key, AttrValue::Ints(vec![1, 3, 3, 1])));
+            let op = parse_op(name, attrs(&a)).unwrap();
+            assert!(
+                op.attrs().contains(&("padding", "EXPLICIT".into())),
+                "{name}"
+            );
+            assert_round_trip(&*op);
+        }
+    }
+    // SAME and VALID write no explicit_paddings; TensorFlow's empty list reads as none.
+    let op = Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc);
+    assert!(op.attrs().iter().all(|(k, _)| *k != "explicit_paddings"));
+    let op = parse_op(
+        "Conv2D",
+        attrs(&[
+            ("padding", "VALID".into()),
+            ("explicit_paddings", AttrValue::Ints(vec![])),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        op.downcast_ref::<Conv2D>(),
+        Some(&Conv2D::new([1, 1], Padding::Valid, DataFormat::Nhwc))
+    );
+}
+
+#[test]
+fn conv_explicit_padding_attr_errors() {
+    let err = |a: Vec<(&str, AttrValue)>| parse_op("Conv2D", attrs(&a)).err().unwrap();
+    let one_line = |e: &str| assert!(!e.contains('\n') && e.contains("explicit_paddings"), "{e}");
+    // Wrong length, missing.
+    let e = err(explicit_attrs("NHWC", vec![0, 0, 1, 1, 1, 1]));
+    one_line(&e);
+    assert!(
+        e.contains("8 integers") && e.contains("[0, 0, 1, 1, 1, 1]"),
+        "{e}"
+    );
+    let e = err(vec![("padding", "EXPLICIT".into())]);
+    one_line(&e);
+    assert!(e.contains("8 integers"), "{e}");
+    // Negative.
+    let e = err(explicit_attrs("NHWC", vec![0, 0, 1, -1, 1, 1, 0, 0]));
+    one_line(&e);
+    assert!(e.contains("negative"), "{e}");
+    // The batch or channel pair nonzero, in either layout's order.
+    for list in [vec![1, 0, 1, 1, 1, 1, 0, 0], vec![0, 0, 1, 1, 1, 1, 0, 2]] {
+        let e = err(explicit_attrs("NHWC", list));
+        one_line(&e);
+        assert!(e.contains("batch or channel") && e.contains("NHWC"), "{e}");
+    }
+    let e = err(explicit_attrs("NCHW", vec![0, 0, 1, 1, 1, 1, 0, 0]));
+    one_line(&e);
+    assert!(e.contains("batch or channel") && e.contains("NCHW"), "{e}");
+    // A list of the wrong kind, or a list without EXPLICIT.
+    let e = err(vec![
+        ("padding", "EXPLICIT".into()),
+        ("explicit_paddings", AttrValue::Floats(vec![0.5; 8])),
+    ]);
+    one_line(&e);
+    let e = err(vec![
+        ("padding", "SAME".into()),
+        ("explicit_paddings", AttrValue::Ints(vec![0; 8])),
+    ]);
+    one_line(&e);
+    assert!(e.contains("unless padding is EXPLICIT"), "{e}");
+    // The backprop ops read it as Conv2D does.
+    let mut a = explicit_attrs("NHWC", vec![0, 0, 1]);
+    a.push(("input_shape", AttrValue::Ints(vec![1, 3, 3, 1])));
+    let e = parse_op("Conv2DBackpropInput", attrs(&a)).err().unwrap();
+    assert!(e.contains("8 integers"), "{e}");
+}
+
+#[test]
+fn pools_refuse_explicit_padding() {
+    for name in ["MaxPool", "AvgPool", "MaxPoolGrad"] {
+        let e = parse_op(
+            name,
+            attrs(&[
+                ("ksize", AttrValue::Ints(vec![2, 2])),
+                ("strides", AttrValue::Ints(vec![2, 2])),
+                ("padding", "EXPLICIT".into()),
+                (
+                    "explicit_paddings",
+                    AttrValue::Ints(vec![0, 0, 1, 1, 1, 1, 0, 0]),
+                ),
+            ]),
+        )
+        .err()
+        .unwrap();
+        assert!(
+            e.contains("padding") && e.contains("EXPLICIT") && e.contains("Conv2D"),
+            "{name}: {e}"
+        );
+    }
+    // Built directly, a pool with explicit padding does not infer.
+    let explicit = Padding::Explicit([[1, 1], [1, 1]]);
+    let p = MaxPool::new([2, 2], [2, 2], explicit, DataFormat::Nhwc);
+    let e = infer_err(&p, &[f32t(&[1, 4, 4, 1])]);
+    assert!(e.contains("EXPLICIT"), "{e}");
+    let p = AvgPool::new([2, 2], [2, 2], explicit, DataFormat::Nchw);
+    let e = infer_err(&p, &[f32t(&[1, 1, 4, 4])]);
+    assert!(e.contains("EXPLICIT"), "{e}");
 }
 
 #[test]

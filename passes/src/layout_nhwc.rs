@@ -916,6 +916,53 @@ mod tests {
     }
 
     #[test]
+    fn explicit_padding_follows_the_rewritten_layout() {
+        // A training step: the gradients are convolutions with the forward's padding.
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 3, 6, 5]).unwrap();
+        let w = g.placeholder("w", DType::F32, [3, 2, 3, 4]).unwrap();
+        let pads = Padding::Explicit([[0, 2], [3, 1]]);
+        let y = g.conv2d(x, w, [2, 1], pads, DataFormat::Nchw).unwrap();
+        let loss = g.mean(y, None, false).unwrap();
+        let grads = gradients(&mut g, loss, &[x, w]).unwrap();
+        g.set_outputs([vec![y], grads].concat()).unwrap();
+        let written = |g: &Graph, format: DataFormat| {
+            let (mut convs, mut lists) = (0, Vec::new());
+            for id in g.node_ids() {
+                let attrs = g.node(id).op.attrs();
+                if attrs.contains(&("padding", "EXPLICIT".into())) {
+                    convs += 1;
+                    assert!(attrs.contains(&("data_format", format.into())), "{attrs:?}");
+                    lists.extend(attrs.into_iter().filter(|(k, _)| *k == "explicit_paddings"));
+                }
+            }
+            assert_eq!(convs, 3, "Conv2D and its two gradients");
+            lists.dedup();
+            lists
+        };
+        // Pairs by dimension in each op's order: (N, C, H, W), then (N, H, W, C).
+        assert_eq!(
+            written(&g, DataFormat::Nchw),
+            [(
+                "explicit_paddings",
+                AttrValue::Ints(vec![0, 0, 0, 0, 0, 2, 3, 1])
+            )]
+        );
+        let (after, _) = layout(&g);
+        assert!(nchw_ops(&after).is_empty(), "{:?}", nchw_ops(&after));
+        assert_eq!(
+            written(&after, DataFormat::Nhwc),
+            [(
+                "explicit_paddings",
+                AttrValue::Ints(vec![0, 0, 0, 2, 3, 1, 0, 0])
+            )]
+        );
+        // The file reads back as the same graph.
+        let back = GraphDef::from_graph(&after).to_graph().unwrap();
+        assert_eq!(json(&back), json(&after));
+    }
+
+    #[test]
     fn ops_it_cannot_rewrite_keep_transposes_and_concat_and_reductions_remap_axes() {
         let mut g = Graph::new();
         let x = g.placeholder("x", DType::F32, [2, 3, 5, 5]).unwrap();

@@ -21,13 +21,7 @@ use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
 pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "Conv2D",
-        parse: |_, a| {
-            Ok(Box::new(Conv2D {
-                strides: a.pair("strides", Some([1, 1]))?,
-                padding: Padding::read(a)?,
-                data_format: DataFormat::read(a)?,
-            }))
-        },
+        parse: |_, a| Ok(Box::new(read_conv(a)?)),
     },
     OpEntry {
         name: "MaxPool",
@@ -56,22 +50,24 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "Conv2DBackpropInput",
         parse: |_, a| {
+            let conv = read_conv(a)?;
             Ok(Box::new(Conv2DBackpropInput {
                 input_shape: a.shape("input_shape")?,
-                strides: a.pair("strides", Some([1, 1]))?,
-                padding: Padding::read(a)?,
-                data_format: DataFormat::read(a)?,
+                strides: conv.strides,
+                padding: conv.padding,
+                data_format: conv.data_format,
             }))
         },
     },
     OpEntry {
         name: "Conv2DBackpropFilter",
         parse: |_, a| {
+            let conv = read_conv(a)?;
             Ok(Box::new(Conv2DBackpropFilter {
                 filter_shape: a.shape("filter_shape")?,
-                strides: a.pair("strides", Some([1, 1]))?,
-                padding: Padding::read(a)?,
-                data_format: DataFormat::read(a)?,
+                strides: conv.strides,
+                padding: conv.padding,
+                data_format: conv.data_format,
             }))
         },
     },
@@ -102,6 +98,14 @@ pub(crate) const OPS: &[OpEntry] = &[
         },
     },
 ];
+
+/// The attrs the three convolution ops share, as the forward op.
+fn read_conv(a: &mut AttrReader) -> OpResult<Conv2D> {
+    let strides = a.pair("strides", Some([1, 1]))?;
+    let data_format = DataFormat::read(a)?;
+    let padding = Padding::read_conv(a, data_format)?;
+    Ok(Conv2D::new(strides, padding, data_format))
+}
 
 type PoolAttrs = ([usize; 2], [usize; 2], Padding, DataFormat);
 
@@ -173,7 +177,7 @@ impl Image {
         let &[d0, d1, d2, d3] = shape else {
             return Err(format!(
                 "{what} must have rank 4 ({}), got {}",
-                layout_name(format),
+                format.as_str(),
                 ShapeDisplay(shape)
             ));
         };
@@ -195,13 +199,6 @@ impl Image {
     }
 }
 
-fn layout_name(f: DataFormat) -> &'static str {
-    match f {
-        DataFormat::Nhwc => "NHWC",
-        DataFormat::Nchw => "NCHW",
-    }
-}
-
 /// Where the windows of one spatial axis go: output length and padding before.
 #[derive(Clone, Copy, Debug)]
 struct Axis {
@@ -213,18 +210,29 @@ struct Axis {
 }
 
 impl Axis {
-    fn new(padding: Padding, len: usize, window: usize, stride: usize) -> OpResult<Axis> {
+    /// Spatial axis `axis` (0 height, 1 width) of a windowed op.
+    fn new(
+        padding: Padding,
+        axis: usize,
+        len: usize,
+        window: usize,
+        stride: usize,
+    ) -> OpResult<Axis> {
         // Window arithmetic runs in isize; sizes this large are mistakes, not images.
         const MAX: usize = 1 << 40;
-        if len > MAX || window > MAX || stride > MAX {
+        let p = padding.output_len(axis, len, window, stride)?;
+        if [len, window, stride, p.before, p.after]
+            .iter()
+            .any(|&v| v > MAX)
+        {
             return Err(format!(
-                "length {len}, window {window} or stride {stride} exceeds 2^40"
+                "length {len}, window {window}, stride {stride} or padding {} + {} exceeds 2^40",
+                p.before, p.after
             ));
         }
-        let (out, pad) = padding.output_len(len, window, stride)?;
         Ok(Axis {
-            out,
-            pad,
+            out: p.out,
+            pad: p.before,
             window,
             stride,
             len,
@@ -294,7 +302,7 @@ impl Conv2D {
             return Err(format!(
                 "{what} {} ({}) has {} channels but the filter {} expects {cin} input channels",
                 ShapeDisplay(x),
-                layout_name(self.data_format),
+                self.data_format.as_str(),
                 xi.c,
                 ShapeDisplay(filter)
             ));
@@ -305,9 +313,9 @@ impl Conv2D {
                 ShapeDisplay(filter)
             ));
         }
-        let rows = Axis::new(self.padding, xi.h, kh, self.strides[0])
+        let rows = Axis::new(self.padding, 0, xi.h, kh, self.strides[0])
             .map_err(|e| format!("height: {e}"))?;
-        let cols = Axis::new(self.padding, xi.w, kw, self.strides[1])
+        let cols = Axis::new(self.padding, 1, xi.w, kw, self.strides[1])
             .map_err(|e| format!("width: {e}"))?;
         if checked_numel(&[xi.n, cout, rows.out, cols.out]).is_none() {
             return Err("the output shape overflows".into());
@@ -369,7 +377,11 @@ impl FloatKernel for Conv2D {
         }
         let (xv, fv) = (T::read(x), T::read(filter));
         let filter_mat = MatView::dense(&fv, cout, false);
-        let pointwise = d.kh == 1 && d.kw == 1 && self.strides == [1, 1];
+        // A 1x1 window at stride 1 without padding: each output pixel is its input's.
+        let pointwise = d.kh == 1
+            && d.kw == 1
+            && self.strides == [1, 1]
+            && (d.rows.out, d.cols.out) == (d.x.h, d.x.w);
         match self.data_format {
             DataFormat::Nhwc if pointwise => {
                 // A 1x1 convolution of an NHWC batch is one product with the pixels.
@@ -443,11 +455,10 @@ impl Op for Conv2D {
         Arity::Exactly(2)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![
-            ("strides", pair_attr(self.strides)),
-            ("padding", self.padding.into()),
-            ("data_format", self.data_format.into()),
-        ]
+        let mut a = vec![("strides", pair_attr(self.strides))];
+        a.extend(self.padding.attrs(self.data_format));
+        a.push(("data_format", self.data_format.into()));
+        a
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x, filter] = fixed(inputs)?;
@@ -585,7 +596,7 @@ fn backprop_dims(
             "dy has shape {} but the convolution of {what} {} ({}) with filter {} gives {}",
             ShapeDisplay(dy),
             ShapeDisplay(x),
-            layout_name(conv.data_format),
+            conv.data_format.as_str(),
             ShapeDisplay(filter),
             ShapeDisplay(&want)
         ));
@@ -798,10 +809,13 @@ impl Pool {
     fn dims(&self, x: &[usize]) -> OpResult<(Image, Image, Axis, Axis)> {
         check_pair("ksize", self.ksize)?;
         check_pair("strides", self.strides)?;
+        if let Padding::Explicit(_) = self.padding {
+            return Err("pooling takes SAME or VALID padding, not EXPLICIT".into());
+        }
         let xi = Image::from_shape(self.data_format, "x", x)?;
-        let rows = Axis::new(self.padding, xi.h, self.ksize[0], self.strides[0])
+        let rows = Axis::new(self.padding, 0, xi.h, self.ksize[0], self.strides[0])
             .map_err(|e| format!("height: {e}"))?;
-        let cols = Axis::new(self.padding, xi.w, self.ksize[1], self.strides[1])
+        let cols = Axis::new(self.padding, 1, xi.w, self.ksize[1], self.strides[1])
             .map_err(|e| format!("width: {e}"))?;
         let y = Image::new(self.data_format, xi.n, xi.c, rows.out, cols.out);
         Ok((xi, y, rows, cols))
@@ -1151,7 +1165,7 @@ impl AvgPoolGrad {
         if input.len() != 4 {
             return Err(format!(
                 "input_shape must have rank 4 ({}), got {}",
-                layout_name(self.data_format),
+                self.data_format.as_str(),
                 ShapeDisplay(input)
             ));
         }

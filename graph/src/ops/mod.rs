@@ -110,43 +110,141 @@ impl DataFormat {
             Some(DataFormat::Nhwc),
         )
     }
+
+    /// The name files use: `NHWC` or `NCHW`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataFormat::Nhwc => "NHWC",
+            DataFormat::Nchw => "NCHW",
+        }
+    }
+
+    /// Where height and width stand among an image's four dimensions.
+    pub fn spatial_dims(self) -> [usize; 2] {
+        match self {
+            DataFormat::Nhwc => [1, 2],
+            DataFormat::Nchw => [2, 3],
+        }
+    }
 }
 
 impl From<DataFormat> for AttrValue {
     fn from(f: DataFormat) -> Self {
-        AttrValue::Str(
-            match f {
-                DataFormat::Nhwc => "NHWC",
-                DataFormat::Nchw => "NCHW",
-            }
-            .into(),
-        )
+        AttrValue::Str(f.as_str().into())
     }
 }
 
 /// Padding of windowed ops (convolution, pooling), TensorFlow's meaning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Padding {
+    /// `ceil(len / stride)` outputs; the zeros the windows need go half before the
+    /// input, half after it, the odd one after.
     Same,
+    /// No zeros: every window lies inside the input.
     Valid,
+    /// `[before, after]` zeros for height and width (TensorFlow's `EXPLICIT` with
+    /// `explicit_paddings`). Convolutions only: the pooling ops refuse it (TensorFlow's
+    /// AvgPool does too; its MaxPool and MaxPoolGrad take it, not supported here).
+    Explicit([[usize; 2]; 2]),
 }
 
+/// The windows of one spatial axis: the output length and the zeros the windows see
+/// before and after the input (an explicit `after` may exceed what the last window
+/// reads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AxisPadding {
+    pub out: usize,
+    pub before: usize,
+    pub after: usize,
+}
+
+const EXPLICIT_PADDINGS: &str = "explicit_paddings";
+
 impl Padding {
+    /// Reads a pooling op's `padding`: SAME or VALID.
     pub fn read(a: &mut AttrReader) -> OpResult<Padding> {
+        Self::read_name(a)?.ok_or_else(|| {
+            "attr 'padding' EXPLICIT is taken by Conv2D, Conv2DBackpropInput and \
+             Conv2DBackpropFilter only"
+                .into()
+        })
+    }
+
+    /// Reads a convolution's `padding` (SAME, VALID or EXPLICIT) and
+    /// `explicit_paddings`: with EXPLICIT, 8 integers, a (before, after) pair per
+    /// dimension in `format`'s order, the batch and channel pairs 0; otherwise empty
+    /// or absent.
+    pub fn read_conv(a: &mut AttrReader, format: DataFormat) -> OpResult<Padding> {
+        let named = Self::read_name(a)?;
+        let list = a.opt_ints(EXPLICIT_PADDINGS)?.unwrap_or_default();
+        match named {
+            Some(p) if list.is_empty() => Ok(p),
+            Some(_) => Err(format!(
+                "attr '{EXPLICIT_PADDINGS}' must be empty unless padding is EXPLICIT, got {list:?}"
+            )),
+            None => Self::explicit_from(&list, format),
+        }
+    }
+
+    /// `padding`'s value: a padding, `None` for EXPLICIT.
+    fn read_name(a: &mut AttrReader) -> OpResult<Option<Padding>> {
         a.choice(
             "padding",
-            &[("SAME", Padding::Same), ("VALID", Padding::Valid)],
+            &[
+                ("SAME", Some(Padding::Same)),
+                ("VALID", Some(Padding::Valid)),
+                ("EXPLICIT", None),
+            ],
             None,
         )
     }
 
-    /// Output length and padding before, for one spatial axis.
+    fn explicit_from(list: &[i64], format: DataFormat) -> OpResult<Padding> {
+        let bad = |what: &str| {
+            format!(
+                "attr '{EXPLICIT_PADDINGS}' {what} with padding EXPLICIT ({} order), got {list:?}",
+                format.as_str()
+            )
+        };
+        if list.len() != 8 {
+            return Err(bad("must hold 8 integers, before and after each dimension"));
+        }
+        let pads: Vec<usize> = list
+            .iter()
+            .map(|&p| usize::try_from(p))
+            .collect::<Result<_, _>>()
+            .map_err(|_| bad("must not be negative"))?;
+        let pair = |d: usize| [pads[2 * d], pads[2 * d + 1]];
+        let [h, w] = format.spatial_dims();
+        if (0..4).any(|d| d != h && d != w && pair(d) != [0, 0]) {
+            return Err(bad("must not pad the batch or channel dimension"));
+        }
+        Ok(Padding::Explicit([pair(h), pair(w)]))
+    }
+
+    /// The attrs that write this padding for an op in `format`: `padding`, and
+    /// `explicit_paddings` when EXPLICIT.
+    pub fn attrs(self, format: DataFormat) -> Vec<(&'static str, AttrValue)> {
+        let mut a = vec![("padding", self.into())];
+        if let Padding::Explicit(pads) = self {
+            let mut list = vec![0; 8];
+            for (d, [before, after]) in format.spatial_dims().into_iter().zip(pads) {
+                list[2 * d] = before as i64;
+                list[2 * d + 1] = after as i64;
+            }
+            a.push((EXPLICIT_PADDINGS, AttrValue::Ints(list)));
+        }
+        a
+    }
+
+    /// The windows of spatial axis `axis` (0 height, 1 width) over `input` elements.
     pub fn output_len(
         self,
+        axis: usize,
         input: usize,
         window: usize,
         stride: usize,
-    ) -> OpResult<(usize, usize)> {
+    ) -> OpResult<AxisPadding> {
         match self {
             Padding::Valid => {
                 if input < window {
@@ -154,12 +252,38 @@ impl Padding {
                         "window {window} is larger than the input {input} with VALID padding"
                     ));
                 }
-                Ok(((input - window) / stride + 1, 0))
+                Ok(AxisPadding {
+                    out: (input - window) / stride + 1,
+                    before: 0,
+                    after: 0,
+                })
             }
             Padding::Same => {
                 let out = input.div_ceil(stride);
                 let needed = ((out.saturating_sub(1)) * stride + window).saturating_sub(input);
-                Ok((out, needed / 2))
+                Ok(AxisPadding {
+                    out,
+                    before: needed / 2,
+                    after: needed - needed / 2,
+                })
+            }
+            Padding::Explicit(pads) => {
+                let [before, after] = pads[axis];
+                let padded = input
+                    .checked_add(before)
+                    .and_then(|l| l.checked_add(after))
+                    .ok_or_else(|| format!("padding {before} + {after} overflows"))?;
+                if padded < window {
+                    return Err(format!(
+                        "window {window} is larger than the input {input} with explicit \
+                         padding {before} before and {after} after"
+                    ));
+                }
+                Ok(AxisPadding {
+                    out: (padded - window) / stride + 1,
+                    before,
+                    after,
+                })
             }
         }
     }
@@ -171,6 +295,7 @@ impl From<Padding> for AttrValue {
             match p {
                 Padding::Same => "SAME",
                 Padding::Valid => "VALID",
+                Padding::Explicit(_) => "EXPLICIT",
             }
             .into(),
         )

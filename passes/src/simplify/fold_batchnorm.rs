@@ -360,6 +360,48 @@ mod tests {
         assert!(FoldBatchNorm.run(&mut g).unwrap().lines[0].contains("folded 0 "));
     }
 
+    /// An NCHW 2x2 convolution with asymmetric explicit pads: the fold keeps them and
+    /// the values.
+    #[test]
+    fn folds_an_explicitly_padded_convolution() {
+        let mut g = Graph::new();
+        let shape = [1, 2, 3, 4];
+        let x = add(
+            &mut g,
+            "x",
+            Placeholder(TensorType::new(DType::F32, shape)),
+            &[],
+        );
+        let wv: Vec<f64> = (0..12).map(|i| f64::from(i) * 0.25 - 1.0).collect();
+        let w = konst(&mut g, "w", &[2, 2, 2, 3], &[wv.clone(), wv].concat());
+        let pads = Padding::Explicit([[1, 0], [0, 2]]);
+        let conv_op = Conv2D::new([1, 2], pads, DataFormat::Nchw);
+        let conv = add(&mut g, "conv", conv_op.clone(), &[x, w]);
+        let scale = konst(&mut g, "scale", &[3], &[3.0, 0.5, -2.0]);
+        let offset = konst(&mut g, "offset", &[3], &[0.25, -1.0, 2.0]);
+        let mean = konst(&mut g, "mean", &[3], &[1.0, 2.0, -0.5]);
+        let var = konst(&mut g, "var", &[3], &[4.0, 1.0, 0.25]);
+        let bn_op = BatchNorm {
+            epsilon: 0.0,
+            training: false,
+            data_format: DataFormat::Nchw,
+            activation: NormActivation::Identity,
+        };
+        let bn = add(&mut g, "bn", bn_op, &[conv, scale, offset, mean, var]);
+        g.set_outputs(vec![bn]).unwrap();
+        let xv: Vec<f64> = (0..24).map(|i| (f64::from(i) * 0.7).sin()).collect();
+        let feeds = [("x", Tensor::from_f64(DType::F32, shape, &xv).unwrap())].into();
+        let want = crate::testing::run(&g, &feeds);
+
+        let s = FoldBatchNorm.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(s.lines[0].contains("folded 1 "), "{s}");
+        let conv = g.find("conv").unwrap();
+        assert_eq!(g.node(conv).op.downcast_ref::<Conv2D>(), Some(&conv_op));
+        let got = crate::testing::run(&g, &feeds);
+        close(&got[0].to_f64_vec(), &want[0].to_f64_vec());
+    }
+
     #[test]
     fn folds_a_transposed_matmul_and_drops_a_bias_before_training_batchnorm() {
         let mut g = Graph::new();

@@ -241,19 +241,19 @@ mod tests {
         (out, summary)
     }
 
-    /// The HWIO filter shape each convolution op of `g` runs with.
-    fn filters(g: &Graph) -> Vec<Vec<usize>> {
+    /// The HWIO filter shape and the padding each convolution op of `g` runs with.
+    fn filters(g: &Graph) -> Vec<(Vec<usize>, Padding)> {
         g.node_ids()
             .filter_map(|id| {
                 let node = g.node(id);
                 let inputs = g.inputs(id);
-                if node.op.is::<Conv2D>() {
-                    Some(g.ty(inputs[1]).shape.clone())
-                } else if node.op.is::<Conv2DBackpropInput>() {
-                    Some(g.ty(inputs[0]).shape.clone())
+                if let Some(c) = node.op.downcast_ref::<Conv2D>() {
+                    Some((g.ty(inputs[1]).shape.clone(), c.padding))
+                } else if let Some(c) = node.op.downcast_ref::<Conv2DBackpropInput>() {
+                    Some((g.ty(inputs[0]).shape.clone(), c.padding))
                 } else {
                     let dw = node.op.downcast_ref::<Conv2DBackpropFilter>()?;
-                    Some(dw.filter_shape.clone())
+                    Some((dw.filter_shape.clone(), dw.padding))
                 }
             })
             .collect()
@@ -274,7 +274,7 @@ mod tests {
             summary.lines,
             ["pad-conv-channels: padded 1 16-bit convolutions to channel multiples of 8: Conv2D 1"]
         );
-        assert_eq!(filters(&after), [[3, 3, 8, 8]]);
+        assert_eq!(filters(&after), [(vec![3, 3, 8, 8], Padding::Same)]);
         let padded = after.find("conv2d/padded").unwrap();
         assert_eq!(after.ty(after.inputs(padded)[0]).shape, [2, 8, 7, 5]);
         // The node keeps its name and type as the Slice of the padded convolution.
@@ -288,9 +288,8 @@ mod tests {
         let x = g.placeholder("x", DType::BF16, [2, 5, 6, 3]).unwrap();
         let w1 = g.placeholder("w1", DType::BF16, [3, 3, 3, 12]).unwrap();
         let w2 = g.placeholder("w2", DType::BF16, [1, 1, 12, 16]).unwrap();
-        let h = g
-            .conv2d(x, w1, [1, 1], Padding::Valid, DataFormat::Nhwc)
-            .unwrap();
+        let pads = Padding::Explicit([[2, 0], [1, 3]]);
+        let h = g.conv2d(x, w1, [1, 1], pads, DataFormat::Nhwc).unwrap();
         let h = g.relu(h).unwrap();
         let y = g
             .conv2d(h, w2, [1, 1], Padding::Same, DataFormat::Nhwc)
@@ -305,9 +304,12 @@ mod tests {
             "pad-conv-channels: padded 6 16-bit convolutions to channel multiples of 8: \
              Conv2D 2, Conv2DBackpropFilter 2, Conv2DBackpropInput 2"
         );
-        for filter in filters(&after) {
+        for (filter, _) in filters(&after) {
             assert_eq!((filter[2] % 8, filter[3] % 8), (0, 0), "{filter:?}");
         }
+        // The first convolution and its gradients keep its explicit pads.
+        let explicit = |g: &Graph| filters(g).iter().filter(|(_, p)| *p == pads).count();
+        assert_eq!((explicit(&g), explicit(&after)), (3, 3));
         // x, w1 (in and out channels), h and w2 (in channels), once each, shared by
         // the convolutions and their gradients; the first convolution's dy (12
         // channels) once for both of its gradients.

@@ -5,10 +5,11 @@
 //! - the filter is HWIO (TensorFlow's); cuDNN wants KRSC with NHWC tensors and KCRS
 //!   with NCHW: the filter is gathered into that order (and a filter gradient back),
 //!   small next to the images;
-//! - SAME padding is asymmetric when the padding a window needs is odd (TensorFlow pads
-//!   the extra row or column at the end); cuDNN pads both sides alike, so the input
-//!   gets the extra zeros at its end (`Spec::PadEnd`) and cuDNN the symmetric part (a
-//!   data gradient is computed for the extended input and cropped).
+//! - padding may be asymmetric: SAME when the padding a window needs is odd (TensorFlow
+//!   pads the extra row or column at the end), EXPLICIT as it says; cuDNN pads both
+//!   sides alike, so it gets the symmetric part and the input the rest as zeros at its
+//!   start or its end (`Spec::Pad`; a data gradient is computed for the extended input
+//!   and cropped). Symmetric padding costs no copy.
 
 use ampgraph_graph::ops::{Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, Padding};
 use ampgraph_graph::{DType, Op, TensorType};
@@ -23,9 +24,9 @@ kernel_specs! {
     /// The module of the family, by the bytes of the elements it moves.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
     enum Spec in "conv" {
-        /// `k(const E* px, E* py, i64 n, Dims in, Dims out)`: `y` (4-D, `out`) holds `x`
-        /// (4-D, `in`, no dimension larger) at its start and zeros past it.
-        PadEnd { bytes: usize } => pad_end(bytes),
+        /// `k(const E* px, E* py, i64 n, Dims in, Dims out, Dims start)`: `y` (4-D,
+        /// `out`) holds `x` (4-D, `in`) from index `start` on and zeros around it.
+        Pad { bytes: usize } => pad(bytes),
     }
 }
 
@@ -58,22 +59,35 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
 }
 
 /// One spatial axis: the output length, the symmetric padding cuDNN applies and the
-/// zeros added at the input's end for the rest.
-#[derive(Clone, Copy, Debug)]
+/// zeros added at the input's start and end for the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct AxisPad {
     out: usize,
     pad: usize,
-    extra: usize,
+    start: usize,
+    end: usize,
 }
 
-fn axis_pad(padding: Padding, len: usize, window: usize, stride: usize) -> Result<AxisPad, String> {
-    let (out, before) = padding.output_len(len, window, stride)?;
-    let covered = (out.saturating_sub(1)) * stride + window;
-    let after = (covered.saturating_sub(len)).saturating_sub(before);
+/// Spatial axis `axis` (0 height, 1 width) of a convolution.
+fn axis_pad(
+    padding: Padding,
+    axis: usize,
+    len: usize,
+    window: usize,
+    stride: usize,
+) -> Result<AxisPad, String> {
+    let p = padding.output_len(axis, len, window, stride)?;
+    // The zeros after the input that the last window reads; an explicit `after` may
+    // hold more, never read. Any count in between gives the same windows: the one
+    // nearest `before` adds the fewest zeros to the input.
+    let read = (p.out.saturating_sub(1) * stride + window).saturating_sub(len + p.before);
+    let after = p.before.min(p.after).max(read);
+    let pad = p.before.min(after);
     Ok(AxisPad {
-        out,
-        pad: before,
-        extra: after.saturating_sub(before),
+        out: p.out,
+        pad,
+        start: p.before - pad,
+        end: after - pad,
     })
 }
 
@@ -120,9 +134,9 @@ fn lower_conv(
             "the filter takes {wc} channels but the image has {c}"
         ));
     }
-    let rows = axis_pad(padding, h, r, strides[0])?;
-    let cols = axis_pad(padding, w, s, strides[1])?;
-    let padded = [n, c, h + rows.extra, w + cols.extra];
+    let rows = axis_pad(padding, 0, h, r, strides[0])?;
+    let cols = axis_pad(padding, 1, w, s, strides[1])?;
+    let padded = [n, c, h + rows.start + rows.end, w + cols.start + cols.end];
     let shape = ConvShape {
         dtype,
         layout,
@@ -134,23 +148,18 @@ fn lower_conv(
         allow_tf32: false,
     };
     let esize = dtype.size_bytes();
-    // The input as the graph has it and extended with the asymmetric padding's zeros.
-    let x_ty = in_layout(layout, [n, c, h, w]);
-    let x_padded = in_layout(layout, padded);
-    let extended = (padded != [n, c, h, w]).then(|| Extension {
-        spec: Spec::PadEnd { bytes: esize },
-        from: x_ty.clone(),
-        to: x_padded.clone(),
-    });
-    let crop = match &extended {
-        Some(_) => Some(Gather::new(
+    // The input extended with the asymmetric padding's zeros, and the data gradient
+    // cropped back.
+    let extended = (padded != [n, c, h, w]).then(|| {
+        Extension::new(
+            layout,
             esize,
-            &x_ty,
-            &ampgraph_graph::tensor::strides(&x_padded),
-            0,
-        )?),
-        None => None,
-    };
+            [n, c, h, w],
+            padded,
+            [rows.start, cols.start],
+        )
+    });
+    let crop = extended.as_ref().map(Extension::crop).transpose()?;
     // HWIO <-> the layout's filter order.
     let (cudnn_filter, to_cudnn, from_cudnn) = filter_orders(layout, [r, s, c, k]);
     let to_cudnn = Gather::new(esize, &cudnn_filter, &to_cudnn, 0)?;
@@ -233,14 +242,45 @@ fn filter_orders(
     }
 }
 
-/// The input extended at its end with zeros (the asymmetric part of SAME padding).
+/// The input extended with zeros (the asymmetric part of the padding): shape `from`
+/// into shape `to`, from index `start` on.
 struct Extension {
-    spec: Spec,
+    esize: usize,
     from: Vec<usize>,
     to: Vec<usize>,
+    start: Vec<usize>,
 }
 
 impl Extension {
+    /// An input `[n, c, h, w]` in `layout` extended to `padded`, its first row and
+    /// column at `[row, col]`.
+    fn new(
+        layout: DataFormat,
+        esize: usize,
+        input: [usize; 4],
+        padded: [usize; 4],
+        [row, col]: [usize; 2],
+    ) -> Extension {
+        Extension {
+            esize,
+            from: in_layout(layout, input),
+            to: in_layout(layout, padded),
+            start: in_layout(layout, [0, 0, row, col]),
+        }
+    }
+
+    /// Where the input starts in the extended tensor, in elements.
+    fn offset(&self) -> usize {
+        let st = ampgraph_graph::tensor::strides(&self.to);
+        self.start.iter().zip(&st).map(|(a, b)| a * b).sum()
+    }
+
+    /// The gather of the input's part of an extended tensor.
+    fn crop(&self) -> Result<Gather, String> {
+        let st = ampgraph_graph::tensor::strides(&self.to);
+        Gather::new(self.esize, &self.from, &st, self.offset())
+    }
+
     fn launch(&self, c: &Ctx, x: &DTensor) -> Result<DTensor, String> {
         let y = c.temp(x.dtype, self.to.iter().product())?;
         let n = y.len();
@@ -250,21 +290,23 @@ impl Extension {
             Arg::I64(n as i64),
             Arg::Dims(Dims::new(&self.from)?),
             Arg::Dims(Dims::new(&self.to)?),
+            Arg::Dims(Dims::new(&self.start)?),
         ];
-        c.launch_n(&self.spec, n, &args)?;
+        c.launch_n(&Spec::Pad { bytes: self.esize }, n, &args)?;
         Ok(y)
     }
 }
 
-pub(super) fn pad_end(bytes: usize) -> String {
+pub(super) fn pad(bytes: usize) -> String {
     format!(
         "{PRELUDE}typedef {} E;\n\
-         extern \"C\" __global__ void k(const E* px, E* py, i64 n, Dims in, Dims out) {{\n\
+         extern \"C\" __global__ void k(const E* px, E* py, i64 n, Dims in, Dims out,\n\
+                                     Dims start) {{\n\
            GRID_LOOP(i, n) {{\n\
              i64 rest = i, src = 0, step = 1, inside = 1;\n\
              for (int d = 3; d >= 0; --d) {{\n\
-               i64 at = rest % out.n[d]; rest /= out.n[d];\n\
-               inside &= at < in.n[d];\n\
+               i64 at = rest % out.n[d] - start.n[d]; rest /= out.n[d];\n\
+               inside &= at >= 0 && at < in.n[d];\n\
                src += at * step; step *= in.n[d];\n\
              }}\n\
              py[i] = inside ? px[src] : E{{}};\n\
@@ -277,29 +319,151 @@ pub(super) fn pad_end(bytes: usize) -> String {
 mod tests {
     use super::*;
 
+    /// (out, pad, start, end) of the height axis.
+    fn split(padding: Padding, len: usize, window: usize, stride: usize) -> [usize; 4] {
+        let a = axis_pad(padding, 0, len, window, stride).unwrap();
+        [a.out, a.pad, a.start, a.end]
+    }
+
+    fn explicit(before: usize, after: usize) -> Padding {
+        Padding::Explicit([[before, after], [0, 0]])
+    }
+
     #[test]
     fn same_padding_splits_into_symmetric_and_extra() {
         // TensorFlow pads 0 before and 1 after: cuDNN pads 0, one zero row is added.
-        let a = axis_pad(Padding::Same, 64, 3, 2).unwrap();
-        assert_eq!((a.out, a.pad, a.extra), (32, 0, 1));
+        assert_eq!(split(Padding::Same, 64, 3, 2), [32, 0, 0, 1]);
         // Odd input: 1 before and 1 after.
-        let a = axis_pad(Padding::Same, 65, 3, 2).unwrap();
-        assert_eq!((a.out, a.pad, a.extra), (33, 1, 0));
-        let a = axis_pad(Padding::Same, 7, 3, 1).unwrap();
-        assert_eq!((a.out, a.pad, a.extra), (7, 1, 0));
+        assert_eq!(split(Padding::Same, 65, 3, 2), [33, 1, 0, 0]);
+        assert_eq!(split(Padding::Same, 7, 3, 1), [7, 1, 0, 0]);
         // A 4-wide window at stride 1 needs 3: 1 before, 2 after.
-        let a = axis_pad(Padding::Same, 9, 4, 1).unwrap();
-        assert_eq!((a.out, a.pad, a.extra), (9, 1, 1));
+        assert_eq!(split(Padding::Same, 9, 4, 1), [9, 1, 0, 1]);
         // VALID never pads, even where the windows leave the end unread.
-        let a = axis_pad(Padding::Valid, 8, 3, 2).unwrap();
-        assert_eq!((a.out, a.pad, a.extra), (3, 0, 0));
+        assert_eq!(split(Padding::Valid, 8, 3, 2), [3, 0, 0, 0]);
         // A 1x1 window at stride 2: no padding.
-        let a = axis_pad(Padding::Same, 4, 1, 2).unwrap();
-        assert_eq!((a.out, a.pad, a.extra), (2, 0, 0));
+        assert_eq!(split(Padding::Same, 4, 1, 2), [2, 0, 0, 0]);
+    }
+
+    #[test]
+    fn explicit_padding_splits_into_symmetric_and_extra() {
+        // PyTorch's padding 1: all of it cuDNN's, no copy.
+        assert_eq!(split(explicit(1, 1), 64, 3, 2), [32, 1, 0, 0]);
+        // More before than after: the rest at the input's start.
+        assert_eq!(split(explicit(3, 1), 8, 3, 1), [10, 1, 2, 0]);
+        // More after than before: the rest at its end.
+        assert_eq!(split(explicit(0, 2), 8, 3, 1), [8, 0, 0, 2]);
+        // Pads wider than the window: windows of zeros only.
+        assert_eq!(split(explicit(4, 0), 2, 3, 1), [4, 0, 4, 0]);
+        assert_eq!(split(explicit(1, 6), 2, 2, 2), [4, 1, 0, 4]);
+        // Zeros after the last window are never read: (0, 1) with 2-wide windows at
+        // stride 2 over 8 is VALID's, (1, 2) over 9 with 3-wide ones at stride 2 is
+        // (1, 1).
+        assert_eq!(split(explicit(0, 1), 8, 2, 2), [4, 0, 0, 0]);
+        assert_eq!(split(explicit(1, 2), 9, 3, 2), [5, 1, 0, 0]);
+        assert!(split(explicit(0, 1), 8, 2, 2) == split(Padding::Valid, 8, 2, 2));
+        // Too little for one window.
+        assert!(axis_pad(explicit(1, 0), 0, 1, 3, 1).is_err());
+    }
+
+    /// `x` of shape `from` placed in zeros of shape `to` from index `start` on, as the
+    /// pad kernel does.
+    fn pad_host(x: &[f64], e: &Extension) -> Vec<f64> {
+        let n: usize = e.to.iter().product();
+        (0..n)
+            .map(|mut i| {
+                let (mut src, mut step) = (0, 1);
+                for d in (0..4).rev() {
+                    let at = (i % e.to[d]) as isize - e.start[d] as isize;
+                    i /= e.to[d];
+                    if at < 0 || at >= e.from[d] as isize {
+                        return 0.0;
+                    }
+                    src += at as usize * step;
+                    step *= e.from[d];
+                }
+                x[src]
+            })
+            .collect()
+    }
+
+    /// The convolution and both gradients as `lower_conv` runs them (the input
+    /// extended, cuDNN's symmetric padding, the data gradient cropped), on the CPU
+    /// kernels, equal the graph's ops with the padding as given.
+    #[test]
+    fn split_padding_computes_the_same_convolution() {
+        use ampgraph_graph::{tensor, Tensor};
+        let (n, c, k) = (2, 3, 2);
+        let t = |shape: &[usize], seed: usize| {
+            let len: usize = shape.iter().product();
+            let v: Vec<f64> = (0..len)
+                .map(|i| ((i * 7 + seed) % 11) as f64 - 5.0)
+                .collect();
+            Tensor::from_f64(DType::F64, shape.to_vec(), &v).unwrap()
+        };
+        let eval = |op: &dyn Op, ins: &[&Tensor]| op.eval(ins).unwrap().remove(0);
+        // (height, width, window, strides, padding)
+        let cases = [
+            (6, 7, [3, 3], [2, 2], Padding::Same),
+            (6, 7, [3, 2], [1, 2], Padding::Explicit([[1, 1], [2, 2]])),
+            (6, 7, [3, 3], [2, 1], Padding::Explicit([[2, 0], [0, 3]])),
+            (5, 4, [2, 3], [1, 3], Padding::Explicit([[0, 4], [5, 1]])),
+            (4, 4, [3, 3], [2, 2], Padding::Explicit([[0, 1], [1, 2]])),
+        ];
+        for (h, w, [r, s], strides, padding) in cases {
+            for layout in [DataFormat::Nhwc, DataFormat::Nchw] {
+                let what = format!("{h}x{w} window {r}x{s} {strides:?} {padding:?} {layout:?}");
+                let rows = axis_pad(padding, 0, h, r, strides[0]).unwrap();
+                let cols = axis_pad(padding, 1, w, s, strides[1]).unwrap();
+                let padded = [n, c, h + rows.start + rows.end, w + cols.start + cols.end];
+                let e = Extension::new(layout, 8, [n, c, h, w], padded, [rows.start, cols.start]);
+                let sym = Padding::Explicit([[rows.pad; 2], [cols.pad; 2]]);
+                let (x, f) = (t(&e.from, 1), t(&[r, s, c, k], 2));
+                let xp = Tensor::from_f64(DType::F64, e.to.clone(), &pad_host(&x.to_f64_vec(), &e))
+                    .unwrap();
+                let y = eval(&Conv2D::new(strides, padding, layout), &[&x, &f]);
+                let split_y = eval(&Conv2D::new(strides, sym, layout), &[&xp, &f]);
+                assert_eq!(split_y, y, "forward {what}");
+                let dy = t(y.shape(), 3);
+                let dx = Conv2DBackpropInput {
+                    input_shape: e.from.clone(),
+                    strides,
+                    padding,
+                    data_format: layout,
+                };
+                let dxp = Conv2DBackpropInput {
+                    input_shape: e.to.clone(),
+                    padding: sym,
+                    ..dx.clone()
+                };
+                let dxp = eval(&dxp, &[&f, &dy]).to_f64_vec();
+                // The crop, as `Extension::crop`'s gather reads it.
+                let cropped = gather(&dxp[e.offset()..], &e.from, &tensor::strides(&e.to));
+                assert_eq!(
+                    cropped,
+                    eval(&dx, &[&f, &dy]).to_f64_vec(),
+                    "data gradient {what}"
+                );
+                let df = Conv2DBackpropFilter {
+                    filter_shape: vec![r, s, c, k],
+                    strides,
+                    padding,
+                    data_format: layout,
+                };
+                let dfp = Conv2DBackpropFilter {
+                    padding: sym,
+                    ..df.clone()
+                };
+                assert_eq!(
+                    eval(&dfp, &[&xp, &dy]),
+                    eval(&df, &[&x, &dy]),
+                    "filter gradient {what}"
+                );
+            }
+        }
     }
 
     /// Gathers with the given strides, on the host, as the gather kernel does.
-    fn gather(x: &[usize], shape: &[usize], st: &[usize]) -> Vec<usize> {
+    fn gather<T: Copy>(x: &[T], shape: &[usize], st: &[usize]) -> Vec<T> {
         let n: usize = shape.iter().product();
         (0..n)
             .map(|mut i| {

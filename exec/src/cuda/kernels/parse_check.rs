@@ -6,7 +6,7 @@ use super::batch_norm::{
     backward as batch_norm_backward, forward as batch_norm_forward, relu as batch_norm_relu,
     relu_mask as batch_norm_relu_mask,
 };
-use super::conv::pad_end;
+use super::conv::pad;
 use super::cross_entropy::{sce, sce_grad, sce_with_grad};
 use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad};
 use super::fused::fused;
@@ -185,7 +185,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     }
     for bytes in [1, 2, 4, 8, 16] {
         k.push((format!("gather_{bytes}"), gather(bytes)));
-        k.push((format!("pad_end_{bytes}"), pad_end(bytes)));
+        k.push((format!("pad_{bytes}"), pad(bytes)));
     }
     for (x, u) in [
         (DType::F32, DType::F32),

@@ -131,14 +131,15 @@ impl Geometry {
                 attrs.ksize, attrs.strides
             ));
         }
-        let (oh, ph) = attrs
+        let rows = attrs
             .padding
-            .output_len(h, kh, sh)
+            .output_len(0, h, kh, sh)
             .map_err(|e| format!("height: {e}"))?;
-        let (ow, pw) = attrs
+        let cols = attrs
             .padding
-            .output_len(w, kw, sw)
+            .output_len(1, w, kw, sw)
             .map_err(|e| format!("width: {e}"))?;
+        let (oh, ph, ow, pw) = (rows.out, rows.before, cols.out, cols.before);
         let output = if nhwc {
             vec![n, oh, ow, c]
         } else {
