@@ -8,13 +8,14 @@
 //! took 7 ms forward and 17 ms backward on a `[256, 64, 64, 64]` f16 batch on the H100,
 //! a hundred times these. NCHW images go to cuDNN (`crate::cuda::dnn`).
 
-use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat, NormActivation};
+use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat, NormActivation, UnaryKind};
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{
-    column_sums, column_sums_words, column_vector, elementwise, module, module_multi, own, store,
-    At, Load, COLUMN_ROWS,
+    column_sums, column_sums_words, column_vector, elementwise, module_multi, own, store, At, Load,
+    COLUMN_ROWS,
 };
+use super::elementwise::Spec as ElementwiseSpec;
 use super::{
     acc_dtype, float_input, input, kernel, launch_column_partials, launch_column_sums, Ctx,
     KernelResult, Lowering, Partials,
@@ -42,12 +43,6 @@ kernel_specs! {
         /// With `relu`, every kernel also reads `const T* py` after `pdy`, the
         /// forward's output, and takes `dy` as 0 where `y <= 0`.
         Backward { x: DType, u: DType, relu: bool } => backward(x, u, relu),
-        /// `k(const T* px, T* py, i64 n)`: the ReLU of `x` (in place: `px == py`),
-        /// after cuDNN's NCHW batch norm.
-        Relu { x: DType } => relu(x),
-        /// `k(const T* py, const T* pdy, T* pg, i64 n)`: `dy` where `y > 0`, else 0,
-        /// before cuDNN's NCHW batch norm gradient.
-        ReluMask { x: DType } => relu_mask(x),
     }
 }
 
@@ -146,8 +141,12 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
                     &y,
                 )?;
                 if relu {
-                    let spec = Spec::Relu { x: y.dtype };
-                    // In place: each element is read before it is written.
+                    // The Relu op's kernel, in place: each element is read before it
+                    // is written.
+                    let spec = ElementwiseSpec::Unary {
+                        dtype: y.dtype,
+                        kind: UnaryKind::Relu,
+                    };
                     let args = [y.arg(), y.arg(), Arg::I64(y.len() as i64)];
                     c.launch_elementwise(&spec, y.len(), &args)?;
                 }
@@ -457,10 +456,15 @@ fn lower_batch_norm_grad(
             }
             None => {
                 let masked = match y {
+                    // The Relu gradient's kernel (UnaryGrad reads the Relu's output).
                     Some(y) => {
                         let g = c.temp(dy.dtype, dy.len())?;
                         let args = [y.arg(), dy.arg(), g.arg(), Arg::I64(dy.len() as i64)];
-                        c.launch_elementwise(&Spec::ReluMask { x: dy.dtype }, dy.len(), &args)?;
+                        let spec = ElementwiseSpec::UnaryGrad {
+                            dtype: dy.dtype,
+                            kind: UnaryKind::Relu,
+                        };
+                        c.launch_elementwise(&spec, dy.len(), &args)?;
                         Some(g)
                     }
                     None => None,
@@ -477,30 +481,4 @@ fn lower_batch_norm_grad(
         }
         Ok(vec![dx, dscale, doffset])
     }))
-}
-
-pub(super) fn relu(x: DType) -> String {
-    let body = elementwise(
-        &[own(x, "v", "px")],
-        "",
-        &[store(x, "py", "(C)m_max((A)v, (A)0)")],
-    );
-    module(
-        x,
-        &format!("extern \"C\" __global__ void k(const T* px, T* py, i64 n) {{\n{body}}}\n"),
-    )
-}
-
-pub(super) fn relu_mask(x: DType) -> String {
-    let body = elementwise(
-        &[own(x, "yv", "py"), own(x, "g", "pdy")],
-        "",
-        &[store(x, "pg", "(C)((A)yv > (A)0 ? (A)g : (A)0)")],
-    );
-    module(
-        x,
-        &format!(
-            "extern \"C\" __global__ void k(const T* py, const T* pdy, T* pg, i64 n) {{\n{body}}}\n"
-        ),
-    )
 }
