@@ -14,17 +14,12 @@
 use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, NormActivation, Unary, UnaryGrad, UnaryKind};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::simplify::{output_nodes, remove_unread, summary};
+use crate::simplify::{output_nodes, read_only_by, remove_unread, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `fuse-batchnorm-activation` pass.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FuseBatchNormActivation;
-
-/// `port`, read only by `(reader, slot)` and not a graph output.
-fn only_read_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -> bool {
-    g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
-}
 
 /// The BatchNorm (without an activation) whose output 0 only the Relu `relu` reads.
 fn relu_of_batch_norm(g: &Graph, relu: NodeId) -> Option<(Port, BatchNorm)> {
@@ -36,7 +31,7 @@ fn relu_of_batch_norm(g: &Graph, relu: NodeId) -> Option<(Port, BatchNorm)> {
     let fusable = unary.kind == UnaryKind::Relu
         && y.index == 0
         && bn.activation == NormActivation::Identity
-        && only_read_by(g, y, relu, 0);
+        && read_only_by(g, y, relu, 0);
     fusable.then(|| (y, bn.clone()))
 }
 
@@ -52,7 +47,7 @@ fn relu_grad_operand(g: &Graph, grad: NodeId) -> Option<(Vec<Port>, BatchNormGra
     };
     let fusable = op.activation == NormActivation::Identity
         && unary.kind == UnaryKind::Relu
-        && only_read_by(g, masked, grad, 4)
+        && read_only_by(g, masked, grad, 4)
         && g.ty(y) == g.ty(inputs[0]);
     if !fusable {
         return None;

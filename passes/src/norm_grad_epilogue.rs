@@ -17,7 +17,7 @@ use ampgraph_graph::ops::fused::{ElementOp, Expr};
 use ampgraph_graph::ops::{Binary, BinaryKind, FusedElementwise, LayerNormGrad, NormGradEpilogue};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::simplify::{output_nodes, remove_unread, summary};
+use crate::simplify::{output_nodes, read_only_by, remove_unread, summary};
 use crate::sum_into_elementwise::reachable_from;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -75,11 +75,9 @@ fn as_add(g: &Graph, id: NodeId) -> Option<([Port; 2], Vec<Summed>)> {
 /// `add`, read by nothing else and not a graph output.
 fn norm_grad_operand(g: &Graph, add: NodeId, dx: Port, side: usize) -> Option<&LayerNormGrad> {
     let ln = g.node(dx.node).op.downcast_ref::<LayerNormGrad>()?;
-    let only_reader = g.port_consumers(dx) == [(add, side)];
     let ok = dx.index == 0
         && ln.epilogue == NormGradEpilogue::default()
-        && only_reader
-        && !g.outputs().contains(&dx);
+        && read_only_by(g, dx, add, side);
     ok.then_some(ln)
 }
 

@@ -88,6 +88,12 @@ pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
     is_output
 }
 
+/// Whether `port` is read by `(reader, slot)` alone and is not a graph output: a
+/// tensor a fusion may stop writing.
+pub(crate) fn read_only_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -> bool {
+    g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
+}
+
 /// The narrow tensor a widening Cast at `p` reads, if `p` is a Cast into `wide` that
 /// loses nothing (a kernel reading the narrow tensor sees the same values).
 pub(crate) fn widened(g: &Graph, p: Port, wide: DType) -> Option<Port> {
