@@ -733,13 +733,14 @@ impl CudaExecutor {
                 .map_err(|e| format!("CUDA context: {e:?}"))
         })
         .map_err(dev_err)?;
-        let host_start = std::time::Instant::now();
+        // Profiling only: the step's first event and the host clock beside it.
         let step_start = self
             .options
             .profile
             .then(|| guard("CUDA", || self.dev.timing_event()))
             .transpose()
-            .map_err(dev_err)?;
+            .map_err(dev_err)?
+            .map(|event| (event, std::time::Instant::now()));
         let memory = self.step_memory(graph, fetches)?;
         let mut schedule = memory.schedule.clone();
         let order = std::mem::take(&mut schedule.order);
@@ -813,10 +814,10 @@ impl CudaExecutor {
                             .options
                             .profile
                             .then(|| self.dev.timing_event())
-                            .transpose()?;
-                        let host_start = std::time::Instant::now();
+                            .transpose()?
+                            .map(|event| (event, std::time::Instant::now()));
                         let mut out = kernel.launch(&ctx, &inputs)?;
-                        let host_secs = host_start.elapsed().as_secs_f64();
+                        let start = start.map(|(event, host)| (event, host.elapsed()));
                         // An op that returns an input (a Cast to the same type) where
                         // the plan gave the output a slot of its own: the input's slot
                         // is reused after its last planned reader, so the value moves.
@@ -828,12 +829,12 @@ impl CudaExecutor {
                                 }
                             }
                         }
-                        if let Some(start) = start {
+                        if let Some((start, host)) = start {
                             let key = match node.outputs().first() {
                                 Some(ty) => format!("{op} {ty}"),
                                 None => op.to_string(),
                             };
-                            timed.push((key, start, self.dev.timing_event()?, host_secs));
+                            timed.push((key, start, self.dev.timing_event()?, host.as_secs_f64()));
                         }
                         Ok(out)
                     })
@@ -858,7 +859,7 @@ impl CudaExecutor {
                 values.remove(&done);
             }
         }
-        if let Some(step_start) = step_start {
+        if let Some((step_start, host_start)) = step_start {
             self.profile.host_secs += host_start.elapsed().as_secs_f64();
             let step_end = guard("CUDA", || self.dev.timing_event()).map_err(dev_err)?;
             let elapsed = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
