@@ -189,6 +189,10 @@ pub struct ExecutorArgs {
     /// `cudnn.deterministic`); by default the fastest, timed on first use.
     #[arg(long)]
     pub deterministic_convolutions: bool,
+    /// The most workspace one cuDNN convolution algorithm may use (CUDA; TensorFlow's
+    /// `TF_CUDNN_WORKSPACE_LIMIT_IN_MB`; default 1024).
+    #[arg(long, value_name = "MIB")]
+    pub conv_workspace_limit_mib: Option<usize>,
     /// Where compiled CUDA kernels are kept, or `off` (overrides AMPGRAPH_KERNEL_CACHE).
     #[arg(long, value_name = "DIR|off")]
     pub kernel_cache: Option<KernelCache>,
@@ -202,6 +206,7 @@ impl ExecutorArgs {
                 allow_tf32: self.allow_tf32,
                 allow_fp16_reduced_precision_reduction: self.allow_fp16_reduced_precision_reduction,
                 deterministic_convolutions: self.deterministic_convolutions,
+                conv_workspace_limit_mib: self.conv_workspace_limit_mib,
                 ..ExecOptions::default()
             },
             kernel_cache: self.kernel_cache.clone().unwrap_or_default(),
@@ -463,7 +468,7 @@ fn plan(
         passes: passes_after_amp(passes),
         ..SessionOptions::default()
     };
-    let pipeline = Pipeline::new(&g, &options, cuda::PIPELINE)?;
+    let pipeline = Pipeline::new(&g, &options, &cuda::pipeline(&options.executor))?;
     let (_, fetches) = pipeline.run_for(&mut g, &fetches)?;
     let footprint = memory_plan::step_footprint(&g, &fetches)?;
     out.write_all(footprint.report(&g, top).as_bytes())

@@ -278,7 +278,7 @@ impl Session {
         options: SessionOptions,
     ) -> Result<Session, SessionError> {
         let mut executor = device.executor(options.executor, &options.kernel_cache)?;
-        let pipeline = Pipeline::new(&graph, &options, executor.default_passes())?;
+        let pipeline = Pipeline::new(&graph, &options, &executor.default_passes())?;
         let records = pipeline.amp.run(&mut graph)?;
         executor.check_supported(&graph)?;
         for id in graph.node_ids() {

@@ -254,7 +254,8 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     profile: usize,
     /// The passes run after AMP, comma-separated registry names, or `none`
-    /// (default: the CUDA pipeline, `exec::cuda::PIPELINE`, on either device).
+    /// (default: the CUDA pipeline, `exec::cuda::pipeline`, on either device; with
+    /// TF32, as in the tf32 mode, its layout pass converts f32 graphs too).
     #[arg(long, value_delimiter = ',')]
     passes: Option<Vec<String>>,
     /// Build each graph, run the passes and print what each did; run no step (no
@@ -284,18 +285,21 @@ struct Args {
 }
 
 impl Args {
-    /// The names of the passes run after AMP.
-    fn pipeline(&self) -> Vec<String> {
-        passes_after_amp(self.passes.as_deref())
-            .unwrap_or_else(|| cuda::PIPELINE.iter().map(|s| s.to_string()).collect())
-    }
-
-    /// The session options of a run in `mode`: the passes and the executor's switches.
+    /// The session options of a run in `mode`: the executor's switches and the passes
+    /// run after AMP (`--passes`, else the CUDA pipeline for those switches).
     fn session_options(&self, mode: Mode) -> SessionOptions {
         let mut options = self.executor.session_options();
         options.executor.allow_tf32 |= mode == Mode::Tf32;
-        options.passes = Some(self.pipeline());
+        options.passes = Some(self.pipeline(&options.executor));
         options
+    }
+
+    /// The names of the passes run after AMP with the executor's `switches`.
+    fn pipeline(&self, switches: &ExecOptions) -> Vec<String> {
+        passes_after_amp(self.passes.as_deref()).unwrap_or_else(|| {
+            let names = cuda::pipeline(switches);
+            names.iter().map(|s| s.to_string()).collect()
+        })
     }
 }
 
@@ -870,7 +874,7 @@ fn prepare(args: &Args, cfg: &Config, mode: Mode, infer: bool) -> Res<Step> {
         }
     }
     let nodes_before = graph.len();
-    let pipeline = Pipeline::new(&graph, &args.session_options(mode), cuda::PIPELINE)?;
+    let pipeline = Pipeline::new(&graph, &args.session_options(mode), &[])?;
     let fetches: Vec<Port> = [fetch].into_iter().chain(loss).collect();
     let (records, fetched) = pipeline.run_for(&mut graph, &fetches)?;
     Ok(Step {
@@ -1105,16 +1109,21 @@ fn bench(args: &Args) -> Res<()> {
     };
     println!("# ampgraph {} on {device_name}", env!("CARGO_PKG_VERSION"));
     println!("# {}: {}", args.workload.name(), cfg.describe());
-    let pipeline = args.pipeline();
+    let switches = args.executor.session_options();
+    let pipeline = args.pipeline(&switches.executor);
     println!(
-        "# passes after AMP: {}",
+        "# passes after AMP: {}{}",
         if pipeline.is_empty() {
             "none".to_string()
         } else {
             pipeline.join(",")
+        },
+        if args.passes.is_none() && !switches.executor.allow_tf32 {
+            " (tf32 mode: layout-nhwc-all for layout-nhwc)"
+        } else {
+            ""
         }
     );
-    let switches = args.executor.session_options();
     let mut set = Vec::new();
     if switches.executor.allow_tf32 {
         set.push("TF32 for f32 products in every mode".to_string());

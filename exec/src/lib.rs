@@ -79,6 +79,10 @@ pub struct ExecOptions {
     /// (PyTorch's `cudnn.deterministic`), the fastest of those; by default the fastest
     /// of all, timed on first use (`cudnn.benchmark`).
     pub deterministic_convolutions: bool,
+    /// The most workspace one convolution algorithm may use, in MiB (TensorFlow's
+    /// `TF_CUDNN_WORKSPACE_LIMIT_IN_MB`); `None`: the backend's default. Faster
+    /// algorithms (FFT, Winograd) often need more.
+    pub conv_workspace_limit_mib: Option<usize>,
     /// Time every op (CUDA events) for [`Executor::profile_table`]; slows steps a little.
     pub profile: bool,
 }
@@ -91,8 +95,8 @@ pub trait Executor {
 
     /// The registry names of the passes a session runs after AMP on this backend unless
     /// told otherwise (`ampgraph_passes::registry` resolves them).
-    fn default_passes(&self) -> &'static [&'static str] {
-        &[]
+    fn default_passes(&self) -> Vec<&'static str> {
+        Vec::new()
     }
 
     /// Refuses a graph with an op this backend has no kernel for, naming the first

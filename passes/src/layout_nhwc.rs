@@ -420,13 +420,17 @@ struct Counts {
 
 impl Pass for LayoutNhwc {
     fn name(&self) -> &'static str {
-        "layout-nhwc"
+        if self.sixteen_bit_only {
+            "layout-nhwc"
+        } else {
+            "layout-nhwc-all"
+        }
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         if self.sixteen_bit_only && !Self::has_16_bit_convolution(g) {
             let line = "layout-nhwc: no 16-bit convolution; the graph stays as it is".to_string();
-            return Ok(summary("layout-nhwc", vec![line]));
+            return Ok(summary(self.name(), vec![line]));
         }
         let mut counts = Counts::default();
         let adj = g.adjacency();
@@ -475,7 +479,7 @@ impl Pass for LayoutNhwc {
                 counts.pinned
             ),
         ];
-        Ok(summary("layout-nhwc", lines))
+        Ok(summary(self.name(), lines))
     }
 }
 

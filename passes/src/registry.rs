@@ -105,6 +105,11 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(LayoutNhwc::SIXTEEN_BIT),
     },
     PassEntry {
+        name: "layout-nhwc-all",
+        summary: "layout-nhwc on every graph, f32 convolutions included (the CUDA pipeline's form when TF32 is allowed).",
+        make: || Box::new(LayoutNhwc::EVERY_GRAPH),
+    },
+    PassEntry {
         name: "fuse-batchnorm-activation",
         summary: "A BatchNorm takes the Relu after it, and a BatchNormGrad the Relu's gradient mask (TensorFlow's _FusedBatchNormEx).",
         make: || Box::new(FuseBatchNormActivation),

@@ -141,6 +141,8 @@ struct PlanKey {
     direction: Direction,
     shape: ConvShape,
     deterministic: bool,
+    /// The search's limit: a larger one may find a faster algorithm.
+    workspace_limit: usize,
 }
 
 impl PlanKey {
@@ -540,6 +542,7 @@ impl Dnn {
             direction,
             shape: *shape,
             deterministic: options.deterministic,
+            workspace_limit: options.workspace_limit,
         };
         let cached = self
             .plans
@@ -701,7 +704,7 @@ impl Dnn {
             .get(&key.text())
             .copied();
         let (algo, ms, candidates) = match stored {
-            Some(a) if a.workspace <= options.workspace_limit => (a, None, 0),
+            Some(a) => (a, None, 0),
             _ => {
                 let (algo, ms, n) = self.fastest(dev, handle, key, &plan, options, ops)?;
                 self.store(key, algo);

@@ -50,7 +50,7 @@ pub use dnn::{Choice as ConvAlgorithm, DnnOptions};
 use gemm::Gemm;
 pub use gemm::GemmOptions;
 use kernels::{Lowered, Owner, Source};
-pub use pipeline::PIPELINE;
+pub use pipeline::{pipeline, PIPELINE};
 
 /// The number of CUDA devices, or why CUDA cannot be used on this machine (no driver
 /// library, no device, no NVRTC or cuBLASLt library).
@@ -638,8 +638,8 @@ impl Executor for CudaExecutor {
         CudaExecutor::device_name(self).to_string()
     }
 
-    fn default_passes(&self) -> &'static [&'static str] {
-        PIPELINE
+    fn default_passes(&self) -> Vec<&'static str> {
+        pipeline(&self.options())
     }
 
     fn check_supported(&self, graph: &Graph) -> Result<(), ExecError> {
@@ -654,6 +654,7 @@ impl Executor for CudaExecutor {
                 .gemm
                 .allow_fp16_reduced_precision_reduction,
             deterministic_convolutions: self.options.dnn.deterministic,
+            conv_workspace_limit_mib: Some(self.options.dnn.workspace_limit >> 20),
             profile: self.options.profile,
         }
     }
@@ -663,6 +664,9 @@ impl Executor for CudaExecutor {
         self.options.gemm.allow_fp16_reduced_precision_reduction =
             options.allow_fp16_reduced_precision_reduction;
         self.options.dnn.deterministic = options.deterministic_convolutions;
+        self.options.dnn.workspace_limit = options
+            .conv_workspace_limit_mib
+            .map_or(DnnOptions::default().workspace_limit, |mib| mib << 20);
         self.options.profile = options.profile;
     }
 

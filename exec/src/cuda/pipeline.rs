@@ -39,3 +39,17 @@ pub const PIPELINE: &[&str] = &[
     "norm-grad-epilogue",
     "group-updates",
 ];
+
+/// The pipeline for an executor with `options`: [`PIPELINE`], except that with TF32
+/// allowed every NCHW graph runs NHWC (`layout-nhwc-all`), f32 convolutions included, as
+/// PyTorch runs channels_last with TF32: cuDNN's TF32 convolutions on the H100 are NHWC
+/// kernels (its f32 NHWC gradients without TF32 are far slower than NCHW ones).
+pub fn pipeline(options: &crate::ExecOptions) -> Vec<&'static str> {
+    PIPELINE
+        .iter()
+        .map(|&name| match name {
+            "layout-nhwc" if options.allow_tf32 => "layout-nhwc-all",
+            _ => name,
+        })
+        .collect()
+}

@@ -12,8 +12,8 @@ use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat, NormActivation, 
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{
-    column_sums, column_sums_words, column_vector, elementwise, module_multi, own, store, At, Load,
-    COLUMN_ROWS,
+    column_sums, column_sums_words, column_vector, elementwise, module_multi, own, store,
+    vector_len, At, Load, FIN_WARPS,
 };
 use super::elementwise::Spec as ElementwiseSpec;
 use super::{
@@ -33,16 +33,19 @@ kernel_specs! {
         /// chunks, i64 rows, double eps)`, `k_affine(const TU* pscale, const TU*
         /// poffset, const TU* pmean, const TU* pvar, AU* pab, i64 len, double eps)`,
         /// `k(const T* px, const AU* pa, const AU* pb, T* py, i64 n, i64 len)`.
-        /// With `relu`, `k` stores the ReLU of the normalised values.
-        Forward { x: DType, u: DType, relu: bool } => forward(x, u, relu),
+        /// With `relu`, `k` stores the ReLU of the normalised values; with `vectors`
+        /// (`len` a multiple of its vectors), `k` reads `a` and `b` as vectors too.
+        Forward { x: DType, u: DType, relu: bool, vectors: bool } => forward(x, u, relu, vectors),
         /// `k_cols_part(const T* px, const T* pdy, const TU* pmean, const TU* pvar,
         /// double unbias, double eps, AU* part, i64 rows, i64 len, i64 chunk_rows)` and
-        /// `k_cols_fin` (sum dy, sum dy * xhat), `k(const T* px, const T* pdy, const
-        /// TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU*
-        /// pdscale, T* pdx, i64 n, i64 len, double unbias, double eps, double inv_n)`.
-        /// With `relu`, every kernel also reads `const T* py` after `pdy`, the
-        /// forward's output, and takes `dy` as 0 where `y <= 0`.
-        Backward { x: DType, u: DType, relu: bool } => backward(x, u, relu),
+        /// `k_cols_fin` (sum dy, sum dy * xhat), `k_coef(const TU* pscale, const TU*
+        /// pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, AU* pc, i64 len,
+        /// double unbias, double eps, double inv_n)` (dx's per-channel coefficients)
+        /// and `k(const T* px, const T* pdy, const AU* pc, T* pdx, i64 n, i64 len)`.
+        /// With `relu`, every kernel but `k_coef` also reads `const T* py` after `pdy`,
+        /// the forward's output, and takes `dy` as 0 where `y <= 0`; `vectors` as in
+        /// `Forward`.
+        Backward { x: DType, u: DType, relu: bool, vectors: bool } => backward(x, u, relu, vectors),
     }
 }
 
@@ -89,6 +92,13 @@ fn geometry(
     Ok((layout, nchw))
 }
 
+/// Whether the per-channel values of a channels-last pass over `x` with `len`
+/// channels are read as vectors: one row offset per vector rather than one 64-bit
+/// remainder per element, which kept the passes well below the memory's bandwidth.
+fn channel_vectors(x: DType, len: usize) -> bool {
+    len % vector_len(x.size_bytes()) == 0
+}
+
 /// Whether the statistics are column sums of a `[rows, C]` matrix (channels last).
 fn channels_last(layout: DataFormat, nchw: [usize; 4]) -> bool {
     layout == DataFormat::Nhwc || nchw[2] * nchw[3] == 1
@@ -102,12 +112,13 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
     };
     let (y_ty, mean_ty, var_ty) = (y_ty.clone(), mean_ty.clone(), var_ty.clone());
     let relu = bn.activation == NormActivation::Relu;
+    let (rows, len) = (nchw[0] * nchw[2] * nchw[3], nchw[1]);
     let own = channels_last(layout, nchw).then_some(Spec::Forward {
         x: y_ty.dtype,
         u: mean_ty.dtype,
         relu,
+        vectors: channel_vectors(y_ty.dtype, len),
     });
-    let (rows, len) = (nchw[0] * nchw[2] * nchw[3], nchw[1]);
     Ok(kernel(move |c, inputs| {
         let x = input(inputs, 0)?;
         let params = [input(inputs, 1)?, input(inputs, 2)?];
@@ -190,7 +201,8 @@ fn batch_statistics(
         Arg::I64(rows as i64),
         Arg::F64(epsilon),
     ];
-    c.launch(spec, "k_stats", (len.div_ceil(32) as u32, 256), &args)?;
+    let threads = FIN_WARPS as u32 * 32;
+    c.launch(spec, "k_stats", (len.div_ceil(32) as u32, threads), &args)?;
     Ok(ab)
 }
 
@@ -240,13 +252,14 @@ fn apply(
 }
 
 /// The per-channel values of a channels-last elementwise pass, read as `name` from
-/// `ptr` of type `ty` with `loader`.
+/// `ptr` of type `ty` with `loader`: a vector of them per vector of the pass with
+/// `vectors`.
 fn per_channel<'a>(
-    ty: &'a str,
-    loader: &'a str,
+    (ty, loader): (&'a str, &'a str),
     name: &'a str,
     ptr: &'a str,
     bytes: usize,
+    vectors: bool,
 ) -> Load<'a> {
     Load {
         ty,
@@ -254,11 +267,15 @@ fn per_channel<'a>(
         loader,
         ptr,
         bytes,
-        at: At::Gather("i % len"),
+        at: if vectors {
+            At::Rows("i % len", "i0 % len")
+        } else {
+            At::Gather("i % len")
+        },
     }
 }
 
-pub(super) fn forward(x: DType, u: DType, relu: bool) -> String {
+pub(super) fn forward(x: DType, u: DType, relu: bool, vectors: bool) -> String {
     let ab = acc_dtype(u).size_bytes();
     let normalised = if relu {
         "(C)m_max((AU)x * a + b, (AU)0)"
@@ -268,8 +285,8 @@ pub(super) fn forward(x: DType, u: DType, relu: bool) -> String {
     let apply = elementwise(
         &[
             own(x, "x", "px"),
-            per_channel("AU", "ldA", "a", "pa", ab),
-            per_channel("AU", "ldA", "b", "pb", ab),
+            per_channel(("AU", "ldA"), "a", "pa", ab, vectors),
+            per_channel(("AU", "ldA"), "b", "pb", ab, vectors),
         ],
         "",
         &[store(x, "py", normalised)],
@@ -297,15 +314,15 @@ pub(super) fn forward(x: DType, u: DType, relu: bool) -> String {
             "__device__ __forceinline__ AU ldA(const AU* p, i64 i) {{ return p[i]; }}
              {sums}{word_sums}\
              extern \"C\" __global__ void k_stats(const AU* part, const T* px, const TU* pscale, const TU* poffset, TU* pmean, TU* pvar, AU* pab, i64 len, i64 chunks, i64 rows, double eps) {{\n\
-               __shared__ AU sh[2][{COLUMN_ROWS}][33];\n\
+               __shared__ AU sh[2][{FIN_WARPS}][33];\n\
                int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
                i64 j = (i64)blockIdx.x * 32 + tx;\n\
                AU s = 0, q = 0;\n\
-               if (j < len) for (i64 c = ty; c < chunks; c += {COLUMN_ROWS}) {{ s += part[(c * 2) * len + j]; q += part[(c * 2 + 1) * len + j]; }}\n\
+               if (j < len) for (i64 c = ty; c < chunks; c += {FIN_WARPS}) {{ s += part[(c * 2) * len + j]; q += part[(c * 2 + 1) * len + j]; }}\n\
                sh[0][ty][tx] = s; sh[1][ty][tx] = q;\n\
                __syncthreads();\n\
                if (ty == 0 && j < len) {{\n\
-                 for (int w = 1; w < {COLUMN_ROWS}; ++w) {{ s += sh[0][w][tx]; q += sh[1][w][tx]; }}\n\
+                 for (int w = 1; w < {FIN_WARPS}; ++w) {{ s += sh[0][w][tx]; q += sh[1][w][tx]; }}\n\
                  AU n = (AU)rows, d = s / n, var = q / n - d * d;\n\
                  if (var < 0) var = 0;\n\
                  AU mean = (AU)ld(px, j) + d;\n\
@@ -323,8 +340,8 @@ pub(super) fn forward(x: DType, u: DType, relu: bool) -> String {
     )
 }
 
-pub(super) fn backward(x: DType, u: DType, relu: bool) -> String {
-    let stats = u.size_bytes();
+pub(super) fn backward(x: DType, u: DType, relu: bool, vectors: bool) -> String {
+    let coef = acc_dtype(u).size_bytes();
     // The ReLU's gradient mask where the kernels read dy.
     let (y_param, masked, tile_dy, word_dy) = if relu {
         (
@@ -347,24 +364,20 @@ pub(super) fn backward(x: DType, u: DType, relu: bool) -> String {
         words.push(("py", "y"));
         streams.push(own(x, "yv", "py"));
     }
+    // dx = scale * inv * (g - (doff + xhat * dscale) / n) with xhat = (x - m) * inv,
+    // as A g + B (x - m) + C with per-channel A, B, m and C (`k_coef`): no square
+    // root or division per element.
+    let ld = ("AU", "ldA");
     streams.extend([
-        per_channel("CU", "ldU", "g", "pscale", stats),
-        per_channel("CU", "ldU", "m", "pmean", stats),
-        per_channel("CU", "ldU", "v", "pvar", stats),
-        per_channel("CU", "ldU", "doff", "pdoff", stats),
-        per_channel("CU", "ldU", "dscale", "pdscale", stats),
+        per_channel(ld, "ca", "pc", coef, vectors),
+        per_channel(ld, "cb", "pc_b", coef, vectors),
+        per_channel(ld, "cm", "pc_m", coef, vectors),
+        per_channel(ld, "cc", "pc_c", coef, vectors),
     ]);
     let dx = elementwise(
         &streams,
-        &format!(
-            "AU inv = (AU)1 / sqrt((AU)v * (AU)unbias + (AU)eps);\n\
-             AU xh = ((AU)x - (AU)m) * inv;\n{masked}"
-        ),
-        &[store(
-            x,
-            "pdx",
-            "(C)((AU)g * inv * (g0 - ((AU)doff + xh * (AU)dscale) * (AU)inv_n))",
-        )],
+        masked,
+        &[store(x, "pdx", "(C)(ca * g0 + cb * ((AU)x - cm) + cc)")],
     );
     let params = format!(
         "const T* px, const T* pdy{y_param}, const TU* pmean, const TU* pvar, double unbias, double eps"
@@ -392,7 +405,18 @@ pub(super) fn backward(x: DType, u: DType, relu: bool) -> String {
     module_multi(
         &[("", x), ("U", u)],
         &format!(
-            "{sums}{word_sums}extern \"C\" __global__ void k(const T* px, const T* pdy{y_param}, const TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, T* pdx, i64 n, i64 len, double unbias, double eps, double inv_n) {{\n{dx}}}\n"
+            "__device__ __forceinline__ AU ldA(const AU* p, i64 i) {{ return p[i]; }}
+             {sums}{word_sums}\
+             extern \"C\" __global__ void k_coef(const TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, AU* pc, i64 len, double unbias, double eps, double inv_n) {{\n\
+               GRID_LOOP(j, len) {{\n\
+                 AU inv = (AU)1 / sqrt((AU)ldU(pvar, j) * (AU)unbias + (AU)eps);\n\
+                 AU a = (AU)ldU(pscale, j) * inv;\n\
+                 pc[j] = a;\n\
+                 pc[len + j] = -a * (AU)inv_n * (AU)ldU(pdscale, j) * inv;\n\
+                 pc[2 * len + j] = (AU)ldU(pmean, j);\n\
+                 pc[3 * len + j] = -a * (AU)inv_n * (AU)ldU(pdoff, j);\n\
+               }}\n}}\n\
+             extern \"C\" __global__ void k(const T* px, const T* pdy{y_param}, const AU* pc, const AU* pc_b, const AU* pc_m, const AU* pc_c, T* pdx, i64 n, i64 len) {{\n{dx}}}\n"
         ),
     )
 }
@@ -409,12 +433,13 @@ fn lower_batch_norm_grad(
     let epsilon = g.epsilon;
     let outs = outs.to_vec();
     let relu = g.activation == NormActivation::Relu;
+    let (rows, len) = (nchw[0] * nchw[2] * nchw[3], nchw[1]);
     let own = channels_last(layout, nchw).then_some(Spec::Backward {
         x: outs[0].dtype,
         u: outs[1].dtype,
         relu,
+        vectors: channel_vectors(outs[0].dtype, len),
     });
-    let (rows, len) = (nchw[0] * nchw[2] * nchw[3], nchw[1]);
     Ok(kernel(move |c, inputs| {
         let (x, scale, dy) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 4)?);
         // The forward's output, whose ReLU mask applies to dy.
@@ -437,20 +462,24 @@ fn lower_batch_norm_grad(
                 let outs = [(&doffset, 1.0), (&dscale, 1.0)];
                 let partials = Partials::for_rows(len, x.dtype, &images);
                 launch_column_sums(c, spec, &stats, (rows, len), &outs, partials)?;
+                let coef = c.temp(acc_dtype(mean.dtype), 4 * len)?;
+                let args = [
+                    scale.arg(),
+                    mean.arg(),
+                    var.arg(),
+                    doffset.arg(),
+                    dscale.arg(),
+                    coef.arg(),
+                    Arg::I64(len as i64),
+                    Arg::F64(unbias),
+                    Arg::F64(epsilon),
+                    Arg::F64(1.0 / n),
+                ];
+                c.launch(spec, "k_coef", (len.div_ceil(256) as u32, 256), &args)?;
+                let at = |k: usize| Arg::Ptr(coef.ptr() + (k * len * coef.dtype.size_bytes()) as u64);
                 let args: Vec<Arg> = image_args
-                    .chain([
-                        scale.arg(),
-                        mean.arg(),
-                        var.arg(),
-                        doffset.arg(),
-                        dscale.arg(),
-                        dx.arg(),
-                        Arg::I64(x.len() as i64),
-                        Arg::I64(len as i64),
-                        Arg::F64(unbias),
-                        Arg::F64(epsilon),
-                        Arg::F64(1.0 / n),
-                    ])
+                    .chain([coef.arg(), at(1), at(2), at(3)])
+                    .chain([dx.arg(), Arg::I64(x.len() as i64), Arg::I64(len as i64)])
                     .collect();
                 c.launch_elementwise(spec, x.len(), &args)?;
             }

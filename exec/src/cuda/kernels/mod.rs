@@ -72,7 +72,7 @@ use super::device::{row_block, row_grid, Arg, DTensor, Device};
 use super::dnn::{Dnn, DnnOptions};
 use super::gemm::{Gemm, GemmOptions};
 
-pub(crate) use codegen::{MAX_RANK, VECTOR};
+pub(crate) use codegen::{FIN_WARPS, MAX_RANK, VECTOR};
 pub(crate) use training::{GROUP_MEMBERS, GROUP_POINTERS};
 
 /// What a compiled module is generated from. Its `Debug` form (derived) is the module's
@@ -539,7 +539,7 @@ fn launch_column_sums_fin<S: KernelSpec>(
         args.extend([y.arg(), Arg::F64(*scale)]);
     }
     let grid = len.div_ceil(32).min(1 << 20) as u32;
-    c.launch(spec, "k_cols_fin", (grid, 256), &args)
+    c.launch(spec, "k_cols_fin", (grid, FIN_WARPS as u32 * 32), &args)
 }
 
 /// (len, inner, rows) of a softmax-like op along `axis`.

@@ -190,14 +190,14 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         (DType::BF16, DType::F32),
         (DType::F64, DType::F64),
     ] {
-        for relu in [false, true] {
+        for (relu, vectors) in [(false, false), (true, false), (false, true), (true, true)] {
             k.push((
-                format!("batch_norm_{x}_{relu}"),
-                batch_norm_forward(x, u, relu),
+                format!("batch_norm_{x}_{relu}_{vectors}"),
+                batch_norm_forward(x, u, relu, vectors),
             ));
             k.push((
-                format!("batch_norm_grad_{x}_{relu}"),
-                batch_norm_backward(x, u, relu),
+                format!("batch_norm_grad_{x}_{relu}_{vectors}"),
+                batch_norm_backward(x, u, relu, vectors),
             ));
         }
     }
