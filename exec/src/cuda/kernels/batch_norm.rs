@@ -12,7 +12,7 @@ use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, DataFormat, NormActivation, 
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{
-    column_sums, column_sums_words, column_vector, elementwise, module_multi, own, store,
+    column_sums, column_sums_words, column_vector, elementwise_from_end, module_multi, own, store,
     vector_len, At, Load, FIN_WARPS,
 };
 use super::elementwise::Spec as ElementwiseSpec;
@@ -282,7 +282,7 @@ pub(super) fn forward(x: DType, u: DType, relu: bool, vectors: bool) -> String {
     } else {
         "(C)((AU)x * a + b)"
     };
-    let apply = elementwise(
+    let apply = elementwise_from_end(
         &[
             own(x, "x", "px"),
             per_channel(("AU", "ldA"), "a", "pa", ab, vectors),
@@ -374,7 +374,7 @@ pub(super) fn backward(x: DType, u: DType, relu: bool, vectors: bool) -> String 
         per_channel(ld, "cm", "pc_m", coef, vectors),
         per_channel(ld, "cc", "pc_c", coef, vectors),
     ]);
-    let dx = elementwise(
+    let dx = elementwise_from_end(
         &streams,
         masked,
         &[store(x, "pdx", "(C)(ca * g0 + cb * ((AU)x - cm) + cc)")],

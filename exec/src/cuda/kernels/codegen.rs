@@ -364,6 +364,13 @@ pub(crate) fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> Strin
     elementwise_in(loads, body, stores, ("blockIdx.x", "gridDim.x"))
 }
 
+/// [`elementwise`]'s loop with the blocks in reverse order, so that the pass starts at
+/// the end of its tensors: after a pass that swept them from the start (batch norm's
+/// statistics), the first reads find the L2 cache's contents.
+pub(crate) fn elementwise_from_end(loads: &[Load], body: &str, stores: &[Store]) -> String {
+    elementwise_in(loads, body, stores, ("(gridDim.x - 1 - blockIdx.x)", "gridDim.x"))
+}
+
 /// [`elementwise`]'s loop as run by block `block` of `blocks` (expressions): a
 /// grouped kernel runs each member's loop in blocks of its own.
 pub(crate) fn elementwise_in(
@@ -569,10 +576,13 @@ pub(crate) const COLUMN_WORD_THREADS: usize = 256;
 /// values, for rows of at most [`COLUMN_WORD_THREADS`] words (`len % v == 0`): the
 /// statistics of channels-last batch norms, whose few channels leave most lanes of
 /// [`column_sums`]' 32-column tiles idle (and a warp reading 64 bytes of a row). Kernel
-/// `k_cols_words` (grid: row chunks; [`COLUMN_WORD_THREADS`] threads): thread `t` sums
-/// columns `g * v ..= g * v + v - 1` (`g = t % groups`, `groups = len / v`) of rows
-/// `r, r + per, ...` (`r = t / groups`, `per = threads / groups`) of its block's chunk,
-/// so a warp reads up to 512 contiguous bytes; the block adds its `per` partials of
+/// `k_cols_words(params, A* part, i64 rows, i64 len)` (grid: `chunks` blocks;
+/// [`COLUMN_WORD_THREADS`] threads): thread `t` sums columns `g * v ..= g * v + v - 1`
+/// (`g = t % groups`, `groups = len / v`) of rows `(k * chunks + b) * per + r` for
+/// k = 0, 1, ... (`r = t / groups`, `per = threads / groups`, `b` its block), so a warp
+/// reads up to 512 contiguous bytes and the blocks sweep the matrix together from its
+/// first row to its last (what the L2 cache holds after is the matrix's end, which an
+/// elementwise pass reading [`elementwise_from_end`] finds there); the block adds its `per` partials of
 /// each column in shared memory and writes `part[(chunk * n + k) * len + j]`, the
 /// layout [`column_sums_fin`] reads. `words` are `(pointer, name)`: each row's word of
 /// `pointer` is readable as `const T* name` (by `ld(name, e)`); `prologue` runs once
@@ -606,7 +616,7 @@ pub(crate) fn column_sums_words(
         ));
     }
     format!(
-        "extern \"C\" __global__ void k_cols_words({params}, A{out}* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
+        "extern \"C\" __global__ void k_cols_words({params}, A{out}* part, i64 rows, i64 len) {{\n\
            const int V = {v};\n\
            __shared__ A{out} sh[{n}][{threads} * V];\n\
            int groups = (int)(len / V), per = {threads} / groups, t = threadIdx.x, r = t / groups;\n\
@@ -614,9 +624,8 @@ pub(crate) fn column_sums_words(
            {accs}\
            if (r < per) {{\n\
              {prologue}\n\
-             i64 end = min(rows, ((i64)blockIdx.x + 1) * chunk_rows);\n\
              #pragma unroll 4\n\
-             for (i64 row = (i64)blockIdx.x * chunk_rows + r; row < end; row += per) {{\n\
+             for (i64 row = (i64)blockIdx.x * per + r; row < rows; row += (i64)gridDim.x * per) {{\n\
                {loads}\
                #pragma unroll\n\
                for (int e = 0; e < V; ++e) {{ i64 j = j0 + e; (void)j; {setup} {adds}}}\n\

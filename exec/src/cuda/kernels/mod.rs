@@ -436,8 +436,8 @@ pub(super) enum Partials {
     /// `k_cols_part`, or a form such as `k_cols_part_vec`, over tiles of this many
     /// columns times row chunks.
     Tiles(&'static str, usize),
-    /// `k_cols_words` (`codegen::column_sums_words`): a block per row chunk, reading
-    /// whole rows in 16-byte words of this many values.
+    /// `k_cols_words` (`codegen::column_sums_words`): blocks reading interleaved
+    /// bands of whole rows in 16-byte words of this many values.
     Words(usize),
 }
 
@@ -507,16 +507,14 @@ fn launch_column_partials<S: KernelSpec>(
             )
         }
     };
-    let chunk_rows = rows.div_ceil(chunks);
     let blocks = u32::try_from(tiles * chunks).map_err(|_| "too many columns for one launch")?;
     let part = c.temp(acc, chunks * sums * len)?;
     let mut args = inputs.to_vec();
-    args.extend([
-        part.arg(),
-        Arg::I64(rows as i64),
-        Arg::I64(len as i64),
-        Arg::I64(chunk_rows as i64),
-    ]);
+    args.extend([part.arg(), Arg::I64(rows as i64), Arg::I64(len as i64)]);
+    if let Partials::Tiles(..) = partials {
+        // Tiles read contiguous chunks of rows; words interleave bands of rows.
+        args.push(Arg::I64(rows.div_ceil(chunks) as i64));
+    }
     c.launch(spec, name, (blocks, threads), &args)?;
     Ok((part, chunks))
 }
