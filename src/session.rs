@@ -639,6 +639,7 @@ mod tests {
             allow_tf32: true,
             allow_fp16_reduced_precision_reduction: true,
             deterministic_convolutions: true,
+            conv_workspace_limit_mib: Some(64),
             profile: false,
         };
         let options = SessionOptions {

@@ -49,23 +49,27 @@ pub fn available() -> Result<(), String> {
 }
 
 /// How convolution algorithms are chosen.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct DnnOptions {
     /// Only algorithms whose results are the same from run to run (PyTorch's
     /// `cudnn.deterministic`): the fastest of those, which may be slower.
     pub deterministic: bool,
-    /// The most workspace bytes one algorithm may use.
-    pub workspace_limit: usize,
+    /// The most workspace one algorithm may use, in MiB; `None`:
+    /// [`DEFAULT_WORKSPACE_LIMIT_MIB`].
+    pub workspace_limit_mib: Option<usize>,
 }
 
-impl Default for DnnOptions {
-    fn default() -> Self {
-        DnnOptions {
-            deterministic: false,
-            // The bench convnet's f32 training step: 52.3 ms within 256 MiB, 45.2
-            // within 512, 38.7 within 1024 (PyTorch, unlimited: 41.0) on the H100.
-            workspace_limit: 1 << 30,
-        }
+/// The default of [`DnnOptions::workspace_limit_mib`]. The bench convnet's f32 training
+/// step on the H100: 52.3 ms within 256 MiB, 45.2 within 512, 38.7 within 1024
+/// (PyTorch, whose search has no limit: 41.0).
+pub const DEFAULT_WORKSPACE_LIMIT_MIB: usize = 1024;
+
+impl DnnOptions {
+    /// The workspace limit in bytes.
+    pub fn workspace_limit(&self) -> usize {
+        self.workspace_limit_mib
+            .unwrap_or(DEFAULT_WORKSPACE_LIMIT_MIB)
+            .saturating_mul(1 << 20)
     }
 }
 
@@ -544,7 +548,7 @@ impl Dnn {
             direction,
             shape: *shape,
             deterministic: options.deterministic,
-            workspace_limit: options.workspace_limit,
+            workspace_limit: options.workspace_limit(),
         };
         let cached = self
             .plans
@@ -760,7 +764,7 @@ impl Dnn {
         })?;
         let usable = |p: &&Perf| {
             p.status == 0
-                && p.memory <= options.workspace_limit
+                && p.memory <= options.workspace_limit()
                 && (!options.deterministic || p.determinism == 1)
         };
         let timed = {
@@ -770,7 +774,7 @@ impl Dnn {
             let _one_at_a_time = SEARCH.lock().map_err(|_| "poisoned")?;
             let workspace = dev.alloc(
                 DType::F32,
-                &[options.workspace_limit.div_ceil(4)],
+                &[options.workspace_limit().div_ceil(4)],
                 &"the cuDNN algorithm search",
             )?;
             let ws = (workspace.ptr() as *mut c_void, workspace.bytes());
@@ -790,7 +794,7 @@ impl Dnn {
         Err(format!(
             "no {}cuDNN algorithm runs this convolution within the workspace limit of {} MiB (timed: {}; ranked: {})",
             if options.deterministic { "deterministic " } else { "" },
-            options.workspace_limit >> 20,
+            options.workspace_limit() >> 20,
             describe(key.direction, &timed),
             describe(key.direction, &ranked),
         ))

@@ -654,7 +654,7 @@ impl Executor for CudaExecutor {
                 .gemm
                 .allow_fp16_reduced_precision_reduction,
             deterministic_convolutions: self.options.dnn.deterministic,
-            conv_workspace_limit_mib: Some(self.options.dnn.workspace_limit >> 20),
+            conv_workspace_limit_mib: self.options.dnn.workspace_limit_mib,
             profile: self.options.profile,
         }
     }
@@ -664,9 +664,7 @@ impl Executor for CudaExecutor {
         self.options.gemm.allow_fp16_reduced_precision_reduction =
             options.allow_fp16_reduced_precision_reduction;
         self.options.dnn.deterministic = options.deterministic_convolutions;
-        self.options.dnn.workspace_limit = options
-            .conv_workspace_limit_mib
-            .map_or(DnnOptions::default().workspace_limit, |mib| mib << 20);
+        self.options.dnn.workspace_limit_mib = options.conv_workspace_limit_mib;
         self.options.profile = options.profile;
     }
 

@@ -53,3 +53,26 @@ pub fn pipeline(options: &crate::ExecOptions) -> Vec<&'static str> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tf32_swaps_the_layout_pass_for_its_every_graph_form() {
+        let plain = pipeline(&crate::ExecOptions::default());
+        assert_eq!(plain, PIPELINE);
+        let tf32 = pipeline(&crate::ExecOptions {
+            allow_tf32: true,
+            ..Default::default()
+        });
+        assert_eq!(tf32.len(), PIPELINE.len());
+        let differ: Vec<(&str, &str)> = PIPELINE
+            .iter()
+            .zip(&tf32)
+            .filter(|(a, b)| a != b)
+            .map(|(a, b)| (*a, *b))
+            .collect();
+        assert_eq!(differ, [("layout-nhwc", "layout-nhwc-all")]);
+    }
+}

@@ -120,7 +120,11 @@ pub(super) fn pad_axis(
     };
     let z = g.add_node(g.fresh_name(format!("{stem}/zero")), Box::new(zero), &[])?;
     let zeros = BroadcastTo::new(zero_shape);
-    let z = g.add_node(g.fresh_name(format!("{stem}/zeros")), Box::new(zeros), &[z.into()])?;
+    let z = g.add_node(
+        g.fresh_name(format!("{stem}/zeros")),
+        Box::new(zeros),
+        &[z.into()],
+    )?;
     let name = g.fresh_name(stem);
     let padded = g.add_node(name, Box::new(Concat::new(axis as i64)), &[x, z.into()])?;
     Ok(padded.into())

@@ -476,7 +476,8 @@ fn lower_batch_norm_grad(
                     Arg::F64(1.0 / n),
                 ];
                 c.launch(spec, "k_coef", (len.div_ceil(256) as u32, 256), &args)?;
-                let at = |k: usize| Arg::Ptr(coef.ptr() + (k * len * coef.dtype.size_bytes()) as u64);
+                let at =
+                    |k: usize| Arg::Ptr(coef.ptr() + (k * len * coef.dtype.size_bytes()) as u64);
                 let args: Vec<Arg> = image_args
                     .chain([coef.arg(), at(1), at(2), at(3)])
                     .chain([dx.arg(), Arg::I64(x.len() as i64), Arg::I64(len as i64)])

@@ -368,7 +368,12 @@ pub(crate) fn elementwise(loads: &[Load], body: &str, stores: &[Store]) -> Strin
 /// the end of its tensors: after a pass that swept them from the start (batch norm's
 /// statistics), the first reads find the L2 cache's contents.
 pub(crate) fn elementwise_from_end(loads: &[Load], body: &str, stores: &[Store]) -> String {
-    elementwise_in(loads, body, stores, ("(gridDim.x - 1 - blockIdx.x)", "gridDim.x"))
+    elementwise_in(
+        loads,
+        body,
+        stores,
+        ("(gridDim.x - 1 - blockIdx.x)", "gridDim.x"),
+    )
 }
 
 /// [`elementwise`]'s loop as run by block `block` of `blocks` (expressions): a
