@@ -238,17 +238,22 @@ fn apply(
     y: &DTensor,
     len: usize,
 ) -> Result<(), String> {
-    let b = Arg::Ptr(ab.ptr() + (len * ab.dtype.size_bytes()) as u64);
     let n = x.len();
     let args = [
         x.arg(),
-        ab.arg(),
-        b,
+        channel_row(ab, 0, len),
+        channel_row(ab, 1, len),
         y.arg(),
         Arg::I64(n as i64),
         Arg::I64(len as i64),
     ];
     c.launch_elementwise(spec, n, &args)
+}
+
+/// Row `k` of a `[rows, len]` table of per-channel values (`a` and `b`, dx's
+/// coefficients), as a kernel's pointer argument.
+fn channel_row(table: &DTensor, k: usize, len: usize) -> Arg {
+    Arg::Ptr(table.ptr() + (k * len * table.dtype.size_bytes()) as u64)
 }
 
 /// The per-channel values of a channels-last elementwise pass, read as `name` from
@@ -476,10 +481,8 @@ fn lower_batch_norm_grad(
                     Arg::F64(1.0 / n),
                 ];
                 c.launch(spec, "k_coef", (len.div_ceil(256) as u32, 256), &args)?;
-                let at =
-                    |k: usize| Arg::Ptr(coef.ptr() + (k * len * coef.dtype.size_bytes()) as u64);
                 let args: Vec<Arg> = image_args
-                    .chain([coef.arg(), at(1), at(2), at(3)])
+                    .chain((0..4).map(|k| channel_row(&coef, k, len)))
                     .chain([dx.arg(), Arg::I64(x.len() as i64), Arg::I64(len as i64)])
                     .collect();
                 c.launch_elementwise(spec, x.len(), &args)?;

@@ -485,36 +485,31 @@ fn launch_column_partials<S: KernelSpec>(
     (acc, sums): (DType, usize),
     partials: Partials,
 ) -> Result<(DTensor, usize), String> {
-    let (name, chunks, tiles, threads) = match partials {
+    // Tiles read contiguous chunks of rows (`chunk_rows`, a last argument); words
+    // interleave bands of rows.
+    let (name, chunks, tiles, threads, chunk_rows) = match partials {
         Partials::Tiles(name, width) => {
             let tiles = len.div_ceil(width);
             let most_blocks = (i32::MAX as usize) / tiles.max(1);
             let chunks = rows
                 .div_ceil(64)
                 .clamp(1, codegen::COLUMN_CHUNKS.min(most_blocks.max(1)));
-            (name, chunks, tiles, 256)
+            (name, chunks, tiles, 256, Some(rows.div_ceil(chunks)))
         }
         Partials::Words(v) => {
             // Rows a block reads at once; each thread then takes 16 or more rows, in
             // enough blocks to keep every multiprocessor's loads in flight.
             let per = codegen::COLUMN_WORD_THREADS / (len / v).max(1);
             let chunks = rows.div_ceil(per * 16).clamp(1, WORD_CHUNKS);
-            (
-                "k_cols_words",
-                chunks,
-                1,
-                codegen::COLUMN_WORD_THREADS as u32,
-            )
+            let threads = codegen::COLUMN_WORD_THREADS as u32;
+            ("k_cols_words", chunks, 1, threads, None)
         }
     };
     let blocks = u32::try_from(tiles * chunks).map_err(|_| "too many columns for one launch")?;
     let part = c.temp(acc, chunks * sums * len)?;
     let mut args = inputs.to_vec();
     args.extend([part.arg(), Arg::I64(rows as i64), Arg::I64(len as i64)]);
-    if let Partials::Tiles(..) = partials {
-        // Tiles read contiguous chunks of rows; words interleave bands of rows.
-        args.push(Arg::I64(rows.div_ceil(chunks) as i64));
-    }
+    args.extend(chunk_rows.map(|r| Arg::I64(r as i64)));
     c.launch(spec, name, (blocks, threads), &args)?;
     Ok((part, chunks))
 }
