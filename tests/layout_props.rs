@@ -17,7 +17,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use ampgraph::exec::{CpuExecutor, Executor};
+use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::attrs::AttrValue;
 use ampgraph::graph::format::parse_json;
 use ampgraph::graph::ops::{
@@ -383,16 +383,41 @@ fn channels_aligned(g: &Graph) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// Outputs within one 16-bit ulp of each other.
-fn within_an_ulp(want: &[Tensor], got: &[Tensor], dtype: DType) -> Result<(), TestCaseError> {
-    for (w, o) in want.iter().zip(got) {
+/// Outputs within one 16-bit ulp of each other plus what two f32 sums of `terms`
+/// products may differ by in their order (Higham's bound, 2 * terms * 2^-24 * the sum
+/// of the products' magnitudes, which `magnitudes` holds): padding adds zero products
+/// but may change the CPU's blocking of the sum.
+fn alike_in_16_bits(
+    want: &[Tensor],
+    got: &[Tensor],
+    magnitudes: &[Tensor],
+    terms: usize,
+    dtype: DType,
+) -> Result<(), TestCaseError> {
+    // f32::EPSILON is 2^-23, twice the unit roundoff.
+    let accumulation = terms as f64 * f64::from(f32::EPSILON);
+    for ((w, o), m) in want.iter().zip(got).zip(magnitudes) {
         prop_assert_eq!(w.ty(), o.ty());
-        for (a, b) in w.to_f64_vec().iter().zip(o.to_f64_vec()) {
-            let bound = ulp(a.abs().max(b.abs()), dtype);
-            prop_assert!((a - b).abs() <= bound, "{} vs {}", a, b);
+        let values = w.to_f64_vec().into_iter().zip(o.to_f64_vec());
+        for ((a, b), m) in values.zip(m.to_f64_vec()) {
+            let bound = ulp(a.abs().max(b.abs()), dtype) + accumulation * m;
+            prop_assert!((a - b).abs() <= bound, "{} vs {} (magnitude {})", a, b, m);
         }
     }
     Ok(())
+}
+
+/// The feeds with every value made non-negative: a convolution of them sums the
+/// magnitudes of the products the convolution of `feeds` sums.
+fn magnitudes_of(feeds: &Feeds) -> Feeds {
+    feeds
+        .iter()
+        .map(|(name, t)| {
+            let abs: Vec<f64> = t.to_f64_vec().iter().map(|v| v.abs()).collect();
+            let abs = Tensor::from_f64(t.dtype(), t.shape(), &abs).unwrap();
+            (name.clone(), abs)
+        })
+        .collect()
 }
 
 /// The CPU's NCHW and NHWC filter gradients sum the batch's positions in different
@@ -434,7 +459,7 @@ proptest! {
     }
 
     #[test]
-    fn pad_conv_channels_keeps_16_bit_convolutions_and_gradients_to_the_ulp(
+    fn pad_conv_channels_keeps_16_bit_convolutions_and_gradients(
         seed in any::<u64>(),
         bf16 in any::<bool>(),
         nhwc in any::<bool>(),
@@ -484,7 +509,10 @@ proptest! {
         let f = feeds(&g, seed);
         let want = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
         let got = CpuExecutor::new().run(&padded, &f, padded.outputs()).unwrap();
-        within_an_ulp(&want, &got, dtype)?;
+        let magnitudes = CpuExecutor::new().run(&g, &magnitudes_of(&f), g.outputs()).unwrap();
+        let positions = g.ty(dy).shape.iter().product::<usize>() / cout;
+        let terms = (k * k * cin.max(cout)).max(positions);
+        alike_in_16_bits(&want, &got, &magnitudes, terms, dtype)?;
     }
 }
 
@@ -503,6 +531,8 @@ proptest! {
         let nhwc = rewritten(&g, &LayoutNhwc::EVERY_GRAPH)?;
         let padded = rewritten(&nhwc, &PadConvChannels)?;
         channels_aligned(&padded)?;
-        same_step((&nhwc, &fetch), (&padded, &fetch), seed, 0.0)?;
+        // Padding changes how the CPU blocks a convolution's f32 sums, which may move
+        // a 16-bit result by an ulp and a training step's variables by a few.
+        same_step((&nhwc, &fetch), (&padded, &fetch), seed, 4.0 * ulp(1.0, dtype))?;
     }
 }
