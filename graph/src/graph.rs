@@ -815,6 +815,19 @@ impl Graph {
         Ok(())
     }
 
+    /// Which nodes `ports` depend on (their own included), by node index: with the
+    /// graph's outputs, the nodes that are not dead code.
+    pub fn needed_by(&self, ports: &[Port]) -> Vec<bool> {
+        let mut needed = vec![false; self.node_bound()];
+        let mut stack: Vec<NodeId> = ports.iter().map(|p| p.node).collect();
+        while let Some(id) = stack.pop() {
+            if !std::mem::replace(&mut needed[id.index()], true) {
+                stack.extend(self.inputs(id).into_iter().map(|p| p.node));
+            }
+        }
+        needed
+    }
+
     /// Keeps only what `keep` depends on, which become the outputs: an inference
     /// graph from a training graph drops gradients, updates and optimizer slots.
     pub fn prune(&mut self, keep: &[Port]) -> Result<()> {
@@ -822,17 +835,11 @@ impl Graph {
         for p in keep {
             self.check_port(*p)?;
         }
-        let mut needed = std::collections::HashSet::new();
-        let mut stack: Vec<NodeId> = keep.iter().map(|p| p.node).collect();
-        while let Some(id) = stack.pop() {
-            if needed.insert(id) {
-                stack.extend(self.inputs(id).into_iter().map(|p| p.node));
-            }
-        }
+        let needed = self.needed_by(keep);
         let dead: Vec<NodeId> = self
             .dag
             .node_indices()
-            .filter(|id| !needed.contains(id))
+            .filter(|id| !needed[id.index()])
             .collect();
         for id in dead {
             let name = self.dag[id].name.clone();

@@ -69,11 +69,11 @@ impl Operand {
 }
 
 /// The kernel that can take the column sum `sum` of `x`: the fused or lone
-/// elementwise node producing `x`, or else one reading `x` whole that something reads
+/// elementwise node producing `x`, or else one reading `x` whole that an output needs
 /// and that depends on no column sum (`downstream`).
 fn summing_kernel(
     g: &Graph,
-    is_output: &[bool],
+    live: &[bool],
     downstream: &[bool],
     sum: NodeId,
     x: Port,
@@ -96,12 +96,11 @@ fn summing_kernel(
         return Some((x.node, Operand::Output(x)));
     }
     let len = g.ty(x).checked_len()?;
-    // Only a reader that is itself read: a dead one would come back to life.
-    let live = |c: NodeId| is_output[c.index()] || !g.consumers(c).is_empty();
+    // Only a reader that an output needs: dead code would come back to life.
     let mut readers: Vec<NodeId> = g
         .consumers(x.node)
         .into_iter()
-        .filter(|&(c, _, p)| p == x && c != sum && elementwise(c) == Some(len) && live(c))
+        .filter(|&(c, _, p)| p == x && c != sum && elementwise(c) == Some(len) && live[c.index()])
         .map(|(c, _, _)| c)
         .collect();
     readers.sort();
@@ -160,13 +159,14 @@ impl Pass for SumIntoElementwise {
                     .then_some((id, x))
             })
             .collect();
+        let live = g.needed_by(g.outputs());
         // What depends on any of them: a kernel reading an operand whole must not (it
         // would compute its own input, or two such kernels each other's).
         let downstream = reachable_from(g, sums.iter().map(|&(id, _)| id));
         // The column sums each kernel takes: (sum node, where its operand is).
         let mut taken: Vec<(NodeId, Vec<(NodeId, Operand)>)> = Vec::new();
         for (id, x) in sums {
-            let Some((kernel, operand)) = summing_kernel(g, &is_output, &downstream, id, x) else {
+            let Some((kernel, operand)) = summing_kernel(g, &live, &downstream, id, x) else {
                 continue;
             };
             match taken.iter_mut().find(|(k, _)| *k == kernel) {
@@ -364,6 +364,14 @@ mod tests {
         g.set_outputs(outputs).unwrap();
         let cast = g.find("cast").unwrap();
         g.remove_node(cast).unwrap();
+        let summary = SumIntoElementwise.run(&mut g).unwrap();
+        assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
+        // Nor can a Cast that only dead code reads (an Exp of it that no output needs):
+        // taking the sum would bring it back to life.
+        let mut g = read_twice(false);
+        let (cast, sum) = (g.outputs()[0], g.outputs()[1]);
+        g.add(Unary::new(UnaryKind::Exp), &[cast]).unwrap();
+        g.set_outputs(vec![sum]).unwrap();
         let summary = SumIntoElementwise.run(&mut g).unwrap();
         assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
     }
