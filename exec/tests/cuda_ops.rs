@@ -1344,7 +1344,7 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
                     check(&mut gpu, &what, bn, &inputs);
                 }
                 // The gradient reads the forward's batch statistics (and, with the
-                // ReLU, its output).
+                // ReLU, its offset).
                 let bn = BatchNorm {
                     epsilon: 1e-3,
                     training: true,
@@ -1369,7 +1369,7 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
                     dy,
                 ];
                 if activation == NormActivation::Relu {
-                    grad_inputs.push(forward[0].clone());
+                    grad_inputs.push(inputs[2].clone());
                 }
                 check_scaled(&mut gpu, &what, grad, &grad_inputs, count.sqrt());
             }

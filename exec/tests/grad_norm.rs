@@ -101,14 +101,18 @@ fn batch_norm_gradient_fixed_cases() {
             (DataFormat::Nchw, vec![5, 4], 4),
         ] {
             let inputs = bn_inputs(&mut rng, &shape, c);
-            let op = BatchNorm {
-                epsilon: 1e-3,
-                training,
-                data_format: format,
-                activation: NormActivation::Identity,
-            };
-            let err = check_output0(Box::new(op), &inputs, &[0, 1, 2], 3);
-            assert!(err < GRAD_TOL, "{format:?} {shape:?} {training}: {err:e}");
+            // With the ReLU, the gradient's mask is recomputed from x and the offset.
+            for activation in [NormActivation::Identity, NormActivation::Relu] {
+                let op = BatchNorm {
+                    epsilon: 1e-3,
+                    training,
+                    data_format: format,
+                    activation,
+                };
+                let err = check_output0(Box::new(op), &inputs, &[0, 1, 2], 3);
+                let what = format!("{format:?} {shape:?} {training} {activation:?}");
+                assert!(err < GRAD_TOL, "{what}: {err:e}");
+            }
         }
     }
 }
@@ -183,6 +187,36 @@ fn ref_bn_grad(
     [dx, dscale, doffset]
 }
 
+/// `dy` where the forward's pre-activation `(x - mean) * scale / sqrt(var + eps) +
+/// offset` (var biased, as in [`ref_bn_grad`]) is positive, else 0: the ReLU's gradient.
+fn relu_masked(
+    x: &[f64],
+    dy: &[f64],
+    [scale, offset, mean, var]: [&[f64]; 4],
+    (outer, c, inner): (usize, usize, usize),
+    eps: f64,
+    training: bool,
+) -> Vec<f64> {
+    let n = (outer * inner) as f64;
+    let biased = if training && n > 1.0 {
+        (n - 1.0) / n
+    } else {
+        1.0
+    };
+    (x.iter().zip(dy).enumerate())
+        .map(|(k, (&xv, &g))| {
+            let ch = (k / inner) % c;
+            let inv = 1.0 / (var[ch] * biased + eps).sqrt();
+            let z = (xv - mean[ch]) * scale[ch] * inv + offset[ch];
+            if z > 0.0 {
+                g
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
 #[test]
 fn batch_norm_grad_kernel_matches_reference() {
     let mut rng = Gen(31);
@@ -201,6 +235,7 @@ fn batch_norm_grad_kernel_matches_reference() {
         let x0 = rng.vec(numel(&shape), -2.0, 2.0);
         let dy0 = rng.vec(numel(&shape), -1.0, 1.0);
         let scale0 = rng.vec(c, 0.5, 1.5);
+        let offset0 = rng.vec(c, -0.5, 0.5);
         for training in [true, false] {
             // In training the statistics are the batch's (variance Bessel-corrected),
             // as BatchNorm outputs them.
@@ -220,7 +255,10 @@ fn batch_norm_grad_kernel_matches_reference() {
             } else {
                 (rng.vec(c, -0.5, 0.5), rng.vec(c, 0.1, 2.0))
             };
-            for dtype in FLOATS {
+            for (dtype, activation) in FLOATS
+                .into_iter()
+                .flat_map(|d| [NormActivation::Identity, NormActivation::Relu].map(|a| (d, a)))
+            {
                 // The statistics are f32 unless x is f64 (f16/bf16 x: mixed precision).
                 let u = if dtype == DType::F64 {
                     DType::F64
@@ -232,17 +270,24 @@ fn batch_norm_grad_kernel_matches_reference() {
                 let (st, s) = stored(u, &[c], &scale0);
                 let (mt, m) = stored(u, &[c], &mean0);
                 let (vt, v) = stored(u, &[c], &var0);
+                let (ot, o) = stored(u, &[c], &offset0);
                 let op = BatchNormGrad {
                     epsilon: 1e-3,
                     training,
                     data_format: format,
-                    activation: NormActivation::Identity,
+                    activation,
                 };
                 assert_round_trip(&op);
-                let types: Vec<TensorType> =
-                    [&xt, &st, &mt, &vt, &dyt].iter().map(|t| t.ty()).collect();
+                let mut operands = vec![&xt, &st, &mt, &vt, &dyt];
+                let mut dy = dy;
+                if activation == NormActivation::Relu {
+                    operands.push(&ot);
+                    let geometry = (outer, c, inner);
+                    dy = relu_masked(&x, &dy, [&s, &o, &m, &v], geometry, 1e-3, training);
+                }
+                let types: Vec<TensorType> = operands.iter().map(|t| t.ty()).collect();
                 let inferred = op.infer(&types.iter().collect::<Vec<_>>()).unwrap();
-                let got = op.eval(&[&xt, &st, &mt, &vt, &dyt]).unwrap();
+                let got = op.eval(&operands).unwrap();
                 let got_types: Vec<TensorType> = got.iter().map(|t| t.ty()).collect();
                 assert_eq!(got_types, inferred);
                 assert_eq!(inferred[0], tt(dtype, &shape));
@@ -252,7 +297,7 @@ fn batch_norm_grad_kernel_matches_reference() {
                 // doffset are sums of n terms in the compute type, stored as U.
                 let n = outer * inner;
                 let scale_of = |v: &[f64]| v.iter().map(|a| a.abs()).fold(0.0, f64::max);
-                let what = format!("{format:?} {shape:?} training={training}");
+                let what = format!("{format:?} {shape:?} training={training} {activation:?}");
                 let floor = 2.0 * n as f64 * scale_of(&want[0]);
                 check_close(
                     &format!("dx {what}"),

@@ -3,13 +3,15 @@
 //! only reader, becomes one BatchNorm with `activation = Relu`, so the normalised
 //! values are not written and read back. The gradient follows, as
 //! `_FusedBatchNormGradEx`: `BatchNormGrad(x, scale, mean, var, UnaryGrad{Relu}(y,
-//! dy))`, the UnaryGrad read by nothing else, becomes `BatchNormGrad{Relu}(x, scale,
-//! mean, var, dy, y)`, which masks `dy` by `y > 0` where it reads it. In a convnet's
-//! training step each Conv + BatchNorm + ReLU layer loses two elementwise passes over
-//! its activations.
+//! dy))`, the UnaryGrad read by nothing else and `y` the ReLU of that BatchNorm,
+//! becomes `BatchNormGrad{Relu}(x, scale, mean, var, dy, offset)`, which masks `dy`
+//! where it reads it by the sign of the pre-activation it recomputes from `x` (so `y`
+//! is not read). In a convnet's training step each Conv + BatchNorm + ReLU layer loses
+//! two elementwise passes over its activations, and its gradient two reads of `y`.
 //!
-//! Bit-exact on the CPU: the fused BatchNorm computes the ReLU as the Unary op does
-//! (rounding commutes with it), and the fused gradient's mask is UnaryGrad's.
+//! The forward is bit-exact on the CPU (the fused BatchNorm computes the ReLU as the
+//! Unary op does; rounding commutes with it); the gradient's recomputed mask differs
+//! from `y > 0` only where the pre-activation is within rounding of 0.
 
 use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, NormActivation, Unary, UnaryGrad, UnaryKind};
 use ampgraph_graph::{Graph, NodeId, Port};
@@ -35,8 +37,32 @@ fn relu_of_batch_norm(g: &Graph, relu: NodeId) -> Option<(Port, BatchNorm)> {
     fusable.then(|| (y, bn.clone()))
 }
 
+/// The BatchNorm `grad` is the gradient of, where `y` is its ReLU: the output of the
+/// BatchNorm with the ReLU fused, or of a Relu of the BatchNorm's output. Its inputs
+/// `x` and `scale` and the statistics it normalised with must be `grad`'s.
+fn forward_of_relu(g: &Graph, y: Port, grad: &BatchNormGrad, inputs: &[Port]) -> Option<NodeId> {
+    let bn_output = match g.node(y.node).op.downcast_ref::<Unary>() {
+        Some(u) if u.kind == UnaryKind::Relu => *g.inputs(y.node).first()?,
+        _ => y,
+    };
+    let bn = g.node(bn_output.node).op.downcast_ref::<BatchNorm>()?;
+    let fwd = g.inputs(bn_output.node);
+    let statistics = if bn.training {
+        [Port::new(bn_output.node, 1), Port::new(bn_output.node, 2)]
+    } else {
+        [*fwd.get(3)?, *fwd.get(4)?]
+    };
+    let same = bn_output.index == 0
+        && (bn.epsilon, bn.training, bn.data_format)
+            == (grad.epsilon, grad.training, grad.data_format)
+        && fwd[..2] == inputs[..2]
+        && statistics == inputs[2..4];
+    same.then_some(bn_output.node)
+}
+
 /// The BatchNormGrad (without an activation) whose `dy` is `UnaryGrad{Relu}(y, dy')`
-/// read by nothing else, `y` of x's type: its inputs with `dy'` for `dy` and `y` last.
+/// read by nothing else, `y` the ReLU of its own forward: its inputs with `dy'` for
+/// `dy` and the forward's `offset` last.
 fn relu_grad_operand(g: &Graph, grad: NodeId) -> Option<(Vec<Port>, BatchNormGrad, Port)> {
     let op = g.node(grad).op.downcast_ref::<BatchNormGrad>()?;
     let mut inputs = g.inputs(grad);
@@ -47,13 +73,13 @@ fn relu_grad_operand(g: &Graph, grad: NodeId) -> Option<(Vec<Port>, BatchNormGra
     };
     let fusable = op.activation == NormActivation::Identity
         && unary.kind == UnaryKind::Relu
-        && read_only_by(g, masked, grad, 4)
-        && g.ty(y) == g.ty(inputs[0]);
+        && read_only_by(g, masked, grad, 4);
     if !fusable {
         return None;
     }
+    let bn = forward_of_relu(g, y, op, &inputs)?;
     inputs[4] = dy;
-    inputs.push(y);
+    inputs.push(g.inputs(bn)[2]);
     Some((inputs, op.clone(), masked))
 }
 
@@ -200,8 +226,27 @@ mod tests {
         }
     }
 
-    /// The gradient's mask reads the ReLU's output, equal in sign to its input: the
-    /// gradient fuses even where the forward cannot.
+    /// A ReLU gradient whose mask is another ReLU's output is not this batch norm's:
+    /// its gradient stays unfused.
+    #[test]
+    fn a_mask_of_another_relu_stays_outside_the_gradient() {
+        let (mut g, _) = training_graph(DType::F32);
+        let mask = g
+            .node_ids()
+            .find(|&id| g.node(id).op.is::<UnaryGrad>())
+            .unwrap();
+        let w = g.find("w").unwrap();
+        let other = g.relu(Port::new(w, 0)).unwrap();
+        g.rewire(vec![(mask, 0, other)]).unwrap();
+        let before = run_cpu(&g, &feeds(DType::F32));
+        let s = FuseBatchNormActivation.run(&mut g).unwrap();
+        assert!(s.lines[0].contains(", 0 BatchNormGrads"), "{}", s.lines[0]);
+        assert_eq!(count(&g, "UnaryGrad"), 1);
+        assert_same_bits(&before, &run_cpu(&g, &feeds(DType::F32)));
+    }
+
+    /// The gradient finds its forward through the Relu: it fuses even where the
+    /// forward cannot.
     #[test]
     fn a_normalised_value_read_elsewhere_keeps_its_relu() {
         let (mut g, mut fetches) = training_graph(DType::F32);

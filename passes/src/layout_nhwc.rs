@@ -36,7 +36,7 @@ use ampgraph_graph::ops::{
     Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, ElementOp, FusedElementwise,
     MaxPool, MaxPoolGrad, Reduce, ReduceGrad, Slice, SumTo, Transpose, Unary, UnaryGrad,
 };
-use ampgraph_graph::{Arity, Graph, NodeId, Op, Port, TensorType};
+use ampgraph_graph::{Graph, NodeId, Op, Port, TensorType};
 use foldhash::{HashMap, HashSet};
 
 use crate::simplify::algebraic::{self, Identities};
@@ -119,8 +119,7 @@ layout_sensitive! {
     MaxPoolGrad: [0, 1, 2] => [0];
     AvgPoolGrad: [0] => [0], input_shape;
     BatchNorm: [0] => [0];
-    // With an activation, input 5 (the forward's output) too.
-    BatchNormGrad: [0, 4, 5] => [0];
+    BatchNormGrad: [0, 4] => [0];
     BiasAdd: [0] => [0];
 }
 
@@ -162,16 +161,8 @@ fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<NhwcForm> {
     *twin.data_format() = DataFormat::Nhwc;
     twin.permute_shape_attrs();
     let (inputs, outputs) = T::IMAGES;
-    let arity = twin.arity();
     Some(NhwcForm {
-        inputs: inputs
-            .iter()
-            .copied()
-            .filter(|&slot| match arity {
-                Arity::Exactly(n) => slot < n,
-                Arity::AtLeast(_) => true,
-            })
-            .collect(),
+        inputs: inputs.to_vec(),
         outputs: outputs.to_vec(),
         op: Box::new(twin),
         sensitive: true,

@@ -316,8 +316,7 @@ impl Op for BatchNorm {
         outputs: &[Port],
         grads: &[Option<Port>],
     ) -> Result<Vec<Option<Port>>, GraphError> {
-        let (&[x, scale, _offset, mean, variance], Some(&Some(dy))) = (inputs, grads.first())
-        else {
+        let (&[x, scale, offset, mean, variance], Some(&Some(dy))) = (inputs, grads.first()) else {
             return Ok(vec![None; inputs.len()]);
         };
         let (mean, variance) = match (self.training, outputs) {
@@ -333,10 +332,7 @@ impl Op for BatchNorm {
         };
         let mut operands = vec![x, scale, mean, variance, dy];
         if self.activation != NormActivation::Identity {
-            let y = *outputs
-                .first()
-                .ok_or_else(|| GraphError::Format("BatchNorm has 3 outputs".into()))?;
-            operands.push(y);
+            operands.push(offset);
         }
         let id = b.add_node(Box::new(grad), &operands)?;
         Ok(vec![
@@ -362,8 +358,13 @@ impl Op for BatchNorm {
 ///   `dx = dy * scale / sqrt(variance + eps)` (dscale and doffset as above).
 ///
 /// With `activation = Relu` (the gradient of a BatchNorm with that activation,
-/// TensorFlow's `_FusedBatchNormGradEx`) a sixth input `y`, the forward's output,
-/// masks `dy` first: the gradient of the normalised values is `dy` where `y > 0`, else 0.
+/// TensorFlow's `_FusedBatchNormGradEx`) a sixth input `offset`, the forward's (`[C]`,
+/// U), masks `dy` first: the gradient of the normalised values is `dy` where the
+/// forward's pre-activation `(x - mean) * a + offset` is positive, with
+/// `a = scale / sqrt(var + eps)` as above, else 0. TensorFlow's op reads the forward's
+/// output `y` for the mask; recomputing it from `x` spares reading `y` in each of the
+/// gradient's two passes over memory. The two masks differ only where the
+/// pre-activation is within rounding of 0, where either is a gradient of the ReLU.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BatchNormGrad {
     pub epsilon: f64,
@@ -391,7 +392,7 @@ impl BatchNormGrad {
         }
     }
 
-    /// Inputs: 5, and `y` with an activation.
+    /// Inputs: 5, and `offset` with an activation.
     fn inputs(&self) -> usize {
         match self.activation {
             NormActivation::Identity => 5,
@@ -409,11 +410,6 @@ impl BatchNormGrad {
             ));
         }
         let [x, scale, mean, variance, dy] = fixed(&inputs[..5])?;
-        if let Some(y) = inputs.get(5) {
-            if **y != **x {
-                return Err(format!("y is {y} but must match x {x}"));
-            }
-        }
         require_float("x", x.dtype)?;
         if x.rank() != 4 && x.rank() != 2 {
             return Err(format!(
@@ -430,7 +426,9 @@ impl BatchNormGrad {
         }
         let c = x.shape[self.forward().channel_axis(x.rank())];
         let u = BatchNorm::stats_dtype(x.dtype);
-        for (what, t) in [("scale", scale), ("mean", mean), ("variance", variance)] {
+        let offset = inputs.get(5).map(|t| ("offset", t));
+        let stats = [("scale", scale), ("mean", mean), ("variance", variance)];
+        for (what, t) in stats.into_iter().chain(offset) {
             if t.dtype != u {
                 return Err(format!(
                     "{what} is {} but must be {u} when x is {}",
@@ -468,18 +466,7 @@ impl FloatKernel for BatchNormGrad {
         let c = shape.get(axis).copied().ok_or("x has no channel axis")?;
         let outer: usize = shape[..axis].iter().product();
         let inner: usize = shape[axis + 1..].iter().product();
-        let (xs, mut dys) = (T::read(x), T::read(dy));
-        if let Some(y) = inputs.get(5) {
-            // The activation's gradient, as UnaryGrad's: dy where the output was
-            // positive, else exactly 0.
-            let ys = T::read(y);
-            dys = dys
-                .iter()
-                .zip(ys.iter())
-                .map(|(&g, &y)| if y > T::zero() { g } else { T::zero() })
-                .collect::<Vec<T>>()
-                .into();
-        }
+        let (xs, dys) = (T::read(x), T::read(dy));
         let (scale, mean, var) = (T::read(scale), T::read(mean), T::read(variance));
         if xs.len() != dys.len() || [scale.len(), mean.len(), var.len()] != [c; 3] {
             return Err("the inputs' shapes disagree".into());
@@ -498,6 +485,23 @@ impl FloatKernel for BatchNormGrad {
             .map(|&v| T::one() / (v * unbias + eps).sqrt())
             .collect();
         let channel = |i: usize| (i / inner.max(1)) % c.max(1);
+        let dys: Vec<T> = match inputs.get(5) {
+            // The ReLU's gradient: dy where the pre-activation was positive, else 0.
+            Some(offset) => {
+                let offset = T::read(offset);
+                if offset.len() != c {
+                    return Err("the inputs' shapes disagree".into());
+                }
+                let mask = |i: usize, xv: T| {
+                    let ch = channel(i);
+                    (xv - mean[ch]) * (scale[ch] * inv[ch]) + offset[ch] > T::zero()
+                };
+                (xs.iter().zip(dys.iter()).enumerate())
+                    .map(|(i, (&xv, &g))| if mask(i, xv) { g } else { T::zero() })
+                    .collect()
+            }
+            None => dys.to_vec(),
+        };
         let mut sum_dy = vec![T::zero(); c];
         let mut sum_dy_xc = vec![T::zero(); c];
         for (i, (&xv, &g)) in xs.iter().zip(dys.iter()).enumerate() {
@@ -552,16 +556,20 @@ impl Op for BatchNormGrad {
             _ => self.run::<f32>(inputs),
         }
     }
-    /// `x`, `dy` (and `y`) follow the compute type; the statistics keep theirs.
-    fn typed_inputs(&self, num_inputs: usize) -> Vec<usize> {
-        [0, 4, 5].into_iter().filter(|&i| i < num_inputs).collect()
+    /// `x` and `dy` follow the compute type; the statistics keep theirs.
+    fn typed_inputs(&self, _num_inputs: usize) -> Vec<usize> {
+        vec![0, 4]
     }
-    /// As BatchNorm: T (x, dy, y, dx) and U (scale and statistics, dscale and doffset;
-    /// never 16-bit).
+    /// As BatchNorm: T (x, dy, dx) and U (scale, statistics and offset, dscale and
+    /// doffset; never 16-bit).
     fn type_groups(&self, num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+        let stats = [1, 2, 3, 5]
+            .into_iter()
+            .filter(|&i| i < num_inputs)
+            .collect();
         vec![
             TypeGroup::new(self.typed_inputs(num_inputs), vec![0]),
-            TypeGroup::new(vec![1, 2, 3], vec![1, 2]).fixed(),
+            TypeGroup::new(stats, vec![1, 2]).fixed(),
         ]
     }
 }

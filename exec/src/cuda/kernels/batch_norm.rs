@@ -42,10 +42,15 @@ kernel_specs! {
         /// pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, AU* pc, i64 len,
         /// double unbias, double eps, double inv_n)` (dx's per-channel coefficients)
         /// and `k(const T* px, const T* pdy, const AU* pc, T* pdx, i64 n, i64 len)`.
-        /// With `relu`, every kernel but `k_coef` also reads `const T* py` after `pdy`,
-        /// the forward's output, and takes `dy` as 0 where `y <= 0`; `vectors` as in
-        /// `Forward`.
+        /// With `relu`, the column sums also read `const TU* pscale, const TU* poffset`
+        /// after `pvar`, `k_coef` `const TU* poffset` after `pdscale` (a fifth row of
+        /// coefficients) and `k` that row after `pc_c`: dy counts as 0 where the
+        /// forward's pre-activation is not positive. `vectors` as in `Forward`.
         Backward { x: DType, u: DType, relu: bool, vectors: bool } => backward(x, u, relu, vectors),
+        /// `k(const T* px, const T* pdy, const TU* pscale, const TU* poffset, const TU*
+        /// pmean, const TU* pvar, T* pg, i64 n, i64 inner, i64 len, double unbias,
+        /// double eps)`: the ReLU's gradient of an NCHW batch norm (`inner` = H * W).
+        ReluMask { x: DType, u: DType } => relu_mask(x, u),
     }
 }
 
@@ -347,72 +352,89 @@ pub(super) fn forward(x: DType, u: DType, relu: bool, vectors: bool) -> String {
 
 pub(super) fn backward(x: DType, u: DType, relu: bool, vectors: bool) -> String {
     let coef = acc_dtype(u).size_bytes();
-    // The ReLU's gradient mask where the kernels read dy.
-    let (y_param, masked, tile_dy, word_dy) = if relu {
+    // With the ReLU, dy counts where the forward's pre-activation `(x - m) * a + offset`
+    // (`a = scale * inv`, as `k_coef` computes it) is positive.
+    let (relu_params, tile_dy, word_setup, word_dy, masked) = if relu {
         (
-            ", const T* py",
-            "AU g0 = (AU)yv > (AU)0 ? (AU)dy : (AU)0;",
-            "AU g = (AU)ld(py, at) > (AU)0 ? (AU)ld(pdy, at) : (AU)0;",
-            "AU g = (AU)ld(y, e) > (AU)0 ? (AU)ld(dy, e) : (AU)0;",
+            ", const TU* pscale, const TU* poffset",
+            "AU g = d * ((AU)ldU(pscale, j) * inv) + (AU)ldU(poffset, j) > (AU)0 ? (AU)ld(pdy, at) : (AU)0;",
+            "AU sa[V], off[V];\n\
+             for (int e = 0; e < V; ++e) { sa[e] = (AU)ldU(pscale, j0 + e) * inv[e]; off[e] = (AU)ldU(poffset, j0 + e); }",
+            "AU g = d * sa[e] + off[e] > (AU)0 ? (AU)ld(dy, e) : (AU)0;",
+            "AU g0 = ((AU)x - cm) * ca + co > (AU)0 ? (AU)dy : (AU)0;",
         )
     } else {
         (
             "",
-            "AU g0 = (AU)dy;",
             "AU g = (AU)ld(pdy, at);",
+            "",
             "AU g = (AU)ld(dy, e);",
+            "AU g0 = (AU)dy;",
         )
     };
-    let mut words = vec![("px", "x"), ("pdy", "dy")];
-    let mut streams = vec![own(x, "x", "px"), own(x, "dy", "pdy")];
-    if relu {
-        words.push(("py", "y"));
-        streams.push(own(x, "yv", "py"));
-    }
     // dx = scale * inv * (g - (doff + xhat * dscale) / n) with xhat = (x - m) * inv,
     // as A g + B (x - m) + C with per-channel A, B, m and C (`k_coef`): no square
     // root or division per element.
     let ld = ("AU", "ldA");
-    streams.extend([
+    let mut streams = vec![
+        own(x, "x", "px"),
+        own(x, "dy", "pdy"),
         per_channel(ld, "ca", "pc", coef, vectors),
         per_channel(ld, "cb", "pc_b", coef, vectors),
         per_channel(ld, "cm", "pc_m", coef, vectors),
         per_channel(ld, "cc", "pc_c", coef, vectors),
-    ]);
+    ];
+    if relu {
+        streams.push(per_channel(ld, "co", "pc_o", coef, vectors));
+    }
     let dx = elementwise_from_end(
         &streams,
         masked,
         &[store(x, "pdx", "(C)(ca * g0 + cb * ((AU)x - cm) + cc)")],
     );
     let params = format!(
-        "const T* px, const T* pdy{y_param}, const TU* pmean, const TU* pvar, double unbias, double eps"
+        "const T* px, const T* pdy, const TU* pmean, const TU* pvar{relu_params}, double unbias, double eps"
     );
     let sums = column_sums(
         &params,
         &format!(
-            "{tile_dy}\n\
-             AU xh = ((AU)ld(px, at) - (AU)ldU(pmean, j)) / sqrt((AU)ldU(pvar, j) * (AU)unbias + (AU)eps);"
+            "AU d = (AU)ld(px, at) - (AU)ldU(pmean, j);\n\
+             AU inv = (AU)1 / sqrt((AU)ldU(pvar, j) * (AU)unbias + (AU)eps);\n\
+             AU xh = d * inv;\n\
+             {tile_dy}"
         ),
         &["g", "g * xh"],
         "U",
     );
     let word_sums = column_sums_words(
         &params,
-        &words,
+        &[("px", "x"), ("pdy", "dy")],
         (
-            "AU m[V], inv[V];\n\
-             for (int e = 0; e < V; ++e) { m[e] = (AU)ldU(pmean, j0 + e); inv[e] = (AU)1 / sqrt((AU)ldU(pvar, j0 + e) * (AU)unbias + (AU)eps); }",
-            &format!("{word_dy} AU xh = ((AU)ld(x, e) - m[e]) * inv[e];"),
+            &format!(
+                "AU m[V], inv[V];\n\
+                 for (int e = 0; e < V; ++e) {{ m[e] = (AU)ldU(pmean, j0 + e); inv[e] = (AU)1 / sqrt((AU)ldU(pvar, j0 + e) * (AU)unbias + (AU)eps); }}\n\
+                 {word_setup}"
+            ),
+            &format!("AU d = (AU)ld(x, e) - m[e]; AU xh = d * inv[e]; {word_dy}"),
         ),
         &["g", "g * xh"],
         ("U", column_vector(x)),
     );
+    let (offset_param, offset_row, offset_arg) = if relu {
+        (
+            ", const TU* poffset",
+            "pc[4 * len + j] = (AU)ldU(poffset, j);",
+            ", const AU* pc_o",
+        )
+    } else {
+        ("", "", "")
+    };
     module_multi(
         &[("", x), ("U", u)],
         &format!(
             "__device__ __forceinline__ AU ldA(const AU* p, i64 i) {{ return p[i]; }}
              {sums}{word_sums}\
-             extern \"C\" __global__ void k_coef(const TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU* pdscale, AU* pc, i64 len, double unbias, double eps, double inv_n) {{\n\
+             extern \"C\" __global__ void k_coef(const TU* pscale, const TU* pmean, const TU* pvar, const TU* pdoff, const TU* pdscale{offset_param}, AU* pc, i64 len, double unbias, double eps, double inv_n) {{\n\
                GRID_LOOP(j, len) {{\n\
                  AU inv = (AU)1 / sqrt((AU)ldU(pvar, j) * (AU)unbias + (AU)eps);\n\
                  AU a = (AU)ldU(pscale, j) * inv;\n\
@@ -420,9 +442,25 @@ pub(super) fn backward(x: DType, u: DType, relu: bool, vectors: bool) -> String 
                  pc[len + j] = -a * (AU)inv_n * (AU)ldU(pdscale, j) * inv;\n\
                  pc[2 * len + j] = (AU)ldU(pmean, j);\n\
                  pc[3 * len + j] = -a * (AU)inv_n * (AU)ldU(pdoff, j);\n\
+                 {offset_row}\n\
                }}\n}}\n\
-             extern \"C\" __global__ void k(const T* px, const T* pdy{y_param}, const AU* pc, const AU* pc_b, const AU* pc_m, const AU* pc_c, T* pdx, i64 n, i64 len) {{\n{dx}}}\n"
+             extern \"C\" __global__ void k(const T* px, const T* pdy, const AU* pc, const AU* pc_b, const AU* pc_m, const AU* pc_c{offset_arg}, T* pdx, i64 n, i64 len) {{\n{dx}}}\n"
         ),
+    )
+}
+
+/// The ReLU's gradient of an NCHW batch norm before cuDNN's gradient: `dy` where the
+/// pre-activation recomputed from `x` (as `backward`'s kernels do) is positive.
+pub(super) fn relu_mask(x: DType, u: DType) -> String {
+    module_multi(
+        &[("", x), ("U", u)],
+        "extern \"C\" __global__ void k(const T* px, const T* pdy, const TU* pscale, const TU* poffset, const TU* pmean, const TU* pvar, T* pg, i64 n, i64 inner, i64 len, double unbias, double eps) {\n\
+           GRID_LOOP(i, n) {\n\
+             i64 j = (i / inner) % len;\n\
+             AU inv = (AU)1 / sqrt((AU)ldU(pvar, j) * (AU)unbias + (AU)eps);\n\
+             AU z = ((AU)ld(px, i) - (AU)ldU(pmean, j)) * ((AU)ldU(pscale, j) * inv) + (AU)ldU(poffset, j);\n\
+             st(pg, i, z > (AU)0 ? (C)ld(pdy, i) : (C)0);\n\
+           }\n}\n",
     )
 }
 
@@ -447,57 +485,71 @@ fn lower_batch_norm_grad(
     });
     Ok(kernel(move |c, inputs| {
         let (x, scale, dy) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 4)?);
-        // The forward's output, whose ReLU mask applies to dy.
-        let y = relu.then(|| input(inputs, 5)).transpose()?;
+        let (mean, var) = (input(inputs, 2)?, input(inputs, 3)?);
+        // The forward's offset, with which the kernels recompute the ReLU's mask.
+        let offset = relu.then(|| input(inputs, 5)).transpose()?;
         let [dx, dscale, doffset]: [_; 3] = c
             .alloc_all(&outs)?
             .try_into()
             .map_err(|_| "BatchNormGrad has three outputs")?;
+        let n = rows as f64;
+        let unbias = (n - 1.0) / n;
         match &own {
             Some(spec) => {
-                let (mean, var) = (input(inputs, 2)?, input(inputs, 3)?);
-                let n = rows as f64;
-                let unbias = (n - 1.0) / n;
-                let images: Vec<&DTensor> = [x, dy].into_iter().chain(y).collect();
-                let image_args = images.iter().map(|t| t.arg());
-                let stats: Vec<Arg> = image_args
-                    .clone()
-                    .chain([mean.arg(), var.arg(), Arg::F64(unbias), Arg::F64(epsilon)])
+                let relu_args = offset.iter().flat_map(|o| [scale.arg(), o.arg()]);
+                let stats: Vec<Arg> = [x.arg(), dy.arg(), mean.arg(), var.arg()]
+                    .into_iter()
+                    .chain(relu_args)
+                    .chain([Arg::F64(unbias), Arg::F64(epsilon)])
                     .collect();
                 let outs = [(&doffset, 1.0), (&dscale, 1.0)];
-                let partials = Partials::for_rows(len, x.dtype, &images);
+                let partials = Partials::for_rows(len, x.dtype, &[x, dy]);
                 launch_column_sums(c, spec, &stats, (rows, len), &outs, partials)?;
-                let coef = c.temp(acc_dtype(mean.dtype), 4 * len)?;
-                let args = [
-                    scale.arg(),
-                    mean.arg(),
-                    var.arg(),
-                    doffset.arg(),
-                    dscale.arg(),
-                    coef.arg(),
-                    Arg::I64(len as i64),
-                    Arg::F64(unbias),
-                    Arg::F64(epsilon),
-                    Arg::F64(1.0 / n),
-                ];
+                let rows_of_coef = 4 + usize::from(relu);
+                let coef = c.temp(acc_dtype(mean.dtype), rows_of_coef * len)?;
+                let args: Vec<Arg> = [scale, mean, var, &doffset, &dscale]
+                    .into_iter()
+                    .chain(offset)
+                    .map(|t| t.arg())
+                    .chain([
+                        coef.arg(),
+                        Arg::I64(len as i64),
+                        Arg::F64(unbias),
+                        Arg::F64(epsilon),
+                        Arg::F64(1.0 / n),
+                    ])
+                    .collect();
                 c.launch(spec, "k_coef", (len.div_ceil(256) as u32, 256), &args)?;
-                let args: Vec<Arg> = image_args
-                    .chain((0..4).map(|k| channel_row(&coef, k, len)))
+                let args: Vec<Arg> = [x.arg(), dy.arg()]
+                    .into_iter()
+                    .chain((0..rows_of_coef).map(|k| channel_row(&coef, k, len)))
                     .chain([dx.arg(), Arg::I64(x.len() as i64), Arg::I64(len as i64)])
                     .collect();
                 c.launch_elementwise(spec, x.len(), &args)?;
             }
             None => {
-                let masked = match y {
-                    // The Relu gradient's kernel (UnaryGrad reads the Relu's output).
-                    Some(y) => {
+                let masked = match offset {
+                    Some(offset) => {
                         let g = c.temp(dy.dtype, dy.len())?;
-                        let args = [y.arg(), dy.arg(), g.arg(), Arg::I64(dy.len() as i64)];
-                        let spec = ElementwiseSpec::UnaryGrad {
-                            dtype: dy.dtype,
-                            kind: UnaryKind::Relu,
+                        let spec = Spec::ReluMask {
+                            x: dy.dtype,
+                            u: mean.dtype,
                         };
-                        c.launch_elementwise(&spec, dy.len(), &args)?;
+                        let args = [
+                            x.arg(),
+                            dy.arg(),
+                            scale.arg(),
+                            offset.arg(),
+                            mean.arg(),
+                            var.arg(),
+                            g.arg(),
+                            Arg::I64(dy.len() as i64),
+                            Arg::I64((nchw[2] * nchw[3]) as i64),
+                            Arg::I64(len as i64),
+                            Arg::F64(unbias),
+                            Arg::F64(epsilon),
+                        ];
+                        c.launch_n(&spec, dy.len(), &args)?;
                         Some(g)
                     }
                     None => None,

@@ -2,7 +2,9 @@
 //! the CUDA declarations), so a broken template fails CI on machines without a GPU;
 //! `AMPGRAPH_DUMP_KERNELS=DIR` writes them out for `nvcc` or a comparison.
 
-use super::batch_norm::{backward as batch_norm_backward, forward as batch_norm_forward};
+use super::batch_norm::{
+    backward as batch_norm_backward, forward as batch_norm_forward, relu_mask,
+};
 use super::conv::pad;
 use super::cross_entropy::{sce, sce_grad, sce_with_grad};
 use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad};
@@ -200,6 +202,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                 batch_norm_backward(x, u, relu, vectors),
             ));
         }
+        k.push((format!("batch_norm_relu_mask_{x}"), relu_mask(x, u)));
     }
     k.push(("concat".into(), concat(2)));
     use super::attention::{NARROW, WIDE};
