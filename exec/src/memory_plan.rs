@@ -28,11 +28,14 @@ use crate::ExecError;
 /// Buffers start at multiples of this many bytes (what device allocators guarantee).
 pub const ALIGNMENT: usize = 256;
 
-/// One tensor's place in the arena.
+/// One tensor's place in the arena, or a node's scratch memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlannedBuffer {
-    /// The tensor (views of it share the buffer).
+    /// The tensor (views of it share the buffer); for scratch, the node's output 0.
     pub port: Port,
+    /// The node's scratch (its kernels' temporaries and cuDNN's workspace), alive
+    /// during its own step only.
+    pub scratch: bool,
     /// Steps (positions in the schedule) from the one that writes it to the last that
     /// reads it, inclusive.
     pub first: usize,
@@ -237,15 +240,17 @@ pub fn read_only_through_casts(
 
 /// Plans the memory of the step that computes `fetches`.
 pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
-    plan_outside(graph, fetches, &Default::default())
+    plan_outside(graph, fetches, &Default::default(), &Default::default())
 }
 
 /// [`plan`], with the tensors of `outside` kept out of the arena too (values an
-/// executor keeps beyond the step).
+/// executor keeps beyond the step), and `scratch` bytes for the nodes that need them
+/// while they run (what the CUDA executor saw their kernels take).
 pub fn plan_outside(
     graph: &Graph,
     fetches: &[Port],
     outside: &std::collections::HashSet<Port>,
+    scratch: &std::collections::HashMap<NodeId, usize>,
 ) -> Result<MemoryPlan, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
     let end = order.len();
@@ -256,6 +261,16 @@ pub fn plan_outside(
     let mut slot_of: std::collections::HashMap<Port, usize> = Default::default();
     for (i, &id) in order.iter().enumerate() {
         let node = graph.node(id);
+        if let Some(&bytes) = scratch.get(&id).filter(|&&b| b > 0) {
+            buffers.push(PlannedBuffer {
+                port: Port::new(id, 0),
+                scratch: true,
+                first: i,
+                last: i,
+                offset: 0,
+                bytes: aligned(bytes),
+            });
+        }
         if node.op.is_view() {
             continue;
         }
@@ -268,6 +283,7 @@ pub fn plan_outside(
             slot_of.insert(port, buffers.len());
             buffers.push(PlannedBuffer {
                 port,
+                scratch: false,
                 first: i,
                 last: i,
                 offset: 0,
@@ -332,7 +348,9 @@ pub fn kept_casts(graph: &Graph) -> HashSet<Port> {
 
 /// A step's device memory, planned on the host: the arena of the tensors it computes
 /// and what lives beside it. Each part is rounded up to [`ALIGNMENT`] per tensor. Not
-/// counted: the GEMM library's workspace, kernels' code, the CUDA context.
+/// counted: the nodes' scratch (kernels' temporaries, cuDNN's workspaces: the CUDA
+/// executor plans them after a step has shown them), the GEMM library's workspace,
+/// kernels' code, the CUDA context.
 #[derive(Clone, Debug, Default)]
 pub struct StepFootprint {
     /// The arena, with the kept casts outside it (as the CUDA executor plans it).
@@ -407,12 +425,18 @@ impl StepFootprint {
         ];
         for b in plan.alive_at_peak().into_iter().take(top) {
             let node = graph.node(b.port.node);
+            let what = match b.scratch {
+                true => format!("scratch of '{}' ({})", node.name, node.op.name()),
+                false => format!(
+                    "{} ({}) {}",
+                    graph.port_name(b.port),
+                    node.op.name(),
+                    graph.ty(b.port)
+                ),
+            };
             lines.push(format!(
-                "  {:>8.1} MiB  {} ({}) {}  steps {}..{}",
+                "  {:>8.1} MiB  {what}  steps {}..{}",
                 mib(b.bytes),
-                graph.port_name(b.port),
-                node.op.name(),
-                graph.ty(b.port),
                 b.first,
                 b.last
             ));
@@ -435,7 +459,7 @@ fn aligned(bytes: usize) -> usize {
 /// beside the arena.
 pub fn step_footprint(graph: &Graph, fetches: &[Port]) -> Result<StepFootprint, ExecError> {
     let kept = kept_casts(graph);
-    let plan = plan_outside(graph, fetches, &kept)?;
+    let plan = plan_outside(graph, fetches, &kept, &Default::default())?;
     let order = Schedule::new(graph, fetches)?.order;
     let bytes = |p: &Port| aligned(graph.ty(*p).size_bytes());
     let mut footprint = StepFootprint {
@@ -541,7 +565,16 @@ fn summarise(buffers: Vec<PlannedBuffer>, steps: usize) -> MemoryPlan {
 impl MemoryPlan {
     /// Each planned tensor's offset in the arena.
     pub fn offsets(&self) -> std::collections::HashMap<Port, usize> {
-        self.buffers.iter().map(|b| (b.port, b.offset)).collect()
+        (self.buffers.iter().filter(|b| !b.scratch))
+            .map(|b| (b.port, b.offset))
+            .collect()
+    }
+
+    /// Each node's scratch in the arena: its offset and bytes.
+    pub fn scratch(&self) -> std::collections::HashMap<NodeId, (usize, usize)> {
+        (self.buffers.iter().filter(|b| b.scratch))
+            .map(|b| (b.port.node, (b.offset, b.bytes)))
+            .collect()
     }
 
     /// The buffers alive at the peak, largest first: what to shrink to lower it.
@@ -617,6 +650,36 @@ mod tests {
         assert_eq!(plan.total_bytes, 8 * 1024);
         assert_eq!(plan.live_bytes, 2 * 1024);
         assert_eq!(plan.arena_bytes, 2 * 1024);
+    }
+
+    #[test]
+    fn a_nodes_scratch_lives_only_while_it_runs() {
+        // The chain of 8 relus, 1 KiB each, with 3 KiB of scratch for the fourth: it
+        // lies beside that relu's input and output only (5 KiB alive then), and is no
+        // tensor's slot.
+        let mut g = Graph::new();
+        let mut h = placeholder(&mut g, "x", &[256]);
+        let mut fourth = None;
+        for k in 0..8 {
+            h = relu(&mut g, h);
+            if k == 3 {
+                fourth = Some(h.node);
+            }
+        }
+        let fourth = fourth.unwrap();
+        let scratch = [(fourth, 3000)].into_iter().collect();
+        let plan = plan_outside(&g, &[h], &Default::default(), &scratch).unwrap();
+        assert_sound(&plan);
+        let step = plan
+            .buffers
+            .iter()
+            .find(|b| b.port == fourth.into() && !b.scratch);
+        let step = step.unwrap().first;
+        let (_, bytes) = plan.scratch()[&fourth];
+        assert_eq!(bytes, 3072, "rounded up to the alignment");
+        assert_eq!((plan.live_bytes, plan.peak_step), (2 * 1024 + 3072, step));
+        assert_eq!(plan.arena_bytes, 2 * 1024 + 3072);
+        assert_eq!(plan.offsets().len(), 8, "the relus' outputs");
     }
 
     #[test]
@@ -813,7 +876,13 @@ mod tests {
         // v is assigned: only w's cast holds from step to step.
         assert_eq!(constant_casts(&g), vec![(w16, "w".to_string())]);
         let inside = plan(&g, &fetches).unwrap();
-        let outside = plan_outside(&g, &fetches, &[w16].into_iter().collect()).unwrap();
+        let outside = plan_outside(
+            &g,
+            &fetches,
+            &[w16].into_iter().collect(),
+            &Default::default(),
+        )
+        .unwrap();
         assert!(inside.buffers.iter().any(|b| b.port == w16));
         assert!(!outside.buffers.iter().any(|b| b.port == w16));
     }

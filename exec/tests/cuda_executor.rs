@@ -1,12 +1,14 @@
 //! What the CUDA executor keeps between steps: casts of weights no step writes (and
-//! which copies of such a weight stay on the device), and the casts optimizer updates
-//! write with their variable. Skips (printing why) without CUDA.
+//! which copies of such a weight stay on the device), the casts optimizer updates
+//! write with their variable, and the scratch of convolutions planned in the arena.
+//! Skips (printing why) without CUDA.
 
 mod common;
 
 use ampgraph_exec::{CpuExecutor, Executor, Feeds};
 use ampgraph_graph::ops::{
-    AssignVariable, BatchMatMul, Cast, Const, OptimizerUpdate, Rule, Variable,
+    AssignVariable, BatchMatMul, Cast, Const, Conv2DBackpropFilter, DataFormat, OptimizerUpdate,
+    Padding, Rule, Variable,
 };
 use ampgraph_graph::{DType, Graph, Port, Tensor, TensorType};
 use common::{gpu, Gen};
@@ -139,4 +141,52 @@ fn updates_that_write_the_cast_replace_the_cast_kernel() {
     assert_eq!(kernels[1] + 1, kernels[0], "{kernels:?}");
     assert_eq!(kernels[2], kernels[0], "{kernels:?}");
     assert_eq!(kernels[3], kernels[1], "{kernels:?}");
+}
+
+/// A convolution and its filter gradient: the first step takes the filters' gathered
+/// copies and cuDNN's workspace where it can (the workspace shared by every
+/// convolution); the executor then plans them in the arena as each node's scratch and
+/// frees the shared workspace, and the next steps compute the same values from there.
+#[test]
+fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F16, vec![8, 16, 16, 32]).unwrap();
+    let f = g.placeholder("f", DType::F16, vec![3, 3, 32, 32]).unwrap();
+    let y = g
+        .conv2d(x, f, [1, 1], Padding::Same, DataFormat::Nhwc)
+        .unwrap();
+    let df = Conv2DBackpropFilter {
+        filter_shape: vec![3, 3, 32, 32],
+        strides: [1, 1],
+        padding: Padding::Same,
+        data_format: DataFormat::Nhwc,
+    };
+    let df = g.add(df, &[x, y]).unwrap();
+    let mut r = Gen(5);
+    let mut feeds = Feeds::new();
+    for (name, shape) in [("x", vec![8, 16, 16, 32]), ("f", vec![3, 3, 32, 32])] {
+        let v = r.vec(shape.iter().product(), -1.0, 1.0);
+        feeds.insert(
+            name.into(),
+            Tensor::from_f64(DType::F16, shape, &v).unwrap(),
+        );
+    }
+    let expected = CpuExecutor::new().run(&g, &feeds, &[y, df]).unwrap();
+    assert_eq!(gpu.planned_scratch_bytes(), 0);
+    let first = gpu.run(&g, &feeds, &[y, df]).unwrap();
+    let filters = 2 * 3 * 3 * 32 * 32 * 2;
+    assert!(
+        gpu.planned_scratch_bytes() >= filters,
+        "{} bytes of scratch planned",
+        gpu.planned_scratch_bytes()
+    );
+    assert_eq!(gpu.shared_conv_workspace_bytes(), 0);
+    let planned = gpu.planned_scratch_bytes();
+    let second = gpu.run(&g, &feeds, &[y, df]).unwrap();
+    assert_eq!(gpu.planned_scratch_bytes(), planned, "no step takes more");
+    for (k, want) in expected.iter().enumerate() {
+        assert!(max_rel_diff(&first[k], want) < 2e-2, "output {k}");
+        assert!(max_rel_diff(&second[k], want) < 2e-2, "output {k}");
+    }
 }

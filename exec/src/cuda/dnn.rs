@@ -11,8 +11,10 @@
 //! the kernel cache, so a new process does not time them again. Every choice is logged
 //! at info level and listed by [`Dnn::choices`].
 //!
-//! One workspace serves every call: the largest the chosen algorithms need (at most
-//! the limit), allocated while the first step tunes, then reused.
+//! A call's workspace is its node's scratch in the step's arena where the plan holds
+//! one (from the second step: the executor plans what the first took); else one
+//! workspace shared by every call, grown to the largest the chosen algorithms need (at
+//! most the limit), and freed once the plan holds them.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -534,7 +536,9 @@ impl Dnn {
         }
     }
 
-    /// Runs one convolution product (`direction`) of `shape` on `ops`.
+    /// Runs one convolution product (`direction`) of `shape` on `ops`, its algorithm's
+    /// workspace from `scratch` (given the bytes: the node's planned scratch) or else
+    /// one workspace shared by every convolution.
     pub fn conv(
         &self,
         dev: &Device,
@@ -542,6 +546,7 @@ impl Dnn {
         shape: &ConvShape,
         options: DnnOptions,
         ops: ConvOperands,
+        scratch: impl FnOnce(usize) -> Result<Option<DTensor>, String>,
     ) -> Result<(), String> {
         let handle = self.handle()?;
         let key = PlanKey {
@@ -567,7 +572,11 @@ impl Dnn {
                 plan
             }
         };
-        let workspace = self.workspace(dev, plan.algo.workspace)?;
+        let bytes = plan.algo.workspace;
+        let workspace = match (bytes > 0).then(|| scratch(bytes)).transpose()?.flatten() {
+            Some(planned) => Some(planned),
+            None => self.workspace(dev, bytes)?,
+        };
         let (ws, ws_bytes) = match &workspace {
             Some(w) => (w.ptr() as *mut c_void, plan.algo.workspace),
             None => (std::ptr::null_mut(), 0),
@@ -628,6 +637,19 @@ impl Dnn {
             }
         };
         check("convolution", status)
+    }
+
+    /// The shared workspace's bytes (0 where there is none).
+    pub fn shared_workspace_bytes(&self) -> usize {
+        let ws = self.workspace.lock();
+        ws.map_or(0, |w| w.as_ref().map_or(0, DTensor::bytes))
+    }
+
+    /// Frees the shared workspace (the step's plan now holds each convolution's).
+    pub fn release_workspace(&self) {
+        if let Ok(mut ws) = self.workspace.lock() {
+            *ws = None;
+        }
     }
 
     /// The shared workspace, grown to at least `bytes` (none for 0 bytes).

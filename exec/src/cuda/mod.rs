@@ -189,6 +189,10 @@ struct StepMemory {
     assigns: HashMap<NodeId, String>,
     /// Each planned tensor's byte offset in the arena.
     offsets: HashMap<Port, usize>,
+    /// The scratch each node's kernels took in an earlier step (the plan's input) ...
+    scratch_bytes: HashMap<NodeId, usize>,
+    /// ... and where it lies in the arena: offset and bytes.
+    scratch: HashMap<NodeId, (usize, usize)>,
     arena_bytes: usize,
     /// Optimizer outputs written over the variable they replace, by the variable's
     /// name ([`memory_plan::in_place_updates`]).
@@ -210,9 +214,14 @@ struct StepMemory {
 }
 
 impl StepMemory {
-    /// The plan of a run of `fetches` from `graph`, every node lowered; refuses a node
-    /// no kernel takes.
-    fn new(graph: &Graph, fetches: &[Port]) -> Result<StepMemory, ExecError> {
+    /// The plan of a run of `fetches` from `graph`, every node lowered, with
+    /// `scratch_bytes` of scratch for the nodes that take some; refuses a node no
+    /// kernel takes.
+    fn new(
+        graph: &Graph,
+        fetches: &[Port],
+        scratch_bytes: HashMap<NodeId, usize>,
+    ) -> Result<StepMemory, ExecError> {
         let schedule = Schedule::new(graph, fetches)?;
         let lowered = schedule
             .order
@@ -249,7 +258,7 @@ impl StepMemory {
             .chain(cast_outputs.keys())
             .copied()
             .collect();
-        let plan = memory_plan::plan_outside(graph, fetches, &outside)?;
+        let plan = memory_plan::plan_outside(graph, fetches, &outside, &scratch_bytes)?;
         log::debug!(
             "memory plan: {} tensors in an arena of {} bytes ({} apart)",
             plan.buffers.len(),
@@ -265,6 +274,8 @@ impl StepMemory {
             lowered,
             assigns,
             offsets: plan.offsets(),
+            scratch: plan.scratch(),
+            scratch_bytes,
             arena_bytes: plan.arena_bytes,
             in_place,
             constant_casts,
@@ -397,13 +408,34 @@ impl CudaExecutor {
         let m = match self.plans.get(&key) {
             Some(m) => m.clone(),
             None => {
-                let m = Arc::new(StepMemory::new(graph, fetches)?);
+                let m = Arc::new(StepMemory::new(graph, fetches, HashMap::new())?);
                 self.plans.insert(key, m.clone());
                 m
             }
         };
         self.last_plan = Some((graph.revision(), fetches.to_vec(), m.clone()));
         Ok(m)
+    }
+
+    /// Plans again the step `memory` planned, with the scratch nodes took beyond it
+    /// (`grown`), for the next step: its kernels' temporaries and cuDNN's workspaces
+    /// then lie in the arena beside the tensors alive at their step, and the
+    /// workspace shared until then goes.
+    fn replan(
+        &mut self,
+        graph: &Graph,
+        fetches: &[Port],
+        memory: &StepMemory,
+        grown: HashMap<NodeId, usize>,
+    ) -> Result<(), ExecError> {
+        let mut scratch = memory.scratch_bytes.clone();
+        scratch.extend(grown);
+        let m = Arc::new(StepMemory::new(graph, fetches, scratch)?);
+        self.plans
+            .insert(memory_plan::fingerprint(graph, fetches), m.clone());
+        self.last_plan = Some((graph.revision(), fetches.to_vec(), m));
+        self.dnn.release_workspace();
+        Ok(())
     }
 
     /// The arena, grown to at least `bytes`.
@@ -477,6 +509,19 @@ impl CudaExecutor {
     /// at once since the executor was made or [`reset_peak_bytes`](Self::reset_peak_bytes).
     pub fn peak_bytes(&self) -> usize {
         self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)
+    }
+
+    /// Bytes of the last step's plan that are nodes' scratch (kernels' temporaries,
+    /// cuDNN's workspaces): planned from the scratch the nodes took in a step before.
+    pub fn planned_scratch_bytes(&self) -> usize {
+        let plan = self.last_plan.as_ref().map(|(_, _, m)| m);
+        plan.map_or(0, |m| m.scratch.values().map(|&(_, bytes)| bytes).sum())
+    }
+
+    /// Bytes of the cuDNN workspace shared outside the plan: a convolution's until the
+    /// plan holds its scratch (after its first step), 0 after.
+    pub fn shared_conv_workspace_bytes(&self) -> usize {
+        self.dnn.shared_workspace_bytes()
     }
 
     /// Device bytes held by live tensors now (variables, kept casts, the arena).
@@ -752,6 +797,8 @@ impl CudaExecutor {
         // Casts optimizer updates wrote of their new values, by variable.
         let mut written_casts: Vec<(String, DTensor)> = Vec::new();
         let mut timed = Vec::new();
+        // Nodes that took more scratch than the plan holds for them.
+        let mut grown: HashMap<NodeId, usize> = HashMap::new();
         for (&id, lowered) in order.iter().zip(&memory.lowered) {
             let node = graph.node(id);
             let op = node.op.name();
@@ -800,6 +847,17 @@ impl CudaExecutor {
                         })
                         .collect::<Result<_, String>>()
                         .map_err(|m| ExecError::node(&node.name, op, m))?;
+                    let planned_scratch = memory.scratch.get(&id).copied();
+                    let scratch = match (&arena, planned_scratch) {
+                        (Some(a), Some((at, bytes))) => {
+                            let words = TensorType::new(DType::F32, [bytes / 4]);
+                            Some(
+                                a.slot(at, &words)
+                                    .map_err(|m| ExecError::node(&node.name, op, m))?,
+                            )
+                        }
+                        _ => None,
+                    };
                     let ctx = kernels::Ctx {
                         dev: &self.dev,
                         gemm: &self.gemm,
@@ -809,6 +867,8 @@ impl CudaExecutor {
                         name: &node.name,
                         planned: &planned,
                         allocated: Cell::new(0),
+                        scratch,
+                        scratch_used: Cell::new(0),
                     };
                     // Only a profiled step brackets each op with timing events.
                     let out = guard("CUDA", || {
@@ -841,6 +901,10 @@ impl CudaExecutor {
                         Ok(out)
                     })
                     .map_err(|m| ExecError::node(&node.name, op, m))?;
+                    let used = ctx.scratch_used.get();
+                    if used > planned_scratch.map_or(0, |(_, bytes)| bytes) {
+                        grown.insert(id, used);
+                    }
                     out
                 }
             };
@@ -892,6 +956,9 @@ impl CudaExecutor {
             guard("CUDA", || self.dev.record(e)).map_err(dev_err)?;
         }
         self.commit(&memory, graph, feeds, writes, written_casts);
+        if !grown.is_empty() {
+            self.replan(graph, fetches, &memory, grown)?;
+        }
         // Last: the download waits for the stream, and the host work above ran
         // while the GPU was still busy with the step.
         fetched

@@ -177,6 +177,7 @@ fn lower_conv(
                 &shape,
                 ctx.dnn_options,
                 ConvOperands { x, w, y },
+                |bytes| ctx.scratch(&TensorType::new(DType::F32, [bytes.div_ceil(4)])),
             )
         };
         let filter_in = |f: &DTensor| -> Result<DTensor, String> {

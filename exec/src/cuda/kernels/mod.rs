@@ -71,6 +71,7 @@ use ampgraph_graph::{DType, Op, Tensor, TensorType};
 use super::device::{row_block, row_grid, Arg, DTensor, Device};
 use super::dnn::{Dnn, DnnOptions};
 use super::gemm::{Gemm, GemmOptions};
+use crate::memory_plan::ALIGNMENT;
 
 pub(crate) use codegen::{FIN_WARPS, MAX_RANK, VECTOR};
 pub(crate) use training::{GROUP_MEMBERS, GROUP_POINTERS};
@@ -249,6 +250,12 @@ pub struct Ctx<'a> {
     /// buffer of its own). Every op allocates its outputs in order.
     pub planned: &'a [Option<DTensor>],
     pub allocated: Cell<usize>,
+    /// The node's scratch in the step's arena, where the plan has one: its kernels'
+    /// temporaries and cuDNN's workspace are carved from it in order.
+    pub scratch: Option<DTensor>,
+    /// Bytes of scratch the node's kernels took so far (planned or not): what the
+    /// executor plans for the node once it has seen a step.
+    pub scratch_used: Cell<usize>,
 }
 
 impl Ctx<'_> {
@@ -269,9 +276,27 @@ impl Ctx<'_> {
         outs.iter().map(|t| self.alloc(t)).collect()
     }
 
+    /// A temporary of the node's launch: from its planned scratch where that holds it,
+    /// else from the pool.
     pub(crate) fn temp(&self, dtype: DType, n: usize) -> Result<DTensor, String> {
-        self.dev
-            .alloc(dtype, &[n], &Owner("scratch of node", self.name))
+        match self.scratch(&TensorType::new(dtype, [n]))? {
+            Some(t) => Ok(t),
+            None => self
+                .dev
+                .alloc(dtype, &[n], &Owner("scratch of node", self.name)),
+        }
+    }
+
+    /// The next `ty`'s bytes of the node's planned scratch, counted as taken; `None`
+    /// where the plan has no room for them.
+    pub(crate) fn scratch(&self, ty: &TensorType) -> Result<Option<DTensor>, String> {
+        let at = self.scratch_used.get();
+        let end = at + ty.size_bytes().div_ceil(ALIGNMENT) * ALIGNMENT;
+        self.scratch_used.set(end);
+        match &self.scratch {
+            Some(s) if end <= s.bytes() => s.slot(at, ty).map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// Launches kernel `name` of the module `spec` over `grid` blocks of `block` threads.
