@@ -80,10 +80,20 @@ fn build(n: usize) -> Result<Graph, Box<dyn std::error::Error>> {
     Ok(g)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let sizes: Vec<usize> = std::env::args()
         .skip(1)
-        .map(|a| a.parse())
+        .map(|a| {
+            a.parse()
+                .map_err(|_| format!("the size '{a}' is not a whole number"))
+        })
         .collect::<Result<_, _>>()?;
     let sizes = if sizes.is_empty() {
         vec![10_000, 100_000, 1_000_000]

@@ -17,10 +17,20 @@ best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) 
 print(2 * n**3 / best / 1e9)
 ";
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = std::env::args()
         .nth(1)
-        .map(|a| a.parse())
+        .map(|a| {
+            a.parse()
+                .map_err(|_| format!("the size '{a}' is not a whole number"))
+        })
         .transpose()?
         .unwrap_or(2048);
     let values: Vec<f64> = (0..n * n)

@@ -9,6 +9,11 @@
 //! With `--data DIR` it reads MNIST's idx files (gzip or not); the first `--train`
 //! images train and the last `--eval` evaluate. With no data it trains on a built-in
 //! synthetic set so the command works anywhere.
+//!
+//! `--checkpoint PATH` saves every variable after each epoch whose loss is finite,
+//! with the count of epochs done (the variable `epochs_done`); `--resume` restores it
+//! and goes on from the next epoch, whose batches come in the order an uninterrupted
+//! run would give them (each epoch shuffles with the seed plus its number).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -20,8 +25,8 @@ use ampgraph::cli::DeviceArg;
 use ampgraph::exec::data::Mnist;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
-use ampgraph::graph::ops::{DataFormat, Padding};
-use ampgraph::graph::{DType, Graph, Port};
+use ampgraph::graph::ops::{DataFormat, Init, Padding, Variable};
+use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep};
 use ampgraph::Session;
 
@@ -64,7 +69,8 @@ struct Args {
     /// Save all variables here after every epoch (atomically).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
-    /// Start from the checkpoint instead of a fresh initialisation.
+    /// Start from the checkpoint instead of a fresh initialisation, after the epochs
+    /// it holds (`--epochs` counts them too).
     #[arg(long)]
     resume: bool,
     /// Where to train: `auto` is CUDA device 0 where it runs every node, else the CPU.
@@ -144,11 +150,20 @@ fn feeds(net: &Net, data: &Mnist, indices: &[usize]) -> Result<Feeds, Box<dyn st
     Ok(Feeds::from([(name(net.x), x), (name(net.labels), y)]))
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// The variable that counts the epochs a checkpoint holds.
+const EPOCHS_DONE: &str = "epochs_done";
+
+fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .format_timestamp(None)
         .init();
-    let args = Args::parse();
+    if let Err(e) = train(Args::parse()) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn train(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let all = match &args.data {
         Some(dir) => Mnist::load(dir)?,
         None => {
@@ -176,8 +191,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (false, false) => Some(DType::F16),
     };
 
-    // Training graph: the model, the loss, and the optimizer's step.
+    // Training graph: the model, the loss, the optimizer's step, and the epoch count
+    // (an output, so that it stays in the graph and its checkpoints).
     let mut net = build(args.model, args.batch)?;
+    let counter = Variable::with_init(TensorType::new(DType::I64, vec![]), Init::Zeros);
+    let epochs_done = net.graph.add_node(EPOCHS_DONE, Box::new(counter), &[])?;
+    let mut outputs = net.graph.outputs().to_vec();
+    outputs.push(epochs_done.into());
+    net.graph.set_outputs(outputs)?;
     let loss = net.graph.softmax_cross_entropy(net.logits, net.labels)?;
     let sgd = Sgd::momentum(args.lr, args.momentum);
     let step: TrainStep = match amp_dtype {
@@ -211,13 +232,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for record in &session.passes {
         println!("{}", record.summary);
     }
+    let mut first_epoch = 1;
     if args.resume {
         let path = args
             .checkpoint
             .as_ref()
             .ok_or("--resume needs --checkpoint PATH")?;
         session.restore(path)?;
-        println!("resumed from {}", path.display());
+        let done = session
+            .variable(EPOCHS_DONE)
+            .and_then(|t| t.to_i64_vec())
+            .and_then(|v| v.first().copied())
+            .ok_or_else(|| format!("{}: no epoch count ({EPOCHS_DONE})", path.display()))?;
+        first_epoch = done as usize + 1;
+        println!("resumed from {} after epoch {done}", path.display());
     }
     let precision = amp_dtype.map_or("fp32".to_string(), |d| format!("AMP {d}"));
     println!(
@@ -229,7 +257,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let style = ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg}")?
         .progress_chars("=> ");
-    for epoch in 1..=args.epochs {
+    for epoch in first_epoch..=args.epochs {
         let batches = train.batches(args.batch, args.seed.wrapping_add(epoch as u64));
         let bar = ProgressBar::new(batches.len() as u64)
             .with_style(style.clone())
@@ -274,15 +302,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ),
             None => String::new(),
         };
+        let loss = loss_sum / batches.len() as f64;
         println!(
-            "epoch {epoch}: loss {:.4}, eval accuracy {:.2}%{scale}, {seconds:.2} s ({:.0} images/s)",
-            loss_sum / batches.len() as f64,
+            "epoch {epoch}: loss {loss:.4}, eval accuracy {:.2}%{scale}, {seconds:.2} s ({:.0} images/s)",
             100.0 * correct as f64 / eval.len() as f64,
             (batches.len() * args.batch) as f64 / seconds
         );
-        if let Some(path) = &args.checkpoint {
-            session.save(path)?;
+        match &args.checkpoint {
+            Some(path) if !loss.is_finite() => eprintln!(
+                "warning: epoch {epoch}'s loss is {loss}: not saving {} (the last checkpoint stays)",
+                path.display()
+            ),
+            Some(path) => {
+                let count = Tensor::from_f64(DType::I64, vec![], &[epoch as f64])?;
+                session.set_variable(EPOCHS_DONE, count)?;
+                session.save(path)?;
+            }
+            None => {}
         }
+    }
+    if first_epoch > args.epochs {
+        println!("the checkpoint holds all {} epochs already", args.epochs);
     }
     Ok(())
 }
