@@ -15,6 +15,7 @@ use ampgraph_exec::{
 use ampgraph_exec::{cuda, memory_plan};
 use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::ops::{Placeholder, Variable};
+use ampgraph_graph::tensor::{bf16_from_f64, f16_from_f64};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
 use ampgraph_passes::amp::report::explain;
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
@@ -54,7 +55,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
 pub enum DumpFormat {
     Text,
     Json,
@@ -84,20 +85,26 @@ impl DeviceArg {
 pub enum Command {
     /// Print a graph as text, JSON, Graphviz DOT or binary.
     Dump {
+        /// The graph file: JSON (`.json`) or binary (`.bin`).
         graph: String,
         #[arg(long, value_enum, default_value = "text")]
         format: DumpFormat,
+        /// Where to write it; standard output otherwise (binary only to a file or a
+        /// pipe, never to a terminal).
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
     /// Convert between .json and .bin (by the output's extension).
     Convert {
+        /// The graph file: JSON (`.json`) or binary (`.bin`).
         graph: String,
+        /// The file to write: `.json` or `.bin` decides the format.
         #[arg(short, long)]
         output: PathBuf,
     },
     /// Rewrite a graph: automatic mixed precision and other passes.
     Rewrite {
+        /// The graph file: JSON (`.json`) or binary (`.bin`).
         #[arg(required_unless_present = "list_passes")]
         graph: Option<String>,
         /// Print the passes --passes can name (besides `amp`), one a line with what each
@@ -121,22 +128,27 @@ pub enum Command {
     },
     /// Explain why NODE gets its precision under the AMP rewrite.
     Explain {
+        /// The graph file: JSON (`.json`) or binary (`.bin`).
         graph: String,
+        /// The node's name.
         node: String,
         #[command(flatten)]
         precision: PrecisionArgs,
     },
     /// Run a graph and print every output.
     Run {
+        /// The graph file: JSON (`.json`) or binary (`.bin`).
         graph: String,
         #[arg(long, value_enum, default_value = "auto")]
         device: DeviceArg,
         /// Seed of the values given to Placeholders and Variables not in --feeds.
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// JSON object: {"name": nested lists} or {"name": {"shape": [...], "values": [...]}}.
-        #[arg(long)]
-        feeds: Option<PathBuf>,
+        /// Values for Placeholders and Variables: a JSON file, or the JSON itself (text
+        /// starting with `{`), an object {"name": nested lists} or {"name": {"shape":
+        /// [...], "values": [...]}}; a value the node's dtype cannot hold is an error.
+        #[arg(long, value_name = "FILE|JSON")]
+        feeds: Option<String>,
         /// Print the outputs as JSON (every value).
         #[arg(long)]
         json: bool,
@@ -148,6 +160,7 @@ pub enum Command {
     /// planned peak and its parts (the arena, the variables, what else lives beside
     /// the arena), the lower bound, the peak step and the largest tensors alive there.
     Plan {
+        /// The graph file: JSON (`.json`) or binary (`.bin`).
         graph: String,
         /// What the step computes: `name` or `name:k`, comma-separated (default: the
         /// graph's outputs).
@@ -435,6 +448,11 @@ fn dump(path: &str, fmt: DumpFormat, output: Option<&Path>, out: &mut dyn Write)
     let bytes = render(&g, fmt)?;
     match output {
         Some(p) => write_file(p, &bytes),
+        None if fmt == DumpFormat::Bin && std::io::IsTerminal::is_terminal(&std::io::stdout()) => {
+            Err(CliError::Usage(
+                "the binary format does not go to a terminal: give -o FILE or pipe it".into(),
+            ))
+        }
         None => out.write_all(&bytes).map_err(io_err("<stdout>")),
     }
 }
@@ -476,9 +494,13 @@ fn plan(
 }
 
 /// Feeds from the file where given, seeded values for every other Placeholder and Variable.
-fn make_feeds(g: &Graph, seed: u64, file: Option<&Path>) -> Result<Feeds> {
-    let mut feeds = match file {
-        Some(p) => read_feeds(g, p)?,
+fn make_feeds(g: &Graph, seed: u64, given: Option<&str>) -> Result<Feeds> {
+    let mut feeds = match given {
+        Some(text) if text.trim_start().starts_with('{') => parse_feeds(g, "--feeds", text)?,
+        Some(file) => {
+            let text = std::fs::read_to_string(file).map_err(io_err(file))?;
+            parse_feeds(g, file, &text)?
+        }
         None => HashMap::new(),
     };
     for id in g.node_ids() {
@@ -492,10 +514,10 @@ fn make_feeds(g: &Graph, seed: u64, file: Option<&Path>) -> Result<Feeds> {
     Ok(feeds)
 }
 
-fn read_feeds(g: &Graph, path: &Path) -> Result<Feeds> {
-    let shown = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(io_err(&shown))?;
-    let v: Value = serde_json::from_slice(&bytes)
+/// The feeds of `text` (JSON, from `shown`: a file or `--feeds`): each names a
+/// Placeholder or Variable and holds values its dtype can.
+fn parse_feeds(g: &Graph, shown: &str, text: &str) -> Result<Feeds> {
+    let v = format::json_value(text.as_bytes())
         .map_err(|e| CliError::Usage(format!("{shown}: not valid JSON: {e}")))?;
     let obj = v.as_object().ok_or_else(|| {
         CliError::Usage(format!(
@@ -511,7 +533,15 @@ fn read_feeds(g: &Graph, path: &Path) -> Result<Feeds> {
         let id = g
             .find(name)
             .ok_or_else(|| feed_err("no node of this name in the graph".into()))?;
-        let want = g.node(id).outputs()[0].clone();
+        let node = g.node(id);
+        if !(node.op.is::<Placeholder>() || node.op.is::<Variable>()) {
+            return Err(feed_err(format!(
+                "is a {} node: only Placeholders and Variables take values",
+                node.op.name()
+            ))
+            .into());
+        }
+        let want = node.outputs()[0].clone();
         let (shape, values) = match value {
             Value::Object(o) => {
                 let shape = o
@@ -543,10 +573,36 @@ fn read_feeds(g: &Graph, path: &Path) -> Result<Feeds> {
                 (shape, flat)
             }
         };
+        if let Some((i, v)) = values
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| !holds(want.dtype, v))
+        {
+            return Err(feed_err(format!(
+                "value {v:?} (index {i}) does not fit {}",
+                want.dtype
+            ))
+            .into());
+        }
         let t = Tensor::new(shape, Data::from_f64(want.dtype, values)).map_err(feed_err)?;
         feeds.insert(name.clone(), t);
     }
     Ok(feeds)
+}
+
+/// Whether `dtype` holds `v`: a float type without overflowing to infinity, an
+/// integer type exactly, a bool as 0 or 1.
+fn holds(dtype: DType, v: f64) -> bool {
+    match dtype {
+        DType::F64 => v.is_finite(),
+        DType::F32 => (v as f32).is_finite(),
+        DType::F16 => f16_from_f64(v).is_finite(),
+        DType::BF16 => bf16_from_f64(v).is_finite(),
+        DType::I32 => v.fract() == 0.0 && v >= i32::MIN as f64 && v <= i32::MAX as f64,
+        // 2^63 itself is one past i64::MAX.
+        DType::I64 => v.fract() == 0.0 && v >= -(2f64.powi(63)) && v < 2f64.powi(63),
+        DType::Bool => v == 0.0 || v == 1.0,
+    }
 }
 
 /// Flattens nested JSON lists of numbers, recording the shape and checking it is regular.
@@ -599,49 +655,88 @@ fn json_number(x: f64) -> Value {
 /// Up to this many values are printed in full in text mode; longer tensors show a summary.
 const TEXT_VALUES: usize = 64;
 
+/// Prints the outputs as they stream from the tensors, through a buffer of bounded
+/// size (no copy of a tensor's values): text shows the first [`TEXT_VALUES`] values of
+/// each and a summary of the rest; JSON every value.
 fn print_outputs(g: &Graph, outputs: &[Tensor], json: bool, out: &mut dyn Write) -> Result<()> {
     let names: Vec<String> = g.outputs().iter().map(|&p| g.port_name(p)).collect();
-    let text = if json {
-        let items: Vec<Value> = names
+    let mut out = std::io::BufWriter::new(out);
+    let written = if json {
+        write_json_outputs(&names, outputs, &mut out)
+    } else {
+        names
             .iter()
             .zip(outputs)
-            .map(|(name, t)| {
-                serde_json::json!({
-                    "name": name,
-                    "dtype": t.dtype().as_str(),
-                    "shape": t.shape(),
-                    "values": t.to_f64_vec().into_iter().map(json_number).collect::<Vec<_>>(),
-                })
-            })
-            .collect();
-        format!("{}\n", serde_json::json!({ "outputs": items }))
-    } else {
-        let mut s = String::new();
-        for (name, t) in names.iter().zip(outputs) {
-            let v = t.to_f64_vec();
-            let shown: Vec<String> = v
-                .iter()
-                .take(TEXT_VALUES)
-                .map(|x| format!("{x:.6}"))
-                .collect();
-            s.push_str(&format!("{name}: {}\n  [{}", t.ty(), shown.join(", ")));
-            if v.len() > TEXT_VALUES {
-                let finite: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-                let mean = finite.iter().sum::<f64>() / finite.len().max(1) as f64;
-                let min = finite.iter().copied().fold(f64::INFINITY, f64::min);
-                let max = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                s.push_str(&format!(
-                    ", ...] ({} values, {} non-finite; min {min:.6}, max {max:.6}, mean {mean:.6})\n",
-                    v.len(),
-                    v.len() - finite.len()
-                ));
-            } else {
-                s.push_str("]\n");
-            }
-        }
-        s
+            .try_for_each(|(name, t)| write_text_output(name, t, &mut out))
     };
-    out.write_all(text.as_bytes()).map_err(io_err("<stdout>"))
+    written
+        .and_then(|()| out.flush())
+        .map_err(io_err("<stdout>"))
+}
+
+/// `{"outputs":[{"dtype":..,"name":..,"shape":..,"values":[..]}, ..]}` and a newline,
+/// non-finite values as the strings `nan`, `inf` and `-inf`.
+fn write_json_outputs(
+    names: &[String],
+    outputs: &[Tensor],
+    out: &mut dyn Write,
+) -> std::io::Result<()> {
+    out.write_all(b"{\"outputs\":[")?;
+    for (k, (name, t)) in names.iter().zip(outputs).enumerate() {
+        let head =
+            serde_json::json!({"dtype": t.dtype().as_str(), "name": name, "shape": t.shape()});
+        let head = head.to_string();
+        // The object without its closing brace, then the values.
+        let open = head.strip_suffix('}').unwrap_or(&head);
+        write!(out, "{}{open},\"values\":[", if k > 0 { "," } else { "" })?;
+        for (i, x) in t.data().iter_f64().enumerate() {
+            if i > 0 {
+                out.write_all(b",")?;
+            }
+            serde_json::to_writer(&mut *out, &json_number(x))?;
+        }
+        out.write_all(b"]}")?;
+    }
+    out.write_all(b"]}\n")
+}
+
+/// `name: type`, then the first values and, for a longer tensor, how many values there
+/// are, how many are NaN or infinite, and the finite ones' range and mean.
+fn write_text_output(name: &str, t: &Tensor, out: &mut dyn Write) -> std::io::Result<()> {
+    write!(out, "{name}: {}\n  [", t.ty())?;
+    let (mut count, mut nan, mut inf, mut finite) = (0usize, 0usize, 0usize, 0usize);
+    let (mut min, mut max, mut sum) = (f64::INFINITY, f64::NEG_INFINITY, 0.0);
+    for x in t.data().iter_f64() {
+        if count < TEXT_VALUES {
+            write!(out, "{}{x:.6}", if count > 0 { ", " } else { "" })?;
+        }
+        count += 1;
+        if x.is_nan() {
+            nan += 1;
+        } else if x.is_infinite() {
+            inf += 1;
+        } else {
+            finite += 1;
+            (min, max, sum) = (min.min(x), max.max(x), sum + x);
+        }
+    }
+    if count <= TEXT_VALUES {
+        return out.write_all(b"]\n");
+    }
+    write!(out, ", ...] ({count} values")?;
+    for (n, what) in [(nan, "NaN"), (inf, "infinite")] {
+        if n > 0 {
+            write!(out, ", {n} {what}")?;
+        }
+    }
+    match finite {
+        0 => out.write_all(b", none finite)\n"),
+        _ => writeln!(
+            out,
+            "; finite: min {min:.6}, max {max:.6}, mean {:.6})",
+            sum / finite as f64
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -541,3 +541,100 @@ fn plan_prints_the_peak_and_its_parts() {
     assert!(peak(&fused) <= peak(&unfused), "{fused}");
     assert_eq!(fused.lines().filter(|l| l.contains(" MiB  ")).count(), 1);
 }
+
+/// Runs the binary, asserts it failed with status 2, returns its one error line.
+fn error_line(args: &[&str]) -> String {
+    let out = ampgraph_with_stdin(args, None);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    lines[0].to_string()
+}
+
+#[test]
+fn feeds_come_inline_or_from_a_file_and_only_for_sources_in_range() {
+    let s = Scratch::new("feeds");
+    let g = s.write("mlp.json", MLP);
+    let inline = r#"{"x": [[1, -2, 3], [-4, 5, -6]], "w": {"values": [1, 0, 0, 1, 0, 1, 0, -1, 0, 0, 1, 2]}}"#;
+    let from_text = run_outputs(&ok(&[
+        "run", &g, "--device", "cpu", "--feeds", inline, "--json",
+    ]));
+    let file = s.write("feeds.json", inline);
+    let from_file = run_outputs(&ok(&[
+        "run", &g, "--device", "cpu", "--feeds", &file, "--json",
+    ]));
+    assert_eq!(from_text, from_file);
+    assert_eq!(from_text[0].2, [1.0, 0.0, 3.0, 9.0, 0.0, 5.0, 0.0, 0.0]);
+    // An intermediate node takes no values.
+    let e = error_line(&["run", &g, "--device", "cpu", "--feeds", r#"{"mm": [[0]]}"#]);
+    assert!(e.contains("'mm'") && e.contains("is a MatMul node"), "{e}");
+    // A value that overflows the dtype, an integer that is not whole, a repeated name.
+    let e = error_line(&[
+        "run",
+        &g,
+        "--device",
+        "cpu",
+        "--feeds",
+        r#"{"x": [[1e40, 0, 0], [0, 0, 0]]}"#,
+    ]);
+    assert!(
+        e.contains("'x'") && e.contains("1e40") && e.contains("f32"),
+        "{e}"
+    );
+    let e = error_line(&[
+        "run",
+        &g,
+        "--device",
+        "cpu",
+        "--feeds",
+        r#"{"x": [[1]], "x": [[2]]}"#,
+    ]);
+    assert!(e.contains("duplicate key 'x'"), "{e}");
+}
+
+#[test]
+fn graph_files_take_a_byte_order_mark_and_refuse_repeated_keys() {
+    let s = Scratch::new("bom");
+    let with_bom = s.0.join("bom.json");
+    std::fs::write(
+        &with_bom,
+        [b"\xEF\xBB\xBF".as_slice(), MLP.as_bytes()].concat(),
+    )
+    .unwrap();
+    let text = ok(&["dump", with_bom.to_str().unwrap()]);
+    assert!(text.contains("act = Relu"), "{text}");
+    let repeated = MLP.replacen(r#""version": 1,"#, r#""version": 1, "version": 1,"#, 1);
+    let e = error_line(&["dump", &s.write("dup.json", &repeated)]);
+    assert!(e.contains("duplicate key 'version'"), "{e}");
+}
+
+#[test]
+fn non_finite_outputs_are_counted_not_summarised_as_infinite_bounds() {
+    let s = Scratch::new("nan");
+    let g = s.write(
+        "log.json",
+        r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+          {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [100]}},
+          {"name": "y", "op": "Log", "inputs": ["x"]}
+        ], "outputs": ["y"]}"#,
+    );
+    // log(-1) is NaN, log(0) is -inf.
+    let values = |v: &str| format!(r#"{{"x": {{"values": [{}]}}}}"#, vec![v; 100].join(","));
+    let text = ok(&["run", &g, "--device", "cpu", "--feeds", &values("-1")]);
+    assert!(
+        text.contains("(100 values, 100 NaN, none finite)"),
+        "{text}"
+    );
+    let mut mixed: Vec<&str> = vec!["1"; 98];
+    mixed.extend(["-1", "0"]);
+    let feeds = format!(r#"{{"x": {{"values": [{}]}}}}"#, mixed.join(","));
+    let text = ok(&["run", &g, "--device", "cpu", "--feeds", &feeds]);
+    assert!(
+        text.contains(
+            "(100 values, 1 NaN, 1 infinite; finite: min 0.000000, max 0.000000, mean 0.000000)"
+        ),
+        "{text}"
+    );
+}

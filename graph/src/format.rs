@@ -119,14 +119,78 @@ fn format_err(msg: impl Into<String>) -> GraphError {
     GraphError::Format(msg.into())
 }
 
+/// A JSON document as the file formats read one: a UTF-8 byte order mark ignored, an
+/// object that repeats a key refused (serde_json alone would keep the last). The
+/// error is the message after "not valid JSON: ".
+pub fn json_value(bytes: &[u8]) -> std::result::Result<Value, String> {
+    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+    // serde_json refuses nesting deeper than 128 levels, so hostile input can't overflow
+    // the stack in either parse.
+    serde_json::from_slice::<UniqueKeys>(bytes).map_err(|e| e.to_string())?;
+    serde_json::from_slice(bytes).map_err(|e| e.to_string())
+}
+
+/// Any JSON value whose objects name each key once.
+struct UniqueKeys;
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        d.deserialize_any(UniqueKeys)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeys {
+    type Value = UniqueKeys;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> std::result::Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_i64<E>(self, _: i64) -> std::result::Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_u64<E>(self, _: u64) -> std::result::Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_f64<E>(self, _: f64) -> std::result::Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_str<E>(self, _: &str) -> std::result::Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_unit<E>(self) -> std::result::Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut items: A,
+    ) -> std::result::Result<UniqueKeys, A::Error> {
+        while items.next_element::<UniqueKeys>()?.is_some() {}
+        Ok(UniqueKeys)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut entries: A,
+    ) -> std::result::Result<UniqueKeys, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = entries.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!("duplicate key '{key}'")));
+            }
+            entries.next_value::<UniqueKeys>()?;
+        }
+        Ok(UniqueKeys)
+    }
+}
+
 /// Parses the JSON interchange format (structure only; see [`GraphDef::to_graph`]).
 pub fn parse_json(bytes: &[u8]) -> Result<GraphDef> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(format_err("the file is empty"));
     }
-    // serde_json refuses nesting deeper than 128 levels, so hostile input can't overflow the stack.
-    let v: Value =
-        serde_json::from_slice(bytes).map_err(|e| format_err(format!("not valid JSON: {e}")))?;
+    let v = json_value(bytes).map_err(|e| format_err(format!("not valid JSON: {e}")))?;
     let top = v
         .as_object()
         .ok_or_else(|| format_err("a graph file must be a JSON object"))?;

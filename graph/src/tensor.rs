@@ -250,13 +250,21 @@ impl Data {
     /// Every element widened (or, for i64 beyond 2^53, rounded) to f64.
     pub fn to_f64(&self) -> Vec<f64> {
         match self {
-            Data::F32(v) => v.iter().map(|&x| x as f64).collect(),
-            Data::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
-            Data::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
             Data::F64(v) => v.clone(),
-            Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
-            Data::I64(v) => v.iter().map(|&x| x as f64).collect(),
-            Data::Bool(v) => v.iter().map(|&x| if x { 1.0 } else { 0.0 }).collect(),
+            _ => self.iter_f64().collect(),
+        }
+    }
+
+    /// [`Data::to_f64`]'s values one at a time, without a copy of the whole.
+    pub fn iter_f64(&self) -> Box<dyn Iterator<Item = f64> + '_> {
+        match self {
+            Data::F32(v) => Box::new(v.iter().map(|&x| x as f64)),
+            Data::F16(v) => Box::new(v.iter().map(|x| x.to_f64())),
+            Data::BF16(v) => Box::new(v.iter().map(|x| x.to_f64())),
+            Data::F64(v) => Box::new(v.iter().copied()),
+            Data::I32(v) => Box::new(v.iter().map(|&x| x as f64)),
+            Data::I64(v) => Box::new(v.iter().map(|&x| x as f64)),
+            Data::Bool(v) => Box::new(v.iter().map(|&x| if x { 1.0 } else { 0.0 })),
         }
     }
 
