@@ -7,6 +7,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
+use crate::{host_memory, memory_plan};
 use crate::{ExecError, ExecOptions, Executor, Feeds, RunResult};
 
 /// Runs graphs on the host with each op's reference kernel.
@@ -18,6 +19,11 @@ pub struct CpuExecutor {
     pub max_tensor_bytes: u64,
     /// Kept for [`Executor::options`]; the CPU kernels' arithmetic does not change.
     options: ExecOptions,
+    /// The host memory a step may take, in bytes; `None`: what the host has available
+    /// when the step is first run ([`host_memory::available_bytes`]).
+    pub memory_limit: Option<usize>,
+    /// The graph revision and fetches last admitted (checked against the memory once).
+    admitted: Option<((u64, u64), Vec<Port>)>,
 }
 
 /// 16 GiB: larger than any tensor this machine class can hold next to its inputs.
@@ -52,6 +58,8 @@ impl Default for CpuExecutor {
             variables: HashMap::new(),
             max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
             options: ExecOptions::default(),
+            memory_limit: None,
+            admitted: None,
         }
     }
 }
@@ -59,6 +67,23 @@ impl Default for CpuExecutor {
 impl CpuExecutor {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Refuses, before it computes anything, a step whose tensors cannot all be in
+    /// host memory when they must ([`memory_plan::admit`]): a graph that does not fit
+    /// fails in milliseconds rather than aborting the process mid-run. Checked once per
+    /// graph revision and fetches.
+    fn admit(&mut self, graph: &Graph, fetches: &[Port]) -> Result<(), ExecError> {
+        let key = (graph.revision(), fetches.to_vec());
+        if self.admitted.as_ref() == Some(&key) {
+            return Ok(());
+        }
+        let limit = self.memory_limit.or_else(host_memory::available_bytes);
+        if let Some(available) = limit {
+            memory_plan::admit(graph, fetches, available, "the host")?;
+        }
+        self.admitted = Some(key);
+        Ok(())
     }
 
     fn source_value(
@@ -142,6 +167,7 @@ impl Executor for CpuExecutor {
     }
 
     fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> RunResult {
+        self.admit(graph, fetches)?;
         let mut schedule = Schedule::new(graph, fetches)?;
         let order = std::mem::take(&mut schedule.order);
         let mut values: HashMap<NodeId, Vec<Tensor>> = HashMap::new();

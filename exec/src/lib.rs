@@ -10,6 +10,7 @@ pub mod cuda;
 pub mod data;
 pub mod feeds;
 pub mod gradcheck;
+pub mod host_memory;
 pub mod memory_plan;
 pub mod rng;
 mod schedule;
@@ -38,6 +39,9 @@ pub enum ExecError {
     /// The device could not be used (no CUDA, a driver failure).
     #[error("device: {0}")]
     Device(String),
+    /// A run that cannot fit the memory there is, refused before it computes.
+    #[error("out of memory: {0}")]
+    Memory(String),
 }
 
 impl ExecError {

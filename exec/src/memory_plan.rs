@@ -308,6 +308,33 @@ pub fn plan_outside(
     Ok(summarise(buffers, end))
 }
 
+/// Refuses the step computing `fetches` where the tensors it must hold at once (the
+/// plan's lower bound; the graph's sources are already in memory) exceed `available`
+/// bytes of `place`: the error names the step's op and the largest tensors alive then.
+pub fn admit(
+    graph: &Graph,
+    fetches: &[Port],
+    available: usize,
+    place: &str,
+) -> Result<(), ExecError> {
+    let plan = plan(graph, fetches)?;
+    if plan.live_bytes <= available {
+        return Ok(());
+    }
+    let largest: Vec<String> = (plan.alive_at_peak().into_iter().take(3))
+        .map(|b| {
+            let what = graph.port_name(b.port);
+            format!("'{what}' {} ({:.1} MiB)", graph.ty(b.port), mib(b.bytes))
+        })
+        .collect();
+    Err(ExecError::Memory(format!(
+        "the step holds {:.1} MiB of tensors at once but {place} has {:.1} MiB available; the largest then: {}",
+        mib(plan.live_bytes),
+        mib(available),
+        largest.join(", ")
+    )))
+}
+
 /// Whether `p` is a Placeholder's, Variable's or Const's value (fed or persistent).
 fn is_source(graph: &Graph, p: Port) -> bool {
     let op = &graph.node(p.node).op;

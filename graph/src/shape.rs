@@ -60,6 +60,11 @@ pub fn normalize_axes(axes: &[i64], rank: usize) -> Result<Vec<usize>, String> {
 /// For each element of `out_shape`, the index of the element of `in_shape` that
 /// broadcasting reads. Precomputed once per op call.
 pub fn broadcast_index_map(in_shape: &[usize], out_shape: &[usize]) -> Vec<usize> {
+    broadcast_indices(in_shape, out_shape).collect()
+}
+
+/// [`broadcast_index_map`]'s indices one at a time, without a table of the output's size.
+pub fn broadcast_indices(in_shape: &[usize], out_shape: &[usize]) -> impl Iterator<Item = usize> {
     let rank = out_shape.len();
     let offset = rank - in_shape.len();
     // Stride of each output axis inside the input; 0 where the input broadcasts.
@@ -73,12 +78,12 @@ pub fn broadcast_index_map(in_shape: &[usize], out_shape: &[usize]) -> Vec<usize
             }
         })
         .collect();
+    let out_shape = out_shape.to_vec();
     let n: usize = out_shape.iter().product();
-    let mut map = Vec::with_capacity(n);
     let mut idx = vec![0usize; rank];
     let mut pos = 0usize;
-    for _ in 0..n {
-        map.push(pos);
+    (0..n).map(move |_| {
+        let here = pos;
         // Odometer increment over the output index.
         for ax in (0..rank).rev() {
             idx[ax] += 1;
@@ -89,6 +94,6 @@ pub fn broadcast_index_map(in_shape: &[usize], out_shape: &[usize]) -> Vec<usize
             pos -= stride[ax] * idx[ax];
             idx[ax] = 0;
         }
-    }
-    map
+        here
+    })
 }

@@ -10,7 +10,7 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::{grad0, types_of};
-use crate::shape::{broadcast_index_map, broadcast_shapes, normalize_axis};
+use crate::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
 use crate::tensor::{checked_numel, strides, Data, ShapeDisplay, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -668,8 +668,7 @@ impl BroadcastTo {
 
 fn broadcast_typed<T: Elem>(x: &Tensor, shape: &[usize]) -> OpResult<Data> {
     let xs = typed::<T>(x)?;
-    broadcast_index_map(x.shape(), shape)
-        .into_iter()
+    broadcast_indices(x.shape(), shape)
         .map(|i| xs.get(i).copied().ok_or("broadcast index out of range"))
         .collect::<Result<Vec<T>, _>>()
         .map(T::wrap)
