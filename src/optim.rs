@@ -302,6 +302,25 @@ impl<O> MixedPrecision<O> {
 /// Wraps `optimizer` for automatic mixed precision, as TensorFlow's function of the
 /// same name: dynamic loss scaling in the graph, and the graph marked so that a
 /// session runs the AMP rewrite (FP16 unless [`MixedPrecision::with_dtype`]).
+///
+/// ```
+/// use ampgraph::graph::nn;
+/// use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
+/// use ampgraph::{DType, Device, Graph, Session};
+///
+/// let mut g = Graph::new();
+/// let x = g.placeholder("x", DType::F32, [8, 16])?;
+/// let labels = g.placeholder("labels", DType::I64, [8])?;
+/// let logits = nn::dense(&mut g, x, 4, None)?;
+/// let loss = g.softmax_cross_entropy(logits, labels)?;
+/// let train = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.1, 0.9))
+///     .with_dtype(DType::BF16)
+///     .minimize(&mut g, loss)?;
+/// assert!(train.loss_scale.is_some(), "dynamic loss scaling by default");
+/// let session = Session::new(g, Device::Cpu)?; // the AMP pass runs here
+/// assert!(session.passes.iter().any(|r| r.summary.to_string().contains("Grappler")));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn enable_mixed_precision_graph_rewrite<O: Optimizer>(optimizer: O) -> MixedPrecision<O> {
     MixedPrecision {
         inner: optimizer,

@@ -196,6 +196,24 @@ impl Pipeline {
     }
 }
 
+/// A graph ready to run on a device: made once (the AMP pass where the graph is marked
+/// for it, the device's passes), then run step after step; it holds the variables
+/// (initialised from their `Init`, or restored from a checkpoint).
+///
+/// ```
+/// use ampgraph::graph::nn;
+/// use ampgraph::exec::Feeds;
+/// use ampgraph::{DType, Device, Graph, Session, Tensor};
+///
+/// let mut g = Graph::new();
+/// let x = g.placeholder("x", DType::F32, [2, 3])?;
+/// let y = nn::dense(&mut g, x, 4, None)?;
+/// let mut session = Session::new(g, Device::Cpu)?;
+/// let feeds = Feeds::from([("x".into(), Tensor::from_f64(DType::F32, [2, 3], &[0.5; 6])?)]);
+/// let out = session.run(&[y], &feeds)?;
+/// assert_eq!(out[0].shape(), [2, 4]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Session {
     graph: Graph,
     device: Device,
@@ -266,6 +284,8 @@ fn non_finite(data: &Data) -> Option<(usize, usize)> {
 }
 
 impl Session {
+    /// A session of `graph` on `device` with the default [`SessionOptions`]: the
+    /// passes run now, and each variable gets its initial value.
     pub fn new(graph: Graph, device: Device) -> Result<Session, SessionError> {
         Self::with_options(graph, device, SessionOptions::default())
     }

@@ -1,4 +1,4 @@
-//! ampgraph-exec: executors that run a [`Graph`](ampgraph_graph::Graph).
+//! ampgraph-exec: executors that run a graph ([`ampgraph_graph::Graph`]).
 //!
 //! [`CpuExecutor`] is the reference backend and the embedded default: every op's CPU
 //! kernel, in the op's own file in `ampgraph-graph`, run in topological order with

@@ -229,6 +229,23 @@ impl Clone for Revision {
     }
 }
 
+/// A dataflow graph: nodes (an op, a name, the types of its outputs) reading other
+/// nodes' outputs ([`Port`]s), and the ports that are its outputs. Built with the
+/// builder methods (`placeholder`, `matmul`, `relu`, ... and [`crate::nn`] layers) or
+/// loaded from a file ([`crate::format::load`]); every edit checks types at once.
+///
+/// ```
+/// use ampgraph_graph::{DType, Graph};
+///
+/// let mut g = Graph::new();
+/// let x = g.placeholder("x", DType::F32, [2, 3])?;
+/// let w = g.placeholder("w", DType::F32, [3, 4])?;
+/// let y = g.matmul(x, w)?;
+/// let y = g.relu(y)?;
+/// g.set_outputs(vec![y])?;
+/// assert_eq!(g.ty(y).shape, [2, 4]);
+/// # Ok::<(), ampgraph_graph::GraphError>(())
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     revision: Revision,
@@ -270,7 +287,7 @@ impl Graph {
     }
 
     /// This graph and its edit count: equal between two calls only if the graph was
-    /// not changed in between (see [`Revision`]).
+    /// not changed in between (see `Revision`).
     pub fn revision(&self) -> (u64, u64) {
         (self.revision.graph, self.revision.edits)
     }

@@ -56,8 +56,8 @@ pub struct DnnOptions {
     /// Only algorithms whose results are the same from run to run (PyTorch's
     /// `cudnn.deterministic`): the fastest of those, which may be slower.
     pub deterministic: bool,
-    /// The most workspace one algorithm may use, in MiB; `None`:
-    /// [`DEFAULT_WORKSPACE_LIMIT_MIB`].
+    /// The most workspace one algorithm may use, in MiB; `None`: 1024
+    /// (`DEFAULT_WORKSPACE_LIMIT_MIB`).
     pub workspace_limit_mib: Option<usize>,
 }
 
@@ -112,7 +112,8 @@ impl ConvShape {
     }
 }
 
-/// One algorithm chosen for one convolution, as the log and [`Dnn::choices`] say it.
+/// One algorithm chosen for one convolution, as the log and
+/// [`CudaExecutor::conv_algorithms`](crate::CudaExecutor::conv_algorithms) say it.
 #[derive(Clone, Debug)]
 pub struct Choice {
     pub direction: Direction,

@@ -20,6 +20,22 @@ pub use rewrite::RewriteStats;
 use crate::{Pass, PassError, PassSummary};
 
 /// Settings of the AMP pass; [`AmpConfig::from_env`] reads the `AMPGRAPH_AMP_*` overrides.
+///
+/// ```
+/// use ampgraph_graph::{DType, Graph};
+/// use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
+///
+/// let mut g = Graph::new();
+/// let x = g.placeholder("x", DType::F32, [4, 8])?;
+/// let w = g.placeholder("w", DType::F32, [8, 8])?;
+/// let y = g.matmul(x, w)?;
+/// g.set_outputs(vec![y])?;
+/// let amp = AutoMixedPrecision::new(AmpConfig::with_profile(DType::F16, "tensorflow")?);
+/// amp.rewrite(&mut g)?;
+/// // The product runs in f16 between casts; the output keeps its f32 type.
+/// assert_eq!(g.ty(g.outputs()[0]).dtype, DType::F32);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct AmpConfig {
     /// F16 or BF16.
