@@ -234,8 +234,10 @@ pub struct PrecisionArgs {
     /// The 16-bit type to convert to.
     #[arg(long, value_enum, default_value = "f16")]
     dtype: HalfArg,
-    /// List profile (default, tensorflow) or a TOML list file.
-    #[arg(long, default_value = "default")]
+    /// The precision lists: a profile (`default`: ampgraph's for --dtype, that is
+    /// `default_fp16` or `default_bf16`; `tensorflow`: TensorFlow's CUDA lists) or a
+    /// TOML list file (`.toml`).
+    #[arg(long, default_value = "default", value_name = "PROFILE|FILE.toml")]
     lists: String,
 }
 
@@ -254,7 +256,13 @@ impl PrecisionArgs {
         };
         let mut config = match self.lists.as_str() {
             "default" => AmpConfig::new(target)?,
-            profile if !profile.ends_with(".toml") => AmpConfig::with_profile(target, profile)?,
+            profile if !profile.ends_with(".toml") => AmpConfig::with_profile(target, profile)
+                .map_err(|_| {
+                    CliError::Usage(format!(
+                        "--lists {profile}: no such profile (default, tensorflow, default_fp16, \
+                         default_bf16) and not a .toml file"
+                    ))
+                })?,
             file => {
                 let mut c = AmpConfig::new(target)?;
                 c.lists = PrecisionLists::from_file(Path::new(file))?;

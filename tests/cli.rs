@@ -638,3 +638,19 @@ fn non_finite_outputs_are_counted_not_summarised_as_infinite_bounds() {
         "{text}"
     );
 }
+
+#[test]
+fn an_unknown_list_profile_names_the_ones_the_help_names() {
+    let s = Scratch::new("lists");
+    let g = s.write("mlp.json", MLP);
+    let e = error_line(&["rewrite", &g, "--amp", "--lists", "fp16"]);
+    assert!(
+        e.contains("--lists fp16") && e.contains("default, tensorflow"),
+        "{e}"
+    );
+    let help = ok(&["rewrite", "--help"]);
+    assert!(
+        help.contains("`default`") && help.contains("`tensorflow`"),
+        "{help}"
+    );
+}
