@@ -321,17 +321,11 @@ pub fn admit(
     if plan.live_bytes <= available {
         return Ok(());
     }
-    let largest: Vec<String> = (plan.alive_at_peak().into_iter().take(3))
-        .map(|b| {
-            let what = graph.port_name(b.port);
-            format!("'{what}' {} ({:.1} MiB)", graph.ty(b.port), mib(b.bytes))
-        })
-        .collect();
     Err(ExecError::Memory(format!(
         "the step holds {:.1} MiB of tensors at once but {place} has {:.1} MiB available; the largest then: {}",
         mib(plan.live_bytes),
         mib(available),
-        largest.join(", ")
+        plan.largest_at_peak(graph, 3)
     )))
 }
 
@@ -602,6 +596,19 @@ impl MemoryPlan {
         (self.buffers.iter().filter(|b| b.scratch))
             .map(|b| (b.port.node, (b.offset, b.bytes)))
             .collect()
+    }
+
+    /// The `n` largest tensors alive at the peak, as an error names them: `'name'
+    /// type (size)`, comma-separated.
+    pub fn largest_at_peak(&self, graph: &Graph, n: usize) -> String {
+        let named: Vec<String> = (self.alive_at_peak().into_iter().filter(|b| !b.scratch))
+            .take(n)
+            .map(|b| {
+                let what = graph.port_name(b.port);
+                format!("'{what}' {} ({:.1} MiB)", graph.ty(b.port), mib(b.bytes))
+            })
+            .collect();
+        named.join(", ")
     }
 
     /// The buffers alive at the peak, largest first: what to shrink to lower it.

@@ -5,10 +5,10 @@
 
 mod common;
 
-use ampgraph_exec::{CpuExecutor, Executor, Feeds};
+use ampgraph_exec::{CpuExecutor, ExecError, Executor, Feeds};
 use ampgraph_graph::ops::{
-    AssignVariable, BatchMatMul, Cast, Const, Conv2DBackpropFilter, DataFormat, OptimizerUpdate,
-    Padding, Rule, Variable,
+    AssignVariable, BatchMatMul, Binary, BinaryKind, BroadcastTo, Cast, Const,
+    Conv2DBackpropFilter, DataFormat, OptimizerUpdate, Padding, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{DType, Graph, Port, Tensor, TensorType};
 use common::{gpu, Gen};
@@ -189,4 +189,35 @@ fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
         assert!(max_rel_diff(&first[k], want) < 2e-2, "output {k}");
         assert!(max_rel_diff(&second[k], want) < 2e-2, "output {k}");
     }
+}
+
+/// A step whose tensors need more memory than the GPU has (8 tensors of 14 GB alive at
+/// once) fails before any launch, in well under a second, naming the largest tensors.
+#[test]
+fn a_step_larger_than_the_device_fails_at_once_naming_its_tensors() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, vec![1]).unwrap();
+    let n = 3_500_000_000usize;
+    let terms: Vec<Port> = (0..8)
+        .map(|_| {
+            let b = g.add(BroadcastTo::new([n]), &[x]).unwrap();
+            g.add(Unary::new(UnaryKind::Exp), &[b]).unwrap()
+        })
+        .collect();
+    let mut sum = *terms.last().unwrap();
+    for &t in terms.iter().rev().skip(1) {
+        sum = g.add(Binary::new(BinaryKind::Add), &[t, sum]).unwrap();
+    }
+    let feeds = Feeds::from([(
+        "x".into(),
+        Tensor::from_f64(DType::F32, vec![1], &[0.5]).unwrap(),
+    )]);
+    let start = std::time::Instant::now();
+    let err = gpu.run(&g, &feeds, &[sum]).unwrap_err();
+    assert!(start.elapsed().as_secs_f64() < 1.0, "{:?}", start.elapsed());
+    let ExecError::Memory(msg) = &err else {
+        panic!("{err}")
+    };
+    assert!(msg.contains("f32[3500000000] (13351.4 MiB)"), "{msg}");
 }

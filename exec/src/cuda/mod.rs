@@ -194,6 +194,8 @@ struct StepMemory {
     /// ... and where it lies in the arena: offset and bytes.
     scratch: HashMap<NodeId, (usize, usize)>,
     arena_bytes: usize,
+    /// The largest tensors alive at the plan's peak, for an out-of-memory error.
+    largest_at_peak: String,
     /// Optimizer outputs written over the variable they replace, by the variable's
     /// name ([`memory_plan::in_place_updates`]).
     in_place: HashMap<Port, String>,
@@ -277,6 +279,7 @@ impl StepMemory {
             scratch: plan.scratch(),
             scratch_bytes,
             arena_bytes: plan.arena_bytes,
+            largest_at_peak: plan.largest_at_peak(graph, 3),
             in_place,
             constant_casts,
             cast_only,
@@ -791,7 +794,14 @@ impl CudaExecutor {
         let memory = self.step_memory(graph, fetches)?;
         let mut schedule = memory.schedule.clone();
         let order = std::mem::take(&mut schedule.order);
-        let arena = self.arena(memory.arena_bytes)?;
+        // Before any launch: a step whose tensors do not fit fails at once.
+        let arena = self.arena(memory.arena_bytes).map_err(|e| {
+            ExecError::Memory(format!(
+                "the step's tensors need an arena of {:.1} MiB on the device ({e}); the largest alive at once: {}",
+                memory_plan::mib(memory.arena_bytes),
+                memory.largest_at_peak
+            ))
+        })?;
         let mut values: HashMap<NodeId, Vec<DTensor>> = HashMap::new();
         let mut writes: Vec<(String, DTensor)> = Vec::new();
         // Casts optimizer updates wrote of their new values, by variable.
