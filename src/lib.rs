@@ -4,8 +4,12 @@
 //! [`passes`] (how it is rewritten), [`exec`] (how it runs). This crate re-exports
 //! them and hosts the `ampgraph` command line.
 
+// Inlined, so that `cargo doc -p ampgraph` documents the whole library in one place.
+#[doc(inline)]
 pub use ampgraph_exec as exec;
+#[doc(inline)]
 pub use ampgraph_graph as graph;
+#[doc(inline)]
 pub use ampgraph_passes as passes;
 
 pub use ampgraph_exec::{CpuExecutor, Executor};
