@@ -2,36 +2,26 @@
 //! non-finite values refused on restore, and saves that keep the previous checkpoint
 //! and leave nothing behind when they fail. CPU only.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use ampgraph::graph::nn::{self, Activation};
-use ampgraph::graph::{DType, Graph, Tensor};
-use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
+use ampgraph::graph::{DType, Tensor};
 use ampgraph::session::SessionError;
 use ampgraph::{Device, RestoreOptions, Session, SessionOptions};
+use common::small_training_graph;
 
-/// x[8,4] -> dense 16 tanh -> dense 3 -> cross-entropy, trained by AMP SGD with
-/// momentum: f32 weights and slots, f32 and i64 loss-scale state.
+/// A CPU session of [`small_training_graph`].
 fn session() -> Session {
     session_seeded(0)
 }
 
 fn session_seeded(seed: u64) -> Session {
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [8, 4]).unwrap();
-    let labels = g.placeholder("labels", DType::I64, [8]).unwrap();
-    let h = nn::dense(&mut g, x, 16, Some(Activation::Tanh)).unwrap();
-    let logits = nn::dense(&mut g, h, 3, None).unwrap();
-    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
-    g.set_outputs(vec![logits]).unwrap();
-    enable_mixed_precision_graph_rewrite(Sgd::momentum(0.1, 0.9))
-        .minimize(&mut g, loss)
-        .unwrap();
     let options = SessionOptions {
         seed,
         ..Default::default()
     };
-    Session::with_options(g, Device::Cpu, options).unwrap()
+    Session::with_options(small_training_graph(), Device::Cpu, options).unwrap()
 }
 
 /// A fresh directory for one test (tests run in parallel in one process).

@@ -4,11 +4,11 @@
 //! a value or an error, never panics; a checkpoint restores only unchanged. Bounded:
 //! a thousand or two cases per format (proptest, in the normal test run, so in CI).
 
+mod common;
+
 use ampgraph::graph::format::{self, GraphDef};
-use ampgraph::graph::nn::{self, Activation};
-use ampgraph::graph::{DType, Graph};
-use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
 use ampgraph::{Device, Session};
+use common::small_training_graph;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -41,22 +41,6 @@ fn mutated(bytes: &[u8], edits: &[Edit]) -> Vec<u8> {
     b
 }
 
-/// A small training graph (dense layers, AMP, SGD with momentum): every node kind a
-/// model file usually holds, casts and loss-scale state included.
-fn training_graph() -> Graph {
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [8, 4]).unwrap();
-    let labels = g.placeholder("labels", DType::I64, [8]).unwrap();
-    let h = nn::dense(&mut g, x, 16, Some(Activation::Tanh)).unwrap();
-    let logits = nn::dense(&mut g, h, 3, None).unwrap();
-    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
-    g.set_outputs(vec![logits]).unwrap();
-    enable_mixed_precision_graph_rewrite(Sgd::momentum(0.1, 0.9))
-        .minimize(&mut g, loss)
-        .unwrap();
-    g
-}
-
 /// Reads `bytes` as a graph file; whatever loads is valid and writes back.
 fn read_graph(bytes: &[u8]) {
     if let Ok(g) = format::graph_from_bytes(bytes) {
@@ -69,7 +53,7 @@ fn read_graph(bytes: &[u8]) {
 
 #[test]
 fn mutated_json_graphs_load_or_fail_cleanly() {
-    let good = format::to_json(&GraphDef::from_graph(&training_graph()));
+    let good = format::to_json(&GraphDef::from_graph(&small_training_graph()));
     let mut runner = TestRunner::new(Config::with_cases(2000));
     runner
         .run(&edits(), |e| {
@@ -81,7 +65,7 @@ fn mutated_json_graphs_load_or_fail_cleanly() {
 
 #[test]
 fn mutated_binary_graphs_load_or_fail_cleanly() {
-    let good = format::to_bin(&GraphDef::from_graph(&training_graph())).unwrap();
+    let good = format::to_bin(&GraphDef::from_graph(&small_training_graph())).unwrap();
     let mut runner = TestRunner::new(Config::with_cases(2000));
     runner
         .run(&edits(), |e| {
@@ -96,13 +80,14 @@ fn mutated_checkpoints_restore_only_unchanged() {
     let dir = std::env::temp_dir().join(format!("ampgraph-fuzz-ckpt-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (good_path, bad_path) = (dir.join("good.ckpt"), dir.join("bad.ckpt"));
-    Session::new(training_graph(), Device::Cpu)
+    Session::new(small_training_graph(), Device::Cpu)
         .unwrap()
         .save(&good_path)
         .unwrap();
     let good = std::fs::read(&good_path).unwrap();
     // The runner's test is `Fn`: the session restores through a RefCell.
-    let target = std::cell::RefCell::new(Session::new(training_graph(), Device::Cpu).unwrap());
+    let target =
+        std::cell::RefCell::new(Session::new(small_training_graph(), Device::Cpu).unwrap());
     let mut runner = TestRunner::new(Config::with_cases(1000));
     runner
         .run(&edits(), |e| {

@@ -4,32 +4,19 @@
 //! runs on the CPU with its built-in synthetic data (cargo builds the examples before
 //! the tests run, beside the test binaries).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// The mnist example built beside this test (`target/<profile>/examples/mnist`).
-fn mnist() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's own path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("tests run from target/<profile>/deps");
-    let path = profile_dir.join("examples").join("mnist");
-    assert!(
-        path.exists(),
-        "{} is missing: `cargo test` builds it, `cargo test --test mnist_checkpoints` alone \
-         does not (`cargo build --example mnist` first)",
-        path.display()
-    );
-    path
-}
+use common::example_binary;
 
 /// A small CPU run of the example with `extra` arguments.
 fn run(extra: &[&str]) -> Output {
     let small = [
         "--train", "256", "--eval", "64", "--batch", "64", "--device", "cpu",
     ];
-    Command::new(mnist())
+    Command::new(example_binary("mnist"))
         .args(small)
         .args(extra)
         .output()

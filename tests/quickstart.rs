@@ -2,8 +2,11 @@
 //! the README's Rust block is a line of the example, in the same order, and the
 //! example trains to a held-out accuracy far above chance.
 
-use std::path::Path;
+mod common;
+
 use std::process::Command;
+
+use common::example_binary;
 
 const README: &str = include_str!("../README.md");
 const QUICKSTART: &str = include_str!("../examples/quickstart.rs");
@@ -36,17 +39,7 @@ fn the_readme_shows_the_quickstart_code() {
 
 #[test]
 fn the_quickstart_runs_and_learns() {
-    let exe = std::env::current_exe().expect("the test's own path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps");
-    let quickstart = dir.join("examples").join("quickstart");
-    assert!(
-        quickstart.exists(),
-        "{} is missing: `cargo test` builds it (`cargo build --example quickstart`)",
-        quickstart.display()
-    );
+    let quickstart = example_binary("quickstart");
     // The CPU: CI has no GPU, and auto picks it there anyway.
     let out = Command::new(&quickstart)
         .output()

@@ -7,11 +7,11 @@ mod common;
 
 use ampgraph_exec::{CpuExecutor, ExecError, Executor, Feeds};
 use ampgraph_graph::ops::{
-    AssignVariable, BatchMatMul, Binary, BinaryKind, BroadcastTo, Cast, Const,
-    Conv2DBackpropFilter, DataFormat, OptimizerUpdate, Padding, Rule, Unary, UnaryKind, Variable,
+    AssignVariable, BatchMatMul, Cast, Const, Conv2DBackpropFilter, DataFormat, OptimizerUpdate,
+    Padding, Rule, Variable,
 };
 use ampgraph_graph::{DType, Graph, Port, Tensor, TensorType};
-use common::{gpu, Gen};
+use common::{gpu, wide_sum, wide_sum_feeds, Gen};
 
 const N: usize = 512;
 
@@ -196,23 +196,8 @@ fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
 #[test]
 fn a_step_larger_than_the_device_fails_at_once_naming_its_tensors() {
     let Some(mut gpu) = gpu() else { return };
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, vec![1]).unwrap();
-    let n = 3_500_000_000usize;
-    let terms: Vec<Port> = (0..8)
-        .map(|_| {
-            let b = g.add(BroadcastTo::new([n]), &[x]).unwrap();
-            g.add(Unary::new(UnaryKind::Exp), &[b]).unwrap()
-        })
-        .collect();
-    let mut sum = *terms.last().unwrap();
-    for &t in terms.iter().rev().skip(1) {
-        sum = g.add(Binary::new(BinaryKind::Add), &[t, sum]).unwrap();
-    }
-    let feeds = Feeds::from([(
-        "x".into(),
-        Tensor::from_f64(DType::F32, vec![1], &[0.5]).unwrap(),
-    )]);
+    let (g, sum) = wide_sum(8, 3_500_000_000);
+    let feeds = wide_sum_feeds();
     let start = std::time::Instant::now();
     let err = gpu.run(&g, &feeds, &[sum]).unwrap_err();
     assert!(start.elapsed().as_secs_f64() < 1.0, "{:?}", start.elapsed());

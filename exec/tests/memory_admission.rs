@@ -4,43 +4,18 @@
 
 use std::time::Instant;
 
+mod common;
+
 use ampgraph_exec::memory_plan;
-use ampgraph_exec::{host_memory, CpuExecutor, ExecError, Executor, Feeds};
-use ampgraph_graph::ops::{Binary, BinaryKind, BroadcastTo, Unary, UnaryKind};
-use ampgraph_graph::{DType, Graph, Port, Tensor};
-
-/// `k` tensors of `n` f32 values, each `Exp(BroadcastTo(x + i))`, summed right to
-/// left: every one is alive when the innermost sum runs.
-fn wide(k: usize, n: usize) -> (Graph, Port) {
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [1]).unwrap();
-    let terms: Vec<Port> = (0..k)
-        .map(|_| {
-            let b = g.add(BroadcastTo::new([n]), &[x]).unwrap();
-            g.add(Unary::new(UnaryKind::Exp), &[b]).unwrap()
-        })
-        .collect();
-    let mut sum = *terms.last().unwrap();
-    for &t in terms.iter().rev().skip(1) {
-        sum = g.add(Binary::new(BinaryKind::Add), &[t, sum]).unwrap();
-    }
-    g.set_outputs(vec![sum]).unwrap();
-    (g, sum)
-}
-
-fn feeds() -> Feeds {
-    Feeds::from([(
-        "x".into(),
-        Tensor::from_f64(DType::F32, [1], &[0.5]).unwrap(),
-    )])
-}
+use ampgraph_exec::{host_memory, CpuExecutor, ExecError, Executor};
+use common::{wide_sum, wide_sum_feeds};
 
 #[test]
 fn a_step_over_the_memory_limit_is_refused_naming_its_largest_tensors() {
-    let (g, sum) = wide(4, 1 << 18); // 1 MiB each
+    let (g, sum) = wide_sum(4, 1 << 18); // 1 MiB each
     let mut cpu = CpuExecutor::new();
     cpu.memory_limit = Some(2 << 20);
-    let err = cpu.run(&g, &feeds(), &[sum]).unwrap_err();
+    let err = cpu.run(&g, &wide_sum_feeds(), &[sum]).unwrap_err();
     let ExecError::Memory(msg) = &err else {
         panic!("{err}")
     };
@@ -51,7 +26,7 @@ fn a_step_over_the_memory_limit_is_refused_naming_its_largest_tensors() {
     assert!(msg.contains("f32[262144] (1.0 MiB)"), "{msg}");
     // Within the limit it runs, to e^0.5 times 4.
     cpu.memory_limit = Some(64 << 20);
-    let out = cpu.run(&g, &feeds(), &[sum]).unwrap();
+    let out = cpu.run(&g, &wide_sum_feeds(), &[sum]).unwrap();
     let want = 4.0 * 0.5f64.exp();
     assert!((out[0].to_f64_vec()[0] - want).abs() < 1e-5);
 }
@@ -65,7 +40,7 @@ fn a_step_larger_than_the_host_fails_in_well_under_a_second() {
     // Tensors of 15 GiB (under the 16 GiB one-tensor limit), twice the memory available.
     let n = 15 << 28; // f32 values
     let k = (2 * available).div_ceil(n * 4).max(2);
-    let (g, sum) = wide(k, n);
+    let (g, sum) = wide_sum(k, n);
     let plan = memory_plan::plan(&g, &[sum]).unwrap();
     assert!(
         plan.live_bytes > available,
@@ -73,7 +48,9 @@ fn a_step_larger_than_the_host_fails_in_well_under_a_second() {
         plan.live_bytes
     );
     let start = Instant::now();
-    let err = CpuExecutor::new().run(&g, &feeds(), &[sum]).unwrap_err();
+    let err = CpuExecutor::new()
+        .run(&g, &wide_sum_feeds(), &[sum])
+        .unwrap_err();
     assert!(start.elapsed().as_secs_f64() < 1.0, "{:?}", start.elapsed());
     let msg = err.to_string();
     assert!(

@@ -482,3 +482,39 @@ pub fn ulp(x: f64, dtype: DType) -> f64 {
     };
     2f64.powi(exponent.max(min_exponent) - fraction_bits)
 }
+
+/// x[8,4] -> dense 16 tanh -> dense 3 -> cross-entropy, trained by AMP SGD with
+/// momentum: f32 weights and slots, f32 and i64 loss-scale state, casts.
+pub fn small_training_graph() -> Graph {
+    use ampgraph::graph::nn::{self, Activation};
+    use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [8, 4]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [8]).unwrap();
+    let h = nn::dense(&mut g, x, 16, Some(Activation::Tanh)).unwrap();
+    let logits = nn::dense(&mut g, h, 3, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    g.set_outputs(vec![logits]).unwrap();
+    enable_mixed_precision_graph_rewrite(Sgd::momentum(0.1, 0.9))
+        .minimize(&mut g, loss)
+        .unwrap();
+    g
+}
+
+/// The example `name` cargo built beside this test (`target/<profile>/examples/`):
+/// `cargo test` builds every example before it runs the tests.
+pub fn example_binary(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let profile_dir = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("tests run from target/<profile>/deps");
+    let path = profile_dir.join("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo test` builds it, `cargo test --test ...` alone does not \
+         (`cargo build --example {name}` first)",
+        path.display()
+    );
+    path
+}

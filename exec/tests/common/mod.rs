@@ -332,3 +332,32 @@ pub fn check_output0(op: Box<dyn Op>, inputs: &[Tensor], wrt: &[usize], seed: u6
         .unwrap()
         .max_rel_err
 }
+
+/// `k` tensors of `n` f32 values, each `Exp(BroadcastTo(x))` of the `[1]` Placeholder
+/// `x`, summed right to left: every one is alive when the innermost sum runs. Returns
+/// the graph and the sum.
+pub fn wide_sum(k: usize, n: usize) -> (Graph, Port) {
+    use ampgraph_graph::ops::{BroadcastTo, Unary, UnaryKind};
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [1]).unwrap();
+    let terms: Vec<Port> = (0..k)
+        .map(|_| {
+            let b = g.add(BroadcastTo::new([n]), &[x]).unwrap();
+            g.add(Unary::new(UnaryKind::Exp), &[b]).unwrap()
+        })
+        .collect();
+    let mut sum = *terms.last().unwrap();
+    for &t in terms.iter().rev().skip(1) {
+        sum = g.add(Binary::new(BinaryKind::Add), &[t, sum]).unwrap();
+    }
+    g.set_outputs(vec![sum]).unwrap();
+    (g, sum)
+}
+
+/// The feed of [`wide_sum`]'s `x`: 0.5.
+pub fn wide_sum_feeds() -> Feeds {
+    Feeds::from([(
+        "x".into(),
+        Tensor::from_f64(DType::F32, [1], &[0.5]).unwrap(),
+    )])
+}
