@@ -42,14 +42,20 @@ struct Args {
     /// Folder with MNIST idx files (t10k-* or train-*, gzip or not).
     #[arg(long)]
     data: Option<PathBuf>,
+    /// mlp: 784-512-512-10 with GELU; cnn: two 3x3 convolutions with max pooling,
+    /// then 128 and 10.
     #[arg(long, value_enum, default_value = "mlp")]
     model: Model,
+    /// Epochs to train (with --resume, counting those in the checkpoint).
     #[arg(long, default_value_t = 6)]
     epochs: usize,
+    /// Images per training step.
     #[arg(long, default_value_t = 128)]
     batch: usize,
+    /// SGD's learning rate.
     #[arg(long, default_value_t = 0.05)]
     lr: f64,
+    /// SGD's momentum.
     #[arg(long, default_value_t = 0.9)]
     momentum: f64,
     /// Images to train on (the first ones).
@@ -64,6 +70,7 @@ struct Args {
     /// Mixed precision in bf16 instead of f16.
     #[arg(long)]
     bf16: bool,
+    /// Seed of the initial weights, the shuffles and the synthetic data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Save all variables here after every epoch (atomically).

@@ -85,8 +85,10 @@ impl DeviceArg {
 pub enum Command {
     /// Print a graph as text, JSON, Graphviz DOT or binary.
     Dump {
-        /// The graph file: JSON (`.json`) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
         graph: String,
+        /// text: one line a node; json: the interchange format; dot: Graphviz, nodes
+        /// colored by precision; bin: the binary format.
         #[arg(long, value_enum, default_value = "text")]
         format: DumpFormat,
         /// Where to write it; standard output otherwise (binary only to a file or a
@@ -96,7 +98,7 @@ pub enum Command {
     },
     /// Convert between .json and .bin (by the output's extension).
     Convert {
-        /// The graph file: JSON (`.json`) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
         graph: String,
         /// The file to write: `.json` or `.bin` decides the format.
         #[arg(short, long)]
@@ -104,7 +106,7 @@ pub enum Command {
     },
     /// Rewrite a graph: automatic mixed precision and other passes.
     Rewrite {
-        /// The graph file: JSON (`.json`) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
         #[arg(required_unless_present = "list_passes")]
         graph: Option<String>,
         /// Print the passes --passes can name (besides `amp`), one a line with what each
@@ -128,7 +130,7 @@ pub enum Command {
     },
     /// Explain why NODE gets its precision under the AMP rewrite.
     Explain {
-        /// The graph file: JSON (`.json`) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
         graph: String,
         /// The node's name.
         node: String,
@@ -137,8 +139,9 @@ pub enum Command {
     },
     /// Run a graph and print every output.
     Run {
-        /// The graph file: JSON (`.json`) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
         graph: String,
+        /// Where to run: `auto` is CUDA device 0 where it runs every node, else the CPU.
         #[arg(long, value_enum, default_value = "auto")]
         device: DeviceArg,
         /// Seed of the values given to Placeholders and Variables not in --feeds.
@@ -160,7 +163,7 @@ pub enum Command {
     /// planned peak and its parts (the arena, the variables, what else lives beside
     /// the arena), the lower bound, the peak step and the largest tensors alive there.
     Plan {
-        /// The graph file: JSON (`.json`) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
         graph: String,
         /// What the step computes: `name` or `name:k`, comma-separated (default: the
         /// graph's outputs).

@@ -175,6 +175,7 @@ enum FeedMode {
 #[derive(Parser, Debug)]
 #[command(about = "Time torch_anchor.py's workloads on ampgraph (train step and inference)")]
 struct Args {
+    /// Which of torch_anchor.py's models to time.
     #[arg(long, value_enum, default_value = "mlp")]
     workload: Workload,
     /// Batch size (mlp 8192, transformer 16, convnet 256).
@@ -239,8 +240,10 @@ struct Args {
     /// Comma-separated: train, infer.
     #[arg(long, default_value = "train,infer")]
     phases: String,
+    /// Where to run (the CPU for host-only work such as --max-batch-under-mib).
     #[arg(long, value_enum, default_value = "cuda")]
     device: DeviceArg,
+    /// How the inputs reach the step.
     #[arg(long, value_enum, default_value = "resident")]
     feeds: FeedMode,
     /// CUDA device ordinal.
