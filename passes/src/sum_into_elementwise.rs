@@ -6,7 +6,8 @@
 //! tensor from memory on its own, and its launches go. After fp16 AMP, each hidden
 //! layer's bias gradient is summed by the kernel computing the activation's gradient,
 //! and the output layer's by the cast of the loss gradient to f16. A kernel that
-//! depends on the sum itself never takes it.
+//! depends on the sum itself never takes it, nor one that no output needs (dead code
+//! would come back to life).
 //!
 //! Only sums that accumulate and store in the program's column-sum type (f32 for
 //! f16/bf16/f32 operands, after `cast-into-reduce` has given f16 bias gradients their
