@@ -321,6 +321,11 @@ fn reductions_and_their_gradients() {
         // Columns in 16-byte words (k_cols_part_vec), the last tile partly full.
         (vec![500, 264], Some(vec![0]), false),
         (vec![9, 130, 33], Some(vec![0, 1]), true),
+        // A global average pool (H and W, neighbours, reduce as one axis) and axes of
+        // size 1 (dropped from the kernel's index arithmetic).
+        (vec![2, 3, 4, 5], Some(vec![1, 2]), false),
+        (vec![4, 1, 6, 1], Some(vec![2]), true),
+        (vec![2, 1, 1, 8], Some(vec![1, 2]), false),
     ];
     for d in FLOATS {
         for kind in ReduceKind::ALL {

@@ -106,11 +106,12 @@ fn lower_reduce_grad(r: &ReduceGrad, ins: &[TensorType], outs: &[TensorType]) ->
     } else {
         1.0
     };
+    let (shape, strides) = merged(&x.shape, &broadcast_strides(&kept, &x.shape));
     let sizes = [
         Arg::I64(n as i64),
-        Arg::I32(x.shape.len() as i32),
-        Arg::Dims(Dims::new(&x.shape)?),
-        Arg::Dims(Dims::new(&broadcast_strides(&kept, &x.shape))?),
+        Arg::I32(shape.len() as i32),
+        Arg::Dims(Dims::new(&shape)?),
+        Arg::Dims(Dims::new(&strides)?),
         Arg::F64(div),
     ];
     let spec = Spec::BroadcastDiv { dtype };
@@ -133,22 +134,40 @@ struct Split {
 
 fn split(shape: &[usize], axes: &[usize]) -> Split {
     let st = strides(shape);
-    let mut s = Split {
-        ks: vec![],
-        kst: vec![],
-        rs: vec![],
-        rst: vec![],
-    };
+    let (mut ks, mut kst, mut rs, mut rst) = (vec![], vec![], vec![], vec![]);
     for (i, (&d, &t)) in shape.iter().zip(&st).enumerate() {
         if axes.contains(&i) {
-            s.rs.push(d);
-            s.rst.push(t);
+            rs.push(d);
+            rst.push(t);
         } else {
-            s.ks.push(d);
-            s.kst.push(t);
+            ks.push(d);
+            kst.push(t);
         }
     }
-    s
+    let ((ks, kst), (rs, rst)) = (merged(&ks, &kst), merged(&rs, &rst));
+    Split { ks, kst, rs, rst }
+}
+
+/// `shape` and `strides` with each pair of neighbouring axes that one stride walks
+/// (the outer's stride the inner's times its size: contiguous, or both broadcast) made
+/// one axis, and axes of size 1 dropped: the same offsets for every row-major index,
+/// with fewer divisions to compute each (a global average pool's H and W become one
+/// reduced axis).
+fn merged(shape: &[usize], strides: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let (mut dims, mut steps): (Vec<usize>, Vec<usize>) = (vec![], vec![]);
+    // An axis of size 1 adds nothing to an offset.
+    for (&d, &t) in shape.iter().zip(strides).filter(|(&d, _)| d != 1) {
+        if let (Some(outer), Some(outer_step)) = (dims.last_mut(), steps.last_mut()) {
+            if *outer_step == t * d {
+                *outer *= d;
+                *outer_step = t;
+                continue;
+            }
+        }
+        dims.push(d);
+        steps.push(t);
+    }
+    (dims, steps)
 }
 
 fn split_args(s: &Split) -> Result<Vec<Arg>, String> {
@@ -328,4 +347,50 @@ pub(super) fn column_sum(d: DType, out: DType) -> String {
             width = 32 * v,
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every row-major index of `shape` at its offset under `strides`.
+    fn offsets(shape: &[usize], strides: &[usize]) -> Vec<usize> {
+        let n: usize = shape.iter().product();
+        (0..n)
+            .map(|mut i| {
+                let mut off = 0;
+                for (&d, &t) in shape.iter().zip(strides).rev() {
+                    off += (i % d) * t;
+                    i /= d;
+                }
+                off
+            })
+            .collect()
+    }
+
+    #[test]
+    fn merged_axes_keep_every_offset_with_fewer_axes() {
+        // A global average pool of NHWC [2, 3, 4, 5] and its gradient's broadcast.
+        let cases: [(&[usize], &[usize], usize); 5] = [
+            (&[3, 4], &[20, 5], 1),            // the reduced H, W
+            (&[2, 5], &[60, 1], 2),            // the kept N, C stay apart
+            (&[2, 3, 4, 5], &[5, 0, 0, 1], 3), // dy broadcast over H, W
+            (&[2, 3, 4], &[12, 4, 1], 1),      // contiguous
+            (&[2, 1, 3], &[3, 7, 1], 1),       // a size-1 axis with any stride
+        ];
+        for (shape, strides, axes) in cases {
+            let (s, t) = merged(shape, strides);
+            assert_eq!(s.len(), axes, "{shape:?} {strides:?} -> {s:?} {t:?}");
+            assert_eq!(
+                offsets(&s, &t),
+                offsets(shape, strides),
+                "{shape:?} {strides:?}"
+            );
+        }
+        let s = split(&[2, 3, 4, 5], &[1, 2]);
+        assert_eq!(
+            (s.ks, s.kst, s.rs, s.rst),
+            (vec![2, 5], vec![60, 1], vec![12], vec![5])
+        );
+    }
 }
