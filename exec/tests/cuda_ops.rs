@@ -267,6 +267,17 @@ fn bias_add_cast_and_shape_ops() {
             Concat::new(-1),
             &[x.clone(), x.clone()],
         );
+        // Channel paddings, copied in words of 8 and 16 bytes where the blocks allow.
+        for (a, b) in [(60, 4), (8, 8), (3, 5)] {
+            let mut image = |c| rand(&mut r, d, &[2, 3, 4, c], -1.0, 1.0);
+            let parts = [image(a), image(b)];
+            check(
+                &mut gpu,
+                &format!("Concat {a}+{b} channels"),
+                Concat::new(-1),
+                &parts,
+            );
+        }
         for to in [
             DType::F32,
             DType::F16,

@@ -204,7 +204,9 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         }
         k.push((format!("batch_norm_relu_mask_{x}"), relu_mask(x, u)));
     }
-    k.push(("concat".into(), concat(2)));
+    for bytes in [2, 8, 16] {
+        k.push((format!("concat_{bytes}"), concat(bytes)));
+    }
     use super::attention::{NARROW, WIDE};
     for (d, head_dim, shape, causal, key_bias) in [
         (DType::F16, 64, WIDE, false, false),
