@@ -715,22 +715,22 @@ fn write_json_outputs(
 /// are, how many are NaN or infinite, and the finite ones' range and mean.
 fn write_text_output(name: &str, t: &Tensor, out: &mut dyn Write) -> std::io::Result<()> {
     write!(out, "{name}: {}\n  [", t.ty())?;
-    let (mut count, mut nan, mut inf, mut finite) = (0usize, 0usize, 0usize, 0usize);
+    let (mut nan, mut inf) = (0usize, 0usize);
     let (mut min, mut max, mut sum) = (f64::INFINITY, f64::NEG_INFINITY, 0.0);
-    for x in t.data().iter_f64() {
-        if count < TEXT_VALUES {
-            write!(out, "{}{x:.6}", if count > 0 { ", " } else { "" })?;
+    for (i, x) in t.data().iter_f64().enumerate() {
+        if i < TEXT_VALUES {
+            write!(out, "{}{x:.6}", if i > 0 { ", " } else { "" })?;
         }
-        count += 1;
         if x.is_nan() {
             nan += 1;
         } else if x.is_infinite() {
             inf += 1;
         } else {
-            finite += 1;
             (min, max, sum) = (min.min(x), max.max(x), sum + x);
         }
     }
+    let count = t.len();
+    let finite = count - nan - inf;
     if count <= TEXT_VALUES {
         return out.write_all(b"]\n");
     }

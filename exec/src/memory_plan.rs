@@ -310,7 +310,7 @@ pub fn plan_outside(
 
 /// Refuses the step computing `fetches` where the tensors it must hold at once (the
 /// plan's lower bound; the graph's sources are already in memory) exceed `available`
-/// bytes of `place`: the error names the step's op and the largest tensors alive then.
+/// bytes of `place`: the error names the largest tensors alive then.
 pub fn admit(
     graph: &Graph,
     fetches: &[Port],

@@ -189,9 +189,8 @@ struct StepMemory {
     assigns: HashMap<NodeId, String>,
     /// Each planned tensor's byte offset in the arena.
     offsets: HashMap<Port, usize>,
-    /// The scratch each node's kernels took in an earlier step (the plan's input) ...
-    scratch_bytes: HashMap<NodeId, usize>,
-    /// ... and where it lies in the arena: offset and bytes.
+    /// The scratch of each node whose kernels took some in an earlier step: where it
+    /// lies in the arena, offset and bytes.
     scratch: HashMap<NodeId, (usize, usize)>,
     arena_bytes: usize,
     /// The largest tensors alive at the plan's peak, for an out-of-memory error.
@@ -277,7 +276,6 @@ impl StepMemory {
             assigns,
             offsets: plan.offsets(),
             scratch: plan.scratch(),
-            scratch_bytes,
             arena_bytes: plan.arena_bytes,
             largest_at_peak: plan.largest_at_peak(graph, 3),
             in_place,
@@ -431,7 +429,9 @@ impl CudaExecutor {
         memory: &StepMemory,
         grown: HashMap<NodeId, usize>,
     ) -> Result<(), ExecError> {
-        let mut scratch = memory.scratch_bytes.clone();
+        let mut scratch: HashMap<NodeId, usize> = (memory.scratch.iter())
+            .map(|(&id, &(_, bytes))| (id, bytes))
+            .collect();
         scratch.extend(grown);
         let m = Arc::new(StepMemory::new(graph, fetches, scratch)?);
         self.plans

@@ -144,12 +144,13 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
     let esize = out.dtype.size_bytes();
     let inner_out = numel(&out.shape[axis..]);
     let below = numel(&out.shape[axis + 1..]);
-    // Per input: the word size in bytes, then (words, inner words, output inner words,
-    // offset in words) in those words.
+    // Per input: the widest word in bytes, and (elements, inner size, output inner
+    // size, offset in the output's inner block) in elements.
     let mut parts = Vec::new();
     let mut off = 0usize;
     for x in ins {
         let (n, inner_in) = (numel(&x.shape), numel(&x.shape[axis..]));
+        // Every size here is whole elements: the element's own size always divides.
         let word = [16, 8, 4, 2, 1]
             .into_iter()
             .find(|w| {
@@ -157,23 +158,17 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
                     .iter()
                     .all(|e| e * esize % w == 0)
             })
-            .unwrap_or(1)
-            .max(esize);
-        let per = word / esize;
-        parts.push((word, [n / per, inner_in / per, inner_out / per, off / per]));
+            .unwrap_or(esize);
+        parts.push((word, [n, inner_in, inner_out, off]));
         off += x.shape[axis] * below;
     }
     Ok(one_output(out, move |c, inputs, y| {
-        for (k, &(word, sizes)) in parts.iter().enumerate() {
+        for (k, &(word, elements)) in parts.iter().enumerate() {
             let x = input(inputs, k)?;
             // A view's buffer may start off the word: then element by element.
-            let (word, [n, inner_in, inner_out, off]) =
-                if x.ptr() % word as u64 == 0 && y.ptr() % word as u64 == 0 {
-                    (word, sizes)
-                } else {
-                    let per = word / esize;
-                    (esize, sizes.map(|v| v * per))
-                };
+            let aligned = x.ptr() % word as u64 == 0 && y.ptr() % word as u64 == 0;
+            let word = if aligned { word } else { esize };
+            let [n, inner_in, inner_out, off] = elements.map(|v| v * esize / word);
             if n > 0 {
                 let args = [x.arg(), y.arg()]
                     .into_iter()
