@@ -1184,10 +1184,11 @@ fn bench(args: &Args) -> Res<()> {
                     }
                     if let Some(c) = r.launches {
                         line += &format!(
-                            ", \"launches\": {{\"kernel\": {}, \"gemm\": {}, \"cudnn\": {}, \"memset\": {}, \"memcpy\": {}, \"total\": {}}}",
+                            ", \"launches\": {{\"kernel\": {}, \"gemm\": {}, \"cudnn\": {}, \"cudnn_replayed\": {}, \"memset\": {}, \"memcpy\": {}, \"total\": {}}}",
                             c.kernels,
                             c.gemms,
                             c.dnn,
+                            c.dnn_replays,
                             c.memsets,
                             c.memcpys,
                             c.total()

@@ -1,6 +1,7 @@
 //! What the CUDA executor keeps between steps: casts of weights no step writes (and
 //! which copies of such a weight stay on the device), the casts optimizer updates
-//! write with their variable, and the scratch of convolutions planned in the arena.
+//! write with their variable, the scratch of convolutions planned in the arena, and
+//! convolutions replayed from captured graphs.
 //! Skips (printing why) without CUDA.
 
 mod common;
@@ -8,7 +9,7 @@ mod common;
 use ampgraph_exec::{CpuExecutor, ExecError, Executor, Feeds};
 use ampgraph_graph::ops::{
     AssignVariable, BatchMatMul, Cast, Const, Conv2DBackpropFilter, DataFormat, OptimizerUpdate,
-    Padding, Rule, Variable,
+    Padding, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{DType, Graph, Port, Tensor, TensorType};
 use common::{gpu, wide_sum, wide_sum_feeds, Gen};
@@ -189,6 +190,61 @@ fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
         assert!(max_rel_diff(&first[k], want) < 2e-2, "output {k}");
         assert!(max_rel_diff(&second[k], want) < 2e-2, "output {k}");
     }
+}
+
+/// Convolutions whose operands lie in the arena (here behind a Neg each) run on the
+/// same buffers every step: from the third step on each cuDNN call is a replay of the
+/// graph captured in an earlier one, and every step still computes its own feeds'
+/// values (new ones each step), as the CPU does.
+#[test]
+fn convolutions_on_the_same_buffers_are_replayed_with_each_steps_values() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F16, vec![4, 12, 12, 16]).unwrap();
+    let f = g.placeholder("f", DType::F16, vec![3, 3, 16, 24]).unwrap();
+    let x = g.add(Unary::new(UnaryKind::Neg), &[x]).unwrap();
+    let f = g.add(Unary::new(UnaryKind::Neg), &[f]).unwrap();
+    let y = g
+        .conv2d(x, f, [2, 2], Padding::Same, DataFormat::Nhwc)
+        .unwrap();
+    let df = Conv2DBackpropFilter {
+        filter_shape: vec![3, 3, 16, 24],
+        strides: [2, 2],
+        padding: Padding::Same,
+        data_format: DataFormat::Nhwc,
+    };
+    let df = g.add(df, &[x, y]).unwrap();
+    let mut r = Gen(11);
+    let mut replays = Vec::new();
+    for step in 0..6 {
+        let mut feeds = Feeds::new();
+        for (name, shape) in [("x", vec![4, 12, 12, 16]), ("f", vec![3, 3, 16, 24])] {
+            let v = r.vec(shape.iter().product(), -1.0, 1.0);
+            feeds.insert(
+                name.into(),
+                Tensor::from_f64(DType::F16, shape, &v).unwrap(),
+            );
+        }
+        let expected = CpuExecutor::new().run(&g, &feeds, &[y, df]).unwrap();
+        let got = gpu.run(&g, &feeds, &[y, df]).unwrap();
+        for (k, want) in expected.iter().enumerate() {
+            let diff = max_rel_diff(&got[k], want);
+            assert!(diff < 2e-2, "step {step} output {k}: {diff}");
+        }
+        replays.push(gpu.launches().dnn_replays);
+    }
+    // Step 1 plans the scratch (the arena moves), step 2 sees the final buffers,
+    // step 3 captures, and each later step replays both convolutions.
+    assert_eq!(
+        replays[5] - replays[4],
+        2,
+        "replays after each step: {replays:?}"
+    );
+    assert_eq!(
+        replays[4] - replays[3],
+        2,
+        "replays after each step: {replays:?}"
+    );
 }
 
 /// A step whose tensors need more memory than the GPU has (8 tensors of 14 GB alive at

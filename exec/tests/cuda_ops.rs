@@ -234,6 +234,22 @@ fn bias_add_cast_and_shape_ops() {
             Transpose::new(vec![0, 2, 1, 3]),
             &[heads.clone()],
         );
+        // Transposes that move the contiguous axis go through shared-memory tiles
+        // (sizes off the tile's 32): a matrix, NCHW -> NHWC, HWIO -> KRSC filters.
+        let tiled: [(&[usize], Vec<usize>); 4] = [
+            (&[37, 70], vec![1, 0]),
+            (&[3, 5, 9, 33], vec![0, 2, 3, 1]),
+            (&[2, 3, 7, 41], vec![0, 2, 3, 1]),
+            (&[3, 3, 7, 40], vec![3, 0, 1, 2]),
+        ];
+        for (shape, perm) in tiled {
+            check(
+                &mut gpu,
+                &format!("Transpose {shape:?} {perm:?}"),
+                Transpose::new(perm),
+                &[rand(&mut r, d, shape, -2.0, 2.0)],
+            );
+        }
         let slices: [(Vec<usize>, Vec<i64>); 3] = [
             (vec![0, 0, 0, 8], vec![2, 6, 3, 8]),
             (vec![1, 2, 0, 2], vec![1, 3, 3, 12]),
@@ -259,8 +275,10 @@ fn bias_add_cast_and_shape_ops() {
             &mut gpu,
             "Concat 1",
             Concat::new(1),
-            &[x.clone(), y, x.clone()],
+            &[x.clone(), y.clone(), x.clone()],
         );
+        // Two inputs: one launch over the output's rows.
+        check(&mut gpu, "Concat 1 pair", Concat::new(1), &[y, x.clone()]);
         check(
             &mut gpu,
             "Concat -1",

@@ -126,6 +126,7 @@ pub struct Launches {
     pub kernels: AtomicU64,
     pub gemms: AtomicU64,
     pub dnn: AtomicU64,
+    pub dnn_replays: AtomicU64,
     pub memsets: AtomicU64,
     pub memcpys: AtomicU64,
 }
@@ -139,6 +140,8 @@ pub struct LaunchCounts {
     pub gemms: u64,
     /// cuDNN calls (convolutions, batch normalisation).
     pub dnn: u64,
+    /// Of those, replays of a captured call (one graph launch each).
+    pub dnn_replays: u64,
     pub memsets: u64,
     /// Host-device copies (uploads of feeds, downloads of fetches).
     pub memcpys: u64,
@@ -158,6 +161,7 @@ impl std::ops::Sub for LaunchCounts {
             kernels: self.kernels - o.kernels,
             gemms: self.gemms - o.gemms,
             dnn: self.dnn - o.dnn,
+            dnn_replays: self.dnn_replays - o.dnn_replays,
             memsets: self.memsets - o.memsets,
             memcpys: self.memcpys - o.memcpys,
         }
@@ -174,6 +178,7 @@ impl Launches {
             kernels: self.kernels.load(Ordering::Relaxed),
             gemms: self.gemms.load(Ordering::Relaxed),
             dnn: self.dnn.load(Ordering::Relaxed),
+            dnn_replays: self.dnn_replays.load(Ordering::Relaxed),
             memsets: self.memsets.load(Ordering::Relaxed),
             memcpys: self.memcpys.load(Ordering::Relaxed),
         }

@@ -15,13 +15,20 @@
 //! one (from the second step: the executor plans what the first took); else one
 //! workspace shared by every call, grown to the largest the chosen algorithms need (at
 //! most the limit), and freed once the plan holds them.
+//!
+//! A legacy cuDNN call costs 100-200 us of host time (more than the GPU spends on a
+//! small layer, so the GPU waited for the host), so a convolution seen a second time on
+//! the same buffers is captured into a CUDA graph and replayed from then on, which
+//! costs a few microseconds ([`Replays`]): from the second step a training loop's
+//! buffers are its arena's, the same every step.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cudnn::sys;
+use cudarc::driver::{sys as driver_sys, CudaGraph};
 use sys::cudnnDataType_t as CudnnType;
 
 use ampgraph_graph::ops::DataFormat;
@@ -172,6 +179,91 @@ pub struct Dnn {
     workspace: Mutex<Option<DTensor>>,
     /// The file of chosen algorithms (none where the kernel cache is off).
     file: Option<PathBuf>,
+    replays: Mutex<Replays>,
+}
+
+/// A convolution call on given buffers: the same key runs the same kernels on the same
+/// addresses, which is what a captured graph replays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ReplayKey {
+    plan: PlanKey,
+    x: u64,
+    w: u64,
+    y: u64,
+    workspace: u64,
+}
+
+/// Convolution calls captured as CUDA graphs. A call is captured the second time its
+/// key is seen (a one-off call is not worth a capture); a call cuDNN cannot run under
+/// capture keeps running directly.
+#[derive(Default)]
+struct Replays {
+    seen: HashSet<ReplayKey>,
+    graphs: HashMap<ReplayKey, Option<CudaGraph>>,
+}
+
+impl Replays {
+    /// Keys kept at most: buffers that change every call (no arena) would otherwise
+    /// grow the map without end.
+    const LIMIT: usize = 1024;
+
+    /// Runs `call` (a cuDNN call on the device's stream): replayed where captured
+    /// before, captured now where `key` was seen once before, else directly.
+    fn run(
+        &mut self,
+        dev: &Device,
+        key: ReplayKey,
+        call: impl Fn() -> sys::cudnnStatus_t,
+    ) -> Result<(), String> {
+        match self.graphs.get(&key) {
+            Some(Some(graph)) => {
+                Launches::count(&dev.launches.dnn_replays);
+                return graph
+                    .launch()
+                    .map_err(|e| format!("replaying a captured convolution: {e:?}"));
+            }
+            Some(None) => return check("convolution", call()),
+            None => {}
+        }
+        if self.seen.len() + self.graphs.len() >= Self::LIMIT {
+            self.seen.clear();
+            self.graphs.clear();
+        }
+        if self.seen.insert(key) {
+            return check("convolution", call());
+        }
+        self.seen.remove(&key);
+        match capture(dev, &call) {
+            Ok(graph) => {
+                graph
+                    .launch()
+                    .map_err(|e| format!("launching a captured convolution: {e:?}"))?;
+                self.graphs.insert(key, Some(graph));
+                Ok(())
+            }
+            Err(why) => {
+                log::debug!("cuDNN convolution not captured ({why}): it runs directly");
+                self.graphs.insert(key, None);
+                check("convolution", call())
+            }
+        }
+    }
+}
+
+/// `call` captured from the device's stream as a graph (not run).
+fn capture(dev: &Device, call: &impl Fn() -> sys::cudnnStatus_t) -> Result<CudaGraph, String> {
+    let mode = driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    dev.stream
+        .begin_capture(mode)
+        .map_err(|e| format!("begin capture: {e:?}"))?;
+    let status = call();
+    // The capture ends whatever the call returned: the stream must leave capture mode.
+    let graph = dev
+        .stream
+        .end_capture(driver_sys::CUgraphInstantiate_flags(0))
+        .map_err(|e| format!("end capture: {e:?}"))?;
+    check("convolution under capture", status)?;
+    graph.ok_or_else(|| "an empty capture".to_string())
 }
 
 // SAFETY: the handle and descriptors are used from one executor at a time (`&mut`
@@ -389,6 +481,14 @@ const MATH_TYPES: [sys::cudnnMathType_t; 4] = {
     ]
 };
 
+/// A convolution's chosen algorithm as cuDNN's enum of its direction.
+#[derive(Clone, Copy)]
+enum Chosen {
+    Forward(sys::cudnnConvolutionFwdAlgo_t),
+    Data(sys::cudnnConvolutionBwdDataAlgo_t),
+    Filter(sys::cudnnConvolutionBwdFilterAlgo_t),
+}
+
 fn pick<T: Copy>(table: &[T], i: u32, what: &str) -> Result<T, String> {
     table
         .get(i as usize)
@@ -446,6 +546,7 @@ impl Dnn {
             choices: Mutex::new(Vec::new()),
             workspace: Mutex::new(None),
             file,
+            replays: Mutex::new(Replays::default()),
         }
     }
 
@@ -585,12 +686,18 @@ impl Dnn {
         let (one, zero) = (Scale::of(shape.dtype, 1.0), Scale::of(shape.dtype, 0.0));
         let (x, w, y) = (ops.x.ptr(), ops.w.ptr(), ops.y.ptr());
         Launches::count(&dev.launches.dnn);
+        let id = plan.algo.id;
+        let algo = match direction {
+            Direction::Forward => Chosen::Forward(pick(&FWD_ALGOS, id, "algorithm")?),
+            Direction::BackwardData => Chosen::Data(pick(&BWD_DATA_ALGOS, id, "algorithm")?),
+            Direction::BackwardFilter => Chosen::Filter(pick(&BWD_FILTER_ALGOS, id, "algorithm")?),
+        };
         // SAFETY: the descriptors describe the operands' buffers (the caller made them
         // from the tensors' shapes); the workspace holds the algorithm's bytes; ordered
         // on the executor's stream.
-        let status = unsafe {
-            match direction {
-                Direction::Forward => sys::cudnnConvolutionForward(
+        let call = || unsafe {
+            match algo {
+                Chosen::Forward(algo) => sys::cudnnConvolutionForward(
                     handle,
                     one.ptr(),
                     plan.x.0,
@@ -598,14 +705,14 @@ impl Dnn {
                     plan.w.0,
                     w as *const c_void,
                     plan.conv.0,
-                    pick(&FWD_ALGOS, plan.algo.id, "algorithm")?,
+                    algo,
                     ws,
                     ws_bytes,
                     zero.ptr(),
                     plan.y.0,
                     y as *mut c_void,
                 ),
-                Direction::BackwardData => sys::cudnnConvolutionBackwardData(
+                Chosen::Data(algo) => sys::cudnnConvolutionBackwardData(
                     handle,
                     one.ptr(),
                     plan.w.0,
@@ -613,14 +720,14 @@ impl Dnn {
                     plan.y.0,
                     y as *const c_void,
                     plan.conv.0,
-                    pick(&BWD_DATA_ALGOS, plan.algo.id, "algorithm")?,
+                    algo,
                     ws,
                     ws_bytes,
                     zero.ptr(),
                     plan.x.0,
                     x as *mut c_void,
                 ),
-                Direction::BackwardFilter => sys::cudnnConvolutionBackwardFilter(
+                Chosen::Filter(algo) => sys::cudnnConvolutionBackwardFilter(
                     handle,
                     one.ptr(),
                     plan.x.0,
@@ -628,7 +735,7 @@ impl Dnn {
                     plan.y.0,
                     y as *const c_void,
                     plan.conv.0,
-                    pick(&BWD_FILTER_ALGOS, plan.algo.id, "algorithm")?,
+                    algo,
                     ws,
                     ws_bytes,
                     zero.ptr(),
@@ -637,7 +744,17 @@ impl Dnn {
                 ),
             }
         };
-        check("convolution", status)
+        let replay = ReplayKey {
+            plan: key,
+            x: x as u64,
+            w: w as u64,
+            y: y as u64,
+            workspace: ws as u64,
+        };
+        self.replays
+            .lock()
+            .map_err(|_| "poisoned")?
+            .run(dev, replay, call)
     }
 
     /// The shared workspace's bytes (0 where there is none).

@@ -371,6 +371,28 @@ fn numel(s: &[usize]) -> usize {
     s.iter().product()
 }
 
+/// `shape` and `strides` with each pair of neighbouring axes that one stride walks
+/// (the outer's stride the inner's times its size: contiguous, or both broadcast) made
+/// one axis, and axes of size 1 dropped: the same offsets for every row-major index,
+/// with fewer divisions to compute each (a global average pool's H and W become one
+/// reduced axis).
+fn merged(shape: &[usize], strides: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let (mut dims, mut steps): (Vec<usize>, Vec<usize>) = (vec![], vec![]);
+    // An axis of size 1 adds nothing to an offset.
+    for (&d, &t) in shape.iter().zip(strides).filter(|(&d, _)| d != 1) {
+        if let (Some(outer), Some(outer_step)) = (dims.last_mut(), steps.last_mut()) {
+            if *outer_step == t * d {
+                *outer *= d;
+                *outer_step = t;
+                continue;
+            }
+        }
+        dims.push(d);
+        steps.push(t);
+    }
+    (dims, steps)
+}
+
 /// Input `k` of a kernel's inputs.
 fn input(inputs: &[DTensor], k: usize) -> Result<&DTensor, String> {
     inputs.get(k).ok_or_else(|| format!("missing input {k}"))

@@ -13,7 +13,7 @@ use super::fused::tests::program as fused_program;
 use super::norm::{layer_norm, layer_norm_grad_block, layer_norm_grad_rows, NormTypes};
 use super::pool::{avg_pool, avg_pool_grad, max_pool, max_pool_grad};
 use super::reduce::{broadcast_div, column_sum, reduce, reduce_max_grad};
-use super::shape::{concat, gather};
+use super::shape::{concat, concat_pair, gather, transpose};
 use super::softmax::{fused_softmax, softmax, softmax_grad};
 use super::training::{all_finite, fill_flag, increment_if, loss_scale_update, optimizer};
 use ampgraph_graph::ops::{
@@ -184,6 +184,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     }
     for bytes in [1, 2, 4, 8, 16] {
         k.push((format!("gather_{bytes}"), gather(bytes)));
+        k.push((format!("transpose_{bytes}"), transpose(bytes)));
         k.push((format!("pad_{bytes}"), pad(bytes)));
     }
     for (x, u) in [
@@ -206,6 +207,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     }
     for bytes in [2, 8, 16] {
         k.push((format!("concat_{bytes}"), concat(bytes)));
+        k.push((format!("concat_pair_{bytes}"), concat_pair(bytes)));
     }
     use super::attention::{NARROW, WIDE};
     for (d, head_dim, shape, causal, key_bias) in [

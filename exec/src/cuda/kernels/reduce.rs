@@ -8,8 +8,8 @@ use ampgraph_graph::{DType, Op, TensorType};
 use super::codegen::{column_sums, column_vector, module, module_multi, COLUMN_ROWS};
 use super::elementwise::broadcast_strides;
 use super::{
-    first, float_input, float_only, input, kernel, numel, one_output, Ctx, KernelResult, Lowering,
-    Partials,
+    first, float_input, float_only, input, kernel, merged, numel, one_output, Ctx, KernelResult,
+    Lowering, Partials,
 };
 use crate::cuda::device::{row_block, row_grid, Arg, DTensor, Dims};
 
@@ -146,28 +146,6 @@ fn split(shape: &[usize], axes: &[usize]) -> Split {
     }
     let ((ks, kst), (rs, rst)) = (merged(&ks, &kst), merged(&rs, &rst));
     Split { ks, kst, rs, rst }
-}
-
-/// `shape` and `strides` with each pair of neighbouring axes that one stride walks
-/// (the outer's stride the inner's times its size: contiguous, or both broadcast) made
-/// one axis, and axes of size 1 dropped: the same offsets for every row-major index,
-/// with fewer divisions to compute each (a global average pool's H and W become one
-/// reduced axis).
-fn merged(shape: &[usize], strides: &[usize]) -> (Vec<usize>, Vec<usize>) {
-    let (mut dims, mut steps): (Vec<usize>, Vec<usize>) = (vec![], vec![]);
-    // An axis of size 1 adds nothing to an offset.
-    for (&d, &t) in shape.iter().zip(strides).filter(|(&d, _)| d != 1) {
-        if let (Some(outer), Some(outer_step)) = (dims.last_mut(), steps.last_mut()) {
-            if *outer_step == t * d {
-                *outer *= d;
-                *outer_step = t;
-                continue;
-            }
-        }
-        dims.push(d);
-        steps.push(t);
-    }
-    (dims, steps)
 }
 
 fn split_args(s: &Split) -> Result<Vec<Arg>, String> {

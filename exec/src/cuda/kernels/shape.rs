@@ -1,6 +1,8 @@
 //! Ops that only move data: Transpose, Slice and BroadcastTo as one strided gather
-//! (its indexing fixed when the node is lowered), Concat, and the views that launch
-//! nothing (Reshape, AssignVariable's value).
+//! (its indexing fixed when the node is lowered; a gather that moves the contiguous
+//! axis, as a filter's HWIO -> KRSC or an image's NCHW -> NHWC does, goes through
+//! shared-memory tiles so that both its reads and its writes are coalesced), Concat,
+//! and the views that launch nothing (Reshape, AssignVariable's value).
 
 use ampgraph_graph::ops::{AssignVariable, BroadcastTo, Concat, Reshape, Slice, Transpose};
 use ampgraph_graph::shape::normalize_axis;
@@ -9,7 +11,7 @@ use ampgraph_graph::{Op, TensorType};
 
 use super::codegen::{word, PRELUDE};
 use super::elementwise::broadcast_strides;
-use super::{first, input, kernel, numel, one_output, Ctx, KernelResult, Lowering};
+use super::{first, input, kernel, merged, numel, one_output, Ctx, KernelResult, Lowering};
 use crate::cuda::device::{Arg, DTensor, Dims};
 
 kernel_specs! {
@@ -18,8 +20,13 @@ kernel_specs! {
     enum Spec in "shape" {
         /// `k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset)`
         Gather { bytes: usize } => gather(bytes),
+        /// `k(const E* px, E* py, i64 batches, i64 p, i64 q, i64 sb, i64 sq, i64 offset,
+        /// int tp, int tq)`
+        Transpose { bytes: usize } => transpose(bytes),
         /// `k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off)`
         Concat { bytes: usize } => concat(bytes),
+        /// `k(const E* pa, const E* pb, E* py, i64 n, i64 ia, i64 ib)`
+        ConcatPair { bytes: usize } => concat_pair(bytes),
     }
 }
 
@@ -74,13 +81,23 @@ fn lower_gather(x: &TensorType, out: &TensorType, st: &[usize], offset: usize) -
 }
 
 /// A strided gather fixed when its node is lowered: `y[i] = x[offset + strided(i)]`
-/// over an output of `shape`, reading `x` with strides `st` (elements). Where the last
-/// axis is contiguous in both, its runs move as words of up to 16 bytes.
+/// over an output of `shape`, reading `x` with strides `st` (elements), its
+/// neighbouring axes merged where one stride walks them. Where the last axis is
+/// contiguous in both, its runs move as words of up to 16 bytes; where the output's
+/// last axis is strided and the one before it contiguous (a batch of matrix
+/// transposes), through shared-memory tiles.
 pub(super) struct Gather {
     spec: Spec,
+    /// Items the kernel walks: words, or tiles of the transpose.
     n: usize,
-    sizes: [Arg; 5],
+    sizes: Vec<Arg>,
 }
+
+/// The elements of a transpose's tile, and its widest side (a warp's width): 32 x 32,
+/// or narrower along `q` and longer along `p` where `q` is short (an RGB image's 3
+/// channels: 4 x 256), so that a block still moves a thousand elements.
+const TILE_ELEMENTS: usize = 1024;
+const TILE: usize = 32;
 
 impl Gather {
     /// The gather of elements of `esize` bytes.
@@ -90,7 +107,14 @@ impl Gather {
         st: &[usize],
         offset: usize,
     ) -> Result<Gather, String> {
-        let (mut shape, mut st, mut offset) = (shape.to_vec(), st.to_vec(), offset);
+        let (mut shape, mut st) = merged(shape, st);
+        if shape.is_empty() {
+            (shape, st) = (vec![1], vec![0]);
+        }
+        if let Some(t) = Self::transpose(esize, &shape, &st, offset) {
+            return Ok(t);
+        }
+        let mut offset = offset;
         let mut group = 1;
         if let (Some(&inner), Some(&1)) = (shape.last(), st.last()) {
             let outer = &st[..st.len() - 1];
@@ -117,7 +141,7 @@ impl Gather {
                 bytes: esize * group,
             },
             n,
-            sizes: [
+            sizes: vec![
                 Arg::I64(n as i64),
                 Arg::I32(shape.len() as i32),
                 Arg::Dims(Dims::new(&shape)?),
@@ -127,23 +151,89 @@ impl Gather {
         })
     }
 
+    /// The tiled transpose `y[b, p, q] = x[offset + b sb + p + q sq]` where the merged
+    /// output is `[batches,] p, q` with `p` contiguous in `x` and `q` not.
+    fn transpose(esize: usize, shape: &[usize], st: &[usize], offset: usize) -> Option<Gather> {
+        let (batches, sb, p, q, sq) = match (shape, st) {
+            (&[p, q], &[1, sq]) => (1, 0, p, q, sq),
+            (&[b, p, q], &[sb, 1, sq]) => (b, sb, p, q, sq),
+            _ => return None,
+        };
+        if sq == 0 {
+            return None;
+        }
+        let tq = q.next_power_of_two().min(TILE);
+        let tp = TILE_ELEMENTS / tq;
+        let tiles = batches * p.div_ceil(tp) * q.div_ceil(tq);
+        let mut sizes: Vec<Arg> = [batches, p, q, sb, sq, offset]
+            .map(|v| Arg::I64(v as i64))
+            .to_vec();
+        sizes.extend([tp, tq].map(|v| Arg::I32(v as i32)));
+        Some(Gather {
+            spec: Spec::Transpose { bytes: esize },
+            n: tiles,
+            sizes,
+        })
+    }
+
     pub(super) fn launch(&self, c: &Ctx, x: &DTensor, y: &DTensor) -> Result<(), String> {
         let mut args = vec![x.arg(), y.arg()];
         args.extend(self.sizes.iter().cloned());
-        c.launch_n(&self.spec, self.n, &args)
+        match self.spec {
+            // A block of 8 warps per tile, a grid-stride loop over the tiles.
+            Spec::Transpose { .. } => {
+                let grid = self.n.min(1 << 20) as u32;
+                c.launch(&self.spec, "k", (grid, 256), &args)
+            }
+            _ => c.launch_n(&self.spec, self.n, &args),
+        }
     }
 }
 
-/// Each input copied into its place in the output, a launch each, in the widest words
-/// (up to 16 bytes) that its blocks and their places are made of: a channel padding
-/// of f16 images (60 channels and 4 zeros into 64) moves 8-byte words, not 2-byte
-/// elements.
+/// The widest word (up to 16 bytes) that divides every one of `sizes` (bytes).
+fn widest_word(sizes: &[usize]) -> usize {
+    [16, 8, 4, 2, 1]
+        .into_iter()
+        .find(|w| sizes.iter().all(|b| b % w == 0))
+        .unwrap_or(1)
+}
+
+/// Two inputs (a channel padding: an image and its zero channels) in one launch over
+/// the output, each row written whole in the widest words both blocks are made of:
+/// copying the zeros after the image, a word per row, had L2 merge partial sectors
+/// with what the first launch wrote (twice the memory traffic). More inputs: each
+/// copied into its place, a launch each, in its own widest words.
 fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let out = first(outs)?;
     let axis = normalize_axis(axis, out.shape.len())?;
     let esize = out.dtype.size_bytes();
     let inner_out = numel(&out.shape[axis..]);
     let below = numel(&out.shape[axis + 1..]);
+    if let [a, b] = ins {
+        let blocks = [numel(&a.shape[axis..]), numel(&b.shape[axis..])];
+        let word = widest_word(&blocks.map(|e| e * esize)).max(esize);
+        let n = numel(&out.shape);
+        return Ok(one_output(out, move |c, inputs, y| {
+            let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
+            // A view's buffer may start off the word: then element by element.
+            let aligned = [a.ptr(), b.ptr(), y.ptr()]
+                .iter()
+                .all(|p| p % word as u64 == 0);
+            let word = if aligned { word } else { esize };
+            let [n, ia, ib] = [n, blocks[0], blocks[1]].map(|v| v * esize / word);
+            if n == 0 {
+                return Ok(());
+            }
+            let args = [a.arg(), b.arg(), y.arg()]
+                .into_iter()
+                .chain([n, ia, ib].map(|v| Arg::I64(v as i64)));
+            c.launch_n(
+                &Spec::ConcatPair { bytes: word },
+                n,
+                &args.collect::<Vec<_>>(),
+            )
+        }));
+    }
     // Per input: the widest word in bytes, and (elements, inner size, output inner
     // size, offset in the output's inner block) in elements.
     let mut parts = Vec::new();
@@ -151,14 +241,7 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
     for x in ins {
         let (n, inner_in) = (numel(&x.shape), numel(&x.shape[axis..]));
         // Every size here is whole elements: the element's own size always divides.
-        let word = [16, 8, 4, 2, 1]
-            .into_iter()
-            .find(|w| {
-                [inner_in, inner_out, off]
-                    .iter()
-                    .all(|e| e * esize % w == 0)
-            })
-            .unwrap_or(esize);
+        let word = widest_word(&[inner_in, inner_out, off].map(|e| e * esize)).max(esize);
         parts.push((word, [n, inner_in, inner_out, off]));
         off += x.shape[axis] * below;
     }
@@ -186,6 +269,45 @@ pub(super) fn gather(bytes: usize) -> String {
         "{PRELUDE}typedef {} E;\n\
          extern \"C\" __global__ void k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset) {{\n\
            GRID_LOOP(i, n) {{ py[i] = px[offset + strided(i, r, shape, st)]; }}\n}}\n",
+        word(bytes)
+    )
+}
+
+/// `y[b, p, q] = x[offset + b sb + p + q sq]`, a tile of `tp` x `tq` (1024 elements)
+/// per block of 256 threads: read along `p` into shared memory, written along `q`
+/// (the padding column keeps the tile's column reads off one bank).
+pub(super) fn transpose(bytes: usize) -> String {
+    format!(
+        "{PRELUDE}typedef {} E;\n\
+         extern \"C\" __global__ void k(const E* px, E* py, i64 batches, i64 p, i64 q, i64 sb, i64 sq, i64 offset, int tp, int tq) {{\n\
+           __shared__ E tile[{TILE_ELEMENTS} + {TILE}];\n\
+           i64 np = (p + tp - 1) / tp, nq = (q + tq - 1) / tq;\n\
+           for (i64 t = blockIdx.x; t < batches * np * nq; t += gridDim.x) {{\n\
+             i64 b = t / (np * nq), p0 = (t / nq) % np * tp, q0 = t % nq * tq;\n\
+             const E* x = px + offset + b * sb;\n\
+             E* y = py + b * p * q;\n\
+             for (int l = threadIdx.x; l < tp * tq; l += blockDim.x) {{\n\
+               int i = l % tp, j = l / tp;\n\
+               if (p0 + i < p && q0 + j < q) tile[j * (tp + 1) + i] = x[p0 + i + (q0 + j) * sq];\n\
+             }}\n\
+             __syncthreads();\n\
+             for (int l = threadIdx.x; l < tp * tq; l += blockDim.x) {{\n\
+               int j = l % tq, i = l / tq;\n\
+               if (p0 + i < p && q0 + j < q) y[(p0 + i) * q + q0 + j] = tile[j * (tp + 1) + i];\n\
+             }}\n\
+             __syncthreads();\n\
+           }}\n}}\n",
+        word(bytes)
+    )
+}
+
+/// Two inputs' rows side by side: output word `o` from `a` or `b`.
+pub(super) fn concat_pair(bytes: usize) -> String {
+    format!(
+        "{PRELUDE}typedef {} E;\n\
+         extern \"C\" __global__ void k(const E* pa, const E* pb, E* py, i64 n, i64 ia, i64 ib) {{\n\
+           i64 io = ia + ib;\n\
+           GRID_LOOP(o, n) {{ i64 row = o / io, c = o - row * io; py[o] = c < ia ? pa[row * ia + c] : pb[row * ib + c - ia]; }}\n}}\n",
         word(bytes)
     )
 }
