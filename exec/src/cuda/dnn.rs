@@ -746,9 +746,9 @@ impl Dnn {
         };
         let replay = ReplayKey {
             plan: key,
-            x: x as u64,
-            w: w as u64,
-            y: y as u64,
+            x: x,
+            w: w,
+            y: y,
             workspace: ws as u64,
         };
         self.replays
