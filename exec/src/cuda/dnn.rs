@@ -746,9 +746,9 @@ impl Dnn {
         };
         let replay = ReplayKey {
             plan: key,
-            x: x,
-            w: w,
-            y: y,
+            x,
+            w,
+            y,
             workspace: ws as u64,
         };
         self.replays
