@@ -144,6 +144,57 @@ fn updates_that_write_the_cast_replace_the_cast_kernel() {
     assert_eq!(kernels[3], kernels[1], "{kernels:?}");
 }
 
+/// An f16 NHWC convolution (3x3 filters, SAME) of the fed `x` by the fed `f` and its
+/// filter gradient, each operand first through `pre` where given (its output then lies
+/// in the step's arena rather than in a feed's buffer).
+struct ConvAndFilterGradient {
+    graph: Graph,
+    outputs: [Port; 2],
+    shapes: [Vec<usize>; 2],
+}
+
+impl ConvAndFilterGradient {
+    fn new(x: [usize; 4], cout: usize, stride: usize, pre: Option<Unary>) -> Self {
+        let shapes = [x.to_vec(), vec![3, 3, x[3], cout]];
+        let mut g = Graph::new();
+        let mut operand = |name: &str, shape: &[usize]| {
+            let p = g.placeholder(name, DType::F16, shape.to_vec()).unwrap();
+            match &pre {
+                Some(op) => g.add(op.clone(), &[p]).unwrap(),
+                None => p,
+            }
+        };
+        let (x, f) = (operand("x", &shapes[0]), operand("f", &shapes[1]));
+        let strides = [stride, stride];
+        let y = g
+            .conv2d(x, f, strides, Padding::Same, DataFormat::Nhwc)
+            .unwrap();
+        let df = Conv2DBackpropFilter {
+            filter_shape: shapes[1].clone(),
+            strides,
+            padding: Padding::Same,
+            data_format: DataFormat::Nhwc,
+        };
+        let df = g.add(df, &[x, y]).unwrap();
+        ConvAndFilterGradient {
+            graph: g,
+            outputs: [y, df],
+            shapes,
+        }
+    }
+
+    /// New random values of `x` and `f` in [-1, 1].
+    fn feeds(&self, r: &mut Gen) -> Feeds {
+        let mut feeds = Feeds::new();
+        for (name, shape) in ["x", "f"].into_iter().zip(&self.shapes) {
+            let v = r.vec(shape.iter().product(), -1.0, 1.0);
+            let t = Tensor::from_f64(DType::F16, shape.clone(), &v).unwrap();
+            feeds.insert(name.into(), t);
+        }
+        feeds
+    }
+}
+
 /// A convolution and its filter gradient: the first step takes the filters' gathered
 /// copies and cuDNN's workspace where it can (the workspace shared by every
 /// convolution); the executor then plans them in the arena as each node's scratch and
@@ -151,31 +202,12 @@ fn updates_that_write_the_cast_replace_the_cast_kernel() {
 #[test]
 fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
     let Some(mut gpu) = gpu() else { return };
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F16, vec![8, 16, 16, 32]).unwrap();
-    let f = g.placeholder("f", DType::F16, vec![3, 3, 32, 32]).unwrap();
-    let y = g
-        .conv2d(x, f, [1, 1], Padding::Same, DataFormat::Nhwc)
-        .unwrap();
-    let df = Conv2DBackpropFilter {
-        filter_shape: vec![3, 3, 32, 32],
-        strides: [1, 1],
-        padding: Padding::Same,
-        data_format: DataFormat::Nhwc,
-    };
-    let df = g.add(df, &[x, y]).unwrap();
-    let mut r = Gen(5);
-    let mut feeds = Feeds::new();
-    for (name, shape) in [("x", vec![8, 16, 16, 32]), ("f", vec![3, 3, 32, 32])] {
-        let v = r.vec(shape.iter().product(), -1.0, 1.0);
-        feeds.insert(
-            name.into(),
-            Tensor::from_f64(DType::F16, shape, &v).unwrap(),
-        );
-    }
-    let expected = CpuExecutor::new().run(&g, &feeds, &[y, df]).unwrap();
+    let conv = ConvAndFilterGradient::new([8, 16, 16, 32], 32, 1, None);
+    let (g, [y, df]) = (&conv.graph, conv.outputs);
+    let feeds = conv.feeds(&mut Gen(5));
+    let expected = CpuExecutor::new().run(g, &feeds, &[y, df]).unwrap();
     assert_eq!(gpu.planned_scratch_bytes(), 0);
-    let first = gpu.run(&g, &feeds, &[y, df]).unwrap();
+    let first = gpu.run(g, &feeds, &[y, df]).unwrap();
     let filters = 2 * 3 * 3 * 32 * 32 * 2;
     assert!(
         gpu.planned_scratch_bytes() >= filters,
@@ -184,7 +216,7 @@ fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
     );
     assert_eq!(gpu.shared_conv_workspace_bytes(), 0);
     let planned = gpu.planned_scratch_bytes();
-    let second = gpu.run(&g, &feeds, &[y, df]).unwrap();
+    let second = gpu.run(g, &feeds, &[y, df]).unwrap();
     assert_eq!(gpu.planned_scratch_bytes(), planned, "no step takes more");
     for (k, want) in expected.iter().enumerate() {
         assert!(max_rel_diff(&first[k], want) < 2e-2, "output {k}");
@@ -199,34 +231,15 @@ fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
 #[test]
 fn convolutions_on_the_same_buffers_are_replayed_with_each_steps_values() {
     let Some(mut gpu) = gpu() else { return };
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F16, vec![4, 12, 12, 16]).unwrap();
-    let f = g.placeholder("f", DType::F16, vec![3, 3, 16, 24]).unwrap();
-    let x = g.add(Unary::new(UnaryKind::Neg), &[x]).unwrap();
-    let f = g.add(Unary::new(UnaryKind::Neg), &[f]).unwrap();
-    let y = g
-        .conv2d(x, f, [2, 2], Padding::Same, DataFormat::Nhwc)
-        .unwrap();
-    let df = Conv2DBackpropFilter {
-        filter_shape: vec![3, 3, 16, 24],
-        strides: [2, 2],
-        padding: Padding::Same,
-        data_format: DataFormat::Nhwc,
-    };
-    let df = g.add(df, &[x, y]).unwrap();
+    let neg = Unary::new(UnaryKind::Neg);
+    let conv = ConvAndFilterGradient::new([4, 12, 12, 16], 24, 2, Some(neg));
+    let (g, [y, df]) = (&conv.graph, conv.outputs);
     let mut r = Gen(11);
     let mut replays = Vec::new();
     for step in 0..6 {
-        let mut feeds = Feeds::new();
-        for (name, shape) in [("x", vec![4, 12, 12, 16]), ("f", vec![3, 3, 16, 24])] {
-            let v = r.vec(shape.iter().product(), -1.0, 1.0);
-            feeds.insert(
-                name.into(),
-                Tensor::from_f64(DType::F16, shape, &v).unwrap(),
-            );
-        }
-        let expected = CpuExecutor::new().run(&g, &feeds, &[y, df]).unwrap();
-        let got = gpu.run(&g, &feeds, &[y, df]).unwrap();
+        let feeds = conv.feeds(&mut r);
+        let expected = CpuExecutor::new().run(g, &feeds, &[y, df]).unwrap();
+        let got = gpu.run(g, &feeds, &[y, df]).unwrap();
         for (k, want) in expected.iter().enumerate() {
             let diff = max_rel_diff(&got[k], want);
             assert!(diff < 2e-2, "step {step} output {k}: {diff}");
