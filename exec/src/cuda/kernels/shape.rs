@@ -198,6 +198,16 @@ fn widest_word(sizes: &[usize]) -> usize {
         .unwrap_or(1)
 }
 
+/// `word` where every one of `buffers` starts on it, else `esize`: a view's buffer may
+/// start off the word, and is then copied element by element.
+fn word_at(word: usize, esize: usize, buffers: &[&DTensor]) -> usize {
+    if buffers.iter().all(|t| t.ptr() % word as u64 == 0) {
+        word
+    } else {
+        esize
+    }
+}
+
 /// Two inputs (a channel padding: an image and its zero channels) in one launch over
 /// the output, each row written whole in the widest words both blocks are made of:
 /// copying the zeros after the image, a word per row, had L2 merge partial sectors
@@ -215,11 +225,7 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
         let n = numel(&out.shape);
         return Ok(one_output(out, move |c, inputs, y| {
             let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
-            // A view's buffer may start off the word: then element by element.
-            let aligned = [a.ptr(), b.ptr(), y.ptr()]
-                .iter()
-                .all(|p| p % word as u64 == 0);
-            let word = if aligned { word } else { esize };
+            let word = word_at(word, esize, &[a, b, y]);
             let [n, ia, ib] = [n, blocks[0], blocks[1]].map(|v| v * esize / word);
             if n == 0 {
                 return Ok(());
@@ -248,9 +254,7 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
     Ok(one_output(out, move |c, inputs, y| {
         for (k, &(word, elements)) in parts.iter().enumerate() {
             let x = input(inputs, k)?;
-            // A view's buffer may start off the word: then element by element.
-            let aligned = x.ptr() % word as u64 == 0 && y.ptr() % word as u64 == 0;
-            let word = if aligned { word } else { esize };
+            let word = word_at(word, esize, &[x, y]);
             let [n, inner_in, inner_out, off] = elements.map(|v| v * esize / word);
             if n > 0 {
                 let args = [x.arg(), y.arg()]
