@@ -553,6 +553,24 @@ fn place(buffers: &mut [PlannedBuffer]) {
     }
 }
 
+/// Bytes alive at each of `steps` steps (and one past), from +size at a buffer's
+/// `first` step and -size after its `last`.
+fn alive_per_step(buffers: &[PlannedBuffer], steps: usize) -> Vec<usize> {
+    let mut delta = vec![0isize; steps + 2];
+    for b in buffers {
+        delta[b.first] += b.bytes as isize;
+        delta[b.last + 1] -= b.bytes as isize;
+    }
+    let mut alive = 0isize;
+    delta
+        .into_iter()
+        .map(|d| {
+            alive += d;
+            alive as usize
+        })
+        .collect()
+}
+
 fn summarise(buffers: Vec<PlannedBuffer>, steps: usize) -> MemoryPlan {
     let arena_bytes = buffers
         .iter()
@@ -560,18 +578,10 @@ fn summarise(buffers: Vec<PlannedBuffer>, steps: usize) -> MemoryPlan {
         .max()
         .unwrap_or(0);
     let total_bytes = buffers.iter().map(|b| b.bytes).sum();
-    // Bytes alive at each step, from +size at `first` and -size after `last`.
-    let mut delta = vec![0isize; steps + 2];
-    for b in &buffers {
-        delta[b.first] += b.bytes as isize;
-        delta[b.last + 1] -= b.bytes as isize;
-    }
-    let mut alive = 0isize;
     let (mut live_bytes, mut peak_step) = (0usize, 0usize);
-    for (step, d) in delta.into_iter().enumerate() {
-        alive += d;
-        if alive as usize > live_bytes {
-            (live_bytes, peak_step) = (alive as usize, step);
+    for (step, alive) in alive_per_step(&buffers, steps).into_iter().enumerate() {
+        if alive > live_bytes {
+            (live_bytes, peak_step) = (alive, step);
         }
     }
     MemoryPlan {
@@ -595,6 +605,19 @@ impl MemoryPlan {
     pub fn scratch(&self) -> std::collections::HashMap<NodeId, (usize, usize)> {
         (self.buffers.iter().filter(|b| b.scratch))
             .map(|b| (b.port.node, (b.offset, b.bytes)))
+            .collect()
+    }
+
+    /// For each node writing a planned tensor, the arena's bytes not alive during its
+    /// step: what its scratch (a cuDNN workspace) may take without raising the peak.
+    pub fn headroom(&self) -> std::collections::HashMap<NodeId, usize> {
+        let steps = self.buffers.iter().map(|b| b.last + 1).max().unwrap_or(0);
+        let alive = alive_per_step(&self.buffers, steps);
+        (self.buffers.iter().filter(|b| !b.scratch))
+            .map(|b| {
+                let free = self.arena_bytes.saturating_sub(alive[b.first]);
+                (b.port.node, free)
+            })
             .collect()
     }
 
@@ -642,7 +665,8 @@ mod tests {
         assert_eq!(fingerprint(&a, &[ya]), fingerprint(&c, &[yc]));
     }
     use ampgraph_graph::ops::{
-        GroupedOptimizerUpdate, OptimizerUpdate, Reshape, Rule, Unary, UnaryKind,
+        GroupedOptimizerUpdate, OptimizerUpdate, Reduce, ReduceKind, Reshape, Rule, Unary,
+        UnaryKind,
     };
     use ampgraph_graph::{DType, TensorType};
 
@@ -714,6 +738,28 @@ mod tests {
         assert_eq!((plan.live_bytes, plan.peak_step), (2 * 1024 + 3072, step));
         assert_eq!(plan.arena_bytes, 2 * 1024 + 3072);
         assert_eq!(plan.offsets().len(), 8, "the relus' outputs");
+    }
+
+    #[test]
+    fn headroom_is_the_arena_less_what_is_alive_at_a_nodes_step() {
+        // x -> big [4, 256] (4 KiB) -> small (its column sums, 1 KiB) -> small2 (1 KiB):
+        // the arena holds big and small together (5 KiB); while small2 runs only small
+        // and small2 are alive.
+        let mut g = Graph::new();
+        let x = placeholder(&mut g, "x", &[4, 256]);
+        let big = relu(&mut g, x);
+        let sum = Reduce::new(ReduceKind::Sum, Some(vec![0]), false);
+        let small = g.add(sum, &[big]).unwrap();
+        let small2 = relu(&mut g, small);
+        let plan = plan(&g, &[small2]).unwrap();
+        assert_eq!(plan.arena_bytes, 5 * 1024);
+        let free = plan.headroom();
+        assert_eq!(
+            free[&big.node], 1024,
+            "big alone is alive while it is written"
+        );
+        assert_eq!(free[&small.node], 0, "the peak: big and small");
+        assert_eq!(free[&small2.node], 3 * 1024);
     }
 
     #[test]

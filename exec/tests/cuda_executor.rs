@@ -1,12 +1,12 @@
 //! What the CUDA executor keeps between steps: casts of weights no step writes (and
 //! which copies of such a weight stay on the device), the casts optimizer updates
-//! write with their variable, the scratch of convolutions planned in the arena, and
-//! convolutions replayed from captured graphs.
+//! write with their variable, the scratch of convolutions planned in the arena (their
+//! workspaces within the plan's peak), and convolutions replayed from captured graphs.
 //! Skips (printing why) without CUDA.
 
 mod common;
 
-use ampgraph_exec::{CpuExecutor, ExecError, Executor, Feeds};
+use ampgraph_exec::{memory_plan, CpuExecutor, ExecError, Executor, Feeds};
 use ampgraph_graph::ops::{
     AssignVariable, BatchMatMul, Cast, Const, Conv2DBackpropFilter, DataFormat, OptimizerUpdate,
     Padding, Rule, Unary, UnaryKind, Variable,
@@ -257,6 +257,56 @@ fn convolutions_on_the_same_buffers_are_replayed_with_each_steps_values() {
         replays[4] - replays[3],
         2,
         "replays after each step: {replays:?}"
+    );
+}
+
+/// f32 convolutions of [32, 128, 32, 32], for which cuDNN's fastest algorithms
+/// (Winograd, FFT) take workspaces several times the tensors: each keeps its workspace
+/// near the arena's bytes free while it runs, so the step's measured peak is the
+/// host's plan (within the small workspace any algorithm may take), values as the CPU.
+#[test]
+fn convolution_workspaces_keep_to_the_steps_planned_peak() {
+    let Some(mut gpu) = gpu() else { return };
+    // A search within 128 MiB: Winograd (74 MiB) runs, FFT (660 MiB) does not.
+    gpu.options.dnn.workspace_limit_mib = Some(128);
+    let (x_shape, f_shape) = (vec![32, 128, 32, 32], vec![3, 3, 128, 128]);
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, x_shape.clone()).unwrap();
+    let f1 = g.placeholder("f1", DType::F32, f_shape.clone()).unwrap();
+    let f2 = g.placeholder("f2", DType::F32, f_shape.clone()).unwrap();
+    let conv = |g: &mut Graph, x, f| g.conv2d(x, f, [1, 1], Padding::Same, DataFormat::Nchw);
+    let y1 = conv(&mut g, x, f1).unwrap();
+    let r = g.add(Unary::new(UnaryKind::Relu), &[y1]).unwrap();
+    let y2 = conv(&mut g, r, f2).unwrap();
+    let mut feeds = Feeds::new();
+    let mut gen = Gen(13);
+    for (name, shape) in [("x", &x_shape), ("f1", &f_shape), ("f2", &f_shape)] {
+        let v = gen.vec(shape.iter().product(), -0.1, 0.1);
+        feeds.insert(
+            name.into(),
+            Tensor::from_f64(DType::F32, shape.clone(), &v).unwrap(),
+        );
+    }
+    let expected = CpuExecutor::new().run(&g, &feeds, &[y2]).unwrap();
+    // What the executor holds before any step: the GEMM library's workspace.
+    let before = gpu.live_bytes();
+    for _ in 0..2 {
+        gpu.run(&g, &feeds, &[y2]).unwrap();
+    }
+    gpu.reset_peak_bytes();
+    let got = gpu.run(&g, &feeds, &[y2]).unwrap();
+    assert!(max_rel_diff(&got[0], &expected[0]) < 1e-4);
+    let planned = memory_plan::step_footprint(&g, &[y2]).unwrap().peak_bytes();
+    let small_workspace = 16 << 20;
+    let choices: Vec<String> = gpu
+        .conv_algorithms()
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    let step_peak = gpu.peak_bytes() - before;
+    assert!(
+        step_peak <= planned + small_workspace,
+        "the step's measured peak {step_peak} bytes, planned {planned}; {choices:?}"
     );
 }
 

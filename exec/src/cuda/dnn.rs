@@ -4,12 +4,17 @@
 //! without it still runs everything else, and a node needing it is refused when its
 //! step is planned ([`available`]), so `Device::auto_for` picks the CPU for it.
 //!
-//! Convolution algorithms are chosen per (direction, shapes, dtype, layout, math) the
-//! first time a shape runs — PyTorch's `cudnn.benchmark`: cuDNN times every candidate
-//! (`cudnnFind*Algorithm`), the fastest within the workspace limit is kept (only the
-//! deterministic ones with [`DnnOptions::deterministic`]), in memory and in a file beside
-//! the kernel cache, so a new process does not time them again. Every choice is logged
-//! at info level and listed by [`Dnn::choices`].
+//! Convolution algorithms are chosen per (direction, shapes, dtype, layout, math, room
+//! for the workspace in the step's plan) the first time a shape runs — PyTorch's `cudnn.benchmark`: cuDNN times every candidate
+//! (`cudnnFind*Algorithm`), the fastest within the workspace limit is kept (of those
+//! within 3% of it, the one with the least workspace; only the deterministic ones with
+//! [`DnnOptions::deterministic`]), in memory and in a file beside the kernel cache, so a
+//! new process does not time them again. The first choice also keeps to the step's
+//! memory plan: an algorithm whose workspace would not fit in the arena's bytes free
+//! while the convolution runs (its headroom), and a quarter of the arena more, is
+//! passed over for the fastest that fits, so a step's peak stays near its plan's (fp32
+//! Winograd and FFT algorithms take hundreds of MiB). Every choice is logged at info level, with any faster algorithm passed over,
+//! and listed by [`Dnn::choices`].
 //!
 //! A call's workspace is its node's scratch in the step's arena where the plan holds
 //! one (from the second step: the executor plans what the first took); else one
@@ -132,6 +137,18 @@ pub struct Choice {
     pub workspace: usize,
     /// How many candidates ran (0 for a choice read from disk).
     pub candidates: usize,
+    /// A faster algorithm not taken as its workspace would have raised the step's
+    /// peak: its name, milliseconds and workspace bytes.
+    pub passed_over: Option<(String, f32, usize)>,
+}
+
+/// What [`Dnn::fastest`] found.
+struct Found {
+    algo: Algo,
+    /// Milliseconds per run as timed (NaN: cuDNN's heuristic pick, untimed).
+    ms: f32,
+    candidates: usize,
+    passed_over: Option<(String, f32, usize)>,
 }
 
 /// An algorithm by its cuDNN number and math type, with its workspace.
@@ -159,6 +176,9 @@ struct PlanKey {
     deterministic: bool,
     /// The search's limit: a larger one may find a faster algorithm.
     workspace_limit: usize,
+    /// The workspace the step's plan has room for (`None`: no plan): another room
+    /// may keep another algorithm.
+    room: Option<usize>,
 }
 
 impl PlanKey {
@@ -414,6 +434,49 @@ impl Perf {
     }
 }
 
+/// A workspace this small may raise a step's peak: beside the step's tensors it does
+/// not matter, and the fastest algorithms often take a few MiB.
+const SMALL_WORKSPACE: usize = 16 << 20;
+
+/// cuDNN's timings tell apart no closer than this fraction of the fastest time (each
+/// algorithm runs once, on a GPU whose clocks move): within it, less workspace wins.
+const SAME_SPEED: f32 = 0.03;
+
+/// Of `usable` results (cuDNN's order: fastest first), the one with the least workspace
+/// among those as fast as the fastest within [`SAME_SPEED`]: a workspace is the step's
+/// memory (an f32 FFT algorithm takes hundreds of MiB to win by a percent).
+fn least_workspace_of_the_fastest<'a>(
+    mut usable: impl Iterator<Item = &'a Perf>,
+) -> Option<&'a Perf> {
+    let fastest = usable.next()?;
+    let bound = fastest.time * (1.0 + SAME_SPEED);
+    Some(
+        usable
+            .take_while(|p| p.time <= bound)
+            .fold(
+                fastest,
+                |best, p| if p.memory < best.memory { p } else { best },
+            ),
+    )
+}
+
+/// Each timed result as `ALGO math T ms N KiB`, for the debug log.
+fn timings(direction: Direction, results: &[Perf]) -> String {
+    let each: Vec<String> = results
+        .iter()
+        .filter(|p| p.status == 0)
+        .map(|p| {
+            format!(
+                "{} {:.4} ms {} KiB",
+                p.algo().name(direction),
+                p.time,
+                p.memory >> 10
+            )
+        })
+        .collect();
+    each.join("; ")
+}
+
 /// Each result as `ALGO math status S [non-]deterministic N KiB`, for errors.
 fn describe(direction: Direction, results: &[Perf]) -> String {
     let each: Vec<String> = results
@@ -640,13 +703,16 @@ impl Dnn {
 
     /// Runs one convolution product (`direction`) of `shape` on `ops`, its algorithm's
     /// workspace from `scratch` (given the bytes: the node's planned scratch) or else
-    /// one workspace shared by every convolution.
+    /// one workspace shared by every convolution. `room`: the bytes its workspace may
+    /// take in the step's arena, which a first choice of algorithm keeps within.
+    #[allow(clippy::too_many_arguments)]
     pub fn conv(
         &self,
         dev: &Device,
         direction: Direction,
         shape: &ConvShape,
         options: DnnOptions,
+        room: Option<usize>,
         ops: ConvOperands,
         scratch: impl FnOnce(usize) -> Result<Option<DTensor>, String>,
     ) -> Result<(), String> {
@@ -656,6 +722,7 @@ impl Dnn {
             shape: *shape,
             deterministic: options.deterministic,
             workspace_limit: options.workspace_limit(),
+            room,
         };
         let cached = self
             .plans
@@ -849,12 +916,17 @@ impl Dnn {
             .map_err(|_| "poisoned")?
             .get(&key.text())
             .copied();
-        let (algo, ms, candidates) = match stored {
-            Some(a) => (a, None, 0),
+        let (algo, ms, candidates, passed_over) = match stored {
+            Some(a) => (a, None, 0, None),
             _ => {
-                let (algo, ms, n) = self.fastest(dev, handle, key, &plan, options, ops)?;
-                self.store(key, algo);
-                (algo, Some(ms), n)
+                let found = self.fastest(dev, handle, key, &plan, options, ops)?;
+                self.store(key, found.algo);
+                (
+                    found.algo,
+                    Some(found.ms),
+                    found.candidates,
+                    found.passed_over,
+                )
             }
         };
         // SAFETY: a live descriptor; the math type the algorithm was timed with.
@@ -869,6 +941,7 @@ impl Dnn {
             ms,
             workspace: algo.workspace,
             candidates,
+            passed_over,
         };
         log::info!("cuDNN {}", choice);
         if let Ok(mut c) = self.choices.lock() {
@@ -880,8 +953,9 @@ impl Dnn {
     /// Times every algorithm of `key`'s convolution on the call's own operands (the
     /// output is overwritten by the real run after) with a search workspace of the
     /// limit, freed after; returns the fastest that fits the limit (and is
-    /// deterministic where asked), its time, and how many ran. Where no timed run
-    /// succeeds, cuDNN's heuristic order picks, untimed.
+    /// deterministic where asked) and whose workspace fits the key's room (or
+    /// [`SMALL_WORKSPACE`]; where none does, the fastest), its time, and how many ran.
+    /// Where no timed run succeeds, cuDNN's heuristic order picks, untimed.
     fn fastest(
         &self,
         dev: &Device,
@@ -890,7 +964,7 @@ impl Dnn {
         plan: &ConvPlan,
         options: DnnOptions,
         ops: &ConvOperands,
-    ) -> Result<(Algo, f32, usize), String> {
+    ) -> Result<Found, String> {
         // f32 convolutions use TF32 Tensor Cores only where allowed.
         let s = &key.shape;
         let math = match (s.dtype, s.allow_tf32) {
@@ -920,16 +994,40 @@ impl Dnn {
             let ws = (workspace.ptr() as *mut c_void, workspace.bytes());
             self.perf(handle, key.direction, plan, Some((ops, ws)))?
         };
-        if let Some(p) = timed.iter().find(usable) {
-            return Ok((p.algo(), p.time, timed.len()));
+        log::debug!(
+            "cuDNN timed {:?} {:?}: {}",
+            key.direction,
+            s,
+            timings(key.direction, &timed)
+        );
+        let fastest = least_workspace_of_the_fastest(timed.iter().filter(usable));
+        let room = key.room.map_or(usize::MAX, |r| r.max(SMALL_WORKSPACE));
+        let fits = |p: &&Perf| usable(p) && p.memory <= room;
+        let fitting = least_workspace_of_the_fastest(timed.iter().filter(fits));
+        if let Some(p) = fitting.or(fastest) {
+            let passed_over = fastest
+                .filter(|f| f.memory > p.memory && f.time < p.time)
+                .map(|f| (f.algo().name(key.direction), f.time, f.memory));
+            return Ok(Found {
+                algo: p.algo(),
+                ms: p.time,
+                candidates: timed.len(),
+                passed_over,
+            });
         }
         let ranked = self.perf(handle, key.direction, plan, None)?;
-        if let Some(p) = ranked.iter().find(usable) {
+        // The heuristic's order, the first whose workspace fits the room first.
+        if let Some(p) = ranked.iter().find(fits).or(ranked.iter().find(usable)) {
             log::warn!(
                 "cuDNN: no timed run succeeded ({}); taking the heuristic's pick",
                 describe(key.direction, &timed)
             );
-            return Ok((p.algo(), f32::NAN, 0));
+            return Ok(Found {
+                algo: p.algo(),
+                ms: f32::NAN,
+                candidates: 0,
+                passed_over: None,
+            });
         }
         Err(format!(
             "no {}cuDNN algorithm runs this convolution within the workspace limit of {} MiB (timed: {}; ranked: {})",
@@ -1190,6 +1288,57 @@ impl std::fmt::Display for Choice {
             Some(ms) => write!(f, ", {ms:.3} ms of {} timed", self.candidates)?,
             None => write!(f, " (from the disk file)")?,
         }
-        write!(f, ", workspace {} KiB", self.workspace >> 10)
+        write!(f, ", workspace {} KiB", self.workspace >> 10)?;
+        if let Some((name, ms, bytes)) = &self.passed_over {
+            let kib = bytes >> 10;
+            write!(
+                f,
+                " (not {name}, {ms:.3} ms: its {kib} KiB would raise the step's peak)"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timed(algo: u32, time: f32, memory: usize) -> Perf {
+        Perf {
+            algo,
+            status: 0,
+            time,
+            memory,
+            determinism: 1,
+            math: 0,
+            reserved: [0; 3],
+        }
+    }
+
+    #[test]
+    fn the_least_workspace_within_three_percent_of_the_fastest_wins() {
+        let mib = 1 << 20;
+        let results = [
+            timed(5, 1.000, 300 * mib), // fastest, FFT-like workspace
+            timed(1, 1.020, 2 * mib),   // 2% slower, little workspace: chosen
+            timed(0, 1.025, 0),         // as fast, none: chosen over both
+            timed(2, 1.040, 0),         // 4% slower: out of the tie
+        ];
+        let pick = least_workspace_of_the_fastest(results.iter()).map(|p| p.algo);
+        assert_eq!(pick, Some(0));
+        // Beyond 3% the fastest keeps its place whatever it needs.
+        let apart = [timed(5, 1.0, 300 * mib), timed(1, 1.031, 0)];
+        assert_eq!(
+            least_workspace_of_the_fastest(apart.iter()).map(|p| p.algo),
+            Some(5)
+        );
+        // Equal workspaces: the faster.
+        let equal = [timed(3, 1.0, mib), timed(4, 1.01, mib)];
+        assert_eq!(
+            least_workspace_of_the_fastest(equal.iter()).map(|p| p.algo),
+            Some(3)
+        );
+        assert!(least_workspace_of_the_fastest([].iter()).is_none());
     }
 }

@@ -177,6 +177,12 @@ impl VarSlot {
     }
 }
 
+/// A convolution's workspace may raise its step's planned peak by this fraction of
+/// the arena: a quarter keeps the f32 training step's Winograd algorithms (twice as
+/// fast as the next, for hundreds of MiB the backward pass has free) and passes over
+/// the inference step's (whose arena is two activations).
+const WORKSPACE_MAY_GROW: usize = 4;
+
 /// A step's memory plan as the executor uses it, with the step's schedule (both made
 /// once per graph and fetches: the host work before a step's first launch is time the
 /// GPU waits).
@@ -193,6 +199,10 @@ struct StepMemory {
     /// lies in the arena, offset and bytes.
     scratch: HashMap<NodeId, (usize, usize)>,
     arena_bytes: usize,
+    /// What a convolution's workspace may take at each node: the arena's bytes not
+    /// alive while it runs ([`MemoryPlan::headroom`](memory_plan::MemoryPlan::headroom))
+    /// and `1 / WORKSPACE_MAY_GROW` of the arena more, in the plan without scratch.
+    workspace_room: HashMap<NodeId, usize>,
     /// The largest tensors alive at the plan's peak, for an out-of-memory error.
     largest_at_peak: String,
     /// Optimizer outputs written over the variable they replace, by the variable's
@@ -260,6 +270,21 @@ impl StepMemory {
             .copied()
             .collect();
         let plan = memory_plan::plan_outside(graph, fetches, &outside, &scratch_bytes)?;
+        // The room is the plan's without scratch, the same from step to step: it keys
+        // the algorithms chosen.
+        let unscratched = match scratch_bytes.is_empty() {
+            true => None,
+            false => Some(memory_plan::plan_outside(
+                graph,
+                fetches,
+                &outside,
+                &HashMap::new(),
+            )?),
+        };
+        let base = unscratched.as_ref().unwrap_or(&plan);
+        let workspace_room = (base.headroom().into_iter())
+            .map(|(id, free)| (id, free + base.arena_bytes / WORKSPACE_MAY_GROW))
+            .collect();
         log::debug!(
             "memory plan: {} tensors in an arena of {} bytes ({} apart)",
             plan.buffers.len(),
@@ -277,6 +302,7 @@ impl StepMemory {
             offsets: plan.offsets(),
             scratch: plan.scratch(),
             arena_bytes: plan.arena_bytes,
+            workspace_room,
             largest_at_peak: plan.largest_at_peak(graph, 3),
             in_place,
             constant_casts,
@@ -879,6 +905,7 @@ impl CudaExecutor {
                         allocated: Cell::new(0),
                         scratch,
                         scratch_used: Cell::new(0),
+                        workspace_room: memory.workspace_room.get(&id).copied(),
                     };
                     // Only a profiled step brackets each op with timing events.
                     let out = guard("CUDA", || {

@@ -176,6 +176,7 @@ fn lower_conv(
                 direction,
                 &shape,
                 ctx.dnn_options,
+                ctx.workspace_room,
                 ConvOperands { x, w, y },
                 |bytes| ctx.scratch(&TensorType::new(DType::F32, [bytes.div_ceil(4)])),
             )

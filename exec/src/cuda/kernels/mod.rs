@@ -256,6 +256,9 @@ pub struct Ctx<'a> {
     /// Bytes of scratch the node's kernels took so far (planned or not): what the
     /// executor plans for the node once it has seen a step.
     pub scratch_used: Cell<usize>,
+    /// What a convolution's workspace may take while the node runs, where the step
+    /// has a plan: the arena's bytes not alive then, and a little more.
+    pub workspace_room: Option<usize>,
 }
 
 impl Ctx<'_> {
