@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
@@ -304,6 +304,29 @@ fn include_paths() -> Vec<String> {
     out
 }
 
+/// Captures of the stream into CUDA graphs (cuDNN's convolutions, [`capturing`])
+/// exclude, process-wide, work that may load kernels ([`loading`]): with CUDA's lazy
+/// loading a kernel's first launch loads its module, and a load in one thread while
+/// another captures failed that thread's cuDNN call (CUDNN_STATUS_EXECUTION_FAILED).
+static CAPTURE_EXCLUDES_LOADS: RwLock<()> = RwLock::new(());
+
+/// Runs `f` (library calls that may load kernels: cuDNN, cuBLASLt, module loads) with
+/// no capture in progress; any number run at once.
+pub fn loading<T>(f: impl FnOnce() -> T) -> T {
+    let _shared = CAPTURE_EXCLUDES_LOADS
+        .read()
+        .unwrap_or_else(|e| e.into_inner());
+    f()
+}
+
+/// Runs `f` (a stream capture) while no [`loading`] call runs.
+pub fn capturing<T>(f: impl FnOnce() -> T) -> T {
+    let _alone = CAPTURE_EXCLUDES_LOADS
+        .write()
+        .unwrap_or_else(|e| e.into_inner());
+    f()
+}
+
 pub struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -320,6 +343,8 @@ pub struct Device {
     /// Blocks of a kernel that fit on the GPU at once, by module key and name.
     resident: Mutex<HashMap<(String, &'static str), u32>>,
     pub pool: Arc<Mutex<Pool>>,
+    /// The GPU's memory in bytes.
+    pub total_bytes: usize,
     /// Compiled PTX kept between processes.
     disk_cache: DiskCache,
     pub launches: Launches,
@@ -342,6 +367,7 @@ impl Device {
         let multiprocessors = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("device query"))?;
+        let total_bytes = ctx.total_mem().map_err(drv("device query"))?;
         Ok(Device {
             ctx,
             stream,
@@ -353,6 +379,7 @@ impl Device {
             multiprocessors: multiprocessors.max(1) as u32,
             resident: Mutex::new(HashMap::new()),
             pool: Arc::new(Mutex::new(Pool::default())),
+            total_bytes,
             disk_cache,
             launches: Launches::default(),
         })
@@ -380,6 +407,17 @@ impl Device {
         };
         let slice = match reused {
             Some(s) => s,
+            // Never asked of the driver: around a stream-ordered allocation beyond the
+            // GPU's memory, other work on the GPU (other processes' too) ran out of
+            // memory.
+            None if cap > self.total_bytes => {
+                return Err(format!(
+                    "out of device memory: {bytes} bytes for {who} {}{} exceed the GPU's {} bytes",
+                    dtype,
+                    ShapeDisplay(shape),
+                    self.total_bytes
+                ))
+            }
             None => {
                 // SAFETY: u8 has no invalid bit patterns; every kernel writes before reads.
                 let first = unsafe { self.stream.alloc::<u8>(cap) };
@@ -512,6 +550,17 @@ impl Device {
         if let Some(f) = cached {
             return Ok(f);
         }
+        loading(|| self.load(key, src, name))
+    }
+
+    /// The kernel `name` of the module `key`, loaded now (built from `src()` where the
+    /// module is new).
+    fn load(
+        &self,
+        key: &str,
+        src: impl FnOnce() -> String,
+        name: &'static str,
+    ) -> Result<Arc<CudaFunction>, String> {
         let module = {
             let mut modules = self.modules.lock().map_err(|_| "poisoned")?;
             match modules.get(key) {

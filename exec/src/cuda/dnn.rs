@@ -39,7 +39,7 @@ use sys::cudnnDataType_t as CudnnType;
 use ampgraph_graph::ops::DataFormat;
 use ampgraph_graph::DType;
 
-use super::device::{DTensor, Device, Launches};
+use super::device::{capturing, loading, DTensor, Device, Launches};
 
 /// Whether cuDNN (9 or later) can be loaded; the reason where it cannot.
 pub fn available() -> Result<(), String> {
@@ -242,7 +242,7 @@ impl Replays {
                     .launch()
                     .map_err(|e| format!("replaying a captured convolution: {e:?}"));
             }
-            Some(None) => return check("convolution", call()),
+            Some(None) => return check("convolution", loading(&call)),
             None => {}
         }
         if self.seen.len() + self.graphs.len() >= Self::LIMIT {
@@ -250,10 +250,10 @@ impl Replays {
             self.graphs.clear();
         }
         if self.seen.insert(key) {
-            return check("convolution", call());
+            return check("convolution", loading(&call));
         }
         self.seen.remove(&key);
-        match capture(dev, &call) {
+        match capturing(|| capture(dev, &call)) {
             Ok(graph) => {
                 graph
                     .launch()
@@ -264,7 +264,7 @@ impl Replays {
             Err(why) => {
                 log::debug!("cuDNN convolution not captured ({why}): it runs directly");
                 self.graphs.insert(key, None);
-                check("convolution", call())
+                check("convolution", loading(&call))
             }
         }
     }
@@ -992,7 +992,7 @@ impl Dnn {
                 &"the cuDNN algorithm search",
             )?;
             let ws = (workspace.ptr() as *mut c_void, workspace.bytes());
-            self.perf(handle, key.direction, plan, Some((ops, ws)))?
+            loading(|| self.perf(handle, key.direction, plan, Some((ops, ws))))?
         };
         log::debug!(
             "cuDNN timed {:?} {:?}: {}",
@@ -1150,13 +1150,15 @@ impl Dnn {
         Launches::count(&dev.launches.dnn);
         // SAFETY: the descriptors describe the buffers (the caller checked the types);
         // ordered on the executor's stream.
-        let status = unsafe {
+        if training {
+            // With an averaging factor of 1 the running averages cuDNN updates are the
+            // batch statistics (the variance with Bessel's correction), once they hold
+            // no NaN to carry over.
+            dev.zero(mean)?;
+            dev.zero(variance)?;
+        }
+        let status = loading(|| unsafe {
             if training {
-                // With an averaging factor of 1 the running averages cuDNN updates
-                // are the batch statistics (the variance with Bessel's correction),
-                // once they hold no NaN to carry over.
-                dev.zero(mean)?;
-                dev.zero(variance)?;
                 sys::cudnnBatchNormalizationForwardTraining(
                     handle,
                     bn_mode(layout, x.dtype),
@@ -1194,7 +1196,7 @@ impl Dnn {
                     epsilon,
                 )
             }
-        };
+        });
         check("batch norm", status)
     }
 
@@ -1216,7 +1218,7 @@ impl Dnn {
         let ptr = |t: &DTensor| t.ptr() as *mut c_void;
         Launches::count(&dev.launches.dnn);
         // SAFETY: as in `batch_norm`; no saved statistics (cuDNN computes them again).
-        let status = unsafe {
+        let status = loading(|| unsafe {
             sys::cudnnBatchNormalizationBackward(
                 handle,
                 bn_mode(layout, x.dtype),
@@ -1238,7 +1240,7 @@ impl Dnn {
                 std::ptr::null(),
                 std::ptr::null(),
             )
-        };
+        });
         check("batch norm gradient", status)
     }
 }

@@ -18,7 +18,7 @@ use half::f16;
 use ampgraph_graph::ops::Epilogue;
 use ampgraph_graph::DType;
 
-use super::device::{DTensor, Device, Launches};
+use super::device::{loading, DTensor, Device, Launches};
 
 /// Precision settings of the GEMMs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -388,7 +388,7 @@ impl Gemm {
         let matmul = |plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t| {
             // SAFETY: the caller checked that each operand's buffer holds the matrices
             // the layouts describe; alpha/beta have the scale type; ordered on the stream.
-            unsafe {
+            loading(|| unsafe {
                 lt::matmul(
                     self.handle,
                     plan.desc.0,
@@ -407,7 +407,7 @@ impl Gemm {
                     ws,
                     dev.stream.cu_stream() as sys::cudaStream_t,
                 )
-            }
+            })
             .map_err(err("matmul"))
         };
         if let Some(candidates) = candidates {
