@@ -553,8 +553,8 @@ impl Device {
         loading(|| self.load(key, src, name))
     }
 
-    /// The kernel `name` of the module `key`, loaded now (built from `src()` where the
-    /// module is new).
+    /// [`function`](Self::function)'s first use: the module built and loaded where it
+    /// is new, then the kernel.
     fn load(
         &self,
         key: &str,

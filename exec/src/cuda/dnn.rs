@@ -5,16 +5,17 @@
 //! step is planned ([`available`]), so `Device::auto_for` picks the CPU for it.
 //!
 //! Convolution algorithms are chosen per (direction, shapes, dtype, layout, math, room
-//! for the workspace in the step's plan) the first time a shape runs — PyTorch's `cudnn.benchmark`: cuDNN times every candidate
-//! (`cudnnFind*Algorithm`), the fastest within the workspace limit is kept (of those
-//! within 3% of it, the one with the least workspace; only the deterministic ones with
-//! [`DnnOptions::deterministic`]), in memory and in a file beside the kernel cache, so a
-//! new process does not time them again. The first choice also keeps to the step's
-//! memory plan: an algorithm whose workspace would not fit in the arena's bytes free
-//! while the convolution runs (its headroom), and a quarter of the arena more, is
-//! passed over for the fastest that fits, so a step's peak stays near its plan's (fp32
-//! Winograd and FFT algorithms take hundreds of MiB). Every choice is logged at info level, with any faster algorithm passed over,
-//! and listed by [`Dnn::choices`].
+//! for the workspace in the step's plan) the first time a shape runs — PyTorch's
+//! `cudnn.benchmark`: cuDNN times every candidate (`cudnnFind*Algorithm`), the fastest
+//! within the workspace limit is kept (of those within 3% of it, the one with the least
+//! workspace; only the deterministic ones with [`DnnOptions::deterministic`]), in
+//! memory and in a file beside the kernel cache, so a new process does not time them
+//! again. The choice also keeps to the step's memory plan: an algorithm whose workspace
+//! would not fit in the arena's bytes free while the convolution runs, and a quarter of
+//! the arena more, is passed over for the fastest that fits, so a step's peak stays
+//! near its plan's (fp32 Winograd and FFT algorithms take hundreds of MiB). Every
+//! choice is logged at info level, with any faster algorithm passed over, and listed by
+//! [`Dnn::choices`].
 //!
 //! A call's workspace is its node's scratch in the step's arena where the plan holds
 //! one (from the second step: the executor plans what the first took); else one
