@@ -201,7 +201,8 @@ struct StepMemory {
     arena_bytes: usize,
     /// What a convolution's workspace may take at each node: the arena's bytes not
     /// alive while it runs ([`MemoryPlan::headroom`](memory_plan::MemoryPlan::headroom))
-    /// and `1 / WORKSPACE_MAY_GROW` of the arena more, in the plan without scratch.
+    /// and `1 / WORKSPACE_MAY_GROW` of the arena more, in the step's first plan (no
+    /// scratch yet), carried to the plans after it.
     workspace_room: HashMap<NodeId, usize>,
     /// The largest tensors alive at the plan's peak, for an out-of-memory error.
     largest_at_peak: String,
@@ -226,12 +227,14 @@ struct StepMemory {
 
 impl StepMemory {
     /// The plan of a run of `fetches` from `graph`, every node lowered, with
-    /// `scratch_bytes` of scratch for the nodes that take some; refuses a node no
-    /// kernel takes.
+    /// `scratch_bytes` of scratch for the nodes that take some and the workspace room
+    /// of an earlier plan of the step (`None`: this plan's); refuses a node no kernel
+    /// takes.
     fn new(
         graph: &Graph,
         fetches: &[Port],
         scratch_bytes: HashMap<NodeId, usize>,
+        workspace_room: Option<HashMap<NodeId, usize>>,
     ) -> Result<StepMemory, ExecError> {
         let schedule = Schedule::new(graph, fetches)?;
         let lowered = schedule
@@ -270,21 +273,13 @@ impl StepMemory {
             .copied()
             .collect();
         let plan = memory_plan::plan_outside(graph, fetches, &outside, &scratch_bytes)?;
-        // The room is the plan's without scratch, the same from step to step: it keys
-        // the algorithms chosen.
-        let unscratched = match scratch_bytes.is_empty() {
-            true => None,
-            false => Some(memory_plan::plan_outside(
-                graph,
-                fetches,
-                &outside,
-                &HashMap::new(),
-            )?),
-        };
-        let base = unscratched.as_ref().unwrap_or(&plan);
-        let workspace_room = (base.headroom().into_iter())
-            .map(|(id, free)| (id, free + base.arena_bytes / WORKSPACE_MAY_GROW))
-            .collect();
+        // The room is the first plan's (without scratch), the same from step to step:
+        // it keys the algorithms chosen.
+        let workspace_room = workspace_room.unwrap_or_else(|| {
+            (plan.headroom().into_iter())
+                .map(|(id, free)| (id, free + plan.arena_bytes / WORKSPACE_MAY_GROW))
+                .collect()
+        });
         log::debug!(
             "memory plan: {} tensors in an arena of {} bytes ({} apart)",
             plan.buffers.len(),
@@ -435,7 +430,7 @@ impl CudaExecutor {
         let m = match self.plans.get(&key) {
             Some(m) => m.clone(),
             None => {
-                let m = Arc::new(StepMemory::new(graph, fetches, HashMap::new())?);
+                let m = Arc::new(StepMemory::new(graph, fetches, HashMap::new(), None)?);
                 self.plans.insert(key, m.clone());
                 m
             }
@@ -459,7 +454,8 @@ impl CudaExecutor {
             .map(|(&id, &(_, bytes))| (id, bytes))
             .collect();
         scratch.extend(grown);
-        let m = Arc::new(StepMemory::new(graph, fetches, scratch)?);
+        let room = Some(memory.workspace_room.clone());
+        let m = Arc::new(StepMemory::new(graph, fetches, scratch, room)?);
         self.plans
             .insert(memory_plan::fingerprint(graph, fetches), m.clone());
         self.last_plan = Some((graph.revision(), fetches.to_vec(), m));
