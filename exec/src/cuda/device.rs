@@ -550,44 +550,36 @@ impl Device {
         if let Some(f) = cached {
             return Ok(f);
         }
-        loading(|| self.load(key, src, name))
-    }
-
-    /// [`function`](Self::function)'s first use: the module built and loaded where it
-    /// is new, then the kernel.
-    fn load(
-        &self,
-        key: &str,
-        src: impl FnOnce() -> String,
-        name: &'static str,
-    ) -> Result<Arc<CudaFunction>, String> {
-        let module = {
-            let mut modules = self.modules.lock().map_err(|_| "poisoned")?;
-            match modules.get(key) {
-                Some(m) => m.clone(),
-                None => {
-                    let ptx = self.compile(key, src)?;
-                    let m = self
-                        .ctx
-                        .load_module(ptx)
-                        .map_err(|e| format!("loading kernel module '{key}': {e:?}"))?;
-                    modules.insert(key.to_string(), m.clone());
-                    m
+        // The first use: the module built and loaded where it is new, then the kernel.
+        loading(|| {
+            let module = {
+                let mut modules = self.modules.lock().map_err(|_| "poisoned")?;
+                match modules.get(key) {
+                    Some(m) => m.clone(),
+                    None => {
+                        let ptx = self.compile(key, src)?;
+                        let m = self
+                            .ctx
+                            .load_module(ptx)
+                            .map_err(|e| format!("loading kernel module '{key}': {e:?}"))?;
+                        modules.insert(key.to_string(), m.clone());
+                        m
+                    }
                 }
-            }
-        };
-        let f = Arc::new(
-            module
-                .load_function(name)
-                .map_err(|e| format!("kernel '{name}' of '{key}': {e:?}"))?,
-        );
-        self.functions
-            .lock()
-            .map_err(|_| "poisoned")?
-            .entry(key.to_string())
-            .or_default()
-            .insert(name, f.clone());
-        Ok(f)
+            };
+            let f = Arc::new(
+                module
+                    .load_function(name)
+                    .map_err(|e| format!("kernel '{name}' of '{key}': {e:?}"))?,
+            );
+            self.functions
+                .lock()
+                .map_err(|_| "poisoned")?
+                .entry(key.to_string())
+                .or_default()
+                .insert(name, f.clone());
+            Ok(f)
+        })
     }
 
     fn compile(&self, key: &str, src: impl FnOnce() -> String) -> Result<Ptx, String> {
