@@ -499,7 +499,7 @@ fn plan(
     };
     let pipeline = Pipeline::new(&g, &options, &cuda::pipeline(&options.executor))?;
     let (_, fetches) = pipeline.run_for(&mut g, &fetches)?;
-    let footprint = memory_plan::step_footprint(&g, &fetches)?;
+    let footprint = memory_plan::step_footprint(&g, &fetches, &Default::default())?;
     out.write_all(footprint.report(&g, top).as_bytes())
         .map_err(io_err("<stdout>"))
 }

@@ -1,44 +1,132 @@
 //! `--max-batch-under-mib N`: for each mode and phase, the largest batch whose planned
 //! step fits N MiB, fp32 against AMP. A step's plan is made on the host: the graph of
 //! that batch goes through the passes of a timed run (`prepare`) and
-//! [`step_footprint`] plans it as the CUDA executor would, so no device is needed.
+//! [`step_footprint`] plans it as the CUDA executor would. With `--device cpu` that is
+//! all (no device needed), and the plan leaves out what only a device shows: the
+//! scratch of the nodes (cuDNN's workspaces, by the algorithms autotuning picks) and
+//! the GEMM library's workspace. On the GPU each candidate batch also runs: a fresh
+//! executor takes two steps (the first picks the algorithms and their workspaces, the
+//! second runs with them planned in the arena), and the step is planned again with that
+//! scratch and what the executor held before it; its device pool's high-water mark
+//! over both steps confirms the plan. The host's answer bounds the device's from above
+//! (scratch only adds), so the device search starts there.
 
 use std::collections::hash_map::{Entry, HashMap};
 
 use ampgraph::exec::memory_plan::{mib, step_footprint, StepFootprint};
+use ampgraph::exec::ExecError;
 
-use super::{error_line, phase_name, prepare, py, Args, Config, Mode, Res};
+use super::{
+    error_line, initial_values, json_opt, phase_name, prepare, py, py_opt, step_feeds, Args,
+    Config, DeviceArg, Mode, Res,
+};
 
 /// The search stops doubling here: a budget that holds this batch is an error.
 const MAX_BATCH: usize = 1 << 24;
 
+/// A probe's steps on the device: the first takes the workspaces, the second runs
+/// with them planned.
+const PROBE_STEPS: usize = 2;
+
+/// A batch's step planned: on the host, or with what a device showed.
+pub struct Planned {
+    /// The plan, with the nodes' scratch as the device's step took it (none on the host).
+    pub footprint: StepFootprint,
+    /// What the executor held before the step (the GEMM library's workspace); 0 on
+    /// the host.
+    pub held_bytes: usize,
+    /// The device pool's high-water mark from the executor's start through its steps.
+    pub measured_bytes: Option<usize>,
+}
+
+impl Planned {
+    /// The step's planned peak with what the executor held beside it.
+    pub fn peak_bytes(&self) -> usize {
+        self.footprint.peak_bytes() + self.held_bytes
+    }
+
+    pub fn scratch_bytes(&self) -> usize {
+        let plan = &self.footprint.plan;
+        (plan.buffers.iter().filter(|b| b.scratch))
+            .map(|b| b.bytes)
+            .sum()
+    }
+}
+
 /// The planned device memory of one step of `cfg` at `batch` in `mode` (the forward
-/// pass when `infer`), after the passes a timed run runs.
+/// pass when `infer`), after the passes a timed run runs, made on the host.
 pub fn planned_step(
     args: &Args,
     cfg: &Config,
     mode: Mode,
     infer: bool,
     batch: usize,
-) -> Res<StepFootprint> {
+) -> Res<Planned> {
     let step = prepare(args, &cfg.with_batch(batch), mode, infer)?;
-    Ok(step_footprint(&step.graph, &[step.fetch])?)
+    Ok(Planned {
+        footprint: step_footprint(&step.graph, &[step.fetch], &HashMap::new())?,
+        held_bytes: 0,
+        measured_bytes: None,
+    })
 }
 
-/// The largest batch for which `fits` holds: doubling from 1 until it fails, then
-/// bisecting between the last batch that fit and the first that did not. `fits` must
-/// hold up to some batch and not beyond (a planned peak grows with the batch). None
-/// where batch 1 does not fit.
-pub fn largest_batch(mut fits: impl FnMut(usize) -> Res<bool>) -> Res<Option<usize>> {
-    if !fits(1)? {
-        return Ok(None);
+/// [`planned_step`] run on a fresh executor of `args`' device and planned again with
+/// the scratch its step took; `None` where the device ran out of memory.
+pub fn probed_step(
+    args: &Args,
+    cfg: &Config,
+    mode: Mode,
+    infer: bool,
+    batch: usize,
+) -> Res<Option<Planned>> {
+    let cfg = cfg.with_batch(batch);
+    let step = prepare(args, &cfg, mode, infer)?;
+    let data = cfg.data(args.seed)?;
+    let options = args.session_options(mode);
+    let mut exec =
+        (args.device.device(args.ordinal)).executor(options.executor, &options.kernel_cache)?;
+    let held_bytes = exec.live_bytes().unwrap_or(0);
+    for (name, value) in initial_values(args, &step.graph, &data)? {
+        exec.set_variable(&name, value)?;
     }
-    let (mut lo, mut hi) = (1, 2);
-    while fits(hi)? {
-        if hi >= MAX_BATCH {
-            return Err(format!("batch {hi} still fits; the search stops there").into());
+    let feeds = step_feeds(args, &step.graph, &data);
+    for _ in 0..PROBE_STEPS {
+        match exec.run(&step.graph, &feeds, &[step.fetch]) {
+            Ok(_) => {}
+            Err(ExecError::Memory(_)) => return Ok(None),
+            Err(e) => return Err(e.into()),
         }
-        (lo, hi) = (hi, hi * 2);
+    }
+    let scratch = exec.planned_scratch().unwrap_or_default();
+    Ok(Some(Planned {
+        footprint: step_footprint(&step.graph, &[step.fetch], &scratch)?,
+        held_bytes,
+        measured_bytes: exec.peak_bytes(),
+    }))
+}
+
+/// The largest batch for which `fits` holds, searched from `start`: doubling while it
+/// fits, else halving until it does, then bisecting between the last batch that fit
+/// and the first that did not. `fits` must hold up to some batch and not beyond (a
+/// planned peak grows with the batch). None where batch 1 does not fit.
+pub fn largest_batch(start: usize, mut fits: impl FnMut(usize) -> Res<bool>) -> Res<Option<usize>> {
+    let (mut lo, mut hi);
+    if fits(start.max(1))? {
+        (lo, hi) = (start.max(1), 2 * start.max(1));
+        while fits(hi)? {
+            if hi >= MAX_BATCH {
+                return Err(format!("batch {hi} still fits; the search stops there").into());
+            }
+            (lo, hi) = (hi, hi * 2);
+        }
+    } else {
+        (lo, hi) = (start / 2, start);
+        while lo >= 1 && !fits(lo)? {
+            (lo, hi) = (lo / 2, lo);
+        }
+        if lo == 0 {
+            return Ok(None);
+        }
     }
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
@@ -51,14 +139,16 @@ pub fn largest_batch(mut fits: impl FnMut(usize) -> Res<bool>) -> Res<Option<usi
     Ok(Some(lo))
 }
 
-/// The largest batch that fits, with its plan and the next batch's planned peak.
+/// The largest batch that fits, its plan and the next batch's planned peak (`None`:
+/// the device ran out of memory).
 pub struct Fit {
     pub batch: usize,
-    pub footprint: StepFootprint,
-    pub next_peak_bytes: usize,
+    pub planned: Planned,
+    pub next_peak_bytes: Option<usize>,
 }
 
-/// The largest batch of `cfg` in `mode` whose planned peak is at most `budget` bytes.
+/// The largest batch of `cfg` in `mode` whose planned peak is at most `budget` bytes:
+/// planned on the host, then on `args`' device where it is a GPU.
 pub fn max_batch(
     args: &Args,
     cfg: &Config,
@@ -66,27 +156,75 @@ pub fn max_batch(
     infer: bool,
     budget: usize,
 ) -> Res<Option<Fit>> {
-    // The search plans each batch once; the answer and the batch after it are among them.
-    let mut plans: HashMap<usize, StepFootprint> = HashMap::new();
-    let mut peak = |batch: usize| -> Res<usize> {
+    // A search plans each batch once; the answer and the batch after it are among them.
+    let mut plans: HashMap<usize, Option<Planned>> = HashMap::new();
+    let mut host_peak = |batch: usize| -> Res<Option<usize>> {
         let plan = match plans.entry(batch) {
             Entry::Occupied(known) => known.into_mut(),
-            Entry::Vacant(new) => new.insert(planned_step(args, cfg, mode, infer, batch)?),
+            Entry::Vacant(new) => new.insert(Some(planned_step(args, cfg, mode, infer, batch)?)),
         };
-        Ok(plan.peak_bytes())
+        Ok(plan.as_ref().map(Planned::peak_bytes))
     };
-    let Some(batch) = largest_batch(|batch| Ok(peak(batch)? <= budget))? else {
+    let fits = |peak: Option<usize>| peak.is_some_and(|p| p <= budget);
+    let Some(host_batch) = largest_batch(1, |batch| Ok(fits(host_peak(batch)?)))? else {
         return Ok(None);
     };
-    let next_peak_bytes = peak(batch + 1)?;
-    let footprint = plans
-        .remove(&batch)
-        .ok_or("the search lost its answer's plan")?;
+    if args.device == DeviceArg::Cuda {
+        plans.clear();
+        let mut probe_peak = |batch: usize| -> Res<Option<usize>> {
+            let plan = match plans.entry(batch) {
+                Entry::Occupied(known) => known.into_mut(),
+                Entry::Vacant(new) => {
+                    let probe = probed_step(args, cfg, mode, infer, batch)?;
+                    println!("{}", probe_line(mode, infer, batch, probe.as_ref()));
+                    new.insert(probe)
+                }
+            };
+            Ok(plan.as_ref().map(Planned::peak_bytes))
+        };
+        // Scratch only adds to a plan: no batch beyond the host's fits.
+        let found = largest_batch(host_batch, |batch| {
+            Ok(batch <= host_batch && fits(probe_peak(batch)?))
+        })?;
+        let Some(batch) = found else {
+            return Ok(None);
+        };
+        return fit(batch, probe_peak(batch + 1)?, plans);
+    }
+    let next_peak_bytes = host_peak(host_batch + 1)?;
+    fit(host_batch, next_peak_bytes, plans)
+}
+
+/// `batch`'s fit, its plan taken from the search's.
+fn fit(
+    batch: usize,
+    next_peak_bytes: Option<usize>,
+    mut plans: HashMap<usize, Option<Planned>>,
+) -> Res<Option<Fit>> {
+    let planned = (plans.remove(&batch).flatten()).ok_or("the search lost its answer's plan")?;
     Ok(Some(Fit {
         batch,
-        footprint,
+        planned,
         next_peak_bytes,
     }))
+}
+
+/// One line of the device search: the batch, its plan and measured peak.
+fn probe_line(mode: Mode, infer: bool, batch: usize, probe: Option<&Planned>) -> String {
+    let what = match probe {
+        Some(p) => format!(
+            "planned {} MiB ({} MiB of it scratch), measured {} MiB",
+            py(mib(p.peak_bytes()), 1),
+            py(mib(p.scratch_bytes()), 1),
+            py_opt(p.measured_bytes.map(mib), 1)
+        ),
+        None => "out of device memory".to_string(),
+    };
+    format!(
+        "# {} {} batch {batch}: {what}",
+        mode.name(),
+        phase_name(infer)
+    )
 }
 
 /// Prints, per phase, one line per mode: its largest batch under `budget_mib`, the
@@ -110,6 +248,14 @@ pub fn report(
          arena, every variable (weights, optimizer slots, resident inputs), the 16-bit casts \
          kept, fed inputs and the variables' next values beside it; by doubling, then bisection"
     );
+    if args.device == DeviceArg::Cuda {
+        println!(
+            "# on the GPU: from the host's answer down, each batch run for {PROBE_STEPS} steps \
+             on a fresh executor and planned again with the scratch its step took (cuDNN's \
+             workspaces) and what the executor held before it (the GEMM library's workspace); \
+             measured: the device pool's high-water mark over those steps"
+        );
+    }
     let mut rows = Vec::new();
     for &infer in phases {
         let mut found = Vec::new();
@@ -137,15 +283,18 @@ pub fn report(
             match &fit {
                 None => line += ", \"max_batch\": null",
                 Some(fit) => {
-                    let f = &fit.footprint;
+                    let (p, f) = (&fit.planned, &fit.planned.footprint);
                     line += &format!(
-                        ", \"max_batch\": {}, \"planned_peak_mib\": {}, \"arena_mib\": {}, \"variables_mib\": {}, \"kept_casts_mib\": {}, \"next_batch_peak_mib\": {}",
+                        ", \"max_batch\": {}, \"planned_peak_mib\": {}, \"arena_mib\": {}, \"scratch_mib\": {}, \"held_mib\": {}, \"variables_mib\": {}, \"kept_casts_mib\": {}, \"next_batch_peak_mib\": {}, \"measured_peak_mib\": {}",
                         fit.batch,
-                        py(mib(f.peak_bytes()), 1),
+                        py(mib(p.peak_bytes()), 1),
                         py(mib(f.plan.arena_bytes), 1),
+                        py(mib(p.scratch_bytes()), 1),
+                        py(mib(p.held_bytes), 1),
                         py(mib(f.variable_bytes), 1),
                         py(mib(f.kept_cast_bytes), 1),
-                        py(mib(fit.next_peak_bytes), 1)
+                        json_opt(fit.next_peak_bytes.map(mib), 1),
+                        json_opt(p.measured_bytes.map(mib), 1)
                     );
                 }
             }

@@ -85,9 +85,14 @@
 //! Largest batch (`--max-batch-under-mib N`): for each mode and phase, the largest
 //! batch whose `planned_peak_mib` is at most N MiB, found by doubling the batch from 1
 //! and then bisecting; each candidate's graph is built and goes through the same passes
-//! as a timed run, and is planned on the host (no device, no step run). One JSON line
-//! per mode and phase with the batch, its plan's parts and the next batch's peak, and
-//! for the AMP modes `batch_vs_fp32`, their batch over fp32's; then a table.
+//! as a timed run, and is planned on the host. That plan cannot know cuDNN's
+//! workspaces, which autotuning picks on the device: with `--device cpu` it is the
+//! answer (no device needed); on the GPU the search goes on down from it, each batch
+//! run for two steps on a fresh executor and planned again with the workspaces the
+//! step took and the GEMM library's, the device's measured peak beside the plan
+//! (`fit.rs`). One JSON line per mode and phase with the batch, its plan's parts, the
+//! next batch's peak and the measured peak, and for the AMP modes `batch_vs_fp32`,
+//! their batch over fp32's; then a table.
 //!
 //! The graph goes through the session's [`Pipeline`] (AMP for a marked graph, then the
 //! passes after it) and runs on the executor [`Device::executor`] makes, through the
@@ -279,8 +284,10 @@ struct Args {
     dump: Option<std::path::PathBuf>,
     /// For each mode and phase, find the largest batch whose planned step (the
     /// memory plan's arena, the variables, casts kept and inputs beside it) fits this
-    /// many MiB, after the same passes as a timed run; run no step (no device
-    /// needed). The other sizes are the flags' (the batch's is ignored).
+    /// many MiB, after the same passes as a timed run: with `--device cpu` planned on
+    /// the host alone; on the GPU each candidate also runs two steps and is planned
+    /// with the workspaces they took. The other sizes are the flags' (the batch's is
+    /// ignored).
     #[arg(long, value_name = "MIB")]
     max_batch_under_mib: Option<f64>,
     #[command(flatten)]
@@ -889,6 +896,19 @@ fn prepare(args: &Args, cfg: &Config, mode: Mode, infer: bool) -> Res<Step> {
     })
 }
 
+/// What each step feeds: x and the labels where they are uploaded every step.
+fn step_feeds(args: &Args, graph: &Graph, data: &(Tensor, Tensor)) -> Feeds {
+    let mut feeds = Feeds::new();
+    if args.feeds == FeedMode::Upload {
+        for (name, value) in [(X, &data.0), (LABELS, &data.1)] {
+            if graph.find(name).is_some() {
+                feeds.insert(name.to_string(), value.clone());
+            }
+        }
+    }
+    feeds
+}
+
 /// Every Variable's first value: the data where x and the labels are resident, else
 /// torch's initial values (`--init torch`) or the graph's.
 fn initial_values(
@@ -928,15 +948,8 @@ fn run_one(
         nodes_before,
         records,
     } = prepare(args, cfg, mode, infer)?;
-    let mut feeds = Feeds::new();
-    if args.feeds == FeedMode::Upload {
-        for (name, value) in [(X, &data.0), (LABELS, &data.1)] {
-            if graph.find(name).is_some() {
-                feeds.insert(name.to_string(), value.clone());
-            }
-        }
-    }
-    let footprint = step_footprint(&graph, &[fetch])?;
+    let feeds = step_feeds(args, &graph, data);
+    let footprint = step_footprint(&graph, &[fetch], &Default::default())?;
     let phase = phase_name(infer);
     if let Some(dir) = &args.dump {
         let path = dir.join(format!(
@@ -1089,7 +1102,7 @@ fn bench(args: &Args) -> Res<()> {
         })
         .collect::<Res<Vec<bool>>>()?;
     let device_name = match args.device {
-        _ if args.max_batch_under_mib.is_some() => {
+        DeviceArg::Cpu if args.max_batch_under_mib.is_some() => {
             "no device (memory planned on the host)".to_string()
         }
         _ if args.passes_only => "no device (passes only)".to_string(),

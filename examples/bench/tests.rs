@@ -354,8 +354,8 @@ fn the_search_finds_the_largest_batch_whose_plan_fits() {
             .unwrap();
         assert_eq!(found.batch, 6);
         assert!(peak(found.batch) <= budget && peak(found.batch + 1) > budget);
-        assert_eq!(found.footprint.peak_bytes(), peak(6));
-        assert_eq!(found.next_peak_bytes, peak(7));
+        assert_eq!(found.planned.peak_bytes(), peak(6));
+        assert_eq!(found.next_peak_bytes, Some(peak(7)));
         assert!(fit::max_batch(&args, &cfg, mode, infer, peak(1) - 1)
             .unwrap()
             .is_none());
@@ -365,17 +365,27 @@ fn the_search_finds_the_largest_batch_whose_plan_fits() {
 #[test]
 fn the_search_doubles_then_bisects() {
     let mut asked = Vec::new();
-    let found = fit::largest_batch(|b| {
+    let found = fit::largest_batch(1, |b| {
         asked.push(b);
         Ok(b * b <= 1000)
     });
     assert_eq!(found.unwrap(), Some(31));
     // 1 to 16 fit, 32 does not (1024 > 1000); bisecting 16..32 asks 24, 28, 30, 31.
     assert_eq!(asked, [1, 2, 4, 8, 16, 32, 24, 28, 30, 31]);
-    assert_eq!(fit::largest_batch(|_| Ok(false)).unwrap(), None);
-    assert_eq!(fit::largest_batch(|b| Ok(b == 1)).unwrap(), Some(1));
-    assert!(
-        fit::largest_batch(|_| Ok(true)).is_err(),
-        "an endless fit stops"
-    );
+    // From above (the device's search, from the host's answer): halving, then bisecting.
+    asked.clear();
+    let found = fit::largest_batch(100, |b| {
+        asked.push(b);
+        Ok(b * b <= 1000)
+    });
+    assert_eq!(found.unwrap(), Some(31));
+    assert_eq!(asked, [100, 50, 25, 37, 31, 34, 32]);
+    for start in [1, 7] {
+        assert_eq!(fit::largest_batch(start, |_| Ok(false)).unwrap(), None);
+        assert_eq!(fit::largest_batch(start, |b| Ok(b == 1)).unwrap(), Some(1));
+        assert!(
+            fit::largest_batch(start, |_| Ok(true)).is_err(),
+            "an endless fit stops"
+        );
+    }
 }

@@ -17,7 +17,7 @@ mod schedule;
 
 use std::collections::HashMap;
 
-use ampgraph_graph::{Graph, GraphError, Port, Tensor, TensorType};
+use ampgraph_graph::{Graph, GraphError, NodeId, Port, Tensor, TensorType};
 use thiserror::Error;
 
 pub use cpu::{check_tensor_size, CpuExecutor, DEFAULT_MAX_TENSOR_BYTES};
@@ -153,6 +153,13 @@ pub trait Executor {
 
     /// Starts [`peak_bytes`](Self::peak_bytes) again from what is live now.
     fn reset_peak_bytes(&self) {}
+
+    /// Each node's scratch bytes (kernels' temporaries, cuDNN's workspaces) in the
+    /// plan of the graph last run, where the backend plans them: with
+    /// [`memory_plan::step_footprint`] the step's planned memory as the device runs it.
+    fn planned_scratch(&self) -> Option<HashMap<NodeId, usize>> {
+        None
+    }
 
     /// Work put on the device so far, where the backend counts it: the difference of
     /// two snapshots counts a step's launches.

@@ -20,7 +20,7 @@ use ampgraph_graph::ops::{
     VariableUpdate,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use crate::schedule::Schedule;
 use crate::ExecError;
@@ -101,7 +101,7 @@ pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
 /// no second buffer for its next value.
 pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, NodeId)>, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
-    let position: std::collections::HashMap<NodeId, usize> =
+    let position: HashMap<NodeId, usize> =
         order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     // The last step that reads a node's values, through views; an assignment does
     // not read the variable it writes.
@@ -163,7 +163,7 @@ pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, No
 /// values hold until the variable is written, so an executor may keep them from one
 /// step to the next instead of casting again.
 pub fn constant_casts(graph: &Graph) -> Vec<(Port, String)> {
-    let written: std::collections::HashSet<NodeId> = graph
+    let written: HashSet<NodeId> = graph
         .node_ids()
         .filter(|&id| graph.node(id).op.is::<AssignVariable>())
         .filter_map(|id| graph.inputs(id).first().map(|p| p.node))
@@ -223,8 +223,8 @@ pub fn read_only_through_casts(
     graph: &Graph,
     fetches: &[Port],
     casts: &[(Port, String)],
-) -> std::collections::HashSet<NodeId> {
-    let cast_nodes: std::collections::HashSet<NodeId> = casts.iter().map(|c| c.0.node).collect();
+) -> HashSet<NodeId> {
+    let cast_nodes: HashSet<NodeId> = casts.iter().map(|c| c.0.node).collect();
     casts
         .iter()
         .filter_map(|c| graph.inputs(c.0.node).first().map(|x| x.node))
@@ -249,8 +249,8 @@ pub fn plan(graph: &Graph, fetches: &[Port]) -> Result<MemoryPlan, ExecError> {
 pub fn plan_outside(
     graph: &Graph,
     fetches: &[Port],
-    outside: &std::collections::HashSet<Port>,
-    scratch: &std::collections::HashMap<NodeId, usize>,
+    outside: &HashSet<Port>,
+    scratch: &HashMap<NodeId, usize>,
 ) -> Result<MemoryPlan, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
     let end = order.len();
@@ -258,7 +258,7 @@ pub fn plan_outside(
     let root = |p: Port| root(graph, p);
     let assigned = assigned_values(graph, &order);
     let mut buffers: Vec<PlannedBuffer> = Vec::new();
-    let mut slot_of: std::collections::HashMap<Port, usize> = Default::default();
+    let mut slot_of: HashMap<Port, usize> = Default::default();
     for (i, &id) in order.iter().enumerate() {
         let node = graph.node(id);
         if let Some(&bytes) = scratch.get(&id).filter(|&&b| b > 0) {
@@ -368,9 +368,10 @@ pub fn kept_casts(graph: &Graph) -> HashSet<Port> {
 }
 
 /// A step's device memory, planned on the host: the arena of the tensors it computes
-/// and what lives beside it. Each part is rounded up to [`ALIGNMENT`] per tensor. Not
-/// counted: the nodes' scratch (kernels' temporaries, cuDNN's workspaces: the CUDA
-/// executor plans them after a step has shown them), the GEMM library's workspace,
+/// and what lives beside it. Each part is rounded up to [`ALIGNMENT`] per tensor. The
+/// nodes' scratch (kernels' temporaries, cuDNN's workspaces) is in the arena where it
+/// is given (the CUDA executor knows it after a step: [`Executor::planned_scratch`]
+/// (crate::Executor::planned_scratch)). Not counted: the GEMM library's workspace,
 /// kernels' code, the CUDA context.
 #[derive(Clone, Debug, Default)]
 pub struct StepFootprint {
@@ -386,8 +387,15 @@ pub struct StepFootprint {
     pub constant_bytes: usize,
     /// The casts kept from one step to the next ([`kept_casts`] but the updates' cast
     /// outputs): the 16-bit copies of the weights an AMP step keeps. The first step
-    /// holds them beside their variables' f32 copies, so both count.
+    /// holds them beside their variables' f32 copies, so both count, but for
+    /// `cast_only_bytes`.
     pub kept_cast_bytes: usize,
+    /// The variables among `variable_bytes` that only casts no step changes read
+    /// ([`read_only_through_casts`]): an inference graph's weights, a resident input.
+    /// The CUDA executor makes those casts before it takes the arena and then drops
+    /// the variables' device copies (their host copies are current where they were
+    /// set from the host), so they are not held beside the arena.
+    pub cast_only_bytes: usize,
     /// New values made outside the arena during the step, alive beside the values
     /// they replace until it ends: variables' next values that optimizer updates do
     /// not write in place ([`in_place_updates`]), the updates' cast outputs.
@@ -395,14 +403,15 @@ pub struct StepFootprint {
 }
 
 impl StepFootprint {
-    /// The step's planned peak: the arena and everything beside it.
+    /// The step's planned peak: the arena and everything beside it, or, where more,
+    /// what is held before the arena (every variable and the casts kept).
     pub fn peak_bytes(&self) -> usize {
-        self.plan.arena_bytes
-            + self.variable_bytes
+        let with_arena = self.plan.arena_bytes + self.variable_bytes - self.cast_only_bytes
             + self.fed_bytes
             + self.constant_bytes
             + self.kept_cast_bytes
-            + self.written_bytes
+            + self.written_bytes;
+        with_arena.max(self.variable_bytes + self.kept_cast_bytes)
     }
 
     /// A report of the plan: the peak and its parts, the lower bound, the peak step
@@ -426,6 +435,10 @@ impl StepFootprint {
             format!("fed: {}", amount(self.fed_bytes)),
             format!("constants: {}", amount(self.constant_bytes)),
             format!("kept casts: {}", amount(self.kept_cast_bytes)),
+            format!(
+                "variables read only through them, dropped before the arena: {}",
+                amount(self.cast_only_bytes)
+            ),
             format!(
                 "written beside the old values: {}",
                 amount(self.written_bytes)
@@ -476,11 +489,16 @@ fn aligned(bytes: usize) -> usize {
 }
 
 /// The device memory of the step that computes `fetches`, planned on the host as the
-/// CUDA executor plans it (the arena with the kept casts outside), with what lives
-/// beside the arena.
-pub fn step_footprint(graph: &Graph, fetches: &[Port]) -> Result<StepFootprint, ExecError> {
+/// CUDA executor plans it (the arena with the kept casts outside and each node's
+/// `scratch` bytes in it; none before a step has shown them), with what lives beside
+/// the arena.
+pub fn step_footprint(
+    graph: &Graph,
+    fetches: &[Port],
+    scratch: &HashMap<NodeId, usize>,
+) -> Result<StepFootprint, ExecError> {
     let kept = kept_casts(graph);
-    let plan = plan_outside(graph, fetches, &kept, &Default::default())?;
+    let plan = plan_outside(graph, fetches, &kept, scratch)?;
     let order = Schedule::new(graph, fetches)?.order;
     let bytes = |p: &Port| aligned(graph.ty(*p).size_bytes());
     let mut footprint = StepFootprint {
@@ -502,6 +520,12 @@ pub fn step_footprint(graph: &Graph, fetches: &[Port]) -> Result<StepFootprint, 
         }
     }
     let in_step: HashSet<NodeId> = order.iter().copied().collect();
+    let casts = constant_casts(graph);
+    footprint.cast_only_bytes = read_only_through_casts(graph, fetches, &casts)
+        .into_iter()
+        .filter(|id| in_step.contains(id))
+        .map(|id| bytes(&id.into()))
+        .sum();
     let cast_outputs: HashSet<Port> = update_casts(graph)
         .into_iter()
         .map(|(_, _, next)| next)
@@ -595,14 +619,14 @@ fn summarise(buffers: Vec<PlannedBuffer>, steps: usize) -> MemoryPlan {
 
 impl MemoryPlan {
     /// Each planned tensor's offset in the arena.
-    pub fn offsets(&self) -> std::collections::HashMap<Port, usize> {
+    pub fn offsets(&self) -> HashMap<Port, usize> {
         (self.buffers.iter().filter(|b| !b.scratch))
             .map(|b| (b.port, b.offset))
             .collect()
     }
 
     /// Each node's scratch in the arena: its offset and bytes.
-    pub fn scratch(&self) -> std::collections::HashMap<NodeId, (usize, usize)> {
+    pub fn scratch(&self) -> HashMap<NodeId, (usize, usize)> {
         (self.buffers.iter().filter(|b| b.scratch))
             .map(|b| (b.port.node, (b.offset, b.bytes)))
             .collect()
@@ -610,7 +634,7 @@ impl MemoryPlan {
 
     /// For each node writing a planned tensor, the arena's bytes not alive during its
     /// step: what its scratch (a cuDNN workspace) may take without raising the peak.
-    pub fn headroom(&self) -> std::collections::HashMap<NodeId, usize> {
+    pub fn headroom(&self) -> HashMap<NodeId, usize> {
         let steps = self.buffers.iter().map(|b| b.last + 1).max().unwrap_or(0);
         let alive = alive_per_step(&self.buffers, steps);
         (self.buffers.iter().filter(|b| !b.scratch))
@@ -993,7 +1017,7 @@ mod tests {
         // is a Const.
         for (late_reader, written) in [(false, 0), (true, 1024)] {
             let (g, fetches) = update(late_reader);
-            let f = step_footprint(&g, &fetches).unwrap();
+            let f = step_footprint(&g, &fetches, &Default::default()).unwrap();
             assert_eq!((f.variables, f.variable_bytes), (1, 1024));
             assert_eq!((f.fed_bytes, f.kept_cast_bytes), (0, 0));
             assert_eq!(f.constant_bytes, ALIGNMENT);
@@ -1007,21 +1031,34 @@ mod tests {
         let w16 = g.add(Cast { to: DType::F16 }, &[w.into()]).unwrap();
         let x16 = g.add(Cast { to: DType::F16 }, &[x]).unwrap();
         let y = g.mul(x16, w16).unwrap();
-        let f = step_footprint(&g, &[y]).unwrap();
+        let f = step_footprint(&g, &[y], &Default::default()).unwrap();
         assert_eq!(kept_casts(&g), [w16].into_iter().collect());
         assert_eq!((f.fed_bytes, f.variable_bytes), (1024, 1024));
         assert_eq!(f.kept_cast_bytes, 512);
         assert!(!f.plan.buffers.iter().any(|b| b.port == w16));
         assert_eq!(f.plan.arena_bytes, 2 * 512, "x16 and y");
-        assert_eq!(f.peak_bytes(), 1024 + 1024 + 512 + 2 * 512);
+        // w, read only through its kept cast, is dropped before the arena.
+        assert_eq!(f.cast_only_bytes, 1024);
+        assert_eq!(f.peak_bytes(), 1024 + 512 + 2 * 512);
         let report = f.report(&g, 5);
         for field in [
-            "planned peak: 3584 bytes",
+            "planned peak: 2560 bytes",
             "kept casts: 512 bytes",
+            "dropped before the arena: 1024 bytes",
             "  mul (",
         ] {
             assert!(report.contains(field), "{field} in {report}");
         }
+        // A large weight and a small step: the peak is before the arena, the weight
+        // beside its cast.
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, vec![4096]);
+        let w = g.add_node("w", Box::new(Variable::new(ty)), &[]).unwrap();
+        let w16 = g.add(Cast { to: DType::F16 }, &[w.into()]).unwrap();
+        let y = relu(&mut g, w16);
+        let f = step_footprint(&g, &[y], &Default::default()).unwrap();
+        assert_eq!(f.plan.arena_bytes, 8192);
+        assert_eq!(f.peak_bytes(), 16384 + 8192);
     }
 
     #[test]

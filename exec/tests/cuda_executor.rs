@@ -1,11 +1,12 @@
 //! What the CUDA executor keeps between steps: casts of weights no step writes (and
-//! which copies of such a weight stay on the device), the casts optimizer updates
+//! which copies of such a weight stay on the device, from the first step's arena on), the casts optimizer updates
 //! write with their variable, the scratch of convolutions planned in the arena (their
 //! workspaces within the plan's peak), and convolutions replayed from captured graphs.
 //! Skips (printing why) without CUDA.
 
 mod common;
 
+use ampgraph_exec::cuda::CudaExecutor;
 use ampgraph_exec::{memory_plan, CpuExecutor, ExecError, Executor, Feeds};
 use ampgraph_graph::ops::{
     AssignVariable, BatchMatMul, Cast, Const, Conv2DBackpropFilter, DataFormat, OptimizerUpdate,
@@ -88,6 +89,43 @@ fn weights_read_only_through_casts_leave_the_device() {
     assert!(
         max_rel_diff(&changed[0], &first[0]) > 0.5,
         "the new weights were used"
+    );
+}
+
+/// The first step of an inference graph casts the weights only casts read before it
+/// takes its arena, and drops their f32 copies there: the 16 MiB f32 weight is never
+/// held beside the step's 24 MiB of tensors, and the step's measured peak is the
+/// host's plan, which counts it so.
+#[test]
+fn a_first_step_drops_weights_read_only_through_casts_before_its_arena() {
+    let Some(mut gpu) = gpu() else { return };
+    let n = 4 << 20;
+    let mut g = Graph::new();
+    let ty = TensorType::new(DType::F32, vec![n]);
+    let w = g.add_node("w", Box::new(Variable::new(ty)), &[]).unwrap();
+    let w16 = g.add(Cast { to: DType::F16 }, &[w.into()]).unwrap();
+    let relu = |g: &mut Graph, x| g.add(Unary::new(UnaryKind::Relu), &[x]).unwrap();
+    let y1 = relu(&mut g, w16);
+    let y2 = relu(&mut g, y1);
+    let y3 = relu(&mut g, y2);
+    let fetches = [y1, y2, y3];
+    let plan = memory_plan::step_footprint(&g, &fetches, &Default::default()).unwrap();
+    let (f32_bytes, f16_bytes) = (n * 4, n * 2);
+    assert_eq!(plan.cast_only_bytes, f32_bytes);
+    assert!(plan.peak_bytes() < plan.plan.arena_bytes + f32_bytes + f16_bytes);
+    let value = Tensor::from_f64(DType::F32, vec![n], &Gen(11).vec(n, -1.0, 1.0)).unwrap();
+    let mut cpu = CpuExecutor::new();
+    cpu.variables.insert("w".into(), value.clone());
+    let held = gpu.live_bytes();
+    gpu.set_variable("w", value).unwrap();
+    gpu.reset_peak_bytes();
+    let got = gpu.run(&g, &Feeds::new(), &fetches).unwrap();
+    assert_eq!(got, cpu.run(&g, &Feeds::new(), &fetches).unwrap());
+    let step_peak = gpu.peak_bytes() - held;
+    assert!(
+        step_peak <= plan.peak_bytes(),
+        "the first step's measured peak {step_peak} bytes, planned {}",
+        plan.peak_bytes()
     );
 }
 
@@ -206,18 +244,15 @@ fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
     let (g, [y, df]) = (&conv.graph, conv.outputs);
     let feeds = conv.feeds(&mut Gen(5));
     let expected = CpuExecutor::new().run(g, &feeds, &[y, df]).unwrap();
-    assert_eq!(gpu.planned_scratch_bytes(), 0);
+    let scratch_bytes = |gpu: &CudaExecutor| gpu.planned_scratch().values().sum::<usize>();
+    assert_eq!(scratch_bytes(&gpu), 0);
     let first = gpu.run(g, &feeds, &[y, df]).unwrap();
     let filters = 2 * 3 * 3 * 32 * 32 * 2;
-    assert!(
-        gpu.planned_scratch_bytes() >= filters,
-        "{} bytes of scratch planned",
-        gpu.planned_scratch_bytes()
-    );
+    let planned = scratch_bytes(&gpu);
+    assert!(planned >= filters, "{planned} bytes of scratch planned");
     assert_eq!(gpu.shared_conv_workspace_bytes(), 0);
-    let planned = gpu.planned_scratch_bytes();
     let second = gpu.run(g, &feeds, &[y, df]).unwrap();
-    assert_eq!(gpu.planned_scratch_bytes(), planned, "no step takes more");
+    assert_eq!(scratch_bytes(&gpu), planned, "no step takes more");
     for (k, want) in expected.iter().enumerate() {
         assert!(max_rel_diff(&first[k], want) < 2e-2, "output {k}");
         assert!(max_rel_diff(&second[k], want) < 2e-2, "output {k}");
@@ -296,7 +331,12 @@ fn convolution_workspaces_keep_to_the_steps_planned_peak() {
     gpu.reset_peak_bytes();
     let got = gpu.run(&g, &feeds, &[y2]).unwrap();
     assert!(max_rel_diff(&got[0], &expected[0]) < 1e-4);
-    let planned = memory_plan::step_footprint(&g, &[y2]).unwrap().peak_bytes();
+    let planned = memory_plan::step_footprint(&g, &[y2], &Default::default())
+        .unwrap()
+        .peak_bytes();
+    let with_scratch = memory_plan::step_footprint(&g, &[y2], &gpu.planned_scratch())
+        .unwrap()
+        .peak_bytes();
     let small_workspace = 16 << 20;
     let choices: Vec<String> = gpu
         .conv_algorithms()
@@ -307,6 +347,12 @@ fn convolution_workspaces_keep_to_the_steps_planned_peak() {
     assert!(
         step_peak <= planned + small_workspace,
         "the step's measured peak {step_peak} bytes, planned {planned}; {choices:?}"
+    );
+    // Planned with the workspaces the step took, the plan is the measured peak.
+    assert!(
+        step_peak <= with_scratch && with_scratch - step_peak < 1 << 20,
+        "the step's measured peak {step_peak} bytes, planned with its scratch \
+         {with_scratch}; {choices:?}"
     );
 }
 

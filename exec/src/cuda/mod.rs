@@ -30,7 +30,7 @@ mod kernels;
 mod pipeline;
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 
 use ampgraph_graph::tensor::ShapeDisplay;
@@ -187,8 +187,13 @@ const WORKSPACE_MAY_GROW: usize = 4;
 /// once per graph and fetches: the host work before a step's first launch is time the
 /// GPU waits).
 struct StepMemory {
-    /// The nodes the step runs, in order, with their values' reads.
+    /// The nodes the step runs, in order, with their values' reads: first the
+    /// variables only casts read (`cast_only`) with those casts, before the arena is
+    /// taken, so a first step drops such a variable's copy before its tensors arrive.
     schedule: Schedule,
+    /// How many nodes of the order run before the arena: the `cast_only` variables
+    /// and their casts.
+    before_arena: usize,
     /// Each of those nodes lowered, in the same order.
     lowered: Vec<Lowered>,
     /// The Variable each AssignVariable among them writes, by position.
@@ -236,7 +241,20 @@ impl StepMemory {
         scratch_bytes: HashMap<NodeId, usize>,
         workspace_room: Option<HashMap<NodeId, usize>>,
     ) -> Result<StepMemory, ExecError> {
-        let schedule = Schedule::new(graph, fetches)?;
+        let mut schedule = Schedule::new(graph, fetches)?;
+        let casts = memory_plan::constant_casts(graph);
+        let cast_only_vars = memory_plan::read_only_through_casts(graph, fetches, &casts);
+        // Neither those variables nor their casts are in the arena: running them first
+        // moves no arena tensor's place in the order the plan counts steps by.
+        let their_casts: HashSet<NodeId> = (casts.iter())
+            .filter(|(_, var)| (cast_only_vars.iter()).any(|&v| graph.node(v).name == *var))
+            .map(|(cast, _)| cast.node)
+            .collect();
+        let (mut order, rest): (Vec<NodeId>, Vec<NodeId>) = (schedule.order.iter())
+            .partition(|id| cast_only_vars.contains(id) || their_casts.contains(id));
+        let before_arena = order.len();
+        order.extend(rest);
+        schedule.order = order;
         let lowered = schedule
             .order
             .iter()
@@ -248,9 +266,8 @@ impl StepMemory {
                 assigns.insert(id, var);
             }
         }
-        let casts = memory_plan::constant_casts(graph);
         let mut cast_only: HashMap<NodeId, Vec<(String, DType)>> = HashMap::new();
-        for var in memory_plan::read_only_through_casts(graph, fetches, &casts) {
+        for var in cast_only_vars {
             let name = &graph.node(var).name;
             let keys = casts
                 .iter()
@@ -292,6 +309,7 @@ impl StepMemory {
             .collect();
         Ok(StepMemory {
             schedule,
+            before_arena,
             lowered,
             assigns,
             offsets: plan.offsets(),
@@ -536,11 +554,13 @@ impl CudaExecutor {
         self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)
     }
 
-    /// Bytes of the last step's plan that are nodes' scratch (kernels' temporaries,
+    /// Each node's scratch bytes in the last step's plan (kernels' temporaries,
     /// cuDNN's workspaces): planned from the scratch the nodes took in a step before.
-    pub fn planned_scratch_bytes(&self) -> usize {
+    pub fn planned_scratch(&self) -> HashMap<NodeId, usize> {
         let plan = self.last_plan.as_ref().map(|(_, _, m)| m);
-        plan.map_or(0, |m| m.scratch.values().map(|&(_, bytes)| bytes).sum())
+        (plan.iter().flat_map(|m| &m.scratch))
+            .map(|(&id, &(_, bytes))| (id, bytes))
+            .collect()
     }
 
     /// Bytes of the cuDNN workspace shared outside the plan: a convolution's until the
@@ -779,6 +799,10 @@ impl Executor for CudaExecutor {
         CudaExecutor::reset_peak_bytes(self)
     }
 
+    fn planned_scratch(&self) -> Option<HashMap<NodeId, usize>> {
+        Some(CudaExecutor::planned_scratch(self))
+    }
+
     fn launches(&self) -> Option<LaunchCounts> {
         Some(CudaExecutor::launches(self))
     }
@@ -816,14 +840,7 @@ impl CudaExecutor {
         let memory = self.step_memory(graph, fetches)?;
         let mut schedule = memory.schedule.clone();
         let order = std::mem::take(&mut schedule.order);
-        // Before any launch: a step whose tensors do not fit fails at once.
-        let arena = self.arena(memory.arena_bytes).map_err(|e| {
-            ExecError::Memory(format!(
-                "the step's tensors need an arena of {:.1} MiB on the device ({e}); the largest alive at once: {}",
-                memory_plan::mib(memory.arena_bytes),
-                memory.largest_at_peak
-            ))
-        })?;
+        let mut arena = None;
         let mut values: HashMap<NodeId, Vec<DTensor>> = HashMap::new();
         let mut writes: Vec<(String, DTensor)> = Vec::new();
         // Casts optimizer updates wrote of their new values, by variable.
@@ -831,7 +848,18 @@ impl CudaExecutor {
         let mut timed = Vec::new();
         // Nodes that took more scratch than the plan holds for them.
         let mut grown: HashMap<NodeId, usize> = HashMap::new();
-        for (&id, lowered) in order.iter().zip(&memory.lowered) {
+        for (position, (&id, lowered)) in order.iter().zip(&memory.lowered).enumerate() {
+            if position == memory.before_arena {
+                // Before any launch but the casts of variables only they read: a step
+                // whose tensors do not fit fails at once.
+                arena = self.arena(memory.arena_bytes).map_err(|e| {
+                    ExecError::Memory(format!(
+                        "the step's tensors need an arena of {:.1} MiB on the device ({e}); the largest alive at once: {}",
+                        memory_plan::mib(memory.arena_bytes),
+                        memory.largest_at_peak
+                    ))
+                })?;
+            }
             let node = graph.node(id);
             let op = node.op.name();
             for ty in node.outputs() {
@@ -944,6 +972,8 @@ impl CudaExecutor {
             check_outputs(node, outputs.iter().map(|t| t.ty()))?;
             if let Some(key) = keep {
                 self.cast_cache.insert(key, outputs[0].clone());
+                let var = graph.inputs(id)[0].node;
+                self.drop_cast_only_copy(&memory, graph, feeds, var);
             }
             if let Some(variable) = memory.assigns.get(&id) {
                 writes.push((variable.clone(), outputs[0].clone()));
@@ -1013,8 +1043,7 @@ impl CudaExecutor {
         writes: Vec<(String, DTensor)>,
         written_casts: Vec<(String, DTensor)>,
     ) {
-        let written: std::collections::HashSet<String> =
-            writes.iter().map(|(name, _)| name.clone()).collect();
+        let written: HashSet<String> = writes.iter().map(|(name, _)| name.clone()).collect();
         for (name, value) in writes {
             self.cast_cache.retain(|(var, _), _| *var != name);
             self.variables.insert(
@@ -1033,14 +1062,27 @@ impl CudaExecutor {
             }
         }
         for &var in memory.cast_only.keys() {
-            let name = &graph.node(var).name;
-            if feeds.contains_key(name) || !self.casts_kept(memory, var) {
-                continue;
-            }
-            if let Some(slot) = self.variables.get_mut(name) {
-                if slot.host.get().is_some() {
-                    slot.device = None;
-                }
+            self.drop_cast_only_copy(memory, graph, feeds, var);
+        }
+    }
+
+    /// Drops the device copy of `var` if only casts read it, every one of them is
+    /// kept, it was not fed, and its host copy is current: the step and the next
+    /// read the casts (the pool frees the copy after its last read in this step).
+    fn drop_cast_only_copy(
+        &mut self,
+        memory: &StepMemory,
+        graph: &Graph,
+        feeds: &Feeds,
+        var: NodeId,
+    ) {
+        let name = &graph.node(var).name;
+        if feeds.contains_key(name) || !self.casts_kept(memory, var) {
+            return;
+        }
+        if let Some(slot) = self.variables.get_mut(name) {
+            if slot.host.get().is_some() {
+                slot.device = None;
             }
         }
     }
