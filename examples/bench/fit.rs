@@ -8,8 +8,10 @@
 //! executor takes two steps (the first picks the algorithms and their workspaces, the
 //! second runs with them planned in the arena), and the step is planned again with that
 //! scratch and what the executor held before it; its device pool's high-water mark
-//! over both steps confirms the plan. The host's answer bounds the device's from above
-//! (scratch only adds), so the device search starts there.
+//! over the second step confirms the plan (the first also holds the algorithm
+//! search's workspace, up to `--conv-workspace-limit-mib` (1 GiB by default), and
+//! is reported beside it). The host's answer bounds the device's from above (scratch
+//! only adds), so the device search starts there.
 
 use std::collections::hash_map::{Entry, HashMap};
 
@@ -35,8 +37,14 @@ pub struct Planned {
     /// What the executor held before the step (the GEMM library's workspace); 0 on
     /// the host.
     pub held_bytes: usize,
-    /// The device pool's high-water mark from the executor's start through its steps.
+    /// The device pool's high-water mark over a step after the first, where the
+    /// executor runs it as planned (as `torch.cuda.max_memory_allocated` after a
+    /// warm-up).
     pub measured_bytes: Option<usize>,
+    /// The high-water mark from the executor's start through its first step, which
+    /// also holds the algorithm search's workspace (up to its limit) and the shared
+    /// workspace the step's convolutions take before they are planned.
+    pub first_step_bytes: Option<usize>,
 }
 
 impl Planned {
@@ -67,6 +75,7 @@ pub fn planned_step(
         footprint: step_footprint(&step.graph, &[step.fetch], &HashMap::new())?,
         held_bytes: 0,
         measured_bytes: None,
+        first_step_bytes: None,
     })
 }
 
@@ -90,18 +99,22 @@ pub fn probed_step(
         exec.set_variable(&name, value)?;
     }
     let feeds = step_feeds(args, &step.graph, &data);
+    let mut peaks = Vec::new();
     for _ in 0..PROBE_STEPS {
         match exec.run(&step.graph, &feeds, &[step.fetch]) {
             Ok(_) => {}
             Err(ExecError::Memory(_)) => return Ok(None),
             Err(e) => return Err(e.into()),
         }
+        peaks.push(exec.peak_bytes());
+        exec.reset_peak_bytes();
     }
     let scratch = exec.planned_scratch().unwrap_or_default();
     Ok(Some(Planned {
         footprint: step_footprint(&step.graph, &[step.fetch], &scratch)?,
         held_bytes,
-        measured_bytes: exec.peak_bytes(),
+        measured_bytes: peaks[PROBE_STEPS - 1],
+        first_step_bytes: peaks[0],
     }))
 }
 
@@ -213,10 +226,11 @@ fn fit(
 fn probe_line(mode: Mode, infer: bool, batch: usize, probe: Option<&Planned>) -> String {
     let what = match probe {
         Some(p) => format!(
-            "planned {} MiB ({} MiB of it scratch), measured {} MiB",
+            "planned {} MiB ({} MiB of it scratch), measured {} MiB ({} MiB in the first step)",
             py(mib(p.peak_bytes()), 1),
             py(mib(p.scratch_bytes()), 1),
-            py_opt(p.measured_bytes.map(mib), 1)
+            py_opt(p.measured_bytes.map(mib), 1),
+            py_opt(p.first_step_bytes.map(mib), 1)
         ),
         None => "out of device memory".to_string(),
     };
@@ -253,7 +267,8 @@ pub fn report(
             "# on the GPU: from the host's answer down, each batch run for {PROBE_STEPS} steps \
              on a fresh executor and planned again with the scratch its step took (cuDNN's \
              workspaces) and what the executor held before it (the GEMM library's workspace); \
-             measured: the device pool's high-water mark over those steps"
+             measured: the device pool's high-water mark over the second step (the first \
+             also holds the algorithm search's workspace, up to its limit)"
         );
     }
     let mut rows = Vec::new();
@@ -285,7 +300,7 @@ pub fn report(
                 Some(fit) => {
                     let (p, f) = (&fit.planned, &fit.planned.footprint);
                     line += &format!(
-                        ", \"max_batch\": {}, \"planned_peak_mib\": {}, \"arena_mib\": {}, \"scratch_mib\": {}, \"held_mib\": {}, \"variables_mib\": {}, \"kept_casts_mib\": {}, \"next_batch_peak_mib\": {}, \"measured_peak_mib\": {}",
+                        ", \"max_batch\": {}, \"planned_peak_mib\": {}, \"arena_mib\": {}, \"scratch_mib\": {}, \"held_mib\": {}, \"variables_mib\": {}, \"kept_casts_mib\": {}, \"next_batch_peak_mib\": {}, \"measured_peak_mib\": {}, \"first_step_peak_mib\": {}",
                         fit.batch,
                         py(mib(p.peak_bytes()), 1),
                         py(mib(f.plan.arena_bytes), 1),
@@ -294,7 +309,8 @@ pub fn report(
                         py(mib(f.variable_bytes), 1),
                         py(mib(f.kept_cast_bytes), 1),
                         json_opt(fit.next_peak_bytes.map(mib), 1),
-                        json_opt(p.measured_bytes.map(mib), 1)
+                        json_opt(p.measured_bytes.map(mib), 1),
+                        json_opt(p.first_step_bytes.map(mib), 1)
                     );
                 }
             }
