@@ -22,7 +22,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use ampgraph::cli::DeviceArg;
-use ampgraph::exec::data::Mnist;
+use ampgraph::data::{Dataset, Mnist};
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{DataFormat, Init, Padding, Variable};

@@ -1,10 +1,12 @@
 //! ampgraph: automatic mixed precision for dataflow graphs.
 //!
 //! The workspace is layered as the architecture: [`graph`] (what a model is),
-//! [`passes`] (how it is rewritten), [`exec`] (how it runs). This crate re-exports
-//! them and hosts the `ampgraph` command line.
+//! [`passes`] (how it is rewritten), [`exec`] (how it runs), [`data`] (how examples
+//! get in). This crate re-exports them and hosts the `ampgraph` command line.
 
 // Inlined, so that `cargo doc -p ampgraph` documents the whole library in one place.
+#[doc(inline)]
+pub use ampgraph_data as data;
 #[doc(inline)]
 pub use ampgraph_exec as exec;
 #[doc(inline)]

@@ -254,7 +254,7 @@ fn product_error(dtype: DType, (m, k, n): (usize, usize, usize), options: ExecOp
         let mut state = salt;
         let values: Vec<f64> = (0..rows * cols)
             .map(|_| {
-                let bits = ampgraph::exec::rng::step(&mut state) >> 11;
+                let bits = ampgraph::graph::rng::step(&mut state) >> 11;
                 2.0 * bits as f64 / (1u64 << 53) as f64 - 1.0
             })
             .collect();

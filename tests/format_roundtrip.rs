@@ -12,7 +12,7 @@ struct Rng(u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        ampgraph::exec::rng::step(&mut self.0)
+        ampgraph::graph::rng::step(&mut self.0)
     }
 
     /// Uniform in `0..n` (n > 0).

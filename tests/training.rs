@@ -1,8 +1,8 @@
 //! Training: dynamic loss scaling in the graph, optimizers, checkpoints, inference
 //! sessions, and a short MNIST run with and without AMP.
 
+use ampgraph::data::{Dataset, Mnist};
 use ampgraph::exec::cuda::PIPELINE as CUDA_PIPELINE;
-use ampgraph::exec::data::Mnist;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{

@@ -5,7 +5,7 @@
 use ampgraph_graph::ops::{Init, Variable};
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
-use crate::rng::SplitMix64;
+use ampgraph_graph::rng::SplitMix64;
 
 /// FNV-1a of the name, so the stream depends on the name and not on graph position.
 fn name_hash(name: &str) -> u64 {

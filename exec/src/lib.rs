@@ -7,12 +7,10 @@
 
 mod cpu;
 pub mod cuda;
-pub mod data;
 pub mod feeds;
 pub mod gradcheck;
 pub mod host_memory;
 pub mod memory_plan;
-pub mod rng;
 mod schedule;
 
 use std::collections::HashMap;

@@ -16,6 +16,7 @@ pub mod kernel;
 pub mod nn;
 pub mod op;
 pub mod ops;
+pub mod rng;
 pub mod shape;
 pub mod tensor;
 

@@ -19,7 +19,7 @@ pub struct Rng(pub u64);
 
 impl Rng {
     pub fn next(&mut self) -> u64 {
-        ampgraph::exec::rng::step(&mut self.0)
+        ampgraph::graph::rng::step(&mut self.0)
     }
 
     pub fn below(&mut self, n: usize) -> usize {

@@ -35,7 +35,7 @@ pub struct Gen(pub u64);
 
 impl Gen {
     pub fn next_u64(&mut self) -> u64 {
-        ampgraph_exec::rng::step(&mut self.0)
+        ampgraph_graph::rng::step(&mut self.0)
     }
     pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
         let u = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;

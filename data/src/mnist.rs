@@ -1,250 +1,18 @@
-//! Data for the examples: the MNIST idx files (plain or gzip) and a synthetic
-//! MNIST-shaped data set for running with no files at all.
-//!
-//! Reading never trusts the file: magic numbers, dimensions and lengths are checked,
-//! every problem is a [`DataError`] naming the file, and no buffer is ever larger than
-//! the data the file really holds (a header claiming more than the file can contain
-//! is refused before anything is allocated).
-//!
-//! ```no_run
-//! use ampgraph_exec::data::Mnist;
-//! # fn main() -> Result<(), ampgraph_exec::data::DataError> {
-//! let data = Mnist::load("../shared/data/mnist")?;
-//! for indices in data.batches(128, 0) {
-//!     let (images, labels) = data.batch(&indices)?; // f32 [128, 784], i64 [128]
-//! #   let _ = (images, labels);
-//! }
-//! # Ok(()) }
-//! ```
+//! MNIST-format image sets: the idx files of MNIST or Fashion-MNIST (images of any
+//! size the file declares, one byte a pixel, labels in 0..10), and a synthetic set
+//! of the same shape for running with no files at all.
 
-use std::fs::File;
-use std::io::{self, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+use ampgraph_graph::rng::SplitMix64;
 use ampgraph_graph::{Data, Tensor};
-use flate2::bufread::MultiGzDecoder;
-use thiserror::Error;
 
-use crate::rng::SplitMix64;
+use crate::idx::{display, load_idx_images, load_idx_labels};
+use crate::loader::shuffled;
+use crate::{DataError, Dataset, Example, Result};
 
-/// Magic number of an idx file of unsigned bytes with 3 dimensions (images).
-pub const IMAGES_MAGIC: u32 = 0x0000_0803;
-/// Magic number of an idx file of unsigned bytes with 1 dimension (labels).
-pub const LABELS_MAGIC: u32 = 0x0000_0801;
 /// Classes of MNIST (and of [`Mnist::synthetic`]).
 pub const NUM_CLASSES: usize = 10;
-
-/// The largest expansion of DEFLATE (about 1032:1), with room for the gzip framing:
-/// a gzip file of `n` bytes cannot decompress to more than this many times `n`.
-const MAX_GZIP_RATIO: u64 = 1032;
-
-#[derive(Debug, Error)]
-pub enum DataError {
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: io::Error,
-    },
-    #[error("{path}: not a valid gzip stream: {source}")]
-    Gzip {
-        path: String,
-        #[source]
-        source: io::Error,
-    },
-    #[error("{path}: truncated: {what}")]
-    Truncated { path: String, what: String },
-    #[error("{path}: bad magic number {found:#010x}, expected {expected:#010x} (idx {kind})")]
-    BadMagic {
-        path: String,
-        found: u32,
-        expected: u32,
-        kind: &'static str,
-    },
-    #[error("{path}: bad dimensions: {what}")]
-    BadDims { path: String, what: String },
-    #[error("{path}: count mismatch: {what}")]
-    CountMismatch { path: String, what: String },
-    #[error("{path}: label {label} at index {index} is not a class in 0..{NUM_CLASSES}")]
-    BadLabel {
-        path: String,
-        index: usize,
-        label: u8,
-    },
-    #[error("{dir}: no MNIST files found (looked for {looked})")]
-    NotFound { dir: String, looked: String },
-    #[error("example {index} is out of range for a data set of {len}")]
-    Index { index: usize, len: usize },
-    #[error("{0}")]
-    Invalid(String),
-}
-
-pub type Result<T, E = DataError> = std::result::Result<T, E>;
-
-/// Reads an idx3 image file (`.gz` or plain, told apart by the gzip magic `1f 8b`):
-/// returns `(rows, cols, pixels)` with `pixels.len() = count * rows * cols`.
-pub fn load_idx_images(path: impl AsRef<Path>) -> Result<(usize, usize, Vec<u8>)> {
-    let (dims, pixels) = read_idx(path.as_ref(), IMAGES_MAGIC, "images")?;
-    match dims[..] {
-        [_, rows, cols] => Ok((rows, cols, pixels)),
-        _ => Err(DataError::BadDims {
-            path: display(path.as_ref()),
-            what: format!("{} dimensions, expected 3", dims.len()),
-        }),
-    }
-}
-
-/// Reads an idx1 label file (`.gz` or plain): one byte per example.
-pub fn load_idx_labels(path: impl AsRef<Path>) -> Result<Vec<u8>> {
-    Ok(read_idx(path.as_ref(), LABELS_MAGIC, "labels")?.1)
-}
-
-fn display(path: &Path) -> String {
-    path.display().to_string()
-}
-
-/// Reads an idx file whose magic must be `magic` (which also fixes the number of
-/// dimensions): returns the dimensions and the data.
-fn read_idx(path: &Path, magic: u32, kind: &'static str) -> Result<(Vec<usize>, Vec<u8>)> {
-    let name = display(path);
-    let io_err = |source: io::Error| DataError::Io {
-        path: name.clone(),
-        source,
-    };
-    let mut file = File::open(path).map_err(io_err)?;
-    let file_len = file.metadata().map_err(io_err)?.len();
-    let gzip = is_gzip(&mut file).map_err(io_err)?;
-    // The most data the file can hold once decompressed.
-    let capacity = if gzip {
-        file_len.saturating_mul(MAX_GZIP_RATIO)
-    } else {
-        file_len
-    };
-    let buffered = BufReader::new(file);
-    let mut reader: Box<dyn Read> = if gzip {
-        Box::new(MultiGzDecoder::new(buffered))
-    } else {
-        Box::new(buffered)
-    };
-    let read_err = |e: io::Error, what: &str| match e.kind() {
-        io::ErrorKind::UnexpectedEof => DataError::Truncated {
-            path: name.clone(),
-            what: what.to_string(),
-        },
-        _ if gzip => DataError::Gzip {
-            path: name.clone(),
-            source: e,
-        },
-        _ => DataError::Io {
-            path: name.clone(),
-            source: e,
-        },
-    };
-
-    let ndims = (magic & 0xff) as usize;
-    let header_len = 4 + 4 * ndims as u64;
-    let mut header = vec![0u8; header_len as usize];
-    reader
-        .read_exact(&mut header[..4])
-        .map_err(|e| read_err(e, "the file ends inside the header"))?;
-    let found = be_u32(&header[..4]);
-    if found != magic {
-        return Err(DataError::BadMagic {
-            path: name,
-            found,
-            expected: magic,
-            kind,
-        });
-    }
-    reader
-        .read_exact(&mut header[4..])
-        .map_err(|e| read_err(e, "the file ends inside the header"))?;
-    let dims: Vec<usize> = header[4..]
-        .chunks_exact(4)
-        .map(|c| be_u32(c) as usize)
-        .collect();
-    if dims.iter().skip(1).any(|&d| d == 0) {
-        return Err(DataError::BadDims {
-            path: name,
-            what: format!("an item has a zero dimension ({dims:?})"),
-        });
-    }
-    let bytes = dims
-        .iter()
-        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-    let Some(bytes) = bytes.filter(|&b| b <= capacity.saturating_sub(header_len)) else {
-        return Err(DataError::Truncated {
-            path: name,
-            what: format!(
-                "the header declares {kind} of dimensions {dims:?}, more than the {file_len}-byte \
-                 file {}",
-                if gzip { "can decompress to" } else { "holds" }
-            ),
-        });
-    };
-    // Reserve no more than the file's size: a gzip file's buffer grows only with the
-    // data it really decompresses to (and never past the declared size).
-    let reserve = usize::try_from(bytes.min(file_len)).unwrap_or(0);
-    let mut data = Vec::with_capacity(reserve);
-    (&mut reader)
-        .take(bytes)
-        .read_to_end(&mut data)
-        .map_err(|e| read_err(e, "the data stream ends early"))?;
-    if (data.len() as u64) < bytes {
-        return Err(DataError::Truncated {
-            path: name,
-            what: format!(
-                "the header declares {kind} of dimensions {dims:?} ({bytes} bytes) but the file \
-                 holds {} bytes of data",
-                data.len()
-            ),
-        });
-    }
-    // Reading to the end also checks the gzip CRC.
-    let mut extra = [0u8; 4096];
-    let mut trailing = 0u64;
-    loop {
-        match reader.read(&mut extra) {
-            Ok(0) => break,
-            Ok(k) => trailing += k as u64,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(read_err(e, "the gzip stream ends early")),
-        }
-        if trailing > 0 {
-            break;
-        }
-    }
-    if trailing > 0 {
-        return Err(DataError::CountMismatch {
-            path: name,
-            what: format!(
-                "the header declares {kind} of dimensions {dims:?} ({bytes} bytes) but more data \
-                 follows"
-            ),
-        });
-    }
-    Ok((dims, data))
-}
-
-fn be_u32(b: &[u8]) -> u32 {
-    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
-}
-
-/// Whether the file starts with the gzip magic; leaves the file at its start.
-fn is_gzip(file: &mut File) -> io::Result<bool> {
-    let mut magic = [0u8; 2];
-    let mut got = 0;
-    while got < 2 {
-        match file.read(&mut magic[got..]) {
-            Ok(0) => break,
-            Ok(k) => got += k,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    file.seek(SeekFrom::Start(0))?;
-    Ok(got == 2 && magic == [0x1f, 0x8b])
-}
 
 /// Which MNIST files [`Mnist::load_split`] reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -265,12 +33,14 @@ impl Split {
 }
 
 /// Images (`rows x cols` bytes each) with a class label in `0..10` each.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Mnist {
-    rows: usize,
-    cols: usize,
+    /// `[1, rows, cols]`.
+    shape: [usize; 3],
     images: Vec<u8>,
     labels: Vec<u8>,
+    /// The images' file, or what made them.
+    source: String,
 }
 
 impl Mnist {
@@ -293,10 +63,10 @@ impl Mnist {
             )));
         }
         Ok(Mnist {
-            rows,
-            cols,
+            shape: [1, rows, cols],
             images,
             labels,
+            source: format!("{rows}x{cols} images in memory"),
         })
     }
 
@@ -358,7 +128,9 @@ impl Mnist {
                 label: labels_vec[index],
             });
         }
-        Mnist::new(rows, cols, pixels, labels_vec)
+        let mut set = Mnist::new(rows, cols, pixels, labels_vec)?;
+        set.source = display(&images);
+        Ok(set)
     }
 
     /// `n` deterministic 28x28 examples of 10 classes (`i % 10` for example `i`, so
@@ -376,32 +148,24 @@ impl Mnist {
             labels.push(class as u8);
         }
         Mnist {
-            rows: SIDE,
-            cols: SIDE,
+            shape: [1, SIDE, SIDE],
             images,
             labels,
+            source: format!("{n} synthetic digits (seed {seed})"),
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.labels.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
-    }
-
     pub fn rows(&self) -> usize {
-        self.rows
+        self.shape[1]
     }
 
     pub fn cols(&self) -> usize {
-        self.cols
+        self.shape[2]
     }
 
     /// Pixels per image (784 for MNIST).
     pub fn image_size(&self) -> usize {
-        self.rows * self.cols
+        self.rows() * self.cols()
     }
 
     /// All pixels, image after image, row-major.
@@ -471,11 +235,50 @@ impl Mnist {
         let start = start.min(end);
         let size = self.image_size();
         Mnist {
-            rows: self.rows,
-            cols: self.cols,
+            shape: self.shape,
             images: self.images[start * size..end * size].to_vec(),
             labels: self.labels[start..end].to_vec(),
+            source: format!("{} [{start}..{end}]", self.source),
         }
+    }
+}
+
+/// The same images and labels, wherever they came from.
+impl PartialEq for Mnist {
+    fn eq(&self, other: &Mnist) -> bool {
+        (self.shape, &self.images, &self.labels) == (other.shape, &other.images, &other.labels)
+    }
+}
+
+impl Dataset for Mnist {
+    fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn classes(&self) -> usize {
+        NUM_CLASSES
+    }
+
+    /// The pixels scaled to `[0, 1]` (as torchvision's `ToTensor`) and the label.
+    fn get(&self, index: usize) -> Result<Example> {
+        let (Some(image), Some(label)) = (self.image(index), self.label(index)) else {
+            return Err(DataError::Index {
+                index,
+                len: self.len(),
+            });
+        };
+        Ok(Example {
+            values: image.iter().map(|&p| f32::from(p) / 255.0).collect(),
+            label: i64::from(label),
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.source.clone()
     }
 }
 
@@ -485,17 +288,6 @@ fn find_file(dir: &Path, name: &str, alt: &str) -> Option<PathBuf> {
         .iter()
         .flat_map(|n| [dir.join(n), dir.join(format!("{n}.gz"))])
         .find(|p| p.is_file())
-}
-
-/// `0..n` shuffled deterministically by `seed`.
-pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..n).collect();
-    let mut rng = SplitMix64::new(seed);
-    for i in (1..n).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
-        v.swap(i, j);
-    }
-    v
 }
 
 /// Seven-segment strokes on a 28x28 canvas: corners of a 12x18 box centred at (14, 14).

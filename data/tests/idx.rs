@@ -5,7 +5,8 @@ use std::fs;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use ampgraph_exec::data::{load_idx_images, load_idx_labels, DataError, Mnist, Split};
+use ampgraph_data::idx::{load_idx_images, load_idx_labels};
+use ampgraph_data::{DataError, Dataset, Mnist, Split};
 use ampgraph_graph::{DType, Data};
 use flate2::read::GzDecoder;
 use flate2::write::GzEncoder;

@@ -1,0 +1,70 @@
+//! What can go wrong reading data: every error names the file (and the example where
+//! one is at fault), in one line.
+
+use std::io;
+
+use thiserror::Error;
+
+use crate::mnist::NUM_CLASSES;
+
+#[derive(Debug, Error)]
+pub enum DataError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: not a valid gzip stream: {source}")]
+    Gzip {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: truncated: {what}")]
+    Truncated { path: String, what: String },
+    #[error("{path}: bad magic number {found:#010x}, expected {expected:#010x} (idx {kind})")]
+    BadMagic {
+        path: String,
+        found: u32,
+        expected: u32,
+        kind: &'static str,
+    },
+    #[error("{path}: bad dimensions: {what}")]
+    BadDims { path: String, what: String },
+    #[error("{path}: count mismatch: {what}")]
+    CountMismatch { path: String, what: String },
+    #[error("{path}: label {label} at index {index} is not a class in 0..{NUM_CLASSES}")]
+    BadLabel {
+        path: String,
+        index: usize,
+        label: u8,
+    },
+    #[error("{dir}: no MNIST files found (looked for {looked})")]
+    NotFound { dir: String, looked: String },
+    #[error("example {index} is out of range for a data set of {len}")]
+    Index { index: usize, len: usize },
+    #[error("{path}: cannot decode the image: {msg}")]
+    Decode { path: String, msg: String },
+    #[error(
+        "{path}: {found:?} (channels, height, width), but the data set's images are {expected:?}"
+    )]
+    ImageShape {
+        path: String,
+        found: [usize; 3],
+        expected: [usize; 3],
+    },
+    #[error("{dir}: the class folder holds no images (PNG or JPEG)")]
+    EmptyClass { dir: String },
+    #[error("{what}: example {index}: {source}")]
+    Example {
+        what: String,
+        index: usize,
+        #[source]
+        source: Box<DataError>,
+    },
+    #[error("a loader worker failed making batch {batch}: {msg}")]
+    Worker { batch: usize, msg: String },
+    #[error("{0}")]
+    Invalid(String),
+}
