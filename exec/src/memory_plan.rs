@@ -370,9 +370,9 @@ pub fn kept_casts(graph: &Graph) -> HashSet<Port> {
 /// A step's device memory, planned on the host: the arena of the tensors it computes
 /// and what lives beside it. Each part is rounded up to [`ALIGNMENT`] per tensor. The
 /// nodes' scratch (kernels' temporaries, cuDNN's workspaces) is in the arena where it
-/// is given (the CUDA executor knows it after a step: [`Executor::planned_scratch`]
-/// (crate::Executor::planned_scratch)). Not counted: the GEMM library's workspace,
-/// kernels' code, the CUDA context.
+/// is given (the CUDA executor knows it after a step:
+/// [`Executor::planned_scratch`](crate::Executor::planned_scratch)). Not counted: the
+/// GEMM library's workspace, kernels' code, the CUDA context.
 #[derive(Clone, Debug, Default)]
 pub struct StepFootprint {
     /// The arena, with the kept casts outside it (as the CUDA executor plans it).
