@@ -169,51 +169,45 @@ pub fn max_batch(
     infer: bool,
     budget: usize,
 ) -> Res<Option<Fit>> {
-    // A search plans each batch once; the answer and the batch after it are among them.
-    let mut plans: HashMap<usize, Option<Planned>> = HashMap::new();
-    let mut host_peak = |batch: usize| -> Res<Option<usize>> {
-        let plan = match plans.entry(batch) {
-            Entry::Occupied(known) => known.into_mut(),
-            Entry::Vacant(new) => new.insert(Some(planned_step(args, cfg, mode, infer, batch)?)),
-        };
-        Ok(plan.as_ref().map(Planned::peak_bytes))
+    let host = search(1, usize::MAX, budget, |batch| {
+        Ok(Some(planned_step(args, cfg, mode, infer, batch)?))
+    })?;
+    let (DeviceArg::Cuda, Some(host)) = (args.device, &host) else {
+        return Ok(host);
     };
-    let fits = |peak: Option<usize>| peak.is_some_and(|p| p <= budget);
-    let Some(host_batch) = largest_batch(1, |batch| Ok(fits(host_peak(batch)?)))? else {
-        return Ok(None);
-    };
-    if args.device == DeviceArg::Cuda {
-        plans.clear();
-        let mut probe_peak = |batch: usize| -> Res<Option<usize>> {
-            let plan = match plans.entry(batch) {
-                Entry::Occupied(known) => known.into_mut(),
-                Entry::Vacant(new) => {
-                    let probe = probed_step(args, cfg, mode, infer, batch)?;
-                    println!("{}", probe_line(mode, infer, batch, probe.as_ref()));
-                    new.insert(probe)
-                }
-            };
-            Ok(plan.as_ref().map(Planned::peak_bytes))
-        };
-        // Scratch only adds to a plan: no batch beyond the host's fits.
-        let found = largest_batch(host_batch, |batch| {
-            Ok(batch <= host_batch && fits(probe_peak(batch)?))
-        })?;
-        let Some(batch) = found else {
-            return Ok(None);
-        };
-        return fit(batch, probe_peak(batch + 1)?, plans);
-    }
-    let next_peak_bytes = host_peak(host_batch + 1)?;
-    fit(host_batch, next_peak_bytes, plans)
+    // Scratch only adds to a plan: no batch beyond the host's fits.
+    search(host.batch, host.batch, budget, |batch| {
+        let probe = probed_step(args, cfg, mode, infer, batch)?;
+        println!("{}", probe_line(mode, infer, batch, probe.as_ref()));
+        Ok(probe)
+    })
 }
 
-/// `batch`'s fit, its plan taken from the search's.
-fn fit(
-    batch: usize,
-    next_peak_bytes: Option<usize>,
-    mut plans: HashMap<usize, Option<Planned>>,
+/// The largest batch, from `start` up to `most`, whose plan (by `plan`, `None`: out
+/// of memory) peaks within `budget`, with the next batch's peak. Each batch is
+/// planned once; the answer and the batch after it are among them.
+fn search(
+    start: usize,
+    most: usize,
+    budget: usize,
+    mut plan: impl FnMut(usize) -> Res<Option<Planned>>,
 ) -> Res<Option<Fit>> {
+    let mut plans: HashMap<usize, Option<Planned>> = HashMap::new();
+    let mut peak = |batch: usize| -> Res<Option<usize>> {
+        let planned = match plans.entry(batch) {
+            Entry::Occupied(known) => known.into_mut(),
+            Entry::Vacant(new) => new.insert(plan(batch)?),
+        };
+        Ok(planned.as_ref().map(Planned::peak_bytes))
+    };
+    // Beyond `most` nothing is planned.
+    let found = largest_batch(start, |batch| {
+        Ok(batch <= most && peak(batch)?.is_some_and(|p| p <= budget))
+    })?;
+    let Some(batch) = found else {
+        return Ok(None);
+    };
+    let next_peak_bytes = peak(batch + 1)?;
     let planned = (plans.remove(&batch).flatten()).ok_or("the search lost its answer's plan")?;
     Ok(Some(Fit {
         batch,
