@@ -478,7 +478,7 @@ fn timings(direction: Direction, results: &[Perf]) -> String {
     each.join("; ")
 }
 
-/// Each result as `ALGO math status S [non-]deterministic N KiB`, for errors.
+/// Each result as `ALGO status S [non-]deterministic N KiB`, for errors.
 fn describe(direction: Direction, results: &[Perf]) -> String {
     let each: Vec<String> = results
         .iter()

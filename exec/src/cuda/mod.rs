@@ -246,9 +246,12 @@ impl StepMemory {
         let cast_only_vars = memory_plan::read_only_through_casts(graph, fetches, &casts);
         // Neither those variables nor their casts are in the arena: running them first
         // moves no arena tensor's place in the order the plan counts steps by.
+        let reads_cast_only = |id: &NodeId| {
+            (graph.inputs(*id).first()).is_some_and(|x| cast_only_vars.contains(&x.node))
+        };
         let their_casts: HashSet<NodeId> = (casts.iter())
-            .filter(|(_, var)| (cast_only_vars.iter()).any(|&v| graph.node(v).name == *var))
             .map(|(cast, _)| cast.node)
+            .filter(reads_cast_only)
             .collect();
         let (mut order, rest): (Vec<NodeId>, Vec<NodeId>) = (schedule.order.iter())
             .partition(|id| cast_only_vars.contains(id) || their_casts.contains(id));
