@@ -135,25 +135,18 @@ impl Dataset for ImageFolder {
             });
         }
         let [c, h, w] = found;
+        // The decoded pixels as stored, `c` channels interleaved, 8 or 16 bits each.
         let sixteen_bit = usize::from(image.color().bytes_per_pixel()) == 2 * c;
+        let bytes = image.into_bytes();
         let interleaved: Vec<f32> = match sixteen_bit {
-            true => (image.into_rgba16().into_raw().into_iter())
-                .map(|v| f32::from(v) / 65535.0)
+            true => (bytes.chunks_exact(2))
+                .map(|b| f32::from(u16::from_ne_bytes([b[0], b[1]])) / 65535.0)
                 .collect(),
-            false => (image.into_rgba8().into_raw().into_iter())
-                .map(|v| f32::from(v) / 255.0)
-                .collect(),
-        };
-        // RGBA in memory: keep the image's own channels (luma is R = G = B).
-        let channels: &[usize] = match c {
-            1 => &[0],
-            2 => &[0, 3],
-            3 => &[0, 1, 2],
-            _ => &[0, 1, 2, 3],
+            false => bytes.iter().map(|&v| f32::from(v) / 255.0).collect(),
         };
         let mut values = Vec::with_capacity(c * h * w);
-        for &k in channels {
-            values.extend(interleaved.iter().skip(k).step_by(4));
+        for k in 0..c {
+            values.extend(interleaved.iter().skip(k).step_by(c));
         }
         Ok(Example {
             values,

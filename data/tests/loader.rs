@@ -275,3 +275,23 @@ fn an_image_folder_decodes_planar_channels_and_refuses_bad_files() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn an_image_folder_reads_grey_and_16_bit_images_in_their_own_channels() {
+    let root = scratch("grey");
+    std::fs::create_dir(root.join("only")).unwrap();
+    // 2x1 grey at 16 bits: 0 and 65535; beside it nothing else.
+    let img = image::ImageBuffer::<image::Luma<u16>, _>::from_raw(2, 1, vec![0u16, 65535]).unwrap();
+    img.save(root.join("only/g.png")).unwrap();
+    let set = ImageFolder::open(&root).unwrap();
+    assert_eq!(set.shape(), [1, 1, 2]);
+    assert_eq!(set.get(0).unwrap().values, [0.0, 1.0]);
+    // 8-bit grey with alpha: two planes.
+    let img = image::GrayAlphaImage::from_raw(2, 1, vec![51, 255, 102, 0]).unwrap();
+    std::fs::remove_file(root.join("only/g.png")).unwrap();
+    img.save(root.join("only/a.png")).unwrap();
+    let set = ImageFolder::open(&root).unwrap();
+    assert_eq!(set.shape(), [2, 1, 2]);
+    assert_eq!(set.get(0).unwrap().values, [0.2, 0.4, 1.0, 0.0]);
+    let _ = std::fs::remove_dir_all(&root);
+}
