@@ -20,6 +20,8 @@ pub use ampgraph_graph::{DType, Graph, GraphError, Port, Tensor, TensorType};
 pub mod cli;
 pub mod optim;
 pub mod session;
+pub mod train;
 
 pub use optim::enable_mixed_precision_graph_rewrite;
 pub use session::{Device, RestoreOptions, Session, SessionOptions};
+pub use train::{Position, TrainOptions, Trainer};

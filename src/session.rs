@@ -12,7 +12,7 @@ use ampgraph_exec::cuda::{self, CudaOptions};
 use ampgraph_exec::feeds::initial_value;
 use ampgraph_exec::{
     check_tensor_size, CpuExecutor, CudaExecutor, ExecError, ExecOptions, Executor, Feeds,
-    KernelCache, DEFAULT_MAX_TENSOR_BYTES,
+    KernelCache, Overlapped, Staged, DEFAULT_MAX_TENSOR_BYTES,
 };
 use ampgraph_graph::format::write_atomic_keeping_previous;
 use ampgraph_graph::ops::Variable;
@@ -372,6 +372,20 @@ impl Session {
         self.step(fetches, |e, graph, ports| e.run_timed(graph, feeds, ports))
     }
 
+    /// A step on `current` while `next` goes to the device
+    /// ([`Executor::run_overlapped`]: page-locked buffers, a copy stream and events on
+    /// CUDA), to be given to the next call.
+    pub fn run_overlapped(
+        &mut self,
+        fetches: &[Port],
+        current: Staged,
+        next: Option<Feeds>,
+    ) -> Result<Overlapped, SessionError> {
+        self.step(fetches, |e, graph, ports| {
+            e.run_overlapped(graph, current, ports, next)
+        })
+    }
+
     /// Runs `run` on the graph a run of `fetches` executes (made on first use) and the
     /// ports to fetch from it.
     fn step<T>(
@@ -413,6 +427,20 @@ impl Session {
             .into());
         }
         Ok(self.executor.set_variable(name, value)?)
+    }
+
+    /// Gives each of this session's variables the value `other` holds under its name
+    /// (the same model's weights from a training session into an evaluation one);
+    /// returns how many were copied. Variables `other` lacks keep their values.
+    pub fn copy_variables_from(&mut self, other: &Session) -> Result<usize, SessionError> {
+        let mut copied = 0;
+        for name in self.executor.variable_names() {
+            if let Some(value) = other.executor.try_variable(&name)? {
+                self.set_variable(&name, value)?;
+                copied += 1;
+            }
+        }
+        Ok(copied)
     }
 
     /// Writes every variable (weights, optimizer slots, loss-scale state) to `path`

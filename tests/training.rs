@@ -1,7 +1,9 @@
 //! Training: dynamic loss scaling in the graph, optimizers, checkpoints, inference
 //! sessions, and a short MNIST run with and without AMP.
 
-use ampgraph::data::{Dataset, Mnist};
+use std::sync::Arc;
+
+use ampgraph::data::{Dataset, Loader, LoaderOptions, Mnist};
 use ampgraph::exec::cuda::PIPELINE as CUDA_PIPELINE;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
@@ -16,6 +18,7 @@ use ampgraph::optim::{
 };
 use ampgraph::passes::registry::SIMPLIFY_PIPELINE;
 use ampgraph::session::SessionError;
+use ampgraph::train::{Position, TrainOptions, Trainer};
 use ampgraph::{Device, Session, SessionOptions};
 use common::identical;
 
@@ -632,24 +635,32 @@ fn optimizers_follow_their_update_rules() {
 }
 
 /// The acceptance run of the MNIST issue, shortened: 3 epochs on the first 4000 real
-/// images, evaluated on the last 1000; AMP is within a point of fp32.
+/// images, evaluated on the last 1000; AMP is within a point of fp32. Fed by the
+/// loader and the trainer, as the example is.
 #[test]
 fn mnist_amp_matches_fp32() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/mnist");
     let all = Mnist::load(&dir).unwrap();
-    let train = all.slice(0, 4000);
-    let eval = all.slice(all.len() - 1000, all.len());
-    let accuracy = |amp: bool| -> f64 {
-        let build = |batch: usize| {
-            let mut g = Graph::new();
-            let x = g.placeholder("x", DType::F32, [batch, 784]).unwrap();
-            let y = g.placeholder("labels", DType::I64, [batch]).unwrap();
-            let h = nn::dense(&mut g, x, 256, Some(Activation::Gelu)).unwrap();
-            let logits = nn::dense(&mut g, h, 10, None).unwrap();
-            g.set_outputs(vec![logits]).unwrap();
-            (g, y, logits)
+    let loader = |set: Mnist, batch_size: usize, shuffle: bool| {
+        let options = LoaderOptions {
+            batch_size,
+            shuffle,
+            drop_last: shuffle,
+            ..LoaderOptions::default()
         };
-        let (mut g, y, logits) = build(100);
+        Loader::new(Arc::new(set), options).unwrap()
+    };
+    let train = loader(all.slice(0, 4000), 100, true);
+    let eval = loader(all.slice(all.len() - 1000, all.len()), 100, false);
+    let accuracy = |amp: bool| -> f64 {
+        let mut g = Graph::new();
+        let images = g
+            .placeholder("images", DType::F32, [100, 1, 28, 28])
+            .unwrap();
+        let y = g.placeholder("labels", DType::I64, [100]).unwrap();
+        let x = g.reshape(images, [100, 784]).unwrap();
+        let h = nn::dense(&mut g, x, 256, Some(Activation::Gelu)).unwrap();
+        let logits = nn::dense(&mut g, h, 10, None).unwrap();
         let loss = g.softmax_cross_entropy(logits, y).unwrap();
         let opt = Sgd::momentum(0.05, 0.9);
         let step = if amp {
@@ -659,39 +670,12 @@ fn mnist_amp_matches_fp32() {
         }
         .unwrap();
         let mut s = Session::new(g, Device::Cpu).unwrap();
-        for epoch in 0..3 {
-            for idx in train.batches(100, epoch) {
-                let (x, l) = train.batch(&idx).unwrap();
-                s.run(
-                    &[step.step],
-                    &Feeds::from([("x".into(), x), ("labels".into(), l)]),
-                )
-                .unwrap();
-            }
+        let mut trainer = Trainer::new(&mut s, step, images, y, TrainOptions::default()).unwrap();
+        let mut at = Position::START;
+        while at.epoch <= 3 {
+            at = trainer.epoch(&train, at).unwrap().next;
         }
-        let idx: Vec<usize> = (0..100).collect();
-        let mut correct = 0;
-        for chunk in 0..10 {
-            let ids: Vec<usize> = idx.iter().map(|i| i + chunk * 100).collect();
-            let (x, _) = eval.batch(&ids).unwrap();
-            let out = s
-                .run(
-                    &[logits],
-                    &Feeds::from([
-                        ("x".into(), x),
-                        (
-                            "labels".into(),
-                            Tensor::from_f64(DType::I64, vec![100], &[0.0; 100]).unwrap(),
-                        ),
-                    ]),
-                )
-                .unwrap();
-            for (row, &i) in out[0].to_f64_vec().chunks(10).zip(&ids) {
-                let p = (0..10).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap();
-                correct += usize::from(Some(p as u8) == eval.label(i));
-            }
-        }
-        correct as f64 / 10.0
+        100.0 * ampgraph::train::accuracy(&mut s, logits, images, &eval).unwrap()
     };
     let (fp32, amp) = (accuracy(false), accuracy(true));
     println!("eval accuracy: fp32 {fp32:.1}%, AMP {amp:.1}%");

@@ -372,3 +372,18 @@ impl Drop for Epoch {
         self.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shuffle_is_a_permutation_fixed_by_its_seed() {
+        let mut v = shuffled(1000, 3);
+        assert_eq!(v, shuffled(1000, 3));
+        assert_ne!(v, shuffled(1000, 4));
+        assert_ne!(v, (0..1000).collect::<Vec<_>>());
+        v.sort_unstable();
+        assert_eq!(v, (0..1000).collect::<Vec<_>>());
+    }
+}

@@ -5,10 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use ampgraph_graph::rng::SplitMix64;
-use ampgraph_graph::{Data, Tensor};
 
 use crate::idx::{display, load_idx_images, load_idx_labels};
-use crate::loader::shuffled;
 use crate::{DataError, Dataset, Example, Result};
 
 /// Classes of MNIST (and of [`Mnist::synthetic`]).
@@ -188,46 +186,6 @@ impl Mnist {
         self.labels.get(i).copied()
     }
 
-    /// The examples at `indices`: images as f32 `[B, rows*cols]` scaled to `[0, 1]`
-    /// and labels as i64 `[B]`.
-    pub fn batch(&self, indices: &[usize]) -> Result<(Tensor, Tensor)> {
-        let size = self.image_size();
-        let mut pixels = Vec::with_capacity(indices.len().saturating_mul(size));
-        let mut labels = Vec::with_capacity(indices.len());
-        for &i in indices {
-            let (Some(image), Some(label)) = (self.image(i), self.label(i)) else {
-                return Err(DataError::Index {
-                    index: i,
-                    len: self.len(),
-                });
-            };
-            pixels.extend(image.iter().map(|&p| f32::from(p) / 255.0));
-            labels.push(i64::from(label));
-        }
-        let b = indices.len();
-        let images = Tensor::new([b, size], Data::F32(pixels)).map_err(DataError::Invalid)?;
-        let labels = Tensor::new([b], Data::I64(labels)).map_err(DataError::Invalid)?;
-        Ok((images, labels))
-    }
-
-    /// `0..len` in an order fixed by `seed` (Fisher-Yates on SplitMix64).
-    pub fn shuffled_indices(&self, seed: u64) -> Vec<usize> {
-        shuffled(self.len(), seed)
-    }
-
-    /// One epoch's batches of `batch_size` indices in the order of
-    /// [`Mnist::shuffled_indices`]; a last partial batch is dropped, since graph
-    /// placeholders have a fixed batch size. Empty when `batch_size` is 0.
-    pub fn batches(&self, batch_size: usize, seed: u64) -> Vec<Vec<usize>> {
-        if batch_size == 0 {
-            return Vec::new();
-        }
-        self.shuffled_indices(seed)
-            .chunks_exact(batch_size)
-            .map(<[usize]>::to_vec)
-            .collect()
-    }
-
     /// The examples `start..end` (clamped to the set) as a new set, e.g. to hold out
     /// a validation split.
     pub fn slice(&self, start: usize, end: usize) -> Mnist {
@@ -378,13 +336,5 @@ mod tests {
     fn digits_are_distinct() {
         let set: std::collections::HashSet<u8> = DIGITS.iter().copied().collect();
         assert_eq!(set.len(), NUM_CLASSES);
-    }
-
-    #[test]
-    fn shuffle_is_a_permutation() {
-        let mut v = shuffled(1000, 3);
-        assert_ne!(v, (0..1000).collect::<Vec<_>>());
-        v.sort_unstable();
-        assert_eq!(v, (0..1000).collect::<Vec<_>>());
     }
 }

@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 
 use ampgraph_data::idx::{load_idx_images, load_idx_labels};
 use ampgraph_data::{DataError, Dataset, Mnist, Split};
-use ampgraph_graph::{DType, Data};
 use flate2::read::GzDecoder;
 use flate2::write::GzEncoder;
 use flate2::Compression;
@@ -102,31 +101,21 @@ fn reads_plain_copies_identically() {
         plain.labels()
     );
 
-    let (images, labels) = plain.batch(&[0, 1, 9999]).unwrap();
-    assert_eq!(
-        (images.dtype(), images.shape()),
-        (DType::F32, &[3, 784][..])
-    );
-    assert_eq!((labels.dtype(), labels.shape()), (DType::I64, &[3][..]));
-    let Data::F32(px) = images.data() else {
-        panic!()
-    };
-    assert!(px.iter().all(|&p| (0.0..=1.0).contains(&p)));
-    assert!(px.contains(&1.0));
+    let first = plain.get(0).unwrap();
+    assert_eq!((first.values.len(), first.label), (784, 7));
+    assert!(first.values.iter().all(|&p| (0.0..=1.0).contains(&p)));
+    assert!(first.values.contains(&1.0));
     let expect: Vec<f32> = plain
         .image(1)
         .unwrap()
         .iter()
         .map(|&p| p as f32 / 255.0)
         .collect();
-    assert_eq!(&px[784..2 * 784], &expect[..]);
-    let Data::I64(ls) = labels.data() else {
-        panic!()
-    };
-    assert_eq!(ls[0], 7);
-    assert_eq!(ls[1], plain.label(1).unwrap() as i64);
+    let second = plain.get(1).unwrap();
+    assert_eq!(second.values, expect);
+    assert_eq!(second.label, plain.label(1).unwrap() as i64);
     assert!(matches!(
-        plain.batch(&[10_000]),
+        plain.get(10_000),
         Err(DataError::Index { index: 10_000, .. })
     ));
     let _ = fs::remove_dir_all(&dir);
@@ -322,27 +311,6 @@ fn synthetic_is_deterministic_and_balanced() {
     assert!(correct > 350, "nearest centroid got {correct}/500");
     // ... but not trivially: it is not perfect.
     assert!(correct < 500, "nearest centroid got {correct}/500");
-}
-
-#[test]
-fn shuffling_and_batches() {
-    let m = Mnist::synthetic(103, 0);
-    let s = m.shuffled_indices(7);
-    assert_eq!(s, m.shuffled_indices(7));
-    assert_ne!(s, m.shuffled_indices(8));
-    let mut sorted = s.clone();
-    sorted.sort_unstable();
-    assert_eq!(sorted, (0..103).collect::<Vec<_>>());
-
-    let batches = m.batches(10, 7);
-    assert_eq!(batches.len(), 10, "the partial batch is dropped");
-    assert!(batches.iter().all(|b| b.len() == 10));
-    assert_eq!(batches.concat(), s[..100]);
-    assert!(m.batches(0, 7).is_empty());
-    let (x, y) = m.batch(&batches[0]).unwrap();
-    assert_eq!((x.shape(), y.shape()), (&[10, 784][..], &[10][..]));
-    let (x, y) = m.batch(&[]).unwrap();
-    assert_eq!((x.shape(), y.shape()), (&[0, 784][..], &[0][..]));
 }
 
 #[test]

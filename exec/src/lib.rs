@@ -61,6 +61,48 @@ pub type TimedRunResult = Result<(Vec<Tensor>, Option<f64>), ExecError>;
 /// Values given to a run, by node name: Placeholders (and Variables, to override).
 pub type Feeds = HashMap<String, Tensor>;
 
+/// A run's feeds, whose copies to the device may be under way already: made by
+/// [`Staged::host`] for a first step, and by [`Executor::run_overlapped`] for the
+/// step after the one it runs.
+#[derive(Debug)]
+pub struct Staged {
+    feeds: Feeds,
+    /// The executor's number for the copies it started; 0: none started.
+    ticket: u64,
+}
+
+impl Staged {
+    /// Feeds the step will upload itself.
+    pub fn host(feeds: Feeds) -> Staged {
+        Staged { feeds, ticket: 0 }
+    }
+
+    pub(crate) fn on_device(feeds: Feeds, ticket: u64) -> Staged {
+        Staged { feeds, ticket }
+    }
+
+    pub(crate) fn ticket(&self) -> u64 {
+        self.ticket
+    }
+
+    /// The host values (the step checks their types, and a backend without staging
+    /// runs on them).
+    pub fn feeds(&self) -> &Feeds {
+        &self.feeds
+    }
+}
+
+/// What [`Executor::run_overlapped`] returns.
+#[derive(Debug)]
+pub struct Overlapped {
+    /// The fetched tensors, in the order of the fetches.
+    pub outputs: Vec<Tensor>,
+    /// The step's milliseconds on the device, where the backend times it.
+    pub device_ms: Option<f64>,
+    /// The next step's feeds, on their way to the device.
+    pub next: Option<Staged>,
+}
+
 /// Switches of an executor's arithmetic, the same for every backend (PyTorch's names).
 /// A backend ignores what it has no use for: the CPU all of them (its f32 products are
 /// plain f32 and its 16-bit products accumulate in f32, whatever these say).
@@ -119,6 +161,26 @@ pub trait Executor {
     /// backend times it there (CUDA events around the step's kernels); `None` elsewhere.
     fn run_timed(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> TimedRunResult {
         Ok((self.run(graph, feeds, fetches)?, None))
+    }
+
+    /// Runs a step on `current` and, while it computes, starts copying `next` (every
+    /// one a Placeholder) to the device, to be given to the next call: PyTorch's
+    /// `pin_memory=True` and `non_blocking=True`, so that the GPU never waits for a
+    /// batch's upload. Timed as [`run_timed`](Self::run_timed). A backend without
+    /// a device runs `current` and hands `next` back as it is.
+    fn run_overlapped(
+        &mut self,
+        graph: &Graph,
+        current: Staged,
+        fetches: &[Port],
+        next: Option<Feeds>,
+    ) -> Result<Overlapped, ExecError> {
+        let (outputs, device_ms) = self.run_timed(graph, current.feeds(), fetches)?;
+        Ok(Overlapped {
+            outputs,
+            device_ms,
+            next: next.map(Staged::host),
+        })
     }
 
     /// A variable's current value (on a device, copied to the host on first read after

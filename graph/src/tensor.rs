@@ -135,14 +135,28 @@ impl Data {
     /// The values as little-endian bytes (bools one byte each, 0 or 1): a device
     /// buffer's layout and a checkpoint's.
     pub fn to_le_bytes(&self) -> Vec<u8> {
+        let mut bytes = vec![0; self.len() * self.dtype().size_bytes()];
+        self.write_le_bytes(&mut bytes);
+        bytes
+    }
+
+    /// Writes [`to_le_bytes`](Self::to_le_bytes) into `out` (a staging buffer), which
+    /// holds exactly that many bytes.
+    pub fn write_le_bytes(&self, out: &mut [u8]) {
+        fn each<const N: usize, T: Copy>(v: &[T], out: &mut [u8], f: impl Fn(T) -> [u8; N]) {
+            debug_assert_eq!(out.len(), v.len() * N);
+            for (o, &x) in out.chunks_exact_mut(N).zip(v) {
+                o.copy_from_slice(&f(x));
+            }
+        }
         match self {
-            Data::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Data::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-            Data::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-            Data::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Data::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Data::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Data::Bool(v) => v.iter().map(|&b| u8::from(b)).collect(),
+            Data::F32(v) => each(v, out, f32::to_le_bytes),
+            Data::F16(v) => each(v, out, |x| x.to_bits().to_le_bytes()),
+            Data::BF16(v) => each(v, out, |x| x.to_bits().to_le_bytes()),
+            Data::F64(v) => each(v, out, f64::to_le_bytes),
+            Data::I32(v) => each(v, out, i32::to_le_bytes),
+            Data::I64(v) => each(v, out, i64::to_le_bytes),
+            Data::Bool(v) => each(v, out, |b| [u8::from(b)]),
         }
     }
 

@@ -28,6 +28,7 @@ mod gemm;
 pub mod kernel_cache;
 mod kernels;
 mod pipeline;
+mod staging;
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -39,8 +40,8 @@ use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
 use crate::memory_plan;
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{
-    check_tensor_size, ExecError, ExecOptions, Executor, Feeds, RunResult, TimedRunResult,
-    DEFAULT_MAX_TENSOR_BYTES,
+    check_tensor_size, ExecError, ExecOptions, Executor, Feeds, Overlapped, RunResult, Staged,
+    TimedRunResult, DEFAULT_MAX_TENSOR_BYTES,
 };
 
 pub use device::LaunchCounts;
@@ -368,6 +369,8 @@ pub struct CudaExecutor {
     /// Casts of variables by (variable, dtype), kept until the variable is written:
     /// an inference step casts its weights once, not every step.
     cast_cache: HashMap<(String, DType), DTensor>,
+    /// Feeds copied to the device while the step before them runs.
+    staging: staging::Staging,
 }
 
 /// Uploads a fed or held value (`kind` "feed" or "variable"), an error naming it.
@@ -433,6 +436,7 @@ impl CudaExecutor {
             last_plan: None,
             arena: None,
             cast_cache: HashMap::new(),
+            staging: staging::Staging::default(),
         })
     }
 
@@ -526,18 +530,33 @@ impl CudaExecutor {
         feeds: &Feeds,
         fetches: &[Port],
     ) -> Result<(Vec<Tensor>, f64), ExecError> {
+        let (out, ms, _) = self.timed(|e, done| {
+            let out = e.run_step(graph, feeds, fetches, Some(done), None)?;
+            Ok((out.0, None))
+        })?;
+        Ok((out, ms))
+    }
+
+    /// `step` between two CUDA events; its milliseconds on the device.
+    fn timed(
+        &mut self,
+        step: impl FnOnce(
+            &mut Self,
+            &cudarc::driver::CudaEvent,
+        ) -> Result<(Vec<Tensor>, Option<Staged>), ExecError>,
+    ) -> Result<(Vec<Tensor>, f64, Option<Staged>), ExecError> {
         // Both made now: creating one takes host time the measurement would count.
         let start = guard("CUDA", || self.dev.event()).map_err(dev_err)?;
         let end = guard("CUDA", || self.dev.event()).map_err(dev_err)?;
         guard("CUDA", || self.dev.record(&start)).map_err(dev_err)?;
-        let out = self.run_step(graph, feeds, fetches, Some(&end))?;
+        let (out, next) = step(self, &end)?;
         let ms = guard("CUDA", || {
             start
                 .elapsed_ms(&end)
                 .map_err(|e| format!("timing events: {e:?}"))
         })
         .map_err(dev_err)?;
-        Ok((out, f64::from(ms)))
+        Ok((out, f64::from(ms), next))
     }
 
     /// Work put on the stream so far (kernels, cuBLASLt calls, memsets, copies); the
@@ -680,6 +699,9 @@ impl CudaExecutor {
             Source::Placeholder | Source::Variable => {
                 if let Some(v) = feeds.get(&node.name) {
                     check(&v.ty())?;
+                    if let Some(d) = self.staging.current.get(&node.name) {
+                        return Ok(d.clone());
+                    }
                     return upload_value(&self.dev, v, "feed", &node.name);
                 }
                 if let Source::Placeholder = source {
@@ -762,7 +784,26 @@ impl Executor for CudaExecutor {
     }
 
     fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> RunResult {
-        self.run_step(graph, feeds, fetches, None)
+        Ok(self.run_step(graph, feeds, fetches, None, None)?.0)
+    }
+
+    fn run_overlapped(
+        &mut self,
+        graph: &Graph,
+        current: Staged,
+        fetches: &[Port],
+        next: Option<Feeds>,
+    ) -> Result<Overlapped, ExecError> {
+        self.staging.begin(&self.dev, &current)?;
+        let result =
+            self.timed(|e, done| e.run_step(graph, current.feeds(), fetches, Some(done), next));
+        self.staging.end(&self.dev)?;
+        let (outputs, ms, next) = result?;
+        Ok(Overlapped {
+            outputs,
+            device_ms: Some(ms),
+            next,
+        })
     }
 
     fn run_timed(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> TimedRunResult {
@@ -817,14 +858,15 @@ impl Executor for CudaExecutor {
 
 impl CudaExecutor {
     /// A step; `done`, if given, is recorded on the stream after its kernels and
-    /// before the fetches' download.
+    /// before the fetches' download, and `next` is staged while the kernels run.
     fn run_step(
         &mut self,
         graph: &Graph,
         feeds: &Feeds,
         fetches: &[Port],
         done: Option<&cudarc::driver::CudaEvent>,
-    ) -> Result<Vec<Tensor>, ExecError> {
+        next: Option<Feeds>,
+    ) -> Result<(Vec<Tensor>, Option<Staged>), ExecError> {
         guard("CUDA", || {
             self.dev
                 .ctx
@@ -1025,14 +1067,18 @@ impl CudaExecutor {
         if !grown.is_empty() {
             self.replan(graph, fetches, &memory, grown)?;
         }
+        let next = next
+            .map(|feeds| self.staging.stage(&self.dev, graph, feeds))
+            .transpose()?;
         // Last: the download waits for the stream, and the host work above ran
         // while the GPU was still busy with the step.
-        fetched
+        let outputs = fetched
             .into_iter()
             .map(|(name, op, d)| {
                 guard("CUDA", || self.dev.download(&d)).map_err(|m| ExecError::node(name, op, m))
             })
-            .collect()
+            .collect::<Result<_, _>>()?;
+        Ok((outputs, next))
     }
 
     /// Makes a step's variable writes current: the variables take their new values,
