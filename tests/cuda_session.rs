@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use ampgraph::exec::cuda;
 use ampgraph::exec::feeds::seeded_tensor;
-use ampgraph::exec::{CpuExecutor, CudaExecutor, ExecOptions, Executor, Feeds};
+use ampgraph::exec::{CpuExecutor, CudaExecutor, ExecOptions, Executor, Feeds, Staged};
 use ampgraph::graph::format;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{Placeholder, Variable};
@@ -188,6 +188,119 @@ fn cnn_training_steps_match_the_cpu() {
     }
     compare_model_training("cnn fp32", cnn, None, false, 1e-4);
     compare_model_training("cnn AMP f16", cnn, Some(DType::F16), false, 2e-2);
+}
+
+/// A training run whose steps each stage the next batch while they compute (page-locked
+/// buffers, a copy stream, events) takes the steps of a run uploading each batch in
+/// its step: same losses, same weights after six steps. A wrong batch (a slot
+/// overwritten before its step read it) would change both far beyond rounding.
+#[test]
+fn steps_fed_by_staged_copies_match_steps_that_upload_their_batches() {
+    if !cuda_or_skip() {
+        return;
+    }
+    let (mut g, loss) = mlp();
+    let step = Sgd::momentum(0.05, 0.9).minimize(&mut g, loss).unwrap();
+    let fetches = [step.loss, step.step];
+    let kernel = g.node(step.variables[0]).name.clone();
+    let train = |overlap: bool| -> (Vec<f64>, Tensor) {
+        let mut s = Session::new(g.clone(), Device::Cuda(0)).unwrap();
+        let mut losses = Vec::new();
+        let mut current = Some(Staged::host(batch(0)));
+        for i in 0..6 {
+            let out = match overlap {
+                true => {
+                    let next = (i + 1 < 6).then(|| batch(i + 1));
+                    let out = s
+                        .run_overlapped(&fetches, current.take().unwrap(), next)
+                        .unwrap();
+                    current = out.next;
+                    out.outputs
+                }
+                false => s.run(&fetches, &batch(i)).unwrap(),
+            };
+            losses.push(out[0].to_f64_vec()[0]);
+        }
+        assert!(
+            !overlap || current.is_none(),
+            "the last step stages nothing"
+        );
+        (losses, s.variable(&kernel).unwrap().clone())
+    };
+    let (losses, weights) = train(false);
+    let (staged_losses, staged_weights) = train(true);
+    for (a, b) in staged_losses.iter().zip(&losses) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "{staged_losses:?} vs {losses:?}"
+        );
+    }
+    assert!(rel_err(&staged_weights, &weights) <= 1e-5);
+}
+
+/// Staged feeds of another shape take new slots; staged feeds handed to a step out
+/// of turn (an older ticket) are uploaded by the step; only Placeholders are staged.
+#[test]
+fn staging_follows_shapes_and_refuses_what_it_cannot_stage() {
+    if !cuda_or_skip() {
+        return;
+    }
+    let squares = |rows: usize| {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [rows, 3]).unwrap();
+        let y = g.sum(x, Some(&[1]), false).unwrap();
+        (g, y)
+    };
+    let ramp = |rows: usize, start: f64| -> Feeds {
+        let v: Vec<f64> = (0..rows * 3).map(|i| start + i as f64).collect();
+        Feeds::from([(
+            "x".to_string(),
+            Tensor::from_f64(DType::F32, [rows, 3], &v).unwrap(),
+        )])
+    };
+    let row_sums = |rows: usize, start: f64| -> Vec<f64> {
+        (0..rows)
+            .map(|r| (0..3).map(|c| start + (r * 3 + c) as f64).sum())
+            .collect()
+    };
+    let (g2, y2) = squares(2);
+    let (g5, y5) = squares(5);
+    let mut e = CudaExecutor::new(0).unwrap();
+    let out = e
+        .run_overlapped(&g2, Staged::host(ramp(2, 0.0)), &[y2], Some(ramp(2, 10.0)))
+        .unwrap();
+    assert_eq!(out.outputs[0].to_f64_vec(), row_sums(2, 0.0));
+    let out = e
+        .run_overlapped(&g2, out.next.unwrap(), &[y2], Some(ramp(5, 100.0)))
+        .unwrap();
+    assert_eq!(out.outputs[0].to_f64_vec(), row_sums(2, 10.0));
+    let five = out.next.unwrap();
+    // A step given feeds staged for another (out of turn): they are uploaded.
+    let stale = e
+        .run_overlapped(&g2, Staged::host(ramp(2, 1.0)), &[y2], Some(ramp(2, 7.0)))
+        .unwrap();
+    assert_eq!(stale.outputs[0].to_f64_vec(), row_sums(2, 1.0));
+    let out = e.run_overlapped(&g5, five, &[y5], None).unwrap();
+    assert_eq!(out.outputs[0].to_f64_vec(), row_sums(5, 100.0));
+    assert!(out.next.is_none());
+    // A variable is not staged (a step may write it in place).
+    let mut g = Graph::new();
+    let v = g.variable("v", DType::F32, [2, 3]).unwrap();
+    let zeros = Tensor::from_f64(DType::F32, [2, 3], &[0.0; 6]).unwrap();
+    e.set_variable("v", zeros).unwrap();
+    let err = e
+        .run_overlapped(
+            &g,
+            Staged::host(Feeds::new()),
+            &[v],
+            Some(Feeds::from([(
+                "v".to_string(),
+                ramp(2, 0.0).remove("x").unwrap(),
+            )])),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("'v'") && err.contains("Placeholders"), "{err}");
 }
 
 #[test]

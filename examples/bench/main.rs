@@ -127,7 +127,7 @@ use ampgraph::passes::PassRecord;
 use ampgraph::session::Pipeline;
 use ampgraph::{Device, SessionOptions};
 
-mod convnet;
+use ampgraph::graph::models::convnet;
 mod energy;
 mod fit;
 #[cfg(test)]

@@ -13,6 +13,7 @@ pub mod error;
 pub mod format;
 pub mod graph;
 pub mod kernel;
+pub mod models;
 pub mod nn;
 pub mod op;
 pub mod ops;

@@ -371,6 +371,8 @@ pub struct CudaExecutor {
     cast_cache: HashMap<(String, DType), DTensor>,
     /// Feeds copied to the device while the step before them runs.
     staging: staging::Staging,
+    /// The events timing a step, reused.
+    step_events: Option<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
 }
 
 /// Uploads a fed or held value (`kind` "feed" or "variable"), an error naming it.
@@ -437,6 +439,7 @@ impl CudaExecutor {
             arena: None,
             cast_cache: HashMap::new(),
             staging: staging::Staging::default(),
+            step_events: None,
         })
     }
 
@@ -545,9 +548,15 @@ impl CudaExecutor {
             &cudarc::driver::CudaEvent,
         ) -> Result<(Vec<Tensor>, Option<Staged>), ExecError>,
     ) -> Result<(Vec<Tensor>, f64, Option<Staged>), ExecError> {
-        // Both made now: creating one takes host time the measurement would count.
-        let start = guard("CUDA", || self.dev.event()).map_err(dev_err)?;
-        let end = guard("CUDA", || self.dev.event()).map_err(dev_err)?;
+        // Made before the first is recorded (creating one takes host time the
+        // measurement would count), and kept for the next step (a training loop
+        // would otherwise create and destroy two per step between its steps).
+        let (start, end) = match self.step_events.take() {
+            Some(events) => events,
+            None => {
+                guard("CUDA", || Ok((self.dev.event()?, self.dev.event()?))).map_err(dev_err)?
+            }
+        };
         guard("CUDA", || self.dev.record(&start)).map_err(dev_err)?;
         let (out, next) = step(self, &end)?;
         let ms = guard("CUDA", || {
@@ -556,6 +565,7 @@ impl CudaExecutor {
                 .map_err(|e| format!("timing events: {e:?}"))
         })
         .map_err(dev_err)?;
+        self.step_events = Some((start, end));
         Ok((out, f64::from(ms), next))
     }
 

@@ -15,11 +15,9 @@
 //! BatchNorm allows in training), so the optimizer, which trains every Variable the
 //! loss depends on, leaves them alone. In inference the batch norms read them.
 
-use ampgraph::graph::nn;
-use ampgraph::graph::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Padding};
-use ampgraph::graph::{DType, Data, Graph, Port, Tensor};
-
-use super::{f32_variable, Res};
+use crate::nn;
+use crate::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Padding, Variable};
+use crate::{DType, Data, Graph, GraphError, Port, Result, Tensor, TensorType};
 
 /// Each layer's output channels as a multiple of the width, and its stride:
 /// torch_anchor.py's `cbr(3, c), cbr(c, c), cbr(c, 2 * c, 2), ...`.
@@ -53,10 +51,16 @@ pub struct ConvNet {
 /// training mode or not. Conv kernels are HWIO Variables `conv_<i>/kernel`, the batch
 /// norms' `bn_<i>/scale`, `offset`, `moving_mean`, `moving_variance`, the head
 /// `nn::dense`'s.
-pub fn build(g: &mut Graph, x: Port, width: usize, classes: usize, training: bool) -> Res<ConvNet> {
+pub fn build(
+    g: &mut Graph,
+    x: Port,
+    width: usize,
+    classes: usize,
+    training: bool,
+) -> Result<ConvNet> {
     // A training BatchNorm's mean and variance inputs, unread.
     let unread = if training {
-        Some(g.constant(Tensor::new(vec![0], Data::F32(Vec::new()))?)?)
+        Some(g.constant(Tensor::new(vec![0], Data::F32(Vec::new())).map_err(GraphError::Format)?)?)
     } else {
         None
     };
@@ -105,4 +109,13 @@ pub fn build(g: &mut Graph, x: Port, width: usize, classes: usize, training: boo
         logits: nn::dense(g, pooled, classes, None)?,
         running_updates,
     })
+}
+
+/// An f32 Variable starting at `init`.
+fn f32_variable(g: &mut Graph, name: String, shape: Vec<usize>, init: Init) -> Result<Port> {
+    let ty = TensorType::new(DType::F32, shape);
+    Ok(
+        g.add_node(name, Box::new(Variable::with_init(ty, init)), &[])?
+            .into(),
+    )
 }

@@ -1,0 +1,287 @@
+//! Trains the convnet (torch_anchor.py's `ConvNet`: eight 3x3 convolutions with batch
+//! norm and ReLU, the mean over the image, a linear layer) on an image folder, with
+//! automatic mixed precision, augmentation and the trainer's checkpoints.
+//!
+//! ```sh
+//! cargo run --release --example image_folder -- --data DIR/train --eval-data DIR/val
+//! cargo run --release --example image_folder -- --epochs 2    # a synthetic folder
+//! ```
+//!
+//! A folder holds one sub-folder per class with PNG or JPEG images of one size
+//! (torchvision's `ImageFolder`). Training images are padded by 4 and randomly cropped
+//! back, flipped at random, and normalised to `(x - 0.5) / 0.5`; evaluation images are
+//! only normalised. With no `--data` the example writes a small synthetic folder
+//! (coloured digits, 32x32 PNGs) under the system's temporary folder and trains on it.
+//! `--checkpoint PATH` and `--resume` work as in the mnist example.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::Parser;
+
+use ampgraph::cli::DeviceArg;
+use ampgraph::data::{Dataset, ImageFolder, Loader, LoaderOptions, Mnist, Transform};
+use ampgraph::graph::models::convnet;
+use ampgraph::graph::ops::Group;
+use ampgraph::graph::{DType, Graph, Port};
+use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
+use ampgraph::train::{self, Position, Saved, TrainOptions, Trainer};
+use ampgraph::Session;
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a convnet on an image folder with automatic mixed precision")]
+struct Args {
+    /// Training images: one sub-folder per class.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Evaluation images, with the same class sub-folders.
+    #[arg(long)]
+    eval_data: Option<PathBuf>,
+    #[arg(long, default_value_t = 3)]
+    epochs: usize,
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// The first layer's channels (the last has eight times as many).
+    #[arg(long, default_value_t = 16)]
+    width: usize,
+    #[arg(long, default_value_t = 0.05)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// Train in plain f32 instead of mixed precision.
+    #[arg(long)]
+    fp32: bool,
+    /// Mixed precision in bf16 instead of f16.
+    #[arg(long)]
+    bf16: bool,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Threads decoding images (0: on the training thread); default: the cores.
+    #[arg(long)]
+    workers: Option<usize>,
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    #[arg(long)]
+    checkpoint_every: Option<usize>,
+    #[arg(long)]
+    resume: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
+}
+
+fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_timestamp(None)
+        .init();
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Writes `count` synthetic 32x32 RGB PNGs per class into `root/<digit>/`: the mnist
+/// example's synthetic digits, each in a colour of its own, on a dark background.
+fn write_synthetic_folder(
+    root: &Path,
+    count: usize,
+    seed: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let digits = Mnist::synthetic(10 * count, seed);
+    for i in 0..digits.len() {
+        let (Some(image), Some(label)) = (digits.image(i), digits.label(i)) else {
+            continue;
+        };
+        let dir = root.join(label.to_string());
+        std::fs::create_dir_all(&dir)?;
+        let tint = [
+            (i * 97) % 200 + 55,
+            (i * 57) % 200 + 55,
+            (i * 31) % 200 + 55,
+        ];
+        let mut rgb = vec![0u8; 32 * 32 * 3];
+        for y in 0..28 {
+            for x in 0..28 {
+                let p = image[y * 28 + x] as usize;
+                for c in 0..3 {
+                    rgb[((y + 2) * 32 + x + 2) * 3 + c] = (p * tint[c] / 255) as u8;
+                }
+            }
+        }
+        let path = dir.join(format!("{i:05}.png"));
+        image::save_buffer(&path, &rgb, 32, 32, image::ExtendedColorType::Rgb8)?;
+    }
+    Ok(())
+}
+
+struct Net {
+    graph: Graph,
+    images: Port,
+    labels: Port,
+    logits: Port,
+    running_updates: Vec<Port>,
+}
+
+fn build(
+    batch: usize,
+    data: &dyn Dataset,
+    width: usize,
+    training: bool,
+) -> Result<Net, Box<dyn std::error::Error>> {
+    let mut g = Graph::new();
+    let images = g.placeholder("images", DType::F32, [&[batch][..], data.shape()].concat())?;
+    let labels = g.placeholder("labels", DType::I64, [batch])?;
+    let net = convnet::build(&mut g, images, width, data.classes(), training)?;
+    g.set_outputs(vec![net.logits])?;
+    Ok(Net {
+        graph: g,
+        images,
+        labels,
+        logits: net.logits,
+        running_updates: net.running_updates,
+    })
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    if args.resume && args.checkpoint.is_none() {
+        return Err("--resume needs --checkpoint PATH".into());
+    }
+    let (train_dir, eval_dir) = match &args.data {
+        Some(dir) => (dir.clone(), args.eval_data.clone()),
+        None => {
+            let root = std::env::temp_dir().join(format!("ampgraph-image-folder-{}", args.seed));
+            if !root.join("train").exists() {
+                write_synthetic_folder(&root.join("train"), 64, args.seed)?;
+                write_synthetic_folder(&root.join("val"), 16, args.seed + 1)?;
+            }
+            eprintln!(
+                "No --data given: training on synthetic images in {}",
+                root.display()
+            );
+            (root.join("train"), Some(root.join("val")))
+        }
+    };
+    let train_set: Arc<dyn Dataset> = Arc::new(ImageFolder::open(&train_dir)?);
+    let channels = train_set.shape()[0];
+    let normalize = Transform::normalize(&vec![0.5; channels], &vec![0.5; channels]);
+    let defaults = LoaderOptions::default();
+    let workers = args.workers.unwrap_or(defaults.workers);
+    let options = LoaderOptions {
+        batch_size: args.batch,
+        drop_last: true,
+        seed: args.seed,
+        workers,
+        prefetch: 2 * workers.max(1),
+        ..defaults
+    };
+    let loader = Loader::new(train_set.clone(), options.clone())?.with_transforms(vec![
+        Transform::RandomCrop { padding: 4 },
+        Transform::RandomFlip,
+        normalize.clone(),
+    ]);
+    let amp = match (args.fp32, args.bf16) {
+        (true, _) => None,
+        (false, true) => Some(DType::BF16),
+        (false, false) => Some(DType::F16),
+    };
+
+    // The training step also writes the batch norms' running averages.
+    let mut net = build(args.batch, train_set.as_ref(), args.width, true)?;
+    let loss = net.graph.softmax_cross_entropy(net.logits, net.labels)?;
+    let sgd = Sgd::momentum(args.lr, args.momentum);
+    let mut step = match amp {
+        Some(d) => enable_mixed_precision_graph_rewrite(sgd)
+            .with_dtype(d)
+            .minimize(&mut net.graph, loss)?,
+        None => sgd.minimize(&mut net.graph, loss)?,
+    };
+    step.step = net
+        .graph
+        .add(Group, &[&[step.step], &net.running_updates[..]].concat())?;
+    let session_options = ampgraph::SessionOptions {
+        seed: args.seed,
+        ..Default::default()
+    };
+    let device = args.device.for_graph(&net.graph);
+    let mut session = Session::with_options(net.graph.clone(), device, session_options)?;
+
+    // Evaluation: batch norms on the running averages.
+    let mut eval = match &eval_dir {
+        None => None,
+        Some(dir) => {
+            let set: Arc<dyn Dataset> = Arc::new(ImageFolder::open(dir)?);
+            if set.shape() != train_set.shape() || set.classes() != train_set.classes() {
+                return Err(format!(
+                    "{}: images {:?} in {} classes, but the training images are {:?} in {}",
+                    dir.display(),
+                    set.shape(),
+                    set.classes(),
+                    train_set.shape(),
+                    train_set.classes()
+                )
+                .into());
+            }
+            let batch = set.len().min(100);
+            let mut eval_net = build(batch, set.as_ref(), args.width, false)?;
+            eval_net.graph.mixed_precision = amp;
+            let eval_session =
+                Session::inference(eval_net.graph.clone(), &[eval_net.logits], device)?;
+            let eval_loader = Loader::new(
+                set,
+                LoaderOptions {
+                    batch_size: batch,
+                    shuffle: false,
+                    drop_last: false,
+                    ..options
+                },
+            )?
+            .with_transforms(vec![normalize]);
+            Some((eval_net, eval_session, eval_loader))
+        }
+    };
+
+    let train_options = TrainOptions {
+        checkpoint: args.checkpoint.clone(),
+        checkpoint_every: args.checkpoint_every,
+        progress: !args.quiet,
+    };
+    let mut trainer = Trainer::new(&mut session, step, net.images, net.labels, train_options)?;
+    let mut at = Position::START;
+    if args.resume {
+        at = trainer.resume()?;
+        println!("resumed in epoch {} at batch {}", at.epoch, at.batch);
+    }
+    println!(
+        "convnet (width {}) on {} images {:?} of {} classes from {}, batch {}, {}, {}",
+        args.width,
+        train_set.len(),
+        train_set.shape(),
+        train_set.classes(),
+        train_dir.display(),
+        args.batch,
+        amp.map_or("fp32".to_string(), |d| format!("AMP {d}")),
+        trainer.session().executor().device_name()
+    );
+    while at.epoch <= args.epochs {
+        let report = trainer.epoch(&loader, at)?;
+        let mut line = report.to_string();
+        if let Some((net, eval_session, eval_loader)) = eval.as_mut() {
+            eval_session.copy_variables_from(trainer.session())?;
+            let accuracy = train::accuracy(eval_session, net.logits, net.images, eval_loader)?;
+            line.push_str(&format!(", eval accuracy {:.2}%", 100.0 * accuracy));
+        }
+        println!("{line}");
+        if let Saved::RefusedNonFinite(path) = &report.saved {
+            eprintln!(
+                "warning: epoch {}'s loss is {}: not saving {}",
+                report.epoch,
+                report.loss,
+                path.display()
+            );
+        }
+        at = report.next;
+    }
+    Ok(())
+}
