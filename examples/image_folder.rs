@@ -19,13 +19,13 @@ use std::sync::Arc;
 
 use clap::Parser;
 
-use ampgraph::cli::DeviceArg;
+use ampgraph::cli::TrainArgs;
 use ampgraph::data::{Dataset, ImageFolder, Loader, LoaderOptions, Mnist, Transform};
 use ampgraph::graph::models::convnet;
 use ampgraph::graph::ops::Group;
 use ampgraph::graph::{DType, Graph, Port};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
-use ampgraph::train::{self, Position, Saved, TrainOptions, Trainer};
+use ampgraph::train::{self, Position, Saved, Trainer};
 use ampgraph::Session;
 
 #[derive(Parser, Debug)]
@@ -37,39 +37,11 @@ struct Args {
     /// Evaluation images, with the same class sub-folders.
     #[arg(long)]
     eval_data: Option<PathBuf>,
-    #[arg(long, default_value_t = 3)]
-    epochs: usize,
-    #[arg(long, default_value_t = 64)]
-    batch: usize,
     /// The first layer's channels (the last has eight times as many).
     #[arg(long, default_value_t = 16)]
     width: usize,
-    #[arg(long, default_value_t = 0.05)]
-    lr: f64,
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
-    /// Train in plain f32 instead of mixed precision.
-    #[arg(long)]
-    fp32: bool,
-    /// Mixed precision in bf16 instead of f16.
-    #[arg(long)]
-    bf16: bool,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Threads decoding images (0: on the training thread); default: the cores.
-    #[arg(long)]
-    workers: Option<usize>,
-    #[arg(long)]
-    checkpoint: Option<PathBuf>,
-    #[arg(long)]
-    checkpoint_every: Option<usize>,
-    #[arg(long)]
-    resume: bool,
-    /// No progress bar.
-    #[arg(long)]
-    quiet: bool,
-    #[arg(long, value_enum, default_value = "auto")]
-    device: DeviceArg,
+    #[command(flatten)]
+    run: TrainArgs,
 }
 
 fn main() {
@@ -145,16 +117,15 @@ fn build(
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    if args.resume && args.checkpoint.is_none() {
-        return Err("--resume needs --checkpoint PATH".into());
-    }
+    let run = &args.run;
+    run.check()?;
     let (train_dir, eval_dir) = match &args.data {
         Some(dir) => (dir.clone(), args.eval_data.clone()),
         None => {
-            let root = std::env::temp_dir().join(format!("ampgraph-image-folder-{}", args.seed));
+            let root = std::env::temp_dir().join(format!("ampgraph-image-folder-{}", run.seed));
             if !root.join("train").exists() {
-                write_synthetic_folder(&root.join("train"), 64, args.seed)?;
-                write_synthetic_folder(&root.join("val"), 16, args.seed + 1)?;
+                write_synthetic_folder(&root.join("train"), 64, run.seed)?;
+                write_synthetic_folder(&root.join("val"), 16, run.seed + 1)?;
             }
             eprintln!(
                 "No --data given: training on synthetic images in {}",
@@ -166,31 +137,18 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let train_set: Arc<dyn Dataset> = Arc::new(ImageFolder::open(&train_dir)?);
     let channels = train_set.shape()[0];
     let normalize = Transform::normalize(&vec![0.5; channels], &vec![0.5; channels]);
-    let defaults = LoaderOptions::default();
-    let workers = args.workers.unwrap_or(defaults.workers);
-    let options = LoaderOptions {
-        batch_size: args.batch,
-        drop_last: true,
-        seed: args.seed,
-        workers,
-        prefetch: 2 * workers.max(1),
-        ..defaults
-    };
+    let options = run.loader_options();
     let loader = Loader::new(train_set.clone(), options.clone())?.with_transforms(vec![
         Transform::RandomCrop { padding: 4 },
         Transform::RandomFlip,
         normalize.clone(),
     ]);
-    let amp = match (args.fp32, args.bf16) {
-        (true, _) => None,
-        (false, true) => Some(DType::BF16),
-        (false, false) => Some(DType::F16),
-    };
+    let amp = run.amp();
 
     // The training step also writes the batch norms' running averages.
-    let mut net = build(args.batch, train_set.as_ref(), args.width, true)?;
+    let mut net = build(run.batch, train_set.as_ref(), args.width, true)?;
     let loss = net.graph.softmax_cross_entropy(net.logits, net.labels)?;
-    let sgd = Sgd::momentum(args.lr, args.momentum);
+    let sgd = Sgd::momentum(run.lr, run.momentum);
     let mut step = match amp {
         Some(d) => enable_mixed_precision_graph_rewrite(sgd)
             .with_dtype(d)
@@ -200,12 +158,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     step.step = net
         .graph
         .add(Group, &[&[step.step], &net.running_updates[..]].concat())?;
-    let session_options = ampgraph::SessionOptions {
-        seed: args.seed,
-        ..Default::default()
-    };
-    let device = args.device.for_graph(&net.graph);
-    let mut session = Session::with_options(net.graph.clone(), device, session_options)?;
+    let device = run.device.for_graph(&net.graph);
+    let mut session = Session::with_options(net.graph.clone(), device, run.session_options())?;
 
     // Evaluation: batch norms on the running averages.
     let mut eval = match &eval_dir {
@@ -242,14 +196,15 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
 
-    let train_options = TrainOptions {
-        checkpoint: args.checkpoint.clone(),
-        checkpoint_every: args.checkpoint_every,
-        progress: !args.quiet,
-    };
-    let mut trainer = Trainer::new(&mut session, step, net.images, net.labels, train_options)?;
+    let mut trainer = Trainer::new(
+        &mut session,
+        step,
+        net.images,
+        net.labels,
+        run.train_options(),
+    )?;
     let mut at = Position::START;
-    if args.resume {
+    if run.resume {
         at = trainer.resume()?;
         println!("resumed in epoch {} at batch {}", at.epoch, at.batch);
     }
@@ -260,11 +215,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         train_set.shape(),
         train_set.classes(),
         train_dir.display(),
-        args.batch,
+        run.batch,
         amp.map_or("fp32".to_string(), |d| format!("AMP {d}")),
         trainer.session().executor().device_name()
     );
-    while at.epoch <= args.epochs {
+    while at.epoch <= run.epochs {
         let report = trainer.epoch(&loader, at)?;
         let mut line = report.to_string();
         if let Some((net, eval_session, eval_loader)) = eval.as_mut() {

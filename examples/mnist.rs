@@ -22,13 +22,13 @@ use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
 
-use ampgraph::cli::DeviceArg;
+use ampgraph::cli::TrainArgs;
 use ampgraph::data::{Dataset, Loader, LoaderOptions, Mnist, Transform};
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{DataFormat, Padding};
 use ampgraph::graph::{DType, Graph, Port};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep};
-use ampgraph::train::{self, Position, Saved, TrainOptions, Trainer};
+use ampgraph::train::{self, Position, Saved, Trainer};
 use ampgraph::Session;
 
 #[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
@@ -47,51 +47,14 @@ struct Args {
     /// of 32 and 64 filters, 2x2 max pooling, 128, classes).
     #[arg(long, value_enum, default_value = "mlp")]
     model: Model,
-    /// Epochs to train (with --resume, counting those in the checkpoint).
-    #[arg(long, default_value_t = 6)]
-    epochs: usize,
-    /// Images per training step.
-    #[arg(long, default_value_t = 128)]
-    batch: usize,
-    /// SGD's learning rate.
-    #[arg(long, default_value_t = 0.05)]
-    lr: f64,
-    /// SGD's momentum.
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
     /// Images to train on (the first ones; a last batch short of --batch is left out).
     #[arg(long, default_value_t = 8000)]
     train: usize,
     /// Images to evaluate on (the last ones); 0: no evaluation.
     #[arg(long, default_value_t = 2000)]
     eval: usize,
-    /// Train in plain f32 instead of mixed precision.
-    #[arg(long)]
-    fp32: bool,
-    /// Mixed precision in bf16 instead of f16.
-    #[arg(long)]
-    bf16: bool,
-    /// Seed of the initial weights, the shuffles and the synthetic data.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Threads making batches (0: on the training thread); default: the cores.
-    #[arg(long)]
-    workers: Option<usize>,
-    /// Save all variables and the position here after every epoch (atomically).
-    #[arg(long)]
-    checkpoint: Option<PathBuf>,
-    /// Also save every this many steps.
-    #[arg(long)]
-    checkpoint_every: Option<usize>,
-    /// Start from the checkpoint where it stopped (`--epochs` counts its epochs too).
-    #[arg(long)]
-    resume: bool,
-    /// No progress bar.
-    #[arg(long)]
-    quiet: bool,
-    /// Where to train: `auto` is CUDA device 0 where it runs every node, else the CPU.
-    #[arg(long, value_enum, default_value = "auto")]
-    device: DeviceArg,
+    #[command(flatten)]
+    run: TrainArgs,
 }
 
 /// The model's logits for `images` [batch, channels, height, width]; variables get
@@ -168,9 +131,8 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    if args.resume && args.checkpoint.is_none() {
-        return Err("--resume needs --checkpoint PATH".into());
-    }
+    let run = &args.run;
+    run.check()?;
     let all = match &args.data {
         Some(dir) => Mnist::load(dir)?,
         None => {
@@ -178,7 +140,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 "No --data given: training on a built-in synthetic set. Point --data at a folder of \
                  MNIST idx files (e.g. --data ../shared/data/mnist) for the real thing."
             );
-            Mnist::synthetic(args.train + args.eval, args.seed)
+            Mnist::synthetic(args.train + args.eval, run.seed)
         }
     };
     if args.train + args.eval > all.len() {
@@ -192,42 +154,25 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     let train_set = Arc::new(all.slice(0, args.train));
     let eval_set = Arc::new(all.slice(all.len() - args.eval, all.len()));
-    let amp_dtype = match (args.fp32, args.bf16) {
-        (true, _) => None,
-        (false, true) => Some(DType::BF16),
-        (false, false) => Some(DType::F16),
-    };
+    let amp = run.amp();
     // torchvision's MNIST normalisation.
     let transforms = vec![Transform::normalize(&[0.1307], &[0.3081])];
-    let defaults = LoaderOptions::default();
-    let workers = args.workers.unwrap_or(defaults.workers);
-    let loader_options = LoaderOptions {
-        batch_size: args.batch,
-        drop_last: true,
-        seed: args.seed,
-        workers,
-        prefetch: 2 * workers.max(1),
-        ..defaults
-    };
+    let loader_options = run.loader_options();
     let loader =
         Loader::new(train_set.clone(), loader_options.clone())?.with_transforms(transforms.clone());
 
     // Training graph: the model, the loss and the optimizer's step.
-    let mut net = build(args.model, args.batch, train_set.as_ref())?;
+    let mut net = build(args.model, run.batch, train_set.as_ref())?;
     let loss = net.graph.softmax_cross_entropy(net.logits, net.labels)?;
-    let sgd = Sgd::momentum(args.lr, args.momentum);
-    let step: TrainStep = match amp_dtype {
+    let sgd = Sgd::momentum(run.lr, run.momentum);
+    let step: TrainStep = match amp {
         Some(d) => enable_mixed_precision_graph_rewrite(sgd)
             .with_dtype(d)
             .minimize(&mut net.graph, loss)?,
         None => sgd.minimize(&mut net.graph, loss)?,
     };
-    let options = ampgraph::SessionOptions {
-        seed: args.seed,
-        ..Default::default()
-    };
-    let device = args.device.for_graph(&net.graph);
-    let mut session = Session::with_options(net.graph.clone(), device, options.clone())?;
+    let device = run.device.for_graph(&net.graph);
+    let mut session = Session::with_options(net.graph.clone(), device, run.session_options())?;
     for record in &session.passes {
         println!("{}", record.summary);
     }
@@ -236,7 +181,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         0 => None,
         n => {
             let mut eval_net = build(args.model, n.min(500), eval_set.as_ref())?;
-            eval_net.graph.mixed_precision = amp_dtype;
+            eval_net.graph.mixed_precision = amp;
             let eval_session =
                 Session::inference(eval_net.graph.clone(), &[eval_net.logits], device)?;
             let eval_loader = Loader::new(
@@ -244,7 +189,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 LoaderOptions {
                     batch_size: n.min(500),
                     shuffle: false,
-                    ..loader_options
+                    ..loader_options.clone()
                 },
             )?
             .with_transforms(transforms);
@@ -252,14 +197,15 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
 
-    let train_options = TrainOptions {
-        checkpoint: args.checkpoint.clone(),
-        checkpoint_every: args.checkpoint_every,
-        progress: !args.quiet,
-    };
-    let mut trainer = Trainer::new(&mut session, step, net.images, net.labels, train_options)?;
+    let mut trainer = Trainer::new(
+        &mut session,
+        step,
+        net.images,
+        net.labels,
+        run.train_options(),
+    )?;
     let mut at = Position::START;
-    if let (true, Some(path)) = (args.resume, &args.checkpoint) {
+    if let (true, Some(path)) = (run.resume, &run.checkpoint) {
         at = trainer.resume()?;
         match at.batch {
             0 => println!(
@@ -274,19 +220,19 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             ),
         }
     }
-    let precision = amp_dtype.map_or("fp32".to_string(), |d| format!("AMP {d}"));
     println!(
-        "{:?} on {} training / {} eval images of {:?}, batch {}, {precision}, {} loader workers, {}",
+        "{:?} on {} training / {} eval images of {:?}, batch {}, {}, {} loader workers, {}",
         args.model,
         train_set.len(),
         eval_set.len(),
         train_set.shape(),
-        args.batch,
-        workers,
+        run.batch,
+        amp.map_or("fp32".to_string(), |d| format!("AMP {d}")),
+        loader_options.workers,
         trainer.session().executor().device_name()
     );
     let mut epoch_seconds = Vec::new();
-    while at.epoch <= args.epochs {
+    while at.epoch <= run.epochs {
         let report = trainer.epoch(&loader, at)?;
         let mut line = format!("{report}");
         if let Some((net, eval_session, eval_loader)) = eval.as_mut() {
@@ -307,7 +253,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         at = report.next;
     }
     if epoch_seconds.is_empty() {
-        println!("the checkpoint holds all {} epochs already", args.epochs);
+        println!("the checkpoint holds all {} epochs already", run.epochs);
     }
     if epoch_seconds.len() > 1 {
         // The first epoch warms up (kernels compiled, cuDNN's algorithms timed).

@@ -81,6 +81,100 @@ impl DeviceArg {
     }
 }
 
+/// The flags of a training run, shared by the examples that train (flatten them into
+/// a command's own with `#[command(flatten)]`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// Epochs to train (with --resume, counting those in the checkpoint).
+    #[arg(long, default_value_t = 6)]
+    pub epochs: usize,
+    /// Examples per training step.
+    #[arg(long, default_value_t = 128)]
+    pub batch: usize,
+    /// SGD's learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f64,
+    /// SGD's momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Train in plain f32 instead of mixed precision.
+    #[arg(long)]
+    pub fp32: bool,
+    /// Mixed precision in bf16 instead of f16.
+    #[arg(long)]
+    pub bf16: bool,
+    /// Seed of the initial weights, the shuffles and the random transforms.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Threads making batches (0: on the training thread); default: the cores.
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Save all variables and the position here after every epoch (atomically).
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Also save every this many steps.
+    #[arg(long)]
+    pub checkpoint_every: Option<usize>,
+    /// Start from the checkpoint where it stopped (`--epochs` counts its epochs too).
+    #[arg(long)]
+    pub resume: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Where to train: `auto` is CUDA device 0 where it runs every node, else the CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: DeviceArg,
+}
+
+impl TrainArgs {
+    /// The AMP dtype, or `None` for plain f32.
+    pub fn amp(&self) -> Option<DType> {
+        match (self.fp32, self.bf16) {
+            (true, _) => None,
+            (false, true) => Some(DType::BF16),
+            (false, false) => Some(DType::F16),
+        }
+    }
+
+    /// Refuses `--resume` without `--checkpoint`.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        match (self.resume, &self.checkpoint) {
+            (true, None) => Err("--resume needs --checkpoint PATH".into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Shuffled batches of `--batch` (the last short one left out: a graph's batch
+    /// size is fixed), seeded, on `--workers` threads two batches ahead each.
+    pub fn loader_options(&self) -> ampgraph_data::LoaderOptions {
+        let defaults = ampgraph_data::LoaderOptions::default();
+        let workers = self.workers.unwrap_or(defaults.workers);
+        ampgraph_data::LoaderOptions {
+            batch_size: self.batch,
+            drop_last: true,
+            seed: self.seed,
+            workers,
+            prefetch: 2 * workers.max(1),
+            ..defaults
+        }
+    }
+
+    pub fn train_options(&self) -> crate::train::TrainOptions {
+        crate::train::TrainOptions {
+            checkpoint: self.checkpoint.clone(),
+            checkpoint_every: self.checkpoint_every,
+            progress: !self.quiet,
+        }
+    }
+
+    pub fn session_options(&self) -> SessionOptions {
+        SessionOptions {
+            seed: self.seed,
+            ..Default::default()
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Print a graph as text, JSON, Graphviz DOT or binary.

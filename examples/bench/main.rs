@@ -127,7 +127,7 @@ use ampgraph::passes::PassRecord;
 use ampgraph::session::Pipeline;
 use ampgraph::{Device, SessionOptions};
 
-use ampgraph::graph::models::convnet;
+use ampgraph::graph::models::{convnet, f32_variable};
 mod energy;
 mod fit;
 #[cfg(test)]
@@ -661,15 +661,6 @@ fn build(cfg: &Config, training: bool) -> Res<Model> {
         loss,
         running_updates,
     })
-}
-
-/// An f32 Variable starting at `init`.
-fn f32_variable(g: &mut Graph, name: String, shape: Vec<usize>, init: Init) -> Res<Port> {
-    let ty = TensorType::new(DType::F32, shape);
-    Ok(
-        g.add_node(name, Box::new(Variable::with_init(ty, init)), &[])?
-            .into(),
-    )
 }
 
 /// torch's `nn.LayerNorm(d)` (epsilon 1e-5, gamma ones, beta zeros) over the last axis.

@@ -15,9 +15,10 @@
 //! BatchNorm allows in training), so the optimizer, which trains every Variable the
 //! loss depends on, leaves them alone. In inference the batch norms read them.
 
+use super::f32_variable;
 use crate::nn;
-use crate::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Padding, Variable};
-use crate::{DType, Data, Graph, GraphError, Port, Result, Tensor, TensorType};
+use crate::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Padding};
+use crate::{DType, Data, Graph, GraphError, Port, Result, Tensor};
 
 /// Each layer's output channels as a multiple of the width, and its stride:
 /// torch_anchor.py's `cbr(3, c), cbr(c, c), cbr(c, 2 * c, 2), ...`.
@@ -109,13 +110,4 @@ pub fn build(
         logits: nn::dense(g, pooled, classes, None)?,
         running_updates,
     })
-}
-
-/// An f32 Variable starting at `init`.
-fn f32_variable(g: &mut Graph, name: String, shape: Vec<usize>, init: Init) -> Result<Port> {
-    let ty = TensorType::new(DType::F32, shape);
-    Ok(
-        g.add_node(name, Box::new(Variable::with_init(ty, init)), &[])?
-            .into(),
-    )
 }
