@@ -25,7 +25,7 @@ use ampgraph::graph::models::convnet;
 use ampgraph::graph::ops::Group;
 use ampgraph::graph::{DType, Graph, Port};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
-use ampgraph::train::{self, Position, Saved, Trainer};
+use ampgraph::train::{Evaluation, Position, Trainer};
 use ampgraph::Session;
 
 #[derive(Parser, Debug)]
@@ -192,7 +192,12 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 },
             )?
             .with_transforms(vec![normalize]);
-            Some((eval_net, eval_session, eval_loader))
+            Some(Evaluation {
+                session: eval_session,
+                logits: eval_net.logits,
+                images: eval_net.images,
+                loader: eval_loader,
+            })
         }
     };
 
@@ -219,24 +224,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         amp.map_or("fp32".to_string(), |d| format!("AMP {d}")),
         trainer.session().executor().device_name()
     );
-    while at.epoch <= run.epochs {
-        let report = trainer.epoch(&loader, at)?;
-        let mut line = report.to_string();
-        if let Some((net, eval_session, eval_loader)) = eval.as_mut() {
-            eval_session.copy_variables_from(trainer.session())?;
-            let accuracy = train::accuracy(eval_session, net.logits, net.images, eval_loader)?;
-            line.push_str(&format!(", eval accuracy {:.2}%", 100.0 * accuracy));
+    trainer.fit(&loader, at, run.epochs, eval.as_mut(), |report| {
+        println!("{report}");
+        if let Some(warning) = report.warning() {
+            eprintln!("warning: {warning}");
         }
-        println!("{line}");
-        if let Saved::RefusedNonFinite(path) = &report.saved {
-            eprintln!(
-                "warning: epoch {}'s loss is {}: not saving {}",
-                report.epoch,
-                report.loss,
-                path.display()
-            );
-        }
-        at = report.next;
-    }
+    })?;
     Ok(())
 }

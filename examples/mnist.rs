@@ -28,7 +28,7 @@ use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{DataFormat, Padding};
 use ampgraph::graph::{DType, Graph, Port};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep};
-use ampgraph::train::{self, Position, Saved, Trainer};
+use ampgraph::train::{Evaluation, Position, Trainer};
 use ampgraph::Session;
 
 #[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
@@ -193,7 +193,12 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 },
             )?
             .with_transforms(transforms);
-            Some((eval_net, eval_session, eval_loader))
+            Some(Evaluation {
+                session: eval_session,
+                logits: eval_net.logits,
+                images: eval_net.images,
+                loader: eval_loader,
+            })
         }
     };
 
@@ -232,26 +237,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         trainer.session().executor().device_name()
     );
     let mut epoch_seconds = Vec::new();
-    while at.epoch <= run.epochs {
-        let report = trainer.epoch(&loader, at)?;
-        let mut line = format!("{report}");
-        if let Some((net, eval_session, eval_loader)) = eval.as_mut() {
-            eval_session.copy_variables_from(trainer.session())?;
-            let accuracy = train::accuracy(eval_session, net.logits, net.images, eval_loader)?;
-            line.push_str(&format!(", eval accuracy {:.2}%", 100.0 * accuracy));
-        }
-        println!("{line}");
-        if let Saved::RefusedNonFinite(path) = &report.saved {
-            eprintln!(
-                "warning: epoch {}'s loss is {}: not saving {} (the last checkpoint stays)",
-                report.epoch,
-                report.loss,
-                path.display()
-            );
+    trainer.fit(&loader, at, run.epochs, eval.as_mut(), |report| {
+        println!("{report}");
+        if let Some(warning) = report.warning() {
+            eprintln!("warning: {warning}");
         }
         epoch_seconds.push((report.seconds, report.step_seconds, report.device_seconds));
-        at = report.next;
-    }
+    })?;
     if epoch_seconds.is_empty() {
         println!("the checkpoint holds all {} epochs already", run.epochs);
     }

@@ -116,11 +116,27 @@ pub struct EpochReport {
     pub saved: Saved,
     /// Where the next epoch starts.
     pub next: Position,
+    /// The share of the evaluation set classified right after the epoch, where
+    /// [`Trainer::fit`] evaluated.
+    pub accuracy: Option<f64>,
 }
 
 impl EpochReport {
     pub fn examples_per_second(&self) -> f64 {
         self.examples as f64 / self.seconds
+    }
+
+    /// Why the epoch's checkpoint was not written, where it was asked for.
+    pub fn warning(&self) -> Option<String> {
+        match &self.saved {
+            Saved::RefusedNonFinite(path) => Some(format!(
+                "epoch {}'s loss is {}: not saving {} (the last checkpoint stays)",
+                self.epoch,
+                self.loss,
+                path.display()
+            )),
+            _ => None,
+        }
     }
 }
 
@@ -141,6 +157,9 @@ impl fmt::Display for EpochReport {
         write!(f, ")")?;
         if let Some(s) = self.loss_scale {
             write!(f, ", loss scale {s}")?;
+        }
+        if let Some(a) = self.accuracy {
+            write!(f, ", eval accuracy {:.2}%", 100.0 * a)?;
         }
         Ok(())
     }
@@ -349,7 +368,30 @@ impl<'s> Trainer<'s> {
             loss_scale: self.loss_scale(),
             saved,
             next,
+            accuracy: None,
         })
+    }
+
+    /// Trains from `at` to the end of epoch `last`, evaluating after each epoch where
+    /// `eval` is given; `on_epoch` sees each epoch's report as it ends (to print it).
+    /// Returns the position after the last epoch.
+    pub fn fit(
+        &mut self,
+        loader: &Loader,
+        mut at: Position,
+        last: usize,
+        mut eval: Option<&mut Evaluation>,
+        mut on_epoch: impl FnMut(&EpochReport),
+    ) -> Result<Position, TrainError> {
+        while at.epoch <= last {
+            let mut report = self.epoch(loader, at)?;
+            if let Some(eval) = eval.as_mut() {
+                report.accuracy = Some(eval.accuracy_of(self.session)?);
+            }
+            on_epoch(&report);
+            at = report.next;
+        }
+        Ok(at)
     }
 
     /// The current loss scale (dynamic loss scaling only).
@@ -370,6 +412,23 @@ impl<'s> Trainer<'s> {
         self.set_position(at)?;
         self.session.save(&path)?;
         Ok(Saved::Written(path))
+    }
+}
+
+/// An inference session of the model being trained (its own batch size, batch norms
+/// on their running averages) and the data it is evaluated on.
+pub struct Evaluation {
+    pub session: Session,
+    pub logits: Port,
+    pub images: Port,
+    pub loader: Loader,
+}
+
+impl Evaluation {
+    /// The accuracy of `trained`'s current weights (copied into this session first).
+    pub fn accuracy_of(&mut self, trained: &Session) -> Result<f64, TrainError> {
+        self.session.copy_variables_from(trained)?;
+        accuracy(&mut self.session, self.logits, self.images, &self.loader)
     }
 }
 
