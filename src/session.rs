@@ -486,7 +486,8 @@ impl Session {
 
     /// Loads a checkpoint written by [`Session::save`]. Every variable of this session
     /// must be in it with the same type; a training session also refuses
-    /// checkpoint variables it does not have (an inference session ignores them).
+    /// checkpoint variables it does not have (an inference session ignores them, and
+    /// every session a [`Trainer`](crate::train::Trainer)'s position).
     /// Checksums are verified (a mismatch names the variable, or the file), and a
     /// float variable holding NaN or infinity is refused; see
     /// [`Session::restore_with`] to accept those. Nothing is restored on an error.
@@ -540,7 +541,7 @@ impl Session {
                 Some(_) => {
                     loaded.insert(e.name, t);
                 }
-                None if training => {
+                None if training && !e.name.starts_with(crate::train::VARIABLE_PREFIX) => {
                     return Err(checkpoint_err(
                         path,
                         format!("variable '{}' is not in the graph", e.name),

@@ -207,3 +207,22 @@ fn batches_that_do_not_fit_the_graph_are_refused_naming_the_placeholder() {
         assert!(err.contains(&format!("[{batch}, 1, 28, 28]")), "{err}");
     }
 }
+
+#[test]
+fn a_trainers_checkpoint_restores_into_a_session_without_a_trainer() {
+    let path = temp("plain.ckpt");
+    let mut trained = net(32);
+    train(&mut trained, &loader(0), &path, None, Position::START, 1);
+    let mut plain = net(32);
+    plain.session.restore(&path).unwrap();
+    let kernel = trained
+        .session
+        .graph()
+        .node(trained.step.variables[0])
+        .name
+        .clone();
+    assert_eq!(
+        plain.session.variable(&kernel),
+        trained.session.variable(&kernel)
+    );
+}
