@@ -360,10 +360,13 @@ fn assigned_values(graph: &Graph, order: &[NodeId]) -> HashSet<Port> {
 /// update writes with their cast, and those updates' cast outputs, which replace them
 /// when the step ends ([`update_casts`]).
 pub fn kept_casts(graph: &Graph) -> HashSet<Port> {
-    let constant = constant_casts(graph).into_iter().map(|(cast, _)| cast);
-    let updated = update_casts(graph)
-        .into_iter()
-        .flat_map(|(cast, _, next)| [cast, next]);
+    kept_of(&constant_casts(graph), &update_casts(graph))
+}
+
+/// [`kept_casts`] from the graph's constant and update casts.
+fn kept_of(constant: &[(Port, String)], updates: &[(Port, String, Port)]) -> HashSet<Port> {
+    let constant = constant.iter().map(|(cast, _)| *cast);
+    let updated = updates.iter().flat_map(|&(cast, _, next)| [cast, next]);
     constant.chain(updated).collect()
 }
 
@@ -497,7 +500,8 @@ pub fn step_footprint(
     fetches: &[Port],
     scratch: &HashMap<NodeId, usize>,
 ) -> Result<StepFootprint, ExecError> {
-    let kept = kept_casts(graph);
+    let (casts, updates) = (constant_casts(graph), update_casts(graph));
+    let kept = kept_of(&casts, &updates);
     let plan = plan_outside(graph, fetches, &kept, scratch)?;
     let order = Schedule::new(graph, fetches)?.order;
     let bytes = |p: &Port| aligned(graph.ty(*p).size_bytes());
@@ -520,13 +524,12 @@ pub fn step_footprint(
         }
     }
     let in_step: HashSet<NodeId> = order.iter().copied().collect();
-    let casts = constant_casts(graph);
     footprint.cast_only_bytes = read_only_through_casts(graph, fetches, &casts)
         .into_iter()
         .filter(|id| in_step.contains(id))
         .map(|id| bytes(&id.into()))
         .sum();
-    let cast_outputs: HashSet<Port> = update_casts(graph)
+    let cast_outputs: HashSet<Port> = updates
         .into_iter()
         .map(|(_, _, next)| next)
         .filter(|p| in_step.contains(&p.node))
