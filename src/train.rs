@@ -272,7 +272,7 @@ impl<'s> Trainer<'s> {
         let graph = self.session.graph();
         let want = graph.ty(self.images).clone();
         let data = loader.dataset();
-        let got = [&[loader.options().batch_size][..], data.shape()].concat();
+        let got = batch_shape(loader);
         let short = !loader.options().drop_last && data.len() % loader.options().batch_size != 0;
         if want.shape != got || short {
             return Err(TrainError::Mismatch(format!(

@@ -39,7 +39,7 @@ impl TensorDataset {
             )));
         }
         Ok(TensorDataset {
-            values: images.to_f64_vec().into_iter().map(|v| v as f32).collect(),
+            values: images.to_f32_vec(),
             shape: shape.to_vec(),
             labels: label_values,
             classes,

@@ -350,7 +350,7 @@ pub struct Device {
     pub launches: Launches,
 }
 
-fn drv<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
+pub(super) fn drv<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
     move |e| format!("CUDA {what}: {e:?}")
 }
 

@@ -12,10 +12,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use ampgraph_graph::ops::Placeholder;
 use ampgraph_graph::{Graph, Tensor};
 use cudarc::driver::{sys, CudaEvent, CudaStream, PinnedHostSlice};
 
-use super::device::{guard, DTensor, Device, Launches};
+use super::device::{drv, guard, DTensor, Device, Launches};
 use super::kernels::Owner;
 use crate::{ExecError, Feeds, Staged};
 
@@ -44,10 +45,6 @@ pub(super) struct Staging {
     in_use: Vec<(String, usize)>,
 }
 
-fn drv<E: std::fmt::Debug>(what: &'static str) -> impl Fn(E) -> String {
-    move |e| format!("CUDA {what}: {e:?}")
-}
-
 impl Staging {
     /// Starts copying `feeds` (each a Placeholder of `graph`) to the device.
     pub fn stage(
@@ -59,7 +56,7 @@ impl Staging {
         for name in feeds.keys() {
             let placeholder = graph
                 .find(name)
-                .is_some_and(|id| graph.node(id).op.name() == "Placeholder");
+                .is_some_and(|id| graph.node(id).op.is::<Placeholder>());
             if !placeholder {
                 return Err(ExecError::Feed {
                     name: name.clone(),
@@ -83,17 +80,15 @@ impl Staging {
                 name: name.clone(),
                 msg,
             };
-            let slots = self.slots.entry(name.clone()).or_default();
-            let slot = &mut slots[parity];
+            let slot = &mut self.slots.entry(name.clone()).or_default()[parity];
             let bytes = value.data().len() * value.dtype().size_bytes();
-            let fits = slot.as_ref().is_some_and(|s| {
-                s.device.dtype == value.dtype() && s.device.shape == value.shape()
-            });
-            if !fits {
-                *slot = Some(guard("CUDA", || new_slot(dev, name, value)).map_err(feed_err)?);
-            }
-            let Some(slot) = slot.as_mut() else {
-                continue;
+            let fits =
+                |s: &Slot| s.device.dtype == value.dtype() && s.device.shape == value.shape();
+            let slot = match slot.take().filter(fits) {
+                Some(kept) => slot.insert(kept),
+                None => {
+                    slot.insert(guard("CUDA", || new_slot(dev, name, value)).map_err(feed_err)?)
+                }
             };
             guard("CUDA", || {
                 // The device buffer's last reader, then the host buffer's last copy.
