@@ -296,6 +296,28 @@ unary_kinds! {
         cuda: "(C)1 / ((C)1 + m_exp(-x))",
         cuda_derivative: "C s = (C)1 / ((C)1 + m_exp(-x)); C d = s * ((C)1 - s);",
     }
+    /// PyTorch's `hardsigmoid`, ONNX's HardSigmoid at alpha 1/6, beta 1/2:
+    /// `relu6(x + 3) / 6`.
+    HardSigmoid => "HardSigmoid" {
+        value: (x + T::lit(3.0)).max(zero).min(T::lit(6.0)) / T::lit(6.0),
+        derivative: if x > T::lit(-3.0) && x < T::lit(3.0) { T::lit(1.0 / 6.0) } else { zero },
+        cuda: "m_min(m_max(x + (C)3, (C)0), (C)6) / (C)6",
+        cuda_derivative: "C d = (x > (C)-3 && x < (C)3) ? (C)1 / (C)6 : (C)0;",
+    }
+    /// PyTorch's `hardswish` (ONNX's HardSwish): `x * relu6(x + 3) / 6`; the
+    /// derivative is PyTorch's, `x / 3 + 1/2` on [-3, 3].
+    HardSwish => "HardSwish" {
+        value: x * (x + T::lit(3.0)).max(zero).min(T::lit(6.0)) / T::lit(6.0),
+        derivative: if x < T::lit(-3.0) {
+            zero
+        } else if x <= T::lit(3.0) {
+            x / T::lit(3.0) + half
+        } else {
+            one
+        },
+        cuda: "x * m_min(m_max(x + (C)3, (C)0), (C)6) / (C)6",
+        cuda_derivative: "C d = x < (C)-3 ? (C)0 : (x <= (C)3 ? x / (C)3 + (C)0.5 : (C)1);",
+    }
     Exp => "Exp" {
         value: x.exp(),
         derivative: x.exp(),
