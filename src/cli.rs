@@ -33,6 +33,8 @@ pub enum CliError {
     Pass(#[from] PassError),
     #[error(transparent)]
     Session(#[from] SessionError),
+    #[error(transparent)]
+    Onnx(#[from] ampgraph_onnx::OnnxError),
     #[error("{0}")]
     Usage(String),
     #[error("{path}: {source}")]
@@ -53,6 +55,82 @@ type Result<T> = std::result::Result<T, CliError>;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// The shape of an ONNX model's input, `NAME=DxDx...` (e.g. `x=1x3x224x224`):
+    /// needed where the model's dims are symbolic (`batch`), and it overrides them.
+    #[arg(long = "input", global = true, value_name = "NAME=SHAPE")]
+    pub inputs: Vec<String>,
+    /// With an ONNX output: inputs and outputs in the rewritten graph's 16-bit type
+    /// (by default they keep their f32 types, onnxruntime's `keep_io_types`).
+    #[arg(long, global = true)]
+    pub half_io: bool,
+}
+
+/// Import options from `--input NAME=SHAPE` flags.
+fn import_options(inputs: &[String]) -> Result<ampgraph_onnx::ImportOptions> {
+    let mut opts = ampgraph_onnx::ImportOptions::default();
+    for arg in inputs {
+        let bad = || {
+            CliError::Usage(format!(
+                "--input {arg}: expected NAME=DxDx... (e.g. x=1x3x224x224)"
+            ))
+        };
+        let (name, dims) = arg.rsplit_once('=').ok_or_else(bad)?;
+        let shape = if dims.is_empty() {
+            Vec::new()
+        } else {
+            dims.split(['x', ','])
+                .map(|d| d.trim().parse::<usize>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|_| bad())?
+        };
+        if name.is_empty() || opts.input_shapes.insert(name.to_string(), shape).is_some() {
+            return Err(bad());
+        }
+    }
+    Ok(opts)
+}
+
+/// How the command line reads and writes graph files: our JSON and binary formats,
+/// and ONNX (by the `.onnx` extension).
+struct Files {
+    import: ampgraph_onnx::ImportOptions,
+    export: ampgraph_onnx::ExportOptions,
+}
+
+impl Files {
+    fn new(cli: &Cli) -> Result<Files> {
+        Ok(Files {
+            import: import_options(&cli.inputs)?,
+            export: ampgraph_onnx::ExportOptions {
+                keep_io_types: !cli.half_io,
+            },
+        })
+    }
+
+    fn load(&self, path: &str) -> Result<Graph> {
+        if ampgraph_onnx::is_onnx_path(Path::new(path)) {
+            return Ok(ampgraph_onnx::import_file(Path::new(path), &self.import)?);
+        }
+        if !self.import.input_shapes.is_empty() {
+            return Err(CliError::Usage(format!(
+                "--input is for ONNX models; {path} is not one"
+            )));
+        }
+        Ok(format::load(path)?)
+    }
+
+    /// Writes `g` by `path`'s extension: `.onnx`, `.bin`, or JSON (any other).
+    fn save(&self, g: &Graph, path: &Path) -> Result<()> {
+        if ampgraph_onnx::is_onnx_path(path) {
+            return Ok(ampgraph_onnx::export_file(g, path, &self.export)?);
+        }
+        let fmt = if path.extension().is_some_and(|e| e == "bin") {
+            DumpFormat::Bin
+        } else {
+            DumpFormat::Json
+        };
+        write_file(path, &render(g, fmt)?)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
@@ -179,7 +257,8 @@ impl TrainArgs {
 pub enum Command {
     /// Print a graph as text, JSON, Graphviz DOT or binary.
     Dump {
-        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input), binary (`.bin`) or
+        /// an ONNX model (`.onnx`).
         graph: String,
         /// text: one line a node; json: the interchange format; dot: Graphviz, nodes
         /// colored by precision; bin: the binary format.
@@ -190,17 +269,19 @@ pub enum Command {
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
-    /// Convert between .json and .bin (by the output's extension).
+    /// Convert between .json, .bin and .onnx (by the output's extension).
     Convert {
-        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input), binary (`.bin`) or
+        /// an ONNX model (`.onnx`).
         graph: String,
-        /// The file to write: `.json` or `.bin` decides the format.
+        /// The file to write: `.json`, `.bin` or `.onnx` decides the format.
         #[arg(short, long)]
         output: PathBuf,
     },
     /// Rewrite a graph: automatic mixed precision and other passes.
     Rewrite {
-        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input), binary (`.bin`) or
+        /// an ONNX model (`.onnx`).
         #[arg(required_unless_present = "list_passes")]
         graph: Option<String>,
         /// Print the passes --passes can name (besides `amp`), one a line with what each
@@ -214,7 +295,8 @@ pub enum Command {
         precision: PrecisionArgs,
         #[arg(long, value_delimiter = ',', help = passes_help())]
         passes: Vec<String>,
-        /// Where to write the result (.json or .bin); JSON on standard output otherwise.
+        /// Where to write the result (.json, .bin or .onnx); JSON on standard output
+        /// otherwise.
         #[arg(short, long)]
         output: Option<PathBuf>,
         /// Print the AMP summary, per-op counts and casts (to standard error when the
@@ -224,7 +306,8 @@ pub enum Command {
     },
     /// Explain why NODE gets its precision under the AMP rewrite.
     Explain {
-        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input), binary (`.bin`) or
+        /// an ONNX model (`.onnx`).
         graph: String,
         /// The node's name.
         node: String,
@@ -233,7 +316,8 @@ pub enum Command {
     },
     /// Run a graph and print every output.
     Run {
-        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input), binary (`.bin`) or
+        /// an ONNX model (`.onnx`).
         graph: String,
         /// Where to run: `auto` is CUDA device 0 where it runs every node, else the CPU.
         #[arg(long, value_enum, default_value = "auto")]
@@ -257,7 +341,8 @@ pub enum Command {
     /// planned peak and its parts (the arena, the variables, what else lives beside
     /// the arena), the lower bound, the peak step and the largest tensors alive there.
     Plan {
-        /// The graph file: JSON (`.json`, or `-` for standard input) or binary (`.bin`).
+        /// The graph file: JSON (`.json`, or `-` for standard input), binary (`.bin`) or
+        /// an ONNX model (`.onnx`).
         graph: String,
         /// What the step computes: `name` or `name:k`, comma-separated (default: the
         /// graph's outputs).
@@ -415,6 +500,7 @@ fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
 }
 
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
+    let files = Files::new(&cli)?;
     match cli.command {
         Command::Rewrite {
             list_passes: true, ..
@@ -429,7 +515,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             ..
         } => {
             let graph = graph.ok_or_else(|| CliError::Usage("rewrite needs a GRAPH".into()))?;
-            let mut g = format::load(&graph)?;
+            let mut g = files.load(&graph)?;
             let mut text = String::new();
             for name in selected_passes(amp, &passes)? {
                 match name {
@@ -451,12 +537,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             }
             match &output {
                 Some(path) => {
-                    let fmt = if path.extension().is_some_and(|e| e == "bin") {
-                        DumpFormat::Bin
-                    } else {
-                        DumpFormat::Json
-                    };
-                    write_file(path, &render(&g, fmt)?)?;
+                    files.save(&g, path)?;
                     if report {
                         out.write_all(text.as_bytes()).map_err(io_err("<stdout>"))?;
                     }
@@ -476,7 +557,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             node,
             precision,
         } => {
-            let g = format::load(&graph)?;
+            let g = files.load(&graph)?;
             let amp = AutoMixedPrecision::new(precision.config()?);
             let painting = amp.analyze(&g)?;
             let explanation = explain(&g, &painting, &amp.config, &node)?;
@@ -486,27 +567,30 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             graph,
             format,
             output,
-        } => dump(&graph, format, output.as_deref(), out),
+        } => dump(&files.load(&graph)?, format, output.as_deref(), out),
         Command::Convert { graph, output } => {
-            let g = format::load(&graph)?;
-            let fmt = match output.extension().and_then(|e| e.to_str()) {
-                Some("bin") => DumpFormat::Bin,
-                Some("json") => DumpFormat::Json,
-                _ => {
-                    return Err(CliError::Usage(format!(
-                        "{}: the output must end in .json or .bin",
-                        output.display()
-                    )))
-                }
-            };
-            write_file(&output, &render(&g, fmt)?)
+            let g = files.load(&graph)?;
+            match output.extension().and_then(|e| e.to_str()) {
+                Some("bin" | "json" | "onnx") => files.save(&g, &output),
+                _ => Err(CliError::Usage(format!(
+                    "{}: the output must end in .json, .bin or .onnx",
+                    output.display()
+                ))),
+            }
         }
         Command::Plan {
             graph,
             fetch,
             passes,
             top,
-        } => plan(&graph, &fetch, passes.as_deref(), top, out),
+        } => plan(
+            &graph,
+            files.load(&graph)?,
+            &fetch,
+            passes.as_deref(),
+            top,
+            out,
+        ),
         Command::Run {
             graph,
             device,
@@ -515,7 +599,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             json,
             executor,
         } => {
-            let g = format::load(&graph)?;
+            let g = files.load(&graph)?;
             let feeds = make_feeds(&g, seed, feeds.as_deref())?;
             let device = device.for_graph(&g);
             // As a session runs it: AMP where the graph is marked for it, then the
@@ -548,9 +632,8 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(format::write_atomic(path, bytes)?)
 }
 
-fn dump(path: &str, fmt: DumpFormat, output: Option<&Path>, out: &mut dyn Write) -> Result<()> {
-    let g = format::load(path)?;
-    let bytes = render(&g, fmt)?;
+fn dump(g: &Graph, fmt: DumpFormat, output: Option<&Path>, out: &mut dyn Write) -> Result<()> {
+    let bytes = render(g, fmt)?;
     match output {
         Some(p) => write_file(p, &bytes),
         None if fmt == DumpFormat::Bin && std::io::IsTerminal::is_terminal(&std::io::stdout()) => {
@@ -566,12 +649,12 @@ fn dump(path: &str, fmt: DumpFormat, output: Option<&Path>, out: &mut dyn Write)
 /// `passes` after AMP where given), then its step's memory plan.
 fn plan(
     path: &str,
+    mut g: Graph,
     fetch: &[String],
     passes: Option<&[String]>,
     top: usize,
     out: &mut dyn Write,
 ) -> Result<()> {
-    let mut g = format::load(path)?;
     let fetches = match fetch {
         [] => g.outputs().to_vec(),
         names => names

@@ -2,7 +2,7 @@
 //!
 //! The workspace is layered as the architecture: [`graph`] (what a model is),
 //! [`passes`] (how it is rewritten), [`exec`] (how it runs), [`data`] (how examples
-//! get in). This crate re-exports them and hosts the `ampgraph` command line.
+//! get in); [`onnx`] reads and writes ONNX models. This crate re-exports them and hosts the `ampgraph` command line.
 
 // Inlined, so that `cargo doc -p ampgraph` documents the whole library in one place.
 #[doc(inline)]
@@ -11,6 +11,8 @@ pub use ampgraph_data as data;
 pub use ampgraph_exec as exec;
 #[doc(inline)]
 pub use ampgraph_graph as graph;
+#[doc(inline)]
+pub use ampgraph_onnx as onnx;
 #[doc(inline)]
 pub use ampgraph_passes as passes;
 

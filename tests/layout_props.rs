@@ -491,12 +491,14 @@ proptest! {
                 strides: stride,
                 padding,
                 data_format: format,
+                groups: 1,
             },
             Conv2DBackpropFilter {
                 filter_shape: vec![k, k, cin, cout],
                 strides: stride,
                 padding,
                 data_format: format,
+                groups: 1,
             },
         );
         let dx = g.add(dx, &[filter, dy]).unwrap();

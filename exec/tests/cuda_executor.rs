@@ -212,6 +212,7 @@ impl ConvAndFilterGradient {
             strides,
             padding: Padding::Same,
             data_format: DataFormat::Nhwc,
+            groups: 1,
         };
         let df = g.add(df, &[x, y]).unwrap();
         ConvAndFilterGradient {

@@ -1230,6 +1230,58 @@ const CONV_SHAPES: [ConvCase; 13] = [
     ),
 ];
 
+/// Grouped convolutions (case, groups): depthwise (groups = channels, as MobileNet's)
+/// with multipliers 1 and 2 and PyTorch's `padding=1`, groups of 8 channels, a grouped
+/// 1x1, asymmetric SAME and explicit pads (the input extended around cuDNN's padding).
+const GROUPED_CONV_SHAPES: [(ConvCase, usize); 7] = [
+    ((2, 8, 8, 6, 6, 3, 3, [1, 1], Padding::Same), 6),
+    ((1, 9, 7, 4, 8, 3, 3, [2, 2], Padding::Same), 4),
+    (
+        (
+            2,
+            12,
+            12,
+            32,
+            32,
+            3,
+            3,
+            [1, 1],
+            Padding::Explicit([[1, 1], [1, 1]]),
+        ),
+        32,
+    ),
+    (
+        (
+            2,
+            8,
+            8,
+            16,
+            32,
+            3,
+            3,
+            [2, 2],
+            Padding::Explicit([[1, 1], [1, 1]]),
+        ),
+        2,
+    ),
+    ((1, 7, 9, 6, 9, 1, 1, [1, 1], Padding::Valid), 3),
+    (
+        (
+            2,
+            6,
+            7,
+            4,
+            6,
+            3,
+            2,
+            [2, 1],
+            Padding::Explicit([[0, 2], [1, 3]]),
+        ),
+        2,
+    ),
+    ((4, 16, 16, 64, 64, 3, 3, [1, 1], Padding::Same), 64),
+];
+
 #[test]
 fn convolutions_and_their_gradients_match_the_cpu() {
     let Some(mut gpu) = gpu() else { return };
@@ -1248,23 +1300,26 @@ fn convolutions_and_their_gradients_match_the_cpu() {
     }
     for format in [DataFormat::Nhwc, DataFormat::Nchw] {
         for d in FLOATS {
-            for &(n, h, w, c, k, kh, kw, strides, padding) in &CONV_SHAPES {
+            let cases = CONV_SHAPES.iter().map(|&c| (c, 1));
+            for ((n, h, w, c, k, kh, kw, strides, padding), groups) in
+                cases.chain(GROUPED_CONV_SHAPES)
+            {
                 let image = |c: usize, h: usize, w: usize| match format {
                     DataFormat::Nhwc => vec![n, h, w, c],
                     DataFormat::Nchw => vec![n, c, h, w],
                 };
                 let x = rand(&mut r, d, &image(c, h, w), -1.0, 1.0);
-                let f = rand(&mut r, d, &[kh, kw, c, k], -1.0, 1.0);
-                let conv = Conv2D::new(strides, padding, format);
+                let f = rand(&mut r, d, &[kh, kw, c / groups, k], -1.0, 1.0);
+                let conv = Conv2D::new(strides, padding, format).with_groups(groups);
                 let what = format!(
-                    "{format:?} {d} x{:?} f{:?} {strides:?} {padding:?}",
+                    "{format:?} {d} x{:?} f{:?} groups {groups} {strides:?} {padding:?}",
                     x.shape(),
                     f.shape()
                 );
                 let (ys, _) = run_both(&mut gpu, &what, conv.clone(), &[x.clone(), f.clone()]);
                 let dy = rand(&mut r, d, ys[0].shape(), -1.0, 1.0);
                 // Errors grow with the terms a sum adds: judge them against its typical size.
-                let terms = (kh * kw * c) as f64;
+                let terms = (kh * kw * c / groups) as f64;
                 try_check!(
                     &mut gpu,
                     &format!("Conv2D {what}"),
@@ -1277,6 +1332,7 @@ fn convolutions_and_their_gradients_match_the_cpu() {
                     strides,
                     padding,
                     data_format: format,
+                    groups,
                 };
                 if d == DType::F64 && format == DataFormat::Nhwc {
                     let err = CudaExecutor::check_supported(
@@ -1290,7 +1346,7 @@ fn convolutions_and_their_gradients_match_the_cpu() {
                     );
                     continue;
                 }
-                let terms = (kh * kw * k) as f64;
+                let terms = (kh * kw * k / groups) as f64;
                 try_check!(
                     &mut gpu,
                     &format!("Conv2DBackpropInput {what}"),
@@ -1303,6 +1359,7 @@ fn convolutions_and_their_gradients_match_the_cpu() {
                     strides,
                     padding,
                     data_format: format,
+                    groups,
                 };
                 let terms = (dy.len() / k) as f64;
                 try_check!(
@@ -1424,6 +1481,7 @@ fn conv_algorithms_are_timed_once_then_read_from_disk_and_deterministic_ones_rep
         strides: [1, 1],
         padding: Padding::Same,
         data_format: DataFormat::Nhwc,
+        groups: 1,
     };
     let run = |options: cuda::CudaOptions| {
         let mut gpu = CudaExecutor::with_kernel_cache(0, options, &cache).expect("executor");

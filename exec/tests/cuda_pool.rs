@@ -33,8 +33,10 @@ const fn case(image: [usize; 4], ksize: [usize; 2], strides: [usize; 2], padding
 
 /// Strides 1, 2 and 3; windows equal to the stride, larger (overlapping) and smaller
 /// (input elements no window covers); SAME windows past the image on both sides and
-/// wider than it; odd sizes; channels 1, 3, 5 and 17; batch 1.
-const CASES: [Case; 9] = [
+/// wider than it; explicit pads (PyTorch's `padding=1`, more after than before and
+/// before than after, one below the window); odd sizes; channels 1, 3, 5 and 17;
+/// batch 1.
+const CASES: [Case; 12] = [
     case([1, 5, 7, 3], [2, 2], [2, 2], Padding::Valid),
     case([2, 9, 8, 5], [3, 3], [2, 2], Padding::Same),
     case([1, 6, 6, 1], [3, 3], [1, 1], Padding::Same),
@@ -44,6 +46,24 @@ const CASES: [Case; 9] = [
     case([1, 3, 3, 2], [5, 5], [1, 1], Padding::Same),
     case([2, 8, 7, 17], [2, 3], [2, 2], Padding::Same),
     case([1, 1, 9, 3], [1, 3], [1, 3], Padding::Valid),
+    case(
+        [1, 4, 4, 3],
+        [3, 3],
+        [2, 2],
+        Padding::Explicit([[1, 1], [1, 1]]),
+    ),
+    case(
+        [2, 7, 6, 5],
+        [3, 2],
+        [2, 1],
+        Padding::Explicit([[0, 2], [1, 0]]),
+    ),
+    case(
+        [1, 5, 9, 17],
+        [4, 3],
+        [3, 2],
+        Padding::Explicit([[3, 1], [2, 2]]),
+    ),
 ];
 
 impl Case {

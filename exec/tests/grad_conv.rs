@@ -1,5 +1,5 @@
-//! Gradients of Conv2D, MaxPool and AvgPool against central finite differences (over
-//! shapes, strides, SAME/VALID padding, Conv2D's EXPLICIT pads, NHWC/NCHW), and the
+//! Gradients of Conv2D (grouped too), MaxPool and AvgPool against central finite
+//! differences (over shapes, strides, SAME/VALID/EXPLICIT padding, NHWC/NCHW), and the
 //! kernels of the gradient
 //! ops Conv2DBackpropInput, Conv2DBackpropFilter, MaxPoolGrad and AvgPoolGrad against
 //! float64 references written here as direct loops, in f32, f16, bf16 and f64.
@@ -213,6 +213,23 @@ fn conv_padding_strategy() -> impl Strategy<Value = Padding> {
     ]
 }
 
+/// SAME, VALID or explicit pads of 0 to 2, cut below the window by [`below_window`].
+fn pool_padding_strategy() -> impl Strategy<Value = Padding> {
+    let pair = || [0usize..=2, 0usize..=2];
+    prop_oneof![
+        padding_strategy(),
+        [pair(), pair()].prop_map(Padding::Explicit),
+    ]
+}
+
+/// `padding` with explicit pads below the `k` window, as the pools take them.
+fn below_window(padding: Padding, k: [usize; 2]) -> Padding {
+    match padding {
+        Padding::Explicit(p) => Padding::Explicit([0, 1].map(|a| p[a].map(|v| v.min(k[a] - 1)))),
+        other => other,
+    }
+}
+
 fn format_strategy() -> impl Strategy<Value = DataFormat> {
     prop_oneof![Just(DataFormat::Nhwc), Just(DataFormat::Nchw)]
 }
@@ -245,11 +262,29 @@ proptest! {
     }
 
     #[test]
+    fn grouped_conv2d_gradient_matches_finite_differences(
+        n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, groups in 2usize..=3,
+        cg in 1usize..=2, kg in 1usize..=2, [kh, kw] in [1usize..=3, 1usize..=3],
+        strides in [1usize..=2, 1usize..=2],
+        padding in conv_padding_strategy(), format in format_strategy(), seed: u64,
+    ) {
+        let (h, w) = (fit(padding, 0, h, kh), fit(padding, 1, w, kw));
+        let (cin, cout) = (groups * cg, groups * kg);
+        let mut rng = Gen(seed);
+        let x = rand_img(&mut rng, n, h, w, cin);
+        let x = t64(&x.shape(format), &x.layout(format));
+        let filter = t64(&[kh, kw, cg, cout], &rng.vec(kh * kw * cg * cout, -1.0, 1.0));
+        let conv = Conv2D::new(strides, padding, format).with_groups(groups);
+        assert_grad(Box::new(conv), &[x, filter], seed);
+    }
+
+    #[test]
     fn max_pool_gradient_matches_finite_differences(
         n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, c in 1usize..=2,
         kh in 1usize..=3, kw in 1usize..=3, sh in 1usize..=3, sw in 1usize..=3,
-        padding in padding_strategy(), format in format_strategy(), seed: u64,
+        padding in pool_padding_strategy(), format in format_strategy(), seed: u64,
     ) {
+        let padding = below_window(padding, [kh, kw]);
         let (h, w) = (fit(padding, 0, h, kh), fit(padding, 1, w, kw));
         let mut rng = Gen(seed);
         let shape = Img::zeros(n, h, w, c).shape(format);
@@ -262,8 +297,9 @@ proptest! {
     fn avg_pool_gradient_matches_finite_differences(
         n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, c in 1usize..=2,
         kh in 1usize..=3, kw in 1usize..=3, sh in 1usize..=3, sw in 1usize..=3,
-        padding in padding_strategy(), format in format_strategy(), seed: u64,
+        padding in pool_padding_strategy(), format in format_strategy(), seed: u64,
     ) {
+        let padding = below_window(padding, [kh, kw]);
         let (h, w) = (fit(padding, 0, h, kh), fit(padding, 1, w, kw));
         let mut rng = Gen(seed);
         let x = rand_img(&mut rng, n, h, w, c);
@@ -291,83 +327,112 @@ const CASES: [Case; 8] = [
 #[test]
 fn conv_backprop_kernels_match_reference() {
     let mut rng = Gen(17);
-    for &(n, h, w, cin, cout, kh, kw, strides) in &CASES {
-        // Explicit: symmetric, more after than before (height) and before than after
-        // (width), pads wider than the window.
-        let paddings = [
-            Padding::Same,
-            Padding::Valid,
-            Padding::Explicit([[1, 1], [1, 1]]),
-            Padding::Explicit([[0, 2], [3, 1]]),
-            Padding::Explicit([[kh + 1, 0], [1, kw + 2]]),
-        ];
-        for padding in paddings {
-            if !fits(padding, h, w, [kh, kw]) {
-                continue;
-            }
-            let (oh, _) = tf_out(padding, 0, h, kh, strides[0]);
-            let (ow, _) = tf_out(padding, 1, w, kw, strides[1]);
-            let x0 = rand_img(&mut rng, n, h, w, cin);
-            let dy0 = rand_img(&mut rng, n, oh, ow, cout);
-            let f0 = rng.vec(kh * kw * cin * cout, -1.0, 1.0);
-            for dtype in FLOATS {
-                for f in FORMATS {
-                    let (xt, x) = x0.tensor(dtype, f);
-                    let (dyt, dy) = dy0.tensor(dtype, f);
-                    let (ft, fv) = stored(dtype, &[kh, kw, cin, cout], &f0);
-                    let fidx = |ky: usize, kx: usize, ci: usize, co: usize| {
-                        ((ky * kw + kx) * cin + ci) * cout + co
-                    };
-                    // Reference dx and dfilter.
-                    let mut dx = Img::zeros(n, h, w, cin);
-                    let mut dx_abs = dx.clone();
-                    let mut df = vec![0.0; f0.len()];
-                    let mut df_abs = df.clone();
-                    windows(
-                        (n, h, w),
-                        [kh, kw],
-                        strides,
-                        padding,
-                        |ni, oy, ox, ky, kx, iy, ix| {
-                            for co in 0..cout {
-                                let g = dy.v[dy.idx(ni, oy, ox, co)];
-                                for ci in 0..cin {
-                                    let xi = x.idx(ni, iy, ix, ci);
-                                    let t = g * fv[fidx(ky, kx, ci, co)];
-                                    dx.v[xi] += t;
-                                    dx_abs.v[xi] += t.abs();
-                                    let t = g * x.v[xi];
-                                    df[fidx(ky, kx, ci, co)] += t;
-                                    df_abs[fidx(ky, kx, ci, co)] += t.abs();
-                                }
+    for case in &CASES {
+        check_backprop_kernels(&mut rng, case, 1);
+    }
+}
+
+#[test]
+fn grouped_conv_backprop_kernels_match_reference() {
+    let mut rng = Gen(31);
+    // (case with cin and cout multiples of groups, groups): depthwise with multipliers
+    // 1 and 2, a 1x1, one output position per image, groups of several channels.
+    let cases: [(Case, usize); 6] = [
+        ((1, 5, 5, 2, 2, 3, 3, [1, 1]), 2),
+        ((2, 6, 5, 3, 6, 3, 2, [2, 1]), 3),
+        ((1, 7, 7, 4, 6, 3, 3, [2, 2]), 2),
+        ((2, 4, 4, 6, 9, 1, 1, [1, 1]), 3),
+        ((3, 2, 2, 4, 4, 2, 2, [2, 2]), 4),
+        ((1, 9, 8, 8, 4, 2, 3, [3, 2]), 4),
+    ];
+    for (case, groups) in &cases {
+        check_backprop_kernels(&mut rng, case, *groups);
+    }
+}
+
+/// Conv2DBackpropInput and Conv2DBackpropFilter of `case` with `groups` groups against
+/// direct loops, in every padding the case's window fits, dtype and layout.
+fn check_backprop_kernels(rng: &mut Gen, case: &Case, groups: usize) {
+    let &(n, h, w, cin, cout, kh, kw, strides) = case;
+    // Channels per group, in and out; output channel co reads input group co / kg.
+    let (cg, kg) = (cin / groups, cout / groups);
+    // Explicit: symmetric, more after than before (height) and before than after
+    // (width), pads wider than the window.
+    let paddings = [
+        Padding::Same,
+        Padding::Valid,
+        Padding::Explicit([[1, 1], [1, 1]]),
+        Padding::Explicit([[0, 2], [3, 1]]),
+        Padding::Explicit([[kh + 1, 0], [1, kw + 2]]),
+    ];
+    for padding in paddings {
+        if !fits(padding, h, w, [kh, kw]) {
+            continue;
+        }
+        let (oh, _) = tf_out(padding, 0, h, kh, strides[0]);
+        let (ow, _) = tf_out(padding, 1, w, kw, strides[1]);
+        let x0 = rand_img(rng, n, h, w, cin);
+        let dy0 = rand_img(rng, n, oh, ow, cout);
+        let f0 = rng.vec(kh * kw * cg * cout, -1.0, 1.0);
+        for dtype in FLOATS {
+            for f in FORMATS {
+                let (xt, x) = x0.tensor(dtype, f);
+                let (dyt, dy) = dy0.tensor(dtype, f);
+                let (ft, fv) = stored(dtype, &[kh, kw, cg, cout], &f0);
+                let fidx = |ky: usize, kx: usize, ci: usize, co: usize| {
+                    ((ky * kw + kx) * cg + ci) * cout + co
+                };
+                // Reference dx and dfilter.
+                let mut dx = Img::zeros(n, h, w, cin);
+                let mut dx_abs = dx.clone();
+                let mut df = vec![0.0; f0.len()];
+                let mut df_abs = df.clone();
+                windows(
+                    (n, h, w),
+                    [kh, kw],
+                    strides,
+                    padding,
+                    |ni, oy, ox, ky, kx, iy, ix| {
+                        for co in 0..cout {
+                            let g = dy.v[dy.idx(ni, oy, ox, co)];
+                            for ci in 0..cg {
+                                let xi = x.idx(ni, iy, ix, co / kg * cg + ci);
+                                let t = g * fv[fidx(ky, kx, ci, co)];
+                                dx.v[xi] += t;
+                                dx_abs.v[xi] += t.abs();
+                                let t = g * x.v[xi];
+                                df[fidx(ky, kx, ci, co)] += t;
+                                df_abs[fidx(ky, kx, ci, co)] += t.abs();
                             }
-                        },
-                    );
-                    let what = format!(
-                        "x [{n},{h},{w},{cin}] filter [{kh},{kw},{cin},{cout}] {strides:?} {padding:?} {f:?}"
-                    );
-                    let op = Conv2DBackpropInput {
-                        input_shape: x.shape(f),
-                        strides,
-                        padding,
-                        data_format: f,
-                    };
-                    assert_round_trip(&op);
-                    let got = run(&op, &[&ft, &dyt]);
-                    let got = Img::from_tensor(f, &got);
-                    let k = kh * kw * cout;
-                    check_sums(&format!("dx {what}"), dtype, k, &got.v, &dx.v, &dx_abs.v);
-                    let op = Conv2DBackpropFilter {
-                        filter_shape: vec![kh, kw, cin, cout],
-                        strides,
-                        padding,
-                        data_format: f,
-                    };
-                    assert_round_trip(&op);
-                    let got = run(&op, &[&xt, &dyt]).to_f64_vec();
-                    let k = n * oh * ow;
-                    check_sums(&format!("dfilter {what}"), dtype, k, &got, &df, &df_abs);
-                }
+                        }
+                    },
+                );
+                let what = format!(
+                    "x [{n},{h},{w},{cin}] filter [{kh},{kw},{cg},{cout}] groups {groups} {strides:?} {padding:?} {f:?}"
+                );
+                let op = Conv2DBackpropInput {
+                    input_shape: x.shape(f),
+                    strides,
+                    padding,
+                    data_format: f,
+                    groups,
+                };
+                assert_round_trip(&op);
+                let got = run(&op, &[&ft, &dyt]);
+                let got = Img::from_tensor(f, &got);
+                let k = kh * kw * kg;
+                check_sums(&format!("dx {what}"), dtype, k, &got.v, &dx.v, &dx_abs.v);
+                let op = Conv2DBackpropFilter {
+                    filter_shape: vec![kh, kw, cg, cout],
+                    strides,
+                    padding,
+                    data_format: f,
+                    groups,
+                };
+                assert_round_trip(&op);
+                let got = run(&op, &[&xt, &dyt]).to_f64_vec();
+                let k = n * oh * ow;
+                check_sums(&format!("dfilter {what}"), dtype, k, &got, &df, &df_abs);
             }
         }
     }
@@ -387,7 +452,15 @@ fn pool_grad_kernels_match_reference() {
         (1, 6, 6, 2, [1, 1], [2, 2]),
     ];
     for (n, h, w, c, k, strides) in cases {
-        for padding in [Padding::Same, Padding::Valid] {
+        // Explicit pads below the window: uneven, and the widest.
+        let widest = [[k[0] - 1; 2], [k[1] - 1; 2]];
+        let uneven = below_window(Padding::Explicit([[0, 2], [1, 0]]), k);
+        for padding in [
+            Padding::Same,
+            Padding::Valid,
+            uneven,
+            Padding::Explicit(widest),
+        ] {
             if !fits(padding, h, w, k) {
                 continue;
             }
@@ -486,7 +559,8 @@ fn pool_grad_kernels_match_reference() {
     }
 }
 
-/// Explicit pads equal to what SAME or VALID pad give both gradients bit for bit.
+/// Explicit pads equal to what SAME or VALID pad give the convolution's and the pools'
+/// gradients bit for bit.
 #[test]
 fn explicit_padding_gradients_equal_same_and_valid() {
     let mut rng = Gen(29);
@@ -510,6 +584,24 @@ fn explicit_padding_gradients_equal_same_and_valid() {
             assert_eq!(explicit, grads(Padding::Same), "{what}");
             let zero = grads(Padding::Explicit([[0, 0], [0, 0]]));
             assert_eq!(zero, grads(Padding::Valid), "{what}");
+            // The pools' gradients (MaxPoolGrad, AvgPoolGrad) likewise.
+            let (ks, ss) = ([k, k], [stride, stride]);
+            let pool_grads = |padding| {
+                let max = MaxPool::new(ks, ss, padding, f);
+                let avg = AvgPool::new(ks, ss, padding, f);
+                let x = std::slice::from_ref(&xt);
+                [
+                    graph_gradients(Box::new(max), x),
+                    graph_gradients(Box::new(avg), x),
+                ]
+            };
+            assert_eq!(
+                pool_grads(Padding::Explicit(pads)),
+                pool_grads(Padding::Same),
+                "{what}"
+            );
+            let zero = Padding::Explicit([[0, 0], [0, 0]]);
+            assert_eq!(pool_grads(zero), pool_grads(Padding::Valid), "{what}");
         }
     }
 }
@@ -570,6 +662,7 @@ fn backprop_ops_reject_bad_types() {
         strides: [1, 1],
         padding: Padding::Valid,
         data_format: nhwc,
+        groups: 1,
     };
     // Good: filter [3,3,2,4], dy [1,3,3,4].
     let ok = bi
@@ -623,6 +716,7 @@ fn backprop_ops_reject_bad_types() {
         strides: [2, 2],
         padding: Padding::Same,
         data_format: DataFormat::Nchw,
+        groups: 1,
     };
     let ok = bf
         .infer(&[&f32t(&[1, 2, 5, 5]), &f32t(&[1, 4, 3, 3])])

@@ -27,6 +27,7 @@ use crate::ops::{
     DataFormat, LayerNorm, LogSoftmax, MatMul, MaxPool, Padding, Placeholder, Reduce, ReduceKind,
     Reshape, Softmax, SoftmaxCrossEntropy, Transpose, Unary, UnaryKind, Variable,
 };
+use crate::ops::{Compare, CompareKind, Gather, Logical, LogicalKind, Not, Pad, Where};
 use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
 
 /// The type of a source node, refusing shapes whose element count overflows.
@@ -55,12 +56,16 @@ macro_rules! unary_methods {
     };
 }
 
+/// Two-input methods, one per kind of `Op` (Binary by default): `Op::new(Kind::X)`.
 macro_rules! binary_methods {
     ($($(#[$doc:meta])* $method:ident => $kind:ident;)*) => {
+        binary_methods!(Binary(BinaryKind): $($(#[$doc])* $method => $kind;)*);
+    };
+    ($Op:ident($Kind:ident): $($(#[$doc:meta])* $method:ident => $kind:ident;)*) => {
         $(
             $(#[$doc])*
             pub fn $method(&mut self, a: Port, b: Port) -> Result<Port> {
-                self.add(Binary::new(BinaryKind::$kind), &[a, b])
+                self.add($Op::new($Kind::$kind), &[a, b])
             }
         )*
     };
@@ -134,7 +139,8 @@ impl Graph {
         self.add(BatchMatMul::new(adj_x, adj_y), &[a, b])
     }
 
-    /// 2-D convolution of `x` with an HWIO `filter`.
+    /// 2-D convolution of `x` with an HWIO `filter`; a grouped one is
+    /// `add(Conv2D::new(..).with_groups(groups), &[x, filter])`.
     pub fn conv2d(
         &mut self,
         x: Port,
@@ -269,6 +275,48 @@ impl Graph {
             },
             &[x, bias],
         )
+    }
+
+    // ----- selection, comparison, indexing -------------------------------------------
+
+    /// `a` where `cond` (bool) holds, `b` elsewhere; the three broadcast together.
+    pub fn where_(&mut self, cond: Port, a: Port, b: Port) -> Result<Port> {
+        self.add(Where, &[cond, a, b])
+    }
+
+    binary_methods! {
+        Compare(CompareKind):
+        /// `a == b` elementwise (broadcasting), a bool tensor; the others likewise.
+        equal => Equal;
+        less => Less;
+        less_or_equal => LessOrEqual;
+        greater => Greater;
+        greater_or_equal => GreaterOrEqual;
+    }
+
+    binary_methods! {
+        Logical(LogicalKind):
+        /// `a && b` on bool tensors (broadcasting); `or` and `xor` likewise.
+        logical_and => And;
+        logical_or => Or;
+        logical_xor => Xor;
+    }
+
+    /// `!x` on a bool tensor.
+    pub fn logical_not(&mut self, x: Port) -> Result<Port> {
+        self.add(Not, &[x])
+    }
+
+    /// The slices of `x` along `axis` at integer `indices` (negative ones count from
+    /// the end): shape `x[:axis] + indices + x[axis+1:]`.
+    pub fn gather(&mut self, x: Port, indices: Port, axis: i64) -> Result<Port> {
+        self.add(Gather::new(axis), &[x, indices])
+    }
+
+    /// `x` with `pads[i] = [before, after]` elements of `value` around axis `i`
+    /// (negative counts crop). For the reflect and edge modes add a [`Pad`].
+    pub fn pad(&mut self, x: Port, pads: &[[i64; 2]], value: f64) -> Result<Port> {
+        self.add(Pad::constant(pads, value), &[x])
     }
 
     // ----- softmax and loss -----------------------------------------------------------

@@ -1,6 +1,6 @@
-//! Conv2D, MaxPool and AvgPool against an independent float64 reference (direct
-//! loops written here, TensorFlow's SAME/VALID/EXPLICIT rule restated here), in f32,
-//! f16, bf16 and f64, NHWC and NCHW.
+//! Conv2D (grouped too), MaxPool and AvgPool against an independent float64 reference
+//! (direct loops written here, TensorFlow's SAME/VALID/EXPLICIT rule restated here), in
+//! f32, f16, bf16 and f64, NHWC and NCHW.
 //!
 //! Tolerance for an output that sums K terms (a convolution: K = kh*kw*cin; an
 //! average: K = window elements), per dtype:
@@ -12,7 +12,10 @@
 mod common;
 
 use ampgraph_graph::attrs::AttrValue;
-use ampgraph_graph::ops::{parse_op, AvgPool, Conv2D, DataFormat, MaxPool, Padding};
+use ampgraph_graph::ops::{
+    parse_op, AvgPool, Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, MaxPool,
+    Padding,
+};
 use ampgraph_graph::{DType, Op, Tensor, TensorType};
 use common::*;
 
@@ -108,17 +111,20 @@ impl Images {
     }
 }
 
-/// Direct convolution: (values, sum of |terms|) as NHWC images.
+/// Direct convolution with `groups` channel groups (output channel `co` reads the
+/// input channels of group `co / (cout / groups)` through filter `[kh, kw, cin /
+/// groups, cout]`): (values, sum of |terms|) as NHWC images.
 fn ref_conv(
     x: &Images,
     filt: &[f64],
     [kh, kw, cout]: [usize; 3],
+    groups: usize,
     strides: [usize; 2],
     padding: Padding,
 ) -> (Images, Images) {
     let (oh, pt) = tf_out(padding, 0, x.h, kh, strides[0]);
     let (ow, pl) = tf_out(padding, 1, x.w, kw, strides[1]);
-    let cin = x.c;
+    let (cin, kg) = (x.c / groups, cout / groups);
     let mut val = vec![0.0; x.n * oh * ow * cout];
     let mut abs = val.clone();
     for n in 0..x.n {
@@ -134,7 +140,7 @@ fn ref_conv(
                                 continue;
                             }
                             for ci in 0..cin {
-                                let t = x.at(n, iy as usize, ix as usize, ci)
+                                let t = x.at(n, iy as usize, ix as usize, co / kg * cin + ci)
                                     * filt[((ky * kw + kx) * cin + ci) * cout + co];
                                 val[o] += t;
                                 abs[o] += t.abs();
@@ -287,6 +293,7 @@ struct ConvCase {
     kh: usize,
     kw: usize,
     strides: [usize; 2],
+    groups: usize,
 }
 
 fn check_conv(case: &ConvCase, dtype: DType, f: DataFormat, padding: Padding, rng: &mut Rng) {
@@ -299,7 +306,9 @@ fn check_conv(case: &ConvCase, dtype: DType, f: DataFormat, padding: Padding, rn
         kh,
         kw,
         strides,
+        groups,
     } = *case;
+    let cg = cin / groups;
     let x = Images {
         n,
         h,
@@ -308,16 +317,17 @@ fn check_conv(case: &ConvCase, dtype: DType, f: DataFormat, padding: Padding, rn
         v: rng.vec(n * h * w * cin),
     };
     let (xt, x) = x.tensor(dtype, f);
-    let ft = Tensor::from_f64(dtype, [kh, kw, cin, cout], &rng.vec(kh * kw * cin * cout)).unwrap();
+    let ft = Tensor::from_f64(dtype, [kh, kw, cg, cout], &rng.vec(kh * kw * cg * cout)).unwrap();
     let fv = ft.to_f64_vec();
-    let y = run(&Conv2D::new(strides, padding, f), &[&xt, &ft]);
-    let (want, abs) = ref_conv(&x, &fv, [kh, kw, cout], strides, padding);
+    let conv = Conv2D::new(strides, padding, f).with_groups(groups);
+    let y = run(&conv, &[&xt, &ft]);
+    let (want, abs) = ref_conv(&x, &fv, [kh, kw, cout], groups, strides, padding);
     assert_eq!(y.shape(), &want.shape(f)[..]);
     let got = output_nhwc(&y, f);
     check_sums(
-        &format!("Conv2D x [{n},{h},{w},{cin}] filter [{kh},{kw},{cin},{cout}] {strides:?} {padding:?} {f:?}"),
+        &format!("Conv2D x [{n},{h},{w},{cin}] filter [{kh},{kw},{cg},{cout}] groups {groups} {strides:?} {padding:?} {f:?}"),
         dtype,
-        kh * kw * cin,
+        kh * kw * cg,
         &got.v,
         &want.v,
         &abs.v,
@@ -336,6 +346,7 @@ fn conv_matches_reference() {
         kh,
         kw,
         strides,
+        groups: 1,
     };
     let cases = [
         c(2, 5, 6, 3, 4, 3, 3, [1, 1]),
@@ -436,11 +447,191 @@ fn conv_batch_larger_than_im2col_budget() {
         kh: 3,
         kw: 3,
         strides: [1, 1],
+        groups: 1,
     };
     let mut rng = Rng(11);
     for f in FORMATS {
         check_conv(&case, DType::F32, f, Padding::Same, &mut rng);
     }
+}
+
+#[test]
+fn grouped_conv_matches_reference() {
+    let mut rng = Rng(19);
+    let c = |n, h, w, cin, cout, k: [usize; 2], strides, groups| ConvCase {
+        n,
+        h,
+        w,
+        cin,
+        cout,
+        kh: k[0],
+        kw: k[1],
+        strides,
+        groups,
+    };
+    let cases = [
+        c(2, 5, 6, 4, 6, [3, 3], [1, 1], 2),
+        // Depthwise (groups = channels), as MobileNet's, with multipliers 1 and 2.
+        c(2, 7, 5, 3, 3, [3, 3], [2, 2], 3),
+        c(1, 6, 6, 4, 8, [3, 3], [1, 1], 4),
+        c(1, 7, 5, 2, 2, [2, 2], [2, 2], 2), // even window: asymmetric SAME padding
+        c(2, 4, 4, 6, 9, [1, 1], [1, 1], 3), // 1x1: NHWC reads the pixels in place
+        c(3, 8, 8, 8, 16, [3, 2], [2, 1], 4),
+        c(1, 3, 3, 4, 2, [5, 5], [1, 1], 2), // window larger than the image
+        c(4, 12, 12, 16, 32, [3, 3], [1, 1], 8), // big enough for parallel products
+        c(2, 9, 7, 12, 12, [3, 3], [3, 2], 12),
+    ];
+    for dtype in FLOATS {
+        for f in FORMATS {
+            for case in &cases {
+                for padding in paddings(case) {
+                    check_conv(case, dtype, f, padding, &mut rng);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn grouped_conv_larger_than_im2col_budget() {
+    // 64x64 images with 3x3x256 patches per group: NHWC takes several im2col blocks,
+    // NCHW images too large for one buffer.
+    let case = ConvCase {
+        n: 2,
+        h: 64,
+        w: 64,
+        cin: 512,
+        cout: 4,
+        kh: 3,
+        kw: 3,
+        strides: [1, 1],
+        groups: 2,
+    };
+    let mut rng = Rng(23);
+    for f in FORMATS {
+        check_conv(&case, DType::F32, f, Padding::Same, &mut rng);
+    }
+}
+
+#[test]
+fn grouped_conv_shape_errors() {
+    let grouped = |groups| Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc).with_groups(groups);
+    let e = infer_err(&grouped(4), &[f32t(&[1, 5, 5, 6]), f32t(&[3, 3, 1, 8])]);
+    assert!(
+        e.contains("6 channels") && e.contains("not divisible by groups 4"),
+        "{e}"
+    );
+    let e = infer_err(&grouped(3), &[f32t(&[1, 5, 5, 6]), f32t(&[3, 3, 2, 5])]);
+    assert!(
+        e.contains("5 output channels") && e.contains("not divisible by groups 3"),
+        "{e}"
+    );
+    // 6 channels in 2 groups take a filter of 3 input channels.
+    let e = infer_err(&grouped(2), &[f32t(&[1, 5, 5, 6]), f32t(&[3, 3, 2, 4])]);
+    assert!(
+        e.contains("3 per group of 2") && e.contains("expects 2 input channels per group"),
+        "{e}"
+    );
+    // An ungrouped filter over all channels is the mistake above too.
+    let e = infer_err(&grouped(3), &[f32t(&[1, 5, 5, 6]), f32t(&[3, 3, 6, 6])]);
+    assert!(e.contains("2 per group of 3"), "{e}");
+    let e = infer_err(&grouped(0), &[f32t(&[1, 5, 5, 6]), f32t(&[3, 3, 6, 6])]);
+    assert!(e.contains("groups must be positive"), "{e}");
+    let ok = grouped(3)
+        .infer(&[&f32t(&[2, 5, 5, 6]), &f32t(&[3, 3, 2, 9])])
+        .unwrap();
+    assert_eq!(ok[0].shape, [2, 5, 5, 9]);
+    // The gradient ops check the same.
+    let df = Conv2DBackpropFilter {
+        filter_shape: vec![3, 3, 2, 4],
+        strides: [1, 1],
+        padding: Padding::Same,
+        data_format: DataFormat::Nchw,
+        groups: 3,
+    };
+    let e = infer_err(&df, &[f32t(&[1, 6, 5, 5]), f32t(&[1, 4, 5, 5])]);
+    assert!(e.contains("4 output channels"), "{e}");
+    let dx = Conv2DBackpropInput {
+        input_shape: vec![1, 5, 5, 9],
+        strides: [1, 1],
+        padding: Padding::Same,
+        data_format: DataFormat::Nhwc,
+        groups: 2,
+    };
+    let e = infer_err(&dx, &[f32t(&[3, 3, 3, 4]), f32t(&[1, 5, 5, 4])]);
+    assert!(e.contains("9 channels, not divisible by groups 2"), "{e}");
+    // eval reports them rather than panicking.
+    let x = Tensor::from_f64(DType::F32, [1, 2, 2, 6], &[0.0; 24]).unwrap();
+    let fl = Tensor::from_f64(DType::F32, [1, 1, 6, 6], &[0.0; 36]).unwrap();
+    assert!(grouped(3)
+        .eval(&[&x, &fl])
+        .unwrap_err()
+        .contains("per group"));
+}
+
+#[test]
+fn grouped_conv_attrs_round_trip() {
+    let base = [
+        ("strides", AttrValue::Ints(vec![2, 1])),
+        ("padding", AttrValue::from("SAME")),
+        ("data_format", AttrValue::from("NCHW")),
+    ];
+    let with = |groups: AttrValue| {
+        let mut a = base.to_vec();
+        a.push(("groups", groups));
+        a
+    };
+    let op = parse_op("Conv2D", attrs(&with(AttrValue::Int(4)))).unwrap();
+    let want = Conv2D::new([2, 1], Padding::Same, DataFormat::Nchw).with_groups(4);
+    assert_eq!(op.downcast_ref::<Conv2D>(), Some(&want));
+    assert!(op.attrs().contains(&("groups", AttrValue::Int(4))));
+    assert_round_trip(&*op);
+    for (name, key) in [
+        ("Conv2DBackpropInput", "input_shape"),
+        ("Conv2DBackpropFilter", "filter_shape"),
+    ] {
+        let mut a = with(AttrValue::Int(4));
+        a.push((key, AttrValue::Ints(vec![1, 8, 3, 3])));
+        let op = parse_op(name, attrs(&a)).unwrap();
+        assert!(
+            op.attrs().contains(&("groups", AttrValue::Int(4))),
+            "{name}"
+        );
+        assert_round_trip(&*op);
+    }
+    // groups 1 (given or not) is an ungrouped convolution, written as before.
+    let op = parse_op("Conv2D", attrs(&with(AttrValue::Int(1)))).unwrap();
+    assert_eq!(
+        op.downcast_ref::<Conv2D>(),
+        Some(&Conv2D::new([2, 1], Padding::Same, DataFormat::Nchw))
+    );
+    assert!(op.attrs().iter().all(|(k, _)| *k != "groups"));
+    for bad in [AttrValue::Int(0), AttrValue::Int(-2)] {
+        let e = parse_op("Conv2D", attrs(&with(bad))).err().unwrap();
+        assert!(
+            e.contains("attr 'groups' must be a positive integer"),
+            "{e}"
+        );
+    }
+    let e = parse_op("Conv2D", attrs(&with("2".into()))).err().unwrap();
+    assert!(e.contains("groups") && e.contains("integer"), "{e}");
+
+    // Through a graph file: only the grouped node writes the attr.
+    use ampgraph_graph::format::{parse_json, to_json, GraphDef};
+    let mut g = ampgraph_graph::Graph::new();
+    let x = g.placeholder("x", DType::F32, [1, 6, 5, 5]).unwrap();
+    let w = g.placeholder("w", DType::F32, [3, 3, 2, 6]).unwrap();
+    let v = g.placeholder("v", DType::F32, [1, 1, 6, 6]).unwrap();
+    let grouped = Conv2D::new([1, 1], Padding::Same, DataFormat::Nchw).with_groups(3);
+    let y = g.add(grouped, &[x, w]).unwrap();
+    let y = g
+        .conv2d(y, v, [1, 1], Padding::Valid, DataFormat::Nchw)
+        .unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    let json = to_json(&GraphDef::from_graph(&g));
+    assert_eq!(json.matches("\"groups\"").count(), 1, "{json}");
+    let back = parse_json(json.as_bytes()).unwrap().to_graph().unwrap();
+    assert_eq!(to_json(&GraphDef::from_graph(&back)), json);
 }
 
 #[test]
@@ -722,36 +913,214 @@ fn conv_explicit_padding_attr_errors() {
     assert!(e.contains("8 integers"), "{e}");
 }
 
+/// A pooling op's attrs with `padding: EXPLICIT` and `explicit_paddings` in `format`.
+fn pool_explicit_attrs(format: &str, list: Vec<i64>) -> Vec<(&'static str, AttrValue)> {
+    vec![
+        ("ksize", AttrValue::Ints(vec![3, 3])),
+        ("strides", AttrValue::Ints(vec![2, 2])),
+        ("padding", "EXPLICIT".into()),
+        ("explicit_paddings", AttrValue::Ints(list)),
+        ("data_format", format.into()),
+    ]
+}
+
 #[test]
-fn pools_refuse_explicit_padding() {
-    for name in ["MaxPool", "AvgPool", "MaxPoolGrad"] {
-        let e = parse_op(
-            name,
-            attrs(&[
-                ("ksize", AttrValue::Ints(vec![2, 2])),
-                ("strides", AttrValue::Ints(vec![2, 2])),
-                ("padding", "EXPLICIT".into()),
-                (
-                    "explicit_paddings",
-                    AttrValue::Ints(vec![0, 0, 1, 1, 1, 1, 0, 0]),
-                ),
-            ]),
-        )
-        .err()
-        .unwrap();
+fn pools_parse_and_write_explicit_padding() {
+    let pads = Padding::Explicit([[1, 2], [0, 1]]);
+    for (format, f, list) in [
+        ("NHWC", DataFormat::Nhwc, vec![0, 0, 1, 2, 0, 1, 0, 0]),
+        ("NCHW", DataFormat::Nchw, vec![0, 0, 0, 0, 1, 2, 0, 1]),
+    ] {
+        let op = parse_op("MaxPool", attrs(&pool_explicit_attrs(format, list.clone()))).unwrap();
+        assert_eq!(
+            op.downcast_ref::<MaxPool>(),
+            Some(&MaxPool::new([3, 3], [2, 2], pads, f))
+        );
+        let op = parse_op("AvgPool", attrs(&pool_explicit_attrs(format, list.clone()))).unwrap();
+        assert_eq!(
+            op.downcast_ref::<AvgPool>(),
+            Some(&AvgPool::new([3, 3], [2, 2], pads, f))
+        );
         assert!(
-            e.contains("padding") && e.contains("EXPLICIT") && e.contains("Conv2D"),
-            "{name}: {e}"
+            op.attrs()
+                .contains(&("explicit_paddings", AttrValue::Ints(list.clone()))),
+            "{:?}",
+            op.attrs()
+        );
+        for name in ["MaxPool", "AvgPool", "MaxPoolGrad"] {
+            let op = parse_op(name, attrs(&pool_explicit_attrs(format, list.clone()))).unwrap();
+            assert_round_trip(&*op);
+        }
+        let mut a = pool_explicit_attrs(format, list.clone());
+        a.push(("input_shape", AttrValue::Ints(vec![1, 4, 4, 4])));
+        assert_round_trip(&*parse_op("AvgPoolGrad", attrs(&a)).unwrap());
+    }
+    // SAME and VALID pools write what they wrote before: no explicit_paddings.
+    let op = MaxPool::new([2, 2], [2, 2], Padding::Same, DataFormat::Nhwc);
+    assert!(op.attrs().iter().all(|(k, _)| *k != "explicit_paddings"));
+    // Mistakes in the list are the convolutions' errors.
+    let e = parse_op(
+        "AvgPool",
+        attrs(&pool_explicit_attrs("NHWC", vec![0, 0, 1, 1])),
+    )
+    .err()
+    .unwrap();
+    assert!(e.contains("8 integers"), "{e}");
+    let e = parse_op(
+        "MaxPool",
+        attrs(&pool_explicit_attrs("NCHW", vec![0, 0, 1, 1, 1, 1, 0, 0])),
+    )
+    .err()
+    .unwrap();
+    assert!(e.contains("batch or channel"), "{e}");
+    let mut a = pool_explicit_attrs("NHWC", vec![0, 0, 1, 1, 1, 1, 0, 0]);
+    a[2] = ("padding", "SAME".into());
+    let e = parse_op("MaxPool", attrs(&a)).err().unwrap();
+    assert!(e.contains("unless padding is EXPLICIT"), "{e}");
+}
+
+/// A 4x4 image of 1..=16 (row-major), pooled by hand.
+#[test]
+fn explicit_padding_pools_by_hand() {
+    let x = Images {
+        n: 1,
+        h: 4,
+        w: 4,
+        c: 1,
+        v: (1..=16).map(f64::from).collect(),
+    };
+    // (pads, output height and width, max, mean over in-bounds elements)
+    type HandCase = (Padding, [usize; 2], Vec<f64>, Vec<f64>);
+    let cases: [HandCase; 2] = [
+        // PyTorch's padding=1 with a 3x3 window at stride 2: windows rows {0, 1} and
+        // {1, 2, 3}, the same columns. avg_pool2d(count_include_pad=False) divides
+        // by 4, 6, 6 and 9 elements.
+        (
+            Padding::Explicit([[1, 1], [1, 1]]),
+            [2, 2],
+            vec![6.0, 8.0, 14.0, 16.0],
+            vec![3.5, 5.0, 9.5, 11.0],
+        ),
+        // Rows (0 before, 2 after): {0, 1, 2}, {2, 3}; columns (2 before, 1 after):
+        // {0}, {0, 1, 2}, {2, 3}.
+        (
+            Padding::Explicit([[0, 2], [2, 1]]),
+            [2, 3],
+            vec![9.0, 11.0, 12.0, 13.0, 15.0, 16.0],
+            vec![5.0, 6.0, 7.5, 11.0, 12.0, 13.5],
+        ),
+    ];
+    for (pads, [oh, ow], max, mean) in cases {
+        for dtype in FLOATS {
+            for f in FORMATS {
+                let (xt, _) = x.tensor(dtype, f);
+                let what = format!("{pads:?} {dtype} {f:?}");
+                let y = run(&MaxPool::new([3, 3], [2, 2], pads, f), &[&xt]);
+                assert_eq!(
+                    y.shape(),
+                    &Images {
+                        h: oh,
+                        w: ow,
+                        ..x.clone()
+                    }
+                    .shape(f)[..]
+                );
+                assert_eq!(y.to_f64_vec(), max, "MaxPool {what}");
+                // Negated: padding zeros would win every window if they took part.
+                let neg = Images {
+                    v: x.v.iter().map(|v| -v).collect(),
+                    ..x.clone()
+                };
+                let (nt, _) = neg.tensor(dtype, f);
+                let y = run(&MaxPool::new([3, 3], [2, 2], pads, f), &[&nt]);
+                assert!(y.to_f64_vec().iter().all(|&v| v <= -1.0), "{what}: {y:?}");
+                let y = run(&AvgPool::new([3, 3], [2, 2], pads, f), &[&xt]);
+                assert_eq!(y.to_f64_vec(), mean, "AvgPool {what}");
+            }
+        }
+    }
+}
+
+/// Explicit pads equal to SAME's pool bit for bit as SAME does; zero pads as VALID.
+#[test]
+fn explicit_pool_padding_equals_same_and_valid() {
+    let mut rng = Rng(13);
+    // (h, w, k, stride, SAME's (before, after) for height and width)
+    let cases = [
+        (8, 6, 3, 2, [[0, 1], [0, 1]]),
+        (7, 6, 3, 2, [[1, 1], [0, 1]]),
+        (6, 8, 4, 1, [[1, 2], [1, 2]]),
+        (9, 5, 2, 2, [[0, 1], [0, 1]]),
+    ];
+    for (h, w, k, stride, pads) in cases {
+        for f in FORMATS {
+            let x = Images {
+                n: 2,
+                h,
+                w,
+                c: 3,
+                v: rng.vec(2 * h * w * 3),
+            };
+            let (xt, _) = x.tensor(DType::F32, f);
+            let what = format!("{h}x{w} k{k} s{stride} {f:?}");
+            let (ks, ss) = ([k, k], [stride, stride]);
+            let max = |p| run(&MaxPool::new(ks, ss, p, f), &[&xt]);
+            let avg = |p| run(&AvgPool::new(ks, ss, p, f), &[&xt]);
+            let zero = Padding::Explicit([[0, 0], [0, 0]]);
+            assert_eq!(max(Padding::Explicit(pads)), max(Padding::Same), "{what}");
+            assert_eq!(avg(Padding::Explicit(pads)), avg(Padding::Same), "{what}");
+            assert_eq!(max(zero), max(Padding::Valid), "{what}");
+            assert_eq!(avg(zero), avg(Padding::Valid), "{what}");
+        }
+    }
+}
+
+#[test]
+fn pools_refuse_pads_as_wide_as_the_window() {
+    let explicit = |p| Padding::Explicit(p);
+    // Before or after, on either axis: PyTorch refuses these too.
+    for (pads, axis) in [
+        ([[2, 0], [0, 0]], "height"),
+        ([[0, 2], [1, 1]], "height"),
+        ([[1, 1], [3, 0]], "width"),
+    ] {
+        let p = MaxPool::new([2, 3], [1, 1], explicit(pads), DataFormat::Nhwc);
+        let e = infer_err(&p, &[f32t(&[1, 5, 5, 1])]);
+        assert!(
+            e.contains(axis) && e.contains("smaller than the pooling window"),
+            "{pads:?}: {e}"
         );
     }
-    // Built directly, a pool with explicit padding does not infer.
-    let explicit = Padding::Explicit([[1, 1], [1, 1]]);
-    let p = MaxPool::new([2, 2], [2, 2], explicit, DataFormat::Nhwc);
-    let e = infer_err(&p, &[f32t(&[1, 4, 4, 1])]);
-    assert!(e.contains("EXPLICIT"), "{e}");
-    let p = AvgPool::new([2, 2], [2, 2], explicit, DataFormat::Nchw);
-    let e = infer_err(&p, &[f32t(&[1, 1, 4, 4])]);
-    assert!(e.contains("EXPLICIT"), "{e}");
+    // The gradients check the same, and so do kernels handed such an op.
+    let pads = explicit([[0, 0], [0, 3]]);
+    let e = infer_err(
+        &AvgPool::new([3, 3], [1, 1], pads, DataFormat::Nchw),
+        &[f32t(&[1, 1, 4, 4])],
+    );
+    assert!(e.contains("window 3"), "{e}");
+    let grad = ampgraph_graph::ops::MaxPoolGrad::new([3, 3], [1, 1], pads, DataFormat::Nchw);
+    let e = infer_err(
+        &grad,
+        &[
+            f32t(&[1, 1, 4, 4]),
+            f32t(&[1, 1, 2, 5]),
+            f32t(&[1, 1, 2, 5]),
+        ],
+    );
+    assert!(e.contains("window 3"), "{e}");
+    let x = Tensor::from_f64(DType::F32, [1, 4, 4, 1], &[0.0; 16]).unwrap();
+    let wide = MaxPool::new([2, 2], [1, 1], explicit([[2, 2], [0, 0]]), DataFormat::Nhwc);
+    assert!(wide.eval(&[&x]).unwrap_err().contains("window 2"));
+    // An empty image with pads would pool padding only.
+    let p = AvgPool::new([3, 3], [1, 1], explicit([[2, 2], [1, 1]]), DataFormat::Nhwc);
+    let e = infer_err(&p, &[f32t(&[1, 0, 4, 1])]);
+    assert!(e.contains("height") && e.contains("empty"), "{e}");
+    // Pads one below the window are fine: every window holds an element.
+    let p = MaxPool::new([3, 3], [1, 1], explicit([[2, 2], [2, 2]]), DataFormat::Nhwc);
+    assert_eq!(
+        p.infer(&[&f32t(&[1, 1, 1, 1])]).unwrap()[0].shape,
+        [1, 3, 3, 1]
+    );
 }
 
 #[test]
@@ -811,8 +1180,22 @@ fn pools_match_reference() {
     for dtype in FLOATS {
         for f in FORMATS {
             for &(n, h, w, c, ksize, strides) in cases {
-                for padding in [Padding::Same, Padding::Valid] {
-                    if padding == Padding::Valid && (ksize[0] > h || ksize[1] > w) {
+                // Explicit pads below the window: symmetric, uneven, the widest taken.
+                let widest = [ksize[0] - 1, ksize[1] - 1];
+                let paddings = [
+                    Padding::Same,
+                    Padding::Valid,
+                    Padding::Explicit([[widest[0] / 2; 2], [widest[1] / 2; 2]]),
+                    Padding::Explicit([[0, widest[0]], [widest[1], 0]]),
+                    Padding::Explicit([[widest[0]; 2], [widest[1]; 2]]),
+                ];
+                for padding in paddings {
+                    let fits = |axis: usize, len: usize| match padding {
+                        Padding::Same => true,
+                        Padding::Valid => len >= ksize[axis],
+                        Padding::Explicit(p) => len + p[axis][0] + p[axis][1] >= ksize[axis],
+                    };
+                    if !fits(0, h) || !fits(1, w) {
                         continue;
                     }
                     let x = Images {

@@ -910,6 +910,44 @@ mod tests {
         assert!(axes.contains(&Some(vec![0, 1, 2])), "{axes:?}");
     }
 
+    /// A grouped convolution's training step and an explicitly padded MaxPool: the NHWC
+    /// twins keep the groups and the pads (written in the new order).
+    #[test]
+    fn groups_and_pooling_pads_carry_over() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 4, 6, 5]).unwrap();
+        let w = g.placeholder("w", DType::F32, [3, 3, 2, 6]).unwrap();
+        let conv = Conv2D::new([1, 1], Padding::Same, DataFormat::Nchw).with_groups(2);
+        let y = g.add(conv, &[x, w]).unwrap();
+        let pads = Padding::Explicit([[1, 0], [2, 1]]);
+        let y = g
+            .max_pool(y, [3, 3], [2, 2], pads, DataFormat::Nchw)
+            .unwrap();
+        let loss = g.mean(y, None, false).unwrap();
+        let grads = gradients(&mut g, loss, &[x, w]).unwrap();
+        g.set_outputs([vec![y], grads].concat()).unwrap();
+
+        let (after, _) = layout(&g);
+        assert!(nchw_ops(&after).is_empty(), "{:?}", nchw_ops(&after));
+        let with = |attr: (&str, AttrValue)| {
+            after
+                .node_ids()
+                .filter(|&id| after.node(id).op.attrs().contains(&attr))
+                .count()
+        };
+        assert_eq!(
+            with(("groups", AttrValue::Int(2))),
+            3,
+            "Conv2D and its gradients"
+        );
+        let nhwc_pads = AttrValue::Ints(vec![0, 0, 1, 0, 2, 1, 0, 0]);
+        assert_eq!(
+            with(("explicit_paddings", nhwc_pads)),
+            2,
+            "MaxPool, MaxPoolGrad"
+        );
+    }
+
     #[test]
     fn explicit_padding_follows_the_rewritten_layout() {
         // A training step: the gradients are convolutions with the forward's padding.

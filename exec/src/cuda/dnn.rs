@@ -101,8 +101,8 @@ pub enum Direction {
 
 /// A convolution as cuDNN sees it: the input after any extra padding at its end (the
 /// asymmetric part of a SAME padding is made explicit by the caller), symmetric
-/// padding, and the filter `[k, c, r, s]` in the layout's filter format (KRSC for
-/// NHWC, KCRS for NCHW).
+/// padding, and the filter `[k, c / groups, r, s]` in the layout's filter format (KRSC
+/// for NHWC, KCRS for NCHW).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvShape {
     pub dtype: DType,
@@ -111,6 +111,8 @@ pub struct ConvShape {
     pub input: [usize; 4],
     /// Output channels and window `[k, r, s]`.
     pub filter: [usize; 3],
+    /// Channel groups (1: an ungrouped convolution); part of the algorithm's key.
+    pub groups: usize,
     pub pad: [usize; 2],
     pub strides: [usize; 2],
     /// Output `[h, w]`.
@@ -866,7 +868,7 @@ impl Dnn {
         let y = tensor_desc(s.dtype, s.layout, s.output())?;
         let w = FilterDesc::new()?;
         let [k, r, sw] = s.filter;
-        let [wk, wc, wr, ws] = dims4([k, s.input[1], r, sw])?;
+        let [wk, wc, wr, ws] = dims4([k, s.input[1] / s.groups.max(1), r, sw])?;
         // SAFETY: a live descriptor.
         check("filter descriptor", unsafe {
             sys::cudnnSetFilter4dDescriptor(
@@ -899,6 +901,10 @@ impl Dnn {
                 sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
                 compute,
             )
+        })?;
+        // SAFETY: a live descriptor.
+        check("convolution group count", unsafe {
+            sys::cudnnSetConvolutionGroupCount(conv.0, dim(s.groups)?)
         })?;
         let mut plan = ConvPlan {
             x,
@@ -1276,16 +1282,13 @@ impl std::fmt::Display for Choice {
         let [k, r, sw] = s.filter;
         write!(
             f,
-            "{:?} {} {:?} x[{n},{c},{h},{w}] filter {k}x{r}x{sw} stride {}x{} pad {}x{}: {}",
-            self.direction,
-            s.dtype,
-            s.layout,
-            s.strides[0],
-            s.strides[1],
-            s.pad[0],
-            s.pad[1],
-            self.algorithm
+            "{:?} {} {:?} x[{n},{c},{h},{w}] filter {k}x{r}x{sw} stride {}x{} pad {}x{}",
+            self.direction, s.dtype, s.layout, s.strides[0], s.strides[1], s.pad[0], s.pad[1],
         )?;
+        if s.groups != 1 {
+            write!(f, " groups {}", s.groups)?;
+        }
+        write!(f, ": {}", self.algorithm)?;
         match self.ms {
             Some(ms) if ms.is_nan() => write!(f, " (cuDNN's heuristic pick: timing failed)")?,
             Some(ms) => write!(f, ", {ms:.3} ms of {} timed", self.candidates)?,

@@ -1,8 +1,10 @@
 //! Convolution and pooling over 2-D images (NHWC or NCHW), TensorFlow's semantics.
 //!
-//! Conv2D lowers to im2col + one `gemm` per group of images, in the kernel's compute
-//! type; the filter is HWIO (`[kh, kw, cin, cout]`), whose row-major layout is already
-//! the `[kh*kw*cin, cout]` matrix the product needs.
+//! Conv2D lowers to im2col + one `gemm` per block of output positions, in the kernel's
+//! compute type; the filter is HWIO (`[kh, kw, cin, cout]`), whose row-major layout is
+//! already the `[kh*kw*cin, cout]` matrix the product needs. A grouped convolution
+//! (`groups` > 1, the filter `[kh, kw, cin / groups, cout]`) runs one such product per
+//! group: its channels' im2col and its columns of the filter.
 
 use rayon::prelude::*;
 
@@ -56,6 +58,7 @@ pub(crate) const OPS: &[OpEntry] = &[
                 strides: conv.strides,
                 padding: conv.padding,
                 data_format: conv.data_format,
+                groups: conv.groups,
             }))
         },
     },
@@ -68,6 +71,7 @@ pub(crate) const OPS: &[OpEntry] = &[
                 strides: conv.strides,
                 padding: conv.padding,
                 data_format: conv.data_format,
+                groups: conv.groups,
             }))
         },
     },
@@ -103,19 +107,27 @@ pub(crate) const OPS: &[OpEntry] = &[
 fn read_conv(a: &mut AttrReader) -> OpResult<Conv2D> {
     let strides = a.pair("strides", Some([1, 1]))?;
     let data_format = DataFormat::read(a)?;
-    let padding = Padding::read_conv(a, data_format)?;
-    Ok(Conv2D::new(strides, padding, data_format))
+    let padding = Padding::read(a, data_format)?;
+    let groups = match a.opt_int(GROUPS)? {
+        None => 1,
+        Some(g) => usize::try_from(g)
+            .ok()
+            .filter(|&g| g > 0)
+            .ok_or_else(|| format!("attr '{GROUPS}' must be a positive integer, got {g}"))?,
+    };
+    Ok(Conv2D::new(strides, padding, data_format).with_groups(groups))
 }
+
+/// The convolutions' attr of their group count, written only when not 1.
+const GROUPS: &str = "groups";
 
 type PoolAttrs = ([usize; 2], [usize; 2], Padding, DataFormat);
 
 fn read_pool_attrs(a: &mut AttrReader) -> OpResult<PoolAttrs> {
-    Ok((
-        a.pair("ksize", None)?,
-        a.pair("strides", None)?,
-        Padding::read(a)?,
-        DataFormat::read(a)?,
-    ))
+    let ksize = a.pair("ksize", None)?;
+    let strides = a.pair("strides", None)?;
+    let data_format = DataFormat::read(a)?;
+    Ok((ksize, strides, Padding::read(a, data_format)?, data_format))
 }
 
 /// im2col buffers hold at most about this many elements; larger batches are split.
@@ -250,11 +262,18 @@ impl Axis {
 }
 
 /// 2-D convolution (cross-correlation, as TensorFlow) of `x` with an HWIO filter.
+///
+/// With `groups` > 1 (TensorFlow's, PyTorch's and ONNX's grouped convolution; depthwise
+/// when it equals the input channels) the input channels and the output channels are
+/// split into `groups` runs of consecutive channels, and output run `g` convolves
+/// input run `g` alone: the filter is `[kh, kw, in_channels / groups, out_channels]`,
+/// both channel counts divisible by `groups`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Conv2D {
     pub strides: [usize; 2],
     pub padding: Padding,
     pub data_format: DataFormat,
+    pub groups: usize,
 }
 
 /// The shape facts of one convolution.
@@ -265,15 +284,23 @@ struct ConvDims {
     cols: Axis,
     kh: usize,
     kw: usize,
+    groups: usize,
 }
 
 impl Conv2D {
+    /// An ungrouped convolution (`groups` 1).
     pub fn new(strides: [usize; 2], padding: Padding, data_format: DataFormat) -> Self {
         Conv2D {
             strides,
             padding,
             data_format,
+            groups: 1,
         }
+    }
+
+    /// This convolution with its channels in `groups` groups.
+    pub fn with_groups(self, groups: usize) -> Self {
+        Conv2D { groups, ..self }
     }
 
     fn dims(&self, x: &[usize], filter: &[usize]) -> OpResult<ConvDims> {
@@ -298,12 +325,39 @@ impl Conv2D {
                 ShapeDisplay(filter)
             ));
         };
-        if cin != xi.c {
+        let groups = self.groups;
+        if groups == 0 {
+            return Err("groups must be positive, got 0".into());
+        }
+        let x_desc = || format!("{what} {} ({})", ShapeDisplay(x), self.data_format.as_str());
+        if xi.c % groups != 0 {
             return Err(format!(
-                "{what} {} ({}) has {} channels but the filter {} expects {cin} input channels",
-                ShapeDisplay(x),
-                self.data_format.as_str(),
+                "{} has {} channels, not divisible by groups {groups}",
+                x_desc(),
+                xi.c
+            ));
+        }
+        if cout % groups != 0 {
+            return Err(format!(
+                "the filter {} has {cout} output channels, not divisible by groups {groups}",
+                ShapeDisplay(filter)
+            ));
+        }
+        if groups == 1 && cin != xi.c {
+            return Err(format!(
+                "{} has {} channels but the filter {} expects {cin} input channels",
+                x_desc(),
                 xi.c,
+                ShapeDisplay(filter)
+            ));
+        }
+        if cin != xi.c / groups {
+            return Err(format!(
+                "{} has {} channels, {} per group of {groups}, but the filter {} expects \
+                 {cin} input channels per group",
+                x_desc(),
+                xi.c,
+                xi.c / groups,
                 ShapeDisplay(filter)
             ));
         }
@@ -328,16 +382,18 @@ impl Conv2D {
             cols,
             kh,
             kw,
+            groups,
         })
     }
 }
 
-/// Fills `cols` (one row of R = kh*kw*cin values per output position, from output
+/// Fills `cols` (one row of R = kh*kw*cg values per output position, from output
 /// position `first` counted over the whole batch in (image, oy, ox) order) with the
-/// input patches, zeros where the window leaves the image.
-fn im2col<T: Real>(d: &ConvDims, x: &[T], first: usize, cols: &mut [T]) {
-    let r = d.kh * d.kw * d.x.c;
-    let per_image = d.rows.out * d.cols.out;
+/// input patches of group `group`'s cg channels, zeros where the window leaves the
+/// image.
+fn im2col<T: Real>(d: &ConvDims, x: &[T], first: usize, group: usize, cols: &mut [T]) {
+    let (r, cg) = (d.patch(), d.in_group());
+    let per_image = d.positions();
     cols.par_chunks_mut(r).enumerate().for_each(|(p, row)| {
         let img = (first + p) / per_image;
         let q = (first + p) % per_image;
@@ -345,13 +401,13 @@ fn im2col<T: Real>(d: &ConvDims, x: &[T], first: usize, cols: &mut [T]) {
         row.iter_mut().for_each(|v| *v = T::zero());
         let (y0, y1, ky0) = d.rows.range(oy);
         let (x0, x1, kx0) = d.cols.range(ox);
-        let base = img * d.x.sn;
+        let base = img * d.x.sn + group * cg * d.x.sc;
         for (ky, iy) in (ky0..).zip(y0..y1) {
             for (kx, ix) in (kx0..).zip(x0..x1) {
                 let src = base + iy * d.x.sy + ix * d.x.sx;
-                let dst = &mut row[(ky * d.kw + kx) * d.x.c..][..d.x.c];
+                let dst = &mut row[(ky * d.kw + kx) * cg..][..cg];
                 if d.x.sc == 1 {
-                    dst.copy_from_slice(&x[src..src + d.x.c]);
+                    dst.copy_from_slice(&x[src..src + cg]);
                 } else {
                     for (ci, v) in dst.iter_mut().enumerate() {
                         *v = x[src + ci * d.x.sc];
@@ -362,6 +418,29 @@ fn im2col<T: Real>(d: &ConvDims, x: &[T], first: usize, cols: &mut [T]) {
     });
 }
 
+/// `dst` (rows of `cout`) gets `lhs [m, k] x rhs [k, kg]` in its columns of group
+/// `group` (`group * kg..`): written directly when the group is every column, else
+/// through `tmp`, since the product writes dense rows.
+fn gemm_group_cols<T: Real>(
+    dst: &mut [T],
+    (cout, kg, group): (usize, usize, usize),
+    k: usize,
+    lhs: MatView<'_, T>,
+    rhs: MatView<'_, T>,
+    tmp: &mut Vec<T>,
+) -> OpResult<()> {
+    let m = dst.len() / cout;
+    if kg == cout {
+        return gemm_into(m, cout, k, dst, lhs, rhs, true);
+    }
+    tmp.resize(m * kg, T::zero());
+    gemm_into(m, kg, k, tmp, lhs, rhs, true)?;
+    dst.par_chunks_mut(cout)
+        .zip(tmp.par_chunks(kg))
+        .for_each(|(row, vals)| row[group * kg..][..kg].copy_from_slice(vals));
+    Ok(())
+}
+
 impl FloatKernel for Conv2D {
     fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
         let [x, filter] = fixed(inputs)?;
@@ -369,14 +448,20 @@ impl FloatKernel for Conv2D {
         let shape = d.y.shape(self.data_format);
         let total = checked_numel(&shape).ok_or("the output shape overflows")?;
         let mut out = vec![T::zero(); total];
-        let r = d.kh * d.kw * d.x.c;
-        let cout = d.y.c;
-        let per_image = d.rows.out * d.cols.out;
+        let r = d.patch();
+        let (cout, kg) = (d.y.c, d.out_group());
+        let per_image = d.positions();
         if total == 0 || r == 0 {
             return Ok(vec![(shape, out)]);
         }
         let (xv, fv) = (T::read(x), T::read(filter));
-        let filter_mat = MatView::dense(&fv, cout, false);
+        // Group g's [R, kg] columns of the row-major [R, cout] filter.
+        let filter_mat = |g: usize| MatView {
+            data: &fv[g * kg..],
+            rs: cout,
+            cs: 1,
+        };
+        let mut tmp = Vec::new();
         // A 1x1 window at stride 1 without padding: each output pixel is its input's.
         let pointwise = d.kh == 1
             && d.kw == 1
@@ -384,60 +469,75 @@ impl FloatKernel for Conv2D {
             && (d.rows.out, d.cols.out) == (d.x.h, d.x.w);
         match self.data_format {
             DataFormat::Nhwc if pointwise => {
-                // A 1x1 convolution of an NHWC batch is one product with the pixels.
-                let m = d.x.n * per_image;
-                let lhs = MatView::dense(&xv, r, false);
-                gemm_into(m, cout, r, &mut out, lhs, filter_mat, true)?;
+                // A 1x1 convolution of an NHWC batch is one product per group with the
+                // pixels' channels of the group (r of them).
+                for g in 0..d.groups {
+                    let lhs = MatView {
+                        data: &xv[g * r..],
+                        rs: d.x.c,
+                        cs: 1,
+                    };
+                    gemm_group_cols(&mut out, (cout, kg, g), r, lhs, filter_mat(g), &mut tmp)?;
+                }
             }
             DataFormat::Nhwc => {
                 // Output rows (image, oy, ox) are contiguous: each block of rows is
-                // one product [rows, R] x [R, cout].
+                // one product [rows, R] x [R, kg] per group.
                 let block = (COLS_BUDGET / r).clamp(1, d.x.n * per_image);
                 let mut cols = vec![T::zero(); block * r];
                 for (bi, dst) in out.chunks_mut(block * cout).enumerate() {
                     let m = dst.len() / cout;
                     let cols = &mut cols[..m * r];
-                    im2col(&d, &xv, bi * block, cols);
-                    let lhs = MatView::dense(cols, r, false);
-                    gemm_into(m, cout, r, dst, lhs, filter_mat, true)?;
+                    for g in 0..d.groups {
+                        im2col(&d, &xv, bi * block, g, cols);
+                        let lhs = MatView::dense(cols, r, false);
+                        let at = (cout, kg, g);
+                        gemm_group_cols(dst, at, r, lhs, filter_mat(g), &mut tmp)?;
+                    }
                 }
             }
             DataFormat::Nchw if per_image.saturating_mul(r) <= COLS_BUDGET => {
-                // Per image: out [cout, P] = filter^T [cout, R] x cols^T [R, P].
+                // Per image and group: the group's channel planes [kg, P] =
+                // filter_g^T [kg, R] x cols^T [R, P].
                 let mut cols = vec![T::zero(); per_image * r];
-                let lhs = MatView {
-                    data: &fv,
-                    rs: 1,
-                    cs: cout,
-                };
-                for (img, dst) in out.chunks_mut(cout * per_image).enumerate() {
-                    im2col(&d, &xv, img * per_image, &mut cols);
-                    let rhs = MatView {
-                        data: &cols,
-                        rs: 1,
-                        cs: r,
-                    };
-                    gemm_into(cout, per_image, r, dst, lhs, rhs, true)?;
+                for (img, planes) in out.chunks_mut(cout * per_image).enumerate() {
+                    for (g, dst) in planes.chunks_mut(kg * per_image).enumerate() {
+                        im2col(&d, &xv, img * per_image, g, &mut cols);
+                        let lhs = MatView {
+                            data: &fv[g * kg..],
+                            rs: 1,
+                            cs: cout,
+                        };
+                        let rhs = MatView {
+                            data: &cols,
+                            rs: 1,
+                            cs: r,
+                        };
+                        gemm_into(kg, per_image, r, dst, lhs, rhs, true)?;
+                    }
                 }
             }
             DataFormat::Nchw => {
                 // Images too large for one im2col buffer: blocks of output positions
-                // as for NHWC, scattered into the channel planes.
+                // as for NHWC, scattered into the group's channel planes.
                 let rows = d.x.n * per_image;
                 let block = (COLS_BUDGET / r).clamp(1, rows);
                 let mut cols = vec![T::zero(); block * r];
-                let mut tmp = vec![T::zero(); block * cout];
+                tmp.resize(block * kg, T::zero());
                 for first in (0..rows).step_by(block) {
                     let m = block.min(rows - first);
-                    let (cols, tmp) = (&mut cols[..m * r], &mut tmp[..m * cout]);
-                    im2col(&d, &xv, first, cols);
-                    let lhs = MatView::dense(cols, r, false);
-                    gemm_into(m, cout, r, tmp, lhs, filter_mat, true)?;
-                    for (g, vals) in (first..).zip(tmp.chunks(cout)) {
-                        let (img, p) = (g / per_image, g % per_image);
-                        let plane = &mut out[img * cout * per_image..][..cout * per_image];
-                        for (co, &v) in vals.iter().enumerate() {
-                            plane[co * per_image + p] = v;
+                    let (cols, tmp) = (&mut cols[..m * r], &mut tmp[..m * kg]);
+                    for g in 0..d.groups {
+                        im2col(&d, &xv, first, g, cols);
+                        let lhs = MatView::dense(cols, r, false);
+                        gemm_into(m, kg, r, tmp, lhs, filter_mat(g), true)?;
+                        for (p, vals) in (first..).zip(tmp.chunks(kg)) {
+                            let (img, q) = (p / per_image, p % per_image);
+                            let at = (img * cout + g * kg) * per_image;
+                            let planes = &mut out[at..][..kg * per_image];
+                            for (co, &v) in vals.iter().enumerate() {
+                                planes[co * per_image + q] = v;
+                            }
                         }
                     }
                 }
@@ -458,6 +558,10 @@ impl Op for Conv2D {
         let mut a = vec![("strides", pair_attr(self.strides))];
         a.extend(self.padding.attrs(self.data_format));
         a.push(("data_format", self.data_format.into()));
+        // Absent when 1: ungrouped convolutions write what they wrote before groups.
+        if self.groups != 1 {
+            a.push((GROUPS, AttrValue::Int(self.groups as i64)));
+        }
         a
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
@@ -494,12 +598,14 @@ impl Op for Conv2D {
             strides: self.strides,
             padding: self.padding,
             data_format: self.data_format,
+            groups: self.groups,
         };
         let dfilter = Conv2DBackpropFilter {
             filter_shape: b.ty(filter).shape.clone(),
             strides: self.strides,
             padding: self.padding,
             data_format: self.data_format,
+            groups: self.groups,
         };
         Ok(vec![
             Some(b.add(dx, &[filter, dy])?),
@@ -514,9 +620,19 @@ impl ConvDims {
         self.rows.out * self.cols.out
     }
 
-    /// Elements of one im2col row: kh * kw * cin.
+    /// Input channels per group (the filter's I).
+    fn in_group(&self) -> usize {
+        self.x.c / self.groups
+    }
+
+    /// Output channels per group.
+    fn out_group(&self) -> usize {
+        self.y.c / self.groups
+    }
+
+    /// Elements of one im2col row (one group's patch): kh * kw * cin / groups.
     fn patch(&self) -> usize {
-        self.kh * self.kw * self.x.c
+        self.kh * self.kw * self.in_group()
     }
 
     /// Runs of at most `block` output positions (counted over the batch in (image, oy,
@@ -543,12 +659,14 @@ impl ConvDims {
         }
     }
 
-    /// dy's rows for output positions `first..first + m` as a `[m, cout]` matrix.
-    fn dy_rows<'a, T>(&self, dy: &'a [T], first: usize) -> MatView<'a, T> {
+    /// dy's rows for output positions `first..first + m` as a `[m, cout]` matrix, from
+    /// channel `channel` on (a group's first).
+    fn dy_rows<'a, T>(&self, dy: &'a [T], first: usize, channel: usize) -> MatView<'a, T> {
         let per_image = self.positions().max(1);
         let (img, q) = (first / per_image, first % per_image);
+        let at = img * self.y.sn + q * self.y.sx + channel * self.y.sc;
         MatView {
-            data: dy.get(img * self.y.sn + q * self.y.sx..).unwrap_or(&[]),
+            data: dy.get(at..).unwrap_or(&[]),
             rs: self.y.sx,
             cs: self.y.sc,
         }
@@ -556,9 +674,10 @@ impl ConvDims {
 }
 
 /// The inverse of [`im2col`]: adds each row of `cols` (output positions from `first`,
-/// counted over the batch) into the input positions its patch was read from.
-fn col2im<T: Real>(d: &ConvDims, cols: &[T], first: usize, dx: &mut [T]) {
-    let r = d.patch();
+/// counted over the batch) into the input positions (of group `group`'s channels) its
+/// patch was read from.
+fn col2im<T: Real>(d: &ConvDims, cols: &[T], first: usize, group: usize, dx: &mut [T]) {
+    let (r, cg) = (d.patch(), d.in_group());
     let per_image = d.positions();
     for (p, row) in cols.chunks(r).enumerate() {
         let img = (first + p) / per_image;
@@ -566,11 +685,11 @@ fn col2im<T: Real>(d: &ConvDims, cols: &[T], first: usize, dx: &mut [T]) {
         let (oy, ox) = (q / d.cols.out, q % d.cols.out);
         let (y0, y1, ky0) = d.rows.range(oy);
         let (x0, x1, kx0) = d.cols.range(ox);
-        let base = img * d.x.sn;
+        let base = img * d.x.sn + group * cg * d.x.sc;
         for (ky, iy) in (ky0..).zip(y0..y1) {
             for (kx, ix) in (kx0..).zip(x0..x1) {
                 let dst = base + iy * d.x.sy + ix * d.x.sx;
-                let src = &row[(ky * d.kw + kx) * d.x.c..][..d.x.c];
+                let src = &row[(ky * d.kw + kx) * cg..][..cg];
                 for (ci, &v) in src.iter().enumerate() {
                     let t = &mut dx[dst + ci * d.x.sc];
                     *t = *t + v;
@@ -631,18 +750,20 @@ fn conv_attrs(
 /// `Conv2DBackpropInput` (the input's shape an attr rather than a tensor): inputs
 /// `filter` (HWIO) and `dy` (the convolution's output shape); output `dx` of shape
 /// `input_shape`. Computed as `dy x filter^T` (one gemm per block of output
-/// positions) scattered back through col2im.
+/// positions and group) scattered back through col2im.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Conv2DBackpropInput {
     pub input_shape: Vec<usize>,
     pub strides: [usize; 2],
     pub padding: Padding,
     pub data_format: DataFormat,
+    /// The forward's [`Conv2D::groups`].
+    pub groups: usize,
 }
 
 impl Conv2DBackpropInput {
     fn conv(&self) -> Conv2D {
-        Conv2D::new(self.strides, self.padding, self.data_format)
+        Conv2D::new(self.strides, self.padding, self.data_format).with_groups(self.groups)
     }
 }
 
@@ -659,19 +780,27 @@ impl FloatKernel for Conv2DBackpropInput {
         )?;
         let total = checked_numel(&shape).ok_or("input_shape overflows")?;
         let mut dx = vec![T::zero(); total];
-        let (r, cout) = (d.patch(), d.y.c);
+        let (r, cout, kg) = (d.patch(), d.y.c, d.out_group());
         if total == 0 || r == 0 || cout == 0 || d.positions() == 0 {
             return Ok(vec![(shape, dx)]);
         }
         let (fv, dyv) = (T::read(filter), T::read(dy));
-        // filter^T [cout, R], read from the row-major [R, cout] filter.
-        let filter_t = MatView::dense(&fv, cout, true);
         let block = (COLS_BUDGET / r).clamp(1, d.x.n * d.positions());
         let mut cols = vec![T::zero(); block * r];
         for (first, m) in d.position_blocks(block) {
             let cols = &mut cols[..m * r];
-            gemm_into(m, r, cout, cols, d.dy_rows(&dyv, first), filter_t, true)?;
-            col2im(&d, cols, first, &mut dx);
+            for g in 0..d.groups {
+                // filter_g^T [kg, R], read from group g's columns of the row-major
+                // [R, cout] filter.
+                let filter_t = MatView {
+                    data: &fv[g * kg..],
+                    rs: 1,
+                    cs: cout,
+                };
+                let dy_g = d.dy_rows(&dyv, first, g * kg);
+                gemm_into(m, r, kg, cols, dy_g, filter_t, true)?;
+                col2im(&d, cols, first, g, &mut dx);
+            }
         }
         Ok(vec![(shape, dx)])
     }
@@ -709,18 +838,20 @@ impl Op for Conv2DBackpropInput {
 /// The gradient of [`Conv2D`] with respect to its filter, TensorFlow's
 /// `Conv2DBackpropFilter` (the filter's shape an attr): inputs `x` and `dy`; output
 /// `dfilter` of shape `filter_shape` (HWIO). Computed as `im2col(x)^T x dy`, one gemm
-/// per block of output positions.
+/// per block of output positions and group.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Conv2DBackpropFilter {
     pub filter_shape: Vec<usize>,
     pub strides: [usize; 2],
     pub padding: Padding,
     pub data_format: DataFormat,
+    /// The forward's [`Conv2D::groups`].
+    pub groups: usize,
 }
 
 impl Conv2DBackpropFilter {
     fn conv(&self) -> Conv2D {
-        Conv2D::new(self.strides, self.padding, self.data_format)
+        Conv2D::new(self.strides, self.padding, self.data_format).with_groups(self.groups)
     }
 }
 
@@ -729,7 +860,7 @@ impl FloatKernel for Conv2DBackpropFilter {
         let [x, dy] = fixed(inputs)?;
         let shape = self.filter_shape.clone();
         let d = backprop_dims(&self.conv(), "x", x.shape(), &shape, dy.shape())?;
-        let (r, cout) = (d.patch(), d.y.c);
+        let (r, cout, kg) = (d.patch(), d.y.c, d.out_group());
         let mut dfilter = vec![T::zero(); r * cout];
         if dfilter.is_empty() || d.x.n * d.positions() == 0 {
             return Ok(vec![(shape, dfilter)]);
@@ -737,21 +868,25 @@ impl FloatKernel for Conv2DBackpropFilter {
         let (xv, dyv) = (T::read(x), T::read(dy));
         let block = (COLS_BUDGET / r).clamp(1, d.x.n * d.positions());
         let mut cols = vec![T::zero(); block * r];
-        let mut part = vec![T::zero(); r * cout];
+        let mut part = vec![T::zero(); r * kg];
         for (first, m) in d.position_blocks(block) {
             let cols = &mut cols[..m * r];
-            im2col(&d, &xv, first, cols);
-            // cols^T [R, m] x dy rows [m, cout].
-            let lhs = MatView {
-                data: &cols[..],
-                rs: 1,
-                cs: r,
-            };
-            gemm_into(r, cout, m, &mut part, lhs, d.dy_rows(&dyv, first), true)?;
-            dfilter
-                .iter_mut()
-                .zip(&part)
-                .for_each(|(a, &v)| *a = *a + v);
+            for g in 0..d.groups {
+                im2col(&d, &xv, first, g, cols);
+                // cols^T [R, m] x dy rows [m, kg]: group g's columns of the [R, cout]
+                // filter gradient.
+                let lhs = MatView {
+                    data: &cols[..],
+                    rs: 1,
+                    cs: r,
+                };
+                let dy_g = d.dy_rows(&dyv, first, g * kg);
+                gemm_into(r, kg, m, &mut part, lhs, dy_g, true)?;
+                for (row, vals) in dfilter.chunks_mut(cout).zip(part.chunks(kg)) {
+                    let row = &mut row[g * kg..][..kg];
+                    row.iter_mut().zip(vals).for_each(|(a, &v)| *a = *a + v);
+                }
+            }
         }
         Ok(vec![(shape, dfilter)])
     }
@@ -798,21 +933,20 @@ struct Pool {
 
 impl Pool {
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![
+        let mut a = vec![
             ("ksize", pair_attr(self.ksize)),
             ("strides", pair_attr(self.strides)),
-            ("padding", self.padding.into()),
-            ("data_format", self.data_format.into()),
-        ]
+        ];
+        a.extend(self.padding.attrs(self.data_format));
+        a.push(("data_format", self.data_format.into()));
+        a
     }
 
     fn dims(&self, x: &[usize]) -> OpResult<(Image, Image, Axis, Axis)> {
         check_pair("ksize", self.ksize)?;
         check_pair("strides", self.strides)?;
-        if let Padding::Explicit(_) = self.padding {
-            return Err("pooling takes SAME or VALID padding, not EXPLICIT".into());
-        }
         let xi = Image::from_shape(self.data_format, "x", x)?;
+        self.padding.check_pool(self.ksize, [xi.h, xi.w])?;
         let rows = Axis::new(self.padding, 0, xi.h, self.ksize[0], self.strides[0])
             .map_err(|e| format!("height: {e}"))?;
         let cols = Axis::new(self.padding, 1, xi.w, self.ksize[1], self.strides[1])
@@ -952,14 +1086,15 @@ macro_rules! pool_op {
 }
 
 pool_op!(
-    /// Maximum over each window; with SAME padding only in-bounds elements count.
+    /// Maximum over each window; with SAME or EXPLICIT padding only in-bounds elements
+    /// count.
     MaxPool,
     "MaxPool",
     PoolKind::Max
 );
 pool_op!(
-    /// Mean over each window; with SAME padding it divides by the number of in-bounds
-    /// elements, as TensorFlow does.
+    /// Mean over each window; with SAME or EXPLICIT padding it divides by the number of
+    /// in-bounds elements, as TensorFlow does (ONNX's `count_include_pad` 0).
     AvgPool,
     "AvgPool",
     PoolKind::Avg

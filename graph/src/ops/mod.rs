@@ -2,12 +2,16 @@
 //! from its name and attributes.
 
 pub mod attention;
+pub mod compare;
 pub mod conv;
 pub mod elementwise;
 pub mod fused;
+pub mod gather;
 pub mod linalg;
 pub mod norm;
+pub mod pad;
 pub mod reduce;
+pub mod select;
 pub mod shape_ops;
 pub mod softmax;
 pub mod source;
@@ -19,16 +23,20 @@ use crate::op::{Op, OpEntry, OpResult};
 use crate::tensor::{Tensor, TensorType};
 
 pub use attention::{FusedAttention, FusedAttentionGrad};
+pub use compare::{Compare, CompareKind, Logical, LogicalKind, Not};
 pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
 pub use fused::{ElementOp, FusedElementwise};
+pub use gather::{Gather, GatherGrad};
 pub use linalg::{BatchMatMul, Epilogue, FusedMatMul, MatMul};
 pub use norm::{BatchNorm, LayerNorm, NormActivation};
 pub use norm::{BatchNormGrad, LayerNormGrad, NormGradEpilogue};
+pub use pad::{Pad, PadMode};
 pub use reduce::ReduceGrad;
 pub use reduce::{widens_exactly, Reduce, ReduceKind, SumTo};
+pub use select::Where;
 pub use shape_ops::{BroadcastTo, Slice};
 pub use shape_ops::{Concat, Reshape, Transpose};
 pub use softmax::{FusedSoftmax, LogSoftmax, Softmax, SoftmaxCrossEntropy};
@@ -71,6 +79,12 @@ const FAMILIES: &[&[OpEntry]] = &[
     shape_ops::OPS,
     shape_ops::MORE_OPS,
     train::OPS,
+    select::OPS,
+    compare::COMPARE_OPS,
+    compare::LOGICAL_OPS,
+    compare::NOT_OPS,
+    gather::OPS,
+    pad::OPS,
 ];
 
 /// Every op name the IR knows.
@@ -143,8 +157,9 @@ pub enum Padding {
     /// No zeros: every window lies inside the input.
     Valid,
     /// `[before, after]` zeros for height and width (TensorFlow's `EXPLICIT` with
-    /// `explicit_paddings`). Convolutions only: the pooling ops refuse it (TensorFlow's
-    /// AvgPool does too; its MaxPool and MaxPoolGrad take it, not supported here).
+    /// `explicit_paddings`). The pooling ops take it too (ONNX's `pads`), counting only
+    /// in-bounds elements as with SAME, and refuse pads as wide as their window
+    /// ([`check_pool`](Self::check_pool)).
     Explicit([[usize; 2]; 2]),
 }
 
@@ -161,20 +176,11 @@ pub struct AxisPadding {
 const EXPLICIT_PADDINGS: &str = "explicit_paddings";
 
 impl Padding {
-    /// Reads a pooling op's `padding`: SAME or VALID.
-    pub fn read(a: &mut AttrReader) -> OpResult<Padding> {
-        Self::read_name(a)?.ok_or_else(|| {
-            "attr 'padding' EXPLICIT is taken by Conv2D, Conv2DBackpropInput and \
-             Conv2DBackpropFilter only"
-                .into()
-        })
-    }
-
-    /// Reads a convolution's `padding` (SAME, VALID or EXPLICIT) and
+    /// Reads a windowed op's `padding` (SAME, VALID or EXPLICIT) and
     /// `explicit_paddings`: with EXPLICIT, 8 integers, a (before, after) pair per
     /// dimension in `format`'s order, the batch and channel pairs 0; otherwise empty
     /// or absent.
-    pub fn read_conv(a: &mut AttrReader, format: DataFormat) -> OpResult<Padding> {
+    pub fn read(a: &mut AttrReader, format: DataFormat) -> OpResult<Padding> {
         let named = Self::read_name(a)?;
         let list = a.opt_ints(EXPLICIT_PADDINGS)?.unwrap_or_default();
         match named {
@@ -235,6 +241,34 @@ impl Padding {
             a.push((EXPLICIT_PADDINGS, AttrValue::Ints(list)));
         }
         a
+    }
+
+    /// Refuses explicit pads that leave a pooling window (`ksize`) over an `[h, w]`
+    /// image without an input element: pads as wide as the window or wider, or an
+    /// empty image. Pads below the window cannot (every window then starts before
+    /// the input's end and ends after its start). PyTorch refuses pads over half the
+    /// window; ONNX allows any below it.
+    pub fn check_pool(self, ksize: [usize; 2], [h, w]: [usize; 2]) -> OpResult<()> {
+        let Padding::Explicit(pads) = self else {
+            return Ok(());
+        };
+        for (axis, (name, len)) in [("height", h), ("width", w)].into_iter().enumerate() {
+            let ([before, after], window) = (pads[axis], ksize[axis]);
+            if before >= window || after >= window {
+                return Err(format!(
+                    "{name}: explicit padding {before} before and {after} after must be \
+                     smaller than the pooling window {window}: a window in the padding \
+                     alone has nothing to pool"
+                ));
+            }
+            if len == 0 {
+                return Err(format!(
+                    "{name}: an empty input with explicit padding has only windows of \
+                     padding to pool"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The windows of spatial axis `axis` (0 height, 1 width) over `input` elements.

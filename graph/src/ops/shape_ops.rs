@@ -5,7 +5,6 @@ use half::{bf16, f16};
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::autodiff::GradBuilder;
-use crate::dtype::DType;
 use crate::error::GraphError;
 use crate::graph::Port;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
@@ -48,13 +47,13 @@ pub(crate) const MORE_OPS: &[OpEntry] = &[
 
 /// The gradient of output 0, if it reaches the loss.
 /// The input's type, when it has a gradient (floats only).
-fn float_type(b: &GradBuilder, p: Port) -> Option<TensorType> {
+pub(crate) fn float_type(b: &GradBuilder, p: Port) -> Option<TensorType> {
     let ty = b.ty(p);
     ty.dtype.is_float().then(|| ty.clone())
 }
 
 /// One element type of [`Data`]: lets a kernel be written once over every dtype.
-trait Elem: Copy {
+pub(crate) trait Elem: Copy {
     fn slice(d: &Data) -> Option<&[Self]>;
     fn wrap(v: Vec<Self>) -> Data;
 }
@@ -83,22 +82,23 @@ elem!(i32, I32);
 elem!(i64, I64);
 elem!(bool, Bool);
 
-/// Runs `f::<T>` for the element type of `dtype`.
+/// Runs `f::<T>` for the element type of `dtype` (paths absolute: other op files use it).
 macro_rules! dispatch {
     ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
         match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::Bool => $f::<bool>($($arg),*),
+            $crate::DType::F32 => $f::<f32>($($arg),*),
+            $crate::DType::F16 => $f::<::half::f16>($($arg),*),
+            $crate::DType::BF16 => $f::<::half::bf16>($($arg),*),
+            $crate::DType::F64 => $f::<f64>($($arg),*),
+            $crate::DType::I32 => $f::<i32>($($arg),*),
+            $crate::DType::I64 => $f::<i64>($($arg),*),
+            $crate::DType::Bool => $f::<bool>($($arg),*),
         }
     };
 }
+pub(crate) use dispatch;
 
-fn typed<T: Elem>(t: &Tensor) -> OpResult<&[T]> {
+pub(crate) fn typed<T: Elem>(t: &Tensor) -> OpResult<&[T]> {
     T::slice(t.data()).ok_or_else(|| format!("unexpected {} tensor", t.dtype()))
 }
 

@@ -188,3 +188,33 @@ pub fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
     }
     idx
 }
+
+/// A graph of `op` on placeholders of the given types, written as JSON and read back:
+/// the op (name and attrs) and its output types survive.
+pub fn assert_json_round_trip(op: Box<dyn Op>, inputs: &[TensorType]) {
+    use ampgraph_graph::format::{parse_json, to_json, GraphDef};
+    use ampgraph_graph::{Graph, Port};
+    let mut g = Graph::new();
+    let ports: Vec<Port> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            g.placeholder(format!("in{i}"), t.dtype, t.shape.clone())
+                .unwrap()
+        })
+        .collect();
+    let y = g.add_node("op", op, &ports).unwrap();
+    g.set_outputs(vec![Port::new(y, 0)]).unwrap();
+    let json = to_json(&GraphDef::from_graph(&g));
+    let back = parse_json(json.as_bytes())
+        .and_then(|d| d.to_graph())
+        .unwrap_or_else(|e| panic!("{json}: {e}"));
+    let (was, now) = (g.node(y), back.node(back.require("op").unwrap()));
+    assert!(
+        *now.op == *was.op,
+        "{:?} reads back as {:?}",
+        was.op,
+        now.op
+    );
+    assert_eq!(now.outputs(), was.outputs());
+}

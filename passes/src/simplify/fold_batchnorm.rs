@@ -137,6 +137,8 @@ fn sweep(g: &mut Graph) -> Result<(usize, usize), PassError> {
             if out_axis != channel_axis {
                 continue;
             }
+            // HWIO's O is the output channel with groups too (the filter is
+            // `[kh, kw, cin / groups, cout]`): scaling it scales that channel alone.
             let channels = filter_shape[3];
             (ChannelOf::Last { channels }, c.data_format)
         } else if let Some(m) = product_op.downcast_ref::<MatMul>() {
@@ -400,6 +402,56 @@ mod tests {
         assert_eq!(g.node(conv).op.downcast_ref::<Conv2D>(), Some(&conv_op));
         let got = crate::testing::run(&g, &feeds);
         close(&got[0].to_f64_vec(), &want[0].to_f64_vec());
+    }
+
+    /// A depthwise NHWC convolution (3 groups, 2 output channels each) folds per output
+    /// channel and keeps its groups.
+    #[test]
+    fn folds_a_grouped_convolution() {
+        let mut g = Graph::new();
+        let shape = [2, 4, 3, 3];
+        let x = add(
+            &mut g,
+            "x",
+            Placeholder(TensorType::new(DType::F32, shape)),
+            &[],
+        );
+        let wv: Vec<f64> = (0..36).map(|i| (f64::from(i) * 0.9).cos()).collect();
+        let w = konst(&mut g, "w", &[3, 2, 1, 6], &wv);
+        let conv_op = Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc).with_groups(3);
+        let conv = add(&mut g, "conv", conv_op.clone(), &[x, w]);
+        let c = |v: [f64; 6]| v.to_vec();
+        let scale = konst(&mut g, "scale", &[6], &c([3.0, 0.5, -2.0, 1.0, 0.25, 4.0]));
+        let offset = konst(
+            &mut g,
+            "offset",
+            &[6],
+            &c([0.25, -1.0, 2.0, 0.0, 1.5, -3.0]),
+        );
+        let mean = konst(&mut g, "mean", &[6], &c([1.0, 2.0, -0.5, 0.0, 3.0, -1.0]));
+        let var = konst(&mut g, "var", &[6], &c([4.0, 1.0, 0.25, 2.0, 9.0, 0.5]));
+        let bn_op = BatchNorm {
+            epsilon: 0.001,
+            training: false,
+            data_format: DataFormat::Nhwc,
+            activation: NormActivation::Identity,
+        };
+        let bn = add(&mut g, "bn", bn_op, &[conv, scale, offset, mean, var]);
+        g.set_outputs(vec![bn]).unwrap();
+        let xv: Vec<f64> = (0..72).map(|i| (f64::from(i) * 0.7).sin()).collect();
+        let feeds = [("x", Tensor::from_f64(DType::F32, shape, &xv).unwrap())].into();
+        let want = crate::testing::run(&g, &feeds);
+
+        let s = FoldBatchNorm.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(s.lines[0].contains("folded 1 "), "{s}");
+        let conv = g.find("conv").unwrap();
+        assert_eq!(g.node(conv).op.downcast_ref::<Conv2D>(), Some(&conv_op));
+        let got = crate::testing::run(&g, &feeds);
+        // f32 sums of 6 products of at most ~6 each, rounded apart: a few ulps.
+        for (a, b) in got[0].to_f64_vec().iter().zip(want[0].to_f64_vec()) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
     }
 
     #[test]

@@ -19,6 +19,9 @@
 //!   `[kh, kw, cin, cout]`. Each of its elements sums `x * dy` over the same positions
 //!   as before: the padding only adds rows and columns.
 //!
+//! Grouped convolutions (`groups` > 1) are left alone: zero channels added at the end
+//! would move every group's channel boundaries.
+//!
 //! Every padded tensor (a filter read by a convolution and its input gradient, a `dy`
 //! read by both gradients) is padded once. A node whose output keeps its shape reads
 //! the padded tensors in place; otherwise the op moves to a new node `<name>/padded`
@@ -108,11 +111,14 @@ fn padded_form(g: &Graph, id: NodeId) -> Option<(Vec<InputPad>, Box<dyn Op>)> {
         ConvOp::Filter(op.downcast_ref::<Conv2DBackpropFilter>()?.clone())
     };
     let input_shape = |slot: usize| Some(g.ty(*g.inputs(id).get(slot)?).shape.clone());
-    let (filter, format) = match &conv {
-        ConvOp::Forward(c) => (input_shape(1)?, c.data_format),
-        ConvOp::Input(c) => (input_shape(0)?, c.data_format),
-        ConvOp::Filter(c) => (c.filter_shape.clone(), c.data_format),
+    let (filter, format, groups) = match &conv {
+        ConvOp::Forward(c) => (input_shape(1)?, c.data_format, c.groups),
+        ConvOp::Input(c) => (input_shape(0)?, c.data_format, c.groups),
+        ConvOp::Filter(c) => (c.filter_shape.clone(), c.data_format, c.groups),
     };
+    if groups != 1 {
+        return None;
+    }
     let [kh, kw, cin, cout] = filter[..] else {
         return None;
     };
@@ -331,6 +337,25 @@ mod tests {
         // Every op but the second convolution (16 output channels already) changes
         // its output's shape and is sliced back.
         assert_eq!(count(&after, "Slice"), 5);
+    }
+
+    /// A depthwise f16 convolution (3 channels, 3 groups) and its gradients: padding
+    /// channels would regroup them, so none is padded.
+    #[test]
+    fn leaves_grouped_convolutions_alone() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F16, [2, 5, 6, 3]).unwrap();
+        let w = g.placeholder("w", DType::F16, [3, 3, 1, 6]).unwrap();
+        let conv = Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc).with_groups(3);
+        let y = g.add(conv, &[x, w]).unwrap();
+        let loss = g.sum(y, None, false).unwrap();
+        let grads = gradients(&mut g, loss, &[x, w]).unwrap();
+        g.set_outputs([vec![loss], grads].concat()).unwrap();
+        let before = g.len();
+        let (after, summary) = pad(&g);
+        assert!(summary.lines[0].starts_with("pad-conv-channels: padded 0 "));
+        assert_eq!(after.len(), before);
+        assert_eq!(filters(&after).len(), 3, "Conv2D and both gradients");
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //!   sides alike, so it gets the symmetric part and the input the rest as zeros at its
 //!   start or its end (`Spec::Pad`; a data gradient is computed for the extended input
 //!   and cropped). Symmetric padding costs no copy.
+//!
+//! Grouped convolutions (`groups` > 1) are cuDNN's own (`cudnnSetConvolutionGroupCount`):
+//! the HWIO filter `[r, s, c / groups, k]` gathers into the same orders, cuDNN's
+//! grouped filter (`k` filters of `c / groups` channels, filter `j` in group
+//! `j / (k / groups)`, as in TensorFlow).
 
 use ampgraph_graph::ops::{Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, Padding};
 use ampgraph_graph::{DType, Op, TensorType};
@@ -33,7 +38,7 @@ kernel_specs! {
 pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(conv) = op.downcast_ref::<Conv2D>() {
         let (x, w) = (ins.first()?, ins.get(1)?);
-        let attrs = (conv.strides, conv.padding, conv.data_format);
+        let attrs = (conv.strides, conv.padding, conv.data_format, conv.groups);
         return Some(lower_conv(
             Direction::Forward,
             attrs,
@@ -45,13 +50,13 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     }
     if let Some(b) = op.downcast_ref::<Conv2DBackpropInput>() {
         let w = ins.first()?;
-        let attrs = (b.strides, b.padding, b.data_format);
+        let attrs = (b.strides, b.padding, b.data_format, b.groups);
         let dir = Direction::BackwardData;
         return Some(lower_conv(dir, attrs, &b.input_shape, &w.shape, ins, outs));
     }
     if let Some(b) = op.downcast_ref::<Conv2DBackpropFilter>() {
         let x = ins.first()?;
-        let attrs = (b.strides, b.padding, b.data_format);
+        let attrs = (b.strides, b.padding, b.data_format, b.groups);
         let dir = Direction::BackwardFilter;
         return Some(lower_conv(dir, attrs, &x.shape, &b.filter_shape, ins, outs));
     }
@@ -110,7 +115,7 @@ fn in_layout(layout: DataFormat, [n, c, h, w]: [usize; 4]) -> Vec<usize> {
 
 fn lower_conv(
     direction: Direction,
-    (strides, padding, layout): ([usize; 2], Padding, DataFormat),
+    (strides, padding, layout, groups): ([usize; 2], Padding, DataFormat, usize),
     x_shape: &[usize],
     w_shape: &[usize],
     ins: &[TensorType],
@@ -129,9 +134,10 @@ fn lower_conv(
     let &[r, s, wc, k] = w_shape else {
         return Err(format!("the filter must be HWIO, got shape {w_shape:?}"));
     };
-    if wc != c {
+    if groups == 0 || c % groups != 0 || k % groups != 0 || wc * groups != c {
         return Err(format!(
-            "the filter takes {wc} channels but the image has {c}"
+            "the filter takes {wc} channels per group and gives {k} with groups {groups} \
+             but the image has {c}"
         ));
     }
     let rows = axis_pad(padding, 0, h, r, strides[0])?;
@@ -142,6 +148,7 @@ fn lower_conv(
         layout,
         input: padded,
         filter: [k, r, s],
+        groups,
         pad: [rows.pad, cols.pad],
         strides,
         out: [rows.out, cols.out],
@@ -161,10 +168,10 @@ fn lower_conv(
     });
     let crop = extended.as_ref().map(Extension::crop).transpose()?;
     // HWIO <-> the layout's filter order.
-    let (cudnn_filter, to_cudnn, from_cudnn) = filter_orders(layout, [r, s, c, k]);
+    let (cudnn_filter, to_cudnn, from_cudnn) = filter_orders(layout, [r, s, wc, k]);
     let to_cudnn = Gather::new(esize, &cudnn_filter, &to_cudnn, 0)?;
     let from_cudnn = Gather::new(esize, w_shape, &from_cudnn, 0)?;
-    let filter_len = r * s * c * k;
+    let filter_len = r * s * wc * k;
     Ok(one_output(out, move |ctx, inputs, y| {
         let shape = ConvShape {
             allow_tf32: ctx.gemm_options.allow_tf32,
@@ -431,6 +438,7 @@ mod tests {
                     strides,
                     padding,
                     data_format: layout,
+                    groups: 1,
                 };
                 let dxp = Conv2DBackpropInput {
                     input_shape: e.to.clone(),
@@ -450,6 +458,7 @@ mod tests {
                     strides,
                     padding,
                     data_format: layout,
+                    groups: 1,
                 };
                 let dfp = Conv2DBackpropFilter {
                     padding: sym,

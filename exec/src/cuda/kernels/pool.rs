@@ -131,6 +131,9 @@ impl Geometry {
                 attrs.ksize, attrs.strides
             ));
         }
+        // Explicit pads leave no window without an input element: the kernels'
+        // clipped windows need no case for one.
+        attrs.padding.check_pool(attrs.ksize, [h, w])?;
         let rows = attrs
             .padding
             .output_len(0, h, kh, sh)

@@ -1,0 +1,1034 @@
+//! [`Graph`] -> ONNX (opset 17): each of our ops as the ONNX node(s) that compute
+//! it. Constants become initializers, written in the type their readers need (a
+//! weight only casts read is stored already cast, a filter already in ONNX's OIHW
+//! order); inputs and outputs keep the types they had before mixed precision unless
+//! [`ExportOptions::keep_io_types`] is off.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use ampgraph_graph::ops::{
+    AvgPool, BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, BroadcastTo, Cast, Compare,
+    Concat, Const, Conv2D, DataFormat, FusedMatMul, Gather, LayerNorm, LogSoftmax, Logical, MatMul,
+    MaxPool, NormActivation, Not, Pad, PadMode, Padding, Placeholder, Reduce, ReduceKind, Reshape,
+    Slice, Softmax, Transpose, Unary, UnaryKind, Where,
+};
+use ampgraph_graph::{DType, Data, Graph, NodeId, Op, Port, Tensor, TensorType};
+use prost::Message;
+
+use crate::error::{OnnxError, Result};
+use crate::proto::{
+    attribute_type, AttributeProto, Dimension, DimensionValue, GraphProto, ModelProto, NodeProto,
+    OperatorSetIdProto, TensorShapeProto, TypeProto, TypeProtoTensor, ValueInfoProto,
+};
+use crate::tensor;
+
+/// The opset exported models bind to.
+pub const EXPORT_OPSET: i64 = 17;
+/// The IR version of that opset.
+const IR_VERSION: i64 = 8;
+/// Initializers past this many bytes in all go to an external data file: one
+/// protobuf message cannot exceed 2 GiB.
+const INLINE_LIMIT: usize = 1 << 30;
+
+/// How to export a graph.
+#[derive(Clone, Debug)]
+pub struct ExportOptions {
+    /// Inputs and outputs keep f32 where mixed precision made them 16-bit (the
+    /// default, onnxruntime's converter's `keep_io_types`); off, a 16-bit graph takes
+    /// and returns its 16-bit type: an f32 input only Casts read arrives in their
+    /// type, and f32 outputs leave in it.
+    pub keep_io_types: bool,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        ExportOptions {
+            keep_io_types: true,
+        }
+    }
+}
+
+/// Writes `g` to `path` as an ONNX model, whole or not at all (a temporary file
+/// renamed into place); initializers too large for one message go to `PATH.data`
+/// beside it.
+pub fn export_file(g: &Graph, path: &Path, opts: &ExportOptions) -> Result<()> {
+    let mut model = export(g, opts)?;
+    let graph = model.graph.as_mut().expect("export makes a graph");
+    let total: usize = graph.initializer.iter().map(|t| t.raw_data.len()).sum();
+    if total > INLINE_LIMIT {
+        let file = path
+            .file_name()
+            .map_or_else(|| "model.onnx".into(), |f| f.to_string_lossy().into_owned());
+        let location = format!("{file}.data");
+        let mut data = Vec::with_capacity(total);
+        for t in &mut graph.initializer {
+            // Aligned as onnx's own writer aligns them, so readers may map the file.
+            data.resize(data.len().next_multiple_of(64), 0);
+            let offset = data.len() as u64;
+            data.extend(tensor::externalize(t, &location, offset));
+        }
+        let data_path = path.with_file_name(&location);
+        ampgraph_graph::format::write_atomic(&data_path, &data)?;
+    }
+    ampgraph_graph::format::write_atomic(path, &model.encode_to_vec())?;
+    Ok(())
+}
+
+/// The graph as an ONNX model.
+pub fn export(g: &Graph, opts: &ExportOptions) -> Result<ModelProto> {
+    let mut ex = Exporter::new(g);
+    ex.run(opts)?;
+    Ok(ModelProto {
+        ir_version: IR_VERSION,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: EXPORT_OPSET,
+        }],
+        producer_name: "ampgraph".into(),
+        producer_version: env!("CARGO_PKG_VERSION").into(),
+        graph: Some(ex.out),
+        ..ModelProto::default()
+    })
+}
+
+fn value_info(name: &str, ty: &TensorType) -> ValueInfoProto {
+    ValueInfoProto {
+        name: name.into(),
+        r#type: Some(TypeProto {
+            tensor_type: Some(TypeProtoTensor {
+                elem_type: tensor::elem_type_of(ty.dtype),
+                shape: Some(TensorShapeProto {
+                    dim: ty
+                        .shape
+                        .iter()
+                        .map(|&d| Dimension {
+                            value: Some(DimensionValue::DimValue(d as i64)),
+                        })
+                        .collect(),
+                }),
+            }),
+        }),
+    }
+}
+
+fn attr_int(name: &str, i: i64) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::INT,
+        i,
+        ..AttributeProto::default()
+    }
+}
+
+fn attr_float(name: &str, f: f64) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::FLOAT,
+        f: f as f32,
+        ..AttributeProto::default()
+    }
+}
+
+fn attr_ints(name: &str, ints: impl IntoIterator<Item = i64>) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::INTS,
+        ints: ints.into_iter().collect(),
+        ..AttributeProto::default()
+    }
+}
+
+fn attr_string(name: &str, s: &str) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::STRING,
+        s: s.as_bytes().to_vec(),
+        ..AttributeProto::default()
+    }
+}
+
+fn i64s(v: &[usize]) -> Vec<i64> {
+    v.iter().map(|&d| d as i64).collect()
+}
+
+fn i64_tensor(values: Vec<i64>) -> Tensor {
+    let n = values.len();
+    Tensor::new(vec![n], Data::I64(values)).expect("a vector's shape fits its data")
+}
+
+struct Exporter<'g> {
+    g: &'g Graph,
+    out: GraphProto,
+    /// Ports whose values are known here (constants, and casts of them): written as
+    /// initializers only when some node reads them as they are.
+    consts: HashMap<Port, Tensor>,
+    /// The ONNX value holding each port, once there is one.
+    names: HashMap<Port, String>,
+    /// Initializers written for transformed constants, by what they were made from.
+    derived: HashMap<(Port, &'static str), String>,
+    /// BiasAdds written as the bias input of the Conv or Gemm before them.
+    absorbed: std::collections::HashSet<NodeId>,
+    /// The node being exported, for naming helper values and for errors.
+    current: NodeId,
+    helpers: usize,
+}
+
+impl<'g> Exporter<'g> {
+    fn new(g: &'g Graph) -> Self {
+        Exporter {
+            g,
+            out: GraphProto {
+                name: "ampgraph".into(),
+                ..GraphProto::default()
+            },
+            consts: HashMap::new(),
+            names: HashMap::new(),
+            derived: HashMap::new(),
+            absorbed: std::collections::HashSet::new(),
+            current: NodeId::new(0),
+            helpers: 0,
+        }
+    }
+
+    fn err(&self, msg: impl Into<String>) -> OnnxError {
+        let node = self.g.node(self.current);
+        OnnxError::Export {
+            node: node.name.clone(),
+            op: node.op_name().into(),
+            msg: msg.into(),
+        }
+    }
+
+    fn run(&mut self, opts: &ExportOptions) -> Result<()> {
+        let g = self.g;
+        let half_inputs = if opts.keep_io_types {
+            HashMap::new()
+        } else {
+            self.inputs_read_as_half()
+        };
+        let order = g.topo_order()?;
+        // Known values first, so that a node may take any of them as an input of
+        // another node folded into it (a Conv its BiasAdd's bias).
+        for &id in &order {
+            self.current = id;
+            let op = g.node(id).op.as_ref();
+            let value = if op.is::<Const>() {
+                op.eval(&[]).map_err(|m| self.err(m))?.swap_remove(0)
+            } else if let Some(cast) = op.downcast_ref::<Cast>() {
+                match self.consts.get(&g.inputs(id)[0]) {
+                    Some(t) => t.cast(cast.to),
+                    None => continue,
+                }
+            } else {
+                continue;
+            };
+            self.consts.insert(id.into(), value);
+        }
+        for id in order {
+            self.current = id;
+            let node = g.node(id);
+            let op = node.op.as_ref();
+            if self.consts.contains_key(&id.into()) || self.absorbed.contains(&id) {
+                continue;
+            }
+            if let Some(Placeholder(ty)) = op.downcast_ref::<Placeholder>() {
+                let ty = match half_inputs.get(&id) {
+                    Some(&half) => ty.with_dtype(half),
+                    None => ty.clone(),
+                };
+                self.out.input.push(value_info(&node.name, &ty));
+                self.names.insert(id.into(), node.name.clone());
+                continue;
+            }
+            if let Some(cast) = op.downcast_ref::<Cast>() {
+                let x = g.inputs(id)[0];
+                if half_inputs.get(&x.node) == Some(&cast.to) {
+                    let name = self.value(x)?;
+                    self.names.insert(id.into(), name);
+                    continue;
+                }
+            }
+            self.node(id)?;
+        }
+        self.outputs(opts)
+    }
+
+    /// Placeholders (f32) that only Casts to one 16-bit type read: with 16-bit I/O
+    /// they take that type and the casts go.
+    fn inputs_read_as_half(&self) -> HashMap<NodeId, DType> {
+        let g = self.g;
+        let mut found = HashMap::new();
+        for id in g.node_ids() {
+            let node = g.node(id);
+            if !node.op.is::<Placeholder>() || node.outputs()[0].dtype != DType::F32 {
+                continue;
+            }
+            let targets: Vec<Option<DType>> = g
+                .consumers(id)
+                .iter()
+                .map(|&(c, _, _)| g.node(c).op.downcast_ref::<Cast>().map(|k| k.to))
+                .collect();
+            if let Some(Some(first)) = targets.first() {
+                if first.is_half() && targets.iter().all(|t| *t == Some(*first)) {
+                    found.insert(id, *first);
+                }
+            }
+        }
+        found
+    }
+
+    fn outputs(&mut self, opts: &ExportOptions) -> Result<()> {
+        let g = self.g;
+        for (i, &p) in g.outputs().iter().enumerate() {
+            self.current = p.node;
+            let name = g.port_name(p);
+            let ty = g.ty(p).clone();
+            let want = match (opts.keep_io_types, ty.dtype.is_half()) {
+                (true, true) => DType::F32,
+                _ => ty.dtype,
+            };
+            let value = self.value(p)?;
+            let out_name = if want != ty.dtype {
+                let cast = format!("{name}/output_cast");
+                self.push_node(
+                    &cast,
+                    "Cast",
+                    vec![value],
+                    vec![name.clone()],
+                    vec![attr_int("to", i64::from(tensor::elem_type_of(want)))],
+                );
+                name.clone()
+            } else if value != name || self.out.output.iter().any(|o| o.name == value) {
+                // A constant, an input or a repeated output: an Identity gives it the name.
+                let unique = if self.out.output.iter().any(|o| o.name == name) {
+                    format!("{name}/output{i}")
+                } else {
+                    name.clone()
+                };
+                self.push_node(
+                    &format!("{unique}/identity"),
+                    "Identity",
+                    vec![value],
+                    vec![unique.clone()],
+                    vec![],
+                );
+                unique
+            } else {
+                value
+            };
+            self.out
+                .output
+                .push(value_info(&out_name, &ty.with_dtype(want)));
+        }
+        Ok(())
+    }
+
+    /// The ONNX value holding port `p`: an initializer for a known value (written the
+    /// first time it is read).
+    fn value(&mut self, p: Port) -> Result<String> {
+        if let Some(n) = self.names.get(&p) {
+            return Ok(n.clone());
+        }
+        let Some(t) = self.consts.get(&p).cloned() else {
+            return Err(self.err(format!(
+                "input '{}' has no ONNX value (its node was not exported)",
+                self.g.port_name(p)
+            )));
+        };
+        let name = self.g.port_name(p);
+        self.out.initializer.push(tensor::encode(&name, &t));
+        self.names.insert(p, name.clone());
+        Ok(name)
+    }
+
+    /// A new initializer holding `t`, named after the current node.
+    fn constant(&mut self, what: &str, t: &Tensor) -> String {
+        let name = self.helper_name(what);
+        self.out.initializer.push(tensor::encode(&name, t));
+        name
+    }
+
+    fn helper_name(&mut self, what: &str) -> String {
+        self.helpers += 1;
+        format!("{}/{what}_{}", self.g.node(self.current).name, self.helpers)
+    }
+
+    fn push_node(
+        &mut self,
+        name: &str,
+        op_type: &str,
+        inputs: Vec<String>,
+        outputs: Vec<String>,
+        attribute: Vec<AttributeProto>,
+    ) {
+        self.out.node.push(NodeProto {
+            input: inputs,
+            output: outputs,
+            name: name.into(),
+            op_type: op_type.into(),
+            attribute,
+            ..NodeProto::default()
+        });
+    }
+
+    /// A helper node of the current one, returning its output's name.
+    fn helper(&mut self, op_type: &str, inputs: Vec<String>, attrs: Vec<AttributeProto>) -> String {
+        let out = self.helper_name(&op_type.to_lowercase());
+        self.push_node(&out.clone(), op_type, inputs, vec![out.clone()], attrs);
+        out
+    }
+
+    /// The node computing the current node's output 0.
+    fn finish(&mut self, op_type: &str, inputs: Vec<String>, attrs: Vec<AttributeProto>) {
+        self.finish_as(self.current.into(), op_type, inputs, attrs);
+    }
+
+    /// A node named as the current one computing port `out` (the current node's, or
+    /// that of a node folded into it).
+    fn finish_as(
+        &mut self,
+        out: Port,
+        op_type: &str,
+        inputs: Vec<String>,
+        attrs: Vec<AttributeProto>,
+    ) {
+        let name = self.g.node(self.current).name.clone();
+        let value = self.g.port_name(out);
+        self.names.insert(out, value.clone());
+        self.push_node(&name, op_type, inputs, vec![value], attrs);
+    }
+
+    /// The BiasAdd that alone reads the current node's output, adding along
+    /// `format`'s channel axis: ONNX's Conv and Gemm take it as an input. Returns
+    /// its output and its bias.
+    fn bias_after(&mut self, format: DataFormat) -> Option<(Port, Port)> {
+        let g = self.g;
+        let id = self.current;
+        if g.outputs().iter().any(|p| p.node == id) {
+            return None;
+        }
+        let [(reader, 0, _)] = g.consumers(id)[..] else {
+            return None;
+        };
+        let b = g.node(reader).op.downcast_ref::<BiasAdd>()?;
+        if b.data_format != format && g.ty(id.into()).shape.len() > 2 {
+            return None;
+        }
+        self.absorbed.insert(reader);
+        Some((reader.into(), g.inputs(reader)[1]))
+    }
+
+    /// `p` transformed by `f` (a constant, written once as a new initializer) or by
+    /// the ONNX node `op_type` with `attrs` (a runtime value).
+    fn transformed(
+        &mut self,
+        p: Port,
+        key: &'static str,
+        f: impl Fn(&Tensor) -> std::result::Result<Tensor, String>,
+        op_type: &str,
+        inputs_after: Vec<String>,
+        attrs: Vec<AttributeProto>,
+    ) -> Result<String> {
+        if let Some(t) = self.consts.get(&p).cloned() {
+            if let Some(n) = self.derived.get(&(p, key)) {
+                return Ok(n.clone());
+            }
+            let value = f(&t).map_err(|m| self.err(m))?;
+            let name = format!("{}/{key}", self.g.port_name(p));
+            self.out.initializer.push(tensor::encode(&name, &value));
+            self.derived.insert((p, key), name.clone());
+            return Ok(name);
+        }
+        let x = self.value(p)?;
+        let mut inputs = vec![x];
+        inputs.extend(inputs_after);
+        Ok(self.helper(op_type, inputs, attrs))
+    }
+
+    fn node(&mut self, id: NodeId) -> Result<()> {
+        let g = self.g;
+        let node = g.node(id);
+        let op = node.op.as_ref();
+        let inputs = g.inputs(id);
+        if node.outputs().len() > 1 && !op.is::<BatchNorm>() {
+            return Err(self.err("ops with several outputs are not exported"));
+        }
+        if let Some(u) = op.downcast_ref::<Unary>() {
+            let x = self.value(inputs[0])?;
+            return self.unary(u.kind, x, &node.outputs()[0]);
+        }
+        if let Some(b) = op.downcast_ref::<Binary>() {
+            let (a, c) = (self.value(inputs[0])?, self.value(inputs[1])?);
+            let onnx = match b.kind {
+                BinaryKind::Add => "Add",
+                BinaryKind::Sub => "Sub",
+                BinaryKind::Mul => "Mul",
+                BinaryKind::Div => "Div",
+                BinaryKind::Maximum => "Max",
+                BinaryKind::Minimum => "Min",
+                BinaryKind::Pow => "Pow",
+                BinaryKind::SquaredDifference => {
+                    let d = self.helper("Sub", vec![a, c], vec![]);
+                    self.finish("Mul", vec![d.clone(), d], vec![]);
+                    return Ok(());
+                }
+            };
+            self.finish(onnx, vec![a, c], vec![]);
+            return Ok(());
+        }
+        if let Some(b) = op.downcast_ref::<BiasAdd>() {
+            let x = self.value(inputs[0])?;
+            let rank = node.outputs()[0].shape.len();
+            let c = g.ty(inputs[1]).shape[0];
+            let bias = if b.data_format == DataFormat::Nchw && rank > 2 {
+                let mut shape = vec![c];
+                shape.extend(std::iter::repeat_n(1, rank - 2));
+                let shape_name = self.constant("shape", &i64_tensor(i64s(&shape)));
+                let reshaped = shape.clone();
+                self.transformed(
+                    inputs[1],
+                    "channels",
+                    move |t| t.clone().reshaped(reshaped.clone()),
+                    "Reshape",
+                    vec![shape_name],
+                    vec![],
+                )?
+            } else {
+                self.value(inputs[1])?
+            };
+            self.finish("Add", vec![x, bias], vec![]);
+            return Ok(());
+        }
+        if let Some(c) = op.downcast_ref::<Cast>() {
+            let x = self.value(inputs[0])?;
+            self.finish(
+                "Cast",
+                vec![x],
+                vec![attr_int("to", i64::from(tensor::elem_type_of(c.to)))],
+            );
+            return Ok(());
+        }
+        if let Some(m) = op.downcast_ref::<MatMul>() {
+            let (a, b) = (self.value(inputs[0])?, self.value(inputs[1])?);
+            let trans = vec![
+                attr_int("transA", i64::from(m.transpose_a)),
+                attr_int("transB", i64::from(m.transpose_b)),
+            ];
+            if let Some((out, bias)) = self.bias_after(DataFormat::Nhwc) {
+                let c = self.value(bias)?;
+                self.finish_as(out, "Gemm", vec![a, b, c], trans);
+            } else if m.transpose_a || m.transpose_b {
+                self.finish("Gemm", vec![a, b], trans);
+            } else {
+                self.finish("MatMul", vec![a, b], vec![]);
+            }
+            return Ok(());
+        }
+        if let Some(f) = op.downcast_ref::<FusedMatMul>() {
+            return self.fused_matmul(f, &inputs);
+        }
+        if let Some(m) = op.downcast_ref::<BatchMatMul>() {
+            return self.batch_matmul(m, &inputs);
+        }
+        if let Some(c) = op.downcast_ref::<Conv2D>() {
+            return self.conv(c, &inputs);
+        }
+        if let Some(p) = op.downcast_ref::<MaxPool>() {
+            return self.pool(
+                "MaxPool",
+                p.ksize,
+                p.strides,
+                p.padding,
+                p.data_format,
+                inputs[0],
+            );
+        }
+        if let Some(p) = op.downcast_ref::<AvgPool>() {
+            return self.pool(
+                "AveragePool",
+                p.ksize,
+                p.strides,
+                p.padding,
+                p.data_format,
+                inputs[0],
+            );
+        }
+        if let Some(bn) = op.downcast_ref::<BatchNorm>() {
+            return self.batch_norm(bn, &inputs);
+        }
+        if let Some(ln) = op.downcast_ref::<LayerNorm>() {
+            let args = inputs
+                .iter()
+                .map(|&p| self.value(p))
+                .collect::<Result<Vec<_>>>()?;
+            let attrs = vec![attr_int("axis", ln.axis), attr_float("epsilon", ln.epsilon)];
+            return self.finish_to("LayerNormalization", args, attrs, ln.to);
+        }
+        if let Some(s) = op.downcast_ref::<Softmax>() {
+            let x = self.value(inputs[0])?;
+            self.finish("Softmax", vec![x], vec![attr_int("axis", s.axis)]);
+            return Ok(());
+        }
+        if let Some(s) = op.downcast_ref::<LogSoftmax>() {
+            let x = self.value(inputs[0])?;
+            self.finish("LogSoftmax", vec![x], vec![attr_int("axis", s.axis)]);
+            return Ok(());
+        }
+        if let Some(r) = op.downcast_ref::<Reduce>() {
+            return self.reduce(r, inputs[0]);
+        }
+        if let Some(r) = op.downcast_ref::<Reshape>() {
+            let x = self.value(inputs[0])?;
+            let shape = self.constant("shape", &i64_tensor(r.shape.clone()));
+            // Our 0 is a dimension of 0, ONNX's copies the input's unless allowzero.
+            let attrs = if r.shape.contains(&0) {
+                vec![attr_int("allowzero", 1)]
+            } else {
+                vec![]
+            };
+            self.finish("Reshape", vec![x, shape], attrs);
+            return Ok(());
+        }
+        if let Some(t) = op.downcast_ref::<Transpose>() {
+            let x = self.value(inputs[0])?;
+            self.finish(
+                "Transpose",
+                vec![x],
+                vec![attr_ints("perm", t.perm.iter().map(|&p| p as i64))],
+            );
+            return Ok(());
+        }
+        if let Some(c) = op.downcast_ref::<Concat>() {
+            let args = inputs
+                .iter()
+                .map(|&p| self.value(p))
+                .collect::<Result<Vec<_>>>()?;
+            self.finish("Concat", args, vec![attr_int("axis", c.axis)]);
+            return Ok(());
+        }
+        if let Some(s) = op.downcast_ref::<Slice>() {
+            let x = self.value(inputs[0])?;
+            let out = &node.outputs()[0].shape;
+            let starts = i64s(&s.begin);
+            let ends: Vec<i64> = starts
+                .iter()
+                .zip(out)
+                .map(|(&b, &n)| b + n as i64)
+                .collect();
+            let axes: Vec<i64> = (0..starts.len() as i64).collect();
+            let starts = self.constant("starts", &i64_tensor(starts));
+            let ends = self.constant("ends", &i64_tensor(ends));
+            let axes = self.constant("axes", &i64_tensor(axes));
+            self.finish("Slice", vec![x, starts, ends, axes], vec![]);
+            return Ok(());
+        }
+        if let Some(b) = op.downcast_ref::<BroadcastTo>() {
+            let x = self.value(inputs[0])?;
+            let shape = self.constant("shape", &i64_tensor(i64s(&b.shape)));
+            self.finish("Expand", vec![x, shape], vec![]);
+            return Ok(());
+        }
+        if let Some(gather) = op.downcast_ref::<Gather>() {
+            let (x, i) = (self.value(inputs[0])?, self.value(inputs[1])?);
+            self.finish("Gather", vec![x, i], vec![attr_int("axis", gather.axis)]);
+            return Ok(());
+        }
+        if op.is::<Where>() || op.is::<Compare>() || op.is::<Logical>() || op.is::<Not>() {
+            // Our names are ONNX's.
+            let args = inputs
+                .iter()
+                .map(|&p| self.value(p))
+                .collect::<Result<Vec<_>>>()?;
+            self.finish(op.name(), args, vec![]);
+            return Ok(());
+        }
+        if let Some(p) = op.downcast_ref::<Pad>() {
+            return self.pad(p, inputs[0]);
+        }
+        Err(self.err("this op has no ONNX form"))
+    }
+
+    fn pad(&mut self, p: &Pad, x: Port) -> Result<()> {
+        let x = self.value(x)?;
+        let pads: Vec<i64> = p
+            .pads
+            .iter()
+            .map(|a| a[0])
+            .chain(p.pads.iter().map(|a| a[1]))
+            .collect();
+        let pads = self.constant("pads", &i64_tensor(pads));
+        let (mode, args) = match p.mode {
+            PadMode::Constant(v) => {
+                let dtype = self.g.node(self.current).outputs()[0].dtype;
+                let value = self.constant("value", &Tensor::scalar(dtype, v));
+                ("constant", vec![x, pads, value])
+            }
+            PadMode::Reflect => ("reflect", vec![x, pads]),
+            PadMode::Edge => ("edge", vec![x, pads]),
+        };
+        self.finish("Pad", args, vec![attr_string("mode", mode)]);
+        Ok(())
+    }
+
+    /// The current node computed by `op_type`, then cast to `to` when given (a
+    /// widening folded into our op).
+    fn finish_to(
+        &mut self,
+        op_type: &str,
+        inputs: Vec<String>,
+        attrs: Vec<AttributeProto>,
+        to: Option<DType>,
+    ) -> Result<()> {
+        match to {
+            None => self.finish(op_type, inputs, attrs),
+            Some(to) => {
+                let y = self.helper(op_type, inputs, attrs);
+                self.finish(
+                    "Cast",
+                    vec![y],
+                    vec![attr_int("to", i64::from(tensor::elem_type_of(to)))],
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn scalar(&mut self, dtype: DType, v: f64) -> String {
+        self.constant("scalar", &Tensor::scalar(dtype, v))
+    }
+
+    fn unary(&mut self, kind: UnaryKind, x: String, ty: &TensorType) -> Result<()> {
+        let dtype = ty.dtype;
+        let simple = match kind {
+            UnaryKind::Relu => "Relu",
+            UnaryKind::Elu => "Elu",
+            UnaryKind::Selu => "Selu",
+            UnaryKind::Tanh => "Tanh",
+            UnaryKind::Sigmoid => "Sigmoid",
+            UnaryKind::HardSwish => "HardSwish",
+            UnaryKind::Exp => "Exp",
+            UnaryKind::Log => "Log",
+            UnaryKind::Sqrt => "Sqrt",
+            UnaryKind::Neg => "Neg",
+            UnaryKind::Abs => "Abs",
+            UnaryKind::Erf => "Erf",
+            UnaryKind::Softplus => "Softplus",
+            UnaryKind::Reciprocal => "Reciprocal",
+            UnaryKind::Sign => "Sign",
+            UnaryKind::Identity => "Identity",
+            UnaryKind::LeakyRelu { alpha } => {
+                self.finish("LeakyRelu", vec![x], vec![attr_float("alpha", alpha)]);
+                return Ok(());
+            }
+            UnaryKind::HardSigmoid => {
+                let attrs = vec![attr_float("alpha", 1.0 / 6.0), attr_float("beta", 0.5)];
+                self.finish("HardSigmoid", vec![x], attrs);
+                return Ok(());
+            }
+            UnaryKind::Relu6 => {
+                let (lo, hi) = (self.scalar(dtype, 0.0), self.scalar(dtype, 6.0));
+                self.finish("Clip", vec![x, lo, hi], vec![]);
+                return Ok(());
+            }
+            UnaryKind::Log1p => {
+                let one = self.scalar(dtype, 1.0);
+                let s = self.helper("Add", vec![x, one], vec![]);
+                self.finish("Log", vec![s], vec![]);
+                return Ok(());
+            }
+            UnaryKind::Rsqrt => {
+                let s = self.helper("Sqrt", vec![x], vec![]);
+                self.finish("Reciprocal", vec![s], vec![]);
+                return Ok(());
+            }
+            UnaryKind::Square => {
+                self.finish("Mul", vec![x.clone(), x], vec![]);
+                return Ok(());
+            }
+            UnaryKind::Gelu { approximate } => {
+                // Gelu is an op from opset 20: written out, as exporters write it.
+                let half = self.scalar(dtype, 0.5);
+                let one = self.scalar(dtype, 1.0);
+                let inner = if approximate {
+                    let x2 = self.helper("Mul", vec![x.clone(), x.clone()], vec![]);
+                    let x3 = self.helper("Mul", vec![x2, x.clone()], vec![]);
+                    let k = self.scalar(dtype, 0.044715);
+                    let kx3 = self.helper("Mul", vec![x3, k], vec![]);
+                    let s = self.helper("Add", vec![x.clone(), kx3], vec![]);
+                    let c = self.scalar(dtype, (2.0 / std::f64::consts::PI).sqrt());
+                    let u = self.helper("Mul", vec![s, c], vec![]);
+                    self.helper("Tanh", vec![u], vec![])
+                } else {
+                    let r = self.scalar(dtype, std::f64::consts::FRAC_1_SQRT_2);
+                    let u = self.helper("Mul", vec![x.clone(), r], vec![]);
+                    self.helper("Erf", vec![u], vec![])
+                };
+                let p = self.helper("Add", vec![inner, one], vec![]);
+                let hx = self.helper("Mul", vec![x, half], vec![]);
+                self.finish("Mul", vec![hx, p], vec![]);
+                return Ok(());
+            }
+            #[allow(unreachable_patterns)]
+            _ => return Err(self.err(format!("unary {} has no ONNX form", kind.name()))),
+        };
+        self.finish(simple, vec![x], vec![]);
+        Ok(())
+    }
+
+    /// `act(a b + bias [+ residual])`, cast to `to`.
+    fn fused_matmul(&mut self, f: &FusedMatMul, inputs: &[Port]) -> Result<()> {
+        let (a, b, bias) = (
+            self.value(inputs[0])?,
+            self.value(inputs[1])?,
+            self.value(inputs[2])?,
+        );
+        let attrs = vec![
+            attr_int("transA", i64::from(f.product.transpose_a)),
+            attr_int("transB", i64::from(f.product.transpose_b)),
+        ];
+        let mut y = self.helper("Gemm", vec![a, b, bias], attrs);
+        if let Some(&r) = inputs.get(3) {
+            let r = self.value(r)?;
+            y = self.helper("Add", vec![y, r], vec![]);
+        }
+        let ty = self.g.node(self.current).outputs()[0].clone();
+        match (f.epilogue.activation(), f.to) {
+            (None, None) => self.finish("Identity", vec![y], vec![]),
+            (Some(kind), None) => self.unary(kind, y, &ty)?,
+            (act, Some(to)) => {
+                if let Some(kind) = act {
+                    let op = match kind {
+                        UnaryKind::Relu => "Relu",
+                        _ => return Err(self.err("a widened GELU epilogue has no ONNX form")),
+                    };
+                    y = self.helper(op, vec![y], vec![]);
+                }
+                self.finish(
+                    "Cast",
+                    vec![y],
+                    vec![attr_int("to", i64::from(tensor::elem_type_of(to)))],
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn batch_matmul(&mut self, m: &BatchMatMul, inputs: &[Port]) -> Result<()> {
+        let g = self.g;
+        let mut args = Vec::with_capacity(2);
+        for (i, (&p, adj)) in inputs.iter().zip([m.adj_x, m.adj_y]).enumerate() {
+            let rank = g.ty(p).shape.len();
+            let name = if adj {
+                let mut perm: Vec<usize> = (0..rank).collect();
+                perm.swap(rank - 2, rank - 1);
+                let key = if i == 0 { "adj_x" } else { "adj_y" };
+                let p2 = perm.clone();
+                self.transformed(
+                    p,
+                    key,
+                    move |t| {
+                        Transpose::new(p2.clone())
+                            .eval(&[t])
+                            .map(|mut v| v.swap_remove(0))
+                    },
+                    "Transpose",
+                    vec![],
+                    vec![attr_ints("perm", perm.iter().map(|&v| v as i64))],
+                )?
+            } else {
+                self.value(p)?
+            };
+            args.push(name);
+        }
+        if m.alpha == 1.0 {
+            self.finish("MatMul", args, vec![]);
+        } else {
+            let y = self.helper("MatMul", args, vec![]);
+            let dtype = self.g.node(self.current).outputs()[0].dtype;
+            let alpha = self.scalar(dtype, m.alpha);
+            self.finish("Mul", vec![y, alpha], vec![]);
+        }
+        Ok(())
+    }
+
+    /// ONNX `pads` ([top, left, bottom, right]) or `auto_pad` of our padding.
+    fn pads_attr(padding: Padding) -> AttributeProto {
+        match padding {
+            Padding::Same => attr_string("auto_pad", "SAME_UPPER"),
+            Padding::Valid => attr_ints("pads", [0, 0, 0, 0]),
+            Padding::Explicit([[t, b], [l, r]]) => {
+                attr_ints("pads", [t, l, b, r].map(|v| v as i64))
+            }
+        }
+    }
+
+    /// NHWC images go through ONNX's NCHW ops between two Transposes.
+    fn to_nchw(&mut self, x: Port, format: DataFormat) -> Result<String> {
+        let v = self.value(x)?;
+        Ok(match format {
+            DataFormat::Nchw => v,
+            DataFormat::Nhwc => {
+                self.helper("Transpose", vec![v], vec![attr_ints("perm", [0, 3, 1, 2])])
+            }
+        })
+    }
+
+    fn finish_image(
+        &mut self,
+        op_type: &str,
+        inputs: Vec<String>,
+        attrs: Vec<AttributeProto>,
+        format: DataFormat,
+    ) {
+        self.finish_image_as(self.current.into(), op_type, inputs, attrs, format);
+    }
+
+    fn finish_image_as(
+        &mut self,
+        out: Port,
+        op_type: &str,
+        inputs: Vec<String>,
+        attrs: Vec<AttributeProto>,
+        format: DataFormat,
+    ) {
+        match format {
+            DataFormat::Nchw => self.finish_as(out, op_type, inputs, attrs),
+            DataFormat::Nhwc => {
+                let y = self.helper(op_type, inputs, attrs);
+                self.finish_as(
+                    out,
+                    "Transpose",
+                    vec![y],
+                    vec![attr_ints("perm", [0, 2, 3, 1])],
+                );
+            }
+        }
+    }
+
+    fn conv(&mut self, c: &Conv2D, inputs: &[Port]) -> Result<()> {
+        let x = self.to_nchw(inputs[0], c.data_format)?;
+        // HWIO -> OIHW.
+        let perm = [3usize, 2, 0, 1];
+        let w = self.transformed(
+            inputs[1],
+            "oihw",
+            |t| {
+                Transpose::new(perm.to_vec())
+                    .eval(&[t])
+                    .map(|mut v| v.swap_remove(0))
+            },
+            "Transpose",
+            vec![],
+            vec![attr_ints("perm", perm.map(|v| v as i64))],
+        )?;
+        let ws = &self.g.ty(inputs[1]).shape;
+        let attrs = vec![
+            attr_ints("kernel_shape", [ws[0] as i64, ws[1] as i64]),
+            attr_ints("strides", c.strides.map(|s| s as i64)),
+            attr_int("group", c.groups as i64),
+            Self::pads_attr(c.padding),
+        ];
+        let mut args = vec![x, w];
+        let out = match self.bias_after(c.data_format) {
+            Some((out, bias)) => {
+                args.push(self.value(bias)?);
+                out
+            }
+            None => self.current.into(),
+        };
+        self.finish_image_as(out, "Conv", args, attrs, c.data_format);
+        Ok(())
+    }
+
+    fn pool(
+        &mut self,
+        op_type: &str,
+        ksize: [usize; 2],
+        strides: [usize; 2],
+        padding: Padding,
+        format: DataFormat,
+        x: Port,
+    ) -> Result<()> {
+        let x = self.to_nchw(x, format)?;
+        let attrs = vec![
+            attr_ints("kernel_shape", ksize.map(|s| s as i64)),
+            attr_ints("strides", strides.map(|s| s as i64)),
+            Self::pads_attr(padding),
+        ];
+        self.finish_image(op_type, vec![x], attrs, format);
+        Ok(())
+    }
+
+    fn batch_norm(&mut self, bn: &BatchNorm, inputs: &[Port]) -> Result<()> {
+        if bn.training {
+            return Err(self.err("training batch norm has no inference ONNX form"));
+        }
+        let id = self.current;
+        if self.g.consumers(id).iter().any(|&(_, _, p)| p.index > 0)
+            || self.g.outputs().iter().any(|p| p.node == id && p.index > 0)
+        {
+            return Err(self.err("its statistics outputs are read: not exported"));
+        }
+        let rank = self.g.ty(inputs[0]).shape.len();
+        let format = if rank == 4 {
+            bn.data_format
+        } else {
+            DataFormat::Nchw
+        };
+        let mut args = vec![self.to_nchw(inputs[0], format)?];
+        for &p in &inputs[1..] {
+            args.push(self.value(p)?);
+        }
+        let attrs = vec![attr_float("epsilon", bn.epsilon)];
+        match bn.activation {
+            NormActivation::Identity => {
+                self.finish_image("BatchNormalization", args, attrs, format)
+            }
+            NormActivation::Relu => {
+                let y = self.helper("BatchNormalization", args, attrs);
+                self.finish_image("Relu", vec![y], vec![], format);
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce(&mut self, r: &Reduce, x: Port) -> Result<()> {
+        let rank = self.g.ty(x).shape.len();
+        let mut v = self.value(x)?;
+        if let Some(to) = r.to {
+            v = self.helper(
+                "Cast",
+                vec![v],
+                vec![attr_int("to", i64::from(tensor::elem_type_of(to)))],
+            );
+        }
+        // No axes reduce them all, in ONNX as here.
+        let axes: Option<Vec<i64>> = match &r.axes {
+            None => None,
+            Some(_) => Some(
+                r.reduced_axes(rank)
+                    .map_err(|m| self.err(m))?
+                    .iter()
+                    .map(|&a| a as i64)
+                    .collect(),
+            ),
+        };
+        let mut attrs = vec![attr_int("keepdims", i64::from(r.keep_dims))];
+        let op_type = match r.kind {
+            ReduceKind::Sum => {
+                let mut args = vec![v];
+                if let Some(axes) = axes {
+                    args.push(self.constant("axes", &i64_tensor(axes)));
+                }
+                self.finish("ReduceSum", args, attrs);
+                return Ok(());
+            }
+            ReduceKind::Mean => "ReduceMean",
+            ReduceKind::Max => "ReduceMax",
+        };
+        attrs.extend(axes.map(|a| attr_ints("axes", a)));
+        self.finish(op_type, vec![v], attrs);
+        Ok(())
+    }
+}

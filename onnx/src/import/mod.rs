@@ -1,0 +1,663 @@
+//! ONNX -> [`Graph`]: initializers become constants, graph inputs placeholders, and
+//! every node one or a few of our ops (`ops.rs`, one converter per ONNX op).
+//!
+//! Our graphs are statically shaped, so import runs with every input's shape known
+//! (from the model or [`ImportOptions::input_shapes`]). A node whose inputs are all
+//! constants is computed here, with our own CPU kernels: the shape arithmetic that
+//! exporters write (`Shape -> Gather -> Concat -> Reshape`) folds to constants, and an
+//! op that needs a constant input (a Reshape's shape, a Slice's bounds) gets one.
+
+mod ops;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use ampgraph_graph::ops::{Const, Placeholder};
+use ampgraph_graph::{Graph, Op, Port, Tensor, TensorType};
+use prost::Message;
+
+use crate::error::{OnnxError, Result};
+use crate::proto::{attribute_type, AttributeProto, GraphProto, ModelProto, NodeProto};
+use crate::tensor;
+
+/// The oldest default-domain opset the converters follow.
+pub const MIN_OPSET: i64 = 11;
+
+/// How to import a model.
+#[derive(Clone, Debug, Default)]
+pub struct ImportOptions {
+    /// Shapes of graph inputs by name: required for inputs whose dims are symbolic
+    /// (`batch`), and they override the model's own dims.
+    pub input_shapes: BTreeMap<String, Vec<usize>>,
+}
+
+/// Reads an ONNX model file (external data files are found beside it).
+pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Graph> {
+    let shown = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|source| OnnxError::Io {
+        path: shown.clone(),
+        source,
+    })?;
+    let base = path.parent().map(|p| {
+        if p.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            p
+        }
+    });
+    import_bytes(&bytes, &shown, base, opts)
+}
+
+/// Decodes a serialized model; `shown` names it in errors, `base` is the folder
+/// external data is read from.
+pub fn decode_model(bytes: &[u8], shown: &str) -> Result<ModelProto> {
+    ModelProto::decode(bytes).map_err(|e| OnnxError::Decode {
+        path: shown.into(),
+        msg: e.to_string(),
+    })
+}
+
+/// Imports a serialized model.
+pub fn import_bytes(
+    bytes: &[u8],
+    shown: &str,
+    base: Option<&Path>,
+    opts: &ImportOptions,
+) -> Result<Graph> {
+    let model = decode_model(bytes, shown)?;
+    import_model(&model, base, opts)
+}
+
+/// Imports a decoded model.
+pub fn import_model(
+    model: &ModelProto,
+    base: Option<&Path>,
+    opts: &ImportOptions,
+) -> Result<Graph> {
+    let opset = default_opset(model)?;
+    let graph = model
+        .graph
+        .as_ref()
+        .ok_or_else(|| OnnxError::Model("the model has no graph".into()))?;
+    check_nodes(model, graph)?;
+    let order = topological_order(graph)?;
+    let mut imp = Importer::new(opset, graph);
+    for init in &graph.initializer {
+        let t = tensor::decode(init, base)?;
+        imp.initializer_names
+            .insert(const_key(&t), init.name.clone());
+        imp.values.insert(init.name.clone(), Value::Const(t));
+    }
+    if !graph.sparse_initializer.is_empty() {
+        return Err(OnnxError::Model(
+            "sparse initializers are not supported".into(),
+        ));
+    }
+    imp.add_inputs(graph, opts)?;
+    for i in order {
+        imp.convert(&graph.node[i])?;
+    }
+    imp.finish(graph)
+}
+
+/// The default domain's opset version; other domains' nodes are refused by
+/// `check_nodes`.
+fn default_opset(model: &ModelProto) -> Result<i64> {
+    let version = model
+        .opset_import
+        .iter()
+        .find(|o| is_default_domain(&o.domain))
+        .map(|o| o.version)
+        .ok_or_else(|| {
+            OnnxError::Model("the model imports no version of the default ONNX opset".into())
+        })?;
+    if version < MIN_OPSET {
+        return Err(OnnxError::Model(format!(
+            "opset {version} is older than {MIN_OPSET}, the oldest ampgraph reads: \
+             upgrade the model with onnx.version_converter.convert_version(model, 17)"
+        )));
+    }
+    Ok(version)
+}
+
+fn is_default_domain(domain: &str) -> bool {
+    domain.is_empty() || domain == "ai.onnx"
+}
+
+/// Refuses nodes of other domains (naming the first), then lists every op without a
+/// converter with its count, so one run shows all that is missing.
+fn check_nodes(model: &ModelProto, graph: &GraphProto) -> Result<()> {
+    let functions: HashSet<(&str, &str)> = model
+        .functions
+        .iter()
+        .map(|f| (f.domain.as_str(), f.name.as_str()))
+        .collect();
+    let mut missing: BTreeMap<String, usize> = BTreeMap::new();
+    for node in &graph.node {
+        if !is_default_domain(&node.domain) {
+            let what = if functions.contains(&(node.domain.as_str(), node.op_type.as_str())) {
+                "a model-local function"
+            } else {
+                "an op"
+            };
+            return Err(OnnxError::node(
+                &node_name(node),
+                &node.op_type,
+                format!(
+                    "{what} of domain '{}', which ampgraph does not read (only the default ONNX domain)",
+                    node.domain
+                ),
+            ));
+        }
+        if let Some(a) = node.attribute.iter().find(|a| a.g.is_some()) {
+            return Err(OnnxError::node(
+                &node_name(node),
+                &node.op_type,
+                format!(
+                    "attribute '{}' is a subgraph: control flow is not supported",
+                    a.name
+                ),
+            ));
+        }
+        if ops::converter(&node.op_type).is_none() {
+            *missing.entry(node.op_type.clone()).or_default() += 1;
+        }
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(OnnxError::Unsupported(missing.into_iter().collect()))
+    }
+}
+
+/// A node's name for messages and for the node that computes its result: its own,
+/// or its first output's when it has none.
+fn node_name(node: &NodeProto) -> String {
+    if !node.name.is_empty() {
+        node.name.clone()
+    } else {
+        node.output
+            .first()
+            .cloned()
+            .unwrap_or_else(|| node.op_type.clone())
+    }
+}
+
+/// The nodes in an order where each comes after those it reads (ONNX requires the
+/// file's order to be one, but not every writer keeps to it). A value nothing
+/// produces and a cycle are errors naming the node.
+fn topological_order(graph: &GraphProto) -> Result<Vec<usize>> {
+    let mut producer: HashMap<&str, usize> = HashMap::new();
+    for (i, node) in graph.node.iter().enumerate() {
+        for out in node.output.iter().filter(|o| !o.is_empty()) {
+            if producer.insert(out.as_str(), i).is_some() {
+                return Err(OnnxError::node(
+                    &node_name(node),
+                    &node.op_type,
+                    format!("output '{out}' is produced by another node too"),
+                ));
+            }
+        }
+    }
+    let sources: HashSet<&str> = graph
+        .input
+        .iter()
+        .map(|v| v.name.as_str())
+        .chain(graph.initializer.iter().map(|t| t.name.as_str()))
+        .collect();
+    let mut deps: Vec<Vec<usize>> = Vec::with_capacity(graph.node.len());
+    for node in &graph.node {
+        let mut d = Vec::new();
+        for input in node.input.iter().filter(|i| !i.is_empty()) {
+            match producer.get(input.as_str()) {
+                Some(&p) => d.push(p),
+                None if sources.contains(input.as_str()) => {}
+                None => {
+                    return Err(OnnxError::node(
+                        &node_name(node),
+                        &node.op_type,
+                        format!(
+                            "input '{input}' is produced by no node, graph input or initializer"
+                        ),
+                    ))
+                }
+            }
+        }
+        deps.push(d);
+    }
+    for out in &graph.output {
+        if !producer.contains_key(out.name.as_str()) && !sources.contains(out.name.as_str()) {
+            return Err(OnnxError::Model(format!(
+                "graph output '{}' is produced by no node, graph input or initializer",
+                out.name
+            )));
+        }
+    }
+    // Depth-first, iteratively (deep chains must not overflow the stack).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        New,
+        Open,
+        Done,
+    }
+    let mut mark = vec![Mark::New; graph.node.len()];
+    let mut order = Vec::with_capacity(graph.node.len());
+    for root in 0..graph.node.len() {
+        if mark[root] != Mark::New {
+            continue;
+        }
+        let mut stack = vec![(root, 0usize)];
+        mark[root] = Mark::Open;
+        while let Some(&mut (n, ref mut next)) = stack.last_mut() {
+            if let Some(&d) = deps[n].get(*next) {
+                *next += 1;
+                match mark[d] {
+                    Mark::New => {
+                        mark[d] = Mark::Open;
+                        stack.push((d, 0));
+                    }
+                    Mark::Open => {
+                        let node = &graph.node[d];
+                        let at = stack.iter().position(|&(s, _)| s == d).unwrap_or(0);
+                        let cycle: Vec<String> = stack[at..]
+                            .iter()
+                            .map(|&(s, _)| node_name(&graph.node[s]))
+                            .chain([node_name(node)])
+                            .collect();
+                        return Err(OnnxError::node(
+                            &node_name(node),
+                            &node.op_type,
+                            format!("the graph has a cycle: {}", cycle.join(" -> ")),
+                        ));
+                    }
+                    Mark::Done => {}
+                }
+            } else {
+                mark[n] = Mark::Done;
+                order.push(n);
+                stack.pop();
+            }
+        }
+    }
+    Ok(order)
+}
+
+/// A constant's identity: its data's address and its shape (a reshaped constant
+/// shares its data).
+type ConstKey = (usize, Vec<usize>);
+
+fn const_key(t: &Tensor) -> ConstKey {
+    (t.data() as *const _ as usize, t.shape().to_vec())
+}
+
+/// What an ONNX value is during import: a constant known now, or a port of the graph.
+#[derive(Clone, Debug)]
+pub(crate) enum Value {
+    Const(Tensor),
+    Port(Port),
+}
+
+struct Importer {
+    g: Graph,
+    opset: i64,
+    values: HashMap<String, Value>,
+    /// Constants already added to the graph, by their data's address and shape.
+    placed: HashMap<ConstKey, Port>,
+    /// The initializers' names, which their Const nodes take.
+    initializer_names: HashMap<ConstKey, String>,
+    /// The graph's output names: the nodes computing them take these names.
+    outputs: HashSet<String>,
+}
+
+impl Importer {
+    fn new(opset: i64, graph: &GraphProto) -> Self {
+        Importer {
+            g: Graph::new(),
+            opset,
+            values: HashMap::new(),
+            placed: HashMap::new(),
+            initializer_names: HashMap::new(),
+            outputs: graph.output.iter().map(|o| o.name.clone()).collect(),
+        }
+    }
+
+    /// Placeholders for the graph inputs that are not initializers (old exporters
+    /// list initializers as inputs too: they stay constants).
+    fn add_inputs(&mut self, graph: &GraphProto, opts: &ImportOptions) -> Result<()> {
+        let names: HashSet<&str> = graph.input.iter().map(|i| i.name.as_str()).collect();
+        if let Some(name) = opts
+            .input_shapes
+            .keys()
+            .find(|n| !names.contains(n.as_str()))
+        {
+            return Err(OnnxError::Model(format!(
+                "--input names '{name}', which is not an input of the model (its inputs: {})",
+                graph
+                    .input
+                    .iter()
+                    .map(|i| i.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        for input in &graph.input {
+            if self.values.contains_key(&input.name) {
+                continue;
+            }
+            let err = |msg: String| OnnxError::Model(format!("input '{}': {msg}", input.name));
+            let tt = input
+                .r#type
+                .as_ref()
+                .and_then(|t| t.tensor_type.as_ref())
+                .ok_or_else(|| err("not a tensor".into()))?;
+            let dtype = tensor::dtype_of(tt.elem_type).map_err(err)?;
+            let shape = match opts.input_shapes.get(&input.name) {
+                Some(s) => s.clone(),
+                None => static_shape(tt.shape.as_ref()).map_err(|m| {
+                    err(format!(
+                        "{m}: give its shape with --input {}=DxDx... (e.g. 1x3x224x224)",
+                        input.name
+                    ))
+                })?,
+            };
+            let ty = TensorType::new(dtype, shape);
+            let id = self
+                .g
+                .add_node(input.name.clone(), Box::new(Placeholder(ty)), &[])?;
+            self.values
+                .insert(input.name.clone(), Value::Port(id.into()));
+        }
+        Ok(())
+    }
+
+    fn convert(&mut self, node: &NodeProto) -> Result<()> {
+        let convert = ops::converter(&node.op_type)
+            .ok_or_else(|| OnnxError::Unsupported(vec![(node.op_type.clone(), 1)]))?;
+        let mut cx = NodeCx {
+            imp: self,
+            node,
+            name: node_name(node),
+        };
+        let results = convert(&mut cx)?;
+        for (k, out) in node.output.iter().enumerate() {
+            if out.is_empty() {
+                continue;
+            }
+            match results.get(k) {
+                Some(v) => {
+                    self.values.insert(out.clone(), v.clone());
+                }
+                None => {
+                    return Err(OnnxError::node(
+                        &node_name(node),
+                        &node.op_type,
+                        format!("output {k} ('{out}') is not supported"),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The graph's outputs, each computed by a node of its name (an Identity where the
+    /// value is another output's, an input, or a constant).
+    fn finish(mut self, graph: &GraphProto) -> Result<Graph> {
+        let mut outs = Vec::with_capacity(graph.output.len());
+        for o in &graph.output {
+            let value = self.values.get(&o.name).cloned().ok_or_else(|| {
+                OnnxError::Model(format!("graph output '{}' was not computed", o.name))
+            })?;
+            let port = match value {
+                Value::Port(p) if p.index == 0 && self.g.node(p.node).name == o.name => p,
+                Value::Port(p) => self.identity(&o.name, p)?,
+                Value::Const(t) => {
+                    let name = self.g.fresh_name(o.name.clone());
+                    self.g.add_node(name, Box::new(Const::new(t)), &[])?.into()
+                }
+            };
+            outs.push(port);
+        }
+        self.g.set_outputs(outs)?;
+        Ok(self.g)
+    }
+
+    fn identity(&mut self, name: &str, p: Port) -> Result<Port> {
+        use ampgraph_graph::ops::{Unary, UnaryKind};
+        let name = self.g.fresh_name(name.to_string());
+        Ok(self
+            .g
+            .add_node(name, Box::new(Unary::new(UnaryKind::Identity)), &[p])?
+            .into())
+    }
+
+    /// A port holding `v`, adding a Const node the first time a constant is used
+    /// (named as its initializer, or `hint`).
+    fn port(&mut self, v: &Value, hint: &str) -> Result<Port> {
+        match v {
+            Value::Port(p) => Ok(*p),
+            Value::Const(t) => {
+                let key = const_key(t);
+                if let Some(&p) = self.placed.get(&key) {
+                    return Ok(p);
+                }
+                let stem = self.initializer_names.get(&key).cloned();
+                let name = self.g.fresh_name(stem.unwrap_or_else(|| hint.to_string()));
+                let p: Port = self
+                    .g
+                    .add_node(name, Box::new(Const::new(t.clone())), &[])?
+                    .into();
+                self.placed.insert(key, p);
+                Ok(p)
+            }
+        }
+    }
+}
+
+/// The dims of a declared shape, all of which must be numbers.
+fn static_shape(shape: Option<&crate::proto::TensorShapeProto>) -> Result<Vec<usize>, String> {
+    use crate::proto::DimensionValue;
+    let shape = shape.ok_or("its shape is not given")?;
+    shape
+        .dim
+        .iter()
+        .enumerate()
+        .map(|(i, d)| match &d.value {
+            Some(DimensionValue::DimValue(v)) => {
+                usize::try_from(*v).map_err(|_| format!("dimension {i} is negative ({v})"))
+            }
+            Some(DimensionValue::DimParam(p)) => Err(format!("dimension {i} is symbolic ('{p}')")),
+            None => Err(format!("dimension {i} is unknown")),
+        })
+        .collect()
+}
+
+/// One node being converted: its inputs, attributes, and the ops it adds.
+pub(crate) struct NodeCx<'a> {
+    imp: &'a mut Importer,
+    node: &'a NodeProto,
+    name: String,
+}
+
+impl NodeCx<'_> {
+    pub fn opset(&self) -> i64 {
+        self.imp.opset
+    }
+
+    pub fn err(&self, msg: impl Into<String>) -> OnnxError {
+        OnnxError::node(&self.name, &self.node.op_type, msg)
+    }
+
+    /// How many inputs the node names (trailing empty names, omitted optionals, aside).
+    pub fn num_inputs(&self) -> usize {
+        self.node
+            .input
+            .iter()
+            .rposition(|i| !i.is_empty())
+            .map_or(0, |i| i + 1)
+    }
+
+    pub fn opt_input(&self, i: usize) -> Result<Option<Value>> {
+        match self.node.input.get(i).filter(|n| !n.is_empty()) {
+            None => Ok(None),
+            Some(name) => self
+                .imp
+                .values
+                .get(name)
+                .cloned()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("input '{name}' is not computed"))),
+        }
+    }
+
+    pub fn input(&self, i: usize) -> Result<Value> {
+        self.opt_input(i)?
+            .ok_or_else(|| self.err(format!("input {i} is missing")))
+    }
+
+    /// Every named input, in order.
+    pub fn inputs(&self) -> Result<Vec<Value>> {
+        (0..self.num_inputs()).map(|i| self.input(i)).collect()
+    }
+
+    pub fn ty(&self, v: &Value) -> TensorType {
+        match v {
+            Value::Const(t) => t.ty(),
+            Value::Port(p) => self.imp.g.ty(*p).clone(),
+        }
+    }
+
+    /// Input `i`, which must be known at import (a constant, or computed from
+    /// constants and shapes).
+    pub fn const_input(&self, i: usize) -> Result<Option<Tensor>> {
+        match self.opt_input(i)? {
+            None => Ok(None),
+            Some(Value::Const(t)) => Ok(Some(t)),
+            Some(Value::Port(_)) => Err(self.err(format!(
+                "input {i} ('{}') must be a constant (computed from initializers and input shapes): \
+                 ampgraph's graphs are statically shaped",
+                self.node.input[i]
+            ))),
+        }
+    }
+
+    /// A constant integer input as a list.
+    pub fn ints_input(&self, i: usize) -> Result<Option<Vec<i64>>> {
+        match self.const_input(i)? {
+            None => Ok(None),
+            Some(t) => t.to_i64_vec().map(Some).ok_or_else(|| {
+                self.err(format!("input {i} must hold integers, not {}", t.dtype()))
+            }),
+        }
+    }
+
+    fn attr(&self, name: &str) -> Option<&AttributeProto> {
+        self.node.attribute.iter().find(|a| a.name == name)
+    }
+
+    fn typed_attr(&self, name: &str, want: i32, what: &str) -> Result<Option<&AttributeProto>> {
+        match self.attr(name) {
+            None => Ok(None),
+            Some(a) if a.r#type == want || a.r#type == 0 => Ok(Some(a)),
+            Some(_) => Err(self.err(format!("attribute '{name}' must be {what}"))),
+        }
+    }
+
+    pub fn int_attr(&self, name: &str, default: i64) -> Result<i64> {
+        Ok(self
+            .typed_attr(name, attribute_type::INT, "an int")?
+            .map_or(default, |a| a.i))
+    }
+
+    pub fn float_attr(&self, name: &str, default: f32) -> Result<f32> {
+        Ok(self
+            .typed_attr(name, attribute_type::FLOAT, "a float")?
+            .map_or(default, |a| a.f))
+    }
+
+    pub fn ints_attr(&self, name: &str) -> Result<Option<Vec<i64>>> {
+        Ok(self
+            .typed_attr(name, attribute_type::INTS, "a list of ints")?
+            .map(|a| a.ints.clone()))
+    }
+
+    pub fn floats_attr(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        Ok(self
+            .typed_attr(name, attribute_type::FLOATS, "a list of floats")?
+            .map(|a| a.floats.clone()))
+    }
+
+    pub fn string_attr(&self, name: &str, default: &str) -> Result<String> {
+        match self.typed_attr(name, attribute_type::STRING, "a string")? {
+            None => Ok(default.into()),
+            Some(a) => String::from_utf8(a.s.clone())
+                .map_err(|_| self.err(format!("attribute '{name}' is not UTF-8"))),
+        }
+    }
+
+    pub fn tensor_attr(&self, name: &str) -> Result<Option<Tensor>> {
+        match self.typed_attr(name, attribute_type::TENSOR, "a tensor")? {
+            None => Ok(None),
+            Some(a) => {
+                let t =
+                    a.t.as_ref()
+                        .ok_or_else(|| self.err(format!("attribute '{name}' holds no tensor")))?;
+                tensor::decode(t, None).map(Some)
+            }
+        }
+    }
+
+    /// Adds `op` over `inputs` as a helper node of this one; when every input is a
+    /// constant, computes it now instead (our CPU kernel) and returns the constant.
+    pub fn emit(&mut self, op: impl Op, inputs: &[Value]) -> Result<Value> {
+        let stem = format!("{}/{}", self.name, op.name().to_lowercase());
+        self.add(stem, Box::new(op), inputs)
+    }
+
+    /// As [`emit`](Self::emit), for the node computing output `k` of the ONNX node: it
+    /// takes the node's name (`name:k` past output 0), or the value's when the value
+    /// is a graph output.
+    pub fn emit_out(&mut self, k: usize, op: impl Op, inputs: &[Value]) -> Result<Value> {
+        let value = self.node.output.get(k).cloned().unwrap_or_default();
+        let stem = if self.imp.outputs.contains(&value) {
+            value
+        } else if k == 0 {
+            self.name.clone()
+        } else {
+            format!("{}_{k}", self.name)
+        };
+        self.add(stem, Box::new(op), inputs)
+    }
+
+    /// The node's result: [`emit_out`](Self::emit_out) for output 0, as a list.
+    pub fn out(&mut self, op: impl Op, inputs: &[Value]) -> Result<Vec<Value>> {
+        Ok(vec![self.emit_out(0, op, inputs)?])
+    }
+
+    fn add(&mut self, stem: String, op: Box<dyn Op>, inputs: &[Value]) -> Result<Value> {
+        if inputs.iter().all(|v| matches!(v, Value::Const(_))) && !inputs.is_empty() {
+            let ts: Vec<&Tensor> = inputs
+                .iter()
+                .filter_map(|v| match v {
+                    Value::Const(t) => Some(t),
+                    Value::Port(_) => None,
+                })
+                .collect();
+            let types: Vec<TensorType> = ts.iter().map(|t| t.ty()).collect();
+            let type_refs: Vec<&TensorType> = types.iter().collect();
+            op.infer(&type_refs).map_err(|m| self.err(m))?;
+            let mut out = op.eval(&ts).map_err(|m| self.err(m))?;
+            if out.is_empty() {
+                return Err(self.err(format!("{} computed nothing", op.name())));
+            }
+            return Ok(Value::Const(out.swap_remove(0)));
+        }
+        let hint = format!("{}/const", self.name);
+        let ports = inputs
+            .iter()
+            .map(|v| self.imp.port(v, &hint))
+            .collect::<Result<Vec<_>>>()?;
+        let name = self.imp.g.fresh_name(stem);
+        let id = self.imp.g.add_node(name, op, &ports)?;
+        Ok(Value::Port(id.into()))
+    }
+}

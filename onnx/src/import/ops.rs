@@ -1,0 +1,1171 @@
+//! One converter per ONNX op: its inputs and attributes to our ops, NCHW as ONNX
+//! lays images out. Semantics follow the ONNX operator docs for opset 11 onwards,
+//! where the op changed between versions (`cx.opset()`).
+
+use ampgraph_graph::ops::{
+    AvgPool, BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, BroadcastTo, Cast, Compare,
+    CompareKind, Concat, Conv2D, DataFormat, Gather, LayerNorm, LogSoftmax, Logical, LogicalKind,
+    MatMul, MaxPool, NormActivation, Not, Pad, PadMode, Padding, Reduce, ReduceKind, Reshape,
+    Slice, Softmax, Transpose, Unary, UnaryKind, Where,
+};
+use ampgraph_graph::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
+use ampgraph_graph::{DType, Data, Tensor};
+
+use super::{NodeCx, Value};
+use crate::error::Result;
+use crate::tensor::dtype_of;
+
+pub(super) type Converter = fn(&mut NodeCx) -> Result<Vec<Value>>;
+
+/// The converter of an ONNX op of the default domain.
+pub(super) fn converter(op_type: &str) -> Option<Converter> {
+    Some(match op_type {
+        "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Log" | "Sqrt" | "Neg" | "Abs" | "Erf"
+        | "Reciprocal" | "Sign" | "Softplus" | "HardSwish" => unary,
+        "Identity" | "Dropout" => identity,
+        "Elu" | "Selu" | "LeakyRelu" | "Gelu" => unary_with_attrs,
+        "HardSigmoid" => hard_sigmoid,
+        "Clip" => clip,
+        "Add" | "Sub" | "Mul" | "Div" | "Pow" => binary,
+        "Max" | "Min" | "Sum" | "Mean" => variadic,
+        "MatMul" => matmul,
+        "Gemm" => gemm,
+        "Conv" => conv,
+        "BatchNormalization" => batch_norm,
+        "MaxPool" | "AveragePool" => pool,
+        "GlobalAveragePool" | "GlobalMaxPool" => global_pool,
+        "Flatten" => flatten,
+        "Reshape" => reshape,
+        "Transpose" => transpose,
+        "Squeeze" => squeeze,
+        "Unsqueeze" => unsqueeze,
+        "Concat" => concat,
+        "Slice" => slice,
+        "Split" => split,
+        "Shape" => shape,
+        "Size" => size,
+        "Cast" => cast,
+        "Constant" => constant,
+        "ConstantOfShape" => constant_of_shape,
+        "Range" => range,
+        "Expand" => expand,
+        "Softmax" | "LogSoftmax" => softmax,
+        "LayerNormalization" => layer_norm,
+        "ReduceMean" | "ReduceSum" | "ReduceMax" => reduce,
+        "Gather" => gather,
+        "Where" => where_,
+        "Equal" | "Less" | "LessOrEqual" | "Greater" | "GreaterOrEqual" => compare,
+        "And" | "Or" | "Xor" => logical,
+        "Not" => not,
+        "Pad" => pad,
+        _ => return None,
+    })
+}
+
+fn shape_i64(shape: &[usize]) -> Vec<i64> {
+    shape.iter().map(|&d| d as i64).collect()
+}
+
+fn i64_tensor(shape: Vec<usize>, values: Vec<i64>) -> Result<Tensor, String> {
+    Tensor::new(shape, Data::I64(values))
+}
+
+fn scalar_like(dtype: DType, v: f64) -> Value {
+    Value::Const(Tensor::scalar(dtype, v))
+}
+
+// ------------------------------------------------------------------ elementwise
+
+fn unary(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let kind = match cx.node.op_type.as_str() {
+        "Relu" => UnaryKind::Relu,
+        "Sigmoid" => UnaryKind::Sigmoid,
+        "Tanh" => UnaryKind::Tanh,
+        "Exp" => UnaryKind::Exp,
+        "Log" => UnaryKind::Log,
+        "Sqrt" => UnaryKind::Sqrt,
+        "Neg" => UnaryKind::Neg,
+        "Abs" => UnaryKind::Abs,
+        "Erf" => UnaryKind::Erf,
+        "Reciprocal" => UnaryKind::Reciprocal,
+        "Sign" => UnaryKind::Sign,
+        "Softplus" => UnaryKind::Softplus,
+        _ => UnaryKind::HardSwish,
+    };
+    let x = cx.input(0)?;
+    if let Value::Const(t) = &x {
+        if t.dtype().is_int() && matches!(kind, UnaryKind::Neg | UnaryKind::Abs) {
+            let f = if kind == UnaryKind::Neg {
+                |v: i64| -v
+            } else {
+                i64::abs
+            };
+            return Ok(vec![Value::Const(int_map(t, f)?)]);
+        }
+    }
+    cx.out(Unary::new(kind), &[x])
+}
+
+fn int_map(t: &Tensor, f: impl Fn(i64) -> i64) -> Result<Tensor> {
+    let v: Vec<i64> = t
+        .to_i64_vec()
+        .unwrap_or_default()
+        .into_iter()
+        .map(f)
+        .collect();
+    Ok(Tensor::new(t.shape().to_vec(), Data::I64(v))
+        .map_err(ampgraph_graph::GraphError::Format)?
+        .cast(t.dtype()))
+}
+
+/// Identity, and Dropout (inference: the input itself; its mask is not supported).
+fn identity(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    if cx.node.op_type == "Dropout" && cx.int_attr("training_mode", 0)? != 0 {
+        return Err(cx.err("training mode is not supported"));
+    }
+    if cx.node.op_type == "Dropout" {
+        if let Some(t) = cx.const_input(2)? {
+            if t.to_f64_vec().first().copied().unwrap_or(0.0) != 0.0 {
+                return Err(cx.err("training mode is not supported"));
+            }
+        }
+    }
+    Ok(vec![cx.input(0)?])
+}
+
+fn unary_with_attrs(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let op = cx.node.op_type.clone();
+    let kind = match op.as_str() {
+        "LeakyRelu" => UnaryKind::LeakyRelu {
+            alpha: f64::from(cx.float_attr("alpha", 0.01)?),
+        },
+        "Gelu" => match cx.string_attr("approximate", "none")?.as_str() {
+            "none" => UnaryKind::Gelu { approximate: false },
+            "tanh" => UnaryKind::Gelu { approximate: true },
+            other => return Err(cx.err(format!("approximate '{other}' is not supported"))),
+        },
+        "Elu" => {
+            check_default(cx, "alpha", 1.0)?;
+            UnaryKind::Elu
+        }
+        _ => {
+            check_default(cx, "alpha", 1.673_263_2)?;
+            check_default(cx, "gamma", 1.050_701)?;
+            UnaryKind::Selu
+        }
+    };
+    let x = cx.input(0)?;
+    cx.out(Unary::new(kind), &[x])
+}
+
+/// Refuses a float attribute away from the only value our op computes.
+fn check_default(cx: &NodeCx, name: &str, value: f32) -> Result<()> {
+    let v = cx.float_attr(name, value)?;
+    if (v - value).abs() > 1e-5 * value.abs() {
+        return Err(cx.err(format!(
+            "attribute '{name}' {v} is not supported (only {value})"
+        )));
+    }
+    Ok(())
+}
+
+/// `max(0, min(1, alpha x + beta))`: our HardSigmoid at PyTorch's constants, the
+/// arithmetic otherwise.
+fn hard_sigmoid(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let alpha = f64::from(cx.float_attr("alpha", 0.2)?);
+    let beta = f64::from(cx.float_attr("beta", 0.5)?);
+    let x = cx.input(0)?;
+    if (alpha - 1.0 / 6.0).abs() < 1e-6 && beta == 0.5 {
+        return cx.out(Unary::new(UnaryKind::HardSigmoid), &[x]);
+    }
+    let dtype = cx.ty(&x).dtype;
+    let ax = cx.emit(
+        Binary::new(BinaryKind::Mul),
+        &[x, scalar_like(dtype, alpha)],
+    )?;
+    let shifted = cx.emit(
+        Binary::new(BinaryKind::Add),
+        &[ax, scalar_like(dtype, beta)],
+    )?;
+    let low = cx.emit(
+        Binary::new(BinaryKind::Maximum),
+        &[shifted, scalar_like(dtype, 0.0)],
+    )?;
+    cx.out(
+        Binary::new(BinaryKind::Minimum),
+        &[low, scalar_like(dtype, 1.0)],
+    )
+}
+
+/// Clip with constant bounds: Relu6 or Relu where it is one, else Maximum/Minimum.
+fn clip(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let bound = |cx: &NodeCx, i: usize| -> Result<Option<f64>> {
+        Ok(cx
+            .const_input(i)?
+            .map(|t| t.to_f64_vec().first().copied().unwrap_or(0.0)))
+    };
+    let (lo, hi) = (bound(cx, 1)?, bound(cx, 2)?);
+    match (lo, hi) {
+        (Some(l), Some(h)) if l == 0.0 && h == 6.0 => cx.out(Unary::new(UnaryKind::Relu6), &[x]),
+        (Some(l), None) if l == 0.0 => cx.out(Unary::new(UnaryKind::Relu), &[x]),
+        (None, None) => Ok(vec![x]),
+        (lo, hi) => {
+            let dtype = cx.ty(&x).dtype;
+            let mut y = x;
+            if let Some(l) = lo {
+                let op = Binary::new(BinaryKind::Maximum);
+                y = match hi {
+                    Some(_) => cx.emit(op, &[y, scalar_like(dtype, l)])?,
+                    None => return cx.out(op, &[y, scalar_like(dtype, l)]),
+                };
+            }
+            let h = hi.unwrap_or(f64::INFINITY);
+            cx.out(
+                Binary::new(BinaryKind::Minimum),
+                &[y, scalar_like(dtype, h)],
+            )
+        }
+    }
+}
+
+fn binary_kind(op: &str) -> BinaryKind {
+    match op {
+        "Add" | "Sum" | "Mean" => BinaryKind::Add,
+        "Sub" => BinaryKind::Sub,
+        "Mul" => BinaryKind::Mul,
+        "Div" => BinaryKind::Div,
+        "Pow" => BinaryKind::Pow,
+        "Max" => BinaryKind::Maximum,
+        _ => BinaryKind::Minimum,
+    }
+}
+
+/// Integer arithmetic on constants (shape computations), with broadcasting.
+fn int_binary(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>, String> {
+    let (Some(av), Some(bv)) = (a.to_i64_vec(), b.to_i64_vec()) else {
+        return Ok(None);
+    };
+    let out = broadcast_shapes(a.shape(), b.shape())?;
+    let f = |x: i64, y: i64| -> Result<i64, String> {
+        let r = match kind {
+            BinaryKind::Add => x.checked_add(y),
+            BinaryKind::Sub => x.checked_sub(y),
+            BinaryKind::Mul => x.checked_mul(y),
+            BinaryKind::Div => x.checked_div(y),
+            BinaryKind::Maximum => Some(x.max(y)),
+            BinaryKind::Minimum => Some(x.min(y)),
+            BinaryKind::Pow => u32::try_from(y).ok().and_then(|e| x.checked_pow(e)),
+            _ => None,
+        };
+        r.ok_or_else(|| {
+            format!(
+                "integer {} of {x} and {y} overflows or is undefined",
+                kind.name()
+            )
+        })
+    };
+    let values = broadcast_indices(a.shape(), &out)
+        .zip(broadcast_indices(b.shape(), &out))
+        .map(|(i, j)| f(av[i], bv[j]))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(i64_tensor(out, values)?.cast(a.dtype())))
+}
+
+fn binary(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let kind = binary_kind(&cx.node.op_type);
+    let a = cx.input(0)?;
+    let mut b = cx.input(1)?;
+    if let (Value::Const(x), Value::Const(y)) = (&a, &b) {
+        if let Some(t) = int_binary(kind, x, y).map_err(|m| cx.err(m))? {
+            return Ok(vec![Value::Const(t)]);
+        }
+    }
+    // x + a vector along its last axis, as a Linear layer's bias: a BiasAdd, which
+    // the GEMM epilogue fusion takes.
+    let (sa, sb) = (cx.ty(&a).shape, cx.ty(&b).shape);
+    if kind == BinaryKind::Add && sa.len() >= 2 && sb.len() == 1 && sa.last() == sb.first() {
+        return cx.out(
+            BiasAdd {
+                data_format: DataFormat::Nhwc,
+            },
+            &[a, b],
+        );
+    }
+    // Pow's exponent may be of another type than its base.
+    let (ta, tb) = (cx.ty(&a).dtype, cx.ty(&b).dtype);
+    if kind == BinaryKind::Pow && ta != tb {
+        b = cx.emit(Cast { to: ta }, &[b])?;
+    }
+    cx.out(Binary::new(kind), &[a, b])
+}
+
+/// Max, Min, Sum (any number of inputs, chained) and Mean (their sum over the count).
+fn variadic(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let op = cx.node.op_type.clone();
+    let kind = binary_kind(&op);
+    let inputs = cx.inputs()?;
+    let n = inputs.len();
+    let mut acc = inputs
+        .first()
+        .cloned()
+        .ok_or_else(|| cx.err("takes at least one input"))?;
+    if n == 1 {
+        return Ok(vec![acc]);
+    }
+    for (i, v) in inputs.into_iter().enumerate().skip(1) {
+        let last = i == n - 1 && op != "Mean";
+        acc = if last {
+            cx.emit_out(0, Binary::new(kind), &[acc, v])?
+        } else {
+            cx.emit(Binary::new(kind), &[acc, v])?
+        };
+    }
+    if op == "Mean" {
+        let dtype = cx.ty(&acc).dtype;
+        return cx.out(
+            Binary::new(BinaryKind::Div),
+            &[acc, scalar_like(dtype, n as f64)],
+        );
+    }
+    Ok(vec![acc])
+}
+
+// ------------------------------------------------------------------ products
+
+/// ONNX MatMul (NumPy's matmul): matrices as MatMul, a stack times a matrix as one
+/// MatMul over the stacked rows, stacks as BatchMatMul (batch dims broadcast); a 1-D
+/// operand is a row or column that the result drops.
+fn matmul(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let mut a = cx.input(0)?;
+    let mut b = cx.input(1)?;
+    let (sa, sb) = (cx.ty(&a).shape, cx.ty(&b).shape);
+    if sa.is_empty() || sb.is_empty() {
+        return Err(cx.err("MatMul operands must have rank 1 or more"));
+    }
+    let mut out_shape = Vec::new();
+    let (ra, rb) = (sa.len().max(2), sb.len().max(2));
+    if sa.len() == 1 {
+        a = cx.emit(Reshape::new(vec![1, sa[0] as i64]), &[a])?;
+    }
+    if sb.len() == 1 {
+        b = cx.emit(Reshape::new(vec![sb[0] as i64, 1]), &[b])?;
+    }
+    let sa2 = if sa.len() == 1 {
+        vec![1, sa[0]]
+    } else {
+        sa.clone()
+    };
+    let sb2 = if sb.len() == 1 {
+        vec![sb[0], 1]
+    } else {
+        sb.clone()
+    };
+    let batch = broadcast_shapes(&sa2[..ra - 2], &sb2[..rb - 2]).map_err(|m| cx.err(m))?;
+    out_shape.extend(&batch);
+    if sa.len() > 1 {
+        out_shape.push(sa2[ra - 2]);
+    }
+    if sb.len() > 1 {
+        out_shape.push(sb2[rb - 1]);
+    }
+    let product = if ra == 2 && rb == 2 {
+        cx.emit(MatMul::new(false, false), &[a, b])?
+    } else if rb == 2 {
+        // [..., M, K] x [K, N]: one [rows, K] x [K, N] product.
+        let k = sa2[ra - 1] as i64;
+        let rows = cx.emit(Reshape::new(vec![-1, k]), &[a])?;
+        cx.emit(MatMul::new(false, false), &[rows, b])?
+    } else {
+        cx.emit(BatchMatMul::new(false, false), &[a, b])?
+    };
+    cx.out(Reshape::new(shape_i64(&out_shape)), &[product])
+}
+
+/// `alpha op(A) op(B) + beta C`.
+fn gemm(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let a = cx.input(0)?;
+    let b = cx.input(1)?;
+    let c = cx.opt_input(2)?;
+    let alpha = f64::from(cx.float_attr("alpha", 1.0)?);
+    let beta = f64::from(cx.float_attr("beta", 1.0)?);
+    let trans_a = cx.int_attr("transA", 0)? != 0;
+    let trans_b = cx.int_attr("transB", 0)? != 0;
+    let dtype = cx.ty(&a).dtype;
+    let product = MatMul::new(trans_a, trans_b);
+    let Some(mut c) = c.filter(|_| beta != 0.0) else {
+        if alpha == 1.0 {
+            return cx.out(product, &[a, b]);
+        }
+        let ab = cx.emit(product, &[a, b])?;
+        return cx.out(
+            Binary::new(BinaryKind::Mul),
+            &[ab, scalar_like(dtype, alpha)],
+        );
+    };
+    let mut ab = cx.emit(product, &[a, b])?;
+    if alpha != 1.0 {
+        ab = cx.emit(
+            Binary::new(BinaryKind::Mul),
+            &[ab, scalar_like(dtype, alpha)],
+        )?;
+    }
+    if beta != 1.0 {
+        c = cx.emit(Binary::new(BinaryKind::Mul), &[c, scalar_like(dtype, beta)])?;
+    }
+    let n = cx.ty(&ab).shape.get(1).copied();
+    if cx.ty(&c).shape.len() == 1 && cx.ty(&c).shape.first().copied() == n {
+        return cx.out(
+            BiasAdd {
+                data_format: DataFormat::Nhwc,
+            },
+            &[ab, c],
+        );
+    }
+    cx.out(Binary::new(BinaryKind::Add), &[ab, c])
+}
+
+// ------------------------------------------------------------------ windows
+
+/// Per spatial axis: `[before, after]` zeros, from `pads` (`[x1_begin, x2_begin, ...,
+/// x1_end, ...]`) or `auto_pad`.
+fn window_pads(
+    cx: &NodeCx,
+    spatial: &[usize],
+    kernel: &[usize],
+    strides: &[usize],
+) -> Result<Vec<[usize; 2]>> {
+    let n = spatial.len();
+    let auto = cx.string_attr("auto_pad", "NOTSET")?;
+    match auto.as_str() {
+        "NOTSET" => {
+            let pads = cx.ints_attr("pads")?.unwrap_or_else(|| vec![0; 2 * n]);
+            if pads.len() != 2 * n || pads.iter().any(|&p| p < 0) {
+                return Err(cx.err(format!(
+                    "pads {pads:?} must be {} non-negative numbers",
+                    2 * n
+                )));
+            }
+            Ok((0..n)
+                .map(|i| [pads[i] as usize, pads[i + n] as usize])
+                .collect())
+        }
+        "VALID" => Ok(vec![[0, 0]; n]),
+        "SAME_UPPER" | "SAME_LOWER" => Ok((0..n)
+            .map(|i| {
+                let out = spatial[i].div_ceil(strides[i]);
+                let total =
+                    ((out.saturating_sub(1)) * strides[i] + kernel[i]).saturating_sub(spatial[i]);
+                let small = total / 2;
+                if auto == "SAME_UPPER" {
+                    [small, total - small]
+                } else {
+                    [total - small, small]
+                }
+            })
+            .collect()),
+        other => Err(cx.err(format!("auto_pad '{other}' is not supported"))),
+    }
+}
+
+/// A list attribute of one positive number per spatial axis (default all 1).
+fn per_axis(cx: &NodeCx, name: &str, n: usize) -> Result<Vec<usize>> {
+    match cx.ints_attr(name)? {
+        None => Ok(vec![1; n]),
+        Some(v) if v.len() == n && v.iter().all(|&s| s > 0) => {
+            Ok(v.iter().map(|&s| s as usize).collect())
+        }
+        Some(v) => Err(cx.err(format!("{name} {v:?} must be {n} positive numbers"))),
+    }
+}
+
+/// Our padding for two spatial axes.
+fn padding_of(pads: &[[usize; 2]]) -> Padding {
+    if pads.iter().all(|p| *p == [0, 0]) {
+        Padding::Valid
+    } else {
+        Padding::Explicit([pads[0], pads[1]])
+    }
+}
+
+/// 1-D windows run as 2-D ones over a trailing axis of 1.
+fn to_2d(cx: &mut NodeCx, x: Value, rank: usize) -> Result<Value> {
+    if rank == 3 {
+        let mut s = shape_i64(&cx.ty(&x).shape);
+        s.push(1);
+        cx.emit(Reshape::new(s), &[x])
+    } else {
+        Ok(x)
+    }
+}
+
+fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let w = cx.input(1)?;
+    let bias = cx.opt_input(2)?;
+    let xs = cx.ty(&x).shape;
+    let ws = cx.ty(&w).shape;
+    let rank = xs.len();
+    if !(rank == 3 || rank == 4) || ws.len() != rank {
+        return Err(cx.err(format!(
+            "only 1-D and 2-D convolutions are supported (x {xs:?}, w {ws:?})"
+        )));
+    }
+    let n = rank - 2;
+    if per_axis(cx, "dilations", n)?.iter().any(|&d| d != 1) {
+        return Err(cx.err("dilations other than 1 are not supported"));
+    }
+    let groups = usize::try_from(cx.int_attr("group", 1)?)
+        .ok()
+        .filter(|&g| g > 0)
+        .ok_or_else(|| cx.err("group must be positive"))?;
+    let strides = per_axis(cx, "strides", n)?;
+    let kernel = &ws[2..];
+    let mut pads = window_pads(cx, &xs[2..], kernel, &strides)?;
+    let mut strides2 = [strides[0], 1];
+    if n == 2 {
+        strides2[1] = strides[1];
+    } else {
+        pads.push([0, 0]);
+    }
+    let x = to_2d(cx, x, rank)?;
+    let w = to_2d(cx, w, rank)?;
+    // OIHW -> HWIO.
+    let w = cx.emit(Transpose::new(vec![2, 3, 1, 0]), &[w])?;
+    let op = Conv2D::new(strides2, padding_of(&pads), DataFormat::Nchw).with_groups(groups);
+    let last = bias.is_none() && rank == 4;
+    let mut y = if last {
+        return cx.out(op, &[x, w]);
+    } else {
+        cx.emit(op, &[x, w])?
+    };
+    if let Some(b) = bias {
+        let op = BiasAdd {
+            data_format: DataFormat::Nchw,
+        };
+        if rank == 4 {
+            return cx.out(op, &[y, b]);
+        }
+        y = cx.emit(op, &[y, b])?;
+    }
+    let mut s = shape_i64(&cx.ty(&y).shape);
+    s.pop();
+    cx.out(Reshape::new(s), &[y])
+}
+
+fn batch_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    if cx.int_attr("training_mode", 0)? != 0 {
+        return Err(cx.err("training mode is not supported"));
+    }
+    let epsilon = f64::from(cx.float_attr("epsilon", 1e-5)?);
+    let inputs = [
+        cx.input(0)?,
+        cx.input(1)?,
+        cx.input(2)?,
+        cx.input(3)?,
+        cx.input(4)?,
+    ];
+    let xs = cx.ty(&inputs[0]).shape;
+    let op = BatchNorm {
+        epsilon,
+        training: false,
+        data_format: DataFormat::Nchw,
+        activation: NormActivation::Identity,
+    };
+    match xs.len() {
+        2 | 4 => cx.out(op, &inputs),
+        r if r >= 3 => {
+            // [N, C, ...] as [N, C, rest, 1].
+            let rest: usize = xs[2..].iter().product();
+            let [x, s, b, m, v] = inputs;
+            let x4 = cx.emit(
+                Reshape::new(vec![xs[0] as i64, xs[1] as i64, rest as i64, 1]),
+                &[x],
+            )?;
+            let y = cx.emit(op, &[x4, s, b, m, v])?;
+            cx.out(Reshape::new(shape_i64(&xs)), &[y])
+        }
+        _ => Err(cx.err(format!("x {xs:?} must have rank 2 or more"))),
+    }
+}
+
+fn pool(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let xs = cx.ty(&x).shape;
+    let rank = xs.len();
+    if !(rank == 3 || rank == 4) {
+        return Err(cx.err(format!("only 1-D and 2-D pooling is supported (x {xs:?})")));
+    }
+    let n = rank - 2;
+    let kernel: Vec<usize> = match cx.ints_attr("kernel_shape")? {
+        Some(k) if k.len() == n && k.iter().all(|&v| v > 0) => {
+            k.iter().map(|&v| v as usize).collect()
+        }
+        other => {
+            return Err(cx.err(format!(
+                "kernel_shape {other:?} must be {n} positive numbers"
+            )))
+        }
+    };
+    if per_axis(cx, "dilations", n)?.iter().any(|&d| d != 1) {
+        return Err(cx.err("dilations other than 1 are not supported"));
+    }
+    if cx.int_attr("storage_order", 0)? != 0 {
+        return Err(cx.err("storage_order 1 is not supported"));
+    }
+    let strides = per_axis(cx, "strides", n)?;
+    let mut pads = window_pads(cx, &xs[2..], &kernel, &strides)?;
+    if cx.int_attr("ceil_mode", 0)? != 0 {
+        // Rounding the output length up is padding after; as PyTorch, a last window
+        // that would start in the padding is dropped.
+        for (i, p) in pads.iter_mut().enumerate() {
+            let span = xs[2 + i] + p[0] + p[1];
+            let floor_out = (span.saturating_sub(kernel[i])) / strides[i] + 1;
+            let mut out = (span.saturating_sub(kernel[i])).div_ceil(strides[i]) + 1;
+            if (out - 1) * strides[i] >= xs[2 + i] + p[0] {
+                out -= 1;
+            }
+            if out > floor_out {
+                p[1] += (out - 1) * strides[i] + kernel[i] - span;
+            }
+        }
+    }
+    let avg = cx.node.op_type == "AveragePool";
+    if avg && cx.int_attr("count_include_pad", 0)? != 0 && pads.iter().any(|p| *p != [0, 0]) {
+        return Err(cx.err("count_include_pad 1 with padding is not supported"));
+    }
+    let (mut ksize, mut strides2) = ([kernel[0], 1], [strides[0], 1]);
+    if n == 2 {
+        ksize[1] = kernel[1];
+        strides2[1] = strides[1];
+    } else {
+        pads.push([0, 0]);
+    }
+    let x = to_2d(cx, x, rank)?;
+    let padding = padding_of(&pads);
+    let y = match (avg, rank) {
+        (false, 4) => {
+            return cx.out(
+                MaxPool::new(ksize, strides2, padding, DataFormat::Nchw),
+                &[x],
+            )
+        }
+        (true, 4) => {
+            return cx.out(
+                AvgPool::new(ksize, strides2, padding, DataFormat::Nchw),
+                &[x],
+            )
+        }
+        (false, _) => cx.emit(
+            MaxPool::new(ksize, strides2, padding, DataFormat::Nchw),
+            &[x],
+        )?,
+        (true, _) => cx.emit(
+            AvgPool::new(ksize, strides2, padding, DataFormat::Nchw),
+            &[x],
+        )?,
+    };
+    let mut s = shape_i64(&cx.ty(&y).shape);
+    s.pop();
+    cx.out(Reshape::new(s), &[y])
+}
+
+fn global_pool(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let rank = cx.ty(&x).shape.len();
+    if rank < 3 {
+        return Err(cx.err("x must have rank 3 or more ([N, C, ...])"));
+    }
+    let kind = if cx.node.op_type == "GlobalMaxPool" {
+        ReduceKind::Max
+    } else {
+        ReduceKind::Mean
+    };
+    let axes = (2..rank as i64).collect();
+    cx.out(Reduce::new(kind, Some(axes), true), &[x])
+}
+
+// ------------------------------------------------------------------ shapes
+
+fn flatten(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let s = cx.ty(&x).shape;
+    let axis = cx.int_attr("axis", 1)?;
+    let axis = if axis < 0 {
+        axis + s.len() as i64
+    } else {
+        axis
+    };
+    if !(0..=s.len() as i64).contains(&axis) {
+        return Err(cx.err(format!("axis {axis} is out of range for rank {}", s.len())));
+    }
+    let (outer, inner) = s.split_at(axis as usize);
+    let shape = vec![
+        outer.iter().product::<usize>() as i64,
+        inner.iter().product::<usize>() as i64,
+    ];
+    cx.out(Reshape::new(shape), &[x])
+}
+
+fn reshape(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let xs = cx.ty(&x).shape;
+    let mut shape = cx
+        .ints_input(1)?
+        .ok_or_else(|| cx.err("the shape input is missing"))?;
+    if cx.int_attr("allowzero", 0)? == 0 {
+        for (i, d) in shape.iter_mut().enumerate() {
+            if *d == 0 {
+                *d = *xs
+                    .get(i)
+                    .ok_or_else(|| cx.err(format!("shape {i} copies a dimension x {xs:?} lacks")))?
+                    as i64;
+            }
+        }
+    }
+    cx.out(Reshape::new(shape), &[x])
+}
+
+fn transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let rank = cx.ty(&x).shape.len();
+    let perm = match cx.ints_attr("perm")? {
+        Some(p) => p
+            .iter()
+            .map(|&v| {
+                usize::try_from(v).map_err(|_| cx.err(format!("perm {p:?} has a negative entry")))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => (0..rank).rev().collect(),
+    };
+    cx.out(Transpose::new(perm), &[x])
+}
+
+/// The axes of Squeeze/Unsqueeze/Reduce*: an attribute before opset `input_from`, an
+/// input from then on.
+fn axes(cx: &NodeCx, input_from: i64) -> Result<Option<Vec<i64>>> {
+    if cx.opset() >= input_from {
+        cx.ints_input(1)
+    } else {
+        cx.ints_attr("axes")
+    }
+}
+
+fn squeeze(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let s = cx.ty(&x).shape;
+    let drop: Vec<usize> = match axes(cx, 13)? {
+        None => (0..s.len()).filter(|&i| s[i] == 1).collect(),
+        Some(a) => a
+            .iter()
+            .map(|&v| normalize_axis(v, s.len()).map_err(|m| cx.err(m)))
+            .collect::<Result<_>>()?,
+    };
+    if let Some(&i) = drop.iter().find(|&&i| s[i] != 1) {
+        return Err(cx.err(format!("axis {i} of x {s:?} is not 1")));
+    }
+    let shape: Vec<i64> = (0..s.len())
+        .filter(|i| !drop.contains(i))
+        .map(|i| s[i] as i64)
+        .collect();
+    cx.out(Reshape::new(shape), &[x])
+}
+
+fn unsqueeze(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let s = cx.ty(&x).shape;
+    let added = axes(cx, 13)?.ok_or_else(|| cx.err("axes are missing"))?;
+    let rank = s.len() + added.len();
+    let mut new: Vec<usize> = added
+        .iter()
+        .map(|&v| normalize_axis(v, rank).map_err(|m| cx.err(m)))
+        .collect::<Result<_>>()?;
+    new.sort_unstable();
+    new.dedup();
+    if new.len() != added.len() {
+        return Err(cx.err(format!("axes {added:?} repeat an axis")));
+    }
+    let mut dims = s.iter();
+    let shape: Vec<i64> = (0..rank)
+        .map(|i| {
+            if new.contains(&i) {
+                1
+            } else {
+                dims.next().map_or(1, |&d| d as i64)
+            }
+        })
+        .collect();
+    cx.out(Reshape::new(shape), &[x])
+}
+
+fn concat(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let inputs = cx.inputs()?;
+    let axis = cx.int_attr("axis", 0)?;
+    if inputs.len() == 1 {
+        return Ok(inputs);
+    }
+    cx.out(Concat::new(axis), &inputs)
+}
+
+/// The positions one sliced axis keeps, clamped as ONNX clamps (a negative step
+/// walks backwards from `start`).
+fn slice_positions(dim: usize, start: i64, end: i64, step: i64) -> Vec<i64> {
+    let d = dim as i64;
+    let wrap = |v: i64| if v < 0 { v + d } else { v };
+    if step > 0 {
+        let (b, e) = (wrap(start).clamp(0, d), wrap(end).clamp(0, d));
+        (b..e).step_by(step as usize).collect()
+    } else {
+        let (b, e) = (wrap(start).clamp(-1, d - 1), wrap(end).clamp(-1, d - 1));
+        std::iter::successors(Some(b), |&i| Some(i + step))
+            .take_while(|&i| i > e)
+            .collect()
+    }
+}
+
+/// Slice: a contiguous block as our Slice, then each axis with a step other than 1
+/// as a Gather of the positions it keeps.
+fn slice(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let s = cx.ty(&x).shape;
+    let need = |cx: &NodeCx, i: usize, what: &str| -> Result<Vec<i64>> {
+        cx.ints_input(i)?
+            .ok_or_else(|| cx.err(format!("{what} are missing")))
+    };
+    let starts = need(cx, 1, "starts")?;
+    let ends = need(cx, 2, "ends")?;
+    let axes = cx
+        .ints_input(3)?
+        .unwrap_or_else(|| (0..starts.len() as i64).collect());
+    let steps = cx.ints_input(4)?.unwrap_or_else(|| vec![1; starts.len()]);
+    if ends.len() != starts.len() || axes.len() != starts.len() || steps.len() != starts.len() {
+        return Err(cx.err("starts, ends, axes and steps must have one entry each per sliced axis"));
+    }
+    let mut begin = vec![0usize; s.len()];
+    let mut size: Vec<i64> = s.iter().map(|&d| d as i64).collect();
+    let mut gathers = Vec::new();
+    for i in 0..starts.len() {
+        let ax = normalize_axis(axes[i], s.len()).map_err(|m| cx.err(m))?;
+        if steps[i] == 0 {
+            return Err(cx.err("a step is 0"));
+        }
+        let keep = slice_positions(s[ax], starts[i], ends[i], steps[i]);
+        if steps[i] == 1 || keep.is_empty() {
+            begin[ax] = keep.first().map_or(0, |&b| b as usize);
+            size[ax] = keep.len() as i64;
+        } else {
+            gathers.push((ax, keep));
+        }
+    }
+    let whole = begin.iter().all(|&b| b == 0) && size.iter().zip(&s).all(|(&n, &d)| n == d as i64);
+    let mut y = x;
+    if !whole {
+        y = if gathers.is_empty() {
+            return cx.out(Slice::new(begin, size), &[y]);
+        } else {
+            cx.emit(Slice::new(begin, size), &[y])?
+        };
+    }
+    let last = gathers.len();
+    for (k, (ax, keep)) in gathers.into_iter().enumerate() {
+        let n = keep.len();
+        let idx = Value::Const(i64_tensor(vec![n], keep).map_err(|m| cx.err(m))?);
+        let op = Gather::new(ax as i64);
+        y = if k + 1 == last {
+            cx.emit_out(0, op, &[y, idx])?
+        } else {
+            cx.emit(op, &[y, idx])?
+        };
+    }
+    Ok(vec![y])
+}
+
+fn split(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let s = cx.ty(&x).shape;
+    let axis = normalize_axis(cx.int_attr("axis", 0)?, s.len()).map_err(|m| cx.err(m))?;
+    let outputs = cx.node.output.len();
+    let sizes: Vec<usize> = match if cx.opset() >= 13 {
+        cx.ints_input(1)?
+    } else {
+        cx.ints_attr("split")?
+    } {
+        Some(v) => v
+            .iter()
+            .map(|&d| {
+                usize::try_from(d).map_err(|_| cx.err(format!("split {v:?} has a negative size")))
+            })
+            .collect::<Result<_>>()?,
+        None => {
+            // Equal parts, the last smaller (opset 18's num_outputs rule).
+            let each = s[axis].div_ceil(outputs.max(1));
+            (0..outputs)
+                .map(|k| each.min(s[axis].saturating_sub(k * each)))
+                .collect()
+        }
+    };
+    if sizes.len() != outputs || sizes.iter().sum::<usize>() != s[axis] {
+        return Err(cx.err(format!(
+            "split sizes {sizes:?} must be one per output ({outputs}) and add up to {}",
+            s[axis]
+        )));
+    }
+    let mut results = Vec::with_capacity(outputs);
+    let mut at = 0;
+    for (k, &len) in sizes.iter().enumerate() {
+        let mut begin = vec![0; s.len()];
+        let mut size: Vec<i64> = s.iter().map(|&d| d as i64).collect();
+        begin[axis] = at;
+        size[axis] = len as i64;
+        results.push(cx.emit_out(k, Slice::new(begin, size), &[x.clone()])?);
+        at += len;
+    }
+    Ok(results)
+}
+
+fn shape(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let s = cx.ty(&x).shape;
+    let r = s.len() as i64;
+    let clamp = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
+    let start = clamp(cx.int_attr("start", 0)?);
+    let end = clamp(cx.int_attr("end", r)?).max(start);
+    let dims = shape_i64(&s[start..end]);
+    let t = i64_tensor(vec![dims.len()], dims).map_err(|m| cx.err(m))?;
+    Ok(vec![Value::Const(t)])
+}
+
+fn size(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let n = cx.ty(&x).shape.iter().product::<usize>() as i64;
+    Ok(vec![Value::Const(
+        i64_tensor(vec![], vec![n]).map_err(|m| cx.err(m))?,
+    )])
+}
+
+fn cast(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let to = dtype_of(cx.int_attr("to", 0)? as i32).map_err(|m| cx.err(m))?;
+    let x = cx.input(0)?;
+    if cx.ty(&x).dtype == to {
+        return Ok(vec![x]);
+    }
+    cx.out(Cast { to }, &[x])
+}
+
+fn constant(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let t = if let Some(t) = cx.tensor_attr("value")? {
+        t
+    } else if let Some(a) = cx.node.attribute.iter().find(|a| a.name == "value_float") {
+        Tensor::scalar(DType::F32, f64::from(a.f))
+    } else if let Some(a) = cx.node.attribute.iter().find(|a| a.name == "value_int") {
+        i64_tensor(vec![], vec![a.i]).map_err(|m| cx.err(m))?
+    } else if let Some(v) = cx.floats_attr("value_floats")? {
+        Tensor::new(vec![v.len()], Data::F32(v)).map_err(|m| cx.err(m))?
+    } else if let Some(v) = cx.ints_attr("value_ints")? {
+        i64_tensor(vec![v.len()], v).map_err(|m| cx.err(m))?
+    } else {
+        return Err(cx.err("only value, value_float(s) and value_int(s) constants are supported"));
+    };
+    Ok(vec![Value::Const(t)])
+}
+
+fn constant_of_shape(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let dims = cx
+        .ints_input(0)?
+        .ok_or_else(|| cx.err("the shape input is missing"))?;
+    let shape = crate::tensor::shape_of(&dims).map_err(|m| cx.err(m))?;
+    let fill = cx
+        .tensor_attr("value")?
+        .unwrap_or_else(|| Tensor::scalar(DType::F32, 0.0));
+    let v = fill.to_f64_vec().first().copied().unwrap_or(0.0);
+    let n: usize = shape.iter().product();
+    let t = Tensor::from_f64(fill.dtype(), shape, &vec![v; n]).map_err(|m| cx.err(m))?;
+    Ok(vec![Value::Const(t)])
+}
+
+fn range(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let get = |cx: &NodeCx, i: usize| -> Result<Tensor> {
+        cx.const_input(i)?
+            .ok_or_else(|| cx.err(format!("input {i} is missing")))
+    };
+    let (start, limit, delta) = (get(cx, 0)?, get(cx, 1)?, get(cx, 2)?);
+    let f = |t: &Tensor| t.to_f64_vec().first().copied().unwrap_or(0.0);
+    let (s, l, d) = (f(&start), f(&limit), f(&delta));
+    if d == 0.0 {
+        return Err(cx.err("delta is 0"));
+    }
+    let n = ((l - s) / d).ceil().max(0.0);
+    if n > 1e9 {
+        return Err(cx.err(format!("the range has {n} elements")));
+    }
+    let values: Vec<f64> = (0..n as usize).map(|i| s + i as f64 * d).collect();
+    let t = Tensor::from_f64(start.dtype(), vec![n as usize], &values).map_err(|m| cx.err(m))?;
+    Ok(vec![Value::Const(t)])
+}
+
+/// Expand broadcasts both ways: the result has the broadcast of x's shape and `shape`.
+fn expand(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let dims = cx
+        .ints_input(1)?
+        .ok_or_else(|| cx.err("the shape input is missing"))?;
+    let want = crate::tensor::shape_of(&dims).map_err(|m| cx.err(m))?;
+    let xs = cx.ty(&x).shape;
+    let out = broadcast_shapes(&xs, &want).map_err(|m| cx.err(m))?;
+    if out == xs {
+        return Ok(vec![x]);
+    }
+    cx.out(BroadcastTo::new(out), &[x])
+}
+
+// ------------------------------------------------------------------ normalisation
+
+fn softmax(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let s = cx.ty(&x).shape;
+    let log = cx.node.op_type == "LogSoftmax";
+    let default = if cx.opset() >= 13 { -1 } else { 1 };
+    let axis = normalize_axis(cx.int_attr("axis", default)?, s.len()).map_err(|m| cx.err(m))?;
+    let whole_rows = cx.opset() < 13 && axis + 1 != s.len();
+    if !whole_rows {
+        let axis = axis as i64;
+        return if log {
+            cx.out(LogSoftmax { axis }, &[x])
+        } else {
+            cx.out(Softmax { axis }, &[x])
+        };
+    }
+    // Before opset 13 the input is seen as [prod(s[..axis]), prod(s[axis..])].
+    let rows = s[..axis].iter().product::<usize>() as i64;
+    let flat = cx.emit(Reshape::new(vec![rows, -1]), &[x])?;
+    let y = if log {
+        cx.emit(LogSoftmax { axis: -1 }, &[flat])?
+    } else {
+        cx.emit(Softmax { axis: -1 }, &[flat])?
+    };
+    cx.out(Reshape::new(shape_i64(&s)), &[y])
+}
+
+fn layer_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let mut gamma = cx.input(1)?;
+    let xt = cx.ty(&x);
+    let axis = normalize_axis(cx.int_attr("axis", -1)?, xt.shape.len()).map_err(|m| cx.err(m))?;
+    let norm_shape = xt.shape[axis..].to_vec();
+    let dtype = cx.ty(&gamma).dtype;
+    if cx.ty(&gamma).shape != norm_shape {
+        gamma = cx.emit(BroadcastTo::new(norm_shape.clone()), &[gamma])?;
+    }
+    let beta = match cx.opt_input(2)? {
+        Some(b) if cx.ty(&b).shape == norm_shape => b,
+        Some(b) => cx.emit(BroadcastTo::new(norm_shape.clone()), &[b])?,
+        None => {
+            let n = norm_shape.iter().product();
+            let zeros =
+                Tensor::from_f64(dtype, norm_shape, &vec![0.0; n]).map_err(|m| cx.err(m))?;
+            Value::Const(zeros)
+        }
+    };
+    let op = LayerNorm {
+        axis: axis as i64,
+        epsilon: f64::from(cx.float_attr("epsilon", 1e-5)?),
+        to: None,
+    };
+    cx.out(op, &[x, gamma, beta])
+}
+
+fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let op = cx.node.op_type.clone();
+    let kind = match op.as_str() {
+        "ReduceMean" => ReduceKind::Mean,
+        "ReduceSum" => ReduceKind::Sum,
+        _ => ReduceKind::Max,
+    };
+    let x = cx.input(0)?;
+    let input_from = if kind == ReduceKind::Sum { 13 } else { 18 };
+    let axes = axes(cx, input_from)?.filter(|a| !a.is_empty());
+    let keep = cx.int_attr("keepdims", 1)? != 0;
+    if axes.is_none() && cx.int_attr("noop_with_empty_axes", 0)? != 0 {
+        return Ok(vec![x]);
+    }
+    cx.out(Reduce::new(kind, axes, keep), &[x])
+}
+
+// ------------------------------------------------------------------ selection
+
+fn gather(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let (data, indices) = (cx.input(0)?, cx.input(1)?);
+    let axis = cx.int_attr("axis", 0)?;
+    cx.out(Gather::new(axis), &[data, indices])
+}
+
+fn where_(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let inputs = [cx.input(0)?, cx.input(1)?, cx.input(2)?];
+    cx.out(Where, &inputs)
+}
+
+fn compare(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let kind = match cx.node.op_type.as_str() {
+        "Equal" => CompareKind::Equal,
+        "Less" => CompareKind::Less,
+        "LessOrEqual" => CompareKind::LessOrEqual,
+        "Greater" => CompareKind::Greater,
+        _ => CompareKind::GreaterOrEqual,
+    };
+    let (a, b) = (cx.input(0)?, cx.input(1)?);
+    cx.out(Compare::new(kind), &[a, b])
+}
+
+fn logical(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let kind = match cx.node.op_type.as_str() {
+        "And" => LogicalKind::And,
+        "Or" => LogicalKind::Or,
+        _ => LogicalKind::Xor,
+    };
+    let (a, b) = (cx.input(0)?, cx.input(1)?);
+    cx.out(Logical::new(kind), &[a, b])
+}
+
+fn not(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    cx.out(Not, &[x])
+}
+
+/// Pad (opset 11 on: pads, the constant and, from 18, the axes as inputs).
+fn pad(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let rank = cx.ty(&x).shape.len();
+    let pads = cx
+        .ints_input(1)?
+        .ok_or_else(|| cx.err("the pads input is missing"))?;
+    let axes: Vec<usize> = match cx.ints_input(3)? {
+        Some(a) => a
+            .iter()
+            .map(|&v| normalize_axis(v, rank).map_err(|m| cx.err(m)))
+            .collect::<Result<_>>()?,
+        None => (0..rank).collect(),
+    };
+    if pads.len() != 2 * axes.len() {
+        return Err(cx.err(format!(
+            "pads {pads:?} must hold 2 numbers per padded axis ({})",
+            axes.len()
+        )));
+    }
+    let mut per_axis = vec![[0i64; 2]; rank];
+    for (i, &ax) in axes.iter().enumerate() {
+        per_axis[ax] = [pads[i], pads[i + axes.len()]];
+    }
+    let mode = match cx.string_attr("mode", "constant")?.as_str() {
+        "constant" => {
+            let value = cx
+                .const_input(2)?
+                .and_then(|t| t.to_f64_vec().first().copied())
+                .unwrap_or(0.0);
+            PadMode::Constant(value)
+        }
+        "reflect" => PadMode::Reflect,
+        "edge" => PadMode::Edge,
+        other => return Err(cx.err(format!("mode '{other}' is not supported"))),
+    };
+    cx.out(Pad::new(per_axis, mode), &[x])
+}

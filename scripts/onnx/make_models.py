@@ -1,0 +1,659 @@
+#!/usr/bin/env python3
+"""Build the small ONNX test models and bad-input fixtures under tests/data/onnx.
+
+Each good model is written in the ONNX backend-test layout:
+
+    tests/data/onnx/NAME/model.onnx
+    tests/data/onnx/NAME/test_data_set_0/input_K.pb    (TensorProto)
+    tests/data/onnx/NAME/test_data_set_0/output_K.pb   (TensorProto, from onnxruntime CPU)
+
+The graphs are written by hand with onnx.helper but follow the shapes and
+idioms that torch.onnx's TorchScript exporter (and tf2onnx) emit: weights as
+initializers (not graph inputs), Constant nodes for small shape tensors, the
+Shape/Gather/Unsqueeze/Concat/Reshape flatten, HardSwish as HardSigmoid*x at
+opset 11, GELU as Div/Erf/Add/Mul/Mul, and so on.
+
+Everything is deterministic: numpy is seeded per model, onnxruntime runs with
+one thread and graph optimizations off. Running the script twice gives
+byte-identical files.
+
+Run it as a script, from any directory (a script's own directory, not the
+cwd, heads sys.path, so the repo's onnx/ crate folder does not shadow the
+`onnx` package; `python3 -c`/`-m` from the repo root would put it there):
+
+    python3 scripts/onnx/make_models.py                # -> tests/data/onnx
+    python3 scripts/onnx/make_models.py --out DIR      # elsewhere
+"""
+
+import argparse
+import os
+import shutil
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_OUT = os.path.join(REPO, "tests", "data", "onnx")
+
+# IR version that exporters of the time wrote next to each opset.
+IR_FOR_OPSET = {11: 6, 13: 7, 14: 7, 17: 8}
+PRODUCER = "ampgraph-make_models"
+PRODUCER_VERSION = "1"
+
+F = TensorProto.FLOAT
+I64 = TensorProto.INT64
+
+
+# --------------------------------------------------------------------------
+# Small graph-building helper
+# --------------------------------------------------------------------------
+
+
+class G:
+    """Collects nodes and initializers; names tensors the way torch does
+    ("/scope/Op_output_0"), so a model reads like a real export."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.nodes = []
+        self.inits = []
+        self.counts = {}
+
+    def _name(self, scope, op):
+        base = f"{scope}/{op}" if scope else f"/{op}"
+        n = self.counts.get(base, 0)
+        self.counts[base] = n + 1
+        return base if n == 0 else f"{base}_{n}"
+
+    def op(self, op, inputs, scope="", n_out=1, outputs=None, domain=None, **attrs):
+        name = self._name(scope, op)
+        if outputs is None:
+            outputs = [f"{name}_output_{i}" for i in range(n_out)]
+        kw = {"domain": domain} if domain else {}
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, **attrs, **kw))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def const(self, value, scope="", dtype=None):
+        """A Constant node, as torch emits for shape tensors and scalars."""
+        arr = np.array(value, dtype=dtype) if dtype is not None else np.asarray(value)
+        name = self._name(scope, "Constant")
+        out = f"{name}_output_0"
+        self.nodes.append(
+            helper.make_node(
+                "Constant", [], [out], name=name,
+                value=numpy_helper.from_array(arr, name=""),
+            )
+        )
+        return out
+
+    def init(self, name, arr):
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name=name))
+        return name
+
+    # random parameters -------------------------------------------------
+    def weight(self, name, shape, fan_in, gain=2.0):
+        w = self.rng.standard_normal(shape) * np.sqrt(gain / fan_in)
+        return self.init(name, w.astype(np.float32))
+
+    def bias(self, name, n, scale=0.1):
+        return self.init(name, (self.rng.standard_normal(n) * scale).astype(np.float32))
+
+    def conv(self, x, scope, cin, cout, k, stride=1, pad=0, group=1, bias=True, prefix=None):
+        prefix = prefix or scope.strip("/").split("/")[-1]
+        w = self.weight(f"{prefix}.weight", (cout, cin // group, k, k), (cin // group) * k * k)
+        ins = [x, w]
+        if bias:
+            ins.append(self.bias(f"{prefix}.bias", cout))
+        return self.op(
+            "Conv", ins, scope,
+            dilations=[1, 1], group=group, kernel_shape=[k, k],
+            pads=[pad, pad, pad, pad], strides=[stride, stride],
+        )
+
+    def batchnorm(self, x, scope, c, prefix):
+        r = self.rng
+        scale = self.init(f"{prefix}.weight", (1.0 + 0.1 * r.standard_normal(c)).astype(np.float32))
+        b = self.init(f"{prefix}.bias", (0.1 * r.standard_normal(c)).astype(np.float32))
+        mean = self.init(f"{prefix}.running_mean", (0.1 * r.standard_normal(c)).astype(np.float32))
+        var = self.init(f"{prefix}.running_var", r.uniform(0.5, 1.5, c).astype(np.float32))
+        return self.op(
+            "BatchNormalization", [x, scale, b, mean, var], scope,
+            epsilon=1e-5, momentum=0.9,
+        )
+
+    def gemm(self, x, scope, cin, cout, prefix):
+        w = self.weight(f"{prefix}.weight", (cout, cin), cin, gain=1.0)
+        b = self.bias(f"{prefix}.bias", cout)
+        return self.op("Gemm", [x, w, b], scope, alpha=1.0, beta=1.0, transB=1)
+
+    def model(self, name, inputs, outputs, opset, value_info=()):
+        graph = helper.make_graph(
+            self.nodes, name, inputs, outputs, initializer=self.inits, value_info=list(value_info)
+        )
+        m = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", opset)],
+            producer_name=PRODUCER,
+            producer_version=PRODUCER_VERSION,
+        )
+        m.ir_version = IR_FOR_OPSET[opset]
+        return m
+
+
+def vinfo(name, shape, dtype=F):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def with_value_info(m):
+    """Torch's exporter stores inferred shapes of intermediates in value_info."""
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    m.graph.value_info.extend(inferred.graph.value_info)
+    return m
+
+
+def torch_flatten(g, x, scope):
+    """x.view(x.size(0), -1) / torch.flatten(x, 1) as the TorchScript exporter
+    writes it: Shape -> Gather(0) -> Unsqueeze -> Concat([n, -1]) -> Reshape."""
+    shape = g.op("Shape", [x], scope)
+    idx = g.const(np.array(0, dtype=np.int64), scope)
+    n = g.op("Gather", [shape, idx], scope, axis=0)
+    axes = g.const(np.array([0], dtype=np.int64), scope)
+    n1 = g.op("Unsqueeze", [n, axes], scope)  # opset 13: axes as an input
+    minus1 = g.const(np.array([-1], dtype=np.int64), scope)
+    shp = g.op("Concat", [n1, minus1], scope, axis=0)
+    return g.op("Reshape", [x, shp], scope)
+
+
+# --------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------
+
+
+def resnet_tiny():
+    """torchvision-style ResNet, 2 BasicBlocks, opset 13, dynamic batch."""
+    g = G(seed=1001)
+    x = "input"
+    h = g.conv(x, "/conv1", 3, 8, 7, stride=2, pad=3, prefix="conv1")  # BN folded into bias
+    h = g.op("Relu", [h], "/relu")
+    h = g.op("MaxPool", [h], "/maxpool", kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2],
+             ceil_mode=0, dilations=[1, 1])
+
+    # layer1.0: BatchNormalization kept (as with do_constant_folding=False / training export)
+    s = "/layer1/layer1.0"
+    idt = h
+    y = g.conv(h, f"{s}/conv1", 8, 8, 3, pad=1, bias=False, prefix="layer1.0.conv1")
+    y = g.batchnorm(y, f"{s}/bn1", 8, "layer1.0.bn1")
+    y = g.op("Relu", [y], f"{s}/relu")
+    y = g.conv(y, f"{s}/conv2", 8, 8, 3, pad=1, bias=False, prefix="layer1.0.conv2")
+    y = g.batchnorm(y, f"{s}/bn2", 8, "layer1.0.bn2")
+    y = g.op("Add", [y, idt], s)
+    h = g.op("Relu", [y], f"{s}/relu_1")
+
+    # layer2.0: stride 2, 1x1 strided downsample; BN folded into conv biases
+    s = "/layer2/layer2.0"
+    y = g.conv(h, f"{s}/conv1", 8, 16, 3, stride=2, pad=1, prefix="layer2.0.conv1")
+    y = g.op("Relu", [y], f"{s}/relu")
+    y = g.conv(y, f"{s}/conv2", 16, 16, 3, pad=1, prefix="layer2.0.conv2")
+    ds = g.conv(h, f"{s}/downsample/downsample.0", 8, 16, 1, stride=2, prefix="layer2.0.downsample.0")
+    y = g.op("Add", [y, ds], s)
+    h = g.op("Relu", [y], f"{s}/relu_1")
+
+    h = g.op("GlobalAveragePool", [h], "/avgpool")
+    h = torch_flatten(g, h, "")
+    g.op("Gemm", [h, g.weight("fc.weight", (10, 16), 16, 1.0), g.bias("fc.bias", 10)], "/fc",
+         outputs=["output"], alpha=1.0, beta=1.0, transB=1)
+
+    m = g.model(
+        "main_graph",
+        [vinfo("input", ["batch_size", 3, 32, 32])],
+        [vinfo("output", ["batch_size", 10])],
+        opset=13,
+    )
+    m = with_value_info(m)
+    inputs = [g.rng.standard_normal((2, 3, 32, 32)).astype(np.float32)]
+    return m, inputs
+
+
+def hardswish_opset11(g, x, scope):
+    """torch 1.x export of nn.Hardswish at opset < 14: x * HardSigmoid(x)."""
+    hs = g.op("HardSigmoid", [x], scope, alpha=0.16666667, beta=0.5)
+    return g.op("Mul", [x, hs], scope)
+
+
+def mobilenet_tiny():
+    """MobileNet-ish, opset 11: depthwise/pointwise convs, HardSwish as
+    HardSigmoid*x, ReLU6 as Clip(min, max inputs), SE blocks, residual."""
+    g = G(seed=1002)
+    x = "input.1"
+    h = g.conv(x, "/features/features.0/features.0.0", 3, 8, 3, stride=2, pad=1, prefix="features.0.0")
+    h = hardswish_opset11(g, h, "/features/features.0/features.0.2")  # [1,8,16,16]
+
+    # block 1: dw 3x3 -> ReLU6 -> SE(conv) -> pw 1x1 -> + residual
+    s = "/features/features.1/block"
+    idt = h
+    y = g.conv(h, f"{s}/block.0/block.0.0", 8, 8, 3, pad=1, group=8, prefix="features.1.block.0.0")
+    lo = g.const(np.array(0.0, dtype=np.float32), f"{s}/block.0/block.0.2")
+    hi = g.const(np.array(6.0, dtype=np.float32), f"{s}/block.0/block.0.2")
+    y = g.op("Clip", [y, lo, hi], f"{s}/block.0/block.0.2")
+    se = g.op("GlobalAveragePool", [y], f"{s}/block.1/avgpool")
+    se = g.conv(se, f"{s}/block.1/fc1", 8, 4, 1, prefix="features.1.block.1.fc1")
+    se = g.op("Relu", [se], f"{s}/block.1/activation")
+    se = g.conv(se, f"{s}/block.1/fc2", 4, 8, 1, prefix="features.1.block.1.fc2")
+    se = g.op("HardSigmoid", [se], f"{s}/block.1/scale_activation", alpha=0.16666667, beta=0.5)
+    y = g.op("Mul", [y, se], f"{s}/block.1")  # [1,8,16,16] * [1,8,1,1]
+    y = g.conv(y, f"{s}/block.2/block.2.0", 8, 8, 1, prefix="features.1.block.2.0")
+    h = g.op("Add", [y, idt], "/features/features.1")
+
+    # block 2: pw expand -> HardSwish -> dw 3x3 s2 -> HardSwish -> SE(fc, Squeeze/Unsqueeze) -> pw
+    s = "/features/features.2/block"
+    y = g.conv(h, f"{s}/block.0/block.0.0", 8, 16, 1, prefix="features.2.block.0.0")
+    y = hardswish_opset11(g, y, f"{s}/block.0/block.0.2")
+    y = g.conv(y, f"{s}/block.1/block.1.0", 16, 16, 3, stride=2, pad=1, group=16, prefix="features.2.block.1.0")
+    y = hardswish_opset11(g, y, f"{s}/block.1/block.1.2")
+    se = g.op("GlobalAveragePool", [y], f"{s}/block.2")
+    se = g.op("Squeeze", [se], f"{s}/block.2", axes=[2, 3])  # opset 11: axes attribute
+    se = g.gemm(se, f"{s}/block.2/fc1", 16, 8, "features.2.block.2.fc1")
+    se = g.op("Relu", [se], f"{s}/block.2/relu")
+    se = g.gemm(se, f"{s}/block.2/fc2", 8, 16, "features.2.block.2.fc2")
+    se = g.op("HardSigmoid", [se], f"{s}/block.2/hsig", alpha=0.16666667, beta=0.5)
+    se = g.op("Unsqueeze", [se], f"{s}/block.2", axes=[2, 3])
+    y = g.op("Mul", [y, se], f"{s}/block.2")
+    h = g.conv(y, f"{s}/block.3/block.3.0", 16, 12, 1, prefix="features.2.block.3.0")  # [1,12,8,8]
+
+    h = g.op("GlobalAveragePool", [h], "/avgpool")
+    h = g.op("Flatten", [h], "/Flatten", axis=1)
+    w = g.weight("classifier.weight", (10, 12), 12, 1.0)
+    b = g.bias("classifier.bias", 10)
+    g.op("Gemm", [h, w, b], "/classifier", outputs=["output"], alpha=1.0, beta=1.0, transB=1)
+
+    m = g.model("torch_jit", [vinfo("input.1", [1, 3, 32, 32])], [vinfo("output", [1, 10])], opset=11)
+    inputs = [g.rng.standard_normal((1, 3, 32, 32)).astype(np.float32)]
+    return m, inputs
+
+
+def mobilenet_v3_style():
+    """opset 14: native HardSwish, strided depthwise conv, AveragePool,
+    Flatten, MatMul + Add classifier (tf2onnx-like)."""
+    g = G(seed=1003)
+    x = "x"
+    h = g.conv(x, "/stem", 3, 8, 3, pad=1, prefix="stem")
+    h = g.op("HardSwish", [h], "/stem_act")                      # [N,8,32,32]
+    h = g.conv(h, "/b1/dw", 8, 8, 3, stride=2, pad=1, group=8, prefix="b1.dw")
+    h = g.op("HardSwish", [h], "/b1/act1")                        # [N,8,16,16]
+    h = g.conv(h, "/b1/pw", 8, 16, 1, prefix="b1.pw")
+    h = g.op("HardSwish", [h], "/b1/act2")                        # [N,16,16,16]
+    idt = h
+    y = g.conv(h, "/b2/expand", 16, 24, 1, prefix="b2.expand")
+    y = g.op("HardSwish", [y], "/b2/act1")
+    y = g.conv(y, "/b2/dw", 24, 24, 3, pad=1, group=24, prefix="b2.dw")
+    y = g.op("Relu", [y], "/b2/act2")
+    y = g.conv(y, "/b2/project", 24, 16, 1, prefix="b2.project")
+    h = g.op("Add", [y, idt], "/b2")
+    h = g.op("AveragePool", [h], "/pool", kernel_shape=[2, 2], strides=[2, 2],
+             pads=[0, 0, 0, 0], ceil_mode=0, count_include_pad=0)  # [N,16,8,8]
+    h = g.op("Flatten", [h], "/flatten", axis=1)                  # [N,1024]
+    w = g.weight("head.kernel", (1024, 10), 1024, 1.0)
+    b = g.bias("head.bias", 10)
+    h = g.op("MatMul", [h, w], "/head")
+    g.op("Add", [h, b], "/head", outputs=["logits"])
+
+    m = g.model("mobilenet_v3_style", [vinfo("x", ["N", 3, 32, 32])], [vinfo("logits", ["N", 10])], opset=14)
+    inputs = [g.rng.standard_normal((2, 3, 32, 32)).astype(np.float32)]
+    return m, inputs
+
+
+def transformer_tiny():
+    """One post-norm encoder layer shaped like torch.nn.TransformerEncoderLayer
+    (batch_first=True, activation="gelu") exported at opset 17."""
+    B, S, D, H, FF = 2, 8, 16, 2, 32
+    DH = D // H
+    g = G(seed=1004)
+    x = "src"
+    sa = "/self_attn"
+
+    def head_split(t, scope, perm):
+        # t.view(B, S, H, DH) with B, S taken from the tensor's shape at runtime
+        shp = g.op("Shape", [t], scope)
+        b = g.op("Gather", [shp, g.const(np.array(0, dtype=np.int64), scope)], scope, axis=0)
+        s_ = g.op("Gather", [shp, g.const(np.array(1, dtype=np.int64), scope)], scope, axis=0)
+        b = g.op("Unsqueeze", [b, g.const(np.array([0], dtype=np.int64), scope)], scope)
+        s_ = g.op("Unsqueeze", [s_, g.const(np.array([0], dtype=np.int64), scope)], scope)
+        shape = g.op("Concat", [b, s_, g.const(np.array([H], dtype=np.int64), scope),
+                                g.const(np.array([DH], dtype=np.int64), scope)], scope, axis=0)
+        t = g.op("Reshape", [t, shape], scope)
+        return g.op("Transpose", [t], scope, perm=perm)
+
+    # in-projection: [B,S,D] x [D,3D] + b, then Split into q, k, v
+    w_in = g.weight("self_attn.in_proj_weight_t", (D, 3 * D), D, 1.0)
+    b_in = g.bias("self_attn.in_proj_bias", 3 * D)
+    qkv = g.op("MatMul", [x, w_in], sa)
+    qkv = g.op("Add", [qkv, b_in], sa)
+    split = g.const(np.array([D, D, D], dtype=np.int64), sa)
+    q, k, v = g.op("Split", [qkv, split], sa, n_out=3, axis=-1)
+    q = head_split(q, f"{sa}/q", [0, 2, 1, 3])        # [B,H,S,DH]
+    kt = head_split(k, f"{sa}/k", [0, 2, 3, 1])       # [B,H,DH,S]
+    v = head_split(v, f"{sa}/v", [0, 2, 1, 3])        # [B,H,S,DH]
+    scores = g.op("MatMul", [q, kt], sa)              # [B,H,S,S]
+    scores = g.op("Div", [scores, g.const(np.array(np.sqrt(DH), dtype=np.float32), sa)], sa)
+
+    # src_key_padding_mask (True = pad): last 3 keys of batch 1 padded
+    pad = np.zeros((B, S), dtype=bool)
+    pad[1, S - 3:] = True
+    mask = g.const(pad, f"{sa}/mask")
+    mask_i = g.op("Cast", [mask], f"{sa}/mask", to=I64)
+    is_pad = g.op("Equal", [mask_i, g.const(np.array(1, dtype=np.int64), f"{sa}/mask")], f"{sa}/mask")
+    addmask = g.op("Where", [is_pad, g.const(np.array(-np.inf, dtype=np.float32), f"{sa}/mask"),
+                             g.const(np.array(0.0, dtype=np.float32), f"{sa}/mask")], f"{sa}/mask")
+    addmask = g.op("Unsqueeze", [addmask, g.const(np.array([1, 2], dtype=np.int64), f"{sa}/mask")],
+                   f"{sa}/mask")                      # [B,1,1,S]
+    scores = g.op("Add", [scores, addmask], sa)
+    attn = g.op("Softmax", [scores], sa, axis=-1)
+    ctx = g.op("MatMul", [attn, v], sa)               # [B,H,S,DH]
+    ctx = g.op("Transpose", [ctx], sa, perm=[0, 2, 1, 3])  # [B,S,H,DH]
+    shp = g.op("Shape", [x], sa)
+    b_ = g.op("Unsqueeze", [g.op("Gather", [shp, g.const(np.array(0, dtype=np.int64), sa)], sa, axis=0),
+                            g.const(np.array([0], dtype=np.int64), sa)], sa)
+    s_ = g.op("Unsqueeze", [g.op("Gather", [shp, g.const(np.array(1, dtype=np.int64), sa)], sa, axis=0),
+                            g.const(np.array([0], dtype=np.int64), sa)], sa)
+    out_shape = g.op("Concat", [b_, s_, g.const(np.array([D], dtype=np.int64), sa)], sa, axis=0)
+    ctx = g.op("Reshape", [ctx, out_shape], sa)       # [B,S,D]
+    ctx = g.op("MatMul", [ctx, g.weight("self_attn.out_proj.weight_t", (D, D), D, 1.0)], f"{sa}/out_proj")
+    ctx = g.op("Add", [ctx, g.bias("self_attn.out_proj.bias", D)], f"{sa}/out_proj")
+
+    h = g.op("Add", [x, ctx], "")                     # residual
+    ln1_s = g.init("norm1.weight", (1.0 + 0.1 * g.rng.standard_normal(D)).astype(np.float32))
+    ln1_b = g.bias("norm1.bias", D)
+    h = g.op("LayerNormalization", [h, ln1_s, ln1_b], "/norm1", axis=-1, epsilon=1e-5)
+
+    # feed-forward with exact GELU as exported: x * 0.5 * (1 + erf(x / sqrt(2)))
+    f = g.op("MatMul", [h, g.weight("linear1.weight_t", (D, FF), D, 1.0)], "/linear1")
+    f = g.op("Add", [f, g.bias("linear1.bias", FF)], "/linear1")
+    a = g.op("Div", [f, g.const(np.array(1.4142135, dtype=np.float32), "/activation")], "/activation")
+    a = g.op("Erf", [a], "/activation")
+    a = g.op("Add", [a, g.const(np.array(1.0, dtype=np.float32), "/activation")], "/activation")
+    a = g.op("Mul", [f, a], "/activation")
+    a = g.op("Mul", [a, g.const(np.array(0.5, dtype=np.float32), "/activation")], "/activation")
+    f = g.op("MatMul", [a, g.weight("linear2.weight_t", (FF, D), FF, 1.0)], "/linear2")
+    f = g.op("Add", [f, g.bias("linear2.bias", D)], "/linear2")
+    h = g.op("Add", [h, f], "")
+    ln2_s = g.init("norm2.weight", (1.0 + 0.1 * g.rng.standard_normal(D)).astype(np.float32))
+    ln2_b = g.bias("norm2.bias", D)
+    g.op("LayerNormalization", [h, ln2_s, ln2_b], "/norm2", outputs=["out"], axis=-1, epsilon=1e-5)
+    g.op("ReduceMean", ["out"], "/pool", outputs=["pooled"], axes=[1], keepdims=0)  # opset < 18
+
+    m = g.model(
+        "main_graph",
+        [vinfo("src", [B, S, D])],
+        [vinfo("out", [B, S, D]), vinfo("pooled", [B, D])],
+        opset=17,
+    )
+    m = with_value_info(m)
+    inputs = [g.rng.standard_normal((B, S, D)).astype(np.float32)]
+    return m, inputs
+
+
+def opset_misc():
+    """opset 11 grab-bag: Pad/Slice/Squeeze/Unsqueeze/Expand/Concat/reductions/
+    elementwise/Transpose/Identity/Cast/ConstantOfShape, all on float data."""
+    g = G(seed=1005)
+    x = "x"  # [2,3,4,5]
+    pads = g.const(np.array([0, 0, 1, 1, 0, 0, 1, 1], dtype=np.int64))
+    a = g.op("Pad", [x, pads, g.const(np.array(0.5, dtype=np.float32))], mode="constant")  # [2,3,6,7]
+    b = g.op("Slice", [a,
+                       g.const(np.array([1, 0], dtype=np.int64)),
+                       g.const(np.array([6, 7], dtype=np.int64)),
+                       g.const(np.array([2, 3], dtype=np.int64)),
+                       g.const(np.array([2, 2], dtype=np.int64))])  # [2,3,3,4]
+    # torch.flip's export: step -1 from -1 to INT64_MIN+1
+    c = g.op("Slice", [b,
+                       g.const(np.array([-1], dtype=np.int64)),
+                       g.const(np.array([-9223372036854775807], dtype=np.int64)),
+                       g.const(np.array([1], dtype=np.int64)),
+                       g.const(np.array([-1], dtype=np.int64))])    # [2,3,3,4], channels reversed
+    d = g.op("Sub", [b, c])
+    e = g.op("Pow", [d, g.const(np.array(2.0, dtype=np.float32))])
+    f = g.op("Sqrt", [g.op("Add", [e, g.const(np.array(1.0, dtype=np.float32))])])
+    hexp = g.op("Exp", [g.op("Neg", [f])])
+    lg = g.op("Log", [hexp])
+    s1 = g.op("Sigmoid", [b])
+    t1 = g.op("Tanh", [c])
+    lr = g.op("LeakyRelu", [d], alpha=0.1)
+    rsum = g.op("ReduceSum", [lr], axes=[3], keepdims=1)   # [2,3,3,1]
+    rmax = g.op("ReduceMax", [s1], axes=[1], keepdims=0)   # [2,3,4]
+    sq = g.op("Squeeze", [rsum], axes=[3])                 # [2,3,3]
+    un = g.op("Unsqueeze", [rmax], axes=[1])               # [2,1,3,4]
+    ex = g.op("Expand", [un, g.const(np.array([2, 3, 3, 4], dtype=np.int64))])  # [2,3,3,4]
+    cat = g.op("Concat", [ex, t1, lg], axis=1)             # [2,9,3,4]
+    tr = g.op("Transpose", [cat], perm=[0, 2, 3, 1])       # [2,3,4,9]
+    g.op("Identity", [tr], outputs=["y"])
+    cst = g.op("Cast", [g.const(np.array([1, 2, 3], dtype=np.int64))], to=F)          # [3]
+    cos = g.op("ConstantOfShape", [g.const(np.array([2, 3, 1], dtype=np.int64))],
+               value=numpy_helper.from_array(np.array([0.25], dtype=np.float32), name=""))
+    z = g.op("Add", [sq, cst])
+    g.op("Add", [z, cos], outputs=["z"])                   # [2,3,3]
+
+    m = g.model("opset_misc", [vinfo("x", [2, 3, 4, 5])], [vinfo("y", [2, 3, 4, 9]), vinfo("z", [2, 3, 3])],
+                opset=11)
+    inputs = [g.rng.standard_normal((2, 3, 4, 5)).astype(np.float32)]
+    return m, inputs
+
+
+# --------------------------------------------------------------------------
+# Writing, reference outputs
+# --------------------------------------------------------------------------
+
+
+def ort_outputs(model_path, inputs):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(model_path, so, providers=["CPUExecutionProvider"])
+    feeds = {i.name: arr for i, arr in zip(sess.get_inputs(), inputs)}
+    names = [o.name for o in sess.get_outputs()]
+    return names, sess.run(names, feeds)
+
+
+def write_tensor(path, arr, name):
+    with open(path, "wb") as f:
+        f.write(numpy_helper.from_array(arr, name).SerializeToString())
+
+
+def write_case(out, name, m, inputs, **save_kw):
+    d = os.path.join(out, name)
+    if os.path.isdir(d):
+        shutil.rmtree(d)
+    os.makedirs(os.path.join(d, "test_data_set_0"))
+    path = os.path.join(d, "model.onnx")
+    onnx.save_model(m, path, **save_kw)
+    onnx.checker.check_model(path, full_check=True)
+    in_names = [i.name for i in m.graph.input]
+    for k, (n, arr) in enumerate(zip(in_names, inputs)):
+        write_tensor(os.path.join(d, "test_data_set_0", f"input_{k}.pb"), arr, n)
+    out_names, outs = ort_outputs(path, inputs)
+    for k, (n, arr) in enumerate(zip(out_names, outs)):
+        assert np.all(np.isfinite(arr)), f"{name}: non-finite output {n}"
+        write_tensor(os.path.join(d, "test_data_set_0", f"output_{k}.pb"), arr, n)
+    return path
+
+
+# --------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------
+
+
+def small_valid_model():
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "w")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Relu", ["h"], ["y"], name="relu"),
+    ]
+    graph = helper.make_graph(nodes, "small", [vinfo("x", [2, 3])], [vinfo("y", [2, 4])], initializer=[w])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    return m
+
+
+def external_tensor(name, dims, location, length):
+    t = TensorProto()
+    t.name = name
+    t.data_type = F
+    t.dims.extend(dims)
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", "0"), ("length", str(length))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    return t
+
+
+def single_init_model(tensor, out_shape):
+    """y = x + tensor (tensor is the only initializer)."""
+    nodes = [helper.make_node("Add", ["x", tensor.name], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "bad", [vinfo("x", out_shape)], [vinfo("y", out_shape)],
+                              initializer=[tensor])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    return m
+
+
+def write_bad(out):
+    d = os.path.join(out, "bad")
+    if os.path.isdir(d):
+        shutil.rmtree(d)
+    os.makedirs(d)
+
+    def save(name, m_or_bytes):
+        data = m_or_bytes if isinstance(m_or_bytes, bytes) else m_or_bytes.SerializeToString()
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+
+    # truncated: a valid model cut inside the graph message (inside the initializer's bytes)
+    full = small_valid_model().SerializeToString()
+    cut = len(full) // 2
+    save("truncated.onnx", full[:cut])
+
+    # not_protobuf: text; 'n' (0x6e) is field 13 with wire type 6, which does not exist
+    save("not_protobuf.onnx",
+         b"not an onnx model\n" + bytes(np.random.default_rng(7).integers(0, 256, 48, dtype=np.uint8)))
+
+    # unknown_domain
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="relu"),
+        helper.make_node("FancyOp", ["h"], ["y"], name="fancy", domain="com.example.custom", alpha=2.0),
+    ]
+    graph = helper.make_graph(nodes, "unknown_domain", [vinfo("x", [2, 3])], [vinfo("y", [2, 3])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13),
+                                                helper.make_opsetid("com.example.custom", 1)],
+                          producer_name=PRODUCER)
+    m.ir_version = 7
+    save("unknown_domain.onnx", m)
+
+    # missing_external: weights in a file that is not there
+    save("missing_external.onnx",
+         single_init_model(external_tensor("w", [2, 3], "missing_weights.bin", 24), [2, 3]))
+
+    # external_escape: external data location that climbs out of the model directory
+    save("external_escape.onnx",
+         single_init_model(external_tensor("w", [2, 2], "../../etc/passwd", 16), [2, 2]))
+
+    # size_mismatch: dims say 4x4 floats (64 bytes) but raw_data holds 8
+    t = TensorProto()
+    t.name, t.data_type = "w", F
+    t.dims.extend([4, 4])
+    t.raw_data = np.array([1.0, 2.0], dtype=np.float32).tobytes()
+    save("size_mismatch.onnx", single_init_model(t, [4, 4]))
+
+    # huge_dims: [2^40, 2^40] floats (element count 2^80 overflows u64) with 16 bytes of data
+    t = TensorProto()
+    t.name, t.data_type = "w", F
+    t.dims.extend([1 << 40, 1 << 40])
+    t.raw_data = np.zeros(4, dtype=np.float32).tobytes()
+    save("huge_dims.onnx", single_init_model(t, [2, 2]))
+
+    # cycle: a -> b -> a
+    nodes = [
+        helper.make_node("Add", ["x", "b"], ["a"], name="node_a"),
+        helper.make_node("Relu", ["a"], ["b"], name="node_b"),
+    ]
+    graph = helper.make_graph(nodes, "cycle", [vinfo("x", [2, 3])], [vinfo("a", [2, 3])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    save("cycle.onnx", m)
+
+    # dangling: "nowhere" is produced by nothing
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="relu"),
+        helper.make_node("Add", ["h", "nowhere"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(nodes, "dangling", [vinfo("x", [2, 3])], [vinfo("y", [2, 3])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    save("dangling.onnx", m)
+
+    # unsupported_ops: a valid model (passes the checker, runs in onnxruntime) with
+    # Einsum x2, TopK x1, NonZero x1 among ordinary ops
+    w = numpy_helper.from_array(np.linspace(-1, 1, 20, dtype=np.float32).reshape(4, 5), "w")
+    kk = numpy_helper.from_array(np.array([2], dtype=np.int64), "k")
+    nodes = [
+        helper.make_node("Einsum", ["x", "w"], ["e1"], name="einsum_0", equation="ij,jk->ik"),  # [3,5]
+        helper.make_node("Relu", ["e1"], ["r"], name="relu"),
+        helper.make_node("Einsum", ["r"], ["e2"], name="einsum_1", equation="ij->ji"),          # [5,3]
+        helper.make_node("Add", ["e2", "e2"], ["a"], name="add"),
+        helper.make_node("TopK", ["a", "k"], ["vals", "idx"], name="topk", axis=-1),           # [5,2]
+        helper.make_node("NonZero", ["r"], ["nz"], name="nonzero"),                            # [2,?]
+        helper.make_node("MatMul", ["vals", "vals_t"], ["y"], name="matmul"),
+        helper.make_node("Transpose", ["vals"], ["vals_t"], name="transpose", perm=[1, 0]),
+    ]
+    graph = helper.make_graph(
+        nodes, "unsupported_ops", [vinfo("x", [3, 4])],
+        [vinfo("y", [5, 5]), vinfo("idx", [5, 2], I64), vinfo("nz", [2, None], I64)],
+        initializer=[w, kk],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    # keep nodes topologically sorted (Transpose before the MatMul that uses it)
+    order = ["einsum_0", "relu", "einsum_1", "add", "topk", "nonzero", "transpose", "matmul"]
+    by = {n.name: n for n in m.graph.node}
+    del m.graph.node[:]
+    m.graph.node.extend(by[n] for n in order)
+    onnx.checker.check_model(m, full_check=True)
+    save("unsupported_ops.onnx", m)
+
+
+# --------------------------------------------------------------------------
+
+MODELS = {
+    "resnet_tiny": resnet_tiny,
+    "mobilenet_tiny": mobilenet_tiny,
+    "mobilenet_v3_style": mobilenet_v3_style,
+    "transformer_tiny": transformer_tiny,
+    "opset_misc": opset_misc,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: tests/data/onnx)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    for name, build in MODELS.items():
+        m, inputs = build()
+        write_case(args.out, name, m, inputs)
+        if name == "resnet_tiny":
+            ext = onnx.ModelProto()
+            ext.CopyFrom(m)
+            write_case(args.out, "external_data", ext, inputs,
+                       save_as_external_data=True, all_tensors_to_one_file=True,
+                       location="weights.bin", size_threshold=0)
+        print(f"wrote {name}", file=sys.stderr)
+    print("wrote external_data", file=sys.stderr)
+    write_bad(args.out)
+    print("wrote bad/", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

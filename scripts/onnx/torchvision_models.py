@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Export real torch models to ONNX with the TorchScript exporter, plus reference data.
+
+Needs torch 2.x, torchvision, onnx, onnxruntime, numpy. Writes, for each of
+resnet18, mobilenet_v3_small (torchvision, weights=None) and a 2-layer
+torch.nn.TransformerEncoder (d_model 64, nhead 4, dim_feedforward 128,
+batch_first=True):
+
+    OUT/NAME/model.onnx
+    OUT/NAME/test_data_set_0/input_0.pb, output_K.pb   (outputs from onnxruntime CPU)
+
+Models are built after torch.manual_seed(0) and exported in eval mode with
+torch.onnx.export(..., dynamo=False, opset_version=17, do_constant_folding=True)
+(the `dynamo` keyword is left out on torch versions that do not have it).
+Inputs: 1x3x224x224 for the CNNs, [2, 16, 64] for the encoder (numpy, seeded).
+
+With weights=None, torchvision's init (kaiming fan_out, also on depthwise
+convs) shrinks activations layer by layer: mobilenet_v3_small's logits come
+out around 1e-15, useless as a precision reference. So, before export, the
+CNNs' BatchNorm running statistics are re-estimated from a few seeded random
+batches in train mode (cumulative average, no weight update); the weights
+stay torch.manual_seed(0)'s. --no-bn-calibration skips this.
+
+    python3 scripts/onnx/torchvision_models.py --out DIR [--no-bn-calibration]
+"""
+
+import argparse
+import inspect
+import os
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+import torchvision
+from onnx import numpy_helper
+
+OPSET = 17
+
+
+def export(model, example, path, input_names, output_names):
+    kwargs = dict(
+        export_params=True,
+        opset_version=OPSET,
+        do_constant_folding=True,
+        input_names=input_names,
+        output_names=output_names,
+    )
+    try:
+        has_dynamo = "dynamo" in inspect.signature(torch.onnx.export).parameters
+    except (TypeError, ValueError):
+        has_dynamo = True  # cannot tell; try it and fall back below
+    if has_dynamo:
+        try:
+            torch.onnx.export(model, (example,), path, dynamo=False, **kwargs)
+            return
+        except TypeError as e:
+            if "dynamo" not in str(e):
+                raise
+    torch.onnx.export(model, (example,), path, **kwargs)
+
+
+def write_tensor(path, arr, name):
+    with open(path, "wb") as f:
+        f.write(numpy_helper.from_array(np.ascontiguousarray(arr), name).SerializeToString())
+
+
+def op_counts(model):
+    counts = {}
+    for n in model.graph.node:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def calibrate_bn(model, rng, shape, steps=4):
+    """Re-estimate BatchNorm running mean/var on seeded random data."""
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative moving average over the steps
+    model.train()
+    with torch.no_grad():
+        for _ in range(steps):
+            model(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)))
+    model.eval()
+    return model
+
+
+def build(name, model, x, input_name, output_names, out_dir):
+    d = os.path.join(out_dir, name)
+    data = os.path.join(d, "test_data_set_0")
+    os.makedirs(data, exist_ok=True)
+    path = os.path.join(d, "model.onnx")
+    model.eval()
+    export(model, torch.from_numpy(x), path, [input_name], output_names)
+
+    m = onnx.load(path)
+    onnx.checker.check_model(path, full_check=True)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    feed_name = sess.get_inputs()[0].name
+    names = [o.name for o in sess.get_outputs()]
+    outs = sess.run(names, {feed_name: x})
+
+    write_tensor(os.path.join(data, "input_0.pb"), x, feed_name)
+    for k, (n, a) in enumerate(zip(names, outs)):
+        write_tensor(os.path.join(data, f"output_{k}.pb"), a, n)
+
+    # sanity: onnxruntime against torch eager
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x))
+    refs = ref if isinstance(ref, (tuple, list)) else [ref]
+    diffs = [float(np.max(np.abs(o.astype(np.float64) - r.numpy().astype(np.float64))))
+             for o, r in zip(outs, refs)]
+    print(f"{name}: opset {OPSET}, ir_version {m.ir_version}, {len(m.graph.node)} nodes, "
+          f"{len(m.graph.initializer)} initializers, {os.path.getsize(path)} bytes")
+    print(f"  outputs {[(n, list(a.shape), str(a.dtype)) for n, a in zip(names, outs)]}, "
+          f"max |output| {[float(np.max(np.abs(a))) for a in outs]}")
+    print(f"  max |ort - torch| per output: {diffs}")
+    print(f"  ops: {op_counts(m)}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Export torchvision / torch.nn models to ONNX with reference data.")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--no-bn-calibration", action="store_true",
+                    help="export the CNNs with their initial BatchNorm statistics (tiny outputs)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, "
+          f"onnx {onnx.__version__}, onnxruntime {ort.__version__}")
+
+    rng = np.random.default_rng(0)
+    img = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
+
+    for name, ctor in (("resnet18", torchvision.models.resnet18),
+                       ("mobilenet_v3_small", torchvision.models.mobilenet_v3_small)):
+        torch.manual_seed(0)
+        model = ctor(weights=None)
+        if not args.no_bn_calibration:
+            calibrate_bn(model, np.random.default_rng(1), (8, 3, 224, 224))
+        build(name, model, img, "input", ["output"], args.out)
+
+    # The MHA "fast path" (aten::_transformer_encoder_layer_fwd) has no ONNX export;
+    # switch it off where torch lets us (pytorch/pytorch#177013, #94434).
+    mha = getattr(torch.backends, "mha", None)
+    if mha is not None and hasattr(mha, "set_fastpath_enabled"):
+        mha.set_fastpath_enabled(False)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True)
+    try:
+        enc = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    except TypeError:  # very old torch without enable_nested_tensor
+        enc = torch.nn.TransformerEncoder(layer, num_layers=2)
+    seq = rng.standard_normal((2, 16, 64)).astype(np.float32)
+    build("transformer_encoder", enc, seq, "src", ["output"], args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+//! ONNX export, checked by onnxruntime (through scripts/onnx/ort_run.py): the test
+//! models imported and exported again run in onnxruntime with the outputs of the
+//! original; after AMP they load and run within the fp16 bound, with casts only at
+//! precision boundaries and no more of them than onnxconverter-common's
+//! `convert_float_to_float16(keep_io_types=True)` writes.
+//!
+//! Needs python3 with the packages of scripts/onnx/requirements.txt; without them
+//! the tests say so and pass, except under CI (`CI` set), where they fail.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ampgraph::onnx::proto::ModelProto;
+use ampgraph::onnx::{export, export_file, import_file, tensor, ExportOptions, ImportOptions};
+use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::{Graph, Tensor};
+use prost::Message;
+
+const MODELS: [&str; 6] = [
+    "resnet_tiny",
+    "external_data",
+    "mobilenet_tiny",
+    "mobilenet_v3_style",
+    "transformer_tiny",
+    "opset_misc",
+];
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn model_dir(name: &str) -> PathBuf {
+    repo().join("tests/data/onnx").join(name)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("onnx_export")
+        .join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Whether onnxruntime can be run; the reason when not (a failure under CI).
+fn have_onnxruntime() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import onnx, onnxruntime, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs onnxruntime: pip install -r scripts/onnx/requirements.txt"
+        );
+        eprintln!("skipped: python3 with onnx and onnxruntime is not available (pip install -r scripts/onnx/requirements.txt)");
+    }
+    ok
+}
+
+fn tensors(dir: &Path, stem: &str) -> Vec<(String, Tensor)> {
+    (0..)
+        .map(|k| dir.join(format!("{stem}_{k}.pb")))
+        .take_while(|p| p.exists())
+        .map(|p| tensor::load(&p).unwrap())
+        .collect()
+}
+
+fn import(name: &str) -> Graph {
+    let data = model_dir(name).join("test_data_set_0");
+    let opts = ImportOptions {
+        input_shapes: tensors(&data, "input")
+            .into_iter()
+            .map(|(n, t)| (n, t.shape().to_vec()))
+            .collect::<BTreeMap<_, _>>(),
+    };
+    import_file(&model_dir(name).join("model.onnx"), &opts).unwrap()
+}
+
+/// onnxruntime's outputs of `model` on the model's test inputs, or its one-line
+/// refusal.
+fn run_in_onnxruntime(model: &Path, name: &str) -> Result<Vec<Tensor>, String> {
+    let out = model.with_extension("outputs");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    let data = model_dir(name).join("test_data_set_0");
+    let run = Command::new("python3")
+        .arg(repo().join("scripts/onnx/ort_run.py"))
+        .arg(model)
+        .arg("--data")
+        .arg(&data)
+        .arg("--save-outputs")
+        .arg(&out)
+        .output()
+        .unwrap();
+    if !run.status.success() {
+        return Err(String::from_utf8_lossy(&run.stdout).into_owned()
+            + &String::from_utf8_lossy(&run.stderr));
+    }
+    Ok(tensors(&out, "output")
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect())
+}
+
+/// Largest |a - b| over the largest |b|, in f64.
+fn rel_error(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+fn expected(name: &str) -> Vec<Tensor> {
+    tensors(&model_dir(name).join("test_data_set_0"), "output")
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect()
+}
+
+#[test]
+fn import_then_export_runs_in_onnxruntime_with_the_same_outputs() {
+    if !have_onnxruntime() {
+        return;
+    }
+    for name in MODELS {
+        let path = scratch(name).join("model.onnx");
+        export_file(&import(name), &path, &ExportOptions::default()).unwrap();
+        let got = run_in_onnxruntime(&path, name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want = expected(name);
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.dtype(), w.dtype(), "{name} output {k}");
+            assert_eq!(g.shape(), w.shape(), "{name} output {k}");
+            let err = rel_error(g, w);
+            assert!(err <= 1e-6, "{name} output {k}: relative error {err:e}");
+        }
+    }
+}
+
+/// The model's nodes by op type, and who produces each value.
+fn census(model: &ModelProto) -> (HashMap<String, usize>, HashMap<String, String>) {
+    let graph = model.graph.as_ref().unwrap();
+    let mut ops = HashMap::new();
+    let mut producer = HashMap::new();
+    for n in &graph.node {
+        *ops.entry(n.op_type.clone()).or_default() += 1;
+        for o in &n.output {
+            producer.insert(o.clone(), n.op_type.clone());
+        }
+    }
+    (ops, producer)
+}
+
+/// Casts of each test model in onnxconverter-common's fp16 conversion.
+fn converter_casts() -> HashMap<String, usize> {
+    let json = scratch("converter").join("converter.json");
+    let run = Command::new("python3")
+        .arg(repo().join("scripts/onnx/convert_reference.py"))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    rows.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["model"].as_str().unwrap().to_string(),
+                r["casts"].as_u64().unwrap() as usize,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn amp_export_loads_in_onnxruntime_within_the_fp16_bound_with_fewer_casts_than_the_converter() {
+    if !have_onnxruntime() {
+        return;
+    }
+    let reference = converter_casts();
+    for name in MODELS {
+        let mut g = import(name);
+        AutoMixedPrecision::new(AmpConfig::new(ampgraph::DType::F16).unwrap())
+            .rewrite(&mut g)
+            .unwrap();
+        let model = export(&g, &ExportOptions::default()).unwrap();
+        let graph = model.graph.as_ref().unwrap();
+        let (ops, producer) = census(&model);
+        // Casts only at precision boundaries: never of a cast, never of a weight
+        // (weights that only 16-bit nodes read are stored in 16 bits).
+        let initializers: Vec<&str> = graph.initializer.iter().map(|t| t.name.as_str()).collect();
+        for n in graph.node.iter().filter(|n| n.op_type == "Cast") {
+            let src = &n.input[0];
+            assert_ne!(
+                producer.get(src).map(String::as_str),
+                Some("Cast"),
+                "{name}: cast of a cast at '{}'",
+                n.name
+            );
+            assert!(
+                !initializers.contains(&src.as_str()),
+                "{name}: cast of the initializer '{src}'"
+            );
+        }
+        let casts = ops.get("Cast").copied().unwrap_or(0);
+        let theirs = reference[name];
+        assert!(
+            casts <= theirs,
+            "{name}: {casts} casts, the converter's {theirs}"
+        );
+        // Inputs and outputs keep their f32 types.
+        let f32_io = graph.input.iter().chain(&graph.output).all(|v| {
+            v.r#type
+                .as_ref()
+                .and_then(|t| t.tensor_type.as_ref())
+                .map(|t| t.elem_type)
+                == Some(1)
+        });
+        assert!(f32_io, "{name}: inputs and outputs must stay f32");
+        let path = scratch(name).join("model_fp16.onnx");
+        std::fs::write(&path, model.encode_to_vec()).unwrap();
+        let got = run_in_onnxruntime(&path, name)
+            .unwrap_or_else(|e| panic!("{name}: onnxruntime refused the fp16 model: {e}"));
+        for (k, (g, w)) in got.iter().zip(&expected(name)).enumerate() {
+            let err = rel_error(g, w);
+            eprintln!(
+                "{name} output {k}: {casts} casts (converter {theirs}), relative error {err:.2e}"
+            );
+            assert!(
+                err < 1e-2,
+                "{name} output {k}: relative error {err:e} past the fp16 bound"
+            );
+        }
+    }
+}
