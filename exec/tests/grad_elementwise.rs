@@ -30,6 +30,8 @@ fn all_unary() -> Vec<UnaryKind> {
         LeakyRelu { alpha: -0.5 },
         Tanh,
         Sigmoid,
+        HardSigmoid,
+        HardSwish,
         Exp,
         Log,
         Log1p,
@@ -61,6 +63,7 @@ fn sample(kind: UnaryKind, rng: &mut Gen) -> f64 {
             }
         }
         Relu6 => rng.away(-2.0, 8.0, &[0.0, 6.0], 0.01),
+        HardSigmoid | HardSwish => rng.away(-5.0, 5.0, &[-3.0, 3.0], 0.01),
         _ => rng.away(-3.0, 3.0, &[0.0], 0.01),
     }
 }
@@ -110,6 +113,17 @@ fn derivative(kind: UnaryKind, x: f64) -> f64 {
         }
         Tanh => 1.0 / x.cosh().powi(2),
         Sigmoid => (-x).exp() / (1.0 + (-x).exp()).powi(2),
+        HardSigmoid => step(x > -3.0 && x < 3.0) / 6.0,
+        // PyTorch's: x / 3 + 1/2 on [-3, 3].
+        HardSwish => {
+            if x < -3.0 {
+                0.0
+            } else if x <= 3.0 {
+                x / 3.0 + 0.5
+            } else {
+                1.0
+            }
+        }
         Exp => x.exp(),
         Log => 1.0 / x,
         Log1p => 1.0 / (1.0 + x),

@@ -95,6 +95,8 @@ fn unary_ref(kind: UnaryKind, x: f64) -> f64 {
             (e - f) / (e + f)
         }
         Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        HardSigmoid => (x + 3.0).clamp(0.0, 6.0) / 6.0,
+        HardSwish => x * (x + 3.0).clamp(0.0, 6.0) / 6.0,
         Exp => x.exp(),
         Log => x.ln(),
         Log1p => (1.0 + x).ln(),
@@ -170,6 +172,8 @@ fn all_unary() -> Vec<UnaryKind> {
         LeakyRelu { alpha: 0.01 },
         Tanh,
         Sigmoid,
+        HardSigmoid,
+        HardSwish,
         Exp,
         Log,
         Log1p,

@@ -864,7 +864,7 @@ impl<'g> Exporter<'g> {
     }
 
     /// NHWC images go through ONNX's NCHW ops between two Transposes.
-    fn to_nchw(&mut self, x: Port, format: DataFormat) -> Result<String> {
+    fn nchw_value(&mut self, x: Port, format: DataFormat) -> Result<String> {
         let v = self.value(x)?;
         Ok(match format {
             DataFormat::Nchw => v,
@@ -907,7 +907,7 @@ impl<'g> Exporter<'g> {
     }
 
     fn conv(&mut self, c: &Conv2D, inputs: &[Port]) -> Result<()> {
-        let x = self.to_nchw(inputs[0], c.data_format)?;
+        let x = self.nchw_value(inputs[0], c.data_format)?;
         // HWIO -> OIHW.
         let perm = [3usize, 2, 0, 1];
         let w = self.transformed(
@@ -950,7 +950,7 @@ impl<'g> Exporter<'g> {
         format: DataFormat,
         x: Port,
     ) -> Result<()> {
-        let x = self.to_nchw(x, format)?;
+        let x = self.nchw_value(x, format)?;
         let attrs = vec![
             attr_ints("kernel_shape", ksize.map(|s| s as i64)),
             attr_ints("strides", strides.map(|s| s as i64)),
@@ -976,7 +976,7 @@ impl<'g> Exporter<'g> {
         } else {
             DataFormat::Nchw
         };
-        let mut args = vec![self.to_nchw(inputs[0], format)?];
+        let mut args = vec![self.nchw_value(inputs[0], format)?];
         for &p in &inputs[1..] {
             args.push(self.value(p)?);
         }

@@ -191,10 +191,7 @@ fn read_external(t: &TensorProto, base: Option<&Path>, want: usize) -> Result<Ve
             .transpose()
     };
     let offset = number("offset")?.unwrap_or(0);
-    let io = |source| OnnxError::Io {
-        path: path.display().to_string(),
-        source,
-    };
+    let io = |e: std::io::Error| err(format!("external data {}: {e}", path.display()));
     let mut file = std::fs::File::open(&path).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
     let length = number("length")?.unwrap_or_else(|| file_len.saturating_sub(offset));

@@ -5,11 +5,12 @@
 //!
 //! Under mixed precision a comparison's inputs are one type parameter, as
 //! TensorFlow's `T` of Less or Equal: the bool output is in no group, so the AMP
-//! pass never casts it, and the inputs may become 16-bit. That is safe because
-//! comparing is exact: f16 or bf16 operands compare as their f32 values would, and
-//! where both already come from 16-bit ops (the only case the clear lists paint) no
-//! information is lost; the cost is the comparison of a value only rounded for it,
-//! which can tie two f32 values (the risk of Maximum and Minimum, also clear).
+//! pass never casts it, and the inputs may become 16-bit. That is right because
+//! comparing rounds nothing: 16-bit operands compare exactly as their f32 values
+//! would. A clear comparison turns 16-bit only next to a 16-bit producer, whose
+//! value is already rounded, so keeping it in f32 would buy a cast and no accuracy;
+//! an f32 operand rounded for it can tie with a close value or become inf, the
+//! risk Maximum and Minimum (also clear) take.
 
 use crate::autodiff::GradBuilder;
 use crate::dtype::DType;

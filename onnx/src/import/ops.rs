@@ -208,7 +208,7 @@ fn clip(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let (lo, hi) = (bound(cx, 1)?, bound(cx, 2)?);
     match (lo, hi) {
         (Some(l), Some(h)) if l == 0.0 && h == 6.0 => cx.out(Unary::new(UnaryKind::Relu6), &[x]),
-        (Some(l), None) if l == 0.0 => cx.out(Unary::new(UnaryKind::Relu), &[x]),
+        (Some(0.0), None) => cx.out(Unary::new(UnaryKind::Relu), &[x]),
         (None, None) => Ok(vec![x]),
         (lo, hi) => {
             let dtype = cx.ty(&x).dtype;
@@ -917,7 +917,7 @@ fn split(cx: &mut NodeCx) -> Result<Vec<Value>> {
         let mut size: Vec<i64> = s.iter().map(|&d| d as i64).collect();
         begin[axis] = at;
         size[axis] = len as i64;
-        results.push(cx.emit_out(k, Slice::new(begin, size), &[x.clone()])?);
+        results.push(cx.emit_out(k, Slice::new(begin, size), std::slice::from_ref(&x))?);
         at += len;
     }
     Ok(results)
