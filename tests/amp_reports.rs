@@ -74,6 +74,22 @@ fn decisions_follow_the_lists() {
     }
     let detailed = report.detailed();
     assert!(detailed.contains("MatMul"), "{detailed}");
+    // Per denylisted op: Exp's one node, and the Add and Tanh it blocked.
+    assert_eq!(report.per_deny_op.len(), 1, "{:?}", report.per_deny_op);
+    let exp = &report.per_deny_op["Exp"];
+    assert_eq!((exp.nodes, exp.blocked), (1, 2));
+    assert!(
+        detailed.contains("Kept in f32 by denylisted ops:"),
+        "{detailed}"
+    );
+    let row = detailed
+        .lines()
+        .find(|l| l.starts_with("Exp ") && l.split_whitespace().count() == 3);
+    assert_eq!(
+        row.map(|l| l.split_whitespace().collect::<Vec<_>>()),
+        Some(vec!["Exp", "1", "2"]),
+        "{detailed}"
+    );
 }
 
 #[test]

@@ -280,16 +280,46 @@ impl<'g> Exporter<'g> {
 
     fn outputs(&mut self, opts: &ExportOptions) -> Result<()> {
         let g = self.g;
+        // With 16-bit I/O, f32 outputs leave in the graph's 16-bit type (if it has one).
+        let half = g
+            .node_ids()
+            .flat_map(|id| g.node(id).outputs().iter().map(|t| t.dtype))
+            .find(|d| d.is_half());
         for (i, &p) in g.outputs().iter().enumerate() {
             self.current = p.node;
             let name = g.port_name(p);
             let ty = g.ty(p).clone();
-            let want = match (opts.keep_io_types, ty.dtype.is_half()) {
-                (true, true) => DType::F32,
+            let want = match (opts.keep_io_types, ty.dtype, half) {
+                (true, d, _) if d.is_half() => DType::F32,
+                (false, DType::F32, Some(h)) => h,
                 _ => ty.dtype,
             };
-            let value = self.value(p)?;
+            // A Cast from the wanted type that nothing else reads: its input is the
+            // output (rather than a cast of a cast).
+            let source = match g.node(p.node).op.downcast_ref::<Cast>() {
+                Some(_)
+                    if want != ty.dtype
+                        && g.ty(g.inputs(p.node)[0]).dtype == want
+                        && g.consumers(p.node).is_empty()
+                        && g.outputs().iter().filter(|&&o| o == p).count() == 1 =>
+                {
+                    let cast_out = self.value(p)?;
+                    self.out
+                        .node
+                        .retain(|n| n.output.first() != Some(&cast_out));
+                    self.names.remove(&p);
+                    g.inputs(p.node)[0]
+                }
+                _ => p,
+            };
+            let ty = ty.with_dtype(g.ty(source).dtype);
+            let mut value = self.value(source)?;
             let out_name = if want != ty.dtype {
+                if value == name {
+                    // The cast takes the output's name; the value it casts another.
+                    value = format!("{name}/{}", ty.dtype);
+                    self.rename_value(&name, &value);
+                }
                 let cast = format!("{name}/output_cast");
                 self.push_node(
                     &cast,
@@ -322,6 +352,28 @@ impl<'g> Exporter<'g> {
                 .push(value_info(&out_name, &ty.with_dtype(want)));
         }
         Ok(())
+    }
+
+    /// Renames an ONNX value wherever the graph so far names it.
+    fn rename_value(&mut self, from: &str, to: &str) {
+        let graph = &mut self.out;
+        for n in &mut graph.node {
+            for v in n.input.iter_mut().chain(n.output.iter_mut()) {
+                if v == from {
+                    *v = to.to_string();
+                }
+            }
+        }
+        for o in &mut graph.output {
+            if o.name == from {
+                o.name = to.to_string();
+            }
+        }
+        for v in self.names.values_mut() {
+            if v == from {
+                *v = to.to_string();
+            }
+        }
     }
 
     /// The ONNX value holding port `p`: an initializer for a known value (written the

@@ -32,6 +32,15 @@ impl OpCounts {
     }
 }
 
+/// What one denylisted op type kept in f32.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DenyCounts {
+    /// Its own nodes (in f32).
+    pub nodes: usize,
+    /// Other nodes kept in f32 because of them.
+    pub blocked: usize,
+}
+
 #[derive(Clone, Debug)]
 pub struct AmpReport {
     pub target: DType,
@@ -45,6 +54,9 @@ pub struct AmpReport {
     /// Other nodes kept in f32 by deny propagation.
     pub blocked: usize,
     pub per_op: BTreeMap<&'static str, OpCounts>,
+    /// Per denylisted op type: its nodes kept in f32, and the nodes they blocked
+    /// (each blocked node counted under the deny node its blocking starts from).
+    pub per_deny_op: BTreeMap<&'static str, DenyCounts>,
     /// Indexed by `NodeId::index()`: the node was kept in f32 by a deny op.
     pub denied: Vec<bool>,
     pub stats: RewriteStats,
@@ -61,6 +73,7 @@ impl AmpReport {
             denylisted: 0,
             blocked: 0,
             per_op: BTreeMap::new(),
+            per_deny_op: BTreeMap::new(),
             denied: vec![false; p.node.iter().map(|n| n.index() + 1).max().unwrap_or(0)],
             stats: RewriteStats::default(),
         };
@@ -83,11 +96,15 @@ impl AmpReport {
                 r.allowlisted_converted += usize::from(class == Some(ListClass::Allow));
             } else if p.deny[v] {
                 r.denied[id.index()] = true;
+                let root = p.op_names[p.op[deny_root(p, v)] as usize];
+                let by_deny = r.per_deny_op.entry(root).or_default();
                 if class == Some(ListClass::Deny) {
                     r.denylisted += 1;
+                    by_deny.nodes += 1;
                 } else {
                     counts.blocked += 1;
                     r.blocked += 1;
+                    by_deny.blocked += 1;
                 }
             }
         }
@@ -156,6 +173,17 @@ impl AmpReport {
                 c.total, c.converted, c.blocked
             );
         }
+        if !self.per_deny_op.is_empty() {
+            let _ = writeln!(s, "Kept in f32 by denylisted ops:");
+            let _ = writeln!(
+                s,
+                "{:<20} {:>7} {:>12}",
+                "denylisted op", "nodes", "and blocked"
+            );
+            for (op, c) in &self.per_deny_op {
+                let _ = writeln!(s, "{op:<20} {:>7} {:>12}", c.nodes, c.blocked);
+            }
+        }
         s
     }
 
@@ -208,6 +236,19 @@ fn label(g: &Graph, p: &Painting, v: u32) -> String {
 }
 
 /// The chain of `parent` links from `v` back to where the decision started.
+/// The vertex a blocked vertex's blocking starts from (itself for a deny node).
+fn deny_root(p: &Painting, v: usize) -> usize {
+    let mut cur = v;
+    // Parents form chains back to a root; the bound guards against a malformed one.
+    for _ in 0..p.parent.len() {
+        match p.parent[cur] {
+            NONE => break,
+            next => cur = next as usize,
+        }
+    }
+    cur
+}
+
 fn chain(g: &Graph, p: &Painting, v: u32) -> Vec<String> {
     let mut out = vec![g.node(p.node[v as usize]).name.clone()];
     let mut cur = p.parent[v as usize];

@@ -1,0 +1,275 @@
+//! Every verb takes `.onnx` (dump, explain, rewrite, run, convert, plan); bad ONNX
+//! input of every kind exits with status 2 and one line naming the file, node or
+//! tensor and the problem.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ampgraph::onnx::{import_file, ImportOptions};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ampgraph");
+
+fn data(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/onnx")
+        .join(rel)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("onnx_cli");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn ampgraph(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The one error line of a failed run.
+fn error_line(o: &Output) -> String {
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "stdout: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    lines[0].to_string()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn bad_models_are_one_line_errors_naming_the_problem() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "truncated.onnx",
+            &["truncated.onnx", "not a valid ONNX model"],
+        ),
+        (
+            "not_protobuf.onnx",
+            &["not_protobuf.onnx", "not a valid ONNX model"],
+        ),
+        (
+            "unknown_domain.onnx",
+            &["'fancy'", "domain 'com.example.custom'"],
+        ),
+        (
+            "missing_external.onnx",
+            &["tensor 'w'", "missing_weights.bin"],
+        ),
+        (
+            "external_escape.onnx",
+            &["tensor 'w'", "inside the model's folder"],
+        ),
+        ("size_mismatch.onnx", &["tensor 'w'", "8 bytes", "need 64"]),
+        (
+            "huge_dims.onnx",
+            &["tensor 'w'", "more elements than can be addressed"],
+        ),
+        ("cycle.onnx", &["cycle", "node_a -> node_b -> node_a"]),
+        (
+            "dangling.onnx",
+            &["'add'", "input 'nowhere' is produced by no node"],
+        ),
+        (
+            "unsupported_ops.onnx",
+            &[
+                "unsupported ONNX ops (4 nodes)",
+                "Einsum x2",
+                "NonZero x1",
+                "TopK x1",
+            ],
+        ),
+    ];
+    let listed: Vec<String> = std::fs::read_dir(data("bad"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        listed.len(),
+        cases.len(),
+        "every file in bad/ has a case: {listed:?}"
+    );
+    for (file, expect) in cases {
+        let model = data("bad").join(file);
+        for verb in [
+            &["dump"][..],
+            &["run", "--device", "cpu"],
+            &["rewrite", "--amp"],
+        ] {
+            let mut args = verb.to_vec();
+            args.push(path(&model));
+            let line = error_line(&ampgraph(&args));
+            for e in *expect {
+                assert!(line.contains(e), "{file} ({verb:?}): '{e}' not in {line}");
+            }
+        }
+    }
+}
+
+#[test]
+fn symbolic_dims_need_an_input_shape() {
+    let model = data("resnet_tiny/model.onnx");
+    let line = error_line(&ampgraph(&["dump", path(&model)]));
+    assert!(
+        line.contains("input 'input'")
+            && line.contains("symbolic ('batch_size')")
+            && line.contains("--input input="),
+        "{line}"
+    );
+    let line = error_line(&ampgraph(&[
+        "dump",
+        path(&model),
+        "--input",
+        "image=1x3x32x32",
+    ]));
+    assert!(
+        line.contains("'image'") && line.contains("not an input"),
+        "{line}"
+    );
+    let line = error_line(&ampgraph(&["dump", path(&model), "--input", "input=1x3xz"]));
+    assert!(line.contains("expected NAME=DxDx"), "{line}");
+    let text = stdout(&ampgraph(&[
+        "dump",
+        path(&model),
+        "--input",
+        "input=2x3x32x32",
+    ]));
+    assert!(
+        text.contains("Placeholder") && text.contains("[2, 3, 32, 32]"),
+        "{text}"
+    );
+}
+
+#[test]
+fn run_explain_and_plan_read_onnx() {
+    let model = data("mobilenet_v3_style/model.onnx");
+    let shape = "x=1x3x32x32";
+    let out = stdout(&ampgraph(&[
+        "run",
+        path(&model),
+        "--input",
+        shape,
+        "--device",
+        "cpu",
+    ]));
+    assert!(out.contains("logits"), "{out}");
+    let g = import_file(
+        &model,
+        &ImportOptions {
+            input_shapes: [("x".to_string(), vec![1, 3, 32, 32])].into(),
+        },
+    )
+    .unwrap();
+    // A convolution: allowlisted; AveragePool: infer, next to 16-bit neighbours.
+    let conv = g
+        .node_ids()
+        .map(|id| g.node(id))
+        .find(|n| n.op.name() == "Conv2D")
+        .unwrap()
+        .name
+        .clone();
+    let e = stdout(&ampgraph(&[
+        "explain",
+        path(&model),
+        &conv,
+        "--input",
+        shape,
+    ]));
+    assert!(
+        e.contains("(Conv2D): f16") && e.contains("list: allow"),
+        "{e}"
+    );
+    let plan = stdout(&ampgraph(&["plan", path(&model), "--input", shape]));
+    assert!(plan.contains("planned peak"), "{plan}");
+}
+
+#[test]
+fn rewrite_and_convert_write_onnx_that_reads_back() {
+    let model = data("transformer_tiny/model.onnx");
+    let fp16 = scratch("transformer_fp16.onnx");
+    let out = ampgraph(&[
+        "rewrite",
+        path(&model),
+        "--amp",
+        "--report",
+        "-o",
+        path(&fp16),
+    ]);
+    let report = stdout(&out);
+    assert!(
+        report.contains("Automatic Mixed Precision Grappler Pass Summary"),
+        "{report}"
+    );
+    // Written whole: nothing beside it but the model.
+    let g = import_file(&fp16, &ImportOptions::default()).unwrap();
+    let outs: Vec<_> = g
+        .outputs()
+        .iter()
+        .map(|&p| (g.port_name(p), g.ty(p).dtype))
+        .collect();
+    assert_eq!(
+        outs,
+        [
+            ("out".to_string(), ampgraph::DType::F32),
+            ("pooled".to_string(), ampgraph::DType::F32)
+        ]
+    );
+    assert!(g.node_ids().any(|id| g
+        .node(id)
+        .outputs()
+        .first()
+        .is_some_and(|t| t.dtype == ampgraph::DType::F16)));
+    // 16-bit I/O: the inputs and outputs take the rewritten graph's type.
+    let half = scratch("transformer_half_io.onnx");
+    stdout(&ampgraph(&[
+        "rewrite",
+        path(&model),
+        "--amp",
+        "--half-io",
+        "-o",
+        path(&half),
+    ]));
+    let g = import_file(&half, &ImportOptions::default()).unwrap();
+    for &p in g.outputs() {
+        assert_eq!(g.ty(p).dtype, ampgraph::DType::F16, "{}", g.port_name(p));
+    }
+    // convert: ONNX -> JSON -> ONNX keeps the function.
+    let json = scratch("transformer.json");
+    stdout(&ampgraph(&["convert", path(&model), "-o", path(&json)]));
+    let back = scratch("transformer_back.onnx");
+    stdout(&ampgraph(&["convert", path(&json), "-o", path(&back)]));
+    let a = stdout(&ampgraph(&[
+        "run",
+        path(&model),
+        "--device",
+        "cpu",
+        "--json",
+    ]));
+    let b = stdout(&ampgraph(&[
+        "run",
+        path(&back),
+        "--device",
+        "cpu",
+        "--json",
+    ]));
+    assert_eq!(a, b);
+    let line = error_line(&ampgraph(&[
+        "convert",
+        path(&model),
+        "-o",
+        path(&scratch("x.txt")),
+    ]));
+    assert!(line.contains(".json, .bin or .onnx"), "{line}");
+}
