@@ -28,6 +28,7 @@ use crate::ops::{
     Reshape, Softmax, SoftmaxCrossEntropy, Transpose, Unary, UnaryKind, Variable,
 };
 use crate::ops::{Compare, CompareKind, Gather, Logical, LogicalKind, Not, Pad, Where};
+use crate::ops::{CoordinateTransform, Resize, ResizeMode};
 use crate::tensor::{checked_numel, ShapeDisplay, Tensor, TensorType};
 
 /// The type of a source node, refusing shapes whose element count overflows.
@@ -317,6 +318,18 @@ impl Graph {
     /// (negative counts crop). For the reflect and edge modes add a [`Pad`].
     pub fn pad(&mut self, x: Port, pads: &[[i64; 2]], value: f64) -> Result<Port> {
         self.add(Pad::constant(pads, value), &[x])
+    }
+
+    /// `x` resized to `shape` (ONNX Resize): each axis whose length changes is
+    /// interpolated by `mode`, its outputs mapped back by `coordinates`.
+    pub fn resize(
+        &mut self,
+        x: Port,
+        shape: &[usize],
+        mode: ResizeMode,
+        coordinates: CoordinateTransform,
+    ) -> Result<Port> {
+        self.add(Resize::new(shape, mode, coordinates), &[x])
     }
 
     // ----- softmax and loss -----------------------------------------------------------

@@ -208,8 +208,8 @@ impl<'g> Exporter<'g> {
             self.inputs_read_as_half()
         };
         let order = g.topo_order()?;
-        // Known values first, so that a node may take any of them as an input of
-        // another node folded into it (a Conv its BiasAdd's bias).
+        // Known values and inputs first, so that a node may take any of them as an
+        // input of another node folded into it (a Conv its BiasAdd's bias).
         for &id in &order {
             self.current = id;
             let op = g.node(id).op.as_ref();
@@ -225,20 +225,23 @@ impl<'g> Exporter<'g> {
             };
             self.consts.insert(id.into(), value);
         }
-        for id in order {
-            self.current = id;
+        for &id in &order {
             let node = g.node(id);
-            let op = node.op.as_ref();
-            if self.consts.contains_key(&id.into()) || self.absorbed.contains(&id) {
-                continue;
-            }
-            if let Some(Placeholder(ty)) = op.downcast_ref::<Placeholder>() {
+            if let Some(Placeholder(ty)) = node.op.downcast_ref::<Placeholder>() {
                 let ty = match half_inputs.get(&id) {
                     Some(&half) => ty.with_dtype(half),
                     None => ty.clone(),
                 };
                 self.out.input.push(value_info(&node.name, &ty));
                 self.names.insert(id.into(), node.name.clone());
+            }
+        }
+        for id in order {
+            self.current = id;
+            let node = g.node(id);
+            let op = node.op.as_ref();
+            let done = self.consts.contains_key(&id.into()) || self.names.contains_key(&id.into());
+            if done || self.absorbed.contains(&id) {
                 continue;
             }
             if let Some(cast) = op.downcast_ref::<Cast>() {
@@ -467,8 +470,13 @@ impl<'g> Exporter<'g> {
         if b.data_format != format && g.ty(id.into()).shape.len() > 2 {
             return None;
         }
+        // The bias must have its ONNX value already (an input or a constant).
+        let bias = g.inputs(reader)[1];
+        if !self.names.contains_key(&bias) && !self.consts.contains_key(&bias) {
+            return None;
+        }
         self.absorbed.insert(reader);
-        Some((reader.into(), g.inputs(reader)[1]))
+        Some((reader.into(), bias))
     }
 
     /// `p` transformed by `f` (a constant, written once as a new initializer) or by

@@ -11,6 +11,7 @@ pub mod linalg;
 pub mod norm;
 pub mod pad;
 pub mod reduce;
+pub mod resize;
 pub mod select;
 pub mod shape_ops;
 pub mod softmax;
@@ -36,6 +37,7 @@ pub use norm::{BatchNormGrad, LayerNormGrad, NormGradEpilogue};
 pub use pad::{Pad, PadMode};
 pub use reduce::ReduceGrad;
 pub use reduce::{widens_exactly, Reduce, ReduceKind, SumTo};
+pub use resize::{CoordinateTransform, NearestMode, Resize, ResizeGrad, ResizeMode};
 pub use select::Where;
 pub use shape_ops::{BroadcastTo, Slice};
 pub use shape_ops::{Concat, Reshape, Transpose};
@@ -85,6 +87,7 @@ const FAMILIES: &[&[OpEntry]] = &[
     compare::NOT_OPS,
     gather::OPS,
     pad::OPS,
+    resize::OPS,
 ];
 
 /// Every op name the IR knows.

@@ -370,6 +370,9 @@ fn matmul(cx: &mut NodeCx) -> Result<Vec<Value>> {
         out_shape.push(sb2[rb - 1]);
     }
     let product = if ra == 2 && rb == 2 {
+        if sa.len() == 2 && sb.len() == 2 {
+            return cx.out(MatMul::new(false, false), &[a, b]);
+        }
         cx.emit(MatMul::new(false, false), &[a, b])?
     } else if rb == 2 {
         // [..., M, K] x [K, N]: one [rows, K] x [K, N] product.
@@ -857,9 +860,10 @@ fn slice(cx: &mut NodeCx) -> Result<Vec<Value>> {
             gathers.push((ax, keep));
         }
     }
+    // A block that is the whole input is left out before gathers (it would copy).
     let whole = begin.iter().all(|&b| b == 0) && size.iter().zip(&s).all(|(&n, &d)| n == d as i64);
     let mut y = x;
-    if !whole {
+    if !whole || gathers.is_empty() {
         y = if gathers.is_empty() {
             return cx.out(Slice::new(begin, size), &[y]);
         } else {
@@ -1025,10 +1029,11 @@ fn softmax(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let s = cx.ty(&x).shape;
     let log = cx.node.op_type == "LogSoftmax";
     let default = if cx.opset() >= 13 { -1 } else { 1 };
-    let axis = normalize_axis(cx.int_attr("axis", default)?, s.len()).map_err(|m| cx.err(m))?;
+    let given = cx.int_attr("axis", default)?;
+    let axis = normalize_axis(given, s.len()).map_err(|m| cx.err(m))?;
     let whole_rows = cx.opset() < 13 && axis + 1 != s.len();
     if !whole_rows {
-        let axis = axis as i64;
+        let axis = given;
         return if log {
             cx.out(LogSoftmax { axis }, &[x])
         } else {
@@ -1050,7 +1055,8 @@ fn layer_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let x = cx.input(0)?;
     let mut gamma = cx.input(1)?;
     let xt = cx.ty(&x);
-    let axis = normalize_axis(cx.int_attr("axis", -1)?, xt.shape.len()).map_err(|m| cx.err(m))?;
+    let given = cx.int_attr("axis", -1)?;
+    let axis = normalize_axis(given, xt.shape.len()).map_err(|m| cx.err(m))?;
     let norm_shape = xt.shape[axis..].to_vec();
     let dtype = cx.ty(&gamma).dtype;
     if cx.ty(&gamma).shape != norm_shape {
@@ -1067,7 +1073,7 @@ fn layer_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
         }
     };
     let op = LayerNorm {
-        axis: axis as i64,
+        axis: given,
         epsilon: f64::from(cx.float_attr("epsilon", 1e-5)?),
         to: None,
     };
