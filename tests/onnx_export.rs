@@ -4,8 +4,10 @@
 //! precision boundaries and no more of them than onnxconverter-common's
 //! `convert_float_to_float16(keep_io_types=True)` writes.
 //!
-//! Needs python3 with the packages of scripts/onnx/requirements.txt; without them
-//! the tests say so and pass, except under CI (`CI` set), where they fail.
+//! The models: tests/data/onnx, and the folders under `AMPGRAPH_ONNX_MODELS` where it
+//! is set (torchvision's exports by scripts/onnx/torchvision_models.py). Needs python3
+//! with the packages of scripts/onnx/requirements.txt; without them the tests say so
+//! and pass, except under CI (`CI` set), where they fail.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -17,21 +19,29 @@ use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::{Graph, Tensor};
 use prost::Message;
 
-const MODELS: [&str; 6] = [
-    "resnet_tiny",
-    "external_data",
-    "mobilenet_tiny",
-    "mobilenet_v3_style",
-    "transformer_tiny",
-    "opset_misc",
-];
-
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn model_dir(name: &str) -> PathBuf {
-    repo().join("tests/data/onnx").join(name)
+/// The folders holding model folders (`NAME/model.onnx`, `NAME/test_data_set_0`).
+fn collections() -> Vec<PathBuf> {
+    let mut c = vec![repo().join("tests/data/onnx")];
+    c.extend(std::env::var_os("AMPGRAPH_ONNX_MODELS").map(PathBuf::from));
+    c
+}
+
+fn models(collection: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(collection)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("model.onnx").exists())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+fn name_of(dir: &Path) -> String {
+    dir.file_name().unwrap().to_string_lossy().into_owned()
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -66,29 +76,28 @@ fn tensors(dir: &Path, stem: &str) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-fn import(name: &str) -> Graph {
-    let data = model_dir(name).join("test_data_set_0");
+fn import(dir: &Path) -> Graph {
+    let data = dir.join("test_data_set_0");
     let opts = ImportOptions {
         input_shapes: tensors(&data, "input")
             .into_iter()
             .map(|(n, t)| (n, t.shape().to_vec()))
             .collect::<BTreeMap<_, _>>(),
     };
-    import_file(&model_dir(name).join("model.onnx"), &opts).unwrap()
+    import_file(&dir.join("model.onnx"), &opts).unwrap()
 }
 
-/// onnxruntime's outputs of `model` on the model's test inputs, or its one-line
-/// refusal.
-fn run_in_onnxruntime(model: &Path, name: &str) -> Result<Vec<Tensor>, String> {
+/// onnxruntime's outputs of `model` on the inputs of `dir`'s test data, or its
+/// one-line refusal.
+fn run_in_onnxruntime(model: &Path, dir: &Path) -> Result<Vec<Tensor>, String> {
     let out = model.with_extension("outputs");
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
-    let data = model_dir(name).join("test_data_set_0");
     let run = Command::new("python3")
         .arg(repo().join("scripts/onnx/ort_run.py"))
         .arg(model)
         .arg("--data")
-        .arg(&data)
+        .arg(dir.join("test_data_set_0"))
         .arg("--save-outputs")
         .arg(&out)
         .output()
@@ -114,8 +123,8 @@ fn rel_error(a: &Tensor, b: &Tensor) -> f64 {
         / scale
 }
 
-fn expected(name: &str) -> Vec<Tensor> {
-    tensors(&model_dir(name).join("test_data_set_0"), "output")
+fn expected(dir: &Path) -> Vec<Tensor> {
+    tensors(&dir.join("test_data_set_0"), "output")
         .into_iter()
         .map(|(_, t)| t)
         .collect()
@@ -126,16 +135,18 @@ fn import_then_export_runs_in_onnxruntime_with_the_same_outputs() {
     if !have_onnxruntime() {
         return;
     }
-    for name in MODELS {
-        let path = scratch(name).join("model.onnx");
-        export_file(&import(name), &path, &ExportOptions::default()).unwrap();
-        let got = run_in_onnxruntime(&path, name).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let want = expected(name);
+    for dir in collections().iter().flat_map(|c| models(c)) {
+        let name = name_of(&dir);
+        let path = scratch(&name).join("model.onnx");
+        export_file(&import(&dir), &path, &ExportOptions::default()).unwrap();
+        let got = run_in_onnxruntime(&path, &dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want = expected(&dir);
         assert_eq!(got.len(), want.len(), "{name}");
         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.dtype(), w.dtype(), "{name} output {k}");
             assert_eq!(g.shape(), w.shape(), "{name} output {k}");
             let err = rel_error(g, w);
+            println!("{name} output {k}: exported without rewriting, relative error {err:.2e}");
             assert!(err <= 1e-6, "{name} output {k}: relative error {err:e}");
         }
     }
@@ -155,11 +166,13 @@ fn census(model: &ModelProto) -> (HashMap<String, usize>, HashMap<String, String
     (ops, producer)
 }
 
-/// Casts of each test model in onnxconverter-common's fp16 conversion.
-fn converter_casts() -> HashMap<String, usize> {
-    let json = scratch("converter").join("converter.json");
+/// Casts of each model of a collection in onnxconverter-common's fp16 conversion.
+fn converter_casts(collection: &Path) -> HashMap<String, usize> {
+    let json = scratch("converter").join(format!("{}.json", name_of(collection)));
     let run = Command::new("python3")
         .arg(repo().join("scripts/onnx/convert_reference.py"))
+        .arg("--dir")
+        .arg(collection)
         .arg("--json")
         .arg(&json)
         .output()
@@ -187,59 +200,64 @@ fn amp_export_loads_in_onnxruntime_within_the_fp16_bound_with_fewer_casts_than_t
     if !have_onnxruntime() {
         return;
     }
-    let reference = converter_casts();
-    for name in MODELS {
-        let mut g = import(name);
-        AutoMixedPrecision::new(AmpConfig::new(ampgraph::DType::F16).unwrap())
-            .rewrite(&mut g)
-            .unwrap();
-        let model = export(&g, &ExportOptions::default()).unwrap();
-        let graph = model.graph.as_ref().unwrap();
-        let (ops, producer) = census(&model);
-        // Casts only at precision boundaries: never of a cast, never of a weight
-        // (weights that only 16-bit nodes read are stored in 16 bits).
-        let initializers: Vec<&str> = graph.initializer.iter().map(|t| t.name.as_str()).collect();
-        for n in graph.node.iter().filter(|n| n.op_type == "Cast") {
-            let src = &n.input[0];
-            assert_ne!(
-                producer.get(src).map(String::as_str),
-                Some("Cast"),
-                "{name}: cast of a cast at '{}'",
-                n.name
-            );
-            assert!(
-                !initializers.contains(&src.as_str()),
-                "{name}: cast of the initializer '{src}'"
-            );
+    for collection in collections() {
+        let reference = converter_casts(&collection);
+        for dir in models(&collection) {
+            amp_export(&dir, reference[&name_of(&dir)]);
         }
-        let casts = ops.get("Cast").copied().unwrap_or(0);
-        let theirs = reference[name];
-        assert!(
-            casts <= theirs,
-            "{name}: {casts} casts, the converter's {theirs}"
+    }
+}
+
+/// Import -> AMP -> export of one model, with the converter's cast count.
+fn amp_export(dir: &Path, theirs: usize) {
+    let name = &name_of(dir);
+    let mut g = import(dir);
+    AutoMixedPrecision::new(AmpConfig::new(ampgraph::DType::F16).unwrap())
+        .rewrite(&mut g)
+        .unwrap();
+    let model = export(&g, &ExportOptions::default()).unwrap();
+    let graph = model.graph.as_ref().unwrap();
+    let (ops, producer) = census(&model);
+    // Casts only at precision boundaries: never of a cast, never of a weight
+    // (weights that only 16-bit nodes read are stored in 16 bits).
+    let initializers: Vec<&str> = graph.initializer.iter().map(|t| t.name.as_str()).collect();
+    for n in graph.node.iter().filter(|n| n.op_type == "Cast") {
+        let src = &n.input[0];
+        assert_ne!(
+            producer.get(src).map(String::as_str),
+            Some("Cast"),
+            "{name}: cast of a cast at '{}'",
+            n.name
         );
-        // Inputs and outputs keep their f32 types.
-        let f32_io = graph.input.iter().chain(&graph.output).all(|v| {
-            v.r#type
-                .as_ref()
-                .and_then(|t| t.tensor_type.as_ref())
-                .map(|t| t.elem_type)
-                == Some(1)
-        });
-        assert!(f32_io, "{name}: inputs and outputs must stay f32");
-        let path = scratch(name).join("model_fp16.onnx");
-        std::fs::write(&path, model.encode_to_vec()).unwrap();
-        let got = run_in_onnxruntime(&path, name)
-            .unwrap_or_else(|e| panic!("{name}: onnxruntime refused the fp16 model: {e}"));
-        for (k, (g, w)) in got.iter().zip(&expected(name)).enumerate() {
-            let err = rel_error(g, w);
-            eprintln!(
-                "{name} output {k}: {casts} casts (converter {theirs}), relative error {err:.2e}"
-            );
-            assert!(
-                err < 1e-2,
-                "{name} output {k}: relative error {err:e} past the fp16 bound"
-            );
-        }
+        assert!(
+            !initializers.contains(&src.as_str()),
+            "{name}: cast of the initializer '{src}'"
+        );
+    }
+    let casts = ops.get("Cast").copied().unwrap_or(0);
+    assert!(
+        casts <= theirs,
+        "{name}: {casts} casts, the converter's {theirs}"
+    );
+    // Inputs and outputs keep their f32 types.
+    let f32_io = graph.input.iter().chain(&graph.output).all(|v| {
+        v.r#type
+            .as_ref()
+            .and_then(|t| t.tensor_type.as_ref())
+            .map(|t| t.elem_type)
+            == Some(1)
+    });
+    assert!(f32_io, "{name}: inputs and outputs must stay f32");
+    let path = scratch(name).join("model_fp16.onnx");
+    std::fs::write(&path, model.encode_to_vec()).unwrap();
+    let got = run_in_onnxruntime(&path, dir)
+        .unwrap_or_else(|e| panic!("{name}: onnxruntime refused the fp16 model: {e}"));
+    for (k, (g, w)) in got.iter().zip(&expected(dir)).enumerate() {
+        let err = rel_error(g, w);
+        println!("{name} output {k}: {casts} casts (converter {theirs}), relative error {err:.2e}");
+        assert!(
+            err < 1e-2,
+            "{name} output {k}: relative error {err:e} past the fp16 bound"
+        );
     }
 }

@@ -1,12 +1,17 @@
 //! ONNX models nobody here wrote the graph of (tests/data/onnx, made by
-//! scripts/onnx/make_models.py): imported and run on the CPU, every output matches
-//! onnxruntime's on the same inputs.
+//! scripts/onnx/make_models.py, and the folders under `AMPGRAPH_ONNX_MODELS` where it
+//! is set, e.g. torchvision's exports by scripts/onnx/torchvision_models.py): imported
+//! and run on the CPU, every output matches onnxruntime's on the same inputs; on the
+//! GPU (skipped with a printed reason without one) too, in f32 and after AMP within
+//! the fp16 bound.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use ampgraph::exec::cuda;
 use ampgraph::onnx::{import_file, tensor, ImportOptions};
-use ampgraph::{Device, Session, Tensor};
+use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::{DType, Device, Graph, Session, Tensor};
 
 fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx")
@@ -32,8 +37,12 @@ fn rel_error(a: &Tensor, b: &Tensor) -> f64 {
         / scale
 }
 
-fn check_model(name: &str) {
-    let dir = data_dir().join(name);
+/// Named tensors, as ONNX's test data holds them.
+type Named = Vec<(String, Tensor)>;
+
+/// A model folder (ONNX's backend-test layout) imported with its test inputs' shapes;
+/// the inputs and onnxruntime's outputs.
+fn load(dir: &Path) -> (Graph, Named, Named) {
     let data = dir.join("test_data_set_0");
     let inputs = tensors(&data, "input");
     let expected = tensors(&data, "output");
@@ -43,20 +52,112 @@ fn check_model(name: &str) {
             .map(|(n, t)| (n.clone(), t.shape().to_vec()))
             .collect::<BTreeMap<_, _>>(),
     };
-    let g = import_file(&dir.join("model.onnx"), &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let g = import_file(&dir.join("model.onnx"), &opts)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    (g, inputs, expected)
+}
+
+/// Runs `g` on `device` and checks every output within `tol` of onnxruntime's.
+fn check_outputs(
+    what: &str,
+    g: Graph,
+    device: Device,
+    inputs: &[(String, Tensor)],
+    expected: &[(String, Tensor)],
+    tol: f64,
+) {
     let fetches = g.outputs().to_vec();
-    assert_eq!(fetches.len(), expected.len(), "{name}: outputs");
-    let mut session = Session::new(g, Device::Cpu).unwrap();
-    let feeds = inputs.into_iter().collect();
+    assert_eq!(fetches.len(), expected.len(), "{what}: outputs");
+    let mut session = Session::new(g, device).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let feeds = inputs.iter().cloned().collect();
     let got = session
         .run(&fetches, &feeds)
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    for (k, (out, (oname, want))) in got.iter().zip(&expected).enumerate() {
-        assert_eq!(out.shape(), want.shape(), "{name} output {k} ({oname})");
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    for (k, (out, (oname, want))) in got.iter().zip(expected).enumerate() {
+        assert_eq!(out.shape(), want.shape(), "{what} output {k} ({oname})");
         let err = rel_error(out, want);
+        println!("{what} output {k} ({oname}): relative error {err:.2e}");
         assert!(
-            err < 1e-4,
-            "{name} output {k} ({oname}): relative error {err:e}"
+            err < tol,
+            "{what} output {k} ({oname}): relative error {err:e}"
+        );
+    }
+}
+
+fn check_model(name: &str) {
+    let (g, inputs, expected) = load(&data_dir().join(name));
+    check_outputs(name, g, Device::Cpu, &inputs, &expected, 1e-4);
+}
+
+/// The checked-in models and those under `AMPGRAPH_ONNX_MODELS`.
+fn all_models() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(data_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("model.onnx").exists())
+        .collect();
+    if let Some(extra) = std::env::var_os("AMPGRAPH_ONNX_MODELS") {
+        dirs.extend(
+            std::fs::read_dir(extra)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.join("model.onnx").exists()),
+        );
+    }
+    dirs.sort();
+    dirs
+}
+
+#[test]
+fn models_under_ampgraph_onnx_models_match_onnxruntime() {
+    let Some(extra) = std::env::var_os("AMPGRAPH_ONNX_MODELS") else {
+        println!("skipping: AMPGRAPH_ONNX_MODELS is not set");
+        return;
+    };
+    for entry in std::fs::read_dir(extra).unwrap() {
+        let dir = entry.unwrap().path();
+        if dir.join("model.onnx").exists() {
+            let (g, inputs, expected) = load(&dir);
+            check_outputs(
+                &dir.display().to_string(),
+                g,
+                Device::Cpu,
+                &inputs,
+                &expected,
+                1e-4,
+            );
+        }
+    }
+}
+
+#[test]
+fn models_run_on_the_gpu_in_f32_and_with_amp() {
+    if let Err(why) = cuda::available() {
+        println!("skipping: {why}");
+        return;
+    }
+    for dir in all_models() {
+        let what = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let (g, inputs, expected) = load(&dir);
+        check_outputs(
+            &format!("{what} cuda f32"),
+            g.clone(),
+            Device::Cuda(0),
+            &inputs,
+            &expected,
+            1e-4,
+        );
+        let mut amp = g;
+        AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
+            .rewrite(&mut amp)
+            .unwrap();
+        check_outputs(
+            &format!("{what} cuda amp f16"),
+            amp,
+            Device::Cuda(0),
+            &inputs,
+            &expected,
+            1e-2,
         );
     }
 }

@@ -7,9 +7,9 @@
 mod common;
 
 use ampgraph::graph::ops::{
-    Binary, BinaryKind, Cast, Compare, CompareKind, Concat, Const, Gather, LogSoftmax, MatMul,
-    Pad, PadMode, Placeholder, Reduce, ReduceKind, Reshape, Slice, Softmax, Transpose, Unary,
-    UnaryKind, Where,
+    Binary, BinaryKind, Cast, Compare, CompareKind, Concat, Const, Gather, LogSoftmax, MatMul, Pad,
+    PadMode, Placeholder, Reduce, ReduceKind, Reshape, Slice, Softmax, Transpose, Unary, UnaryKind,
+    Where,
 };
 use ampgraph::graph::{DType, Graph, Port, Tensor, TensorType};
 use ampgraph::onnx::{export, import_model, ExportOptions, ImportOptions};
@@ -85,17 +85,34 @@ fn one_for_one_graph(seed: u64, size: usize) -> Graph {
                 let (ta, tb) = (rng.below(2) == 0, rng.below(2) == 0);
                 // A Transpose of a constant would be computed at import.
                 let b = live[rng.below(live.len())];
-                let a2 = if ta { g.add(Transpose::new([1, 0]), &[a]).unwrap() } else { a };
-                let b2 = if tb { b } else { g.add(Transpose::new([1, 0]), &[b]).unwrap() };
+                let a2 = if ta {
+                    g.add(Transpose::new([1, 0]), &[a]).unwrap()
+                } else {
+                    a
+                };
+                let b2 = if tb {
+                    b
+                } else {
+                    g.add(Transpose::new([1, 0]), &[b]).unwrap()
+                };
                 let p = g.add(MatMul::new(ta, tb), &[a2, b2]).unwrap();
                 let w = g.add(MatMul::new(false, false), &[p, a]).unwrap();
-                g.add(Slice::new([0, 0], [ROWS as i64, COLS as i64]), &[w]).unwrap_or(w)
+                g.add(Slice::new([0, 0], [ROWS as i64, COLS as i64]), &[w])
+                    .unwrap_or(w)
             }
             5 if rng.below(2) == 0 => g.add(Softmax { axis: -1 }, &[a]).unwrap(),
-            5 => g.add(LogSoftmax { axis: rng.pick(&[0, 1]) }, &[a]).unwrap(),
+            5 => g
+                .add(
+                    LogSoftmax {
+                        axis: rng.pick(&[0, 1]),
+                    },
+                    &[a],
+                )
+                .unwrap(),
             6 => {
                 let flat = g.add(Reshape::new([-1]), &[a]).unwrap();
-                g.add(Reshape::new([ROWS as i64, COLS as i64]), &[flat]).unwrap()
+                g.add(Reshape::new([ROWS as i64, COLS as i64]), &[flat])
+                    .unwrap()
             }
             7 => {
                 let kind = rng.pick(&[ReduceKind::Sum, ReduceKind::Mean, ReduceKind::Max]);
@@ -106,8 +123,11 @@ fn one_for_one_graph(seed: u64, size: usize) -> Graph {
             }
             8 => {
                 let cat = g.add(Concat::new(1), &[a, b]).unwrap();
-                g.add(Slice::new([0, rng.below(COLS)], [ROWS as i64, COLS as i64]), &[cat])
-                    .unwrap()
+                g.add(
+                    Slice::new([0, rng.below(COLS)], [ROWS as i64, COLS as i64]),
+                    &[cat],
+                )
+                .unwrap()
             }
             9 => {
                 let kind = rng.pick(&CompareKind::ALL);
@@ -117,7 +137,12 @@ fn one_for_one_graph(seed: u64, size: usize) -> Graph {
             10 => {
                 let idx: Vec<i64> = (0..COLS).map(|_| rng.below(COLS) as i64 - 3).collect();
                 let idx = g
-                    .add(Const::new(Tensor::new(vec![COLS], ampgraph::graph::Data::I64(idx)).unwrap()), &[])
+                    .add(
+                        Const::new(
+                            Tensor::new(vec![COLS], ampgraph::graph::Data::I64(idx)).unwrap(),
+                        ),
+                        &[],
+                    )
                     .unwrap();
                 g.add(Gather::new(1), &[a, idx]).unwrap()
             }
@@ -125,7 +150,8 @@ fn one_for_one_graph(seed: u64, size: usize) -> Graph {
                 let p = g
                     .add(Pad::new(vec![[1, 0], [0, 2]], PadMode::Constant(0.5)), &[a])
                     .unwrap();
-                g.add(Slice::new([1, 2], [ROWS as i64, COLS as i64]), &[p]).unwrap()
+                g.add(Slice::new([1, 2], [ROWS as i64, COLS as i64]), &[p])
+                    .unwrap()
             }
             _ => {
                 let half = g.add(Cast { to: DType::F16 }, &[a]).unwrap();
@@ -166,11 +192,26 @@ fn same_graph(a: &Graph, b: &Graph) -> Result<(), TestCaseError> {
         let na = a.node(id);
         let nb = b.node(b.require(&na.name).unwrap());
         prop_assert!(*na.op == *nb.op, "{}: {:?} vs {:?}", na.name, na.op, nb.op);
-        let ins = |g: &Graph, id| g.inputs(id).iter().map(|&p| g.port_name(p)).collect::<Vec<_>>();
-        prop_assert_eq!(ins(a, id), ins(b, b.require(&na.name).unwrap()), "{}", na.name);
+        let ins = |g: &Graph, id| {
+            g.inputs(id)
+                .iter()
+                .map(|&p| g.port_name(p))
+                .collect::<Vec<_>>()
+        };
+        prop_assert_eq!(
+            ins(a, id),
+            ins(b, b.require(&na.name).unwrap()),
+            "{}",
+            na.name
+        );
         prop_assert_eq!(na.outputs(), nb.outputs(), "{}", na.name);
     }
-    let outs = |g: &Graph| g.outputs().iter().map(|&p| g.port_name(p)).collect::<Vec<_>>();
+    let outs = |g: &Graph| {
+        g.outputs()
+            .iter()
+            .map(|&p| g.port_name(p))
+            .collect::<Vec<_>>()
+    };
     prop_assert_eq!(outs(a), outs(b));
     Ok(())
 }
@@ -181,7 +222,10 @@ fn same_values(a: Graph, b: Graph, seed: u64, tol: Option<f64>) -> Result<(), Te
     let feeds = common::feeds(&a, seed);
     let run = |g: Graph| {
         let fetches = g.outputs().to_vec();
-        Session::new(g, Device::Cpu).unwrap().run(&fetches, &feeds).unwrap()
+        Session::new(g, Device::Cpu)
+            .unwrap()
+            .run(&fetches, &feeds)
+            .unwrap()
     };
     let (ya, yb) = (run(a), run(b));
     prop_assert_eq!(ya.len(), yb.len());

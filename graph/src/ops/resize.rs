@@ -3,13 +3,16 @@
 //! input positions each output read.
 //!
 //! `x` (any float dtype, rank 1 or more) becomes a tensor of the static `shape` (same
-//! rank). Only the axes whose length changes are resized, each independently: output
-//! position `o` of an axis of `n` inputs and `m` outputs maps back to the coordinate
-//! `c(o)` of `coordinate_transformation_mode` (ONNX's formulas, scale `m / n`), which
-//! nearest mode rounds by `nearest_mode` and clamps to `[0, n - 1]`, and linear mode
-//! clamps to `[0, n - 1]` and interpolates between its two neighbours (ONNX with
-//! `exclude_outside` 0; several resized axes make it bi-, trilinear...). Cubic
-//! interpolation, antialiasing and `tf_crop_and_resize` are not supported.
+//! rank). Only the axes whose length changes are resized (ONNX maps the others too, at
+//! scale 1, which shifts them under `tf_half_pixel_for_nn` with ceil rounding), each
+//! independently: output position `o` of an axis of `n` inputs and `m` outputs maps
+//! back to the coordinate `c(o)` of `coordinate_transformation_mode` (ONNX's formulas
+//! with the scale `m / n`, as ONNX when `sizes` are given; given `scales` enter its
+//! formulas as they are, the same wherever `n * scale` is whole), which nearest mode
+//! rounds by `nearest_mode` and clamps to `[0, n - 1]`, and linear mode clamps to
+//! `[0, n - 1]` and interpolates between its two neighbours (ONNX with `exclude_outside`
+//! 0; several resized axes make it bi-, trilinear...). Cubic interpolation,
+//! antialiasing and `tf_crop_and_resize` are not supported.
 //!
 //! The mode is in the op's name: `ResizeNearest` / `ResizeLinear` (and
 //! `ResizeNearestGrad` / `ResizeLinearGrad`), because the precision lists class ops by
@@ -280,8 +283,8 @@ fn check_shapes(input: &[usize], output: &[usize]) -> OpResult<()> {
 }
 
 /// The inputs output position `o` reads along one axis, with their weights: one or two,
-/// none of weight 0 (so that an input a position does not mix in, even an infinite
-/// one, does not reach it).
+/// none of weight 0, so that an input a position does not mix in (even an infinite
+/// one) never reaches it.
 type Taps = Vec<(usize, f64)>;
 
 /// The taps of each output position of an axis of `n > 0` inputs and `m` outputs.

@@ -86,6 +86,7 @@ pub fn import_model(
         let t = tensor::decode(init, base)?;
         imp.initializer_names
             .insert(const_key(&t), init.name.clone());
+        imp.held.insert(const_key(&t));
         imp.values.insert(init.name.clone(), Value::Const(t));
     }
     if !graph.sparse_initializer.is_empty() {
@@ -301,8 +302,11 @@ struct Importer {
     g: Graph,
     opset: i64,
     values: HashMap<String, Value>,
-    /// Constants already added to the graph, by their data's address and shape.
+    /// Constants already added to the graph, by their data's address and shape: only
+    /// those `values` holds, whose addresses no other tensor can take while it does.
     placed: HashMap<ConstKey, Port>,
+    /// The keys of the constants in `values`.
+    held: HashSet<ConstKey>,
     /// The initializers' names, which their Const nodes take.
     initializer_names: HashMap<ConstKey, String>,
     /// The graph's output names: the nodes computing them take these names.
@@ -316,6 +320,7 @@ impl Importer {
             opset,
             values: HashMap::new(),
             placed: HashMap::new(),
+            held: HashSet::new(),
             initializer_names: HashMap::new(),
             outputs: graph.output.iter().map(|o| o.name.clone()).collect(),
         }
@@ -385,6 +390,9 @@ impl Importer {
             }
             match results.get(k) {
                 Some(v) => {
+                    if let Value::Const(t) = v {
+                        self.held.insert(const_key(t));
+                    }
                     self.values.insert(out.clone(), v.clone());
                 }
                 None => {
@@ -436,8 +444,11 @@ impl Importer {
         match v {
             Value::Port(p) => Ok(*p),
             Value::Const(t) => {
+                // A temporary's address may be another's once it is gone: only
+                // constants `values` holds are looked up and kept by address.
                 let key = const_key(t);
-                if let Some(&p) = self.placed.get(&key) {
+                let held = self.held.contains(&key);
+                if let Some(&p) = self.placed.get(&key).filter(|_| held) {
                     return Ok(p);
                 }
                 let stem = self.initializer_names.get(&key).cloned();
@@ -446,7 +457,9 @@ impl Importer {
                     .g
                     .add_node(name, Box::new(Const::new(t.clone())), &[])?
                     .into();
-                self.placed.insert(key, p);
+                if held {
+                    self.placed.insert(key, p);
+                }
                 Ok(p)
             }
         }
