@@ -191,3 +191,8 @@ fn transformer_tiny_matches_onnxruntime() {
 fn opset_misc_matches_onnxruntime() {
     check_model("opset_misc");
 }
+
+#[test]
+fn unet_tiny_matches_onnxruntime() {
+    check_model("unet_tiny");
+}

@@ -13,6 +13,7 @@ use ampgraph_graph::ops::{
     MaxPool, NormActivation, Not, Pad, PadMode, Padding, Placeholder, Reduce, ReduceKind, Reshape,
     Slice, Softmax, Transpose, Unary, UnaryKind, Where,
 };
+use ampgraph_graph::ops::{Conv2DBackpropInput, Resize, ResizeMode};
 use ampgraph_graph::{DType, Data, Graph, NodeId, Op, Port, Tensor, TensorType};
 use prost::Message;
 
@@ -706,6 +707,30 @@ impl<'g> Exporter<'g> {
         if let Some(p) = op.downcast_ref::<Pad>() {
             return self.pad(p, inputs[0]);
         }
+        if let Some(r) = op.downcast_ref::<Resize>() {
+            let x = self.value(inputs[0])?;
+            let sizes = self.constant("sizes", &i64_tensor(i64s(&r.shape)));
+            let mut attrs = vec![attr_string(
+                "coordinate_transformation_mode",
+                r.coordinate_transformation_mode.name(),
+            )];
+            match r.mode {
+                ResizeMode::Linear => attrs.push(attr_string("mode", "linear")),
+                ResizeMode::Nearest(n) => {
+                    attrs.push(attr_string("mode", "nearest"));
+                    attrs.push(attr_string("nearest_mode", n.name()));
+                }
+            }
+            self.finish(
+                "Resize",
+                vec![x, String::new(), String::new(), sizes],
+                attrs,
+            );
+            return Ok(());
+        }
+        if let Some(c) = op.downcast_ref::<Conv2DBackpropInput>() {
+            return self.conv_transpose(c, &inputs);
+        }
         Err(self.err("this op has no ONNX form"))
     }
 
@@ -998,6 +1023,60 @@ impl<'g> Exporter<'g> {
             None => self.current.into(),
         };
         self.finish_image_as(out, "Conv", args, attrs, c.data_format);
+        Ok(())
+    }
+
+    /// Conv2DBackpropInput is ONNX's ConvTranspose of `dy` with the same OIHW filter;
+    /// the padding of the convolution it undoes crops the full output, and what the
+    /// convolution's windows did not reach is `output_padding`.
+    fn conv_transpose(&mut self, c: &Conv2DBackpropInput, inputs: &[Port]) -> Result<()> {
+        let g = self.g;
+        let dy = self.nchw_value(inputs[1], c.data_format)?;
+        let perm = [3usize, 2, 0, 1];
+        let w = self.transformed(
+            inputs[0],
+            "oihw",
+            |t| {
+                Transpose::new(perm.to_vec())
+                    .eval(&[t])
+                    .map(|mut v| v.swap_remove(0))
+            },
+            "Transpose",
+            vec![],
+            vec![attr_ints("perm", perm.map(|v| v as i64))],
+        )?;
+        let ws = g.ty(inputs[0]).shape.clone();
+        let dys = g.ty(inputs[1]).shape.clone();
+        let spatial = |s: &[usize]| match c.data_format {
+            DataFormat::Nchw => [s[2], s[3]],
+            DataFormat::Nhwc => [s[1], s[2]],
+        };
+        let (xin, yin) = (spatial(&c.input_shape), spatial(&dys));
+        let mut pads = [0i64; 4];
+        let mut extra = [0i64; 2];
+        for i in 0..2 {
+            let p = c
+                .padding
+                .output_len(i, xin[i], ws[i], c.strides[i])
+                .map_err(|m| self.err(m))?;
+            pads[i] = p.before as i64;
+            pads[i + 2] = p.after as i64;
+            let full = c.strides[i] * (yin[i].max(1) - 1) + ws[i];
+            extra[i] = (xin[i] + p.before + p.after) as i64 - full as i64;
+            if extra[i] < 0 {
+                // The convolution's padding after the input was never read.
+                pads[i + 2] += extra[i];
+                extra[i] = 0;
+            }
+        }
+        let attrs = vec![
+            attr_ints("kernel_shape", [ws[0] as i64, ws[1] as i64]),
+            attr_ints("strides", c.strides.map(|s| s as i64)),
+            attr_int("group", c.groups as i64),
+            attr_ints("pads", pads),
+            attr_ints("output_padding", extra),
+        ];
+        self.finish_image("ConvTranspose", vec![dy, w], attrs, c.data_format);
         Ok(())
     }
 

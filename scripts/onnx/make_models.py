@@ -623,6 +623,38 @@ def write_bad(out):
     save("unsupported_ops.onnx", m)
 
 
+def unet_tiny():
+    """opset 13: a small U-Net as torch exports one: strided convs down, then
+    Resize (nearest with scales, as nn.Upsample(scale_factor=2); linear with
+    align_corners through sizes) and ConvTranspose up, skips joined by Concat."""
+    g = G(seed=1006)
+    x = "image"
+    e1 = g.op("Relu", [g.conv(x, "/enc1", 3, 8, 3, pad=1, prefix="enc1")], "/enc1")           # [N,8,16,16]
+    e2 = g.op("Relu", [g.conv(e1, "/enc2", 8, 16, 3, stride=2, pad=1, prefix="enc2")], "/enc2")  # [N,16,8,8]
+    e3 = g.op("Relu", [g.conv(e2, "/enc3", 16, 16, 3, stride=2, pad=1, prefix="enc3")], "/enc3")  # [N,16,4,4]
+    empty = g.const(np.array([], dtype=np.float32), "/up1")
+    scales = g.const(np.array([1, 1, 2, 2], dtype=np.float32), "/up1")
+    u1 = g.op("Resize", [e3, empty, scales], "/up1", mode="nearest",
+              coordinate_transformation_mode="asymmetric", nearest_mode="floor")      # [N,16,8,8]
+    d1 = g.op("Concat", [u1, e2], "/dec1", axis=1)                                   # [N,32,8,8]
+    d1 = g.op("Relu", [g.conv(d1, "/dec1", 32, 8, 3, pad=1, prefix="dec1")], "/dec1")  # [N,8,8,8]
+    sizes = g.const(np.array([2, 8, 16, 16], dtype=np.int64), "/up2")
+    u2 = g.op("Resize", [d1, "", "", sizes], "/up2", mode="linear",
+              coordinate_transformation_mode="align_corners")                       # [N,8,16,16]
+    w = g.weight("up3.weight", (8, 4, 2, 2), 8 * 4)
+    b = g.bias("up3.bias", 4)
+    u3 = g.op("ConvTranspose", [d1, w, b], "/up3", kernel_shape=[2, 2], strides=[2, 2],
+              pads=[0, 0, 0, 0], dilations=[1, 1], group=1)                         # [N,4,16,16]
+    d2 = g.op("Concat", [u2, u3, e1], "/dec2", axis=1)                               # [N,20,16,16]
+    h = g.conv(d2, "/head", 20, 2, 1, prefix="head")
+    up = g.op("Resize", [h, "", g.const(np.array([1, 1, 2, 2], dtype=np.float32), "/out")], "/out",
+              mode="linear", coordinate_transformation_mode="pytorch_half_pixel",
+              outputs=["mask"])                                                      # [N,2,32,32]
+    m = g.model("unet_tiny", [vinfo("image", [2, 3, 16, 16])], [vinfo("mask", [2, 2, 32, 32])], opset=13)
+    inputs = [g.rng.standard_normal((2, 3, 16, 16)).astype(np.float32)]
+    return m, inputs
+
+
 # --------------------------------------------------------------------------
 
 MODELS = {
@@ -631,6 +663,7 @@ MODELS = {
     "mobilenet_v3_style": mobilenet_v3_style,
     "transformer_tiny": transformer_tiny,
     "opset_misc": opset_misc,
+    "unet_tiny": unet_tiny,
 }
 
 

@@ -8,6 +8,7 @@ use ampgraph_graph::ops::{
     MatMul, MaxPool, NormActivation, Not, Pad, PadMode, Padding, Reduce, ReduceKind, Reshape,
     Slice, Softmax, Transpose, Unary, UnaryKind, Where,
 };
+use ampgraph_graph::ops::{Conv2DBackpropInput, CoordinateTransform, Resize, ResizeMode};
 use ampgraph_graph::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
 use ampgraph_graph::{DType, Data, Tensor};
 
@@ -31,6 +32,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "MatMul" => matmul,
         "Gemm" => gemm,
         "Conv" => conv,
+        "ConvTranspose" => conv_transpose,
         "BatchNormalization" => batch_norm,
         "MaxPool" | "AveragePool" => pool,
         "GlobalAveragePool" | "GlobalMaxPool" => global_pool,
@@ -58,6 +60,8 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "And" | "Or" | "Xor" => logical,
         "Not" => not,
         "Pad" => pad,
+        "Resize" => resize,
+        "Mod" => modulo,
         _ => return None,
     })
 }
@@ -554,6 +558,122 @@ fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let mut s = shape_i64(&cx.ty(&y).shape);
     s.pop();
     cx.out(Reshape::new(s), &[y])
+}
+
+/// ConvTranspose (2-D): the input gradient of the convolution that it undoes, whose
+/// input has the transposed convolution's output shape. ONNX's filter
+/// [C_in, C_out / group, kh, kw] is that convolution's OIHW filter.
+fn conv_transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let w = cx.input(1)?;
+    let bias = cx.opt_input(2)?;
+    let (xs, ws) = (cx.ty(&x).shape, cx.ty(&w).shape);
+    if xs.len() != 4 || ws.len() != 4 {
+        return Err(cx.err(format!(
+            "only 2-D transposed convolutions are supported (x {xs:?}, w {ws:?})"
+        )));
+    }
+    if per_axis(cx, "dilations", 2)?.iter().any(|&d| d != 1) {
+        return Err(cx.err("dilations other than 1 are not supported"));
+    }
+    let groups = usize::try_from(cx.int_attr("group", 1)?)
+        .ok()
+        .filter(|&g| g > 0)
+        .ok_or_else(|| cx.err("group must be positive"))?;
+    let strides = per_axis(cx, "strides", 2)?;
+    let extra = match cx.ints_attr("output_padding")? {
+        None => vec![0, 0],
+        Some(v)
+            if v.len() == 2
+                && v.iter()
+                    .zip(&strides)
+                    .all(|(&p, &s)| p >= 0 && (p as usize) < s) =>
+        {
+            v.iter().map(|&p| p as usize).collect()
+        }
+        Some(v) => {
+            return Err(cx.err(format!(
+                "output_padding {v:?} must be 2 numbers below the strides"
+            )))
+        }
+    };
+    let kernel = &ws[2..];
+    // The full output before cropping: stride * (in - 1) + extra + kernel.
+    let full: Vec<usize> = (0..2)
+        .map(|i| strides[i] * (xs[2 + i].max(1) - 1) + extra[i] + kernel[i])
+        .collect();
+    let auto = cx.string_attr("auto_pad", "NOTSET")?;
+    let pads: Vec<[usize; 2]> = match (cx.ints_attr("output_shape")?, auto.as_str()) {
+        (Some(out), mode) => {
+            let out = &out[out.len().saturating_sub(2)..];
+            (0..2)
+                .map(|i| {
+                    let total = full[i]
+                        .checked_sub(usize::try_from(out[i]).unwrap_or(usize::MAX))
+                        .ok_or_else(|| {
+                            cx.err(format!(
+                                "output_shape {out:?} is larger than the full output {full:?}"
+                            ))
+                        })?;
+                    let small = total / 2;
+                    Ok(if mode == "SAME_UPPER" {
+                        [small, total - small]
+                    } else {
+                        [total - small, small]
+                    })
+                })
+                .collect::<Result<_>>()?
+        }
+        (None, "NOTSET") => {
+            let p = cx.ints_attr("pads")?.unwrap_or_else(|| vec![0; 4]);
+            if p.len() != 4 || p.iter().any(|&v| v < 0) {
+                return Err(cx.err(format!("pads {p:?} must be 4 non-negative numbers")));
+            }
+            vec![
+                [p[0] as usize, p[2] as usize],
+                [p[1] as usize, p[3] as usize],
+            ]
+        }
+        (None, "VALID") => vec![[0, 0]; 2],
+        (None, mode @ ("SAME_UPPER" | "SAME_LOWER")) => (0..2)
+            .map(|i| {
+                // The output is in * stride: the rest of the full output is padding.
+                let total = full[i].saturating_sub(xs[2 + i] * strides[i]);
+                let small = total / 2;
+                if mode == "SAME_UPPER" {
+                    [small, total - small]
+                } else {
+                    [total - small, small]
+                }
+            })
+            .collect(),
+        (None, other) => return Err(cx.err(format!("auto_pad '{other}' is not supported"))),
+    };
+    let out: Vec<usize> = (0..2)
+        .map(|i| full[i].checked_sub(pads[i][0] + pads[i][1]))
+        .collect::<Option<_>>()
+        .ok_or_else(|| cx.err("the padding is larger than the output"))?;
+    let cout = ws[1] * groups;
+    let w = cx.emit(Transpose::new(vec![2, 3, 1, 0]), &[w])?;
+    let op = Conv2DBackpropInput {
+        input_shape: vec![xs[0], cout, out[0], out[1]],
+        strides: [strides[0], strides[1]],
+        padding: padding_of(&pads),
+        data_format: DataFormat::Nchw,
+        groups,
+    };
+    match bias {
+        None => cx.out(op, &[w, x]),
+        Some(b) => {
+            let y = cx.emit(op, &[w, x])?;
+            cx.out(
+                BiasAdd {
+                    data_format: DataFormat::Nchw,
+                },
+                &[y, b],
+            )
+        }
+    }
 }
 
 fn batch_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
@@ -1174,4 +1294,80 @@ fn pad(cx: &mut NodeCx) -> Result<Vec<Value>> {
         other => return Err(cx.err(format!("mode '{other}' is not supported"))),
     };
     cx.out(Pad::new(per_axis, mode), &[x])
+}
+
+/// Resize (opset 11 on) with its output size from `sizes`, or from `scales` where each
+/// gives a whole size (our op maps coordinates with out / in, which is ONNX's scale
+/// exactly then).
+fn resize(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let xs = cx.ty(&x).shape;
+    let coords = cx.string_attr("coordinate_transformation_mode", "half_pixel")?;
+    if coords == "tf_crop_and_resize" {
+        return Err(cx.err("coordinate_transformation_mode tf_crop_and_resize is not supported"));
+    }
+    if cx.int_attr("antialias", 0)? != 0 {
+        return Err(cx.err("antialias is not supported"));
+    }
+    if cx.ints_attr("axes")?.is_some() {
+        return Err(cx.err("the axes attribute is not supported"));
+    }
+    let shape: Vec<usize> = if let Some(sizes) = cx.ints_input(3)? {
+        crate::tensor::shape_of(&sizes).map_err(|m| cx.err(format!("sizes: {m}")))?
+    } else {
+        let scales = cx
+            .const_input(2)?
+            .ok_or_else(|| cx.err("neither scales nor sizes is given"))?
+            .to_f64_vec();
+        if scales.len() != xs.len() {
+            return Err(cx.err(format!(
+                "scales {scales:?} must have one entry per axis of x {xs:?}"
+            )));
+        }
+        xs.iter()
+            .zip(&scales)
+            .map(|(&d, &s)| {
+                let out = d as f64 * s;
+                if out.fract() != 0.0 || out < 0.0 {
+                    Err(cx.err(format!("scale {s} of an axis of {d} gives {out}: only whole output sizes are supported")))
+                } else {
+                    Ok(out as usize)
+                }
+            })
+            .collect::<Result<_>>()?
+    };
+    let nearest = cx.string_attr("nearest_mode", "round_prefer_floor")?;
+    let mode = ResizeMode::from_names(&cx.string_attr("mode", "nearest")?, Some(&nearest))
+        .map_err(|m| cx.err(m))?;
+    let coords = CoordinateTransform::from_name(&coords).map_err(|m| cx.err(m))?;
+    if shape == xs {
+        return Ok(vec![x]);
+    }
+    cx.out(Resize::new(shape, mode, coords), &[x])
+}
+
+/// Mod of integer constants (shape arithmetic): `fmod` 0 takes the divisor's sign,
+/// as Python's %, 1 the dividend's, as C's.
+fn modulo(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let (Some(a), Some(b)) = (cx.const_input(0)?, cx.const_input(1)?) else {
+        return Err(cx.err("Mod is supported on constants only"));
+    };
+    let (Some(av), Some(bv)) = (a.to_i64_vec(), b.to_i64_vec()) else {
+        return Err(cx.err("Mod is supported on integers only"));
+    };
+    let c_like = cx.int_attr("fmod", 0)? != 0;
+    let out = broadcast_shapes(a.shape(), b.shape()).map_err(|m| cx.err(m))?;
+    let values = broadcast_indices(a.shape(), &out)
+        .zip(broadcast_indices(b.shape(), &out))
+        .map(|(i, j)| match (av[i].checked_rem(bv[j]), c_like) {
+            (None, _) => Err(cx.err(format!("{} mod {} is undefined", av[i], bv[j]))),
+            (Some(r), true) => Ok(r),
+            (Some(r), false) if r != 0 && (r < 0) != (bv[j] < 0) => Ok(r + bv[j]),
+            (Some(r), false) => Ok(r),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let t = i64_tensor(out, values)
+        .map_err(|m| cx.err(m))?
+        .cast(a.dtype());
+    Ok(vec![Value::Const(t)])
 }
