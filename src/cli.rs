@@ -103,6 +103,7 @@ impl Files {
             import: import_options(&cli.inputs)?,
             export: ampgraph_onnx::ExportOptions {
                 keep_io_types: !cli.half_io,
+                ..Default::default()
             },
         })
     }

@@ -261,3 +261,48 @@ fn amp_export(dir: &Path, theirs: usize) {
         );
     }
 }
+
+#[test]
+fn large_initializers_go_to_an_external_data_file_onnxruntime_reads() {
+    if !have_onnxruntime() {
+        return;
+    }
+    let dir = repo().join("tests/data/onnx/resnet_tiny");
+    let path = scratch("external_export").join("model.onnx");
+    let opts = ExportOptions {
+        external_data_above: 0,
+        ..ExportOptions::default()
+    };
+    let g = import(&dir);
+    export_file(&g, &path, &opts).unwrap();
+    let model = ModelProto::decode(std::fs::read(&path).unwrap().as_slice()).unwrap();
+    let inits = &model.graph.as_ref().unwrap().initializer;
+    // The weights are outside, the small shape tensors inline.
+    let outside: Vec<&str> = inits
+        .iter()
+        .filter(|t| t.data_location == 1)
+        .map(|t| t.name.as_str())
+        .collect();
+    assert!(outside.contains(&"conv1.weight"), "{outside:?}");
+    for t in inits {
+        let external = t
+            .external_data
+            .iter()
+            .any(|e| e.key == "location" && e.value == "model.onnx.data");
+        assert_eq!(t.data_location == 1, external, "{}", t.name);
+        assert_eq!(
+            t.raw_data.is_empty(),
+            external || t.dims.contains(&0),
+            "{}",
+            t.name
+        );
+    }
+    let got = run_in_onnxruntime(&path, &dir).unwrap();
+    for (k, (g, w)) in got.iter().zip(&expected(&dir)).enumerate() {
+        let err = rel_error(g, w);
+        assert!(err <= 1e-6, "output {k}: relative error {err:e}");
+    }
+    // And it imports back.
+    let back = import_file(&path, &ImportOptions::default()).unwrap();
+    assert_eq!(back.len(), g.len());
+}

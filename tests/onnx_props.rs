@@ -135,7 +135,9 @@ fn one_for_one_graph(seed: u64, size: usize) -> Graph {
                 g.add(Where, &[c, a, b]).unwrap()
             }
             10 => {
-                let idx: Vec<i64> = (0..COLS).map(|_| rng.below(COLS) as i64 - 3).collect();
+                // A repeated index: import turns runs of neighbours into Slices.
+                let mut idx: Vec<i64> = (0..COLS).map(|_| rng.below(COLS) as i64 - 3).collect();
+                idx[1] = idx[0];
                 let idx = g
                     .add(
                         Const::new(

@@ -28,9 +28,6 @@ use crate::tensor;
 pub const EXPORT_OPSET: i64 = 17;
 /// The IR version of that opset.
 const IR_VERSION: i64 = 8;
-/// Initializers past this many bytes in all go to an external data file: one
-/// protobuf message cannot exceed 2 GiB.
-const INLINE_LIMIT: usize = 1 << 30;
 
 /// How to export a graph.
 #[derive(Clone, Debug)]
@@ -40,30 +37,41 @@ pub struct ExportOptions {
     /// and returns its 16-bit type: an f32 input only Casts read arrives in their
     /// type, and f32 outputs leave in it.
     pub keep_io_types: bool,
+    /// Initializers past this many bytes in all go to an external data file beside
+    /// the model (`MODEL.onnx.data`), as onnx's own writer does: one protobuf message
+    /// cannot exceed 2 GiB. 1 GiB by default.
+    pub external_data_above: usize,
 }
 
 impl Default for ExportOptions {
     fn default() -> Self {
         ExportOptions {
             keep_io_types: true,
+            external_data_above: 1 << 30,
         }
     }
 }
 
 /// Writes `g` to `path` as an ONNX model, whole or not at all (a temporary file
-/// renamed into place); initializers too large for one message go to `PATH.data`
-/// beside it.
+/// renamed into place); initializers past [`ExportOptions::external_data_above`]
+/// go to `PATH.data` beside it, written first.
 pub fn export_file(g: &Graph, path: &Path, opts: &ExportOptions) -> Result<()> {
     let mut model = export(g, opts)?;
     let graph = model.graph.as_mut().expect("export makes a graph");
     let total: usize = graph.initializer.iter().map(|t| t.raw_data.len()).sum();
-    if total > INLINE_LIMIT {
+    if total > opts.external_data_above {
         let file = path
             .file_name()
             .map_or_else(|| "model.onnx".into(), |f| f.to_string_lossy().into_owned());
         let location = format!("{file}.data");
         let mut data = Vec::with_capacity(total);
-        for t in &mut graph.initializer {
+        // Small tensors (shapes, axes) stay inline, where shape inference reads them;
+        // 1 KiB is onnx's own writer's threshold.
+        for t in graph
+            .initializer
+            .iter_mut()
+            .filter(|t| t.raw_data.len() >= 1024)
+        {
             // Aligned as onnx's own writer aligns them, so readers may map the file.
             data.resize(data.len().next_multiple_of(64), 0);
             let offset = data.len() as u64;
@@ -496,7 +504,16 @@ impl<'g> Exporter<'g> {
                 return Ok(n.clone());
             }
             let value = f(&t).map_err(|m| self.err(m))?;
-            let name = format!("{}/{key}", self.g.port_name(p));
+            // A filter imported as `w/hwio` goes back as `w`.
+            let port = self.g.port_name(p);
+            let name = match port.strip_suffix("/hwio") {
+                Some(stem)
+                    if key == "oihw" && !self.out.initializer.iter().any(|i| i.name == stem) =>
+                {
+                    stem.to_string()
+                }
+                _ => format!("{port}/{key}"),
+            };
             self.out.initializer.push(tensor::encode(&name, &value));
             self.derived.insert((p, key), name.clone());
             return Ok(name);

@@ -91,3 +91,98 @@ fn many_filters_of_one_shape_each_stay_their_own() {
         }
     }
 }
+
+/// Runs `g` with its ops' CPU kernels, one node after another.
+fn evaluate(
+    g: &ampgraph_graph::Graph,
+    feeds: &[(&str, ampgraph_graph::Tensor)],
+) -> Vec<ampgraph_graph::Tensor> {
+    use std::collections::HashMap;
+    let mut values: HashMap<ampgraph_graph::Port, ampgraph_graph::Tensor> = HashMap::new();
+    for id in g.topo_order().unwrap() {
+        let node = g.node(id);
+        let outs = match feeds.iter().find(|(n, _)| *n == node.name) {
+            Some((_, t)) => vec![t.clone()],
+            None => {
+                let ins: Vec<&ampgraph_graph::Tensor> =
+                    g.inputs(id).iter().map(|p| &values[p]).collect();
+                node.op.eval(&ins).unwrap()
+            }
+        };
+        for (k, t) in outs.into_iter().enumerate() {
+            values.insert(ampgraph_graph::Port::new(id, k), t);
+        }
+    }
+    g.outputs().iter().map(|p| values[p].clone()).collect()
+}
+
+#[test]
+fn gathers_of_neighbouring_constant_indices_are_slices() {
+    // x [3, 2, 4]; Gather(x, 1) on axis 0 -> [2, 4]; Gather(x, [-1]) on axis 2 -> [3, 2, 1];
+    // Gather(x, [2, 0]) on axis 2 stays a Gather.
+    let int = |name: &str, dims: Vec<i64>, v: Vec<i64>| TensorProto {
+        name: name.into(),
+        dims,
+        data_type: 7,
+        int64_data: v,
+        ..TensorProto::default()
+    };
+    let gather = |name: &str, idx: &str, axis: i64| NodeProto {
+        name: name.into(),
+        op_type: "Gather".into(),
+        input: vec!["x".into(), idx.into()],
+        output: vec![name.into()],
+        attribute: vec![AttributeProto {
+            name: "axis".into(),
+            r#type: attribute_type::INT,
+            i: axis,
+            ..AttributeProto::default()
+        }],
+        ..NodeProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[3, 2, 4])],
+        initializer: vec![
+            int("one", vec![], vec![1]),
+            int("last", vec![1], vec![-1]),
+            int("apart", vec![2], vec![2, 0]),
+        ],
+        node: vec![
+            gather("row", "one", 0),
+            gather("col", "last", 2),
+            gather("pick", "apart", 2),
+        ],
+        output: vec![
+            input("row", &[2, 4]),
+            input("col", &[3, 2, 1]),
+            input("pick", &[3, 2, 2]),
+        ],
+        ..GraphProto::default()
+    };
+    let model = ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: 13,
+        }],
+        graph: Some(graph),
+        ..ModelProto::default()
+    };
+    let g = import_model(&model, None, &ImportOptions::default()).unwrap();
+    let ops: Vec<&str> = g.node_ids().map(|id| g.node(id).op.name()).collect();
+    assert_eq!(ops.iter().filter(|&&o| o == "Gather").count(), 1, "{ops:?}");
+    assert_eq!(ops.iter().filter(|&&o| o == "Slice").count(), 2, "{ops:?}");
+    let x: Vec<f64> = (0..24).map(f64::from).collect();
+    let x =
+        ampgraph_graph::Tensor::from_f64(ampgraph_graph::DType::F32, vec![3, 2, 4], &x).unwrap();
+    let out = evaluate(&g, &[("x", x)]);
+    assert_eq!(out[0].shape(), [2, 4]);
+    assert_eq!(
+        out[0].to_f64_vec(),
+        (8..16).map(f64::from).collect::<Vec<_>>()
+    );
+    assert_eq!(out[1].shape(), [3, 2, 1]);
+    assert_eq!(out[1].to_f64_vec(), [3.0, 7.0, 11.0, 15.0, 19.0, 23.0]);
+    assert_eq!(out[2].shape(), [3, 2, 2]);
+    assert_eq!(out[2].to_f64_vec()[..4], [2.0, 0.0, 6.0, 4.0]);
+}

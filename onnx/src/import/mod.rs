@@ -309,6 +309,9 @@ struct Importer {
     held: HashSet<ConstKey>,
     /// The initializers' names, which their Const nodes take.
     initializer_names: HashMap<ConstKey, String>,
+    /// Names for constants computed from an initializer while one node converts
+    /// (`w/hwio` for a filter in our layout); cleared after each node.
+    derived_names: HashMap<ConstKey, String>,
     /// The graph's output names: the nodes computing them take these names.
     outputs: HashSet<String>,
 }
@@ -322,6 +325,7 @@ impl Importer {
             placed: HashMap::new(),
             held: HashSet::new(),
             initializer_names: HashMap::new(),
+            derived_names: HashMap::new(),
             outputs: graph.output.iter().map(|o| o.name.clone()).collect(),
         }
     }
@@ -383,7 +387,9 @@ impl Importer {
             node,
             name: node_name(node),
         };
-        let results = convert(&mut cx)?;
+        let results = convert(&mut cx);
+        self.derived_names.clear();
+        let results = results?;
         for (k, out) in node.output.iter().enumerate() {
             if out.is_empty() {
                 continue;
@@ -451,7 +457,11 @@ impl Importer {
                 if let Some(&p) = self.placed.get(&key).filter(|_| held) {
                     return Ok(p);
                 }
-                let stem = self.initializer_names.get(&key).cloned();
+                let stem = self
+                    .initializer_names
+                    .get(&key)
+                    .or_else(|| self.derived_names.get(&key))
+                    .cloned();
                 let name = self.g.fresh_name(stem.unwrap_or_else(|| hint.to_string()));
                 let p: Port = self
                     .g
@@ -624,6 +634,24 @@ impl NodeCx<'_> {
     pub fn emit(&mut self, op: impl Op, inputs: &[Value]) -> Result<Value> {
         let stem = format!("{}/{}", self.name, op.name().to_lowercase());
         self.add(stem, Box::new(op), inputs)
+    }
+
+    /// As [`emit`](Self::emit) for a weight in another layout: computed from input
+    /// `input` where that is an initializer, the constant takes its name and `suffix`.
+    pub fn emit_weight(
+        &mut self,
+        op: impl Op,
+        inputs: &[Value],
+        input: usize,
+        suffix: &str,
+    ) -> Result<Value> {
+        let value = self.emit(op, inputs)?;
+        if let (Value::Const(t), Some(name)) = (&value, self.node.input.get(input)) {
+            self.imp
+                .derived_names
+                .insert(const_key(t), format!("{name}/{suffix}"));
+        }
+        Ok(value)
     }
 
     /// As [`emit`](Self::emit), for the node computing output `k` of the ONNX node: it

@@ -538,7 +538,7 @@ fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let x = to_2d(cx, x, rank)?;
     let w = to_2d(cx, w, rank)?;
     // OIHW -> HWIO.
-    let w = cx.emit(Transpose::new(vec![2, 3, 1, 0]), &[w])?;
+    let w = cx.emit_weight(Transpose::new(vec![2, 3, 1, 0]), &[w], 1, "hwio")?;
     let op = Conv2D::new(strides2, padding_of(&pads), DataFormat::Nchw).with_groups(groups);
     let last = bias.is_none() && rank == 4;
     let mut y = if last {
@@ -654,7 +654,7 @@ fn conv_transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
         .collect::<Option<_>>()
         .ok_or_else(|| cx.err("the padding is larger than the output"))?;
     let cout = ws[1] * groups;
-    let w = cx.emit(Transpose::new(vec![2, 3, 1, 0]), &[w])?;
+    let w = cx.emit_weight(Transpose::new(vec![2, 3, 1, 0]), &[w], 1, "hwio")?;
     let op = Conv2DBackpropInput {
         input_shape: vec![xs[0], cout, out[0], out[1]],
         strides: [strides[0], strides[1]],
@@ -1219,9 +1219,35 @@ fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
 
 // ------------------------------------------------------------------ selection
 
+/// Gather; constant indices that pick a run of neighbours (q, k and v out of one
+/// projection, a token's row) are a Slice and a Reshape instead: a view of the data
+/// on every backend.
 fn gather(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let (data, indices) = (cx.input(0)?, cx.input(1)?);
     let axis = cx.int_attr("axis", 0)?;
+    if let (Value::Port(_), Value::Const(idx)) = (&data, &indices) {
+        let shape = cx.ty(&data).shape;
+        let ax = normalize_axis(axis, shape.len()).map_err(|m| cx.err(m))?;
+        let n = shape[ax] as i64;
+        let picked: Option<Vec<i64>> = idx
+            .to_i64_vec()
+            .map(|v| v.iter().map(|&i| if i < 0 { i + n } else { i }).collect());
+        if let Some(picked) = picked.filter(|p| {
+            !p.is_empty()
+                && p.iter().all(|&i| (0..n).contains(&i))
+                && p.windows(2).all(|w| w[1] == w[0] + 1)
+        }) {
+            let mut begin = vec![0usize; shape.len()];
+            let mut size: Vec<i64> = shape_i64(&shape);
+            begin[ax] = picked[0] as usize;
+            size[ax] = picked.len() as i64;
+            let block = cx.emit(Slice::new(begin, size), &[data])?;
+            let mut out: Vec<i64> = shape_i64(&shape[..ax]);
+            out.extend(shape_i64(idx.shape()));
+            out.extend(shape_i64(&shape[ax + 1..]));
+            return cx.out(Reshape::new(out), &[block]);
+        }
+    }
     cx.out(Gather::new(axis), &[data, indices])
 }
 
