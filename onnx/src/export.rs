@@ -476,6 +476,11 @@ impl<'g> Exporter<'g> {
             return None;
         };
         let b = g.node(reader).op.downcast_ref::<BiasAdd>()?;
+        let was_add = g.node(reader).annotations.get(crate::ONNX_OP_ANNOTATION)
+            == Some(&ampgraph_graph::attrs::AttrValue::Str("Add".into()));
+        if was_add {
+            return None;
+        }
         if b.data_format != format && g.ty(id.into()).shape.len() > 2 {
             return None;
         }
@@ -1158,6 +1163,15 @@ impl<'g> Exporter<'g> {
                 vec![v],
                 vec![attr_int("to", i64::from(tensor::elem_type_of(to)))],
             );
+        }
+        // A mean or maximum over an image's spatial axes, kept: ONNX's global pools.
+        let spatial: Vec<i64> = (2..rank as i64).collect();
+        if rank >= 3 && r.keep_dims && r.to.is_none() && r.axes.as_deref() == Some(&spatial[..]) {
+            match r.kind {
+                ReduceKind::Mean => return Ok(self.finish("GlobalAveragePool", vec![v], vec![])),
+                ReduceKind::Max => return Ok(self.finish("GlobalMaxPool", vec![v], vec![])),
+                ReduceKind::Sum => {}
+            }
         }
         // No axes reduce them all, in ONNX as here.
         let axes: Option<Vec<i64>> = match &r.axes {

@@ -15,6 +15,10 @@ pub use error::{OnnxError, Result};
 pub use export::{export, export_file, ExportOptions, EXPORT_OPSET};
 pub use import::{import_bytes, import_file, import_model, ImportOptions, MIN_OPSET};
 
+/// The annotation of a node made from an ONNX op that ampgraph would not write back
+/// as that op by itself (a BiasAdd that was an Add), naming the op.
+pub const ONNX_OP_ANNOTATION: &str = "_onnx_op";
+
 /// Whether a path names an ONNX model (by its `.onnx` extension).
 pub fn is_onnx_path(path: &std::path::Path) -> bool {
     path.extension()

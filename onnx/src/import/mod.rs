@@ -629,6 +629,16 @@ impl NodeCx<'_> {
         }
     }
 
+    /// Notes on the node computing `v` (where one does) the ONNX op it came from.
+    pub fn annotate(&mut self, v: &Value, key: &str, value: &str) {
+        if let Value::Port(p) = v {
+            self.imp.g.node_mut(p.node).annotations.insert(
+                key.into(),
+                ampgraph_graph::attrs::AttrValue::Str(value.into()),
+            );
+        }
+    }
+
     /// Adds `op` over `inputs` as a helper node of this one; when every input is a
     /// constant, computes it now instead (our CPU kernel) and returns the constant.
     pub fn emit(&mut self, op: impl Op, inputs: &[Value]) -> Result<Value> {

@@ -289,13 +289,15 @@ fn binary(cx: &mut NodeCx) -> Result<Vec<Value>> {
     // the GEMM epilogue fusion takes.
     let (sa, sb) = (cx.ty(&a).shape, cx.ty(&b).shape);
     if kind == BinaryKind::Add && sa.len() >= 2 && sb.len() == 1 && sa.last() == sb.first() {
-        return cx.out(
-            BiasAdd {
-                data_format: DataFormat::Nhwc,
-            },
-            &[a, b],
-        );
+        let op = BiasAdd {
+            data_format: DataFormat::Nhwc,
+        };
+        let y = cx.emit_out(0, op, &[a, b])?;
+        // Export writes it back as the Add it was, not as a Gemm's bias.
+        cx.annotate(&y, crate::ONNX_OP_ANNOTATION, "Add");
+        return Ok(vec![y]);
     }
+
     // Pow's exponent may be of another type than its base.
     let (ta, tb) = (cx.ty(&a).dtype, cx.ty(&b).dtype);
     if kind == BinaryKind::Pow && ta != tb {
