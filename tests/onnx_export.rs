@@ -147,7 +147,10 @@ fn import_then_export_runs_in_onnxruntime_with_the_same_outputs() {
             assert_eq!(g.shape(), w.shape(), "{name} output {k}");
             let err = rel_error(g, w);
             println!("{name} output {k}: exported without rewriting, relative error {err:.2e}");
-            assert!(err == 0.0, "{name} output {k}: relative error {err:e}, not the same outputs");
+            assert!(
+                err == 0.0,
+                "{name} output {k}: relative error {err:e}, not the same outputs"
+            );
         }
     }
 }
