@@ -1167,10 +1167,14 @@ impl<'g> Exporter<'g> {
         // A mean or maximum over an image's spatial axes, kept: ONNX's global pools.
         let spatial: Vec<i64> = (2..rank as i64).collect();
         if rank >= 3 && r.keep_dims && r.to.is_none() && r.axes.as_deref() == Some(&spatial[..]) {
-            match r.kind {
-                ReduceKind::Mean => return Ok(self.finish("GlobalAveragePool", vec![v], vec![])),
-                ReduceKind::Max => return Ok(self.finish("GlobalMaxPool", vec![v], vec![])),
-                ReduceKind::Sum => {}
+            let global = match r.kind {
+                ReduceKind::Mean => Some("GlobalAveragePool"),
+                ReduceKind::Max => Some("GlobalMaxPool"),
+                ReduceKind::Sum => None,
+            };
+            if let Some(op_type) = global {
+                self.finish(op_type, vec![v], vec![]);
+                return Ok(());
             }
         }
         // No axes reduce them all, in ONNX as here.
