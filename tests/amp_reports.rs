@@ -243,3 +243,39 @@ fn log_path_dumps_before_and_after() {
     assert_eq!(dtype(&reloaded, "mm"), DType::F16);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn nodes_kept_in_f32_by_name_are_denied_and_explained() {
+    let mut config = tf();
+    config
+        .lists
+        .keep_f32("mm2", "observed |x| up to 1.2e5, beyond f16's range");
+    let g = sample();
+    let amp = AutoMixedPrecision::new(config.clone());
+    let p = amp.analyze(&g).unwrap();
+    let e = explain(&g, &p, &amp.config, "mm2").unwrap();
+    assert!(
+        e.to_string()
+            .contains("kept in f32: observed |x| up to 1.2e5, beyond f16's range"),
+        "{e}"
+    );
+    let mut rewritten = sample();
+    amp.rewrite(&mut rewritten).unwrap();
+    // mm2 is f32 now, mm still converts; the others as in decisions_follow_the_lists.
+    assert_eq!(dtype(&rewritten, "mm2"), DType::F32);
+    assert_eq!(dtype(&rewritten, "mm"), DType::F16);
+    // A list file carries them too.
+    let text = r#"
+        [lists]
+        allow = ["MatMul"]
+        [keep_f32]
+        "mm" = "bisection: 3e-2 of the error"
+    "#;
+    let lists = PrecisionLists::from_toml(text, "test").unwrap();
+    assert_eq!(lists.kept_f32("mm"), Some("bisection: 3e-2 of the error"));
+    let mut g = sample();
+    AutoMixedPrecision::new(AmpConfig { lists, ..tf() })
+        .rewrite(&mut g)
+        .unwrap();
+    assert_eq!(dtype(&g, "mm"), DType::F32);
+}

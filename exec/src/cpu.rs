@@ -1,6 +1,7 @@
 //! The CPU reference executor.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 
 use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
@@ -9,6 +10,13 @@ use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{host_memory, memory_plan};
 use crate::{ExecError, ExecOptions, Executor, Feeds, RunResult};
+
+/// One node of a step as [`CpuExecutor::run_observed`] shows it.
+pub struct Evaluated<'a> {
+    pub id: NodeId,
+    pub inputs: &'a [&'a Tensor],
+    pub outputs: &'a [Tensor],
+}
 
 /// Runs graphs on the host with each op's reference kernel.
 #[derive(Debug)]
@@ -65,6 +73,64 @@ impl Default for CpuExecutor {
 }
 
 impl CpuExecutor {
+    /// Runs a step as [`Executor::run`] does, showing `observe` every node as it is
+    /// computed, in execution order, with its inputs and outputs: what numerics tools
+    /// (the first non-finite value, the largest magnitudes, 16-bit against f32 errors)
+    /// read. When `observe` breaks, the step stops there, writing no variable, and the
+    /// result is `None`.
+    pub fn run_observed(
+        &mut self,
+        graph: &Graph,
+        feeds: &Feeds,
+        fetches: &[Port],
+        observe: &mut dyn FnMut(&Evaluated) -> ControlFlow<()>,
+    ) -> Result<Option<Vec<Tensor>>, ExecError> {
+        self.admit(graph, fetches)?;
+        let mut schedule = Schedule::new(graph, fetches)?;
+        let order = std::mem::take(&mut schedule.order);
+        let mut values: HashMap<NodeId, Vec<Tensor>> = HashMap::new();
+        // Variable writes, applied when the step ends so that every read sees the old value.
+        let mut writes: Vec<(String, Tensor)> = Vec::new();
+        for &id in &order {
+            let node = graph.node(id);
+            let op = node.op.name();
+            for ty in node.outputs() {
+                check_tensor_size(&node.name, op, ty, self.max_tensor_bytes)?;
+            }
+            let inputs = graph.inputs(id);
+            let args: Vec<&Tensor> = inputs.iter().map(|p| &values[&p.node][p.index]).collect();
+            let outputs = match self.source_value(graph, id, feeds)? {
+                Some(v) => vec![v],
+                None => node
+                    .op
+                    .eval(&args)
+                    .map_err(|m| ExecError::node(&node.name, op, m))?,
+            };
+            check_outputs(node, outputs.iter().map(|t| t.ty()))?;
+            let seen = Evaluated {
+                id,
+                inputs: &args,
+                outputs: &outputs,
+            };
+            if observe(&seen).is_break() {
+                return Ok(None);
+            }
+            if let Some(variable) = assigned_variable(graph, id)? {
+                writes.push((variable, outputs[0].clone()));
+            }
+            values.insert(id, outputs);
+            for done in schedule.consume_inputs(graph, id) {
+                values.remove(&done);
+            }
+        }
+        let fetched = fetches
+            .iter()
+            .map(|p| values[&p.node][p.index].clone())
+            .collect();
+        self.variables.extend(writes);
+        Ok(Some(fetched))
+    }
+
     pub fn new() -> Self {
         Self::default()
     }
@@ -167,43 +233,9 @@ impl Executor for CpuExecutor {
     }
 
     fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> RunResult {
-        self.admit(graph, fetches)?;
-        let mut schedule = Schedule::new(graph, fetches)?;
-        let order = std::mem::take(&mut schedule.order);
-        let mut values: HashMap<NodeId, Vec<Tensor>> = HashMap::new();
-        // Variable writes, applied when the step ends so that every read sees the old value.
-        let mut writes: Vec<(String, Tensor)> = Vec::new();
-        for &id in &order {
-            let node = graph.node(id);
-            let op = node.op.name();
-            for ty in node.outputs() {
-                check_tensor_size(&node.name, op, ty, self.max_tensor_bytes)?;
-            }
-            let outputs = match self.source_value(graph, id, feeds)? {
-                Some(v) => vec![v],
-                None => {
-                    let inputs = graph.inputs(id);
-                    let args: Vec<&Tensor> =
-                        inputs.iter().map(|p| &values[&p.node][p.index]).collect();
-                    node.op
-                        .eval(&args)
-                        .map_err(|m| ExecError::node(&node.name, op, m))?
-                }
-            };
-            check_outputs(node, outputs.iter().map(|t| t.ty()))?;
-            if let Some(variable) = assigned_variable(graph, id)? {
-                writes.push((variable, outputs[0].clone()));
-            }
-            values.insert(id, outputs);
-            for done in schedule.consume_inputs(graph, id) {
-                values.remove(&done);
-            }
-        }
-        let fetched = fetches
-            .iter()
-            .map(|p| values[&p.node][p.index].clone())
-            .collect();
-        self.variables.extend(writes);
-        Ok(fetched)
+        let fetched =
+            self.run_observed(graph, feeds, fetches, &mut |_| ControlFlow::Continue(()))?;
+        // Nothing stops an observer that always continues.
+        Ok(fetched.unwrap_or_default())
     }
 }

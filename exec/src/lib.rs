@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use ampgraph_graph::{Graph, GraphError, NodeId, Port, Tensor, TensorType};
 use thiserror::Error;
 
-pub use cpu::{check_tensor_size, CpuExecutor, DEFAULT_MAX_TENSOR_BYTES};
+pub use cpu::{check_tensor_size, CpuExecutor, Evaluated, DEFAULT_MAX_TENSOR_BYTES};
 pub use cuda::kernel_cache::KernelCache;
 pub use cuda::{CudaExecutor, LaunchCounts};
 

@@ -72,6 +72,10 @@ const PROFILES: &[(&str, &str)] = &[
 #[serde(deny_unknown_fields)]
 struct ListFile {
     lists: ListTables,
+    /// Nodes kept in f32 whatever their op's class, with why (`"node" = "reason"`):
+    /// what calibration and bisection find for one model.
+    #[serde(default)]
+    keep_f32: BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
@@ -91,6 +95,9 @@ struct ListTables {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrecisionLists {
     classes: BTreeMap<String, ListClass>,
+    /// Nodes (by name) painted as denylisted whatever their op, with the reason
+    /// `explain` gives.
+    keep_f32: BTreeMap<String, String>,
 }
 
 impl PrecisionLists {
@@ -112,6 +119,7 @@ impl PrecisionLists {
             toml::from_str(text).map_err(|e| PassError::Lists(format!("{origin}: {e}")))?;
         let mut lists = PrecisionLists {
             classes: BTreeMap::new(),
+            keep_f32: file.keep_f32,
         };
         let tables = [
             (ListClass::Allow, file.lists.allow),
@@ -141,6 +149,22 @@ impl PrecisionLists {
 
     pub fn class(&self, op: &str) -> Option<ListClass> {
         self.classes.get(op).copied()
+    }
+
+    /// Keeps node `name` in f32 whatever its op, as a denylisted node (its f32 spreads
+    /// as a deny op's does); `reason` is what `explain` says of it.
+    pub fn keep_f32(&mut self, name: &str, reason: impl Into<String>) {
+        self.keep_f32.insert(name.to_string(), reason.into());
+    }
+
+    /// Why node `name` is kept in f32 by [`keep_f32`](Self::keep_f32), if it is.
+    pub fn kept_f32(&self, name: &str) -> Option<&str> {
+        self.keep_f32.get(name).map(String::as_str)
+    }
+
+    /// Every node kept in f32 by name, with its reason.
+    pub fn nodes_kept_f32(&self) -> &BTreeMap<String, String> {
+        &self.keep_f32
     }
 
     /// Moves `op` into `class` (out of any other list).

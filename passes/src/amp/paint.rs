@@ -317,6 +317,11 @@ impl Painting {
                     self.op_names.push(op);
                     (self.op_names.len() as u32 - 1, lists.class(op))
                 });
+            // A node kept in f32 by name is painted as a denylisted one.
+            let class = match lists.kept_f32(&node.name) {
+                Some(_) => Some(ListClass::Deny),
+                None => class,
+            };
             let is_cast = node.op.is::<Cast>();
             let process = !preserved[id.index()];
             // Type groups depend only on the op and its input and output counts

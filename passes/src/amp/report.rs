@@ -306,6 +306,8 @@ pub fn explain(
             Step::CastToHalf => format!("converted: every consumer runs in {t}, so this Cast produces {t} directly"),
             Step::None | Step::Denied => "converted".into(),
         });
+    } else if let Some(why) = config.lists.kept_f32(name).filter(|_| p.deny[i]) {
+        reasons.push(format!("kept in f32: {why}"));
     } else if p.deny[i] && p.class[i] == Some(ListClass::Deny) {
         reasons.push(format!(
             "kept in f32: {op} is denylisted (numerically unsafe in {t})"
