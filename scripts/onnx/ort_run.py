@@ -99,6 +99,9 @@ def main():
 
         ins = numbered(args.data, "input")
         so = ort.SessionOptions()
+        # One thread, as make_models.py computed the stored outputs: a parallel
+        # reduction's order (and so its rounding) depends on the thread count.
+        so.intra_op_num_threads = 1
         if not args.optimize:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         sess = ort.InferenceSession(args.model, so, providers=["CPUExecutionProvider"])

@@ -591,10 +591,15 @@ impl NodeCx<'_> {
             .map_or(default, |a| a.i))
     }
 
-    pub fn float_attr(&self, name: &str, default: f32) -> Result<f32> {
-        Ok(self
+    /// A float attribute as the decimal its writer meant: ONNX stores f32, so an
+    /// epsilon of 1e-5 arrives as 9.99999974e-6 (below cuDNN's least epsilon); the
+    /// shortest decimal that reads back as the same f32 is the value (and exports as
+    /// the same f32).
+    pub fn float_attr(&self, name: &str, default: f32) -> Result<f64> {
+        let f = self
             .typed_attr(name, attribute_type::FLOAT, "a float")?
-            .map_or(default, |a| a.f))
+            .map_or(default, |a| a.f);
+        Ok(f.to_string().parse().unwrap_or(f64::from(f)))
     }
 
     pub fn ints_attr(&self, name: &str) -> Result<Option<Vec<i64>>> {

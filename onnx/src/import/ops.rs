@@ -141,7 +141,7 @@ fn unary_with_attrs(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let op = cx.node.op_type.clone();
     let kind = match op.as_str() {
         "LeakyRelu" => UnaryKind::LeakyRelu {
-            alpha: f64::from(cx.float_attr("alpha", 0.01)?),
+            alpha: cx.float_attr("alpha", 0.01)?,
         },
         "Gelu" => match cx.string_attr("approximate", "none")?.as_str() {
             "none" => UnaryKind::Gelu { approximate: false },
@@ -165,7 +165,7 @@ fn unary_with_attrs(cx: &mut NodeCx) -> Result<Vec<Value>> {
 /// Refuses a float attribute away from the only value our op computes.
 fn check_default(cx: &NodeCx, name: &str, value: f32) -> Result<()> {
     let v = cx.float_attr(name, value)?;
-    if (v - value).abs() > 1e-5 * value.abs() {
+    if (v - f64::from(value)).abs() > 1e-5 * f64::from(value).abs() {
         return Err(cx.err(format!(
             "attribute '{name}' {v} is not supported (only {value})"
         )));
@@ -176,8 +176,8 @@ fn check_default(cx: &NodeCx, name: &str, value: f32) -> Result<()> {
 /// `max(0, min(1, alpha x + beta))`: our HardSigmoid at PyTorch's constants, the
 /// arithmetic otherwise.
 fn hard_sigmoid(cx: &mut NodeCx) -> Result<Vec<Value>> {
-    let alpha = f64::from(cx.float_attr("alpha", 0.2)?);
-    let beta = f64::from(cx.float_attr("beta", 0.5)?);
+    let alpha = cx.float_attr("alpha", 0.2)?;
+    let beta = cx.float_attr("beta", 0.5)?;
     let x = cx.input(0)?;
     if (alpha - 1.0 / 6.0).abs() < 1e-6 && beta == 0.5 {
         return cx.out(Unary::new(UnaryKind::HardSigmoid), &[x]);
@@ -396,8 +396,8 @@ fn gemm(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let a = cx.input(0)?;
     let b = cx.input(1)?;
     let c = cx.opt_input(2)?;
-    let alpha = f64::from(cx.float_attr("alpha", 1.0)?);
-    let beta = f64::from(cx.float_attr("beta", 1.0)?);
+    let alpha = cx.float_attr("alpha", 1.0)?;
+    let beta = cx.float_attr("beta", 1.0)?;
     let trans_a = cx.int_attr("transA", 0)? != 0;
     let trans_b = cx.int_attr("transB", 0)? != 0;
     let dtype = cx.ty(&a).dtype;
@@ -682,7 +682,7 @@ fn batch_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
     if cx.int_attr("training_mode", 0)? != 0 {
         return Err(cx.err("training mode is not supported"));
     }
-    let epsilon = f64::from(cx.float_attr("epsilon", 1e-5)?);
+    let epsilon = cx.float_attr("epsilon", 1e-5)?;
     let inputs = [
         cx.input(0)?,
         cx.input(1)?,
@@ -1196,7 +1196,7 @@ fn layer_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
     };
     let op = LayerNorm {
         axis: given,
-        epsilon: f64::from(cx.float_attr("epsilon", 1e-5)?),
+        epsilon: cx.float_attr("epsilon", 1e-5)?,
         to: None,
     };
     cx.out(op, &[x, gamma, beta])
