@@ -1013,12 +1013,12 @@ impl<'g> Exporter<'g> {
         }
     }
 
-    fn conv(&mut self, c: &Conv2D, inputs: &[Port]) -> Result<()> {
-        let x = self.nchw_value(inputs[0], c.data_format)?;
-        // HWIO -> OIHW.
+    /// An HWIO filter as ONNX's OIHW: a constant written transposed once, a computed
+    /// one through a Transpose.
+    fn oihw_filter(&mut self, w: Port) -> Result<String> {
         let perm = [3usize, 2, 0, 1];
-        let w = self.transformed(
-            inputs[1],
+        self.transformed(
+            w,
             "oihw",
             |t| {
                 Transpose::new(perm.to_vec())
@@ -1028,7 +1028,12 @@ impl<'g> Exporter<'g> {
             "Transpose",
             vec![],
             vec![attr_ints("perm", perm.map(|v| v as i64))],
-        )?;
+        )
+    }
+
+    fn conv(&mut self, c: &Conv2D, inputs: &[Port]) -> Result<()> {
+        let x = self.nchw_value(inputs[0], c.data_format)?;
+        let w = self.oihw_filter(inputs[1])?;
         let ws = &self.g.ty(inputs[1]).shape;
         let attrs = vec![
             attr_ints("kernel_shape", [ws[0] as i64, ws[1] as i64]),
@@ -1054,19 +1059,7 @@ impl<'g> Exporter<'g> {
     fn conv_transpose(&mut self, c: &Conv2DBackpropInput, inputs: &[Port]) -> Result<()> {
         let g = self.g;
         let dy = self.nchw_value(inputs[1], c.data_format)?;
-        let perm = [3usize, 2, 0, 1];
-        let w = self.transformed(
-            inputs[0],
-            "oihw",
-            |t| {
-                Transpose::new(perm.to_vec())
-                    .eval(&[t])
-                    .map(|mut v| v.swap_remove(0))
-            },
-            "Transpose",
-            vec![],
-            vec![attr_ints("perm", perm.map(|v| v as i64))],
-        )?;
+        let w = self.oihw_filter(inputs[0])?;
         let ws = g.ty(inputs[0]).shape.clone();
         let dys = g.ty(inputs[1]).shape.clone();
         let spatial = |s: &[usize]| match c.data_format {
