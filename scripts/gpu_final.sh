@@ -15,6 +15,7 @@ if [ "$part" != bench ]; then
   run_test fused ./cuda_fused &
   run_test executor ./cuda_executor &
   run_test pool ./cuda_pool --test-threads 4 &
+  run_test numerics ./cuda_numerics &
   wait
 fi
 if [ "$part" != tests ]; then

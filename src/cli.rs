@@ -35,8 +35,15 @@ pub enum CliError {
     Session(#[from] SessionError),
     #[error(transparent)]
     Onnx(#[from] ampgraph_onnx::OnnxError),
+    #[error(transparent)]
+    Calibrate(#[from] crate::numerics::calibrate::CalibrateError),
+    #[error(transparent)]
+    Bisect(#[from] crate::numerics::bisect::BisectError),
     #[error("{0}")]
     Usage(String),
+    /// `run --check-numerics`: the step's outputs are not finite; the report in one line.
+    #[error("check-numerics: {0}")]
+    NonFinite(String),
     #[error("{path}: {source}")]
     Io {
         path: String,
@@ -304,6 +311,18 @@ pub enum Command {
         /// graph goes to standard output).
         #[arg(long)]
         report: bool,
+        /// Before AMP, run the graph in f32 on the CPU on sample inputs and keep in f32
+        /// every node whose values would not fit the 16-bit type (twice the largest
+        /// |x| seen beyond its range, or all values rounding to zero), and the nodes
+        /// reading them. FEEDS: `seed:N` for N samples of the seeded values `ampgraph
+        /// run --seed K` gives (K = 0..N-1), or one sample as `run --feeds` takes it
+        /// (a JSON file or text; what it leaves out is seeded).
+        #[arg(long, value_name = "seed:N|FILE|JSON")]
+        calibrate: Option<String>,
+        /// Save the nodes --calibrate keeps in f32 as a list file (`[keep_f32]`), for
+        /// --overrides.
+        #[arg(long, value_name = "FILE.toml", requires = "calibrate")]
+        save_overrides: Option<PathBuf>,
     },
     /// Explain why NODE gets its precision under the AMP rewrite.
     Explain {
@@ -334,8 +353,36 @@ pub enum Command {
         /// Print the outputs as JSON (every value).
         #[arg(long)]
         json: bool,
+        /// Where the step's values are not finite, name the first node whose output is
+        /// not finite while its inputs are (re-run on the CPU), print the report on
+        /// stderr and fail (also with AMPGRAPH_CHECK_NUMERICS=1).
+        #[arg(long)]
+        check_numerics: bool,
         #[command(flatten)]
         executor: ExecutorArgs,
+    },
+    /// Find a few nodes to keep in f32 so that the AMP rewrite's outputs are within
+    /// --rtol of the f32 graph's (CPU runs, nodes ranked by the error their own 16-bit
+    /// arithmetic adds, then kept in growing batches and pruned); print them and the
+    /// errors, and save them as an overrides file for --overrides.
+    Bisect {
+        /// The graph file: JSON (`.json`, or `-` for standard input), binary (`.bin`) or
+        /// an ONNX model (`.onnx`).
+        graph: String,
+        /// Values for Placeholders and Variables, as `run --feeds` takes them.
+        #[arg(long, value_name = "FILE|JSON")]
+        feeds: Option<String>,
+        /// Seed of the values given to Placeholders and Variables not in --feeds.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// The largest relative error allowed per output: max |y16 - y32| / max |y32|.
+        #[arg(long)]
+        rtol: f64,
+        #[command(flatten)]
+        precision: PrecisionArgs,
+        /// Where to save the set as a list file of a `[keep_f32]` table.
+        #[arg(short, long, value_name = "LIST.toml")]
+        output: Option<PathBuf>,
     },
     /// Plan the device memory of one step on the host, as the CUDA executor plans
     /// it (after AMP where the graph is marked for it and the passes after it): the
@@ -422,6 +469,10 @@ pub struct PrecisionArgs {
     /// TOML list file (`.toml`).
     #[arg(long, default_value = "default", value_name = "PROFILE|FILE.toml")]
     lists: String,
+    /// Nodes to keep in f32 by name: a list file of a `[keep_f32]` table, as
+    /// `rewrite --calibrate --save-overrides` writes.
+    #[arg(long, value_name = "FILE.toml")]
+    overrides: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -452,6 +503,9 @@ impl PrecisionArgs {
                 c
             }
         };
+        if let Some(path) = &self.overrides {
+            crate::numerics::calibrate::load_overrides(&mut config.lists, path)?;
+        }
         config.apply_vars(|k| std::env::var(k).ok())?;
         Ok(config)
     }
@@ -513,17 +567,31 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             passes,
             output,
             report,
+            calibrate,
+            save_overrides,
             ..
         } => {
             let graph = graph.ok_or_else(|| CliError::Usage("rewrite needs a GRAPH".into()))?;
             let mut g = files.load(&graph)?;
             let mut text = String::new();
-            for name in selected_passes(amp, &passes)? {
+            let selected = selected_passes(amp, &passes)?;
+            if calibrate.is_some() && !selected.contains(&"amp") {
+                return Err(CliError::Usage(
+                    "--calibrate is for the AMP pass: add --amp".into(),
+                ));
+            }
+            for name in selected {
                 match name {
                     // Run directly rather than through a PassManager to keep the full report.
                     "amp" => {
-                        let amp_report =
-                            AutoMixedPrecision::new(precision.config()?).rewrite(&mut g)?;
+                        let mut config = precision.config()?;
+                        if let Some(samples) = &calibrate {
+                            // On the graph as AMP gets it, so the names are its nodes'.
+                            let done =
+                                calibrate_amp(&g, samples, &mut config, save_overrides.as_deref())?;
+                            text.push_str(&done);
+                        }
+                        let amp_report = AutoMixedPrecision::new(config).rewrite(&mut g)?;
                         log::info!("{}", amp_report.summary());
                         text.push_str(&amp_report.detailed());
                     }
@@ -592,12 +660,32 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             top,
             out,
         ),
+        Command::Bisect {
+            graph,
+            feeds,
+            seed,
+            rtol,
+            precision,
+            output,
+        } => {
+            let g = files.load(&graph)?;
+            let feeds = make_feeds(&g, seed, feeds.as_deref())?;
+            let config = precision.config()?;
+            let found = crate::numerics::bisect::bisect(&g, &feeds, &config, rtol)?;
+            print_bisection(&found, rtol, out).map_err(io_err("<stdout>"))?;
+            if let Some(path) = output {
+                let text = found.overrides_toml(&config.lists)?;
+                format::write_atomic(&path, text.as_bytes())?;
+            }
+            Ok(())
+        }
         Command::Run {
             graph,
             device,
             seed,
             feeds,
             json,
+            check_numerics,
             executor,
         } => {
             let g = files.load(&graph)?;
@@ -605,12 +693,49 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             let device = device.for_graph(&g);
             // As a session runs it: AMP where the graph is marked for it, then the
             // device's passes; the feeds give every Variable its value.
-            let mut session = Session::with_options(g, device, executor.session_options())?;
+            let options = SessionOptions {
+                check_numerics,
+                ..executor.session_options()
+            };
+            let mut session = Session::with_options(g, device, options)?;
             let fetches = session.graph().outputs().to_vec();
             let outputs = session.run(&fetches, &feeds)?;
+            if let Some(report) = session.last_numerics_report() {
+                // The session logged it at warn level; print it where the log did not.
+                if !log::log_enabled!(target: crate::numerics::check::LOG_TARGET, log::Level::Warn)
+                {
+                    eprint!("{report}");
+                }
+                return Err(CliError::NonFinite(report.summary()));
+            }
             print_outputs(session.graph(), &outputs, json, out)
         }
     }
+}
+
+/// `bisect`'s report: the set with reasons, the errors and the evaluations.
+fn print_bisection(
+    b: &crate::numerics::bisect::Bisection,
+    rtol: f64,
+    out: &mut dyn Write,
+) -> std::io::Result<()> {
+    if b.keep_f32.is_empty() {
+        writeln!(
+            out,
+            "the AMP rewrite is within rtol {rtol:.1e}: nothing to keep in f32"
+        )?;
+    } else {
+        writeln!(out, "keep in f32 ({}):", b.keep_f32.len())?;
+        for (node, why) in &b.keep_f32 {
+            writeln!(out, "  {node}: {why}")?;
+        }
+    }
+    writeln!(
+        out,
+        "relative error: {:.3e} before, {:.3e} after (rtol {rtol:.1e})",
+        b.error_before, b.error_after
+    )?;
+    writeln!(out, "evaluations: {}", b.evaluations)
 }
 
 fn io_err(path: &str) -> impl FnOnce(std::io::Error) -> CliError + '_ {
@@ -680,6 +805,55 @@ fn plan(
     let footprint = memory_plan::step_footprint(&g, &fetches, &Default::default())?;
     out.write_all(footprint.report(&g, top).as_bytes())
         .map_err(io_err("<stdout>"))
+}
+
+/// `rewrite --calibrate SAMPLES`: runs `g` in f32 on the samples, keeps under `config`
+/// the nodes whose values do not fit its target (saving them to `save` where given),
+/// and returns what `--report` says of it.
+fn calibrate_amp(
+    g: &Graph,
+    samples: &str,
+    config: &mut AmpConfig,
+    save: Option<&Path>,
+) -> Result<String> {
+    use crate::numerics::calibrate::{calibrate, save_overrides, DEFAULT_MARGIN};
+    let feeds = match samples.strip_prefix("seed:") {
+        Some(n) => {
+            let n: u64 = n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+                CliError::Usage(format!(
+                    "--calibrate {samples}: seed:N needs a number of samples N >= 1"
+                ))
+            })?;
+            (0..n)
+                .map(|seed| make_feeds(g, seed, None))
+                .collect::<Result<Vec<_>>>()?
+        }
+        None => vec![make_feeds(g, 0, Some(samples))?],
+    };
+    let calibration = calibrate(g, &feeds)?;
+    let kept = calibration.apply(config, DEFAULT_MARGIN);
+    let mut text = format!(
+        "Calibration: {} sample(s) in f32; nodes kept in f32 by their observed range: {}\n",
+        calibration.samples(),
+        kept.len()
+    );
+    for (node, why) in &kept {
+        text.push_str(&format!("  {node}: {why}\n"));
+    }
+    let nonfinite = calibration.nonfinite();
+    if !nonfinite.is_empty() {
+        // Already NaN or infinite in f32: no precision choice fixes these.
+        text.push_str(&format!(
+            "Nodes with non-finite values already in f32 (not kept for it): {}\n",
+            nonfinite.join(", ")
+        ));
+    }
+    if let Some(path) = save {
+        save_overrides(path, &kept)?;
+        text.push_str(&format!("Overrides saved to {}\n", path.display()));
+    }
+    log::info!("calibration kept {} node(s) in f32", kept.len());
+    Ok(text)
 }
 
 /// Feeds from the file where given, seeded values for every other Placeholder and Variable.

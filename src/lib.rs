@@ -20,6 +20,7 @@ pub use ampgraph_exec::{CpuExecutor, Executor};
 pub use ampgraph_graph::{DType, Graph, GraphError, Port, Tensor, TensorType};
 
 pub mod cli;
+pub mod numerics;
 pub mod optim;
 pub mod session;
 pub mod train;

@@ -21,6 +21,8 @@ use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph_passes::{registry, PassError, PassManager, PassRecord};
 
+use crate::numerics::check::{CheckError, Checker, NumericsReport, Snapshot};
+
 #[derive(Debug, Error)]
 pub enum SessionError {
     #[error(transparent)]
@@ -33,6 +35,8 @@ pub enum SessionError {
     Device(String),
     #[error("checkpoint {path}: {msg}")]
     Checkpoint { path: String, msg: String },
+    #[error(transparent)]
+    CheckNumerics(#[from] CheckError),
 }
 
 /// Where a session runs.
@@ -116,6 +120,28 @@ pub struct SessionOptions {
     /// `AMPGRAPH_KERNEL_CACHE` says (else the XDG cache directory); a directory or
     /// [`KernelCache::Off`] here overrides the environment.
     pub kernel_cache: KernelCache,
+    /// Check-numerics mode ([`crate::numerics::check`]), also on where
+    /// `AMPGRAPH_CHECK_NUMERICS=1` when the session is made: a step that fetches NaN or
+    /// infinity, or backs its loss scale off, is re-run on the CPU to name the first
+    /// node whose output is not finite while its inputs are
+    /// ([`Session::last_numerics_report`], logged as a warning). Off, it costs a step
+    /// one test of a flag; on, a copy of the variables before every step.
+    pub check_numerics: bool,
+}
+
+/// The environment variable that turns check-numerics on for every session (`1`).
+pub const CHECK_NUMERICS_ENV: &str = "AMPGRAPH_CHECK_NUMERICS";
+
+/// The AMP settings a session with `options` uses on `graph`: `None` where the graph
+/// is not marked for mixed precision.
+fn amp_config(graph: &Graph, options: &SessionOptions) -> Result<Option<AmpConfig>, PassError> {
+    let Some(dtype) = graph.mixed_precision else {
+        return Ok(None);
+    };
+    Ok(Some(match &options.amp {
+        Some(c) => c.clone(),
+        None => AmpConfig::new(dtype)?.from_env()?,
+    }))
 }
 
 /// A pass manager running the registry passes `names` in order; an unknown name is an
@@ -155,11 +181,7 @@ impl Pipeline {
         default_passes: &[&str],
     ) -> Result<Pipeline, SessionError> {
         let mut amp = PassManager::new();
-        if let Some(dtype) = graph.mixed_precision {
-            let config = match &options.amp {
-                Some(c) => c.clone(),
-                None => AmpConfig::new(dtype)?.from_env()?,
-            };
+        if let Some(config) = amp_config(graph, options)? {
             amp.push(Box::new(AutoMixedPrecision::new(config)));
         }
         let names: Vec<String> = match &options.passes {
@@ -226,6 +248,10 @@ pub struct Session {
     per_fetch_passes: Option<PassManager>,
     /// The graph each set of fetches runs, with the ports to fetch from it.
     optimized: HashMap<Vec<Port>, (Graph, Vec<Port>)>,
+    /// Steps run so far.
+    steps: u64,
+    /// Check-numerics' state, where the mode is on.
+    numerics: Option<Box<Checker>>,
 }
 
 const CHECKPOINT_MAGIC: &[u8; 8] = b"AMPGCKPT";
@@ -299,6 +325,15 @@ impl Session {
     ) -> Result<Session, SessionError> {
         let mut executor = device.executor(options.executor, &options.kernel_cache)?;
         let pipeline = Pipeline::new(&graph, &options, &executor.default_passes())?;
+        let check_numerics = options.check_numerics
+            || std::env::var(CHECK_NUMERICS_ENV).is_ok_and(|v| v.trim() == "1");
+        let numerics = match check_numerics {
+            // `explain` reads the decisions off the graph before the rewrite.
+            true => Some(Box::new(Checker::new(
+                amp_config(&graph, &options)?.map(|config| (graph.clone(), config)),
+            ))),
+            false => None,
+        };
         let records = pipeline.amp.run(&mut graph)?;
         executor.check_supported(&graph)?;
         for id in graph.node_ids() {
@@ -316,6 +351,8 @@ impl Session {
             passes: records,
             per_fetch_passes,
             optimized: HashMap::new(),
+            steps: 0,
+            numerics,
         })
     }
 
@@ -359,7 +396,10 @@ impl Session {
 
     /// Computes `fetches`; variable updates in the graph take effect when it returns.
     pub fn run(&mut self, fetches: &[Port], feeds: &Feeds) -> Result<Vec<Tensor>, SessionError> {
-        self.step(fetches, |e, graph, ports| e.run(graph, feeds, ports))
+        let snapshot = self.snapshot(feeds)?;
+        let outputs = self.step(fetches, |e, graph, ports| e.run(graph, feeds, ports))?;
+        self.check_numerics(snapshot, fetches, &outputs)?;
+        Ok(outputs)
     }
 
     /// [`Session::run`], also returning the step's milliseconds on the device where the
@@ -369,7 +409,10 @@ impl Session {
         fetches: &[Port],
         feeds: &Feeds,
     ) -> Result<(Vec<Tensor>, Option<f64>), SessionError> {
-        self.step(fetches, |e, graph, ports| e.run_timed(graph, feeds, ports))
+        let snapshot = self.snapshot(feeds)?;
+        let timed = self.step(fetches, |e, graph, ports| e.run_timed(graph, feeds, ports))?;
+        self.check_numerics(snapshot, fetches, &timed.0)?;
+        Ok(timed)
     }
 
     /// A step on `current` while `next` goes to the device
@@ -381,9 +424,61 @@ impl Session {
         current: Staged,
         next: Option<Feeds>,
     ) -> Result<Overlapped, SessionError> {
-        self.step(fetches, |e, graph, ports| {
+        let snapshot = self.snapshot(current.feeds())?;
+        let overlapped = self.step(fetches, |e, graph, ports| {
             e.run_overlapped(graph, current, ports, next)
-        })
+        })?;
+        self.check_numerics(snapshot, fetches, &overlapped.outputs)?;
+        Ok(overlapped)
+    }
+
+    /// Steps this session has run; the next one is step `step_count()` (as
+    /// [`NumericsReport::step`] counts them).
+    pub fn step_count(&self) -> u64 {
+        self.steps
+    }
+
+    /// Whether check-numerics is on ([`SessionOptions::check_numerics`]).
+    pub fn checks_numerics(&self) -> bool {
+        self.numerics.is_some()
+    }
+
+    /// The report of the last step check-numerics looked into: the first node whose
+    /// output was not finite while its inputs were.
+    pub fn last_numerics_report(&self) -> Option<&NumericsReport> {
+        self.numerics.as_ref()?.last.as_ref()
+    }
+
+    /// Under check-numerics, the variables and feeds of the step about to run.
+    fn snapshot(&self, feeds: &Feeds) -> Result<Option<Snapshot>, SessionError> {
+        if self.numerics.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(Snapshot::take(
+            self.executor.as_ref(),
+            feeds,
+            self.steps,
+        )?))
+    }
+
+    /// Under check-numerics, looks into the step just run from `snapshot` where it
+    /// went non-finite.
+    fn check_numerics(
+        &mut self,
+        snapshot: Option<Snapshot>,
+        fetches: &[Port],
+        outputs: &[Tensor],
+    ) -> Result<(), SessionError> {
+        let (Some(snapshot), Some(checker)) = (snapshot, self.numerics.as_mut()) else {
+            return Ok(());
+        };
+        // The graph and ports the executor ran, as `step` picked them.
+        let (graph, ports) = match self.optimized.get(fetches) {
+            Some((graph, ports)) => (graph, ports.as_slice()),
+            None => (&self.graph, fetches),
+        };
+        checker.check(snapshot, self.executor.as_ref(), graph, ports, outputs)?;
+        Ok(())
     }
 
     /// Runs `run` on the graph a run of `fetches` executes (made on first use) and the
@@ -393,6 +488,7 @@ impl Session {
         fetches: &[Port],
         run: impl FnOnce(&mut dyn Executor, &Graph, &[Port]) -> Result<T, ExecError>,
     ) -> Result<T, SessionError> {
+        self.steps += 1;
         let Some(passes) = &self.per_fetch_passes else {
             return Ok(run(self.executor.as_mut(), &self.graph, fetches)?);
         };

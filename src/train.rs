@@ -39,6 +39,7 @@ use ampgraph_graph::{DType, Port, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use thiserror::Error;
 
+use crate::numerics::check::{LossScaleAlarm, LossScaleMonitor};
 use crate::optim::TrainStep;
 use crate::session::{Session, SessionError};
 
@@ -116,6 +117,9 @@ pub struct EpochReport {
     pub device_seconds: Option<f64>,
     /// The loss scale after the epoch (dynamic loss scaling only).
     pub loss_scale: Option<f64>,
+    /// The epoch's warnings of a collapsing loss scale ([`LossScaleMonitor`]; logged
+    /// as they happen).
+    pub loss_scale_alarms: Vec<LossScaleAlarm>,
     pub saved: Saved,
     /// Where the next epoch starts.
     pub next: Position,
@@ -161,6 +165,14 @@ impl fmt::Display for EpochReport {
         if let Some(s) = self.loss_scale {
             write!(f, ", loss scale {s}")?;
         }
+        if !self.loss_scale_alarms.is_empty() {
+            let n = self.loss_scale_alarms.len();
+            write!(
+                f,
+                " ({n} loss-scale warning{})",
+                if n == 1 { "" } else { "s" }
+            )?;
+        }
         if let Some(a) = self.accuracy {
             write!(f, ", eval accuracy {:.2}%", 100.0 * a)?;
         }
@@ -175,6 +187,8 @@ pub struct Trainer<'s> {
     images: Port,
     labels: Port,
     options: TrainOptions,
+    /// The loss scale after every step (dynamic loss scaling only).
+    monitor: LossScaleMonitor,
 }
 
 fn scalar(value: usize) -> Tensor {
@@ -197,6 +211,7 @@ impl<'s> Trainer<'s> {
             images,
             labels,
             options,
+            monitor: LossScaleMonitor::default(),
         };
         trainer.set_position(Position::START)?;
         Ok(trainer)
@@ -204,6 +219,18 @@ impl<'s> Trainer<'s> {
 
     pub fn session(&mut self) -> &mut Session {
         self.session
+    }
+
+    /// The loss scale after each step trained so far, with the session's step number
+    /// (dynamic loss scaling only; empty otherwise).
+    pub fn loss_scale_history(&self) -> &[(u64, f64)] {
+        self.monitor.history()
+    }
+
+    /// Replaces the loss-scale monitor (another number of backoffs in a row to warn
+    /// at), dropping the history.
+    pub fn set_loss_scale_monitor(&mut self, monitor: LossScaleMonitor) {
+        self.monitor = monitor;
     }
 
     fn set_position(&mut self, at: Position) -> Result<(), TrainError> {
@@ -316,6 +343,10 @@ impl<'s> Trainer<'s> {
         let (mut steps, mut examples, mut loss_sum) = (0, 0, 0.0);
         let (mut step_seconds, mut device_ms) = (0.0, None::<f64>);
         let mut saved = Saved::NotAsked;
+        let mut alarms = Vec::new();
+        if let Some(scale) = self.loss_scale() {
+            self.monitor.start(scale);
+        }
         while let Some(staged) = current {
             // The next batch is taken before the step, so that its copy to the device
             // runs while the step computes.
@@ -327,6 +358,9 @@ impl<'s> Trainer<'s> {
             step_seconds += started.elapsed().as_secs_f64();
             if let Some(ms) = out.device_ms {
                 device_ms = Some(device_ms.unwrap_or(0.0) + ms);
+            }
+            if self.step.loss_scale.is_some() {
+                alarms.extend(self.monitor.after_step(self.session));
             }
             let loss = out.outputs[0].to_f64_vec()[0];
             steps += 1;
@@ -369,6 +403,7 @@ impl<'s> Trainer<'s> {
             step_seconds,
             device_seconds: device_ms.map(|ms| ms / 1e3),
             loss_scale: self.loss_scale(),
+            loss_scale_alarms: alarms,
             saved,
             next,
             accuracy: None,

@@ -655,6 +655,34 @@ def unet_tiny():
     return m, inputs
 
 
+def fp16_trap():
+    """opset 13: an MLP on raw (unnormalised, 0..255) features whose first Gemm's
+    products exceed fp16's 65504 on some elements before a Div brings them back;
+    ordinary layers follow. Correct in f32; a naive fp16 conversion overflows there
+    and ends in inf/NaN (what `ampgraph bisect` repairs: tests/numerics_bisect.rs)."""
+    g = G(seed=1007)
+    x = "features"                                                  # [4,32] in 0..255
+    w = (g.rng.standard_normal((48, 32)) * 48.0).astype(np.float32)  # unnormalised weights
+    h = g.op("Gemm", [x, g.init("fc1.weight", w), g.bias("fc1.bias", 48)], "/fc1",
+             alpha=1.0, beta=1.0, transB=1)                        # |h| up to ~2e5
+    h = g.op("Div", [h, g.const(np.array(1e4, dtype=np.float32), "/scale")], "/scale")
+    h = g.op("Relu", [h], "/act1")
+    h = g.op("Tanh", [g.gemm(h, "/fc2", 48, 32, "fc2")], "/act2")
+    h = g.op("Relu", [g.gemm(h, "/fc3", 32, 32, "fc3")], "/act3")
+    h = g.op("Gemm", [h, g.weight("head.weight", (10, 32), 32, 1.0), g.bias("head.bias", 10)],
+             "/head", alpha=1.0, beta=1.0, transB=1, outputs=["logits"])
+    m = g.model("fp16_trap", [vinfo("features", [4, 32])], [vinfo("logits", [4, 10])], opset=13)
+    inputs = [g.rng.uniform(0, 255, (4, 32)).astype(np.float32)]
+    return m, inputs
+
+
+# Models that break a naive fp16 conversion on purpose, under tests/data/onnx/numerics
+# (the model tests, which hold every model within the fp16 bound, skip that folder).
+NUMERICS_MODELS = {
+    "fp16_trap": fp16_trap,
+}
+
+
 # --------------------------------------------------------------------------
 
 MODELS = {
@@ -684,6 +712,12 @@ def main():
                        location="weights.bin", size_threshold=0)
         print(f"wrote {name}", file=sys.stderr)
     print("wrote external_data", file=sys.stderr)
+    numerics = os.path.join(args.out, "numerics")
+    os.makedirs(numerics, exist_ok=True)
+    for name, build in NUMERICS_MODELS.items():
+        m, inputs = build()
+        write_case(numerics, name, m, inputs)
+        print(f"wrote numerics/{name}", file=sys.stderr)
     write_bad(args.out)
     print("wrote bad/", file=sys.stderr)
 

@@ -71,6 +71,8 @@ const PROFILES: &[(&str, &str)] = &[
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ListFile {
+    /// Optional so that a file of `[keep_f32]` alone (saved by calibration) parses.
+    #[serde(default)]
     lists: ListTables,
     /// Nodes kept in f32 whatever their op's class, with why (`"node" = "reason"`):
     /// what calibration and bisection find for one model.
@@ -78,7 +80,7 @@ struct ListFile {
     keep_f32: BTreeMap<String, String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ListTables {
     #[serde(default)]
@@ -214,6 +216,17 @@ impl PrecisionLists {
             .map(|(op, _)| op.as_str())
             .collect()
     }
+}
+
+/// A list file of nodes kept in f32 alone (`[keep_f32]`, `"node" = "reason"`): what
+/// calibration and bisection save, read back by [`PrecisionLists::from_toml`].
+pub fn keep_f32_toml(nodes: &BTreeMap<String, String>) -> Result<String, PassError> {
+    #[derive(serde::Serialize)]
+    struct KeepFile<'a> {
+        keep_f32: &'a BTreeMap<String, String>,
+    }
+    toml::to_string(&KeepFile { keep_f32: nodes })
+        .map_err(|e| PassError::Lists(format!("cannot write the [keep_f32] table: {e}")))
 }
 
 fn check_op(op: &str, origin: &str) -> Result<(), PassError> {

@@ -1,0 +1,361 @@
+//! Range-aware precision: run a graph in f32 on sample inputs, record the largest
+//! magnitude of every f32 tensor, and keep in f32 the nodes whose values the 16-bit
+//! type cannot hold (lists alone cannot know a model's value ranges).
+//!
+//! ```
+//! use ampgraph::numerics::calibrate::{calibrate, DEFAULT_MARGIN};
+//! use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+//! use ampgraph::{DType, Graph, Tensor};
+//!
+//! let mut g = Graph::new();
+//! let x = g.placeholder("x", DType::F32, [2, 2])?;
+//! let w = g.placeholder("w", DType::F32, [2, 2])?;
+//! let y = g.matmul(x, w)?;
+//! g.set_outputs(vec![y])?;
+//! let big = Tensor::from_f64(DType::F32, vec![2, 2], &[3e2; 4])?;
+//! let feeds = [("x", &big), ("w", &big)]
+//!     .into_iter()
+//!     .map(|(n, t)| (n.to_string(), t.clone()))
+//!     .collect();
+//! let calibration = calibrate(&g, &[feeds])?;
+//! let mut config = AmpConfig::with_profile(DType::F16, "tensorflow")?;
+//! // 300 * 300 * 2 = 1.8e5 does not fit f16: the product stays in f32.
+//! let kept = calibration.apply(&mut config, DEFAULT_MARGIN);
+//! assert_eq!(kept[0].1, "observed |x| up to 1.8e5, beyond f16's range");
+//! AutoMixedPrecision::new(config).rewrite(&mut g)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::collections::BTreeMap;
+use std::ops::ControlFlow;
+use std::path::Path;
+
+use ampgraph_exec::{CpuExecutor, Evaluated, ExecError, Feeds};
+use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
+use ampgraph_passes::amp::lists::keep_f32_toml;
+use ampgraph_passes::amp::{AmpConfig, PrecisionLists};
+use ampgraph_passes::PassError;
+use thiserror::Error;
+
+/// Headroom for inputs beyond the samples: a tensor is kept in f32 when twice its
+/// largest observed magnitude would not fit the 16-bit type (for f16: max |x| above
+/// 32752), so inputs up to twice as large as the samples' still fit.
+pub const DEFAULT_MARGIN: f64 = 2.0;
+
+#[derive(Debug, Error)]
+pub enum CalibrateError {
+    #[error("calibration needs at least one sample (one set of feeds)")]
+    NoSamples,
+    #[error("calibration sample {sample} (in f32 on the CPU): {source}")]
+    Exec {
+        sample: usize,
+        #[source]
+        source: ExecError,
+    },
+    #[error(transparent)]
+    Lists(#[from] PassError),
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+}
+
+/// What the samples put in one tensor (or one node's f32 outputs together).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Range {
+    /// The largest finite |x| seen; 0 where none was.
+    pub max_abs: f64,
+    /// Some value was NaN or infinite already in f32 (no precision helps that).
+    pub nonfinite: bool,
+}
+
+impl Range {
+    fn of(t: &Tensor) -> Range {
+        let mut r = Range::default();
+        let mut add = |x: f64| {
+            if x.is_finite() {
+                r.max_abs = r.max_abs.max(x.abs());
+            } else {
+                r.nonfinite = true;
+            }
+        };
+        // Only f32 outputs are recorded; the direct loop spares a dynamic call per value.
+        match t.data() {
+            Data::F32(v) => v.iter().for_each(|&x| add(f64::from(x))),
+            other => other.iter_f64().for_each(add),
+        }
+        r
+    }
+
+    fn merge(&mut self, other: Range) {
+        self.max_abs = self.max_abs.max(other.max_abs);
+        self.nonfinite |= other.nonfinite;
+    }
+}
+
+/// One node as calibration saw it.
+#[derive(Clone, Debug)]
+struct Observed {
+    name: String,
+    /// Per output: its range where the output is f32 (what AMP may convert).
+    outputs: Vec<Option<Range>>,
+    /// Where each input comes from: (index in `Calibration::nodes`, output).
+    inputs: Vec<(usize, usize)>,
+    /// Computed in some sample (a node no sink needs never is).
+    seen: bool,
+}
+
+/// The largest magnitudes of every f32 tensor of a graph over some samples, from
+/// [`calibrate`].
+#[derive(Clone, Debug)]
+pub struct Calibration {
+    /// In the graph's node order.
+    nodes: Vec<Observed>,
+    /// By `NodeId::index()`: the node's place in `nodes`.
+    slot: Vec<usize>,
+    samples: usize,
+}
+
+/// Runs `graph` in f32 on the CPU over each set of feeds and records, for every
+/// node's f32 outputs, the largest finite magnitude and whether any value was
+/// non-finite. The graph is run as given (before AMP). Each set of feeds must give
+/// every Placeholder and Variable a value (`ampgraph::exec::feeds::seeded_tensor`
+/// makes seeded ones, as `ampgraph run` does); to take Variables from an executor,
+/// use [`calibrate_on`].
+pub fn calibrate(graph: &Graph, samples: &[Feeds]) -> Result<Calibration, CalibrateError> {
+    calibrate_on(&mut CpuExecutor::new(), graph, samples)
+}
+
+/// [`calibrate`] on `exec`, whose variables give the Variables not fed. The samples
+/// run as consecutive steps (a training graph's assignments carry from one to the
+/// next, as in training); `exec`'s variables are restored afterwards.
+pub fn calibrate_on(
+    exec: &mut CpuExecutor,
+    graph: &Graph,
+    samples: &[Feeds],
+) -> Result<Calibration, CalibrateError> {
+    if samples.is_empty() {
+        return Err(CalibrateError::NoSamples);
+    }
+    let mut calibration = Calibration::new(graph);
+    let fetches = sinks(graph);
+    let saved = exec.variables.clone();
+    let run = samples.iter().enumerate().try_for_each(|(sample, feeds)| {
+        exec.run_observed(graph, feeds, &fetches, &mut |seen| {
+            calibration.observe(seen);
+            ControlFlow::Continue(())
+        })
+        .map(drop)
+        .map_err(|source| CalibrateError::Exec { sample, source })
+    });
+    exec.variables = saved;
+    run?;
+    calibration.samples = samples.len();
+    Ok(calibration)
+}
+
+/// The first output of every node nothing reads (and the graph's outputs): fetching
+/// them makes a step compute every node that has an output.
+fn sinks(graph: &Graph) -> Vec<Port> {
+    let mut fetches = graph.outputs().to_vec();
+    for id in graph.node_ids() {
+        let unread = graph.consumers(id).is_empty();
+        if unread && !graph.node(id).outputs().is_empty() {
+            fetches.push(Port::new(id, 0));
+        }
+    }
+    fetches.sort_unstable();
+    fetches.dedup();
+    fetches
+}
+
+/// The largest finite value and the smallest positive subnormal of a 16-bit type.
+fn limits(target: DType) -> Option<(f64, f64)> {
+    match target {
+        DType::F16 => Some((half::f16::MAX.to_f64(), half::f16::from_bits(1).to_f64())),
+        DType::BF16 => Some((half::bf16::MAX.to_f64(), half::bf16::from_bits(1).to_f64())),
+        _ => None,
+    }
+}
+
+impl Calibration {
+    fn new(graph: &Graph) -> Calibration {
+        let mut slot = vec![usize::MAX; graph.node_bound()];
+        for (i, id) in graph.node_ids().enumerate() {
+            slot[id.index()] = i;
+        }
+        let nodes = graph
+            .node_ids()
+            .map(|id| {
+                let node = graph.node(id);
+                Observed {
+                    name: node.name.clone(),
+                    outputs: node
+                        .outputs()
+                        .iter()
+                        .map(|t| (t.dtype == DType::F32).then(Range::default))
+                        .collect(),
+                    inputs: graph
+                        .inputs(id)
+                        .iter()
+                        .map(|p| (slot[p.node.index()], p.index))
+                        .collect(),
+                    seen: false,
+                }
+            })
+            .collect();
+        Calibration {
+            nodes,
+            slot,
+            samples: 0,
+        }
+    }
+
+    fn observe(&mut self, seen: &Evaluated) {
+        let Some(node) = self.nodes.get_mut(self.slot[seen.id.index()]) else {
+            return;
+        };
+        node.seen = true;
+        for (range, t) in node.outputs.iter_mut().zip(seen.outputs) {
+            if let Some(range) = range {
+                range.merge(Range::of(t));
+            }
+        }
+    }
+
+    /// How many samples were run.
+    pub fn samples(&self) -> usize {
+        self.samples
+    }
+
+    /// The range of node `name`'s f32 outputs together over every sample; `None`
+    /// where the node has no f32 output, was not computed or is not in the graph.
+    pub fn range(&self, name: &str) -> Option<Range> {
+        let node = self.nodes.iter().find(|n| n.name == name)?;
+        let mut ranges = node.outputs.iter().flatten().copied().peekable();
+        ranges.peek()?;
+        node.seen.then(|| {
+            ranges.fold(Range::default(), |mut all, r| {
+                all.merge(r);
+                all
+            })
+        })
+    }
+
+    /// The nodes with an f32 output that was NaN or infinite already in f32, in graph
+    /// order: a 16-bit type cannot be blamed for them.
+    pub fn nonfinite(&self) -> Vec<&str> {
+        self.nodes
+            .iter()
+            .filter(|n| n.outputs.iter().flatten().any(|r| r.nonfinite))
+            .map(|n| n.name.as_str())
+            .collect()
+    }
+
+    /// The nodes to keep in f32 for `target` (f16 or bf16; any other type keeps
+    /// none), each with the reason `explain` gives, in graph order. An f32 tensor
+    /// does not fit when
+    ///
+    /// - `max |x| * margin` exceeds the type's largest finite value (f16: 65504;
+    ///   bf16: 3.4e38, which only values near f32's own limit reach): "observed |x| up
+    ///   to 1.2e5, beyond f16's range"; a `margin` below 1 counts as 1;
+    /// - or every value is finite, some nonzero, and all at most half the type's
+    ///   smallest subnormal (f16: 3.0e-8), so every value would round to zero:
+    ///   "observed |x| at most 1.0e-9, every value rounding to zero in f16".
+    ///
+    /// The node producing such a tensor is kept, and so is every node with an f32
+    /// output reading it: converted, such a reader would take the tensor through a
+    /// cast to the 16-bit type, overflowing there ("its input 'mul' has observed |x|
+    /// up to ..."). Non-finite values are ignored: they were so already in f32.
+    pub fn keep_f32(&self, target: DType, margin: f64) -> Vec<(String, String)> {
+        let Some((max, tiny)) = limits(target) else {
+            return Vec::new();
+        };
+        let margin = margin.max(1.0);
+        let does_not_fit = |r: &Range| {
+            if r.max_abs * margin > max {
+                Some(format!(
+                    "|x| up to {:.1e}, beyond {target}'s range",
+                    r.max_abs
+                ))
+            } else if !r.nonfinite && r.max_abs > 0.0 && r.max_abs <= tiny / 2.0 {
+                Some(format!(
+                    "|x| at most {:.1e}, every value rounding to zero in {target}",
+                    r.max_abs
+                ))
+            } else {
+                None
+            }
+        };
+        // Per node, per output: why that tensor does not fit.
+        let misfits: Vec<Vec<Option<String>>> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                let seen = n.seen;
+                n.outputs
+                    .iter()
+                    .map(|r| r.as_ref().filter(|_| seen).and_then(does_not_fit))
+                    .collect()
+            })
+            .collect();
+        let mut kept = Vec::new();
+        for (node, misfit) in self.nodes.iter().zip(&misfits) {
+            if let Some(why) = misfit.iter().flatten().next() {
+                kept.push((node.name.clone(), format!("observed {why}")));
+                continue;
+            }
+            if !node.outputs.iter().any(Option::is_some) {
+                continue;
+            }
+            let read = node.inputs.iter().find_map(|&(producer, port)| {
+                let why = misfits.get(producer)?.get(port)?.as_ref()?;
+                Some((&self.nodes[producer].name, why))
+            });
+            if let Some((producer, why)) = read {
+                kept.push((
+                    node.name.clone(),
+                    format!("its input '{producer}' has observed {why}"),
+                ));
+            }
+        }
+        kept
+    }
+
+    /// Keeps [`keep_f32`](Self::keep_f32)'s nodes in f32 under `config` (for its
+    /// target), so the AMP pass paints them as denylisted nodes; returns them.
+    pub fn apply(&self, config: &mut AmpConfig, margin: f64) -> Vec<(String, String)> {
+        let kept = self.keep_f32(config.target, margin);
+        for (node, why) in &kept {
+            config.lists.keep_f32(node, why.clone());
+        }
+        kept
+    }
+}
+
+/// Saves nodes kept in f32 (with their reasons) as a list file of one `[keep_f32]`
+/// table, atomically, for [`load_overrides`] (or `--overrides`) to apply later.
+pub fn save_overrides(path: &Path, kept: &[(String, String)]) -> Result<(), CalibrateError> {
+    let table: BTreeMap<String, String> = kept.iter().cloned().collect();
+    let text = keep_f32_toml(&table)?;
+    Ok(ampgraph_graph::format::write_atomic(path, text.as_bytes())?)
+}
+
+/// Adds the nodes kept in f32 by a saved overrides file (a list file's `[keep_f32]`
+/// table) to `lists`; returns how many. A file with op lists is refused: those
+/// replace a profile, so they belong to `--lists`.
+pub fn load_overrides(lists: &mut PrecisionLists, path: &Path) -> Result<usize, PassError> {
+    let file = PrecisionLists::from_file(path)?;
+    if let Some(class) = ampgraph_passes::amp::ListClass::ALL
+        .into_iter()
+        .find(|&c| !file.ops(c).is_empty())
+    {
+        return Err(PassError::Lists(format!(
+            "{}: an overrides file holds only a [keep_f32] table, not op lists ({class} \
+             has ops); give a whole list file to --lists",
+            path.display()
+        )));
+    }
+    for (node, why) in file.nodes_kept_f32() {
+        lists.keep_f32(node, why.clone());
+    }
+    Ok(file.nodes_kept_f32().len())
+}
