@@ -1127,6 +1127,140 @@ impl Op for Opaque {
     }
 }
 
+/// Bools from uniform draws: true with probability `p`.
+fn bools(r: &mut Rng, shape: &[usize], p: f64) -> Tensor {
+    let n = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| f64::from(u8::from(r.next() < p))).collect();
+    t(DType::Bool, shape, &v)
+}
+
+/// Integers in -3..=3 (ties for the comparisons).
+fn small_ints(r: &mut Rng, n: usize) -> Vec<f64> {
+    r.vec(n, -3.0, 3.0).iter().map(|v| v.round()).collect()
+}
+
+#[test]
+fn select_compare_gather_and_pad() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(11);
+    let values = [FLOATS.as_slice(), &[DType::I32, DType::I64, DType::Bool]].concat();
+    // Where, broadcasting all three ways (cond over a row, a column, b a scalar).
+    for &d in &values {
+        let cond = bools(&mut r, &[4, 1, 5], 0.5);
+        let a = rand(&mut r, d, &[3, 5], -4.0, 4.0);
+        let b = rand(&mut r, d, &[], -4.0, 4.0);
+        check(
+            &mut gpu,
+            &format!("Where {d}"),
+            Where,
+            &[cond, a.clone(), b],
+        );
+        let full = bools(&mut r, &[3, 5], 0.3);
+        let b = rand(&mut r, d, &[3, 5], -4.0, 4.0);
+        check(&mut gpu, &format!("Where same {d}"), Where, &[full, a, b]);
+    }
+    // Comparisons on small integers (ties), broadcast; Equal on bools.
+    for d in [FLOATS.as_slice(), &[DType::I32, DType::I64]].concat() {
+        for kind in CompareKind::ALL {
+            let a = t(d, &[6, 1, 7], &small_ints(&mut r, 42));
+            let b = t(d, &[5, 7], &small_ints(&mut r, 35));
+            check(
+                &mut gpu,
+                &format!("{kind:?} {d}"),
+                Compare::new(kind),
+                &[a, b],
+            );
+        }
+    }
+    let (a, b) = (bools(&mut r, &[3, 1, 8], 0.5), bools(&mut r, &[4, 8], 0.5));
+    check(
+        &mut gpu,
+        "Equal bool",
+        Compare::new(CompareKind::Equal),
+        &[a.clone(), b.clone()],
+    );
+    for kind in LogicalKind::ALL {
+        check(
+            &mut gpu,
+            &format!("{kind:?}"),
+            Logical::new(kind),
+            &[a.clone(), b.clone()],
+        );
+    }
+    check(&mut gpu, "Not", Not, &[bools(&mut r, &[5, 9], 0.5)]);
+    // Gather: negative indices, each axis, both index dtypes, inner slices of odd and
+    // whole-word sizes, a scalar index: (data shape, axis, index dtype, indices'
+    // shape, indices).
+    type GatherCase = (
+        &'static [usize],
+        i64,
+        DType,
+        &'static [usize],
+        &'static [f64],
+    );
+    let gathers: [GatherCase; 5] = [
+        (
+            &[4, 6, 3],
+            1,
+            DType::I64,
+            &[2, 3],
+            &[0.0, -1.0, 5.0, -6.0, 2.0, 2.0],
+        ),
+        (&[4, 6, 3], -1, DType::I32, &[4], &[2.0, -3.0, 0.0, 1.0]),
+        (&[5, 8], 0, DType::I32, &[3, 1], &[4.0, -5.0, 0.0]),
+        (&[7, 2, 16], 0, DType::I64, &[], &[-2.0]),
+        (
+            &[2, 9, 4, 2],
+            2,
+            DType::I64,
+            &[5],
+            &[3.0, -4.0, 1.0, -1.0, 0.0],
+        ),
+    ];
+    for d in FLOATS {
+        for (shape, axis, index, ishape, idx) in gathers {
+            let x = rand(&mut r, d, shape, -4.0, 4.0);
+            let i = t(index, ishape, idx);
+            check(
+                &mut gpu,
+                &format!("Gather {shape:?} axis {axis} {d}"),
+                Gather::new(axis),
+                &[x, i],
+            );
+        }
+    }
+    // Pad: every mode, with crops, reflections wider than the kept axis.
+    type PadCase = (&'static [usize], Vec<[i64; 2]>, PadMode);
+    let pads: [PadCase; 6] = [
+        (
+            &[3, 4, 5],
+            vec![[1, 2], [-1, 2], [0, -2]],
+            PadMode::Constant(1.5),
+        ),
+        (&[3, 4, 5], vec![[2, 3], [1, 1], [3, 0]], PadMode::Reflect),
+        (&[4, 5], vec![[-1, 5], [4, -2]], PadMode::Reflect),
+        (&[4, 1, 5], vec![[1, 2], [2, 1], [-2, 3]], PadMode::Reflect),
+        (&[3, 4, 5], vec![[2, -1], [0, 3], [1, 1]], PadMode::Edge),
+        (
+            &[2, 3, 6, 6],
+            vec![[0, 0], [0, 0], [1, 1], [1, 1]],
+            PadMode::Constant(0.0),
+        ),
+    ];
+    for &d in &values {
+        for (shape, p, mode) in &pads {
+            let x = rand(&mut r, d, shape, -4.0, 4.0);
+            let op = Pad::new(p.clone(), *mode);
+            check(
+                &mut gpu,
+                &format!("Pad {shape:?} {p:?} {mode:?} {d}"),
+                op,
+                &[x],
+            );
+        }
+    }
+}
+
 #[test]
 fn unsupported_ops_are_clear_errors() {
     // No device needed: the check happens before anything runs.

@@ -119,6 +119,26 @@ fn operand(shape: &[usize], out: &[usize]) -> Result<(i32, Dims), String> {
     })
 }
 
+/// The size arguments of a kernel over `out` that reads each of `operands` broadcast
+/// to it: `i64 n, int r, Dims shape`, then `int m, Dims s` per operand (see
+/// `OPERAND_INDEX`; `shape` is only filled where some operand is strided).
+pub(super) fn broadcast_args(operands: &[&[usize]], out: &[usize]) -> Result<Vec<Arg>, String> {
+    let modes = operands
+        .iter()
+        .map(|s| operand(s, out))
+        .collect::<Result<Vec<_>, _>>()?;
+    let strided = modes.iter().any(|(m, _)| *m == 2);
+    let mut args = vec![
+        Arg::I64(numel(out) as i64),
+        Arg::I32(out.len() as i32),
+        Arg::Dims(Dims::new(if strided { out } else { &[] })?),
+    ];
+    for (m, s) in modes {
+        args.extend([Arg::I32(m), Arg::Dims(s)]);
+    }
+    Ok(args)
+}
+
 /// A binary op or gradient: the operands' broadcast modes are fixed by the shapes, so
 /// every argument but the pointers is made here.
 fn lower_binary(
@@ -131,19 +151,8 @@ fn lower_binary(
     let [a, b, ..] = ins else {
         return Err("a binary op takes two inputs".into());
     };
-    let shape = &out.shape;
-    let n = numel(shape);
-    let (ma, sa) = operand(&a.shape, shape)?;
-    let (mb, sb) = operand(&b.shape, shape)?;
-    let sizes = [
-        Arg::I64(n as i64),
-        Arg::I32(shape.len() as i32),
-        Arg::Dims(Dims::new(if ma == 2 || mb == 2 { shape } else { &[] })?),
-        Arg::I32(ma),
-        Arg::Dims(sa),
-        Arg::I32(mb),
-        Arg::Dims(sb),
-    ];
+    let n = numel(&out.shape);
+    let sizes = broadcast_args(&[&a.shape, &b.shape], &out.shape)?;
     let operands = if matches!(spec, Spec::BinaryGrad { .. }) {
         3
     } else {
@@ -243,7 +252,7 @@ pub(super) fn unary_grad(d: DType, kind: UnaryKind) -> String {
 }
 
 /// Index of an operand: mode 0 identity, 1 scalar, 2 strided over the output shape.
-const OPERAND_INDEX: &str = r#"
+pub(super) const OPERAND_INDEX: &str = r#"
 __device__ __forceinline__ i64 operand_index(i64 i, int mode, int r, const Dims& shape, const Dims& st) {
   return mode == 0 ? i : (mode == 1 ? 0 : strided(i, r, shape, st));
 }

@@ -57,6 +57,7 @@ mod norm;
 mod parse_check;
 mod pool;
 mod reduce;
+mod select;
 mod shape;
 mod softmax;
 mod training;
@@ -194,6 +195,7 @@ const FAMILIES: &[Lower] = &[
     batch_norm::lower,
     training::lower,
     pool::lower,
+    select::lower,
 ];
 
 /// Lowers a node (`op` with its input and output types) once, for every step.

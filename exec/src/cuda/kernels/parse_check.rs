@@ -239,6 +239,24 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
             layer_norm_grad_block(types, 1e-5, false),
         ));
     }
+    // Selections: each word width, a comparison of each kind of operand, both index
+    // dtypes, a logical op on bools.
+    use super::select;
+    for bytes in [1, 2, 8] {
+        k.push((format!("where_{bytes}"), select::where_(bytes)));
+        k.push((format!("pad_{bytes}"), select::pad(bytes)));
+    }
+    for (d, op) in [
+        (DType::F16, "<="),
+        (DType::F64, "=="),
+        (DType::I64, ">"),
+        (DType::Bool, "^"),
+    ] {
+        k.push((format!("compare_{d}"), select::compare(d, op)));
+    }
+    k.push(("not".into(), select::not()));
+    k.push(("gather_i32_16".into(), select::gather(16, DType::I32)));
+    k.push(("gather_i64_2".into(), select::gather(2, DType::I64)));
     k.push(("fill_flag".into(), fill_flag()));
     k.push((
         "loss_scale_update".into(),

@@ -191,7 +191,7 @@ impl Gather {
 }
 
 /// The widest word (up to 16 bytes) that divides every one of `sizes` (bytes).
-fn widest_word(sizes: &[usize]) -> usize {
+pub(super) fn widest_word(sizes: &[usize]) -> usize {
     [16, 8, 4, 2, 1]
         .into_iter()
         .find(|w| sizes.iter().all(|b| b % w == 0))
@@ -200,7 +200,7 @@ fn widest_word(sizes: &[usize]) -> usize {
 
 /// `word` where every one of `buffers` starts on it, else `esize`: a view's buffer may
 /// start off the word, and is then copied element by element.
-fn word_at(word: usize, esize: usize, buffers: &[&DTensor]) -> usize {
+pub(super) fn word_at(word: usize, esize: usize, buffers: &[&DTensor]) -> usize {
     if buffers.iter().all(|t| t.ptr() % word as u64 == 0) {
         word
     } else {
