@@ -1262,6 +1262,54 @@ fn select_compare_gather_and_pad() {
 }
 
 #[test]
+fn resize_nearest_and_linear() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(12);
+    // Up, down, 1-D, and NCHW with one axis up and one down.
+    let shapes: [(&[usize], &[usize]); 4] = [
+        (&[2, 2], &[4, 4]),
+        (&[4, 4], &[2, 2]),
+        (&[5], &[12]),
+        (&[2, 3, 5, 7], &[2, 3, 9, 4]),
+    ];
+    let modes = [
+        (
+            ResizeMode::Nearest(NearestMode::RoundPreferFloor),
+            CoordinateTransform::HalfPixel,
+        ),
+        (
+            ResizeMode::Nearest(NearestMode::Floor),
+            CoordinateTransform::Asymmetric,
+        ),
+        (ResizeMode::Linear, CoordinateTransform::HalfPixel),
+        (ResizeMode::Linear, CoordinateTransform::AlignCorners),
+        (ResizeMode::Linear, CoordinateTransform::Asymmetric),
+        (
+            ResizeMode::Nearest(NearestMode::RoundPreferCeil),
+            CoordinateTransform::AlignCorners,
+        ),
+        (
+            ResizeMode::Nearest(NearestMode::Ceil),
+            CoordinateTransform::TfHalfPixelForNn,
+        ),
+        (ResizeMode::Linear, CoordinateTransform::PytorchHalfPixel),
+    ];
+    for d in FLOATS {
+        for (from, to) in shapes {
+            for (mode, coordinates) in modes {
+                let x = rand(&mut r, d, from, -4.0, 4.0);
+                check(
+                    &mut gpu,
+                    &format!("Resize {from:?} -> {to:?} {mode:?} {coordinates:?} {d}"),
+                    Resize::new(to, mode, coordinates),
+                    &[x],
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn unsupported_ops_are_clear_errors() {
     // No device needed: the check happens before anything runs.
     let mut g = Graph::new();

@@ -105,20 +105,20 @@ fn gradient_graph_in_half_precision() {
 }
 
 #[test]
-fn cuda_refuses_resize() {
-    // No device needed: every node is lowered before anything runs.
+fn cuda_refuses_resize_grad() {
+    // No device needed: every node is lowered before anything runs. Resize runs on the
+    // GPU; its gradient does not yet.
     let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [1, 1, 2, 3]).unwrap();
-    g.resize(
-        x,
-        &[1, 1, 4, 6],
+    let dy = g.placeholder("dy", DType::F32, [1, 1, 4, 6]).unwrap();
+    let op = ResizeGrad::new(
+        [1, 1, 2, 3],
         ResizeMode::Linear,
         CoordinateTransform::HalfPixel,
-    )
-    .unwrap();
+    );
+    g.add_node("dx", Box::new(op), &[dy]).unwrap();
     let err = CudaExecutor::check_supported(&g).unwrap_err().to_string();
     assert!(
-        err.contains("ResizeLinear has no CUDA kernel for inputs (f32[1, 1, 2, 3])")
+        err.contains("ResizeLinearGrad has no CUDA kernel for inputs (f32[1, 1, 4, 6])")
             && err.contains("use Device::Cpu"),
         "{err}"
     );

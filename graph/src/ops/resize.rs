@@ -285,10 +285,16 @@ fn check_shapes(input: &[usize], output: &[usize]) -> OpResult<()> {
 /// The inputs output position `o` reads along one axis, with their weights: one or two,
 /// none of weight 0, so that an input a position does not mix in (even an infinite
 /// one) never reaches it.
-type Taps = Vec<(usize, f64)>;
+pub type Taps = Vec<(usize, f64)>;
 
-/// The taps of each output position of an axis of `n > 0` inputs and `m` outputs.
-fn axis_taps(mode: ResizeMode, coordinates: CoordinateTransform, n: usize, m: usize) -> Vec<Taps> {
+/// The taps of each output position of an axis of `n > 0` inputs and `m` outputs: what
+/// the CPU kernels read, and what the CUDA kernels are given.
+pub fn axis_taps(
+    mode: ResizeMode,
+    coordinates: CoordinateTransform,
+    n: usize,
+    m: usize,
+) -> Vec<Taps> {
     let last = (n - 1) as f64;
     (0..m)
         .map(|o| {

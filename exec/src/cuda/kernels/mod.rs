@@ -57,6 +57,7 @@ mod norm;
 mod parse_check;
 mod pool;
 mod reduce;
+mod resize;
 mod select;
 mod shape;
 mod softmax;
@@ -196,6 +197,7 @@ const FAMILIES: &[Lower] = &[
     training::lower,
     pool::lower,
     select::lower,
+    resize::lower,
 ];
 
 /// Lowers a node (`op` with its input and output types) once, for every step.

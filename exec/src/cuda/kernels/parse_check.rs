@@ -257,6 +257,10 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     k.push(("not".into(), select::not()));
     k.push(("gather_i32_16".into(), select::gather(16, DType::I32)));
     k.push(("gather_i64_2".into(), select::gather(2, DType::I64)));
+    // Resize: a 16-bit dtype and f64 (its double accumulator).
+    for d in [DType::BF16, DType::F64] {
+        k.push((format!("resize_{d}"), super::resize::resize(d)));
+    }
     k.push(("fill_flag".into(), fill_flag()));
     k.push((
         "loss_scale_update".into(),
