@@ -245,13 +245,27 @@ fn binary_kind(op: &str) -> BinaryKind {
     }
 }
 
-/// Integer arithmetic on constants (shape computations), with broadcasting.
-fn int_binary(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>, String> {
+/// `f` over two integer constants with broadcasting, in a's dtype; `None` when either
+/// is not integer.
+fn int_zip(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl Fn(i64, i64) -> Result<i64, String>,
+) -> Result<Option<Tensor>, String> {
     let (Some(av), Some(bv)) = (a.to_i64_vec(), b.to_i64_vec()) else {
         return Ok(None);
     };
     let out = broadcast_shapes(a.shape(), b.shape())?;
-    let f = |x: i64, y: i64| -> Result<i64, String> {
+    let values = broadcast_indices(a.shape(), &out)
+        .zip(broadcast_indices(b.shape(), &out))
+        .map(|(i, j)| f(av[i], bv[j]))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(i64_tensor(out, values)?.cast(a.dtype())))
+}
+
+/// Integer arithmetic on constants (shape computations), with broadcasting.
+fn int_binary(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>, String> {
+    int_zip(a, b, |x, y| {
         let r = match kind {
             BinaryKind::Add => x.checked_add(y),
             BinaryKind::Sub => x.checked_sub(y),
@@ -268,12 +282,7 @@ fn int_binary(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>
                 kind.name()
             )
         })
-    };
-    let values = broadcast_indices(a.shape(), &out)
-        .zip(broadcast_indices(b.shape(), &out))
-        .map(|(i, j)| f(av[i], bv[j]))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(i64_tensor(out, values)?.cast(a.dtype())))
+    })
 }
 
 fn binary(cx: &mut NodeCx) -> Result<Vec<Value>> {
@@ -1380,22 +1389,14 @@ fn modulo(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let (Some(a), Some(b)) = (cx.const_input(0)?, cx.const_input(1)?) else {
         return Err(cx.err("Mod is supported on constants only"));
     };
-    let (Some(av), Some(bv)) = (a.to_i64_vec(), b.to_i64_vec()) else {
-        return Err(cx.err("Mod is supported on integers only"));
-    };
     let c_like = cx.int_attr("fmod", 0)? != 0;
-    let out = broadcast_shapes(a.shape(), b.shape()).map_err(|m| cx.err(m))?;
-    let values = broadcast_indices(a.shape(), &out)
-        .zip(broadcast_indices(b.shape(), &out))
-        .map(|(i, j)| match (av[i].checked_rem(bv[j]), c_like) {
-            (None, _) => Err(cx.err(format!("{} mod {} is undefined", av[i], bv[j]))),
-            (Some(r), true) => Ok(r),
-            (Some(r), false) if r != 0 && (r < 0) != (bv[j] < 0) => Ok(r + bv[j]),
-            (Some(r), false) => Ok(r),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let t = i64_tensor(out, values)
-        .map_err(|m| cx.err(m))?
-        .cast(a.dtype());
+    let t = int_zip(&a, &b, |x, y| match (x.checked_rem(y), c_like) {
+        (None, _) => Err(format!("{x} mod {y} is undefined")),
+        (Some(r), true) => Ok(r),
+        (Some(r), false) if r != 0 && (r < 0) != (y < 0) => Ok(r + y),
+        (Some(r), false) => Ok(r),
+    })
+    .map_err(|m| cx.err(m))?
+    .ok_or_else(|| cx.err("Mod is supported on integers only"))?;
     Ok(vec![Value::Const(t)])
 }
