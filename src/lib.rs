@@ -22,6 +22,7 @@ pub use ampgraph_graph::{DType, Graph, GraphError, Port, Tensor, TensorType};
 pub mod cli;
 pub mod numerics;
 pub mod optim;
+pub mod parallel;
 pub mod session;
 pub mod train;
 

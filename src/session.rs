@@ -37,6 +37,8 @@ pub enum SessionError {
     Checkpoint { path: String, msg: String },
     #[error(transparent)]
     CheckNumerics(#[from] CheckError),
+    #[error(transparent)]
+    Data(#[from] ampgraph_data::DataError),
 }
 
 /// Where a session runs.

@@ -63,6 +63,10 @@ pub enum DataError {
         #[source]
         source: Box<DataError>,
     },
+    /// A replica's shard that names no replica: the ranks of `world` replicas are
+    /// `0..world`, and a world holds at least one.
+    #[error("shard rank {rank} of a world of {world} replicas: the ranks are 0..{world} (and the world at least 1)")]
+    BadShard { rank: usize, world: usize },
     #[error("a loader worker failed making batch {batch}: {msg}")]
     Worker { batch: usize, msg: String },
     #[error("{0}")]

@@ -10,7 +10,8 @@
 //!   example's index, so an epoch's values do not depend on which thread made them.
 //! - A [`Loader`] shuffles (seeded, one order per epoch), batches, and makes the
 //!   batches on `workers` threads, at most `prefetch` ahead of the one taken; they come
-//!   out in order, the same for any number of workers.
+//!   out in order, the same for any number of workers. With a [`Shard`] it is one
+//!   replica's part of each global batch, for data-parallel training.
 //!
 //! Reading never trusts a file: every problem is a [`DataError`] naming the file (and
 //! the example), and a worker's error ends the epoch with it, never a hang.
@@ -40,7 +41,7 @@ pub mod transform;
 
 pub use error::DataError;
 pub use folder::ImageFolder;
-pub use loader::{Batch, Epoch, Loader, LoaderOptions};
+pub use loader::{Batch, Epoch, Loader, LoaderOptions, Shard};
 pub use memory::TensorDataset;
 pub use mnist::{Mnist, Split, NUM_CLASSES};
 pub use transform::Transform;

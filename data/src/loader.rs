@@ -6,6 +6,15 @@
 //! shared counter, at most `prefetch` ahead of the batch the consumer takes, and the
 //! epoch hands batches out in their numbers' order: the same batches for any number of
 //! workers. A worker's error (or panic) is that batch's error; the epoch ends there.
+//!
+//! With a [`Shard`] (data-parallel training, one replica per GPU) the epoch is that of
+//! one loader of the global batch, `world * batch_size`: global batch `b` is cut into
+//! `world` contiguous slices of `batch_size`, and replica `rank` takes slice `rank`,
+//! numbered `b`. Every replica shuffles with the same (seed, epoch), so the replicas
+//! together take each global batch once, and all of them the same number of batches.
+//! A short last global batch (kept unless `drop_last`) is cut into `world` equal
+//! slices of `rest / world`; the `rest % world` examples past them (fewer than `world`)
+//! are left out of that epoch, and the batch is dropped if no slice would hold one.
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -29,9 +38,32 @@ pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {
     v
 }
 
+/// Replica `rank` of `world` data-parallel replicas: the loader hands it its slice
+/// of every global batch (see the module's documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Shard {
+    /// Replica `rank` of `world`; a rank out of `0..world` (or a world of 0) is an error.
+    pub fn new(rank: usize, world: usize) -> Result<Shard> {
+        if rank >= world {
+            return Err(DataError::BadShard { rank, world });
+        }
+        Ok(Shard { rank, world })
+    }
+
+    /// Every replica's batch: one loader without shards.
+    const WHOLE: Shard = Shard { rank: 0, world: 1 };
+}
+
 /// How a [`Loader`] batches.
 #[derive(Clone, Debug)]
 pub struct LoaderOptions {
+    /// Examples in a batch (with a shard, in this replica's batch: the global batch is
+    /// `world` times it).
     pub batch_size: usize,
     /// A new order each epoch (seeded), else the data set's order.
     pub shuffle: bool,
@@ -42,6 +74,8 @@ pub struct LoaderOptions {
     pub workers: usize,
     /// How many batches may be made ahead of the one taken.
     pub prefetch: usize,
+    /// This replica's slice of every global batch; `None` takes whole batches.
+    pub shard: Option<Shard>,
 }
 
 impl Default for LoaderOptions {
@@ -56,6 +90,7 @@ impl Default for LoaderOptions {
             seed: 0,
             workers: cores,
             prefetch: 2 * cores,
+            shard: None,
         }
     }
 }
@@ -81,10 +116,14 @@ pub struct Loader {
 }
 
 impl Loader {
-    /// A loader of `dataset`; refuses a zero batch size or prefetch and an empty set.
+    /// A loader of `dataset`; refuses a zero batch size or prefetch, an empty set and a
+    /// shard naming no replica.
     pub fn new(dataset: Arc<dyn Dataset>, options: LoaderOptions) -> Result<Loader> {
         if options.batch_size == 0 {
             return Err(DataError::Invalid("a batch size of 0".into()));
+        }
+        if let Some(shard) = options.shard {
+            check_shard(shard, options.batch_size)?;
         }
         if options.workers > 0 && options.prefetch == 0 {
             return Err(DataError::Invalid(
@@ -110,6 +149,25 @@ impl Loader {
         self
     }
 
+    /// This loader as replica `rank` of `world` (replacing any shard it had):
+    /// `batch_size` stays the replica's batch.
+    pub fn shard(mut self, rank: usize, world: usize) -> Result<Loader> {
+        let shard = Shard { rank, world };
+        check_shard(shard, self.options.batch_size)?;
+        self.options.shard = Some(shard);
+        Ok(self)
+    }
+
+    /// The examples of a step over all replicas: `world * batch_size` (`batch_size`
+    /// without a shard).
+    pub fn global_batch_size(&self) -> usize {
+        self.options.batch_size * self.shard_or_whole().world
+    }
+
+    fn shard_or_whole(&self) -> Shard {
+        self.options.shard.unwrap_or(Shard::WHOLE)
+    }
+
     pub fn options(&self) -> &LoaderOptions {
         &self.options
     }
@@ -127,13 +185,31 @@ impl Loader {
         }
     }
 
-    /// Batches in an epoch.
+    /// Batches in an epoch (with a shard, the same for every replica).
     pub fn batches_per_epoch(&self) -> usize {
-        let (n, b) = (self.dataset.len(), self.options.batch_size);
-        match self.options.drop_last {
-            true => n / b,
-            false => n.div_ceil(b),
+        let full = self.dataset.len() / self.global_batch_size();
+        match !self.options.drop_last && self.short_slice() > 0 {
+            true => full + 1,
+            false => full,
         }
+    }
+
+    /// A replica's part of the short last global batch: the examples past the full
+    /// batches shared equally (0 when there are none, or fewer than replicas).
+    fn short_slice(&self) -> usize {
+        let rest = self.dataset.len() % self.global_batch_size();
+        rest / self.shard_or_whole().world
+    }
+
+    /// The positions in the epoch's order of this loader's part of batch `b`.
+    fn positions(&self, b: usize) -> std::ops::Range<usize> {
+        let global = self.global_batch_size();
+        let slice = match b < self.dataset.len() / global {
+            true => self.options.batch_size,
+            false => self.short_slice(),
+        };
+        let start = b * global + self.shard_or_whole().rank * slice;
+        start..start + slice
     }
 
     /// The batches of `epoch`, in order.
@@ -145,9 +221,8 @@ impl Loader {
     /// batches an uninterrupted one would).
     pub fn epoch_from(&self, epoch: u64, first: usize) -> Epoch {
         let order = self.order(epoch);
-        let size = self.options.batch_size;
         let batches: Vec<Vec<usize>> = (first..self.batches_per_epoch())
-            .map(|b| order[b * size..((b + 1) * size).min(order.len())].to_vec())
+            .map(|b| order[self.positions(b)].to_vec())
             .collect();
         let maker = Arc::new(Maker {
             dataset: self.dataset.clone(),
@@ -158,6 +233,18 @@ impl Loader {
         });
         Epoch::start(maker, self.options.workers, self.options.prefetch)
     }
+}
+
+/// Refuses a shard naming no replica, and a global batch too large to count (so that
+/// positions in an epoch are computed without overflow).
+fn check_shard(shard: Shard, batch_size: usize) -> Result<()> {
+    let Shard { rank, world } = Shard::new(shard.rank, shard.world)?;
+    if batch_size.checked_mul(world).is_none() {
+        return Err(DataError::Invalid(format!(
+            "replica {rank}: a global batch of {world} replicas times {batch_size} examples overflows"
+        )));
+    }
+    Ok(())
 }
 
 /// Two values mixed into one seed.

@@ -20,6 +20,7 @@ fn options(batch_size: usize, workers: usize, prefetch: usize) -> LoaderOptions 
         seed: 7,
         workers,
         prefetch,
+        shard: None,
     }
 }
 

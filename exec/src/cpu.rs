@@ -3,10 +3,11 @@
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 
-use ampgraph_graph::ops::{Placeholder, Variable};
+use ampgraph_graph::ops::{AllReduce, Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 
+use crate::collective::{Collective, Transport};
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{host_memory, memory_plan};
 use crate::{ExecError, ExecOptions, Executor, Feeds, RunResult};
@@ -32,6 +33,8 @@ pub struct CpuExecutor {
     pub memory_limit: Option<usize>,
     /// The graph revision and fetches last admitted (checked against the memory once).
     admitted: Option<((u64, u64), Vec<Port>)>,
+    /// The data-parallel group this replica computes AllReduce with, once joined.
+    collective: Option<Collective>,
 }
 
 /// 16 GiB: larger than any tensor this machine class can hold next to its inputs.
@@ -68,7 +71,26 @@ impl Default for CpuExecutor {
             options: ExecOptions::default(),
             memory_limit: None,
             admitted: None,
+            collective: None,
         }
+    }
+}
+
+/// An AllReduce of a replica in `c`'s group.
+fn all_reduce(
+    c: &Collective,
+    reduce: &AllReduce,
+    inputs: &[&Tensor],
+) -> Result<Vec<Tensor>, String> {
+    if reduce.replicas != c.world {
+        return Err(format!(
+            "averages over {} replicas, but this executor is replica {} of {}",
+            reduce.replicas, c.rank, c.world
+        ));
+    }
+    match &c.transport {
+        Transport::Shared(group) => group.all_reduce_mean(c, inputs),
+        Transport::Nccl(_) => Err("NCCL needs a CUDA executor".into()),
     }
 }
 
@@ -101,10 +123,14 @@ impl CpuExecutor {
             let args: Vec<&Tensor> = inputs.iter().map(|p| &values[&p.node][p.index]).collect();
             let outputs = match self.source_value(graph, id, feeds)? {
                 Some(v) => vec![v],
-                None => node
-                    .op
-                    .eval(&args)
-                    .map_err(|m| ExecError::node(&node.name, op, m))?,
+                None => match (node.op.downcast_ref::<AllReduce>(), &self.collective) {
+                    (Some(reduce), Some(c)) => all_reduce(c, reduce, &args)
+                        .map_err(|m| ExecError::node(&node.name, op, m))?,
+                    _ => node
+                        .op
+                        .eval(&args)
+                        .map_err(|m| ExecError::node(&node.name, op, m))?,
+                },
             };
             check_outputs(node, outputs.iter().map(|t| t.ty()))?;
             let seen = Evaluated {
@@ -198,6 +224,16 @@ impl CpuExecutor {
 }
 
 impl Executor for CpuExecutor {
+    fn join_collective(&mut self, collective: Collective) -> Result<(), ExecError> {
+        if let Transport::Nccl(_) = collective.transport {
+            return Err(ExecError::Collective(
+                "a CPU replica reduces through host memory, not NCCL".into(),
+            ));
+        }
+        self.collective = Some(collective);
+        Ok(())
+    }
+
     fn device_name(&self) -> String {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         format!("CPU ({threads} threads)")

@@ -5,6 +5,7 @@
 //! tensors freed after their last use. [`cuda::CudaExecutor`] runs the same graphs on
 //! a GPU (CUDA loaded at run time; [`cuda::available`] says whether it can be used).
 
+pub mod collective;
 mod cpu;
 pub mod cuda;
 pub mod feeds;
@@ -18,6 +19,7 @@ use std::collections::HashMap;
 use ampgraph_graph::{Graph, GraphError, NodeId, Port, Tensor, TensorType};
 use thiserror::Error;
 
+pub use collective::Collective;
 pub use cpu::{check_tensor_size, CpuExecutor, Evaluated, DEFAULT_MAX_TENSOR_BYTES};
 pub use cuda::kernel_cache::KernelCache;
 pub use cuda::{CudaExecutor, LaunchCounts};
@@ -40,6 +42,10 @@ pub enum ExecError {
     /// A run that cannot fit the memory there is, refused before it computes.
     #[error("out of memory: {0}")]
     Memory(String),
+    /// A collective of a data-parallel step failed, timed out or was aborted by
+    /// another replica's failure.
+    #[error("{0}")]
+    Collective(String),
 }
 
 impl ExecError {
@@ -213,6 +219,16 @@ pub trait Executor {
 
     /// Starts [`peak_bytes`](Self::peak_bytes) again from what is live now.
     fn reset_peak_bytes(&self) {}
+
+    /// Joins a data-parallel group: the graph's AllReduce nodes then average over its
+    /// replicas. Backends without a collective refuse.
+    fn join_collective(&mut self, collective: Collective) -> Result<(), ExecError> {
+        let _ = collective;
+        Err(ExecError::Collective(format!(
+            "{} cannot run data-parallel replicas",
+            self.device_name()
+        )))
+    }
 
     /// Each node's scratch bytes (kernels' temporaries, cuDNN's workspaces) in the
     /// plan of the graph last run, where the backend plans them: with

@@ -16,8 +16,8 @@
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
 use ampgraph_graph::ops::{
-    update_members, variable_updates, AssignVariable, Cast, Const, Placeholder, Variable,
-    VariableUpdate,
+    update_members, variable_updates, AllReduce, AssignVariable, Cast, Const, Placeholder,
+    Variable, VariableUpdate,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 use std::collections::{HashMap, HashSet};
@@ -303,6 +303,24 @@ pub fn plan_outside(
     }
     for &p in fetches {
         extend(p, end);
+    }
+    // A collective may read its inputs on another stream until its outputs are read:
+    // their buffers stay theirs until then.
+    for &id in order
+        .iter()
+        .filter(|&&id| graph.node(id).op.is::<AllReduce>())
+    {
+        let outputs_read_until = (0..graph.node(id).outputs().len())
+            .filter_map(|k| slot_of.get(&Port::new(id, k)))
+            .map(|&b| buffers[b].last)
+            .max();
+        if let Some(last) = outputs_read_until {
+            for p in graph.inputs(id) {
+                if let Some(&b) = slot_of.get(&root(p)) {
+                    buffers[b].last = buffers[b].last.max(last);
+                }
+            }
+        }
     }
     place(&mut buffers);
     Ok(summarise(buffers, end))

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{AssignVariable, Variable};
+use ampgraph_graph::ops::{AllReduce, AssignVariable, Variable};
 use ampgraph_graph::{Graph, Node, NodeId, Port, TensorType};
 
 use crate::ExecError;
@@ -31,6 +31,7 @@ impl Schedule {
             .into_iter()
             .filter(|id| needed[id.index()])
             .collect();
+        let order = collectives_early(graph, order);
         let mut reads: HashMap<NodeId, usize> = HashMap::new();
         for p in order
             .iter()
@@ -55,6 +56,37 @@ impl Schedule {
         }
         done
     }
+}
+
+/// `order` with each collective (AllReduce) moved up to just after its last input's
+/// producer: a bucket of gradients is averaged as soon as it exists, while the rest
+/// of the backward pass runs (on a second stream, where the executor has one).
+fn collectives_early(graph: &Graph, order: Vec<NodeId>) -> Vec<NodeId> {
+    if !order.iter().any(|&id| graph.node(id).op.is::<AllReduce>()) {
+        return order;
+    }
+    let position: HashMap<NodeId, usize> =
+        order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    // Every other node keeps its place (key 2i); a collective goes right after its
+    // inputs (2p + 1), collectives ready together in their old order.
+    let mut keyed: Vec<((usize, usize), NodeId)> = order
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            if !graph.node(id).op.is::<AllReduce>() {
+                return ((2 * i, 0), id);
+            }
+            let ready = graph
+                .inputs(id)
+                .iter()
+                .filter_map(|p| position.get(&p.node))
+                .max()
+                .map_or(0, |&p| 2 * p + 1);
+            ((ready, i), id)
+        })
+        .collect();
+    keyed.sort_by_key(|&(key, _)| key);
+    keyed.into_iter().map(|(_, id)| id).collect()
 }
 
 /// Checks that a kernel produced the types the graph promised.

@@ -27,16 +27,18 @@ mod dnn;
 mod gemm;
 pub mod kernel_cache;
 mod kernels;
+pub mod nccl;
 mod pipeline;
 mod staging;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
 
+use crate::collective::{Collective, Transport};
 use crate::memory_plan;
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{
@@ -373,6 +375,8 @@ pub struct CudaExecutor {
     staging: staging::Staging,
     /// The events timing a step, reused.
     step_events: Option<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    /// The communicator of the data-parallel group this replica joined.
+    nccl: Option<nccl::Nccl>,
 }
 
 /// Uploads a fed or held value (`kind` "feed" or "variable"), an error naming it.
@@ -440,6 +444,7 @@ impl CudaExecutor {
             cast_cache: HashMap::new(),
             staging: staging::Staging::default(),
             step_events: None,
+            nccl: None,
         })
     }
 
@@ -853,6 +858,18 @@ impl Executor for CudaExecutor {
         CudaExecutor::reset_peak_bytes(self)
     }
 
+    fn join_collective(&mut self, collective: Collective) -> Result<(), ExecError> {
+        let Transport::Nccl(id) = collective.transport else {
+            return Err(ExecError::Collective(
+                "a CUDA replica reduces through NCCL, not host memory".into(),
+            ));
+        };
+        let comm = nccl::Nccl::new(&self.dev, &collective, id)
+            .map_err(|e| ExecError::Collective(format!("replica {}: {e}", collective.rank)))?;
+        self.nccl = Some(comm);
+        Ok(())
+    }
+
     fn planned_scratch(&self) -> Option<HashMap<NodeId, usize>> {
         Some(CudaExecutor::planned_scratch(self))
     }
@@ -903,6 +920,10 @@ impl CudaExecutor {
         let mut timed = Vec::new();
         // Nodes that took more scratch than the plan holds for them.
         let mut grown: HashMap<NodeId, usize> = HashMap::new();
+        // Collectives still running on their stream: the events their readers wait
+        // for, and their inputs, kept from the pool until then.
+        let mut joins: HashMap<NodeId, (Vec<cudarc::driver::CudaEvent>, Vec<DTensor>)> =
+            HashMap::new();
         for (position, (&id, lowered)) in order.iter().zip(&memory.lowered).enumerate() {
             if position == memory.before_arena {
                 // Before any launch but the casts of variables only they read: a step
@@ -962,6 +983,11 @@ impl CudaExecutor {
                         })
                         .collect::<Result<_, String>>()
                         .map_err(|m| ExecError::node(&node.name, op, m))?;
+                    for p in graph.inputs(id) {
+                        if let Some((events, _)) = joins.remove(&p.node) {
+                            self.join(&events)?;
+                        }
+                    }
                     let planned_scratch = memory.scratch.get(&id).copied();
                     let scratch = match (&arena, planned_scratch) {
                         (Some(a), Some((at, bytes))) => {
@@ -985,6 +1011,8 @@ impl CudaExecutor {
                         scratch,
                         scratch_used: Cell::new(0),
                         workspace_room: memory.workspace_room.get(&id).copied(),
+                        collective: self.nccl.as_ref(),
+                        joins: RefCell::new(Vec::new()),
                     };
                     // Only a profiled step brackets each op with timing events.
                     let out = guard("CUDA", || {
@@ -1017,6 +1045,10 @@ impl CudaExecutor {
                         Ok(out)
                     })
                     .map_err(|m| ExecError::node(&node.name, op, m))?;
+                    let events = ctx.joins.take();
+                    if !events.is_empty() {
+                        joins.insert(id, (events, inputs));
+                    }
                     let used = ctx.scratch_used.get();
                     if used > planned_scratch.map_or(0, |(_, bytes)| bytes) {
                         grown.insert(id, used);
@@ -1042,6 +1074,9 @@ impl CudaExecutor {
             for done in schedule.consume_inputs(graph, id) {
                 values.remove(&done);
             }
+        }
+        for (events, _) in joins.into_values() {
+            self.join(&events)?;
         }
         if let Some((step_start, host_start)) = step_start {
             self.profile.host_secs += host_start.elapsed().as_secs_f64();
@@ -1080,6 +1115,12 @@ impl CudaExecutor {
         let next = next
             .map(|feeds| self.staging.stage(&self.dev, graph, feeds))
             .transpose()?;
+        // A replica waits for its step polling, so that a failed peer or a timeout
+        // ends the wait rather than hanging in the driver.
+        if let Some(nccl) = &self.nccl {
+            let end = guard("CUDA", || self.dev.timing_event()).map_err(dev_err)?;
+            nccl.wait(&end).map_err(ExecError::Collective)?;
+        }
         // Last: the download waits for the stream, and the host work above ran
         // while the GPU was still busy with the step.
         let outputs = fetched
@@ -1089,6 +1130,17 @@ impl CudaExecutor {
             })
             .collect::<Result<_, _>>()?;
         Ok((outputs, next))
+    }
+
+    /// Makes the compute stream wait for work on other streams (collectives).
+    fn join(&self, events: &[cudarc::driver::CudaEvent]) -> Result<(), ExecError> {
+        for e in events {
+            self.dev
+                .stream
+                .wait(e)
+                .map_err(|e| dev_err(format!("CUDA stream wait: {e:?}")))?;
+        }
+        Ok(())
     }
 
     /// Makes a step's variable writes current: the variables take their new values,

@@ -2,6 +2,7 @@
 //! from its name and attributes.
 
 pub mod attention;
+pub mod collective;
 pub mod compare;
 pub mod conv;
 pub mod elementwise;
@@ -24,6 +25,7 @@ use crate::op::{Op, OpEntry, OpResult};
 use crate::tensor::{Tensor, TensorType};
 
 pub use attention::{FusedAttention, FusedAttentionGrad};
+pub use collective::AllReduce;
 pub use compare::{Compare, CompareKind, Logical, LogicalKind, Not};
 pub use conv::{AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
@@ -88,6 +90,7 @@ const FAMILIES: &[&[OpEntry]] = &[
     gather::OPS,
     pad::OPS,
     resize::OPS,
+    collective::OPS,
 ];
 
 /// Every op name the IR knows.

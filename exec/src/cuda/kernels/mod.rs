@@ -47,6 +47,7 @@ macro_rules! kernel_specs {
 pub(crate) mod attention;
 mod batch_norm;
 pub(crate) mod codegen;
+mod collective;
 mod conv;
 mod cross_entropy;
 mod elementwise;
@@ -63,7 +64,7 @@ mod shape;
 mod softmax;
 mod training;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::fmt::Debug;
 
 use ampgraph_graph::ops::{Const, Group, Placeholder, Variable};
@@ -73,6 +74,7 @@ use ampgraph_graph::{DType, Op, Tensor, TensorType};
 use super::device::{row_block, row_grid, Arg, DTensor, Device};
 use super::dnn::{Dnn, DnnOptions};
 use super::gemm::{Gemm, GemmOptions};
+use super::nccl::Nccl;
 use crate::memory_plan::ALIGNMENT;
 
 pub(crate) use codegen::{FIN_WARPS, MAX_RANK, VECTOR};
@@ -198,6 +200,7 @@ const FAMILIES: &[Lower] = &[
     pool::lower,
     select::lower,
     resize::lower,
+    collective::lower,
 ];
 
 /// Lowers a node (`op` with its input and output types) once, for every step.
@@ -263,6 +266,11 @@ pub struct Ctx<'a> {
     /// What a convolution's workspace may take while the node runs, where the step
     /// has a plan: the arena's bytes not alive then, and a little more.
     pub workspace_room: Option<usize>,
+    /// The replica's communicator, in a data-parallel group.
+    pub collective: Option<&'a Nccl>,
+    /// Events of work on other streams that the readers of the node's outputs must
+    /// wait for (a collective's end).
+    pub joins: RefCell<Vec<cudarc::driver::CudaEvent>>,
 }
 
 impl Ctx<'_> {

@@ -1,0 +1,182 @@
+//! Data parallelism: the gradients of a training step averaged over the replicas.
+//!
+//! Every replica runs the same step on its own shard of the global batch; before the
+//! updates, each gradient becomes its mean over the replicas ([`AllReduce`]), so every
+//! replica applies the same update to the same weights (PyTorch's
+//! DistributedDataParallel). The pass groups the gradients into buckets in the order
+//! the backward pass produces them (the last layers' first), a first bucket of at most
+//! 1 MiB and then 25 MiB each, as DDP's defaults: executors issue each bucket's
+//! all-reduce as soon as its last gradient exists, while the rest of the backward
+//! still runs.
+//!
+//! Under mixed precision the mean is taken over the f32 gradients, still scaled: the
+//! ones `Cast<f32>(g)` the loss-scale unscaling multiplies (the unscaling itself stays
+//! after the mean, where `unscale-into-update` still folds it). In f32 a sum of
+//! replicas' gradients cannot overflow where none of them did, so the all-finite check
+//! after it reads the same values on every replica and fails exactly when some replica
+//! overflowed: one global skip decision and one loss-scale update, and the replicas
+//! never diverge. PyTorch's DDP under autocast and GradScaler reduces the same f32
+//! scaled gradients; 16-bit buckets would halve the bytes but could overflow in the
+//! sum and round the mean once more.
+
+use std::collections::HashMap;
+
+use ampgraph_graph::ops::{AllFinite, AllReduce, Binary, BinaryKind, OptimizerUpdate};
+use ampgraph_graph::{Graph, NodeId, Port};
+
+use crate::{format_bytes, Pass, PassError, PassSummary};
+
+/// PyTorch DDP's `bucket_cap_mb`.
+pub const BUCKET_BYTES: usize = 25 << 20;
+/// PyTorch DDP's first bucket: small, so that its all-reduce starts early.
+pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
+
+/// The `data-parallel` pass: gradient means over `replicas` replicas, in buckets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataParallel {
+    pub replicas: usize,
+    pub bucket_bytes: usize,
+    pub first_bucket_bytes: usize,
+}
+
+impl DataParallel {
+    pub fn new(replicas: usize) -> Self {
+        DataParallel {
+            replicas,
+            bucket_bytes: BUCKET_BYTES,
+            first_bucket_bytes: FIRST_BUCKET_BYTES,
+        }
+    }
+}
+
+/// The tensor whose mean is taken for the gradient port `grad` of an update: the
+/// operand of the loss-scale unscaling `Mul(x, 1/scale)` that the all-finite check
+/// also reads, or the gradient itself.
+fn reduced_port(g: &Graph, grad: Port) -> Port {
+    let node = g.node(grad.node);
+    let is_mul = node
+        .op
+        .downcast_ref::<Binary>()
+        .is_some_and(|b| b.kind == BinaryKind::Mul);
+    let checked = g
+        .port_consumers(grad)
+        .into_iter()
+        .any(|(reader, _)| g.node(reader).op.is::<AllFinite>());
+    if !is_mul || !checked {
+        return grad;
+    }
+    let &[a, b] = &g.inputs(grad.node)[..] else {
+        return grad;
+    };
+    let is_scalar = |p: Port| g.ty(p).shape.is_empty();
+    match (is_scalar(a), is_scalar(b)) {
+        (false, true) if g.ty(a) == g.ty(grad) => a,
+        (true, false) if g.ty(b) == g.ty(grad) => b,
+        _ => grad,
+    }
+}
+
+/// The ports to reduce, in the order the graph's schedule produces them.
+fn gradients_in_order(g: &Graph) -> Result<Vec<Port>, PassError> {
+    let position: HashMap<NodeId, usize> = g
+        .topo_order()?
+        .into_iter()
+        .enumerate()
+        .map(|(i, id)| (id, i))
+        .collect();
+    let mut ports: Vec<Port> = Vec::new();
+    for id in g.node_ids() {
+        if g.node(id).op.is::<OptimizerUpdate>() {
+            if let Some(&grad) = g.inputs(id).get(2) {
+                let p = reduced_port(g, grad);
+                if !ports.contains(&p) {
+                    ports.push(p);
+                }
+            }
+        }
+    }
+    ports.sort_by_key(|p| (position[&p.node], p.index));
+    Ok(ports)
+}
+
+/// `ports` cut into buckets of at most `first` bytes, then `rest` bytes (a tensor
+/// larger than a bucket is a bucket of its own).
+fn buckets(g: &Graph, ports: &[Port], first: usize, rest: usize) -> Vec<Vec<Port>> {
+    let mut buckets: Vec<Vec<Port>> = Vec::new();
+    let mut bytes = 0usize;
+    for &p in ports {
+        let size = g.ty(p).size_bytes();
+        let cap = if buckets.len() == 1 { first } else { rest };
+        match buckets.last_mut() {
+            Some(bucket) if bytes + size <= cap => {
+                bucket.push(p);
+                bytes += size;
+            }
+            _ => {
+                buckets.push(vec![p]);
+                bytes = size;
+            }
+        }
+    }
+    buckets
+}
+
+impl Pass for DataParallel {
+    fn name(&self) -> &'static str {
+        "data-parallel"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        if self.replicas == 0 {
+            return Err(PassError::Rewrite(
+                "data-parallel: replicas must be at least 1".into(),
+            ));
+        }
+        let title = format!("Data parallel over {} replicas", self.replicas);
+        if g.node_ids().any(|id| g.node(id).op.is::<AllReduce>()) {
+            return Ok(PassSummary {
+                title,
+                lines: vec!["the graph already averages its gradients: unchanged".into()],
+            });
+        }
+        let ports = gradients_in_order(g)?;
+        let buckets = buckets(g, &ports, self.first_bucket_bytes, self.bucket_bytes);
+        let mut lines = Vec::new();
+        let mut total = 0usize;
+        for (i, bucket) in buckets.iter().enumerate() {
+            let name = g.fresh_name(format!("data_parallel/all_reduce_{i}"));
+            let op = AllReduce {
+                replicas: self.replicas,
+            };
+            let node = g.add_node(name, Box::new(op), bucket)?;
+            let mut changes = Vec::new();
+            for (k, &p) in bucket.iter().enumerate() {
+                changes.extend(
+                    g.port_consumers(p)
+                        .into_iter()
+                        .filter(|&(reader, _)| reader != node)
+                        .map(|(reader, slot)| (reader, slot, Port::new(node, k))),
+                );
+            }
+            g.rewire(changes)?;
+            let bytes: usize = bucket.iter().map(|&p| g.ty(p).size_bytes()).sum();
+            total += bytes;
+            lines.push(format!(
+                "bucket {i}: {} gradients, {} ({})",
+                bucket.len(),
+                format_bytes(bytes as u64),
+                g.ty(bucket[0]).dtype
+            ));
+        }
+        lines.insert(
+            0,
+            format!(
+                "{} gradients ({}) averaged in {} buckets",
+                ports.len(),
+                format_bytes(total as u64),
+                buckets.len()
+            ),
+        );
+        Ok(PassSummary { title, lines })
+    }
+}

@@ -1,0 +1,358 @@
+//! Data-parallel training: one replica of a training step per device, each on its own
+//! shard of the global batch, the gradients averaged over the replicas before the
+//! updates (PyTorch's DistributedDataParallel).
+//!
+//! [`Replicas`] runs one process, one thread per replica. Rust has no interpreter lock
+//! to escape, so threads give each GPU its own host core as processes would, without
+//! a launcher, a rendezvous or a port: the graph is built once and copied, every
+//! replica initialises its variables from the same seed (so all start equal, as DDP's
+//! broadcast from rank 0 makes them), and a failing replica stops the others through
+//! shared memory at once ([`Abort`]): each waiting replica aborts its NCCL
+//! communicator and the group's error names the replica that failed.
+//!
+//! The [`DataParallel`] pass adds the gradient means (bucketed AllReduce nodes); on
+//! CUDA devices NCCL computes them on a second stream while the backward pass goes on,
+//! on the CPU a shared-memory group does (the CPU simulation the tests compare with
+//! one replica at the global batch).
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ampgraph_data::Loader;
+use ampgraph_exec::collective::{Abort, Collective, SharedGroup, Transport, DEFAULT_TIMEOUT};
+use ampgraph_exec::cuda::nccl;
+use ampgraph_exec::Feeds;
+use ampgraph_graph::ops::AllReduce;
+use ampgraph_graph::{Graph, Port, Tensor};
+use ampgraph_passes::data_parallel::DataParallel;
+use ampgraph_passes::Pass;
+
+use crate::optim::TrainStep;
+use crate::session::{Device, Session, SessionError, SessionOptions};
+
+/// What stops a data-parallel group.
+#[derive(Debug, thiserror::Error)]
+pub enum ParallelError {
+    /// A replica's step failed; the others were stopped.
+    #[error("replica {rank} failed: {source}")]
+    Replica {
+        rank: usize,
+        #[source]
+        source: Box<SessionError>,
+    },
+    /// The replicas could not be set up (devices, NCCL, graphs that disagree).
+    #[error("data parallel: {0}")]
+    Setup(String),
+    #[error(transparent)]
+    Data(#[from] ampgraph_data::DataError),
+}
+
+/// How a group of replicas runs.
+#[derive(Clone, Debug)]
+pub struct ReplicaOptions {
+    /// Each replica's session (the same for all).
+    pub session: SessionOptions,
+    /// How long a replica waits for the others at a collective.
+    pub timeout: Duration,
+    /// The gradient buckets' size in bytes (the first bucket is at most 1 MiB).
+    pub bucket_bytes: usize,
+}
+
+impl Default for ReplicaOptions {
+    fn default() -> Self {
+        ReplicaOptions {
+            session: SessionOptions::default(),
+            timeout: DEFAULT_TIMEOUT,
+            bucket_bytes: ampgraph_passes::data_parallel::BUCKET_BYTES,
+        }
+    }
+}
+
+/// One replica's part of a data-parallel epoch.
+#[derive(Clone, Debug, Default)]
+pub struct ReplicaEpoch {
+    pub steps: usize,
+    pub examples: usize,
+    pub loss_sum: f64,
+    pub seconds: f64,
+}
+
+/// A data-parallel epoch over all replicas.
+#[derive(Clone, Debug)]
+pub struct ParallelEpochReport {
+    /// Steps each replica ran.
+    pub steps: usize,
+    /// Examples over all replicas.
+    pub examples: usize,
+    /// The mean over steps and replicas of the replicas' losses.
+    pub loss: f64,
+    /// The slowest replica's wall-clock seconds.
+    pub seconds: f64,
+}
+
+impl ParallelEpochReport {
+    pub fn examples_per_second(&self) -> f64 {
+        self.examples as f64 / self.seconds.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// A training graph replicated over devices.
+pub struct Replicas {
+    sessions: Vec<Session>,
+    abort: Abort,
+}
+
+/// The AllReduce nodes of a graph in order, with their inputs' types: what replicas
+/// must agree on before their first step, or their collectives would not match.
+fn collective_signature(g: &Graph) -> Result<Vec<String>, SessionError> {
+    Ok(g.topo_order()?
+        .into_iter()
+        .filter(|&id| g.node(id).op.is::<AllReduce>())
+        .map(|id| {
+            let types: Vec<String> = g.inputs(id).iter().map(|&p| g.ty(p).to_string()).collect();
+            format!("{}({})", g.node(id).name, types.join(", "))
+        })
+        .collect())
+}
+
+impl Replicas {
+    /// `graph` (a training step, as `minimize` builds it) on each of `devices`: the
+    /// gradients averaged over them (the [`DataParallel`] pass), one session per
+    /// device. Devices are all CUDA or all CPU.
+    pub fn new(
+        graph: Graph,
+        devices: &[Device],
+        options: ReplicaOptions,
+    ) -> Result<Replicas, ParallelError> {
+        Self::with_graphs(vec![graph; devices.len()], devices, options)
+    }
+
+    /// As [`new`](Self::new), with each replica's own graph: they must average the
+    /// same tensors in the same buckets, checked before the first step.
+    pub fn with_graphs(
+        graphs: Vec<Graph>,
+        devices: &[Device],
+        options: ReplicaOptions,
+    ) -> Result<Replicas, ParallelError> {
+        let world = devices.len();
+        if world == 0 || graphs.len() != world {
+            return Err(ParallelError::Setup(format!(
+                "{} graphs for {world} devices (one graph per device, at least one)",
+                graphs.len()
+            )));
+        }
+        let on_cuda = devices.iter().all(|d| matches!(d, Device::Cuda(_)));
+        if !on_cuda && devices.iter().any(|d| matches!(d, Device::Cuda(_))) {
+            return Err(ParallelError::Setup(
+                "the replicas' devices must be all CUDA or all CPU".into(),
+            ));
+        }
+        let pass = DataParallel {
+            bucket_bytes: options.bucket_bytes,
+            ..DataParallel::new(world)
+        };
+        let mut sessions = Vec::with_capacity(world);
+        for (rank, (mut graph, &device)) in graphs.into_iter().zip(devices).enumerate() {
+            let fail = |source: SessionError| ParallelError::Replica {
+                rank,
+                source: Box::new(source),
+            };
+            pass.run(&mut graph).map_err(|e| fail(e.into()))?;
+            sessions
+                .push(Session::with_options(graph, device, options.session.clone()).map_err(fail)?);
+        }
+        let signatures = sessions
+            .iter()
+            .map(|s| collective_signature(s.graph()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ParallelError::Setup(e.to_string()))?;
+        for (rank, sig) in signatures.iter().enumerate().skip(1) {
+            if *sig != signatures[0] {
+                return Err(ParallelError::Setup(format!(
+                    "replica {rank}'s graph averages [{}] where replica 0's averages [{}]: the replicas must run the same step",
+                    sig.join("; "),
+                    signatures[0].join("; ")
+                )));
+            }
+        }
+        let abort = Abort::default();
+        let collectives = match on_cuda {
+            true => {
+                // NVLink multicast (NVLS) stays off: gradient buckets do not need it,
+                // and on shared hosts a program using it can take the GPUs down.
+                if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+                    std::env::set_var("NCCL_NVLS_ENABLE", "0");
+                }
+                let id = nccl::unique_id().map_err(ParallelError::Setup)?;
+                (0..world)
+                    .map(|rank| Collective {
+                        rank,
+                        world,
+                        transport: Transport::Nccl(id),
+                        abort: abort.clone(),
+                        timeout: options.timeout,
+                    })
+                    .collect()
+            }
+            false => SharedGroup::collectives(world, &abort, options.timeout),
+        };
+        let mut replicas = Replicas { sessions, abort };
+        // Every rank joins at once: NCCL's communicators are made together.
+        replicas.on_each(|rank, session| {
+            Ok(session
+                .executor_mut()
+                .join_collective(collectives[rank].clone())?)
+        })?;
+        Ok(replicas)
+    }
+
+    /// How many replicas there are.
+    pub fn world(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Replica `rank`'s session.
+    pub fn session(&self, rank: usize) -> Option<&Session> {
+        self.sessions.get(rank)
+    }
+
+    /// Runs `f` on every replica at once, each on its own thread. The first replica
+    /// to fail stops the others (their collectives give up) and is the error.
+    pub fn on_each<R: Send>(
+        &mut self,
+        f: impl Fn(usize, &mut Session) -> Result<R, SessionError> + Sync,
+    ) -> Result<Vec<R>, ParallelError> {
+        if let Some(why) = self.abort.reason() {
+            return Err(ParallelError::Setup(format!(
+                "the replicas stopped earlier ({why}); make them anew"
+            )));
+        }
+        let first_failure: Mutex<Option<(usize, SessionError)>> = Mutex::new(None);
+        let results: Vec<Option<R>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .sessions
+                .iter_mut()
+                .enumerate()
+                .map(|(rank, session)| {
+                    let (f, abort, first_failure) = (&f, &self.abort, &first_failure);
+                    s.spawn(move || match f(rank, session) {
+                        Ok(r) => Some(r),
+                        Err(e) => {
+                            // Recorded and raised under one lock: a replica stopped
+                            // by this abort finds the slot taken.
+                            let mut first = first_failure.lock().unwrap_or_else(|p| p.into_inner());
+                            if first.is_none() {
+                                abort.raise(format!("replica {rank} failed: {e}"));
+                                *first = Some((rank, e));
+                            }
+                            None
+                        }
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(None))
+                .collect()
+        });
+        if let Some((rank, source)) = first_failure
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+        {
+            return Err(ParallelError::Replica {
+                rank,
+                source: Box::new(source),
+            });
+        }
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(rank, r)| {
+                r.ok_or_else(|| ParallelError::Setup(format!("replica {rank} panicked")))
+            })
+            .collect()
+    }
+
+    /// One step on every replica, replica `r` fed `feeds[r]`; each replica's fetches.
+    pub fn run(
+        &mut self,
+        fetches: &[Port],
+        feeds: &[Feeds],
+    ) -> Result<Vec<Vec<Tensor>>, ParallelError> {
+        if feeds.len() != self.world() {
+            return Err(ParallelError::Setup(format!(
+                "{} feeds for {} replicas",
+                feeds.len(),
+                self.world()
+            )));
+        }
+        self.on_each(|rank, session| session.run(fetches, &feeds[rank]))
+    }
+
+    /// One epoch of `loader`, each replica on its shard ([`Loader::shard`]): together
+    /// they take the loader's global batches (its batch size is the per-replica one).
+    pub fn epoch(
+        &mut self,
+        loader: &Loader,
+        step: &TrainStep,
+        images: Port,
+        labels: Port,
+        epoch: usize,
+    ) -> Result<ParallelEpochReport, ParallelError> {
+        let world = self.world();
+        let shards = (0..world)
+            .map(|rank| loader.clone().shard(rank, world))
+            .collect::<Result<Vec<_>, _>>()?;
+        let fetches = [step.loss, step.step];
+        let parts = self.on_each(|rank, session| {
+            let name = |p: Port| session.graph().node(p.node).name.clone();
+            let (images, labels) = (name(images), name(labels));
+            let start = Instant::now();
+            let mut part = ReplicaEpoch::default();
+            for batch in shards[rank].epoch_from(epoch as u64, 0) {
+                let batch = batch?;
+                part.examples += batch.images.shape().first().copied().unwrap_or(0);
+                let feeds = Feeds::from([
+                    (images.clone(), batch.images),
+                    (labels.clone(), batch.labels),
+                ]);
+                let out = session.run(&fetches, &feeds)?;
+                part.loss_sum += out[0].to_f64_vec().first().copied().unwrap_or(f64::NAN);
+                part.steps += 1;
+            }
+            part.seconds = start.elapsed().as_secs_f64();
+            Ok(part)
+        })?;
+        let steps = parts[0].steps;
+        Ok(ParallelEpochReport {
+            steps,
+            examples: parts.iter().map(|p| p.examples).sum(),
+            loss: parts.iter().map(|p| p.loss_sum).sum::<f64>() / (steps.max(1) * world) as f64,
+            seconds: parts.iter().map(|p| p.seconds).fold(0.0, f64::max),
+        })
+    }
+
+    /// Writes replica 0's variables (every replica holds the same) as
+    /// [`Session::save`] does.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<(), ParallelError> {
+        self.sessions[0]
+            .save(path)
+            .map_err(|source| ParallelError::Replica {
+                rank: 0,
+                source: Box::new(source),
+            })
+    }
+
+    /// Restores a checkpoint into every replica.
+    pub fn restore(&mut self, path: impl AsRef<Path>) -> Result<(), ParallelError> {
+        let path = path.as_ref();
+        self.on_each(|_, session| session.restore(path))?;
+        Ok(())
+    }
+
+    /// A variable's value (replica 0's; every replica holds the same).
+    pub fn variable(&self, name: &str) -> Option<&Tensor> {
+        self.sessions[0].variable(name)
+    }
+}

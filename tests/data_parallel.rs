@@ -1,0 +1,416 @@
+//! Data-parallel training on the CPU: one replica is the plain graph bit for bit; N
+//! replicas (threads averaging through shared memory) match one replica at the
+//! global batch; buckets follow the backward pass; one overflow skips the step on
+//! every replica; failures name their replica; checkpoints go from rank 0 to all.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ampgraph::data::{Loader, LoaderOptions, Mnist};
+use ampgraph::exec::{CpuExecutor, Feeds};
+use ampgraph::graph::nn::{self, Activation};
+use ampgraph::graph::ops::AllReduce;
+use ampgraph::graph::{DType, Graph, Tensor};
+use ampgraph::optim::{
+    enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep, LOSS_SCALE_VARIABLE,
+};
+use ampgraph::parallel::{ParallelError, ReplicaOptions, Replicas};
+use ampgraph::passes::data_parallel::DataParallel;
+use ampgraph::passes::Pass;
+use ampgraph::{Device, Session};
+
+const FEATURES: usize = 6;
+const CLASSES: usize = 4;
+
+/// x[batch, 6] -> dense 32 tanh -> dense 16 relu -> dense 4 -> mean cross-entropy.
+fn model(batch: usize, amp: bool) -> (Graph, TrainStep) {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [batch, FEATURES]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [batch]).unwrap();
+    let h = nn::dense(&mut g, x, 32, Some(Activation::Tanh)).unwrap();
+    let h = nn::dense(&mut g, h, 16, Some(Activation::Relu)).unwrap();
+    let logits = nn::dense(&mut g, h, CLASSES, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let opt = Sgd::momentum(0.1, 0.9);
+    let step = match amp {
+        true => enable_mixed_precision_graph_rewrite(opt).minimize(&mut g, loss),
+        false => opt.minimize(&mut g, loss),
+    }
+    .unwrap();
+    (g, step)
+}
+
+/// Examples `first..first + n` of a fixed synthetic set, for step `step`.
+fn batch(step: usize, first: usize, n: usize) -> Feeds {
+    let x: Vec<f64> = (first..first + n)
+        .flat_map(|e| (0..FEATURES).map(move |f| (e, f)))
+        .map(|(e, f)| ((((e * 31 + f * 7 + step * 13) % 23) as f64) - 11.0) / 7.0)
+        .collect();
+    let labels: Vec<f64> = (first..first + n)
+        .map(|e| ((e * 5 + step) % CLASSES) as f64)
+        .collect();
+    Feeds::from([
+        (
+            "x".to_string(),
+            Tensor::from_f64(DType::F32, [n, FEATURES], &x).unwrap(),
+        ),
+        (
+            "labels".to_string(),
+            Tensor::from_f64(DType::I64, [n], &labels).unwrap(),
+        ),
+    ])
+}
+
+fn cpu_replicas(world: usize, graph: Graph) -> Replicas {
+    Replicas::new(graph, &vec![Device::Cpu; world], ReplicaOptions::default()).unwrap()
+}
+
+fn variables(session: &Session) -> Vec<(String, Tensor)> {
+    let mut names: Vec<String> = session.executor().variable_names();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let v = session.variable(&n).unwrap().clone();
+            (n, v)
+        })
+        .collect()
+}
+
+#[test]
+fn one_replica_is_the_plain_graph_bit_for_bit() {
+    for amp in [false, true] {
+        let (g, step) = model(8, amp);
+        let mut plain = Session::new(g.clone(), Device::Cpu).unwrap();
+        let mut replicas = cpu_replicas(1, g);
+        for s in 0..4 {
+            let feeds = batch(s, 0, 8);
+            let a = plain.run(&[step.loss], &feeds).unwrap();
+            plain.run(&[step.step], &feeds).unwrap();
+            let b = replicas
+                .run(&[step.loss], std::slice::from_ref(&feeds))
+                .unwrap();
+            replicas.run(&[step.step], &[feeds]).unwrap();
+            assert_eq!(
+                a[0].to_f64_vec(),
+                b[0][0].to_f64_vec(),
+                "amp {amp} step {s}"
+            );
+        }
+        let (a, b) = (variables(&plain), variables(replicas.session(0).unwrap()));
+        assert_eq!(a.len(), b.len());
+        for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+            assert_eq!(na, nb);
+            assert_eq!(ta.to_f64_vec(), tb.to_f64_vec(), "amp {amp}: variable {na}");
+        }
+    }
+}
+
+#[test]
+fn n_replicas_match_one_replica_at_the_global_batch() {
+    for world in [2, 4] {
+        let per = 4;
+        let global = per * world;
+        let (g1, step1) = model(global, false);
+        let mut one = Session::new(g1, Device::Cpu).unwrap();
+        let (gn, stepn) = model(per, false);
+        let mut replicas = cpu_replicas(world, gn);
+        for s in 0..5 {
+            let feeds: Vec<Feeds> = (0..world).map(|r| batch(s, r * per, per)).collect();
+            let losses = replicas.run(&[stepn.loss, stepn.step], &feeds).unwrap();
+            let want = one
+                .run(&[step1.loss, step1.step], &batch(s, 0, global))
+                .unwrap()[0]
+                .to_f64_vec()[0];
+            let mean = losses.iter().map(|o| o[0].to_f64_vec()[0]).sum::<f64>() / world as f64;
+            assert!(
+                (mean - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "world {world} step {s}: {mean} vs {want}"
+            );
+        }
+        for (name, want) in variables(&one) {
+            for rank in 0..world {
+                let got = replicas
+                    .session(rank)
+                    .unwrap()
+                    .variable(&name)
+                    .unwrap()
+                    .to_f64_vec();
+                for (i, (a, b)) in got.iter().zip(want.to_f64_vec()).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 2e-5 * b.abs().max(1e-2),
+                        "world {world} rank {rank} {name}[{i}]: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn buckets_follow_the_backward_pass_and_run_as_soon_as_their_gradients_exist() {
+    // Small buckets: the last layer's gradients (produced first) fill the first.
+    let (mut g, _) = model(8, false);
+    let pass = DataParallel {
+        bucket_bytes: 600,
+        first_bucket_bytes: 100,
+        ..DataParallel::new(1)
+    };
+    pass.run(&mut g).unwrap();
+    let buckets: Vec<Vec<String>> = g
+        .topo_order()
+        .unwrap()
+        .into_iter()
+        .filter(|&id| g.node(id).op.is::<AllReduce>())
+        .map(|id| {
+            g.inputs(id)
+                .iter()
+                .map(|&p| g.node(p.node).name.clone())
+                .collect()
+        })
+        .collect();
+    let sizes: Vec<Vec<usize>> = g
+        .node_ids()
+        .filter(|&id| g.node(id).op.is::<AllReduce>())
+        .map(|id| g.inputs(id).iter().map(|&p| g.ty(p).size_bytes()).collect())
+        .collect();
+    // Gradients in backward order: dense_2's bias (16 B) and kernel (256 B), dense_1's
+    // (64, 2048), dense's (128, 768). First bucket <= 100 B, then <= 600 B, a larger
+    // tensor alone.
+    let flat: Vec<usize> = sizes.iter().flatten().copied().collect();
+    assert_eq!(
+        flat.iter().sum::<usize>(),
+        4 * (32 * 6 + 32 + 16 * 32 + 16 + 4 * 16 + 4)
+    );
+    assert!(sizes[0].iter().sum::<usize>() <= 100, "{sizes:?}");
+    for b in &sizes[1..] {
+        assert!(b.len() == 1 || b.iter().sum::<usize>() <= 600, "{sizes:?}");
+    }
+    assert!(buckets.len() >= 4, "{buckets:?}");
+    // Execution order: every AllReduce right after its last input's producer, with
+    // backward work still after the first one.
+    let feeds = batch(0, 0, 8);
+    let mut order = Vec::new();
+    let outputs = g.outputs().to_vec();
+    CpuExecutor::new()
+        .run_observed(&g, &feeds_with_variables(&g, feeds), &outputs, &mut |e| {
+            order.push(e.id);
+            std::ops::ControlFlow::Continue(())
+        })
+        .unwrap();
+    let position = |id| order.iter().position(|&o| o == id).unwrap();
+    let reduces: Vec<_> = order
+        .iter()
+        .copied()
+        .filter(|&id| g.node(id).op.is::<AllReduce>())
+        .collect();
+    for &r in &reduces {
+        let last_input = g.inputs(r).iter().map(|p| position(p.node)).max().unwrap();
+        assert_eq!(
+            position(r),
+            last_input + 1,
+            "{} runs right after its inputs",
+            g.node(r).name
+        );
+    }
+    let first = position(reduces[0]);
+    let backward_after = order[first..]
+        .iter()
+        .any(|&id| g.node(id).op.name().contains("Grad") || g.node(id).op.name() == "MatMul");
+    assert!(
+        backward_after,
+        "the first bucket is averaged while the backward pass goes on"
+    );
+}
+
+/// `feeds` plus every Variable's initial value (a bare executor has none).
+fn feeds_with_variables(g: &Graph, mut feeds: Feeds) -> Feeds {
+    let session = Session::new(g.clone(), Device::Cpu).unwrap();
+    for (name, value) in variables(&session) {
+        feeds.insert(name, value);
+    }
+    feeds
+}
+
+#[test]
+fn one_replicas_overflow_skips_the_step_on_every_replica() {
+    let world = 2;
+    let (g, step) = model(4, true);
+    let mut replicas = cpu_replicas(world, g);
+    let before: Vec<_> = (0..world)
+        .map(|r| variables(replicas.session(r).unwrap()))
+        .collect();
+    let mut feeds: Vec<Feeds> = (0..world).map(|r| batch(0, r * 4, 4)).collect();
+    // Replica 1's input overflows f16 in the forward pass: its gradients are not finite.
+    let x = feeds[1]["x"]
+        .to_f64_vec()
+        .iter()
+        .map(|v| v * 1e30)
+        .collect::<Vec<_>>();
+    feeds[1].insert(
+        "x".into(),
+        Tensor::from_f64(DType::F32, [4, FEATURES], &x).unwrap(),
+    );
+    replicas.run(&[step.step], &feeds).unwrap();
+    for rank in 0..world {
+        let s = replicas.session(rank).unwrap();
+        let scale = s.variable(LOSS_SCALE_VARIABLE).unwrap().to_f64_vec()[0];
+        assert_eq!(scale, 16384.0, "replica {rank} halves its scale");
+        for (name, value) in &before[rank] {
+            if name.starts_with("loss_scale") {
+                continue;
+            }
+            assert_eq!(
+                s.variable(name).unwrap().to_f64_vec(),
+                value.to_f64_vec(),
+                "replica {rank} skipped {name}"
+            );
+        }
+    }
+    // A finite step then updates every replica alike.
+    let feeds: Vec<Feeds> = (0..world).map(|r| batch(1, r * 4, 4)).collect();
+    replicas.run(&[step.step], &feeds).unwrap();
+    let (a, b) = (
+        variables(replicas.session(0).unwrap()),
+        variables(replicas.session(1).unwrap()),
+    );
+    assert_eq!(
+        a.iter().map(|(_, t)| t.to_f64_vec()).collect::<Vec<_>>(),
+        b.iter().map(|(_, t)| t.to_f64_vec()).collect::<Vec<_>>()
+    );
+    assert_ne!(a, before[0].clone(), "the finite step updates the weights");
+}
+
+#[test]
+fn a_failing_replica_stops_every_replica_with_an_error_naming_it() {
+    let world = 3;
+    let (g, step) = model(4, false);
+    let mut replicas = cpu_replicas(world, g);
+    let mut feeds: Vec<Feeds> = (0..world).map(|r| batch(0, r * 4, 4)).collect();
+    feeds[2] = batch(0, 0, 5); // the wrong batch size
+    let start = Instant::now();
+    let e = replicas.run(&[step.loss, step.step], &feeds).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "no replica hangs"
+    );
+    let msg = e.to_string();
+    assert!(matches!(e, ParallelError::Replica { rank: 2, .. }), "{msg}");
+    assert!(msg.starts_with("replica 2 failed: feed 'x'"), "{msg}");
+    // The group is spent: a next step says so rather than hanging.
+    let e = replicas.run(
+        &[step.loss],
+        &(0..world).map(|r| batch(0, r * 4, 4)).collect::<Vec<_>>(),
+    );
+    assert!(e.unwrap_err().to_string().contains("replica 2 failed"));
+}
+
+#[test]
+fn replicas_whose_graphs_disagree_are_refused_before_the_first_step() {
+    let (a, _) = model(4, false);
+    let mut b = Graph::new();
+    let x = b.placeholder("x", DType::F32, [4, FEATURES]).unwrap();
+    let labels = b.placeholder("labels", DType::I64, [4]).unwrap();
+    let logits = nn::dense(&mut b, x, CLASSES, None).unwrap();
+    let loss = b.softmax_cross_entropy(logits, labels).unwrap();
+    Sgd::new(0.1).minimize(&mut b, loss).unwrap();
+    let e = Replicas::with_graphs(
+        vec![a, b],
+        &[Device::Cpu, Device::Cpu],
+        ReplicaOptions::default(),
+    )
+    .err()
+    .expect("refused");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("replica 1's graph averages") && msg.contains("replica 0's averages"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_checkpoint_written_once_restores_into_every_replica() {
+    let dir = std::env::temp_dir().join(format!("ampgraph-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("dp.ckpt");
+    let (g, step) = model(4, true);
+    let mut trained = cpu_replicas(2, g.clone());
+    for s in 0..3 {
+        let feeds: Vec<Feeds> = (0..2).map(|r| batch(s, r * 4, 4)).collect();
+        trained.run(&[step.step], &feeds).unwrap();
+    }
+    trained.save(&path).unwrap();
+    let mut fresh = cpu_replicas(2, g.clone());
+    fresh.restore(&path).unwrap();
+    let want = variables(trained.session(0).unwrap());
+    for rank in 0..2 {
+        assert_eq!(
+            variables(fresh.session(rank).unwrap()),
+            want,
+            "replica {rank}"
+        );
+    }
+    // The same file restores into a plain (one-device) session too.
+    let mut plain = Session::new(g, Device::Cpu).unwrap();
+    plain.restore(&path).unwrap();
+    assert_eq!(variables(&plain), want);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn an_epoch_of_shards_trains_as_one_replica_on_the_global_batches() {
+    let data = Arc::new(Mnist::synthetic(96, 7));
+    let (per, world) = (8, 2);
+    let mlp = |batch: usize| {
+        let mut g = Graph::new();
+        let x = g
+            .placeholder("images", DType::F32, [batch, 1, 28, 28])
+            .unwrap();
+        let labels = g.placeholder("labels", DType::I64, [batch]).unwrap();
+        let flat = g.reshape(x, [batch as i64, 784]).unwrap();
+        let h = nn::dense(&mut g, flat, 16, Some(Activation::Relu)).unwrap();
+        let logits = nn::dense(&mut g, h, 10, None).unwrap();
+        let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+        let step = Sgd::momentum(0.05, 0.9).minimize(&mut g, loss).unwrap();
+        (g, step, x, labels)
+    };
+    let options = |batch_size| LoaderOptions {
+        batch_size,
+        drop_last: true,
+        seed: 3,
+        ..Default::default()
+    };
+    let (g, step, images, labels) = mlp(per);
+    let mut replicas = cpu_replicas(world, g);
+    let report = replicas
+        .epoch(
+            &Loader::new(data.clone(), options(per)).unwrap(),
+            &step,
+            images,
+            labels,
+            0,
+        )
+        .unwrap();
+    assert_eq!(report.steps, 96 / (per * world));
+    assert_eq!(report.examples, 96);
+    let (g1, step1, images1, labels1) = mlp(per * world);
+    let mut one = Session::new(g1, Device::Cpu).unwrap();
+    let loader = Loader::new(data, options(per * world)).unwrap();
+    for b in loader.epoch_from(0, 0) {
+        let b = b.unwrap();
+        let feeds = Feeds::from([
+            (one.graph().node(images1.node).name.clone(), b.images),
+            (one.graph().node(labels1.node).name.clone(), b.labels),
+        ]);
+        one.run(&[step1.loss, step1.step], &feeds).unwrap();
+    }
+    for (name, want) in variables(&one) {
+        let got = replicas.variable(&name).unwrap().to_f64_vec();
+        for (a, b) in got.iter().zip(want.to_f64_vec()) {
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs().max(1e-2),
+                "{name}: {a} vs {b}"
+            );
+        }
+    }
+}
