@@ -116,6 +116,40 @@ fn collective_signature(g: &Graph) -> Result<Vec<String>, SessionError> {
         .collect())
 }
 
+/// One [`Collective`] per device, sharing one [`Abort`]: NCCL communicators' unique
+/// id for CUDA devices (NVLink multicast left off), a shared-memory group for CPUs.
+pub fn collectives(
+    devices: &[Device],
+    timeout: Duration,
+) -> Result<Vec<Collective>, ParallelError> {
+    let world = devices.len();
+    let on_cuda = devices.iter().all(|d| matches!(d, Device::Cuda(_)));
+    if world == 0 || (!on_cuda && devices.iter().any(|d| matches!(d, Device::Cuda(_)))) {
+        return Err(ParallelError::Setup(
+            "the replicas' devices must be all CUDA or all CPU, at least one".into(),
+        ));
+    }
+    let abort = Abort::default();
+    if !on_cuda {
+        return Ok(SharedGroup::collectives(world, &abort, timeout));
+    }
+    // NVLink multicast (NVLS) stays off: gradient buckets do not need it, and on
+    // shared hosts a program using it can take the GPUs down.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
+    let id = nccl::unique_id().map_err(ParallelError::Setup)?;
+    Ok((0..world)
+        .map(|rank| Collective {
+            rank,
+            world,
+            transport: Transport::Nccl(id),
+            abort: abort.clone(),
+            timeout,
+        })
+        .collect())
+}
+
 impl Replicas {
     /// `graph` (a training step, as `minimize` builds it) on each of `devices`: the
     /// gradients averaged over them (the [`DataParallel`] pass), one session per
@@ -141,12 +175,6 @@ impl Replicas {
                 "{} graphs for {world} devices (one graph per device, at least one)",
                 graphs.len()
             )));
-        }
-        let on_cuda = devices.iter().all(|d| matches!(d, Device::Cuda(_)));
-        if !on_cuda && devices.iter().any(|d| matches!(d, Device::Cuda(_))) {
-            return Err(ParallelError::Setup(
-                "the replicas' devices must be all CUDA or all CPU".into(),
-            ));
         }
         let pass = DataParallel {
             bucket_bytes: options.bucket_bytes,
@@ -176,27 +204,8 @@ impl Replicas {
                 )));
             }
         }
-        let abort = Abort::default();
-        let collectives = match on_cuda {
-            true => {
-                // NVLink multicast (NVLS) stays off: gradient buckets do not need it,
-                // and on shared hosts a program using it can take the GPUs down.
-                if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-                    std::env::set_var("NCCL_NVLS_ENABLE", "0");
-                }
-                let id = nccl::unique_id().map_err(ParallelError::Setup)?;
-                (0..world)
-                    .map(|rank| Collective {
-                        rank,
-                        world,
-                        transport: Transport::Nccl(id),
-                        abort: abort.clone(),
-                        timeout: options.timeout,
-                    })
-                    .collect()
-            }
-            false => SharedGroup::collectives(world, &abort, options.timeout),
-        };
+        let collectives = collectives(devices, options.timeout)?;
+        let abort = collectives[0].abort.clone();
         let mut replicas = Replicas { sessions, abort };
         // Every rank joins at once: NCCL's communicators are made together.
         replicas.on_each(|rank, session| {

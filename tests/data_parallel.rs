@@ -16,6 +16,7 @@ use ampgraph::optim::{
 };
 use ampgraph::parallel::{ParallelError, ReplicaOptions, Replicas};
 use ampgraph::passes::data_parallel::DataParallel;
+use ampgraph::passes::sync_batch_norm::SyncBatchNorm;
 use ampgraph::passes::Pass;
 use ampgraph::{Device, Session};
 
@@ -413,4 +414,80 @@ fn an_epoch_of_shards_trains_as_one_replica_on_the_global_batches() {
             );
         }
     }
+}
+
+/// x[batch, 6, 6, 3] -> conv 3x3 8 -> batch norm (training) -> relu -> dense 4 ->
+/// cross-entropy, the batch norm synchronized over `sync` replicas where given.
+fn convnet(batch: usize, sync: Option<usize>) -> (Graph, TrainStep) {
+    use ampgraph::graph::ops::Padding;
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [batch, 6, 6, 3]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [batch]).unwrap();
+    let c = nn::conv2d_layer(&mut g, x, 8, [3, 3], [1, 1], Padding::Same, None).unwrap();
+    let bn = nn::batch_norm_layer(&mut g, c.output, true).unwrap();
+    let h = g.relu(bn.output).unwrap();
+    let flat = g.reshape(h, [batch as i64, 6 * 6 * 8]).unwrap();
+    let logits = nn::dense(&mut g, flat, CLASSES, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    if let Some(n) = sync {
+        SyncBatchNorm::new(n).run(&mut g).unwrap();
+    }
+    let step = Sgd::momentum(0.05, 0.9).minimize(&mut g, loss).unwrap();
+    (g, step)
+}
+
+fn images(step: usize, first: usize, n: usize) -> Feeds {
+    let x: Vec<f64> = (first * 108..(first + n) * 108)
+        .map(|i| ((((i * 37 + step * 11) % 29) as f64) - 14.0) / 9.0 + (i / 108) as f64 * 0.3)
+        .collect();
+    let labels: Vec<f64> = (first..first + n)
+        .map(|e| ((e * 3 + step) % CLASSES) as f64)
+        .collect();
+    Feeds::from([
+        (
+            "x".to_string(),
+            Tensor::from_f64(DType::F32, [n, 6, 6, 3], &x).unwrap(),
+        ),
+        (
+            "labels".to_string(),
+            Tensor::from_f64(DType::I64, [n], &labels).unwrap(),
+        ),
+    ])
+}
+
+#[test]
+fn synchronized_batch_norm_replicas_train_as_one_at_the_global_batch() {
+    let (world, per) = (2, 4);
+    let (g1, step1) = convnet(per * world, None);
+    let mut one = Session::new(g1, Device::Cpu).unwrap();
+    let mut max_error = |sync: Option<usize>| {
+        let (g, step) = convnet(per, sync);
+        let mut replicas = cpu_replicas(world, g);
+        let mut fresh = Session::new(convnet(per * world, None).0, Device::Cpu).unwrap();
+        std::mem::swap(&mut one, &mut fresh);
+        for s in 0..3 {
+            let feeds: Vec<Feeds> = (0..world).map(|r| images(s, r * per, per)).collect();
+            replicas.run(&[step.step], &feeds).unwrap();
+            one.run(&[step1.step], &images(s, 0, per * world)).unwrap();
+        }
+        let mut worst: f64 = 0.0;
+        let mut compared = 0;
+        for (name, want) in variables(&one) {
+            // The moving statistics are not updated by this step (no one fetches them).
+            let Some(got) = replicas.variable(&name) else {
+                continue;
+            };
+            compared += 1;
+            for (a, b) in got.to_f64_vec().iter().zip(want.to_f64_vec()) {
+                worst = worst.max((a - b).abs() / b.abs().max(1e-2));
+            }
+        }
+        assert!(compared >= 6, "{compared} variables compared");
+        worst
+    };
+    let synced = max_error(Some(world));
+    assert!(synced < 1e-4, "synchronized: {synced}");
+    // Each replica's own statistics train another model: the comparison can tell.
+    let local = max_error(None);
+    assert!(local > 1e-3, "local statistics: {local}");
 }

@@ -130,6 +130,7 @@ use ampgraph::{Device, SessionOptions};
 use ampgraph::graph::models::{convnet, f32_variable};
 mod energy;
 mod fit;
+mod replicas;
 #[cfg(test)]
 mod tests;
 
@@ -290,6 +291,10 @@ struct Args {
     /// ignored).
     #[arg(long, value_name = "MIB")]
     max_batch_under_mib: Option<f64>,
+    /// Train data-parallel over GPUs 0..N (NCCL), each on a batch of the workload's
+    /// size, and print one JSON line per mode (`scripts/torch_ddp.py` is PyTorch DDP's).
+    #[arg(long, value_name = "N")]
+    replicas: Option<usize>,
     #[command(flatten)]
     executor: ExecutorArgs,
 }
@@ -380,6 +385,15 @@ impl Config {
             },
         };
         Ok(c)
+    }
+
+    /// The batch size.
+    fn batch(&self) -> usize {
+        match *self {
+            Config::Mlp { batch, .. }
+            | Config::Transformer { batch, .. }
+            | Config::Convnet { batch, .. } => batch,
+        }
     }
 
     /// The same workload at another batch size.
@@ -837,6 +851,18 @@ struct Step {
 /// `mode`, and runs the session's pipeline on it: the AMP pass for a marked graph,
 /// then the passes after it.
 fn prepare(args: &Args, cfg: &Config, mode: Mode, infer: bool) -> Res<Step> {
+    prepare_with(args, cfg, mode, infer, &|_| Ok(()))
+}
+
+/// [`prepare`], with `rewrite` applied to the step before the session's pipeline (the
+/// data-parallel pass).
+fn prepare_with(
+    args: &Args,
+    cfg: &Config,
+    mode: Mode,
+    infer: bool,
+    rewrite: &dyn Fn(&mut Graph) -> Res<()>,
+) -> Res<Step> {
     let Model {
         mut graph,
         logits,
@@ -874,6 +900,7 @@ fn prepare(args: &Args, cfg: &Config, mode: Mode, infer: bool) -> Res<Step> {
             }
         }
     }
+    rewrite(&mut graph)?;
     let nodes_before = graph.len();
     let pipeline = Pipeline::new(&graph, &args.session_options(mode), &[])?;
     let fetches: Vec<Port> = [fetch].into_iter().chain(loss).collect();
@@ -1160,6 +1187,12 @@ fn bench(args: &Args) -> Res<()> {
         args.iters.max(1),
         args.warmup
     );
+    if let Some(world) = args.replicas {
+        for &mode in &modes {
+            replicas::run(args, &cfg, mode, world)?;
+        }
+        return Ok(());
+    }
     let data = cfg.data(args.seed)?;
     let mut rows = Vec::new();
     for &mode in &modes {

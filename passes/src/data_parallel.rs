@@ -133,13 +133,18 @@ impl Pass for DataParallel {
             ));
         }
         let title = format!("Data parallel over {} replicas", self.replicas);
-        if g.node_ids().any(|id| g.node(id).op.is::<AllReduce>()) {
+        // Gradients averaged already (a second run) are left alone; the graph's other
+        // AllReduce nodes (a synchronized batch norm's) are not gradients.
+        let ports: Vec<Port> = gradients_in_order(g)?
+            .into_iter()
+            .filter(|p| !g.node(p.node).op.is::<AllReduce>())
+            .collect();
+        if ports.is_empty() {
             return Ok(PassSummary {
                 title,
-                lines: vec!["the graph already averages its gradients: unchanged".into()],
+                lines: vec!["no gradient to average: unchanged".into()],
             });
         }
-        let ports = gradients_in_order(g)?;
         let buckets = buckets(g, &ports, self.first_bucket_bytes, self.bucket_bytes);
         let mut lines = Vec::new();
         let mut total = 0usize;

@@ -8,6 +8,7 @@
 pub mod amp;
 pub mod attention;
 pub mod cross_entropy;
+pub mod data_parallel;
 pub mod epilogue;
 pub mod fuse;
 pub mod fuse_batchnorm_activation;
@@ -18,8 +19,11 @@ pub mod registry;
 pub mod simplify;
 pub mod softmax_prologue;
 pub mod sum_into_elementwise;
+pub mod sync_batch_norm;
 #[cfg(test)]
 mod testing;
+
+pub use sync_batch_norm::SyncBatchNorm;
 
 use std::time::{Duration, Instant};
 

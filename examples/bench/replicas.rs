@@ -1,0 +1,101 @@
+//! `--replicas N`: the workload's training step data-parallel over GPUs 0..N (one
+//! thread per GPU, gradients averaged through NCCL), each GPU on its own batch of the
+//! workload's size, as `scripts/torch_ddp.py` runs PyTorch's DDP under torchrun.
+
+use std::time::Duration;
+
+use ampgraph::exec::memory_plan::mib;
+use ampgraph::passes::data_parallel::DataParallel;
+use ampgraph::passes::Pass;
+use ampgraph::Device;
+
+use super::{initial_values, prepare_with, py, step_feeds, Args, Config, Mode, Res};
+
+/// One replica's timed steps: the median step (ms, CUDA events) and peak MiB.
+struct ReplicaTimes {
+    median_ms: f64,
+    min_ms: f64,
+    max_ms: f64,
+    peak_mib: Option<f64>,
+}
+
+/// Times `mode`'s training step over `world` GPUs and prints one JSON line (the
+/// slowest replica's median step; examples per second over all GPUs).
+pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()> {
+    let pass = DataParallel::new(world);
+    let step = prepare_with(args, cfg, mode, false, &|g| Ok(pass.run(g).map(drop)?))?;
+    let devices: Vec<Device> = (0..world).map(Device::Cuda).collect();
+    let collectives = ampgraph::parallel::collectives(&devices, Duration::from_secs(120))?;
+    let options = args.session_options(mode);
+    let results: Vec<Result<ReplicaTimes, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = collectives
+            .iter()
+            .map(|c| {
+                let (step, options) = (&step, &options);
+                s.spawn(move || {
+                    let run = || -> Res<ReplicaTimes> {
+                        // Each GPU its own batch, as each DDP rank draws its own.
+                        let data = cfg.data(args.seed + c.rank as u64)?;
+                        let feeds = step_feeds(args, &step.graph, &data);
+                        let mut exec = Device::Cuda(c.rank)
+                            .executor(options.executor, &options.kernel_cache)?;
+                        exec.check_supported(&step.graph)?;
+                        for (name, value) in initial_values(args, &step.graph, &data)? {
+                            exec.set_variable(&name, value)?;
+                        }
+                        exec.join_collective(c.clone())?;
+                        for _ in 0..args.warmup {
+                            exec.run(&step.graph, &feeds, &[step.fetch])?;
+                        }
+                        exec.reset_peak_bytes();
+                        let mut times = Vec::with_capacity(args.iters.max(1));
+                        for _ in 0..args.iters.max(1) {
+                            let (_, ms) = exec.run_timed(&step.graph, &feeds, &[step.fetch])?;
+                            times.push(ms.unwrap_or(f64::NAN));
+                        }
+                        times.sort_by(f64::total_cmp);
+                        Ok(ReplicaTimes {
+                            median_ms: times[times.len() / 2],
+                            min_ms: times[0],
+                            max_ms: times[times.len() - 1],
+                            peak_mib: exec.peak_bytes().map(mib),
+                        })
+                    };
+                    run().map_err(|e| {
+                        let msg = format!("replica {} failed: {e}", c.rank);
+                        c.abort.raise(msg.clone());
+                        msg
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a replica panicked".into()))
+            })
+            .collect()
+    });
+    // The first failure is the group's abort reason; the rest followed from it.
+    if let Some(why) = collectives[0].abort.reason() {
+        return Err(why.into());
+    }
+    let times: Vec<ReplicaTimes> = results.into_iter().collect::<Result<_, _>>()?;
+    let slowest = times.iter().map(|t| t.median_ms).fold(0.0, f64::max);
+    let batch = cfg.batch();
+    let per_rank: Vec<String> = times.iter().map(|t| py(t.median_ms, 3)).collect();
+    let peak = times.iter().filter_map(|t| t.peak_mib).fold(0.0, f64::max);
+    println!(
+        "{{\"peer\": \"ampgraph\", \"workload\": \"{}\", \"mode\": \"{}\", \"world\": {world}, \"per_gpu_batch\": {batch}, \"median_ms\": {}, \"min_ms\": {}, \"max_ms\": {}, \"rank_median_ms\": [{}], \"examples_per_s\": {}, \"peak_mib\": {}}}",
+        args.workload.name(),
+        mode.name(),
+        py(slowest, 3),
+        py(times.iter().map(|t| t.min_ms).fold(f64::INFINITY, f64::min), 3),
+        py(times.iter().map(|t| t.max_ms).fold(0.0, f64::max), 3),
+        per_rank.join(", "),
+        py((world * batch) as f64 / (slowest / 1e3), 1),
+        py(peak, 0),
+    );
+    Ok(())
+}
