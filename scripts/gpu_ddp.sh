@@ -7,12 +7,12 @@
 # lines), torch_ddp.log (their stdout/stderr), ours_ddp.txt (the bench's), runs.txt (each
 # command and its exit status; a failed run is recorded there and the script goes on),
 # env_ddp.txt. NVLink multicast stays off (exported below; torch_ddp.py refuses to run
-# otherwise). The timeouts add up to 600 s at most (T_TORCH=60, T_OURS=60 override).
+# otherwise). Each run has a timeout (T_TORCH=90, T_OURS=120 s; override in the environment).
 set -u
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 N=${1:-$(nvidia-smi -L | wc -l)}
-T_TORCH=${T_TORCH:-60} T_OURS=${T_OURS:-60}
+T_TORCH=${T_TORCH:-90} T_OURS=${T_OURS:-120}
 here=$(cd "$(dirname "$0")" && pwd)
 py=torch_ddp.py; [ -e "$py" ] || py=$here/torch_ddp.py
 anchor=$PWD; [ -e torch_anchor.py ] || anchor=$here/../../shared/bench
@@ -20,7 +20,9 @@ anchor=$PWD; [ -e torch_anchor.py ] || anchor=$here/../../shared/bench
 # a Rust program that loads libnccl.so.2 at run time.
 nccl_lib=$(python3 -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null) || nccl_lib=
 if [ -n "$nccl_lib" ] && [ -d "$nccl_lib" ]; then
-  export LD_LIBRARY_PATH=$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  # cudarc opens libnccl.so; the wheel ships only libnccl.so.2.
+  mkdir -p /tmp/nccl_link && ln -sf "$nccl_lib/libnccl.so.2" /tmp/nccl_link/libnccl.so
+  export LD_LIBRARY_PATH=/tmp/nccl_link:$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 else
   echo "nvidia-nccl-cu13 not found: libnccl.so.2 from the default library path"; nccl_lib=
 fi
@@ -37,6 +39,8 @@ run() {
   echo "exit $rc: $*" | tee -a $OUT/runs.txt
   [ $rc = 0 ] || fails=$((fails + 1))
 }
+# The data-parallel GPU tests first (NCCL, 2 GPUs).
+[ -x ./cuda_data_parallel ] && run tests_ddp.txt 300 ./cuda_data_parallel --test-threads 1 --nocapture
 gpus="1"; [ "$N" != 1 ] && gpus="1 $N"
 for w in transformer convnet; do
   for n in $gpus; do
@@ -45,6 +49,7 @@ for w in transformer convnet; do
   done
   run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node 1 $py --workload $w --mode amp_fp16 \
     --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl --no-ddp
+  run ours_ddp.txt $T_OURS ./bench --workload $w --modes amp_fp16 --phases train
   for n in $gpus; do
     run ours_ddp.txt $T_OURS ./bench --workload $w --modes amp_fp16 --phases train --replicas $n
   done

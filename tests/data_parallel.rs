@@ -11,71 +11,19 @@ use ampgraph::exec::{CpuExecutor, Feeds};
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::AllReduce;
 use ampgraph::graph::{DType, Graph, Tensor};
-use ampgraph::optim::{
-    enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep, LOSS_SCALE_VARIABLE,
-};
+use ampgraph::optim::{Optimizer, Sgd, LOSS_SCALE_VARIABLE};
 use ampgraph::parallel::{ParallelError, ReplicaOptions, Replicas};
 use ampgraph::passes::data_parallel::DataParallel;
-use ampgraph::passes::sync_batch_norm::SyncBatchNorm;
 use ampgraph::passes::Pass;
 use ampgraph::{Device, Session};
 
-const FEATURES: usize = 6;
-const CLASSES: usize = 4;
+#[path = "common/replicated.rs"]
+mod replicated;
 
-/// x[batch, 6] -> dense 32 tanh -> dense 16 relu -> dense 4 -> mean cross-entropy.
-fn model(batch: usize, amp: bool) -> (Graph, TrainStep) {
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [batch, FEATURES]).unwrap();
-    let labels = g.placeholder("labels", DType::I64, [batch]).unwrap();
-    let h = nn::dense(&mut g, x, 32, Some(Activation::Tanh)).unwrap();
-    let h = nn::dense(&mut g, h, 16, Some(Activation::Relu)).unwrap();
-    let logits = nn::dense(&mut g, h, CLASSES, None).unwrap();
-    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
-    let opt = Sgd::momentum(0.1, 0.9);
-    let step = match amp {
-        true => enable_mixed_precision_graph_rewrite(opt).minimize(&mut g, loss),
-        false => opt.minimize(&mut g, loss),
-    }
-    .unwrap();
-    (g, step)
-}
-
-/// Examples `first..first + n` of a fixed synthetic set, for step `step`.
-fn batch(step: usize, first: usize, n: usize) -> Feeds {
-    let x: Vec<f64> = (first..first + n)
-        .flat_map(|e| (0..FEATURES).map(move |f| (e, f)))
-        .map(|(e, f)| ((((e * 31 + f * 7 + step * 13) % 23) as f64) - 11.0) / 7.0)
-        .collect();
-    let labels: Vec<f64> = (first..first + n)
-        .map(|e| ((e * 5 + step) % CLASSES) as f64)
-        .collect();
-    Feeds::from([
-        (
-            "x".to_string(),
-            Tensor::from_f64(DType::F32, [n, FEATURES], &x).unwrap(),
-        ),
-        (
-            "labels".to_string(),
-            Tensor::from_f64(DType::I64, [n], &labels).unwrap(),
-        ),
-    ])
-}
+use replicated::{batch, convnet, images, model, variables, CLASSES, FEATURES};
 
 fn cpu_replicas(world: usize, graph: Graph) -> Replicas {
     Replicas::new(graph, &vec![Device::Cpu; world], ReplicaOptions::default()).unwrap()
-}
-
-fn variables(session: &Session) -> Vec<(String, Tensor)> {
-    let mut names: Vec<String> = session.executor().variable_names();
-    names.sort();
-    names
-        .into_iter()
-        .map(|n| {
-            let v = session.variable(&n).unwrap().clone();
-            (n, v)
-        })
-        .collect()
 }
 
 #[test]
@@ -414,45 +362,6 @@ fn an_epoch_of_shards_trains_as_one_replica_on_the_global_batches() {
             );
         }
     }
-}
-
-/// x[batch, 6, 6, 3] -> conv 3x3 8 -> batch norm (training) -> relu -> dense 4 ->
-/// cross-entropy, the batch norm synchronized over `sync` replicas where given.
-fn convnet(batch: usize, sync: Option<usize>) -> (Graph, TrainStep) {
-    use ampgraph::graph::ops::Padding;
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [batch, 6, 6, 3]).unwrap();
-    let labels = g.placeholder("labels", DType::I64, [batch]).unwrap();
-    let c = nn::conv2d_layer(&mut g, x, 8, [3, 3], [1, 1], Padding::Same, None).unwrap();
-    let bn = nn::batch_norm_layer(&mut g, c.output, true).unwrap();
-    let h = g.relu(bn.output).unwrap();
-    let flat = g.reshape(h, [batch as i64, 6 * 6 * 8]).unwrap();
-    let logits = nn::dense(&mut g, flat, CLASSES, None).unwrap();
-    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
-    if let Some(n) = sync {
-        SyncBatchNorm::new(n).run(&mut g).unwrap();
-    }
-    let step = Sgd::momentum(0.05, 0.9).minimize(&mut g, loss).unwrap();
-    (g, step)
-}
-
-fn images(step: usize, first: usize, n: usize) -> Feeds {
-    let x: Vec<f64> = (first * 108..(first + n) * 108)
-        .map(|i| ((((i * 37 + step * 11) % 29) as f64) - 14.0) / 9.0 + (i / 108) as f64 * 0.3)
-        .collect();
-    let labels: Vec<f64> = (first..first + n)
-        .map(|e| ((e * 3 + step) % CLASSES) as f64)
-        .collect();
-    Feeds::from([
-        (
-            "x".to_string(),
-            Tensor::from_f64(DType::F32, [n, 6, 6, 3], &x).unwrap(),
-        ),
-        (
-            "labels".to_string(),
-            Tensor::from_f64(DType::I64, [n], &labels).unwrap(),
-        ),
-    ])
 }
 
 #[test]

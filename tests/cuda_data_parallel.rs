@@ -1,0 +1,147 @@
+//! Data-parallel training on GPUs through NCCL: one GPU replica is the plain session
+//! bit for bit; two GPUs match the CPU simulation of two replicas and hold the same
+//! weights; a synchronized batch norm matches the CPU's; a failing replica stops the
+//! other with an error naming it, never a hang. Each test prints "skipping: <reason>"
+//! and passes without the GPUs or NCCL it needs.
+
+use std::time::{Duration, Instant};
+
+use ampgraph::exec::cuda::{self, nccl};
+use ampgraph::exec::Feeds;
+use ampgraph::graph::{Graph, Tensor};
+use ampgraph::parallel::{ParallelError, ReplicaOptions, Replicas};
+use ampgraph::{Device, Session};
+
+#[path = "common/replicated.rs"]
+mod replicated;
+
+use replicated::{batch, convnet, images, model, variables};
+
+/// Whether `n` GPUs and NCCL are here (prints why not).
+fn gpus_or_skip(n: usize) -> bool {
+    let why = match (cuda::available(), nccl::available()) {
+        (Ok(count), Ok(())) if count >= n => return true,
+        (Ok(count), Ok(())) => format!("{n} GPUs needed, {count} here"),
+        (Err(why), _) | (_, Err(why)) => why,
+    };
+    println!("skipping: {why}");
+    false
+}
+
+fn replicas(devices: &[Device], graph: Graph) -> Replicas {
+    Replicas::new(graph, devices, ReplicaOptions::default()).unwrap()
+}
+
+fn gpus(n: usize) -> Vec<Device> {
+    (0..n).map(Device::Cuda).collect()
+}
+
+/// max |a - b| / max(|b|, 1e-2) over every variable of two sessions.
+fn max_rel_err(a: &Session, b: &Session) -> f64 {
+    let (a, b) = (variables(a), variables(b));
+    assert_eq!(a.len(), b.len());
+    let mut worst: f64 = 0.0;
+    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        for (x, y) in ta.to_f64_vec().iter().zip(tb.to_f64_vec()) {
+            worst = worst.max((x - y).abs() / y.abs().max(1e-2));
+        }
+    }
+    worst
+}
+
+fn values(s: &Session) -> Vec<Vec<f64>> {
+    variables(s).iter().map(|(_, t)| t.to_f64_vec()).collect()
+}
+
+#[test]
+fn one_gpu_replica_is_the_plain_session_bit_for_bit() {
+    if !gpus_or_skip(1) {
+        return;
+    }
+    let (g, step) = model(64, true);
+    let mut plain = Session::new(g.clone(), Device::Cuda(0)).unwrap();
+    let mut one = replicas(&gpus(1), g);
+    for s in 0..4 {
+        let feeds = batch(s, 0, 64);
+        let a = plain.run(&[step.loss, step.step], &feeds).unwrap();
+        let b = one.run(&[step.loss, step.step], &[feeds]).unwrap();
+        assert_eq!(a[0].to_f64_vec(), b[0][0].to_f64_vec(), "step {s}");
+    }
+    assert_eq!(values(&plain), values(one.session(0).unwrap()));
+}
+
+#[test]
+fn two_gpus_match_the_cpu_simulation_and_hold_the_same_weights() {
+    if !gpus_or_skip(2) {
+        return;
+    }
+    for amp in [false, true] {
+        let (g, step) = model(32, amp);
+        let mut on_gpus = replicas(&gpus(2), g.clone());
+        let mut on_cpus = replicas(&[Device::Cpu, Device::Cpu], g);
+        for s in 0..4 {
+            let feeds: Vec<Feeds> = (0..2).map(|r| batch(s, r * 32, 32)).collect();
+            on_gpus.run(&[step.step], &feeds).unwrap();
+            on_cpus.run(&[step.step], &feeds).unwrap();
+        }
+        let (r0, r1) = (on_gpus.session(0).unwrap(), on_gpus.session(1).unwrap());
+        assert_eq!(
+            values(r0),
+            values(r1),
+            "amp {amp}: the replicas hold the same weights"
+        );
+        let err = max_rel_err(r0, on_cpus.session(0).unwrap());
+        let bound = if amp { 2e-2 } else { 1e-4 };
+        println!("amp {amp}: GPU replicas against the CPU's, max rel err {err:.2e}");
+        assert!(err < bound, "amp {amp}: {err}");
+    }
+}
+
+#[test]
+fn a_synchronized_batch_norm_on_two_gpus_matches_the_cpu() {
+    if !gpus_or_skip(2) {
+        return;
+    }
+    let (g, step) = convnet(4, Some(2));
+    let mut on_gpus = replicas(&gpus(2), g.clone());
+    let mut on_cpus = replicas(&[Device::Cpu, Device::Cpu], g);
+    for s in 0..3 {
+        let feeds: Vec<Feeds> = (0..2).map(|r| images(s, r * 4, 4)).collect();
+        on_gpus.run(&[step.step], &feeds).unwrap();
+        on_cpus.run(&[step.step], &feeds).unwrap();
+    }
+    let err = max_rel_err(on_gpus.session(1).unwrap(), on_cpus.session(1).unwrap());
+    println!("synchronized batch norm: GPU replicas against the CPU's, max rel err {err:.2e}");
+    assert!(err < 1e-3, "{err}");
+}
+
+#[test]
+fn a_failing_gpu_replica_stops_the_other_naming_it() {
+    if !gpus_or_skip(2) {
+        return;
+    }
+    let (g, step) = model(32, true);
+    let mut two = replicas(&gpus(2), g);
+    // One good step first: the communicators are connected.
+    let feeds: Vec<Feeds> = (0..2).map(|r| batch(0, r * 32, 32)).collect();
+    two.run(&[step.step], &feeds).unwrap();
+    let mut bad = feeds.clone();
+    bad[1].insert(
+        "x".into(),
+        Tensor::zeros(&ampgraph::graph::TensorType::new(
+            ampgraph::DType::F32,
+            [31, 6],
+        )),
+    );
+    let start = Instant::now();
+    let e = two.run(&[step.loss, step.step], &bad).unwrap_err();
+    let took = start.elapsed();
+    println!("failed in {took:?}: {e}");
+    assert!(took < Duration::from_secs(60), "no hang: {took:?}");
+    assert!(matches!(e, ParallelError::Replica { rank: 1, .. }), "{e}");
+    assert!(
+        e.to_string().starts_with("replica 1 failed: feed 'x'"),
+        "{e}"
+    );
+}
