@@ -26,7 +26,6 @@ use ampgraph_exec::Feeds;
 use ampgraph_graph::ops::AllReduce;
 use ampgraph_graph::{Graph, Port, Tensor};
 use ampgraph_passes::data_parallel::DataParallel;
-use ampgraph_passes::Pass;
 
 use crate::optim::TrainStep;
 use crate::session::{Device, Session, SessionError, SessionOptions};
@@ -176,19 +175,21 @@ impl Replicas {
                 graphs.len()
             )));
         }
-        let pass = DataParallel {
-            bucket_bytes: options.bucket_bytes,
-            ..DataParallel::new(world)
+        let session_options = SessionOptions {
+            data_parallel: Some(DataParallel {
+                bucket_bytes: options.bucket_bytes,
+                ..DataParallel::new(world)
+            }),
+            ..options.session.clone()
         };
         let mut sessions = Vec::with_capacity(world);
-        for (rank, (mut graph, &device)) in graphs.into_iter().zip(devices).enumerate() {
-            let fail = |source: SessionError| ParallelError::Replica {
-                rank,
-                source: Box::new(source),
-            };
-            pass.run(&mut graph).map_err(|e| fail(e.into()))?;
-            sessions
-                .push(Session::with_options(graph, device, options.session.clone()).map_err(fail)?);
+        for (rank, (graph, &device)) in graphs.into_iter().zip(devices).enumerate() {
+            let session = Session::with_options(graph, device, session_options.clone())
+                .map_err(|source| ParallelError::Replica {
+                    rank,
+                    source: Box::new(source),
+                })?;
+            sessions.push(session);
         }
         let signatures = sessions
             .iter()

@@ -19,6 +19,7 @@ use ampgraph_graph::ops::Variable;
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph_passes::data_parallel::DataParallel;
 use ampgraph_passes::{registry, PassError, PassManager, PassRecord};
 
 use crate::numerics::check::{CheckError, Checker, NumericsReport, Snapshot};
@@ -129,6 +130,9 @@ pub struct SessionOptions {
     /// ([`Session::last_numerics_report`], logged as a warning). Off, it costs a step
     /// one test of a flag; on, a copy of the variables before every step.
     pub check_numerics: bool,
+    /// Data parallelism ([`crate::parallel::Replicas`] sets it): the gradient means
+    /// over the replicas, added right after AMP, where the gradients' types are known.
+    pub data_parallel: Option<DataParallel>,
 }
 
 /// The environment variable that turns check-numerics on for every session (`1`).
@@ -166,7 +170,8 @@ pub fn registry_passes<S: AsRef<str>>(names: &[S]) -> Result<PassManager, PassEr
 /// bench: AMP where the graph is marked for mixed precision, then the passes after it
 /// ([`SessionOptions::passes`], else the executor's defaults).
 pub struct Pipeline {
-    /// The AMP pass, for a marked graph (else no pass).
+    /// The AMP pass, for a marked graph, and the data-parallel pass where asked (else
+    /// no pass).
     pub amp: PassManager,
     /// The passes after AMP, by registry name.
     pub names: Vec<String>,
@@ -185,6 +190,9 @@ impl Pipeline {
         let mut amp = PassManager::new();
         if let Some(config) = amp_config(graph, options)? {
             amp.push(Box::new(AutoMixedPrecision::new(config)));
+        }
+        if let Some(data_parallel) = options.data_parallel {
+            amp.push(Box::new(data_parallel));
         }
         let names: Vec<String> = match &options.passes {
             Some(names) => names.clone(),

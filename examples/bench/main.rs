@@ -851,17 +851,16 @@ struct Step {
 /// `mode`, and runs the session's pipeline on it: the AMP pass for a marked graph,
 /// then the passes after it.
 fn prepare(args: &Args, cfg: &Config, mode: Mode, infer: bool) -> Res<Step> {
-    prepare_with(args, cfg, mode, infer, &|_| Ok(()))
+    prepare_with(args, cfg, mode, infer, &args.session_options(mode))
 }
 
-/// [`prepare`], with `rewrite` applied to the step before the session's pipeline (the
-/// data-parallel pass).
+/// [`prepare`] with the session `options` (the data-parallel pass).
 fn prepare_with(
     args: &Args,
     cfg: &Config,
     mode: Mode,
     infer: bool,
-    rewrite: &dyn Fn(&mut Graph) -> Res<()>,
+    options: &SessionOptions,
 ) -> Res<Step> {
     let Model {
         mut graph,
@@ -900,9 +899,8 @@ fn prepare_with(
             }
         }
     }
-    rewrite(&mut graph)?;
     let nodes_before = graph.len();
-    let pipeline = Pipeline::new(&graph, &args.session_options(mode), &[])?;
+    let pipeline = Pipeline::new(&graph, options, &[])?;
     let fetches: Vec<Port> = [fetch].into_iter().chain(loss).collect();
     let (records, fetched) = pipeline.run_for(&mut graph, &fetches)?;
     Ok(Step {

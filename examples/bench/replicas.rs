@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use ampgraph::exec::memory_plan::mib;
 use ampgraph::passes::data_parallel::DataParallel;
-use ampgraph::passes::Pass;
-use ampgraph::Device;
+use ampgraph::{Device, SessionOptions};
 
 use super::{initial_values, prepare_with, py, step_feeds, Args, Config, Mode, Res};
 
@@ -22,11 +21,19 @@ struct ReplicaTimes {
 /// Times `mode`'s training step over `world` GPUs and prints one JSON line (the
 /// slowest replica's median step; examples per second over all GPUs).
 pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()> {
-    let pass = DataParallel::new(world);
-    let step = prepare_with(args, cfg, mode, false, &|g| Ok(pass.run(g).map(drop)?))?;
+    let options = SessionOptions {
+        data_parallel: Some(DataParallel::new(world)),
+        ..args.session_options(mode)
+    };
+    let step = prepare_with(args, cfg, mode, false, &options)?;
+    if args.passes_only {
+        for r in &step.records {
+            println!("## {}\n{}", r.pass, r.summary);
+        }
+        return Ok(());
+    }
     let devices: Vec<Device> = (0..world).map(Device::Cuda).collect();
     let collectives = ampgraph::parallel::collectives(&devices, Duration::from_secs(120))?;
-    let options = args.session_options(mode);
     let results: Vec<Result<ReplicaTimes, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = collectives
             .iter()

@@ -9,19 +9,23 @@
 //! all-reduce as soon as its last gradient exists, while the rest of the backward
 //! still runs.
 //!
-//! Under mixed precision the mean is taken over the f32 gradients, still scaled: the
-//! ones `Cast<f32>(g)` the loss-scale unscaling multiplies (the unscaling itself stays
-//! after the mean, where `unscale-into-update` still folds it). In f32 a sum of
-//! replicas' gradients cannot overflow where none of them did, so the all-finite check
-//! after it reads the same values on every replica and fails exactly when some replica
-//! overflowed: one global skip decision and one loss-scale update, and the replicas
-//! never diverge. PyTorch's DDP under autocast and GradScaler reduces the same f32
-//! scaled gradients; 16-bit buckets would halve the bytes but could overflow in the
-//! sum and round the mean once more.
+//! It runs after AMP (a session runs it right after the AMP pass), where each
+//! gradient's type is known. Under mixed precision the mean is taken over the 16-bit
+//! gradients, still scaled by the loss scale: the input of the widening `Cast<f32>`
+//! that the loss-scale unscaling multiplies, as PyTorch DDP's `fp16_compress_hook`
+//! (and `bf16_compress_hook`) reduce. Half the bytes of f32 cross the links, and the
+//! cast and the unscaling still fold into the optimizer updates
+//! (`unscale-into-update`), so a replica costs its one-GPU step plus the all-reduce.
+//! NCCL's average scales each replica's contribution by 1/N before summing floats
+//! (its `ncclAvg` is a pre-multiplied sum), so the mean cannot overflow where no
+//! replica's gradient did, and a replica's infinity or NaN makes every replica's mean
+//! non-finite: the all-finite check after the mean reads the same values on every
+//! replica, one global skip decision and one loss-scale update, and the replicas never
+//! diverge. In f32 training the f32 gradients are averaged.
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{AllFinite, AllReduce, Binary, BinaryKind, OptimizerUpdate};
+use ampgraph_graph::ops::{AllFinite, AllReduce, Binary, BinaryKind, Cast, OptimizerUpdate};
 use ampgraph_graph::{Graph, NodeId, Port};
 
 use crate::{format_bytes, Pass, PassError, PassSummary};
@@ -69,10 +73,16 @@ fn reduced_port(g: &Graph, grad: Port) -> Port {
         return grad;
     };
     let is_scalar = |p: Port| g.ty(p).shape.is_empty();
-    match (is_scalar(a), is_scalar(b)) {
+    let scaled = match (is_scalar(a), is_scalar(b)) {
         (false, true) if g.ty(a) == g.ty(grad) => a,
         (true, false) if g.ty(b) == g.ty(grad) => b,
-        _ => grad,
+        _ => return grad,
+    };
+    // Through the cast that widens a 16-bit gradient (or casts to its own type).
+    let widened = g.node(scaled.node).op.is::<Cast>().then(|| g.inputs(scaled.node)[0]);
+    match widened {
+        Some(narrow) if g.ty(narrow).dtype.is_float() && g.ty(narrow).dtype.size_bytes() <= g.ty(scaled).dtype.size_bytes() => narrow,
+        _ => scaled,
     }
 }
 

@@ -461,7 +461,14 @@ impl Device {
         })
     }
 
+    /// Makes this device's context the calling thread's: with several GPUs in one
+    /// process, a thread may touch a device other than the one it last used.
+    pub fn bind(&self) -> Result<(), String> {
+        self.ctx.bind_to_thread().map_err(drv("context"))
+    }
+
     pub fn upload(&self, t: &Tensor, who: &dyn std::fmt::Display) -> Result<DTensor, String> {
+        self.bind()?;
         let d = self.alloc(t.dtype(), t.shape(), who)?;
         let bytes = t.data().to_le_bytes();
         if !bytes.is_empty() {
@@ -477,6 +484,7 @@ impl Device {
     }
 
     pub fn download(&self, d: &DTensor) -> Result<Tensor, String> {
+        self.bind()?;
         let mut bytes = vec![0u8; d.bytes()];
         if !bytes.is_empty() {
             Launches::count(&self.launches.memcpys);
