@@ -184,11 +184,12 @@ impl Replicas {
         };
         let mut sessions = Vec::with_capacity(world);
         for (rank, (graph, &device)) in graphs.into_iter().zip(devices).enumerate() {
-            let session = Session::with_options(graph, device, session_options.clone())
-                .map_err(|source| ParallelError::Replica {
+            let session = Session::with_options(graph, device, session_options.clone()).map_err(
+                |source| ParallelError::Replica {
                     rank,
                     source: Box::new(source),
-                })?;
+                },
+            )?;
             sessions.push(session);
         }
         let signatures = sessions

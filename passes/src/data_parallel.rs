@@ -79,9 +79,18 @@ fn reduced_port(g: &Graph, grad: Port) -> Port {
         _ => return grad,
     };
     // Through the cast that widens a 16-bit gradient (or casts to its own type).
-    let widened = g.node(scaled.node).op.is::<Cast>().then(|| g.inputs(scaled.node)[0]);
+    let widened = g
+        .node(scaled.node)
+        .op
+        .is::<Cast>()
+        .then(|| g.inputs(scaled.node)[0]);
     match widened {
-        Some(narrow) if g.ty(narrow).dtype.is_float() && g.ty(narrow).dtype.size_bytes() <= g.ty(scaled).dtype.size_bytes() => narrow,
+        Some(narrow)
+            if g.ty(narrow).dtype.is_float()
+                && g.ty(narrow).dtype.size_bytes() <= g.ty(scaled).dtype.size_bytes() =>
+        {
+            narrow
+        }
         _ => scaled,
     }
 }
