@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use ampgraph_data::{
-    Batch, DataError, Dataset, Example, ImageFolder, Loader, LoaderOptions, Mnist, TensorDataset,
+    DataError, Dataset, Example, ImageFolder, Loader, LoaderOptions, Mnist, TensorDataset,
     Transform,
 };
 use ampgraph_graph::{Data, Tensor};
@@ -24,23 +24,10 @@ fn options(batch_size: usize, workers: usize, prefetch: usize) -> LoaderOptions 
     }
 }
 
-/// A batch as its number, indices, image values and labels.
-type Seen = (usize, Vec<usize>, Vec<f64>, Vec<f64>);
+#[path = "common/batches.rs"]
+mod batches;
 
-fn seen(batch: ampgraph_data::Result<Batch>) -> Seen {
-    let b = batch.unwrap();
-    (
-        b.number,
-        b.indices,
-        b.images.to_f64_vec(),
-        b.labels.to_f64_vec(),
-    )
-}
-
-/// Every batch of `epoch`.
-fn collect(loader: &Loader, epoch: u64) -> Vec<Seen> {
-    loader.epoch(epoch).map(seen).collect()
-}
+use batches::{collect, seen, Seen};
 
 fn digits(n: usize) -> Arc<Mnist> {
     Arc::new(Mnist::synthetic(n, 3))

@@ -6,27 +6,15 @@
 
 use std::sync::Arc;
 
-use ampgraph_data::{Batch, DataError, Loader, LoaderOptions, Mnist, Shard, Transform};
+use ampgraph_data::{DataError, Loader, LoaderOptions, Mnist, Shard, Transform};
 
 /// Values of one synthetic digit (1 x 28 x 28).
 const EXAMPLE_SIZE: usize = 784;
 
-/// A batch as its number, indices, image values and labels.
-type Seen = (usize, Vec<usize>, Vec<f64>, Vec<f64>);
+#[path = "common/batches.rs"]
+mod batches;
 
-fn seen(batch: ampgraph_data::Result<Batch>) -> Seen {
-    let b = batch.unwrap();
-    (
-        b.number,
-        b.indices,
-        b.images.to_f64_vec(),
-        b.labels.to_f64_vec(),
-    )
-}
-
-fn collect(loader: &Loader, epoch: u64) -> Vec<Seen> {
-    loader.epoch(epoch).map(seen).collect()
-}
+use batches::{collect, seen, Seen};
 
 fn augment() -> Vec<Transform> {
     vec![
