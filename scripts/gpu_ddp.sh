@@ -6,7 +6,8 @@
 # (default: every GPU of `nvidia-smi -L`). Outputs under $OUT: ddp.jsonl (PyTorch's JSON
 # lines), torch_ddp.log (their stdout/stderr), ours_ddp.txt (the bench's), runs.txt (each
 # command and its exit status; a failed run is recorded there and the script goes on),
-# env_ddp.txt. NVLink multicast stays off (exported below; torch_ddp.py refuses to run
+# env_ddp.txt. WORKLOADS (default "transformer convnet") picks the workloads, SYNC_BN=1
+# adds the convnet with synchronized batch norm on both sides. NVLink multicast stays off (exported below; torch_ddp.py refuses to run
 # otherwise). Each run has a timeout (T_TORCH=90, T_OURS=120 s; override in the environment).
 set -u
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
@@ -42,7 +43,7 @@ run() {
 # The data-parallel GPU tests first (NCCL, 2 GPUs).
 [ -x ./cuda_data_parallel ] && run tests_ddp.txt 300 ./cuda_data_parallel --test-threads 1 --nocapture
 gpus="1"; [ "$N" != 1 ] && gpus="1 $N"
-for w in transformer convnet; do
+for w in ${WORKLOADS-transformer convnet}; do
   for n in $gpus; do
     run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node $n $py --workload $w --mode amp_fp16 \
       --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl
@@ -54,5 +55,13 @@ for w in transformer convnet; do
     run ours_ddp.txt $T_OURS ./bench --workload $w --modes amp_fp16 --phases train --replicas $n
   done
 done
+# SYNC_BN=1: the convnet with synchronized batch norm on both sides.
+if [ "${SYNC_BN:-0}" = 1 ]; then
+  for n in $gpus; do
+    run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node $n $py --workload convnet --mode amp_fp16 \
+      --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl --sync-bn
+    run ours_ddp.txt $T_OURS ./bench --workload convnet --modes amp_fp16 --phases train --replicas $n --sync-batch-norm
+  done
+fi
 echo "$fails failed run(s)" | tee -a $OUT/runs.txt
 [ -e $OUT/ddp.jsonl ] && cat $OUT/ddp.jsonl

@@ -145,3 +145,37 @@ fn a_failing_gpu_replica_stops_the_other_naming_it() {
         "{e}"
     );
 }
+
+#[test]
+fn a_gpu_replica_that_never_comes_times_the_other_out() {
+    if !gpus_or_skip(2) {
+        return;
+    }
+    let (g, step) = model(32, true);
+    let options = ReplicaOptions {
+        timeout: Duration::from_secs(3),
+        ..ReplicaOptions::default()
+    };
+    let mut two = Replicas::new(g, &gpus(2), options).unwrap();
+    let feeds: Vec<Feeds> = (0..2).map(|r| batch(0, r * 32, 32)).collect();
+    two.run(&[step.step], &feeds).unwrap();
+    let start = Instant::now();
+    let e = two
+        .on_each(|rank, session| {
+            if rank == 1 {
+                std::thread::sleep(Duration::from_secs(8));
+            }
+            session.run(&[step.loss, step.step], &feeds[rank])
+        })
+        .unwrap_err();
+    let took = start.elapsed();
+    println!("timed out in {took:?}: {e}");
+    assert!(took < Duration::from_secs(60), "no hang: {took:?}");
+    assert!(matches!(e, ParallelError::Replica { rank: 0, .. }), "{e}");
+    assert!(
+        e.to_string().contains(
+            "replica 0 waited 3.0 s at the end of its step for the other replicas (timeout)"
+        ),
+        "{e}"
+    );
+}

@@ -400,3 +400,30 @@ fn synchronized_batch_norm_replicas_train_as_one_at_the_global_batch() {
     let local = max_error(None);
     assert!(local > 1e-3, "local statistics: {local}");
 }
+
+#[test]
+fn a_replica_that_never_comes_times_the_others_out() {
+    let (g, step) = model(4, false);
+    let options = ReplicaOptions {
+        timeout: Duration::from_millis(500),
+        ..ReplicaOptions::default()
+    };
+    let mut replicas = Replicas::new(g, &[Device::Cpu, Device::Cpu], options).unwrap();
+    let feeds: Vec<Feeds> = (0..2).map(|r| batch(0, r * 4, 4)).collect();
+    let start = Instant::now();
+    let e = replicas
+        .on_each(|rank, session| {
+            if rank == 1 {
+                std::thread::sleep(Duration::from_secs(2));
+            }
+            session.run(&[step.step], &feeds[rank])
+        })
+        .unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(10));
+    let msg = e.to_string();
+    assert!(matches!(e, ParallelError::Replica { rank: 0, .. }), "{msg}");
+    assert!(
+        msg.contains("replica 0 waited 0.5 s at an all-reduce for the other replicas (timeout)"),
+        "{msg}"
+    );
+}

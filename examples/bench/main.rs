@@ -123,7 +123,8 @@ use ampgraph::graph::ops::{Group, Init, Variable};
 use ampgraph::graph::rng::SplitMix64;
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
-use ampgraph::passes::PassRecord;
+use ampgraph::passes::sync_batch_norm::SyncBatchNorm;
+use ampgraph::passes::{Pass, PassRecord};
 use ampgraph::session::Pipeline;
 use ampgraph::{Device, SessionOptions};
 
@@ -295,6 +296,9 @@ struct Args {
     /// size, and print one JSON line per mode (`scripts/torch_ddp.py` is PyTorch DDP's).
     #[arg(long, value_name = "N")]
     replicas: Option<usize>,
+    /// With --replicas: batch statistics over the global batch (SyncBatchNorm).
+    #[arg(long)]
+    sync_batch_norm: bool,
     #[command(flatten)]
     executor: ExecutorArgs,
 }
@@ -868,6 +872,10 @@ fn prepare_with(
         loss,
         running_updates,
     } = build(cfg, !infer)?;
+    if let (true, Some(world)) = (args.sync_batch_norm, args.replicas) {
+        let summary = SyncBatchNorm::new(world).run(&mut graph)?;
+        print!("# {summary}");
+    }
     let (fetch, loss) = if infer {
         let done = graph.add(Group, &[logits])?;
         graph.mixed_precision = mode.amp();

@@ -47,7 +47,7 @@ impl Abort {
             return format!("replica {rank} stopped at {what}: {why}");
         }
         let why = format!(
-            "replica {rank} waited {:.0} s at {what} for the other replicas (timeout)",
+            "replica {rank} waited {:.1} s at {what} for the other replicas (timeout)",
             waited.as_secs_f64()
         );
         self.raise(why.clone());
