@@ -137,6 +137,12 @@ pub fn collectives(
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
+    // Connections made when the communicators are (every rank is there then), not
+    // in the first collective of each kind, where a host waiting on its device could
+    // keep its peer from connecting.
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
+    }
     let id = nccl::unique_id().map_err(ParallelError::Setup)?;
     Ok((0..world)
         .map(|rank| Collective {

@@ -190,6 +190,9 @@ const WORKSPACE_MAY_GROW: usize = 4;
 /// once per graph and fetches: the host work before a step's first launch is time the
 /// GPU waits).
 struct StepMemory {
+    /// Whether a whole step has run with this plan: its convolution algorithms are
+    /// chosen and its memory allocated.
+    steady: std::sync::atomic::AtomicBool,
     /// The nodes the step runs, in order, with their values' reads: first the
     /// variables only casts read (`cast_only`) with those casts, before the arena is
     /// taken, so a first step drops such a variable's copy before its tensors arrive.
@@ -314,6 +317,7 @@ impl StepMemory {
             .map(|(port, var)| (port, graph.node(var).name.clone()))
             .collect();
         Ok(StepMemory {
+            steady: Default::default(),
             schedule,
             before_arena,
             lowered,
@@ -910,6 +914,7 @@ impl CudaExecutor {
             .map_err(dev_err)?
             .map(|event| (event, std::time::Instant::now()));
         let memory = self.step_memory(graph, fetches)?;
+        let steady = memory.steady.load(std::sync::atomic::Ordering::Relaxed);
         let mut schedule = memory.schedule.clone();
         let order = std::mem::take(&mut schedule.order);
         let mut arena = None;
@@ -1046,6 +1051,15 @@ impl CudaExecutor {
                     })
                     .map_err(|m| ExecError::node(&node.name, op, m))?;
                     let events = ctx.joins.take();
+                    if let (Some(nccl), false) = (&self.nccl, events.is_empty() || steady) {
+                        // A plan's first steps choose convolution algorithms and
+                        // allocate, which may wait for the whole device: no collective
+                        // is left running then, or two replicas could wait for each
+                        // other through their NCCL kernels.
+                        for e in &events {
+                            nccl.wait(e).map_err(ExecError::Collective)?;
+                        }
+                    }
                     if !events.is_empty() {
                         joins.insert(id, (events, inputs));
                     }
@@ -1109,6 +1123,9 @@ impl CudaExecutor {
             guard("CUDA", || self.dev.record(e)).map_err(dev_err)?;
         }
         self.commit(&memory, graph, feeds, writes, written_casts);
+        memory
+            .steady
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         if !grown.is_empty() {
             self.replan(graph, fetches, &memory, grown)?;
         }
