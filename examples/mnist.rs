@@ -16,6 +16,12 @@
 //! `--checkpoint PATH` saves every variable and the position after each epoch (and
 //! every `--checkpoint-every` steps) whose loss is finite; `--resume` continues from
 //! it exactly: the same next batch, the same loss scale.
+//!
+//! `--replicas N` trains data-parallel (`ampgraph::parallel::Replicas`) on GPUs
+//! 0..N (or N CPU replicas with `--device cpu`), each on its shard of every global
+//! batch of N x `--batch` images; `--checkpoint` is then written once per epoch, by
+//! replica 0 (`--resume` restores the weights only: epoch positions are the
+//! one-device trainer's).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -28,8 +34,9 @@ use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{DataFormat, Padding};
 use ampgraph::graph::{DType, Graph, Port};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep};
+use ampgraph::parallel::{ReplicaOptions, Replicas};
 use ampgraph::train::{Evaluation, Position, Trainer};
-use ampgraph::Session;
+use ampgraph::{Device, Session};
 
 #[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
 enum Model {
@@ -53,6 +60,10 @@ struct Args {
     /// Images to evaluate on (the last ones); 0: no evaluation.
     #[arg(long, default_value_t = 2000)]
     eval: usize,
+    /// Train data-parallel over N devices (GPUs 0..N, or N CPU replicas), --batch
+    /// images each.
+    #[arg(long, value_name = "N")]
+    replicas: Option<usize>,
     #[command(flatten)]
     run: TrainArgs,
 }
@@ -172,10 +183,6 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         None => sgd.minimize(&mut net.graph, loss)?,
     };
     let device = run.device.for_graph(&net.graph);
-    let mut session = Session::with_options(net.graph.clone(), device, run.session_options())?;
-    for record in &session.passes {
-        println!("{}", record.summary);
-    }
     // Evaluation: the logits alone, in batches of 500 or fewer, on the same variables.
     let mut eval = match args.eval {
         0 => None,
@@ -202,6 +209,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
 
+    if let Some(world) = args.replicas {
+        return train_replicas(&args, world, device, net, step, &loader, eval.as_mut());
+    }
+    let mut session = Session::with_options(net.graph.clone(), device, run.session_options())?;
+    for record in &session.passes {
+        println!("{}", record.summary);
+    }
     let mut trainer = Trainer::new(
         &mut session,
         step,
@@ -259,6 +273,63 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             "median epoch after the first: {seconds:.3} s (steps {:.1}%{gpu})",
             100.0 * steps / seconds
         );
+    }
+    Ok(())
+}
+
+/// `--replicas`: the epochs data-parallel over `world` devices of `device`'s kind.
+fn train_replicas(
+    args: &Args,
+    world: usize,
+    device: Device,
+    net: Net,
+    step: TrainStep,
+    loader: &Loader,
+    mut eval: Option<&mut Evaluation>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let run = &args.run;
+    let devices: Vec<Device> = match device {
+        Device::Cuda(_) => (0..world).map(Device::Cuda).collect(),
+        Device::Cpu => vec![Device::Cpu; world],
+    };
+    let options = ReplicaOptions {
+        session: run.session_options(),
+        ..ReplicaOptions::default()
+    };
+    let mut replicas = Replicas::new(net.graph, &devices, options)?;
+    if let Some(s) = replicas.session(0) {
+        for record in &s.passes {
+            println!("{}", record.summary);
+        }
+    }
+    if let (true, Some(path)) = (run.resume, &run.checkpoint) {
+        replicas.restore(path)?;
+        println!("restored the weights of {}", path.display());
+    }
+    println!(
+        "{:?} data-parallel over {world} x {}, {} images a replica, global batch {}",
+        args.model,
+        replicas
+            .session(0)
+            .map_or(String::new(), |s| s.executor().device_name()),
+        run.batch,
+        run.batch * world
+    );
+    for epoch in 0..run.epochs {
+        let report = replicas.epoch(loader, &step, net.images, net.labels, epoch)?;
+        let accuracy = match (eval.as_deref_mut(), replicas.session(0)) {
+            (Some(e), Some(s)) => format!(", eval accuracy {:.4}", e.accuracy_of(s)?),
+            _ => String::new(),
+        };
+        println!(
+            "epoch {epoch}: loss {:.4}, {:.3} s ({:.0} examples/s){accuracy}",
+            report.loss,
+            report.seconds,
+            report.examples_per_second()
+        );
+        if let Some(path) = &run.checkpoint {
+            replicas.save(path)?;
+        }
     }
     Ok(())
 }

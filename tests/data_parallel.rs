@@ -427,3 +427,59 @@ fn a_replica_that_never_comes_times_the_others_out() {
         "{msg}"
     );
 }
+
+#[test]
+fn under_amp_the_means_are_of_the_16_bit_gradients_and_the_unscaling_still_folds() {
+    use ampgraph::exec::cuda::PIPELINE;
+    use ampgraph::graph::ops::Cast;
+    use ampgraph::session::Pipeline;
+    use ampgraph::SessionOptions;
+    // The CUDA pipeline on the step, with and without the means.
+    let rewritten = |data_parallel| {
+        let (mut g, step) = model(8, true);
+        let options = SessionOptions {
+            data_parallel,
+            ..SessionOptions::default()
+        };
+        let (records, _) = Pipeline::new(&g, &options, PIPELINE)
+            .unwrap()
+            .run_for(&mut g, &[step.step])
+            .unwrap();
+        let unscale = records
+            .iter()
+            .find(|r| r.pass == "unscale-into-update")
+            .unwrap()
+            .summary
+            .to_string();
+        (g, unscale)
+    };
+    let (plain, plain_unscale) = rewritten(None);
+    let (g, unscale) = rewritten(Some(DataParallel::new(2)));
+    let reduced: Vec<DType> = g
+        .node_ids()
+        .filter(|&id| g.node(id).op.is::<AllReduce>())
+        .flat_map(|id| g.inputs(id))
+        .map(|p| g.ty(p).dtype)
+        .collect();
+    assert_eq!(
+        reduced.len(),
+        6,
+        "every variable's gradient is averaged once"
+    );
+    // The kernels' gradients in f16; the biases' column sums are f32 (Sum is denied).
+    assert_eq!(
+        reduced.iter().filter(|&&d| d == DType::F16).count(),
+        3,
+        "{reduced:?}"
+    );
+    assert_eq!(
+        unscale, plain_unscale,
+        "the unscaling and its casts fold as without replicas"
+    );
+    let casts = |g: &Graph| {
+        g.node_ids()
+            .filter(|&id| g.node(id).op.is::<Cast>())
+            .count()
+    };
+    assert_eq!(casts(&g), casts(&plain), "no cast added");
+}

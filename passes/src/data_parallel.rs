@@ -185,11 +185,18 @@ impl Pass for DataParallel {
             g.rewire(changes)?;
             let bytes: usize = bucket.iter().map(|&p| g.ty(p).size_bytes()).sum();
             total += bytes;
+            let mut dtypes: Vec<String> = Vec::new();
+            for &p in bucket {
+                let d = g.ty(p).dtype.to_string();
+                if !dtypes.contains(&d) {
+                    dtypes.push(d);
+                }
+            }
             lines.push(format!(
                 "bucket {i}: {} gradients, {} ({})",
                 bucket.len(),
                 format_bytes(bytes as u64),
-                g.ty(bucket[0]).dtype
+                dtypes.join(", ")
             ));
         }
         lines.insert(
