@@ -362,7 +362,10 @@ fn convolution_workspaces_keep_to_the_steps_planned_peak() {
 #[test]
 fn a_step_larger_than_the_device_fails_at_once_naming_its_tensors() {
     let Some(mut gpu) = gpu() else { return };
-    let (g, sum) = wide_sum(8, 3_500_000_000);
+    // Terms of 14 GB, alive at once: more than the device holds (8 on an 80 GB H100,
+    // 12 on a 141 GB H200, where 8 fit and the step ran for minutes).
+    let terms = gpu.device_bytes() / 14_000_000_000 + 2;
+    let (g, sum) = wide_sum(terms, 3_500_000_000);
     let feeds = wide_sum_feeds();
     let start = std::time::Instant::now();
     let err = gpu.run(&g, &feeds, &[sum]).unwrap_err();

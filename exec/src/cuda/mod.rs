@@ -532,6 +532,11 @@ impl CudaExecutor {
         &self.dev.name
     }
 
+    /// The GPU's memory in bytes.
+    pub fn device_bytes(&self) -> usize {
+        self.dev.total_bytes
+    }
+
     /// [`Executor::run`], also returning the step's milliseconds on the device: CUDA
     /// events recorded on the stream before the step's first launch and after its last
     /// kernel, before the fetches' download (as `torch.cuda.Event`s around a PyTorch
