@@ -20,8 +20,7 @@
 //! `--replicas N` trains data-parallel (`ampgraph::parallel::Replicas`) on GPUs
 //! 0..N (or N CPU replicas with `--device cpu`), each on its shard of every global
 //! batch of N x `--batch` images; `--checkpoint` is then written once per epoch, by
-//! replica 0 (`--resume` restores the weights only: epoch positions are the
-//! one-device trainer's).
+//! replica 0, and `--resume` continues after its last epoch in every replica.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -302,9 +301,10 @@ fn train_replicas(
             println!("{}", record.summary);
         }
     }
+    let mut at = Position::START;
     if let (true, Some(path)) = (run.resume, &run.checkpoint) {
-        replicas.restore(path)?;
-        println!("restored the weights of {}", path.display());
+        at = replicas.resume(path)?;
+        println!("resumed from {} at epoch {}", path.display(), at.epoch);
     }
     println!(
         "{:?} data-parallel over {world} x {}, {} images a replica, global batch {}",
@@ -315,8 +315,10 @@ fn train_replicas(
         run.batch,
         run.batch * world
     );
-    for epoch in 0..run.epochs {
-        let report = replicas.epoch(loader, &step, net.images, net.labels, epoch)?;
+    while at.epoch <= run.epochs {
+        let epoch = at.epoch;
+        let report = replicas.epoch(loader, &step, net.images, net.labels, at)?;
+        at = report.next;
         let accuracy = match (eval.as_deref_mut(), replicas.session(0)) {
             (Some(e), Some(s)) => format!(", eval accuracy {:.4}", e.accuracy_of(s)?),
             _ => String::new(),

@@ -29,6 +29,7 @@ use ampgraph_passes::data_parallel::DataParallel;
 
 use crate::optim::TrainStep;
 use crate::session::{Device, Session, SessionError, SessionOptions};
+use crate::train::{read_position, write_position, Position};
 
 /// What stops a data-parallel group.
 #[derive(Debug, thiserror::Error)]
@@ -70,16 +71,18 @@ impl Default for ReplicaOptions {
 
 /// One replica's part of a data-parallel epoch.
 #[derive(Clone, Debug, Default)]
-pub struct ReplicaEpoch {
-    pub steps: usize,
-    pub examples: usize,
-    pub loss_sum: f64,
-    pub seconds: f64,
+struct ReplicaEpoch {
+    steps: usize,
+    examples: usize,
+    loss_sum: f64,
+    seconds: f64,
 }
 
 /// A data-parallel epoch over all replicas.
 #[derive(Clone, Debug)]
 pub struct ParallelEpochReport {
+    /// Where the next epoch starts.
+    pub next: Position,
     /// Steps each replica ran.
     pub steps: usize,
     /// Examples over all replicas.
@@ -307,27 +310,34 @@ impl Replicas {
         self.on_each(|rank, session| session.run(fetches, &feeds[rank]))
     }
 
-    /// One epoch of `loader`, each replica on its shard ([`Loader::shard`]): together
-    /// they take the loader's global batches (its batch size is the per-replica one).
+    /// The rest of epoch `at.epoch` of `loader` from global batch `at.batch`, each
+    /// replica on its shard ([`Loader::shard`]): together they take the loader's global
+    /// batches (its batch size is the per-replica one). The position after it is kept
+    /// in every replica's position variables (as a [`Trainer`](crate::Trainer) keeps
+    /// its own), so [`save`](Self::save) writes it and [`resume`](Self::resume) reads it.
     pub fn epoch(
         &mut self,
         loader: &Loader,
         step: &TrainStep,
         images: Port,
         labels: Port,
-        epoch: usize,
+        at: Position,
     ) -> Result<ParallelEpochReport, ParallelError> {
         let world = self.world();
         let shards = (0..world)
             .map(|rank| loader.clone().shard(rank, world))
             .collect::<Result<Vec<_>, _>>()?;
         let fetches = [step.loss, step.step];
+        let next = Position {
+            epoch: at.epoch + 1,
+            batch: 0,
+        };
         let parts = self.on_each(|rank, session| {
             let name = |p: Port| session.graph().node(p.node).name.clone();
             let (images, labels) = (name(images), name(labels));
             let start = Instant::now();
             let mut part = ReplicaEpoch::default();
-            for batch in shards[rank].epoch_from(epoch as u64, 0) {
+            for batch in shards[rank].epoch_from(at.epoch as u64, at.batch) {
                 let batch = batch?;
                 part.examples += batch.images.shape().first().copied().unwrap_or(0);
                 let feeds = Feeds::from([
@@ -339,10 +349,12 @@ impl Replicas {
                 part.steps += 1;
             }
             part.seconds = start.elapsed().as_secs_f64();
+            write_position(session, next)?;
             Ok(part)
         })?;
         let steps = parts[0].steps;
         Ok(ParallelEpochReport {
+            next,
             steps,
             examples: parts.iter().map(|p| p.examples).sum(),
             loss: parts.iter().map(|p| p.loss_sum).sum::<f64>() / (steps.max(1) * world) as f64,
@@ -366,6 +378,19 @@ impl Replicas {
         let path = path.as_ref();
         self.on_each(|_, session| session.restore(path))?;
         Ok(())
+    }
+
+    /// Restores a checkpoint that [`epoch`](Self::epoch) and [`save`](Self::save) wrote
+    /// (or a [`Trainer`](crate::Trainer)'s) into every replica, and returns the
+    /// position it holds: the next [`epoch`](Self::epoch) continues exactly there.
+    pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<Position, ParallelError> {
+        let path = path.as_ref();
+        // The position variables exist before the restore, which then fills them.
+        self.on_each(|_, session| {
+            write_position(session, Position::START)?;
+            session.restore(path)
+        })?;
+        read_position(&self.sessions[0], path).map_err(|e| ParallelError::Setup(e.to_string()))
     }
 
     /// A variable's value (replica 0's; every replica holds the same).

@@ -180,6 +180,39 @@ impl fmt::Display for EpochReport {
     }
 }
 
+/// Keeps `at` in `session`'s position variables, where a checkpoint takes it.
+pub(crate) fn write_position(session: &mut Session, at: Position) -> Result<(), SessionError> {
+    let executor = session.executor_mut();
+    executor.set_variable(EPOCH_VARIABLE, scalar(at.epoch))?;
+    executor.set_variable(BATCH_VARIABLE, scalar(at.batch))?;
+    Ok(())
+}
+
+/// The position a checkpoint restored into `session` (from `path`) holds.
+pub(crate) fn read_position(
+    session: &Session,
+    path: &std::path::Path,
+) -> Result<Position, TrainError> {
+    let read = |name: &str| -> Result<usize, TrainError> {
+        let value = session
+            .variable(name)
+            .and_then(|t| t.to_i64_vec())
+            .and_then(|v| v.first().copied())
+            .filter(|&v| v >= 0)
+            .ok_or_else(|| {
+                TrainError::Mismatch(format!(
+                    "checkpoint {}: no training position ({name})",
+                    path.display()
+                ))
+            })?;
+        Ok(value as usize)
+    };
+    Ok(Position {
+        epoch: read(EPOCH_VARIABLE)?.max(1),
+        batch: read(BATCH_VARIABLE)?,
+    })
+}
+
 /// Runs a training step over a loader's batches.
 pub struct Trainer<'s> {
     session: &'s mut Session,
@@ -234,36 +267,11 @@ impl<'s> Trainer<'s> {
     }
 
     fn set_position(&mut self, at: Position) -> Result<(), TrainError> {
-        let executor = self.session.executor_mut();
-        executor
-            .set_variable(EPOCH_VARIABLE, scalar(at.epoch))
-            .map_err(SessionError::from)?;
-        executor
-            .set_variable(BATCH_VARIABLE, scalar(at.batch))
-            .map_err(SessionError::from)?;
-        Ok(())
+        Ok(write_position(self.session, at)?)
     }
 
     fn read_position(&self, path: &std::path::Path) -> Result<Position, TrainError> {
-        let read = |name: &str| -> Result<usize, TrainError> {
-            let value = self
-                .session
-                .variable(name)
-                .and_then(|t| t.to_i64_vec())
-                .and_then(|v| v.first().copied())
-                .filter(|&v| v >= 0)
-                .ok_or_else(|| {
-                    TrainError::Mismatch(format!(
-                        "checkpoint {}: no training position ({name})",
-                        path.display()
-                    ))
-                })?;
-            Ok(value as usize)
-        };
-        Ok(Position {
-            epoch: read(EPOCH_VARIABLE)?.max(1),
-            batch: read(BATCH_VARIABLE)?,
-        })
+        read_position(self.session, path)
     }
 
     /// Restores the checkpoint of [`TrainOptions::checkpoint`] and returns where it

@@ -10,12 +10,12 @@ use ampgraph::data::{Loader, LoaderOptions, Mnist};
 use ampgraph::exec::{CpuExecutor, Feeds};
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::AllReduce;
-use ampgraph::graph::{DType, Graph, Tensor};
-use ampgraph::optim::{Optimizer, Sgd, LOSS_SCALE_VARIABLE};
+use ampgraph::graph::{DType, Graph, Port, Tensor};
+use ampgraph::optim::{Optimizer, Sgd, TrainStep, LOSS_SCALE_VARIABLE};
 use ampgraph::parallel::{ParallelError, ReplicaOptions, Replicas};
 use ampgraph::passes::data_parallel::DataParallel;
 use ampgraph::passes::Pass;
-use ampgraph::{Device, Session};
+use ampgraph::{Device, Position, Session};
 
 #[path = "common/replicated.rs"]
 mod replicated;
@@ -306,46 +306,88 @@ fn a_checkpoint_written_once_restores_into_every_replica() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-#[test]
-fn an_epoch_of_shards_trains_as_one_replica_on_the_global_batches() {
-    let data = Arc::new(Mnist::synthetic(96, 7));
-    let (per, world) = (8, 2);
-    let mlp = |batch: usize| {
-        let mut g = Graph::new();
-        let x = g
-            .placeholder("images", DType::F32, [batch, 1, 28, 28])
-            .unwrap();
-        let labels = g.placeholder("labels", DType::I64, [batch]).unwrap();
-        let flat = g.reshape(x, [batch as i64, 784]).unwrap();
-        let h = nn::dense(&mut g, flat, 16, Some(Activation::Relu)).unwrap();
-        let logits = nn::dense(&mut g, h, 10, None).unwrap();
-        let loss = g.softmax_cross_entropy(logits, labels).unwrap();
-        let step = Sgd::momentum(0.05, 0.9).minimize(&mut g, loss).unwrap();
-        (g, step, x, labels)
-    };
-    let options = |batch_size| LoaderOptions {
+/// images[batch, 1, 28, 28] -> dense 16 relu -> dense 10 -> cross-entropy, momentum SGD.
+fn mnist_mlp(batch: usize) -> (Graph, TrainStep, Port, Port) {
+    let mut g = Graph::new();
+    let x = g
+        .placeholder("images", DType::F32, [batch, 1, 28, 28])
+        .unwrap();
+    let labels = g.placeholder("labels", DType::I64, [batch]).unwrap();
+    let flat = g.reshape(x, [batch as i64, 784]).unwrap();
+    let h = nn::dense(&mut g, flat, 16, Some(Activation::Relu)).unwrap();
+    let logits = nn::dense(&mut g, h, 10, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let step = Sgd::momentum(0.05, 0.9).minimize(&mut g, loss).unwrap();
+    (g, step, x, labels)
+}
+
+fn loader_options(batch_size: usize) -> LoaderOptions {
+    LoaderOptions {
         batch_size,
         drop_last: true,
         seed: 3,
         ..Default::default()
-    };
-    let (g, step, images, labels) = mlp(per);
+    }
+}
+
+#[test]
+fn a_resumed_data_parallel_run_ends_with_the_uninterrupted_runs_bits() {
+    let loader = Loader::new(Arc::new(Mnist::synthetic(64, 5)), loader_options(8)).unwrap();
+    let (g, step, images, labels) = mnist_mlp(8);
+    let mut straight = cpu_replicas(2, g.clone());
+    let mut at = Position::START;
+    for _ in 0..2 {
+        at = straight
+            .epoch(&loader, &step, images, labels, at)
+            .unwrap()
+            .next;
+    }
+    let dir = std::env::temp_dir().join(format!("ampgraph-dp-resume-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("epoch1.ckpt");
+    let mut first = cpu_replicas(2, g.clone());
+    first
+        .epoch(&loader, &step, images, labels, Position::START)
+        .unwrap();
+    first.save(&path).unwrap();
+    drop(first);
+    let mut resumed = cpu_replicas(2, g);
+    let at = resumed.resume(&path).unwrap();
+    assert_eq!(at, Position { epoch: 2, batch: 0 });
+    resumed.epoch(&loader, &step, images, labels, at).unwrap();
+    let want = variables(straight.session(0).unwrap());
+    for rank in 0..2 {
+        assert_eq!(
+            variables(resumed.session(rank).unwrap()),
+            want,
+            "replica {rank}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn an_epoch_of_shards_trains_as_one_replica_on_the_global_batches() {
+    let data = Arc::new(Mnist::synthetic(96, 7));
+    let (per, world) = (8, 2);
+    let (g, step, images, labels) = mnist_mlp(per);
     let mut replicas = cpu_replicas(world, g);
     let report = replicas
         .epoch(
-            &Loader::new(data.clone(), options(per)).unwrap(),
+            &Loader::new(data.clone(), loader_options(per)).unwrap(),
             &step,
             images,
             labels,
-            0,
+            Position::START,
         )
         .unwrap();
     assert_eq!(report.steps, 96 / (per * world));
+    assert_eq!(report.next, Position { epoch: 2, batch: 0 });
     assert_eq!(report.examples, 96);
-    let (g1, step1, images1, labels1) = mlp(per * world);
+    let (g1, step1, images1, labels1) = mnist_mlp(per * world);
     let mut one = Session::new(g1, Device::Cpu).unwrap();
-    let loader = Loader::new(data, options(per * world)).unwrap();
-    for b in loader.epoch_from(0, 0) {
+    let loader = Loader::new(data, loader_options(per * world)).unwrap();
+    for b in loader.epoch_from(Position::START.epoch as u64, 0) {
         let b = b.unwrap();
         let feeds = Feeds::from([
             (one.graph().node(images1.node).name.clone(), b.images),

@@ -1,6 +1,6 @@
 //! The MNIST example trained data-parallel as a user runs it (`--replicas 2` on the
-//! CPU, real MNIST): the loss falls, evaluation runs on replica 0's weights, and the
-//! checkpoint written once restores into a one-device session.
+//! CPU, real MNIST): the loss falls, evaluation runs on replica 0's weights, and a run
+//! resumes from the checkpoint written once, after its last epoch.
 
 mod common;
 
@@ -51,19 +51,24 @@ fn two_cpu_replicas_train_mnist_and_checkpoint_once() {
         .collect();
     assert_eq!(losses.len(), 2, "{text}");
     assert!(losses[1] < losses[0], "{losses:?}");
-    // The checkpoint is an ordinary one: a second run resumes its weights.
+    // A second run resumes after the checkpoint's last epoch, in every replica.
     let out = Command::new(example_binary("mnist"))
         .args(&args)
         .args(&data_arg)
-        .args(["--checkpoint", &ckpt_arg, "--resume", "--epochs", "1"])
+        .args(["--checkpoint", &ckpt_arg, "--resume", "--epochs", "3"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("restored the weights of"), "{text}");
+    assert!(text.contains("at epoch 3"), "{text}");
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("epoch ")).count(),
+        1,
+        "{text}"
+    );
     let resumed: f64 = text
         .lines()
-        .find(|l| l.starts_with("epoch 0"))
+        .find(|l| l.starts_with("epoch 3"))
         .and_then(|l| l.split("loss ").nth(1))
         .and_then(|l| l.split(',').next())
         .unwrap()

@@ -90,7 +90,6 @@ pub struct Collective {
 /// every run gives the same bits) and wakes the others.
 #[derive(Debug)]
 pub struct SharedGroup {
-    world: usize,
     round: Mutex<Round>,
     done: Condvar,
 }
@@ -108,7 +107,6 @@ impl SharedGroup {
     /// A group of `world` replicas and one [`Collective`] per rank.
     pub fn collectives(world: usize, abort: &Abort, timeout: Duration) -> Vec<Collective> {
         let group = Arc::new(SharedGroup {
-            world,
             round: Mutex::new(Round {
                 deposits: vec![None; world],
                 ..Round::default()
@@ -165,10 +163,6 @@ impl SharedGroup {
             .expect("a completed round has its means");
         drop(round);
         (*means).clone()
-    }
-
-    pub fn world(&self) -> usize {
-        self.world
     }
 }
 
