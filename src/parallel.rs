@@ -118,6 +118,25 @@ fn collective_signature(g: &Graph) -> Result<Vec<String>, SessionError> {
         .collect())
 }
 
+/// NCCL's settings, where the environment does not give them (once per process,
+/// before the first communicator; NCCL reads them then).
+fn nccl_environment() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // NVLink multicast (NVLS) stays off: gradient buckets do not need it, and on
+        // shared hosts a program using it can take the GPUs down.
+        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+            std::env::set_var("NCCL_NVLS_ENABLE", "0");
+        }
+        // Connections made when the communicators are (every rank is there then),
+        // not in the first collective of each kind, where a host waiting on its
+        // device could keep its peer from connecting.
+        if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+            std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
+        }
+    });
+}
+
 /// One [`Collective`] per device, sharing one [`Abort`]: NCCL communicators' unique
 /// id for CUDA devices (NVLink multicast left off), a shared-memory group for CPUs.
 pub fn collectives(
@@ -135,17 +154,7 @@ pub fn collectives(
     if !on_cuda {
         return Ok(SharedGroup::collectives(world, &abort, timeout));
     }
-    // NVLink multicast (NVLS) stays off: gradient buckets do not need it, and on
-    // shared hosts a program using it can take the GPUs down.
-    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        std::env::set_var("NCCL_NVLS_ENABLE", "0");
-    }
-    // Connections made when the communicators are (every rank is there then), not
-    // in the first collective of each kind, where a host waiting on its device could
-    // keep its peer from connecting.
-    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
-        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
-    }
+    nccl_environment();
     let id = nccl::unique_id().map_err(ParallelError::Setup)?;
     Ok((0..world)
         .map(|rank| Collective {

@@ -37,6 +37,9 @@ pub fn unique_id() -> Result<NcclId, String> {
     })
 }
 
+/// How long a replica spins for its step's end before it sleeps between looks.
+const SPIN: Duration = Duration::from_secs(1);
+
 /// A replica's communicator.
 pub(crate) struct Nccl {
     comm: sys::ncclComm_t,
@@ -139,7 +142,6 @@ impl Nccl {
     /// communicator, when another replica failed or the timeout passes.
     pub fn wait(&self, event: &CudaEvent) -> Result<(), String> {
         let start = Instant::now();
-        let mut spins = 0u32;
         loop {
             match event.try_is_complete() {
                 Ok(true) => return Ok(()),
@@ -152,12 +154,13 @@ impl Nccl {
                 self.abort_comm();
                 return Err(why);
             }
-            // Spin briefly (a step's end is usually microseconds away), then sleep.
-            spins += 1;
-            if spins < 1000 {
+            // Spin (each replica has a core of its own, and the next step's launches
+            // should follow its end at once, as a spinning cuStreamSynchronize does);
+            // a wait past a second is no longer a step's end: sleep between looks.
+            if waited < SPIN {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(Duration::from_micros(100));
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
     }
