@@ -55,6 +55,16 @@ impl Abort {
     }
 }
 
+/// Refuses an AllReduce over `replicas` on replica `rank` of a group of `world`.
+pub fn check_replicas(replicas: usize, rank: usize, world: usize) -> Result<(), String> {
+    if replicas == world {
+        return Ok(());
+    }
+    Err(format!(
+        "averages over {replicas} replicas, but this executor is replica {rank} of {world}"
+    ))
+}
+
 /// NCCL's unique id of a communicator, made once by the group and given to every rank.
 #[derive(Clone, Copy)]
 pub struct NcclId(pub [std::ffi::c_char; 128]);

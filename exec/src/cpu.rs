@@ -7,7 +7,7 @@ use ampgraph_graph::ops::{AllReduce, Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, NodeId, Port, Tensor, TensorType};
 
-use crate::collective::{Collective, Transport};
+use crate::collective::{check_replicas, Collective, Transport};
 use crate::schedule::{assigned_variable, check_outputs, Schedule};
 use crate::{host_memory, memory_plan};
 use crate::{ExecError, ExecOptions, Executor, Feeds, RunResult};
@@ -82,12 +82,7 @@ fn all_reduce(
     reduce: &AllReduce,
     inputs: &[&Tensor],
 ) -> Result<Vec<Tensor>, String> {
-    if reduce.replicas != c.world {
-        return Err(format!(
-            "averages over {} replicas, but this executor is replica {} of {}",
-            reduce.replicas, c.rank, c.world
-        ));
-    }
+    check_replicas(reduce.replicas, c.rank, c.world)?;
     match &c.transport {
         Transport::Shared(group) => group.all_reduce_mean(c, inputs),
         Transport::Nccl(_) => Err("NCCL needs a CUDA executor".into()),

@@ -1062,7 +1062,8 @@ impl CudaExecutor {
                         // is left running then, or two replicas could wait for each
                         // other through their NCCL kernels.
                         for e in &events {
-                            nccl.wait(e).map_err(ExecError::Collective)?;
+                            nccl.wait(e, "an all-reduce")
+                                .map_err(ExecError::Collective)?;
                         }
                     }
                     if !events.is_empty() {
@@ -1141,7 +1142,8 @@ impl CudaExecutor {
         // ends the wait rather than hanging in the driver.
         if let Some(nccl) = &self.nccl {
             let end = guard("CUDA", || self.dev.timing_event()).map_err(dev_err)?;
-            nccl.wait(&end).map_err(ExecError::Collective)?;
+            nccl.wait(&end, "the end of its step")
+                .map_err(ExecError::Collective)?;
         }
         // Last: the download waits for the stream, and the host work above ran
         // while the GPU was still busy with the step.

@@ -69,9 +69,7 @@ impl Nccl {
     pub fn new(dev: &Device, c: &Collective, id: NcclId) -> Result<Nccl, String> {
         available()?;
         guard("NCCL", || {
-            dev.ctx
-                .bind_to_thread()
-                .map_err(|e| format!("CUDA context: {e:?}"))?;
+            dev.bind()?;
             let stream = dev
                 .ctx
                 .new_stream()
@@ -102,14 +100,17 @@ impl Nccl {
         inputs: &[DTensor],
         outputs: &[DTensor],
     ) -> Result<CudaEvent, String> {
-        let ready = dev.event()?;
-        dev.record(&ready)?;
+        // Each tensor's NCCL type first: the group below must end once begun.
+        let types = inputs
+            .iter()
+            .map(|x| nccl_type(x.dtype))
+            .collect::<Result<Vec<_>, _>>()?;
         self.stream
-            .wait(&ready)
+            .join(&dev.stream)
             .map_err(|e| format!("CUDA stream wait: {e:?}"))?;
         result::group_start().map_err(nccl_err("group start"))?;
         let mut enqueued = Ok(());
-        for (x, y) in inputs.iter().zip(outputs) {
+        for ((x, y), dtype) in inputs.iter().zip(outputs).zip(types) {
             let count: usize = x.shape.iter().product();
             // SAFETY: both buffers hold `count` elements of the dtype, on this device.
             let r = unsafe {
@@ -117,7 +118,7 @@ impl Nccl {
                     x.ptr() as *const _,
                     y.ptr() as *mut _,
                     count,
-                    nccl_type(x.dtype)?,
+                    dtype,
                     sys::ncclRedOp_t::ncclAvg,
                     self.comm,
                     self.stream.cu_stream() as _,
@@ -132,15 +133,14 @@ impl Nccl {
         let ended = result::group_end().map_err(nccl_err("group end"));
         enqueued?;
         ended?;
-        let done = dev.event()?;
-        done.record(&self.stream)
-            .map_err(|e| format!("CUDA event: {e:?}"))?;
-        Ok(done)
+        self.stream
+            .record_event(None)
+            .map_err(|e| format!("CUDA event: {e:?}"))
     }
 
-    /// Waits for `event` (the step's end), polling: gives up, aborting the
-    /// communicator, when another replica failed or the timeout passes.
-    pub fn wait(&self, event: &CudaEvent) -> Result<(), String> {
+    /// Waits for `event` (of `what`: the step's end, an all-reduce), polling: gives up,
+    /// aborting the communicator, when another replica failed or the timeout passes.
+    pub fn wait(&self, event: &CudaEvent, what: &str) -> Result<(), String> {
         let start = Instant::now();
         loop {
             match event.try_is_complete() {
@@ -150,7 +150,7 @@ impl Nccl {
             }
             let waited = start.elapsed();
             if self.abort.reason().is_some() || waited >= self.timeout {
-                let why = self.abort.stopped(self.rank, "the end of its step", waited);
+                let why = self.abort.stopped(self.rank, what, waited);
                 self.abort_comm();
                 return Err(why);
             }

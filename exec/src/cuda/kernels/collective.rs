@@ -10,6 +10,7 @@ use ampgraph_graph::ops::AllReduce;
 use ampgraph_graph::{Op, TensorType};
 
 use super::{kernel, Ctx, Lowering};
+use crate::collective::check_replicas;
 
 pub(super) fn lower(op: &dyn Op, _ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     let reduce = *op.downcast_ref::<AllReduce>()?;
@@ -17,15 +18,10 @@ pub(super) fn lower(op: &dyn Op, _ins: &[TensorType], outs: &[TensorType]) -> Lo
     Some(Ok(kernel(move |c: &Ctx, inputs| {
         let outputs = c.alloc_all(&outs)?;
         match c.collective {
-            Some(nccl) if nccl.world == reduce.replicas => {
+            Some(nccl) => {
+                check_replicas(reduce.replicas, nccl.rank, nccl.world)?;
                 let done = nccl.all_reduce_mean(c.dev, inputs, &outputs)?;
                 c.joins.borrow_mut().push(done);
-            }
-            Some(nccl) => {
-                return Err(format!(
-                    "averages over {} replicas, but this executor is replica {} of {}",
-                    reduce.replicas, nccl.rank, nccl.world
-                ))
             }
             None if reduce.replicas == 1 => {
                 for (x, y) in inputs.iter().zip(&outputs) {
