@@ -25,9 +25,10 @@
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{AllFinite, AllReduce, Binary, BinaryKind, Cast, OptimizerUpdate};
+use ampgraph_graph::ops::{AllFinite, AllReduce, OptimizerUpdate};
 use ampgraph_graph::{Graph, NodeId, Port};
 
+use crate::simplify::unscale_into_update::unscaling;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// PyTorch DDP's `bucket_cap_mb`.
@@ -54,44 +55,16 @@ impl DataParallel {
 }
 
 /// The tensor whose mean is taken for the gradient port `grad` of an update: the
-/// operand of the loss-scale unscaling `Mul(x, 1/scale)` that the all-finite check
-/// also reads, or the gradient itself.
+/// gradient the loss-scale unscaling multiplies (read through its widening cast) where
+/// the all-finite check reads the product, or the gradient itself.
 fn reduced_port(g: &Graph, grad: Port) -> Port {
-    let node = g.node(grad.node);
-    let is_mul = node
-        .op
-        .downcast_ref::<Binary>()
-        .is_some_and(|b| b.kind == BinaryKind::Mul);
     let checked = g
         .port_consumers(grad)
         .into_iter()
         .any(|(reader, _)| g.node(reader).op.is::<AllFinite>());
-    if !is_mul || !checked {
-        return grad;
-    }
-    let &[a, b] = &g.inputs(grad.node)[..] else {
-        return grad;
-    };
-    let is_scalar = |p: Port| g.ty(p).shape.is_empty();
-    let scaled = match (is_scalar(a), is_scalar(b)) {
-        (false, true) if g.ty(a) == g.ty(grad) => a,
-        (true, false) if g.ty(b) == g.ty(grad) => b,
-        _ => return grad,
-    };
-    // Through the cast that widens a 16-bit gradient (or casts to its own type).
-    let widened = g
-        .node(scaled.node)
-        .op
-        .is::<Cast>()
-        .then(|| g.inputs(scaled.node)[0]);
-    match widened {
-        Some(narrow)
-            if g.ty(narrow).dtype.is_float()
-                && g.ty(narrow).dtype.size_bytes() <= g.ty(scaled).dtype.size_bytes() =>
-        {
-            narrow
-        }
-        _ => scaled,
+    match checked.then(|| unscaling(g, grad)).flatten() {
+        Some(u) => u.grad,
+        None => grad,
     }
 }
 

@@ -19,7 +19,7 @@ mod fold_batchnorm;
 mod pad_conv_channels;
 mod pad_gemm;
 pub(crate) mod scale_into_matmul;
-mod unscale_into_update;
+pub(crate) mod unscale_into_update;
 
 pub use algebraic::Algebraic;
 pub use cast_into_norm::CastIntoNorm;

@@ -33,10 +33,18 @@ struct Unscaled {
     updates: Vec<NodeId>,
 }
 
-/// `p` as an unscaled gradient read only by `check` and optimizer updates of its dtype.
-fn unscaled(g: &Graph, p: Port, check: NodeId, is_output: &[bool]) -> Option<Unscaled> {
-    let node = g.node(p.node);
-    if node.op.downcast_ref::<Binary>()?.kind != BinaryKind::Mul || is_output[p.node.index()] {
+/// An unscaling `Mul(cast?(grad), scale)`: the gradient read through a Cast that
+/// loses nothing, the scalar, and that Cast.
+pub(crate) struct Unscaling {
+    pub grad: Port,
+    pub scale: Port,
+    pub cast: Option<NodeId>,
+}
+
+/// `p` as an unscaling: a product of a tensor of its type (or a lossless cast of one)
+/// by a scalar of its dtype.
+pub(crate) fn unscaling(g: &Graph, p: Port) -> Option<Unscaling> {
+    if g.node(p.node).op.downcast_ref::<Binary>()?.kind != BinaryKind::Mul {
         return None;
     }
     let dtype = g.ty(p).dtype;
@@ -64,7 +72,20 @@ fn unscaled(g: &Graph, p: Port, check: NodeId, is_output: &[bool]) -> Option<Uns
         let from_dtype = g.ty(from).dtype;
         (from_dtype == dtype || widens_exactly(from_dtype, dtype)).then_some((x.node, from))
     });
-    let grad = cast.map_or(x, |c| c.1);
+    Some(Unscaling {
+        grad: cast.map_or(x, |c| c.1),
+        scale,
+        cast: cast.map(|c| c.0),
+    })
+}
+
+/// `p` as an unscaled gradient read only by `check` and optimizer updates of its dtype.
+fn unscaled(g: &Graph, p: Port, check: NodeId, is_output: &[bool]) -> Option<Unscaled> {
+    if is_output[p.node.index()] {
+        return None;
+    }
+    let Unscaling { grad, scale, cast } = unscaling(g, p)?;
+    let dtype = g.ty(p).dtype;
     let mut updates = Vec::new();
     for (reader, slot, _) in g.consumers(p.node) {
         if reader == check {
@@ -79,7 +100,7 @@ fn unscaled(g: &Graph, p: Port, check: NodeId, is_output: &[bool]) -> Option<Uns
     }
     Some(Unscaled {
         product: p.node,
-        cast: cast.map(|c| c.0),
+        cast,
         grad,
         scale,
         updates,
