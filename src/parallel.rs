@@ -137,6 +137,60 @@ fn nccl_environment() {
     });
 }
 
+/// Runs `f` on every item at once, item `rank` on a thread of its own (a replica and
+/// what it runs on). The first to fail raises `abort` with its error, which stops the
+/// others at their next collective, and is the error, with its rank; a thread that
+/// panicked is its rank with no error.
+pub fn on_each_replica<T, R, E>(
+    items: &mut [T],
+    abort: &Abort,
+    f: impl Fn(usize, &mut T) -> Result<R, E> + Sync,
+) -> Result<Vec<R>, (usize, Option<E>)>
+where
+    T: Send,
+    R: Send,
+    E: Send + std::fmt::Display,
+{
+    let first_failure: Mutex<Option<(usize, E)>> = Mutex::new(None);
+    let results: Vec<Option<R>> = std::thread::scope(|s| {
+        let handles: Vec<_> = items
+            .iter_mut()
+            .enumerate()
+            .map(|(rank, item)| {
+                let (f, first_failure) = (&f, &first_failure);
+                s.spawn(move || match f(rank, item) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        // Recorded and raised under one lock: a replica stopped by
+                        // this abort finds the slot taken.
+                        let mut first = first_failure.lock().unwrap_or_else(|p| p.into_inner());
+                        if first.is_none() {
+                            abort.raise(format!("replica {rank} failed: {e}"));
+                            *first = Some((rank, e));
+                        }
+                        None
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(None))
+            .collect()
+    });
+    if let Some((rank, e)) = first_failure
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+    {
+        return Err((rank, Some(e)));
+    }
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| r.ok_or((rank, None)))
+        .collect()
+}
+
 /// One [`Collective`] per device, sharing one [`Abort`]: NCCL communicators' unique
 /// id for CUDA devices (NVLink multicast left off), a shared-memory group for CPUs.
 pub fn collectives(
@@ -193,6 +247,8 @@ impl Replicas {
                 graphs.len()
             )));
         }
+        // First: it refuses mixed devices before any session is made.
+        let collectives = collectives(devices, options.timeout)?;
         let session_options = SessionOptions {
             data_parallel: Some(DataParallel {
                 bucket_bytes: options.bucket_bytes,
@@ -224,7 +280,6 @@ impl Replicas {
                 )));
             }
         }
-        let collectives = collectives(devices, options.timeout)?;
         let abort = collectives[0].abort.clone();
         let mut replicas = Replicas { sessions, abort };
         // Every rank joins at once: NCCL's communicators are made together.
@@ -257,50 +312,13 @@ impl Replicas {
                 "the replicas stopped earlier ({why}); make them anew"
             )));
         }
-        let first_failure: Mutex<Option<(usize, SessionError)>> = Mutex::new(None);
-        let results: Vec<Option<R>> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .sessions
-                .iter_mut()
-                .enumerate()
-                .map(|(rank, session)| {
-                    let (f, abort, first_failure) = (&f, &self.abort, &first_failure);
-                    s.spawn(move || match f(rank, session) {
-                        Ok(r) => Some(r),
-                        Err(e) => {
-                            // Recorded and raised under one lock: a replica stopped
-                            // by this abort finds the slot taken.
-                            let mut first = first_failure.lock().unwrap_or_else(|p| p.into_inner());
-                            if first.is_none() {
-                                abort.raise(format!("replica {rank} failed: {e}"));
-                                *first = Some((rank, e));
-                            }
-                            None
-                        }
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or(None))
-                .collect()
-        });
-        if let Some((rank, source)) = first_failure
-            .into_inner()
-            .unwrap_or_else(|p| p.into_inner())
-        {
-            return Err(ParallelError::Replica {
+        on_each_replica(&mut self.sessions, &self.abort, f).map_err(|(rank, e)| match e {
+            Some(source) => ParallelError::Replica {
                 rank,
                 source: Box::new(source),
-            });
-        }
-        results
-            .into_iter()
-            .enumerate()
-            .map(|(rank, r)| {
-                r.ok_or_else(|| ParallelError::Setup(format!("replica {rank} panicked")))
-            })
-            .collect()
+            },
+            None => ParallelError::Setup(format!("replica {rank} panicked")),
+        })
     }
 
     /// One step on every replica, replica `r` fed `feeds[r]`; each replica's fetches.

@@ -117,7 +117,7 @@ use ampgraph::cli::{passes_after_amp, ExecutorArgs};
 use ampgraph::exec::cuda::{self, LaunchCounts};
 use ampgraph::exec::feeds::{initial_value, seeded_tensor};
 use ampgraph::exec::memory_plan::{mib, step_footprint};
-use ampgraph::exec::{ExecOptions, Feeds};
+use ampgraph::exec::{ExecOptions, Executor, Feeds};
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{Group, Init, Variable};
 use ampgraph::graph::rng::SplitMix64;
@@ -958,6 +958,24 @@ fn initial_values(
     Ok(values)
 }
 
+/// The milliseconds of `--iters` steps fetching `fetch`, in order: on the device
+/// where the executor times it there, else the wall clock.
+fn timed_steps(
+    args: &Args,
+    exec: &mut dyn Executor,
+    graph: &Graph,
+    feeds: &Feeds,
+    fetch: Port,
+) -> Res<Vec<f64>> {
+    (0..args.iters.max(1))
+        .map(|_| {
+            let start = Instant::now();
+            let (_, device_ms) = exec.run_timed(graph, feeds, &[fetch])?;
+            Ok(device_ms.unwrap_or(start.elapsed().as_secs_f64() * 1e3))
+        })
+        .collect()
+}
+
 fn run_one(
     args: &Args,
     cfg: &Config,
@@ -1024,12 +1042,7 @@ fn run_one(
     };
     let energy_before = energy.as_ref().and_then(|e| e.millijoules());
     let timed_from = Instant::now();
-    let mut times = Vec::with_capacity(args.iters);
-    for _ in 0..args.iters.max(1) {
-        let start = Instant::now();
-        let (_, device_ms) = exec.run_timed(&graph, &feeds, &[fetch])?;
-        times.push(device_ms.unwrap_or(start.elapsed().as_secs_f64() * 1e3));
-    }
+    let mut times = timed_steps(args, exec.as_mut(), &graph, &feeds, fetch)?;
     // Joules and watts over the timed steps, host time between steps included; only
     // over a second or more, as NVML's counter moves in steps of tens of milliseconds.
     let wall_s = timed_from.elapsed().as_secs_f64();

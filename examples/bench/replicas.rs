@@ -5,10 +5,11 @@
 use std::time::Duration;
 
 use ampgraph::exec::memory_plan::mib;
+use ampgraph::parallel::on_each_replica;
 use ampgraph::passes::data_parallel::DataParallel;
 use ampgraph::{Device, SessionOptions};
 
-use super::{initial_values, prepare_with, py, step_feeds, Args, Config, Mode, Res};
+use super::{initial_values, prepare_with, py, step_feeds, timed_steps, Args, Config, Mode, Res};
 
 /// One replica's timed steps: the median step (ms, CUDA events) and peak MiB.
 struct ReplicaTimes {
@@ -33,62 +34,38 @@ pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()
         return Ok(());
     }
     let devices: Vec<Device> = (0..world).map(Device::Cuda).collect();
-    let collectives = ampgraph::parallel::collectives(&devices, Duration::from_secs(120))?;
-    let results: Vec<Result<ReplicaTimes, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = collectives
-            .iter()
-            .map(|c| {
-                let (step, options) = (&step, &options);
-                s.spawn(move || {
-                    let run = || -> Res<ReplicaTimes> {
-                        // Each GPU its own batch, as each DDP rank draws its own.
-                        let data = cfg.data(args.seed + c.rank as u64)?;
-                        let feeds = step_feeds(args, &step.graph, &data);
-                        let mut exec = Device::Cuda(c.rank)
-                            .executor(options.executor, &options.kernel_cache)?;
-                        exec.check_supported(&step.graph)?;
-                        for (name, value) in initial_values(args, &step.graph, &data)? {
-                            exec.set_variable(&name, value)?;
-                        }
-                        exec.join_collective(c.clone())?;
-                        for _ in 0..args.warmup {
-                            exec.run(&step.graph, &feeds, &[step.fetch])?;
-                        }
-                        exec.reset_peak_bytes();
-                        let mut times = Vec::with_capacity(args.iters.max(1));
-                        for _ in 0..args.iters.max(1) {
-                            let (_, ms) = exec.run_timed(&step.graph, &feeds, &[step.fetch])?;
-                            times.push(ms.unwrap_or(f64::NAN));
-                        }
-                        times.sort_by(f64::total_cmp);
-                        Ok(ReplicaTimes {
-                            median_ms: times[times.len() / 2],
-                            min_ms: times[0],
-                            max_ms: times[times.len() - 1],
-                            peak_mib: exec.peak_bytes().map(mib),
-                        })
-                    };
-                    run().map_err(|e| {
-                        let msg = format!("replica {} failed: {e}", c.rank);
-                        c.abort.raise(msg.clone());
-                        msg
-                    })
-                })
+    let mut collectives = ampgraph::parallel::collectives(&devices, Duration::from_secs(120))?;
+    let abort = collectives[0].abort.clone();
+    let times = on_each_replica(&mut collectives, &abort, |rank, c| {
+        let run = || -> Res<ReplicaTimes> {
+            // Each GPU its own batch, as each DDP rank draws its own.
+            let data = cfg.data(args.seed + rank as u64)?;
+            let feeds = step_feeds(args, &step.graph, &data);
+            let mut exec = Device::Cuda(rank).executor(options.executor, &options.kernel_cache)?;
+            exec.check_supported(&step.graph)?;
+            for (name, value) in initial_values(args, &step.graph, &data)? {
+                exec.set_variable(&name, value)?;
+            }
+            exec.join_collective(c.clone())?;
+            for _ in 0..args.warmup {
+                exec.run(&step.graph, &feeds, &[step.fetch])?;
+            }
+            exec.reset_peak_bytes();
+            let mut times = timed_steps(args, exec.as_mut(), &step.graph, &feeds, step.fetch)?;
+            times.sort_by(f64::total_cmp);
+            Ok(ReplicaTimes {
+                median_ms: times[times.len() / 2],
+                min_ms: times[0],
+                max_ms: times[times.len() - 1],
+                peak_mib: exec.peak_bytes().map(mib),
             })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("a replica panicked".into()))
-            })
-            .collect()
-    });
-    // The first failure is the group's abort reason; the rest followed from it.
-    if let Some(why) = collectives[0].abort.reason() {
-        return Err(why.into());
-    }
-    let times: Vec<ReplicaTimes> = results.into_iter().collect::<Result<_, _>>()?;
+        };
+        run().map_err(|e| e.to_string())
+    })
+    .map_err(|(rank, e)| match e {
+        Some(e) => format!("replica {rank} failed: {e}"),
+        None => format!("replica {rank} panicked"),
+    })?;
     let slowest = times.iter().map(|t| t.median_ms).fold(0.0, f64::max);
     let batch = cfg.batch();
     let per_rank: Vec<String> = times.iter().map(|t| py(t.median_ms, 3)).collect();
