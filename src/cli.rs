@@ -384,6 +384,45 @@ pub enum Command {
         #[arg(short, long, value_name = "LIST.toml")]
         output: Option<PathBuf>,
     },
+    /// Time a model's inference step as a session runs it (AMP where asked, then the
+    /// device's passes): device, wall and host enqueue milliseconds per step (median,
+    /// p90, p99), throughput, peak device memory, how the step was launched and, with
+    /// --profile, the per-op table.
+    Bench {
+        /// The graph file: JSON (`.json`), binary (`.bin`) or an ONNX model (`.onnx`).
+        graph: String,
+        /// Rewrite with automatic mixed precision to this 16-bit type first.
+        #[arg(long, value_enum)]
+        amp: Option<HalfArg>,
+        /// Where to run: `auto` is CUDA device 0 where it runs every node, else the CPU.
+        #[arg(long, value_enum, default_value = "auto")]
+        device: DeviceArg,
+        /// Timed steps.
+        #[arg(long, default_value_t = 50)]
+        iterations: usize,
+        /// Steps run before the timed ones.
+        #[arg(long, default_value_t = 10)]
+        warmup: usize,
+        /// Seed of the Placeholders' values.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// The model's float constants (weights) become Variables holding the same
+        /// values, as in a graph being trained.
+        #[arg(long)]
+        weights_as_variables: bool,
+        /// Launch every step op by op rather than replaying it as one CUDA graph.
+        #[arg(long)]
+        op_by_op: bool,
+        /// After the timed steps, profile this many op by op (each op between CUDA
+        /// events) and print the per-op table.
+        #[arg(long, default_value_t = 0, value_name = "STEPS")]
+        profile: usize,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        executor: ExecutorArgs,
+    },
     /// Plan the device memory of one step on the host, as the CUDA executor plans
     /// it (after AMP where the graph is marked for it and the passes after it): the
     /// planned peak and its parts (the arena, the variables, what else lives beside
@@ -481,13 +520,19 @@ pub enum HalfArg {
     Bf16,
 }
 
+impl HalfArg {
+    pub fn dtype(self) -> DType {
+        match self {
+            HalfArg::F16 => DType::F16,
+            HalfArg::Bf16 => DType::BF16,
+        }
+    }
+}
+
 impl PrecisionArgs {
     /// The AMP settings these flags and the `AMPGRAPH_AMP_*` environment select.
     pub fn config(&self) -> Result<AmpConfig> {
-        let target = match self.dtype {
-            HalfArg::F16 => DType::F16,
-            HalfArg::Bf16 => DType::BF16,
-        };
+        let target = self.dtype.dtype();
         let mut config = match self.lists.as_str() {
             "default" => AmpConfig::new(target)?,
             profile if !profile.ends_with(".toml") => AmpConfig::with_profile(target, profile)
@@ -678,6 +723,49 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 format::write_atomic(&path, text.as_bytes())?;
             }
             Ok(())
+        }
+        Command::Bench {
+            graph,
+            amp,
+            device,
+            iterations,
+            warmup,
+            seed,
+            weights_as_variables,
+            op_by_op,
+            profile,
+            json,
+            executor,
+        } => {
+            let g = files.load(&graph)?;
+            let mut feeds = Feeds::new();
+            for id in g.node_ids() {
+                let n = g.node(id);
+                if n.op.is::<Placeholder>() {
+                    let ty = &n.outputs()[0];
+                    check_tensor_size(&n.name, n.op.name(), ty, DEFAULT_MAX_TENSOR_BYTES)?;
+                    feeds.insert(n.name.clone(), seeded_tensor(&n.name, ty, seed));
+                }
+            }
+            let mut session = executor.session_options();
+            session.executor.op_by_op = op_by_op;
+            let options = crate::benchmark::BenchOptions {
+                amp: amp.map(HalfArg::dtype),
+                device: device.for_graph(&g),
+                warmup,
+                iterations,
+                weights_as_variables,
+                profile_steps: profile,
+                session,
+            };
+            let report = crate::benchmark::bench(g, &feeds, &options)?;
+            let text = match json {
+                true => serde_json::to_string_pretty(&report)
+                    .map_err(|e| CliError::Usage(format!("the report as JSON: {e}")))?
+                    + "\n",
+                false => report.to_string(),
+            };
+            write!(out, "{text}").map_err(io_err("<stdout>"))
         }
         Command::Run {
             graph,

@@ -796,6 +796,7 @@ mod tests {
             deterministic_convolutions: true,
             conv_workspace_limit_mib: Some(64),
             profile: false,
+            op_by_op: true,
         };
         let options = SessionOptions {
             executor,

@@ -238,6 +238,75 @@ fn steps_fed_by_staged_copies_match_steps_that_upload_their_batches() {
     assert!(rel_err(&staged_weights, &weights) <= 1e-5);
 }
 
+/// Training steps replayed as their captured CUDA graph compute what the same steps
+/// launched op by op compute, bit for bit: the cnn (convolutions, batch norm, pooling)
+/// under AMP f16 with a dynamic loss scale that grows and momentum SGD, 8 steps with an
+/// inference run of other fetches between each two (reading the same variables) and
+/// a variable set from outside after the fifth; the losses, logits and every variable
+/// after them are equal, and the replaying session launched its steps as graphs.
+#[test]
+fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
+    if !cuda_or_skip() {
+        return;
+    }
+    let (mut g, loss) = cnn();
+    let logits = g.outputs()[0];
+    let step = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.05, 0.9))
+        .with_loss_scale(LossScale::Dynamic {
+            initial: 1024.0,
+            growth_interval: 2,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+        })
+        .minimize(&mut g, loss)
+        .unwrap();
+    let kernel = g.node(step.variables[0]).name.clone();
+    let train = |op_by_op: bool| -> (Vec<Tensor>, Session, u64) {
+        let mut s = Session::new(g.clone(), Device::Cuda(0)).unwrap();
+        let options = s.executor().options();
+        s.executor_mut().set_options(ExecOptions {
+            op_by_op,
+            deterministic_convolutions: true,
+            ..options
+        });
+        let before = s.executor().launches().unwrap();
+        let mut seen = Vec::new();
+        for i in 0..8 {
+            if i == 5 {
+                let w = s.variable(&kernel).unwrap().clone();
+                let halved: Vec<f64> = w.to_f64_vec().iter().map(|v| 0.5 * v).collect();
+                let halved = Tensor::from_f64(w.dtype(), w.shape().to_vec(), &halved).unwrap();
+                s.set_variable(&kernel, halved).unwrap();
+            }
+            seen.extend(s.run(&[step.loss, step.step], &batch(i)).unwrap());
+            seen.extend(s.run(&[logits], &batch(i + 100)).unwrap());
+        }
+        let graphs = (s.executor().launches().unwrap() - before).step_graphs;
+        (seen, s, graphs)
+    };
+    let (plain, plain_session, plain_graphs) = train(true);
+    let (replayed, replayed_session, graphs) = train(false);
+    assert_eq!(plain_graphs, 0, "op by op, no step is a graph");
+    // Each fetch set: two plain runs (its plan's first and second), then graphs; the
+    // set variable moves the state on once (one more capture, no plain run).
+    assert!(graphs >= 8, "{graphs} steps were replayed as graphs");
+    for (k, (a, b)) in replayed.iter().zip(&plain).enumerate() {
+        assert_eq!(a, b, "output {k} of the runs differs");
+    }
+    let graph = plain_session.graph().clone();
+    for id in graph.node_ids() {
+        let n = graph.node(id);
+        if n.op.is::<Variable>() {
+            assert_eq!(
+                replayed_session.variable(&n.name),
+                plain_session.variable(&n.name),
+                "variable '{}'",
+                n.name
+            );
+        }
+    }
+}
+
 /// Staged feeds of another shape take new slots; staged feeds handed to a step out
 /// of turn (an older ticket) are uploaded by the step; only Placeholders are staged.
 #[test]

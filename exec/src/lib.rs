@@ -135,6 +135,9 @@ pub struct ExecOptions {
     pub conv_workspace_limit_mib: Option<usize>,
     /// Time every op (CUDA events) for [`Executor::profile_table`]; slows steps a little.
     pub profile: bool,
+    /// Launch every step op by op rather than replaying its captured CUDA graph
+    /// (CUDA: [`cuda::CudaOptions::op_by_op`]).
+    pub op_by_op: bool,
 }
 
 /// Something that holds variables and computes the tensors at `fetches`: the one
@@ -248,4 +251,20 @@ pub trait Executor {
     fn profile_table(&self, _top: usize) -> Option<String> {
         None
     }
+
+    /// How the last step reached the device, where the executor tells (CUDA).
+    fn last_step(&self) -> Option<StepReport> {
+        None
+    }
+}
+
+/// How an executor's last step reached the device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// Host seconds from the step's call until its last launch was on the stream
+    /// (feeds bound, kernels or its graph launched), before the fetches' download.
+    pub host_enqueue_secs: f64,
+    /// How its kernels were launched ("replayed as one CUDA graph", or op by op and
+    /// why).
+    pub launch: String,
 }

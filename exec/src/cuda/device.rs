@@ -4,7 +4,8 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::cell::Cell;
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
@@ -117,6 +118,9 @@ pub struct Pool {
     pub live: usize,
     /// The most bytes ever live at once.
     pub peak: usize,
+    /// While a step is captured into a CUDA graph: every buffer handed out since
+    /// ([`Device::start_tape`]), which the graph will keep.
+    tape: Option<Vec<(Weak<Buf>, u64)>>,
 }
 
 /// Work put on the stream since the device was opened, by kind (what a profiler such as
@@ -127,6 +131,7 @@ pub struct Launches {
     pub gemms: AtomicU64,
     pub dnn: AtomicU64,
     pub dnn_replays: AtomicU64,
+    pub step_graphs: AtomicU64,
     pub memsets: AtomicU64,
     pub memcpys: AtomicU64,
 }
@@ -142,6 +147,9 @@ pub struct LaunchCounts {
     pub dnn: u64,
     /// Of those, replays of a captured call (one graph launch each).
     pub dnn_replays: u64,
+    /// Whole steps launched as their CUDA graph (every kernel of the step in one
+    /// launch, counted here and not above).
+    pub step_graphs: u64,
     pub memsets: u64,
     /// Host-device copies (uploads of feeds, downloads of fetches).
     pub memcpys: u64,
@@ -150,7 +158,7 @@ pub struct LaunchCounts {
 impl LaunchCounts {
     /// Everything put on the stream.
     pub fn total(&self) -> u64 {
-        self.kernels + self.gemms + self.dnn + self.memsets + self.memcpys
+        self.kernels + self.gemms + self.dnn + self.step_graphs + self.memsets + self.memcpys
     }
 }
 
@@ -162,6 +170,7 @@ impl std::ops::Sub for LaunchCounts {
             gemms: self.gemms - o.gemms,
             dnn: self.dnn - o.dnn,
             dnn_replays: self.dnn_replays - o.dnn_replays,
+            step_graphs: self.step_graphs - o.step_graphs,
             memsets: self.memsets - o.memsets,
             memcpys: self.memcpys - o.memcpys,
         }
@@ -179,6 +188,7 @@ impl Launches {
             gemms: self.gemms.load(Ordering::Relaxed),
             dnn: self.dnn.load(Ordering::Relaxed),
             dnn_replays: self.dnn_replays.load(Ordering::Relaxed),
+            step_graphs: self.step_graphs.load(Ordering::Relaxed),
             memsets: self.memsets.load(Ordering::Relaxed),
             memcpys: self.memcpys.load(Ordering::Relaxed),
         }
@@ -310,21 +320,46 @@ fn include_paths() -> Vec<String> {
 /// another captures failed that thread's cuDNN call (CUDNN_STATUS_EXECUTION_FAILED).
 static CAPTURE_EXCLUDES_LOADS: RwLock<()> = RwLock::new(());
 
+thread_local! {
+    /// Whether this thread runs a [`capturing`] call now: its own library calls
+    /// inside the capture need no [`loading`] lock (they would wait for themselves).
+    static CAPTURING_HERE: Cell<bool> = const { Cell::new(false) };
+}
+
 /// Runs `f` (library calls that may load kernels: cuDNN, cuBLASLt, module loads) with
 /// no capture in progress; any number run at once.
 pub fn loading<T>(f: impl FnOnce() -> T) -> T {
+    if CAPTURING_HERE.get() {
+        return f();
+    }
     let _shared = CAPTURE_EXCLUDES_LOADS
         .read()
         .unwrap_or_else(|e| e.into_inner());
     f()
 }
 
-/// Runs `f` (a stream capture) while no [`loading`] call runs.
+/// Runs `f` (a stream capture) while no [`loading`] call of another thread runs.
 pub fn capturing<T>(f: impl FnOnce() -> T) -> T {
+    if CAPTURING_HERE.get() {
+        return f();
+    }
+    struct Mark;
+    impl Drop for Mark {
+        fn drop(&mut self) {
+            CAPTURING_HERE.set(false);
+        }
+    }
     let _alone = CAPTURE_EXCLUDES_LOADS
         .write()
         .unwrap_or_else(|e| e.into_inner());
+    CAPTURING_HERE.set(true);
+    let _mark = Mark;
     f()
+}
+
+/// Whether this thread is capturing a stream now ([`capturing`]).
+pub fn capturing_here() -> bool {
+    CAPTURING_HERE.get()
 }
 
 pub struct Device {
@@ -396,17 +431,23 @@ impl Device {
         let n: usize = shape.iter().product();
         let bytes = n * dtype.size_bytes();
         let cap = bytes.max(1).div_ceil(256) * 256;
-        let reused = {
+        let (reused, taping) = {
             let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
             let s = p.free.get_mut(&cap).and_then(|v| v.pop());
             if s.is_some() {
                 p.live += cap;
                 p.peak = p.peak.max(p.live);
             }
-            s
+            (s, p.tape.is_some())
         };
         let slice = match reused {
             Some(s) => s,
+            // A stream-ordered allocation would become part of the captured graph.
+            None if taping => {
+                return Err(format!(
+                    "{who} needs {bytes} bytes the buffer pool does not hold while the step is captured"
+                ))
+            }
             // Never asked of the driver: around a stream-ordered allocation beyond the
             // GPU's memory, other work on the GPU (other processes' too) ran out of
             // memory.
@@ -448,17 +489,74 @@ impl Device {
             let (p, _sync) = slice.device_ptr(&self.stream);
             p
         };
+        let buf = Arc::new(Buf {
+            slice: Some(slice),
+            cap,
+            ptr,
+            pool: self.pool.clone(),
+        });
+        if taping {
+            let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
+            if let Some(tape) = p.tape.as_mut() {
+                tape.push((Arc::downgrade(&buf), ptr));
+            }
+        }
         Ok(DTensor {
-            buf: Arc::new(Buf {
-                slice: Some(slice),
-                cap,
-                ptr,
-                pool: self.pool.clone(),
-            }),
+            buf,
             offset: 0,
             dtype,
             shape: shape.to_vec(),
         })
+    }
+
+    /// Starts recording the buffers handed out (a step being captured): while it
+    /// records, an allocation the pool cannot serve fails rather than reaching the
+    /// driver.
+    pub fn start_tape(&self) -> Result<(), String> {
+        let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
+        p.tape = Some(Vec::new());
+        Ok(())
+    }
+
+    /// Stops recording and returns every buffer handed out since
+    /// [`start_tape`](Self::start_tape): those still alive, and those freed meanwhile
+    /// taken back out of the pool, so that nothing else is given them while a graph
+    /// captured meanwhile may still write them. Dropping the result returns them.
+    pub fn end_tape(&self) -> Result<Vec<DTensor>, String> {
+        let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
+        let tape = p.tape.take().unwrap_or_default();
+        let mut held = Vec::new();
+        for (weak, ptr) in tape {
+            let buf = match weak.upgrade() {
+                Some(buf) => buf,
+                None => {
+                    let found = p.free.iter_mut().find_map(|(&cap, list)| {
+                        let at = list.iter().position(|s| {
+                            let (q, _sync) = s.device_ptr(&self.stream);
+                            q == ptr
+                        })?;
+                        Some((cap, list.swap_remove(at)))
+                    });
+                    // Handed out twice during the capture: already held.
+                    let Some((cap, slice)) = found else { continue };
+                    p.live += cap;
+                    p.peak = p.peak.max(p.live);
+                    Arc::new(Buf {
+                        slice: Some(slice),
+                        cap,
+                        ptr,
+                        pool: self.pool.clone(),
+                    })
+                }
+            };
+            held.push(DTensor {
+                offset: 0,
+                dtype: DType::F32,
+                shape: vec![buf.cap / 4],
+                buf,
+            });
+        }
+        Ok(held)
     }
 
     /// Makes this device's context the calling thread's: with several GPUs in one
@@ -468,9 +566,34 @@ impl Device {
     }
 
     pub fn upload(&self, t: &Tensor, who: &dyn std::fmt::Display) -> Result<DTensor, String> {
+        self.upload_data(t.data(), t.shape(), who)
+    }
+
+    /// `data` of shape `shape` on the device (checked by the caller to match).
+    pub fn upload_data(
+        &self,
+        data: &Data,
+        shape: &[usize],
+        who: &dyn std::fmt::Display,
+    ) -> Result<DTensor, String> {
         self.bind()?;
-        let d = self.alloc(t.dtype(), t.shape(), who)?;
-        let bytes = t.data().to_le_bytes();
+        let d = self.alloc(data.dtype(), shape, who)?;
+        self.write(&d, data)?;
+        Ok(d)
+    }
+
+    /// Copies `data` from the host into `d` (of its type), on the stream.
+    pub fn write(&self, d: &DTensor, data: &Data) -> Result<(), String> {
+        if data.len() != d.len() || data.dtype() != d.dtype {
+            return Err(format!(
+                "{} values of {} copied into {}{}",
+                data.len(),
+                data.dtype(),
+                d.dtype,
+                ShapeDisplay(&d.shape)
+            ));
+        }
+        let bytes = data.to_le_bytes();
         if !bytes.is_empty() {
             Launches::count(&self.launches.memcpys);
             // SAFETY: the buffer holds at least `bytes.len()` bytes; the copy is ordered
@@ -480,7 +603,7 @@ impl Device {
                     .map_err(drv("upload"))?;
             }
         }
-        Ok(d)
+        Ok(())
     }
 
     pub fn download(&self, d: &DTensor) -> Result<Tensor, String> {

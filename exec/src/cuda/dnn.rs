@@ -40,7 +40,7 @@ use sys::cudnnDataType_t as CudnnType;
 use ampgraph_graph::ops::DataFormat;
 use ampgraph_graph::DType;
 
-use super::device::{capturing, loading, DTensor, Device, Launches};
+use super::device::{capturing, capturing_here, loading, DTensor, Device, Launches};
 
 /// Whether cuDNN (9 or later) can be loaded; the reason where it cannot.
 pub fn available() -> Result<(), String> {
@@ -238,6 +238,10 @@ impl Replays {
         key: ReplayKey,
         call: impl Fn() -> sys::cudnnStatus_t,
     ) -> Result<(), String> {
+        // Inside a whole step's capture the call is captured with the step.
+        if capturing_here() {
+            return check("convolution", call());
+        }
         match self.graphs.get(&key) {
             Some(Some(graph)) => {
                 Launches::count(&dev.launches.dnn_replays);
@@ -844,6 +848,10 @@ impl Dnn {
     fn workspace(&self, dev: &Device, bytes: usize) -> Result<Option<DTensor>, String> {
         if bytes == 0 {
             return Ok(None);
+        }
+        // It is freed once the plan holds the scratch: no captured graph may keep it.
+        if capturing_here() {
+            return Err("the convolution's workspace is not planned yet".into());
         }
         let mut ws = self.workspace.lock().map_err(|_| "poisoned")?;
         if ws.as_ref().is_none_or(|w| w.bytes() < bytes) {

@@ -69,7 +69,7 @@ use std::fmt::Debug;
 
 use ampgraph_graph::ops::{Const, Group, Placeholder, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
-use ampgraph_graph::{DType, Op, Tensor, TensorType};
+use ampgraph_graph::{DType, Op, TensorType};
 
 use super::device::{row_block, row_grid, Arg, DTensor, Device};
 use super::dnn::{Dnn, DnnOptions};
@@ -163,8 +163,9 @@ fn one_output(
 pub(crate) enum Source {
     Placeholder,
     Variable,
-    /// A Const's value (zeros where it holds none), or Group's `true`.
-    Value(Tensor),
+    /// A Const's value (zeros where it holds none), or Group's `true`: uploaded when
+    /// the step is planned, from the op itself.
+    Constant,
 }
 
 /// What a node becomes on the device.
@@ -215,18 +216,8 @@ pub(crate) fn lower(
     if op.is::<Variable>() {
         return Ok(Lowered::Source(Source::Variable));
     }
-    if let Some(k) = op.downcast_ref::<Const>() {
-        let value = match &k.values {
-            Some(v) => Tensor::new(k.ty.shape.clone(), v.clone())?,
-            None => Tensor::zeros(&k.ty),
-        };
-        return Ok(Lowered::Source(Source::Value(value)));
-    }
-    if op.is::<Group>() {
-        return Ok(Lowered::Source(Source::Value(Tensor::scalar(
-            DType::Bool,
-            1.0,
-        ))));
+    if op.is::<Const>() || op.is::<Group>() {
+        return Ok(Lowered::Source(Source::Constant));
     }
     for family in FAMILIES {
         if let Some(k) = family(op, inputs, outputs) {
