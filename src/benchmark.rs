@@ -3,14 +3,17 @@
 //! timed: per step its device time (CUDA events around the step's work, as
 //! `torch.cuda.Event`s around a PyTorch step), its wall time (the host's clock around
 //! the whole call, the fetches' download included) and the host time until its last
-//! launch was on the stream (enqueue). Reported: median, p90 and p99 of each,
-//! throughput, the device's peak memory and how the step was launched.
+//! launch was on the stream (enqueue). Each step's inputs are copied to the device
+//! while the step before it computes (pinned buffers and a copy stream, as a serving
+//! loop or PyTorch's DataLoader with `pin_memory` feed a model), unless the step is to
+//! upload them itself. Reported: median, p90 and p99 of each, throughput, the
+//! device's peak memory during the timed steps and how the step was launched.
 
 use std::time::Instant;
 
 use serde::Serialize;
 
-use ampgraph_exec::{ExecOptions, Feeds};
+use ampgraph_exec::{ExecOptions, Feeds, Staged};
 use ampgraph_graph::ops::{Const, Placeholder, Variable};
 use ampgraph_graph::{DType, Graph, Tensor};
 
@@ -29,6 +32,9 @@ pub struct BenchOptions {
     pub weights_as_variables: bool,
     /// After the timed steps, this many steps profiled op by op.
     pub profile_steps: usize,
+    /// Each timed step uploads its inputs itself, rather than finding them copied
+    /// while the step before it ran.
+    pub sync_feeds: bool,
     pub session: SessionOptions,
 }
 
@@ -64,7 +70,8 @@ pub struct BenchReport {
     /// Examples per step: the first dim of the first Placeholder (1 where it has none).
     pub batch: usize,
     pub iterations: usize,
-    /// Device milliseconds per step (CUDA events; `None` on the CPU).
+    /// Device milliseconds per step (CUDA events from the step's first work to its
+    /// last kernel; `None` on the CPU).
     pub device_ms: Option<Spread>,
     /// Wall milliseconds per step, download of the outputs included.
     pub wall_ms: Spread,
@@ -72,6 +79,8 @@ pub struct BenchReport {
     pub enqueue_ms: Option<Spread>,
     /// Examples per second at the median wall time.
     pub throughput: f64,
+    /// The device's peak memory during the timed steps (weights, the arena, the
+    /// inputs).
     pub peak_mib: Option<f64>,
     /// How the last timed step was launched.
     pub launch: Option<String>,
@@ -131,9 +140,22 @@ pub fn bench(
         session.run(&fetches, feeds)?;
     }
     let (mut device_ms, mut wall_ms, mut enqueue_ms) = (Vec::new(), Vec::new(), Vec::new());
+    session.executor().reset_peak_bytes();
+    // Each step's inputs are copied to the device while the step before computes
+    // (a serving loop's or a DataLoader's pinned, non-blocking copies), unless
+    // `sync_feeds`: then each step uploads its own.
+    let mut staged = Some(Staged::host(feeds.clone()));
     for _ in 0..options.iterations.max(1) {
         let start = Instant::now();
-        let (_, device) = session.run_timed(&fetches, feeds)?;
+        let device = match options.sync_feeds {
+            true => session.run_timed(&fetches, feeds)?.1,
+            false => {
+                let current = staged.take().unwrap_or_else(|| Staged::host(feeds.clone()));
+                let step = session.run_overlapped(&fetches, current, Some(feeds.clone()))?;
+                staged = step.next;
+                step.device_ms
+            }
+        };
         wall_ms.push(start.elapsed().as_secs_f64() * 1e3);
         device_ms.extend(device);
         if let Some(step) = session.executor().last_step() {

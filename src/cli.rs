@@ -413,6 +413,10 @@ pub enum Command {
         /// Launch every step op by op rather than replaying it as one CUDA graph.
         #[arg(long)]
         op_by_op: bool,
+        /// Each step uploads its own inputs (by default they are copied while the
+        /// step before computes, from page-locked memory on a stream of their own).
+        #[arg(long)]
+        sync_feeds: bool,
         /// After the timed steps, profile this many op by op (each op between CUDA
         /// events) and print the per-op table.
         #[arg(long, default_value_t = 0, value_name = "STEPS")]
@@ -733,6 +737,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             seed,
             weights_as_variables,
             op_by_op,
+            sync_feeds,
             profile,
             json,
             executor,
@@ -756,6 +761,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 iterations,
                 weights_as_variables,
                 profile_steps: profile,
+                sync_feeds,
                 session,
             };
             let report = crate::benchmark::bench(g, &feeds, &options)?;

@@ -261,7 +261,7 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
         .minimize(&mut g, loss)
         .unwrap();
     let kernel = g.node(step.variables[0]).name.clone();
-    let train = |op_by_op: bool| -> (Vec<Tensor>, Session, u64) {
+    let train = |op_by_op: bool| -> (Vec<Tensor>, Session, u64, Vec<String>) {
         let mut s = Session::new(g.clone(), Device::Cuda(0)).unwrap();
         let options = s.executor().options();
         s.executor_mut().set_options(ExecOptions {
@@ -270,7 +270,8 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
             ..options
         });
         let before = s.executor().launches().unwrap();
-        let mut seen = Vec::new();
+        let (mut seen, mut launches) = (Vec::new(), Vec::new());
+        let mut note = |s: &Session| launches.push(s.executor().last_step().unwrap().launch);
         for i in 0..8 {
             if i == 5 {
                 let w = s.variable(&kernel).unwrap().clone();
@@ -279,17 +280,19 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
                 s.set_variable(&kernel, halved).unwrap();
             }
             seen.extend(s.run(&[step.loss, step.step], &batch(i)).unwrap());
+            note(&s);
             seen.extend(s.run(&[logits], &batch(i + 100)).unwrap());
+            note(&s);
         }
         let graphs = (s.executor().launches().unwrap() - before).step_graphs;
-        (seen, s, graphs)
+        (seen, s, graphs, launches)
     };
-    let (plain, plain_session, plain_graphs) = train(true);
-    let (replayed, replayed_session, graphs) = train(false);
+    let (plain, plain_session, plain_graphs, _) = train(true);
+    let (replayed, replayed_session, graphs, launches) = train(false);
     assert_eq!(plain_graphs, 0, "op by op, no step is a graph");
-    // Each fetch set: two plain runs (its plan's first and second), then graphs; the
-    // set variable moves the state on once (one more capture, no plain run).
-    assert!(graphs >= 8, "{graphs} steps were replayed as graphs");
+    // Each fetch set: its plan's first runs plain (a second plan where the first
+    // planned scratch), then graphs; setting a variable recaptures.
+    assert!(graphs >= 8, "{graphs} steps were replayed as graphs: {launches:#?}");
     for (k, (a, b)) in replayed.iter().zip(&plain).enumerate() {
         assert_eq!(a, b, "output {k} of the runs differs");
     }

@@ -140,6 +140,29 @@ impl Data {
         bytes
     }
 
+    /// [`to_le_bytes`](Self::to_le_bytes) without a copy where the host is
+    /// little-endian (every value type here is plain bytes in memory: IEEE floats,
+    /// two's complement integers, `half`'s 16-bit types, bools as one byte 0 or 1).
+    pub fn le_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        if cfg!(target_endian = "big") {
+            return std::borrow::Cow::Owned(self.to_le_bytes());
+        }
+        fn view<T: Copy>(v: &[T]) -> &[u8] {
+            // SAFETY: T is one of Data's element types: no padding, every byte
+            // initialised; the view borrows `v` and reads only.
+            unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+        }
+        std::borrow::Cow::Borrowed(match self {
+            Data::F32(v) => view(v),
+            Data::F16(v) => view(v),
+            Data::BF16(v) => view(v),
+            Data::F64(v) => view(v),
+            Data::I32(v) => view(v),
+            Data::I64(v) => view(v),
+            Data::Bool(v) => view(v),
+        })
+    }
+
     /// Writes [`to_le_bytes`](Self::to_le_bytes) into `out` (a staging buffer), which
     /// holds exactly that many bytes.
     pub fn write_le_bytes(&self, out: &mut [u8]) {
@@ -454,5 +477,31 @@ mod rounding_tests {
             bf16_from_f64(1e-45).to_f64(),
             bf16::from_f32(1e-45).to_f64()
         );
+    }
+}
+
+#[cfg(test)]
+mod byte_tests {
+    use super::*;
+
+    /// The borrowed view is the layout `to_le_bytes` writes, for every dtype, and
+    /// `from_le_bytes` reads it back.
+    #[test]
+    fn le_bytes_borrow_what_to_le_bytes_writes() {
+        let values = [-2.5, 0.0, 1.0, 3.25, 65504.0, -1e-3];
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::F64,
+            DType::I32,
+            DType::I64,
+            DType::Bool,
+        ] {
+            let t = Tensor::from_f64(dtype, vec![values.len()], &values).unwrap();
+            let view = t.data().le_bytes();
+            assert_eq!(&*view, &t.data().to_le_bytes()[..], "{dtype}");
+            assert_eq!(&Data::from_le_bytes(dtype, &view).unwrap(), t.data(), "{dtype}");
+        }
     }
 }

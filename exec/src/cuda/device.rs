@@ -593,7 +593,7 @@ impl Device {
                 ShapeDisplay(&d.shape)
             ));
         }
-        let bytes = data.to_le_bytes();
+        let bytes = data.le_bytes();
         if !bytes.is_empty() {
             Launches::count(&self.launches.memcpys);
             // SAFETY: the buffer holds at least `bytes.len()` bytes; the copy is ordered

@@ -95,7 +95,7 @@ impl Staging {
                 copy.wait(&slot.consumed).map_err(drv("stream wait"))?;
                 slot.copied.synchronize().map_err(drv("event"))?;
                 let host = &mut slot.host.as_mut_slice().map_err(drv("pinned buffer"))?[..bytes];
-                value.data().write_le_bytes(host);
+                host.copy_from_slice(&value.data().le_bytes());
                 if bytes > 0 {
                     Launches::count(&dev.launches.memcpys);
                     // SAFETY: both buffers hold `bytes`; the pinned source is not
