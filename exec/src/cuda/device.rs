@@ -121,6 +121,8 @@ pub struct Pool {
     /// While a step is captured into a CUDA graph: every buffer handed out since
     /// ([`Device::start_tape`]), which the graph will keep.
     tape: Option<Vec<(Weak<Buf>, u64)>>,
+    /// Capacities asked for while taping that the pool did not hold.
+    missed: Vec<usize>,
 }
 
 /// Work put on the stream since the device was opened, by kind (what a profiler such as
@@ -438,7 +440,11 @@ impl Device {
                 p.live += cap;
                 p.peak = p.peak.max(p.live);
             }
-            (s, p.tape.is_some())
+            let taping = p.tape.is_some();
+            if taping && s.is_none() {
+                p.missed.push(cap);
+            }
+            (s, taping)
         };
         let slice = match reused {
             Some(s) => s,
@@ -515,6 +521,22 @@ impl Device {
     pub fn start_tape(&self) -> Result<(), String> {
         let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
         p.tape = Some(Vec::new());
+        p.missed.clear();
+        Ok(())
+    }
+
+    /// The capacities the pool did not hold during the last tape.
+    pub fn tape_misses(&self) -> Vec<usize> {
+        self.pool.lock().map(|p| p.missed.clone()).unwrap_or_default()
+    }
+
+    /// Puts a free buffer of each capacity in `caps` into the pool (allocated now),
+    /// for a capture to take.
+    pub fn reserve(&self, caps: &[usize]) -> Result<(), String> {
+        let bufs = (caps.iter())
+            .map(|&cap| self.alloc(DType::F32, &[cap / 4], &"a buffer reserved for a captured step"))
+            .collect::<Result<Vec<_>, _>>()?;
+        drop(bufs);
         Ok(())
     }
 

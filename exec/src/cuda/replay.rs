@@ -112,7 +112,15 @@ impl CudaExecutor {
         }
         if !current {
             self.step_graphs.remove(&plan.id);
-            match self.capture(plan, graph, feeds, fed) {
+            let mut captured = self.capture(plan, graph, feeds, fed.clone());
+            // Buffers the pool lacked (another graph holds those it had): reserved
+            // outside the capture, which then gets them.
+            let missed = self.dev.tape_misses();
+            if captured.is_err() && !missed.is_empty() {
+                guard("CUDA", || self.dev.reserve(&missed)).map_err(dev_err)?;
+                captured = self.capture(plan, graph, feeds, fed);
+            }
+            match captured {
                 Ok(captured) => {
                     log::debug!("step captured as a CUDA graph ({} nodes)", plan.schedule.order.len());
                     self.step_graphs.insert(plan.id, captured);
