@@ -530,13 +530,16 @@ impl Device {
         self.pool.lock().map(|p| p.missed.clone()).unwrap_or_default()
     }
 
-    /// Puts a free buffer of each capacity in `caps` into the pool (allocated now),
-    /// for a capture to take.
+    /// Adds a free buffer of each capacity in `caps` to the pool (allocated from the
+    /// driver now), for a capture to take.
     pub fn reserve(&self, caps: &[usize]) -> Result<(), String> {
-        let bufs = (caps.iter())
-            .map(|&cap| self.alloc(DType::F32, &[cap / 4], &"a buffer reserved for a captured step"))
-            .collect::<Result<Vec<_>, _>>()?;
-        drop(bufs);
+        for &cap in caps {
+            // SAFETY: u8 has no invalid bit patterns; every kernel writes before reads.
+            let slice = unsafe { self.stream.alloc::<u8>(cap) }
+                .map_err(|e| format!("out of device memory reserving {cap} bytes for a captured step ({e:?})"))?;
+            let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
+            p.free.entry(cap).or_default().push(slice);
+        }
         Ok(())
     }
 

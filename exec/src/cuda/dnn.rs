@@ -625,8 +625,9 @@ impl Dnn {
             .get_or_init(|| {
                 available()?;
                 let mut h = std::ptr::null_mut();
-                // SAFETY: writes one handle.
-                check("create", unsafe { sys::cudnnCreate(&mut h) })?;
+                // SAFETY: writes one handle. Starting cuDNN loads its kernels: not
+                // while another thread captures.
+                check("create", loading(|| unsafe { sys::cudnnCreate(&mut h) }))?;
                 let handle = Handle(h);
                 // SAFETY: a live handle and the executor's stream.
                 check("set stream", unsafe { sys::cudnnSetStream(h, self.stream) })?;

@@ -276,7 +276,8 @@ pub struct Product<'a> {
 
 impl Gemm {
     pub fn new(dev: &Device) -> Result<Gemm, String> {
-        let handle = lt::create_handle().map_err(err("create"))?;
+        // Starting cuBLASLt may load kernels: not while another thread captures.
+        let handle = loading(lt::create_handle).map_err(err("create"))?;
         let workspace = match dev.alloc(
             DType::F32,
             &[WORKSPACE_BYTES / 4],

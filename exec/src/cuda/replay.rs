@@ -228,8 +228,8 @@ impl CudaExecutor {
             }
             let launched = (self.launch(plan, graph, feeds, &bound))
                 .map_err(|e| e.to_string())
-                .and_then(|l| {
-                    let refreshed = copy_back(&self.dev, self, &l)?;
+                .and_then(|mut l| {
+                    let refreshed = copy_back(&self.dev, self, &mut l)?;
                     Ok((l, refreshed))
                 });
             // The capture ends whatever happened: the stream must leave capture mode.
@@ -260,18 +260,21 @@ impl CudaExecutor {
 /// Under capture, after the step's kernels: copies each new variable value not
 /// written in place into the variable's buffer, and each cast an update wrote into its
 /// kept cast's buffer, so that the graph leaves them where the next replay reads
-/// them; the casts refreshed so.
+/// them; the casts refreshed so. A fetched value in one of those buffers (a variable's
+/// old value, read through a view) is copied aside first, as a plain step's commit
+/// would leave it.
 fn copy_back(
     dev: &Device,
     e: &CudaExecutor,
-    launched: &Launched,
+    launched: &mut Launched,
 ) -> Result<Vec<(String, DType)>, String> {
+    let mut copies: Vec<(&DTensor, &DTensor)> = Vec::new();
     for (name, value) in &launched.writes {
         let target = (e.variables.get(name))
             .and_then(|slot| slot.device.as_ref())
             .ok_or_else(|| format!("variable '{name}' has no device copy to write"))?;
         if target.ptr() != value.ptr() {
-            dev.copy(value, target)?;
+            copies.push((value, target));
         }
     }
     let mut refreshed = Vec::new();
@@ -283,9 +286,21 @@ fn copy_back(
         let target = (e.cast_cache.get(&key))
             .ok_or_else(|| format!("the {} cast of variable '{var}' is not kept yet", cast.dtype))?;
         if target.ptr() != cast.ptr() {
-            dev.copy(cast, target)?;
+            copies.push((cast, target));
         }
         refreshed.push(key);
     }
+    let mut fetched = launched.fetched.clone();
+    for f in &mut fetched {
+        if copies.iter().any(|(_, target)| f.shares_buffer(target)) {
+            let aside = dev.alloc(f.dtype, &f.shape, &"a fetched value of a captured step")?;
+            dev.copy(f, &aside)?;
+            *f = aside;
+        }
+    }
+    for (value, target) in copies {
+        dev.copy(value, target)?;
+    }
+    launched.fetched = fetched;
     Ok(refreshed)
 }

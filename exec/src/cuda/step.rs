@@ -717,10 +717,11 @@ impl CudaExecutor {
         }
     }
 
-    /// Whether every cast of a weight the step keeps is kept already (the step would
-    /// otherwise compute and keep one: state a captured step cannot change).
+    /// Whether every cast of a weight the step reads is kept already: a cast the
+    /// step would make and keep, or an update's cast with no kept buffer to write
+    /// into, is state a captured step cannot change.
     pub(super) fn casts_settled(&self, plan: &StepPlan, graph: &Graph, feeds: &Feeds) -> bool {
-        (plan.constant_casts.iter()).all(|(port, var)| {
+        (plan.constant_casts.iter().chain(&plan.update_casts)).all(|(port, var)| {
             feeds.contains_key(var) || (self.cast_cache).contains_key(&(var.clone(), graph.ty(*port).dtype))
         })
     }
