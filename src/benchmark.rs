@@ -227,7 +227,40 @@ impl std::fmt::Display for BenchReport {
 
 #[cfg(test)]
 mod tests {
-    use super::Spread;
+    use super::{weights_to_variables, Spread};
+    use crate::session::{Device, Session};
+    use ampgraph_graph::ops::{Const, Variable};
+    use ampgraph_graph::{DType, Graph, Tensor};
+
+    /// The float constants of more than one value become Variables holding their
+    /// values: the step computes the same outputs; a scalar stays a Const.
+    #[test]
+    fn weights_become_variables_with_their_values() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 3]).unwrap();
+        let w = Tensor::from_f64(DType::F32, vec![3, 2], &[1.0, -2.0, 0.5, 3.0, -1.5, 2.5]).unwrap();
+        let w = g.add(Const::new(w), &[]).unwrap();
+        let y = g.matmul(x, w).unwrap();
+        let two = g.scalar(DType::F32, 2.0).unwrap();
+        let y = g.mul(y, two).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        let feeds = [(
+            "x".to_string(),
+            Tensor::from_f64(DType::F32, vec![2, 3], &[0.5, 1.0, -1.0, 2.0, 0.25, -0.5]).unwrap(),
+        )]
+        .into();
+        let want = Session::new(g.clone(), Device::Cpu).unwrap().run(&[y], &feeds).unwrap();
+        let mut converted = g.clone();
+        let values = weights_to_variables(&mut converted);
+        assert_eq!(values.len(), 1, "the weight, not the scalar");
+        assert!(converted.node(w.node).op.is::<Variable>());
+        assert!(converted.node(two.node).op.is::<Const>());
+        let mut s = Session::new(converted, Device::Cpu).unwrap();
+        for (name, value) in values {
+            s.set_variable(&name, value).unwrap();
+        }
+        assert_eq!(s.run(&[y], &feeds).unwrap(), want);
+    }
 
     #[test]
     fn percentiles_are_nearest_ranks() {

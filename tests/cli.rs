@@ -654,3 +654,51 @@ fn an_unknown_list_profile_names_the_ones_the_help_names() {
         "{help}"
     );
 }
+
+/// `bench` times a graph's step: as many timed steps as asked, percentiles in order,
+/// the batch from the first Placeholder, throughput from the median wall time; on the
+/// CPU no device time or launch. An ONNX model with `--input`, AMP and its weights as
+/// Variables, as text.
+#[test]
+fn bench_reports_percentiles_throughput_and_the_batch() {
+    let out = ok(&[
+        "bench",
+        "examples/graphs/mlp.json",
+        "--device",
+        "cpu",
+        "--iterations",
+        "7",
+        "--warmup",
+        "1",
+        "--json",
+    ]);
+    let r: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["iterations"], 7);
+    assert_eq!(r["batch"], 64);
+    assert!(r["device_ms"].is_null() && r["launch"].is_null(), "{r}");
+    let wall = &r["wall_ms"];
+    let (median, p90, p99) = (
+        wall["median"].as_f64().unwrap(),
+        wall["p90"].as_f64().unwrap(),
+        wall["p99"].as_f64().unwrap(),
+    );
+    assert!(0.0 < median && median <= p90 && p90 <= p99, "{wall}");
+    let throughput = r["throughput"].as_f64().unwrap();
+    assert!((throughput - 64.0 / (median / 1e3)).abs() <= 1e-6 * throughput);
+    let text = ok(&[
+        "bench",
+        "tests/data/onnx/resnet_tiny/model.onnx",
+        "--input",
+        "input=2x3x32x32",
+        "--amp",
+        "f16",
+        "--weights-as-variables",
+        "--device",
+        "cpu",
+        "--iterations",
+        "2",
+        "--warmup",
+        "0",
+    ]);
+    assert!(text.contains("batch 2") && text.contains("wall ms per step: median"), "{text}");
+}

@@ -97,6 +97,15 @@ fn cnn() -> (Graph, Port) {
     (g, loss)
 }
 
+/// A dynamic loss scale that grows every second step: the scale changes within a
+/// few steps.
+const GROWING_SCALE: LossScale = LossScale::Dynamic {
+    initial: 1024.0,
+    growth_interval: 2,
+    growth_factor: 2.0,
+    backoff_factor: 0.5,
+};
+
 /// Trains 3 steps of `model` on both devices and compares the losses and every
 /// variable.
 fn compare_training(what: &str, amp: Option<DType>, adam: bool, tol: f64) {
@@ -119,12 +128,7 @@ fn compare_model_training(
     let step = match amp {
         Some(dtype) => enable_mixed_precision_graph_rewrite(inner)
             .with_dtype(dtype)
-            .with_loss_scale(LossScale::Dynamic {
-                initial: 1024.0,
-                growth_interval: 2,
-                growth_factor: 2.0,
-                backoff_factor: 0.5,
-            })
+            .with_loss_scale(GROWING_SCALE)
             .minimize(&mut g, loss)
             .unwrap(),
         None => inner.minimize(&mut g, loss).unwrap(),
@@ -252,12 +256,7 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
     let (mut g, loss) = cnn();
     let logits = g.outputs()[0];
     let step = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.05, 0.9))
-        .with_loss_scale(LossScale::Dynamic {
-            initial: 1024.0,
-            growth_interval: 2,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-        })
+        .with_loss_scale(GROWING_SCALE)
         .minimize(&mut g, loss)
         .unwrap();
     let kernel = g.node(step.variables[0]).name.clone();

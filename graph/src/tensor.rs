@@ -489,15 +489,7 @@ mod byte_tests {
     #[test]
     fn le_bytes_borrow_what_to_le_bytes_writes() {
         let values = [-2.5, 0.0, 1.0, 3.25, 65504.0, -1e-3];
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::F64,
-            DType::I32,
-            DType::I64,
-            DType::Bool,
-        ] {
+        for dtype in DType::ALL {
             let t = Tensor::from_f64(dtype, vec![values.len()], &values).unwrap();
             let view = t.data().le_bytes();
             assert_eq!(&*view, &t.data().to_le_bytes()[..], "{dtype}");
