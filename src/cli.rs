@@ -894,7 +894,7 @@ fn plan(
         passes: passes_after_amp(passes),
         ..SessionOptions::default()
     };
-    let pipeline = Pipeline::new(&g, &options, &cuda::pipeline(&options.executor))?;
+    let pipeline = Pipeline::new(&g, &options, cuda::pipeline(&options.executor))?;
     let (_, fetches) = pipeline.run_for(&mut g, &fetches)?;
     let footprint = memory_plan::step_footprint(&g, &fetches, &Default::default())?;
     out.write_all(footprint.report(&g, top).as_bytes())

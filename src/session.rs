@@ -20,7 +20,7 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph_passes::data_parallel::DataParallel;
-use ampgraph_passes::{registry, PassError, PassManager, PassRecord};
+use ampgraph_passes::{registry, Pass, PassError, PassManager, PassRecord};
 
 use crate::numerics::check::{CheckError, Checker, NumericsReport, Snapshot};
 
@@ -111,9 +111,9 @@ pub struct SessionOptions {
     pub amp: Option<AmpConfig>,
     /// Passes to run after AMP, by registry name: on a copy of the graph per set of
     /// fetches, whose values they keep, so that fusing never hides a tensor someone
-    /// fetches. `None` takes the executor's [`Executor::default_passes`]: the fusion
-    /// pipeline [`cuda::PIPELINE`] on CUDA, none on the CPU (whose kernels gain
-    /// nothing from them).
+    /// fetches. `None` takes the executor's [`Executor::passes`]: the fusion pipeline
+    /// [`cuda::pipeline`] on CUDA, none on the CPU (whose kernels gain nothing from
+    /// them).
     pub passes: Option<Vec<String>>,
     /// The executor's switches: TF32 for f32 products and f16 products accumulated in
     /// f16 (both off: PyTorch's `allow_tf32` and
@@ -173,7 +173,7 @@ pub struct Pipeline {
     /// The AMP pass, for a marked graph, and the data-parallel pass where asked (else
     /// no pass).
     pub amp: PassManager,
-    /// The passes after AMP, by registry name.
+    /// The passes after AMP, by name.
     pub names: Vec<String>,
     /// Those passes (a session runs them per set of fetches).
     pub after_amp: PassManager,
@@ -181,11 +181,11 @@ pub struct Pipeline {
 
 impl Pipeline {
     /// The pipeline a session with `options` runs on `graph`, where the executor's
-    /// default passes after AMP are `default_passes` ([`Executor::default_passes`]).
+    /// passes after AMP are `backend` ([`Executor::passes`]).
     pub fn new(
         graph: &Graph,
         options: &SessionOptions,
-        default_passes: &[&str],
+        backend: Vec<Box<dyn Pass>>,
     ) -> Result<Pipeline, SessionError> {
         let mut amp = PassManager::new();
         if let Some(config) = amp_config(graph, options)? {
@@ -194,11 +194,15 @@ impl Pipeline {
         if let Some(data_parallel) = options.data_parallel {
             amp.push(Box::new(data_parallel));
         }
-        let names: Vec<String> = match &options.passes {
-            Some(names) => names.clone(),
-            None => default_passes.iter().map(|s| s.to_string()).collect(),
+        let after_amp = match &options.passes {
+            Some(names) => registry_passes(names)?,
+            None => {
+                let mut manager = PassManager::new();
+                backend.into_iter().for_each(|pass| manager.push(pass));
+                manager
+            }
         };
-        let after_amp = registry_passes(&names)?;
+        let names = after_amp.names().iter().map(|s| s.to_string()).collect();
         Ok(Pipeline {
             amp,
             names,
@@ -334,7 +338,7 @@ impl Session {
         options: SessionOptions,
     ) -> Result<Session, SessionError> {
         let mut executor = device.executor(options.executor, &options.kernel_cache)?;
-        let pipeline = Pipeline::new(&graph, &options, &executor.default_passes())?;
+        let pipeline = Pipeline::new(&graph, &options, executor.passes())?;
         let check_numerics = options.check_numerics
             || std::env::var(CHECK_NUMERICS_ENV).is_ok_and(|v| v.trim() == "1");
         let numerics = match check_numerics {
@@ -753,8 +757,9 @@ mod tests {
 
     #[test]
     fn the_cuda_pipeline_resolves_through_the_registry() {
-        let manager = registry_passes(cuda::PIPELINE).unwrap();
-        assert_eq!(manager.names(), cuda::PIPELINE);
+        let names = cuda::pipeline_names(&ExecOptions::default());
+        let manager = registry_passes(&names).unwrap();
+        assert_eq!(manager.names(), names);
         let err = registry_passes(&["dce", "no-such-pass"]).err().unwrap();
         assert!(
             err.to_string().contains("unknown pass 'no-such-pass'"),
@@ -767,8 +772,9 @@ mod tests {
         let mut g = Graph::new();
         let x = g.placeholder("x", ampgraph_graph::DType::F32, [2]).unwrap();
         g.set_outputs(vec![x]).unwrap();
-        let defaults = Pipeline::new(&g, &SessionOptions::default(), cuda::PIPELINE).unwrap();
-        assert_eq!(defaults.names, cuda::PIPELINE);
+        let recipe = || cuda::pipeline(&ExecOptions::default());
+        let defaults = Pipeline::new(&g, &SessionOptions::default(), recipe()).unwrap();
+        assert_eq!(defaults.names, cuda::pipeline_names(&ExecOptions::default()));
         assert!(
             defaults.amp.names().is_empty(),
             "no AMP for an unmarked graph"
@@ -777,10 +783,10 @@ mod tests {
             passes: Some(vec!["fuse".into()]),
             ..Default::default()
         };
-        let chosen = Pipeline::new(&g, &chosen, cuda::PIPELINE).unwrap();
+        let chosen = Pipeline::new(&g, &chosen, recipe()).unwrap();
         assert_eq!(chosen.after_amp.names(), ["fuse"]);
         g.mixed_precision = Some(ampgraph_graph::DType::F16);
-        let marked = Pipeline::new(&g, &SessionOptions::default(), &[]).unwrap();
+        let marked = Pipeline::new(&g, &SessionOptions::default(), Vec::new()).unwrap();
         assert_eq!(marked.amp.names().len(), 1);
         assert!(marked.names.is_empty());
     }
@@ -806,7 +812,7 @@ mod tests {
         let mut s = Session::with_options(g, Device::Cpu, options).unwrap();
         assert_eq!(s.executor().options(), executor);
         assert!(s.executor().device_name().starts_with("CPU"));
-        assert!(s.executor().default_passes().is_empty());
+        assert!(s.executor().passes().is_empty());
         assert_eq!(
             s.executor().peak_bytes(),
             None,

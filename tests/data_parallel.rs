@@ -472,7 +472,6 @@ fn a_replica_that_never_comes_times_the_others_out() {
 
 #[test]
 fn under_amp_the_means_are_of_the_16_bit_gradients_and_the_unscaling_still_folds() {
-    use ampgraph::exec::cuda::PIPELINE;
     use ampgraph::graph::ops::Cast;
     use ampgraph::session::Pipeline;
     use ampgraph::SessionOptions;
@@ -483,7 +482,8 @@ fn under_amp_the_means_are_of_the_16_bit_gradients_and_the_unscaling_still_folds
             data_parallel,
             ..SessionOptions::default()
         };
-        let (records, _) = Pipeline::new(&g, &options, PIPELINE)
+        let recipe = ampgraph::exec::cuda::pipeline(&Default::default());
+        let (records, _) = Pipeline::new(&g, &options, recipe)
             .unwrap()
             .run_for(&mut g, &[step.step])
             .unwrap();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use ampgraph::data::{Dataset, Loader, LoaderOptions, Mnist};
-use ampgraph::exec::cuda::PIPELINE as CUDA_PIPELINE;
+use ampgraph::exec::cuda::pipeline_names;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{
@@ -259,7 +259,7 @@ fn assert_trains_alike_with_the_passes(
         (s, [step.step, step.loss, logits])
     };
     let (mut plain, plain_fetch) = session(&[]);
-    let pipeline = [SIMPLIFY_PIPELINE, CUDA_PIPELINE].concat();
+    let pipeline = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default())].concat();
     let (mut fused, fused_fetch) = session(&pipeline);
     for k in 0..5 {
         let poison = if k == 2 { Some(f32::INFINITY) } else { None };

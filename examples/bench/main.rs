@@ -316,7 +316,7 @@ impl Args {
     /// The names of the passes run after AMP with the executor's `switches`.
     fn pipeline(&self, switches: &ExecOptions) -> Vec<String> {
         passes_after_amp(self.passes.as_deref()).unwrap_or_else(|| {
-            let names = cuda::pipeline(switches);
+            let names = cuda::pipeline_names(switches);
             names.iter().map(|s| s.to_string()).collect()
         })
     }
@@ -908,7 +908,7 @@ fn prepare_with(
         }
     }
     let nodes_before = graph.len();
-    let pipeline = Pipeline::new(&graph, options, &[])?;
+    let pipeline = Pipeline::new(&graph, options, Vec::new())?;
     let fetches: Vec<Port> = [fetch].into_iter().chain(loss).collect();
     let (records, fetched) = pipeline.run_for(&mut graph, &fetches)?;
     Ok(Step {

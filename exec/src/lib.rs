@@ -146,9 +146,9 @@ pub trait Executor {
     /// What runs the graphs: the GPU's name, "CPU (16 threads)".
     fn device_name(&self) -> String;
 
-    /// The registry names of the passes a session runs after AMP on this backend unless
-    /// told otherwise (`ampgraph_passes::registry` resolves them).
-    fn default_passes(&self) -> Vec<&'static str> {
+    /// The passes a session runs after AMP on this backend unless told otherwise: the
+    /// backend's own recipe (none on the CPU, whose kernels gain nothing from them).
+    fn passes(&self) -> Vec<Box<dyn ampgraph_passes::Pass>> {
         Vec::new()
     }
 

@@ -53,7 +53,7 @@ pub use dnn::{Choice as ConvAlgorithm, DnnOptions};
 use gemm::Gemm;
 pub use gemm::GemmOptions;
 use kernels::Owner;
-pub use pipeline::{pipeline, PIPELINE};
+pub use pipeline::{pipeline, pipeline_names};
 pub use replay::StepLaunch;
 use replay::StepGraph;
 use step::StepPlan;
@@ -486,7 +486,7 @@ impl Executor for CudaExecutor {
         CudaExecutor::device_name(self).to_string()
     }
 
-    fn default_passes(&self) -> Vec<&'static str> {
+    fn passes(&self) -> Vec<Box<dyn ampgraph_passes::Pass>> {
         pipeline(&self.options())
     }
 

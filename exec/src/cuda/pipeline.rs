@@ -1,8 +1,27 @@
-//! The passes a session runs after AMP on the CUDA executor, by registry name
-//! (`ampgraph_passes::registry`; the session resolves them there).
+//! The passes a session runs after AMP on the CUDA executor: the backend's recipe,
+//! as pass values (each also in `ampgraph_passes::registry` by its name, for
+//! `--passes`).
 
-/// The fusion pipeline for a CUDA graph after AMP ([`Executor::default_passes`] of the
-/// CUDA executor, and the default of `bench --passes`): dead nodes go first (gradients
+use ampgraph_passes::attention::FuseAttention;
+use ampgraph_passes::cross_entropy::FuseCrossEntropy;
+use ampgraph_passes::epilogue::GemmEpilogue;
+use ampgraph_passes::fuse::Fuse;
+use ampgraph_passes::fuse_batchnorm_activation::FuseBatchNormActivation;
+use ampgraph_passes::group_updates::GroupUpdates;
+use ampgraph_passes::layout_nhwc::LayoutNhwc;
+use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
+use ampgraph_passes::simplify::{
+    CastIntoNorm, CastIntoReduce, CastIntoUpdate, Dce, PadConvChannels, ScaleIntoMatmul,
+    UnscaleIntoUpdate,
+};
+use ampgraph_passes::softmax_prologue::SoftmaxPrologue;
+use ampgraph_passes::sum_into_elementwise::SumIntoElementwise;
+use ampgraph_passes::Pass;
+
+use crate::ExecOptions;
+
+/// The fusion pipeline for a CUDA graph after AMP ([`Executor::passes`] of the CUDA
+/// executor, and the default of `bench --passes`): dead nodes go first (gradients
 /// built for constants would otherwise count as readers and block folds), NCHW
 /// convolution networks compute in NHWC inside (the pass cancels its Transposes against
 /// the graph's own, leaving them at the NCHW inputs and outputs) before anything fuses
@@ -19,57 +38,59 @@
 /// residual gradient after them (with those bias gradients), and the small variables'
 /// updates share launches.
 ///
-/// [`Executor::default_passes`]: crate::Executor::default_passes
-pub const PIPELINE: &[&str] = &[
-    "dce",
-    "layout-nhwc",
-    "pad-conv-channels",
-    "fuse-batchnorm-activation",
-    "cast-into-reduce",
-    "cast-into-norm",
-    "fuse-cross-entropy",
-    "scale-into-matmul",
-    "fuse-attention",
-    "unscale-into-update",
-    "cast-into-update",
-    "gemm-epilogue",
-    "fuse",
-    "softmax-prologue",
-    "sum-into-elementwise",
-    "norm-grad-epilogue",
-    "group-updates",
-];
-
-/// The pipeline for an executor with `options`: [`PIPELINE`], except that with TF32
-/// allowed every NCHW graph runs NHWC (`layout-nhwc-all`), f32 convolutions included, as
-/// PyTorch runs channels_last with TF32: cuDNN's TF32 convolutions on the H100 are NHWC
+/// With TF32 allowed every NCHW graph runs NHWC, f32 convolutions included, as PyTorch
+/// runs channels_last with TF32: cuDNN's TF32 convolutions on the H100 are NHWC
 /// kernels (its f32 NHWC gradients without TF32 are far slower than NCHW ones).
-pub fn pipeline(options: &crate::ExecOptions) -> Vec<&'static str> {
-    PIPELINE
-        .iter()
-        .map(|&name| match name {
-            "layout-nhwc" if options.allow_tf32 => "layout-nhwc-all",
-            _ => name,
-        })
-        .collect()
+///
+/// [`Executor::passes`]: crate::Executor::passes
+pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
+    let layout = LayoutNhwc {
+        sixteen_bit_only: !options.allow_tf32,
+    };
+    vec![
+        Box::new(Dce),
+        Box::new(layout),
+        Box::new(PadConvChannels),
+        Box::new(FuseBatchNormActivation),
+        Box::new(CastIntoReduce),
+        Box::new(CastIntoNorm),
+        Box::new(FuseCrossEntropy),
+        Box::new(ScaleIntoMatmul),
+        Box::new(FuseAttention),
+        Box::new(UnscaleIntoUpdate),
+        Box::new(CastIntoUpdate),
+        Box::new(GemmEpilogue),
+        Box::new(Fuse),
+        Box::new(SoftmaxPrologue),
+        Box::new(SumIntoElementwise),
+        Box::new(NormGradEpilogueFusion),
+        Box::new(GroupUpdates),
+    ]
+}
+
+/// The names of [`pipeline`]'s passes under `options`, as `--passes` takes them.
+pub fn pipeline_names(options: &ExecOptions) -> Vec<&'static str> {
+    pipeline(options).iter().map(|p| p.name()).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Every pass of the recipe is in the registry under its name, and TF32 swaps
+    /// the layout pass for its every-graph form and nothing else.
     #[test]
     fn tf32_swaps_the_layout_pass_for_its_every_graph_form() {
-        let plain = pipeline(&crate::ExecOptions::default());
-        assert_eq!(plain, PIPELINE);
-        let tf32 = pipeline(&crate::ExecOptions {
+        let plain = pipeline_names(&ExecOptions::default());
+        for name in &plain {
+            assert!(ampgraph_passes::registry::by_name(name).is_some(), "{name}");
+        }
+        let tf32 = pipeline_names(&ExecOptions {
             allow_tf32: true,
             ..Default::default()
         });
-        assert_eq!(tf32.len(), PIPELINE.len());
-        let differ: Vec<(&str, &str)> = PIPELINE
-            .iter()
-            .zip(&tf32)
+        assert_eq!(tf32.len(), plain.len());
+        let differ: Vec<(&str, &str)> = (plain.iter().zip(&tf32))
             .filter(|(a, b)| a != b)
             .map(|(a, b)| (*a, *b))
             .collect();
