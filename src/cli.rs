@@ -479,6 +479,10 @@ pub struct ExecutorArgs {
     /// `TF_CUDNN_WORKSPACE_LIMIT_IN_MB`; default 1024).
     #[arg(long, value_name = "MIB")]
     pub conv_workspace_limit_mib: Option<usize>,
+    /// Matrix products take cuBLASLt's first heuristic pick rather than the fastest of
+    /// its candidates timed on first use (CUDA; reproducible bit for bit across runs).
+    #[arg(long)]
+    pub gemm_heuristic_only: bool,
     /// Where compiled CUDA kernels are kept, or `off` (overrides AMPGRAPH_KERNEL_CACHE).
     #[arg(long, value_name = "DIR|off")]
     pub kernel_cache: Option<KernelCache>,
@@ -489,10 +493,16 @@ impl ExecutorArgs {
     pub fn session_options(&self) -> SessionOptions {
         SessionOptions {
             executor: ExecOptions {
-                allow_tf32: self.allow_tf32,
-                allow_fp16_reduced_precision_reduction: self.allow_fp16_reduced_precision_reduction,
-                deterministic_convolutions: self.deterministic_convolutions,
-                conv_workspace_limit_mib: self.conv_workspace_limit_mib,
+                gemm: cuda::GemmOptions {
+                    allow_tf32: self.allow_tf32,
+                    allow_fp16_reduced_precision_reduction: self
+                        .allow_fp16_reduced_precision_reduction,
+                    heuristic_only: self.gemm_heuristic_only,
+                },
+                conv: cuda::DnnOptions {
+                    deterministic: self.deterministic_convolutions,
+                    workspace_limit_mib: self.conv_workspace_limit_mib,
+                },
                 ..ExecOptions::default()
             },
             kernel_cache: self.kernel_cache.clone().unwrap_or_default(),
@@ -1222,9 +1232,9 @@ mod tests {
         ])
         .unwrap()
         .session_options();
-        assert!(set.executor.allow_tf32);
-        assert!(set.executor.allow_fp16_reduced_precision_reduction);
-        assert!(set.executor.deterministic_convolutions);
+        assert!(set.executor.gemm.allow_tf32);
+        assert!(set.executor.gemm.allow_fp16_reduced_precision_reduction);
+        assert!(set.executor.conv.deterministic);
         assert_eq!(set.kernel_cache, KernelCache::Dir("/tmp/kernels".into()));
         let off = run_args(&["--kernel-cache", "off"]).unwrap();
         assert_eq!(off.session_options().kernel_cache, KernelCache::Off);

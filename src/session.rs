@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use ampgraph_exec::cuda::{self, CudaOptions};
+use ampgraph_exec::cuda;
 use ampgraph_exec::feeds::initial_value;
 use ampgraph_exec::{
     check_tensor_size, CpuExecutor, CudaExecutor, ExecError, ExecOptions, Executor, Feeds,
@@ -90,11 +90,7 @@ impl Device {
     ) -> Result<Box<dyn Executor + Send>, SessionError> {
         let mut executor: Box<dyn Executor + Send> = match self {
             Device::Cpu => Box::new(CpuExecutor::new()),
-            Device::Cuda(i) => Box::new(CudaExecutor::with_kernel_cache(
-                i,
-                CudaOptions::default(),
-                kernel_cache,
-            )?),
+            Device::Cuda(i) => Box::new(CudaExecutor::with_kernel_cache(i, options, kernel_cache)?),
         };
         executor.set_options(options);
         Ok(executor)
@@ -117,7 +113,8 @@ pub struct SessionOptions {
     pub passes: Option<Vec<String>>,
     /// The executor's switches: TF32 for f32 products and f16 products accumulated in
     /// f16 (both off: PyTorch's `allow_tf32` and
-    /// `allow_fp16_reduced_precision_reduction`), per-op profiling. The CPU ignores them.
+    /// `allow_fp16_reduced_precision_reduction`), convolution algorithms, per-op
+    /// profiling, CUDA-graph replay. The CPU ignores them.
     pub executor: ExecOptions,
     /// Where the CUDA executor keeps the kernels it compiles: by default where
     /// `AMPGRAPH_KERNEL_CACHE` says (else the XDG cache directory); a directory or
@@ -797,10 +794,15 @@ mod tests {
         let x = g.placeholder("x", ampgraph_graph::DType::F32, [2]).unwrap();
         g.set_outputs(vec![x]).unwrap();
         let executor = ExecOptions {
-            allow_tf32: true,
-            allow_fp16_reduced_precision_reduction: true,
-            deterministic_convolutions: true,
-            conv_workspace_limit_mib: Some(64),
+            gemm: cuda::GemmOptions {
+                allow_tf32: true,
+                allow_fp16_reduced_precision_reduction: true,
+                heuristic_only: true,
+            },
+            conv: cuda::DnnOptions {
+                deterministic: true,
+                workspace_limit_mib: Some(64),
+            },
             profile: false,
             op_by_op: true,
         };

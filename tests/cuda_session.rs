@@ -262,12 +262,10 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
     let kernel = g.node(step.variables[0]).name.clone();
     let train = |op_by_op: bool| -> (Vec<Tensor>, Session, u64, Vec<String>) {
         let mut s = Session::new(g.clone(), Device::Cuda(0)).unwrap();
-        let options = s.executor().options();
-        s.executor_mut().set_options(ExecOptions {
-            op_by_op,
-            deterministic_convolutions: true,
-            ..options
-        });
+        let mut options = s.executor().options();
+        options.op_by_op = op_by_op;
+        options.conv.deterministic = true;
+        s.executor_mut().set_options(options);
         let before = s.executor().launches().unwrap();
         let (mut seen, mut launches) = (Vec::new(), Vec::new());
         let mut note = |s: &Session| launches.push(s.executor().last_step().unwrap().launch);
@@ -485,7 +483,10 @@ fn gemm_precision_switches_hold_their_bounds() {
         DType::F32,
         shape,
         ExecOptions {
-            allow_tf32: true,
+            gemm: cuda::GemmOptions {
+                allow_tf32: true,
+                ..Default::default()
+            },
             ..Default::default()
         },
     );
@@ -494,7 +495,10 @@ fn gemm_precision_switches_hold_their_bounds() {
         DType::F16,
         shape,
         ExecOptions {
-            allow_fp16_reduced_precision_reduction: true,
+            gemm: cuda::GemmOptions {
+                allow_fp16_reduced_precision_reduction: true,
+                ..Default::default()
+            },
             ..Default::default()
         },
     );

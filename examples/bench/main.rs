@@ -308,7 +308,7 @@ impl Args {
     /// run after AMP (`--passes`, else the CUDA pipeline for those switches).
     fn session_options(&self, mode: Mode) -> SessionOptions {
         let mut options = self.executor.session_options();
-        options.executor.allow_tf32 |= mode == Mode::Tf32;
+        options.executor.gemm.allow_tf32 |= mode == Mode::Tf32;
         options.passes = Some(self.pipeline(&options.executor));
         options
     }
@@ -1171,17 +1171,17 @@ fn bench(args: &Args) -> Res<()> {
         } else {
             pipeline.join(",")
         },
-        if args.passes.is_none() && !switches.executor.allow_tf32 {
+        if args.passes.is_none() && !switches.executor.gemm.allow_tf32 {
             " (tf32 mode: layout-nhwc-all for layout-nhwc)"
         } else {
             ""
         }
     );
     let mut set = Vec::new();
-    if switches.executor.allow_tf32 {
+    if switches.executor.gemm.allow_tf32 {
         set.push("TF32 for f32 products in every mode".to_string());
     }
-    if switches.executor.allow_fp16_reduced_precision_reduction {
+    if switches.executor.gemm.allow_fp16_reduced_precision_reduction {
         set.push("f16 products accumulate in f16".to_string());
     }
     if let Some(cache) = &args.executor.kernel_cache {

@@ -109,34 +109,21 @@ pub struct Overlapped {
     pub next: Option<Staged>,
 }
 
-/// Switches of an executor's arithmetic, the same for every backend (PyTorch's names).
-/// A backend ignores what it has no use for: the CPU all of them (its f32 products are
-/// plain f32 and its 16-bit products accumulate in f32, whatever these say).
+/// An executor's switches: one type for every backend, handed to the kernels as it
+/// is (PyTorch's names). A backend ignores what it has no use for: the CPU the
+/// matrix-product and convolution switches (its f32 products are plain f32 and its
+/// 16-bit products accumulate in f32, whatever these say).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExecOptions {
-    /// f32 matrix products may round their operands to TF32 (10-bit mantissa) on the
-    /// Tensor Cores (PyTorch's `allow_tf32`): each term `a_ik b_kj` then carries up to
-    /// about 1e-3 relative error, a product's about 1e-4 of `sum_k |a_ik b_kj|` (the
-    /// GPU tests allow 1e-2 for K = 256, and plain f32 1e-5).
-    pub allow_tf32: bool,
-    /// f16 matrix products may accumulate in f16 (PyTorch's
-    /// `allow_fp16_reduced_precision_reduction`): every partial sum rounds to f16
-    /// (2^-11 relative), so the error grows with the inner dimension (the GPU tests
-    /// allow 1e-2 of `sum_k |a_ik b_kj|` for K = 256, and 1e-3 for the default f32
-    /// accumulation with the result's one f16 rounding).
-    pub allow_fp16_reduced_precision_reduction: bool,
-    /// Convolutions use only algorithms whose results are the same from run to run
-    /// (PyTorch's `cudnn.deterministic`), the fastest of those; by default the fastest
-    /// of all, timed on first use (`cudnn.benchmark`).
-    pub deterministic_convolutions: bool,
-    /// The most workspace one convolution algorithm may use, in MiB (TensorFlow's
-    /// `TF_CUDNN_WORKSPACE_LIMIT_IN_MB`); `None`: the backend's default. Faster
-    /// algorithms (FFT, Winograd) often need more.
-    pub conv_workspace_limit_mib: Option<usize>,
-    /// Time every op (CUDA events) for [`Executor::profile_table`]; slows steps a little.
+    /// Matrix products: TF32, f16 accumulation, autotuning.
+    pub gemm: cuda::GemmOptions,
+    /// Convolutions: deterministic algorithms, the workspace limit.
+    pub conv: cuda::DnnOptions,
+    /// Time every op (CUDA events) for [`Executor::profile_table`]; slows steps a
+    /// little, and launches them op by op.
     pub profile: bool,
-    /// Launch every step op by op rather than replaying its captured CUDA graph
-    /// (CUDA: [`cuda::CudaOptions::op_by_op`]).
+    /// Launch every step op by op rather than replaying its captured CUDA graph (for
+    /// comparing the two, or debugging a kernel).
     pub op_by_op: bool,
 }
 

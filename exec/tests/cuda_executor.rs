@@ -306,7 +306,7 @@ fn convolutions_on_the_same_buffers_are_replayed_with_each_steps_values() {
 fn convolution_workspaces_keep_to_the_steps_planned_peak() {
     let Some(mut gpu) = gpu() else { return };
     // A search within 128 MiB: Winograd (74 MiB) runs, FFT (660 MiB) does not.
-    gpu.options.dnn.workspace_limit_mib = Some(128);
+    gpu.options.conv.workspace_limit_mib = Some(128);
     let (x_shape, f_shape) = (vec![32, 128, 32, 32], vec![3, 3, 128, 128]);
     let mut g = Graph::new();
     let x = g.placeholder("x", DType::F32, x_shape.clone()).unwrap();

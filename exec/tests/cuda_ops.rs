@@ -1665,12 +1665,12 @@ fn conv_algorithms_are_timed_once_then_read_from_disk_and_deterministic_ones_rep
         data_format: DataFormat::Nhwc,
         groups: 1,
     };
-    let run = |options: cuda::CudaOptions| {
+    let run = |options: ExecOptions| {
         let mut gpu = CudaExecutor::with_kernel_cache(0, options, &cache).expect("executor");
         let (out, _) = run_both(&mut gpu, "dfilter", df.clone(), &[x.clone(), dy.clone()]);
         (out, gpu.conv_algorithms())
     };
-    let (_, timed) = run(cuda::CudaOptions::default());
+    let (_, timed) = run(ExecOptions::default());
     assert!(
         timed.iter().all(|c| c.ms.is_some() && c.candidates > 0),
         "timed: {timed:?}"
@@ -1681,15 +1681,15 @@ fn conv_algorithms_are_timed_once_then_read_from_disk_and_deterministic_ones_rep
             .starts_with("cudnn-algorithms")
     });
     assert!(file.is_some(), "the choices are kept in {}", dir.display());
-    let (_, stored) = run(cuda::CudaOptions::default());
+    let (_, stored) = run(ExecOptions::default());
     assert!(
         stored.iter().all(|c| c.ms.is_none()),
         "read from disk: {stored:?}"
     );
     assert_eq!(timed[0].algorithm, stored[0].algorithm);
     // Deterministic algorithms give the same bits every run.
-    let deterministic = cuda::CudaOptions {
-        dnn: cuda::DnnOptions {
+    let deterministic = ExecOptions {
+        conv: cuda::DnnOptions {
             deterministic: true,
             ..Default::default()
         },

@@ -67,10 +67,12 @@ pub fn available() -> Result<(), String> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct DnnOptions {
     /// Only algorithms whose results are the same from run to run (PyTorch's
-    /// `cudnn.deterministic`): the fastest of those, which may be slower.
+    /// `cudnn.deterministic`): the fastest of those, which may be slower; by default
+    /// the fastest of all, timed on first use (`cudnn.benchmark`).
     pub deterministic: bool,
-    /// The most workspace one algorithm may use, in MiB; `None`: 1024
-    /// (`DEFAULT_WORKSPACE_LIMIT_MIB`).
+    /// The most workspace one algorithm may use, in MiB (TensorFlow's
+    /// `TF_CUDNN_WORKSPACE_LIMIT_IN_MB`); `None`: 1024 (`DEFAULT_WORKSPACE_LIMIT_MIB`).
+    /// Faster algorithms (FFT, Winograd) often need more.
     pub workspace_limit_mib: Option<usize>,
 }
 

@@ -23,10 +23,16 @@ use super::device::{loading, DTensor, Device, Launches};
 /// Precision settings of the GEMMs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct GemmOptions {
-    /// f32 GEMMs may use TF32 Tensor Cores (PyTorch's `allow_tf32`).
+    /// f32 matrix products may round their operands to TF32 (10-bit mantissa) on the
+    /// Tensor Cores (PyTorch's `allow_tf32`): each term `a_ik b_kj` then carries up to
+    /// about 1e-3 relative error, a product's about 1e-4 of `sum_k |a_ik b_kj|` (the
+    /// GPU tests allow 1e-2 for K = 256, and plain f32 1e-5).
     pub allow_tf32: bool,
-    /// f16 GEMMs may accumulate in f16 (PyTorch's
-    /// `allow_fp16_reduced_precision_reduction`); by default they accumulate in f32.
+    /// f16 matrix products may accumulate in f16 (PyTorch's
+    /// `allow_fp16_reduced_precision_reduction`): every partial sum rounds to f16
+    /// (2^-11 relative), so the error grows with the inner dimension (the GPU tests
+    /// allow 1e-2 of `sum_k |a_ik b_kj|` for K = 256, and 1e-3 for the default f32
+    /// accumulation with the result's one f16 rounding).
     pub allow_fp16_reduced_precision_reduction: bool,
     /// Take cuBLASLt's first heuristic pick for every product instead of timing its
     /// candidates on first use (autotuning: the pick can be tens of percent slower,

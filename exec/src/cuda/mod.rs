@@ -90,19 +90,6 @@ fn libraries_present() -> Result<(), String> {
     Ok(())
 }
 
-/// Settings of a CUDA executor.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CudaOptions {
-    pub gemm: GemmOptions,
-    pub dnn: DnnOptions,
-    /// Time every op with CUDA events and add its time to [`CudaExecutor::profile`]
-    /// (slows the step a little; for finding where a step's time goes).
-    pub profile: bool,
-    /// Launch every step op by op, never as its captured CUDA graph (for comparing
-    /// the two, or debugging a kernel).
-    pub op_by_op: bool,
-}
-
 /// Time spent per kind of op (op name, output dtype and shape) while profiling.
 #[derive(Clone, Debug, Default)]
 pub struct OpProfile {
@@ -192,7 +179,7 @@ pub struct CudaExecutor {
     dev: Device,
     gemm: Gemm,
     dnn: Dnn,
-    pub options: CudaOptions,
+    pub options: ExecOptions,
     variables: HashMap<String, VarSlot>,
     /// The largest tensor one op may produce, in bytes.
     pub max_tensor_bytes: u64,
@@ -243,10 +230,10 @@ fn dev_err(msg: String) -> ExecError {
 impl CudaExecutor {
     /// An executor on device `ordinal`, or a clear error where CUDA cannot be used.
     pub fn new(ordinal: usize) -> Result<CudaExecutor, ExecError> {
-        Self::with_options(ordinal, CudaOptions::default())
+        Self::with_options(ordinal, ExecOptions::default())
     }
 
-    pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<CudaExecutor, ExecError> {
+    pub fn with_options(ordinal: usize, options: ExecOptions) -> Result<CudaExecutor, ExecError> {
         Self::with_kernel_cache(ordinal, options, &kernel_cache::KernelCache::FromEnv)
     }
 
@@ -254,7 +241,7 @@ impl CudaExecutor {
     /// says rather than where the environment does.
     pub fn with_kernel_cache(
         ordinal: usize,
-        options: CudaOptions,
+        options: ExecOptions,
         cache: &kernel_cache::KernelCache,
     ) -> Result<CudaExecutor, ExecError> {
         let count = available().map_err(|e| dev_err(format!("CUDA is not available: {e}")))?;
@@ -495,27 +482,11 @@ impl Executor for CudaExecutor {
     }
 
     fn options(&self) -> ExecOptions {
-        ExecOptions {
-            allow_tf32: self.options.gemm.allow_tf32,
-            allow_fp16_reduced_precision_reduction: self
-                .options
-                .gemm
-                .allow_fp16_reduced_precision_reduction,
-            deterministic_convolutions: self.options.dnn.deterministic,
-            conv_workspace_limit_mib: self.options.dnn.workspace_limit_mib,
-            profile: self.options.profile,
-            op_by_op: self.options.op_by_op,
-        }
+        self.options
     }
 
     fn set_options(&mut self, options: ExecOptions) {
-        self.options.gemm.allow_tf32 = options.allow_tf32;
-        self.options.gemm.allow_fp16_reduced_precision_reduction =
-            options.allow_fp16_reduced_precision_reduction;
-        self.options.dnn.deterministic = options.deterministic_convolutions;
-        self.options.dnn.workspace_limit_mib = options.conv_workspace_limit_mib;
-        self.options.profile = options.profile;
-        self.options.op_by_op = options.op_by_op;
+        self.options = options;
     }
 
     fn run(&mut self, graph: &Graph, feeds: &Feeds, fetches: &[Port]) -> RunResult {

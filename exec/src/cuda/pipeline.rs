@@ -45,7 +45,7 @@ use crate::ExecOptions;
 /// [`Executor::passes`]: crate::Executor::passes
 pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
     let layout = LayoutNhwc {
-        sixteen_bit_only: !options.allow_tf32,
+        sixteen_bit_only: !options.gemm.allow_tf32,
     };
     vec![
         Box::new(Dce),
@@ -85,10 +85,9 @@ mod tests {
         for name in &plain {
             assert!(ampgraph_passes::registry::by_name(name).is_some(), "{name}");
         }
-        let tf32 = pipeline_names(&ExecOptions {
-            allow_tf32: true,
-            ..Default::default()
-        });
+        let mut tf32 = ExecOptions::default();
+        tf32.gemm.allow_tf32 = true;
+        let tf32 = pipeline_names(&tf32);
         assert_eq!(tf32.len(), plain.len());
         let differ: Vec<(&str, &str)> = (plain.iter().zip(&tf32))
             .filter(|(a, b)| a != b)

@@ -16,7 +16,7 @@
 //!
 //! Launched op by op instead, with the reason in [`CudaExecutor::step_launch`]:
 //! profiled steps, steps with collectives (NCCL on a stream of its own), executors
-//! with [`CudaOptions::op_by_op`](super::CudaOptions::op_by_op) set, and a step
+//! with [`ExecOptions::op_by_op`](crate::ExecOptions::op_by_op) set, and a step
 //! whose capture failed [`MAX_CAPTURE_TRIES`] times (a cuDNN call that cannot be
 //! captured, a buffer the pool did not hold).
 
@@ -181,7 +181,7 @@ impl CudaExecutor {
     /// Why the step of `plan` is launched op by op now, if it is.
     fn may_capture(&self, plan: &StepPlan) -> Result<(), String> {
         if self.options.op_by_op {
-            return Err("CudaOptions::op_by_op is set".into());
+            return Err("ExecOptions::op_by_op is set".into());
         }
         if self.options.profile {
             return Err("profiled steps time each op".into());

@@ -556,7 +556,7 @@ impl CudaExecutor {
                         gemm: &self.gemm,
                         gemm_options: self.options.gemm,
                         dnn: &self.dnn,
-                        dnn_options: self.options.dnn,
+                        dnn_options: self.options.conv,
                         name: &node.name,
                         planned: &planned,
                         allocated: Cell::new(0),
