@@ -53,7 +53,8 @@ impl Spread {
         }
         ms.sort_by(f64::total_cmp);
         // Nearest rank: the smallest value with at least p% of the values at or below.
-        let at = |p: f64| ms[((p / 100.0 * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1];
+        let at =
+            |p: f64| ms[((p / 100.0 * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1];
         Some(Spread {
             median: at(50.0),
             p90: at(90.0),
@@ -140,7 +141,9 @@ pub fn bench(
         session.run(&fetches, feeds)?;
     }
     let (mut device_ms, mut wall_ms, mut enqueue_ms) = (Vec::new(), Vec::new(), Vec::new());
-    session.executor().reset_peak_bytes();
+    if let Some(stats) = session.executor().stats() {
+        stats.reset_peak_bytes();
+    }
     // Each step's inputs are copied to the device while the step before computes
     // (a serving loop's or a DataLoader's pinned, non-blocking copies), unless
     // `sync_feeds`: then each step uploads its own.
@@ -158,12 +161,13 @@ pub fn bench(
         };
         wall_ms.push(start.elapsed().as_secs_f64() * 1e3);
         device_ms.extend(device);
-        if let Some(step) = session.executor().last_step() {
+        if let Some(step) = session.executor().stats().map(|s| s.last_step()) {
             enqueue_ms.push(step.host_enqueue_secs * 1e3);
         }
     }
-    let launch = session.executor().last_step().map(|s| s.launch);
-    let peak_mib = (session.executor().peak_bytes()).map(|b| b as f64 / (1 << 20) as f64);
+    let stats = session.executor().stats();
+    let launch = stats.map(|s| s.last_step().launch);
+    let peak_mib = stats.map(|s| s.peak_bytes() as f64 / (1 << 20) as f64);
     let profile = match options.profile_steps {
         0 => None,
         n => {
@@ -176,7 +180,7 @@ pub fn bench(
                 session.run(&fetches, feeds)?;
             }
             session.executor_mut().set_options(plain);
-            session.executor().profile_table(25)
+            session.executor().stats().map(|s| s.profile_table(25))
         }
     };
     let wall = Spread::of(wall_ms).unwrap_or(Spread {
@@ -201,8 +205,13 @@ pub fn bench(
 
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let spread = |s: &Spread| format!("median {:.3}, p90 {:.3}, p99 {:.3}", s.median, s.p90, s.p99);
-        writeln!(f, "device: {} ({} nodes, batch {})", self.device, self.nodes, self.batch)?;
+        let spread =
+            |s: &Spread| format!("median {:.3}, p90 {:.3}, p99 {:.3}", s.median, s.p90, s.p99);
+        writeln!(
+            f,
+            "device: {} ({} nodes, batch {})",
+            self.device, self.nodes, self.batch
+        )?;
         if let Some(launch) = &self.launch {
             writeln!(f, "steps: {launch}")?;
         }
@@ -238,7 +247,8 @@ mod tests {
     fn weights_become_variables_with_their_values() {
         let mut g = Graph::new();
         let x = g.placeholder("x", DType::F32, [2, 3]).unwrap();
-        let w = Tensor::from_f64(DType::F32, vec![3, 2], &[1.0, -2.0, 0.5, 3.0, -1.5, 2.5]).unwrap();
+        let w =
+            Tensor::from_f64(DType::F32, vec![3, 2], &[1.0, -2.0, 0.5, 3.0, -1.5, 2.5]).unwrap();
         let w = g.add(Const::new(w), &[]).unwrap();
         let y = g.matmul(x, w).unwrap();
         let two = g.scalar(DType::F32, 2.0).unwrap();
@@ -249,7 +259,10 @@ mod tests {
             Tensor::from_f64(DType::F32, vec![2, 3], &[0.5, 1.0, -1.0, 2.0, 0.25, -0.5]).unwrap(),
         )]
         .into();
-        let want = Session::new(g.clone(), Device::Cpu).unwrap().run(&[y], &feeds).unwrap();
+        let want = Session::new(g.clone(), Device::Cpu)
+            .unwrap()
+            .run(&[y], &feeds)
+            .unwrap();
         let mut converted = g.clone();
         let values = weights_to_variables(&mut converted);
         assert_eq!(values.len(), 1, "the weight, not the scalar");

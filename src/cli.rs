@@ -776,9 +776,11 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             };
             let report = crate::benchmark::bench(g, &feeds, &options)?;
             let text = match json {
-                true => serde_json::to_string_pretty(&report)
-                    .map_err(|e| CliError::Usage(format!("the report as JSON: {e}")))?
-                    + "\n",
+                true => {
+                    serde_json::to_string_pretty(&report)
+                        .map_err(|e| CliError::Usage(format!("the report as JSON: {e}")))?
+                        + "\n"
+                }
                 false => report.to_string(),
             };
             write!(out, "{text}").map_err(io_err("<stdout>"))

@@ -700,5 +700,8 @@ fn bench_reports_percentiles_throughput_and_the_batch() {
         "--warmup",
         "0",
     ]);
-    assert!(text.contains("batch 2") && text.contains("wall ms per step: median"), "{text}");
+    assert!(
+        text.contains("batch 2") && text.contains("wall ms per step: median"),
+        "{text}"
+    );
 }

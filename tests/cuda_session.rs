@@ -266,9 +266,10 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
         options.op_by_op = op_by_op;
         options.conv.deterministic = true;
         s.executor_mut().set_options(options);
-        let before = s.executor().launches().unwrap();
+        let before = s.executor().stats().unwrap().launches();
         let (mut seen, mut launches) = (Vec::new(), Vec::new());
-        let mut note = |s: &Session| launches.push(s.executor().last_step().unwrap().launch);
+        let mut note =
+            |s: &Session| launches.push(s.executor().stats().unwrap().last_step().launch);
         for i in 0..8 {
             if i == 5 {
                 let w = s.variable(&kernel).unwrap().clone();
@@ -281,7 +282,7 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
             seen.extend(s.run(&[logits], &batch(i + 100)).unwrap());
             note(&s);
         }
-        let graphs = (s.executor().launches().unwrap() - before).step_graphs;
+        let graphs = (s.executor().stats().unwrap().launches() - before).step_graphs;
         (seen, s, graphs, launches)
     };
     let (plain, plain_session, plain_graphs, _) = train(true);
@@ -289,7 +290,10 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
     assert_eq!(plain_graphs, 0, "op by op, no step is a graph");
     // Each fetch set: its plan's first runs plain (a second plan where the first
     // planned scratch), then graphs; setting a variable recaptures.
-    assert!(graphs >= 8, "{graphs} steps were replayed as graphs: {launches:#?}");
+    assert!(
+        graphs >= 8,
+        "{graphs} steps were replayed as graphs: {launches:#?}"
+    );
     for (k, (a, b)) in replayed.iter().zip(&plain).enumerate() {
         assert_eq!(a, b, "output {k} of the runs differs");
     }

@@ -94,7 +94,7 @@ pub fn probed_step(
     let options = args.session_options(mode);
     let mut exec =
         (args.device.device(args.ordinal)).executor(options.executor, &options.kernel_cache)?;
-    let held_bytes = exec.live_bytes().unwrap_or(0);
+    let held_bytes = exec.stats().map_or(0, |s| s.live_bytes());
     for (name, value) in initial_values(args, &step.graph, &data)? {
         exec.set_variable(&name, value)?;
     }
@@ -106,10 +106,16 @@ pub fn probed_step(
             Err(ExecError::Memory(_)) => return Ok(None),
             Err(e) => return Err(e.into()),
         }
-        peaks.push(exec.peak_bytes());
-        exec.reset_peak_bytes();
+        let stats = exec.stats();
+        peaks.push(stats.map(|s| s.peak_bytes()));
+        if let Some(s) = stats {
+            s.reset_peak_bytes();
+        }
     }
-    let scratch = exec.planned_scratch().unwrap_or_default();
+    let scratch = exec
+        .stats()
+        .map(|s| s.planned_scratch())
+        .unwrap_or_default();
     Ok(Some(Planned {
         footprint: step_footprint(&step.graph, &[step.fetch], &scratch)?,
         held_bytes,

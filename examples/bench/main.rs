@@ -1035,7 +1035,9 @@ fn run_one(
     for _ in 0..args.warmup {
         exec.run(&graph, &feeds, &[fetch])?;
     }
-    exec.reset_peak_bytes();
+    if let Some(stats) = exec.stats() {
+        stats.reset_peak_bytes();
+    }
     let energy = match args.device {
         DeviceArg::Cuda => EnergyCounter::open(args.ordinal as u32),
         DeviceArg::Cpu => None,
@@ -1057,14 +1059,14 @@ fn run_one(
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let launches = match exec.launches() {
+    let launches = match exec.stats().map(|s| s.launches()) {
         Some(before) => {
             exec.run(&graph, &feeds, &[fetch])?;
-            exec.launches().map(|after| after - before)
+            exec.stats().map(|s| s.launches() - before)
         }
         None => None,
     };
-    let peak = exec.peak_bytes().map(mib);
+    let peak = exec.stats().map(|s| mib(s.peak_bytes()));
     // As torch_anchor.py: the loss after the timed steps (a forward pass only: the
     // fetch needs no update).
     let loss = match loss {
@@ -1081,7 +1083,7 @@ fn run_one(
             exec.run(&graph, &feeds, &[fetch])?;
         }
         exec.set_options(plain);
-        if let Some(table) = exec.profile_table(30) {
+        if let Some(table) = exec.stats().map(|s| s.profile_table(30)) {
             println!(
                 "# profile of {} {} {} ({} steps, each op timed with CUDA events):\n{}",
                 args.workload.name(),
@@ -1181,7 +1183,11 @@ fn bench(args: &Args) -> Res<()> {
     if switches.executor.gemm.allow_tf32 {
         set.push("TF32 for f32 products in every mode".to_string());
     }
-    if switches.executor.gemm.allow_fp16_reduced_precision_reduction {
+    if switches
+        .executor
+        .gemm
+        .allow_fp16_reduced_precision_reduction
+    {
         set.push("f16 products accumulate in f16".to_string());
     }
     if let Some(cache) = &args.executor.kernel_cache {

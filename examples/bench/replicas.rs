@@ -50,14 +50,16 @@ pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()
             for _ in 0..args.warmup {
                 exec.run(&step.graph, &feeds, &[step.fetch])?;
             }
-            exec.reset_peak_bytes();
+            if let Some(stats) = exec.stats() {
+                stats.reset_peak_bytes();
+            }
             let mut times = timed_steps(args, exec.as_mut(), &step.graph, &feeds, step.fetch)?;
             times.sort_by(f64::total_cmp);
             Ok(ReplicaTimes {
                 median_ms: times[times.len() / 2],
                 min_ms: times[0],
                 max_ms: times[times.len() - 1],
-                peak_mib: exec.peak_bytes().map(mib),
+                peak_mib: exec.stats().map(|s| mib(s.peak_bytes())),
             })
         };
         run().map_err(|e| e.to_string())

@@ -196,20 +196,6 @@ pub trait Executor {
     /// Sets (or creates) a variable; its type is not checked against any graph.
     fn set_variable(&mut self, name: &str, value: Tensor) -> Result<(), ExecError>;
 
-    /// The most bytes of device memory held at once since the executor was made or
-    /// [`reset_peak_bytes`](Self::reset_peak_bytes), where the backend counts them.
-    fn peak_bytes(&self) -> Option<usize> {
-        None
-    }
-
-    /// Device bytes held now (variables, kept values, the step arena), where counted.
-    fn live_bytes(&self) -> Option<usize> {
-        None
-    }
-
-    /// Starts [`peak_bytes`](Self::peak_bytes) again from what is live now.
-    fn reset_peak_bytes(&self) {}
-
     /// Joins a data-parallel group: the graph's AllReduce nodes then average over its
     /// replicas. Backends without a collective refuse.
     fn join_collective(&mut self, collective: Collective) -> Result<(), ExecError> {
@@ -220,29 +206,42 @@ pub trait Executor {
         )))
     }
 
-    /// Each node's scratch bytes (kernels' temporaries, cuDNN's workspaces) in the
-    /// plan of the graph last run, where the backend plans them: with
-    /// [`memory_plan::step_footprint`] the step's planned memory as the device runs it.
-    fn planned_scratch(&self) -> Option<HashMap<NodeId, usize>> {
+    /// The device's statistics (memory, launches, the profile, the last step), where
+    /// the backend keeps them (CUDA; not the CPU).
+    fn stats(&self) -> Option<&dyn DeviceStats> {
         None
     }
+}
 
-    /// Work put on the device so far, where the backend counts it: the difference of
-    /// two snapshots counts a step's launches.
-    fn launches(&self) -> Option<LaunchCounts> {
-        None
-    }
+/// What a device backend tells of its memory and its steps.
+pub trait DeviceStats {
+    /// The most bytes of device memory held at once since the executor was made or
+    /// [`reset_peak_bytes`](Self::reset_peak_bytes) (variables, kept values, the
+    /// step's arena).
+    fn peak_bytes(&self) -> usize;
+
+    /// Device bytes held now.
+    fn live_bytes(&self) -> usize;
+
+    /// Starts [`peak_bytes`](Self::peak_bytes) again from what is live now (as
+    /// PyTorch's `torch.cuda.reset_peak_memory_stats`).
+    fn reset_peak_bytes(&self);
+
+    /// Each node's scratch bytes (kernels' temporaries, cuDNN's workspaces) in the
+    /// plan of the graph last run: with [`memory_plan::step_footprint`] the step's
+    /// planned memory as the device runs it.
+    fn planned_scratch(&self) -> HashMap<NodeId, usize>;
+
+    /// Work put on the device so far: the difference of two snapshots counts a
+    /// step's launches.
+    fn launches(&self) -> LaunchCounts;
 
     /// The `top` most expensive kinds of op over the runs made with
-    /// [`ExecOptions::profile`] on, as a Markdown table, where the backend profiles.
-    fn profile_table(&self, _top: usize) -> Option<String> {
-        None
-    }
+    /// [`ExecOptions::profile`] on, as a Markdown table.
+    fn profile_table(&self, top: usize) -> String;
 
-    /// How the last step reached the device, where the executor tells (CUDA).
-    fn last_step(&self) -> Option<StepReport> {
-        None
-    }
+    /// How the last step reached the device.
+    fn last_step(&self) -> StepReport;
 }
 
 /// How an executor's last step reached the device.

@@ -493,7 +493,11 @@ mod byte_tests {
             let t = Tensor::from_f64(dtype, vec![values.len()], &values).unwrap();
             let view = t.data().le_bytes();
             assert_eq!(&*view, &t.data().to_le_bytes()[..], "{dtype}");
-            assert_eq!(&Data::from_le_bytes(dtype, &view).unwrap(), t.data(), "{dtype}");
+            assert_eq!(
+                &Data::from_le_bytes(dtype, &view).unwrap(),
+                t.data(),
+                "{dtype}"
+            );
         }
     }
 }

@@ -1,10 +1,10 @@
 //! The device side of the CUDA executor: context and stream, device tensors in pooled
 //! buffers, uploads and downloads, and NVRTC kernels compiled once per process.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::cell::Cell;
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use cudarc::driver::{
@@ -527,7 +527,10 @@ impl Device {
 
     /// The capacities the pool did not hold during the last tape.
     pub fn tape_misses(&self) -> Vec<usize> {
-        self.pool.lock().map(|p| p.missed.clone()).unwrap_or_default()
+        self.pool
+            .lock()
+            .map(|p| p.missed.clone())
+            .unwrap_or_default()
     }
 
     /// Adds a free buffer of each capacity in `caps` to the pool (allocated from the
@@ -535,8 +538,9 @@ impl Device {
     pub fn reserve(&self, caps: &[usize]) -> Result<(), String> {
         for &cap in caps {
             // SAFETY: u8 has no invalid bit patterns; every kernel writes before reads.
-            let slice = unsafe { self.stream.alloc::<u8>(cap) }
-                .map_err(|e| format!("out of device memory reserving {cap} bytes for a captured step ({e:?})"))?;
+            let slice = unsafe { self.stream.alloc::<u8>(cap) }.map_err(|e| {
+                format!("out of device memory reserving {cap} bytes for a captured step ({e:?})")
+            })?;
             let mut p = self.pool.lock().map_err(|_| "device pool poisoned")?;
             p.free.entry(cap).or_default().push(slice);
         }

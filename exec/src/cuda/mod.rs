@@ -42,7 +42,7 @@ use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
 
 use crate::collective::{Collective, Transport};
 use crate::{
-    ExecError, ExecOptions, Executor, Feeds, Overlapped, RunResult, Staged,
+    DeviceStats, ExecError, ExecOptions, Executor, Feeds, Overlapped, RunResult, Staged,
     TimedRunResult, DEFAULT_MAX_TENSOR_BYTES,
 };
 
@@ -54,8 +54,8 @@ use gemm::Gemm;
 pub use gemm::GemmOptions;
 use kernels::Owner;
 pub use pipeline::{pipeline, pipeline_names};
-pub use replay::StepLaunch;
 use replay::StepGraph;
+pub use replay::StepLaunch;
 use step::StepPlan;
 
 /// The number of CUDA devices, or why CUDA cannot be used on this machine (no driver
@@ -172,7 +172,6 @@ impl VarSlot {
         }
     }
 }
-
 
 /// Runs graphs on one CUDA device.
 pub struct CudaExecutor {
@@ -342,49 +341,15 @@ impl CudaExecutor {
         Ok((out, f64::from(ms), next))
     }
 
-    /// Work put on the stream so far (kernels, cuBLASLt calls, memsets, copies); the
-    /// difference of two snapshots counts a step's launches.
-    pub fn launches(&self) -> LaunchCounts {
-        self.dev.launches.snapshot()
-    }
-
     /// The cuDNN convolution algorithms chosen so far (each also logged at info level).
     pub fn conv_algorithms(&self) -> Vec<ConvAlgorithm> {
         self.dnn.choices()
-    }
-
-    /// The most bytes of device tensors (variables and the arena included) allocated
-    /// at once since the executor was made or [`reset_peak_bytes`](Self::reset_peak_bytes).
-    pub fn peak_bytes(&self) -> usize {
-        self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)
-    }
-
-    /// Each node's scratch bytes in the last step's plan (kernels' temporaries,
-    /// cuDNN's workspaces): planned from the scratch the nodes took in a step before.
-    pub fn planned_scratch(&self) -> HashMap<NodeId, usize> {
-        let plan = self.plans.first().map(|(_, plan)| plan);
-        (plan.iter().flat_map(|m| &m.scratch))
-            .map(|(&id, &(_, bytes))| (id, bytes))
-            .collect()
     }
 
     /// Bytes of the cuDNN workspace shared outside the plan: a convolution's until the
     /// plan holds its scratch (after its first step), 0 after.
     pub fn shared_conv_workspace_bytes(&self) -> usize {
         self.dnn.shared_workspace_bytes()
-    }
-
-    /// Device bytes held by live tensors now (variables, kept casts, the arena).
-    pub fn live_bytes(&self) -> usize {
-        self.dev.pool.lock().map(|p| p.live).unwrap_or(0)
-    }
-
-    /// Starts [`peak_bytes`](Self::peak_bytes) again from what is live now (as
-    /// PyTorch's `torch.cuda.reset_peak_memory_stats`).
-    pub fn reset_peak_bytes(&self) {
-        if let Ok(mut p) = self.dev.pool.lock() {
-            p.peak = p.live;
-        }
     }
 
     /// Refuses a graph with a node no CUDA kernel takes, naming the first such node
@@ -537,18 +502,6 @@ impl Executor for CudaExecutor {
         CudaExecutor::set_variable(self, name, value)
     }
 
-    fn peak_bytes(&self) -> Option<usize> {
-        Some(CudaExecutor::peak_bytes(self))
-    }
-
-    fn live_bytes(&self) -> Option<usize> {
-        Some(CudaExecutor::live_bytes(self))
-    }
-
-    fn reset_peak_bytes(&self) {
-        CudaExecutor::reset_peak_bytes(self)
-    }
-
     fn join_collective(&mut self, collective: Collective) -> Result<(), ExecError> {
         let Transport::Nccl(id) = collective.transport else {
             return Err(ExecError::Collective(
@@ -561,23 +514,46 @@ impl Executor for CudaExecutor {
         Ok(())
     }
 
-    fn planned_scratch(&self) -> Option<HashMap<NodeId, usize>> {
-        Some(CudaExecutor::planned_scratch(self))
+    fn stats(&self) -> Option<&dyn DeviceStats> {
+        Some(self)
+    }
+}
+
+impl DeviceStats for CudaExecutor {
+    fn peak_bytes(&self) -> usize {
+        self.dev.pool.lock().map(|p| p.peak).unwrap_or(0)
     }
 
-    fn launches(&self) -> Option<LaunchCounts> {
-        Some(CudaExecutor::launches(self))
+    fn live_bytes(&self) -> usize {
+        self.dev.pool.lock().map(|p| p.live).unwrap_or(0)
     }
 
-    fn profile_table(&self, top: usize) -> Option<String> {
-        Some(self.profile.table(top))
+    fn reset_peak_bytes(&self) {
+        if let Ok(mut p) = self.dev.pool.lock() {
+            p.peak = p.live;
+        }
     }
 
-    fn last_step(&self) -> Option<crate::StepReport> {
-        Some(crate::StepReport {
+    fn planned_scratch(&self) -> HashMap<NodeId, usize> {
+        let plan = self.plans.first().map(|(_, plan)| plan);
+        (plan.iter().flat_map(|m| &m.scratch))
+            .map(|(&id, &(_, bytes))| (id, bytes))
+            .collect()
+    }
+
+    fn launches(&self) -> LaunchCounts {
+        self.dev.launches.snapshot()
+    }
+
+    fn profile_table(&self, top: usize) -> String {
+        self.profile.table(top)
+    }
+
+    fn last_step(&self) -> crate::StepReport {
+        crate::StepReport {
             host_enqueue_secs: self.host_enqueue_secs,
             launch: self.step_launch.to_string(),
-        })
+        }
     }
 }
 

@@ -122,13 +122,19 @@ impl CudaExecutor {
             }
             match captured {
                 Ok(captured) => {
-                    log::debug!("step captured as a CUDA graph ({} nodes)", plan.schedule.order.len());
+                    log::debug!(
+                        "step captured as a CUDA graph ({} nodes)",
+                        plan.schedule.order.len()
+                    );
                     self.step_graphs.insert(plan.id, captured);
                 }
                 Err(why) => {
                     let tries = plan.capture_failures.fetch_add(1, Ordering::Relaxed) + 1;
                     log::info!("a step could not be captured as a CUDA graph (try {tries}): {why}");
-                    *plan.capture_error.lock().map_err(|_| dev_err("poisoned".into()))? = Some(why.clone());
+                    *plan
+                        .capture_error
+                        .lock()
+                        .map_err(|_| dev_err("poisoned".into()))? = Some(why.clone());
                     self.step_launch = StepLaunch::OpByOp(format!("its capture failed: {why}"));
                     return Ok(None);
                 }
@@ -283,8 +289,12 @@ fn copy_back(
             continue;
         }
         let key = (var.clone(), cast.dtype);
-        let target = (e.cast_cache.get(&key))
-            .ok_or_else(|| format!("the {} cast of variable '{var}' is not kept yet", cast.dtype))?;
+        let target = (e.cast_cache.get(&key)).ok_or_else(|| {
+            format!(
+                "the {} cast of variable '{var}' is not kept yet",
+                cast.dtype
+            )
+        })?;
         if target.ptr() != cast.ptr() {
             copies.push((cast, target));
         }

@@ -155,13 +155,14 @@ impl StepPlan {
                 Lowered::Kernel(_) => {}
             }
         }
-        let capturable = match (schedule.order.iter()).find(|&&id| graph.node(id).op.is::<AllReduce>()) {
-            Some(&id) => Err(format!(
-                "node '{}' (AllReduce) reduces on a stream of its own",
-                graph.node(id).name
-            )),
-            None => Ok(()),
-        };
+        let capturable =
+            match (schedule.order.iter()).find(|&&id| graph.node(id).op.is::<AllReduce>()) {
+                Some(&id) => Err(format!(
+                    "node '{}' (AllReduce) reduces on a stream of its own",
+                    graph.node(id).name
+                )),
+                None => Ok(()),
+            };
         let mut assigns = HashMap::new();
         for &id in &schedule.order {
             if let Some(var) = assigned_variable(graph, id)? {
@@ -344,7 +345,13 @@ impl CudaExecutor {
             self.plans.insert(0, kept);
             return Ok(plan);
         }
-        let plan = Arc::new(StepPlan::new(&self.dev, graph, fetches, HashMap::new(), None)?);
+        let plan = Arc::new(StepPlan::new(
+            &self.dev,
+            graph,
+            fetches,
+            HashMap::new(),
+            None,
+        )?);
         self.keep_plan(key, plan.clone());
         Ok(plan)
     }
@@ -722,7 +729,8 @@ impl CudaExecutor {
     /// into, is state a captured step cannot change.
     pub(super) fn casts_settled(&self, plan: &StepPlan, graph: &Graph, feeds: &Feeds) -> bool {
         (plan.constant_casts.iter().chain(&plan.update_casts)).all(|(port, var)| {
-            feeds.contains_key(var) || (self.cast_cache).contains_key(&(var.clone(), graph.ty(*port).dtype))
+            feeds.contains_key(var)
+                || (self.cast_cache).contains_key(&(var.clone(), graph.ty(*port).dtype))
         })
     }
 
@@ -772,7 +780,11 @@ impl CudaExecutor {
             )));
         };
         if super::device::capturing_here() {
-            return Err(ExecError::node(&node.name, "Variable", "its device copy was dropped"));
+            return Err(ExecError::node(
+                &node.name,
+                "Variable",
+                "its device copy was dropped",
+            ));
         }
         let d = upload_value(&self.dev, host, "variable", &node.name)?;
         slot.device = Some(d.clone());
@@ -793,7 +805,11 @@ pub(super) fn check_fed(node: &Node, got: &TensorType) -> Result<(), ExecError> 
     if got != want {
         return Err(ExecError::Feed {
             name: node.name.clone(),
-            msg: format!("expects {want}, got {}{}", got.dtype, ShapeDisplay(&got.shape)),
+            msg: format!(
+                "expects {want}, got {}{}",
+                got.dtype,
+                ShapeDisplay(&got.shape)
+            ),
         });
     }
     Ok(())
