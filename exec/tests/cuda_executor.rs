@@ -7,7 +7,7 @@
 mod common;
 
 use ampgraph_exec::cuda::CudaExecutor;
-use ampgraph_exec::{memory_plan, CpuExecutor, ExecError, Executor, Feeds};
+use ampgraph_exec::{memory_plan, CpuExecutor, DeviceStats, ExecError, Executor, Feeds};
 use ampgraph_graph::ops::{
     AssignVariable, BatchMatMul, Cast, Const, Conv2DBackpropFilter, DataFormat, OptimizerUpdate,
     Padding, Rule, Unary, UnaryKind, Variable,

@@ -5,7 +5,7 @@
 
 mod common;
 
-use ampgraph_exec::{cuda, CudaExecutor, Executor, Feeds};
+use ampgraph_exec::{cuda, CudaExecutor, DeviceStats, ExecOptions, Executor, Feeds};
 use ampgraph_graph::ops::*;
 use ampgraph_graph::{DType, Data, Graph, Op, Tensor, TensorType};
 use common::{gpu, op_graph, run_both, FLOATS};

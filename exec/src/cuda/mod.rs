@@ -185,7 +185,7 @@ pub struct CudaExecutor {
     /// Per-op times, filled while `options.profile` is on.
     pub profile: OpProfile,
     /// Step plans by graph revision and fetches, the most recently used first.
-    plans: Vec<(((u64, u64), Vec<Port>), Arc<StepPlan>)>,
+    plans: Vec<(step::PlanKey, Arc<StepPlan>)>,
     /// Steps captured as CUDA graphs, by their plan's id.
     step_graphs: HashMap<u64, StepGraph>,
     /// Moves on whenever a variable or a kept cast changes buffer: graphs captured

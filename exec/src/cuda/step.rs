@@ -289,8 +289,8 @@ pub(super) struct Launched {
     grown: HashMap<NodeId, usize>,
 }
 
-/// A plan with the graph revision and fetches it serves.
-type PlanKey = ((u64, u64), Vec<Port>);
+/// The graph revision and fetches a plan serves.
+pub(super) type PlanKey = ((u64, u64), Vec<Port>);
 
 impl CudaExecutor {
     /// A step; `done`, if given, is recorded on the stream after its kernels and
