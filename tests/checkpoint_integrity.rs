@@ -6,6 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use ampgraph::graph::format::previous_path;
 use ampgraph::graph::{DType, Tensor};
 use ampgraph::session::SessionError;
 use ampgraph::{Device, RestoreOptions, Session, SessionOptions};
@@ -310,18 +311,19 @@ fn a_failed_save_keeps_the_previous_checkpoint_and_no_temporary() {
     session().restore(&path).unwrap();
     std::fs::remove_dir_all(&blocker).unwrap();
 
-    // Fails creating the temporary: a directory is in its place.
-    let tmp = dir.join(format!("m.ckpt.tmp{}", std::process::id()));
-    std::fs::create_dir(&tmp).unwrap();
-    std::fs::write(tmp.join("keep"), b"x").unwrap();
-    assert!(s.save(&path).is_err());
+    // Fails creating the temporary: the checkpoint's name is as long as a name may be,
+    // so its temporary's (the name and a suffix) is too long.
+    let long = dir.join("m".repeat(250));
+    std::fs::write(&long, &good).unwrap();
+    assert!(s.save(&long).is_err());
     assert_eq!(
-        std::fs::read(&path).unwrap(),
+        std::fs::read(&long).unwrap(),
         good,
         "the old checkpoint is intact"
     );
-    assert!(!dir.join("m.ckpt.prev").exists());
-    std::fs::remove_dir_all(&tmp).unwrap();
+    assert!(!previous_path(&long).exists());
+    assert!(temporaries(&dir).is_empty(), "{:?}", temporaries(&dir));
+    std::fs::remove_file(&long).unwrap();
 
     // A read-only directory (where permissions bind: not as root).
     #[cfg(unix)]

@@ -540,10 +540,15 @@ fn write_atomic_with(path: &Path, bytes: &[u8], keep_previous: bool) -> Result<(
         path: path.display().to_string(),
         source,
     };
-    let pid = std::process::id();
-    let tmp = with_suffix(path, &format!(".tmp{pid}"));
+    // One temporary per write: two threads of a process writing the same file at
+    // once (executors keeping cuDNN's algorithms) each rename a whole file of their
+    // own, never one the other truncated under it.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let unique = format!(".tmp{}.{n}", std::process::id());
+    let tmp = with_suffix(path, &unique);
     let prev = previous_path(path);
-    let prev_tmp = with_suffix(&prev, &format!(".tmp{pid}"));
+    let prev_tmp = with_suffix(&prev, &unique);
     let result = (|| -> std::io::Result<()> {
         {
             let mut f = std::fs::File::create(&tmp)?;
