@@ -934,6 +934,13 @@ impl Dnn {
             .map_err(|_| "poisoned")?
             .get(&key.text())
             .copied();
+        // A stored choice is taken only where cuDNN takes its algorithm for this
+        // convolution within its workspace (a line another build or a torn write left
+        // is timed again).
+        let stored = stored.filter(|a| {
+            (self.workspace_for(handle, key.direction, &plan, *a))
+                .is_ok_and(|need| need <= a.workspace)
+        });
         let (algo, ms, candidates, passed_over) = match stored {
             Some(a) => (a, None, 0, None),
             _ => {
@@ -1059,6 +1066,57 @@ impl Dnn {
     /// cuDNN's results for every algorithm of a convolution: timed on `run`'s operands
     /// and workspace (`cudnnFind*AlgorithmEx`), else ranked by its heuristics
     /// (`cudnnGet*Algorithm_v7`, nothing runs).
+    /// The workspace cuDNN asks of algorithm `algo` (with its math) for `plan`'s
+    /// convolution in `direction`; an error where cuDNN does not take it.
+    fn workspace_for(
+        &self,
+        handle: sys::cudnnHandle_t,
+        direction: Direction,
+        plan: &ConvPlan,
+        algo: Algo,
+    ) -> Result<usize, String> {
+        let (x, w, y, c) = (plan.x.0, plan.w.0, plan.y.0, plan.conv.0);
+        // SAFETY: a live descriptor.
+        check("math type", unsafe {
+            sys::cudnnSetConvolutionMathType(c, pick(&MATH_TYPES, algo.math, "math")?)
+        })?;
+        let mut bytes = 0usize;
+        // SAFETY: live descriptors; cuDNN writes one size.
+        let status = unsafe {
+            match direction {
+                Direction::Forward => sys::cudnnGetConvolutionForwardWorkspaceSize(
+                    handle,
+                    x,
+                    w,
+                    c,
+                    y,
+                    pick(&FWD_ALGOS, algo.id, "algorithm")?,
+                    &mut bytes,
+                ),
+                Direction::BackwardData => sys::cudnnGetConvolutionBackwardDataWorkspaceSize(
+                    handle,
+                    w,
+                    y,
+                    c,
+                    x,
+                    pick(&BWD_DATA_ALGOS, algo.id, "algorithm")?,
+                    &mut bytes,
+                ),
+                Direction::BackwardFilter => sys::cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                    handle,
+                    x,
+                    y,
+                    c,
+                    w,
+                    pick(&BWD_FILTER_ALGOS, algo.id, "algorithm")?,
+                    &mut bytes,
+                ),
+            }
+        };
+        check("workspace size", status)?;
+        Ok(bytes)
+    }
+
     fn perf(
         &self,
         handle: sys::cudnnHandle_t,
