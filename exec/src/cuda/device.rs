@@ -364,6 +364,19 @@ pub fn capturing_here() -> bool {
     CAPTURING_HERE.get()
 }
 
+/// Clears the CUDA runtime's last error of this thread. cuDNN and cuBLASLt call the
+/// runtime and read its last error after their launches: an error left by an earlier
+/// call that failed and was handled (a call under a capture that could not be
+/// captured) would fail their next call with `EXECUTION_FAILED`.
+pub fn clear_runtime_error() {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only tries to open the library.
+    if *PRESENT.get_or_init(|| unsafe { cudarc::runtime::sys::is_culib_present() }) {
+        // SAFETY: reads and resets this thread's last error; no other effect.
+        let _ = unsafe { cudarc::runtime::sys::cudaGetLastError() };
+    }
+}
+
 pub struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,

@@ -40,7 +40,9 @@ use sys::cudnnDataType_t as CudnnType;
 use ampgraph_graph::ops::DataFormat;
 use ampgraph_graph::DType;
 
-use super::device::{capturing, capturing_here, loading, DTensor, Device, Launches};
+use super::device::{
+    capturing, capturing_here, clear_runtime_error, loading, DTensor, Device, Launches,
+};
 
 /// Whether cuDNN (9 or later) can be loaded; the reason where it cannot.
 pub fn available() -> Result<(), String> {
@@ -240,6 +242,7 @@ impl Replays {
         key: ReplayKey,
         call: impl Fn() -> sys::cudnnStatus_t,
     ) -> Result<(), String> {
+        clear_runtime_error();
         // Inside a whole step's capture the call is captured with the step.
         if capturing_here() {
             return check("convolution", call());
@@ -273,6 +276,7 @@ impl Replays {
             Err(why) => {
                 log::debug!("cuDNN convolution not captured ({why}): it runs directly");
                 self.graphs.insert(key, None);
+                clear_runtime_error();
                 check("convolution", loading(&call))
             }
         }

@@ -245,6 +245,10 @@ impl CudaExecutor {
             (launched, captured)
         });
         let mut held = self.dev.end_tape()?;
+        if launched.is_err() || captured.is_err() {
+            // A library call that failed under the capture left the runtime's error.
+            super::device::clear_runtime_error();
+        }
         let (launched, refreshed) = launched?;
         let graph = captured?.ok_or("an empty capture")?;
         held.extend(arena);

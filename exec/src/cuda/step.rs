@@ -305,6 +305,7 @@ impl CudaExecutor {
     ) -> Result<(Vec<Tensor>, Option<Staged>), ExecError> {
         let host_start = std::time::Instant::now();
         guard("CUDA", || self.dev.bind()).map_err(dev_err)?;
+        super::device::clear_runtime_error();
         let plan = self.step_plan(graph, fetches)?;
         let fetched = match self.replayed(&plan, graph, feeds)? {
             Some(fetched) => fetched,
