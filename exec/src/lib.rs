@@ -119,7 +119,7 @@ pub struct ExecOptions {
     pub gemm: cuda::GemmOptions,
     /// Convolutions: deterministic algorithms, the workspace limit.
     pub conv: cuda::DnnOptions,
-    /// Time every op (CUDA events) for [`Executor::profile_table`]; slows steps a
+    /// Time every op (CUDA events) for [`DeviceStats::profile_table`]; slows steps a
     /// little, and launches them op by op.
     pub profile: bool,
     /// Launch every step op by op rather than replaying its captured CUDA graph (for

@@ -392,7 +392,7 @@ fn kept_of(constant: &[(Port, String)], updates: &[(Port, String, Port)]) -> Has
 /// and what lives beside it. Each part is rounded up to [`ALIGNMENT`] per tensor. The
 /// nodes' scratch (kernels' temporaries, cuDNN's workspaces) is in the arena where it
 /// is given (the CUDA executor knows it after a step:
-/// [`Executor::planned_scratch`](crate::Executor::planned_scratch)). Not counted: the
+/// [`DeviceStats::planned_scratch`](crate::DeviceStats::planned_scratch)). Not counted: the
 /// GEMM library's workspace, kernels' code, the CUDA context.
 #[derive(Clone, Debug, Default)]
 pub struct StepFootprint {

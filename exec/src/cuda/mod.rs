@@ -7,9 +7,9 @@
 //! cudarc panic reaches a caller: the libraries are checked for before first use and
 //! CUDA calls that could panic run under a guard.
 //!
-//! A step is planned once per graph and fetches ([`step`]: kernels lowered, the arena's
+//! A step is planned once per graph and fetches (`step.rs`: kernels lowered, the arena's
 //! offsets, constants uploaded), bound to its feeds, launched (op by op, or replayed as
-//! one CUDA graph once its buffers have settled: [`replay`]) and committed.
+//! one CUDA graph once its buffers have settled: `replay.rs`) and committed.
 //!
 //! Variables live on the device across runs; `AssignVariable` writes replace them when
 //! the step ends. Host copies of variables ([`CudaExecutor::variable`]) are downloaded
