@@ -62,8 +62,9 @@ pub(super) struct StepPlan {
     /// How many nodes of the order run before the arena: the `cast_only` variables
     /// and their casts.
     before_arena: usize,
-    /// Each of those nodes lowered, in the same order.
-    lowered: Vec<Lowered>,
+    /// Each of those nodes lowered, in the same order (shared with the plans made
+    /// again from this one: the same graph lowers the same).
+    lowered: Arc<Vec<Lowered>>,
     /// The fed sources (Placeholders and Variables) among them, by name.
     pub sources: Vec<String>,
     /// The graph's constants (and groups' `true`), on the device.
@@ -131,14 +132,17 @@ impl StepPlan {
         let before_arena = order.len();
         order.extend(rest);
         schedule.order = order;
-        let lowered = schedule
-            .order
-            .iter()
-            .map(|&id| lower(graph, id))
-            .collect::<Result<Vec<_>, _>>()?;
+        let lowered = match earlier {
+            Some(p) if p.schedule.order == schedule.order => p.lowered.clone(),
+            _ => Arc::new(
+                (schedule.order.iter())
+                    .map(|&id| lower(graph, id))
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+        };
         let mut sources = Vec::new();
         let mut constants = HashMap::new();
-        for (&id, lowered) in schedule.order.iter().zip(&lowered) {
+        for (&id, lowered) in schedule.order.iter().zip(lowered.iter()) {
             let node = graph.node(id);
             match lowered {
                 Lowered::Source(Source::Placeholder | Source::Variable) => {
@@ -473,7 +477,7 @@ impl CudaExecutor {
         // Collectives still running on their stream: the events their readers wait
         // for, and their inputs, kept from the pool until then.
         let mut joins: HashMap<NodeId, (Vec<CudaEvent>, Vec<DTensor>)> = HashMap::new();
-        for (position, (&id, lowered)) in order.iter().zip(&plan.lowered).enumerate() {
+        for (position, (&id, lowered)) in order.iter().zip(plan.lowered.iter()).enumerate() {
             if position == plan.before_arena {
                 // Before any launch but the casts of variables only they read: a step
                 // whose tensors do not fit fails at once.
