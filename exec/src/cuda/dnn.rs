@@ -31,7 +31,7 @@
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use cudarc::cudnn::sys;
 use cudarc::driver::{sys as driver_sys, CudaGraph};
@@ -245,7 +245,7 @@ impl Replays {
         clear_runtime_error();
         // Inside a whole step's capture the call is captured with the step.
         if capturing_here() {
-            return check("convolution", call());
+            return check("convolution", beside_searches(&call));
         }
         match self.graphs.get(&key) {
             Some(Some(graph)) => {
@@ -254,7 +254,7 @@ impl Replays {
                     .launch()
                     .map_err(|e| format!("replaying a captured convolution: {e:?}"));
             }
-            Some(None) => return check("convolution", loading(&call)),
+            Some(None) => return check("convolution", loading(|| beside_searches(&call))),
             None => {}
         }
         if self.seen.len() + self.graphs.len() >= Self::LIMIT {
@@ -262,7 +262,7 @@ impl Replays {
             self.graphs.clear();
         }
         if self.seen.insert(key) {
-            return check("convolution", loading(&call));
+            return check("convolution", loading(|| beside_searches(&call)));
         }
         self.seen.remove(&key);
         match capturing(|| capture(dev, &call)) {
@@ -277,10 +277,23 @@ impl Replays {
                 log::debug!("cuDNN convolution not captured ({why}): it runs directly");
                 self.graphs.insert(key, None);
                 clear_runtime_error();
-                check("convolution", loading(&call))
+                check("convolution", loading(|| beside_searches(&call)))
             }
         }
     }
+}
+
+/// cuDNN's algorithm searches exclude every other cuDNN call of the process (searches
+/// take it to write, calls to read): several searches at once (executors in other
+/// threads) failed with internal errors on cuDNN 9.14, and a convolution called while
+/// another thread searched failed with EXECUTION_FAILED (the GPU tests' first run on
+/// a fresh machine, where every algorithm is searched).
+static SEARCHES_ALONE: RwLock<()> = RwLock::new(());
+
+/// Runs `call` (a cuDNN call) while no algorithm search runs.
+fn beside_searches<T>(call: impl FnOnce() -> T) -> T {
+    let _shared = SEARCHES_ALONE.read().unwrap_or_else(|e| e.into_inner());
+    call()
 }
 
 /// `call` captured from the device's stream as a graph (not run).
@@ -289,7 +302,7 @@ fn capture(dev: &Device, call: &impl Fn() -> sys::cudnnStatus_t) -> Result<CudaG
     dev.stream
         .begin_capture(mode)
         .map_err(|e| format!("begin capture: {e:?}"))?;
-    let status = call();
+    let status = beside_searches(call);
     // The capture ends whatever the call returned: the stream must leave capture mode.
     let graph = dev
         .stream
@@ -1011,17 +1024,16 @@ impl Dnn {
                 && (!options.deterministic || p.determinism == 1)
         };
         let timed = {
-            // One search at a time in the process: several at once (executors in
-            // other threads) failed with internal errors on cuDNN 9.14.
-            static SEARCH: Mutex<()> = Mutex::new(());
-            let _one_at_a_time = SEARCH.lock().map_err(|_| "poisoned")?;
             let workspace = dev.alloc(
                 DType::F32,
                 &[options.workspace_limit().div_ceil(4)],
                 &"the cuDNN algorithm search",
             )?;
             let ws = (workspace.ptr() as *mut c_void, workspace.bytes());
-            loading(|| self.perf(handle, key.direction, plan, Some((ops, ws))))?
+            loading(|| {
+                let _alone = SEARCHES_ALONE.write().unwrap_or_else(|e| e.into_inner());
+                self.perf(handle, key.direction, plan, Some((ops, ws)))
+            })?
         };
         log::debug!(
             "cuDNN timed {:?} {:?}: {}",
@@ -1237,45 +1249,47 @@ impl Dnn {
             dev.zero(mean)?;
             dev.zero(variance)?;
         }
-        let status = loading(|| unsafe {
-            if training {
-                sys::cudnnBatchNormalizationForwardTraining(
-                    handle,
-                    bn_mode(layout, x.dtype),
-                    one.ptr(),
-                    zero.ptr(),
-                    xd.0,
-                    ptr(x),
-                    xd.0,
-                    ptr(y),
-                    pd.0,
-                    ptr(scale),
-                    ptr(offset),
-                    1.0,
-                    ptr(mean),
-                    ptr(variance),
-                    epsilon,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                )
-            } else {
-                sys::cudnnBatchNormalizationForwardInference(
-                    handle,
-                    sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
-                    one.ptr(),
-                    zero.ptr(),
-                    xd.0,
-                    ptr(x),
-                    xd.0,
-                    ptr(y),
-                    pd.0,
-                    ptr(scale),
-                    ptr(offset),
-                    ptr(mean),
-                    ptr(variance),
-                    epsilon,
-                )
-            }
+        let status = loading(|| {
+            beside_searches(|| unsafe {
+                if training {
+                    sys::cudnnBatchNormalizationForwardTraining(
+                        handle,
+                        bn_mode(layout, x.dtype),
+                        one.ptr(),
+                        zero.ptr(),
+                        xd.0,
+                        ptr(x),
+                        xd.0,
+                        ptr(y),
+                        pd.0,
+                        ptr(scale),
+                        ptr(offset),
+                        1.0,
+                        ptr(mean),
+                        ptr(variance),
+                        epsilon,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    )
+                } else {
+                    sys::cudnnBatchNormalizationForwardInference(
+                        handle,
+                        sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+                        one.ptr(),
+                        zero.ptr(),
+                        xd.0,
+                        ptr(x),
+                        xd.0,
+                        ptr(y),
+                        pd.0,
+                        ptr(scale),
+                        ptr(offset),
+                        ptr(mean),
+                        ptr(variance),
+                        epsilon,
+                    )
+                }
+            })
         });
         check("batch norm", status)
     }
@@ -1298,28 +1312,30 @@ impl Dnn {
         let ptr = |t: &DTensor| t.ptr() as *mut c_void;
         Launches::count(&dev.launches.dnn);
         // SAFETY: as in `batch_norm`; no saved statistics (cuDNN computes them again).
-        let status = loading(|| unsafe {
-            sys::cudnnBatchNormalizationBackward(
-                handle,
-                bn_mode(layout, x.dtype),
-                one.ptr(),
-                zero.ptr(),
-                one.ptr(),
-                zero.ptr(),
-                xd.0,
-                ptr(x),
-                xd.0,
-                ptr(dy),
-                xd.0,
-                ptr(dx),
-                pd.0,
-                ptr(scale),
-                ptr(dscale),
-                ptr(doffset),
-                epsilon,
-                std::ptr::null(),
-                std::ptr::null(),
-            )
+        let status = loading(|| {
+            beside_searches(|| unsafe {
+                sys::cudnnBatchNormalizationBackward(
+                    handle,
+                    bn_mode(layout, x.dtype),
+                    one.ptr(),
+                    zero.ptr(),
+                    one.ptr(),
+                    zero.ptr(),
+                    xd.0,
+                    ptr(x),
+                    xd.0,
+                    ptr(dy),
+                    xd.0,
+                    ptr(dx),
+                    pd.0,
+                    ptr(scale),
+                    ptr(dscale),
+                    ptr(doffset),
+                    epsilon,
+                    std::ptr::null(),
+                    std::ptr::null(),
+                )
+            })
         });
         check("batch norm gradient", status)
     }
