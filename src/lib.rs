@@ -64,6 +64,7 @@ pub use ampgraph_exec::{CpuExecutor, Executor};
 pub use ampgraph_graph::{DType, Graph, GraphError, Port, Tensor, TensorType};
 
 pub mod benchmark;
+pub mod checkpoint;
 pub mod cli;
 pub mod numerics;
 pub mod optim;

@@ -4,8 +4,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use half::{bf16, f16};
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use ampgraph_exec::cuda;
@@ -14,14 +12,14 @@ use ampgraph_exec::{
     check_tensor_size, CpuExecutor, CudaExecutor, ExecError, ExecOptions, Executor, Feeds,
     KernelCache, Overlapped, Staged, DEFAULT_MAX_TENSOR_BYTES,
 };
-use ampgraph_graph::format::write_atomic_keeping_previous;
 use ampgraph_graph::ops::Variable;
 use ampgraph_graph::tensor::ShapeDisplay;
-use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
+use ampgraph_graph::{Graph, GraphError, Port, Tensor};
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph_passes::data_parallel::DataParallel;
 use ampgraph_passes::{registry, Pass, PassError, PassManager, PassRecord};
 
+use crate::checkpoint;
 use crate::numerics::check::{CheckError, Checker, NumericsReport, Snapshot};
 
 #[derive(Debug, Error)]
@@ -265,59 +263,12 @@ pub struct Session {
     numerics: Option<Box<Checker>>,
 }
 
-const CHECKPOINT_MAGIC: &[u8; 8] = b"AMPGCKPT";
-/// Version 2 added the checksums (layout: [`Session::save`]); version 1 had none.
-const CHECKPOINT_VERSION: u32 = 2;
-/// Magic, version (u32) and body length (u64), all little-endian.
-const CHECKPOINT_HEADER: usize = 8 + 4 + 8;
-/// The whole-file CRC-32 after the body.
-const CHECKPOINT_TRAILER: usize = 4;
-
-#[derive(Serialize, Deserialize)]
-struct CheckpointEntry {
-    name: String,
-    dtype: DType,
-    shape: Vec<usize>,
-    /// The values, little-endian (bools one byte each, 0 or 1).
-    bytes: Vec<u8>,
-    /// CRC-32 of the name, dtype, shape and bytes ([`entry_checksum`]).
-    checksum: u32,
-}
-
 /// How [`Session::restore_with`] checks a checkpoint's values.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RestoreOptions {
     /// Accept NaN and infinite values in float variables (refused by default: a
     /// diverged run's weights should not resume silently).
     pub allow_non_finite: bool,
-}
-
-fn entry_checksum(name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(&(name.len() as u64).to_le_bytes());
-    h.update(name.as_bytes());
-    h.update(dtype.as_str().as_bytes());
-    h.update(&(shape.len() as u64).to_le_bytes());
-    for &d in shape {
-        h.update(&(d as u64).to_le_bytes());
-    }
-    h.update(bytes);
-    h.finalize()
-}
-
-/// How many of `data`'s values are NaN or infinite, and the index of the first.
-fn non_finite(data: &Data) -> Option<(usize, usize)> {
-    fn count<T: Copy>(v: &[T], finite: impl Fn(T) -> bool) -> Option<(usize, usize)> {
-        let first = v.iter().position(|&x| !finite(x))?;
-        Some((v[first..].iter().filter(|&&x| !finite(x)).count(), first))
-    }
-    match data {
-        Data::F32(v) => count(v, f32::is_finite),
-        Data::F16(v) => count(v, f16::is_finite),
-        Data::BF16(v) => count(v, bf16::is_finite),
-        Data::F64(v) => count(v, f64::is_finite),
-        Data::I32(_) | Data::I64(_) | Data::Bool(_) => None,
-    }
 }
 
 impl Session {
@@ -555,40 +506,18 @@ impl Session {
     /// file is flushed to disk before it replaces the old one). Where `path` exists its
     /// previous contents are kept as `PATH.prev`, so one bad save never destroys the
     /// last good state. Each variable carries a CRC-32 of its name, type and bytes,
-    /// and the file a CRC-32 of the whole, which [`Session::restore`] checks.
-    ///
-    /// Layout (version 2): `AMPGCKPT`, the version (u32), the body's length (u64), the
-    /// body (bincode: per variable its name, dtype, shape, little-endian bytes and
-    /// checksum), the CRC-32 of everything before it (u32); all little-endian.
+    /// and the file a CRC-32 of the whole, which [`Session::restore`] checks (the
+    /// format: [`crate::checkpoint`]).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), SessionError> {
-        let path = path.as_ref();
         let mut names = self.executor.variable_names();
         names.sort();
-        let mut entries: Vec<CheckpointEntry> = Vec::with_capacity(names.len());
+        let mut variables = Vec::with_capacity(names.len());
         for name in names {
             if let Some(t) = self.executor.try_variable(&name)? {
-                let dtype = t.data().dtype();
-                let bytes = t.data().to_le_bytes();
-                let checksum = entry_checksum(&name, dtype, t.shape(), &bytes);
-                entries.push(CheckpointEntry {
-                    name,
-                    dtype,
-                    shape: t.shape().to_vec(),
-                    bytes,
-                    checksum,
-                });
+                variables.push((name, t));
             }
         }
-        let body = bincode::serde::encode_to_vec(&entries, bincode::config::standard())
-            .map_err(|e| checkpoint_err(path, e.to_string()))?;
-        let mut bytes = Vec::with_capacity(CHECKPOINT_HEADER + body.len() + CHECKPOINT_TRAILER);
-        bytes.extend_from_slice(CHECKPOINT_MAGIC);
-        bytes.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
-        bytes.extend_from_slice(&(body.len() as u64).to_le_bytes());
-        bytes.extend_from_slice(&body);
-        let file_checksum = crc32fast::hash(&bytes);
-        bytes.extend_from_slice(&file_checksum.to_le_bytes());
-        Ok(write_atomic_keeping_previous(path, &bytes)?)
+        checkpoint::write(path.as_ref(), &variables)
     }
 
     /// Loads a checkpoint written by [`Session::save`]. Every variable of this session
@@ -609,49 +538,32 @@ impl Session {
         options: RestoreOptions,
     ) -> Result<(), SessionError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| checkpoint_err(path, e.to_string()))?;
-        let entries = decode_checkpoint(path, &bytes)?;
+        let variables = checkpoint::read(path, options.allow_non_finite)?;
         let training = self
             .graph
             .node_ids()
             .any(|id| self.graph.node(id).op.name() == "AssignVariable");
         let mut loaded = BTreeMap::new();
-        for e in entries {
-            let data = Data::from_le_bytes(e.dtype, &e.bytes)
-                .map_err(|m| checkpoint_err(path, format!("variable '{}': {m}", e.name)))?;
-            if !options.allow_non_finite {
-                if let Some((count, first)) = non_finite(&data) {
-                    return Err(checkpoint_err(
-                        path,
-                        format!(
-                            "variable '{}' has {count} non-finite value(s) (NaN or inf, first at index {first}); \
-                             restore_with allow_non_finite to accept them",
-                            e.name
-                        ),
-                    ));
-                }
-            }
-            let t = Tensor::new(e.shape, data)
-                .map_err(|m| checkpoint_err(path, format!("variable '{}': {m}", e.name)))?;
-            match self.executor.variable_type(&e.name) {
+        for (name, t) in variables {
+            match self.executor.variable_type(&name) {
                 Some(cur) if cur != t.ty() => {
                     return Err(checkpoint_err(
                         path,
                         format!(
                             "variable '{}' is {} in the checkpoint but {} in the graph",
-                            e.name,
+                            name,
                             t.ty(),
                             cur
                         ),
                     ))
                 }
                 Some(_) => {
-                    loaded.insert(e.name, t);
+                    loaded.insert(name, t);
                 }
-                None if training && !e.name.starts_with(crate::train::VARIABLE_PREFIX) => {
+                None if training && !name.starts_with(crate::train::VARIABLE_PREFIX) => {
                     return Err(checkpoint_err(
                         path,
-                        format!("variable '{}' is not in the graph", e.name),
+                        format!("variable '{}' is not in the graph", name),
                     ));
                 }
                 None => {}
@@ -680,68 +592,7 @@ impl Session {
     }
 }
 
-/// Checks a checkpoint's header, length and checksums and decodes its variables.
-/// A variable whose checksum does not match is named; damage elsewhere is the file's.
-fn decode_checkpoint(path: &Path, bytes: &[u8]) -> Result<Vec<CheckpointEntry>, SessionError> {
-    let err = |msg: String| checkpoint_err(path, msg);
-    let rest = bytes
-        .strip_prefix(CHECKPOINT_MAGIC.as_slice())
-        .ok_or_else(|| err("not an ampgraph checkpoint (bad magic)".into()))?;
-    let version = rest
-        .first_chunk::<4>()
-        .map(|v| u32::from_le_bytes(*v))
-        .ok_or_else(|| err("truncated or corrupt: the header is cut short".into()))?;
-    if version != CHECKPOINT_VERSION {
-        let why = if version < CHECKPOINT_VERSION {
-            "written by an older ampgraph, before checksums"
-        } else {
-            "written by a newer ampgraph"
-        };
-        return Err(err(format!(
-            "checkpoint format version {version} is not supported ({why}); this ampgraph reads version {CHECKPOINT_VERSION}"
-        )));
-    }
-    let len = bytes[12..]
-        .first_chunk::<8>()
-        .map(|v| u64::from_le_bytes(*v))
-        .ok_or_else(|| err("truncated or corrupt: the header is cut short".into()))?;
-    let expected = usize::try_from(len)
-        .ok()
-        .and_then(|l| l.checked_add(CHECKPOINT_HEADER + CHECKPOINT_TRAILER));
-    if expected != Some(bytes.len()) {
-        return Err(err(format!(
-            "truncated or corrupt: the header says {len} bytes of variables, the file has {} bytes in all",
-            bytes.len()
-        )));
-    }
-    let (covered, trailer) = bytes.split_at(bytes.len() - CHECKPOINT_TRAILER);
-    let stored = u32::from_le_bytes(trailer.try_into().expect("4 bytes"));
-    let file_ok = crc32fast::hash(covered) == stored;
-    let file_corrupt = || err("the file is corrupt (checksum mismatch)".into());
-    let body = &covered[CHECKPOINT_HEADER..];
-    let config = bincode::config::standard().with_limit::<{ 1 << 34 }>();
-    let entries: Vec<CheckpointEntry> = match bincode::serde::decode_from_slice(body, config) {
-        Ok((entries, used)) if used == body.len() => entries,
-        Ok(_) if !file_ok => return Err(file_corrupt()),
-        Ok(_) => return Err(err("corrupt: trailing bytes".into())),
-        Err(_) if !file_ok => return Err(file_corrupt()),
-        Err(e) => return Err(err(format!("corrupt: {e}"))),
-    };
-    for e in &entries {
-        if entry_checksum(&e.name, e.dtype, &e.shape, &e.bytes) != e.checksum {
-            return Err(err(format!(
-                "variable '{}' is corrupt (checksum mismatch)",
-                e.name
-            )));
-        }
-    }
-    if !file_ok {
-        return Err(file_corrupt());
-    }
-    Ok(entries)
-}
-
-fn checkpoint_err(path: &Path, msg: String) -> SessionError {
+pub(crate) fn checkpoint_err(path: &Path, msg: String) -> SessionError {
     SessionError::Checkpoint {
         path: path.display().to_string(),
         msg,
