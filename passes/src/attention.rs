@@ -32,7 +32,7 @@
 
 use std::collections::HashSet;
 
-use crate::simplify::const_value;
+use crate::rewrite::const_value;
 use crate::simplify::scale_into_matmul::scalar;
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim};
 use ampgraph_graph::ops::{

@@ -20,8 +20,10 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
-use crate::simplify::{one_cast_dtype, output_nodes, remove_unread, summary, widened};
-use crate::sum_into_elementwise::{is_column_sum, reachable_from};
+use crate::rewrite::reachable_from;
+use crate::rewrite::{output_nodes, remove_unread, summary};
+use crate::simplify::{one_cast_dtype, widened};
+use crate::sum_into_elementwise::is_column_sum;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `fuse-cross-entropy` pass.

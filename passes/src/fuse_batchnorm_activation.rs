@@ -16,7 +16,7 @@
 use ampgraph_graph::ops::{BatchNorm, BatchNormGrad, NormActivation, Unary, UnaryGrad, UnaryKind};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::simplify::{output_nodes, read_only_by, remove_unread, summary};
+use crate::rewrite::{output_nodes, read_only_by, remove_unread, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `fuse-batchnorm-activation` pass.

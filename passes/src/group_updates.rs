@@ -11,7 +11,7 @@
 use ampgraph_graph::ops::{GroupedOptimizerUpdate, OptimizerUpdate, Rule};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
-use crate::sum_into_elementwise::reachable_from;
+use crate::rewrite::reachable_from;
 use crate::{Pass, PassError, PassSummary};
 
 /// The largest variable whose update is grouped.

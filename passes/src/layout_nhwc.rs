@@ -39,8 +39,8 @@ use ampgraph_graph::ops::{
 use ampgraph_graph::{Graph, NodeId, Op, Port, TensorType};
 use foldhash::{HashMap, HashSet};
 
+use crate::rewrite::{output_nodes, remove_unread, summary};
 use crate::simplify::algebraic::{self, Identities};
-use crate::simplify::{output_nodes, remove_unread, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The Transpose permutation from NCHW to NHWC.

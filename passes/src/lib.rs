@@ -16,6 +16,7 @@ pub mod group_updates;
 pub mod layout_nhwc;
 pub mod norm_grad_epilogue;
 pub mod registry;
+mod rewrite;
 pub mod simplify;
 pub mod softmax_prologue;
 pub mod sum_into_elementwise;

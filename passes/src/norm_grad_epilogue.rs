@@ -17,8 +17,8 @@ use ampgraph_graph::ops::fused::{ElementOp, Expr};
 use ampgraph_graph::ops::{Binary, BinaryKind, FusedElementwise, LayerNormGrad, NormGradEpilogue};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::simplify::{output_nodes, read_only_by, remove_unread, summary};
-use crate::sum_into_elementwise::reachable_from;
+use crate::rewrite::reachable_from;
+use crate::rewrite::{output_nodes, read_only_by, remove_unread, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `norm-grad-epilogue` pass.

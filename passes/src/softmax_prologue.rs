@@ -15,7 +15,7 @@ use ampgraph_graph::ops::{FusedSoftmax, LogSoftmax, Softmax};
 use ampgraph_graph::{Graph, NodeId};
 
 use crate::fuse::record_members;
-use crate::simplify::{output_nodes, remove_unread, summary};
+use crate::rewrite::{output_nodes, remove_unread, summary};
 use crate::sum_into_elementwise::producer_program;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 

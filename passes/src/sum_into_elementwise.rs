@@ -14,13 +14,14 @@
 //! f32 output; f64 for f64) fold, so the result is the Sum's. A Sum that is a graph
 //! output stays.
 
+use crate::rewrite::reachable_from;
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, MAX_COLUMN_SUMS};
 use ampgraph_graph::ops::{FusedElementwise, Reduce, ReduceKind};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
 use crate::fuse::{fusible, program, record_members};
-use crate::simplify::{output_nodes, summary};
+use crate::rewrite::{output_nodes, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `sum-into-elementwise` pass.
@@ -108,19 +109,6 @@ fn summing_kernel(
     readers.dedup();
     let reader = readers.into_iter().find(|r| !downstream[r.index()])?;
     Some((reader, Operand::Read(x)))
-}
-
-/// Which nodes depend on any of `starts` (themselves included).
-pub(crate) fn reachable_from(g: &Graph, starts: impl IntoIterator<Item = NodeId>) -> Vec<bool> {
-    let mut seen = vec![false; g.node_bound()];
-    let mut stack: Vec<NodeId> = starts.into_iter().collect();
-    while let Some(id) = stack.pop() {
-        if std::mem::replace(&mut seen[id.index()], true) {
-            continue;
-        }
-        stack.extend(g.consumers(id).into_iter().map(|(c, _, _)| c));
-    }
-    seen
 }
 
 /// The program a producer runs with its column sums: a fused node's own, or a lone

@@ -67,7 +67,7 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{DType, Graph, GraphError, NodeId, Op, Port, Tensor};
 
-use crate::simplify::summary;
+use crate::rewrite::summary;
 use crate::{Pass, PassError, PassSummary};
 
 /// The `sync-batch-norm` pass: training BatchNorms normalise with the statistics of

@@ -10,7 +10,8 @@
 use ampgraph_graph::ops::{Binary, BinaryKind, Cast, Const, Reshape, Transpose, Unary, UnaryKind};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use super::{output_nodes, summary, Edits};
+use super::Edits;
+use crate::rewrite::{output_nodes, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `algebraic` pass.

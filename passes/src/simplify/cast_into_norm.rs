@@ -12,7 +12,8 @@
 use ampgraph_graph::ops::{LayerNorm, LayerNormGrad};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use super::{one_cast_dtype, output_nodes, remove_unread, summary, widened};
+use super::{one_cast_dtype, widened};
+use crate::rewrite::{output_nodes, remove_unread, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `cast-into-norm` pass.

@@ -12,7 +12,7 @@
 use ampgraph_graph::ops::{widens_exactly, Cast, Reduce};
 use ampgraph_graph::{Graph, NodeId};
 
-use super::{output_nodes, remove_unread, summary};
+use crate::rewrite::{output_nodes, remove_unread, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `cast-into-reduce` pass.

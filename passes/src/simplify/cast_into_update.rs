@@ -11,7 +11,7 @@
 use ampgraph_graph::ops::{variable_updates, Cast, OptimizerUpdate, VariableUpdate};
 use ampgraph_graph::{Graph, Port};
 
-use super::summary;
+use crate::rewrite::summary;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `cast-into-update` pass.

@@ -6,7 +6,8 @@ use ampgraph_graph::{Graph, NodeId, Tensor};
 use foldhash::HashMap;
 use std::collections::hash_map::Entry;
 
-use super::{const_value, is_stateful, node_error, summary};
+use super::is_stateful;
+use crate::rewrite::{const_value, node_error, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// Results larger than this many elements are not folded: a Const that size would

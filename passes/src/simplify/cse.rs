@@ -8,7 +8,8 @@ use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::{Graph, NodeId, Op, Port};
 use foldhash::HashMap;
 
-use super::{is_stateful, output_nodes, summary, Edits};
+use super::{is_stateful, Edits};
+use crate::rewrite::{output_nodes, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `cse` pass.

@@ -4,7 +4,8 @@
 
 use ampgraph_graph::{Graph, TensorType};
 
-use super::{has_side_effects, summary};
+use super::has_side_effects;
+use crate::rewrite::summary;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `dce` pass.

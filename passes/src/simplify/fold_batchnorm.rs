@@ -15,7 +15,7 @@
 use ampgraph_graph::ops::{BatchNorm, BiasAdd, Const, Conv2D, DataFormat, MatMul, NormActivation};
 use ampgraph_graph::{Graph, NodeId, Port, Tensor};
 
-use super::{const_value, node_error, output_nodes, summary};
+use crate::rewrite::{const_value, node_error, output_nodes, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `fold-batchnorm` pass.

@@ -36,10 +36,10 @@ pub use unscale_into_update::UnscaleIntoUpdate;
 
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::{
-    widens_exactly, AssignVariable, Cast, Const, GroupedOptimizerUpdate, IncrementIf,
-    LossScaleUpdate, OptimizerUpdate, Placeholder, Variable,
+    widens_exactly, AssignVariable, Cast, GroupedOptimizerUpdate, IncrementIf, LossScaleUpdate,
+    OptimizerUpdate, Placeholder, Variable,
 };
-use ampgraph_graph::{DType, Graph, NodeId, Op, Port, Tensor};
+use ampgraph_graph::{DType, Graph, NodeId, Op, Port};
 use foldhash::{HashMap, HashSet};
 
 use crate::PassError;
@@ -61,37 +61,6 @@ pub(crate) fn is_stateful(op: &dyn Op) -> bool {
 /// what must be kept.
 pub(crate) fn has_side_effects(op: &dyn Op) -> bool {
     op.is::<AssignVariable>()
-}
-
-/// The value of a Const node, `None` for any other node.
-pub(crate) fn const_value(g: &Graph, id: NodeId) -> Result<Option<Tensor>, PassError> {
-    let node = g.node(id);
-    let Some(c) = node.op.downcast_ref::<Const>() else {
-        return Ok(None);
-    };
-    let mut values = c.eval(&[]).map_err(|m| node_error(g, id, &m))?;
-    Ok(values.pop())
-}
-
-/// An error about one node, naming it and its op.
-pub(crate) fn node_error(g: &Graph, id: NodeId, msg: &str) -> PassError {
-    let node = g.node(id);
-    PassError::Rewrite(format!("node '{}' ({}): {msg}", node.name, node.op_name()))
-}
-
-/// Which nodes the graph outputs name, indexed by `NodeId::index()`.
-pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
-    let mut is_output = vec![false; g.node_bound()];
-    for p in g.outputs() {
-        is_output[p.node.index()] = true;
-    }
-    is_output
-}
-
-/// Whether `port` is read by `(reader, slot)` alone and is not a graph output: a
-/// tensor a fusion may stop writing.
-pub(crate) fn read_only_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -> bool {
-    g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
 }
 
 /// The narrow tensor a widening Cast at `p` reads, if `p` is a Cast into `wide` that
@@ -121,45 +90,6 @@ pub(crate) fn one_cast_dtype(
     let mut readers = readers.into_iter();
     let first = readers.next().and_then(cast_to);
     first.filter(|_| readers.all(|c| cast_to(c) == first))
-}
-
-/// Removes the `nodes` (folded casts) that nothing reads any more and no graph output
-/// names, also those that only others of them read; returns how many went and the
-/// bytes of the tensors they no longer write.
-pub(crate) fn remove_unread(
-    g: &mut Graph,
-    mut nodes: Vec<NodeId>,
-    is_output: &[bool],
-) -> Result<(usize, usize), PassError> {
-    nodes.sort();
-    nodes.dedup();
-    let (mut removed, mut bytes) = (0usize, 0usize);
-    loop {
-        let before = nodes.len();
-        let mut kept = Vec::with_capacity(before);
-        for id in nodes {
-            if is_output[id.index()] || !g.consumers(id).is_empty() {
-                kept.push(id);
-                continue;
-            }
-            bytes += g.node(id).outputs()[0].size_bytes();
-            g.remove_node(id)?;
-            removed += 1;
-        }
-        nodes = kept;
-        if nodes.len() == before {
-            return Ok((removed, bytes));
-        }
-    }
-}
-
-/// The summary every simplification pass reports: a title and one line per count.
-/// [`PassManager`](crate::PassManager) logs it at info level, as it does AMP's.
-pub(crate) fn summary(pass: &str, lines: Vec<String>) -> crate::PassSummary {
-    crate::PassSummary {
-        title: format!("{pass} pass summary:"),
-        lines,
-    }
 }
 
 /// Rewiring decided during one sweep over the graph in topological order and applied

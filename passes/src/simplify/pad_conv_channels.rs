@@ -34,7 +34,7 @@ use ampgraph_graph::{Graph, NodeId, Op, Port, TensorType};
 use foldhash::HashMap;
 
 use super::pad_gemm::{pad_axis, round_up, GEMM_MULTIPLE};
-use super::{node_error, summary};
+use crate::rewrite::{node_error, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `pad-conv-channels` pass.

@@ -6,7 +6,7 @@
 use ampgraph_graph::ops::{BroadcastTo, Concat, Const, MatMul, Slice};
 use ampgraph_graph::{Graph, NodeId, Port, TensorType};
 
-use super::summary;
+use crate::rewrite::summary;
 use crate::{Pass, PassError, PassSummary};
 
 /// Tensor Core tiles want every GEMM dimension a multiple of this (f16, bf16).

@@ -20,7 +20,7 @@ use std::collections::HashSet;
 use ampgraph_graph::ops::{BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast};
 use ampgraph_graph::{DType, Graph, NodeId, Op, Port};
 
-use super::{const_value, node_error, output_nodes, summary};
+use crate::rewrite::{const_value, node_error, output_nodes, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `scale-into-matmul` pass.

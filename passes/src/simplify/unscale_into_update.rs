@@ -15,7 +15,7 @@
 use ampgraph_graph::ops::{widens_exactly, AllFinite, Binary, BinaryKind, Cast, OptimizerUpdate};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use super::{output_nodes, summary};
+use crate::rewrite::{output_nodes, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `unscale-into-update` pass.

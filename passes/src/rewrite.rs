@@ -1,0 +1,91 @@
+//! Helpers every rewrite pass uses on a graph: which nodes are outputs or depend on
+//! others, a Const's value, removing nodes nothing reads, errors naming a node, and
+//! the summary a pass reports.
+
+use ampgraph_graph::ops::Const;
+use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
+
+use crate::PassError;
+
+/// The value of a Const node, `None` for any other node.
+pub(crate) fn const_value(g: &Graph, id: NodeId) -> Result<Option<Tensor>, PassError> {
+    let node = g.node(id);
+    let Some(c) = node.op.downcast_ref::<Const>() else {
+        return Ok(None);
+    };
+    let mut values = c.eval(&[]).map_err(|m| node_error(g, id, &m))?;
+    Ok(values.pop())
+}
+
+/// An error about one node, naming it and its op.
+pub(crate) fn node_error(g: &Graph, id: NodeId, msg: &str) -> PassError {
+    let node = g.node(id);
+    PassError::Rewrite(format!("node '{}' ({}): {msg}", node.name, node.op_name()))
+}
+
+/// Which nodes the graph outputs name, indexed by `NodeId::index()`.
+pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
+    let mut is_output = vec![false; g.node_bound()];
+    for p in g.outputs() {
+        is_output[p.node.index()] = true;
+    }
+    is_output
+}
+
+/// Whether `port` is read by `(reader, slot)` alone and is not a graph output: a
+/// tensor a fusion may stop writing.
+pub(crate) fn read_only_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -> bool {
+    g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
+}
+
+/// Removes the `nodes` (folded casts) that nothing reads any more and no graph output
+/// names, also those that only others of them read; returns how many went and the
+/// bytes of the tensors they no longer write.
+pub(crate) fn remove_unread(
+    g: &mut Graph,
+    mut nodes: Vec<NodeId>,
+    is_output: &[bool],
+) -> Result<(usize, usize), PassError> {
+    nodes.sort();
+    nodes.dedup();
+    let (mut removed, mut bytes) = (0usize, 0usize);
+    loop {
+        let before = nodes.len();
+        let mut kept = Vec::with_capacity(before);
+        for id in nodes {
+            if is_output[id.index()] || !g.consumers(id).is_empty() {
+                kept.push(id);
+                continue;
+            }
+            bytes += g.node(id).outputs()[0].size_bytes();
+            g.remove_node(id)?;
+            removed += 1;
+        }
+        nodes = kept;
+        if nodes.len() == before {
+            return Ok((removed, bytes));
+        }
+    }
+}
+
+/// Which nodes depend on any of `starts` (themselves included).
+pub(crate) fn reachable_from(g: &Graph, starts: impl IntoIterator<Item = NodeId>) -> Vec<bool> {
+    let mut seen = vec![false; g.node_bound()];
+    let mut stack: Vec<NodeId> = starts.into_iter().collect();
+    while let Some(id) = stack.pop() {
+        if std::mem::replace(&mut seen[id.index()], true) {
+            continue;
+        }
+        stack.extend(g.consumers(id).into_iter().map(|(c, _, _)| c));
+    }
+    seen
+}
+
+/// The summary every simplification pass reports: a title and one line per count.
+/// [`PassManager`](crate::PassManager) logs it at info level, as it does AMP's.
+pub(crate) fn summary(pass: &str, lines: Vec<String>) -> crate::PassSummary {
+    crate::PassSummary {
+        title: format!("{pass} pass summary:"),
+        lines,
+    }
+}
