@@ -245,7 +245,7 @@ impl Replays {
         clear_runtime_error();
         // Inside a whole step's capture the call is captured with the step.
         if capturing_here() {
-            return check("convolution", beside_searches(&call));
+            return check("convolution", cudnn_call(&call));
         }
         match self.graphs.get(&key) {
             Some(Some(graph)) => {
@@ -254,7 +254,7 @@ impl Replays {
                     .launch()
                     .map_err(|e| format!("replaying a captured convolution: {e:?}"));
             }
-            Some(None) => return check("convolution", loading(|| beside_searches(&call))),
+            Some(None) => return check("convolution", cudnn_call(&call)),
             None => {}
         }
         if self.seen.len() + self.graphs.len() >= Self::LIMIT {
@@ -262,7 +262,7 @@ impl Replays {
             self.graphs.clear();
         }
         if self.seen.insert(key) {
-            return check("convolution", loading(|| beside_searches(&call)));
+            return check("convolution", cudnn_call(&call));
         }
         self.seen.remove(&key);
         match capturing(|| capture(dev, &call)) {
@@ -277,7 +277,7 @@ impl Replays {
                 log::debug!("cuDNN convolution not captured ({why}): it runs directly");
                 self.graphs.insert(key, None);
                 clear_runtime_error();
-                check("convolution", loading(|| beside_searches(&call)))
+                check("convolution", cudnn_call(&call))
             }
         }
     }
@@ -290,10 +290,13 @@ impl Replays {
 /// a fresh machine, where every algorithm is searched).
 static SEARCHES_ALONE: RwLock<()> = RwLock::new(());
 
-/// Runs `call` (a cuDNN call) while no algorithm search runs.
-fn beside_searches<T>(call: impl FnOnce() -> T) -> T {
-    let _shared = SEARCHES_ALONE.read().unwrap_or_else(|e| e.into_inner());
-    call()
+/// Runs `call` (a cuDNN call) while no capture of another thread ([`loading`]) and no
+/// algorithm search runs.
+fn cudnn_call<T>(call: impl FnOnce() -> T) -> T {
+    loading(|| {
+        let _shared = SEARCHES_ALONE.read().unwrap_or_else(|e| e.into_inner());
+        call()
+    })
 }
 
 /// `call` captured from the device's stream as a graph (not run).
@@ -302,7 +305,7 @@ fn capture(dev: &Device, call: &impl Fn() -> sys::cudnnStatus_t) -> Result<CudaG
     dev.stream
         .begin_capture(mode)
         .map_err(|e| format!("begin capture: {e:?}"))?;
-    let status = beside_searches(call);
+    let status = cudnn_call(call);
     // The capture ends whatever the call returned: the stream must leave capture mode.
     let graph = dev
         .stream
@@ -1249,47 +1252,45 @@ impl Dnn {
             dev.zero(mean)?;
             dev.zero(variance)?;
         }
-        let status = loading(|| {
-            beside_searches(|| unsafe {
-                if training {
-                    sys::cudnnBatchNormalizationForwardTraining(
-                        handle,
-                        bn_mode(layout, x.dtype),
-                        one.ptr(),
-                        zero.ptr(),
-                        xd.0,
-                        ptr(x),
-                        xd.0,
-                        ptr(y),
-                        pd.0,
-                        ptr(scale),
-                        ptr(offset),
-                        1.0,
-                        ptr(mean),
-                        ptr(variance),
-                        epsilon,
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                    )
-                } else {
-                    sys::cudnnBatchNormalizationForwardInference(
-                        handle,
-                        sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
-                        one.ptr(),
-                        zero.ptr(),
-                        xd.0,
-                        ptr(x),
-                        xd.0,
-                        ptr(y),
-                        pd.0,
-                        ptr(scale),
-                        ptr(offset),
-                        ptr(mean),
-                        ptr(variance),
-                        epsilon,
-                    )
-                }
-            })
+        let status = cudnn_call(|| unsafe {
+            if training {
+                sys::cudnnBatchNormalizationForwardTraining(
+                    handle,
+                    bn_mode(layout, x.dtype),
+                    one.ptr(),
+                    zero.ptr(),
+                    xd.0,
+                    ptr(x),
+                    xd.0,
+                    ptr(y),
+                    pd.0,
+                    ptr(scale),
+                    ptr(offset),
+                    1.0,
+                    ptr(mean),
+                    ptr(variance),
+                    epsilon,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                )
+            } else {
+                sys::cudnnBatchNormalizationForwardInference(
+                    handle,
+                    sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+                    one.ptr(),
+                    zero.ptr(),
+                    xd.0,
+                    ptr(x),
+                    xd.0,
+                    ptr(y),
+                    pd.0,
+                    ptr(scale),
+                    ptr(offset),
+                    ptr(mean),
+                    ptr(variance),
+                    epsilon,
+                )
+            }
         });
         check("batch norm", status)
     }
@@ -1312,30 +1313,28 @@ impl Dnn {
         let ptr = |t: &DTensor| t.ptr() as *mut c_void;
         Launches::count(&dev.launches.dnn);
         // SAFETY: as in `batch_norm`; no saved statistics (cuDNN computes them again).
-        let status = loading(|| {
-            beside_searches(|| unsafe {
-                sys::cudnnBatchNormalizationBackward(
-                    handle,
-                    bn_mode(layout, x.dtype),
-                    one.ptr(),
-                    zero.ptr(),
-                    one.ptr(),
-                    zero.ptr(),
-                    xd.0,
-                    ptr(x),
-                    xd.0,
-                    ptr(dy),
-                    xd.0,
-                    ptr(dx),
-                    pd.0,
-                    ptr(scale),
-                    ptr(dscale),
-                    ptr(doffset),
-                    epsilon,
-                    std::ptr::null(),
-                    std::ptr::null(),
-                )
-            })
+        let status = cudnn_call(|| unsafe {
+            sys::cudnnBatchNormalizationBackward(
+                handle,
+                bn_mode(layout, x.dtype),
+                one.ptr(),
+                zero.ptr(),
+                one.ptr(),
+                zero.ptr(),
+                xd.0,
+                ptr(x),
+                xd.0,
+                ptr(dy),
+                xd.0,
+                ptr(dx),
+                pd.0,
+                ptr(scale),
+                ptr(dscale),
+                ptr(doffset),
+                epsilon,
+                std::ptr::null(),
+                std::ptr::null(),
+            )
         });
         check("batch norm gradient", status)
     }
