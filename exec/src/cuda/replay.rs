@@ -27,7 +27,7 @@ use std::sync::{Arc, OnceLock};
 use ampgraph_graph::{DType, Graph};
 use cudarc::driver::{sys, CudaGraph};
 
-use super::device::{capturing, guard, DTensor, Device, Launches};
+use super::device::{capturing, guard, DTensor, Launches};
 use super::kernels::Owner;
 use super::step::{check_fed, Launched, StepPlan};
 use super::{dev_err, CudaExecutor};
@@ -100,18 +100,16 @@ impl CudaExecutor {
             self.step_launch = StepLaunch::OpByOp(why);
             return Ok(None);
         }
-        let fed: Vec<String> = (plan.sources.iter())
-            .filter(|name| feeds.contains_key(*name))
-            .cloned()
-            .collect();
+        let fed = || (plan.sources.iter()).filter(|name| feeds.contains_key(*name));
         let current = (self.step_graphs.get(&plan.id))
-            .is_some_and(|g| g.epoch == self.state_epoch && g.fed == fed);
+            .is_some_and(|g| g.epoch == self.state_epoch && fed().eq(&g.fed));
         if !current && !self.casts_settled(plan, graph, feeds) {
             self.step_launch = StepLaunch::OpByOp("a weight's cast is computed again".into());
             return Ok(None);
         }
         if !current {
             self.step_graphs.remove(&plan.id);
+            let fed: Vec<String> = fed().cloned().collect();
             let mut captured = self.capture(plan, graph, feeds, fed.clone());
             // Buffers the pool lacked (another graph holds those it had): reserved
             // outside the capture, which then gets them.
@@ -166,17 +164,16 @@ impl CudaExecutor {
                 .map_err(|e| format!("launching the step's CUDA graph: {e:?}"))
         })
         .map_err(dev_err)?;
-        let fetched = g.fetched.clone();
-        let (written, refreshed) = (g.written.clone(), g.refreshed.clone());
         // The variables' values changed in place: their host copies are stale, and
         // casts of them the graph does not write are no longer kept.
-        for name in &written {
+        for name in &g.written {
             if let Some(slot) = self.variables.get_mut(name) {
                 slot.host = OnceLock::new();
             }
         }
         let before = self.cast_cache.len();
-        (self.cast_cache).retain(|k, _| !written.contains(&k.0) || refreshed.contains(k));
+        (self.cast_cache).retain(|k, _| !g.written.contains(&k.0) || g.refreshed.contains(k));
+        let fetched = g.fetched.clone();
         if self.cast_cache.len() != before {
             self.state_changed();
         }
@@ -235,7 +232,7 @@ impl CudaExecutor {
             let launched = (self.launch(plan, graph, feeds, &bound))
                 .map_err(|e| e.to_string())
                 .and_then(|mut l| {
-                    let refreshed = copy_back(&self.dev, self, &mut l)?;
+                    let refreshed = copy_back(self, &mut l)?;
                     Ok((l, refreshed))
                 });
             // The capture ends whatever happened: the stream must leave capture mode.
@@ -273,11 +270,8 @@ impl CudaExecutor {
 /// them; the casts refreshed so. A fetched value in one of those buffers (a variable's
 /// old value, read through a view) is copied aside first, as a plain step's commit
 /// would leave it.
-fn copy_back(
-    dev: &Device,
-    e: &CudaExecutor,
-    launched: &mut Launched,
-) -> Result<Vec<(String, DType)>, String> {
+fn copy_back(e: &CudaExecutor, launched: &mut Launched) -> Result<Vec<(String, DType)>, String> {
+    let dev = &e.dev;
     let mut copies: Vec<(&DTensor, &DTensor)> = Vec::new();
     for (name, value) in &launched.writes {
         let target = (e.variables.get(name))
