@@ -754,14 +754,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         } => {
             let g = files.load(&graph)?;
             let mut feeds = Feeds::new();
-            for id in g.node_ids() {
-                let n = g.node(id);
-                if n.op.is::<Placeholder>() {
-                    let ty = &n.outputs()[0];
-                    check_tensor_size(&n.name, n.op.name(), ty, DEFAULT_MAX_TENSOR_BYTES)?;
-                    feeds.insert(n.name.clone(), seeded_tensor(&n.name, ty, seed));
-                }
-            }
+            seed_missing(&g, seed, &mut feeds, |n| n.op.is::<Placeholder>())?;
             let mut session = executor.session_options();
             session.executor.op_by_op = op_by_op;
             let options = crate::benchmark::BenchOptions {
@@ -972,15 +965,28 @@ fn make_feeds(g: &Graph, seed: u64, given: Option<&str>) -> Result<Feeds> {
         }
         None => HashMap::new(),
     };
+    seed_missing(g, seed, &mut feeds, |n| {
+        n.op.is::<Placeholder>() || n.op.is::<Variable>()
+    })?;
+    Ok(feeds)
+}
+
+/// Gives each node `take` accepts that `feeds` lacks its seeded value (`run --seed`'s).
+fn seed_missing(
+    g: &Graph,
+    seed: u64,
+    feeds: &mut Feeds,
+    take: impl Fn(&ampgraph_graph::Node) -> bool,
+) -> Result<()> {
     for id in g.node_ids() {
         let n = g.node(id);
-        if (n.op.is::<Placeholder>() || n.op.is::<Variable>()) && !feeds.contains_key(&n.name) {
+        if take(n) && !feeds.contains_key(&n.name) {
             let ty = &n.outputs()[0];
             check_tensor_size(&n.name, n.op.name(), ty, DEFAULT_MAX_TENSOR_BYTES)?;
             feeds.insert(n.name.clone(), seeded_tensor(&n.name, ty, seed));
         }
     }
-    Ok(feeds)
+    Ok(())
 }
 
 /// The feeds of `text` (JSON, from `shown`: a file or `--feeds`): each names a
