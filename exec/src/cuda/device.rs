@@ -340,23 +340,41 @@ pub fn loading<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
-/// Runs `f` (a stream capture) while no [`loading`] call of another thread runs.
-pub fn capturing<T>(f: impl FnOnce() -> T) -> T {
+/// Runs `f` (a stream capture of a stream of `ctx`) while no [`loading`] call of
+/// another thread runs, on a thread of its own bound to `ctx`, and waits for it. A
+/// library call that fails under a capture leaves the failure (901, the capture
+/// invalidated) as its thread's last CUDA runtime error, and cuDNN and cuBLASLt each
+/// keep their own copy of the runtime, which [`clear_runtime_error`] cannot reach:
+/// their next call on that thread, captured or not, failed with EXECUTION_FAILED. The
+/// capture's thread ends with its errors.
+pub fn capturing<T>(ctx: &Arc<CudaContext>, f: impl FnOnce() -> T) -> Result<T, String> {
     if CAPTURING_HERE.get() {
-        return f();
+        return Ok(f());
     }
-    struct Mark;
-    impl Drop for Mark {
-        fn drop(&mut self) {
-            CAPTURING_HERE.set(false);
-        }
+    /// Moves the capture and its result across the threads.
+    struct Across<T>(T);
+    // SAFETY: the capture's thread is joined before `capturing` returns, and the
+    // CUDA objects `f` uses may be used from any thread bound to their context, one
+    // thread at a time: the calling thread waits meanwhile.
+    unsafe impl<T> Send for Across<T> {}
+    let (capture, ctx) = (Across(f), ctx.clone());
+    let joined = std::thread::scope(|s| {
+        s.spawn(move || {
+            let capture = capture;
+            ctx.bind_to_thread()
+                .map_err(|e| format!("context: {e:?}"))?;
+            let _alone = CAPTURE_EXCLUDES_LOADS
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            CAPTURING_HERE.set(true);
+            Ok(Across((capture.0)()))
+        })
+        .join()
+    });
+    match joined {
+        Ok(result) => result.map(|r: Across<T>| r.0),
+        Err(_) => Err("the capture's thread panicked".into()),
     }
-    let _alone = CAPTURE_EXCLUDES_LOADS
-        .write()
-        .unwrap_or_else(|e| e.into_inner());
-    CAPTURING_HERE.set(true);
-    let _mark = Mark;
-    f()
 }
 
 /// Whether this thread is capturing a stream now ([`capturing`]).
@@ -364,10 +382,11 @@ pub fn capturing_here() -> bool {
     CAPTURING_HERE.get()
 }
 
-/// Clears the CUDA runtime's last error of this thread. cuDNN and cuBLASLt call the
-/// runtime and read its last error after their launches: an error left by an earlier
-/// call that failed and was handled (a call under a capture that could not be
-/// captured) would fail their next call with `EXECUTION_FAILED`.
+/// Clears the last error of this thread in the CUDA runtime the process loads. A
+/// library that calls that runtime reads its last error after its launches: an error
+/// left by an earlier call that failed and was handled would fail its next call with
+/// `EXECUTION_FAILED`. (Libraries with a runtime of their own keep theirs: a capture,
+/// where calls fail and are handled, runs on a thread of its own, [`capturing`].)
 pub fn clear_runtime_error() {
     static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: only tries to open the library.

@@ -265,7 +265,7 @@ impl Replays {
             return check("convolution", cudnn_call(&call));
         }
         self.seen.remove(&key);
-        match capturing(|| capture(dev, &call)) {
+        match capturing(&dev.ctx, || capture(dev, &call)).and_then(|c| c) {
             Ok(graph) => {
                 graph
                     .launch()
@@ -276,7 +276,6 @@ impl Replays {
             Err(why) => {
                 log::debug!("cuDNN convolution not captured ({why}): it runs directly");
                 self.graphs.insert(key, None);
-                clear_runtime_error();
                 check("convolution", cudnn_call(&call))
             }
         }
@@ -763,7 +762,9 @@ impl Dnn {
         let plan = match cached {
             Some(p) => p,
             None => {
-                let plan = Arc::new(self.plan(dev, handle, &key, options, &ops)?);
+                // cuDNN's queries load kernels too (its heuristics, workspace sizes).
+                let plan = loading(|| self.plan(dev, handle, &key, options, &ops))?;
+                let plan = Arc::new(plan);
                 self.plans
                     .lock()
                     .map_err(|_| "poisoned")?
@@ -1000,7 +1001,8 @@ impl Dnn {
     /// limit, freed after; returns the fastest that fits the limit (and is
     /// deterministic where asked) and whose workspace fits the key's room (or
     /// [`SMALL_WORKSPACE`]; where none does, the fastest), its time, and how many ran.
-    /// Where no timed run succeeds, cuDNN's heuristic order picks, untimed.
+    /// Where no timed run succeeds, cuDNN's heuristic order picks, untimed. Runs
+    /// under its caller's [`loading`].
     fn fastest(
         &self,
         dev: &Device,
@@ -1033,10 +1035,8 @@ impl Dnn {
                 &"the cuDNN algorithm search",
             )?;
             let ws = (workspace.ptr() as *mut c_void, workspace.bytes());
-            loading(|| {
-                let _alone = SEARCHES_ALONE.write().unwrap_or_else(|e| e.into_inner());
-                self.perf(handle, key.direction, plan, Some((ops, ws)))
-            })?
+            let _alone = SEARCHES_ALONE.write().unwrap_or_else(|e| e.into_inner());
+            self.perf(handle, key.direction, plan, Some((ops, ws)))?
         };
         log::debug!(
             "cuDNN timed {:?} {:?}: {}",

@@ -354,7 +354,8 @@ impl Gemm {
         let (mut plan, candidates) = match cached {
             Some(plan) => (plan, None),
             None => {
-                let (plan, candidates) = self.plan(&key)?;
+                // cuBLASLt's heuristic loads kernels.
+                let (plan, candidates) = loading(|| self.plan(&key))?;
                 (Arc::new(plan), Some(candidates))
             }
         };

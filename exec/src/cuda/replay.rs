@@ -224,7 +224,8 @@ impl CudaExecutor {
         }
         let arena = self.arena(plan.arena_bytes).map_err(|e| e.to_string())?;
         self.dev.start_tape()?;
-        let (launched, captured) = capturing(|| {
+        let ctx = self.dev.ctx.clone();
+        let outcome = capturing(&ctx, || {
             let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
             if let Err(e) = self.dev.stream.begin_capture(mode) {
                 return (Err(format!("begin capture: {e:?}")), Ok(None));
@@ -242,10 +243,7 @@ impl CudaExecutor {
             (launched, captured)
         });
         let mut held = self.dev.end_tape()?;
-        if launched.is_err() || captured.is_err() {
-            // A library call that failed under the capture left the runtime's error.
-            super::device::clear_runtime_error();
-        }
+        let (launched, captured) = outcome?;
         let (launched, refreshed) = launched?;
         let graph = captured?.ok_or("an empty capture")?;
         held.extend(arena);
