@@ -101,6 +101,15 @@ pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
 /// no second buffer for its next value.
 pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, NodeId)>, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
+    Ok(in_place_updates_in_order(graph, &order, fetches))
+}
+
+/// [`in_place_updates`] with the step's schedule given.
+fn in_place_updates_in_order(
+    graph: &Graph,
+    order: &[NodeId],
+    fetches: &[Port],
+) -> Vec<(Port, NodeId)> {
     let position: HashMap<NodeId, usize> =
         order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     // The last step that reads a node's values, through views; an assignment does
@@ -155,7 +164,7 @@ pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, No
             }
         }
     }
-    Ok(found)
+    found
 }
 
 /// Casts of variables that no assignment in the graph writes (the f16 copies AMP
@@ -253,10 +262,21 @@ pub fn plan_outside(
     scratch: &HashMap<NodeId, usize>,
 ) -> Result<MemoryPlan, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
+    Ok(plan_in_order(graph, &order, fetches, outside, scratch))
+}
+
+/// [`plan_outside`] with the step's schedule given.
+fn plan_in_order(
+    graph: &Graph,
+    order: &[NodeId],
+    fetches: &[Port],
+    outside: &HashSet<Port>,
+    scratch: &HashMap<NodeId, usize>,
+) -> MemoryPlan {
     let end = order.len();
     let is_source = |p: Port| is_source(graph, p);
     let root = |p: Port| root(graph, p);
-    let assigned = assigned_values(graph, &order);
+    let assigned = assigned_values(graph, order);
     let mut buffers: Vec<PlannedBuffer> = Vec::new();
     let mut slot_of: HashMap<Port, usize> = Default::default();
     for (i, &id) in order.iter().enumerate() {
@@ -323,7 +343,7 @@ pub fn plan_outside(
         }
     }
     place(&mut buffers);
-    Ok(summarise(buffers, end))
+    summarise(buffers, end)
 }
 
 /// Refuses the step computing `fetches` where the tensors it must hold at once (the
@@ -509,68 +529,128 @@ fn aligned(bytes: usize) -> usize {
     bytes.max(1).div_ceil(ALIGNMENT) * ALIGNMENT
 }
 
+/// The host's half of a step's plan, decided from the graph alone: the order its nodes
+/// run in, the casts kept from one step to the next (outside the arena), the updates
+/// written in place, and the arena. The CUDA executor's step plan is made from one and
+/// [`step_footprint`] reports one: the memory planned and the memory a step takes come
+/// from one computation.
+pub(crate) struct StepLayout {
+    /// The nodes the step runs, in order: first the variables only kept casts read
+    /// and those casts (neither is in the arena), then the rest.
+    pub schedule: Schedule,
+    /// How many nodes of the order run before the arena: those variables and casts.
+    pub before_arena: usize,
+    /// Casts of variables no step writes, with the variable's name ([`constant_casts`]).
+    pub constant_casts: Vec<(Port, String)>,
+    /// The variables nothing but those casts reads ([`read_only_through_casts`]).
+    pub cast_only: HashSet<NodeId>,
+    /// Casts of variables an update writes with its cast: the cast, the variable's
+    /// name and the update's cast output ([`update_casts`]).
+    pub update_casts: Vec<(Port, String, Port)>,
+    /// Optimizer outputs written over the variable they replace ([`in_place_updates`]).
+    pub in_place: Vec<(Port, NodeId)>,
+    /// The arena, the kept casts outside it, each node's `scratch` in it.
+    pub plan: MemoryPlan,
+}
+
+impl StepLayout {
+    /// The layout of the step that computes `fetches`, with `scratch` bytes for the
+    /// nodes whose kernels take some.
+    pub fn new(
+        graph: &Graph,
+        fetches: &[Port],
+        scratch: &HashMap<NodeId, usize>,
+    ) -> Result<StepLayout, ExecError> {
+        let mut schedule = Schedule::new(graph, fetches)?;
+        let constant_casts = constant_casts(graph);
+        let update_casts = update_casts(graph);
+        let cast_only = read_only_through_casts(graph, fetches, &constant_casts);
+        let kept = kept_of(&constant_casts, &update_casts);
+        // Planned in the schedule's own order: moving the variables only casts read
+        // and their casts (neither in the arena) first moves no arena tensor's place
+        // among the others.
+        let plan = plan_in_order(graph, &schedule.order, fetches, &kept, scratch);
+        let in_place = in_place_updates_in_order(graph, &schedule.order, fetches);
+        let reads_cast_only =
+            |id: &NodeId| (graph.inputs(*id).first()).is_some_and(|x| cast_only.contains(&x.node));
+        let their_casts: HashSet<NodeId> = (constant_casts.iter())
+            .map(|(cast, _)| cast.node)
+            .filter(reads_cast_only)
+            .collect();
+        let (mut order, rest): (Vec<NodeId>, Vec<NodeId>) = (schedule.order.iter())
+            .partition(|id| cast_only.contains(id) || their_casts.contains(id));
+        let before_arena = order.len();
+        order.extend(rest);
+        schedule.order = order;
+        Ok(StepLayout {
+            schedule,
+            before_arena,
+            constant_casts,
+            cast_only,
+            update_casts,
+            in_place,
+            plan,
+        })
+    }
+
+    /// The step's device memory, this layout's arena and what lives beside it.
+    fn footprint(self, graph: &Graph) -> StepFootprint {
+        let bytes = |p: &Port| aligned(graph.ty(*p).size_bytes());
+        let order = &self.schedule.order;
+        let in_step: HashSet<NodeId> = order.iter().copied().collect();
+        let kept = kept_of(&self.constant_casts, &self.update_casts);
+        let cast_outputs: HashSet<Port> = (self.update_casts.iter())
+            .map(|&(_, _, next)| next)
+            .filter(|p| in_step.contains(&p.node))
+            .collect();
+        let in_place: HashSet<Port> = self.in_place.iter().map(|&(port, _)| port).collect();
+        let next_values = assigned_values(graph, order)
+            .into_iter()
+            .filter(|&p| !is_source(graph, p) && !in_place.contains(&p));
+        let mut footprint = StepFootprint {
+            cast_only_bytes: (self.cast_only.iter())
+                .filter(|id| in_step.contains(id))
+                .map(|&id| bytes(&id.into()))
+                .sum(),
+            kept_cast_bytes: (kept.iter())
+                .filter(|p| in_step.contains(&p.node) && !cast_outputs.contains(p))
+                .map(bytes)
+                .sum(),
+            written_bytes: (next_values.chain(cast_outputs).collect::<HashSet<Port>>())
+                .iter()
+                .map(bytes)
+                .sum(),
+            ..StepFootprint::default()
+        };
+        for id in graph.node_ids() {
+            if graph.node(id).op.is::<Variable>() {
+                footprint.variables += 1;
+                footprint.variable_bytes += bytes(&id.into());
+            }
+        }
+        for &id in order {
+            let op = &graph.node(id).op;
+            if op.is::<Placeholder>() {
+                footprint.fed_bytes += bytes(&id.into());
+            } else if op.is::<Const>() {
+                footprint.constant_bytes += bytes(&id.into());
+            }
+        }
+        footprint.plan = self.plan;
+        footprint
+    }
+}
+
 /// The device memory of the step that computes `fetches`, planned on the host as the
-/// CUDA executor plans it (the arena with the kept casts outside and each node's
-/// `scratch` bytes in it; none before a step has shown them), with what lives beside
-/// the arena.
+/// CUDA executor plans it (from the same `StepLayout`: the arena with the kept casts
+/// outside and each node's `scratch` bytes in it; none before a step has shown them),
+/// with what lives beside the arena.
 pub fn step_footprint(
     graph: &Graph,
     fetches: &[Port],
     scratch: &HashMap<NodeId, usize>,
 ) -> Result<StepFootprint, ExecError> {
-    let (casts, updates) = (constant_casts(graph), update_casts(graph));
-    let kept = kept_of(&casts, &updates);
-    let plan = plan_outside(graph, fetches, &kept, scratch)?;
-    let order = Schedule::new(graph, fetches)?.order;
-    let bytes = |p: &Port| aligned(graph.ty(*p).size_bytes());
-    let mut footprint = StepFootprint {
-        plan,
-        ..StepFootprint::default()
-    };
-    for id in graph.node_ids() {
-        if graph.node(id).op.is::<Variable>() {
-            footprint.variables += 1;
-            footprint.variable_bytes += bytes(&id.into());
-        }
-    }
-    for &id in &order {
-        let op = &graph.node(id).op;
-        if op.is::<Placeholder>() {
-            footprint.fed_bytes += bytes(&id.into());
-        } else if op.is::<Const>() {
-            footprint.constant_bytes += bytes(&id.into());
-        }
-    }
-    let in_step: HashSet<NodeId> = order.iter().copied().collect();
-    footprint.cast_only_bytes = read_only_through_casts(graph, fetches, &casts)
-        .into_iter()
-        .filter(|id| in_step.contains(id))
-        .map(|id| bytes(&id.into()))
-        .sum();
-    let cast_outputs: HashSet<Port> = updates
-        .into_iter()
-        .map(|(_, _, next)| next)
-        .filter(|p| in_step.contains(&p.node))
-        .collect();
-    footprint.kept_cast_bytes = kept
-        .iter()
-        .filter(|p| in_step.contains(&p.node) && !cast_outputs.contains(p))
-        .map(bytes)
-        .sum();
-    let in_place: HashSet<Port> = in_place_updates(graph, fetches)?
-        .into_iter()
-        .map(|(port, _)| port)
-        .collect();
-    let next_values = assigned_values(graph, &order)
-        .into_iter()
-        .filter(|&p| !is_source(graph, p) && !in_place.contains(&p));
-    footprint.written_bytes = next_values
-        .chain(cast_outputs)
-        .collect::<HashSet<Port>>()
-        .iter()
-        .map(bytes)
-        .sum();
-    Ok(footprint)
+    Ok(StepLayout::new(graph, fetches, scratch)?.footprint(graph))
 }
 
 /// Greedy by size: the largest first, each at the lowest offset clear of the placed

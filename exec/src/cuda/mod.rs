@@ -157,7 +157,7 @@ impl OpProfile {
 
 /// A variable's value on the device and its host copy, at least one of them present.
 /// The host copy, once set, is current; the device copy is dropped only while it is
-/// (see [`StepMemory::cast_only`]).
+/// (a variable only kept casts read: [`StepLayout::cast_only`](crate::memory_plan::StepLayout)).
 struct VarSlot {
     device: Option<DTensor>,
     host: OnceLock<Tensor>,

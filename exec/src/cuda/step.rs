@@ -38,7 +38,9 @@ const WORKSPACE_MAY_GROW: usize = 4;
 const PLANS_KEPT: usize = 8;
 
 /// Everything a step of `fetches` from one graph needs that depends only on the graph
-/// and its shapes, decided once and kept for every later step.
+/// and its shapes, decided once and kept for every later step. Its order, kept casts
+/// and arena are the step's [`StepLayout`](memory_plan::StepLayout), as
+/// [`step_footprint`](memory_plan::step_footprint)'s are.
 pub(super) struct StepPlan {
     /// Unique in the process: captured step graphs are kept by it.
     pub id: u64,
@@ -115,23 +117,15 @@ impl StepPlan {
         scratch_bytes: HashMap<NodeId, usize>,
         earlier: Option<&StepPlan>,
     ) -> Result<StepPlan, ExecError> {
-        let mut schedule = Schedule::new(graph, fetches)?;
-        let casts = memory_plan::constant_casts(graph);
-        let cast_only_vars = memory_plan::read_only_through_casts(graph, fetches, &casts);
-        // Neither those variables nor their casts are in the arena: running them first
-        // moves no arena tensor's place in the order the plan counts steps by.
-        let reads_cast_only = |id: &NodeId| {
-            (graph.inputs(*id).first()).is_some_and(|x| cast_only_vars.contains(&x.node))
-        };
-        let their_casts: HashSet<NodeId> = (casts.iter())
-            .map(|(cast, _)| cast.node)
-            .filter(reads_cast_only)
-            .collect();
-        let (mut order, rest): (Vec<NodeId>, Vec<NodeId>) = (schedule.order.iter())
-            .partition(|id| cast_only_vars.contains(id) || their_casts.contains(id));
-        let before_arena = order.len();
-        order.extend(rest);
-        schedule.order = order;
+        let memory_plan::StepLayout {
+            schedule,
+            before_arena,
+            constant_casts: casts,
+            cast_only: cast_only_vars,
+            update_casts: updates,
+            in_place,
+            plan,
+        } = memory_plan::StepLayout::new(graph, fetches, &scratch_bytes)?;
         let lowered = match earlier {
             Some(p) if p.schedule.order == schedule.order => p.lowered.clone(),
             _ => Arc::new(
@@ -185,18 +179,10 @@ impl StepPlan {
         let constant_casts: HashMap<Port, String> = casts.into_iter().collect();
         let mut update_casts = HashMap::new();
         let mut cast_outputs = HashMap::new();
-        for (cast, var, out) in memory_plan::update_casts(graph) {
+        for (cast, var, out) in updates {
             update_casts.insert(cast, var.clone());
             cast_outputs.insert(out, var);
         }
-        // Kept values live beyond the step, outside the arena.
-        let outside = constant_casts
-            .keys()
-            .chain(update_casts.keys())
-            .chain(cast_outputs.keys())
-            .copied()
-            .collect();
-        let plan = memory_plan::plan_outside(graph, fetches, &outside, &scratch_bytes)?;
         // The room is the first plan's (without scratch), the same from step to step:
         // it keys the algorithms chosen.
         let workspace_room = match earlier {
@@ -211,8 +197,7 @@ impl StepPlan {
             plan.arena_bytes,
             plan.total_bytes
         );
-        let in_place = memory_plan::in_place_updates(graph, fetches)?
-            .into_iter()
+        let in_place = (in_place.into_iter())
             .map(|(port, var)| (port, graph.node(var).name.clone()))
             .collect();
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
