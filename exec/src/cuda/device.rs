@@ -17,7 +17,6 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
 use super::kernel_cache::DiskCache;
-use super::kernels::{GROUP_MEMBERS, GROUP_POINTERS, MAX_RANK};
 
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
@@ -33,6 +32,15 @@ pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, 
         }
     }
 }
+
+/// The most dimensions a strided kernel argument holds (larger ranks are refused).
+pub(crate) const MAX_RANK: usize = 8;
+
+/// The members of a grouped update one `k_group` launch takes, and the pointers of
+/// each (an update's inputs and outputs): its table is a by-value kernel parameter,
+/// 3.3 KiB of CUDA's 4 KiB.
+pub(crate) const GROUP_MEMBERS: usize = 32;
+pub(crate) const GROUP_POINTERS: usize = 12;
 
 /// Shape and strides of a strided kernel argument (up to [`MAX_RANK`] dims).
 #[repr(C)]

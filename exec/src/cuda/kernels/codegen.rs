@@ -11,8 +11,7 @@
 
 use ampgraph_graph::DType;
 
-/// The most dimensions a strided kernel argument holds (larger ranks are refused).
-pub(crate) const MAX_RANK: usize = 8;
+pub(crate) use crate::cuda::device::MAX_RANK;
 
 /// A C literal for an f64 constant (the one the elementwise ops' expressions use).
 pub(crate) use ampgraph_graph::ops::elementwise::cuda_lit as lit;

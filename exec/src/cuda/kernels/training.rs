@@ -12,7 +12,7 @@ use super::codegen::{
     PRELUDE,
 };
 use super::{acc_dtype, first, float_only, input, kernel, one_output, Ctx, KernelResult, Lowering};
-use crate::cuda::device::{Arg, DTensor, Dims, UpdateTable};
+use crate::cuda::device::{Arg, DTensor, Dims, UpdateTable, GROUP_MEMBERS, GROUP_POINTERS};
 
 kernel_specs! {
     /// The modules of the family.
@@ -396,12 +396,6 @@ pub(super) fn loss_scale_update(
         ),
     )
 }
-
-/// The members of a grouped update one `k_group` launch takes, and the pointers of
-/// each (an update's inputs and outputs): its table is a by-value kernel parameter,
-/// 3.3 KiB of CUDA's 4 KiB.
-pub(crate) const GROUP_MEMBERS: usize = 32;
-pub(crate) const GROUP_POINTERS: usize = 12;
 
 /// OptimizerUpdate. Arguments: flag, var, grad, [grad scale], slots..., [step], out
 /// var, out slots..., [cast out], [lamb scratch, lamb sums], n. Skipped steps copy
