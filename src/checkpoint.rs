@@ -17,6 +17,11 @@ use ampgraph_graph::{DType, Data, Tensor};
 
 use crate::session::{checkpoint_err, SessionError};
 
+/// Variables the library keeps in a checkpoint beside the model's (a trainer's
+/// position) are named under this prefix: a session whose graph lacks them skips them
+/// ([`RestoreOptions::skip_unknown`](crate::RestoreOptions::skip_unknown)).
+pub const LIBRARY_PREFIX: &str = "ampgraph/";
+
 const CHECKPOINT_MAGIC: &[u8; 8] = b"AMPGCKPT";
 /// Version 2 added the checksums (the layout above); version 1 had none.
 const CHECKPOINT_VERSION: u32 = 2;

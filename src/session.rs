@@ -264,11 +264,25 @@ pub struct Session {
 }
 
 /// How [`Session::restore_with`] checks a checkpoint's values.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RestoreOptions {
     /// Accept NaN and infinite values in float variables (refused by default: a
     /// diverged run's weights should not resume silently).
     pub allow_non_finite: bool,
+    /// A training graph refuses a checkpoint variable it lacks, except one whose
+    /// name begins with one of these (default: [`checkpoint::LIBRARY_PREFIX`], the
+    /// library's own, such as a trainer's position). A graph without updates (an
+    /// inference graph) skips every variable it lacks.
+    pub skip_unknown: Vec<String>,
+}
+
+impl Default for RestoreOptions {
+    fn default() -> Self {
+        RestoreOptions {
+            allow_non_finite: false,
+            skip_unknown: vec![checkpoint::LIBRARY_PREFIX.to_string()],
+        }
+    }
 }
 
 impl Session {
@@ -560,7 +574,7 @@ impl Session {
                 Some(_) => {
                     loaded.insert(name, t);
                 }
-                None if training && !name.starts_with(crate::train::VARIABLE_PREFIX) => {
+                None if training && !options.skip_unknown.iter().any(|p| name.starts_with(p)) => {
                     return Err(checkpoint_err(
                         path,
                         format!("variable '{}' is not in the graph", name),

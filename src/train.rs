@@ -43,8 +43,9 @@ use crate::numerics::check::{LossScaleAlarm, LossScaleMonitor};
 use crate::optim::TrainStep;
 use crate::session::{Session, SessionError};
 
-/// The names of the trainer's own variables begin so; a session restoring a checkpoint
-/// without them (outside a trainer) skips them.
+/// The names of the trainer's own variables begin so, under the library's
+/// [`LIBRARY_PREFIX`](crate::checkpoint::LIBRARY_PREFIX): a session restoring a
+/// checkpoint without them (outside a trainer) skips them.
 pub const VARIABLE_PREFIX: &str = "ampgraph/trainer/";
 /// The variable holding the epoch a checkpoint stopped in (counted from 1).
 pub const EPOCH_VARIABLE: &str = "ampgraph/trainer/epoch";

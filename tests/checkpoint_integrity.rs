@@ -6,9 +6,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use ampgraph::checkpoint::LIBRARY_PREFIX;
 use ampgraph::graph::format::previous_path;
 use ampgraph::graph::{DType, Tensor};
 use ampgraph::session::SessionError;
+use ampgraph::train::EPOCH_VARIABLE;
 use ampgraph::{Device, RestoreOptions, Session, SessionOptions};
 use common::small_training_graph;
 
@@ -238,6 +240,7 @@ fn non_finite_weights_are_refused_unless_allowed() {
                 &path,
                 RestoreOptions {
                     allow_non_finite: true,
+                    ..RestoreOptions::default()
                 },
             )
             .unwrap();
@@ -345,5 +348,42 @@ fn a_failed_save_keeps_the_previous_checkpoint_and_no_temporary() {
     s.save(&path).unwrap();
     assert_eq!(std::fs::read(dir.join("m.ckpt.prev")).unwrap(), good);
     assert!(temporaries(&dir).is_empty(), "{:?}", temporaries(&dir));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A training graph's session skips a checkpoint's variables under the library's
+/// prefix that it lacks (a trainer's position) and refuses any other it lacks; with
+/// no prefix to skip it refuses those too.
+#[test]
+fn unknown_variables_are_refused_unless_under_a_skipped_prefix() {
+    let dir = test_dir("unknown");
+    let save_with = |extra: &str| {
+        let path = dir.join(format!("{}.ckpt", extra.replace('/', "_")));
+        let mut source = session();
+        let position = Tensor::from_f64(DType::I64, vec![], &[3.0]).unwrap();
+        source.executor_mut().set_variable(extra, position).unwrap();
+        source.save(&path).unwrap();
+        path
+    };
+    assert!(EPOCH_VARIABLE.starts_with(LIBRARY_PREFIX));
+    let trainers = save_with(EPOCH_VARIABLE);
+    let mut target = session();
+    target.restore(&trainers).unwrap();
+    assert!(target.variable("ampgraph/trainer/epoch").is_none());
+    let strict = RestoreOptions {
+        skip_unknown: vec![],
+        ..RestoreOptions::default()
+    };
+    let msg = checkpoint_message(target.restore_with(&trainers, strict).unwrap_err());
+    assert!(
+        msg.contains("variable 'ampgraph/trainer/epoch' is not in the graph"),
+        "{msg}"
+    );
+    let stray = save_with("stray");
+    let msg = checkpoint_message(target.restore(&stray).unwrap_err());
+    assert!(
+        msg.contains("variable 'stray' is not in the graph"),
+        "{msg}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
