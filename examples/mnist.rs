@@ -3,8 +3,8 @@
 //! before them computes) and the trainer (progress bar, checkpoints, exact resume).
 //!
 //! ```sh
-//! cargo run --release --example mnist -- --data ../shared/data/mnist
-//! cargo run --release --example mnist -- --data ../shared/data/mnist --fp32
+//! cargo run --release --example mnist -- --data examples/data/mnist
+//! cargo run --release --example mnist -- --data examples/data/mnist --fp32
 //! cargo run --release --example mnist -- --model cnn --epochs 2
 //! ```
 //!
@@ -148,7 +148,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         None => {
             eprintln!(
                 "No --data given: training on a built-in synthetic set. Point --data at a folder of \
-                 MNIST idx files (e.g. --data ../shared/data/mnist) for the real thing."
+                 MNIST idx files (e.g. --data examples/data/mnist) for the real thing."
             );
             Mnist::synthetic(args.train + args.eval, run.seed)
         }

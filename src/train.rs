@@ -9,7 +9,7 @@
 //! # use ampgraph::{Port, Session};
 //! # fn f(session: &mut Session, step: TrainStep, images: Port, labels: Port)
 //! #     -> Result<(), Box<dyn std::error::Error>> {
-//! let data = Arc::new(Mnist::load("../shared/data/mnist")?);
+//! let data = Arc::new(Mnist::load("examples/data/mnist")?);
 //! let loader = Loader::new(data, LoaderOptions { batch_size: 128, drop_last: true, ..Default::default() })?;
 //! let options = TrainOptions { checkpoint: Some("mnist.ckpt".into()), ..Default::default() };
 //! let mut trainer = Trainer::new(session, step, images, labels, options)?;

@@ -13,7 +13,7 @@ fn two_cpu_replicas_train_mnist_and_checkpoint_once() {
     let dir = std::env::temp_dir().join(format!("ampgraph-mnist-dp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let ckpt = dir.join("dp.ckpt");
-    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data/mnist");
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/mnist");
     let mut args = vec!["--device", "cpu", "--replicas", "2"];
     args.extend([
         "--train", "1024", "--eval", "256", "--batch", "32", "--quiet",

@@ -639,7 +639,7 @@ fn optimizers_follow_their_update_rules() {
 /// loader and the trainer, as the example is.
 #[test]
 fn mnist_amp_matches_fp32() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/mnist");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/mnist");
     let all = Mnist::load(&dir).unwrap();
     let loader = |set: Mnist, batch_size: usize, shuffle: bool| {
         let options = LoaderOptions {

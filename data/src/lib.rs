@@ -20,7 +20,7 @@
 //! use std::sync::Arc;
 //! use ampgraph_data::{Loader, LoaderOptions, Mnist, Transform};
 //! # fn main() -> Result<(), ampgraph_data::DataError> {
-//! let data = Arc::new(Mnist::load("../shared/data/mnist")?);
+//! let data = Arc::new(Mnist::load("examples/data/mnist")?);
 //! let options = LoaderOptions { batch_size: 128, ..LoaderOptions::default() };
 //! let loader = Loader::new(data, options)?
 //!     .with_transforms(vec![Transform::normalize(&[0.1307], &[0.3081])]);

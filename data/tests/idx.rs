@@ -12,7 +12,7 @@ use flate2::write::GzEncoder;
 use flate2::Compression;
 
 fn mnist_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mnist")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/data/mnist")
 }
 
 /// A fresh scratch directory for one test.
