@@ -549,7 +549,7 @@ fn lower_batch_norm_grad(
                             Arg::F64(unbias),
                             Arg::F64(epsilon),
                         ];
-                        c.launch_n(&spec, dy.len(), &args)?;
+                        c.launch_items(&spec, dy.len(), 1, &args)?;
                         Some(g)
                     }
                     None => None,

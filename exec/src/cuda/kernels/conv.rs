@@ -301,7 +301,7 @@ impl Extension {
             Arg::Dims(Dims::new(&self.to)?),
             Arg::Dims(Dims::new(&self.start)?),
         ];
-        c.launch_n(&Spec::Pad { bytes: self.esize }, n, &args)?;
+        c.launch_items(&Spec::Pad { bytes: self.esize }, n, 1, &args)?;
         Ok(y)
     }
 }

@@ -243,7 +243,7 @@ fn pooling_kernel(
             .collect::<Result<Vec<_>, _>>()?;
         args.extend([y.arg(), Arg::I64(total as i64)]);
         args.extend(g.args.iter().cloned());
-        c.launch_n(&spec, total, &args)
+        c.launch_items(&spec, total, 1, &args)
     })
 }
 

@@ -119,7 +119,7 @@ fn lower_reduce_grad(r: &ReduceGrad, ins: &[TensorType], outs: &[TensorType]) ->
         let dy = input(inputs, 1)?;
         let mut args = vec![dy.arg(), dx.arg()];
         args.extend(sizes.iter().cloned());
-        c.launch_n(&spec, n, &args)?;
+        c.launch_items(&spec, n, 1, &args)?;
         Ok(())
     }))
 }

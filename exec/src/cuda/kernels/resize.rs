@@ -110,7 +110,7 @@ fn lower_resize(r: &Resize, ins: &[TensorType], outs: &[TensorType]) -> KernelRe
         let mut args = vec![input(inputs, 0)?.arg(), y.arg()];
         args.extend(sizes.iter().cloned());
         args.extend([toff.arg(), tw.arg()]);
-        c.launch_n(&spec, n, &args)
+        c.launch_items(&spec, n, 1, &args)
     }))
 }
 

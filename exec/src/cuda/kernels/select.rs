@@ -83,7 +83,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
             one_output(out, |c, inputs, y| {
                 let x = input(inputs, 0)?;
                 let n = x.len();
-                c.launch_n(&Spec::Not {}, n, &[x.arg(), y.arg(), Arg::I64(n as i64)])
+                c.launch_items(&Spec::Not {}, n, 1, &[x.arg(), y.arg(), Arg::I64(n as i64)])
             })
         }));
     }
@@ -109,7 +109,7 @@ fn lower_broadcast(spec: Spec, ins: &[TensorType], outs: &[TensorType]) -> Kerne
             .collect::<Result<Vec<_>, _>>()?;
         args.push(y.arg());
         args.extend(sizes.iter().cloned());
-        c.launch_n(&spec, n, &args)
+        c.launch_items(&spec, n, 1, &args)
     }))
 }
 
@@ -134,7 +134,7 @@ fn lower_gather(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
             .into_iter()
             .chain([n, m, len, inner].map(|v| Arg::I64(v as i64)));
         let spec = Spec::Gather { bytes: word, index };
-        c.launch_n(&spec, n, &args.collect::<Vec<_>>())
+        c.launch_items(&spec, n, 1, &args.collect::<Vec<_>>())
     }))
 }
 
@@ -191,7 +191,7 @@ fn lower_pad(p: &Pad, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     Ok(one_output(out, move |c, inputs, y| {
         let mut args = vec![input(inputs, 0)?.arg(), y.arg()];
         args.extend(sizes.iter().cloned());
-        c.launch_n(&spec, n, &args)
+        c.launch_items(&spec, n, 1, &args)
     }))
 }
 

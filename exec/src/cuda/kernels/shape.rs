@@ -185,7 +185,7 @@ impl Gather {
                 let grid = self.n.min(1 << 20) as u32;
                 c.launch(&self.spec, "k", (grid, 256), &args)
             }
-            _ => c.launch_n(&self.spec, self.n, &args),
+            _ => c.launch_items(&self.spec, self.n, 1, &args),
         }
     }
 }
@@ -233,9 +233,10 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
             let args = [a.arg(), b.arg(), y.arg()]
                 .into_iter()
                 .chain([n, ia, ib].map(|v| Arg::I64(v as i64)));
-            c.launch_n(
+            c.launch_items(
                 &Spec::ConcatPair { bytes: word },
                 n,
+                1,
                 &args.collect::<Vec<_>>(),
             )
         }));
@@ -260,7 +261,12 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
                 let args = [x.arg(), y.arg()]
                     .into_iter()
                     .chain([n, inner_in, inner_out, off].map(|v| Arg::I64(v as i64)));
-                c.launch_n(&Spec::Concat { bytes: word }, n, &args.collect::<Vec<_>>())?;
+                c.launch_items(
+                    &Spec::Concat { bytes: word },
+                    n,
+                    1,
+                    &args.collect::<Vec<_>>(),
+                )?;
             }
         }
         Ok(())

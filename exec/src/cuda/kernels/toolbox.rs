@@ -196,19 +196,20 @@ impl Ctx<'_> {
         n: usize,
         args: &[Arg],
     ) -> Result<(), String> {
-        self.dev
-            .launch_items(&spec.key(), || spec.source(), n, VECTOR, args)
+        self.launch_items(spec, n, VECTOR, args)
     }
 
-    /// An elementwise launch of `spec`'s `k`, a thread per item.
-    pub(super) fn launch_n<S: KernelSpec>(
+    /// An elementwise launch of `spec`'s `k` over `n` items, `per_thread` a thread
+    /// (1: a thread per item).
+    pub(super) fn launch_items<S: KernelSpec>(
         &self,
         spec: &S,
         n: usize,
+        per_thread: usize,
         args: &[Arg],
     ) -> Result<(), String> {
         self.dev
-            .launch_items(&spec.key(), || spec.source(), n, 1, args)
+            .launch_items(&spec.key(), || spec.source(), n, per_thread, args)
     }
 }
 
