@@ -60,8 +60,8 @@ impl Device {
         }
     }
 
-    /// As [`Device::auto`], but the CPU also where `graph` has an op without a CUDA
-    /// kernel yet (convolutions, pooling, batch norm).
+    /// As [`Device::auto`], but the CPU also where `graph` has a node no CUDA kernel
+    /// takes (the lowering a CUDA step's plan makes says which, naming the node).
     pub fn auto_for(graph: &Graph) -> Device {
         match Device::auto() {
             Device::Cuda(i) => match CudaExecutor::check_supported(graph) {
