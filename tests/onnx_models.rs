@@ -210,3 +210,8 @@ fn opset_misc_matches_onnxruntime() {
 fn unet_tiny_matches_onnxruntime() {
     check_model("unet_tiny");
 }
+
+#[test]
+fn exporter_constants_match_onnxruntime() {
+    check_model("exporter_constants");
+}

@@ -186,3 +186,48 @@ fn gathers_of_neighbouring_constant_indices_are_slices() {
     assert_eq!(out[2].shape(), [3, 2, 2]);
     assert_eq!(out[2].to_f64_vec()[..4], [2.0, 0.0, 6.0, 4.0]);
 }
+
+/// GatherElements and ScatterND are computed at import: one on a run-time value is
+/// refused with the node's name and the input that is not a constant.
+#[test]
+fn import_time_ops_on_run_time_values_are_one_clear_error() {
+    let idx = TensorProto {
+        name: "idx".into(),
+        dims: vec![2, 3],
+        data_type: 7,
+        int64_data: vec![0, 1, 0, 1, 0, 1],
+        ..TensorProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 3])],
+        initializer: vec![idx],
+        node: vec![NodeProto {
+            name: "pick".into(),
+            op_type: "GatherElements".into(),
+            input: vec!["x".into(), "idx".into()],
+            output: vec!["y".into()],
+            ..NodeProto::default()
+        }],
+        output: vec![input("y", &[2, 3])],
+        ..GraphProto::default()
+    };
+    let model = ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: 17,
+        }],
+        graph: Some(graph),
+        ..ModelProto::default()
+    };
+    let err = import_model(&model, None, &ImportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("'pick'"), "{err}");
+    assert!(
+        err.contains("GatherElements is computed at import only")
+            && err.contains("input 0 ('x') is computed at run time"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "one line: {err}");
+}

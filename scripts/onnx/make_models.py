@@ -39,7 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEFAULT_OUT = os.path.join(REPO, "tests", "data", "onnx")
 
 # IR version that exporters of the time wrote next to each opset.
-IR_FOR_OPSET = {11: 6, 13: 7, 14: 7, 17: 8}
+IR_FOR_OPSET = {11: 6, 13: 7, 14: 7, 17: 8, 18: 8}
 PRODUCER = "ampgraph-make_models"
 PRODUCER_VERSION = "1"
 
@@ -441,6 +441,46 @@ def opset_misc():
     return m, inputs
 
 
+def exporter_constants():
+    """Nodes exporters write over constants and input shapes only, which import computes:
+    HF BERT's GatherElements (position and token-type ids from a buffer), T5's integer
+    Min/Max (relative-position buckets), Swin's ScatterND (the shifted-window mask)."""
+    g = G(seed=1007)
+    x = "x"  # [2,6,8]
+    n = g.op("Gather", [g.op("Shape", [x]), g.const(np.array(1, dtype=np.int64))])  # 6
+    # BERT: ids gathered from a registered buffer along axis 1, then an embedding lookup.
+    buffer = g.init("position_ids", np.arange(6, dtype=np.int64)[None, :] * 2 % 6)
+    order = g.const(np.array([[5, 4, 3, 2, 1, 0]], dtype=np.int64))
+    ids = g.op("GatherElements", [buffer, order], axis=1)                     # [1,6] int64
+    table = g.init("position_embeddings", g.rng.standard_normal((6, 8)).astype(np.float32))
+    pos = g.op("Gather", [table, ids], axis=0)                                # [1,6,8]
+    # a float GatherElements of a weight, negative indices included
+    picks = g.rng.integers(-6, 6, (6, 8)).astype(np.int64)
+    w = g.op("GatherElements", [g.init("w", g.rng.standard_normal((6, 8)).astype(np.float32)),
+                                g.const(picks)], axis=0)                       # [6,8]
+    g.op("Add", [g.op("Mul", [x, w]), pos], outputs=["y"])
+    # T5: relative positions from Range over the sequence length, clamped with integer Min/Max
+    r = g.op("Range", [g.const(np.array(0, dtype=np.int64)), n, g.const(np.array(1, dtype=np.int64))])
+    rel = g.op("Sub", [g.op("Unsqueeze", [r, g.const(np.array([0], dtype=np.int64))]),
+                       g.op("Unsqueeze", [r, g.const(np.array([1], dtype=np.int64))])])  # [6,6]
+    clamped = g.op("Min", [g.op("Max", [rel, g.const(np.array(-2, dtype=np.int64))]),
+                           g.const(np.array(3, dtype=np.int64))])
+    bias = g.op("Cast", [clamped], to=F)
+    # Swin: a window mask written slice by slice, as `img_mask[:, h, w, :] = cnt` exports
+    mask0 = g.init("mask", np.zeros((6, 6), dtype=np.float32))
+    rows = g.const(np.array([[0], [2], [5]], dtype=np.int64))
+    mask = g.op("ScatterND", [mask0, rows, g.const(np.full((3, 6), -100.0, dtype=np.float32))])
+    cells = g.const(np.array([[1, 1], [3, 4], [1, 1]], dtype=np.int64))
+    mask = g.op("ScatterND", [mask, cells, g.const(np.array([2.0, 3.0, 4.0], dtype=np.float32))],
+                reduction="add")
+    scores = g.op("MatMul", [x, g.op("Transpose", [x], perm=[0, 2, 1])])      # [2,6,6]
+    g.op("Softmax", [g.op("Add", [g.op("Add", [scores, bias]), mask])], axis=-1, outputs=["z"])
+    m = g.model("exporter_constants", [vinfo("x", [2, 6, 8])],
+                [vinfo("y", [2, 6, 8]), vinfo("z", [2, 6, 6])], opset=18)
+    inputs = [g.rng.standard_normal((2, 6, 8)).astype(np.float32)]
+    return m, inputs
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -692,14 +732,21 @@ MODELS = {
     "transformer_tiny": transformer_tiny,
     "opset_misc": opset_misc,
     "unet_tiny": unet_tiny,
+    "exporter_constants": exporter_constants,
 }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: tests/data/onnx)")
+    ap.add_argument("--only", help="write only this model (one of MODELS)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.only:
+        m, inputs = MODELS[args.only]()
+        write_case(args.out, args.only, m, inputs)
+        print(f"wrote {args.only}", file=sys.stderr)
+        return
 
     for name, build in MODELS.items():
         m, inputs = build()

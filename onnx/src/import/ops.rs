@@ -10,6 +10,7 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::ops::{Conv2DBackpropInput, CoordinateTransform, Resize, ResizeMode};
 use ampgraph_graph::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
+use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Data, Tensor};
 
 use super::{NodeCx, Value};
@@ -62,6 +63,8 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Pad" => pad,
         "Resize" => resize,
         "Mod" => modulo,
+        "GatherElements" => gather_elements,
+        "ScatterND" => scatter_nd,
         _ => return None,
     })
 }
@@ -329,6 +332,13 @@ fn variadic(cx: &mut NodeCx) -> Result<Vec<Value>> {
         return Ok(vec![acc]);
     }
     for (i, v) in inputs.into_iter().enumerate().skip(1) {
+        // Integer Min and Max of constants (shape and mask arithmetic) are computed here.
+        if let (Value::Const(a), Value::Const(b)) = (&acc, &v) {
+            if let Some(t) = int_binary(kind, a, b).map_err(|m| cx.err(m))? {
+                acc = Value::Const(t);
+                continue;
+            }
+        }
         let last = i == n - 1 && op != "Mean";
         acc = if last {
             cx.emit_out(0, Binary::new(kind), &[acc, v])?
@@ -1260,6 +1270,188 @@ fn gather(cx: &mut NodeCx) -> Result<Vec<Value>> {
         }
     }
     cx.out(Gather::new(axis), &[data, indices])
+}
+
+/// Inputs `0..n` of a node that runs only at import (its values computed here, as
+/// exporters write it for position ids, masks and index tables): each must be a
+/// constant, or one clear error naming the first that is computed at run time.
+fn import_time_inputs(cx: &NodeCx, n: usize) -> Result<Vec<Tensor>> {
+    (0..n)
+        .map(|i| match cx.input(i)? {
+            Value::Const(t) => Ok(t),
+            Value::Port(_) => Err(cx.err(format!(
+                "{} is computed at import only, from constants and input shapes, but input {i} \
+                 ('{}') is computed at run time",
+                cx.node.op_type, cx.node.input[i]
+            ))),
+        })
+        .collect()
+}
+
+/// The elements of `t` at flat positions `picks`, as a tensor of `shape` and `t`'s
+/// dtype (integers exactly).
+fn take(t: &Tensor, picks: &[usize], shape: Vec<usize>) -> Result<Tensor, String> {
+    match t.to_i64_vec().filter(|_| t.dtype().is_int()) {
+        Some(v) => Ok(i64_tensor(shape, picks.iter().map(|&i| v[i]).collect())?.cast(t.dtype())),
+        None => {
+            let v = t.to_f64_vec();
+            Tensor::from_f64(
+                t.dtype(),
+                shape,
+                &picks.iter().map(|&i| v[i]).collect::<Vec<_>>(),
+            )
+        }
+    }
+}
+
+/// Index `i` along an axis of `n`, negative from the end; an error where out of range.
+fn index_in(i: i64, n: usize) -> Result<usize, String> {
+    let at = if i < 0 { i + n as i64 } else { i };
+    usize::try_from(at)
+        .ok()
+        .filter(|&a| a < n)
+        .ok_or_else(|| format!("index {i} is out of range for an axis of {n}"))
+}
+
+/// ONNX GatherElements (`torch.gather`): `out[i] = data[i with axis i_axis replaced by
+/// indices[i]]`, computed at import.
+fn gather_elements(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let [data, indices] = <[Tensor; 2]>::try_from(import_time_inputs(cx, 2)?)
+        .map_err(|_| cx.err("takes data and indices"))?;
+    let (shape, ishape) = (data.shape().to_vec(), indices.shape().to_vec());
+    let axis = normalize_axis(cx.int_attr("axis", 0)?, shape.len()).map_err(|m| cx.err(m))?;
+    if ishape.len() != shape.len() {
+        return Err(cx.err(format!(
+            "indices of rank {} for data of rank {}",
+            ishape.len(),
+            shape.len()
+        )));
+    }
+    let idx = (indices.to_i64_vec()).ok_or_else(|| cx.err("indices must be integers"))?;
+    let (strides, istrides) = (strides(&shape), strides(&ishape));
+    let picks = (idx.iter().enumerate())
+        .map(|(flat, &i)| {
+            let mut at = 0;
+            for (d, (&n, &st)) in shape.iter().zip(&strides).enumerate() {
+                let coord = (flat / istrides[d]) % ishape[d];
+                if d == axis {
+                    at += index_in(i, n)? * st;
+                } else if coord < n {
+                    at += coord * st;
+                } else {
+                    return Err(format!(
+                        "indices of shape {ishape:?} exceed data of {shape:?}"
+                    ));
+                }
+            }
+            Ok(at)
+        })
+        .collect::<Result<Vec<usize>, String>>()
+        .map_err(|m| cx.err(m))?;
+    let out = take(&data, &picks, ishape).map_err(|m| cx.err(m))?;
+    Ok(vec![Value::Const(out)])
+}
+
+/// ONNX ScatterND: a copy of `data` with the slices `indices` address (each row of
+/// its last axis a prefix of data's coordinates) set from `updates`, or combined with
+/// them (`reduction` add, mul, max, min); computed at import.
+fn scatter_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let [data, indices, updates] = <[Tensor; 3]>::try_from(import_time_inputs(cx, 3)?)
+        .map_err(|_| cx.err("takes data, indices and updates"))?;
+    let reduction = cx.string_attr("reduction", "none")?;
+    if !["none", "add", "mul", "max", "min"].contains(&reduction.as_str()) {
+        return Err(cx.err(format!("reduction '{reduction}' is not an ONNX reduction")));
+    }
+    let shape = data.shape().to_vec();
+    let ishape = indices.shape().to_vec();
+    let k = *ishape
+        .last()
+        .ok_or_else(|| cx.err("indices must have rank 1 or more"))?;
+    let mut want: Vec<usize> = ishape[..ishape.len() - 1].to_vec();
+    want.extend(shape.get(k..).unwrap_or(&[]));
+    if k > shape.len() || updates.shape() != want.as_slice() {
+        return Err(cx.err(format!(
+            "indices {ishape:?} and updates {:?} do not address data {shape:?} (updates must be {want:?})",
+            updates.shape()
+        )));
+    }
+    let idx = (indices.to_i64_vec()).ok_or_else(|| cx.err("indices must be integers"))?;
+    let st = strides(&shape);
+    let slice: usize = shape[k..].iter().product();
+    // (position in data, position in updates) of every element written, in order.
+    let mut writes = Vec::with_capacity(updates.len());
+    for (row, at) in idx
+        .chunks(k.max(1))
+        .take(updates.len() / slice.max(1))
+        .enumerate()
+    {
+        let mut base = 0;
+        for (d, &i) in at.iter().enumerate().take(k) {
+            base += index_in(i, shape[d]).map_err(|m| cx.err(m))? * st[d];
+        }
+        writes.extend((0..slice).map(|j| (base + j, row * slice + j)));
+    }
+    let out = match (data.to_i64_vec(), updates.to_i64_vec()) {
+        (Some(out), Some(upd)) if data.dtype().is_int() => {
+            let out = scattered(out, &upd, &writes, &reduction);
+            i64_tensor(shape, out).map(|t| t.cast(data.dtype()))
+        }
+        _ => {
+            let out = scattered(
+                data.to_f64_vec(),
+                &updates.to_f64_vec(),
+                &writes,
+                &reduction,
+            );
+            Tensor::from_f64(data.dtype(), shape, &out)
+        }
+    };
+    Ok(vec![Value::Const(out.map_err(|m| cx.err(m))?)])
+}
+
+/// The values ScatterND combines: integers wrap as ONNX's int64 arithmetic does.
+trait Scattered: Copy + PartialOrd {
+    fn add(self, u: Self) -> Self;
+    fn mul(self, u: Self) -> Self;
+}
+
+impl Scattered for i64 {
+    fn add(self, u: i64) -> i64 {
+        self.wrapping_add(u)
+    }
+    fn mul(self, u: i64) -> i64 {
+        self.wrapping_mul(u)
+    }
+}
+
+impl Scattered for f64 {
+    fn add(self, u: f64) -> f64 {
+        self + u
+    }
+    fn mul(self, u: f64) -> f64 {
+        self * u
+    }
+}
+
+/// `out` with each `(to, from)` of `writes` set from `updates[from]` or combined with
+/// it by `reduction`.
+fn scattered<T: Scattered>(
+    mut out: Vec<T>,
+    updates: &[T],
+    writes: &[(usize, usize)],
+    reduction: &str,
+) -> Vec<T> {
+    for &(to, from) in writes {
+        let (d, u) = (out[to], updates[from]);
+        out[to] = match reduction {
+            "add" => d.add(u),
+            "mul" => d.mul(u),
+            "max" if d >= u => d,
+            "min" if d <= u => d,
+            _ => u,
+        };
+    }
+    out
 }
 
 fn where_(cx: &mut NodeCx) -> Result<Vec<Value>> {
