@@ -215,3 +215,8 @@ fn unet_tiny_matches_onnxruntime() {
 fn exporter_constants_match_onnxruntime() {
     check_model("exporter_constants");
 }
+
+#[test]
+fn einsum_cases_match_onnxruntime() {
+    check_model("einsum_cases");
+}

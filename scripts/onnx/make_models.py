@@ -481,6 +481,36 @@ def exporter_constants():
     return m, inputs
 
 
+def einsum_cases():
+    """Einsum as exporters write it (MaxViT's and torch's attention and relative-position
+    einsums) and NumPy's other forms: batched contractions, an ellipsis that broadcasts,
+    sums, transposes, outer products, an implicit output and three operands."""
+    g = G(seed=1008)
+    x, p = "x", "p"  # [2,3,4,5], [4,6]
+    w = g.init("w", g.rng.standard_normal((5, 7)).astype(np.float32))
+    rel = g.init("rel", g.rng.standard_normal((4, 4, 5)).astype(np.float32))
+    q = g.op("Einsum", [x, x], equation="bhid,bhjd->bhij")                       # [2,3,4,4]
+    g.op("Einsum", [q, x], equation="bhij,bhjd->bhid", outputs=["attn"])           # [2,3,4,5]
+    g.op("Einsum", [x, rel], equation="bhid,ijd->bhij", outputs=["relpos"])        # [2,3,4,4]
+    g.op("Einsum", [x, w], equation="...d,de->...e", outputs=["proj"])             # [2,3,4,7]
+    g.op("Einsum", [x], equation="bhid->bdi", outputs=["summed"])                  # [2,5,4]
+    g.op("Einsum", [p, p], equation="ij,kj", outputs=["implicit"])                 # [4,4]
+    a = g.op("Einsum", [p], equation="ij->j")                                      # [6]
+    g.op("Einsum", [a, a], equation="i,j->ij", outputs=["outer"])                  # [6,6]
+    b = g.init("b", g.rng.standard_normal((1, 3, 5, 2)).astype(np.float32))
+    g.op("Einsum", [x, b], equation="...ij,...jk->...ik", outputs=["broadcast"])   # [2,3,4,2]
+    c = g.init("c", g.rng.standard_normal((6, 3)).astype(np.float32))
+    g.op("Einsum", [p, c, c], equation="ij,jk,jl->ikl", outputs=["three"])         # [4,3,3]
+    outs = [("attn", [2, 3, 4, 5]), ("relpos", [2, 3, 4, 4]), ("proj", [2, 3, 4, 7]),
+            ("summed", [2, 5, 4]), ("implicit", [4, 4]), ("outer", [6, 6]),
+            ("broadcast", [2, 3, 4, 2]), ("three", [4, 3, 3])]
+    m = g.model("einsum_cases", [vinfo("x", [2, 3, 4, 5]), vinfo("p", [4, 6])],
+                [vinfo(n, s) for n, s in outs], opset=13)
+    inputs = [g.rng.standard_normal((2, 3, 4, 5)).astype(np.float32),
+              g.rng.standard_normal((4, 6)).astype(np.float32)]
+    return m, inputs
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -634,13 +664,15 @@ def write_bad(out):
     save("dangling.onnx", m)
 
     # unsupported_ops: a valid model (passes the checker, runs in onnxruntime) with
-    # Einsum x2, TopK x1, NonZero x1 among ordinary ops
+    # Trilu x2, TopK x1, NonZero x1 among ordinary ops
     w = numpy_helper.from_array(np.linspace(-1, 1, 20, dtype=np.float32).reshape(4, 5), "w")
     kk = numpy_helper.from_array(np.array([2], dtype=np.int64), "k")
     nodes = [
-        helper.make_node("Einsum", ["x", "w"], ["e1"], name="einsum_0", equation="ij,jk->ik"),  # [3,5]
-        helper.make_node("Relu", ["e1"], ["r"], name="relu"),
-        helper.make_node("Einsum", ["r"], ["e2"], name="einsum_1", equation="ij->ji"),          # [5,3]
+        helper.make_node("MatMul", ["x", "w"], ["e1"], name="matmul_0"),                      # [3,5]
+        helper.make_node("Trilu", ["e1"], ["t"], name="trilu_0"),                             # [3,5]
+        helper.make_node("Relu", ["t"], ["r"], name="relu"),
+        helper.make_node("Trilu", ["r"], ["r2"], name="trilu_1", upper=0),                    # [3,5]
+        helper.make_node("Transpose", ["r2"], ["e2"], name="transpose_0", perm=[1, 0]),       # [5,3]
         helper.make_node("Add", ["e2", "e2"], ["a"], name="add"),
         helper.make_node("TopK", ["a", "k"], ["vals", "idx"], name="topk", axis=-1),           # [5,2]
         helper.make_node("NonZero", ["r"], ["nz"], name="nonzero"),                            # [2,?]
@@ -652,10 +684,11 @@ def write_bad(out):
         [vinfo("y", [5, 5]), vinfo("idx", [5, 2], I64), vinfo("nz", [2, None], I64)],
         initializer=[w, kk],
     )
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], producer_name=PRODUCER)
     m.ir_version = 7
     # keep nodes topologically sorted (Transpose before the MatMul that uses it)
-    order = ["einsum_0", "relu", "einsum_1", "add", "topk", "nonzero", "transpose", "matmul"]
+    order = ["matmul_0", "trilu_0", "relu", "trilu_1", "transpose_0", "add", "topk", "nonzero",
+             "transpose", "matmul"]
     by = {n.name: n for n in m.graph.node}
     del m.graph.node[:]
     m.graph.node.extend(by[n] for n in order)
@@ -733,15 +766,19 @@ MODELS = {
     "opset_misc": opset_misc,
     "unet_tiny": unet_tiny,
     "exporter_constants": exporter_constants,
+    "einsum_cases": einsum_cases,
 }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: tests/data/onnx)")
-    ap.add_argument("--only", help="write only this model (one of MODELS)")
+    ap.add_argument("--only", help="write only this model (one of MODELS, or bad)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.only == "bad":
+        write_bad(args.out)
+        return
     if args.only:
         m, inputs = MODELS[args.only]()
         write_case(args.out, args.only, m, inputs)

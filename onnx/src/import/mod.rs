@@ -7,6 +7,7 @@
 //! exporters write (`Shape -> Gather -> Concat -> Reshape`) folds to constants, and an
 //! op that needs a constant input (a Reshape's shape, a Slice's bounds) gets one.
 
+mod einsum;
 mod ops;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -65,6 +65,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Mod" => modulo,
         "GatherElements" => gather_elements,
         "ScatterND" => scatter_nd,
+        "Einsum" => super::einsum::einsum,
         _ => return None,
     })
 }
