@@ -8,7 +8,8 @@
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 part=${1:-all}
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date; } > $OUT/env.txt
-run_test() { local name=$1; shift; timeout 400 "$@" > $OUT/t_$name.txt 2>&1; echo "$name exit $?" >> $OUT/t_$name.txt; }
+# Each test binary is cut at TEST_TIMEOUT seconds (default 400).
+run_test() { local name=$1; shift; timeout ${TEST_TIMEOUT:-400} "$@" > $OUT/t_$name.txt 2>&1; echo "$name exit $?" >> $OUT/t_$name.txt; }
 if [ "$part" != bench ]; then
   run_test ops ./cuda_ops --test-threads 4 &
   AMPGRAPH_ORACLE_DIR=$PWD/oracle run_test session ./cuda_session --test-threads 4 &
