@@ -83,6 +83,13 @@ fn bad_models_are_one_line_errors_naming_the_problem() {
             &["'add'", "input 'nowhere' is produced by no node"],
         ),
         (
+            "if_on_data.onnx",
+            &[
+                "'data_check'",
+                "condition 'positive' is computed at run time",
+            ],
+        ),
+        (
             "unsupported_ops.onnx",
             &[
                 "unsupported ONNX ops (4 nodes)",

@@ -220,3 +220,8 @@ fn exporter_constants_match_onnxruntime() {
 fn einsum_cases_match_onnxruntime() {
     check_model("einsum_cases");
 }
+
+#[test]
+fn control_flow_matches_onnxruntime() {
+    check_model("control_flow");
+}

@@ -511,6 +511,47 @@ def einsum_cases():
     return m, inputs
 
 
+def control_flow():
+    """If nodes whose conditions import computes from shapes (as torchvision's detection
+    models and HF's exports check sizes): the taken branch reads outer values and its own
+    initializer, one branch holds a nested If, the other branch would fail if taken."""
+    g = G(seed=1009)
+    x = "x"  # [2,3]
+    rows = g.op("Gather", [g.op("Shape", [x]), g.const(np.array(0, dtype=np.int64))])
+    two = g.op("Equal", [rows, g.const(np.array(2, dtype=np.int64))])           # true
+    many = g.op("Greater", [rows, g.const(np.array(100, dtype=np.int64))])      # false
+    scale = numpy_helper.from_array(np.array([0.5, -1.0, 2.0], dtype=np.float32), "branch_scale")
+    inner = helper.make_graph(
+        [helper.make_node("Sigmoid", [x], ["inner_y"], name="inner_sigmoid")],
+        "inner_then", [], [vinfo("inner_y", [2, 3])])
+    inner_else = helper.make_graph(
+        [helper.make_node("Neg", [x], ["inner_n"], name="inner_neg")],
+        "inner_else", [], [vinfo("inner_n", [2, 3])])
+    then_branch = helper.make_graph(
+        [helper.make_node("Mul", [x, "branch_scale"], ["scaled"], name="then_mul"),
+         helper.make_node("If", [two], ["nested"], name="nested_if",
+                          then_branch=inner, else_branch=inner_else),
+         helper.make_node("Add", ["scaled", "nested"], ["then_y"], name="then_add")],
+        "then", [], [vinfo("then_y", [2, 3])], initializer=[scale])
+    else_branch = helper.make_graph(
+        # [2,3] reshaped to [4,5] would fail: import must not look at this branch.
+        [helper.make_node("Reshape", [x, "bad_shape"], ["else_y"], name="else_reshape")],
+        "else", [], [vinfo("else_y", [4, 5])],
+        initializer=[numpy_helper.from_array(np.array([4, 5], dtype=np.int64), "bad_shape")])
+    g.nodes.append(helper.make_node("If", [two], ["y"], name="size_check",
+                                    then_branch=then_branch, else_branch=else_branch))
+    relu = helper.make_graph([helper.make_node("Relu", [x], ["r"], name="else_relu")],
+                             "small", [], [vinfo("r", [2, 3])])
+    empty = helper.make_graph([helper.make_node("Identity", [x], ["e"], name="then_id")],
+                              "large", [], [vinfo("e", [2, 3])])
+    g.nodes.append(helper.make_node("If", [many], ["z"], name="large_input",
+                                    then_branch=empty, else_branch=relu))
+    m = g.model("control_flow", [vinfo("x", [2, 3])], [vinfo("y", [2, 3]), vinfo("z", [2, 3])],
+                opset=13)
+    inputs = [g.rng.standard_normal((2, 3)).astype(np.float32)]
+    return m, inputs
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -663,6 +704,21 @@ def write_bad(out):
     m.ir_version = 7
     save("dangling.onnx", m)
 
+    # if_on_data: an If whose condition depends on the input's values
+    pos = helper.make_node("ReduceSum", ["x"], ["total"], name="total", keepdims=0)
+    cond = helper.make_node("Greater", ["total", "zero"], ["positive"], name="positive")
+    branch = lambda op, out: helper.make_graph(  # noqa: E731
+        [helper.make_node(op, ["x"], [out], name=f"{out}_op")], out, [], [vinfo(out, [2, 3])])
+    iff = helper.make_node("If", ["positive"], ["y"], name="data_check",
+                           then_branch=branch("Relu", "relu_y"), else_branch=branch("Neg", "neg_y"))
+    graph = helper.make_graph(
+        [pos, cond, iff], "if_on_data", [vinfo("x", [2, 3])], [vinfo("y", [2, 3])],
+        initializer=[numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    onnx.checker.check_model(m, full_check=True)
+    save("if_on_data.onnx", m)
+
     # unsupported_ops: a valid model (passes the checker, runs in onnxruntime) with
     # Trilu x2, TopK x1, NonZero x1 among ordinary ops
     w = numpy_helper.from_array(np.linspace(-1, 1, 20, dtype=np.float32).reshape(4, 5), "w")
@@ -767,6 +823,7 @@ MODELS = {
     "unet_tiny": unet_tiny,
     "exporter_constants": exporter_constants,
     "einsum_cases": einsum_cases,
+    "control_flow": control_flow,
 }
 
 

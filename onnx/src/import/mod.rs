@@ -11,7 +11,7 @@ mod einsum;
 mod ops;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ampgraph_graph::ops::{Const, Placeholder};
 use ampgraph_graph::{Graph, Op, Port, Tensor, TensorType};
@@ -81,15 +81,9 @@ pub fn import_model(
         .as_ref()
         .ok_or_else(|| OnnxError::Model("the model has no graph".into()))?;
     check_nodes(model, graph)?;
-    let order = topological_order(graph)?;
-    let mut imp = Importer::new(opset, graph);
-    for init in &graph.initializer {
-        let t = tensor::decode(init, base)?;
-        imp.initializer_names
-            .insert(const_key(&t), init.name.clone());
-        imp.held.insert(const_key(&t));
-        imp.values.insert(init.name.clone(), Value::Const(t));
-    }
+    let order = topological_order(graph, &HashSet::new())?;
+    let mut imp = Importer::new(opset, graph, base);
+    imp.add_initializers(graph)?;
     if !graph.sparse_initializer.is_empty() {
         return Err(OnnxError::Model(
             "sparse initializers are not supported".into(),
@@ -126,8 +120,9 @@ fn is_default_domain(domain: &str) -> bool {
     domain.is_empty() || domain == "ai.onnx"
 }
 
-/// Refuses nodes of other domains (naming the first), then lists every op without a
-/// converter with its count, so one run shows all that is missing.
+/// Refuses nodes of other domains and control flow other than If (naming the first),
+/// then lists every op without a converter with its count (in If's branches too), so
+/// one run shows all that is missing.
 fn check_nodes(model: &ModelProto, graph: &GraphProto) -> Result<()> {
     let functions: HashSet<(&str, &str)> = model
         .functions
@@ -135,6 +130,20 @@ fn check_nodes(model: &ModelProto, graph: &GraphProto) -> Result<()> {
         .map(|f| (f.domain.as_str(), f.name.as_str()))
         .collect();
     let mut missing: BTreeMap<String, usize> = BTreeMap::new();
+    check_graph_nodes(graph, &functions, &mut missing)?;
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(OnnxError::Unsupported(missing.into_iter().collect()))
+    }
+}
+
+/// [`check_nodes`] over one graph or branch, counting ops without a converter.
+fn check_graph_nodes(
+    graph: &GraphProto,
+    functions: &HashSet<(&str, &str)>,
+    missing: &mut BTreeMap<String, usize>,
+) -> Result<()> {
     for node in &graph.node {
         if !is_default_domain(&node.domain) {
             let what = if functions.contains(&(node.domain.as_str(), node.op_type.as_str())) {
@@ -151,25 +160,58 @@ fn check_nodes(model: &ModelProto, graph: &GraphProto) -> Result<()> {
                 ),
             ));
         }
-        if let Some(a) = node.attribute.iter().find(|a| a.g.is_some()) {
-            return Err(OnnxError::node(
-                &node_name(node),
-                &node.op_type,
-                format!(
-                    "attribute '{}' is a subgraph: control flow is not supported",
-                    a.name
-                ),
-            ));
+        for a in node.attribute.iter().filter(|a| a.g.is_some()) {
+            match (node.op_type.as_str(), &a.g) {
+                ("If", Some(branch)) => check_graph_nodes(branch, functions, missing)?,
+                _ => {
+                    return Err(OnnxError::node(
+                        &node_name(node),
+                        &node.op_type,
+                        format!(
+                            "attribute '{}' is a subgraph: control flow other than If (with a \
+                             condition computed at import) is not supported",
+                            a.name
+                        ),
+                    ))
+                }
+            }
         }
-        if ops::converter(&node.op_type).is_none() {
+        if node.op_type != "If" && ops::converter(&node.op_type).is_none() {
             *missing.entry(node.op_type.clone()).or_default() += 1;
         }
     }
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(OnnxError::Unsupported(missing.into_iter().collect()))
+    Ok(())
+}
+
+/// The values a node reads: its inputs and, for an If, what its branches read from
+/// the scope around them.
+fn reads(node: &NodeProto) -> Vec<String> {
+    let mut names: Vec<String> = node
+        .input
+        .iter()
+        .filter(|i| !i.is_empty())
+        .cloned()
+        .collect();
+    for branch in node.attribute.iter().filter_map(|a| a.g.as_ref()) {
+        names.extend(outer_reads(branch));
     }
+    names
+}
+
+/// The names `graph`'s nodes (and their branches) read that it does not define.
+fn outer_reads(graph: &GraphProto) -> Vec<String> {
+    let defined: HashSet<&str> = (graph.node.iter())
+        .flat_map(|n| n.output.iter().map(String::as_str))
+        .chain(graph.initializer.iter().map(|t| t.name.as_str()))
+        .chain(graph.input.iter().map(|i| i.name.as_str()))
+        .collect();
+    let mut found: Vec<String> = Vec::new();
+    for name in graph.node.iter().flat_map(reads) {
+        if !defined.contains(name.as_str()) && !found.contains(&name) {
+            found.push(name);
+        }
+    }
+    found
 }
 
 /// A node's name for messages and for the node that computes its result: its own,
@@ -188,7 +230,7 @@ fn node_name(node: &NodeProto) -> String {
 /// The nodes in an order where each comes after those it reads (ONNX requires the
 /// file's order to be one, but not every writer keeps to it). A value nothing
 /// produces and a cycle are errors naming the node.
-fn topological_order(graph: &GraphProto) -> Result<Vec<usize>> {
+fn topological_order(graph: &GraphProto, outer: &HashSet<String>) -> Result<Vec<usize>> {
     let mut producer: HashMap<&str, usize> = HashMap::new();
     for (i, node) in graph.node.iter().enumerate() {
         for out in node.output.iter().filter(|o| !o.is_empty()) {
@@ -206,11 +248,12 @@ fn topological_order(graph: &GraphProto) -> Result<Vec<usize>> {
         .iter()
         .map(|v| v.name.as_str())
         .chain(graph.initializer.iter().map(|t| t.name.as_str()))
+        .chain(outer.iter().map(String::as_str))
         .collect();
     let mut deps: Vec<Vec<usize>> = Vec::with_capacity(graph.node.len());
     for node in &graph.node {
         let mut d = Vec::new();
-        for input in node.input.iter().filter(|i| !i.is_empty()) {
+        for input in reads(node) {
             match producer.get(input.as_str()) {
                 Some(&p) => d.push(p),
                 None if sources.contains(input.as_str()) => {}
@@ -315,10 +358,12 @@ struct Importer {
     derived_names: HashMap<ConstKey, String>,
     /// The graph's output names: the nodes computing them take these names.
     outputs: HashSet<String>,
+    /// The folder external data is read from.
+    base: Option<PathBuf>,
 }
 
 impl Importer {
-    fn new(opset: i64, graph: &GraphProto) -> Self {
+    fn new(opset: i64, graph: &GraphProto, base: Option<&Path>) -> Self {
         Importer {
             g: Graph::new(),
             opset,
@@ -328,7 +373,73 @@ impl Importer {
             initializer_names: HashMap::new(),
             derived_names: HashMap::new(),
             outputs: graph.output.iter().map(|o| o.name.clone()).collect(),
+            base: base.map(Path::to_path_buf),
         }
+    }
+
+    /// The initializers of `graph` (or of an If's branch), as constants.
+    fn add_initializers(&mut self, graph: &GraphProto) -> Result<()> {
+        for init in &graph.initializer {
+            let t = tensor::decode(init, self.base.as_deref())?;
+            self.initializer_names
+                .insert(const_key(&t), init.name.clone());
+            self.held.insert(const_key(&t));
+            self.values.insert(init.name.clone(), Value::Const(t));
+        }
+        Ok(())
+    }
+
+    /// An If whose condition is known at import (computed from constants and input
+    /// shapes, as exporters write checks of sizes): the branch it takes, imported in
+    /// its place. A condition computed at run time is refused.
+    fn convert_if(&mut self, node: &NodeProto) -> Result<()> {
+        let name = node_name(node);
+        let err = |msg: String| OnnxError::node(&name, "If", msg);
+        let cond = match node.input.first().and_then(|i| self.values.get(i)) {
+            Some(Value::Const(t)) => match t.to_f64_vec().as_slice() {
+                [c] => *c != 0.0,
+                _ => {
+                    return Err(err(format!(
+                        "its condition holds {} values, not one",
+                        t.len()
+                    )))
+                }
+            },
+            Some(Value::Port(_)) => {
+                return Err(err(format!(
+                    "its condition '{}' is computed at run time: control flow that depends on \
+                     the data is not supported (only conditions computed at import, from \
+                     constants and input shapes)",
+                    node.input[0]
+                )))
+            }
+            None => return Err(err("its condition is missing".into())),
+        };
+        let taken = if cond { "then_branch" } else { "else_branch" };
+        let branch = (node.attribute.iter())
+            .find(|a| a.name == taken)
+            .and_then(|a| a.g.as_ref())
+            .ok_or_else(|| err(format!("it has no {taken}")))?;
+        if branch.output.len() != node.output.len() {
+            return Err(err(format!(
+                "its {taken} has {} outputs but the node {}",
+                branch.output.len(),
+                node.output.len()
+            )));
+        }
+        self.add_initializers(branch)?;
+        let outer: HashSet<String> = self.values.keys().cloned().collect();
+        for i in topological_order(branch, &outer)? {
+            self.convert(&branch.node[i])?;
+        }
+        for (out, from) in node.output.iter().zip(&branch.output) {
+            let value = (self.values.get(&from.name).cloned())
+                .ok_or_else(|| err(format!("its {taken} does not compute '{}'", from.name)))?;
+            if !out.is_empty() {
+                self.values.insert(out.clone(), value);
+            }
+        }
+        Ok(())
     }
 
     /// Placeholders for the graph inputs that are not initializers (old exporters
@@ -381,6 +492,9 @@ impl Importer {
     }
 
     fn convert(&mut self, node: &NodeProto) -> Result<()> {
+        if node.op_type == "If" {
+            return self.convert_if(node);
+        }
         let convert = ops::converter(&node.op_type)
             .ok_or_else(|| OnnxError::Unsupported(vec![(node.op_type.clone(), 1)]))?;
         let mut cx = NodeCx {
