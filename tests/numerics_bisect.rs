@@ -296,6 +296,7 @@ fn load_trap() -> (Graph, Feeds, Tensor) {
     let (_, expected) = tensor::load(&data.join("output_0.pb")).unwrap();
     let opts = ImportOptions {
         input_shapes: BTreeMap::from([(name.clone(), input.shape().to_vec())]),
+        ..ImportOptions::default()
     };
     let g = import_file(&trap_dir().join("model.onnx"), &opts).unwrap();
     (g, Feeds::from([(name, input)]), expected)

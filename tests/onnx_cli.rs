@@ -176,6 +176,7 @@ fn run_explain_and_plan_read_onnx() {
         &model,
         &ImportOptions {
             input_shapes: [("x".to_string(), vec![1, 3, 32, 32])].into(),
+            ..ImportOptions::default()
         },
     )
     .unwrap();

@@ -76,13 +76,14 @@ fn tensors(dir: &Path, stem: &str) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-fn import(dir: &Path) -> Graph {
+fn import(dir: &Path, as_written: bool) -> Graph {
     let data = dir.join("test_data_set_0");
     let opts = ImportOptions {
         input_shapes: tensors(&data, "input")
             .into_iter()
             .map(|(n, t)| (n, t.shape().to_vec()))
             .collect::<BTreeMap<_, _>>(),
+        as_written,
     };
     import_file(&dir.join("model.onnx"), &opts).unwrap()
 }
@@ -138,7 +139,7 @@ fn import_then_export_runs_in_onnxruntime_with_the_same_outputs() {
     for dir in collections().iter().flat_map(|c| models(c)) {
         let name = name_of(&dir);
         let path = scratch(&name).join("model.onnx");
-        export_file(&import(&dir), &path, &ExportOptions::default()).unwrap();
+        export_file(&import(&dir, true), &path, &ExportOptions::default()).unwrap();
         let got = run_in_onnxruntime(&path, &dir).unwrap_or_else(|e| panic!("{name}: {e}"));
         let want = expected(&dir);
         assert_eq!(got.len(), want.len(), "{name}");
@@ -214,7 +215,7 @@ fn amp_export_loads_in_onnxruntime_within_the_fp16_bound_with_fewer_casts_than_t
 /// Import -> AMP -> export of one model, with the converter's cast count.
 fn amp_export(dir: &Path, theirs: usize) {
     let name = &name_of(dir);
-    let mut g = import(dir);
+    let mut g = import(dir, false);
     AutoMixedPrecision::new(AmpConfig::new(ampgraph::DType::F16).unwrap())
         .rewrite(&mut g)
         .unwrap();
@@ -276,7 +277,7 @@ fn large_initializers_go_to_an_external_data_file_onnxruntime_reads() {
         external_data_above: 0,
         ..ExportOptions::default()
     };
-    let g = import(&dir);
+    let g = import(&dir, true);
     export_file(&g, &path, &opts).unwrap();
     let model = ModelProto::decode(std::fs::read(&path).unwrap().as_slice()).unwrap();
     let inits = &model.graph.as_ref().unwrap().initializer;

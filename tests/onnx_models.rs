@@ -51,6 +51,7 @@ fn load(dir: &Path) -> (Graph, Named, Named) {
             .iter()
             .map(|(n, t)| (n.clone(), t.shape().to_vec()))
             .collect::<BTreeMap<_, _>>(),
+        ..ImportOptions::default()
     };
     let g = import_file(&dir.join("model.onnx"), &opts)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
@@ -224,4 +225,26 @@ fn einsum_cases_match_onnxruntime() {
 #[test]
 fn control_flow_matches_onnxruntime() {
     check_model("control_flow");
+}
+
+/// Exporters' GELUs (GPT-2's tanh form with Pow, torch's erf form) import as one
+/// Gelu each and still match onnxruntime.
+#[test]
+fn gelu_forms_import_as_gelus_matching_onnxruntime() {
+    check_model("gelu_forms");
+    let (g, _, _) = load(&data_dir().join("gelu_forms"));
+    let count = |op: &str| {
+        g.node_ids()
+            .filter(|&id| g.node(id).op.name() == op)
+            .count()
+    };
+    assert_eq!(count("Gelu"), 2);
+    assert_eq!(count("Pow") + count("Erf") + count("Tanh"), 0);
+    let (t, _, _) = load(&data_dir().join("transformer_tiny"));
+    assert_eq!(
+        t.node_ids()
+            .filter(|&id| t.node(id).op.name() == "Erf")
+            .count(),
+        0
+    );
 }

@@ -15,6 +15,7 @@ pub mod fuse_batchnorm_activation;
 pub mod group_updates;
 pub mod layout_nhwc;
 pub mod norm_grad_epilogue;
+pub mod recognize_gelu;
 pub mod registry;
 mod rewrite;
 pub mod simplify;

@@ -10,6 +10,7 @@ use crate::fuse_batchnorm_activation::FuseBatchNormActivation;
 use crate::group_updates::GroupUpdates;
 use crate::layout_nhwc::LayoutNhwc;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
+use crate::recognize_gelu::RecognizeGelu;
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
     PadConvChannels, PadGemm, ScaleIntoMatmul, UnscaleIntoUpdate,
@@ -48,6 +49,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "dce",
         summary: "Removes nodes that no graph output or variable write depends on.",
         make: || Box::new(Dce),
+    },
+    PassEntry {
+        name: "recognize-gelu",
+        summary: "A GELU written out as exporters decompose it (erf or tanh form, Pow included) becomes one Gelu.",
+        make: || Box::new(RecognizeGelu),
     },
     PassEntry {
         name: "cast-into-reduce",

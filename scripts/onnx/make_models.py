@@ -552,6 +552,29 @@ def control_flow():
     return m, inputs
 
 
+def gelu_forms():
+    """GELU as exporters write it out: HF GPT-2's gelu_new (tanh, with Pow) after a
+    Linear layer, and torch's exact GELU (Div/Erf/Add/Mul/Mul); import makes each one
+    Gelu again."""
+    g = G(seed=1010)
+    x = "x"  # [3,16]
+    h = g.op("Add", [g.op("MatMul", [x, g.weight("fc.weight", (16, 32), 16)]), g.bias("fc.bias", 32)])
+    cube = g.op("Pow", [h, g.const(np.array(3.0, dtype=np.float32))])
+    inner = g.op("Add", [h, g.op("Mul", [g.const(np.array(0.044715, dtype=np.float32)), cube])])
+    th = g.op("Tanh", [g.op("Mul", [g.const(np.array(0.7978845608028654, dtype=np.float32)), inner])])
+    new = g.op("Mul", [g.op("Mul", [g.const(np.array(0.5, dtype=np.float32)), h]),
+                       g.op("Add", [g.const(np.array(1.0, dtype=np.float32)), th])])
+    g.op("Identity", [new], outputs=["y"])
+    e = g.op("Erf", [g.op("Div", [h, g.const(np.array(1.4142135381698608, dtype=np.float32))])])
+    exact = g.op("Mul", [g.op("Mul", [h, g.op("Add", [e, g.const(np.array(1.0, dtype=np.float32))])]),
+                         g.const(np.array(0.5, dtype=np.float32))])
+    g.op("Identity", [exact], outputs=["z"])
+    m = g.model("gelu_forms", [vinfo("x", [3, 16])], [vinfo("y", [3, 32]), vinfo("z", [3, 32])],
+                opset=13)
+    inputs = [(2.0 * g.rng.standard_normal((3, 16))).astype(np.float32)]
+    return m, inputs
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -824,6 +847,7 @@ MODELS = {
     "exporter_constants": exporter_constants,
     "einsum_cases": einsum_cases,
     "control_flow": control_flow,
+    "gelu_forms": gelu_forms,
 }
 
 

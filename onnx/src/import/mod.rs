@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 
 use ampgraph_graph::ops::{Const, Placeholder};
 use ampgraph_graph::{Graph, Op, Port, Tensor, TensorType};
+use ampgraph_passes::recognize_gelu::RecognizeGelu;
+use ampgraph_passes::Pass;
 use prost::Message;
 
 use crate::error::{OnnxError, Result};
@@ -30,6 +32,10 @@ pub struct ImportOptions {
     /// Shapes of graph inputs by name: required for inputs whose dims are symbolic
     /// (`batch`), and they override the model's own dims.
     pub input_shapes: BTreeMap<String, Vec<usize>>,
+    /// Import the ops as the file writes them: without this, the patterns exporters
+    /// write out op by op are imported as the ops they are (a GELU's Erf or Tanh, Pow
+    /// and products as one Gelu: one kernel, and f16 to AMP, where `Pow` is denied).
+    pub as_written: bool,
 }
 
 /// Reads an ONNX model file (external data files are found beside it).
@@ -93,7 +99,13 @@ pub fn import_model(
     for i in order {
         imp.convert(&graph.node[i])?;
     }
-    imp.finish(graph)
+    let mut g = imp.finish(graph)?;
+    if !opts.as_written {
+        RecognizeGelu
+            .run(&mut g)
+            .map_err(|e| OnnxError::Model(format!("recognizing GELUs: {e}")))?;
+    }
+    Ok(g)
 }
 
 /// The default domain's opset version; other domains' nodes are refused by
