@@ -277,7 +277,8 @@ mod tests {
 
     #[test]
     fn both_decomposed_forms_become_one_gelu_computing_the_same() {
-        let cases: [(&str, Box<dyn Fn(&mut Graph, Port) -> Port>); 3] = [
+        type Body = Box<dyn Fn(&mut Graph, Port) -> Port>;
+        let cases: [(&str, Body); 3] = [
             ("erf", Box::new(erf_gelu)),
             (
                 "tanh with Pow",
