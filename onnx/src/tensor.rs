@@ -161,9 +161,9 @@ fn entry<'a>(t: &'a TensorProto, key: &str) -> Option<&'a str> {
         .map(|e| e.value.as_str())
 }
 
-/// Reads `want` bytes of an external tensor, after checking the file is inside the
-/// model's folder and long enough (nothing is allocated for a length the file
-/// cannot back).
+/// Reads `want` bytes of an external tensor, after checking the file is a regular
+/// file inside the model's folder once links are resolved, and long enough (nothing is
+/// allocated for a length the file cannot back).
 fn read_external(t: &TensorProto, base: Option<&Path>, want: usize) -> Result<Vec<u8>> {
     let err = |msg: String| OnnxError::tensor(&t.name, msg);
     let location =
@@ -192,7 +192,24 @@ fn read_external(t: &TensorProto, base: Option<&Path>, want: usize) -> Result<Ve
     };
     let offset = number("offset")?.unwrap_or(0);
     let io = |e: std::io::Error| err(format!("external data {}: {e}", path.display()));
-    let mut file = std::fs::File::open(&path).map_err(io)?;
+    // Links resolved, the file must still be inside the folder, and a regular file
+    // (a FIFO or a device would block or never end).
+    let inside = base.canonicalize().map_err(io)?;
+    let resolved = path.canonicalize().map_err(io)?;
+    if !resolved.starts_with(&inside) {
+        return Err(err(format!(
+            "external data {} leads outside the model's folder (to {})",
+            path.display(),
+            resolved.display()
+        )));
+    }
+    if !std::fs::metadata(&resolved).map_err(io)?.is_file() {
+        return Err(err(format!(
+            "external data {} is not a regular file",
+            path.display()
+        )));
+    }
+    let mut file = std::fs::File::open(&resolved).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
     let length = number("length")?.unwrap_or_else(|| file_len.saturating_sub(offset));
     if length != want as u64 {

@@ -231,3 +231,103 @@ fn import_time_ops_on_run_time_values_are_one_clear_error() {
     );
     assert!(!err.contains('\n'), "one line: {err}");
 }
+
+/// A model in a fresh folder whose initializer 'w' ([2, 2] f32) lies in external data
+/// at `location`.
+#[cfg(unix)]
+fn model_with_external(name: &str, location: &str) -> std::path::PathBuf {
+    use ampgraph_onnx::proto::StringStringEntryProto;
+    use prost::Message;
+    let dir = std::env::temp_dir().join(format!("ampgraph-ext-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let entry = |k: &str, v: &str| StringStringEntryProto {
+        key: k.into(),
+        value: v.into(),
+    };
+    let w = TensorProto {
+        name: "w".into(),
+        dims: vec![2, 2],
+        data_type: 1,
+        data_location: 1,
+        external_data: vec![entry("location", location), entry("length", "16")],
+        ..TensorProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 2])],
+        initializer: vec![w],
+        node: vec![NodeProto {
+            name: "add".into(),
+            op_type: "Add".into(),
+            input: vec!["x".into(), "w".into()],
+            output: vec!["y".into()],
+            ..NodeProto::default()
+        }],
+        output: vec![input("y", &[2, 2])],
+        ..GraphProto::default()
+    };
+    let model = ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: 17,
+        }],
+        graph: Some(graph),
+        ..ModelProto::default()
+    };
+    std::fs::write(dir.join("model.onnx"), model.encode_to_vec()).unwrap();
+    dir
+}
+
+/// External data is read only from regular files inside the model's folder once links
+/// are resolved: a link to a file outside, a linked folder outside and a FIFO (which
+/// would block the reader for ever) are refused at once, naming the tensor.
+#[cfg(unix)]
+#[test]
+fn external_data_through_links_or_from_fifos_is_refused() {
+    use std::os::unix::fs::symlink;
+    let outside = std::env::temp_dir().join(format!("ampgraph-ext-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("secret.bin"), [7u8; 16]).unwrap();
+    let import = |dir: &std::path::Path| {
+        ampgraph_onnx::import_file(&dir.join("model.onnx"), &ImportOptions::default())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+
+    let fine = model_with_external("fine", "w.bin");
+    std::fs::write(fine.join("w.bin"), [0u8; 16]).unwrap();
+    assert_eq!(import(&fine), Ok(()));
+    // A link inside the folder to a file inside it is fine too.
+    let alias = model_with_external("alias", "alias.bin");
+    std::fs::write(alias.join("w.bin"), [0u8; 16]).unwrap();
+    symlink(alias.join("w.bin"), alias.join("alias.bin")).unwrap();
+    assert_eq!(import(&alias), Ok(()));
+
+    let linked = model_with_external("link", "w.bin");
+    symlink(outside.join("secret.bin"), linked.join("w.bin")).unwrap();
+    let err = import(&linked).unwrap_err();
+    assert!(
+        err.contains("tensor 'w'") && err.contains("outside the model's folder"),
+        "{err}"
+    );
+
+    let folder = model_with_external("folder", "data/secret.bin");
+    symlink(&outside, folder.join("data")).unwrap();
+    let err = import(&folder).unwrap_err();
+    assert!(err.contains("outside the model's folder"), "{err}");
+
+    let fifo = model_with_external("fifo", "w.bin");
+    let made = std::process::Command::new("mkfifo")
+        .arg(fifo.join("w.bin"))
+        .status();
+    if made.is_ok_and(|s| s.success()) {
+        let err = import(&fifo).unwrap_err();
+        assert!(err.contains("not a regular file"), "{err}");
+    } else {
+        println!("skipped the FIFO case: mkfifo is not available");
+    }
+    for dir in [fine, alias, linked, folder, fifo, outside] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
