@@ -331,3 +331,89 @@ fn external_data_through_links_or_from_fifos_is_refused() {
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
+
+/// A model of one node `op` reading graph input x [2, 3] and initializers `inits`
+/// (f32 of x's shape, or i64 lists), at `opset`.
+fn one_node(op: &str, inputs: &[&str], attribute: Vec<AttributeProto>, opset: i64) -> ModelProto {
+    let init = |name: &str| match name {
+        "axes" => TensorProto {
+            name: name.into(),
+            dims: vec![1],
+            data_type: 7,
+            int64_data: vec![1],
+            ..TensorProto::default()
+        },
+        _ => TensorProto {
+            name: name.into(),
+            dims: vec![2, 3],
+            data_type: 1,
+            float_data: vec![1.0; 6],
+            ..TensorProto::default()
+        },
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 3])],
+        initializer: (inputs.iter())
+            .filter(|n| **n != "x")
+            .map(|n| init(n))
+            .collect(),
+        node: vec![NodeProto {
+            name: "n".into(),
+            op_type: op.into(),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: vec!["y".into()],
+            attribute,
+            ..NodeProto::default()
+        }],
+        output: vec![input("y", &[2, 3])],
+        ..GraphProto::default()
+    };
+    ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: opset,
+        }],
+        graph: Some(graph),
+        ..ModelProto::default()
+    }
+}
+
+/// Nodes that would run as something else than written are refused naming the node:
+/// an extra input (`Add(x, w, w2)` ran as `x + w`), `axes` in the form the opset does
+/// not read (ReduceMean's attribute at opset 18 reduced every axis).
+#[test]
+fn inputs_and_axes_the_op_does_not_read_are_refused() {
+    let err = |m: ModelProto| {
+        import_model(&m, None, &ImportOptions::default())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = err(one_node("Add", &["x", "w", "w2"], vec![], 17));
+    assert!(
+        e.contains("'n'") && e.contains("takes 2 inputs, not 3"),
+        "{e}"
+    );
+    let e = err(one_node("Relu", &[], vec![], 17));
+    assert!(e.contains("takes 1 input, not 0"), "{e}");
+    let axes_attr = || AttributeProto {
+        name: "axes".into(),
+        r#type: attribute_type::INTS,
+        ints: vec![1],
+        ..AttributeProto::default()
+    };
+    let e = err(one_node("ReduceMean", &["x"], vec![axes_attr()], 18));
+    assert!(
+        e.contains("attribute 'axes' is not read at opset 18"),
+        "{e}"
+    );
+    let e = err(one_node("ReduceSum", &["x", "axes"], vec![], 11));
+    assert!(e.contains("input 1 is not read at opset 11"), "{e}");
+    // The forms each opset reads import.
+    for (m, op) in [
+        (one_node("ReduceMean", &["x"], vec![axes_attr()], 17), "17"),
+        (one_node("ReduceMean", &["x", "axes"], vec![], 18), "18"),
+    ] {
+        import_model(&m, None, &ImportOptions::default()).unwrap_or_else(|e| panic!("{op}: {e}"));
+    }
+}

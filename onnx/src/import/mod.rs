@@ -504,6 +504,23 @@ impl Importer {
     }
 
     fn convert(&mut self, node: &NodeProto) -> Result<()> {
+        let (least, most) = ops::arity(&node.op_type);
+        let given = node.input.len();
+        if given < least || given > most {
+            let takes = match (least, most) {
+                (l, m) if l == m => format!("{l}"),
+                (l, usize::MAX) => format!("{l} or more"),
+                (l, m) => format!("{l} to {m}"),
+            };
+            return Err(OnnxError::node(
+                &node_name(node),
+                &node.op_type,
+                format!(
+                    "takes {takes} input{}, not {given}",
+                    if most == 1 { "" } else { "s" }
+                ),
+            ));
+        }
         if node.op_type == "If" {
             return self.convert_if(node);
         }

@@ -888,11 +888,47 @@ fn transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
 
 /// The axes of Squeeze/Unsqueeze/Reduce*: an attribute before opset `input_from`, an
 /// input from then on.
+/// The `axes` of a Squeeze, Unsqueeze or reduction: an input from opset `input_from`,
+/// an attribute before it; the other form is refused (read, it would be ignored).
 fn axes(cx: &NodeCx, input_from: i64) -> Result<Option<Vec<i64>>> {
-    if cx.opset() >= input_from {
+    let opset = cx.opset();
+    let (as_input, as_attr) = (cx.node.input.len() > 1, cx.ints_attr("axes")?.is_some());
+    if opset >= input_from && as_attr {
+        return Err(cx.err(format!(
+            "attribute 'axes' is not read at opset {opset}: axes is an input from opset {input_from}"
+        )));
+    }
+    if opset < input_from && as_input {
+        return Err(cx.err(format!(
+            "input 1 is not read at opset {opset}: axes is an attribute before opset {input_from}"
+        )));
+    }
+    if opset >= input_from {
         cx.ints_input(1)
     } else {
         cx.ints_attr("axes")
+    }
+}
+
+/// How many inputs an ONNX op takes, least and most (optional ones given as "" count),
+/// for every op with a converter (opsets 11 onwards; `axes` by opset is checked where
+/// it is read).
+pub(super) fn arity(op_type: &str) -> (usize, usize) {
+    const ANY: usize = usize::MAX;
+    match op_type {
+        "Constant" => (0, 0),
+        "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Mod" | "MatMul" | "Equal" | "Less"
+        | "LessOrEqual" | "Greater" | "GreaterOrEqual" | "And" | "Or" | "Xor" | "Reshape"
+        | "Expand" | "Gather" | "GatherElements" => (2, 2),
+        "Range" | "Where" | "ScatterND" => (3, 3),
+        "BatchNormalization" => (5, 5),
+        "Max" | "Min" | "Sum" | "Mean" | "Concat" | "Einsum" => (1, ANY),
+        "Gemm" | "Conv" | "ConvTranspose" | "LayerNormalization" => (2, 3),
+        "Slice" => (3, 5),
+        "Dropout" | "Clip" => (1, 3),
+        "Pad" | "Resize" => (1, 4),
+        "Squeeze" | "Unsqueeze" | "Split" | "ReduceMean" | "ReduceSum" | "ReduceMax" => (1, 2),
+        _ => (1, 1),
     }
 }
 
