@@ -417,3 +417,26 @@ fn inputs_and_axes_the_op_does_not_read_are_refused() {
         import_model(&m, None, &ImportOptions::default()).unwrap_or_else(|e| panic!("{op}: {e}"));
     }
 }
+
+/// An initializer defined twice (the second silently won) and an opset newer than the
+/// converters follow are refused.
+#[test]
+fn duplicate_initializers_and_future_opsets_are_refused() {
+    let err = |m: &ModelProto| {
+        import_model(m, None, &ImportOptions::default())
+            .unwrap_err()
+            .to_string()
+    };
+    let mut twice = one_node("Add", &["x", "w"], vec![], 17);
+    let graph = twice.graph.as_mut().unwrap();
+    let mut second = graph.initializer[0].clone();
+    second.float_data = vec![2.0; 6];
+    graph.initializer.push(second);
+    let e = err(&twice);
+    assert!(
+        e.contains("tensor 'w'") && e.contains("defined twice"),
+        "{e}"
+    );
+    let e = err(&one_node("Add", &["x", "w"], vec![], 99));
+    assert!(e.contains("opset 99 is newer than"), "{e}");
+}

@@ -26,6 +26,10 @@ use crate::tensor;
 /// The oldest default-domain opset the converters follow.
 pub const MIN_OPSET: i64 = 11;
 
+/// The newest default-domain opset the converters follow (each op's changes up to it
+/// are read; a newer model may mean something they do not know).
+pub const MAX_OPSET: i64 = 23;
+
 /// How to import a model.
 #[derive(Clone, Debug, Default)]
 pub struct ImportOptions {
@@ -119,6 +123,12 @@ fn default_opset(model: &ModelProto) -> Result<i64> {
         .ok_or_else(|| {
             OnnxError::Model("the model imports no version of the default ONNX opset".into())
         })?;
+    if version > MAX_OPSET {
+        return Err(OnnxError::Model(format!(
+            "opset {version} is newer than {MAX_OPSET}, the newest ampgraph reads: export the \
+             model at opset {MAX_OPSET} or older"
+        )));
+    }
     if version < MIN_OPSET {
         return Err(OnnxError::Model(format!(
             "opset {version} is older than {MIN_OPSET}, the oldest ampgraph reads: \
@@ -392,6 +402,12 @@ impl Importer {
     /// The initializers of `graph` (or of an If's branch), as constants.
     fn add_initializers(&mut self, graph: &GraphProto) -> Result<()> {
         for init in &graph.initializer {
+            if self.values.contains_key(&init.name) {
+                return Err(OnnxError::tensor(
+                    &init.name,
+                    "is defined twice (an initializer of the same name is already in scope)",
+                ));
+            }
             let t = tensor::decode(init, self.base.as_deref())?;
             self.initializer_names
                 .insert(const_key(&t), init.name.clone());
