@@ -19,7 +19,7 @@ use ampgraph::train::{EpochReport, Position, TrainOptions, Trainer};
 use ampgraph::{Device, Session, SessionOptions};
 use plant::{any_non_finite, planted_random_graph, training_net, FACTOR, PLANTED};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::{Config, TestRng, TestRunner};
 
 fn checking() -> SessionOptions {
     SessionOptions {
@@ -46,7 +46,11 @@ fn check_names_the_plant(report: &NumericsReport) -> Result<(), TestCaseError> {
 #[test]
 fn check_numerics_names_the_planted_node_of_random_graphs() {
     let (planted_cases, reached) = (Cell::new(0), Cell::new(0));
-    let mut runner = TestRunner::new(Config::with_cases(24));
+    // A fixed seed: the count of graphs whose infinity reaches an output is a property
+    // of the sample, which a random seed made flaky (7 of 24 once, against 8 wanted).
+    let config = Config::with_cases(24);
+    let rng = TestRng::deterministic_rng(config.rng_algorithm);
+    let mut runner = TestRunner::new_with_rng(config, rng);
     runner
         .run(&(any::<u64>(), 8usize..40), |(seed, size)| {
             let Some((clean, planted, feeds)) = planted_random_graph(seed, size) else {
