@@ -12,9 +12,10 @@ use std::path::Path;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use ampgraph_graph::format::write_atomic_keeping_previous;
+use ampgraph_graph::format::{previous_path, write_atomic_keeping_previous};
 use ampgraph_graph::{DType, Data, Tensor};
 
+use crate::optim::LOSS_SCALE_VARIABLE;
 use crate::session::{checkpoint_err, SessionError};
 
 /// Variables the library keeps in a checkpoint beside the model's (a trainer's
@@ -101,9 +102,35 @@ pub fn write(path: &Path, variables: &[(String, Tensor)]) -> Result<(), SessionE
 /// The variables of the checkpoint at `path`, checksums verified; a float variable
 /// holding NaN or infinity is refused unless `allow_non_finite`.
 pub fn read(path: &Path, allow_non_finite: bool) -> Result<Vec<(String, Tensor)>, SessionError> {
+    read_checked(path, allow_non_finite).map_err(|e| match e {
+        SessionError::Checkpoint { path: shown, msg } if previous_path(path).is_file() => {
+            let prev = previous_path(path);
+            SessionError::Checkpoint {
+                msg: format!(
+                    "{msg}; {} holds the checkpoint saved before it: restore that file instead",
+                    prev.display()
+                ),
+                path: shown,
+            }
+        }
+        other => other,
+    })
+}
+
+/// [`read`], without the hint at the previous checkpoint.
+fn read_checked(
+    path: &Path,
+    allow_non_finite: bool,
+) -> Result<Vec<(String, Tensor)>, SessionError> {
     let bytes = std::fs::read(path).map_err(|e| checkpoint_err(path, e.to_string()))?;
-    let mut variables = Vec::new();
+    let mut variables: Vec<(String, Tensor)> = Vec::new();
     for e in decode_checkpoint(path, &bytes)? {
+        if variables.iter().any(|(name, _)| *name == e.name) {
+            return Err(checkpoint_err(
+                path,
+                format!("variable '{}' is stored twice", e.name),
+            ));
+        }
         let data = Data::from_le_bytes(e.dtype, &e.bytes)
             .map_err(|m| checkpoint_err(path, format!("variable '{}': {m}", e.name)))?;
         if !allow_non_finite {
@@ -120,6 +147,25 @@ pub fn read(path: &Path, allow_non_finite: bool) -> Result<Vec<(String, Tensor)>
         }
         let t = Tensor::new(e.shape, data)
             .map_err(|m| checkpoint_err(path, format!("variable '{}': {m}", e.name)))?;
+        if e.name == LOSS_SCALE_VARIABLE {
+            let scale = t.to_f64_vec();
+            if scale.len() != 1 || !(scale[0].is_finite() && scale[0] > 0.0) {
+                return Err(checkpoint_err(
+                    path,
+                    match scale[..] {
+                        [v] => format!(
+                            "variable '{}' is {v}: a loss scale is positive and finite",
+                            e.name
+                        ),
+                        _ => format!(
+                            "variable '{}' holds {} values: a loss scale is one",
+                            e.name,
+                            scale.len()
+                        ),
+                    },
+                ));
+            }
+        }
         variables.push((e.name, t));
     }
     Ok(variables)

@@ -329,6 +329,25 @@ impl<'s> Trainer<'s> {
     pub fn epoch(&mut self, loader: &Loader, at: Position) -> Result<EpochReport, TrainError> {
         self.check(loader)?;
         let total = loader.batches_per_epoch();
+        if total == 0 {
+            return Err(TrainError::Mismatch(format!(
+                "an epoch has no batch: {} examples in batches of {}{}",
+                loader.dataset().len(),
+                loader.global_batch_size(),
+                if loader.options().drop_last {
+                    ", the last one incomplete and dropped"
+                } else {
+                    ""
+                }
+            )));
+        }
+        if at.batch >= total {
+            return Err(TrainError::Mismatch(format!(
+                "the position to start from, batch {} of epoch {}, is past the epoch's last \
+                 batch ({total} batches an epoch): the checkpoint was not written for this data",
+                at.batch, at.epoch
+            )));
+        }
         let bar = match self.options.progress {
             true => ProgressBar::new(total as u64)
                 .with_style(

@@ -387,3 +387,54 @@ fn unknown_variables_are_refused_unless_under_a_skipped_prefix() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Checkpoints whose checksums are valid but whose contents cannot be a run's are
+/// refused: a variable stored twice (the last one won), a loss scale that is not
+/// positive and finite (-1 trained). A refused checkpoint's error points at `FILE.prev`
+/// where one exists.
+#[test]
+fn forged_checkpoints_with_valid_checksums_are_refused() {
+    use ampgraph::checkpoint;
+    use ampgraph::optim::LOSS_SCALE_VARIABLE;
+    let dir = test_dir("forged");
+    let path = dir.join("forged.ckpt");
+    let good = variables(&session());
+    let scalar = |v: f64| Tensor::from_f64(DType::F32, vec![], &[v]).unwrap();
+
+    let mut twice = good.clone();
+    twice.push(good[0].clone());
+    checkpoint::write(&path, &twice).unwrap();
+    let msg = checkpoint_message(session().restore(&path).unwrap_err());
+    assert!(
+        msg.contains(&format!("variable '{}' is stored twice", good[0].0)),
+        "{msg}"
+    );
+    // The write kept the good one before it as FILE.prev: the error says so.
+    let prev = previous_path(&path);
+    assert!(!prev.exists(), "no earlier checkpoint yet");
+
+    for bad in [-1.0, 0.0, f64::INFINITY] {
+        let mut forged: Vec<(String, Tensor)> = good.clone();
+        forged.retain(|(n, _)| n != LOSS_SCALE_VARIABLE);
+        forged.push((LOSS_SCALE_VARIABLE.to_string(), scalar(bad)));
+        checkpoint::write(&path, &forged).unwrap();
+        let options = RestoreOptions {
+            allow_non_finite: true,
+            ..RestoreOptions::default()
+        };
+        let msg = checkpoint_message(session().restore_with(&path, options).unwrap_err());
+        assert!(
+            msg.contains(&format!("variable '{LOSS_SCALE_VARIABLE}' is {bad}"))
+                && msg.contains("positive and finite"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(&format!(
+                "{} holds the checkpoint saved before it",
+                prev.display()
+            )),
+            "{msg}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

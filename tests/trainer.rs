@@ -226,3 +226,42 @@ fn a_trainers_checkpoint_restores_into_a_session_without_a_trainer() {
         trained.session.variable(&kernel)
     );
 }
+
+/// A loader whose epoch has no batch, and a position past the epoch's last batch (a
+/// forged or foreign checkpoint), are errors: neither trains no step and reports a
+/// loss of 0.
+#[test]
+fn an_epoch_without_a_step_is_an_error() {
+    let mut n = net(32);
+    let mut trainer = Trainer::new(
+        &mut n.session,
+        n.step.clone(),
+        n.images,
+        n.labels,
+        TrainOptions::default(),
+    )
+    .unwrap();
+    let data: Arc<dyn Dataset> = Arc::new(Mnist::synthetic(20, 1));
+    let options = LoaderOptions {
+        batch_size: 32,
+        drop_last: true,
+        workers: 0,
+        ..LoaderOptions::default()
+    };
+    let empty = Loader::new(data, options).unwrap();
+    let err = trainer
+        .epoch(&empty, Position::START)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("an epoch has no batch: 20 examples in batches of 32"),
+        "{err}"
+    );
+    let full = loader(0);
+    let past = Position { epoch: 1, batch: 8 };
+    let err = trainer.epoch(&full, past).unwrap_err().to_string();
+    assert!(
+        err.contains("batch 8 of epoch 1, is past the epoch's last batch (8 batches an epoch)"),
+        "{err}"
+    );
+}
