@@ -510,7 +510,8 @@ pub fn load(path: &str) -> Result<Graph> {
 /// Writes `bytes` to `path` atomically: a temporary file beside it, flushed to disk
 /// (`sync_all`), then a rename over `path`, then (on Unix) an fsync of the directory
 /// so that the rename itself survives a crash. On any error the temporary is removed
-/// and `path` is left as it was.
+/// and `path` is left as it was; temporaries of earlier writes whose process was
+/// killed are removed by the next write of the same file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_with(path, bytes, false)
 }
@@ -545,7 +546,8 @@ fn write_atomic_with(path: &Path, bytes: &[u8], keep_previous: bool) -> Result<(
     // own, never one the other truncated under it.
     static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let unique = format!(".tmp{}.{n}", std::process::id());
+    let unique = format!("{TEMPORARY}{}.{n}", std::process::id());
+    remove_stale_temporaries(path);
     let tmp = with_suffix(path, &unique);
     let prev = previous_path(path);
     let prev_tmp = with_suffix(&prev, &unique);
@@ -575,6 +577,44 @@ fn write_atomic_with(path: &Path, bytes: &[u8], keep_previous: bool) -> Result<(
         }
         io(e)
     })
+}
+
+/// What a write's temporary appends to the file's name, before `<pid>.<n>`.
+const TEMPORARY: &str = ".tmp";
+
+/// Removes the temporaries of earlier writes of `path` (and of its `.prev`) whose
+/// process is gone (killed between creating and renaming them): `PATH.tmp<pid>.<n>`
+/// where no process `<pid>` runs. Only where the OS lists its processes (`/proc`).
+fn remove_stale_temporaries(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let stale_pid = |file: &str| -> Option<u32> {
+        let rest = file.strip_prefix(name)?;
+        let rest = rest.strip_prefix(".prev").unwrap_or(rest);
+        let (pid, n) = rest.strip_prefix(TEMPORARY)?.split_once('.')?;
+        n.parse::<u64>().ok()?;
+        pid.parse().ok()
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(stale_pid) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Flushes the directory holding `path` (its entries: a rename), where the platform
