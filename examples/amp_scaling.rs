@@ -80,10 +80,10 @@ fn build(n: usize) -> Result<Graph, Box<dyn std::error::Error>> {
     Ok(g)
 }
 
-fn main() {
-    if let Err(e) = run() {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => ampgraph::cli::report_error(&e),
     }
 }
 

@@ -17,10 +17,10 @@ best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) 
 print(2 * n**3 / best / 1e9)
 ";
 
-fn main() {
-    if let Err(e) = run() {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => ampgraph::cli::report_error(&e),
     }
 }
 

@@ -44,13 +44,13 @@ struct Args {
     run: TrainArgs,
 }
 
-fn main() {
+fn main() -> std::process::ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .format_timestamp(None)
         .init();
-    if let Err(e) = run(Args::parse()) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+    match run(Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => ampgraph::cli::report_error(&e),
     }
 }
 

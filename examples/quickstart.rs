@@ -13,10 +13,10 @@ use ampgraph::graph::nn::{self, Activation};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
 use ampgraph::{DType, Device, Graph, Session, Tensor};
 
-fn main() {
-    if let Err(e) = run() {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => ampgraph::cli::report_error(&e),
     }
 }
 

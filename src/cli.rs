@@ -613,6 +613,37 @@ fn selected_passes(amp: bool, names: &[String]) -> Result<Vec<&str>> {
     }
 }
 
+/// The most characters of an error line (a message listing 60k nodes is cut, saying
+/// how much was left out).
+const MOST_ERROR_CHARS: usize = 2000;
+
+/// `message` as one bounded terminal line: line breaks and tabs become spaces, other
+/// control characters (a node name's ESC or BEL) are written as `\u{1b}`, and past
+/// [`MOST_ERROR_CHARS`] the rest is cut, with its length.
+pub fn error_line(message: &str) -> String {
+    let mut line = String::new();
+    let mut chars = message.chars();
+    for c in chars.by_ref().take(MOST_ERROR_CHARS) {
+        match c {
+            '\n' | '\r' | '\t' => line.push(' '),
+            c if c.is_control() => line.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => line.push(c),
+        }
+    }
+    let rest = chars.count();
+    if rest > 0 {
+        line.push_str(&format!(" ... ({rest} more characters)"));
+    }
+    line
+}
+
+/// Prints `error` to stderr as the command line's binaries do (`error: ` and
+/// [`error_line`]) and returns their exit status for bad input, 2.
+pub fn report_error(error: &dyn std::fmt::Display) -> std::process::ExitCode {
+    eprintln!("error: {}", error_line(&error.to_string()));
+    std::process::ExitCode::from(2)
+}
+
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     let files = Files::new(&cli)?;
     match cli.command {
@@ -1247,5 +1278,27 @@ mod tests {
         let off = run_args(&["--kernel-cache", "off"]).unwrap();
         assert_eq!(off.session_options().kernel_cache, KernelCache::Off);
         assert!(run_args(&["--kernel-cache", ""]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod error_line_tests {
+    use super::{error_line, MOST_ERROR_CHARS};
+
+    #[test]
+    fn error_lines_are_one_bounded_line_with_control_characters_escaped() {
+        assert_eq!(
+            error_line("node 'a\u{1b}[31mred\u{7}' (Add):\nbad\tinput"),
+            "node 'a\\u{1b}[31mred\\u{7}' (Add): bad input"
+        );
+        let long = "x".repeat(MOST_ERROR_CHARS + 1234);
+        let line = error_line(&long);
+        assert!(
+            line.ends_with(" ... (1234 more characters)"),
+            "{}",
+            &line[MOST_ERROR_CHARS..]
+        );
+        assert_eq!(line.chars().filter(|&c| c == 'x').count(), MOST_ERROR_CHARS);
+        assert_eq!(error_line("fine"), "fine");
     }
 }

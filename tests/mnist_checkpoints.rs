@@ -104,7 +104,7 @@ fn an_epoch_whose_loss_is_not_finite_saves_nothing() {
 #[test]
 fn errors_are_one_line() {
     let out = run(&["--resume"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     let lines: Vec<&str> = stderr
         .lines()
@@ -112,7 +112,7 @@ fn errors_are_one_line() {
         .collect();
     assert_eq!(lines, ["error: --resume needs --checkpoint PATH"]);
     let out = run(&["--epochs", "1", "--checkpoint", "/nonexistent-dir/m.ckpt"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     let last = stderr.lines().last().unwrap_or_default();
     assert!(

@@ -1117,10 +1117,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match bench(&args) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(2)
-        }
+        Err(e) => ampgraph::cli::report_error(&e),
     }
 }
 

@@ -11,10 +11,6 @@ fn main() -> ExitCode {
     let cli = ampgraph::cli::Cli::parse();
     match ampgraph::cli::run(cli, &mut std::io::stdout().lock()) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // One line, whatever the cause: newlines inside messages become spaces.
-            eprintln!("error: {}", e.to_string().replace('\n', " "));
-            ExitCode::from(2)
-        }
+        Err(e) => ampgraph::cli::report_error(&e),
     }
 }
