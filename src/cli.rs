@@ -12,7 +12,7 @@ use ampgraph_exec::feeds::seeded_tensor;
 use ampgraph_exec::{
     check_tensor_size, ExecError, ExecOptions, Feeds, KernelCache, DEFAULT_MAX_TENSOR_BYTES,
 };
-use ampgraph_exec::{cuda, memory_plan};
+use ampgraph_exec::{cuda, host_memory, memory_plan};
 use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::tensor::{bf16_from_f64, f16_from_f64};
@@ -1002,20 +1002,48 @@ fn make_feeds(g: &Graph, seed: u64, given: Option<&str>) -> Result<Feeds> {
     Ok(feeds)
 }
 
-/// Gives each node `take` accepts that `feeds` lacks its seeded value (`run --seed`'s).
+/// Gives each node `take` accepts that `feeds` lacks its seeded value (`run --seed`'s),
+/// after checking that they all fit the host's available memory (before any is made).
 fn seed_missing(
     g: &Graph,
     seed: u64,
     feeds: &mut Feeds,
     take: impl Fn(&ampgraph_graph::Node) -> bool,
 ) -> Result<()> {
-    for id in g.node_ids() {
-        let n = g.node(id);
-        if take(n) && !feeds.contains_key(&n.name) {
-            let ty = &n.outputs()[0];
-            check_tensor_size(&n.name, n.op.name(), ty, DEFAULT_MAX_TENSOR_BYTES)?;
-            feeds.insert(n.name.clone(), seeded_tensor(&n.name, ty, seed));
-        }
+    let missing: Vec<&ampgraph_graph::Node> = (g.node_ids())
+        .map(|id| g.node(id))
+        .filter(|n| take(n) && !feeds.contains_key(&n.name))
+        .collect();
+    for n in &missing {
+        check_tensor_size(
+            &n.name,
+            n.op.name(),
+            &n.outputs()[0],
+            DEFAULT_MAX_TENSOR_BYTES,
+        )?;
+    }
+    let bytes = |n: &ampgraph_graph::Node| n.outputs()[0].size_bytes();
+    let total: usize = missing.iter().map(|n| bytes(n)).sum();
+    if let Some(available) = host_memory::available_bytes().filter(|&a| total > a) {
+        let largest = missing
+            .iter()
+            .max_by_key(|n| bytes(n))
+            .map_or(String::new(), |n| {
+                format!(" (the largest: '{}' {})", n.name, n.outputs()[0])
+            });
+        return Err(ExecError::Memory(format!(
+            "the seeded feeds take {:.1} MiB{largest} but the host has {:.1} MiB available: \
+             feed smaller values with --feeds, or run on a larger machine",
+            memory_plan::mib(total),
+            memory_plan::mib(available)
+        ))
+        .into());
+    }
+    for n in missing {
+        feeds.insert(
+            n.name.clone(),
+            seeded_tensor(&n.name, &n.outputs()[0], seed),
+        );
     }
     Ok(())
 }

@@ -705,3 +705,28 @@ fn bench_reports_percentiles_throughput_and_the_batch() {
         "{text}"
     );
 }
+
+/// Seeded feeds larger than the host's available memory are refused before any value
+/// is made (16 GB of values were generated first: 48 s for an error needing no data).
+#[test]
+fn seeded_feeds_beyond_the_hosts_memory_are_refused_before_they_are_made() {
+    let s = Scratch::new("huge_feeds");
+    // 64 placeholders of 16 GiB, each within the tensor limit, 1 TiB together.
+    let nodes: Vec<String> = (0..64)
+        .map(|k| {
+            format!(r#"{{"name": "p{k}", "op": "Placeholder", "attrs": {{"dtype": "f32", "shape": [4294967296]}}}}"#)
+        })
+        .collect();
+    let graph = format!(
+        r#"{{"format": "ampgraph.graph", "version": 1, "nodes": [{}], "outputs": ["p0"]}}"#,
+        nodes.join(", ")
+    );
+    let path = s.write("huge.json", &graph);
+    let started = std::time::Instant::now();
+    let line = error_line(&["run", &path, "--device", "cpu"]);
+    assert!(
+        line.contains("the seeded feeds take 1048576.0 MiB") && line.contains("available"),
+        "{line}"
+    );
+    assert!(started.elapsed().as_secs() < 10, "{:?}", started.elapsed());
+}
