@@ -619,7 +619,7 @@ const MOST_ERROR_CHARS: usize = 2000;
 
 /// `message` as one bounded terminal line: line breaks and tabs become spaces, other
 /// control characters (a node name's ESC or BEL) are written as `\u{1b}`, and past
-/// [`MOST_ERROR_CHARS`] the rest is cut, with its length.
+/// 2000 characters the rest is cut, with its length.
 pub fn error_line(message: &str) -> String {
     let mut line = String::new();
     let mut chars = message.chars();

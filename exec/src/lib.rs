@@ -10,7 +10,7 @@ mod cpu;
 pub mod cuda;
 pub mod feeds;
 pub mod gradcheck;
-pub mod host_memory;
+pub use ampgraph_graph::host_memory;
 pub mod memory_plan;
 mod schedule;
 

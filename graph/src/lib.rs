@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod error;
 pub mod format;
 pub mod graph;
+pub mod host_memory;
 pub mod kernel;
 pub mod models;
 pub mod nn;

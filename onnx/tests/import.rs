@@ -440,3 +440,62 @@ fn duplicate_initializers_and_future_opsets_are_refused() {
     let e = err(&one_node("Add", &["x", "w"], vec![], 99));
     assert!(e.contains("opset 99 is newer than"), "{e}");
 }
+
+/// Constants a tiny file asks import to compute are refused before they are made when
+/// they exceed what the process can allocate (a 4 TiB ConstantOfShape, an Expand of a
+/// constant to the same size): the allocation would abort the process.
+#[test]
+fn constants_beyond_the_memory_budget_are_refused_before_they_are_made() {
+    let huge = TensorProto {
+        name: "shape".into(),
+        dims: vec![2],
+        data_type: 7,
+        int64_data: vec![1 << 20, 1 << 20],
+        ..TensorProto::default()
+    };
+    let one = TensorProto {
+        name: "one".into(),
+        dims: vec![1],
+        data_type: 1,
+        float_data: vec![1.0],
+        ..TensorProto::default()
+    };
+    for (op, inputs) in [
+        ("ConstantOfShape", vec!["shape"]),
+        ("Expand", vec!["one", "shape"]),
+    ] {
+        let graph = GraphProto {
+            initializer: vec![huge.clone(), one.clone()],
+            node: vec![NodeProto {
+                name: "big".into(),
+                op_type: op.into(),
+                input: inputs.iter().map(|s| s.to_string()).collect(),
+                output: vec!["y".into()],
+                ..NodeProto::default()
+            }],
+            output: vec![input("y", &[1 << 20, 1 << 20])],
+            ..GraphProto::default()
+        };
+        let model = ModelProto {
+            ir_version: 8,
+            opset_import: vec![OperatorSetIdProto {
+                domain: String::new(),
+                version: 17,
+            }],
+            graph: Some(graph),
+            ..ModelProto::default()
+        };
+        let started = std::time::Instant::now();
+        let err = import_model(&model, None, &ImportOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("'big'")
+                && err.contains("f32[1048576, 1048576]")
+                && err.contains("4194304.0 MiB")
+                && err.contains("can still allocate"),
+            "{op}: {err}"
+        );
+        assert!(started.elapsed().as_secs() < 2, "{op}");
+    }
+}

@@ -13,6 +13,7 @@ mod ops;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
+use ampgraph_graph::host_memory;
 use ampgraph_graph::ops::{Const, Placeholder};
 use ampgraph_graph::{Graph, Op, Port, Tensor, TensorType};
 use ampgraph_passes::recognize_gelu::RecognizeGelu;
@@ -849,6 +850,28 @@ impl NodeCx<'_> {
         Ok(vec![self.emit_out(0, op, inputs)?])
     }
 
+    /// Refuses constants of `outputs`' types where they would take more memory than
+    /// the process can still allocate: a tiny file may ask for any size
+    /// (ConstantOfShape of [65536, 65536]), and the allocation would abort the process.
+    pub fn admit(&self, outputs: &[TensorType]) -> Result<()> {
+        let bytes = outputs.iter().try_fold(0usize, |sum, t| {
+            let one = t.checked_len()?.checked_mul(t.dtype.size_bytes())?;
+            sum.checked_add(one)
+        });
+        let available = host_memory::available_bytes().unwrap_or(usize::MAX);
+        if bytes.is_some_and(|b| b <= available) {
+            return Ok(());
+        }
+        let mib = |b: usize| format!("{:.1} MiB", b as f64 / 1048576.0);
+        let shown: Vec<String> = outputs.iter().map(|t| t.to_string()).collect();
+        Err(self.err(format!(
+            "computing it at import makes {} ({}), beyond the {} this process can still allocate",
+            shown.join(", "),
+            bytes.map_or("more bytes than can be addressed".into(), mib),
+            mib(available)
+        )))
+    }
+
     fn add(&mut self, stem: String, op: Box<dyn Op>, inputs: &[Value]) -> Result<Value> {
         if inputs.iter().all(|v| matches!(v, Value::Const(_))) && !inputs.is_empty() {
             let ts: Vec<&Tensor> = inputs
@@ -860,7 +883,8 @@ impl NodeCx<'_> {
                 .collect();
             let types: Vec<TensorType> = ts.iter().map(|t| t.ty()).collect();
             let type_refs: Vec<&TensorType> = types.iter().collect();
-            op.infer(&type_refs).map_err(|m| self.err(m))?;
+            let outputs = op.infer(&type_refs).map_err(|m| self.err(m))?;
+            self.admit(&outputs)?;
             let mut out = op.eval(&ts).map_err(|m| self.err(m))?;
             if out.is_empty() {
                 return Err(self.err(format!("{} computed nothing", op.name())));

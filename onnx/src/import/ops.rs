@@ -11,7 +11,7 @@ use ampgraph_graph::ops::{
 use ampgraph_graph::ops::{Conv2DBackpropInput, CoordinateTransform, Resize, ResizeMode};
 use ampgraph_graph::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
 use ampgraph_graph::tensor::strides;
-use ampgraph_graph::{DType, Data, Tensor};
+use ampgraph_graph::{DType, Data, Tensor, TensorType};
 
 use super::{NodeCx, Value};
 use crate::error::Result;
@@ -1160,6 +1160,7 @@ fn constant_of_shape(cx: &mut NodeCx) -> Result<Vec<Value>> {
         .tensor_attr("value")?
         .unwrap_or_else(|| Tensor::scalar(DType::F32, 0.0));
     let v = fill.to_f64_vec().first().copied().unwrap_or(0.0);
+    cx.admit(&[TensorType::new(fill.dtype(), shape.clone())])?;
     let n: usize = shape.iter().product();
     let t = Tensor::from_f64(fill.dtype(), shape, &vec![v; n]).map_err(|m| cx.err(m))?;
     Ok(vec![Value::Const(t)])
@@ -1177,9 +1178,10 @@ fn range(cx: &mut NodeCx) -> Result<Vec<Value>> {
         return Err(cx.err("delta is 0"));
     }
     let n = ((l - s) / d).ceil().max(0.0);
-    if n > 1e9 {
+    if n > 1e12 {
         return Err(cx.err(format!("the range has {n} elements")));
     }
+    cx.admit(&[TensorType::new(start.dtype(), [n as usize])])?;
     let values: Vec<f64> = (0..n as usize).map(|i| s + i as f64 * d).collect();
     let t = Tensor::from_f64(start.dtype(), vec![n as usize], &values).map_err(|m| cx.err(m))?;
     Ok(vec![Value::Const(t)])
