@@ -203,6 +203,12 @@ fn check_success(what: &str, out: &Output) -> Result<(), String> {
 /// Runs `run`, `rewrite --amp` and `plan` on a file and checks all fail properly
 /// (`rewrite` and `plan` succeed where only running is impossible).
 fn check_file(path: &str, expect: &[&str], rewrite_fails: bool, failures: &mut Vec<String>) {
+    // An error found reading the file (rewrite and plan fail too) names the file.
+    let mut with_file = expect.to_vec();
+    if rewrite_fails {
+        with_file.push(path);
+    }
+    let expect = &with_file[..];
     let run = ampgraph(&["run", path, "--device", "cpu"], None);
     if let Err(e) = check_failure(&format!("run {path}"), &run, expect) {
         failures.push(e);

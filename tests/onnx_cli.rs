@@ -52,6 +52,7 @@ fn path(p: &Path) -> &str {
 #[test]
 fn bad_models_are_one_line_errors_naming_the_problem() {
     let cases: &[(&str, &[&str])] = &[
+        ("empty.onnx", &["empty.onnx", "the file is empty"]),
         (
             "truncated.onnx",
             &["truncated.onnx", "not a valid ONNX model"],

@@ -22,6 +22,13 @@ pub enum GraphError {
         #[source]
         source: std::io::Error,
     },
+    /// A problem in the file `path` (its syntax or one of its nodes).
+    #[error("{path}: {source}")]
+    InFile {
+        path: String,
+        #[source]
+        source: Box<GraphError>,
+    },
 }
 
 impl GraphError {

@@ -489,6 +489,7 @@ pub fn graph_from_bytes(bytes: &[u8]) -> Result<Graph> {
 
 /// Loads a `.json` or `.bin` graph file; `-` reads JSON from standard input.
 pub fn load(path: &str) -> Result<Graph> {
+    let shown = if path == "-" { "<stdin>" } else { path };
     let bytes = if path == "-" {
         let mut buf = Vec::new();
         std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf).map_err(|source| {
@@ -504,7 +505,16 @@ pub fn load(path: &str) -> Result<Graph> {
             source,
         })?
     };
-    graph_from_bytes(&bytes)
+    let parsed = match path.ends_with(".bin") && !is_bin(&bytes) {
+        true => Err(GraphError::Format(
+            "not an ampgraph binary graph: it does not begin with the format's header".into(),
+        )),
+        false => graph_from_bytes(&bytes),
+    };
+    parsed.map_err(|e| GraphError::InFile {
+        path: shown.into(),
+        source: Box::new(e),
+    })
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file beside it, flushed to disk

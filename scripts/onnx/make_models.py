@@ -664,6 +664,9 @@ def write_bad(out):
         with open(os.path.join(d, name), "wb") as f:
             f.write(data)
 
+    # empty: no bytes at all (protobuf decodes them as an empty model)
+    save("empty.onnx", b"")
+
     # truncated: a valid model cut inside the graph message (inside the initializer's bytes)
     full = small_valid_model().SerializeToString()
     cut = len(full) // 2

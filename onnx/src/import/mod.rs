@@ -76,6 +76,12 @@ pub fn import_bytes(
     base: Option<&Path>,
     opts: &ImportOptions,
 ) -> Result<Graph> {
+    if bytes.is_empty() {
+        return Err(OnnxError::Decode {
+            path: shown.into(),
+            msg: "the file is empty".into(),
+        });
+    }
     let model = decode_model(bytes, shown)?;
     import_model(&model, base, opts)
 }
