@@ -1234,6 +1234,15 @@ fn write_json_outputs(
     out.write_all(b"]}\n")
 }
 
+/// `x` for a person: six decimals, or six significant digits in scientific notation
+/// where decimals would hide it (1e-10 is not `0.000000`, nor 3e12 thirteen digits).
+fn readable(x: f64) -> String {
+    match x.abs() {
+        a if a == 0.0 || !a.is_finite() || (1e-4..1e9).contains(&a) => format!("{x:.6}"),
+        _ => format!("{x:.5e}"),
+    }
+}
+
 /// `name: type`, then the first values and, for a longer tensor, how many values there
 /// are, how many are NaN or infinite, and the finite ones' range and mean.
 fn write_text_output(name: &str, t: &Tensor, out: &mut dyn Write) -> std::io::Result<()> {
@@ -1242,7 +1251,7 @@ fn write_text_output(name: &str, t: &Tensor, out: &mut dyn Write) -> std::io::Re
     let (mut min, mut max, mut sum) = (f64::INFINITY, f64::NEG_INFINITY, 0.0);
     for (i, x) in t.data().iter_f64().enumerate() {
         if i < TEXT_VALUES {
-            write!(out, "{}{x:.6}", if i > 0 { ", " } else { "" })?;
+            write!(out, "{}{}", if i > 0 { ", " } else { "" }, readable(x))?;
         }
         if x.is_nan() {
             nan += 1;
@@ -1267,8 +1276,10 @@ fn write_text_output(name: &str, t: &Tensor, out: &mut dyn Write) -> std::io::Re
         0 => out.write_all(b", none finite)\n"),
         _ => writeln!(
             out,
-            "; finite: min {min:.6}, max {max:.6}, mean {:.6})",
-            sum / finite as f64
+            "; finite: min {}, max {}, mean {})",
+            readable(min),
+            readable(max),
+            readable(sum / finite as f64)
         ),
     }
 }
@@ -1276,6 +1287,17 @@ fn write_text_output(name: &str, t: &Tensor, out: &mut dyn Write) -> std::io::Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_and_large_values_read_as_themselves() {
+        assert_eq!(readable(0.0), "0.000000");
+        assert_eq!(readable(-1.5), "-1.500000");
+        assert_eq!(readable(1e-10), "1.00000e-10");
+        assert_eq!(readable(-2.5e-7), "-2.50000e-7");
+        assert_eq!(readable(3e12), "3.00000e12");
+        assert_eq!(readable(f64::NAN), "NaN");
+        assert_eq!(readable(f64::NEG_INFINITY), "-inf");
+    }
 
     fn run_args(extra: &[&str]) -> std::result::Result<ExecutorArgs, clap::Error> {
         let args = ["ampgraph", "run", "g.json"].iter().chain(extra);
