@@ -68,3 +68,21 @@ fn an_image_of_another_size_is_one_line_naming_it() {
     );
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// A folder without class folders says what it looked for (it said "no MNIST files
+/// found").
+#[test]
+fn a_folder_without_classes_says_what_it_looked_for() {
+    let root = std::env::temp_dir().join(format!("ampgraph-folder-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&root).unwrap();
+    let out = run(&["--data", root.to_str().unwrap(), "--epochs", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "no image folder found (looked for class folders holding PNG or JPEG images)"
+        ),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(root).unwrap();
+}

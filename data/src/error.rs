@@ -40,8 +40,20 @@ pub enum DataError {
         index: usize,
         label: u8,
     },
-    #[error("{dir}: no MNIST files found (looked for {looked})")]
-    NotFound { dir: String, looked: String },
+    /// Nothing of the data set in `dir`: `what` it is, and what was looked for.
+    #[error("{dir}: no {what} found (looked for {looked})")]
+    NotFound {
+        dir: String,
+        what: &'static str,
+        looked: String,
+    },
+    /// Half of a pair of files: one found, its partner not.
+    #[error("{dir}: {found} is there but {missing} is not")]
+    Incomplete {
+        dir: String,
+        found: String,
+        missing: String,
+    },
     #[error("example {index} is out of range for a data set of {len}")]
     Index { index: usize, len: usize },
     #[error("{path}: cannot decode the image: {msg}")]

@@ -68,6 +68,7 @@ impl ImageFolder {
         let Some((first, _)) = files.first() else {
             return Err(DataError::NotFound {
                 dir: display(&root),
+                what: "image folder",
                 looked: "class folders holding PNG or JPEG images".into(),
             });
         };

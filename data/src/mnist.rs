@@ -75,8 +75,9 @@ impl Mnist {
         match Mnist::load_split(dir, Split::Train) {
             Err(DataError::NotFound { .. }) => {
                 Mnist::load_split(dir, Split::Test).map_err(|e| match e {
-                    DataError::NotFound { dir, .. } => DataError::NotFound {
+                    DataError::NotFound { dir, what, .. } => DataError::NotFound {
                         dir,
+                        what,
                         looked: "train-* and t10k-*-idx?-ubyte[.gz]".into(),
                     },
                     other => other,
@@ -100,11 +101,22 @@ impl Mnist {
             &format!("{p}-labels-idx1-ubyte"),
             &format!("{p}-labels.idx1-ubyte"),
         );
-        let (Some(images), Some(labels)) = (images, labels) else {
-            return Err(DataError::NotFound {
-                dir: display(dir),
-                looked: format!("{p}-images-idx3-ubyte[.gz] and {p}-labels-idx1-ubyte[.gz]"),
-            });
+        let (images_name, labels_name) = (
+            format!("{p}-images-idx3-ubyte[.gz]"),
+            format!("{p}-labels-idx1-ubyte[.gz]"),
+        );
+        let (images, labels) = match (images, labels) {
+            (Some(images), Some(labels)) => (images, labels),
+            (None, None) => {
+                return Err(DataError::NotFound {
+                    dir: display(dir),
+                    what: "MNIST files",
+                    looked: format!("{images_name} and {labels_name}"),
+                })
+            }
+            // Half a split is an error, not a reason to take another split.
+            (Some(found), None) => return Err(incomplete(dir, &found, labels_name)),
+            (None, Some(found)) => return Err(incomplete(dir, &found, images_name)),
         };
         let (rows, cols, pixels) = load_idx_images(&images)?;
         let labels_vec = load_idx_labels(&labels)?;
@@ -237,6 +249,19 @@ impl Dataset for Mnist {
 
     fn describe(&self) -> String {
         self.source.clone()
+    }
+}
+
+/// The error of a split whose file `found` is in `dir` without its partner `missing`.
+fn incomplete(dir: &Path, found: &Path, missing: String) -> DataError {
+    DataError::Incomplete {
+        dir: display(dir),
+        found: found
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned(),
+        missing,
     }
 }
 

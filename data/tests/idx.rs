@@ -321,3 +321,29 @@ fn new_checks_its_parts() {
     assert!(Mnist::new(0, 2, vec![], vec![]).is_err());
     assert!(Mnist::new(2, 2, vec![0; 8], vec![1, 11]).is_err());
 }
+
+/// Half a split is an error naming the file that is missing, not a reason to train on
+/// the other split (train-images beside the t10k files, without train-labels, trained
+/// on t10k silently).
+#[test]
+fn half_a_split_names_the_missing_file() {
+    let dir = scratch("half-split");
+    for f in ["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"] {
+        std::fs::copy(mnist_dir().join(f), dir.join(f)).unwrap();
+    }
+    std::fs::copy(
+        mnist_dir().join("t10k-images-idx3-ubyte.gz"),
+        dir.join("train-images-idx3-ubyte.gz"),
+    )
+    .unwrap();
+    let err = Mnist::load(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("train-images-idx3-ubyte.gz is there but train-labels-idx1-ubyte[.gz] is not"),
+        "{err}"
+    );
+    let empty = scratch("no-mnist");
+    let err = Mnist::load(&empty).unwrap_err().to_string();
+    assert!(err.contains("no MNIST files found"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&empty);
+}
