@@ -12,7 +12,7 @@ use std::path::Path;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use ampgraph_graph::format::{previous_path, write_atomic_keeping_previous};
+use ampgraph_graph::format::{describe_decode_error, previous_path, write_atomic_keeping_previous};
 use ampgraph_graph::{DType, Data, Tensor};
 
 use crate::optim::LOSS_SCALE_VARIABLE;
@@ -216,7 +216,7 @@ fn decode_checkpoint(path: &Path, bytes: &[u8]) -> Result<Vec<CheckpointEntry>, 
         Ok(_) if !file_ok => return Err(file_corrupt()),
         Ok(_) => return Err(err("corrupt: trailing bytes".into())),
         Err(_) if !file_ok => return Err(file_corrupt()),
-        Err(e) => return Err(err(format!("corrupt: {e}"))),
+        Err(e) => return Err(err(format!("corrupt: {}", describe_decode_error(&e)))),
     };
     for e in &entries {
         if entry_checksum(&e.name, e.dtype, &e.shape, &e.bytes) != e.checksum {

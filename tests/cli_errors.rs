@@ -152,6 +152,22 @@ fn ampgraph(args: &[&str], stdin: Option<&[u8]>) -> Output {
 
 /// Checks the contract of a failing command: status 2, one `error: ` line holding
 /// every expected substring, no panic text. Returns a description of what is wrong.
+/// Rust's debug form of a value in `line`, where there is one: a struct or enum
+/// variant with fields (`UnexpectedEnd { additional: 5 }`), an `Option`, an escaped
+/// string.
+fn debug_text(line: &str) -> Option<&str> {
+    let struct_like = line.find(" { ").filter(|&at| {
+        let before = line[..at].rsplit(' ').next().unwrap_or("");
+        before.chars().next().is_some_and(char::is_uppercase)
+            && before.chars().all(char::is_alphanumeric)
+    });
+    let at = struct_like
+        .or_else(|| line.find("Some("))
+        .or_else(|| line.find("None,"))
+        .or_else(|| line.find("\\\""))?;
+    Some(&line[at.saturating_sub(20)..line.len().min(at + 30)])
+}
+
 fn check_failure(what: &str, out: &Output, expect: &[&str]) -> Result<(), String> {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let mut problems = Vec::new();
@@ -174,6 +190,9 @@ fn check_failure(what: &str, out: &Output, expect: &[&str]) -> Result<(), String
                 if !line.contains(s) {
                     problems.push(format!("the error does not mention {s:?}"));
                 }
+            }
+            if let Some(debug) = debug_text(line) {
+                problems.push(format!("debug formatting in the error: {debug:?}"));
             }
         }
         _ => problems.push("stderr does not start with 'error: '".to_string()),

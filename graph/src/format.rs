@@ -444,6 +444,23 @@ pub fn to_bin(def: &GraphDef) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// What a bincode decoding error means for a reader of the file (bincode's own text
+/// is its enum's debug form: `UnexpectedEnd { additional: 5 }`).
+pub fn describe_decode_error(e: &bincode::error::DecodeError) -> String {
+    use bincode::error::DecodeError as E;
+    match e {
+        E::UnexpectedEnd { additional } => {
+            format!("the data ends {additional} byte(s) before its last value")
+        }
+        E::LimitExceeded => "a length exceeds what the file can hold".into(),
+        E::Utf8 { .. } | E::InvalidCharEncoding(_) => "a name is not valid UTF-8".into(),
+        E::OutsideUsizeRange(n) => format!("a length of {n} exceeds this machine's addresses"),
+        E::UnexpectedVariant { found, .. } => format!("an unknown tag {found}"),
+        E::InvalidBooleanValue(b) => format!("{b} where a boolean (0 or 1) belongs"),
+        _ => "a value of the wrong kind".into(),
+    }
+}
+
 pub fn is_bin(bytes: &[u8]) -> bool {
     bytes.starts_with(BIN_MAGIC)
 }
@@ -468,7 +485,12 @@ pub fn from_bin(bytes: &[u8]) -> Result<GraphDef> {
         )));
     }
     let (def, used): (GraphDef, usize) = bincode::serde::decode_from_slice(body, bin_config())
-        .map_err(|e| format_err(format!("corrupt binary graph: {e}")))?;
+        .map_err(|e| {
+            format_err(format!(
+                "corrupt binary graph: {}",
+                describe_decode_error(&e)
+            ))
+        })?;
     if used != body.len() {
         return Err(format_err("corrupt binary graph: trailing bytes"));
     }
