@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::Value;
 use thiserror::Error;
 
-use ampgraph_exec::feeds::seeded_tensor;
+use ampgraph_exec::feeds::{initial_value, seeded_tensor};
 use ampgraph_exec::{
     check_tensor_size, ExecError, ExecOptions, Feeds, KernelCache, DEFAULT_MAX_TENSOR_BYTES,
 };
@@ -127,10 +127,25 @@ impl Files {
         Ok(format::load(path)?)
     }
 
-    /// Writes `g` by `path`'s extension: `.onnx`, `.bin`, or JSON (any other).
+    /// Writes `g` by `path`'s extension: `.onnx` (its Variables as initializers holding
+    /// their initial values, as a session with seed 0 gives them: ONNX has no
+    /// variables), `.bin`, or JSON (any other).
     fn save(&self, g: &Graph, path: &Path) -> Result<()> {
         if ampgraph_onnx::is_onnx_path(path) {
-            return Ok(ampgraph_onnx::export_file(g, path, &self.export)?);
+            let mut g = g.clone();
+            let variables: Vec<_> = (g.node_ids())
+                .filter(|&id| g.node(id).op.is::<Variable>())
+                .collect();
+            for id in variables {
+                let node = g.node(id);
+                let Some(var) = node.op.downcast_ref::<Variable>() else {
+                    continue;
+                };
+                check_tensor_size(&node.name, "Variable", &var.ty, DEFAULT_MAX_TENSOR_BYTES)?;
+                let value = initial_value(&node.name, var, 0);
+                g.set_node(id, Box::new(ampgraph_graph::ops::Const::new(value)), &[])?;
+            }
+            return Ok(ampgraph_onnx::export_file(&g, path, &self.export)?);
         }
         let fmt = if path.extension().is_some_and(|e| e == "bin") {
             DumpFormat::Bin

@@ -282,3 +282,45 @@ fn rewrite_and_convert_write_onnx_that_reads_back() {
     ]));
     assert!(line.contains(".json, .bin or .onnx"), "{line}");
 }
+
+/// A graph with Variables and a loss converts to ONNX (ONNX has no variables: they
+/// become initializers holding their initial values, as a session with seed 0 gives
+/// them; the loss becomes SoftmaxCrossEntropyLoss), and the ONNX model computes what a
+/// session of the graph computes on the same inputs.
+#[test]
+fn a_graph_with_variables_and_a_loss_converts_to_onnx_that_runs_the_same() {
+    use ampgraph::exec::feeds::seeded_tensor;
+    use ampgraph::{Device, Session};
+    let graph = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/graphs/mlp.json");
+    let onnx = std::env::temp_dir().join(format!("ampgraph-mlp-{}.onnx", std::process::id()));
+    let converted = ampgraph(&["convert", path(&graph), "-o", path(&onnx)]);
+    assert!(converted.status.success(), "{converted:?}");
+    // The graph in a session (Variables initialized, seed 0), fed as `run` feeds.
+    let g = ampgraph::graph::format::load(path(&graph)).unwrap();
+    let mut feeds = ampgraph::exec::Feeds::new();
+    for name in ["x", "labels"] {
+        let ty = g.node(g.require(name).unwrap()).outputs()[0].clone();
+        feeds.insert(name.to_string(), seeded_tensor(name, &ty, 0));
+    }
+    let outputs = g.outputs().to_vec();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    let want: Vec<f64> = (session.run(&outputs, &feeds).unwrap().iter())
+        .flat_map(|t| t.to_f64_vec())
+        .collect();
+    let out = stdout(&ampgraph(&[
+        "run",
+        path(&onnx),
+        "--device",
+        "cpu",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let got: Vec<f64> = (v["outputs"].as_array().unwrap().iter())
+        .flat_map(|o| o["values"].as_array().unwrap().clone())
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(want.len(), got.len());
+    let worst = (want.iter().zip(&got)).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst < 1e-6, "largest difference {worst}");
+    std::fs::remove_file(onnx).unwrap();
+}

@@ -11,7 +11,7 @@ use ampgraph_graph::ops::{
     AvgPool, BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, BroadcastTo, Cast, Compare,
     Concat, Const, Conv2D, DataFormat, FusedMatMul, Gather, LayerNorm, LogSoftmax, Logical, MatMul,
     MaxPool, NormActivation, Not, Pad, PadMode, Padding, Placeholder, Reduce, ReduceKind, Reshape,
-    Slice, Softmax, Transpose, Unary, UnaryKind, Where,
+    Slice, Softmax, SoftmaxCrossEntropy, Transpose, Unary, UnaryKind, Where,
 };
 use ampgraph_graph::ops::{Conv2DBackpropInput, Resize, ResizeMode};
 use ampgraph_graph::{DType, Data, Graph, NodeId, Op, Port, Tensor, TensorType};
@@ -651,6 +651,13 @@ impl<'g> Exporter<'g> {
         if let Some(s) = op.downcast_ref::<Softmax>() {
             let x = self.value(inputs[0])?;
             self.finish("Softmax", vec![x], vec![attr_int("axis", s.axis)]);
+            return Ok(());
+        }
+        if op.is::<SoftmaxCrossEntropy>() {
+            // The mean over the rows of -log softmax(x)[label]: ONNX's default reduction.
+            let (x, labels) = (self.value(inputs[0])?, self.value(inputs[1])?);
+            let mean = vec![attr_string("reduction", "mean")];
+            self.finish("SoftmaxCrossEntropyLoss", vec![x, labels], mean);
             return Ok(());
         }
         if let Some(s) = op.downcast_ref::<LogSoftmax>() {

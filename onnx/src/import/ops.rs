@@ -6,7 +6,7 @@ use ampgraph_graph::ops::{
     AvgPool, BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, BroadcastTo, Cast, Compare,
     CompareKind, Concat, Conv2D, DataFormat, Gather, LayerNorm, LogSoftmax, Logical, LogicalKind,
     MatMul, MaxPool, NormActivation, Not, Pad, PadMode, Padding, Reduce, ReduceKind, Reshape,
-    Slice, Softmax, Transpose, Unary, UnaryKind, Where,
+    Slice, Softmax, SoftmaxCrossEntropy, Transpose, Unary, UnaryKind, Where,
 };
 use ampgraph_graph::ops::{Conv2DBackpropInput, CoordinateTransform, Resize, ResizeMode};
 use ampgraph_graph::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
@@ -66,6 +66,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "GatherElements" => gather_elements,
         "ScatterND" => scatter_nd,
         "Einsum" => super::einsum::einsum,
+        "SoftmaxCrossEntropyLoss" => softmax_cross_entropy,
         _ => return None,
     })
 }
@@ -921,6 +922,7 @@ pub(super) fn arity(op_type: &str) -> (usize, usize) {
         | "LessOrEqual" | "Greater" | "GreaterOrEqual" | "And" | "Or" | "Xor" | "Reshape"
         | "Expand" | "Gather" | "GatherElements" => (2, 2),
         "Range" | "Where" | "ScatterND" => (3, 3),
+        "SoftmaxCrossEntropyLoss" => (2, 3),
         "BatchNormalization" => (5, 5),
         "Max" | "Min" | "Sum" | "Mean" | "Concat" | "Einsum" => (1, ANY),
         "Gemm" | "Conv" | "ConvTranspose" | "LayerNormalization" => (2, 3),
@@ -1491,6 +1493,26 @@ fn scattered<T: Scattered>(
         };
     }
     out
+}
+
+/// ONNX SoftmaxCrossEntropyLoss as ampgraph's loss computes it: scores [N, C], integer
+/// labels [N], the mean over the rows; weights, ignore_index, other reductions and the
+/// log-probabilities output are refused.
+fn softmax_cross_entropy(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    if cx.num_inputs() > 2 {
+        return Err(cx.err("class weights are not supported"));
+    }
+    if cx.node.output.len() > 1 {
+        return Err(cx.err("the log-probabilities output is not supported"));
+    }
+    let reduction = cx.string_attr("reduction", "mean")?;
+    if reduction != "mean" || cx.int_attr("ignore_index", i64::MIN)? != i64::MIN {
+        return Err(cx.err(format!(
+            "only the mean over every row is supported (reduction '{reduction}', ignore_index)"
+        )));
+    }
+    let (x, labels) = (cx.input(0)?, cx.input(1)?);
+    cx.out(SoftmaxCrossEntropy, &[x, labels])
 }
 
 fn where_(cx: &mut NodeCx) -> Result<Vec<Value>> {
