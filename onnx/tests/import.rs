@@ -499,3 +499,52 @@ fn constants_beyond_the_memory_budget_are_refused_before_they_are_made() {
         assert!(started.elapsed().as_secs() < 2, "{op}");
     }
 }
+
+/// A Conv whose kernel_shape contradicts its weights is refused (it ran with the
+/// weights' shape, silently).
+#[test]
+fn a_conv_kernel_shape_contradicting_its_weights_is_refused() {
+    let w = TensorProto {
+        name: "w".into(),
+        dims: vec![4, 3, 3, 3],
+        data_type: 1,
+        float_data: vec![0.5; 108],
+        ..TensorProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[1, 3, 8, 8])],
+        initializer: vec![w],
+        node: vec![NodeProto {
+            name: "conv".into(),
+            op_type: "Conv".into(),
+            input: vec!["x".into(), "w".into()],
+            output: vec!["y".into()],
+            attribute: vec![AttributeProto {
+                name: "kernel_shape".into(),
+                r#type: attribute_type::INTS,
+                ints: vec![5, 5],
+                ..AttributeProto::default()
+            }],
+            ..NodeProto::default()
+        }],
+        output: vec![input("y", &[1, 4, 6, 6])],
+        ..GraphProto::default()
+    };
+    let model = ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: 17,
+        }],
+        graph: Some(graph),
+        ..ModelProto::default()
+    };
+    let err = import_model(&model, None, &ImportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("'conv'")
+            && err.contains("kernel_shape [5, 5] contradicts the weights' spatial dims [3, 3]"),
+        "{err}"
+    );
+}

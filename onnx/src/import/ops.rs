@@ -551,6 +551,17 @@ fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
         .ok_or_else(|| cx.err("group must be positive"))?;
     let strides = per_axis(cx, "strides", n)?;
     let kernel = &ws[2..];
+    if let Some(declared) = cx.ints_attr("kernel_shape")? {
+        if !declared
+            .iter()
+            .map(|&k| k as usize)
+            .eq(kernel.iter().copied())
+        {
+            return Err(cx.err(format!(
+                "kernel_shape {declared:?} contradicts the weights' spatial dims {kernel:?}"
+            )));
+        }
+    }
     let mut pads = window_pads(cx, &xs[2..], kernel, &strides)?;
     let mut strides2 = [strides[0], 1];
     if n == 2 {
