@@ -548,3 +548,26 @@ fn a_conv_kernel_shape_contradicting_its_weights_is_refused() {
         "{err}"
     );
 }
+
+/// A Split into more outputs than its axis has elements is refused (empty outputs
+/// were accepted).
+#[test]
+fn a_split_into_more_outputs_than_elements_is_refused() {
+    let mut m = one_node("Split", &["x"], vec![], 17);
+    let node = &mut m.graph.as_mut().unwrap().node[0];
+    node.output = vec!["a".into(), "b".into(), "c".into()];
+    node.attribute = vec![AttributeProto {
+        name: "axis".into(),
+        r#type: attribute_type::INT,
+        i: 0,
+        ..AttributeProto::default()
+    }];
+    m.graph.as_mut().unwrap().output = vec![input("a", &[1, 3])];
+    let err = import_model(&m, None, &ImportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("3 outputs from an axis of 2 elements"),
+        "{err}"
+    );
+}

@@ -1092,7 +1092,13 @@ fn split(cx: &mut NodeCx) -> Result<Vec<Value>> {
             })
             .collect::<Result<_>>()?,
         None => {
-            // Equal parts, the last smaller (opset 18's num_outputs rule).
+            // Equal parts, the last smaller (opset 18's num_outputs rule); none empty.
+            if outputs > s[axis] {
+                return Err(cx.err(format!(
+                    "{outputs} outputs from an axis of {} elements: some would be empty",
+                    s[axis]
+                )));
+            }
             let each = s[axis].div_ceil(outputs.max(1));
             (0..outputs)
                 .map(|k| each.min(s[axis].saturating_sub(k * each)))
