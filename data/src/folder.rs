@@ -93,12 +93,25 @@ impl ImageFolder {
     }
 }
 
+/// The image at `path`, decoded within the image crate's default allocation limit,
+/// lowered to the memory the process can still allocate: the decoder checks the
+/// header's dimensions against it before it allocates (a small file can declare any
+/// size).
 fn decode(path: &Path) -> Result<DynamicImage> {
     let bytes = std::fs::read(path).map_err(io_error(path))?;
-    image::load_from_memory(&bytes).map_err(|e| DataError::Decode {
+    let err = |e: image::ImageError| DataError::Decode {
         path: display(path),
         msg: e.to_string(),
-    })
+    };
+    let mut reader = image::ImageReader::new(std::io::Cursor::new(&bytes))
+        .with_guessed_format()
+        .map_err(io_error(path))?;
+    let mut limits = image::Limits::default();
+    if let Some(available) = ampgraph_graph::host_memory::available_bytes() {
+        limits.max_alloc = limits.max_alloc.map(|most| most.min(available as u64));
+    }
+    reader.limits(limits);
+    reader.decode().map_err(err)
 }
 
 fn shape_of(image: &DynamicImage) -> [usize; 3] {

@@ -136,6 +136,30 @@ impl Loader {
                 dataset.describe()
             )));
         }
+        // The batches in flight (made ahead, and the one in use) as f32, before any is
+        // made: two 12000x12000 images in batches of 32 asked for 18 GB and aborted.
+        let example: usize = dataset.shape().iter().product();
+        let in_flight = options.prefetch.max(1).saturating_add(1);
+        // A batch holds at most the whole set.
+        let per_batch = options.batch_size.min(dataset.len());
+        let bytes = (example.checked_mul(per_batch))
+            .and_then(|b| b.checked_mul(4))
+            .and_then(|b| b.checked_mul(in_flight));
+        let available = ampgraph_graph::host_memory::available_bytes().unwrap_or(usize::MAX);
+        if bytes.is_none_or(|b| b > available) {
+            let mib = |b: usize| b as f64 / 1048576.0;
+            return Err(DataError::Invalid(format!(
+                "{}: {in_flight} batches of {per_batch} examples of shape {:?} in flight take \
+                 {}, beyond the {:.1} MiB available: a smaller batch size or prefetch",
+                dataset.describe(),
+                dataset.shape(),
+                bytes.map_or("more bytes than can be addressed".into(), |b| format!(
+                    "{:.1} MiB",
+                    mib(b)
+                )),
+                mib(available)
+            )));
+        }
         Ok(Loader {
             dataset,
             transforms: Arc::new(Vec::new()),

@@ -283,3 +283,46 @@ fn an_image_folder_reads_grey_and_16_bit_images_in_their_own_channels() {
     assert_eq!(set.get(0).unwrap().values, [0.2, 0.4, 1.0, 0.0]);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Examples as large as a header may declare (a 4 TiB image).
+struct Huge([usize; 3]);
+
+impl ampgraph_data::Dataset for Huge {
+    fn len(&self) -> usize {
+        2
+    }
+    fn shape(&self) -> &[usize] {
+        &self.0
+    }
+    fn classes(&self) -> usize {
+        2
+    }
+    fn get(&self, index: usize) -> ampgraph_data::Result<ampgraph_data::Example> {
+        Err(ampgraph_data::DataError::Index { index, len: 2 })
+    }
+    fn describe(&self) -> String {
+        "huge examples".into()
+    }
+}
+
+/// Batches that cannot fit the memory the process can allocate are refused when the
+/// loader is made, before any example is read (two 12000x12000 images in batches of 32
+/// asked for 18 GB and aborted the process).
+#[test]
+fn batches_beyond_the_memory_budget_are_refused_before_any_is_made() {
+    let options = LoaderOptions {
+        batch_size: 32,
+        workers: 0,
+        ..LoaderOptions::default()
+    };
+    let err = Loader::new(Arc::new(Huge([1, 1 << 20, 1 << 20])), options)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("huge examples")
+            && err.contains("batches of 2 examples")
+            && err.contains("MiB available"),
+        "{err}"
+    );
+}
