@@ -56,6 +56,18 @@ fn loader(workers: usize) -> Loader {
     Loader::new(data, options).unwrap()
 }
 
+/// A trainer of `net` with the default options.
+fn trainer_of(net: &mut Net) -> Trainer<'_> {
+    Trainer::new(
+        &mut net.session,
+        net.step.clone(),
+        net.images,
+        net.labels,
+        TrainOptions::default(),
+    )
+    .unwrap()
+}
+
 fn temp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ampgraph-trainer-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -182,14 +194,7 @@ fn evaluation_pads_a_short_last_batch_and_counts_its_real_rows() {
 #[test]
 fn batches_that_do_not_fit_the_graph_are_refused_naming_the_placeholder() {
     let mut n = net(32);
-    let mut trainer = Trainer::new(
-        &mut n.session,
-        n.step.clone(),
-        n.images,
-        n.labels,
-        TrainOptions::default(),
-    )
-    .unwrap();
+    let mut trainer = trainer_of(&mut n);
     let data: Arc<dyn Dataset> = Arc::new(Mnist::synthetic(100, 1));
     for (batch, drop_last) in [(16, true), (32, false)] {
         let options = LoaderOptions {
@@ -233,14 +238,7 @@ fn a_trainers_checkpoint_restores_into_a_session_without_a_trainer() {
 #[test]
 fn an_epoch_without_a_step_is_an_error() {
     let mut n = net(32);
-    let mut trainer = Trainer::new(
-        &mut n.session,
-        n.step.clone(),
-        n.images,
-        n.labels,
-        TrainOptions::default(),
-    )
-    .unwrap();
+    let mut trainer = trainer_of(&mut n);
     let data: Arc<dyn Dataset> = Arc::new(Mnist::synthetic(20, 1));
     let options = LoaderOptions {
         batch_size: 32,

@@ -27,6 +27,19 @@ fn input(name: &str, shape: &[i64]) -> ValueInfoProto {
     }
 }
 
+/// A model of `graph` at default-domain `opset`.
+fn model_of(graph: GraphProto, opset: i64) -> ModelProto {
+    ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: opset,
+        }],
+        graph: Some(graph),
+        ..ModelProto::default()
+    }
+}
+
 #[test]
 fn many_filters_of_one_shape_each_stay_their_own() {
     const CONVS: usize = 48;
@@ -61,15 +74,7 @@ fn many_filters_of_one_shape_each_stay_their_own() {
         prev = out;
     }
     graph.output.push(input(&prev, &[1, 4, 5, 5]));
-    let model = ModelProto {
-        ir_version: 8,
-        opset_import: vec![OperatorSetIdProto {
-            domain: String::new(),
-            version: 17,
-        }],
-        graph: Some(graph),
-        ..ModelProto::default()
-    };
+    let model = model_of(graph, 17);
     let g = import_model(&model, None, &ImportOptions::default()).unwrap();
     for i in 0..CONVS {
         let id = g
@@ -159,15 +164,7 @@ fn gathers_of_neighbouring_constant_indices_are_slices() {
         ],
         ..GraphProto::default()
     };
-    let model = ModelProto {
-        ir_version: 8,
-        opset_import: vec![OperatorSetIdProto {
-            domain: String::new(),
-            version: 13,
-        }],
-        graph: Some(graph),
-        ..ModelProto::default()
-    };
+    let model = model_of(graph, 13);
     let g = import_model(&model, None, &ImportOptions::default()).unwrap();
     let ops: Vec<&str> = g.node_ids().map(|id| g.node(id).op.name()).collect();
     assert_eq!(ops.iter().filter(|&&o| o == "Gather").count(), 1, "{ops:?}");
@@ -211,15 +208,7 @@ fn import_time_ops_on_run_time_values_are_one_clear_error() {
         output: vec![input("y", &[2, 3])],
         ..GraphProto::default()
     };
-    let model = ModelProto {
-        ir_version: 8,
-        opset_import: vec![OperatorSetIdProto {
-            domain: String::new(),
-            version: 17,
-        }],
-        graph: Some(graph),
-        ..ModelProto::default()
-    };
+    let model = model_of(graph, 17);
     let err = import_model(&model, None, &ImportOptions::default())
         .unwrap_err()
         .to_string();
@@ -266,15 +255,7 @@ fn model_with_external(name: &str, location: &str) -> std::path::PathBuf {
         output: vec![input("y", &[2, 2])],
         ..GraphProto::default()
     };
-    let model = ModelProto {
-        ir_version: 8,
-        opset_import: vec![OperatorSetIdProto {
-            domain: String::new(),
-            version: 17,
-        }],
-        graph: Some(graph),
-        ..ModelProto::default()
-    };
+    let model = model_of(graph, 17);
     std::fs::write(dir.join("model.onnx"), model.encode_to_vec()).unwrap();
     dir
 }
@@ -368,15 +349,7 @@ fn one_node(op: &str, inputs: &[&str], attribute: Vec<AttributeProto>, opset: i6
         output: vec![input("y", &[2, 3])],
         ..GraphProto::default()
     };
-    ModelProto {
-        ir_version: 8,
-        opset_import: vec![OperatorSetIdProto {
-            domain: String::new(),
-            version: opset,
-        }],
-        graph: Some(graph),
-        ..ModelProto::default()
-    }
+    model_of(graph, opset)
 }
 
 /// Nodes that would run as something else than written are refused naming the node:
@@ -476,15 +449,7 @@ fn constants_beyond_the_memory_budget_are_refused_before_they_are_made() {
             output: vec![input("y", &[1 << 20, 1 << 20])],
             ..GraphProto::default()
         };
-        let model = ModelProto {
-            ir_version: 8,
-            opset_import: vec![OperatorSetIdProto {
-                domain: String::new(),
-                version: 17,
-            }],
-            graph: Some(graph),
-            ..ModelProto::default()
-        };
+        let model = model_of(graph, 17);
         let started = std::time::Instant::now();
         let err = import_model(&model, None, &ImportOptions::default())
             .unwrap_err()
@@ -530,15 +495,7 @@ fn a_conv_kernel_shape_contradicting_its_weights_is_refused() {
         output: vec![input("y", &[1, 4, 6, 6])],
         ..GraphProto::default()
     };
-    let model = ModelProto {
-        ir_version: 8,
-        opset_import: vec![OperatorSetIdProto {
-            domain: String::new(),
-            version: 17,
-        }],
-        graph: Some(graph),
-        ..ModelProto::default()
-    };
+    let model = model_of(graph, 17);
     let err = import_model(&model, None, &ImportOptions::default())
         .unwrap_err()
         .to_string();
