@@ -528,3 +528,26 @@ fn a_split_into_more_outputs_than_elements_is_refused() {
         "{err}"
     );
 }
+
+/// A graph output declared with another element type than the one computed is refused
+/// (a model read wrong would run on, silently).
+#[test]
+fn an_output_declared_with_another_type_is_refused() {
+    let mut m = one_node("Add", &["x", "w"], vec![], 17);
+    let output = &mut m.graph.as_mut().unwrap().output[0];
+    let tensor = output
+        .r#type
+        .as_mut()
+        .unwrap()
+        .tensor_type
+        .as_mut()
+        .unwrap();
+    tensor.elem_type = 10; // FLOAT16
+    let err = import_model(&m, None, &ImportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("graph output 'y' is declared f16 but computes f32"),
+        "{err}"
+    );
+}

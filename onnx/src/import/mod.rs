@@ -588,6 +588,27 @@ impl Importer {
             let value = self.values.get(&o.name).cloned().ok_or_else(|| {
                 OnnxError::Model(format!("graph output '{}' was not computed", o.name))
             })?;
+            // A declared element type we do not compute means the model was read wrong.
+            let declared = (o.r#type.as_ref())
+                .and_then(|t| t.tensor_type.as_ref())
+                .map(|t| t.elem_type)
+                .filter(|&e| e != 0);
+            let computed = match &value {
+                Value::Port(p) => self.g.ty(*p).dtype,
+                Value::Const(t) => t.dtype(),
+            };
+            if let Some(want) = declared
+                .map(tensor::dtype_of)
+                .transpose()
+                .map_err(|m| OnnxError::Model(format!("graph output '{}': {m}", o.name)))?
+            {
+                if want != computed {
+                    return Err(OnnxError::Model(format!(
+                        "graph output '{}' is declared {want} but computes {computed}",
+                        o.name
+                    )));
+                }
+            }
             let port = match value {
                 Value::Port(p) if p.index == 0 && self.g.node(p.node).name == o.name => p,
                 Value::Port(p) => self.identity(&o.name, p)?,
