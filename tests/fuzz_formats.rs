@@ -2,7 +2,8 @@
 //! and in binary, a training checkpoint) mutated at random — bits flipped, bytes
 //! overwritten, inserted and deleted, the end cut off — and read back. A reader returns
 //! a value or an error, never panics; a checkpoint restores only unchanged. Bounded:
-//! a thousand or two cases per format (proptest, in the normal test run, so in CI).
+//! a thousand or two cases per format (proptest, in the normal test run, so in CI);
+//! ONNX models (four of the checked-in set) and MNIST idx files too.
 
 mod common;
 
@@ -95,6 +96,69 @@ fn mutated_checkpoints_restore_only_unchanged() {
             std::fs::write(&bad_path, &bad).unwrap();
             let restored = target.borrow_mut().restore(&bad_path);
             prop_assert_eq!(restored.is_ok(), bad == good, "{:?}", restored.err());
+            Ok(())
+        })
+        .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Mutated ONNX models (a small ResNet, every exporter pattern of the checked-in set
+/// through its folder) import or fail with an error: never a panic or an abort, whatever
+/// sizes, counts or names the bytes now say.
+#[test]
+fn mutated_onnx_models_import_or_fail_cleanly() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx");
+    let models: Vec<Vec<u8>> = [
+        "resnet_tiny",
+        "exporter_constants",
+        "control_flow",
+        "einsum_cases",
+    ]
+    .iter()
+    .map(|m| std::fs::read(root.join(m).join("model.onnx")).unwrap())
+    .collect();
+    let options = ampgraph::onnx::ImportOptions {
+        input_shapes: [("input".to_string(), vec![1, 3, 32, 32])].into(),
+        ..Default::default()
+    };
+    let plain = ampgraph::onnx::ImportOptions::default();
+    let mut runner = TestRunner::new(Config::with_cases(1500));
+    runner
+        .run(&(0usize..4, edits()), |(m, e)| {
+            let bad = mutated(&models[m], &e);
+            let opts = if m == 0 { &options } else { &plain };
+            if let Ok(g) = ampgraph::onnx::import_bytes(&bad, "fuzz.onnx", None, opts) {
+                g.validate().unwrap();
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Mutated MNIST idx files read or fail with an error naming the file, never panic.
+#[test]
+fn mutated_idx_files_read_or_fail_cleanly() {
+    use ampgraph::data::idx::{load_idx_images, load_idx_labels};
+    let dir = std::env::temp_dir().join(format!("ampgraph-fuzz-idx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A small plain idx pair: 3 images of 4x5 and their labels.
+    let mut images = vec![0, 0, 8, 3, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 5];
+    images.extend((0..60).map(|v| v as u8));
+    let labels = [0u8, 0, 8, 1, 0, 0, 0, 3, 1, 2, 3];
+    let mut runner = TestRunner::new(Config::with_cases(1000));
+    runner
+        .run(&(any::<bool>(), edits()), |(pick_images, e)| {
+            let path = dir.join("case.idx");
+            let good: &[u8] = if pick_images { &images } else { &labels };
+            std::fs::write(&path, mutated(good, &e)).unwrap();
+            let shown = path.display().to_string();
+            let err = match pick_images {
+                true => load_idx_images(&path).err(),
+                false => load_idx_labels(&path).err(),
+            };
+            if let Some(err) = err {
+                prop_assert!(err.to_string().contains(&shown), "{err}");
+            }
             Ok(())
         })
         .unwrap();
