@@ -3,7 +3,7 @@
 //! overwritten, inserted and deleted, the end cut off — and read back. A reader returns
 //! a value or an error, never panics; a checkpoint restores only unchanged. Bounded:
 //! a thousand or two cases per format (proptest, in the normal test run, so in CI);
-//! ONNX models (four of the checked-in set) and MNIST idx files too.
+//! ONNX models (four of the checked-in set), MNIST idx files and PNG/JPEG images too.
 
 mod common;
 
@@ -158,6 +158,45 @@ fn mutated_idx_files_read_or_fail_cleanly() {
             };
             if let Some(err) = err {
                 prop_assert!(err.to_string().contains(&shown), "{err}");
+            }
+            Ok(())
+        })
+        .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Mutated PNG and JPEG images in an image folder open and read or fail with an error
+/// naming the file, never panic (a header may declare any size: the decoder keeps to
+/// the memory budget).
+#[test]
+fn mutated_images_read_or_fail_cleanly() {
+    use ampgraph::data::{Dataset, ImageFolder};
+    let dir = std::env::temp_dir().join(format!("ampgraph-fuzz-img-{}", std::process::id()));
+    let class = dir.join("a");
+    std::fs::create_dir_all(&class).unwrap();
+    let pixels: Vec<u8> = (0..8 * 8 * 3).map(|v| (v * 7) as u8).collect();
+    let mut goods = Vec::new();
+    for (name, format) in [
+        ("x.png", image::ImageFormat::Png),
+        ("x.jpg", image::ImageFormat::Jpeg),
+    ] {
+        let img = image::RgbImage::from_raw(8, 8, pixels.clone()).unwrap();
+        let mut bytes = std::io::Cursor::new(Vec::new());
+        img.write_to(&mut bytes, format).unwrap();
+        goods.push((name, bytes.into_inner()));
+    }
+    let mut runner = TestRunner::new(Config::with_cases(600));
+    runner
+        .run(&(0usize..2, edits()), |(k, e)| {
+            let (name, good) = &goods[k];
+            for f in std::fs::read_dir(&class).unwrap() {
+                std::fs::remove_file(f.unwrap().path()).unwrap();
+            }
+            let path = class.join(name);
+            std::fs::write(&path, mutated(good, &e)).unwrap();
+            let read = ImageFolder::open(&dir).and_then(|set| set.get(0).map(|_| ()));
+            if let Err(err) = read {
+                prop_assert!(err.to_string().contains(name), "{err}");
             }
             Ok(())
         })
