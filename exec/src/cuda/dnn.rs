@@ -1082,9 +1082,6 @@ impl Dnn {
         ))
     }
 
-    /// cuDNN's results for every algorithm of a convolution: timed on `run`'s operands
-    /// and workspace (`cudnnFind*AlgorithmEx`), else ranked by its heuristics
-    /// (`cudnnGet*Algorithm_v7`, nothing runs).
     /// The workspace cuDNN asks of algorithm `algo` (with its math) for `plan`'s
     /// convolution in `direction`; an error where cuDNN does not take it.
     fn workspace_for(
@@ -1136,6 +1133,9 @@ impl Dnn {
         Ok(bytes)
     }
 
+    /// cuDNN's results for every algorithm of a convolution: timed on `run`'s operands
+    /// and workspace (`cudnnFind*AlgorithmEx`), else ranked by its heuristics
+    /// (`cudnnGet*Algorithm_v7`, nothing runs).
     fn perf(
         &self,
         handle: sys::cudnnHandle_t,
