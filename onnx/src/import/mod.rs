@@ -214,33 +214,28 @@ fn check_graph_nodes(
 
 /// The values a node reads: its inputs and, for an If, what its branches read from
 /// the scope around them.
-fn reads(node: &NodeProto) -> Vec<String> {
-    let mut names: Vec<String> = node
+fn reads(node: &NodeProto) -> impl Iterator<Item = &str> {
+    let inputs = node
         .input
         .iter()
         .filter(|i| !i.is_empty())
-        .cloned()
-        .collect();
-    for branch in node.attribute.iter().filter_map(|a| a.g.as_ref()) {
-        names.extend(outer_reads(branch));
-    }
-    names
+        .map(String::as_str);
+    let branches = node.attribute.iter().filter_map(|a| a.g.as_ref());
+    inputs.chain(branches.flat_map(outer_reads))
 }
 
-/// The names `graph`'s nodes (and their branches) read that it does not define.
-fn outer_reads(graph: &GraphProto) -> Vec<String> {
+/// The names `graph`'s nodes (and their branches) read that it does not define, each
+/// once, in the order first read.
+fn outer_reads(graph: &GraphProto) -> Vec<&str> {
     let defined: HashSet<&str> = (graph.node.iter())
         .flat_map(|n| n.output.iter().map(String::as_str))
         .chain(graph.initializer.iter().map(|t| t.name.as_str()))
         .chain(graph.input.iter().map(|i| i.name.as_str()))
         .collect();
-    let mut found: Vec<String> = Vec::new();
-    for name in graph.node.iter().flat_map(reads) {
-        if !defined.contains(name.as_str()) && !found.contains(&name) {
-            found.push(name);
-        }
-    }
-    found
+    let mut seen = HashSet::new();
+    (graph.node.iter().flat_map(reads))
+        .filter(|name| !defined.contains(name) && seen.insert(*name))
+        .collect()
 }
 
 /// A node's name for messages and for the node that computes its result: its own,
@@ -259,7 +254,7 @@ fn node_name(node: &NodeProto) -> String {
 /// The nodes in an order where each comes after those it reads (ONNX requires the
 /// file's order to be one, but not every writer keeps to it). A value nothing
 /// produces and a cycle are errors naming the node.
-fn topological_order(graph: &GraphProto, outer: &HashSet<String>) -> Result<Vec<usize>> {
+fn topological_order(graph: &GraphProto, outer: &HashSet<&str>) -> Result<Vec<usize>> {
     let mut producer: HashMap<&str, usize> = HashMap::new();
     for (i, node) in graph.node.iter().enumerate() {
         for out in node.output.iter().filter(|o| !o.is_empty()) {
@@ -277,15 +272,15 @@ fn topological_order(graph: &GraphProto, outer: &HashSet<String>) -> Result<Vec<
         .iter()
         .map(|v| v.name.as_str())
         .chain(graph.initializer.iter().map(|t| t.name.as_str()))
-        .chain(outer.iter().map(String::as_str))
+        .chain(outer.iter().copied())
         .collect();
     let mut deps: Vec<Vec<usize>> = Vec::with_capacity(graph.node.len());
     for node in &graph.node {
         let mut d = Vec::new();
         for input in reads(node) {
-            match producer.get(input.as_str()) {
+            match producer.get(input) {
                 Some(&p) => d.push(p),
-                None if sources.contains(input.as_str()) => {}
+                None if sources.contains(input) => {}
                 None => {
                     return Err(OnnxError::node(
                         &node_name(node),
@@ -389,6 +384,9 @@ struct Importer {
     outputs: HashSet<String>,
     /// The folder external data is read from.
     base: Option<PathBuf>,
+    /// The bytes the process could still allocate when import first computed a
+    /// constant ([`NodeCx::admit`]): read once, not per constant.
+    available: std::cell::OnceCell<usize>,
 }
 
 impl Importer {
@@ -403,6 +401,7 @@ impl Importer {
             derived_names: HashMap::new(),
             outputs: graph.output.iter().map(|o| o.name.clone()).collect(),
             base: base.map(Path::to_path_buf),
+            available: std::cell::OnceCell::new(),
         }
     }
 
@@ -463,8 +462,8 @@ impl Importer {
             )));
         }
         self.add_initializers(branch)?;
-        let outer: HashSet<String> = self.values.keys().cloned().collect();
-        for i in topological_order(branch, &outer)? {
+        let order = topological_order(branch, &self.values.keys().map(String::as_str).collect())?;
+        for i in order {
             self.convert(&branch.node[i])?;
         }
         for (out, from) in node.output.iter().zip(&branch.output) {
@@ -885,11 +884,12 @@ impl NodeCx<'_> {
             let one = t.checked_len()?.checked_mul(t.dtype.size_bytes())?;
             sum.checked_add(one)
         });
-        let available = host_memory::available_bytes().unwrap_or(usize::MAX);
+        let available = *(self.imp.available)
+            .get_or_init(|| host_memory::available_bytes().unwrap_or(usize::MAX));
         if bytes.is_some_and(|b| b <= available) {
             return Ok(());
         }
-        let mib = |b: usize| format!("{:.1} MiB", b as f64 / 1048576.0);
+        let mib = |b: usize| format!("{:.1} MiB", host_memory::mib(b));
         let shown: Vec<String> = outputs.iter().map(|t| t.to_string()).collect();
         Err(self.err(format!(
             "computing it at import makes {} ({}), beyond the {} this process can still allocate",
