@@ -102,9 +102,9 @@ pub fn write(path: &Path, variables: &[(String, Tensor)]) -> Result<(), SessionE
 /// The variables of the checkpoint at `path`, checksums verified; a float variable
 /// holding NaN or infinity is refused unless `allow_non_finite`.
 pub fn read(path: &Path, allow_non_finite: bool) -> Result<Vec<(String, Tensor)>, SessionError> {
+    let prev = previous_path(path);
     read_checked(path, allow_non_finite).map_err(|e| match e {
-        SessionError::Checkpoint { path: shown, msg } if previous_path(path).is_file() => {
-            let prev = previous_path(path);
+        SessionError::Checkpoint { path: shown, msg } if prev.is_file() => {
             SessionError::Checkpoint {
                 msg: format!(
                     "{msg}; {} holds the checkpoint saved before it: restore that file instead",

@@ -22,6 +22,7 @@ use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
+use ampgraph_graph::host_memory::{self, mib};
 use ampgraph_graph::rng::SplitMix64;
 use ampgraph_graph::{Data, Tensor};
 
@@ -145,9 +146,8 @@ impl Loader {
         let bytes = (example.checked_mul(per_batch))
             .and_then(|b| b.checked_mul(4))
             .and_then(|b| b.checked_mul(in_flight));
-        let available = ampgraph_graph::host_memory::available_bytes().unwrap_or(usize::MAX);
+        let available = host_memory::available_bytes().unwrap_or(usize::MAX);
         if bytes.is_none_or(|b| b > available) {
-            let mib = |b: usize| b as f64 / 1048576.0;
             return Err(DataError::Invalid(format!(
                 "{}: {in_flight} batches of {per_batch} examples of shape {:?} in flight take \
                  {}, beyond the {:.1} MiB available: a smaller batch size or prefetch",

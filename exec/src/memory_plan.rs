@@ -520,10 +520,7 @@ impl StepFootprint {
     }
 }
 
-/// Bytes in MiB.
-pub fn mib(bytes: usize) -> f64 {
-    bytes as f64 / (1u64 << 20) as f64
-}
+pub use ampgraph_graph::host_memory::mib;
 
 fn aligned(bytes: usize) -> usize {
     bytes.max(1).div_ceil(ALIGNMENT) * ALIGNMENT

@@ -6,6 +6,11 @@
 
 use std::path::Path;
 
+/// Bytes in MiB.
+pub fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
 /// Bytes the host can still give this process, where the system says (Linux); `None`
 /// elsewhere.
 pub fn available_bytes() -> Option<usize> {
