@@ -85,8 +85,52 @@ fn evaluate(g: &Graph, cone: &[NodeId], x: Port, samples: &Tensor) -> Option<Ten
 /// its decomposition (root last).
 type Recognized = (Port, bool, Vec<NodeId>);
 
+/// The points a candidate is evaluated at (GELU's range, negative tails to 10), and
+/// each form's GELU there: made once per run of the pass.
+struct Reference {
+    samples: Tensor,
+    /// (whether the tanh form, its values at the samples)
+    forms: Vec<(bool, Vec<f64>)>,
+}
+
+impl Reference {
+    fn new() -> Result<Reference, PassError> {
+        let err = |m: String| PassError::Rewrite(m);
+        let points: Vec<f64> = (0..=40).map(|i| -10.0 + 0.5 * i as f64).collect();
+        let samples = Tensor::from_f64(DType::F64, [points.len()], &points).map_err(err)?;
+        let forms = [false, true]
+            .into_iter()
+            .map(|approximate| {
+                let gelu = Unary::new(UnaryKind::Gelu { approximate });
+                let values = gelu.eval(&[&samples]).map_err(err)?.remove(0);
+                Ok((approximate, values.to_f64_vec()))
+            })
+            .collect::<Result<_, PassError>>()?;
+        Ok(Reference { samples, forms })
+    }
+
+    /// Which form `got` (values at the samples) is, within 1e-6 of each sample's size.
+    fn form_of(&self, got: &Tensor) -> Option<bool> {
+        if got.shape() != self.samples.shape() {
+            return None;
+        }
+        let (got, points) = (got.to_f64_vec(), self.samples.to_f64_vec());
+        let close = |want: &[f64]| {
+            (got.iter().zip(want).zip(&points))
+                .all(|((a, b), s)| (a - b).abs() <= 1e-6 * s.abs().max(1.0))
+        };
+        (self.forms.iter())
+            .find(|(_, want)| close(want))
+            .map(|&(approximate, _)| approximate)
+    }
+}
+
 /// The Gelu `root` computes, if it computes one.
-fn recognized(g: &Graph, root: NodeId) -> Result<Option<Recognized>, PassError> {
+fn recognized(
+    g: &Graph,
+    root: NodeId,
+    reference: &Reference,
+) -> Result<Option<Recognized>, PassError> {
     if g.node(root).op.downcast_ref::<Binary>().map(|b| b.kind) != Some(BinaryKind::Mul) {
         return Ok(None);
     }
@@ -106,9 +150,6 @@ fn recognized(g: &Graph, root: NodeId) -> Result<Option<Recognized>, PassError> 
             }
         }
     }
-    let samples: Vec<f64> = (0..=40).map(|i| -10.0 + 0.5 * i as f64).collect();
-    let samples = Tensor::from_f64(DType::F64, [samples.len()], &samples)
-        .map_err(|m| PassError::Rewrite(m.to_string()))?;
     let root_ty = g.ty(Port::new(root, 0));
     for x in candidates {
         if g.ty(x) != root_ty || !g.ty(x).dtype.is_float() {
@@ -124,20 +165,10 @@ fn recognized(g: &Graph, root: NodeId) -> Result<Option<Recognized>, PassError> 
         if anchors != 1 {
             continue;
         }
-        let Some(got) = evaluate(g, &cone, x, &samples) else {
-            continue;
-        };
-        for approximate in [false, true] {
-            let gelu = Unary::new(UnaryKind::Gelu { approximate });
-            let want = gelu
-                .eval(&[&samples])
-                .map_err(|m| PassError::Rewrite(m.to_string()))?;
-            let close = (got.to_f64_vec().iter().zip(want[0].to_f64_vec()))
-                .zip(samples.to_f64_vec())
-                .all(|((a, b), s)| (a - b).abs() <= 1e-6 * s.abs().max(1.0));
-            if close && got.shape() == samples.shape() {
-                return Ok(Some((x, approximate, cone)));
-            }
+        let form =
+            evaluate(g, &cone, x, &reference.samples).and_then(|got| reference.form_of(&got));
+        if let Some(approximate) = form {
+            return Ok(Some((x, approximate, cone)));
         }
     }
     Ok(None)
@@ -149,10 +180,11 @@ impl Pass for RecognizeGelu {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let reference = Reference::new()?;
         let ids: Vec<NodeId> = g.node_ids().collect();
         let mut found = Vec::new();
         for id in ids {
-            if let Some(r) = recognized(g, id)? {
+            if let Some(r) = recognized(g, id, &reference)? {
                 found.push((id, r));
             }
         }
