@@ -17,6 +17,7 @@ use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::tensor::{bf16_from_f64, f16_from_f64};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
+use ampgraph_onnx::Probes;
 use ampgraph_passes::amp::report::explain;
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
 use ampgraph_passes::{registry, PassError};
@@ -115,6 +116,16 @@ impl Files {
         })
     }
 
+    /// Loads `path`; with `probe`, an ONNX model's symbolic input dims are probed
+    /// too, so that an ONNX file written from it keeps them (see [`ampgraph_onnx::SymbolicDims`]).
+    fn load_probed(&self, path: &str, probe: bool) -> Result<(Graph, Option<Probes>)> {
+        if probe && ampgraph_onnx::is_onnx_path(Path::new(path)) {
+            let (g, probes) = ampgraph_onnx::import_file_probed(Path::new(path), &self.import)?;
+            return Ok((g, Some(probes)));
+        }
+        Ok((self.load(path)?, None))
+    }
+
     fn load(&self, path: &str) -> Result<Graph> {
         if ampgraph_onnx::is_onnx_path(Path::new(path)) {
             return Ok(ampgraph_onnx::import_file(Path::new(path), &self.import)?);
@@ -130,8 +141,19 @@ impl Files {
     /// Writes `g` by `path`'s extension: `.onnx` (its Variables as initializers holding
     /// their initial values, as a session with seed 0 gives them: ONNX has no
     /// variables), `.bin`, or JSON (any other).
-    fn save(&self, g: &Graph, path: &Path) -> Result<()> {
+    /// `probes` (of the model `g` was imported from, rewritten as `g` was) keep its
+    /// symbolic dims symbolic in an ONNX file; a dim that cannot be is warned about.
+    fn save(&self, g: &Graph, path: &Path, probes: Option<&Probes>) -> Result<()> {
         if ampgraph_onnx::is_onnx_path(path) {
+            let dims = probes.map(|p| p.dims(g));
+            for (symbol, why) in dims.iter().flat_map(|d| d.fixed()) {
+                log::warn!(
+                    "{}: the symbolic dim '{}' stays {}: {why}",
+                    path.display(),
+                    symbol.name,
+                    symbol.value
+                );
+            }
             let mut g = g.clone();
             let variables: Vec<_> = (g.node_ids())
                 .filter(|&id| g.node(id).op.is::<Variable>())
@@ -145,7 +167,12 @@ impl Files {
                 let value = initial_value(&node.name, var, 0);
                 g.set_node(id, Box::new(ampgraph_graph::ops::Const::new(value)), &[])?;
             }
-            return Ok(ampgraph_onnx::export_file(&g, path, &self.export)?);
+            return Ok(ampgraph_onnx::export_file_with_dims(
+                &g,
+                dims.as_ref(),
+                path,
+                &self.export,
+            )?);
         }
         let fmt = if path.extension().is_some_and(|e| e == "bin") {
             DumpFormat::Bin
@@ -677,41 +704,26 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             ..
         } => {
             let graph = graph.ok_or_else(|| CliError::Usage("rewrite needs a GRAPH".into()))?;
-            let mut g = files.load(&graph)?;
-            let mut text = String::new();
+            let onnx_out = output.as_deref().is_some_and(ampgraph_onnx::is_onnx_path);
+            let (mut g, mut probes) = files.load_probed(&graph, onnx_out)?;
             let selected = selected_passes(amp, &passes)?;
             if calibrate.is_some() && !selected.contains(&"amp") {
                 return Err(CliError::Usage(
                     "--calibrate is for the AMP pass: add --amp".into(),
                 ));
             }
-            for name in selected {
-                match name {
-                    // Run directly rather than through a PassManager to keep the full report.
-                    "amp" => {
-                        let mut config = precision.config()?;
-                        if let Some(samples) = &calibrate {
-                            // On the graph as AMP gets it, so the names are its nodes'.
-                            let done =
-                                calibrate_amp(&g, samples, &mut config, save_overrides.as_deref())?;
-                            text.push_str(&done);
-                        }
-                        let amp_report = AutoMixedPrecision::new(config).rewrite(&mut g)?;
-                        log::info!("{}", amp_report.summary());
-                        text.push_str(&amp_report.detailed());
-                    }
-                    other => {
-                        let mut manager = registry_passes(&[other])?;
-                        manager.validate = true;
-                        for record in manager.run(&mut g)? {
-                            text.push_str(&record.summary.to_string());
-                        }
-                    }
-                }
+            let mut config = precision.config()?;
+            let calibration = calibrate
+                .as_deref()
+                .map(|samples| (samples, save_overrides.as_deref()));
+            let text = rewrite_graph(&mut g, &selected, &mut config, calibration)?;
+            if let Some(probes) = &mut probes {
+                // The same rewrite, calibrated overrides included.
+                probes.rewrite(|p| rewrite_graph(p, &selected, &mut config.clone(), None));
             }
             match &output {
                 Some(path) => {
-                    files.save(&g, path)?;
+                    files.save(&g, path, probes.as_ref())?;
                     if report {
                         out.write_all(text.as_bytes()).map_err(io_err("<stdout>"))?;
                     }
@@ -743,9 +755,10 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             output,
         } => dump(&files.load(&graph)?, format, output.as_deref(), out),
         Command::Convert { graph, output } => {
-            let g = files.load(&graph)?;
+            let onnx_out = ampgraph_onnx::is_onnx_path(&output);
+            let (g, probes) = files.load_probed(&graph, onnx_out)?;
             match output.extension().and_then(|e| e.to_str()) {
-                Some("bin" | "json" | "onnx") => files.save(&g, &output),
+                Some("bin" | "json" | "onnx") => files.save(&g, &output, probes.as_ref()),
                 _ => Err(CliError::Usage(format!(
                     "{}: the output must end in .json, .bin or .onnx",
                     output.display()
@@ -955,6 +968,40 @@ fn plan(
 /// `rewrite --calibrate SAMPLES`: runs `g` in f32 on the samples, keeps under `config`
 /// the nodes whose values do not fit its target (saving them to `save` where given),
 /// and returns what `--report` says of it.
+/// Runs the selected passes on `g`, AMP with `config` (calibrated on the graph as
+/// AMP gets it where `calibration` gives samples, and where to save the overrides:
+/// `config` keeps them); returns the passes' report.
+fn rewrite_graph(
+    g: &mut Graph,
+    selected: &[&str],
+    config: &mut AmpConfig,
+    calibration: Option<(&str, Option<&Path>)>,
+) -> Result<String> {
+    let mut text = String::new();
+    for &name in selected {
+        match name {
+            // Run directly rather than through a PassManager to keep the full report.
+            "amp" => {
+                if let Some((samples, save)) = calibration {
+                    // On the graph as AMP gets it, so the names are its nodes'.
+                    text.push_str(&calibrate_amp(g, samples, config, save)?);
+                }
+                let amp_report = AutoMixedPrecision::new(config.clone()).rewrite(g)?;
+                log::info!("{}", amp_report.summary());
+                text.push_str(&amp_report.detailed());
+            }
+            other => {
+                let mut manager = registry_passes(&[other])?;
+                manager.validate = true;
+                for record in manager.run(g)? {
+                    text.push_str(&record.summary.to_string());
+                }
+            }
+        }
+    }
+    Ok(text)
+}
+
 fn calibrate_amp(
     g: &Graph,
     samples: &str,

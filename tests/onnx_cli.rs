@@ -324,3 +324,44 @@ fn a_graph_with_variables_and_a_loss_converts_to_onnx_that_runs_the_same() {
     assert!(worst < 1e-6, "largest difference {worst}");
     std::fs::remove_file(onnx).unwrap();
 }
+
+/// `rewrite -o x.onnx` of a model imported at one batch keeps its batch symbolic;
+/// a symbolic dim that a constant computed at import fixes (positions from the
+/// sequence length) stays at its value, with a warning naming that node.
+#[test]
+fn rewrite_to_onnx_keeps_symbolic_dims_or_says_which_node_fixes_one() {
+    use ampgraph::onnx::proto::{DimensionValue, ModelProto};
+    use prost::Message;
+    let fp16 = scratch("positions_fp16.onnx");
+    let out = ampgraph(&[
+        "rewrite",
+        path(&data("positions/model.onnx")),
+        "--input",
+        "ids=2x6",
+        "--amp",
+        "-o",
+        path(&fp16),
+    ]);
+    stdout(&out);
+    let warning = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        warning.contains(
+            "the symbolic dim 'seq' stays 6: node '/embed/Add/const' is a constant computed from seq"
+        ),
+        "{warning}"
+    );
+    let model = ModelProto::decode(std::fs::read(&fp16).unwrap().as_slice()).unwrap();
+    let graph = model.graph.unwrap();
+    let dims = |v: &ampgraph::onnx::proto::ValueInfoProto| -> Vec<String> {
+        let shape = v.r#type.as_ref().unwrap().tensor_type.as_ref().unwrap();
+        (shape.shape.as_ref().unwrap().dim.iter())
+            .map(|d| match &d.value {
+                Some(DimensionValue::DimValue(n)) => n.to_string(),
+                Some(DimensionValue::DimParam(p)) => p.clone(),
+                None => "?".into(),
+            })
+            .collect()
+    };
+    assert_eq!(dims(&graph.input[0]), ["batch", "6"]);
+    assert_eq!(dims(&graph.output[0]), ["batch", "6", "4"]);
+}

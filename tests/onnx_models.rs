@@ -227,6 +227,16 @@ fn control_flow_matches_onnxruntime() {
     check_model("control_flow");
 }
 
+#[test]
+fn dynamic_axes_matches_onnxruntime() {
+    check_model("dynamic_axes");
+}
+
+#[test]
+fn positions_match_onnxruntime() {
+    check_model("positions");
+}
+
 /// Exporters' GELUs (GPT-2's tanh form with Pow, torch's erf form) import as one
 /// Gelu each and still match onnxruntime.
 #[test]

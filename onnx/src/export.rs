@@ -22,6 +22,7 @@ use crate::proto::{
     attribute_type, AttributeProto, Dimension, DimensionValue, GraphProto, ModelProto, NodeProto,
     OperatorSetIdProto, TensorShapeProto, TypeProto, TypeProtoTensor, ValueInfoProto,
 };
+use crate::symbolic::{Entry, SymbolicDims};
 use crate::tensor;
 
 /// The opset exported models bind to.
@@ -56,7 +57,18 @@ impl Default for ExportOptions {
 /// renamed into place); initializers past [`ExportOptions::external_data_above`]
 /// go to `PATH.data` beside it, written first.
 pub fn export_file(g: &Graph, path: &Path, opts: &ExportOptions) -> Result<()> {
-    let mut model = export(g, opts)?;
+    export_file_with_dims(g, None, path, opts)
+}
+
+/// [`export_file`], writing the dims that `dims` finds following the model's
+/// symbolic dims as symbolic (see [`SymbolicDims`]).
+pub fn export_file_with_dims(
+    g: &Graph,
+    dims: Option<&SymbolicDims>,
+    path: &Path,
+    opts: &ExportOptions,
+) -> Result<()> {
+    let mut model = export_with_dims(g, dims, opts)?;
     let graph = model.graph.as_mut().expect("export makes a graph");
     let total: usize = graph.initializer.iter().map(|t| t.raw_data.len()).sum();
     if total > opts.external_data_above {
@@ -86,7 +98,17 @@ pub fn export_file(g: &Graph, path: &Path, opts: &ExportOptions) -> Result<()> {
 
 /// The graph as an ONNX model.
 pub fn export(g: &Graph, opts: &ExportOptions) -> Result<ModelProto> {
-    let mut ex = Exporter::new(g);
+    export_with_dims(g, None, opts)
+}
+
+/// [`export`], writing the dims that `dims` finds following the model's symbolic
+/// dims as symbolic.
+pub fn export_with_dims(
+    g: &Graph,
+    dims: Option<&SymbolicDims>,
+    opts: &ExportOptions,
+) -> Result<ModelProto> {
+    let mut ex = Exporter::new(g, dims.filter(|d| d.any_symbolic()));
     ex.run(opts)?;
     Ok(ModelProto {
         ir_version: IR_VERSION,
@@ -101,20 +123,24 @@ pub fn export(g: &Graph, opts: &ExportOptions) -> Result<ModelProto> {
     })
 }
 
-fn value_info(name: &str, ty: &TensorType) -> ValueInfoProto {
+/// A value's declared type; `dims`, where given, declares each dim.
+fn value_info(
+    name: &str,
+    ty: &TensorType,
+    dims: Option<Vec<Option<DimensionValue>>>,
+) -> ValueInfoProto {
+    let dims = dims.unwrap_or_else(|| {
+        (ty.shape.iter())
+            .map(|&d| Some(DimensionValue::DimValue(d as i64)))
+            .collect()
+    });
     ValueInfoProto {
         name: name.into(),
         r#type: Some(TypeProto {
             tensor_type: Some(TypeProtoTensor {
                 elem_type: tensor::elem_type_of(ty.dtype),
                 shape: Some(TensorShapeProto {
-                    dim: ty
-                        .shape
-                        .iter()
-                        .map(|&d| Dimension {
-                            value: Some(DimensionValue::DimValue(d as i64)),
-                        })
-                        .collect(),
+                    dim: dims.into_iter().map(|value| Dimension { value }).collect(),
                 }),
             }),
         }),
@@ -181,10 +207,14 @@ struct Exporter<'g> {
     /// The node being exported, for naming helper values and for errors.
     current: NodeId,
     helpers: usize,
+    /// The dims that follow the model's symbolic dims, where they are written so.
+    sym: Option<&'g SymbolicDims>,
+    /// Each symbol's value, as a 1-element tensor read off the input declaring it.
+    symbol_values: HashMap<usize, String>,
 }
 
 impl<'g> Exporter<'g> {
-    fn new(g: &'g Graph) -> Self {
+    fn new(g: &'g Graph, sym: Option<&'g SymbolicDims>) -> Self {
         Exporter {
             g,
             out: GraphProto {
@@ -197,6 +227,8 @@ impl<'g> Exporter<'g> {
             absorbed: std::collections::HashSet::new(),
             current: NodeId::new(0),
             helpers: 0,
+            sym,
+            symbol_values: HashMap::new(),
         }
     }
 
@@ -241,7 +273,8 @@ impl<'g> Exporter<'g> {
                     Some(&half) => ty.with_dtype(half),
                     None => ty.clone(),
                 };
-                self.out.input.push(value_info(&node.name, &ty));
+                let dims = self.declared_dims(id.into());
+                self.out.input.push(value_info(&node.name, &ty, dims));
                 self.names.insert(id.into(), node.name.clone());
             }
         }
@@ -359,9 +392,10 @@ impl<'g> Exporter<'g> {
             } else {
                 value
             };
+            let dims = self.declared_dims(p);
             self.out
                 .output
-                .push(value_info(&out_name, &ty.with_dtype(want)));
+                .push(value_info(&out_name, &ty.with_dtype(want), dims));
         }
         Ok(())
     }
@@ -401,8 +435,133 @@ impl<'g> Exporter<'g> {
             )));
         };
         let name = self.g.port_name(p);
-        self.out.initializer.push(tensor::encode(&name, &t));
+        let shape = self.symbolic_shape(|sym, g| sym.const_shape(g, p))?;
+        if let Some(shape) = shape.filter(|s| s.iter().any(|e| matches!(e, Entry::Product(..)))) {
+            // Written once along the axes that follow a symbol, expanded at run time.
+            let axes: Vec<usize> = (shape.iter().enumerate())
+                .filter(|(_, e)| matches!(e, Entry::Product(..)))
+                .map(|(i, _)| i)
+                .collect();
+            let once = crate::symbolic::uniform_along(&t, &axes).ok_or_else(|| {
+                self.err(format!(
+                    "the constant '{name}' varies along a symbolic axis"
+                ))
+            })?;
+            let once_name = format!("{name}/once");
+            self.out.initializer.push(tensor::encode(&once_name, &once));
+            let shape = self.shape_value("shape", shape)?;
+            self.push_node(
+                &format!("{name}/expand"),
+                "Expand",
+                vec![once_name, shape],
+                vec![name.clone()],
+                vec![],
+            );
+        } else {
+            self.out.initializer.push(tensor::encode(&name, &t));
+        }
         self.names.insert(p, name.clone());
+        Ok(name)
+    }
+
+    /// How the dims of port `p` are declared, where some follow a symbol.
+    fn declared_dims(&self, p: Port) -> Option<Vec<Option<DimensionValue>>> {
+        let sym = self.sym?;
+        Some(
+            sym.port(self.g, p)
+                .iter()
+                .map(|v| sym.declared(v))
+                .collect(),
+        )
+    }
+
+    /// A shape input's entries as `plan` writes them, where the graph has symbolic
+    /// dims; `None` where it has none.
+    fn symbolic_shape(
+        &self,
+        plan: impl Fn(&SymbolicDims, &Graph) -> Option<Vec<Entry>>,
+    ) -> Result<Option<Vec<Entry>>> {
+        let Some(sym) = self.sym else {
+            return Ok(None);
+        };
+        plan(sym, self.g)
+            .map(Some)
+            .ok_or_else(|| self.err("a shape that follows a symbolic dim cannot be written"))
+    }
+
+    /// A 1-D i64 ONNX value of these entries: an initializer where all are fixed,
+    /// else a Concat of them, each product of symbols read off the inputs' shapes.
+    fn shape_value(&mut self, what: &str, entries: Vec<Entry>) -> Result<String> {
+        if entries.iter().all(|e| matches!(e, Entry::Fixed(_))) {
+            let fixed = entries
+                .iter()
+                .map(|e| match e {
+                    Entry::Fixed(d) => *d,
+                    _ => unreachable!("all are fixed"),
+                })
+                .collect();
+            return Ok(self.constant(what, &i64_tensor(fixed)));
+        }
+        let mut pieces = Vec::new();
+        let mut fixed = Vec::new();
+        for e in entries {
+            match e {
+                Entry::Fixed(d) => fixed.push(d),
+                Entry::DimOf(port, axis) => {
+                    if !fixed.is_empty() {
+                        pieces.push(self.constant(what, &i64_tensor(std::mem::take(&mut fixed))));
+                    }
+                    let x = self.value(port)?;
+                    let axis = axis as i64;
+                    let attrs = vec![attr_int("start", axis), attr_int("end", axis + 1)];
+                    pieces.push(self.helper("Shape", vec![x], attrs));
+                }
+                Entry::Product(c, symbols) => {
+                    if !fixed.is_empty() {
+                        pieces.push(self.constant(what, &i64_tensor(std::mem::take(&mut fixed))));
+                    }
+                    let mut v = self.symbol_value(symbols[0])?;
+                    for &s in &symbols[1..] {
+                        let next = self.symbol_value(s)?;
+                        v = self.helper("Mul", vec![v, next], vec![]);
+                    }
+                    if c != 1 {
+                        let c = self.constant("factor", &i64_tensor(vec![c]));
+                        v = self.helper("Mul", vec![v, c], vec![]);
+                    }
+                    pieces.push(v);
+                }
+            }
+        }
+        if !fixed.is_empty() {
+            pieces.push(self.constant(what, &i64_tensor(fixed)));
+        }
+        Ok(self.helper("Concat", pieces, vec![attr_int("axis", 0)]))
+    }
+
+    /// Symbol `i`'s value: `Shape` of the input that declares it, at its axis.
+    fn symbol_value(&mut self, i: usize) -> Result<String> {
+        if let Some(v) = self.symbol_values.get(&i) {
+            return Ok(v.clone());
+        }
+        let sym = self.sym.expect("symbols come with dims");
+        let (input, axis) = sym.source(self.g, i).ok_or_else(|| {
+            self.err(format!(
+                "no input of the graph declares the symbolic dim '{}'",
+                sym.symbols()[i].name
+            ))
+        })?;
+        let x = self.value(input.into())?;
+        let name = format!("{}/{}", self.g.node(input).name, sym.symbols()[i].name);
+        let axis = axis as i64;
+        self.push_node(
+            &name,
+            "Shape",
+            vec![x],
+            vec![name.clone()],
+            vec![attr_int("start", axis), attr_int("end", axis + 1)],
+        );
+        self.symbol_values.insert(i, name.clone());
         Ok(name)
     }
 
@@ -670,7 +829,9 @@ impl<'g> Exporter<'g> {
         }
         if let Some(r) = op.downcast_ref::<Reshape>() {
             let x = self.value(inputs[0])?;
-            let shape = self.constant("shape", &i64_tensor(r.shape.clone()));
+            let entries = (self.symbolic_shape(|sym, g| sym.reshape_shape(g, id))?)
+                .unwrap_or_else(|| r.shape.iter().map(|&d| Entry::Fixed(d)).collect());
+            let shape = self.shape_value("shape", entries)?;
             // Our 0 is a dimension of 0, ONNX's copies the input's unless allowzero.
             let attrs = if r.shape.contains(&0) {
                 vec![attr_int("allowzero", 1)]
@@ -700,22 +861,31 @@ impl<'g> Exporter<'g> {
         if let Some(s) = op.downcast_ref::<Slice>() {
             let x = self.value(inputs[0])?;
             let out = &node.outputs()[0].shape;
-            let starts = i64s(&s.begin);
-            let ends: Vec<i64> = starts
-                .iter()
-                .zip(out)
-                .map(|(&b, &n)| b + n as i64)
-                .collect();
+            let fixed = |v: Vec<i64>| v.into_iter().map(Entry::Fixed).collect::<Vec<_>>();
+            let (starts, ends) = match self.sym {
+                Some(sym) => sym.slice_bounds(g, id).ok_or_else(|| {
+                    self.err("bounds that follow a symbolic dim cannot be written")
+                })?,
+                None => {
+                    let starts = i64s(&s.begin);
+                    let ends = (starts.iter().zip(out))
+                        .map(|(&b, &n)| b + n as i64)
+                        .collect();
+                    (fixed(starts), fixed(ends))
+                }
+            };
             let axes: Vec<i64> = (0..starts.len() as i64).collect();
-            let starts = self.constant("starts", &i64_tensor(starts));
-            let ends = self.constant("ends", &i64_tensor(ends));
+            let starts = self.shape_value("starts", starts)?;
+            let ends = self.shape_value("ends", ends)?;
             let axes = self.constant("axes", &i64_tensor(axes));
             self.finish("Slice", vec![x, starts, ends, axes], vec![]);
             return Ok(());
         }
         if let Some(b) = op.downcast_ref::<BroadcastTo>() {
             let x = self.value(inputs[0])?;
-            let shape = self.constant("shape", &i64_tensor(i64s(&b.shape)));
+            let entries = (self.symbolic_shape(|sym, g| sym.expand_shape(g, id))?)
+                .unwrap_or_else(|| b.shape.iter().map(|&d| Entry::Fixed(d as i64)).collect());
+            let shape = self.shape_value("shape", entries)?;
             self.finish("Expand", vec![x, shape], vec![]);
             return Ok(());
         }
@@ -738,7 +908,9 @@ impl<'g> Exporter<'g> {
         }
         if let Some(r) = op.downcast_ref::<Resize>() {
             let x = self.value(inputs[0])?;
-            let sizes = self.constant("sizes", &i64_tensor(i64s(&r.shape)));
+            let entries = (self.symbolic_shape(|sym, g| sym.resize_sizes(g, id))?)
+                .unwrap_or_else(|| r.shape.iter().map(|&d| Entry::Fixed(d as i64)).collect());
+            let sizes = self.shape_value("sizes", entries)?;
             let mut attrs = vec![attr_string(
                 "coordinate_transformation_mode",
                 r.coordinate_transformation_mode.name(),

@@ -9,11 +9,15 @@ mod error;
 mod export;
 mod import;
 pub mod proto;
+mod symbolic;
 pub mod tensor;
 
 pub use error::{OnnxError, Result};
-pub use export::{export, export_file, ExportOptions, EXPORT_OPSET};
+pub use export::{
+    export, export_file, export_file_with_dims, export_with_dims, ExportOptions, EXPORT_OPSET,
+};
 pub use import::{import_bytes, import_file, import_model, ImportOptions, MIN_OPSET};
+pub use symbolic::{import_file_probed, Probes, Symbol, SymbolicDims};
 
 /// The annotation of a node made from an ONNX op that ampgraph would not write back
 /// as that op by itself (a BiasAdd that was an Add), naming the op.

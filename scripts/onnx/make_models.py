@@ -575,6 +575,93 @@ def gelu_forms():
     return m, inputs
 
 
+def dynamic_axes():
+    """A model exported with dynamic axes (batch and seq), as torch.onnx.export
+    writes one: shapes computed at run time from Shape, a class token expanded to
+    the batch, ConstantOfShape, Reshapes to [batch, seq + 1, ...] and to [-1, D] and
+    back, a Slice to the end, a Resize by scales and a flatten. Imported at one
+    batch and sequence length, rewritten and exported, it must run at others."""
+    D = 16
+    g = G(seed=1011)
+
+    def dims(t, scope, *axes):
+        shp = g.op("Shape", [t], scope)
+        return [g.op("Unsqueeze", [g.op("Gather", [shp, g.const(np.array(a, dtype=np.int64), scope)],
+                                        scope, axis=0),
+                                   g.const(np.array([0], dtype=np.int64), scope)], scope)
+                for a in axes]
+
+    def i64s(*v):
+        return g.const(np.array(v, dtype=np.int64))
+
+    x = "tokens"                                                   # [B,S,D]
+    ones = g.op("ConstantOfShape", [g.op("Concat", dims(x, "/mask", 0, 1), "/mask", axis=0)],
+                "/mask", value=numpy_helper.from_array(np.array([1.0], dtype=np.float32)))
+    x = g.op("Mul", [x, g.op("Unsqueeze", [ones, i64s(2)], "/mask")], "/mask")
+    cls = g.init("cls_token", (0.1 * g.rng.standard_normal((1, 1, D))).astype(np.float32))
+    cls = g.op("Expand", [cls, g.op("Concat", dims(x, "/cls", 0) + [i64s(1, 1)], "/cls", axis=0)], "/cls")
+    h = g.op("Concat", [cls, x], "/cat", axis=1)                  # [B,S+1,D]
+    qkv = g.op("MatMul", [h, g.weight("attn.qkv.weight", (D, 3 * D), D, 1.0)], "/attn")
+    qkv = g.op("Add", [qkv, g.bias("attn.qkv.bias", 3 * D)], "/attn")
+    shape = g.op("Concat", dims(h, "/attn", 0, 1) + [i64s(3, 2, D // 2)], "/attn", axis=0)
+    qkv = g.op("Transpose", [g.op("Reshape", [qkv, shape], "/attn")], "/attn", perm=[2, 0, 3, 1, 4])
+    q, k, v = (g.op("Gather", [qkv, g.const(np.array(i, dtype=np.int64), "/attn")], "/attn", axis=0)
+               for i in range(3))                                  # [B,2,S+1,D/2]
+    s_ = g.op("MatMul", [q, g.op("Transpose", [k], "/attn", perm=[0, 1, 3, 2])], "/attn")
+    s_ = g.op("Div", [s_, g.const(np.array(np.sqrt(D // 2), dtype=np.float32), "/attn")], "/attn")
+    ctx = g.op("MatMul", [g.op("Softmax", [s_], "/attn", axis=-1), v], "/attn")
+    ctx = g.op("Transpose", [ctx], "/attn", perm=[0, 2, 1, 3])
+    ctx = g.op("Reshape", [ctx, g.op("Concat", dims(h, "/attn/out", 0, 1) + [i64s(D)], "/attn/out",
+                                     axis=0)], "/attn/out")
+    h = g.op("Add", [h, ctx], "/attn/residual")                   # [B,S+1,D]
+    # the MLP on rows: view(-1, D), then back to view(B, S+1, D)
+    rows = g.op("Reshape", [h, i64s(-1, D)], "/mlp")
+    rows = g.op("Relu", [g.op("Gemm", [rows, g.weight("mlp.weight", (D, D), D), g.bias("mlp.bias", D)],
+                              "/mlp", transB=1)], "/mlp")
+    back = g.op("Concat", dims(h, "/mlp", 0, 1) + [i64s(D)], "/mlp", axis=0)
+    h = g.op("Add", [h, g.op("Reshape", [rows, back], "/mlp")], "/mlp")
+    starts, ends, axes = i64s(1), i64s(np.iinfo(np.int64).max), i64s(1)
+    g.op("Slice", [h, starts, ends, axes], "/patches", outputs=["patch_tokens"])  # [B,S,D]
+    cls_out = g.op("Gather", [h, g.const(np.array(0, dtype=np.int64))], "/pool", axis=1)  # [B,D]
+
+    img = g.op("Resize", ["image", "", g.const(np.array([1, 1, 2, 2], dtype=np.float32))], "/up",
+               mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    img = g.op("Relu", [g.conv(img, "/conv", 3, 4, 3, pad=1, prefix="conv")], "/conv")
+    img = torch_flatten(g, g.op("GlobalAveragePool", [img], "/gap"), "/flatten")  # [B,4]
+    feats = g.op("Concat", [cls_out, img], "/head", axis=1)
+    g.op("Gemm", [feats, g.weight("head.weight", (10, D + 4), D + 4, 1.0), g.bias("head.bias", 10)],
+         "/head", outputs=["logits"], transB=1)
+    m = g.model(
+        "dynamic_axes",
+        [vinfo("tokens", ["batch", "seq", D]), vinfo("image", ["batch", 3, 8, 8])],
+        [vinfo("patch_tokens", ["batch", "seq", D]), vinfo("logits", ["batch", 10])],
+        opset=17,
+    )
+    inputs = [g.rng.standard_normal((2, 5, D)).astype(np.float32),
+              g.rng.standard_normal((2, 3, 8, 8)).astype(np.float32)]
+    return m, inputs
+
+
+def positions():
+    """Token and position embeddings as GPT-2's export writes them: the positions
+    are Range(0, seq) of the input's shape. Import computes that Range, so the
+    rewritten model's sequence length stays the one imported (and says so) while
+    its batch stays symbolic."""
+    g = G(seed=1012)
+    seq = g.op("Gather", [g.op("Shape", ["ids"], "/pos"), g.const(np.array(1, dtype=np.int64), "/pos")],
+               "/pos", axis=0)
+    pos = g.op("Range", [g.const(np.array(0, dtype=np.int64), "/pos"), seq,
+                         g.const(np.array(1, dtype=np.int64), "/pos")], "/pos")
+    wpe = g.init("wpe.weight", (0.1 * g.rng.standard_normal((16, 8))).astype(np.float32))
+    wte = g.init("wte.weight", (0.1 * g.rng.standard_normal((32, 8))).astype(np.float32))
+    h = g.op("Add", [g.op("Gather", [wte, "ids"], "/wte", axis=0),
+                     g.op("Gather", [wpe, pos], "/wpe", axis=0)], "/embed")
+    g.op("MatMul", [h, g.weight("proj.weight", (8, 4), 8, 1.0)], "/proj", outputs=["y"])
+    m = g.model("positions", [vinfo("ids", ["batch", "seq"], I64)], [vinfo("y", ["batch", "seq", 4])],
+                opset=17)
+    return m, [g.rng.integers(0, 32, size=(2, 6)).astype(np.int64)]
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -851,6 +938,8 @@ MODELS = {
     "einsum_cases": einsum_cases,
     "control_flow": control_flow,
     "gelu_forms": gelu_forms,
+    "dynamic_axes": dynamic_axes,
+    "positions": positions,
 }
 
 

@@ -50,14 +50,18 @@ pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Graph> {
         path: shown.clone(),
         source,
     })?;
-    let base = path.parent().map(|p| {
+    import_bytes(&bytes, &shown, model_folder(path), opts)
+}
+
+/// The folder a model's external data is read from.
+pub(crate) fn model_folder(path: &Path) -> Option<&Path> {
+    path.parent().map(|p| {
         if p.as_os_str().is_empty() {
             Path::new(".")
         } else {
             p
         }
-    });
-    import_bytes(&bytes, &shown, base, opts)
+    })
 }
 
 /// Decodes a serialized model; `shown` names it in errors, `base` is the folder
