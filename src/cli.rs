@@ -355,10 +355,11 @@ pub enum Command {
         report: bool,
         /// Before AMP, run the graph in f32 on the CPU on sample inputs and keep in f32
         /// every node whose values would not fit the 16-bit type (twice the largest
-        /// |x| seen beyond its range, or all values rounding to zero), and the nodes
-        /// reading them. FEEDS: `seed:N` for N samples of the seeded values `ampgraph
-        /// run --seed K` gives (K = 0..N-1), or one sample as `run --feeds` takes it
-        /// (a JSON file or text; what it leaves out is seeded).
+        /// |x| seen beyond its range, or all values below its normal range), and the
+        /// nodes reading them; after AMP, warn of an output that underflows on the
+        /// samples. FEEDS: `seed:N` for N samples of the seeded values `ampgraph run
+        /// --seed K` gives (K = 0..N-1), or one sample as `run --feeds` takes it (a
+        /// JSON file or text; what it leaves out is seeded).
         #[arg(long, value_name = "seed:N|FILE|JSON")]
         calibrate: Option<String>,
         /// Save the nodes --calibrate keeps in f32 as a list file (`[keep_f32]`), for
@@ -982,13 +983,25 @@ fn rewrite_graph(
         match name {
             // Run directly rather than through a PassManager to keep the full report.
             "amp" => {
-                if let Some((samples, save)) = calibration {
-                    // On the graph as AMP gets it, so the names are its nodes'.
-                    text.push_str(&calibrate_amp(g, samples, config, save)?);
-                }
+                // On the graph as AMP gets it, so the names are its nodes'.
+                let calibrated = match calibration {
+                    Some((samples, save)) => {
+                        let (done, feeds) = calibrate_amp(g, samples, config, save)?;
+                        text.push_str(&done);
+                        Some((g.clone(), feeds))
+                    }
+                    None => None,
+                };
                 let amp_report = AutoMixedPrecision::new(config.clone()).rewrite(g)?;
                 log::info!("{}", amp_report.summary());
                 text.push_str(&amp_report.detailed());
+                // What calibration could not keep wide: the samples' outputs checked.
+                if let Some((original, feeds)) = calibrated {
+                    for u in crate::numerics::calibrate::underflows(&original, g, &feeds)? {
+                        log::warn!("{u}");
+                        text.push_str(&format!("Warning: {u}\n"));
+                    }
+                }
             }
             other => {
                 let mut manager = registry_passes(&[other])?;
@@ -1007,7 +1020,7 @@ fn calibrate_amp(
     samples: &str,
     config: &mut AmpConfig,
     save: Option<&Path>,
-) -> Result<String> {
+) -> Result<(String, Vec<ampgraph_exec::Feeds>)> {
     use crate::numerics::calibrate::{calibrate, save_overrides, DEFAULT_MARGIN};
     let feeds = match samples.strip_prefix("seed:") {
         Some(n) => {
@@ -1045,7 +1058,7 @@ fn calibrate_amp(
         text.push_str(&format!("Overrides saved to {}\n", path.display()));
     }
     log::info!("calibration kept {} node(s) in f32", kept.len());
-    Ok(text)
+    Ok((text, feeds))
 }
 
 /// Feeds from the file where given, seeded values for every other Placeholder and Variable.

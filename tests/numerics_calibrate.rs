@@ -20,8 +20,8 @@ use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
 use common::Menu;
 
 const F16_MAX: f64 = 65504.0;
-/// Half of f16's smallest subnormal (2^-24): at most this, a value rounds to zero.
-const F16_HALF_TINY: f64 = 2.9802322387695312e-8;
+/// f16's smallest normal value (2^-14): below it, a value is subnormal or zero.
+const F16_MIN_NORMAL: f64 = 6.103515625e-5;
 
 /// A directory private to one test.
 struct Scratch(std::path::PathBuf);
@@ -60,7 +60,8 @@ fn f32_ports(g: &Graph) -> Vec<Port> {
 
 /// The nodes that must stay in f32 for f16, from the f32 values of every tensor
 /// (fetched, not observed): the producers of tensors with 2 * max|x| above 65504 or
-/// all (finite, some nonzero) values rounding to zero, and the f32 nodes reading them.
+/// all (finite, some nonzero) values below f16's normal range, and the f32 nodes reading
+/// them.
 fn expected_kept(g: &Graph, samples: &[Feeds]) -> BTreeSet<String> {
     let ports = f32_ports(g);
     let mut max = vec![0f64; ports.len()];
@@ -82,7 +83,7 @@ fn expected_kept(g: &Graph, samples: &[Feeds]) -> BTreeSet<String> {
         .iter()
         .enumerate()
         .filter(|&(k, _)| {
-            max[k] * 2.0 > F16_MAX || (finite[k] && max[k] > 0.0 && max[k] <= F16_HALF_TINY)
+            max[k] * 2.0 > F16_MAX || (finite[k] && max[k] > 0.0 && max[k] < F16_MIN_NORMAL)
         })
         .map(|(_, &p)| p)
         .collect();
@@ -182,13 +183,18 @@ fn planted_overflows_are_kept_in_f32_and_nothing_else() {
         let kept = calibration.keep_f32(DType::F16, DEFAULT_MARGIN);
         let names: BTreeSet<String> = kept.iter().map(|(n, _)| n.clone()).collect();
         assert_eq!(names, expected_kept(&g, &feeds), "seed {seed}");
-        // What planting added: the 1e5 constant and the product (read the constant),
-        // the unscaling product where the scaled values overflow; nothing else.
-        let range = calibration.range(&scale).unwrap();
-        let mut added: BTreeSet<String> = ["planted_1e5", "planted_scale"].map(String::from).into();
-        if range.max_abs * 2.0 > F16_MAX {
-            added.insert("planted_unscale".into());
-        }
+        // What planting added: the 1e5 constant and the product reading it, the 1e-5
+        // constant (below f16's normal range) and the unscaling product reading it;
+        // nothing else.
+        assert!(calibration.range(&scale).unwrap().max_abs > 0.0);
+        let added: BTreeSet<String> = [
+            "planted_1e5",
+            "planted_scale",
+            "planted_1e-5",
+            "planted_unscale",
+        ]
+        .map(String::from)
+        .into();
         let want: BTreeSet<String> = kept_before.union(&added).cloned().collect();
         assert_eq!(names, want, "seed {seed}");
         let why = &kept.iter().find(|(n, _)| n == "planted_1e5").unwrap().1;
@@ -265,13 +271,13 @@ fn margin_and_bf16_thresholds() {
     assert!(kept(DType::F16, 1.0).is_empty());
     assert!(kept(DType::BF16, DEFAULT_MARGIN).is_empty());
     assert!(kept(DType::F32, DEFAULT_MARGIN).is_empty());
-    // Values rounding to zero in f16 (but not in bf16) are kept too; zeros are not.
+    // Values below f16's normal range (but not bf16's) are kept too; zeros are not.
     let c = calibrate(&g, &[feed([1e-9, -2e-9, 0.0, 0.0])]).unwrap();
     let why = c.keep_f32(DType::F16, DEFAULT_MARGIN);
     assert_eq!(why[0].0, "x");
     assert_eq!(
         why[0].1,
-        "observed |x| at most 2.0e-9, every value rounding to zero in f16"
+        "observed |x| at most 2.0e-9, below f16's normal range"
     );
     assert!(c.keep_f32(DType::BF16, DEFAULT_MARGIN).is_empty());
     let c = calibrate(&g, &[feed([0.0; 4])]).unwrap();
@@ -486,7 +492,7 @@ fn cli_rewrite_calibrate_saves_and_reuses_overrides() {
     assert!(ok, "{stderr}");
     assert!(
         stdout.contains(
-            "Calibration: 2 sample(s) in f32; nodes kept in f32 by their observed range: 3"
+            "Calibration: 2 sample(s) in f32; nodes kept in f32 by their observed range: 4"
         ),
         "{stdout}"
     );
@@ -536,7 +542,8 @@ fn cli_rewrite_calibrate_saves_and_reuses_overrides() {
     let (ok, _, stderr) = ampgraph(&["rewrite", &graph, "--amp", "--calibrate", "seed:0"]);
     assert!(!ok && stderr.contains("seed:N"), "{stderr}");
     // One sample from --feeds JSON (w seeded): small inputs keep the product in
-    // range, so only the 1e5 constant and its reader stay in f32.
+    // range, so only the constants (1e5 beyond f16's range, 1e-5 below its normal
+    // range) and their readers stay in f32.
     let feeds = serde_json::json!({ "x": vec![vec![1e-3; 8]; 4] }).to_string();
     let (ok, stdout, stderr) = ampgraph(&[
         "rewrite",
@@ -555,5 +562,133 @@ fn cli_rewrite_calibrate_saves_and_reuses_overrides() {
         "{stdout}"
     );
     assert!(stdout.contains("  big: its input 'up' has"), "{stdout}");
-    assert!(!stdout.contains("  back:"), "{stdout}");
+    assert!(
+        stdout.contains("  back: its input 'down' has observed |x| at most 1.0e-5"),
+        "{stdout}"
+    );
+}
+
+/// `x (4x16) -> MatMul(w1) -> Relu -> MatMul(w2) -> Relu -> MatMul(w3) -> y` with
+/// weights of 1e-4, 1e-6 and 1e4: the first hidden values are f16-normal (~1e-4), the
+/// second (~1e-10) round to zero in f16, as an untrained network's activations do
+/// layer after layer, and the outputs (~1e-6) are those zeros' products.
+fn tiny_logits_graph() -> Graph {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [4, 16]).unwrap();
+    let weight = |g: &mut Graph, name: &str, seed: u64, scale: f64| -> Port {
+        let ty = ampgraph::graph::TensorType::new(DType::F32, vec![16, 16]);
+        let t = ampgraph::exec::feeds::seeded_tensor(name, &ty, seed);
+        let scaled: Vec<f64> = t.to_f64_vec().iter().map(|v| v * scale).collect();
+        let t = Tensor::from_f64(DType::F32, vec![16, 16], &scaled).unwrap();
+        g.add_node(name, Box::new(Const::new(t)), &[])
+            .unwrap()
+            .into()
+    };
+    let w1 = weight(&mut g, "w1", 1, 1e-4);
+    let w2 = weight(&mut g, "w2", 2, 1e-6);
+    let w3 = weight(&mut g, "w3", 3, 1e4);
+    let h = g.matmul(x, w1).unwrap();
+    let h = g.relu(h).unwrap();
+    let h = g.matmul(h, w2).unwrap();
+    let h = g.relu(h).unwrap();
+    let y = g.matmul(h, w3).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    g
+}
+
+/// Outputs below f16's normal range come out of AMP as zeros (and are reported as
+/// underflowing); calibration keeps them in f32, where they match f32's.
+#[test]
+fn outputs_below_the_normal_range_underflow_unless_calibration_keeps_them_wide() {
+    let g32 = tiny_logits_graph();
+    let feeds = samples(&g32, 2);
+    let f16 = || AmpConfig::new(DType::F16).unwrap();
+    let mut plain = g32.clone();
+    AutoMixedPrecision::new(f16()).rewrite(&mut plain).unwrap();
+    let found = ampgraph::numerics::calibrate::underflows(&g32, &plain, &feeds).unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].lost * 2 > found[0].nonzero, "{:?}", found[0]);
+    assert!(found[0].max_abs < F16_MIN_NORMAL, "{:?}", found[0]);
+
+    let mut config = f16();
+    let kept = calibrate(&g32, &feeds)
+        .unwrap()
+        .apply(&mut config, DEFAULT_MARGIN);
+    let output = g32.node(g32.outputs()[0].node).name.clone();
+    assert!(kept.iter().any(|(n, _)| *n == output), "{kept:?}");
+    let mut wide = g32.clone();
+    AutoMixedPrecision::new(config).rewrite(&mut wide).unwrap();
+    let found = ampgraph::numerics::calibrate::underflows(&g32, &wide, &feeds).unwrap();
+    assert!(found.is_empty(), "{found:?}");
+    let mut exec = CpuExecutor::new();
+    for f in &feeds {
+        let want = exec.run(&g32, f, g32.outputs()).unwrap();
+        let got = exec.run(&wide, f, wide.outputs()).unwrap();
+        let (w, o) = (want[0].to_f64_vec(), got[0].to_f64_vec());
+        let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let err = w
+            .iter()
+            .zip(&o)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-2 * scale, "error {err:e} of {scale:e}");
+    }
+}
+
+/// `rewrite --calibrate` warns of an output that underflows where no tensor is out
+/// of f16's range: `(x @ w + 1) - 1` with products below 4.9e-4 (half of f16's
+/// epsilon) cancels to 0 in f16.
+#[test]
+fn cli_rewrite_calibrate_warns_of_an_output_that_underflows() {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [4, 8]).unwrap();
+    let small = Tensor::from_f64(DType::F32, vec![8, 8], &[1e-4; 64]).unwrap();
+    let w: Port = g
+        .add_node("w", Box::new(Const::new(small)), &[])
+        .unwrap()
+        .into();
+    let one = Tensor::from_f64(DType::F32, vec![], &[1.0]).unwrap();
+    let one: Port = g
+        .add_node("one", Box::new(Const::new(one)), &[])
+        .unwrap()
+        .into();
+    let mm = g.matmul(x, w).unwrap();
+    let shifted: Port = (g.add_node(
+        "shifted",
+        Box::new(Binary::new(BinaryKind::Add)),
+        &[mm, one],
+    ))
+    .unwrap()
+    .into();
+    let back: Port = (g.add_node(
+        "back",
+        Box::new(Binary::new(BinaryKind::Sub)),
+        &[shifted, one],
+    ))
+    .unwrap()
+    .into();
+    g.set_outputs(vec![back]).unwrap();
+    let dir = Scratch::new("underflow");
+    let graph = dir.path("g.json");
+    std::fs::write(&graph, to_json(&GraphDef::from_graph(&g))).unwrap();
+    let out = dir.path("out.json");
+    let (ok, stdout, stderr) = ampgraph(&[
+        "rewrite",
+        &graph,
+        "--amp",
+        "--calibrate",
+        "seed:1",
+        "--report",
+        "-o",
+        &out,
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("output 'back' underflows: ")
+            && stderr.contains("are 0 after mixed precision"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("Warning: output 'back' underflows"),
+        "{stdout}"
+    );
 }

@@ -260,13 +260,15 @@ fn amp_export(dir: &Path, theirs: usize) {
         ModelProto::decode(std::fs::read(dir.join("model.onnx")).unwrap().as_slice()).unwrap();
     let io_types = |g: &ampgraph::onnx::proto::GraphProto| -> Vec<(String, i32)> {
         let initializers: Vec<&str> = g.initializer.iter().map(|t| t.name.as_str()).collect();
-        (g.input.iter().filter(|v| !initializers.contains(&v.name.as_str())))
-            .chain(&g.output)
-            .map(|v| {
-                let ty = v.r#type.as_ref().and_then(|t| t.tensor_type.as_ref());
-                (v.name.clone(), ty.map_or(0, |t| t.elem_type))
-            })
-            .collect()
+        (g.input
+            .iter()
+            .filter(|v| !initializers.contains(&v.name.as_str())))
+        .chain(&g.output)
+        .map(|v| {
+            let ty = v.r#type.as_ref().and_then(|t| t.tensor_type.as_ref());
+            (v.name.clone(), ty.map_or(0, |t| t.elem_type))
+        })
+        .collect()
     };
     assert_eq!(
         io_types(graph),

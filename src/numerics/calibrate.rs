@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 use std::ops::ControlFlow;
 use std::path::Path;
 
-use ampgraph_exec::{CpuExecutor, Evaluated, ExecError, Feeds};
+use ampgraph_exec::{CpuExecutor, Evaluated, ExecError, Executor, Feeds};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
 use ampgraph_passes::amp::lists::keep_f32_toml;
 use ampgraph_passes::amp::{AmpConfig, PrecisionLists};
@@ -167,11 +167,11 @@ fn sinks(graph: &Graph) -> Vec<Port> {
     fetches
 }
 
-/// The largest finite value and the smallest positive subnormal of a 16-bit type.
+/// The largest finite value and the smallest positive normal value of a 16-bit type.
 fn limits(target: DType) -> Option<(f64, f64)> {
     match target {
-        DType::F16 => Some((half::f16::MAX.to_f64(), half::f16::from_bits(1).to_f64())),
-        DType::BF16 => Some((half::bf16::MAX.to_f64(), half::bf16::from_bits(1).to_f64())),
+        DType::F16 => Some((half::f16::MAX.to_f64(), half::f16::MIN_POSITIVE.to_f64())),
+        DType::BF16 => Some((half::bf16::MAX.to_f64(), half::bf16::MIN_POSITIVE.to_f64())),
         _ => None,
     }
 }
@@ -257,16 +257,17 @@ impl Calibration {
     /// - `max |x| * margin` exceeds the type's largest finite value (f16: 65504;
     ///   bf16: 3.4e38, which only values near f32's own limit reach): "observed |x| up
     ///   to 1.2e5, beyond f16's range"; a `margin` below 1 counts as 1;
-    /// - or every value is finite, some nonzero, and all at most half the type's
-    ///   smallest subnormal (f16: 3.0e-8), so every value would round to zero:
-    ///   "observed |x| at most 1.0e-9, every value rounding to zero in f16".
+    /// - or every value is finite, some nonzero, and all below the type's smallest
+    ///   normal value (f16: 6.1e-5), so every value is subnormal there, with at most
+    ///   9 bits, or zero (an untrained network's logits, 1e-10): "observed |x| at most
+    ///   1.0e-9, below f16's normal range".
     ///
     /// The node producing such a tensor is kept, and so is every node with an f32
     /// output reading it: converted, such a reader would take the tensor through a
     /// cast to the 16-bit type, overflowing there ("its input 'mul' has observed |x|
     /// up to ..."). Non-finite values are ignored: they were so already in f32.
     pub fn keep_f32(&self, target: DType, margin: f64) -> Vec<(String, String)> {
-        let Some((max, tiny)) = limits(target) else {
+        let Some((max, min_normal)) = limits(target) else {
             return Vec::new();
         };
         let margin = margin.max(1.0);
@@ -276,9 +277,9 @@ impl Calibration {
                     "|x| up to {:.1e}, beyond {target}'s range",
                     r.max_abs
                 ))
-            } else if !r.nonfinite && r.max_abs > 0.0 && r.max_abs <= tiny / 2.0 {
+            } else if !r.nonfinite && r.max_abs > 0.0 && r.max_abs < min_normal {
                 Some(format!(
-                    "|x| at most {:.1e}, every value rounding to zero in {target}",
+                    "|x| at most {:.1e}, below {target}'s normal range",
                     r.max_abs
                 ))
             } else {
@@ -329,6 +330,66 @@ impl Calibration {
         }
         kept
     }
+}
+
+/// An output of a mixed-precision graph that underflowed: more than half of its
+/// values that are nonzero in f32 are 0 there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Underflow {
+    pub output: String,
+    /// Values nonzero in f32 and 0 after the rewrite, and values nonzero in f32.
+    pub lost: usize,
+    pub nonzero: usize,
+    /// The largest finite |y| in f32.
+    pub max_abs: f64,
+}
+
+impl std::fmt::Display for Underflow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "output '{}' underflows: {} of its {} nonzero values in f32 are 0 after mixed \
+             precision (f32 |y| up to {:.1e})",
+            self.output, self.lost, self.nonzero, self.max_abs
+        )
+    }
+}
+
+/// The outputs of `rewritten` (`original` after mixed precision, its outputs in the
+/// same order) that underflow on the samples, run on the CPU (which rounds 16-bit
+/// values as the GPU kernels do).
+pub fn underflows(
+    original: &Graph,
+    rewritten: &Graph,
+    samples: &[Feeds],
+) -> Result<Vec<Underflow>, CalibrateError> {
+    let mut found: Vec<Underflow> = (original.outputs().iter())
+        .map(|&p| Underflow {
+            output: original.port_name(p),
+            lost: 0,
+            nonzero: 0,
+            max_abs: 0.0,
+        })
+        .collect();
+    let mut exec = CpuExecutor::new();
+    for (sample, feeds) in samples.iter().enumerate() {
+        let mut run = |g: &Graph| {
+            (exec.run(g, feeds, g.outputs()))
+                .map_err(|source| CalibrateError::Exec { sample, source })
+        };
+        let (wide, narrow) = (run(original)?, run(rewritten)?);
+        for ((u, w), n) in found.iter_mut().zip(&wide).zip(&narrow) {
+            for (w, n) in w.to_f64_vec().into_iter().zip(n.to_f64_vec()) {
+                if w != 0.0 && w.is_finite() {
+                    u.nonzero += 1;
+                    u.lost += usize::from(n == 0.0);
+                    u.max_abs = u.max_abs.max(w.abs());
+                }
+            }
+        }
+    }
+    found.retain(|u| u.lost * 2 > u.nonzero);
+    Ok(found)
 }
 
 /// Saves nodes kept in f32 (with their reasons) as a list file of one `[keep_f32]`
