@@ -279,3 +279,34 @@ fn nodes_kept_in_f32_by_name_are_denied_and_explained() {
         .unwrap();
     assert_eq!(dtype(&g, "mm"), DType::F32);
 }
+
+/// An infer op whose input goes f16 only in a later phase (a Reshape after a MatMul,
+/// clear next to it) stays f32, as in TensorFlow; `explain` says so rather than "no
+/// input runs in f16" above an input list showing an f16 input.
+#[test]
+fn explain_an_infer_op_whose_input_went_half_in_a_later_phase() {
+    let json = r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+        {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [2, 4, 8]}},
+        {"name": "w", "op": "Const", "attrs": {"dtype": "f32", "shape": [8, 8]}},
+        {"name": "b", "op": "Const", "attrs": {"dtype": "f32", "shape": [8]}},
+        {"name": "flat", "op": "Reshape", "inputs": ["x"], "attrs": {"shape": [8, 8]}},
+        {"name": "mm", "op": "MatMul", "inputs": ["flat", "w"]},
+        {"name": "back", "op": "Reshape", "inputs": ["mm"], "attrs": {"shape": [2, 4, 8]}},
+        {"name": "add", "op": "Add", "inputs": ["back", "b"]},
+        {"name": "out", "op": "Identity", "inputs": ["add"]}
+    ], "outputs": ["out"]}"#;
+    let g = format::graph_from_bytes(json.as_bytes()).unwrap();
+    let amp = AutoMixedPrecision::new(tf());
+    let p = amp.analyze(&g).unwrap();
+    let e = explain(&g, &p, &amp.config, "add").unwrap();
+    assert_eq!(e.dtype, DType::F32);
+    let text = e.to_string();
+    assert!(
+        text.contains(
+            "its input 'back' (Reshape) went f16 afterwards, as a clear op next to 'mm' (MatMul)"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("inputs: back (f16), b (f32)"), "{text}");
+    assert!(!text.contains("no input runs in"), "{text}");
+}

@@ -341,6 +341,29 @@ pub fn explain(
                         label(g, p, f),
                         path.join(" -> ")
                     ));
+                } else if let Some(&f) = (p.fanin(v).iter()).find(|&&f| {
+                    matches!(
+                        p.step[f as usize],
+                        Step::ClearNextToAllow | Step::CastToHalf
+                    )
+                }) {
+                    // The input went 16-bit in a later phase than the one in which
+                    // infer ops follow their inputs: TensorFlow's order, kept here.
+                    let how = match p.step[f as usize] {
+                        Step::ClearNextToAllow => {
+                            format!(
+                                ", as a clear op next to {}",
+                                label(g, p, p.parent[f as usize])
+                            )
+                        }
+                        _ => ", as a Cast all of whose consumers run in it".into(),
+                    };
+                    reasons.push(format!(
+                        "kept in f32: no input ran in {t} when infer ops took their inputs' \
+                         precision; its input {} went {t} afterwards{how} (TensorFlow's \
+                         order of phases)",
+                        label(g, p, f),
+                    ));
                 } else {
                     reasons.push(format!(
                         "kept in f32: no input runs in {t} (infer ops follow their inputs)"
