@@ -3,6 +3,7 @@
 //! settings and is built apart.
 
 use crate::attention::FuseAttention;
+use crate::bias_before_reshape::BiasBeforeReshape;
 use crate::cross_entropy::FuseCrossEntropy;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
@@ -54,6 +55,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "recognize-gelu",
         summary: "A GELU written out as exporters decompose it (erf or tanh form, Pow included) becomes one Gelu.",
         make: || Box::new(RecognizeGelu),
+    },
+    PassEntry {
+        name: "bias-before-reshape",
+        summary: "A bias added after a Reshape that keeps the last axis (a Linear layer on a 3-D input) is added before it, next to its product.",
+        make: || Box::new(BiasBeforeReshape),
     },
     PassEntry {
         name: "cast-into-reduce",

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use ampgraph_graph::host_memory;
 use ampgraph_graph::ops::{Const, Placeholder};
 use ampgraph_graph::{Graph, Op, Port, Tensor, TensorType};
+use ampgraph_passes::bias_before_reshape::BiasBeforeReshape;
 use ampgraph_passes::recognize_gelu::RecognizeGelu;
 use ampgraph_passes::Pass;
 use prost::Message;
@@ -39,7 +40,9 @@ pub struct ImportOptions {
     pub input_shapes: BTreeMap<String, Vec<usize>>,
     /// Import the ops as the file writes them: without this, the patterns exporters
     /// write out op by op are imported as the ops they are (a GELU's Erf or Tanh, Pow
-    /// and products as one Gelu: one kernel, and f16 to AMP, where `Pow` is denied).
+    /// and products as one Gelu: one kernel, and f16 to AMP, where `Pow` is denied),
+    /// and a Linear layer's bias on a 3-D input is added next to its product (before
+    /// the Reshape back), where the GEMM's epilogue and AMP's infer rule take it.
     pub as_written: bool,
 }
 
@@ -116,9 +119,10 @@ pub fn import_model(
     }
     let mut g = imp.finish(graph)?;
     if !opts.as_written {
-        RecognizeGelu
-            .run(&mut g)
-            .map_err(|e| OnnxError::Model(format!("recognizing GELUs: {e}")))?;
+        for pass in [&RecognizeGelu as &dyn Pass, &BiasBeforeReshape] {
+            (pass.run(&mut g))
+                .map_err(|e| OnnxError::Model(format!("pass {}: {e}", pass.name())))?;
+        }
     }
     Ok(g)
 }
