@@ -46,6 +46,9 @@ def export(model, example, path, input_names, output_names):
         do_constant_folding=True,
         input_names=input_names,
         output_names=output_names,
+        # As users export for deployment: the batch is symbolic (import fixes it from
+        # the test data; the AMP export must keep it symbolic: tests/onnx_export.rs).
+        dynamic_axes={n: {0: "batch"} for n in [*input_names, *output_names]},
     )
     try:
         has_dynamo = "dynamo" in inspect.signature(torch.onnx.export).parameters
