@@ -10,7 +10,8 @@ batch_first=True):
     OUT/NAME/test_data_set_0/input_0.pb, output_K.pb   (outputs from onnxruntime CPU)
 
 Models are built after torch.manual_seed(0) and exported in eval mode with
-torch.onnx.export(..., dynamo=False, opset_version=17, do_constant_folding=True)
+torch.onnx.export(..., dynamo=False, opset_version=17, do_constant_folding=True,
+dynamic_axes: batch symbolic on the input and the outputs)
 (the `dynamo` keyword is left out on torch versions that do not have it).
 Inputs: 1x3x224x224 for the CNNs, [2, 16, 64] for the encoder (numpy, seeded).
 
