@@ -117,21 +117,13 @@ impl Probes {
         }
         // Each symbol that some node cannot follow is fixed, and the rest compared
         // again without it: what follows it may follow the others.
-        loop {
+        while !live.is_empty() {
             let probes: Vec<(i64, &Graph)> = (live.iter())
                 .filter_map(|&i| self.graphs[i].as_ref().ok())
                 .map(|(value, probe)| (*value as i64, probe))
                 .collect();
-            let dims = SymbolicDims {
-                symbols: self.symbols.clone(),
-                live: live.clone(),
-                probes: probes.iter().map(|&(v, _)| v).collect(),
-                fixed: fixed.clone(),
-                ports: HashMap::new(),
-                attrs: HashMap::new(),
-                order: HashMap::new(),
-                dims_of: HashMap::new(),
-            };
+            let values = probes.iter().map(|&(v, _)| v).collect();
+            let dims = SymbolicDims::new(self.symbols.clone(), live.clone(), values, fixed.clone());
             match dims.compare(g, &probes) {
                 Ok(mut dims) => {
                     dims.fixed.sort_by_key(|&(i, _)| i);
@@ -140,6 +132,8 @@ impl Probes {
                 Err((k, why)) => fixed.push((live.remove(k), why)),
             }
         }
+        fixed.sort_by_key(|&(i, _)| i);
+        SymbolicDims::new(self.symbols.clone(), live, Vec::new(), fixed)
     }
 }
 
@@ -242,6 +236,26 @@ pub(crate) enum Entry {
 }
 
 impl SymbolicDims {
+    /// Symbols, the live ones and their probes' values, and the fixed ones: no dims
+    /// compared yet.
+    fn new(
+        symbols: Vec<Symbol>,
+        live: Vec<usize>,
+        probes: Vec<i64>,
+        fixed: Vec<(usize, String)>,
+    ) -> SymbolicDims {
+        SymbolicDims {
+            symbols,
+            live,
+            probes,
+            fixed,
+            ports: HashMap::new(),
+            attrs: HashMap::new(),
+            order: HashMap::new(),
+            dims_of: HashMap::new(),
+        }
+    }
+
     /// The symbols of the model's inputs.
     pub fn symbols(&self) -> &[Symbol] {
         &self.symbols
@@ -660,16 +674,8 @@ mod tests {
             value,
             sources: vec![("x".into(), 0)],
         };
-        SymbolicDims {
-            symbols: vec![symbol("batch", 2), symbol("seq", 5)],
-            live: vec![0, 1],
-            probes: vec![4, 10],
-            fixed: Vec::new(),
-            ports: HashMap::new(),
-            attrs: HashMap::new(),
-            order: HashMap::new(),
-            dims_of: HashMap::new(),
-        }
+        let symbols = vec![symbol("batch", 2), symbol("seq", 5)];
+        SymbolicDims::new(symbols, vec![0, 1], vec![4, 10], Vec::new())
     }
 
     #[test]
