@@ -18,7 +18,7 @@ use ampgraph_graph::ops::{BroadcastTo, Const, Placeholder, Reshape, Resize, Slic
 use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
 
 use crate::error::Result;
-use crate::import::{decode_model, import_model, ImportOptions};
+use crate::import::{import_model, read_model, ImportOptions};
 use crate::proto::{DimensionValue, ModelProto};
 
 /// A symbolic dim of the model's inputs and the value the graph was imported at.
@@ -41,13 +41,7 @@ pub struct Probes {
 /// Reads an ONNX model, imports it, and imports it again at other values of each of
 /// its inputs' symbolic dims (see the module's documentation).
 pub fn import_file_probed(path: &Path, opts: &ImportOptions) -> Result<(Graph, Probes)> {
-    let shown = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| crate::OnnxError::Io {
-        path: shown.clone(),
-        source,
-    })?;
-    let model = decode_model(&bytes, &shown)?;
-    drop(bytes);
+    let model = read_model(path)?;
     let base = crate::import::model_folder(path);
     let g = import_model(&model, base, opts)?;
     let probes = Probes::import(&model, base, opts);

@@ -48,12 +48,17 @@ pub struct ImportOptions {
 
 /// Reads an ONNX model file (external data files are found beside it).
 pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Graph> {
+    import_model(&read_model(path)?, model_folder(path), opts)
+}
+
+/// Reads and decodes a model file.
+pub(crate) fn read_model(path: &Path) -> Result<ModelProto> {
     let shown = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|source| OnnxError::Io {
         path: shown.clone(),
         source,
     })?;
-    import_bytes(&bytes, &shown, model_folder(path), opts)
+    decode_nonempty(&bytes, &shown)
 }
 
 /// The folder a model's external data is read from.
@@ -83,14 +88,18 @@ pub fn import_bytes(
     base: Option<&Path>,
     opts: &ImportOptions,
 ) -> Result<Graph> {
+    import_model(&decode_nonempty(bytes, shown)?, base, opts)
+}
+
+/// [`decode_model`], refusing an empty file (which decodes as an empty model).
+fn decode_nonempty(bytes: &[u8], shown: &str) -> Result<ModelProto> {
     if bytes.is_empty() {
         return Err(OnnxError::Decode {
             path: shown.into(),
             msg: "the file is empty".into(),
         });
     }
-    let model = decode_model(bytes, shown)?;
-    import_model(&model, base, opts)
+    decode_model(bytes, shown)
 }
 
 /// Imports a decoded model.
