@@ -187,6 +187,12 @@ fn i64s(v: &[usize]) -> Vec<i64> {
     v.iter().map(|&d| d as i64).collect()
 }
 
+/// A `Shape` node's attributes reading one dim, `axis`.
+fn dim_slice(axis: usize) -> Vec<AttributeProto> {
+    let axis = axis as i64;
+    vec![attr_int("start", axis), attr_int("end", axis + 1)]
+}
+
 fn i64_tensor(values: Vec<i64>) -> Tensor {
     let n = values.len();
     Tensor::new(vec![n], Data::I64(values)).expect("a vector's shape fits its data")
@@ -435,8 +441,8 @@ impl<'g> Exporter<'g> {
             )));
         };
         let name = self.g.port_name(p);
-        let shape = self.symbolic_shape(|sym, g| sym.const_shape(g, p))?;
-        if let Some(shape) = shape.filter(|s| s.iter().any(|e| matches!(e, Entry::Product(..)))) {
+        let shape = self.planned_shape(|sym, g| sym.const_shape(g, p), i64s(t.shape()))?;
+        if shape.iter().any(|e| matches!(e, Entry::Product(..))) {
             // Written once along the axes that follow a symbol, expanded at run time.
             let axes: Vec<usize> = (shape.iter().enumerate())
                 .filter(|(_, e)| matches!(e, Entry::Product(..)))
@@ -475,51 +481,36 @@ impl<'g> Exporter<'g> {
         )
     }
 
-    /// A shape input's entries as `plan` writes them, where the graph has symbolic
-    /// dims; `None` where it has none.
-    fn symbolic_shape(
+    /// A shape input's entries: as `plan` writes them where the graph has symbolic
+    /// dims, else the numbers `fixed`.
+    fn planned_shape(
         &self,
         plan: impl Fn(&SymbolicDims, &Graph) -> Option<Vec<Entry>>,
-    ) -> Result<Option<Vec<Entry>>> {
+        fixed: impl IntoIterator<Item = i64>,
+    ) -> Result<Vec<Entry>> {
         let Some(sym) = self.sym else {
-            return Ok(None);
+            return Ok(fixed.into_iter().map(Entry::Fixed).collect());
         };
         plan(sym, self.g)
-            .map(Some)
             .ok_or_else(|| self.err("a shape that follows a symbolic dim cannot be written"))
     }
 
     /// A 1-D i64 ONNX value of these entries: an initializer where all are fixed,
     /// else a Concat of them, each product of symbols read off the inputs' shapes.
     fn shape_value(&mut self, what: &str, entries: Vec<Entry>) -> Result<String> {
-        if entries.iter().all(|e| matches!(e, Entry::Fixed(_))) {
-            let fixed = entries
-                .iter()
-                .map(|e| match e {
-                    Entry::Fixed(d) => *d,
-                    _ => unreachable!("all are fixed"),
-                })
-                .collect();
-            return Ok(self.constant(what, &i64_tensor(fixed)));
-        }
         let mut pieces = Vec::new();
         let mut fixed = Vec::new();
         for e in entries {
-            match e {
-                Entry::Fixed(d) => fixed.push(d),
+            let piece = match e {
+                Entry::Fixed(d) => {
+                    fixed.push(d);
+                    continue;
+                }
                 Entry::DimOf(port, axis) => {
-                    if !fixed.is_empty() {
-                        pieces.push(self.constant(what, &i64_tensor(std::mem::take(&mut fixed))));
-                    }
                     let x = self.value(port)?;
-                    let axis = axis as i64;
-                    let attrs = vec![attr_int("start", axis), attr_int("end", axis + 1)];
-                    pieces.push(self.helper("Shape", vec![x], attrs));
+                    self.helper("Shape", vec![x], dim_slice(axis))
                 }
                 Entry::Product(c, symbols) => {
-                    if !fixed.is_empty() {
-                        pieces.push(self.constant(what, &i64_tensor(std::mem::take(&mut fixed))));
-                    }
                     let mut v = self.symbol_value(symbols[0])?;
                     for &s in &symbols[1..] {
                         let next = self.symbol_value(s)?;
@@ -529,9 +520,16 @@ impl<'g> Exporter<'g> {
                         let c = self.constant("factor", &i64_tensor(vec![c]));
                         v = self.helper("Mul", vec![v, c], vec![]);
                     }
-                    pieces.push(v);
+                    v
                 }
+            };
+            if !fixed.is_empty() {
+                pieces.push(self.constant(what, &i64_tensor(std::mem::take(&mut fixed))));
             }
+            pieces.push(piece);
+        }
+        if pieces.is_empty() {
+            return Ok(self.constant(what, &i64_tensor(fixed)));
         }
         if !fixed.is_empty() {
             pieces.push(self.constant(what, &i64_tensor(fixed)));
@@ -553,14 +551,7 @@ impl<'g> Exporter<'g> {
         })?;
         let x = self.value(input.into())?;
         let name = format!("{}/{}", self.g.node(input).name, sym.symbols()[i].name);
-        let axis = axis as i64;
-        self.push_node(
-            &name,
-            "Shape",
-            vec![x],
-            vec![name.clone()],
-            vec![attr_int("start", axis), attr_int("end", axis + 1)],
-        );
+        self.push_node(&name, "Shape", vec![x], vec![name.clone()], dim_slice(axis));
         self.symbol_values.insert(i, name.clone());
         Ok(name)
     }
@@ -829,8 +820,7 @@ impl<'g> Exporter<'g> {
         }
         if let Some(r) = op.downcast_ref::<Reshape>() {
             let x = self.value(inputs[0])?;
-            let entries = (self.symbolic_shape(|sym, g| sym.reshape_shape(g, id))?)
-                .unwrap_or_else(|| r.shape.iter().map(|&d| Entry::Fixed(d)).collect());
+            let entries = self.planned_shape(|sym, g| sym.reshape_shape(g, id), r.shape.clone())?;
             let shape = self.shape_value("shape", entries)?;
             // Our 0 is a dimension of 0, ONNX's copies the input's unless allowzero.
             let attrs = if r.shape.contains(&0) {
@@ -883,8 +873,7 @@ impl<'g> Exporter<'g> {
         }
         if let Some(b) = op.downcast_ref::<BroadcastTo>() {
             let x = self.value(inputs[0])?;
-            let entries = (self.symbolic_shape(|sym, g| sym.expand_shape(g, id))?)
-                .unwrap_or_else(|| b.shape.iter().map(|&d| Entry::Fixed(d as i64)).collect());
+            let entries = self.planned_shape(|sym, g| sym.expand_shape(g, id), i64s(&b.shape))?;
             let shape = self.shape_value("shape", entries)?;
             self.finish("Expand", vec![x, shape], vec![]);
             return Ok(());
@@ -908,8 +897,7 @@ impl<'g> Exporter<'g> {
         }
         if let Some(r) = op.downcast_ref::<Resize>() {
             let x = self.value(inputs[0])?;
-            let entries = (self.symbolic_shape(|sym, g| sym.resize_sizes(g, id))?)
-                .unwrap_or_else(|| r.shape.iter().map(|&d| Entry::Fixed(d as i64)).collect());
+            let entries = self.planned_shape(|sym, g| sym.resize_sizes(g, id), i64s(&r.shape))?;
             let sizes = self.shape_value("sizes", entries)?;
             let mut attrs = vec![attr_string(
                 "coordinate_transformation_mode",

@@ -119,14 +119,10 @@ impl Probes {
             let values = probes.iter().map(|&(v, _)| v).collect();
             let dims = SymbolicDims::new(self.symbols.clone(), live.clone(), values, fixed.clone());
             match dims.compare(g, &probes) {
-                Ok(mut dims) => {
-                    dims.fixed.sort_by_key(|&(i, _)| i);
-                    return dims;
-                }
+                Ok(dims) => return dims,
                 Err((k, why)) => fixed.push((live.remove(k), why)),
             }
         }
-        fixed.sort_by_key(|&(i, _)| i);
         SymbolicDims::new(self.symbols.clone(), live, Vec::new(), fixed)
     }
 }
@@ -230,14 +226,15 @@ pub(crate) enum Entry {
 }
 
 impl SymbolicDims {
-    /// Symbols, the live ones and their probes' values, and the fixed ones: no dims
-    /// compared yet.
+    /// Symbols, the live ones and their probes' values, and the fixed ones (in the
+    /// symbols' order): no dims compared yet.
     fn new(
         symbols: Vec<Symbol>,
         live: Vec<usize>,
         probes: Vec<i64>,
-        fixed: Vec<(usize, String)>,
+        mut fixed: Vec<(usize, String)>,
     ) -> SymbolicDims {
+        fixed.sort_by_key(|&(i, _)| i);
         SymbolicDims {
             symbols,
             live,
