@@ -988,7 +988,8 @@ fn rewrite_graph(
                     Some((samples, save)) => {
                         let (done, feeds) = calibrate_amp(g, samples, config, save)?;
                         text.push_str(&done);
-                        Some((g.clone(), feeds))
+                        let wide = crate::numerics::calibrate::outputs_on(g, &feeds)?;
+                        Some((wide, feeds))
                     }
                     None => None,
                 };
@@ -996,8 +997,8 @@ fn rewrite_graph(
                 log::info!("{}", amp_report.summary());
                 text.push_str(&amp_report.detailed());
                 // What calibration could not keep wide: the samples' outputs checked.
-                if let Some((original, feeds)) = calibrated {
-                    for u in crate::numerics::calibrate::underflows(&original, g, &feeds)? {
+                if let Some((wide, feeds)) = calibrated {
+                    for u in crate::numerics::calibrate::underflows(&wide, g, &feeds)? {
                         log::warn!("{u}");
                         text.push_str(&format!("Warning: {u}\n"));
                     }

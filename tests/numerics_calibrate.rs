@@ -603,9 +603,10 @@ fn outputs_below_the_normal_range_underflow_unless_calibration_keeps_them_wide()
     let g32 = tiny_logits_graph();
     let feeds = samples(&g32, 2);
     let f16 = || AmpConfig::new(DType::F16).unwrap();
+    let wide32 = ampgraph::numerics::calibrate::outputs_on(&g32, &feeds).unwrap();
     let mut plain = g32.clone();
     AutoMixedPrecision::new(f16()).rewrite(&mut plain).unwrap();
-    let found = ampgraph::numerics::calibrate::underflows(&g32, &plain, &feeds).unwrap();
+    let found = ampgraph::numerics::calibrate::underflows(&wide32, &plain, &feeds).unwrap();
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found[0].lost * 2 > found[0].nonzero, "{:?}", found[0]);
     assert!(found[0].max_abs < F16_MIN_NORMAL, "{:?}", found[0]);
@@ -618,7 +619,7 @@ fn outputs_below_the_normal_range_underflow_unless_calibration_keeps_them_wide()
     assert!(kept.iter().any(|(n, _)| *n == output), "{kept:?}");
     let mut wide = g32.clone();
     AutoMixedPrecision::new(config).rewrite(&mut wide).unwrap();
-    let found = ampgraph::numerics::calibrate::underflows(&g32, &wide, &feeds).unwrap();
+    let found = ampgraph::numerics::calibrate::underflows(&wide32, &wide, &feeds).unwrap();
     assert!(found.is_empty(), "{found:?}");
     let mut exec = CpuExecutor::new();
     for f in &feeds {

@@ -355,30 +355,36 @@ impl std::fmt::Display for Underflow {
     }
 }
 
-/// The outputs of `rewritten` (`original` after mixed precision, its outputs in the
-/// same order) that underflow on the samples, run on the CPU (which rounds 16-bit
-/// values as the GPU kernels do).
+/// `graph`'s outputs on each sample, run on the CPU: taken before a rewrite, what
+/// [`underflows`] compares the rewritten graph's with.
+pub fn outputs_on(graph: &Graph, samples: &[Feeds]) -> Result<Vec<Vec<Tensor>>, CalibrateError> {
+    let mut exec = CpuExecutor::new();
+    (samples.iter().enumerate())
+        .map(|(sample, feeds)| {
+            (exec.run(graph, feeds, graph.outputs()))
+                .map_err(|source| CalibrateError::Exec { sample, source })
+        })
+        .collect()
+}
+
+/// The outputs of `rewritten` (a graph after mixed precision, whose outputs before it
+/// were `wide` on the samples: [`outputs_on`]) that underflow on the samples, run on
+/// the CPU (which rounds 16-bit values as the GPU kernels do).
 pub fn underflows(
-    original: &Graph,
+    wide: &[Vec<Tensor>],
     rewritten: &Graph,
     samples: &[Feeds],
 ) -> Result<Vec<Underflow>, CalibrateError> {
-    let mut found: Vec<Underflow> = (original.outputs().iter())
+    let mut found: Vec<Underflow> = (rewritten.outputs().iter())
         .map(|&p| Underflow {
-            output: original.port_name(p),
+            output: rewritten.port_name(p),
             lost: 0,
             nonzero: 0,
             max_abs: 0.0,
         })
         .collect();
-    let mut exec = CpuExecutor::new();
-    for (sample, feeds) in samples.iter().enumerate() {
-        let mut run = |g: &Graph| {
-            (exec.run(g, feeds, g.outputs()))
-                .map_err(|source| CalibrateError::Exec { sample, source })
-        };
-        let (wide, narrow) = (run(original)?, run(rewritten)?);
-        for ((u, w), n) in found.iter_mut().zip(&wide).zip(&narrow) {
+    for (wide, narrow) in wide.iter().zip(outputs_on(rewritten, samples)?) {
+        for ((u, w), n) in found.iter_mut().zip(wide).zip(&narrow) {
             for (w, n) in w.to_f64_vec().into_iter().zip(n.to_f64_vec()) {
                 if w != 0.0 && w.is_finite() {
                     u.nonzero += 1;
