@@ -57,7 +57,13 @@ impl Probes {
             .iter()
             .map(|s| {
                 let mut first_error = None;
-                for probe in [2 * s.value, s.value + 1] {
+                // At 1, twice and one more are the same probe.
+                let probes: &[usize] = if s.value == 1 {
+                    &[2]
+                } else {
+                    &[2 * s.value, s.value + 1]
+                };
+                for &probe in probes {
                     let mut o = opts.clone();
                     for (input, axis) in &s.sources {
                         if let Some(shape) = o.input_shapes.get_mut(input) {

@@ -20,10 +20,7 @@ import sys
 
 import numpy as np
 
-
-def one_line(e):
-    s = " ".join(str(e).split())
-    return f"{type(e).__name__}: {s}" if s else type(e).__name__
+from ort_run import one_line  # this script's folder heads sys.path
 
 
 def session(path):
