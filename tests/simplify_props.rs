@@ -53,12 +53,16 @@ fn check(original: &Graph, passes: &[&str], seed: u64) -> Result<(), TestCaseErr
         .run(original, &f, original.outputs())
         .unwrap();
     let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
-    // The passes other than fold-batchnorm compute the very same operations: 1e-5.
-    // fold-batchnorm is exact in real arithmetic only: the training BatchNorm whose
-    // BiasAdd it removes normalises `x - mean(x)` where it normalised `(x + b) -
-    // mean(x + b)`, rounded at |x| + |b| and scaled by up to 1/sqrt(epsilon) (about 3
-    // for the generator's 0.1), and folded filters round in their own dtype.
-    let tol = if passes.contains(&"fold-batchnorm") {
+    // The other passes compute the very same operations: 1e-5. Two are exact in real
+    // arithmetic only. fold-batchnorm: the training BatchNorm whose BiasAdd it removes
+    // normalises `x - mean(x)` where it normalised `(x + b) - mean(x + b)`, rounded at
+    // |x| + |b| and scaled by up to 1/sqrt(epsilon) (about 3 for the generator's 0.1),
+    // and folded filters round in their own dtype. scale-into-matmul: a product that
+    // read `v * c` sums `v * w` and scales the sum, which rounds differently, and a
+    // later product's cancellation magnifies that next to the output's scale (seed
+    // 11712864324322900111, size 11: 1.1e-5).
+    let reassociates = ["fold-batchnorm", "scale-into-matmul"];
+    let tol = if passes.iter().any(|p| reassociates.contains(p)) {
         1e-4
     } else {
         1e-5

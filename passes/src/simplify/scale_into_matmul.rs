@@ -10,10 +10,10 @@
 //!
 //! `c` is a scalar Const, or a Cast of one (AMP casts constants into the product's
 //! type). Nodes that are graph outputs keep their values and names: they never fold
-//! away. The product rounds once where it rounded before and after the
-//! multiplication, which changes nothing in f32 and f64 (the CPU multiplies the f32
-//! product as the Mul did); a 16-bit product folds only a power of two (attention's
-//! 1/sqrt(64) = 1/8), whose scaling commutes with rounding.
+//! away. In f32 and f64 the result is exact in real arithmetic and rounds within a few
+//! ulps of the terms (a product scales its sum where it summed scaled operands); a
+//! 16-bit product folds only a power of two (attention's 1/sqrt(64) = 1/8), whose
+//! scaling commutes with rounding.
 
 use std::collections::HashSet;
 
