@@ -488,17 +488,11 @@ proptest! {
         let (dx, dw) = (
             Conv2DBackpropInput {
                 input_shape: g.ty(x).shape.clone(),
-                strides: stride,
-                padding,
-                data_format: format,
-                groups: 1,
+                conv: Conv2D::new(stride, padding, format),
             },
             Conv2DBackpropFilter {
                 filter_shape: vec![k, k, cin, cout],
-                strides: stride,
-                padding,
-                data_format: format,
-                groups: 1,
+                conv: Conv2D::new(stride, padding, format),
             },
         );
         let dx = g.add(dx, &[filter, dy]).unwrap();

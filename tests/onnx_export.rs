@@ -13,13 +13,15 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use ampgraph::exec::{CpuExecutor, Executor};
+use ampgraph::graph::ops::{Conv2D, DataFormat, Padding};
 use ampgraph::onnx::proto::ModelProto;
 use ampgraph::onnx::{
     export, export_file, export_file_with_dims, import_file, import_file_probed, tensor,
     ExportOptions, ImportOptions,
 };
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
-use ampgraph::{Graph, Tensor};
+use ampgraph::{DType, Graph, Tensor};
 use prost::Message;
 
 fn repo() -> &'static Path {
@@ -332,6 +334,50 @@ fn large_initializers_go_to_an_external_data_file_onnxruntime_reads() {
     // And it imports back.
     let back = import_file(&path, &ImportOptions::default()).unwrap();
     assert_eq!(back.len(), g.len());
+}
+
+/// A convolution built as TensorFlow writes one (NHWC, SAME, dilated as an atrous
+/// layer) exports with the pads SAME means over the dilated span (onnxruntime refuses
+/// auto_pad SAME with dilations), and onnxruntime computes our CPU's output.
+#[test]
+fn a_dilated_same_convolution_exports_with_its_pads_and_runs_in_onnxruntime() {
+    if !have_onnxruntime() {
+        return;
+    }
+    let dir = scratch("dilated_same");
+    let values = |n: usize, k: usize| -> Vec<f64> {
+        (0..n).map(|i| ((i * k) % 17) as f64 / 8.0 - 1.0).collect()
+    };
+    let x = Tensor::from_f64(DType::F32, [2, 9, 10, 3], &values(540, 7)).unwrap();
+    let filter = Tensor::from_f64(DType::F32, [3, 2, 3, 4], &values(72, 5)).unwrap();
+    let mut g = Graph::new();
+    let xp = g.placeholder("x", DType::F32, [2, 9, 10, 3]).unwrap();
+    let f = g.constant(filter).unwrap();
+    // Spans 5 rows and 4 columns: pads (2, 2) and (1, 2), the odd one after.
+    let conv = Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc).with_dilations([2, 3]);
+    let y = g.add(conv, &[xp, f]).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    let want = CpuExecutor::new()
+        .run(&g, &HashMap::from([("x".to_string(), x.clone())]), &[y])
+        .unwrap();
+    let path = dir.join("model.onnx");
+    export_file(&g, &path, &ExportOptions::default()).unwrap();
+    let model = ModelProto::decode(std::fs::read(&path).unwrap().as_slice()).unwrap();
+    let node = &model.graph.as_ref().unwrap().node;
+    let conv = node.iter().find(|n| n.op_type == "Conv").unwrap();
+    let pads = conv.attribute.iter().find(|a| a.name == "pads").unwrap();
+    assert_eq!(pads.ints, [2, 1, 2, 2]);
+    assert!(conv.attribute.iter().all(|a| a.name != "auto_pad"));
+    let data = dir.join("test_data_set_0");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(
+        data.join("input_0.pb"),
+        tensor::encode("x", &x).encode_to_vec(),
+    )
+    .unwrap();
+    let got = run_in_onnxruntime(&path, &dir).unwrap();
+    let err = rel_error(&got[0], &want[0]);
+    assert!(err <= 1e-6, "relative error {err:e}");
 }
 
 /// A model imported at one batch (and sequence length), rewritten by AMP and

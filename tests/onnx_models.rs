@@ -213,6 +213,11 @@ fn unet_tiny_matches_onnxruntime() {
 }
 
 #[test]
+fn deeplab_tiny_matches_onnxruntime() {
+    check_model("deeplab_tiny");
+}
+
+#[test]
 fn exporter_constants_match_onnxruntime() {
     check_model("exporter_constants");
 }

@@ -9,8 +9,8 @@ mod common;
 use ampgraph_exec::cuda::CudaExecutor;
 use ampgraph_exec::{memory_plan, CpuExecutor, DeviceStats, ExecError, Executor, Feeds};
 use ampgraph_graph::ops::{
-    AssignVariable, BatchMatMul, Cast, Const, Conv2DBackpropFilter, DataFormat, OptimizerUpdate,
-    Padding, Rule, Unary, UnaryKind, Variable,
+    AssignVariable, BatchMatMul, Cast, Const, Conv2D, Conv2DBackpropFilter, DataFormat,
+    OptimizerUpdate, Padding, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{DType, Graph, Port, Tensor, TensorType};
 use common::{gpu, wide_sum, wide_sum_feeds, Gen};
@@ -209,10 +209,7 @@ impl ConvAndFilterGradient {
             .unwrap();
         let df = Conv2DBackpropFilter {
             filter_shape: shapes[1].clone(),
-            strides,
-            padding: Padding::Same,
-            data_format: DataFormat::Nhwc,
-            groups: 1,
+            conv: Conv2D::new(strides, Padding::Same, DataFormat::Nhwc),
         };
         let df = g.add(df, &[x, y]).unwrap();
         ConvAndFilterGradient {

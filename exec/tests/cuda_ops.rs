@@ -1464,6 +1464,45 @@ const GROUPED_CONV_SHAPES: [(ConvCase, usize); 7] = [
     ((4, 16, 16, 64, 64, 3, 3, [1, 1], Padding::Same), 64),
 ];
 
+/// Dilated convolutions (case, groups, dilations): DeepLabV3's atrous 3x3 at rates 2
+/// and 12 (PyTorch's `padding=dilation`), SAME with uneven rates (asymmetric padding
+/// over the dilated span), a dilated depthwise one, a strided one.
+const DILATED_CONV_SHAPES: [(ConvCase, usize, [usize; 2]); 5] = [
+    (
+        (
+            2,
+            16,
+            16,
+            8,
+            8,
+            3,
+            3,
+            [1, 1],
+            Padding::Explicit([[2, 2], [2, 2]]),
+        ),
+        1,
+        [2, 2],
+    ),
+    (
+        (
+            1,
+            28,
+            28,
+            16,
+            8,
+            3,
+            3,
+            [1, 1],
+            Padding::Explicit([[12, 12], [12, 12]]),
+        ),
+        1,
+        [12, 12],
+    ),
+    ((2, 9, 10, 4, 6, 3, 2, [1, 1], Padding::Same), 1, [2, 3]),
+    ((2, 12, 12, 8, 8, 3, 3, [1, 1], Padding::Same), 8, [2, 2]),
+    ((1, 13, 11, 4, 4, 3, 3, [2, 2], Padding::Valid), 1, [2, 1]),
+];
+
 #[test]
 fn convolutions_and_their_gradients_match_the_cpu() {
     let Some(mut gpu) = gpu() else { return };
@@ -1482,9 +1521,10 @@ fn convolutions_and_their_gradients_match_the_cpu() {
     }
     for format in [DataFormat::Nhwc, DataFormat::Nchw] {
         for d in FLOATS {
-            let cases = CONV_SHAPES.iter().map(|&c| (c, 1));
-            for ((n, h, w, c, k, kh, kw, strides, padding), groups) in
-                cases.chain(GROUPED_CONV_SHAPES)
+            let dense = CONV_SHAPES.iter().map(|&c| (c, 1, [1, 1]));
+            let grouped = GROUPED_CONV_SHAPES.iter().map(|&(c, g)| (c, g, [1, 1]));
+            for ((n, h, w, c, k, kh, kw, strides, padding), groups, dilations) in
+                dense.chain(grouped).chain(DILATED_CONV_SHAPES)
             {
                 let image = |c: usize, h: usize, w: usize| match format {
                     DataFormat::Nhwc => vec![n, h, w, c],
@@ -1492,9 +1532,12 @@ fn convolutions_and_their_gradients_match_the_cpu() {
                 };
                 let x = rand(&mut r, d, &image(c, h, w), -1.0, 1.0);
                 let f = rand(&mut r, d, &[kh, kw, c / groups, k], -1.0, 1.0);
-                let conv = Conv2D::new(strides, padding, format).with_groups(groups);
+                let conv = Conv2D::new(strides, padding, format)
+                    .with_groups(groups)
+                    .with_dilations(dilations);
                 let what = format!(
-                    "{format:?} {d} x{:?} f{:?} groups {groups} {strides:?} {padding:?}",
+                    "{format:?} {d} x{:?} f{:?} groups {groups} dilations {dilations:?} \
+                     {strides:?} {padding:?}",
                     x.shape(),
                     f.shape()
                 );
@@ -1505,16 +1548,13 @@ fn convolutions_and_their_gradients_match_the_cpu() {
                 try_check!(
                     &mut gpu,
                     &format!("Conv2D {what}"),
-                    conv,
+                    conv.clone(),
                     &[x.clone(), f.clone()],
                     terms.sqrt(),
                 );
                 let dx = Conv2DBackpropInput {
                     input_shape: x.shape().to_vec(),
-                    strides,
-                    padding,
-                    data_format: format,
-                    groups,
+                    conv: conv.clone(),
                 };
                 if d == DType::F64 && format == DataFormat::Nhwc {
                     let err = CudaExecutor::check_supported(
@@ -1538,10 +1578,7 @@ fn convolutions_and_their_gradients_match_the_cpu() {
                 );
                 let df = Conv2DBackpropFilter {
                     filter_shape: f.shape().to_vec(),
-                    strides,
-                    padding,
-                    data_format: format,
-                    groups,
+                    conv,
                 };
                 let terms = (dy.len() / k) as f64;
                 try_check!(
@@ -1660,10 +1697,7 @@ fn conv_algorithms_are_timed_once_then_read_from_disk_and_deterministic_ones_rep
     let dy = rand(&mut r, DType::F16, &[4, 12, 12, 24], -1.0, 1.0);
     let df = Conv2DBackpropFilter {
         filter_shape: vec![3, 3, 16, 24],
-        strides: [1, 1],
-        padding: Padding::Same,
-        data_format: DataFormat::Nhwc,
-        groups: 1,
+        conv: Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc),
     };
     let run = |options: ExecOptions| {
         let mut gpu = CudaExecutor::with_kernel_cache(0, options, &cache).expect("executor");

@@ -48,6 +48,11 @@ fn fit(padding: Padding, axis: usize, len: usize, k: usize) -> usize {
     }
 }
 
+/// The input rows and columns a `k` window with its taps `dilations` apart spans.
+fn spans(k: [usize; 2], dilations: [usize; 2]) -> [usize; 2] {
+    [0, 1].map(|a| (k[a] - 1) * dilations[a] + 1)
+}
+
 /// Whether a `[kh, kw]` window fits an `h` x `w` image.
 fn fits(padding: Padding, h: usize, w: usize, [kh, kw]: [usize; 2]) -> bool {
     fit(padding, 0, h, kh) == h && fit(padding, 1, w, kw) == w
@@ -167,18 +172,32 @@ fn windows(
     k: [usize; 2],
     strides: [usize; 2],
     padding: Padding,
+    visit: impl FnMut(usize, usize, usize, usize, usize, usize, usize),
+) -> (usize, usize) {
+    dilated_windows(x, k, strides, [1, 1], padding, visit)
+}
+
+/// As [`windows`], the window's taps `dilations` apart.
+#[allow(clippy::too_many_arguments)]
+fn dilated_windows(
+    x: (usize, usize, usize),
+    k: [usize; 2],
+    strides: [usize; 2],
+    dilations: [usize; 2],
+    padding: Padding,
     mut visit: impl FnMut(usize, usize, usize, usize, usize, usize, usize),
 ) -> (usize, usize) {
     let (n, h, w) = x;
-    let (oh, pt) = tf_out(padding, 0, h, k[0], strides[0]);
-    let (ow, pl) = tf_out(padding, 1, w, k[1], strides[1]);
+    let span = spans(k, dilations);
+    let (oh, pt) = tf_out(padding, 0, h, span[0], strides[0]);
+    let (ow, pl) = tf_out(padding, 1, w, span[1], strides[1]);
     for ni in 0..n {
         for oy in 0..oh {
             for ox in 0..ow {
                 for ky in 0..k[0] {
                     for kx in 0..k[1] {
-                        let iy = (oy * strides[0] + ky) as isize - pt as isize;
-                        let ix = (ox * strides[1] + kx) as isize - pl as isize;
+                        let iy = (oy * strides[0] + ky * dilations[0]) as isize - pt as isize;
+                        let ix = (ox * strides[1] + kx * dilations[1]) as isize - pl as isize;
                         if iy >= 0 && ix >= 0 && iy < h as isize && ix < w as isize {
                             visit(ni, oy, ox, ky, kx, iy as usize, ix as usize);
                         }
@@ -261,20 +280,24 @@ proptest! {
         assert_grad(Box::new(Conv2D::new([sh, sw], padding, format)), &[x, filter], seed);
     }
 
+    /// Grouped and dilated (groups 1 to 3, taps 1 to 3 apart).
     #[test]
-    fn grouped_conv2d_gradient_matches_finite_differences(
-        n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, groups in 2usize..=3,
+    fn grouped_dilated_conv2d_gradient_matches_finite_differences(
+        n in 1usize..=2, h in 1usize..=5, w in 1usize..=5, groups in 1usize..=3,
         cg in 1usize..=2, kg in 1usize..=2, [kh, kw] in [1usize..=3, 1usize..=3],
-        strides in [1usize..=2, 1usize..=2],
+        strides in [1usize..=2, 1usize..=2], dilations in [1usize..=3, 1usize..=3],
         padding in conv_padding_strategy(), format in format_strategy(), seed: u64,
     ) {
-        let (h, w) = (fit(padding, 0, h, kh), fit(padding, 1, w, kw));
+        let span = spans([kh, kw], dilations);
+        let (h, w) = (fit(padding, 0, h, span[0]), fit(padding, 1, w, span[1]));
         let (cin, cout) = (groups * cg, groups * kg);
         let mut rng = Gen(seed);
         let x = rand_img(&mut rng, n, h, w, cin);
         let x = t64(&x.shape(format), &x.layout(format));
         let filter = t64(&[kh, kw, cg, cout], &rng.vec(kh * kw * cg * cout, -1.0, 1.0));
-        let conv = Conv2D::new(strides, padding, format).with_groups(groups);
+        let conv = Conv2D::new(strides, padding, format)
+            .with_groups(groups)
+            .with_dilations(dilations);
         assert_grad(Box::new(conv), &[x, filter], seed);
     }
 
@@ -328,7 +351,24 @@ const CASES: [Case; 8] = [
 fn conv_backprop_kernels_match_reference() {
     let mut rng = Gen(17);
     for case in &CASES {
-        check_backprop_kernels(&mut rng, case, 1);
+        check_backprop_kernels(&mut rng, case, 1, [1, 1]);
+    }
+}
+
+#[test]
+fn dilated_conv_kernels_match_reference() {
+    let mut rng = Gen(41);
+    // (case, groups, dilations): DeepLab's atrous 3x3 at rate 2, uneven rates, a
+    // grouped one, strided ones, one whose taps outrun a small image's padding.
+    let cases: [(Case, usize, [usize; 2]); 5] = [
+        ((1, 9, 9, 2, 3, 3, 3, [1, 1]), 1, [2, 2]),
+        ((2, 8, 7, 2, 2, 3, 2, [1, 2]), 1, [3, 2]),
+        ((1, 9, 8, 4, 6, 3, 3, [2, 1]), 2, [2, 3]),
+        ((2, 11, 10, 3, 2, 2, 3, [2, 3]), 1, [4, 2]),
+        ((1, 3, 4, 1, 2, 3, 2, [1, 1]), 1, [3, 5]),
+    ];
+    for (case, groups, dilations) in &cases {
+        check_backprop_kernels(&mut rng, case, *groups, *dilations);
     }
 }
 
@@ -346,14 +386,16 @@ fn grouped_conv_backprop_kernels_match_reference() {
         ((1, 9, 8, 8, 4, 2, 3, [3, 2]), 4),
     ];
     for (case, groups) in &cases {
-        check_backprop_kernels(&mut rng, case, *groups);
+        check_backprop_kernels(&mut rng, case, *groups, [1, 1]);
     }
 }
 
-/// Conv2DBackpropInput and Conv2DBackpropFilter of `case` with `groups` groups against
-/// direct loops, in every padding the case's window fits, dtype and layout.
-fn check_backprop_kernels(rng: &mut Gen, case: &Case, groups: usize) {
+/// Conv2D, Conv2DBackpropInput and Conv2DBackpropFilter of `case` with `groups` groups
+/// and `dilations` against direct loops, in every padding the case's window fits, dtype
+/// and layout.
+fn check_backprop_kernels(rng: &mut Gen, case: &Case, groups: usize, dilations: [usize; 2]) {
     let &(n, h, w, cin, cout, kh, kw, strides) = case;
+    let span = spans([kh, kw], dilations);
     // Channels per group, in and out; output channel co reads input group co / kg.
     let (cg, kg) = (cin / groups, cout / groups);
     // Explicit: symmetric, more after than before (height) and before than after
@@ -366,11 +408,11 @@ fn check_backprop_kernels(rng: &mut Gen, case: &Case, groups: usize) {
         Padding::Explicit([[kh + 1, 0], [1, kw + 2]]),
     ];
     for padding in paddings {
-        if !fits(padding, h, w, [kh, kw]) {
+        if !fits(padding, h, w, span) {
             continue;
         }
-        let (oh, _) = tf_out(padding, 0, h, kh, strides[0]);
-        let (ow, _) = tf_out(padding, 1, w, kw, strides[1]);
+        let (oh, _) = tf_out(padding, 0, h, span[0], strides[0]);
+        let (ow, _) = tf_out(padding, 1, w, span[1], strides[1]);
         let x0 = rand_img(rng, n, h, w, cin);
         let dy0 = rand_img(rng, n, oh, ow, cout);
         let f0 = rng.vec(kh * kw * cg * cout, -1.0, 1.0);
@@ -382,21 +424,28 @@ fn check_backprop_kernels(rng: &mut Gen, case: &Case, groups: usize) {
                 let fidx = |ky: usize, kx: usize, ci: usize, co: usize| {
                     ((ky * kw + kx) * cg + ci) * cout + co
                 };
-                // Reference dx and dfilter.
+                // Reference y, dx and dfilter.
+                let mut y = Img::zeros(n, oh, ow, cout);
+                let mut y_abs = y.clone();
                 let mut dx = Img::zeros(n, h, w, cin);
                 let mut dx_abs = dx.clone();
                 let mut df = vec![0.0; f0.len()];
                 let mut df_abs = df.clone();
-                windows(
+                dilated_windows(
                     (n, h, w),
                     [kh, kw],
                     strides,
+                    dilations,
                     padding,
                     |ni, oy, ox, ky, kx, iy, ix| {
                         for co in 0..cout {
                             let g = dy.v[dy.idx(ni, oy, ox, co)];
                             for ci in 0..cg {
                                 let xi = x.idx(ni, iy, ix, co / kg * cg + ci);
+                                let t = x.v[xi] * fv[fidx(ky, kx, ci, co)];
+                                let yi = y.idx(ni, oy, ox, co);
+                                y.v[yi] += t;
+                                y_abs.v[yi] += t.abs();
                                 let t = g * fv[fidx(ky, kx, ci, co)];
                                 dx.v[xi] += t;
                                 dx_abs.v[xi] += t.abs();
@@ -408,14 +457,19 @@ fn check_backprop_kernels(rng: &mut Gen, case: &Case, groups: usize) {
                     },
                 );
                 let what = format!(
-                    "x [{n},{h},{w},{cin}] filter [{kh},{kw},{cg},{cout}] groups {groups} {strides:?} {padding:?} {f:?}"
+                    "x [{n},{h},{w},{cin}] filter [{kh},{kw},{cg},{cout}] groups {groups} \
+                     dilations {dilations:?} {strides:?} {padding:?} {f:?}"
                 );
+                let conv = Conv2D::new(strides, padding, f)
+                    .with_groups(groups)
+                    .with_dilations(dilations);
+                assert_round_trip(&conv);
+                let got = Img::from_tensor(f, &run(&conv, &[&xt, &ft]));
+                let k = kh * kw * cg;
+                check_sums(&format!("y {what}"), dtype, k, &got.v, &y.v, &y_abs.v);
                 let op = Conv2DBackpropInput {
                     input_shape: x.shape(f),
-                    strides,
-                    padding,
-                    data_format: f,
-                    groups,
+                    conv: conv.clone(),
                 };
                 assert_round_trip(&op);
                 let got = run(&op, &[&ft, &dyt]);
@@ -424,10 +478,7 @@ fn check_backprop_kernels(rng: &mut Gen, case: &Case, groups: usize) {
                 check_sums(&format!("dx {what}"), dtype, k, &got.v, &dx.v, &dx_abs.v);
                 let op = Conv2DBackpropFilter {
                     filter_shape: vec![kh, kw, cg, cout],
-                    strides,
-                    padding,
-                    data_format: f,
-                    groups,
+                    conv,
                 };
                 assert_round_trip(&op);
                 let got = run(&op, &[&xt, &dyt]).to_f64_vec();
@@ -659,10 +710,7 @@ fn backprop_ops_reject_bad_types() {
     let nhwc = DataFormat::Nhwc;
     let bi = Conv2DBackpropInput {
         input_shape: vec![1, 5, 5, 2],
-        strides: [1, 1],
-        padding: Padding::Valid,
-        data_format: nhwc,
-        groups: 1,
+        conv: Conv2D::new([1, 1], Padding::Valid, nhwc),
     };
     // Good: filter [3,3,2,4], dy [1,3,3,4].
     let ok = bi
@@ -705,18 +753,14 @@ fn backprop_ops_reject_bad_types() {
     ] {
         let big = Conv2DBackpropInput {
             input_shape,
-            padding: Padding::Same,
-            ..bi.clone()
+            conv: Conv2D::new([1, 1], Padding::Same, nhwc),
         };
         infer_err(&big, &[f32t(&[3, 3, 2, 4]), f32t(&[1, 3, 3, 4])]);
     }
 
     let bf = Conv2DBackpropFilter {
         filter_shape: vec![3, 3, 2, 4],
-        strides: [2, 2],
-        padding: Padding::Same,
-        data_format: DataFormat::Nchw,
-        groups: 1,
+        conv: Conv2D::new([2, 2], Padding::Same, DataFormat::Nchw),
     };
     let ok = bf
         .infer(&[&f32t(&[1, 2, 5, 5]), &f32t(&[1, 4, 3, 3])])
@@ -925,18 +969,29 @@ fn grad_op_attrs_parse_and_reject_mistakes() {
         &[
             ksize,
             strides,
-            padding,
+            padding.clone(),
             ("data_format", AttrValue::from("NCWH")),
         ],
     );
     assert!(e.contains("data_format"), "{e}");
-    let e = err(
+    // Dilations: written when not [1, 1], read back; zero is refused.
+    let dilated = ("dilations", AttrValue::Ints(vec![2, 3]));
+    let op = parse(
         "Conv2DBackpropFilter",
-        &[
-            shape("filter_shape"),
-            ("padding", AttrValue::from("SAME")),
-            ("dilations", AttrValue::Ints(vec![1, 1])),
-        ],
+        &[shape("filter_shape"), padding.clone(), dilated.clone()],
+    )
+    .unwrap();
+    assert!(op.attrs().contains(&dilated));
+    assert_round_trip(op.as_ref());
+    let dense = ("dilations", AttrValue::Ints(vec![1, 1]));
+    let op = parse("Conv2D", &[padding.clone(), dense]).unwrap();
+    assert!(op.attrs().iter().all(|(k, _)| *k != "dilations"));
+    let e = err(
+        "Conv2D",
+        &[padding, ("dilations", AttrValue::Ints(vec![0, 1]))],
     );
-    assert!(e.contains("unknown attr 'dilations'"), "{e}");
+    assert!(
+        e.contains("'dilations' must be two positive integers"),
+        "{e}"
+    );
 }

@@ -544,19 +544,13 @@ fn grouped_conv_shape_errors() {
     // The gradient ops check the same.
     let df = Conv2DBackpropFilter {
         filter_shape: vec![3, 3, 2, 4],
-        strides: [1, 1],
-        padding: Padding::Same,
-        data_format: DataFormat::Nchw,
-        groups: 3,
+        conv: Conv2D::new([1, 1], Padding::Same, DataFormat::Nchw).with_groups(3),
     };
     let e = infer_err(&df, &[f32t(&[1, 6, 5, 5]), f32t(&[1, 4, 5, 5])]);
     assert!(e.contains("4 output channels"), "{e}");
     let dx = Conv2DBackpropInput {
         input_shape: vec![1, 5, 5, 9],
-        strides: [1, 1],
-        padding: Padding::Same,
-        data_format: DataFormat::Nhwc,
-        groups: 2,
+        conv: Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc).with_groups(2),
     };
     let e = infer_err(&dx, &[f32t(&[3, 3, 3, 4]), f32t(&[1, 5, 5, 4])]);
     assert!(e.contains("9 channels, not divisible by groups 2"), "{e}");

@@ -1202,11 +1202,33 @@ impl<'g> Exporter<'g> {
         let x = self.nchw_value(inputs[0], c.data_format)?;
         let w = self.oihw_filter(inputs[1])?;
         let ws = &self.g.ty(inputs[1]).shape;
+        let padding = match c.padding {
+            // onnxruntime refuses auto_pad SAME with dilations: the pads it means.
+            Padding::Same if c.dilations != [1, 1] => {
+                let xs = &self.g.ty(inputs[0]).shape;
+                let spatial = match c.data_format {
+                    DataFormat::Nchw => [xs[2], xs[3]],
+                    DataFormat::Nhwc => [xs[1], xs[2]],
+                };
+                let mut pads = [[0; 2]; 2];
+                for (i, p) in pads.iter_mut().enumerate() {
+                    let span = (ws[i].max(1) - 1) * c.dilations[i] + 1;
+                    let a = c
+                        .padding
+                        .output_len(i, spatial[i], span, c.strides[i])
+                        .map_err(|m| self.err(m))?;
+                    *p = [a.before, a.after];
+                }
+                Padding::Explicit(pads)
+            }
+            other => other,
+        };
         let attrs = vec![
             attr_ints("kernel_shape", [ws[0] as i64, ws[1] as i64]),
             attr_ints("strides", c.strides.map(|s| s as i64)),
+            attr_ints("dilations", c.dilations.map(|d| d as i64)),
             attr_int("group", c.groups as i64),
-            Self::pads_attr(c.padding),
+            Self::pads_attr(padding),
         ];
         let mut args = vec![x, w];
         let out = match self.bias_after(c.data_format) {
@@ -1223,8 +1245,8 @@ impl<'g> Exporter<'g> {
     /// Conv2DBackpropInput is ONNX's ConvTranspose of `dy` with the same OIHW filter;
     /// the padding of the convolution it undoes crops the full output, and what the
     /// convolution's windows did not reach is `output_padding`.
-    fn conv_transpose(&mut self, c: &Conv2DBackpropInput, inputs: &[Port]) -> Result<()> {
-        let g = self.g;
+    fn conv_transpose(&mut self, b: &Conv2DBackpropInput, inputs: &[Port]) -> Result<()> {
+        let (g, c) = (self.g, &b.conv);
         let dy = self.nchw_value(inputs[1], c.data_format)?;
         let w = self.oihw_filter(inputs[0])?;
         let ws = g.ty(inputs[0]).shape.clone();
@@ -1233,17 +1255,18 @@ impl<'g> Exporter<'g> {
             DataFormat::Nchw => [s[2], s[3]],
             DataFormat::Nhwc => [s[1], s[2]],
         };
-        let (xin, yin) = (spatial(&c.input_shape), spatial(&dys));
+        let (xin, yin) = (spatial(&b.input_shape), spatial(&dys));
         let mut pads = [0i64; 4];
         let mut extra = [0i64; 2];
         for i in 0..2 {
+            let span = (ws[i].max(1) - 1) * c.dilations[i] + 1;
             let p = c
                 .padding
-                .output_len(i, xin[i], ws[i], c.strides[i])
+                .output_len(i, xin[i], span, c.strides[i])
                 .map_err(|m| self.err(m))?;
             pads[i] = p.before as i64;
             pads[i + 2] = p.after as i64;
-            let full = c.strides[i] * (yin[i].max(1) - 1) + ws[i];
+            let full = c.strides[i] * (yin[i].max(1) - 1) + span;
             extra[i] = (xin[i] + p.before + p.after) as i64 - full as i64;
             if extra[i] < 0 {
                 // The convolution's padding after the input was never read.
@@ -1254,6 +1277,7 @@ impl<'g> Exporter<'g> {
         let attrs = vec![
             attr_ints("kernel_shape", [ws[0] as i64, ws[1] as i64]),
             attr_ints("strides", c.strides.map(|s| s as i64)),
+            attr_ints("dilations", c.dilations.map(|d| d as i64)),
             attr_int("group", c.groups as i64),
             attr_ints("pads", pads),
             attr_ints("output_padding", extra),

@@ -90,13 +90,13 @@ trait LayoutSensitive: Op + Clone {
 }
 
 macro_rules! layout_sensitive {
-    ($($ty:ty: $inputs:expr => $outputs:expr $(, $shape:ident)?;)*) => {
+    ($($ty:ty { $($format:ident).+ }: $inputs:expr => $outputs:expr $(, $shape:ident)?;)*) => {
         $(
             impl LayoutSensitive for $ty {
                 const IMAGES: (&'static [usize], &'static [usize]) = (&$inputs, &$outputs);
 
                 fn data_format(&mut self) -> &mut DataFormat {
-                    &mut self.data_format
+                    &mut self.$($format).+
                 }
 
                 $(
@@ -110,17 +110,17 @@ macro_rules! layout_sensitive {
 }
 
 layout_sensitive! {
-    Conv2D: [0] => [0];
-    Conv2DBackpropInput: [1] => [0], input_shape;
+    Conv2D { data_format }: [0] => [0];
+    Conv2DBackpropInput { conv.data_format }: [1] => [0], input_shape;
     // The filter and its gradient are HWIO in both layouts.
-    Conv2DBackpropFilter: [0, 1] => [];
-    MaxPool: [0] => [0];
-    AvgPool: [0] => [0];
-    MaxPoolGrad: [0, 1, 2] => [0];
-    AvgPoolGrad: [0] => [0], input_shape;
-    BatchNorm: [0] => [0];
-    BatchNormGrad: [0, 4] => [0];
-    BiasAdd: [0] => [0];
+    Conv2DBackpropFilter { conv.data_format }: [0, 1] => [];
+    MaxPool { data_format }: [0] => [0];
+    AvgPool { data_format }: [0] => [0];
+    MaxPoolGrad { data_format }: [0, 1, 2] => [0];
+    AvgPoolGrad { data_format }: [0] => [0], input_shape;
+    BatchNorm { data_format }: [0] => [0];
+    BatchNormGrad { data_format }: [0, 4] => [0];
+    BiasAdd { data_format }: [0] => [0];
 }
 
 /// How a node computes on NHWC images.

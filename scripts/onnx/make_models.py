@@ -101,7 +101,8 @@ class G:
     def bias(self, name, n, scale=0.1):
         return self.init(name, (self.rng.standard_normal(n) * scale).astype(np.float32))
 
-    def conv(self, x, scope, cin, cout, k, stride=1, pad=0, group=1, bias=True, prefix=None):
+    def conv(self, x, scope, cin, cout, k, stride=1, pad=0, group=1, bias=True, prefix=None,
+             dilation=1):
         prefix = prefix or scope.strip("/").split("/")[-1]
         w = self.weight(f"{prefix}.weight", (cout, cin // group, k, k), (cin // group) * k * k)
         ins = [x, w]
@@ -109,7 +110,7 @@ class G:
             ins.append(self.bias(f"{prefix}.bias", cout))
         return self.op(
             "Conv", ins, scope,
-            dilations=[1, 1], group=group, kernel_shape=[k, k],
+            dilations=[dilation, dilation], group=group, kernel_shape=[k, k],
             pads=[pad, pad, pad, pad], strides=[stride, stride],
         )
 
@@ -897,6 +898,59 @@ def unet_tiny():
     return m, inputs
 
 
+def deeplab_tiny():
+    """opset 13: DeepLabV3 as torchvision exports it, small: a backbone whose last
+    stage trades stride for dilation (replace_stride_with_dilation: 3x3 convs with
+    dilation 2, padding 2, one depthwise), ASPP (a 1x1 branch, atrous 3x3 branches at
+    rates 2 and 3 (padding = rate), an image-pooling branch upsampled by Resize to the
+    feature map's size), the 1x1 projection, the head, and a bilinear Resize back to
+    the input; plus an uneven-rate atrous conv padded asymmetrically and a dilated
+    ConvTranspose, which torch exports for nn.ConvTranspose2d(dilation=2)."""
+    g = G(seed=1008)
+    x = "input"                                                                        # [2,3,24,24]
+    h = g.op("Relu", [g.conv(x, "/backbone/conv1", 3, 8, 3, stride=2, pad=1, prefix="backbone.conv1")],
+             "/backbone/relu")                                                         # [2,8,12,12]
+    h = g.op("Relu", [g.conv(h, "/backbone/layer2", 8, 16, 3, stride=2, pad=1, prefix="backbone.layer2")],
+             "/backbone/layer2/relu")                                                  # [2,16,6,6]
+    # layer3/4 keep 6x6: dilation instead of stride.
+    y = g.op("Relu", [g.conv(h, "/backbone/layer3/conv2", 16, 16, 3, pad=2, dilation=2,
+                             prefix="backbone.layer3.conv2")], "/backbone/layer3/relu")
+    y = g.conv(y, "/backbone/layer3/dw", 16, 16, 3, pad=2, dilation=2, group=16,
+               prefix="backbone.layer3.dw")
+    h = g.op("Relu", [g.op("Add", [y, h], "/backbone/layer3")], "/backbone/layer3/relu_1")  # [2,16,6,6]
+    s = "/classifier/classifier.0"
+    b0 = g.op("Relu", [g.conv(h, f"{s}/convs.0", 16, 8, 1, bias=False, prefix="aspp.0")], f"{s}/convs.0/relu")
+    b1 = g.op("Relu", [g.conv(h, f"{s}/convs.1", 16, 8, 3, pad=2, dilation=2, bias=False,
+                              prefix="aspp.1")], f"{s}/convs.1/relu")
+    b2 = g.op("Relu", [g.conv(h, f"{s}/convs.2", 16, 8, 3, pad=3, dilation=3, bias=False,
+                              prefix="aspp.2")], f"{s}/convs.2/relu")
+    pool = g.op("GlobalAveragePool", [h], f"{s}/convs.3/pool")
+    pool = g.op("Relu", [g.conv(pool, f"{s}/convs.3/conv", 16, 8, 1, bias=False, prefix="aspp.3")],
+                f"{s}/convs.3/relu")
+    sizes = g.const(np.array([2, 8, 6, 6], dtype=np.int64), f"{s}/convs.3")
+    b3 = g.op("Resize", [pool, "", "", sizes], f"{s}/convs.3", mode="linear",
+              coordinate_transformation_mode="pytorch_half_pixel")                      # [2,8,6,6]
+    cat = g.op("Concat", [b0, b1, b2, b3], f"{s}/cat", axis=1)                          # [2,32,6,6]
+    y = g.op("Relu", [g.conv(cat, f"{s}/project", 32, 8, 1, bias=False, prefix="aspp.project")],
+             f"{s}/project/relu")
+    # Uneven rates, padded as SAME over the dilated span (5 rows: 2 and 2; 4 columns: 1
+    # and 2) in pads (onnxruntime refuses auto_pad SAME with dilations).
+    w = g.weight("atrous_same.weight", (8, 8, 3, 2), 8 * 6)
+    y = g.op("Relu", [g.op("Conv", [y, w], "/classifier/same", pads=[2, 1, 2, 2],
+                           dilations=[2, 3], kernel_shape=[3, 2])], "/classifier/same/relu")
+    w = g.weight("up.weight", (8, 4, 3, 3), 8 * 9)
+    up = g.op("ConvTranspose", [y, w, g.bias("up.bias", 4)], "/classifier/up", kernel_shape=[3, 3],
+              strides=[2, 2], pads=[2, 2, 1, 1], dilations=[2, 2], output_padding=[1, 1])  # [2,4,14,14]
+    h = g.conv(up, "/classifier/classifier.4", 4, 3, 1, prefix="classifier.4")
+    out_sizes = g.const(np.array([2, 3, 24, 24], dtype=np.int64), "/Resize")
+    g.op("Resize", [h, "", "", out_sizes], "/Resize", mode="linear",
+         coordinate_transformation_mode="pytorch_half_pixel", outputs=["out"])          # [2,3,24,24]
+    m = g.model("deeplab_tiny", [vinfo("input", [2, 3, 24, 24])], [vinfo("out", [2, 3, 24, 24])],
+                opset=13)
+    inputs = [g.rng.standard_normal((2, 3, 24, 24)).astype(np.float32)]
+    return m, inputs
+
+
 def fp16_trap():
     """opset 13: an MLP on raw (unnormalised, 0..255) features whose first Gemm's
     products exceed fp16's 65504 on some elements before a Div brings them back;
@@ -934,6 +988,7 @@ MODELS = {
     "transformer_tiny": transformer_tiny,
     "opset_misc": opset_misc,
     "unet_tiny": unet_tiny,
+    "deeplab_tiny": deeplab_tiny,
     "exporter_constants": exporter_constants,
     "einsum_cases": einsum_cases,
     "control_flow": control_flow,

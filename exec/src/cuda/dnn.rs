@@ -119,6 +119,8 @@ pub struct ConvShape {
     pub groups: usize,
     pub pad: [usize; 2],
     pub strides: [usize; 2],
+    /// Rows and columns between the filter's taps.
+    pub dilations: [usize; 2],
     /// Output `[h, w]`.
     pub out: [usize; 2],
     /// f32 convolutions may use TF32 Tensor Cores.
@@ -928,8 +930,8 @@ impl Dnn {
                 dim(s.pad[1])?,
                 dim(s.strides[0])?,
                 dim(s.strides[1])?,
-                1,
-                1,
+                dim(s.dilations[0])?,
+                dim(s.dilations[1])?,
                 sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
                 compute,
             )
@@ -1375,6 +1377,9 @@ impl std::fmt::Display for Choice {
         )?;
         if s.groups != 1 {
             write!(f, " groups {}", s.groups)?;
+        }
+        if s.dilations != [1, 1] {
+            write!(f, " dilation {}x{}", s.dilations[0], s.dilations[1])?;
         }
         write!(f, ": {}", self.algorithm)?;
         match self.ms {

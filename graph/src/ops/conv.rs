@@ -55,10 +55,7 @@ pub(crate) const OPS: &[OpEntry] = &[
             let conv = read_conv(a)?;
             Ok(Box::new(Conv2DBackpropInput {
                 input_shape: a.shape("input_shape")?,
-                strides: conv.strides,
-                padding: conv.padding,
-                data_format: conv.data_format,
-                groups: conv.groups,
+                conv,
             }))
         },
     },
@@ -68,10 +65,7 @@ pub(crate) const OPS: &[OpEntry] = &[
             let conv = read_conv(a)?;
             Ok(Box::new(Conv2DBackpropFilter {
                 filter_shape: a.shape("filter_shape")?,
-                strides: conv.strides,
-                padding: conv.padding,
-                data_format: conv.data_format,
-                groups: conv.groups,
+                conv,
             }))
         },
     },
@@ -115,11 +109,17 @@ fn read_conv(a: &mut AttrReader) -> OpResult<Conv2D> {
             .filter(|&g| g > 0)
             .ok_or_else(|| format!("attr '{GROUPS}' must be a positive integer, got {g}"))?,
     };
-    Ok(Conv2D::new(strides, padding, data_format).with_groups(groups))
+    let dilations = a.pair(DILATIONS, Some([1, 1]))?;
+    Ok(Conv2D::new(strides, padding, data_format)
+        .with_groups(groups)
+        .with_dilations(dilations))
 }
 
 /// The convolutions' attr of their group count, written only when not 1.
 const GROUPS: &str = "groups";
+
+/// The convolutions' attr of their dilations, written only when not `[1, 1]`.
+const DILATIONS: &str = "dilations";
 
 type PoolAttrs = ([usize; 2], [usize; 2], Padding, DataFormat);
 
@@ -216,13 +216,16 @@ impl Image {
 struct Axis {
     out: usize,
     pad: usize,
+    /// Taps of the window.
     window: usize,
     stride: usize,
+    /// Input elements between consecutive taps (1: a dense window).
+    dilation: usize,
     len: usize,
 }
 
 impl Axis {
-    /// Spatial axis `axis` (0 height, 1 width) of a windowed op.
+    /// Spatial axis `axis` (0 height, 1 width) of a windowed op with a dense window.
     fn new(
         padding: Padding,
         axis: usize,
@@ -230,34 +233,64 @@ impl Axis {
         window: usize,
         stride: usize,
     ) -> OpResult<Axis> {
+        Axis::dilated(padding, axis, len, window, stride, 1)
+    }
+
+    /// As [`new`](Self::new), the window's taps `dilation` elements apart: it spans
+    /// `(window - 1) * dilation + 1` elements, which is what padding and the output
+    /// length count.
+    fn dilated(
+        padding: Padding,
+        axis: usize,
+        len: usize,
+        window: usize,
+        stride: usize,
+        dilation: usize,
+    ) -> OpResult<Axis> {
         // Window arithmetic runs in isize; sizes this large are mistakes, not images.
         const MAX: usize = 1 << 40;
-        let p = padding.output_len(axis, len, window, stride)?;
-        if [len, window, stride, p.before, p.after]
-            .iter()
-            .any(|&v| v > MAX)
-        {
+        if [len, window, stride, dilation].iter().any(|&v| v > MAX) {
             return Err(format!(
-                "length {len}, window {window}, stride {stride} or padding {} + {} exceeds 2^40",
-                p.before, p.after
+                "length {len}, window {window}, stride {stride} or dilation {dilation} \
+                 exceeds 2^40"
             ));
+        }
+        let span = (window.max(1) - 1) * dilation + 1;
+        let p = padding.output_len(axis, len, span, stride)?;
+        if p.before > MAX || p.after > MAX {
+            return Err(format!("padding {} + {} exceeds 2^40", p.before, p.after));
         }
         Ok(Axis {
             out: p.out,
             pad: p.before,
             window,
             stride,
+            dilation,
             len,
         })
     }
 
-    /// The in-bounds input range of output position `o`'s window, and the window
-    /// offset of its first element.
+    /// The in-bounds input range of output position `o`'s dense window, and the
+    /// window offset of its first element.
     fn range(&self, o: usize) -> (usize, usize, usize) {
+        debug_assert_eq!(self.dilation, 1, "pooling windows are dense");
         let start = (o * self.stride) as isize - self.pad as isize;
         let lo = start.max(0) as usize;
         let hi = (start + self.window as isize).clamp(0, self.len as isize) as usize;
         (lo, hi.max(lo), (lo as isize - start) as usize)
+    }
+
+    /// The taps of output position `o`'s window that fall inside the input: (tap,
+    /// input index) pairs, in order.
+    fn taps(&self, o: usize) -> impl Iterator<Item = (usize, usize)> {
+        let (start, d) = (
+            (o * self.stride) as isize - self.pad as isize,
+            self.dilation,
+        );
+        // The first tap at or after index 0 and the first at or after the end.
+        let first = |at: isize| ((at - start).max(0) as usize).div_ceil(d);
+        let (lo, hi) = (first(0), first(self.len as isize).min(self.window));
+        (lo..hi.max(lo)).map(move |k| (k, (start + (k * d) as isize) as usize))
     }
 }
 
@@ -274,6 +307,9 @@ pub struct Conv2D {
     pub padding: Padding,
     pub data_format: DataFormat,
     pub groups: usize,
+    /// Input rows and columns between the filter's taps (`[1, 1]`: a dense window;
+    /// atrous convolutions, as DeepLab's, dilate).
+    pub dilations: [usize; 2],
 }
 
 /// The shape facts of one convolution.
@@ -295,12 +331,18 @@ impl Conv2D {
             padding,
             data_format,
             groups: 1,
+            dilations: [1, 1],
         }
     }
 
     /// This convolution with its channels in `groups` groups.
     pub fn with_groups(self, groups: usize) -> Self {
         Conv2D { groups, ..self }
+    }
+
+    /// This convolution with its filter's taps `dilations` apart.
+    pub fn with_dilations(self, dilations: [usize; 2]) -> Self {
+        Conv2D { dilations, ..self }
     }
 
     fn dims(&self, x: &[usize], filter: &[usize]) -> OpResult<ConvDims> {
@@ -310,6 +352,7 @@ impl Conv2D {
     /// As [`dims`](Self::dims), naming the input tensor `what` in errors.
     fn dims_of(&self, what: &str, x: &[usize], filter: &[usize]) -> OpResult<ConvDims> {
         check_pair("strides", self.strides)?;
+        check_pair(DILATIONS, self.dilations)?;
         for (name, shape) in [(what, x), ("the filter", filter)] {
             if checked_numel(shape).is_none() {
                 return Err(format!(
@@ -367,10 +410,12 @@ impl Conv2D {
                 ShapeDisplay(filter)
             ));
         }
-        let rows = Axis::new(self.padding, 0, xi.h, kh, self.strides[0])
-            .map_err(|e| format!("height: {e}"))?;
-        let cols = Axis::new(self.padding, 1, xi.w, kw, self.strides[1])
-            .map_err(|e| format!("width: {e}"))?;
+        let axis = |axis, len, window| {
+            let (stride, dilation) = (self.strides[axis], self.dilations[axis]);
+            Axis::dilated(self.padding, axis, len, window, stride, dilation)
+        };
+        let rows = axis(0, xi.h, kh).map_err(|e| format!("height: {e}"))?;
+        let cols = axis(1, xi.w, kw).map_err(|e| format!("width: {e}"))?;
         if checked_numel(&[xi.n, cout, rows.out, cols.out]).is_none() {
             return Err("the output shape overflows".into());
         }
@@ -399,11 +444,9 @@ fn im2col<T: Real>(d: &ConvDims, x: &[T], first: usize, group: usize, cols: &mut
         let q = (first + p) % per_image;
         let (oy, ox) = (q / d.cols.out, q % d.cols.out);
         row.iter_mut().for_each(|v| *v = T::zero());
-        let (y0, y1, ky0) = d.rows.range(oy);
-        let (x0, x1, kx0) = d.cols.range(ox);
         let base = img * d.x.sn + group * cg * d.x.sc;
-        for (ky, iy) in (ky0..).zip(y0..y1) {
-            for (kx, ix) in (kx0..).zip(x0..x1) {
+        for (ky, iy) in d.rows.taps(oy) {
+            for (kx, ix) in d.cols.taps(ox) {
                 let src = base + iy * d.x.sy + ix * d.x.sx;
                 let dst = &mut row[(ky * d.kw + kx) * cg..][..cg];
                 if d.x.sc == 1 {
@@ -558,9 +601,13 @@ impl Op for Conv2D {
         let mut a = vec![("strides", pair_attr(self.strides))];
         a.extend(self.padding.attrs(self.data_format));
         a.push(("data_format", self.data_format.into()));
-        // Absent when 1: ungrouped convolutions write what they wrote before groups.
+        // Absent when 1: dense, ungrouped convolutions write what they wrote before
+        // groups and dilations.
         if self.groups != 1 {
             a.push((GROUPS, AttrValue::Int(self.groups as i64)));
+        }
+        if self.dilations != [1, 1] {
+            a.push((DILATIONS, pair_attr(self.dilations)));
         }
         a
     }
@@ -595,17 +642,11 @@ impl Op for Conv2D {
         };
         let dx = Conv2DBackpropInput {
             input_shape: b.ty(x).shape.clone(),
-            strides: self.strides,
-            padding: self.padding,
-            data_format: self.data_format,
-            groups: self.groups,
+            conv: self.clone(),
         };
         let dfilter = Conv2DBackpropFilter {
             filter_shape: b.ty(filter).shape.clone(),
-            strides: self.strides,
-            padding: self.padding,
-            data_format: self.data_format,
-            groups: self.groups,
+            conv: self.clone(),
         };
         Ok(vec![
             Some(b.add(dx, &[filter, dy])?),
@@ -683,11 +724,9 @@ fn col2im<T: Real>(d: &ConvDims, cols: &[T], first: usize, group: usize, dx: &mu
         let img = (first + p) / per_image;
         let q = (first + p) % per_image;
         let (oy, ox) = (q / d.cols.out, q % d.cols.out);
-        let (y0, y1, ky0) = d.rows.range(oy);
-        let (x0, x1, kx0) = d.cols.range(ox);
         let base = img * d.x.sn + group * cg * d.x.sc;
-        for (ky, iy) in (ky0..).zip(y0..y1) {
-            for (kx, ix) in (kx0..).zip(x0..x1) {
+        for (ky, iy) in d.rows.taps(oy) {
+            for (kx, ix) in d.cols.taps(ox) {
                 let dst = base + iy * d.x.sy + ix * d.x.sx;
                 let src = &row[(ky * d.kw + kx) * cg..][..cg];
                 for (ci, &v) in src.iter().enumerate() {
@@ -754,17 +793,8 @@ fn conv_attrs(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Conv2DBackpropInput {
     pub input_shape: Vec<usize>,
-    pub strides: [usize; 2],
-    pub padding: Padding,
-    pub data_format: DataFormat,
-    /// The forward's [`Conv2D::groups`].
-    pub groups: usize,
-}
-
-impl Conv2DBackpropInput {
-    fn conv(&self) -> Conv2D {
-        Conv2D::new(self.strides, self.padding, self.data_format).with_groups(self.groups)
-    }
+    /// The convolution whose input gradient this is.
+    pub conv: Conv2D,
 }
 
 impl FloatKernel for Conv2DBackpropInput {
@@ -772,7 +802,7 @@ impl FloatKernel for Conv2DBackpropInput {
         let [filter, dy] = fixed(inputs)?;
         let shape = self.input_shape.clone();
         let d = backprop_dims(
-            &self.conv(),
+            &self.conv,
             "input_shape",
             &shape,
             filter.shape(),
@@ -814,13 +844,13 @@ impl Op for Conv2DBackpropInput {
         Arity::Exactly(2)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        conv_attrs("input_shape", &self.input_shape, &self.conv())
+        conv_attrs("input_shape", &self.input_shape, &self.conv)
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let dtype = float_pair(inputs, ["the filter", "dy"])?;
         let [filter, dy] = fixed(inputs)?;
         backprop_dims(
-            &self.conv(),
+            &self.conv,
             "input_shape",
             &self.input_shape,
             &filter.shape,
@@ -842,24 +872,15 @@ impl Op for Conv2DBackpropInput {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Conv2DBackpropFilter {
     pub filter_shape: Vec<usize>,
-    pub strides: [usize; 2],
-    pub padding: Padding,
-    pub data_format: DataFormat,
-    /// The forward's [`Conv2D::groups`].
-    pub groups: usize,
-}
-
-impl Conv2DBackpropFilter {
-    fn conv(&self) -> Conv2D {
-        Conv2D::new(self.strides, self.padding, self.data_format).with_groups(self.groups)
-    }
+    /// The convolution whose filter gradient this is.
+    pub conv: Conv2D,
 }
 
 impl FloatKernel for Conv2DBackpropFilter {
     fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
         let [x, dy] = fixed(inputs)?;
         let shape = self.filter_shape.clone();
-        let d = backprop_dims(&self.conv(), "x", x.shape(), &shape, dy.shape())?;
+        let d = backprop_dims(&self.conv, "x", x.shape(), &shape, dy.shape())?;
         let (r, cout, kg) = (d.patch(), d.y.c, d.out_group());
         let mut dfilter = vec![T::zero(); r * cout];
         if dfilter.is_empty() || d.x.n * d.positions() == 0 {
@@ -900,12 +921,12 @@ impl Op for Conv2DBackpropFilter {
         Arity::Exactly(2)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        conv_attrs("filter_shape", &self.filter_shape, &self.conv())
+        conv_attrs("filter_shape", &self.filter_shape, &self.conv)
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let dtype = float_pair(inputs, ["x", "dy"])?;
         let [x, dy] = fixed(inputs)?;
-        backprop_dims(&self.conv(), "x", &x.shape, &self.filter_shape, &dy.shape)?;
+        backprop_dims(&self.conv, "x", &x.shape, &self.filter_shape, &dy.shape)?;
         Ok(vec![TensorType::new(dtype, self.filter_shape.clone())])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {

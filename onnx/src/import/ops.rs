@@ -498,6 +498,15 @@ fn window_pads(
     }
 }
 
+/// The input elements each window spans: `kernel` taps `dilations` apart.
+fn dilated_spans(kernel: &[usize], dilations: &[usize]) -> Vec<usize> {
+    kernel
+        .iter()
+        .zip(dilations)
+        .map(|(&k, &d)| (k.max(1) - 1) * d + 1)
+        .collect()
+}
+
 /// A list attribute of one positive number per spatial axis (default all 1).
 fn per_axis(cx: &NodeCx, name: &str, n: usize) -> Result<Vec<usize>> {
     match cx.ints_attr(name)? {
@@ -542,9 +551,7 @@ fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
         )));
     }
     let n = rank - 2;
-    if per_axis(cx, "dilations", n)?.iter().any(|&d| d != 1) {
-        return Err(cx.err("dilations other than 1 are not supported"));
-    }
+    let dilations = per_axis(cx, "dilations", n)?;
     let groups = usize::try_from(cx.int_attr("group", 1)?)
         .ok()
         .filter(|&g| g > 0)
@@ -562,10 +569,12 @@ fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
             )));
         }
     }
-    let mut pads = window_pads(cx, &xs[2..], kernel, &strides)?;
-    let mut strides2 = [strides[0], 1];
+    let spans = dilated_spans(kernel, &dilations);
+    let mut pads = window_pads(cx, &xs[2..], &spans, &strides)?;
+    let (mut strides2, mut dilations2) = ([strides[0], 1], [dilations[0], 1]);
     if n == 2 {
         strides2[1] = strides[1];
+        dilations2[1] = dilations[1];
     } else {
         pads.push([0, 0]);
     }
@@ -573,7 +582,9 @@ fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let w = to_2d(cx, w, rank)?;
     // OIHW -> HWIO.
     let w = cx.emit_weight(Transpose::new(vec![2, 3, 1, 0]), &[w], 1, "hwio")?;
-    let op = Conv2D::new(strides2, padding_of(&pads), DataFormat::Nchw).with_groups(groups);
+    let op = Conv2D::new(strides2, padding_of(&pads), DataFormat::Nchw)
+        .with_groups(groups)
+        .with_dilations(dilations2);
     let last = bias.is_none() && rank == 4;
     let mut y = if last {
         return cx.out(op, &[x, w]);
@@ -607,9 +618,7 @@ fn conv_transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
             "only 2-D transposed convolutions are supported (x {xs:?}, w {ws:?})"
         )));
     }
-    if per_axis(cx, "dilations", 2)?.iter().any(|&d| d != 1) {
-        return Err(cx.err("dilations other than 1 are not supported"));
-    }
+    let dilations = per_axis(cx, "dilations", 2)?;
     let groups = usize::try_from(cx.int_attr("group", 1)?)
         .ok()
         .filter(|&g| g > 0)
@@ -631,10 +640,10 @@ fn conv_transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
             )))
         }
     };
-    let kernel = &ws[2..];
-    // The full output before cropping: stride * (in - 1) + extra + kernel.
+    let spans = dilated_spans(&ws[2..], &dilations);
+    // The full output before cropping: stride * (in - 1) + extra + the window's span.
     let full: Vec<usize> = (0..2)
-        .map(|i| strides[i] * (xs[2 + i].max(1) - 1) + extra[i] + kernel[i])
+        .map(|i| strides[i] * (xs[2 + i].max(1) - 1) + extra[i] + spans[i])
         .collect();
     let auto = cx.string_attr("auto_pad", "NOTSET")?;
     let pads: Vec<[usize; 2]> = match (cx.ints_attr("output_shape")?, auto.as_str()) {
@@ -691,10 +700,13 @@ fn conv_transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let w = cx.emit_weight(Transpose::new(vec![2, 3, 1, 0]), &[w], 1, "hwio")?;
     let op = Conv2DBackpropInput {
         input_shape: vec![xs[0], cout, out[0], out[1]],
-        strides: [strides[0], strides[1]],
-        padding: padding_of(&pads),
-        data_format: DataFormat::Nchw,
-        groups,
+        conv: Conv2D::new(
+            [strides[0], strides[1]],
+            padding_of(&pads),
+            DataFormat::Nchw,
+        )
+        .with_groups(groups)
+        .with_dilations([dilations[0], dilations[1]]),
     };
     match bias {
         None => cx.out(op, &[w, x]),

@@ -113,8 +113,8 @@ fn padded_form(g: &Graph, id: NodeId) -> Option<(Vec<InputPad>, Box<dyn Op>)> {
     let input_shape = |slot: usize| Some(g.ty(*g.inputs(id).get(slot)?).shape.clone());
     let (filter, format, groups) = match &conv {
         ConvOp::Forward(c) => (input_shape(1)?, c.data_format, c.groups),
-        ConvOp::Input(c) => (input_shape(0)?, c.data_format, c.groups),
-        ConvOp::Filter(c) => (c.filter_shape.clone(), c.data_format, c.groups),
+        ConvOp::Input(c) => (input_shape(0)?, c.conv.data_format, c.conv.groups),
+        ConvOp::Filter(c) => (c.filter_shape.clone(), c.conv.data_format, c.conv.groups),
     };
     if groups != 1 {
         return None;
@@ -266,10 +266,10 @@ mod tests {
                 if let Some(c) = node.op.downcast_ref::<Conv2D>() {
                     Some((g.ty(inputs[1]).shape.clone(), c.padding))
                 } else if let Some(c) = node.op.downcast_ref::<Conv2DBackpropInput>() {
-                    Some((g.ty(inputs[0]).shape.clone(), c.padding))
+                    Some((g.ty(inputs[0]).shape.clone(), c.conv.padding))
                 } else {
                     let dw = node.op.downcast_ref::<Conv2DBackpropFilter>()?;
-                    Some((dw.filter_shape.clone(), dw.padding))
+                    Some((dw.filter_shape.clone(), dw.conv.padding))
                 }
             })
             .collect()

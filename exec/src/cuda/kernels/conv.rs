@@ -38,27 +38,32 @@ kernel_specs! {
 pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(conv) = op.downcast_ref::<Conv2D>() {
         let (x, w) = (ins.first()?, ins.get(1)?);
-        let attrs = (conv.strides, conv.padding, conv.data_format, conv.groups);
+        let dir = Direction::Forward;
+        return Some(lower_conv(dir, conv, &x.shape, &w.shape, ins, outs));
+    }
+    if let Some(b) = op.downcast_ref::<Conv2DBackpropInput>() {
+        let w = ins.first()?;
+        let dir = Direction::BackwardData;
         return Some(lower_conv(
-            Direction::Forward,
-            attrs,
-            &x.shape,
+            dir,
+            &b.conv,
+            &b.input_shape,
             &w.shape,
             ins,
             outs,
         ));
     }
-    if let Some(b) = op.downcast_ref::<Conv2DBackpropInput>() {
-        let w = ins.first()?;
-        let attrs = (b.strides, b.padding, b.data_format, b.groups);
-        let dir = Direction::BackwardData;
-        return Some(lower_conv(dir, attrs, &b.input_shape, &w.shape, ins, outs));
-    }
     if let Some(b) = op.downcast_ref::<Conv2DBackpropFilter>() {
         let x = ins.first()?;
-        let attrs = (b.strides, b.padding, b.data_format, b.groups);
         let dir = Direction::BackwardFilter;
-        return Some(lower_conv(dir, attrs, &x.shape, &b.filter_shape, ins, outs));
+        return Some(lower_conv(
+            dir,
+            &b.conv,
+            &x.shape,
+            &b.filter_shape,
+            ins,
+            outs,
+        ));
     }
     None
 }
@@ -73,7 +78,8 @@ struct AxisPad {
     end: usize,
 }
 
-/// Spatial axis `axis` (0 height, 1 width) of a convolution.
+/// Spatial axis `axis` (0 height, 1 width) of a convolution whose window spans
+/// `window` input elements (its taps, dilated).
 fn axis_pad(
     padding: Padding,
     axis: usize,
@@ -115,13 +121,20 @@ fn in_layout(layout: DataFormat, [n, c, h, w]: [usize; 4]) -> Vec<usize> {
 
 fn lower_conv(
     direction: Direction,
-    (strides, padding, layout, groups): ([usize; 2], Padding, DataFormat, usize),
+    conv: &Conv2D,
     x_shape: &[usize],
     w_shape: &[usize],
     ins: &[TensorType],
     outs: &[TensorType],
 ) -> KernelResult {
     dnn::available()?;
+    let Conv2D {
+        strides,
+        padding,
+        data_format: layout,
+        groups,
+        dilations,
+    } = *conv;
     let dtype = float_input(ins)?;
     if ins.iter().any(|t| t.dtype != dtype) {
         return Err("cuDNN convolutions take operands of one dtype".into());
@@ -140,8 +153,9 @@ fn lower_conv(
              but the image has {c}"
         ));
     }
-    let rows = axis_pad(padding, 0, h, r, strides[0])?;
-    let cols = axis_pad(padding, 1, w, s, strides[1])?;
+    let span = |taps: usize, dilation: usize| (taps.max(1) - 1) * dilation + 1;
+    let rows = axis_pad(padding, 0, h, span(r, dilations[0]), strides[0])?;
+    let cols = axis_pad(padding, 1, w, span(s, dilations[1]), strides[1])?;
     let padded = [n, c, h + rows.start + rows.end, w + cols.start + cols.end];
     let shape = ConvShape {
         dtype,
@@ -151,6 +165,7 @@ fn lower_conv(
         groups,
         pad: [rows.pad, cols.pad],
         strides,
+        dilations,
         out: [rows.out, cols.out],
         allow_tf32: false,
     };
@@ -410,40 +425,81 @@ mod tests {
             Tensor::from_f64(DType::F64, shape.to_vec(), &v).unwrap()
         };
         let eval = |op: &dyn Op, ins: &[&Tensor]| op.eval(ins).unwrap().remove(0);
-        // (height, width, window, strides, padding)
+        // (height, width, window, strides, dilations, padding)
         let cases = [
-            (6, 7, [3, 3], [2, 2], Padding::Same),
-            (6, 7, [3, 2], [1, 2], Padding::Explicit([[1, 1], [2, 2]])),
-            (6, 7, [3, 3], [2, 1], Padding::Explicit([[2, 0], [0, 3]])),
-            (5, 4, [2, 3], [1, 3], Padding::Explicit([[0, 4], [5, 1]])),
-            (4, 4, [3, 3], [2, 2], Padding::Explicit([[0, 1], [1, 2]])),
+            (6, 7, [3, 3], [2, 2], [1, 1], Padding::Same),
+            (
+                6,
+                7,
+                [3, 2],
+                [1, 2],
+                [1, 1],
+                Padding::Explicit([[1, 1], [2, 2]]),
+            ),
+            (
+                6,
+                7,
+                [3, 3],
+                [2, 1],
+                [1, 1],
+                Padding::Explicit([[2, 0], [0, 3]]),
+            ),
+            (
+                5,
+                4,
+                [2, 3],
+                [1, 3],
+                [1, 1],
+                Padding::Explicit([[0, 4], [5, 1]]),
+            ),
+            (
+                4,
+                4,
+                [3, 3],
+                [2, 2],
+                [1, 1],
+                Padding::Explicit([[0, 1], [1, 2]]),
+            ),
+            // Dilated: SAME over the dilated span (odd needs: the extra at the end),
+            // explicit pads asymmetric both ways.
+            (9, 8, [3, 2], [1, 1], [2, 3], Padding::Same),
+            (
+                9,
+                8,
+                [3, 3],
+                [2, 1],
+                [3, 2],
+                Padding::Explicit([[4, 1], [0, 3]]),
+            ),
         ];
-        for (h, w, [r, s], strides, padding) in cases {
+        for (h, w, [r, s], strides, dilations, padding) in cases {
             for layout in [DataFormat::Nhwc, DataFormat::Nchw] {
-                let what = format!("{h}x{w} window {r}x{s} {strides:?} {padding:?} {layout:?}");
-                let rows = axis_pad(padding, 0, h, r, strides[0]).unwrap();
-                let cols = axis_pad(padding, 1, w, s, strides[1]).unwrap();
+                let what = format!(
+                    "{h}x{w} window {r}x{s} {strides:?} dilations {dilations:?} {padding:?} \
+                     {layout:?}"
+                );
+                let span = |taps: usize, d: usize| (taps - 1) * d + 1;
+                let rows = axis_pad(padding, 0, h, span(r, dilations[0]), strides[0]).unwrap();
+                let cols = axis_pad(padding, 1, w, span(s, dilations[1]), strides[1]).unwrap();
                 let padded = [n, c, h + rows.start + rows.end, w + cols.start + cols.end];
                 let e = Extension::new(layout, 8, [n, c, h, w], padded, [rows.start, cols.start]);
                 let sym = Padding::Explicit([[rows.pad; 2], [cols.pad; 2]]);
                 let (x, f) = (t(&e.from, 1), t(&[r, s, c, k], 2));
                 let xp = Tensor::from_f64(DType::F64, e.to.clone(), &pad_host(&x.to_f64_vec(), &e))
                     .unwrap();
-                let y = eval(&Conv2D::new(strides, padding, layout), &[&x, &f]);
-                let split_y = eval(&Conv2D::new(strides, sym, layout), &[&xp, &f]);
+                let conv =
+                    |padding| Conv2D::new(strides, padding, layout).with_dilations(dilations);
+                let y = eval(&conv(padding), &[&x, &f]);
+                let split_y = eval(&conv(sym), &[&xp, &f]);
                 assert_eq!(split_y, y, "forward {what}");
                 let dy = t(y.shape(), 3);
                 let dx = Conv2DBackpropInput {
                     input_shape: e.from.clone(),
-                    strides,
-                    padding,
-                    data_format: layout,
-                    groups: 1,
+                    conv: conv(padding),
                 };
                 let dxp = Conv2DBackpropInput {
                     input_shape: e.to.clone(),
-                    padding: sym,
-                    ..dx.clone()
+                    conv: conv(sym),
                 };
                 let dxp = eval(&dxp, &[&f, &dy]).to_f64_vec();
                 // The crop, as `Extension::crop`'s gather reads it.
@@ -455,14 +511,11 @@ mod tests {
                 );
                 let df = Conv2DBackpropFilter {
                     filter_shape: vec![r, s, c, k],
-                    strides,
-                    padding,
-                    data_format: layout,
-                    groups: 1,
+                    conv: conv(padding),
                 };
                 let dfp = Conv2DBackpropFilter {
-                    padding: sym,
-                    ..df.clone()
+                    filter_shape: vec![r, s, c, k],
+                    conv: conv(sym),
                 };
                 assert_eq!(
                     eval(&dfp, &[&xp, &dy]),
