@@ -381,7 +381,10 @@ fn inputs_and_axes_the_op_does_not_read_are_refused() {
         "{e}"
     );
     let e = err(one_node("ReduceSum", &["x", "axes"], vec![], 11));
-    assert!(e.contains("input 1 is not read at opset 11"), "{e}");
+    assert!(
+        e.contains("takes 1 input, not 2 (ReduceSum at opset 11)"),
+        "{e}"
+    );
     // The forms each opset reads import.
     for (m, op) in [
         (one_node("ReduceMean", &["x"], vec![axes_attr()], 17), "17"),
@@ -389,6 +392,143 @@ fn inputs_and_axes_the_op_does_not_read_are_refused() {
     ] {
         import_model(&m, None, &ImportOptions::default()).unwrap_or_else(|e| panic!("{op}: {e}"));
     }
+}
+
+/// Every node is read as its op's schema at the model's opset says (scripts/onnx/
+/// schemas.py, from the onnx package): an attribute the op does not have, one given
+/// twice, a required one missing, more outputs than the op makes, an op the opset does
+/// not have are refused by name; an attribute the converter does not read must hold
+/// its default, except those that cannot change an inference (a Dropout's ratio, a
+/// BatchNormalization's momentum).
+#[test]
+fn nodes_are_read_by_their_schema_at_the_models_opset() {
+    let err = |m: ModelProto| {
+        import_model(&m, None, &ImportOptions::default())
+            .unwrap_err()
+            .to_string()
+    };
+    let ok = |m: ModelProto, what: &str| {
+        import_model(&m, None, &ImportOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+    };
+    let int = |name: &str, i: i64| AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::INT,
+        i,
+        ..AttributeProto::default()
+    };
+    let float = |name: &str, f: f32| AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::FLOAT,
+        f,
+        ..AttributeProto::default()
+    };
+    let e = err(one_node("Add", &["x", "w"], vec![int("broadcast", 1)], 17));
+    assert!(
+        e.contains("'n'") && e.contains("attribute 'broadcast' is not read at opset 17"),
+        "{e}"
+    );
+    let e = err(one_node(
+        "Softmax",
+        &["x"],
+        vec![int("axis", 1), int("axis", 0)],
+        17,
+    ));
+    assert!(e.contains("attribute 'axis' is given twice"), "{e}");
+    let e = err(one_node("Cast", &["x"], vec![], 17));
+    assert!(e.contains("the required attribute 'to' is missing"), "{e}");
+    let mut two_outputs = one_node("Relu", &["x"], vec![], 17);
+    two_outputs.graph.as_mut().unwrap().node[0]
+        .output
+        .push("z".into());
+    let e = err(two_outputs);
+    assert!(
+        e.contains("takes 1 output, not 2 (Relu at opset 17)"),
+        "{e}"
+    );
+    let e = err(one_node("Gelu", &["x"], vec![], 17));
+    assert!(e.contains("is not an op of opset 17"), "{e}");
+    ok(one_node("Gelu", &["x"], vec![], 20), "Gelu at 20");
+    // LayerNormalization's stash_type (the statistics' dtype) is not read: only its
+    // default (f32) imports.
+    let ln = |stash| {
+        let mut m = one_node(
+            "LayerNormalization",
+            &["x", "w", "b"],
+            vec![int("stash_type", stash)],
+            17,
+        );
+        let g = m.graph.as_mut().unwrap();
+        for t in &mut g.initializer {
+            t.dims = vec![3];
+            t.float_data.truncate(3);
+        }
+        m
+    };
+    ok(ln(1), "stash_type 1");
+    let e = err(ln(11));
+    assert!(
+        e.contains("attribute 'stash_type' = 11 is not supported (only its default, 1)"),
+        "{e}"
+    );
+    // Each form of a Constant is read.
+    ok(
+        one_node("Constant", &[], vec![float("value_float", 2.0)], 17),
+        "value_float",
+    );
+    let mut int_constant = one_node("Constant", &[], vec![int("value_int", 2)], 17);
+    let out = &mut int_constant.graph.as_mut().unwrap().output[0];
+    (out.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()))
+        .unwrap()
+        .elem_type = 7;
+    ok(int_constant, "value_int");
+    // What cannot change an inference imports whatever it holds.
+    ok(
+        one_node("Dropout", &["x"], vec![float("ratio", 0.1)], 11),
+        "Dropout ratio",
+    );
+    let bn = one_node(
+        "BatchNormalization",
+        &["x", "w", "b", "m", "v"],
+        vec![float("momentum", 0.99)],
+        15,
+    );
+    let mut bn = bn;
+    for t in &mut bn.graph.as_mut().unwrap().initializer {
+        t.dims = vec![3];
+        t.float_data.truncate(3);
+    }
+    let g = bn.graph.as_mut().unwrap();
+    g.input[0] = input("x", &[2, 3, 1, 1]);
+    g.output[0] = input("y", &[2, 3, 1, 1]);
+    ok(bn, "BatchNormalization momentum");
+}
+
+/// The schema table is what scripts/onnx/schemas.py writes from the onnx package
+/// (skipped with a reason without python3 and onnx, except under CI).
+#[test]
+fn the_schema_table_is_the_onnx_packages() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/onnx/schemas.py");
+    let have_onnx = std::process::Command::new("python3")
+        .args(["-c", "import onnx, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have_onnx {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs onnx: pip install -r scripts/onnx/requirements.txt"
+        );
+        println!("skipped: python3 with onnx is not available");
+        return;
+    }
+    let out = std::process::Command::new("python3")
+        .args([script, "--check"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// An initializer defined twice (the second silently won) and an opset newer than the

@@ -9,7 +9,10 @@
 
 mod einsum;
 mod ops;
+mod schema;
+mod schemas;
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
@@ -543,36 +546,28 @@ impl Importer {
     }
 
     fn convert(&mut self, node: &NodeProto) -> Result<()> {
-        let (least, most) = ops::arity(&node.op_type);
-        let given = node.input.len();
-        if given < least || given > most {
-            let takes = match (least, most) {
-                (l, m) if l == m => format!("{l}"),
-                (l, usize::MAX) => format!("{l} or more"),
-                (l, m) => format!("{l} to {m}"),
-            };
-            return Err(OnnxError::node(
-                &node_name(node),
-                &node.op_type,
-                format!(
-                    "takes {takes} input{}, not {given}",
-                    if most == 1 { "" } else { "s" }
-                ),
-            ));
+        let node_err = |msg: String| OnnxError::node(&node_name(node), &node.op_type, msg);
+        let convert = ops::converter(&node.op_type);
+        if convert.is_none() && node.op_type != "If" {
+            return Err(OnnxError::Unsupported(vec![(node.op_type.clone(), 1)]));
         }
-        if node.op_type == "If" {
+        let version = schema::lookup(&node.op_type, self.opset)
+            .ok_or_else(|| node_err(format!("is not an op of opset {}", self.opset)))?;
+        schema::check_node(node, version, self.opset).map_err(node_err)?;
+        let Some(convert) = convert else {
             return self.convert_if(node);
-        }
-        let convert = ops::converter(&node.op_type)
-            .ok_or_else(|| OnnxError::Unsupported(vec![(node.op_type.clone(), 1)]))?;
+        };
         let mut cx = NodeCx {
             imp: self,
             node,
             name: node_name(node),
+            read: RefCell::default(),
         };
         let results = convert(&mut cx);
+        let read = cx.read.take();
         self.derived_names.clear();
         let results = results?;
+        schema::check_unread(node, version, &read).map_err(node_err)?;
         for (k, out) in node.output.iter().enumerate() {
             if out.is_empty() {
                 continue;
@@ -703,6 +698,9 @@ pub(crate) struct NodeCx<'a> {
     imp: &'a mut Importer,
     node: &'a NodeProto,
     name: String,
+    /// The attributes the converter read (or said it ignores), for
+    /// [`schema::check_unread`].
+    read: RefCell<Vec<String>>,
 }
 
 impl NodeCx<'_> {
@@ -777,8 +775,19 @@ impl NodeCx<'_> {
         }
     }
 
-    fn attr(&self, name: &str) -> Option<&AttributeProto> {
-        self.node.attribute.iter().find(|a| a.name == name)
+    /// The attribute `name`, if given; read from here on.
+    pub fn attr(&self, name: &str) -> Option<&AttributeProto> {
+        let a = self.node.attribute.iter().find(|a| a.name == name)?;
+        self.read.borrow_mut().push(a.name.clone());
+        Some(a)
+    }
+
+    /// Attributes that do not change what the converter builds (a Dropout's ratio at
+    /// inference): read, whatever they hold.
+    pub fn ignore(&self, names: &[&str]) {
+        for name in names {
+            self.attr(name);
+        }
     }
 
     fn typed_attr(&self, name: &str, want: i32, what: &str) -> Result<Option<&AttributeProto>> {

@@ -129,10 +129,9 @@ fn int_map(t: &Tensor, f: impl Fn(i64) -> i64) -> Result<Tensor> {
 
 /// Identity, and Dropout (inference: the input itself; its mask is not supported).
 fn identity(cx: &mut NodeCx) -> Result<Vec<Value>> {
-    if cx.node.op_type == "Dropout" && cx.int_attr("training_mode", 0)? != 0 {
-        return Err(cx.err("training mode is not supported"));
-    }
     if cx.node.op_type == "Dropout" {
+        // Inference keeps every element: the ratio and the seed do not matter.
+        cx.ignore(&["ratio", "seed"]);
         if let Some(t) = cx.const_input(2)? {
             if t.to_f64_vec().first().copied().unwrap_or(0.0) != 0.0 {
                 return Err(cx.err("training mode is not supported"));
@@ -498,6 +497,22 @@ fn window_pads(
     }
 }
 
+/// A Conv's or ConvTranspose's `kernel_shape`, where given, must be its weights'.
+fn check_kernel_shape(cx: &NodeCx, kernel: &[usize]) -> Result<()> {
+    if let Some(declared) = cx.ints_attr("kernel_shape")? {
+        if !declared
+            .iter()
+            .map(|&k| k as usize)
+            .eq(kernel.iter().copied())
+        {
+            return Err(cx.err(format!(
+                "kernel_shape {declared:?} contradicts the weights' spatial dims {kernel:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The input elements each window spans: `kernel` taps `dilations` apart.
 fn dilated_spans(kernel: &[usize], dilations: &[usize]) -> Vec<usize> {
     kernel
@@ -558,17 +573,7 @@ fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
         .ok_or_else(|| cx.err("group must be positive"))?;
     let strides = per_axis(cx, "strides", n)?;
     let kernel = &ws[2..];
-    if let Some(declared) = cx.ints_attr("kernel_shape")? {
-        if !declared
-            .iter()
-            .map(|&k| k as usize)
-            .eq(kernel.iter().copied())
-        {
-            return Err(cx.err(format!(
-                "kernel_shape {declared:?} contradicts the weights' spatial dims {kernel:?}"
-            )));
-        }
-    }
+    check_kernel_shape(cx, kernel)?;
     let spans = dilated_spans(kernel, &dilations);
     let mut pads = window_pads(cx, &xs[2..], &spans, &strides)?;
     let (mut strides2, mut dilations2) = ([strides[0], 1], [dilations[0], 1]);
@@ -640,12 +645,15 @@ fn conv_transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
             )))
         }
     };
+    check_kernel_shape(cx, &ws[2..])?;
     let spans = dilated_spans(&ws[2..], &dilations);
     // The full output before cropping: stride * (in - 1) + extra + the window's span.
     let full: Vec<usize> = (0..2)
         .map(|i| strides[i] * (xs[2 + i].max(1) - 1) + extra[i] + spans[i])
         .collect();
     let auto = cx.string_attr("auto_pad", "NOTSET")?;
+    // With output_shape given, ONNX computes the pads and ignores any written.
+    cx.ignore(&["pads"]);
     let pads: Vec<[usize; 2]> = match (cx.ints_attr("output_shape")?, auto.as_str()) {
         (Some(out), mode) => {
             let out = &out[out.len().saturating_sub(2)..];
@@ -726,6 +734,8 @@ fn batch_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
     if cx.int_attr("training_mode", 0)? != 0 {
         return Err(cx.err("training mode is not supported"));
     }
+    // The running statistics' momentum only matters in training.
+    cx.ignore(&["momentum"]);
     let epsilon = cx.float_attr("epsilon", 1e-5)?;
     let inputs = [
         cx.input(0)?,
@@ -910,57 +920,20 @@ fn transpose(cx: &mut NodeCx) -> Result<Vec<Value>> {
     cx.out(Transpose::new(perm), &[x])
 }
 
-/// The axes of Squeeze/Unsqueeze/Reduce*: an attribute before opset `input_from`, an
-/// input from then on.
-/// The `axes` of a Squeeze, Unsqueeze or reduction: an input from opset `input_from`,
-/// an attribute before it; the other form is refused (read, it would be ignored).
-fn axes(cx: &NodeCx, input_from: i64) -> Result<Option<Vec<i64>>> {
-    let opset = cx.opset();
-    let (as_input, as_attr) = (cx.node.input.len() > 1, cx.ints_attr("axes")?.is_some());
-    if opset >= input_from && as_attr {
-        return Err(cx.err(format!(
-            "attribute 'axes' is not read at opset {opset}: axes is an input from opset {input_from}"
-        )));
-    }
-    if opset < input_from && as_input {
-        return Err(cx.err(format!(
-            "input 1 is not read at opset {opset}: axes is an attribute before opset {input_from}"
-        )));
-    }
-    if opset >= input_from {
-        cx.ints_input(1)
-    } else {
-        cx.ints_attr("axes")
-    }
-}
-
-/// How many inputs an ONNX op takes, least and most (optional ones given as "" count),
-/// for every op with a converter (opsets 11 onwards; `axes` by opset is checked where
-/// it is read).
-pub(super) fn arity(op_type: &str) -> (usize, usize) {
-    const ANY: usize = usize::MAX;
-    match op_type {
-        "Constant" => (0, 0),
-        "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Mod" | "MatMul" | "Equal" | "Less"
-        | "LessOrEqual" | "Greater" | "GreaterOrEqual" | "And" | "Or" | "Xor" | "Reshape"
-        | "Expand" | "Gather" | "GatherElements" => (2, 2),
-        "Range" | "Where" | "ScatterND" => (3, 3),
-        "SoftmaxCrossEntropyLoss" => (2, 3),
-        "BatchNormalization" => (5, 5),
-        "Max" | "Min" | "Sum" | "Mean" | "Concat" | "Einsum" => (1, ANY),
-        "Gemm" | "Conv" | "ConvTranspose" | "LayerNormalization" => (2, 3),
-        "Slice" => (3, 5),
-        "Dropout" | "Clip" => (1, 3),
-        "Pad" | "Resize" => (1, 4),
-        "Squeeze" | "Unsqueeze" | "Split" | "ReduceMean" | "ReduceSum" | "ReduceMax" => (1, 2),
-        _ => (1, 1),
+/// The `axes` of a Squeeze, Unsqueeze or reduction: an attribute before the opset
+/// that made it an input (13 for Squeeze, Unsqueeze and ReduceSum, 18 for the other
+/// reductions); the schema check refused the form the model's opset does not read.
+fn axes(cx: &NodeCx) -> Result<Option<Vec<i64>>> {
+    match cx.ints_attr("axes")? {
+        Some(a) => Ok(Some(a)),
+        None => cx.ints_input(1),
     }
 }
 
 fn squeeze(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let x = cx.input(0)?;
     let s = cx.ty(&x).shape;
-    let drop: Vec<usize> = match axes(cx, 13)? {
+    let drop: Vec<usize> = match axes(cx)? {
         None => (0..s.len()).filter(|&i| s[i] == 1).collect(),
         Some(a) => a
             .iter()
@@ -980,7 +953,7 @@ fn squeeze(cx: &mut NodeCx) -> Result<Vec<Value>> {
 fn unsqueeze(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let x = cx.input(0)?;
     let s = cx.ty(&x).shape;
-    let added = axes(cx, 13)?.ok_or_else(|| cx.err("axes are missing"))?;
+    let added = axes(cx)?.ok_or_else(|| cx.err("axes are missing"))?;
     let rank = s.len() + added.len();
     let mut new: Vec<usize> = added
         .iter()
@@ -1105,6 +1078,13 @@ fn split(cx: &mut NodeCx) -> Result<Vec<Value>> {
             .collect::<Result<_>>()?,
         None => {
             // Equal parts, the last smaller (opset 18's num_outputs rule); none empty.
+            if let Some(n) = cx.attr("num_outputs").map(|a| a.i) {
+                if n != outputs as i64 {
+                    return Err(cx.err(format!(
+                        "num_outputs {n} but the node has {outputs} outputs"
+                    )));
+                }
+            }
             if outputs > s[axis] {
                 return Err(cx.err(format!(
                     "{outputs} outputs from an axis of {} elements: some would be empty",
@@ -1158,6 +1138,8 @@ fn size(cx: &mut NodeCx) -> Result<Vec<Value>> {
 
 fn cast(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let to = dtype_of(cx.int_attr("to", 0)? as i32).map_err(|m| cx.err(m))?;
+    // Only casts to float8 saturate, and ampgraph has no float8 tensors.
+    cx.ignore(&["saturate"]);
     let x = cx.input(0)?;
     if cx.ty(&x).dtype == to {
         return Ok(vec![x]);
@@ -1168,9 +1150,9 @@ fn cast(cx: &mut NodeCx) -> Result<Vec<Value>> {
 fn constant(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let t = if let Some(t) = cx.tensor_attr("value")? {
         t
-    } else if let Some(a) = cx.node.attribute.iter().find(|a| a.name == "value_float") {
+    } else if let Some(a) = cx.attr("value_float") {
         Tensor::scalar(DType::F32, f64::from(a.f))
-    } else if let Some(a) = cx.node.attribute.iter().find(|a| a.name == "value_int") {
+    } else if let Some(a) = cx.attr("value_int") {
         i64_tensor(vec![], vec![a.i]).map_err(|m| cx.err(m))?
     } else if let Some(v) = cx.floats_attr("value_floats")? {
         Tensor::new(vec![v.len()], Data::F32(v)).map_err(|m| cx.err(m))?
@@ -1299,10 +1281,10 @@ fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
         _ => ReduceKind::Max,
     };
     let x = cx.input(0)?;
-    let input_from = if kind == ReduceKind::Sum { 13 } else { 18 };
-    let axes = axes(cx, input_from)?.filter(|a| !a.is_empty());
+    let axes = axes(cx)?.filter(|a| !a.is_empty());
     let keep = cx.int_attr("keepdims", 1)? != 0;
-    if axes.is_none() && cx.int_attr("noop_with_empty_axes", 0)? != 0 {
+    let noop_without_axes = cx.int_attr("noop_with_empty_axes", 0)? != 0;
+    if axes.is_none() && noop_without_axes {
         return Ok(vec![x]);
     }
     cx.out(Reduce::new(kind, axes, keep), &[x])
@@ -1622,6 +1604,8 @@ fn resize(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let x = cx.input(0)?;
     let xs = cx.ty(&x).shape;
     let coords = cx.string_attr("coordinate_transformation_mode", "half_pixel")?;
+    // Only the cubic mode and tf_crop_and_resize read these, and both are refused.
+    cx.ignore(&["cubic_coeff_a", "extrapolation_value"]);
     if coords == "tf_crop_and_resize" {
         return Err(cx.err("coordinate_transformation_mode tf_crop_and_resize is not supported"));
     }
