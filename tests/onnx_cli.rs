@@ -91,6 +91,14 @@ fn bad_models_are_one_line_errors_naming_the_problem() {
             ],
         ),
         (
+            "unknown_attribute.onnx",
+            &["'act'", "attribute 'alpha' is not read at opset 13"],
+        ),
+        (
+            "declared_shape.onnx",
+            &["graph output 'y' is declared with shape [2, 4] but computes [2, 3]"],
+        ),
+        (
             "unsupported_ops.onnx",
             &[
                 "unsupported ONNX ops (4 nodes)",

@@ -27,6 +27,15 @@ fn input(name: &str, shape: &[i64]) -> ValueInfoProto {
     }
 }
 
+/// An f32 value of no declared shape.
+fn unshaped(name: &str) -> ValueInfoProto {
+    let mut v = input(name, &[]);
+    if let Some(tt) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
+        tt.shape = None;
+    }
+    v
+}
+
 /// A model of `graph` at default-domain `opset`.
 fn model_of(graph: GraphProto, opset: i64) -> ModelProto {
     ModelProto {
@@ -314,7 +323,8 @@ fn external_data_through_links_or_from_fifos_is_refused() {
 }
 
 /// A model of one node `op` reading graph input x [2, 3] and initializers `inits`
-/// (f32 of x's shape, or i64 lists), at `opset`.
+/// (f32 of x's shape, or i64 lists), at `opset`; its output y is f32 of no declared
+/// shape.
 fn one_node(op: &str, inputs: &[&str], attribute: Vec<AttributeProto>, opset: i64) -> ModelProto {
     let init = |name: &str| match name {
         "axes" => TensorProto {
@@ -346,7 +356,7 @@ fn one_node(op: &str, inputs: &[&str], attribute: Vec<AttributeProto>, opset: i6
             attribute,
             ..NodeProto::default()
         }],
-        output: vec![input("y", &[2, 3])],
+        output: vec![unshaped("y")],
         ..GraphProto::default()
     };
     model_of(graph, opset)
@@ -501,6 +511,65 @@ fn nodes_are_read_by_their_schema_at_the_models_opset() {
     g.input[0] = input("x", &[2, 3, 1, 1]);
     g.output[0] = input("y", &[2, 3, 1, 1]);
     ok(bn, "BatchNormalization momentum");
+}
+
+/// What a model declares of the values it computes (graph outputs, value_info) must
+/// be what import computes: element type and rank always, each numeric dim while the
+/// inputs have their declared shapes (an `--input` shape changes those that follow).
+#[test]
+fn declared_types_and_shapes_are_what_import_computes() {
+    let import = |m: &ModelProto, opts: &ImportOptions| import_model(m, None, opts);
+    let relu = |output: ValueInfoProto, value_info: Vec<ValueInfoProto>| {
+        let mut m = one_node("Relu", &["x"], vec![], 17);
+        let g = m.graph.as_mut().unwrap();
+        g.output[0] = output;
+        g.value_info = value_info;
+        m
+    };
+    let defaults = ImportOptions::default();
+    let e = import(&relu(input("y", &[2, 3, 1]), vec![]), &defaults)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("graph output 'y' is declared with shape [2, 3, 1] but computes [2, 3]"),
+        "{e}"
+    );
+    let e = import(&relu(unshaped("y"), vec![input("y", &[2, 4])]), &defaults)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("value 'y' is declared with shape [2, 4] but computes [2, 3]"),
+        "{e}"
+    );
+    let mut wide = input("y", &[2, 3]);
+    (wide.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()))
+        .unwrap()
+        .elem_type = 11;
+    let e = import(&relu(unshaped("y"), vec![wide]), &defaults)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("value 'y' is declared f64 but computes f32"),
+        "{e}"
+    );
+    // A symbolic dim matches any; at another batch only the rank is held to.
+    let mut batch = input("y", &[2, 3]);
+    let tt = (batch.r#type.as_mut().and_then(|t| t.tensor_type.as_mut())).unwrap();
+    tt.shape.as_mut().unwrap().dim[0].value = Some(DimensionValue::DimParam("batch".into()));
+    import(&relu(batch, vec![]), &defaults).unwrap();
+    let other_batch = ImportOptions {
+        input_shapes: [("x".to_string(), vec![5, 3])].into_iter().collect(),
+        ..ImportOptions::default()
+    };
+    import(
+        &relu(input("y", &[2, 3]), vec![input("y", &[2, 3])]),
+        &other_batch,
+    )
+    .unwrap();
+    let e = import(&relu(input("y", &[2, 3, 1]), vec![]), &other_batch)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("computes [5, 3]"), "{e}");
 }
 
 /// The schema table is what scripts/onnx/schemas.py writes from the onnx package

@@ -833,6 +833,20 @@ def write_bad(out):
     onnx.checker.check_model(m, full_check=True)
     save("if_on_data.onnx", m)
 
+    # unknown_attribute: a Relu with an attribute Relu does not have (would be ignored)
+    node = helper.make_node("Relu", ["x"], ["y"], name="act", alpha=0.1)
+    graph = helper.make_graph([node], "unknown_attribute", [vinfo("x", [2, 3])], [vinfo("y", [2, 3])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    save("unknown_attribute.onnx", m)
+
+    # declared_shape: the output is declared [2, 4] but the Relu computes [2, 3]
+    node = helper.make_node("Relu", ["x"], ["y"], name="act")
+    graph = helper.make_graph([node], "declared_shape", [vinfo("x", [2, 3])], [vinfo("y", [2, 4])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    save("declared_shape.onnx", m)
+
     # unsupported_ops: a valid model (passes the checker, runs in onnxruntime) with
     # Trilu x2, TopK x1, NonZero x1 among ordinary ops
     w = numpy_helper.from_array(np.linspace(-1, 1, 20, dtype=np.float32).reshape(4, 5), "w")

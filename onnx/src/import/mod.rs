@@ -25,7 +25,9 @@ use ampgraph_passes::Pass;
 use prost::Message;
 
 use crate::error::{OnnxError, Result};
-use crate::proto::{attribute_type, AttributeProto, GraphProto, ModelProto, NodeProto};
+use crate::proto::{
+    attribute_type, AttributeProto, GraphProto, ModelProto, NodeProto, ValueInfoProto,
+};
 use crate::tensor;
 
 /// The oldest default-domain opset the converters follow.
@@ -129,6 +131,7 @@ pub fn import_model(
     for i in order {
         imp.convert(&graph.node[i])?;
     }
+    imp.check_value_info(graph)?;
     let mut g = imp.finish(graph)?;
     if !opts.as_written {
         for pass in [&RecognizeGelu as &dyn Pass, &BiasBeforeReshape] {
@@ -407,6 +410,9 @@ struct Importer {
     /// The bytes the process could still allocate when import first computed a
     /// constant ([`NodeCx::admit`]): read once, not per constant.
     available: std::cell::OnceCell<usize>,
+    /// Whether every graph input has the shape the file declares (no `--input` shape
+    /// changed a dim): then every declared dim must be what import computes.
+    inputs_as_declared: bool,
 }
 
 impl Importer {
@@ -422,6 +428,7 @@ impl Importer {
             outputs: graph.output.iter().map(|o| o.name.clone()).collect(),
             base: base.map(Path::to_path_buf),
             available: std::cell::OnceCell::new(),
+            inputs_as_declared: true,
         }
     }
 
@@ -526,9 +533,13 @@ impl Importer {
                 .and_then(|t| t.tensor_type.as_ref())
                 .ok_or_else(|| err("not a tensor".into()))?;
             let dtype = tensor::dtype_of(tt.elem_type).map_err(err)?;
+            let declared = static_shape(tt.shape.as_ref());
             let shape = match opts.input_shapes.get(&input.name) {
-                Some(s) => s.clone(),
-                None => static_shape(tt.shape.as_ref()).map_err(|m| {
+                Some(s) => {
+                    self.inputs_as_declared &= declared.as_ref() == Ok(s);
+                    s.clone()
+                }
+                None => declared.map_err(|m| {
                     err(format!(
                         "{m}: give its shape with --input {}=DxDx... (e.g. 1x3x224x224)",
                         input.name
@@ -599,27 +610,7 @@ impl Importer {
             let value = self.values.get(&o.name).cloned().ok_or_else(|| {
                 OnnxError::Model(format!("graph output '{}' was not computed", o.name))
             })?;
-            // A declared element type we do not compute means the model was read wrong.
-            let declared = (o.r#type.as_ref())
-                .and_then(|t| t.tensor_type.as_ref())
-                .map(|t| t.elem_type)
-                .filter(|&e| e != 0);
-            let computed = match &value {
-                Value::Port(p) => self.g.ty(*p).dtype,
-                Value::Const(t) => t.dtype(),
-            };
-            if let Some(want) = declared
-                .map(tensor::dtype_of)
-                .transpose()
-                .map_err(|m| OnnxError::Model(format!("graph output '{}': {m}", o.name)))?
-            {
-                if want != computed {
-                    return Err(OnnxError::Model(format!(
-                        "graph output '{}' is declared {want} but computes {computed}",
-                        o.name
-                    )));
-                }
-            }
+            self.check_declared("graph output", o, &value)?;
             let port = match value {
                 Value::Port(p) if p.index == 0 && self.g.node(p.node).name == o.name => p,
                 Value::Port(p) => self.identity(&o.name, p)?,
@@ -632,6 +623,69 @@ impl Importer {
         }
         self.g.set_outputs(outs)?;
         Ok(self.g)
+    }
+
+    /// The model's declarations of the values import computed (`value_info`, where
+    /// exporters write what shape inference found).
+    fn check_value_info(&self, graph: &GraphProto) -> Result<()> {
+        for vi in &graph.value_info {
+            if let Some(value) = self.values.get(&vi.name) {
+                self.check_declared("value", vi, value)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A value declared with another element type, rank or dim than import computes
+    /// means the model was read wrong (or declares what it does not compute): refused
+    /// naming the value. Dims are compared only while every input has its declared
+    /// shape (an `--input` shape changes the dims that follow from it); symbolic and
+    /// unknown dims match any.
+    fn check_declared(&self, what: &str, declared: &ValueInfoProto, value: &Value) -> Result<()> {
+        use crate::proto::DimensionValue;
+        let Some(tt) = (declared.r#type.as_ref()).and_then(|t| t.tensor_type.as_ref()) else {
+            return Ok(());
+        };
+        let err = |msg: String| OnnxError::Model(format!("{what} '{}' {msg}", declared.name));
+        let computed = match value {
+            Value::Port(p) => self.g.ty(*p).clone(),
+            Value::Const(t) => t.ty(),
+        };
+        if tt.elem_type != 0 {
+            let want = tensor::dtype_of(tt.elem_type).map_err(|m| err(format!(": {m}")))?;
+            if want != computed.dtype {
+                return Err(err(format!(
+                    "is declared {want} but computes {}",
+                    computed.dtype
+                )));
+            }
+        }
+        let Some(shape) = &tt.shape else {
+            return Ok(());
+        };
+        let text = || {
+            let dims: Vec<String> = (shape.dim.iter())
+                .map(|d| match &d.value {
+                    Some(DimensionValue::DimValue(v)) => v.to_string(),
+                    Some(DimensionValue::DimParam(p)) => p.clone(),
+                    None => "?".into(),
+                })
+                .collect();
+            format!("[{}]", dims.join(", "))
+        };
+        let mismatch = shape.dim.len() != computed.rank()
+            || (self.inputs_as_declared
+                && shape.dim.iter().zip(&computed.shape).any(
+                    |(d, &c)| matches!(d.value, Some(DimensionValue::DimValue(v)) if v != c as i64),
+                ));
+        if mismatch {
+            return Err(err(format!(
+                "is declared with shape {} but computes {:?}",
+                text(),
+                computed.shape
+            )));
+        }
+        Ok(())
     }
 
     fn identity(&mut self, name: &str, p: Port) -> Result<Port> {
