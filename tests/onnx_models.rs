@@ -109,26 +109,43 @@ fn all_models() -> Vec<PathBuf> {
     dirs
 }
 
+/// Every model under `AMPGRAPH_ONNX_MODELS` (e.g. the zoo of `scripts/onnx/
+/// torchvision_models.py --zoo`), each checked whatever the others do: one coverage
+/// row per model (`| model | nodes | CPU f32 error or what stopped it |`), then a
+/// failure listing those that did not import or match.
 #[test]
 fn models_under_ampgraph_onnx_models_match_onnxruntime() {
     let Some(extra) = std::env::var_os("AMPGRAPH_ONNX_MODELS") else {
         println!("skipping: AMPGRAPH_ONNX_MODELS is not set");
         return;
     };
-    for entry in std::fs::read_dir(extra).unwrap() {
-        let dir = entry.unwrap().path();
-        if dir.join("model.onnx").exists() {
+    let mut dirs: Vec<PathBuf> = (std::fs::read_dir(extra).unwrap())
+        .map(|e| e.unwrap().path())
+        .filter(|d| d.join("model.onnx").exists())
+        .collect();
+    dirs.sort();
+    let mut failed = Vec::new();
+    for dir in dirs {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let run = std::panic::catch_unwind(|| {
             let (g, inputs, expected) = load(&dir);
-            check_outputs(
-                &dir.display().to_string(),
-                g,
-                Device::Cpu,
-                &inputs,
-                &expected,
-                1e-4,
-            );
+            let nodes = g.len();
+            check_outputs(&name, g, Device::Cpu, &inputs, &expected, 1e-4);
+            nodes
+        });
+        match run {
+            Ok(nodes) => println!("| {name} | {nodes} | ok |"),
+            Err(e) => {
+                let why = (e.downcast_ref::<String>().cloned())
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                let line = why.lines().next().unwrap_or_default().to_string();
+                println!("| {name} | | {line} |");
+                failed.push(name);
+            }
         }
     }
+    assert!(failed.is_empty(), "failed: {}", failed.join(", "));
 }
 
 /// The checked-in models with ops that have no CUDA kernel yet: none (kept for the

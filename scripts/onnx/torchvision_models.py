@@ -23,6 +23,12 @@ batches in train mode (cumulative average, no weight update); the weights
 stay torch.manual_seed(0)'s. --no-bn-calibration skips this.
 
     python3 scripts/onnx/torchvision_models.py --out DIR [--no-bn-calibration]
+
+--zoo writes instead the models users bring (issue 42's list: torchvision
+classification, segmentation and detection models and Hugging Face encoders and
+decoders, random weights, batch 1), each one whatever the others do: a model
+that fails to export is listed on stdout and left out. Run the ONNX tests over
+DIR (AMPGRAPH_ONNX_MODELS=DIR) for the coverage table.
 """
 
 import argparse
@@ -127,15 +133,92 @@ def build(name, model, x, input_name, output_names, out_dir):
     print(f"  ops: {op_counts(m)}")
 
 
+class FirstTensor(torch.nn.Module):
+    """A model whose output is one tensor: HF's `last_hidden_state` or `logits`,
+    torchvision segmentation's `out`, detection's first image's `boxes`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.pick(self.model(x))
+
+    def pick(self, y):
+        if isinstance(y, dict):  # HF's ModelOutput is one too
+            for key in ("last_hidden_state", "logits", "out", "boxes"):
+                if key in y:
+                    return y[key]
+        if isinstance(y, (tuple, list)):
+            return self.pick(y[0])
+        return y
+
+
+def zoo_models():
+    """(name, constructor, input) of the zoo: images 1x3x224x224, token ids 1x128,
+    Whisper's log-mel frames 1x80x3000."""
+    tvm = torchvision.models
+    rng = np.random.default_rng(2)
+    img = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
+    ids = rng.integers(0, 1000, size=(1, 128)).astype(np.int64)
+    out = [
+        (n, lambda n=n: getattr(tvm, n)(weights=None), img) for n in (
+            "resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny",
+            "regnet_y_400mf", "densenet121", "vit_b_16", "swin_t", "maxvit_t")
+    ]
+    out.append(("deeplabv3_resnet50",
+                lambda: FirstTensor(tvm.segmentation.deeplabv3_resnet50(weights=None,
+                                                                        weights_backbone=None)), img))
+    out.append(("fasterrcnn_resnet50_fpn",
+                lambda: FirstTensor(tvm.detection.fasterrcnn_resnet50_fpn(
+                    weights=None, weights_backbone=None)), img))
+    try:
+        import transformers as hf
+    except ImportError:
+        print("transformers is not installed: the Hugging Face models are left out")
+        return out
+    eager = dict(attn_implementation="eager")
+    for name, build in (
+        ("bert_base", lambda: hf.BertModel(hf.BertConfig(**eager))),
+        ("distilbert", lambda: hf.DistilBertModel(hf.DistilBertConfig(**eager))),
+        ("gpt2", lambda: hf.GPT2LMHeadModel(hf.GPT2Config(use_cache=False, **eager))),
+        ("t5_encoder", lambda: hf.T5EncoderModel(hf.T5Config(use_cache=False, **eager))),
+    ):
+        out.append((name, lambda build=build: FirstTensor(build()), ids))
+    out.append(("clip_vision", lambda: FirstTensor(hf.CLIPVisionModel(hf.CLIPVisionConfig(**eager))), img))
+    mel = rng.standard_normal((1, 80, 3000)).astype(np.float32)
+    out.append(("whisper_encoder",
+                lambda: FirstTensor(hf.WhisperModel(hf.WhisperConfig(**eager)).get_encoder()), mel))
+    return out
+
+
+def zoo(out_dir, calibrate):
+    for name, ctor, x in zoo_models():
+        try:
+            torch.manual_seed(0)
+            model = ctor()
+            # Detection models take targets in train mode: their statistics stay.
+            if x.ndim == 4 and calibrate and not name.startswith("fasterrcnn"):
+                calibrate_bn(model, np.random.default_rng(1), (2, *x.shape[1:]))
+            build(name, model, x, "input", ["output"], out_dir)
+        except Exception as e:  # one model's failure is a row of the table, not the end
+            print(f"{name}: export failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description="Export torchvision / torch.nn models to ONNX with reference data.")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--no-bn-calibration", action="store_true",
                     help="export the CNNs with their initial BatchNorm statistics (tiny outputs)")
+    ap.add_argument("--zoo", action="store_true",
+                    help="export the zoo of models users bring instead (see the module doc)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, "
           f"onnx {onnx.__version__}, onnxruntime {ort.__version__}")
+    if args.zoo:
+        zoo(args.out, not args.no_bn_calibration)
+        return 0
 
     rng = np.random.default_rng(0)
     img = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
