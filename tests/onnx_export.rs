@@ -336,6 +336,25 @@ fn large_initializers_go_to_an_external_data_file_onnxruntime_reads() {
     assert_eq!(back.len(), g.len());
 }
 
+/// The import's schema table (onnx/src/import/schemas.rs) is what
+/// scripts/onnx/schemas.py writes from the onnx package.
+#[test]
+fn the_import_schema_table_is_the_onnx_packages() {
+    if !have_onnxruntime() {
+        return;
+    }
+    let out = Command::new("python3")
+        .arg(repo().join("scripts/onnx/schemas.py"))
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A convolution built as TensorFlow writes one (NHWC, SAME, dilated as an atrous
 /// layer) exports with the pads SAME means over the dilated span (onnxruntime refuses
 /// auto_pad SAME with dilations), and onnxruntime computes our CPU's output.

@@ -7,7 +7,7 @@ package's operator definitions (its operator changelog).
     python3 scripts/onnx/schemas.py [--check]
 
 --check compares the file with what it would write and exits 1 when they differ
-(onnx/tests/import.rs runs it).
+(tests/onnx_export.rs runs it).
 """
 
 import argparse

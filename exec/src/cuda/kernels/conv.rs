@@ -425,52 +425,18 @@ mod tests {
             Tensor::from_f64(DType::F64, shape.to_vec(), &v).unwrap()
         };
         let eval = |op: &dyn Op, ins: &[&Tensor]| op.eval(ins).unwrap().remove(0);
+        let explicit = Padding::Explicit;
         // (height, width, window, strides, dilations, padding)
         let cases = [
             (6, 7, [3, 3], [2, 2], [1, 1], Padding::Same),
-            (
-                6,
-                7,
-                [3, 2],
-                [1, 2],
-                [1, 1],
-                Padding::Explicit([[1, 1], [2, 2]]),
-            ),
-            (
-                6,
-                7,
-                [3, 3],
-                [2, 1],
-                [1, 1],
-                Padding::Explicit([[2, 0], [0, 3]]),
-            ),
-            (
-                5,
-                4,
-                [2, 3],
-                [1, 3],
-                [1, 1],
-                Padding::Explicit([[0, 4], [5, 1]]),
-            ),
-            (
-                4,
-                4,
-                [3, 3],
-                [2, 2],
-                [1, 1],
-                Padding::Explicit([[0, 1], [1, 2]]),
-            ),
+            (6, 7, [3, 2], [1, 2], [1, 1], explicit([[1, 1], [2, 2]])),
+            (6, 7, [3, 3], [2, 1], [1, 1], explicit([[2, 0], [0, 3]])),
+            (5, 4, [2, 3], [1, 3], [1, 1], explicit([[0, 4], [5, 1]])),
+            (4, 4, [3, 3], [2, 2], [1, 1], explicit([[0, 1], [1, 2]])),
             // Dilated: SAME over the dilated span (odd needs: the extra at the end),
             // explicit pads asymmetric both ways.
             (9, 8, [3, 2], [1, 1], [2, 3], Padding::Same),
-            (
-                9,
-                8,
-                [3, 3],
-                [2, 1],
-                [3, 2],
-                Padding::Explicit([[4, 1], [0, 3]]),
-            ),
+            (9, 8, [3, 3], [2, 1], [3, 2], explicit([[4, 1], [0, 3]])),
         ];
         for (h, w, [r, s], strides, dilations, padding) in cases {
             for layout in [DataFormat::Nhwc, DataFormat::Nchw] {
