@@ -9,8 +9,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ampgraph::exec::cuda;
+use ampgraph::exec::ExecOptions;
 use ampgraph::onnx::{import_file, tensor, ImportOptions};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::passes::PassManager;
 use ampgraph::{DType, Device, Graph, Session, Tensor};
 
 fn data_dir() -> PathBuf {
@@ -227,6 +229,35 @@ fn opset_misc_matches_onnxruntime() {
 #[test]
 fn unet_tiny_matches_onnxruntime() {
     check_model("unet_tiny");
+}
+
+/// Attention as HF BERT, torch's SDPA decomposition and nn.TransformerEncoderLayer
+/// export it (explicit key transposes, `/ sqrt(d)`, operands scaled by sqrt(scale), a
+/// padding mask) fuses after AMP with the CUDA pipeline's passes, and the fused graph
+/// computes onnxruntime's output within the fp16 bound (on the CPU's kernels).
+#[test]
+fn exporters_attention_forms_fuse_and_keep_their_values() {
+    let (mut g, inputs, expected) = load(&data_dir().join("attention_forms"));
+    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
+        .rewrite(&mut g)
+        .unwrap();
+    let mut passes = PassManager::new();
+    for pass in cuda::pipeline(&ExecOptions::default()) {
+        passes.push(pass);
+    }
+    passes.run(&mut g).unwrap();
+    let fused = (g.node_ids())
+        .filter(|&id| g.node(id).op_name() == "FusedAttention")
+        .count();
+    assert_eq!(fused, 3, "the three forms fuse");
+    check_outputs(
+        "attention_forms fused",
+        g,
+        Device::Cpu,
+        &inputs,
+        &expected,
+        1e-2,
+    );
 }
 
 #[test]

@@ -67,7 +67,8 @@ struct Core {
     backward: Option<Backward>,
 }
 
-/// A Mul of the scores' product by a scalar constant.
+/// A Mul of the scores' product by a scalar constant, or a Div by one (`by` is then
+/// its reciprocal).
 #[derive(Clone, Copy)]
 struct Scaling {
     mul: NodeId,
@@ -214,13 +215,26 @@ fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
     Some((x, masks, nodes))
 }
 
-/// The product whose scores `s` are, and the Mul by a scalar constant that made `s`
-/// from it, if one did.
+/// The product whose scores `s` are, and the Mul by a scalar constant (or the Div by
+/// one: BERT's and GPT-2's `/ sqrt(d)`) that made `s` from it, if one did.
 fn unscale(g: &Graph, s: Port) -> Option<(Port, Option<Scaling>)> {
+    let scalar = |p| scalar(g, p).ok().flatten();
+    if let Some([a, b]) = operands(g, s, BinaryKind::Div) {
+        let by = 1.0 / scalar(b).filter(|&c| c != 0.0)?;
+        let mul = s.node;
+        let same = g.ty(a) == g.ty(s);
+        return same.then_some((
+            a,
+            Some(Scaling {
+                mul,
+                by,
+                constant: b,
+            }),
+        ));
+    }
     let Some([a, b]) = operands(g, s, BinaryKind::Mul) else {
         return Some((s, None));
     };
-    let scalar = |p| scalar(g, p).ok().flatten();
     let (product, by, constant) = match (scalar(a), scalar(b)) {
         (None, Some(by)) => (a, by, b),
         (Some(by), None) => (b, by, a),
@@ -249,8 +263,11 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     let [q, k] = g.inputs(s.node)[..] else {
         return None;
     };
+    // SDPA's decomposition scales both operands by sqrt(scale) before the product.
+    let (q, q_by) = unscale_operand(g, q, s.node, 0, &mut between);
+    let (k, k_by) = unscale_operand(g, k, s.node, 1, &mut between);
     let alpha = batch_matmul(g, s.node)?.alpha;
-    let scale = alpha * scaling.map_or(1.0, |x| x.by);
+    let scale = alpha * scaling.map_or(1.0, |x| x.by) * q_by * k_by;
     let (qt, kt) = (g.ty(q), g.ty(k));
     let shapes_fit = qt.rank() == 4
         && kt.rank() == 4
@@ -290,7 +307,10 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     if g.ty(v) != kt {
         return None;
     }
+    let operands_scaled = q_by != 1.0 || k_by != 1.0;
     let backward = match softmax_grad {
+        // The gradients of scaled operands are not matched: the form stays.
+        Some(_) if operands_scaled => return None,
         Some(sg) => Some(find_backward(g, (q, k, v), (s, alpha, scaling), sg, d_v)?),
         None if d_v.is_none() => None,
         None => return None,
@@ -317,6 +337,38 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
         scale,
         backward,
     })
+}
+
+/// Operand `slot` of the scores' product `product`, and the scalar constant that
+/// multiplies it, where a Mul only the product reads does (its nodes join `between`);
+/// else the operand itself and 1.
+fn unscale_operand(
+    g: &Graph,
+    p: Port,
+    product: NodeId,
+    slot: usize,
+    between: &mut Vec<NodeId>,
+) -> (Port, f64) {
+    let found = operands(g, p, BinaryKind::Mul).and_then(|[a, b]| {
+        if readers(g, p)? != [(product, slot)] {
+            return None;
+        }
+        let scalar = |x| scalar(g, x).ok().flatten();
+        let (x, by, constant) = match (scalar(a), scalar(b)) {
+            (None, Some(by)) => (a, by, b),
+            (Some(by), None) => (b, by, a),
+            _ => return None,
+        };
+        (g.ty(x) == g.ty(p)).then_some((x, by, constant))
+    });
+    match found {
+        Some((x, by, constant)) => {
+            between.push(p.node);
+            between.extend(through_casts(g, constant));
+            (x, by)
+        }
+        None => (p, 1.0),
+    }
 }
 
 /// The gradient of `scaling` (the product `s` times a constant) that reads the

@@ -14,7 +14,7 @@ use crate::norm_grad_epilogue::NormGradEpilogueFusion;
 use crate::recognize_gelu::RecognizeGelu;
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
-    PadConvChannels, PadGemm, ScaleIntoMatmul, UnscaleIntoUpdate,
+    PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use crate::softmax_prologue::SoftmaxPrologue;
 use crate::sum_into_elementwise::SumIntoElementwise;
@@ -75,6 +75,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "fuse-cross-entropy",
         summary: "The softmax cross-entropy loss, its gradient and the output bias gradient become one SoftmaxCrossEntropyWithGrad.",
         make: || Box::new(FuseCrossEntropy),
+    },
+    PassEntry {
+        name: "transpose-into-matmul",
+        summary: "A Transpose moving a product operand's last axis next-to-last (a scalar Mul between allowed) becomes the product's adjoint flag.",
+        make: || Box::new(TransposeIntoMatmul),
     },
     PassEntry {
         name: "scale-into-matmul",

@@ -965,6 +965,65 @@ def deeplab_tiny():
     return m, inputs
 
 
+def attention_forms():
+    """opset 17: attention as three exporters write it, heads 2 x 16 wide on [2, 8, 32]
+    tokens, each fed by its own Linear projections:
+    - HF BERT eager: q @ k.transpose(-1, -2) on [B, H, S, D] heads, / sqrt(16), plus
+      the extended padding mask [B, 1, 1, S], Softmax, @ v;
+    - torch's SDPA decomposition (nn.MultiheadAttention, ViT): q * sqrt(scale) and
+      Transpose(k, [0, 1, 3, 2]) * sqrt(scale), MatMul, Softmax, MatMul;
+    - nn.TransformerEncoderLayer at opset 17 without SDPA: k viewed [B, S, H, D] and
+      transposed straight to [B, H, D, S] ([0, 2, 3, 1]), scores * 0.25."""
+    B, S, D, H = 2, 8, 32, 2
+    DH = D // H
+    g = G(seed=1013)
+    x = "tokens"
+
+    def heads(t, scope, perm=(0, 2, 1, 3)):
+        t = g.op("Reshape", [t, g.const(np.array([B, S, H, DH], dtype=np.int64), scope)], scope)
+        return g.op("Transpose", [t], scope, perm=list(perm))
+
+    def linear(t, scope, name):
+        t = g.op("MatMul", [t, g.weight(f"{name}.weight_t", (D, D), D, 1.0)], scope)
+        return g.op("Add", [t, g.bias(f"{name}.bias", D)], scope)
+
+    def merge(ctx, scope):
+        ctx = g.op("Transpose", [ctx], scope, perm=[0, 2, 1, 3])
+        return g.op("Reshape", [ctx, g.const(np.array([B, S, D], dtype=np.int64), scope)], scope)
+
+    # HF BERT eager.
+    s = "/bert"
+    q, k, v = (heads(linear(x, f"{s}/{n}", f"bert.{n}"), f"{s}/{n}") for n in "qkv")
+    kt = g.op("Transpose", [k], f"{s}/kt", perm=[0, 1, 3, 2])
+    scores = g.op("MatMul", [q, kt], s)
+    scores = g.op("Div", [scores, g.const(np.array(4.0, dtype=np.float32), s)], s)
+    pad = np.zeros((B, 1, 1, S), dtype=np.float32)
+    pad[1, ..., S - 3:] = np.finfo(np.float32).min
+    scores = g.op("Add", [scores, g.const(pad, f"{s}/mask")], s)
+    ctx = g.op("MatMul", [g.op("Softmax", [scores], s, axis=-1), v], s)
+    h = merge(ctx, s)
+
+    # SDPA's decomposition.
+    s = "/sdpa"
+    q, k, v = (heads(linear(h, f"{s}/{n}", f"sdpa.{n}"), f"{s}/{n}") for n in "qkv")
+    root = g.const(np.array(np.sqrt(1 / np.sqrt(DH)), dtype=np.float32), s)
+    qs = g.op("Mul", [q, root], s)
+    ks = g.op("Mul", [g.op("Transpose", [k], f"{s}/kt", perm=[0, 1, 3, 2]), root], s)
+    ctx = g.op("MatMul", [g.op("Softmax", [g.op("MatMul", [qs, ks], s)], s, axis=-1), v], s)
+    h = merge(ctx, s)
+
+    # nn.TransformerEncoderLayer without SDPA.
+    s = "/encoder"
+    q = heads(linear(h, f"{s}/q", "encoder.q"), f"{s}/q")
+    kt = heads(linear(h, f"{s}/k", "encoder.k"), f"{s}/k", perm=(0, 2, 3, 1))
+    v = heads(linear(h, f"{s}/v", "encoder.v"), f"{s}/v")
+    scores = g.op("Mul", [g.op("MatMul", [q, kt], s), g.const(np.array(0.25, dtype=np.float32), s)], s)
+    ctx = g.op("MatMul", [g.op("Softmax", [scores], s, axis=-1), v], s)
+    g.op("Identity", [merge(ctx, s)], "/out", outputs=["out"])
+    m = g.model("attention_forms", [vinfo("tokens", [B, S, D])], [vinfo("out", [B, S, D])], opset=17)
+    return m, [g.rng.standard_normal((B, S, D)).astype(np.float32)]
+
+
 def fp16_trap():
     """opset 13: an MLP on raw (unnormalised, 0..255) features whose first Gemm's
     products exceed fp16's 65504 on some elements before a Div brings them back;
@@ -1009,6 +1068,7 @@ MODELS = {
     "gelu_forms": gelu_forms,
     "dynamic_axes": dynamic_axes,
     "positions": positions,
+    "attention_forms": attention_forms,
 }
 
 

@@ -12,7 +12,7 @@ use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph_passes::simplify::{
     CastIntoNorm, CastIntoReduce, CastIntoUpdate, Dce, PadConvChannels, ScaleIntoMatmul,
-    UnscaleIntoUpdate,
+    TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use ampgraph_passes::softmax_prologue::SoftmaxPrologue;
 use ampgraph_passes::sum_into_elementwise::SumIntoElementwise;
@@ -29,7 +29,8 @@ use crate::ExecOptions;
 /// to multiples of 8 (on the NHWC channel axis by then), reductions take the widening
 /// casts AMP put before them, layer norms the casts AMP put around them, cross-entropy
 /// its gradient (one read of the logits for both, the casts around them folded),
-/// batched products their scalar scalings, explicit attentions become fused ones
+/// products their operands' transposes (as adjoints) and batched products their
+/// scalar scalings, explicit attentions become fused ones
 /// (scores never stored), the finiteness check and the optimizer updates the loss-scale
 /// unscaling, the updates the casts of their variables, products their bias and
 /// activation into the GEMM, then the remaining elementwise chains fuse into generated
@@ -55,6 +56,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(CastIntoReduce),
         Box::new(CastIntoNorm),
         Box::new(FuseCrossEntropy),
+        Box::new(TransposeIntoMatmul),
         Box::new(ScaleIntoMatmul),
         Box::new(FuseAttention),
         Box::new(UnscaleIntoUpdate),

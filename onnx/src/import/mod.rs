@@ -21,6 +21,7 @@ use ampgraph_graph::ops::{Const, Placeholder};
 use ampgraph_graph::{Graph, Op, Port, Tensor, TensorType};
 use ampgraph_passes::bias_before_reshape::BiasBeforeReshape;
 use ampgraph_passes::recognize_gelu::RecognizeGelu;
+use ampgraph_passes::simplify::TransposeIntoMatmul;
 use ampgraph_passes::Pass;
 use prost::Message;
 
@@ -134,7 +135,11 @@ pub fn import_model(
     imp.check_value_info(graph)?;
     let mut g = imp.finish(graph)?;
     if !opts.as_written {
-        for pass in [&RecognizeGelu as &dyn Pass, &BiasBeforeReshape] {
+        for pass in [
+            &RecognizeGelu as &dyn Pass,
+            &BiasBeforeReshape,
+            &TransposeIntoMatmul,
+        ] {
             (pass.run(&mut g))
                 .map_err(|e| OnnxError::Model(format!("pass {}: {e}", pass.name())))?;
         }

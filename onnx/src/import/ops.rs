@@ -11,7 +11,7 @@ use ampgraph_graph::ops::{
 use ampgraph_graph::ops::{Conv2DBackpropInput, CoordinateTransform, Resize, ResizeMode};
 use ampgraph_graph::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
 use ampgraph_graph::tensor::strides;
-use ampgraph_graph::{DType, Data, Tensor, TensorType};
+use ampgraph_graph::{DType, Data, Op, Tensor, TensorType};
 
 use super::{NodeCx, Value};
 use crate::error::Result;
@@ -406,7 +406,16 @@ fn matmul(cx: &mut NodeCx) -> Result<Vec<Value>> {
         let rows = cx.emit(Reshape::new(vec![-1, k]), &[a])?;
         cx.emit(MatMul::new(false, false), &[rows, b])?
     } else {
-        cx.emit(BatchMatMul::new(false, false), &[a, b])?
+        // Stacks of matrices: the product is the node's output where its shape is
+        // already ONNX's (no 1-D operand), with no Reshape after it that would hide it
+        // from the passes that look for a product (attention fusion).
+        let op = BatchMatMul::new(false, false);
+        let (ta, tb) = (cx.ty(&a), cx.ty(&b));
+        let whole = op.infer(&[&ta, &tb]).is_ok_and(|t| t[0].shape == out_shape);
+        if whole {
+            return cx.out(op, &[a, b]);
+        }
+        cx.emit(op, &[a, b])?
     };
     cx.out(Reshape::new(shape_i64(&out_shape)), &[product])
 }

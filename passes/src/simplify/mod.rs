@@ -19,6 +19,7 @@ mod fold_batchnorm;
 mod pad_conv_channels;
 mod pad_gemm;
 pub(crate) mod scale_into_matmul;
+mod transpose_into_matmul;
 pub(crate) mod unscale_into_update;
 
 pub use algebraic::Algebraic;
@@ -32,6 +33,7 @@ pub use fold_batchnorm::FoldBatchNorm;
 pub use pad_conv_channels::PadConvChannels;
 pub use pad_gemm::PadGemm;
 pub use scale_into_matmul::ScaleIntoMatmul;
+pub use transpose_into_matmul::TransposeIntoMatmul;
 pub use unscale_into_update::UnscaleIntoUpdate;
 
 use ampgraph_graph::graph::Adjacency;
