@@ -231,10 +231,12 @@ fn unet_tiny_matches_onnxruntime() {
     check_model("unet_tiny");
 }
 
-/// Attention as HF BERT, torch's SDPA decomposition and nn.TransformerEncoderLayer
-/// export it (explicit key transposes, `/ sqrt(d)`, operands scaled by sqrt(scale), a
-/// padding mask) fuses after AMP with the CUDA pipeline's passes, and the fused graph
-/// computes onnxruntime's output within the fp16 bound (on the CPU's kernels).
+/// Attention as HF BERT, torch's SDPA decomposition, nn.TransformerEncoderLayer and
+/// GPT-2 export it (explicit key transposes, `/ sqrt(d)`, operands scaled by
+/// sqrt(scale), a padding mask, a causal mask as a Where of a sliced buffer or as an
+/// added `[B, 1, S, S]` constant) fuses after AMP with the CUDA pipeline's passes,
+/// and the fused graph computes onnxruntime's output within the fp16 bound (on the
+/// CPU's kernels).
 #[test]
 fn exporters_attention_forms_fuse_and_keep_their_values() {
     let (mut g, inputs, expected) = load(&data_dir().join("attention_forms"));
@@ -249,7 +251,7 @@ fn exporters_attention_forms_fuse_and_keep_their_values() {
     let fused = (g.node_ids())
         .filter(|&id| g.node(id).op_name() == "FusedAttention")
         .count();
-    assert_eq!(fused, 3, "the three forms fuse");
+    assert_eq!(fused, 5, "the five forms fuse");
     check_outputs(
         "attention_forms fused",
         g,

@@ -13,11 +13,13 @@
 //! product, if any: the fused op computes the scores in f32, so a 16-bit scale that
 //! is no power of two (1/sqrt(32)) fuses too, its gradient's Mul with it.
 //!
-//! Masks added to the scaled scores (`BatchMatMul -> Add(mask) -> Softmax`, up to
-//! two Adds) fuse in two forms:
-//! - a causal mask, a constant `[Sq, Sk]` (leading 1s allowed) of `-inf` above the
-//!   diagonal and 0 elsewhere once its Casts have rounded it, makes the fused ops
-//!   causal: the kernels then skip the masked tiles;
+//! Masks on the scaled scores (`BatchMatMul -> Add(mask) -> Softmax`, up to two Adds,
+//! or a Where) fuse in two forms:
+//! - a causal mask makes the fused ops causal (the kernels then skip the masked
+//!   tiles): an added constant whose `[Sq, Sk]` matrices (any leading dims: HF's
+//!   `[B, 1, S, S]`) are `-inf` above the diagonal and 0 elsewhere once its Casts have
+//!   rounded it, or GPT-2's `Where(keep, scores, fill)` with `keep` a constant true on
+//!   and below the diagonal and `fill` `-inf` in the scores' dtype;
 //! - any tensor `[B or 1, 1, 1, Sk]` of the scores' dtype (a padding mask, a per-key
 //!   bias) becomes the fused ops' key bias, where it takes no gradient (autodiff's
 //!   gradient of it would read the softmax's gradient, and the match fails).
@@ -37,10 +39,10 @@ use crate::simplify::scale_into_matmul::scalar;
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim};
 use ampgraph_graph::ops::{
     BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, FusedAttention, FusedAttentionGrad, Softmax,
-    SoftmaxGrad, Transpose,
+    SoftmaxGrad, Transpose, Where,
 };
 use ampgraph_graph::shape::normalize_axis;
-use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
+use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
 
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -114,25 +116,67 @@ fn is_heads_swap(g: &Graph, id: NodeId) -> bool {
         .is_some_and(|t| t.perm == HEADS_SWAP)
 }
 
-/// Whether `port` is a constant of `[Sq, Sk]` (leading 1s allowed) values, `-inf`
-/// above the diagonal and 0 elsewhere, made by a Const and Casts (whose rounding
-/// counts: a mask of -1e9 is `-inf` in 16 bits); with those nodes.
-fn causal_mask(g: &Graph, port: Port, (sq, sk): (usize, usize)) -> Option<Vec<NodeId>> {
+/// The value of a constant made by a Const and Casts (whose rounding counts: -1e9 is
+/// `-inf` in 16 bits), with those nodes.
+fn cast_constant(g: &Graph, port: Port) -> Option<(Tensor, Vec<NodeId>)> {
     let nodes = through_casts(g, port);
     let (&source, casts) = nodes.split_last()?;
     let mut value = const_value(g, source).ok()??;
-    let shape = value.shape();
-    let leading_ones = shape.len() >= 2 && shape[..shape.len() - 2].iter().all(|&n| n == 1);
-    if !leading_ones || shape[shape.len() - 2..] != [sq, sk] {
-        return None;
-    }
     for &cast in casts.iter().rev() {
         value = g.node(cast).op.eval(&[&value]).ok()?.pop()?;
     }
-    let masked = |i: usize, j: usize| if j > i { f64::NEG_INFINITY } else { 0.0 };
+    Some((value, nodes))
+}
+
+/// Whether every `[Sq, Sk]` matrix of `value` (its last two axes; any leading ones,
+/// as HF's `[B, 1, S, S]` mask) is `masked(i, j)` at each query `i` and key `j`.
+fn each_matrix(
+    value: &Tensor,
+    (sq, sk): (usize, usize),
+    masked: impl Fn(usize, usize) -> f64,
+) -> bool {
+    let shape = value.shape();
+    if shape.len() < 2 || shape[shape.len() - 2..] != [sq, sk] {
+        return false;
+    }
     let values = value.to_f64_vec();
-    let exact = (0..sq).all(|i| (0..sk).all(|j| values[i * sk + j] == masked(i, j)));
-    exact.then_some(nodes)
+    values
+        .chunks(sq * sk)
+        .all(|m| (0..sq).all(|i| (0..sk).all(|j| m[i * sk + j] == masked(i, j))))
+}
+
+/// Whether `port` is a constant whose `[Sq, Sk]` matrices are `-inf` above the
+/// diagonal and 0 elsewhere (after its Casts); with the nodes that make it.
+fn causal_mask(g: &Graph, port: Port, (sq, sk): (usize, usize)) -> Option<Vec<NodeId>> {
+    let (value, nodes) = cast_constant(g, port)?;
+    let masked = |i: usize, j: usize| if j > i { f64::NEG_INFINITY } else { 0.0 };
+    each_matrix(&value, (sq, sk), masked).then_some(nodes)
+}
+
+/// `Where(keep, scores, fill)` as GPT-2's export writes its causal mask: `keep` a
+/// constant true on and below the diagonal of each `[Sq, Sk]` matrix, `fill` a scalar
+/// that is `-inf` in the scores' dtype (PyTorch's `finfo.min` cast to 16 bits). The
+/// scores, and the nodes that make the mask.
+fn causal_where(g: &Graph, x: Port, (sq, sk): (usize, usize)) -> Option<(Port, Vec<NodeId>)> {
+    if !g.node(x.node).op.is::<Where>() {
+        return None;
+    }
+    let [keep, scores, fill] = g.inputs(x.node)[..] else {
+        return None;
+    };
+    let (keep, mut nodes) = cast_constant(g, keep)?;
+    let lower = |i: usize, j: usize| if j > i { 0.0 } else { 1.0 };
+    let (fill, fill_nodes) = cast_constant(g, fill)?;
+    let fill_is_minus_inf = fill.len() == 1 && fill.to_f64_vec()[0] == f64::NEG_INFINITY;
+    let chained =
+        g.node(scores.node).op.is::<BatchMatMul>() || g.node(scores.node).op.is::<Binary>();
+    let alone = readers(g, scores)? == [(x.node, 1)];
+    let fits = g.ty(scores) == g.ty(x) && fill.dtype() == g.ty(x).dtype;
+    if !(each_matrix(&keep, (sq, sk), lower) && fill_is_minus_inf && chained && alone && fits) {
+        return None;
+    }
+    nodes.extend(fill_nodes);
+    Some((scores, nodes))
 }
 
 /// The node of `port` and, while it is a Cast, the node it reads: the last one makes
@@ -183,9 +227,21 @@ enum Mask {
 /// each Add), with those Adds and the causal mask's nodes.
 fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
     let (mut masks, mut nodes) = (Masks::default(), Vec::new());
-    while let Some([a, b]) = operands(g, x, BinaryKind::Add) {
+    loop {
         let ty = g.ty(x);
         let (sq, sk) = (*ty.shape.get(2)?, *ty.shape.get(3)?);
+        if !masks.causal {
+            if let Some((scores, made_by)) = causal_where(g, x, (sq, sk)) {
+                masks.causal = true;
+                nodes.extend(made_by);
+                nodes.push(x.node);
+                x = scores;
+                continue;
+            }
+        }
+        let Some([a, b]) = operands(g, x, BinaryKind::Add) else {
+            break;
+        };
         let (scores, found) = [(a, b), (b, a)].into_iter().find_map(|(scores, mask)| {
             // Where both sides have the scores' type (one query, one key), the scores
             // are the side the product's chain makes.

@@ -973,7 +973,11 @@ def attention_forms():
     - torch's SDPA decomposition (nn.MultiheadAttention, ViT): q * sqrt(scale) and
       Transpose(k, [0, 1, 3, 2]) * sqrt(scale), MatMul, Softmax, MatMul;
     - nn.TransformerEncoderLayer at opset 17 without SDPA: k viewed [B, S, H, D] and
-      transposed straight to [B, H, D, S] ([0, 2, 3, 1]), scores * 0.25."""
+      transposed straight to [B, H, D, S] ([0, 2, 3, 1]), scores * 0.25;
+    - GPT-2 eager (transformers 4.4x): scores / 4, then Where(the causal buffer sliced
+      to [1, 1, S, S], scores, finfo(float32).min);
+    - HF eager with a 4-D causal mask (newer transformers): scores / 4 plus a
+      [B, 1, S, S] float mask of finfo.min above the diagonal."""
     B, S, D, H = 2, 8, 32, 2
     DH = D // H
     g = G(seed=1013)
@@ -1018,6 +1022,32 @@ def attention_forms():
     kt = heads(linear(h, f"{s}/k", "encoder.k"), f"{s}/k", perm=(0, 2, 3, 1))
     v = heads(linear(h, f"{s}/v", "encoder.v"), f"{s}/v")
     scores = g.op("Mul", [g.op("MatMul", [q, kt], s), g.const(np.array(0.25, dtype=np.float32), s)], s)
+    ctx = g.op("MatMul", [g.op("Softmax", [scores], s, axis=-1), v], s)
+    h = merge(ctx, s)
+
+    def causal_scores(s):
+        q, k, v = (heads(linear(h, f"{s}/{n}", f"{s[1:]}.{n}"), f"{s}/{n}") for n in "qkv")
+        kt = g.op("Transpose", [k], f"{s}/kt", perm=[0, 1, 3, 2])
+        scores = g.op("MatMul", [q, kt], s)
+        return g.op("Div", [scores, g.const(np.array(4.0, dtype=np.float32), s)], s), v
+
+    # GPT-2 eager: the causal buffer (max positions 16) sliced to the sequence.
+    s = "/gpt2"
+    scores, v = causal_scores(s)
+    buffer = g.init("gpt2.bias", np.tril(np.ones((16, 16), dtype=bool))[None, None])
+    i64 = lambda *v: g.const(np.array(v, dtype=np.int64), s)  # noqa: E731
+    keep = g.op("Slice", [buffer, i64(0, 0), i64(S, S), i64(2, 3)], s)
+    fill = g.const(np.array(np.finfo(np.float32).min, dtype=np.float32), s)
+    scores = g.op("Where", [keep, scores, fill], s)
+    ctx = g.op("MatMul", [g.op("Softmax", [scores], s, axis=-1), v], s)
+    h = merge(ctx, s)
+
+    # HF eager with a 4-D causal mask.
+    s = "/causal4d"
+    scores, v = causal_scores(s)
+    mask = np.where(np.tril(np.ones((S, S), dtype=bool)), 0.0, np.finfo(np.float32).min)
+    mask = np.broadcast_to(mask.astype(np.float32), (B, 1, S, S)).copy()
+    scores = g.op("Add", [scores, g.const(mask, f"{s}/mask")], s)
     ctx = g.op("MatMul", [g.op("Softmax", [scores], s, axis=-1), v], s)
     g.op("Identity", [merge(ctx, s)], "/out", outputs=["out"])
     m = g.model("attention_forms", [vinfo("tokens", [B, S, D])], [vinfo("out", [B, S, D])], opset=17)
