@@ -262,6 +262,24 @@ fn exporters_attention_forms_fuse_and_keep_their_values() {
     );
 }
 
+/// Layer norms written out as exporters do before opset 17 (torch's and a Keras-like
+/// form, with and without the affine part) import as three LayerNorms, no Pow or
+/// Reciprocal left, and match onnxruntime.
+#[test]
+fn layer_norm_forms_import_as_layer_norms() {
+    let (g, inputs, expected) = load(&data_dir().join("layer_norm_forms"));
+    let count = |op: &str| {
+        (g.node_ids())
+            .filter(|&id| g.node(id).op_name() == op)
+            .count()
+    };
+    assert_eq!(count("LayerNorm"), 3);
+    for op in ["Mean", "Sub", "Pow", "Mul", "Sqrt", "Reciprocal", "Div"] {
+        assert_eq!(count(op), 0, "{op}: the decompositions went");
+    }
+    check_outputs("layer_norm_forms", g, Device::Cpu, &inputs, &expected, 1e-4);
+}
+
 #[test]
 fn deeplab_tiny_matches_onnxruntime() {
     check_model("deeplab_tiny");

@@ -12,6 +12,7 @@ use crate::group_updates::GroupUpdates;
 use crate::layout_nhwc::LayoutNhwc;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
 use crate::recognize_gelu::RecognizeGelu;
+use crate::recognize_layer_norm::RecognizeLayerNorm;
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
     PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
@@ -55,6 +56,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "recognize-gelu",
         summary: "A GELU written out as exporters decompose it (erf or tanh form, Pow included) becomes one Gelu.",
         make: || Box::new(RecognizeGelu),
+    },
+    PassEntry {
+        name: "recognize-layer-norm",
+        summary: "A layer norm written out as exporters decompose it before opset 17 (Mean, Sub, Pow or Mul, Mean, Add, Sqrt, Div or Reciprocal-Mul, affine) becomes one LayerNorm.",
+        make: || Box::new(RecognizeLayerNorm),
     },
     PassEntry {
         name: "bias-before-reshape",

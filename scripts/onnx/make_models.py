@@ -1054,6 +1054,50 @@ def attention_forms():
     return m, [g.rng.standard_normal((B, S, D)).astype(np.float32)]
 
 
+def layer_norm_forms():
+    """opset 14 (no LayerNormalization yet): layer norms written out as exporters do,
+    between Linear layers: torch's nn.LayerNorm (ReduceMean, Sub, Pow 2, ReduceMean,
+    Add eps, Sqrt, Div, Mul gamma, Add beta); the Keras-like form (d * d, Reciprocal
+    of the Sqrt, Mul); and one without its affine part."""
+    B, S, D = 2, 5, 16
+    g = G(seed=1014)
+
+    def linear(t, name):
+        t = g.op("MatMul", [t, g.weight(f"{name}.weight_t", (D, D), D, 1.0)], f"/{name}")
+        return g.op("Add", [t, g.bias(f"{name}.bias", D)], f"/{name}")
+
+    def stats(t, s):
+        mean = g.op("ReduceMean", [t], s, axes=[-1], keepdims=1)
+        return g.op("Sub", [t, mean], s)
+
+    def eps(s, v):
+        return g.const(np.array(v, dtype=np.float32), s)
+
+    h = linear("x", "fc1")
+    s = "/ln_torch"
+    d = stats(h, s)
+    var = g.op("ReduceMean", [g.op("Pow", [d, g.const(np.array(2.0, dtype=np.float32), s)], s)], s,
+               axes=[-1], keepdims=1)
+    y = g.op("Div", [d, g.op("Sqrt", [g.op("Add", [var, eps(s, 1e-5)], s)], s)], s)
+    w = g.init("ln_torch.weight", (1.0 + 0.1 * g.rng.standard_normal(D)).astype(np.float32))
+    y = g.op("Add", [g.op("Mul", [y, w], s), g.bias("ln_torch.bias", D)], s)
+    h = linear(y, "fc2")
+    s = "/ln_keras"
+    d = stats(h, s)
+    var = g.op("ReduceMean", [g.op("Mul", [d, d], s)], s, axes=[-1], keepdims=1)
+    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [var, eps(s, 1e-3)], s)], s)], s)
+    w = g.init("ln_keras.weight", (1.0 + 0.1 * g.rng.standard_normal(D)).astype(np.float32))
+    y = g.op("Add", [g.op("Mul", [w, g.op("Mul", [inv, d], s)], s), g.bias("ln_keras.bias", D)], s)
+    h = linear(y, "fc3")
+    s = "/ln_plain"
+    d = stats(h, s)
+    var = g.op("ReduceMean", [g.op("Pow", [d, g.const(np.array(2.0, dtype=np.float32), s)], s)], s,
+               axes=[-1], keepdims=1)
+    g.op("Div", [d, g.op("Sqrt", [g.op("Add", [var, eps(s, 1e-6)], s)], s)], s, outputs=["y"])
+    m = g.model("layer_norm_forms", [vinfo("x", [B, S, D])], [vinfo("y", [B, S, D])], opset=14)
+    return m, [(3.0 * g.rng.standard_normal((B, S, D)) + 1.0).astype(np.float32)]
+
+
 def fp16_trap():
     """opset 13: an MLP on raw (unnormalised, 0..255) features whose first Gemm's
     products exceed fp16's 65504 on some elements before a Div brings them back;
@@ -1099,6 +1143,7 @@ MODELS = {
     "dynamic_axes": dynamic_axes,
     "positions": positions,
     "attention_forms": attention_forms,
+    "layer_norm_forms": layer_norm_forms,
 }
 
 

@@ -21,6 +21,7 @@ use ampgraph_graph::ops::{Const, Placeholder};
 use ampgraph_graph::{Graph, Op, Port, Tensor, TensorType};
 use ampgraph_passes::bias_before_reshape::BiasBeforeReshape;
 use ampgraph_passes::recognize_gelu::RecognizeGelu;
+use ampgraph_passes::recognize_layer_norm::RecognizeLayerNorm;
 use ampgraph_passes::simplify::TransposeIntoMatmul;
 use ampgraph_passes::Pass;
 use prost::Message;
@@ -137,6 +138,7 @@ pub fn import_model(
     if !opts.as_written {
         for pass in [
             &RecognizeGelu as &dyn Pass,
+            &RecognizeLayerNorm,
             &BiasBeforeReshape,
             &TransposeIntoMatmul,
         ] {
