@@ -3,9 +3,10 @@
 //! inference graph built alike share them.
 
 pub mod convnet;
+pub mod resnet;
 
-use crate::ops::{Init, Variable};
-use crate::{DType, Graph, Port, Result, TensorType};
+use crate::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Variable};
+use crate::{DType, Data, Graph, GraphError, Port, Result, Tensor, TensorType};
 
 /// An f32 Variable named `name` starting at `init`.
 pub fn f32_variable(g: &mut Graph, name: String, shape: Vec<usize>, init: Init) -> Result<Port> {
@@ -14,4 +15,88 @@ pub fn f32_variable(g: &mut Graph, name: String, shape: Vec<usize>, init: Init) 
         g.add_node(name, Box::new(Variable::with_init(ty, init)), &[])?
             .into(),
     )
+}
+
+/// `nn.BatchNorm2d`'s epsilon.
+const BN_EPSILON: f64 = 1e-5;
+/// `nn.BatchNorm2d`'s momentum: the batch statistics' weight in the running averages.
+const BN_MOMENTUM: f64 = 0.1;
+
+/// PyTorch's `nn.BatchNorm2d` on NCHW images (epsilon 1e-5, scale ones, offset zeros,
+/// running mean zeros and variance ones), for a model's every batch norm.
+///
+/// In training they normalise with the batch's statistics and the step updates the
+/// running averages as PyTorch does, with momentum 0.1 and the unbiased batch
+/// variance: assignments of the Variables `<name>/moving_mean` and
+/// `<name>/moving_variance` in the same step ([`running_updates`](Self::running_updates)).
+/// Those Variables are no input of a training BatchNorm (it reads empty statistics
+/// instead, which BatchNorm allows in training), so the optimizer, which trains every
+/// Variable the loss depends on, leaves them alone. In inference the batch norms read
+/// them.
+pub struct BatchNorms {
+    training: bool,
+    /// A training BatchNorm's mean and variance inputs, unread.
+    unread: Option<Port>,
+    keep: Port,
+    take: Port,
+    /// In training, the assignments of the running averages (none in inference).
+    pub running_updates: Vec<Port>,
+}
+
+impl BatchNorms {
+    pub fn new(g: &mut Graph, training: bool) -> Result<BatchNorms> {
+        let unread = if training {
+            let empty = Tensor::new(vec![0], Data::F32(Vec::new())).map_err(GraphError::Format)?;
+            Some(g.constant(empty)?)
+        } else {
+            None
+        };
+        Ok(BatchNorms {
+            training,
+            unread,
+            keep: g.scalar(DType::F32, 1.0 - BN_MOMENTUM)?,
+            take: g.scalar(DType::F32, BN_MOMENTUM)?,
+            running_updates: Vec::new(),
+        })
+    }
+
+    /// The batch norm `name` of the NCHW `y`, then `activation`.
+    pub fn apply(
+        &mut self,
+        g: &mut Graph,
+        y: Port,
+        name: &str,
+        activation: NormActivation,
+    ) -> Result<Port> {
+        let channels = g.ty(y).shape[1];
+        let stat = |g: &mut Graph, leaf: &str, init| {
+            f32_variable(g, format!("{name}/{leaf}"), vec![channels], init)
+        };
+        let scale = stat(g, "scale", Init::Constant(1.0))?;
+        let offset = stat(g, "offset", Init::Zeros)?;
+        let moving_mean = stat(g, "moving_mean", Init::Zeros)?;
+        let moving_variance = stat(g, "moving_variance", Init::Constant(1.0))?;
+        let op = BatchNorm {
+            epsilon: BN_EPSILON,
+            training: self.training,
+            data_format: DataFormat::Nchw,
+            activation,
+        };
+        let (mean, variance) = self
+            .unread
+            .map_or((moving_mean, moving_variance), |e| (e, e));
+        let out = g.add(op, &[y, scale, offset, mean, variance])?;
+        if self.training {
+            // running = (1 - momentum) * running + momentum * batch statistic
+            let batch_stats = [Port::new(out.node, 1), Port::new(out.node, 2)];
+            for (running, batch) in [moving_mean, moving_variance].into_iter().zip(batch_stats) {
+                let kept = g.mul(running, self.keep)?;
+                let taken = g.mul(batch, self.take)?;
+                let next = g.plus(kept, taken)?;
+                self.running_updates
+                    .push(g.add(AssignVariable, &[running, next])?);
+            }
+        }
+        Ok(out)
+    }
 }
