@@ -105,13 +105,28 @@ impl Pass for TransposeIntoMatmul {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let mut lines = Vec::new();
+        // A chain of transposes comes off one per round (each round takes one off
+        // every operand that has one), until none is left: a fixpoint.
+        loop {
+            let before = lines.len();
+            self.round(g, &mut lines)?;
+            if lines.len() == before {
+                return Ok(summary("transpose-into-matmul", lines));
+            }
+        }
+    }
+}
+
+impl TransposeIntoMatmul {
+    /// One rewrite of every product operand found now; its lines appended to `lines`.
+    fn round(&self, g: &mut Graph, lines: &mut Vec<String>) -> Result<(), PassError> {
         let outputs = output_nodes(g);
         let found: Vec<Found> = (g.node_ids())
             .filter(|&id| g.node(id).op.is::<BatchMatMul>() || g.node(id).op.is::<MatMul>())
             .flat_map(|id| [(id, 0), (id, 1)])
             .filter_map(|(id, slot)| find(g, id, slot, &outputs))
             .collect();
-        let mut lines = Vec::with_capacity(found.len());
         for f in &found {
             let x = g.inputs(f.transpose)[0];
             let identity = f.rest.iter().enumerate().all(|(i, &a)| i == a);
@@ -145,7 +160,7 @@ impl Pass for TransposeIntoMatmul {
         // The Transposes nothing reads any more go (a copy of the operand each).
         let transposes = found.iter().map(|f| f.transpose).collect();
         remove_unread(g, transposes, &outputs)?;
-        Ok(summary("transpose-into-matmul", lines))
+        Ok(())
     }
 }
 
@@ -244,6 +259,24 @@ mod tests {
         assert_eq!(g.inputs(swap)[0], k);
         // The old Transpose went: nothing read it any more.
         assert_eq!(count(&g, "Transpose"), 1);
+    }
+
+    /// Two transposes in a row both come off in one run (the pass is idempotent).
+    #[test]
+    fn a_chain_of_transposes_comes_off_in_one_run() {
+        let mut g = Graph::new();
+        let a = g.placeholder("a", DType::F32, [4, 4]).unwrap();
+        let b = g.placeholder("b", DType::F32, [4, 4]).unwrap();
+        let t1 = g.add(Transpose::new(vec![1, 0]), &[b]).unwrap();
+        let t2 = g.add(Transpose::new(vec![1, 0]), &[t1]).unwrap();
+        let y = g.add(MatMul::new(true, true), &[a, t2]).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        let lines = rewrite(&mut g, &feeds(&[("a", &[4, 4]), ("b", &[4, 4])]));
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!(g.inputs(y.node)[1], b);
+        let mm = g.node(y.node).op.downcast_ref::<MatMul>().unwrap();
+        assert!(mm.transpose_a && mm.transpose_b);
+        assert_eq!(count(&g, "Transpose"), 0);
     }
 
     /// A Transpose read elsewhere too stays for that reader; one that keeps the last
