@@ -4,9 +4,14 @@
 
 use std::collections::HashMap;
 
+use ampgraph::exec::cuda::pipeline;
+use ampgraph::exec::ExecOptions;
+use ampgraph::graph::models::gpt2::{self, Gpt2Config};
 use ampgraph::graph::models::resnet::{self, ResNetConfig};
 use ampgraph::graph::ops::{Group, Variable};
-use ampgraph::optim::{Optimizer, Sgd};
+use ampgraph::optim::{Adam, Optimizer, Sgd};
+use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::passes::PassManager;
 use ampgraph::{DType, Device, Graph, Port, Session, Tensor};
 
 /// The trainable parameters of `g`: its Variables but the batch norms' running
@@ -99,4 +104,118 @@ fn a_small_resnet_trains_on_the_cpu() {
         .unwrap()
         .to_f64_vec();
     assert!(mean.iter().any(|&m| m != 0.0), "running mean {mean:?}");
+}
+
+#[test]
+fn gpt2_124m_has_hugging_faces_parameter_count() {
+    let mut g = Graph::new();
+    let tokens = g.placeholder("tokens", DType::I64, [1, 1024]).unwrap();
+    let logits = gpt2::build(&mut g, tokens, &Gpt2Config::GPT2_124M).unwrap();
+    // GPT2LMHeadModel.from_pretrained("gpt2"): its parameters, lm_head tied to wte.
+    assert_eq!(parameters(&g), 124_439_808);
+    assert_eq!(g.ty(logits).shape, [1024, 50257]);
+    assert!(g.find("transformer.h.11.mlp.c_proj.weight").is_some());
+}
+
+/// Two layers, two heads of 16: small enough for the CPU, heads the fused kernels take.
+const TINY_GPT2: Gpt2Config = Gpt2Config {
+    vocab: 16,
+    positions: 12,
+    layers: 2,
+    heads: 2,
+    width: 32,
+};
+
+/// `[batch, seq]` tokens and the next tokens as labels: `t -> (3 t + 1) mod vocab`
+/// from a seeded start per row, a rule the model can learn.
+fn next_token_batch(batch: usize, seq: usize) -> (Tensor, Tensor) {
+    let vocab = TINY_GPT2.vocab as u64;
+    let mut tokens = Vec::new();
+    let mut labels = Vec::new();
+    for row in 0..batch as u64 {
+        let mut t = (row * 5 + 2) % vocab;
+        for _ in 0..seq {
+            tokens.push(t as f64);
+            t = (3 * t + 1) % vocab;
+            labels.push(t as f64);
+        }
+    }
+    (
+        Tensor::from_f64(DType::I64, vec![batch, seq], &tokens).unwrap(),
+        Tensor::from_f64(DType::I64, vec![batch * seq], &labels).unwrap(),
+    )
+}
+
+/// A tiny GPT-2 learns a next-token rule on the CPU (Adam: the loss falls below a
+/// fifth of the first step's in 60 steps).
+#[test]
+fn a_tiny_gpt2_learns_a_next_token_rule_on_the_cpu() {
+    let (batch, seq) = (4, 8);
+    let mut g = Graph::new();
+    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
+    let logits = gpt2::build(&mut g, tokens, &TINY_GPT2).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let step = Adam::new(0.01).minimize(&mut g, loss).unwrap();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    let (x, y) = next_token_batch(batch, seq);
+    let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
+    let mut losses = Vec::new();
+    for _ in 0..60 {
+        let out = session.run(&[loss, step.step], &feeds).unwrap();
+        losses.push(out[0].to_f64_vec()[0]);
+    }
+    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    assert!(
+        last.is_finite() && last < 0.2 * first,
+        "loss {first} -> {last}"
+    );
+}
+
+/// After AMP the CUDA pipeline makes each layer's attention one causal FusedAttention
+/// (the scale folded, the mask recognised), and the fused graph computes the f32
+/// graph's logits within the fp16 bound (on the CPU's kernels).
+#[test]
+fn gpt2s_attention_fuses_after_amp() {
+    let (batch, seq) = (2, 8);
+    let mut g = Graph::new();
+    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
+    let logits = gpt2::build(&mut g, tokens, &TINY_GPT2).unwrap();
+    g.set_outputs(vec![logits]).unwrap();
+    let (x, _) = next_token_batch(batch, seq);
+    let feeds = HashMap::from([("tokens".to_string(), x)]);
+    let run = |g: Graph| {
+        let out = g.outputs()[0];
+        Session::new(g, Device::Cpu)
+            .unwrap()
+            .run(&[out], &feeds)
+            .unwrap()[0]
+            .to_f64_vec()
+    };
+    let want = run(g.clone());
+    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
+        .rewrite(&mut g)
+        .unwrap();
+    let mut passes = PassManager::new();
+    for pass in pipeline(&ExecOptions::default()) {
+        passes.push(pass);
+    }
+    passes.run(&mut g).unwrap();
+    let fused: Vec<String> = (g.node_ids())
+        .filter(|&id| g.node(id).op_name() == "FusedAttention")
+        .map(|id| format!("{:?}", g.node(id).op))
+        .collect();
+    assert_eq!(fused.len(), TINY_GPT2.layers, "{fused:?}");
+    assert!(
+        fused.iter().all(|op| op.contains("causal: true")),
+        "{fused:?}"
+    );
+    let got = run(g);
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let err = want
+        .iter()
+        .zip(&got)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
+        / scale;
+    assert!(err < 1e-2, "relative error {err}");
 }

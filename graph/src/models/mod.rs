@@ -3,6 +3,7 @@
 //! inference graph built alike share them.
 
 pub mod convnet;
+pub mod gpt2;
 pub mod resnet;
 
 use crate::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Variable};

@@ -1,0 +1,188 @@
+//! GPT-2 (Hugging Face's `GPT2LMHeadModel`, llm.c's model) as a graph: token and
+//! learned position embeddings, pre-norm blocks (LayerNorm, causal self-attention with
+//! one packed q/k/v projection, LayerNorm, a 4x MLP with the tanh GELU), a final
+//! LayerNorm and logits through the token embedding (tied). [`Gpt2Config::GPT2_124M`]
+//! has the 124M model's 124,439,808 parameters.
+//!
+//! The Variables are named as Hugging Face names the parameters
+//! (`transformer.h.0.attn.c_attn.weight`), in its layout (its `Conv1D` weights are
+//! `[in, out]`, a MatMul's right operand here): a checkpoint's tensors load by name.
+//! Attention is written out (`BatchMatMul(q, k, adj_y) * 1/sqrt(d) + causal mask ->
+//! Softmax -> BatchMatMul`): `fuse-attention` makes it one causal FusedAttention.
+
+use super::f32_variable;
+use crate::ops::{Init, MatMul, Slice};
+use crate::{DType, Graph, GraphError, Port, Result, Tensor};
+
+/// A GPT-2's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gpt2Config {
+    pub vocab: usize,
+    /// The most positions (the position embedding's rows).
+    pub positions: usize,
+    pub layers: usize,
+    pub heads: usize,
+    /// The residual stream's width (a multiple of `heads`).
+    pub width: usize,
+}
+
+impl Gpt2Config {
+    /// The 124M GPT-2 (Hugging Face's `gpt2`, llm.c's `gpt2_124M`).
+    pub const GPT2_124M: Gpt2Config = Gpt2Config {
+        vocab: 50257,
+        positions: 1024,
+        layers: 12,
+        heads: 12,
+        width: 768,
+    };
+}
+
+/// LayerNorm's epsilon in GPT-2.
+const LN_EPSILON: f64 = 1e-5;
+
+/// A model under construction: its graph and the shape of its batch.
+struct Builder<'a> {
+    g: &'a mut Graph,
+    config: Gpt2Config,
+    batch: usize,
+    seq: usize,
+}
+
+impl Builder<'_> {
+    fn variable(&mut self, name: &str, shape: Vec<usize>, init: Init) -> Result<Port> {
+        f32_variable(self.g, name.to_string(), shape, init)
+    }
+
+    /// `nn.LayerNorm` `name` over the last axis of `x [rows, width]`.
+    fn layer_norm(&mut self, x: Port, name: &str) -> Result<Port> {
+        let c = self.config.width;
+        let gamma = self.variable(&format!("{name}.weight"), vec![c], Init::Constant(1.0))?;
+        let beta = self.variable(&format!("{name}.bias"), vec![c], Init::Zeros)?;
+        self.g.layer_norm(x, gamma, beta, 1, LN_EPSILON)
+    }
+
+    /// The `Conv1D` `name` (`x @ weight + bias`, weight `[in, out]`) of `x [rows, in]`.
+    fn linear(&mut self, x: Port, name: &str, out: usize) -> Result<Port> {
+        let inputs = self.g.ty(x).shape[1];
+        let w = self.variable(
+            &format!("{name}.weight"),
+            vec![inputs, out],
+            Init::GlorotUniform,
+        )?;
+        let b = self.variable(&format!("{name}.bias"), vec![out], Init::Zeros)?;
+        let y = self.g.matmul(x, w)?;
+        self.g.bias_add(y, b)
+    }
+
+    /// Columns `from..from + width` of `x [rows, 3 * width]` as heads `[batch, heads,
+    /// seq, width / heads]`.
+    fn heads(&mut self, x: Port, from: usize) -> Result<Port> {
+        let (c, h) = (self.config.width, self.config.heads);
+        let rows = self.batch * self.seq;
+        let part = self
+            .g
+            .add(Slice::new([0, from], [rows as i64, c as i64]), &[x])?;
+        let dims = [self.batch, self.seq, h, c / h].map(|d| d as i64);
+        let part = self.g.reshape(part, dims)?;
+        self.g.transpose(part, [0, 2, 1, 3])
+    }
+
+    /// Causal self-attention `name` of `x [rows, width]` with the `causal` mask.
+    fn attention(&mut self, x: Port, name: &str, causal: Port) -> Result<Port> {
+        let c = self.config.width;
+        let qkv = self.linear(x, &format!("{name}.c_attn"), 3 * c)?;
+        let q = self.heads(qkv, 0)?;
+        let k = self.heads(qkv, c)?;
+        let v = self.heads(qkv, 2 * c)?;
+        let scores = self.g.batch_matmul_adj(q, k, false, true)?;
+        let head_width = (c / self.config.heads) as f64;
+        let scale = self.g.scalar(DType::F32, 1.0 / head_width.sqrt())?;
+        let scores = self.g.mul(scores, scale)?;
+        let scores = self.g.plus(scores, causal)?;
+        let p = self.g.softmax(scores, -1)?;
+        let y = self.g.batch_matmul(p, v)?;
+        let y = self.g.transpose(y, [0, 2, 1, 3])?;
+        let y = self
+            .g
+            .reshape(y, [(self.batch * self.seq) as i64, c as i64])?;
+        self.linear(y, &format!("{name}.c_proj"), c)
+    }
+
+    /// Block `i` on the residual stream `x`.
+    fn block(&mut self, x: Port, i: usize, causal: Port) -> Result<Port> {
+        let c = self.config.width;
+        let name = format!("transformer.h.{i}");
+        let h = self.layer_norm(x, &format!("{name}.ln_1"))?;
+        let h = self.attention(h, &format!("{name}.attn"), causal)?;
+        let x = self.g.plus(x, h)?;
+        let h = self.layer_norm(x, &format!("{name}.ln_2"))?;
+        let h = self.linear(h, &format!("{name}.mlp.c_fc"), 4 * c)?;
+        let h = self.g.gelu(h, true)?;
+        let h = self.linear(h, &format!("{name}.mlp.c_proj"), c)?;
+        self.g.plus(x, h)
+    }
+}
+
+/// `[seq, seq]` of `-inf` above the diagonal and 0 elsewhere: position `i` attends to
+/// `0..=i`.
+fn causal_mask(g: &mut Graph, seq: usize) -> Result<Port> {
+    let values: Vec<f64> = (0..seq * seq)
+        .map(|at| {
+            if at % seq > at / seq {
+                f64::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_f64(DType::F32, [seq, seq], &values).map_err(GraphError::Format)?;
+    g.constant(mask)
+}
+
+/// GPT-2 of `config` on `tokens [batch, seq]` (i64 ids): the logits `[batch * seq,
+/// vocab]`, row `b * seq + t` predicting the token after position `t` of sequence `b`.
+pub fn build(g: &mut Graph, tokens: Port, config: &Gpt2Config) -> Result<Port> {
+    let ty = g.ty(tokens).clone();
+    let fits = config.heads > 0 && config.width % config.heads == 0 && config.layers > 0;
+    let [batch, seq] = ty.shape[..] else {
+        return Err(GraphError::Format(format!(
+            "GPT-2 takes token ids [batch, seq], got {ty}"
+        )));
+    };
+    if !fits || seq == 0 || seq > config.positions || ty.dtype != DType::I64 {
+        return Err(GraphError::Format(format!(
+            "GPT-2 takes i64 token ids of at most {} positions and a width divisible by \
+             its heads, got {ty} and {config:?}",
+            config.positions
+        )));
+    }
+    let mut b = Builder {
+        g,
+        config: *config,
+        batch,
+        seq,
+    };
+    let c = config.width;
+    let wte = b.variable(
+        "transformer.wte.weight",
+        vec![config.vocab, c],
+        Init::GlorotUniform,
+    )?;
+    let wpe = b.variable(
+        "transformer.wpe.weight",
+        vec![config.positions, c],
+        Init::GlorotUniform,
+    )?;
+    let tok = b.g.gather(wte, tokens, 0)?;
+    let pos =
+        b.g.add(Slice::new([0, 0], [seq as i64, c as i64]), &[wpe])?;
+    let x = b.g.plus(tok, pos)?;
+    let mut x = b.g.reshape(x, [(batch * seq) as i64, c as i64])?;
+    let causal = causal_mask(b.g, seq)?;
+    for i in 0..config.layers {
+        x = b.block(x, i, causal)?;
+    }
+    let x = b.layer_norm(x, "transformer.ln_f")?;
+    // lm_head shares the token embedding: logits = x @ wte^T.
+    b.g.add(MatMul::new(false, true), &[x, wte])
+}
