@@ -8,6 +8,7 @@ use ampgraph::exec::cuda::pipeline;
 use ampgraph::exec::ExecOptions;
 use ampgraph::graph::models::gpt2::{self, Gpt2Config};
 use ampgraph::graph::models::resnet::{self, ResNetConfig};
+use ampgraph::graph::models::vit::{self, VitConfig};
 use ampgraph::graph::ops::{Group, Variable};
 use ampgraph::optim::{Adam, Optimizer, Sgd};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
@@ -218,4 +219,72 @@ fn gpt2s_attention_fuses_after_amp() {
         .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
         / scale;
     assert!(err < 1e-2, "relative error {err}");
+}
+
+#[test]
+fn vit_b_16_has_torchvisions_parameter_count() {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [2, 3, 224, 224]).unwrap();
+    let logits = vit::build(&mut g, x, &VitConfig::VIT_B_16).unwrap();
+    // torchvision.models.vit_b_16(): sum(p.numel() for p in m.parameters()).
+    assert_eq!(parameters(&g), 86_567_656);
+    assert_eq!(g.ty(logits).shape, [2, 1000]);
+}
+
+/// A tiny ViT (4x4 patches of 8x8 images, two layers of two heads of 16) learns to
+/// tell 3 fixed images apart on the CPU, and after AMP its attention is fused.
+#[test]
+fn a_tiny_vit_trains_on_the_cpu_and_its_attention_fuses() {
+    let config = VitConfig {
+        image: 8,
+        patch: 4,
+        layers: 2,
+        heads: 2,
+        width: 32,
+        mlp: 64,
+        classes: 3,
+    };
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [6, 3, 8, 8]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [6]).unwrap();
+    let logits = vit::build(&mut g, x, &config).unwrap();
+    let mut inference = g.clone();
+    inference.set_outputs(vec![logits]).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let step = Adam::new(0.003).minimize(&mut g, loss).unwrap();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    let images = values(6 * 3 * 8 * 8, 3);
+    let feeds = HashMap::from([
+        (
+            "x".to_string(),
+            Tensor::from_f64(DType::F32, vec![6, 3, 8, 8], &images).unwrap(),
+        ),
+        (
+            "labels".to_string(),
+            Tensor::from_f64(DType::I64, vec![6], &[0., 1., 2., 0., 1., 2.]).unwrap(),
+        ),
+    ]);
+    let mut losses = Vec::new();
+    for _ in 0..40 {
+        let out = session.run(&[loss, step.step], &feeds).unwrap();
+        losses.push(out[0].to_f64_vec()[0]);
+    }
+    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    assert!(
+        last.is_finite() && last < 0.2 * first,
+        "loss {first} -> {last}"
+    );
+    let mut g = inference;
+    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
+        .rewrite(&mut g)
+        .unwrap();
+    let mut passes = PassManager::new();
+    for pass in pipeline(&ExecOptions::default()) {
+        passes.push(pass);
+    }
+    passes.run(&mut g).unwrap();
+    let fused = (g.node_ids())
+        .filter(|&id| g.node(id).op_name() == "FusedAttention")
+        .count();
+    assert_eq!(fused, config.layers);
 }

@@ -10,7 +10,7 @@
 //! Attention is written out (`BatchMatMul(q, k, adj_y) * 1/sqrt(d) + causal mask ->
 //! Softmax -> BatchMatMul`): `fuse-attention` makes it one causal FusedAttention.
 
-use super::f32_variable;
+use super::{f32_variable, Heads};
 use crate::ops::{Init, MatMul, Slice};
 use crate::{DType, Graph, GraphError, Port, Result, Tensor};
 
@@ -44,8 +44,7 @@ const LN_EPSILON: f64 = 1e-5;
 struct Builder<'a> {
     g: &'a mut Graph,
     config: Gpt2Config,
-    batch: usize,
-    seq: usize,
+    heads: Heads,
 }
 
 impl Builder<'_> {
@@ -74,37 +73,13 @@ impl Builder<'_> {
         self.g.bias_add(y, b)
     }
 
-    /// Columns `from..from + width` of `x [rows, 3 * width]` as heads `[batch, heads,
-    /// seq, width / heads]`.
-    fn heads(&mut self, x: Port, from: usize) -> Result<Port> {
-        let (c, h) = (self.config.width, self.config.heads);
-        let rows = self.batch * self.seq;
-        let part = self
-            .g
-            .add(Slice::new([0, from], [rows as i64, c as i64]), &[x])?;
-        let dims = [self.batch, self.seq, h, c / h].map(|d| d as i64);
-        let part = self.g.reshape(part, dims)?;
-        self.g.transpose(part, [0, 2, 1, 3])
-    }
-
     /// Causal self-attention `name` of `x [rows, width]` with the `causal` mask.
     fn attention(&mut self, x: Port, name: &str, causal: Port) -> Result<Port> {
         let c = self.config.width;
         let qkv = self.linear(x, &format!("{name}.c_attn"), 3 * c)?;
-        let q = self.heads(qkv, 0)?;
-        let k = self.heads(qkv, c)?;
-        let v = self.heads(qkv, 2 * c)?;
-        let scores = self.g.batch_matmul_adj(q, k, false, true)?;
-        let head_width = (c / self.config.heads) as f64;
-        let scale = self.g.scalar(DType::F32, 1.0 / head_width.sqrt())?;
-        let scores = self.g.mul(scores, scale)?;
-        let scores = self.g.plus(scores, causal)?;
-        let p = self.g.softmax(scores, -1)?;
-        let y = self.g.batch_matmul(p, v)?;
-        let y = self.g.transpose(y, [0, 2, 1, 3])?;
-        let y = self
-            .g
-            .reshape(y, [(self.batch * self.seq) as i64, c as i64])?;
+        let heads = self.heads;
+        let [q, k, v] = [0, c, 2 * c].map(|from| heads.split(self.g, qkv, from));
+        let y = heads.attention(self.g, [q?, k?, v?], Some(causal))?;
         self.linear(y, &format!("{name}.c_proj"), c)
     }
 
@@ -156,11 +131,16 @@ pub fn build(g: &mut Graph, tokens: Port, config: &Gpt2Config) -> Result<Port> {
             config.positions
         )));
     }
+    let heads = Heads {
+        batch,
+        seq,
+        heads: config.heads,
+        width: config.width,
+    };
     let mut b = Builder {
         g,
         config: *config,
-        batch,
-        seq,
+        heads,
     };
     let c = config.width;
     let wte = b.variable(

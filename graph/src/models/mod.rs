@@ -5,8 +5,9 @@
 pub mod convnet;
 pub mod gpt2;
 pub mod resnet;
+pub mod vit;
 
-use crate::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Variable};
+use crate::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Slice, Variable};
 use crate::{DType, Data, Graph, GraphError, Port, Result, Tensor, TensorType};
 
 /// An f32 Variable named `name` starting at `init`.
@@ -99,5 +100,52 @@ impl BatchNorms {
             }
         }
         Ok(out)
+    }
+}
+
+/// The shape of a transformer's batch: sequences, positions, heads, the residual
+/// stream's width.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Heads {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub width: usize,
+}
+
+impl Heads {
+    fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    /// Columns `from..from + width` of a packed projection `x [rows, 3 * width]` as
+    /// heads `[batch, heads, seq, width / heads]`.
+    pub fn split(&self, g: &mut Graph, x: Port, from: usize) -> Result<Port> {
+        let size = [self.rows() as i64, self.width as i64];
+        let part = g.add(Slice::new([0, from], size), &[x])?;
+        let dims = [self.batch, self.seq, self.heads, self.width / self.heads];
+        let part = g.reshape(part, dims.map(|d| d as i64))?;
+        g.transpose(part, [0, 2, 1, 3])
+    }
+
+    /// `softmax(q k^T / sqrt(d) + mask) v` of heads `[batch, heads, seq, d]`, merged
+    /// back to `[rows, width]`. Written out as `fuse-attention` finds it.
+    pub fn attention(
+        &self,
+        g: &mut Graph,
+        [q, k, v]: [Port; 3],
+        mask: Option<Port>,
+    ) -> Result<Port> {
+        let scores = g.batch_matmul_adj(q, k, false, true)?;
+        let head_width = (self.width / self.heads) as f64;
+        let scale = g.scalar(DType::F32, 1.0 / head_width.sqrt())?;
+        let mut scores = g.mul(scores, scale)?;
+        if let Some(mask) = mask {
+            scores = g.plus(scores, mask)?;
+        }
+        let p = g.softmax(scores, -1)?;
+        let y = g.batch_matmul(p, v)?;
+        let y = g.transpose(y, [0, 2, 1, 3])?;
+        g.reshape(y, [self.rows() as i64, self.width as i64])
     }
 }
