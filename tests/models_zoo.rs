@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use ampgraph::exec::cuda::pipeline;
 use ampgraph::exec::ExecOptions;
+use ampgraph::graph::models::bert::{self, BertConfig};
 use ampgraph::graph::models::gpt2::{self, Gpt2Config};
 use ampgraph::graph::models::resnet::{self, ResNetConfig};
 use ampgraph::graph::models::vit::{self, VitConfig};
@@ -26,6 +27,37 @@ fn parameters(g: &Graph) -> usize {
         })
         .map(|id| g.node(id).outputs()[0].shape.iter().product::<usize>())
         .sum()
+}
+
+/// The graph after AMP (f16) and the CUDA executor's passes (run here on the CPU).
+fn amp_and_cuda_passes(g: &mut Graph) {
+    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
+        .rewrite(g)
+        .unwrap();
+    let mut passes = PassManager::new();
+    for pass in pipeline(&ExecOptions::default()) {
+        passes.push(pass);
+    }
+    passes.run(g).unwrap();
+}
+
+/// How many nodes of `g` run `op`.
+fn count(g: &Graph, op: &str) -> usize {
+    g.node_ids()
+        .filter(|&id| g.node(id).op_name() == op)
+        .count()
+}
+
+/// The loss of the first and the last of `steps` training steps (`[loss, step]`).
+fn first_and_last_loss(
+    session: &mut Session,
+    fetches: [Port; 2],
+    feeds: &HashMap<String, Tensor>,
+    steps: usize,
+) -> (f64, f64) {
+    let mut losses = (0..steps).map(|_| session.run(&fetches, feeds).unwrap()[0].to_f64_vec()[0]);
+    let first = losses.next().unwrap();
+    (first, losses.last().unwrap_or(first))
 }
 
 #[test]
@@ -90,12 +122,7 @@ fn a_small_resnet_trains_on_the_cpu() {
             Tensor::from_f64(DType::I64, vec![8], &[0., 1., 2., 0., 1., 2., 0., 1.]).unwrap(),
         ),
     ]);
-    let mut run = |fetch: &[Port]| session.run(fetch, &feeds).unwrap();
-    let first = run(&[loss, step.step])[0].to_f64_vec()[0];
-    let mut last = first;
-    for _ in 0..30 {
-        last = run(&[loss, step.step])[0].to_f64_vec()[0];
-    }
+    let (first, last) = first_and_last_loss(&mut session, [loss, step.step], &feeds, 31);
     assert!(
         last.is_finite() && last < 0.5 * first,
         "loss {first} -> {last}"
@@ -161,12 +188,7 @@ fn a_tiny_gpt2_learns_a_next_token_rule_on_the_cpu() {
     let mut session = Session::new(g, Device::Cpu).unwrap();
     let (x, y) = next_token_batch(batch, seq);
     let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
-    let mut losses = Vec::new();
-    for _ in 0..60 {
-        let out = session.run(&[loss, step.step], &feeds).unwrap();
-        losses.push(out[0].to_f64_vec()[0]);
-    }
-    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    let (first, last) = first_and_last_loss(&mut session, [loss, step.step], &feeds, 60);
     assert!(
         last.is_finite() && last < 0.2 * first,
         "loss {first} -> {last}"
@@ -194,14 +216,7 @@ fn gpt2s_attention_fuses_after_amp() {
             .to_f64_vec()
     };
     let want = run(g.clone());
-    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
-        .rewrite(&mut g)
-        .unwrap();
-    let mut passes = PassManager::new();
-    for pass in pipeline(&ExecOptions::default()) {
-        passes.push(pass);
-    }
-    passes.run(&mut g).unwrap();
+    amp_and_cuda_passes(&mut g);
     let fused: Vec<String> = (g.node_ids())
         .filter(|&id| g.node(id).op_name() == "FusedAttention")
         .map(|id| format!("{:?}", g.node(id).op))
@@ -264,27 +279,61 @@ fn a_tiny_vit_trains_on_the_cpu_and_its_attention_fuses() {
             Tensor::from_f64(DType::I64, vec![6], &[0., 1., 2., 0., 1., 2.]).unwrap(),
         ),
     ]);
-    let mut losses = Vec::new();
-    for _ in 0..40 {
-        let out = session.run(&[loss, step.step], &feeds).unwrap();
-        losses.push(out[0].to_f64_vec()[0]);
-    }
-    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    let (first, last) = first_and_last_loss(&mut session, [loss, step.step], &feeds, 40);
     assert!(
         last.is_finite() && last < 0.2 * first,
         "loss {first} -> {last}"
     );
     let mut g = inference;
-    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
-        .rewrite(&mut g)
-        .unwrap();
-    let mut passes = PassManager::new();
-    for pass in pipeline(&ExecOptions::default()) {
-        passes.push(pass);
-    }
-    passes.run(&mut g).unwrap();
-    let fused = (g.node_ids())
-        .filter(|&id| g.node(id).op_name() == "FusedAttention")
-        .count();
+    amp_and_cuda_passes(&mut g);
+    let fused = count(&g, "FusedAttention");
+    assert_eq!(fused, config.layers);
+}
+
+#[test]
+fn bert_base_has_hugging_faces_parameter_count() {
+    let mut g = Graph::new();
+    let tokens = g.placeholder("tokens", DType::I64, [2, 128]).unwrap();
+    let logits = bert::build(&mut g, tokens, &BertConfig::BERT_BASE).unwrap();
+    // BertForMaskedLM(bert-base-uncased): its parameters, the decoder tied to the word
+    // embeddings.
+    assert_eq!(parameters(&g), 109_514_298);
+    assert_eq!(g.ty(logits).shape, [256, 30522]);
+}
+
+/// A tiny BERT learns to give each position its token back (what a masked-LM head
+/// does unmasked) on the CPU, and after AMP its attention is fused.
+#[test]
+fn a_tiny_bert_learns_on_the_cpu_and_its_attention_fuses() {
+    let config = BertConfig {
+        vocab: 16,
+        positions: 12,
+        token_types: 2,
+        layers: 2,
+        heads: 2,
+        width: 32,
+        intermediate: 64,
+    };
+    let (batch, seq) = (4, 8);
+    let mut g = Graph::new();
+    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
+    let logits = bert::build(&mut g, tokens, &config).unwrap();
+    let mut inference = g.clone();
+    inference.set_outputs(vec![logits]).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let step = Adam::new(0.01).minimize(&mut g, loss).unwrap();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    let (x, _) = next_token_batch(batch, seq);
+    let same = Tensor::from_f64(DType::I64, vec![batch * seq], &x.to_f64_vec()).unwrap();
+    let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), same)]);
+    let (first, last) = first_and_last_loss(&mut session, [loss, step.step], &feeds, 40);
+    assert!(
+        last.is_finite() && last < 0.2 * first,
+        "loss {first} -> {last}"
+    );
+    let mut g = inference;
+    amp_and_cuda_passes(&mut g);
+    let fused = count(&g, "FusedAttention");
     assert_eq!(fused, config.layers);
 }

@@ -10,7 +10,7 @@
 //! Attention is written out (`BatchMatMul(q, k, adj_y) * 1/sqrt(d) + causal mask ->
 //! Softmax -> BatchMatMul`): `fuse-attention` makes it one causal FusedAttention.
 
-use super::{f32_variable, Heads};
+use super::{Heads, Transformer, WeightLayout};
 use crate::ops::{Init, MatMul, Slice};
 use crate::{DType, Graph, GraphError, Port, Result, Tensor};
 
@@ -40,62 +40,27 @@ impl Gpt2Config {
 /// LayerNorm's epsilon in GPT-2.
 const LN_EPSILON: f64 = 1e-5;
 
-/// A model under construction: its graph and the shape of its batch.
-struct Builder<'a> {
-    g: &'a mut Graph,
-    config: Gpt2Config,
-    heads: Heads,
+/// Causal self-attention `name` of `x [rows, width]` with the `causal` mask.
+fn attention(t: &mut Transformer, x: Port, name: &str, causal: Port) -> Result<Port> {
+    let (c, heads) = (t.heads.width, t.heads);
+    let qkv = t.linear(x, &format!("{name}.c_attn"), 3 * c)?;
+    let [q, k, v] = [0, c, 2 * c].map(|from| heads.split(t.g, qkv, from));
+    let y = heads.attention(t.g, [q?, k?, v?], Some(causal))?;
+    t.linear(y, &format!("{name}.c_proj"), c)
 }
 
-impl Builder<'_> {
-    fn variable(&mut self, name: &str, shape: Vec<usize>, init: Init) -> Result<Port> {
-        f32_variable(self.g, name.to_string(), shape, init)
-    }
-
-    /// `nn.LayerNorm` `name` over the last axis of `x [rows, width]`.
-    fn layer_norm(&mut self, x: Port, name: &str) -> Result<Port> {
-        let c = self.config.width;
-        let gamma = self.variable(&format!("{name}.weight"), vec![c], Init::Constant(1.0))?;
-        let beta = self.variable(&format!("{name}.bias"), vec![c], Init::Zeros)?;
-        self.g.layer_norm(x, gamma, beta, 1, LN_EPSILON)
-    }
-
-    /// The `Conv1D` `name` (`x @ weight + bias`, weight `[in, out]`) of `x [rows, in]`.
-    fn linear(&mut self, x: Port, name: &str, out: usize) -> Result<Port> {
-        let inputs = self.g.ty(x).shape[1];
-        let w = self.variable(
-            &format!("{name}.weight"),
-            vec![inputs, out],
-            Init::GlorotUniform,
-        )?;
-        let b = self.variable(&format!("{name}.bias"), vec![out], Init::Zeros)?;
-        let y = self.g.matmul(x, w)?;
-        self.g.bias_add(y, b)
-    }
-
-    /// Causal self-attention `name` of `x [rows, width]` with the `causal` mask.
-    fn attention(&mut self, x: Port, name: &str, causal: Port) -> Result<Port> {
-        let c = self.config.width;
-        let qkv = self.linear(x, &format!("{name}.c_attn"), 3 * c)?;
-        let heads = self.heads;
-        let [q, k, v] = [0, c, 2 * c].map(|from| heads.split(self.g, qkv, from));
-        let y = heads.attention(self.g, [q?, k?, v?], Some(causal))?;
-        self.linear(y, &format!("{name}.c_proj"), c)
-    }
-
-    /// Block `i` on the residual stream `x`.
-    fn block(&mut self, x: Port, i: usize, causal: Port) -> Result<Port> {
-        let c = self.config.width;
-        let name = format!("transformer.h.{i}");
-        let h = self.layer_norm(x, &format!("{name}.ln_1"))?;
-        let h = self.attention(h, &format!("{name}.attn"), causal)?;
-        let x = self.g.plus(x, h)?;
-        let h = self.layer_norm(x, &format!("{name}.ln_2"))?;
-        let h = self.linear(h, &format!("{name}.mlp.c_fc"), 4 * c)?;
-        let h = self.g.gelu(h, true)?;
-        let h = self.linear(h, &format!("{name}.mlp.c_proj"), c)?;
-        self.g.plus(x, h)
-    }
+/// Block `i` on the residual stream `x`.
+fn block(t: &mut Transformer, x: Port, i: usize, causal: Port) -> Result<Port> {
+    let c = t.heads.width;
+    let name = format!("transformer.h.{i}");
+    let h = t.layer_norm(x, &format!("{name}.ln_1"))?;
+    let h = attention(t, h, &format!("{name}.attn"), causal)?;
+    let x = t.g.plus(x, h)?;
+    let h = t.layer_norm(x, &format!("{name}.ln_2"))?;
+    let h = t.linear(h, &format!("{name}.mlp.c_fc"), 4 * c)?;
+    let h = t.g.gelu(h, true)?;
+    let h = t.linear(h, &format!("{name}.mlp.c_proj"), c)?;
+    t.g.plus(x, h)
 }
 
 /// `[seq, seq]` of `-inf` above the diagonal and 0 elsewhere: position `i` attends to
@@ -137,10 +102,11 @@ pub fn build(g: &mut Graph, tokens: Port, config: &Gpt2Config) -> Result<Port> {
         heads: config.heads,
         width: config.width,
     };
-    let mut b = Builder {
+    let mut b = Transformer {
         g,
-        config: *config,
         heads,
+        ln_epsilon: LN_EPSILON,
+        layout: WeightLayout::InOut,
     };
     let c = config.width;
     let wte = b.variable(
@@ -160,7 +126,7 @@ pub fn build(g: &mut Graph, tokens: Port, config: &Gpt2Config) -> Result<Port> {
     let mut x = b.g.reshape(x, [(batch * seq) as i64, c as i64])?;
     let causal = causal_mask(b.g, seq)?;
     for i in 0..config.layers {
-        x = b.block(x, i, causal)?;
+        x = block(&mut b, x, i, causal)?;
     }
     let x = b.layer_norm(x, "transformer.ln_f")?;
     // lm_head shares the token embedding: logits = x @ wte^T.

@@ -2,12 +2,15 @@
 //! graph from an input Placeholder, naming its Variables so that a training and an
 //! inference graph built alike share them.
 
+pub mod bert;
 pub mod convnet;
 pub mod gpt2;
 pub mod resnet;
 pub mod vit;
 
-use crate::ops::{AssignVariable, BatchNorm, DataFormat, Init, NormActivation, Slice, Variable};
+use crate::ops::{
+    AssignVariable, BatchNorm, DataFormat, Init, MatMul, NormActivation, Slice, Variable,
+};
 use crate::{DType, Data, Graph, GraphError, Port, Result, Tensor, TensorType};
 
 /// An f32 Variable named `name` starting at `init`.
@@ -123,9 +126,14 @@ impl Heads {
     pub fn split(&self, g: &mut Graph, x: Port, from: usize) -> Result<Port> {
         let size = [self.rows() as i64, self.width as i64];
         let part = g.add(Slice::new([0, from], size), &[x])?;
+        self.of(g, part)
+    }
+
+    /// A projection `x [rows, width]` as heads `[batch, heads, seq, width / heads]`.
+    pub fn of(&self, g: &mut Graph, x: Port) -> Result<Port> {
         let dims = [self.batch, self.seq, self.heads, self.width / self.heads];
-        let part = g.reshape(part, dims.map(|d| d as i64))?;
-        g.transpose(part, [0, 2, 1, 3])
+        let x = g.reshape(x, dims.map(|d| d as i64))?;
+        g.transpose(x, [0, 2, 1, 3])
     }
 
     /// `softmax(q k^T / sqrt(d) + mask) v` of heads `[batch, heads, seq, d]`, merged
@@ -147,5 +155,62 @@ impl Heads {
         let y = g.batch_matmul(p, v)?;
         let y = g.transpose(y, [0, 2, 1, 3])?;
         g.reshape(y, [self.rows() as i64, self.width as i64])
+    }
+}
+
+/// How a checkpoint lays out a linear layer's weight.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum WeightLayout {
+    /// `[in, out]`: Hugging Face's `Conv1D` (GPT-2), the product's right operand.
+    InOut,
+    /// `[out, in]`: torch's `nn.Linear`, read transposed by the product.
+    OutIn,
+}
+
+/// A transformer under construction: its graph, the shape of its batch, its layer
+/// norms' epsilon and its linear layers' weight layout.
+pub(crate) struct Transformer<'a> {
+    pub g: &'a mut Graph,
+    pub heads: Heads,
+    pub ln_epsilon: f64,
+    pub layout: WeightLayout,
+}
+
+impl Transformer<'_> {
+    pub fn variable(&mut self, name: &str, shape: Vec<usize>, init: Init) -> Result<Port> {
+        f32_variable(self.g, name.to_string(), shape, init)
+    }
+
+    /// `nn.LayerNorm` `name` (`name.weight`, `name.bias`) over the last axis of
+    /// `x [rows, width]`.
+    pub fn layer_norm(&mut self, x: Port, name: &str) -> Result<Port> {
+        let c = self.heads.width;
+        let gamma = self.variable(&format!("{name}.weight"), vec![c], Init::Constant(1.0))?;
+        let beta = self.variable(&format!("{name}.bias"), vec![c], Init::Zeros)?;
+        self.g.layer_norm(x, gamma, beta, 1, self.ln_epsilon)
+    }
+
+    /// The linear layer `name` (`name.weight`, `name.bias`) of `x [rows, in]`.
+    pub fn linear(&mut self, x: Port, name: &str, out: usize) -> Result<Port> {
+        let names = (format!("{name}.weight"), format!("{name}.bias"));
+        self.linear_named(x, (&names.0, &names.1), out)
+    }
+
+    /// The linear layer of `x [rows, in]` with its weight and bias named as given.
+    pub fn linear_named(
+        &mut self,
+        x: Port,
+        (weight, bias): (&str, &str),
+        out: usize,
+    ) -> Result<Port> {
+        let inputs = self.g.ty(x).shape[1];
+        let (shape, transposed) = match self.layout {
+            WeightLayout::InOut => (vec![inputs, out], false),
+            WeightLayout::OutIn => (vec![out, inputs], true),
+        };
+        let w = self.variable(weight, shape, Init::GlorotUniform)?;
+        let b = self.variable(bias, vec![out], Init::Zeros)?;
+        let y = self.g.add(MatMul::new(false, transposed), &[x, w])?;
+        self.g.bias_add(y, b)
     }
 }

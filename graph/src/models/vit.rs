@@ -9,8 +9,8 @@
 //! its `[out, in]` layout (the product reads them transposed); the patch embedding's
 //! kernel is HWIO (`[16, 16, 3, width]`, torch's OIHW transposed).
 
-use super::{f32_variable, Heads};
-use crate::ops::{BroadcastTo, DataFormat, Init, MatMul, Padding, Slice};
+use super::{Heads, Transformer, WeightLayout};
+use crate::ops::{BroadcastTo, DataFormat, Init, Padding, Slice};
 use crate::{Graph, GraphError, Port, Result};
 
 /// A ViT's shape.
@@ -43,66 +43,26 @@ impl VitConfig {
 /// LayerNorm's epsilon in torchvision's ViT.
 const LN_EPSILON: f64 = 1e-6;
 
-struct Builder<'a> {
-    g: &'a mut Graph,
-    heads: Heads,
-}
-
-impl Builder<'_> {
-    fn variable(&mut self, name: &str, shape: Vec<usize>, init: Init) -> Result<Port> {
-        f32_variable(self.g, name.to_string(), shape, init)
-    }
-
-    /// `nn.LayerNorm` `name` over the last axis of `x [rows, width]`.
-    fn layer_norm(&mut self, x: Port, name: &str) -> Result<Port> {
-        let c = self.heads.width;
-        let gamma = self.variable(&format!("{name}.weight"), vec![c], Init::Constant(1.0))?;
-        let beta = self.variable(&format!("{name}.bias"), vec![c], Init::Zeros)?;
-        self.g.layer_norm(x, gamma, beta, 1, LN_EPSILON)
-    }
-
-    /// torch's `Linear` of `x [rows, in]`: `weight` `[out, in]` and `bias` named as given.
-    fn linear(&mut self, x: Port, (weight, bias): (&str, &str), out: usize) -> Result<Port> {
-        let inputs = self.g.ty(x).shape[1];
-        let w = self.variable(weight, vec![out, inputs], Init::GlorotUniform)?;
-        let b = self.variable(bias, vec![out], Init::Zeros)?;
-        let y = self.g.add(MatMul::new(false, true), &[x, w])?;
-        self.g.bias_add(y, b)
-    }
-
-    /// Encoder layer `name` on the residual stream `x`.
-    fn layer(&mut self, x: Port, name: &str, mlp: usize) -> Result<Port> {
-        let c = self.heads.width;
-        let h = self.layer_norm(x, &format!("{name}.ln_1"))?;
-        let attn = format!("{name}.self_attention");
-        let qkv = self.linear(
-            h,
-            (
-                &format!("{attn}.in_proj_weight"),
-                &format!("{attn}.in_proj_bias"),
-            ),
-            3 * c,
-        )?;
-        let heads = self.heads;
-        let [q, k, v] = [0, c, 2 * c].map(|from| heads.split(self.g, qkv, from));
-        let y = heads.attention(self.g, [q?, k?, v?], None)?;
-        let out = format!("{attn}.out_proj");
-        let y = self.linear(y, (&format!("{out}.weight"), &format!("{out}.bias")), c)?;
-        let x = self.g.plus(x, y)?;
-        let h = self.layer_norm(x, &format!("{name}.ln_2"))?;
-        let fc = |i: usize| {
-            (
-                format!("{name}.mlp.{i}.weight"),
-                format!("{name}.mlp.{i}.bias"),
-            )
-        };
-        let (w, b) = fc(0);
-        let h = self.linear(h, (&w, &b), mlp)?;
-        let h = self.g.gelu(h, false)?;
-        let (w, b) = fc(3);
-        let h = self.linear(h, (&w, &b), c)?;
-        self.g.plus(x, h)
-    }
+/// Encoder layer `name` on the residual stream `x`.
+fn layer(t: &mut Transformer, x: Port, name: &str, mlp: usize) -> Result<Port> {
+    let (c, heads) = (t.heads.width, t.heads);
+    let h = t.layer_norm(x, &format!("{name}.ln_1"))?;
+    let attn = format!("{name}.self_attention");
+    let packed = (
+        format!("{attn}.in_proj_weight"),
+        format!("{attn}.in_proj_bias"),
+    );
+    let qkv = t.linear_named(h, (&packed.0, &packed.1), 3 * c)?;
+    let [q, k, v] = [0, c, 2 * c].map(|from| heads.split(t.g, qkv, from));
+    let y = heads.attention(t.g, [q?, k?, v?], None)?;
+    let y = t.linear(y, &format!("{attn}.out_proj"), c)?;
+    let x = t.g.plus(x, y)?;
+    let h = t.layer_norm(x, &format!("{name}.ln_2"))?;
+    // torchvision's MLPBlock: Linear (0), GELU, Dropout, Linear (3), Dropout.
+    let h = t.linear(h, &format!("{name}.mlp.0"), mlp)?;
+    let h = t.g.gelu(h, false)?;
+    let h = t.linear(h, &format!("{name}.mlp.3"), c)?;
+    t.g.plus(x, h)
 }
 
 /// The ViT of `config` on `x [batch, 3, image, image]` (NCHW): the logits `[batch,
@@ -127,7 +87,7 @@ pub fn build(g: &mut Graph, x: Port, config: &VitConfig) -> Result<Port> {
     let (c, p) = (config.width, config.patch);
     let patches = (side / p) * (side / p);
     let seq = patches + 1;
-    let mut b = Builder {
+    let mut b = Transformer {
         g,
         heads: Heads {
             batch,
@@ -135,6 +95,8 @@ pub fn build(g: &mut Graph, x: Port, config: &VitConfig) -> Result<Port> {
             heads: config.heads,
             width: c,
         },
+        ln_epsilon: LN_EPSILON,
+        layout: WeightLayout::OutIn,
     };
     let kernel = b.variable("conv_proj.weight", vec![p, p, 3, c], Init::HeNormal)?;
     let bias = b.variable("conv_proj.bias", vec![c], Init::Zeros)?;
@@ -154,7 +116,12 @@ pub fn build(g: &mut Graph, x: Port, config: &VitConfig) -> Result<Port> {
     let x = b.g.plus(x, positions)?;
     let mut x = b.g.reshape(x, [(batch * seq) as i64, c as i64])?;
     for i in 0..config.layers {
-        x = b.layer(x, &format!("encoder.layers.encoder_layer_{i}"), config.mlp)?;
+        x = layer(
+            &mut b,
+            x,
+            &format!("encoder.layers.encoder_layer_{i}"),
+            config.mlp,
+        )?;
     }
     let x = b.layer_norm(x, "encoder.ln")?;
     // The head reads the class token of each image.
@@ -162,9 +129,5 @@ pub fn build(g: &mut Graph, x: Port, config: &VitConfig) -> Result<Port> {
     let first =
         b.g.add(Slice::new([0, 0, 0], [batch as i64, 1, c as i64]), &[x])?;
     let first = b.g.reshape(first, [batch as i64, c as i64])?;
-    b.linear(
-        first,
-        ("heads.head.weight", "heads.head.bias"),
-        config.classes,
-    )
+    b.linear(first, "heads.head", config.classes)
 }

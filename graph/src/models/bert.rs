@@ -1,0 +1,137 @@
+//! BERT with its masked-language-model head (Hugging Face's `BertForMaskedLM`) as a
+//! graph: word, position and token-type embeddings and their LayerNorm, post-norm
+//! encoder layers (self-attention with query, key and value projections, the output
+//! projection, Add and LayerNorm; a 4x MLP with the exact GELU, Add and LayerNorm), and
+//! the head (a dense layer, GELU, LayerNorm, and the decoder through the word
+//! embedding, tied, plus its bias). [`BertConfig::BERT_BASE`] has
+//! `bert-base-uncased`'s 109,514,298 parameters.
+//!
+//! Every sequence is one segment (token type 0) with no padding: the attention takes
+//! no mask. The Variables are named as Hugging Face names the parameters
+//! (`bert.encoder.layer.0.attention.self.query.weight`), Linear weights in torch's
+//! `[out, in]` layout.
+
+use super::{Heads, Transformer, WeightLayout};
+use crate::ops::{Init, MatMul, Slice};
+use crate::{DType, Graph, GraphError, Port, Result};
+
+/// A BERT's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BertConfig {
+    pub vocab: usize,
+    /// The most positions (the position embedding's rows).
+    pub positions: usize,
+    pub token_types: usize,
+    pub layers: usize,
+    pub heads: usize,
+    /// The hidden width (a multiple of `heads`).
+    pub width: usize,
+    /// The MLP's hidden width.
+    pub intermediate: usize,
+}
+
+impl BertConfig {
+    /// `bert-base-uncased`.
+    pub const BERT_BASE: BertConfig = BertConfig {
+        vocab: 30522,
+        positions: 512,
+        token_types: 2,
+        layers: 12,
+        heads: 12,
+        width: 768,
+        intermediate: 3072,
+    };
+}
+
+/// LayerNorm's epsilon in BERT.
+const LN_EPSILON: f64 = 1e-12;
+
+/// Encoder layer `name` on `x [rows, width]`.
+fn layer(t: &mut Transformer, x: Port, name: &str, intermediate: usize) -> Result<Port> {
+    let (c, heads) = (t.heads.width, t.heads);
+    let mut qkv = Vec::with_capacity(3);
+    for part in ["query", "key", "value"] {
+        let p = t.linear(x, &format!("{name}.attention.self.{part}"), c)?;
+        qkv.push(heads.of(t.g, p)?);
+    }
+    let y = heads.attention(t.g, [qkv[0], qkv[1], qkv[2]], None)?;
+    let y = t.linear(y, &format!("{name}.attention.output.dense"), c)?;
+    let x = t.g.plus(x, y)?;
+    let x = t.layer_norm(x, &format!("{name}.attention.output.LayerNorm"))?;
+    let h = t.linear(x, &format!("{name}.intermediate.dense"), intermediate)?;
+    let h = t.g.gelu(h, false)?;
+    let h = t.linear(h, &format!("{name}.output.dense"), c)?;
+    let x = t.g.plus(x, h)?;
+    t.layer_norm(x, &format!("{name}.output.LayerNorm"))
+}
+
+/// BERT of `config` on `tokens [batch, seq]` (i64 ids): the masked-LM logits `[batch *
+/// seq, vocab]`, row `b * seq + t` for position `t` of sequence `b`.
+pub fn build(g: &mut Graph, tokens: Port, config: &BertConfig) -> Result<Port> {
+    let ty = g.ty(tokens).clone();
+    let [batch, seq] = ty.shape[..] else {
+        return Err(GraphError::Format(format!(
+            "BERT takes token ids [batch, seq], got {ty}"
+        )));
+    };
+    let fits = config.heads > 0 && config.width % config.heads == 0 && config.token_types > 0;
+    if !fits || seq == 0 || seq > config.positions || ty.dtype != DType::I64 {
+        return Err(GraphError::Format(format!(
+            "BERT takes i64 token ids of at most {} positions and a width divisible by its \
+             heads, got {ty} and {config:?}",
+            config.positions
+        )));
+    }
+    let c = config.width;
+    let mut b = Transformer {
+        g,
+        heads: Heads {
+            batch,
+            seq,
+            heads: config.heads,
+            width: c,
+        },
+        ln_epsilon: LN_EPSILON,
+        layout: WeightLayout::OutIn,
+    };
+    let e = "bert.embeddings";
+    let words = b.variable(
+        &format!("{e}.word_embeddings.weight"),
+        vec![config.vocab, c],
+        Init::GlorotUniform,
+    )?;
+    let positions = b.variable(
+        &format!("{e}.position_embeddings.weight"),
+        vec![config.positions, c],
+        Init::GlorotUniform,
+    )?;
+    let types = b.variable(
+        &format!("{e}.token_type_embeddings.weight"),
+        vec![config.token_types, c],
+        Init::GlorotUniform,
+    )?;
+    let x = b.g.gather(words, tokens, 0)?;
+    let position =
+        b.g.add(Slice::new([0, 0], [seq as i64, c as i64]), &[positions])?;
+    let segment = b.g.add(Slice::new([0, 0], [1, c as i64]), &[types])?;
+    let x = b.g.plus(x, position)?;
+    let x = b.g.plus(x, segment)?;
+    let x = b.g.reshape(x, [(batch * seq) as i64, c as i64])?;
+    let mut x = b.layer_norm(x, &format!("{e}.LayerNorm"))?;
+    for i in 0..config.layers {
+        x = layer(
+            &mut b,
+            x,
+            &format!("bert.encoder.layer.{i}"),
+            config.intermediate,
+        )?;
+    }
+    let head = "cls.predictions";
+    let h = b.linear(x, &format!("{head}.transform.dense"), c)?;
+    let h = b.g.gelu(h, false)?;
+    let h = b.layer_norm(h, &format!("{head}.transform.LayerNorm"))?;
+    // The decoder shares the word embedding: logits = h @ words^T + bias.
+    let logits = b.g.add(MatMul::new(false, true), &[h, words])?;
+    let bias = b.variable(&format!("{head}.bias"), vec![config.vocab], Init::Zeros)?;
+    b.g.bias_add(logits, bias)
+}
