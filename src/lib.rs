@@ -69,6 +69,7 @@ pub mod cli;
 pub mod numerics;
 pub mod optim;
 pub mod parallel;
+pub mod pretrained;
 pub mod session;
 pub mod train;
 

@@ -14,6 +14,7 @@ use ampgraph::graph::ops::{Group, Variable};
 use ampgraph::optim::{Adam, Optimizer, Sgd};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::PassManager;
+use ampgraph::pretrained::{load_safetensors, WeightsError};
 use ampgraph::{DType, Device, Graph, Port, Session, Tensor};
 
 /// The trainable parameters of `g`: its Variables but the batch norms' running
@@ -336,4 +337,83 @@ fn a_tiny_bert_learns_on_the_cpu_and_its_attention_fuses() {
     amp_and_cuda_passes(&mut g);
     let fused = count(&g, "FusedAttention");
     assert_eq!(fused, config.layers);
+}
+
+/// Hugging Face-named weights load into the zoo's GPT-2 (tests/data/zoo, made by
+/// scripts/zoo/gpt2_reference.py: the `gpt2` checkpoint's names, without the
+/// `transformer.` prefix, its causal-mask buffers beside them) and the model then
+/// computes the logits of an independent float64 numpy GPT-2 on the same weights.
+#[test]
+fn gpt2_loads_hugging_face_weights_and_computes_numpys_logits() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zoo");
+    let reference: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("gpt2_tiny.json")).unwrap()).unwrap();
+    let tokens: Vec<f64> = (reference["tokens"].as_array().unwrap().iter())
+        .flat_map(|row| row.as_array().unwrap().iter().map(|t| t.as_f64().unwrap()))
+        .collect();
+    let want: Vec<f64> = (reference["logits"].as_array().unwrap().iter())
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let mut g = Graph::new();
+    let ids = g.placeholder("tokens", DType::I64, [2, 8]).unwrap();
+    let logits = gpt2::build(&mut g, ids, &TINY_GPT2).unwrap();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    let report = load_safetensors(&mut session, &dir.join("gpt2_tiny.safetensors")).unwrap();
+    assert_eq!(report.loaded.len(), 4 + 12 * TINY_GPT2.layers);
+    assert!(report.missing.is_empty(), "{:?}", report.missing);
+    assert_eq!(report.unused, ["h.0.attn.bias", "h.1.attn.bias"]);
+    assert!(report
+        .loaded
+        .contains(&("transformer.wte.weight".into(), "wte.weight".into())));
+    let feeds = HashMap::from([(
+        "tokens".to_string(),
+        Tensor::from_f64(DType::I64, vec![2, 8], &tokens).unwrap(),
+    )]);
+    let got = session.run(&[logits], &feeds).unwrap()[0].to_f64_vec();
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let err = want
+        .iter()
+        .zip(&got)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
+        / scale;
+    assert!(err < 1e-5, "relative error {err}");
+}
+
+/// A file that is no safetensors file, and a tensor of another shape than its
+/// variable, are one-line errors naming the file (and the tensor and the variable).
+#[test]
+fn bad_weights_files_are_errors_naming_the_file() {
+    let dir = std::env::temp_dir().join(format!("ampgraph-weights-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut g = Graph::new();
+    let ids = g.placeholder("tokens", DType::I64, [2, 8]).unwrap();
+    gpt2::build(&mut g, ids, &TINY_GPT2).unwrap();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    let junk = dir.join("junk.safetensors");
+    std::fs::write(&junk, b"not a checkpoint").unwrap();
+    let e = load_safetensors(&mut session, &junk)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("junk.safetensors") && e.contains("not a safetensors file"),
+        "{e}"
+    );
+    // wte of the 124M model's width into the tiny model.
+    let header = r#"{"wte.weight":{"dtype":"F32","shape":[16,768],"data_offsets":[0,49152]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    bytes.extend(vec![0u8; 49152]);
+    let wide = dir.join("wide.safetensors");
+    std::fs::write(&wide, bytes).unwrap();
+    let e = load_safetensors(&mut session, &wide).unwrap_err();
+    assert!(matches!(e, WeightsError::Shape { .. }), "{e}");
+    let e = e.to_string();
+    assert!(
+        e.contains("wide.safetensors")
+            && e.contains("'wte.weight' is [16, 768]")
+            && e.contains("'transformer.wte.weight' is [16, 32]"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
 }

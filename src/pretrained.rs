@@ -1,0 +1,134 @@
+//! Pretrained weights into a session's variables: a `safetensors` file (Hugging Face's
+//! checkpoint format, read by its `safetensors` crate), tensor by tensor, by name.
+//!
+//! The name map: variable `v` takes the file's tensor `v`, or else the tensor named
+//! `v` without its first dotted component (`transformer.h.0.attn.c_attn.weight` takes
+//! `h.0.attn.c_attn.weight`, as the `gpt2` checkpoint names it; `bert.embeddings.*`
+//! takes `embeddings.*` of a `BertModel` checkpoint). The zoo's models
+//! (`graph::models`) name their variables as the checkpoints do, in their layouts;
+//! a 4-D convolution kernel given in torch's OIHW becomes our HWIO. Values convert to
+//! the variable's dtype (f16, bf16, f32 and f64 files). A tensor of another shape is
+//! an error naming both; variables without a tensor keep their values and tensors
+//! without a variable (a checkpoint's buffers) are left, both listed in the report.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use ampgraph_graph::ops::{Transpose, Variable};
+use ampgraph_graph::{DType, Data, Op, Tensor};
+use safetensors::{Dtype, SafeTensors};
+use thiserror::Error;
+
+use crate::session::{Session, SessionError};
+
+#[derive(Debug, Error)]
+pub enum WeightsError {
+    #[error("{path}: {msg}")]
+    File { path: String, msg: String },
+    #[error("{path}: tensor '{tensor}' is {got:?} but variable '{variable}' is {want:?}")]
+    Shape {
+        path: String,
+        tensor: String,
+        variable: String,
+        got: Vec<usize>,
+        want: Vec<usize>,
+    },
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+/// What a load did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WeightsReport {
+    /// (variable, the file's tensor) of each variable loaded.
+    pub loaded: Vec<(String, String)>,
+    /// Variables the file has no tensor for (they keep their values).
+    pub missing: Vec<String>,
+    /// The file's tensors no variable took.
+    pub unused: Vec<String>,
+}
+
+/// The file's tensor for variable `name`: its own name, else without its first dotted
+/// component.
+fn tensor_name<'f>(name: &str, names: &BTreeSet<&'f str>) -> Option<&'f str> {
+    let without_first = || name.split_once('.').and_then(|(_, rest)| names.get(rest));
+    names.get(name).or_else(without_first).copied()
+}
+
+fn dtype_of(dtype: Dtype) -> Option<DType> {
+    Some(match dtype {
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F32 => DType::F32,
+        Dtype::F64 => DType::F64,
+        Dtype::I32 => DType::I32,
+        Dtype::I64 => DType::I64,
+        _ => return None,
+    })
+}
+
+/// Loads the `safetensors` file at `path` into the variables of `session` by the name
+/// map above.
+pub fn load_safetensors(session: &mut Session, path: &Path) -> Result<WeightsReport, WeightsError> {
+    let shown = path.display().to_string();
+    let file_err = |msg: String| WeightsError::File {
+        path: shown.clone(),
+        msg,
+    };
+    let bytes = std::fs::read(path).map_err(|e| file_err(e.to_string()))?;
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| file_err(format!("not a safetensors file: {e}")))?;
+    let names: BTreeSet<&str> = file.names().into_iter().collect();
+    let graph = session.graph();
+    let variables: Vec<(String, Vec<usize>, DType)> = (graph.node_ids())
+        .filter(|&id| graph.node(id).op.is::<Variable>())
+        .map(|id| {
+            let node = graph.node(id);
+            let ty = &node.outputs()[0];
+            (node.name.clone(), ty.shape.clone(), ty.dtype)
+        })
+        .collect();
+    let mut report = WeightsReport::default();
+    let mut taken = BTreeSet::new();
+    for (variable, shape, dtype) in variables {
+        let Some(tensor) = tensor_name(&variable, &names) else {
+            report.missing.push(variable);
+            continue;
+        };
+        let view = file
+            .tensor(tensor)
+            .map_err(|e| file_err(format!("tensor '{tensor}': {e}")))?;
+        let from = dtype_of(view.dtype())
+            .ok_or_else(|| file_err(format!("tensor '{tensor}' is {:?}", view.dtype())))?;
+        let data = Data::from_le_bytes(from, view.data())
+            .map_err(|m| file_err(format!("tensor '{tensor}': {m}")))?;
+        let mut value = Tensor::new(view.shape().to_vec(), data)
+            .map_err(|m| file_err(format!("tensor '{tensor}': {m}")))?;
+        // torch's OIHW convolution kernel as our HWIO.
+        let oihw = |s: &[usize]| [s[2], s[3], s[1], s[0]];
+        if value.shape() != shape.as_slice()
+            && shape.len() == 4
+            && value.shape().len() == 4
+            && oihw(value.shape()) == shape[..]
+        {
+            value = Transpose::new(vec![2, 3, 1, 0])
+                .eval(&[&value])
+                .map_err(|m| file_err(format!("tensor '{tensor}': {m}")))?
+                .remove(0);
+        }
+        if value.shape() != shape.as_slice() {
+            return Err(WeightsError::Shape {
+                path: shown,
+                tensor: tensor.to_string(),
+                variable,
+                got: value.shape().to_vec(),
+                want: shape,
+            });
+        }
+        session.set_variable(&variable, value.cast(dtype))?;
+        taken.insert(tensor);
+        report.loaded.push((variable, tensor.to_string()));
+    }
+    report.unused = names.difference(&taken).map(|n| n.to_string()).collect();
+    Ok(report)
+}
