@@ -12,7 +12,7 @@
 use ampgraph_graph::autodiff::gradients;
 use ampgraph_graph::ops::{
     AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf, Init,
-    LossScaleUpdate, OptimizerUpdate, Rule, Unary, UnaryKind, Variable,
+    LossScaleUpdate, OptimizerUpdate, Reduce, ReduceKind, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 
@@ -115,6 +115,30 @@ pub struct RuleOptimizer {
     pub rule: Rule,
     pub learning_rate: f64,
     pub weight_decay: f64,
+    /// Which variables the weight decay applies to.
+    pub decay: Decay,
+}
+
+/// Which variables weight decay applies to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Decay {
+    /// Every variable, as TensorFlow's and torch's optimizers do when given them all.
+    #[default]
+    All,
+    /// Matrices and kernels (rank 2 and more) only: biases and the norms' scales and
+    /// offsets are not decayed, as GPT-2 and BERT train (llm.c, Hugging Face).
+    Matrices,
+}
+
+impl RuleOptimizer {
+    fn of(rule: Rule, learning_rate: f64, weight_decay: f64) -> RuleOptimizer {
+        RuleOptimizer {
+            rule,
+            learning_rate,
+            weight_decay,
+            decay: Decay::All,
+        }
+    }
 }
 
 /// Stochastic gradient descent, optionally with (Nesterov) momentum: constructors of
@@ -128,25 +152,25 @@ impl Sgd {
     }
 
     pub fn momentum(learning_rate: f64, momentum: f64) -> RuleOptimizer {
-        RuleOptimizer {
-            rule: Rule::Sgd {
+        RuleOptimizer::of(
+            Rule::Sgd {
                 momentum,
                 nesterov: false,
             },
             learning_rate,
-            weight_decay: 0.0,
-        }
+            0.0,
+        )
     }
 
     pub fn nesterov(learning_rate: f64, momentum: f64) -> RuleOptimizer {
-        RuleOptimizer {
-            rule: Rule::Sgd {
+        RuleOptimizer::of(
+            Rule::Sgd {
                 momentum,
                 nesterov: true,
             },
             learning_rate,
-            weight_decay: 0.0,
-        }
+            0.0,
+        )
     }
 }
 
@@ -157,21 +181,21 @@ pub struct Adam;
 #[allow(clippy::new_ret_no_self)] // a namespace of RuleOptimizer constructors
 impl Adam {
     pub fn new(learning_rate: f64) -> RuleOptimizer {
-        RuleOptimizer {
-            rule: Rule::Adam {
+        RuleOptimizer::of(
+            Rule::Adam {
                 beta1: 0.9,
                 beta2: 0.999,
                 epsilon: 1e-7,
                 decoupled: false,
             },
             learning_rate,
-            weight_decay: 0.0,
-        }
+            0.0,
+        )
     }
 
     pub fn adamw(learning_rate: f64, weight_decay: f64) -> RuleOptimizer {
-        RuleOptimizer {
-            rule: Rule::Adam {
+        RuleOptimizer::of(
+            Rule::Adam {
                 beta1: 0.9,
                 beta2: 0.999,
                 epsilon: 1e-7,
@@ -179,25 +203,31 @@ impl Adam {
             },
             learning_rate,
             weight_decay,
-        }
+        )
     }
 
     pub fn lamb(learning_rate: f64, weight_decay: f64) -> RuleOptimizer {
-        RuleOptimizer {
-            rule: Rule::Lamb {
+        RuleOptimizer::of(
+            Rule::Lamb {
                 beta1: 0.9,
                 beta2: 0.999,
                 epsilon: 1e-6,
             },
             learning_rate,
             weight_decay,
-        }
+        )
     }
 }
 
 impl RuleOptimizer {
     pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
         self.weight_decay = weight_decay;
+        self
+    }
+
+    /// This optimizer with its weight decay applied to `decay`'s variables.
+    pub fn decaying(mut self, decay: Decay) -> Self {
+        self.decay = decay;
         self
     }
 }
@@ -240,7 +270,11 @@ impl Optimizer for RuleOptimizer {
             let mut inputs = vec![finite, var.into(), grad];
             inputs.extend(&slots);
             inputs.extend(step);
-            let op = OptimizerUpdate::new(self.rule, self.learning_rate, self.weight_decay);
+            let weight_decay = match self.decay {
+                Decay::Matrices if ty.rank() < 2 => 0.0,
+                _ => self.weight_decay,
+            };
+            let op = OptimizerUpdate::new(self.rule, self.learning_rate, weight_decay);
             let name = g.fresh_name(format!("{var_name}/update"));
             let update = g.add_node(name, Box::new(op), &inputs)?;
             for (k, target) in std::iter::once(Port::from(var)).chain(slots).enumerate() {
@@ -248,6 +282,70 @@ impl Optimizer for RuleOptimizer {
             }
         }
         Ok(writes)
+    }
+}
+
+/// `inner` after every gradient is scaled by `min(1, max_norm / norm)`, `norm` the
+/// global L2 norm of all of them (torch's `clip_grad_norm_`, GPT-2's and BERT's 1.0),
+/// in the graph: under mixed precision the gradients it clips are the unscaled ones,
+/// and a step with a non-finite gradient is skipped as before.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClipGlobalNorm<O> {
+    pub inner: O,
+    pub max_norm: f64,
+}
+
+impl<O> ClipGlobalNorm<O> {
+    pub fn new(inner: O, max_norm: f64) -> Self {
+        ClipGlobalNorm { inner, max_norm }
+    }
+}
+
+impl<O: Optimizer> Optimizer for ClipGlobalNorm<O> {
+    fn apply_gradients(
+        &self,
+        g: &mut Graph,
+        vars: &[NodeId],
+        grads: &[Port],
+        finite: Port,
+    ) -> Result<Vec<Port>, GraphError> {
+        if !(self.max_norm > 0.0 && self.max_norm.is_finite()) {
+            return Err(GraphError::Format(format!(
+                "gradient clipping needs a positive finite norm, got {}",
+                self.max_norm
+            )));
+        }
+        // The sum of squares in f32, whatever the gradients' dtype.
+        let mut total: Option<Port> = None;
+        for &grad in grads {
+            let grad = match g.ty(grad).dtype {
+                DType::F32 => grad,
+                _ => g.add(Cast { to: DType::F32 }, &[grad])?,
+            };
+            let squares = g.add(Binary::new(BinaryKind::Mul), &[grad, grad])?;
+            let sum = g.add(Reduce::new(ReduceKind::Sum, None, false), &[squares])?;
+            total = Some(match total {
+                None => sum,
+                Some(t) => g.add(Binary::new(BinaryKind::Add), &[t, sum])?,
+            });
+        }
+        let Some(total) = total else {
+            return self.inner.apply_gradients(g, vars, grads, finite);
+        };
+        let norm = g.add(Unary::new(UnaryKind::Sqrt), &[total])?;
+        let limit = g.add(Const::new(Tensor::scalar(DType::F32, self.max_norm)), &[])?;
+        let above = g.add(Binary::new(BinaryKind::Maximum), &[norm, limit])?;
+        let factor = g.add(Binary::new(BinaryKind::Div), &[limit, above])?;
+        let mut clipped = Vec::with_capacity(grads.len());
+        for &grad in grads {
+            let dtype = g.ty(grad).dtype;
+            let factor = match dtype {
+                DType::F32 => factor,
+                _ => g.add(Cast { to: dtype }, &[factor])?,
+            };
+            clipped.push(g.add(Binary::new(BinaryKind::Mul), &[grad, factor])?);
+        }
+        self.inner.apply_gradients(g, vars, &clipped, finite)
     }
 }
 
