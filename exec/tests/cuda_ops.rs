@@ -1225,7 +1225,16 @@ fn select_compare_gather_and_pad() {
                 &mut gpu,
                 &format!("Gather {shape:?} axis {axis} {d}"),
                 Gather::new(axis),
-                &[x, i],
+                &[x.clone(), i.clone()],
+            );
+            // Its gradient: repeated indices (2, 2 in the first case) accumulate.
+            let gathered = Gather::new(axis).eval(&[&x, &i]).expect("gather")[0].ty();
+            let dy = rand(&mut r, d, &gathered.shape, -1.0, 1.0);
+            check(
+                &mut gpu,
+                &format!("GatherGrad {shape:?} axis {axis} {d}"),
+                GatherGrad::new(axis, shape.to_vec()),
+                &[dy, i],
             );
         }
     }

@@ -6,7 +6,9 @@
 mod common;
 
 use ampgraph_exec::CudaExecutor;
-use ampgraph_graph::ops::{Gather, GatherGrad, Pad, Where};
+use ampgraph_graph::ops::{
+    CoordinateTransform, Gather, GatherGrad, Pad, ResizeGrad, ResizeMode, Where,
+};
 use ampgraph_graph::{DType, Graph, Port, Tensor};
 use common::*;
 use proptest::prelude::*;
@@ -111,16 +113,27 @@ fn cuda_refusal(build: impl FnOnce(&mut Graph, Port) -> ampgraph_graph::Result<P
     CudaExecutor::check_supported(&g).unwrap_err().to_string()
 }
 
+/// GatherGrad (an embedding's gradient) lowers on CUDA: no device needed, every node
+/// is lowered before anything runs (exec/tests/cuda_ops.rs checks its values). An op
+/// without a kernel (a Resize's gradient) is refused naming it.
 #[test]
-fn cuda_refuses_gather_grad_which_has_no_kernel() {
-    // No device needed: every node is lowered before anything runs. (Where, the
-    // comparisons, Gather and Pad have kernels: exec/tests/cuda_ops.rs checks them.)
+fn cuda_lowers_gather_grad_and_refuses_what_has_no_kernel() {
+    let mut g = Graph::new();
+    let dy = g.placeholder("dy", DType::F32, [2, 3]).unwrap();
+    let i = g.placeholder("i", DType::I64, [3]).unwrap();
+    g.add(GatherGrad::new(1, [2, 5]), &[dy, i]).unwrap();
+    CudaExecutor::check_supported(&g).unwrap();
     let err = cuda_refusal(|g, x| {
-        let i = g.placeholder("i", DType::I64, [3])?;
-        g.add(GatherGrad::new(1, [2, 5]), &[x, i])
+        let x = g.reshape(x, [1, 1, 2, 3])?;
+        let op = ResizeGrad::new(
+            vec![1, 1, 1, 2],
+            ResizeMode::Linear,
+            CoordinateTransform::HalfPixel,
+        );
+        g.add(op, &[x])
     });
     assert!(
-        err.contains("GatherGrad has no CUDA kernel") && err.contains("use Device::Cpu"),
+        err.contains("ResizeLinearGrad has no CUDA kernel") && err.contains("use Device::Cpu"),
         "{err}"
     );
 }

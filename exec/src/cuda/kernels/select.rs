@@ -7,9 +7,15 @@
 //! Gather's indices live on the device, so the host cannot check them as the CPU
 //! kernel does (which errors naming the index): an index outside `-n..n` writes a
 //! slice of zero bytes (0.0 for floats) rather than reading out of bounds.
+//!
+//! GatherGrad (an embedding's gradient) adds each slice of `dy` at its index with
+//! atomic adds into a zeroed accumulator of the accumulation type (f32, f64 for f64),
+//! then rounds it once into the output: repeated indices sum in f32 whatever the
+//! dtype, in an order the atomics choose (the last bits may differ from run to run);
+//! an index out of range adds nothing.
 
 use ampgraph_graph::ops::{
-    Compare, CompareKind, Gather, Logical, LogicalKind, Not, Pad, PadMode, Where,
+    Compare, CompareKind, Gather, GatherGrad, Logical, LogicalKind, Not, Pad, PadMode, Where,
 };
 use ampgraph_graph::shape::normalize_axis;
 use ampgraph_graph::tensor::strides;
@@ -36,6 +42,9 @@ kernel_specs! {
         Not {} => not(),
         /// `k(const E* px, const TI* pi, E* py, i64 n, i64 m, i64 len, i64 inner)`
         Gather { bytes: usize, index: DType } => gather(bytes, index),
+        /// `k(const T* pdy, const TI* pi, A* acc, i64 n, i64 m, i64 len, i64 inner)`
+        /// adds; `k_store(const A* acc, T* py, i64 n)` rounds into the output.
+        GatherGrad { dtype: DType, index: DType } => gather_grad(dtype, index),
         /// `k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, Dims keep,
         /// Dims before, i64 offset, int mode, i64 fill)`
         Pad { bytes: usize } => pad(bytes),
@@ -90,6 +99,9 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(g) = op.downcast_ref::<Gather>() {
         return Some(lower_gather(g.axis, ins, outs));
     }
+    if let Some(g) = op.downcast_ref::<GatherGrad>() {
+        return Some(lower_gather_grad(g, ins, outs));
+    }
     if let Some(p) = op.downcast_ref::<Pad>() {
         return Some(lower_pad(p, ins, outs));
     }
@@ -135,6 +147,42 @@ fn lower_gather(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
             .chain([n, m, len, inner].map(|v| Arg::I64(v as i64)));
         let spec = Spec::Gather { bytes: word, index };
         c.launch_items(&spec, n, 1, &args.collect::<Vec<_>>())
+    }))
+}
+
+/// `y[o, idx[p], j] += dy[o, p, j]` over `outer x indices x inner`, accumulated in
+/// the accumulation type and rounded once into `y`.
+fn lower_gather_grad(g: &GatherGrad, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+    let [dy, idx] = ins else {
+        return Err("GatherGrad takes dy and indices".into());
+    };
+    let out = first(outs)?;
+    let axis = normalize_axis(g.axis, out.shape.len())?;
+    let (len, inner) = (out.shape[axis], numel(&out.shape[axis + 1..]));
+    let (m, n, total) = (numel(&idx.shape), numel(&dy.shape), numel(&out.shape));
+    let spec = Spec::GatherGrad {
+        dtype: out.dtype,
+        index: idx.dtype,
+    };
+    let acc = if out.dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    Ok(one_output(out, move |c, inputs, y| {
+        let (dy, idx) = (input(inputs, 0)?, input(inputs, 1)?);
+        if n == 0 || total == 0 {
+            return c.dev.zero(y);
+        }
+        let sums = c.temp(acc, total)?;
+        c.dev.zero(&sums)?;
+        let sizes = [n, m, len, inner].map(|v| Arg::I64(v as i64));
+        let mut args = vec![dy.arg(), idx.arg(), sums.arg()];
+        args.extend(sizes);
+        c.launch_items(&spec, n, 1, &args)?;
+        let grid = total.div_ceil(256).clamp(1, 1 << 20) as u32;
+        let store = [sums.arg(), y.arg(), Arg::I64(total as i64)];
+        c.launch(&spec, "k_store", (grid, 256), &store)
     }))
 }
 
@@ -245,6 +293,25 @@ pub(super) fn gather(bytes: usize, index: DType) -> String {
                  if (k < 0) k += len;\n\
                  py[i] = (k >= 0 && k < len) ? px[(o * len + k) * inner + j] : E();\n\
                }}\n}}\n",
+            type_parts(index).0
+        ),
+    )
+}
+
+pub(super) fn gather_grad(dtype: DType, index: DType) -> String {
+    module(
+        dtype,
+        &format!(
+            "typedef {} TI;\n\
+             extern \"C\" __global__ void k(const T* pdy, const TI* pi, A* acc, i64 n, i64 m, i64 len, i64 inner) {{\n\
+               GRID_LOOP(i, n) {{\n\
+                 i64 q = i / inner, j = i - q * inner, p = q % m, o = q / m;\n\
+                 i64 k = (i64)pi[p];\n\
+                 if (k < 0) k += len;\n\
+                 if (k >= 0 && k < len) atomicAdd(&acc[(o * len + k) * inner + j], (A)ld(pdy, i));\n\
+               }}\n}}\n\
+             extern \"C\" __global__ void k_store(const A* acc, T* py, i64 n) {{\n\
+               GRID_LOOP(i, n) {{ st(py, i, (C)acc[i]); }}\n}}\n",
             type_parts(index).0
         ),
     )
