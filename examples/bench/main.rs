@@ -128,6 +128,10 @@ use ampgraph::passes::{Pass, PassRecord};
 use ampgraph::session::Pipeline;
 use ampgraph::{Device, SessionOptions};
 
+use ampgraph::graph::models::bert::{self, BertConfig};
+use ampgraph::graph::models::gpt2::{self, Gpt2Config};
+use ampgraph::graph::models::resnet::{self, ResNetConfig};
+use ampgraph::graph::models::vit::{self, VitConfig};
 use ampgraph::graph::models::{convnet, f32_variable};
 mod energy;
 mod fit;
@@ -144,6 +148,16 @@ enum Workload {
     Mlp,
     Transformer,
     Convnet,
+    /// torchvision's ResNet-50 (224x224 images, 1000 classes).
+    Resnet50,
+    /// torchvision's ViT-B/16 (224x224 images, 1000 classes).
+    #[value(name = "vit_b_16")]
+    VitB16,
+    /// GPT-2 124M, next-token loss on every position.
+    Gpt2,
+    /// BERT-base with its masked-LM head, the loss on every position.
+    #[value(name = "bert_base")]
+    BertBase,
 }
 
 impl Workload {
@@ -152,6 +166,10 @@ impl Workload {
             Workload::Mlp => "mlp",
             Workload::Transformer => "transformer",
             Workload::Convnet => "convnet",
+            Workload::Resnet50 => "resnet50",
+            Workload::VitB16 => "vit_b_16",
+            Workload::Gpt2 => "gpt2",
+            Workload::BertBase => "bert_base",
         }
     }
 }
@@ -349,6 +367,13 @@ enum Config {
         width: usize,
         classes: usize,
     },
+    /// A model of the zoo (`graph::models`) at its reference size; `seq` tokens a
+    /// sequence for the language models.
+    Zoo {
+        model: Workload,
+        batch: usize,
+        seq: usize,
+    },
 }
 
 impl Config {
@@ -387,6 +412,25 @@ impl Config {
                 width: a.width.unwrap_or(64),
                 classes: a.classes.unwrap_or(10),
             },
+            // The issues' sizes: ResNet-50 b256, ViT-B/16 b32 (images); GPT-2 b16 x
+            // 1024 (llm.c's), BERT b32 x 128.
+            model @ (Workload::Resnet50 | Workload::VitB16) => Config::Zoo {
+                model,
+                batch: a
+                    .batch
+                    .unwrap_or(if model == Workload::Resnet50 { 256 } else { 32 }),
+                seq: 0,
+            },
+            Workload::Gpt2 => Config::Zoo {
+                model: Workload::Gpt2,
+                batch: a.batch.unwrap_or(16),
+                seq: a.seq.unwrap_or(1024),
+            },
+            Workload::BertBase => Config::Zoo {
+                model: Workload::BertBase,
+                batch: a.batch.unwrap_or(32),
+                seq: a.seq.unwrap_or(128),
+            },
         };
         Ok(c)
     }
@@ -396,7 +440,8 @@ impl Config {
         match *self {
             Config::Mlp { batch, .. }
             | Config::Transformer { batch, .. }
-            | Config::Convnet { batch, .. } => batch,
+            | Config::Convnet { batch, .. }
+            | Config::Zoo { batch, .. } => batch,
         }
     }
 
@@ -405,7 +450,8 @@ impl Config {
         match &mut self {
             Config::Mlp { batch, .. }
             | Config::Transformer { batch, .. }
-            | Config::Convnet { batch, .. } => *batch = size,
+            | Config::Convnet { batch, .. }
+            | Config::Zoo { batch, .. } => *batch = size,
         }
         self
     }
@@ -453,6 +499,20 @@ impl Config {
                     strides.join(",")
                 )
             }
+            Config::Zoo { model, batch, seq } => match model {
+                Workload::Resnet50 => format!(
+                    "x[{batch},3,224,224] NCHW -> torchvision's ResNet-50 v1.5, cross-entropy over 1000 classes"
+                ),
+                Workload::VitB16 => format!(
+                    "x[{batch},3,224,224] NCHW -> torchvision's ViT-B/16, cross-entropy over 1000 classes"
+                ),
+                Workload::Gpt2 => format!(
+                    "tokens[{batch},{seq}] -> GPT-2 124M (causal attention, tied head), next-token cross-entropy"
+                ),
+                _ => format!(
+                    "tokens[{batch},{seq}] -> BERT-base with its masked-LM head, cross-entropy on every position"
+                ),
+            },
         }
     }
 
@@ -489,6 +549,19 @@ impl Config {
                 6.0 * n as f64 * tok + 3.0 * att
             }
             Config::Convnet { .. } => return None,
+            // The language models as the transformer (6 x the matrices' parameters per
+            // token, attention's products), plus the head's vocab x width.
+            Config::Zoo { model, batch, seq } => {
+                let (layers, d, vocab) = match model {
+                    Workload::Gpt2 => (12, 768, 50257),
+                    Workload::BertBase => (12, 768, 30522),
+                    _ => return None,
+                };
+                let n = layers * 12 * d * d + d * vocab;
+                let tok = (batch * seq) as f64;
+                let att = 4.0 * batch as f64 * (seq * seq) as f64 * d as f64 * layers as f64;
+                6.0 * n as f64 * tok + 3.0 * att
+            }
         };
         Some(flops)
     }
@@ -512,17 +585,40 @@ impl Config {
             Config::Convnet {
                 batch, hw, classes, ..
             } => (vec![batch, 3, hw, hw], batch, classes),
+            Config::Zoo { model, batch, seq } => match model {
+                Workload::Gpt2 | Workload::BertBase => {
+                    (vec![batch, seq], batch * seq, zoo_classes(model))
+                }
+                _ => (vec![batch, 3, 224, 224], batch, 1000),
+            },
         };
         let mut rng = SplitMix64::new(seed ^ 0xB3_4C_4D_41_52_4B);
         let n: usize = x_shape.iter().product();
-        let xs: Vec<f32> = (0..n).map(|_| standard_normal(&mut rng) as f32).collect();
+        let mut uniform = |m: usize| (rng.next_u64() % m.max(1) as u64) as i64;
+        let x = match *self {
+            // Token ids, uniform over the vocabulary.
+            Config::Zoo {
+                model: model @ (Workload::Gpt2 | Workload::BertBase),
+                ..
+            } => Data::I64((0..n).map(|_| uniform(zoo_classes(model))).collect()),
+            _ => Data::F32((0..n).map(|_| standard_normal(&mut rng) as f32).collect()),
+        };
         let labels: Vec<i64> = (0..n_labels)
             .map(|_| (rng.next_u64() % classes.max(1) as u64) as i64)
             .collect();
         Ok((
-            Tensor::new(x_shape, Data::F32(xs))?,
+            Tensor::new(x_shape, x)?,
             Tensor::new(vec![n_labels], Data::I64(labels))?,
         ))
+    }
+}
+
+/// The classes of a zoo language model's loss: its vocabulary.
+fn zoo_classes(model: Workload) -> usize {
+    if model == Workload::Gpt2 {
+        Gpt2Config::GPT2_124M.vocab
+    } else {
+        BertConfig::BERT_BASE.vocab
     }
 }
 
@@ -671,6 +767,30 @@ fn build(cfg: &Config, training: bool) -> Res<Model> {
             running_updates = net.running_updates;
             (net.logits, labels)
         }
+        Config::Zoo { model, batch, seq } => match model {
+            Workload::Gpt2 | Workload::BertBase => {
+                let tokens = g.placeholder(X, DType::I64, [batch, seq])?;
+                let labels = g.placeholder(LABELS, DType::I64, [batch * seq])?;
+                let logits = if model == Workload::Gpt2 {
+                    gpt2::build(&mut g, tokens, &Gpt2Config::GPT2_124M)?
+                } else {
+                    bert::build(&mut g, tokens, &BertConfig::BERT_BASE)?
+                };
+                (logits, labels)
+            }
+            _ => {
+                let x = g.placeholder(X, DType::F32, [batch, 3, 224, 224])?;
+                let labels = g.placeholder(LABELS, DType::I64, [batch])?;
+                let logits = if model == Workload::Resnet50 {
+                    let net = resnet::build(&mut g, x, &ResNetConfig::RESNET50, training)?;
+                    running_updates = net.running_updates;
+                    net.logits
+                } else {
+                    vit::build(&mut g, x, &VitConfig::VIT_B_16)?
+                };
+                (logits, labels)
+            }
+        },
     };
     let loss = g.softmax_cross_entropy(logits, labels)?;
     Ok(Model {

@@ -389,3 +389,41 @@ fn the_search_doubles_then_bisects() {
         );
     }
 }
+
+/// The zoo's workloads at their reference sizes (small batches) build and go through
+/// AMP and the CUDA pipeline (no step: the CPU would take minutes): each transformer's
+/// attention is fused in every layer, forward and backward.
+#[test]
+fn the_zoo_workloads_prepare_with_their_attention_fused() {
+    for (workload, layers) in [
+        ("gpt2", 12),
+        ("bert_base", 12),
+        ("vit_b_16", 12),
+        ("resnet50", 0),
+    ] {
+        let flags = [
+            "bench",
+            "--device",
+            "cpu",
+            "--workload",
+            workload,
+            "--batch",
+            "1",
+        ];
+        let args = Args::parse_from(flags.iter().chain(&["--seq", "32"]));
+        let cfg = Config::from_args(&args).unwrap();
+        let step = prepare(&args, &cfg, Mode::AmpBf16, false).unwrap();
+        let count = |op: &str| {
+            (step.graph.node_ids())
+                .filter(|&id| step.graph.node(id).op_name() == op)
+                .count()
+        };
+        assert_eq!(count("FusedAttention"), layers, "{workload}");
+        assert_eq!(count("FusedAttentionGrad"), layers, "{workload}");
+        let data = cfg.data(0).unwrap();
+        assert_eq!(
+            data.0.dtype() == DType::I64,
+            layers > 0 && workload != "vit_b_16"
+        );
+    }
+}
