@@ -1,0 +1,21 @@
+#!/bin/bash
+# On the GPU machine, in bundle/ (scripts/make_bundle.sh): issue 43's training anchors
+# in one call: `bench --workload W` (ours, AMP: fp16 for the images, bf16 for the
+# language models) and scripts/torch_zoo_train.py (PyTorch eager and torch.compile on
+# the same models and sizes). Results under $OUT: zoo_ours.txt, zoo_torch.txt.
+export AMPGRAPH_KERNEL_CACHE=/tmp/kc
+MODELS=${MODELS:-resnet50,vit_b_16,bert_base,gpt2}
+compile=
+[ "${NO_COMPILE:-0}" = 1 ] && compile=--no-compile
+: > $OUT/zoo_ours.txt
+for m in ${MODELS//,/ }; do
+  mode=amp_fp16
+  case $m in bert_base|gpt2) mode=amp_bf16 ;; esac
+  timeout ${OURS_SECONDS:-150} ./bench --workload $m --modes $mode --phases train,infer \
+    --iters 20 --warmup 6 >> $OUT/zoo_ours.txt 2>&1
+  echo "$m exit $?" >> $OUT/zoo_ours.txt
+done
+timeout ${TORCH_SECONDS:-300} python3 ../scripts/torch_zoo_train.py --only $MODELS $compile \
+  > $OUT/zoo_torch.txt 2>&1
+echo "torch exit $?" >> $OUT/zoo_torch.txt
+grep -E "^\||exit|error" $OUT/zoo_ours.txt | tail -20; cat $OUT/zoo_torch.txt | tail -12
