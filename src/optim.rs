@@ -11,8 +11,9 @@
 
 use ampgraph_graph::autodiff::gradients;
 use ampgraph_graph::ops::{
-    AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf, Init,
-    LossScaleUpdate, OptimizerUpdate, Reduce, ReduceKind, Rule, Unary, UnaryKind, Variable,
+    AllFinite, AssignVariable, Binary, BinaryKind, Cast, Compare, CompareKind, Const, Group,
+    IncrementIf, Init, Logical, LogicalKind, LossScaleUpdate, OptimizerUpdate, Reduce, ReduceKind,
+    Rule, Unary, UnaryKind, Variable, Where,
 };
 use ampgraph_graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 
@@ -346,6 +347,91 @@ impl<O: Optimizer> Optimizer for ClipGlobalNorm<O> {
             clipped.push(g.add(Binary::new(BinaryKind::Mul), &[grad, factor])?);
         }
         self.inner.apply_gradients(g, vars, &clipped, finite)
+    }
+}
+
+/// `inner` applied once every `steps` steps, to the mean of those steps' gradients:
+/// gradient accumulation over micro-batches (the effective batch is `steps` times
+/// the graph's), in the graph. Each variable's running sum is a Variable
+/// `<variable>/accumulated`; the step within the cycle `accumulation/step` and
+/// whether every gradient of the cycle was finite `accumulation/finite` (under mixed
+/// precision an overflow in any micro-batch skips the cycle's update, as it would
+/// skip the step).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Accumulate<O> {
+    pub inner: O,
+    pub steps: usize,
+}
+
+impl<O> Accumulate<O> {
+    pub fn new(inner: O, steps: usize) -> Self {
+        Accumulate { inner, steps }
+    }
+}
+
+/// The name of [`Accumulate`]'s step within its cycle.
+pub const ACCUMULATION_STEP_VARIABLE: &str = "accumulation/step";
+/// The name of [`Accumulate`]'s flag: every gradient of the cycle so far was finite.
+pub const ACCUMULATION_FINITE_VARIABLE: &str = "accumulation/finite";
+
+impl<O: Optimizer> Optimizer for Accumulate<O> {
+    fn apply_gradients(
+        &self,
+        g: &mut Graph,
+        vars: &[NodeId],
+        grads: &[Port],
+        finite: Port,
+    ) -> Result<Vec<Port>, GraphError> {
+        if self.steps == 0 {
+            return Err(GraphError::Format(
+                "gradient accumulation needs at least one step".into(),
+            ));
+        }
+        let scalar =
+            |g: &mut Graph, dtype: DType, v: f64| g.add(Const::new(Tensor::scalar(dtype, v)), &[]);
+        let counter = scalar_variable(g, ACCUMULATION_STEP_VARIABLE, 0.0)?;
+        let ok_ty = TensorType::new(DType::Bool, vec![]);
+        let ok: Port = g
+            .add_node(
+                ACCUMULATION_FINITE_VARIABLE,
+                Box::new(Variable::with_init(ok_ty, Init::Constant(1.0))),
+                &[],
+            )?
+            .into();
+        let one = scalar(g, DType::F32, 1.0)?;
+        let next = g.add(Binary::new(BinaryKind::Add), &[counter, one])?;
+        let steps = scalar(g, DType::F32, self.steps as f64)?;
+        let last = g.add(Compare::new(CompareKind::Equal), &[next, steps])?;
+        let cycle_ok = g.add(Logical::new(LogicalKind::And), &[ok, finite])?;
+        let apply = g.add(Logical::new(LogicalKind::And), &[cycle_ok, last])?;
+        let mut writes = Vec::new();
+        let mut means = Vec::with_capacity(grads.len());
+        for (&var, &grad) in vars.iter().zip(grads) {
+            let ty = g.ty(grad).clone();
+            let name = format!("{}/accumulated", g.node(var).name);
+            let acc: Port = g
+                .add_node(
+                    name,
+                    Box::new(Variable::with_init(ty.clone(), Init::Zeros)),
+                    &[],
+                )?
+                .into();
+            let sum = g.add(Binary::new(BinaryKind::Add), &[acc, grad])?;
+            let inv = scalar(g, ty.dtype, 1.0 / self.steps as f64)?;
+            means.push(g.add(Binary::new(BinaryKind::Mul), &[sum, inv])?);
+            // The sum starts again after the cycle's last step.
+            let zero = scalar(g, ty.dtype, 0.0)?;
+            let kept = g.add(Where, &[last, zero, sum])?;
+            writes.push(g.add(AssignVariable, &[acc, kept])?);
+        }
+        writes.extend(self.inner.apply_gradients(g, vars, &means, apply)?);
+        let zero = scalar(g, DType::F32, 0.0)?;
+        let wrapped = g.add(Where, &[last, zero, next])?;
+        writes.push(g.add(AssignVariable, &[counter, wrapped])?);
+        let fresh = scalar(g, DType::Bool, 1.0)?;
+        let ok_next = g.add(Where, &[last, fresh, cycle_ok])?;
+        writes.push(g.add(AssignVariable, &[ok, ok_next])?);
+        Ok(writes)
     }
 }
 

@@ -1,11 +1,12 @@
-//! What the optimizers do beyond their update rules, against hand-computed values:
-//! weight decay restricted to matrices, and gradients clipped to a global norm.
+//! What the optimizers do beyond their update rules, against hand-computed values and
+//! equivalent steps: weight decay restricted to matrices, gradients clipped to a
+//! global norm, gradients accumulated over micro-batches.
 
 use std::collections::HashMap;
 
 use ampgraph::graph::models::f32_variable;
 use ampgraph::graph::ops::Init;
-use ampgraph::optim::{Adam, ClipGlobalNorm, Decay, Optimizer, Sgd};
+use ampgraph::optim::{Accumulate, Adam, ClipGlobalNorm, Decay, Optimizer, Sgd};
 use ampgraph::{DType, Device, Graph, Session, Tensor};
 
 /// `loss = sum(w * c) + sum(b * d)` for a matrix `w [2, 3]` and a vector `b [3]`
@@ -83,4 +84,69 @@ fn gradients_clip_to_the_global_norm() {
     let (mut g, loss) = linear_loss(&c, &d);
     let e = bad.minimize(&mut g, loss).unwrap_err().to_string();
     assert!(e.contains("positive finite norm"), "{e}");
+}
+
+/// Least squares `mean((x w - y)^2)` of `x [rows, 2]` against `y [rows]`, `w` starting
+/// at (0.5, -0.5); the graph, its loss, and the feeds of each batch.
+fn least_squares(rows: usize) -> (Graph, ampgraph::Port) {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [rows, 2]).unwrap();
+    let y = g.placeholder("y", DType::F32, [rows, 1]).unwrap();
+    let w = g
+        .constant(Tensor::from_f64(DType::F32, vec![2, 1], &[0.5, -0.5]).unwrap())
+        .unwrap();
+    let w0 = f32_variable(&mut g, "w".into(), vec![2, 1], Init::Zeros).unwrap();
+    let w = g.plus(w0, w).unwrap();
+    let p = g.matmul(x, w).unwrap();
+    let e = g.sub(p, y).unwrap();
+    let e2 = g.mul(e, e).unwrap();
+    let loss = g.mean(e2, None, false).unwrap();
+    (g, loss)
+}
+
+fn batch(rows: &[[f64; 3]]) -> HashMap<String, Tensor> {
+    let x: Vec<f64> = rows.iter().flat_map(|r| [r[0], r[1]]).collect();
+    let y: Vec<f64> = rows.iter().map(|r| r[2]).collect();
+    HashMap::from([
+        (
+            "x".to_string(),
+            Tensor::from_f64(DType::F32, vec![rows.len(), 2], &x).unwrap(),
+        ),
+        (
+            "y".to_string(),
+            Tensor::from_f64(DType::F32, vec![rows.len(), 1], &y).unwrap(),
+        ),
+    ])
+}
+
+/// Accumulating over two micro-batches of two rows moves the weights as one step on
+/// the four rows (the mean of two half-batch means is the whole batch's), and the
+/// first micro-step moves nothing; twice over, with momentum.
+#[test]
+fn accumulation_over_micro_batches_steps_as_the_whole_batch() {
+    let rows = [
+        [1.0, 2.0, 0.5],
+        [-1.0, 0.5, 1.0],
+        [2.0, -1.0, -0.5],
+        [0.5, 0.5, 2.0],
+    ];
+    let (mut whole, loss) = least_squares(4);
+    let step = Sgd::momentum(0.1, 0.9).minimize(&mut whole, loss).unwrap();
+    let mut whole = Session::new(whole, Device::Cpu).unwrap();
+    let (mut micro, loss) = least_squares(2);
+    let accumulated = ClipGlobalNorm::new(Sgd::momentum(0.1, 0.9), 1e9);
+    let micro_step = Accumulate::new(accumulated, 2).minimize(&mut micro, loss).unwrap();
+    let mut micro = Session::new(micro, Device::Cpu).unwrap();
+    let w = |s: &Session| s.variable("w").unwrap().to_f64_vec();
+    for _ in 0..2 {
+        whole.run(&[step.step], &batch(&rows)).unwrap();
+        let before = w(&micro);
+        micro.run(&[micro_step.step], &batch(&rows[..2])).unwrap();
+        assert_eq!(w(&micro), before, "the first micro-step applies nothing");
+        micro.run(&[micro_step.step], &batch(&rows[2..])).unwrap();
+        for (a, b) in w(&whole).iter().zip(w(&micro)) {
+            assert!((a - b).abs() < 1e-6, "{:?} vs {:?}", w(&whole), w(&micro));
+        }
+    }
+    assert_ne!(w(&whole), [0.0, 0.0]);
 }
