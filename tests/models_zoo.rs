@@ -146,6 +146,28 @@ fn gpt2_124m_has_hugging_faces_parameter_count() {
     assert!(g.find("transformer.h.11.mlp.c_proj.weight").is_some());
 }
 
+/// BERT small enough for the CPU, heads the fused kernels take (scripts/zoo's `BERT`).
+const TINY_BERT: BertConfig = BertConfig {
+    vocab: 16,
+    positions: 12,
+    token_types: 2,
+    layers: 2,
+    heads: 2,
+    width: 32,
+    intermediate: 64,
+};
+
+/// A ViT of 8x8 images in 4x4 patches (scripts/zoo's `VIT`).
+const TINY_VIT: VitConfig = VitConfig {
+    image: 8,
+    patch: 4,
+    layers: 2,
+    heads: 2,
+    width: 32,
+    mlp: 64,
+    classes: 3,
+};
+
 /// Two layers, two heads of 16: small enough for the CPU, heads the fused kernels take.
 const TINY_GPT2: Gpt2Config = Gpt2Config {
     vocab: 16,
@@ -251,15 +273,7 @@ fn vit_b_16_has_torchvisions_parameter_count() {
 /// tell 3 fixed images apart on the CPU, and after AMP its attention is fused.
 #[test]
 fn a_tiny_vit_trains_on_the_cpu_and_its_attention_fuses() {
-    let config = VitConfig {
-        image: 8,
-        patch: 4,
-        layers: 2,
-        heads: 2,
-        width: 32,
-        mlp: 64,
-        classes: 3,
-    };
+    let config = TINY_VIT;
     let mut g = Graph::new();
     let x = g.placeholder("x", DType::F32, [6, 3, 8, 8]).unwrap();
     let labels = g.placeholder("labels", DType::I64, [6]).unwrap();
@@ -306,15 +320,7 @@ fn bert_base_has_hugging_faces_parameter_count() {
 /// does unmasked) on the CPU, and after AMP its attention is fused.
 #[test]
 fn a_tiny_bert_learns_on_the_cpu_and_its_attention_fuses() {
-    let config = BertConfig {
-        vocab: 16,
-        positions: 12,
-        token_types: 2,
-        layers: 2,
-        heads: 2,
-        width: 32,
-        intermediate: 64,
-    };
+    let config = TINY_BERT;
     let (batch, seq) = (4, 8);
     let mut g = Graph::new();
     let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
@@ -339,45 +345,92 @@ fn a_tiny_bert_learns_on_the_cpu_and_its_attention_fuses() {
     assert_eq!(fused, config.layers);
 }
 
-/// Hugging Face-named weights load into the zoo's GPT-2 (tests/data/zoo, made by
-/// scripts/zoo/gpt2_reference.py: the `gpt2` checkpoint's names, without the
-/// `transformer.` prefix, its causal-mask buffers beside them) and the model then
-/// computes the logits of an independent float64 numpy GPT-2 on the same weights.
-#[test]
-fn gpt2_loads_hugging_face_weights_and_computes_numpys_logits() {
+/// The zoo's fixtures (tests/data/zoo, made by scripts/zoo/references.py): weights
+/// under a checkpoint's names and layouts, the inputs, and the logits of an
+/// independent float64 numpy forward pass.
+fn zoo_fixture(name: &str) -> (std::path::PathBuf, Vec<f64>, Vec<f64>) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zoo");
-    let reference: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("gpt2_tiny.json")).unwrap()).unwrap();
-    let tokens: Vec<f64> = (reference["tokens"].as_array().unwrap().iter())
-        .flat_map(|row| row.as_array().unwrap().iter().map(|t| t.as_f64().unwrap()))
-        .collect();
-    let want: Vec<f64> = (reference["logits"].as_array().unwrap().iter())
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let json = std::fs::read(dir.join(format!("{name}_tiny.json"))).unwrap();
+    let reference: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    let numbers = |key: &str| -> Vec<f64> {
+        (reference[key].as_array().unwrap().iter())
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    let weights = dir.join(format!("{name}_tiny.safetensors"));
+    (weights, numbers("inputs"), numbers("logits"))
+}
+
+/// Loads the fixture `name` into the model `build` makes on its input `x` (`dtype`,
+/// `shape`), checks the load's report with `report`, and the logits against numpy's
+/// within `1e-5` of their scale.
+fn matches_numpy(
+    name: &str,
+    (dtype, shape): (DType, &[usize]),
+    build: impl FnOnce(&mut Graph, Port) -> Port,
+    report: impl FnOnce(&ampgraph::pretrained::WeightsReport),
+) {
+    let (weights, inputs, want) = zoo_fixture(name);
     let mut g = Graph::new();
-    let ids = g.placeholder("tokens", DType::I64, [2, 8]).unwrap();
-    let logits = gpt2::build(&mut g, ids, &TINY_GPT2).unwrap();
+    let x = g.placeholder("x", dtype, shape.to_vec()).unwrap();
+    let logits = build(&mut g, x);
     let mut session = Session::new(g, Device::Cpu).unwrap();
-    let report = load_safetensors(&mut session, &dir.join("gpt2_tiny.safetensors")).unwrap();
-    assert_eq!(report.loaded.len(), 4 + 12 * TINY_GPT2.layers);
-    assert!(report.missing.is_empty(), "{:?}", report.missing);
-    assert_eq!(report.unused, ["h.0.attn.bias", "h.1.attn.bias"]);
-    assert!(report
-        .loaded
-        .contains(&("transformer.wte.weight".into(), "wte.weight".into())));
+    report(&load_safetensors(&mut session, &weights).unwrap());
     let feeds = HashMap::from([(
-        "tokens".to_string(),
-        Tensor::from_f64(DType::I64, vec![2, 8], &tokens).unwrap(),
+        "x".to_string(),
+        Tensor::from_f64(dtype, shape.to_vec(), &inputs).unwrap(),
     )]);
     let got = session.run(&[logits], &feeds).unwrap()[0].to_f64_vec();
-    assert_eq!(got.len(), want.len());
+    assert_eq!(got.len(), want.len(), "{name}");
     let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
     let err = want
         .iter()
         .zip(&got)
         .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
         / scale;
-    assert!(err < 1e-5, "relative error {err}");
+    assert!(err < 1e-5, "{name}: relative error {err}");
+}
+
+/// Hugging Face's `gpt2` names (without the `transformer.` prefix, its causal-mask
+/// buffers beside them) load into the zoo's GPT-2, which then computes numpy's logits.
+#[test]
+fn gpt2_loads_hugging_face_weights_and_computes_numpys_logits() {
+    let build = |g: &mut Graph, x| gpt2::build(g, x, &TINY_GPT2).unwrap();
+    matches_numpy("gpt2", (DType::I64, &[2, 8]), build, |report| {
+        assert_eq!(report.loaded.len(), 4 + 12 * TINY_GPT2.layers);
+        assert!(report.missing.is_empty(), "{:?}", report.missing);
+        assert_eq!(report.unused, ["h.0.attn.bias", "h.1.attn.bias"]);
+        let wte = ("transformer.wte.weight".into(), "wte.weight".into());
+        assert!(report.loaded.contains(&wte));
+    });
+}
+
+/// `BertForMaskedLM`'s names load into the zoo's BERT (its decoder tied to the word
+/// embeddings), which then computes numpy's logits.
+#[test]
+fn bert_loads_hugging_face_weights_and_computes_numpys_logits() {
+    let config = TINY_BERT;
+    let build = |g: &mut Graph, x| bert::build(g, x, &config).unwrap();
+    matches_numpy("bert", (DType::I64, &[2, 8]), build, |report| {
+        assert!(
+            report.missing.is_empty() && report.unused.is_empty(),
+            "{report:?}"
+        );
+    });
+}
+
+/// torchvision's ViT names, the patch kernel in torch's OIHW, load into the zoo's ViT
+/// (the kernel transposed to HWIO), which then computes numpy's logits.
+#[test]
+fn vit_loads_torchvision_weights_and_computes_numpys_logits() {
+    let config = TINY_VIT;
+    let build = |g: &mut Graph, x| vit::build(g, x, &config).unwrap();
+    matches_numpy("vit", (DType::F32, &[2, 3, 8, 8]), build, |report| {
+        assert!(
+            report.missing.is_empty() && report.unused.is_empty(),
+            "{report:?}"
+        );
+    });
 }
 
 /// A file that is no safetensors file, and a tensor of another shape than its

@@ -135,7 +135,9 @@ fn accumulation_over_micro_batches_steps_as_the_whole_batch() {
     let mut whole = Session::new(whole, Device::Cpu).unwrap();
     let (mut micro, loss) = least_squares(2);
     let accumulated = ClipGlobalNorm::new(Sgd::momentum(0.1, 0.9), 1e9);
-    let micro_step = Accumulate::new(accumulated, 2).minimize(&mut micro, loss).unwrap();
+    let micro_step = Accumulate::new(accumulated, 2)
+        .minimize(&mut micro, loss)
+        .unwrap();
     let mut micro = Session::new(micro, Device::Cpu).unwrap();
     let w = |s: &Session| s.variable("w").unwrap().to_f64_vec();
     for _ in 0..2 {
