@@ -6,7 +6,7 @@
 //! `h.0.attn.c_attn.weight`, as the `gpt2` checkpoint names it; `bert.embeddings.*`
 //! takes `embeddings.*` of a `BertModel` checkpoint). The zoo's models
 //! (`graph::models`) name their variables as the checkpoints do, in their layouts;
-//! a 4-D convolution kernel given in torch's OIHW becomes our HWIO. Values convert to
+//! a 4-D tensor is a convolution kernel in torch's OIHW, which becomes our HWIO. Values convert to
 //! the variable's dtype (f16, bf16, f32 and f64 files). A tensor of another shape is
 //! an error naming both; variables without a tensor keep their values and tensors
 //! without a variable (a checkpoint's buffers) are left, both listed in the report.
@@ -104,13 +104,10 @@ pub fn load_safetensors(session: &mut Session, path: &Path) -> Result<WeightsRep
             .map_err(|m| file_err(format!("tensor '{tensor}': {m}")))?;
         let mut value = Tensor::new(view.shape().to_vec(), data)
             .map_err(|m| file_err(format!("tensor '{tensor}': {m}")))?;
-        // torch's OIHW convolution kernel as our HWIO.
-        let oihw = |s: &[usize]| [s[2], s[3], s[1], s[0]];
-        if value.shape() != shape.as_slice()
-            && shape.len() == 4
-            && value.shape().len() == 4
-            && oihw(value.shape()) == shape[..]
-        {
+        let file_shape = value.shape().to_vec();
+        // A 4-D tensor is torch's OIHW convolution kernel, our HWIO transposed (always:
+        // a square kernel with as many channels in as out has the same shape both ways).
+        if shape.len() == 4 && value.shape().len() == 4 {
             value = Transpose::new(vec![2, 3, 1, 0])
                 .eval(&[&value])
                 .map_err(|m| file_err(format!("tensor '{tensor}': {m}")))?
@@ -121,7 +118,7 @@ pub fn load_safetensors(session: &mut Session, path: &Path) -> Result<WeightsRep
                 path: shown,
                 tensor: tensor.to_string(),
                 variable,
-                got: value.shape().to_vec(),
+                got: file_shape,
                 want: shape,
             });
         }

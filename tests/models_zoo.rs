@@ -10,6 +10,7 @@ use ampgraph::graph::models::bert::{self, BertConfig};
 use ampgraph::graph::models::gpt2::{self, Gpt2Config};
 use ampgraph::graph::models::resnet::{self, ResNetConfig};
 use ampgraph::graph::models::vit::{self, VitConfig};
+use ampgraph::graph::models::NormNames;
 use ampgraph::graph::ops::{Group, Variable};
 use ampgraph::optim::{Adam, Optimizer, Sgd};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
@@ -22,10 +23,7 @@ use ampgraph::{DType, Device, Graph, Port, Session, Tensor};
 fn parameters(g: &Graph) -> usize {
     g.node_ids()
         .filter(|&id| g.node(id).op.is::<Variable>())
-        .filter(|&id| {
-            let name = &g.node(id).name;
-            !name.ends_with("/moving_mean") && !name.ends_with("/moving_variance")
-        })
+        .filter(|&id| !NormNames::is_running_average(&g.node(id).name))
         .map(|id| g.node(id).outputs()[0].shape.iter().product::<usize>())
         .sum()
 }
@@ -98,11 +96,7 @@ fn values(n: usize, seed: u64) -> Vec<f64> {
 /// in 30 steps, and the batch norms' running averages move.
 #[test]
 fn a_small_resnet_trains_on_the_cpu() {
-    let config = ResNetConfig {
-        blocks: [1, 1, 1, 1],
-        width: 4,
-        classes: 3,
-    };
+    let config = TINY_RESNET;
     let mut g = Graph::new();
     let x = g.placeholder("x", DType::F32, [8, 3, 32, 32]).unwrap();
     let labels = g.placeholder("labels", DType::I64, [8]).unwrap();
@@ -128,10 +122,7 @@ fn a_small_resnet_trains_on_the_cpu() {
         last.is_finite() && last < 0.5 * first,
         "loss {first} -> {last}"
     );
-    let mean = session
-        .variable("stem/bn/moving_mean")
-        .unwrap()
-        .to_f64_vec();
+    let mean = session.variable("bn1.running_mean").unwrap().to_f64_vec();
     assert!(mean.iter().any(|&m| m != 0.0), "running mean {mean:?}");
 }
 
@@ -145,6 +136,13 @@ fn gpt2_124m_has_hugging_faces_parameter_count() {
     assert_eq!(g.ty(logits).shape, [1024, 50257]);
     assert!(g.find("transformer.h.11.mlp.c_proj.weight").is_some());
 }
+
+/// One bottleneck a stage, width 4 (scripts/zoo's `RESNET`).
+const TINY_RESNET: ResNetConfig = ResNetConfig {
+    blocks: [1, 1, 1, 1],
+    width: 4,
+    classes: 3,
+};
 
 /// BERT small enough for the CPU, heads the fused kernels take (scripts/zoo's `BERT`).
 const TINY_BERT: BertConfig = BertConfig {
@@ -426,6 +424,20 @@ fn vit_loads_torchvision_weights_and_computes_numpys_logits() {
     let config = TINY_VIT;
     let build = |g: &mut Graph, x| vit::build(g, x, &config).unwrap();
     matches_numpy("vit", (DType::F32, &[2, 3, 8, 8]), build, |report| {
+        assert!(
+            report.missing.is_empty() && report.unused.is_empty(),
+            "{report:?}"
+        );
+    });
+}
+
+/// torchvision's ResNet names (OIHW kernels, the batch norms' running statistics)
+/// load into the zoo's ResNet, which then computes numpy's inference logits.
+#[test]
+fn resnet_loads_torchvision_weights_and_computes_numpys_logits() {
+    let config = TINY_RESNET;
+    let build = |g: &mut Graph, x| resnet::build(g, x, &config, false).unwrap().logits;
+    matches_numpy("resnet", (DType::F32, &[2, 3, 32, 32]), build, |report| {
         assert!(
             report.missing.is_empty() && report.unused.is_empty(),
             "{report:?}"

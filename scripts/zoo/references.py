@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes tests/data/zoo/<model>_tiny.safetensors and <model>_tiny.json for tiny
-configurations of the zoo's GPT-2, BERT and ViT (graph::models): seeded weights under
+configurations of the zoo's GPT-2, BERT, ViT and ResNet (graph::models): seeded weights under
 their checkpoints' names and layouts, and the logits of each model's forward pass on
 fixed inputs, computed here in float64 numpy, independently of ampgraph.
 
@@ -12,6 +12,9 @@ fixed inputs, computed here in float64 numpy, independently of ampgraph.
 - vit: torchvision's `vit_b_16` names, the patch embedding's kernel in torch's OIHW;
   8x8 images in 4x4 patches, 2 layers, 2 heads, width 32, MLP 64, 3 classes; images
   [2, 3, 8, 8].
+- resnet: torchvision's `resnet50` names (kernels OIHW, the batch norms' running
+  statistics), inference; one bottleneck a stage, width 4, 3 classes; images
+  [2, 3, 32, 32].
 
     python3 scripts/zoo/references.py     (needs numpy and safetensors)
 """
@@ -219,6 +222,80 @@ def vit_forward(w, images):
     return lin(ln(x, "encoder.ln")[:, 0], "heads.head")
 
 
+RESNET = dict(blocks=[1, 1, 1, 1], width=4, classes=3)
+
+
+def resnet_weights(rng):
+    f = lambda *shape, s=0.3: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
+    w = {}
+
+    def conv_bn(conv, bn, cout, cin, k):
+        w[f"{conv}.weight"] = f(cout, cin, k, k, s=np.sqrt(2.0 / (cin * k * k)))
+        w[f"{bn}.weight"] = (1.0 + f(cout, s=0.1)).astype(np.float32)
+        w[f"{bn}.bias"] = f(cout, s=0.1)
+        w[f"{bn}.running_mean"] = f(cout, s=0.1)
+        w[f"{bn}.running_var"] = rng.uniform(0.5, 1.5, cout).astype(np.float32)
+
+    width = RESNET["width"]
+    conv_bn("conv1", "bn1", width, 3, 7)
+    cin = width
+    for stage, blocks in enumerate(RESNET["blocks"]):
+        wd = width << stage
+        for block in range(blocks):
+            n = f"layer{stage + 1}.{block}"
+            conv_bn(f"{n}.conv1", f"{n}.bn1", wd, cin, 1)
+            conv_bn(f"{n}.conv2", f"{n}.bn2", wd, wd, 3)
+            conv_bn(f"{n}.conv3", f"{n}.bn3", 4 * wd, wd, 1)
+            if block == 0:
+                conv_bn(f"{n}.downsample.0", f"{n}.downsample.1", 4 * wd, cin, 1)
+            cin = 4 * wd
+    w["fc.weight"] = f(RESNET["classes"], cin)
+    w["fc.bias"] = f(RESNET["classes"], s=0.1)
+    return w
+
+
+def conv2d(x, w, stride, pad):
+    """Cross-correlation of x [b, cin, h, w] with an OIHW kernel, as torch's Conv2d."""
+    k = w.shape[2]
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    oh = (x.shape[2] + 2 * pad - k) // stride + 1
+    ow = (x.shape[3] + 2 * pad - k) // stride + 1
+    out = np.zeros((x.shape[0], w.shape[0], oh, ow))
+    for u in range(k):
+        for v in range(k):
+            patch = xp[:, :, u:u + stride * (oh - 1) + 1:stride, v:v + stride * (ow - 1) + 1:stride]
+            out += np.einsum("bchw,oc->bohw", patch, w[:, :, u, v])
+    return out
+
+
+def resnet_forward(w, images):
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+
+    def conv_bn(x, conv, bn, stride, relu):
+        y = conv2d(x, w[f"{conv}.weight"], stride, w[f"{conv}.weight"].shape[2] // 2)
+        c = lambda name: w[f"{bn}.{name}"][None, :, None, None]  # noqa: E731
+        y = (y - c("running_mean")) / np.sqrt(c("running_var") + 1e-5) * c("weight") + c("bias")
+        return np.maximum(y, 0.0) if relu else y
+
+    x = conv_bn(images, "conv1", "bn1", 2, True)
+    # Max pool 3x3, stride 2, padding 1 (the padding never wins).
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=-np.inf)
+    oh, ow = (x.shape[2] - 1) // 2 + 1, (x.shape[3] - 1) // 2 + 1
+    x = np.max([xp[:, :, u:u + 2 * (oh - 1) + 1:2, v:v + 2 * (ow - 1) + 1:2]
+                for u in range(3) for v in range(3)], axis=0)
+    for stage, blocks in enumerate(RESNET["blocks"]):
+        for block in range(blocks):
+            n = f"layer{stage + 1}.{block}"
+            stride = 2 if stage > 0 and block == 0 else 1
+            h = conv_bn(x, f"{n}.conv1", f"{n}.bn1", 1, True)
+            h = conv_bn(h, f"{n}.conv2", f"{n}.bn2", stride, True)
+            h = conv_bn(h, f"{n}.conv3", f"{n}.bn3", 1, False)
+            if f"{n}.downsample.0.weight" in w:
+                x = conv_bn(x, f"{n}.downsample.0", f"{n}.downsample.1", stride, False)
+            x = np.maximum(h + x, 0.0)
+    return x.mean(axis=(2, 3)) @ w["fc.weight"].T + w["fc.bias"]
+
+
 def write(name, weights, inputs, outputs):
     save_file(weights, os.path.join(OUT, f"{name}_tiny.safetensors"))
     with open(os.path.join(OUT, f"{name}_tiny.json"), "w") as f:
@@ -240,6 +317,10 @@ def main():
     w = vit_weights(rng)
     images = rng.standard_normal((2, 3, VIT["image"], VIT["image"])).astype(np.float32)
     write("vit", w, images, vit_forward(w, images.astype(np.float64)))
+    rng = np.random.default_rng(2029)
+    w = resnet_weights(rng)
+    images = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
+    write("resnet", w, images, resnet_forward(w, images.astype(np.float64)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
 //!
 //! Batch norms are PyTorch's `nn.BatchNorm2d` ([`BatchNorms`]).
 
-use super::{f32_variable, BatchNorms};
+use super::{f32_variable, BatchNorms, NormNames};
 use crate::nn;
 use crate::ops::{DataFormat, Init, NormActivation, Padding};
 use crate::{Graph, Port, Result};
@@ -47,7 +47,7 @@ pub fn build(
     classes: usize,
     training: bool,
 ) -> Result<ConvNet> {
-    let mut norms = BatchNorms::new(g, training)?;
+    let mut norms = BatchNorms::new(g, training, NormNames::Keras)?;
     let mut h = x;
     for (i, &(times, stride)) in LAYERS.iter().enumerate() {
         let (cin, cout) = (g.ty(h).shape[1], times * width);

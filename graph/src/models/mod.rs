@@ -27,19 +27,54 @@ const BN_EPSILON: f64 = 1e-5;
 /// `nn.BatchNorm2d`'s momentum: the batch statistics' weight in the running averages.
 const BN_MOMENTUM: f64 = 0.1;
 
+/// How a model names its batch norms' Variables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormNames {
+    /// `<name>/scale`, `/offset`, `/moving_mean`, `/moving_variance` (Keras's, the
+    /// convnet's).
+    Keras,
+    /// `<name>.weight`, `.bias`, `.running_mean`, `.running_var` (torch's state dict).
+    Torch,
+}
+
+impl NormNames {
+    /// The names of the scale, offset, running mean and running variance.
+    fn of(self, name: &str) -> [String; 4] {
+        let (sep, leaves) = match self {
+            NormNames::Keras => ('/', ["scale", "offset", "moving_mean", "moving_variance"]),
+            NormNames::Torch => ('.', ["weight", "bias", "running_mean", "running_var"]),
+        };
+        leaves.map(|leaf| format!("{name}{sep}{leaf}"))
+    }
+
+    /// Whether `variable` is a running average (a buffer in PyTorch, no parameter).
+    pub fn is_running_average(variable: &str) -> bool {
+        [
+            "/moving_mean",
+            "/moving_variance",
+            ".running_mean",
+            ".running_var",
+        ]
+        .iter()
+        .any(|suffix| variable.ends_with(suffix))
+    }
+}
+
 /// PyTorch's `nn.BatchNorm2d` on NCHW images (epsilon 1e-5, scale ones, offset zeros,
-/// running mean zeros and variance ones), for a model's every batch norm.
+/// running mean zeros and variance ones), for a model's every batch norm, its
+/// Variables named as [`NormNames`] says.
 ///
 /// In training they normalise with the batch's statistics and the step updates the
 /// running averages as PyTorch does, with momentum 0.1 and the unbiased batch
-/// variance: assignments of the Variables `<name>/moving_mean` and
-/// `<name>/moving_variance` in the same step ([`running_updates`](Self::running_updates)).
+/// variance: assignments of the running averages' Variables in the same step
+/// ([`running_updates`](Self::running_updates)).
 /// Those Variables are no input of a training BatchNorm (it reads empty statistics
 /// instead, which BatchNorm allows in training), so the optimizer, which trains every
 /// Variable the loss depends on, leaves them alone. In inference the batch norms read
 /// them.
 pub struct BatchNorms {
     training: bool,
+    names: NormNames,
     /// A training BatchNorm's mean and variance inputs, unread.
     unread: Option<Port>,
     keep: Port,
@@ -49,7 +84,7 @@ pub struct BatchNorms {
 }
 
 impl BatchNorms {
-    pub fn new(g: &mut Graph, training: bool) -> Result<BatchNorms> {
+    pub fn new(g: &mut Graph, training: bool, names: NormNames) -> Result<BatchNorms> {
         let unread = if training {
             let empty = Tensor::new(vec![0], Data::F32(Vec::new())).map_err(GraphError::Format)?;
             Some(g.constant(empty)?)
@@ -58,6 +93,7 @@ impl BatchNorms {
         };
         Ok(BatchNorms {
             training,
+            names,
             unread,
             keep: g.scalar(DType::F32, 1.0 - BN_MOMENTUM)?,
             take: g.scalar(DType::F32, BN_MOMENTUM)?,
@@ -74,13 +110,12 @@ impl BatchNorms {
         activation: NormActivation,
     ) -> Result<Port> {
         let channels = g.ty(y).shape[1];
-        let stat = |g: &mut Graph, leaf: &str, init| {
-            f32_variable(g, format!("{name}/{leaf}"), vec![channels], init)
-        };
-        let scale = stat(g, "scale", Init::Constant(1.0))?;
-        let offset = stat(g, "offset", Init::Zeros)?;
-        let moving_mean = stat(g, "moving_mean", Init::Zeros)?;
-        let moving_variance = stat(g, "moving_variance", Init::Constant(1.0))?;
+        let [scale, offset, mean, variance] = self.names.of(name);
+        let stat = |g: &mut Graph, name, init| f32_variable(g, name, vec![channels], init);
+        let scale = stat(g, scale, Init::Constant(1.0))?;
+        let offset = stat(g, offset, Init::Zeros)?;
+        let moving_mean = stat(g, mean, Init::Zeros)?;
+        let moving_variance = stat(g, variance, Init::Constant(1.0))?;
         let op = BatchNorm {
             epsilon: BN_EPSILON,
             training: self.training,

@@ -6,12 +6,14 @@
 //! 25,557,032 trainable parameters.
 //!
 //! Convolutions have no bias and pad as PyTorch's `padding=k // 2` (symmetric: cuDNN
-//! takes it with no copy); batch norms are [`BatchNorms`], their Variables
-//! `<block>/bn<i>/...`. Kernels start He-normal, the head as [`nn::dense`].
+//! takes it with no copy); batch norms are [`BatchNorms`]. The Variables are named as
+//! torchvision's state dict names them (`layer1.0.conv2.weight`, `layer1.0.bn2.
+//! running_var`, `layer2.0.downsample.0.weight`, `fc.weight`): kernels HWIO (torch's
+//! OIHW transposed, as `pretrained` loads them), the head's weight `[classes, in]`.
+//! Kernels start He-normal, the head Glorot-uniform.
 
-use super::{f32_variable, BatchNorms};
-use crate::nn;
-use crate::ops::{DataFormat, Init, NormActivation, Padding};
+use super::{f32_variable, BatchNorms, NormNames};
+use crate::ops::{DataFormat, Init, MatMul, NormActivation, Padding};
 use crate::{Graph, GraphError, Port, Result};
 
 /// A ResNet's shape.
@@ -51,20 +53,20 @@ struct Layers<'a> {
 }
 
 impl Layers<'_> {
-    /// A `k x k` convolution `name/kernel` of NCHW `x` to `cout` channels at `stride`,
-    /// padded `k / 2` on every side, then its batch norm `name/bn` and a Relu where
-    /// `relu` (`fuse-batchnorm-activation` folds it into the norm).
+    /// A `k x k` convolution `conv.weight` of NCHW `x` to `cout` channels at `stride`,
+    /// padded `k / 2` on every side, then its batch norm `bn` and a Relu where `relu`
+    /// (`fuse-batchnorm-activation` folds it into the norm).
     fn conv_bn(
         &mut self,
         x: Port,
-        name: &str,
+        (conv, bn): (&str, &str),
         (cout, k, stride): (usize, usize, usize),
         relu: bool,
     ) -> Result<Port> {
         let cin = self.g.ty(x).shape[1];
         let kernel = f32_variable(
             self.g,
-            format!("{name}/kernel"),
+            format!("{conv}.weight"),
             vec![k, k, cin, cout],
             Init::HeNormal,
         )?;
@@ -73,9 +75,7 @@ impl Layers<'_> {
             .g
             .conv2d(x, kernel, [stride, stride], pad, DataFormat::Nchw)?;
         let identity = NormActivation::Identity;
-        let y = self
-            .norms
-            .apply(self.g, y, &format!("{name}/bn"), identity)?;
+        let y = self.norms.apply(self.g, y, bn, identity)?;
         if relu {
             self.g.relu(y)
         } else {
@@ -86,12 +86,19 @@ impl Layers<'_> {
     /// One bottleneck `name` of `width` at `stride`.
     fn bottleneck(&mut self, x: Port, name: &str, width: usize, stride: usize) -> Result<Port> {
         let out = width * EXPANSION;
-        let h = self.conv_bn(x, &format!("{name}/conv1"), (width, 1, 1), true)?;
-        let h = self.conv_bn(h, &format!("{name}/conv2"), (width, 3, stride), true)?;
-        let h = self.conv_bn(h, &format!("{name}/conv3"), (out, 1, 1), false)?;
+        let pair = |i: usize| (format!("{name}.conv{i}"), format!("{name}.bn{i}"));
+        let (c, b) = pair(1);
+        let h = self.conv_bn(x, (&c, &b), (width, 1, 1), true)?;
+        let (c, b) = pair(2);
+        let h = self.conv_bn(h, (&c, &b), (width, 3, stride), true)?;
+        let (c, b) = pair(3);
+        let h = self.conv_bn(h, (&c, &b), (out, 1, 1), false)?;
         let shortcut = if stride != 1 || self.g.ty(x).shape[1] != out {
-            let projection = (out, 1, stride);
-            self.conv_bn(x, &format!("{name}/downsample"), projection, false)?
+            let (c, b) = (
+                format!("{name}.downsample.0"),
+                format!("{name}.downsample.1"),
+            );
+            self.conv_bn(x, (&c, &b), (out, 1, stride), false)?
         } else {
             x
         };
@@ -111,10 +118,10 @@ pub fn build(g: &mut Graph, x: Port, config: &ResNetConfig, training: bool) -> R
         )));
     }
     let mut layers = Layers {
-        norms: BatchNorms::new(g, training)?,
+        norms: BatchNorms::new(g, training, NormNames::Torch)?,
         g,
     };
-    let stem = layers.conv_bn(x, "stem", (config.width, 7, 2), true)?;
+    let stem = layers.conv_bn(x, ("conv1", "bn1"), (config.width, 7, 2), true)?;
     let pad = Padding::Explicit([[1, 1], [1, 1]]);
     let mut h = layers
         .g
@@ -123,12 +130,22 @@ pub fn build(g: &mut Graph, x: Port, config: &ResNetConfig, training: bool) -> R
         let width = config.width << stage;
         for block in 0..blocks {
             let stride = if stage > 0 && block == 0 { 2 } else { 1 };
-            h = layers.bottleneck(h, &format!("layer{}/{block}", stage + 1), width, stride)?;
+            h = layers.bottleneck(h, &format!("layer{}.{block}", stage + 1), width, stride)?;
         }
     }
-    let pooled = layers.g.mean(h, Some(&[2, 3]), false)?;
+    let g = layers.g;
+    let pooled = g.mean(h, Some(&[2, 3]), false)?;
+    let features = g.ty(pooled).shape[1];
+    let w = f32_variable(
+        g,
+        "fc.weight".into(),
+        vec![config.classes, features],
+        Init::GlorotUniform,
+    )?;
+    let b = f32_variable(g, "fc.bias".into(), vec![config.classes], Init::Zeros)?;
+    let logits = g.add(MatMul::new(false, true), &[pooled, w])?;
     Ok(ResNet {
-        logits: nn::dense(layers.g, pooled, config.classes, None)?,
+        logits: g.bias_add(logits, b)?,
         running_updates: layers.norms.running_updates,
     })
 }
