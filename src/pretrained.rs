@@ -14,8 +14,8 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use ampgraph_graph::ops::{Transpose, Variable};
-use ampgraph_graph::{DType, Data, Op, Tensor};
+use ampgraph_graph::ops::{BatchNorm, Const, Init, Transpose, Variable};
+use ampgraph_graph::{DType, Data, Graph, GraphError, Op, Tensor};
 use safetensors::{Dtype, SafeTensors};
 use thiserror::Error;
 
@@ -128,4 +128,43 @@ pub fn load_safetensors(session: &mut Session, path: &Path) -> Result<WeightsRep
     }
     report.unused = names.difference(&taken).map(|n| n.to_string()).collect();
     Ok(report)
+}
+
+/// The weights of an imported model made trainable, so that it can be fine-tuned (with
+/// AMP: its Variables are f32 master weights): every float constant of two or more
+/// elements becomes a Variable of its name, except a BatchNorm's statistics (its mean
+/// and variance, read in inference, stay constant). Returns each new Variable's name
+/// and value, which [`set_values`] gives a session of the graph.
+pub fn trainable_constants(g: &mut Graph) -> Result<Vec<(String, Tensor)>, GraphError> {
+    // A BatchNorm's statistics stay constants.
+    let statistics: BTreeSet<_> = (g.node_ids())
+        .filter(|&id| g.node(id).op.is::<BatchNorm>())
+        .flat_map(|id| g.inputs(id)[3..].iter().map(|p| p.node).collect::<Vec<_>>())
+        .collect();
+    let weights: Vec<_> = (g.node_ids())
+        .filter(|id| !statistics.contains(id))
+        .filter_map(|id| {
+            let c = g.node(id).op.downcast_ref::<Const>()?;
+            let weight = c.ty.dtype.is_float() && c.ty.shape.iter().product::<usize>() >= 2;
+            weight.then(|| (id, c.clone()))
+        })
+        .collect();
+    let mut values = Vec::with_capacity(weights.len());
+    for (id, c) in weights {
+        let value = c.eval(&[]).map_err(GraphError::Format)?.remove(0);
+        g.set_op(id, Box::new(Variable::with_init(c.ty.clone(), Init::Zeros)));
+        values.push((g.node(id).name.clone(), value));
+    }
+    Ok(values)
+}
+
+/// Gives a session's variables `values` by name ([`trainable_constants`]'s).
+pub fn set_values(
+    session: &mut Session,
+    values: Vec<(String, Tensor)>,
+) -> Result<(), SessionError> {
+    for (name, value) in values {
+        session.set_variable(&name, value)?;
+    }
+    Ok(())
 }
