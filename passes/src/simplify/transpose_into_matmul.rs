@@ -78,6 +78,15 @@ fn find(g: &Graph, id: NodeId, slot: usize, outputs: &[bool]) -> Option<Found> {
     })
 }
 
+/// Another node than `except` computing `op` of `inputs` (which reads `inputs[0]`).
+fn twin(g: &Graph, op: &dyn Op, inputs: &[Port], except: Option<NodeId>) -> Option<NodeId> {
+    let first = *inputs.first()?;
+    (g.port_consumers(first).into_iter())
+        .map(|(n, _)| n)
+        .filter(|&n| Some(n) != except && g.inputs(n) == inputs)
+        .find(|&n| *g.node(n).op == *op && g.node(n).outputs().len() == 1)
+}
+
 /// The product's op with the adjoint of operand `slot` flipped.
 fn flipped(op: &dyn Op, slot: usize) -> Option<Box<dyn Op>> {
     if let Some(m) = op.downcast_ref::<BatchMatMul>() {
@@ -127,15 +136,18 @@ impl TransposeIntoMatmul {
             .flat_map(|id| [(id, 0), (id, 1)])
             .filter_map(|(id, slot)| find(g, id, slot, &outputs))
             .collect();
+        let mut stale: Vec<NodeId> = found.iter().map(|f| f.transpose).collect();
         for f in &found {
             let x = g.inputs(f.transpose)[0];
             let identity = f.rest.iter().enumerate().all(|(i, &a)| i == a);
+            let rest = Transpose::new(f.rest.clone());
             let mut operand = if identity {
                 x
+            } else if let Some(same) = twin(g, &rest, &[x], None) {
+                Port::new(same, 0)
             } else {
                 let name = g.fresh_name(format!("{}/adj", g.node(f.transpose).name));
-                g.add_node(name, Box::new(Transpose::new(f.rest.clone())), &[x])?
-                    .into()
+                g.add_node(name, Box::new(rest), &[x])?.into()
             };
             if let Some((mul, scale_slot)) = f.mul {
                 let mut inputs = g.inputs(mul).to_vec();
@@ -150,6 +162,18 @@ impl TransposeIntoMatmul {
             let mut inputs = g.inputs(f.product).to_vec();
             inputs[f.slot] = operand;
             g.set_node(f.product, op, &inputs)?;
+            // A product now computing what another does gives way to it (the
+            // transposes of one tensor made two products of the same operands).
+            let product = Port::new(f.product, 0);
+            let op = g.node(f.product).op.clone();
+            if let Some(same) = twin(g, op.as_ref(), &inputs, Some(f.product)) {
+                if !outputs[f.product.index()] {
+                    let readers = g.port_consumers(product);
+                    let to = Port::new(same, 0);
+                    g.rewire(readers.into_iter().map(|(n, s)| (n, s, to)).collect())?;
+                    stale.push(f.product);
+                }
+            }
             lines.push(format!(
                 "{}: reads operand {} through its adjoint, not the Transpose '{}'",
                 g.node(f.product).name,
@@ -157,9 +181,9 @@ impl TransposeIntoMatmul {
                 g.node(f.transpose).name
             ));
         }
-        // The Transposes nothing reads any more go (a copy of the operand each).
-        let transposes = found.iter().map(|f| f.transpose).collect();
-        remove_unread(g, transposes, &outputs)?;
+        // The Transposes (a copy of the operand each) and products nothing reads any
+        // more go.
+        remove_unread(g, stale, &outputs)?;
         Ok(())
     }
 }
@@ -277,6 +301,24 @@ mod tests {
         let mm = g.node(y.node).op.downcast_ref::<MatMul>().unwrap();
         assert!(mm.transpose_a && mm.transpose_b);
         assert_eq!(count(&g, "Transpose"), 0);
+    }
+
+    /// A product that becomes another's twin (`a T(b)` beside `a b^T`) gives way to it,
+    /// so that a later CSE finds nothing left to merge (the pass is idempotent inside
+    /// any pipeline).
+    #[test]
+    fn a_product_that_becomes_anothers_twin_gives_way() {
+        let mut g = Graph::new();
+        let a = g.placeholder("a", DType::F32, [3, 4]).unwrap();
+        let b = g.placeholder("b", DType::F32, [5, 4]).unwrap();
+        let bt = g.add(Transpose::new(vec![1, 0]), &[b]).unwrap();
+        let x = g.add(MatMul::new(false, false), &[a, bt]).unwrap();
+        let y = g.add(MatMul::new(false, true), &[a, b]).unwrap();
+        let sum = g.add(Binary::new(BinaryKind::Add), &[x, y]).unwrap();
+        g.set_outputs(vec![sum]).unwrap();
+        rewrite(&mut g, &feeds(&[("a", &[3, 4]), ("b", &[5, 4])]));
+        assert_eq!(count(&g, "MatMul"), 1);
+        assert_eq!(g.inputs(sum.node), [y, y]);
     }
 
     /// A Transpose read elsewhere too stays for that reader; one that keeps the last
