@@ -15,7 +15,7 @@ use ampgraph::graph::ops::{Group, Variable};
 use ampgraph::optim::{Adam, Optimizer, Sgd};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::PassManager;
-use ampgraph::pretrained::{load_safetensors, WeightsError};
+use ampgraph::pretrained::{load_safetensors, WeightsError, WeightsReport};
 use ampgraph::{DType, Device, Graph, Port, Session, Tensor};
 
 /// The trainable parameters of `g`: its Variables but the batch norms' running
@@ -366,7 +366,7 @@ fn matches_numpy(
     name: &str,
     (dtype, shape): (DType, &[usize]),
     build: impl FnOnce(&mut Graph, Port) -> Port,
-    report: impl FnOnce(&ampgraph::pretrained::WeightsReport),
+    report: impl FnOnce(&WeightsReport),
 ) {
     let (weights, inputs, want) = zoo_fixture(name);
     let mut g = Graph::new();
@@ -389,6 +389,14 @@ fn matches_numpy(
     assert!(err < 1e-5, "{name}: relative error {err}");
 }
 
+/// A load that took every tensor of the file for every variable of the model.
+fn complete(report: &WeightsReport) {
+    assert!(
+        report.missing.is_empty() && report.unused.is_empty(),
+        "{report:?}"
+    );
+}
+
 /// Hugging Face's `gpt2` names (without the `transformer.` prefix, its causal-mask
 /// buffers beside them) load into the zoo's GPT-2, which then computes numpy's logits.
 #[test]
@@ -409,12 +417,7 @@ fn gpt2_loads_hugging_face_weights_and_computes_numpys_logits() {
 fn bert_loads_hugging_face_weights_and_computes_numpys_logits() {
     let config = TINY_BERT;
     let build = |g: &mut Graph, x| bert::build(g, x, &config).unwrap();
-    matches_numpy("bert", (DType::I64, &[2, 8]), build, |report| {
-        assert!(
-            report.missing.is_empty() && report.unused.is_empty(),
-            "{report:?}"
-        );
-    });
+    matches_numpy("bert", (DType::I64, &[2, 8]), build, complete);
 }
 
 /// torchvision's ViT names, the patch kernel in torch's OIHW, load into the zoo's ViT
@@ -423,12 +426,7 @@ fn bert_loads_hugging_face_weights_and_computes_numpys_logits() {
 fn vit_loads_torchvision_weights_and_computes_numpys_logits() {
     let config = TINY_VIT;
     let build = |g: &mut Graph, x| vit::build(g, x, &config).unwrap();
-    matches_numpy("vit", (DType::F32, &[2, 3, 8, 8]), build, |report| {
-        assert!(
-            report.missing.is_empty() && report.unused.is_empty(),
-            "{report:?}"
-        );
-    });
+    matches_numpy("vit", (DType::F32, &[2, 3, 8, 8]), build, complete);
 }
 
 /// torchvision's ResNet names (OIHW kernels, the batch norms' running statistics)
@@ -437,12 +435,7 @@ fn vit_loads_torchvision_weights_and_computes_numpys_logits() {
 fn resnet_loads_torchvision_weights_and_computes_numpys_logits() {
     let config = TINY_RESNET;
     let build = |g: &mut Graph, x| resnet::build(g, x, &config, false).unwrap().logits;
-    matches_numpy("resnet", (DType::F32, &[2, 3, 32, 32]), build, |report| {
-        assert!(
-            report.missing.is_empty() && report.unused.is_empty(),
-            "{report:?}"
-        );
-    });
+    matches_numpy("resnet", (DType::F32, &[2, 3, 32, 32]), build, complete);
 }
 
 /// A file that is no safetensors file, and a tensor of another shape than its
