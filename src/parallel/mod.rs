@@ -15,6 +15,10 @@
 //! on the CPU a shared-memory group does (the CPU simulation the tests compare with
 //! one replica at the global batch).
 
+pub mod process_group;
+
+pub use process_group::{GroupError, ProcessGroup};
+
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
