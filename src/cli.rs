@@ -327,6 +327,12 @@ pub enum Command {
         /// The file to write: `.json`, `.bin` or `.onnx` decides the format.
         #[arg(short, long)]
         output: PathBuf,
+        /// Make the model's weights trainable for fine-tuning: its float constants of
+        /// two or more elements (but batch norms' statistics) become Variables of their
+        /// names in the written graph (.json or .bin), their values saved to this
+        /// checkpoint, which a session of the graph restores.
+        #[arg(long, value_name = "CHECKPOINT")]
+        trainable: Option<PathBuf>,
     },
     /// Rewrite a graph: automatic mixed precision and other passes.
     Rewrite {
@@ -755,16 +761,33 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             format,
             output,
         } => dump(&files.load(&graph)?, format, output.as_deref(), out),
-        Command::Convert { graph, output } => {
+        Command::Convert {
+            graph,
+            output,
+            trainable,
+        } => {
             let onnx_out = ampgraph_onnx::is_onnx_path(&output);
-            let (g, probes) = files.load_probed(&graph, onnx_out)?;
-            match output.extension().and_then(|e| e.to_str()) {
-                Some("bin" | "json" | "onnx") => files.save(&g, &output, probes.as_ref()),
-                _ => Err(CliError::Usage(format!(
+            let (mut g, probes) = files.load_probed(&graph, onnx_out)?;
+            let extension = output.extension().and_then(|e| e.to_str());
+            if !matches!(extension, Some("bin" | "json" | "onnx")) {
+                return Err(CliError::Usage(format!(
                     "{}: the output must end in .json, .bin or .onnx",
                     output.display()
-                ))),
+                )));
             }
+            let Some(checkpoint) = trainable else {
+                return files.save(&g, &output, probes.as_ref());
+            };
+            if onnx_out {
+                return Err(CliError::Usage(
+                    "--trainable writes Variables, which ONNX has not: write .json or .bin".into(),
+                ));
+            }
+            let values = crate::pretrained::trainable_constants(&mut g)?;
+            let mut session = Session::new(g.clone(), Device::Cpu)?;
+            crate::pretrained::set_values(&mut session, values)?;
+            session.save(&checkpoint)?;
+            files.save(&g, &output, None)
         }
         Command::Plan {
             graph,

@@ -82,3 +82,49 @@ fn imported_weights_made_trainable_compute_the_same_and_train() {
         );
     }
 }
+
+/// `ampgraph convert model.onnx -o model.json --trainable model.ckpt` writes the graph
+/// with the weights as Variables and their values as a checkpoint: a session of the
+/// graph restoring it computes the ONNX model's outputs. ONNX output is refused.
+#[test]
+fn convert_trainable_writes_the_graph_and_its_weights() {
+    let dir = std::env::temp_dir().join(format!("ampgraph-trainable-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx/resnet_tiny/model.onnx");
+    let (graph, checkpoint) = (dir.join("model.json"), dir.join("model.ckpt"));
+    let convert = |output: &Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ampgraph"))
+            .args(["--input", "input=4x3x32x32", "convert"])
+            .arg(&model)
+            .arg("-o")
+            .arg(output)
+            .arg("--trainable")
+            .arg(&checkpoint)
+            .output()
+            .unwrap()
+    };
+    let out = convert(&graph);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g = ampgraph::graph::format::graph_from_bytes(&std::fs::read(&graph).unwrap()).unwrap();
+    assert!(g.node_ids().any(|id| g.node(id).op.is::<Variable>()));
+    let logits = g.outputs()[0];
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    session.restore(&checkpoint).unwrap();
+    let (constant, want_logits, feeds) = resnet_tiny();
+    let want = Session::new(constant, Device::Cpu)
+        .unwrap()
+        .run(&[want_logits], &feeds)
+        .unwrap();
+    let got = session.run(&[logits], &feeds).unwrap();
+    assert_eq!(got[0].to_f64_vec(), want[0].to_f64_vec());
+    let out = convert(&dir.join("model.onnx"));
+    assert_eq!(out.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("--trainable writes Variables"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
