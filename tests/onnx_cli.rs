@@ -102,7 +102,7 @@ fn bad_models_are_one_line_errors_naming_the_problem() {
             "unsupported_ops.onnx",
             &[
                 "unsupported ONNX ops (4 nodes)",
-                "Trilu x2",
+                "Hardmax x2",
                 "NonZero x1",
                 "TopK x1",
             ],

@@ -281,6 +281,11 @@ fn layer_norm_forms_import_as_layer_norms() {
 }
 
 #[test]
+fn triangles_match_onnxruntime() {
+    check_model("triangles");
+}
+
+#[test]
 fn deeplab_tiny_matches_onnxruntime() {
     check_model("deeplab_tiny");
 }

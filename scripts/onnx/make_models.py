@@ -848,14 +848,14 @@ def write_bad(out):
     save("declared_shape.onnx", m)
 
     # unsupported_ops: a valid model (passes the checker, runs in onnxruntime) with
-    # Trilu x2, TopK x1, NonZero x1 among ordinary ops
+    # Hardmax x2, TopK x1, NonZero x1 among ordinary ops
     w = numpy_helper.from_array(np.linspace(-1, 1, 20, dtype=np.float32).reshape(4, 5), "w")
     kk = numpy_helper.from_array(np.array([2], dtype=np.int64), "k")
     nodes = [
         helper.make_node("MatMul", ["x", "w"], ["e1"], name="matmul_0"),                      # [3,5]
-        helper.make_node("Trilu", ["e1"], ["t"], name="trilu_0"),                             # [3,5]
+        helper.make_node("Hardmax", ["e1"], ["t"], name="hardmax_0"),                         # [3,5]
         helper.make_node("Relu", ["t"], ["r"], name="relu"),
-        helper.make_node("Trilu", ["r"], ["r2"], name="trilu_1", upper=0),                    # [3,5]
+        helper.make_node("Hardmax", ["r"], ["r2"], name="hardmax_1", axis=0),                 # [3,5]
         helper.make_node("Transpose", ["r2"], ["e2"], name="transpose_0", perm=[1, 0]),       # [5,3]
         helper.make_node("Add", ["e2", "e2"], ["a"], name="add"),
         helper.make_node("TopK", ["a", "k"], ["vals", "idx"], name="topk", axis=-1),           # [5,2]
@@ -871,7 +871,7 @@ def write_bad(out):
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], producer_name=PRODUCER)
     m.ir_version = 7
     # keep nodes topologically sorted (Transpose before the MatMul that uses it)
-    order = ["matmul_0", "trilu_0", "relu", "trilu_1", "transpose_0", "add", "topk", "nonzero",
+    order = ["matmul_0", "hardmax_0", "relu", "hardmax_1", "transpose_0", "add", "topk", "nonzero",
              "transpose", "matmul"]
     by = {n.name: n for n in m.graph.node}
     del m.graph.node[:]
@@ -1098,6 +1098,28 @@ def layer_norm_forms():
     return m, [(3.0 * g.rng.standard_normal((B, S, D)) + 1.0).astype(np.float32)]
 
 
+def triangles():
+    """opset 14: Trilu on a run-time tensor (upper from diagonal 1, lower from -1, and
+    the default upper triangle), and CumSum as HF exports write position ids (a mask
+    of ones summed along the sequence, minus one) and with exclusive and reverse sums."""
+    g = G(seed=1015)
+    x = "x"                                                               # [2, 5, 5]
+    k = lambda v: g.const(np.array(v, dtype=np.int64), "/k")  # noqa: E731
+    up = g.op("Trilu", [x, k(1)], "/upper", upper=1)
+    low = g.op("Trilu", [x, k(-1)], "/lower", upper=0)
+    plain = g.op("Trilu", [x], "/plain")
+    a = g.op("Add", [g.op("Add", [up, low], "/sum"), plain], "/sum")
+    ones = g.const(np.ones((2, 5), dtype=np.int64), "/mask")
+    pos = g.op("Sub", [g.op("CumSum", [ones, k(1)], "/pos"), k(1)], "/pos")  # 0..4 per row
+    wpe = g.init("wpe", (0.5 * g.rng.standard_normal((5, 5))).astype(np.float32))
+    emb = g.op("Gather", [wpe, pos], "/wpe", axis=0)                      # [2, 5, 5]
+    floats = g.const(np.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=np.float32), "/f")
+    rev = g.op("CumSum", [floats, k(0)], "/rev", exclusive=1, reverse=1)  # [14, 12, 9, 5, 0]
+    g.op("Mul", [g.op("Add", [a, emb], "/y"), rev], "/y", outputs=["y"])
+    m = g.model("triangles", [vinfo("x", [2, 5, 5])], [vinfo("y", [2, 5, 5])], opset=14)
+    return m, [g.rng.standard_normal((2, 5, 5)).astype(np.float32)]
+
+
 def fp16_trap():
     """opset 13: an MLP on raw (unnormalised, 0..255) features whose first Gemm's
     products exceed fp16's 65504 on some elements before a Div brings them back;
@@ -1144,6 +1166,7 @@ MODELS = {
     "positions": positions,
     "attention_forms": attention_forms,
     "layer_norm_forms": layer_norm_forms,
+    "triangles": triangles,
 }
 
 

@@ -64,6 +64,8 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Resize" => resize,
         "Mod" => modulo,
         "GatherElements" => gather_elements,
+        "CumSum" => cumsum,
+        "Trilu" => trilu,
         "ScatterND" => scatter_nd,
         "Einsum" => super::einsum::einsum,
         "SoftmaxCrossEntropyLoss" => softmax_cross_entropy,
@@ -1411,6 +1413,76 @@ fn gather_elements(cx: &mut NodeCx) -> Result<Vec<Value>> {
         .map_err(|m| cx.err(m))?;
     let out = take(&data, &picks, ishape).map_err(|m| cx.err(m))?;
     Ok(vec![Value::Const(out)])
+}
+
+/// ONNX CumSum along `axis` (`exclusive`: each sum without its own element;
+/// `reverse`: from the end), computed at import (HF's position ids from a mask of
+/// ones); integers exactly.
+fn cumsum(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let [x, axis] = <[Tensor; 2]>::try_from(import_time_inputs(cx, 2)?)
+        .map_err(|_| cx.err("takes x and axis"))?;
+    let shape = x.shape().to_vec();
+    let axis = (axis.to_i64_vec().and_then(|v| v.first().copied()))
+        .ok_or_else(|| cx.err("axis must be an integer"))?;
+    let axis = normalize_axis(axis, shape.len()).map_err(|m| cx.err(m))?;
+    let (exclusive, reverse) = (
+        cx.int_attr("exclusive", 0)? != 0,
+        cx.int_attr("reverse", 0)? != 0,
+    );
+    let (len, inner) = (shape[axis], shape[axis + 1..].iter().product::<usize>());
+    let outer = shape[..axis].iter().product::<usize>();
+    // Each run along the axis: (outer, inner) fixed, positions in summing order.
+    let sums = |v: &mut Vec<f64>| {
+        for o in 0..outer {
+            for i in 0..inner {
+                let mut total = 0.0;
+                for step in 0..len {
+                    let p = if reverse { len - 1 - step } else { step };
+                    let at = (o * len + p) * inner + i;
+                    let here = v[at];
+                    v[at] = if exclusive { total } else { total + here };
+                    total += here;
+                }
+            }
+        }
+    };
+    let out = match x.to_i64_vec().filter(|_| x.dtype().is_int()) {
+        Some(ints) => {
+            // i64 sums exactly: f64 holds them while below 2^53.
+            let mut v: Vec<f64> = ints.iter().map(|&i| i as f64).collect();
+            sums(&mut v);
+            i64_tensor(shape, v.iter().map(|&f| f as i64).collect()).map(|t| t.cast(x.dtype()))
+        }
+        None => {
+            let mut v = x.to_f64_vec();
+            sums(&mut v);
+            Tensor::from_f64(x.dtype(), shape, &v)
+        }
+    }
+    .map_err(|m| cx.err(m))?;
+    Ok(vec![Value::Const(out)])
+}
+
+/// ONNX Trilu: the upper (`upper` 1) or lower triangle of each matrix of x's last two
+/// axes from diagonal `k` (input 1, default 0), zeros elsewhere: a Where of a constant
+/// mask, which keeps the values exactly (computed at import for a constant x).
+fn trilu(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let xt = cx.ty(&x);
+    let [.., m, n] = xt.shape[..] else {
+        return Err(cx.err(format!("x {:?} must have two axes or more", xt.shape)));
+    };
+    let k = (cx.ints_input(1)?).map_or(0, |v| v.first().copied().unwrap_or(0));
+    let upper = cx.int_attr("upper", 1)? != 0;
+    let keep: Vec<f64> = (0..m * n)
+        .map(|at| {
+            let diagonal = (at % n) as i64 - (at / n) as i64;
+            f64::from(u8::from(if upper { diagonal >= k } else { diagonal <= k }))
+        })
+        .collect();
+    let mask = Tensor::from_f64(DType::Bool, [m, n], &keep).map_err(|m| cx.err(m))?;
+    let zero = scalar_like(xt.dtype, 0.0);
+    cx.out(Where, &[Value::Const(mask), x, zero])
 }
 
 /// ONNX ScatterND: a copy of `data` with the slices `indices` address (each row of

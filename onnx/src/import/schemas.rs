@@ -69,6 +69,10 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(11, (2, 3), (1, 1), &[string("auto_pad", "NOTSET"), optional("dilations"), int("group", 1), optional("kernel_shape"), optional("output_padding"), optional("output_shape"), optional("pads"), optional("strides")]),
         version(22, (2, 3), (1, 1), &[string("auto_pad", "NOTSET"), optional("dilations"), int("group", 1), optional("kernel_shape"), optional("output_padding"), optional("output_shape"), optional("pads"), optional("strides")]),
     ]),
+    ("CumSum", &[
+        version(11, (2, 2), (1, 1), &[int("exclusive", 0), int("reverse", 0)]),
+        version(14, (2, 2), (1, 1), &[int("exclusive", 0), int("reverse", 0)]),
+    ]),
     ("Div", &[
         version(7, (2, 2), (1, 1), &[]),
         version(13, (2, 2), (1, 1), &[]),
@@ -369,6 +373,9 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(13, (1, 1), (1, 1), &[optional("perm")]),
         version(21, (1, 1), (1, 1), &[optional("perm")]),
         version(23, (1, 1), (1, 1), &[optional("perm")]),
+    ]),
+    ("Trilu", &[
+        version(14, (1, 2), (1, 1), &[int("upper", 1)]),
     ]),
     ("Unsqueeze", &[
         version(11, (1, 1), (1, 1), &[required("axes")]),
