@@ -18,6 +18,7 @@ pub mod layout_nhwc;
 pub mod norm_grad_epilogue;
 pub mod recognize_gelu;
 pub mod recognize_layer_norm;
+pub mod recompute;
 pub mod registry;
 mod rewrite;
 pub mod simplify;

@@ -13,6 +13,7 @@ use crate::layout_nhwc::LayoutNhwc;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
 use crate::recognize_gelu::RecognizeGelu;
 use crate::recognize_layer_norm::RecognizeLayerNorm;
+use crate::recompute::RecomputeActivations;
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
     PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
@@ -91,6 +92,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "scale-into-matmul",
         summary: "A multiplication by a scalar constant folds into BatchMatMul's alpha.",
         make: || Box::new(ScaleIntoMatmul),
+    },
+    PassEntry {
+        name: "recompute-activations",
+        summary: "A GELU or LayerNorm whose output the backward pass reads is computed again for it, so the forward's output dies early (memory for time; opt-in).",
+        make: || Box::new(RecomputeActivations),
     },
     PassEntry {
         name: "fuse-attention",
