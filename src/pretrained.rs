@@ -4,7 +4,8 @@
 //! The name map: variable `v` takes the file's tensor `v`, or else the tensor named
 //! `v` without its first dotted component (`transformer.h.0.attn.c_attn.weight` takes
 //! `h.0.attn.c_attn.weight`, as the `gpt2` checkpoint names it; `bert.embeddings.*`
-//! takes `embeddings.*` of a `BertModel` checkpoint). The zoo's models
+//! takes `embeddings.*` of a `BertModel` checkpoint); a `.weight` or `.bias` may be
+//! the legacy `.gamma` or `.beta` of TensorFlow-converted checkpoints. The zoo's models
 //! (`graph::models`) name their variables as the checkpoints do, in their layouts;
 //! a 4-D tensor is a convolution kernel in torch's OIHW, which becomes our HWIO. Values convert to
 //! the variable's dtype (f16, bf16, f32 and f64 files). A tensor of another shape is
@@ -49,10 +50,21 @@ pub struct WeightsReport {
 }
 
 /// The file's tensor for variable `name`: its own name, else without its first dotted
-/// component.
+/// component; each also with a norm's `.weight`/`.bias` as the legacy `.gamma`/`.beta`
+/// (the TensorFlow-converted checkpoints on the Hub, bert-base-uncased's among them,
+/// which Hugging Face renames as it loads them).
 fn tensor_name<'f>(name: &str, names: &BTreeSet<&'f str>) -> Option<&'f str> {
-    let without_first = || name.split_once('.').and_then(|(_, rest)| names.get(rest));
-    names.get(name).or_else(without_first).copied()
+    let legacy = |n: &str| {
+        let (stem, leaf) = n.rsplit_once('.')?;
+        let old = match leaf {
+            "weight" => "gamma",
+            "bias" => "beta",
+            _ => return None,
+        };
+        names.get(format!("{stem}.{old}").as_str()).copied()
+    };
+    let find = |n: &str| names.get(n).copied().or_else(|| legacy(n));
+    find(name).or_else(|| find(name.split_once('.')?.1))
 }
 
 fn dtype_of(dtype: Dtype) -> Option<DType> {

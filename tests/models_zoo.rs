@@ -440,6 +440,56 @@ fn resnet_loads_torchvision_weights_and_computes_numpys_logits() {
     matches_numpy("resnet", (DType::F32, &[2, 3, 32, 32]), build, complete);
 }
 
+/// A safetensors file of f32 tensors `(name, shape, values)`, written as the format
+/// says (a little-endian header length, the JSON header, the data).
+fn safetensors_file(path: &std::path::Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
+    let (mut header, mut data) = (Vec::new(), Vec::new());
+    for (name, shape, values) in tensors {
+        let start = data.len();
+        data.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        header.push(format!(
+            r#""{name}":{{"dtype":"F32","shape":{shape:?},"data_offsets":[{start},{}]}}"#,
+            data.len()
+        ));
+    }
+    let header = format!("{{{}}}", header.join(","));
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    bytes.extend(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// TensorFlow-converted checkpoints name a norm's scale and offset `gamma` and `beta`
+/// (bert-base-uncased's on the Hub): they load into `.weight` and `.bias`.
+#[test]
+fn legacy_gamma_and_beta_load_into_weight_and_bias() {
+    let path = std::env::temp_dir().join(format!(
+        "ampgraph-legacy-{}.safetensors",
+        std::process::id()
+    ));
+    let c = TINY_BERT.width;
+    let gamma: Vec<f32> = (0..c).map(|i| 1.0 + i as f32 / 100.0).collect();
+    let beta: Vec<f32> = (0..c).map(|i| i as f32 / 50.0).collect();
+    safetensors_file(
+        &path,
+        &[
+            ("bert.embeddings.LayerNorm.gamma", vec![c], gamma.clone()),
+            ("embeddings.LayerNorm.beta", vec![c], beta.clone()),
+        ],
+    );
+    let mut g = Graph::new();
+    let ids = g.placeholder("tokens", DType::I64, [2, 8]).unwrap();
+    bert::build(&mut g, ids, &TINY_BERT).unwrap();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    let report = load_safetensors(&mut session, &path).unwrap();
+    assert_eq!(report.loaded.len(), 2, "{report:?}");
+    let value = |name: &str| session.variable(name).unwrap().to_f64_vec();
+    let f64s = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    assert_eq!(value("bert.embeddings.LayerNorm.weight"), f64s(&gamma));
+    assert_eq!(value("bert.embeddings.LayerNorm.bias"), f64s(&beta));
+    std::fs::remove_file(path).unwrap();
+}
+
 /// A file that is no safetensors file, and a tensor of another shape than its
 /// variable, are one-line errors naming the file (and the tensor and the variable).
 #[test]
@@ -460,12 +510,8 @@ fn bad_weights_files_are_errors_naming_the_file() {
         "{e}"
     );
     // wte of the 124M model's width into the tiny model.
-    let header = r#"{"wte.weight":{"dtype":"F32","shape":[16,768],"data_offsets":[0,49152]}}"#;
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend(header.as_bytes());
-    bytes.extend(vec![0u8; 49152]);
     let wide = dir.join("wide.safetensors");
-    std::fs::write(&wide, bytes).unwrap();
+    safetensors_file(&wide, &[("wte.weight", vec![16, 768], vec![0.0; 16 * 768])]);
     let e = load_safetensors(&mut session, &wide).unwrap_err();
     assert!(matches!(e, WeightsError::Shape { .. }), "{e}");
     let e = e.to_string();
