@@ -2,7 +2,9 @@
 # On the GPU machine, in bundle/ (scripts/make_bundle.sh): issue 43's training anchors
 # in one call: `bench --workload W` (ours, AMP: fp16 for the images, bf16 for the
 # language models) and scripts/torch_zoo_train.py (PyTorch eager and torch.compile on
-# the same models and sizes). Results under $OUT: zoo_ours.txt, zoo_torch.txt.
+# the same models and sizes), and scripts/zoo/torch_check.py (the zoo's numpy
+# references against PyTorch's models). Results under $OUT: zoo_ours.txt,
+# zoo_torch.txt, zoo_reference.txt.
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 MODELS=${MODELS:-resnet50,vit_b_16,bert_base,gpt2}
 compile=
@@ -18,4 +20,7 @@ done
 timeout ${TORCH_SECONDS:-300} python3 ../scripts/torch_zoo_train.py --only $MODELS $compile \
   > $OUT/zoo_torch.txt 2>&1
 echo "torch exit $?" >> $OUT/zoo_torch.txt
-grep -E "^\||exit|error" $OUT/zoo_ours.txt | tail -20; cat $OUT/zoo_torch.txt | tail -12
+# The zoo's numpy references against PyTorch's models on the same weights.
+timeout 120 python3 ../scripts/zoo/torch_check.py > $OUT/zoo_reference.txt 2>&1
+echo "torch_check exit $?" >> $OUT/zoo_reference.txt
+grep -E "^\||exit|error" $OUT/zoo_ours.txt | tail -20; tail -12 $OUT/zoo_torch.txt; cat $OUT/zoo_reference.txt
