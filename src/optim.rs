@@ -11,9 +11,8 @@
 
 use ampgraph_graph::autodiff::gradients;
 use ampgraph_graph::ops::{
-    AllFinite, AssignVariable, Binary, BinaryKind, Cast, Compare, CompareKind, Const, Group,
-    IncrementIf, Init, Logical, LogicalKind, LossScaleUpdate, OptimizerUpdate, Reduce, ReduceKind,
-    Rule, Unary, UnaryKind, Variable, Where,
+    AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf, Init,
+    LossScaleUpdate, OptimizerUpdate, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 
@@ -96,9 +95,14 @@ pub fn trainable_variables(g: &Graph, loss: Port) -> Result<Vec<NodeId>, GraphEr
         .collect())
 }
 
-/// A scalar f32 Variable with a constant initial value.
-fn scalar_variable(g: &mut Graph, name: &str, value: f64) -> Result<Port, GraphError> {
-    let ty = TensorType::new(DType::F32, vec![]);
+/// A scalar Variable of `dtype` with a constant initial value.
+fn scalar_variable(
+    g: &mut Graph,
+    name: &str,
+    dtype: DType,
+    value: f64,
+) -> Result<Port, GraphError> {
+    let ty = TensorType::new(dtype, vec![]);
     let init = if value == 0.0 {
         Init::Zeros
     } else {
@@ -248,7 +252,7 @@ impl Optimizer for RuleOptimizer {
         let step = if self.rule.uses_step() {
             let counter = match g.find(STEP_VARIABLE) {
                 Some(id) => id.into(),
-                None => scalar_variable(g, STEP_VARIABLE, 0.0)?,
+                None => scalar_variable(g, STEP_VARIABLE, DType::F32, 0.0)?,
             };
             let next = g.add(IncrementIf, &[finite, counter])?;
             writes.push(g.add(AssignVariable, &[counter, next])?);
@@ -321,30 +325,30 @@ impl<O: Optimizer> Optimizer for ClipGlobalNorm<O> {
         for &grad in grads {
             let grad = match g.ty(grad).dtype {
                 DType::F32 => grad,
-                _ => g.add(Cast { to: DType::F32 }, &[grad])?,
+                _ => g.cast(grad, DType::F32)?,
             };
-            let squares = g.add(Binary::new(BinaryKind::Mul), &[grad, grad])?;
-            let sum = g.add(Reduce::new(ReduceKind::Sum, None, false), &[squares])?;
+            let squares = g.mul(grad, grad)?;
+            let sum = g.sum(squares, None, false)?;
             total = Some(match total {
                 None => sum,
-                Some(t) => g.add(Binary::new(BinaryKind::Add), &[t, sum])?,
+                Some(t) => g.plus(t, sum)?,
             });
         }
         let Some(total) = total else {
             return self.inner.apply_gradients(g, vars, grads, finite);
         };
-        let norm = g.add(Unary::new(UnaryKind::Sqrt), &[total])?;
-        let limit = g.add(Const::new(Tensor::scalar(DType::F32, self.max_norm)), &[])?;
-        let above = g.add(Binary::new(BinaryKind::Maximum), &[norm, limit])?;
-        let factor = g.add(Binary::new(BinaryKind::Div), &[limit, above])?;
+        let norm = g.sqrt(total)?;
+        let limit = g.scalar(DType::F32, self.max_norm)?;
+        let above = g.maximum(norm, limit)?;
+        let factor = g.div(limit, above)?;
         let mut clipped = Vec::with_capacity(grads.len());
         for &grad in grads {
             let dtype = g.ty(grad).dtype;
             let factor = match dtype {
                 DType::F32 => factor,
-                _ => g.add(Cast { to: dtype }, &[factor])?,
+                _ => g.cast(factor, dtype)?,
             };
-            clipped.push(g.add(Binary::new(BinaryKind::Mul), &[grad, factor])?);
+            clipped.push(g.mul(grad, factor)?);
         }
         self.inner.apply_gradients(g, vars, &clipped, finite)
     }
@@ -387,23 +391,14 @@ impl<O: Optimizer> Optimizer for Accumulate<O> {
                 "gradient accumulation needs at least one step".into(),
             ));
         }
-        let scalar =
-            |g: &mut Graph, dtype: DType, v: f64| g.add(Const::new(Tensor::scalar(dtype, v)), &[]);
-        let counter = scalar_variable(g, ACCUMULATION_STEP_VARIABLE, 0.0)?;
-        let ok_ty = TensorType::new(DType::Bool, vec![]);
-        let ok: Port = g
-            .add_node(
-                ACCUMULATION_FINITE_VARIABLE,
-                Box::new(Variable::with_init(ok_ty, Init::Constant(1.0))),
-                &[],
-            )?
-            .into();
-        let one = scalar(g, DType::F32, 1.0)?;
-        let next = g.add(Binary::new(BinaryKind::Add), &[counter, one])?;
-        let steps = scalar(g, DType::F32, self.steps as f64)?;
-        let last = g.add(Compare::new(CompareKind::Equal), &[next, steps])?;
-        let cycle_ok = g.add(Logical::new(LogicalKind::And), &[ok, finite])?;
-        let apply = g.add(Logical::new(LogicalKind::And), &[cycle_ok, last])?;
+        let counter = scalar_variable(g, ACCUMULATION_STEP_VARIABLE, DType::F32, 0.0)?;
+        let ok = scalar_variable(g, ACCUMULATION_FINITE_VARIABLE, DType::Bool, 1.0)?;
+        let one = g.scalar(DType::F32, 1.0)?;
+        let next = g.plus(counter, one)?;
+        let steps = g.scalar(DType::F32, self.steps as f64)?;
+        let last = g.equal(next, steps)?;
+        let cycle_ok = g.logical_and(ok, finite)?;
+        let apply = g.logical_and(cycle_ok, last)?;
         let mut writes = Vec::new();
         let mut means = Vec::with_capacity(grads.len());
         for (&var, &grad) in vars.iter().zip(grads) {
@@ -416,20 +411,20 @@ impl<O: Optimizer> Optimizer for Accumulate<O> {
                     &[],
                 )?
                 .into();
-            let sum = g.add(Binary::new(BinaryKind::Add), &[acc, grad])?;
-            let inv = scalar(g, ty.dtype, 1.0 / self.steps as f64)?;
-            means.push(g.add(Binary::new(BinaryKind::Mul), &[sum, inv])?);
+            let sum = g.plus(acc, grad)?;
+            let inv = g.scalar(ty.dtype, 1.0 / self.steps as f64)?;
+            means.push(g.mul(sum, inv)?);
             // The sum starts again after the cycle's last step.
-            let zero = scalar(g, ty.dtype, 0.0)?;
-            let kept = g.add(Where, &[last, zero, sum])?;
+            let zero = g.scalar(ty.dtype, 0.0)?;
+            let kept = g.where_(last, zero, sum)?;
             writes.push(g.add(AssignVariable, &[acc, kept])?);
         }
         writes.extend(self.inner.apply_gradients(g, vars, &means, apply)?);
-        let zero = scalar(g, DType::F32, 0.0)?;
-        let wrapped = g.add(Where, &[last, zero, next])?;
+        let zero = g.scalar(DType::F32, 0.0)?;
+        let wrapped = g.where_(last, zero, next)?;
         writes.push(g.add(AssignVariable, &[counter, wrapped])?);
-        let fresh = scalar(g, DType::Bool, 1.0)?;
-        let ok_next = g.add(Where, &[last, fresh, cycle_ok])?;
+        let fresh = g.scalar(DType::Bool, 1.0)?;
+        let ok_next = g.where_(last, fresh, cycle_ok)?;
         writes.push(g.add(AssignVariable, &[ok, ok_next])?);
         Ok(writes)
     }
@@ -541,8 +536,8 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
                 growth_factor,
                 backoff_factor,
             } => {
-                let scale = scalar_variable(g, LOSS_SCALE_VARIABLE, initial)?;
-                let good = scalar_variable(g, GOOD_STEPS_VARIABLE, 0.0)?;
+                let scale = scalar_variable(g, LOSS_SCALE_VARIABLE, DType::F32, initial)?;
+                let good = scalar_variable(g, GOOD_STEPS_VARIABLE, DType::F32, 0.0)?;
                 let update = LossScaleUpdate {
                     growth_interval,
                     growth_factor,

@@ -2,11 +2,13 @@
 //! reference configurations equal torchvision's and Hugging Face's, and small
 //! configurations train on the CPU (the loss of a fixed batch falls).
 
+mod common;
+
 use std::collections::HashMap;
 
-use ampgraph::exec::cuda::pipeline;
+use common::{amp_and_cuda_passes, count};
+
 use ampgraph::exec::memory_plan::step_footprint;
-use ampgraph::exec::ExecOptions;
 use ampgraph::graph::models::bert::{self, BertConfig};
 use ampgraph::graph::models::gpt2::{self, Gpt2Config};
 use ampgraph::graph::models::resnet::{self, ResNetConfig};
@@ -14,9 +16,8 @@ use ampgraph::graph::models::vit::{self, VitConfig};
 use ampgraph::graph::models::NormNames;
 use ampgraph::graph::ops::{Group, Variable};
 use ampgraph::optim::{Adam, Optimizer, Sgd};
-use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::recompute::RecomputeActivations;
-use ampgraph::passes::{Pass, PassManager};
+use ampgraph::passes::Pass;
 use ampgraph::pretrained::{load_safetensors, WeightsError, WeightsReport};
 use ampgraph::{DType, Device, Graph, Port, Session, Tensor};
 
@@ -30,23 +31,29 @@ fn parameters(g: &Graph) -> usize {
         .sum()
 }
 
-/// The graph after AMP (f16) and the CUDA executor's passes (run here on the CPU).
-fn amp_and_cuda_passes(g: &mut Graph) {
-    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
-        .rewrite(g)
-        .unwrap();
-    let mut passes = PassManager::new();
-    for pass in pipeline(&ExecOptions::default()) {
-        passes.push(pass);
-    }
-    passes.run(g).unwrap();
+/// Trains the model `g` built (its `logits` against `labels`, both placeholders fed by
+/// `feeds`) with Adam at `learning_rate` for `steps` steps: the first and last loss.
+fn trained_with_adam(
+    mut g: Graph,
+    (logits, labels): (Port, Port),
+    learning_rate: f64,
+    feeds: &HashMap<String, Tensor>,
+    steps: usize,
+) -> (f64, f64) {
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let step = Adam::new(learning_rate).minimize(&mut g, loss).unwrap();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    first_and_last_loss(&mut session, [loss, step.step], feeds, steps)
 }
 
-/// How many nodes of `g` run `op`.
-fn count(g: &Graph, op: &str) -> usize {
-    g.node_ids()
-        .filter(|&id| g.node(id).op_name() == op)
-        .count()
+/// The largest difference between `want` and `got` over the largest `|want|`.
+fn relative_error(want: &[f64], got: &[f64]) -> f64 {
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let worst = want
+        .iter()
+        .zip(got)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    worst / scale
 }
 
 /// The loss of the first and the last of `steps` training steps (`[loss, step]`).
@@ -206,12 +213,9 @@ fn a_tiny_gpt2_learns_a_next_token_rule_on_the_cpu() {
     let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
     let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
     let logits = gpt2::build(&mut g, tokens, &TINY_GPT2).unwrap();
-    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
-    let step = Adam::new(0.01).minimize(&mut g, loss).unwrap();
-    let mut session = Session::new(g, Device::Cpu).unwrap();
     let (x, y) = next_token_batch(batch, seq);
     let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
-    let (first, last) = first_and_last_loss(&mut session, [loss, step.step], &feeds, 60);
+    let (first, last) = trained_with_adam(g, (logits, labels), 0.01, &feeds, 60);
     assert!(
         last.is_finite() && last < 0.2 * first,
         "loss {first} -> {last}"
@@ -250,12 +254,7 @@ fn gpt2s_attention_fuses_after_amp() {
         "{fused:?}"
     );
     let got = run(g);
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let err = want
-        .iter()
-        .zip(&got)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
-        / scale;
+    let err = relative_error(&want, &got);
     assert!(err < 1e-2, "relative error {err}");
 }
 
@@ -280,9 +279,6 @@ fn a_tiny_vit_trains_on_the_cpu_and_its_attention_fuses() {
     let logits = vit::build(&mut g, x, &config).unwrap();
     let mut inference = g.clone();
     inference.set_outputs(vec![logits]).unwrap();
-    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
-    let step = Adam::new(0.003).minimize(&mut g, loss).unwrap();
-    let mut session = Session::new(g, Device::Cpu).unwrap();
     let images = values(6 * 3 * 8 * 8, 3);
     let feeds = HashMap::from([
         (
@@ -294,7 +290,7 @@ fn a_tiny_vit_trains_on_the_cpu_and_its_attention_fuses() {
             Tensor::from_f64(DType::I64, vec![6], &[0., 1., 2., 0., 1., 2.]).unwrap(),
         ),
     ]);
-    let (first, last) = first_and_last_loss(&mut session, [loss, step.step], &feeds, 40);
+    let (first, last) = trained_with_adam(g, (logits, labels), 0.003, &feeds, 40);
     assert!(
         last.is_finite() && last < 0.2 * first,
         "loss {first} -> {last}"
@@ -328,13 +324,10 @@ fn a_tiny_bert_learns_on_the_cpu_and_its_attention_fuses() {
     let logits = bert::build(&mut g, tokens, &config).unwrap();
     let mut inference = g.clone();
     inference.set_outputs(vec![logits]).unwrap();
-    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
-    let step = Adam::new(0.01).minimize(&mut g, loss).unwrap();
-    let mut session = Session::new(g, Device::Cpu).unwrap();
     let (x, _) = next_token_batch(batch, seq);
     let same = Tensor::from_f64(DType::I64, vec![batch * seq], &x.to_f64_vec()).unwrap();
     let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), same)]);
-    let (first, last) = first_and_last_loss(&mut session, [loss, step.step], &feeds, 40);
+    let (first, last) = trained_with_adam(g, (logits, labels), 0.01, &feeds, 40);
     assert!(
         last.is_finite() && last < 0.2 * first,
         "loss {first} -> {last}"
@@ -382,12 +375,7 @@ fn matches_numpy(
     )]);
     let got = session.run(&[logits], &feeds).unwrap()[0].to_f64_vec();
     assert_eq!(got.len(), want.len(), "{name}");
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let err = want
-        .iter()
-        .zip(&got)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
-        / scale;
+    let err = relative_error(&want, &got);
     assert!(err < 1e-5, "{name}: relative error {err}");
 }
 

@@ -5,14 +5,14 @@
 //! GPU (skipped with a printed reason without one) too, in f32 and after AMP within
 //! the fp16 bound.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ampgraph::exec::cuda;
-use ampgraph::exec::ExecOptions;
 use ampgraph::onnx::{import_file, tensor, ImportOptions};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
-use ampgraph::passes::PassManager;
 use ampgraph::{DType, Device, Graph, Session, Tensor};
 
 fn data_dir() -> PathBuf {
@@ -240,18 +240,12 @@ fn unet_tiny_matches_onnxruntime() {
 #[test]
 fn exporters_attention_forms_fuse_and_keep_their_values() {
     let (mut g, inputs, expected) = load(&data_dir().join("attention_forms"));
-    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
-        .rewrite(&mut g)
-        .unwrap();
-    let mut passes = PassManager::new();
-    for pass in cuda::pipeline(&ExecOptions::default()) {
-        passes.push(pass);
-    }
-    passes.run(&mut g).unwrap();
-    let fused = (g.node_ids())
-        .filter(|&id| g.node(id).op_name() == "FusedAttention")
-        .count();
-    assert_eq!(fused, 5, "the five forms fuse");
+    common::amp_and_cuda_passes(&mut g);
+    assert_eq!(
+        common::count(&g, "FusedAttention"),
+        5,
+        "the five forms fuse"
+    );
     check_outputs(
         "attention_forms fused",
         g,

@@ -7,13 +7,13 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use ampgraph_graph::ops::{dilated_span, Conv2DBackpropInput, Resize, ResizeMode};
 use ampgraph_graph::ops::{
     AvgPool, BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, BroadcastTo, Cast, Compare,
     Concat, Const, Conv2D, DataFormat, FusedMatMul, Gather, LayerNorm, LogSoftmax, Logical, MatMul,
     MaxPool, NormActivation, Not, Pad, PadMode, Padding, Placeholder, Reduce, ReduceKind, Reshape,
     Slice, Softmax, SoftmaxCrossEntropy, Transpose, Unary, UnaryKind, Where,
 };
-use ampgraph_graph::ops::{Conv2DBackpropInput, Resize, ResizeMode};
 use ampgraph_graph::{DType, Data, Graph, NodeId, Op, Port, Tensor, TensorType};
 use prost::Message;
 
@@ -1212,7 +1212,7 @@ impl<'g> Exporter<'g> {
                 };
                 let mut pads = [[0; 2]; 2];
                 for (i, p) in pads.iter_mut().enumerate() {
-                    let span = (ws[i].max(1) - 1) * c.dilations[i] + 1;
+                    let span = dilated_span(ws[i], c.dilations[i]);
                     let a = c
                         .padding
                         .output_len(i, spatial[i], span, c.strides[i])
@@ -1259,7 +1259,7 @@ impl<'g> Exporter<'g> {
         let mut pads = [0i64; 4];
         let mut extra = [0i64; 2];
         for i in 0..2 {
-            let span = (ws[i].max(1) - 1) * c.dilations[i] + 1;
+            let span = dilated_span(ws[i], c.dilations[i]);
             let p = c
                 .padding
                 .output_len(i, xin[i], span, c.strides[i])

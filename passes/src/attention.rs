@@ -34,7 +34,7 @@
 
 use std::collections::HashSet;
 
-use crate::rewrite::const_value;
+use crate::rewrite::{binary_operands, const_value};
 use crate::simplify::scale_into_matmul::scalar;
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim};
 use ampgraph_graph::ops::{
@@ -190,15 +190,6 @@ fn through_casts(g: &Graph, mut port: Port) -> Vec<NodeId> {
     nodes
 }
 
-/// The operands of the node of `p` where it is a Binary of `kind`.
-fn operands(g: &Graph, p: Port, kind: BinaryKind) -> Option<[Port; 2]> {
-    let binary = g.node(p.node).op.downcast_ref::<Binary>()?;
-    let [a, b] = g.inputs(p.node)[..] else {
-        return None;
-    };
-    (binary.kind == kind).then_some([a, b])
-}
-
 /// Whether `port` can be a key bias of scores of type `scores` `[B, H, Sq, Sk]`: what
 /// the fused op takes (`check_key_bias`).
 fn is_key_bias(g: &Graph, port: Port, scores: &TensorType) -> bool {
@@ -239,7 +230,7 @@ fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
                 continue;
             }
         }
-        let Some([a, b]) = operands(g, x, BinaryKind::Add) else {
+        let Some([a, b]) = binary_operands(g, x, BinaryKind::Add) else {
             break;
         };
         let (scores, found) = [(a, b), (b, a)].into_iter().find_map(|(scores, mask)| {
@@ -275,7 +266,7 @@ fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
 /// one: BERT's and GPT-2's `/ sqrt(d)`) that made `s` from it, if one did.
 fn unscale(g: &Graph, s: Port) -> Option<(Port, Option<Scaling>)> {
     let scalar = |p| scalar(g, p).ok().flatten();
-    if let Some([a, b]) = operands(g, s, BinaryKind::Div) {
+    if let Some([a, b]) = binary_operands(g, s, BinaryKind::Div) {
         let by = 1.0 / scalar(b).filter(|&c| c != 0.0)?;
         let mul = s.node;
         let same = g.ty(a) == g.ty(s);
@@ -288,19 +279,25 @@ fn unscale(g: &Graph, s: Port) -> Option<(Port, Option<Scaling>)> {
             }),
         ));
     }
-    let Some([a, b]) = operands(g, s, BinaryKind::Mul) else {
+    if binary_operands(g, s, BinaryKind::Mul).is_none() {
         return Some((s, None));
-    };
-    let (product, by, constant) = match (scalar(a), scalar(b)) {
+    }
+    let (product, by, constant) = scalar_mul(g, s)?;
+    let mul = s.node;
+    Some((product, Some(Scaling { mul, by, constant })))
+}
+
+/// `(x, c, the constant's port)` where `p` is a Mul of `x` by a scalar constant `c`,
+/// `x` of `p`'s type.
+fn scalar_mul(g: &Graph, p: Port) -> Option<(Port, f64, Port)> {
+    let [a, b] = binary_operands(g, p, BinaryKind::Mul)?;
+    let scalar = |x| scalar(g, x).ok().flatten();
+    let (x, by, constant) = match (scalar(a), scalar(b)) {
         (None, Some(by)) => (a, by, b),
         (Some(by), None) => (b, by, a),
         _ => return None,
     };
-    if g.ty(product) != g.ty(s) {
-        return None;
-    }
-    let mul = s.node;
-    Some((product, Some(Scaling { mul, by, constant })))
+    (g.ty(x) == g.ty(p)).then_some((x, by, constant))
 }
 
 /// The explicit attention whose softmax is `softmax`, when it is one the kernels take.
@@ -405,18 +402,8 @@ fn unscale_operand(
     slot: usize,
     between: &mut Vec<NodeId>,
 ) -> (Port, f64) {
-    let found = operands(g, p, BinaryKind::Mul).and_then(|[a, b]| {
-        if readers(g, p)? != [(product, slot)] {
-            return None;
-        }
-        let scalar = |x| scalar(g, x).ok().flatten();
-        let (x, by, constant) = match (scalar(a), scalar(b)) {
-            (None, Some(by)) => (a, by, b),
-            (Some(by), None) => (b, by, a),
-            _ => return None,
-        };
-        (g.ty(x) == g.ty(p)).then_some((x, by, constant))
-    });
+    let only_reader = readers(g, p).is_some_and(|r| r == [(product, slot)]);
+    let found = scalar_mul(g, p).filter(|_| only_reader);
     match found {
         Some((x, by, constant)) => {
             between.push(p.node);

@@ -17,11 +17,11 @@
 //! products, with casts around every norm.
 
 use ampgraph_graph::ops::{
-    BiasAdd, Binary, BinaryKind, DataFormat, LayerNorm, Reduce, ReduceKind, Unary, UnaryKind,
+    BiasAdd, BinaryKind, DataFormat, LayerNorm, Reduce, ReduceKind, Unary, UnaryKind,
 };
 use ampgraph_graph::{Graph, NodeId, Port, Tensor};
 
-use crate::rewrite::{const_value, output_nodes, remove_unread, summary};
+use crate::rewrite::{binary_operands, const_value, output_nodes, remove_unread, summary};
 use crate::simplify::scale_into_matmul::scalar;
 use crate::{Pass, PassError, PassSummary};
 
@@ -37,14 +37,6 @@ struct Found {
     gamma: Option<Port>,
     beta: Option<Port>,
     nodes: Vec<NodeId>,
-}
-
-fn binary(g: &Graph, p: Port, kind: BinaryKind) -> Option<[Port; 2]> {
-    let b = g.node(p.node).op.downcast_ref::<Binary>()?;
-    let [a, c] = g.inputs(p.node)[..] else {
-        return None;
-    };
-    (b.kind == kind && p.index == 0).then_some([a, c])
 }
 
 fn unary(g: &Graph, p: Port, kind: UnaryKind) -> Option<Port> {
@@ -78,11 +70,11 @@ fn is_vector_for(g: &Graph, c: Port, x: Port) -> bool {
 /// square of `d` to `y`.
 fn normalised(g: &Graph, y: Port) -> Option<(Port, f64, Vec<NodeId>)> {
     let mut nodes = vec![y.node];
-    let (d, root) = if let Some([d, root]) = binary(g, y, BinaryKind::Div) {
+    let (d, root) = if let Some([d, root]) = binary_operands(g, y, BinaryKind::Div) {
         nodes.push(root.node);
         (d, unary(g, root, UnaryKind::Sqrt)?)
     } else {
-        let [a, b] = binary(g, y, BinaryKind::Mul)?;
+        let [a, b] = binary_operands(g, y, BinaryKind::Mul)?;
         let inverse = |p: Port| {
             let root = unary(g, p, UnaryKind::Reciprocal)?;
             Some((p.node, root.node, unary(g, root, UnaryKind::Sqrt)?))
@@ -95,7 +87,7 @@ fn normalised(g: &Graph, y: Port) -> Option<(Port, f64, Vec<NodeId>)> {
         nodes.extend([reciprocal, sqrt]);
         (d, root)
     };
-    let [v, e] = binary(g, root, BinaryKind::Add)?;
+    let [v, e] = binary_operands(g, root, BinaryKind::Add)?;
     let (v, eps) = match (scalar_of(g, v), scalar_of(g, e)) {
         (None, Some(eps)) => (v, eps),
         (Some(eps), None) => (e, eps),
@@ -105,10 +97,10 @@ fn normalised(g: &Graph, y: Port) -> Option<(Port, f64, Vec<NodeId>)> {
     // 9.99999974e-6: the shortest decimal that reads back as the same f32).
     let epsilon = (eps as f32).to_string().parse().unwrap_or(eps);
     let square = mean_of_last(g, v)?;
-    let squared_d = match binary(g, square, BinaryKind::Pow) {
+    let squared_d = match binary_operands(g, square, BinaryKind::Pow) {
         Some([base, two]) => (scalar_of(g, two) == Some(2.0)).then_some(base)?,
         None => {
-            let [a, b] = binary(g, square, BinaryKind::Mul)?;
+            let [a, b] = binary_operands(g, square, BinaryKind::Mul)?;
             (a == b).then_some(a)?
         }
     };
@@ -133,7 +125,7 @@ fn recognized(g: &Graph, root: NodeId) -> Option<Found> {
         beta = Some(bias);
         nodes.push(root);
         at = y;
-    } else if let Some([y, bias]) = binary(g, at, BinaryKind::Add) {
+    } else if let Some([y, bias]) = binary_operands(g, at, BinaryKind::Add) {
         if is_vector_for(g, bias, y) {
             beta = Some(bias);
             nodes.push(root);
@@ -142,7 +134,7 @@ fn recognized(g: &Graph, root: NodeId) -> Option<Found> {
     }
     // `* gamma`.
     let mut gamma = None;
-    if let Some([a, b]) = binary(g, at, BinaryKind::Mul) {
+    if let Some([a, b]) = binary_operands(g, at, BinaryKind::Mul) {
         let (y, c) = if is_vector_for(g, b, a) {
             (a, b)
         } else {
@@ -155,7 +147,7 @@ fn recognized(g: &Graph, root: NodeId) -> Option<Found> {
         }
     }
     let (d, epsilon, inner) = normalised(g, at)?;
-    let [x, mean] = binary(g, d, BinaryKind::Sub)?;
+    let [x, mean] = binary_operands(g, d, BinaryKind::Sub)?;
     if mean_of_last(g, mean)? != x || beta.is_some_and(|b| !is_vector_for(g, b, x)) {
         return None;
     }
@@ -242,7 +234,7 @@ mod tests {
 
     use super::*;
     use crate::testing::{count, run};
-    use ampgraph_graph::ops::Const;
+    use ampgraph_graph::ops::{Binary, Const};
     use ampgraph_graph::DType;
 
     /// `(x - Mean(x)) / Sqrt(Mean((x - Mean(x))^2) + 1e-5)` over `axis` of x [2, 3, 4],

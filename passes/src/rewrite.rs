@@ -2,7 +2,7 @@
 //! others, a Const's value, removing nodes nothing reads, errors naming a node, and
 //! the summary a pass reports.
 
-use ampgraph_graph::ops::Const;
+use ampgraph_graph::ops::{Binary, BinaryKind, Const};
 use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
 
 use crate::PassError;
@@ -15,6 +15,15 @@ pub(crate) fn const_value(g: &Graph, id: NodeId) -> Result<Option<Tensor>, PassE
     };
     let mut values = c.eval(&[]).map_err(|m| node_error(g, id, &m))?;
     Ok(values.pop())
+}
+
+/// The two operands of the node of `p` where it is a Binary of `kind`.
+pub(crate) fn binary_operands(g: &Graph, p: Port, kind: BinaryKind) -> Option<[Port; 2]> {
+    let binary = g.node(p.node).op.downcast_ref::<Binary>()?;
+    let [a, b] = g.inputs(p.node)[..] else {
+        return None;
+    };
+    (binary.kind == kind).then_some([a, b])
 }
 
 /// An error about one node, naming it and its op.

@@ -518,3 +518,24 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
     );
     path
 }
+
+/// The graph after AMP (f16) and the CUDA executor's passes (run on the CPU: the
+/// graph the GPU would run).
+pub fn amp_and_cuda_passes(g: &mut Graph) {
+    use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+    AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
+        .rewrite(g)
+        .unwrap();
+    let mut passes = ampgraph::passes::PassManager::new();
+    for pass in ampgraph::exec::cuda::pipeline(&Default::default()) {
+        passes.push(pass);
+    }
+    passes.run(g).unwrap();
+}
+
+/// How many nodes of `g` run `op`.
+pub fn count(g: &Graph, op: &str) -> usize {
+    g.node_ids()
+        .filter(|&id| g.node(id).op_name() == op)
+        .count()
+}

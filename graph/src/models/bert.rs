@@ -13,7 +13,7 @@
 
 use super::{Heads, Transformer, WeightLayout};
 use crate::ops::{Init, MatMul, Slice};
-use crate::{DType, Graph, GraphError, Port, Result};
+use crate::{Graph, Port, Result};
 
 /// A BERT's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,29 +68,12 @@ fn layer(t: &mut Transformer, x: Port, name: &str, intermediate: usize) -> Resul
 /// BERT of `config` on `tokens [batch, seq]` (i64 ids): the masked-LM logits `[batch *
 /// seq, vocab]`, row `b * seq + t` for position `t` of sequence `b`.
 pub fn build(g: &mut Graph, tokens: Port, config: &BertConfig) -> Result<Port> {
-    let ty = g.ty(tokens).clone();
-    let [batch, seq] = ty.shape[..] else {
-        return Err(GraphError::Format(format!(
-            "BERT takes token ids [batch, seq], got {ty}"
-        )));
-    };
-    let fits = config.heads > 0 && config.width % config.heads == 0 && config.token_types > 0;
-    if !fits || seq == 0 || seq > config.positions || ty.dtype != DType::I64 {
-        return Err(GraphError::Format(format!(
-            "BERT takes i64 token ids of at most {} positions and a width divisible by its \
-             heads, got {ty} and {config:?}",
-            config.positions
-        )));
-    }
-    let c = config.width;
+    let shape = (config.positions, config.heads, config.width);
+    let heads = Heads::of_tokens(g, tokens, ("BERT", config), shape, config.token_types > 0)?;
+    let (batch, seq, c) = (heads.batch, heads.seq, config.width);
     let mut b = Transformer {
         g,
-        heads: Heads {
-            batch,
-            seq,
-            heads: config.heads,
-            width: c,
-        },
+        heads,
         ln_epsilon: LN_EPSILON,
         layout: WeightLayout::OutIn,
     };

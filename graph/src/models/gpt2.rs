@@ -82,26 +82,9 @@ fn causal_mask(g: &mut Graph, seq: usize) -> Result<Port> {
 /// GPT-2 of `config` on `tokens [batch, seq]` (i64 ids): the logits `[batch * seq,
 /// vocab]`, row `b * seq + t` predicting the token after position `t` of sequence `b`.
 pub fn build(g: &mut Graph, tokens: Port, config: &Gpt2Config) -> Result<Port> {
-    let ty = g.ty(tokens).clone();
-    let fits = config.heads > 0 && config.width % config.heads == 0 && config.layers > 0;
-    let [batch, seq] = ty.shape[..] else {
-        return Err(GraphError::Format(format!(
-            "GPT-2 takes token ids [batch, seq], got {ty}"
-        )));
-    };
-    if !fits || seq == 0 || seq > config.positions || ty.dtype != DType::I64 {
-        return Err(GraphError::Format(format!(
-            "GPT-2 takes i64 token ids of at most {} positions and a width divisible by \
-             its heads, got {ty} and {config:?}",
-            config.positions
-        )));
-    }
-    let heads = Heads {
-        batch,
-        seq,
-        heads: config.heads,
-        width: config.width,
-    };
+    let shape = (config.positions, config.heads, config.width);
+    let heads = Heads::of_tokens(g, tokens, ("GPT-2", config), shape, config.layers > 0)?;
+    let (batch, seq) = (heads.batch, heads.seq);
     let mut b = Transformer {
         g,
         heads,

@@ -152,6 +152,37 @@ pub(crate) struct Heads {
 }
 
 impl Heads {
+    /// The heads of a language model `model` (its `config` for messages) on `tokens`,
+    /// i64 ids `[batch, seq]` of at most `positions`, its `width` split into `heads`;
+    /// `fits`: the model's own checks of its config passed.
+    pub fn of_tokens(
+        g: &Graph,
+        tokens: Port,
+        (model, config): (&str, &dyn std::fmt::Debug),
+        (positions, heads, width): (usize, usize, usize),
+        fits: bool,
+    ) -> Result<Heads> {
+        let ty = g.ty(tokens);
+        let [batch, seq] = ty.shape[..] else {
+            return Err(GraphError::Format(format!(
+                "{model} takes token ids [batch, seq], got {ty}"
+            )));
+        };
+        let fits = fits && heads > 0 && width % heads == 0;
+        if !fits || seq == 0 || seq > positions || ty.dtype != DType::I64 {
+            return Err(GraphError::Format(format!(
+                "{model} takes i64 token ids of at most {positions} positions and a width \
+                 divisible by its heads, got {ty} and {config:?}"
+            )));
+        }
+        Ok(Heads {
+            batch,
+            seq,
+            heads,
+            width,
+        })
+    }
+
     fn rows(&self) -> usize {
         self.batch * self.seq
     }

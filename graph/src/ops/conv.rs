@@ -211,6 +211,12 @@ impl Image {
     }
 }
 
+/// The input elements a window of `taps` taps, `dilation` elements apart, spans: what
+/// padding and the output length count (every convolution path reads it from here).
+pub fn dilated_span(taps: usize, dilation: usize) -> usize {
+    (taps.max(1) - 1) * dilation + 1
+}
+
 /// Where the windows of one spatial axis go: output length and padding before.
 #[derive(Clone, Copy, Debug)]
 struct Axis {
@@ -255,8 +261,7 @@ impl Axis {
                  exceeds 2^40"
             ));
         }
-        let span = (window.max(1) - 1) * dilation + 1;
-        let p = padding.output_len(axis, len, span, stride)?;
+        let p = padding.output_len(axis, len, dilated_span(window, dilation), stride)?;
         if p.before > MAX || p.after > MAX {
             return Err(format!("padding {} + {} exceeds 2^40", p.before, p.after));
         }

@@ -27,7 +27,7 @@ use crate::tensor::{Tensor, TensorType};
 pub use attention::{FusedAttention, FusedAttentionGrad};
 pub use collective::AllReduce;
 pub use compare::{Compare, CompareKind, Logical, LogicalKind, Not};
-pub use conv::{AvgPool, Conv2D, MaxPool};
+pub use conv::{dilated_span, AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};

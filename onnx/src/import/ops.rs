@@ -3,12 +3,14 @@
 //! where the op changed between versions (`cx.opset()`).
 
 use ampgraph_graph::ops::{
+    dilated_span, Conv2DBackpropInput, CoordinateTransform, Resize, ResizeMode,
+};
+use ampgraph_graph::ops::{
     AvgPool, BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, BroadcastTo, Cast, Compare,
     CompareKind, Concat, Conv2D, DataFormat, Gather, LayerNorm, LogSoftmax, Logical, LogicalKind,
     MatMul, MaxPool, NormActivation, Not, Pad, PadMode, Padding, Reduce, ReduceKind, Reshape,
     Slice, Softmax, SoftmaxCrossEntropy, Transpose, Unary, UnaryKind, Where,
 };
-use ampgraph_graph::ops::{Conv2DBackpropInput, CoordinateTransform, Resize, ResizeMode};
 use ampgraph_graph::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
 use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Data, Op, Tensor, TensorType};
@@ -526,10 +528,8 @@ fn check_kernel_shape(cx: &NodeCx, kernel: &[usize]) -> Result<()> {
 
 /// The input elements each window spans: `kernel` taps `dilations` apart.
 fn dilated_spans(kernel: &[usize], dilations: &[usize]) -> Vec<usize> {
-    kernel
-        .iter()
-        .zip(dilations)
-        .map(|(&k, &d)| (k.max(1) - 1) * d + 1)
+    (kernel.iter().zip(dilations))
+        .map(|(&k, &d)| dilated_span(k, d))
         .collect()
 }
 

@@ -147,13 +147,13 @@ pub(super) fn check_unread(node: &NodeProto, v: &OpVersion, read: &[String]) -> 
         let Some(s) = v.attrs.iter().find(|s| s.name == a.name) else {
             continue;
         };
-        let default = match s.default {
-            AttrDefault::Int(d) => (a.i == d).then_some(d.to_string()),
-            AttrDefault::Float(d) => (a.f == d).then_some(d.to_string()),
-            AttrDefault::Str(d) => (a.s == d.as_bytes()).then_some(d.to_string()),
-            AttrDefault::Required | AttrDefault::Absent => None,
+        let holds_default = match s.default {
+            AttrDefault::Int(d) => a.i == d,
+            AttrDefault::Float(d) => a.f == d,
+            AttrDefault::Str(d) => a.s == d.as_bytes(),
+            AttrDefault::Required | AttrDefault::Absent => false,
         };
-        if default.is_none() {
+        if !holds_default {
             let mut msg = format!(
                 "attribute '{}' = {} is not supported",
                 a.name,

@@ -16,7 +16,9 @@
 //! grouped filter (`k` filters of `c / groups` channels, filter `j` in group
 //! `j / (k / groups)`, as in TensorFlow).
 
-use ampgraph_graph::ops::{Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, Padding};
+use ampgraph_graph::ops::{
+    dilated_span, Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, Padding,
+};
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{word, PRELUDE};
@@ -153,9 +155,8 @@ fn lower_conv(
              but the image has {c}"
         ));
     }
-    let span = |taps: usize, dilation: usize| (taps.max(1) - 1) * dilation + 1;
-    let rows = axis_pad(padding, 0, h, span(r, dilations[0]), strides[0])?;
-    let cols = axis_pad(padding, 1, w, span(s, dilations[1]), strides[1])?;
+    let rows = axis_pad(padding, 0, h, dilated_span(r, dilations[0]), strides[0])?;
+    let cols = axis_pad(padding, 1, w, dilated_span(s, dilations[1]), strides[1])?;
     let padded = [n, c, h + rows.start + rows.end, w + cols.start + cols.end];
     let shape = ConvShape {
         dtype,
@@ -444,9 +445,9 @@ mod tests {
                     "{h}x{w} window {r}x{s} {strides:?} dilations {dilations:?} {padding:?} \
                      {layout:?}"
                 );
-                let span = |taps: usize, d: usize| (taps - 1) * d + 1;
-                let rows = axis_pad(padding, 0, h, span(r, dilations[0]), strides[0]).unwrap();
-                let cols = axis_pad(padding, 1, w, span(s, dilations[1]), strides[1]).unwrap();
+                let span = |taps, axis: usize| dilated_span(taps, dilations[axis]);
+                let rows = axis_pad(padding, 0, h, span(r, 0), strides[0]).unwrap();
+                let cols = axis_pad(padding, 1, w, span(s, 1), strides[1]).unwrap();
                 let padded = [n, c, h + rows.start + rows.end, w + cols.start + cols.end];
                 let e = Extension::new(layout, 8, [n, c, h, w], padded, [rows.start, cols.start]);
                 let sym = Padding::Explicit([[rows.pad; 2], [cols.pad; 2]]);

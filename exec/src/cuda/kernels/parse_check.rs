@@ -13,7 +13,7 @@ use super::fused::tests::program as fused_program;
 use super::norm::{layer_norm, layer_norm_grad_block, layer_norm_grad_rows, NormTypes};
 use super::pool::{avg_pool, avg_pool_grad, max_pool, max_pool_grad};
 use super::reduce::{broadcast_div, column_sum, reduce, reduce_max_grad};
-use super::select::gather_grad;
+use super::select::{gather as gather_indexed, gather_grad};
 use super::shape::{concat, concat_pair, gather, transpose};
 use super::softmax::{fused_softmax, softmax, softmax_grad};
 use super::training::{all_finite, fill_flag, increment_if, loss_scale_update, optimizer};
@@ -183,9 +183,15 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     ] {
         k.push((format!("cast_{from}_{to}"), cast(from, to)));
     }
-    for d in [DType::F32, DType::F16, DType::BF16, DType::F64] {
-        for index in [DType::I32, DType::I64] {
+    for index in [DType::I32, DType::I64] {
+        for d in [DType::F32, DType::F16, DType::BF16, DType::F64] {
             k.push((format!("gather_grad_{d}_{index}"), gather_grad(d, index)));
+        }
+        for bytes in [1, 2, 4, 8, 16] {
+            k.push((
+                format!("gather_indexed_{bytes}_{index}"),
+                gather_indexed(bytes, index),
+            ));
         }
     }
     for bytes in [1, 2, 4, 8, 16] {

@@ -279,6 +279,16 @@ pub(super) fn not() -> String {
     )
 }
 
+/// Gather's index map, shared by Gather and its gradient: element `i` of the gathered
+/// tensor (`outer x m indices x inner`) is element `at` of the data (`outer x len x
+/// inner`), `inside` where its index (a negative one counting from the end) is in
+/// range.
+const GATHERED_AT: &str = "i64 q = i / inner, j = i - q * inner, p = q % m, o = q / m;\n\
+                           i64 k = (i64)pi[p];\n\
+                           if (k < 0) k += len;\n\
+                           bool inside = k >= 0 && k < len;\n\
+                           i64 at = (o * len + k) * inner + j;\n";
+
 /// Output word `i` is word `j` of the inner slice `o, p`; a negative index counts
 /// from the end, one out of range gives zeros (`E()`).
 pub(super) fn gather(bytes: usize, index: DType) -> String {
@@ -287,28 +297,24 @@ pub(super) fn gather(bytes: usize, index: DType) -> String {
         &format!(
             "typedef {} TI;\n\
              extern \"C\" __global__ void k(const E* px, const TI* pi, E* py, i64 n, i64 m, i64 len, i64 inner) {{\n\
-               GRID_LOOP(i, n) {{\n\
-                 i64 q = i / inner, j = i - q * inner, p = q % m, o = q / m;\n\
-                 i64 k = (i64)pi[p];\n\
-                 if (k < 0) k += len;\n\
-                 py[i] = (k >= 0 && k < len) ? px[(o * len + k) * inner + j] : E();\n\
+               GRID_LOOP(i, n) {{\n{GATHERED_AT}\
+                 py[i] = inside ? px[at] : E();\n\
                }}\n}}\n",
             type_parts(index).0
         ),
     )
 }
 
+/// `k` adds each element of `dy` where Gather read it (into the accumulator `acc`),
+/// `k_store` rounds the sums into the output.
 pub(super) fn gather_grad(dtype: DType, index: DType) -> String {
     module(
         dtype,
         &format!(
             "typedef {} TI;\n\
              extern \"C\" __global__ void k(const T* pdy, const TI* pi, A* acc, i64 n, i64 m, i64 len, i64 inner) {{\n\
-               GRID_LOOP(i, n) {{\n\
-                 i64 q = i / inner, j = i - q * inner, p = q % m, o = q / m;\n\
-                 i64 k = (i64)pi[p];\n\
-                 if (k < 0) k += len;\n\
-                 if (k >= 0 && k < len) atomicAdd(&acc[(o * len + k) * inner + j], (A)ld(pdy, i));\n\
+               GRID_LOOP(i, n) {{\n{GATHERED_AT}\
+                 if (inside) atomicAdd(&acc[at], (A)ld(pdy, i));\n\
                }}\n}}\n\
              extern \"C\" __global__ void k_store(const A* acc, T* py, i64 n) {{\n\
                GRID_LOOP(i, n) {{ st(py, i, (C)acc[i]); }}\n}}\n",
