@@ -259,8 +259,9 @@ fn convolution_scratch_is_planned_in_the_arena_after_the_first_step() {
 
 /// Convolutions whose operands lie in the arena (here behind a Neg each) run on the
 /// same buffers every step: from the third step on each cuDNN call is a replay of the
-/// graph captured in an earlier one, and every step still computes its own feeds'
-/// values (new ones each step), as the CPU does.
+/// graph captured in an earlier one (or, for an algorithm cuDNN cannot run under a
+/// capture, a direct call counted as such), and every step still computes its own
+/// feeds' values (new ones each step), as the CPU does.
 #[test]
 fn convolutions_on_the_same_buffers_are_replayed_with_each_steps_values() {
     let Some(mut gpu) = gpu() else { return };
@@ -270,7 +271,7 @@ fn convolutions_on_the_same_buffers_are_replayed_with_each_steps_values() {
     let conv = ConvAndFilterGradient::new([4, 12, 12, 16], 24, 2, Some(neg));
     let (g, [y, df]) = (&conv.graph, conv.outputs);
     let mut r = Gen(11);
-    let mut replays = Vec::new();
+    let mut counts = Vec::new();
     for step in 0..6 {
         let feeds = conv.feeds(&mut r);
         let expected = CpuExecutor::new().run(g, &feeds, &[y, df]).unwrap();
@@ -279,20 +280,21 @@ fn convolutions_on_the_same_buffers_are_replayed_with_each_steps_values() {
             let diff = max_rel_diff(&got[k], want);
             assert!(diff < 2e-2, "step {step} output {k}: {diff}");
         }
-        replays.push(gpu.launches().dnn_replays);
+        counts.push(gpu.launches());
     }
     // Step 1 plans the scratch (the arena moves), step 2 sees the final buffers,
-    // step 3 captures, and each later step replays both convolutions.
-    assert_eq!(
-        replays[5] - replays[4],
-        2,
-        "replays after each step: {replays:?}"
-    );
-    assert_eq!(
-        replays[4] - replays[3],
-        2,
-        "replays after each step: {replays:?}"
-    );
+    // step 3 captures, and each later step replays both convolutions, or runs one
+    // directly where the algorithm the search chose (timings differ on a loaded GPU)
+    // cannot be captured; at least one of the two here always captures.
+    for step in [4, 5] {
+        let d = counts[step] - counts[step - 1];
+        let what = format!(
+            "step {step}: {} replays, {} run directly",
+            d.dnn_replays, d.dnn_uncaptured
+        );
+        assert_eq!(d.dnn_replays + d.dnn_uncaptured, 2, "{what}");
+        assert!(d.dnn_replays >= 1, "{what}");
+    }
 }
 
 /// f32 convolutions of [32, 128, 32, 32], for which cuDNN's fastest algorithms

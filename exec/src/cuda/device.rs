@@ -141,6 +141,7 @@ pub struct Launches {
     pub gemms: AtomicU64,
     pub dnn: AtomicU64,
     pub dnn_replays: AtomicU64,
+    pub dnn_uncaptured: AtomicU64,
     pub step_graphs: AtomicU64,
     pub memsets: AtomicU64,
     pub memcpys: AtomicU64,
@@ -157,6 +158,9 @@ pub struct LaunchCounts {
     pub dnn: u64,
     /// Of those, replays of a captured call (one graph launch each).
     pub dnn_replays: u64,
+    /// Calls seen twice that cuDNN could not run under a capture: they run directly
+    /// (which algorithms capture can depend on the search's timings).
+    pub dnn_uncaptured: u64,
     /// Whole steps launched as their CUDA graph (every kernel of the step in one
     /// launch, counted here and not above).
     pub step_graphs: u64,
@@ -180,6 +184,7 @@ impl std::ops::Sub for LaunchCounts {
             gemms: self.gemms - o.gemms,
             dnn: self.dnn - o.dnn,
             dnn_replays: self.dnn_replays - o.dnn_replays,
+            dnn_uncaptured: self.dnn_uncaptured - o.dnn_uncaptured,
             step_graphs: self.step_graphs - o.step_graphs,
             memsets: self.memsets - o.memsets,
             memcpys: self.memcpys - o.memcpys,
@@ -198,6 +203,7 @@ impl Launches {
             gemms: self.gemms.load(Ordering::Relaxed),
             dnn: self.dnn.load(Ordering::Relaxed),
             dnn_replays: self.dnn_replays.load(Ordering::Relaxed),
+            dnn_uncaptured: self.dnn_uncaptured.load(Ordering::Relaxed),
             step_graphs: self.step_graphs.load(Ordering::Relaxed),
             memsets: self.memsets.load(Ordering::Relaxed),
             memcpys: self.memcpys.load(Ordering::Relaxed),
@@ -349,39 +355,55 @@ pub fn loading<T>(f: impl FnOnce() -> T) -> T {
 }
 
 /// Runs `f` (a stream capture of a stream of `ctx`) while no [`loading`] call of
-/// another thread runs, on a thread of its own bound to `ctx`, and waits for it. A
-/// library call that fails under a capture leaves the failure (901, the capture
-/// invalidated) as its thread's last CUDA runtime error, and cuDNN and cuBLASLt each
-/// keep their own copy of the runtime, which [`clear_runtime_error`] cannot reach:
-/// their next call on that thread, captured or not, failed with EXECUTION_FAILED. The
-/// capture's thread ends with its errors.
+/// another thread runs, on a thread of its own ([`on_a_thread_of_its_own`]). A library
+/// call that fails under a capture leaves the failure (901, the capture invalidated)
+/// as its thread's last CUDA runtime error.
 pub fn capturing<T>(ctx: &Arc<CudaContext>, f: impl FnOnce() -> T) -> Result<T, String> {
     if CAPTURING_HERE.get() {
         return Ok(f());
     }
-    /// Moves the capture and its result across the threads.
+    on_a_thread_of_its_own(ctx, || {
+        let _alone = CAPTURE_EXCLUDES_LOADS
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        CAPTURING_HERE.set(true);
+        f()
+    })
+}
+
+/// Runs `f` (library calls expected to fail in part, such as cuDNN's algorithm
+/// searches, which run every algorithm) on a thread of its own bound to `ctx`, and
+/// waits for it. cuDNN and cuBLASLt each keep their own copy of the CUDA runtime,
+/// whose per-thread last error [`clear_runtime_error`] cannot reach: after one of
+/// their calls failed inside the runtime, their next call on that thread, captured or
+/// not, failed with EXECUTION_FAILED (seen after captures, and after searches on a
+/// loaded GPU). The thread ends with its errors. Inside a capture `f` runs here.
+pub fn on_a_thread_of_its_own<T>(
+    ctx: &Arc<CudaContext>,
+    f: impl FnOnce() -> T,
+) -> Result<T, String> {
+    if CAPTURING_HERE.get() {
+        return Ok(f());
+    }
+    /// Moves `f` and its result across the threads.
     struct Across<T>(T);
-    // SAFETY: the capture's thread is joined before `capturing` returns, and the
-    // CUDA objects `f` uses may be used from any thread bound to their context, one
-    // thread at a time: the calling thread waits meanwhile.
+    // SAFETY: the thread is joined before this returns, and the CUDA objects `f` uses
+    // may be used from any thread bound to their context, one thread at a time: the
+    // calling thread waits meanwhile.
     unsafe impl<T> Send for Across<T> {}
-    let (capture, ctx) = (Across(f), ctx.clone());
+    let (work, ctx) = (Across(f), ctx.clone());
     let joined = std::thread::scope(|s| {
         s.spawn(move || {
-            let capture = capture;
+            let work = work;
             ctx.bind_to_thread()
                 .map_err(|e| format!("context: {e:?}"))?;
-            let _alone = CAPTURE_EXCLUDES_LOADS
-                .write()
-                .unwrap_or_else(|e| e.into_inner());
-            CAPTURING_HERE.set(true);
-            Ok(Across((capture.0)()))
+            Ok(Across((work.0)()))
         })
         .join()
     });
     match joined {
         Ok(result) => result.map(|r: Across<T>| r.0),
-        Err(_) => Err("the capture's thread panicked".into()),
+        Err(_) => Err("a CUDA library's thread panicked".into()),
     }
 }
 

@@ -41,7 +41,8 @@ use ampgraph_graph::ops::DataFormat;
 use ampgraph_graph::DType;
 
 use super::device::{
-    capturing, capturing_here, clear_runtime_error, loading, DTensor, Device, Launches,
+    capturing, capturing_here, clear_runtime_error, loading, on_a_thread_of_its_own, DTensor,
+    Device, Launches,
 };
 
 /// Whether cuDNN (9 or later) can be loaded; the reason where it cannot.
@@ -256,7 +257,10 @@ impl Replays {
                     .launch()
                     .map_err(|e| format!("replaying a captured convolution: {e:?}"));
             }
-            Some(None) => return check("convolution", cudnn_call(&call)),
+            Some(None) => {
+                Launches::count(&dev.launches.dnn_uncaptured);
+                return check("convolution", cudnn_call(&call));
+            }
             None => {}
         }
         if self.seen.len() + self.graphs.len() >= Self::LIMIT {
@@ -277,6 +281,7 @@ impl Replays {
             }
             Err(why) => {
                 log::debug!("cuDNN convolution not captured ({why}): it runs directly");
+                Launches::count(&dev.launches.dnn_uncaptured);
                 self.graphs.insert(key, None);
                 check("convolution", cudnn_call(&call))
             }
@@ -764,8 +769,11 @@ impl Dnn {
         let plan = match cached {
             Some(p) => p,
             None => {
-                // cuDNN's queries load kernels too (its heuristics, workspace sizes).
-                let plan = loading(|| self.plan(dev, handle, &key, options, &ops))?;
+                // cuDNN's queries load kernels too (its heuristics, workspace sizes);
+                // the search's failed candidates leave their errors on its thread.
+                let plan = on_a_thread_of_its_own(&dev.ctx, || {
+                    loading(|| self.plan(dev, handle, &key, options, &ops))
+                })??;
                 let plan = Arc::new(plan);
                 self.plans
                     .lock()
