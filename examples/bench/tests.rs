@@ -427,3 +427,32 @@ fn the_zoo_workloads_prepare_with_their_attention_fused() {
         );
     }
 }
+
+/// GPT-2 at llm.c's size (b16 x 1024): the LM head's three products over the
+/// vocabulary of 50,257 (logits, the hidden state's and the embedding's gradients) run
+/// padded to 50,264, the logits' gradient padded once for the two products reading it.
+#[test]
+fn gpt2s_lm_head_products_are_padded_for_tensor_cores() {
+    let flags = ["bench", "--device", "cpu", "--workload", "gpt2"];
+    let args = Args::parse_from(flags);
+    let cfg = Config::from_args(&args).unwrap();
+    let step = prepare(&args, &cfg, Mode::AmpBf16, false).unwrap();
+    let g = &step.graph;
+    let padded: Vec<_> = (g.node_ids())
+        .filter(|&id| g.node(id).op_name() == "MatMul" && g.node(id).name.ends_with("/padded"))
+        .collect();
+    assert_eq!(padded.len(), 3, "the LM head's products");
+    let padded_vocab = |id| g.node(id).outputs()[0].shape.contains(&50_264);
+    assert!(padded.iter().all(|&id| {
+        padded_vocab(id)
+            || g.inputs(id)
+                .iter()
+                .any(|p| g.ty(*p).shape.contains(&50_264))
+    }));
+    let big_pads = (g.node_ids())
+        .filter(|&id| {
+            g.node(id).op_name() == "Concat" && g.node(id).outputs()[0].shape == [16_384, 50_264]
+        })
+        .count();
+    assert_eq!(big_pads, 1, "the logits' gradient padded once");
+}

@@ -35,8 +35,9 @@ const fn case(image: [usize; 4], ksize: [usize; 2], strides: [usize; 2], padding
 /// (input elements no window covers); SAME windows past the image on both sides and
 /// wider than it; explicit pads (PyTorch's `padding=1`, more after than before and
 /// before than after, one below the window); odd sizes; channels 1, 3, 5 and 17;
-/// batch 1.
-const CASES: [Case; 12] = [
+/// batch 1; a window of 272 elements (MaxPoolGrad's kernel for windows whose maximum's
+/// place does not fit a byte).
+const CASES: [Case; 13] = [
     case([1, 5, 7, 3], [2, 2], [2, 2], Padding::Valid),
     case([2, 9, 8, 5], [3, 3], [2, 2], Padding::Same),
     case([1, 6, 6, 1], [3, 3], [1, 1], Padding::Same),
@@ -64,6 +65,7 @@ const CASES: [Case; 12] = [
         [3, 2],
         Padding::Explicit([[3, 1], [2, 2]]),
     ),
+    case([1, 20, 19, 3], [16, 17], [3, 2], Padding::Same),
 ];
 
 impl Case {

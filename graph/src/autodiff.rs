@@ -8,7 +8,7 @@
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, NodeId, Port};
 use crate::op::Op;
-use crate::ops::{Binary, BinaryKind, Const, SumTo};
+use crate::ops::{Binary, BinaryKind, BroadcastTo, Concat, Const, SumTo};
 use crate::tensor::{Tensor, TensorType};
 use crate::DType;
 
@@ -151,9 +151,13 @@ pub fn gradients(g: &mut Graph, loss: Port, wrt: &[Port]) -> Result<Vec<Port>> {
         .collect()
 }
 
-/// The sum of the gradient contributions to one tensor.
+/// The sum of the gradient contributions to one tensor. Contributions that are each one
+/// tensor among zeros along the same axis at disjoint places (the gradients of Slices
+/// that split a tensor: GPT-2's and ViT's packed q, k, v) become one Concat of the
+/// pieces, rather than a zero-padded copy of each added up.
 fn accumulate(g: &mut Graph, parts: Option<Vec<Port>>) -> Result<Option<Port>> {
     let Some(parts) = parts else { return Ok(None) };
+    let parts = concat_placed(g, parts)?;
     let mut b = GradBuilder::new(g, "gradients/accumulate");
     let mut iter = parts.into_iter();
     let Some(mut sum) = iter.next() else {
@@ -163,6 +167,95 @@ fn accumulate(g: &mut Graph, parts: Option<Vec<Port>>) -> Result<Option<Port>> {
         sum = b.binary(BinaryKind::Add, sum, p)?;
     }
     Ok(Some(sum))
+}
+
+/// A gradient contribution that is one tensor placed among zeros along one axis (a
+/// Slice's gradient along the axis it cut): the axis, the tensor's first index along it,
+/// and the tensor.
+struct Placed {
+    axis: usize,
+    start: usize,
+    piece: Port,
+}
+
+/// `p` as a [`Placed`] tensor: a Concat of broadcast zero scalars and one other tensor.
+fn placed(g: &Graph, p: Port) -> Option<Placed> {
+    let concat = g.node(p.node).op.downcast_ref::<Concat>()?;
+    let axis = usize::try_from(concat.axis).ok()?;
+    let (mut offset, mut found) = (0, None);
+    for x in g.inputs(p.node) {
+        if !is_zeros(g, x) {
+            if found.is_some() {
+                return None;
+            }
+            found = Some(Placed {
+                axis,
+                start: offset,
+                piece: x,
+            });
+        }
+        offset += g.ty(x).shape.get(axis)?;
+    }
+    found
+}
+
+/// Whether `p` is a broadcast zero scalar (what [`Slice`](crate::ops::Slice)'s gradient
+/// pads with).
+fn is_zeros(g: &Graph, p: Port) -> bool {
+    if !g.node(p.node).op.is::<BroadcastTo>() {
+        return false;
+    }
+    let source = g.inputs(p.node)[0];
+    match g.node(source.node).op.downcast_ref::<Const>() {
+        Some(c) => c
+            .values
+            .as_ref()
+            .is_none_or(|v| v.iter_f64().all(|v| v == 0.0)),
+        None => false,
+    }
+}
+
+/// `parts` with the placed ones ([`Placed`]) along one axis at disjoint places joined
+/// into one Concat (zeros where no piece lies); the rest as they were.
+fn concat_placed(g: &mut Graph, parts: Vec<Port>) -> Result<Vec<Port>> {
+    let (pieces, rest): (Vec<_>, Vec<_>) = parts
+        .iter()
+        .map(|&p| (p, placed(g, p)))
+        .partition(|(_, q)| q.is_some());
+    let mut found: Vec<Placed> = pieces.into_iter().filter_map(|(_, q)| q).collect();
+    if found.len() < 2 || found.iter().any(|p| p.axis != found[0].axis) {
+        return Ok(parts);
+    }
+    found.sort_by_key(|p| p.start);
+    let (axis, full) = (found[0].axis, g.ty(parts[0]).clone());
+    let extent = |g: &Graph, p: &Placed| g.ty(p.piece).shape[axis];
+    if found
+        .windows(2)
+        .any(|w| w[0].start + extent(g, &w[0]) > w[1].start)
+    {
+        return Ok(parts);
+    }
+    let rest: Vec<Port> = rest.into_iter().map(|(p, _)| p).collect();
+    let mut b = GradBuilder::new(g, "gradients/accumulate");
+    let zero = b.scalar(full.dtype, 0.0)?;
+    let zeros = |b: &mut GradBuilder, len: usize| {
+        let mut shape = full.shape.clone();
+        shape[axis] = len;
+        b.add(BroadcastTo::new(shape), &[zero])
+    };
+    let (mut pieces, mut at) = (Vec::new(), 0);
+    for p in &found {
+        if p.start > at {
+            pieces.push(zeros(&mut b, p.start - at)?);
+        }
+        pieces.push(p.piece);
+        at = p.start + b.ty(p.piece).shape[axis];
+    }
+    if full.shape[axis] > at {
+        pieces.push(zeros(&mut b, full.shape[axis] - at)?);
+    }
+    let concat = b.add(Concat::new(axis as i64), &pieces)?;
+    Ok(std::iter::once(concat).chain(rest).collect())
 }
 
 /// The error for an op without a gradient rule.

@@ -120,8 +120,8 @@ pub const PASSES: &[PassEntry] = &[
     },
     PassEntry {
         name: "pad-gemm",
-        summary: "A 16-bit MatMul whose M, N or K is not a multiple of 8 multiplies zero-padded operands.",
-        make: || Box::new(PadGemm),
+        summary: "A large 16-bit MatMul whose stored row lengths are not multiples of 8 multiplies zero-padded operands and is sliced back.",
+        make: || Box::new(PadGemm::default()),
     },
     PassEntry {
         name: "pad-conv-channels",

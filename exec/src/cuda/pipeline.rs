@@ -11,7 +11,7 @@ use ampgraph_passes::group_updates::GroupUpdates;
 use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph_passes::simplify::{
-    CastIntoNorm, CastIntoReduce, CastIntoUpdate, Dce, PadConvChannels, ScaleIntoMatmul,
+    CastIntoNorm, CastIntoReduce, CastIntoUpdate, Dce, PadConvChannels, PadGemm, ScaleIntoMatmul,
     TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use ampgraph_passes::softmax_prologue::SoftmaxPrologue;
@@ -33,7 +33,8 @@ use crate::ExecOptions;
 /// scalar scalings, explicit attentions become fused ones
 /// (scores never stored), the finiteness check and the optimizer updates the loss-scale
 /// unscaling, the updates the casts of their variables, products their bias and
-/// activation into the GEMM, then the remaining elementwise chains fuse into generated
+/// activation into the GEMM, large products left whose rows are misaligned for Tensor
+/// Cores pad them (GPT-2's vocabulary), then the remaining elementwise chains fuse into generated
 /// kernels (a softmax takes the one computing its operand), those kernels take the bias
 /// gradients summed from what they compute, layer-norm gradients the Adds of the
 /// residual gradient after them (with those bias gradients), and the small variables'
@@ -62,6 +63,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(UnscaleIntoUpdate),
         Box::new(CastIntoUpdate),
         Box::new(GemmEpilogue),
+        Box::new(PadGemm::default()),
         Box::new(Fuse),
         Box::new(SoftmaxPrologue),
         Box::new(SumIntoElementwise),

@@ -1,7 +1,9 @@
 //! Pooling over 2-D images in NHWC or NCHW, TensorFlow's semantics as the CPU kernels
 //! (`graph/src/ops/conv.rs`) have them: MaxPool and AvgPool a thread per output;
 //! MaxPoolGrad and AvgPoolGrad a thread per input element, gathering from the output
-//! windows that cover it, so no atomics and the same result every run.
+//! windows that cover it, so no atomics and the same result every run. MaxPoolGrad
+//! first finds each window's maximum once (a byte per window, in the node's scratch)
+//! rather than once per element the window covers.
 //!
 //! Every kernel adds in the CPU's order (a window's elements row-major; an input
 //! element's window gradients in output order oy, ox) and rounds as it does (f32 for
@@ -25,8 +27,10 @@ kernel_specs! {
         MaxPool { dtype: DType } => max_pool(dtype),
         /// `k(const T* px, T* py, i64 total, GEOMETRY)`, a thread per output.
         AvgPool { dtype: DType } => avg_pool(dtype),
-        /// `k(const T* px, const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread per
-        /// input element.
+        /// `k_argmax(const T* px, u8* pat, i64 total, GEOMETRY)`, a thread per output;
+        /// then `k(const u8* pat, const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread
+        /// per input element. For windows of more than [`MAX_WINDOW_PLACES`]
+        /// elements, `k_direct(const T* px, const T* pdy, T* pdx, i64 total, GEOMETRY)`.
         MaxPoolGrad { dtype: DType } => max_pool_grad(dtype),
         /// `k(const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread per input element.
         AvgPoolGrad { dtype: DType } => avg_pool_grad(dtype),
@@ -187,6 +191,10 @@ fn lower_forward(
     Ok(pooling_kernel(spec(dtype), &[0], y, total, g))
 }
 
+/// The most elements a window may have for MaxPoolGrad to note its maximum's place in
+/// a byte (255 marks a window without one).
+const MAX_WINDOW_PLACES: usize = 255;
+
 /// MaxPoolGrad: `dx` from `x`, `y` (its type checked only, as on the CPU) and `dy`.
 fn lower_max_pool_grad(attrs: &Attrs, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let dtype = float_input(ins)?;
@@ -195,14 +203,33 @@ fn lower_max_pool_grad(attrs: &Attrs, ins: &[TensorType], outs: &[TensorType]) -
     expect("dy", ins.get(2), dtype, &g.output)?;
     let dx = first(outs)?;
     expect("dx", Some(&dx), dtype, &g.input)?;
-    let total = numel(&g.input);
-    Ok(pooling_kernel(
-        Spec::MaxPoolGrad { dtype },
-        &[0, 2],
-        dx,
-        total,
-        g,
-    ))
+    let spec = Spec::MaxPoolGrad { dtype };
+    let (inputs, outputs) = (numel(&g.input), numel(&g.output));
+    let direct = attrs.ksize[0] * attrs.ksize[1] > MAX_WINDOW_PLACES;
+    Ok(one_output(dx, move |c, ins, dx| {
+        let (x, dy) = (input(ins, 0)?, input(ins, 2)?);
+        let with_geometry = |mut args: Vec<Arg>, total: usize| {
+            args.push(Arg::I64(total as i64));
+            args.extend(g.args.iter().cloned());
+            args
+        };
+        if direct {
+            let args = with_geometry(vec![x.arg(), dy.arg(), dx.arg()], inputs);
+            return c.launch(&spec, "k_direct", items(inputs), &args);
+        }
+        // A byte per window (Bool's storage): its first maximum's place.
+        let places = c.temp(DType::Bool, outputs)?;
+        let args = with_geometry(vec![x.arg(), places.arg()], outputs);
+        c.launch(&spec, "k_argmax", items(outputs), &args)?;
+        let args = with_geometry(vec![places.arg(), dy.arg(), dx.arg()], inputs);
+        c.launch(&spec, "k", items(inputs), &args)
+    }))
+}
+
+/// The grid and block of a kernel with a thread per each of `n` items (grid-stride
+/// loops cover the rest).
+fn items(n: usize) -> (u32, u32) {
+    (n.div_ceil(256).clamp(1, 1 << 20) as u32, 256)
 }
 
 /// AvgPoolGrad: `dx` (of shape `input_shape`) from `dy`.
@@ -296,57 +323,65 @@ __device__ __forceinline__ Range covering(i64 i, i64 stride, i64 pad, i64 size, 
 // `ch`, in row-major order, with a NaN counting as the maximum: its input offset (-1
 // for an empty window) and value (-inf then). MaxPool's value is the CPU's (NaN
 // propagates); MaxPoolGrad's element the one the CPU gives the window's gradient.
-struct Max { i64 at; A value; };
+struct Max { i64 at; A value; i64 y, x; };
 __device__ __forceinline__ Max first_max(const T* px, const Pooling& g, i64 b, i64 ch, Range ry, Range rx) {
-  Max m = {-1, (A)(-F_INF)};
+  Max m = {-1, (A)(-F_INF), 0, 0};
   for (i64 y = ry.lo; y < ry.hi; ++y) {
     for (i64 x = rx.lo; x < rx.hi; ++x) {
       i64 at = g.input_offset(b, ch, y, x);
       A v = (A)ld(px, at);
-      if (m.at < 0 || (!m_isnan(m.value) && (m_isnan(v) || v > m.value))) { m.at = at; m.value = v; }
+      if (m.at < 0 || (!m_isnan(m.value) && (m_isnan(v) || v > m.value))) { m.at = at; m.value = v; m.y = y; m.x = x; }
     }
   }
   return m;
 }
+// The place of input position (y, x) in output position (oy, ox)'s window, counting
+// row-major from the window's first (maybe padded) position.
+__device__ __forceinline__ i64 window_place(const Pooling& g, i64 oy, i64 ox, i64 y, i64 x) {
+  return (y - (oy * g.sh - g.ph)) * g.kw + (x - (ox * g.sw - g.pw));
+}
 "#;
 
-/// Kernel `k` over `total` elements `i` of tensors `tensors` (the parameters before
+/// Kernel `name` over `total` elements `i` of tensors `tensors` (the parameters before
 /// `total`): `body` runs per element with the geometry `g` bound.
-fn pooling_module(d: DType, tensors: &str, body: &str) -> String {
+fn pooling_kernel_source(name: &str, tensors: &str, body: &str) -> String {
     let params: Vec<String> = GEOMETRY.iter().map(|(t, n)| format!("{t} {n}")).collect();
     let names: Vec<&str> = GEOMETRY.iter().map(|(_, n)| *n).collect();
-    module(
-        d,
-        &format!(
-            "{POOLING}extern \"C\" __global__ void k({tensors}, i64 total, {}) {{\n\
-               const Pooling g = {{{}}};\n\
-               GRID_LOOP(i, total) {{\n{body}\n}}\n}}\n",
-            params.join(", "),
-            names.join(", ")
-        ),
+    format!(
+        "extern \"C\" __global__ void {name}({tensors}, i64 total, {}) {{\n\
+           const Pooling g = {{{}}};\n\
+           GRID_LOOP(i, total) {{\n{body}\n}}\n}}\n",
+        params.join(", "),
+        names.join(", ")
     )
+}
+
+/// The module of `kernels` (their sources) with what pooling kernels share.
+fn pooling_module(d: DType, kernels: &[String]) -> String {
+    module(d, &format!("{POOLING}{}", kernels.concat()))
 }
 
 /// A forward kernel: output `i`'s window (`o`, rows `ry`, columns `rx`) bound for
 /// `body`, which stores `py[i]`.
 fn forward(d: DType, body: &str) -> String {
-    pooling_module(
-        d,
+    let kernel = pooling_kernel_source(
+        "k",
         "const T* px, T* py",
         &format!(
             "Pixel o = g.pixel(i, g.oh, g.ow);\n\
              Range ry = window(o.y, g.sh, g.ph, g.kh, g.h), rx = window(o.x, g.sw, g.pw, g.kw, g.w);\n\
              {body}"
         ),
-    )
+    );
+    pooling_module(d, &[kernel])
 }
 
-/// A gradient kernel: input element `i` (`p`) gathers into `acc` what `contribution`
-/// adds for each output window (`oy`, `ox`, rows `ry`, columns `rx`) covering it, in
-/// the CPU's order, and stores it in `pdx[i]`.
-fn gradient(d: DType, tensors: &str, contribution: &str) -> String {
-    pooling_module(
-        d,
+/// Gradient kernel `name`: input element `i` (`p`) gathers into `acc` what
+/// `contribution` adds for each output window (`oy`, `ox`, its offset `o_at`, rows
+/// `ry`, columns `rx`) covering it, in the CPU's order, and stores it in `pdx[i]`.
+fn gradient(name: &str, tensors: &str, contribution: &str) -> String {
+    pooling_kernel_source(
+        name,
         &format!("{tensors}, T* pdx"),
         &format!(
             "Pixel p = g.pixel(i, g.h, g.w);\n\
@@ -355,7 +390,7 @@ fn gradient(d: DType, tensors: &str, contribution: &str) -> String {
              for (i64 oy = oys.lo; oy < oys.hi; ++oy) {{\n\
                for (i64 ox = oxs.lo; ox < oxs.hi; ++ox) {{\n\
                  Range ry = window(oy, g.sh, g.ph, g.kh, g.h), rx = window(ox, g.sw, g.pw, g.kw, g.w);\n\
-                 A dy = (A)ld(pdy, g.output_offset(p.b, p.ch, oy, ox));\n\
+                 i64 o_at = g.output_offset(p.b, p.ch, oy, ox);\n\
                  {contribution}\n\
                }}\n\
              }}\n\
@@ -385,21 +420,37 @@ pub(super) fn avg_pool(d: DType) -> String {
     )
 }
 
-/// Each covering window's gradient where this element is the window's first maximum
-/// (found again in `x`: windows are small).
+/// Each covering window's gradient where this element is the window's first maximum:
+/// `k_argmax` notes each window's maximum's place, `k` compares its own; `k_direct`
+/// finds the maximum again in `x` for every window covering the element.
 pub(super) fn max_pool_grad(d: DType) -> String {
-    gradient(
-        d,
+    let argmax = pooling_kernel_source(
+        "k_argmax",
+        "const T* px, u8* pat",
+        "Pixel o = g.pixel(i, g.oh, g.ow);\n\
+         Range ry = window(o.y, g.sh, g.ph, g.kh, g.h), rx = window(o.x, g.sw, g.pw, g.kw, g.w);\n\
+         Max m = first_max(px, g, o.b, o.ch, ry, rx);\n\
+         pat[i] = m.at < 0 ? (u8)255 : (u8)window_place(g, o.y, o.x, m.y, m.x);",
+    );
+    let gather = gradient(
+        "k",
+        "const u8* pat, const T* pdy",
+        "if ((i64)pat[o_at] == window_place(g, oy, ox, p.y, p.x)) acc += (A)ld(pdy, o_at);",
+    );
+    let direct = gradient(
+        "k_direct",
         "const T* px, const T* pdy",
-        "if (first_max(px, g, p.b, p.ch, ry, rx).at == i) acc += dy;",
-    )
+        "if (first_max(px, g, p.b, p.ch, ry, rx).at == i) acc += (A)ld(pdy, o_at);",
+    );
+    pooling_module(d, &[argmax, gather, direct])
 }
 
 /// Each covering window's gradient spread evenly over its in-bounds elements.
 pub(super) fn avg_pool_grad(d: DType) -> String {
-    gradient(
-        d,
+    let kernel = gradient(
+        "k",
         "const T* pdy",
-        "acc += dy * ((A)1 / (A)(range_len(ry) * range_len(rx)));",
-    )
+        "acc += (A)ld(pdy, o_at) * ((A)1 / (A)(range_len(ry) * range_len(rx)));",
+    );
+    pooling_module(d, &[kernel])
 }
