@@ -36,7 +36,8 @@
 //!   count for it either).
 //!
 //! A train step is forward, loss, backward and the SGD-momentum update (lr 1e-3,
-//! momentum 0.9), all in one graph; the AMP modes wrap the optimizer with
+//! momentum 0.9; AdamW, lr 3e-4 and decay 0.01, for the zoo's transformers as their
+//! PyTorch peers), all in one graph; the AMP modes wrap the optimizer with
 //! [`enable_mixed_precision_graph_rewrite`] (dynamic loss scaling in the graph, in bf16
 //! too, where PyTorch turns its GradScaler off). Inference is the forward pass of a
 //! graph pruned to the logits, as [`ampgraph::Session::inference`] prunes it. Modes:
@@ -122,7 +123,7 @@ use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{Group, Init, Variable};
 use ampgraph::graph::rng::SplitMix64;
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
-use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
+use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, Optimizer, Sgd};
 use ampgraph::passes::sync_batch_norm::SyncBatchNorm;
 use ampgraph::passes::{Pass, PassRecord};
 use ampgraph::session::Pipeline;
@@ -1002,12 +1003,18 @@ fn prepare_with(
         graph.prune(&[done])?;
         (done, None)
     } else {
-        let sgd = Sgd::momentum(1e-3, 0.9);
+        // The peers' optimizers (scripts/torch_zoo_train.py): AdamW (PyTorch's default
+        // decay of 0.01 on every parameter) for the zoo's transformers, else momentum
+        // SGD.
+        let optimizer = match cfg {
+            Config::Zoo { model, .. } if *model != Workload::Resnet50 => Adam::adamw(3e-4, 0.01),
+            _ => Sgd::momentum(1e-3, 0.9),
+        };
         let step = match mode.amp() {
-            Some(dtype) => enable_mixed_precision_graph_rewrite(sgd)
+            Some(dtype) => enable_mixed_precision_graph_rewrite(optimizer)
                 .with_dtype(dtype)
                 .minimize(&mut graph, loss)?,
-            None => sgd.minimize(&mut graph, loss)?,
+            None => optimizer.minimize(&mut graph, loss)?,
         };
         // The running averages are written by the same step, skipped or not (as
         // PyTorch's forward writes them whatever the GradScaler then does).

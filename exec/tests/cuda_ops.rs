@@ -296,6 +296,36 @@ fn bias_add_cast_and_shape_ops() {
                 &parts,
             );
         }
+        // Long rows go a block per row: a padded vocabulary sliced back, zeros
+        // appended to it (a pair), three inputs, a row broadcast down a matrix.
+        let wide = rand(&mut r, d, &[3, 2056], -1.0, 1.0);
+        check(
+            &mut gpu,
+            "Slice of long rows",
+            Slice::new(vec![0, 0], vec![3, 2051]),
+            &[wide.clone()],
+        );
+        let narrow = rand(&mut r, d, &[3, 2051], -1.0, 1.0);
+        let pad = rand(&mut r, d, &[3, 5], -1.0, 1.0);
+        check(
+            &mut gpu,
+            "Concat long rows pair",
+            Concat::new(1),
+            &[narrow.clone(), pad.clone()],
+        );
+        check(
+            &mut gpu,
+            "Concat long rows",
+            Concat::new(1),
+            &[pad, narrow, wide],
+        );
+        let row = rand(&mut r, d, &[1, 2051], -1.0, 1.0);
+        check(
+            &mut gpu,
+            "BroadcastTo long rows",
+            BroadcastTo::new(vec![4, 2051]),
+            &[row],
+        );
         for to in [
             DType::F32,
             DType::F16,

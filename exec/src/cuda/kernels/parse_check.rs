@@ -14,7 +14,7 @@ use super::norm::{layer_norm, layer_norm_grad_block, layer_norm_grad_rows, NormT
 use super::pool::{avg_pool, avg_pool_grad, max_pool, max_pool_grad};
 use super::reduce::{broadcast_div, column_sum, reduce, reduce_max_grad};
 use super::select::{gather as gather_indexed, gather_grad};
-use super::shape::{concat, concat_pair, gather, transpose};
+use super::shape::{concat, concat_pair, gather, rows, transpose};
 use super::softmax::{fused_softmax, softmax, softmax_grad};
 use super::training::{all_finite, fill_flag, increment_if, loss_scale_update, optimizer};
 use ampgraph_graph::ops::{
@@ -135,11 +135,15 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                 all_finite(&[d, DType::F32], Some(DType::F32)),
             ),
             (format!("increment_if_{d}"), increment_if(d)),
-            (format!("max_pool_{d}"), max_pool(d)),
-            (format!("avg_pool_{d}"), avg_pool(d)),
-            (format!("max_pool_grad_{d}"), max_pool_grad(d)),
-            (format!("avg_pool_grad_{d}"), avg_pool_grad(d)),
         ]);
+        for wide in [false, true] {
+            k.extend([
+                (format!("max_pool_{d}_{wide}"), max_pool(d, wide)),
+                (format!("avg_pool_{d}_{wide}"), avg_pool(d, wide)),
+                (format!("max_pool_grad_{d}_{wide}"), max_pool_grad(d, wide)),
+                (format!("avg_pool_grad_{d}_{wide}"), avg_pool_grad(d, wide)),
+            ]);
+        }
         let rules = [
             Rule::PLAIN_SGD,
             Rule::Sgd {
@@ -196,6 +200,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     }
     for bytes in [1, 2, 4, 8, 16] {
         k.push((format!("gather_{bytes}"), gather(bytes)));
+        k.push((format!("rows_{bytes}"), rows(bytes)));
         k.push((format!("transpose_{bytes}"), transpose(bytes)));
         k.push((format!("pad_{bytes}"), pad(bytes)));
     }

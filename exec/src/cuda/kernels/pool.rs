@@ -19,21 +19,21 @@ use super::{first, float_input, input, numel, one_output, CudaKernel, KernelResu
 use crate::cuda::device::{Arg, DTensor};
 
 kernel_specs! {
-    /// The modules of the family, one per op and dtype; `GEOMETRY` stands for
-    /// [`GEOMETRY`]'s parameters.
+    /// The modules of the family, one per op, dtype and index width (`wide`: 64-bit);
+    /// `GEOMETRY` stands for [`GEOMETRY`]'s parameters.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
     enum Spec in "pool" {
         /// `k(const T* px, T* py, i64 total, GEOMETRY)`, a thread per output.
-        MaxPool { dtype: DType } => max_pool(dtype),
+        MaxPool { dtype: DType, wide: bool } => max_pool(dtype, wide),
         /// `k(const T* px, T* py, i64 total, GEOMETRY)`, a thread per output.
-        AvgPool { dtype: DType } => avg_pool(dtype),
+        AvgPool { dtype: DType, wide: bool } => avg_pool(dtype, wide),
         /// `k_argmax(const T* px, u8* pat, i64 total, GEOMETRY)`, a thread per output;
         /// then `k(const u8* pat, const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread
         /// per input element. For windows of more than [`MAX_WINDOW_PLACES`]
         /// elements, `k_direct(const T* px, const T* pdy, T* pdx, i64 total, GEOMETRY)`.
-        MaxPoolGrad { dtype: DType } => max_pool_grad(dtype),
+        MaxPoolGrad { dtype: DType, wide: bool } => max_pool_grad(dtype, wide),
         /// `k(const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread per input element.
-        AvgPoolGrad { dtype: DType } => avg_pool_grad(dtype),
+        AvgPoolGrad { dtype: DType, wide: bool } => avg_pool_grad(dtype, wide),
     }
 }
 
@@ -60,7 +60,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(p) = op.downcast_ref::<MaxPool>() {
         let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
         return Some(lower_forward(
-            |dtype| Spec::MaxPool { dtype },
+            |dtype, wide| Spec::MaxPool { dtype, wide },
             &attrs,
             ins,
             outs,
@@ -69,7 +69,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(p) = op.downcast_ref::<AvgPool>() {
         let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
         return Some(lower_forward(
-            |dtype| Spec::AvgPool { dtype },
+            |dtype, wide| Spec::AvgPool { dtype, wide },
             &attrs,
             ins,
             outs,
@@ -178,7 +178,7 @@ fn expect(what: &str, t: Option<&TensorType>, dtype: DType, shape: &[usize]) -> 
 
 /// MaxPool or AvgPool (`spec` of the dtype): `y` from `x`.
 fn lower_forward(
-    spec: impl Fn(DType) -> Spec,
+    spec: impl Fn(DType, bool) -> Spec,
     attrs: &Attrs,
     ins: &[TensorType],
     outs: &[TensorType],
@@ -188,7 +188,8 @@ fn lower_forward(
     let y = first(outs)?;
     expect("y", Some(&y), dtype, &g.output)?;
     let total = numel(&g.output);
-    Ok(pooling_kernel(spec(dtype), &[0], y, total, g))
+    let spec = spec(dtype, wide(&g.input, &g.output));
+    Ok(pooling_kernel(spec, &[0], y, total, g))
 }
 
 /// The most elements a window may have for MaxPoolGrad to note its maximum's place in
@@ -203,7 +204,10 @@ fn lower_max_pool_grad(attrs: &Attrs, ins: &[TensorType], outs: &[TensorType]) -
     expect("dy", ins.get(2), dtype, &g.output)?;
     let dx = first(outs)?;
     expect("dx", Some(&dx), dtype, &g.input)?;
-    let spec = Spec::MaxPoolGrad { dtype };
+    let spec = Spec::MaxPoolGrad {
+        dtype,
+        wide: wide(&g.input, &g.output),
+    };
     let (inputs, outputs) = (numel(&g.input), numel(&g.output));
     let direct = attrs.ksize[0] * attrs.ksize[1] > MAX_WINDOW_PLACES;
     Ok(one_output(dx, move |c, ins, dx| {
@@ -246,7 +250,10 @@ fn lower_avg_pool_grad(
     expect("dx", Some(&dx), dtype, &g.input)?;
     let total = numel(&g.input);
     Ok(pooling_kernel(
-        Spec::AvgPoolGrad { dtype },
+        Spec::AvgPoolGrad {
+            dtype,
+            wide: wide(&g.input, &g.output),
+        },
         &[0],
         dx,
         total,
@@ -279,30 +286,30 @@ fn pooling_kernel(
 /// cover an input position, and the first maximum of a window.
 const POOLING: &str = r#"
 // Where an element of an image tensor lies: image, channel, row, column.
-struct Pixel { i64 b, ch, y, x; };
+struct Pixel { I b, ch, y, x; };
 // Positions [lo, hi) along one axis.
-struct Range { i64 lo, hi; };
-__device__ __forceinline__ i64 range_len(Range r) { return r.hi - r.lo; }
+struct Range { I lo, hi; };
+__device__ __forceinline__ I range_len(Range r) { return r.hi - r.lo; }
 struct Pooling {
   int nhwc;
-  i64 c, h, w, oh, ow, kh, kw, sh, sw, ph, pw;
+  I c, h, w, oh, ow, kh, kw, sh, sw, ph, pw;
   // Element `i` of a contiguous tensor of images of `rows` x `cols`.
-  __device__ __forceinline__ Pixel pixel(i64 i, i64 rows, i64 cols) const {
+  __device__ __forceinline__ Pixel pixel(I i, I rows, I cols) const {
     Pixel p;
     if (nhwc) { p.ch = i % c; i /= c; p.x = i % cols; i /= cols; p.y = i % rows; p.b = i / rows; }
     else { p.x = i % cols; i /= cols; p.y = i % rows; i /= rows; p.ch = i % c; p.b = i / c; }
     return p;
   }
-  __device__ __forceinline__ i64 offset(i64 b, i64 ch, i64 y, i64 x, i64 rows, i64 cols) const {
+  __device__ __forceinline__ I offset(I b, I ch, I y, I x, I rows, I cols) const {
     return nhwc ? ((b * rows + y) * cols + x) * c + ch : ((b * c + ch) * rows + y) * cols + x;
   }
-  __device__ __forceinline__ i64 input_offset(i64 b, i64 ch, i64 y, i64 x) const { return offset(b, ch, y, x, h, w); }
-  __device__ __forceinline__ i64 output_offset(i64 b, i64 ch, i64 y, i64 x) const { return offset(b, ch, y, x, oh, ow); }
+  __device__ __forceinline__ I input_offset(I b, I ch, I y, I x) const { return offset(b, ch, y, x, h, w); }
+  __device__ __forceinline__ I output_offset(I b, I ch, I y, I x) const { return offset(b, ch, y, x, oh, ow); }
 };
 // The in-bounds input positions of output position `o`'s window along an axis of
 // `len` (padding takes no part).
-__device__ __forceinline__ Range window(i64 o, i64 stride, i64 pad, i64 size, i64 len) {
-  i64 start = o * stride - pad, end = start + size;
+__device__ __forceinline__ Range window(I o, I stride, I pad, I size, I len) {
+  I start = o * stride - pad, end = start + size;
   Range r;
   r.lo = start < 0 ? 0 : start;
   r.hi = end > len ? len : end;
@@ -311,8 +318,8 @@ __device__ __forceinline__ Range window(i64 o, i64 stride, i64 pad, i64 size, i6
 }
 // The output positions (of `out`) whose windows along an axis hold input position `i`:
 // o * stride - pad <= i < o * stride - pad + size.
-__device__ __forceinline__ Range covering(i64 i, i64 stride, i64 pad, i64 size, i64 out) {
-  i64 first = i + pad - size + 1;
+__device__ __forceinline__ Range covering(I i, I stride, I pad, I size, I out) {
+  I first = i + pad - size + 1;
   Range r;
   r.lo = first <= 0 ? 0 : (first + stride - 1) / stride;
   r.hi = (i + pad) / stride + 1;
@@ -323,12 +330,12 @@ __device__ __forceinline__ Range covering(i64 i, i64 stride, i64 pad, i64 size, 
 // `ch`, in row-major order, with a NaN counting as the maximum: its input offset (-1
 // for an empty window) and value (-inf then). MaxPool's value is the CPU's (NaN
 // propagates); MaxPoolGrad's element the one the CPU gives the window's gradient.
-struct Max { i64 at; A value; i64 y, x; };
-__device__ __forceinline__ Max first_max(const T* px, const Pooling& g, i64 b, i64 ch, Range ry, Range rx) {
+struct Max { I at; A value; I y, x; };
+__device__ __forceinline__ Max first_max(const T* px, const Pooling& g, I b, I ch, Range ry, Range rx) {
   Max m = {-1, (A)(-F_INF), 0, 0};
-  for (i64 y = ry.lo; y < ry.hi; ++y) {
-    for (i64 x = rx.lo; x < rx.hi; ++x) {
-      i64 at = g.input_offset(b, ch, y, x);
+  for (I y = ry.lo; y < ry.hi; ++y) {
+    for (I x = rx.lo; x < rx.hi; ++x) {
+      I at = g.input_offset(b, ch, y, x);
       A v = (A)ld(px, at);
       if (m.at < 0 || (!m_isnan(m.value) && (m_isnan(v) || v > m.value))) { m.at = at; m.value = v; m.y = y; m.x = x; }
     }
@@ -337,7 +344,7 @@ __device__ __forceinline__ Max first_max(const T* px, const Pooling& g, i64 b, i
 }
 // The place of input position (y, x) in output position (oy, ox)'s window, counting
 // row-major from the window's first (maybe padded) position.
-__device__ __forceinline__ i64 window_place(const Pooling& g, i64 oy, i64 ox, i64 y, i64 x) {
+__device__ __forceinline__ I window_place(const Pooling& g, I oy, I ox, I y, I x) {
   return (y - (oy * g.sh - g.ph)) * g.kw + (x - (ox * g.sw - g.pw));
 }
 "#;
@@ -346,7 +353,14 @@ __device__ __forceinline__ i64 window_place(const Pooling& g, i64 oy, i64 ox, i6
 /// `total`): `body` runs per element with the geometry `g` bound.
 fn pooling_kernel_source(name: &str, tensors: &str, body: &str) -> String {
     let params: Vec<String> = GEOMETRY.iter().map(|(t, n)| format!("{t} {n}")).collect();
-    let names: Vec<&str> = GEOMETRY.iter().map(|(_, n)| *n).collect();
+    // The geometry in the index type `I` (the arguments are 64-bit).
+    let names: Vec<String> = GEOMETRY
+        .iter()
+        .map(|(t, n)| match *t {
+            "i64" => format!("(I){n}"),
+            _ => n.to_string(),
+        })
+        .collect();
     format!(
         "extern \"C\" __global__ void {name}({tensors}, i64 total, {}) {{\n\
            const Pooling g = {{{}}};\n\
@@ -356,14 +370,26 @@ fn pooling_kernel_source(name: &str, tensors: &str, body: &str) -> String {
     )
 }
 
-/// The module of `kernels` (their sources) with what pooling kernels share.
-fn pooling_module(d: DType, kernels: &[String]) -> String {
-    module(d, &format!("{POOLING}{}", kernels.concat()))
+/// The module of `kernels` (their sources) with what pooling kernels share, its index
+/// math in 64 bits where `wide` (a tensor of 2^31 elements or more), else in 32: a
+/// 64-bit division is several times a 32-bit one's instructions, and the gradients
+/// divide to place every element (ResNet-50's MaxPoolGrad spent most of its time so).
+fn pooling_module(d: DType, wide: bool, kernels: &[String]) -> String {
+    let index = if wide { "long long" } else { "int" };
+    module(
+        d,
+        &format!("typedef {index} I;\n{POOLING}{}", kernels.concat()),
+    )
+}
+
+/// Whether a pooling of these shapes needs 64-bit index math.
+fn wide(input: &[usize], output: &[usize]) -> bool {
+    numel(input).max(numel(output)) > i32::MAX as usize
 }
 
 /// A forward kernel: output `i`'s window (`o`, rows `ry`, columns `rx`) bound for
 /// `body`, which stores `py[i]`.
-fn forward(d: DType, body: &str) -> String {
+fn forward(d: DType, wide: bool, body: &str) -> String {
     let kernel = pooling_kernel_source(
         "k",
         "const T* px, T* py",
@@ -373,7 +399,7 @@ fn forward(d: DType, body: &str) -> String {
              {body}"
         ),
     );
-    pooling_module(d, &[kernel])
+    pooling_module(d, wide, &[kernel])
 }
 
 /// Gradient kernel `name`: input element `i` (`p`) gathers into `acc` what
@@ -387,10 +413,10 @@ fn gradient(name: &str, tensors: &str, contribution: &str) -> String {
             "Pixel p = g.pixel(i, g.h, g.w);\n\
              Range oys = covering(p.y, g.sh, g.ph, g.kh, g.oh), oxs = covering(p.x, g.sw, g.pw, g.kw, g.ow);\n\
              A acc = 0;\n\
-             for (i64 oy = oys.lo; oy < oys.hi; ++oy) {{\n\
-               for (i64 ox = oxs.lo; ox < oxs.hi; ++ox) {{\n\
+             for (I oy = oys.lo; oy < oys.hi; ++oy) {{\n\
+               for (I ox = oxs.lo; ox < oxs.hi; ++ox) {{\n\
                  Range ry = window(oy, g.sh, g.ph, g.kh, g.h), rx = window(ox, g.sw, g.pw, g.kw, g.w);\n\
-                 i64 o_at = g.output_offset(p.b, p.ch, oy, ox);\n\
+                 I o_at = g.output_offset(p.b, p.ch, oy, ox);\n\
                  {contribution}\n\
                }}\n\
              }}\n\
@@ -399,23 +425,25 @@ fn gradient(name: &str, tensors: &str, contribution: &str) -> String {
     )
 }
 
-pub(super) fn max_pool(d: DType) -> String {
+pub(super) fn max_pool(d: DType, wide: bool) -> String {
     forward(
         d,
+        wide,
         "st(py, i, (C)first_max(px, g, o.b, o.ch, ry, rx).value);",
     )
 }
 
 /// The mean over the window's in-bounds elements (zero for an empty window, as the
 /// CPU's).
-pub(super) fn avg_pool(d: DType) -> String {
+pub(super) fn avg_pool(d: DType, wide: bool) -> String {
     forward(
         d,
+        wide,
         "A sum = 0;\n\
-         for (i64 y = ry.lo; y < ry.hi; ++y) {\n\
-           for (i64 x = rx.lo; x < rx.hi; ++x) sum += (A)ld(px, g.input_offset(o.b, o.ch, y, x));\n\
+         for (I y = ry.lo; y < ry.hi; ++y) {\n\
+           for (I x = rx.lo; x < rx.hi; ++x) sum += (A)ld(px, g.input_offset(o.b, o.ch, y, x));\n\
          }\n\
-         i64 count = range_len(ry) * range_len(rx);\n\
+         I count = range_len(ry) * range_len(rx);\n\
          st(py, i, (C)(count > 0 ? sum / (A)count : sum));",
     )
 }
@@ -423,7 +451,7 @@ pub(super) fn avg_pool(d: DType) -> String {
 /// Each covering window's gradient where this element is the window's first maximum:
 /// `k_argmax` notes each window's maximum's place, `k` compares its own; `k_direct`
 /// finds the maximum again in `x` for every window covering the element.
-pub(super) fn max_pool_grad(d: DType) -> String {
+pub(super) fn max_pool_grad(d: DType, wide: bool) -> String {
     let argmax = pooling_kernel_source(
         "k_argmax",
         "const T* px, u8* pat",
@@ -435,22 +463,22 @@ pub(super) fn max_pool_grad(d: DType) -> String {
     let gather = gradient(
         "k",
         "const u8* pat, const T* pdy",
-        "if ((i64)pat[o_at] == window_place(g, oy, ox, p.y, p.x)) acc += (A)ld(pdy, o_at);",
+        "if ((I)pat[o_at] == window_place(g, oy, ox, p.y, p.x)) acc += (A)ld(pdy, o_at);",
     );
     let direct = gradient(
         "k_direct",
         "const T* px, const T* pdy",
-        "if (first_max(px, g, p.b, p.ch, ry, rx).at == i) acc += (A)ld(pdy, o_at);",
+        "if (first_max(px, g, p.b, p.ch, ry, rx).at == (I)i) acc += (A)ld(pdy, o_at);",
     );
-    pooling_module(d, &[argmax, gather, direct])
+    pooling_module(d, wide, &[argmax, gather, direct])
 }
 
 /// Each covering window's gradient spread evenly over its in-bounds elements.
-pub(super) fn avg_pool_grad(d: DType) -> String {
+pub(super) fn avg_pool_grad(d: DType, wide: bool) -> String {
     let kernel = gradient(
         "k",
         "const T* pdy",
         "acc += (A)ld(pdy, o_at) * ((A)1 / (A)(range_len(ry) * range_len(rx)));",
     );
-    pooling_module(d, &[kernel])
+    pooling_module(d, wide, &[kernel])
 }

@@ -2,7 +2,10 @@
 //! (its indexing fixed when the node is lowered; a gather that moves the contiguous
 //! axis, as a filter's HWIO -> KRSC or an image's NCHW -> NHWC does, goes through
 //! shared-memory tiles so that both its reads and its writes are coalesced), Concat,
-//! and the views that launch nothing (Reshape, AssignVariable's value).
+//! and the views that launch nothing (Reshape, AssignVariable's value). Copies of long
+//! rows (a slice or concat along the last axis of wide rows, whose words cannot widen:
+//! GPT-2's padded vocabulary of 50,264 sliced to 50,257) go a block per row, with no
+//! division per element.
 
 use ampgraph_graph::ops::{AssignVariable, BroadcastTo, Concat, Reshape, Slice, Transpose};
 use ampgraph_graph::shape::normalize_axis;
@@ -20,12 +23,17 @@ kernel_specs! {
     enum Spec in "shape" {
         /// `k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset)`
         Gather { bytes: usize } => gather(bytes),
+        /// `k(const E* px, E* py, i64 rows, i64 inner, i64 stride, i64 offset)`: a block
+        /// per row of `inner` words read `stride` apart.
+        Rows { bytes: usize } => rows(bytes),
         /// `k(const E* px, E* py, i64 batches, i64 p, i64 q, i64 sb, i64 sq, i64 offset,
         /// int tp, int tq)`
         Transpose { bytes: usize } => transpose(bytes),
-        /// `k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off)`
+        /// `k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off)`, and
+        /// `k_rows` (same arguments) a block per row.
         Concat { bytes: usize } => concat(bytes),
-        /// `k(const E* pa, const E* pb, E* py, i64 n, i64 ia, i64 ib)`
+        /// `k(const E* pa, const E* pb, E* py, i64 n, i64 ia, i64 ib)`, and `k_rows`
+        /// (same arguments) a block per row.
         ConcatPair { bytes: usize } => concat_pair(bytes),
     }
 }
@@ -99,6 +107,9 @@ pub(super) struct Gather {
 const TILE_ELEMENTS: usize = 1024;
 const TILE: usize = 32;
 
+/// Rows of at least this many words are copied a block (of 256 threads) per row.
+const ROW_WORDS: usize = 1024;
+
 impl Gather {
     /// The gather of elements of `esize` bytes.
     pub(super) fn new(
@@ -135,11 +146,21 @@ impl Gather {
             }
             offset /= group;
         }
+        let bytes = esize * group;
+        if let (&[rows, inner], &[stride, 1]) = (&shape[..], &st[..]) {
+            if inner >= ROW_WORDS {
+                return Ok(Gather {
+                    spec: Spec::Rows { bytes },
+                    n: rows,
+                    sizes: [rows, inner, stride, offset]
+                        .map(|v| Arg::I64(v as i64))
+                        .to_vec(),
+                });
+            }
+        }
         let n = numel(&shape);
         Ok(Gather {
-            spec: Spec::Gather {
-                bytes: esize * group,
-            },
+            spec: Spec::Gather { bytes },
             n,
             sizes: vec![
                 Arg::I64(n as i64),
@@ -180,9 +201,9 @@ impl Gather {
         let mut args = vec![x.arg(), y.arg()];
         args.extend(self.sizes.iter().cloned());
         match self.spec {
-            // A block of 8 warps per tile, a grid-stride loop over the tiles.
-            Spec::Transpose { .. } => {
-                let grid = self.n.min(1 << 20) as u32;
+            // A block of 8 warps per tile or row, a grid-stride loop over them.
+            Spec::Transpose { .. } | Spec::Rows { .. } => {
+                let grid = self.n.clamp(1, 1 << 20) as u32;
                 c.launch(&self.spec, "k", (grid, 256), &args)
             }
             _ => c.launch_items(&self.spec, self.n, 1, &args),
@@ -230,15 +251,11 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
             if n == 0 {
                 return Ok(());
             }
-            let args = [a.arg(), b.arg(), y.arg()]
+            let args: Vec<Arg> = [a.arg(), b.arg(), y.arg()]
                 .into_iter()
-                .chain([n, ia, ib].map(|v| Arg::I64(v as i64)));
-            c.launch_items(
-                &Spec::ConcatPair { bytes: word },
-                n,
-                1,
-                &args.collect::<Vec<_>>(),
-            )
+                .chain([n, ia, ib].map(|v| Arg::I64(v as i64)))
+                .collect();
+            launch_copy(c, &Spec::ConcatPair { bytes: word }, n, ia + ib, &args)
         }));
     }
     // Per input: the widest word in bytes, and (elements, inner size, output inner
@@ -258,19 +275,26 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
             let word = word_at(word, esize, &[x, y]);
             let [n, inner_in, inner_out, off] = elements.map(|v| v * esize / word);
             if n > 0 {
-                let args = [x.arg(), y.arg()]
+                let args: Vec<Arg> = [x.arg(), y.arg()]
                     .into_iter()
-                    .chain([n, inner_in, inner_out, off].map(|v| Arg::I64(v as i64)));
-                c.launch_items(
-                    &Spec::Concat { bytes: word },
-                    n,
-                    1,
-                    &args.collect::<Vec<_>>(),
-                )?;
+                    .chain([n, inner_in, inner_out, off].map(|v| Arg::I64(v as i64)))
+                    .collect();
+                launch_copy(c, &Spec::Concat { bytes: word }, n, inner_in, &args)?;
             }
         }
         Ok(())
     }))
+}
+
+/// A concat's copy of `n` words in rows of `row` words: `k_rows`, a block per row, for
+/// long rows, else `k`, a thread per word.
+fn launch_copy(c: &Ctx, spec: &Spec, n: usize, row: usize, args: &[Arg]) -> Result<(), String> {
+    if row >= ROW_WORDS {
+        let grid = (n / row).clamp(1, 1 << 20) as u32;
+        c.launch(spec, "k_rows", (grid, 256), args)
+    } else {
+        c.launch_items(spec, n, 1, args)
+    }
 }
 
 /// `y[i] = x[offset + strided(i)]`: transposes, slices, broadcasts.
@@ -279,6 +303,20 @@ pub(super) fn gather(bytes: usize) -> String {
         "{PRELUDE}typedef {} E;\n\
          extern \"C\" __global__ void k(const E* px, E* py, i64 n, int r, Dims shape, Dims st, i64 offset) {{\n\
            GRID_LOOP(i, n) {{ py[i] = px[offset + strided(i, r, shape, st)]; }}\n}}\n",
+        word(bytes)
+    )
+}
+
+/// Row `r` of `y` (`inner` words) from `x` at `offset + r stride`, a block per row.
+pub(super) fn rows(bytes: usize) -> String {
+    format!(
+        "{PRELUDE}typedef {} E;\n\
+         extern \"C\" __global__ void k(const E* px, E* py, i64 rows, i64 inner, i64 stride, i64 offset) {{\n\
+           for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {{\n\
+             const E* x = px + offset + r * stride;\n\
+             E* y = py + r * inner;\n\
+             for (i64 j = threadIdx.x; j < inner; j += blockDim.x) y[j] = x[j];\n\
+           }}\n}}\n",
         word(bytes)
     )
 }
@@ -317,7 +355,13 @@ pub(super) fn concat_pair(bytes: usize) -> String {
         "{PRELUDE}typedef {} E;\n\
          extern \"C\" __global__ void k(const E* pa, const E* pb, E* py, i64 n, i64 ia, i64 ib) {{\n\
            i64 io = ia + ib;\n\
-           GRID_LOOP(o, n) {{ i64 row = o / io, c = o - row * io; py[o] = c < ia ? pa[row * ia + c] : pb[row * ib + c - ia]; }}\n}}\n",
+           GRID_LOOP(o, n) {{ i64 row = o / io, c = o - row * io; py[o] = c < ia ? pa[row * ia + c] : pb[row * ib + c - ia]; }}\n}}\n\
+         extern \"C\" __global__ void k_rows(const E* pa, const E* pb, E* py, i64 n, i64 ia, i64 ib) {{\n\
+           i64 io = ia + ib;\n\
+           for (i64 row = blockIdx.x; row < n / io; row += gridDim.x) {{\n\
+             for (i64 c = threadIdx.x; c < ia; c += blockDim.x) py[row * io + c] = pa[row * ia + c];\n\
+             for (i64 c = threadIdx.x; c < ib; c += blockDim.x) py[row * io + ia + c] = pb[row * ib + c];\n\
+           }}\n}}\n",
         word(bytes)
     )
 }
@@ -327,7 +371,11 @@ pub(super) fn concat(bytes: usize) -> String {
     format!(
         "{PRELUDE}typedef {} E;\n\
          extern \"C\" __global__ void k(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off) {{\n\
-           GRID_LOOP(i, n) {{ py[(i / inner_in) * inner_out + off + i % inner_in] = px[i]; }}\n}}\n",
+           GRID_LOOP(i, n) {{ py[(i / inner_in) * inner_out + off + i % inner_in] = px[i]; }}\n}}\n\
+         extern \"C\" __global__ void k_rows(const E* px, E* py, i64 n, i64 inner_in, i64 inner_out, i64 off) {{\n\
+           for (i64 row = blockIdx.x; row < n / inner_in; row += gridDim.x) {{\n\
+             for (i64 j = threadIdx.x; j < inner_in; j += blockDim.x) py[row * inner_out + off + j] = px[row * inner_in + j];\n\
+           }}\n}}\n",
         word(bytes)
     )
 }
