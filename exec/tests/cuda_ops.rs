@@ -296,17 +296,19 @@ fn bias_add_cast_and_shape_ops() {
                 &parts,
             );
         }
-        // Long rows go a block per row: a padded vocabulary sliced back, zeros
-        // appended to it (a pair), three inputs, a row broadcast down a matrix.
-        let wide = rand(&mut r, d, &[3, 2056], -1.0, 1.0);
+        // Long rows go a block per row (where there are 512 rows or more): a padded
+        // vocabulary sliced back, zeros appended to it (a pair), three inputs, a row
+        // broadcast down a matrix; then rows too few (a concat of matrices along their
+        // first axis is one row of words).
+        let wide = rand(&mut r, d, &[600, 1030], -1.0, 1.0);
         check(
             &mut gpu,
             "Slice of long rows",
-            Slice::new(vec![0, 0], vec![3, 2051]),
+            Slice::new(vec![0, 0], vec![600, 1025]),
             &[wide.clone()],
         );
-        let narrow = rand(&mut r, d, &[3, 2051], -1.0, 1.0);
-        let pad = rand(&mut r, d, &[3, 5], -1.0, 1.0);
+        let narrow = rand(&mut r, d, &[600, 1025], -1.0, 1.0);
+        let pad = rand(&mut r, d, &[600, 5], -1.0, 1.0);
         check(
             &mut gpu,
             "Concat long rows pair",
@@ -319,13 +321,16 @@ fn bias_add_cast_and_shape_ops() {
             Concat::new(1),
             &[pad, narrow, wide],
         );
-        let row = rand(&mut r, d, &[1, 2051], -1.0, 1.0);
+        let row = rand(&mut r, d, &[1, 1025], -1.0, 1.0);
         check(
             &mut gpu,
             "BroadcastTo long rows",
-            BroadcastTo::new(vec![4, 2051]),
+            BroadcastTo::new(vec![600, 1025]),
             &[row],
         );
+        let top = rand(&mut r, d, &[9, 1030], -1.0, 1.0);
+        let bottom = rand(&mut r, d, &[2, 1030], -1.0, 1.0);
+        check(&mut gpu, "Concat 0 pair", Concat::new(0), &[top, bottom]);
         for to in [
             DType::F32,
             DType::F16,

@@ -107,8 +107,17 @@ pub(super) struct Gather {
 const TILE_ELEMENTS: usize = 1024;
 const TILE: usize = 32;
 
-/// Rows of at least this many words are copied a block (of 256 threads) per row.
+/// Rows of at least this many words are copied a block (of 256 threads) per row,
+/// where there are at least [`ROW_BLOCKS`] of them: fewer blocks would leave the GPU
+/// idle (a concat along the first axis is one row: one block copied GPT-2's 77 MB
+/// embedding in 7.7 ms).
 const ROW_WORDS: usize = 1024;
+const ROW_BLOCKS: usize = 512;
+
+/// Whether `n` words in rows of `row` words go a block per row.
+fn by_rows(n: usize, row: usize) -> bool {
+    row >= ROW_WORDS && n / row >= ROW_BLOCKS
+}
 
 impl Gather {
     /// The gather of elements of `esize` bytes.
@@ -148,7 +157,7 @@ impl Gather {
         }
         let bytes = esize * group;
         if let (&[rows, inner], &[stride, 1]) = (&shape[..], &st[..]) {
-            if inner >= ROW_WORDS {
+            if by_rows(rows * inner, inner) {
                 return Ok(Gather {
                     spec: Spec::Rows { bytes },
                     n: rows,
@@ -289,7 +298,7 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
 /// A concat's copy of `n` words in rows of `row` words: `k_rows`, a block per row, for
 /// long rows, else `k`, a thread per word.
 fn launch_copy(c: &Ctx, spec: &Spec, n: usize, row: usize, args: &[Arg]) -> Result<(), String> {
-    if row >= ROW_WORDS {
+    if by_rows(n, row) {
         let grid = (n / row).clamp(1, 1 << 20) as u32;
         c.launch(spec, "k_rows", (grid, 256), args)
     } else {
