@@ -3,9 +3,8 @@
 mod common;
 
 use ampgraph_graph::attrs::AttrValue;
-use ampgraph_graph::autodiff::gradients;
-use ampgraph_graph::ops::{Concat, Reshape, Slice, Transpose};
-use ampgraph_graph::{DType, Graph, NodeId, Op, Tensor};
+use ampgraph_graph::ops::{Concat, Reshape, Transpose};
+use ampgraph_graph::{DType, Op, Tensor};
 use common::Rng;
 use common::*;
 use proptest::prelude::*;
@@ -373,59 +372,4 @@ proptest! {
         let z = Transpose::new(inv).eval(&[&y[0]]).unwrap();
         prop_assert_eq!(&z[0], &x);
     }
-}
-
-/// The gradient of Slices splitting a tensor along one axis (a packed q, k, v) is one
-/// Concat of their gradients, zeros where no Slice read (here column 5), not a
-/// zero-padded copy per Slice added up; its values are the hand-computed ones.
-#[test]
-fn slices_splitting_a_tensor_have_one_concat_as_gradient() {
-    let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [2, 9]).unwrap();
-    let mut loss = None;
-    for (k, (begin, len)) in [(6, 3), (0, 3), (3, 2)].into_iter().enumerate() {
-        let s = g
-            .add(Slice::new([0, begin], [2, len as i64]), &[x])
-            .unwrap();
-        let c: Vec<f64> = (0..2 * len).map(|i| (10 * (k + 1) + i) as f64).collect();
-        let c = g
-            .constant(Tensor::from_f64(DType::F32, [2, len], &c).unwrap())
-            .unwrap();
-        let term = g.mul(s, c).unwrap();
-        let term = g.sum(term, None, false).unwrap();
-        loss = Some(match loss {
-            Some(l) => g.plus(l, term).unwrap(),
-            None => term,
-        });
-    }
-    let dx = gradients(&mut g, loss.unwrap(), &[x]).unwrap()[0];
-    g.validate().unwrap();
-    let concat = g.node(dx.node);
-    assert_eq!(concat.op.downcast_ref::<Concat>(), Some(&Concat::new(1)));
-    let widths: Vec<usize> = g
-        .inputs(dx.node)
-        .iter()
-        .map(|p| g.ty(*p).shape[1])
-        .collect();
-    assert_eq!(widths, [3, 2, 1, 3]);
-    // Evaluated node by node: each Slice's constant in its place, 0 in column 5.
-    let mut values: std::collections::HashMap<NodeId, Tensor> = Default::default();
-    values.insert(x.node, Tensor::zeros(&f32t(&[2, 9])));
-    for id in g.topo_order().unwrap() {
-        if values.contains_key(&id) {
-            continue;
-        }
-        let args: Vec<Tensor> = g
-            .inputs(id)
-            .iter()
-            .map(|p| values[&p.node].clone())
-            .collect();
-        let refs: Vec<&Tensor> = args.iter().collect();
-        values.insert(id, g.node(id).op.eval(&refs).unwrap().remove(0));
-    }
-    let want = [
-        20.0, 21.0, 22.0, 30.0, 31.0, 0.0, 10.0, 11.0, 12.0, //
-        23.0, 24.0, 25.0, 32.0, 33.0, 0.0, 13.0, 14.0, 15.0,
-    ];
-    assert_eq!(values[&dx.node].to_f64_vec(), want);
 }
