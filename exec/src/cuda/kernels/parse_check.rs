@@ -39,7 +39,7 @@ struct __nv_bfloat16 { unsigned short x; };
 float __half2float(__half); __half __float2half_rn(float); __half __double2half(double);
 float __bfloat162float(__nv_bfloat16); __nv_bfloat16 __float2bfloat16_rn(float);
 __nv_bfloat16 __double2bfloat16(double);
-float __int_as_float(int); float __expf(float);
+float __int_as_float(int); float __expf(float); unsigned __umulhi(unsigned, unsigned);
 float __fmul_rn(float, float); float __fmaf_rn(float, float, float); double __dmul_rn(double, double);
 template <class T> T __shfl_xor_sync(unsigned, T, int);
 template <class T> T atomicAdd(T*, T);

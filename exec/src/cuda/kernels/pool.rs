@@ -56,6 +56,20 @@ const GEOMETRY: [(&str, &str); 12] = [
     ("i64", "pw"),
 ];
 
+/// The sizes of [`GEOMETRY`] the kernels divide by, each passed after it as a
+/// multiplier and a shift ([`divider`]).
+const DIVIDED: [&str; 7] = ["c", "h", "w", "oh", "ow", "sh", "sw"];
+
+/// The multiplier and shift that divide by `d` with a multiply-high: for `0 <= n <
+/// 2^31`, `n / d == (umulhi(n, m) + n) >> s` (Granlund and Montgomery's method, as
+/// PyTorch's `IntDivider`). Sizes of 0 (an empty tensor: no kernel runs) divide as 1.
+fn divider(d: usize) -> (u32, u32) {
+    let d = d.clamp(1, 1 << 31) as u64;
+    let s = (0..32).find(|&s| 1u64 << s >= d).unwrap_or(31);
+    let m = ((1u64 << 32) * ((1u64 << s) - d)) / d + 1;
+    (m as u32, s)
+}
+
 pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(p) = op.downcast_ref::<MaxPool>() {
         let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
@@ -154,6 +168,11 @@ impl Geometry {
         };
         let mut args = vec![Arg::I32(nhwc.into())];
         args.extend([c, h, w, oh, ow, kh, kw, sh, sw, ph, pw].map(|v| Arg::I64(v as i64)));
+        // DIVIDED's order.
+        for v in [c, h, w, oh, ow, sh, sw] {
+            let (m, s) = divider(v);
+            args.extend([Arg::I32(m as i32), Arg::I32(s as i32)]);
+        }
         Ok(Geometry {
             input: input.to_vec(),
             output,
@@ -285,6 +304,16 @@ fn pooling_kernel(
 /// range of an output's window (the CPU's `Axis::range`), the outputs whose windows
 /// cover an input position, and the first maximum of a window.
 const POOLING: &str = r#"
+// A divisor with its multiplier and shift: in 32-bit modules n / d is a multiply-high,
+// an add and a shift (n < 2^31), as PyTorch's IntDivider does.
+struct Div { I d; unsigned m, s; };
+__device__ __forceinline__ I quot(I n, Div v) {
+#if FAST_DIV
+  return (I)((__umulhi((unsigned)n, v.m) + (unsigned)n) >> v.s);
+#else
+  return n / v.d;
+#endif
+}
 // Where an element of an image tensor lies: image, channel, row, column.
 struct Pixel { I b, ch, y, x; };
 // Positions [lo, hi) along one axis.
@@ -293,11 +322,21 @@ __device__ __forceinline__ I range_len(Range r) { return r.hi - r.lo; }
 struct Pooling {
   int nhwc;
   I c, h, w, oh, ow, kh, kw, sh, sw, ph, pw;
+  // The same sizes as divisors.
+  Div dc, dh, dw, doh, dow, dsh, dsw;
   // Element `i` of a contiguous tensor of images of `rows` x `cols`.
-  __device__ __forceinline__ Pixel pixel(I i, I rows, I cols) const {
+  __device__ __forceinline__ Pixel pixel(I i, Div rows, Div cols) const {
     Pixel p;
-    if (nhwc) { p.ch = i % c; i /= c; p.x = i % cols; i /= cols; p.y = i % rows; p.b = i / rows; }
-    else { p.x = i % cols; i /= cols; p.y = i % rows; i /= rows; p.ch = i % c; p.b = i / c; }
+    I q;
+    if (nhwc) {
+      q = quot(i, dc); p.ch = i - q * c; i = q;
+      q = quot(i, cols); p.x = i - q * cols.d; i = q;
+      q = quot(i, rows); p.y = i - q * rows.d; p.b = q;
+    } else {
+      q = quot(i, cols); p.x = i - q * cols.d; i = q;
+      q = quot(i, rows); p.y = i - q * rows.d; i = q;
+      q = quot(i, dc); p.ch = i - q * c; p.b = q;
+    }
     return p;
   }
   __device__ __forceinline__ I offset(I b, I ch, I y, I x, I rows, I cols) const {
@@ -318,11 +357,11 @@ __device__ __forceinline__ Range window(I o, I stride, I pad, I size, I len) {
 }
 // The output positions (of `out`) whose windows along an axis hold input position `i`:
 // o * stride - pad <= i < o * stride - pad + size.
-__device__ __forceinline__ Range covering(I i, I stride, I pad, I size, I out) {
+__device__ __forceinline__ Range covering(I i, Div stride, I pad, I size, I out) {
   I first = i + pad - size + 1;
   Range r;
-  r.lo = first <= 0 ? 0 : (first + stride - 1) / stride;
-  r.hi = (i + pad) / stride + 1;
+  r.lo = first <= 0 ? 0 : quot(first + stride.d - 1, stride);
+  r.hi = quot(i + pad, stride) + 1;
   if (r.hi > out) r.hi = out;
   return r;
 }
@@ -352,21 +391,27 @@ __device__ __forceinline__ I window_place(const Pooling& g, I oy, I ox, I y, I x
 /// Kernel `name` over `total` elements `i` of tensors `tensors` (the parameters before
 /// `total`): `body` runs per element with the geometry `g` bound.
 fn pooling_kernel_source(name: &str, tensors: &str, body: &str) -> String {
-    let params: Vec<String> = GEOMETRY.iter().map(|(t, n)| format!("{t} {n}")).collect();
-    // The geometry in the index type `I` (the arguments are 64-bit).
-    let names: Vec<String> = GEOMETRY
+    let mut params: Vec<String> = GEOMETRY.iter().map(|(t, n)| format!("{t} {n}")).collect();
+    params.extend(
+        DIVIDED
+            .iter()
+            .map(|n| format!("unsigned {n}_m, unsigned {n}_s")),
+    );
+    // The geometry in the index type `I` (the arguments are 64-bit), then the divisors.
+    let mut fields: Vec<String> = GEOMETRY
         .iter()
         .map(|(t, n)| match *t {
             "i64" => format!("(I){n}"),
             _ => n.to_string(),
         })
         .collect();
+    fields.extend(DIVIDED.iter().map(|n| format!("{{(I){n}, {n}_m, {n}_s}}")));
     format!(
         "extern \"C\" __global__ void {name}({tensors}, i64 total, {}) {{\n\
            const Pooling g = {{{}}};\n\
            GRID_LOOP(i, total) {{\n{body}\n}}\n}}\n",
         params.join(", "),
-        names.join(", ")
+        fields.join(", ")
     )
 }
 
@@ -375,10 +420,13 @@ fn pooling_kernel_source(name: &str, tensors: &str, body: &str) -> String {
 /// 64-bit division is several times a 32-bit one's instructions, and the gradients
 /// divide to place every element (ResNet-50's MaxPoolGrad spent most of its time so).
 fn pooling_module(d: DType, wide: bool, kernels: &[String]) -> String {
-    let index = if wide { "long long" } else { "int" };
+    let (index, fast) = if wide { ("long long", 0) } else { ("int", 1) };
     module(
         d,
-        &format!("typedef {index} I;\n{POOLING}{}", kernels.concat()),
+        &format!(
+            "typedef {index} I;\n#define FAST_DIV {fast}\n{POOLING}{}",
+            kernels.concat()
+        ),
     )
 }
 
@@ -394,7 +442,7 @@ fn forward(d: DType, wide: bool, body: &str) -> String {
         "k",
         "const T* px, T* py",
         &format!(
-            "Pixel o = g.pixel(i, g.oh, g.ow);\n\
+            "Pixel o = g.pixel(i, g.doh, g.dow);\n\
              Range ry = window(o.y, g.sh, g.ph, g.kh, g.h), rx = window(o.x, g.sw, g.pw, g.kw, g.w);\n\
              {body}"
         ),
@@ -410,8 +458,8 @@ fn gradient(name: &str, tensors: &str, contribution: &str) -> String {
         name,
         &format!("{tensors}, T* pdx"),
         &format!(
-            "Pixel p = g.pixel(i, g.h, g.w);\n\
-             Range oys = covering(p.y, g.sh, g.ph, g.kh, g.oh), oxs = covering(p.x, g.sw, g.pw, g.kw, g.ow);\n\
+            "Pixel p = g.pixel(i, g.dh, g.dw);\n\
+             Range oys = covering(p.y, g.dsh, g.ph, g.kh, g.oh), oxs = covering(p.x, g.dsw, g.pw, g.kw, g.ow);\n\
              A acc = 0;\n\
              for (I oy = oys.lo; oy < oys.hi; ++oy) {{\n\
                for (I ox = oxs.lo; ox < oxs.hi; ++ox) {{\n\
@@ -455,7 +503,7 @@ pub(super) fn max_pool_grad(d: DType, wide: bool) -> String {
     let argmax = pooling_kernel_source(
         "k_argmax",
         "const T* px, u8* pat",
-        "Pixel o = g.pixel(i, g.oh, g.ow);\n\
+        "Pixel o = g.pixel(i, g.doh, g.dow);\n\
          Range ry = window(o.y, g.sh, g.ph, g.kh, g.h), rx = window(o.x, g.sw, g.pw, g.kw, g.w);\n\
          Max m = first_max(px, g, o.b, o.ch, ry, rx);\n\
          pat[i] = m.at < 0 ? (u8)255 : (u8)window_place(g, o.y, o.x, m.y, m.x);",
@@ -481,4 +529,55 @@ pub(super) fn avg_pool_grad(d: DType, wide: bool) -> String {
         "acc += (A)ld(pdy, o_at) * ((A)1 / (A)(range_len(ry) * range_len(rx)));",
     );
     pooling_module(d, wide, &[kernel])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::divider;
+
+    /// What the kernels compute: `(umulhi(n, m) + n) >> s`.
+    fn quot(n: u32, d: usize) -> u32 {
+        let (m, s) = divider(d);
+        let high = ((n as u64 * m as u64) >> 32) as u32;
+        (high + n) >> s
+    }
+
+    #[test]
+    fn dividers_divide_every_index_below_2_31() {
+        let mut divisors: Vec<usize> = (1..=300).collect();
+        divisors.extend([
+            511,
+            512,
+            513,
+            1000,
+            4095,
+            50257,
+            65536,
+            1 << 20,
+            (1 << 31) - 1,
+            1 << 31,
+        ]);
+        let mut n: u64 = 0x9E37_79B9;
+        for d in divisors {
+            let edges = [
+                0u32,
+                1,
+                d as u32 - 1,
+                d as u32,
+                (i32::MAX as u32) - 1,
+                i32::MAX as u32,
+            ];
+            for &x in &edges {
+                assert_eq!(quot(x, d), x / d as u32, "{x} / {d}");
+            }
+            for _ in 0..2000 {
+                n ^= n << 13;
+                n ^= n >> 7;
+                n ^= n << 17;
+                let x = (n % (1u64 << 31)) as u32;
+                assert_eq!(quot(x, d), x / d as u32, "{x} / {d}");
+            }
+        }
+        assert_eq!(divider(0), divider(1));
+    }
 }
