@@ -10,7 +10,7 @@ use ampgraph::graph::ops::{MatMul, Placeholder};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::passes::registry::{self, SIMPLIFY_PIPELINE};
 use ampgraph::passes::simplify::PadGemm;
-use ampgraph::passes::PassManager;
+use ampgraph::passes::{Pass, PassManager};
 use ampgraph::{DType, Graph, TensorType};
 use common::{check_close, feeds, json, random_graph, ulp, Menu};
 use proptest::prelude::*;
@@ -28,10 +28,18 @@ const F32_PASSES: &[&str] = &[
 
 /// `g` rewritten by the named passes, validated after each.
 fn rewrite(g: &Graph, passes: &[&str]) -> Graph {
+    let passes = passes
+        .iter()
+        .map(|name| registry::by_name(name).expect("a registered pass"));
+    rewrite_with(g, passes)
+}
+
+/// `g` rewritten by `passes`, validated after each.
+fn rewrite_with(g: &Graph, passes: impl IntoIterator<Item = Box<dyn Pass>>) -> Graph {
     let mut manager = PassManager::new();
     manager.validate = true;
-    for name in passes {
-        manager.push(registry::by_name(name).expect("a registered pass"));
+    for pass in passes {
+        manager.push(pass);
     }
     let mut out = g.clone();
     manager.run(&mut out).expect("the passes succeed");
@@ -163,14 +171,7 @@ proptest! {
         let dtype = if bf16 { DType::BF16 } else { DType::F16 };
         let g = half_product(dtype, dims, ta, tb);
         // Every size pads here (the registry's pass pads only products that pay).
-        let pad = |g: &Graph| {
-            let mut manager = PassManager::new();
-            manager.validate = true;
-            manager.push(Box::new(PadGemm::every_size()));
-            let mut out = g.clone();
-            manager.run(&mut out).expect("pad-gemm succeeds");
-            out
-        };
+        let pad = |g: &Graph| rewrite_with(g, [Box::new(PadGemm::every_size()) as Box<dyn Pass>]);
         let padded = pad(&g);
         // The stored row lengths: k of `a` untransposed or `b` transposed, m of `a`
         // transposed, n always.

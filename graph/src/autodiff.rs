@@ -49,6 +49,21 @@ impl<'a> GradBuilder<'a> {
         self.add(Const::new(Tensor::scalar(dtype, value)), &[])
     }
 
+    /// The scalar `zero` broadcast to `shape` with `len` along `axis`: the zeros a
+    /// Slice's gradient places its piece among (which [`gradients`] recognises when
+    /// it joins such pieces).
+    pub fn zeros_along(
+        &mut self,
+        zero: Port,
+        shape: &[usize],
+        axis: usize,
+        len: usize,
+    ) -> Result<Port> {
+        let mut shape = shape.to_vec();
+        shape[axis] = len;
+        self.add(BroadcastTo::new(shape), &[zero])
+    }
+
     pub fn binary(&mut self, kind: BinaryKind, a: Port, b: Port) -> Result<Port> {
         self.add(Binary::new(kind), &[a, b])
     }
@@ -175,6 +190,8 @@ fn accumulate(g: &mut Graph, parts: Option<Vec<Port>>) -> Result<Option<Port>> {
 struct Placed {
     axis: usize,
     start: usize,
+    /// The piece's length along the axis.
+    len: usize,
     piece: Port,
 }
 
@@ -184,6 +201,7 @@ fn placed(g: &Graph, p: Port) -> Option<Placed> {
     let axis = usize::try_from(concat.axis).ok()?;
     let (mut offset, mut found) = (0, None);
     for x in g.inputs(p.node) {
+        let len = *g.ty(x).shape.get(axis)?;
         if !is_zeros(g, x) {
             if found.is_some() {
                 return None;
@@ -191,16 +209,16 @@ fn placed(g: &Graph, p: Port) -> Option<Placed> {
             found = Some(Placed {
                 axis,
                 start: offset,
+                len,
                 piece: x,
             });
         }
-        offset += g.ty(x).shape.get(axis)?;
+        offset += len;
     }
     found
 }
 
-/// Whether `p` is a broadcast zero scalar (what [`Slice`](crate::ops::Slice)'s gradient
-/// pads with).
+/// Whether `p` is a broadcast zero scalar ([`GradBuilder::zeros_along`]).
 fn is_zeros(g: &Graph, p: Port) -> bool {
     if !g.node(p.node).op.is::<BroadcastTo>() {
         return false;
@@ -227,32 +245,23 @@ fn concat_placed(g: &mut Graph, parts: Vec<Port>) -> Result<Vec<Port>> {
         return Ok(parts);
     }
     found.sort_by_key(|p| p.start);
-    let (axis, full) = (found[0].axis, g.ty(parts[0]).clone());
-    let extent = |g: &Graph, p: &Placed| g.ty(p.piece).shape[axis];
-    if found
-        .windows(2)
-        .any(|w| w[0].start + extent(g, &w[0]) > w[1].start)
-    {
+    if found.windows(2).any(|w| w[0].start + w[0].len > w[1].start) {
         return Ok(parts);
     }
+    let (axis, full) = (found[0].axis, g.ty(parts[0]).clone());
     let rest: Vec<Port> = rest.into_iter().map(|(p, _)| p).collect();
     let mut b = GradBuilder::new(g, "gradients/accumulate");
     let zero = b.scalar(full.dtype, 0.0)?;
-    let zeros = |b: &mut GradBuilder, len: usize| {
-        let mut shape = full.shape.clone();
-        shape[axis] = len;
-        b.add(BroadcastTo::new(shape), &[zero])
-    };
     let (mut pieces, mut at) = (Vec::new(), 0);
     for p in &found {
         if p.start > at {
-            pieces.push(zeros(&mut b, p.start - at)?);
+            pieces.push(b.zeros_along(zero, &full.shape, axis, p.start - at)?);
         }
         pieces.push(p.piece);
-        at = p.start + b.ty(p.piece).shape[axis];
+        at = p.start + p.len;
     }
     if full.shape[axis] > at {
-        pieces.push(zeros(&mut b, full.shape[axis] - at)?);
+        pieces.push(b.zeros_along(zero, &full.shape, axis, full.shape[axis] - at)?);
     }
     let concat = b.add(Concat::new(axis as i64), &pieces)?;
     Ok(std::iter::once(concat).chain(rest).collect())

@@ -611,18 +611,13 @@ impl Op for Slice {
             if before == 0 && after == 0 {
                 continue;
             }
-            let mut zeros = |extent: usize| {
-                let mut zeros_shape = shape.clone();
-                zeros_shape[axis] = extent;
-                b.add(BroadcastTo::new(zeros_shape), &[zero])
-            };
             let mut parts = Vec::with_capacity(3);
             if before > 0 {
-                parts.push(zeros(before)?);
+                parts.push(b.zeros_along(zero, &shape, axis, before)?);
             }
             parts.push(dx);
             if after > 0 {
-                parts.push(zeros(after)?);
+                parts.push(b.zeros_along(zero, &shape, axis, after)?);
             }
             dx = b.add(Concat::new(axis as i64), &parts)?;
             shape[axis] = x_ty.shape[axis];
