@@ -331,15 +331,7 @@ fn bias_add_cast_and_shape_ops() {
         let top = rand(&mut r, d, &[9, 1030], -1.0, 1.0);
         let bottom = rand(&mut r, d, &[2, 1030], -1.0, 1.0);
         check(&mut gpu, "Concat 0 pair", Concat::new(0), &[top, bottom]);
-        for to in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::F64,
-            DType::I32,
-            DType::I64,
-            DType::Bool,
-        ] {
+        for to in DType::ALL {
             check(
                 &mut gpu,
                 &format!("Cast {d}->{to}"),

@@ -11,16 +11,6 @@ use ampgraph_graph::{DType, Op, Tensor};
 use common::*;
 use proptest::prelude::*;
 
-const ALL_DTYPES: [DType; 7] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::F64,
-    DType::I32,
-    DType::I64,
-    DType::Bool,
-];
-
 /// Values every dtype holds exactly: small integers (0/1 for bool).
 fn exact_values(dtype: DType, n: usize, rng: &mut Gen) -> Vec<f64> {
     (0..n)
@@ -127,7 +117,7 @@ proptest! {
             out.push(if to_end { d - b } else { s });
         }
         let op = Slice::new(begin.clone(), size);
-        for dtype in ALL_DTYPES {
+        for dtype in DType::ALL {
             let xs = exact_values(dtype, numel(&shape), &mut rng);
             let x = Tensor::from_f64(dtype, shape.clone(), &xs).unwrap();
             let want: Vec<f64> = (0..numel(&out))
@@ -152,7 +142,7 @@ proptest! {
         let target = broadcast(&sa, &sb);
         let op = BroadcastTo::new(target.clone());
         let off = target.len() - sa.len();
-        for dtype in ALL_DTYPES {
+        for dtype in DType::ALL {
             let xs = exact_values(dtype, numel(&sa), &mut rng);
             let x = Tensor::from_f64(dtype, sa.clone(), &xs).unwrap();
             let want: Vec<f64> = (0..numel(&target))

@@ -175,6 +175,14 @@ pub fn infer_err(op: &dyn Op, types: &[TensorType]) -> String {
     }
 }
 
+/// Checks that `op` refuses each case's input types with an error naming the problem.
+pub fn assert_infer_errs(op: &dyn Op, cases: &[(Vec<TensorType>, &str)]) {
+    for (types, wanted) in cases {
+        let e = infer_err(op, types);
+        assert!(e.contains(wanted), "{types:?}: {e} (wanted {wanted:?})");
+    }
+}
+
 /// Builds an op from its file form.
 pub fn parse(name: &str, attrs: &[(&str, AttrValue)]) -> Result<Box<dyn Op>, String> {
     let map: AttrMap = attrs
