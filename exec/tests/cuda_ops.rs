@@ -608,46 +608,113 @@ fn fused_softmax_prologues() {
 
 /// The loss and its gradient in one kernel: f16 logits widened to f32, the gradient
 /// stored in f16 with its f32 column sums (the mlp's output layer; more rows than the
-/// kernel's row chunks), and each float type alone, with and without the sums.
+/// kernel's row chunks), and each float type alone, with and without the sums; rows
+/// read as vectors and one by one; logits padded past their classes (`classes`, as
+/// `pad-gemm` leaves an LM head's); infinite and NaN logits.
 #[test]
 fn cross_entropy_with_its_gradient() {
     let Some(mut gpu) = gpu() else { return };
     let mut r = Rng(11);
+    let f16 = Some(DType::F16);
     let cases = [
         (
             DType::F16,
             DType::F32,
-            Some(DType::F16),
+            f16,
             true,
             3000usize,
             1000usize,
+            None,
         ),
         // More rows than the summing kernel has blocks (1024): several rows a block.
-        (DType::F16, DType::F32, Some(DType::F16), true, 8200, 24),
-        (DType::BF16, DType::F32, Some(DType::BF16), true, 40, 10),
-        (DType::F32, DType::F32, None, false, 64, 700),
-        (DType::F32, DType::F32, None, true, 9, 1500),
-        (DType::F64, DType::F64, Some(DType::F32), true, 33, 40),
-        (DType::F16, DType::F32, None, false, 5, 3),
+        (DType::F16, DType::F32, f16, true, 8200, 24, None),
+        (
+            DType::BF16,
+            DType::F32,
+            Some(DType::BF16),
+            true,
+            40,
+            10,
+            None,
+        ),
+        (DType::F32, DType::F32, None, false, 64, 700, None),
+        (DType::F32, DType::F32, None, true, 9, 1500, None),
+        (DType::F64, DType::F64, Some(DType::F32), true, 33, 40, None),
+        // Rows of 3 f16 logits, an f32 gradient: not whole vectors, one by one.
+        (DType::F16, DType::F32, None, false, 5, 3, None),
+        // Padded: a vocabulary of 8193 in rows of 8200, read as vectors; padded and
+        // summed; padded rows not whole vectors.
+        (
+            DType::BF16,
+            DType::F32,
+            Some(DType::BF16),
+            false,
+            70,
+            8200,
+            Some(8193),
+        ),
+        (DType::F16, DType::F32, f16, true, 40, 1008, Some(1001)),
+        (DType::F32, DType::F32, None, false, 7, 13, Some(11)),
     ];
-    for (logits, compute, grad_dtype, column_sum, n, c) in cases {
-        let x = rand(&mut r, logits, &[n, c], -4.0, 4.0);
+    for (logits, compute, grad_dtype, column_sum, n, width, classes) in cases {
+        let x = rand(&mut r, logits, &[n, width], -4.0, 4.0);
+        let c = classes.unwrap_or(width);
         let labels: Vec<f64> = (0..n).map(|i| ((i * 7) % c) as f64).collect();
         let l = t(DType::I64, &[n], &labels);
         let dl = t(compute, &[], &[1024.0]);
         let op = SoftmaxCrossEntropyWithGrad {
             grad_dtype,
             column_sum,
+            classes,
         };
         // Sums of n values compare at the scale of the values they add.
         check_scaled(
             &mut gpu,
-            &format!("{op:?} {logits} {n}x{c}"),
+            &format!("{op:?} {logits} {n}x{width}"),
             op.clone(),
             &[x, l, dl],
             16.0,
         );
     }
+    // Each row's gradient from non-finite logits, read as vectors (bf16 rows of 16)
+    // and one by one (rows of 13): -inf logits beside finite ones, a +inf logit, a
+    // row of -inf, a NaN.
+    let (inf, nan) = (f64::INFINITY, f64::NAN);
+    for (dtype, width) in [(DType::BF16, 16), (DType::F32, 13)] {
+        let mut v = r.vec(4 * width, -4.0, 4.0);
+        v[0] = -inf;
+        v[5] = -inf;
+        v[width + 3] = inf;
+        v[2 * width..3 * width].fill(-inf);
+        v[3 * width + 7] = nan;
+        let x = t(dtype, &[4, width], &v);
+        let l = t(DType::I64, &[4], &[1.0, 2.0, 0.0, 4.0]);
+        let dl = t(DType::F32, &[], &[1.0]);
+        for classes in [None, Some(width - 1)] {
+            let op = SoftmaxCrossEntropyWithGrad {
+                classes,
+                ..Default::default()
+            };
+            check(
+                &mut gpu,
+                &format!("{op:?} {dtype} non-finite"),
+                op,
+                &[x.clone(), l.clone(), dl.clone()],
+            );
+        }
+    }
+    // Finite rows with -inf logits: a finite loss.
+    let mut v = r.vec(3 * 64, -4.0, 4.0);
+    v.iter_mut().step_by(5).for_each(|x| *x = -inf);
+    let x = t(DType::F16, &[3, 64], &v);
+    let l = t(DType::I64, &[3], &[1.0, 2.0, 3.0]);
+    let dl = t(DType::F32, &[], &[1.0]);
+    check(
+        &mut gpu,
+        "-inf logits",
+        SoftmaxCrossEntropyWithGrad::default(),
+        &[x, l, dl],
+    );
 }
 
 #[test]

@@ -4,7 +4,9 @@
 mod common;
 
 use ampgraph_graph::attrs::AttrValue;
-use ampgraph_graph::ops::{FusedSoftmax, LogSoftmax, Softmax, SoftmaxCrossEntropy};
+use ampgraph_graph::ops::{
+    FusedSoftmax, LogSoftmax, Softmax, SoftmaxCrossEntropy, SoftmaxCrossEntropyWithGrad,
+};
 use ampgraph_graph::{DType, Op, Tensor};
 use common::*;
 
@@ -409,4 +411,74 @@ fn fused_softmax_errors_name_the_problem() {
         &[f32t(&[3, 8]), f32t(&[]), f32t(&[7])],
     );
     assert!(e.contains("v3"), "{e}");
+}
+
+// ---- SoftmaxCrossEntropyWithGrad over padded logits ----
+
+/// With `classes`, only the first columns are classes: the loss and gradient are those
+/// of the sliced logits (the naive reference), the gradient padded with zero columns,
+/// whatever the padding holds.
+#[test]
+fn cross_entropy_with_grad_reads_only_its_classes() {
+    let (n, c, width) = (3, 5, 8);
+    let mut v: Vec<f64> = (0..n * width)
+        .map(|i| (i as f64 * 0.61).sin() * 3.0)
+        .collect();
+    for r in 0..n {
+        v[r * width + c..(r + 1) * width].fill(f64::NAN);
+    }
+    let padded = Tensor::from_f64(DType::F32, [n, width], &v).unwrap();
+    let labels = [4usize, 0, 2];
+    let l = Tensor::from_f64(DType::I64, [n], &labels.map(|x| x as f64)).unwrap();
+    let dloss = Tensor::scalar(DType::F32, 2.0);
+    let op = SoftmaxCrossEntropyWithGrad {
+        grad_dtype: Some(DType::F16),
+        column_sum: true,
+        classes: Some(c),
+    };
+    let out = op.eval(&[&padded, &l, &dloss]).unwrap();
+    let sliced: Vec<f64> = (0..n)
+        .flat_map(|r| v[r * width..r * width + c].to_vec())
+        .collect();
+    let loss = naive_xent(&sliced, n, c, &labels);
+    assert!(
+        (out[0].to_f64_vec()[0] - loss).abs() < 1e-6,
+        "{:?} vs {loss}",
+        out[0]
+    );
+    let softmax = naive_softmax(&sliced, &[n, c], 1, false);
+    let grad = out[1].to_f64_vec();
+    assert_eq!(out[1].shape(), [n, width]);
+    for r in 0..n {
+        for j in 0..width {
+            let want = if j < c {
+                let target = if j == labels[r] { 1.0 } else { 0.0 };
+                (softmax[r * c + j] - target) * 2.0 / n as f64
+            } else {
+                0.0
+            };
+            let got = grad[r * width + j];
+            assert!((got - want).abs() < 1e-3, "[{r}, {j}]: {got} vs {want}");
+        }
+    }
+    let sums = out[2].to_f64_vec();
+    assert_eq!(sums.len(), width);
+    assert!(sums[c..].iter().all(|&s| s == 0.0));
+    assert_round_trip(&op);
+
+    let f32t = |s: &[usize]| tt(DType::F32, s);
+    let (labels_ty, scalar) = (tt(DType::I64, &[n]), f32t(&[]));
+    for classes in [0, 9] {
+        let op = SoftmaxCrossEntropyWithGrad {
+            classes: Some(classes),
+            ..Default::default()
+        };
+        let e = infer_err(&op, &[f32t(&[n, width]), labels_ty.clone(), scalar.clone()]);
+        assert!(e.contains("must be 1 to the width"), "{e}");
+    }
+    let e = parse(
+        "SoftmaxCrossEntropyWithGrad",
+        &[("classes", AttrValue::Int(-1))],
+    );
+    assert!(e.is_err_and(|e| e.contains("negative")));
 }

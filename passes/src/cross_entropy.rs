@@ -133,6 +133,7 @@ impl Pass for FuseCrossEntropy {
             let op = SoftmaxCrossEntropyWithGrad {
                 grad_dtype,
                 column_sum: sum.is_some(),
+                classes: None,
             };
             g.set_node(loss, Box::new(op), &[read, labels, dloss])?;
             rewired.extend(readers);
@@ -236,7 +237,8 @@ mod tests {
             fused_op(&g),
             Some(&SoftmaxCrossEntropyWithGrad {
                 grad_dtype: Some(DType::F16),
-                column_sum: true
+                column_sum: true,
+                classes: None,
             })
         );
         let fused = g.find("softmaxcrossentropy").unwrap();
@@ -286,7 +288,8 @@ mod tests {
             fused_op(&g),
             Some(&SoftmaxCrossEntropyWithGrad {
                 grad_dtype: None,
-                column_sum: true
+                column_sum: true,
+                classes: None,
             })
         );
         assert_eq!(count(&g, "Cast"), 1);

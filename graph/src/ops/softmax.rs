@@ -14,7 +14,7 @@ use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::TypeGroup;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::grad0;
-use crate::ops::{widens_exactly, FusedElementwise, Reduce, ReduceKind};
+use crate::ops::{widens_exactly, FusedElementwise, Pad, Reduce, ReduceKind, Slice};
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -68,6 +68,11 @@ pub(crate) const GRAD_OPS: &[OpEntry] = &[
             Ok(Box::new(SoftmaxCrossEntropyWithGrad {
                 grad_dtype: a.opt_dtype("grad_dtype")?,
                 column_sum: a.bool_or("column_sum", false)?,
+                classes: a
+                    .opt_int("classes")?
+                    .map(usize::try_from)
+                    .transpose()
+                    .map_err(|_| "classes must not be negative".to_string())?,
             }))
         },
     },
@@ -577,10 +582,16 @@ impl Op for SoftmaxCrossEntropyGrad {
 /// folded in); `dlogits` is rounded once to `grad_dtype` where that is set (a
 /// narrowing Cast of the gradient folded in), else it has the compute type; the
 /// column sum adds the values before that rounding.
+///
+/// With `classes`, only the logits' first `classes` columns are classes: the rest are
+/// padding (a GEMM's result padded for Tensor Cores, `pad-gemm`), never read, and
+/// their gradient is zero, so `dlogits` is the gradient of the sliced logits padded
+/// with zero columns, as the padded product reading it wants.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SoftmaxCrossEntropyWithGrad {
     pub grad_dtype: Option<DType>,
     pub column_sum: bool,
+    pub classes: Option<usize>,
 }
 
 /// The most classes whose gradient's column sum [`SoftmaxCrossEntropyWithGrad`] takes:
@@ -592,6 +603,24 @@ impl SoftmaxCrossEntropyWithGrad {
     /// The Sum that gives output 2 from the compute-type gradient.
     pub fn column_sum_op() -> Reduce {
         Reduce::new(ReduceKind::Sum, Some(vec![0]), false)
+    }
+
+    /// With `classes`, the Slice of `logits` (`[N, W]`) that holds the classes and
+    /// the padding's width.
+    fn class_slice(&self, logits: &TensorType) -> OpResult<Option<(Slice, i64)>> {
+        let Some(classes) = self.classes else {
+            return Ok(None);
+        };
+        match logits.shape[..] {
+            [rows, width] if (1..=width).contains(&classes) => Ok(Some((
+                Slice::new([0, 0], [rows as i64, classes as i64]),
+                (width - classes) as i64,
+            ))),
+            _ => Err(format!(
+                "{classes} classes must be 1 to the width of the [rows, columns] logits, which are {}",
+                ShapeDisplay(&logits.shape)
+            )),
+        }
     }
 }
 
@@ -610,10 +639,17 @@ impl Op for SoftmaxCrossEntropyWithGrad {
         if self.column_sum {
             attrs.push(("column_sum", true.into()));
         }
+        if let Some(c) = self.classes {
+            attrs.push(("classes", AttrValue::Int(c as i64)));
+        }
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let [logits, labels, dloss] = fixed(inputs)?;
+        let [padded, labels, dloss] = fixed(inputs)?;
+        let logits = &match self.class_slice(padded)? {
+            Some((slice, _)) => slice.infer(&[padded])?.remove(0),
+            None => (*padded).clone(),
+        };
         let compute = dloss.dtype;
         require_float("dloss", compute)?;
         require_float("logits", logits.dtype)?;
@@ -624,17 +660,14 @@ impl Op for SoftmaxCrossEntropyWithGrad {
             ));
         }
         let wide = TensorType::new(compute, logits.shape.clone());
-        let grad = SoftmaxCrossEntropyGrad
-            .infer(&[&wide, labels, dloss])?
-            .remove(0);
+        SoftmaxCrossEntropyGrad.infer(&[&wide, labels, dloss])?;
         let grad_dtype = self.grad_dtype.unwrap_or(compute);
         require_float("grad_dtype", grad_dtype)?;
-        let mut out = vec![
-            TensorType::new(compute, []),
-            TensorType::new(grad_dtype, grad.shape.clone()),
-        ];
+        // The gradient has the padded logits' shape.
+        let grad = |dtype: DType| TensorType::new(dtype, padded.shape.clone());
+        let mut out = vec![TensorType::new(compute, []), grad(grad_dtype)];
         if self.column_sum {
-            out.extend(Self::column_sum_op().infer(&[&grad])?);
+            out.extend(Self::column_sum_op().infer(&[&grad(compute)])?);
         }
         Ok(out)
     }
@@ -642,6 +675,14 @@ impl Op for SoftmaxCrossEntropyWithGrad {
         let [logits, labels, dloss] = fixed(inputs)?;
         let types = [logits.ty(), labels.ty(), dloss.ty()];
         let out = self.infer(&types.iter().collect::<Vec<_>>())?;
+        let sliced;
+        let logits = match self.class_slice(&logits.ty())? {
+            Some((slice, _)) => {
+                sliced = slice.eval(&[logits])?.remove(0);
+                &sliced
+            }
+            None => logits,
+        };
         let wide = logits.cast(dloss.dtype());
         let mut outputs = eval_float(&SoftmaxCrossEntropy, dloss.dtype(), &[&wide, labels])?;
         let grad = eval_float(
@@ -650,6 +691,12 @@ impl Op for SoftmaxCrossEntropyWithGrad {
             &[&wide, labels, dloss],
         )?
         .remove(0);
+        let grad = match self.class_slice(&types[0])? {
+            Some((_, pad)) => Pad::constant([[0, 0], [0, pad]], 0.0)
+                .eval(&[&grad])?
+                .remove(0),
+            None => grad,
+        };
         let sums = if self.column_sum {
             Self::column_sum_op().eval(&[&grad])?
         } else {

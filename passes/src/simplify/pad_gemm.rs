@@ -8,13 +8,18 @@
 //! sliced off, so the values are unchanged. Padding copies operands: only products
 //! whose work outweighs the copies are padded, and a tensor two products pad alike is
 //! padded once (the gradient of the logits, read by two products).
+//!
+//! A fused cross-entropy reading the sliced logits reads the padded product itself
+//! (its `classes` the unpadded width) and writes its gradient already padded with
+//! zero columns, so neither the logits' Slice nor the gradient's pad is copied:
+//! GPT-2's two copies of 1.6 GB each, 3.6 ms of its step.
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{BroadcastTo, Concat, Const, MatMul, Slice};
+use ampgraph_graph::ops::{BroadcastTo, Concat, Const, MatMul, Slice, SoftmaxCrossEntropyWithGrad};
 use ampgraph_graph::{Graph, NodeId, Port, TensorType};
 
-use crate::rewrite::summary;
+use crate::rewrite::{const_value, output_nodes, remove_unread, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// Tensor Core tiles want every GEMM dimension a multiple of this (f16, bf16).
@@ -71,10 +76,104 @@ impl Pass for PadGemm {
                 padded += 1;
             }
         }
-        let line =
-            format!("pad-gemm: padded {padded} 16-bit MatMuls to multiples of {GEMM_MULTIPLE}");
-        Ok(summary("pad-gemm", vec![line]))
+        let losses: Vec<NodeId> = g
+            .node_ids()
+            .filter(|&id| g.node(id).op.is::<SoftmaxCrossEntropyWithGrad>())
+            .collect();
+        let mut unpadded = 0;
+        for id in losses {
+            if read_padded_logits(g, id)? {
+                unpadded += 1;
+            }
+        }
+        let lines = vec![
+            format!("pad-gemm: padded {padded} 16-bit MatMuls to multiples of {GEMM_MULTIPLE}"),
+            format!("pad-gemm: {unpadded} cross-entropies read padded logits and write their gradient padded"),
+        ];
+        Ok(summary("pad-gemm", lines))
     }
+}
+
+/// Makes the fused cross-entropy `id`, where it reads a Slice of the first columns of
+/// wider logits, read those with its `classes` set; its gradient is then as wide, so
+/// the pads that widened it (Concats of zero columns) go, and any other reader reads
+/// a Slice of it.
+fn read_padded_logits(g: &mut Graph, id: NodeId) -> Result<bool, PassError> {
+    let Some(op) = g.node(id).op.downcast_ref::<SoftmaxCrossEntropyWithGrad>() else {
+        return Ok(false);
+    };
+    let [logits, labels, dloss] = g.inputs(id)[..] else {
+        return Ok(false);
+    };
+    let is_output = output_nodes(g);
+    let sliced = g.node(logits.node).op.downcast_ref::<Slice>();
+    let Some(&[rows, classes]) = sliced
+        .filter(|s| op.classes.is_none() && s.begin == [0, 0])
+        .map(|s| &s.size[..])
+    else {
+        return Ok(false);
+    };
+    let padded = g.inputs(logits.node)[0];
+    let grad = Port::new(id, 1);
+    if g.ty(padded).shape.first() != Some(&(rows as usize)) || g.outputs().contains(&grad) {
+        return Ok(false);
+    }
+    let width = g.ty(padded).shape[1];
+    let op = SoftmaxCrossEntropyWithGrad {
+        classes: Some(classes as usize),
+        ..op.clone()
+    };
+    let readers = g.port_consumers(grad);
+    g.set_node(id, Box::new(op), &[padded, labels, dloss])?;
+    let mut stale = vec![logits.node];
+    let mut rewired = Vec::new();
+    let mut slice = None;
+    for (reader, slot) in readers {
+        if is_zero_pad(g, reader, width) {
+            rewired.extend(
+                g.consumers(reader)
+                    .into_iter()
+                    .map(|(r, s, _)| (r, s, grad)),
+            );
+            stale.push(reader);
+            stale.extend(g.inputs(reader)[1..].iter().map(|p| p.node));
+        } else {
+            let slice = match slice {
+                Some(s) => s,
+                None => {
+                    let name = g.fresh_name(format!("{}/classes", g.node(id).name));
+                    let op = Slice::new([0, 0], [rows, classes]);
+                    *slice.insert(Port::from(g.add_node(name, Box::new(op), &[grad])?))
+                }
+            };
+            rewired.push((reader, slot, slice));
+        }
+    }
+    g.rewire(rewired)?;
+    let zeros: Vec<NodeId> = stale
+        .iter()
+        .filter(|&&n| g.node(n).op.is::<BroadcastTo>())
+        .flat_map(|&n| g.inputs(n).into_iter().map(|p| p.node))
+        .collect();
+    stale.extend(zeros);
+    remove_unread(g, stale, &is_output)?;
+    Ok(true)
+}
+
+/// Whether `node` is `Concat(x, zeros)` along axis 1 to `width` columns, the zeros
+/// broadcast from a zero constant ([`pad_axis`]'s form): a pad a wider `x` replaces.
+fn is_zero_pad(g: &Graph, node: NodeId, width: usize) -> bool {
+    let n = g.node(node);
+    let along_columns = n.op.downcast_ref::<Concat>().is_some_and(|c| c.axis == 1);
+    let inputs = g.inputs(node);
+    let zeros = inputs.get(1).is_some_and(|z| {
+        g.node(z.node).op.is::<BroadcastTo>()
+            && g.inputs(z.node).iter().all(|c| {
+                let value = const_value(g, c.node).ok().flatten();
+                value.is_some_and(|v| v.to_f64_vec().iter().all(|&x| x == 0.0))
+            })
+    });
+    along_columns && inputs.len() == 2 && zeros && n.outputs()[0].shape.get(1) == Some(&width)
 }
 
 /// `d` rounded up to a multiple of [`GEMM_MULTIPLE`].
@@ -331,5 +430,78 @@ mod tests {
         let before = g.len();
         PadGemm::every_size().run(&mut g).unwrap();
         assert_eq!(g.len(), before);
+    }
+
+    /// A 16-bit LM head's step, 5 classes: logits `x w^T`, the fused cross-entropy,
+    /// and the two products reading its gradient; with `other_reader`, a Neg of the
+    /// gradient too.
+    fn lm_head(other_reader: bool) -> Graph {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F16, [6, 4]).unwrap();
+        let w = g.placeholder("w", DType::F16, [5, 4]).unwrap();
+        let labels = g.placeholder("labels", DType::I64, [6]).unwrap();
+        let dloss = g.placeholder("dloss", DType::F32, []).unwrap();
+        let logits = g.add(MatMul::new(false, true), &[x, w]).unwrap();
+        let op = SoftmaxCrossEntropyWithGrad {
+            grad_dtype: Some(DType::F16),
+            ..Default::default()
+        };
+        let loss = g.add(op, &[logits, labels, dloss]).unwrap();
+        let grad = Port::new(loss.node, 1);
+        let dx = g.add(MatMul::new(false, false), &[grad, w]).unwrap();
+        let dw = g.add(MatMul::new(true, false), &[grad, x]).unwrap();
+        let mut outputs = vec![loss, dx, dw];
+        if other_reader {
+            let neg = ampgraph_graph::ops::Unary::new(ampgraph_graph::ops::UnaryKind::Neg);
+            outputs.push(g.add(neg, &[grad]).unwrap());
+        }
+        g.set_outputs(outputs).unwrap();
+        g
+    }
+
+    #[test]
+    fn a_cross_entropy_reads_the_padded_logits_and_writes_its_gradient_padded() {
+        let feeds = std::collections::HashMap::from([
+            ("x", matrix(6, 4, 0.3)),
+            ("w", matrix(5, 4, 1.7)),
+            (
+                "labels",
+                Tensor::from_f64(DType::I64, [6], &[0.0, 4.0, 2.0, 2.0, 1.0, 3.0]).unwrap(),
+            ),
+            ("dloss", Tensor::scalar(DType::F32, 1024.0)),
+        ]);
+        for other_reader in [false, true] {
+            let before = lm_head(other_reader);
+            let mut g = before.clone();
+            let s = PadGemm::every_size().run(&mut g).unwrap();
+            g.validate().unwrap();
+            assert_eq!(
+                s.lines[1],
+                "pad-gemm: 1 cross-entropies read padded logits and write their gradient padded"
+            );
+            let loss = g.outputs()[0].node;
+            let op = g
+                .node(loss)
+                .op
+                .downcast_ref::<SoftmaxCrossEntropyWithGrad>();
+            assert_eq!(op.and_then(|op| op.classes), Some(5));
+            let logits = g.inputs(loss)[0];
+            assert!(g.node(logits.node).name.ends_with("/padded"));
+            assert_eq!(g.ty(logits).shape, [6, 8]);
+            // Nothing copies the logits or their gradient: the products read it as
+            // it is, and only the other reader reads a Slice of it.
+            let readers: Vec<&str> = (g.port_consumers(Port::new(loss, 1)).into_iter())
+                .map(|(r, _)| g.node(r).op_name())
+                .collect();
+            let slice = ["Slice"].iter().take(other_reader as usize);
+            let want: Vec<&str> = ["MatMul", "MatMul"].iter().chain(slice).copied().collect();
+            assert_eq!(readers, want, "other reader {other_reader}");
+            assert!(g.consumers(logits.node).len() == 1);
+            assert_eq!(
+                crate::testing::run(&g, &feeds),
+                crate::testing::run(&before, &feeds),
+                "other reader {other_reader}"
+            );
+        }
     }
 }

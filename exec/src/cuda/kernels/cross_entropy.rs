@@ -3,16 +3,16 @@
 //! column sums (the fused form `fuse-cross-entropy` makes).
 
 use ampgraph_graph::ops::{
-    SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad,
+    SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, MAX_SUMMED_CLASSES,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::{column_sums_fin, module_multi};
+use super::codegen::{column_sums_fin, module_multi, vector_len};
 use super::{
     acc_dtype, block_rows, first, float_input, input, kernel, launch_column_sums_fin, one_output,
     Ctx, KernelResult, Lowering,
 };
-use crate::cuda::device::{row_block, row_grid, Arg, DTensor};
+use crate::cuda::device::{row_grid, Arg, DTensor};
 
 /// Row chunks (blocks) of a cross-entropy kernel that sums its gradient's columns:
 /// about a wave of blocks (fewer left the GPU waiting on each row's reductions).
@@ -28,7 +28,7 @@ kernel_specs! {
         /// `k(const T* px, const L* pl, const T* pdl, T* pdx, i64 n, i64 c)`
         Grad { dtype: DType, labels: DType } => sce_grad(dtype, labels),
         /// `k_rows(const TX* px, const L* pl, const T* pdl, TG* pg, A* rows, A* part, i64
-        /// n, i64 c)`, `k_mean`, and with `summed` (the classes) `k_cols_fin`.
+        /// n, i64 c, i64 w)`, `k_mean`, and with `summed` (the row width) `k_cols_fin`.
         WithGrad { x: DType, dl: DType, grad: DType, labels: DType, summed: Option<usize> } => sce_with_grad(x, dl, grad, labels, summed),
     }
 }
@@ -38,7 +38,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
         return Some(lower_loss(false, ins, outs));
     }
     if let Some(f) = op.downcast_ref::<SoftmaxCrossEntropyWithGrad>() {
-        return Some(lower_with_grad(f.column_sum, ins, outs));
+        return Some(lower_with_grad(f, ins, outs));
     }
     if op.is::<SoftmaxCrossEntropyGrad>() {
         return Some(lower_loss(true, ins, outs));
@@ -80,22 +80,32 @@ fn lower_loss(grad: bool, ins: &[TensorType], outs: &[TensorType]) -> KernelResu
     }))
 }
 
-fn lower_with_grad(column_sum: bool, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+fn lower_with_grad(
+    op: &SoftmaxCrossEntropyWithGrad,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
     let x = float_input(ins)?;
-    let (n, classes, labels) = logits(ins)?;
+    let (n, width, labels) = logits(ins)?;
+    let classes = op.classes.unwrap_or(width);
     let dl = ins.get(2).ok_or("missing input 2")?.dtype;
     let grad = outs.get(1).ok_or("the node lacks an output")?.dtype;
-    if column_sum && outs.len() < 3 {
+    if op.column_sum && outs.len() < 3 {
         return Err("the node lacks an output".into());
     }
-    let summed = column_sum.then_some(classes);
+    if op.column_sum && width > MAX_SUMMED_CLASSES {
+        return Err(format!(
+            "the gradient's column sums take at most {MAX_SUMMED_CLASSES} columns, not {width}"
+        ));
+    }
+    let summed = op.column_sum.then_some(width);
     // With column sums, a block per chunk of rows: its sums are one partial each.
     let (blocks, threads, part_len) = match summed {
         Some(_) => {
             let blocks = n.min(SCE_SUM_CHUNKS);
-            (blocks, SCE_SUM_THREADS as u32, blocks * classes)
+            (blocks, SCE_SUM_THREADS as u32, blocks * width)
         }
-        None => (n, row_block(classes), 1),
+        None => (n, sce_threads(width, sce_vector(x, grad)), 1),
     };
     let spec = Spec::WithGrad {
         x,
@@ -124,12 +134,13 @@ fn lower_with_grad(column_sum: bool, ins: &[TensorType], outs: &[TensorType]) ->
                     part.arg(),
                     Arg::I64(n as i64),
                     Arg::I64(classes as i64),
+                    Arg::I64(width as i64),
                 ],
             )?;
         }
         sce_mean(c, &spec, &rows, &out[0], n)?;
         if summed.is_some() {
-            launch_column_sums_fin(c, &spec, &part, classes, blocks.max(1), &[(&out[2], 1.0)])?;
+            launch_column_sums_fin(c, &spec, &part, width, blocks.max(1), &[(&out[2], 1.0)])?;
         }
         Ok(out)
     }))
@@ -146,16 +157,16 @@ fn sce_mean(c: &Ctx, spec: &Spec, rows: &DTensor, y: &DTensor, n: usize) -> Resu
 }
 
 /// The shift (the row's maximum, where finite) and the sum of `exp(x - shift)` of
-/// row `row` of `c` logits, block-wide; `sce_row{t}` reads logits of type `T{t}`.
+/// the `c` logits at `x` (a row), block-wide; `sce_row{t}` reads logits of type `T{t}`.
 fn sce_row(t: &str) -> String {
     format!(
-        "__device__ void sce_row{t}(const T{t}* px, i64 row, i64 c, A* sh, A* shift_out, A* sum_out) {{\n\
+        "__device__ void sce_row{t}(const T{t}* x, i64 c, A* sh, A* shift_out, A* sum_out) {{\n\
            A m = (A)(-F_INF);\n\
-           for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{ A v = (A)ld{t}(px, row * c + j); if (v > m || m_isnan(v)) m = v; }}\n\
+           for (i64 j = threadIdx.x; j < c; j += blockDim.x) {{ A v = (A)ld{t}(x, j); if (v > m || m_isnan(v)) m = v; }}\n\
            m = block_max(m, sh);\n\
            A shift = m_isfinite(m) ? m : (A)0;\n\
            A sum = 0;\n\
-           for (i64 j = threadIdx.x; j < c; j += blockDim.x) sum += m_exp((A)ld{t}(px, row * c + j) - shift);\n\
+           for (i64 j = threadIdx.x; j < c; j += blockDim.x) sum += m_exp((A)ld{t}(x, j) - shift);\n\
            sum = block_sum(sum, sh);\n\
            *shift_out = shift;\n\
            *sum_out = sum;\n\
@@ -163,12 +174,12 @@ fn sce_row(t: &str) -> String {
     )
 }
 
-/// The loss of each row (`sce_loss{t}`: NaN for a label out of range), and `k_mean`,
-/// the mean of the rows' losses stored as `T`.
+/// The loss of a row at `x` (`sce_loss{t}`: NaN for a label out of range), and
+/// `k_mean`, the mean of the rows' losses stored as `T`.
 fn sce_loss_and_mean(t: &str) -> String {
     format!(
-        "__device__ A sce_loss{t}(const T{t}* px, i64 row, i64 c, i64 label, A shift, A sum) {{\n\
-           return (label < 0 || label >= c) ? (A)F_NAN : (m_log(sum) + shift) - (A)ld{t}(px, row * c + label);\n\
+        "__device__ A sce_loss{t}(const T{t}* x, i64 c, i64 label, A shift, A sum) {{\n\
+           return (label < 0 || label >= c) ? (A)F_NAN : (m_log(sum) + shift) - (A)ld{t}(x, label);\n\
          }}\n\
          extern \"C\" __global__ void k_mean(const A* rows, T* py, i64 n) {{\n\
            __shared__ A sh[32];\n\
@@ -190,13 +201,13 @@ __device__ __forceinline__ C sce_dx(A e, A sum, bool is_label, bool bad, C scale
 }
 "#;
 
-/// The statements storing row `row`'s gradient ([`SCE_DX`]) through `st{g}` into
-/// `pdx`, from logits read by `ld{t}`.
+/// The statements storing the gradient ([`SCE_DX`]) of the row at `x` through
+/// `st{g}` into the row at `dx`, from logits read by `ld{t}`.
 fn sce_grad_row(t: &str, g: &str) -> String {
     format!(
         "bool bad = label < 0 || label >= c;\n\
          for (i64 j = threadIdx.x; j < c; j += blockDim.x)\n\
-           st{g}(pdx, row * c + j, sce_dx(m_exp((A)ld{t}(px, row * c + j) - shift), sum, j == label, bad, scale));\n"
+           st{g}(dx, j, sce_dx(m_exp((A)ld{t}(x, j) - shift), sum, j == label, bad, scale));\n"
     )
 }
 
@@ -208,8 +219,9 @@ pub(super) fn sce(d: DType, labels: DType) -> String {
             "{}{}extern \"C\" __global__ void k_rows(const T* px, const TL* pl, A* rows_out, i64 n, i64 c) {{\n\
                __shared__ A sh[32];\n\
                for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
-                 A shift, sum; sce_row(px, row, c, sh, &shift, &sum);\n\
-                 if (threadIdx.x == 0) rows_out[row] = sce_loss(px, row, c, (i64)pl[row], shift, sum);\n\
+                 const T* x = px + row * c;\n\
+                 A shift, sum; sce_row(x, c, sh, &shift, &sum);\n\
+                 if (threadIdx.x == 0) rows_out[row] = sce_loss(x, c, (i64)pl[row], shift, sum);\n\
                }}\n}}\n",
             sce_row(""),
             sce_loss_and_mean("")
@@ -225,7 +237,9 @@ pub(super) fn sce_grad(d: DType, labels: DType) -> String {
                __shared__ A sh[32];\n\
                C scale = ld(pdl, 0) / (C)n;\n\
                for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
-                 A shift, sum; sce_row(px, row, c, sh, &shift, &sum);\n\
+                 const T* x = px + row * c;\n\
+                 T* dx = pdx + row * c;\n\
+                 A shift, sum; sce_row(x, c, sh, &shift, &sum);\n\
                  i64 label = (i64)pl[row];\n\
                  {}\
                }}\n}}\n",
@@ -238,9 +252,30 @@ pub(super) fn sce_grad(d: DType, labels: DType) -> String {
 /// Threads of a block of the cross-entropy kernel that sums its gradient's columns.
 const SCE_SUM_THREADS: usize = 256;
 
+/// Elements a thread of [`sce_with_grad`]'s row kernel moves as one 16-byte vector.
+fn sce_vector(logits: DType, grad: DType) -> usize {
+    vector_len(logits.size_bytes().max(grad.size_bytes()))
+}
+
+/// Threads of a block of [`sce_with_grad`]'s row kernel (without column sums): a
+/// vector each across the row, up to 1024 (fewer rows in flight, so the second read
+/// of each finds it in L2).
+fn sce_threads(width: usize, vector: usize) -> u32 {
+    (width.div_ceil(vector).div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
 /// SoftmaxCrossEntropyWithGrad: `k_rows` reads each row of logits (`TX`, widened to
 /// the compute type `T`) for both its loss and its gradient (stored as `TG`), then
-/// `k_mean` as [`sce`]'s. With `summed_classes` (the class count, at most
+/// `k_mean` as [`sce`]'s. A row stores `w` logits of which the first `c` are classes
+/// (the op's `classes`; the rest padding, whose gradient is zero).
+///
+/// Without column sums, a block per row reads it twice: once for its maximum and sum
+/// together (each thread keeps a running maximum and rescales its sum when that
+/// grows, as online softmax does; the threads' sums are rescaled to the row's maximum
+/// when added up), once for the gradient; in 16-byte vectors where the rows are
+/// aligned. Where the maximum is infinite the sum is taken again as [`sce`]'s.
+///
+/// With `summed` (the row width, at most
 /// [`MAX_SUMMED_CLASSES`](ampgraph_graph::ops::MAX_SUMMED_CLASSES)) the kernel also
 /// adds up the gradient's columns: a block of [`SCE_SUM_THREADS`] takes a chunk of
 /// rows, each thread the same columns of every row, held in registers (one read of
@@ -252,31 +287,71 @@ pub(super) fn sce_with_grad(
     compute: DType,
     grad: DType,
     labels: DType,
-    summed_classes: Option<usize>,
+    summed: Option<usize>,
 ) -> String {
     let types = [("", compute), ("X", logits), ("G", grad), ("L", labels)];
     let params =
-        "const TX* px, const TL* pl, const T* pdl, TG* pdx, A* rows_out, A* part, i64 n, i64 c";
-    let Some(classes) = summed_classes else {
+        "const TX* px, const TL* pl, const T* pdl, TG* pdx, A* rows_out, A* part, i64 n, i64 c, i64 w";
+    let Some(width) = summed else {
+        let v = sce_vector(logits, grad);
         return module_multi(
             &types,
             &format!(
-                "{SCE_DX}{}{}extern \"C\" __global__ void k_rows({params}) {{\n\
+                "{SCE_DX}{}{}\
+                 // One logit into a thread's running maximum `m` and its sum of exp(x - m).\n\
+                 __device__ __forceinline__ void sce_online(A& m, A& s, A v) {{\n\
+                   if (v > m) {{ s = s * m_exp(m - v) + (A)1; m = v; }} else s += m_exp(v - m);\n\
+                 }}\n\
+                 extern \"C\" __global__ void k_rows({params}) {{\n\
                    __shared__ A sh[32];\n\
                    C scale = ld(pdl, 0) / (C)n;\n\
+                   // The lowest finite value starts the running maximum: a -inf logit adds\n\
+                   // exp(-inf) = 0 to a sum, never exp(-inf - -inf).\n\
+                   const A lowest = (A)(sizeof(A) == 8 ? -1.7976931348623157e308 : -3.4028234663852886e38);\n\
+                   const bool vec = ALIGNED(px, {v}) && ALIGNED(pdx, {v}) && w % {v} == 0;\n\
+                   typedef VEC_T(px, {v}) VX;\n\
+                   typedef VEC_T(pdx, {v}) VG;\n\
                    for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
-                     A shift, sum; sce_rowX(px, row, c, sh, &shift, &sum);\n\
+                     const TX* x = px + row * w;\n\
+                     TG* dx = pdx + row * w;\n\
+                     A m = lowest, s = 0;\n\
+                     if (vec) {{\n\
+                       for (i64 j0 = threadIdx.x * {v}; j0 < c; j0 += (i64)blockDim.x * {v}) {{\n\
+                         const VX xv = *(const VX*)(x + j0);\n\
+                         #pragma unroll\n\
+                         for (int u = 0; u < {v}; ++u) if (j0 + u < c) sce_online(m, s, (A)ldX(xv.v, u));\n\
+                       }}\n\
+                     }} else {{\n\
+                       for (i64 j = threadIdx.x; j < c; j += blockDim.x) sce_online(m, s, (A)ldX(x, j));\n\
+                     }}\n\
+                     A shift = block_max(m, sh), sum;\n\
+                     if (m_isfinite(shift)) sum = block_sum(s * m_exp(m - shift), sh);\n\
+                     else sce_rowX(x, c, sh, &shift, &sum);\n\
                      i64 label = (i64)pl[row];\n\
-                     if (threadIdx.x == 0) rows_out[row] = sce_lossX(px, row, c, label, shift, sum);\n\
-                     {}\
+                     if (threadIdx.x == 0) rows_out[row] = sce_lossX(x, c, label, shift, sum);\n\
+                     bool bad = label < 0 || label >= c;\n\
+                     if (vec) {{\n\
+                       for (i64 j0 = threadIdx.x * {v}; j0 < w; j0 += (i64)blockDim.x * {v}) {{\n\
+                         const VX xv = *(const VX*)(x + j0);\n\
+                         VG g;\n\
+                         #pragma unroll\n\
+                         for (int u = 0; u < {v}; ++u) {{\n\
+                           i64 j = j0 + u;\n\
+                           stG(g.v, u, j < c ? sce_dx(m_exp((A)ldX(xv.v, u) - shift), sum, j == label, bad, scale) : (C)0);\n\
+                         }}\n\
+                         *(VG*)(dx + j0) = g;\n\
+                       }}\n\
+                     }} else {{\n\
+                       for (i64 j = threadIdx.x; j < w; j += blockDim.x)\n\
+                         stG(dx, j, j < c ? sce_dx(m_exp((A)ldX(x, j) - shift), sum, j == label, bad, scale) : (C)0);\n\
+                     }}\n\
                    }}\n}}\n",
                 sce_row("X"),
                 sce_loss_and_mean("X"),
-                sce_grad_row("X", "G")
             ),
         );
     };
-    let per = classes.div_ceil(SCE_SUM_THREADS).max(1);
+    let per = width.div_ceil(SCE_SUM_THREADS).max(1);
     module_multi(
         &types,
         &format!(
@@ -287,11 +362,12 @@ pub(super) fn sce_with_grad(
                #pragma unroll\n\
                for (int k = 0; k < {per}; ++k) acc[k] = 0;\n\
                for (i64 row = blockIdx.x; row < n; row += gridDim.x) {{\n\
+                 const TX* x = px + row * w;\n\
                  A m = (A)(-F_INF);\n\
                  #pragma unroll\n\
                  for (int k = 0; k < {per}; ++k) {{\n\
                    i64 j = threadIdx.x + k * {SCE_SUM_THREADS};\n\
-                   e[k] = j < c ? (A)ldX(px, row * c + j) : (A)(-F_INF);\n\
+                   e[k] = j < c ? (A)ldX(x, j) : (A)(-F_INF);\n\
                    if (e[k] > m || m_isnan(e[k])) m = e[k];\n\
                  }}\n\
                  m = block_max(m, sh);\n\
@@ -301,20 +377,20 @@ pub(super) fn sce_with_grad(
                  for (int k = 0; k < {per}; ++k) if (threadIdx.x + k * {SCE_SUM_THREADS} < c) {{ e[k] = m_exp(e[k] - shift); sum += e[k]; }}\n\
                  sum = block_sum(sum, sh);\n\
                  i64 label = (i64)pl[row];\n\
-                 if (threadIdx.x == 0) rows_out[row] = sce_lossX(px, row, c, label, shift, sum);\n\
+                 if (threadIdx.x == 0) rows_out[row] = sce_lossX(x, c, label, shift, sum);\n\
                  bool bad = label < 0 || label >= c;\n\
                  #pragma unroll\n\
                  for (int k = 0; k < {per}; ++k) {{\n\
                    i64 j = threadIdx.x + k * {SCE_SUM_THREADS};\n\
-                   if (j < c) {{\n\
-                     C d = sce_dx(e[k], sum, j == label, bad, scale);\n\
-                     stG(pdx, row * c + j, d);\n\
+                   if (j < w) {{\n\
+                     C d = j < c ? sce_dx(e[k], sum, j == label, bad, scale) : (C)0;\n\
+                     stG(pdx, row * w + j, d);\n\
                      acc[k] += (A)d;\n\
                    }}\n\
                  }}\n\
                }}\n\
                #pragma unroll\n\
-               for (int k = 0; k < {per}; ++k) {{ i64 j = threadIdx.x + k * {SCE_SUM_THREADS}; if (j < c) part[blockIdx.x * c + j] = acc[k]; }}\n\
+               for (int k = 0; k < {per}; ++k) {{ i64 j = threadIdx.x + k * {SCE_SUM_THREADS}; if (j < w) part[blockIdx.x * w + j] = acc[k]; }}\n\
              }}\n{}",
             sce_loss_and_mean("X"),
             column_sums_fin("", &[""]),
