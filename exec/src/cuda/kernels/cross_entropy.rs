@@ -192,12 +192,14 @@ fn sce_loss_and_mean(t: &str) -> String {
 }
 
 /// One element of the loss gradient, `(softmax - onehot(label)) * scale` from the
-/// element's `exp(x - shift)` and the row's sum, NaN for a label out of range.
+/// element's `exp(x - shift)` and the row's sum, NaN for a label out of range. The
+/// CPU kernel takes the label's as `-(sum of the others) / sum`, NaN where a `+inf`
+/// logit made the sum infinite; so is this one.
 const SCE_DX: &str = r#"
 __device__ __forceinline__ C sce_dx(A e, A sum, bool is_label, bool bad, C scale) {
   C p = (C)(e / sum);
   C target = is_label ? (C)1 : (C)0;
-  return bad ? (C)F_NAN : (p - target) * scale;
+  return bad || (is_label && isinf(sum)) ? (C)F_NAN : (p - target) * scale;
 }
 "#;
 
