@@ -113,8 +113,8 @@ fn all_models() -> Vec<PathBuf> {
 
 /// Every model under `AMPGRAPH_ONNX_MODELS` (e.g. the zoo of `scripts/onnx/
 /// torchvision_models.py --zoo`), each checked whatever the others do: one coverage
-/// row per model (`| model | nodes | CPU f32 error or what stopped it |`), then a
-/// failure listing those that did not import or match.
+/// row per model ([`zoo_row`], or what stopped it), then a failure listing those that
+/// did not import or match.
 #[test]
 fn models_under_ampgraph_onnx_models_match_onnxruntime() {
     let Some(extra) = std::env::var_os("AMPGRAPH_ONNX_MODELS") else {
@@ -129,25 +129,59 @@ fn models_under_ampgraph_onnx_models_match_onnxruntime() {
     let mut failed = Vec::new();
     for dir in dirs {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let run = std::panic::catch_unwind(|| {
-            let (g, inputs, expected) = load(&dir);
-            let nodes = g.len();
-            check_outputs(&name, g, Device::Cpu, &inputs, &expected, 1e-4);
-            nodes
-        });
+        let run = std::panic::catch_unwind(|| zoo_row(&name, &dir));
         match run {
-            Ok(nodes) => println!("| {name} | {nodes} | ok |"),
+            Ok(row) => println!("| {name} | {row} |"),
             Err(e) => {
                 let why = (e.downcast_ref::<String>().cloned())
                     .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_default();
                 let line = why.lines().next().unwrap_or_default().to_string();
-                println!("| {name} | | {line} |");
+                println!("| {name} | | | | {line} |");
                 failed.push(name);
             }
         }
     }
     assert!(failed.is_empty(), "failed: {}", failed.join(", "));
+}
+
+/// One model of the zoo on the CPU in f32: its coverage row (nodes, the relative error
+/// against onnxruntime, and against the float64 reference the exporter wrote, beside
+/// onnxruntime's own). It passes within 1e-4 of onnxruntime, or, where the model's
+/// f32 rounding alone is larger (DeepLabV3: onnxruntime is 1.4e-4 from float64, and
+/// PyTorch's f32 2.2e-4 from onnxruntime), at most 1.5 times as far from the float64
+/// reference as onnxruntime is.
+fn zoo_row(name: &str, dir: &Path) -> String {
+    let (g, inputs, expected) = load(dir);
+    let nodes = g.len();
+    let fetches = g.outputs().to_vec();
+    let mut session = Session::new(g, Device::Cpu).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let feeds = inputs.iter().cloned().collect();
+    let got = (session.run(&fetches, &feeds)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let truth = tensors(&dir.join("test_data_set_0"), "reference_f64");
+    let mut cells = (Vec::new(), Vec::new());
+    for (k, (out, (oname, want))) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(out.shape(), want.shape(), "{name} output {k} ({oname})");
+        let vs_ort = rel_error(out, want);
+        let vs_f64 = truth
+            .get(k)
+            .map(|(_, t)| (rel_error(out, t), rel_error(want, t)));
+        let within = vs_ort < 1e-4 || vs_f64.is_some_and(|(ours, ort)| ours <= 1.5 * ort);
+        assert!(
+            within,
+            "{name} output {k} ({oname}): relative error {vs_ort:.2e} against onnxruntime; against float64 (ours, onnxruntime's): {vs_f64:?}"
+        );
+        cells.0.push(format!("{vs_ort:.1e}"));
+        cells.1.push(match vs_f64 {
+            Some((ours, ort)) => format!("{ours:.1e} ({ort:.1e})"),
+            None => "-".into(),
+        });
+    }
+    format!(
+        "{nodes} | {} | {} | ok",
+        cells.0.join(", "),
+        cells.1.join(", ")
+    )
 }
 
 /// The checked-in models with ops that have no CUDA kernel yet: none (kept for the

@@ -464,4 +464,3 @@ fn gpt2s_lm_head_products_are_padded_for_tensor_cores() {
     assert_eq!((logit_sized("Concat"), logit_sized("Slice")), (0, 0));
     assert_eq!(logit_sized("SoftmaxCrossEntropyWithGrad"), 1);
 }
-

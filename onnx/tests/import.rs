@@ -729,3 +729,74 @@ fn an_output_declared_with_another_type_is_refused() {
         "{err}"
     );
 }
+
+/// AveragePool with `count_include_pad` (MaxViT's): the padding counts in every
+/// window's divisor, against hand-computed values; with the padding `ceil_mode`
+/// adds (windows past the padded input, whose divisor ONNX leaves to the runtime),
+/// one clear error.
+#[test]
+fn average_pools_that_count_their_padding() {
+    let ints = |name: &str, v: &[i64]| AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::INTS,
+        ints: v.to_vec(),
+        ..AttributeProto::default()
+    };
+    let int = |name: &str, i: i64| AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::INT,
+        i,
+        ..AttributeProto::default()
+    };
+    let pool = |include: i64, strides: &[i64], ceil: i64| {
+        let graph = GraphProto {
+            input: vec![input("x", &[1, 1, 3, 3])],
+            node: vec![NodeProto {
+                name: "pool".into(),
+                op_type: "AveragePool".into(),
+                input: vec!["x".into()],
+                output: vec!["y".into()],
+                attribute: vec![
+                    ints("kernel_shape", &[3, 3]),
+                    ints("pads", &[1, 1, 1, 1]),
+                    ints("strides", strides),
+                    int("count_include_pad", include),
+                    int("ceil_mode", ceil),
+                ],
+                ..NodeProto::default()
+            }],
+            output: vec![unshaped("y")],
+            ..GraphProto::default()
+        };
+        import_model(&model_of(graph, 17), None, &ImportOptions::default())
+    };
+    let x = ampgraph_graph::Tensor::from_f64(
+        ampgraph_graph::DType::F32,
+        [1, 1, 3, 3],
+        &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0],
+    )
+    .unwrap();
+    // Window sums over the zero-padded 5x5: corners 12, 16, 24, 28; edges 21, 27,
+    // 33, 39; the centre 45.
+    let sums = [12.0, 21.0, 16.0, 27.0, 45.0, 33.0, 24.0, 39.0, 28.0];
+    let counts = [4.0, 6.0, 4.0, 6.0, 9.0, 6.0, 4.0, 6.0, 4.0];
+    for (include, divisors) in [(1, [9.0; 9]), (0, counts)] {
+        let g = pool(include, &[1, 1], 0).unwrap();
+        let y = evaluate(&g, &[("x", x.clone())]).remove(0);
+        assert_eq!(y.shape(), [1, 1, 3, 3]);
+        let want: Vec<f64> = sums.iter().zip(&divisors).map(|(s, d)| s / d).collect();
+        let got = y.to_f64_vec();
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() < 1e-6,
+                "count_include_pad {include}: {got:?} vs {want:?}"
+            );
+        }
+    }
+    // Stride 3 over 3 + 2 padded: ceil_mode adds a window past the padding.
+    let e = pool(1, &[3, 3], 1)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("'pool'") && e.contains("ceil_mode"), "{e}");
+}

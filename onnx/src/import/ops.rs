@@ -805,6 +805,7 @@ fn pool(cx: &mut NodeCx) -> Result<Vec<Value>> {
     }
     let strides = per_axis(cx, "strides", n)?;
     let mut pads = window_pads(cx, &xs[2..], &kernel, &strides)?;
+    let explicit = pads.clone();
     if cx.int_attr("ceil_mode", 0)? != 0 {
         // Rounding the output length up is padding after; as PyTorch, a last window
         // that would start in the padding is dropped.
@@ -821,8 +822,9 @@ fn pool(cx: &mut NodeCx) -> Result<Vec<Value>> {
         }
     }
     let avg = cx.node.op_type == "AveragePool";
-    if avg && cx.int_attr("count_include_pad", 0)? != 0 && pads.iter().any(|p| *p != [0, 0]) {
-        return Err(cx.err("count_include_pad 1 with padding is not supported"));
+    let include_pad = avg && cx.int_attr("count_include_pad", 0)? != 0;
+    if include_pad && pads != explicit {
+        return Err(cx.err("count_include_pad 1 with ceil_mode's padding is not supported"));
     }
     let (mut ksize, mut strides2) = ([kernel[0], 1], [strides[0], 1]);
     if n == 2 {
@@ -831,7 +833,17 @@ fn pool(cx: &mut NodeCx) -> Result<Vec<Value>> {
     } else {
         pads.push([0, 0]);
     }
-    let x = to_2d(cx, x, rank)?;
+    let mut x = to_2d(cx, x, rank)?;
+    if include_pad && pads.iter().any(|p| *p != [0, 0]) {
+        // The padding counts in every window's divisor: zeros padded first, then
+        // windows without padding (each window lies in the padded input).
+        let per_axis: Vec<[i64; 2]> = [[0, 0]; 2]
+            .into_iter()
+            .chain(pads.iter().map(|p| [p[0] as i64, p[1] as i64]))
+            .collect();
+        x = cx.emit(Pad::constant(per_axis, 0.0), &[x])?;
+        pads = vec![[0, 0]; 2];
+    }
     let padding = padding_of(&pads);
     let y = match (avg, rank) {
         (false, 4) => {
