@@ -615,46 +615,23 @@ fn fused_softmax_prologues() {
 fn cross_entropy_with_its_gradient() {
     let Some(mut gpu) = gpu() else { return };
     let mut r = Rng(11);
-    let f16 = Some(DType::F16);
+    let (h, b, f, d) = (DType::F16, DType::BF16, DType::F32, DType::F64);
+    // (logits, compute, gradient, column sums, rows, width, classes)
     let cases = [
-        (
-            DType::F16,
-            DType::F32,
-            f16,
-            true,
-            3000usize,
-            1000usize,
-            None,
-        ),
+        (h, f, Some(h), true, 3000usize, 1000usize, None),
         // More rows than the summing kernel has blocks (1024): several rows a block.
-        (DType::F16, DType::F32, f16, true, 8200, 24, None),
-        (
-            DType::BF16,
-            DType::F32,
-            Some(DType::BF16),
-            true,
-            40,
-            10,
-            None,
-        ),
-        (DType::F32, DType::F32, None, false, 64, 700, None),
-        (DType::F32, DType::F32, None, true, 9, 1500, None),
-        (DType::F64, DType::F64, Some(DType::F32), true, 33, 40, None),
+        (h, f, Some(h), true, 8200, 24, None),
+        (b, f, Some(b), true, 40, 10, None),
+        (f, f, None, false, 64, 700, None),
+        (f, f, None, true, 9, 1500, None),
+        (d, d, Some(f), true, 33, 40, None),
         // Rows of 3 f16 logits, an f32 gradient: not whole vectors, one by one.
-        (DType::F16, DType::F32, None, false, 5, 3, None),
+        (h, f, None, false, 5, 3, None),
         // Padded: a vocabulary of 8193 in rows of 8200, read as vectors; padded and
         // summed; padded rows not whole vectors.
-        (
-            DType::BF16,
-            DType::F32,
-            Some(DType::BF16),
-            false,
-            70,
-            8200,
-            Some(8193),
-        ),
-        (DType::F16, DType::F32, f16, true, 40, 1008, Some(1001)),
-        (DType::F32, DType::F32, None, false, 7, 13, Some(11)),
+        (b, f, Some(b), false, 70, 8200, Some(8193)),
+        (h, f, Some(h), true, 40, 1008, Some(1001)),
+        (f, f, None, false, 7, 13, Some(11)),
     ];
     for (logits, compute, grad_dtype, column_sum, n, width, classes) in cases {
         let x = rand(&mut r, logits, &[n, width], -4.0, 4.0);
