@@ -184,19 +184,19 @@ fn accumulate(g: &mut Graph, parts: Option<Vec<Port>>) -> Result<Option<Port>> {
     Ok(Some(sum))
 }
 
-/// A gradient contribution that is one tensor placed among zeros along one axis (a
-/// Slice's gradient along the axis it cut): the axis, the tensor's first index along it,
+/// One tensor placed among zeros along one axis (a Slice's gradient along the axis it
+/// cut, a pad of zero rows or columns): the axis, the tensor's first index along it,
 /// and the tensor.
-struct Placed {
-    axis: usize,
-    start: usize,
+pub struct Placed {
+    pub axis: usize,
+    pub start: usize,
     /// The piece's length along the axis.
-    len: usize,
-    piece: Port,
+    pub len: usize,
+    pub piece: Port,
 }
 
 /// `p` as a [`Placed`] tensor: a Concat of broadcast zero scalars and one other tensor.
-fn placed(g: &Graph, p: Port) -> Option<Placed> {
+pub fn placed(g: &Graph, p: Port) -> Option<Placed> {
     let concat = g.node(p.node).op.downcast_ref::<Concat>()?;
     let axis = usize::try_from(concat.axis).ok()?;
     let (mut offset, mut found) = (0, None);

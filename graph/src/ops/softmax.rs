@@ -675,8 +675,9 @@ impl Op for SoftmaxCrossEntropyWithGrad {
         let [logits, labels, dloss] = fixed(inputs)?;
         let types = [logits.ty(), labels.ty(), dloss.ty()];
         let out = self.infer(&types.iter().collect::<Vec<_>>())?;
+        let class_slice = self.class_slice(&types[0])?;
         let sliced;
-        let logits = match self.class_slice(&logits.ty())? {
+        let logits = match &class_slice {
             Some((slice, _)) => {
                 sliced = slice.eval(&[logits])?.remove(0);
                 &sliced
@@ -691,7 +692,7 @@ impl Op for SoftmaxCrossEntropyWithGrad {
             &[&wide, labels, dloss],
         )?
         .remove(0);
-        let grad = match self.class_slice(&types[0])? {
+        let grad = match class_slice {
             Some((_, pad)) => Pad::constant([[0, 0], [0, pad]], 0.0)
                 .eval(&[&grad])?
                 .remove(0),

@@ -16,10 +16,11 @@
 
 use std::collections::HashMap;
 
+use ampgraph_graph::autodiff::placed;
 use ampgraph_graph::ops::{BroadcastTo, Concat, Const, MatMul, Slice, SoftmaxCrossEntropyWithGrad};
 use ampgraph_graph::{Graph, NodeId, Port, TensorType};
 
-use crate::rewrite::{const_value, output_nodes, remove_unread, summary};
+use crate::rewrite::{output_nodes, remove_unread, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// Tensor Core tiles want every GEMM dimension a multiple of this (f16, bf16).
@@ -81,8 +82,9 @@ impl Pass for PadGemm {
             .filter(|&id| g.node(id).op.is::<SoftmaxCrossEntropyWithGrad>())
             .collect();
         let mut unpadded = 0;
+        let is_output = output_nodes(g);
         for id in losses {
-            if read_padded_logits(g, id)? {
+            if read_padded_logits(g, id, &is_output)? {
                 unpadded += 1;
             }
         }
@@ -98,14 +100,13 @@ impl Pass for PadGemm {
 /// wider logits, read those with its `classes` set; its gradient is then as wide, so
 /// the pads that widened it (Concats of zero columns) go, and any other reader reads
 /// a Slice of it.
-fn read_padded_logits(g: &mut Graph, id: NodeId) -> Result<bool, PassError> {
+fn read_padded_logits(g: &mut Graph, id: NodeId, is_output: &[bool]) -> Result<bool, PassError> {
     let Some(op) = g.node(id).op.downcast_ref::<SoftmaxCrossEntropyWithGrad>() else {
         return Ok(false);
     };
     let [logits, labels, dloss] = g.inputs(id)[..] else {
         return Ok(false);
     };
-    let is_output = output_nodes(g);
     let sliced = g.node(logits.node).op.downcast_ref::<Slice>();
     let Some(&[rows, classes]) = sliced
         .filter(|s| op.classes.is_none() && s.begin == [0, 0])
@@ -129,7 +130,12 @@ fn read_padded_logits(g: &mut Graph, id: NodeId) -> Result<bool, PassError> {
     let mut rewired = Vec::new();
     let mut slice = None;
     for (reader, slot) in readers {
-        if is_zero_pad(g, reader, width) {
+        // A pad of the gradient with zero columns to the logits' width: [`pad_axis`]'s.
+        let padded_grad = Port::new(reader, 0);
+        let is_pad = placed(g, padded_grad).is_some_and(|p| {
+            (p.axis, p.start, p.piece) == (1, 0, grad) && g.ty(padded_grad).shape[1] == width
+        });
+        if is_pad {
             rewired.extend(
                 g.consumers(reader)
                     .into_iter()
@@ -156,24 +162,8 @@ fn read_padded_logits(g: &mut Graph, id: NodeId) -> Result<bool, PassError> {
         .flat_map(|&n| g.inputs(n).into_iter().map(|p| p.node))
         .collect();
     stale.extend(zeros);
-    remove_unread(g, stale, &is_output)?;
+    remove_unread(g, stale, is_output)?;
     Ok(true)
-}
-
-/// Whether `node` is `Concat(x, zeros)` along axis 1 to `width` columns, the zeros
-/// broadcast from a zero constant ([`pad_axis`]'s form): a pad a wider `x` replaces.
-fn is_zero_pad(g: &Graph, node: NodeId, width: usize) -> bool {
-    let n = g.node(node);
-    let along_columns = n.op.downcast_ref::<Concat>().is_some_and(|c| c.axis == 1);
-    let inputs = g.inputs(node);
-    let zeros = inputs.get(1).is_some_and(|z| {
-        g.node(z.node).op.is::<BroadcastTo>()
-            && g.inputs(z.node).iter().all(|c| {
-                let value = const_value(g, c.node).ok().flatten();
-                value.is_some_and(|v| v.to_f64_vec().iter().all(|&x| x == 0.0))
-            })
-    });
-    along_columns && inputs.len() == 2 && zeros && n.outputs()[0].shape.get(1) == Some(&width)
 }
 
 /// `d` rounded up to a multiple of [`GEMM_MULTIPLE`].
