@@ -60,15 +60,15 @@ fn load(dir: &Path) -> (Graph, Named, Named) {
     (g, inputs, expected)
 }
 
-/// Runs `g` on `device` and checks every output within `tol` of onnxruntime's.
-fn check_outputs(
+/// `g`'s outputs on `device` from `inputs`, checked against `expected`'s count and
+/// shapes.
+fn run_outputs(
     what: &str,
     g: Graph,
     device: Device,
     inputs: &[(String, Tensor)],
     expected: &[(String, Tensor)],
-    tol: f64,
-) {
+) -> Vec<Tensor> {
     let fetches = g.outputs().to_vec();
     assert_eq!(fetches.len(), expected.len(), "{what}: outputs");
     let mut session = Session::new(g, device).unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -78,6 +78,21 @@ fn check_outputs(
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     for (k, (out, (oname, want))) in got.iter().zip(expected).enumerate() {
         assert_eq!(out.shape(), want.shape(), "{what} output {k} ({oname})");
+    }
+    got
+}
+
+/// Runs `g` on `device` and checks every output within `tol` of onnxruntime's.
+fn check_outputs(
+    what: &str,
+    g: Graph,
+    device: Device,
+    inputs: &[(String, Tensor)],
+    expected: &[(String, Tensor)],
+    tol: f64,
+) {
+    let got = run_outputs(what, g, device, inputs, expected);
+    for (k, (out, (oname, want))) in got.iter().zip(expected).enumerate() {
         let err = rel_error(out, want);
         println!("{what} output {k} ({oname}): relative error {err:.2e}");
         assert!(
@@ -154,14 +169,10 @@ fn models_under_ampgraph_onnx_models_match_onnxruntime() {
 fn zoo_row(name: &str, dir: &Path) -> String {
     let (g, inputs, expected) = load(dir);
     let nodes = g.len();
-    let fetches = g.outputs().to_vec();
-    let mut session = Session::new(g, Device::Cpu).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let feeds = inputs.iter().cloned().collect();
-    let got = (session.run(&fetches, &feeds)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let got = run_outputs(name, g, Device::Cpu, &inputs, &expected);
     let truth = tensors(&dir.join("test_data_set_0"), "reference_f64");
     let mut cells = (Vec::new(), Vec::new());
     for (k, (out, (oname, want))) in got.iter().zip(&expected).enumerate() {
-        assert_eq!(out.shape(), want.shape(), "{name} output {k} ({oname})");
         let vs_ort = rel_error(out, want);
         let vs_f64 = truth
             .get(k)
