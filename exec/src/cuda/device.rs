@@ -926,12 +926,13 @@ impl Device {
             .map_err(|e| format!("launching kernel '{key}': {e:?}"))
     }
 
-    /// Enough blocks of 256 threads for `n` items, `per_thread` each (grid-stride
-    /// loops take the rest beyond the grid limit).
+    /// Kernel `name` in enough blocks of 256 threads for `n` items, `per_thread` each
+    /// (grid-stride loops take the rest beyond the grid limit).
     pub fn launch_items(
         &self,
         key: &str,
         src: impl FnOnce() -> String,
+        name: &'static str,
         n: usize,
         per_thread: usize,
         args: &[Arg],
@@ -940,7 +941,7 @@ impl Device {
             return Ok(());
         }
         let grid = n.div_ceil(256 * per_thread).min(1 << 20) as u32;
-        self.launch(key, src, "k", grid, 256, args)
+        self.launch(key, src, name, grid, 256, args)
     }
 }
 

@@ -332,20 +332,18 @@ pub(super) fn sce_with_grad(
                      i64 label = (i64)pl[row];\n\
                      if (threadIdx.x == 0) rows_out[row] = sce_lossX(x, c, label, shift, sum);\n\
                      bool bad = label < 0 || label >= c;\n\
+                     // The gradient of logit `v` in column `j`: zero in the padding.\n\
+                     auto grad_of = [&](A v, i64 j) {{ return j < c ? sce_dx(m_exp(v - shift), sum, j == label, bad, scale) : (C)0; }};\n\
                      if (vec) {{\n\
                        for (i64 j0 = threadIdx.x * {v}; j0 < w; j0 += (i64)blockDim.x * {v}) {{\n\
                          const VX xv = *(const VX*)(x + j0);\n\
                          VG g;\n\
                          #pragma unroll\n\
-                         for (int u = 0; u < {v}; ++u) {{\n\
-                           i64 j = j0 + u;\n\
-                           stG(g.v, u, j < c ? sce_dx(m_exp((A)ldX(xv.v, u) - shift), sum, j == label, bad, scale) : (C)0);\n\
-                         }}\n\
+                         for (int u = 0; u < {v}; ++u) stG(g.v, u, grad_of((A)ldX(xv.v, u), j0 + u));\n\
                          *(VG*)(dx + j0) = g;\n\
                        }}\n\
                      }} else {{\n\
-                       for (i64 j = threadIdx.x; j < w; j += blockDim.x)\n\
-                         stG(dx, j, j < c ? sce_dx(m_exp((A)ldX(x, j) - shift), sum, j == label, bad, scale) : (C)0);\n\
+                       for (i64 j = threadIdx.x; j < w; j += blockDim.x) stG(dx, j, grad_of((A)ldX(x, j), j));\n\
                      }}\n\
                    }}\n}}\n",
                 sce_row("X"),

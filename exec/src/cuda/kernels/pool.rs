@@ -15,7 +15,9 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::module;
-use super::{first, float_input, input, numel, one_output, CudaKernel, KernelResult, Lowering};
+use super::{
+    first, float_input, input, numel, one_output, Ctx, CudaKernel, KernelResult, Lowering,
+};
 use crate::cuda::device::{Arg, DTensor};
 
 kernel_specs! {
@@ -181,6 +183,24 @@ impl Geometry {
     }
 }
 
+impl Geometry {
+    /// Launches kernel `name` of `spec`, a thread per each of `total` items: its
+    /// arguments `tensors`, then `total` and the geometry.
+    fn launch(
+        &self,
+        c: &Ctx,
+        spec: &Spec,
+        name: &'static str,
+        tensors: &[Arg],
+        total: usize,
+    ) -> Result<(), String> {
+        let mut args = tensors.to_vec();
+        args.push(Arg::I64(total as i64));
+        args.extend(self.args.iter().cloned());
+        c.launch_named_items(spec, name, total, &args)
+    }
+}
+
 /// Refuses `t` (the op's `what`) unless it is of `dtype` and shape `shape`.
 fn expect(what: &str, t: Option<&TensorType>, dtype: DType, shape: &[usize]) -> Result<(), String> {
     let t = t.ok_or_else(|| format!("the pooling op has no {what}"))?;
@@ -231,28 +251,16 @@ fn lower_max_pool_grad(attrs: &Attrs, ins: &[TensorType], outs: &[TensorType]) -
     let direct = attrs.ksize[0] * attrs.ksize[1] > MAX_WINDOW_PLACES;
     Ok(one_output(dx, move |c, ins, dx| {
         let (x, dy) = (input(ins, 0)?, input(ins, 2)?);
-        let with_geometry = |mut args: Vec<Arg>, total: usize| {
-            args.push(Arg::I64(total as i64));
-            args.extend(g.args.iter().cloned());
-            args
-        };
         if direct {
-            let args = with_geometry(vec![x.arg(), dy.arg(), dx.arg()], inputs);
-            return c.launch(&spec, "k_direct", items(inputs), &args);
+            let tensors = [x.arg(), dy.arg(), dx.arg()];
+            return g.launch(c, &spec, "k_direct", &tensors, inputs);
         }
         // A byte per window (Bool's storage): its first maximum's place.
         let places = c.temp(DType::Bool, outputs)?;
-        let args = with_geometry(vec![x.arg(), places.arg()], outputs);
-        c.launch(&spec, "k_argmax", items(outputs), &args)?;
-        let args = with_geometry(vec![places.arg(), dy.arg(), dx.arg()], inputs);
-        c.launch(&spec, "k", items(inputs), &args)
+        g.launch(c, &spec, "k_argmax", &[x.arg(), places.arg()], outputs)?;
+        let tensors = [places.arg(), dy.arg(), dx.arg()];
+        g.launch(c, &spec, "k", &tensors, inputs)
     }))
-}
-
-/// The grid and block of a kernel with a thread per each of `n` items (grid-stride
-/// loops cover the rest).
-fn items(n: usize) -> (u32, u32) {
-    (n.div_ceil(256).clamp(1, 1 << 20) as u32, 256)
 }
 
 /// AvgPoolGrad: `dx` (of shape `input_shape`) from `dy`.
@@ -290,13 +298,12 @@ fn pooling_kernel(
     g: Geometry,
 ) -> Box<dyn CudaKernel> {
     one_output(out, move |c, inputs, y| {
-        let mut args = reads
+        let mut tensors = reads
             .iter()
             .map(|&k| input(inputs, k).map(DTensor::arg))
             .collect::<Result<Vec<_>, _>>()?;
-        args.extend([y.arg(), Arg::I64(total as i64)]);
-        args.extend(g.args.iter().cloned());
-        c.launch_items(&spec, total, 1, &args)
+        tensors.push(y.arg());
+        g.launch(c, &spec, "k", &tensors, total)
     })
 }
 

@@ -15,7 +15,7 @@ use ampgraph_graph::{Op, TensorType};
 use super::codegen::{word, PRELUDE};
 use super::elementwise::broadcast_strides;
 use super::{first, input, kernel, merged, numel, one_output, Ctx, KernelResult, Lowering};
-use crate::cuda::device::{Arg, DTensor, Dims};
+use crate::cuda::device::{row_grid, Arg, DTensor, Dims};
 
 kernel_specs! {
     /// The modules of the family, by the bytes of the words they move.
@@ -212,7 +212,7 @@ impl Gather {
         match self.spec {
             // A block of 8 warps per tile or row, a grid-stride loop over them.
             Spec::Transpose { .. } | Spec::Rows { .. } => {
-                let grid = self.n.clamp(1, 1 << 20) as u32;
+                let grid = row_grid(self.n);
                 c.launch(&self.spec, "k", (grid, 256), &args)
             }
             _ => c.launch_items(&self.spec, self.n, 1, &args),
@@ -299,7 +299,7 @@ fn lower_concat(axis: i64, ins: &[TensorType], outs: &[TensorType]) -> KernelRes
 /// long rows, else `k`, a thread per word.
 fn launch_copy(c: &Ctx, spec: &Spec, n: usize, row: usize, args: &[Arg]) -> Result<(), String> {
     if by_rows(n, row) {
-        let grid = (n / row).clamp(1, 1 << 20) as u32;
+        let grid = row_grid(n / row);
         c.launch(spec, "k_rows", (grid, 256), args)
     } else {
         c.launch_items(spec, n, 1, args)

@@ -209,7 +209,19 @@ impl Ctx<'_> {
         args: &[Arg],
     ) -> Result<(), String> {
         self.dev
-            .launch_items(&spec.key(), || spec.source(), n, per_thread, args)
+            .launch_items(&spec.key(), || spec.source(), "k", n, per_thread, args)
+    }
+
+    /// A launch of `spec`'s kernel `name`, a thread per each of `n` items.
+    pub(super) fn launch_named_items<S: KernelSpec>(
+        &self,
+        spec: &S,
+        name: &'static str,
+        n: usize,
+        args: &[Arg],
+    ) -> Result<(), String> {
+        self.dev
+            .launch_items(&spec.key(), || spec.source(), name, n, 1, args)
     }
 }
 
