@@ -925,24 +925,12 @@ impl Device {
             .map(|_| ())
             .map_err(|e| format!("launching kernel '{key}': {e:?}"))
     }
+}
 
-    /// Kernel `name` in enough blocks of 256 threads for `n` items, `per_thread` each
-    /// (grid-stride loops take the rest beyond the grid limit).
-    pub fn launch_items(
-        &self,
-        key: &str,
-        src: impl FnOnce() -> String,
-        name: &'static str,
-        n: usize,
-        per_thread: usize,
-        args: &[Arg],
-    ) -> Result<(), String> {
-        if n == 0 {
-            return Ok(());
-        }
-        let grid = n.div_ceil(256 * per_thread).min(1 << 20) as u32;
-        self.launch(key, src, name, grid, 256, args)
-    }
+/// Enough blocks of 256 threads for `n` items, `per_thread` each (grid-stride loops
+/// take the rest beyond the grid limit).
+pub fn items_grid(n: usize, per_thread: usize) -> u32 {
+    n.div_ceil(256 * per_thread).min(1 << 20) as u32
 }
 
 /// Threads per block for a row of `len` elements: a warp multiple up to 256.

@@ -121,22 +121,10 @@ fn lower_with_grad(
         let out = c.alloc_all(&outs)?;
         let part = c.temp(acc_dtype(dl.dtype), part_len)?;
         if n > 0 {
-            c.launch(
-                &spec,
-                "k_rows",
-                (row_grid(blocks), threads),
-                &[
-                    x.arg(),
-                    labels.arg(),
-                    dl.arg(),
-                    out[1].arg(),
-                    rows.arg(),
-                    part.arg(),
-                    Arg::I64(n as i64),
-                    Arg::I64(classes as i64),
-                    Arg::I64(width as i64),
-                ],
-            )?;
+            let tensors = [x, labels, dl, &out[1], &rows, &part].map(DTensor::arg);
+            let mut args = tensors.to_vec();
+            args.extend([n, classes, width].map(|v| Arg::I64(v as i64)));
+            c.launch(&spec, "k_rows", (row_grid(blocks), threads), &args)?;
         }
         sce_mean(c, &spec, &rows, &out[0], n)?;
         if summed.is_some() {

@@ -197,7 +197,7 @@ impl Geometry {
         let mut args = tensors.to_vec();
         args.push(Arg::I64(total as i64));
         args.extend(self.args.iter().cloned());
-        c.launch_named_items(spec, name, total, &args)
+        c.launch_items_of(spec, name, total, 1, &args)
     }
 }
 

@@ -8,7 +8,7 @@ use std::fmt::Debug;
 
 use ampgraph_graph::{DType, TensorType};
 
-use crate::cuda::device::{row_block, row_grid, Arg, DTensor, Device};
+use crate::cuda::device::{items_grid, row_block, row_grid, Arg, DTensor, Device};
 use crate::cuda::dnn::{Dnn, DnnOptions};
 use crate::cuda::gemm::{Gemm, GemmOptions};
 use crate::cuda::nccl::Nccl;
@@ -208,20 +208,22 @@ impl Ctx<'_> {
         per_thread: usize,
         args: &[Arg],
     ) -> Result<(), String> {
-        self.dev
-            .launch_items(&spec.key(), || spec.source(), "k", n, per_thread, args)
+        self.launch_items_of(spec, "k", n, per_thread, args)
     }
 
-    /// A launch of `spec`'s kernel `name`, a thread per each of `n` items.
-    pub(super) fn launch_named_items<S: KernelSpec>(
+    /// [`launch_items`](Self::launch_items) of `spec`'s kernel `name`.
+    pub(super) fn launch_items_of<S: KernelSpec>(
         &self,
         spec: &S,
         name: &'static str,
         n: usize,
+        per_thread: usize,
         args: &[Arg],
     ) -> Result<(), String> {
-        self.dev
-            .launch_items(&spec.key(), || spec.source(), name, n, 1, args)
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(spec, name, (items_grid(n, per_thread), 256), args)
     }
 }
 
