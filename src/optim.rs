@@ -16,6 +16,8 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 
+pub use ampgraph_graph::ops::{Anneal, LearningRateSchedule};
+
 /// What `minimize` built.
 #[derive(Clone, Debug)]
 pub struct TrainStep {
@@ -118,10 +120,13 @@ fn scalar_variable(
 #[derive(Clone, Debug, PartialEq)]
 pub struct RuleOptimizer {
     pub rule: Rule,
+    /// The rate; with a `schedule`, its peak.
     pub learning_rate: f64,
     pub weight_decay: f64,
     /// Which variables the weight decay applies to.
     pub decay: Decay,
+    /// The rate's schedule over the steps, computed in the graph from the step count.
+    pub schedule: Option<LearningRateSchedule>,
 }
 
 /// Which variables weight decay applies to.
@@ -142,6 +147,7 @@ impl RuleOptimizer {
             learning_rate,
             weight_decay,
             decay: Decay::All,
+            schedule: None,
         }
     }
 }
@@ -235,6 +241,16 @@ impl RuleOptimizer {
         self.decay = decay;
         self
     }
+
+    /// This optimizer with its learning rate (then the peak) following `schedule`:
+    /// `Adam::adamw(6e-4, 0.1).scheduled(LearningRateSchedule::warmup_cosine(700,
+    /// 19_073, 0.1))` is llm.c's GPT-2 run. The factor is a graph node fed by the
+    /// step count (`optimizer/step`, which counts the steps applied: a step skipped
+    /// for an overflow does not advance the schedule), so no step re-plans.
+    pub fn scheduled(mut self, schedule: LearningRateSchedule) -> Self {
+        self.schedule = Some(schedule);
+        self
+    }
 }
 
 /// Name of the shared step count of Adam and LAMB.
@@ -249,7 +265,7 @@ impl Optimizer for RuleOptimizer {
         finite: Port,
     ) -> Result<Vec<Port>, GraphError> {
         let mut writes = Vec::new();
-        let step = if self.rule.uses_step() {
+        let count = if self.rule.uses_step() || self.schedule.is_some() {
             let counter = match g.find(STEP_VARIABLE) {
                 Some(id) => id.into(),
                 None => scalar_variable(g, STEP_VARIABLE, DType::F32, 0.0)?,
@@ -259,6 +275,19 @@ impl Optimizer for RuleOptimizer {
             Some(next)
         } else {
             None
+        };
+        let step = count.filter(|_| self.rule.uses_step());
+        let factor = match (self.schedule, count) {
+            (Some(schedule), Some(count)) => {
+                schedule.check().map_err(GraphError::Format)?;
+                let name = g.fresh_name("optimizer/learning_rate_factor");
+                Some(Port::from(g.add_node(
+                    name,
+                    Box::new(schedule),
+                    &[count],
+                )?))
+            }
+            _ => None,
         };
         for (&var, &grad) in vars.iter().zip(grads) {
             let var_name = g.node(var).name.clone();
@@ -275,11 +304,15 @@ impl Optimizer for RuleOptimizer {
             let mut inputs = vec![finite, var.into(), grad];
             inputs.extend(&slots);
             inputs.extend(step);
+            inputs.extend(factor);
             let weight_decay = match self.decay {
                 Decay::Matrices if ty.rank() < 2 => 0.0,
                 _ => self.weight_decay,
             };
-            let op = OptimizerUpdate::new(self.rule, self.learning_rate, weight_decay);
+            let op = OptimizerUpdate {
+                scheduled: factor.is_some(),
+                ..OptimizerUpdate::new(self.rule, self.learning_rate, weight_decay)
+            };
             let name = g.fresh_name(format!("{var_name}/update"));
             let update = g.add_node(name, Box::new(op), &inputs)?;
             for (k, target) in std::iter::once(Port::from(var)).chain(slots).enumerate() {

@@ -1,12 +1,16 @@
 //! What the optimizers do beyond their update rules, against hand-computed values and
 //! equivalent steps: weight decay restricted to matrices, gradients clipped to a
-//! global norm, gradients accumulated over micro-batches.
+//! global norm, gradients accumulated over micro-batches, learning-rate schedules.
 
 use std::collections::HashMap;
 
+use ampgraph::graph::format::{self, GraphDef};
 use ampgraph::graph::models::f32_variable;
 use ampgraph::graph::ops::Init;
-use ampgraph::optim::{Accumulate, Adam, ClipGlobalNorm, Decay, Optimizer, Sgd};
+use ampgraph::optim::{
+    enable_mixed_precision_graph_rewrite, Accumulate, Adam, ClipGlobalNorm, Decay,
+    LearningRateSchedule, LossScale, Optimizer, Sgd, STEP_VARIABLE,
+};
 use ampgraph::{DType, Device, Graph, Session, Tensor};
 
 /// `loss = sum(w * c) + sum(b * d)` for a matrix `w [2, 3]` and a vector `b [3]`
@@ -151,4 +155,73 @@ fn accumulation_over_micro_batches_steps_as_the_whole_batch() {
         }
     }
     assert_ne!(w(&whole), [0.0, 0.0]);
+}
+
+/// Plain SGD at peak rate 0.1 with a warmup of 2 steps and a cosine to 0.1 of the
+/// peak at step 5: with constant gradients `c` each step moves `w` by `0.1 f_s c`,
+/// the factors by hand 0.5, 1, 1, 0.775 (cos(pi/3)), 0.325 (cos(2pi/3)), then 0.1.
+/// The same graph written to JSON and read back takes the same steps.
+#[test]
+fn scheduled_rates_follow_the_warmup_and_the_cosine() {
+    let factors = [0.5, 1.0, 1.0, 0.775, 0.325, 0.1, 0.1];
+    let c = [1.0, -2.0, 0.5, 0.0, 3.0, -1.0];
+    let d = [0.25, 0.0, -4.0];
+    let (mut g, loss) = linear_loss(&c, &d);
+    let sgd = Sgd::new(0.1).scheduled(LearningRateSchedule::warmup_cosine(2, 5, 0.1));
+    let step = sgd.minimize(&mut g, loss).unwrap();
+    let json = format::to_json(&GraphDef::from_graph(&g));
+    assert!(json.contains("LearningRateSchedule") && json.contains("\"scheduled\""));
+    let reread = format::graph_from_bytes(json.as_bytes()).unwrap();
+    for graph in [g, reread] {
+        let mut session = Session::new(graph, Device::Cpu).unwrap();
+        let mut moved = 0.0;
+        for (k, f) in factors.iter().enumerate() {
+            session.run(&[step.step], &HashMap::new()).unwrap();
+            moved += 0.1 * f;
+            let w = session.variable("w").unwrap().to_f64_vec();
+            let b = session.variable("b").unwrap().to_f64_vec();
+            for (got, grad) in w.iter().chain(&b).zip(c.iter().chain(&d)) {
+                let want = 1.0 - moved * grad;
+                assert!((got - want).abs() < 1e-6, "step {k}: {got} vs {want}");
+            }
+        }
+        let count = session.variable(STEP_VARIABLE).unwrap().to_f64_vec();
+        assert_eq!(count, [factors.len() as f64]);
+    }
+}
+
+/// A step skipped for an overflow does not advance the schedule: with a loss scale
+/// that makes the gradient of magnitude 4 overflow f32, nothing moves and the count
+/// stays at 0; a scale that fits takes the schedule's first step (factor 0.5 of 0.1).
+#[test]
+fn skipped_steps_do_not_advance_the_schedule() {
+    let c = [1.0, -2.0, 0.5, 0.0, 3.0, -1.0];
+    let d = [0.25, 0.0, -4.0];
+    let schedule = LearningRateSchedule::warmup_linear(2, 4, 0.0);
+    let run = |scale: f64| {
+        let (mut g, loss) = linear_loss(&c, &d);
+        let step = enable_mixed_precision_graph_rewrite(Sgd::new(0.1).scheduled(schedule))
+            .with_loss_scale(LossScale::Fixed(scale))
+            .minimize(&mut g, loss)
+            .unwrap();
+        let mut session = Session::new(g, Device::Cpu).unwrap();
+        session.run(&[step.step], &HashMap::new()).unwrap();
+        let w = session.variable("w").unwrap().to_f64_vec();
+        (w, session.variable(STEP_VARIABLE).unwrap().to_f64_vec())
+    };
+    let (w, count) = run(3e38);
+    assert_eq!((w, count), (vec![1.0; 6], vec![0.0]));
+    let (w, count) = run(1.0);
+    assert_eq!(count, [1.0]);
+    for (got, grad) in w.iter().zip(&c) {
+        assert!((got - (1.0 - 0.05 * grad)).abs() < 1e-3, "{got}");
+    }
+}
+
+#[test]
+fn schedules_that_cannot_be_are_refused_when_built() {
+    let (mut g, loss) = linear_loss(&[0.0; 6], &[0.0; 3]);
+    let bad = Adam::adamw(1e-3, 0.0).scheduled(LearningRateSchedule::warmup_cosine(10, 5, 0.0));
+    let e = bad.minimize(&mut g, loss).unwrap_err().to_string();
+    assert!(e.contains("shorter than its warmup"), "{e}");
 }

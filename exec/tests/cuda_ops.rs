@@ -950,6 +950,7 @@ fn update_inputs(
     flag: &Tensor,
     (d, gd, grad_scale): (DType, DType, Option<f64>),
     rule: Rule,
+    factor: Option<f64>,
     shape: &[usize],
 ) -> Vec<Tensor> {
     let mut inputs = vec![
@@ -963,16 +964,24 @@ fn update_inputs(
     if rule.uses_step() {
         inputs.push(Tensor::scalar(DType::I64, 3.0));
     }
+    inputs.extend(factor.map(|f| Tensor::scalar(DType::F32, f)));
     inputs.extend(grad_scale.map(|s| Tensor::scalar(d, s)));
     inputs
 }
 
 /// An update by `rule`; the scaled forms (a 16-bit gradient `gd` unscaled in the
-/// variable's dtype) also write the new variable in `gd`.
-fn scaled_update(rule: Rule, gd: DType, grad_scale: Option<f64>) -> OptimizerUpdate {
+/// variable's dtype) also write the new variable in `gd`; `scheduled` reads its rate's
+/// factor.
+fn scaled_update(
+    rule: Rule,
+    gd: DType,
+    grad_scale: Option<f64>,
+    scheduled: bool,
+) -> OptimizerUpdate {
     OptimizerUpdate {
         grad_scale: grad_scale.is_some(),
         cast_to: grad_scale.map(|_| gd),
+        scheduled,
         ..OptimizerUpdate::new(rule, 0.01, 0.01)
     }
 }
@@ -1113,8 +1122,9 @@ fn training_ops() {
         for rule in rules {
             for flag in [&yes, &no] {
                 // 2107 elements: the vectorised loops leave a tail for every dtype.
-                let inputs = update_inputs(&mut r, flag, (d, gd, grad_scale), rule, &[301, 7]);
-                let op = scaled_update(rule, gd, grad_scale);
+                let inputs =
+                    update_inputs(&mut r, flag, (d, gd, grad_scale), rule, None, &[301, 7]);
+                let op = scaled_update(rule, gd, grad_scale, false);
                 check(
                     &mut gpu,
                     &format!(
@@ -1127,26 +1137,64 @@ fn training_ops() {
             }
         }
     }
-    // Grouped: 35 members of 1 to 300 values (two launches of at most 32), each
-    // with its own values, against the members' updates on the CPU.
+    // Scheduled: the rate times a factor read from the device (every rule, the
+    // kernel's rate argument beside the step and before the gradient scale).
     for (d, gd, grad_scale) in [kinds[0], kinds[3]] {
-        for rule in [rules[1], rules[4]] {
-            let update = scaled_update(rule, gd, grad_scale);
+        for rule in rules {
+            let inputs = update_inputs(
+                &mut r,
+                &yes,
+                (d, gd, grad_scale),
+                rule,
+                Some(0.37),
+                &[301, 7],
+            );
+            check(
+                &mut gpu,
+                &format!("OptimizerUpdate scheduled {d} grad {gd} scale {grad_scale:?} {rule:?}"),
+                scaled_update(rule, gd, grad_scale, true),
+                &inputs,
+            );
+        }
+    }
+    // Grouped: 35 members of 1 to 300 values (two launches of at most 32), each
+    // with its own values, against the members' updates on the CPU; scheduled too.
+    for (d, gd, grad_scale) in [kinds[0], kinds[3]] {
+        for (rule, factor) in [(rules[1], None), (rules[4], None), (rules[4], Some(0.37))] {
+            let update = scaled_update(rule, gd, grad_scale, factor.is_some());
             let inputs: Vec<Tensor> = (0..35)
                 .flat_map(|m| {
                     let shape = [(m * 37) % 300 + 1];
-                    update_inputs(&mut r, &yes, (d, gd, grad_scale), rule, &shape)
+                    update_inputs(&mut r, &yes, (d, gd, grad_scale), rule, factor, &shape)
                 })
                 .collect();
             check(
                 &mut gpu,
-                &format!("GroupedOptimizerUpdate {d} grad {gd} scale {grad_scale:?} {rule:?}"),
+                &format!(
+                    "GroupedOptimizerUpdate {d} grad {gd} scale {grad_scale:?} {rule:?} factor {factor:?}"
+                ),
                 GroupedOptimizerUpdate {
                     update,
                     members: 35,
                 },
                 &inputs,
             );
+        }
+    }
+    // Schedules' factors at counts in the warmup, the annealing and after it.
+    for schedule in [
+        LearningRateSchedule::warmup_cosine(4, 10, 0.1),
+        LearningRateSchedule::warmup_linear(0, 7, 0.0),
+    ] {
+        for cd in [DType::I64, DType::F32] {
+            for count in [0.0, 1.0, 3.0, 4.0, 5.0, 6.5, 8.0, 10.0, 11.0, 1e6] {
+                check(
+                    &mut gpu,
+                    &format!("{schedule:?} at {count} ({cd})"),
+                    schedule,
+                    &[Tensor::scalar(cd, count)],
+                );
+            }
         }
     }
 }

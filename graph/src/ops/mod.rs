@@ -13,6 +13,7 @@ pub mod norm;
 pub mod pad;
 pub mod reduce;
 pub mod resize;
+pub mod schedule;
 pub mod select;
 pub mod shape_ops;
 pub mod softmax;
@@ -40,6 +41,7 @@ pub use pad::{Pad, PadMode};
 pub use reduce::ReduceGrad;
 pub use reduce::{widens_exactly, Reduce, ReduceKind, SumTo};
 pub use resize::{CoordinateTransform, NearestMode, Resize, ResizeGrad, ResizeMode};
+pub use schedule::{Anneal, LearningRateSchedule};
 pub use select::Where;
 pub use shape_ops::{BroadcastTo, Slice};
 pub use shape_ops::{Concat, Reshape, Transpose};
@@ -83,6 +85,7 @@ const FAMILIES: &[&[OpEntry]] = &[
     shape_ops::OPS,
     shape_ops::MORE_OPS,
     train::OPS,
+    schedule::OPS,
     select::OPS,
     compare::COMPARE_OPS,
     compare::LOGICAL_OPS,

@@ -276,13 +276,21 @@ impl Rule {
 }
 
 /// One optimizer step for one variable. Inputs: `finite`, `var`, `grad`, the slots of
-/// the rule, then (Adam, LAMB) the step count after this step. Outputs: the new
+/// the rule, then (Adam, LAMB) the step count after this step, then (`scheduled`) the
+/// learning rate's factor, then (`grad_scale`) the gradient's scale. Outputs: the new
 /// variable, then the new slots, computed in the variable's compute type.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OptimizerUpdate {
     pub rule: Rule,
+    /// The rate; with `scheduled`, its peak.
     pub learning_rate: f64,
     pub weight_decay: f64,
+    /// An input after the step count, an f32 scalar (a [`LearningRateSchedule`]'s
+    /// output), multiplies the learning rate (in f64, then rounded to the variable's
+    /// compute type): the rate changes every step and the update's kernel does not.
+    ///
+    /// [`LearningRateSchedule`]: crate::ops::LearningRateSchedule
+    pub scheduled: bool,
     /// A last input, a scalar of the variable's dtype, multiplies the gradient (in
     /// that dtype) before the rule: the loss-scale unscaling, folded in by the
     /// `unscale-into-update` pass so the gradient is read in its own (16-bit) type.
@@ -302,6 +310,7 @@ impl OptimizerUpdate {
             rule,
             learning_rate,
             weight_decay,
+            scheduled: false,
             grad_scale: false,
             cast_to: None,
         }
@@ -346,17 +355,25 @@ impl OptimizerUpdate {
                 .opt_float("learning_rate")?
                 .ok_or("missing attr 'learning_rate'")?,
             weight_decay: a.float_or("weight_decay", 0.0)?,
+            scheduled: a.bool_or("scheduled", false)?,
             grad_scale: a.bool_or("grad_scale", false)?,
             cast_to: a.opt_dtype("cast_to")?,
         })
     }
 
-    /// `finite`, the variable, its gradient, the slots, the step count (Adam, LAMB)
-    /// and the gradient scale (`grad_scale`).
+    /// `finite`, the variable, its gradient, the slots, the step count (Adam, LAMB),
+    /// the rate's factor (`scheduled`) and the gradient scale (`grad_scale`).
     pub fn num_inputs(&self) -> usize {
         3 + self.rule.slots().len()
             + usize::from(self.rule.uses_step())
+            + usize::from(self.scheduled)
             + usize::from(self.grad_scale)
+    }
+
+    /// The input holding the learning rate's factor, when `scheduled`.
+    pub fn factor_input(&self) -> Option<usize> {
+        self.scheduled
+            .then(|| 3 + self.rule.slots().len() + usize::from(self.rule.uses_step()))
     }
 
     /// The new variable, its new slots and its cast (`cast_to`).
@@ -416,6 +433,9 @@ impl Op for OptimizerUpdate {
                 ("epsilon", epsilon.into()),
             ]),
         }
+        if self.scheduled {
+            a.push(("scheduled", true.into()));
+        }
         if self.grad_scale {
             a.push(("grad_scale", true.into()));
         }
@@ -445,6 +465,14 @@ impl Op for OptimizerUpdate {
             if !step.shape.is_empty() || step.dtype == DType::Bool {
                 return Err(format!(
                     "the step count must be a numeric scalar, got {step}"
+                ));
+            }
+        }
+        if let Some(k) = self.factor_input() {
+            let factor = inputs[k];
+            if factor.dtype != DType::F32 || !factor.shape.is_empty() {
+                return Err(format!(
+                    "the learning rate's factor must be an f32 scalar, got {factor}"
                 ));
             }
         }
@@ -507,7 +535,14 @@ impl FloatKernel for OptimizerUpdate {
             .iter()
             .map(|t| T::read(t).into_owned())
             .collect();
-        let (lr, wd) = (T::lit(self.learning_rate), T::lit(self.weight_decay));
+        let factor = match self.factor_input() {
+            Some(k) => inputs[k].to_f64_vec()[0],
+            None => 1.0,
+        };
+        let (lr, wd) = (
+            T::lit(self.learning_rate * factor),
+            T::lit(self.weight_decay),
+        );
         let one = T::one();
         // Bias corrections 1 - beta^t, from the step count after this step.
         let corrections = |beta1: f64, beta2: f64| -> (T, T) {

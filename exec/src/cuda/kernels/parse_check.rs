@@ -16,9 +16,11 @@ use super::reduce::{broadcast_div, column_sum, reduce, reduce_max_grad};
 use super::select::{gather as gather_indexed, gather_grad};
 use super::shape::{concat, concat_pair, gather, rows, transpose};
 use super::softmax::{fused_softmax, softmax, softmax_grad};
-use super::training::{all_finite, fill_flag, increment_if, loss_scale_update, optimizer};
+use super::training::{
+    all_finite, fill_flag, increment_if, loss_scale_update, optimizer, schedule_factor,
+};
 use ampgraph_graph::ops::{
-    BinaryKind, FusedSoftmax, NormGradEpilogue, ReduceKind, Rule, UnaryKind,
+    BinaryKind, FusedSoftmax, LearningRateSchedule, NormGradEpilogue, ReduceKind, Rule, UnaryKind,
 };
 use ampgraph_graph::DType;
 use std::path::Path;
@@ -135,6 +137,14 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                 all_finite(&[d, DType::F32], Some(DType::F32)),
             ),
             (format!("increment_if_{d}"), increment_if(d)),
+            (
+                format!("schedule_cosine_{d}"),
+                schedule_factor(d, LearningRateSchedule::warmup_cosine(10, 100, 0.1)),
+            ),
+            (
+                format!("schedule_linear_{d}"),
+                schedule_factor(d, LearningRateSchedule::warmup_linear(0, 100, 0.0)),
+            ),
         ]);
         for wide in [false, true] {
             k.extend([
@@ -163,7 +173,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
             },
         ];
         for (r, rule) in rules.into_iter().enumerate() {
-            for scaled in [false, true] {
+            for (scaled, scheduled) in [(false, false), (true, false), (true, true)] {
                 let cast = scaled.then_some(DType::F16);
                 let src = optimizer(
                     DType::F32,
@@ -173,9 +183,10 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                     cast,
                     rule,
                     1e-3,
+                    scheduled,
                     1e-2,
                 );
-                k.push((format!("optimizer_{r}_{d}_{scaled}"), src));
+                k.push((format!("optimizer_{r}_{d}_{scaled}_{scheduled}"), src));
             }
         }
     }

@@ -3,7 +3,8 @@
 //! group of them in one launch).
 
 use ampgraph_graph::ops::{
-    AllFinite, GroupedOptimizerUpdate, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule,
+    AllFinite, Anneal, GroupedOptimizerUpdate, IncrementIf, LearningRateSchedule, LossScaleUpdate,
+    OptimizerUpdate, Rule,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -28,7 +29,9 @@ kernel_specs! {
         /// `k(const u8* flag, const T* scale, const TG* good, T* scale_out, TG* good_out)`
         LossScaleUpdate { scale: DType, good_steps: DType, growth_interval: i64, growth_factor: f64, backoff_factor: f64 } => loss_scale_update(scale, good_steps, growth_interval, growth_factor, backoff_factor),
         /// `k` (and `k_group`, `k_apply` for LAMB): see [`optimizer`].
-        Optimizer { var: DType, grad: DType, grad_scale: bool, step: Option<DType>, cast_to: Option<DType>, rule: Rule, learning_rate: f64, weight_decay: f64 } => optimizer(var, grad, grad_scale, step, cast_to, rule, learning_rate, weight_decay),
+        Optimizer { var: DType, grad: DType, grad_scale: bool, step: Option<DType>, cast_to: Option<DType>, rule: Rule, learning_rate: f64, scheduled: bool, weight_decay: f64 } => optimizer(var, grad, grad_scale, step, cast_to, rule, learning_rate, scheduled, weight_decay),
+        /// `k(const T* count, float* factor)`: one thread.
+        Schedule { count: DType, schedule: LearningRateSchedule } => schedule_factor(count, schedule),
     }
 }
 
@@ -47,6 +50,9 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     }
     if let Some(g) = op.downcast_ref::<GroupedOptimizerUpdate>() {
         return Some(lower_grouped_optimizer(g, ins, outs));
+    }
+    if let Some(s) = op.downcast_ref::<LearningRateSchedule>() {
+        return Some(lower_schedule(*s, ins, outs));
     }
     None
 }
@@ -98,6 +104,21 @@ fn lower_all_finite(scaled: bool, ins: &[TensorType], outs: &[TensorType]) -> Ke
         }
         let most = inputs[..n_checked].iter().map(DTensor::len).max();
         c.launch_elementwise(&spec, most.unwrap_or(0), &args)?;
+        Ok(())
+    }))
+}
+
+fn lower_schedule(
+    schedule: LearningRateSchedule,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
+    let spec = Spec::Schedule {
+        count: first(ins)?.dtype,
+        schedule,
+    };
+    Ok(one_output(first(outs)?, move |c, inputs, y| {
+        c.launch(&spec, "k", (1, 1), &[input(inputs, 0)?.arg(), y.arg()])?;
         Ok(())
     }))
 }
@@ -174,12 +195,13 @@ fn update_spec(u: &OptimizerUpdate, inputs: &[TensorType]) -> Result<Spec, Strin
         cast_to: u.cast_to,
         rule: u.rule,
         learning_rate: u.learning_rate,
+        scheduled: u.scheduled,
         weight_decay: u.weight_decay,
     })
 }
 
 /// The arguments an update's kernels take before their outputs: flag, var, grad,
-/// [grad scale], slots..., [step] (`inputs` in the update's order).
+/// [grad scale], slots..., [step], [rate factor] (`inputs` in the update's order).
 fn update_args(u: &OptimizerUpdate, inputs: &[DTensor]) -> Vec<Arg> {
     let n_slots = u.rule.slots().len();
     let mut args = vec![inputs[0].arg(), inputs[1].arg(), inputs[2].arg()];
@@ -189,6 +211,9 @@ fn update_args(u: &OptimizerUpdate, inputs: &[DTensor]) -> Vec<Arg> {
     args.extend(inputs[3..3 + n_slots].iter().map(DTensor::arg));
     if u.rule.uses_step() {
         args.push(inputs[3 + n_slots].arg());
+    }
+    if let Some(k) = u.factor_input() {
+        args.push(inputs[k].arg());
     }
     args
 }
@@ -239,7 +264,11 @@ fn lamb(
     let grid = n.div_ceil(256).clamp(1, 1024) as u32;
     c.launch(spec, "k", (grid, 256), &args)?;
     // The variable's outputs: itself, then its cast if any (the slots came above).
-    let mut apply = vec![flag.arg(), var.arg(), scratch.arg(), sums.arg()];
+    let mut apply = vec![flag.arg(), var.arg()];
+    if let Some(k) = u.factor_input() {
+        apply.push(inputs[k].arg());
+    }
+    apply.extend([scratch.arg(), sums.arg()]);
     apply.extend(
         std::iter::once(&outputs[0])
             .chain(&outputs[1 + n_slots..])
@@ -376,6 +405,29 @@ pub(super) fn increment_if(d: DType) -> String {
     )
 }
 
+/// [`LearningRateSchedule::factor`] in double, rounded once to f32.
+pub(super) fn schedule_factor(count: DType, s: LearningRateSchedule) -> String {
+    let annealed = match s.anneal {
+        Anneal::Cosine => "0.5 * (1.0 + cos(3.141592653589793 * p))",
+        Anneal::Linear => "1.0 - p",
+    };
+    module(
+        count,
+        &format!(
+            "extern \"C\" __global__ void k(const T* pc, float* py) {{\n\
+               const double s = fmax((double)ld(pc, 0) - 1.0, 0.0), warmup = {warmup}, total = {total}, last = {last};\n\
+               double y;\n\
+               if (s < warmup) y = (s + 1.0) / warmup;\n\
+               else if (s >= total) y = last;\n\
+               else {{ const double p = (s - warmup) / (total - warmup); y = last + (1.0 - last) * ({annealed}); }}\n\
+               py[0] = (float)y;\n}}\n",
+            warmup = lit(s.warmup as f64),
+            total = lit(s.total as f64),
+            last = lit(s.final_ratio),
+        ),
+    )
+}
+
 pub(super) fn loss_scale_update(
     scale: DType,
     good: DType,
@@ -413,6 +465,7 @@ pub(super) fn optimizer(
     cast_to: Option<DType>,
     rule: Rule,
     lr: f64,
+    scheduled: bool,
     wd: f64,
 ) -> String {
     let mut types = vec![("", var), ("G", grad)];
@@ -422,7 +475,18 @@ pub(super) fn optimizer(
     if let Some(k) = cast_to {
         types.push(("K", k));
     }
-    let (lr, wd) = (lit(lr), lit(wd));
+    if scheduled {
+        types.push(("R", DType::F32));
+    }
+    // The rate in double, as the CPU's: the peak times the schedule's factor.
+    let (rate_param, lr) = match scheduled {
+        true => (
+            "const TR* plr, ",
+            format!("const double lr = {} * (double)ldR(plr, 0);\n", lit(lr)),
+        ),
+        false => ("", format!("const double lr = {};\n", lit(lr))),
+    };
+    let wd = lit(wd);
     // LAMB's update needs the norms of the whole update: two grid loops of its own.
     let Rule::Lamb {
         beta1,
@@ -432,7 +496,7 @@ pub(super) fn optimizer(
     else {
         return module_multi(
             &types,
-            &elementwise_update(var, grad, grad_scale, cast_to, rule, &lr, &wd),
+            &elementwise_update(var, grad, grad_scale, cast_to, rule, (rate_param, &lr), &wd),
         );
     };
     let (cp, cs) = match cast_to {
@@ -448,7 +512,7 @@ pub(super) fn optimizer(
         ("const TG* pg", "C w = ld(pw, i); C g = (C)ldG(pg, i);")
     };
     let body = format!(
-            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, T* pm_out, T* pv_out, A* scratch, A* sums, i64 n) {{\n\
+            "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, {rate_param}T* pm_out, T* pv_out, A* scratch, A* sums, i64 n) {{\n\
                double t = (double)ldS(ps, 0);\n\
                C c1 = (C)(1.0 - pow({b1}, t)), c2 = (C)(1.0 - pow({b2}, t));\n\
                C b1 = (C){b1}, b2 = (C){b2}, eps = (C){eps};\n\
@@ -465,12 +529,13 @@ pub(super) fn optimizer(
                }}\n\
                ws = block_sum(ws, sh); us = block_sum(us, sh);\n\
                if (threadIdx.x == 0) {{ atomicAdd(&sums[0], ws); atomicAdd(&sums[1], us); }}\n}}\n\
-             extern \"C\" __global__ void k_apply(const u8* f, const T* pw, const A* scratch, const A* sums, T* pw_out{cp}, i64 n) {{\n\
+             extern \"C\" __global__ void k_apply(const u8* f, const T* pw, {rate_param}const A* scratch, const A* sums, T* pw_out{cp}, i64 n) {{\n\
+               {lr}\
                A wn = m_sqrt(sums[0]), un = m_sqrt(sums[1]);\n\
                A trust = (wn > (A)0 && un > (A)0) ? wn / un : (A)1;\n\
                GRID_LOOP(i, n) {{\n\
                  if (!f[0]) {{ pw_out[i] = pw[i];{cs} continue; }}\n\
-                 st(pw_out, i, (C)((A)ld(pw, i) - (A){lr} * trust * scratch[i]));{cs}\n\
+                 st(pw_out, i, (C)((A)ld(pw, i) - (A)lr * trust * scratch[i]));{cs}\n\
                }}\n}}\n",
             b1 = lit(beta1),
             b2 = lit(beta2),
@@ -488,9 +553,10 @@ fn elementwise_update(
     grad_scale: bool,
     cast_to: Option<DType>,
     rule: Rule,
-    lr: &str,
+    (rate_param, lr_setup): (&str, &str),
     wd: &str,
 ) -> String {
+    let lr = "lr";
     let own_grad = Load {
         ty: "C",
         name: "g_in",
@@ -591,7 +657,9 @@ fn elementwise_update(
     } else {
         ("", "", "g_in")
     };
-    let params = format!("const u8* f, const T* pw, const TG* pg, {scale}{slots}{outs}{cast_out}");
+    let params = format!(
+        "const u8* f, const T* pw, const TG* pg, {scale}{slots}{rate_param}{outs}{cast_out}"
+    );
     // The parameters' names, and each as k_group reads it from its table row.
     let declared: Vec<(&str, &str)> = params
         .split(',')
@@ -606,7 +674,7 @@ fn elementwise_update(
     format!(
         "__device__ __forceinline__ void update({params}, i64 n, i64 block, i64 blocks) {{\n\
            const bool ok = f[0] != 0;\n\
-           {gs}{setup}{loop}}}\n\
+           {lr_setup}{gs}{setup}{loop}}}\n\
          extern \"C\" __global__ void k({params}, i64 n) {{ update({names}, n, blockIdx.x, gridDim.x); }}\n\
          struct UpdateTable {{ const void* p[{GROUP_MEMBERS}][{GROUP_POINTERS}]; i64 n[{GROUP_MEMBERS}]; }};\n\
          // A grouped update: block m updates member m (its pointers in row m).\n\
