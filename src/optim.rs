@@ -81,7 +81,7 @@ fn finish(
     })
 }
 
-/// The float Variables `loss` depends on.
+/// The float Variables `loss` depends on, but the step count (which dropout reads).
 pub fn trainable_variables(g: &Graph, loss: Port) -> Result<Vec<NodeId>, GraphError> {
     let mut seen = std::collections::HashSet::new();
     let mut stack = vec![loss.node];
@@ -94,6 +94,7 @@ pub fn trainable_variables(g: &Graph, loss: Port) -> Result<Vec<NodeId>, GraphEr
         .into_iter()
         .filter(|id| seen.contains(id))
         .filter(|&id| g.node(id).op.is::<Variable>() && g.node(id).outputs()[0].dtype.is_float())
+        .filter(|&id| g.node(id).name != STEP_VARIABLE)
         .collect())
 }
 
@@ -253,8 +254,9 @@ impl RuleOptimizer {
     }
 }
 
-/// Name of the shared step count of Adam and LAMB.
-pub const STEP_VARIABLE: &str = "optimizer/step";
+/// Name of the shared step count (Adam's and LAMB's bias corrections, schedules,
+/// dropout).
+pub const STEP_VARIABLE: &str = ampgraph_graph::ops::STEP_COUNT;
 
 impl Optimizer for RuleOptimizer {
     fn apply_gradients(
@@ -265,7 +267,9 @@ impl Optimizer for RuleOptimizer {
         finite: Port,
     ) -> Result<Vec<Port>, GraphError> {
         let mut writes = Vec::new();
-        let count = if self.rule.uses_step() || self.schedule.is_some() {
+        // Dropout made the counter already: it must advance whatever the rule.
+        let counted = self.rule.uses_step() || self.schedule.is_some();
+        let count = if counted || g.find(STEP_VARIABLE).is_some() {
             let counter = match g.find(STEP_VARIABLE) {
                 Some(id) => id.into(),
                 None => scalar_variable(g, STEP_VARIABLE, DType::F32, 0.0)?,

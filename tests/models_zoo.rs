@@ -162,6 +162,7 @@ const TINY_BERT: BertConfig = BertConfig {
     heads: 2,
     width: 32,
     intermediate: 64,
+    dropout: 0.0,
 };
 
 /// A ViT of 8x8 images in 4x4 patches (scripts/zoo's `VIT`).
@@ -182,6 +183,7 @@ const TINY_GPT2: Gpt2Config = Gpt2Config {
     layers: 2,
     heads: 2,
     width: 32,
+    dropout: 0.0,
 };
 
 /// `[batch, seq]` tokens and the next tokens as labels: `t -> (3 t + 1) mod vocab`
@@ -220,6 +222,43 @@ fn a_tiny_gpt2_learns_a_next_token_rule_on_the_cpu() {
         last.is_finite() && last < 0.2 * first,
         "loss {first} -> {last}"
     );
+}
+
+/// With Hugging Face's dropout of 0.1 (after the embeddings and each sublayer: 5
+/// Dropout nodes in two layers) a tiny GPT-2 learns the rule too, its masks change
+/// every step (the step count advances), and the training step after AMP and the CUDA
+/// passes has no Dropout node of its own: each is an instruction of a fused kernel,
+/// its gradient too.
+#[test]
+fn a_tiny_gpt2_with_dropout_learns_and_its_dropouts_fuse() {
+    let (batch, seq) = (4, 8);
+    let config = Gpt2Config {
+        dropout: 0.1,
+        ..TINY_GPT2
+    };
+    let mut g = Graph::new();
+    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
+    let logits = gpt2::build(&mut g, tokens, &config).unwrap();
+    assert_eq!(count(&g, "Dropout"), 5);
+    let (x, y) = next_token_batch(batch, seq);
+    let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
+    let (first, last) = trained_with_adam(g.clone(), (logits, labels), 0.01, &feeds, 60);
+    assert!(
+        last.is_finite() && last < 0.3 * first,
+        "loss {first} -> {last}"
+    );
+    // The same logits twice at one step count; others after a step.
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let step = Adam::new(0.0).minimize(&mut g, loss).unwrap();
+    let mut training = g.clone();
+    let mut session = Session::new(g, Device::Cpu).unwrap();
+    let at_0 = session.run(&[logits], &feeds).unwrap();
+    assert_eq!(session.run(&[logits], &feeds).unwrap(), at_0);
+    session.run(&[step.step], &feeds).unwrap();
+    assert_ne!(session.run(&[logits], &feeds).unwrap(), at_0, "a new mask");
+    amp_and_cuda_passes(&mut training);
+    assert_eq!(count(&training, "Dropout"), 0, "every dropout fused");
 }
 
 /// After AMP the CUDA pipeline makes each layer's attention one causal FusedAttention

@@ -1181,6 +1181,19 @@ fn training_ops() {
             );
         }
     }
+    // Dropout alone (a fused program of one instruction): every float dtype, vector
+    // loops with a tail, counts whose masks differ, rates 0.1 and 0.5.
+    for d in FLOATS {
+        let x = rand(&mut r, d, &[301, 7], -2.0, 2.0);
+        for (rate, count) in [(0.1, 0.0), (0.1, 5.0), (0.5, 123456.0)] {
+            check(
+                &mut gpu,
+                &format!("Dropout {d} rate {rate} count {count}"),
+                Dropout::new(rate, 42).unwrap(),
+                &[x.clone(), Tensor::scalar(DType::F32, count)],
+            );
+        }
+    }
     // Schedules' factors at counts in the warmup, the annealing and after it.
     for schedule in [
         LearningRateSchedule::warmup_cosine(4, 10, 0.1),

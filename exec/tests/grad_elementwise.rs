@@ -1,5 +1,5 @@
 //! Gradients of the elementwise ops (every Unary kind, every Binary kind with
-//! broadcasting, BiasAdd) against central finite differences, and the kernels of the
+//! broadcasting, BiasAdd, Dropout) against central finite differences, and the kernels of the
 //! gradient ops `UnaryGrad` and `BinaryGrad` against float64 references restated
 //! here from the definitions (erf by its Taylor series), in every float dtype.
 
@@ -8,7 +8,7 @@ mod common;
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::autodiff::GradBuilder;
 use ampgraph_graph::ops::{
-    BiasAdd, Binary, BinaryGrad, BinaryKind, DataFormat, Unary, UnaryGrad, UnaryKind,
+    BiasAdd, Binary, BinaryGrad, BinaryKind, DataFormat, Dropout, Unary, UnaryGrad, UnaryKind,
 };
 use ampgraph_graph::{DType, Graph, Op, Port, Tensor};
 use common::*;
@@ -590,4 +590,17 @@ fn rules_refuse_wrong_arity_without_panicking() {
     .gradient(&mut b, &[x, x], &[], &[Some(x)])
     .is_err());
     let _ = Tensor::scalar(DType::F32, 0.0);
+}
+
+/// Dropout's gradient (the same mask on the output's gradient) against finite
+/// differences in `x` (the step count has none), at rates 0.3 and 0.9.
+#[test]
+fn dropout_gradient_matches_finite_differences() {
+    let mut rng = Gen(11);
+    for (rate, count) in [(0.3, 7.0), (0.9, 0.0)] {
+        let x = t64(&[5, 13], &rng.vec(65, -2.0, 2.0));
+        let op = Dropout::new(rate, 99).unwrap();
+        let err = check_output0(Box::new(op), &[x, t64(&[], &[count])], &[0], 3);
+        assert!(err < GRAD_TOL, "rate {rate}: relative error {err:e}");
+    }
 }

@@ -26,7 +26,8 @@ use crate::error::{GraphError, Result};
 use crate::graph::{Graph, NodeId, Port};
 use crate::op::Op;
 use crate::ops::{
-    BatchNorm, BiasAdd, Conv2D, DataFormat, Init, MatMul, Padding, Unary, UnaryKind, Variable,
+    BatchNorm, BiasAdd, Conv2D, DataFormat, Dropout, Init, MatMul, Padding, Unary, UnaryKind,
+    Variable, STEP_COUNT,
 };
 use crate::tensor::{checked_numel, ShapeDisplay, TensorType};
 
@@ -231,6 +232,32 @@ fn build_batch_norm(s: &mut Scope, x: Port, training: bool) -> Result<BatchNormL
         batch_mean: Port::new(output.node, 1),
         batch_variance: Port::new(output.node, 2),
     })
+}
+
+/// Dropout of `x` at `rate` (in [0, 1); 0 returns `x`): a [`Dropout`] node whose
+/// seed comes from its name (`dropout`, `dropout_1`, ...) and whose mask changes with
+/// the step count [`STEP_COUNT`] (a scalar f32 Variable, made here if the graph has
+/// none, that the optimizers advance each applied step). An inference graph is built
+/// without it (rate 0), as batch norm's `training` flag builds its own.
+pub fn dropout(g: &mut Graph, x: Port, rate: f64) -> Result<Port> {
+    if rate == 0.0 {
+        return Ok(x);
+    }
+    let name = g.fresh_name("dropout");
+    // FNV-1a of the name: a fixed, distinct seed per node.
+    let seed = name.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3)
+    });
+    let op = Dropout::new(rate, seed).map_err(|e| GraphError::Format(format!("{name}: {e}")))?;
+    let count = match g.find(STEP_COUNT) {
+        Some(id) => id.into(),
+        None => {
+            let ty = TensorType::new(DType::F32, vec![]);
+            let counter = Variable::with_init(ty, Init::Zeros);
+            Port::from(g.add_node(STEP_COUNT, Box::new(counter), &[])?)
+        }
+    };
+    Ok(g.add_node(name, Box::new(op), &[x, count])?.into())
 }
 
 fn nhwc_bias_add() -> BiasAdd {

@@ -7,7 +7,7 @@ use ampgraph::exec::feeds::seeded_tensor;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::ops::{
-    BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, Cast, Concat, Const, DataFormat,
+    BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, Cast, Concat, Const, DataFormat, Dropout,
     LogSoftmax, MatMul, NormActivation, Placeholder, Reduce, ReduceKind, Reshape, Softmax,
     Transpose, Unary, UnaryKind, Variable,
 };
@@ -215,6 +215,11 @@ pub fn random_graph(seed: u64, size: usize, menu: Menu) -> Graph {
             }
             12 if !last_was_cast.last().copied().unwrap_or(false) => {
                 g.add(Cast { to: DType::F32 }, &[a]).unwrap()
+            }
+            13 if menu == Menu::Everything && rng.below(2) == 0 => {
+                let count = g.scalar(DType::F32, rng.below(1000) as f64).unwrap();
+                let dropout = Dropout::new(0.25, rng.below(1 << 30) as u64).unwrap();
+                g.add(dropout, &[a, count]).unwrap()
             }
             _ => fresh_input(&mut g, &mut rng),
         };

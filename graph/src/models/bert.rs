@@ -16,7 +16,7 @@ use crate::ops::{Init, MatMul, Slice};
 use crate::{Graph, Port, Result};
 
 /// A BERT's shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BertConfig {
     pub vocab: usize,
     /// The most positions (the position embedding's rows).
@@ -28,6 +28,10 @@ pub struct BertConfig {
     pub width: usize,
     /// The MLP's hidden width.
     pub intermediate: usize,
+    /// The dropout after the embeddings and on each attention's and MLP's output
+    /// (Hugging Face's `hidden_dropout_prob`, 0.1 in `bert-base-uncased`'s config).
+    /// Attention's probabilities are not dropped.
+    pub dropout: f64,
 }
 
 impl BertConfig {
@@ -40,6 +44,7 @@ impl BertConfig {
         heads: 12,
         width: 768,
         intermediate: 3072,
+        dropout: 0.0,
     };
 }
 
@@ -56,11 +61,13 @@ fn layer(t: &mut Transformer, x: Port, name: &str, intermediate: usize) -> Resul
     }
     let y = heads.attention(t.g, [qkv[0], qkv[1], qkv[2]], None)?;
     let y = t.linear(y, &format!("{name}.attention.output.dense"), c)?;
+    let y = t.dropout(y)?;
     let x = t.g.plus(x, y)?;
     let x = t.layer_norm(x, &format!("{name}.attention.output.LayerNorm"))?;
     let h = t.linear(x, &format!("{name}.intermediate.dense"), intermediate)?;
     let h = t.g.gelu(h, false)?;
     let h = t.linear(h, &format!("{name}.output.dense"), c)?;
+    let h = t.dropout(h)?;
     let x = t.g.plus(x, h)?;
     t.layer_norm(x, &format!("{name}.output.LayerNorm"))
 }
@@ -76,6 +83,7 @@ pub fn build(g: &mut Graph, tokens: Port, config: &BertConfig) -> Result<Port> {
         heads,
         ln_epsilon: LN_EPSILON,
         layout: WeightLayout::OutIn,
+        dropout: config.dropout,
     };
     let e = "bert.embeddings";
     let words = b.variable(
@@ -100,7 +108,8 @@ pub fn build(g: &mut Graph, tokens: Port, config: &BertConfig) -> Result<Port> {
     let x = b.g.plus(x, position)?;
     let x = b.g.plus(x, segment)?;
     let x = b.g.reshape(x, [(batch * seq) as i64, c as i64])?;
-    let mut x = b.layer_norm(x, &format!("{e}.LayerNorm"))?;
+    let x = b.layer_norm(x, &format!("{e}.LayerNorm"))?;
+    let mut x = b.dropout(x)?;
     for i in 0..config.layers {
         x = layer(
             &mut b,

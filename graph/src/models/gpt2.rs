@@ -15,7 +15,7 @@ use crate::ops::{Init, MatMul, Slice};
 use crate::{DType, Graph, GraphError, Port, Result, Tensor};
 
 /// A GPT-2's shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Gpt2Config {
     pub vocab: usize,
     /// The most positions (the position embedding's rows).
@@ -24,6 +24,10 @@ pub struct Gpt2Config {
     pub heads: usize,
     /// The residual stream's width (a multiple of `heads`).
     pub width: usize,
+    /// The dropout after the embeddings and on each attention's and MLP's output
+    /// (Hugging Face's `embd_pdrop` and `resid_pdrop`: 0.1 in its config, 0 in
+    /// llm.c's). Attention's probabilities (`attn_pdrop`) are not dropped.
+    pub dropout: f64,
 }
 
 impl Gpt2Config {
@@ -34,6 +38,7 @@ impl Gpt2Config {
         layers: 12,
         heads: 12,
         width: 768,
+        dropout: 0.0,
     };
 }
 
@@ -46,7 +51,8 @@ fn attention(t: &mut Transformer, x: Port, name: &str, causal: Port) -> Result<P
     let qkv = t.linear(x, &format!("{name}.c_attn"), 3 * c)?;
     let [q, k, v] = [0, c, 2 * c].map(|from| heads.split(t.g, qkv, from));
     let y = heads.attention(t.g, [q?, k?, v?], Some(causal))?;
-    t.linear(y, &format!("{name}.c_proj"), c)
+    let y = t.linear(y, &format!("{name}.c_proj"), c)?;
+    t.dropout(y)
 }
 
 /// Block `i` on the residual stream `x`.
@@ -60,6 +66,7 @@ fn block(t: &mut Transformer, x: Port, i: usize, causal: Port) -> Result<Port> {
     let h = t.linear(h, &format!("{name}.mlp.c_fc"), 4 * c)?;
     let h = t.g.gelu(h, true)?;
     let h = t.linear(h, &format!("{name}.mlp.c_proj"), c)?;
+    let h = t.dropout(h)?;
     t.g.plus(x, h)
 }
 
@@ -90,6 +97,7 @@ pub fn build(g: &mut Graph, tokens: Port, config: &Gpt2Config) -> Result<Port> {
         heads,
         ln_epsilon: LN_EPSILON,
         layout: WeightLayout::InOut,
+        dropout: config.dropout,
     };
     let c = config.width;
     let wte = b.variable(
@@ -106,6 +114,7 @@ pub fn build(g: &mut Graph, tokens: Port, config: &Gpt2Config) -> Result<Port> {
     let pos =
         b.g.add(Slice::new([0, 0], [seq as i64, c as i64]), &[wpe])?;
     let x = b.g.plus(tok, pos)?;
+    let x = b.dropout(x)?;
     let mut x = b.g.reshape(x, [(batch * seq) as i64, c as i64])?;
     let causal = causal_mask(b.g, seq)?;
     for i in 0..config.layers {

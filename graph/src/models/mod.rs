@@ -240,9 +240,16 @@ pub(crate) struct Transformer<'a> {
     pub heads: Heads,
     pub ln_epsilon: f64,
     pub layout: WeightLayout,
+    /// The rate of the dropouts on the embeddings and each sublayer's output.
+    pub dropout: f64,
 }
 
 impl Transformer<'_> {
+    /// `x` through a dropout at the model's rate (nothing at 0).
+    pub fn dropout(&mut self, x: Port) -> Result<Port> {
+        crate::nn::dropout(self.g, x, self.dropout)
+    }
+
     pub fn variable(&mut self, name: &str, shape: Vec<usize>, init: Init) -> Result<Port> {
         f32_variable(self.g, name.to_string(), shape, init)
     }

@@ -97,6 +97,8 @@ pub fn build(g: &mut Graph, x: Port, config: &VitConfig) -> Result<Port> {
         },
         ln_epsilon: LN_EPSILON,
         layout: WeightLayout::OutIn,
+        // torchvision's vit_b_16 trains without dropout.
+        dropout: 0.0,
     };
     let kernel = b.variable("conv_proj.weight", vec![p, p, 3, c], Init::HeNormal)?;
     let bias = b.variable("conv_proj.bias", vec![c], Init::Zeros)?;

@@ -3,7 +3,7 @@
 //! that the intermediate tensors are never stored.
 //!
 //! Instruction `j` defines the value `vj`: an input of the node (`ink`) or an
-//! elementwise op (Unary, UnaryGrad, Binary, BinaryGrad, BiasAdd, Cast) over earlier
+//! elementwise op (Unary, UnaryGrad, Binary, BinaryGrad, BiasAdd, Cast, Dropout) over earlier
 //! values, and carries its result type. In files the program is the `program` attr,
 //! one statement per instruction, each op with its own attrs in `<key=value, ...>`:
 //!
@@ -35,8 +35,8 @@ use crate::dtype::DType;
 use crate::kernel::Real;
 use crate::op::{Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::{
-    parse_op, BiasAdd, Binary, BinaryGrad, BinaryKind, Cast, DataFormat, Reduce, ReduceKind, Unary,
-    UnaryGrad, UnaryKind,
+    parse_op, BiasAdd, Binary, BinaryGrad, BinaryKind, Cast, DataFormat, Dropout, Reduce,
+    ReduceKind, Unary, UnaryGrad, UnaryKind,
 };
 use crate::shape::broadcast_index_map;
 use crate::tensor::{bf16_from_f64, checked_numel, f16_from_f64, Data, Tensor, TensorType};
@@ -60,6 +60,8 @@ pub enum ElementOp {
     BiasAdd(DataFormat),
     /// A conversion between float types.
     Cast(DType),
+    /// Operands `(x, count)`; reads the element's index too.
+    Dropout(Dropout),
 }
 
 impl ElementOp {
@@ -75,6 +77,8 @@ impl ElementOp {
             Some(ElementOp::BinaryGrad(b.kind, b.wrt))
         } else if let Some(b) = op.downcast_ref::<BiasAdd>() {
             Some(ElementOp::BiasAdd(b.data_format))
+        } else if let Some(d) = op.downcast_ref::<Dropout>() {
+            Some(ElementOp::Dropout(*d))
         } else {
             let cast = op.downcast_ref::<Cast>()?;
             cast.to.is_float().then_some(ElementOp::Cast(cast.to))
@@ -90,21 +94,25 @@ impl ElementOp {
             ElementOp::BinaryGrad(kind, wrt) => Box::new(BinaryGrad::new(kind, wrt)),
             ElementOp::BiasAdd(data_format) => Box::new(BiasAdd { data_format }),
             ElementOp::Cast(to) => Box::new(Cast { to }),
+            ElementOp::Dropout(d) => Box::new(d),
         }
     }
 
     pub fn arity(self) -> usize {
         match self {
             ElementOp::Unary(_) | ElementOp::Cast(_) => 1,
-            ElementOp::UnaryGrad(_) | ElementOp::Binary(_) | ElementOp::BiasAdd(_) => 2,
+            ElementOp::UnaryGrad(_)
+            | ElementOp::Binary(_)
+            | ElementOp::BiasAdd(_)
+            | ElementOp::Dropout(_) => 2,
             ElementOp::BinaryGrad(..) => 3,
         }
     }
 
-    /// One element of the result, in the compute type, from the operands (unused
+    /// Element `i` of the result, in the compute type, from the operands (unused
     /// slots are ignored). A Cast passes its operand on: rounding to the
     /// instruction's dtype converts it.
-    fn apply<T: Real>(self, [a, b, c]: [T; 3]) -> T {
+    fn apply<T: Real>(self, [a, b, c]: [T; 3], i: usize) -> T {
         match self {
             ElementOp::Unary(kind) => kind.apply(a),
             ElementOp::UnaryGrad(kind) => kind.input_grad(a, b),
@@ -112,6 +120,7 @@ impl ElementOp {
             ElementOp::BinaryGrad(kind, wrt) => kind.grad(wrt, a, b, c),
             ElementOp::BiasAdd(_) => a + b,
             ElementOp::Cast(_) => a,
+            ElementOp::Dropout(d) => d.apply(a, b, i as u64),
         }
     }
 }
@@ -516,9 +525,9 @@ impl Op for FusedElementwise {
                                     };
                                 }
                                 let y = if *wide {
-                                    op.apply(args)
+                                    op.apply(args, i)
                                 } else {
-                                    op.apply(args.map(|a| a as f32)) as f64
+                                    op.apply(args.map(|a| a as f32), i) as f64
                                 };
                                 round_to(*dtype, y)
                             }

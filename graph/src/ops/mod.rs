@@ -5,6 +5,7 @@ pub mod attention;
 pub mod collective;
 pub mod compare;
 pub mod conv;
+pub mod dropout;
 pub mod elementwise;
 pub mod fused;
 pub mod gather;
@@ -30,6 +31,7 @@ pub use collective::AllReduce;
 pub use compare::{Compare, CompareKind, Logical, LogicalKind, Not};
 pub use conv::{dilated_span, AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};
+pub use dropout::Dropout;
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
 pub use fused::{ElementOp, FusedElementwise};
@@ -52,7 +54,7 @@ pub use softmax::{
 pub use source::{Cast, Const, Init, Placeholder, Variable};
 pub use train::{
     update_members, variable_updates, AllFinite, AssignVariable, Group, GroupedOptimizerUpdate,
-    IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule, VariableUpdate,
+    IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule, VariableUpdate, STEP_COUNT,
 };
 
 /// The gradient flowing into output 0, when there is one.
@@ -86,6 +88,7 @@ const FAMILIES: &[&[OpEntry]] = &[
     shape_ops::MORE_OPS,
     train::OPS,
     schedule::OPS,
+    dropout::OPS,
     select::OPS,
     compare::COMPARE_OPS,
     compare::LOGICAL_OPS,

@@ -233,6 +233,11 @@ impl Op for IncrementIf {
     }
 }
 
+/// The step count of a training graph: a scalar f32 Variable the optimizers advance
+/// on each step they apply; Adam's bias corrections, learning-rate schedules and
+/// dropout masks read it.
+pub const STEP_COUNT: &str = "optimizer/step";
+
 /// The update rule of an optimizer, applied to one variable.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Rule {

@@ -57,6 +57,18 @@ __device__ __forceinline__ bool m_isfinite(double x) { return isfinite(x); }
 // (`x * s` then the update) rounds as the separate multiplication did.
 __device__ __forceinline__ float m_mul_rn(float x, float y) { return __fmul_rn(x, y); }
 __device__ __forceinline__ double m_mul_rn(double x, double y) { return __dmul_rn(x, y); }
+// Dropout's mask (graph/src/ops/dropout.rs, bit for bit): element i of the splitmix64
+// stream keyed by the seed and the step count, its high 32 bits against the threshold.
+__device__ __forceinline__ unsigned long long m_mix64(unsigned long long z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+template <class C> __device__ __forceinline__ bool m_dropout_keeps(unsigned long long seed, C count, i64 i, unsigned long long threshold) {
+  const unsigned long long c = count > (C)0 ? (unsigned long long)count : 0ull;
+  const unsigned long long key = m_mix64(seed ^ (c * 0xD1B54A32D192ED03ull));
+  return (m_mix64(key + (unsigned long long)i * 0x9E3779B97F4A7C15ull) >> 32) >= threshold;
+}
 // Eigen's rational erf for f32, as the CPU reference kernels use, its polynomials
 // evaluated with fused multiply-adds (the kernels are built without contraction, so
 // they are written out) and the quotient by the fast reciprocal (2 ulp): with separate

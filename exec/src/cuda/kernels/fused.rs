@@ -2,16 +2,18 @@
 //! kernel, each value computed in its compute type and rounded as the unfused op
 //! stored it, with optional column sums of its values over the leading axes.
 
-use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, Operand};
-use ampgraph_graph::ops::{ElementOp, FusedElementwise};
+use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, Instr, Operand};
+use ampgraph_graph::ops::{Dropout, ElementOp, FusedElementwise};
 use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{
-    column_sums, elementwise, module_multi, streams, vector_len, At, Load, Store, Streams,
+    column_sums, elementwise, lit, module_multi, streams, vector_len, At, Load, Store, Streams,
     COLUMN_ROWS,
 };
-use super::{kernel, launch_column_sums, CudaKernel, Lowering, Partials, ProgramSpec};
+use super::{
+    first, kernel, launch_column_sums, CudaKernel, KernelResult, Lowering, Partials, ProgramSpec,
+};
 use crate::cuda::device::{Arg, DTensor};
 
 /// A fused program's module: `k(<inputs>, <outputs>, i64 n)`, or with column sums
@@ -29,9 +31,33 @@ pub(super) fn spec(program: &FusedElementwise) -> Spec {
     ProgramSpec::new(key, program.clone(), fused)
 }
 
-pub(super) fn lower(op: &dyn Op, _ins: &[TensorType], outs: &[TensorType]) -> Lowering {
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
+    if let Some(d) = op.downcast_ref::<Dropout>() {
+        return Some(lower_alone(ElementOp::Dropout(*d), ins, outs));
+    }
     let f = op.downcast_ref::<FusedElementwise>()?;
     Some(Ok(lower_program(f, outs)))
+}
+
+/// A node no fusion took as a program of its one instruction: an element op whose
+/// CUDA form exists only as an instruction (Dropout) runs alone through the same code.
+fn lower_alone(op: ElementOp, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+    let mut instrs: Vec<Instr> = ins
+        .iter()
+        .enumerate()
+        .map(|(k, ty)| Instr {
+            expr: Expr::Input(k),
+            ty: ty.clone(),
+        })
+        .collect();
+    instrs.push(Instr {
+        expr: Expr::Apply(op, (0..ins.len()).collect()),
+        ty: first(outs)?.clone(),
+    });
+    let program = FusedElementwise::new(instrs, vec![ins.len()])?;
+    let types: Vec<&TensorType> = ins.iter().collect();
+    program.infer(&types)?;
+    Ok(lower_program(&program, outs))
 }
 
 fn lower_program(f: &FusedElementwise, outs: &[TensorType]) -> Box<dyn CudaKernel> {
@@ -288,6 +314,12 @@ impl FusedParts {
                 }
                 ElementOp::BiasAdd(_) => "C y = a + b;".into(),
                 ElementOp::Cast(_) => "C y = a;".into(),
+                ElementOp::Dropout(d) => format!(
+                    "C y = m_dropout_keeps({}ull, b, i, {}ull) ? a * (C){} : (C)0;",
+                    d.seed,
+                    d.threshold(),
+                    lit(d.scale())
+                ),
             };
             parts.body.push_str(&format!(
                 "    {ty} v{j};\n    {{ {block}\n      {compute}\n      v{j} = r_{}(y); }}\n",

@@ -307,6 +307,13 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
              v5 = Cast<to=f16>(v4): f16[4, 6]",
             vec![5],
         ),
+        // Dropout after a bias, in bf16 with an f32 step count, and in f64.
+        (
+            "v0 = in0: bf16[4, 6]; v1 = in1: bf16[6]; v2 = Add(v0, v1): bf16[4, 6]; v3 = in2: f32[]; \
+             v4 = Dropout<rate=0.1, seed=12345>(v2, v3): bf16[4, 6]; v5 = Cast<to=f64>(v4): f64[4, 6]; \
+             v6 = in3: f64[]; v7 = Dropout<rate=0.5, seed=-3>(v5, v6): f64[4, 6]",
+            vec![4, 7],
+        ),
     ];
     for (i, (text, outputs)) in programs.into_iter().enumerate() {
         k.push((format!("fused_{i}"), fused(&fused_program(text, outputs))));
