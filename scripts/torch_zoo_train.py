@@ -8,6 +8,12 @@ torch.compile'd. One JSON line per model and mode: median ms of 20 steps after 6
 examples or tokens per second, peak MiB.
 
     python3 scripts/torch_zoo_train.py [--only resnet50,vit_b_16,bert_base,gpt2] [--no-compile]
+        [--dropout P]
+
+Without --dropout, BERT and GPT-2 keep Hugging Face's configs (dropout 0.1 on the
+embeddings, each sublayer's output and attention's probabilities: the issue's anchors);
+with it, the embeddings and sublayers drop P and attention nothing, as `bench
+--workload gpt2|bert_base --dropout P` builds them.
 """
 import argparse
 import json
@@ -15,8 +21,13 @@ import json
 import torch
 
 
-def models():
+def models(dropout):
     import torchvision.models as tvm
+    # Hugging Face's defaults unless a rate is given (then none on attention).
+    gpt2_drop = {} if dropout is None else dict(resid_pdrop=dropout, embd_pdrop=dropout,
+                                                attn_pdrop=0.0)
+    bert_drop = {} if dropout is None else dict(hidden_dropout_prob=dropout,
+                                                attention_probs_dropout_prob=0.0)
     out = {}
     img = lambda b: (torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,)))  # noqa: E731
     out["resnet50"] = (lambda: tvm.resnet50(), img, 256, torch.float16, "sgd", True)
@@ -24,11 +35,12 @@ def models():
 
     def bert():
         from transformers import BertConfig, BertForMaskedLM
-        return BertForMaskedLM(BertConfig(attn_implementation="sdpa"))
+        return BertForMaskedLM(BertConfig(attn_implementation="sdpa", **bert_drop))
 
     def gpt2():
         from transformers import GPT2Config, GPT2LMHeadModel
-        return GPT2LMHeadModel(GPT2Config(use_cache=False, attn_implementation="sdpa"))
+        return GPT2LMHeadModel(GPT2Config(use_cache=False, attn_implementation="sdpa",
+                                          **gpt2_drop))
 
     tokens = lambda vocab, t: lambda b: (torch.randint(0, vocab, (b, t)),) * 2  # noqa: E731
     out["bert_base"] = (bert, tokens(30522, 128), 32, torch.bfloat16, "adamw", False)
@@ -56,9 +68,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--dropout", type=float)
     a = ap.parse_args()
     torch.backends.cudnn.benchmark = True
-    for name, (make, data, batch, dtype, opt_name, channels_last) in models().items():
+    for name, (make, data, batch, dtype, opt_name, channels_last) in models(a.dropout).items():
         if a.only and name not in a.only.split(","):
             continue
         for mode in ["eager"] + ([] if a.no_compile else ["compile"]):
@@ -92,6 +105,7 @@ def main():
                 per = batch * (inputs[0].shape[1] if name in ("bert_base", "gpt2") else 1)
                 print(json.dumps({
                     "peer": f"torch {mode}", "model": name, "batch": batch, "dtype": str(dtype),
+                    "dropout": a.dropout,
                     "ms": round(ms, 2), "per_s": round(per / ms * 1000),
                     "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20), "loss": loss,
                 }), flush=True)

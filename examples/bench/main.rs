@@ -295,6 +295,11 @@ struct Args {
     /// to list.
     #[arg(long, default_value_t = 12)]
     peak_top: usize,
+    /// gpt2, bert_base: the dropout after the embeddings and each sublayer (Hugging
+    /// Face's configs: 0.1; llm.c's GPT-2: none). Attention's probabilities are not
+    /// dropped (`scripts/torch_zoo_train.py --dropout` sets `attn_pdrop` 0 to match).
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
     /// Initial values of the Linear layers: `torch` (nn.Linear's defaults, as
     /// torch_anchor.py's model starts) or `keras` (the graph's own initialisers:
     /// Glorot-uniform kernels, zero biases).
@@ -374,6 +379,8 @@ enum Config {
         model: Workload,
         batch: usize,
         seq: usize,
+        /// GPT-2's and BERT's dropout after the embeddings and each sublayer.
+        dropout: f64,
     },
 }
 
@@ -421,16 +428,19 @@ impl Config {
                     .batch
                     .unwrap_or(if model == Workload::Resnet50 { 256 } else { 32 }),
                 seq: 0,
+                dropout: 0.0,
             },
             Workload::Gpt2 => Config::Zoo {
                 model: Workload::Gpt2,
                 batch: a.batch.unwrap_or(16),
                 seq: a.seq.unwrap_or(1024),
+                dropout: a.dropout,
             },
             Workload::BertBase => Config::Zoo {
                 model: Workload::BertBase,
                 batch: a.batch.unwrap_or(32),
                 seq: a.seq.unwrap_or(128),
+                dropout: a.dropout,
             },
         };
         Ok(c)
@@ -500,7 +510,9 @@ impl Config {
                     strides.join(",")
                 )
             }
-            Config::Zoo { model, batch, seq } => match model {
+            Config::Zoo {
+                model, batch, seq, ..
+            } => match model {
                 Workload::Resnet50 => format!(
                     "x[{batch},3,224,224] NCHW -> torchvision's ResNet-50 v1.5, cross-entropy over 1000 classes"
                 ),
@@ -552,7 +564,9 @@ impl Config {
             Config::Convnet { .. } => return None,
             // The language models as the transformer (6 x the matrices' parameters per
             // token, attention's products), plus the head's vocab x width.
-            Config::Zoo { model, batch, seq } => {
+            Config::Zoo {
+                model, batch, seq, ..
+            } => {
                 let (layers, d, vocab) = match model {
                     Workload::Gpt2 => (12, 768, 50257),
                     Workload::BertBase => (12, 768, 30522),
@@ -586,7 +600,9 @@ impl Config {
             Config::Convnet {
                 batch, hw, classes, ..
             } => (vec![batch, 3, hw, hw], batch, classes),
-            Config::Zoo { model, batch, seq } => match model {
+            Config::Zoo {
+                model, batch, seq, ..
+            } => match model {
                 Workload::Gpt2 | Workload::BertBase => {
                     (vec![batch, seq], batch * seq, zoo_classes(model))
                 }
@@ -768,14 +784,27 @@ fn build(cfg: &Config, training: bool) -> Res<Model> {
             running_updates = net.running_updates;
             (net.logits, labels)
         }
-        Config::Zoo { model, batch, seq } => match model {
+        Config::Zoo {
+            model,
+            batch,
+            seq,
+            dropout,
+        } => match model {
             Workload::Gpt2 | Workload::BertBase => {
                 let tokens = g.placeholder(X, DType::I64, [batch, seq])?;
                 let labels = g.placeholder(LABELS, DType::I64, [batch * seq])?;
                 let logits = if model == Workload::Gpt2 {
-                    gpt2::build(&mut g, tokens, &Gpt2Config::GPT2_124M)?
+                    let config = Gpt2Config {
+                        dropout,
+                        ..Gpt2Config::GPT2_124M
+                    };
+                    gpt2::build(&mut g, tokens, &config)?
                 } else {
-                    bert::build(&mut g, tokens, &BertConfig::BERT_BASE)?
+                    let config = BertConfig {
+                        dropout,
+                        ..BertConfig::BERT_BASE
+                    };
+                    bert::build(&mut g, tokens, &config)?
                 };
                 (logits, labels)
             }
