@@ -481,6 +481,10 @@ pub enum LossScale {
     },
     /// A constant scale (steps with non-finite gradients are still skipped).
     Fixed(f64),
+    /// No scale and no check: every step applies its gradients, finite or not, as
+    /// PyTorch's bf16 autocast without a GradScaler and TensorFlow's `mixed_bfloat16`
+    /// policy train (bf16 has f32's range: its gradients do not underflow).
+    None,
 }
 
 impl Default for LossScale {
@@ -566,6 +570,10 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
             DType::F32 => loss,
             _ => g.add(Cast { to: DType::F32 }, &[loss])?,
         };
+        if self.loss_scale == LossScale::None {
+            g.mixed_precision = Some(self.dtype);
+            return self.inner.minimize(g, loss);
+        }
         let (scale, dynamic) = match self.loss_scale {
             LossScale::Dynamic {
                 initial,
@@ -583,6 +591,7 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
                 (scale, Some((good, update)))
             }
             LossScale::Fixed(s) => (g.add(Const::new(Tensor::scalar(DType::F32, s)), &[])?, None),
+            LossScale::None => unreachable!("handled above"),
         };
         let scaled = g.add(Binary::new(BinaryKind::Mul), &[loss32, scale])?;
         let ports: Vec<Port> = vars.iter().map(|&v| v.into()).collect();

@@ -182,6 +182,31 @@ fn fixed_scale_skips_non_finite_steps_too() {
     assert_eq!(weights_and_slots(&s), before);
 }
 
+/// `LossScale::None` (bf16 as PyTorch trains it without a GradScaler): no scale, no
+/// finiteness check in the graph; a finite step moves the weights as a scale of 1
+/// does, and a non-finite one is applied too.
+#[test]
+fn no_loss_scale_checks_nothing_and_applies_every_step() {
+    let (mut none, step) = amp_session(LossScale::None);
+    let (mut one, one_step) = amp_session(LossScale::Fixed(1.0));
+    assert!(step.loss_scale.is_none());
+    let ops = |s: &Session| -> Vec<String> {
+        let g = s.graph();
+        g.node_ids()
+            .map(|id| g.node(id).op.name().to_string())
+            .collect()
+    };
+    assert!(!ops(&none).iter().any(|n| n == "AllFinite"));
+    assert!(ops(&one).iter().any(|n| n == "AllFinite"));
+    none.run(&[step.step], &feeds(0, None)).unwrap();
+    one.run(&[one_step.step], &feeds(0, None)).unwrap();
+    assert_eq!(weights_and_slots(&none), weights_and_slots(&one));
+    let before = weights_and_slots(&none);
+    none.run(&[step.step], &feeds(1, Some(f32::INFINITY)))
+        .unwrap();
+    assert_ne!(weights_and_slots(&none), before, "the step was applied");
+}
+
 #[test]
 fn resumed_training_is_bit_identical() {
     let dir = std::env::temp_dir().join(format!("ampgraph_ckpt_{}", std::process::id()));

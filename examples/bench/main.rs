@@ -38,8 +38,8 @@
 //! A train step is forward, loss, backward and the SGD-momentum update (lr 1e-3,
 //! momentum 0.9; AdamW, lr 3e-4 and decay 0.01, for the zoo's transformers as their
 //! PyTorch peers), all in one graph; the AMP modes wrap the optimizer with
-//! [`enable_mixed_precision_graph_rewrite`] (dynamic loss scaling in the graph, in bf16
-//! too, where PyTorch turns its GradScaler off). Inference is the forward pass of a
+//! [`enable_mixed_precision_graph_rewrite`] (dynamic loss scaling in the graph for fp16;
+//! none in bf16, `LossScale::None`, where PyTorch turns its GradScaler off). Inference is the forward pass of a
 //! graph pruned to the logits, as [`ampgraph::Session::inference`] prunes it. Modes:
 //! `fp32` (TF32 off), `tf32` (f32 GEMMs on TF32 Tensor Cores), `amp_fp16`, `amp_bf16`.
 //!
@@ -123,7 +123,7 @@ use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{Group, Init, Variable};
 use ampgraph::graph::rng::SplitMix64;
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
-use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, Optimizer, Sgd};
+use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd};
 use ampgraph::passes::sync_batch_norm::SyncBatchNorm;
 use ampgraph::passes::{Pass, PassRecord};
 use ampgraph::session::Pipeline;
@@ -1040,9 +1040,16 @@ fn prepare_with(
             _ => Sgd::momentum(1e-3, 0.9),
         };
         let step = match mode.amp() {
-            Some(dtype) => enable_mixed_precision_graph_rewrite(optimizer)
-                .with_dtype(dtype)
-                .minimize(&mut graph, loss)?,
+            Some(dtype) => {
+                let loss_scale = match dtype {
+                    DType::BF16 => LossScale::None,
+                    _ => LossScale::default(),
+                };
+                enable_mixed_precision_graph_rewrite(optimizer)
+                    .with_dtype(dtype)
+                    .with_loss_scale(loss_scale)
+                    .minimize(&mut graph, loss)?
+            }
             None => optimizer.minimize(&mut graph, loss)?,
         };
         // The running averages are written by the same step, skipped or not (as
