@@ -435,6 +435,7 @@ fn bad_key_biases_are_clear_errors() {
         scale: 0.25,
         causal: false,
         key_bias: true,
+        packed: false,
     };
     for (bias_shape, bias_dtype, want) in [
         (

@@ -261,6 +261,57 @@ fn a_tiny_gpt2_with_dropout_learns_and_its_dropouts_fuse() {
     assert_eq!(count(&training, "Dropout"), 0, "every dropout fused");
 }
 
+/// `pack-qkv` (in the CUDA pipeline): GPT-2's attentions read their packed q/k/v
+/// projection and their gradients write it packed, so each layer's three activation
+/// Slices and its gradients' Concat are gone; three AdamW steps on the CPU compute the
+/// same bits with and without the pass (the packed ops unpack and run the same
+/// kernels).
+#[test]
+fn gpt2s_attention_reads_its_packed_projection_bit_for_bit() {
+    use ampgraph::exec::{CpuExecutor, Executor};
+    let (batch, seq) = (2, 8);
+    let mut g = Graph::new();
+    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
+    let logits = gpt2::build(&mut g, tokens, &TINY_GPT2).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let step = Adam::new(0.01).minimize(&mut g, loss).unwrap();
+    let (x, y) = next_token_batch(batch, seq);
+    let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
+    let mut packed = g.clone();
+    amp_and_cuda_passes(&mut packed);
+    let mut plain = g;
+    ampgraph::passes::amp::AutoMixedPrecision::new(
+        ampgraph::passes::amp::AmpConfig::new(DType::F16).unwrap(),
+    )
+    .rewrite(&mut plain)
+    .unwrap();
+    for pass in ampgraph::exec::cuda::pipeline(&Default::default()) {
+        if pass.name() != "pack-qkv" {
+            pass.run(&mut plain).unwrap();
+        }
+    }
+    let layers = TINY_GPT2.layers;
+    assert_eq!(count(&packed, "Slice") + 3 * layers, count(&plain, "Slice"));
+    assert_eq!(count(&packed, "Concat") + layers, count(&plain, "Concat"));
+    let losses = |g: &Graph| -> Vec<Tensor> {
+        let mut cpu = CpuExecutor::new();
+        for id in g.node_ids() {
+            let node = g.node(id);
+            if let Some(var) = node.op.downcast_ref::<Variable>() {
+                let value = ampgraph::exec::feeds::initial_value(&node.name, var, 0);
+                cpu.set_variable(&node.name, value).unwrap();
+            }
+        }
+        (0..3)
+            .map(|_| cpu.run(g, &feeds, &[step.loss, step.step]).unwrap()[0].clone())
+            .collect()
+    };
+    let (a, b) = (losses(&plain), losses(&packed));
+    assert_eq!(a, b);
+    assert_ne!(a[0], a[2], "the steps trained");
+}
+
 /// After AMP the CUDA pipeline makes each layer's attention one causal FusedAttention
 /// (the scale folded, the mask recognised), and the fused graph computes the f32
 /// graph's logits within the fp16 bound (on the CPU's kernels).

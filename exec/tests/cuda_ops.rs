@@ -1909,7 +1909,8 @@ fn fused_attention_and_its_gradient() {
     // none of the keys past the diagonal (q300 k130) and where keys lie past every
     // query (q70 k300: dk and dv zero there). Every case also runs with a key bias
     // (one row for all batches where the batch is odd, else one per batch): values in
-    // [-2, 2], and -inf on the last third of the keys (padding) in batch 0.
+    // [-2, 2], and -inf on the last third of the keys (padding) in batch 0. The
+    // self-attention (q100 k100) runs packed too: q, k and v one [B, S, 3, H, D] input.
     let cases = [
         (2, 3, 80, 100, 64, 0.125),
         (1, 2, 128, 64, 32, 1.0 / 32f64.sqrt()),
@@ -1919,18 +1920,31 @@ fn fused_attention_and_its_gradient() {
         (2, 1, 70, 300, 32, 0.25),
         (1, 2, 150, 140, 128, 1.0 / 128f64.sqrt()),
         (2, 1, 70, 90, 96, 0.125),
+        (2, 3, 100, 100, 64, 0.125),
     ];
     let masks = [(false, false), (true, false), (false, true), (true, true)];
     let masked_cases = cases.iter().flat_map(|&c| masks.map(|m| (c, m)));
     for d in [DType::F16, DType::BF16] {
-        for ((b, h, sq, sk, hd, scale), (causal, key_bias)) in masked_cases.clone() {
+        let cases = masked_cases.clone();
+        // Self-attentions once more with q, k and v packed in one tensor.
+        let packed = masked_cases
+            .clone()
+            .filter(|((_, _, sq, sk, ..), _)| sq == sk);
+        let cases = cases.map(|c| (c, false)).chain(packed.map(|c| (c, true)));
+        for (((b, h, sq, sk, hd, scale), (causal, key_bias)), packed) in cases {
             let what = format!(
-                "{d} b{b} h{h} q{sq} k{sk} d{hd} scale {scale} causal {causal} key bias {key_bias}"
+                "{d} b{b} h{h} q{sq} k{sk} d{hd} scale {scale} causal {causal} key bias {key_bias} packed {packed}"
             );
-            let q = rand(&mut r, d, &[b, sq, h, hd], -2.0, 2.0);
-            let k = rand(&mut r, d, &[b, sk, h, hd], -2.0, 2.0);
-            let v = rand(&mut r, d, &[b, sk, h, hd], -1.0, 1.0);
-            let mut forward = vec![q.clone(), k.clone(), v.clone()];
+            let mut forward = if packed {
+                vec![rand(&mut r, d, &[b, sq, 3, h, hd], -2.0, 2.0)]
+            } else {
+                vec![
+                    rand(&mut r, d, &[b, sq, h, hd], -2.0, 2.0),
+                    rand(&mut r, d, &[b, sk, h, hd], -2.0, 2.0),
+                    rand(&mut r, d, &[b, sk, h, hd], -1.0, 1.0),
+                ]
+            };
+            let qkv = forward.clone();
             let bias = key_bias.then(|| {
                 let rows = if b % 2 == 1 { 1 } else { b };
                 let mut values = rand(&mut r, d, &[rows * sk], -2.0, 2.0).to_f64_vec();
@@ -1945,13 +1959,15 @@ fn fused_attention_and_its_gradient() {
                     scale,
                     causal,
                     key_bias,
+                    packed,
                 },
                 &forward,
             );
             assert_close(&format!("FusedAttention o {what}"), &dev[0], &cpu[0], 1.0);
             assert_close(&format!("FusedAttention lse {what}"), &dev[1], &cpu[1], 1.0);
             let d_o = rand(&mut r, d, &[b, sq, h, hd], -1.0, 1.0);
-            let mut inputs = vec![q, k, v, cpu[0].clone(), cpu[1].clone(), d_o];
+            let mut inputs = qkv;
+            inputs.extend([cpu[0].clone(), cpu[1].clone(), d_o]);
             inputs.extend(bias);
             let (dev, cpu) = run_both(
                 &mut gpu,
@@ -1960,16 +1976,18 @@ fn fused_attention_and_its_gradient() {
                     scale,
                     causal,
                     key_bias,
+                    packed,
                 },
                 &inputs,
             );
-            for (name, a, c) in [
-                ("dq", &dev[0], &cpu[0]),
-                ("dk", &dev[1], &cpu[1]),
-                ("dv", &dev[2], &cpu[2]),
-            ] {
+            let names = if packed {
+                &["dqkv"][..]
+            } else {
+                &["dq", "dk", "dv"][..]
+            };
+            for (k, name) in names.iter().enumerate() {
                 let what = format!("FusedAttentionGrad {name} {what}");
-                assert_close(&what, a, c, magnitude(c, 1e-3));
+                assert_close(&what, &dev[k], &cpu[k], magnitude(&cpu[k], 1e-3));
             }
         }
     }

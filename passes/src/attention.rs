@@ -578,6 +578,7 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
         scale,
         causal,
         key_bias: key_bias.is_some(),
+        packed: false,
     };
     let mut inputs = vec![q, k, v];
     inputs.extend(key_bias);
@@ -601,6 +602,7 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
         scale,
         causal,
         key_bias: key_bias.is_some(),
+        packed: false,
     };
     let mut inputs = vec![q, k, v, o, lse, d_o];
     inputs.extend(key_bias);

@@ -11,6 +11,7 @@ use crate::fuse_batchnorm_activation::FuseBatchNormActivation;
 use crate::group_updates::GroupUpdates;
 use crate::layout_nhwc::LayoutNhwc;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
+use crate::pack_qkv::PackQkv;
 use crate::recognize_gelu::RecognizeGelu;
 use crate::recognize_layer_norm::RecognizeLayerNorm;
 use crate::recompute::RecomputeActivations;
@@ -102,6 +103,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "fuse-attention",
         summary: "Explicit attention (with a causal mask or key bias) and its gradient become FusedAttention and FusedAttentionGrad.",
         make: || Box::new(FuseAttention),
+    },
+    PassEntry {
+        name: "pack-qkv",
+        summary: "A self-attention reads q, k and v from their packed projection, and its gradient writes them packed (no slices, no Concat).",
+        make: || Box::new(PackQkv),
     },
     PassEntry {
         name: "unscale-into-update",

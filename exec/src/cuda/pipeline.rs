@@ -10,6 +10,7 @@ use ampgraph_passes::fuse_batchnorm_activation::FuseBatchNormActivation;
 use ampgraph_passes::group_updates::GroupUpdates;
 use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
+use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::simplify::{
     CastIntoNorm, CastIntoReduce, CastIntoUpdate, Dce, PadConvChannels, PadGemm, ScaleIntoMatmul,
     TransposeIntoMatmul, UnscaleIntoUpdate,
@@ -60,6 +61,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(TransposeIntoMatmul),
         Box::new(ScaleIntoMatmul),
         Box::new(FuseAttention),
+        Box::new(PackQkv),
         Box::new(UnscaleIntoUpdate),
         Box::new(CastIntoUpdate),
         Box::new(GemmEpilogue),

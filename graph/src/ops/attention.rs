@@ -13,6 +13,11 @@
 //! heads. Output 1 is the log-sum-exp of each row of scaled scores, `lse [B, H, Sq]`
 //! in the compute type (f32 for f16/bf16/f32, f64 for f64), which the gradient reuses
 //! instead of recomputing the row statistics.
+//!
+//! `packed` (a self-attention): q, k and v are one input `qkv [B, S, 3, H, D]`, the
+//! packed projection's output as it is (`[B * S, 3 H D]` viewed), and the gradient's
+//! one output is `dqkv` of that shape: no copies split q, k and v out of it or join
+//! their gradients back (the `pack-qkv` pass makes them).
 
 use crate::attrs::AttrValue;
 use crate::autodiff::GradBuilder;
@@ -32,6 +37,7 @@ pub(crate) const OPS: &[OpEntry] = &[
                 scale: a.float_or("scale", 1.0)?,
                 causal: a.bool_or("causal", false)?,
                 key_bias: a.bool_or("key_bias", false)?,
+                packed: a.bool_or("packed", false)?,
             }))
         },
     },
@@ -42,6 +48,7 @@ pub(crate) const OPS: &[OpEntry] = &[
                 scale: a.float_or("scale", 1.0)?,
                 causal: a.bool_or("causal", false)?,
                 key_bias: a.bool_or("key_bias", false)?,
+                packed: a.bool_or("packed", false)?,
             }))
         },
     },
@@ -55,6 +62,8 @@ pub struct FusedAttention {
     pub causal: bool,
     /// A fourth input `[B or 1, 1, 1, Sk]` is added to each key's scaled scores.
     pub key_bias: bool,
+    /// One input `qkv [B, S, 3, H, D]` in place of q, k and v.
+    pub packed: bool,
 }
 
 /// The gradients `dq, dk, dv` of [`FusedAttention`] from its inputs, its outputs
@@ -65,6 +74,60 @@ pub struct FusedAttentionGrad {
     pub causal: bool,
     /// A seventh input, the forward's key bias.
     pub key_bias: bool,
+    /// Inputs `qkv, o, lse, do[, key bias]` and one output `dqkv [B, S, 3, H, D]`.
+    pub packed: bool,
+}
+
+/// q's type (k's and v's too) of a packed `qkv [B, S, 3, H, D]`.
+pub fn unpacked_type(qkv: &TensorType) -> OpResult<TensorType> {
+    match qkv.shape[..] {
+        [b, s, 3, h, d] => Ok(TensorType::new(qkv.dtype, [b, s, h, d])),
+        _ => Err(format!(
+            "a packed qkv must be [batch, seq, 3, heads, head_dim], got {}",
+            ShapeDisplay(&qkv.shape)
+        )),
+    }
+}
+
+/// q, k and v of a packed `qkv [B, S, 3, H, D]`.
+fn unpack(qkv: &Tensor) -> OpResult<[Tensor; 3]> {
+    let q = unpacked_type(&qkv.ty())?;
+    let [b, s, h, d] = q.shape[..] else {
+        unreachable!("unpacked_type is of rank 4")
+    };
+    let part = |j: usize| -> OpResult<Tensor> {
+        let slice = crate::ops::Slice::new([0, 0, j, 0, 0], [b, s, 1, h, d].map(|n| n as i64));
+        let [t] = <[Tensor; 1]>::try_from(slice.eval(&[qkv])?).map_err(|_| "slice")?;
+        t.reshaped(q.shape.clone())
+    };
+    Ok([part(0)?, part(1)?, part(2)?])
+}
+
+/// The gradients of q, k and v joined as `dqkv [B, S, 3, H, D]`.
+fn pack(parts: Vec<Tensor>) -> OpResult<Tensor> {
+    let viewed = parts
+        .into_iter()
+        .map(|t| {
+            let [b, s, h, d] = t.shape()[..] else {
+                return Err("q's gradient is not of rank 4".to_string());
+            };
+            t.reshaped(vec![b, s, 1, h, d])
+        })
+        .collect::<OpResult<Vec<Tensor>>>()?;
+    let refs: Vec<&Tensor> = viewed.iter().collect();
+    let [t] =
+        <[Tensor; 1]>::try_from(crate::ops::Concat::new(2).eval(&refs)?).map_err(|_| "concat")?;
+    Ok(t)
+}
+
+/// `inputs` with a packed qkv (input 0) in place of q, k and v.
+fn unpacked_types(inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+    let (qkv, rest) = inputs.split_first().ok_or("missing the packed qkv")?;
+    let q = unpacked_type(qkv)?;
+    Ok([q.clone(), q.clone(), q]
+        .into_iter()
+        .chain(rest.iter().map(|t| (*t).clone()))
+        .collect())
 }
 
 /// The head widths the fused CUDA kernels take: multiples of the Tensor Core step
@@ -141,11 +204,20 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).map(|(&x, &y)| x * y).sum()
 }
 
-/// The attrs both ops write: `causal` and `key_bias` only where set, so files from
-/// before them read the same.
-fn attention_attrs(scale: f64, causal: bool, key_bias: bool) -> Vec<(&'static str, AttrValue)> {
+/// The attrs both ops write: `causal`, `key_bias` and `packed` only where set, so
+/// files from before them read the same.
+fn attention_attrs(
+    scale: f64,
+    causal: bool,
+    key_bias: bool,
+    packed: bool,
+) -> Vec<(&'static str, AttrValue)> {
     let mut attrs = vec![("scale", scale.into())];
-    for (name, set) in [("causal", causal), ("key_bias", key_bias)] {
+    for (name, set) in [
+        ("causal", causal),
+        ("key_bias", key_bias),
+        ("packed", packed),
+    ] {
         if set {
             attrs.push((name, true.into()));
         }
@@ -214,12 +286,17 @@ impl Op for FusedAttention {
         "FusedAttention"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(3 + usize::from(self.key_bias))
+        let qkv = if self.packed { 1 } else { 3 };
+        Arity::Exactly(qkv + usize::from(self.key_bias))
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        attention_attrs(self.scale, self.causal, self.key_bias)
+        attention_attrs(self.scale, self.causal, self.key_bias, self.packed)
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        if self.packed {
+            let unpacked = unpacked_types(inputs)?;
+            return self.unpacked().infer(&unpacked.iter().collect::<Vec<_>>());
+        }
         let (q, dims) = forward_dims(self.key_bias, inputs)?;
         Ok(vec![q.clone(), dims.lse_type(q.dtype)])
     }
@@ -230,6 +307,11 @@ impl Op for FusedAttention {
         ]
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        if self.packed {
+            let qkv = unpack(inputs[0])?;
+            let all: Vec<&Tensor> = qkv.iter().chain(inputs[1..].iter().copied()).collect();
+            return self.unpacked().eval(&all);
+        }
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         let (_, dims) = forward_dims(self.key_bias, &types.iter().collect::<Vec<_>>())?;
         match inputs[0].dtype() {
@@ -247,20 +329,41 @@ impl Op for FusedAttention {
         let (Some(d_o), [o, lse]) = (grad0(grads), outputs) else {
             return Ok(vec![None; inputs.len()]);
         };
-        let (qkv, bias) = inputs.split_at(3.min(inputs.len()));
-        let [q, k, v] = fixed(qkv).map_err(GraphError::Format)?;
+        let (qkv, bias) = inputs.split_at((if self.packed { 1 } else { 3 }).min(inputs.len()));
         let op = FusedAttentionGrad {
             scale: self.scale,
             causal: self.causal,
             key_bias: self.key_bias,
+            packed: self.packed,
         };
-        let mut grad_inputs = vec![*q, *k, *v, *o, *lse, d_o];
+        let mut grad_inputs = qkv.to_vec();
+        grad_inputs.extend([*o, *lse, d_o]);
         grad_inputs.extend(bias);
         let id = b.add_node(Box::new(op), &grad_inputs)?;
         // The key bias (a mask) takes no gradient.
-        let mut grads: Vec<Option<Port>> = (0..3).map(|i| Some(Port::new(id, i))).collect();
+        let mut grads: Vec<Option<Port>> = (0..qkv.len()).map(|i| Some(Port::new(id, i))).collect();
         grads.extend(bias.iter().map(|_| None));
         Ok(grads)
+    }
+}
+
+impl FusedAttention {
+    /// The same attention over q, k and v as three inputs.
+    fn unpacked(&self) -> FusedAttention {
+        FusedAttention {
+            packed: false,
+            ..self.clone()
+        }
+    }
+}
+
+impl FusedAttentionGrad {
+    /// The same gradient of q, k and v as three inputs and outputs.
+    fn unpacked(&self) -> FusedAttentionGrad {
+        FusedAttentionGrad {
+            packed: false,
+            ..self.clone()
+        }
     }
 }
 
@@ -332,24 +435,36 @@ impl Op for FusedAttentionGrad {
         "FusedAttentionGrad"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(6 + usize::from(self.key_bias))
+        let qkv = if self.packed { 1 } else { 3 };
+        Arity::Exactly(qkv + 3 + usize::from(self.key_bias))
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        attention_attrs(self.scale, self.causal, self.key_bias)
+        attention_attrs(self.scale, self.causal, self.key_bias, self.packed)
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        if self.packed {
+            let unpacked = unpacked_types(inputs)?;
+            grad_dims(self.key_bias, &unpacked.iter().collect::<Vec<_>>())?;
+            return Ok(vec![inputs[0].clone()]);
+        }
         grad_dims(self.key_bias, inputs)?;
         Ok(inputs[..3].iter().map(|t| (*t).clone()).collect())
     }
-    fn type_groups(&self, num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
-        let mut group = vec![0, 1, 2, 3, 5];
-        group.extend(6..num_inputs);
+    fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
+        // The lse (input 2 packed, 4 not) keeps its type; the rest share q's.
+        let (lse, outputs) = if self.packed { (2, 1) } else { (4, 3) };
+        let group = (0..num_inputs).filter(|&i| i != lse).collect();
         vec![
-            TypeGroup::new(group, vec![0, 1, 2]),
-            TypeGroup::new(vec![4], vec![]).fixed(),
+            TypeGroup::new(group, (0..outputs.min(num_outputs)).collect()),
+            TypeGroup::new(vec![lse], vec![]).fixed(),
         ]
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        if self.packed {
+            let qkv = unpack(inputs[0])?;
+            let all: Vec<&Tensor> = qkv.iter().chain(inputs[1..].iter().copied()).collect();
+            return Ok(vec![pack(self.unpacked().eval(&all)?)?]);
+        }
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         let dims = grad_dims(self.key_bias, &types.iter().collect::<Vec<_>>())?;
         match inputs[0].dtype() {

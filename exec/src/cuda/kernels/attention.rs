@@ -16,6 +16,7 @@
 //! diagonal, masks the scores above it in the tiles that cross it, and a warp skips
 //! a tile whose scores it masks whole (its contribution would be exactly zero).
 
+use ampgraph_graph::ops::attention::unpacked_type;
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
 use ampgraph_graph::ops::{FusedAttention, FusedAttentionGrad};
 use ampgraph_graph::{DType, Op, TensorType};
@@ -26,8 +27,10 @@ use crate::cuda::device::{Arg, DTensor};
 
 /// The module of one attention: `k_fwd(q, k, v, o, lse, ...)`, `k_dq(q, k, v, o, lse,
 /// do, dq, delta, ...)` and `k_dkv(q, k, v, lse, delta, do, dk, dv, ...)`, each then
-/// taking `int heads, int q_len, int k_len, const T* key_bias, int bias_stride,
-/// double scale`.
+/// taking `int heads, int xs, int q_len, int k_len, const T* key_bias, int
+/// bias_stride, double scale`: `xs` the distance between the rows of q, k, v and their
+/// gradients (`heads * head_dim`; three times that in a packed qkv, whose q, k and v
+/// start `heads * head_dim` apart).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Spec {
     dtype: DType,
@@ -54,14 +57,14 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(a) = op.downcast_ref::<FusedAttention>() {
         let a = a.clone();
         return Some(
-            static_check(a.scale, ins)
+            static_check(a.scale, a.packed, ins)
                 .map(|()| kernel(move |c, inputs| forward(c, &a, inputs, &outs))),
         );
     }
     if let Some(a) = op.downcast_ref::<FusedAttentionGrad>() {
         let a = a.clone();
         return Some(
-            static_check(a.scale, ins)
+            static_check(a.scale, a.packed, ins)
                 .map(|()| kernel(move |c, inputs| backward(c, &a, inputs, &outs))),
         );
     }
@@ -70,11 +73,15 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
 
 /// What [`checked_dims`] can refuse before any device is there: the scale, the dtype,
 /// the head width and the kernels' 32-bit offsets.
-fn static_check(scale: f64, ins: &[TensorType]) -> Result<(), String> {
+fn static_check(scale: f64, packed: bool, ins: &[TensorType]) -> Result<(), String> {
+    if packed {
+        let q = unpacked_type(ins.first().ok_or("attention takes a packed qkv")?)?;
+        return dims_of(scale, &q, &q, &q, 3).map(|_| ());
+    }
     let [q, k, v, ..] = ins else {
         return Err("attention takes q, k and v".into());
     };
-    dims_of(scale, q, k, v).map(|_| ())
+    dims_of(scale, q, k, v, 1).map(|_| ())
 }
 
 /// A module's blocks: `warps` warps of 16 rows of the block's own side each (`ROWS`
@@ -272,15 +279,17 @@ struct Place {
     first = tile * ROWS;
     b = bh / H; h = bh % H;
   }
-  // Row 0 of this (batch, head) in a [B, len, H, HD] tensor.
-  template <typename P> __device__ P* at(P* x, int len, int H) const { return x + (b * len * H + h) * HD; }
+  // Row 0 of this (batch, head) in a [B, len, H, HD] tensor whose rows are `rs` apart
+  // (H * HD, or 3 H HD in a packed qkv).
+  template <typename P> __device__ P* at(P* x, int len, int rs) const { return x + b * len * rs + h * HD; }
   __device__ i64 stat(int len, int H) const { return (b * H + h) * len; }
 };
 typedef T Buffer[2 * TILE * LDS];
-// Starts copying the tiles at rows r0.. of `a` and `b` into `buf`, a's rows first.
-__device__ __forceinline__ void load_pair(T* buf, const T* a, const T* b, int stride, int S, int r0) {
-  load_rows(buf, a, stride, S, r0, TILE);
-  load_rows(buf + TILE * LDS, b, stride, S, r0, TILE);
+// Starts copying the tiles at rows r0.. of `a` and `b` (rows `as` and `bs` apart)
+// into `buf`, a's rows first.
+__device__ __forceinline__ void load_pair(T* buf, const T* a, int as, const T* b, int bs, int S, int r0) {
+  load_rows(buf, a, as, S, r0, TILE);
+  load_rows(buf + TILE * LDS, b, bs, S, r0, TILE);
 }
 // Before a double-buffered walk uses its tile `it` (rows r0.. of S): starts the next
 // one, where there is one (`start(buffer, first row)` issues its copies), then waits
@@ -296,10 +305,10 @@ template <typename F> __device__ __forceinline__ void next_tile(int it, int r0, 
   __syncthreads();
 }
 // The A fragments of this warp's 16 rows of the block's ROWS rows of x and y.
-__device__ __forceinline__ void stage_a(unsigned (*xa)[4], unsigned (*ya)[4], Buffer* sm, const T* x,
-                                        const T* y, int stride, int S, const Place& p) {
-  load_rows(sm[0], x, stride, S, p.first, ROWS);
-  load_rows(sm[1], y, stride, S, p.first, ROWS);
+__device__ __forceinline__ void stage_a(unsigned (*xa)[4], unsigned (*ya)[4], Buffer* sm, const T* x, int xs,
+                                        const T* y, int ys, int S, const Place& p) {
+  load_rows(sm[0], x, xs, S, p.first, ROWS);
+  load_rows(sm[1], y, ys, S, p.first, ROWS);
   commit();
   wait<0>();
   __syncthreads();
@@ -322,16 +331,17 @@ __device__ __forceinline__ int key_limit(int Sk, int r) { return CAUSAL ? min(Sk
 // Two blocks a multiprocessor (128 registers): the causal module's took 130 and ran
 // one (61 against 50 us on the transformer's heads).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, const T* k, const T* v, T* o, float* lse,
-                                                               int H, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
+                                                               int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
+  // o's rows are `stride` apart; q's, k's and v's `xs` (3 H HD where packed).
   const int stride = H * HD;
-  const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H), *bias_row = bias + p.b * bias_stride;
+  const T *kb = p.at(k, Sk, xs), *vb = p.at(v, Sk, xs), *bias_row = bias + p.b * bias_stride;
   const float sl2 = (float)scale * LOG2E;
-  load_rows(sm[1], p.at(q, Sq, H), stride, Sq, p.first, ROWS);
+  load_rows(sm[1], p.at(q, Sq, xs), xs, Sq, p.first, ROWS);
   commit();
-  auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, vb, stride, Sk, r0); };
+  auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, xs, vb, xs, Sk, r0); };
   start(0, 0);
   commit();
   wait<1>();
@@ -403,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
     __syncthreads();
   }
   l0 = quad_sum(l0); l1 = quad_sum(l1);
-  store_rows(p.at(o, Sq, H), acc, 1.f / l0, 1.f / l1, stride, Sq, r, p.t);
+  store_rows(p.at(o, Sq, stride), acc, 1.f / l0, 1.f / l1, stride, Sq, r, p.t);
   if (p.t == 0) {
     float* l = lse + p.stat(Sq, H);
     if (r < Sq) l[r] = (m0 + log2f(l0)) * LN2;
@@ -415,16 +425,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
 // multiprocessor: 128 registers (167 unbounded, one block), 156 -> 117 us on the
 // transformer's [16, 512, 12, 64] f16 heads (H100).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, const T* k, const T* v, const T* o,
-    const float* lse, const T* d_o, T* dq, float* delta, int H, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
+    const float* lse, const T* d_o, T* dq, float* delta, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
   const int stride = H * HD;
-  const T *kb = p.at(k, Sk, H), *vb = p.at(v, Sk, H), *ob = p.at(o, Sq, H), *db = p.at(d_o, Sq, H);
+  const T *kb = p.at(k, Sk, xs), *vb = p.at(v, Sk, xs), *ob = p.at(o, Sq, stride), *db = p.at(d_o, Sq, stride);
   const T* bias_row = bias + p.b * bias_stride;
   const float sl2 = (float)scale * LOG2E;
   unsigned qa[HD / 16][4], da[HD / 16][4];
-  stage_a(qa, da, sm, p.at(q, Sq, H), db, stride, Sq, p);
-  auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, vb, stride, Sk, r0); };
+  stage_a(qa, da, sm, p.at(q, Sq, xs), xs, db, stride, Sq, p);
+  auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, xs, vb, xs, Sk, r0); };
   start(0, 0);
   commit();
   // delta and the log-sum-exp (log2 units) of rows g and g + 8.
@@ -481,26 +491,26 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     mma_s_m(acc, s, ks, p.lane);
     __syncthreads();
   }
-  store_rows(p.at(dq, Sq, H), acc, (float)scale, (float)scale, stride, Sq, r, p.t);
+  store_rows(p.at(dq, Sq, xs), acc, (float)scale, (float)scale, xs, Sq, r, p.t);
 }
 
 // dk and dv for ROWS keys, walking every query tile.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
-    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
+    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
   __align__(16) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
   const Place p(Sk, H, false);
   const int stride = H * HD;
-  const T *qb = p.at(q, Sq, H), *db = p.at(d_o, Sq, H);
+  const T *qb = p.at(q, Sq, xs), *db = p.at(d_o, Sq, stride);
   const float *lb = lse + p.stat(Sq, H), *deltab = delta + p.stat(Sq, H);
   const float sl2 = (float)scale * LOG2E;
   unsigned ka[HD / 16][4], va[HD / 16][4];
-  stage_a(ka, va, sm, p.at(k, Sk, H), p.at(v, Sk, H), stride, Sk, p);
+  stage_a(ka, va, sm, p.at(k, Sk, xs), xs, p.at(v, Sk, xs), xs, Sk, p);
   float dka[HD / 8][4], dva[HD / 8][4];
   zero<HD / 8>(dka);
   zero<HD / 8>(dva);
   auto start = [&](int buf, int r0) {
-    load_pair(sm[buf], qb, db, stride, Sq, r0);
+    load_pair(sm[buf], qb, xs, db, stride, Sq, r0);
     load_stat(stats[buf][0], lb, Sq, r0, TILE);
     load_stat(stats[buf][1], deltab, Sq, r0, TILE);
   };
@@ -551,8 +561,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     mma_s_m(dka, dp, qs, p.lane);
     __syncthreads();
   }
-  store_rows(p.at(dk, Sk, H), dka, (float)scale, (float)scale, stride, Sk, r, p.t);
-  store_rows(p.at(dv, Sk, H), dva, 1.f, 1.f, stride, Sk, r, p.t);
+  store_rows(p.at(dk, Sk, xs), dka, (float)scale, (float)scale, xs, Sk, r, p.t);
+  store_rows(p.at(dv, Sk, xs), dva, 1.f, 1.f, xs, Sk, r, p.t);
 }
 "#;
 
@@ -581,12 +591,14 @@ pub fn source(
     module(dtype, &body)
 }
 
-/// The sizes of an attention of these types that the kernels can take, or why not.
+/// The sizes of an attention of these types that the kernels can take, or why not;
+/// `parts` tensors of q's width in a row (3 packed, else 1).
 fn dims_of(
     scale: f64,
     q: &TensorType,
     k: &TensorType,
     v: &TensorType,
+    parts: usize,
 ) -> Result<AttentionDims, String> {
     if !(scale > 0.0 && scale.is_finite()) {
         // The forward kernel scales each row's maximum of the raw scores.
@@ -605,18 +617,30 @@ fn dims_of(
         ));
     }
     // Offsets within one (batch, head) are 32-bit.
-    if dims.q_len.max(dims.k_len) * dims.heads * dims.head_dim > i32::MAX as usize {
+    if dims.q_len.max(dims.k_len) * parts * dims.heads * dims.head_dim > i32::MAX as usize {
         return Err("attention too large for the kernels' 32-bit offsets".into());
     }
     Ok(dims)
 }
 
-/// The sizes of an attention whose tensors the kernels can take, or why not.
-fn checked_dims(c: &Ctx, scale: f64, tensors: &[&DTensor]) -> Result<AttentionDims, String> {
-    let [q, k, v, ..] = tensors else {
-        return Err("internal: attention without q, k and v".into());
+/// The sizes of an attention whose tensors the kernels can take, or why not: q, k and
+/// v packed in `tensors[0]` where `packed`.
+fn checked_dims(
+    c: &Ctx,
+    scale: f64,
+    packed: bool,
+    tensors: &[&DTensor],
+) -> Result<AttentionDims, String> {
+    let dims = if packed {
+        let q = unpacked_type(&tensors[0].ty())?;
+        dims_of(scale, &q, &q, &q, 3)?
+    } else {
+        let [q, k, v, ..] = tensors else {
+            return Err("internal: attention without q, k and v".into());
+        };
+        dims_of(scale, &q.ty(), &k.ty(), &v.ty(), 1)?
     };
-    let dims = dims_of(scale, &q.ty(), &k.ty(), &v.ty())?;
+    let q = tensors[0];
     if c.dev.sm < 80 {
         return Err("the attention kernels need Tensor Core mma (compute capability 8.0)".into());
     }
@@ -673,13 +697,34 @@ impl<'a> Rule<'a> {
     }
 }
 
+/// q, k and v (or dq, dk and dv) as kernel arguments, and the distance between their
+/// rows: three tensors, or three places in one packed tensor.
+fn parts(tensors: &[&DTensor], dims: &AttentionDims) -> ([Arg; 3], usize) {
+    let width = dims.heads * dims.head_dim;
+    match tensors {
+        [packed] => {
+            let at =
+                |j: usize| Arg::Ptr(packed.ptr() + (j * width * packed.dtype.size_bytes()) as u64);
+            ([at(0), at(1), at(2)], 3 * width)
+        }
+        _ => (
+            [tensors[0].arg(), tensors[1].arg(), tensors[2].arg()],
+            width,
+        ),
+    }
+}
+
+/// Launches `kernel` over `rows` rows a (batch, head) with `args` (its pointers) and
+/// `xs`, the distance between the rows of q, k, v and their gradients.
+#[allow(clippy::too_many_arguments)]
 fn launch(
     c: &Ctx,
     kernel: &'static str,
     dims: &AttentionDims,
     rows: usize,
     dtype: DType,
-    tensors: &[&DTensor],
+    mut args: Vec<Arg>,
+    xs: usize,
     rule: Rule,
 ) -> Result<(), String> {
     let shape = shape_of(kernel, dims.head_dim);
@@ -688,10 +733,10 @@ fn launch(
         return Ok(());
     }
     let blocks = u32::try_from(blocks).map_err(|_| "attention too large for one grid")?;
-    let mut args: Vec<Arg> = tensors.iter().map(|t| t.arg()).collect();
     let int = |n: usize| i32::try_from(n).map_err(|_| "attention too large".to_string());
     args.extend([
         Arg::I32(int(dims.heads)?),
+        Arg::I32(int(xs)?),
         Arg::I32(int(dims.q_len)?),
         Arg::I32(int(dims.k_len)?),
     ]);
@@ -707,70 +752,72 @@ fn launch(
     c.launch(&spec, kernel, (blocks, 32 * shape.warps as u32), &args)
 }
 
-/// `o, lse = FusedAttention(q, k, v[, key bias])`.
+/// `o, lse = FusedAttention(q, k, v[, key bias])` (or of a packed qkv).
 fn forward(
     c: &Ctx,
     op: &FusedAttention,
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
-    let [q, k, v, ..] = inputs else {
+    let n_qkv = if op.packed { 1 } else { 3 };
+    if inputs.len() < n_qkv {
         return Err("FusedAttention takes q, k and v".into());
-    };
-    let rule = Rule::new(op.scale, op.causal, inputs, 3)?;
+    }
+    let qkv: Vec<&DTensor> = inputs[..n_qkv].iter().collect();
+    let rule = Rule::new(op.scale, op.causal, inputs, n_qkv)?;
     let [o_ty, lse_ty] = outs else {
         return Err("FusedAttention has two outputs".into());
     };
     let o = c.alloc(o_ty)?;
     let lse = c.alloc(lse_ty)?;
-    let dims = checked_dims(c, op.scale, &[q, k, v, &o, &lse])?;
-    launch(
-        c,
-        "k_fwd",
-        &dims,
-        dims.q_len,
-        q.dtype,
-        &[q, k, v, &o, &lse],
-        rule,
-    )?;
+    let dims = checked_dims(c, op.scale, op.packed, &[&qkv[..], &[&o, &lse]].concat())?;
+    let (qkv_args, xs) = parts(&qkv, &dims);
+    let mut args = qkv_args.to_vec();
+    args.extend([o.arg(), lse.arg()]);
+    launch(c, "k_fwd", &dims, dims.q_len, o.dtype, args, xs, rule)?;
     Ok(vec![o, lse])
 }
 
-/// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do[, key bias])`.
+/// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do[, key bias])` (or `dqkv` of a
+/// packed qkv).
 fn backward(
     c: &Ctx,
     op: &FusedAttentionGrad,
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
-    let [q, k, v, o, lse, d_o, ..] = inputs else {
-        return Err("FusedAttentionGrad takes q, k, v, o, lse and do".into());
+    let n_qkv = if op.packed { 1 } else { 3 };
+    let [o, lse, d_o] = match inputs.get(n_qkv..n_qkv + 3) {
+        Some([o, lse, d_o]) => [o, lse, d_o],
+        _ => return Err("FusedAttentionGrad takes q, k, v, o, lse and do".into()),
     };
-    let rule = Rule::new(op.scale, op.causal, inputs, 6)?;
-    let [dq_ty, dk_ty, dv_ty] = outs else {
-        return Err("FusedAttentionGrad has three outputs".into());
-    };
-    let (dq, dk, dv) = (c.alloc(dq_ty)?, c.alloc(dk_ty)?, c.alloc(dv_ty)?);
-    let dims = checked_dims(c, op.scale, &[q, k, v, o, lse, d_o, &dq, &dk, &dv])?;
+    let qkv: Vec<&DTensor> = inputs[..n_qkv].iter().collect();
+    let rule = Rule::new(op.scale, op.causal, inputs, n_qkv + 3)?;
+    if outs.len() != n_qkv {
+        return Err(format!("FusedAttentionGrad has {n_qkv} outputs"));
+    }
+    let grads = c.alloc_all(outs)?;
+    let grad_refs: Vec<&DTensor> = grads.iter().collect();
+    let all = [&qkv[..], &[o, lse, d_o], &grad_refs[..]].concat();
+    let dims = checked_dims(c, op.scale, op.packed, &all)?;
     let delta = c.temp(DType::F32, lse.len())?;
-    let d = q.dtype;
-    launch(
-        c,
-        "k_dq",
-        &dims,
-        dims.q_len,
-        d,
-        &[q, k, v, o, lse, d_o, &dq, &delta],
-        rule,
-    )?;
-    launch(
-        c,
-        "k_dkv",
-        &dims,
-        dims.k_len,
-        d,
-        &[q, k, v, lse, &delta, d_o, &dk, &dv],
-        rule,
-    )?;
-    Ok(vec![dq, dk, dv])
+    let (qkv_args, xs) = parts(&qkv, &dims);
+    let (grad_args, _) = parts(&grad_refs, &dims);
+    let [q, k, v] = qkv_args;
+    let [dq, dk, dv] = grad_args;
+    let d = o.dtype;
+    let dq_args = vec![
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        o.arg(),
+        lse.arg(),
+        d_o.arg(),
+        dq,
+        delta.arg(),
+    ];
+    launch(c, "k_dq", &dims, dims.q_len, d, dq_args, xs, rule)?;
+    let dkv_args = vec![q, k, v, lse.arg(), delta.arg(), d_o.arg(), dk, dv];
+    launch(c, "k_dkv", &dims, dims.k_len, d, dkv_args, xs, rule)?;
+    Ok(grads)
 }
