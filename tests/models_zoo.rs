@@ -206,18 +206,27 @@ fn next_token_batch(batch: usize, seq: usize) -> (Tensor, Tensor) {
     )
 }
 
+/// A GPT-2 of `config` on `[batch, seq]` token placeholders: the graph, its logits and
+/// labels, and feeds of the next-token rule.
+fn gpt2_on_the_rule(
+    config: &Gpt2Config,
+    (batch, seq): (usize, usize),
+) -> (Graph, (Port, Port), HashMap<String, Tensor>) {
+    let mut g = Graph::new();
+    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
+    let logits = gpt2::build(&mut g, tokens, config).unwrap();
+    let (x, y) = next_token_batch(batch, seq);
+    let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
+    (g, (logits, labels), feeds)
+}
+
 /// A tiny GPT-2 learns a next-token rule on the CPU (Adam: the loss falls below a
 /// fifth of the first step's in 60 steps).
 #[test]
 fn a_tiny_gpt2_learns_a_next_token_rule_on_the_cpu() {
-    let (batch, seq) = (4, 8);
-    let mut g = Graph::new();
-    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
-    let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
-    let logits = gpt2::build(&mut g, tokens, &TINY_GPT2).unwrap();
-    let (x, y) = next_token_batch(batch, seq);
-    let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
-    let (first, last) = trained_with_adam(g, (logits, labels), 0.01, &feeds, 60);
+    let (g, logits_labels, feeds) = gpt2_on_the_rule(&TINY_GPT2, (4, 8));
+    let (first, last) = trained_with_adam(g, logits_labels, 0.01, &feeds, 60);
     assert!(
         last.is_finite() && last < 0.2 * first,
         "loss {first} -> {last}"
@@ -231,18 +240,12 @@ fn a_tiny_gpt2_learns_a_next_token_rule_on_the_cpu() {
 /// its gradient too.
 #[test]
 fn a_tiny_gpt2_with_dropout_learns_and_its_dropouts_fuse() {
-    let (batch, seq) = (4, 8);
     let config = Gpt2Config {
         dropout: 0.1,
         ..TINY_GPT2
     };
-    let mut g = Graph::new();
-    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
-    let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
-    let logits = gpt2::build(&mut g, tokens, &config).unwrap();
+    let (mut g, (logits, labels), feeds) = gpt2_on_the_rule(&config, (4, 8));
     assert_eq!(count(&g, "Dropout"), 5);
-    let (x, y) = next_token_batch(batch, seq);
-    let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
     let (first, last) = trained_with_adam(g.clone(), (logits, labels), 0.01, &feeds, 60);
     assert!(
         last.is_finite() && last < 0.3 * first,
@@ -269,15 +272,9 @@ fn a_tiny_gpt2_with_dropout_learns_and_its_dropouts_fuse() {
 #[test]
 fn gpt2s_attention_reads_its_packed_projection_bit_for_bit() {
     use ampgraph::exec::{CpuExecutor, Executor};
-    let (batch, seq) = (2, 8);
-    let mut g = Graph::new();
-    let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
-    let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
-    let logits = gpt2::build(&mut g, tokens, &TINY_GPT2).unwrap();
+    let (mut g, (logits, labels), feeds) = gpt2_on_the_rule(&TINY_GPT2, (2, 8));
     let loss = g.softmax_cross_entropy(logits, labels).unwrap();
     let step = Adam::new(0.01).minimize(&mut g, loss).unwrap();
-    let (x, y) = next_token_batch(batch, seq);
-    let feeds = HashMap::from([("tokens".to_string(), x), ("labels".to_string(), y)]);
     let mut packed = g.clone();
     amp_and_cuda_passes(&mut packed);
     let mut plain = g;
