@@ -15,7 +15,7 @@ use ampgraph::graph::models::resnet::{self, ResNetConfig};
 use ampgraph::graph::models::vit::{self, VitConfig};
 use ampgraph::graph::models::NormNames;
 use ampgraph::graph::ops::{Group, Variable};
-use ampgraph::optim::{Adam, Optimizer, Sgd};
+use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd};
 use ampgraph::passes::recompute::RecomputeActivations;
 use ampgraph::passes::Pass;
 use ampgraph::pretrained::{load_safetensors, WeightsError, WeightsReport};
@@ -262,6 +262,39 @@ fn a_tiny_gpt2_with_dropout_learns_and_its_dropouts_fuse() {
     assert_ne!(session.run(&[logits], &feeds).unwrap(), at_0, "a new mask");
     amp_and_cuda_passes(&mut training);
     assert_eq!(count(&training, "Dropout"), 0, "every dropout fused");
+}
+
+/// Mixed precision trains as fp32 does: a tiny GPT-2 on the next-token rule, 40 AdamW
+/// steps from the same weights in fp32, AMP bf16 (no loss scale, as PyTorch trains
+/// bf16) and AMP fp16 (dynamic loss scale): the last losses within 1% of fp32's.
+#[test]
+fn amp_reaches_fp32s_loss_on_a_tiny_gpt2() {
+    let train = |amp: Option<(DType, LossScale)>| -> (f64, f64) {
+        let (mut g, (logits, labels), feeds) = gpt2_on_the_rule(&TINY_GPT2, (4, 8));
+        let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+        let adamw = Adam::adamw(3e-3, 0.01);
+        let step = match amp {
+            Some((dtype, scale)) => enable_mixed_precision_graph_rewrite(adamw)
+                .with_dtype(dtype)
+                .with_loss_scale(scale)
+                .minimize(&mut g, loss),
+            None => adamw.minimize(&mut g, loss),
+        }
+        .unwrap();
+        let mut session = Session::new(g, Device::Cpu).unwrap();
+        first_and_last_loss(&mut session, [loss, step.step], &feeds, 40)
+    };
+    let (first, fp32) = train(None);
+    assert!(fp32 < 0.5 * first, "fp32 trained: {first} -> {fp32}");
+    for (what, amp) in [
+        ("bf16", (DType::BF16, LossScale::None)),
+        ("fp16", (DType::F16, LossScale::default())),
+    ] {
+        let (_, last) = train(Some(amp));
+        let gap = (last - fp32).abs() / fp32;
+        println!("{what}: {last} against fp32's {fp32} ({gap:.4})");
+        assert!(gap < 0.01, "{what}: {last} against fp32's {fp32}");
+    }
 }
 
 /// `pack-qkv` (in the CUDA pipeline): GPT-2's attentions read their packed q/k/v
