@@ -565,15 +565,15 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
     }
 
     fn minimize(&self, g: &mut Graph, loss: Port) -> Result<TrainStep, GraphError> {
+        if self.loss_scale == LossScale::None {
+            g.mixed_precision = Some(self.dtype);
+            return self.inner.minimize(g, loss);
+        }
         let vars = trainable_variables(g, loss)?;
         let loss32 = match g.ty(loss).dtype {
             DType::F32 => loss,
             _ => g.add(Cast { to: DType::F32 }, &[loss])?,
         };
-        if self.loss_scale == LossScale::None {
-            g.mixed_precision = Some(self.dtype);
-            return self.inner.minimize(g, loss);
-        }
         let (scale, dynamic) = match self.loss_scale {
             LossScale::Dynamic {
                 initial,
