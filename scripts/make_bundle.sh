@@ -15,8 +15,19 @@ done
 cp target/release/examples/bench target/release/examples/mnist target/release/examples/image_folder bundle/
 cargo build --release --bin ampgraph && cp target/release/ampgraph bundle/
 strip bundle/cuda_ops bundle/cuda_fused bundle/cuda_executor bundle/cuda_pool bundle/cuda_session bundle/cuda_numerics bundle/onnx_models bundle/onnx_export bundle/cuda_data_parallel bundle/ampgraph bundle/bench bundle/mnist bundle/image_folder
-cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layouts.py scripts/gpu_final.sh scripts/energy.py scripts/torch_causal.py scripts/torch_convnet_width.py scripts/gpu_convnet.sh scripts/gpu_mnist_epoch.sh scripts/gpu_onnx.sh scripts/gpu_ddp.sh scripts/torch_ddp.py scripts/gpu_engine.sh scripts/gpu_zoo.sh scripts/engine_table.py scripts/gpu_workloads_ab.sh scripts/gpu_tests_round.sh scripts/gpu_stress.sh ../shared/bench/real_models.py ../shared/bench/torch_mnist_epoch.py bundle/
+cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layouts.py scripts/gpu_final.sh scripts/energy.py scripts/torch_causal.py scripts/torch_convnet_width.py scripts/gpu_convnet.sh scripts/gpu_mnist_epoch.sh scripts/gpu_onnx.sh scripts/gpu_ddp.sh scripts/torch_ddp.py scripts/gpu_engine.sh scripts/gpu_zoo.sh scripts/engine_table.py scripts/gpu_workloads_ab.sh scripts/gpu_tests_round.sh scripts/gpu_stress.sh scripts/gpu_gpt2.sh ../shared/bench/real_models.py ../shared/bench/torch_mnist_epoch.py bundle/
 mkdir -p bundle/trace && cp scripts/trace/* bundle/trace/
 cp ../shared/oracle/public/*.json bundle/oracle/ 2>/dev/null || true
 mkdir -p bundle/mnist_data && cp examples/data/mnist/*.gz bundle/mnist_data/
+# GPT-2's peers (gpu_gpt2.sh): ../shared/bench/gpt2's scripts, and llm.c's source where a
+# snapshot of karpathy/llm.c is on this machine (the search tool's fetch puts it under
+# /work/.mirror), with the one change CUDA 13 needs (cudaMemAdvise takes a location).
+mkdir -p bundle/gpt2 && cp ../shared/bench/gpt2/*.py ../shared/bench/gpt2/run_anchors.sh bundle/gpt2/
+LLMC_REPO=${LLMC_REPO:-/work/.mirror/karpathy+llm.c/repo}
+if [ -d "$LLMC_REPO" ] && [ ! -d bundle/gpt2/llm.c ]; then
+  mkdir -p bundle/gpt2/llm.c
+  git -C "$LLMC_REPO" archive HEAD train_gpt2.cu llmc Makefile LICENSE dev/unistd.h | tar x -C bundle/gpt2/llm.c
+  sed -i 's/cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)/cudaMemAdviseSetPreferredLocation, cudaMemLocation{cudaMemLocationTypeHost, 0})/' \
+    bundle/gpt2/llm.c/llmc/cuda_utils.cuh
+fi
 du -sh bundle
