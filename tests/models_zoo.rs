@@ -342,6 +342,31 @@ fn gpt2s_attention_reads_its_packed_projection_bit_for_bit() {
     assert_ne!(a[0], a[2], "the steps trained");
 }
 
+/// An attention whose q slice is read elsewhere too (here a graph output) keeps its
+/// slices: of the tiny GPT-2's two layers only the other is packed.
+#[test]
+fn a_projection_slice_read_elsewhere_keeps_its_attention_unpacked() {
+    use ampgraph::graph::ops::{FusedAttention, Slice};
+    let (mut g, (logits, _), _) = gpt2_on_the_rule(&TINY_GPT2, (2, 8));
+    let first_q = g
+        .node_ids()
+        .find(|&id| {
+            let slice = g.node(id).op.downcast_ref::<Slice>();
+            let width = TINY_GPT2.width;
+            slice.is_some_and(|s| s.begin == [0, 0])
+                && g.ty(g.inputs(id)[0]).shape == [16, 3 * width]
+        })
+        .expect("layer 0's q slice");
+    g.set_outputs(vec![logits, first_q.into()]).unwrap();
+    amp_and_cuda_passes(&mut g);
+    let packed: Vec<bool> = g
+        .node_ids()
+        .filter_map(|id| g.node(id).op.downcast_ref::<FusedAttention>())
+        .map(|a| a.packed)
+        .collect();
+    assert_eq!(packed, [false, true]);
+}
+
 /// After AMP the CUDA pipeline makes each layer's attention one causal FusedAttention
 /// (the scale folded, the mask recognised), and the fused graph computes the f32
 /// graph's logits within the fp16 bound (on the CPU's kernels).

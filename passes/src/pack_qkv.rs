@@ -5,7 +5,7 @@
 //! This pass gives `FusedAttention` the projection itself, viewed as
 //! `qkv [B, S, 3, H, D]` (`packed`: the kernels read q, k and v at their places in each
 //! row), and its gradient writes `dqkv` in that layout, which the Concat's readers read
-//! as it is (a Reshape, no copy).
+//! as it is (through a Reshape, no copy).
 //!
 //! Taken: a FusedAttention whose q, k and v are `Reshape(Slice(y))` of one `y [B * S,
 //! 3 H D]` at columns 0, H D and 2 H D, read by nothing but it and its gradients, each
@@ -171,9 +171,24 @@ fn pack(g: &mut Graph, p: Packing) -> Result<(), PassError> {
         let name = g.fresh_name(format!("{}/packed", g.node(grad).name));
         let packed = FusedAttentionGrad { packed: true, ..op };
         let packed = g.add_node(name, Box::new(packed), &inputs)?;
-        let reshape = Reshape::new(joined.clone());
-        g.set_node(concat, Box::new(reshape), &[Port::new(packed, 0)])?;
-        for id in reshapes.into_iter().chain([grad]) {
+        // The Concat's readers read dqkv as the projection's gradient, [B * S, 3 H D].
+        let name = g.fresh_name(format!("{}/joined", g.node(packed).name));
+        let reshape = Box::new(Reshape::new(joined.clone()));
+        let joined_grad = Port::from(g.add_node(name, reshape, &[Port::new(packed, 0)])?);
+        let old = Port::new(concat, 0);
+        let changes = g
+            .consumers(concat)
+            .into_iter()
+            .map(|(reader, slot, _)| (reader, slot, joined_grad))
+            .collect();
+        g.rewire(changes)?;
+        let outputs: Vec<Port> = g
+            .outputs()
+            .iter()
+            .map(|&p| if p == old { joined_grad } else { p })
+            .collect();
+        g.set_outputs(outputs)?;
+        for id in [concat].into_iter().chain(reshapes).chain([grad]) {
             g.remove_node(id)?;
         }
     }
