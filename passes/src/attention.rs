@@ -34,7 +34,7 @@
 
 use std::collections::HashSet;
 
-use crate::rewrite::{binary_operands, const_value};
+use crate::rewrite::{binary_operands, const_value, redirect};
 use crate::simplify::scale_into_matmul::scalar;
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim};
 use ampgraph_graph::ops::{
@@ -506,25 +506,6 @@ fn swap_heads(g: &mut Graph, p: Port) -> Result<Port, PassError> {
         g.add_node(name, Box::new(Transpose::new(HEADS_SWAP)), &[p])?
             .into(),
     )
-}
-
-/// Every reader of `from` (and the graph outputs naming it) reads `to` instead.
-fn redirect(g: &mut Graph, from: Port, to: Port) -> Result<(), PassError> {
-    let changes = g
-        .port_consumers(from)
-        .into_iter()
-        .map(|(n, slot)| (n, slot, to))
-        .collect();
-    g.rewire(changes)?;
-    if g.outputs().contains(&from) {
-        let outputs = g
-            .outputs()
-            .iter()
-            .map(|&p| if p == from { to } else { p })
-            .collect();
-        g.set_outputs(outputs)?;
-    }
-    Ok(())
 }
 
 /// Replaces `old` (`[B, H, S, D]`) by `new` (`[B, S, H, D]`): readers that swap the

@@ -15,7 +15,7 @@
 use ampgraph_graph::ops::{Concat, FusedAttention, FusedAttentionGrad, Reshape, Slice};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::summary;
+use crate::rewrite::{redirect, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `pack-qkv` pass.
@@ -89,12 +89,13 @@ fn packing(g: &Graph, attention: NodeId) -> Option<Packing> {
         if grad.packed || !expected || reads != &inputs[..3] {
             return None;
         }
-        grads.push((reader, joined_gradients(g, reader, rows, width)?));
+        let (concat, reshapes) = joined_gradients(g, reader, rows, width)?;
+        grads.push((reader, concat, reshapes));
     }
     for (j, &part) in parts.iter().enumerate().skip(1) {
         let readers = g.consumers(part);
         let expected = readers.iter().all(|&(reader, slot, _)| {
-            slot == j && (reader == attention || grads.iter().any(|&(id, _)| id == reader))
+            slot == j && (reader == attention || grads.iter().any(|&(id, ..)| id == reader))
         });
         if !expected || readers.len() != 1 + grads.len() {
             return None;
@@ -105,10 +106,7 @@ fn packing(g: &Graph, attention: NodeId) -> Option<Packing> {
         source: source?,
         view: [b, s, 3, h, d],
         parts,
-        grads: grads
-            .into_iter()
-            .map(|(grad, (concat, reshapes))| (grad, concat, reshapes))
-            .collect(),
+        grads,
     })
 }
 
@@ -175,19 +173,7 @@ fn pack(g: &mut Graph, p: Packing) -> Result<(), PassError> {
         let name = g.fresh_name(format!("{}/joined", g.node(packed).name));
         let reshape = Box::new(Reshape::new(joined.clone()));
         let joined_grad = Port::from(g.add_node(name, reshape, &[Port::new(packed, 0)])?);
-        let old = Port::new(concat, 0);
-        let changes = g
-            .consumers(concat)
-            .into_iter()
-            .map(|(reader, slot, _)| (reader, slot, joined_grad))
-            .collect();
-        g.rewire(changes)?;
-        let outputs: Vec<Port> = g
-            .outputs()
-            .iter()
-            .map(|&p| if p == old { joined_grad } else { p })
-            .collect();
-        g.set_outputs(outputs)?;
+        redirect(g, Port::new(concat, 0), joined_grad)?;
         for id in [concat].into_iter().chain(reshapes).chain([grad]) {
             g.remove_node(id)?;
         }

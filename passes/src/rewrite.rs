@@ -41,6 +41,25 @@ pub(crate) fn output_nodes(g: &Graph) -> Vec<bool> {
     is_output
 }
 
+/// Every reader of `from` (and the graph outputs naming it) reads `to` instead.
+pub(crate) fn redirect(g: &mut Graph, from: Port, to: Port) -> Result<(), PassError> {
+    let changes = g
+        .port_consumers(from)
+        .into_iter()
+        .map(|(n, slot)| (n, slot, to))
+        .collect();
+    g.rewire(changes)?;
+    if g.outputs().contains(&from) {
+        let outputs = g
+            .outputs()
+            .iter()
+            .map(|&p| if p == from { to } else { p })
+            .collect();
+        g.set_outputs(outputs)?;
+    }
+    Ok(())
+}
+
 /// Whether `port` is read by `(reader, slot)` alone and is not a graph output: a
 /// tensor a fusion may stop writing.
 pub(crate) fn read_only_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -> bool {
