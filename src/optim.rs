@@ -11,8 +11,8 @@
 
 use ampgraph_graph::autodiff::gradients;
 use ampgraph_graph::ops::{
-    AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf, Init,
-    LossScaleUpdate, OptimizerUpdate, Rule, Unary, UnaryKind, Variable,
+    step_count, AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf,
+    Init, LossScaleUpdate, OptimizerUpdate, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 
@@ -270,10 +270,7 @@ impl Optimizer for RuleOptimizer {
         // Dropout made the counter already: it must advance whatever the rule.
         let counted = self.rule.uses_step() || self.schedule.is_some();
         let count = if counted || g.find(STEP_VARIABLE).is_some() {
-            let counter = match g.find(STEP_VARIABLE) {
-                Some(id) => id.into(),
-                None => scalar_variable(g, STEP_VARIABLE, DType::F32, 0.0)?,
-            };
+            let counter = step_count(g)?;
             let next = g.add(IncrementIf, &[finite, counter])?;
             writes.push(g.add(AssignVariable, &[counter, next])?);
             Some(next)
@@ -283,7 +280,6 @@ impl Optimizer for RuleOptimizer {
         let step = count.filter(|_| self.rule.uses_step());
         let factor = match (self.schedule, count) {
             (Some(schedule), Some(count)) => {
-                schedule.check().map_err(GraphError::Format)?;
                 let name = g.fresh_name("optimizer/learning_rate_factor");
                 Some(Port::from(g.add_node(
                     name,

@@ -26,8 +26,8 @@ use crate::error::{GraphError, Result};
 use crate::graph::{Graph, NodeId, Port};
 use crate::op::Op;
 use crate::ops::{
-    BatchNorm, BiasAdd, Conv2D, DataFormat, Dropout, Init, MatMul, Padding, Unary, UnaryKind,
-    Variable, STEP_COUNT,
+    step_count, BatchNorm, BiasAdd, Conv2D, DataFormat, Dropout, Init, MatMul, Padding, Unary,
+    UnaryKind, Variable,
 };
 use crate::tensor::{checked_numel, ShapeDisplay, TensorType};
 
@@ -236,8 +236,8 @@ fn build_batch_norm(s: &mut Scope, x: Port, training: bool) -> Result<BatchNormL
 
 /// Dropout of `x` at `rate` (in [0, 1); 0 returns `x`): a [`Dropout`] node whose
 /// seed comes from its name (`dropout`, `dropout_1`, ...) and whose mask changes with
-/// the step count [`STEP_COUNT`] (a scalar f32 Variable, made here if the graph has
-/// none, that the optimizers advance each applied step). An inference graph is built
+/// the step count ([`step_count`]: a scalar f32 Variable, made if the graph has none,
+/// that the optimizers advance each applied step). An inference graph is built
 /// without it (rate 0), as batch norm's `training` flag builds its own.
 pub fn dropout(g: &mut Graph, x: Port, rate: f64) -> Result<Port> {
     if rate == 0.0 {
@@ -249,14 +249,7 @@ pub fn dropout(g: &mut Graph, x: Port, rate: f64) -> Result<Port> {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3)
     });
     let op = Dropout::new(rate, seed).map_err(|e| GraphError::Format(format!("{name}: {e}")))?;
-    let count = match g.find(STEP_COUNT) {
-        Some(id) => id.into(),
-        None => {
-            let ty = TensorType::new(DType::F32, vec![]);
-            let counter = Variable::with_init(ty, Init::Zeros);
-            Port::from(g.add_node(STEP_COUNT, Box::new(counter), &[])?)
-        }
-    };
+    let count = step_count(g)?;
     Ok(g.add_node(name, Box::new(op), &[x, count])?.into())
 }
 

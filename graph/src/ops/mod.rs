@@ -53,8 +53,9 @@ pub use softmax::{
 };
 pub use source::{Cast, Const, Init, Placeholder, Variable};
 pub use train::{
-    update_members, variable_updates, AllFinite, AssignVariable, Group, GroupedOptimizerUpdate,
-    IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule, VariableUpdate, STEP_COUNT,
+    step_count, update_members, variable_updates, AllFinite, AssignVariable, Group,
+    GroupedOptimizerUpdate, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule, VariableUpdate,
+    STEP_COUNT,
 };
 
 /// The gradient flowing into output 0, when there is one.

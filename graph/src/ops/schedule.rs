@@ -8,6 +8,7 @@
 use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::ops::train::require_step_count;
 use crate::tensor::{Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[OpEntry {
@@ -138,11 +139,7 @@ impl Op for LearningRateSchedule {
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [count] = fixed(inputs)?;
-        if !count.shape.is_empty() || count.dtype == DType::Bool {
-            return Err(format!(
-                "the step count must be a numeric scalar, got {count}"
-            ));
-        }
+        require_step_count(count)?;
         self.check()?;
         Ok(vec![TensorType::new(DType::F32, vec![])])
     }

@@ -6,10 +6,11 @@
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
-use crate::graph::{Graph, NodeId};
+use crate::error::GraphError;
+use crate::graph::{Graph, NodeId, Port};
 use crate::kernel::{eval_float, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
-use crate::ops::Variable;
+use crate::ops::{Init, Variable};
 use crate::tensor::{Data, ShapeDisplay, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -237,6 +238,26 @@ impl Op for IncrementIf {
 /// on each step they apply; Adam's bias corrections, learning-rate schedules and
 /// dropout masks read it.
 pub const STEP_COUNT: &str = "optimizer/step";
+
+/// The graph's step count [`STEP_COUNT`]: its Variable, made (a scalar f32 from 0)
+/// where the graph has none.
+pub fn step_count(g: &mut Graph) -> Result<Port, GraphError> {
+    if let Some(id) = g.find(STEP_COUNT) {
+        return Ok(id.into());
+    }
+    let counter = Variable::with_init(TensorType::new(DType::F32, vec![]), Init::Zeros);
+    Ok(g.add_node(STEP_COUNT, Box::new(counter), &[])?.into())
+}
+
+/// Requires a step count as an input: a numeric scalar.
+pub(crate) fn require_step_count(count: &TensorType) -> OpResult<()> {
+    if !count.shape.is_empty() || count.dtype == DType::Bool {
+        return Err(format!(
+            "the step count must be a numeric scalar, got {count}"
+        ));
+    }
+    Ok(())
+}
 
 /// The update rule of an optimizer, applied to one variable.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -466,12 +487,7 @@ impl Op for OptimizerUpdate {
             }
         }
         if self.rule.uses_step() {
-            let step = inputs[3 + n_slots];
-            if !step.shape.is_empty() || step.dtype == DType::Bool {
-                return Err(format!(
-                    "the step count must be a numeric scalar, got {step}"
-                ));
-            }
+            require_step_count(inputs[3 + n_slots])?;
         }
         if let Some(k) = self.factor_input() {
             let factor = inputs[k];
