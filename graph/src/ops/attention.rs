@@ -78,6 +78,15 @@ pub struct FusedAttentionGrad {
     pub packed: bool,
 }
 
+/// How many inputs q, k and v take: one packed, else three.
+pub fn qkv_inputs(packed: bool) -> usize {
+    if packed {
+        1
+    } else {
+        3
+    }
+}
+
 /// q's type (k's and v's too) of a packed `qkv [B, S, 3, H, D]`.
 pub fn unpacked_type(qkv: &TensorType) -> OpResult<TensorType> {
     match qkv.shape[..] {
@@ -118,6 +127,17 @@ fn pack(parts: Vec<Tensor>) -> OpResult<Tensor> {
     let [t] =
         <[Tensor; 1]>::try_from(crate::ops::Concat::new(2).eval(&refs)?).map_err(|_| "concat")?;
     Ok(t)
+}
+
+/// `eval` of `inputs` with a packed qkv (input 0) unpacked into q, k and v.
+fn eval_unpacked<R>(
+    inputs: &[&Tensor],
+    eval: impl FnOnce(&[&Tensor]) -> OpResult<R>,
+) -> OpResult<R> {
+    let (qkv, rest) = inputs.split_first().ok_or("missing the packed qkv")?;
+    let parts = unpack(qkv)?;
+    let all: Vec<&Tensor> = parts.iter().chain(rest.iter().copied()).collect();
+    eval(&all)
 }
 
 /// `inputs` with a packed qkv (input 0) in place of q, k and v.
@@ -286,8 +306,7 @@ impl Op for FusedAttention {
         "FusedAttention"
     }
     fn arity(&self) -> Arity {
-        let qkv = if self.packed { 1 } else { 3 };
-        Arity::Exactly(qkv + usize::from(self.key_bias))
+        Arity::Exactly(qkv_inputs(self.packed) + usize::from(self.key_bias))
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
         attention_attrs(self.scale, self.causal, self.key_bias, self.packed)
@@ -308,9 +327,7 @@ impl Op for FusedAttention {
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         if self.packed {
-            let qkv = unpack(inputs[0])?;
-            let all: Vec<&Tensor> = qkv.iter().chain(inputs[1..].iter().copied()).collect();
-            return self.unpacked().eval(&all);
+            return eval_unpacked(inputs, |all| self.unpacked().eval(all));
         }
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         let (_, dims) = forward_dims(self.key_bias, &types.iter().collect::<Vec<_>>())?;
@@ -329,7 +346,7 @@ impl Op for FusedAttention {
         let (Some(d_o), [o, lse]) = (grad0(grads), outputs) else {
             return Ok(vec![None; inputs.len()]);
         };
-        let (qkv, bias) = inputs.split_at((if self.packed { 1 } else { 3 }).min(inputs.len()));
+        let (qkv, bias) = inputs.split_at(qkv_inputs(self.packed).min(inputs.len()));
         let op = FusedAttentionGrad {
             scale: self.scale,
             causal: self.causal,
@@ -435,8 +452,7 @@ impl Op for FusedAttentionGrad {
         "FusedAttentionGrad"
     }
     fn arity(&self) -> Arity {
-        let qkv = if self.packed { 1 } else { 3 };
-        Arity::Exactly(qkv + 3 + usize::from(self.key_bias))
+        Arity::Exactly(qkv_inputs(self.packed) + 3 + usize::from(self.key_bias))
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
         attention_attrs(self.scale, self.causal, self.key_bias, self.packed)
@@ -461,9 +477,7 @@ impl Op for FusedAttentionGrad {
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         if self.packed {
-            let qkv = unpack(inputs[0])?;
-            let all: Vec<&Tensor> = qkv.iter().chain(inputs[1..].iter().copied()).collect();
-            return Ok(vec![pack(self.unpacked().eval(&all)?)?]);
+            return eval_unpacked(inputs, |all| Ok(vec![pack(self.unpacked().eval(all)?)?]));
         }
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         let dims = grad_dims(self.key_bias, &types.iter().collect::<Vec<_>>())?;

@@ -16,8 +16,8 @@
 //! diagonal, masks the scores above it in the tiles that cross it, and a warp skips
 //! a tile whose scores it masks whole (its contribution would be exactly zero).
 
-use ampgraph_graph::ops::attention::unpacked_type;
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
+use ampgraph_graph::ops::attention::{qkv_inputs, unpacked_type};
 use ampgraph_graph::ops::{FusedAttention, FusedAttentionGrad};
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -74,14 +74,20 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
 /// What [`checked_dims`] can refuse before any device is there: the scale, the dtype,
 /// the head width and the kernels' 32-bit offsets.
 fn static_check(scale: f64, packed: bool, ins: &[TensorType]) -> Result<(), String> {
+    attention_dims(scale, packed, ins).map(|_| ())
+}
+
+/// The sizes of the attention over `ins` (q, k and v first, or one packed qkv) that the
+/// kernels can take, or why not.
+fn attention_dims(scale: f64, packed: bool, ins: &[TensorType]) -> Result<AttentionDims, String> {
     if packed {
         let q = unpacked_type(ins.first().ok_or("attention takes a packed qkv")?)?;
-        return dims_of(scale, &q, &q, &q, 3).map(|_| ());
+        return dims_of(scale, &q, &q, &q, 3);
     }
     let [q, k, v, ..] = ins else {
         return Err("attention takes q, k and v".into());
     };
-    dims_of(scale, q, k, v, 1).map(|_| ())
+    dims_of(scale, q, k, v, 1)
 }
 
 /// A module's blocks: `warps` warps of 16 rows of the block's own side each (`ROWS`
@@ -631,16 +637,15 @@ fn checked_dims(
     packed: bool,
     tensors: &[&DTensor],
 ) -> Result<AttentionDims, String> {
-    let dims = if packed {
-        let q = unpacked_type(&tensors[0].ty())?;
-        dims_of(scale, &q, &q, &q, 3)?
-    } else {
-        let [q, k, v, ..] = tensors else {
-            return Err("internal: attention without q, k and v".into());
-        };
-        dims_of(scale, &q.ty(), &k.ty(), &v.ty(), 1)?
-    };
-    let q = tensors[0];
+    let types: Vec<TensorType> = tensors
+        .iter()
+        .take(qkv_inputs(packed))
+        .map(|t| t.ty())
+        .collect();
+    let dims = attention_dims(scale, packed, &types)?;
+    let q = tensors
+        .first()
+        .ok_or("internal: attention without q, k and v")?;
     if c.dev.sm < 80 {
         return Err("the attention kernels need Tensor Core mma (compute capability 8.0)".into());
     }
@@ -759,7 +764,7 @@ fn forward(
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
-    let n_qkv = if op.packed { 1 } else { 3 };
+    let n_qkv = qkv_inputs(op.packed);
     if inputs.len() < n_qkv {
         return Err("FusedAttention takes q, k and v".into());
     }
@@ -786,7 +791,7 @@ fn backward(
     inputs: &[DTensor],
     outs: &[TensorType],
 ) -> Result<Vec<DTensor>, String> {
-    let n_qkv = if op.packed { 1 } else { 3 };
+    let n_qkv = qkv_inputs(op.packed);
     let [o, lse, d_o] = match inputs.get(n_qkv..n_qkv + 3) {
         Some([o, lse, d_o]) => [o, lse, d_o],
         _ => return Err("FusedAttentionGrad takes q, k, v, o, lse and do".into()),
