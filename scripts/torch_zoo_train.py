@@ -64,11 +64,29 @@ def time_steps(step, warm=6, iters=20):
     return ts[len(ts) // 2], float(loss)
 
 
+def profile(step, steps, title):
+    """Per-kernel CUDA time per step (torch.profiler), the 40 costliest."""
+    from torch.profiler import ProfilerActivity
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    print(f"# profile: {title}, us per step")
+    rows = [(e.device_time_total / steps, e.count / steps, e.key) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(reverse=True)
+    print(f"# total {sum(r[0] for r in rows) / 1000:.3f} ms")
+    for us, n, key in rows[:40]:
+        print(f"{us:10.1f} {n:6.1f}  {key[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--dropout", type=float)
+    ap.add_argument("--profile", type=int, metavar="STEPS",
+                    help="after timing, print the CUDA kernels' times over STEPS steps")
     a = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     for name, (make, data, batch, dtype, opt_name, channels_last) in models(a.dropout).items():
@@ -109,6 +127,8 @@ def main():
                     "ms": round(ms, 2), "per_s": round(per / ms * 1000),
                     "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20), "loss": loss,
                 }), flush=True)
+                if a.profile:
+                    profile(step, a.profile, f"torch {mode} {name}")
             except Exception as e:  # one model's failure is a line, not the end
                 print(json.dumps({"peer": f"torch {mode}", "model": name,
                                   "error": f"{type(e).__name__}: {str(e)[:200]}"}), flush=True)

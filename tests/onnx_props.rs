@@ -265,3 +265,51 @@ proptest! {
         same_values(g, back, seed, Some(1e-6))?;
     }
 }
+
+/// An inference BatchNorm with a side input (the residual `fuse-batchnorm-activation`
+/// folds in), with and without its ReLU, NHWC and `[N, C]`, exports as
+/// BatchNormalization, Add (and Relu) and computes the same values.
+#[test]
+fn a_batch_norm_with_a_side_input_exports_as_its_add() {
+    use ampgraph::graph::ops::{BatchNorm, DataFormat, NormActivation};
+    for shape in [vec![2, 3, 3, 4], vec![5, 4]] {
+        for activation in [NormActivation::Identity, NormActivation::Relu] {
+            let mut g = Graph::new();
+            let ty = TensorType::new(DType::F32, shape.clone());
+            let x = g.add(Placeholder(ty.clone()), &[]).unwrap();
+            let side = g.add(Placeholder(ty), &[]).unwrap();
+            let stats: Vec<Port> = [
+                [1.5, 0.5, 2.0, 1.0],
+                [0.1, -0.2, 0.3, 0.0],
+                [0.2, 0.0, -0.1, 0.3],
+                [1.0, 0.5, 2.0, 0.7],
+            ]
+            .iter()
+            .map(|v| {
+                g.add(
+                    Const::new(Tensor::from_f64(DType::F32, vec![4], v).unwrap()),
+                    &[],
+                )
+                .unwrap()
+            })
+            .collect();
+            let bn = BatchNorm {
+                epsilon: 1e-3,
+                training: false,
+                data_format: DataFormat::Nhwc,
+                activation,
+            };
+            let mut inputs = vec![x];
+            inputs.extend(&stats);
+            inputs.push(side);
+            let y = g.add(bn, &inputs).unwrap();
+            g.set_outputs(vec![y]).unwrap();
+            let back = round_trip(&g);
+            assert!(
+                back.node_ids().any(|id| back.node(id).op_name() == "Add"),
+                "{shape:?} {activation:?}"
+            );
+            same_values(g, back, 7, Some(1e-6)).unwrap();
+        }
+    }
+}

@@ -1792,7 +1792,14 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
                     let what = format!(
                         "BatchNorm {d} {shape:?} {format:?} training {training} {activation:?}"
                     );
-                    check(&mut gpu, &what, bn, &inputs);
+                    check(&mut gpu, &what, bn.clone(), &inputs);
+                    // A side input (a residual) on channels-last values, as
+                    // fuse-batchnorm-activation makes it.
+                    if format == DataFormat::Nhwc {
+                        let mut with_side = inputs.to_vec();
+                        with_side.push(rand(&mut r, d, shape, -2.0, 2.0));
+                        check(&mut gpu, &format!("{what} side input"), bn, &with_side);
+                    }
                 }
                 // The gradient reads the forward's batch statistics (and, with the
                 // ReLU, its offset).

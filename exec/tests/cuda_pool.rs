@@ -34,10 +34,11 @@ const fn case(image: [usize; 4], ksize: [usize; 2], strides: [usize; 2], padding
 /// Strides 1, 2 and 3; windows equal to the stride, larger (overlapping) and smaller
 /// (input elements no window covers); SAME windows past the image on both sides and
 /// wider than it; explicit pads (PyTorch's `padding=1`, more after than before and
-/// before than after, one below the window); odd sizes; channels 1, 3, 5 and 17;
-/// batch 1; a window of 272 elements (MaxPoolGrad's kernel for windows whose maximum's
-/// place does not fit a byte).
-const CASES: [Case; 13] = [
+/// before than after, one below the window); odd sizes; channels 1, 3, 5 and 17, and
+/// 2, 12, 16 and 64 (an NHWC thread takes a vector of channels: 2, 4 or all of a
+/// 16-byte vector, by dtype); batch 1; windows of 272 elements (MaxPoolGrad's kernel
+/// for windows whose maximum's place does not fit a byte), of 3 and 16 channels.
+const CASES: [Case; 17] = [
     case([1, 5, 7, 3], [2, 2], [2, 2], Padding::Valid),
     case([2, 9, 8, 5], [3, 3], [2, 2], Padding::Same),
     case([1, 6, 6, 1], [3, 3], [1, 1], Padding::Same),
@@ -66,6 +67,15 @@ const CASES: [Case; 13] = [
         Padding::Explicit([[3, 1], [2, 2]]),
     ),
     case([1, 20, 19, 3], [16, 17], [3, 2], Padding::Same),
+    case(
+        [2, 9, 8, 64],
+        [3, 3],
+        [2, 2],
+        Padding::Explicit([[1, 1], [1, 1]]),
+    ),
+    case([1, 7, 6, 12], [2, 2], [1, 1], Padding::Same),
+    case([2, 5, 6, 16], [3, 2], [2, 1], Padding::Valid),
+    case([1, 18, 17, 16], [16, 17], [3, 2], Padding::Same),
 ];
 
 impl Case {

@@ -1,4 +1,5 @@
-//! Gradients of BatchNorm (training and inference, NHWC/NCHW/rank 2) and LayerNorm
+//! Gradients of BatchNorm (training and inference, NHWC/NCHW/rank 2, with and without
+//! a side input) and LayerNorm
 //! (every axis) against central finite differences, and the kernels of BatchNormGrad
 //! and LayerNormGrad against float64 references written here, in f32, f16, bf16 and
 //! f64 (BatchNormGrad also with f16/bf16 x and f32 statistics, as under AMP).
@@ -109,9 +110,14 @@ fn batch_norm_gradient_fixed_cases() {
                     data_format: format,
                     activation,
                 };
-                let err = check_output0(Box::new(op), &inputs, &[0, 1, 2], 3);
+                let err = check_output0(Box::new(op.clone()), &inputs, &[0, 1, 2], 3);
                 let what = format!("{format:?} {shape:?} {training} {activation:?}");
                 assert!(err < GRAD_TOL, "{what}: {err:e}");
+                // With a side input (a residual) added before the activation.
+                let mut with_side = inputs.clone();
+                with_side.push(t64(&shape, &rng.vec(numel(&shape), -1.0, 1.0)));
+                let err = check_output0(Box::new(op), &with_side, &[0, 1, 2, 5], 3);
+                assert!(err < GRAD_TOL, "{what} with a side input: {err:e}");
             }
         }
     }

@@ -1322,16 +1322,28 @@ impl<'g> Exporter<'g> {
             DataFormat::Nchw
         };
         let mut args = vec![self.nchw_value(inputs[0], format)?];
-        for &p in &inputs[1..] {
+        for &p in &inputs[1..5] {
             args.push(self.value(p)?);
         }
         let attrs = vec![attr_float("epsilon", bn.epsilon)];
-        match bn.activation {
-            NormActivation::Identity => {
+        // A side input is an Add after the normalisation, before the activation.
+        let side = match inputs.get(5) {
+            Some(&p) => Some(self.nchw_value(p, format)?),
+            None => None,
+        };
+        match (bn.activation, side) {
+            (NormActivation::Identity, None) => {
                 self.finish_image("BatchNormalization", args, attrs, format)
             }
-            NormActivation::Relu => {
+            (NormActivation::Identity, Some(side)) => {
                 let y = self.helper("BatchNormalization", args, attrs);
+                self.finish_image("Add", vec![y, side], vec![], format);
+            }
+            (NormActivation::Relu, side) => {
+                let mut y = self.helper("BatchNormalization", args, attrs);
+                if let Some(side) = side {
+                    y = self.helper("Add", vec![y, side], vec![]);
+                }
                 self.finish_image("Relu", vec![y], vec![], format);
             }
         }

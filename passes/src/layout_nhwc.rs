@@ -118,7 +118,8 @@ layout_sensitive! {
     AvgPool { data_format }: [0] => [0];
     MaxPoolGrad { data_format }: [0, 1, 2] => [0];
     AvgPoolGrad { data_format }: [0] => [0], input_shape;
-    BatchNorm { data_format }: [0] => [0];
+    // Slot 5: the side input, where there is one.
+    BatchNorm { data_format }: [0, 5] => [0];
     BatchNormGrad { data_format }: [0, 4] => [0];
     BiasAdd { data_format }: [0] => [0];
 }
@@ -192,14 +193,15 @@ fn nhwc_form(op: &dyn Op, inputs: &[&TensorType], outputs: &[TensorType]) -> Opt
             if !f
                 .inputs
                 .iter()
-                .all(|&s| inputs.get(s).is_some_and(|t| t.rank() == 4)) =>
+                .all(|&s| inputs.get(s).is_none_or(|t| t.rank() == 4)) =>
         {
             return None
         }
         Some(f) => f,
         None => agnostic_form(op, inputs, outputs)?,
     };
-    form.inputs.retain(|&s| is_image(inputs[s]));
+    form.inputs
+        .retain(|&s| inputs.get(s).is_some_and(|t| is_image(t)));
     form.outputs.retain(|&k| is_image(&outputs[k]));
     // An NCHW-only op converts whatever its shapes; an agnostic one without images has
     // no layout.

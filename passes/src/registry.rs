@@ -146,7 +146,7 @@ pub const PASSES: &[PassEntry] = &[
     },
     PassEntry {
         name: "fuse-batchnorm-activation",
-        summary: "A BatchNorm takes the Relu after it, and a BatchNormGrad the Relu's gradient mask (TensorFlow's _FusedBatchNormEx).",
+        summary: "A BatchNorm takes the Relu after it (and a residual Add before that Relu, as a side input), and a BatchNormGrad the Relu's gradient mask (TensorFlow's _FusedBatchNormEx).",
         make: || Box::new(FuseBatchNormActivation),
     },
     PassEntry {

@@ -148,8 +148,24 @@ impl OpProfile {
             self.host_secs * 1e3,
         );
         out.push_str(&row("all", &total));
-        for (key, e) in rows.into_iter().take(top) {
+        for (key, e) in rows.iter().take(top) {
             out.push_str(&row(key, e));
+        }
+        // The same times by kind of op alone (the key's first word), every kind.
+        let mut kinds: HashMap<&str, OpTimes> = HashMap::new();
+        for (key, e) in &rows {
+            let k = kinds
+                .entry(key.split(' ').next().unwrap_or(key))
+                .or_default();
+            k.calls += e.calls;
+            k.device_secs += e.device_secs;
+            k.host_secs += e.host_secs;
+        }
+        let mut kinds: Vec<(&str, OpTimes)> = kinds.into_iter().collect();
+        kinds.sort_by(|a, b| b.1.device_secs.total_cmp(&a.1.device_secs));
+        out.push_str("\n| op | calls | device ms | host ms | share |\n|---|---|---|---|---|\n");
+        for (kind, e) in &kinds {
+            out.push_str(&row(kind, e));
         }
         out
     }
@@ -573,6 +589,10 @@ mod tests {
         assert_eq!(rows[3], "| all | 4 | 9.000 | 2.500 | 100.0% |");
         assert_eq!(rows[4], "| MatMul f16[8, 8] | 2 | 6.000 | 2.000 | 66.7% |");
         assert_eq!(rows[5], "| Cast f32[8] | 1 | 2.000 | 0.500 | 22.2% |");
-        assert_eq!(rows.len(), 6, "only the top 2 kinds:\n{table}");
+        assert_eq!(rows[6], "", "only the top 2 kinds:\n{table}");
+        assert_eq!(rows[9], "| MatMul | 2 | 6.000 | 2.000 | 66.7% |");
+        assert_eq!(rows[10], "| Cast | 1 | 2.000 | 0.500 | 22.2% |");
+        assert_eq!(rows[11], "| Relu | 1 | 1.000 | 0.000 | 11.1% |");
+        assert_eq!(rows.len(), 12, "every kind of op:\n{table}");
     }
 }

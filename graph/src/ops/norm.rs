@@ -12,7 +12,7 @@ use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::fused::column_sum_of;
 use crate::ops::types_of;
-use crate::ops::{widens_exactly, Binary, BinaryKind, DataFormat};
+use crate::ops::{widens_exactly, Binary, BinaryKind, DataFormat, UnaryGrad, UnaryKind};
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -100,6 +100,13 @@ impl NormActivation {
 ///   `mean` and `variance` inputs are not read and may also be empty (`[0]`).
 ///
 /// With `activation = Relu`, `y` is the ReLU of the normalised values.
+///
+/// An optional sixth input `side` (x's type and shape), TensorFlow's
+/// `_FusedBatchNormEx` side input (a residual connection), is added to the normalised
+/// values before the activation: `y = act(round(round(norm(x)) + side))`, each rounding
+/// to x's dtype, so that the op equals the BatchNorm, Add and Relu it replaces bit for
+/// bit. Its gradient is the activation's gradient of `dy` (by `y`), both for `side`
+/// and as the `dy` of an identity BatchNormGrad.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BatchNorm {
     pub epsilon: f64,
@@ -137,6 +144,15 @@ impl BatchNorm {
         }
     }
 
+    /// The input slots of x's type: x, and the side input where there is one.
+    fn images(num_inputs: usize) -> Vec<usize> {
+        if num_inputs > 5 {
+            vec![0, 5]
+        } else {
+            vec![0]
+        }
+    }
+
     /// The statistics' dtype U for an `x` of `dtype`.
     fn stats_dtype(dtype: DType) -> DType {
         if dtype == DType::F64 {
@@ -146,8 +162,13 @@ impl BatchNorm {
         }
     }
 
-    fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<[Vec<T>; 3]> {
-        let [x, scale, offset, mean, variance] = fixed(inputs)?;
+    /// The outputs, `y` before the activation where `activation` is Identity.
+    fn compute<T: Real>(
+        &self,
+        inputs: &[&Tensor],
+        activation: NormActivation,
+    ) -> OpResult<[Vec<T>; 3]> {
+        let [x, scale, offset, mean, variance] = fixed(&inputs[..5])?;
         let shape = x.shape();
         let axis = self.channel_axis(shape.len());
         let c = shape.get(axis).copied().ok_or("x has no channel axis")?;
@@ -201,7 +222,7 @@ impl BatchNorm {
             .enumerate()
             .map(|(i, &val)| {
                 let ch = (i / inner.max(1)) % c.max(1);
-                self.activation.apply(val * a[ch] + b[ch])
+                activation.apply(val * a[ch] + b[ch])
             })
             .collect();
         Ok([y, out_m, out_v])
@@ -215,12 +236,26 @@ impl BatchNorm {
             .copied()
             .unwrap_or(0);
         let u = Self::stats_dtype(x.dtype());
-        let [y, m, v] = self.compute::<T>(inputs)?;
-        Ok(vec![
-            T::store(x.dtype(), x.shape().to_vec(), y)?,
-            T::store(u, vec![c], m)?,
-            T::store(u, vec![c], v)?,
-        ])
+        let shape = x.shape().to_vec();
+        let (y, m, v) = match inputs.get(5) {
+            None => {
+                let [y, m, v] = self.compute::<T>(inputs, self.activation)?;
+                (T::store(x.dtype(), shape, y)?, m, v)
+            }
+            Some(side) => {
+                let [y, m, v] = self.compute::<T>(inputs, NormActivation::Identity)?;
+                let y = T::store(x.dtype(), shape.clone(), y)?;
+                let sum = (T::read(&y).iter().zip(T::read(side).iter()))
+                    .map(|(&y, &s)| y + s)
+                    .collect();
+                let sum = T::store(x.dtype(), shape.clone(), sum)?;
+                let y = (T::read(&sum).iter())
+                    .map(|&v| self.activation.apply(v))
+                    .collect();
+                (T::store(x.dtype(), shape, y)?, m, v)
+            }
+        };
+        Ok(vec![y, T::store(u, vec![c], m)?, T::store(u, vec![c], v)?])
     }
 }
 
@@ -229,7 +264,7 @@ impl Op for BatchNorm {
         "BatchNorm"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(5)
+        Arity::AtLeast(5)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
         let mut attrs = vec![
@@ -241,8 +276,19 @@ impl Op for BatchNorm {
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let [x, scale, offset, mean, variance] = fixed(inputs)?;
+        if inputs.len() > 6 {
+            return Err(format!(
+                "expected 5 inputs and an optional side input, got {}",
+                inputs.len()
+            ));
+        }
+        let [x, scale, offset, mean, variance] = fixed(&inputs[..inputs.len().min(5)])?;
         require_float("x", x.dtype)?;
+        if let Some(side) = inputs.get(5) {
+            if side != x {
+                return Err(format!("the side input is {side} but must be x's type {x}"));
+            }
+        }
         if x.rank() != 4 && x.rank() != 2 {
             return Err(format!(
                 "x must have rank 4 ({}) or rank 2 [N, C], got shape {}",
@@ -290,14 +336,16 @@ impl Op for BatchNorm {
             _ => self.run::<f32>(inputs),
         }
     }
-    /// Only `x` follows the compute type; the statistics keep theirs (f32 under AMP).
-    fn typed_inputs(&self, _num_inputs: usize) -> Vec<usize> {
-        vec![0]
+    /// Only `x` (and the side input) follow the compute type; the statistics keep
+    /// theirs (f32 under AMP).
+    fn typed_inputs(&self, num_inputs: usize) -> Vec<usize> {
+        Self::images(num_inputs)
     }
-    /// TensorFlow's T (x, y) and U (the statistics in and out, never 16-bit).
-    fn type_groups(&self, _num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
+    /// TensorFlow's T (x, the side input, y) and U (the statistics in and out, never
+    /// 16-bit).
+    fn type_groups(&self, num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
         vec![
-            TypeGroup::new(vec![0], vec![0]),
+            TypeGroup::new(Self::images(num_inputs), vec![0]),
             TypeGroup::new(vec![1, 2, 3, 4], vec![1, 2]).fixed(),
         ]
     }
@@ -308,7 +356,10 @@ impl Op for BatchNorm {
     ///
     /// The gradients of outputs 1 and 2 (the batch statistics, which feed the running
     /// averages and not the loss) are ignored, as TensorFlow's `FusedBatchNorm`
-    /// gradient ignores them. With an activation the gradient also reads `y`.
+    /// gradient ignores them. With an activation the gradient also reads `offset`.
+    ///
+    /// With a side input, the activation's gradient (by `y`) is the side input's
+    /// gradient and the `dy` of an identity BatchNormGrad.
     fn gradient(
         &self,
         b: &mut GradBuilder,
@@ -316,7 +367,9 @@ impl Op for BatchNorm {
         outputs: &[Port],
         grads: &[Option<Port>],
     ) -> Result<Vec<Option<Port>>, GraphError> {
-        let (&[x, scale, offset, mean, variance], Some(&Some(dy))) = (inputs, grads.first()) else {
+        let (&[x, scale, offset, mean, variance], Some(&Some(dy))) =
+            (&inputs[..inputs.len().min(5)], grads.first())
+        else {
             return Ok(vec![None; inputs.len()]);
         };
         let (mean, variance) = match (self.training, outputs) {
@@ -324,24 +377,45 @@ impl Op for BatchNorm {
             (true, _) => return Err(GraphError::Format("BatchNorm has 3 outputs".into())),
             (false, _) => (mean, variance),
         };
+        let side = inputs.len() > 5;
+        let (activation, dy) = match (side, self.activation) {
+            (true, NormActivation::Relu) => {
+                let y = *outputs
+                    .first()
+                    .ok_or_else(|| GraphError::Format("BatchNorm has 3 outputs".into()))?;
+                let mask = UnaryGrad {
+                    kind: UnaryKind::Relu,
+                };
+                (
+                    NormActivation::Identity,
+                    b.add_node(Box::new(mask), &[y, dy])?.into(),
+                )
+            }
+            (true, NormActivation::Identity) => (NormActivation::Identity, dy),
+            (false, activation) => (activation, dy),
+        };
         let grad = BatchNormGrad {
             epsilon: self.epsilon,
             training: self.training,
             data_format: self.data_format,
-            activation: self.activation,
+            activation,
         };
         let mut operands = vec![x, scale, mean, variance, dy];
-        if self.activation != NormActivation::Identity {
+        if activation != NormActivation::Identity {
             operands.push(offset);
         }
         let id = b.add_node(Box::new(grad), &operands)?;
-        Ok(vec![
+        let mut grads = vec![
             Some(Port::new(id, 0)),
             Some(Port::new(id, 1)),
             Some(Port::new(id, 2)),
             None,
             None,
-        ])
+        ];
+        if side {
+            grads.push(Some(dy));
+        }
+        Ok(grads)
     }
 }
 

@@ -112,8 +112,9 @@ fn sweep(g: &mut Graph) -> Result<(usize, usize), PassError> {
             }
             continue;
         }
-        // A folded BatchNorm becomes a BiasAdd, which has no activation.
-        if !unread(bn, 1) || !unread(bn, 2) || op.activation != NormActivation::Identity {
+        // A folded BatchNorm becomes a BiasAdd, which has no activation or side input.
+        let side = adj.inputs(bn).len() > 5;
+        if !unread(bn, 1) || !unread(bn, 2) || op.activation != NormActivation::Identity || side {
             continue;
         }
         let (product, bias) = match bias_add {

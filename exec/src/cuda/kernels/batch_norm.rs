@@ -33,9 +33,11 @@ kernel_specs! {
         /// chunks, i64 rows, double eps)`, `k_affine(const TU* pscale, const TU*
         /// poffset, const TU* pmean, const TU* pvar, AU* pab, i64 len, double eps)`,
         /// `k(const T* px, const AU* pa, const AU* pb, T* py, i64 n, i64 len)`.
-        /// With `relu`, `k` stores the ReLU of the normalised values; with `vectors`
-        /// (`len` a multiple of its vectors), `k` reads `a` and `b` as vectors too.
-        Forward { x: DType, u: DType, relu: bool, vectors: bool } => forward(x, u, relu, vectors),
+        /// With `relu`, `k` stores the ReLU of the normalised values; with `side`, it
+        /// takes `const T* ps` after `pb` and adds it to them (rounded to T first, as
+        /// the CPU) before the ReLU; with `vectors` (`len` a multiple of its vectors),
+        /// `k` reads `a` and `b` as vectors too.
+        Forward { x: DType, u: DType, relu: bool, side: bool, vectors: bool } => forward(x, u, relu, side, vectors),
         /// `k_cols_part(const T* px, const T* pdy, const TU* pmean, const TU* pvar,
         /// double unbias, double eps, AU* part, i64 rows, i64 len, i64 chunk_rows)` and
         /// `k_cols_fin` (sum dy, sum dy * xhat), `k_coef(const TU* pscale, const TU*
@@ -117,13 +119,20 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
     };
     let (y_ty, mean_ty, var_ty) = (y_ty.clone(), mean_ty.clone(), var_ty.clone());
     let relu = bn.activation == NormActivation::Relu;
+    let side = ins.len() > 5;
     let (rows, len) = (nchw[0] * nchw[2] * nchw[3], nchw[1]);
     let own = channels_last(layout, nchw).then_some(Spec::Forward {
         x: y_ty.dtype,
         u: mean_ty.dtype,
         relu,
+        side,
         vectors: channel_vectors(y_ty.dtype, len),
     });
+    if side && own.is_none() {
+        return Err("a batch norm with a side input runs on channels-last images (NHWC) \
+             on CUDA; run the layout-nhwc pass first"
+            .into());
+    }
     Ok(kernel(move |c, inputs| {
         let x = input(inputs, 0)?;
         let params = [input(inputs, 1)?, input(inputs, 2)?];
@@ -142,7 +151,8 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
                 } else {
                     affine(c, spec, params, stats, len, epsilon)?
                 };
-                apply(c, spec, x, &ab, &y, len)?;
+                let side = if side { Some(input(inputs, 5)?) } else { None };
+                apply(c, spec, [x, &ab, &y], side, len)?;
             }
             None => {
                 c.dnn.batch_norm(
@@ -234,24 +244,18 @@ fn affine(
     Ok(ab)
 }
 
-/// `y = x * a + b` per channel.
+/// `y = x * a + b` per channel (`+ side` where there is one).
 fn apply(
     c: &Ctx,
     spec: &Spec,
-    x: &DTensor,
-    ab: &DTensor,
-    y: &DTensor,
+    [x, ab, y]: [&DTensor; 3],
+    side: Option<&DTensor>,
     len: usize,
 ) -> Result<(), String> {
     let n = x.len();
-    let args = [
-        x.arg(),
-        channel_row(ab, 0, len),
-        channel_row(ab, 1, len),
-        y.arg(),
-        Arg::I64(n as i64),
-        Arg::I64(len as i64),
-    ];
+    let mut args = vec![x.arg(), channel_row(ab, 0, len), channel_row(ab, 1, len)];
+    args.extend(side.map(DTensor::arg));
+    args.extend([y.arg(), Arg::I64(n as i64), Arg::I64(len as i64)]);
     c.launch_elementwise(spec, n, &args)
 }
 
@@ -285,21 +289,33 @@ fn per_channel<'a>(
     }
 }
 
-pub(super) fn forward(x: DType, u: DType, relu: bool, vectors: bool) -> String {
+pub(super) fn forward(x: DType, u: DType, relu: bool, side: bool, vectors: bool) -> String {
     let ab = acc_dtype(u).size_bytes();
-    let normalised = if relu {
-        "(C)m_max((AU)x * a + b, (AU)0)"
+    // The side input adds to the normalised values as stored in T, as the Add it
+    // replaces read them.
+    let pre = if side {
+        "(AU)rounded((AU)x * a + b) + (AU)s"
     } else {
-        "(C)((AU)x * a + b)"
+        "(AU)x * a + b"
     };
+    let normalised = if relu {
+        format!("(C)m_max({pre}, (AU)0)")
+    } else {
+        format!("(C)({pre})")
+    };
+    let mut loads = vec![
+        own(x, "x", "px"),
+        per_channel(("AU", "ldA"), "a", "pa", ab, vectors),
+        per_channel(("AU", "ldA"), "b", "pb", ab, vectors),
+    ];
+    if side {
+        loads.push(own(x, "s", "ps"));
+    }
+    let side_param = if side { "const T* ps, " } else { "" };
     let apply = elementwise_from_end(
-        &[
-            own(x, "x", "px"),
-            per_channel(("AU", "ldA"), "a", "pa", ab, vectors),
-            per_channel(("AU", "ldA"), "b", "pb", ab, vectors),
-        ],
+        &loads,
         "",
-        &[store(x, "py", normalised)],
+        &[store(x, "py", &normalised)],
     );
     // Sums of x and x^2 shifted by row 0 (no cancellation for a large mean).
     let sums = column_sums(
@@ -322,6 +338,7 @@ pub(super) fn forward(x: DType, u: DType, relu: bool, vectors: bool) -> String {
         &[("", x), ("U", u)],
         &format!(
             "__device__ __forceinline__ AU ldA(const AU* p, i64 i) {{ return p[i]; }}
+             __device__ __forceinline__ C rounded(AU v) {{ T t; st(&t, 0, (C)v); return ld(&t, 0); }}
              {sums}{word_sums}\
              extern \"C\" __global__ void k_stats(const AU* part, const T* px, const TU* pscale, const TU* poffset, TU* pmean, TU* pvar, AU* pab, i64 len, i64 chunks, i64 rows, double eps) {{\n\
                __shared__ AU sh[2][{FIN_WARPS}][33];\n\
@@ -345,7 +362,7 @@ pub(super) fn forward(x: DType, u: DType, relu: bool, vectors: bool) -> String {
                  AU a = (AU)ldU(pscale, j) / sqrt((AU)ldU(pvar, j) + (AU)eps);\n\
                  pab[j] = a; pab[len + j] = (AU)ldU(poffset, j) - (AU)ldU(pmean, j) * a;\n\
                }}\n}}\n\
-             extern \"C\" __global__ void k(const T* px, const AU* pa, const AU* pb, T* py, i64 n, i64 len) {{\n{apply}}}\n"
+             extern \"C\" __global__ void k(const T* px, const AU* pa, const AU* pb, {side_param}T* py, i64 n, i64 len) {{\n{apply}}}\n"
         ),
     )
 }

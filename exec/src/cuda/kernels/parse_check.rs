@@ -146,12 +146,13 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                 schedule_factor(d, LearningRateSchedule::warmup_linear(0, 100, 0.0)),
             ),
         ]);
-        for wide in [false, true] {
+        for (wide, lanes) in [(false, 1), (true, 1), (false, 8)] {
+            let id = format!("{d}_{wide}_{lanes}");
             k.extend([
-                (format!("max_pool_{d}_{wide}"), max_pool(d, wide)),
-                (format!("avg_pool_{d}_{wide}"), avg_pool(d, wide)),
-                (format!("max_pool_grad_{d}_{wide}"), max_pool_grad(d, wide)),
-                (format!("avg_pool_grad_{d}_{wide}"), avg_pool_grad(d, wide)),
+                (format!("max_pool_{id}"), max_pool(d, wide, lanes)),
+                (format!("avg_pool_{id}"), avg_pool(d, wide, lanes)),
+                (format!("max_pool_grad_{id}"), max_pool_grad(d, wide, lanes)),
+                (format!("avg_pool_grad_{id}"), avg_pool_grad(d, wide, lanes)),
             ]);
         }
         let rules = [
@@ -222,10 +223,12 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         (DType::F64, DType::F64),
     ] {
         for (relu, vectors) in [(false, false), (true, false), (false, true), (true, true)] {
-            k.push((
-                format!("batch_norm_{x}_{relu}_{vectors}"),
-                batch_norm_forward(x, u, relu, vectors),
-            ));
+            for side in [false, true] {
+                k.push((
+                    format!("batch_norm_{x}_{relu}_{side}_{vectors}"),
+                    batch_norm_forward(x, u, relu, side, vectors),
+                ));
+            }
             k.push((
                 format!("batch_norm_grad_{x}_{relu}_{vectors}"),
                 batch_norm_backward(x, u, relu, vectors),

@@ -15,51 +15,41 @@ use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::module;
-use super::{
-    first, float_input, input, numel, one_output, Ctx, CudaKernel, KernelResult, Lowering,
-};
+use super::{first, float_input, input, numel, one_output, Ctx, KernelResult, Lowering};
 use crate::cuda::device::{Arg, DTensor};
 
 kernel_specs! {
-    /// The modules of the family, one per op, dtype and index width (`wide`: 64-bit);
-    /// `GEOMETRY` stands for [`GEOMETRY`]'s parameters.
+    /// The modules of the family, one per op, dtype, index width (`wide`: 64-bit) and
+    /// `lanes`: the channels a thread takes (1, or a 16-byte vector's worth of an NHWC
+    /// tensor whose channel count it divides); `GEOMETRY` stands for [`GEOMETRY`]'s
+    /// parameters and `total` counts the threads' items (elements / lanes).
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
     enum Spec in "pool" {
-        /// `k(const T* px, T* py, i64 total, GEOMETRY)`, a thread per output.
-        MaxPool { dtype: DType, wide: bool } => max_pool(dtype, wide),
-        /// `k(const T* px, T* py, i64 total, GEOMETRY)`, a thread per output.
-        AvgPool { dtype: DType, wide: bool } => avg_pool(dtype, wide),
-        /// `k_argmax(const T* px, u8* pat, i64 total, GEOMETRY)`, a thread per output;
-        /// then `k(const u8* pat, const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread
+        /// `k(const T* px, T* py, i64 total, GEOMETRY)`, an item per output.
+        MaxPool { dtype: DType, wide: bool, lanes: u8 } => max_pool(dtype, wide, lanes),
+        /// `k(const T* px, T* py, i64 total, GEOMETRY)`, an item per output.
+        AvgPool { dtype: DType, wide: bool, lanes: u8 } => avg_pool(dtype, wide, lanes),
+        /// `k_argmax(const T* px, u8* pat, i64 total, GEOMETRY)`, an item per output;
+        /// then `k(const u8* pat, const T* pdy, T* pdx, i64 total, GEOMETRY)`, an item
         /// per input element. For windows of more than [`MAX_WINDOW_PLACES`]
         /// elements, `k_direct(const T* px, const T* pdy, T* pdx, i64 total, GEOMETRY)`.
-        MaxPoolGrad { dtype: DType, wide: bool } => max_pool_grad(dtype, wide),
-        /// `k(const T* pdy, T* pdx, i64 total, GEOMETRY)`, a thread per input element.
-        AvgPoolGrad { dtype: DType, wide: bool } => avg_pool_grad(dtype, wide),
+        MaxPoolGrad { dtype: DType, wide: bool, lanes: u8 } => max_pool_grad(dtype, wide, lanes),
+        /// `k(const T* pdy, T* pdx, i64 total, GEOMETRY)`, an item per input element.
+        AvgPoolGrad { dtype: DType, wide: bool, lanes: u8 } => avg_pool_grad(dtype, wide, lanes),
     }
 }
 
-/// The parameters (type, name) every kernel takes after its tensors and element count:
-/// the layout (NHWC when `nhwc`), the input's channels, rows and columns, the output's
-/// rows and columns, and the window's size, stride and padding before, by axis (rows
-/// first). [`Geometry::new`] makes the arguments in this order.
-const GEOMETRY: [(&str, &str); 12] = [
-    ("int", "nhwc"),
-    ("i64", "c"),
-    ("i64", "h"),
-    ("i64", "w"),
-    ("i64", "oh"),
-    ("i64", "ow"),
-    ("i64", "kh"),
-    ("i64", "kw"),
-    ("i64", "sh"),
-    ("i64", "sw"),
-    ("i64", "ph"),
-    ("i64", "pw"),
+/// The parameters every kernel takes after its tensors and item count: the layout
+/// (`int nhwc`), then each size by name, as an `i64` where [`DIVIDED`] does not name
+/// it, else as an `i64` with its divider (`unsigned NAME_m, unsigned NAME_s`): the
+/// input's channels, rows and columns, the output's rows and columns, and the window's
+/// size, stride and padding before, by axis (rows first). [`Geometry::new`] makes the
+/// arguments in this order.
+const GEOMETRY: [&str; 11] = [
+    "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "ph", "pw",
 ];
 
-/// The sizes of [`GEOMETRY`] the kernels divide by, each passed after it as a
-/// multiplier and a shift ([`divider`]).
+/// The sizes of [`GEOMETRY`] the kernels divide by.
 const DIVIDED: [&str; 7] = ["c", "h", "w", "oh", "ow", "sh", "sw"];
 
 /// The multiplier and shift that divide by `d` with a multiply-high: for `0 <= n <
@@ -76,7 +66,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(p) = op.downcast_ref::<MaxPool>() {
         let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
         return Some(lower_forward(
-            |dtype, wide| Spec::MaxPool { dtype, wide },
+            |dtype, wide, lanes| Spec::MaxPool { dtype, wide, lanes },
             &attrs,
             ins,
             outs,
@@ -85,7 +75,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(p) = op.downcast_ref::<AvgPool>() {
         let attrs = Attrs::new(p.ksize, p.strides, p.padding, p.data_format);
         return Some(lower_forward(
-            |dtype, wide| Spec::AvgPool { dtype, wide },
+            |dtype, wide, lanes| Spec::AvgPool { dtype, wide, lanes },
             &attrs,
             ins,
             outs,
@@ -121,16 +111,22 @@ impl Attrs {
     }
 }
 
+/// The spec of one of the family's ops from its dtype, index width and lanes.
+type SpecOf = fn(DType, bool, u8) -> Spec;
+
 /// A pooling's input and output shapes and its kernels' [`GEOMETRY`] arguments.
 struct Geometry {
+    dtype: DType,
     input: Vec<usize>,
     output: Vec<usize>,
     args: Vec<Arg>,
+    /// The channels a thread takes where its tensors are aligned to them.
+    lanes: usize,
 }
 
 impl Geometry {
-    /// The pooling of an input of shape `input` (in the attrs' layout).
-    fn new(attrs: &Attrs, input: &[usize]) -> Result<Geometry, String> {
+    /// The pooling of a `dtype` input of shape `input` (in the attrs' layout).
+    fn new(attrs: &Attrs, dtype: DType, input: &[usize]) -> Result<Geometry, String> {
         let &[d0, d1, d2, d3] = input else {
             return Err(format!(
                 "pooling takes a rank-4 image tensor, got {}",
@@ -169,35 +165,60 @@ impl Geometry {
             vec![n, c, oh, ow]
         };
         let mut args = vec![Arg::I32(nhwc.into())];
-        args.extend([c, h, w, oh, ow, kh, kw, sh, sw, ph, pw].map(|v| Arg::I64(v as i64)));
-        // DIVIDED's order.
-        for v in [c, h, w, oh, ow, sh, sw] {
-            let (m, s) = divider(v);
-            args.extend([Arg::I32(m as i32), Arg::I32(s as i32)]);
+        for (name, v) in GEOMETRY
+            .iter()
+            .zip([c, h, w, oh, ow, kh, kw, sh, sw, ph, pw])
+        {
+            args.push(Arg::I64(v as i64));
+            if DIVIDED.contains(name) {
+                let (m, s) = divider(v);
+                args.extend([Arg::I32(m as i32), Arg::I32(s as i32)]);
+            }
         }
+        // A channels-last thread takes a 16-byte vector of channels (one pixel's index
+        // math for all of them), or the largest power of two of them dividing `c`.
+        let lanes = if nhwc {
+            let vector = (16 / dtype.size_bytes()).max(1);
+            (0..=vector.ilog2())
+                .rev()
+                .map(|k| 1 << k)
+                .find(|l| c % l == 0)
+                .unwrap_or(1)
+        } else {
+            1
+        };
         Ok(Geometry {
+            dtype,
             input: input.to_vec(),
             output,
             args,
+            lanes,
         })
     }
-}
 
-impl Geometry {
-    /// Launches kernel `name` of `spec`, a thread per each of `total` items: its
-    /// arguments `tensors`, then `total` and the geometry.
+    /// Launches kernel `name` of the spec `of` makes, a thread per `lanes` of
+    /// `elements` (1 where a tensor is not aligned to them): its arguments `tensors`,
+    /// then the item count and the geometry.
     fn launch(
         &self,
         c: &Ctx,
-        spec: &Spec,
+        of: SpecOf,
         name: &'static str,
-        tensors: &[Arg],
-        total: usize,
+        tensors: &[&DTensor],
+        elements: usize,
     ) -> Result<(), String> {
-        let mut args = tensors.to_vec();
-        args.push(Arg::I64(total as i64));
+        let aligned = |t: &&DTensor| t.ptr() % (self.lanes * t.dtype.size_bytes()) as u64 == 0;
+        let lanes = if tensors.iter().all(aligned) {
+            self.lanes
+        } else {
+            1
+        };
+        let spec = of(self.dtype, wide(&self.input, &self.output), lanes as u8);
+        let items = elements / lanes;
+        let mut args: Vec<Arg> = tensors.iter().map(|t| t.arg()).collect();
+        args.push(Arg::I64(items as i64));
         args.extend(self.args.iter().cloned());
-        c.launch_items_of(spec, name, total, 1, &args)
+        c.launch_items_of(&spec, name, items, 1, &args)
     }
 }
 
@@ -215,20 +236,21 @@ fn expect(what: &str, t: Option<&TensorType>, dtype: DType, shape: &[usize]) -> 
     Ok(())
 }
 
-/// MaxPool or AvgPool (`spec` of the dtype): `y` from `x`.
+/// MaxPool or AvgPool (the spec `of`): `y` from `x`.
 fn lower_forward(
-    spec: impl Fn(DType, bool) -> Spec,
+    of: SpecOf,
     attrs: &Attrs,
     ins: &[TensorType],
     outs: &[TensorType],
 ) -> KernelResult {
     let dtype = float_input(ins)?;
-    let g = Geometry::new(attrs, &ins[0].shape)?;
+    let g = Geometry::new(attrs, dtype, &ins[0].shape)?;
     let y = first(outs)?;
     expect("y", Some(&y), dtype, &g.output)?;
     let total = numel(&g.output);
-    let spec = spec(dtype, wide(&g.input, &g.output));
-    Ok(pooling_kernel(spec, &[0], y, total, g))
+    Ok(one_output(y, move |c, ins, y| {
+        g.launch(c, of, "k", &[input(ins, 0)?, y], total)
+    }))
 }
 
 /// The most elements a window may have for MaxPoolGrad to note its maximum's place in
@@ -238,28 +260,23 @@ const MAX_WINDOW_PLACES: usize = 255;
 /// MaxPoolGrad: `dx` from `x`, `y` (its type checked only, as on the CPU) and `dy`.
 fn lower_max_pool_grad(attrs: &Attrs, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let dtype = float_input(ins)?;
-    let g = Geometry::new(attrs, &ins[0].shape)?;
+    let g = Geometry::new(attrs, dtype, &ins[0].shape)?;
     expect("y", ins.get(1), dtype, &g.output)?;
     expect("dy", ins.get(2), dtype, &g.output)?;
     let dx = first(outs)?;
     expect("dx", Some(&dx), dtype, &g.input)?;
-    let spec = Spec::MaxPoolGrad {
-        dtype,
-        wide: wide(&g.input, &g.output),
-    };
+    let of: SpecOf = |dtype, wide, lanes| Spec::MaxPoolGrad { dtype, wide, lanes };
     let (inputs, outputs) = (numel(&g.input), numel(&g.output));
     let direct = attrs.ksize[0] * attrs.ksize[1] > MAX_WINDOW_PLACES;
     Ok(one_output(dx, move |c, ins, dx| {
         let (x, dy) = (input(ins, 0)?, input(ins, 2)?);
         if direct {
-            let tensors = [x.arg(), dy.arg(), dx.arg()];
-            return g.launch(c, &spec, "k_direct", &tensors, inputs);
+            return g.launch(c, of, "k_direct", &[x, dy, dx], inputs);
         }
         // A byte per window (Bool's storage): its first maximum's place.
         let places = c.temp(DType::Bool, outputs)?;
-        g.launch(c, &spec, "k_argmax", &[x.arg(), places.arg()], outputs)?;
-        let tensors = [places.arg(), dy.arg(), dx.arg()];
-        g.launch(c, &spec, "k", &tensors, inputs)
+        g.launch(c, of, "k_argmax", &[x, &places], outputs)?;
+        g.launch(c, of, "k", &[&places, dy, dx], inputs)
     }))
 }
 
@@ -271,48 +288,24 @@ fn lower_avg_pool_grad(
     outs: &[TensorType],
 ) -> KernelResult {
     let dtype = float_input(ins)?;
-    let g = Geometry::new(attrs, input_shape)?;
+    let g = Geometry::new(attrs, dtype, input_shape)?;
     expect("dy", ins.first(), dtype, &g.output)?;
     let dx = first(outs)?;
     expect("dx", Some(&dx), dtype, &g.input)?;
     let total = numel(&g.input);
-    Ok(pooling_kernel(
-        Spec::AvgPoolGrad {
-            dtype,
-            wide: wide(&g.input, &g.output),
-        },
-        &[0],
-        dx,
-        total,
-        g,
-    ))
-}
-
-/// Kernel `k` of `spec` writing `out`, a thread per each of its `total` elements: its
-/// arguments the node's inputs numbered `reads`, the output, `total` and the geometry.
-fn pooling_kernel(
-    spec: Spec,
-    reads: &'static [usize],
-    out: TensorType,
-    total: usize,
-    g: Geometry,
-) -> Box<dyn CudaKernel> {
-    one_output(out, move |c, inputs, y| {
-        let mut tensors = reads
-            .iter()
-            .map(|&k| input(inputs, k).map(DTensor::arg))
-            .collect::<Result<Vec<_>, _>>()?;
-        tensors.push(y.arg());
-        g.launch(c, &spec, "k", &tensors, total)
-    })
+    let of: SpecOf = |dtype, wide, lanes| Spec::AvgPoolGrad { dtype, wide, lanes };
+    Ok(one_output(dx, move |c, ins, dx| {
+        g.launch(c, of, "k", &[input(ins, 0)?, dx], total)
+    }))
 }
 
 /// What every pooling kernel uses: an element's place in an image tensor, the input
 /// range of an output's window (the CPU's `Axis::range`), the outputs whose windows
-/// cover an input position, and the first maximum of a window.
+/// cover an input position, and a window's first maximum, all for the `V` channels
+/// (lanes) of an item.
 const POOLING: &str = r#"
-// A divisor with its multiplier and shift: in 32-bit modules n / d is a multiply-high,
-// an add and a shift (n < 2^31), as PyTorch's IntDivider does.
+// A size with the multiplier and shift that divide by it: in 32-bit modules n / d is
+// a multiply-high, an add and a shift (n < 2^31), as PyTorch's IntDivider does.
 struct Div { I d; unsigned m, s; };
 __device__ __forceinline__ I quot(I n, Div v) {
 #if FAST_DIV
@@ -328,29 +321,30 @@ struct Range { I lo, hi; };
 __device__ __forceinline__ I range_len(Range r) { return r.hi - r.lo; }
 struct Pooling {
   int nhwc;
-  I c, h, w, oh, ow, kh, kw, sh, sw, ph, pw;
-  // The same sizes as divisors.
-  Div dc, dh, dw, doh, dow, dsh, dsw;
+  Div c, h, w, oh, ow;
+  I kh, kw;
+  Div sh, sw;
+  I ph, pw;
   // Element `i` of a contiguous tensor of images of `rows` x `cols`.
   __device__ __forceinline__ Pixel pixel(I i, Div rows, Div cols) const {
     Pixel p;
     I q;
     if (nhwc) {
-      q = quot(i, dc); p.ch = i - q * c; i = q;
+      q = quot(i, c); p.ch = i - q * c.d; i = q;
       q = quot(i, cols); p.x = i - q * cols.d; i = q;
       q = quot(i, rows); p.y = i - q * rows.d; p.b = q;
     } else {
       q = quot(i, cols); p.x = i - q * cols.d; i = q;
       q = quot(i, rows); p.y = i - q * rows.d; i = q;
-      q = quot(i, dc); p.ch = i - q * c; p.b = q;
+      q = quot(i, c); p.ch = i - q * c.d; p.b = q;
     }
     return p;
   }
   __device__ __forceinline__ I offset(I b, I ch, I y, I x, I rows, I cols) const {
-    return nhwc ? ((b * rows + y) * cols + x) * c + ch : ((b * c + ch) * rows + y) * cols + x;
+    return nhwc ? ((b * rows + y) * cols + x) * c.d + ch : ((b * c.d + ch) * rows + y) * cols + x;
   }
-  __device__ __forceinline__ I input_offset(I b, I ch, I y, I x) const { return offset(b, ch, y, x, h, w); }
-  __device__ __forceinline__ I output_offset(I b, I ch, I y, I x) const { return offset(b, ch, y, x, oh, ow); }
+  __device__ __forceinline__ I input_offset(I b, I ch, I y, I x) const { return offset(b, ch, y, x, h.d, w.d); }
+  __device__ __forceinline__ I output_offset(I b, I ch, I y, I x) const { return offset(b, ch, y, x, oh.d, ow.d); }
 };
 // The in-bounds input positions of output position `o`'s window along an axis of
 // `len` (padding takes no part).
@@ -372,66 +366,87 @@ __device__ __forceinline__ Range covering(I i, Div stride, I pad, I size, I out)
   if (r.hi > out) r.hi = out;
   return r;
 }
-// The first maximum of the window (rows `ry`, columns `rx`) of image `b`, channel
-// `ch`, in row-major order, with a NaN counting as the maximum: its input offset (-1
-// for an empty window) and value (-inf then). MaxPool's value is the CPU's (NaN
-// propagates); MaxPoolGrad's element the one the CPU gives the window's gradient.
-struct Max { I at; A value; I y, x; };
-__device__ __forceinline__ Max first_max(const T* px, const Pooling& g, I b, I ch, Range ry, Range rx) {
-  Max m = {-1, (A)(-F_INF), 0, 0};
+// The V lanes at offset `at` (a multiple of V) as the compute type.
+struct Lanes { A v[V]; };
+__device__ __forceinline__ Lanes load_lanes(const T* p, I at) {
+  Vec<T, V> w = *(const Vec<T, V>*)(p + at);
+  Lanes l;
+#pragma unroll
+  for (int u = 0; u < V; ++u) l.v[u] = (A)ld(w.v, u);
+  return l;
+}
+__device__ __forceinline__ void store_lanes(T* p, I at, const Lanes& l) {
+  Vec<T, V> w;
+#pragma unroll
+  for (int u = 0; u < V; ++u) st(w.v, u, (C)l.v[u]);
+  *(Vec<T, V>*)(p + at) = w;
+}
+// The place of input position (y, x) in output position (oy, ox)'s window, counting
+// row-major from the window's first (maybe padded) position.
+__device__ __forceinline__ int window_place(const Pooling& g, I oy, I ox, I y, I x) {
+  return (int)((y - (oy * g.sh.d - g.ph)) * g.kw + (x - (ox * g.sw.d - g.pw)));
+}
+// Each lane's first maximum of the window (output position `oy`, `ox`; rows `ry`,
+// columns `rx`) of image `b` from channel `ch`, in row-major order, with a NaN counting
+// as the maximum: its value (-inf for an empty window) and place in the window (-1).
+// MaxPool's value is the CPU's (NaN propagates); MaxPoolGrad's place the element the
+// CPU gives the window's gradient.
+struct Max { A value[V]; int place[V]; };
+__device__ __forceinline__ Max first_max(const T* px, const Pooling& g, I b, I ch, I oy, I ox, Range ry, Range rx) {
+  Max m;
+#pragma unroll
+  for (int u = 0; u < V; ++u) { m.value[u] = (A)(-F_INF); m.place[u] = -1; }
   for (I y = ry.lo; y < ry.hi; ++y) {
     for (I x = rx.lo; x < rx.hi; ++x) {
-      I at = g.input_offset(b, ch, y, x);
-      A v = (A)ld(px, at);
-      if (m.at < 0 || (!m_isnan(m.value) && (m_isnan(v) || v > m.value))) { m.at = at; m.value = v; m.y = y; m.x = x; }
+      Lanes v = load_lanes(px, g.input_offset(b, ch, y, x));
+      int place = window_place(g, oy, ox, y, x);
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        if (m.place[u] < 0 || (!m_isnan(m.value[u]) && (m_isnan(v.v[u]) || v.v[u] > m.value[u]))) {
+          m.value[u] = v.v[u];
+          m.place[u] = place;
+        }
+      }
     }
   }
   return m;
 }
-// The place of input position (y, x) in output position (oy, ox)'s window, counting
-// row-major from the window's first (maybe padded) position.
-__device__ __forceinline__ I window_place(const Pooling& g, I oy, I ox, I y, I x) {
-  return (y - (oy * g.sh - g.ph)) * g.kw + (x - (ox * g.sw - g.pw));
-}
 "#;
 
-/// Kernel `name` over `total` elements `i` of tensors `tensors` (the parameters before
-/// `total`): `body` runs per element with the geometry `g` bound.
+/// Kernel `name` over `total` items `i` of tensors `tensors` (the parameters before
+/// `total`): `body` runs per item, its first element `e`, with the geometry `g` bound.
 fn pooling_kernel_source(name: &str, tensors: &str, body: &str) -> String {
-    let mut params: Vec<String> = GEOMETRY.iter().map(|(t, n)| format!("{t} {n}")).collect();
-    params.extend(
-        DIVIDED
-            .iter()
-            .map(|n| format!("unsigned {n}_m, unsigned {n}_s")),
-    );
-    // The geometry in the index type `I` (the arguments are 64-bit), then the divisors.
-    let mut fields: Vec<String> = GEOMETRY
-        .iter()
-        .map(|(t, n)| match *t {
-            "i64" => format!("(I){n}"),
-            _ => n.to_string(),
-        })
-        .collect();
-    fields.extend(DIVIDED.iter().map(|n| format!("{{(I){n}, {n}_m, {n}_s}}")));
+    let mut params = vec!["int nhwc".to_string()];
+    let mut fields = vec!["nhwc".to_string()];
+    for n in GEOMETRY {
+        params.push(format!("i64 {n}"));
+        if DIVIDED.contains(&n) {
+            params.push(format!("unsigned {n}_m, unsigned {n}_s"));
+            fields.push(format!("{{(I){n}, {n}_m, {n}_s}}"));
+        } else {
+            fields.push(format!("(I){n}"));
+        }
+    }
     format!(
         "extern \"C\" __global__ void {name}({tensors}, i64 total, {}) {{\n\
            const Pooling g = {{{}}};\n\
-           GRID_LOOP(i, total) {{\n{body}\n}}\n}}\n",
+           GRID_LOOP(i, total) {{\nconst I e = (I)i * V;\n{body}\n}}\n}}\n",
         params.join(", "),
         fields.join(", ")
     )
 }
 
-/// The module of `kernels` (their sources) with what pooling kernels share, its index
-/// math in 64 bits where `wide` (a tensor of 2^31 elements or more), else in 32: a
-/// 64-bit division is several times a 32-bit one's instructions, and the gradients
-/// divide to place every element (ResNet-50's MaxPoolGrad spent most of its time so).
-fn pooling_module(d: DType, wide: bool, kernels: &[String]) -> String {
+/// The module of `kernels` (their sources) with what pooling kernels share, `lanes`
+/// channels an item, its index math in 64 bits where `wide` (a tensor of 2^31 elements
+/// or more), else in 32: a 64-bit division is several times a 32-bit one's
+/// instructions, and the gradients divide to place every element (ResNet-50's
+/// MaxPoolGrad spent most of its time so).
+fn pooling_module(d: DType, wide: bool, lanes: u8, kernels: &[String]) -> String {
     let (index, fast) = if wide { ("long long", 0) } else { ("int", 1) };
     module(
         d,
         &format!(
-            "typedef {index} I;\n#define FAST_DIV {fast}\n{POOLING}{}",
+            "typedef {index} I;\n#define FAST_DIV {fast}\n#define V {lanes}\n{POOLING}{}",
             kernels.concat()
         ),
     )
@@ -442,100 +457,119 @@ fn wide(input: &[usize], output: &[usize]) -> bool {
     numel(input).max(numel(output)) > i32::MAX as usize
 }
 
-/// A forward kernel: output `i`'s window (`o`, rows `ry`, columns `rx`) bound for
-/// `body`, which stores `py[i]`.
-fn forward(d: DType, wide: bool, body: &str) -> String {
+/// A forward kernel: output item `e`'s window (`o`, rows `ry`, columns `rx`) bound
+/// for `body`, which sets `out`'s lanes.
+fn forward(d: DType, wide: bool, lanes: u8, body: &str) -> String {
     let kernel = pooling_kernel_source(
         "k",
         "const T* px, T* py",
         &format!(
-            "Pixel o = g.pixel(i, g.doh, g.dow);\n\
-             Range ry = window(o.y, g.sh, g.ph, g.kh, g.h), rx = window(o.x, g.sw, g.pw, g.kw, g.w);\n\
-             {body}"
+            "Pixel o = g.pixel(e, g.oh, g.ow);\n\
+             Range ry = window(o.y, g.sh.d, g.ph, g.kh, g.h.d), rx = window(o.x, g.sw.d, g.pw, g.kw, g.w.d);\n\
+             Lanes out;\n\
+             {body}\n\
+             store_lanes(py, e, out);"
         ),
     );
-    pooling_module(d, wide, &[kernel])
+    pooling_module(d, wide, lanes, &[kernel])
 }
 
-/// Gradient kernel `name`: input element `i` (`p`) gathers into `acc` what
+/// Gradient kernel `name`: input item `e` (`p`) gathers into `acc` what
 /// `contribution` adds for each output window (`oy`, `ox`, its offset `o_at`, rows
-/// `ry`, columns `rx`) covering it, in the CPU's order, and stores it in `pdx[i]`.
+/// `ry`, columns `rx`, the item's place in it `here`) covering it, in the CPU's order,
+/// and stores it in `pdx`.
 fn gradient(name: &str, tensors: &str, contribution: &str) -> String {
     pooling_kernel_source(
         name,
         &format!("{tensors}, T* pdx"),
         &format!(
-            "Pixel p = g.pixel(i, g.dh, g.dw);\n\
-             Range oys = covering(p.y, g.dsh, g.ph, g.kh, g.oh), oxs = covering(p.x, g.dsw, g.pw, g.kw, g.ow);\n\
-             A acc = 0;\n\
+            "Pixel p = g.pixel(e, g.h, g.w);\n\
+             Range oys = covering(p.y, g.sh, g.ph, g.kh, g.oh.d), oxs = covering(p.x, g.sw, g.pw, g.kw, g.ow.d);\n\
+             Lanes acc;\n\
+             for (int u = 0; u < V; ++u) acc.v[u] = 0;\n\
              for (I oy = oys.lo; oy < oys.hi; ++oy) {{\n\
                for (I ox = oxs.lo; ox < oxs.hi; ++ox) {{\n\
-                 Range ry = window(oy, g.sh, g.ph, g.kh, g.h), rx = window(ox, g.sw, g.pw, g.kw, g.w);\n\
+                 Range ry = window(oy, g.sh.d, g.ph, g.kh, g.h.d), rx = window(ox, g.sw.d, g.pw, g.kw, g.w.d);\n\
                  I o_at = g.output_offset(p.b, p.ch, oy, ox);\n\
+                 int here = window_place(g, oy, ox, p.y, p.x);\n\
                  {contribution}\n\
                }}\n\
              }}\n\
-             st(pdx, i, (C)acc);"
+             store_lanes(pdx, e, acc);"
         ),
     )
 }
 
-pub(super) fn max_pool(d: DType, wide: bool) -> String {
+pub(super) fn max_pool(d: DType, wide: bool, lanes: u8) -> String {
     forward(
         d,
         wide,
-        "st(py, i, (C)first_max(px, g, o.b, o.ch, ry, rx).value);",
+        lanes,
+        "Max m = first_max(px, g, o.b, o.ch, o.y, o.x, ry, rx);\n\
+         for (int u = 0; u < V; ++u) out.v[u] = m.value[u];",
     )
 }
 
 /// The mean over the window's in-bounds elements (zero for an empty window, as the
 /// CPU's).
-pub(super) fn avg_pool(d: DType, wide: bool) -> String {
+pub(super) fn avg_pool(d: DType, wide: bool, lanes: u8) -> String {
     forward(
         d,
         wide,
-        "A sum = 0;\n\
+        lanes,
+        "for (int u = 0; u < V; ++u) out.v[u] = 0;\n\
          for (I y = ry.lo; y < ry.hi; ++y) {\n\
-           for (I x = rx.lo; x < rx.hi; ++x) sum += (A)ld(px, g.input_offset(o.b, o.ch, y, x));\n\
+           for (I x = rx.lo; x < rx.hi; ++x) {\n\
+             Lanes v = load_lanes(px, g.input_offset(o.b, o.ch, y, x));\n\
+             for (int u = 0; u < V; ++u) out.v[u] += v.v[u];\n\
+           }\n\
          }\n\
          I count = range_len(ry) * range_len(rx);\n\
-         st(py, i, (C)(count > 0 ? sum / (A)count : sum));",
+         if (count > 0) for (int u = 0; u < V; ++u) out.v[u] /= (A)count;",
     )
 }
 
 /// Each covering window's gradient where this element is the window's first maximum:
 /// `k_argmax` notes each window's maximum's place, `k` compares its own; `k_direct`
 /// finds the maximum again in `x` for every window covering the element.
-pub(super) fn max_pool_grad(d: DType, wide: bool) -> String {
+pub(super) fn max_pool_grad(d: DType, wide: bool, lanes: u8) -> String {
     let argmax = pooling_kernel_source(
         "k_argmax",
         "const T* px, u8* pat",
-        "Pixel o = g.pixel(i, g.doh, g.dow);\n\
-         Range ry = window(o.y, g.sh, g.ph, g.kh, g.h), rx = window(o.x, g.sw, g.pw, g.kw, g.w);\n\
-         Max m = first_max(px, g, o.b, o.ch, ry, rx);\n\
-         pat[i] = m.at < 0 ? (u8)255 : (u8)window_place(g, o.y, o.x, m.y, m.x);",
+        "Pixel o = g.pixel(e, g.oh, g.ow);\n\
+         Range ry = window(o.y, g.sh.d, g.ph, g.kh, g.h.d), rx = window(o.x, g.sw.d, g.pw, g.kw, g.w.d);\n\
+         Max m = first_max(px, g, o.b, o.ch, o.y, o.x, ry, rx);\n\
+         Vec<u8, V> at;\n\
+         for (int u = 0; u < V; ++u) at.v[u] = m.place[u] < 0 ? (u8)255 : (u8)m.place[u];\n\
+         *(Vec<u8, V>*)(pat + e) = at;",
     );
     let gather = gradient(
         "k",
         "const u8* pat, const T* pdy",
-        "if ((I)pat[o_at] == window_place(g, oy, ox, p.y, p.x)) acc += (A)ld(pdy, o_at);",
+        "Vec<u8, V> at = *(const Vec<u8, V>*)(pat + o_at);\n\
+         Lanes d = load_lanes(pdy, o_at);\n\
+         for (int u = 0; u < V; ++u) if ((int)at.v[u] == here) acc.v[u] += d.v[u];",
     );
     let direct = gradient(
         "k_direct",
         "const T* px, const T* pdy",
-        "if (first_max(px, g, p.b, p.ch, ry, rx).at == (I)i) acc += (A)ld(pdy, o_at);",
+        "Max m = first_max(px, g, p.b, p.ch, oy, ox, ry, rx);\n\
+         Lanes d = load_lanes(pdy, o_at);\n\
+         for (int u = 0; u < V; ++u) if (m.place[u] == here) acc.v[u] += d.v[u];",
     );
-    pooling_module(d, wide, &[argmax, gather, direct])
+    pooling_module(d, wide, lanes, &[argmax, gather, direct])
 }
 
 /// Each covering window's gradient spread evenly over its in-bounds elements.
-pub(super) fn avg_pool_grad(d: DType, wide: bool) -> String {
+pub(super) fn avg_pool_grad(d: DType, wide: bool, lanes: u8) -> String {
     let kernel = gradient(
         "k",
         "const T* pdy",
-        "acc += (A)ld(pdy, o_at) * ((A)1 / (A)(range_len(ry) * range_len(rx)));",
+        "Lanes d = load_lanes(pdy, o_at);\n\
+         A r = (A)1 / (A)(range_len(ry) * range_len(rx));\n\
+         for (int u = 0; u < V; ++u) acc.v[u] += d.v[u] * r;",
     );
-    pooling_module(d, wide, &[kernel])
+    pooling_module(d, wide, lanes, &[kernel])
 }
 
 #[cfg(test)]
