@@ -141,6 +141,23 @@ fn find_groups(g: &Graph, adj: &Adjacency, order: &[NodeId]) -> (Vec<usize>, Vec
             group_len.push(len);
             groups.len() - 1
         });
+        // An input alone in an older group, read by this node only and depending on
+        // nothing of group `k`, moves into it (first: its inputs are outside): a
+        // running average's `Mul(average, momentum)` joins the `Add` of the batch's
+        // share instead of running as a kernel of its own.
+        for p in inputs {
+            let kp = group[p.node.index()];
+            let lone = kp != k && kp != NONE && groups[kp].len() == 1 && group_len[kp] == len;
+            let only_reader = || adj.consumers(p.node).all(|(c, _, _)| c == id);
+            let independent =
+                || (adj.inputs(p.node).iter()).all(|q| reach[q.node.index()] < k as i64);
+            if lone && only_reader() && independent() {
+                groups[kp].clear();
+                groups[k].insert(0, p.node);
+                group[p.node.index()] = k;
+                reach[p.node.index()] = k as i64;
+            }
+        }
         groups[k].push(id);
         group[id.index()] = k;
         reach[id.index()] = upstream.max(k as i64);
@@ -508,6 +525,37 @@ mod tests {
         assert_eq!((report.groups, report.fused_nodes), (1, 4));
         // Tanh and Sigmoid outputs are internal; the Relu output is still stored.
         assert_eq!(report.bytes_saved, 2 * 2 * 15 * 4);
+    }
+
+    /// A running average: `Mul(average, momentum)` (its own group, made first) and
+    /// `Mul(batch_mean, 1 - momentum)` behind a MatMul meet in an Add: the lone Mul
+    /// moves into the Add's group rather than running alone.
+    #[test]
+    fn a_lone_input_joins_the_group_of_its_only_reader() {
+        let mut g = Graph::new();
+        let average = g.placeholder("average", DType::F32, [4, 6]).unwrap();
+        let momentum = g.scalar(DType::F32, 0.9).unwrap();
+        let decayed = g.mul(average, momentum).unwrap();
+        let x = g.placeholder("x", DType::F32, [4, 8]).unwrap();
+        let w = g.placeholder("w", DType::F32, [8, 6]).unwrap();
+        let mm = g.add(MatMul::default(), &[x, w]).unwrap();
+        let share = g.scalar(DType::F32, 0.1).unwrap();
+        let scaled = g.mul(mm, share).unwrap();
+        let updated = g.plus(scaled, decayed).unwrap();
+        g.set_outputs(vec![updated]).unwrap();
+        let feeds: HashMap<&str, Tensor> = [
+            ("average", ramp(&[4, 6])),
+            ("x", ramp(&[4, 8])),
+            ("w", ramp(&[8, 6])),
+        ]
+        .into();
+        let want = run(&g, &feeds);
+        Fuse.rewrite(&mut g).unwrap();
+        g.validate().unwrap();
+        let fused = fused_nodes(&g);
+        assert_eq!(fused.len(), 1);
+        assert_eq!(members(&g, fused[0]), "mul,mul_7,add");
+        assert_eq!(run(&g, &feeds), want);
     }
 
     #[test]

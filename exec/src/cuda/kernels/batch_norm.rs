@@ -129,9 +129,11 @@ fn lower_batch_norm(bn: &BatchNorm, ins: &[TensorType], outs: &[TensorType]) -> 
         vectors: channel_vectors(y_ty.dtype, len),
     });
     if side && own.is_none() {
-        return Err("a batch norm with a side input runs on channels-last images (NHWC) \
+        return Err(
+            "a batch norm with a side input runs on channels-last images (NHWC) \
              on CUDA; run the layout-nhwc pass first"
-            .into());
+                .into(),
+        );
     }
     Ok(kernel(move |c, inputs| {
         let x = input(inputs, 0)?;
@@ -312,11 +314,7 @@ pub(super) fn forward(x: DType, u: DType, relu: bool, side: bool, vectors: bool)
         loads.push(own(x, "s", "ps"));
     }
     let side_param = if side { "const T* ps, " } else { "" };
-    let apply = elementwise_from_end(
-        &loads,
-        "",
-        &[store(x, "py", &normalised)],
-    );
+    let apply = elementwise_from_end(&loads, "", &[store(x, "py", &normalised)]);
     // Sums of x and x^2 shifted by row 0 (no cancellation for a large mean).
     let sums = column_sums(
         "const T* px",
