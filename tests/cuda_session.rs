@@ -94,8 +94,9 @@ fn batch(step: usize) -> Feeds {
 }
 
 /// x[32, 784] as 28x28 images -> conv 3x3 8 + batch norm (training) + relu -> max
-/// pool 2x2 -> conv 3x3 stride 2 12 + relu -> dense 10 -> cross-entropy: every
-/// convolution, pooling and batch-norm kernel and their gradients in one step.
+/// pool 2x2 -> a residual block (conv 3x3 8 + batch norm, + its input, relu) -> conv
+/// 3x3 stride 2 12 + relu -> dense 10 -> cross-entropy: every convolution, pooling and
+/// batch-norm kernel (a side input included) and their gradients in one step.
 fn cnn() -> (Graph, Port) {
     let mut g = Graph::new();
     let x = g.placeholder("x", DType::F32, [BATCH, 784]).unwrap();
@@ -107,6 +108,12 @@ fn cnn() -> (Graph, Port) {
     let h = g.relu(bn.output).unwrap();
     let nhwc = ampgraph::graph::ops::DataFormat::Nhwc;
     let h = g.max_pool(h, [2, 2], [2, 2], same, nhwc).unwrap();
+    // A residual block's end, ResNet's `relu(bn(conv(h)) + h)`: the batch norm takes
+    // the Add and the Relu (a side input).
+    let r = nn::conv2d_layer(&mut g, h, 8, [3, 3], [1, 1], same, None).unwrap();
+    let rb = nn::batch_norm_layer(&mut g, r.output, true).unwrap();
+    let sum = g.plus(rb.output, h).unwrap();
+    let h = g.relu(sum).unwrap();
     let c = nn::conv2d_layer(&mut g, h, 12, [3, 3], [2, 2], same, Some(Activation::Relu)).unwrap();
     let h = g.reshape(c.output, [BATCH as i64, 7 * 7 * 12]).unwrap();
     let logits = nn::dense(&mut g, h, 10, None).unwrap();
