@@ -1,6 +1,7 @@
 //! Trains the convnet (torch_anchor.py's `ConvNet`: eight 3x3 convolutions with batch
-//! norm and ReLU, the mean over the image, a linear layer) on an image folder, with
-//! automatic mixed precision, augmentation and the trainer's checkpoints.
+//! norm and ReLU, the mean over the image, a linear layer), or with `--model resnet50`
+//! torchvision's ResNet-50, on an image folder, with automatic mixed precision,
+//! augmentation and the trainer's checkpoints.
 //!
 //! ```sh
 //! cargo run --release --example image_folder -- --data DIR/train --eval-data DIR/val
@@ -21,7 +22,7 @@ use clap::Parser;
 
 use ampgraph::cli::TrainArgs;
 use ampgraph::data::{Dataset, ImageFolder, Loader, LoaderOptions, Mnist, Transform};
-use ampgraph::graph::models::convnet;
+use ampgraph::graph::models::{convnet, resnet};
 use ampgraph::graph::ops::Group;
 use ampgraph::graph::{DType, Graph, Port};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
@@ -37,7 +38,10 @@ struct Args {
     /// Evaluation images, with the same class sub-folders.
     #[arg(long)]
     eval_data: Option<PathBuf>,
-    /// The first layer's channels (the last has eight times as many).
+    /// The model.
+    #[arg(long, value_enum, default_value = "convnet")]
+    model: Model,
+    /// The convnet's first layer's channels (the last has eight times as many).
     #[arg(long, default_value_t = 16)]
     width: usize,
     #[command(flatten)]
@@ -88,6 +92,14 @@ fn write_synthetic_folder(
     Ok(())
 }
 
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Model {
+    /// torch_anchor.py's convnet, `--width` wide.
+    Convnet,
+    /// torchvision's ResNet-50 (`graph::models::resnet`).
+    Resnet50,
+}
+
 struct Net {
     graph: Graph,
     images: Port,
@@ -99,20 +111,33 @@ struct Net {
 fn build(
     batch: usize,
     data: &dyn Dataset,
-    width: usize,
+    args: &Args,
     training: bool,
 ) -> Result<Net, Box<dyn std::error::Error>> {
     let mut g = Graph::new();
     let images = g.placeholder("images", DType::F32, [&[batch][..], data.shape()].concat())?;
     let labels = g.placeholder("labels", DType::I64, [batch])?;
-    let net = convnet::build(&mut g, images, width, data.classes(), training)?;
-    g.set_outputs(vec![net.logits])?;
+    let (logits, running_updates) = match args.model {
+        Model::Convnet => {
+            let net = convnet::build(&mut g, images, args.width, data.classes(), training)?;
+            (net.logits, net.running_updates)
+        }
+        Model::Resnet50 => {
+            let config = resnet::ResNetConfig {
+                classes: data.classes(),
+                ..resnet::ResNetConfig::RESNET50
+            };
+            let net = resnet::build(&mut g, images, &config, training)?;
+            (net.logits, net.running_updates)
+        }
+    };
+    g.set_outputs(vec![logits])?;
     Ok(Net {
         graph: g,
         images,
         labels,
-        logits: net.logits,
-        running_updates: net.running_updates,
+        logits,
+        running_updates,
     })
 }
 
@@ -146,7 +171,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let amp = run.amp();
 
     // The training step also writes the batch norms' running averages.
-    let mut net = build(run.batch, train_set.as_ref(), args.width, true)?;
+    let mut net = build(run.batch, train_set.as_ref(), &args, true)?;
     let loss = net.graph.softmax_cross_entropy(net.logits, net.labels)?;
     let sgd = Sgd::momentum(run.lr, run.momentum);
     let mut step = match amp {
@@ -178,7 +203,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 .into());
             }
             let batch = set.len().min(100);
-            let mut eval_net = build(batch, set.as_ref(), args.width, false)?;
+            let mut eval_net = build(batch, set.as_ref(), &args, false)?;
             eval_net.graph.mixed_precision = amp;
             let eval_session =
                 Session::inference(eval_net.graph.clone(), &[eval_net.logits], device)?;
@@ -213,9 +238,12 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         at = trainer.resume()?;
         println!("resumed in epoch {} at batch {}", at.epoch, at.batch);
     }
+    let model = match args.model {
+        Model::Convnet => format!("convnet (width {})", args.width),
+        Model::Resnet50 => "ResNet-50".to_string(),
+    };
     println!(
-        "convnet (width {}) on {} images {:?} of {} classes from {}, batch {}, {}, {}",
-        args.width,
+        "{model} on {} images {:?} of {} classes from {}, batch {}, {}, {}",
         train_set.len(),
         train_set.shape(),
         train_set.classes(),
