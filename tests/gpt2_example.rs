@@ -64,7 +64,7 @@ fn run(data: &Path, val: Option<&Path>, args: &[&str]) -> Output {
 fn val_loss(out: &Output) -> f64 {
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().filter(|l| l.contains("val loss")).last();
+    let line = text.lines().filter(|l| l.contains("val loss")).next_back();
     let line = line.unwrap_or_else(|| panic!("no validation loss in {text}"));
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
@@ -98,10 +98,13 @@ fn it_learns_a_random_walk_and_bf16_ends_within_one_percent_of_f32() {
     );
 }
 
+/// Writes a damaged token file at the path.
+type Damage = Box<dyn Fn(&Path)>;
+
 #[test]
 fn damaged_token_files_are_one_line_naming_them() {
     let dir = scratch("bad");
-    let cases: [(&str, Box<dyn Fn(&Path)>, &str); 4] = [
+    let cases: [(&str, Damage, &str); 4] = [
         (
             "magic.bin",
             Box::new(|p| write_tokens(p, &random_walk(2000, 3), 1234)),
