@@ -64,7 +64,7 @@ fn run(data: &Path, val: Option<&Path>, args: &[&str]) -> Output {
 fn val_loss(out: &Output) -> f64 {
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().filter(|l| l.contains("val loss")).next_back();
+    let line = text.lines().rfind(|l| l.contains("val loss"));
     let line = line.unwrap_or_else(|| panic!("no validation loss in {text}"));
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
