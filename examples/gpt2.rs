@@ -11,7 +11,8 @@
 //! i32 (magic 20240520, version 1, the token count) and the tokens as u16.
 //! `--precision bf16` (the default) trains as llm.c and PyTorch's bf16 autocast do,
 //! without loss scaling; `fp16` with a dynamic loss scale; `fp32` in f32 throughout.
-//! The loss is printed every `--print-every` steps and the validation loss (the mean
+//! AdamW (`--lr`, `--weight-decay`) clips the gradients' global norm to `--clip` and
+//! with `--warmup N` follows llm.c's schedule. The loss is printed every `--print-every` steps and the validation loss (the mean
 //! over `--val-batches` batches from the file's start) every `--val-every` steps and at
 //! the end.
 
@@ -22,8 +23,11 @@ use clap::{Parser, ValueEnum};
 use ampgraph::cli::DeviceArg;
 use ampgraph::exec::Feeds;
 use ampgraph::graph::models::gpt2::{self, Gpt2Config};
-use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer};
-use ampgraph::{DType, Graph, Session, Tensor};
+use ampgraph::graph::ops::LearningRateSchedule;
+use ampgraph::optim::{
+    enable_mixed_precision_graph_rewrite, Adam, ClipGlobalNorm, LossScale, Optimizer, TrainStep,
+};
+use ampgraph::{DType, Graph, GraphError, Port, Session, Tensor};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train GPT-2 on a token file in llm.c's format")]
@@ -61,6 +65,13 @@ struct Args {
     /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f64,
+    /// Steps of linear warmup, after which the rate falls along a cosine to a tenth at
+    /// the last step (llm.c's schedule); 0: a constant rate.
+    #[arg(long, default_value_t = 0)]
+    warmup: u64,
+    /// Clip the gradients to this global L2 norm (GPT-2's 1.0; 0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f64,
     #[arg(long, value_enum, default_value = "bf16")]
     precision: Precision,
     #[arg(long, value_enum, default_value = "auto")]
@@ -198,6 +209,25 @@ impl Windows {
     }
 }
 
+/// The training step of `loss` by `optimizer` in `precision`.
+fn minimize<O: Optimizer>(
+    optimizer: O,
+    precision: Precision,
+    g: &mut Graph,
+    loss: Port,
+) -> Result<TrainStep, GraphError> {
+    match precision {
+        Precision::Fp32 => optimizer.minimize(g, loss),
+        Precision::Bf16 => enable_mixed_precision_graph_rewrite(optimizer)
+            .with_dtype(DType::BF16)
+            .with_loss_scale(LossScale::None)
+            .minimize(g, loss),
+        Precision::Fp16 => enable_mixed_precision_graph_rewrite(optimizer)
+            .with_dtype(DType::F16)
+            .minimize(g, loss),
+    }
+}
+
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let config = Gpt2Config {
         vocab: args.vocab,
@@ -231,16 +261,20 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let targets = g.placeholder("targets", DType::I64, [args.batch * args.seq])?;
     let logits = gpt2::build(&mut g, tokens, &config)?;
     let loss = g.softmax_cross_entropy(logits, targets)?;
-    let adamw = Adam::adamw(args.lr, args.weight_decay);
-    let step = match args.precision {
-        Precision::Fp32 => adamw.minimize(&mut g, loss)?,
-        Precision::Bf16 => enable_mixed_precision_graph_rewrite(adamw)
-            .with_dtype(DType::BF16)
-            .with_loss_scale(LossScale::None)
-            .minimize(&mut g, loss)?,
-        Precision::Fp16 => enable_mixed_precision_graph_rewrite(adamw)
-            .with_dtype(DType::F16)
-            .minimize(&mut g, loss)?,
+    let mut adamw = Adam::adamw(args.lr, args.weight_decay);
+    if args.warmup > 0 {
+        let total = args.steps as u64;
+        adamw = adamw.scheduled(LearningRateSchedule::warmup_cosine(args.warmup, total, 0.1));
+    }
+    let step = if args.clip > 0.0 {
+        minimize(
+            ClipGlobalNorm::new(adamw, args.clip),
+            args.precision,
+            &mut g,
+            loss,
+        )?
+    } else {
+        minimize(adamw, args.precision, &mut g, loss)?
     };
     let device = args.device.for_graph(&g);
     let mut session = Session::new(g, device)?;
