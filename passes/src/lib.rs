@@ -8,6 +8,7 @@
 pub mod amp;
 pub mod attention;
 pub mod bias_before_reshape;
+pub mod compose_views;
 pub mod cross_entropy;
 pub mod data_parallel;
 pub mod epilogue;

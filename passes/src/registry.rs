@@ -4,6 +4,7 @@
 
 use crate::attention::FuseAttention;
 use crate::bias_before_reshape::BiasBeforeReshape;
+use crate::compose_views::ComposeViews;
 use crate::cross_entropy::FuseCrossEntropy;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
@@ -68,6 +69,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "bias-before-reshape",
         summary: "A bias added after a Reshape that keeps the last axis (a Linear layer on a 3-D input) is added before it, next to its product.",
         make: || Box::new(BiasBeforeReshape),
+    },
+    PassEntry {
+        name: "compose-views",
+        summary: "A chain of Reshapes and Transposes with two Transposes or more becomes one Transpose between Reshapes, and a Transpose read only by Slices moves after them (nn.MultiheadAttention's exported q, k, v: one copy each instead of four).",
+        make: || Box::new(ComposeViews),
     },
     PassEntry {
         name: "cast-into-reduce",
