@@ -81,10 +81,7 @@ fn build(n: usize) -> Result<Graph, Box<dyn std::error::Error>> {
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => ampgraph::cli::report_error(&e),
-    }
+    ampgraph::cli::main_with(run)
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {

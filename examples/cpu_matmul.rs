@@ -18,10 +18,7 @@ print(2 * n**3 / best / 1e9)
 ";
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => ampgraph::cli::report_error(&e),
-    }
+    ampgraph::cli::main_with(run)
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {

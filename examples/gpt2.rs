@@ -95,13 +95,7 @@ enum Precision {
 }
 
 fn main() -> std::process::ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
-        .format_timestamp(None)
-        .init();
-    match run(Args::parse()) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => ampgraph::cli::report_error(&e),
-    }
+    ampgraph::cli::main_with(|| run(Args::parse()))
 }
 
 /// llm.c's token file header: magic, version, token count (of 256 i32).

@@ -49,13 +49,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
-        .format_timestamp(None)
-        .init();
-    match run(Args::parse()) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => ampgraph::cli::report_error(&e),
-    }
+    ampgraph::cli::main_with(|| run(Args::parse()))
 }
 
 /// Writes `count` synthetic 32x32 RGB PNGs per class into `root/<digit>/`: the mnist

@@ -131,13 +131,7 @@ fn build(
 }
 
 fn main() -> std::process::ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
-        .format_timestamp(None)
-        .init();
-    match run(Args::parse()) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => ampgraph::cli::report_error(&e),
-    }
+    ampgraph::cli::main_with(|| run(Args::parse()))
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {

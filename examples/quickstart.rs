@@ -14,10 +14,7 @@ use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
 use ampgraph::{DType, Device, Graph, Session, Tensor};
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => ampgraph::cli::report_error(&e),
-    }
+    ampgraph::cli::main_with(run)
 }
 
 /// A batch of 128 images of 784 pseudo-random values in [0, 0.5) with one bright pixel

@@ -686,6 +686,20 @@ pub fn error_line(message: &str) -> String {
     line
 }
 
+/// A binary's `main`: warnings and worse logged (`RUST_LOG` sets more), then `run`,
+/// whose error is printed as [`report_error`] prints it.
+pub fn main_with<E: std::fmt::Display>(
+    run: impl FnOnce() -> std::result::Result<(), E>,
+) -> std::process::ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_timestamp(None)
+        .init();
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => report_error(&e),
+    }
+}
+
 /// Prints `error` to stderr as the command line's binaries do (`error: ` and
 /// [`error_line`]) and returns their exit status for bad input, 2.
 pub fn report_error(error: &dyn std::fmt::Display) -> std::process::ExitCode {

@@ -27,7 +27,9 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{binary_operands, output_nodes, read_only_by, remove_unread, summary};
+use crate::rewrite::{
+    binary_operands, output_nodes, read_only_by, redirect, remove_unread, summary,
+};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `fuse-batchnorm-activation` pass.
@@ -162,14 +164,7 @@ impl Pass for FuseBatchNormActivation {
             let mut inputs = g.inputs(y.node);
             inputs.push(side);
             g.set_node(y.node, Box::new(op), &inputs)?;
-            let out = relu.unwrap_or(add);
-            let readers = g.consumers(out);
-            g.rewire(
-                readers
-                    .into_iter()
-                    .map(|(r, slot, _)| (r, slot, y))
-                    .collect(),
-            )?;
+            redirect(g, Port::new(relu.unwrap_or(add), 0), y)?;
             bytes += (2 + 2 * usize::from(relu.is_some())) * g.ty(y).size_bytes();
             residual += 1;
             stale.push(add);
@@ -191,13 +186,7 @@ impl Pass for FuseBatchNormActivation {
             };
             let inputs = g.inputs(y.node);
             g.set_node(y.node, Box::new(op), &inputs)?;
-            let readers = g.consumers(relu);
-            g.rewire(
-                readers
-                    .into_iter()
-                    .map(|(r, slot, _)| (r, slot, y))
-                    .collect(),
-            )?;
+            redirect(g, Port::new(relu, 0), y)?;
             bytes += 2 * g.ty(y).size_bytes();
             forward += 1;
             stale.push(relu);
@@ -248,12 +237,15 @@ mod tests {
     use ampgraph_graph::{DType, Tensor};
     use std::collections::HashMap;
 
-    /// `loss = sum(relu(BatchNorm(x)) * w)` and its gradients with respect to x and the
-    /// batch norm's scale and offset, for a channels-last `[2, 3, 3, 4]` x.
-    fn training_graph(dtype: DType) -> (Graph, Vec<Port>) {
-        let mut g = Graph::new();
-        let x = g.placeholder("x", dtype, [2, 3, 3, 4]).unwrap();
-        let w = g.placeholder("w", dtype, [2, 3, 3, 4]).unwrap();
+    /// Placeholders x and w (4 channels in `format`), the statistics' scale and offset,
+    /// and a training BatchNorm of x: `[x, w, scale, offset, y]`.
+    fn batch_norm_of(g: &mut Graph, dtype: DType, format: DataFormat) -> [Port; 5] {
+        let image = match format {
+            DataFormat::Nhwc => [2, 3, 3, 4],
+            DataFormat::Nchw => [2, 4, 3, 3],
+        };
+        let x = g.placeholder("x", dtype, image).unwrap();
+        let w = g.placeholder("w", dtype, image).unwrap();
         let stats = if dtype == DType::F64 {
             DType::F64
         } else {
@@ -264,10 +256,18 @@ mod tests {
         let bn = BatchNorm {
             epsilon: 1e-3,
             training: true,
-            data_format: DataFormat::Nhwc,
+            data_format: format,
             activation: NormActivation::Identity,
         };
         let y = g.add(bn, &[x, scale, offset, scale, offset]).unwrap();
+        [x, w, scale, offset, y]
+    }
+
+    /// `loss = sum(relu(BatchNorm(x)) * w)` and its gradients with respect to x and the
+    /// batch norm's scale and offset, for a channels-last x.
+    fn training_graph(dtype: DType) -> (Graph, Vec<Port>) {
+        let mut g = Graph::new();
+        let [x, w, scale, offset, y] = batch_norm_of(&mut g, dtype, DataFormat::Nhwc);
         let r = g.relu(y).unwrap();
         let weighted = g.mul(r, w).unwrap();
         let loss = g.sum(weighted, None, false).unwrap();
@@ -283,28 +283,9 @@ mod tests {
     /// for an x of 4 channels in `format` (`s` = `w * 0.5`, so that it is computed).
     fn residual_graph(dtype: DType, relu: bool, format: DataFormat) -> Graph {
         let mut g = Graph::new();
-        let image = match format {
-            DataFormat::Nhwc => [2, 3, 3, 4],
-            DataFormat::Nchw => [2, 4, 3, 3],
-        };
-        let x = g.placeholder("x", dtype, image).unwrap();
-        let w = g.placeholder("w", dtype, image).unwrap();
+        let [x, w, scale, offset, y] = batch_norm_of(&mut g, dtype, format);
         let half = g.scalar(dtype, 0.5).unwrap();
         let side = g.mul(w, half).unwrap();
-        let stats = if dtype == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
-        let scale = g.placeholder("scale", stats, [4]).unwrap();
-        let offset = g.placeholder("offset", stats, [4]).unwrap();
-        let bn = BatchNorm {
-            epsilon: 1e-3,
-            training: true,
-            data_format: format,
-            activation: NormActivation::Identity,
-        };
-        let y = g.add(bn, &[x, scale, offset, scale, offset]).unwrap();
         let sum = g.plus(side, y).unwrap();
         let out = if relu {
             g.relu(sum).unwrap()
