@@ -150,18 +150,26 @@ fn chain_to(g: &Graph, end: NodeId, outputs: &[bool]) -> Vec<NodeId> {
 }
 
 /// Composes the chain ending at `end` into one Transpose between Reshapes (none where
-/// it moves nothing) where it holds two Transposes or more: the chain's nodes before
-/// `end`, now unread, if it did.
+/// it moves nothing) where it holds two Transposes or more, or into one Reshape where
+/// it holds Reshapes alone: the chain's nodes before `end`, now unread, if it did.
 fn compose(g: &mut Graph, end: NodeId, outputs: &[bool]) -> Result<Option<Vec<NodeId>>, PassError> {
     let mut chain = chain_to(g, end, outputs);
     let transposes = chain
         .iter()
         .filter(|&&id| g.node(id).op.is::<Transpose>())
         .count();
+    let x = g.inputs(chain[0])[0];
+    let out_shape = &g.ty(Port::new(end, 0)).shape;
+    let out: Vec<i64> = out_shape.iter().map(|&d| d as i64).collect();
+    if transposes == 0 && chain.len() > 1 {
+        // Reshapes alone: one Reshape.
+        g.set_node(end, Box::new(Reshape::new(out)), &[x])?;
+        chain.pop();
+        return Ok(Some(chain));
+    }
     if transposes < 2 {
         return Ok(None);
     }
-    let x = g.inputs(chain[0])[0];
     let mut atoms = Atoms::new(&g.ty(x).shape);
     for &id in &chain {
         let op = &g.node(id).op;
@@ -173,7 +181,6 @@ fn compose(g: &mut Graph, end: NodeId, outputs: &[bool]) -> Result<Option<Vec<No
     }
     let (sizes, perm) = atoms.plan();
     let shape = |dims: &[usize]| dims.iter().map(|&d| d as i64).collect::<Vec<i64>>();
-    let out = shape(&g.ty(Port::new(end, 0)).shape);
     chain.pop();
     if perm.iter().enumerate().all(|(i, &p)| i == p) {
         g.set_node(end, Box::new(Reshape::new(out)), &[x])?;
@@ -330,7 +337,7 @@ impl Pass for ComposeViews {
         outputs = output_nodes(g);
         removed += remove_unread(g, stale, &outputs)?.0;
         let line = format!(
-            "compose-views: {moved} Transposes moved after the Slices reading them, {composed} chains of Reshapes and Transposes as one Transpose ({removed} nodes fewer)"
+            "compose-views: {moved} Transposes moved after the Slices reading them, {composed} chains of Reshapes and Transposes as one Transpose or Reshape ({removed} nodes fewer)"
         );
         Ok(summary("compose-views", vec![line]))
     }
@@ -386,7 +393,7 @@ mod tests {
         assert_eq!(count(&g, "Transpose"), 7);
         let summary = ComposeViews.run(&mut g).unwrap();
         assert!(
-            summary.lines[0].contains("1 Transposes moved after the Slices reading them, 3 chains"),
+            summary.lines[0].contains("1 Transposes moved after the Slices reading them, 4 chains"),
             "{}",
             summary.lines[0]
         );
