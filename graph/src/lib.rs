@@ -11,6 +11,7 @@ pub mod builder;
 pub mod dtype;
 pub mod error;
 pub mod format;
+pub mod fp8;
 pub mod graph;
 pub mod host_memory;
 pub mod kernel;
