@@ -257,7 +257,7 @@ fn slices_first(g: &mut Graph, t: NodeId, outputs: &[bool]) -> Result<bool, Pass
     let taken: usize = readers
         .iter()
         .map(|&r| g.ty(Port::new(r, 0)).checked_len().unwrap_or(usize::MAX))
-        .sum();
+        .fold(0, usize::saturating_add);
     let within = g
         .ty(Port::new(t, 0))
         .checked_len()
