@@ -410,6 +410,25 @@ mod tests {
         assert!(again.lines[0].contains(" 0 chains"), "{}", again.lines[0]);
     }
 
+    /// Slices that overlap (together more than the Transpose holds) stay after it: moved,
+    /// they would copy more than the Transpose does.
+    #[test]
+    fn overlapping_slices_keep_their_transpose() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [4, 6]).unwrap();
+        let t = g.transpose(x, [1, 0]).unwrap();
+        let a = g.add(Slice::new([0, 0], [5, 4]), &[t]).unwrap();
+        let b = g.add(Slice::new([1, 0], [5, 4]), &[t]).unwrap();
+        g.set_outputs(vec![a, b]).unwrap();
+        let summary = ComposeViews.run(&mut g).unwrap();
+        assert!(
+            summary.lines[0].contains(" 0 Transposes moved"),
+            "{}",
+            summary.lines[0]
+        );
+        assert_eq!(count(&g, "Transpose"), 1);
+    }
+
     /// Random chains of Reshapes and Transposes over a `[2, 3, 4]` tensor (reshapes
     /// to random factorisations of 24, random permutations): the same values, and no
     /// more Transposes than before.
