@@ -8,7 +8,8 @@
 //! as it is (through a Reshape, no copy).
 //!
 //! Taken: a FusedAttention whose q, k and v are `Reshape(Slice(y))` of one `y [B * S,
-//! 3 H D]` at columns 0, H D and 2 H D, read by nothing but it and its gradients, each
+//! 3 H D]` (or `[B, S, 3 H D]`, as `torch.onnx.export` splits GPT-2's `c_attn`) at
+//! columns 0, H D and 2 H D of its last axis, read by nothing but it and its gradients, each
 //! gradient's three outputs reshaped back and joined by one Concat along the columns
 //! and read by nothing else. Other attentions are left as they are.
 
@@ -65,8 +66,17 @@ fn packing(g: &Graph, attention: NodeId) -> Option<Packing> {
         let is_reshape = g.node(reshape.node).op.is::<Reshape>();
         let cut = g.node(slice.node).op.downcast_ref::<Slice>()?;
         let y = g.inputs(slice.node)[0];
-        let place = cut.begin == [0, j * width] && cut.size == [rows as i64, width as i64];
-        let whole = g.ty(y).shape == [rows, 3 * width] && g.ty(reshape) == q;
+        // y is `[rows, 3 H D]`, or any shape of those rows with that last axis (`[B,
+        // S, 3 H D]`, as exporters split it); the cut takes the j-th third of it.
+        let shape = &g.ty(y).shape;
+        let (last, leading) = shape.split_last()?;
+        let mut begin = vec![0; shape.len()];
+        begin[shape.len() - 1] = j * width;
+        let mut size: Vec<i64> = leading.iter().map(|&n| n as i64).collect();
+        size.push(width as i64);
+        let place = cut.begin == begin && cut.size == size;
+        let whole =
+            *last == 3 * width && leading.iter().product::<usize>() == rows && g.ty(reshape) == q;
         if !(is_reshape && place && whole && source.is_none_or(|p| p == y)) {
             return None;
         }
@@ -89,7 +99,7 @@ fn packing(g: &Graph, attention: NodeId) -> Option<Packing> {
         if grad.packed || !expected || reads != &inputs[..3] {
             return None;
         }
-        let (concat, reshapes) = joined_gradients(g, reader, rows, width)?;
+        let (concat, reshapes) = joined_gradients(g, reader, &g.ty(source?).shape, width)?;
         grads.push((reader, concat, reshapes));
     }
     for (j, &part) in parts.iter().enumerate().skip(1) {
@@ -110,14 +120,17 @@ fn packing(g: &Graph, attention: NodeId) -> Option<Packing> {
     })
 }
 
-/// The Concat joining `grad`'s three outputs, each reshaped to `[rows, width]`, along
-/// the columns, and those Reshapes, if nothing else reads them.
+/// The Concat joining `grad`'s three outputs, each reshaped to the packed projection's
+/// `shape` with `width` for its last axis, along that axis, and those Reshapes, if
+/// nothing else reads them.
 fn joined_gradients(
     g: &Graph,
     grad: NodeId,
-    rows: usize,
+    shape: &[usize],
     width: usize,
 ) -> Option<(NodeId, [NodeId; 3])> {
+    let mut part = shape.to_vec();
+    *part.last_mut()? = width;
     let mut reshapes = [grad; 3];
     let mut concat = None;
     for (j, reshape) in reshapes.iter_mut().enumerate() {
@@ -125,7 +138,7 @@ fn joined_gradients(
         let out = Port::new(*reshape, 0);
         let join = sole_reader(g, out)?;
         let is_reshape = g.node(*reshape).op.is::<Reshape>();
-        if !is_reshape || g.ty(out).shape != [rows, width] || concat.is_some_and(|c| c != join) {
+        if !is_reshape || g.ty(out).shape != part || concat.is_some_and(|c| c != join) {
             return None;
         }
         concat = Some(join);
@@ -133,7 +146,8 @@ fn joined_gradients(
     let concat = concat?;
     let axis = g.node(concat).op.downcast_ref::<Concat>()?.axis;
     let joins = g.inputs(concat) == reshapes.map(|r| Port::new(r, 0));
-    (joins && (axis == 1 || axis == -1)).then_some((concat, reshapes))
+    let last = axis == -1 || axis == part.len() as i64 - 1;
+    (joins && last).then_some((concat, reshapes))
 }
 
 /// Rewrites one attention and its gradients to read and write the packed projection.
@@ -209,5 +223,69 @@ impl Pass for PackQkv {
                 "pack-qkv: {packed} self-attentions read their packed q/k/v projection and {grads} gradients write it packed (3 slices and a Concat fewer each)"
             )],
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::testing::{assert_same_bits, count, run};
+    use ampgraph_graph::autodiff::gradients;
+    use ampgraph_graph::{DType, Tensor};
+
+    /// An exporter's split of a packed projection `y [B, S, 3 H D]` (3-D, as
+    /// `torch.onnx.export` writes GPT-2's `c_attn`) into q, k, v `[B, S, H, D]` for a
+    /// causal FusedAttention, and the gradient of `sum(o * w)` with respect to `y`.
+    #[test]
+    fn a_three_dimensional_projection_is_read_packed_with_the_same_bits() {
+        let (b, s, h, d) = (2usize, 4usize, 2usize, 4usize);
+        let e = h * d;
+        let mut g = Graph::new();
+        let y = g.placeholder("y", DType::F32, [b, s, 3 * e]).unwrap();
+        let w = g.placeholder("w", DType::F32, [b, s, h, d]).unwrap();
+        let parts: Vec<Port> = (0..3)
+            .map(|j| {
+                let cut = Slice::new([0, 0, j * e], [b as i64, s as i64, e as i64]);
+                let part = g.add(cut, &[y]).unwrap();
+                g.reshape(part, [b as i64, s as i64, h as i64, d as i64])
+                    .unwrap()
+            })
+            .collect();
+        let attention = FusedAttention {
+            scale: 0.5,
+            causal: true,
+            key_bias: false,
+            packed: false,
+        };
+        let o = g.add(attention, &parts).unwrap();
+        let weighted = g.mul(o, w).unwrap();
+        let loss = g.sum(weighted, None, false).unwrap();
+        let grads = gradients(&mut g, loss, &[y]).unwrap();
+        g.set_outputs([vec![o], grads].concat()).unwrap();
+        let ramp = |shape: &[usize], k: f64| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f64> = (0..n).map(|i| ((i as f64) * k).sin()).collect();
+            Tensor::from_f64(DType::F32, shape.to_vec(), &v).unwrap()
+        };
+        let feeds: HashMap<&str, Tensor> = [
+            ("y", ramp(&[b, s, 3 * e], 0.37)),
+            ("w", ramp(&[b, s, h, d], 0.11)),
+        ]
+        .into();
+        let before = run(&g, &feeds);
+        // The pipeline's dce first: autodiff leaves each slice's zero-padded gradient.
+        crate::simplify::Dce.run(&mut g).unwrap();
+        let summary = PackQkv.run(&mut g).unwrap();
+        assert!(
+            summary.lines[0]
+                .contains("1 self-attentions read their packed q/k/v projection and 1 gradients"),
+            "{}",
+            summary.lines[0]
+        );
+        g.validate().unwrap();
+        assert_eq!((count(&g, "Slice"), count(&g, "Concat")), (0, 0));
+        assert_same_bits(&before, &run(&g, &feeds));
     }
 }
