@@ -135,6 +135,39 @@ fn a_small_resnet_trains_on_the_cpu() {
     assert!(mean.iter().any(|&m| m != 0.0), "running mean {mean:?}");
 }
 
+/// In the CUDA pipeline after AMP every bottleneck's last batch norm takes the block's
+/// residual Add and its Relu (a side input, `fuse-batchnorm-activation`): the forward
+/// has no elementwise pass over images left.
+#[test]
+fn a_resnets_residual_adds_fold_into_its_batch_norms() {
+    use ampgraph::graph::ops::{BatchNorm, NormActivation};
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [2, 3, 32, 32]).unwrap();
+    let labels = g.placeholder("labels", DType::I64, [2]).unwrap();
+    let net = resnet::build(&mut g, x, &TINY_RESNET, true).unwrap();
+    let loss = g.softmax_cross_entropy(net.logits, labels).unwrap();
+    let step = Sgd::momentum(0.05, 0.9).minimize(&mut g, loss).unwrap();
+    g.set_outputs(vec![step.loss, step.step]).unwrap();
+    amp_and_cuda_passes(&mut g);
+    let with_side: Vec<&BatchNorm> = g
+        .node_ids()
+        .filter(|&id| g.inputs(id).len() == 6)
+        .filter_map(|id| g.node(id).op.downcast_ref::<BatchNorm>())
+        .collect();
+    assert_eq!(with_side.len(), TINY_RESNET.blocks.iter().sum::<usize>());
+    assert!(with_side
+        .iter()
+        .all(|bn| bn.activation == NormActivation::Relu));
+    // No elementwise pass over images is left in the forward (the backward still
+    // sums the gradients reaching the max pool's output from both branches).
+    let forward_image_passes = g.node_ids().filter(|&id| {
+        let node = g.node(id);
+        let elementwise = ["Add", "Relu", "FusedElementwise"].contains(&node.op_name());
+        elementwise && node.outputs()[0].rank() == 4 && !node.name.contains("gradients/")
+    });
+    assert_eq!(forward_image_passes.count(), 0);
+}
+
 #[test]
 fn gpt2_124m_has_hugging_faces_parameter_count() {
     let mut g = Graph::new();
