@@ -23,7 +23,7 @@
 //! before.
 
 use ampgraph_graph::ops::{Reshape, Slice, Transpose};
-use ampgraph_graph::{Graph, NodeId, Port};
+use ampgraph_graph::{Graph, NodeId, Op, Port};
 
 use crate::rewrite::{output_nodes, remove_unread, summary};
 use crate::{Pass, PassError, PassSummary};
@@ -159,8 +159,7 @@ fn compose(g: &mut Graph, end: NodeId, outputs: &[bool]) -> Result<Option<Vec<No
         .filter(|&&id| g.node(id).op.is::<Transpose>())
         .count();
     let x = g.inputs(chain[0])[0];
-    let out_shape = &g.ty(Port::new(end, 0)).shape;
-    let out: Vec<i64> = out_shape.iter().map(|&d| d as i64).collect();
+    let out = dims(&g.ty(Port::new(end, 0)).shape);
     if transposes == 0 && chain.len() > 1 {
         // Reshapes alone: one Reshape.
         g.set_node(end, Box::new(Reshape::new(out)), &[x])?;
@@ -180,7 +179,6 @@ fn compose(g: &mut Graph, end: NodeId, outputs: &[bool]) -> Result<Option<Vec<No
         }
     }
     let (sizes, perm) = atoms.plan();
-    let shape = |dims: &[usize]| dims.iter().map(|&d| d as i64).collect::<Vec<i64>>();
     chain.pop();
     if perm.iter().enumerate().all(|(i, &p)| i == p) {
         g.set_node(end, Box::new(Reshape::new(out)), &[x])?;
@@ -189,7 +187,7 @@ fn compose(g: &mut Graph, end: NodeId, outputs: &[bool]) -> Result<Option<Vec<No
     let name = g.node(end).name.clone();
     let viewed = g.add_node(
         g.fresh_name(format!("{name}/atoms")),
-        Box::new(Reshape::new(shape(&sizes))),
+        Box::new(Reshape::new(dims(&sizes))),
         &[x],
     )?;
     let moved = g.add_node(
@@ -230,15 +228,33 @@ fn slice_before_squeeze(g: &mut Graph, s: NodeId) -> Result<bool, PassError> {
         begin[f] = slice.begin.get(t).copied().unwrap_or(0);
         size[f] = window[t] as i64;
     }
-    let name = g.node(s).name.clone();
-    let first = g.add_node(
-        g.fresh_name(format!("{name}/first")),
-        Box::new(Slice::new(begin, size)),
-        &[y],
+    slice_first(
+        g,
+        s,
+        y,
+        Slice::new(begin, size),
+        Box::new(Reshape::new(dims(&window))),
     )?;
-    let shape: Vec<i64> = window.iter().map(|&d| d as i64).collect();
-    g.set_node(s, Box::new(Reshape::new(shape)), &[first.into()])?;
     Ok(true)
+}
+
+/// Slice `s` becomes `then` of a new Slice `first` of `x` (named after `s`).
+fn slice_first(
+    g: &mut Graph,
+    s: NodeId,
+    x: Port,
+    first: Slice,
+    then: Box<dyn Op>,
+) -> Result<(), PassError> {
+    let name = g.fresh_name(format!("{}/first", g.node(s).name));
+    let first = g.add_node(name, Box::new(first), &[x])?;
+    g.set_node(s, then, &[first.into()])?;
+    Ok(())
+}
+
+/// A shape as Reshape takes it.
+fn dims(shape: &[usize]) -> Vec<i64> {
+    shape.iter().map(|&d| d as i64).collect()
 }
 
 /// Moves the Slices reading Transpose `t` before it, where every reader is a Slice
@@ -276,13 +292,8 @@ fn slices_first(g: &mut Graph, t: NodeId, outputs: &[bool]) -> Result<bool, Pass
             begin[p] = slice.begin.get(i).copied().unwrap_or(0);
             size[p] = window[i] as i64;
         }
-        let name = g.node(r).name.clone();
-        let first = g.add_node(
-            g.fresh_name(format!("{name}/first")),
-            Box::new(Slice::new(begin, size)),
-            &[x],
-        )?;
-        g.set_node(r, Box::new(Transpose::new(perm.clone())), &[first.into()])?;
+        let then = Box::new(Transpose::new(perm.clone()));
+        slice_first(g, r, x, Slice::new(begin, size), then)?;
     }
     Ok(true)
 }
