@@ -179,11 +179,7 @@ impl Geometry {
         // math for all of them), or the largest power of two of them dividing `c`.
         let lanes = if nhwc {
             let vector = (16 / dtype.size_bytes()).max(1);
-            (0..=vector.ilog2())
-                .rev()
-                .map(|k| 1 << k)
-                .find(|l| c % l == 0)
-                .unwrap_or(1)
+            1 << c.trailing_zeros().min(vector.ilog2())
         } else {
             1
         };
@@ -457,16 +453,18 @@ fn wide(input: &[usize], output: &[usize]) -> bool {
     numel(input).max(numel(output)) > i32::MAX as usize
 }
 
-/// A forward kernel: output item `e`'s window (`o`, rows `ry`, columns `rx`) bound
-/// for `body`, which sets `out`'s lanes.
+/// Binds output item `e`'s place `o` and its window's rows `ry` and columns `rx`.
+const OUTPUT_WINDOW: &str = "Pixel o = g.pixel(e, g.oh, g.ow);\n\
+     Range ry = window(o.y, g.sh.d, g.ph, g.kh, g.h.d), rx = window(o.x, g.sw.d, g.pw, g.kw, g.w.d);\n";
+
+/// A forward kernel: output item `e`'s window ([`OUTPUT_WINDOW`]) bound for `body`,
+/// which sets `out`'s lanes.
 fn forward(d: DType, wide: bool, lanes: u8, body: &str) -> String {
     let kernel = pooling_kernel_source(
         "k",
         "const T* px, T* py",
         &format!(
-            "Pixel o = g.pixel(e, g.oh, g.ow);\n\
-             Range ry = window(o.y, g.sh.d, g.ph, g.kh, g.h.d), rx = window(o.x, g.sw.d, g.pw, g.kw, g.w.d);\n\
-             Lanes out;\n\
+            "{OUTPUT_WINDOW}Lanes out;\n\
              {body}\n\
              store_lanes(py, e, out);"
         ),
@@ -536,12 +534,12 @@ pub(super) fn max_pool_grad(d: DType, wide: bool, lanes: u8) -> String {
     let argmax = pooling_kernel_source(
         "k_argmax",
         "const T* px, u8* pat",
-        "Pixel o = g.pixel(e, g.oh, g.ow);\n\
-         Range ry = window(o.y, g.sh.d, g.ph, g.kh, g.h.d), rx = window(o.x, g.sw.d, g.pw, g.kw, g.w.d);\n\
-         Max m = first_max(px, g, o.b, o.ch, o.y, o.x, ry, rx);\n\
-         Vec<u8, V> at;\n\
-         for (int u = 0; u < V; ++u) at.v[u] = m.place[u] < 0 ? (u8)255 : (u8)m.place[u];\n\
-         *(Vec<u8, V>*)(pat + e) = at;",
+        &format!(
+            "{OUTPUT_WINDOW}Max m = first_max(px, g, o.b, o.ch, o.y, o.x, ry, rx);\n\
+             Vec<u8, V> at;\n\
+             for (int u = 0; u < V; ++u) at.v[u] = m.place[u] < 0 ? (u8)255 : (u8)m.place[u];\n\
+             *(Vec<u8, V>*)(pat + e) = at;"
+        ),
     );
     let gather = gradient(
         "k",
