@@ -359,14 +359,8 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::testing::{assert_same_bits, count, run};
+    use crate::testing::{assert_same_bits, count, run, sine};
     use ampgraph_graph::{DType, Tensor};
-
-    fn ramp(shape: &[usize]) -> Tensor {
-        let n: usize = shape.iter().product();
-        let v: Vec<f64> = (0..n).map(|i| i as f64).collect();
-        Tensor::from_f64(DType::F32, shape.to_vec(), &v).unwrap()
-    }
 
     /// `torch.onnx.export`'s `nn.MultiheadAttention` operands: a packed projection
     /// `[S, B, 3 E]` transposed whole, sliced into q, k and v, each reshaped,
@@ -399,7 +393,7 @@ mod tests {
             outs.push(g.transpose(v, [0, 2, 1, 3]).unwrap());
         }
         g.set_outputs(outs).unwrap();
-        let feeds: HashMap<&str, Tensor> = [("x", ramp(&[s, b, 3 * e]))].into();
+        let feeds: HashMap<&str, Tensor> = [("x", sine(&[s, b, 3 * e], 0.37))].into();
         let before = run(&g, &feeds);
         assert_eq!(count(&g, "Transpose"), 7);
         let summary = ComposeViews.run(&mut g).unwrap();
@@ -485,7 +479,7 @@ mod tests {
                 }
             }
             g.set_outputs(vec![y]).unwrap();
-            let feeds: HashMap<&str, Tensor> = [("x", ramp(&[2, 3, 4]))].into();
+            let feeds: HashMap<&str, Tensor> = [("x", sine(&[2, 3, 4], 0.37))].into();
             let before = run(&g, &feeds);
             let transposes = count(&g, "Transpose");
             let line = ComposeViews.run(&mut g).unwrap().lines[0].clone();

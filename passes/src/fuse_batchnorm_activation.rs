@@ -9,7 +9,6 @@
 //! is not read). In a convnet's training step each Conv + BatchNorm + ReLU layer loses
 //! two elementwise passes over its activations, and its gradient two reads of `y`.
 //!
-//!
 //! A residual connection's `Relu(Add(BatchNorm(x):0, s))` (ResNet's block output; an
 //! Add read by anything else keeps no ReLU) becomes `BatchNorm{Relu}(x, .., s)` with
 //! `s` as TensorFlow's side input, on channels-last images (NHWC or `[N, C]`, the

@@ -9,9 +9,9 @@
 //!
 //! Taken: a FusedAttention whose q, k and v are `Reshape(Slice(y))` of one `y [B * S,
 //! 3 H D]` (or `[B, S, 3 H D]`, as `torch.onnx.export` splits GPT-2's `c_attn`) at
-//! columns 0, H D and 2 H D of its last axis, read by nothing but it and its gradients, each
-//! gradient's three outputs reshaped back and joined by one Concat along the columns
-//! and read by nothing else. Other attentions are left as they are.
+//! columns 0, H D and 2 H D of its last axis, read by nothing but it and its
+//! gradients, each gradient's three outputs reshaped back and joined by one Concat
+//! along that axis and read by nothing else. Other attentions are left as they are.
 
 use ampgraph_graph::ops::{Concat, FusedAttention, FusedAttentionGrad, Reshape, Slice};
 use ampgraph_graph::{Graph, NodeId, Port};
@@ -26,7 +26,7 @@ pub struct PackQkv;
 /// What one attention's packing rewrites.
 struct Packing {
     attention: NodeId,
-    /// The packed projection `[B * S, 3 H D]`.
+    /// The packed projection, `3 H D` its last axis.
     source: Port,
     /// `[B, S, 3, H, D]`.
     view: [usize; 5],
@@ -183,7 +183,7 @@ fn pack(g: &mut Graph, p: Packing) -> Result<(), PassError> {
         let name = g.fresh_name(format!("{}/packed", g.node(grad).name));
         let packed = FusedAttentionGrad { packed: true, ..op };
         let packed = g.add_node(name, Box::new(packed), &inputs)?;
-        // The Concat's readers read dqkv as the projection's gradient, [B * S, 3 H D].
+        // The Concat's readers read dqkv as the projection's gradient, in its shape.
         let name = g.fresh_name(format!("{}/joined", g.node(packed).name));
         let reshape = Box::new(Reshape::new(joined.clone()));
         let joined_grad = Port::from(g.add_node(name, reshape, &[Port::new(packed, 0)])?);
@@ -231,7 +231,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::testing::{assert_same_bits, count, run};
+    use crate::testing::{assert_same_bits, count, run, sine};
     use ampgraph_graph::autodiff::gradients;
     use ampgraph_graph::{DType, Tensor};
 
@@ -264,14 +264,9 @@ mod tests {
         let loss = g.sum(weighted, None, false).unwrap();
         let grads = gradients(&mut g, loss, &[y]).unwrap();
         g.set_outputs([vec![o], grads].concat()).unwrap();
-        let ramp = |shape: &[usize], k: f64| {
-            let n: usize = shape.iter().product();
-            let v: Vec<f64> = (0..n).map(|i| ((i as f64) * k).sin()).collect();
-            Tensor::from_f64(DType::F32, shape.to_vec(), &v).unwrap()
-        };
         let feeds: HashMap<&str, Tensor> = [
-            ("y", ramp(&[b, s, 3 * e], 0.37)),
-            ("w", ramp(&[b, s, h, d], 0.11)),
+            ("y", sine(&[b, s, 3 * e], 0.37)),
+            ("w", sine(&[b, s, h, d], 0.11)),
         ]
         .into();
         let before = run(&g, &feeds);

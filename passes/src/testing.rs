@@ -41,3 +41,11 @@ pub fn assert_same_bits(want: &[Tensor], got: &[Tensor]) {
         assert_eq!(bits(w), bits(o), "output {k}");
     }
 }
+
+/// An f32 tensor of `shape` holding `sin(i * step)` at row-major index `i`: distinct,
+/// signed values a test compares before and after a rewrite.
+pub fn sine(shape: &[usize], step: f64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|i| (i as f64 * step).sin()).collect();
+    Tensor::from_f64(ampgraph_graph::DType::F32, shape.to_vec(), &v).unwrap()
+}
