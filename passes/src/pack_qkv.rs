@@ -26,14 +26,17 @@ pub struct PackQkv;
 /// What one attention's packing rewrites.
 struct Packing {
     attention: NodeId,
+    /// The attention's op, to be packed.
+    op: FusedAttention,
     /// The packed projection, `3 H D` its last axis.
     source: Port,
     /// `[B, S, 3, H, D]`.
     view: [usize; 5],
     /// The forward's q, k and v: Reshapes of Slices.
     parts: [NodeId; 3],
-    /// Each gradient node with the Concat joining its outputs and the Reshapes between.
-    grads: Vec<(NodeId, NodeId, [NodeId; 3])>,
+    /// Each gradient node with its op, the Concat joining its outputs and the
+    /// Reshapes between.
+    grads: Vec<(NodeId, FusedAttentionGrad, NodeId, [NodeId; 3])>,
 }
 
 /// The one reader of `port`, if exactly one node reads it once and it is no graph
@@ -100,12 +103,12 @@ fn packing(g: &Graph, attention: NodeId) -> Option<Packing> {
             return None;
         }
         let (concat, reshapes) = joined_gradients(g, reader, &g.ty(source?).shape, width)?;
-        grads.push((reader, concat, reshapes));
+        grads.push((reader, grad.clone(), concat, reshapes));
     }
     for (j, &part) in parts.iter().enumerate().skip(1) {
         let readers = g.consumers(part);
         let expected = readers.iter().all(|&(reader, slot, _)| {
-            slot == j && (reader == attention || grads.iter().any(|&(id, ..)| id == reader))
+            slot == j && (reader == attention || grads.iter().any(|(id, ..)| *id == reader))
         });
         if !expected || readers.len() != 1 + grads.len() {
             return None;
@@ -113,6 +116,7 @@ fn packing(g: &Graph, attention: NodeId) -> Option<Packing> {
     }
     Some(Packing {
         attention,
+        op: op.clone(),
         source: source?,
         view: [b, s, 3, h, d],
         parts,
@@ -155,15 +159,12 @@ fn pack(g: &mut Graph, p: Packing) -> Result<(), PassError> {
     let name = g.fresh_name(format!("{}/qkv", g.node(p.attention).name));
     let dims = p.view.map(|n| n as i64);
     let view = Port::from(g.add_node(name, Box::new(Reshape::new(dims)), &[p.source])?);
-    let op = g
-        .node(p.attention)
-        .op
-        .downcast_ref::<FusedAttention>()
-        .cloned();
-    let op = op.ok_or_else(|| PassError::Rewrite("internal: not an attention".into()))?;
     let mut inputs = vec![view];
     inputs.extend_from_slice(&g.inputs(p.attention)[3..]);
-    let packed = FusedAttention { packed: true, ..op };
+    let packed = FusedAttention {
+        packed: true,
+        ..p.op
+    };
     g.set_node(p.attention, Box::new(packed), &inputs)?;
     let joined = g
         .ty(p.source)
@@ -171,13 +172,7 @@ fn pack(g: &mut Graph, p: Packing) -> Result<(), PassError> {
         .iter()
         .map(|&n| n as i64)
         .collect::<Vec<_>>();
-    for (grad, concat, reshapes) in p.grads {
-        let op = g
-            .node(grad)
-            .op
-            .downcast_ref::<FusedAttentionGrad>()
-            .cloned();
-        let op = op.ok_or_else(|| PassError::Rewrite("internal: not a gradient".into()))?;
+    for (grad, op, concat, reshapes) in p.grads {
         let mut inputs = vec![view];
         inputs.extend_from_slice(&g.inputs(grad)[3..]);
         let name = g.fresh_name(format!("{}/packed", g.node(grad).name));
