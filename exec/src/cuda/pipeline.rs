@@ -3,6 +3,7 @@
 //! `--passes`).
 
 use ampgraph_passes::attention::FuseAttention;
+use ampgraph_passes::compose_views::ComposeViews;
 use ampgraph_passes::cross_entropy::FuseCrossEntropy;
 use ampgraph_passes::epilogue::GemmEpilogue;
 use ampgraph_passes::fuse::Fuse;
@@ -32,7 +33,9 @@ use crate::ExecOptions;
 /// its gradient (one read of the logits for both, the casts around them folded),
 /// products their operands' transposes (as adjoints) and batched products their
 /// scalar scalings, explicit attentions become fused ones
-/// (scores never stored), the finiteness check and the optimizer updates the loss-scale
+/// (scores never stored), the chains of Reshapes and Transposes around them one
+/// Transpose at most (an exported `nn.MultiheadAttention` copies each operand four
+/// times otherwise), the finiteness check and the optimizer updates the loss-scale
 /// unscaling, the updates the casts of their variables, products their bias and
 /// activation into the GEMM, large products left whose rows are misaligned for Tensor
 /// Cores pad them (GPT-2's vocabulary), then the remaining elementwise chains fuse into generated
@@ -61,6 +64,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(TransposeIntoMatmul),
         Box::new(ScaleIntoMatmul),
         Box::new(FuseAttention),
+        Box::new(ComposeViews),
         Box::new(PackQkv),
         Box::new(UnscaleIntoUpdate),
         Box::new(CastIntoUpdate),
