@@ -228,4 +228,27 @@ mod tests {
         assert!(lookup("Gelu", 19).is_none() && lookup("Gelu", 20).is_some());
         assert!(lookup("Conv", 11).is_some() && lookup("NoSuchOp", 17).is_none());
     }
+
+    /// torch.onnx.export(dynamo=True, opset_version=17) keeps opset 18's
+    /// `num_outputs` on the Splits it converts down (Hugging Face GPT-2's q/k/v): read
+    /// at 13 to 17 too; any other attribute of another version is still refused.
+    #[test]
+    fn split_reads_num_outputs_below_opset_18() {
+        let split = |attr: &str| NodeProto {
+            op_type: "Split".into(),
+            input: vec!["qkv".into()],
+            output: vec!["q".into(), "k".into(), "v".into()],
+            attribute: vec![AttributeProto {
+                name: attr.into(),
+                r#type: attribute_type::INT,
+                i: 3,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let v = lookup("Split", 17).unwrap();
+        assert_eq!(check_node(&split("num_outputs"), v, 17), Ok(()));
+        let err = check_node(&split("chunks"), v, 17).unwrap_err();
+        assert!(err.contains("attribute 'chunks' is not read at opset 17"), "{err}");
+    }
 }
