@@ -151,12 +151,16 @@ fn unary_and_unary_grad() {
 fn binary_and_binary_grad_with_broadcasting() {
     let Some(mut gpu) = gpu() else { return };
     let mut r = Rng(2);
-    let shapes: [(&[usize], &[usize]); 5] = [
+    let shapes: [(&[usize], &[usize]); 7] = [
         (&[4, 5], &[4, 5]),
         (&[4, 5], &[]),
         (&[], &[4, 5]),
         (&[4, 1, 3], &[5, 1]),
         (&[2, 3, 4], &[3, 1]),
+        // A squeeze-excitation's NHWC scale (H and W merge into one axis), and both
+        // operands broadcast (no axes merge).
+        (&[2, 3, 4, 5], &[2, 1, 1, 5]),
+        (&[2, 1, 4, 1], &[1, 3, 1, 5]),
     ];
     for d in FLOATS {
         for kind in BinaryKind::ALL {
@@ -382,6 +386,12 @@ fn reductions_and_their_gradients() {
         (vec![2, 3, 4, 5], Some(vec![1, 2]), false),
         (vec![4, 1, 6, 1], Some(vec![2]), true),
         (vec![2, 1, 1, 8], Some(vec![1, 2]), false),
+        // NHWC global pools over more than 64 pixels: the middle axis in row chunks
+        // (k_mid), a column tile partly full; one image of 8 channels over 100 rows
+        // of chunks.
+        (vec![3, 9, 10, 33], Some(vec![1, 2]), true),
+        (vec![1, 80, 80, 8], Some(vec![1, 2]), false),
+        (vec![5, 70, 40], Some(vec![1]), false),
     ];
     for d in FLOATS {
         for kind in ReduceKind::ALL {

@@ -7,8 +7,9 @@
 //! BiasAdd on images) becomes its NHWC twin (`data_format: NHWC`, `input_shape` attrs
 //! permuted; filters are HWIO in both layouts). Ops that compute the same in either
 //! layout follow their neighbours: elementwise ops (Unary, UnaryGrad, Binary, BinaryGrad
-//! and Cast whose operands are the image or broadcast a single value, fused programs of
-//! such ops), reductions of images (axes remapped: the global average pool's Mean over
+//! and Cast whose operands are the image, an image broadcast into it (a
+//! squeeze-excitation's `[N, C, 1, 1]` scale, permuted alike) or a single value, fused
+//! programs of such ops), reductions of images (axes remapped: the global average pool's Mean over
 //! `[2, 3]` becomes `[1, 2]`, a bias gradient's Sum over `[0, 2, 3]` becomes `[0, 1, 2]`),
 //! their gradients, Concat of images (axis 1 becomes 3) and Slice of images (Concat's
 //! gradient; begin and size permuted).
@@ -20,7 +21,7 @@
 //! Transposes, until none does. A graph without NCHW-only ops is left as it is. A Transpose goes on each tensor whose producer and some reader disagree
 //! (one per tensor, shared by its readers): after graph inputs (Placeholders, Variables,
 //! Constants), before graph outputs and before every other op that reads an image
-//! (Reshape, BroadcastTo, a broadcast against a `[1, C, 1, 1]` operand). A converted
+//! (Reshape, BroadcastTo, a broadcast against a `[C, 1, 1]` operand). A converted
 //! node that is a graph output keeps its name by becoming the Transpose back of a new
 //! node `<name>/nhwc`; a node with several outputs cannot, so a BatchNorm (or fused
 //! program) whose image output is a graph output stays NCHW. Last, the Transposes are
@@ -153,6 +154,19 @@ fn layout_free(ty: &TensorType) -> bool {
     per_image || ty.shape.iter().all(|&d| d == 1)
 }
 
+/// An image `ty` broadcast into the image `out` (a squeeze-excitation's `[N, C, 1, 1]`
+/// scale, a `[1, C, 1, 1]` constant): it broadcasts the same way once both are
+/// permuted alike, so it follows the op's layout.
+fn broadcast_image(ty: &TensorType, out: &TensorType) -> bool {
+    is_image(ty)
+        && out.rank() == 4
+        && ty
+            .shape
+            .iter()
+            .zip(&out.shape)
+            .all(|(&d, &o)| d == o || d == 1)
+}
+
 /// The NHWC form of an NCHW-only op of type `T`.
 fn sensitive<T: LayoutSensitive>(op: &dyn Op) -> Option<NhwcForm> {
     let mut twin = op.downcast_ref::<T>()?.clone();
@@ -227,7 +241,7 @@ fn agnostic_form(op: &dyn Op, inputs: &[&TensorType], outputs: &[TensorType]) ->
         let out = outputs.first().filter(|t| is_image(t))?;
         let mut images = Vec::new();
         for (slot, ty) in inputs.iter().enumerate() {
-            if ty.shape == out.shape {
+            if ty.shape == out.shape || broadcast_image(ty, out) {
                 images.push(slot);
             } else if !layout_free(ty) {
                 return None;
@@ -299,8 +313,8 @@ fn nhwc_reduction(r: &Reduce, x: &TensorType) -> Option<(Option<Vec<i64>>, bool)
     Some((axes, r.keep_dims))
 }
 
-/// A fused program of image-shaped values (and single values broadcast into them) on
-/// NHWC images: every image type permuted. Programs with column sums (over every axis
+/// A fused program of image-shaped values (and single values or images broadcast into
+/// them) on NHWC images: every image type permuted. Programs with column sums (over every axis
 /// but the last, the channel axis only in NHWC) or BiasAdds (a channel axis of their
 /// own) are not layout-agnostic.
 fn nhwc_program(fused: &FusedElementwise) -> Option<FusedElementwise> {
@@ -321,7 +335,7 @@ fn nhwc_program(fused: &FusedElementwise) -> Option<FusedElementwise> {
             );
             if bias_add {
                 None
-            } else if ins.ty.shape == domain.shape {
+            } else if ins.ty.shape == domain.shape || broadcast_image(&ins.ty, domain) {
                 let ty = TensorType::new(ins.ty.dtype, nhwc_order(&ins.ty.shape));
                 Some(Instr {
                     expr: ins.expr.clone(),
@@ -1011,8 +1025,9 @@ mod tests {
             .unwrap();
         let sum = g.sum(cat, Some(&[0, 2, 3]), false).unwrap();
         let flat = g.reshape(a, [2, -1]).unwrap();
-        // A per-channel scale broadcast from [1, C, 1, 1] is NCHW only.
-        let per_channel = g.constant(tensor(&[1, 6, 1, 1], 0.5)).unwrap();
+        // A per-channel scale broadcast from [C, 1, 1] is NCHW only (one from
+        // [N, C, 1, 1] follows: `a_squeeze_excitation_block_computes_nhwc`).
+        let per_channel = g.constant(tensor(&[6, 1, 1], 0.5)).unwrap();
         let scaled = g.mul(cat, per_channel).unwrap();
         let scaled = conv(&mut g, scaled, 3, 1, 1, Padding::Valid);
         let pooled = g.mean(scaled, Some(&[2, 3]), false).unwrap();
@@ -1091,6 +1106,41 @@ mod tests {
         );
         // x in; the first conv out to the BatchNorm; its output into the second; out.
         assert_eq!(count(&after, "Transpose"), 4);
+    }
+
+    /// MobileNetV3's and EfficientNet's squeeze-excitation: the image times a
+    /// per-image, per-channel scale computed from its mean, `[N, C, 1, 1]`, and a
+    /// `[1, C, 1, 1]` constant: the whole block NHWC, Transposes only at x and the
+    /// output, fused or not.
+    #[test]
+    fn a_squeeze_excitation_block_computes_nhwc() {
+        for fused in [false, true] {
+            let mut g = Graph::new();
+            let x = g.placeholder("x", DType::F32, [2, 3, 4, 5]).unwrap();
+            let y = conv(&mut g, x, 6, 3, 1, Padding::Same);
+            let pooled = g.mean(y, Some(&[2, 3]), true).unwrap();
+            let s = conv(&mut g, pooled, 2, 1, 1, Padding::Valid);
+            let s = g.relu(s).unwrap();
+            let s = conv(&mut g, s, 6, 1, 1, Padding::Valid);
+            let s = g.sigmoid(s).unwrap();
+            let per_channel = g.constant(tensor(&[1, 6, 1, 1], 0.5)).unwrap();
+            let s = g.mul(s, per_channel).unwrap();
+            let y = g.mul(y, s).unwrap();
+            let y = conv(&mut g, y, 2, 1, 1, Padding::Same);
+            g.set_outputs(vec![y]).unwrap();
+            if fused {
+                Fuse.run(&mut g).unwrap();
+            }
+            let (after, _) = layout(&g);
+            assert!(nchw_ops(&after).is_empty(), "fused {fused}");
+            let inputs: Vec<String> = transposes(&after).into_iter().map(|(i, _)| i).collect();
+            let output = format!("{}/nhwc", after.port_name(g.outputs()[0]));
+            assert_eq!(
+                inputs,
+                [g.node(per_channel.node).name.clone(), output, "x".into()],
+                "fused {fused}"
+            );
+        }
     }
 
     #[test]

@@ -249,6 +249,9 @@ mod tests {
         let v = lookup("Split", 17).unwrap();
         assert_eq!(check_node(&split("num_outputs"), v, 17), Ok(()));
         let err = check_node(&split("chunks"), v, 17).unwrap_err();
-        assert!(err.contains("attribute 'chunks' is not read at opset 17"), "{err}");
+        assert!(
+            err.contains("attribute 'chunks' is not read at opset 17"),
+            "{err}"
+        );
     }
 }

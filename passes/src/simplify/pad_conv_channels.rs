@@ -21,7 +21,8 @@
 //!   as before: the padding only adds rows and columns.
 //!
 //! Grouped convolutions (`groups` > 1) are left alone: zero channels added at the end
-//! would move every group's channel boundaries.
+//! would move every group's channel boundaries. So are convolutions of one-pixel
+//! images (a squeeze-excitation's): too little work for the padding to pay.
 //!
 //! Every padded tensor (a filter read by a convolution and its input gradient, a `dy`
 //! read by both gradients) is padded once. A node whose output keeps its shape reads
@@ -117,7 +118,19 @@ fn padded_form(g: &Graph, id: NodeId) -> Option<(Vec<InputPad>, Box<dyn Op>)> {
         ConvOp::Input(c) => (input_shape(0)?, c.conv.data_format, c.conv.groups),
         ConvOp::Filter(c) => (c.filter_shape.clone(), c.conv.data_format, c.conv.groups),
     };
-    if groups != 1 {
+    // One pixel per image (a squeeze-excitation's two 1x1 convolutions on the pooled
+    // `[N, 1, 1, C]`, a classifier head written as a convolution): a few thousand
+    // products each, where the padding's Concats and Slices would cost more launches
+    // than Tensor Cores could save.
+    let image = match &conv {
+        ConvOp::Input(c) => c.input_shape.clone(),
+        _ => input_shape(0)?,
+    };
+    let pixels: usize = match format {
+        DataFormat::Nhwc => image.get(1..3)?.iter().product(),
+        DataFormat::Nchw => image.get(2..4)?.iter().product(),
+    };
+    if groups != 1 || pixels == 1 {
         return None;
     }
     let [kh, kw, cin, cout] = filter[..] else {
@@ -360,6 +373,29 @@ mod tests {
         assert!(summary.lines[0].starts_with("pad-conv-channels: padded 0 "));
         assert_eq!(after.len(), before);
         assert_eq!(filters(&after).len(), 3, "Conv2D and both gradients");
+    }
+
+    /// A squeeze-excitation's reduction, 24 channels to 6 and back on `[N, 1, 1, C]`,
+    /// and its gradients: nothing padded.
+    #[test]
+    fn leaves_convolutions_of_one_pixel_alone() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F16, [4, 1, 1, 24]).unwrap();
+        let w1 = g.placeholder("w1", DType::F16, [1, 1, 24, 6]).unwrap();
+        let w2 = g.placeholder("w2", DType::F16, [1, 1, 6, 24]).unwrap();
+        let h = g
+            .conv2d(x, w1, [1, 1], Padding::Valid, DataFormat::Nhwc)
+            .unwrap();
+        let y = g
+            .conv2d(h, w2, [1, 1], Padding::Valid, DataFormat::Nhwc)
+            .unwrap();
+        let loss = g.sum(y, None, false).unwrap();
+        let grads = gradients(&mut g, loss, &[x, w1, w2]).unwrap();
+        g.set_outputs([vec![loss], grads].concat()).unwrap();
+        let before = g.len();
+        let (after, summary) = pad(&g);
+        assert!(summary.lines[0].starts_with("pad-conv-channels: padded 0 "));
+        assert_eq!(after.len(), before);
     }
 
     #[test]

@@ -8,7 +8,10 @@ use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{elementwise, module, module_multi, own, store, At, Load, Store};
-use super::{first, float_input, input, kernel, numel, one_output, Ctx, KernelResult, Lowering};
+use super::{
+    first, float_input, input, kernel, merged_jointly, numel, one_output, Ctx, KernelResult,
+    Lowering,
+};
 use crate::cuda::device::{Arg, DTensor, Dims};
 
 kernel_specs! {
@@ -107,34 +110,43 @@ pub(super) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
         .collect()
 }
 
-/// How a binary operand is indexed: (mode, strides); see `OPERAND_INDEX`.
-fn operand(shape: &[usize], out: &[usize]) -> Result<(i32, Dims), String> {
-    let (n, total) = (numel(shape), numel(out));
-    Ok(if n == total {
-        (0, Dims::default())
-    } else if n == 1 {
-        (1, Dims::default())
-    } else {
-        (2, Dims::new(&broadcast_strides(shape, out))?)
-    })
+/// How a binary operand is indexed (see `OPERAND_INDEX`): 0 at full size, 1 a single
+/// value, 2 strided.
+fn operand_mode(shape: &[usize], out: &[usize]) -> i32 {
+    match numel(shape) {
+        n if n == numel(out) => 0,
+        1 => 1,
+        _ => 2,
+    }
 }
 
 /// The size arguments of a kernel over `out` that reads each of `operands` broadcast
 /// to it: `i64 n, int r, Dims shape`, then `int m, Dims s` per operand (see
-/// `OPERAND_INDEX`; `shape` is only filled where some operand is strided).
+/// `OPERAND_INDEX`; `shape` is only filled where some operand is strided, with the
+/// axes merged where every strided operand allows: an NHWC image times its
+/// `[N, 1, 1, C]` scale indexes `[N, H W, C]`, a division fewer per element).
 pub(super) fn broadcast_args(operands: &[&[usize]], out: &[usize]) -> Result<Vec<Arg>, String> {
-    let modes = operands
-        .iter()
-        .map(|s| operand(s, out))
-        .collect::<Result<Vec<_>, _>>()?;
-    let strided = modes.iter().any(|(m, _)| *m == 2);
+    let modes: Vec<i32> = operands.iter().map(|s| operand_mode(s, out)).collect();
+    let strides: Vec<Vec<usize>> = (operands.iter().zip(&modes))
+        .filter(|(_, &m)| m == 2)
+        .map(|(s, _)| broadcast_strides(s, out))
+        .collect();
+    let (shape, mut steps) = match strides.is_empty() {
+        true => (Vec::new(), Vec::new()),
+        false => merged_jointly(out, &strides.iter().map(Vec::as_slice).collect::<Vec<_>>()),
+    };
     let mut args = vec![
         Arg::I64(numel(out) as i64),
-        Arg::I32(out.len() as i32),
-        Arg::Dims(Dims::new(if strided { out } else { &[] })?),
+        Arg::I32(shape.len() as i32),
+        Arg::Dims(Dims::new(&shape)?),
     ];
-    for (m, s) in modes {
-        args.extend([Arg::I32(m), Arg::Dims(s)]);
+    steps.reverse();
+    for m in modes {
+        let s = match m {
+            2 => steps.pop().ok_or("a strided operand without strides")?,
+            _ => Vec::new(),
+        };
+        args.extend([Arg::I32(m), Arg::Dims(Dims::new(&s)?)]);
     }
     Ok(args)
 }

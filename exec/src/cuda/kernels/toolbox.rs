@@ -264,18 +264,37 @@ pub(super) fn numel(s: &[usize]) -> usize {
 /// with fewer divisions to compute each (a global average pool's H and W become one
 /// reduced axis).
 pub(super) fn merged(shape: &[usize], strides: &[usize]) -> (Vec<usize>, Vec<usize>) {
-    let (mut dims, mut steps): (Vec<usize>, Vec<usize>) = (vec![], vec![]);
+    let (dims, mut steps) = merged_jointly(shape, &[strides]);
+    (dims, steps.pop().unwrap_or_default())
+}
+
+/// [`merged`] for several tensors indexed over one `shape` (each its own `strides`):
+/// two axes merge where they merge in every tensor.
+pub(super) fn merged_jointly(
+    shape: &[usize],
+    strides: &[&[usize]],
+) -> (Vec<usize>, Vec<Vec<usize>>) {
+    let (mut dims, mut steps): (Vec<usize>, Vec<Vec<usize>>) =
+        (vec![], vec![vec![]; strides.len()]);
     // An axis of size 1 adds nothing to an offset.
-    for (&d, &t) in shape.iter().zip(strides).filter(|(&d, _)| d != 1) {
-        if let (Some(outer), Some(outer_step)) = (dims.last_mut(), steps.last_mut()) {
-            if *outer_step == t * d {
+    for (axis, &d) in shape.iter().enumerate().filter(|(_, &d)| d != 1) {
+        let merges = !dims.is_empty()
+            && (steps.iter().zip(strides)).all(|(s, t)| s.last() == Some(&(t[axis] * d)));
+        if merges {
+            if let Some(outer) = dims.last_mut() {
                 *outer *= d;
-                *outer_step = t;
-                continue;
+            }
+            for (s, t) in steps.iter_mut().zip(strides) {
+                if let Some(outer_step) = s.last_mut() {
+                    *outer_step = t[axis];
+                }
+            }
+        } else {
+            dims.push(d);
+            for (s, t) in steps.iter_mut().zip(strides) {
+                s.push(t[axis]);
             }
         }
-        dims.push(d);
-        steps.push(t);
     }
     (dims, steps)
 }
@@ -485,7 +504,7 @@ pub(super) fn along(shape: &[usize], axis: i64) -> Result<(usize, usize, usize),
 
 #[cfg(test)]
 mod tests {
-    use super::merged;
+    use super::{merged, merged_jointly};
 
     /// Every row-major index of `shape` at its offset under `strides`.
     fn offsets(shape: &[usize], strides: &[usize]) -> Vec<usize> {
@@ -521,5 +540,22 @@ mod tests {
                 "{shape:?} {strides:?}"
             );
         }
+    }
+
+    #[test]
+    fn jointly_merged_axes_keep_every_tensors_offsets() {
+        // An NHWC image's [N, 1, 1, C] scale and a [1, H, W, C] tensor over [2, 3, 4, 5]:
+        // H and W merge in both; C does not merge into them (the scale repeats there).
+        let shape = [2, 3, 4, 5];
+        let (a, b): (&[usize], &[usize]) = (&[5, 0, 0, 1], &[0, 20, 5, 1]);
+        let (dims, steps) = merged_jointly(&shape, &[a, b]);
+        assert_eq!(dims, [2, 12, 5]);
+        assert_eq!(offsets(&dims, &steps[0]), offsets(&shape, a));
+        assert_eq!(offsets(&dims, &steps[1]), offsets(&shape, b));
+        // Where one tensor cannot merge two axes, neither does the other.
+        let c: &[usize] = &[60, 20, 1, 4];
+        let (dims, steps) = merged_jointly(&shape, &[a, c]);
+        assert_eq!(dims, [2, 3, 4, 5]);
+        assert_eq!(offsets(&dims, &steps[1]), offsets(&shape, c));
     }
 }
