@@ -28,6 +28,8 @@ use ampgraph_graph::{Graph, NodeId, Op, Port};
 use crate::rewrite::{output_nodes, remove_unread, summary};
 use crate::{Pass, PassError, PassSummary};
 
+mod rows;
+
 /// The `compose-views` pass.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ComposeViews;
@@ -304,6 +306,42 @@ impl Pass for ComposeViews {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        // Chains composed first: a row view may end one.
+        let mut lines = compose_all(g)?;
+        let moves = rows::move_past_row_ops(g)?;
+        if moves > 0 {
+            lines = compose_all(g)?;
+        }
+        let line = format!(
+            "compose-views: {moves} times a row reordering moved after a row-wise op reading it"
+        );
+        Ok(summary("compose-views", [lines, vec![line]].concat()))
+    }
+}
+
+/// The pass but for the row views, in rounds until one changes nothing (a chain
+/// composed into a Transpose that Slices read can move after them in the next): its
+/// summary lines.
+fn compose_all(g: &mut Graph) -> Result<Vec<String>, PassError> {
+    let (mut moved, mut composed, mut removed) = (0, 0, 0);
+    loop {
+        let counts = compose_round(g)?;
+        moved += counts[0];
+        composed += counts[1];
+        removed += counts[2];
+        if counts[2] == 0 {
+            break;
+        }
+    }
+    Ok(vec![format!(
+        "compose-views: {moved} Transposes moved after the Slices reading them, {composed} chains of Reshapes and Transposes as one Transpose or Reshape ({removed} nodes fewer)"
+    )])
+}
+
+/// One round of [`compose_all`]: how many Transposes moved after Slices, chains
+/// composed and nodes removed.
+fn compose_round(g: &mut Graph) -> Result<[usize; 3], PassError> {
+    {
         // Which nodes are graph outputs, by index, found again as nodes are added.
         let mut outputs = output_nodes(g);
         let mut stale = Vec::new();
@@ -347,10 +385,7 @@ impl Pass for ComposeViews {
         }
         outputs = output_nodes(g);
         removed += remove_unread(g, stale, &outputs)?.0;
-        let line = format!(
-            "compose-views: {moved} Transposes moved after the Slices reading them, {composed} chains of Reshapes and Transposes as one Transpose or Reshape ({removed} nodes fewer)"
-        );
-        Ok(summary("compose-views", vec![line]))
+        Ok([moved, composed, removed])
     }
 }
 

@@ -1,0 +1,237 @@
+//! Row permutations moved past row-wise ops, for `compose-views` to cancel.
+//!
+//! A row view `Reshape(Transpose(x, p), [M, K])`, `p` keeping the last axis (rows of
+//! `x` reordered, each row whole), read by an op that computes each row of its result
+//! from the same row of that operand alone (a product's left operand, a BiasAdd, an
+//! Add or Mul of a row vector, an elementwise op) is the op on `x`'s rows in their own order,
+//! reordered after: `op(Reshape(x, [M, K]))` viewed as `x`'s leading axes, transposed
+//! by `p` and reshaped to `[M, N]`. `torch.onnx.export`'s `nn.MultiheadAttention`
+//! (`batch_first`, as torchvision's ViT) transposes its input to sequence-first before
+//! the packed in-projection and its output back after the out-projection: moved past
+//! them, these Transposes meet the ones the attention's operands take and compose
+//! away.
+
+use ampgraph_graph::ops::{BiasAdd, Binary, Cast, MatMul, Reshape, Transpose, Unary};
+use ampgraph_graph::{Graph, NodeId, Port};
+
+use super::dims;
+use crate::rewrite::{output_nodes, remove_unread};
+use crate::PassError;
+
+/// A row view read by one row-wise op: `x`'s leading axes (those `p` reorders), `p`
+/// on them, and the Reshape and Transpose nodes.
+struct RowView {
+    x: Port,
+    lead: Vec<usize>,
+    perm: Vec<usize>,
+    nodes: [NodeId; 2],
+}
+
+/// The row view at `v`, a Reshape to `[M, K]` of a Transpose that keeps in place the
+/// trailing axes making up `K` (each read by the next alone), if it is one.
+fn row_view(g: &Graph, v: Port, outputs: &[Port]) -> Option<RowView> {
+    let reshape = v.node;
+    g.node(reshape).op.downcast_ref::<Reshape>()?;
+    let t = *g.inputs(reshape).first()?;
+    let perm = g.node(t.node).op.downcast_ref::<Transpose>()?.perm.clone();
+    let x = *g.inputs(t.node).first()?;
+    let shape = &g.ty(x).shape;
+    let [m, k] = g.ty(v).shape[..] else {
+        return None;
+    };
+    // The first axis of the row: the trailing axes after it multiply to K.
+    let row = (0..shape.len())
+        .rev()
+        .find(|&j| shape[j..].iter().product::<usize>() >= k)?;
+    let rows = shape[row..].iter().product::<usize>() == k
+        && shape[..row].iter().product::<usize>() == m
+        && (row..shape.len()).all(|i| perm[i] == i);
+    let sole = |p: Port| g.port_consumers(p).len() == 1 && !outputs.contains(&p);
+    (rows && row > 0 && sole(t) && sole(v)).then(|| RowView {
+        x,
+        lead: shape[..row].to_vec(),
+        perm: perm[..row].to_vec(),
+        nodes: [reshape, t.node],
+    })
+}
+
+/// Whether `op` computes each row of its `[M, N]` result from the same row of input
+/// `slot` (and inputs the same for every row).
+fn row_wise(g: &Graph, id: NodeId, slot: usize) -> bool {
+    let op = &g.node(id).op;
+    let out = &g.ty(Port::new(id, 0)).shape;
+    if out.len() != 2 || g.node(id).outputs().len() != 1 {
+        return false;
+    }
+    if let Some(m) = op.downcast_ref::<MatMul>() {
+        return slot == 0 && !m.transpose_a;
+    }
+    if op.is::<Binary>() {
+        let other = g.inputs(id)[1 - slot];
+        let shape = &g.ty(other).shape;
+        let per_row = shape.len() <= 1 || (shape.len() == 2 && shape[0] == 1);
+        return g.inputs(id).len() == 2 && per_row;
+    }
+    // A BiasAdd of a matrix adds its bias along the last axis in either format.
+    (op.is::<BiasAdd>() && slot == 0) || op.is::<Unary>() || op.is::<Cast>()
+}
+
+/// The sole reader of `p` (not a graph output), with its slot.
+fn sole_reader(g: &Graph, p: Port, outputs: &[Port]) -> Option<(NodeId, usize)> {
+    match g.port_consumers(p)[..] {
+        [one] if !outputs.contains(&p) => Some(one),
+        _ => None,
+    }
+}
+
+/// The row-wise ops a row view at `v` would move past, in order, where the views after
+/// the last of them lead to a Transpose it can compose with (else moving it gains
+/// nothing, and costs more where the ops widen the rows).
+fn path(g: &Graph, v: Port, outputs: &[Port]) -> Option<Vec<NodeId>> {
+    row_view(g, v, outputs)?;
+    let mut ops = Vec::new();
+    let mut at = v;
+    while let Some((op, _)) =
+        sole_reader(g, at, outputs).filter(|&(op, slot)| row_wise(g, op, slot))
+    {
+        ops.push(op);
+        at = Port::new(op, 0);
+    }
+    while let Some((view, _)) = sole_reader(g, at, outputs) {
+        let op = &g.node(view).op;
+        if op.is::<Transpose>() {
+            return (!ops.is_empty()).then_some(ops);
+        }
+        if !op.is::<Reshape>() {
+            break;
+        }
+        at = Port::new(view, 0);
+    }
+    None
+}
+
+/// Moves each row view past the row-wise ops reading it where it then meets another
+/// Transpose ([`path`]); returns how many ops it moved past.
+pub(super) fn move_past_row_ops(g: &mut Graph) -> Result<usize, PassError> {
+    let outputs = g.outputs().to_vec();
+    let starts: Vec<(NodeId, Vec<NodeId>)> = (g.node_ids())
+        .filter_map(|r| Some((r, path(g, Port::new(r, 0), &outputs)?)))
+        .collect();
+    let mut moves = 0;
+    let mut stale = Vec::new();
+    for (start, ops) in starts {
+        let mut view = Port::new(start, 0);
+        for op in ops {
+            let Some(row) = row_view(g, view, &outputs) else {
+                break;
+            };
+            stale.extend(row.nodes);
+            view = move_past(g, row, op)?;
+            moves += 1;
+        }
+    }
+    remove_unread(g, stale, &output_nodes(g))?;
+    Ok(moves)
+}
+
+/// `op` reads `row.x`'s rows in their own order, and the row view moves after it:
+/// returns the view's new end, which `op`'s readers read.
+fn move_past(g: &mut Graph, row: RowView, op: NodeId) -> Result<Port, PassError> {
+    let y = Port::new(op, 0);
+    let slot = (g.inputs(op).iter())
+        .position(|&p| p == Port::new(row.nodes[0], 0))
+        .ok_or_else(|| PassError::Rewrite("a row view's reader lost it".into()))?;
+    let [m, n] = g.ty(y).shape[..] else {
+        return Err(PassError::Rewrite(
+            "a row-wise op's result is a matrix".into(),
+        ));
+    };
+    let k = g.ty(row.x).shape.iter().product::<usize>() / m.max(1);
+    let name = g.node(op).name.clone();
+    let rows = g.add_node(
+        g.fresh_name(format!("{name}/rows")),
+        Box::new(Reshape::new(dims(&[m, k]))),
+        &[row.x],
+    )?;
+    g.set_input(op, slot, rows.into())?;
+    let readers = g.port_consumers(y);
+    let unrows = g.add_node(
+        g.fresh_name(format!("{name}/unrows")),
+        Box::new(Reshape::new(dims(&[row.lead.clone(), vec![n]].concat()))),
+        &[y],
+    )?;
+    let perm = [row.perm.clone(), vec![row.lead.len()]].concat();
+    let moved = g.add_node(
+        g.fresh_name(format!("{name}/reordered")),
+        Box::new(Transpose::new(perm)),
+        &[unrows.into()],
+    )?;
+    let back = g.add_node(
+        g.fresh_name(format!("{name}/view")),
+        Box::new(Reshape::new(dims(&[m, n]))),
+        &[moved.into()],
+    )?;
+    g.rewire(
+        readers
+            .into_iter()
+            .map(|(r, s)| (r, s, back.into()))
+            .collect(),
+    )?;
+    Ok(back.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use ampgraph_graph::DType;
+
+    use super::*;
+    use crate::testing::{assert_same_bits, count, run, sine};
+
+    /// `nn.MultiheadAttention`'s out-projection as exported: the attention's result
+    /// transposed to sequence-first, rows, a product, a bias and (here) a Tanh, and
+    /// transposed back: the first Transpose moves past the three ops, next to the
+    /// second. Without the second it stays.
+    #[test]
+    fn a_transposed_projection_computes_in_the_inputs_row_order() {
+        for back in [true, false] {
+            let mut g = Graph::new();
+            let x = g.placeholder("x", DType::F32, [2, 3, 2, 2]).unwrap();
+            let w = g.placeholder("w", DType::F32, [4, 6]).unwrap();
+            let b = g.placeholder("b", DType::F32, [6]).unwrap();
+            let t = g.transpose(x, [1, 0, 2, 3]).unwrap();
+            let rows = g.reshape(t, [6, 4]).unwrap();
+            let product = g.matmul(rows, w).unwrap();
+            let y = g.plus(product, b).unwrap();
+            let y = g.tanh(y).unwrap();
+            let mut z = g.reshape(y, [3, 2, 6]).unwrap();
+            if back {
+                z = g.transpose(z, [1, 0, 2]).unwrap();
+            }
+            g.set_outputs(vec![z]).unwrap();
+            let feeds = HashMap::from([
+                ("x", sine(&[2, 3, 2, 2], 0.3)),
+                ("w", sine(&[4, 6], 0.7)),
+                ("b", sine(&[6], 1.1)),
+            ]);
+            let mut after = g.clone();
+            let moves = move_past_row_ops(&mut after).unwrap();
+            after.validate().unwrap();
+            assert_same_bits(&run(&g, &feeds), &run(&after, &feeds));
+            if !back {
+                assert_eq!(moves, 0);
+                continue;
+            }
+            assert_eq!(moves, 3);
+            // The product reads x's own rows; the moved Transpose reads the Tanh.
+            let a = after.inputs(product.node)[0];
+            assert_eq!(after.inputs(a.node)[0], x);
+            assert_eq!(count(&after, "Transpose"), 2);
+            let moved = (after.node_ids())
+                .find(|&id| after.node(id).name.ends_with("/reordered"))
+                .unwrap();
+            assert_eq!(after.inputs(after.inputs(moved)[0].node)[0], y);
+        }
+    }
+}
