@@ -2,8 +2,9 @@
 //! a Transpose read only by Slices as the Slices' own Transposes, so that the chains
 //! after them compose too.
 //!
-//! A Slice of a Reshape that only adds or drops axes of one element (a Squeeze) reads
-//! the Reshape's input first, so that it meets the Transpose before.
+//! A Slice of a Reshape that splits or merges axes or adds or drops axes of one element
+//! (a Squeeze), its window one range of each axis split and whole on each merged one,
+//! reads the Reshape's input first, so that it meets the Transpose before.
 //!
 //! Why: `torch.onnx.export` writes `nn.MultiheadAttention` (sequence-first inside) as
 //! a packed projection transposed whole (`[3, S, B, 1, E]`), sliced into q, k and v,
@@ -201,9 +202,12 @@ fn compose(g: &mut Graph, end: NodeId, outputs: &[bool]) -> Result<Option<Vec<No
     Ok(Some(chain))
 }
 
-/// Where Slice `s` reads a Reshape that only adds or drops axes of one element, the
-/// Slice of the Reshape's input, reshaped: the Slice reads what the Reshape read.
-fn slice_before_squeeze(g: &mut Graph, s: NodeId) -> Result<bool, PassError> {
+/// Where Slice `s` reads a Reshape that splits or merges axes (or adds or drops axes of
+/// one element), and the Slice's window is one contiguous range of each axis split and
+/// the whole of each axis merged, the Slice of the Reshape's input, reshaped: the Slice
+/// reads what the Reshape read (a packed projection's `[S, B, 3 E]` viewed as `[S, B,
+/// 3, E]` and sliced at q, k or v is a range of its last axis).
+fn slice_before_reshape(g: &mut Graph, s: NodeId) -> Result<bool, PassError> {
     let Some(slice) = g.node(s).op.downcast_ref::<Slice>().cloned() else {
         return Ok(false);
     };
@@ -213,22 +217,66 @@ fn slice_before_squeeze(g: &mut Graph, s: NodeId) -> Result<bool, PassError> {
     }
     let y = g.inputs(r.node)[0];
     let (from, to) = (g.ty(y).shape.clone(), g.ty(r).shape.clone());
+    let window = g.ty(Port::new(s, 0)).shape.clone();
+    let begin_at = |i: usize| slice.begin.get(i).copied().unwrap_or(0).max(0) as usize;
+    let (mut begin, mut size) = (vec![0usize; from.len()], vec![1i64; from.len()]);
     let kept =
         |shape: &[usize]| -> Vec<usize> { (0..shape.len()).filter(|&i| shape[i] != 1).collect() };
-    let (from_axes, to_axes) = (kept(&from), kept(&to));
-    let same = from_axes.len() == to_axes.len()
-        && from_axes
-            .iter()
-            .zip(&to_axes)
-            .all(|(&f, &t)| from[f] == to[t]);
-    if !same {
-        return Ok(false);
+    let (fs, ts) = (kept(&from), kept(&to));
+    // Groups of axes with equal products: one `from` axis split into `to` axes, or
+    // `from` axes merged into one `to` axis.
+    let (mut f, mut t) = (0, 0);
+    while f < fs.len() && t < ts.len() {
+        let (mut fp, mut tp) = (from[fs[f]], to[ts[t]]);
+        let (f0, t0) = (f, t);
+        while fp != tp {
+            if fp < tp {
+                f += 1;
+                let Some(&a) = fs.get(f) else {
+                    return Ok(false);
+                };
+                fp *= from[a];
+            } else {
+                t += 1;
+                let Some(&a) = ts.get(t) else {
+                    return Ok(false);
+                };
+                tp *= to[a];
+            }
+        }
+        let (fg, tg) = (&fs[f0..=f], &ts[t0..=t]);
+        match (fg, tg) {
+            (&[a], group) => {
+                // Contiguous in `a`: single elements, then one range, then whole axes.
+                let Some(ranged) =
+                    (0..group.len()).find(|&i| window[group[i]] != 1 || i + 1 == group.len())
+                else {
+                    return Ok(false);
+                };
+                if !group[ranged + 1..].iter().all(|&x| window[x] == to[x]) {
+                    return Ok(false);
+                }
+                let (mut offset, mut stride) = (0, 1);
+                for &x in group.iter().rev() {
+                    offset += begin_at(x) * stride;
+                    stride *= to[x];
+                }
+                let inner: usize = group[ranged + 1..].iter().map(|&x| to[x]).product();
+                begin[a] = offset;
+                size[a] = (window[group[ranged]] * inner) as i64;
+            }
+            (merged, &[x]) if window[x] == to[x] => {
+                for &a in merged {
+                    size[a] = from[a] as i64;
+                }
+            }
+            _ => return Ok(false),
+        }
+        f += 1;
+        t += 1;
     }
-    let window = g.ty(Port::new(s, 0)).shape.clone();
-    let (mut begin, mut size) = (vec![0; from.len()], vec![1i64; from.len()]);
-    for (&f, &t) in from_axes.iter().zip(&to_axes) {
-        begin[f] = slice.begin.get(t).copied().unwrap_or(0);
-        size[f] = window[t] as i64;
+    if f < fs.len() || t < ts.len() {
+        return Ok(false);
     }
     slice_first(
         g,
@@ -350,7 +398,7 @@ fn compose_round(g: &mut Graph) -> Result<[usize; 3], PassError> {
             .collect();
         for s in slices {
             let r = g.inputs(s)[0].node;
-            if slice_before_squeeze(g, s)? {
+            if slice_before_reshape(g, s)? {
                 stale.push(r);
             }
         }
@@ -448,6 +496,71 @@ mod tests {
             again.lines[0]
         );
         assert!(again.lines[0].contains(" 0 chains"), "{}", again.lines[0]);
+    }
+
+    /// torchvision's ViT attention as `torch.onnx.export` writes `nn.MultiheadAttention`
+    /// (`batch_first`): the input transposed to sequence-first, the packed projection,
+    /// q, k and v cut and transposed to `[B, S, H, D]`; the attention's result
+    /// transposed back through the out-projection. After the pass no Transpose is left:
+    /// q, k and v are Slices of the projection, and the out-projection reads the
+    /// attention's rows as they are; the same bits.
+    #[test]
+    fn an_exported_multi_head_attention_needs_no_transpose() {
+        let (s, b, h, d) = (5usize, 2usize, 2usize, 3usize);
+        let e = h * d;
+        let i = |v: usize| v as i64;
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [b, s, e]).unwrap();
+        let w_in = g.placeholder("w_in", DType::F32, [e, 3 * e]).unwrap();
+        let b_in = g.placeholder("b_in", DType::F32, [3 * e]).unwrap();
+        let o = g.placeholder("o", DType::F32, [b, s, h, d]).unwrap();
+        let w_out = g.placeholder("w_out", DType::F32, [e, e]).unwrap();
+        let b_out = g.placeholder("b_out", DType::F32, [e]).unwrap();
+        let t = g.transpose(x, [1, 0, 2]).unwrap();
+        let rows = g.reshape(t, [-1, i(e)]).unwrap();
+        let y = g.matmul(rows, w_in).unwrap();
+        let y = g.plus(y, b_in).unwrap();
+        let y = g.reshape(y, [i(s), i(b), i(3 * e)]).unwrap();
+        let y = g.reshape(y, [i(s), i(b), 3, i(e)]).unwrap();
+        let y = g.reshape(y, [1, i(s), i(b), 3, i(e)]).unwrap();
+        let y = g.transpose(y, [3, 1, 2, 0, 4]).unwrap();
+        let packed = g.reshape(y, [3, i(s), i(b), i(e)]).unwrap();
+        let mut outs = Vec::new();
+        for which in 0..3 {
+            let v = g
+                .add(Slice::new([which, 0, 0, 0], [1, -1, -1, -1]), &[packed])
+                .unwrap();
+            let v = g.reshape(v, [i(s), i(b * h), i(d)]).unwrap();
+            let v = g.transpose(v, [1, 0, 2]).unwrap();
+            let v = g.reshape(v, [i(b), i(h), i(s), i(d)]).unwrap();
+            outs.push(g.transpose(v, [0, 2, 1, 3]).unwrap());
+        }
+        let a = g.transpose(o, [0, 2, 1, 3]).unwrap();
+        let a = g.transpose(a, [2, 0, 1, 3]).unwrap();
+        let a = g.reshape(a, [i(s * b), i(e)]).unwrap();
+        let a = g.matmul(a, w_out).unwrap();
+        let a = g.plus(a, b_out).unwrap();
+        let a = g.reshape(a, [i(s), i(b), i(e)]).unwrap();
+        outs.push(g.transpose(a, [1, 0, 2]).unwrap());
+        g.set_outputs(outs).unwrap();
+        let feeds: HashMap<&str, Tensor> = [
+            ("x", sine(&[b, s, e], 0.37)),
+            ("w_in", sine(&[e, 3 * e], 0.53)),
+            ("b_in", sine(&[3 * e], 0.71)),
+            ("o", sine(&[b, s, h, d], 0.29)),
+            ("w_out", sine(&[e, e], 0.61)),
+            ("b_out", sine(&[e], 0.83)),
+        ]
+        .into();
+        let before = run(&g, &feeds);
+        let summary = ComposeViews.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert_eq!(
+            (count(&g, "Transpose"), count(&g, "Slice")),
+            (0, 3),
+            "{summary:?}"
+        );
+        assert_same_bits(&before, &run(&g, &feeds));
     }
 
     /// Slices that overlap (together more than the Transpose holds) stay after it: moved,

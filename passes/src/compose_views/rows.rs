@@ -11,7 +11,7 @@
 //! them, these Transposes meet the ones the attention's operands take and compose
 //! away.
 
-use ampgraph_graph::ops::{BiasAdd, Binary, Cast, MatMul, Reshape, Transpose, Unary};
+use ampgraph_graph::ops::{BiasAdd, Binary, Cast, MatMul, Reshape, Slice, Transpose, Unary};
 use ampgraph_graph::{Graph, NodeId, Port};
 
 use super::dims;
@@ -85,7 +85,7 @@ fn sole_reader(g: &Graph, p: Port, outputs: &[Port]) -> Option<(NodeId, usize)> 
 }
 
 /// The row-wise ops a row view at `v` would move past, in order, where the views after
-/// the last of them lead to a Transpose it can compose with (else moving it gains
+/// the last of them lead to Transposes it can compose with (else moving it gains
 /// nothing, and costs more where the ops widen the rows).
 fn path(g: &Graph, v: Port, outputs: &[Port]) -> Option<Vec<NodeId>> {
     row_view(g, v, outputs)?;
@@ -97,17 +97,24 @@ fn path(g: &Graph, v: Port, outputs: &[Port]) -> Option<Vec<NodeId>> {
         ops.push(op);
         at = Port::new(op, 0);
     }
-    while let Some((view, _)) = sole_reader(g, at, outputs) {
-        let op = &g.node(view).op;
-        if op.is::<Transpose>() {
-            return (!ops.is_empty()).then_some(ops);
-        }
-        if !op.is::<Reshape>() {
-            break;
-        }
-        at = Port::new(view, 0);
+    (!ops.is_empty() && leads_to_transpose(g, at, outputs)).then_some(ops)
+}
+
+/// Whether every path of views from `at` (Reshapes, and Slices where several read a
+/// tensor: q, k and v of a packed projection) ends at a Transpose.
+fn leads_to_transpose(g: &Graph, at: Port, outputs: &[Port]) -> bool {
+    let readers = g.port_consumers(at);
+    if readers.is_empty() || outputs.contains(&at) {
+        return false;
     }
-    None
+    readers.iter().all(|&(r, _)| {
+        let op = &g.node(r).op;
+        let view = op.is::<Reshape>() || op.is::<Slice>();
+        (op.is::<Transpose>() && readers.len() == 1)
+            || (view
+                && (readers.len() == 1 || op.is::<Slice>())
+                && leads_to_transpose(g, Port::new(r, 0), outputs))
+    })
 }
 
 /// Moves each row view past the row-wise ops reading it where it then meets another
