@@ -133,6 +133,8 @@ pub(super) fn move_past_row_ops(g: &mut Graph) -> Result<usize, PassError> {
                 break;
             };
             stale.extend(row.nodes);
+            // The view of the matrix a move before left, which this move bypasses.
+            stale.push(row.x.node);
             view = move_past(g, row, op)?;
             moves += 1;
         }
@@ -155,12 +157,23 @@ fn move_past(g: &mut Graph, row: RowView, op: NodeId) -> Result<Port, PassError>
     };
     let k = g.ty(row.x).shape.iter().product::<usize>() / m.max(1);
     let name = g.node(op).name.clone();
-    let rows = g.add_node(
-        g.fresh_name(format!("{name}/rows")),
-        Box::new(Reshape::new(dims(&[m, k]))),
-        &[row.x],
-    )?;
-    g.set_input(op, slot, rows.into())?;
+    // x's rows as a matrix: the matrix itself where x views one (the result of the op
+    // moved past before), so that a product and its bias stay neighbours for the GEMM
+    // epilogue.
+    let viewed = (g.node(row.x.node).op.is::<Reshape>())
+        .then(|| g.inputs(row.x.node)[0])
+        .filter(|&p| g.ty(p).shape == [m, k]);
+    let rows = match viewed {
+        Some(matrix) => matrix,
+        None => g
+            .add_node(
+                g.fresh_name(format!("{name}/rows")),
+                Box::new(Reshape::new(dims(&[m, k]))),
+                &[row.x],
+            )?
+            .into(),
+    };
+    g.set_input(op, slot, rows)?;
     let readers = g.port_consumers(y);
     let unrows = g.add_node(
         g.fresh_name(format!("{name}/unrows")),
@@ -210,8 +223,8 @@ mod tests {
             let t = g.transpose(x, [1, 0, 2, 3]).unwrap();
             let rows = g.reshape(t, [6, 4]).unwrap();
             let product = g.matmul(rows, w).unwrap();
-            let y = g.plus(product, b).unwrap();
-            let y = g.tanh(y).unwrap();
+            let biased = g.plus(product, b).unwrap();
+            let y = g.tanh(biased).unwrap();
             let mut z = g.reshape(y, [3, 2, 6]).unwrap();
             if back {
                 z = g.transpose(z, [1, 0, 2]).unwrap();
@@ -231,9 +244,11 @@ mod tests {
                 continue;
             }
             assert_eq!(moves, 3);
-            // The product reads x's own rows; the moved Transpose reads the Tanh.
+            // The product reads x's own rows, the bias and the Tanh the product's
+            // result (as the GEMM epilogue wants them); the moved Transpose reads the Tanh.
             let a = after.inputs(product.node)[0];
             assert_eq!(after.inputs(a.node)[0], x);
+            assert_eq!(after.inputs(biased.node)[0], product);
             assert_eq!(count(&after, "Transpose"), 2);
             let moved = (after.node_ids())
                 .find(|&id| after.node(id).name.ends_with("/reordered"))
