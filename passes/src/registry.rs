@@ -18,7 +18,8 @@ use crate::recognize_layer_norm::RecognizeLayerNorm;
 use crate::recompute::RecomputeActivations;
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
-    PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
+    PadConvChannels, PadGemm, PointwiseConvAsMatmul, ScaleIntoMatmul, TransposeIntoMatmul,
+    UnscaleIntoUpdate,
 };
 use crate::softmax_prologue::SoftmaxPrologue;
 use crate::sum_into_elementwise::SumIntoElementwise;
@@ -134,6 +135,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "pad-gemm",
         summary: "A large 16-bit MatMul whose stored row lengths are not multiples of 8 multiplies zero-padded operands and is sliced back.",
         make: || Box::new(PadGemm::default()),
+    },
+    PassEntry {
+        name: "pointwise-conv-as-matmul",
+        summary: "An inference NHWC 1x1 convolution (unit strides, no padding) is the product of its pixels by the filter, its bias and ReLU on the product's rows.",
+        make: || Box::new(PointwiseConvAsMatmul),
     },
     PassEntry {
         name: "pad-conv-channels",

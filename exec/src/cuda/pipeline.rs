@@ -13,8 +13,8 @@ use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::simplify::{
-    CastIntoNorm, CastIntoReduce, CastIntoUpdate, Dce, PadConvChannels, PadGemm, ScaleIntoMatmul,
-    TransposeIntoMatmul, UnscaleIntoUpdate,
+    CastIntoNorm, CastIntoReduce, CastIntoUpdate, Dce, PadConvChannels, PadGemm,
+    PointwiseConvAsMatmul, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use ampgraph_passes::softmax_prologue::SoftmaxPrologue;
 use ampgraph_passes::sum_into_elementwise::SumIntoElementwise;
@@ -27,7 +27,9 @@ use crate::ExecOptions;
 /// built for constants would otherwise count as readers and block folds), NCHW
 /// convolution networks compute in NHWC inside (the pass cancels its Transposes against
 /// the graph's own, leaving them at the NCHW inputs and outputs) before anything fuses
-/// the elementwise ops between the convolutions, 16-bit convolutions pad their channels
+/// the elementwise ops between the convolutions, an inference step's pointwise
+/// convolutions become products (their bias and ReLU in the GEMM's epilogue, as
+/// cuBLASLt runs them), 16-bit convolutions pad their channels
 /// to multiples of 8 (on the NHWC channel axis by then), reductions take the widening
 /// casts AMP put before them, layer norms the casts AMP put around them, cross-entropy
 /// its gradient (one read of the logits for both, the casts around them folded),
@@ -56,6 +58,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
     vec![
         Box::new(Dce),
         Box::new(layout),
+        Box::new(PointwiseConvAsMatmul),
         Box::new(PadConvChannels),
         Box::new(FuseBatchNormActivation),
         Box::new(CastIntoReduce),

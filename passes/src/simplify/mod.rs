@@ -2,7 +2,8 @@
 //! dead-node elimination, algebraic identities, widening casts folded into
 //! reductions and casts into layer normalisation, scalar scalings folded into
 //! batched products, loss-scale unscaling and the master weights' casts folded into
-//! the optimizer updates, batch-norm folding, and GEMM and convolution-channel padding.
+//! the optimizer updates, batch-norm folding, GEMM and convolution-channel padding, and pointwise convolutions
+//! as products.
 //!
 //! Each pass is one small type in its own file. They share the helpers below: which
 //! ops hold or write state (never folded, merged or removed as dead), and `Edits`,
@@ -18,6 +19,7 @@ mod dce;
 mod fold_batchnorm;
 mod pad_conv_channels;
 mod pad_gemm;
+mod pointwise_conv_as_matmul;
 pub(crate) mod scale_into_matmul;
 mod transpose_into_matmul;
 pub(crate) mod unscale_into_update;
@@ -32,6 +34,7 @@ pub use dce::Dce;
 pub use fold_batchnorm::FoldBatchNorm;
 pub use pad_conv_channels::PadConvChannels;
 pub use pad_gemm::PadGemm;
+pub use pointwise_conv_as_matmul::PointwiseConvAsMatmul;
 pub use scale_into_matmul::ScaleIntoMatmul;
 pub use transpose_into_matmul::TransposeIntoMatmul;
 pub use unscale_into_update::UnscaleIntoUpdate;

@@ -1,0 +1,230 @@
+//! Pointwise convolutions as products (`pointwise-conv-as-matmul`): an NHWC Conv2D
+//! with a 1x1 filter, unit strides and dilations, no padding and one group is the
+//! product of the image's pixels `[N H W, Cin]` by the filter `[Cin, Cout]`:
+//! `Reshape(MatMul(Reshape(x), Reshape(w)))`. A BiasAdd and then a Relu reading it
+//! alone come inside, on the product's rows, where `gemm-epilogue` takes them into
+//! the GEMM.
+//!
+//! Why: cuDNN ran MobileNetV3's squeeze-excitation convolutions (`[64, 1, 1, C]`) at
+//! 0.1-0.15 ms each on the H200, and the pointwise convolutions of ResNet-50,
+//! MobileNetV3 and EfficientNet as separate convolution, bias and activation kernels;
+//! cuBLASLt runs such products with their bias and ReLU in one call.
+//!
+//! Inference only: a convolution whose filter or image a gradient reads (a training
+//! step) keeps cuDNN's kernels, its gradients with it.
+
+use ampgraph_graph::ops::{
+    BiasAdd, Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, MatMul, Padding,
+    Reshape, Unary, UnaryKind,
+};
+use ampgraph_graph::{Graph, NodeId, Port};
+
+use crate::rewrite::{output_nodes, summary};
+use crate::{Pass, PassError, PassSummary};
+
+/// The `pointwise-conv-as-matmul` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PointwiseConvAsMatmul;
+
+/// Whether `conv` reads each pixel alone: `[N, H, W, Cin]` by `[1, 1, Cin, Cout]`.
+fn pointwise(conv: &Conv2D, filter: &[usize]) -> bool {
+    let unpadded = match conv.padding {
+        Padding::Valid | Padding::Same => true,
+        Padding::Explicit(pads) => pads == [[0, 0], [0, 0]],
+    };
+    conv.data_format == DataFormat::Nhwc
+        && conv.strides == [1, 1]
+        && conv.dilations == [1, 1]
+        && conv.groups == 1
+        && unpadded
+        && filter.get(..2) == Some(&[1, 1])
+}
+
+/// Whether a convolution gradient reads `port` (the convolution is trained).
+fn read_by_gradient(g: &Graph, port: Port) -> bool {
+    g.port_consumers(port).iter().any(|&(r, _)| {
+        let op = &g.node(r).op;
+        op.is::<Conv2DBackpropInput>() || op.is::<Conv2DBackpropFilter>()
+    })
+}
+
+/// The sole reader of `id`'s output when it is not a graph output and `accept`s it.
+fn sole_reader(
+    g: &Graph,
+    id: NodeId,
+    is_output: &[bool],
+    accept: impl Fn(&Graph, NodeId) -> bool,
+) -> Option<NodeId> {
+    match g.consumers(id)[..] {
+        [(r, 0, _)] if !is_output[id.index()] && accept(g, r) => Some(r),
+        _ => None,
+    }
+}
+
+impl Pass for PointwiseConvAsMatmul {
+    fn name(&self) -> &'static str {
+        "pointwise-conv-as-matmul"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let is_output = output_nodes(g);
+        let convs: Vec<NodeId> = (g.node_ids())
+            .filter(|&id| g.node(id).op.is::<Conv2D>())
+            .collect();
+        let (mut products, mut epilogues) = (0, 0);
+        for id in convs {
+            let Some(conv) = g.node(id).op.downcast_ref::<Conv2D>().cloned() else {
+                continue;
+            };
+            let [x, w] = g.inputs(id)[..] else {
+                continue;
+            };
+            let (image, filter) = (g.ty(x).shape.clone(), g.ty(w).shape.clone());
+            let trained = read_by_gradient(g, x) || read_by_gradient(g, w);
+            if !pointwise(&conv, &filter) || trained || image.len() != 4 {
+                continue;
+            }
+            let (cin, cout) = (filter[2], filter[3]);
+            let rows = image[..3].iter().product::<usize>() as i64;
+            let name = g.node(id).name.clone();
+            let pixels = g.add_node(
+                g.fresh_name(format!("{name}/pixels")),
+                Box::new(Reshape::new(vec![rows, cin as i64])),
+                &[x],
+            )?;
+            let matrix = g.add_node(
+                g.fresh_name(format!("{name}/filter")),
+                Box::new(Reshape::new(vec![cin as i64, cout as i64])),
+                &[w],
+            )?;
+            let product = g.add_node(
+                g.fresh_name(format!("{name}/product")),
+                Box::new(MatMul::new(false, false)),
+                &[pixels.into(), matrix.into()],
+            )?;
+            // The bias and the ReLU after it on the product's rows; the last of them
+            // becomes the view back to the image, under its own name.
+            let mut last = product;
+            let mut end = id;
+            let bias = sole_reader(g, id, &is_output, |g, r| g.node(r).op.is::<BiasAdd>());
+            if let Some(b) = bias {
+                let bias = g.inputs(b)[1];
+                let op = BiasAdd {
+                    data_format: DataFormat::Nhwc,
+                };
+                last = g.add_node(
+                    g.fresh_name(format!("{name}/bias")),
+                    Box::new(op),
+                    &[last.into(), bias],
+                )?;
+                end = b;
+                epilogues += 1;
+                let relu = sole_reader(g, b, &is_output, |g, r| {
+                    g.node(r)
+                        .op
+                        .downcast_ref::<Unary>()
+                        .is_some_and(|u| u.kind == UnaryKind::Relu)
+                });
+                if let Some(r) = relu {
+                    let op = Unary::new(UnaryKind::Relu);
+                    last = g.add_node(
+                        g.fresh_name(format!("{name}/relu")),
+                        Box::new(op),
+                        &[last.into()],
+                    )?;
+                    end = r;
+                    epilogues += 1;
+                }
+            }
+            let shape = [&image[..3], &[cout]].concat();
+            let back = Reshape::new(shape.iter().map(|&d| d as i64).collect::<Vec<_>>());
+            g.set_node(end, Box::new(back), &[last.into()])?;
+            // The bias (where the ReLU took the name) and the convolution, unread now.
+            if let Some(b) = bias.filter(|&b| b != end) {
+                g.remove_node(b)?;
+            }
+            if end != id {
+                g.remove_node(id)?;
+            }
+            products += 1;
+        }
+        let line = format!(
+            "pointwise-conv-as-matmul: {products} pointwise convolutions as products ({epilogues} biases and ReLUs on their rows)"
+        );
+        Ok(summary("pointwise-conv-as-matmul", vec![line]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use ampgraph_graph::{DType, Tensor};
+
+    use super::*;
+    use crate::testing::{count, run, sine};
+
+    /// A pointwise convolution with its bias and ReLU (as an exported ResNet's), one
+    /// without either, a 3x3 one and one of strides 2: the two pointwise ones become
+    /// products computing the same (to f32 rounding in another order).
+    #[test]
+    fn pointwise_convolutions_compute_the_same_as_products() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 3, 4, 5]).unwrap();
+        let w1 = g.placeholder("w1", DType::F32, [1, 1, 5, 6]).unwrap();
+        let b1 = g.placeholder("b1", DType::F32, [6]).unwrap();
+        let w2 = g.placeholder("w2", DType::F32, [1, 1, 6, 7]).unwrap();
+        let w3 = g.placeholder("w3", DType::F32, [3, 3, 7, 8]).unwrap();
+        let conv = |g: &mut Graph, x, w, strides| {
+            g.add(
+                Conv2D::new(strides, Padding::Same, DataFormat::Nhwc),
+                &[x, w],
+            )
+            .unwrap()
+        };
+        let y = conv(&mut g, x, w1, [1, 1]);
+        let y = g
+            .add(
+                BiasAdd {
+                    data_format: DataFormat::Nhwc,
+                },
+                &[y, b1],
+            )
+            .unwrap();
+        let y = g.relu(y).unwrap();
+        let y = conv(&mut g, y, w2, [1, 1]);
+        let z = conv(&mut g, y, w3, [1, 1]);
+        let w4 = g.placeholder("w4", DType::F32, [1, 1, 7, 3]).unwrap();
+        let strided = conv(&mut g, y, w4, [2, 2]);
+        g.set_outputs(vec![y, z, strided]).unwrap();
+        let feeds: HashMap<&str, Tensor> = [
+            ("x", sine(&[2, 3, 4, 5], 0.3)),
+            ("w1", sine(&[1, 1, 5, 6], 0.7)),
+            ("b1", sine(&[6], 1.1)),
+            ("w2", sine(&[1, 1, 6, 7], 0.5)),
+            ("w3", sine(&[3, 3, 7, 8], 0.9)),
+            ("w4", sine(&[1, 1, 7, 3], 0.4)),
+        ]
+        .into();
+        let before = run(&g, &feeds);
+        let mut after = g.clone();
+        let s = PointwiseConvAsMatmul.run(&mut after).unwrap();
+        after.validate().unwrap();
+        assert!(
+            s.lines[0].contains(": 2 pointwise convolutions as products (2 biases"),
+            "{}",
+            s.lines[0]
+        );
+        assert_eq!((count(&after, "Conv2D"), count(&after, "MatMul")), (2, 2));
+        for (a, b) in before.iter().zip(run(&after, &feeds)) {
+            assert_eq!(a.ty(), b.ty());
+            for (p, q) in a.to_f64_vec().iter().zip(b.to_f64_vec()) {
+                assert!((p - q).abs() <= 1e-5 * p.abs().max(1.0), "{p} vs {q}");
+            }
+        }
+        // The output names stay.
+        let names =
+            |g: &Graph| -> Vec<String> { g.outputs().iter().map(|&p| g.port_name(p)).collect() };
+        assert_eq!(names(&g), names(&after));
+    }
+}
