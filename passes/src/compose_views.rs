@@ -218,7 +218,7 @@ fn slice_before_reshape(g: &mut Graph, s: NodeId) -> Result<bool, PassError> {
     let y = g.inputs(r.node)[0];
     let (from, to) = (g.ty(y).shape.clone(), g.ty(r).shape.clone());
     let window = g.ty(Port::new(s, 0)).shape.clone();
-    let begin_at = |i: usize| slice.begin.get(i).copied().unwrap_or(0).max(0) as usize;
+    let begin_at = |i: usize| slice.begin.get(i).copied().unwrap_or(0);
     let (mut begin, mut size) = (vec![0usize; from.len()], vec![1i64; from.len()]);
     let kept =
         |shape: &[usize]| -> Vec<usize> { (0..shape.len()).filter(|&i| shape[i] != 1).collect() };
