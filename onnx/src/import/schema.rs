@@ -104,6 +104,12 @@ fn names(v: &OpVersion) -> String {
     }
 }
 
+/// Attributes of a later version of their op that exporters write at earlier opsets,
+/// read there too: torch.onnx.export(dynamo=True, opset_version=17) converts GPT-2's
+/// Splits down and keeps opset 18's `num_outputs` (the converter checks it against the
+/// node's outputs).
+const LATER_ATTRIBUTES: &[(&str, &str)] = &[("Split", "num_outputs")];
+
 /// Checks `node` against version `v` of its op at `opset`: the input and output
 /// counts, every attribute a known one given once, the required ones given.
 pub(super) fn check_node(node: &NodeProto, v: &OpVersion, opset: i64) -> Result<(), String> {
@@ -120,7 +126,8 @@ pub(super) fn check_node(node: &NodeProto, v: &OpVersion, opset: i64) -> Result<
         }
     }
     for (i, a) in node.attribute.iter().enumerate() {
-        if !v.attrs.iter().any(|s| s.name == a.name) {
+        let later = LATER_ATTRIBUTES.contains(&(op.as_str(), a.name.as_str()));
+        if !later && !v.attrs.iter().any(|s| s.name == a.name) {
             return Err(format!(
                 "attribute '{}' is not read at opset {opset} ({op}'s attributes there: {})",
                 a.name,

@@ -342,10 +342,7 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
     ]),
     ("Split", &[
         version(11, (1, 1), (1, ANY), &[int("axis", 0), optional("split")]),
-        // `num_outputs` (opset 18's) before 18 too: torch.onnx.export(dynamo=True,
-        // opset_version=17) converts GPT-2's Splits down and keeps it. The converter
-        // checks it against the node's outputs.
-        version(13, (1, 2), (1, ANY), &[int("axis", 0), optional("num_outputs")]),
+        version(13, (1, 2), (1, ANY), &[int("axis", 0)]),
         version(18, (1, 2), (1, ANY), &[int("axis", 0), optional("num_outputs")]),
     ]),
     ("Sqrt", &[
