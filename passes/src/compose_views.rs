@@ -355,86 +355,86 @@ impl Pass for ComposeViews {
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         // Chains composed first: a row view may end one.
-        let mut lines = compose_all(g)?;
+        let mut counts = compose_all(g)?;
         let moves = rows::move_past_row_ops(g)?;
         if moves > 0 {
-            lines = compose_all(g)?;
+            let again = compose_all(g)?;
+            counts = std::array::from_fn(|k| counts[k] + again[k]);
         }
-        let line = format!(
-            "compose-views: {moves} times a row reordering moved after a row-wise op reading it"
-        );
-        Ok(summary("compose-views", [lines, vec![line]].concat()))
+        let [moved, composed, removed] = counts;
+        let lines = vec![
+            format!(
+                "compose-views: {moved} Transposes moved after the Slices reading them, {composed} chains of Reshapes and Transposes as one Transpose or Reshape ({removed} nodes fewer)"
+            ),
+            format!(
+                "compose-views: {moves} times a row reordering moved after a row-wise op reading it"
+            ),
+        ];
+        Ok(summary("compose-views", lines))
     }
 }
 
 /// The pass but for the row views, in rounds until one changes nothing (a chain
-/// composed into a Transpose that Slices read can move after them in the next): its
-/// summary lines.
-fn compose_all(g: &mut Graph) -> Result<Vec<String>, PassError> {
-    let (mut moved, mut composed, mut removed) = (0, 0, 0);
+/// composed into a Transpose that Slices read can move after them in the next): how
+/// many Transposes moved after Slices, chains composed and nodes removed.
+fn compose_all(g: &mut Graph) -> Result<[usize; 3], PassError> {
+    let mut total = [0; 3];
     loop {
         let counts = compose_round(g)?;
-        moved += counts[0];
-        composed += counts[1];
-        removed += counts[2];
+        total = std::array::from_fn(|k| total[k] + counts[k]);
         if counts[2] == 0 {
-            break;
+            return Ok(total);
         }
     }
-    Ok(vec![format!(
-        "compose-views: {moved} Transposes moved after the Slices reading them, {composed} chains of Reshapes and Transposes as one Transpose or Reshape ({removed} nodes fewer)"
-    )])
 }
 
 /// One round of [`compose_all`]: how many Transposes moved after Slices, chains
 /// composed and nodes removed.
 fn compose_round(g: &mut Graph) -> Result<[usize; 3], PassError> {
-    {
-        // Which nodes are graph outputs, by index, found again as nodes are added.
-        let mut outputs = output_nodes(g);
-        let mut stale = Vec::new();
-        let slices: Vec<NodeId> = (g.node_ids())
-            .filter(|&id| g.node(id).op.is::<Slice>())
-            .collect();
-        for s in slices {
-            let r = g.inputs(s)[0].node;
-            if slice_before_reshape(g, s)? {
-                stale.push(r);
-            }
+    // Which nodes are graph outputs, by index, found again as nodes are added.
+    let mut outputs = output_nodes(g);
+    let mut stale = Vec::new();
+    let slices: Vec<NodeId> = (g.node_ids())
+        .filter(|&id| g.node(id).op.is::<Slice>())
+        .collect();
+    for s in slices {
+        let r = g.inputs(s)[0].node;
+        if slice_before_reshape(g, s)? {
+            stale.push(r);
         }
-        let (mut removed, _) = remove_unread(g, std::mem::take(&mut stale), &outputs)?;
-        outputs = output_nodes(g);
-        let mut moved = 0;
-        let transposes: Vec<NodeId> = (g.node_ids())
-            .filter(|&id| g.node(id).op.is::<Transpose>())
-            .collect();
-        for t in transposes {
-            if slices_first(g, t, &outputs)? {
-                moved += 1;
-                stale.push(t);
-            }
-        }
-        removed += remove_unread(g, std::mem::take(&mut stale), &outputs)?.0;
-        outputs = output_nodes(g);
-        // Chains end where a view's readers are not one view of the chain.
-        let ends: Vec<NodeId> = (g.node_ids())
-            .filter(|&id| is_view_copy(g, id))
-            .filter(|&id| {
-                let readers = g.consumers(id);
-                is_output(&outputs, id) || !matches!(readers[..], [(r, _, _)] if is_view_copy(g, r))
-            })
-            .collect();
-        let mut composed = 0;
-        for end in ends {
-            if let Some(interior) = compose(g, end, &outputs)? {
-                composed += 1;
-                stale.extend(interior);
-            }
-        }
-        outputs = output_nodes(g);
-        removed += remove_unread(g, stale, &outputs)?.0;
-        Ok([moved, composed, removed])
     }
+    let (mut removed, _) = remove_unread(g, std::mem::take(&mut stale), &outputs)?;
+    outputs = output_nodes(g);
+    let mut moved = 0;
+    let transposes: Vec<NodeId> = (g.node_ids())
+        .filter(|&id| g.node(id).op.is::<Transpose>())
+        .collect();
+    for t in transposes {
+        if slices_first(g, t, &outputs)? {
+            moved += 1;
+            stale.push(t);
+        }
+    }
+    removed += remove_unread(g, std::mem::take(&mut stale), &outputs)?.0;
+    outputs = output_nodes(g);
+    // Chains end where a view's readers are not one view of the chain.
+    let ends: Vec<NodeId> = (g.node_ids())
+        .filter(|&id| is_view_copy(g, id))
+        .filter(|&id| {
+            let readers = g.consumers(id);
+            is_output(&outputs, id) || !matches!(readers[..], [(r, _, _)] if is_view_copy(g, r))
+        })
+        .collect();
+    let mut composed = 0;
+    for end in ends {
+        if let Some(interior) = compose(g, end, &outputs)? {
+            composed += 1;
+            stale.extend(interior);
+        }
+    }
+    outputs = output_nodes(g);
+    removed += remove_unread(g, stale, &outputs)?.0;
+    Ok([moved, composed, removed])
 }
 
 #[cfg(test)]

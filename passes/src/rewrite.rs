@@ -66,6 +66,14 @@ pub(crate) fn read_only_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -
     g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
 }
 
+/// The one reader of `port` (node and input slot), where it is not a graph output.
+pub(crate) fn sole_reader(g: &Graph, port: Port) -> Option<(NodeId, usize)> {
+    match g.port_consumers(port)[..] {
+        [one] if !g.outputs().contains(&port) => Some(one),
+        _ => None,
+    }
+}
+
 /// Removes the `nodes` (folded casts) that nothing reads any more and no graph output
 /// names, also those that only others of them read; returns how many went and the
 /// bytes of the tensors they no longer write.

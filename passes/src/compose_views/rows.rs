@@ -15,7 +15,7 @@ use ampgraph_graph::ops::{BiasAdd, Binary, Cast, MatMul, Reshape, Slice, Transpo
 use ampgraph_graph::{Graph, NodeId, Port};
 
 use super::dims;
-use crate::rewrite::{output_nodes, remove_unread};
+use crate::rewrite::{output_nodes, remove_unread, sole_reader};
 use crate::PassError;
 
 /// A row view read by one row-wise op: `x`'s leading axes (those `p` reorders), `p`
@@ -76,14 +76,6 @@ fn row_wise(g: &Graph, id: NodeId, slot: usize) -> bool {
     (op.is::<BiasAdd>() && slot == 0) || op.is::<Unary>() || op.is::<Cast>()
 }
 
-/// The sole reader of `p` (not a graph output), with its slot.
-fn sole_reader(g: &Graph, p: Port, outputs: &[Port]) -> Option<(NodeId, usize)> {
-    match g.port_consumers(p)[..] {
-        [one] if !outputs.contains(&p) => Some(one),
-        _ => None,
-    }
-}
-
 /// The row-wise ops a row view at `v` would move past, in order, where the views after
 /// the last of them lead to Transposes it can compose with (else moving it gains
 /// nothing, and costs more where the ops widen the rows).
@@ -91,9 +83,7 @@ fn path(g: &Graph, v: Port, outputs: &[Port]) -> Option<Vec<NodeId>> {
     row_view(g, v, outputs)?;
     let mut ops = Vec::new();
     let mut at = v;
-    while let Some((op, _)) =
-        sole_reader(g, at, outputs).filter(|&(op, slot)| row_wise(g, op, slot))
-    {
+    while let Some((op, _)) = sole_reader(g, at).filter(|&(op, slot)| row_wise(g, op, slot)) {
         ops.push(op);
         at = Port::new(op, 0);
     }

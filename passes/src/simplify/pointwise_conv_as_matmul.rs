@@ -19,7 +19,7 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{output_nodes, summary};
+use crate::rewrite::{sole_reader, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `pointwise-conv-as-matmul` pass.
@@ -48,34 +48,17 @@ fn read_by_gradient(g: &Graph, port: Port) -> bool {
     })
 }
 
-/// The sole reader of `id`'s output when it is not a graph output and `accept`s it.
-fn sole_reader(
-    g: &Graph,
-    id: NodeId,
-    is_output: &[bool],
-    accept: impl Fn(&Graph, NodeId) -> bool,
-) -> Option<NodeId> {
-    match g.consumers(id)[..] {
-        [(r, 0, _)] if !is_output[id.index()] && accept(g, r) => Some(r),
-        _ => None,
-    }
-}
-
 impl Pass for PointwiseConvAsMatmul {
     fn name(&self) -> &'static str {
         "pointwise-conv-as-matmul"
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
-        let is_output = output_nodes(g);
-        let convs: Vec<NodeId> = (g.node_ids())
-            .filter(|&id| g.node(id).op.is::<Conv2D>())
+        let convs: Vec<(NodeId, Conv2D)> = (g.node_ids())
+            .filter_map(|id| Some((id, g.node(id).op.downcast_ref::<Conv2D>()?.clone())))
             .collect();
         let (mut products, mut epilogues) = (0, 0);
-        for id in convs {
-            let Some(conv) = g.node(id).op.downcast_ref::<Conv2D>().cloned() else {
-                continue;
-            };
+        for (id, conv) in convs {
             let [x, w] = g.inputs(id)[..] else {
                 continue;
             };
@@ -106,7 +89,9 @@ impl Pass for PointwiseConvAsMatmul {
             // becomes the view back to the image, under its own name.
             let mut last = product;
             let mut end = id;
-            let bias = sole_reader(g, id, &is_output, |g, r| g.node(r).op.is::<BiasAdd>());
+            let bias = sole_reader(g, Port::new(id, 0))
+                .filter(|&(r, slot)| slot == 0 && g.node(r).op.is::<BiasAdd>())
+                .map(|(r, _)| r);
             if let Some(b) = bias {
                 let bias = g.inputs(b)[1];
                 let op = BiasAdd {
@@ -119,12 +104,12 @@ impl Pass for PointwiseConvAsMatmul {
                 )?;
                 end = b;
                 epilogues += 1;
-                let relu = sole_reader(g, b, &is_output, |g, r| {
-                    g.node(r)
-                        .op
-                        .downcast_ref::<Unary>()
-                        .is_some_and(|u| u.kind == UnaryKind::Relu)
-                });
+                let relu = sole_reader(g, Port::new(b, 0))
+                    .map(|(r, _)| r)
+                    .filter(|&r| {
+                        let unary = g.node(r).op.downcast_ref::<Unary>();
+                        unary.is_some_and(|u| u.kind == UnaryKind::Relu)
+                    });
                 if let Some(r) = relu {
                     let op = Unary::new(UnaryKind::Relu);
                     last = g.add_node(
