@@ -24,6 +24,7 @@ use ampgraph_graph::ops::{
 use ampgraph_graph::{Graph, NodeId, Port};
 use foldhash::HashMap;
 
+use crate::simplify::live_nodes;
 use crate::{Pass, PassError, PassSummary};
 
 /// The fusion pass (`--passes fuse`).
@@ -91,8 +92,11 @@ pub(crate) fn fusible(g: &Graph, id: NodeId, inputs: &[Port]) -> bool {
 }
 
 /// The groups of fusible nodes, each in topological order (singletons included).
+/// Dead code joins none: which of it a group would take depends on its live
+/// neighbours, so a second run (after other passes fused those) would group it anew.
 fn find_groups(g: &Graph, adj: &Adjacency, order: &[NodeId]) -> (Vec<usize>, Vec<Vec<NodeId>>) {
     let bound = g.node_bound();
+    let live = live_nodes(g, adj);
     let mut group = vec![NONE; bound];
     // The highest group id each node's value depends on, its own included (-1: none).
     let mut reach = vec![-1i64; bound];
@@ -106,7 +110,7 @@ fn find_groups(g: &Graph, adj: &Adjacency, order: &[NodeId]) -> (Vec<usize>, Vec
             .map(|p| reach[p.node.index()])
             .max()
             .unwrap_or(-1);
-        if !fusible(g, id, inputs) {
+        if !live[id.index()] || !fusible(g, id, inputs) {
             reach[id.index()] = upstream;
             let op = &g.node(id).op;
             if op.is::<FusedElementwise>() || op.is::<FusedSoftmax>() {
@@ -297,10 +301,6 @@ fn fuse_round(g: &mut Graph, report: &mut FuseReport) -> Result<bool, PassError>
         let exported = |m: NodeId| {
             is_output[m.index()] || adj.consumers(m).any(|(c, _, _)| group[c.index()] != k)
         };
-        if !members.iter().any(|&m| exported(m)) {
-            // Nothing reads the group: dead code, left to dead-code elimination.
-            continue;
-        }
         let in_group = |m: NodeId| group[m.index()] == k;
         let fused = program(g, &adj, members, in_group, exported)
             .map_err(|e| PassError::Rewrite(format!("group '{name}': {e}")))?;

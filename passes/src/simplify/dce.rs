@@ -4,7 +4,7 @@
 
 use ampgraph_graph::{Graph, TensorType};
 
-use super::has_side_effects;
+use super::live_nodes;
 use crate::rewrite::summary;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -19,17 +19,7 @@ impl Pass for Dce {
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let adj = g.adjacency();
-        let mut live = vec![false; g.node_bound()];
-        let mut stack: Vec<_> = g.outputs().iter().map(|p| p.node).collect();
-        stack.extend(
-            g.node_ids()
-                .filter(|&id| has_side_effects(g.node(id).op.as_ref())),
-        );
-        while let Some(id) = stack.pop() {
-            if !std::mem::replace(&mut live[id.index()], true) {
-                stack.extend(adj.inputs(id).iter().map(|p| p.node));
-            }
-        }
+        let live = live_nodes(g, &adj);
         // Readers before what they read: each node is unread when it goes.
         let mut order = g.topo_order_in(&adj)?;
         order.reverse();

@@ -68,6 +68,23 @@ pub(crate) fn has_side_effects(op: &dyn Op) -> bool {
     op.is::<AssignVariable>()
 }
 
+/// Which nodes run, by node index: what a graph output or a state write depends on.
+/// The rest is dead code, which `dce` removes and other passes leave alone.
+pub(crate) fn live_nodes(g: &Graph, adj: &Adjacency) -> Vec<bool> {
+    let mut live = vec![false; g.node_bound()];
+    let mut stack: Vec<_> = g.outputs().iter().map(|p| p.node).collect();
+    stack.extend(
+        g.node_ids()
+            .filter(|&id| has_side_effects(g.node(id).op.as_ref())),
+    );
+    while let Some(id) = stack.pop() {
+        if !std::mem::replace(&mut live[id.index()], true) {
+            stack.extend(adj.inputs(id).iter().map(|p| p.node));
+        }
+    }
+    live
+}
+
 /// The narrow tensor a widening Cast at `p` reads, if `p` is a Cast into `wide` that
 /// loses nothing (a kernel reading the narrow tensor sees the same values).
 pub(crate) fn widened(g: &Graph, p: Port, wide: DType) -> Option<Port> {
