@@ -1,6 +1,8 @@
 #!/bin/bash
-# On the GPU machine, in bundle/: torchvision's ResNet-50, MobileNetV3-Large and
-# EfficientNet-B0 (random weights, batch 2) exported, rewritten with AMP f16
+# On the GPU machine, in bundle/: torchvision's ResNet-50, MobileNetV3-Large,
+# EfficientNet-B0 and ViT-B/16 (its zero-initialised head drawn at random, so the
+# logits are not all 0) and HF's BERT-base (the last hidden state) (random weights,
+# batch 2; BERT at sequence 128) exported, rewritten with AMP f16
 # (`rewrite --amp`), then run on the GPU (the CUDA pipeline: NHWC, pointwise
 # convolutions as products, fusions) and on the CPU (the graph as AMP wrote it): the
 # largest difference of the logits relative to their largest value, per model.
@@ -12,11 +14,25 @@ for name in ["resnet50", "mobilenet_v3_large", "efficientnet_b0"]:
     torch.manual_seed(0)
     m = getattr(tvm, name)().eval()
     torch.onnx.export(m, (torch.randn(2, 3, 224, 224),), f"/tmp/rc/{name}.onnx", opset_version=17, dynamo=False, input_names=["x"], output_names=["y"])
+torch.manual_seed(0)
+m = tvm.vit_b_16().eval()
+torch.nn.init.normal_(m.heads.head.weight, std=0.02)
+torch.onnx.export(m, (torch.randn(2, 3, 224, 224),), "/tmp/rc/vit_b_16.onnx", opset_version=17, dynamo=False, input_names=["x"], output_names=["y"])
+from transformers import BertConfig, BertModel
+torch.manual_seed(0)
+class LastHidden(torch.nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+    def forward(self, x):
+        return self.m(x).last_hidden_state
+m = LastHidden(BertModel(BertConfig(attn_implementation="eager"))).eval()
+torch.onnx.export(m, (torch.randint(0, 30000, (2, 128)),), "/tmp/rc/bert_base.onnx", opset_version=17, dynamo=False, input_names=["x"], output_names=["y"])
 PY
-for m in resnet50 mobilenet_v3_large efficientnet_b0; do
-  ./ampgraph rewrite /tmp/rc/$m.onnx --amp -o /tmp/rc/$m.json >> $OUT/real_check.txt 2>&1
+for m in resnet50 mobilenet_v3_large efficientnet_b0 vit_b_16 bert_base; do
+  ./ampgraph rewrite /tmp/rc/$m.onnx --amp -o /tmp/rc/$m.bin >> $OUT/real_check.txt 2>&1
   for d in cpu cuda; do
-    timeout 120 ./ampgraph run /tmp/rc/$m.json --device $d --json > /tmp/rc/$m.$d.json 2>> $OUT/real_check.txt
+    timeout 120 ./ampgraph run /tmp/rc/$m.bin --device $d --json > /tmp/rc/$m.$d.json 2>> $OUT/real_check.txt
   done
   python3 - "$m" <<'PY' >> $OUT/real_check.txt 2>&1
 import json, sys

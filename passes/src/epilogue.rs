@@ -10,7 +10,8 @@
 //! which would keep the pre-activation or apply the gradient, measured slower on the
 //! H100 than the plain epilogue plus a generated kernel: docs/passes.md.) Then a
 //! fused product without an activation whose sole reader is an `Add` of a tensor of
-//! its own type (a residual connection) adds that
+//! its own type (a residual connection), directly or through a Reshape of its rows
+//! (`[B*S, D]` back to `[B, S, D]`, as exporters write a Linear), adds that
 //! tensor itself (`FusedMatMul::residual`, cuBLASLt's `C` with beta 1), and a 16-bit
 //! fused product whose sole reader is a Cast to f32 (AMP's cast back before the loss
 //! or a graph output) stores its result in f32 itself (`FusedMatMul::to`). The fused
@@ -18,7 +19,7 @@
 
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::{
-    BiasAdd, Binary, BinaryKind, Cast, DataFormat, Epilogue, FusedMatMul, MatMul, Unary,
+    BiasAdd, Binary, BinaryKind, Cast, DataFormat, Epilogue, FusedMatMul, MatMul, Reshape, Unary,
 };
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
@@ -100,20 +101,78 @@ fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
 
 /// A FusedMatMul without an activation read only by an `Add` whose other addend has
 /// the product's type (a residual connection) adds that addend itself (cuBLASLt's `C`).
+/// The product may reach the Add through a Reshape read by it alone (an exporter's
+/// `[B*S, D]` rows back to `[B, S, D]`, a view): the addend is then viewed as the
+/// product's rows, and the Add becomes the view of the fused product (keeping its name
+/// for its readers). Returns the folds and the bytes no longer written and read back.
 fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
-    fold_sole_readers(g, |g, product, fused, add| {
-        let plain = !fused.residual && fused.to.is_none() && fused.epilogue.activation().is_none();
-        let is_add =
-            g.node(add).op.downcast_ref::<Binary>().map(|b| b.kind) == Some(BinaryKind::Add);
-        let other = g.inputs(add).iter().copied().find(|&p| p != product)?;
-        (plain && is_add && g.ty(other) == g.ty(product)).then(|| {
-            let with_residual = FusedMatMul {
-                residual: true,
-                ..fused.clone()
-            };
-            (with_residual, Some(other))
-        })
-    })
+    let (direct, mut bytes) = fold_sole_readers(g, |g, product, fused, add| {
+        let other = residual_addend(g, product, add)?;
+        (plain(fused) && g.ty(other) == g.ty(product)).then(|| (with_residual(fused), Some(other)))
+    })?;
+    let adj = g.adjacency();
+    let mut through_views = Vec::new();
+    for id in g.node_ids() {
+        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
+            continue;
+        };
+        let product = Port::new(id, 0);
+        let Some(view) = sole_reader(g, &adj, product) else {
+            continue;
+        };
+        if !plain(fused) || !g.node(view).op.is::<Reshape>() {
+            continue;
+        }
+        let viewed = Port::new(view, 0);
+        let Some(add) = sole_reader(g, &adj, viewed) else {
+            continue;
+        };
+        let Some(other) = residual_addend(g, viewed, add) else {
+            continue;
+        };
+        if g.ty(other) == g.ty(viewed) {
+            through_views.push((id, view, add, other, with_residual(fused)));
+        }
+    }
+    for &(id, view, add, other, ref op) in &through_views {
+        let rows = g.ty(Port::new(id, 0)).shape.clone();
+        let shape = g.ty(Port::new(add, 0)).shape.clone();
+        let name = g.fresh_name(format!("{}/residual", g.node(add).name));
+        let addend = g.add_node(name, Box::new(Reshape::new(dims(&rows))), &[other])?;
+        let mut inputs = g.inputs(id).to_vec();
+        inputs.push(addend.into());
+        let name = g.fresh_name(format!("{}/product", g.node(add).name));
+        let fused = g.add_node(name, Box::new(op.clone()), &inputs)?;
+        g.set_node(add, Box::new(Reshape::new(dims(&shape))), &[fused.into()])?;
+        g.remove_node(view)?;
+        bytes += 2 * g.ty(Port::new(id, 0)).size_bytes();
+        g.remove_node(id)?;
+    }
+    Ok((direct + through_views.len(), bytes))
+}
+
+fn dims(shape: &[usize]) -> Vec<i64> {
+    shape.iter().map(|&d| d as i64).collect()
+}
+
+/// Whether a fused product can take a residual: no activation, cast or residual yet.
+fn plain(fused: &FusedMatMul) -> bool {
+    !fused.residual && fused.to.is_none() && fused.epilogue.activation().is_none()
+}
+
+fn with_residual(fused: &FusedMatMul) -> FusedMatMul {
+    FusedMatMul {
+        residual: true,
+        ..fused.clone()
+    }
+}
+
+/// The other addend of `add` when it is an `Add` reading `value` in one slot.
+fn residual_addend(g: &Graph, value: Port, add: NodeId) -> Option<Port> {
+    let is_add = g.node(add).op.downcast_ref::<Binary>().map(|b| b.kind) == Some(BinaryKind::Add);
+    let inputs = g.inputs(add);
+    let other = inputs.iter().copied().find(|&p| p != value)?;
+    (is_add && inputs.len() == 2).then_some(other)
 }
 
 fn find(g: &Graph) -> Result<Vec<Candidate>, PassError> {
@@ -412,6 +471,76 @@ mod tests {
                 "{act:?} {r_shape:?}"
             );
         }
+    }
+
+    /// ViT's and BERT's exports: the product's rows viewed as `[2, 2, 5]` before the
+    /// residual Add.
+    #[test]
+    fn a_residual_add_after_a_view_of_the_rows_folds_with_the_same_values() {
+        for (dtype, r_first) in [(DType::F32, false), (DType::F16, true)] {
+            let mut g = dense(dtype, None);
+            let y = g.outputs()[0];
+            let view = g
+                .add_node("view", Box::new(Reshape::new([2, 2, 5])), &[y])
+                .unwrap();
+            let r = placeholder(&mut g, "r", dtype, &[2, 2, 5]);
+            let ins = if r_first {
+                [r, view.into()]
+            } else {
+                [view.into(), r]
+            };
+            let add = g
+                .add_node("add", Box::new(Binary::new(BinaryKind::Add)), &ins)
+                .unwrap();
+            let neg = g
+                .add_node("neg", Box::new(Unary::new(UnaryKind::Neg)), &[add.into()])
+                .unwrap();
+            g.set_outputs(vec![neg.into(), add.into()]).unwrap();
+            let before = run(&g);
+            let mut fused = g.clone();
+            let summary = GemmEpilogue.run(&mut fused).unwrap();
+            fused.validate().unwrap();
+            assert!(summary.lines[2].ends_with(": 1"), "{summary}");
+            let add = fused.find("add").unwrap();
+            assert!(
+                fused.node(add).op.is::<Reshape>(),
+                "the Add views the product"
+            );
+            let product = fused.inputs(add)[0].node;
+            let op = fused
+                .node(product)
+                .op
+                .downcast_ref::<FusedMatMul>()
+                .unwrap();
+            assert!(op.residual && op.epilogue == Epilogue::Bias);
+            let addend = fused.inputs(product)[3].node;
+            assert_eq!(
+                fused.inputs(addend),
+                [Port::new(fused.find("r").unwrap(), 0)]
+            );
+            assert!(fused.find("view").is_none() && fused.find("mm").is_none());
+            assert_eq!(run(&fused), before, "{dtype}: bitwise the unfused values");
+            let text = ampgraph_graph::format::to_text(&fused);
+            GemmEpilogue.run(&mut fused).unwrap();
+            assert_eq!(ampgraph_graph::format::to_text(&fused), text, "idempotent");
+        }
+        // A view someone else reads stays, and the Add with it.
+        let mut g = dense(DType::F32, None);
+        let y = g.outputs()[0];
+        let view = g
+            .add_node("view", Box::new(Reshape::new([2, 2, 5])), &[y])
+            .unwrap();
+        let r = placeholder(&mut g, "r", DType::F32, &[2, 2, 5]);
+        let add = g
+            .add_node(
+                "add",
+                Box::new(Binary::new(BinaryKind::Add)),
+                &[view.into(), r],
+            )
+            .unwrap();
+        g.set_outputs(vec![add.into(), view.into()]).unwrap();
+        GemmEpilogue.run(&mut g).unwrap();
+        assert!(g.node(g.find("add").unwrap()).op.is::<Binary>());
     }
 
     #[test]
