@@ -301,6 +301,34 @@ fn exporters_attention_forms_fuse_and_keep_their_values() {
     );
 }
 
+/// Every checked-in model after AMP (f16) and the CUDA executor's passes, run on the
+/// CPU's kernels, computes what the AMP graph alone computes: the rewrites that only
+/// the GPU's pipeline runs (layouts, products taking their epilogues and residuals,
+/// fusions) keep each model's values, on graphs exporters wrote.
+#[test]
+fn every_model_keeps_its_values_through_the_cuda_passes() {
+    for dir in all_models() {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let (g, inputs, expected) = load(&dir);
+        let mut amp = g.clone();
+        AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
+            .rewrite(&mut amp)
+            .unwrap();
+        let want = run_outputs(&name, amp, Device::Cpu, &inputs, &expected);
+        let mut piped = g;
+        common::amp_and_cuda_passes(&mut piped);
+        let got = run_outputs(&name, piped, Device::Cpu, &inputs, &expected);
+        for (k, (got, want)) in got.iter().zip(&want).enumerate() {
+            let err = rel_error(got, want);
+            println!("{name} output {k}: {err:.2e}");
+            assert!(
+                err <= 2e-3,
+                "{name} output {k}: {err:.2e} from the AMP graph's"
+            );
+        }
+    }
+}
+
 /// Layer norms written out as exporters do before opset 17 (torch's and a Keras-like
 /// form, with and without the affine part) import as three LayerNorms, no Pow or
 /// Reciprocal left, and match onnxruntime.

@@ -50,6 +50,46 @@ fn sole_reader(g: &Graph, adj: &Adjacency, port: Port) -> Option<NodeId> {
     }
 }
 
+/// What the folds taken so far do to each node: a later fold may neither remove a node
+/// an earlier one reads or rewrites, nor read or rewrite one it removed (ResNet's
+/// `Add(conv, downsample conv)`: each product alone reads the Add, one takes it).
+#[derive(Clone, Copy, PartialEq)]
+enum Claim {
+    Free,
+    Read,
+    Rewritten,
+    Removed,
+}
+
+struct Claims(Vec<Claim>);
+
+impl Claims {
+    fn new(g: &Graph) -> Self {
+        Claims(vec![Claim::Free; g.node_bound()])
+    }
+
+    /// Takes a fold that removes `removed`, rewrites `rewritten` in place (its output
+    /// keeps its type) and reads `read`, unless it conflicts with one taken before.
+    fn take(&mut self, removed: &[NodeId], rewritten: NodeId, read: Option<Port>) -> bool {
+        let at = |id: NodeId| self.0[id.index()];
+        let free = removed.iter().all(|&id| at(id) == Claim::Free)
+            && matches!(at(rewritten), Claim::Free | Claim::Read)
+            && read.is_none_or(|p| at(p.node) != Claim::Removed);
+        if free {
+            for &id in removed {
+                self.0[id.index()] = Claim::Removed;
+            }
+            self.0[rewritten.index()] = Claim::Rewritten;
+            if let Some(claim) = read.map(|p| &mut self.0[p.node.index()]) {
+                if *claim == Claim::Free {
+                    *claim = Claim::Read;
+                }
+            }
+        }
+        free
+    }
+}
+
 /// Folds into each FusedMatMul the node that alone reads its product where `fold`
 /// (given the product, the fused op and that reader) says how: the op to become and
 /// an extra input. The fused node replaces the reader (and takes its name). Returns
@@ -59,6 +99,7 @@ fn fold_sole_readers(
     fold: impl Fn(&Graph, Port, &FusedMatMul, NodeId) -> Option<(FusedMatMul, Option<Port>)>,
 ) -> Result<(usize, usize), PassError> {
     let adj = g.adjacency();
+    let mut claims = Claims::new(g);
     let mut folds = Vec::new();
     for id in g.node_ids() {
         let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
@@ -69,7 +110,9 @@ fn fold_sole_readers(
             continue;
         };
         if let Some((op, extra)) = fold(g, product, fused, reader) {
-            folds.push((id, reader, op, extra));
+            if claims.take(&[id], reader, extra) {
+                folds.push((id, reader, op, extra));
+            }
         }
     }
     let mut bytes = 0;
@@ -111,6 +154,7 @@ fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
         (plain(fused) && g.ty(other) == g.ty(product)).then(|| (with_residual(fused), Some(other)))
     })?;
     let adj = g.adjacency();
+    let mut claims = Claims::new(g);
     let mut through_views = Vec::new();
     for id in g.node_ids() {
         let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
@@ -130,7 +174,7 @@ fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
         let Some(other) = residual_addend(g, viewed, add) else {
             continue;
         };
-        if g.ty(other) == g.ty(viewed) {
+        if g.ty(other) == g.ty(viewed) && claims.take(&[id, view], add, Some(other)) {
             through_views.push((id, view, add, other, with_residual(fused)));
         }
     }
@@ -541,6 +585,39 @@ mod tests {
         g.set_outputs(vec![add.into(), view.into()]).unwrap();
         GemmEpilogue.run(&mut g).unwrap();
         assert!(g.node(g.find("add").unwrap()).op.is::<Binary>());
+    }
+
+    /// ResNet's `Add(conv, downsample conv)`: both products alone read the Add, one
+    /// takes it and the other is its addend.
+    #[test]
+    fn an_add_of_two_products_folds_one_of_them() {
+        for viewed in [false, true] {
+            let mut g = dense(DType::F16, None);
+            let mut sides = vec![g.outputs()[0]];
+            let x = placeholder(&mut g, "x2", DType::F16, &[4, 3]);
+            let w = placeholder(&mut g, "w2", DType::F16, &[3, 5]);
+            let b = placeholder(&mut g, "b2", DType::F16, &[5]);
+            let mm = g.add(MatMul::new(false, false), &[x, w]).unwrap();
+            let bias_add = BiasAdd {
+                data_format: DataFormat::Nhwc,
+            };
+            sides.push(g.add(bias_add, &[mm, b]).unwrap());
+            if viewed {
+                for side in &mut sides {
+                    *side = g.add(Reshape::new([2, 2, 5]), &[*side]).unwrap();
+                }
+            }
+            let add = g.add(Binary::new(BinaryKind::Add), &sides).unwrap();
+            g.set_outputs(vec![add]).unwrap();
+            let before = run(&g);
+            let summary = GemmEpilogue.run(&mut g).unwrap();
+            g.validate().unwrap();
+            assert!(
+                summary.lines[2].ends_with(": 1"),
+                "viewed {viewed}: {summary}"
+            );
+            assert_eq!(run(&g), before, "viewed {viewed}");
+        }
     }
 
     #[test]
