@@ -17,8 +17,8 @@ use crate::recognize_gelu::RecognizeGelu;
 use crate::recognize_layer_norm::RecognizeLayerNorm;
 use crate::recompute::RecomputeActivations;
 use crate::simplify::{
-    Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, Cse, Dce, FoldBatchNorm,
-    PadConvChannels, PadGemm, PointwiseConvAsMatmul, ScaleIntoMatmul, TransposeIntoMatmul,
+    Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, ConvAsMatmul, Cse, Dce,
+    FoldBatchNorm, PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul,
     UnscaleIntoUpdate,
 };
 use crate::softmax_prologue::SoftmaxPrologue;
@@ -137,9 +137,9 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(PadGemm::default()),
     },
     PassEntry {
-        name: "pointwise-conv-as-matmul",
-        summary: "An inference NHWC 1x1 convolution (unit strides, no padding) is the product of its pixels by the filter, its bias and ReLU on the product's rows.",
-        make: || Box::new(PointwiseConvAsMatmul),
+        name: "conv-as-matmul",
+        summary: "An inference NHWC convolution reading each patch once (1x1 with unit strides, or strides equal to the filter's size tiling the image, as ViT's patch embedding; no padding) is the product of its patches by the filter, its bias and ReLU on the product's rows.",
+        make: || Box::new(ConvAsMatmul),
     },
     PassEntry {
         name: "pad-conv-channels",

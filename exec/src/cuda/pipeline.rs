@@ -13,8 +13,8 @@ use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::simplify::{
-    CastIntoNorm, CastIntoReduce, CastIntoUpdate, Dce, PadConvChannels, PadGemm,
-    PointwiseConvAsMatmul, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
+    CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConvAsMatmul, Dce, PadConvChannels, PadGemm,
+    ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use ampgraph_passes::softmax_prologue::SoftmaxPrologue;
 use ampgraph_passes::sum_into_elementwise::SumIntoElementwise;
@@ -58,7 +58,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
     vec![
         Box::new(Dce),
         Box::new(layout),
-        Box::new(PointwiseConvAsMatmul),
+        Box::new(ConvAsMatmul),
         Box::new(PadConvChannels),
         Box::new(FuseBatchNormActivation),
         Box::new(CastIntoReduce),
