@@ -471,3 +471,76 @@ fn bad_key_biases_are_clear_errors() {
         assert!(err.contains("no_bias") && err.contains("4 inputs"), "{err}");
     }
 }
+
+/// [`explicit`] with no key bias placeholder but a constant `mask` `[B, 1, Sq, Sk]`
+/// added to the scaled scores, as HF transformers' eager attention adds its expanded
+/// padding mask.
+fn with_constant_mask(case: Case, dtype: DType, mask: &[f64]) -> Graph {
+    let mut g = explicit(case, dtype);
+    let softmax = g
+        .node_ids()
+        .find(|&id| g.node(id).op.is::<Softmax>())
+        .unwrap();
+    let scores = g.inputs(softmax)[0];
+    let shape = vec![case.batch, 1, case.q_len, case.k_len];
+    let mask = Tensor::from_f64(dtype, shape, mask).unwrap();
+    let mask = g.constant(mask).unwrap();
+    let masked = g.plus(scores, mask).unwrap();
+    g.set_input(softmax, 0, masked).unwrap();
+    g
+}
+
+/// A constant mask expanded over the queries (every row of a matrix alike) is a key
+/// bias of its rows, one of zeros no mask at all; a mask whose rows differ keeps the
+/// explicit form. The fused graphs compute the explicit one's values.
+#[test]
+fn constant_masks_alike_over_the_queries_become_key_biases() {
+    let case = Case { batch: 2, ..SMALL };
+    let (b, sq, sk) = (case.batch, case.q_len, case.k_len);
+    // Batch 0 pads its last three keys; batch 1 biases its keys by a ramp.
+    let padded = |i: usize| -> f64 {
+        let (batch, key) = (i / (sq * sk), i % sk);
+        match batch {
+            0 if key >= sk - 3 => f64::NEG_INFINITY,
+            0 => 0.0,
+            _ => key as f64 / 8.0 - 0.5,
+        }
+    };
+    let zeros = vec![0.0; b * sq * sk];
+    let alike: Vec<f64> = (0..b * sq * sk).map(padded).collect();
+    let mut differ = alike.clone();
+    differ[sk + 1] = -1.0; // query 1 of batch 0
+    for (what, mask, fused, key_bias) in [
+        ("zeros", &zeros, 1, false),
+        ("alike", &alike, 1, true),
+        ("rows differ", &differ, 0, false),
+    ] {
+        let mut g = with_constant_mask(case, DType::F16, mask);
+        let summary = fuse(&mut g);
+        g.validate().unwrap();
+        assert_eq!(count(&summary, 0), fused, "{what}: {summary}");
+        if fused == 0 {
+            assert!(has::<Softmax>(&g), "{what}");
+            continue;
+        }
+        let flags: Vec<bool> = (g.node_ids())
+            .filter_map(|id| g.node(id).op.downcast_ref::<FusedAttention>())
+            .map(|a| a.key_bias)
+            .collect();
+        assert_eq!(flags, [key_bias], "{what}");
+        let f = feeds(case, DType::F16, 7);
+        let truth_graph = with_constant_mask(case, DType::F64, mask);
+        let truth = CpuExecutor::new()
+            .run(&truth_graph, &widened(&f), truth_graph.outputs())
+            .unwrap();
+        let got = CpuExecutor::new().run(&g, &f, g.outputs()).unwrap();
+        for (k, (want, got)) in truth.iter().zip(&got).enumerate() {
+            let want = want.to_f64_vec();
+            let scale = want.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+            let bound = 16.0 * 2f64.powi(-11) * scale;
+            for (a, b) in want.iter().zip(got.to_f64_vec()) {
+                assert!((a - b).abs() <= bound, "{what} output {k}: {a} vs {b}");
+            }
+        }
+    }
+}

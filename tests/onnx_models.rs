@@ -278,19 +278,15 @@ fn unet_tiny_matches_onnxruntime() {
 
 /// Attention as HF BERT, torch's SDPA decomposition, nn.TransformerEncoderLayer and
 /// GPT-2 export it (explicit key transposes, `/ sqrt(d)`, operands scaled by
-/// sqrt(scale), a padding mask, a causal mask as a Where of a sliced buffer or as an
-/// added `[B, 1, S, S]` constant) fuses after AMP with the CUDA pipeline's passes,
+/// sqrt(scale), a padding mask `[B, 1, 1, S]` or expanded to `[B, 1, S, S]`, a causal
+/// mask as a Where of a sliced buffer or as an added `[B, 1, S, S]` constant) fuses after AMP with the CUDA pipeline's passes,
 /// and the fused graph computes onnxruntime's output within the fp16 bound (on the
 /// CPU's kernels).
 #[test]
 fn exporters_attention_forms_fuse_and_keep_their_values() {
     let (mut g, inputs, expected) = load(&data_dir().join("attention_forms"));
     common::amp_and_cuda_passes(&mut g);
-    assert_eq!(
-        common::count(&g, "FusedAttention"),
-        5,
-        "the five forms fuse"
-    );
+    assert_eq!(common::count(&g, "FusedAttention"), 6, "the six forms fuse");
     check_outputs(
         "attention_forms fused",
         g,

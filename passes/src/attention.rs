@@ -22,7 +22,11 @@
 //!   and below the diagonal and `fill` `-inf` in the scores' dtype;
 //! - any tensor `[B or 1, 1, 1, Sk]` of the scores' dtype (a padding mask, a per-key
 //!   bias) becomes the fused ops' key bias, where it takes no gradient (autodiff's
-//!   gradient of it would read the softmax's gradient, and the match fails).
+//!   gradient of it would read the softmax's gradient, and the match fails);
+//! - a constant `[B or 1, 1, Sq, Sk]` whose rows are alike in each matrix (HF
+//!   transformers' padding mask expanded over the queries) becomes a constant key bias
+//!   of one row per matrix, and one of zeros (no padding given) goes: adding 0 changes
+//!   no softmax.
 //!
 //! Other masks keep the explicit form (`softmax-prologue` still fuses their Add into
 //! the softmax).
@@ -203,14 +207,57 @@ fn is_key_bias(g: &Graph, port: Port, scores: &TensorType) -> bool {
 #[derive(Clone, Debug, Default)]
 struct Masks {
     causal: bool,
-    key_bias: Option<Port>,
+    key_bias: Option<KeyBias>,
+}
+
+/// The key bias the fused op reads.
+#[derive(Clone, Debug)]
+enum KeyBias {
+    /// A tensor of the graph, `[B or 1, 1, 1, Sk]`.
+    Port(Port),
+    /// A constant mask's rows, all alike within each matrix: one row each, made a
+    /// constant `[B or 1, 1, 1, Sk]` when the attention is rewritten.
+    Rows(Tensor),
 }
 
 /// One mask an Add puts on the scores.
 enum Mask {
     /// The causal mask, with the nodes that make it.
     Causal(Vec<NodeId>),
-    KeyBias(Port),
+    KeyBias(KeyBias),
+    /// A constant of zeros (adding it changes no softmax), with the nodes that make it.
+    Zeros(Vec<NodeId>),
+}
+
+/// A constant mask `[B or 1, 1, Sq, Sk]` of the scores' dtype whose rows are alike
+/// within each matrix (a padding mask HF's transformers expands over the queries, all
+/// zeros where no padding was given): a key bias of one row per matrix, or nothing
+/// where every value is 0 (`x + 0` is `x`, or `+0` for `-0`: the same softmax).
+fn query_independent(g: &Graph, port: Port, scores: &TensorType) -> Option<Mask> {
+    let (value, nodes) = cast_constant(g, port)?;
+    let [b, 1, sq, sk] = value.shape()[..] else {
+        return None;
+    };
+    let batch = scores.shape[0];
+    if (b != 1 && b != batch) || [sq, sk] != scores.shape[2..] || value.dtype() != scores.dtype {
+        return None;
+    }
+    let values = value.to_f64_vec();
+    let first_rows: Vec<f64> = values
+        .chunks(sq * sk)
+        .flat_map(|m| m[..sk].to_vec())
+        .collect();
+    let alike = values
+        .chunks(sq * sk)
+        .all(|m| m.chunks(sk).all(|row| row == &m[..sk]));
+    if !alike {
+        return None;
+    }
+    if first_rows.iter().all(|&v| v == 0.0) {
+        return Some(Mask::Zeros(nodes));
+    }
+    let rows = Tensor::from_f64(scores.dtype, vec![b, 1, 1, sk], &first_rows).ok()?;
+    Some(Mask::KeyBias(KeyBias::Rows(rows)))
 }
 
 /// The input `x` of a softmax split into the scaled scores and the masks that Adds
@@ -246,8 +293,12 @@ fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
                     return Some((scores, Mask::Causal(made_by)));
                 }
             }
-            let key_bias = masks.key_bias.is_none() && is_key_bias(g, mask, ty);
-            key_bias.then_some((scores, Mask::KeyBias(mask)))
+            if masks.key_bias.is_none() && is_key_bias(g, mask, ty) {
+                return Some((scores, Mask::KeyBias(KeyBias::Port(mask))));
+            }
+            query_independent(g, mask, ty)
+                .filter(|m| matches!(m, Mask::Zeros(_)) || masks.key_bias.is_none())
+                .map(|m| (scores, m))
         })?;
         match found {
             Mask::Causal(made_by) => {
@@ -255,6 +306,7 @@ fn unmask(g: &Graph, mut x: Port) -> Option<(Port, Masks, Vec<NodeId>)> {
                 nodes.extend(made_by);
             }
             Mask::KeyBias(bias) => masks.key_bias = Some(bias),
+            Mask::Zeros(made_by) => nodes.extend(made_by),
         }
         nodes.push(x.node);
         x = scores;
@@ -554,7 +606,12 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
     let k = heads_last(g, c.k, tally)?;
     let v = heads_last(g, c.v, tally)?;
     let name = g.fresh_name(format!("{}/FusedAttention", g.node(c.product).name));
-    let (scale, causal, key_bias) = (c.scale, c.masks.causal, c.masks.key_bias);
+    let key_bias = match &c.masks.key_bias {
+        Some(KeyBias::Port(p)) => Some(*p),
+        Some(KeyBias::Rows(rows)) => Some(g.constant(rows.clone())?),
+        None => None,
+    };
+    let (scale, causal) = (c.scale, c.masks.causal);
     let op = FusedAttention {
         scale,
         causal,

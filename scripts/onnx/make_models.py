@@ -977,7 +977,9 @@ def attention_forms():
     - GPT-2 eager (transformers 4.4x): scores / 4, then Where(the causal buffer sliced
       to [1, 1, S, S], scores, finfo(float32).min);
     - HF eager with a 4-D causal mask (newer transformers): scores / 4 plus a
-      [B, 1, S, S] float mask of finfo.min above the diagonal."""
+      [B, 1, S, S] float mask of finfo.min above the diagonal;
+    - HF BERT eager (transformers 5): the padding mask expanded over the queries to a
+      [B, 1, S, S] constant, every row of a matrix alike."""
     B, S, D, H = 2, 8, 32, 2
     DH = D // H
     g = G(seed=1013)
@@ -1025,7 +1027,7 @@ def attention_forms():
     ctx = g.op("MatMul", [g.op("Softmax", [scores], s, axis=-1), v], s)
     h = merge(ctx, s)
 
-    def causal_scores(s):
+    def scaled_scores(s):
         q, k, v = (heads(linear(h, f"{s}/{n}", f"{s[1:]}.{n}"), f"{s}/{n}") for n in "qkv")
         kt = g.op("Transpose", [k], f"{s}/kt", perm=[0, 1, 3, 2])
         scores = g.op("MatMul", [q, kt], s)
@@ -1033,7 +1035,7 @@ def attention_forms():
 
     # GPT-2 eager: the causal buffer (max positions 16) sliced to the sequence.
     s = "/gpt2"
-    scores, v = causal_scores(s)
+    scores, v = scaled_scores(s)
     buffer = g.init("gpt2.bias", np.tril(np.ones((16, 16), dtype=bool))[None, None])
     i64 = lambda *v: g.const(np.array(v, dtype=np.int64), s)  # noqa: E731
     keep = g.op("Slice", [buffer, i64(0, 0), i64(S, S), i64(2, 3)], s)
@@ -1042,9 +1044,18 @@ def attention_forms():
     ctx = g.op("MatMul", [g.op("Softmax", [scores], s, axis=-1), v], s)
     h = merge(ctx, s)
 
+    # HF BERT eager (transformers 5): the padding mask expanded over the queries.
+    s = "/padded4d"
+    scores, v = scaled_scores(s)
+    pad = np.zeros((B, 1, S, S), dtype=np.float32)
+    pad[1, ..., S - 3:] = np.finfo(np.float32).min
+    scores = g.op("Add", [scores, g.const(pad, f"{s}/mask")], s)
+    ctx = g.op("MatMul", [g.op("Softmax", [scores], s, axis=-1), v], s)
+    h = merge(ctx, s)
+
     # HF eager with a 4-D causal mask.
     s = "/causal4d"
-    scores, v = causal_scores(s)
+    scores, v = scaled_scores(s)
     mask = np.where(np.tril(np.ones((S, S), dtype=bool)), 0.0, np.finfo(np.float32).min)
     mask = np.broadcast_to(mask.astype(np.float32), (B, 1, S, S)).copy()
     scores = g.op("Add", [scores, g.const(mask, f"{s}/mask")], s)

@@ -131,7 +131,7 @@ pub(super) fn broadcast_args(operands: &[&[usize]], out: &[usize]) -> Result<Vec
         .filter(|(_, &m)| m == 2)
         .map(|(s, _)| broadcast_strides(s, out))
         .collect();
-    let (shape, mut steps) = match strides.is_empty() {
+    let (shape, steps) = match strides.is_empty() {
         true => (Vec::new(), Vec::new()),
         false => merged_jointly(out, &strides.iter().map(Vec::as_slice).collect::<Vec<_>>()),
     };
@@ -140,10 +140,10 @@ pub(super) fn broadcast_args(operands: &[&[usize]], out: &[usize]) -> Result<Vec
         Arg::I32(shape.len() as i32),
         Arg::Dims(Dims::new(&shape)?),
     ];
-    steps.reverse();
+    let mut steps = steps.into_iter();
     for m in modes {
         let s = match m {
-            2 => steps.pop().ok_or("a strided operand without strides")?,
+            2 => steps.next().ok_or("a strided operand without strides")?,
             _ => Vec::new(),
         };
         args.extend([Arg::I32(m), Arg::Dims(Dims::new(&s)?)]);
