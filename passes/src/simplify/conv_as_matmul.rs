@@ -22,9 +22,9 @@ use ampgraph_graph::ops::{
     BiasAdd, Conv2D, Conv2DBackpropFilter, Conv2DBackpropInput, DataFormat, MatMul, Padding,
     Reshape, Transpose, Unary, UnaryKind,
 };
-use ampgraph_graph::{Graph, NodeId, Port};
+use ampgraph_graph::{Graph, NodeId, Op, Port};
 
-use crate::rewrite::{sole_reader, summary};
+use crate::rewrite::{const_value, sole_reader, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `conv-as-matmul` pass.
@@ -50,6 +50,53 @@ fn patch(conv: &Conv2D, image: &[usize], filter: &[usize]) -> Option<[usize; 2]>
         && unpadded
         && tiles)
         .then_some([kh, kw])
+}
+
+/// The NCHW tensor an NHWC image is the Transpose of, where it is one.
+fn nchw_source(g: &Graph, x: Port) -> Option<Port> {
+    let t = g.node(x.node).op.downcast_ref::<Transpose>()?;
+    (t.perm == [0, 2, 3, 1]).then(|| g.inputs(x.node)[0])
+}
+
+/// `x` split into `split` and transposed by `perm`: an image's patches gathered.
+fn gather(
+    g: &mut Graph,
+    name: &str,
+    x: Port,
+    split: &[usize],
+    perm: &[usize],
+) -> Result<Port, PassError> {
+    let tiles = g.add_node(
+        g.fresh_name(format!("{name}/tiles")),
+        Box::new(Reshape::new(dims(split))),
+        &[x],
+    )?;
+    let patches = g.add_node(
+        g.fresh_name(format!("{name}/patches")),
+        Box::new(Transpose::new(perm.to_vec())),
+        &[tiles.into()],
+    )?;
+    Ok(patches.into())
+}
+
+/// The filter `w` transposed by `perm`: computed now where it is a constant (a
+/// model's weight), else a Transpose node.
+fn transposed(g: &mut Graph, name: &str, w: Port, perm: &[usize]) -> Result<Port, PassError> {
+    let op = Transpose::new(perm.to_vec());
+    if let Some(value) = const_value(g, w.node)? {
+        let value = op
+            .eval(&[&value])
+            .map_err(|e| PassError::Rewrite(e.to_string()))?;
+        if let Some(value) = value.into_iter().next() {
+            return Ok(g.constant(value)?);
+        }
+    }
+    let node = g.add_node(
+        g.fresh_name(format!("{name}/filter_rows")),
+        Box::new(op),
+        &[w],
+    )?;
+    Ok(node.into())
 }
 
 fn dims(shape: &[usize]) -> Vec<i64> {
@@ -90,20 +137,20 @@ impl Pass for ConvAsMatmul {
             let out = [n, h / kh, w_ / kw, cout];
             let (rows, depth) = (n * out[1] * out[2], kh * kw * cin);
             let name = g.node(id).name.clone();
-            let mut patches = x;
-            if [kh, kw] != [1, 1] {
+            // An image made NHWC from the model's NCHW input (`layout-nhwc`) gives its
+            // patches channel-major, `[C, kh, kw]` (the filter's rows likewise): each
+            // patch row is then `kw` adjacent values of the NCHW source, which the one
+            // Transpose `compose-views` leaves reads in runs.
+            let nchw = nchw_source(g, x);
+            let (mut patches, mut filter) = (x, w);
+            if let Some(source) = nchw.filter(|_| [kh, kw] != [1, 1]) {
+                let split = [n, cin, out[1], kh, out[2], kw];
+                patches = gather(g, &name, source, &split, &[0, 2, 4, 1, 3, 5])?;
+                filter = transposed(g, &name, w, &[2, 0, 1, 3])?;
+                over_patches += 1;
+            } else if [kh, kw] != [1, 1] {
                 let split = [n, out[1], kh, out[2], kw, cin];
-                let split = g.add_node(
-                    g.fresh_name(format!("{name}/tiles")),
-                    Box::new(Reshape::new(dims(&split))),
-                    &[x],
-                )?;
-                let gathered = g.add_node(
-                    g.fresh_name(format!("{name}/patches")),
-                    Box::new(Transpose::new(vec![0, 1, 3, 2, 4, 5])),
-                    &[split.into()],
-                )?;
-                patches = gathered.into();
+                patches = gather(g, &name, x, &split, &[0, 1, 3, 2, 4, 5])?;
                 over_patches += 1;
             }
             let pixels = g.add_node(
@@ -114,7 +161,7 @@ impl Pass for ConvAsMatmul {
             let matrix = g.add_node(
                 g.fresh_name(format!("{name}/filter")),
                 Box::new(Reshape::new(dims(&[depth, cout]))),
-                &[w],
+                &[filter],
             )?;
             let product = g.add_node(
                 g.fresh_name(format!("{name}/product")),
@@ -166,6 +213,10 @@ impl Pass for ConvAsMatmul {
             if end != id {
                 g.remove_node(id)?;
             }
+            // The NHWC copy the patches no longer read.
+            if nchw.is_some() && g.port_consumers(x).is_empty() && !g.outputs().contains(&x) {
+                g.remove_node(x.node)?;
+            }
             products += 1;
         }
         let line = format!(
@@ -183,11 +234,13 @@ mod tests {
 
     use super::*;
     use crate::testing::{count, run, sine};
+    use ampgraph_graph::format::to_text;
 
     /// A pointwise convolution with its bias and ReLU (as an exported ResNet's), one
-    /// without either, a 3x3 one, a 1x1 one of strides 2, a 2x3 patch embedding (as
-    /// ViT's) and a 2x2 one whose image's height 3 it does not tile: the two
-    /// pointwise ones and the patch embedding become products computing the same (to
+    /// without either, a 3x3 one, a 1x1 one of strides 2, 2x3 patch embeddings (as
+    /// ViT's; of an NHWC image and of one from NCHW) and a 2x2 one whose image's
+    /// height 3 it does not tile: the two pointwise ones and the patch embeddings
+    /// become products computing the same (to
     /// f32 rounding in another order).
     #[test]
     fn pointwise_convolutions_compute_the_same_as_products() {
@@ -223,8 +276,15 @@ mod tests {
         let embedded = conv(&mut g, image, w5, [2, 3]);
         let w6 = g.placeholder("w6", DType::F32, [2, 2, 5, 4]).unwrap();
         let untiled = conv(&mut g, x, w6, [2, 2]);
-        g.set_outputs(vec![y, z, strided, embedded, untiled])
-            .unwrap();
+        // The same image from an NCHW input (as `layout-nhwc` leaves an ONNX model's),
+        // with the filter read and with a constant one: channel-major patches.
+        let nchw = g.placeholder("nchw", DType::F32, [2, 3, 4, 6]).unwrap();
+        let nhwc = g.transpose(nchw, [0, 2, 3, 1]).unwrap();
+        let from_nchw = conv(&mut g, nhwc, w5, [2, 3]);
+        let w7 = g.constant(sine(&[2, 3, 3, 8], 0.45)).unwrap();
+        let constant_filter = conv(&mut g, nhwc, w7, [2, 3]);
+        let outputs = vec![y, z, strided, embedded, untiled, from_nchw, constant_filter];
+        g.set_outputs(outputs).unwrap();
         let feeds: HashMap<&str, Tensor> = [
             ("x", sine(&[2, 3, 4, 5], 0.3)),
             ("w1", sine(&[1, 1, 5, 6], 0.7)),
@@ -233,6 +293,7 @@ mod tests {
             ("w3", sine(&[3, 3, 7, 8], 0.9)),
             ("w4", sine(&[1, 1, 7, 3], 0.4)),
             ("image", sine(&[2, 4, 6, 3], 0.8)),
+            ("nchw", sine(&[2, 3, 4, 6], 0.35)),
             ("w5", sine(&[2, 3, 3, 8], 0.6)),
             ("w6", sine(&[2, 2, 5, 4], 0.2)),
         ]
@@ -242,11 +303,14 @@ mod tests {
         let s = ConvAsMatmul.run(&mut after).unwrap();
         after.validate().unwrap();
         assert!(
-            s.lines[0].contains(": 3 convolutions as products (1 over patches; 2 biases"),
+            s.lines[0].contains(": 5 convolutions as products (3 over patches; 2 biases"),
             "{}",
             s.lines[0]
         );
-        assert_eq!((count(&after, "Conv2D"), count(&after, "MatMul")), (3, 3));
+        assert_eq!((count(&after, "Conv2D"), count(&after, "MatMul")), (3, 5));
+        // The patches Transposes, and the read filter's rows (the constant one's are
+        // computed now); the NHWC copy of the NCHW image went.
+        assert_eq!(count(&after, "Transpose"), 3 + 1, "{}", to_text(&after));
         for (a, b) in before.iter().zip(run(&after, &feeds)) {
             assert_eq!(a.ty(), b.ty());
             for (p, q) in a.to_f64_vec().iter().zip(b.to_f64_vec()) {
