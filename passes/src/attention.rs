@@ -38,11 +38,11 @@
 
 use std::collections::HashSet;
 
-use crate::rewrite::{binary_operands, const_value, redirect};
+use crate::rewrite::{binary_operands, cast_constant, redirect, through_casts};
 use crate::simplify::scale_into_matmul::scalar;
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim};
 use ampgraph_graph::ops::{
-    BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, FusedAttention, FusedAttentionGrad, Softmax,
+    BatchMatMul, Binary, BinaryGrad, BinaryKind, FusedAttention, FusedAttentionGrad, Softmax,
     SoftmaxGrad, Transpose, Where,
 };
 use ampgraph_graph::shape::normalize_axis;
@@ -120,18 +120,6 @@ fn is_heads_swap(g: &Graph, id: NodeId) -> bool {
         .is_some_and(|t| t.perm == HEADS_SWAP)
 }
 
-/// The value of a constant made by a Const and Casts (whose rounding counts: -1e9 is
-/// `-inf` in 16 bits), with those nodes.
-fn cast_constant(g: &Graph, port: Port) -> Option<(Tensor, Vec<NodeId>)> {
-    let nodes = through_casts(g, port);
-    let (&source, casts) = nodes.split_last()?;
-    let mut value = const_value(g, source).ok()??;
-    for &cast in casts.iter().rev() {
-        value = g.node(cast).op.eval(&[&value]).ok()?.pop()?;
-    }
-    Some((value, nodes))
-}
-
 /// Whether every `[Sq, Sk]` matrix of `value` (its last two axes; any leading ones,
 /// as HF's `[B, 1, S, S]` mask) is `masked(i, j)` at each query `i` and key `j`.
 fn each_matrix(
@@ -181,17 +169,6 @@ fn causal_where(g: &Graph, x: Port, (sq, sk): (usize, usize)) -> Option<(Port, V
     }
     nodes.extend(fill_nodes);
     Some((scores, nodes))
-}
-
-/// The node of `port` and, while it is a Cast, the node it reads: the last one makes
-/// the value the Casts convert.
-fn through_casts(g: &Graph, mut port: Port) -> Vec<NodeId> {
-    let mut nodes = vec![port.node];
-    while g.node(port.node).op.is::<Cast>() {
-        port = g.inputs(port.node)[0];
-        nodes.push(port.node);
-    }
-    nodes
 }
 
 /// Whether `port` can be a key bias of scores of type `scores` `[B, H, Sq, Sk]`: what

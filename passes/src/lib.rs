@@ -16,6 +16,7 @@ pub mod fuse;
 pub mod fuse_batchnorm_activation;
 pub mod group_updates;
 pub mod layout_nhwc;
+pub mod merge_projections;
 pub mod norm_grad_epilogue;
 pub mod pack_qkv;
 pub mod recognize_gelu;

@@ -11,6 +11,7 @@ use crate::fuse::Fuse;
 use crate::fuse_batchnorm_activation::FuseBatchNormActivation;
 use crate::group_updates::GroupUpdates;
 use crate::layout_nhwc::LayoutNhwc;
+use crate::merge_projections::MergeProjections;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
 use crate::pack_qkv::PackQkv;
 use crate::recognize_gelu::RecognizeGelu;
@@ -110,6 +111,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "fuse-attention",
         summary: "Explicit attention (with a causal mask or key bias) and its gradient become FusedAttention and FusedAttentionGrad.",
         make: || Box::new(FuseAttention),
+    },
+    PassEntry {
+        name: "merge-projections",
+        summary: "A self-attention's q, k and v projections of one input with constant weights become one product, sliced back (inference; then pack-qkv takes it).",
+        make: || Box::new(MergeProjections),
     },
     PassEntry {
         name: "pack-qkv",

@@ -2,7 +2,7 @@
 //! others, a Const's value, removing nodes nothing reads, errors naming a node, and
 //! the summary a pass reports.
 
-use ampgraph_graph::ops::{Binary, BinaryKind, Const};
+use ampgraph_graph::ops::{Binary, BinaryKind, Cast, Const};
 use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
 
 use crate::PassError;
@@ -15,6 +15,29 @@ pub(crate) fn const_value(g: &Graph, id: NodeId) -> Result<Option<Tensor>, PassE
     };
     let mut values = c.eval(&[]).map_err(|m| node_error(g, id, &m))?;
     Ok(values.pop())
+}
+
+/// The value of a constant made by a Const and Casts (whose rounding counts: -1e9 is
+/// `-inf` in 16 bits), with those nodes.
+pub(crate) fn cast_constant(g: &Graph, port: Port) -> Option<(Tensor, Vec<NodeId>)> {
+    let nodes = through_casts(g, port);
+    let (&source, casts) = nodes.split_last()?;
+    let mut value = const_value(g, source).ok()??;
+    for &cast in casts.iter().rev() {
+        value = g.node(cast).op.eval(&[&value]).ok()?.pop()?;
+    }
+    Some((value, nodes))
+}
+
+/// The node of `port` and, while it is a Cast, the node it reads: the last one makes
+/// the value the Casts convert.
+pub(crate) fn through_casts(g: &Graph, mut port: Port) -> Vec<NodeId> {
+    let mut nodes = vec![port.node];
+    while g.node(port.node).op.is::<Cast>() {
+        port = g.inputs(port.node)[0];
+        nodes.push(port.node);
+    }
+    nodes
 }
 
 /// The two operands of the node of `p` where it is a Binary of `kind`.

@@ -10,6 +10,7 @@ use ampgraph_passes::fuse::Fuse;
 use ampgraph_passes::fuse_batchnorm_activation::FuseBatchNormActivation;
 use ampgraph_passes::group_updates::GroupUpdates;
 use ampgraph_passes::layout_nhwc::LayoutNhwc;
+use ampgraph_passes::merge_projections::MergeProjections;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::simplify::{
@@ -35,7 +36,7 @@ use crate::ExecOptions;
 /// its gradient (one read of the logits for both, the casts around them folded),
 /// products their operands' transposes (as adjoints) and batched products their
 /// scalar scalings, explicit attentions become fused ones
-/// (scores never stored), the chains of Reshapes and Transposes around them one
+/// (scores never stored; q, k and v projected by one product where they were three), the chains of Reshapes and Transposes around them one
 /// Transpose at most (an exported `nn.MultiheadAttention` copies each operand four
 /// times otherwise), the finiteness check and the optimizer updates the loss-scale
 /// unscaling, the updates the casts of their variables, products their bias and
@@ -67,6 +68,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(TransposeIntoMatmul),
         Box::new(ScaleIntoMatmul),
         Box::new(FuseAttention),
+        Box::new(MergeProjections),
         Box::new(ComposeViews),
         Box::new(PackQkv),
         Box::new(UnscaleIntoUpdate),
