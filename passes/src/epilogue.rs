@@ -50,6 +50,17 @@ fn sole_reader(g: &Graph, adj: &Adjacency, port: Port) -> Option<NodeId> {
     }
 }
 
+/// Each FusedMatMul with the node that alone reads its product.
+fn products_and_readers<'g>(
+    g: &'g Graph,
+    adj: &'g Adjacency,
+) -> impl Iterator<Item = (NodeId, &'g FusedMatMul, NodeId)> + 'g {
+    g.node_ids().filter_map(move |id| {
+        let fused = g.node(id).op.downcast_ref::<FusedMatMul>()?;
+        Some((id, fused, sole_reader(g, adj, Port::new(id, 0))?))
+    })
+}
+
 /// What the folds taken so far do to each node: a later fold may neither remove a node
 /// an earlier one reads or rewrites, nor read or rewrite one it removed (ResNet's
 /// `Add(conv, downsample conv)`: each product alone reads the Add, one takes it).
@@ -101,14 +112,8 @@ fn fold_sole_readers(
     let adj = g.adjacency();
     let mut claims = Claims::new(g);
     let mut folds = Vec::new();
-    for id in g.node_ids() {
-        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
-            continue;
-        };
+    for (id, fused, reader) in products_and_readers(g, &adj) {
         let product = Port::new(id, 0);
-        let Some(reader) = sole_reader(g, &adj, product) else {
-            continue;
-        };
         if let Some((op, extra)) = fold(g, product, fused, reader) {
             if claims.take(&[id], reader, extra) {
                 folds.push((id, reader, op, extra));
@@ -156,14 +161,7 @@ fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
     let adj = g.adjacency();
     let mut claims = Claims::new(g);
     let mut through_views = Vec::new();
-    for id in g.node_ids() {
-        let Some(fused) = g.node(id).op.downcast_ref::<FusedMatMul>() else {
-            continue;
-        };
-        let product = Port::new(id, 0);
-        let Some(view) = sole_reader(g, &adj, product) else {
-            continue;
-        };
+    for (id, fused, view) in products_and_readers(g, &adj) {
         if !plain(fused) || !g.node(view).op.is::<Reshape>() {
             continue;
         }
