@@ -220,16 +220,16 @@ fn query_independent(g: &Graph, port: Port, scores: &TensorType) -> Option<Mask>
         return None;
     }
     let values = value.to_f64_vec();
-    let first_rows: Vec<f64> = values
-        .chunks(sq * sk)
-        .flat_map(|m| m[..sk].to_vec())
-        .collect();
     let alike = values
         .chunks(sq * sk)
         .all(|m| m.chunks(sk).all(|row| row == &m[..sk]));
     if !alike {
         return None;
     }
+    let first_rows: Vec<f64> = values
+        .chunks(sq * sk)
+        .flat_map(|m| m[..sk].to_vec())
+        .collect();
     if first_rows.iter().all(|&v| v == 0.0) {
         return Some(Mask::Zeros(nodes));
     }

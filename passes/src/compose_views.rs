@@ -26,7 +26,7 @@
 use ampgraph_graph::ops::{Reshape, Slice, Transpose};
 use ampgraph_graph::{Graph, NodeId, Op, Port};
 
-use crate::rewrite::{output_nodes, remove_unread, summary};
+use crate::rewrite::{dims, output_nodes, remove_unread, summary};
 use crate::{Pass, PassError, PassSummary};
 
 mod rows;
@@ -300,11 +300,6 @@ fn slice_first(
     let first = g.add_node(name, Box::new(first), &[x])?;
     g.set_node(s, then, &[first.into()])?;
     Ok(())
-}
-
-/// A shape as Reshape takes it.
-fn dims(shape: &[usize]) -> Vec<i64> {
-    shape.iter().map(|&d| d as i64).collect()
 }
 
 /// Moves the Slices reading Transpose `t` before it, where every reader is a Slice

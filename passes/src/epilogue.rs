@@ -23,6 +23,7 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
+use crate::rewrite::dims;
 use crate::{Pass, PassError, PassSummary};
 
 /// The GEMM-epilogue pass.
@@ -191,10 +192,6 @@ fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
         g.remove_node(id)?;
     }
     Ok((direct + through_views.len(), bytes))
-}
-
-fn dims(shape: &[usize]) -> Vec<i64> {
-    shape.iter().map(|&d| d as i64).collect()
 }
 
 /// Whether a fused product can take a residual: no activation, cast or residual yet.

@@ -58,7 +58,9 @@ fn reshaped(g: &Graph, x: Port) -> Port {
     }
 }
 
-/// The projection the attention's operand `port` is, if it is one this pass takes.
+/// The projection the attention's operand in `slot` is, if it is one this pass takes.
+/// Every node from the product up is read by the next alone, so the three operands'
+/// projections are distinct nodes.
 fn projection(g: &Graph, attention: NodeId, slot: usize) -> Option<Projection> {
     let port = g.inputs(attention)[slot];
     if sole_reader(g, port) != Some((attention, slot)) {
@@ -123,8 +125,7 @@ fn projections(g: &Graph, attention: NodeId) -> Option<[Projection; 3]> {
             && p.bias.is_some() == first.bias.is_some()
             && p.weight.dtype() == first.weight.dtype()
     });
-    let distinct = all[0].matmul != all[1].matmul && all[1].matmul != all[2].matmul;
-    (alike && distinct).then_some(all)
+    alike.then_some(all)
 }
 
 /// `parts` joined along `axis`.

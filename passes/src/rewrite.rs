@@ -40,6 +40,11 @@ pub(crate) fn through_casts(g: &Graph, mut port: Port) -> Vec<NodeId> {
     nodes
 }
 
+/// A shape as Reshape takes it.
+pub(crate) fn dims(shape: &[usize]) -> Vec<i64> {
+    shape.iter().map(|&d| d as i64).collect()
+}
+
 /// The two operands of the node of `p` where it is a Binary of `kind`.
 pub(crate) fn binary_operands(g: &Graph, p: Port, kind: BinaryKind) -> Option<[Port; 2]> {
     let binary = g.node(p.node).op.downcast_ref::<Binary>()?;

@@ -28,16 +28,16 @@ use crate::ExecOptions;
 /// built for constants would otherwise count as readers and block folds), NCHW
 /// convolution networks compute in NHWC inside (the pass cancels its Transposes against
 /// the graph's own, leaving them at the NCHW inputs and outputs) before anything fuses
-/// the elementwise ops between the convolutions, an inference step's pointwise
-/// convolutions become products (their bias and ReLU in the GEMM's epilogue, as
-/// cuBLASLt runs them), 16-bit convolutions pad their channels
-/// to multiples of 8 (on the NHWC channel axis by then), reductions take the widening
+/// the elementwise ops between the convolutions, an inference step's convolutions that
+/// read each patch once (pointwise ones, patch embeddings) become products (their bias
+/// and ReLU in the GEMM's epilogue, as cuBLASLt runs them), 16-bit convolutions pad
+/// their channels to multiples of 8 (on the NHWC channel axis by then), reductions take the widening
 /// casts AMP put before them, layer norms the casts AMP put around them, cross-entropy
 /// its gradient (one read of the logits for both, the casts around them folded),
 /// products their operands' transposes (as adjoints) and batched products their
-/// scalar scalings, explicit attentions become fused ones
-/// (scores never stored; q, k and v projected by one product where they were three), the chains of Reshapes and Transposes around them one
-/// Transpose at most (an exported `nn.MultiheadAttention` copies each operand four
+/// scalar scalings, explicit attentions become fused ones (scores never stored; q, k
+/// and v projected by one product where they were three), the chains of Reshapes and
+/// Transposes around them one Transpose at most (an exported `nn.MultiheadAttention` copies each operand four
 /// times otherwise), the finiteness check and the optimizer updates the loss-scale
 /// unscaling, the updates the casts of their variables, products their bias and
 /// activation into the GEMM, large products left whose rows are misaligned for Tensor

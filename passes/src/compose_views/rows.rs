@@ -14,8 +14,7 @@
 use ampgraph_graph::ops::{BiasAdd, Binary, Cast, MatMul, Reshape, Slice, Transpose, Unary};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use super::dims;
-use crate::rewrite::{output_nodes, remove_unread, sole_reader};
+use crate::rewrite::{dims, output_nodes, remove_unread, sole_reader};
 use crate::PassError;
 
 /// A row view read by one row-wise op: `x`'s leading axes (those `p` reorders), `p`

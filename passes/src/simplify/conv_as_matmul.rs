@@ -24,7 +24,7 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{Graph, NodeId, Op, Port};
 
-use crate::rewrite::{const_value, sole_reader, summary};
+use crate::rewrite::{const_value, dims, sole_reader, summary};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `conv-as-matmul` pass.
@@ -99,10 +99,6 @@ fn transposed(g: &mut Graph, name: &str, w: Port, perm: &[usize]) -> Result<Port
     Ok(node.into())
 }
 
-fn dims(shape: &[usize]) -> Vec<i64> {
-    shape.iter().map(|&d| d as i64).collect()
-}
-
 /// Whether a convolution gradient reads `port` (the convolution is trained).
 fn read_by_gradient(g: &Graph, port: Port) -> bool {
     g.port_consumers(port).iter().any(|&(r, _)| {
@@ -141,18 +137,18 @@ impl Pass for ConvAsMatmul {
             // patches channel-major, `[C, kh, kw]` (the filter's rows likewise): each
             // patch row is then `kw` adjacent values of the NCHW source, which the one
             // Transpose `compose-views` leaves reads in runs.
-            let nchw = nchw_source(g, x);
+            let over_tiles = [kh, kw] != [1, 1];
+            let from_nchw = nchw_source(g, x).filter(|_| over_tiles);
             let (mut patches, mut filter) = (x, w);
-            if let Some(source) = nchw.filter(|_| [kh, kw] != [1, 1]) {
+            if let Some(source) = from_nchw {
                 let split = [n, cin, out[1], kh, out[2], kw];
                 patches = gather(g, &name, source, &split, &[0, 2, 4, 1, 3, 5])?;
                 filter = transposed(g, &name, w, &[2, 0, 1, 3])?;
-                over_patches += 1;
-            } else if [kh, kw] != [1, 1] {
+            } else if over_tiles {
                 let split = [n, out[1], kh, out[2], kw, cin];
                 patches = gather(g, &name, x, &split, &[0, 1, 3, 2, 4, 5])?;
-                over_patches += 1;
             }
+            over_patches += usize::from(over_tiles);
             let pixels = g.add_node(
                 g.fresh_name(format!("{name}/pixels")),
                 Box::new(Reshape::new(dims(&[rows, depth]))),
@@ -214,7 +210,7 @@ impl Pass for ConvAsMatmul {
                 g.remove_node(id)?;
             }
             // The NHWC copy the patches no longer read.
-            if nchw.is_some() && g.port_consumers(x).is_empty() && !g.outputs().contains(&x) {
+            if from_nchw.is_some() && g.port_consumers(x).is_empty() && !g.outputs().contains(&x) {
                 g.remove_node(x.node)?;
             }
             products += 1;
