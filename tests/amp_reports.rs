@@ -4,7 +4,7 @@ use ampgraph::graph::format;
 use ampgraph::passes::amp::report::explain;
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, ListClass, PrecisionLists};
 use ampgraph::passes::PassError;
-use ampgraph::{DType, Graph};
+use ampgraph::{DType, Graph, Port, Tensor};
 
 /// x, w -> MatMul -> Relu -> Add(., exp(y)) -> Tanh -> MatMul -> out
 ///                 y -> Exp -^
@@ -309,4 +309,122 @@ fn explain_an_infer_op_whose_input_went_half_in_a_later_phase() {
     );
     assert!(text.contains("inputs: back (f16), b (f32)"), "{text}");
     assert!(!text.contains("no input runs in"), "{text}");
+}
+
+/// Exporters' transformer input: token and position rows looked up in tables, added
+/// and normalised, read by the first product and by the first residual Add.
+struct Embeddings {
+    g: Graph,
+    tables: [Port; 2],
+    /// The two lookups, their sum and its LayerNorm.
+    computed: [Port; 4],
+}
+
+fn embeddings(token_table_is_variable: bool) -> Embeddings {
+    use ampgraph::exec::feeds::seeded_tensor;
+    use ampgraph::graph::ops::{Binary, BinaryKind, Unary, UnaryKind};
+    use ampgraph::TensorType;
+    let mut g = Graph::new();
+    let seeded = |g: &mut Graph, name: &str, shape: Vec<usize>| -> Port {
+        let t = seeded_tensor(name, &TensorType::new(DType::F32, shape), 7);
+        g.constant(t).unwrap()
+    };
+    let ids = g.placeholder("ids", DType::I64, [3]).unwrap();
+    let table = if token_table_is_variable {
+        g.variable("table", DType::F32, [10, 4]).unwrap()
+    } else {
+        seeded(&mut g, "table", vec![10, 4])
+    };
+    let positions = seeded(&mut g, "positions", vec![3, 4]);
+    let gamma = seeded(&mut g, "gamma", vec![4]);
+    let beta = seeded(&mut g, "beta", vec![4]);
+    let w = seeded(&mut g, "w", vec![4, 4]);
+    let position_ids = Tensor::from_f64(DType::I64, vec![3], &[0.0, 1.0, 2.0]).unwrap();
+    let position_ids = g.constant(position_ids).unwrap();
+    let token = g.gather(table, ids, 0).unwrap();
+    let position = g.gather(positions, position_ids, 0).unwrap();
+    let add = |g: &mut Graph, name: &str, a: Port, b: Port| -> Port {
+        (g.add_node(name, Box::new(Binary::new(BinaryKind::Add)), &[a, b]))
+            .unwrap()
+            .into()
+    };
+    let sum = add(&mut g, "embed", token, position);
+    let normed = g.layer_norm(sum, gamma, beta, -1, 1e-5).unwrap();
+    let product = g.matmul(normed, w).unwrap();
+    let residual = add(&mut g, "residual", product, sum);
+    // A graph output keeps its type: the residual Add before it is an f16 reader.
+    let out = g.add(Unary::new(UnaryKind::Identity), &[residual]).unwrap();
+    g.set_outputs(vec![out]).unwrap();
+    Embeddings {
+        g,
+        tables: [table, positions],
+        computed: [token, position, sum, normed],
+    }
+}
+
+/// With ampgraph's lists a computation on constants alone whose readers are all f16
+/// runs in f16, its tables stored so: no cast where TensorFlow's painting casts the
+/// sum and its LayerNorm (the converter's one cast for DistilBERT and GPT-2). Its
+/// values stay within f16's rounding of the f32 graph's.
+#[test]
+fn a_computation_on_constants_read_only_in_f16_runs_in_f16() {
+    use ampgraph::{CpuExecutor, Executor};
+    let Embeddings {
+        g: original,
+        tables,
+        computed,
+    } = embeddings(false);
+    let ours = AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap());
+    let explained = explain(
+        &original,
+        &ours.analyze(&original).unwrap(),
+        &ours.config,
+        "embed",
+    )
+    .unwrap()
+    .to_string();
+    assert!(
+        explained.contains("computed from constants alone and every reader runs in f16"),
+        "{explained}"
+    );
+    let mut g = original.clone();
+    let report = ours.rewrite(&mut g).unwrap();
+    for port in computed.into_iter().chain(tables) {
+        assert_eq!(g.ty(port).dtype, DType::F16, "{}", g.port_name(port));
+    }
+    assert_eq!(report.stats.casts_to_half, 0);
+    assert_eq!(report.stats.casts_to_f32, 1, "the output's");
+
+    let ids = Tensor::from_f64(DType::I64, vec![3], &[4.0, 9.0, 0.0]).unwrap();
+    let feeds = [("ids".to_string(), ids)].into_iter().collect();
+    let mut exec = CpuExecutor::new();
+    let want = exec.run(&original, &feeds, original.outputs()).unwrap()[0].to_f64_vec();
+    let got = exec.run(&g, &feeds, g.outputs()).unwrap()[0].to_f64_vec();
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let err = want
+        .iter()
+        .zip(&got)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        scale > 0.1 && err <= 5e-3 * scale,
+        "error {err:e} of {scale:e}"
+    );
+
+    // TensorFlow's painting keeps them f32 and casts the sum and its LayerNorm.
+    let mut g = original.clone();
+    let report = AutoMixedPrecision::new(tf()).rewrite(&mut g).unwrap();
+    for port in computed {
+        assert_eq!(g.ty(port).dtype, DType::F32, "{}", g.port_name(port));
+    }
+    assert_eq!(report.stats.casts_to_half, 2);
+
+    // A Variable is no constant (a trained table would be cast whole every step):
+    // its lookup, and what reads it, stay f32.
+    let Embeddings {
+        mut g, computed, ..
+    } = embeddings(true);
+    ours.rewrite(&mut g).unwrap();
+    for port in [computed[0], computed[2], computed[3]] {
+        assert_eq!(g.ty(port).dtype, DType::F32, "{}", g.port_name(port));
+    }
 }

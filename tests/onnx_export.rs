@@ -248,13 +248,8 @@ fn amp_export(dir: &Path, theirs: usize) {
         );
     }
     let casts = ops.get("Cast").copied().unwrap_or(0);
-    // TensorFlow's lists (which AMP follows exactly) keep an infer op upstream of the
-    // first allow op in f32: `positions`' embedding sum (an Add of two table lookups
-    // before its MatMul) casts once more than the converter, which makes every float
-    // op 16-bit. Hoisting such casts to the tables is open work (issue 42).
-    let extra = usize::from(name == "positions");
     assert!(
-        casts <= theirs + extra,
+        casts <= theirs,
         "{name}: {casts} casts, the converter's {theirs}"
     );
     // Inputs and outputs keep their types.

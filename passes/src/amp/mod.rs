@@ -43,6 +43,12 @@ pub struct AmpConfig {
     pub lists: PrecisionLists,
     /// Where to dump the graph before and after the rewrite (JSON, DOT, SVG).
     pub log_path: Option<PathBuf>,
+    /// A computation on constants alone (an embedding lookup, the sum of two) whose
+    /// every reader runs in 16 bits runs in 16 bits too, its constants stored so,
+    /// rather than in f32 with its result cast (what onnxconverter-common's fp16
+    /// models do). TensorFlow has no such phase: off in the `tensorflow` profile,
+    /// which decides exactly as TensorFlow does.
+    pub constant_regions: bool,
 }
 
 impl AmpConfig {
@@ -66,6 +72,7 @@ impl AmpConfig {
             target,
             lists: PrecisionLists::profile(profile)?,
             log_path: None,
+            constant_regions: profile != "tensorflow",
         })
     }
 
@@ -99,7 +106,7 @@ impl AutoMixedPrecision {
 
     /// Decides every node's precision without changing the graph.
     pub fn analyze(&self, graph: &Graph) -> Result<Painting, PassError> {
-        Painting::paint(graph, &self.config.lists)
+        Painting::paint(graph, &self.config)
     }
 
     /// Rewrites `graph` and returns the full report (decisions, counts, reasons).

@@ -14,6 +14,7 @@ use ampgraph_graph::{DType, Graph, NodeId};
 use foldhash::HashMap;
 
 use super::lists::{ListClass, PrecisionLists};
+use super::AmpConfig;
 use crate::PassError;
 
 /// No vertex.
@@ -36,6 +37,9 @@ pub enum Step {
     ClearNextToAllow,
     /// Phase 7: a Cast to f32 whose every consumer is f16 now casts to f16.
     CastToHalf,
+    /// ampgraph's phase after TensorFlow's ([`AmpConfig::constant_regions`]):
+    /// computed from constants alone, and every reader is f16.
+    FromConstants,
 }
 
 /// The vertices of a graph and their decisions.
@@ -247,14 +251,17 @@ impl Painting {
     }
 
     /// Builds the vertex graph of `g` and runs every phase.
-    pub fn paint(g: &Graph, lists: &PrecisionLists) -> Result<Painting, PassError> {
-        let mut p = Painting::build(g, lists)?;
+    pub fn paint(g: &Graph, config: &AmpConfig) -> Result<Painting, PassError> {
+        let mut p = Painting::build(g, &config.lists)?;
         if p.allowlist() {
             p.propagate_deny();
             p.between_allow();
             p.infer_follows_allow();
             p.clear_next_to_allow();
             p.casts_to_half();
+            if config.constant_regions {
+                p.on_constants_read_in_half(g);
+            }
         }
         Ok(p)
     }
@@ -547,6 +554,43 @@ impl Painting {
             let outs = self.fanout.of(v);
             if !outs.is_empty() && outs.iter().all(|&o| self.allow[o as usize]) {
                 self.mark_allow(v, Step::CastToHalf, NONE);
+            }
+        }
+    }
+
+    /// ampgraph's phase after TensorFlow's: an infer or clear op computed from Consts
+    /// alone (through such ops), every reader of which is f16, becomes f16; readers
+    /// first, so a chain joins from its end. Exporters compute a transformer's input
+    /// so (token and position embeddings looked up and added, often normalised): in
+    /// f32 it is cast at each f16 reader; in f16 its tables are stored in 16 bits
+    /// and no cast is left.
+    fn on_constants_read_in_half(&mut self, g: &Graph) {
+        let n = self.len();
+        let mut from_constants = vec![false; n];
+        for v in 0..n as u32 {
+            let i = v as usize;
+            from_constants[i] = if g.node(self.node[i]).op.is::<Const>() {
+                self.is_f32[i]
+            } else {
+                let fanin = self.fanin.of(v);
+                self.eligible(v)
+                    && !self.allow[i]
+                    && !self.deny[i]
+                    && matches!(self.class[i], Some(ListClass::Infer | ListClass::Clear))
+                    && !fanin.is_empty()
+                    && fanin.iter().all(|&f| from_constants[f as usize])
+            };
+        }
+        // Vertices are numbered in topological order: readers come later.
+        for v in (0..n as u32).rev() {
+            let i = v as usize;
+            // Consts (no fanin) are stored in 16 bits by the rewrite where read so.
+            if !from_constants[i] || self.allow[i] || self.fanin.of(v).is_empty() {
+                continue;
+            }
+            let readers = self.fanout.of(v);
+            if !readers.is_empty() && readers.iter().all(|&r| self.allow[r as usize]) {
+                self.mark_allow(v, Step::FromConstants, NONE);
             }
         }
     }

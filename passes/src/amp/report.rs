@@ -304,6 +304,7 @@ pub fn explain(
                 label(g, p, p.parent[i])
             ),
             Step::CastToHalf => format!("converted: every consumer runs in {t}, so this Cast produces {t} directly"),
+            Step::FromConstants => format!("converted: it is computed from constants alone and every reader runs in {t}, so its constants are stored in {t} rather than its result cast"),
             Step::None | Step::Denied => "converted".into(),
         });
     } else if let Some(why) = config.lists.kept_f32(name).filter(|_| p.deny[i]) {
