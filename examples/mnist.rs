@@ -21,6 +21,13 @@
 //! 0..N (or N CPU replicas with `--device cpu`), each on its shard of every global
 //! batch of N x `--batch` images; `--checkpoint` is then written once per epoch, by
 //! replica 0, and `--resume` continues after its last epoch in every replica.
+//!
+//! Started by a launcher, one process per GPU, it trains the same way, each process
+//! its replica (GPU `LOCAL_RANK`), rank 0 printing and writing the checkpoint:
+//!
+//! ```sh
+//! torchrun --no-python --nproc-per-node 2 target/release/examples/mnist --data examples/data/mnist
+//! ```
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -33,7 +40,7 @@ use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{DataFormat, Padding};
 use ampgraph::graph::{DType, Graph, Port};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep};
-use ampgraph::parallel::{ReplicaOptions, Replicas};
+use ampgraph::parallel::{ProcessGroup, ReplicaOptions, Replicas};
 use ampgraph::train::{Evaluation, Position, Trainer};
 use ampgraph::{Device, Session};
 
@@ -202,8 +209,41 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
 
-    if let Some(world) = args.replicas {
-        return train_replicas(&args, world, device, net, step, &loader, eval.as_mut());
+    let replica_options = ReplicaOptions {
+        session: run.session_options(),
+        ..ReplicaOptions::default()
+    };
+    let replicas = match (ProcessGroup::launched()?, args.replicas) {
+        (Some(_), Some(_)) => {
+            return Err(
+                "--replicas with a launcher's environment (RANK, WORLD_SIZE): a \
+                        launcher starts one replica per process; leave --replicas out"
+                    .into(),
+            )
+        }
+        (Some(group), None) => {
+            let device = match device {
+                Device::Cuda(_) => Device::Cuda(group.local_rank),
+                cpu => cpu,
+            };
+            Some(Replicas::in_process_group(
+                net.graph.clone(),
+                &group,
+                device,
+                replica_options,
+            )?)
+        }
+        (None, Some(world)) => {
+            let devices: Vec<Device> = match device {
+                Device::Cuda(_) => (0..world).map(Device::Cuda).collect(),
+                Device::Cpu => vec![Device::Cpu; world],
+            };
+            Some(Replicas::new(net.graph.clone(), &devices, replica_options)?)
+        }
+        (None, None) => None,
+    };
+    if let Some(replicas) = replicas {
+        return train_replicas(&args, replicas, &net, step, &loader, eval.as_mut());
     }
     let mut session = Session::with_options(net.graph.clone(), device, run.session_options())?;
     for record in &session.passes {
@@ -270,26 +310,19 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// `--replicas`: the epochs data-parallel over `world` devices of `device`'s kind.
+/// `--replicas` or a launcher's processes: the epochs data-parallel, replica 0's
+/// process printing.
 fn train_replicas(
     args: &Args,
-    world: usize,
-    device: Device,
-    net: Net,
+    mut replicas: Replicas,
+    net: &Net,
     step: TrainStep,
     loader: &Loader,
     mut eval: Option<&mut Evaluation>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let run = &args.run;
-    let devices: Vec<Device> = match device {
-        Device::Cuda(_) => (0..world).map(Device::Cuda).collect(),
-        Device::Cpu => vec![Device::Cpu; world],
-    };
-    let options = ReplicaOptions {
-        session: run.session_options(),
-        ..ReplicaOptions::default()
-    };
-    let mut replicas = Replicas::new(net.graph, &devices, options)?;
+    let world = replicas.world();
+    let leads = replicas.leads();
     if let Some(s) = replicas.session(0) {
         for record in &s.passes {
             println!("{}", record.summary);
@@ -298,17 +331,19 @@ fn train_replicas(
     let mut at = Position::START;
     if let (true, Some(path)) = (run.resume, &run.checkpoint) {
         at = replicas.resume(path)?;
-        println!("resumed from {} at epoch {}", path.display(), at.epoch);
+        if leads {
+            println!("resumed from {} at epoch {}", path.display(), at.epoch);
+        }
     }
-    println!(
-        "{:?} data-parallel over {world} x {}, {} images a replica, global batch {}",
-        args.model,
-        replicas
-            .session(0)
-            .map_or(String::new(), |s| s.executor().device_name()),
-        run.batch,
-        run.batch * world
-    );
+    if let Some(s) = replicas.session(0) {
+        println!(
+            "{:?} data-parallel over {world} x {}, {} images a replica, global batch {}",
+            args.model,
+            s.executor().device_name(),
+            run.batch,
+            run.batch * world
+        );
+    }
     while at.epoch <= run.epochs {
         let epoch = at.epoch;
         let report = replicas.epoch(loader, &step, net.images, net.labels, at)?;
@@ -317,12 +352,14 @@ fn train_replicas(
             (Some(e), Some(s)) => format!(", eval accuracy {:.4}", e.accuracy_of(s)?),
             _ => String::new(),
         };
-        println!(
-            "epoch {epoch}: loss {:.4}, {:.3} s ({:.0} examples/s){accuracy}",
-            report.loss,
-            report.seconds,
-            report.examples_per_second()
-        );
+        if leads {
+            println!(
+                "epoch {epoch}: loss {:.4}, {:.3} s ({:.0} examples/s){accuracy}",
+                report.loss,
+                report.seconds,
+                report.examples_per_second()
+            );
+        }
         if let Some(path) = &run.checkpoint {
             replicas.save(path)?;
         }

@@ -44,7 +44,9 @@ fn rendezvous(
                 let id = b"nccl unique id".to_vec();
                 (
                     rank,
-                    group(rank, world, port).rendezvous(&id, fingerprint, timeout),
+                    group(rank, world, port)
+                        .rendezvous(&id, fingerprint, timeout)
+                        .map(|r| r.id),
                 )
             })
         })
@@ -212,6 +214,7 @@ fn act_as_a_rank() {
     let g = ProcessGroup::from_env().unwrap();
     let id = g
         .rendezvous(b"shared by rank 0", 42, Duration::from_secs(10))
-        .unwrap();
+        .unwrap()
+        .id;
     println!("got id: {}", String::from_utf8_lossy(&id));
 }

@@ -1,18 +1,21 @@
 //! How the replicas of a data-parallel step compute an [`AllReduce`] together.
 //!
 //! Each replica's executor joins a [`Collective`]: its rank among `world` replicas, the
-//! transport (a [`SharedGroup`] of host threads for CPU executors, an NCCL unique id
-//! for CUDA ones) and the group's [`Abort`]. A replica whose step fails raises the
+//! transport (a [`SharedGroup`] of host threads for CPU executors, a [`TcpGroup`] for
+//! CPU executors in processes of their own, an NCCL unique id for CUDA ones) and the
+//! group's [`Abort`]. A replica whose step fails raises the
 //! abort; every other replica waiting on a collective sees it (or its own timeout),
 //! gives up its communicator and fails naming the rank that failed, so no replica
 //! hangs on a peer that will never come.
 //!
 //! [`AllReduce`]: ampgraph_graph::ops::AllReduce
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ampgraph_graph::{Data, Tensor};
+use ampgraph_graph::{DType, Data, Tensor};
 
 /// How long a replica waits for its peers at a collective before it gives up.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -69,6 +72,41 @@ pub fn check_replicas(replicas: usize, rank: usize, world: usize) -> Result<(), 
 #[derive(Clone, Copy)]
 pub struct NcclId(pub [std::ffi::c_char; 128]);
 
+impl NcclId {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.0.iter().map(|&c| c as u8).collect()
+    }
+
+    /// The id [`to_bytes`](Self::to_bytes) gave, as another process received it.
+    pub fn from_bytes(bytes: &[u8]) -> Result<NcclId, String> {
+        let mut id = [0 as std::ffi::c_char; 128];
+        if bytes.len() != id.len() {
+            return Err(format!(
+                "an NCCL unique id has {} bytes, not {}",
+                id.len(),
+                bytes.len()
+            ));
+        }
+        for (c, &b) in id.iter_mut().zip(bytes) {
+            *c = b as std::ffi::c_char;
+        }
+        Ok(NcclId(id))
+    }
+}
+
+impl Collective {
+    /// The mean over the replicas of each of `inputs`, through host memory or TCP,
+    /// in host code (a CPU executor's AllReduce; what replicas report together). A
+    /// CUDA executor's means are NCCL's, on its device.
+    pub fn host_all_reduce_mean(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>, String> {
+        match &self.transport {
+            Transport::Shared(group) => group.all_reduce_mean(self, inputs),
+            Transport::Tcp(group) => group.all_reduce_mean(self, inputs),
+            Transport::Nccl(_) => Err("NCCL's means are a CUDA executor's".into()),
+        }
+    }
+}
+
 impl std::fmt::Debug for NcclId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("NcclId(..)")
@@ -80,6 +118,8 @@ impl std::fmt::Debug for NcclId {
 pub enum Transport {
     /// Host threads of one process (CPU executors).
     Shared(Arc<SharedGroup>),
+    /// CPU executors in processes of their own, through rank 0 over TCP.
+    Tcp(Arc<TcpGroup>),
     /// NCCL, one communicator per GPU (CUDA executors).
     Nccl(NcclId),
 }
@@ -174,6 +214,190 @@ impl SharedGroup {
         drop(round);
         (*means).clone()
     }
+}
+
+/// Replicas in processes of their own (CPU executors started by torchrun or srun),
+/// averaging through rank 0 over the connections their rendezvous made: every other
+/// rank sends its tensors to rank 0, which takes the means as a [`SharedGroup`] does
+/// (in rank order, in f64: the bits of threads) and sends them back to each. A rank
+/// whose process ends closes its connection: the others' all-reduce fails naming it.
+#[derive(Debug)]
+pub struct TcpGroup {
+    links: Mutex<Links>,
+}
+
+/// One process's connections in a [`TcpGroup`].
+#[derive(Debug)]
+pub enum Links {
+    /// Rank 0: one connection to each other rank, in rank order (rank 1 first).
+    Hub(Vec<TcpStream>),
+    /// Any other rank: its connection to rank 0.
+    Spoke(TcpStream),
+}
+
+/// The most tensors, and the most dimensions of one, a message holds: more is a
+/// stream out of step, not an all-reduce.
+const MOST_TENSORS: u32 = 1 << 20;
+const MOST_RANK: u8 = 16;
+
+impl TcpGroup {
+    /// The [`Collective`] of replica `rank` of `world`, reducing over `links`.
+    pub fn collective(
+        rank: usize,
+        world: usize,
+        links: Links,
+        abort: &Abort,
+        timeout: Duration,
+    ) -> Collective {
+        Collective {
+            rank,
+            world,
+            transport: Transport::Tcp(Arc::new(TcpGroup {
+                links: Mutex::new(links),
+            })),
+            abort: abort.clone(),
+            timeout,
+        }
+    }
+
+    /// The mean over the replicas of each of `inputs` (the same on every rank).
+    pub fn all_reduce_mean(
+        &self,
+        me: &Collective,
+        inputs: &[&Tensor],
+    ) -> Result<Vec<Tensor>, String> {
+        let start = Instant::now();
+        let left = || me.timeout.saturating_sub(start.elapsed()).max(MIN_WAIT);
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let result = match &mut *links {
+            Links::Hub(peers) => {
+                let mut deposits = vec![inputs.iter().map(|&t| t.clone()).collect()];
+                let mut failure = None;
+                for (k, stream) in peers.iter_mut().enumerate() {
+                    let rank = k + 1;
+                    match read_message(stream, left()) {
+                        Ok(Ok(tensors)) => deposits.push(tensors),
+                        Ok(Err(why)) => failure = Some(why),
+                        Err(e) => failure = Some(gone(rank, &e, start.elapsed())),
+                    }
+                    if failure.is_some() {
+                        break;
+                    }
+                }
+                let result = failure.map_or_else(|| means(&deposits), Err);
+                // Every rank hears the result; one already gone is not waited for.
+                for stream in peers.iter_mut() {
+                    let _ = write_message(stream, result.as_deref().map_err(String::as_str));
+                }
+                result
+            }
+            Links::Spoke(stream) => {
+                let sent: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
+                write_message(stream, Ok(&sent))
+                    .and_then(|()| read_message(stream, left()))
+                    .unwrap_or_else(|e| Err(gone(0, &e, start.elapsed())))
+            }
+        };
+        result.map_err(|why| {
+            me.abort.raise(why.clone());
+            format!("replica {} stopped at an all-reduce: {why}", me.rank)
+        })
+    }
+}
+
+/// The least time given to one read.
+const MIN_WAIT: Duration = Duration::from_millis(50);
+
+/// Why the connection to replica `rank` failed.
+fn gone(rank: usize, e: &std::io::Error, waited: Duration) -> String {
+    use std::io::ErrorKind::{
+        ConnectionAborted, ConnectionReset, TimedOut, UnexpectedEof, WouldBlock,
+    };
+    match e.kind() {
+        TimedOut | WouldBlock => format!(
+            "replica {rank} did not come within {:.1} s (timeout)",
+            waited.as_secs_f64()
+        ),
+        UnexpectedEof | ConnectionReset | ConnectionAborted => {
+            format!("replica {rank}'s process is gone (its connection closed)")
+        }
+        _ => format!("replica {rank}'s process is gone ({e})"),
+    }
+}
+
+/// A message: tensors, or why the sender stops.
+fn write_message(stream: &mut TcpStream, body: Result<&[Tensor], &str>) -> std::io::Result<()> {
+    let mut out = Vec::new();
+    match body {
+        Ok(tensors) => {
+            out.push(0u8);
+            out.extend((tensors.len() as u32).to_le_bytes());
+            for t in tensors {
+                let dtype = t.dtype().as_str().as_bytes();
+                out.push(dtype.len() as u8);
+                out.extend(dtype);
+                out.push(t.shape().len() as u8);
+                for &d in t.shape() {
+                    out.extend((d as u64).to_le_bytes());
+                }
+                out.extend(t.data().to_le_bytes());
+            }
+        }
+        Err(why) => {
+            out.push(1u8);
+            out.extend((why.len() as u32).to_le_bytes());
+            out.extend(why.as_bytes());
+        }
+    }
+    stream.write_all(&out)
+}
+
+/// Reads a message [`write_message`] wrote, waiting at most `timeout` for each part.
+fn read_message(
+    stream: &mut TcpStream,
+    timeout: Duration,
+) -> std::io::Result<Result<Vec<Tensor>, String>> {
+    use std::io::{Error, ErrorKind};
+    let invalid = |what: String| Error::new(ErrorKind::InvalidData, what);
+    stream.set_read_timeout(Some(timeout))?;
+    let mut byte = [0u8; 1];
+    let mut word = [0u8; 4];
+    stream.read_exact(&mut byte)?;
+    stream.read_exact(&mut word)?;
+    let count = u32::from_le_bytes(word);
+    if byte[0] != 0 {
+        let mut why = vec![0u8; count.min(1 << 16) as usize];
+        stream.read_exact(&mut why)?;
+        return Ok(Err(String::from_utf8_lossy(&why).into_owned()));
+    }
+    if count > MOST_TENSORS {
+        return Err(invalid(format!("a message of {count} tensors")));
+    }
+    let mut tensors = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        stream.read_exact(&mut byte)?;
+        let mut name = vec![0u8; byte[0] as usize];
+        stream.read_exact(&mut name)?;
+        let dtype: DType = (String::from_utf8_lossy(&name).parse()).map_err(invalid)?;
+        stream.read_exact(&mut byte)?;
+        if byte[0] > MOST_RANK {
+            return Err(invalid(format!("a tensor of {} dimensions", byte[0])));
+        }
+        let mut shape = Vec::with_capacity(byte[0] as usize);
+        let mut dim = [0u8; 8];
+        for _ in 0..byte[0] {
+            stream.read_exact(&mut dim)?;
+            shape.push(u64::from_le_bytes(dim) as usize);
+        }
+        let bytes = (shape.iter())
+            .try_fold(dtype.size_bytes(), |n, &d| n.checked_mul(d))
+            .ok_or_else(|| invalid(format!("a tensor of shape {shape:?}")))?;
+        let mut data = vec![0u8; bytes];
+        stream.read_exact(&mut data)?;
+        let data = Data::from_le_bytes(dtype, &data).map_err(invalid)?;
+        tensors.push(Tensor::new(shape, data).map_err(|e| invalid(e.to_string()))?);
+    }
+    Ok(Ok(tensors))
 }
 
 /// The mean of each input over the ranks' deposits, in its dtype.
@@ -285,6 +509,132 @@ mod tests {
             "{e}"
         );
         assert!(abort.reason().is_some(), "the timeout stops the group");
+    }
+
+    /// `world` replicas linked as processes are, over sockets on localhost.
+    fn tcp_members(world: usize, timeout: Duration) -> Vec<Collective> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let mut spokes = Vec::new();
+        let mut hub = Vec::new();
+        for _ in 1..world {
+            spokes.push(TcpStream::connect(address).unwrap());
+            hub.push(listener.accept().unwrap().0);
+        }
+        let abort = Abort::default();
+        let mut members = vec![TcpGroup::collective(
+            0,
+            world,
+            Links::Hub(hub),
+            &abort,
+            timeout,
+        )];
+        for (k, stream) in spokes.into_iter().enumerate() {
+            // Each process has its own abort.
+            let abort = Abort::default();
+            members.push(TcpGroup::collective(
+                k + 1,
+                world,
+                Links::Spoke(stream),
+                &abort,
+                timeout,
+            ));
+        }
+        members
+    }
+
+    fn tcp_reduce(m: &Collective, inputs: &[&Tensor]) -> Result<Vec<Tensor>, String> {
+        let Transport::Tcp(group) = &m.transport else {
+            unreachable!()
+        };
+        group.all_reduce_mean(m, inputs)
+    }
+
+    /// Over TCP every replica gets the bits threads get, in every dtype, round after
+    /// round.
+    #[test]
+    fn replicas_in_processes_get_the_means_threads_get() {
+        let world = 3;
+        let tensors = |rank: usize, round: usize| -> Vec<Tensor> {
+            let v: Vec<f64> = (0..7)
+                .map(|i| ((rank * 7 + i + round) as f64).sin() * 3.0)
+                .collect();
+            [DType::F32, DType::F16, DType::BF16, DType::F64]
+                .into_iter()
+                .map(|dtype| Tensor::from_f64(dtype, [7], &v).unwrap())
+                .collect()
+        };
+        let by_threads = run(world, |m| {
+            (0..5)
+                .map(|round| {
+                    let t = tensors(m.rank, round);
+                    let Transport::Shared(group) = &m.transport else {
+                        unreachable!()
+                    };
+                    group.all_reduce_mean(m, &t.iter().collect::<Vec<_>>())
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(|rounds| rounds.concat())
+        });
+        let members = tcp_members(world, Duration::from_secs(5));
+        let by_sockets: Vec<Vec<Tensor>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (members.iter())
+                .map(|m| {
+                    s.spawn(|| {
+                        (0..5)
+                            .map(|round| {
+                                let t = tensors(m.rank, round);
+                                tcp_reduce(m, &t.iter().collect::<Vec<_>>()).unwrap()
+                            })
+                            .collect::<Vec<_>>()
+                            .concat()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (sockets, threads)) in by_sockets.iter().zip(&by_threads).enumerate() {
+            let threads = threads.as_ref().unwrap();
+            assert_eq!(sockets.len(), threads.len());
+            for (a, b) in sockets.iter().zip(threads) {
+                assert_eq!(a.ty(), b.ty(), "rank {rank}");
+                assert_eq!(
+                    a.data().to_le_bytes(),
+                    b.data().to_le_bytes(),
+                    "rank {rank}"
+                );
+            }
+        }
+    }
+
+    /// A rank whose process ends (its connection closes) fails every other rank's
+    /// all-reduce with an error naming it; one that never sends times out.
+    #[test]
+    fn a_replica_process_that_ends_or_never_comes_is_named() {
+        let t = Tensor::scalar(DType::F32, 1.0);
+        let mut members = tcp_members(3, Duration::from_secs(5));
+        drop(members.pop());
+        let errors: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (members.iter())
+                .map(|m| s.spawn(|| tcp_reduce(m, &[&t]).unwrap_err()))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, e) in errors.iter().enumerate() {
+            assert!(
+                e.starts_with(&format!("replica {rank} stopped at an all-reduce: "))
+                    && e.contains("replica 2's process is gone"),
+                "{e}"
+            );
+        }
+        assert!(members[0].abort.reason().is_some(), "the hub's group stops");
+
+        let members = tcp_members(2, Duration::from_millis(200));
+        let e = tcp_reduce(&members[0], &[&t]).unwrap_err();
+        assert!(
+            e.contains("replica 1 did not come within") && e.contains("timeout"),
+            "{e}"
+        );
     }
 
     #[test]

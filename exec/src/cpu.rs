@@ -84,8 +84,8 @@ fn all_reduce(
 ) -> Result<Vec<Tensor>, String> {
     check_replicas(reduce.replicas, c.rank, c.world)?;
     match &c.transport {
-        Transport::Shared(group) => group.all_reduce_mean(c, inputs),
         Transport::Nccl(_) => Err("NCCL needs a CUDA executor".into()),
+        _ => c.host_all_reduce_mean(inputs),
     }
 }
 

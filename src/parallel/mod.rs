@@ -2,7 +2,7 @@
 //! shard of the global batch, the gradients averaged over the replicas before the
 //! updates (PyTorch's DistributedDataParallel).
 //!
-//! [`Replicas`] runs one process, one thread per replica. Rust has no interpreter lock
+//! [`Replicas::new`] runs one process, one thread per replica. Rust has no interpreter lock
 //! to escape, so threads give each GPU its own host core as processes would, without
 //! a launcher, a rendezvous or a port: the graph is built once and copied, every
 //! replica initialises its variables from the same seed (so all start equal, as DDP's
@@ -14,21 +14,29 @@
 //! CUDA devices NCCL computes them on a second stream while the backward pass goes on,
 //! on the CPU a shared-memory group does (the CPU simulation the tests compare with
 //! one replica at the global batch).
+//!
+//! [`Replicas::in_process_group`] runs this process's replica of a group of processes
+//! that a launcher started (torchrun, Slurm's `srun`: [`ProcessGroup::from_env`]):
+//! they meet at rank 0 over TCP, which compares their collectives and gives them its
+//! NCCL id; CPU replicas then average through rank 0 over the same connections, with
+//! the bits of threads. The same training API serves both.
 
 pub mod process_group;
 
-pub use process_group::{GroupError, ProcessGroup};
+pub use process_group::{GroupError, ProcessGroup, Rendezvous};
 
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ampgraph_data::Loader;
-use ampgraph_exec::collective::{Abort, Collective, SharedGroup, Transport, DEFAULT_TIMEOUT};
+use ampgraph_exec::collective::{
+    Abort, Collective, NcclId, SharedGroup, TcpGroup, Transport, DEFAULT_TIMEOUT,
+};
 use ampgraph_exec::cuda::nccl;
 use ampgraph_exec::Feeds;
 use ampgraph_graph::ops::AllReduce;
-use ampgraph_graph::{Graph, Port, Tensor};
+use ampgraph_graph::{DType, Graph, Port, Tensor};
 use ampgraph_passes::data_parallel::DataParallel;
 
 use crate::optim::TrainStep;
@@ -50,6 +58,8 @@ pub enum ParallelError {
     Setup(String),
     #[error(transparent)]
     Data(#[from] ampgraph_data::DataError),
+    #[error(transparent)]
+    Group(#[from] GroupError),
 }
 
 /// How a group of replicas runs.
@@ -103,10 +113,16 @@ impl ParallelEpochReport {
     }
 }
 
-/// A training graph replicated over devices.
+/// A training graph replicated over devices: every replica, or this process's one.
 pub struct Replicas {
     sessions: Vec<Session>,
+    /// Each session's rank: 0..world in one process, this process's rank in a group.
+    ranks: Vec<usize>,
+    world: usize,
     abort: Abort,
+    /// In a group of processes: rank 0's connections to this one, for what the
+    /// replicas report together.
+    host: Option<Collective>,
 }
 
 /// The AllReduce nodes of a graph in order, with their inputs' types: what replicas
@@ -285,7 +301,13 @@ impl Replicas {
             }
         }
         let abort = collectives[0].abort.clone();
-        let mut replicas = Replicas { sessions, abort };
+        let mut replicas = Replicas {
+            sessions,
+            ranks: (0..world).collect(),
+            world,
+            abort,
+            host: None,
+        };
         // Every rank joins at once: NCCL's communicators are made together.
         replicas.on_each(|rank, session| {
             Ok(session
@@ -295,14 +317,92 @@ impl Replicas {
         Ok(replicas)
     }
 
-    /// How many replicas there are.
-    pub fn world(&self) -> usize {
-        self.sessions.len()
+    /// `graph` on this process's replica of a group of processes (one per GPU, as
+    /// torchrun or srun start them: [`ProcessGroup::from_env`]), on `device`
+    /// (`Device::Cuda(group.local_rank)` on GPUs). The processes meet at rank 0 within
+    /// `options.timeout`; a rank whose collectives differ from rank 0's is refused
+    /// before any step. CUDA replicas then average through NCCL, CPU ones through rank
+    /// 0 over TCP (the bits of [`new`](Self::new)'s threads).
+    pub fn in_process_group(
+        graph: Graph,
+        group: &ProcessGroup,
+        device: Device,
+        options: ReplicaOptions,
+    ) -> Result<Replicas, ParallelError> {
+        let replica = |source| ParallelError::Replica {
+            rank: group.rank,
+            source: Box::new(source),
+        };
+        let session_options = SessionOptions {
+            data_parallel: Some(DataParallel {
+                bucket_bytes: options.bucket_bytes,
+                ..DataParallel::new(group.world)
+            }),
+            ..options.session.clone()
+        };
+        let mut session = Session::with_options(graph, device, session_options).map_err(replica)?;
+        let on_cuda = matches!(device, Device::Cuda(_));
+        let fingerprint = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::hash::DefaultHasher::new();
+            (
+                on_cuda,
+                collective_signature(session.graph()).map_err(replica)?,
+            )
+                .hash(&mut h);
+            h.finish()
+        };
+        let id = if on_cuda {
+            nccl_environment();
+            match group.rank {
+                0 => nccl::unique_id().map_err(ParallelError::Setup)?.to_bytes(),
+                _ => Vec::new(),
+            }
+        } else {
+            Vec::new()
+        };
+        let met = group.rendezvous(&id, fingerprint, options.timeout)?;
+        let abort = Abort::default();
+        let host =
+            TcpGroup::collective(group.rank, group.world, met.links, &abort, options.timeout);
+        let collective = if on_cuda {
+            Collective {
+                transport: Transport::Nccl(
+                    NcclId::from_bytes(&met.id).map_err(ParallelError::Setup)?,
+                ),
+                ..host.clone()
+            }
+        } else {
+            host.clone()
+        };
+        session
+            .executor_mut()
+            .join_collective(collective)
+            .map_err(|e| replica(e.into()))?;
+        Ok(Replicas {
+            sessions: vec![session],
+            ranks: vec![group.rank],
+            world: group.world,
+            abort,
+            host: Some(host),
+        })
     }
 
-    /// Replica `rank`'s session.
+    /// How many replicas there are (in every process).
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Replica `rank`'s session, where this process holds it.
     pub fn session(&self, rank: usize) -> Option<&Session> {
-        self.sessions.get(rank)
+        let index = self.ranks.iter().position(|&r| r == rank)?;
+        self.sessions.get(index)
+    }
+
+    /// Whether this process holds replica 0, which writes checkpoints and reports
+    /// progress.
+    pub fn leads(&self) -> bool {
+        self.ranks.contains(&0)
     }
 
     /// Runs `f` on every replica at once, each on its own thread. The first replica
@@ -316,29 +416,39 @@ impl Replicas {
                 "the replicas stopped earlier ({why}); make them anew"
             )));
         }
-        on_each_replica(&mut self.sessions, &self.abort, f).map_err(|(rank, e)| match e {
-            Some(source) => ParallelError::Replica {
-                rank,
-                source: Box::new(source),
-            },
-            None => ParallelError::Setup(format!("replica {rank} panicked")),
+        let ranks = &self.ranks;
+        let f = |index: usize, session: &mut Session| f(ranks[index], session);
+        on_each_replica(&mut self.sessions, &self.abort, f).map_err(|(index, e)| {
+            let rank = ranks[index];
+            match e {
+                Some(source) => ParallelError::Replica {
+                    rank,
+                    source: Box::new(source),
+                },
+                None => ParallelError::Setup(format!("replica {rank} panicked")),
+            }
         })
     }
 
-    /// One step on every replica, replica `r` fed `feeds[r]`; each replica's fetches.
+    /// One step on every replica of this process, its `k`-th fed `feeds[k]`; each
+    /// one's fetches.
     pub fn run(
         &mut self,
         fetches: &[Port],
         feeds: &[Feeds],
     ) -> Result<Vec<Vec<Tensor>>, ParallelError> {
-        if feeds.len() != self.world() {
+        if feeds.len() != self.sessions.len() {
             return Err(ParallelError::Setup(format!(
                 "{} feeds for {} replicas",
                 feeds.len(),
-                self.world()
+                self.sessions.len()
             )));
         }
-        self.on_each(|rank, session| session.run(fetches, &feeds[rank]))
+        let ranks = self.ranks.clone();
+        self.on_each(|rank, session| {
+            let index = ranks.iter().position(|&r| r == rank).unwrap_or(0);
+            session.run(fetches, &feeds[index])
+        })
     }
 
     /// The rest of epoch `at.epoch` of `loader` from global batch `at.batch`, each
@@ -356,7 +466,10 @@ impl Replicas {
     ) -> Result<ParallelEpochReport, ParallelError> {
         let world = self.world();
         let shards = (0..world)
-            .map(|rank| loader.clone().shard(rank, world))
+            .map(|rank| match self.ranks.contains(&rank) {
+                true => loader.clone().shard(rank, world).map(Some),
+                false => Ok(None),
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let fetches = [step.loss, step.step];
         let next = Position {
@@ -368,7 +481,10 @@ impl Replicas {
             let (images, labels) = (name(images), name(labels));
             let start = Instant::now();
             let mut part = ReplicaEpoch::default();
-            for batch in shards[rank].epoch_from(at.epoch as u64, at.batch) {
+            let shard = shards[rank]
+                .as_ref()
+                .expect("a shard for each replica held");
+            for batch in shard.epoch_from(at.epoch as u64, at.batch) {
                 let batch = batch?;
                 part.examples += batch.images.shape().first().copied().unwrap_or(0);
                 let feeds = Feeds::from([
@@ -384,24 +500,39 @@ impl Replicas {
             Ok(part)
         })?;
         let steps = parts[0].steps;
+        // Means over the replicas, summed in rank order in f64 (as the gradients'), so
+        // threads and processes report the same bits.
+        let totals = |p: &ReplicaEpoch| [p.loss_sum, p.examples as f64];
+        let means = match &self.host {
+            Some(host) => {
+                let local = Tensor::from_f64(DType::F64, [2], &totals(&parts[0]))
+                    .map_err(|e| ParallelError::Setup(e.to_string()))?;
+                let mean = host.host_all_reduce_mean(&[&local]);
+                mean.map_err(ParallelError::Setup)?[0].to_f64_vec()
+            }
+            None => (0..2)
+                .map(|k| parts.iter().map(|p| totals(p)[k]).sum::<f64>() / world as f64)
+                .collect(),
+        };
         Ok(ParallelEpochReport {
             next,
             steps,
-            examples: parts.iter().map(|p| p.examples).sum(),
-            loss: parts.iter().map(|p| p.loss_sum).sum::<f64>() / (steps.max(1) * world) as f64,
+            examples: (means[1] * world as f64).round() as usize,
+            loss: means[0] / steps.max(1) as f64,
             seconds: parts.iter().map(|p| p.seconds).fold(0.0, f64::max),
         })
     }
 
     /// Writes replica 0's variables (every replica holds the same) as
-    /// [`Session::save`] does.
+    /// [`Session::save`] does; in a group of processes, rank 0's process alone.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), ParallelError> {
-        self.sessions[0]
-            .save(path)
-            .map_err(|source| ParallelError::Replica {
-                rank: 0,
-                source: Box::new(source),
-            })
+        let Some(first) = self.session(0) else {
+            return Ok(());
+        };
+        first.save(path).map_err(|source| ParallelError::Replica {
+            rank: 0,
+            source: Box::new(source),
+        })
     }
 
     /// Restores a checkpoint into every replica.
@@ -424,7 +555,8 @@ impl Replicas {
         read_position(&self.sessions[0], path).map_err(|e| ParallelError::Setup(e.to_string()))
     }
 
-    /// A variable's value (replica 0's; every replica holds the same).
+    /// A variable's value (this process's first replica's; every replica holds the
+    /// same).
     pub fn variable(&self, name: &str) -> Option<&Tensor> {
         self.sessions[0].variable(name)
     }

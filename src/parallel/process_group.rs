@@ -3,7 +3,8 @@
 //! gives every rank rank 0's NCCL unique id over TCP (as llm.c and torchrun's
 //! TCPStore do) after checking that every rank built the same graph.
 //!
-//! Rank 0 listens at `MASTER_ADDR:MASTER_PORT`; every other rank connects (retrying
+//! Rank 0 listens at `MASTER_ADDR:MASTER_PORT` (the port after it under torchrun, whose
+//! agent serves PyTorch's store there); every other rank connects (retrying
 //! until the deadline: rank 0 may start later) and sends its rank, the world size and
 //! its graph's fingerprint. Once all have come, rank 0 answers each with the id, or,
 //! where a rank's world or fingerprint differs from its own or a rank never came
@@ -14,6 +15,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use ampgraph_exec::collective::Links;
 use thiserror::Error;
 
 /// What ends a rendezvous, one line naming the rank and the problem.
@@ -78,6 +80,25 @@ impl ProcessGroup {
         ProcessGroup::from_vars(|name| std::env::var(name).ok())
     }
 
+    /// The group a launcher started this process in, from its environment; `None`
+    /// where neither torchrun's `RANK` nor Slurm's `SLURM_PROCID` with `MASTER_ADDR`
+    /// is set: a process on its own.
+    pub fn launched() -> Result<Option<ProcessGroup>, GroupError> {
+        ProcessGroup::launched_from(|name| std::env::var(name).ok())
+    }
+
+    /// [`launched`](Self::launched) with the variables `var` gives.
+    pub fn launched_from(
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<ProcessGroup>, GroupError> {
+        let torchrun = var("RANK").is_some();
+        let slurm = var("SLURM_PROCID").is_some() && var("MASTER_ADDR").is_some();
+        if !(torchrun || slurm) {
+            return Ok(None);
+        }
+        ProcessGroup::from_vars(var).map(Some)
+    }
+
     /// [`from_env`](Self::from_env) with the variables `var` gives.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<ProcessGroup, GroupError> {
         let number = |names: [&str; 2]| -> Result<usize, GroupError> {
@@ -106,10 +127,20 @@ impl ProcessGroup {
             var(name).ok_or_else(|| GroupError::Environment(format!("{name} is not set")))
         };
         let (addr, port) = (required("MASTER_ADDR")?, required("MASTER_PORT")?);
-        let port: u16 = port
+        let mut port: u16 = port
             .trim()
             .parse()
             .map_err(|_| GroupError::Environment(format!("MASTER_PORT is '{port}', not a port")))?;
+        // torchrun's agent serves its own store at MASTER_PORT for PyTorch's workers:
+        // the rendezvous takes the port after it.
+        if var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+            port = port.checked_add(1).ok_or_else(|| {
+                GroupError::Environment(
+                    "MASTER_PORT is 65535: under torchrun the rendezvous takes the next port"
+                        .into(),
+                )
+            })?;
+        }
         Ok(ProcessGroup {
             rank,
             world,
@@ -119,18 +150,27 @@ impl ProcessGroup {
     }
 
     /// Gives every rank rank 0's `id` (the others' is ignored) once every rank has come
-    /// with the same world and graph `fingerprint`, within `timeout`.
+    /// with the same world and graph `fingerprint`, within `timeout`; the connections
+    /// stay open, for a [`TcpGroup`](ampgraph_exec::collective::TcpGroup) between the
+    /// processes.
     pub fn rendezvous(
         &self,
         id: &[u8],
         fingerprint: u64,
         timeout: Duration,
-    ) -> Result<Vec<u8>, GroupError> {
+    ) -> Result<Rendezvous, GroupError> {
         if self.rank == 0 {
-            self.serve(id, fingerprint, timeout)?;
-            Ok(id.to_vec())
+            let peers = self.serve(id, fingerprint, timeout)?;
+            Ok(Rendezvous {
+                id: id.to_vec(),
+                links: Links::Hub(peers),
+            })
         } else {
-            self.fetch(fingerprint, timeout)
+            let (id, stream) = self.fetch(fingerprint, timeout)?;
+            Ok(Rendezvous {
+                id,
+                links: Links::Spoke(stream),
+            })
         }
     }
 
@@ -143,8 +183,14 @@ impl ProcessGroup {
         }
     }
 
-    /// Rank 0: every other rank's hello, then the id to each (or the reason to all).
-    fn serve(&self, id: &[u8], fingerprint: u64, timeout: Duration) -> Result<(), GroupError> {
+    /// Rank 0: every other rank's hello, then the id to each (or the reason to all);
+    /// the connections in rank order.
+    fn serve(
+        &self,
+        id: &[u8],
+        fingerprint: u64,
+        timeout: Duration,
+    ) -> Result<Vec<TcpStream>, GroupError> {
         let start = Instant::now();
         let listener = TcpListener::bind(&self.master)
             .map_err(self.io(format!("listening at {}", self.master)))?;
@@ -205,18 +251,26 @@ impl ProcessGroup {
             None => (0u8, id.to_vec()),
             Some(e) => (1u8, e.to_string().into_bytes()),
         };
-        for (rank, mut stream) in peers {
-            write_reply(&mut stream, &reply).map_err(|source| GroupError::Io {
+        for (rank, stream) in &mut peers {
+            write_reply(stream, &reply).map_err(|source| GroupError::Io {
                 rank: 0,
                 context: format!("answering rank {rank}"),
                 source,
             })?;
         }
-        error.map_or(Ok(()), Err)
+        if let Some(e) = error {
+            return Err(e);
+        }
+        peers.sort_by_key(|p| p.0);
+        Ok(peers.into_iter().map(|(_, stream)| stream).collect())
     }
 
     /// Any other rank: connect (retrying until the deadline), say hello, read the id.
-    fn fetch(&self, fingerprint: u64, timeout: Duration) -> Result<Vec<u8>, GroupError> {
+    fn fetch(
+        &self,
+        fingerprint: u64,
+        timeout: Duration,
+    ) -> Result<(Vec<u8>, TcpStream), GroupError> {
         let start = Instant::now();
         let unreachable = |reason: String| GroupError::Unreachable {
             rank: self.rank,
@@ -265,13 +319,20 @@ impl ProcessGroup {
             .read_exact(&mut body)
             .map_err(self.io("reading rank 0's answer"))?;
         match head[0] {
-            0 => Ok(body),
+            0 => Ok((body, stream)),
             _ => Err(GroupError::Refused {
                 rank: self.rank,
                 reason: String::from_utf8_lossy(&body).into_owned(),
             }),
         }
     }
+}
+
+/// What a rendezvous gives a rank: rank 0's id, and the connections it was made over.
+#[derive(Debug)]
+pub struct Rendezvous {
+    pub id: Vec<u8>,
+    pub links: Links,
 }
 
 /// Between polls of a listener or connection attempts.
