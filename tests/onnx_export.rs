@@ -509,3 +509,21 @@ fn amp_exports_keep_symbolic_dims_and_run_in_onnxruntime_at_other_values() {
     }
     assert!(checked >= 3, "only {checked} models with symbolic dims");
 }
+
+/// Imported at a batch of 1, a class token's `Expand` to the batch needs no computing
+/// and keeps the initializer's name, where at other batches the expanded constant is
+/// named after its reader: the probes match the two by their reader, and the batch
+/// stays symbolic (torchvision's ViT-B/16 imported at batch 1 kept it fixed).
+#[test]
+fn a_batch_of_one_stays_symbolic_through_an_expanded_class_token() {
+    let dir = repo().join("tests/data/onnx/dynamic_axes");
+    let mut options = import_options(&dir, false);
+    for shape in options.input_shapes.values_mut() {
+        shape[0] = 1;
+    }
+    let (g, probes) = import_file_probed(&dir.join("model.onnx"), &options).unwrap();
+    let dims = probes.dims(&g);
+    let fixed: Vec<_> = dims.fixed().map(|(s, why)| (s.name.clone(), why)).collect();
+    assert!(fixed.is_empty(), "{fixed:?}");
+    assert!(dims.any_symbolic());
+}

@@ -390,8 +390,8 @@ impl SymbolicDims {
                         ),
                     )
                 };
-                let other = probe
-                    .find(&node.name)
+                let other = (probe.find(&node.name))
+                    .or_else(|| folded_counterpart(g, id, probe))
                     .map(|p| probe.node(p))
                     .ok_or_else(|| changed("is not in the graph"))?;
                 let same_ranks = other.outputs().len() == node.outputs().len()
@@ -614,6 +614,18 @@ impl SymbolicDims {
             })
             .collect()
     }
+}
+
+/// The probe's constant in the place of the Const `id` of `g` that the probe does not
+/// name: what the first reader of `id` (by name) reads there. Import names a constant
+/// it computes after its reader, and one it did not need to compute (an `Expand` of
+/// a class token to a batch of 1) after the initializer.
+fn folded_counterpart(g: &Graph, id: NodeId, probe: &Graph) -> Option<NodeId> {
+    g.node(id).op.downcast_ref::<Const>()?;
+    let &(reader, slot, _) = g.consumers(id).first()?;
+    let theirs = probe.find(&g.node(reader).name)?;
+    let source = probe.inputs(theirs).get(slot)?.node;
+    probe.node(source).op.is::<Const>().then_some(source)
 }
 
 /// Whether two constants are the same but for dims along which neither varies (a

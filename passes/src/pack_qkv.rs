@@ -39,13 +39,9 @@ struct Packing {
     grads: Vec<(NodeId, FusedAttentionGrad, NodeId, [NodeId; 3])>,
 }
 
-/// The one reader of `port`, if exactly one node reads it once and it is no graph
-/// output.
+/// The one node reading `port` once, where it is no graph output.
 fn sole_reader(g: &Graph, port: Port) -> Option<NodeId> {
-    match g.port_consumers(port)[..] {
-        [(reader, _)] if !g.outputs().contains(&port) => Some(reader),
-        _ => None,
-    }
+    crate::rewrite::sole_reader(g, port).map(|(reader, _)| reader)
 }
 
 /// The packing of `attention`, if it reads one packed projection as the module says.

@@ -222,6 +222,10 @@ def zoo(out_dir, calibrate, only=None):
         try:
             torch.manual_seed(0)
             model = ctor()
+            # torchvision's ViT starts with a zero classifier (all logits 0, which
+            # would compare nothing): seeded weights instead.
+            if name.startswith("vit_"):
+                torch.nn.init.normal_(model.heads.head.weight, std=0.02)
             # Detection models take targets in train mode: their statistics stay.
             if x.ndim == 4 and calibrate and not name.startswith("fasterrcnn"):
                 calibrate_bn(model, np.random.default_rng(1), (2, *x.shape[1:]))
