@@ -342,49 +342,17 @@ impl Replicas {
         };
         let mut session = Session::with_options(graph, device, session_options).map_err(replica)?;
         let on_cuda = matches!(device, Device::Cuda(_));
-        let fingerprint = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::hash::DefaultHasher::new();
-            (
-                on_cuda,
-                collective_signature(session.graph()).map_err(replica)?,
-            )
-                .hash(&mut h);
-            h.finish()
-        };
-        let id = if on_cuda {
-            nccl_environment();
-            match group.rank {
-                0 => nccl::unique_id().map_err(ParallelError::Setup)?.to_bytes(),
-                _ => Vec::new(),
-            }
-        } else {
-            Vec::new()
-        };
-        let met = group.rendezvous(&id, fingerprint, options.timeout)?;
-        let abort = Abort::default();
-        let host =
-            TcpGroup::collective(group.rank, group.world, met.links, &abort, options.timeout);
-        let collective = if on_cuda {
-            Collective {
-                transport: Transport::Nccl(
-                    NcclId::from_bytes(&met.id).map_err(ParallelError::Setup)?,
-                ),
-                ..host.clone()
-            }
-        } else {
-            host.clone()
-        };
+        let met = group.join(session.graph(), on_cuda, options.timeout)?;
         session
             .executor_mut()
-            .join_collective(collective)
+            .join_collective(met.collective)
             .map_err(|e| replica(e.into()))?;
         Ok(Replicas {
             sessions: vec![session],
             ranks: vec![group.rank],
             world: group.world,
-            abort,
-            host: Some(host),
+            abort: met.host.abort.clone(),
+            host: Some(met.host),
         })
     }
 
@@ -559,5 +527,59 @@ impl Replicas {
     /// same).
     pub fn variable(&self, name: &str) -> Option<&Tensor> {
         self.sessions[0].variable(name)
+    }
+}
+
+/// What a process of a group of processes has once the group met ([`ProcessGroup::join`]).
+pub struct Met {
+    /// What its executor joins: NCCL's (CUDA) or rank 0's TCP group (CPU).
+    pub collective: Collective,
+    /// The TCP group between the processes, for what host code averages (reports);
+    /// its abort is the process's.
+    pub host: Collective,
+}
+
+impl ProcessGroup {
+    /// Meets the group's other processes at rank 0 for a step whose collectives are
+    /// `graph`'s: every rank's (and whether it runs on CUDA) must be rank 0's, checked
+    /// before any step. Rank 0 gives CUDA ranks its NCCL unique id.
+    pub fn join(
+        &self,
+        graph: &Graph,
+        on_cuda: bool,
+        timeout: Duration,
+    ) -> Result<Met, ParallelError> {
+        let signature =
+            collective_signature(graph).map_err(|e| ParallelError::Setup(e.to_string()))?;
+        let fingerprint = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::hash::DefaultHasher::new();
+            (on_cuda, signature).hash(&mut h);
+            h.finish()
+        };
+        let id = match (on_cuda, self.rank) {
+            (true, 0) => {
+                nccl_environment();
+                nccl::unique_id().map_err(ParallelError::Setup)?.to_bytes()
+            }
+            (true, _) => {
+                nccl_environment();
+                Vec::new()
+            }
+            (false, _) => Vec::new(),
+        };
+        let met = self.rendezvous(&id, fingerprint, timeout)?;
+        let abort = Abort::default();
+        let host = TcpGroup::collective(self.rank, self.world, met.links, &abort, timeout);
+        let collective = match on_cuda {
+            true => Collective {
+                transport: Transport::Nccl(
+                    NcclId::from_bytes(&met.id).map_err(ParallelError::Setup)?,
+                ),
+                ..host.clone()
+            },
+            false => host.clone(),
+        };
+        Ok(Met { collective, host })
     }
 }
