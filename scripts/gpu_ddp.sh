@@ -2,7 +2,8 @@
 # On a multi-GPU machine, in bundle/ (scripts/make_bundle.sh; device tool: carry
 # ["bundle"], kind nvidia-h100-x2 / -x4 / -x8, command `cd bundle && bash
 # ../scripts/gpu_ddp.sh [N]`): data-parallel training, PyTorch DDP (torch_ddp.py) beside
-# ours (`bench --replicas`), for transformer and convnet in AMP fp16, on 1 GPU and on N
+# ours (`bench --replicas`, threads, and under torchrun, one process per GPU), for
+# transformer and convnet in AMP fp16, on 1 GPU and on N
 # (default: every GPU of `nvidia-smi -L`). Outputs under $OUT: ddp.jsonl (PyTorch's JSON
 # lines), torch_ddp.log (their stdout/stderr), ours_ddp.txt (the bench's), runs.txt (each
 # command and its exit status; a failed run is recorded there and the script goes on),
@@ -54,6 +55,9 @@ for w in ${WORKLOADS-transformer convnet}; do
   for n in $gpus; do
     run ours_ddp.txt $T_OURS ./bench --workload $w --modes amp_fp16 --phases train --replicas $n
   done
+  # One process per GPU, as torchrun starts PyTorch's (issue 45): the same line.
+  [ "$N" != 1 ] && run ours_ddp.txt $T_OURS torchrun --standalone --nproc-per-node $N --no-python \
+    ./bench --workload $w --modes amp_fp16 --phases train --replicas $N
 done
 # SYNC_BN=1: the convnet with synchronized batch norm on both sides.
 if [ "${SYNC_BN:-0}" = 1 ]; then

@@ -13,6 +13,7 @@ use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
 use ampgraph_graph::format::{describe_decode_error, previous_path, write_atomic_keeping_previous};
+use ampgraph_graph::fp8::{F8E4M3, F8E5M2};
 use ampgraph_graph::{DType, Data, Tensor};
 
 use crate::optim::LOSS_SCALE_VARIABLE;
@@ -66,6 +67,8 @@ fn non_finite(data: &Data) -> Option<(usize, usize)> {
         Data::F16(v) => count(v, f16::is_finite),
         Data::BF16(v) => count(v, bf16::is_finite),
         Data::F64(v) => count(v, f64::is_finite),
+        Data::F8E4M3(v) => count(v, F8E4M3::is_finite),
+        Data::F8E5M2(v) => count(v, F8E5M2::is_finite),
         Data::I32(_) | Data::I64(_) | Data::Bool(_) => None,
     }
 }

@@ -14,6 +14,7 @@ use ampgraph_exec::{
 };
 use ampgraph_exec::{cuda, host_memory, memory_plan};
 use ampgraph_graph::format::{self, GraphDef};
+use ampgraph_graph::fp8::{F8E4M3, F8E5M2};
 use ampgraph_graph::ops::{Placeholder, Variable};
 use ampgraph_graph::tensor::{bf16_from_f64, f16_from_f64};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
@@ -1249,6 +1250,9 @@ fn holds(dtype: DType, v: f64) -> bool {
         // 2^63 itself is one past i64::MAX.
         DType::I64 => v.fract() == 0.0 && v >= -(2f64.powi(63)) && v < 2f64.powi(63),
         DType::Bool => v == 0.0 || v == 1.0,
+        // Stores to FP8 saturate: a value past the largest is not held.
+        DType::F8E4M3 => v.abs() <= f64::from(F8E4M3::FORMAT.max()),
+        DType::F8E5M2 => v.abs() <= f64::from(F8E5M2::FORMAT.max()),
     }
 }
 

@@ -15,10 +15,15 @@ pub enum DType {
     I32,
     I64,
     Bool,
+    /// Hopper's 8-bit floats (`crate::fp8`): E4M3 (`__nv_fp8_e4m3`, ONNX's
+    /// FLOAT8E4M3FN) and E5M2 (`__nv_fp8_e5m2`, FLOAT8E5M2); a store to them rounds to
+    /// nearest even and saturates.
+    F8E4M3,
+    F8E5M2,
 }
 
 impl DType {
-    pub const ALL: [DType; 7] = [
+    pub const ALL: [DType; 9] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -26,6 +31,8 @@ impl DType {
         DType::I32,
         DType::I64,
         DType::Bool,
+        DType::F8E4M3,
+        DType::F8E5M2,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -37,11 +44,21 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::Bool => "bool",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F64)
+        matches!(
+            self,
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::F8E4M3 | DType::F8E5M2
+        )
+    }
+
+    /// An 8-bit float (`crate::fp8`).
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2)
     }
 
     pub fn is_int(self) -> bool {
@@ -55,7 +72,7 @@ impl DType {
 
     pub fn size_bytes(self) -> usize {
         match self {
-            DType::Bool => 1,
+            DType::Bool | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::F16 | DType::BF16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::F64 | DType::I64 => 8,
@@ -76,7 +93,10 @@ impl FromStr for DType {
             .into_iter()
             .find(|d| d.as_str() == s)
             .ok_or_else(|| {
-                format!("unknown dtype '{s}' (expected one of f32 f16 bf16 f64 i32 i64 bool)")
+                format!(
+                    "unknown dtype '{s}' (expected one of f32 f16 bf16 f64 i32 i64 bool f8e4m3 \
+                     f8e5m2)"
+                )
             })
     }
 }

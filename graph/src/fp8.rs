@@ -113,6 +113,48 @@ impl Fp8 {
     }
 }
 
+/// A value of an FP8 format: its code. Equality and order are the values' (so `-0 ==
+/// 0` and NaN equals nothing), as for the other float types.
+macro_rules! fp8_value {
+    ($name:ident, $format:expr) => {
+        #[doc = concat!("A value of ", stringify!($format), ".")]
+        #[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
+        #[repr(transparent)]
+        pub struct $name(pub u8);
+
+        impl $name {
+            pub const FORMAT: Fp8 = $format;
+
+            pub fn from_f32(x: f32) -> Self {
+                $name(Self::FORMAT.encode(x))
+            }
+
+            pub fn to_f32(self) -> f32 {
+                Self::FORMAT.decode(self.0)
+            }
+
+            pub fn is_finite(self) -> bool {
+                self.to_f32().is_finite()
+            }
+        }
+
+        impl PartialEq for $name {
+            fn eq(&self, other: &Self) -> bool {
+                self.to_f32() == other.to_f32()
+            }
+        }
+
+        impl PartialOrd for $name {
+            fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+                self.to_f32().partial_cmp(&other.to_f32())
+            }
+        }
+    };
+}
+
+fp8_value!(F8E4M3, Fp8::E4M3);
+fp8_value!(F8E5M2, Fp8::E5M2);
+
 /// 2^e as an f32 (`e` within f32's normal exponents or a little below).
 fn pow2(e: i32) -> f32 {
     2f32.powi(e)

@@ -12,6 +12,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::dtype::DType;
+use crate::fp8::{F8E4M3, F8E5M2};
 
 /// Element storage of a tensor, one variant per dtype.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -23,6 +24,8 @@ pub enum Data {
     I32(Vec<i32>),
     I64(Vec<i64>),
     Bool(Vec<bool>),
+    F8E4M3(Vec<F8E4M3>),
+    F8E5M2(Vec<F8E5M2>),
 }
 
 /// A dtype and a static shape: what an edge of the graph carries.
@@ -120,6 +123,17 @@ fn f32_round_to_odd(v: f64) -> f32 {
     f32::from_bits(toward_zero | 1)
 }
 
+/// f32 values stored in an FP8 dtype, each rounded as the GPU's `cvt.rn.satfinite`
+/// rounds it (an f64 reaches here rounded to odd in f32, so that this second rounding,
+/// to far fewer bits, gives the f64 correctly rounded).
+fn fp8_from_f32(dtype: DType, values: impl IntoIterator<Item = f32>) -> Data {
+    let values = values.into_iter();
+    match dtype {
+        DType::F8E5M2 => Data::F8E5M2(values.map(F8E5M2::from_f32).collect()),
+        _ => Data::F8E4M3(values.map(F8E4M3::from_f32).collect()),
+    }
+}
+
 /// `v` correctly rounded to f16 (half's own f64 conversion drops the low 32 bits of
 /// the mantissa before rounding, which can round a value past a midpoint wrongly).
 pub fn f16_from_f64(v: f64) -> f16 {
@@ -160,6 +174,8 @@ impl Data {
             Data::I32(v) => view(v),
             Data::I64(v) => view(v),
             Data::Bool(v) => view(v),
+            Data::F8E4M3(v) => view(v),
+            Data::F8E5M2(v) => view(v),
         })
     }
 
@@ -180,6 +196,8 @@ impl Data {
             Data::I32(v) => each(v, out, i32::to_le_bytes),
             Data::I64(v) => each(v, out, i64::to_le_bytes),
             Data::Bool(v) => each(v, out, |b| [u8::from(b)]),
+            Data::F8E4M3(v) => each(v, out, |x| [x.0]),
+            Data::F8E5M2(v) => each(v, out, |x| [x.0]),
         }
     }
 
@@ -220,6 +238,8 @@ impl Data {
                     })
                     .collect::<Result<_, _>>()?,
             ),
+            DType::F8E4M3 => Data::F8E4M3(bytes.iter().map(|&b| F8E4M3(b)).collect()),
+            DType::F8E5M2 => Data::F8E5M2(bytes.iter().map(|&b| F8E5M2(b)).collect()),
         })
     }
     pub fn dtype(&self) -> DType {
@@ -231,6 +251,8 @@ impl Data {
             Data::I32(_) => DType::I32,
             Data::I64(_) => DType::I64,
             Data::Bool(_) => DType::Bool,
+            Data::F8E4M3(_) => DType::F8E4M3,
+            Data::F8E5M2(_) => DType::F8E5M2,
         }
     }
 
@@ -243,6 +265,8 @@ impl Data {
             Data::I32(v) => v.len(),
             Data::I64(v) => v.len(),
             Data::Bool(v) => v.len(),
+            Data::F8E4M3(v) => v.len(),
+            Data::F8E5M2(v) => v.len(),
         }
     }
 
@@ -262,6 +286,7 @@ impl Data {
             DType::I32 => Data::I32(it.map(|v| v as i32).collect()),
             DType::I64 => Data::I64(it.map(|v| v as i64).collect()),
             DType::Bool => Data::Bool(it.map(|v| v != 0.0).collect()),
+            DType::F8E4M3 | DType::F8E5M2 => fp8_from_f32(dtype, it.map(f32_round_to_odd)),
         }
     }
 
@@ -280,6 +305,7 @@ impl Data {
                 out.convert_from_f32_slice(&values);
                 Data::BF16(out)
             }
+            DType::F8E4M3 | DType::F8E5M2 => fp8_from_f32(dtype, values),
             other => Data::from_f64(other, values.into_iter().map(f64::from)),
         }
     }
@@ -302,6 +328,8 @@ impl Data {
             Data::I32(v) => Box::new(v.iter().map(|&x| x as f64)),
             Data::I64(v) => Box::new(v.iter().map(|&x| x as f64)),
             Data::Bool(v) => Box::new(v.iter().map(|&x| if x { 1.0 } else { 0.0 })),
+            Data::F8E4M3(v) => Box::new(v.iter().map(|x| f64::from(x.to_f32()))),
+            Data::F8E5M2(v) => Box::new(v.iter().map(|x| f64::from(x.to_f32()))),
         }
     }
 

@@ -54,7 +54,7 @@ fn random_perm(rank: usize, rng: &mut Rng) -> Vec<usize> {
     p
 }
 
-const ALL: [DType; 7] = DType::ALL;
+const ALL: [DType; 9] = DType::ALL;
 
 // ---- Reshape ----
 

@@ -108,6 +108,20 @@ pub fn export_with_dims(
     dims: Option<&SymbolicDims>,
     opts: &ExportOptions,
 ) -> Result<ModelProto> {
+    // FLOAT8 types came with opset 19.
+    for id in g.node_ids() {
+        let node = g.node(id);
+        if let Some(t) = node.outputs().iter().find(|t| t.dtype.is_fp8()) {
+            return Err(OnnxError::node(
+                &node.name,
+                node.op.name(),
+                format!(
+                    "{} needs ONNX opset 19; exports bind to opset {EXPORT_OPSET}",
+                    t.dtype
+                ),
+            ));
+        }
+    }
     let mut ex = Exporter::new(g, dims.filter(|d| d.any_symbolic()));
     ex.run(opts)?;
     Ok(ModelProto {

@@ -177,6 +177,8 @@ pub mod data_type {
     pub const FLOAT16: i32 = 10;
     pub const DOUBLE: i32 = 11;
     pub const BFLOAT16: i32 = 16;
+    pub const FLOAT8E4M3FN: i32 = 17;
+    pub const FLOAT8E5M2: i32 = 19;
 }
 
 /// `TensorProto.data_location`: the data is in `external_data`'s file.

@@ -17,6 +17,8 @@ pub fn dtype_of(elem_type: i32) -> Result<DType, String> {
         data_type::FLOAT => DType::F32,
         data_type::FLOAT16 => DType::F16,
         data_type::BFLOAT16 => DType::BF16,
+        data_type::FLOAT8E4M3FN => DType::F8E4M3,
+        data_type::FLOAT8E5M2 => DType::F8E5M2,
         data_type::DOUBLE => DType::F64,
         data_type::INT32 => DType::I32,
         data_type::INT64 => DType::I64,
@@ -40,6 +42,8 @@ pub fn elem_type_of(dtype: DType) -> i32 {
         DType::I32 => data_type::INT32,
         DType::I64 => data_type::INT64,
         DType::Bool => data_type::BOOL,
+        DType::F8E4M3 => data_type::FLOAT8E4M3FN,
+        DType::F8E5M2 => data_type::FLOAT8E5M2,
     }
 }
 
@@ -151,6 +155,11 @@ fn typed_fields(t: &TensorProto, dtype: DType, n: usize) -> Result<Data, String>
                 .collect(),
         ),
         DType::Bool => Data::Bool(t.int32_data.iter().map(|&v| v != 0).collect()),
+        // One value a word, in its low byte.
+        DType::F8E4M3 | DType::F8E5M2 => {
+            let codes: Vec<u8> = t.int32_data.iter().map(|&v| v as u8).collect();
+            Data::from_le_bytes(dtype, &codes)?
+        }
     })
 }
 

@@ -205,6 +205,8 @@ fn has_non_finite(data: &Data) -> bool {
         Data::F16(v) => v.iter().any(|x| !f16::is_finite(*x)),
         Data::BF16(v) => v.iter().any(|x| !bf16::is_finite(*x)),
         Data::F64(v) => v.iter().any(|x| !x.is_finite()),
+        Data::F8E4M3(v) => v.iter().any(|x| !x.is_finite()),
+        Data::F8E5M2(v) => v.iter().any(|x| !x.is_finite()),
         Data::I32(_) | Data::I64(_) | Data::Bool(_) => false,
     }
 }

@@ -81,6 +81,8 @@ elem!(f64, F64);
 elem!(i32, I32);
 elem!(i64, I64);
 elem!(bool, Bool);
+elem!(crate::fp8::F8E4M3, F8E4M3);
+elem!(crate::fp8::F8E5M2, F8E5M2);
 
 /// Runs `f::<T>` for the element type of `dtype` (paths absolute: other op files use it).
 macro_rules! dispatch {
@@ -93,6 +95,8 @@ macro_rules! dispatch {
             $crate::DType::I32 => $f::<i32>($($arg),*),
             $crate::DType::I64 => $f::<i64>($($arg),*),
             $crate::DType::Bool => $f::<bool>($($arg),*),
+            $crate::DType::F8E4M3 => $f::<$crate::fp8::F8E4M3>($($arg),*),
+            $crate::DType::F8E5M2 => $f::<$crate::fp8::F8E5M2>($($arg),*),
         }
     };
 }

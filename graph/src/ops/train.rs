@@ -193,6 +193,8 @@ impl Op for AllFinite {
                 Data::F16(v) => v.iter().all(|x| x.is_finite()),
                 Data::BF16(v) => v.iter().all(|x| x.is_finite()),
                 Data::F64(v) => v.iter().all(|x| x.is_finite()),
+                Data::F8E4M3(v) => v.iter().all(|x| x.is_finite()),
+                Data::F8E5M2(v) => v.iter().all(|x| x.is_finite()),
                 _ => true,
             }),
         };

@@ -1161,7 +1161,13 @@ fn size(cx: &mut NodeCx) -> Result<Vec<Value>> {
 
 fn cast(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let to = dtype_of(cx.int_attr("to", 0)? as i32).map_err(|m| cx.err(m))?;
-    // Only casts to float8 saturate, and ampgraph has no float8 tensors.
+    // Only casts to float8 saturate (ours always do, as the GPU's `satfinite`).
+    if to.is_fp8() && cx.int_attr("saturate", 1)? == 0 {
+        return Err(cx.err(format!(
+            "a cast to {to} with saturate=0 (out-of-range values to NaN or infinity) is \
+             not supported: casts to float8 saturate"
+        )));
+    }
     cx.ignore(&["saturate"]);
     let x = cx.input(0)?;
     if cx.ty(&x).dtype == to {

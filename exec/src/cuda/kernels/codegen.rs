@@ -196,6 +196,20 @@ pub(crate) fn type_parts(d: DType) -> (&'static str, &'static str, &'static str,
         DType::I32 => ("int", "int", "p[i]", "p[i] = v"),
         DType::I64 => ("long long", "long long", "p[i]", "p[i] = v"),
         DType::Bool => ("unsigned char", "int", "(int)p[i]", "p[i] = (v != 0)"),
+        // cuda_fp8.h's types (their conversion from float is `cvt.rn.satfinite`); no
+        // kernel takes them yet: `lower` refuses FP8 tensors.
+        DType::F8E4M3 => (
+            "__nv_fp8_e4m3",
+            "float",
+            "(float)p[i]",
+            "p[i] = __nv_fp8_e4m3(v)",
+        ),
+        DType::F8E5M2 => (
+            "__nv_fp8_e5m2",
+            "float",
+            "(float)p[i]",
+            "p[i] = __nv_fp8_e5m2(v)",
+        ),
     }
 }
 

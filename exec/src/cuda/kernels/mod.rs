@@ -125,6 +125,13 @@ pub(crate) fn lower(
     inputs: &[TensorType],
     outputs: &[TensorType],
 ) -> Result<Lowered, String> {
+    if let Some(t) = inputs.iter().chain(outputs).find(|t| t.dtype.is_fp8()) {
+        return Err(format!(
+            "{} tensors have no CUDA kernels yet (FP8 GEMMs are issue 44's): run the \
+             graph on the CPU",
+            t.dtype
+        ));
+    }
     if op.is::<Placeholder>() {
         return Ok(Lowered::Source(Source::Placeholder));
     }
