@@ -11,11 +11,13 @@ use ampgraph_graph::{DType, Op, Tensor};
 use common::*;
 use proptest::prelude::*;
 
-/// Values every dtype holds exactly: small integers (0/1 for bool).
+/// Values every dtype holds exactly: small integers (0/1 for bool, -8..=8 for FP8).
 fn exact_values(dtype: DType, n: usize, rng: &mut Gen) -> Vec<f64> {
     (0..n)
         .map(|_| match dtype {
             DType::Bool => rng.below(2) as f64,
+            // E5M2's two mantissa bits hold the integers up to 8 exactly.
+            DType::F8E4M3 | DType::F8E5M2 => rng.below(17) as f64 - 8.0,
             _ => rng.below(200) as f64 - 100.0,
         })
         .collect()
