@@ -124,3 +124,94 @@ fn fp8_dtypes_are_named_and_sized() {
         assert!(dtype.is_float() && dtype.is_fp8() && !dtype.is_half());
     }
 }
+
+/// `QuantizeFp8` stores `f32(x) * scale` as the format's conversion does and gives
+/// max |x| beside it (NaN where x holds one); `DequantizeFp8` by the inverse scale
+/// gives x back within the format's half step (2^-4 relative for E4M3, 2^-3 for
+/// E5M2) where the scaled values are normal, and the saturated value past the largest.
+#[test]
+fn scaled_casts_round_saturate_and_report_the_amax() {
+    use ampgraph::graph::ops::{DequantizeFp8, QuantizeFp8};
+    let xs: Vec<f64> = (0..2000)
+        .map(|i| ((i as f64) * 0.37).sin() * 3.0 * (1.0 + (i % 7) as f64))
+        .collect();
+    let amax = xs.iter().fold(0f64, |m, v| m.max(v.abs())) as f32;
+    let x = Tensor::from_f64(DType::F32, [xs.len()], &xs).unwrap();
+    for ((dtype, f), half_step) in FORMATS.into_iter().zip([2f64.powi(-4), 2f64.powi(-3)]) {
+        // Current scaling: the amax lands on the format's largest value.
+        let s = f.max() / amax;
+        let scale = Tensor::scalar(DType::F32, f64::from(s));
+        let q = QuantizeFp8::new(dtype).unwrap();
+        let out = q.eval(&[&x, &scale]).unwrap();
+        assert_eq!(out[0].dtype(), dtype);
+        assert_eq!(out[1].to_f64_vec(), vec![f64::from(amax)]);
+        for (v, code) in xs.iter().zip(out[0].data().to_le_bytes()) {
+            assert_eq!(code, f.encode(*v as f32 * s), "{dtype} of {v}");
+        }
+        let inv = Tensor::scalar(DType::F32, f64::from(1.0 / s));
+        let back = DequantizeFp8::new(DType::F32)
+            .unwrap()
+            .eval(&[&out[0], &inv])
+            .unwrap();
+        let min_normal = f64::from(f.decode(1 << f.mantissa_bits())) / f64::from(s);
+        for (v, b) in xs.iter().zip(back[0].to_f64_vec()) {
+            if v.abs() >= min_normal {
+                assert!(
+                    (b - v).abs() <= half_step * v.abs() * 1.0001,
+                    "{dtype}: {v} -> {b}"
+                );
+            }
+        }
+        // Twice the scale: the largest values saturate at the format's largest.
+        let twice = Tensor::scalar(DType::F32, f64::from(2.0 * s));
+        let out = q.eval(&[&x, &twice]).unwrap();
+        let top = out[0].to_f64_vec().iter().fold(0f64, |m, v| m.max(v.abs()));
+        assert_eq!(top, f64::from(f.max()));
+    }
+    let with_nan = Tensor::from_f64(DType::F32, [3], &[1.0, f64::NAN, -2.0]).unwrap();
+    let one = Tensor::scalar(DType::F32, 1.0);
+    let out = QuantizeFp8::new(DType::F8E4M3)
+        .unwrap()
+        .eval(&[&with_nan, &one])
+        .unwrap();
+    assert!(out[1].to_f64_vec()[0].is_nan());
+}
+
+/// Wrong types are refused by name; the ops read back from a graph file.
+#[test]
+fn scaled_casts_check_their_types_and_serialise() {
+    use ampgraph::graph::ops::{DequantizeFp8, QuantizeFp8};
+    use ampgraph::TensorType;
+    assert!(QuantizeFp8::new(DType::F16)
+        .unwrap_err()
+        .contains("not f16"));
+    assert!(DequantizeFp8::new(DType::F8E4M3)
+        .unwrap_err()
+        .contains("not f8e4m3"));
+    let q = QuantizeFp8::new(DType::F8E5M2).unwrap();
+    let x = TensorType::new(DType::BF16, [4, 8]);
+    let vector = TensorType::new(DType::F32, [1]);
+    assert!(q
+        .infer(&[&x, &vector])
+        .unwrap_err()
+        .contains("scale must be an f32 scalar"));
+    let mut g = Graph::new();
+    let xp = g.placeholder("x", DType::BF16, [4, 8]).unwrap();
+    let s = g.scalar(DType::F32, 0.5).unwrap();
+    let y = g.add(q, &[xp, s]).unwrap();
+    let back = g
+        .add(DequantizeFp8::new(DType::F16).unwrap(), &[y, s])
+        .unwrap();
+    g.set_outputs(vec![back]).unwrap();
+    let again =
+        format::graph_from_bytes(format::to_json(&GraphDef::from_graph(&g)).as_bytes()).unwrap();
+    assert_eq!(again.ty(again.outputs()[0]).dtype, DType::F16);
+    let ops: Vec<&str> = again
+        .node_ids()
+        .map(|id| again.node(id).op.name())
+        .collect();
+    assert!(
+        ops.contains(&"QuantizeFp8") && ops.contains(&"DequantizeFp8"),
+        "{ops:?}"
+    );
+}

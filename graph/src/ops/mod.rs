@@ -7,6 +7,7 @@ pub mod compare;
 pub mod conv;
 pub mod dropout;
 pub mod elementwise;
+pub mod fp8;
 pub mod fused;
 pub mod gather;
 pub mod linalg;
@@ -34,6 +35,7 @@ pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGr
 pub use dropout::Dropout;
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
+pub use fp8::{DequantizeFp8, QuantizeFp8};
 pub use fused::{ElementOp, FusedElementwise};
 pub use gather::{Gather, GatherGrad};
 pub use linalg::{BatchMatMul, Epilogue, FusedMatMul, MatMul};
@@ -76,6 +78,7 @@ const FAMILIES: &[&[OpEntry]] = &[
     elementwise::OTHER_OPS,
     elementwise::GRAD_OPS,
     fused::OPS,
+    fp8::OPS,
     linalg::OPS,
     attention::OPS,
     conv::OPS,

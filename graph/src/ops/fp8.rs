@@ -1,0 +1,147 @@
+//! Scaled casts to and from the FP8 dtypes (issue 44): what an FP8 GEMM's operands
+//! go through. `QuantizeFp8` multiplies by a scale in f32 and stores the product as
+//! the GPU's `cvt.rn.satfinite` does, and gives the input's largest magnitude (amax)
+//! beside it, the statistic current and delayed scaling compute the next scale from;
+//! `DequantizeFp8` multiplies back by the scale's inverse.
+
+use crate::attrs::AttrValue;
+use crate::dtype::DType;
+use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
+use crate::tensor::{Data, Tensor, TensorType};
+
+pub(crate) const OPS: &[OpEntry] = &[
+    OpEntry {
+        name: "QuantizeFp8",
+        parse: |_, a| Ok(Box::new(QuantizeFp8::new(a.dtype("to")?)?)),
+    },
+    OpEntry {
+        name: "DequantizeFp8",
+        parse: |_, a| Ok(Box::new(DequantizeFp8::new(a.dtype("to")?)?)),
+    },
+];
+
+/// `(x, scale) -> (y, amax)`: `y = fp8(f32(x) * scale)` rounded to nearest even and
+/// saturated (in `to`, E4M3 or E5M2), `amax = max |x|` as an f32 scalar (NaN where
+/// some x is NaN: the recipe then treats the step as a loss scale treats an
+/// overflow). `x` is f32, f16 or bf16; `scale` an f32 scalar.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizeFp8 {
+    pub to: DType,
+}
+
+impl QuantizeFp8 {
+    pub fn new(to: DType) -> OpResult<Self> {
+        if !to.is_fp8() {
+            return Err(format!("QuantizeFp8 stores f8e4m3 or f8e5m2, not {to}"));
+        }
+        Ok(QuantizeFp8 { to })
+    }
+}
+
+/// `(y, scale_inv) -> f32(y) * scale_inv`, rounded to `to` (f32, f16 or bf16).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DequantizeFp8 {
+    pub to: DType,
+}
+
+impl DequantizeFp8 {
+    pub fn new(to: DType) -> OpResult<Self> {
+        if !matches!(to, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(format!("DequantizeFp8 gives f32, f16 or bf16, not {to}"));
+        }
+        Ok(DequantizeFp8 { to })
+    }
+}
+
+/// Checks a scale operand: an f32 scalar.
+fn check_scale(what: &str, t: &TensorType) -> OpResult<()> {
+    if t.dtype != DType::F32 || !t.shape.is_empty() {
+        return Err(format!("{what} must be an f32 scalar, not {t}"));
+    }
+    Ok(())
+}
+
+fn scalar_of(t: &Tensor) -> f32 {
+    t.to_f32_vec().first().copied().unwrap_or(f32::NAN)
+}
+
+impl Op for QuantizeFp8 {
+    fn name(&self) -> &'static str {
+        "QuantizeFp8"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("to", self.to.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x, scale] = fixed(inputs)?;
+        if !matches!(x.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(format!("x must be f32, f16 or bf16, not {}", x.dtype));
+        }
+        check_scale("scale", scale)?;
+        Ok(vec![x.with_dtype(self.to), TensorType::new(DType::F32, [])])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x, scale] = fixed(inputs)?;
+        let (xs, s) = (x.to_f32_vec(), scalar_of(scale));
+        let amax = xs.iter().fold(0f32, |m, v| {
+            if v.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(v.abs())
+            }
+        });
+        let scaled: Vec<f32> = xs.iter().map(|&v| v * s).collect();
+        Ok(vec![
+            Tensor::new(x.shape().to_vec(), Data::from_f32(self.to, scaled))?,
+            Tensor::scalar(DType::F32, f64::from(amax)),
+        ])
+    }
+    /// The stored type is its own; `x` may be converted by mixed precision; the scale
+    /// and amax stay f32.
+    fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![], vec![0]).fixed(),
+            TypeGroup::new(vec![0], vec![]),
+            TypeGroup::new(vec![1], vec![1]).fixed(),
+        ]
+    }
+}
+
+impl Op for DequantizeFp8 {
+    fn name(&self) -> &'static str {
+        "DequantizeFp8"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(2)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![("to", self.to.into())]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [y, scale_inv] = fixed(inputs)?;
+        if !y.dtype.is_fp8() {
+            return Err(format!("y must be f8e4m3 or f8e5m2, not {}", y.dtype));
+        }
+        check_scale("scale_inv", scale_inv)?;
+        Ok(vec![y.with_dtype(self.to)])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [y, scale_inv] = fixed(inputs)?;
+        let s = scalar_of(scale_inv);
+        let values: Vec<f32> = y.to_f32_vec().into_iter().map(|v| v * s).collect();
+        Ok(vec![Tensor::new(
+            y.shape().to_vec(),
+            Data::from_f32(self.to, values),
+        )?])
+    }
+    fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![], vec![0]),
+            TypeGroup::new(vec![0], vec![]).fixed(),
+            TypeGroup::new(vec![1], vec![]).fixed(),
+        ]
+    }
+}
