@@ -167,10 +167,45 @@ fn two_processes_train_as_two_threads_do() {
     assert_eq!(losses.len(), 2, "{threads:?}");
     assert_eq!(epoch_lines(&outputs[0].stdout), losses);
     assert!(outputs[1].stdout.is_empty(), "{:?}", outputs[1]);
-    assert_eq!(
-        std::fs::read(&by_threads).unwrap(),
-        std::fs::read(&by_processes).unwrap(),
+    let two_epochs = std::fs::read(&by_threads).unwrap();
+    assert!(
+        two_epochs == std::fs::read(&by_processes).unwrap(),
         "the checkpoints differ"
+    );
+    // Each resumes from its checkpoint for a third epoch, every process restoring it:
+    // the same loss and the same checkpoint again.
+    let resumed = |checkpoint: &std::path::Path| {
+        let mut a = short_run("3");
+        a.extend(["--resume".into(), "--checkpoint".into()]);
+        a.push(checkpoint.to_str().unwrap().into());
+        a
+    };
+    let threads = Command::new(example_binary("mnist"))
+        .args(resumed(&by_threads))
+        .args(["--replicas", "2"])
+        .output()
+        .unwrap();
+    assert!(threads.status.success(), "{threads:?}");
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            rank_process(rank, 2, port, &resumed(&by_processes))
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<_> = (ranks.into_iter())
+        .map(|r| r.wait_with_output().unwrap())
+        .collect();
+    for (rank, out) in outputs.iter().enumerate() {
+        assert!(out.status.success(), "rank {rank}: {out:?}");
+    }
+    let third = epoch_lines(&threads.stdout);
+    assert_eq!(third.len(), 1, "{threads:?}");
+    assert_eq!(epoch_lines(&outputs[0].stdout), third);
+    assert!(
+        std::fs::read(&by_threads).unwrap() == std::fs::read(&by_processes).unwrap(),
+        "the resumed checkpoints differ"
     );
     // Under torchrun itself where it is installed (its agent holds MASTER_PORT).
     let torchrun = Command::new("torchrun")
@@ -185,9 +220,9 @@ fn two_processes_train_as_two_threads_do() {
         Ok(out) => {
             assert!(out.status.success(), "{out:?}");
             assert_eq!(epoch_lines(&out.stdout), losses);
-            assert_eq!(
-                std::fs::read(&by_threads).unwrap(),
-                std::fs::read(dir.join("torchrun.ckpt")).unwrap()
+            assert!(
+                two_epochs == std::fs::read(dir.join("torchrun.ckpt")).unwrap(),
+                "torchrun's checkpoint differs"
             );
         }
     }
