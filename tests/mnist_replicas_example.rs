@@ -217,6 +217,8 @@ fn two_processes_train_as_two_threads_do() {
         .output();
     match torchrun {
         Err(e) => println!("skipped torchrun: {e}"),
+        // pyenv's shim of a torchrun the active Python lacks.
+        Ok(out) if out.status.code() == Some(127) => println!("skipped torchrun: {out:?}"),
         Ok(out) => {
             assert!(out.status.success(), "{out:?}");
             assert_eq!(epoch_lines(&out.stdout), losses);
