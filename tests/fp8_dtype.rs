@@ -115,13 +115,15 @@ fn fp8_values_survive_every_format() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// The dtypes read and print as `f8e4m3` and `f8e5m2`, one byte a value.
+/// The dtypes read and print as `f8e4m3` and `f8e5m2`, one byte a value; a product
+/// of FP8 tensors is refused when the graph is built, not when it runs.
 #[test]
 fn fp8_dtypes_are_named_and_sized() {
     for (dtype, _) in FORMATS {
         assert_eq!(dtype.as_str().parse::<DType>().unwrap(), dtype);
         assert_eq!(dtype.size_bytes(), 1);
-        assert!(dtype.is_float() && dtype.is_fp8() && !dtype.is_half());
+        // Storage: no arithmetic reads them (the scaled casts do).
+        assert!(dtype.is_fp8() && !dtype.is_float() && !dtype.is_half());
     }
 }
 
@@ -214,4 +216,12 @@ fn scaled_casts_check_their_types_and_serialise() {
         ops.contains(&"QuantizeFp8") && ops.contains(&"DequantizeFp8"),
         "{ops:?}"
     );
+}
+
+#[test]
+fn arithmetic_on_fp8_is_refused_when_built() {
+    let mut g = Graph::new();
+    let a = g.placeholder("a", DType::F8E4M3, [2, 2]).unwrap();
+    let e = g.matmul(a, a).unwrap_err().to_string();
+    assert!(e.contains("must be a float tensor, got f8e4m3"), "{e}");
 }

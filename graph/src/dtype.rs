@@ -49,11 +49,10 @@ impl DType {
         }
     }
 
+    /// A float type arithmetic runs in. The FP8 types are not: only casts, the scaled
+    /// casts (`QuantizeFp8`, `DequantizeFp8`) and data movement read and write them.
     pub fn is_float(self) -> bool {
-        matches!(
-            self,
-            DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::F8E4M3 | DType::F8E5M2
-        )
+        matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F64)
     }
 
     /// An 8-bit float (`crate::fp8`).
