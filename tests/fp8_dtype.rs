@@ -204,7 +204,11 @@ fn scaled_casts_check_their_types_and_serialise() {
     let back = g
         .add(DequantizeFp8::new(DType::F16).unwrap(), &[y, s])
         .unwrap();
-    g.set_outputs(vec![back]).unwrap();
+    let w = g.placeholder("w", DType::F8E4M3, [8, 3]).unwrap();
+    let product = ampgraph::graph::ops::MatMul::new(false, false);
+    let op = ampgraph::graph::ops::Fp8MatMul::new(product, DType::BF16).unwrap();
+    let p = g.add(op, &[y, w, s, s]).unwrap();
+    g.set_outputs(vec![back, p]).unwrap();
     let again =
         format::graph_from_bytes(format::to_json(&GraphDef::from_graph(&g)).as_bytes()).unwrap();
     assert_eq!(again.ty(again.outputs()[0]).dtype, DType::F16);
@@ -216,6 +220,10 @@ fn scaled_casts_check_their_types_and_serialise() {
         ops.contains(&"QuantizeFp8") && ops.contains(&"DequantizeFp8"),
         "{ops:?}"
     );
+    assert_eq!(
+        again.ty(again.outputs()[1]),
+        &TensorType::new(DType::BF16, [4, 3])
+    );
 }
 
 #[test]
@@ -224,4 +232,81 @@ fn arithmetic_on_fp8_is_refused_when_built() {
     let a = g.placeholder("a", DType::F8E4M3, [2, 2]).unwrap();
     let e = g.matmul(a, a).unwrap_err().to_string();
     assert!(e.contains("must be a float tensor, got f8e4m3"), "{e}");
+}
+
+/// `Fp8MatMul` of quantized operands against a float64 product of the values the
+/// codes hold, times the scale inverses: within f32 accumulation's rounding (and the
+/// output type's); E5M2 by E5M2 and FP8 outputs are refused, as cuBLASLt has neither.
+#[test]
+fn fp8_products_match_a_float64_reference() {
+    use ampgraph::graph::ops::{Fp8MatMul, MatMul, QuantizeFp8};
+    use ampgraph::TensorType;
+    let (m, k, n) = (7, 64, 5);
+    let values = |count: usize, seed: f64| -> Vec<f64> {
+        (0..count)
+            .map(|i| ((i as f64) * seed).sin() * 2.5)
+            .collect()
+    };
+    let a = Tensor::from_f64(DType::F32, [k, m], &values(m * k, 0.71)).unwrap();
+    let b = Tensor::from_f64(DType::F32, [k, n], &values(k * n, 1.37)).unwrap();
+    let (sa, sb) = (64.0f32, 8.0f32);
+    let quantize = |x: &Tensor, to: DType, s: f32| {
+        QuantizeFp8::new(to)
+            .unwrap()
+            .eval(&[x, &Tensor::scalar(DType::F32, f64::from(s))])
+            .unwrap()[0]
+            .clone()
+    };
+    for (ta, tb, to) in [
+        (DType::F8E4M3, DType::F8E4M3, DType::F32),
+        (DType::F8E4M3, DType::F8E5M2, DType::BF16),
+        (DType::F8E5M2, DType::F8E4M3, DType::F16),
+    ] {
+        let (qa, qb) = (quantize(&a, ta, sa), quantize(&b, tb, sb));
+        let op = Fp8MatMul::new(MatMul::new(true, false), to).unwrap();
+        let inv = |s: f32| Tensor::scalar(DType::F32, f64::from(1.0 / s));
+        let y = op.eval(&[&qa, &qb, &inv(sa), &inv(sb)]).unwrap().remove(0);
+        assert_eq!(y.ty(), TensorType::new(to, [m, n]));
+        let (av, bv) = (qa.to_f64_vec(), qb.to_f64_vec());
+        let scale = f64::from(1.0 / sa) * f64::from(1.0 / sb);
+        let got = y.to_f64_vec();
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k).map(|p| av[p * m + i] * bv[p * n + j]).sum::<f64>() * scale;
+                let bound: f64 = (0..k)
+                    .map(|p| (av[p * m + i] * bv[p * n + j]).abs())
+                    .sum::<f64>()
+                    * scale;
+                let out_ulp = if to == DType::F32 { 0.0 } else { 2f64.powi(-8) };
+                let tol = bound * (k as f64 * 2f64.powi(-23)) + want.abs() * out_ulp;
+                let e = (got[i * n + j] - want).abs();
+                assert!(
+                    e <= tol.max(1e-12),
+                    "{ta}x{tb}->{to} [{i},{j}]: {} vs {want}",
+                    got[i * n + j]
+                );
+            }
+        }
+        // The product approximates the unquantized one within the formats' steps:
+        // each operand off by at most a half step (2^-4 of it for E4M3, 2^-3 for E5M2).
+        let (af, bf) = (a.to_f64_vec(), b.to_f64_vec());
+        let terms = (0..k).map(|p| af[p * m] * bf[p * n]);
+        let (exact, size) = terms.fold((0.0, 0.0), |(s, z), t| (s + t, z + f64::abs(t)));
+        assert!(
+            (got[0] - exact).abs() <= 0.2 * size,
+            "{} vs {exact}",
+            got[0]
+        );
+    }
+    let e5 = TensorType::new(DType::F8E5M2, [k, m]);
+    let e5b = TensorType::new(DType::F8E5M2, [k, n]);
+    let s = TensorType::new(DType::F32, []);
+    let op = Fp8MatMul::new(MatMul::new(true, false), DType::F32).unwrap();
+    assert!(op
+        .infer(&[&e5, &e5b, &s, &s])
+        .unwrap_err()
+        .contains("both f8e5m2"));
+    assert!(Fp8MatMul::new(MatMul::new(false, false), DType::F8E4M3)
+        .unwrap_err()
+        .contains("not f8e4m3"));
 }

@@ -2,11 +2,14 @@
 //! go through. `QuantizeFp8` multiplies by a scale in f32 and stores the product as
 //! the GPU's `cvt.rn.satfinite` does, and gives the input's largest magnitude (amax)
 //! beside it, the statistic current and delayed scaling compute the next scale from;
-//! `DequantizeFp8` multiplies back by the scale's inverse.
+//! `DequantizeFp8` multiplies back by the scale's inverse; `Fp8MatMul` is the product
+//! of two FP8 operands by their scales' inverses, as cuBLASLt's FP8 GEMM computes it.
 
 use crate::attrs::AttrValue;
 use crate::dtype::DType;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
+use crate::ops::linalg::{gemm_into, MatView};
+use crate::ops::MatMul;
 use crate::tensor::{Data, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -17,6 +20,16 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "DequantizeFp8",
         parse: |_, a| Ok(Box::new(DequantizeFp8::new(a.dtype("to")?)?)),
+    },
+    OpEntry {
+        name: "Fp8MatMul",
+        parse: |_, a| {
+            let product = MatMul::new(
+                a.bool_or("transpose_a", false)?,
+                a.bool_or("transpose_b", false)?,
+            );
+            Ok(Box::new(Fp8MatMul::new(product, a.dtype("to")?)?))
+        },
     },
 ];
 
@@ -142,6 +155,83 @@ impl Op for DequantizeFp8 {
             TypeGroup::new(vec![], vec![0]),
             TypeGroup::new(vec![0], vec![]).fixed(),
             TypeGroup::new(vec![1], vec![]).fixed(),
+        ]
+    }
+}
+
+/// `(a, b, a_scale_inv, b_scale_inv) -> op(a) op(b) * (a_scale_inv * b_scale_inv)`,
+/// stored in `to` (f32, f16 or bf16): cuBLASLt's FP8 GEMM, which accumulates in f32 and
+/// applies the operands' scale inverses in its epilogue. `a` and `b` are FP8, not both
+/// E5M2 (Hopper has no such product: gradients are E5M2, so one side of a backward
+/// product is E4M3); the scales are f32 scalars.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8MatMul {
+    pub product: MatMul,
+    pub to: DType,
+}
+
+impl Fp8MatMul {
+    pub fn new(product: MatMul, to: DType) -> OpResult<Self> {
+        if !matches!(to, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(format!("Fp8MatMul gives f32, f16 or bf16, not {to}"));
+        }
+        Ok(Fp8MatMul { product, to })
+    }
+}
+
+impl Op for Fp8MatMul {
+    fn name(&self) -> &'static str {
+        "Fp8MatMul"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(4)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("transpose_a", self.product.transpose_a.into()),
+            ("transpose_b", self.product.transpose_b.into()),
+            ("to", self.to.into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [a, b, a_scale_inv, b_scale_inv] = fixed(inputs)?;
+        for (what, t) in [("a", a), ("b", b)] {
+            if !t.dtype.is_fp8() {
+                return Err(format!("{what} must be f8e4m3 or f8e5m2, not {}", t.dtype));
+            }
+        }
+        if a.dtype == DType::F8E5M2 && b.dtype == DType::F8E5M2 {
+            return Err("a and b are both f8e5m2: FP8 products take E4M3 on one side".into());
+        }
+        check_scale("a_scale_inv", a_scale_inv)?;
+        check_scale("b_scale_inv", b_scale_inv)?;
+        let (m, _, n) = self.product.dims(&a.shape, &b.shape)?;
+        Ok(vec![TensorType::new(self.to, vec![m, n])])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [a, b, a_scale_inv, b_scale_inv] = fixed(inputs)?;
+        let (m, k, n) = self.product.dims(a.shape(), b.shape())?;
+        let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
+        let mut out = vec![0f32; m * n];
+        gemm_into(
+            m,
+            n,
+            k,
+            &mut out,
+            MatView::dense(&av, a.shape()[1], self.product.transpose_a),
+            MatView::dense(&bv, b.shape()[1], self.product.transpose_b),
+            true,
+        )?;
+        let scale = scalar_of(a_scale_inv) * scalar_of(b_scale_inv);
+        out.iter_mut().for_each(|v| *v *= scale);
+        Ok(vec![Tensor::new(vec![m, n], Data::from_f32(self.to, out))?])
+    }
+    fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![], vec![0]),
+            TypeGroup::new(vec![0], vec![]).fixed(),
+            TypeGroup::new(vec![1], vec![]).fixed(),
+            TypeGroup::new(vec![2, 3], vec![]).fixed(),
         ]
     }
 }

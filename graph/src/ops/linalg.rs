@@ -206,7 +206,7 @@ impl MatMul {
     }
 
     /// (m, k, n) from the operand shapes.
-    fn dims(&self, a: &[usize], b: &[usize]) -> OpResult<(usize, usize, usize)> {
+    pub(crate) fn dims(&self, a: &[usize], b: &[usize]) -> OpResult<(usize, usize, usize)> {
         if a.len() != 2 || b.len() != 2 {
             return Err(format!(
                 "MatMul needs two matrices (rank 2): a is {}, b is {}",
