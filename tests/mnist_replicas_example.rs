@@ -123,6 +123,22 @@ fn rank_process(rank: usize, world: usize, port: u16, args: &[String]) -> Comman
     c
 }
 
+/// Ranks 0..world of a group on one free port, rank `r` with `args(r)`, run to their
+/// end together; their outputs in rank order.
+fn launch(world: usize, args: impl Fn(usize) -> Vec<String>) -> Vec<std::process::Output> {
+    let port = free_port();
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            rank_process(rank, world, port, &args(rank))
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    (ranks.into_iter())
+        .map(|r| r.wait_with_output().unwrap())
+        .collect()
+}
+
 fn epoch_lines(stdout: &[u8]) -> Vec<String> {
     let text = String::from_utf8_lossy(stdout);
     (text.lines())
@@ -151,15 +167,9 @@ fn two_processes_train_as_two_threads_do() {
         .output()
         .unwrap();
     assert!(threads.status.success(), "{threads:?}");
-    let port = free_port();
     let mut args = args.clone();
     args.extend(["--checkpoint".into(), by_processes.to_str().unwrap().into()]);
-    let ranks: Vec<_> = (0..2)
-        .map(|rank| rank_process(rank, 2, port, &args).spawn().unwrap())
-        .collect();
-    let outputs: Vec<_> = (ranks.into_iter())
-        .map(|r| r.wait_with_output().unwrap())
-        .collect();
+    let outputs = launch(2, |_| args.clone());
     for (rank, out) in outputs.iter().enumerate() {
         assert!(out.status.success(), "rank {rank}: {out:?}");
     }
@@ -186,17 +196,7 @@ fn two_processes_train_as_two_threads_do() {
         .output()
         .unwrap();
     assert!(threads.status.success(), "{threads:?}");
-    let port = free_port();
-    let ranks: Vec<_> = (0..2)
-        .map(|rank| {
-            rank_process(rank, 2, port, &resumed(&by_processes))
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outputs: Vec<_> = (ranks.into_iter())
-        .map(|r| r.wait_with_output().unwrap())
-        .collect();
+    let outputs = launch(2, |_| resumed(&by_processes));
     for (rank, out) in outputs.iter().enumerate() {
         assert!(out.status.success(), "rank {rank}: {out:?}");
     }
@@ -235,15 +235,16 @@ fn two_processes_train_as_two_threads_do() {
 /// which; a rank whose process is killed ends the others with an error naming it.
 #[test]
 fn ranks_that_differ_or_die_end_the_group_naming_them() {
-    let port = free_port();
     let mut cnn = short_run("1");
     cnn.extend(["--model".into(), "cnn".into()]);
-    let ranks = [
-        rank_process(0, 2, port, &short_run("1")).spawn().unwrap(),
-        rank_process(1, 2, port, &cnn).spawn().unwrap(),
-    ];
-    for (rank, process) in ranks.into_iter().enumerate() {
-        let out = process.wait_with_output().unwrap();
+    let outputs = launch(2, |rank| {
+        if rank == 0 {
+            short_run("1")
+        } else {
+            cnn.clone()
+        }
+    });
+    for (rank, out) in outputs.iter().enumerate() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "rank {rank}: {out:?}");
         assert!(
