@@ -182,7 +182,7 @@ fn census(model: &ModelProto) -> (HashMap<String, usize>, HashMap<String, String
 /// What onnxconverter-common's fp16 conversion of a model gives.
 struct Converted {
     casts: usize,
-    /// Its relative error in onnxruntime, where onnxruntime loads it.
+    /// Its relative error in onnxruntime; `None` where onnxruntime refuses it.
     error: Option<f64>,
 }
 
@@ -264,8 +264,10 @@ fn amp_export(dir: &Path, theirs: &Converted) {
         );
     }
     let casts = ops.get("Cast").copied().unwrap_or(0);
+    // No more casts than the converter's, where its model loads (issue 42's bar: a
+    // model onnxruntime refuses is no count to meet; T5's, 19 casts, is one).
     assert!(
-        casts <= theirs.casts,
+        casts <= theirs.casts || theirs.error.is_none(),
         "{name}: {casts} casts, the converter's {}",
         theirs.casts
     );
