@@ -94,19 +94,6 @@ impl NcclId {
     }
 }
 
-impl Collective {
-    /// The mean over the replicas of each of `inputs`, through host memory or TCP,
-    /// in host code (a CPU executor's AllReduce; what replicas report together). A
-    /// CUDA executor's means are NCCL's, on its device.
-    pub fn host_all_reduce_mean(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>, String> {
-        match &self.transport {
-            Transport::Shared(group) => group.all_reduce_mean(self, inputs),
-            Transport::Tcp(group) => group.all_reduce_mean(self, inputs),
-            Transport::Nccl(_) => Err("NCCL's means are a CUDA executor's".into()),
-        }
-    }
-}
-
 impl std::fmt::Debug for NcclId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("NcclId(..)")
@@ -133,6 +120,19 @@ pub struct Collective {
     pub abort: Abort,
     /// How long a collective waits for the other replicas.
     pub timeout: Duration,
+}
+
+impl Collective {
+    /// The mean over the replicas of each of `inputs`, through host memory or TCP,
+    /// in host code (a CPU executor's AllReduce; what replicas report together). A
+    /// CUDA executor's means are NCCL's, on its device.
+    pub fn host_all_reduce_mean(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>, String> {
+        match &self.transport {
+            Transport::Shared(group) => group.all_reduce_mean(self, inputs),
+            Transport::Tcp(group) => group.all_reduce_mean(self, inputs),
+            Transport::Nccl(_) => Err("NCCL's means are a CUDA executor's".into()),
+        }
+    }
 }
 
 /// `world` host replicas averaging tensors through shared memory: each deposits its
@@ -456,13 +456,6 @@ mod tests {
         })
     }
 
-    fn reduce(m: &Collective, t: &Tensor) -> Result<Vec<Tensor>, String> {
-        let Transport::Shared(group) = &m.transport else {
-            unreachable!()
-        };
-        group.all_reduce_mean(m, &[t])
-    }
-
     #[test]
     fn every_replica_gets_the_mean_round_after_round() {
         let results = run(3, |m| {
@@ -470,7 +463,7 @@ mod tests {
             for round in 0..50 {
                 let v = (m.rank * 100 + round) as f64;
                 let t = Tensor::from_f64(DType::F32, [2], &[v, -v]).map_err(|e| e.to_string())?;
-                last = reduce(m, &t)?;
+                last = m.host_all_reduce_mean(&[&t])?;
                 let mean = (100 + round) as f64; // (0 + 100 + 200) / 3 + round
                 assert_eq!(last[0].to_f64_vec(), vec![mean, -mean], "round {round}");
             }
@@ -487,7 +480,7 @@ mod tests {
                 return Err("failed".into());
             }
             let t = Tensor::scalar(DType::F32, 1.0);
-            reduce(m, &t)
+            m.host_all_reduce_mean(&[&t])
         });
         for rank in [0, 2] {
             let e = results[rank].as_ref().unwrap_err();
@@ -543,13 +536,6 @@ mod tests {
         members
     }
 
-    fn tcp_reduce(m: &Collective, inputs: &[&Tensor]) -> Result<Vec<Tensor>, String> {
-        let Transport::Tcp(group) = &m.transport else {
-            unreachable!()
-        };
-        group.all_reduce_mean(m, inputs)
-    }
-
     /// Over TCP every replica gets the bits threads get, in every dtype, round after
     /// round.
     #[test]
@@ -568,10 +554,7 @@ mod tests {
             (0..5)
                 .map(|round| {
                     let t = tensors(m.rank, round);
-                    let Transport::Shared(group) = &m.transport else {
-                        unreachable!()
-                    };
-                    group.all_reduce_mean(m, &t.iter().collect::<Vec<_>>())
+                    m.host_all_reduce_mean(&t.iter().collect::<Vec<_>>())
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(|rounds| rounds.concat())
@@ -584,7 +567,8 @@ mod tests {
                         (0..5)
                             .map(|round| {
                                 let t = tensors(m.rank, round);
-                                tcp_reduce(m, &t.iter().collect::<Vec<_>>()).unwrap()
+                                m.host_all_reduce_mean(&t.iter().collect::<Vec<_>>())
+                                    .unwrap()
                             })
                             .collect::<Vec<_>>()
                             .concat()
@@ -616,7 +600,7 @@ mod tests {
         drop(members.pop());
         let errors: Vec<String> = std::thread::scope(|s| {
             let handles: Vec<_> = (members.iter())
-                .map(|m| s.spawn(|| tcp_reduce(m, &[&t]).unwrap_err()))
+                .map(|m| s.spawn(|| m.host_all_reduce_mean(&[&t]).unwrap_err()))
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
@@ -630,7 +614,7 @@ mod tests {
         assert!(members[0].abort.reason().is_some(), "the hub's group stops");
 
         let members = tcp_members(2, Duration::from_millis(200));
-        let e = tcp_reduce(&members[0], &[&t]).unwrap_err();
+        let e = members[0].host_all_reduce_mean(&[&t]).unwrap_err();
         assert!(
             e.contains("replica 1 did not come within") && e.contains("timeout"),
             "{e}"
@@ -641,7 +625,7 @@ mod tests {
     fn replicas_that_disagree_on_shapes_get_an_error_naming_them() {
         let results = run(2, |m| {
             let t = Tensor::zeros(&ampgraph_graph::TensorType::new(DType::F32, [m.rank + 1]));
-            reduce(m, &t)
+            m.host_all_reduce_mean(&[&t])
         });
         for r in results {
             let e = r.unwrap_err();

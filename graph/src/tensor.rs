@@ -123,17 +123,6 @@ fn f32_round_to_odd(v: f64) -> f32 {
     f32::from_bits(toward_zero | 1)
 }
 
-/// f32 values stored in an FP8 dtype, each rounded as the GPU's `cvt.rn.satfinite`
-/// rounds it (an f64 reaches here rounded to odd in f32, so that this second rounding,
-/// to far fewer bits, gives the f64 correctly rounded).
-fn fp8_from_f32(dtype: DType, values: impl IntoIterator<Item = f32>) -> Data {
-    let values = values.into_iter();
-    match dtype {
-        DType::F8E5M2 => Data::F8E5M2(values.map(F8E5M2::from_f32).collect()),
-        _ => Data::F8E4M3(values.map(F8E4M3::from_f32).collect()),
-    }
-}
-
 /// `v` correctly rounded to f16 (half's own f64 conversion drops the low 32 bits of
 /// the mantissa before rounding, which can round a value past a midpoint wrongly).
 pub fn f16_from_f64(v: f64) -> f16 {
@@ -286,7 +275,11 @@ impl Data {
             DType::I32 => Data::I32(it.map(|v| v as i32).collect()),
             DType::I64 => Data::I64(it.map(|v| v as i64).collect()),
             DType::Bool => Data::Bool(it.map(|v| v != 0.0).collect()),
-            DType::F8E4M3 | DType::F8E5M2 => fp8_from_f32(dtype, it.map(f32_round_to_odd)),
+            // Rounded to odd in f32 first, so that rounding that to far fewer bits gives
+            // the f64 correctly rounded.
+            DType::F8E4M3 | DType::F8E5M2 => {
+                Data::from_f32(dtype, it.map(f32_round_to_odd).collect())
+            }
         }
     }
 
@@ -305,7 +298,9 @@ impl Data {
                 out.convert_from_f32_slice(&values);
                 Data::BF16(out)
             }
-            DType::F8E4M3 | DType::F8E5M2 => fp8_from_f32(dtype, values),
+            // Each as the GPU's `cvt.rn.satfinite` rounds it.
+            DType::F8E4M3 => Data::F8E4M3(values.into_iter().map(F8E4M3::from_f32).collect()),
+            DType::F8E5M2 => Data::F8E5M2(values.into_iter().map(F8E5M2::from_f32).collect()),
             other => Data::from_f64(other, values.into_iter().map(f64::from)),
         }
     }

@@ -379,13 +379,22 @@ impl Replicas {
         &mut self,
         f: impl Fn(usize, &mut Session) -> Result<R, SessionError> + Sync,
     ) -> Result<Vec<R>, ParallelError> {
+        self.on_each_held(|_, rank, session| f(rank, session))
+    }
+
+    /// [`on_each`](Self::on_each), `f` given each session's place among this process's
+    /// and its rank.
+    fn on_each_held<R: Send>(
+        &mut self,
+        f: impl Fn(usize, usize, &mut Session) -> Result<R, SessionError> + Sync,
+    ) -> Result<Vec<R>, ParallelError> {
         if let Some(why) = self.abort.reason() {
             return Err(ParallelError::Setup(format!(
                 "the replicas stopped earlier ({why}); make them anew"
             )));
         }
         let ranks = &self.ranks;
-        let f = |index: usize, session: &mut Session| f(ranks[index], session);
+        let f = |index: usize, session: &mut Session| f(index, ranks[index], session);
         on_each_replica(&mut self.sessions, &self.abort, f).map_err(|(index, e)| {
             let rank = ranks[index];
             match e {
@@ -412,11 +421,7 @@ impl Replicas {
                 self.sessions.len()
             )));
         }
-        let ranks = self.ranks.clone();
-        self.on_each(|rank, session| {
-            let index = ranks.iter().position(|&r| r == rank).unwrap_or(0);
-            session.run(fetches, &feeds[index])
-        })
+        self.on_each_held(|index, _, session| session.run(fetches, &feeds[index]))
     }
 
     /// The rest of epoch `at.epoch` of `loader` from global batch `at.batch`, each
@@ -433,26 +438,20 @@ impl Replicas {
         at: Position,
     ) -> Result<ParallelEpochReport, ParallelError> {
         let world = self.world();
-        let shards = (0..world)
-            .map(|rank| match self.ranks.contains(&rank) {
-                true => loader.clone().shard(rank, world).map(Some),
-                false => Ok(None),
-            })
+        let shards = (self.ranks.iter())
+            .map(|&rank| loader.clone().shard(rank, world))
             .collect::<Result<Vec<_>, _>>()?;
         let fetches = [step.loss, step.step];
         let next = Position {
             epoch: at.epoch + 1,
             batch: 0,
         };
-        let parts = self.on_each(|rank, session| {
+        let parts = self.on_each_held(|index, _, session| {
             let name = |p: Port| session.graph().node(p.node).name.clone();
             let (images, labels) = (name(images), name(labels));
             let start = Instant::now();
             let mut part = ReplicaEpoch::default();
-            let shard = shards[rank]
-                .as_ref()
-                .expect("a shard for each replica held");
-            for batch in shard.epoch_from(at.epoch as u64, at.batch) {
+            for batch in shards[index].epoch_from(at.epoch as u64, at.batch) {
                 let batch = batch?;
                 part.examples += batch.images.shape().first().copied().unwrap_or(0);
                 let feeds = Feeds::from([
@@ -557,16 +556,13 @@ impl ProcessGroup {
             (on_cuda, signature).hash(&mut h);
             h.finish()
         };
+        if on_cuda {
+            nccl_environment();
+        }
+        // Rank 0's id is the one every rank gets; the others send none.
         let id = match (on_cuda, self.rank) {
-            (true, 0) => {
-                nccl_environment();
-                nccl::unique_id().map_err(ParallelError::Setup)?.to_bytes()
-            }
-            (true, _) => {
-                nccl_environment();
-                Vec::new()
-            }
-            (false, _) => Vec::new(),
+            (true, 0) => nccl::unique_id().map_err(ParallelError::Setup)?.to_bytes(),
+            _ => Vec::new(),
         };
         let met = self.rendezvous(&id, fingerprint, timeout)?;
         let abort = Abort::default();
