@@ -15,12 +15,12 @@ use ampgraph_exec::{
 use ampgraph_exec::{cuda, host_memory, memory_plan};
 use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::fp8::{F8E4M3, F8E5M2};
-use ampgraph_graph::ops::{Placeholder, Variable};
+use ampgraph_graph::ops::{AmaxChoice, Placeholder, Variable};
 use ampgraph_graph::tensor::{bf16_from_f64, f16_from_f64};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
 use ampgraph_onnx::Probes;
 use ampgraph_passes::amp::report::explain;
-use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, PrecisionLists};
+use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Config, Fp8Recipe, PrecisionLists};
 use ampgraph_passes::{registry, PassError};
 
 use crate::session::{registry_passes, Device, Pipeline, Session, SessionError, SessionOptions};
@@ -564,9 +564,20 @@ impl ExecutorArgs {
 /// The target precision and lists of the AMP pass.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PrecisionArgs {
-    /// The 16-bit type to convert to.
+    /// The 16-bit type to convert to; `fp8`: bf16, with FP8 operands for the
+    /// products where they pay (see --fp8-*).
     #[arg(long, value_enum, default_value = "f16")]
     dtype: HalfArg,
+    /// FP8 scaling (with --dtype fp8): `current` (each tensor's own amax) or
+    /// `delayed` (an amax history in the graph, updated by the training step).
+    #[arg(long, value_enum, default_value = "current")]
+    fp8_scaling: Fp8ScalingArg,
+    /// Delayed scaling's amax history length.
+    #[arg(long, default_value_t = 1024, value_name = "STEPS")]
+    fp8_amax_history: usize,
+    /// Every 16-bit MatMul in FP8: no cost model, first and last layers too.
+    #[arg(long)]
+    fp8_everywhere: bool,
     /// The precision lists: a profile (`default`: ampgraph's for --dtype, that is
     /// `default_fp16` or `default_bf16`; `tensorflow`: TensorFlow's CUDA lists) or a
     /// TOML list file (`.toml`).
@@ -582,15 +593,25 @@ pub struct PrecisionArgs {
 pub enum HalfArg {
     F16,
     Bf16,
+    /// BF16 AMP with FP8 products.
+    Fp8,
 }
 
 impl HalfArg {
+    /// The graph's mark for this target (`f8e4m3` for FP8 on BF16).
     pub fn dtype(self) -> DType {
         match self {
             HalfArg::F16 => DType::F16,
             HalfArg::Bf16 => DType::BF16,
+            HalfArg::Fp8 => DType::F8E4M3,
         }
     }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Fp8ScalingArg {
+    Current,
+    Delayed,
 }
 
 impl PrecisionArgs {
@@ -614,6 +635,17 @@ impl PrecisionArgs {
         };
         if let Some(path) = &self.overrides {
             crate::numerics::calibrate::load_overrides(&mut config.lists, path)?;
+        }
+        if let Some(fp8) = &mut config.fp8 {
+            if self.fp8_everywhere {
+                *fp8 = Fp8Config::everywhere(fp8.recipe);
+            }
+            if self.fp8_scaling == Fp8ScalingArg::Delayed {
+                fp8.recipe = Fp8Recipe::Delayed {
+                    history: self.fp8_amax_history,
+                    amax: AmaxChoice::Max,
+                };
+            }
         }
         config.apply_vars(|k| std::env::var(k).ok())?;
         Ok(config)

@@ -499,7 +499,9 @@ impl Default for LossScale {
 pub struct MixedPrecision<O> {
     pub inner: O,
     pub loss_scale: LossScale,
-    /// The 16-bit type the session's AMP pass converts to.
+    /// The 16-bit type the session's AMP pass converts to; `F8E4M3` for BF16 with FP8
+    /// products where they pay (`AmpConfig::new`'s defaults; a session's
+    /// `SessionOptions::amp` picks the recipe).
     pub dtype: DType,
 }
 

@@ -310,3 +310,46 @@ fn fp8_products_match_a_float64_reference() {
         .unwrap_err()
         .contains("not f8e4m3"));
 }
+
+/// The scale ops: current scaling maps the amax onto the format's largest value
+/// (`2^margin` below it), is 1 for zeros and NaN for a non-finite amax; delayed
+/// scaling pushes finite amaxes onto the history, newest first, and scales by its
+/// max or newest, keeping the old scale where the history holds only zeros.
+#[test]
+fn fp8_scales_follow_the_recipes() {
+    use ampgraph::graph::ops::{AmaxChoice, Fp8Scale, Fp8ScaleUpdate};
+    let scalar = |v: f32| Tensor::scalar(DType::F32, f64::from(v));
+    let values = |t: &Tensor| t.to_f64_vec();
+    let current = |format, margin, x: &[f64]| {
+        let x = Tensor::from_f64(DType::F32, [x.len()], x).unwrap();
+        let out = Fp8Scale::new(format, margin).unwrap().eval(&[&x]).unwrap();
+        (values(&out[0])[0], values(&out[1])[0])
+    };
+    assert_eq!(
+        current(DType::F8E4M3, 0, &[0.5, -3.5]),
+        (f64::from(448f32 / 3.5), f64::from(3.5f32 / 448.0))
+    );
+    assert_eq!(current(DType::F8E5M2, 2, &[2.0]).0, 57344.0 / 2.0 / 4.0);
+    assert_eq!(current(DType::F8E4M3, 0, &[0.0, -0.0]), (1.0, 1.0));
+    let (s, inv) = current(DType::F8E4M3, 0, &[1.0, f64::INFINITY]);
+    assert!(s.is_nan() && inv.is_nan());
+    assert!(Fp8Scale::new(DType::F16, 0).is_err() && Fp8Scale::new(DType::F8E4M3, 17).is_err());
+
+    let update = |amax: AmaxChoice, history: &[f64], m: f32, scale: f32| {
+        let op = Fp8ScaleUpdate {
+            scale: Fp8Scale::new(DType::F8E4M3, 0).unwrap(),
+            amax,
+        };
+        let h = Tensor::from_f64(DType::F32, [history.len()], history).unwrap();
+        let out = op.eval(&[&h, &scalar(m), &scalar(scale)]).unwrap();
+        (values(&out[0]), values(&out[1])[0], values(&out[2])[0])
+    };
+    let (h, next, inv) = update(AmaxChoice::Max, &[4.0, 8.0, 2.0], 1.0, 0.5);
+    assert_eq!((h, next, inv), (vec![1.0, 4.0, 8.0], 56.0, 2.0));
+    let (h, next, _) = update(AmaxChoice::MostRecent, &[4.0, 8.0, 2.0], 7.0, 0.5);
+    assert_eq!((h, next), (vec![7.0, 4.0, 8.0], 64.0));
+    let (h, next, inv) = update(AmaxChoice::Max, &[4.0, 8.0], f32::NAN, 0.5);
+    assert_eq!((h, next), (vec![4.0, 8.0], 56.0));
+    assert!(inv.is_nan());
+    assert_eq!(update(AmaxChoice::Max, &[0.0, 0.0], 0.0, 3.0).1, 3.0);
+}

@@ -41,7 +41,8 @@
 //! [`enable_mixed_precision_graph_rewrite`] (dynamic loss scaling in the graph for fp16;
 //! none in bf16, `LossScale::None`, where PyTorch turns its GradScaler off). Inference is the forward pass of a
 //! graph pruned to the logits, as [`ampgraph::Session::inference`] prunes it. Modes:
-//! `fp32` (TF32 off), `tf32` (f32 GEMMs on TF32 Tensor Cores), `amp_fp16`, `amp_bf16`.
+//! `fp32` (TF32 off), `tf32` (f32 GEMMs on TF32 Tensor Cores), `amp_fp16`, `amp_bf16`,
+//! `amp_fp8` (BF16 AMP with FP8 products where the cost model says they pay).
 //!
 //! Timing: CUDA events recorded on the executor's stream before and after each step
 //! (`CudaExecutor::run_timed`), as torch_anchor.py times PyTorch's. A step is one `run`,
@@ -260,7 +261,8 @@ struct Args {
     /// after the first 100 ms or so of sustained load).
     #[arg(long)]
     print_times: bool,
-    /// Comma-separated: fp32, tf32, amp_fp16, amp_bf16.
+    /// Comma-separated: fp32, tf32, amp_fp16, amp_bf16, amp_fp8 (BF16 AMP with FP8
+    /// products where they pay).
     #[arg(long, default_value = "fp32,tf32,amp_fp16,amp_bf16")]
     modes: String,
     /// Comma-separated: train, infer.
@@ -896,6 +898,8 @@ enum Mode {
     Tf32,
     AmpF16,
     AmpBf16,
+    /// BF16 AMP with FP8 products where the cost model says they pay.
+    AmpFp8,
 }
 
 impl Mode {
@@ -905,10 +909,12 @@ impl Mode {
             "tf32" => Mode::Tf32,
             "amp_fp16" => Mode::AmpF16,
             "amp_bf16" => Mode::AmpBf16,
+            "amp_fp8" => Mode::AmpFp8,
             other => {
-                return Err(
-                    format!("unknown mode '{other}' (fp32, tf32, amp_fp16, amp_bf16)").into(),
+                return Err(format!(
+                    "unknown mode '{other}' (fp32, tf32, amp_fp16, amp_bf16, amp_fp8)"
                 )
+                .into())
             }
         })
     }
@@ -919,6 +925,7 @@ impl Mode {
             Mode::Tf32 => "tf32",
             Mode::AmpF16 => "amp_fp16",
             Mode::AmpBf16 => "amp_bf16",
+            Mode::AmpFp8 => "amp_fp8",
         }
     }
 
@@ -926,6 +933,7 @@ impl Mode {
         match self {
             Mode::AmpF16 => Some(DType::F16),
             Mode::AmpBf16 => Some(DType::BF16),
+            Mode::AmpFp8 => Some(DType::F8E4M3),
             _ => None,
         }
     }
@@ -1042,7 +1050,8 @@ fn prepare_with(
         let step = match mode.amp() {
             Some(dtype) => {
                 let loss_scale = match dtype {
-                    DType::BF16 => LossScale::None,
+                    // FP8 products sit on BF16 AMP.
+                    DType::BF16 | DType::F8E4M3 => LossScale::None,
                     _ => LossScale::default(),
                 };
                 enable_mixed_precision_graph_rewrite(optimizer)

@@ -86,6 +86,18 @@ impl<'a> GradBuilder<'a> {
 
 /// Adds nodes computing d`loss`/d`x` for each `x` in `wrt`; `loss` must be a float
 /// scalar. An `x` the loss does not depend on gets zeros.
+/// The name of the constant 1 that [`gradients`] starts from (a second one gets
+/// [`Graph::fresh_name`]'s suffix): what is computed from it is a gradient, which is
+/// how the FP8 pass tells a backward product's gradient operand (stored in E5M2)
+/// from its forward one.
+pub const SEED_NAME: &str = "gradients/seed";
+
+/// Whether `name` is a gradient seed's (see [`SEED_NAME`]).
+pub fn is_seed_name(name: &str) -> bool {
+    name.strip_prefix(SEED_NAME)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
+}
+
 pub fn gradients(g: &mut Graph, loss: Port, wrt: &[Port]) -> Result<Vec<Port>> {
     let loss_ty = g.ty(loss).clone();
     if !loss_ty.shape.is_empty() || !loss_ty.dtype.is_float() {
@@ -119,7 +131,14 @@ pub fn gradients(g: &mut Graph, loss: Port, wrt: &[Port]) -> Result<Vec<Port>> {
     }
     // Gradient contributions per port, summed when a tensor has several readers.
     let mut grads: std::collections::HashMap<Port, Vec<Port>> = std::collections::HashMap::new();
-    let seed = GradBuilder::new(g, "gradients").scalar(loss_ty.dtype, 1.0)?;
+    let seed_name = g.fresh_name(SEED_NAME);
+    let seed: Port = g
+        .add_node(
+            seed_name,
+            Box::new(Const::new(Tensor::scalar(loss_ty.dtype, 1.0))),
+            &[],
+        )?
+        .into();
     grads.insert(loss, vec![seed]);
     for &id in order.iter().rev() {
         // Sources (the `wrt` tensors themselves among them) have nothing to propagate to.

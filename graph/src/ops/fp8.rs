@@ -4,9 +4,13 @@
 //! beside it, the statistic current and delayed scaling compute the next scale from;
 //! `DequantizeFp8` multiplies back by the scale's inverse; `Fp8MatMul` is the product
 //! of two FP8 operands by their scales' inverses, as cuBLASLt's FP8 GEMM computes it.
+//! The scales come from `Fp8Scale` (current scaling: this tensor's amax) or from
+//! `Fp8ScaleUpdate` (delayed scaling: a history of earlier amaxes, TransformerEngine's
+//! recipe), both in the graph, so no step asks the host.
 
 use crate::attrs::AttrValue;
 use crate::dtype::DType;
+use crate::fp8::Fp8;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
 use crate::ops::MatMul;
@@ -31,7 +35,33 @@ pub(crate) const OPS: &[OpEntry] = &[
             Ok(Box::new(Fp8MatMul::new(product, a.dtype("to")?)?))
         },
     },
+    OpEntry {
+        name: "Fp8Scale",
+        parse: |_, a| Ok(Box::new(Fp8Scale::parse(a)?)),
+    },
+    OpEntry {
+        name: "Fp8ScaleUpdate",
+        parse: |_, a| {
+            let amax = a.choice("amax", &AmaxChoice::NAMES, Some(AmaxChoice::Max))?;
+            Ok(Box::new(Fp8ScaleUpdate {
+                scale: Fp8Scale::parse(a)?,
+                amax,
+            }))
+        },
+    },
 ];
+
+/// The largest magnitude of `values`: NaN where one is NaN (`f32::max` would skip
+/// it), infinite where one is.
+fn amax(values: &[f32]) -> f32 {
+    values.iter().fold(0f32, |m, v| {
+        if v.is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max(v.abs())
+        }
+    })
+}
 
 /// `(x, scale) -> (y, amax)`: `y = fp8(f32(x) * scale)` rounded to nearest even and
 /// saturated (in `to`, E4M3 or E5M2), `amax = max |x|` as an f32 scalar (NaN where
@@ -99,13 +129,7 @@ impl Op for QuantizeFp8 {
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [x, scale] = fixed(inputs)?;
         let (xs, s) = (x.to_f32_vec(), scalar_of(scale));
-        let amax = xs.iter().fold(0f32, |m, v| {
-            if v.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(v.abs())
-            }
-        });
+        let amax = amax(&xs);
         let scaled: Vec<f32> = xs.iter().map(|&v| v * s).collect();
         Ok(vec![
             Tensor::new(x.shape().to_vec(), Data::from_f32(self.to, scaled))?,
@@ -233,5 +257,181 @@ impl Op for Fp8MatMul {
             TypeGroup::new(vec![1], vec![]).fixed(),
             TypeGroup::new(vec![2, 3], vec![]).fixed(),
         ]
+    }
+}
+
+/// `x -> (scale, scale_inv)`: current ("tensorwise") scaling, torchao's default. The
+/// scale maps `x`'s amax onto the format's largest value, `2^margin` below it:
+/// `scale = max / amax / 2^margin`; 1 where `x` is all zeros; NaN (both) where the
+/// amax is not finite, so that the product becomes NaN and a loss-scaled step is
+/// skipped, as for a gradient that overflowed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8Scale {
+    /// The FP8 dtype scaled to.
+    pub format: DType,
+    pub margin: i32,
+}
+
+impl Fp8Scale {
+    pub fn new(format: DType, margin: i32) -> OpResult<Self> {
+        if !format.is_fp8() {
+            return Err(format!(
+                "an FP8 scale is for f8e4m3 or f8e5m2, not {format}"
+            ));
+        }
+        if !(0..=16).contains(&margin) {
+            return Err(format!("the margin must be 0 to 16 binades, not {margin}"));
+        }
+        Ok(Fp8Scale { format, margin })
+    }
+
+    fn parse(a: &mut crate::attrs::AttrReader) -> OpResult<Self> {
+        let margin = a.opt_int("margin")?.unwrap_or(0);
+        Fp8Scale::new(
+            a.dtype("format")?,
+            i32::try_from(margin).map_err(|_| format!("margin {margin} is out of range"))?,
+        )
+    }
+
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("format", self.format.into()),
+            ("margin", i64::from(self.margin).into()),
+        ]
+    }
+
+    /// The scale for an amax that is finite and positive, else `None`.
+    pub fn of_amax(&self, amax: f32) -> Option<f32> {
+        let largest = match self.format {
+            DType::F8E5M2 => Fp8::E5M2.max(),
+            _ => Fp8::E4M3.max(),
+        };
+        (amax.is_finite() && amax > 0.0).then(|| largest / amax / (1u32 << self.margin) as f32)
+    }
+}
+
+fn scalar(v: f32) -> Tensor {
+    Tensor::scalar(DType::F32, f64::from(v))
+}
+
+impl Op for Fp8Scale {
+    fn name(&self) -> &'static str {
+        "Fp8Scale"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        Fp8Scale::attrs(self)
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x] = fixed(inputs)?;
+        if !matches!(x.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(format!("x must be f32, f16 or bf16, not {}", x.dtype));
+        }
+        Ok(vec![TensorType::new(DType::F32, []); 2])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x] = fixed(inputs)?;
+        let m = amax(&x.to_f32_vec());
+        let scale = match self.of_amax(m) {
+            Some(s) => s,
+            None if m == 0.0 => 1.0,
+            None => f32::NAN,
+        };
+        Ok(vec![scalar(scale), scalar(1.0 / scale)])
+    }
+    fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        vec![
+            TypeGroup::new(vec![0], vec![]),
+            TypeGroup::new(vec![], vec![0, 1]).fixed(),
+        ]
+    }
+}
+
+/// Which amax of the history delayed scaling scales by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmaxChoice {
+    /// The largest in the history (TransformerEngine's default).
+    Max,
+    /// The latest.
+    MostRecent,
+}
+
+impl AmaxChoice {
+    pub const NAMES: [(&'static str, AmaxChoice); 2] = [
+        ("max", AmaxChoice::Max),
+        ("most_recent", AmaxChoice::MostRecent),
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AmaxChoice::Max => "max",
+            AmaxChoice::MostRecent => "most_recent",
+        }
+    }
+}
+
+/// `(history, amax, scale) -> (history', scale', scale_inv)`: delayed scaling's
+/// step, TransformerEngine's recipe. This step quantised with `scale`, the Variable's
+/// value, and measured `amax`; `history'` is `[amax, history[..n-1]]` (unchanged where
+/// `amax` is not finite: one overflow does not poison the next thousand scales);
+/// `scale'` is [`Fp8Scale`]'s scale of the history's `max` or most recent amax (the
+/// old scale where that is 0). `scale_inv` is `1 / scale` for this step's product, NaN
+/// where `amax` is not finite, so that a loss-scaled step is skipped.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8ScaleUpdate {
+    pub scale: Fp8Scale,
+    pub amax: AmaxChoice,
+}
+
+impl Op for Fp8ScaleUpdate {
+    fn name(&self) -> &'static str {
+        "Fp8ScaleUpdate"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(3)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = self.scale.attrs();
+        attrs.push(("amax", self.amax.name().into()));
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [history, amax, scale] = fixed(inputs)?;
+        if history.dtype != DType::F32 || history.shape.len() != 1 || history.shape[0] == 0 {
+            return Err(format!(
+                "the amax history must be a non-empty f32 vector, not {history}"
+            ));
+        }
+        check_scale("amax", amax)?;
+        check_scale("scale", scale)?;
+        Ok(vec![
+            (*history).clone(),
+            TensorType::new(DType::F32, []),
+            TensorType::new(DType::F32, []),
+        ])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [history, amax, scale] = fixed(inputs)?;
+        let (mut h, m, s) = (history.to_f32_vec(), scalar_of(amax), scalar_of(scale));
+        if m.is_finite() {
+            h.rotate_right(1);
+            h[0] = m;
+        }
+        let chosen = match self.amax {
+            AmaxChoice::Max => h.iter().fold(0f32, |a, &b| a.max(b)),
+            AmaxChoice::MostRecent => h[0],
+        };
+        let next = self.scale.of_amax(chosen).unwrap_or(s);
+        let inv = if m.is_finite() { 1.0 / s } else { f32::NAN };
+        Ok(vec![
+            Tensor::new(history.shape().to_vec(), Data::F32(h))?,
+            scalar(next),
+            scalar(inv),
+        ])
+    }
+    fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        vec![TypeGroup::new(vec![0, 1, 2], vec![0, 1, 2]).fixed()]
     }
 }

@@ -205,8 +205,8 @@ impl MatMul {
         }
     }
 
-    /// (m, k, n) from the operand shapes.
-    pub(crate) fn dims(&self, a: &[usize], b: &[usize]) -> OpResult<(usize, usize, usize)> {
+    /// The product's `(m, k, n)`: `a` is `m x k` and `b` is `k x n` after the transposes.
+    pub fn dims(&self, a: &[usize], b: &[usize]) -> OpResult<(usize, usize, usize)> {
         if a.len() != 2 || b.len() != 2 {
             return Err(format!(
                 "MatMul needs two matrices (rank 2): a is {}, b is {}",

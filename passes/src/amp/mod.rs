@@ -1,8 +1,10 @@
 //! Automatic mixed precision: TensorFlow Grappler's `auto_mixed_precision` rewrite.
 //!
 //! [`paint`] decides which tensors become 16-bit (f16 or bf16) from the op
-//! [`lists`]; [`rewrite`] inserts the casts; [`report`] summarises and explains.
+//! [`lists`]; [`rewrite`] inserts the casts; [`fp8`] then gives FP8 operands to the
+//! 16-bit products where they pay (when asked); [`report`] summarises and explains.
 
+pub mod fp8;
 pub mod lists;
 pub mod paint;
 pub mod report;
@@ -12,6 +14,7 @@ use std::path::PathBuf;
 
 use ampgraph_graph::{DType, Graph};
 
+pub use fp8::{Fp8Config, Fp8Recipe, GemmCost};
 pub use lists::{ListClass, PrecisionLists};
 pub use paint::{Painting, Step};
 pub use report::{AmpReport, Explanation};
@@ -49,12 +52,16 @@ pub struct AmpConfig {
     /// models do). TensorFlow has no such phase: off in the `tensorflow` profile,
     /// which decides exactly as TensorFlow does.
     pub constant_regions: bool,
+    /// FP8 operands for the 16-bit products where they pay (`None`: no FP8).
+    pub fp8: Option<Fp8Config>,
 }
 
 impl AmpConfig {
-    /// ampgraph's own lists for the target: `default_fp16` or `default_bf16`.
+    /// ampgraph's own lists for the target: `default_fp16` or `default_bf16`. An
+    /// FP8 target (`f8e4m3`) means BF16 AMP with FP8 products ([`Fp8Config`]'s
+    /// defaults).
     pub fn new(target: DType) -> Result<Self, PassError> {
-        let profile = if target == DType::BF16 {
+        let profile = if target == DType::BF16 || target.is_fp8() {
             "default_bf16"
         } else {
             "default_fp16"
@@ -62,18 +69,30 @@ impl AmpConfig {
         Self::with_profile(target, profile)
     }
 
+    /// The lists of `profile` for the target (an FP8 target as in [`AmpConfig::new`]).
     pub fn with_profile(target: DType, profile: &str) -> Result<Self, PassError> {
-        if !target.is_half() {
-            return Err(PassError::Lists(format!(
-                "the AMP target must be f16 or bf16, not {target}"
-            )));
-        }
+        let (target, fp8) = match target {
+            t if t.is_half() => (t, None),
+            t if t.is_fp8() => (DType::BF16, Some(Fp8Config::default())),
+            t => {
+                return Err(PassError::Lists(format!(
+                    "the AMP target must be f16, bf16 or f8e4m3 (FP8 products on bf16), not {t}"
+                )))
+            }
+        };
         Ok(AmpConfig {
             target,
             lists: PrecisionLists::profile(profile)?,
             log_path: None,
             constant_regions: profile != "tensorflow",
+            fp8,
         })
+    }
+
+    /// These settings with FP8 products as `fp8` says.
+    pub fn with_fp8(mut self, fp8: Fp8Config) -> Self {
+        self.fp8 = Some(fp8);
+        self
     }
 
     /// Applies the environment overrides (`AMPGRAPH_AMP_*LIST_ADD/_REMOVE`,
@@ -115,7 +134,11 @@ impl AutoMixedPrecision {
         let painting = self.analyze(graph)?;
         let report_base = AmpReport::decisions(&painting, &self.config);
         let stats = rewrite::apply(graph, &painting, self.config.target)?;
-        let report = report_base.with_stats(stats);
+        let mut report = report_base.with_stats(stats);
+        if let Some(fp8) = &self.config.fp8 {
+            let plan = fp8::plan(graph, fp8)?;
+            report.fp8 = Some(fp8::apply(graph, &plan, fp8)?);
+        }
         if let (Some(dir), Some(before)) = (&self.config.log_path, before) {
             report::dump(dir, &before, graph, &report)?;
         }

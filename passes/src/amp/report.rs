@@ -10,9 +10,10 @@ use ampgraph_graph::format::{self, GraphDef};
 use ampgraph_graph::ops::Cast;
 use ampgraph_graph::{DType, Graph, NodeId};
 
+use super::fp8::{self, Decision, Fp8Stats};
 use super::lists::ListClass;
 use super::paint::{Painting, Step, NONE};
-use super::rewrite::RewriteStats;
+use super::rewrite::{self, RewriteStats};
 use super::AmpConfig;
 use crate::{PassError, PassSummary};
 
@@ -60,6 +61,8 @@ pub struct AmpReport {
     /// Indexed by `NodeId::index()`: the node was kept in f32 by a deny op.
     pub denied: Vec<bool>,
     pub stats: RewriteStats,
+    /// What the FP8 phase did, where it ran.
+    pub fp8: Option<Fp8Stats>,
 }
 
 impl AmpReport {
@@ -76,6 +79,7 @@ impl AmpReport {
             per_deny_op: BTreeMap::new(),
             denied: vec![false; p.node.iter().map(|n| n.index() + 1).max().unwrap_or(0)],
             stats: RewriteStats::default(),
+            fp8: None,
         };
         let mut per_op = vec![OpCounts::default(); p.op_names.len()];
         for &id in &p.order {
@@ -126,29 +130,36 @@ impl AmpReport {
         } else {
             "FP16"
         };
+        let mut lines = vec![
+            format!("Total processable nodes: {}", self.processable),
+            format!(
+                "Recognized nodes available for conversion: {}",
+                self.recognized
+            ),
+            format!("Total nodes converted: {}", self.stats.nodes_converted),
+            format!(
+                "Total {half} Cast ops used (excluding Const and Variable casts): {}",
+                self.stats.casts_to_half
+            ),
+            format!(
+                "Allowlisted nodes converted: {}",
+                self.allowlisted_converted
+            ),
+            format!("Denylisted nodes blocking conversion: {}", self.denylisted),
+            format!(
+                "Nodes blocked from conversion by denylisted nodes: {}",
+                self.blocked
+            ),
+        ];
+        if let Some(f) = &self.fp8 {
+            lines.push(format!(
+                "FP8 GEMMs (E4M3 forward, E5M2 gradients): {}; kept {half} by the cost model: {}, as first/last or listed layers: {}, as products of two gradients: {}",
+                f.gemms, f.kept_by_cost, f.kept_by_layer, f.kept_both_gradients
+            ));
+        }
         PassSummary {
             title: "Automatic Mixed Precision Grappler Pass Summary:".into(),
-            lines: vec![
-                format!("Total processable nodes: {}", self.processable),
-                format!(
-                    "Recognized nodes available for conversion: {}",
-                    self.recognized
-                ),
-                format!("Total nodes converted: {}", self.stats.nodes_converted),
-                format!(
-                    "Total {half} Cast ops used (excluding Const and Variable casts): {}",
-                    self.stats.casts_to_half
-                ),
-                format!(
-                    "Allowlisted nodes converted: {}",
-                    self.allowlisted_converted
-                ),
-                format!("Denylisted nodes blocking conversion: {}", self.denylisted),
-                format!(
-                    "Nodes blocked from conversion by denylisted nodes: {}",
-                    self.blocked
-                ),
-            ],
+            lines,
         }
     }
 
@@ -377,6 +388,11 @@ pub fn explain(
             Some(ListClass::Allow) | Some(ListClass::Deny) => reasons.push("kept in f32".into()),
         }
     }
+    if let (Some(fp8), true) = (&config.fp8, converted) {
+        if let Some(reason) = fp8_reason(g, p, config, fp8, id)? {
+            reasons.push(reason);
+        }
+    }
     // The inputs' precision after the rewrite, for context.
     let inputs: Vec<String> = g
         .inputs(id)
@@ -399,6 +415,27 @@ pub fn explain(
         dtype: if converted { t } else { dtype },
         reasons,
     })
+}
+
+/// The FP8 phase's decision on node `id` of `g` (before the rewrite), where it is a
+/// product the phase considered.
+fn fp8_reason(
+    g: &Graph,
+    p: &Painting,
+    config: &AmpConfig,
+    fp8: &fp8::Fp8Config,
+    id: NodeId,
+) -> Result<Option<String>, PassError> {
+    let mut after = g.clone();
+    rewrite::apply(&mut after, p, config.target)?;
+    let plan = fp8::plan(&after, fp8)?;
+    let t = config.target;
+    Ok(plan.decision(id).map(|d| match d {
+        Decision::Fp8 { a, b } => format!(
+            "FP8: its operands are stored in {a} and {b} (accumulated in f32, the result in {t})"
+        ),
+        Decision::Kept(why) => format!("kept {t} rather than FP8: {why}"),
+    }))
 }
 
 /// Writes the graph before and after the rewrite into `dir`: JSON, DOT coloured by

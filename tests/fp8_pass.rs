@@ -1,0 +1,558 @@
+//! The AMP pass's FP8 phase (issue 44): which products take FP8 operands in which
+//! format, the values they compute against a float64 reference of the formats, the
+//! scaling state it keeps in the graph, and MNIST trained in FP8 against BF16.
+
+use std::sync::Arc;
+
+use ampgraph::data::{Dataset, Loader, LoaderOptions, Mnist};
+use ampgraph::exec::Feeds;
+use ampgraph::graph::format::{to_json, GraphDef};
+use ampgraph::graph::fp8::Fp8;
+use ampgraph::graph::nn::{self, Activation};
+use ampgraph::graph::ops::{AmaxChoice, Fp8MatMul, MatMul, QuantizeFp8};
+use ampgraph::optim::{enable_mixed_precision_graph_rewrite, LossScale, Optimizer, Sgd, TrainStep};
+use ampgraph::passes::amp::fp8::{plan, Decision, Kept};
+use ampgraph::passes::amp::report::explain;
+use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Config, Fp8Recipe};
+use ampgraph::train::{Position, TrainOptions, Trainer};
+use ampgraph::{DType, Device, Graph, Port, Session, SessionOptions, Tensor};
+
+const BATCH: usize = 16;
+
+/// A three-layer MLP with a training step (SGD, `loss_scale`), marked for BF16 AMP.
+fn mlp(loss_scale: LossScale) -> (Graph, TrainStep, Port) {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [BATCH, 24]).unwrap();
+    let y = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
+    let h = nn::dense(&mut g, x, 32, Some(Activation::Relu)).unwrap();
+    let h = nn::dense(&mut g, h, 32, Some(Activation::Relu)).unwrap();
+    let logits = nn::dense(&mut g, h, 8, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, y).unwrap();
+    let step = enable_mixed_precision_graph_rewrite(Sgd::new(0.1))
+        .with_dtype(DType::BF16)
+        .with_loss_scale(loss_scale)
+        .minimize(&mut g, loss)
+        .unwrap();
+    (g, step, logits)
+}
+
+fn options(fp8: Fp8Config) -> SessionOptions {
+    SessionOptions {
+        amp: Some(AmpConfig::new(DType::BF16).unwrap().with_fp8(fp8)),
+        ..SessionOptions::default()
+    }
+}
+
+fn feeds(step: u64, poison: Option<f32>) -> Feeds {
+    let mut x: Vec<f64> = (0..BATCH * 24)
+        .map(|i| ((i as u64 * 37 + step * 11) % 101) as f64 / 25.0 - 2.0)
+        .collect();
+    if let Some(v) = poison {
+        x[5] = f64::from(v);
+    }
+    let labels: Vec<f64> = (0..BATCH).map(|i| ((i as u64 + step) % 8) as f64).collect();
+    Feeds::from([
+        (
+            "x".into(),
+            Tensor::from_f64(DType::F32, [BATCH, 24], &x).unwrap(),
+        ),
+        (
+            "labels".into(),
+            Tensor::from_f64(DType::I64, [BATCH], &labels).unwrap(),
+        ),
+    ])
+}
+
+/// The graph the pass leaves with `fp8`.
+fn rewritten(fp8: Fp8Config) -> Graph {
+    let (mut g, _, _) = mlp(LossScale::None);
+    AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap().with_fp8(fp8))
+        .rewrite(&mut g)
+        .unwrap();
+    g
+}
+
+/// The formats of every FP8 product's operands, by the node name of the product.
+fn formats(g: &Graph) -> Vec<(String, DType, DType)> {
+    let mut out: Vec<(String, DType, DType)> = g
+        .node_ids()
+        .filter(|&id| g.node(id).op.is::<Fp8MatMul>())
+        .map(|id| {
+            let inputs = g.inputs(id);
+            for p in &inputs[..2] {
+                assert!(
+                    g.node(p.node).op.is::<QuantizeFp8>(),
+                    "an FP8 operand of '{}' is not quantised",
+                    g.node(id).name
+                );
+            }
+            (
+                g.node(id).name.clone(),
+                g.ty(inputs[0]).dtype,
+                g.ty(inputs[1]).dtype,
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Forward products take E4M3 operands; the input-gradient product dY W^T takes the
+/// gradient in E5M2 and the weight in E4M3, the weight-gradient product X^T dY the
+/// reverse; the first layer has no input gradient. Every product of the step is FP8
+/// (3 forward, 3 weight gradients, 2 input gradients), each weight quantised once.
+#[test]
+fn forward_products_take_e4m3_and_gradients_e5m2() {
+    let g = rewritten(Fp8Config::everywhere(Fp8Recipe::Current));
+    g.validate().unwrap();
+    let f = formats(&g);
+    assert_eq!(f.len(), 8, "{f:?}");
+    let (e4, e5) = (DType::F8E4M3, DType::F8E5M2);
+    let count = |a, b| f.iter().filter(|(_, x, y)| (*x, *y) == (a, b)).count();
+    assert_eq!(count(e4, e4), 3, "{f:?}");
+    assert_eq!(count(e4, e5) + count(e5, e4), 5, "{f:?}");
+    assert_eq!(count(e5, e5), 0);
+    // The first layer's input gradient, which nothing reads, is left as it was.
+    let needed = g.needed_by(g.outputs());
+    assert!(g
+        .node_ids()
+        .all(|id| !(needed[id.index()] && g.node(id).op.is::<MatMul>())));
+    // One quantisation per (tensor, format): 3 weights, 3 activations in E4M3, 3
+    // output gradients in E5M2.
+    let quantizations = g
+        .node_ids()
+        .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
+        .count();
+    assert_eq!(quantizations, 9);
+}
+
+/// Running the pass again changes nothing: the FP8 products and their scale
+/// computations are not 16-bit candidates.
+#[test]
+fn the_pass_is_idempotent() {
+    for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {
+        let mut g = rewritten(Fp8Config::everywhere(recipe));
+        let once = to_json(&GraphDef::from_graph(&g));
+        AutoMixedPrecision::new(
+            AmpConfig::new(DType::BF16)
+                .unwrap()
+                .with_fp8(Fp8Config::everywhere(recipe)),
+        )
+        .rewrite(&mut g)
+        .unwrap();
+        assert_eq!(to_json(&GraphDef::from_graph(&g)), once, "{recipe:?}");
+    }
+}
+
+/// The default keeps the first and last layers 16-bit, and the cost model keeps
+/// this small middle layer too; `explain` says why for each.
+#[test]
+fn first_last_and_small_products_stay_16_bit_and_explain_says_why() {
+    let (g, _, _) = mlp(LossScale::None);
+    let config = AmpConfig::new(DType::BF16)
+        .unwrap()
+        .with_fp8(Fp8Config::default());
+    let mut after = g.clone();
+    let report = AutoMixedPrecision::new(config.clone())
+        .rewrite(&mut after)
+        .unwrap();
+    let stats = report.fp8.clone().unwrap();
+    // The first layer's forward and weight-gradient products, the last one's three.
+    assert_eq!((stats.gemms, stats.kept_by_cost), (0, 3), "{stats:?}");
+    assert_eq!(stats.kept_by_layer, 5, "{stats:?}");
+    let summary = report.summary().to_string();
+    assert!(summary.contains("FP8 GEMMs (E4M3 forward, E5M2 gradients): 0; kept BF16 by the cost model: 3, as first/last or listed layers: 5"), "{summary}");
+
+    let painting = AutoMixedPrecision::new(config.clone()).analyze(&g).unwrap();
+    let first = explain(&g, &painting, &config, "dense/matmul").unwrap();
+    assert!(
+        first
+            .to_string()
+            .contains("kept bf16 rather than FP8: its layer is the model's first or last"),
+        "{first}"
+    );
+    let middle = explain(&g, &painting, &config, "dense_1/matmul").unwrap();
+    assert!(
+        middle.to_string().contains("the cost model gives"),
+        "{middle}"
+    );
+    // Listed by name: kept, with its gradient products.
+    let mut listed = Fp8Config::everywhere(Fp8Recipe::Current);
+    listed.keep.insert("dense_1/matmul".into());
+    let g = rewritten(listed);
+    assert_eq!(formats(&g).len(), 5);
+}
+
+/// With shapes where FP8 pays, the cost model converts the middle layer's products
+/// (forward and both gradients) and keeps the first and last layers 16-bit.
+#[test]
+fn large_products_take_fp8() {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [8192, 4096]).unwrap();
+    let h = nn::dense(&mut g, x, 8192, None).unwrap();
+    let h = nn::dense(&mut g, h, 16384, None).unwrap();
+    let out = nn::dense(&mut g, h, 4096, None).unwrap();
+    let loss = g.mean(out, None, false).unwrap();
+    Sgd::new(0.1).minimize(&mut g, loss).unwrap();
+    AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap())
+        .rewrite(&mut g)
+        .unwrap();
+    let plan = plan(&g, &Fp8Config::default()).unwrap();
+    let fp8: Vec<&str> = plan
+        .decisions
+        .iter()
+        .filter(|(_, d)| matches!(d, Decision::Fp8 { .. }))
+        .map(|(id, _)| g.node(*id).name.as_str())
+        .collect();
+    assert_eq!(fp8.len(), 3, "{fp8:?}");
+    assert!(fp8.contains(&"dense_1/matmul"), "{fp8:?}");
+    assert!(plan
+        .decisions
+        .iter()
+        .all(|(_, d)| matches!(d, Decision::Fp8 { .. } | Decision::Kept(Kept::FirstOrLast))));
+}
+
+fn e4m3(v: f64) -> f64 {
+    f64::from(Fp8::E4M3.decode(Fp8::E4M3.encode(v as f32)))
+}
+
+fn bf16(v: f64) -> f64 {
+    f64::from(half::bf16::from_f64(v).to_f32())
+}
+
+/// An FP8 forward product, against a float64 reference: both operands rounded to
+/// bf16 (AMP), scaled by 448 / amax (current scaling), rounded to E4M3, multiplied
+/// in f64 and unscaled; the result rounded to bf16. The reference's f64 sum differs
+/// from the f32 accumulation by far less than a bf16 ulp.
+#[test]
+fn an_fp8_product_equals_a_float64_reference() {
+    let (m, k, n) = (5, 24, 7);
+    let mut g = Graph::new();
+    let a = g.placeholder("a", DType::F32, [m, k]).unwrap();
+    let b = g.placeholder("b", DType::F32, [k, n]).unwrap();
+    let y = g.matmul(a, b).unwrap();
+    let out = g.cast(y, DType::F32).unwrap();
+    g.set_outputs(vec![out]).unwrap();
+    g.mixed_precision = Some(DType::BF16);
+    let av: Vec<f64> = (0..m * k)
+        .map(|i| ((i * 7919) % 613) as f64 / 97.0 - 3.1)
+        .collect();
+    let bv: Vec<f64> = (0..k * n)
+        .map(|i| ((i * 104729) % 331) as f64 / 1300.0 - 0.12)
+        .collect();
+    let mut s = Session::with_options(
+        g,
+        Device::Cpu,
+        options(Fp8Config::everywhere(Fp8Recipe::Current)),
+    )
+    .unwrap();
+    assert_eq!(formats(s.graph()).len(), 1);
+    let feeds = Feeds::from([
+        (
+            "a".into(),
+            Tensor::from_f64(DType::F32, [m, k], &av).unwrap(),
+        ),
+        (
+            "b".into(),
+            Tensor::from_f64(DType::F32, [k, n], &bv).unwrap(),
+        ),
+    ]);
+    let got = s.run(&[out], &feeds).unwrap()[0].to_f64_vec();
+    let quantized = |v: &[f64]| -> (Vec<f64>, f64) {
+        let halves: Vec<f64> = v.iter().map(|&x| bf16(x)).collect();
+        let amax = halves.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let scale = f64::from(448f32 / amax as f32);
+        (
+            halves
+                .iter()
+                .map(|&x| e4m3(f64::from((x as f32) * scale as f32)))
+                .collect(),
+            scale,
+        )
+    };
+    let ((qa, sa), (qb, sb)) = (quantized(&av), quantized(&bv));
+    let inv = f64::from((1.0 / sa as f32) * (1.0 / sb as f32));
+    for i in 0..m {
+        for j in 0..n {
+            let dot: f64 = (0..k).map(|l| qa[i * k + l] * qb[l * n + j]).sum();
+            let want = dot * inv;
+            let g = got[i * n + j];
+            assert!(
+                (g - bf16(want)).abs() <= want.abs() * 2f64.powi(-8) + 1e-12,
+                "[{i}, {j}]: {g} vs {want}"
+            );
+        }
+    }
+    // FP8 is coarser than bf16: the product differs from the bf16 one.
+    let exact: f64 = (0..k).map(|l| bf16(av[l]) * bf16(bv[l * n])).sum();
+    assert!((got[0] - exact).abs() > 0.0);
+}
+
+fn scalar(s: &Session, name: &str) -> f64 {
+    s.variable(name).unwrap().to_f64_vec()[0]
+}
+
+/// Delayed scaling's state, step by step: each weight's history holds its amaxes,
+/// newest first; its scale is 448 over the history's max; a restored checkpoint
+/// carries them.
+#[test]
+fn delayed_scaling_keeps_amax_histories_and_scales_in_the_graph() {
+    let recipe = Fp8Recipe::Delayed {
+        history: 3,
+        amax: AmaxChoice::Max,
+    };
+    let (g, step, _) = mlp(LossScale::None);
+    let mut s =
+        Session::with_options(g, Device::Cpu, options(Fp8Config::everywhere(recipe))).unwrap();
+    let kernel = "dense_1/kernel";
+    let (history, scale) = (
+        format!("{kernel}/fp8_e4m3/amax_history"),
+        format!("{kernel}/fp8_e4m3/scale"),
+    );
+    assert_eq!(s.variable(&history).unwrap().to_f64_vec(), vec![0.0; 3]);
+    assert_eq!(scalar(&s, &scale), 1.0);
+    let mut amaxes = Vec::new();
+    for t in 0..5 {
+        let w = s.variable(kernel).unwrap().to_f64_vec();
+        amaxes.insert(0, w.iter().fold(0f64, |m, &v| m.max(bf16(v).abs())));
+        s.run(&[step.step], &feeds(t, None)).unwrap();
+        let want: Vec<f64> = (0..3)
+            .map(|i| amaxes.get(i).copied().unwrap_or(0.0))
+            .collect();
+        assert_eq!(s.variable(&history).unwrap().to_f64_vec(), want, "step {t}");
+        let max = want.iter().fold(0f64, |m, &v| m.max(v));
+        assert_eq!(
+            scalar(&s, &scale),
+            f64::from(448f32 / max as f32),
+            "step {t}"
+        );
+    }
+    let path = std::env::temp_dir().join(format!("ampgraph_fp8_{}.ckpt", std::process::id()));
+    s.save(&path).unwrap();
+    let (g, _, _) = mlp(LossScale::None);
+    let mut restored =
+        Session::with_options(g, Device::Cpu, options(Fp8Config::everywhere(recipe))).unwrap();
+    restored.restore(&path).unwrap();
+    assert_eq!(
+        restored.variable(&history).unwrap().to_f64_vec(),
+        s.variable(&history).unwrap().to_f64_vec()
+    );
+    assert_eq!(scalar(&restored, &scale), scalar(&s, &scale));
+    std::fs::remove_file(&path).unwrap();
+}
+
+/// A non-finite input makes its amax non-finite: the product is NaN, the loss-scaled
+/// step is skipped (weights unchanged) and the scale backs off, as for an overflowing
+/// gradient; delayed scaling's history ignores the amax.
+#[test]
+fn a_non_finite_amax_skips_the_step_as_an_overflow_does() {
+    for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {
+        let (g, step, _) = mlp(LossScale::Dynamic {
+            initial: 1024.0,
+            growth_interval: 1000,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+        });
+        let mut s =
+            Session::with_options(g, Device::Cpu, options(Fp8Config::everywhere(recipe))).unwrap();
+        s.run(&[step.step], &feeds(0, None)).unwrap();
+        let before = s.variable("dense/kernel").unwrap().clone();
+        let history = s.variable("x/fp8_e4m3/amax_history").cloned();
+        s.run(&[step.step], &feeds(1, Some(f32::INFINITY))).unwrap();
+        assert_eq!(s.variable("dense/kernel").unwrap(), &before, "{recipe:?}");
+        assert_eq!(scalar(&s, "loss_scale/scale"), 512.0, "{recipe:?}");
+        assert_eq!(
+            s.variable("x/fp8_e4m3/amax_history").cloned(),
+            history,
+            "{recipe:?}"
+        );
+        // And the next finite step trains again.
+        s.run(&[step.step], &feeds(2, None)).unwrap();
+        assert_ne!(s.variable("dense/kernel").unwrap(), &before, "{recipe:?}");
+    }
+}
+
+/// Delayed scaling updates its state in a training step: an inference graph is a
+/// clear error naming the alternative.
+#[test]
+fn delayed_scaling_without_a_training_step_is_refused() {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [4, 8]).unwrap();
+    let y = nn::dense(&mut g, x, 8, None).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    let err = AutoMixedPrecision::new(
+        AmpConfig::new(DType::BF16)
+            .unwrap()
+            .with_fp8(Fp8Config::everywhere(Fp8Recipe::delayed())),
+    )
+    .rewrite(&mut g)
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("use current scaling"), "{err}");
+}
+
+/// The acceptance run, on the CPU: the MNIST MLP (784-256-256-10, GELU) trained
+/// 5 epochs on 4000 real images, every product in FP8 (first and last layers too),
+/// evaluates within half a point of the same model in BF16, with both recipes.
+#[test]
+fn mnist_in_fp8_matches_bf16() {
+    const EPOCHS: usize = 5;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/mnist");
+    let all = Mnist::load(&dir).unwrap();
+    let loader = |set: Mnist, shuffle: bool| {
+        let options = LoaderOptions {
+            batch_size: 100,
+            shuffle,
+            drop_last: shuffle,
+            ..LoaderOptions::default()
+        };
+        Loader::new(Arc::new(set), options).unwrap()
+    };
+    let train = loader(all.slice(0, 4000), true);
+    let eval = loader(all.slice(all.len() - 1000, all.len()), false);
+    let accuracy = |fp8: Option<Fp8Recipe>| -> f64 {
+        let mut g = Graph::new();
+        let images = g
+            .placeholder("images", DType::F32, [100, 1, 28, 28])
+            .unwrap();
+        let y = g.placeholder("labels", DType::I64, [100]).unwrap();
+        let x = g.reshape(images, [100, 784]).unwrap();
+        let h = nn::dense(&mut g, x, 256, Some(Activation::Gelu)).unwrap();
+        let h = nn::dense(&mut g, h, 256, Some(Activation::Gelu)).unwrap();
+        let logits = nn::dense(&mut g, h, 10, None).unwrap();
+        let loss = g.softmax_cross_entropy(logits, y).unwrap();
+        let step = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.05, 0.9))
+            .with_dtype(DType::BF16)
+            .with_loss_scale(LossScale::None)
+            .minimize(&mut g, loss)
+            .unwrap();
+        let mut amp = AmpConfig::new(DType::BF16).unwrap();
+        amp.fp8 = fp8.map(Fp8Config::everywhere);
+        let options = SessionOptions {
+            amp: Some(amp),
+            ..SessionOptions::default()
+        };
+        let mut s = Session::with_options(g, Device::Cpu, options).unwrap();
+        assert_eq!(formats(s.graph()).len(), if fp8.is_some() { 8 } else { 0 });
+        let mut trainer = Trainer::new(&mut s, step, images, y, TrainOptions::default()).unwrap();
+        let mut at = Position::START;
+        while at.epoch <= EPOCHS {
+            at = trainer.epoch(&train, at).unwrap().next;
+        }
+        100.0 * ampgraph::train::accuracy(&mut s, logits, images, &eval).unwrap()
+    };
+    let bf16 = accuracy(None);
+    let current = accuracy(Some(Fp8Recipe::Current));
+    let delayed = accuracy(Some(Fp8Recipe::delayed()));
+    println!(
+        "eval accuracy: bf16 {bf16:.1}%, FP8 current {current:.1}%, FP8 delayed {delayed:.1}%"
+    );
+    assert!(bf16 > 84.0, "bf16 {bf16}");
+    for fp8 in [current, delayed] {
+        assert!((bf16 - fp8).abs() <= 0.5, "bf16 {bf16}, fp8 {fp8}");
+    }
+}
+
+/// A graph marked `f8e4m3` (the optimizer's `with_dtype`) runs BF16 AMP with the FP8
+/// defaults, and keeps its mark through a file.
+#[test]
+fn a_graph_marked_f8e4m3_runs_bf16_amp_with_fp8_products() {
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [BATCH, 24]).unwrap();
+    let y = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
+    let logits = nn::dense(&mut g, x, 8, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, y).unwrap();
+    enable_mixed_precision_graph_rewrite(Sgd::new(0.1))
+        .with_dtype(DType::F8E4M3)
+        .minimize(&mut g, loss)
+        .unwrap();
+    let g =
+        ampgraph::graph::format::graph_from_bytes(to_json(&GraphDef::from_graph(&g)).as_bytes())
+            .unwrap();
+    assert_eq!(g.mixed_precision, Some(DType::F8E4M3));
+    let s = Session::new(g, Device::Cpu).unwrap();
+    let summary = s.passes[0].summary.to_string();
+    assert!(summary.contains("Total BF16 Cast ops"), "{summary}");
+    assert!(
+        summary.contains("FP8 GEMMs (E4M3 forward, E5M2 gradients): 0"),
+        "{summary}"
+    );
+}
+
+/// A random MLP: `depth` dense layers of random widths, trained or not.
+fn random_mlp(seed: u64, depth: usize, train: bool) -> Graph {
+    let width = |i: u64| 4 + ((seed >> (i * 5)) % 13) as usize;
+    let batch = 2 + (seed % 7) as usize;
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [batch, width(9)]).unwrap();
+    let mut h = x;
+    for i in 0..depth {
+        let act = (i + 1 < depth).then_some(Activation::Relu);
+        h = nn::dense(&mut g, h, width(i as u64), act).unwrap();
+    }
+    if train {
+        let loss = g.mean(h, None, false).unwrap();
+        Sgd::new(0.01).minimize(&mut g, loss).unwrap();
+    } else {
+        g.set_outputs(vec![h]).unwrap();
+    }
+    g
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// On random MLPs, trained or not, with either recipe: the rewritten graph is
+    /// valid; every product reads quantised operands, E5M2 exactly where an operand
+    /// is a gradient (the product is autodiff's); a second run changes nothing; and
+    /// the FP8 forward pass stays within FP8's error of the BF16 one.
+    #[test]
+    fn the_fp8_phase_is_type_consistent_idempotent_and_close_to_bf16(
+        seed in proptest::prelude::any::<u64>(),
+        depth in 1usize..5,
+        train in proptest::prelude::any::<bool>(),
+        delayed in proptest::prelude::any::<bool>(),
+    ) {
+        let recipe = if delayed && train { Fp8Recipe::delayed() } else { Fp8Recipe::Current };
+        let config = AmpConfig::new(DType::BF16).unwrap().with_fp8(Fp8Config::everywhere(recipe));
+        let original = random_mlp(seed, depth, train);
+        let mut g = original.clone();
+        let report = AutoMixedPrecision::new(config.clone()).rewrite(&mut g).unwrap();
+        g.validate().unwrap();
+        let f = formats(&g);
+        proptest::prop_assert_eq!(report.fp8.unwrap().gemms, f.len());
+        // depth forward products, depth weight gradients, depth - 1 input gradients.
+        proptest::prop_assert_eq!(f.len(), if train { 3 * depth - 1 } else { depth });
+        for (name, a, b) in &f {
+            let e5m2 = usize::from(*a == DType::F8E5M2) + usize::from(*b == DType::F8E5M2);
+            proptest::prop_assert_eq!(e5m2, usize::from(name.starts_with("gradients/")), "{}", name);
+        }
+        let once = to_json(&GraphDef::from_graph(&g));
+        AutoMixedPrecision::new(config).rewrite(&mut g).unwrap();
+        proptest::prop_assert_eq!(to_json(&GraphDef::from_graph(&g)), once);
+
+        // The forward output: FP8 against BF16, relative to the output's scale.
+        let out = |mut g: Graph, amp: AmpConfig| -> Vec<f64> {
+            let fetch = g.outputs()[0];
+            g.mixed_precision = Some(DType::BF16);
+            let options = SessionOptions { amp: Some(amp), ..SessionOptions::default() };
+            let mut s = Session::with_options(g, Device::Cpu, options).unwrap();
+            let x = s.graph().find("x").unwrap();
+            let shape = s.graph().node(x).outputs()[0].shape.clone();
+            let n: usize = shape.iter().product();
+            let values: Vec<f64> = (0..n).map(|i| ((i as u64 * 31 + seed) % 17) as f64 / 8.0 - 1.0).collect();
+            let feeds = Feeds::from([("x".into(), Tensor::from_f64(DType::F32, shape, &values).unwrap())]);
+            s.run(&[fetch], &feeds).unwrap()[0].to_f64_vec()
+        };
+        if !train {
+            let bf16 = out(original.clone(), AmpConfig::new(DType::BF16).unwrap());
+            let fp8 = out(original, AmpConfig::new(DType::BF16).unwrap().with_fp8(Fp8Config::everywhere(Fp8Recipe::Current)));
+            let scale = bf16.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+            // Each layer's two operands carry at most E4M3's 2^-4 relative rounding.
+            let bound = scale * ((1.0 + 2f64.powi(-4)).powi(2 * depth as i32) - 1.0);
+            for (a, b) in bf16.iter().zip(&fp8) {
+                proptest::prop_assert!((a - b).abs() <= bound, "bf16 {} fp8 {} bound {}", a, b, bound);
+            }
+        }
+    }
+}
