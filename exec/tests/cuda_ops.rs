@@ -2009,3 +2009,149 @@ fn fused_attention_and_its_gradient() {
         }
     }
 }
+
+/// Outputs equal bit for bit (NaN matching NaN).
+fn assert_identical(what: &str, (dev, cpu): (Vec<Tensor>, Vec<Tensor>)) {
+    for (k, (a, b)) in dev.iter().zip(&cpu).enumerate() {
+        assert_eq!(a.ty(), b.ty(), "{what} output {k}: types differ");
+        let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+        let same = |(p, q): (&f64, &f64)| p == q || (p.is_nan() && q.is_nan());
+        if let Some(i) = x.iter().zip(&y).position(|pair| !same(pair)) {
+            panic!(
+                "{what} output {k}: element {i}: gpu {} vs cpu {}",
+                x[i], y[i]
+            );
+        }
+    }
+}
+
+/// The FP8 ops (issue 44) against the CPU reference: quantisation and its amax, the
+/// scales of both recipes, the history and dequantisation bit for bit; the FP8
+/// product (each transpose, the mixed formats, 16-bit and f32 results) within its
+/// f32 accumulation's rounding; shapes cuBLASLt's FP8 products do not take refused.
+#[test]
+fn fp8_ops_match_the_cpu() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(44);
+    for x_ty in HALF_AND_F32 {
+        for to in [DType::F8E4M3, DType::F8E5M2] {
+            let what = format!("{x_ty} -> {to}");
+            // Beyond both formats' range once scaled (saturation), and tiny values
+            // (subnormals and zeros).
+            let mut v = r.vec(1600, -700.0, 700.0);
+            v[3] = 1e-5;
+            v[4] = -0.0;
+            v[5] = 250_000.0;
+            let x = t(x_ty, &[16, 100], &v);
+            let scale = t(DType::F32, &[], &[0.37]);
+            assert_identical(
+                &format!("QuantizeFp8 {what}"),
+                run_both(
+                    &mut gpu,
+                    "quantize",
+                    QuantizeFp8::new(to).unwrap(),
+                    &[x.clone(), scale],
+                ),
+            );
+            for margin in [0, 2] {
+                assert_identical(
+                    &format!("Fp8Scale {what} margin {margin}"),
+                    run_both(
+                        &mut gpu,
+                        "scale",
+                        Fp8Scale::new(to, margin).unwrap(),
+                        &[x.clone()],
+                    ),
+                );
+            }
+            let zeros = t(x_ty, &[40], &[0.0; 40]);
+            let mut with_nan = v.clone();
+            with_nan[77] = f64::NAN;
+            for special in [zeros, t(x_ty, &[16, 100], &with_nan)] {
+                assert_identical(
+                    &format!("Fp8Scale {what} of zeros or a NaN"),
+                    run_both(&mut gpu, "scale", Fp8Scale::new(to, 0).unwrap(), &[special]),
+                );
+            }
+            let y = t(to, &[16, 100], &r.vec(1600, -400.0, 400.0));
+            assert_identical(
+                &format!("DequantizeFp8 {what}"),
+                run_both(
+                    &mut gpu,
+                    "dequantize",
+                    DequantizeFp8::new(x_ty).unwrap(),
+                    &[y, t(DType::F32, &[], &[0.013])],
+                ),
+            );
+        }
+    }
+    for n in [1, 7, 1024] {
+        let history = t(DType::F32, &[n], &r.vec(n, 0.0, 50.0));
+        for amax in [AmaxChoice::Max, AmaxChoice::MostRecent] {
+            for m in [3.5, 0.0, f64::INFINITY, f64::NAN] {
+                let op = Fp8ScaleUpdate {
+                    scale: Fp8Scale::new(DType::F8E4M3, 1).unwrap(),
+                    amax,
+                };
+                let inputs = [
+                    history.clone(),
+                    t(DType::F32, &[], &[m]),
+                    t(DType::F32, &[], &[2.5]),
+                ];
+                assert_identical(
+                    &format!("Fp8ScaleUpdate n {n} {amax:?} amax {m}"),
+                    run_both(&mut gpu, "update", op, &inputs),
+                );
+            }
+        }
+    }
+    let (m, k, n) = (48, 64, 32);
+    let formats = [
+        (DType::F8E4M3, DType::F8E4M3),
+        (DType::F8E5M2, DType::F8E4M3),
+        (DType::F8E4M3, DType::F8E5M2),
+    ];
+    for (fa, fb) in formats {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for to in [DType::BF16, DType::F16, DType::F32] {
+                let a = rand(
+                    &mut r,
+                    fa,
+                    &if ta { vec![k, m] } else { vec![m, k] },
+                    -3.0,
+                    3.0,
+                );
+                let b = rand(
+                    &mut r,
+                    fb,
+                    &if tb { vec![n, k] } else { vec![k, n] },
+                    -3.0,
+                    3.0,
+                );
+                let op = Fp8MatMul::new(MatMul::new(ta, tb), to).unwrap();
+                let inputs = [
+                    a,
+                    b,
+                    t(DType::F32, &[], &[0.5]),
+                    t(DType::F32, &[], &[0.25]),
+                ];
+                // Terms of up to 9/8 each, 64 of them: the sums' scale is about 8.
+                check_scaled(
+                    &mut gpu,
+                    &format!("Fp8MatMul {fa} x {fb} {ta} {tb} -> {to}"),
+                    op,
+                    &inputs,
+                    8.0,
+                );
+            }
+        }
+    }
+    let a = t(DType::F8E4M3, &[16, 24], &[1.0; 16 * 24]);
+    let b = t(DType::F8E4M3, &[24, 16], &[1.0; 24 * 16]);
+    let (g, feeds, outs) = common::op_graph(
+        Box::new(Fp8MatMul::new(MatMul::new(false, false), DType::BF16).unwrap()),
+        &[a, b, t(DType::F32, &[], &[1.0]), t(DType::F32, &[], &[1.0])],
+    );
+    let err = gpu.run(&g, &feeds, &outs).unwrap_err().to_string();
+    assert!(err.contains("multiples of 16"), "{err}");
+}

@@ -4,7 +4,10 @@
 //! is the column-major `C^T = op(B)^T op(A)^T`, so the operands swap and each keeps
 //! its own transpose flag (folded into the op descriptor, never materialised).
 //! Batches use the strided-batched layout; an operand whose batch broadcasts has
-//! stride 0.
+//! stride 0. FP8 products (E4M3 or E5M2 operands, not both E5M2) take each operand's
+//! scale inverse by pointer and store f32, f16 or bf16; Hopper runs them only with
+//! both operands K-major (`a` not transposed, `b` transposed), which the caller
+//! arranges.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -71,6 +74,8 @@ pub fn compute_type(dtype: DType, opts: GemmOptions) -> Result<ComputeTypes, Str
         DType::F16 => (T::CUDA_R_16F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
         DType::BF16 => (T::CUDA_R_16BF, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
         DType::F64 => (T::CUDA_R_64F, C::CUBLAS_COMPUTE_64F, T::CUDA_R_64F),
+        DType::F8E4M3 => (T::CUDA_R_8F_E4M3, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
+        DType::F8E5M2 => (T::CUDA_R_8F_E5M2, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
         other => return Err(format!("no matrix product for {other}")),
     };
     Ok(ComputeTypes {
@@ -101,6 +106,8 @@ pub struct Gemm {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct PlanKey {
     dtype: DType,
+    /// `b`'s dtype: `dtype` but in FP8 products, whose operands' formats may differ.
+    dtype_b: DType,
     /// The output's dtype: `dtype`, or f32 for a 16-bit product stored wide.
     out: DType,
     m: usize,
@@ -278,6 +285,9 @@ pub struct Product<'a> {
     /// beta 1; never the output's own buffer, so autotuning's repeated runs write the
     /// same result).
     pub residual: Option<&'a DTensor>,
+    /// An FP8 product's scale inverses (f32 scalars on the device) of `a` and `b`,
+    /// multiplied into the product; `None` for every other product.
+    pub scales: Option<(&'a DTensor, &'a DTensor)>,
 }
 
 impl Gemm {
@@ -305,10 +315,28 @@ impl Gemm {
 
     pub fn run(&self, dev: &Device, p: &Product, opts: GemmOptions) -> Result<(), String> {
         let (dtype, out) = (p.a.dtype, p.c.dtype);
+        let fp8 = dtype.is_fp8();
         let wide_16_bit = matches!(dtype, DType::F16 | DType::BF16) && out == DType::F32;
-        let allowed = out == dtype || (wide_16_bit && !opts.allow_fp16_reduced_precision_reduction);
+        let allowed = if fp8 {
+            matches!(out, DType::F32 | DType::F16 | DType::BF16)
+                && p.b.dtype.is_fp8()
+                && !(dtype == DType::F8E5M2 && p.b.dtype == DType::F8E5M2)
+                && p.scales.is_some()
+                && !p.transpose_a
+                && p.transpose_b
+                && p.bias.is_none()
+                && p.residual.is_none()
+                && p.batch == 1
+        } else {
+            p.b.dtype == dtype
+                && p.scales.is_none()
+                && (out == dtype || (wide_16_bit && !opts.allow_fp16_reduced_precision_reduction))
+        };
         if !allowed {
-            return Err(format!("no {dtype} product stored as {out}"));
+            return Err(format!(
+                "no {dtype} x {} product stored as {out} with these operands",
+                p.b.dtype
+            ));
         }
         if let Some((bias, _)) = p.bias.filter(|(b, _)| b.dtype != out) {
             return Err(format!(
@@ -331,6 +359,7 @@ impl Gemm {
         }
         let key = PlanKey {
             dtype,
+            dtype_b: p.b.dtype,
             out,
             m: p.m,
             n: p.n,
@@ -388,9 +417,29 @@ impl Gemm {
                 )
             }?;
         }
+        if let Some((a_inv, b_inv)) = p.scales {
+            // cuBLASLt's A is our b (the operands swap for the column-major view).
+            let (a_ptr, b_ptr) = (b_inv.ptr() as *const c_void, a_inv.ptr() as *const c_void);
+            // SAFETY: the attributes are device pointers to f32 scalars, as FP8
+            // products take their scales.
+            unsafe {
+                set_desc(
+                    plan.desc.0,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                    &a_ptr,
+                    "a scale pointer",
+                )?;
+                set_desc(
+                    plan.desc.0,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                    &b_ptr,
+                    "b scale pointer",
+                )?;
+            }
+        }
         let a = p.a.ptr() + p.offset_a as u64 * esize;
-        let b = p.b.ptr() + p.offset_b as u64 * esize;
-        let c = p.c.ptr() + p.offset_c as u64 * esize;
+        let b = p.b.ptr() + p.offset_b as u64 * p.b.dtype.size_bytes() as u64;
+        let c = p.c.ptr() + p.offset_c as u64 * out.size_bytes() as u64;
         // cuBLASLt reads C: the residual, else the output itself (times beta 0).
         let c_in = p.residual.map_or(c, |r| r.ptr());
         let matmul = |plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t| {
@@ -485,6 +534,7 @@ impl Gemm {
     fn plan(&self, key: &PlanKey) -> Result<(Plan, Vec<sys::cublasLtMatmulAlgo_t>), String> {
         let PlanKey {
             dtype,
+            dtype_b,
             out,
             m,
             n,
@@ -517,13 +567,15 @@ impl Gemm {
         } else {
             (k64, m64, k as i64)
         };
-        let lb = layout(mat_ty, b_rows, b_cols, ldb, batch_count, stride_b as i64)?;
+        let b_ty = compute_type(dtype_b, opts)?.data;
+        let lb = layout(b_ty, b_rows, b_cols, ldb, batch_count, stride_b as i64)?;
         let la = layout(mat_ty, a_rows, a_cols, lda, batch_count, stride_a as i64)?;
-        // A 16-bit product stored in f32 (run() allows no other mix).
+        // A 16-bit product stored in f32, or an FP8 one stored in a wider type (run()
+        // allows no other mix).
         let out_ty = if out == dtype {
             mat_ty
         } else {
-            sys::cudaDataType::CUDA_R_32F
+            compute_type(out, GemmOptions::default())?.data
         };
         let lc = layout(out_ty, n64, m64, n as i64, batch_count, (m * n) as i64)?;
         let desc = Desc(lt::create_matmul_desc(compute, scale_ty).map_err(err("descriptor"))?);

@@ -69,6 +69,7 @@ fn lower_matmul(
             alpha: 1.0,
             bias,
             residual,
+            scales: None,
         };
         // cuBLASLt adds a bias of the output's type: a 16-bit bias of a product
         // stored in f32 is widened first (exactly; a kernel over the bias alone).
@@ -158,6 +159,7 @@ fn lower_batch_matmul(bm: &BatchMatMul, ins: &[TensorType], outs: &[TensorType])
                 alpha,
                 bias: None,
                 residual: None,
+                scales: None,
             };
             c.gemm.run(c.dev, &p, c.gemm_options)?;
         }

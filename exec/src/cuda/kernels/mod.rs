@@ -23,6 +23,7 @@ mod collective;
 mod conv;
 mod cross_entropy;
 mod elementwise;
+mod fp8;
 mod fused;
 mod matmul;
 mod norm;
@@ -125,10 +126,15 @@ pub(crate) fn lower(
     inputs: &[TensorType],
     outputs: &[TensorType],
 ) -> Result<Lowered, String> {
+    // FP8 tensors are the FP8 pass's: only its ops read and write them.
+    if let Some(k) = fp8::lower(op, inputs, outputs) {
+        return k.map(Lowered::Kernel);
+    }
     if let Some(t) = inputs.iter().chain(outputs).find(|t| t.dtype.is_fp8()) {
         return Err(format!(
-            "{} tensors have no CUDA kernels yet (FP8 GEMMs are issue 44's): run the \
-             graph on the CPU",
+            "{} on {} tensors has no CUDA kernel (only the FP8 pass's ops take them): run \
+             the graph on the CPU",
+            op.name(),
             t.dtype
         ));
     }

@@ -8,6 +8,7 @@ use super::batch_norm::{
 use super::conv::pad;
 use super::cross_entropy::{sce, sce_grad, sce_with_grad};
 use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad};
+use super::fp8;
 use super::fused::fused;
 use super::fused::tests::program as fused_program;
 use super::norm::{layer_norm, layer_norm_grad_block, layer_norm_grad_rows, NormTypes};
@@ -53,6 +54,9 @@ struct __half2 { unsigned x; };
 struct __nv_bfloat162 { unsigned x; };
 __half2 __floats2half2_rn(float, float); __nv_bfloat162 __floats2bfloat162_rn(float, float);
 using std::isnan; using std::isfinite;
+struct __nv_fp8_e4m3 { unsigned char x; explicit __nv_fp8_e4m3(float); explicit operator float() const; };
+struct __nv_fp8_e5m2 { unsigned char x; explicit __nv_fp8_e5m2(float); explicit operator float() const; };
+unsigned atomicMax(unsigned*, unsigned); unsigned __float_as_uint(float); float __fdiv_rn(float, float);
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 "#;
 
@@ -368,6 +372,23 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         let op = FusedSoftmax::new(-1, log, fused_program(text, vec![value])).unwrap();
         k.push((format!("fused_softmax_{i}"), fused_softmax(&op, 2)));
     }
+    for (x, to) in [(DType::BF16, DType::F8E4M3), (DType::F32, DType::F8E5M2)] {
+        k.extend([
+            (format!("fp8_amax_{x}"), fp8::amax(x)),
+            (format!("fp8_quantize_{x}_{to}"), fp8::quantize(x, to)),
+            (format!("fp8_dequantize_{to}_{x}"), fp8::dequantize(to, x)),
+            (format!("fp8_scale_{to}"), fp8::scale(to, 1)),
+            (
+                format!("fp8_scale_update_{to}"),
+                fp8::scale_update(to, 0, false),
+            ),
+            (
+                format!("fp8_scale_update_recent_{to}"),
+                fp8::scale_update(to, 0, true),
+            ),
+        ]);
+    }
+    k.push(("fp8_transpose".into(), fp8::transpose()));
     k
 }
 
@@ -416,7 +437,7 @@ fn every_generated_kernel_parses() {
     };
     let dir = std::env::temp_dir().join(format!("ampgraph-kernels-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for header in ["cuda_fp16.h", "cuda_bf16.h"] {
+    for header in ["cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"] {
         std::fs::write(dir.join(header), "").unwrap();
     }
     std::fs::write(dir.join("cuda_standins.h"), CUDA_STANDINS).unwrap();

@@ -1,0 +1,366 @@
+//! FP8 (issue 44): the scaled casts (`QuantizeFp8` with its amax, `DequantizeFp8`),
+//! the scales of current and delayed scaling (`Fp8Scale`, `Fp8ScaleUpdate`) and the
+//! FP8 product (`Fp8MatMul`) through cuBLASLt. Each kernel computes what the op's CPU
+//! reference does, bit for bit: products and quotients in f32 with IEEE rounding, the
+//! conversion `cuda_fp8.h`'s saturating one (`cvt.rn.satfinite`, as
+//! `ampgraph_graph::fp8` rounds).
+//!
+//! Hopper's FP8 products take both operands K-major (cuBLASLt's "TN"): `a` as
+//! `[m, k]` and `b` as `[n, k]`, row-major; an operand the product's flags hold the
+//! other way is transposed into the node's scratch first. cuBLASLt also needs `k` and
+//! `n` multiples of 16 (16-byte leading dimensions): other shapes are refused by name.
+
+use ampgraph_graph::fp8::Fp8;
+use ampgraph_graph::ops::{
+    AmaxChoice, DequantizeFp8, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate, QuantizeFp8,
+};
+use ampgraph_graph::{DType, Op, TensorType};
+
+use super::codegen::module_multi;
+use super::{first, input, kernel, one_output, Ctx, KernelResult, Lowering};
+use crate::cuda::device::{Arg, DTensor};
+use crate::cuda::gemm::Product;
+
+kernel_specs! {
+    /// The modules of the family.
+    #[derive(Clone, Debug, PartialEq)]
+    enum Spec in "fp8" {
+        /// `k(const TX* px, i64 n, unsigned* amax)`: `amax` (zeroed first) becomes the
+        /// bits of `max |x|` (NaN where one is).
+        Amax { x: DType } => amax(x),
+        /// `k(const TX* px, const float* ps, TY* py, unsigned* amax, i64 n)`:
+        /// `y = fp8(x * s)` and, as [`Spec::Amax`], `max |x|`.
+        Quantize { x: DType, to: DType } => quantize(x, to),
+        /// `k(const TY* py, const float* pinv, TO* po, i64 n)`: `o = y * inv`.
+        Dequantize { y: DType, to: DType } => dequantize(y, to),
+        /// `k(const float* amax, float* scale, float* inv)`: one thread.
+        Scale { format: DType, margin: i32 } => scale(format, margin),
+        /// `k(const float* hist, const float* amax, const float* scale, float* hist_out,
+        /// float* scale_out, float* inv_out, i64 n)`: one block of at least `n` threads.
+        ScaleUpdate { format: DType, margin: i32, most_recent: bool } => scale_update(format, margin, most_recent),
+        /// `k(const u8* x, u8* y, i64 rows, i64 cols)`: `y = x^T` of bytes.
+        Transpose {} => transpose(),
+    }
+}
+
+/// The longest amax history one block updates.
+const MAX_HISTORY: usize = 1024;
+
+pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
+    if let Some(q) = op.downcast_ref::<QuantizeFp8>() {
+        return Some(lower_quantize(q, ins, outs));
+    }
+    if let Some(d) = op.downcast_ref::<DequantizeFp8>() {
+        return Some(lower_dequantize(d, ins, outs));
+    }
+    if let Some(s) = op.downcast_ref::<Fp8Scale>() {
+        return Some(lower_scale(s, ins, outs));
+    }
+    if let Some(u) = op.downcast_ref::<Fp8ScaleUpdate>() {
+        return Some(lower_scale_update(u, ins, outs));
+    }
+    if let Some(m) = op.downcast_ref::<Fp8MatMul>() {
+        return Some(lower_matmul(m, ins, outs));
+    }
+    None
+}
+
+/// The largest finite value of an FP8 dtype, as a C float literal.
+fn largest(format: DType) -> String {
+    let f = if format == DType::F8E5M2 {
+        Fp8::E5M2
+    } else {
+        Fp8::E4M3
+    };
+    format!("{:?}f", f.max())
+}
+
+/// A module of the named dtypes with `cuda_fp8.h`'s types.
+fn fp8_module(types: &[(&str, DType)], body: &str) -> String {
+    format!("#include <cuda_fp8.h>\n{}", module_multi(types, body))
+}
+
+/// The per-thread amax folded over the warp and into `amax` by its bits: non-negative
+/// floats (NaN included, its sign cleared) order as their bits do.
+const AMAX_FOLD: &str = "  m = warp_max(m);\n\
+  if ((threadIdx.x & 31) == 0) atomicMax(amax, __float_as_uint(fabsf(m)));\n";
+
+pub(super) fn amax(x: DType) -> String {
+    fp8_module(
+        &[("X", x)],
+        &format!(
+            "extern \"C\" __global__ void k(const TX* px, i64 n, unsigned int* amax) {{\n\
+               float m = 0.0f;\n\
+               GRID_LOOP(i, n) {{ m = nanmax(m, fabsf((float)ldX(px, i))); }}\n{AMAX_FOLD}}}\n"
+        ),
+    )
+}
+
+pub(super) fn quantize(x: DType, to: DType) -> String {
+    fp8_module(
+        &[("X", x), ("Y", to)],
+        &format!(
+            "extern \"C\" __global__ void k(const TX* px, const float* ps, TY* py, unsigned int* amax, i64 n) {{\n\
+               const float s = ps[0];\n\
+               float m = 0.0f;\n\
+               GRID_LOOP(i, n) {{ const float x = (float)ldX(px, i); m = nanmax(m, fabsf(x)); stY(py, i, __fmul_rn(x, s)); }}\n{AMAX_FOLD}}}\n"
+        ),
+    )
+}
+
+pub(super) fn dequantize(y: DType, to: DType) -> String {
+    fp8_module(
+        &[("Y", y), ("O", to)],
+        "extern \"C\" __global__ void k(const TY* py, const float* pinv, TO* po, i64 n) {\n\
+           const float s = pinv[0];\n\
+           GRID_LOOP(i, n) { stO(po, i, __fmul_rn(ldY(py, i), s)); }\n}\n",
+    )
+}
+
+/// `max / amax / 2^margin` in f32, as `Fp8Scale::of_amax`.
+fn scale_of(format: DType, margin: i32, amax: &str) -> String {
+    format!(
+        "__fdiv_rn(__fdiv_rn({}, {amax}), {:?}f)",
+        largest(format),
+        (1u32 << margin) as f32
+    )
+}
+
+pub(super) fn scale(format: DType, margin: i32) -> String {
+    fp8_module(
+        &[],
+        &format!(
+            "extern \"C\" __global__ void k(const float* pa, float* ps, float* pi) {{\n\
+               const float a = pa[0];\n\
+               float s;\n\
+               if (isfinite(a) && a > 0.0f) s = {};\n\
+               else if (a == 0.0f) s = 1.0f;\n\
+               else s = F_NAN;\n\
+               ps[0] = s; pi[0] = __fdiv_rn(1.0f, s);\n}}\n",
+            scale_of(format, margin, "a")
+        ),
+    )
+}
+
+/// Every thread reads its entries before any writes: the new history may be the old
+/// one's buffer.
+pub(super) fn scale_update(format: DType, margin: i32, most_recent: bool) -> String {
+    let chosen = if most_recent {
+        "push ? m : ph[0]"
+    } else {
+        "best"
+    };
+    fp8_module(
+        &[],
+        &format!(
+            "extern \"C\" __global__ void k(const float* ph, const float* pa, const float* ps, float* ph_out, float* ps_out, float* pi_out, i64 n) {{\n\
+               __shared__ float sh[32];\n\
+               const float m = pa[0], s = ps[0];\n\
+               const bool push = isfinite(m);\n\
+               const i64 i = threadIdx.x;\n\
+               const float v = i < n ? (push ? (i == 0 ? m : ph[i - 1]) : ph[i]) : 0.0f;\n\
+               const float best = block_max(fmaxf(v, 0.0f), sh);\n\
+               if (i < n) ph_out[i] = v;\n\
+               if (i == 0) {{\n\
+                 const float chosen = {chosen};\n\
+                 ps_out[0] = isfinite(chosen) && chosen > 0.0f ? {} : s;\n\
+                 pi_out[0] = push ? __fdiv_rn(1.0f, s) : F_NAN;\n\
+               }}\n}}\n",
+            scale_of(format, margin, "chosen")
+        ),
+    )
+}
+
+pub(super) fn transpose() -> String {
+    fp8_module(
+        &[],
+        "extern \"C\" __global__ void k(const u8* x, u8* y, i64 rows, i64 cols) {\n\
+           GRID_LOOP(i, rows * cols) { const i64 r = i / cols, c = i % cols; y[c * rows + r] = x[i]; }\n}\n",
+    )
+}
+
+/// The amax output, zeroed for the kernel to fold its bits into.
+fn zeroed_amax(c: &Ctx, ty: &TensorType) -> Result<DTensor, String> {
+    let amax = c.alloc(ty)?;
+    c.dev.zero(&amax)?;
+    Ok(amax)
+}
+
+fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+    let [x, ..] = ins else {
+        return Err("QuantizeFp8 takes x and its scale".into());
+    };
+    let spec = Spec::Quantize {
+        x: x.dtype,
+        to: q.to,
+    };
+    let outs = outs.to_vec();
+    if outs.len() != 2 {
+        return Err("QuantizeFp8 gives the values and their amax".into());
+    }
+    Ok(kernel(move |c, inputs| {
+        let (x, s) = (input(inputs, 0)?, input(inputs, 1)?);
+        let y = c.alloc(&outs[0])?;
+        let amax = zeroed_amax(c, &outs[1])?;
+        let n = x.len();
+        c.launch_items(
+            &spec,
+            n,
+            1,
+            &[x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)],
+        )?;
+        Ok(vec![y, amax])
+    }))
+}
+
+fn lower_dequantize(d: &DequantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+    let spec = Spec::Dequantize {
+        y: first(ins)?.dtype,
+        to: d.to,
+    };
+    Ok(one_output(first(outs)?, move |c, inputs, o| {
+        let (y, inv) = (input(inputs, 0)?, input(inputs, 1)?);
+        let n = y.len();
+        c.launch_items(
+            &spec,
+            n,
+            1,
+            &[y.arg(), inv.arg(), o.arg(), Arg::I64(n as i64)],
+        )
+    }))
+}
+
+fn lower_scale(s: &Fp8Scale, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+    let amax_spec = Spec::Amax {
+        x: first(ins)?.dtype,
+    };
+    let spec = Spec::Scale {
+        format: s.format,
+        margin: s.margin,
+    };
+    let outs = outs.to_vec();
+    if outs.len() != 2 {
+        return Err("Fp8Scale gives the scale and its inverse".into());
+    }
+    Ok(kernel(move |c, inputs| {
+        let x = input(inputs, 0)?;
+        let amax = c.temp(DType::F32, 1)?;
+        c.dev.zero(&amax)?;
+        let n = x.len();
+        c.launch_items(&amax_spec, n, 1, &[x.arg(), Arg::I64(n as i64), amax.arg()])?;
+        let (scale, inv) = (c.alloc(&outs[0])?, c.alloc(&outs[1])?);
+        c.launch(&spec, "k", (1, 1), &[amax.arg(), scale.arg(), inv.arg()])?;
+        Ok(vec![scale, inv])
+    }))
+}
+
+fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+    let n = first(ins)?.shape.iter().product::<usize>();
+    if n > MAX_HISTORY {
+        return Err(format!(
+            "an amax history of {n} steps has no CUDA kernel (at most {MAX_HISTORY})"
+        ));
+    }
+    let spec = Spec::ScaleUpdate {
+        format: u.scale.format,
+        margin: u.scale.margin,
+        most_recent: u.amax == AmaxChoice::MostRecent,
+    };
+    let outs = outs.to_vec();
+    if outs.len() != 3 {
+        return Err("Fp8ScaleUpdate gives the history, the scale and this step's inverse".into());
+    }
+    let threads = n.next_multiple_of(32) as u32;
+    Ok(kernel(move |c, inputs| {
+        let (h, amax, s) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
+        let out = c.alloc_all(&outs)?;
+        c.launch(
+            &spec,
+            "k",
+            (1, threads),
+            &[
+                h.arg(),
+                amax.arg(),
+                s.arg(),
+                out[0].arg(),
+                out[1].arg(),
+                out[2].arg(),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        Ok(out)
+    }))
+}
+
+/// `x` (`rows x cols` bytes) transposed into a temporary.
+fn transposed(c: &Ctx, x: &DTensor, rows: usize, cols: usize) -> Result<DTensor, String> {
+    let y = c.temp(x.dtype, rows * cols)?;
+    let n = rows * cols;
+    c.launch_items(
+        &Spec::Transpose {},
+        n,
+        1,
+        &[
+            x.arg(),
+            y.arg(),
+            Arg::I64(rows as i64),
+            Arg::I64(cols as i64),
+        ],
+    )?;
+    Ok(y)
+}
+
+fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+    let [a, b, ..] = ins else {
+        return Err("Fp8MatMul takes a, b and their scales' inverses".into());
+    };
+    let (m, k, n) = f.product.dims(&a.shape, &b.shape)?;
+    if k % 16 != 0 || n % 16 != 0 {
+        return Err(format!(
+            "cuBLASLt's FP8 products need k and n multiples of 16, not [{m}x{k}] x [{k}x{n}] \
+             (the FP8 pass keeps such products 16-bit unless told to convert everything)"
+        ));
+    }
+    let (transpose_a, transpose_b) = (f.product.transpose_a, f.product.transpose_b);
+    Ok(one_output(first(outs)?, move |c, inputs, y| {
+        let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
+        let (a_inv, b_inv) = (input(inputs, 2)?, input(inputs, 3)?);
+        // K-major: a as [m, k], b as [n, k].
+        let a_rows = transpose_a.then(|| transposed(c, a, k, m)).transpose()?;
+        let b_rows = (!transpose_b).then(|| transposed(c, b, k, n)).transpose()?;
+        let product = Product {
+            a: a_rows.as_ref().unwrap_or(a),
+            b: b_rows.as_ref().unwrap_or(b),
+            c: y,
+            m,
+            n,
+            k,
+            transpose_a: false,
+            transpose_b: true,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            offset_a: 0,
+            offset_b: 0,
+            offset_c: 0,
+            alpha: 1.0,
+            bias: None,
+            residual: None,
+            scales: Some((a_inv, b_inv)),
+        };
+        c.gemm.run(c.dev, &product, c.gemm_options)
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scale's literals are the formats' largest values and the margin's power.
+    #[test]
+    fn scales_bake_in_the_formats_largest_values() {
+        assert!(scale(DType::F8E4M3, 0).contains("__fdiv_rn(__fdiv_rn(448.0f, a), 1.0f)"));
+        assert!(scale(DType::F8E5M2, 3).contains("__fdiv_rn(__fdiv_rn(57344.0f, a), 8.0f)"));
+        assert!(quantize(DType::BF16, DType::F8E4M3).starts_with("#include <cuda_fp8.h>"));
+    }
+}
