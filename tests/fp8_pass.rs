@@ -197,8 +197,8 @@ fn large_products_take_fp8() {
     AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap())
         .rewrite(&mut g)
         .unwrap();
-    let plan = plan(&g, &Fp8Config::default()).unwrap();
-    let fp8: Vec<&str> = plan
+    let decided = plan(&g, &Fp8Config::default()).unwrap();
+    let fp8: Vec<&str> = decided
         .decisions
         .iter()
         .filter(|(_, d)| matches!(d, Decision::Fp8 { .. }))
@@ -206,10 +206,32 @@ fn large_products_take_fp8() {
         .collect();
     assert_eq!(fp8.len(), 3, "{fp8:?}");
     assert!(fp8.contains(&"dense_1/matmul"), "{fp8:?}");
-    assert!(plan
+    assert!(decided
         .decisions
         .iter()
         .all(|(_, d)| matches!(d, Decision::Fp8 { .. } | Decision::Kept(Kept::FirstOrLast))));
+
+    // A width cuBLASLt's FP8 products do not take (n = 8200, not a multiple of 16).
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [8192, 4096]).unwrap();
+    let h = nn::dense(&mut g, x, 8200, None).unwrap();
+    g.set_outputs(vec![h]).unwrap();
+    AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap())
+        .rewrite(&mut g)
+        .unwrap();
+    let config = Fp8Config {
+        keep_first_and_last: false,
+        ..Fp8Config::default()
+    };
+    let unaligned = plan(&g, &config).unwrap();
+    assert_eq!(
+        unaligned
+            .decisions
+            .iter()
+            .map(|(_, d)| d.clone())
+            .collect::<Vec<_>>(),
+        vec![Decision::Kept(Kept::Shape { k: 4096, n: 8200 })]
+    );
 }
 
 fn e4m3(v: f64) -> f64 {

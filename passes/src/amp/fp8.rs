@@ -106,8 +106,9 @@ impl GemmCost {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp8Config {
     pub recipe: Fp8Recipe,
-    /// The cost model deciding per product; `None` converts every 16-bit MatMul (but
-    /// those kept for the other reasons).
+    /// The cost model deciding per product, products of shapes the device's FP8
+    /// kernels do not take kept too; `None` converts every 16-bit MatMul (but those
+    /// kept for the other reasons), as the CPU runs them.
     pub cost: Option<GemmCost>,
     /// Keep the products of the forward graph's first and last layers 16-bit.
     pub keep_first_and_last: bool,
@@ -152,6 +153,9 @@ pub enum Kept {
     Listed(String),
     /// The cost model: microseconds in 16 bits and in FP8 with its casts.
     Cost { half_us: f64, fp8_us: f64 },
+    /// A shape the device's FP8 products do not take: `k` or `n` not a multiple of 16
+    /// (cuBLASLt's 16-byte leading dimensions).
+    Shape { k: usize, n: usize },
     /// Both operands are gradients.
     BothGradients,
 }
@@ -164,6 +168,10 @@ impl fmt::Display for Kept {
             Kept::Cost { half_us, fp8_us } => write!(
                 f,
                 "the cost model gives {fp8_us:.2} us in FP8 with its casts against {half_us:.2} us in 16 bits"
+            ),
+            Kept::Shape { k, n } => write!(
+                f,
+                "cuBLASLt's FP8 products need k and n multiples of 16 (k = {k}, n = {n})"
             ),
             Kept::BothGradients => {
                 write!(f, "both operands are gradients (E5M2 x E5M2 has no product)")
@@ -194,7 +202,8 @@ pub struct Plan {
 pub struct Fp8Stats {
     /// Products given FP8 operands.
     pub gemms: usize,
-    /// 16-bit products kept by the cost model.
+    /// 16-bit products kept by the cost model (or a shape the device's FP8 products
+    /// do not take).
     pub kept_by_cost: usize,
     /// Kept as a first or last layer, or listed.
     pub kept_by_layer: usize,
@@ -217,7 +226,7 @@ impl Plan {
         for (_, d) in &self.decisions {
             match d {
                 Decision::Fp8 { .. } => s.gemms += 1,
-                Decision::Kept(Kept::Cost { .. }) => s.kept_by_cost += 1,
+                Decision::Kept(Kept::Cost { .. } | Kept::Shape { .. }) => s.kept_by_cost += 1,
                 Decision::Kept(Kept::FirstOrLast | Kept::Listed(_)) => s.kept_by_layer += 1,
                 Decision::Kept(Kept::BothGradients) => s.kept_both_gradients += 1,
             }
@@ -333,6 +342,10 @@ pub fn plan(g: &Graph, config: &Fp8Config) -> Result<Plan, PassError> {
                 cost.half_seconds(m, k, n),
                 cost.fp8_seconds(m, k, n, config.recipe),
             );
+            if k % 16 != 0 || n % 16 != 0 {
+                decisions.push((id, Decision::Kept(Kept::Shape { k, n })));
+                continue;
+            }
             if fp8 >= half {
                 let kept = Kept::Cost {
                     half_us: half * 1e6,
