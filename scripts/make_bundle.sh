@@ -17,7 +17,7 @@ cp target/release/examples/bench target/release/examples/mnist target/release/ex
 cp target/release/examples/gpt2 bundle/gpt2_train
 cargo build --release --bin ampgraph && cp target/release/ampgraph bundle/
 strip bundle/cuda_ops bundle/cuda_fused bundle/cuda_executor bundle/cuda_pool bundle/cuda_session bundle/cuda_numerics bundle/onnx_models bundle/onnx_export bundle/cuda_data_parallel bundle/ampgraph bundle/bench bundle/mnist bundle/image_folder bundle/gpt2_train
-cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layouts.py scripts/gpu_final.sh scripts/energy.py scripts/torch_causal.py scripts/torch_convnet_width.py scripts/gpu_convnet.sh scripts/gpu_mnist_epoch.sh scripts/gpu_onnx.sh scripts/gpu_ddp.sh scripts/torch_ddp.py scripts/gpu_engine.sh scripts/real_models_six.py scripts/gpu_real_check.sh scripts/gpu_zoo.sh scripts/engine_table.py scripts/gpu_workloads_ab.sh scripts/gpu_tests_round.sh scripts/gpu_stress.sh scripts/gpu_gpt2.sh scripts/gpu_convergence.sh ../shared/bench/real_models.py ../shared/bench/torch_mnist_epoch.py bundle/
+cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layouts.py scripts/gpu_final.sh scripts/energy.py scripts/torch_causal.py scripts/torch_convnet_width.py scripts/gpu_convnet.sh scripts/gpu_mnist_epoch.sh scripts/gpu_onnx.sh scripts/gpu_ddp.sh scripts/torch_ddp.py scripts/gpu_engine.sh scripts/real_models_six.py scripts/gpu_real_check.sh scripts/gpu_zoo.sh scripts/engine_table.py scripts/gpu_workloads_ab.sh scripts/gpu_tests_round.sh scripts/gpu_stress.sh scripts/gpu_gpt2.sh scripts/gpu_convergence.sh scripts/gpu_fp8.sh scripts/torch_fp8_anchor.py ../shared/bench/real_models.py ../shared/bench/torch_mnist_epoch.py bundle/
 mkdir -p bundle/trace && cp scripts/trace/* bundle/trace/
 cp ../shared/oracle/public/*.json bundle/oracle/ 2>/dev/null || true
 mkdir -p bundle/mnist_data && cp examples/data/mnist/*.gz bundle/mnist_data/
@@ -32,4 +32,8 @@ if [ -d "$LLMC_REPO" ] && [ ! -d bundle/gpt2/llm.c ]; then
   sed -i 's/cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)/cudaMemAdviseSetPreferredLocation, cudaMemLocation{cudaMemLocationTypeHost, 0})/' \
     bundle/gpt2/llm.c/llmc/cuda_utils.cuh
 fi
+# torchao (the FP8 peer, torch_fp8_anchor.py) for the GPU machine's torch 2.11: its
+# wheel is pure Python.
+pip download -q torchao==0.17.0 --no-deps --python-version 3.12 --platform manylinux2014_x86_64 \
+  --only-binary=:all: -d bundle/wheels || echo "no torchao wheel: gpu_fp8.sh times our side only"
 du -sh bundle
