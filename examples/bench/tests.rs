@@ -287,7 +287,7 @@ fn every_mode_and_phase_runs_on_the_cpu() {
     let (args, cfg) = tiny();
     let data = cfg.data(0).unwrap();
     let mut first_losses = Vec::new();
-    for mode in ["fp32", "tf32", "amp_fp16", "amp_bf16"] {
+    for mode in ["fp32", "tf32", "amp_fp16", "amp_bf16", "amp_fp8"] {
         let mode = Mode::parse(mode).unwrap();
         for infer in [false, true] {
             let step = prepare(&args, &cfg, mode, infer).unwrap();

@@ -38,7 +38,8 @@ kernel_specs! {
         /// `k(const float* hist, const float* amax, const float* scale, float* hist_out,
         /// float* scale_out, float* inv_out, i64 n)`: one block of at least `n` threads.
         ScaleUpdate { format: DType, margin: i32, most_recent: bool } => scale_update(format, margin, most_recent),
-        /// `k(const u8* x, u8* y, i64 rows, i64 cols)`: `y = x^T` of bytes.
+        /// `k(const u8* x, u8* y, i64 rows, i64 cols)`: `y = x^T` of bytes, a block of
+        /// 256 threads per 32x32 tile.
         Transpose {} => transpose(),
     }
 }
@@ -171,11 +172,24 @@ pub(super) fn scale_update(format: DType, margin: i32, most_recent: bool) -> Str
     )
 }
 
+/// A block of 256 threads per 32x32 tile, through shared memory (padded against bank
+/// conflicts): both the reads and the writes walk rows.
 pub(super) fn transpose() -> String {
     fp8_module(
         &[],
         "extern \"C\" __global__ void k(const u8* x, u8* y, i64 rows, i64 cols) {\n\
-           GRID_LOOP(i, rows * cols) { const i64 r = i / cols, c = i % cols; y[c * rows + r] = x[i]; }\n}\n",
+           __shared__ u8 tile[32][33];\n\
+           const i64 tiles = (cols + 31) / 32, r0 = (blockIdx.x / tiles) * 32, c0 = (blockIdx.x % tiles) * 32;\n\
+           const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+           for (int j = ty; j < 32; j += 8) {\n\
+             const i64 r = r0 + j, c = c0 + tx;\n\
+             if (r < rows && c < cols) tile[j][tx] = x[r * cols + c];\n\
+           }\n\
+           __syncthreads();\n\
+           for (int j = ty; j < 32; j += 8) {\n\
+             const i64 c = c0 + j, r = r0 + tx;\n\
+             if (r < rows && c < cols) y[c * rows + r] = tile[tx][j];\n\
+           }\n}\n",
     )
 }
 
@@ -295,11 +309,13 @@ fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType
 /// `x` (`rows x cols` bytes) transposed into a temporary.
 fn transposed(c: &Ctx, x: &DTensor, rows: usize, cols: usize) -> Result<DTensor, String> {
     let y = c.temp(x.dtype, rows * cols)?;
-    let n = rows * cols;
-    c.launch_items(
+    let tiles = rows.div_ceil(32) * cols.div_ceil(32);
+    let blocks =
+        u32::try_from(tiles).map_err(|_| format!("{rows}x{cols} is too large to transpose"))?;
+    c.launch(
         &Spec::Transpose {},
-        n,
-        1,
+        "k",
+        (blocks, 256),
         &[
             x.arg(),
             y.arg(),
