@@ -578,3 +578,56 @@ proptest::proptest! {
         }
     }
 }
+
+/// The simplification and CUDA pipelines leave an FP8 training graph computing the
+/// same bits on the CPU (both recipes, a poisoned step among them): no pass mistakes
+/// an FP8 product, quantisation or scale update for something it may rewrite.
+#[test]
+fn fp8_training_with_the_fusion_passes_is_bit_identical() {
+    use ampgraph::exec::cuda::pipeline_names;
+    use ampgraph::passes::registry::SIMPLIFY_PIPELINE;
+    for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {
+        let session = |passes: &[&str]| {
+            let (g, step, logits) = mlp(LossScale::Dynamic {
+                initial: 1024.0,
+                growth_interval: 2,
+                growth_factor: 2.0,
+                backoff_factor: 0.5,
+            });
+            let options = SessionOptions {
+                passes: Some(passes.iter().map(|p| p.to_string()).collect()),
+                ..options(Fp8Config::everywhere(recipe))
+            };
+            let s = Session::with_options(g, Device::Cpu, options).unwrap();
+            (s, [step.step, step.loss, logits])
+        };
+        let (mut plain, plain_fetch) = session(&[]);
+        let pipeline = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default())].concat();
+        let (mut fused, fused_fetch) = session(&pipeline);
+        for k in 0..5 {
+            let poison = (k == 2).then_some(f32::INFINITY);
+            let want = plain.run(&plain_fetch, &feeds(k, poison)).unwrap();
+            let got = fused.run(&fused_fetch, &feeds(k, poison)).unwrap();
+            let same = want.len() == got.len()
+                && want.iter().zip(&got).all(|(w, g)| {
+                    let (w, g) = (w.to_f64_vec(), g.to_f64_vec());
+                    w.iter()
+                        .zip(&g)
+                        .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()))
+                });
+            assert!(same, "{recipe:?} step {k}: {want:?} against {got:?}");
+        }
+        assert_eq!(
+            formats(fused.graph_for(&fused_fetch)).len(),
+            8,
+            "{recipe:?}"
+        );
+        for name in ["dense/kernel", "dense_1/kernel", "x/fp8_e4m3/scale"] {
+            assert_eq!(
+                plain.variable(name).map(|t| t.to_f64_vec()),
+                fused.variable(name).map(|t| t.to_f64_vec()),
+                "{recipe:?} {name}"
+            );
+        }
+    }
+}
