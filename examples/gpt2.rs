@@ -230,6 +230,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         heads: args.heads,
         width: args.width,
         dropout: 0.0,
+        attention_dropout: 0.0,
     };
     if args.steps == 0 || args.batch == 0 || args.seq == 0 {
         return Err("--steps, --batch and --seq must be positive".into());

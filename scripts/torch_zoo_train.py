@@ -8,12 +8,12 @@ torch.compile'd. One JSON line per model and mode: median ms of 20 steps after 6
 examples or tokens per second, peak MiB.
 
     python3 scripts/torch_zoo_train.py [--only resnet50,vit_b_16,bert_base,gpt2] [--no-compile]
-        [--dropout P]
+        [--dropout P [--attention-dropout Q]]
 
 Without --dropout, BERT and GPT-2 keep Hugging Face's configs (dropout 0.1 on the
 embeddings, each sublayer's output and attention's probabilities: the issue's anchors);
-with it, the embeddings and sublayers drop P and attention nothing, as `bench
---workload gpt2|bert_base --dropout P` builds them.
+with it, the embeddings and sublayers drop P and attention's probabilities Q (default
+0), as `bench --workload gpt2|bert_base --dropout P --attention-dropout Q` builds them.
 """
 import argparse
 import json
@@ -21,13 +21,13 @@ import json
 import torch
 
 
-def models(dropout):
+def models(dropout, attention_dropout):
     import torchvision.models as tvm
-    # Hugging Face's defaults unless a rate is given (then none on attention).
+    # Hugging Face's defaults unless a rate is given.
     gpt2_drop = {} if dropout is None else dict(resid_pdrop=dropout, embd_pdrop=dropout,
-                                                attn_pdrop=0.0)
+                                                attn_pdrop=attention_dropout)
     bert_drop = {} if dropout is None else dict(hidden_dropout_prob=dropout,
-                                                attention_probs_dropout_prob=0.0)
+                                                attention_probs_dropout_prob=attention_dropout)
     out = {}
     img = lambda b: (torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,)))  # noqa: E731
     out["resnet50"] = (lambda: tvm.resnet50(), img, 256, torch.float16, "sgd", True)
@@ -85,11 +85,12 @@ def main():
     ap.add_argument("--only")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--dropout", type=float)
+    ap.add_argument("--attention-dropout", type=float, default=0.0)
     ap.add_argument("--profile", type=int, metavar="STEPS",
                     help="after timing, print the CUDA kernels' times over STEPS steps")
     a = ap.parse_args()
     torch.backends.cudnn.benchmark = True
-    for name, (make, data, batch, dtype, opt_name, channels_last) in models(a.dropout).items():
+    for name, (make, data, batch, dtype, opt_name, channels_last) in models(a.dropout, a.attention_dropout).items():
         if a.only and name not in a.only.split(","):
             continue
         for mode in ["eager"] + ([] if a.no_compile else ["compile"]):
@@ -123,7 +124,7 @@ def main():
                 per = batch * (inputs[0].shape[1] if name in ("bert_base", "gpt2") else 1)
                 print(json.dumps({
                     "peer": f"torch {mode}", "model": name, "batch": batch, "dtype": str(dtype),
-                    "dropout": a.dropout,
+                    "dropout": a.dropout, "attention_dropout": a.attention_dropout,
                     "ms": round(ms, 2), "per_s": round(per / ms * 1000),
                     "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20), "loss": loss,
                 }), flush=True)

@@ -196,6 +196,7 @@ const TINY_BERT: BertConfig = BertConfig {
     width: 32,
     intermediate: 64,
     dropout: 0.0,
+    attention_dropout: 0.0,
 };
 
 /// A ViT of 8x8 images in 4x4 patches (scripts/zoo's `VIT`).
@@ -217,6 +218,7 @@ const TINY_GPT2: Gpt2Config = Gpt2Config {
     heads: 2,
     width: 32,
     dropout: 0.0,
+    attention_dropout: 0.0,
 };
 
 /// `[batch, seq]` tokens and the next tokens as labels: `t -> (3 t + 1) mod vocab`
@@ -295,6 +297,44 @@ fn a_tiny_gpt2_with_dropout_learns_and_its_dropouts_fuse() {
     assert_ne!(session.run(&[logits], &feeds).unwrap(), at_0, "a new mask");
     amp_and_cuda_passes(&mut training);
     assert_eq!(count(&training, "Dropout"), 0, "every dropout fused");
+}
+
+/// With Hugging Face's attention dropout too (`attn_pdrop` 0.1: one more Dropout a
+/// layer, on the Softmax's probabilities before their product with v), a tiny GPT-2
+/// learns the rule; `fuse-attention` leaves those attentions explicit (the fused
+/// kernels drop nothing), so the step after AMP and the CUDA passes has no
+/// FusedAttention and still trains.
+#[test]
+fn a_tiny_gpt2_with_attention_dropout_learns_and_keeps_explicit_attention() {
+    let config = Gpt2Config {
+        dropout: 0.1,
+        attention_dropout: 0.1,
+        ..TINY_GPT2
+    };
+    let (g, (logits, labels), feeds) = gpt2_on_the_rule(&config, (4, 8));
+    assert_eq!(count(&g, "Dropout"), 7);
+    let on_probabilities = g
+        .node_ids()
+        .filter(|&id| g.node(id).op_name() == "Dropout")
+        .filter(|&id| g.node(g.inputs(id)[0].node).op_name() == "Softmax")
+        .filter(|&id| {
+            g.consumers(id)
+                .iter()
+                .all(|&(c, slot, _)| g.node(c).op_name() == "BatchMatMul" && slot == 0)
+        })
+        .count();
+    assert_eq!(on_probabilities, 2);
+    let (first, last) = trained_with_adam(g.clone(), (logits, labels), 0.01, &feeds, 60);
+    assert!(
+        last.is_finite() && last < 0.3 * first,
+        "loss {first} -> {last}"
+    );
+    let mut training = g;
+    let loss = training.softmax_cross_entropy(logits, labels).unwrap();
+    Adam::new(0.01).minimize(&mut training, loss).unwrap();
+    amp_and_cuda_passes(&mut training);
+    assert_eq!(count(&training, "FusedAttention"), 0);
+    training.validate().unwrap();
 }
 
 /// Mixed precision trains as fp32 does: a tiny GPT-2 on the next-token rule, 40 AdamW

@@ -30,8 +30,11 @@ pub struct BertConfig {
     pub intermediate: usize,
     /// The dropout after the embeddings and on each attention's and MLP's output
     /// (Hugging Face's `hidden_dropout_prob`, 0.1 in `bert-base-uncased`'s config).
-    /// Attention's probabilities are not dropped.
     pub dropout: f64,
+    /// The dropout on attention's probabilities (`attention_probs_dropout_prob`: 0.1
+    /// in `bert-base-uncased`'s config). Attention then keeps its explicit form,
+    /// which `fuse-attention` does not fuse.
+    pub attention_dropout: f64,
 }
 
 impl BertConfig {
@@ -45,6 +48,7 @@ impl BertConfig {
         width: 768,
         intermediate: 3072,
         dropout: 0.0,
+        attention_dropout: 0.0,
     };
 }
 
@@ -59,7 +63,7 @@ fn layer(t: &mut Transformer, x: Port, name: &str, intermediate: usize) -> Resul
         let p = t.linear(x, &format!("{name}.attention.self.{part}"), c)?;
         qkv.push(heads.of(t.g, p)?);
     }
-    let y = heads.attention(t.g, [qkv[0], qkv[1], qkv[2]], None)?;
+    let y = heads.attention(t.g, [qkv[0], qkv[1], qkv[2]], None, t.attention_dropout)?;
     let y = t.linear(y, &format!("{name}.attention.output.dense"), c)?;
     let y = t.dropout(y)?;
     let x = t.g.plus(x, y)?;
@@ -84,6 +88,7 @@ pub fn build(g: &mut Graph, tokens: Port, config: &BertConfig) -> Result<Port> {
         ln_epsilon: LN_EPSILON,
         layout: WeightLayout::OutIn,
         dropout: config.dropout,
+        attention_dropout: config.attention_dropout,
     };
     let e = "bert.embeddings";
     let words = b.variable(

@@ -26,8 +26,12 @@ pub struct Gpt2Config {
     pub width: usize,
     /// The dropout after the embeddings and on each attention's and MLP's output
     /// (Hugging Face's `embd_pdrop` and `resid_pdrop`: 0.1 in its config, 0 in
-    /// llm.c's). Attention's probabilities (`attn_pdrop`) are not dropped.
+    /// llm.c's).
     pub dropout: f64,
+    /// The dropout on attention's probabilities (`attn_pdrop`: 0.1 in Hugging Face's
+    /// config, 0 in llm.c's). Attention then keeps its explicit form, which
+    /// `fuse-attention` does not fuse.
+    pub attention_dropout: f64,
 }
 
 impl Gpt2Config {
@@ -39,6 +43,7 @@ impl Gpt2Config {
         heads: 12,
         width: 768,
         dropout: 0.0,
+        attention_dropout: 0.0,
     };
 }
 
@@ -50,7 +55,7 @@ fn attention(t: &mut Transformer, x: Port, name: &str, causal: Port) -> Result<P
     let (c, heads) = (t.heads.width, t.heads);
     let qkv = t.linear(x, &format!("{name}.c_attn"), 3 * c)?;
     let [q, k, v] = [0, c, 2 * c].map(|from| heads.split(t.g, qkv, from));
-    let y = heads.attention(t.g, [q?, k?, v?], Some(causal))?;
+    let y = heads.attention(t.g, [q?, k?, v?], Some(causal), t.attention_dropout)?;
     let y = t.linear(y, &format!("{name}.c_proj"), c)?;
     t.dropout(y)
 }
@@ -98,6 +103,7 @@ pub fn build(g: &mut Graph, tokens: Port, config: &Gpt2Config) -> Result<Port> {
         ln_epsilon: LN_EPSILON,
         layout: WeightLayout::InOut,
         dropout: config.dropout,
+        attention_dropout: config.attention_dropout,
     };
     let c = config.width;
     let wte = b.variable(

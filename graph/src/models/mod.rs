@@ -203,12 +203,15 @@ impl Heads {
     }
 
     /// `softmax(q k^T / sqrt(d) + mask) v` of heads `[batch, heads, seq, d]`, merged
-    /// back to `[rows, width]`. Written out as `fuse-attention` finds it.
+    /// back to `[rows, width]`, the probabilities through a dropout of `dropout`
+    /// (none at 0). Written out as `fuse-attention` finds it (without the dropout,
+    /// which keeps the explicit form).
     pub fn attention(
         &self,
         g: &mut Graph,
         [q, k, v]: [Port; 3],
         mask: Option<Port>,
+        dropout: f64,
     ) -> Result<Port> {
         let scores = g.batch_matmul_adj(q, k, false, true)?;
         let head_width = (self.width / self.heads) as f64;
@@ -218,6 +221,7 @@ impl Heads {
             scores = g.plus(scores, mask)?;
         }
         let p = g.softmax(scores, -1)?;
+        let p = crate::nn::dropout(g, p, dropout)?;
         let y = g.batch_matmul(p, v)?;
         let y = g.transpose(y, [0, 2, 1, 3])?;
         g.reshape(y, [self.rows() as i64, self.width as i64])
@@ -242,6 +246,8 @@ pub(crate) struct Transformer<'a> {
     pub layout: WeightLayout,
     /// The rate of the dropouts on the embeddings and each sublayer's output.
     pub dropout: f64,
+    /// The rate of the dropout on attention's probabilities.
+    pub attention_dropout: f64,
 }
 
 impl Transformer<'_> {

@@ -54,7 +54,7 @@ fn layer(t: &mut Transformer, x: Port, name: &str, mlp: usize) -> Result<Port> {
     );
     let qkv = t.linear_named(h, (&packed.0, &packed.1), 3 * c)?;
     let [q, k, v] = [0, c, 2 * c].map(|from| heads.split(t.g, qkv, from));
-    let y = heads.attention(t.g, [q?, k?, v?], None)?;
+    let y = heads.attention(t.g, [q?, k?, v?], None, t.attention_dropout)?;
     let y = t.linear(y, &format!("{attn}.out_proj"), c)?;
     let x = t.g.plus(x, y)?;
     let h = t.layer_norm(x, &format!("{name}.ln_2"))?;
@@ -99,6 +99,7 @@ pub fn build(g: &mut Graph, x: Port, config: &VitConfig) -> Result<Port> {
         layout: WeightLayout::OutIn,
         // torchvision's vit_b_16 trains without dropout.
         dropout: 0.0,
+        attention_dropout: 0.0,
     };
     let kernel = b.variable("conv_proj.weight", vec![p, p, 3, c], Init::HeNormal)?;
     let bias = b.variable("conv_proj.bias", vec![c], Init::Zeros)?;
