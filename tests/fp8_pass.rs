@@ -2,9 +2,8 @@
 //! format, the values they compute against a float64 reference of the formats, the
 //! scaling state it keeps in the graph, and MNIST trained in FP8 against BF16.
 
-use std::sync::Arc;
+mod common;
 
-use ampgraph::data::{Dataset, Loader, LoaderOptions, Mnist};
 use ampgraph::exec::Feeds;
 use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::fp8::Fp8;
@@ -14,7 +13,6 @@ use ampgraph::optim::{enable_mixed_precision_graph_rewrite, LossScale, Optimizer
 use ampgraph::passes::amp::fp8::{plan, Decision, Kept};
 use ampgraph::passes::amp::report::explain;
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Config, Fp8Recipe};
-use ampgraph::train::{Position, TrainOptions, Trainer};
 use ampgraph::{DType, Device, Graph, Port, Session, SessionOptions, Tensor};
 
 const BATCH: usize = 16;
@@ -418,50 +416,23 @@ fn delayed_scaling_without_a_training_step_is_refused() {
 /// evaluates within half a point of the same model in BF16, with both recipes.
 #[test]
 fn mnist_in_fp8_matches_bf16() {
-    const EPOCHS: usize = 5;
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/mnist");
-    let all = Mnist::load(&dir).unwrap();
-    let loader = |set: Mnist, shuffle: bool| {
-        let options = LoaderOptions {
-            batch_size: 100,
-            shuffle,
-            drop_last: shuffle,
-            ..LoaderOptions::default()
-        };
-        Loader::new(Arc::new(set), options).unwrap()
-    };
-    let train = loader(all.slice(0, 4000), true);
-    let eval = loader(all.slice(all.len() - 1000, all.len()), false);
     let accuracy = |fp8: Option<Fp8Recipe>| -> f64 {
-        let mut g = Graph::new();
-        let images = g
-            .placeholder("images", DType::F32, [100, 1, 28, 28])
-            .unwrap();
-        let y = g.placeholder("labels", DType::I64, [100]).unwrap();
-        let x = g.reshape(images, [100, 784]).unwrap();
-        let h = nn::dense(&mut g, x, 256, Some(Activation::Gelu)).unwrap();
-        let h = nn::dense(&mut g, h, 256, Some(Activation::Gelu)).unwrap();
-        let logits = nn::dense(&mut g, h, 10, None).unwrap();
-        let loss = g.softmax_cross_entropy(logits, y).unwrap();
-        let step = enable_mixed_precision_graph_rewrite(Sgd::momentum(0.05, 0.9))
-            .with_dtype(DType::BF16)
-            .with_loss_scale(LossScale::None)
-            .minimize(&mut g, loss)
-            .unwrap();
+        let minimize = |g: &mut Graph, loss: Port| {
+            enable_mixed_precision_graph_rewrite(Sgd::momentum(0.05, 0.9))
+                .with_dtype(DType::BF16)
+                .with_loss_scale(LossScale::None)
+                .minimize(g, loss)
+                .unwrap()
+        };
         let mut amp = AmpConfig::new(DType::BF16).unwrap();
         amp.fp8 = fp8.map(Fp8Config::everywhere);
         let options = SessionOptions {
             amp: Some(amp),
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(g, Device::Cpu, options).unwrap();
-        assert_eq!(formats(s.graph()).len(), if fp8.is_some() { 8 } else { 0 });
-        let mut trainer = Trainer::new(&mut s, step, images, y, TrainOptions::default()).unwrap();
-        let mut at = Position::START;
-        while at.epoch <= EPOCHS {
-            at = trainer.epoch(&train, at).unwrap().next;
-        }
-        100.0 * ampgraph::train::accuracy(&mut s, logits, images, &eval).unwrap()
+        let (accuracy, ran) = common::mnist_mlp_accuracy(&[256, 256], 5, minimize, options);
+        assert_eq!(formats(&ran).len(), if fp8.is_some() { 8 } else { 0 });
+        accuracy
     };
     let bf16 = accuracy(None);
     let current = accuracy(Some(Fp8Recipe::Current));

@@ -1,9 +1,6 @@
 //! Training: dynamic loss scaling in the graph, optimizers, checkpoints, inference
 //! sessions, and a short MNIST run with and without AMP.
 
-use std::sync::Arc;
-
-use ampgraph::data::{Dataset, Loader, LoaderOptions, Mnist};
 use ampgraph::exec::cuda::pipeline_names;
 use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::autodiff::gradients;
@@ -20,7 +17,6 @@ use ampgraph::optim::{
 };
 use ampgraph::passes::registry::SIMPLIFY_PIPELINE;
 use ampgraph::session::SessionError;
-use ampgraph::train::{Position, TrainOptions, Trainer};
 use ampgraph::{Device, Session, SessionOptions};
 use common::identical;
 
@@ -666,43 +662,17 @@ fn optimizers_follow_their_update_rules() {
 /// loader and the trainer, as the example is.
 #[test]
 fn mnist_amp_matches_fp32() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/mnist");
-    let all = Mnist::load(&dir).unwrap();
-    let loader = |set: Mnist, batch_size: usize, shuffle: bool| {
-        let options = LoaderOptions {
-            batch_size,
-            shuffle,
-            drop_last: shuffle,
-            ..LoaderOptions::default()
-        };
-        Loader::new(Arc::new(set), options).unwrap()
-    };
-    let train = loader(all.slice(0, 4000), 100, true);
-    let eval = loader(all.slice(all.len() - 1000, all.len()), 100, false);
     let accuracy = |amp: bool| -> f64 {
-        let mut g = Graph::new();
-        let images = g
-            .placeholder("images", DType::F32, [100, 1, 28, 28])
-            .unwrap();
-        let y = g.placeholder("labels", DType::I64, [100]).unwrap();
-        let x = g.reshape(images, [100, 784]).unwrap();
-        let h = nn::dense(&mut g, x, 256, Some(Activation::Gelu)).unwrap();
-        let logits = nn::dense(&mut g, h, 10, None).unwrap();
-        let loss = g.softmax_cross_entropy(logits, y).unwrap();
-        let opt = Sgd::momentum(0.05, 0.9);
-        let step = if amp {
-            enable_mixed_precision_graph_rewrite(opt).minimize(&mut g, loss)
-        } else {
-            opt.minimize(&mut g, loss)
-        }
-        .unwrap();
-        let mut s = Session::new(g, Device::Cpu).unwrap();
-        let mut trainer = Trainer::new(&mut s, step, images, y, TrainOptions::default()).unwrap();
-        let mut at = Position::START;
-        while at.epoch <= 3 {
-            at = trainer.epoch(&train, at).unwrap().next;
-        }
-        100.0 * ampgraph::train::accuracy(&mut s, logits, images, &eval).unwrap()
+        let minimize = |g: &mut Graph, loss: Port| {
+            let opt = Sgd::momentum(0.05, 0.9);
+            if amp {
+                enable_mixed_precision_graph_rewrite(opt).minimize(g, loss)
+            } else {
+                opt.minimize(g, loss)
+            }
+            .unwrap()
+        };
+        common::mnist_mlp_accuracy(&[256], 3, minimize, SessionOptions::default()).0
     };
     let (fp32, amp) = (accuracy(false), accuracy(true));
     println!("eval accuracy: fp32 {fp32:.1}%, AMP {amp:.1}%");

@@ -544,3 +544,53 @@ pub fn count(g: &Graph, op: &str) -> usize {
         .filter(|&id| g.node(id).op_name() == op)
         .count()
 }
+
+/// The MNIST acceptance runs, shortened for the CPU: an MLP of `hidden` GELU layers
+/// (784 in, 10 out) built by `minimize` into a training step, run by a session with
+/// `options`, trained `epochs` epochs on the first 4000 real images (batches of 100,
+/// shuffled) and evaluated on the last 1000: the accuracy in percent, and the graph
+/// the session ran.
+pub fn mnist_mlp_accuracy(
+    hidden: &[usize],
+    epochs: usize,
+    minimize: impl FnOnce(&mut Graph, Port) -> ampgraph::optim::TrainStep,
+    options: ampgraph::SessionOptions,
+) -> (f64, Graph) {
+    use ampgraph::data::{Dataset, Loader, LoaderOptions, Mnist};
+    use ampgraph::graph::nn::{self, Activation};
+    use ampgraph::train::{Position, TrainOptions, Trainer};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/mnist");
+    let all = Mnist::load(&dir).unwrap();
+    let loader = |set: Mnist, shuffle: bool| {
+        let options = LoaderOptions {
+            batch_size: 100,
+            shuffle,
+            drop_last: shuffle,
+            ..LoaderOptions::default()
+        };
+        Loader::new(std::sync::Arc::new(set), options).unwrap()
+    };
+    let train = loader(all.slice(0, 4000), true);
+    let eval = loader(all.slice(all.len() - 1000, all.len()), false);
+    let mut g = Graph::new();
+    let images = g
+        .placeholder("images", DType::F32, [100, 1, 28, 28])
+        .unwrap();
+    let labels = g.placeholder("labels", DType::I64, [100]).unwrap();
+    let mut h = g.reshape(images, [100, 784]).unwrap();
+    for &width in hidden {
+        h = nn::dense(&mut g, h, width, Some(Activation::Gelu)).unwrap();
+    }
+    let logits = nn::dense(&mut g, h, 10, None).unwrap();
+    let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+    let step = minimize(&mut g, loss);
+    let mut s = ampgraph::Session::with_options(g, ampgraph::Device::Cpu, options).unwrap();
+    let ran = s.graph().clone();
+    let mut trainer = Trainer::new(&mut s, step, images, labels, TrainOptions::default()).unwrap();
+    let mut at = Position::START;
+    while at.epoch <= epochs {
+        at = trainer.epoch(&train, at).unwrap().next;
+    }
+    let accuracy = ampgraph::train::accuracy(&mut s, logits, images, &eval).unwrap();
+    (100.0 * accuracy, ran)
+}

@@ -290,6 +290,37 @@ pub struct Product<'a> {
     pub scales: Option<(&'a DTensor, &'a DTensor)>,
 }
 
+impl<'a> Product<'a> {
+    /// The one product `c = op(a) op(b)` of `[m x k]` by `[k x n]` (the transposes
+    /// `op`), nothing added: the other fields' neutral values.
+    pub fn single(
+        [a, b, c]: [&'a DTensor; 3],
+        (m, k, n): (usize, usize, usize),
+        (transpose_a, transpose_b): (bool, bool),
+    ) -> Self {
+        Product {
+            a,
+            b,
+            c,
+            m,
+            n,
+            k,
+            transpose_a,
+            transpose_b,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            offset_a: 0,
+            offset_b: 0,
+            offset_c: 0,
+            alpha: 1.0,
+            bias: None,
+            residual: None,
+            scales: None,
+        }
+    }
+}
+
 impl Gemm {
     pub fn new(dev: &Device) -> Result<Gemm, String> {
         // Starting cuBLASLt may load kernels: not while another thread captures.

@@ -344,25 +344,14 @@ fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> Kerne
         // K-major: a as [m, k], b as [n, k].
         let a_rows = transpose_a.then(|| transposed(c, a, k, m)).transpose()?;
         let b_rows = (!transpose_b).then(|| transposed(c, b, k, n)).transpose()?;
+        let operands = [
+            a_rows.as_ref().unwrap_or(a),
+            b_rows.as_ref().unwrap_or(b),
+            y,
+        ];
         let product = Product {
-            a: a_rows.as_ref().unwrap_or(a),
-            b: b_rows.as_ref().unwrap_or(b),
-            c: y,
-            m,
-            n,
-            k,
-            transpose_a: false,
-            transpose_b: true,
-            batch: 1,
-            stride_a: 0,
-            stride_b: 0,
-            offset_a: 0,
-            offset_b: 0,
-            offset_c: 0,
-            alpha: 1.0,
-            bias: None,
-            residual: None,
             scales: Some((a_inv, b_inv)),
+            ..Product::single(operands, (m, k, n), (false, true))
         };
         c.gemm.run(c.dev, &product, c.gemm_options)
     }))

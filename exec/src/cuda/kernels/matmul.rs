@@ -52,24 +52,9 @@ fn lower_matmul(
             None
         };
         let product = |out, bias| Product {
-            a,
-            b,
-            c: out,
-            m: mm,
-            n: nn,
-            k,
-            transpose_a,
-            transpose_b,
-            batch: 1,
-            stride_a: 0,
-            stride_b: 0,
-            offset_a: 0,
-            offset_b: 0,
-            offset_c: 0,
-            alpha: 1.0,
             bias,
             residual,
-            scales: None,
+            ..Product::single([a, b, out], (mm, k, nn), (transpose_a, transpose_b))
         };
         // cuBLASLt adds a bias of the output's type: a 16-bit bias of a product
         // stored in f32 is widened first (exactly; a kernel over the bias alone).
@@ -142,14 +127,6 @@ fn lower_batch_matmul(bm: &BatchMatMul, ins: &[TensorType], outs: &[TensorType])
         let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
         for &[batch, stride_a, stride_b, offset_a, offset_b, offset_c] in &products {
             let p = Product {
-                a,
-                b,
-                c: y,
-                m: mm,
-                n: nn,
-                k,
-                transpose_a: adj_x,
-                transpose_b: adj_y,
                 batch,
                 stride_a,
                 stride_b,
@@ -157,9 +134,7 @@ fn lower_batch_matmul(bm: &BatchMatMul, ins: &[TensorType], outs: &[TensorType])
                 offset_b,
                 offset_c,
                 alpha,
-                bias: None,
-                residual: None,
-                scales: None,
+                ..Product::single([a, b, y], (mm, k, nn), (adj_x, adj_y))
             };
             c.gemm.run(c.dev, &p, c.gemm_options)?;
         }
