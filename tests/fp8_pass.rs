@@ -555,8 +555,6 @@ proptest::proptest! {
 /// an FP8 product, quantisation or scale update for something it may rewrite.
 #[test]
 fn fp8_training_with_the_fusion_passes_is_bit_identical() {
-    use ampgraph::exec::cuda::pipeline_names;
-    use ampgraph::passes::registry::SIMPLIFY_PIPELINE;
     for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {
         let session = |passes: &[&str]| {
             let (g, step, logits) = mlp(LossScale::Dynamic {
@@ -570,24 +568,11 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
                 ..options(Fp8Config::everywhere(recipe))
             };
             let s = Session::with_options(g, Device::Cpu, options).unwrap();
-            (s, [step.step, step.loss, logits])
+            (s, vec![step.step, step.loss, logits])
         };
-        let (mut plain, plain_fetch) = session(&[]);
-        let pipeline = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default())].concat();
-        let (mut fused, fused_fetch) = session(&pipeline);
-        for k in 0..5 {
-            let poison = (k == 2).then_some(f32::INFINITY);
-            let want = plain.run(&plain_fetch, &feeds(k, poison)).unwrap();
-            let got = fused.run(&fused_fetch, &feeds(k, poison)).unwrap();
-            let same = want.len() == got.len()
-                && want.iter().zip(&got).all(|(w, g)| {
-                    let (w, g) = (w.to_f64_vec(), g.to_f64_vec());
-                    w.iter()
-                        .zip(&g)
-                        .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()))
-                });
-            assert!(same, "{recipe:?} step {k}: {want:?} against {got:?}");
-        }
+        let what = format!("{recipe:?}");
+        let (plain, fused, fused_fetch) =
+            common::assert_same_bits_through_the_pipelines(session, feeds, &what);
         assert_eq!(
             formats(fused.graph_for(&fused_fetch)).len(),
             8,

@@ -1,7 +1,6 @@
 //! Training: dynamic loss scaling in the graph, optimizers, checkpoints, inference
 //! sessions, and a short MNIST run with and without AMP.
 
-use ampgraph::exec::cuda::pipeline_names;
 use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::autodiff::gradients;
 use ampgraph::graph::nn::{self, Activation};
@@ -15,10 +14,8 @@ use ampgraph::optim::{
     enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, RuleOptimizer, Sgd,
     TrainStep, GOOD_STEPS_VARIABLE, LOSS_SCALE_VARIABLE,
 };
-use ampgraph::passes::registry::SIMPLIFY_PIPELINE;
 use ampgraph::session::SessionError;
 use ampgraph::{Device, Session, SessionOptions};
-use common::identical;
 
 mod common;
 
@@ -279,19 +276,11 @@ fn assert_trains_alike_with_the_passes(
             ..Default::default()
         };
         let s = Session::with_options(g, Device::Cpu, options).unwrap();
-        (s, [step.step, step.loss, logits])
+        (s, vec![step.step, step.loss, logits])
     };
-    let (mut plain, plain_fetch) = session(&[]);
-    let pipeline = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default())].concat();
-    let (mut fused, fused_fetch) = session(&pipeline);
-    for k in 0..5 {
-        let poison = if k == 2 { Some(f32::INFINITY) } else { None };
-        let want = plain.run(&plain_fetch, &feeds(k, poison)).unwrap();
-        let got = fused.run(&fused_fetch, &feeds(k, poison)).unwrap();
-        // Bit for bit; a poisoned step's Relu logits are NaN on both sides.
-        let same = want.len() == got.len() && want.iter().zip(&got).all(|(w, g)| identical(w, g));
-        assert!(same, "step {k}, {what}: {want:?} against {got:?}");
-    }
+    // Bit for bit; a poisoned step's Relu logits are NaN on both sides.
+    let (plain, fused, fused_fetch) =
+        common::assert_same_bits_through_the_pipelines(session, feeds, what);
     assert_eq!(weights_and_slots(&plain), weights_and_slots(&fused));
     assert_eq!(
         scalar(&plain, LOSS_SCALE_VARIABLE),

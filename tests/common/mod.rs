@@ -594,3 +594,27 @@ pub fn mnist_mlp_accuracy(
     let accuracy = ampgraph::train::accuracy(&mut s, logits, images, &eval).unwrap();
     (100.0 * accuracy, ran)
 }
+
+/// Five steps of the session `session(passes)` makes, once without passes and once
+/// with the simplification and CUDA pipelines, fed `feeds(step, poison)` (the third
+/// step poisoned with an infinity): asserts that every fetch is the same bits (a
+/// poisoned step's NaNs alike) and returns both sessions and the second's fetches.
+pub fn assert_same_bits_through_the_pipelines(
+    session: impl Fn(&[&str]) -> (ampgraph::Session, Vec<Port>),
+    feeds: impl Fn(u64, Option<f32>) -> Feeds,
+    what: &str,
+) -> (ampgraph::Session, ampgraph::Session, Vec<Port>) {
+    use ampgraph::exec::cuda::pipeline_names;
+    use ampgraph::passes::registry::SIMPLIFY_PIPELINE;
+    let (mut plain, plain_fetch) = session(&[]);
+    let pipeline = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default())].concat();
+    let (mut fused, fused_fetch) = session(&pipeline);
+    for k in 0..5 {
+        let poison = (k == 2).then_some(f32::INFINITY);
+        let want = plain.run(&plain_fetch, &feeds(k, poison)).unwrap();
+        let got = fused.run(&fused_fetch, &feeds(k, poison)).unwrap();
+        let same = want.len() == got.len() && want.iter().zip(&got).all(|(w, g)| identical(w, g));
+        assert!(same, "step {k}, {what}: {want:?} against {got:?}");
+    }
+    (plain, fused, fused_fetch)
+}
