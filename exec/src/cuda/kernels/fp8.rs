@@ -16,7 +16,7 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::module_multi;
+use super::codegen::{elementwise, module_multi, At, Load, Store};
 use super::{first, input, kernel, one_output, Ctx, KernelResult, Lowering};
 use crate::cuda::device::{Arg, DTensor};
 use crate::cuda::gemm::Product;
@@ -86,35 +86,69 @@ fn fp8_module(types: &[(&str, DType)], body: &str) -> String {
 const AMAX_FOLD: &str = "  m = warp_max(m);\n\
   if ((threadIdx.x & 31) == 0) atomicMax(amax, __float_as_uint(fabsf(m)));\n";
 
+/// `x` of dtype `d` at `px`, read into a float `x` by the vectorised loops.
+fn x_load(d: DType) -> Load<'static> {
+    Load {
+        ty: "float",
+        name: "x",
+        loader: "ldX",
+        ptr: "px",
+        bytes: d.size_bytes(),
+        at: At::Own,
+    }
+}
+
 pub(super) fn amax(x: DType) -> String {
+    let body = elementwise(&[x_load(x)], "m = nanmax(m, fabsf(x));", &[]);
     fp8_module(
         &[("X", x)],
         &format!(
             "extern \"C\" __global__ void k(const TX* px, i64 n, unsigned int* amax) {{\n\
-               float m = 0.0f;\n\
-               GRID_LOOP(i, n) {{ m = nanmax(m, fabsf((float)ldX(px, i))); }}\n{AMAX_FOLD}}}\n"
+               float m = 0.0f;\n{body}{AMAX_FOLD}}}\n"
         ),
     )
 }
 
 pub(super) fn quantize(x: DType, to: DType) -> String {
+    let y = Store {
+        storer: "stY",
+        ptr: "py",
+        bytes: 1,
+        value: "__fmul_rn(x, s)",
+    };
+    let body = elementwise(&[x_load(x)], "m = nanmax(m, fabsf(x));", &[y]);
     fp8_module(
         &[("X", x), ("Y", to)],
         &format!(
             "extern \"C\" __global__ void k(const TX* px, const float* ps, TY* py, unsigned int* amax, i64 n) {{\n\
                const float s = ps[0];\n\
-               float m = 0.0f;\n\
-               GRID_LOOP(i, n) {{ const float x = (float)ldX(px, i); m = nanmax(m, fabsf(x)); stY(py, i, __fmul_rn(x, s)); }}\n{AMAX_FOLD}}}\n"
+               float m = 0.0f;\n{body}{AMAX_FOLD}}}\n"
         ),
     )
 }
 
 pub(super) fn dequantize(y: DType, to: DType) -> String {
+    let load = Load {
+        ty: "float",
+        name: "y",
+        loader: "ldY",
+        ptr: "py",
+        bytes: 1,
+        at: At::Own,
+    };
+    let o = Store {
+        storer: "stO",
+        ptr: "po",
+        bytes: to.size_bytes(),
+        value: "__fmul_rn(y, s)",
+    };
+    let body = elementwise(&[load], "", &[o]);
     fp8_module(
         &[("Y", y), ("O", to)],
-        "extern \"C\" __global__ void k(const TY* py, const float* pinv, TO* po, i64 n) {\n\
-           const float s = pinv[0];\n\
-           GRID_LOOP(i, n) { stO(po, i, __fmul_rn(ldY(py, i), s)); }\n}\n",
+        &format!(
+            "extern \"C\" __global__ void k(const TY* py, const float* pinv, TO* po, i64 n) {{\n\
+               const float s = pinv[0];\n{body}}}\n"
+        ),
     )
 }
 
@@ -217,10 +251,9 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
         let y = c.alloc(&outs[0])?;
         let amax = zeroed_amax(c, &outs[1])?;
         let n = x.len();
-        c.launch_items(
+        c.launch_elementwise(
             &spec,
             n,
-            1,
             &[x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)],
         )?;
         Ok(vec![y, amax])
@@ -235,12 +268,7 @@ fn lower_dequantize(d: &DequantizeFp8, ins: &[TensorType], outs: &[TensorType]) 
     Ok(one_output(first(outs)?, move |c, inputs, o| {
         let (y, inv) = (input(inputs, 0)?, input(inputs, 1)?);
         let n = y.len();
-        c.launch_items(
-            &spec,
-            n,
-            1,
-            &[y.arg(), inv.arg(), o.arg(), Arg::I64(n as i64)],
-        )
+        c.launch_elementwise(&spec, n, &[y.arg(), inv.arg(), o.arg(), Arg::I64(n as i64)])
     }))
 }
 
@@ -261,7 +289,7 @@ fn lower_scale(s: &Fp8Scale, ins: &[TensorType], outs: &[TensorType]) -> KernelR
         let amax = c.temp(DType::F32, 1)?;
         c.dev.zero(&amax)?;
         let n = x.len();
-        c.launch_items(&amax_spec, n, 1, &[x.arg(), Arg::I64(n as i64), amax.arg()])?;
+        c.launch_elementwise(&amax_spec, n, &[x.arg(), Arg::I64(n as i64), amax.arg()])?;
         let (scale, inv) = (c.alloc(&outs[0])?, c.alloc(&outs[1])?);
         c.launch(&spec, "k", (1, 1), &[amax.arg(), scale.arg(), inv.arg()])?;
         Ok(vec![scale, inv])
