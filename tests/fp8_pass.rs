@@ -587,3 +587,36 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
         }
     }
 }
+
+/// An FP8 training step (both recipes, a dynamic loss scale, every product FP8 but
+/// the 8-class head's, whose n = 8 cuBLASLt's FP8 kernels do not take) lowers on the CUDA executor after
+/// the CUDA pipeline, every node (no device needed: planning the lowering is enough).
+#[test]
+fn an_fp8_training_step_lowers_on_cuda() {
+    use ampgraph::exec::cuda::pipeline_names;
+    use ampgraph::exec::CudaExecutor;
+    for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [BATCH, 32]).unwrap();
+        let y = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
+        let h = nn::dense(&mut g, x, 48, Some(Activation::Relu)).unwrap();
+        let h = nn::dense(&mut g, h, 32, Some(Activation::Relu)).unwrap();
+        let logits = nn::dense(&mut g, h, 8, None).unwrap();
+        let loss = g.softmax_cross_entropy(logits, y).unwrap();
+        enable_mixed_precision_graph_rewrite(Sgd::new(0.1))
+            .with_dtype(DType::BF16)
+            .minimize(&mut g, loss)
+            .unwrap();
+        let mut fp8 = Fp8Config::everywhere(recipe);
+        fp8.keep.insert("dense_2/matmul".into());
+        AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap().with_fp8(fp8))
+            .rewrite(&mut g)
+            .unwrap();
+        ampgraph::session::registry_passes(&pipeline_names(&Default::default()))
+            .unwrap()
+            .run(&mut g)
+            .unwrap();
+        assert_eq!(formats(&g).len(), 5, "{recipe:?}");
+        CudaExecutor::check_supported(&g).unwrap();
+    }
+}

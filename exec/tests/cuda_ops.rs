@@ -2155,3 +2155,37 @@ fn fp8_ops_match_the_cpu() {
     let err = gpu.run(&g, &feeds, &outs).unwrap_err().to_string();
     assert!(err.contains("multiples of 16"), "{err}");
 }
+
+/// The FP8 ops lower on their own (no device needed): FP8 placeholders feed them,
+/// cuBLASLt's shape rule is checked when the step is planned, and another op on an
+/// FP8 tensor is refused by name.
+#[test]
+fn fp8_ops_lower_and_other_ops_on_fp8_are_refused() {
+    let product = |k: usize| {
+        let mut g = Graph::new();
+        let a = g.placeholder("a", DType::F8E4M3, [32, k]).unwrap();
+        let b = g.placeholder("b", DType::F8E5M2, [32, k]).unwrap();
+        let one = g.scalar(DType::F32, 1.0).unwrap();
+        let op = Fp8MatMul::new(MatMul::new(false, true), DType::BF16).unwrap();
+        g.add_node("product", Box::new(op), &[a, b, one, one])
+            .unwrap();
+        g
+    };
+    CudaExecutor::check_supported(&product(64)).unwrap();
+    let err = CudaExecutor::check_supported(&product(24))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("product") && err.contains("multiples of 16"),
+        "{err}"
+    );
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F8E4M3, [4]).unwrap();
+    g.add_node("wide", Box::new(Cast { to: DType::F32 }), &[x])
+        .unwrap();
+    let err = CudaExecutor::check_supported(&g).unwrap_err().to_string();
+    assert!(
+        err.contains("wide") && err.contains("Cast on f8e4m3 tensors has no CUDA kernel"),
+        "{err}"
+    );
+}

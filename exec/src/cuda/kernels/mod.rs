@@ -126,7 +126,16 @@ pub(crate) fn lower(
     inputs: &[TensorType],
     outputs: &[TensorType],
 ) -> Result<Lowered, String> {
-    // FP8 tensors are the FP8 pass's: only its ops read and write them.
+    if op.is::<Placeholder>() {
+        return Ok(Lowered::Source(Source::Placeholder));
+    }
+    if op.is::<Variable>() {
+        return Ok(Lowered::Source(Source::Variable));
+    }
+    if op.is::<Const>() || op.is::<Group>() {
+        return Ok(Lowered::Source(Source::Constant));
+    }
+    // Of the kernels, only the FP8 pass's ops read and write FP8 tensors.
     if let Some(k) = fp8::lower(op, inputs, outputs) {
         return k.map(Lowered::Kernel);
     }
@@ -137,15 +146,6 @@ pub(crate) fn lower(
             op.name(),
             t.dtype
         ));
-    }
-    if op.is::<Placeholder>() {
-        return Ok(Lowered::Source(Source::Placeholder));
-    }
-    if op.is::<Variable>() {
-        return Ok(Lowered::Source(Source::Variable));
-    }
-    if op.is::<Const>() || op.is::<Group>() {
-        return Ok(Lowered::Source(Source::Constant));
     }
     for family in FAMILIES {
         if let Some(k) = family(op, inputs, outputs) {
