@@ -271,8 +271,11 @@ pub struct RestoreOptions {
     pub allow_non_finite: bool,
     /// A training graph refuses a checkpoint variable it lacks, except one whose
     /// name begins with one of these (default: [`checkpoint::LIBRARY_PREFIX`], the
-    /// library's own, such as a trainer's position). A graph without updates (an
-    /// inference graph) skips every variable it lacks.
+    /// library's own, such as a trainer's position or FP8 scaling state). A graph
+    /// without updates (an inference graph) skips every variable it lacks. A
+    /// variable of FP8 scaling state the checkpoint lacks
+    /// ([`ampgraph_passes::amp::fp8::STATE_PREFIX`]: a checkpoint of another
+    /// precision) starts again from its initial value.
     pub skip_unknown: Vec<String>,
 }
 
@@ -585,7 +588,8 @@ impl Session {
         }
         let mut names = self.executor.variable_names();
         names.sort();
-        if let Some(missing) = names.iter().find(|k| !loaded.contains_key(*k)) {
+        let fresh = |name: &str| name.starts_with(ampgraph_passes::amp::fp8::STATE_PREFIX);
+        if let Some(missing) = names.iter().find(|k| !loaded.contains_key(*k) && !fresh(k)) {
             let t = self
                 .executor
                 .variable_type(missing)
@@ -598,6 +602,15 @@ impl Session {
                     ShapeDisplay(&t.shape)
                 ),
             ));
+        }
+        // FP8 scaling state of another precision's checkpoint starts afresh: its
+        // amaxes were of other weights.
+        let restarted: Vec<&String> = names.iter().filter(|k| !loaded.contains_key(*k)).collect();
+        for name in restarted {
+            let id = self.graph.require(name)?;
+            if let Some(var) = self.graph.node(id).op.downcast_ref::<Variable>() {
+                loaded.insert(name.clone(), initial_value(name, var, 0));
+            }
         }
         for (name, t) in loaded {
             self.executor.set_variable(&name, t)?;

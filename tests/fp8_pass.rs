@@ -326,8 +326,8 @@ fn delayed_scaling_keeps_amax_histories_and_scales_in_the_graph() {
         Session::with_options(g, Device::Cpu, options(Fp8Config::everywhere(recipe))).unwrap();
     let kernel = "dense_1/kernel";
     let (history, scale) = (
-        format!("{kernel}/fp8_e4m3/amax_history"),
-        format!("{kernel}/fp8_e4m3/scale"),
+        format!("ampgraph/fp8/{kernel}/e4m3/amax_history"),
+        format!("ampgraph/fp8/{kernel}/e4m3/scale"),
     );
     assert_eq!(s.variable(&history).unwrap().to_f64_vec(), vec![0.0; 3]);
     assert_eq!(scalar(&s, &scale), 1.0);
@@ -377,12 +377,12 @@ fn a_non_finite_amax_skips_the_step_as_an_overflow_does() {
             Session::with_options(g, Device::Cpu, options(Fp8Config::everywhere(recipe))).unwrap();
         s.run(&[step.step], &feeds(0, None)).unwrap();
         let before = s.variable("dense/kernel").unwrap().clone();
-        let history = s.variable("x/fp8_e4m3/amax_history").cloned();
+        let history = s.variable("ampgraph/fp8/x/e4m3/amax_history").cloned();
         s.run(&[step.step], &feeds(1, Some(f32::INFINITY))).unwrap();
         assert_eq!(s.variable("dense/kernel").unwrap(), &before, "{recipe:?}");
         assert_eq!(scalar(&s, "loss_scale/scale"), 512.0, "{recipe:?}");
         assert_eq!(
-            s.variable("x/fp8_e4m3/amax_history").cloned(),
+            s.variable("ampgraph/fp8/x/e4m3/amax_history").cloned(),
             history,
             "{recipe:?}"
         );
@@ -578,7 +578,11 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
             8,
             "{recipe:?}"
         );
-        for name in ["dense/kernel", "dense_1/kernel", "x/fp8_e4m3/scale"] {
+        for name in [
+            "dense/kernel",
+            "dense_1/kernel",
+            "ampgraph/fp8/x/e4m3/scale",
+        ] {
             assert_eq!(
                 plain.variable(name).map(|t| t.to_f64_vec()),
                 fused.variable(name).map(|t| t.to_f64_vec()),
@@ -619,4 +623,46 @@ fn an_fp8_training_step_lowers_on_cuda() {
         assert_eq!(formats(&g).len(), 5, "{recipe:?}");
         CudaExecutor::check_supported(&g).unwrap();
     }
+}
+
+/// A checkpoint moves between precisions: a BF16 run's restores into an FP8 session
+/// (delayed scaling's state starts afresh: zero histories, unit scales) and the FP8
+/// run's back into a BF16 session (which skips that state), the weights the same.
+#[test]
+fn checkpoints_move_between_bf16_and_fp8_sessions() {
+    let path =
+        std::env::temp_dir().join(format!("ampgraph_fp8_switch_{}.ckpt", std::process::id()));
+    let bf16 = || {
+        let (g, step, _) = mlp(LossScale::None);
+        let options = SessionOptions {
+            amp: Some(AmpConfig::new(DType::BF16).unwrap()),
+            ..SessionOptions::default()
+        };
+        (
+            Session::with_options(g, Device::Cpu, options).unwrap(),
+            step,
+        )
+    };
+    let (mut first, step) = bf16();
+    first.run(&[step.step], &feeds(0, None)).unwrap();
+    first.save(&path).unwrap();
+    let (g, step, _) = mlp(LossScale::None);
+    let mut fp8 = Session::with_options(
+        g,
+        Device::Cpu,
+        options(Fp8Config::everywhere(Fp8Recipe::delayed())),
+    )
+    .unwrap();
+    fp8.run(&[step.step], &feeds(0, None)).unwrap();
+    fp8.restore(&path).unwrap();
+    assert_eq!(fp8.variable("dense/kernel"), first.variable("dense/kernel"));
+    let history = "ampgraph/fp8/dense/kernel/e4m3/amax_history";
+    assert_eq!(fp8.variable(history).unwrap().to_f64_vec(), vec![0.0; 1024]);
+    assert_eq!(scalar(&fp8, "ampgraph/fp8/dense/kernel/e4m3/scale"), 1.0);
+    fp8.run(&[step.step], &feeds(1, None)).unwrap();
+    fp8.save(&path).unwrap();
+    let (mut back, _) = bf16();
+    back.restore(&path).unwrap();
+    assert_eq!(back.variable("dense/kernel"), fp8.variable("dense/kernel"));
+    std::fs::remove_file(&path).unwrap();
 }

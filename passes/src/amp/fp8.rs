@@ -10,8 +10,9 @@
 //!
 //! Scaling lives in the graph ([`Fp8Recipe`]): current scaling computes each tensor's
 //! scale from its own amax (`Fp8Scale`); delayed scaling keeps an amax history and a
-//! scale per tensor in Variables (`<tensor>/fp8_<format>/amax_history`, `.../scale`)
-//! that `Fp8ScaleUpdate` advances inside the training step, so checkpoints keep them.
+//! scale per tensor in Variables (`ampgraph/fp8/<tensor>/<format>/amax_history`,
+//! `.../scale`: [`STATE_PREFIX`]) that `Fp8ScaleUpdate` advances inside the training
+//! step, so checkpoints keep them.
 //! A non-finite amax makes the product NaN, so a loss-scaled step is skipped as for an
 //! overflowing gradient.
 //!
@@ -31,6 +32,11 @@ use ampgraph_graph::ops::{
 use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
 
 use crate::PassError;
+
+/// Where delayed scaling's Variables are named: precision state, not the model's, so
+/// a checkpoint restores into a session with another precision (a session starts
+/// the state it lacks afresh and skips the state it has no use for).
+pub const STATE_PREFIX: &str = "ampgraph/fp8/";
 
 /// How FP8 scales are computed.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -397,7 +403,7 @@ fn quantize(
 ) -> Result<Quantized, PassError> {
     let src = source(g, x);
     let stem = format!(
-        "{}/fp8_{}",
+        "{STATE_PREFIX}{}/{}",
         g.port_name(src).replace(':', "_"),
         format_name(format)
     );
