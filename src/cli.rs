@@ -19,6 +19,7 @@ use ampgraph_graph::ops::{AmaxChoice, Placeholder, Variable};
 use ampgraph_graph::tensor::{bf16_from_f64, f16_from_f64};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
 use ampgraph_onnx::Probes;
+use ampgraph_passes::amp::fp8::DEFAULT_AMAX_HISTORY;
 use ampgraph_passes::amp::report::explain;
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Config, Fp8Recipe, PrecisionLists};
 use ampgraph_passes::{registry, PassError};
@@ -572,12 +573,18 @@ pub struct PrecisionArgs {
     /// `delayed` (an amax history in the graph, updated by the training step).
     #[arg(long, value_enum, default_value = "current")]
     fp8_scaling: Fp8ScalingArg,
-    /// Delayed scaling's amax history length.
-    #[arg(long, default_value_t = 1024, value_name = "STEPS")]
-    fp8_amax_history: usize,
+    /// Delayed scaling's amax history length (default 1024, TransformerEngine's).
+    #[arg(long, value_name = "STEPS")]
+    fp8_amax_history: Option<usize>,
+    /// Which amax of the history delayed scaling scales by (default: max).
+    #[arg(long, value_enum)]
+    fp8_amax: Option<AmaxArg>,
     /// Every 16-bit MatMul in FP8: no cost model, first and last layers too.
     #[arg(long)]
     fp8_everywhere: bool,
+    /// MatMuls kept 16-bit by name, comma-separated (their gradients' products too).
+    #[arg(long, value_delimiter = ',', value_name = "NODES")]
+    fp8_keep: Vec<String>,
     /// The precision lists: a profile (`default`: ampgraph's for --dtype, that is
     /// `default_fp16` or `default_bf16`; `tensorflow`: TensorFlow's CUDA lists) or a
     /// TOML list file (`.toml`).
@@ -614,6 +621,12 @@ pub enum Fp8ScalingArg {
     Delayed,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AmaxArg {
+    Max,
+    MostRecent,
+}
+
 impl PrecisionArgs {
     /// The AMP settings these flags and the `AMPGRAPH_AMP_*` environment select.
     pub fn config(&self) -> Result<AmpConfig> {
@@ -636,15 +649,36 @@ impl PrecisionArgs {
         if let Some(path) = &self.overrides {
             crate::numerics::calibrate::load_overrides(&mut config.lists, path)?;
         }
-        if let Some(fp8) = &mut config.fp8 {
-            if self.fp8_everywhere {
-                *fp8 = Fp8Config::everywhere(fp8.recipe);
+        let fp8_options = self.fp8_everywhere
+            || !self.fp8_keep.is_empty()
+            || self.fp8_scaling == Fp8ScalingArg::Delayed;
+        let delayed_options = self.fp8_amax_history.is_some() || self.fp8_amax.is_some();
+        match &mut config.fp8 {
+            None if fp8_options || delayed_options => {
+                return Err(CliError::Usage(
+                    "the --fp8-* options need --dtype fp8".into(),
+                ))
             }
-            if self.fp8_scaling == Fp8ScalingArg::Delayed {
-                fp8.recipe = Fp8Recipe::Delayed {
-                    history: self.fp8_amax_history,
-                    amax: AmaxChoice::Max,
-                };
+            None => {}
+            Some(_) if delayed_options && self.fp8_scaling != Fp8ScalingArg::Delayed => {
+                return Err(CliError::Usage(
+                    "--fp8-amax-history and --fp8-amax need --fp8-scaling delayed".into(),
+                ))
+            }
+            Some(fp8) => {
+                if self.fp8_everywhere {
+                    *fp8 = Fp8Config::everywhere(fp8.recipe);
+                }
+                fp8.keep.extend(self.fp8_keep.iter().cloned());
+                if self.fp8_scaling == Fp8ScalingArg::Delayed {
+                    fp8.recipe = Fp8Recipe::Delayed {
+                        history: self.fp8_amax_history.unwrap_or(DEFAULT_AMAX_HISTORY),
+                        amax: match self.fp8_amax {
+                            Some(AmaxArg::MostRecent) => AmaxChoice::MostRecent,
+                            Some(AmaxArg::Max) | None => AmaxChoice::Max,
+                        },
+                    };
+                }
             }
         }
         config.apply_vars(|k| std::env::var(k).ok())?;

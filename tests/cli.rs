@@ -730,3 +730,64 @@ fn seeded_feeds_beyond_the_hosts_memory_are_refused_before_they_are_made() {
     );
     assert!(started.elapsed().as_secs() < 10, "{:?}", started.elapsed());
 }
+
+/// `--dtype fp8`: FP8 products where the options say (`--fp8-everywhere`, a node kept
+/// by `--fp8-keep`), `explain` saying why; the FP8 options without `--dtype fp8`, or
+/// delayed scaling's without `--fp8-scaling delayed`, are usage errors.
+#[test]
+fn fp8_options_choose_the_products_and_explain_says_why() {
+    let s = Scratch::new("fp8");
+    let two = r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+  {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [16, 32]}},
+  {"name": "w1", "op": "Variable", "attrs": {"dtype": "f32", "shape": [32, 32]}},
+  {"name": "w2", "op": "Variable", "attrs": {"dtype": "f32", "shape": [32, 16]}},
+  {"name": "mm1", "op": "MatMul", "inputs": ["x", "w1"]},
+  {"name": "act", "op": "Relu", "inputs": ["mm1"]},
+  {"name": "mm2", "op": "MatMul", "inputs": ["act", "w2"]},
+  {"name": "y", "op": "Relu", "inputs": ["mm2"]}
+], "outputs": ["y"]}"#;
+    let g = s.write("two.json", two);
+    let out = s.path("out.json");
+    let products = |args: &[&str]| {
+        ok(&[
+            &["rewrite", &g, "--amp", "--dtype", "fp8", "-o", &out],
+            args,
+        ]
+        .concat());
+        String::from_utf8(read(&out))
+            .unwrap()
+            .matches("\"Fp8MatMul\"")
+            .count()
+    };
+    assert_eq!(products(&[]), 0, "the cost model keeps products this small");
+    assert_eq!(products(&["--fp8-everywhere"]), 2);
+    assert_eq!(products(&["--fp8-everywhere", "--fp8-keep", "mm2"]), 1);
+    let why = ok(&[
+        "explain",
+        &g,
+        "mm2",
+        "--dtype",
+        "fp8",
+        "--fp8-everywhere",
+        "--fp8-keep",
+        "mm2",
+    ]);
+    assert!(
+        why.contains("kept bf16 rather than FP8: its layer 'mm2' is listed"),
+        "{why}"
+    );
+    let err = error_line(&["rewrite", &g, "--amp", "--fp8-everywhere", "-o", &out]);
+    assert!(err.contains("need --dtype fp8"), "{err}");
+    let err = error_line(&[
+        "rewrite",
+        &g,
+        "--amp",
+        "--dtype",
+        "fp8",
+        "--fp8-amax",
+        "most-recent",
+        "-o",
+        &out,
+    ]);
+    assert!(err.contains("need --fp8-scaling delayed"), "{err}");
+}

@@ -50,11 +50,14 @@ pub enum Fp8Recipe {
     Delayed { history: usize, amax: AmaxChoice },
 }
 
+/// TransformerEngine's amax history length.
+pub const DEFAULT_AMAX_HISTORY: usize = 1024;
+
 impl Fp8Recipe {
     /// TransformerEngine's delayed scaling: a history of 1024 amaxes, scaled by their max.
     pub fn delayed() -> Self {
         Fp8Recipe::Delayed {
-            history: 1024,
+            history: DEFAULT_AMAX_HISTORY,
             amax: AmaxChoice::Max,
         }
     }
