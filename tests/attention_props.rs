@@ -14,8 +14,8 @@ use std::collections::HashMap;
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::autodiff::gradients;
 use ampgraph::graph::ops::{
-    BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, Const, FusedAttention, FusedAttentionGrad,
-    Softmax,
+    BatchMatMul, Binary, BinaryGrad, BinaryKind, Cast, Const, Dropout, FusedAttention,
+    FusedAttentionGrad, Softmax,
 };
 use ampgraph::graph::Op;
 use ampgraph::graph::{DType, Graph, NodeId, Port, Tensor};
@@ -36,6 +36,8 @@ struct Case {
     train: bool,
     causal: bool,
     key_bias: bool,
+    /// A Dropout of the probabilities (rate 0.25) at the step count `count`.
+    dropout: bool,
 }
 
 /// A small training attention the unit tests vary.
@@ -49,6 +51,7 @@ const SMALL: Case = Case {
     train: true,
     causal: false,
     key_bias: false,
+    dropout: false,
 };
 
 /// The causal mask of `case` in `dtype`, `[Sq, Sk]`: `-inf` where key `j > i`.
@@ -106,7 +109,12 @@ fn explicit_with(case: Case, dtype: DType, bias: &[usize], bias_grad: bool) -> G
             differentiate.push(bias);
         }
     }
-    let p = g.softmax(s, -1).unwrap();
+    let mut p = g.softmax(s, -1).unwrap();
+    if case.dropout {
+        let count = g.placeholder("count", DType::F32, []).unwrap();
+        let dropout = Dropout::new(0.25, 77).unwrap();
+        p = g.add(dropout, &[p, count]).unwrap();
+    }
     let y = g.batch_matmul(p, vt).unwrap();
     let y = g.transpose(y, [0, 2, 1, 3]).unwrap();
     let mut outputs = vec![y];
@@ -148,13 +156,26 @@ fn feeds(case: Case, dtype: DType, seed: u64) -> HashMap<String, Tensor> {
         (name.to_string(), t)
     })
     .chain(case.key_bias.then_some(bias))
+    .chain(
+        case.dropout
+            .then(|| ("count".to_string(), Tensor::scalar(DType::F32, 5.0))),
+    )
     .collect()
 }
 
 fn widened(feeds: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
     feeds
         .iter()
-        .map(|(n, t)| (n.clone(), t.cast(DType::F64)))
+        .map(|(n, t)| {
+            (
+                n.clone(),
+                if n == "count" {
+                    t.clone()
+                } else {
+                    t.cast(DType::F64)
+                },
+            )
+        })
         .collect()
 }
 
@@ -193,17 +214,17 @@ fn check(case: Case, dtype: DType, seed: u64) -> Result<(), TestCaseError> {
     let masks = |id| {
         let op = &g.node(id).op;
         op.downcast_ref::<FusedAttention>()
-            .map(|a| (a.causal, a.key_bias))
+            .map(|a| (a.causal, a.key_bias, a.dropout.is_some()))
             .or(op
                 .downcast_ref::<FusedAttentionGrad>()
-                .map(|a| (a.causal, a.key_bias)))
+                .map(|a| (a.causal, a.key_bias, a.dropout.is_some())))
     };
-    let flags: Vec<(bool, bool)> = g.node_ids().filter_map(masks).collect();
-    let want = (case.causal, case.key_bias);
+    let flags: Vec<(bool, bool, bool)> = g.node_ids().filter_map(masks).collect();
+    let want = (case.causal, case.key_bias, case.dropout);
     prop_assert_eq!(flags, vec![want; 1 + usize::from(case.train)]);
     prop_assert!(
-        !has::<Softmax>(&g) && !has::<BatchMatMul>(&g) && mask(&g).is_none(),
-        "the explicit form (and any mask) is gone"
+        !has::<Softmax>(&g) && !has::<BatchMatMul>(&g) && !has::<Dropout>(&g) && mask(&g).is_none(),
+        "the explicit form (and any mask or dropout) is gone"
     );
     // JSON round trip and idempotence.
     let text = json(&g);
@@ -248,10 +269,16 @@ fn case() -> impl Strategy<Value = Case> {
         // 0: 1/sqrt(head_dim), as attention scales.
         0i32..=4,
         any::<bool>(),
-        (any::<bool>(), any::<bool>()),
+        (any::<bool>(), any::<bool>(), any::<bool>()),
     )
         .prop_map(
-            |((batch, heads, q_len, k_len), head_dim, halvings, train, (causal, key_bias))| Case {
+            |(
+                (batch, heads, q_len, k_len),
+                head_dim,
+                halvings,
+                train,
+                (causal, key_bias, dropout),
+            )| Case {
                 batch,
                 heads,
                 q_len,
@@ -264,6 +291,7 @@ fn case() -> impl Strategy<Value = Case> {
                 train,
                 causal,
                 key_bias,
+                dropout,
             },
         )
 }
@@ -366,6 +394,7 @@ fn scales_left_as_a_mul_fuse() {
             train: true,
             causal,
             key_bias: false,
+            dropout: causal,
         };
         let mut g = explicit(case, DType::F16);
         Dce.run(&mut g).unwrap();
@@ -436,6 +465,7 @@ fn bad_key_biases_are_clear_errors() {
         causal: false,
         key_bias: true,
         packed: false,
+        dropout: None,
     };
     for (bias_shape, bias_dtype, want) in [
         (

@@ -301,11 +301,10 @@ fn a_tiny_gpt2_with_dropout_learns_and_its_dropouts_fuse() {
 
 /// With Hugging Face's attention dropout too (`attn_pdrop` 0.1: one more Dropout a
 /// layer, on the Softmax's probabilities before their product with v), a tiny GPT-2
-/// learns the rule; `fuse-attention` leaves those attentions explicit (the fused
-/// kernels drop nothing), so the step after AMP and the CUDA passes has no
-/// FusedAttention and still trains.
+/// learns the rule; after AMP and the CUDA passes each attention is fused with its
+/// dropout, forward and gradient, and no Dropout of the probabilities is left.
 #[test]
-fn a_tiny_gpt2_with_attention_dropout_learns_and_keeps_explicit_attention() {
+fn a_tiny_gpt2_with_attention_dropout_learns_and_fuses_it() {
     let config = Gpt2Config {
         dropout: 0.1,
         attention_dropout: 0.1,
@@ -333,7 +332,9 @@ fn a_tiny_gpt2_with_attention_dropout_learns_and_keeps_explicit_attention() {
     let loss = training.softmax_cross_entropy(logits, labels).unwrap();
     Adam::new(0.01).minimize(&mut training, loss).unwrap();
     amp_and_cuda_passes(&mut training);
-    assert_eq!(count(&training, "FusedAttention"), 0);
+    assert_eq!(count(&training, "FusedAttention"), 2);
+    assert_eq!(count(&training, "FusedAttentionGrad"), 2);
+    assert_eq!(count(&training, "Dropout"), 0);
     training.validate().unwrap();
 }
 

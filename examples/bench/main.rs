@@ -302,8 +302,8 @@ struct Args {
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
     /// gpt2, bert_base: the dropout on attention's probabilities (Hugging Face's
-    /// configs: 0.1; `scripts/torch_zoo_train.py --attention-dropout` matches it).
-    /// Attention then keeps its explicit form: `fuse-attention` does not fuse it.
+    /// configs: 0.1; `scripts/torch_zoo_train.py --attention-dropout` matches it),
+    /// fused with the attention's kernels.
     #[arg(long, default_value_t = 0.0)]
     attention_dropout: f64,
     /// Initial values of the Linear layers: `torch` (nn.Linear's defaults, as

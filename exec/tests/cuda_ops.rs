@@ -1969,6 +1969,11 @@ fn fused_attention_and_its_gradient() {
                 Tensor::from_f64(d, vec![rows, 1, 1, sk], &values).unwrap()
             });
             forward.extend(bias.clone());
+            // Attention dropout on every other shape: the kernels' masks are the CPU's.
+            let dropout = (sq % 2 == 0).then(|| Dropout::new(0.2, 1234 + sq as u64).unwrap());
+            let count = dropout.map(|_| t(DType::F32, &[], &[3.0]));
+            let what = format!("{what} dropout {}", dropout.is_some());
+            forward.extend(count.clone());
             let (dev, cpu) = run_both(
                 &mut gpu,
                 &what,
@@ -1977,6 +1982,7 @@ fn fused_attention_and_its_gradient() {
                     causal,
                     key_bias,
                     packed,
+                    dropout,
                 },
                 &forward,
             );
@@ -1986,6 +1992,7 @@ fn fused_attention_and_its_gradient() {
             let mut inputs = qkv;
             inputs.extend([cpu[0].clone(), cpu[1].clone(), d_o]);
             inputs.extend(bias);
+            inputs.extend(count);
             let (dev, cpu) = run_both(
                 &mut gpu,
                 &what,
@@ -1994,6 +2001,7 @@ fn fused_attention_and_its_gradient() {
                     causal,
                     key_bias,
                     packed,
+                    dropout,
                 },
                 &inputs,
             );

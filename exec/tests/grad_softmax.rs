@@ -77,7 +77,7 @@ proptest! {
             }
             inputs.push(t64(&[rows, 1, 1, sk], &values));
         }
-        let op = FusedAttention { scale, causal, key_bias: key_bias.is_some(), packed: false };
+        let op = FusedAttention { scale, causal, key_bias: key_bias.is_some(), packed: false, dropout: None };
         let err = check_output0(Box::new(op), &inputs, &[0, 1, 2], seed);
         prop_assert!(err < GRAD_TOL, "relative error {err:e}");
     }

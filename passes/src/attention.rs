@@ -31,6 +31,10 @@
 //! Other masks keep the explicit form (`softmax-prologue` still fuses their Add into
 //! the softmax).
 //!
+//! A Dropout of the probabilities (attention dropout, `Softmax -> Dropout ->
+//! BatchMatMul`) fuses into the ops' own, mask for mask; in the gradient, the same
+//! Dropout of `dp` that autodiff wrote goes too.
+//!
 //! Only 16-bit attention with a head width of at most 128 (a multiple of 16) and a
 //! positive scale fuses: what the CUDA kernels (Tensor Core `mma`) compute (they take
 //! each row's maximum of the unscaled scores). The match is exact: a
@@ -42,8 +46,8 @@ use crate::rewrite::{binary_operands, cast_constant, redirect, through_casts};
 use crate::simplify::scale_into_matmul::scalar;
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim};
 use ampgraph_graph::ops::{
-    BatchMatMul, Binary, BinaryGrad, BinaryKind, FusedAttention, FusedAttentionGrad, Softmax,
-    SoftmaxGrad, Transpose, Where,
+    BatchMatMul, Binary, BinaryGrad, BinaryKind, Dropout, FusedAttention, FusedAttentionGrad,
+    Softmax, SoftmaxGrad, Transpose, Where,
 };
 use ampgraph_graph::shape::normalize_axis;
 use ampgraph_graph::{DType, Graph, NodeId, Port, Tensor, TensorType};
@@ -64,6 +68,8 @@ struct Core {
     between: Vec<NodeId>,
     masks: Masks,
     softmax: NodeId,
+    /// The probabilities' dropout: its node, op and step count.
+    dropout: Option<(NodeId, Dropout, Port)>,
     product: NodeId,
     /// The operands, heads first `[B, H, S, D]`.
     q: Port,
@@ -86,6 +92,8 @@ struct Backward {
     /// The loss gradient of the product, `[B, H, Sq, D]`.
     d_y: Port,
     d_p: NodeId,
+    /// The dropout of `dp` (the forward's, on the gradient).
+    d_p_dropout: Option<NodeId>,
     softmax_grad: NodeId,
     /// The scaling's gradient (`dS * c`), where the scale is a Mul.
     scale_grad: Option<NodeId>,
@@ -366,14 +374,36 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
         return None;
     }
     let p = Port::new(softmax, 0);
+    let mut at_p = readers(g, p)?;
+    let dropout = match at_p
+        .iter()
+        .position(|&(r, slot)| slot == 0 && g.node(r).op.is::<Dropout>())
+    {
+        Some(i) => {
+            let d = at_p.remove(i).0;
+            let op = *g.node(d).op.downcast_ref::<Dropout>()?;
+            Some((d, op, g.inputs(d)[1]))
+        }
+        None => None,
+    };
+    // The products read the probabilities or their dropout's output; the softmax's
+    // gradient reads the probabilities.
+    let mut candidates: Vec<(NodeId, usize, bool)> =
+        at_p.into_iter().map(|(r, slot)| (r, slot, false)).collect();
+    if let Some((d, _, _)) = dropout {
+        let dropped = readers(g, Port::new(d, 0))?;
+        candidates.extend(dropped.into_iter().map(|(r, slot)| (r, slot, true)));
+    }
     let (mut product, mut d_v, mut softmax_grad) = (None, None, None);
-    for (reader, slot) in readers(g, p)? {
+    for (reader, slot, dropped) in candidates {
         let free = |found: &Option<NodeId>| slot == 0 && found.is_none();
-        if free(&product) && is_product(g, reader, (false, false), 1.0) {
+        let of_products = dropped == dropout.is_some();
+        if of_products && free(&product) && is_product(g, reader, (false, false), 1.0) {
             product = Some(reader);
-        } else if free(&d_v) && is_product(g, reader, (true, false), 1.0) {
+        } else if of_products && free(&d_v) && is_product(g, reader, (true, false), 1.0) {
             d_v = Some(reader);
-        } else if free(&softmax_grad)
+        } else if !dropped
+            && free(&softmax_grad)
             && g.node(reader)
                 .op
                 .downcast_ref::<SoftmaxGrad>()
@@ -393,7 +423,13 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
     let backward = match softmax_grad {
         // The gradients of scaled operands are not matched: the form stays.
         Some(_) if operands_scaled => return None,
-        Some(sg) => Some(find_backward(g, (q, k, v), (s, alpha, scaling), sg, d_v)?),
+        Some(sg) => Some(find_backward(
+            g,
+            (q, k, v),
+            (s, alpha, scaling),
+            (sg, d_v),
+            dropout.map(|(_, op, count)| (op, count)),
+        )?),
         None if d_v.is_none() => None,
         None => return None,
     };
@@ -412,6 +448,7 @@ fn find_core(g: &Graph, softmax: NodeId) -> Option<Core> {
         between,
         masks,
         softmax,
+        dropout,
         product,
         q,
         k,
@@ -459,15 +496,32 @@ fn scale_grad(g: &Graph, sg: NodeId, s: Port, scaling: Scaling) -> Option<NodeId
 /// The gradient nodes around the softmax's gradient `sg`: `dp = dy v^T` before it,
 /// `dq = alpha ds k` and `dk = alpha ds^T q` after it, where `ds` is the softmax's
 /// gradient times the scaling's constant if the scores' product `s` was scaled by a
-/// Mul; `d_v` (`p^T dy`) must read the same `dy`.
+/// Mul; `d_v` (`p^T dy`) must read the same `dy`. With the forward's `dropout` (its
+/// op and step count), `dp` reaches the softmax's gradient through the same Dropout.
 fn find_backward(
     g: &Graph,
     (q, k, v): (Port, Port, Port),
     (s, alpha, scaling): (Port, f64, Option<Scaling>),
-    sg: NodeId,
-    d_v: Option<NodeId>,
+    (sg, d_v): (NodeId, Option<NodeId>),
+    dropout: Option<(Dropout, Port)>,
 ) -> Option<Backward> {
-    let d_p = g.inputs(sg)[1];
+    let mut d_p = g.inputs(sg)[1];
+    let mut d_p_reader = (sg, 1);
+    let d_p_dropout = match dropout {
+        Some((op, count)) => {
+            let same = g.node(d_p.node).op.downcast_ref::<Dropout>() == Some(&op)
+                && g.inputs(d_p.node)[1] == count
+                && readers(g, d_p)? == [(sg, 1)];
+            if !same {
+                return None;
+            }
+            let node = d_p.node;
+            d_p_reader = (node, 0);
+            d_p = g.inputs(node)[0];
+            Some(node)
+        }
+        None => None,
+    };
     // Only a product is looked into: other nodes may have fewer inputs.
     if !is_product(g, d_p.node, (false, true), 1.0) {
         return None;
@@ -475,7 +529,7 @@ fn find_backward(
     let [d_y, d_p_v] = g.inputs(d_p.node)[..] else {
         return None;
     };
-    let d_p_ok = d_p.index == 0 && d_p_v == v && readers(g, d_p)? == [(sg, 1)];
+    let d_p_ok = d_p.index == 0 && d_p_v == v && readers(g, d_p)? == [d_p_reader];
     if !d_p_ok || d_v.is_some_and(|dv| g.inputs(dv)[1] != d_y) {
         return None;
     }
@@ -503,6 +557,7 @@ fn find_backward(
     Some(Backward {
         d_y,
         d_p: d_p.node,
+        d_p_dropout,
         softmax_grad: sg,
         scale_grad,
         d_q,
@@ -577,6 +632,7 @@ fn swaps(g: &Graph, ports: &[Port]) -> Vec<NodeId> {
 /// Rewrites one core; returns the nodes that may have become unread.
 fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, PassError> {
     let mut stale = vec![c.scores, c.softmax, c.product];
+    stale.extend(c.dropout.map(|(d, _, _)| d));
     stale.extend(&c.between);
     stale.extend(swaps(g, &[c.q, c.k, c.v]));
     let q = heads_last(g, c.q, tally)?;
@@ -589,14 +645,20 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
         None => None,
     };
     let (scale, causal) = (c.scale, c.masks.causal);
+    let (dropout, count) = match c.dropout {
+        Some((_, op, count)) => (Some(op), Some(count)),
+        None => (None, None),
+    };
     let op = FusedAttention {
         scale,
         causal,
         key_bias: key_bias.is_some(),
         packed: false,
+        dropout,
     };
     let mut inputs = vec![q, k, v];
     inputs.extend(key_bias);
+    inputs.extend(count);
     let att = g.add_node(name, Box::new(op), &inputs)?;
     let (o, lse) = (Port::new(att, 0), Port::new(att, 1));
     stale.extend(replace_heads_first(g, Port::new(c.product, 0), o, tally)?);
@@ -606,6 +668,7 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
         return Ok(stale);
     };
     stale.extend([b.d_p, b.softmax_grad]);
+    stale.extend(b.d_p_dropout);
     stale.extend(b.scale_grad);
     stale.extend(swaps(g, &[b.d_y]));
     let d_o = heads_last(g, b.d_y, tally)?;
@@ -618,9 +681,11 @@ fn rewrite(g: &mut Graph, c: &Core, tally: &mut Tally) -> Result<Vec<NodeId>, Pa
         causal,
         key_bias: key_bias.is_some(),
         packed: false,
+        dropout,
     };
     let mut inputs = vec![q, k, v, o, lse, d_o];
     inputs.extend(key_bias);
+    inputs.extend(count);
     let grad = g.add_node(name, Box::new(op), &inputs)?;
     for (i, node) in [b.d_q, b.d_k, b.d_v].into_iter().enumerate() {
         if let Some(node) = node {

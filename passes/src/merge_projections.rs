@@ -246,6 +246,7 @@ mod tests {
             causal: false,
             key_bias: false,
             packed: false,
+            dropout: None,
         };
         let att = g.add_node("attention", Box::new(op), &heads).unwrap();
         g.set_outputs(vec![Port::new(att, 0)]).unwrap();

@@ -249,6 +249,7 @@ mod tests {
             causal: true,
             key_bias: false,
             packed: false,
+            dropout: None,
         };
         let o = g.add(attention, &parts).unwrap();
         let weighted = g.mul(o, w).unwrap();

@@ -32,8 +32,8 @@ pub struct BertConfig {
     /// (Hugging Face's `hidden_dropout_prob`, 0.1 in `bert-base-uncased`'s config).
     pub dropout: f64,
     /// The dropout on attention's probabilities (`attention_probs_dropout_prob`: 0.1
-    /// in `bert-base-uncased`'s config). Attention then keeps its explicit form,
-    /// which `fuse-attention` does not fuse.
+    /// in `bert-base-uncased`'s config), which `fuse-attention` fuses with the
+    /// attention.
     pub attention_dropout: f64,
 }
 

@@ -29,8 +29,7 @@ pub struct Gpt2Config {
     /// llm.c's).
     pub dropout: f64,
     /// The dropout on attention's probabilities (`attn_pdrop`: 0.1 in Hugging Face's
-    /// config, 0 in llm.c's). Attention then keeps its explicit form, which
-    /// `fuse-attention` does not fuse.
+    /// config, 0 in llm.c's), which `fuse-attention` fuses with the attention.
     pub attention_dropout: f64,
 }
 

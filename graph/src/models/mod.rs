@@ -204,8 +204,7 @@ impl Heads {
 
     /// `softmax(q k^T / sqrt(d) + mask) v` of heads `[batch, heads, seq, d]`, merged
     /// back to `[rows, width]`, the probabilities through a dropout of `dropout`
-    /// (none at 0). Written out as `fuse-attention` finds it (without the dropout,
-    /// which keeps the explicit form).
+    /// (none at 0). Written out as `fuse-attention` finds it.
     pub fn attention(
         &self,
         g: &mut Graph,

@@ -14,6 +14,11 @@
 //! in the compute type (f32 for f16/bf16/f32, f64 for f64), which the gradient reuses
 //! instead of recomputing the row statistics.
 //!
+//! With `dropout`, the probabilities go through a [`Dropout`] (the explicit form's
+//! `Dropout(softmax(..))`, mask for mask: element `((b H + h) Sq + i) Sk + j` of the
+//! `[B, H, Sq, Sk]` probabilities) before their product with v; a last input is the
+//! step count the masks are drawn for. The log-sum-exp is of the undropped scores.
+//!
 //! `packed` (a self-attention): q, k and v are one input `qkv [B, S, 3, H, D]`, the
 //! packed projection's output as it is (`[B * S, 3 H D]` viewed), and the gradient's
 //! one output is `dqkv` of that shape: no copies split q, k and v out of it or join
@@ -26,7 +31,7 @@ use crate::error::GraphError;
 use crate::graph::Port;
 use crate::kernel::{require_float, same_dtype, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
-use crate::ops::grad0;
+use crate::ops::{grad0, Dropout};
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -38,6 +43,7 @@ pub(crate) const OPS: &[OpEntry] = &[
                 causal: a.bool_or("causal", false)?,
                 key_bias: a.bool_or("key_bias", false)?,
                 packed: a.bool_or("packed", false)?,
+                dropout: parse_dropout(a)?,
             }))
         },
     },
@@ -49,10 +55,20 @@ pub(crate) const OPS: &[OpEntry] = &[
                 causal: a.bool_or("causal", false)?,
                 key_bias: a.bool_or("key_bias", false)?,
                 packed: a.bool_or("packed", false)?,
+                dropout: parse_dropout(a)?,
             }))
         },
     },
 ];
+
+/// The probabilities' dropout of `dropout_rate` and `dropout_seed`, where given.
+fn parse_dropout(a: &mut crate::attrs::AttrReader) -> OpResult<Option<Dropout>> {
+    match (a.opt_float("dropout_rate")?, a.opt_int("dropout_seed")?) {
+        (None, None) => Ok(None),
+        (Some(rate), Some(seed)) => Ok(Some(Dropout::new(rate, seed as u64)?)),
+        _ => Err("dropout_rate and dropout_seed come together".into()),
+    }
+}
 
 /// `o = softmax(scale * q k^T) v` per batch and head; also the rows' log-sum-exp.
 #[derive(Clone, Debug, PartialEq)]
@@ -64,6 +80,8 @@ pub struct FusedAttention {
     pub key_bias: bool,
     /// One input `qkv [B, S, 3, H, D]` in place of q, k and v.
     pub packed: bool,
+    /// The probabilities' dropout; a last input is then the step count.
+    pub dropout: Option<Dropout>,
 }
 
 /// The gradients `dq, dk, dv` of [`FusedAttention`] from its inputs, its outputs
@@ -76,6 +94,8 @@ pub struct FusedAttentionGrad {
     pub key_bias: bool,
     /// Inputs `qkv, o, lse, do[, key bias]` and one output `dqkv [B, S, 3, H, D]`.
     pub packed: bool,
+    /// The forward's dropout; a last input is then the step count.
+    pub dropout: Option<Dropout>,
 }
 
 /// How many inputs q, k and v take: one packed, else three.
@@ -228,9 +248,8 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
 /// files from before them read the same.
 fn attention_attrs(
     scale: f64,
-    causal: bool,
-    key_bias: bool,
-    packed: bool,
+    (causal, key_bias, packed): (bool, bool, bool),
+    dropout: Option<Dropout>,
 ) -> Vec<(&'static str, AttrValue)> {
     let mut attrs = vec![("scale", scale.into())];
     for (name, set) in [
@@ -242,7 +261,63 @@ fn attention_attrs(
             attrs.push((name, true.into()));
         }
     }
+    if let Some(d) = dropout {
+        attrs.push(("dropout_rate", d.rate.into()));
+        attrs.push(("dropout_seed", (d.seed as i64).into()));
+    }
     attrs
+}
+
+/// `inputs` without the dropout's step count (the last input where `dropout`), and
+/// the count.
+fn split_count<T>(dropout: Option<Dropout>, inputs: &[T]) -> OpResult<(&[T], Option<&T>)> {
+    match dropout {
+        None => Ok((inputs, None)),
+        Some(_) => {
+            let (count, rest) = inputs.split_last().ok_or("missing the step count")?;
+            Ok((rest, Some(count)))
+        }
+    }
+}
+
+/// Checks the dropout's step count: a float scalar.
+fn check_count(count: Option<&&TensorType>) -> OpResult<()> {
+    match count {
+        Some(t) if !t.shape.is_empty() || !t.dtype.is_float() => {
+            Err(format!("the step count must be a float scalar, not {t}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The mask and scale of the probabilities' dropout at `count`: element `i` of the
+/// `[B, H, Sq, Sk]` probabilities is kept and scaled by `scale`, or zeroed.
+struct DropMask<T> {
+    dropout: Dropout,
+    count: u64,
+    scale: T,
+}
+
+impl<T: Real> DropMask<T> {
+    fn of(dropout: Option<Dropout>, count: Option<&&Tensor>) -> Option<DropMask<T>> {
+        let (dropout, count) = (dropout?, count?);
+        let count = Dropout::count_of(T::read(count).first().copied().unwrap_or(T::zero()));
+        Some(DropMask {
+            dropout,
+            count,
+            scale: T::lit(dropout.scale()),
+        })
+    }
+
+    /// What probability `j` of query row `qi` of (`b`, `h`) is multiplied by.
+    fn factor(&self, dims: &AttentionDims, (b, h, qi, j): (usize, usize, usize, usize)) -> T {
+        let i = ((b * dims.heads + h) * dims.q_len + qi) * dims.k_len + j;
+        if self.dropout.keeps(self.count, i as u64) {
+            self.scale
+        } else {
+            T::zero()
+        }
+    }
 }
 
 /// Checks a key bias of an attention over `batch` and `k_len` keys in `dtype`:
@@ -306,31 +381,48 @@ impl Op for FusedAttention {
         "FusedAttention"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(qkv_inputs(self.packed) + usize::from(self.key_bias))
+        Arity::Exactly(
+            qkv_inputs(self.packed)
+                + usize::from(self.key_bias)
+                + usize::from(self.dropout.is_some()),
+        )
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        attention_attrs(self.scale, self.causal, self.key_bias, self.packed)
+        attention_attrs(
+            self.scale,
+            (self.causal, self.key_bias, self.packed),
+            self.dropout,
+        )
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         if self.packed {
             let unpacked = unpacked_types(inputs)?;
             return self.unpacked().infer(&unpacked.iter().collect::<Vec<_>>());
         }
+        let (inputs, count) = split_count(self.dropout, inputs)?;
+        check_count(count)?;
         let (q, dims) = forward_dims(self.key_bias, inputs)?;
         Ok(vec![q.clone(), dims.lse_type(q.dtype)])
     }
     fn type_groups(&self, num_inputs: usize, _num_outputs: usize) -> Vec<TypeGroup> {
-        vec![
-            TypeGroup::new((0..num_inputs).collect(), vec![0]),
+        let typed = num_inputs - usize::from(self.dropout.is_some()).min(num_inputs);
+        let mut groups = vec![
+            TypeGroup::new((0..typed).collect(), vec![0]),
             TypeGroup::new(vec![], vec![1]).fixed(),
-        ]
+        ];
+        if typed < num_inputs {
+            groups.push(TypeGroup::new(vec![typed], vec![]).fixed());
+        }
+        groups
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         if self.packed {
             return eval_unpacked(inputs, |all| self.unpacked().eval(all));
         }
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-        let (_, dims) = forward_dims(self.key_bias, &types.iter().collect::<Vec<_>>())?;
+        let types: Vec<&TensorType> = types.iter().collect();
+        let (types, _) = split_count(self.dropout, &types)?;
+        let (_, dims) = forward_dims(self.key_bias, types)?;
         match inputs[0].dtype() {
             DType::F64 => attention::<f64>(self, &dims, inputs),
             _ => attention::<f32>(self, &dims, inputs),
@@ -346,20 +438,21 @@ impl Op for FusedAttention {
         let (Some(d_o), [o, lse]) = (grad0(grads), outputs) else {
             return Ok(vec![None; inputs.len()]);
         };
-        let (qkv, bias) = inputs.split_at(qkv_inputs(self.packed).min(inputs.len()));
+        let (qkv, rest) = inputs.split_at(qkv_inputs(self.packed).min(inputs.len()));
         let op = FusedAttentionGrad {
             scale: self.scale,
             causal: self.causal,
             key_bias: self.key_bias,
             packed: self.packed,
+            dropout: self.dropout,
         };
         let mut grad_inputs = qkv.to_vec();
         grad_inputs.extend([*o, *lse, d_o]);
-        grad_inputs.extend(bias);
+        grad_inputs.extend(rest);
         let id = b.add_node(Box::new(op), &grad_inputs)?;
-        // The key bias (a mask) takes no gradient.
+        // The key bias (a mask) and the step count take no gradient.
         let mut grads: Vec<Option<Port>> = (0..qkv.len()).map(|i| Some(Port::new(id, i))).collect();
-        grads.extend(bias.iter().map(|_| None));
+        grads.extend(rest.iter().map(|_| None));
         Ok(grads)
     }
 }
@@ -408,6 +501,8 @@ fn attention<T: Real>(
     dims: &AttentionDims,
     inputs: &[&Tensor],
 ) -> OpResult<Vec<Tensor>> {
+    let (inputs, count) = split_count(op.dropout, inputs)?;
+    let drop = DropMask::<T>::of(op.dropout, count);
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     let (qs, ks, vs) = (T::read(q), T::read(k), T::read(v));
     let bias = inputs.get(3).map(|t| T::read(t));
@@ -430,6 +525,9 @@ fn attention<T: Real>(
                 let sum: T = s.iter().copied().sum();
                 let or = dims.row(dims.q_len, b, qi, h);
                 for (j, &p) in s.iter().enumerate() {
+                    let p = drop
+                        .as_ref()
+                        .map_or(p, |m| p * m.factor(dims, (b, h, qi, j)));
                     let vr = dims.row(dims.k_len, b, j, h);
                     for (oc, &vc) in o[or..or + d].iter_mut().zip(&vs[vr..vr + d]) {
                         *oc = *oc + p * vc;
@@ -452,12 +550,23 @@ impl Op for FusedAttentionGrad {
         "FusedAttentionGrad"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(qkv_inputs(self.packed) + 3 + usize::from(self.key_bias))
+        Arity::Exactly(
+            qkv_inputs(self.packed)
+                + 3
+                + usize::from(self.key_bias)
+                + usize::from(self.dropout.is_some()),
+        )
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        attention_attrs(self.scale, self.causal, self.key_bias, self.packed)
+        attention_attrs(
+            self.scale,
+            (self.causal, self.key_bias, self.packed),
+            self.dropout,
+        )
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let (inputs, count) = split_count(self.dropout, inputs)?;
+        check_count(count)?;
         if self.packed {
             let unpacked = unpacked_types(inputs)?;
             grad_dims(self.key_bias, &unpacked.iter().collect::<Vec<_>>())?;
@@ -467,20 +576,28 @@ impl Op for FusedAttentionGrad {
         Ok(inputs[..3].iter().map(|t| (*t).clone()).collect())
     }
     fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
-        // The lse (input 2 packed, 4 not) keeps its type; the rest share q's.
+        // The lse (input 2 packed, 4 not) and the step count keep their types; the
+        // rest share q's.
         let (lse, outputs) = if self.packed { (2, 1) } else { (4, 3) };
-        let group = (0..num_inputs).filter(|&i| i != lse).collect();
-        vec![
+        let count = self.dropout.map(|_| num_inputs.saturating_sub(1));
+        let group = (0..num_inputs)
+            .filter(|&i| i != lse && Some(i) != count)
+            .collect();
+        let mut groups = vec![
             TypeGroup::new(group, (0..outputs.min(num_outputs)).collect()),
             TypeGroup::new(vec![lse], vec![]).fixed(),
-        ]
+        ];
+        groups.extend(count.map(|c| TypeGroup::new(vec![c], vec![]).fixed()));
+        groups
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         if self.packed {
             return eval_unpacked(inputs, |all| Ok(vec![pack(self.unpacked().eval(all)?)?]));
         }
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-        let dims = grad_dims(self.key_bias, &types.iter().collect::<Vec<_>>())?;
+        let types: Vec<&TensorType> = types.iter().collect();
+        let (types, _) = split_count(self.dropout, &types)?;
+        let dims = grad_dims(self.key_bias, types)?;
         match inputs[0].dtype() {
             DType::F64 => attention_grad::<f64>(self, &dims, inputs),
             _ => attention_grad::<f32>(self, &dims, inputs),
@@ -511,12 +628,16 @@ fn grad_dims(key_bias: bool, inputs: &[&TensorType]) -> OpResult<AttentionDims> 
 
 /// The reference backward, as the fused kernels compute it: the probabilities from
 /// the saved log-sum-exp, `dp = do v^T`, `ds = p (dp - rowsum(do * o))`, then
-/// `dq = scale ds k`, `dk = scale ds^T q`, `dv = p^T do`.
+/// `dq = scale ds k`, `dk = scale ds^T q`, `dv = p^T do`. With dropout (mask and
+/// scale `m`): `dv = (p m)^T do` and `ds = p (dp m - rowsum(do * o))`, since
+/// `o = (p m) v`.
 fn attention_grad<T: Real>(
     op: &FusedAttentionGrad,
     dims: &AttentionDims,
     inputs: &[&Tensor],
 ) -> OpResult<Vec<Tensor>> {
+    let (inputs, count) = split_count(op.dropout, inputs)?;
+    let drop = DropMask::<T>::of(op.dropout, count);
     let [q, k, v, o, lse, d_o] = fixed(&inputs[..6])?;
     let (qs, ks, vs) = (T::read(q), T::read(k), T::read(v));
     let (os, lses, dos) = (T::read(o), T::read(lse), T::read(d_o));
@@ -540,11 +661,14 @@ fn attention_grad<T: Real>(
                 p.iter_mut().for_each(|x| *x = (*x - row_lse).exp());
                 let qr = dims.row(dims.q_len, b, qi, h);
                 let delta = dot(&dos[qr..qr + d], &os[qr..qr + d]);
+                let factor = |j| drop.as_ref().map(|m| m.factor(dims, (b, h, qi, j)));
                 for (j, (dsj, &pj)) in ds.iter_mut().zip(&p).enumerate() {
                     let vr = dims.row(dims.k_len, b, j, h);
-                    *dsj = pj * (dot(&dos[qr..qr + d], &vs[vr..vr + d]) - delta);
+                    let dp = dot(&dos[qr..qr + d], &vs[vr..vr + d]);
+                    *dsj = pj * (factor(j).map_or(dp, |f| dp * f) - delta);
                 }
                 for (j, (&pj, &dsj)) in p.iter().zip(&ds).enumerate() {
+                    let pj = factor(j).map_or(pj, |f| pj * f);
                     let kr = dims.row(dims.k_len, b, j, h);
                     for c in 0..d {
                         dq[qr + c] = dq[qr + c] + scale * dsj * ks[kr + c];

@@ -18,7 +18,7 @@
 
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
 use ampgraph_graph::ops::attention::{qkv_inputs, unpacked_type};
-use ampgraph_graph::ops::{FusedAttention, FusedAttentionGrad};
+use ampgraph_graph::ops::{Dropout, FusedAttention, FusedAttentionGrad};
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::module;
@@ -28,9 +28,11 @@ use crate::cuda::device::{Arg, DTensor};
 /// The module of one attention: `k_fwd(q, k, v, o, lse, ...)`, `k_dq(q, k, v, o, lse,
 /// do, dq, delta, ...)` and `k_dkv(q, k, v, lse, delta, do, dk, dv, ...)`, each then
 /// taking `int heads, int xs, int q_len, int k_len, const T* key_bias, int
-/// bias_stride, double scale`: `xs` the distance between the rows of q, k, v and their
+/// bias_stride, double scale, long long seed, const float* count, long long threshold,
+/// double drop_scale`: `xs` the distance between the rows of q, k, v and their
 /// gradients (`heads * head_dim`; three times that in a packed qkv, whose q, k and v
-/// start `heads * head_dim` apart).
+/// start `heads * head_dim` apart); the last four the probabilities' dropout (unread
+/// in a module without it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Spec {
     dtype: DType,
@@ -38,6 +40,7 @@ pub(crate) struct Spec {
     shape: Shape,
     causal: bool,
     key_bias: bool,
+    dropout: bool,
 }
 
 impl KernelSpec for Spec {
@@ -47,7 +50,7 @@ impl KernelSpec for Spec {
             self.dtype,
             self.head_dim,
             self.shape,
-            (self.causal, self.key_bias),
+            (self.causal, self.key_bias, self.dropout),
         )
     }
 }
@@ -134,6 +137,9 @@ const BODY: &str = r#"
 // A key bias (`bias[b * bias_stride + key]`, added to the scaled scores): a module of
 // its own too.
 #define BIAS @BIAS@
+// Dropout of the probabilities (`m_dropout_keeps`, the Dropout op's mask): a module of
+// its own.
+#define DROP @DROP@
 #define LDS (HD + 8)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -333,11 +339,31 @@ __device__ __forceinline__ int keys_needed(int Sk, int first) { return CAUSAL ? 
 __device__ __forceinline__ float key_bias(const T* row, int key) { return BIAS ? ld(row, key) * LOG2E : 0.f; }
 // One past the last key query `r` sees.
 __device__ __forceinline__ int key_limit(int Sk, int r) { return CAUSAL ? min(Sk, r + 1) : Sk; }
+// What the probability of (`query`, `key`) of this (batch, head) is multiplied by:
+// the dropout's scale where its mask keeps it, else 0 (1 without dropout). The mask's
+// element is that of the `[B, H, Sq, Sk]` probabilities.
+struct Drop {
+  unsigned long long seed, threshold;
+  float count, scale;
+  __device__ __forceinline__ float factor(i64 bh, int Sq, int Sk, int query, int key) const {
+    if (!DROP) return 1.f;
+    const i64 i = (bh * Sq + query) * (i64)Sk + key;
+    return m_dropout_keeps(seed, count, i, threshold) ? scale : 0.f;
+  }
+};
+__device__ __forceinline__ Drop make_drop(long long seed, const float* count, long long threshold, double scale) {
+  Drop d;
+  d.seed = (unsigned long long)seed; d.threshold = (unsigned long long)threshold;
+  d.count = DROP ? count[0] : 0.f; d.scale = (float)scale;
+  return d;
+}
 
 // Two blocks a multiprocessor (128 registers): the causal module's took 130 and ran
 // one (61 against 50 us on the transformer's heads).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, const T* k, const T* v, T* o, float* lse,
-                                                               int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
+                                                               int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
+                                                               long long seed, const float* count, long long threshold, double drop_scale) {
+  const Drop drop = make_drop(seed, count, threshold, drop_scale);
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
@@ -415,6 +441,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
 #endif
       l0 += s[j][0] + s[j][1]; l1 += s[j][2] + s[j][3];
     }
+#if DROP
+    // The sums are of the undropped probabilities; the product takes the dropped.
+#pragma unroll
+    for (int j = 0; j < TILE / 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        s[j][e] *= drop.factor(p.b * H + p.h, Sq, Sk, e < 2 ? r : r + 8, k0 + 8 * j + 2 * p.t + (e & 1));
+#endif
     mma_s_m(acc, s, vs, p.lane);
     __syncthreads();
   }
@@ -431,7 +465,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
 // multiprocessor: 128 registers (167 unbounded, one block), 156 -> 117 us on the
 // transformer's [16, 512, 12, 64] f16 heads (H100).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, const T* k, const T* v, const T* o,
-    const float* lse, const T* d_o, T* dq, float* delta, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
+    const float* lse, const T* d_o, T* dq, float* delta, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
+    long long seed, const float* count, long long threshold, double drop_scale) {
+  const Drop drop = make_drop(seed, count, threshold, drop_scale);
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
   const int stride = H * HD;
@@ -492,6 +528,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
         const float shift = -(e < 2 ? L0 : L1);
 #endif
         float pr = in ? exp2f(fmaf(s[j][e], sl2, shift)) : 0.f;
+#if DROP
+        dp[j][e] *= drop.factor(p.b * H + p.h, Sq, Sk, e < 2 ? r : r + 8, k0 + 8 * j + 2 * p.t + (e & 1));
+#endif
         s[j][e] = pr * (dp[j][e] - (e < 2 ? d0 : d1));
       }
     mma_s_m(acc, s, ks, p.lane);
@@ -502,7 +541,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
 
 // dk and dv for ROWS keys, walking every query tile.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
-    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale) {
+    const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
+    long long seed, const float* count, long long threshold, double drop_scale) {
+  const Drop drop = make_drop(seed, count, threshold, drop_scale);
   __align__(16) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
   const Place p(Sk, H, false);
@@ -560,8 +601,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
         const float shift = -ls[col] * LOG2E;
 #endif
         float pr = in ? exp2f(fmaf(s[j][e], sl2, shift)) : 0.f;
+#if DROP
+        // Rows are keys here, columns queries.
+        const float m = drop.factor(p.b * H + p.h, Sq, Sk, q0 + col, e < 2 ? r : r + 8);
+        s[j][e] = pr * m;
+        dp[j][e] = pr * (dp[j][e] * m - dl[col]);
+#else
         s[j][e] = pr;
         dp[j][e] = pr * (dp[j][e] - dl[col]);
+#endif
       }
     mma_s_m(dva, s, ds, p.lane);
     mma_s_m(dka, dp, qs, p.lane);
@@ -579,7 +627,7 @@ pub fn source(
     dtype: DType,
     head_dim: usize,
     shape: Shape,
-    (causal, key_bias): (bool, bool),
+    (causal, key_bias, dropout): (bool, bool, bool),
 ) -> String {
     let (pair, pack, mma) = match dtype {
         DType::BF16 => ("__nv_bfloat162", "__floats2bfloat162_rn", "bf16"),
@@ -591,6 +639,7 @@ pub fn source(
         .replace("@TILE@", &shape.tile.to_string())
         .replace("@CAUSAL@", if causal { "1" } else { "0" })
         .replace("@BIAS@", if key_bias { "1" } else { "0" })
+        .replace("@DROP@", if dropout { "1" } else { "0" })
         .replace("@T2@", pair)
         .replace("@PACK@", pack)
         .replace("@MMA@", mma);
@@ -659,33 +708,57 @@ fn checked_dims(
     Ok(dims)
 }
 
-/// The scale, which every kernel takes, whether the attention is causal, and its
-/// key bias (each a module of its own).
+/// The scale, which every kernel takes, whether the attention is causal, its key
+/// bias and the probabilities' dropout with its step count (each a module of its own).
 #[derive(Clone, Copy)]
 struct Rule<'a> {
     scale: f64,
     causal: bool,
     key_bias: Option<&'a DTensor>,
+    dropout: Option<(Dropout, &'a DTensor)>,
 }
 
 impl<'a> Rule<'a> {
-    /// The rule of an op's attrs; its key bias, the input after `fixed` ones.
+    /// The rule of an op's attrs; its key bias, the input after `fixed` ones, and
+    /// the dropout's step count, the last.
     fn new(
-        scale: f64,
-        causal: bool,
+        (scale, causal, dropout): (f64, bool, Option<Dropout>),
         inputs: &'a [DTensor],
         fixed: usize,
     ) -> Result<Rule<'a>, String> {
-        let key_bias = match &inputs[fixed.min(inputs.len())..] {
+        let mut rest = &inputs[fixed.min(inputs.len())..];
+        let dropout = match dropout {
+            Some(d) => {
+                let (count, before) = rest.split_last().ok_or("missing the step count")?;
+                rest = before;
+                Some((d, count))
+            }
+            None => None,
+        };
+        let key_bias = match rest {
             [] => None,
             [bias] => Some(bias),
-            _ => return Err(format!("attention takes at most {} inputs", fixed + 1)),
+            _ => return Err(format!("attention takes at most {} inputs", fixed + 2)),
         };
         Ok(Rule {
             scale,
             causal,
             key_bias,
+            dropout,
         })
+    }
+
+    /// The dropout's seed, step count, threshold and scale; zeros where there is none.
+    fn dropout_args(&self) -> [Arg; 4] {
+        match self.dropout {
+            Some((d, count)) => [
+                Arg::I64(d.seed as i64),
+                count.arg(),
+                Arg::I64(d.threshold() as i64),
+                Arg::F64(d.scale()),
+            ],
+            None => [Arg::I64(0), Arg::Ptr(0), Arg::I64(0), Arg::F64(1.0)],
+        }
     }
 
     /// The key bias's pointer and batch stride (0 where one row serves every batch);
@@ -747,12 +820,14 @@ fn launch(
     ]);
     args.extend(rule.key_bias_args(dims, dtype)?);
     args.push(Arg::F64(rule.scale));
+    args.extend(rule.dropout_args());
     let spec = Spec {
         dtype,
         head_dim: dims.head_dim,
         shape,
         causal: rule.causal,
         key_bias: rule.key_bias.is_some(),
+        dropout: rule.dropout.is_some(),
     };
     c.launch(&spec, kernel, (blocks, 32 * shape.warps as u32), &args)
 }
@@ -769,7 +844,7 @@ fn forward(
         return Err("FusedAttention takes q, k and v".into());
     }
     let qkv: Vec<&DTensor> = inputs[..n_qkv].iter().collect();
-    let rule = Rule::new(op.scale, op.causal, inputs, n_qkv)?;
+    let rule = Rule::new((op.scale, op.causal, op.dropout), inputs, n_qkv)?;
     let [o_ty, lse_ty] = outs else {
         return Err("FusedAttention has two outputs".into());
     };
@@ -797,7 +872,7 @@ fn backward(
         _ => return Err("FusedAttentionGrad takes q, k, v, o, lse and do".into()),
     };
     let qkv: Vec<&DTensor> = inputs[..n_qkv].iter().collect();
-    let rule = Rule::new(op.scale, op.causal, inputs, n_qkv + 3)?;
+    let rule = Rule::new((op.scale, op.causal, op.dropout), inputs, n_qkv + 3)?;
     if outs.len() != n_qkv {
         return Err(format!("FusedAttentionGrad has {n_qkv} outputs"));
     }

@@ -245,15 +245,15 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         k.push((format!("concat_pair_{bytes}"), concat_pair(bytes)));
     }
     use super::attention::{NARROW, WIDE};
-    for (d, head_dim, shape, causal, key_bias) in [
-        (DType::F16, 64, WIDE, false, false),
-        (DType::BF16, 32, NARROW, false, true),
-        (DType::F16, 128, NARROW, true, false),
-        (DType::F16, 64, WIDE, true, true),
+    for (d, head_dim, shape, causal, key_bias, dropout) in [
+        (DType::F16, 64, WIDE, false, false, false),
+        (DType::BF16, 32, NARROW, false, true, true),
+        (DType::F16, 128, NARROW, true, false, false),
+        (DType::F16, 64, WIDE, true, true, true),
     ] {
         k.push((
-            format!("attention_{d}_{head_dim}_{causal}_{key_bias}"),
-            super::attention::source(d, head_dim, shape, (causal, key_bias)),
+            format!("attention_{d}_{head_dim}_{causal}_{key_bias}_{dropout}"),
+            super::attention::source(d, head_dim, shape, (causal, key_bias, dropout)),
         ));
     }
     // Casts folded into the normalisations: f16 x and dy, f32 math, f16 or f32 out.
