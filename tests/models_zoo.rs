@@ -302,7 +302,8 @@ fn a_tiny_gpt2_with_dropout_learns_and_its_dropouts_fuse() {
 /// With Hugging Face's attention dropout too (`attn_pdrop` 0.1: one more Dropout a
 /// layer, on the Softmax's probabilities before their product with v), a tiny GPT-2
 /// learns the rule; after AMP and the CUDA passes each attention is fused with its
-/// dropout, forward and gradient, and no Dropout of the probabilities is left.
+/// dropout, forward and gradient, no Dropout is left (the others fuse into elementwise
+/// kernels) and the step lowers on the CUDA executor.
 #[test]
 fn a_tiny_gpt2_with_attention_dropout_learns_and_fuses_it() {
     let config = Gpt2Config {
@@ -336,6 +337,8 @@ fn a_tiny_gpt2_with_attention_dropout_learns_and_fuses_it() {
     assert_eq!(count(&training, "FusedAttentionGrad"), 2);
     assert_eq!(count(&training, "Dropout"), 0);
     training.validate().unwrap();
+    // Every node lowers on the CUDA executor (no device needed to plan it).
+    ampgraph::exec::CudaExecutor::check_supported(&training).unwrap();
 }
 
 /// Mixed precision trains as fp32 does: a tiny GPT-2 on the next-token rule, 40 AdamW
