@@ -6,8 +6,11 @@
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 : > $OUT/fp8.txt
 for w in mlp transformer; do
-  echo "## ours $w" >> $OUT/fp8.txt
+  echo "## ours $w (FP8: current scaling)" >> $OUT/fp8.txt
   timeout 150 ./bench --workload $w --modes amp_bf16,amp_fp8 --phases train >> $OUT/fp8.txt 2>&1
+  echo "exit $?" >> $OUT/fp8.txt
+  echo "## ours $w (FP8: delayed scaling)" >> $OUT/fp8.txt
+  AMPGRAPH_AMP_FP8_SCALING=delayed timeout 150 ./bench --workload $w --modes amp_fp8 --phases train >> $OUT/fp8.txt 2>&1
   echo "exit $?" >> $OUT/fp8.txt
 done
 echo "## torch" >> $OUT/fp8.txt

@@ -649,6 +649,8 @@ impl PrecisionArgs {
         if let Some(path) = &self.overrides {
             crate::numerics::calibrate::load_overrides(&mut config.lists, path)?;
         }
+        // The environment first: the flags override it.
+        config.apply_vars(|k| std::env::var(k).ok())?;
         let fp8_options = self.fp8_everywhere
             || !self.fp8_keep.is_empty()
             || self.fp8_scaling == Fp8ScalingArg::Delayed;
@@ -681,7 +683,6 @@ impl PrecisionArgs {
                 }
             }
         }
-        config.apply_vars(|k| std::env::var(k).ok())?;
         Ok(config)
     }
 }

@@ -549,6 +549,28 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::amp::AmpConfig;
+
+    /// `AMPGRAPH_AMP_FP8_SCALING` picks the recipe where FP8 is on, is ignored where
+    /// it is off, and refuses other values by name.
+    #[test]
+    fn the_environment_picks_the_scaling() {
+        let env = |value: &'static str| {
+            move |k: &str| (k == "AMPGRAPH_AMP_FP8_SCALING").then(|| value.to_string())
+        };
+        let mut fp8 = AmpConfig::new(DType::F8E4M3).unwrap();
+        fp8.apply_vars(env("delayed")).unwrap();
+        assert_eq!(fp8.fp8.unwrap().recipe, Fp8Recipe::delayed());
+        let mut bf16 = AmpConfig::new(DType::BF16).unwrap();
+        bf16.apply_vars(env("delayed")).unwrap();
+        assert!(bf16.fp8.is_none());
+        let mut bad = AmpConfig::new(DType::F8E4M3).unwrap();
+        let err = bad.apply_vars(env("sometimes")).unwrap_err().to_string();
+        assert!(
+            err.contains("AMPGRAPH_AMP_FP8_SCALING is 'sometimes'"),
+            "{err}"
+        );
+    }
 
     /// torchao's H100 measurements of a Linear's FP8 training speed-up: 0.80x at
     /// 1024x2048x1024 (keep 16 bits), 1.39x at 4096x8192x16384 (FP8).

@@ -96,7 +96,9 @@ impl AmpConfig {
     }
 
     /// Applies the environment overrides (`AMPGRAPH_AMP_*LIST_ADD/_REMOVE`,
-    /// `AMPGRAPH_AMP_LOG_PATH`), as TensorFlow users know them.
+    /// `AMPGRAPH_AMP_LOG_PATH`), as TensorFlow users know them, and
+    /// `AMPGRAPH_AMP_FP8_SCALING` (`current` or `delayed`: TransformerEngine's
+    /// recipe) where FP8 is on.
     pub fn from_env(mut self) -> Result<Self, PassError> {
         self.apply_vars(|k| std::env::var(k).ok())?;
         Ok(self)
@@ -107,6 +109,18 @@ impl AmpConfig {
         self.lists.apply_overrides(&var)?;
         if let Some(dir) = var("AMPGRAPH_AMP_LOG_PATH").filter(|d| !d.is_empty()) {
             self.log_path = Some(PathBuf::from(dir));
+        }
+        let scaling = var("AMPGRAPH_AMP_FP8_SCALING").filter(|s| !s.is_empty());
+        if let (Some(scaling), Some(fp8)) = (scaling, &mut self.fp8) {
+            fp8.recipe = match scaling.trim() {
+                "current" => Fp8Recipe::Current,
+                "delayed" => Fp8Recipe::delayed(),
+                other => {
+                    return Err(PassError::Lists(format!(
+                        "AMPGRAPH_AMP_FP8_SCALING is '{other}': current or delayed"
+                    )))
+                }
+            };
         }
         Ok(())
     }
