@@ -231,8 +231,13 @@ pub struct TrainArgs {
     #[arg(long)]
     pub fp32: bool,
     /// Mixed precision in bf16 instead of f16.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "fp32")]
     pub bf16: bool,
+    /// Mixed precision in bf16 with FP8 matrix products where the cost model says
+    /// they pay (docs/amp-algorithm.md §3.9; `AMPGRAPH_AMP_FP8_SCALING` picks the
+    /// scaling).
+    #[arg(long, conflicts_with_all = ["fp32", "bf16"])]
+    pub fp8: bool,
     /// Seed of the initial weights, the shuffles and the random transforms.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -257,12 +262,13 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// The AMP dtype, or `None` for plain f32.
+    /// The AMP dtype (`f8e4m3` for FP8 products on bf16), or `None` for plain f32.
     pub fn amp(&self) -> Option<DType> {
-        match (self.fp32, self.bf16) {
-            (true, _) => None,
-            (false, true) => Some(DType::BF16),
-            (false, false) => Some(DType::F16),
+        match (self.fp32, self.bf16, self.fp8) {
+            (true, ..) => None,
+            (_, true, _) => Some(DType::BF16),
+            (_, _, true) => Some(DType::F8E4M3),
+            _ => Some(DType::F16),
         }
     }
 
