@@ -243,7 +243,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         train_set.classes(),
         train_dir.display(),
         run.batch,
-        amp.map_or("fp32".to_string(), |d| format!("AMP {d}")),
+        run.precision(),
         trainer.session().executor().device_name()
     );
     trainer.fit(&loader, at, run.epochs, eval.as_mut(), |report| {

@@ -279,7 +279,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         eval_set.len(),
         train_set.shape(),
         run.batch,
-        amp.map_or("fp32".to_string(), |d| format!("AMP {d}")),
+        run.precision(),
         loader_options.workers,
         trainer.session().executor().device_name()
     );

@@ -272,6 +272,16 @@ impl TrainArgs {
         }
     }
 
+    /// The precision as a run's header says it: `fp32`, `AMP f16`, `AMP bf16`, or
+    /// `AMP bf16 with FP8 products`.
+    pub fn precision(&self) -> String {
+        match self.amp() {
+            None => "fp32".into(),
+            Some(DType::F8E4M3) => "AMP bf16 with FP8 products".into(),
+            Some(d) => format!("AMP {d}"),
+        }
+    }
+
     /// Refuses `--resume` without `--checkpoint`.
     pub fn check(&self) -> std::result::Result<(), String> {
         match (self.resume, &self.checkpoint) {
