@@ -17,10 +17,16 @@ use ampgraph::{DType, Device, Graph, Port, Session, SessionOptions, Tensor};
 
 const BATCH: usize = 16;
 
-/// A three-layer MLP with a training step (SGD, `loss_scale`), marked for BF16 AMP.
+/// A three-layer MLP of 24 inputs with a training step (SGD, `loss_scale`), marked
+/// for BF16 AMP.
 fn mlp(loss_scale: LossScale) -> (Graph, TrainStep, Port) {
+    mlp_of(24, loss_scale)
+}
+
+/// [`mlp`] of `inputs` inputs.
+fn mlp_of(inputs: usize, loss_scale: LossScale) -> (Graph, TrainStep, Port) {
     let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [BATCH, 24]).unwrap();
+    let x = g.placeholder("x", DType::F32, [BATCH, inputs]).unwrap();
     let y = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
     let h = nn::dense(&mut g, x, 32, Some(Activation::Relu)).unwrap();
     let h = nn::dense(&mut g, h, 32, Some(Activation::Relu)).unwrap();
@@ -600,17 +606,8 @@ fn an_fp8_training_step_lowers_on_cuda() {
     use ampgraph::exec::cuda::pipeline_names;
     use ampgraph::exec::CudaExecutor;
     for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {
-        let mut g = Graph::new();
-        let x = g.placeholder("x", DType::F32, [BATCH, 32]).unwrap();
-        let y = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
-        let h = nn::dense(&mut g, x, 48, Some(Activation::Relu)).unwrap();
-        let h = nn::dense(&mut g, h, 32, Some(Activation::Relu)).unwrap();
-        let logits = nn::dense(&mut g, h, 8, None).unwrap();
-        let loss = g.softmax_cross_entropy(logits, y).unwrap();
-        enable_mixed_precision_graph_rewrite(Sgd::new(0.1))
-            .with_dtype(DType::BF16)
-            .minimize(&mut g, loss)
-            .unwrap();
+        // 32 inputs: every product's k and n multiples of 16 but the head's.
+        let (mut g, _, _) = mlp_of(32, LossScale::default());
         let mut fp8 = Fp8Config::everywhere(recipe);
         fp8.keep.insert("dense_2/matmul".into());
         AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap().with_fp8(fp8))
