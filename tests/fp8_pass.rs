@@ -663,3 +663,61 @@ fn checkpoints_move_between_bf16_and_fp8_sessions() {
     assert_eq!(back.variable("dense/kernel"), fp8.variable("dense/kernel"));
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Data parallelism with delayed scaling: two replicas fed different inputs keep the
+/// same amax histories and scales, those of the larger of their amaxes (the input's
+/// history reads each replica's own amax otherwise), while each step's product
+/// still quantises with the replica's own scale inverse.
+#[test]
+fn replicas_share_delayed_scaling_state_through_the_max_of_their_amaxes() {
+    use ampgraph::parallel::{ReplicaOptions, Replicas};
+    let (g, step, _) = mlp(LossScale::None);
+    let options = ReplicaOptions {
+        session: options(Fp8Config::everywhere(Fp8Recipe::delayed())),
+        ..ReplicaOptions::default()
+    };
+    let mut replicas = Replicas::new(g, &[Device::Cpu, Device::Cpu], options).unwrap();
+    let graph = replicas.session(0).unwrap().graph().clone();
+    assert!(graph
+        .node_ids()
+        .any(|id| graph.node(id).name.starts_with("data_parallel/amax_max")));
+    // Replica 1's inputs twice replica 0's: its amax of x is the larger.
+    let scaled = |step: u64, by: f64| {
+        let mut f = feeds(step, None);
+        let x = f["x"]
+            .to_f64_vec()
+            .iter()
+            .map(|v| v * by)
+            .collect::<Vec<_>>();
+        f.insert(
+            "x".into(),
+            Tensor::from_f64(DType::F32, [BATCH, 24], &x).unwrap(),
+        );
+        f
+    };
+    let feeds = [scaled(0, 1.0), scaled(0, 2.0)];
+    let amax = |f: &Feeds| {
+        f["x"]
+            .to_f64_vec()
+            .iter()
+            .fold(0f64, |m, &v| m.max(bf16(v).abs()))
+    };
+    let want = amax(&feeds[0]).max(amax(&feeds[1]));
+    replicas.run(&[step.step], &feeds).unwrap();
+    let history = "ampgraph/fp8/x/e4m3/amax_history";
+    for rank in 0..2 {
+        let s = replicas.session(rank).unwrap();
+        assert_eq!(
+            s.variable(history).unwrap().to_f64_vec()[0],
+            want,
+            "replica {rank}"
+        );
+        assert_eq!(
+            s.variable("ampgraph/fp8/x/e4m3/scale")
+                .unwrap()
+                .to_f64_vec()[0],
+            f64::from(448f32 / want as f32),
+            "replica {rank}"
+        );
+    }
+}

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use ampgraph::exec::collective::Collective;
 use ampgraph::exec::memory_plan::mib;
+use ampgraph::graph::ops::Reduction;
 use ampgraph::parallel::{on_each_replica, ProcessGroup};
 use ampgraph::passes::data_parallel::DataParallel;
 use ampgraph::{DType, Tensor};
@@ -143,7 +144,7 @@ fn gathered(
     let peak = mine.peak_mib.unwrap_or(f64::NAN);
     rows[rank * 4..][..4].copy_from_slice(&[mine.median_ms, mine.min_ms, mine.max_ms, peak]);
     let mine = Tensor::from_f64(DType::F64, [world, 4], &rows)?;
-    let all = host.host_all_reduce_mean(&[&mine])?[0].to_f64_vec();
+    let all = host.host_all_reduce(&[&mine], Reduction::Mean)?[0].to_f64_vec();
     Ok(all
         .chunks(4)
         .map(|r| {

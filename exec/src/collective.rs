@@ -15,6 +15,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use ampgraph_graph::ops::Reduction;
 use ampgraph_graph::{DType, Data, Tensor};
 
 /// How long a replica waits for its peers at a collective before it gives up.
@@ -123,14 +124,18 @@ pub struct Collective {
 }
 
 impl Collective {
-    /// The mean over the replicas of each of `inputs`, through host memory or TCP,
-    /// in host code (a CPU executor's AllReduce; what replicas report together). A
-    /// CUDA executor's means are NCCL's, on its device.
-    pub fn host_all_reduce_mean(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>, String> {
+    /// The mean (or max) over the replicas of each of `inputs`, through host memory
+    /// or TCP, in host code (a CPU executor's AllReduce; what replicas report
+    /// together). A CUDA executor's reductions are NCCL's, on its device.
+    pub fn host_all_reduce(
+        &self,
+        inputs: &[&Tensor],
+        reduction: Reduction,
+    ) -> Result<Vec<Tensor>, String> {
         match &self.transport {
-            Transport::Shared(group) => group.all_reduce_mean(self, inputs),
-            Transport::Tcp(group) => group.all_reduce_mean(self, inputs),
-            Transport::Nccl(_) => Err("NCCL's means are a CUDA executor's".into()),
+            Transport::Shared(group) => group.all_reduce(self, inputs, reduction),
+            Transport::Tcp(group) => group.all_reduce(self, inputs, reduction),
+            Transport::Nccl(_) => Err("NCCL's reductions are a CUDA executor's".into()),
         }
     }
 }
@@ -178,11 +183,12 @@ impl SharedGroup {
         self.round.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The mean over the replicas of each of `inputs` (the same on every rank).
-    pub fn all_reduce_mean(
+    /// The reduction over the replicas of each of `inputs` (the same on every rank).
+    pub fn all_reduce(
         &self,
         me: &Collective,
         inputs: &[&Tensor],
+        reduction: Reduction,
     ) -> Result<Vec<Tensor>, String> {
         let start = Instant::now();
         let mut round = self.lock();
@@ -191,7 +197,7 @@ impl SharedGroup {
         if round.deposits.iter().all(Option::is_some) {
             let deposits: Vec<Vec<Tensor>> =
                 round.deposits.iter_mut().flat_map(Option::take).collect();
-            round.means = Some(Arc::new(means(&deposits)));
+            round.means = Some(Arc::new(reduce(&deposits, reduction)));
             round.generation += 1;
             self.done.notify_all();
         }
@@ -260,11 +266,12 @@ impl TcpGroup {
         }
     }
 
-    /// The mean over the replicas of each of `inputs` (the same on every rank).
-    pub fn all_reduce_mean(
+    /// The reduction over the replicas of each of `inputs` (the same on every rank).
+    pub fn all_reduce(
         &self,
         me: &Collective,
         inputs: &[&Tensor],
+        reduction: Reduction,
     ) -> Result<Vec<Tensor>, String> {
         let start = Instant::now();
         let left = || me.timeout.saturating_sub(start.elapsed()).max(MIN_WAIT);
@@ -284,7 +291,7 @@ impl TcpGroup {
                         break;
                     }
                 }
-                let result = failure.map_or_else(|| means(&deposits), Err);
+                let result = failure.map_or_else(|| reduce(&deposits, reduction), Err);
                 // Every rank hears the result; one already gone is not waited for.
                 for stream in peers.iter_mut() {
                     let _ = write_message(stream, result.as_deref().map_err(String::as_str));
@@ -400,8 +407,9 @@ fn read_message(
     Ok(Ok(tensors))
 }
 
-/// The mean of each input over the ranks' deposits, in its dtype.
-fn means(deposits: &[Vec<Tensor>]) -> Result<Vec<Tensor>, String> {
+/// The mean (or max) of each input over the ranks' deposits, in its dtype: folded in
+/// rank order in f64, so every run gives the same bits.
+fn reduce(deposits: &[Vec<Tensor>], reduction: Reduction) -> Result<Vec<Tensor>, String> {
     let first = &deposits[0];
     for (rank, d) in deposits.iter().enumerate() {
         if d.len() != first.len() {
@@ -422,16 +430,27 @@ fn means(deposits: &[Vec<Tensor>]) -> Result<Vec<Tensor>, String> {
         }
     }
     let n = deposits.len() as f64;
+    let fold = |acc: f64, v: f64| match reduction {
+        Reduction::Mean => acc + v,
+        Reduction::Max if acc.is_nan() || v.is_nan() => f64::NAN,
+        Reduction::Max => acc.max(v),
+    };
     (0..first.len())
         .map(|k| {
-            let mut sum = first[k].to_f64_vec();
+            let mut folded = first[k].to_f64_vec();
             for d in &deposits[1..] {
-                for (s, v) in sum.iter_mut().zip(d[k].data().iter_f64()) {
-                    *s += v;
+                for (s, v) in folded.iter_mut().zip(d[k].data().iter_f64()) {
+                    *s = fold(*s, v);
                 }
             }
-            let data = Data::from_f64(first[k].dtype(), sum.into_iter().map(|s| s / n));
-            Tensor::new(first[k].shape().to_vec(), data)
+            let values = folded.into_iter().map(|s| match reduction {
+                Reduction::Mean => s / n,
+                Reduction::Max => s,
+            });
+            Tensor::new(
+                first[k].shape().to_vec(),
+                Data::from_f64(first[k].dtype(), values),
+            )
         })
         .collect()
 }
@@ -456,6 +475,26 @@ mod tests {
         })
     }
 
+    /// The max of each element over the replicas, NaN where any replica's is.
+    #[test]
+    fn every_replica_gets_the_max() {
+        let results = run(3, |m| {
+            let r = m.rank as f64;
+            let t = Tensor::from_f64(
+                DType::F32,
+                [3],
+                &[r, -r, if m.rank == 1 { f64::NAN } else { r }],
+            )
+            .unwrap();
+            m.host_all_reduce(&[&t], Reduction::Max)
+        });
+        for r in results {
+            let v = r.unwrap()[0].to_f64_vec();
+            assert_eq!(v[..2], [2.0, 0.0]);
+            assert!(v[2].is_nan());
+        }
+    }
+
     #[test]
     fn every_replica_gets_the_mean_round_after_round() {
         let results = run(3, |m| {
@@ -463,7 +502,7 @@ mod tests {
             for round in 0..50 {
                 let v = (m.rank * 100 + round) as f64;
                 let t = Tensor::from_f64(DType::F32, [2], &[v, -v]).map_err(|e| e.to_string())?;
-                last = m.host_all_reduce_mean(&[&t])?;
+                last = m.host_all_reduce(&[&t], Reduction::Mean)?;
                 let mean = (100 + round) as f64; // (0 + 100 + 200) / 3 + round
                 assert_eq!(last[0].to_f64_vec(), vec![mean, -mean], "round {round}");
             }
@@ -480,7 +519,7 @@ mod tests {
                 return Err("failed".into());
             }
             let t = Tensor::scalar(DType::F32, 1.0);
-            m.host_all_reduce_mean(&[&t])
+            m.host_all_reduce(&[&t], Reduction::Mean)
         });
         for rank in [0, 2] {
             let e = results[rank].as_ref().unwrap_err();
@@ -496,7 +535,9 @@ mod tests {
         let Transport::Shared(group) = &members[0].transport else {
             unreachable!()
         };
-        let e = group.all_reduce_mean(&members[0], &[&t]).unwrap_err();
+        let e = group
+            .all_reduce(&members[0], &[&t], Reduction::Mean)
+            .unwrap_err();
         assert!(
             e.contains("replica 0 waited") && e.contains("timeout"),
             "{e}"
@@ -554,7 +595,7 @@ mod tests {
             (0..5)
                 .map(|round| {
                     let t = tensors(m.rank, round);
-                    m.host_all_reduce_mean(&t.iter().collect::<Vec<_>>())
+                    m.host_all_reduce(&t.iter().collect::<Vec<_>>(), Reduction::Mean)
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(|rounds| rounds.concat())
@@ -567,7 +608,7 @@ mod tests {
                         (0..5)
                             .map(|round| {
                                 let t = tensors(m.rank, round);
-                                m.host_all_reduce_mean(&t.iter().collect::<Vec<_>>())
+                                m.host_all_reduce(&t.iter().collect::<Vec<_>>(), Reduction::Mean)
                                     .unwrap()
                             })
                             .collect::<Vec<_>>()
@@ -600,7 +641,7 @@ mod tests {
         drop(members.pop());
         let errors: Vec<String> = std::thread::scope(|s| {
             let handles: Vec<_> = (members.iter())
-                .map(|m| s.spawn(|| m.host_all_reduce_mean(&[&t]).unwrap_err()))
+                .map(|m| s.spawn(|| m.host_all_reduce(&[&t], Reduction::Mean).unwrap_err()))
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
@@ -614,7 +655,9 @@ mod tests {
         assert!(members[0].abort.reason().is_some(), "the hub's group stops");
 
         let members = tcp_members(2, Duration::from_millis(200));
-        let e = members[0].host_all_reduce_mean(&[&t]).unwrap_err();
+        let e = members[0]
+            .host_all_reduce(&[&t], Reduction::Mean)
+            .unwrap_err();
         assert!(
             e.contains("replica 1 did not come within") && e.contains("timeout"),
             "{e}"
@@ -625,7 +668,7 @@ mod tests {
     fn replicas_that_disagree_on_shapes_get_an_error_naming_them() {
         let results = run(2, |m| {
             let t = Tensor::zeros(&ampgraph_graph::TensorType::new(DType::F32, [m.rank + 1]));
-            m.host_all_reduce_mean(&[&t])
+            m.host_all_reduce(&[&t], Reduction::Mean)
         });
         for r in results {
             let e = r.unwrap_err();

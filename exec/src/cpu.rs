@@ -85,7 +85,7 @@ fn all_reduce(
     check_replicas(reduce.replicas, c.rank, c.world)?;
     match &c.transport {
         Transport::Nccl(_) => Err("NCCL needs a CUDA executor".into()),
-        _ => c.host_all_reduce_mean(inputs),
+        _ => c.host_all_reduce(inputs, reduce.reduction),
     }
 }
 

@@ -22,10 +22,15 @@
 //! non-finite: the all-finite check after the mean reads the same values on every
 //! replica, one global skip decision and one loss-scale update, and the replicas never
 //! diverge. In f32 training the f32 gradients are averaged.
+//!
+//! FP8 with delayed scaling (`amp::fp8`) keeps amax histories: the replicas' max of
+//! every amax (one AllReduce of all of them) feeds a second `Fp8ScaleUpdate` per
+//! tensor, whose new history and scale are the ones written, so every replica keeps
+//! the same state, as TransformerEngine reduces its amaxes.
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{AllFinite, AllReduce, OptimizerUpdate};
+use ampgraph_graph::ops::{AllFinite, AllReduce, Fp8ScaleUpdate, OptimizerUpdate, Reduction};
 use ampgraph_graph::{Graph, NodeId, Port};
 
 use crate::simplify::unscale_into_update::unscaling;
@@ -125,6 +130,7 @@ impl Pass for DataParallel {
             ));
         }
         let title = format!("Data parallel over {} replicas", self.replicas);
+        let amaxes = self.reduce_amaxes(g)?;
         // Gradients averaged already (a second run) are left alone; the graph's other
         // AllReduce nodes (a synchronized batch norm's) are not gradients.
         let ports: Vec<Port> = gradients_in_order(g)?
@@ -137,14 +143,14 @@ impl Pass for DataParallel {
                 lines: vec!["no gradient to average: unchanged".into()],
             });
         }
+        let amax_line =
+            (amaxes > 0).then(|| format!("{amaxes} FP8 amaxes: their max over the replicas"));
         let buckets = buckets(g, &ports, self.first_bucket_bytes, self.bucket_bytes);
         let mut lines = Vec::new();
         let mut total = 0usize;
         for (i, bucket) in buckets.iter().enumerate() {
             let name = g.fresh_name(format!("data_parallel/all_reduce_{i}"));
-            let op = AllReduce {
-                replicas: self.replicas,
-            };
+            let op = AllReduce::mean(self.replicas);
             let node = g.add_node(name, Box::new(op), bucket)?;
             let mut changes = Vec::new();
             for (k, &p) in bucket.iter().enumerate() {
@@ -181,6 +187,55 @@ impl Pass for DataParallel {
                 buckets.len()
             ),
         );
+        lines.extend(amax_line);
         Ok(PassSummary { title, lines })
+    }
+}
+
+impl DataParallel {
+    /// Makes every delayed-scaling update's new history and scale those of the
+    /// replicas' max amax: one AllReduce of all the amaxes, and a second update
+    /// reading it that only the state's writes (at the step's end) wait for. The first
+    /// update still gives this step's product its scale inverse from this replica's
+    /// amax: the product cannot wait for an all-reduce of amaxes the backward pass
+    /// measures after it. Returns how many.
+    fn reduce_amaxes(&self, g: &mut Graph) -> Result<usize, PassError> {
+        let updates: Vec<NodeId> = g
+            .node_ids()
+            .filter(|&id| g.node(id).op.is::<Fp8ScaleUpdate>())
+            .filter(|&id| !g.port_consumers(Port::new(id, 0)).is_empty())
+            .filter(|&id| !g.node(g.inputs(id)[1].node).op.is::<AllReduce>())
+            .collect();
+        if updates.is_empty() {
+            return Ok(0);
+        }
+        let amaxes: Vec<Port> = updates.iter().map(|&id| g.inputs(id)[1]).collect();
+        let op = AllReduce {
+            replicas: self.replicas,
+            reduction: Reduction::Max,
+        };
+        let name = g.fresh_name("data_parallel/amax_max");
+        let reduced = g.add_node(name, Box::new(op), &amaxes)?;
+        let mut changes = Vec::new();
+        for (k, &id) in updates.iter().enumerate() {
+            let [history, _, scale] = g.inputs(id)[..] else {
+                return Err(PassError::Rewrite(format!(
+                    "{}: an Fp8ScaleUpdate takes three inputs",
+                    g.node(id).name
+                )));
+            };
+            let name = g.fresh_name(format!("{}/replicas", g.node(id).name));
+            let op = g.node(id).op.clone();
+            let shared = g.add_node(name, op, &[history, Port::new(reduced, k), scale])?;
+            for out in [0, 1] {
+                changes.extend(
+                    g.port_consumers(Port::new(id, out))
+                        .into_iter()
+                        .map(|(reader, slot)| (reader, slot, Port::new(shared, out))),
+                );
+            }
+        }
+        g.rewire(changes)?;
+        Ok(updates.len())
     }
 }

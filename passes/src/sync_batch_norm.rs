@@ -176,9 +176,7 @@ impl SyncBatchNorm {
         let local_mean_square = b.add("local_mean_square", mean_op(), &[square])?;
         let all_reduce = b.add(
             "all_reduce",
-            AllReduce {
-                replicas: self.replicas,
-            },
+            AllReduce::mean(self.replicas),
             &[local_mean, local_mean_square],
         )?;
         let mean = Port::new(all_reduce.node, 0);

@@ -35,7 +35,7 @@ use ampgraph_exec::collective::{
 };
 use ampgraph_exec::cuda::nccl;
 use ampgraph_exec::Feeds;
-use ampgraph_graph::ops::AllReduce;
+use ampgraph_graph::ops::{AllReduce, Reduction};
 use ampgraph_graph::{DType, Graph, Port, Tensor};
 use ampgraph_passes::data_parallel::DataParallel;
 
@@ -474,7 +474,7 @@ impl Replicas {
             Some(host) => {
                 let local = Tensor::from_f64(DType::F64, [2], &totals(&parts[0]))
                     .map_err(|e| ParallelError::Setup(e.to_string()))?;
-                let mean = host.host_all_reduce_mean(&[&local]);
+                let mean = host.host_all_reduce(&[&local], Reduction::Mean);
                 mean.map_err(ParallelError::Setup)?[0].to_f64_vec()
             }
             None => (0..2)

@@ -11,6 +11,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ampgraph_graph::ops::Reduction;
 use ampgraph_graph::DType;
 use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::{result, sys};
@@ -91,15 +92,20 @@ impl Nccl {
         })
     }
 
-    /// Enqueues `outputs[k] = mean over the replicas of inputs[k]` on the collective
-    /// stream once the compute stream's work so far is done; returns the event the
-    /// readers of `outputs` wait for.
-    pub fn all_reduce_mean(
+    /// Enqueues `outputs[k] = mean (or max) over the replicas of inputs[k]` on the
+    /// collective stream once the compute stream's work so far is done; returns the
+    /// event the readers of `outputs` wait for.
+    pub fn all_reduce(
         &self,
         dev: &Device,
         inputs: &[DTensor],
         outputs: &[DTensor],
+        reduction: Reduction,
     ) -> Result<CudaEvent, String> {
+        let op = match reduction {
+            Reduction::Mean => sys::ncclRedOp_t::ncclAvg,
+            Reduction::Max => sys::ncclRedOp_t::ncclMax,
+        };
         // Each tensor's NCCL type first: the group below must end once begun.
         let types = inputs
             .iter()
@@ -119,7 +125,7 @@ impl Nccl {
                     y.ptr() as *mut _,
                     count,
                     dtype,
-                    sys::ncclRedOp_t::ncclAvg,
+                    op,
                     self.comm,
                     self.stream.cu_stream() as _,
                 )

@@ -1,4 +1,5 @@
-//! AllReduce: the mean of each input over the replicas of a data-parallel step.
+//! AllReduce: the mean (or the max) of each input over the replicas of a
+//! data-parallel step.
 //!
 //! Every replica runs the same graph on its own shard of the batch; an AllReduce with
 //! inputs `x_1..x_k` (one bucket of gradients) outputs each `x_i` averaged over the
@@ -8,7 +9,8 @@
 //!
 //! The mean is linear and the same on every replica, so its adjoint is itself: the
 //! gradient of a replica's input is the mean of the output gradients (a synchronized
-//! batch norm's statistics are differentiated through it).
+//! batch norm's statistics are differentiated through it). The max (of FP8 scaling's
+//! amaxes) takes no gradient.
 
 use crate::attrs::AttrValue;
 use crate::autodiff::GradBuilder;
@@ -25,14 +27,44 @@ pub(crate) const OPS: &[OpEntry] = &[OpEntry {
             .ok()
             .filter(|&n| n >= 1)
             .ok_or_else(|| format!("replicas must be at least 1, got {replicas}"))?;
-        Ok(Box::new(AllReduce { replicas }))
+        let reduction = a.choice("reduction", &Reduction::NAMES, Some(Reduction::Mean))?;
+        Ok(Box::new(AllReduce {
+            replicas,
+            reduction,
+        }))
     },
 }];
 
-/// The mean of each input over `replicas` replicas (output `k` from input `k`).
+/// How an [`AllReduce`] combines the replicas' values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Reduction {
+    #[default]
+    Mean,
+    /// The largest, NaN where any replica's is NaN.
+    Max,
+}
+
+impl Reduction {
+    pub const NAMES: [(&'static str, Reduction); 2] =
+        [("mean", Reduction::Mean), ("max", Reduction::Max)];
+}
+
+/// The mean (or max) of each input over `replicas` replicas (output `k` from input
+/// `k`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AllReduce {
     pub replicas: usize,
+    pub reduction: Reduction,
+}
+
+impl AllReduce {
+    /// The mean over `replicas` replicas.
+    pub fn mean(replicas: usize) -> Self {
+        AllReduce {
+            replicas,
+            reduction: Reduction::Mean,
+        }
+    }
 }
 
 impl Op for AllReduce {
@@ -43,7 +75,11 @@ impl Op for AllReduce {
         Arity::AtLeast(1)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("replicas", (self.replicas as i64).into())]
+        let mut attrs = vec![("replicas", (self.replicas as i64).into())];
+        if self.reduction == Reduction::Max {
+            attrs.push(("reduction", "max".into()));
+        }
+        attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         if let Some((i, t)) = inputs.iter().enumerate().find(|(_, t)| !t.dtype.is_float()) {
@@ -56,7 +92,7 @@ impl Op for AllReduce {
             return Ok(inputs.iter().map(|&t| t.clone()).collect());
         }
         Err(format!(
-            "a mean over {} replicas needs their collective: run the graph on replicas (ampgraph::parallel::Replicas)",
+            "a reduction over {} replicas needs their collective: run the graph on replicas (ampgraph::parallel::Replicas)",
             self.replicas
         ))
     }
@@ -75,7 +111,7 @@ impl Op for AllReduce {
         grads: &[Option<Port>],
     ) -> Result<Vec<Option<Port>>, GraphError> {
         let present: Vec<Port> = grads.iter().flatten().copied().collect();
-        if present.is_empty() {
+        if present.is_empty() || self.reduction == Reduction::Max {
             return Ok(vec![None; inputs.len()]);
         }
         let node = b.add_node(Box::new(*self), &present)?;

@@ -28,7 +28,7 @@ use crate::op::{Op, OpEntry, OpResult};
 use crate::tensor::{Tensor, TensorType};
 
 pub use attention::{FusedAttention, FusedAttentionGrad};
-pub use collective::AllReduce;
+pub use collective::{AllReduce, Reduction};
 pub use compare::{Compare, CompareKind, Logical, LogicalKind, Not};
 pub use conv::{dilated_span, AvgPool, Conv2D, MaxPool};
 pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGrad};

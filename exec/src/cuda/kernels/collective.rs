@@ -20,7 +20,7 @@ pub(super) fn lower(op: &dyn Op, _ins: &[TensorType], outs: &[TensorType]) -> Lo
         match c.collective {
             Some(nccl) => {
                 check_replicas(reduce.replicas, nccl.rank, nccl.world)?;
-                let done = nccl.all_reduce_mean(c.dev, inputs, &outputs)?;
+                let done = nccl.all_reduce(c.dev, inputs, &outputs, reduce.reduction)?;
                 c.joins.borrow_mut().push(done);
             }
             None if reduce.replicas == 1 => {
@@ -30,7 +30,7 @@ pub(super) fn lower(op: &dyn Op, _ins: &[TensorType], outs: &[TensorType]) -> Lo
             }
             None => {
                 return Err(format!(
-                    "a mean over {} replicas needs their NCCL communicator: run the graph on replicas (ampgraph::parallel::Replicas)",
+                    "a reduction over {} replicas needs their NCCL communicator: run the graph on replicas (ampgraph::parallel::Replicas)",
                     reduce.replicas
                 ))
             }
