@@ -1,7 +1,8 @@
 //! Data-parallel training on GPUs through NCCL: one GPU replica is the plain session
 //! bit for bit; two GPUs match the CPU simulation of two replicas and hold the same
-//! weights; a synchronized batch norm matches the CPU's; a failing replica stops the
-//! other with an error naming it, never a hang. Each test prints "skipping: <reason>"
+//! weights; a synchronized batch norm matches the CPU's; FP8's delayed scaling state
+//! stays the same on both; a failing replica stops the other with an error naming it,
+//! never a hang. Each test prints "skipping: <reason>"
 //! and passes without the GPUs or NCCL it needs.
 
 use std::time::{Duration, Instant};
@@ -179,5 +180,51 @@ fn a_gpu_replica_that_never_comes_times_the_other_out() {
             "replica 0 waited 3.0 s at the end of its step for the other replicas (timeout)"
         ),
         "{e}"
+    );
+}
+
+/// FP8 with delayed scaling on two GPUs (issue 44): the amaxes' max through NCCL keeps
+/// both replicas' scaling state, as their weights, the same bits (each replica's
+/// batch differs, so its own amaxes differ); the middle layer's three products run in
+/// FP8 (the first and last layers' shapes are not cuBLASLt's FP8 shapes).
+#[test]
+fn fp8_delayed_scaling_state_is_the_same_on_two_gpus() {
+    use ampgraph::passes::amp::{AmpConfig, Fp8Config, Fp8Recipe};
+    use ampgraph::DType;
+    if !gpus_or_skip(2) {
+        return;
+    }
+    let (g, step) = model(32, true);
+    let mut fp8 = Fp8Config::everywhere(Fp8Recipe::delayed());
+    fp8.keep
+        .extend(["dense/matmul".to_string(), "dense_2/matmul".to_string()]);
+    let options = ReplicaOptions {
+        session: ampgraph::SessionOptions {
+            amp: Some(AmpConfig::new(DType::F16).unwrap().with_fp8(fp8)),
+            ..Default::default()
+        },
+        ..ReplicaOptions::default()
+    };
+    let mut on_gpus = Replicas::new(g, &gpus(2), options).unwrap();
+    let graph = on_gpus.session(0).unwrap().graph().clone();
+    let products = graph
+        .node_ids()
+        .filter(|&id| graph.node(id).op_name() == "Fp8MatMul")
+        .count();
+    assert_eq!(products, 3);
+    for s in 0..3 {
+        let feeds: Vec<Feeds> = (0..2).map(|r| batch(s, r * 32, 32)).collect();
+        on_gpus.run(&[step.step], &feeds).unwrap();
+    }
+    let (r0, r1) = (on_gpus.session(0).unwrap(), on_gpus.session(1).unwrap());
+    let names: Vec<String> = variables(r0).into_iter().map(|(n, _)| n).collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("ampgraph/fp8/")),
+        "{names:?}"
+    );
+    assert_eq!(
+        values(r0),
+        values(r1),
+        "the replicas hold the same weights and FP8 state"
     );
 }
