@@ -587,8 +587,9 @@ pub struct PrecisionArgs {
     dtype: HalfArg,
     /// FP8 scaling (with --dtype fp8): `current` (each tensor's own amax) or
     /// `delayed` (an amax history in the graph, updated by the training step).
-    #[arg(long, value_enum, default_value = "current")]
-    fp8_scaling: Fp8ScalingArg,
+    /// Default: `AMPGRAPH_AMP_FP8_SCALING`, else current.
+    #[arg(long, value_enum)]
+    fp8_scaling: Option<Fp8ScalingArg>,
     /// Delayed scaling's amax history length (default 1024, TransformerEngine's).
     #[arg(long, value_name = "STEPS")]
     fp8_amax_history: Option<usize>,
@@ -667,9 +668,8 @@ impl PrecisionArgs {
         }
         // The environment first: the flags override it.
         config.apply_vars(|k| std::env::var(k).ok())?;
-        let fp8_options = self.fp8_everywhere
-            || !self.fp8_keep.is_empty()
-            || self.fp8_scaling == Fp8ScalingArg::Delayed;
+        let fp8_options =
+            self.fp8_everywhere || !self.fp8_keep.is_empty() || self.fp8_scaling.is_some();
         let delayed_options = self.fp8_amax_history.is_some() || self.fp8_amax.is_some();
         match &mut config.fp8 {
             None if fp8_options || delayed_options => {
@@ -678,7 +678,7 @@ impl PrecisionArgs {
                 ))
             }
             None => {}
-            Some(_) if delayed_options && self.fp8_scaling != Fp8ScalingArg::Delayed => {
+            Some(_) if delayed_options && self.fp8_scaling != Some(Fp8ScalingArg::Delayed) => {
                 return Err(CliError::Usage(
                     "--fp8-amax-history and --fp8-amax need --fp8-scaling delayed".into(),
                 ))
@@ -688,14 +688,19 @@ impl PrecisionArgs {
                     *fp8 = Fp8Config::everywhere(fp8.recipe);
                 }
                 fp8.keep.extend(self.fp8_keep.iter().cloned());
-                if self.fp8_scaling == Fp8ScalingArg::Delayed {
-                    fp8.recipe = Fp8Recipe::Delayed {
-                        history: self.fp8_amax_history.unwrap_or(DEFAULT_AMAX_HISTORY),
-                        amax: match self.fp8_amax {
-                            Some(AmaxArg::MostRecent) => AmaxChoice::MostRecent,
-                            Some(AmaxArg::Max) | None => AmaxChoice::Max,
-                        },
-                    };
+                match self.fp8_scaling {
+                    Some(Fp8ScalingArg::Current) => fp8.recipe = Fp8Recipe::Current,
+                    Some(Fp8ScalingArg::Delayed) => {
+                        fp8.recipe = Fp8Recipe::Delayed {
+                            history: self.fp8_amax_history.unwrap_or(DEFAULT_AMAX_HISTORY),
+                            amax: match self.fp8_amax {
+                                Some(AmaxArg::MostRecent) => AmaxChoice::MostRecent,
+                                Some(AmaxArg::Max) | None => AmaxChoice::Max,
+                            },
+                        }
+                    }
+                    // The environment's, or the default.
+                    None => {}
                 }
             }
         }

@@ -790,4 +790,30 @@ fn fp8_options_choose_the_products_and_explain_says_why() {
         &out,
     ]);
     assert!(err.contains("need --fp8-scaling delayed"), "{err}");
+    // `--fp8-scaling` overrides AMPGRAPH_AMP_FP8_SCALING (delayed scaling needs a
+    // training step, which this graph lacks).
+    let with_env = |extra: &[&str]| {
+        let args = [
+            "rewrite",
+            &g,
+            "--amp",
+            "--dtype",
+            "fp8",
+            "--fp8-everywhere",
+            "-o",
+            &out,
+        ];
+        Command::new(BIN)
+            .args(args.iter().chain(extra))
+            .env("AMPGRAPH_AMP_FP8_SCALING", "delayed")
+            .output()
+            .unwrap()
+    };
+    let delayed = with_env(&[]);
+    let stderr = String::from_utf8_lossy(&delayed.stderr);
+    assert!(
+        !delayed.status.success() && stderr.contains("use current scaling"),
+        "{stderr}"
+    );
+    assert!(with_env(&["--fp8-scaling", "current"]).status.success());
 }
