@@ -588,8 +588,13 @@ impl Session {
         }
         let mut names = self.executor.variable_names();
         names.sort();
-        let fresh = |name: &str| name.starts_with(ampgraph_passes::amp::fp8::STATE_PREFIX);
-        if let Some(missing) = names.iter().find(|k| !loaded.contains_key(*k) && !fresh(k)) {
+        // FP8 scaling state of another precision's checkpoint starts afresh (its amaxes
+        // were of other weights); any other variable missing is an error.
+        let (restarted, missing): (Vec<&String>, Vec<&String>) = names
+            .iter()
+            .filter(|k| !loaded.contains_key(*k))
+            .partition(|k| k.starts_with(ampgraph_passes::amp::fp8::STATE_PREFIX));
+        if let Some(&missing) = missing.first() {
             let t = self
                 .executor
                 .variable_type(missing)
@@ -603,9 +608,6 @@ impl Session {
                 ),
             ));
         }
-        // FP8 scaling state of another precision's checkpoint starts afresh: its
-        // amaxes were of other weights.
-        let restarted: Vec<&String> = names.iter().filter(|k| !loaded.contains_key(*k)).collect();
         for name in restarted {
             let id = self.graph.require(name)?;
             if let Some(var) = self.graph.node(id).op.downcast_ref::<Variable>() {

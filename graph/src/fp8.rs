@@ -24,6 +24,15 @@ pub enum Fp8 {
 pub const NAN_CODE: u8 = 0x7F;
 
 impl Fp8 {
+    /// The format of an FP8 dtype; `None` for the others.
+    pub fn of(dtype: crate::DType) -> Option<Fp8> {
+        match dtype {
+            crate::DType::F8E4M3 => Some(Fp8::E4M3),
+            crate::DType::F8E5M2 => Some(Fp8::E5M2),
+            _ => None,
+        }
+    }
+
     pub const fn mantissa_bits(self) -> u32 {
         match self {
             Fp8::E4M3 => 3,

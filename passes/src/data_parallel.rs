@@ -33,6 +33,7 @@ use std::collections::HashMap;
 use ampgraph_graph::ops::{AllFinite, AllReduce, Fp8ScaleUpdate, OptimizerUpdate, Reduction};
 use ampgraph_graph::{Graph, NodeId, Port};
 
+use crate::rewrite::node_error;
 use crate::simplify::unscale_into_update::unscaling;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -219,10 +220,7 @@ impl DataParallel {
         let mut changes = Vec::new();
         for (k, &id) in updates.iter().enumerate() {
             let [history, _, scale] = g.inputs(id)[..] else {
-                return Err(PassError::Rewrite(format!(
-                    "{}: an Fp8ScaleUpdate takes three inputs",
-                    g.node(id).name
-                )));
+                return Err(node_error(g, id, "takes three inputs"));
             };
             let name = g.fresh_name(format!("{}/replicas", g.node(id).name));
             let op = g.node(id).op.clone();

@@ -601,13 +601,9 @@ impl Gemm {
         let b_ty = compute_type(dtype_b, opts)?.data;
         let lb = layout(b_ty, b_rows, b_cols, ldb, batch_count, stride_b as i64)?;
         let la = layout(mat_ty, a_rows, a_cols, lda, batch_count, stride_a as i64)?;
-        // A 16-bit product stored in f32, or an FP8 one stored in a wider type (run()
-        // allows no other mix).
-        let out_ty = if out == dtype {
-            mat_ty
-        } else {
-            compute_type(out, GemmOptions::default())?.data
-        };
+        // The output's own type: the operands' but for a 16-bit product stored in f32
+        // or an FP8 one stored wider (run() allows no other mix).
+        let out_ty = compute_type(out, opts)?.data;
         let lc = layout(out_ty, n64, m64, n as i64, batch_count, (m * n) as i64)?;
         let desc = Desc(lt::create_matmul_desc(compute, scale_ty).map_err(err("descriptor"))?);
         let (tb, ta) = (i32::from(transpose_b), i32::from(transpose_a));

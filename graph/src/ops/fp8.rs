@@ -89,10 +89,18 @@ pub struct DequantizeFp8 {
 
 impl DequantizeFp8 {
     pub fn new(to: DType) -> OpResult<Self> {
-        if !matches!(to, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(format!("DequantizeFp8 gives f32, f16 or bf16, not {to}"));
-        }
+        check_wide("DequantizeFp8 gives", to)?;
         Ok(DequantizeFp8 { to })
+    }
+}
+
+/// Checks that `dtype` is one an FP8 tensor is quantised from or dequantised to:
+/// f32, f16 or bf16 (`what` says whose, as "x must be").
+fn check_wide(what: &str, dtype: DType) -> OpResult<()> {
+    if matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        Ok(())
+    } else {
+        Err(format!("{what} f32, f16 or bf16, not {dtype}"))
     }
 }
 
@@ -120,9 +128,7 @@ impl Op for QuantizeFp8 {
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x, scale] = fixed(inputs)?;
-        if !matches!(x.dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(format!("x must be f32, f16 or bf16, not {}", x.dtype));
-        }
+        check_wide("x must be", x.dtype)?;
         check_scale("scale", scale)?;
         Ok(vec![x.with_dtype(self.to), TensorType::new(DType::F32, [])])
     }
@@ -196,9 +202,7 @@ pub struct Fp8MatMul {
 
 impl Fp8MatMul {
     pub fn new(product: MatMul, to: DType) -> OpResult<Self> {
-        if !matches!(to, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(format!("Fp8MatMul gives f32, f16 or bf16, not {to}"));
-        }
+        check_wide("Fp8MatMul gives", to)?;
         Ok(Fp8MatMul { product, to })
     }
 }
@@ -302,10 +306,7 @@ impl Fp8Scale {
 
     /// The scale for an amax that is finite and positive, else `None`.
     pub fn of_amax(&self, amax: f32) -> Option<f32> {
-        let largest = match self.format {
-            DType::F8E5M2 => Fp8::E5M2.max(),
-            _ => Fp8::E4M3.max(),
-        };
+        let largest = Fp8::of(self.format)?.max();
         (amax.is_finite() && amax > 0.0).then(|| largest / amax / (1u32 << self.margin) as f32)
     }
 }
@@ -326,9 +327,7 @@ impl Op for Fp8Scale {
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x] = fixed(inputs)?;
-        if !matches!(x.dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(format!("x must be f32, f16 or bf16, not {}", x.dtype));
-        }
+        check_wide("x must be", x.dtype)?;
         Ok(vec![TensorType::new(DType::F32, []); 2])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {

@@ -31,6 +31,7 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
 
+use crate::rewrite::node_error;
 use crate::PassError;
 
 /// Where delayed scaling's Variables are named: precision state, not the model's, so
@@ -102,12 +103,14 @@ impl GemmCost {
         let (m, k, n) = (m as f64, k as f64, n as f64);
         let bytes = m * k + k * n + 2.0 * m * n;
         let product = (2.0 * m * k * n / self.fp8_flops).max(bytes / self.bandwidth);
-        let (reads, kernels) = match recipe {
-            Fp8Recipe::Current => (2.0, 2.0),
-            Fp8Recipe::Delayed { .. } => (1.0, 2.0),
+        // Current scaling reads each operand once more, for its amax.
+        let reads = match recipe {
+            Fp8Recipe::Current => 2.0,
+            Fp8Recipe::Delayed { .. } => 1.0,
         };
         let casts = (m * k + k * n) * (2.0 * reads + 1.0) / self.bandwidth;
-        product + casts + 2.0 * kernels * self.launch
+        // Two kernels per operand.
+        product + casts + 4.0 * self.launch
     }
 }
 
@@ -346,7 +349,7 @@ pub fn plan(g: &Graph, config: &Fp8Config) -> Result<Plan, PassError> {
         if let Some(cost) = &config.cost {
             let (m, k, n) = product
                 .dims(&g.ty(inputs[0]).shape, &g.ty(inputs[1]).shape)
-                .map_err(|e| PassError::Rewrite(format!("{}: {e}", g.node(id).name)))?;
+                .map_err(|e| node_error(g, id, &e))?;
             let (half, fp8) = (
                 cost.half_seconds(m, k, n),
                 cost.fp8_seconds(m, k, n, config.recipe),
@@ -383,18 +386,6 @@ struct Quantized {
     scale_inv: Port,
 }
 
-fn format_name(format: DType) -> &'static str {
-    if format == DType::F8E5M2 {
-        "e5m2"
-    } else {
-        "e4m3"
-    }
-}
-
-fn op_err(g: &Graph, id: NodeId) -> impl Fn(String) -> PassError + '_ {
-    move |e| PassError::Rewrite(format!("{}: {e}", g.node(id).name))
-}
-
 /// Adds the quantisation of `x` to `format` under `config`'s recipe; delayed scaling's
 /// state writes go to `writes`.
 fn quantize(
@@ -408,7 +399,8 @@ fn quantize(
     let stem = format!(
         "{STATE_PREFIX}{}/{}",
         g.port_name(src).replace(':', "_"),
-        format_name(format)
+        // `e4m3` or `e5m2`: the dtype's name after its `f8`.
+        format.as_str().trim_start_matches("f8")
     );
     let scale_op = Fp8Scale::new(format, config.margin).map_err(PassError::Rewrite)?;
     let quantize_op = QuantizeFp8::new(format).map_err(PassError::Rewrite)?;
@@ -513,7 +505,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
             .op
             .downcast_ref::<MatMul>()
             .cloned()
-            .ok_or_else(|| PassError::Rewrite(format!("{}: not a MatMul", g.node(id).name)))?;
+            .ok_or_else(|| node_error(g, id, "not a MatMul"))?;
         let to = g.node(id).outputs()[0].dtype;
         let inputs = g.inputs(id);
         let mut operands = Vec::with_capacity(2);
@@ -529,7 +521,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
             };
             operands.push(q);
         }
-        let op = Fp8MatMul::new(product, to).map_err(op_err(g, id))?;
+        let op = Fp8MatMul::new(product, to).map_err(|e| node_error(g, id, &e))?;
         let [qa, qb] = [operands[0], operands[1]];
         g.set_node(
             id,

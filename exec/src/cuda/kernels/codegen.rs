@@ -196,8 +196,8 @@ pub(crate) fn type_parts(d: DType) -> (&'static str, &'static str, &'static str,
         DType::I32 => ("int", "int", "p[i]", "p[i] = v"),
         DType::I64 => ("long long", "long long", "p[i]", "p[i] = v"),
         DType::Bool => ("unsigned char", "int", "(int)p[i]", "p[i] = (v != 0)"),
-        // cuda_fp8.h's types (their conversion from float is `cvt.rn.satfinite`); no
-        // kernel takes them yet: `lower` refuses FP8 tensors.
+        // cuda_fp8.h's types (their conversion from float is `cvt.rn.satfinite`): only
+        // the FP8 family's modules, which include that header, use them.
         DType::F8E4M3 => (
             "__nv_fp8_e4m3",
             "float",

@@ -66,14 +66,10 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     None
 }
 
-/// The largest finite value of an FP8 dtype, as a C float literal.
+/// The largest finite value of an FP8 dtype (the ops check theirs is one), as a C
+/// float literal.
 fn largest(format: DType) -> String {
-    let f = if format == DType::F8E5M2 {
-        Fp8::E5M2
-    } else {
-        Fp8::E4M3
-    };
-    format!("{:?}f", f.max())
+    format!("{:?}f", Fp8::of(format).unwrap_or(Fp8::E4M3).max())
 }
 
 /// A module of the named dtypes with `cuda_fp8.h`'s types.
