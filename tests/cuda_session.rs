@@ -348,7 +348,9 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
         let mut s = Session::new(g.clone(), Device::Cuda(0)).unwrap();
         let mut options = s.executor().options();
         options.op_by_op = op_by_op;
+        // Bits compare only with the same algorithms: no timed GEMM picks either.
         options.conv.deterministic = true;
+        options.gemm.heuristic_only = true;
         s.executor_mut().set_options(options);
         let before = s.executor().stats().unwrap().launches();
         let (mut seen, mut launches) = (Vec::new(), Vec::new());

@@ -76,6 +76,21 @@ fn check_scaled(gpu: &mut CudaExecutor, what: &str, op: impl Op, inputs: &[Tenso
     }
 }
 
+/// [`check_scaled`] within `t` for every output.
+fn check_scaled_to(
+    gpu: &mut CudaExecutor,
+    what: &str,
+    op: impl Op,
+    inputs: &[Tensor],
+    scale: f64,
+    t: f64,
+) {
+    let (dev, cpu) = run_both(gpu, what, op, inputs);
+    for (k, (a, b)) in dev.iter().zip(&cpu).enumerate() {
+        assert_close_to(&format!("{what} output {k}"), a, b, scale, t);
+    }
+}
+
 fn t(dtype: DType, shape: &[usize], v: &[f64]) -> Tensor {
     Tensor::from_f64(dtype, shape.to_vec(), v).expect("tensor")
 }
@@ -335,7 +350,8 @@ fn bias_add_cast_and_shape_ops() {
         let top = rand(&mut r, d, &[9, 1030], -1.0, 1.0);
         let bottom = rand(&mut r, d, &[2, 1030], -1.0, 1.0);
         check(&mut gpu, "Concat 0 pair", Concat::new(0), &[top, bottom]);
-        for to in DType::ALL {
+        // Casts to and from FP8 have no CUDA kernel (refused, tested below).
+        for to in DType::ALL.into_iter().filter(|t| !t.is_fp8()) {
             check(
                 &mut gpu,
                 &format!("Cast {d}->{to}"),
@@ -2144,12 +2160,17 @@ fn fp8_ops_match_the_cpu() {
                     t(DType::F32, &[], &[0.25]),
                 ];
                 // Terms of up to 9/8 each, 64 of them: the sums' scale is about 8.
-                check_scaled(
+                // Hopper's FP8 Tensor Cores accumulate in about 14 bits, not f32's
+                // 24 (DeepSeek-V3's report, §3.3.2): an f32 output is good to about
+                // 2^-12 of that scale (2.6e-4 seen), the 16-bit ones to their rounding.
+                let within = if to == DType::F32 { 1e-3 } else { tol(to) };
+                check_scaled_to(
                     &mut gpu,
                     &format!("Fp8MatMul {fa} x {fb} {ta} {tb} -> {to}"),
                     op,
                     &inputs,
                     8.0,
+                    within,
                 );
             }
         }
