@@ -10,7 +10,10 @@
 //! A token file (llm.c's `dev/data` scripts write them) is a header of 256 little-endian
 //! i32 (magic 20240520, version 1, the token count) and the tokens as u16.
 //! `--precision bf16` (the default) trains as llm.c and PyTorch's bf16 autocast do,
-//! without loss scaling; `fp16` with a dynamic loss scale; `fp32` in f32 throughout.
+//! without loss scaling; `fp16` with a dynamic loss scale; `fp32` in f32 throughout;
+//! `fp8` as bf16 with FP8 products where the cost model says they pay
+//! (`AMPGRAPH_AMP_FP8_SCALING` picks the scaling), every product the GPU runs in
+//! FP8 with `--fp8-everywhere`.
 //! AdamW (`--lr`, `--weight-decay`) clips the gradients' global norm to `--clip` and
 //! with `--warmup N` follows llm.c's schedule. The loss is printed every `--print-every` steps and the validation loss (the mean
 //! over `--val-batches` batches from the file's start) every `--val-every` steps and at
@@ -27,7 +30,8 @@ use ampgraph::graph::ops::LearningRateSchedule;
 use ampgraph::optim::{
     enable_mixed_precision_graph_rewrite, Adam, ClipGlobalNorm, LossScale, Optimizer, TrainStep,
 };
-use ampgraph::{DType, Graph, GraphError, Port, Session, Tensor};
+use ampgraph::passes::amp::{AmpConfig, Fp8Config, Fp8Recipe};
+use ampgraph::{DType, Graph, GraphError, Port, Session, SessionOptions, Tensor};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train GPT-2 on a token file in llm.c's format")]
@@ -74,6 +78,10 @@ struct Args {
     clip: f64,
     #[arg(long, value_enum, default_value = "bf16")]
     precision: Precision,
+    /// With --precision fp8: every product the GPU runs in FP8 (no cost model, first
+    /// and last layers too).
+    #[arg(long)]
+    fp8_everywhere: bool,
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
     /// Print the training loss every this many steps.
@@ -92,6 +100,8 @@ enum Precision {
     Fp32,
     Bf16,
     Fp16,
+    /// BF16 with FP8 products.
+    Fp8,
 }
 
 fn main() -> std::process::ExitCode {
@@ -212,8 +222,12 @@ fn minimize<O: Optimizer>(
 ) -> Result<TrainStep, GraphError> {
     match precision {
         Precision::Fp32 => optimizer.minimize(g, loss),
-        Precision::Bf16 => enable_mixed_precision_graph_rewrite(optimizer)
-            .with_dtype(DType::BF16)
+        Precision::Bf16 | Precision::Fp8 => enable_mixed_precision_graph_rewrite(optimizer)
+            .with_dtype(if precision == Precision::Fp8 {
+                DType::F8E4M3
+            } else {
+                DType::BF16
+            })
             .with_loss_scale(LossScale::None)
             .minimize(g, loss),
         Precision::Fp16 => enable_mixed_precision_graph_rewrite(optimizer)
@@ -272,7 +286,16 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         minimize(adamw, args.precision, &mut g, loss)?
     };
     let device = args.device.for_graph(&g);
-    let mut session = Session::new(g, device)?;
+    if args.fp8_everywhere && args.precision != Precision::Fp8 {
+        return Err("--fp8-everywhere needs --precision fp8".into());
+    }
+    let mut options = SessionOptions::default();
+    if args.fp8_everywhere {
+        let config = AmpConfig::new(DType::F8E4M3)?.from_env()?;
+        let recipe = config.fp8.as_ref().map_or(Fp8Recipe::Current, |f| f.recipe);
+        options.amp = Some(config.with_fp8(Fp8Config::every_device_product(recipe)));
+    }
+    let mut session = Session::with_options(g, device, options)?;
     println!(
         "GPT-2 ({} layers, {} heads, width {}, vocabulary {}) on {} tokens of {}, batch {} x {}, AdamW lr {}, {:?}, {}",
         args.layers,

@@ -236,6 +236,16 @@ fn large_products_take_fp8() {
             .collect::<Vec<_>>(),
         vec![Decision::Kept(Kept::Shape { k: 4096, n: 8200 })]
     );
+    // Without the cost model the shape rule still holds for the GPU's products, and
+    // goes with `everywhere` (the CPU runs any shape).
+    for (config, fp8) in [
+        (Fp8Config::every_device_product(Fp8Recipe::Current), false),
+        (Fp8Config::everywhere(Fp8Recipe::Current), true),
+    ] {
+        let d = plan(&g, &config).unwrap().decisions;
+        assert_eq!(d.len(), 1);
+        assert_eq!(matches!(d[0].1, Decision::Fp8 { .. }), fp8, "{config:?}: {d:?}");
+    }
 }
 
 fn e4m3(v: f64) -> f64 {

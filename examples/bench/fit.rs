@@ -91,7 +91,7 @@ pub fn probed_step(
     let cfg = cfg.with_batch(batch);
     let step = prepare(args, &cfg, mode, infer)?;
     let data = cfg.data(args.seed)?;
-    let options = args.session_options(mode);
+    let options = args.session_options(mode)?;
     let mut exec =
         (args.device.device(args.ordinal)).executor(options.executor, &options.kernel_cache)?;
     let held_bytes = exec.stats().map_or(0, |s| s.live_bytes());

@@ -126,6 +126,7 @@ use ampgraph::graph::rng::SplitMix64;
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd};
 use ampgraph::passes::sync_batch_norm::SyncBatchNorm;
+use ampgraph::passes::amp::{AmpConfig, Fp8Config, Fp8Recipe};
 use ampgraph::passes::{Pass, PassRecord};
 use ampgraph::session::Pipeline;
 use ampgraph::{Device, SessionOptions};
@@ -329,6 +330,10 @@ struct Args {
     /// With --replicas: batch statistics over the global batch (SyncBatchNorm).
     #[arg(long)]
     sync_batch_norm: bool,
+    /// amp_fp8: every 16-bit product the GPU runs in FP8 (no cost model, first and
+    /// last layers too), to time what the cost model would keep.
+    #[arg(long)]
+    fp8_everywhere: bool,
     #[command(flatten)]
     executor: ExecutorArgs,
 }
@@ -336,11 +341,16 @@ struct Args {
 impl Args {
     /// The session options of a run in `mode`: the executor's switches and the passes
     /// run after AMP (`--passes`, else the CUDA pipeline for those switches).
-    fn session_options(&self, mode: Mode) -> SessionOptions {
+    fn session_options(&self, mode: Mode) -> Res<SessionOptions> {
         let mut options = self.executor.session_options();
         options.executor.gemm.allow_tf32 |= mode == Mode::Tf32;
         options.passes = Some(self.pipeline(&options.executor));
-        options
+        if self.fp8_everywhere && mode == Mode::AmpFp8 {
+            let config = AmpConfig::new(DType::F8E4M3)?.from_env()?;
+            let recipe = config.fp8.as_ref().map_or(Fp8Recipe::Current, |f| f.recipe);
+            options.amp = Some(config.with_fp8(Fp8Config::every_device_product(recipe)));
+        }
+        Ok(options)
     }
 
     /// The names of the passes run after AMP with the executor's `switches`.
@@ -1020,7 +1030,7 @@ struct Step {
 /// `mode`, and runs the session's pipeline on it: the AMP pass for a marked graph,
 /// then the passes after it.
 fn prepare(args: &Args, cfg: &Config, mode: Mode, infer: bool) -> Res<Step> {
-    prepare_with(args, cfg, mode, infer, &args.session_options(mode))
+    prepare_with(args, cfg, mode, infer, &args.session_options(mode)?)
 }
 
 /// [`prepare`] with the session `options` (the data-parallel pass).
@@ -1202,7 +1212,7 @@ fn run_one(
         );
         return Ok(None);
     }
-    let options = args.session_options(mode);
+    let options = args.session_options(mode)?;
     let mut exec = args
         .device
         .device(args.ordinal)

@@ -30,7 +30,7 @@ struct ReplicaTimes {
 pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()> {
     let options = SessionOptions {
         data_parallel: Some(DataParallel::new(world)),
-        ..args.session_options(mode)
+        ..args.session_options(mode)?
     };
     let step = prepare_with(args, cfg, mode, false, &options)?;
     if args.passes_only {

@@ -118,14 +118,16 @@ impl GemmCost {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp8Config {
     pub recipe: Fp8Recipe,
-    /// The cost model deciding per product, products of shapes the device's FP8
-    /// kernels do not take kept too; `None` converts every 16-bit MatMul (but those
-    /// kept for the other reasons), as the CPU runs them.
+    /// The cost model deciding per product; `None` converts every 16-bit MatMul (but
+    /// those kept for the other reasons).
     pub cost: Option<GemmCost>,
     /// Keep the products of the forward graph's first and last layers 16-bit.
     pub keep_first_and_last: bool,
     /// Forward MatMuls kept 16-bit by name, with their backward products.
     pub keep: BTreeSet<String>,
+    /// Keep the products cuBLASLt's FP8 kernels do not take (k or n not a multiple
+    /// of 16), as the CUDA executor refuses them.
+    pub device_shapes: bool,
     /// Scales leave `2^margin` of headroom below the format's largest value.
     pub margin: i32,
 }
@@ -138,6 +140,7 @@ impl Default for Fp8Config {
             cost: Some(GemmCost::H100),
             keep_first_and_last: true,
             keep: BTreeSet::new(),
+            device_shapes: true,
             margin: 0,
         }
     }
@@ -151,7 +154,17 @@ impl Fp8Config {
             recipe,
             cost: None,
             keep_first_and_last: false,
+            device_shapes: false,
             ..Fp8Config::default()
+        }
+    }
+
+    /// Every 16-bit MatMul the GPU's FP8 kernels take in FP8 (no cost model, no layer
+    /// kept): for timing and training what the cost model would keep.
+    pub fn every_device_product(recipe: Fp8Recipe) -> Self {
+        Fp8Config {
+            device_shapes: true,
+            ..Fp8Config::everywhere(recipe)
         }
     }
 }
@@ -346,18 +359,18 @@ pub fn plan(g: &Graph, config: &Fp8Config) -> Result<Plan, PassError> {
             decisions.push((id, Decision::Kept(kept)));
             continue;
         }
+        let (m, k, n) = product
+            .dims(&g.ty(inputs[0]).shape, &g.ty(inputs[1]).shape)
+            .map_err(|e| node_error(g, id, &e))?;
+        if config.device_shapes && (k % 16 != 0 || n % 16 != 0) {
+            decisions.push((id, Decision::Kept(Kept::Shape { k, n })));
+            continue;
+        }
         if let Some(cost) = &config.cost {
-            let (m, k, n) = product
-                .dims(&g.ty(inputs[0]).shape, &g.ty(inputs[1]).shape)
-                .map_err(|e| node_error(g, id, &e))?;
             let (half, fp8) = (
                 cost.half_seconds(m, k, n),
                 cost.fp8_seconds(m, k, n, config.recipe),
             );
-            if k % 16 != 0 || n % 16 != 0 {
-                decisions.push((id, Decision::Kept(Kept::Shape { k, n })));
-                continue;
-            }
             if fp8 >= half {
                 let kept = Kept::Cost {
                     half_us: half * 1e6,
