@@ -244,7 +244,11 @@ fn large_products_take_fp8() {
     ] {
         let d = plan(&g, &config).unwrap().decisions;
         assert_eq!(d.len(), 1);
-        assert_eq!(matches!(d[0].1, Decision::Fp8 { .. }), fp8, "{config:?}: {d:?}");
+        assert_eq!(
+            matches!(d[0].1, Decision::Fp8 { .. }),
+            fp8,
+            "{config:?}: {d:?}"
+        );
     }
 }
 

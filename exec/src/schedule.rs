@@ -2,9 +2,11 @@
 //! value can be freed, the type check of what a kernel produced, and which Variable
 //! an AssignVariable writes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use ampgraph_graph::ops::{AllReduce, AssignVariable, Variable};
+use ampgraph_graph::ops::{
+    AllReduce, AssignVariable, Cast, Const, Placeholder, Reshape, Transpose, Variable,
+};
 use ampgraph_graph::{Graph, Node, NodeId, Port, TensorType};
 
 use crate::ExecError;
@@ -31,7 +33,7 @@ impl Schedule {
             .into_iter()
             .filter(|id| needed[id.index()])
             .collect();
-        let order = collectives_early(graph, order);
+        let order = collectives_early(graph, views_late(graph, order));
         let mut reads: HashMap<NodeId, usize> = HashMap::new();
         for p in order
             .iter()
@@ -56,6 +58,63 @@ impl Schedule {
         }
         done
     }
+}
+
+/// `order` with each Transpose, Reshape or Cast of values the step holds anyway
+/// (Variables, Placeholders, Consts, and such views of them) moved down to just before
+/// its first reader. Cheap wherever it runs, such a view can hold memory for nothing
+/// where the topological order puts it: a reader's inputs come in slot order, so the
+/// copy of the input images that `recompute-input-views` makes for the first
+/// convolution's filter gradient (its input 0) would otherwise be computed before the
+/// whole backward pass its gradient (input 1) needs.
+fn views_late(graph: &Graph, order: Vec<NodeId>) -> Vec<NodeId> {
+    let source = |id: NodeId| {
+        let op = &graph.node(id).op;
+        op.is::<Variable>() || op.is::<Placeholder>() || op.is::<Const>()
+    };
+    let mut floating: HashSet<NodeId> = HashSet::new();
+    for &id in &order {
+        let op = &graph.node(id).op;
+        let view = op.is::<Transpose>() || op.is::<Reshape>() || op.is::<Cast>();
+        if view && (graph.inputs(id).iter()).all(|p| source(p.node) || floating.contains(&p.node)) {
+            floating.insert(id);
+        }
+    }
+    if floating.is_empty() {
+        return order;
+    }
+    let mut placed: HashSet<NodeId> = HashSet::new();
+    let mut out = Vec::with_capacity(order.len());
+    // Floating `id` after its floating inputs, once.
+    fn place(
+        graph: &Graph,
+        id: NodeId,
+        floating: &HashSet<NodeId>,
+        placed: &mut HashSet<NodeId>,
+        out: &mut Vec<NodeId>,
+    ) {
+        if !floating.contains(&id) || !placed.insert(id) {
+            return;
+        }
+        for p in graph.inputs(id) {
+            place(graph, p.node, floating, placed, out);
+        }
+        out.push(id);
+    }
+    for &id in &order {
+        if floating.contains(&id) {
+            continue;
+        }
+        for p in graph.inputs(id) {
+            place(graph, p.node, &floating, &mut placed, &mut out);
+        }
+        out.push(id);
+    }
+    // Those no other node reads (fetched ones) last, in their order.
+    for &id in &order {
+        place(graph, id, &floating, &mut placed, &mut out);
+    }
+    out
 }
 
 /// `order` with each collective (AllReduce) moved up to just after its last input's
@@ -125,4 +184,54 @@ pub(crate) fn assigned_variable(graph: &Graph, id: NodeId) -> Result<Option<Stri
         ));
     }
     Ok(Some(target.name.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ampgraph_graph::ops::{Binary, BinaryKind, Unary, UnaryKind};
+    use ampgraph_graph::DType;
+
+    /// A Transpose of an input, read first by the last node, runs just before it (the
+    /// topological order computes it first, beside the input); views under it too.
+    #[test]
+    fn views_of_held_values_run_just_before_their_first_reader() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 3]).unwrap();
+        let wide = g
+            .add_node("wide", Box::new(Cast { to: DType::F64 }), &[x])
+            .unwrap();
+        let t = (g.add_node("t", Box::new(Transpose::new(vec![1, 0])), &[wide.into()])).unwrap();
+        let mut y = g
+            .add_node("n0", Box::new(Unary::new(UnaryKind::Neg)), &[x])
+            .unwrap();
+        for k in 1..4 {
+            let n = g.add_node(
+                format!("n{k}"),
+                Box::new(Unary::new(UnaryKind::Neg)),
+                &[y.into()],
+            );
+            y = n.unwrap();
+        }
+        let y64 = g
+            .add_node("y64", Box::new(Cast { to: DType::F64 }), &[y.into()])
+            .unwrap();
+        let yt = (g.add_node("yt", Box::new(Transpose::new(vec![1, 0])), &[y64.into()])).unwrap();
+        let sum = g.add_node(
+            "sum",
+            Box::new(Binary::new(BinaryKind::Add)),
+            &[t.into(), yt.into()],
+        );
+        let sum = sum.unwrap();
+        let names = |order: &[NodeId]| -> Vec<String> {
+            order.iter().map(|&id| g.node(id).name.clone()).collect()
+        };
+        let topo = g.topo_order().unwrap();
+        assert_eq!(names(&topo)[..3], ["x", "wide", "t"]);
+        let order = Schedule::new(&g, &[Port::new(sum, 0)]).unwrap().order;
+        assert_eq!(
+            names(&order),
+            ["x", "n0", "n1", "n2", "n3", "y64", "yt", "wide", "t", "sum"]
+        );
+    }
 }

@@ -16,7 +16,7 @@ use crate::norm_grad_epilogue::NormGradEpilogueFusion;
 use crate::pack_qkv::PackQkv;
 use crate::recognize_gelu::RecognizeGelu;
 use crate::recognize_layer_norm::RecognizeLayerNorm;
-use crate::recompute::RecomputeActivations;
+use crate::recompute::{RecomputeActivations, RecomputeInputViews};
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, ConvAsMatmul, Cse, Dce,
     FoldBatchNorm, PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul,
@@ -106,6 +106,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "recompute-activations",
         summary: "A GELU or LayerNorm whose output the backward pass reads is computed again for it, so the forward's output dies early (memory for time; opt-in).",
         make: || Box::new(RecomputeActivations),
+    },
+    PassEntry {
+        name: "recompute-input-views",
+        summary: "A Transpose (over Casts) of a value the step holds anyway, read by the backward pass too, is computed again for it: AMP's NHWC f16 copy of the input images dies after the first convolution.",
+        make: || Box::new(RecomputeInputViews),
     },
     PassEntry {
         name: "fuse-attention",

@@ -13,6 +13,7 @@ use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::merge_projections::MergeProjections;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph_passes::pack_qkv::PackQkv;
+use ampgraph_passes::recompute::RecomputeInputViews;
 use ampgraph_passes::simplify::{
     CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConvAsMatmul, Dce, PadConvChannels, PadGemm,
     ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
@@ -75,6 +76,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(CastIntoUpdate),
         Box::new(GemmEpilogue),
         Box::new(PadGemm::default()),
+        Box::new(RecomputeInputViews),
         Box::new(Fuse),
         Box::new(SoftmaxPrologue),
         Box::new(SumIntoElementwise),
