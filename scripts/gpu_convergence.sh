@@ -10,16 +10,7 @@
 # Results under $OUT: convergence.txt. GPT2_PRECISIONS= or RESNET_SEEDS= (empty) skips a part.
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 STEPS=${STEPS:-400}
-python3 - <<'PY'
-import numpy as np, os
-os.makedirs("/tmp/walk", exist_ok=True)
-rng = np.random.default_rng(0)
-for name, n in (("train", 4_000_000), ("val", 200_000)):
-    h = np.zeros(256, np.int32); h[0] = 20240520; h[1] = 1; h[2] = n
-    toks = (np.cumsum(rng.integers(-3, 4, n)) % 512).astype(np.uint16)
-    with open(f"/tmp/walk/{name}.bin", "wb") as f:
-        f.write(h.tobytes()); f.write(toks.tobytes())
-PY
+python3 walk_tokens.py /tmp/walk
 out=$OUT/convergence.txt
 : > $out
 for p in ${GPT2_PRECISIONS-bf16 fp32}; do

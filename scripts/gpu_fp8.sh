@@ -27,16 +27,7 @@ if [ "$part" = all ] || [ "$part" = everywhere ]; then
   AMPGRAPH_AMP_FP8_SCALING=delayed run "mlp everywhere delayed" 40 ./bench --workload mlp --modes amp_fp8 --phases train --fp8-everywhere
 fi
 if [ "$part" = all ] || [ "$part" = convergence ]; then
-  python3 - <<'PY'
-import numpy as np, os
-os.makedirs("/tmp/walk", exist_ok=True)
-rng = np.random.default_rng(0)
-for name, n in (("train", 4_000_000), ("val", 200_000)):
-    h = np.zeros(256, np.int32); h[0] = 20240520; h[1] = 1; h[2] = n
-    toks = (np.cumsum(rng.integers(-3, 4, n)) % 512).astype(np.uint16)
-    with open(f"/tmp/walk/{name}.bin", "wb") as f:
-        f.write(h.tobytes()); f.write(toks.tobytes())
-PY
+  python3 walk_tokens.py /tmp/walk
   for p in "bf16" "fp8 --fp8-everywhere"; do
     echo "## gpt2 $p" >> $OUT/fp8_gpt2.txt
     timeout 150 ./gpt2_train --data /tmp/walk/train.bin --val /tmp/walk/val.bin --steps 1500 --batch 8 \

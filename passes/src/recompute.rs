@@ -85,13 +85,18 @@ impl Pass for RecomputeActivations {
                 backward.len()
             ));
         }
-        let mut s = summary("recompute-activations", lines);
-        s.lines.push(format!(
-            "recompute-activations: {} no longer kept for the backward pass",
-            format_bytes(bytes as u64)
-        ));
-        Ok(s)
+        Ok(recompute_summary("recompute-activations", lines, bytes))
     }
+}
+
+/// A recompute pass's summary: its `lines` and the bytes no longer kept.
+fn recompute_summary(pass: &str, lines: Vec<String>, bytes: usize) -> PassSummary {
+    let mut s = summary(pass, lines);
+    s.lines.push(format!(
+        "{pass}: {} no longer kept for the backward pass",
+        format_bytes(bytes as u64)
+    ));
+    s
 }
 
 /// The `recompute-input-views` pass.
@@ -173,11 +178,6 @@ impl Pass for RecomputeInputViews {
                 backward.len()
             ));
         }
-        let mut s = summary("recompute-input-views", lines);
-        s.lines.push(format!(
-            "recompute-input-views: {} no longer kept for the backward pass",
-            format_bytes(bytes as u64)
-        ));
-        Ok(s)
+        Ok(recompute_summary("recompute-input-views", lines, bytes))
     }
 }
