@@ -8,7 +8,8 @@
 # lines), torch_ddp.log (their stdout/stderr), ours_ddp.txt (the bench's), runs.txt (each
 # command and its exit status; a failed run is recorded there and the script goes on),
 # env_ddp.txt. WORKLOADS (default "transformer convnet") picks the workloads, SYNC_BN=1
-# adds the convnet with synchronized batch norm on both sides. NVLink multicast stays off (exported below; torch_ddp.py refuses to run
+# adds the convnet with synchronized batch norm on both sides, NODES=1 two launcher
+# invocations as two nodes (and one of them killed: nodes.txt). NVLink multicast stays off (exported below; torch_ddp.py refuses to run
 # otherwise). Each run has a timeout (T_TORCH=90, T_OURS=120 s; override in the environment).
 set -u
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
@@ -66,6 +67,41 @@ if [ "${SYNC_BN:-0}" = 1 ]; then
       --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl --sync-bn
     run ours_ddp.txt $T_OURS ./bench --workload convnet --modes amp_fp16 --phases train --replicas $n --sync-batch-norm
   done
+fi
+# NODES=1 (issue 45): two launcher invocations on this host as two nodes of one GPU each
+# (`--nnodes 2 --node-rank 0/1`, node k seeing GPU k alone), then the same with node 1's
+# process killed mid-run: node 0 must end in bounded time with an error naming rank 1.
+# Logs: nodes.txt; each invocation's exit status and seconds in runs.txt.
+if [ "${NODES:-0}" = 1 ] && [ "$N" -ge 2 ]; then
+  # node K PORT ITERS SECONDS: one launcher invocation as node K.
+  node() {
+    CUDA_VISIBLE_DEVICES=$1 timeout $4 torchrun --nnodes 2 --node-rank $1 --nproc-per-node 1 \
+      --master-addr 127.0.0.1 --master-port $2 --no-python ./bench --workload transformer \
+      --modes amp_fp16 --phases train --replicas 2 --iters $3 > $OUT/node$1.log 2>&1
+  }
+  for case in plain killed; do
+    # Killed: 45 s in, then up to the bench's 120 s collective timeout.
+    iters=20 secs=$T_OURS; [ $case = killed ] && iters=20000 secs=300
+    port=$((29500 + RANDOM % 400)); start=$(date +%s)
+    node 0 $port $iters $secs & n0=$!
+    node 1 $port $iters $secs & n1=$!
+    if [ $case = killed ]; then
+      sleep 45
+      # The bench process of node 1 (torchrun's child reading GPU 1).
+      victim=$(for p in $(pgrep -f 'bench --workload transformer'); do
+        tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx 'CUDA_VISIBLE_DEVICES=1' &&
+          tr '\0' ' ' < /proc/$p/cmdline | grep -q '^./bench' && echo $p; done | head -1)
+      echo "## killed: node 1's bench, pid ${victim:-none}, at $(( $(date +%s) - start )) s" >> $OUT/nodes.txt
+      [ -n "$victim" ] && kill -9 $victim
+    fi
+    wait $n0; rc0=$?; t0=$(( $(date +%s) - start ))
+    wait $n1; rc1=$?
+    echo "nodes $case: node 0 exit $rc0 after ${t0} s, node 1 exit $rc1" | tee -a $OUT/runs.txt
+    { echo "## $case node 0"; tail -5 $OUT/node0.log; echo "## $case node 1"; tail -5 $OUT/node1.log; } >> $OUT/nodes.txt
+    if [ $case = plain ]; then [ $rc0 = 0 ] && [ $rc1 = 0 ] || fails=$((fails + 1)); fi
+    if [ $case = killed ]; then grep -q "rank 1" $OUT/node0.log && [ $rc0 != 0 ] || fails=$((fails + 1)); fi
+  done
+  rm -f $OUT/node0.log $OUT/node1.log
 fi
 echo "$fails failed run(s)" | tee -a $OUT/runs.txt
 [ -e $OUT/ddp.jsonl ] && cat $OUT/ddp.jsonl
