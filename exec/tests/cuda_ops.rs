@@ -2129,13 +2129,15 @@ fn fp8_ops_match_the_cpu() {
             }
         }
     }
-    let (m, k, n) = (48, 64, 32);
     let formats = [
         (DType::F8E4M3, DType::F8E4M3),
         (DType::F8E5M2, DType::F8E4M3),
         (DType::F8E4M3, DType::F8E5M2),
     ];
-    for (fa, fb) in formats {
+    // Operands transposed in words (one partial 64x64 tile, then several) and, where
+    // m is not a multiple of 4, byte by byte.
+    let shapes = [(48, 64, 32), (200, 96, 80), (50, 64, 32)];
+    for ((m, k, n), (fa, fb)) in shapes.into_iter().flat_map(|s| formats.map(|f| (s, f))) {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
             for to in [DType::BF16, DType::F16, DType::F32] {
                 let a = rand(
@@ -2159,17 +2161,17 @@ fn fp8_ops_match_the_cpu() {
                     t(DType::F32, &[], &[0.5]),
                     t(DType::F32, &[], &[0.25]),
                 ];
-                // Terms of up to 9/8 each, 64 of them: the sums' scale is about 8.
+                // Terms of up to 9/8 each, k of them: the sums' scale is about k/8.
                 // Hopper's FP8 Tensor Cores accumulate in about 14 bits, not f32's
                 // 24 (DeepSeek-V3's report, §3.3.2): an f32 output is good to about
                 // 2^-12 of that scale (2.6e-4 seen), the 16-bit ones to their rounding.
                 let within = if to == DType::F32 { 1e-3 } else { tol(to) };
                 check_scaled_to(
                     &mut gpu,
-                    &format!("Fp8MatMul {fa} x {fb} {ta} {tb} -> {to}"),
+                    &format!("Fp8MatMul [{m}x{k}] x [{k}x{n}] {fa} x {fb} {ta} {tb} -> {to}"),
                     op,
                     &inputs,
-                    8.0,
+                    k as f64 / 8.0,
                     within,
                 );
             }
