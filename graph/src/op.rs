@@ -94,7 +94,12 @@ pub trait Op: fmt::Debug + Send + Sync + Any + OpClone {
     /// computes them once per such triple).
     fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
         let typed = self.typed_inputs(num_inputs);
-        let rest: Vec<usize> = (0..num_inputs).filter(|i| !typed.contains(i)).collect();
+        // A mask, not `typed.contains`: a Concat of n inputs would take n^2 steps.
+        let mut is_typed = vec![false; num_inputs];
+        for &i in typed.iter().filter(|&&i| i < num_inputs) {
+            is_typed[i] = true;
+        }
+        let rest: Vec<usize> = (0..num_inputs).filter(|&i| !is_typed[i]).collect();
         let mut groups = vec![TypeGroup::new(typed, (0..num_outputs).collect())];
         if !rest.is_empty() {
             groups.push(TypeGroup::new(rest, vec![]).fixed());
