@@ -78,6 +78,15 @@ fn bad_models_are_one_line_errors_naming_the_problem() {
             "huge_dims.onnx",
             &["tensor 'w'", "more elements than can be addressed"],
         ),
+        // 80 bytes asking for 4 TiB (at import: the abort of issue 46).
+        (
+            "constant_of_shape_huge.onnx",
+            &[
+                "node 'y' (ConstantOfShape)",
+                "f32[1048576, 1048576]",
+                "can still allocate",
+            ],
+        ),
         ("cycle.onnx", &["cycle", "node_a -> node_b -> node_a"]),
         (
             "dangling.onnx",

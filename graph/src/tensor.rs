@@ -359,10 +359,17 @@ impl Tensor {
 
     /// Zeros of the given type. The caller has checked that the size is sane.
     pub fn zeros(ty: &TensorType) -> Tensor {
+        Tensor::full(ty, 0.0)
+    }
+
+    /// `value` (rounded to the dtype) everywhere in a tensor of type `ty`, made in the
+    /// dtype directly (no f64 copy of every element). The caller has checked that the
+    /// size is sane.
+    pub fn full(ty: &TensorType, value: f64) -> Tensor {
         let n = ty.checked_len().unwrap_or(0);
         Tensor {
             shape: ty.shape.clone(),
-            data: Arc::new(Data::from_f64(ty.dtype, std::iter::repeat_n(0.0, n))),
+            data: Arc::new(Data::from_f64(ty.dtype, std::iter::repeat_n(value, n))),
         }
     }
 

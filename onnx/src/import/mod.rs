@@ -963,12 +963,15 @@ impl NodeCx<'_> {
         Ok(vec![self.emit_out(0, op, inputs)?])
     }
 
-    /// Refuses constants of `outputs`' types where they would take more memory than
-    /// the process can still allocate: a tiny file may ask for any size
+    /// Refuses constants of `outputs`' types where computing them would take more
+    /// memory than the process can still allocate: a tiny file may ask for any size
     /// (ConstantOfShape of [65536, 65536]), and the allocation would abort the process.
+    /// Computing one counts 24 bytes an element beyond the result: the CPU kernels'
+    /// f64 working values, a broadcast binary op's two operands and its result (an Add
+    /// of [32768, 1] and [1, 32768] peaked at 21 GB for its 4 GiB result).
     pub fn admit(&self, outputs: &[TensorType]) -> Result<()> {
         let bytes = outputs.iter().try_fold(0usize, |sum, t| {
-            let one = t.checked_len()?.checked_mul(t.dtype.size_bytes())?;
+            let one = t.checked_len()?.checked_mul(t.dtype.size_bytes() + 24)?;
             sum.checked_add(one)
         });
         let available = *(self.imp.available)
@@ -979,7 +982,8 @@ impl NodeCx<'_> {
         let mib = |b: usize| format!("{:.1} MiB", host_memory::mib(b));
         let shown: Vec<String> = outputs.iter().map(|t| t.to_string()).collect();
         Err(self.err(format!(
-            "computing it at import makes {} ({}), beyond the {} this process can still allocate",
+            "computing it at import makes {} (with its working values {}), beyond the {} this \
+             process can still allocate",
             shown.join(", "),
             bytes.map_or("more bytes than can be addressed".into(), mib),
             mib(available)

@@ -1202,10 +1202,9 @@ fn constant_of_shape(cx: &mut NodeCx) -> Result<Vec<Value>> {
         .tensor_attr("value")?
         .unwrap_or_else(|| Tensor::scalar(DType::F32, 0.0));
     let v = fill.to_f64_vec().first().copied().unwrap_or(0.0);
-    cx.admit(&[TensorType::new(fill.dtype(), shape.clone())])?;
-    let n: usize = shape.iter().product();
-    let t = Tensor::from_f64(fill.dtype(), shape, &vec![v; n]).map_err(|m| cx.err(m))?;
-    Ok(vec![Value::Const(t)])
+    let ty = TensorType::new(fill.dtype(), shape);
+    cx.admit(std::slice::from_ref(&ty))?;
+    Ok(vec![Value::Const(Tensor::full(&ty, v))])
 }
 
 fn range(cx: &mut NodeCx) -> Result<Vec<Value>> {
