@@ -970,23 +970,32 @@ impl NodeCx<'_> {
     /// f64 working values, a broadcast binary op's two operands and its result (an Add
     /// of [32768, 1] and [1, 32768] peaked at 21 GB for its 4 GiB result).
     pub fn admit(&self, outputs: &[TensorType]) -> Result<()> {
-        let bytes = outputs.iter().try_fold(0usize, |sum, t| {
-            let one = t.checked_len()?.checked_mul(t.dtype.size_bytes() + 24)?;
-            sum.checked_add(one)
-        });
+        // The result's bytes, and with the working values.
+        let bytes = |extra: usize| {
+            outputs.iter().try_fold(0usize, |sum, t| {
+                let one = t.checked_len()?.checked_mul(t.dtype.size_bytes() + extra)?;
+                sum.checked_add(one)
+            })
+        };
+        let (result, working) = (bytes(0), bytes(24));
         let available = *(self.imp.available)
             .get_or_init(|| host_memory::available_bytes().unwrap_or(usize::MAX));
-        if bytes.is_some_and(|b| b <= available) {
+        if working.is_some_and(|b| b <= available) {
             return Ok(());
         }
-        let mib = |b: usize| format!("{:.1} MiB", host_memory::mib(b));
+        let mib = |b: Option<usize>| {
+            b.map_or("more bytes than can be addressed".into(), |b| {
+                format!("{:.1} MiB", host_memory::mib(b))
+            })
+        };
         let shown: Vec<String> = outputs.iter().map(|t| t.to_string()).collect();
         Err(self.err(format!(
-            "computing it at import makes {} (with its working values {}), beyond the {} this \
-             process can still allocate",
+            "computing it at import makes {} ({}; {} with its working values), beyond the {} \
+             this process can still allocate",
             shown.join(", "),
-            bytes.map_or("more bytes than can be addressed".into(), mib),
-            mib(available)
+            mib(result),
+            mib(working),
+            mib(Some(available))
         )))
     }
 
