@@ -369,8 +369,7 @@ pub fn admit(
 
 /// Whether `p` is a Placeholder's, Variable's or Const's value (fed or persistent).
 fn is_source(graph: &Graph, p: Port) -> bool {
-    let op = &graph.node(p.node).op;
-    op.is::<Placeholder>() || op.is::<Variable>() || op.is::<Const>()
+    ampgraph_graph::ops::is_source(graph.node(p.node).op.as_ref())
 }
 
 /// The buffer a tensor lives in: a view's is its input's.

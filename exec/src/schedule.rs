@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 
 use ampgraph_graph::ops::{
-    AllReduce, AssignVariable, Cast, Const, Placeholder, Reshape, Transpose, Variable,
+    is_source, AllReduce, AssignVariable, Cast, Reshape, Transpose, Variable,
 };
 use ampgraph_graph::{Graph, Node, NodeId, Port, TensorType};
 
@@ -68,10 +68,7 @@ impl Schedule {
 /// convolution's filter gradient (its input 0) would otherwise be computed before the
 /// whole backward pass its gradient (input 1) needs.
 fn views_late(graph: &Graph, order: Vec<NodeId>) -> Vec<NodeId> {
-    let source = |id: NodeId| {
-        let op = &graph.node(id).op;
-        op.is::<Variable>() || op.is::<Placeholder>() || op.is::<Const>()
-    };
+    let source = |id: NodeId| is_source(graph.node(id).op.as_ref());
     let mut floating: HashSet<NodeId> = HashSet::new();
     for &id in &order {
         let op = &graph.node(id).op;

@@ -18,9 +18,7 @@
 use ampgraph_graph::attrs::AttrValue;
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::fused::{Expr, Instr, MEMBERS_ANNOTATION};
-use ampgraph_graph::ops::{
-    Const, ElementOp, FusedElementwise, FusedSoftmax, Placeholder, Unary, UnaryKind, Variable,
-};
+use ampgraph_graph::ops::{is_source, ElementOp, FusedElementwise, FusedSoftmax, Unary, UnaryKind};
 use ampgraph_graph::{Graph, NodeId, Port};
 use foldhash::HashMap;
 
@@ -260,7 +258,7 @@ fn kernels(g: &Graph) -> usize {
     g.node_ids()
         .filter(|&id| {
             let op = &g.node(id).op;
-            !(op.is_view() || op.is::<Placeholder>() || op.is::<Variable>() || op.is::<Const>())
+            !(op.is_view() || is_source(op.as_ref()))
         })
         .count()
 }

@@ -18,9 +18,7 @@
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{
-    Cast, Const, LayerNorm, Placeholder, Transpose, Unary, UnaryKind, Variable,
-};
+use ampgraph_graph::ops::{is_source, Cast, LayerNorm, Transpose, Unary, UnaryKind, Variable};
 use ampgraph_graph::{Graph, NodeId, Op, Port};
 
 use crate::rewrite::summary;
@@ -107,7 +105,7 @@ pub struct RecomputeInputViews;
 /// or a Cast of a Variable (the CUDA executor keeps those from step to step).
 fn step_long(g: &Graph, p: Port) -> bool {
     let op = &g.node(p.node).op;
-    if op.is::<Variable>() || op.is::<Placeholder>() || op.is::<Const>() {
+    if is_source(op.as_ref()) {
         return true;
     }
     op.is::<Cast>()

@@ -56,6 +56,12 @@ fn not_computed(name: &str) -> String {
     format!("a {name} has no kernel: the executor supplies its value")
 }
 
+/// Whether `op` is a source whose value a step holds whole: a Placeholder (fed), a
+/// Variable or a Const.
+pub fn is_source(op: &dyn Op) -> bool {
+    op.is::<Placeholder>() || op.is::<Variable>() || op.is::<Const>()
+}
+
 /// A value fed at run time.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Placeholder(pub TensorType);
