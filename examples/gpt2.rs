@@ -30,7 +30,7 @@ use ampgraph::graph::ops::LearningRateSchedule;
 use ampgraph::optim::{
     enable_mixed_precision_graph_rewrite, Adam, ClipGlobalNorm, LossScale, Optimizer, TrainStep,
 };
-use ampgraph::passes::amp::{AmpConfig, Fp8Config, Fp8Recipe};
+use ampgraph::passes::amp::AmpConfig;
 use ampgraph::{DType, Graph, GraphError, Port, Session, SessionOptions, Tensor};
 
 #[derive(Parser, Debug)]
@@ -292,8 +292,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut options = SessionOptions::default();
     if args.fp8_everywhere {
         let config = AmpConfig::new(DType::F8E4M3)?.from_env()?;
-        let recipe = config.fp8.as_ref().map_or(Fp8Recipe::Current, |f| f.recipe);
-        options.amp = Some(config.with_fp8(Fp8Config::every_device_product(recipe)));
+        options.amp = Some(config.on_every_device_product());
     }
     let mut session = Session::with_options(g, device, options)?;
     println!(

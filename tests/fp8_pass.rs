@@ -250,6 +250,18 @@ fn large_products_take_fp8() {
             "{config:?}: {d:?}"
         );
     }
+    // The AMP settings' form keeps the recipe chosen before it.
+    let delayed = AmpConfig::new(DType::F8E4M3)
+        .unwrap()
+        .with_fp8(Fp8Config {
+            recipe: Fp8Recipe::delayed(),
+            ..Fp8Config::default()
+        })
+        .on_every_device_product();
+    assert_eq!(
+        delayed.fp8,
+        Some(Fp8Config::every_device_product(Fp8Recipe::delayed()))
+    );
 }
 
 fn e4m3(v: f64) -> f64 {

@@ -125,7 +125,7 @@ use ampgraph::graph::ops::{Group, Init, Variable};
 use ampgraph::graph::rng::SplitMix64;
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd};
-use ampgraph::passes::amp::{AmpConfig, Fp8Config, Fp8Recipe};
+use ampgraph::passes::amp::AmpConfig;
 use ampgraph::passes::sync_batch_norm::SyncBatchNorm;
 use ampgraph::passes::{Pass, PassRecord};
 use ampgraph::session::Pipeline;
@@ -347,8 +347,7 @@ impl Args {
         options.passes = Some(self.pipeline(&options.executor));
         if self.fp8_everywhere && mode == Mode::AmpFp8 {
             let config = AmpConfig::new(DType::F8E4M3)?.from_env()?;
-            let recipe = config.fp8.as_ref().map_or(Fp8Recipe::Current, |f| f.recipe);
-            options.amp = Some(config.with_fp8(Fp8Config::every_device_product(recipe)));
+            options.amp = Some(config.on_every_device_product());
         }
         Ok(options)
     }

@@ -95,6 +95,16 @@ impl AmpConfig {
         self
     }
 
+    /// These settings with every product the GPU's FP8 kernels take in FP8
+    /// ([`Fp8Config::every_device_product`]), their FP8 recipe kept; no change where
+    /// FP8 is off.
+    pub fn on_every_device_product(mut self) -> Self {
+        if let Some(fp8) = &mut self.fp8 {
+            *fp8 = Fp8Config::every_device_product(fp8.recipe);
+        }
+        self
+    }
+
     /// Applies the environment overrides (`AMPGRAPH_AMP_*LIST_ADD/_REMOVE`,
     /// `AMPGRAPH_AMP_LOG_PATH`), as TensorFlow users know them, and
     /// `AMPGRAPH_AMP_FP8_SCALING` (`current` or `delayed`: TransformerEngine's
