@@ -13,7 +13,8 @@
 //! back, flipped at random, and normalised to `(x - 0.5) / 0.5`; evaluation images are
 //! only normalised. With no `--data` the example writes a small synthetic folder
 //! (coloured digits, 32x32 PNGs) under the system's temporary folder and trains on it.
-//! `--checkpoint PATH` and `--resume` work as in the mnist example.
+//! `--checkpoint PATH` and `--resume` work as in the mnist example. `--warmup N` warms the
+//! learning rate up over N steps, then lowers it along a cosine to a tenth at the last.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,7 +26,7 @@ use ampgraph::data::{Dataset, ImageFolder, Loader, LoaderOptions, Mnist, Transfo
 use ampgraph::graph::models::{convnet, resnet};
 use ampgraph::graph::ops::Group;
 use ampgraph::graph::{DType, Graph, Port};
-use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd};
+use ampgraph::optim::{enable_mixed_precision_graph_rewrite, LearningRateSchedule, Optimizer, Sgd};
 use ampgraph::train::{Evaluation, Position, Trainer};
 use ampgraph::Session;
 
@@ -44,6 +45,14 @@ struct Args {
     /// The convnet's first layer's channels (the last has eight times as many).
     #[arg(long, default_value_t = 16)]
     width: usize,
+    /// Steps of linear warmup, after which the rate falls along a cosine to a tenth at
+    /// the last step (0: the rate stays constant).
+    #[arg(long, default_value_t = 0)]
+    warmup: u64,
+    /// Training images per class in the synthetic folder (a quarter as many to
+    /// evaluate).
+    #[arg(long, default_value_t = 64)]
+    synthetic_per_class: usize,
     #[command(flatten)]
     run: TrainArgs,
 }
@@ -141,10 +150,12 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let (train_dir, eval_dir) = match &args.data {
         Some(dir) => (dir.clone(), args.eval_data.clone()),
         None => {
-            let root = std::env::temp_dir().join(format!("ampgraph-image-folder-{}", run.seed));
+            let count = args.synthetic_per_class.max(4);
+            let root =
+                std::env::temp_dir().join(format!("ampgraph-image-folder-{}-{count}", run.seed));
             if !root.join("train").exists() {
-                write_synthetic_folder(&root.join("train"), 64, run.seed)?;
-                write_synthetic_folder(&root.join("val"), 16, run.seed + 1)?;
+                write_synthetic_folder(&root.join("train"), count, run.seed)?;
+                write_synthetic_folder(&root.join("val"), count / 4, run.seed + 1)?;
             }
             eprintln!(
                 "No --data given: training on synthetic images in {}",
@@ -167,7 +178,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     // The training step also writes the batch norms' running averages.
     let mut net = build(run.batch, train_set.as_ref(), &args, true)?;
     let loss = net.graph.softmax_cross_entropy(net.logits, net.labels)?;
-    let sgd = Sgd::momentum(run.lr, run.momentum);
+    let mut sgd = Sgd::momentum(run.lr, run.momentum);
+    if args.warmup > 0 {
+        let total = (run.epochs * loader.batches_per_epoch()) as u64;
+        sgd = sgd.scheduled(LearningRateSchedule::warmup_cosine(args.warmup, total, 0.1));
+    }
     let mut step = match amp {
         Some(d) => enable_mixed_precision_graph_rewrite(sgd)
             .with_dtype(d)

@@ -17,6 +17,7 @@ if [ "$part" != bench ]; then
   run_test executor ./cuda_executor &
   run_test pool ./cuda_pool --test-threads 4 &
   run_test numerics ./cuda_numerics &
+  run_test stress ./cuda_stress &
   wait
 fi
 if [ "$part" != tests ]; then

@@ -6,10 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p ampgraph-exec --test cuda_ops --test cuda_fused --test cuda_executor --test cuda_pool
-cargo build --release -p ampgraph --test cuda_session --test cuda_numerics --test onnx_models --test onnx_export --test cuda_data_parallel
+cargo build --release -p ampgraph --test cuda_session --test cuda_numerics --test onnx_models --test onnx_export --test cuda_data_parallel --test cuda_stress
 cargo build --release --example bench --example mnist --example image_folder --example gpt2
 mkdir -p bundle/oracle
-for t in cuda_ops cuda_fused cuda_executor cuda_pool cuda_session cuda_numerics onnx_models onnx_export cuda_data_parallel; do
+for t in cuda_ops cuda_fused cuda_executor cuda_pool cuda_session cuda_numerics onnx_models onnx_export cuda_data_parallel cuda_stress; do
   cp "$(ls -t target/release/deps/$t-* | grep -v '\.d$' | head -1)" "bundle/$t"
 done
 cp target/release/examples/bench target/release/examples/mnist target/release/examples/image_folder bundle/
@@ -17,6 +17,8 @@ cp target/release/examples/bench target/release/examples/mnist target/release/ex
 cp target/release/examples/gpt2 bundle/gpt2_train
 cargo build --release --bin ampgraph && cp target/release/ampgraph bundle/
 strip bundle/cuda_ops bundle/cuda_fused bundle/cuda_executor bundle/cuda_pool bundle/cuda_session bundle/cuda_numerics bundle/onnx_models bundle/onnx_export bundle/cuda_data_parallel bundle/ampgraph bundle/bench bundle/mnist bundle/image_folder bundle/gpt2_train
+# cuda_stress keeps its symbols: a crash's stack (gpu_stress.sh WRAP=debug) names functions.
+strip --strip-debug bundle/cuda_stress
 cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layouts.py scripts/gpu_final.sh scripts/energy.py scripts/torch_causal.py scripts/torch_convnet_width.py scripts/gpu_convnet.sh scripts/gpu_mnist_epoch.sh scripts/gpu_onnx.sh scripts/gpu_ddp.sh scripts/torch_ddp.py scripts/gpu_engine.sh scripts/real_models_six.py scripts/gpu_real_check.sh scripts/gpu_zoo.sh scripts/engine_table.py scripts/gpu_workloads_ab.sh scripts/gpu_tests_round.sh scripts/gpu_stress.sh scripts/gpu_gpt2.sh scripts/gpu_convergence.sh scripts/gpu_fp8.sh scripts/torch_fp8_anchor.py scripts/walk_tokens.py ../shared/bench/real_models.py ../shared/bench/torch_mnist_epoch.py bundle/
 mkdir -p bundle/trace && cp scripts/trace/* bundle/trace/
 cp ../shared/oracle/public/*.json bundle/oracle/ 2>/dev/null || true

@@ -332,8 +332,10 @@ struct Handle(sys::cudnnHandle_t);
 
 impl Drop for Handle {
     fn drop(&mut self) {
+        // cudnnDestroy synchronizes the device: not while another thread captures
+        // (see Gemm's drop).
         // SAFETY: created by cudnnCreate, destroyed once.
-        unsafe { sys::cudnnDestroy(self.0) };
+        loading(|| unsafe { sys::cudnnDestroy(self.0) });
     }
 }
 

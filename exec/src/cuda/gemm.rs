@@ -143,8 +143,11 @@ unsafe impl Sync for Plan {}
 
 impl Drop for Gemm {
     fn drop(&mut self) {
+        // cublasLtDestroy synchronizes the context: while another thread captured a
+        // stream it crashed inside the driver (SIGSEGV in cuCtxSynchronize, sessions
+        // dropped in threads beside others capturing convolutions).
         // SAFETY: created by `Gemm::new`, destroyed once.
-        let _ = unsafe { lt::destroy_handle(self.handle) };
+        let _ = loading(|| unsafe { lt::destroy_handle(self.handle) });
     }
 }
 
@@ -332,8 +335,8 @@ impl Gemm {
         ) {
             Ok(w) => w,
             Err(e) => {
-                // SAFETY: just created.
-                let _ = unsafe { lt::destroy_handle(handle) };
+                // SAFETY: just created (destroyed as in Gemm's drop).
+                let _ = loading(|| unsafe { lt::destroy_handle(handle) });
                 return Err(e);
             }
         };
