@@ -344,8 +344,18 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
         .minimize(&mut g, loss)
         .unwrap();
     let kernel = g.node(step.variables[0]).name.clone();
+    // A kernel cache (and so a file of cuDNN's choices) of this test's own: the second
+    // session reads the algorithms the first timed. A shared one was rewritten by the
+    // test binaries running beside (the fastest deterministic algorithm timed under
+    // another load), and the sessions' first losses differed by an ulp.
+    let cache = std::env::temp_dir().join(format!("ampgraph-replay-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let options = SessionOptions {
+        kernel_cache: ampgraph::exec::KernelCache::Dir(cache.clone()),
+        ..SessionOptions::default()
+    };
     let train = |op_by_op: bool| -> (Vec<Tensor>, Session, u64, Vec<String>) {
-        let mut s = Session::new(g.clone(), Device::Cuda(0)).unwrap();
+        let mut s = Session::with_options(g.clone(), Device::Cuda(0), options.clone()).unwrap();
         let mut options = s.executor().options();
         options.op_by_op = op_by_op;
         // Bits compare only with the same algorithms: no timed GEMM picks either.
@@ -373,6 +383,7 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
     };
     let (plain, plain_session, plain_graphs, _) = train(true);
     let (replayed, replayed_session, graphs, launches) = train(false);
+    let _ = std::fs::remove_dir_all(&cache);
     assert_eq!(plain_graphs, 0, "op by op, no step is a graph");
     // Each fetch set: its plan's first runs plain (a second plan where the first
     // planned scratch), then graphs; setting a variable recaptures.
