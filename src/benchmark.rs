@@ -105,7 +105,7 @@ fn weights_to_variables(g: &mut Graph) -> Vec<(String, Tensor)> {
         if !ty.dtype.is_float() || data.len() < 2 {
             continue;
         }
-        let Ok(t) = Tensor::new(ty.shape.clone(), data.clone()) else {
+        let Ok(t) = Tensor::shared(ty.shape.clone(), data.clone()) else {
             continue;
         };
         values.push((node.name.clone(), t));

@@ -17,6 +17,7 @@ use crate::error::{GraphError, Result};
 use crate::graph::{Graph, NodeId};
 use crate::ops::fused::MEMBERS_ANNOTATION;
 use crate::ops::parse_op;
+use crate::ops::Const;
 
 pub const FORMAT_NAME: &str = "ampgraph.graph";
 pub const FORMAT_VERSION: u32 = 1;
@@ -674,12 +675,14 @@ pub fn to_text(g: &Graph) -> String {
     for id in g.topo_order().unwrap_or_else(|_| g.node_ids().collect()) {
         let n = g.node(id);
         let inputs: Vec<String> = g.inputs(id).into_iter().map(|p| g.port_name(p)).collect();
-        let attrs: Vec<String> =
-            n.op.attrs()
-                .iter()
-                .filter(|(k, _)| *k != "value")
-                .map(|(k, v)| format!("{k}={}", attr_to_json(v)))
-                .collect();
+        // A Const's values are left out (not copied into f64s only to be dropped).
+        let attrs = match n.op.downcast_ref::<Const>() {
+            Some(c) => c.type_attrs(),
+            None => n.op.attrs(),
+        };
+        let attrs: Vec<String> = (attrs.iter())
+            .map(|(k, v)| format!("{k}={}", attr_to_json(v)))
+            .collect();
         let types: Vec<String> = n.outputs().iter().map(ToString::to_string).collect();
         let _ = write!(out, "{} = {}({})", n.name, n.op.name(), inputs.join(", "));
         if !attrs.is_empty() {

@@ -342,6 +342,11 @@ impl Data {
 impl Tensor {
     /// A tensor of `shape` holding `data`; the element count must match.
     pub fn new(shape: impl Into<Vec<usize>>, data: Data) -> Result<Tensor, String> {
+        Tensor::shared(shape, Arc::new(data))
+    }
+
+    /// A tensor of `shape` sharing `data` (no copy); the element count must match.
+    pub fn shared(shape: impl Into<Vec<usize>>, data: Arc<Data>) -> Result<Tensor, String> {
         let shape = shape.into();
         let numel = checked_numel(&shape).ok_or("shape overflows the address space")?;
         if numel != data.len() {
@@ -351,10 +356,7 @@ impl Tensor {
                 data.len()
             ));
         }
-        Ok(Tensor {
-            shape,
-            data: Arc::new(data),
-        })
+        Ok(Tensor { shape, data })
     }
 
     /// Zeros of the given type. The caller has checked that the size is sane.
@@ -421,6 +423,11 @@ impl Tensor {
     /// The elements, copied only when another tensor shares them.
     pub fn into_data(self) -> Data {
         Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
+    }
+
+    /// The elements as shared with every clone of this tensor (no copy).
+    pub fn into_shared_data(self) -> Arc<Data> {
+        self.data
     }
 
     pub fn to_f64_vec(&self) -> Vec<f64> {

@@ -19,7 +19,7 @@ use crate::kernel::{eval_float, par_fill, require_float, same_dtype, FloatKernel
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::grad0;
 use crate::ops::{DataFormat, Reduce, ReduceKind};
-use crate::shape::{broadcast_index_map, broadcast_shapes};
+use crate::shape::{broadcast_indices, broadcast_shapes};
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
 pub(crate) const OTHER_OPS: &[OpEntry] = &[OpEntry {
@@ -229,9 +229,12 @@ pub(crate) fn broadcast_zip<T: Copy + Sync, U: Send>(
     if a.len() == 1 && b.len() == n {
         return par_fill(n, |i| f(a[0], b[i]));
     }
-    let ia = broadcast_index_map(a_shape, out_shape);
-    let ib = broadcast_index_map(b_shape, out_shape);
-    ia.iter().zip(&ib).map(|(&i, &j)| f(a[i], b[j])).collect()
+    // Indices walked, not tabled: two tables of the output's size took 16 bytes an
+    // element beside its values (5 GB to fold a 1 GiB broadcast Add at import).
+    broadcast_indices(a_shape, out_shape)
+        .zip(broadcast_indices(b_shape, out_shape))
+        .map(|(i, j)| f(a[i], b[j]))
+        .collect()
 }
 
 impl FloatKernel for BinaryKind {
@@ -353,12 +356,10 @@ impl FloatKernel for BinaryGrad {
         let dx = if a.shape() == b.shape() {
             par_fill(gv.len(), |i| f(i, i, gv[i]))
         } else {
-            let ia = broadcast_index_map(a.shape(), &out);
-            let ib = broadcast_index_map(b.shape(), &out);
-            ia.iter()
-                .zip(&ib)
+            broadcast_indices(a.shape(), &out)
+                .zip(broadcast_indices(b.shape(), &out))
                 .zip(gv.iter())
-                .map(|((&i, &j), &g)| f(i, j, g))
+                .map(|((i, j), &g)| f(i, j, g))
                 .collect()
         };
         Ok(vec![(out, dx)])

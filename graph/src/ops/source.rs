@@ -1,5 +1,7 @@
 //! Ops with no inputs (Placeholder, Variable, Const) and Cast.
 
+use std::sync::Arc;
+
 use crate::attrs::{AttrReader, AttrValue};
 use crate::autodiff::GradBuilder;
 use crate::dtype::DType;
@@ -175,19 +177,27 @@ impl Op for Variable {
 }
 
 /// A constant; absent values mean zeros (kept lazy so a huge zero Const costs nothing
-/// until it runs).
+/// until it runs). The values are shared, not copied, by clones of the op (a graph's
+/// copies), by the tensor it was made from and by the tensors it evaluates to: a
+/// constant folded at import from a small file may be gigabytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Const {
     pub ty: TensorType,
-    pub values: Option<Data>,
+    pub values: Option<Arc<Data>>,
 }
 
 impl Const {
     pub fn new(t: Tensor) -> Const {
         Const {
             ty: t.ty(),
-            values: Some(t.into_data()),
+            values: Some(t.into_shared_data()),
         }
+    }
+
+    /// The attributes but the values: what a one-line display shows (the values'
+    /// f64 copy in [`Op::attrs`] is eight bytes an element).
+    pub fn type_attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        type_attrs(&self.ty)
     }
 
     fn parse(a: &mut AttrReader) -> OpResult<Const> {
@@ -203,7 +213,7 @@ impl Const {
                         ShapeDisplay(&ty.shape)
                     ));
                 }
-                Some(Data::from_f64(ty.dtype, v))
+                Some(Arc::new(Data::from_f64(ty.dtype, v)))
             }
         };
         Ok(Const { ty, values })
@@ -229,7 +239,7 @@ impl Op for Const {
     }
     fn eval(&self, _: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         Ok(vec![match &self.values {
-            Some(v) => Tensor::new(self.ty.shape.clone(), v.clone())?,
+            Some(v) => Tensor::shared(self.ty.shape.clone(), v.clone())?,
             None => Tensor::zeros(&self.ty),
         }])
     }

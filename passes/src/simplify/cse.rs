@@ -63,7 +63,7 @@ type ConstParts<'a> = (&'a TensorType, Option<Cow<'a, [u8]>>);
 
 fn const_parts(op: &dyn Op) -> Option<ConstParts<'_>> {
     op.downcast_ref::<Const>()
-        .map(|c| (&c.ty, c.values.as_ref().map(Data::le_bytes)))
+        .map(|c| (&c.ty, c.values.as_deref().map(Data::le_bytes)))
 }
 
 /// A hash of the op's name and attributes and of the input tensors.
