@@ -7,22 +7,11 @@ mod common;
 #[path = "common/plant.rs"]
 mod plant;
 
-use ampgraph::exec::cuda;
 use ampgraph::graph::DType;
 use ampgraph::numerics::check::{Collapse, NumericsReport, COLLAPSE_BACKOFFS};
 use ampgraph::train::{Position, TrainOptions, Trainer};
 use ampgraph::{Device, Session, SessionOptions};
 use plant::{any_non_finite, planted_random_graph, training_net, FACTOR, PLANTED};
-
-fn cuda_or_skip() -> bool {
-    match cuda::available() {
-        Ok(_) => true,
-        Err(why) => {
-            println!("skipping: {why}");
-            false
-        }
-    }
-}
 
 /// Check-numerics on, the AMP rewrite as the ground truth's, and `passes` after it
 /// (`Some(vec![])`: none, so that the nodes keep their names; `None`: the CUDA
@@ -48,7 +37,7 @@ fn assert_names_the_plant(report: &NumericsReport) {
 
 #[test]
 fn check_numerics_names_the_planted_node_of_random_graphs_on_the_gpu() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let (mut planted_cases, mut reached) = (0, 0);
@@ -90,7 +79,7 @@ fn check_numerics_names_the_planted_node_of_random_graphs_on_the_gpu() {
 
 #[test]
 fn a_planted_overflow_in_gpu_training_is_named_and_collapses_the_scale() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     // Unfused, the report names the plant; with the CUDA pipeline's fusions a fused

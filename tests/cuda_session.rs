@@ -4,6 +4,8 @@
 //! precision switches of `SessionOptions::executor` against float64, and
 //! `Device::auto()`. Each test prints "skipping: <reason>" and passes without CUDA.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use ampgraph::exec::cuda;
@@ -19,16 +21,6 @@ use ampgraph::optim::{
 };
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
 use ampgraph::{Device, Session, SessionOptions};
-
-fn cuda_or_skip() -> bool {
-    match cuda::available() {
-        Ok(_) => true,
-        Err(why) => {
-            println!("skipping: {why}");
-            false
-        }
-    }
-}
 
 /// max |a - b| / max(|b|, 1) over two tensors of one type (NaN matching NaN).
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
@@ -197,7 +189,7 @@ fn compare_model_training(
 
 #[test]
 fn mlp_training_step_fp32_matches_the_cpu() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     compare_training("fp32 sgd", None, false, 1e-4);
@@ -206,7 +198,7 @@ fn mlp_training_step_fp32_matches_the_cpu() {
 
 #[test]
 fn mlp_training_step_amp_matches_the_cpu() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     compare_training("amp f16 sgd", Some(DType::F16), false, 1e-2);
@@ -216,7 +208,7 @@ fn mlp_training_step_amp_matches_the_cpu() {
 
 #[test]
 fn cnn_training_steps_match_the_cpu() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let sgd = || Sgd::momentum(0.05, 0.9);
@@ -234,7 +226,7 @@ fn cnn_training_steps_match_the_cpu() {
 /// momentum SGD and of AMP f16 Adam.
 #[test]
 fn dropout_training_matches_the_cpu() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let sgd = Sgd::momentum(0.05, 0.9);
@@ -256,7 +248,7 @@ fn dropout_training_matches_the_cpu() {
 /// as with a constant rate (nothing re-planned or re-captured for a new rate).
 #[test]
 fn scheduled_learning_rates_match_the_cpu_without_replanning() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let adamw = || Adam::adamw(1e-3, 0.01);
@@ -284,7 +276,7 @@ fn scheduled_learning_rates_match_the_cpu_without_replanning() {
 /// overwritten before its step read it) would change both far beyond rounding.
 #[test]
 fn steps_fed_by_staged_copies_match_steps_that_upload_their_batches() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let (mut g, loss) = mlp();
@@ -334,7 +326,7 @@ fn steps_fed_by_staged_copies_match_steps_that_upload_their_batches() {
 /// after them are equal, and the replaying session launched its steps as graphs.
 #[test]
 fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let (mut g, loss) = cnn();
@@ -422,7 +414,7 @@ fn steps_replayed_as_cuda_graphs_match_steps_launched_op_by_op() {
 /// of turn (an older ticket) are uploaded by the step; only Placeholders are staged.
 #[test]
 fn staging_follows_shapes_and_refuses_what_it_cannot_stage() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let squares = |rows: usize| {
@@ -485,7 +477,7 @@ fn staging_follows_shapes_and_refuses_what_it_cannot_stage() {
 
 #[test]
 fn checkpoints_move_between_devices() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let (mut g, loss) = mlp();
@@ -509,7 +501,7 @@ fn checkpoints_move_between_devices() {
 /// variable drops the stale cast, so the next run sees the new weights.
 #[test]
 fn inference_recasts_weights_only_after_they_change() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let (mut g, _) = mlp();
@@ -585,7 +577,7 @@ fn product_error(dtype: DType, (m, k, n): (usize, usize, usize), options: ExecOp
 /// f32 accumulation), all for K = 256.
 #[test]
 fn gemm_precision_switches_hold_their_bounds() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let shape = (64, 256, 96);
@@ -667,7 +659,7 @@ fn mlp_oracle_graphs() -> Vec<(String, Graph)> {
 
 #[test]
 fn oracle_mlp_graphs_match_the_cpu() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     let graphs = mlp_oracle_graphs();
@@ -744,7 +736,7 @@ fn auto_picks_cuda_where_available() {
 fn fp8_training_steps_match_the_cpu() {
     use ampgraph::graph::ops::Fp8MatMul;
     use ampgraph::passes::amp::{Fp8Config, Fp8Recipe};
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {

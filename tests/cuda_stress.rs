@@ -10,11 +10,12 @@
 //! the GPU tests); `scripts/gpu_stress.sh` runs it for minutes. Each test prints
 //! "skipping: <reason>" and passes without CUDA.
 
+mod common;
+
 use std::collections::HashMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ampgraph::exec::cuda;
 use ampgraph::graph::models::gpt2::{self, Gpt2Config};
 use ampgraph::graph::models::resnet::{self, ResNetConfig};
 use ampgraph::graph::nn::{self, Activation};
@@ -28,35 +29,12 @@ const CHILD: &str = "AMPGRAPH_STRESS_CHILD";
 /// Steps per session: the first plans and captures, the others replay.
 const STEPS: usize = 3;
 
-fn cuda_or_skip() -> bool {
-    match cuda::available() {
-        Ok(_) => true,
-        Err(why) => {
-            println!("skipping: {why}");
-            false
-        }
-    }
-}
-
 fn churn_time() -> Duration {
     let seconds = std::env::var("AMPGRAPH_STRESS_SECONDS")
         .ok()
         .and_then(|s| s.parse::<f64>().ok())
         .unwrap_or(3.0);
     Duration::from_secs_f64(seconds)
-}
-
-/// `n` values uniform in [-1, 1) from `seed`.
-fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut state = seed.wrapping_mul(6364136223846793005) | 1;
-    (0..n)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-        })
-        .collect()
 }
 
 fn tensor(dtype: DType, shape: Vec<usize>, values: &[f64]) -> Tensor {
@@ -105,7 +83,11 @@ fn resnet() -> Workload {
     let feeds = HashMap::from([
         (
             "x".to_string(),
-            tensor(DType::F32, vec![4, 3, 32, 32], &values(4 * 3 * 32 * 32, 1)),
+            tensor(
+                DType::F32,
+                vec![4, 3, 32, 32],
+                &common::uniform_values(4 * 3 * 32 * 32, 1),
+            ),
         ),
         (
             "labels".to_string(),
@@ -136,7 +118,11 @@ fn mlp() -> Workload {
     let feeds = HashMap::from([
         (
             "x".to_string(),
-            tensor(DType::F32, vec![64, 256], &values(64 * 256, 2)),
+            tensor(
+                DType::F32,
+                vec![64, 256],
+                &common::uniform_values(64 * 256, 2),
+            ),
         ),
         ("labels".to_string(), tensor(DType::I32, vec![64], &classes)),
     ]);
@@ -248,7 +234,7 @@ fn churn(threads_per_model: usize) {
 
 #[test]
 fn sessions_in_several_threads_at_once() {
-    if !cuda_or_skip() {
+    if !common::cuda_or_skip() {
         return;
     }
     churn(2);
@@ -258,7 +244,7 @@ fn sessions_in_several_threads_at_once() {
 /// must pass within the churn time and five minutes (its outputs are shown if not).
 #[test]
 fn sessions_in_several_processes_at_once() {
-    if std::env::var_os(CHILD).is_some() || !cuda_or_skip() {
+    if std::env::var_os(CHILD).is_some() || !common::cuda_or_skip() {
         return;
     }
     let exe = std::env::current_exe().unwrap();

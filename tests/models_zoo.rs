@@ -85,21 +85,6 @@ fn resnet50_has_torchvisions_parameter_count() {
     );
 }
 
-/// Seeded values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-        })
-        .collect()
-}
-
 /// A small ResNet (one bottleneck a stage, width 4) trains on one batch of 8 images of
 /// 3 classes on the CPU: SGD with momentum takes its loss below half the first step's
 /// in 30 steps, and the batch norms' running averages move.
@@ -119,7 +104,12 @@ fn a_small_resnet_trains_on_the_cpu() {
     let feeds = HashMap::from([
         (
             "x".to_string(),
-            Tensor::from_f64(DType::F32, vec![8, 3, 32, 32], &values(8 * 3 * 32 * 32, 1)).unwrap(),
+            Tensor::from_f64(
+                DType::F32,
+                vec![8, 3, 32, 32],
+                &common::uniform_values(8 * 3 * 32 * 32, 1),
+            )
+            .unwrap(),
         ),
         (
             "labels".to_string(),
@@ -501,7 +491,7 @@ fn a_tiny_vit_trains_on_the_cpu_and_its_attention_fuses() {
     let logits = vit::build(&mut g, x, &config).unwrap();
     let mut inference = g.clone();
     inference.set_outputs(vec![logits]).unwrap();
-    let images = values(6 * 3 * 8 * 8, 3);
+    let images = common::uniform_values(6 * 3 * 8 * 8, 3);
     let feeds = HashMap::from([
         (
             "x".to_string(),

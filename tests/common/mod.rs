@@ -35,6 +35,24 @@ impl Rng {
     }
 }
 
+/// `n` values uniform in [-1, 1) from `seed` ([`Rng`]).
+pub fn uniform_values(n: usize, seed: u64) -> Vec<f64> {
+    let mut rng = Rng(seed);
+    (0..n).map(|_| rng.unit() * 2.0 - 1.0).collect()
+}
+
+/// Whether CUDA is here; where not, prints "skipping: <reason>" (a GPU test then
+/// passes without running).
+pub fn cuda_or_skip() -> bool {
+    match ampgraph::exec::cuda::available() {
+        Ok(_) => true,
+        Err(why) => {
+            println!("skipping: {why}");
+            false
+        }
+    }
+}
+
 /// Which ops the generator may use.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Menu {
