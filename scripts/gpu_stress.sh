@@ -46,5 +46,5 @@ kill $loads 2>/dev/null; pkill -x 'cuda_(ops|session|pool|numerics|fused)' 2>/de
 wait "${sessions[@]}"
 echo "stress: cuda_executor cold under load for ${seconds}s: $passed passed, $failed failed"
 for n in 1 2 3 4; do
-  echo "sessions $n: $(grep -hE 'matched the CPU|panicked|SIGSEGV|signal|^exit' "$OUT/stress_sessions_$n.txt" | head -4 | tr '\n' ' ')"
+  echo "sessions $n: $(grep -hE 'matched the CPU|replayed their|panicked|SIGSEGV|signal|^exit' "$OUT/stress_sessions_$n.txt" | head -6 | tr '\n' ' ')"
 done

@@ -26,8 +26,9 @@ use ampgraph::{Device, Session};
 
 /// Set in the processes [`sessions_in_several_processes_at_once`] starts.
 const CHILD: &str = "AMPGRAPH_STRESS_CHILD";
-/// Steps per session: the first plans and captures, the others replay.
-const STEPS: usize = 3;
+/// Steps per session: the first plans (and plans again where it timed convolutions'
+/// scratch), two run plain, the fourth is captured as a CUDA graph, the fifth replays it.
+const STEPS: usize = 5;
 
 fn churn_time() -> Duration {
     let seconds = std::env::var("AMPGRAPH_STRESS_SECONDS")
@@ -176,18 +177,22 @@ fn gpt2() -> Workload {
     }
 }
 
-/// The losses of [`STEPS`] steps of a fresh session of `w` on `device`.
-fn losses(w: &Workload, device: Device) -> Vec<f64> {
+/// The losses of [`STEPS`] steps of a fresh session of `w` on `device`, and whether
+/// the last was replayed as a CUDA graph.
+fn losses(w: &Workload, device: Device) -> (Vec<f64>, bool) {
     let mut session = Session::new(w.graph.clone(), device)
         .unwrap_or_else(|e| panic!("{}: a session on {device:?}: {e}", w.name));
-    (0..STEPS)
+    let losses = (0..STEPS)
         .map(|s| {
             let out = session
                 .run(&w.fetch, &w.feeds)
                 .unwrap_or_else(|e| panic!("{}: step {s} on {device:?}: {e}", w.name));
             out[0].to_f64_vec()[0]
         })
-        .collect()
+        .collect();
+    let stats = session.executor().stats();
+    let replayed = stats.is_some_and(|s| s.last_step().launch.starts_with("replayed"));
+    (losses, replayed)
 }
 
 /// Every model in `threads_per_model` threads, each making sessions one after another
@@ -195,15 +200,17 @@ fn losses(w: &Workload, device: Device) -> Vec<f64> {
 fn churn(threads_per_model: usize) {
     let deadline = Instant::now() + churn_time();
     let workloads = [resnet(), mlp(), gpt2()];
-    let want: Vec<Vec<f64>> = workloads.iter().map(|w| losses(w, Device::Cpu)).collect();
-    let sessions = std::thread::scope(|scope| {
+    let want: Vec<Vec<f64>> = workloads.iter().map(|w| losses(w, Device::Cpu).0).collect();
+    // Per thread: its workload's name, the sessions it made and how many replayed.
+    let counts = std::thread::scope(|scope| {
         let handles: Vec<_> = (workloads.iter().zip(&want))
             .flat_map(|(w, want)| (0..threads_per_model).map(move |t| (w, want, t)))
             .map(|(w, want, t)| {
                 scope.spawn(move || {
-                    let mut made = 0;
+                    let (mut made, mut replayed) = (0, 0);
                     loop {
-                        let got = losses(w, Device::cuda(0));
+                        let (got, graph) = losses(w, Device::cuda(0));
+                        replayed += usize::from(graph);
                         for (s, (g, c)) in got.iter().zip(want).enumerate() {
                             let err = (g - c).abs() / c.abs().max(1.0);
                             assert!(
@@ -215,21 +222,29 @@ fn churn(threads_per_model: usize) {
                         }
                         made += 1;
                         if Instant::now() >= deadline {
-                            return made;
+                            return (w.name, made, replayed);
                         }
                     }
                 })
             })
             .collect();
-        handles
-            .into_iter()
+        (handles.into_iter())
             .map(|h| h.join().unwrap_or_else(|_| panic!("a thread failed")))
-            .sum::<usize>()
+            .collect::<Vec<_>>()
     });
+    let sessions: usize = counts.iter().map(|c| c.1).sum();
     println!(
         "{sessions} sessions of {STEPS} steps in {} threads matched the CPU",
         threads_per_model * workloads.len()
     );
+    for w in &workloads {
+        let (made, replayed) =
+            (counts.iter().filter(|c| c.0 == w.name)).fold((0, 0), |(m, r), c| (m + c.1, r + c.2));
+        println!(
+            "{}: {made} sessions, {replayed} replayed their last step",
+            w.name
+        );
+    }
 }
 
 #[test]
