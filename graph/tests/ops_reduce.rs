@@ -205,6 +205,32 @@ fn half_sums_accumulate_in_f32() {
     assert_eq!(m[0].to_f64_vec(), vec![1.0]);
 }
 
+/// f32 sums are kept in f64 and rounded once: 2^25 values of 0.1 (f32) sum to their
+/// f64 sum rounded to f32; an f32 running sum stalls at 2^21 (ulp 0.25 swallows 0.1)
+/// and gave 2,097,152 for 3,355,443.2. The mean is 0.1's f32 value exactly.
+#[test]
+fn long_f32_sums_do_not_stall() {
+    let n = 1usize << 25;
+    let tenth = 0.1f32;
+    let x = Tensor::new(vec![n], ampgraph_graph::Data::F32(vec![tenth; n])).unwrap();
+    let sum = Reduce::new(ReduceKind::Sum, None, false)
+        .eval(&[&x])
+        .unwrap();
+    let want = (f64::from(tenth) * n as f64) as f32;
+    assert_eq!(sum[0].to_f64_vec(), vec![f64::from(want)]);
+    let mean = Reduce::new(ReduceKind::Mean, None, false)
+        .eval(&[&x])
+        .unwrap();
+    assert_eq!(mean[0].to_f64_vec(), vec![f64::from(tenth)]);
+    // SumTo (a broadcast's gradient) likewise, into two columns.
+    let x = Tensor::new(vec![n / 2, 2], ampgraph_graph::Data::F32(vec![tenth; n])).unwrap();
+    let cols = ampgraph_graph::ops::SumTo { shape: vec![1, 2] }
+        .eval(&[&x])
+        .unwrap();
+    let half = (f64::from(tenth) * (n / 2) as f64) as f32;
+    assert_eq!(cols[0].to_f64_vec(), vec![f64::from(half); 2]);
+}
+
 // ---- every dtype against the reference ----
 
 #[test]

@@ -12,7 +12,7 @@ use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::grad0;
 use crate::ops::{BroadcastTo, Cast};
-use crate::shape::{broadcast_index_map, normalize_axes};
+use crate::shape::{broadcast_indices, normalize_axes};
 use crate::tensor::{strides, ShapeDisplay, Tensor, TensorType};
 use crate::DType;
 
@@ -151,41 +151,55 @@ impl FloatKernel for Reduce {
             .zip(&kept_strides)
             .map(|((&d, &k), &s)| if k == d { s } else { 0 })
             .collect();
-        let init = match self.kind {
-            ReduceKind::Sum | ReduceKind::Mean => T::zero(),
-            ReduceKind::Max => T::neg_infinity(),
-        };
-        let mut acc = vec![init; out_len];
         let xs = T::read(x);
-        let rank = shape.len();
-        let mut idx = vec![0usize; rank];
-        let mut pos = 0usize;
-        for &v in xs.iter() {
-            let slot = acc.get_mut(pos).ok_or("reduction index out of range")?;
-            *slot = match self.kind {
-                ReduceKind::Sum | ReduceKind::Mean => *slot + v,
-                ReduceKind::Max => {
-                    if v.is_nan() || slot.is_nan() {
+        // The output slot of each input element, in order.
+        let slots = {
+            let rank = shape.len();
+            let mut idx = vec![0usize; rank];
+            let mut pos = 0usize;
+            (0..xs.len()).map(move |_| {
+                let here = pos;
+                for ax in (0..rank).rev() {
+                    idx[ax] += 1;
+                    pos += stride[ax];
+                    if idx[ax] < shape[ax] {
+                        break;
+                    }
+                    pos -= stride[ax] * idx[ax];
+                    idx[ax] = 0;
+                }
+                here
+            })
+        };
+        let acc = match self.kind {
+            // Sums in f64, rounded once: an f32 running sum stalls once it is 2^24
+            // times its terms (the mean of 2^28 values near 5 came out 1.0).
+            ReduceKind::Sum | ReduceKind::Mean => {
+                let mut sums = vec![0f64; out_len];
+                for (&v, j) in xs.iter().zip(slots) {
+                    *sums.get_mut(j).ok_or("reduction index out of range")? +=
+                        v.to_f64().unwrap_or(f64::NAN);
+                }
+                let n = if self.kind == ReduceKind::Mean {
+                    count as f64
+                } else {
+                    1.0
+                };
+                sums.into_iter().map(|s| T::lit(s / n)).collect()
+            }
+            ReduceKind::Max => {
+                let mut max = vec![T::neg_infinity(); out_len];
+                for (&v, j) in xs.iter().zip(slots) {
+                    let m = max.get_mut(j).ok_or("reduction index out of range")?;
+                    *m = if v.is_nan() || m.is_nan() {
                         T::nan()
                     } else {
-                        slot.max(v)
-                    }
+                        m.max(v)
+                    };
                 }
-            };
-            for ax in (0..rank).rev() {
-                idx[ax] += 1;
-                pos += stride[ax];
-                if idx[ax] < shape[ax] {
-                    break;
-                }
-                pos -= stride[ax] * idx[ax];
-                idx[ax] = 0;
+                max
             }
-        }
-        if self.kind == ReduceKind::Mean {
-            let n = T::lit(count as f64);
-            acc.iter_mut().for_each(|s| *s = *s / n);
-        }
+        };
         Ok(vec![(out_shape, acc)])
     }
 }
@@ -307,22 +321,23 @@ impl FloatKernel for ReduceGrad {
     fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
         let [x, dy] = fixed(inputs)?;
         let kept = self.kept_shape(x.shape(), dy.shape())?;
-        // The output element each input element is reduced into.
-        let slot = broadcast_index_map(&kept, x.shape());
+        // The output element each input element is reduced into, walked (a table
+        // would take 8 bytes an input element).
+        let slots = || broadcast_indices(&kept, x.shape());
         let gs = T::read(dy);
         let xs = T::read(x);
         let at = |j: usize| gs.get(j).copied().ok_or("reduction index out of range");
         let dx = match self.kind {
-            ReduceKind::Sum => slot.iter().map(|&j| at(j)).collect::<Result<_, _>>()?,
+            ReduceKind::Sum => slots().map(at).collect::<Result<_, _>>()?,
             ReduceKind::Mean => {
                 let count = T::lit(xs.len().checked_div(gs.len()).unwrap_or(0) as f64);
-                slot.iter()
-                    .map(|&j| Ok(at(j)? / count))
+                slots()
+                    .map(|j| Ok(at(j)? / count))
                     .collect::<Result<_, &str>>()?
             }
             ReduceKind::Max => {
                 let mut max = vec![T::neg_infinity(); gs.len()];
-                for (&v, &j) in xs.iter().zip(&slot) {
+                for (&v, j) in xs.iter().zip(slots()) {
                     let m = max.get_mut(j).ok_or("reduction index out of range")?;
                     *m = if v.is_nan() || m.is_nan() {
                         T::nan()
@@ -331,14 +346,14 @@ impl FloatKernel for ReduceGrad {
                     };
                 }
                 let mut ties = vec![T::zero(); gs.len()];
-                for (&v, &j) in xs.iter().zip(&slot) {
+                for (&v, j) in xs.iter().zip(slots()) {
                     if v == max[j] {
                         ties[j] = ties[j] + T::one();
                     }
                 }
                 xs.iter()
-                    .zip(&slot)
-                    .map(|(&v, &j)| {
+                    .zip(slots())
+                    .map(|(&v, j)| {
                         Ok(if v == max[j] {
                             at(j)? / ties[j]
                         } else {
@@ -398,11 +413,13 @@ impl FloatKernel for SumTo {
     fn compute<T: Real>(&self, inputs: &[&Tensor]) -> OpResult<Vec<(Vec<usize>, Vec<T>)>> {
         let [x] = fixed(inputs)?;
         check_sum_to(&self.shape, x.shape())?;
-        let map = crate::shape::broadcast_index_map(&self.shape, x.shape());
-        let mut out = vec![T::zero(); self.shape.iter().product()];
-        for (&v, &j) in T::read(x).iter().zip(&map) {
-            out[j] = out[j] + v;
+        // Sums in f64, rounded once (as Reduce's).
+        let mut sums = vec![0f64; self.shape.iter().product()];
+        let slots = broadcast_indices(&self.shape, x.shape());
+        for (&v, j) in T::read(x).iter().zip(slots) {
+            sums[j] += v.to_f64().unwrap_or(f64::NAN);
         }
+        let out = sums.into_iter().map(T::lit).collect();
         Ok(vec![(self.shape.clone(), out)])
     }
 }
