@@ -233,6 +233,37 @@ fn batch_norm_training_accepts_empty_statistics() {
     assert!(e.contains("mean") && e.contains("[0]"), "{e}");
 }
 
+/// A channel of 2^25 elements (a large batch's): its mean and variance add in f64, so
+/// they hold where an f32 running sum stalls (at 2^21 for terms near 0.1: the mean came
+/// out 0.0625).
+#[test]
+fn batch_norm_statistics_of_a_long_channel() {
+    let n = 1usize << 25;
+    let values: Vec<f32> = (0..n)
+        .map(|i| if i % 2 == 0 { 0.05 } else { 0.15 })
+        .collect();
+    let want_mean = (f64::from(0.05f32) + f64::from(0.15f32)) / 2.0;
+    let half_gap = (f64::from(0.15f32) - f64::from(0.05f32)) / 2.0;
+    let want_var = half_gap * half_gap * n as f64 / (n - 1) as f64;
+    let x = Tensor::new(vec![n, 1], ampgraph_graph::Data::F32(values)).unwrap();
+    let one = Tensor::from_f64(DType::F32, vec![1], &[1.0]).unwrap();
+    let empty = Tensor::from_f64(DType::F32, vec![0], &[]).unwrap();
+    let op = BatchNorm {
+        training: true,
+        ..BatchNorm::default()
+    };
+    let out = op.eval(&[&x, &one, &one, &empty, &empty]).unwrap();
+    let (mean, var) = (out[1].to_f64_vec()[0], out[2].to_f64_vec()[0]);
+    assert!(
+        (mean - want_mean).abs() <= 1e-7 * want_mean,
+        "mean {mean}, want {want_mean}"
+    );
+    assert!(
+        (var - want_var).abs() <= 1e-6 * want_var,
+        "variance {var}, want {want_var}"
+    );
+}
+
 #[test]
 fn batch_norm_errors() {
     let op = BatchNorm::default();

@@ -179,28 +179,24 @@ impl BatchNorm {
         let offset = T::read(offset);
         let (m, v, out_m, out_v) = if self.training {
             let count = outer * inner;
-            let n = T::lit(count as f64);
-            let mut m = vec![T::zero(); c];
-            for o in 0..outer {
-                for (ch, acc) in m.iter_mut().enumerate() {
-                    let base = (o * c + ch) * inner;
-                    for &val in &xs[base..base + inner] {
-                        *acc = *acc + val;
+            let n = count as f64;
+            // The statistics add in f64 and round once: a channel of a large batch has
+            // millions of elements, past where an f32 running sum keeps its terms.
+            let per_channel = |f: &dyn Fn(usize, T) -> f64| -> Vec<T> {
+                let mut sums = vec![0f64; c];
+                for o in 0..outer {
+                    for (ch, acc) in sums.iter_mut().enumerate() {
+                        let base = (o * c + ch) * inner;
+                        for &val in &xs[base..base + inner] {
+                            *acc += f(ch, val);
+                        }
                     }
                 }
-            }
-            m.iter_mut().for_each(|s| *s = *s / n);
-            let mut v = vec![T::zero(); c];
-            for o in 0..outer {
-                for ch in 0..c {
-                    let base = (o * c + ch) * inner;
-                    for &val in &xs[base..base + inner] {
-                        let d = val - m[ch];
-                        v[ch] = v[ch] + d * d;
-                    }
-                }
-            }
-            v.iter_mut().for_each(|s| *s = *s / n);
+                sums.into_iter().map(|s| T::lit(s / n)).collect()
+            };
+            let wide = |t: T| t.to_f64().unwrap_or(f64::NAN);
+            let m = per_channel(&|_, val| wide(val));
+            let v = per_channel(&|ch, val| wide(val - m[ch]).powi(2));
             let adjust = if count > 1 {
                 T::lit(count as f64 / (count - 1) as f64)
             } else {
@@ -576,13 +572,15 @@ impl FloatKernel for BatchNormGrad {
             }
             None => dys.to_vec(),
         };
-        let mut sum_dy = vec![T::zero(); c];
-        let mut sum_dy_xc = vec![T::zero(); c];
+        // Sums in f64, rounded once (as the statistics).
+        let (mut sum_dy, mut sum_dy_xc) = (vec![0f64; c], vec![0f64; c]);
         for (i, (&xv, &g)) in xs.iter().zip(dys.iter()).enumerate() {
             let ch = channel(i);
-            sum_dy[ch] = sum_dy[ch] + g;
-            sum_dy_xc[ch] = sum_dy_xc[ch] + g * (xv - mean[ch]);
+            sum_dy[ch] += g.to_f64().unwrap_or(f64::NAN);
+            sum_dy_xc[ch] += (g * (xv - mean[ch])).to_f64().unwrap_or(f64::NAN);
         }
+        let sum_dy: Vec<T> = sum_dy.into_iter().map(T::lit).collect();
+        let sum_dy_xc: Vec<T> = sum_dy_xc.into_iter().map(T::lit).collect();
         let dscale: Vec<T> = (0..c).map(|ch| sum_dy_xc[ch] * inv[ch]).collect();
         let dx = xs
             .iter()
