@@ -169,6 +169,48 @@ struct Algo {
     workspace: usize,
 }
 
+/// The algorithms of a disk file's text (each line: key, algo, math, workspace bytes,
+/// cuDNN version) chosen under cuDNN `version`; other lines are ignored.
+fn parse_stored(text: &str, version: &str) -> HashMap<String, Algo> {
+    let mut stored = HashMap::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split('\t').collect();
+        let [key, id, math, workspace, v] = f[..] else {
+            continue;
+        };
+        let (Ok(id), Ok(math), Ok(workspace)) = (id.parse(), math.parse(), workspace.parse())
+        else {
+            continue;
+        };
+        if v == version {
+            let algo = Algo {
+                id,
+                math,
+                workspace,
+            };
+            stored.insert(key.to_string(), algo);
+        }
+    }
+    stored
+}
+
+/// Adds to `stored` the algorithms of a disk file's `text` for keys it has none of (what
+/// other executors chose and wrote since `stored` was read).
+fn merge_stored(stored: &mut HashMap<String, Algo>, text: &str, version: &str) {
+    for (k, a) in parse_stored(text, version) {
+        stored.entry(k).or_insert(a);
+    }
+}
+
+/// The disk file's text of `stored` under cuDNN `version`, one line a key, sorted.
+fn render_stored(stored: &HashMap<String, Algo>, version: &str) -> String {
+    let mut lines: Vec<String> = (stored.iter())
+        .map(|(k, a)| format!("{k}\t{}\t{}\t{}\t{version}\n", a.id, a.math, a.workspace))
+        .collect();
+    lines.sort();
+    lines.concat()
+}
+
 /// The descriptors of one convolution and its chosen algorithm.
 struct ConvPlan {
     x: TensorDesc,
@@ -674,64 +716,40 @@ impl Dnn {
         self.choices.lock().map(|c| c.clone()).unwrap_or_default()
     }
 
-    /// Reads the disk file of chosen algorithms (each line: key, algo, math,
-    /// workspace bytes, cuDNN version); lines of another cuDNN version are ignored.
+    /// Reads the disk file of chosen algorithms ([`parse_stored`]).
     fn load_stored(&self) {
-        let Some(text) = self
-            .file
-            .as_ref()
-            .and_then(|f| std::fs::read_to_string(f).ok())
-        else {
+        let Some(text) = (self.file.as_ref()).and_then(|f| std::fs::read_to_string(f).ok()) else {
             return;
         };
         // SAFETY: cuDNN is loaded (called from `handle`).
         let version = unsafe { sys::cudnnGetVersion() }.to_string();
-        let mut stored = HashMap::new();
-        for line in text.lines() {
-            let f: Vec<&str> = line.split('\t').collect();
-            let [key, id, math, workspace, v] = f[..] else {
-                continue;
-            };
-            let (Ok(id), Ok(math), Ok(workspace)) = (id.parse(), math.parse(), workspace.parse())
-            else {
-                continue;
-            };
-            if v == version {
-                stored.insert(
-                    key.to_string(),
-                    Algo {
-                        id,
-                        math,
-                        workspace,
-                    },
-                );
-            }
-        }
         if let Ok(mut s) = self.stored.lock() {
-            *s = stored;
+            *s = parse_stored(&text, &version);
         }
     }
 
-    /// Adds a chosen algorithm to the disk file (rewritten whole, atomically).
+    /// Adds a chosen algorithm to the disk file, rewritten whole and atomically with
+    /// what other executors (other processes) added to it since it was read: each
+    /// rewrote it from its own entries before, and the last writer's were all a
+    /// shared cache kept.
     fn store(&self, key: &PlanKey, algo: Algo) {
         let Some(file) = &self.file else { return };
         let Ok(mut stored) = self.stored.lock() else {
             return;
         };
-        stored.insert(key.text(), algo);
         // SAFETY: cuDNN is loaded (an algorithm was just chosen).
-        let version = unsafe { sys::cudnnGetVersion() };
-        let mut lines: Vec<String> = stored
-            .iter()
-            .map(|(k, a)| format!("{k}\t{}\t{}\t{}\t{version}\n", a.id, a.math, a.workspace))
-            .collect();
-        lines.sort();
+        let version = unsafe { sys::cudnnGetVersion() }.to_string();
+        if let Ok(text) = std::fs::read_to_string(file) {
+            merge_stored(&mut stored, &text, &version);
+        }
+        stored.insert(key.text(), algo);
         let written = file
             .parent()
             .map_or(Ok(()), std::fs::create_dir_all)
             .map_err(|e| e.to_string())
             .and_then(|()| {
-                ampgraph_graph::format::write_atomic(file, lines.concat().as_bytes())
+                let text = render_stored(&stored, &version);
+                ampgraph_graph::format::write_atomic(file, text.as_bytes())
                     .map_err(|e| e.to_string())
             });
         if let Err(e) = written {
@@ -1449,5 +1467,47 @@ mod tests {
             Some(3)
         );
         assert!(least_workspace_of_the_fastest([].iter()).is_none());
+    }
+
+    /// The disk file's lines round-trip; another cuDNN version's lines and damaged ones
+    /// are left out; a store keeps what another process wrote since (merged as
+    /// `store` merges: entries of the file it lacks join its own).
+    #[test]
+    fn stored_algorithms_round_trip_and_merge() {
+        let algo = |id, workspace| Algo {
+            id,
+            math: 1,
+            workspace,
+        };
+        let ours = HashMap::from([
+            ("a".to_string(), algo(1, 0)),
+            ("b".to_string(), algo(2, 64)),
+        ]);
+        let text = render_stored(&ours, "91400");
+        assert_eq!(text, "a\t1\t1\t0\t91400\nb\t2\t1\t64\t91400\n");
+        assert_eq!(parse_stored(&text, "91400"), ours);
+        assert!(parse_stored(&text, "90100").is_empty(), "another version");
+        let damaged = "a\t1\t1\t0\nb\tx\t1\t64\t91400\nc\t3\t0\t8\t91400\n";
+        assert_eq!(
+            parse_stored(damaged, "91400"),
+            HashMap::from([(
+                "c".to_string(),
+                Algo {
+                    id: 3,
+                    math: 0,
+                    workspace: 8
+                }
+            )])
+        );
+        // Another process's file holds c and its own b: ours keep b, c joins.
+        let theirs = render_stored(
+            &HashMap::from([("b".to_string(), algo(9, 0)), ("c".to_string(), algo(3, 8))]),
+            "91400",
+        );
+        let mut merged = ours.clone();
+        merge_stored(&mut merged, &theirs, "91400");
+        assert_eq!(merged["b"], algo(2, 64));
+        assert_eq!(merged["c"], algo(3, 8));
+        assert_eq!(merged.len(), 3);
     }
 }
