@@ -115,6 +115,27 @@ pub struct BatchNorm {
     pub activation: NormActivation,
 }
 
+/// Per channel, the mean of `f(channel, x)` over `xs` laid out `[outer, c, inner]`,
+/// added in f64 and rounded once.
+fn channel_means<T: Real>(
+    xs: &[T],
+    (outer, c, inner): (usize, usize, usize),
+    f: impl Fn(usize, T) -> f64,
+) -> Vec<T> {
+    let mut sums = vec![0f64; c];
+    for o in 0..outer {
+        for (ch, acc) in sums.iter_mut().enumerate() {
+            let base = (o * c + ch) * inner;
+            *acc += xs[base..base + inner]
+                .iter()
+                .map(|&v| f(ch, v))
+                .sum::<f64>();
+        }
+    }
+    let n = (outer * inner) as f64;
+    sums.into_iter().map(|s| T::lit(s / n)).collect()
+}
+
 impl Default for BatchNorm {
     fn default() -> Self {
         BatchNorm {
@@ -179,24 +200,12 @@ impl BatchNorm {
         let offset = T::read(offset);
         let (m, v, out_m, out_v) = if self.training {
             let count = outer * inner;
-            let n = count as f64;
             // The statistics add in f64 and round once: a channel of a large batch has
             // millions of elements, past where an f32 running sum keeps its terms.
-            let per_channel = |f: &dyn Fn(usize, T) -> f64| -> Vec<T> {
-                let mut sums = vec![0f64; c];
-                for o in 0..outer {
-                    for (ch, acc) in sums.iter_mut().enumerate() {
-                        let base = (o * c + ch) * inner;
-                        for &val in &xs[base..base + inner] {
-                            *acc += f(ch, val);
-                        }
-                    }
-                }
-                sums.into_iter().map(|s| T::lit(s / n)).collect()
-            };
+            let dims = (outer, c, inner);
             let wide = |t: T| t.to_f64().unwrap_or(f64::NAN);
-            let m = per_channel(&|_, val| wide(val));
-            let v = per_channel(&|ch, val| wide(val - m[ch]).powi(2));
+            let m = channel_means(&xs, dims, |_, val| wide(val));
+            let v = channel_means(&xs, dims, |ch, val| wide(val - m[ch]).powi(2));
             let adjust = if count > 1 {
                 T::lit(count as f64 / (count - 1) as f64)
             } else {
