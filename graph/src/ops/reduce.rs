@@ -13,7 +13,7 @@ use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
 use crate::ops::grad0;
 use crate::ops::{BroadcastTo, Cast};
 use crate::shape::{broadcast_indices, normalize_axes};
-use crate::tensor::{strides, ShapeDisplay, Tensor, TensorType};
+use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 use crate::DType;
 
 macro_rules! entries {
@@ -143,34 +143,9 @@ impl FloatKernel for Reduce {
         let out_len: usize = kept.iter().product();
         let in_len = x.len();
         let count = in_len.checked_div(out_len).unwrap_or(0);
-        // Stride of each input axis in the output; 0 on reduced axes.
-        let kept_strides = strides(&kept);
-        let stride: Vec<usize> = shape
-            .iter()
-            .zip(&kept)
-            .zip(&kept_strides)
-            .map(|((&d, &k), &s)| if k == d { s } else { 0 })
-            .collect();
         let xs = T::read(x);
         // The output slot of each input element, in order.
-        let slots = {
-            let rank = shape.len();
-            let mut idx = vec![0usize; rank];
-            let mut pos = 0usize;
-            (0..xs.len()).map(move |_| {
-                let here = pos;
-                for ax in (0..rank).rev() {
-                    idx[ax] += 1;
-                    pos += stride[ax];
-                    if idx[ax] < shape[ax] {
-                        break;
-                    }
-                    pos -= stride[ax] * idx[ax];
-                    idx[ax] = 0;
-                }
-                here
-            })
-        };
+        let slots = broadcast_indices(&kept, shape);
         let acc = match self.kind {
             // Sums in f64, rounded once: an f32 running sum stalls once it is 2^24
             // times its terms (the mean of 2^28 values near 5 came out 1.0).
