@@ -1,0 +1,30 @@
+#!/bin/bash
+# A device call carries at most 64 MiB with the tracked tree (about 7 MiB), and
+# bundle/ holds more: this keeps in bundle/ the binaries named (and every script and
+# small data folder) and moves the other binaries to bundle.aside/ (git-ignored, not
+# carried); `all` moves every one back. Presets: `tests` (the single-GPU test
+# binaries), `zoo` (bench, examples, CLI).
+#   bash scripts/bundle_keep.sh tests
+#   bash scripts/bundle_keep.sh tests bench image_folder
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p bundle.aside
+mv bundle.aside/* bundle/ 2>/dev/null || true
+[ "${1:-all}" = all ] && { du -sh bundle; exit 0; }
+keep=()
+for k in "$@"; do
+  case $k in
+    tests) keep+=(cuda_ops cuda_fused cuda_executor cuda_pool cuda_session cuda_numerics cuda_stress) ;;
+    zoo) keep+=(bench image_folder mnist gpt2_train ampgraph) ;;
+    *) keep+=("$k") ;;
+  esac
+done
+for f in bundle/*; do
+  name=$(basename "$f")
+  # Binaries only (ELF files); scripts and data stay. mnist_data, onnx_models' inputs
+  # and the wheels are large too: kept only when named.
+  if { [ -f "$f" ] && head -c 4 "$f" | grep -q ELF; } || [[ "$name" =~ ^(mnist_data|wheels|gpt2)$ ]]; then
+    [[ " ${keep[*]} " == *" $name "* ]] || mv "$f" bundle.aside/
+  fi
+done
+du -sh bundle
