@@ -966,10 +966,12 @@ impl NodeCx<'_> {
     /// Refuses constants of `outputs`' types where computing them would take more
     /// memory than the process can still allocate: a tiny file may ask for any size
     /// (ConstantOfShape of [65536, 65536]), and the allocation would abort the process.
-    /// Computing one counts 8 bytes an element beyond the result: the CPU kernels'
-    /// values in their compute type before they are stored (f32 for 16-bit results;
-    /// f64 for f64). Measured: folding a 1 GiB f32 broadcast Add, BroadcastTo or Where
-    /// peaks at 1.0 to 1.3 GB for the whole `dump` or `plan`.
+    /// Computing one counts 12 bytes an element beyond the result: the CPU kernels
+    /// compute 16-bit values in f32, so a binary op of two full-size 16-bit operands
+    /// reads both as f32 (8 bytes) and computes its f32 result (4) before storing it
+    /// in 16 bits; f32 and f64 operands are read in place and the result moved.
+    /// Measured: folding a 1 GiB f32 broadcast Add, BroadcastTo or Where peaks at 1.0
+    /// to 1.3 GB for the whole `dump` or `plan`.
     pub fn admit(&self, outputs: &[TensorType]) -> Result<()> {
         // The result's bytes, and with the working values.
         let bytes = |extra: usize| {
@@ -978,7 +980,7 @@ impl NodeCx<'_> {
                 sum.checked_add(one)
             })
         };
-        let (result, working) = (bytes(0), bytes(8));
+        let (result, working) = (bytes(0), bytes(12));
         let available = *(self.imp.available)
             .get_or_init(|| host_memory::available_bytes().unwrap_or(usize::MAX));
         if working.is_some_and(|b| b <= available) {
