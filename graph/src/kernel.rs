@@ -23,6 +23,10 @@ pub trait Real:
 {
     fn erf(self) -> Self;
     fn lit(x: f64) -> Self;
+    /// The value in f64, exactly (long sums add there and round once).
+    fn wide(self) -> f64 {
+        self.to_f64().unwrap_or(f64::NAN)
+    }
     /// The input tensor's values in this compute type.
     fn read(t: &Tensor) -> Cow<'_, [Self]>;
     /// Rounds the computed values into a tensor of `dtype`.

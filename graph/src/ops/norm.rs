@@ -203,9 +203,8 @@ impl BatchNorm {
             // The statistics add in f64 and round once: a channel of a large batch has
             // millions of elements, past where an f32 running sum keeps its terms.
             let dims = (outer, c, inner);
-            let wide = |t: T| t.to_f64().unwrap_or(f64::NAN);
-            let m = channel_means(&xs, dims, |_, val| wide(val));
-            let v = channel_means(&xs, dims, |ch, val| wide(val - m[ch]).powi(2));
+            let m = channel_means(&xs, dims, |_, val| val.wide());
+            let v = channel_means(&xs, dims, |ch, val| (val - m[ch]).wide().powi(2));
             let adjust = if count > 1 {
                 T::lit(count as f64 / (count - 1) as f64)
             } else {
@@ -585,8 +584,8 @@ impl FloatKernel for BatchNormGrad {
         let (mut sum_dy, mut sum_dy_xc) = (vec![0f64; c], vec![0f64; c]);
         for (i, (&xv, &g)) in xs.iter().zip(dys.iter()).enumerate() {
             let ch = channel(i);
-            sum_dy[ch] += g.to_f64().unwrap_or(f64::NAN);
-            sum_dy_xc[ch] += (g * (xv - mean[ch])).to_f64().unwrap_or(f64::NAN);
+            sum_dy[ch] += g.wide();
+            sum_dy_xc[ch] += (g * (xv - mean[ch])).wide();
         }
         let sum_dy: Vec<T> = sum_dy.into_iter().map(T::lit).collect();
         let sum_dy_xc: Vec<T> = sum_dy_xc.into_iter().map(T::lit).collect();

@@ -150,11 +150,7 @@ impl FloatKernel for Reduce {
             // Sums in f64, rounded once: an f32 running sum stalls once it is 2^24
             // times its terms (the mean of 2^28 values near 5 came out 1.0).
             ReduceKind::Sum | ReduceKind::Mean => {
-                let mut sums = vec![0f64; out_len];
-                for (&v, j) in xs.iter().zip(slots) {
-                    *sums.get_mut(j).ok_or("reduction index out of range")? +=
-                        v.to_f64().unwrap_or(f64::NAN);
-                }
+                let sums = slot_sums(&xs, slots, out_len)?;
                 let n = if self.kind == ReduceKind::Mean {
                     count as f64
                 } else {
@@ -177,6 +173,19 @@ impl FloatKernel for Reduce {
         };
         Ok(vec![(out_shape, acc)])
     }
+}
+
+/// The sums of `xs` in `len` slots (`slots` gives each element's, in order), in f64.
+fn slot_sums<T: Real>(
+    xs: &[T],
+    slots: impl Iterator<Item = usize>,
+    len: usize,
+) -> OpResult<Vec<f64>> {
+    let mut sums = vec![0f64; len];
+    for (&v, j) in xs.iter().zip(slots) {
+        *sums.get_mut(j).ok_or("reduction index out of range")? += v.wide();
+    }
+    Ok(sums)
 }
 
 impl Op for Reduce {
@@ -389,11 +398,8 @@ impl FloatKernel for SumTo {
         let [x] = fixed(inputs)?;
         check_sum_to(&self.shape, x.shape())?;
         // Sums in f64, rounded once (as Reduce's).
-        let mut sums = vec![0f64; self.shape.iter().product()];
         let slots = broadcast_indices(&self.shape, x.shape());
-        for (&v, j) in T::read(x).iter().zip(slots) {
-            sums[j] += v.to_f64().unwrap_or(f64::NAN);
-        }
+        let sums = slot_sums(&T::read(x), slots, self.shape.iter().product())?;
         let out = sums.into_iter().map(T::lit).collect();
         Ok(vec![(self.shape.clone(), out)])
     }
