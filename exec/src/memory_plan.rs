@@ -110,29 +110,8 @@ fn in_place_updates_in_order(
     order: &[NodeId],
     fetches: &[Port],
 ) -> Vec<(Port, NodeId)> {
-    let position: HashMap<NodeId, usize> =
-        order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-    // The last step that reads a node's values, through views; an assignment does
-    // not read the variable it writes.
-    let last_read = |start: NodeId| {
-        let (mut last, mut stack) = (None, vec![start]);
-        while let Some(id) = stack.pop() {
-            for (reader, slot, _) in graph.consumers(id) {
-                let Some(&at) = position.get(&reader) else {
-                    continue;
-                };
-                let op = &graph.node(reader).op;
-                if op.is::<AssignVariable>() && slot == 0 {
-                    continue;
-                }
-                last = last.max(Some(at));
-                if op.is_view() {
-                    stack.push(reader);
-                }
-            }
-        }
-        last
-    };
+    let position = positions(order);
+    let last_read = |start: NodeId| last_read(graph, &position, start);
     let mut found = Vec::new();
     for (at, &id) in order.iter().enumerate() {
         let Some((update, members)) = update_members(graph.node(id).op.as_ref()) else {
@@ -162,6 +141,95 @@ fn in_place_updates_in_order(
             {
                 found.push((port, target.node));
             }
+        }
+    }
+    found
+}
+
+/// Each node of `order` with its position.
+fn positions(order: &[NodeId]) -> HashMap<NodeId, usize> {
+    order.iter().enumerate().map(|(i, &id)| (id, i)).collect()
+}
+
+/// The last position in the step (`position`) that reads `start`'s values, through
+/// views; an assignment does not read the variable it writes.
+fn last_read(graph: &Graph, position: &HashMap<NodeId, usize>, start: NodeId) -> Option<usize> {
+    let (mut last, mut stack) = (None, vec![start]);
+    while let Some(id) = stack.pop() {
+        for (reader, slot, _) in graph.consumers(id) {
+            let Some(&at) = position.get(&reader) else {
+                continue;
+            };
+            let op = &graph.node(reader).op;
+            if op.is::<AssignVariable>() && slot == 0 {
+                continue;
+            }
+            last = last.max(Some(at));
+            if op.is_view() {
+                stack.push(reader);
+            }
+        }
+    }
+    last
+}
+
+/// The updates' cast outputs among `updates` ([`update_casts`]) that may be written
+/// over the kept cast they replace: every reader of the kept cast (through views)
+/// runs before the update, the step assigns the update's new value to the variable
+/// (so the new cast is kept when the step commits), and no fetch is the cast or a
+/// view of it. Training then holds one 16-bit copy of each weight, not two.
+fn in_place_casts_in_order(
+    graph: &Graph,
+    order: &[NodeId],
+    fetches: &[Port],
+    updates: &[(Port, String, Port)],
+) -> HashSet<Port> {
+    let position = positions(order);
+    let fetched_views: HashSet<NodeId> = fetches
+        .iter()
+        .flat_map(|f| view_sources(graph, f.node))
+        .collect();
+    let assigned_in_step = |var: NodeId, update: NodeId| {
+        graph.consumers(var).into_iter().any(|(reader, slot, _)| {
+            slot == 0
+                && position.contains_key(&reader)
+                && graph.node(reader).op.is::<AssignVariable>()
+                && graph
+                    .inputs(reader)
+                    .get(1)
+                    .is_some_and(|v| v.node == update)
+        })
+    };
+    let mut found = HashSet::new();
+    for &(cast, _, next) in updates {
+        let (Some(&update_at), Some(var)) = (
+            position.get(&next.node),
+            graph.inputs(cast.node).first().map(|x| x.node),
+        ) else {
+            continue;
+        };
+        if last_read(graph, &position, cast.node) < Some(update_at)
+            && assigned_in_step(var, next.node)
+            && !fetched_views.contains(&cast.node)
+            && !fetches.contains(&next)
+        {
+            found.insert(next);
+        }
+    }
+    found
+}
+
+/// `id` and the nodes whose buffer it shares through views.
+fn view_sources(graph: &Graph, id: NodeId) -> Vec<NodeId> {
+    let mut found = vec![id];
+    let mut at = id;
+    while graph.node(at).op.is_view() {
+        match graph.inputs(at).first() {
+            Some(input) => {
+                at = input.node;
+                found.push(at);
+            }
+            None => break,
         }
     }
     found
@@ -438,7 +506,8 @@ pub struct StepFootprint {
     pub cast_only_bytes: usize,
     /// New values made outside the arena during the step, alive beside the values
     /// they replace until it ends: variables' next values that optimizer updates do
-    /// not write in place ([`in_place_updates`]), the updates' cast outputs.
+    /// not write in place ([`in_place_updates`]), the updates' cast outputs not
+    /// written over the kept casts ([`in_place_casts_in_order`]).
     pub written_bytes: usize,
 }
 
@@ -545,6 +614,8 @@ pub(crate) struct StepLayout {
     pub update_casts: Vec<(Port, String, Port)>,
     /// Optimizer outputs written over the variable they replace ([`in_place_updates`]).
     pub in_place: Vec<(Port, NodeId)>,
+    /// Update casts written over the kept cast they replace ([`in_place_casts_in_order`]).
+    pub casts_in_place: HashSet<Port>,
     /// The arena, the kept casts outside it, each node's `scratch` in it.
     pub plan: MemoryPlan,
 }
@@ -567,6 +638,8 @@ impl StepLayout {
         // among the others.
         let plan = plan_in_order(graph, &schedule.order, fetches, &kept, scratch);
         let in_place = in_place_updates_in_order(graph, &schedule.order, fetches);
+        let casts_in_place =
+            in_place_casts_in_order(graph, &schedule.order, fetches, &update_casts);
         let reads_cast_only =
             |id: &NodeId| (graph.inputs(*id).first()).is_some_and(|x| cast_only.contains(&x.node));
         let their_casts: HashSet<NodeId> = (constant_casts.iter())
@@ -585,6 +658,7 @@ impl StepLayout {
             cast_only,
             update_casts,
             in_place,
+            casts_in_place,
             plan,
         })
     }
@@ -613,7 +687,7 @@ impl StepLayout {
                 .map(bytes)
                 .sum(),
             written_bytes: (next_values.chain(cast_outputs).collect::<HashSet<Port>>())
-                .iter()
+                .difference(&self.casts_in_place)
                 .map(bytes)
                 .sum(),
             ..StepFootprint::default()
@@ -1162,6 +1236,67 @@ mod tests {
                 (casts[1], "b".to_string(), Port::new(grouped, 3)),
             ]
         );
+    }
+
+    /// A weight `w` (1024 f32), its f16 cast read by `relu(cast)` (fetched), and an
+    /// SGD update writing `w` and its next cast; with `late_reader`, a fetched value
+    /// adds the old cast to the new one too (a read after the update).
+    fn update_with_cast(late_reader: bool) -> (Graph, Vec<Port>, Port) {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, vec![1024]);
+        let w: Port = g
+            .add_node("w", Box::new(Variable::new(ty)), &[])
+            .unwrap()
+            .into();
+        let finite = g
+            .add(
+                Const::new(ampgraph_graph::Tensor::scalar(DType::Bool, 1.0)),
+                &[],
+            )
+            .unwrap();
+        let cast = g.add(Cast { to: DType::F16 }, &[w]).unwrap();
+        let read = relu(&mut g, cast);
+        let grad = relu(&mut g, w);
+        let sgd = OptimizerUpdate {
+            cast_to: Some(DType::F16),
+            ..OptimizerUpdate::new(Rule::PLAIN_SGD, 0.1, 0.0)
+        };
+        let update = g.add(sgd, &[finite, w, grad]).unwrap();
+        let next_cast = Port::new(update.node, 1);
+        let assign = g.add(AssignVariable, &[w, update]).unwrap();
+        let mut fetches = vec![read, assign];
+        if late_reader {
+            fetches.push(g.plus(cast, next_cast).unwrap());
+        }
+        (g, fetches, next_cast)
+    }
+
+    #[test]
+    fn an_update_writes_its_cast_over_the_kept_one_when_every_reader_ran_before() {
+        let (g, fetches, next_cast) = update_with_cast(false);
+        let layout = StepLayout::new(&g, &fetches, &HashMap::new()).unwrap();
+        assert_eq!(layout.casts_in_place, HashSet::from([next_cast]));
+        // The step writes w in place and its cast over the kept one: nothing beside.
+        let footprint = step_footprint(&g, &fetches, &HashMap::new()).unwrap();
+        assert_eq!(footprint.kept_cast_bytes, 2048);
+        assert_eq!(footprint.written_bytes, 0);
+        // The old cast read after the update: the new one needs a buffer of its own.
+        let (g, fetches, next_cast) = update_with_cast(true);
+        let layout = StepLayout::new(&g, &fetches, &HashMap::new()).unwrap();
+        assert!(layout.casts_in_place.is_empty());
+        let footprint = step_footprint(&g, &fetches, &HashMap::new()).unwrap();
+        assert_eq!(footprint.written_bytes, 2048);
+        // Fetching the new cast, or not assigning the update, keeps it apart too.
+        let (g, mut fetches, _) = update_with_cast(false);
+        fetches.push(next_cast);
+        assert!((StepLayout::new(&g, &fetches, &HashMap::new()).unwrap())
+            .casts_in_place
+            .is_empty());
+        let (g, fetches, next_cast) = update_with_cast(false);
+        let unassigned = [fetches[0], next_cast.node.into()];
+        assert!((StepLayout::new(&g, &unassigned, &HashMap::new()).unwrap())
+            .casts_in_place
+            .is_empty());
     }
 
     #[test]

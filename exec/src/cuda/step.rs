@@ -101,8 +101,10 @@ pub(super) struct StepPlan {
     /// ([`memory_plan::update_casts`]), by the variable's name: served from
     /// `cast_cache`, which the update's cast output refills when the step commits.
     update_casts: HashMap<Port, String>,
-    /// Those updates' cast outputs, with the variable's name.
-    cast_outputs: HashMap<Port, String>,
+    /// Those updates' cast outputs, with the variable's name and whether the output
+    /// is written over the kept cast it replaces ([`memory_plan::StepLayout`]'s
+    /// `casts_in_place`).
+    cast_outputs: HashMap<Port, (String, bool)>,
 }
 
 impl StepPlan {
@@ -124,6 +126,7 @@ impl StepPlan {
             cast_only: cast_only_vars,
             update_casts: updates,
             in_place,
+            casts_in_place,
             plan,
         } = memory_plan::StepLayout::new(graph, fetches, &scratch_bytes)?;
         let lowered = match earlier {
@@ -181,7 +184,7 @@ impl StepPlan {
         let mut cast_outputs = HashMap::new();
         for (cast, var, out) in updates {
             update_casts.insert(cast, var.clone());
-            cast_outputs.insert(out, var);
+            cast_outputs.insert(out, (var, casts_in_place.contains(&out)));
         }
         // The room is the first plan's (without scratch), the same from step to step:
         // it keys the algorithms chosen.
@@ -525,6 +528,9 @@ impl CudaExecutor {
                             if let Some(var) = plan.in_place.get(&port) {
                                 return Ok(self.variables.get(var).and_then(|v| v.device.clone()));
                             }
+                            if let Some((var, true)) = plan.cast_outputs.get(&port) {
+                                return Ok(self.cast_cache.get(&(var.clone(), ty.dtype)).cloned());
+                            }
                             match (&arena, plan.offsets.get(&port)) {
                                 (Some(a), Some(&at)) => a.slot(at, ty).map(Some),
                                 _ => Ok(None),
@@ -626,7 +632,7 @@ impl CudaExecutor {
                 writes.push((variable.clone(), outputs[0].clone()));
             }
             for (k, out) in outputs.iter().enumerate() {
-                if let Some(var) = plan.cast_outputs.get(&Port::new(id, k)) {
+                if let Some((var, _)) = plan.cast_outputs.get(&Port::new(id, k)) {
                     written_casts.push((var.clone(), out.clone()));
                 }
             }
