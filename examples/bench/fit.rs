@@ -125,8 +125,9 @@ pub fn probed_step(
 }
 
 /// The largest batch for which `fits` holds, searched from `start`: doubling while it
-/// fits, else halving until it does, then bisecting between the last batch that fit
-/// and the first that did not. `fits` must hold up to some batch and not beyond (a
+/// fits, else stepping down 1, 2, 4, ... below `start` until one does (the device's
+/// answer lies a few batches below the host's: each probe there runs steps), then
+/// bisecting between the last batch that fit and the first that did not. `fits` must hold up to some batch and not beyond (a
 /// planned peak grows with the batch). None where batch 1 does not fit.
 pub fn largest_batch(start: usize, mut fits: impl FnMut(usize) -> Res<bool>) -> Res<Option<usize>> {
     let (mut lo, mut hi);
@@ -139,12 +140,17 @@ pub fn largest_batch(start: usize, mut fits: impl FnMut(usize) -> Res<bool>) -> 
             (lo, hi) = (hi, hi * 2);
         }
     } else {
-        (lo, hi) = (start / 2, start);
-        while lo >= 1 && !fits(lo)? {
-            (lo, hi) = (lo / 2, lo);
-        }
-        if lo == 0 {
-            return Ok(None);
+        let mut step = 1;
+        hi = start.max(1);
+        loop {
+            lo = start.saturating_sub(step).max(1);
+            if lo < hi && fits(lo)? {
+                break;
+            }
+            if lo == 1 {
+                return Ok(None);
+            }
+            (hi, step) = (lo, step * 2);
         }
     }
     while hi - lo > 1 {
@@ -226,7 +232,7 @@ fn search(
 fn probe_line(mode: Mode, infer: bool, batch: usize, probe: Option<&Planned>) -> String {
     let what = match probe {
         Some(p) => format!(
-            "planned {} MiB ({} MiB of it scratch), measured {} MiB ({} MiB in the first step)",
+            "planned {} MiB (its nodes' scratch adds up to {} MiB), measured {} MiB ({} MiB in the first step)",
             py(mib(p.peak_bytes()), 1),
             py(mib(p.scratch_bytes()), 1),
             py_opt(p.measured_bytes.map(mib), 1),

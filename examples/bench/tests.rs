@@ -372,14 +372,33 @@ fn the_search_doubles_then_bisects() {
     assert_eq!(found.unwrap(), Some(31));
     // 1 to 16 fit, 32 does not (1024 > 1000); bisecting 16..32 asks 24, 28, 30, 31.
     assert_eq!(asked, [1, 2, 4, 8, 16, 32, 24, 28, 30, 31]);
-    // From above (the device's search, from the host's answer): halving, then bisecting.
+    // From above (the device's search, from the host's answer): stepping down 1, 2,
+    // 4, ... to batch 1 at most (99, 98, 96, 92, 84, 68, 36, 1), then bisecting 1..36;
+    // an answer a few below the start takes few probes.
     asked.clear();
     let found = fit::largest_batch(100, |b| {
         asked.push(b);
         Ok(b * b <= 1000)
     });
     assert_eq!(found.unwrap(), Some(31));
-    assert_eq!(asked, [100, 50, 25, 37, 31, 34, 32]);
+    assert_eq!(
+        asked,
+        [100, 99, 98, 96, 92, 84, 68, 36, 1, 18, 27, 31, 33, 32]
+    );
+    asked.clear();
+    let found = fit::largest_batch(498, |b| {
+        asked.push(b);
+        Ok(b <= 497)
+    });
+    assert_eq!(found.unwrap(), Some(497));
+    assert_eq!(asked, [498, 497]);
+    asked.clear();
+    let found = fit::largest_batch(498, |b| {
+        asked.push(b);
+        Ok(b <= 493)
+    });
+    assert_eq!(found.unwrap(), Some(493));
+    assert_eq!(asked, [498, 497, 496, 494, 490, 492, 493]);
     for start in [1, 7] {
         assert_eq!(fit::largest_batch(start, |_| Ok(false)).unwrap(), None);
         assert_eq!(fit::largest_batch(start, |b| Ok(b == 1)).unwrap(), Some(1));
