@@ -1164,6 +1164,22 @@ fn timed_steps(
         .collect()
 }
 
+/// With `--dump DIR`: `graph` after the passes, as text, to `DIR/<workload>-<phase>-<mode>.txt`.
+fn dump(args: &Args, graph: &Graph, phase: &str, mode: Mode) -> Res<()> {
+    let Some(dir) = &args.dump else {
+        return Ok(());
+    };
+    let path = dir.join(format!(
+        "{}-{phase}-{}.txt",
+        args.workload.name(),
+        mode.name()
+    ));
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&path, ampgraph::graph::format::to_text(graph)))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(())
+}
+
 fn run_one(
     args: &Args,
     cfg: &Config,
@@ -1181,16 +1197,7 @@ fn run_one(
     let feeds = step_feeds(args, &graph, data);
     let footprint = step_footprint(&graph, &[fetch], &Default::default())?;
     let phase = phase_name(infer);
-    if let Some(dir) = &args.dump {
-        let path = dir.join(format!(
-            "{}-{phase}-{}.txt",
-            args.workload.name(),
-            mode.name()
-        ));
-        std::fs::create_dir_all(dir)
-            .and_then(|()| std::fs::write(&path, ampgraph::graph::format::to_text(&graph)))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-    }
+    dump(args, &graph, phase, mode)?;
     if args.passes_only {
         let (workload, mode) = (args.workload.name(), mode.name());
         println!(

@@ -33,6 +33,7 @@ pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()
         ..args.session_options(mode)?
     };
     let step = prepare_with(args, cfg, mode, false, &options)?;
+    super::dump(args, &step.graph, "train", mode)?;
     if args.passes_only {
         for r in &step.records {
             println!("## {}\n{}", r.pass, r.summary);

@@ -507,7 +507,7 @@ pub struct StepFootprint {
     /// New values made outside the arena during the step, alive beside the values
     /// they replace until it ends: variables' next values that optimizer updates do
     /// not write in place ([`in_place_updates`]), the updates' cast outputs not
-    /// written over the kept casts ([`in_place_casts_in_order`]).
+    /// written over the kept casts they replace.
     pub written_bytes: usize,
 }
 
