@@ -7,6 +7,7 @@
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -18,6 +19,7 @@ use crate::graph::{Graph, NodeId};
 use crate::ops::fused::MEMBERS_ANNOTATION;
 use crate::ops::parse_op;
 use crate::ops::Const;
+use crate::tensor::Data;
 
 pub const FORMAT_NAME: &str = "ampgraph.graph";
 pub const FORMAT_VERSION: u32 = 1;
@@ -25,7 +27,12 @@ pub const FORMAT_VERSION: u32 = 1;
 const MIXED_PRECISION_KEY: &str = "_mixed_precision";
 /// First bytes of a binary graph file, followed by the version as u32 little-endian.
 pub const BIN_MAGIC: &[u8; 8] = b"AMPGRAPH";
-/// Upper bound on what decoding a binary file may allocate.
+/// The binary form's version: 2 keeps constants' values as their own little-endian
+/// bytes after the graph (version 1, still read, held them as f64s in the graph: twice
+/// an f32 model's size, and past its decoding bound from 128M values).
+pub const BIN_VERSION: u32 = 2;
+/// Upper bound on what decoding a binary file's graph (not its constants' bytes, which
+/// are read in place) may allocate.
 const BIN_LIMIT: usize = 1 << 30;
 
 /// A graph as a file holds it: names, op names, untyped attributes.
@@ -45,6 +52,11 @@ pub struct NodeDef {
     pub attrs: AttrMap,
     /// The dtype of output 0; written by ampgraph, checked when read.
     pub dtype: Option<DType>,
+    /// A Const's values in their own type, shared with the graph it came from
+    /// ([`GraphDef::from_graph`]; the binary form stores their bytes). JSON writes
+    /// them as the attr `value`, and a Const read from JSON has them there instead.
+    #[serde(skip)]
+    pub values: Option<Arc<Data>>,
 }
 
 impl GraphDef {
@@ -53,11 +65,12 @@ impl GraphDef {
             .node_ids()
             .map(|id| {
                 let n = g.node(id);
-                let mut attrs: AttrMap =
-                    n.op.attrs()
-                        .into_iter()
-                        .map(|(k, v)| (k.to_string(), v))
-                        .collect();
+                let constant = n.op.downcast_ref::<Const>();
+                let own = match constant {
+                    Some(c) => c.type_attrs(),
+                    None => n.op.attrs(),
+                };
+                let mut attrs: AttrMap = own.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
                 attrs.extend(n.annotations.iter().map(|(k, v)| (k.clone(), v.clone())));
                 NodeDef {
                     name: n.name.clone(),
@@ -65,6 +78,7 @@ impl GraphDef {
                     inputs: g.inputs(id).into_iter().map(|p| g.port_name(p)).collect(),
                     attrs,
                     dtype: n.outputs().first().map(|t| t.dtype),
+                    values: constant.and_then(|c| c.values.clone()),
                 }
             })
             .collect();
@@ -86,8 +100,12 @@ impl GraphDef {
                 .clone()
                 .into_iter()
                 .partition(|(k, _)| k.starts_with('_'));
-            let op = parse_op(&n.op, AttrReader::new(own))
+            let mut op = parse_op(&n.op, AttrReader::new(own))
                 .map_err(|m| GraphError::node(&n.name, &n.op, m))?;
+            if let Some(values) = &n.values {
+                op = with_values(op.as_ref(), values)
+                    .map_err(|m| GraphError::node(&n.name, &n.op, m))?;
+            }
             parts.push((n.name.clone(), op, n.inputs.clone()));
             annotations.push(tool);
         }
@@ -112,6 +130,32 @@ impl GraphDef {
         }
         Ok(g)
     }
+}
+
+/// The Const `op` holding `values`, or why they cannot be its values.
+fn with_values(
+    op: &dyn crate::op::Op,
+    values: &Arc<Data>,
+) -> std::result::Result<Box<dyn crate::op::Op>, String> {
+    let Some(c) = op.downcast_ref::<Const>() else {
+        return Err("values stored for a node that is not a Const".into());
+    };
+    if c.values.is_some() {
+        return Err("values stored twice: in attr 'value' and as bytes".into());
+    }
+    let n = c.ty.checked_len().unwrap_or(usize::MAX);
+    if values.dtype() != c.ty.dtype || values.len() != n {
+        return Err(format!(
+            "{} stored values of {} but the Const is {}",
+            values.len(),
+            values.dtype(),
+            c.ty
+        ));
+    }
+    Ok(Box::new(Const {
+        ty: c.ty.clone(),
+        values: Some(values.clone()),
+    }))
 }
 
 // ---------------------------------------------------------------- JSON reading
@@ -319,6 +363,7 @@ fn parse_node(index: usize, v: &Value) -> Result<NodeDef> {
         inputs,
         attrs,
         dtype,
+        values: None,
     })
 }
 
@@ -404,11 +449,12 @@ pub fn to_json(def: &GraphDef) -> String {
         if !n.inputs.is_empty() {
             let _ = write!(out, ", \"inputs\": {}", Value::from(n.inputs.clone()));
         }
-        if !n.attrs.is_empty() {
-            let attrs: serde_json::Map<String, Value> = n
-                .attrs
-                .iter()
+        if !n.attrs.is_empty() || n.values.is_some() {
+            let value =
+                (n.values.as_ref()).map(|v| ("value".to_string(), AttrValue::Floats(v.to_f64())));
+            let attrs: serde_json::Map<String, Value> = (n.attrs.iter())
                 .map(|(k, v)| (k.clone(), attr_to_json(v)))
+                .chain(value.iter().map(|(k, v)| (k.clone(), attr_to_json(v))))
                 .collect();
             let _ = write!(out, ", \"attrs\": {}", Value::Object(attrs));
         }
@@ -436,12 +482,41 @@ fn bin_config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<BIN_LIMIT>()
 }
 
+/// The part of a binary file before the constants' bytes: the graph, and for each
+/// node whose values follow (in this order, back to back) its index and byte count.
+#[derive(Serialize, Deserialize)]
+struct BinHeader {
+    def: GraphDef,
+    values: Vec<(u64, u64)>,
+}
+
+/// The binary form (version [`BIN_VERSION`]): the magic, the version, the header's
+/// length (u64 little-endian), the header (bincode), then the constants' values as
+/// their little-endian bytes.
 pub fn to_bin(def: &GraphDef) -> Result<Vec<u8>> {
-    let mut out = BIN_MAGIC.to_vec();
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    let body = bincode::serde::encode_to_vec(def, bin_config())
+    let stored: Vec<(usize, &Data)> = (def.nodes.iter().enumerate())
+        .filter_map(|(i, n)| n.values.as_deref().map(|v| (i, v)))
+        .collect();
+    let header = BinHeader {
+        def: def.clone(),
+        values: (stored.iter())
+            .map(|&(i, v)| (i as u64, (v.len() * v.dtype().size_bytes()) as u64))
+            .collect(),
+    };
+    let header = bincode::serde::encode_to_vec(&header, bin_config())
         .map_err(|e| format_err(format!("cannot encode the graph: {e}")))?;
-    out.extend_from_slice(&body);
+    let value_bytes: u64 = stored
+        .iter()
+        .map(|&(_, v)| (v.len() * v.dtype().size_bytes()) as u64)
+        .sum();
+    let mut out = Vec::with_capacity(BIN_MAGIC.len() + 12 + header.len() + value_bytes as usize);
+    out.extend_from_slice(BIN_MAGIC);
+    out.extend_from_slice(&BIN_VERSION.to_le_bytes());
+    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    out.extend_from_slice(&header);
+    for (_, v) in stored {
+        out.extend_from_slice(&v.le_bytes());
+    }
     Ok(out)
 }
 
@@ -466,36 +541,96 @@ pub fn is_bin(bytes: &[u8]) -> bool {
     bytes.starts_with(BIN_MAGIC)
 }
 
-/// Decodes a binary graph; hostile bytes give an error, never a panic or an
-/// unbounded allocation.
+/// Decodes a binary graph (version 1 or [`BIN_VERSION`]); hostile bytes give an
+/// error, never a panic or an allocation beyond the graph's bound and the file's
+/// size.
 pub fn from_bin(bytes: &[u8]) -> Result<GraphDef> {
     let rest = bytes
         .strip_prefix(BIN_MAGIC.as_slice())
         .ok_or_else(|| format_err("not an ampgraph binary graph (bad magic)"))?;
-    let (version, body) = rest
-        .split_at_checked(4)
-        .ok_or_else(|| format_err("truncated binary graph header"))?;
-    let version = u32::from_le_bytes(
-        version
-            .try_into()
-            .map_err(|_| format_err("truncated header"))?,
-    );
-    if version != FORMAT_VERSION {
-        return Err(format_err(format!(
-            "unsupported binary version {version} (this ampgraph reads version {FORMAT_VERSION})"
-        )));
+    let (version, body) = split_le::<4>(rest, "truncated binary graph header")?;
+    match u32::from_le_bytes(version) {
+        1 => decode_all::<GraphDef>(body),
+        BIN_VERSION => {
+            let (length, rest) = split_le::<8>(body, "truncated binary graph header")?;
+            let (header, mut values) = usize::try_from(u64::from_le_bytes(length))
+                .ok()
+                .and_then(|n| rest.split_at_checked(n))
+                .ok_or_else(|| {
+                    format_err("corrupt binary graph: its header runs past the file's end")
+                })?;
+            let BinHeader {
+                mut def,
+                values: stored,
+            } = decode_all(header)?;
+            for (node, length) in stored {
+                let corrupt = |why: String| format_err(format!("corrupt binary graph: {why}"));
+                let n = (usize::try_from(node).ok())
+                    .and_then(|i| def.nodes.get_mut(i))
+                    .ok_or_else(|| {
+                        corrupt(format!("values stored for node {node}, which it has not"))
+                    })?;
+                let dtype = (n.attrs.get("dtype"))
+                    .and_then(|d| match d {
+                        AttrValue::Str(s) => s.parse::<DType>().ok(),
+                        _ => None,
+                    })
+                    .ok_or_else(|| {
+                        corrupt(format!(
+                            "values stored for node '{}', which has no dtype",
+                            n.name
+                        ))
+                    })?;
+                let (these, rest) = (usize::try_from(length).ok())
+                    .and_then(|k| values.split_at_checked(k))
+                    .ok_or_else(|| {
+                        corrupt(format!(
+                            "node '{}''s values run past the file's end",
+                            n.name
+                        ))
+                    })?;
+                if n.values.is_some() {
+                    return Err(corrupt(format!(
+                        "node '{}''s values are stored twice",
+                        n.name
+                    )));
+                }
+                let data = Data::from_le_bytes(dtype, these)
+                    .map_err(|e| corrupt(format!("node '{}': {e}", n.name)))?;
+                n.values = Some(Arc::new(data));
+                values = rest;
+            }
+            if !values.is_empty() {
+                return Err(format_err("corrupt binary graph: trailing bytes"));
+            }
+            Ok(def)
+        }
+        v => Err(format_err(format!(
+            "unsupported binary version {v} (this ampgraph reads versions 1 and {BIN_VERSION})"
+        ))),
     }
-    let (def, used): (GraphDef, usize) = bincode::serde::decode_from_slice(body, bin_config())
+}
+
+/// The first `N` bytes of `bytes` and the rest, or `why`.
+fn split_le<'a, const N: usize>(bytes: &'a [u8], why: &str) -> Result<([u8; N], &'a [u8])> {
+    let (head, rest) = bytes.split_at_checked(N).ok_or_else(|| format_err(why))?;
+    let head = head.try_into().map_err(|_| format_err(why))?;
+    Ok((head, rest))
+}
+
+/// `bytes` decoded as one `T` (bincode, within [`BIN_LIMIT`]), nothing left over.
+fn decode_all<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    let (value, used): (T, usize) = bincode::serde::decode_from_slice(bytes, bin_config())
         .map_err(|e| {
             format_err(format!(
                 "corrupt binary graph: {}",
                 describe_decode_error(&e)
             ))
         })?;
-    if used != body.len() {
+    if used != bytes.len() {
         return Err(format_err("corrupt binary graph: trailing bytes"));
     }
-    Ok(def)
+    Ok(value)
 }
 
 // ---------------------------------------------------------------- files
