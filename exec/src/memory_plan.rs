@@ -77,7 +77,16 @@ pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
     for id in graph.node_ids() {
         let node = graph.node(id);
         (id.index(), node.op.name(), node.outputs(), graph.inputs(id)).hash(&mut h);
-        for (name, value) in node.op.attrs() {
+        // A Const's values as their bytes (its `attrs` would copy them into f64s).
+        let constant = node.op.downcast_ref::<Const>();
+        if let Some(values) = constant.and_then(|c| c.values.as_ref()) {
+            values.le_bytes().hash(&mut h);
+        }
+        let attrs = match constant {
+            Some(c) => c.type_attrs(),
+            None => node.op.attrs(),
+        };
+        for (name, value) in attrs {
             name.hash(&mut h);
             match value {
                 AttrValue::Bool(b) => b.hash(&mut h),
@@ -958,6 +967,25 @@ mod tests {
         let (c, yc) = graph(UnaryKind::LeakyRelu { alpha: 0.2 });
         assert_ne!(fingerprint(&a, &[ya]), fingerprint(&b, &[yb]));
         assert_eq!(fingerprint(&a, &[ya]), fingerprint(&c, &[yc]));
+        // A Const's values count, zeros apart from absent values (lazy zeros) too.
+        let constant = |values: Option<Vec<f32>>| {
+            let mut g = Graph::new();
+            let op = match values {
+                Some(v) => Const::new(
+                    ampgraph_graph::Tensor::new([2], ampgraph_graph::Data::F32(v)).unwrap(),
+                ),
+                None => Const {
+                    ty: TensorType::new(DType::F32, vec![2]),
+                    values: None,
+                },
+            };
+            let c = Port::from(g.add_node("c", Box::new(op), &[]).unwrap());
+            fingerprint(&g, &[c])
+        };
+        let ones = constant(Some(vec![1.0, 1.0]));
+        assert_eq!(ones, constant(Some(vec![1.0, 1.0])));
+        assert_ne!(ones, constant(Some(vec![1.0, -1.0])));
+        assert_ne!(constant(Some(vec![0.0, 0.0])), constant(None));
     }
     use ampgraph_graph::ops::{
         GroupedOptimizerUpdate, OptimizerUpdate, Reduce, ReduceKind, Reshape, Rule, Unary,
