@@ -263,9 +263,23 @@ fn agnostic_form(op: &dyn Op, inputs: &[&TensorType], outputs: &[TensorType]) ->
         return Some(form(ins, vec![0], Box::new(twin)));
     }
     if let Some(s) = op.downcast_ref::<SumTo>() {
+        if !is_image(first) {
+            return None;
+        }
         // A sum to a single value reads the image in any order.
-        let total = s.shape.iter().all(|&d| d == 1) && is_image(first);
-        return total.then(|| form(vec![0], vec![], op.clone_op()));
+        if s.shape.iter().all(|&d| d == 1) {
+            return Some(form(vec![0], vec![], op.clone_op()));
+        }
+        // A sum to an image's rank (a per-channel `[1, C, 1, 1]`: the gradient of a
+        // broadcast vector) is the same sum of the NHWC image to the NHWC shape: the
+        // image is not transposed back for it, only the small result.
+        let image_rank = s.shape.len() == 4;
+        return image_rank.then(|| {
+            let twin = SumTo {
+                shape: nhwc_order(&s.shape),
+            };
+            form(vec![0], vec![0], Box::new(twin))
+        });
     }
     if let Some(s) = op.downcast_ref::<Slice>() {
         if !is_image(first) || s.begin.len() != 4 || s.size.len() != 4 {
@@ -1066,6 +1080,43 @@ mod tests {
             (&slice.begin[..], &slice.size[..]),
             (&[0, 0, 2, 1][..], &[-1, -1, 3, 3][..])
         );
+    }
+
+    #[test]
+    fn a_per_channel_sum_of_an_nhwc_image_sums_it_in_place() {
+        // The gradient of a `[1, C, 1, 1]` vector broadcast over a convolution's
+        // output (a composed batch norm's offset): a SumTo to the vector's shape.
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 3, 6, 6]).unwrap();
+        let y = conv(&mut g, x, 4, 3, 1, Padding::Same);
+        let y = g.relu(y).unwrap();
+        let per_channel = g
+            .add(
+                SumTo {
+                    shape: vec![1, 4, 1, 1],
+                },
+                &[y],
+            )
+            .unwrap();
+        let flat = g.reshape(per_channel, [4]).unwrap();
+        g.set_outputs(vec![flat]).unwrap();
+        let (after, _) = layout(&g);
+        let sums: Vec<&SumTo> = (after.node_ids())
+            .filter_map(|id| after.node(id).op.downcast_ref::<SumTo>())
+            .collect();
+        assert_eq!(
+            sums,
+            [&SumTo {
+                shape: vec![1, 1, 1, 4]
+            }]
+        );
+        // Only the small result goes back to NCHW (for the Reshape), not the image.
+        let moved: Vec<Vec<usize>> = (after.node_ids())
+            .filter(|&id| after.node(id).op.is::<Transpose>())
+            .map(|id| after.node(id).outputs()[0].shape.clone())
+            .filter(|s| s.iter().product::<usize>() > 4)
+            .collect();
+        assert_eq!(moved, [vec![2, 6, 6, 3]], "only x goes NHWC: {moved:?}");
     }
 
     #[test]
