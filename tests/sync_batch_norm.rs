@@ -23,7 +23,8 @@ use ampgraph::exec::feeds::seeded_tensor;
 use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::autodiff::gradients;
 use ampgraph::graph::ops::{
-    AllReduce, AssignVariable, BatchNorm, Cast, DataFormat, NormActivation, Padding, Reduce,
+    AllReduce, AssignVariable, BatchNorm, BatchNormGrad, Cast, DataFormat, NormActivation, Padding,
+    Reduce,
 };
 use ampgraph::graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 use ampgraph::passes::{Pass, PassError, SyncBatchNorm};
@@ -74,6 +75,7 @@ fn model(format: DataFormat, batch: usize, activation: NormActivation) -> Model 
         training: true,
         data_format: format,
         activation,
+        statistics_gradients: false,
     };
     let bn = g
         .add_node("bn", Box::new(op), &[conv, scale, offset, empty, empty])
@@ -194,6 +196,19 @@ fn assert_close(what: &str, got: &[f64], want: &[f64], tolerance: f64) {
     );
 }
 
+/// The training BatchNorms left, and the inference-form ones whose statistics get
+/// gradients (what the pass makes of a training one).
+fn synchronised(g: &Graph) -> (usize, usize) {
+    let bns: Vec<&BatchNorm> = (g.node_ids())
+        .filter_map(|id| g.node(id).op.downcast_ref::<BatchNorm>())
+        .collect();
+    let training = bns.iter().filter(|b| b.training).count();
+    let synchronised = (bns.iter())
+        .filter(|b| !b.training && b.statistics_gradients)
+        .count();
+    (training, synchronised)
+}
+
 fn count(g: &Graph, op: &str) -> usize {
     g.node_ids()
         .filter(|&id| g.node(id).op_name() == op)
@@ -216,14 +231,19 @@ fn one_replica_matches_batch_norm_forward_gradients_and_moving_averages() {
                 "{case}: {summary}"
             );
             after.g.validate().unwrap();
-            assert_eq!(count(&after.g, "BatchNorm"), 0, "{case}");
+            assert_eq!(synchronised(&after.g), (0, 1), "{case}");
             assert_eq!(count(&after.g, "AllReduce"), 1, "{case}");
             // The node computing y kept the BatchNorm's name.
             assert_eq!(after.g.find("bn"), Some(after.bn), "{case}");
             with_gradients(&mut before);
             with_gradients(&mut after);
             assert_eq!(count(&before.g, "BatchNormGrad"), 1, "{case}");
-            assert_eq!(count(&after.g, "BatchNormGrad"), 0, "{case}");
+            // Its gradient: the inference form's, with the statistics' gradients.
+            let grads: Vec<&BatchNormGrad> = (after.g.node_ids())
+                .filter_map(|id| after.g.node(id).op.downcast_ref::<BatchNormGrad>())
+                .collect();
+            assert_eq!(grads.len(), 1, "{case}");
+            assert!(!grads[0].training, "{case}");
             let vars = variables(7);
             let feeds = batch_feeds(format, 4, 7);
             let (want, want_vars) = run(&before.g, &vars, &feeds);
@@ -315,6 +335,7 @@ fn one_replica_matches_a_float64_batch_norm_by_hand() {
                 training: true,
                 data_format: format,
                 activation: NormActivation::Identity,
+                statistics_gradients: false,
             };
             let bn = g.add(bn, &[xp, sp, op, empty, empty]).unwrap();
             g.set_outputs(vec![bn, Port::new(bn.node, 1), Port::new(bn.node, 2)])
@@ -322,7 +343,7 @@ fn one_replica_matches_a_float64_batch_norm_by_hand() {
             let original = g.clone();
             SyncBatchNorm::new(1).run(&mut g).unwrap();
             g.validate().unwrap();
-            assert_eq!(count(&g, "BatchNorm"), 0, "{case}");
+            assert_eq!(synchronised(&g), (0, 1), "{case}");
             let feeds: Feeds = [
                 ("x", &x, &shape),
                 ("scale", &scale, &vec![c]),
@@ -534,6 +555,7 @@ fn converts_each_training_batch_norm_once_and_leaves_inference_ones() {
         training,
         data_format: format,
         activation: NormActivation::Identity,
+        statistics_gradients: false,
     };
     let inputs = |x| [x, scale, offset, mean, variance];
     let a = g.add(bn(true, DataFormat::Nchw), &inputs(x)).unwrap();
@@ -575,8 +597,8 @@ fn converts_each_training_batch_norm_once_and_leaves_inference_ones() {
         .node_ids()
         .filter_map(|id| g.node(id).op.downcast_ref::<BatchNorm>())
         .collect();
-    assert_eq!(bns.len(), 1);
-    assert!(!bns[0].training);
+    assert_eq!(bns.len(), 3);
+    assert_eq!(synchronised(&g), (0, 2));
     // The update reads the unbiased global variance: S - M^2 (clamped) times
     // N / (N - 1), N = 4 replicas x 2*3*3 values per channel.
     let update_value = g.inputs(update.node)[1];

@@ -1814,6 +1814,7 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
                         training,
                         data_format: format,
                         activation,
+                        statistics_gradients: false,
                     };
                     let what = format!(
                         "BatchNorm {d} {shape:?} {format:?} training {training} {activation:?}"
@@ -1834,6 +1835,7 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
                     training: true,
                     data_format: format,
                     activation,
+                    statistics_gradients: false,
                 };
                 let (_, forward) = run_both(&mut gpu, "statistics", bn, &inputs);
                 let dy = rand(&mut r, d, shape, -1.0, 1.0);
@@ -1856,6 +1858,20 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
                     grad_inputs.push(inputs[2].clone());
                 }
                 check_scaled(&mut gpu, &what, grad, &grad_inputs, count.sqrt());
+                // The inference form's gradient (the synchronised batch norm's) reads
+                // the given statistics; channels-last values only.
+                if format == DataFormat::Nhwc || shape.len() == 2 {
+                    let grad = BatchNormGrad {
+                        epsilon: 1e-3,
+                        training: false,
+                        data_format: format,
+                        activation,
+                    };
+                    grad_inputs[2] = inputs[3].clone();
+                    grad_inputs[3] = inputs[4].clone();
+                    let what = format!("{what} inference form");
+                    check_scaled(&mut gpu, &what, grad, &grad_inputs, count.sqrt());
+                }
             }
         }
     }

@@ -122,6 +122,7 @@ fn run_batch_norm_case(
         training,
         data_format: format,
         activation: NormActivation::Identity,
+        statistics_gradients: false,
     };
     let inputs = [&x, &scale, &offset, &mean, &var];
     let types = tys(&inputs);
@@ -168,6 +169,7 @@ fn batch_norm_hand_computed() {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
+            statistics_gradients: false,
         };
         let out = op.eval(&[&x, &scale, &offset, &mean, &var]).unwrap();
         assert_close("y", &out[0], dtype, &[2, 2], &[-1., 0., 1., 2.], dtype, 1.0);
@@ -181,6 +183,7 @@ fn batch_norm_hand_computed() {
             training: true,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
+            statistics_gradients: false,
         };
         let out = op.eval(&[&x, &ones, &zeros, &zeros, &ones]).unwrap();
         assert_close(
@@ -329,6 +332,7 @@ fn batch_norm_registry_and_typed_inputs() {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
+            statistics_gradients: false,
         })
     );
     assert_eq!(op.typed_inputs(5), vec![0]);
@@ -355,9 +359,28 @@ fn batch_norm_registry_and_typed_inputs() {
             training: true,
             data_format: DataFormat::Nchw,
             activation: NormActivation::Identity,
+            statistics_gradients: false,
         })
     );
     assert_round_trip(op.as_ref());
+    // Gradients for given statistics: written only when set, for the inference form.
+    let synchronised = parse(
+        "BatchNorm",
+        &[("statistics_gradients", AttrValue::Bool(true))],
+    )
+    .unwrap();
+    let bn = synchronised.downcast_ref::<BatchNorm>().unwrap();
+    assert!(bn.statistics_gradients && !bn.training);
+    assert_round_trip(synchronised.as_ref());
+    assert!(!op.attrs().iter().any(|(k, _)| *k == "statistics_gradients"));
+    let both = parse(
+        "BatchNorm",
+        &[
+            ("training", AttrValue::Bool(true)),
+            ("statistics_gradients", AttrValue::Bool(true)),
+        ],
+    );
+    assert!(both.is_err_and(|e| e.contains("statistics_gradients")));
     assert!(parse(
         "BatchNorm",
         &[("data_format", AttrValue::Str("NWC".into()))]

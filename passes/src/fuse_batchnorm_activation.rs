@@ -257,6 +257,7 @@ mod tests {
             training: true,
             data_format: format,
             activation: NormActivation::Identity,
+            statistics_gradients: false,
         };
         let y = g.add(bn, &[x, scale, offset, scale, offset]).unwrap();
         [x, w, scale, offset, y]

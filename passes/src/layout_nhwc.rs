@@ -737,6 +737,7 @@ mod tests {
             training,
             data_format: DataFormat::Nchw,
             activation: NormActivation::Identity,
+            statistics_gradients: false,
         };
         g.add(bn, &[x, params[0], params[1], params[2], params[3]])
             .unwrap()
@@ -900,6 +901,7 @@ mod tests {
             training: true,
             data_format: DataFormat::Nchw,
             activation: NormActivation::Identity,
+            statistics_gradients: false,
         };
         let y = g.add(bn, &[y, scale, offset, offset, scale]).unwrap();
         let y = g.relu(y).unwrap();

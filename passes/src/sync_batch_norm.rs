@@ -4,10 +4,10 @@
 //! replica's shard), not of its own shard.
 //!
 //! Run it on the forward training graph, before the backward pass is built (`minimize`
-//! calls `autodiff::gradients`): the backward is then autodiff's of the composed ops,
-//! the all-reduce's gradient included (an [`AllReduce`] of the statistics' gradients),
-//! which is the exact gradient of the global batch's loss. A graph whose BatchNorm
-//! already has its `BatchNormGrad` is refused: that kernel knows only the local batch.
+//! calls `autodiff::gradients`): the backward is then autodiff's, the all-reduce's
+//! gradient included (an [`AllReduce`] of the statistics' gradients), which is the
+//! exact gradient of the global batch's loss. A graph whose BatchNorm already has its
+//! `BatchNormGrad` is refused: that kernel knows only the local batch.
 //!
 //! Every training-mode [`BatchNorm`] (inference ones are left alone) over `x` with
 //! channel axis `c` (1 for NCHW images, the last axis for NHWC images and `[N, C]`)
@@ -18,28 +18,34 @@
 //! m, s   = Mean(w), Mean(w * w)                 over every axis but c, each [C]
 //! M, S   = AllReduce{replicas}(m, s)            one call per BatchNorm, 2C values
 //! v      = max(S - M^2, 0)                      the biased global variance
-//! a      = scale * rsqrt(v + epsilon)
-//! y      = (x - M) * a + offset                 [C] broadcast along c ([1, C, 1, 1]
-//!                                               reshapes for NCHW), cast back to x's
-//!                                               dtype, then the op's activation (Relu)
+//! y      = BatchNorm{training: false,           the same op normalising by M and v
+//!            statistics_gradients}(x, scale,    (its activation kept), whose
+//!            offset, M, v)                      gradient gives M and v theirs
 //! ```
 //!
-//! `y` is computed in x's dtype when it is U, else from `w` in U and cast back. The
-//! statistics read `x` through the Cast even when `x` is already U (a Cast of f32 to
-//! f32, which `algebraic` removes): AMP, run after this pass on the f32 graph, narrows
-//! `x` to 16 bits but leaves an explicit Cast's destination alone, so the reductions,
-//! the all-reduce and the variance stay in f32 (`cast-into-reduce` then folds the
-//! widening into the local mean); without it `Mean` and `Square` (infer ops) would
-//! follow the 16-bit `x`, `x * x` could overflow and `S - M^2` would keep about three
-//! digits. The normalisation itself follows `x`, as AMP paints it.
+//! The normalisation is the BatchNorm op in its inference form: its fused kernels each
+//! way, its layout (`layout-nhwc`), its activation (`fuse-batchnorm-activation`) and
+//! AMP's treatment (16-bit `x`, f32 statistics). Its gradient is `BatchNormGrad`'s
+//! inference form (`dx = a * dy`, `dscale`, `doffset`) plus, with
+//! `statistics_gradients`, `dM = -a * doffset` and `dv = -a / (2 sqrt(v + eps)) *
+//! dscale`, which flow back through the variance, the all-reduce and the two means to
+//! `x`: the terms that make `dx` the global batch's.
+//!
+//! The statistics read `x` through the Cast even when `x` is already U (a Cast of f32
+//! to f32, which `algebraic` removes): AMP, run after this pass on the f32 graph,
+//! narrows `x` to 16 bits but leaves an explicit Cast's destination alone, so the
+//! reductions, the all-reduce and the variance stay in f32 (`cast-into-reduce` then
+//! folds the widening into the local mean); without it `Mean` and `Square` (infer ops)
+//! would follow the 16-bit `x`, `x * x` could overflow and `S - M^2` would keep about
+//! three digits.
 //!
 //! The BatchNorm's other outputs, read by the moving-average updates, become `M` (the
 //! batch mean) and `v * N / (N - 1)` (the batch variance with Bessel's correction, as
 //! BatchNorm gives it, `N = replicas x` the local count per channel; `v` itself when
-//! `N = 1`), what PyTorch's SyncBatchNorm puts in its running statistics. The node that
-//! computes `y` takes the BatchNorm's place (its name, its node, its readers); readers
-//! of the statistics are rewired, and a graph output that was a statistic becomes the
-//! new node's (under the new node's name). With `replicas == 1` the converted graph
+//! `N = 1`), what PyTorch's SyncBatchNorm puts in its running statistics. The new
+//! BatchNorm takes the old one's node (its name, its readers); readers of the
+//! statistics are rewired, and a graph output that was a statistic becomes the new
+//! node's (under the new node's name). With `replicas == 1` the converted graph
 //! computes what the BatchNorm did, within f32 rounding.
 //!
 //! Assumptions and costs:
@@ -49,21 +55,16 @@
 //! - The variance is `E[x^2] - E[x]^2`, one reduction pass each and a single all-reduce,
 //!   clamped at 0; it loses precision where a channel's mean is large against its
 //!   standard deviation (relative error about 1e-7 `(mean / std)^2` in f32).
-//! - Cost per BatchNorm in the forward pass: two reductions of `x` (the mean and the
-//!   mean of squares) and an all-reduce of `2C` floats, and the normalisation as three
-//!   elementwise ops (one kernel once `fuse` runs) instead of the fused BatchNorm
-//!   kernel; the backward is autodiff's of those ops (reductions, elementwise
-//!   gradients, an all-reduce of `2C` floats) instead of one `BatchNormGrad`. Passes
-//!   that match BatchNorm (`fuse-batchnorm-activation`, `layout-nhwc`'s NHWC batch
-//!   norms) no longer see these; `layout-nhwc` puts Transposes around the `[1, C, 1, 1]`
-//!   broadcasts of NCHW ones.
+//! - Cost per BatchNorm beyond the fused kernels: the two reductions of `x` and an
+//!   all-reduce of `2C` floats each way; backward, the means' gradients broadcast back
+//!   to `x` (`ReduceGrad`s, elementwise with the square's gradient).
 //!
 //! A BatchNorm whose `x` is not of rank 2 or 4 (no channel axis is known) is an error
 //! ([`PassError::Graph`] of a [`GraphError::Node`] naming it), as is `replicas == 0`.
 
 use ampgraph_graph::ops::{
-    AllReduce, BatchNorm, BatchNormGrad, Binary, BinaryKind, Cast, Const, DataFormat,
-    NormActivation, Reduce, ReduceKind, Reshape, Unary, UnaryKind,
+    AllReduce, BatchNorm, BatchNormGrad, Binary, BinaryKind, Cast, Const, Reduce, ReduceKind,
+    Unary, UnaryKind,
 };
 use ampgraph_graph::{DType, Graph, GraphError, NodeId, Op, Port, Tensor};
 
@@ -169,7 +170,6 @@ impl SyncBatchNorm {
         // precision, run later, narrows x but leaves an explicit Cast's destination
         // wide, so the reductions and the all-reduce stay in U.
         let wide = b.add("cast", Cast { to: stats }, &[x])?;
-        let xw = if xt.dtype == stats { x } else { wide };
         let mean_op = || Reduce::new(ReduceKind::Mean, Some(reduced.clone()), false);
         let local_mean = b.add("local_mean", mean_op(), &[wide])?;
         let square = b.unary("square", UnaryKind::Square, wide)?;
@@ -185,39 +185,14 @@ impl SyncBatchNorm {
         let difference = b.binary("difference", BinaryKind::Sub, mean_square, squared_mean)?;
         let zero = b.scalar("zero", stats, 0.0)?;
         let variance = b.binary("variance", BinaryKind::Maximum, difference, zero)?;
-        let epsilon = b.scalar("epsilon", stats, bn.epsilon)?;
-        let shifted = b.binary("variance_epsilon", BinaryKind::Add, variance, epsilon)?;
-        let inv_std = b.unary("inv_std", UnaryKind::Rsqrt, shifted)?;
-        let multiplier = b.binary("multiplier", BinaryKind::Mul, scale, inv_std)?;
-        // [C] broadcasts along the last axis; NCHW images need [1, C, 1, 1].
-        let along_channels = |b: &mut Builder, leaf: &str, v: Port| {
-            if rank == 4 && bn.data_format == DataFormat::Nchw {
-                b.add(leaf, Reshape::new(vec![1, channels as i64, 1, 1]), &[v])
-            } else {
-                Ok(v)
-            }
+        // y: the batch norm in its inference form, normalising by the global
+        // statistics, which get gradients (its fused kernels, each way).
+        let apply = BatchNorm {
+            training: false,
+            statistics_gradients: true,
+            ..bn.clone()
         };
-        let mean_c = along_channels(&mut b, "mean_nchw", mean)?;
-        let multiplier_c = along_channels(&mut b, "multiplier_nchw", multiplier)?;
-        let offset_c = along_channels(&mut b, "offset_nchw", offset)?;
-
-        // y's chain; its last op takes the BatchNorm's node.
-        let centered = b.binary("centered", BinaryKind::Sub, xw, mean_c)?;
-        let scaled = b.binary("scaled", BinaryKind::Mul, centered, multiplier_c)?;
-        let mut chain: Vec<(&str, Box<dyn Op>)> =
-            vec![("normalized", Box::new(Binary::new(BinaryKind::Add)))];
-        if xt.dtype != stats {
-            chain.push(("cast_back", Box::new(Cast { to: xt.dtype })));
-        }
-        if bn.activation == NormActivation::Relu {
-            chain.push(("relu", Box::new(Unary::new(UnaryKind::Relu))));
-        }
-        let (_, last) = chain.pop().expect("the chain has its Add");
-        let mut last_inputs = vec![scaled, offset_c];
-        for (leaf, op) in chain {
-            let name = b.g.fresh_name(format!("{}/{leaf}", b.prefix));
-            last_inputs = vec![b.g.add_node(name, op, &last_inputs)?.into()];
-        }
+        let apply_inputs = [x, scale, offset, mean, variance];
 
         // The statistics' readers (the moving averages) read their replacements.
         let global_count = self.replicas * local_count;
@@ -254,7 +229,7 @@ impl SyncBatchNorm {
         if repointed != outputs {
             g.set_outputs(repointed)?;
         }
-        g.set_node(id, last, &last_inputs)?;
+        g.set_node(id, Box::new(apply), &apply_inputs)?;
         Ok(channels)
     }
 }

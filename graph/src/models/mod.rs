@@ -121,6 +121,7 @@ impl BatchNorms {
             training: self.training,
             data_format: DataFormat::Nchw,
             activation,
+            statistics_gradients: false,
         };
         let (mean, variance) = self
             .unread

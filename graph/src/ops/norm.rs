@@ -12,7 +12,7 @@ use crate::kernel::{eval_float, require_float, same_dtype, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::fused::column_sum_of;
 use crate::ops::types_of;
-use crate::ops::{widens_exactly, Binary, BinaryKind, DataFormat, UnaryGrad, UnaryKind};
+use crate::ops::{widens_exactly, Binary, BinaryKind, DataFormat, Unary, UnaryGrad, UnaryKind};
 use crate::shape::normalize_axis;
 use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 
@@ -107,12 +107,19 @@ impl NormActivation {
 /// to x's dtype, so that the op equals the BatchNorm, Add and Relu it replaces bit for
 /// bit. Its gradient is the activation's gradient of `dy` (by `y`), both for `side`
 /// and as the `dy` of an identity BatchNormGrad.
+///
+/// `statistics_gradients` (attr, written only when set; inference form only): the
+/// `mean` and `variance` inputs get gradients, for statistics computed in the graph
+/// (the synchronised batch norm's global ones, `passes::sync_batch_norm`): with
+/// `a = scale / sqrt(variance + eps)`, `dmean = -a * doffset` and `dvariance =
+/// -a / (2 sqrt(variance + eps)) * dscale`. Without it they get none (running averages).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BatchNorm {
     pub epsilon: f64,
     pub training: bool,
     pub data_format: DataFormat,
     pub activation: NormActivation,
+    pub statistics_gradients: bool,
 }
 
 /// Per channel, the mean of `f(channel, x)` over `xs` laid out `[outer, c, inner]`,
@@ -143,18 +150,26 @@ impl Default for BatchNorm {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
+            statistics_gradients: false,
         }
     }
 }
 
 impl BatchNorm {
     fn parse(a: &mut AttrReader) -> OpResult<BatchNorm> {
-        Ok(BatchNorm {
+        let bn = BatchNorm {
             epsilon: read_epsilon(a, 0.001)?,
             training: a.bool_or("training", false)?,
             data_format: DataFormat::read(a)?,
             activation: NormActivation::read(a)?,
-        })
+            statistics_gradients: a.bool_or("statistics_gradients", false)?,
+        };
+        if bn.training && bn.statistics_gradients {
+            return Err(
+                "attr 'statistics_gradients' goes with training false (given statistics)".into(),
+            );
+        }
+        Ok(bn)
     }
 
     /// The channel axis of `x` of the given rank (2 or 4).
@@ -277,6 +292,9 @@ impl Op for BatchNorm {
             ("data_format", self.data_format.into()),
         ];
         attrs.extend(self.activation.attr());
+        if self.statistics_gradients {
+            attrs.push(("statistics_gradients", true.into()));
+        }
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
@@ -409,18 +427,54 @@ impl Op for BatchNorm {
             operands.push(offset);
         }
         let id = b.add_node(Box::new(grad), &operands)?;
+        let (dscale, doffset) = (Port::new(id, 1), Port::new(id, 2));
+        let (dmean, dvariance) = match self.statistics_gradients && !self.training {
+            true => {
+                let (dm, dv) =
+                    statistics_gradients(b, self.epsilon, scale, variance, dscale, doffset)?;
+                (Some(dm), Some(dv))
+            }
+            false => (None, None),
+        };
         let mut grads = vec![
             Some(Port::new(id, 0)),
-            Some(Port::new(id, 1)),
-            Some(Port::new(id, 2)),
-            None,
-            None,
+            Some(dscale),
+            Some(doffset),
+            dmean,
+            dvariance,
         ];
         if side {
             grads.push(Some(dy));
         }
         Ok(grads)
     }
+}
+
+/// The gradients of an inference-form batch norm's `mean` and `variance` inputs from
+/// its `dscale` and `doffset` (`[C]` each): `y = a (x - mean) + offset` with `a = scale
+/// / sqrt(variance + eps)`, so `dmean = -a * doffset` and, as `xhat = (x - mean) / sqrt(
+/// variance + eps)` moves by `-xhat / (2 (variance + eps))` per unit of variance,
+/// `dvariance = -a / (2 sqrt(variance + eps)) * dscale`.
+fn statistics_gradients(
+    b: &mut GradBuilder,
+    epsilon: f64,
+    scale: Port,
+    variance: Port,
+    dscale: Port,
+    doffset: Port,
+) -> Result<(Port, Port), GraphError> {
+    let u = b.ty(variance).dtype;
+    let epsilon = b.scalar(u, epsilon)?;
+    let shifted = b.binary(BinaryKind::Add, variance, epsilon)?;
+    let inv = b.add(Unary::new(UnaryKind::Rsqrt), &[shifted])?;
+    let a = b.binary(BinaryKind::Mul, scale, inv)?;
+    let minus_a = b.add(Unary::new(UnaryKind::Neg), &[a])?;
+    let dmean = b.binary(BinaryKind::Mul, minus_a, doffset)?;
+    let minus_half = b.scalar(u, -0.5)?;
+    let per_dscale = b.binary(BinaryKind::Mul, minus_half, a)?;
+    let per_dscale = b.binary(BinaryKind::Mul, per_dscale, inv)?;
+    let dvariance = b.binary(BinaryKind::Mul, per_dscale, dscale)?;
+    Ok((dmean, dvariance))
 }
 
 /// The gradient of [`BatchNorm`], TensorFlow's `FusedBatchNormGradV3`: inputs `x`,
@@ -467,6 +521,7 @@ impl BatchNormGrad {
             training: self.training,
             data_format: self.data_format,
             activation: self.activation,
+            statistics_gradients: false,
         }
     }
 

@@ -1,6 +1,7 @@
 //! Batch normalisation: BatchNorm in training (batch statistics; the batch mean and
 //! Bessel-corrected variance as outputs, which the graph's running averages read) and
-//! inference, and BatchNormGrad in training.
+//! inference, and BatchNormGrad in both forms (the inference form channels-last only:
+//! the synchronised batch norm's, whose statistics come from all replicas).
 //!
 //! Channels-last tensors (NHWC images, `[N, C]` matrices) are a `[rows, C]` matrix:
 //! the statistics are column sums (`codegen::column_sums`, deterministic), then one
@@ -484,11 +485,11 @@ fn lower_batch_norm_grad(
     ins: &[TensorType],
     outs: &[TensorType],
 ) -> KernelResult {
-    if !g.training {
-        return Err("BatchNormGrad of an inference batch norm has no CUDA kernel".into());
+    let (layout, nchw) = geometry(g.data_format, g.epsilon, g.training, ins)?;
+    if !g.training && !channels_last(layout, nchw) {
+        return Err("BatchNormGrad of an inference-form batch norm on NCHW images has no CUDA kernel (channels-last only)".into());
     }
-    let (layout, nchw) = geometry(g.data_format, g.epsilon, true, ins)?;
-    let epsilon = g.epsilon;
+    let (epsilon, training) = (g.epsilon, g.training);
     let outs = outs.to_vec();
     let relu = g.activation == NormActivation::Relu;
     let (rows, len) = (nchw[0] * nchw[2] * nchw[3], nchw[1]);
@@ -507,8 +508,14 @@ fn lower_batch_norm_grad(
             .alloc_all(&outs)?
             .try_into()
             .map_err(|_| "BatchNormGrad has three outputs")?;
+        // In training `var` is the batch's Bessel-corrected variance (undone here) and
+        // dx takes the batch means of dy and dy * xhat; in the inference form `var` is
+        // the given variance and dx = a * dy: the same kernels with 1 / n = 0.
         let n = rows as f64;
-        let unbias = (n - 1.0) / n;
+        let (unbias, inv_n) = match training {
+            true => ((n - 1.0) / n, 1.0 / n),
+            false => (1.0, 0.0),
+        };
         match &own {
             Some(spec) => {
                 let relu_args = offset.iter().flat_map(|o| [scale.arg(), o.arg()]);
@@ -531,7 +538,7 @@ fn lower_batch_norm_grad(
                         Arg::I64(len as i64),
                         Arg::F64(unbias),
                         Arg::F64(epsilon),
-                        Arg::F64(1.0 / n),
+                        Arg::F64(inv_n),
                     ])
                     .collect();
                 c.launch(spec, "k_coef", (len.div_ceil(256) as u32, 256), &args)?;
