@@ -159,7 +159,7 @@ impl Builder {
                 training: self.rng.below(2) == 0,
                 data_format: DataFormat::Nchw,
                 activation: NormActivation::Identity,
-                statistics_gradients: false,
+                sync_replicas: 0,
             };
             x = self.g.add(bn, &[x, scale, offset, mean, variance]).unwrap();
         }

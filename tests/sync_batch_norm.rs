@@ -75,7 +75,7 @@ fn model(format: DataFormat, batch: usize, activation: NormActivation) -> Model 
         training: true,
         data_format: format,
         activation,
-        statistics_gradients: false,
+        sync_replicas: 0,
     };
     let bn = g
         .add_node("bn", Box::new(op), &[conv, scale, offset, empty, empty])
@@ -204,7 +204,7 @@ fn synchronised(g: &Graph) -> (usize, usize) {
         .collect();
     let training = bns.iter().filter(|b| b.training).count();
     let synchronised = (bns.iter())
-        .filter(|b| !b.training && b.statistics_gradients)
+        .filter(|b| !b.training && b.sync_replicas > 0)
         .count();
     (training, synchronised)
 }
@@ -335,7 +335,7 @@ fn one_replica_matches_a_float64_batch_norm_by_hand() {
                 training: true,
                 data_format: format,
                 activation: NormActivation::Identity,
-                statistics_gradients: false,
+                sync_replicas: 0,
             };
             let bn = g.add(bn, &[xp, sp, op, empty, empty]).unwrap();
             g.set_outputs(vec![bn, Port::new(bn.node, 1), Port::new(bn.node, 2)])
@@ -555,7 +555,7 @@ fn converts_each_training_batch_norm_once_and_leaves_inference_ones() {
         training,
         data_format: format,
         activation: NormActivation::Identity,
-        statistics_gradients: false,
+        sync_replicas: 0,
     };
     let inputs = |x| [x, scale, offset, mean, variance];
     let a = g.add(bn(true, DataFormat::Nchw), &inputs(x)).unwrap();

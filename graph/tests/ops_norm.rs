@@ -122,7 +122,7 @@ fn run_batch_norm_case(
         training,
         data_format: format,
         activation: NormActivation::Identity,
-        statistics_gradients: false,
+        sync_replicas: 0,
     };
     let inputs = [&x, &scale, &offset, &mean, &var];
     let types = tys(&inputs);
@@ -169,7 +169,7 @@ fn batch_norm_hand_computed() {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            statistics_gradients: false,
+            sync_replicas: 0,
         };
         let out = op.eval(&[&x, &scale, &offset, &mean, &var]).unwrap();
         assert_close("y", &out[0], dtype, &[2, 2], &[-1., 0., 1., 2.], dtype, 1.0);
@@ -183,7 +183,7 @@ fn batch_norm_hand_computed() {
             training: true,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            statistics_gradients: false,
+            sync_replicas: 0,
         };
         let out = op.eval(&[&x, &ones, &zeros, &zeros, &ones]).unwrap();
         assert_close(
@@ -332,7 +332,7 @@ fn batch_norm_registry_and_typed_inputs() {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            statistics_gradients: false,
+            sync_replicas: 0,
         })
     );
     assert_eq!(op.typed_inputs(5), vec![0]);
@@ -359,28 +359,26 @@ fn batch_norm_registry_and_typed_inputs() {
             training: true,
             data_format: DataFormat::Nchw,
             activation: NormActivation::Identity,
-            statistics_gradients: false,
+            sync_replicas: 0,
         })
     );
     assert_round_trip(op.as_ref());
-    // Gradients for given statistics: written only when set, for the inference form.
-    let synchronised = parse(
-        "BatchNorm",
-        &[("statistics_gradients", AttrValue::Bool(true))],
-    )
-    .unwrap();
+    // Synchronised statistics: written only when set, for the inference form.
+    let synchronised = parse("BatchNorm", &[("sync_replicas", AttrValue::Int(2))]).unwrap();
     let bn = synchronised.downcast_ref::<BatchNorm>().unwrap();
-    assert!(bn.statistics_gradients && !bn.training);
+    assert!(bn.sync_replicas == 2 && !bn.training);
     assert_round_trip(synchronised.as_ref());
-    assert!(!op.attrs().iter().any(|(k, _)| *k == "statistics_gradients"));
+    assert!(!op.attrs().iter().any(|(k, _)| *k == "sync_replicas"));
     let both = parse(
         "BatchNorm",
         &[
             ("training", AttrValue::Bool(true)),
-            ("statistics_gradients", AttrValue::Bool(true)),
+            ("sync_replicas", AttrValue::Int(2)),
         ],
     );
-    assert!(both.is_err_and(|e| e.contains("statistics_gradients")));
+    assert!(both.is_err_and(|e| e.contains("sync_replicas")));
+    let negative = parse("BatchNorm", &[("sync_replicas", AttrValue::Int(-1))]);
+    assert!(negative.is_err_and(|e| e.contains("sync_replicas")));
     assert!(parse(
         "BatchNorm",
         &[("data_format", AttrValue::Str("NWC".into()))]

@@ -169,7 +169,7 @@ fn compose(g: &mut Graph, end: NodeId, outputs: &[bool]) -> Result<Option<Vec<No
         chain.pop();
         return Ok(Some(chain));
     }
-    if transposes < 2 {
+    if transposes == 0 {
         return Ok(None);
     }
     let mut atoms = Atoms::new(&g.ty(x).shape);
@@ -182,11 +182,17 @@ fn compose(g: &mut Graph, end: NodeId, outputs: &[bool]) -> Result<Option<Vec<No
         }
     }
     let (sizes, perm) = atoms.plan();
-    chain.pop();
+    // Atoms left in their order (a Transpose moving only axes of one element, as of a
+    // `[1, C, 1, 1]` vector): a view, no copy at all.
     if perm.iter().enumerate().all(|(i, &p)| i == p) {
+        chain.pop();
         g.set_node(end, Box::new(Reshape::new(out)), &[x])?;
         return Ok(Some(chain));
     }
+    if transposes < 2 {
+        return Ok(None);
+    }
+    chain.pop();
     let name = g.node(end).name.clone();
     let viewed = g.add_node(
         g.fresh_name(format!("{name}/atoms")),
@@ -575,6 +581,25 @@ mod tests {
             summary.lines[0]
         );
         assert_eq!(count(&g, "Transpose"), 1);
+    }
+
+    /// A per-channel vector reshaped to `[1, C, 1, 1]` and transposed to NHWC's `[1, 1,
+    /// 1, C]` (a synchronised batch norm's gradient terms after `layout-nhwc`) keeps its
+    /// values in their order: one Reshape, a view, where a Transpose copied them.
+    #[test]
+    fn a_transpose_moving_only_unit_axes_is_a_view() {
+        let mut g = Graph::new();
+        let v = g.placeholder("v", DType::F32, [5]).unwrap();
+        let r = g.reshape(v, [1, 5, 1, 1]).unwrap();
+        let t = g.transpose(r, [0, 2, 3, 1]).unwrap();
+        let lone = g.placeholder("lone", DType::F32, [1, 5, 1, 1]).unwrap();
+        let u = g.transpose(lone, [0, 2, 3, 1]).unwrap();
+        g.set_outputs(vec![t, u]).unwrap();
+        let before = g.clone();
+        ComposeViews.run(&mut g).unwrap();
+        assert_eq!(count(&g, "Transpose"), 0);
+        let feeds = HashMap::from([("v", sine(&[5], 1.0)), ("lone", sine(&[1, 5, 1, 1], 2.0))]);
+        assert_same_bits(&run(&before, &feeds), &run(&g, &feeds));
     }
 
     /// Random chains of Reshapes and Transposes over a `[2, 3, 4]` tensor (reshapes

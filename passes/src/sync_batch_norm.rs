@@ -4,10 +4,10 @@
 //! replica's shard), not of its own shard.
 //!
 //! Run it on the forward training graph, before the backward pass is built (`minimize`
-//! calls `autodiff::gradients`): the backward is then autodiff's, the all-reduce's
-//! gradient included (an [`AllReduce`] of the statistics' gradients), which is the
-//! exact gradient of the global batch's loss. A graph whose BatchNorm already has its
-//! `BatchNormGrad` is refused: that kernel knows only the local batch.
+//! calls `autodiff::gradients`): the BatchNorm it leaves carries `sync_replicas`, whose
+//! gradient all-reduces the replica's sums, the exact gradient of the global batch's
+//! loss. A graph whose BatchNorm already has its `BatchNormGrad` is refused: that
+//! kernel knows only the local batch.
 //!
 //! Every training-mode [`BatchNorm`] (inference ones are left alone) over `x` with
 //! channel axis `c` (1 for NCHW images, the last axis for NHWC images and `[N, C]`)
@@ -19,17 +19,19 @@
 //! M, S   = AllReduce{replicas}(m, s)            one call per BatchNorm, 2C values
 //! v      = max(S - M^2, 0)                      the biased global variance
 //! y      = BatchNorm{training: false,           the same op normalising by M and v
-//!            statistics_gradients}(x, scale,    (its activation kept), whose
-//!            offset, M, v)                      gradient gives M and v theirs
+//!            sync_replicas}(x, scale, offset,   (its activation kept)
+//!            M, v)
 //! ```
 //!
 //! The normalisation is the BatchNorm op in its inference form: its fused kernels each
 //! way, its layout (`layout-nhwc`), its activation (`fuse-batchnorm-activation`) and
-//! AMP's treatment (16-bit `x`, f32 statistics). Its gradient is `BatchNormGrad`'s
-//! inference form (`dx = a * dy`, `dscale`, `doffset`) plus, with
-//! `statistics_gradients`, `dM = -a * doffset` and `dv = -a / (2 sqrt(v + eps)) *
-//! dscale`, which flow back through the variance, the all-reduce and the two means to
-//! `x`: the terms that make `dx` the global batch's.
+//! AMP's treatment (16-bit `x`, f32 statistics). With `sync_replicas` its gradient is
+//! `BatchNormGrad`'s inference form (`dx = a * dy`, the replica's `dscale` and
+//! `doffset`), one AllReduce of those sums and the global batch's terms added to `dx`
+//! (`- a * mean(dy) - a * xhat * mean(dy * xhat)`, the means over every replica's
+//! shard): the training form's gradient over the global batch. The statistics' path
+//! gets no gradient (it would give the same terms through two broadcasts of `[C]`
+//! back to `x`, holding `x`'s f32 copy and its square through the step).
 //!
 //! The statistics read `x` through the Cast even when `x` is already U (a Cast of f32
 //! to f32, which `algebraic` removes): AMP, run after this pass on the f32 graph,
@@ -56,8 +58,8 @@
 //!   clamped at 0; it loses precision where a channel's mean is large against its
 //!   standard deviation (relative error about 1e-7 `(mean / std)^2` in f32).
 //! - Cost per BatchNorm beyond the fused kernels: the two reductions of `x` and an
-//!   all-reduce of `2C` floats each way; backward, the means' gradients broadcast back
-//!   to `x` (`ReduceGrad`s, elementwise with the square's gradient).
+//!   all-reduce of `2C` floats each way, and one elementwise pass adding the global
+//!   terms to `dx`.
 //!
 //! A BatchNorm whose `x` is not of rank 2 or 4 (no channel axis is known) is an error
 //! ([`PassError::Graph`] of a [`GraphError::Node`] naming it), as is `replicas == 0`.
@@ -189,7 +191,7 @@ impl SyncBatchNorm {
         // statistics, which get gradients (its fused kernels, each way).
         let apply = BatchNorm {
             training: false,
-            statistics_gradients: true,
+            sync_replicas: self.replicas,
             ..bn.clone()
         };
         let apply_inputs = [x, scale, offset, mean, variance];

@@ -363,7 +363,7 @@ fn simplifiable_step(
                 training: false,
                 data_format: DataFormat::Nhwc,
                 activation: NormActivation::Identity,
-                statistics_gradients: false,
+                sync_replicas: 0,
             };
             let y = g
                 .add(bn, &[x, stats[0], stats[1], stats[2], stats[3]])
@@ -396,7 +396,7 @@ fn simplifiable_step(
                 training: true,
                 data_format: DataFormat::Nhwc,
                 activation: NormActivation::Identity,
-                statistics_gradients: false,
+                sync_replicas: 0,
             };
             g.add(bn, &[x, scale, offset, offset, scale]).unwrap()
         }

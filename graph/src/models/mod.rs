@@ -121,7 +121,7 @@ impl BatchNorms {
             training: self.training,
             data_format: DataFormat::Nchw,
             activation,
-            statistics_gradients: false,
+            sync_replicas: 0,
         };
         let (mean, variance) = self
             .unread

@@ -108,18 +108,20 @@ impl NormActivation {
 /// bit. Its gradient is the activation's gradient of `dy` (by `y`), both for `side`
 /// and as the `dy` of an identity BatchNormGrad.
 ///
-/// `statistics_gradients` (attr, written only when set; inference form only): the
-/// `mean` and `variance` inputs get gradients, for statistics computed in the graph
-/// (the synchronised batch norm's global ones, `passes::sync_batch_norm`): with
-/// `a = scale / sqrt(variance + eps)`, `dmean = -a * doffset` and `dvariance =
-/// -a / (2 sqrt(variance + eps)) * dscale`. Without it they get none (running averages).
+/// `sync_replicas` (attr, written only when not 0; inference form only): `mean` and
+/// `variance` are this batch's own statistics over `sync_replicas` replicas' equal
+/// shards (the synchronised batch norm's, `passes::sync_batch_norm`), so the gradient
+/// of `x` also takes their terms, as a training batch norm's does, with the sums
+/// all-reduced: `dx = a * (dy - mean(dy) - xhat * mean(dy * xhat))`, the means over the
+/// global batch. The statistics themselves get no gradient (nor do they with 0, where
+/// they are running averages).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BatchNorm {
     pub epsilon: f64,
     pub training: bool,
     pub data_format: DataFormat,
     pub activation: NormActivation,
-    pub statistics_gradients: bool,
+    pub sync_replicas: usize,
 }
 
 /// Per channel, the mean of `f(channel, x)` over `xs` laid out `[outer, c, inner]`,
@@ -150,7 +152,7 @@ impl Default for BatchNorm {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            statistics_gradients: false,
+            sync_replicas: 0,
         }
     }
 }
@@ -162,12 +164,14 @@ impl BatchNorm {
             training: a.bool_or("training", false)?,
             data_format: DataFormat::read(a)?,
             activation: NormActivation::read(a)?,
-            statistics_gradients: a.bool_or("statistics_gradients", false)?,
+            sync_replicas: match a.opt_int("sync_replicas")? {
+                None => 0,
+                Some(n) => usize::try_from(n)
+                    .map_err(|_| format!("attr 'sync_replicas' must be a count, got {n}"))?,
+            },
         };
-        if bn.training && bn.statistics_gradients {
-            return Err(
-                "attr 'statistics_gradients' goes with training false (given statistics)".into(),
-            );
+        if bn.training && bn.sync_replicas > 0 {
+            return Err("attr 'sync_replicas' goes with training false (given statistics)".into());
         }
         Ok(bn)
     }
@@ -292,8 +296,8 @@ impl Op for BatchNorm {
             ("data_format", self.data_format.into()),
         ];
         attrs.extend(self.activation.attr());
-        if self.statistics_gradients {
-            attrs.push(("statistics_gradients", true.into()));
+        if self.sync_replicas > 0 {
+            attrs.push(("sync_replicas", (self.sync_replicas as i64).into()));
         }
         attrs
     }
@@ -428,21 +432,17 @@ impl Op for BatchNorm {
         }
         let id = b.add_node(Box::new(grad), &operands)?;
         let (dscale, doffset) = (Port::new(id, 1), Port::new(id, 2));
-        let (dmean, dvariance) = match self.statistics_gradients && !self.training {
-            true => {
-                let (dm, dv) =
-                    statistics_gradients(b, self.epsilon, scale, variance, dscale, doffset)?;
-                (Some(dm), Some(dv))
-            }
-            false => (None, None),
-        };
-        let mut grads = vec![
-            Some(Port::new(id, 0)),
-            Some(dscale),
-            Some(doffset),
-            dmean,
-            dvariance,
-        ];
+        let mut dx = Port::new(id, 0);
+        if self.sync_replicas > 0 && !self.training {
+            let stats = Statistics {
+                x,
+                scale,
+                mean,
+                variance,
+            };
+            dx = self.global_terms(b, stats, dx, dscale, doffset)?;
+        }
+        let mut grads = vec![Some(dx), Some(dscale), Some(doffset), None, None];
         if side {
             grads.push(Some(dy));
         }
@@ -450,31 +450,69 @@ impl Op for BatchNorm {
     }
 }
 
-/// The gradients of an inference-form batch norm's `mean` and `variance` inputs from
-/// its `dscale` and `doffset` (`[C]` each): `y = a (x - mean) + offset` with `a = scale
-/// / sqrt(variance + eps)`, so `dmean = -a * doffset` and, as `xhat = (x - mean) / sqrt(
-/// variance + eps)` moves by `-xhat / (2 (variance + eps))` per unit of variance,
-/// `dvariance = -a / (2 sqrt(variance + eps)) * dscale`.
-fn statistics_gradients(
-    b: &mut GradBuilder,
-    epsilon: f64,
+/// The ports a synchronised batch norm's gradient reads: `x`, `scale` and the
+/// global `mean` and `variance` it normalised by.
+struct Statistics {
+    x: Port,
     scale: Port,
+    mean: Port,
     variance: Port,
-    dscale: Port,
-    doffset: Port,
-) -> Result<(Port, Port), GraphError> {
-    let u = b.ty(variance).dtype;
-    let epsilon = b.scalar(u, epsilon)?;
-    let shifted = b.binary(BinaryKind::Add, variance, epsilon)?;
-    let inv = b.add(Unary::new(UnaryKind::Rsqrt), &[shifted])?;
-    let a = b.binary(BinaryKind::Mul, scale, inv)?;
-    let minus_a = b.add(Unary::new(UnaryKind::Neg), &[a])?;
-    let dmean = b.binary(BinaryKind::Mul, minus_a, doffset)?;
-    let minus_half = b.scalar(u, -0.5)?;
-    let per_dscale = b.binary(BinaryKind::Mul, minus_half, a)?;
-    let per_dscale = b.binary(BinaryKind::Mul, per_dscale, inv)?;
-    let dvariance = b.binary(BinaryKind::Mul, per_dscale, dscale)?;
-    Ok((dmean, dvariance))
+}
+
+impl BatchNorm {
+    /// `dx` of a synchronised batch norm from its inference-form gradient `local =
+    /// a * dy` and the replica's sums `dscale = sum dy * xhat`, `doffset = sum dy`: with
+    /// their means over the replicas `S` and `O` (one AllReduce of both) and `n` values
+    /// a channel in each replica, `dx = local - a * O / n - (x - mean) * a * inv * S /
+    /// n`, `a = scale * inv`, `inv = 1 / sqrt(variance + eps)`: the training form's
+    /// gradient with the global batch's means of `dy` and `dy * xhat`.
+    fn global_terms(
+        &self,
+        b: &mut GradBuilder,
+        at: Statistics,
+        local: Port,
+        dscale: Port,
+        doffset: Port,
+    ) -> Result<Port, GraphError> {
+        let xt = b.ty(at.x).clone();
+        let u = b.ty(at.variance).dtype;
+        let axis = self.channel_axis(xt.rank());
+        let channels = xt.shape[axis];
+        let count = xt.shape.iter().product::<usize>() / channels.max(1);
+        let sums = b.add_node(
+            Box::new(crate::ops::AllReduce::mean(self.sync_replicas)),
+            &[dscale, doffset],
+        )?;
+        let (dscale, doffset) = (Port::new(sums, 0), Port::new(sums, 1));
+        let epsilon = b.scalar(u, self.epsilon)?;
+        let shifted = b.binary(BinaryKind::Add, at.variance, epsilon)?;
+        let inv = b.add(Unary::new(UnaryKind::Rsqrt), &[shifted])?;
+        let a = b.binary(BinaryKind::Mul, at.scale, inv)?;
+        let minus_a_n = b.scalar(u, -1.0 / count.max(1) as f64)?;
+        let minus_a_n = b.binary(BinaryKind::Mul, a, minus_a_n)?;
+        let shift = b.binary(BinaryKind::Mul, minus_a_n, doffset)?;
+        let slope = b.binary(BinaryKind::Mul, minus_a_n, inv)?;
+        let slope = b.binary(BinaryKind::Mul, slope, dscale)?;
+        // [C] along the channel axis of x, in x's dtype.
+        let along = |b: &mut GradBuilder, v: Port| -> Result<Port, GraphError> {
+            let v = match xt.dtype == u {
+                true => v,
+                false => b.add(crate::ops::Cast { to: xt.dtype }, &[v])?,
+            };
+            match (xt.rank(), axis) {
+                (4, 1) => b.add(
+                    crate::ops::Reshape::new(vec![1, channels as i64, 1, 1]),
+                    &[v],
+                ),
+                _ => Ok(v),
+            }
+        };
+        let (mean, slope, shift) = (along(b, at.mean)?, along(b, slope)?, along(b, shift)?);
+        let centred = b.binary(BinaryKind::Sub, at.x, mean)?;
+        let sloped = b.binary(BinaryKind::Mul, centred, slope)?;
+        let terms = b.binary(BinaryKind::Add, sloped, shift)?;
+        b.binary(BinaryKind::Add, local, terms)
+    }
 }
 
 /// The gradient of [`BatchNorm`], TensorFlow's `FusedBatchNormGradV3`: inputs `x`,
@@ -521,7 +559,7 @@ impl BatchNormGrad {
             training: self.training,
             data_format: self.data_format,
             activation: self.activation,
-            statistics_gradients: false,
+            sync_replicas: 0,
         }
     }
 

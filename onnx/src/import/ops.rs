@@ -761,7 +761,7 @@ fn batch_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
         training: false,
         data_format: DataFormat::Nchw,
         activation: NormActivation::Identity,
-        statistics_gradients: false,
+        sync_replicas: 0,
     };
     match xs.len() {
         2 | 4 => cx.out(op, &inputs),
