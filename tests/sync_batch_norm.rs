@@ -24,7 +24,7 @@ use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::autodiff::gradients;
 use ampgraph::graph::ops::{
     AllReduce, AssignVariable, BatchNorm, BatchNormGrad, Cast, DataFormat, NormActivation, Padding,
-    Reduce,
+    Reduce, ReduceKind,
 };
 use ampgraph::graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 use ampgraph::passes::{Pass, PassError, SyncBatchNorm};
@@ -590,7 +590,10 @@ fn converts_each_training_batch_norm_once_and_leaves_inference_ones() {
         assert_eq!(inputs.len(), 2);
         for p in inputs {
             assert_eq!(*g.ty(p), TensorType::new(DType::F32, vec![C]));
-            assert!(g.node(p.node).op.is::<Reduce>());
+            // A local sum (a column sum once NHWC) times 1 / count.
+            let sum = g.inputs(p.node)[0];
+            let reduce = g.node(sum.node).op.downcast_ref::<Reduce>();
+            assert!(reduce.is_some_and(|r| r.kind == ReduceKind::Sum), "{p:?}");
         }
     }
     let bns: Vec<&BatchNorm> = g

@@ -15,7 +15,7 @@
 //!
 //! ```text
 //! w      = Cast<U>(x)                           the statistics' input
-//! m, s   = Mean(w), Mean(w * w)                 over every axis but c, each [C]
+//! m, s   = Sum(w) / n, Sum(w * w) / n           over every axis but c, each [C]
 //! M, S   = AllReduce{replicas}(m, s)            one call per BatchNorm, 2C values
 //! v      = max(S - M^2, 0)                      the biased global variance
 //! y      = BatchNorm{training: false,           the same op normalising by M and v
@@ -57,9 +57,11 @@
 //! - The variance is `E[x^2] - E[x]^2`, one reduction pass each and a single all-reduce,
 //!   clamped at 0; it loses precision where a channel's mean is large against its
 //!   standard deviation (relative error about 1e-7 `(mean / std)^2` in f32).
-//! - Cost per BatchNorm beyond the fused kernels: the two reductions of `x` and an
-//!   all-reduce of `2C` floats each way, and one elementwise pass adding the global
-//!   terms to `dx`.
+//! - Cost per BatchNorm beyond the fused kernels: the statistics (Sums, not Means: on
+//!   NHWC images and `[N, C]` they are column sums, which `sum-into-elementwise` gives
+//!   the one kernel computing `w * w`, so `x` is read once; that kernel still writes
+//!   `w * w`, which nothing reads, as a program needs an output), an all-reduce of
+//!   `2C` floats each way, and one elementwise pass adding the global terms to `dx`.
 //!
 //! A BatchNorm whose `x` is not of rank 2 or 4 (no channel axis is known) is an error
 //! ([`PassError::Graph`] of a [`GraphError::Node`] naming it), as is `replicas == 0`.
@@ -172,10 +174,16 @@ impl SyncBatchNorm {
         // precision, run later, narrows x but leaves an explicit Cast's destination
         // wide, so the reductions and the all-reduce stay in U.
         let wide = b.add("cast", Cast { to: stats }, &[x])?;
-        let mean_op = || Reduce::new(ReduceKind::Mean, Some(reduced.clone()), false);
-        let local_mean = b.add("local_mean", mean_op(), &[wide])?;
+        // Sums scaled after (not Means): on NHWC images and [N, C] they are column
+        // sums, which `sum-into-elementwise` gives the kernel computing the square.
+        let sum_op = || Reduce::new(ReduceKind::Sum, Some(reduced.clone()), false);
+        let per_value = b.scalar("per_value", stats, 1.0 / local_count.max(1) as f64)?;
+        let sum = b.add("local_sum", sum_op(), &[wide])?;
+        let local_mean = b.binary("local_mean", BinaryKind::Mul, sum, per_value)?;
         let square = b.unary("square", UnaryKind::Square, wide)?;
-        let local_mean_square = b.add("local_mean_square", mean_op(), &[square])?;
+        let sum_square = b.add("local_sum_square", sum_op(), &[square])?;
+        let local_mean_square =
+            b.binary("local_mean_square", BinaryKind::Mul, sum_square, per_value)?;
         let all_reduce = b.add(
             "all_reduce",
             AllReduce::mean(self.replicas),
