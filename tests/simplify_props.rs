@@ -48,6 +48,16 @@ fn rewrite_with(g: &Graph, passes: impl IntoIterator<Item = Box<dyn Pass>>) -> G
 
 /// The properties for one list of passes.
 fn check(original: &Graph, passes: &[&str], seed: u64) -> Result<(), TestCaseError> {
+    check_within(original, passes, seed, 0.0)
+}
+
+/// [`check`] with the outputs held to at least `floor` of their scale.
+fn check_within(
+    original: &Graph,
+    passes: &[&str],
+    seed: u64,
+    floor: f64,
+) -> Result<(), TestCaseError> {
     let g = rewrite(original, passes);
     g.validate().unwrap();
     let names = |g: &Graph| -> Vec<(String, TensorType)> {
@@ -71,12 +81,12 @@ fn check(original: &Graph, passes: &[&str], seed: u64) -> Result<(), TestCaseErr
     // later product's cancellation magnifies that next to the output's scale (seed
     // 11712864324322900111, size 11: 1.1e-5).
     let reassociates = ["fold-batchnorm", "scale-into-matmul"];
-    let tol = if passes.iter().any(|p| reassociates.contains(p)) {
+    let tol: f64 = if passes.iter().any(|p| reassociates.contains(p)) {
         1e-4
     } else {
         1e-5
     };
-    check_close(&want, &got, tol)?;
+    check_close(&want, &got, tol.max(floor))?;
     let again = rewrite(&g, passes);
     prop_assert_eq!(json(&g), json(&again), "passes {:?} not idempotent", passes);
     Ok(())
@@ -157,7 +167,13 @@ proptest! {
             .rewrite(&mut g)
             .unwrap();
         let everything = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default()), &["pad-gemm"]].concat();
-        check(&g, &everything, seed)?;
+        // After AMP values round to 16 bits between ops, and passes that reorder an
+        // f32 accumulation (transpose-into-matmul reads an operand the other way) can
+        // move a rounding by a unit of its last place, carried on to the outputs (seed
+        // 7349869297159779640, size 15: 0.93115 against 0.93066 at scale 1.84 in f16):
+        // held to two units at the outputs' scale.
+        let unit = if bf16 { f64::from(half::bf16::EPSILON) } else { f64::from(half::f16::EPSILON) };
+        check_within(&g, &everything, seed, 2.0 * unit)?;
     }
 
     #[test]
