@@ -20,6 +20,7 @@ use ampgraph::optim::{
     RuleOptimizer, Sgd,
 };
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision};
+use ampgraph::passes::Pass;
 use ampgraph::{Device, Session, SessionOptions};
 
 /// max |a - b| / max(|b|, 1) over two tensors of one type (NaN matching NaN).
@@ -111,6 +112,17 @@ fn cnn() -> (Graph, Port) {
     let logits = nn::dense(&mut g, h, 10, None).unwrap();
     let loss = g.softmax_cross_entropy(logits, labels).unwrap();
     g.set_outputs(vec![logits]).unwrap();
+    (g, loss)
+}
+
+/// [`cnn`] with its batch norms synchronised over one replica (`sync-batch-norm`):
+/// inference-form BatchNorms normalising by the statistics an AllReduce of one replica
+/// passes on, their gradient BatchNormGrad's inference form plus the batch's terms.
+fn sync_cnn() -> (Graph, Port) {
+    let (mut g, loss) = cnn();
+    ampgraph::passes::sync_batch_norm::SyncBatchNorm::new(1)
+        .run(&mut g)
+        .unwrap();
     (g, loss)
 }
 
@@ -218,6 +230,23 @@ fn cnn_training_steps_match_the_cpu() {
     // as much with every fusion pass off as with all on: rounding in f16 in another
     // order, which the next updates compound (6.3e-2 after three steps).
     compare_model_training("cnn AMP f16", cnn, Some(DType::F16), sgd(), 1, 2e-2);
+}
+
+#[test]
+fn synchronized_batch_norm_on_one_gpu_matches_the_cpu() {
+    if !common::cuda_or_skip() {
+        return;
+    }
+    let sgd = || Sgd::momentum(0.05, 0.9);
+    compare_model_training("sync cnn fp32", sync_cnn, None, sgd(), 3, 1e-4);
+    compare_model_training(
+        "sync cnn AMP f16",
+        sync_cnn,
+        Some(DType::F16),
+        sgd(),
+        1,
+        2e-2,
+    );
 }
 
 /// Dropout's masks (a hash of seed, step count and element) are the CPU's bit for
