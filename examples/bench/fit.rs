@@ -127,8 +127,9 @@ pub fn probed_step(
 /// The largest batch for which `fits` holds, searched from `start`: doubling while it
 /// fits, else stepping down 1, 2, 4, ... below `start` until one does (the device's
 /// answer lies a few batches below the host's: each probe there runs steps), then
-/// bisecting between the last batch that fit and the first that did not. `fits` must hold up to some batch and not beyond (a
-/// planned peak grows with the batch). None where batch 1 does not fit.
+/// bisecting between the last batch that fit and the first that did not. `fits` must
+/// hold up to some batch and not beyond (a planned peak grows with the batch). None
+/// where batch 1 does not fit.
 pub fn largest_batch(start: usize, mut fits: impl FnMut(usize) -> Res<bool>) -> Res<Option<usize>> {
     let (mut lo, mut hi);
     if fits(start.max(1))? {

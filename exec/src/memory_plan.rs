@@ -16,8 +16,8 @@
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
 use ampgraph_graph::ops::{
-    update_members, variable_updates, AllReduce, AssignVariable, Cast, Const, Placeholder,
-    Variable, VariableUpdate,
+    attrs_but_values, update_members, variable_updates, AllReduce, AssignVariable, Cast, Const,
+    Placeholder, Variable, VariableUpdate,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 use std::collections::{HashMap, HashSet};
@@ -77,16 +77,12 @@ pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
     for id in graph.node_ids() {
         let node = graph.node(id);
         (id.index(), node.op.name(), node.outputs(), graph.inputs(id)).hash(&mut h);
-        // A Const's values as their bytes (its `attrs` would copy them into f64s).
+        // A Const's values as their bytes.
         let constant = node.op.downcast_ref::<Const>();
         if let Some(values) = constant.and_then(|c| c.values.as_ref()) {
             values.le_bytes().hash(&mut h);
         }
-        let attrs = match constant {
-            Some(c) => c.type_attrs(),
-            None => node.op.attrs(),
-        };
-        for (name, value) in attrs {
+        for (name, value) in attrs_but_values(node.op.as_ref()) {
             name.hash(&mut h);
             match value {
                 AttrValue::Bool(b) => b.hash(&mut h),
@@ -120,7 +116,6 @@ fn in_place_updates_in_order(
     fetches: &[Port],
 ) -> Vec<(Port, NodeId)> {
     let position = positions(order);
-    let last_read = |start: NodeId| last_read(graph, &position, start);
     let mut found = Vec::new();
     for (at, &id) in order.iter().enumerate() {
         let Some((update, members)) = update_members(graph.node(id).op.as_ref()) else {
@@ -146,7 +141,7 @@ fn in_place_updates_in_order(
                 && graph.node(target.node).op.is::<Variable>()
                 && writes_target
                 && !fetches.iter().any(|f| f.node == target.node)
-                && last_read(target.node) <= Some(at)
+                && last_read(graph, &position, target.node) <= Some(at)
             {
                 found.push((port, target.node));
             }

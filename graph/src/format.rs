@@ -18,7 +18,7 @@ use crate::error::{GraphError, Result};
 use crate::graph::{Graph, NodeId};
 use crate::ops::fused::MEMBERS_ANNOTATION;
 use crate::ops::parse_op;
-use crate::ops::Const;
+use crate::ops::{attrs_but_values, Const};
 use crate::tensor::Data;
 
 pub const FORMAT_NAME: &str = "ampgraph.graph";
@@ -65,12 +65,9 @@ impl GraphDef {
             .node_ids()
             .map(|id| {
                 let n = g.node(id);
-                let constant = n.op.downcast_ref::<Const>();
-                let own = match constant {
-                    Some(c) => c.type_attrs(),
-                    None => n.op.attrs(),
-                };
-                let mut attrs: AttrMap = own.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+                let mut attrs: AttrMap = (attrs_but_values(n.op.as_ref()).into_iter())
+                    .map(|(k, v)| (k.to_string(), v))
+                    .collect();
                 attrs.extend(n.annotations.iter().map(|(k, v)| (k.clone(), v.clone())));
                 NodeDef {
                     name: n.name.clone(),
@@ -78,7 +75,7 @@ impl GraphDef {
                     inputs: g.inputs(id).into_iter().map(|p| g.port_name(p)).collect(),
                     attrs,
                     dtype: n.outputs().first().map(|t| t.dtype),
-                    values: constant.and_then(|c| c.values.clone()),
+                    values: (n.op.downcast_ref::<Const>()).and_then(|c| c.values.clone()),
                 }
             })
             .collect();
@@ -494,27 +491,26 @@ struct BinHeader {
 /// length (u64 little-endian), the header (bincode), then the constants' values as
 /// their little-endian bytes.
 pub fn to_bin(def: &GraphDef) -> Result<Vec<u8>> {
-    let stored: Vec<(usize, &Data)> = (def.nodes.iter().enumerate())
+    // Each stored node's index, values and their byte count.
+    let stored: Vec<(usize, &Data, usize)> = (def.nodes.iter().enumerate())
         .filter_map(|(i, n)| n.values.as_deref().map(|v| (i, v)))
+        .map(|(i, v)| (i, v, v.len() * v.dtype().size_bytes()))
         .collect();
     let header = BinHeader {
         def: def.clone(),
         values: (stored.iter())
-            .map(|&(i, v)| (i as u64, (v.len() * v.dtype().size_bytes()) as u64))
+            .map(|&(i, _, bytes)| (i as u64, bytes as u64))
             .collect(),
     };
     let header = bincode::serde::encode_to_vec(&header, bin_config())
         .map_err(|e| format_err(format!("cannot encode the graph: {e}")))?;
-    let value_bytes: u64 = stored
-        .iter()
-        .map(|&(_, v)| (v.len() * v.dtype().size_bytes()) as u64)
-        .sum();
-    let mut out = Vec::with_capacity(BIN_MAGIC.len() + 12 + header.len() + value_bytes as usize);
+    let value_bytes: usize = stored.iter().map(|&(_, _, bytes)| bytes).sum();
+    let mut out = Vec::with_capacity(BIN_MAGIC.len() + 12 + header.len() + value_bytes);
     out.extend_from_slice(BIN_MAGIC);
     out.extend_from_slice(&BIN_VERSION.to_le_bytes());
     out.extend_from_slice(&(header.len() as u64).to_le_bytes());
     out.extend_from_slice(&header);
-    for (_, v) in stored {
+    for (_, v, _) in stored {
         out.extend_from_slice(&v.le_bytes());
     }
     Ok(out)
@@ -810,12 +806,7 @@ pub fn to_text(g: &Graph) -> String {
     for id in g.topo_order().unwrap_or_else(|_| g.node_ids().collect()) {
         let n = g.node(id);
         let inputs: Vec<String> = g.inputs(id).into_iter().map(|p| g.port_name(p)).collect();
-        // A Const's values are left out (not copied into f64s only to be dropped).
-        let attrs = match n.op.downcast_ref::<Const>() {
-            Some(c) => c.type_attrs(),
-            None => n.op.attrs(),
-        };
-        let attrs: Vec<String> = (attrs.iter())
+        let attrs: Vec<String> = (attrs_but_values(n.op.as_ref()).iter())
             .map(|(k, v)| format!("{k}={}", attr_to_json(v)))
             .collect();
         let types: Vec<String> = n.outputs().iter().map(ToString::to_string).collect();

@@ -97,23 +97,6 @@ fn gradients_in_order(g: &Graph) -> Result<Vec<Port>, PassError> {
     Ok(ports)
 }
 
-/// The nodes some port of `ports` is computed from, theirs included: a reader of a
-/// gradient among them is part of the backward pass (a synchronised batch norm's
-/// statistics' gradients read its `dscale` and `doffset`), which needs the replica's
-/// own gradient (and reading the mean would make a cycle); the updates, the finite
-/// check and the clipping norm read the mean.
-fn computing(g: &Graph, ports: &[Port]) -> Vec<bool> {
-    let mut seen = vec![false; g.node_bound()];
-    let mut stack: Vec<NodeId> = ports.iter().map(|p| p.node).collect();
-    while let Some(id) = stack.pop() {
-        if std::mem::replace(&mut seen[id.index()], true) {
-            continue;
-        }
-        stack.extend(g.inputs(id).iter().map(|p| p.node));
-    }
-    seen
-}
-
 /// `ports` cut into buckets of at most `first` bytes, then `rest` bytes (a tensor
 /// larger than a bucket is a bucket of its own).
 fn buckets(g: &Graph, ports: &[Port], first: usize, rest: usize) -> Vec<Vec<Port>> {
@@ -164,7 +147,12 @@ impl Pass for DataParallel {
         let amax_line =
             (amaxes > 0).then(|| format!("{amaxes} FP8 amaxes: their max over the replicas"));
         let buckets = buckets(g, &ports, self.first_bucket_bytes, self.bucket_bytes);
-        let backward = computing(g, &ports);
+        // The nodes the gradients are computed from: a reader of a gradient among them
+        // is part of the backward pass (a synchronised batch norm's gradient reads its
+        // `dscale` and `doffset`), which needs the replica's own gradient (and reading
+        // the mean would make a cycle); the updates, the finite check and the clipping
+        // norm read the mean.
+        let backward = g.needed_by(&ports);
         let mut lines = Vec::new();
         let mut total = 0usize;
         for (i, bucket) in buckets.iter().enumerate() {

@@ -37,7 +37,7 @@
 //! to f32, which `algebraic` removes): AMP, run after this pass on the f32 graph,
 //! narrows `x` to 16 bits but leaves an explicit Cast's destination alone, so the
 //! reductions, the all-reduce and the variance stay in f32 (`cast-into-reduce` then
-//! folds the widening into the local mean); without it `Mean` and `Square` (infer ops)
+//! folds the widening into the local sum); without it `Sum` and `Square` (infer ops)
 //! would follow the 16-bit `x`, `x * x` could overflow and `S - M^2` would keep about
 //! three digits.
 //!
@@ -196,7 +196,7 @@ impl SyncBatchNorm {
         let zero = b.scalar("zero", stats, 0.0)?;
         let variance = b.binary("variance", BinaryKind::Maximum, difference, zero)?;
         // y: the batch norm in its inference form, normalising by the global
-        // statistics, which get gradients (its fused kernels, each way).
+        // statistics (its fused kernels, each way); its gradient adds their terms.
         let apply = BatchNorm {
             training: false,
             sync_replicas: self.replicas,

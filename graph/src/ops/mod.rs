@@ -53,7 +53,7 @@ pub use softmax::{FusedSoftmax, LogSoftmax, Softmax, SoftmaxCrossEntropy};
 pub use softmax::{
     SoftmaxCrossEntropyGrad, SoftmaxCrossEntropyWithGrad, SoftmaxGrad, MAX_SUMMED_CLASSES,
 };
-pub use source::{is_source, Cast, Const, Init, Placeholder, Variable};
+pub use source::{attrs_but_values, is_source, Cast, Const, Init, Placeholder, Variable};
 pub use train::{
     step_count, update_members, variable_updates, AllFinite, AssignVariable, Group,
     GroupedOptimizerUpdate, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule, VariableUpdate,

@@ -176,6 +176,16 @@ impl Op for Variable {
     }
 }
 
+/// `op`'s attributes, a Const's values left out (its [`Op::attrs`] copies them into
+/// f64s, eight bytes an element): what the text dump shows, the binary form writes
+/// beside the values' own bytes and a plan's fingerprint hashes beside them.
+pub fn attrs_but_values(op: &dyn Op) -> Vec<(&'static str, AttrValue)> {
+    match op.downcast_ref::<Const>() {
+        Some(c) => type_attrs(&c.ty),
+        None => op.attrs(),
+    }
+}
+
 /// A constant; absent values mean zeros (kept lazy so a huge zero Const costs nothing
 /// until it runs). The values are shared, not copied, by clones of the op (a graph's
 /// copies), by the tensor it was made from and by the tensors it evaluates to: a
@@ -192,12 +202,6 @@ impl Const {
             ty: t.ty(),
             values: Some(t.into_shared_data()),
         }
-    }
-
-    /// The attributes but the values: what a one-line display shows (the values'
-    /// f64 copy in [`Op::attrs`] is eight bytes an element).
-    pub fn type_attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        type_attrs(&self.ty)
     }
 
     fn parse(a: &mut AttrReader) -> OpResult<Const> {
