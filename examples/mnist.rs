@@ -349,7 +349,10 @@ fn train_replicas(
         let report = replicas.epoch(loader, &step, net.images, net.labels, at)?;
         at = report.next;
         let accuracy = match (eval.as_deref_mut(), replicas.session(0)) {
-            (Some(e), Some(s)) => format!(", eval accuracy {:.4}", e.accuracy_of(s)?),
+            (Some(e), Some(s)) => {
+                let e = e.evaluate(s)?;
+                format!(", eval loss {:.4}, eval accuracy {:.4}", e.loss, e.accuracy)
+            }
             _ => String::new(),
         };
         if leads {

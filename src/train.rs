@@ -124,9 +124,9 @@ pub struct EpochReport {
     pub saved: Saved,
     /// Where the next epoch starts.
     pub next: Position,
-    /// The share of the evaluation set classified right after the epoch, where
-    /// [`Trainer::fit`] evaluated.
-    pub accuracy: Option<f64>,
+    /// The evaluation set's accuracy and loss after the epoch, where [`Trainer::fit`]
+    /// evaluated.
+    pub evaluated: Option<Evaluated>,
 }
 
 impl EpochReport {
@@ -174,8 +174,13 @@ impl fmt::Display for EpochReport {
                 if n == 1 { "" } else { "s" }
             )?;
         }
-        if let Some(a) = self.accuracy {
-            write!(f, ", eval accuracy {:.2}%", 100.0 * a)?;
+        if let Some(e) = self.evaluated {
+            write!(
+                f,
+                ", eval loss {:.4}, eval accuracy {:.2}%",
+                e.loss,
+                100.0 * e.accuracy
+            )?;
         }
         Ok(())
     }
@@ -434,7 +439,7 @@ impl<'s> Trainer<'s> {
             loss_scale_alarms: alarms,
             saved,
             next,
-            accuracy: None,
+            evaluated: None,
         })
     }
 
@@ -452,7 +457,7 @@ impl<'s> Trainer<'s> {
         while at.epoch <= last {
             let mut report = self.epoch(loader, at)?;
             if let Some(eval) = eval.as_mut() {
-                report.accuracy = Some(eval.accuracy_of(self.session)?);
+                report.evaluated = Some(eval.evaluate(self.session)?);
             }
             on_epoch(&report);
             at = report.next;
@@ -491,28 +496,39 @@ pub struct Evaluation {
 }
 
 impl Evaluation {
-    /// The accuracy of `trained`'s current weights (copied into this session first).
-    pub fn accuracy_of(&mut self, trained: &Session) -> Result<f64, TrainError> {
+    /// The accuracy and loss of `trained`'s current weights (copied into this session
+    /// first).
+    pub fn evaluate(&mut self, trained: &Session) -> Result<Evaluated, TrainError> {
         self.session.copy_variables_from(trained)?;
-        accuracy(&mut self.session, self.logits, self.images, &self.loader)
+        evaluate(&mut self.session, self.logits, self.images, &self.loader)
     }
 }
 
-/// The share of `examples` whose largest logit is at their label: `logits` is a
-/// session's `[batch, classes]` output for the Placeholder `images` fed each batch of
-/// `loader` (in its order; shuffle off for a fixed order). A short last batch is
-/// padded with zeros to the graph's batch size and only its real rows count (each
-/// row's logits depend on that row alone in inference).
-pub fn accuracy(
+/// How a model did on an evaluation set.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Evaluated {
+    /// The share of examples whose largest logit is at their label.
+    pub accuracy: f64,
+    /// The mean softmax cross-entropy of the logits against the labels (in f64): a
+    /// held-out loss, smoother than the accuracy for comparing two runs.
+    pub loss: f64,
+}
+
+/// The accuracy and loss over `loader`'s examples: `logits` is a session's
+/// `[batch, classes]` output for the Placeholder `images` fed each batch of `loader`
+/// (in its order; shuffle off for a fixed order). A short last batch is padded with
+/// zeros to the graph's batch size and only its real rows count (each row's logits
+/// depend on that row alone in inference).
+pub fn evaluate(
     session: &mut Session,
     logits: Port,
     images: Port,
     loader: &Loader,
-) -> Result<f64, TrainError> {
+) -> Result<Evaluated, TrainError> {
     let want = session.graph().ty(images).clone();
     let name = session.graph().node(images.node).name.clone();
     let rows = want.shape.first().copied().unwrap_or(0);
-    let (mut correct, mut total) = (0usize, 0usize);
+    let (mut correct, mut total, mut loss) = (0usize, 0usize, 0.0);
     for batch in loader.epoch(0) {
         let batch = batch?;
         let n = batch.labels.shape()[0];
@@ -531,10 +547,26 @@ pub fn accuracy(
         for (row, &label) in values.chunks(classes).zip(&labels).take(n) {
             let predicted = (0..classes).max_by(|&a, &b| row[a].total_cmp(&row[b]));
             correct += usize::from(predicted == Some(label as usize));
+            loss += cross_entropy(row, label);
         }
         total += n;
     }
-    Ok(correct as f64 / total.max(1) as f64)
+    let total = total.max(1) as f64;
+    Ok(Evaluated {
+        accuracy: correct as f64 / total,
+        loss: loss / total,
+    })
+}
+
+/// `-log softmax(row)[label]`, by the log-sum-exp around the row's largest logit (a
+/// label outside the row counts as infinitely wrong).
+fn cross_entropy(row: &[f64], label: i64) -> f64 {
+    let top = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let log_sum = top + row.iter().map(|v| (v - top).exp()).sum::<f64>().ln();
+    usize::try_from(label)
+        .ok()
+        .and_then(|l| row.get(l))
+        .map_or(f64::INFINITY, |v| log_sum - v)
 }
 
 fn batch_shape(loader: &Loader) -> Vec<usize> {

@@ -25,7 +25,10 @@ fn it_trains_on_its_synthetic_folder() {
         .lines()
         .filter(|l| l.starts_with("epoch "))
         .map(|l| {
-            assert!(l.contains("eval accuracy"), "{l}");
+            assert!(
+                l.contains("eval loss") && l.contains("eval accuracy"),
+                "{l}"
+            );
             let loss = l.split("loss ").nth(1).unwrap().split(',').next().unwrap();
             loss.parse().unwrap()
         })

@@ -40,7 +40,10 @@ fn two_cpu_replicas_train_mnist_and_checkpoint_once() {
         .lines()
         .filter(|l| l.starts_with("epoch "))
         .map(|l| {
-            assert!(l.contains("eval accuracy"), "{l}");
+            assert!(
+                l.contains("eval loss") && l.contains("eval accuracy"),
+                "{l}"
+            );
             l.split("loss ")
                 .nth(1)
                 .unwrap()

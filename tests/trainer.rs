@@ -187,8 +187,17 @@ fn evaluation_pads_a_short_last_batch_and_counts_its_real_rows() {
         ..LoaderOptions::default()
     };
     let loader = Loader::new(Arc::new(data), options).unwrap();
-    let accuracy = train::accuracy(&mut session, logits, images, &loader).unwrap();
-    assert_eq!(accuracy, 0.8);
+    let evaluated = train::evaluate(&mut session, logits, images, &loader).unwrap();
+    assert_eq!(evaluated.accuracy, 0.8);
+    // Each row's logits are 1 at its brightest pixel and 0 elsewhere: -log(e / (e + 9))
+    // for the four right, -log(1 / (e + 9)) for the wrong one.
+    let e = std::f64::consts::E;
+    let want = (4.0 * ((e + 9.0) / e).ln() + (e + 9.0).ln()) / 5.0;
+    assert!(
+        (evaluated.loss - want).abs() < 1e-12,
+        "{} {want}",
+        evaluated.loss
+    );
 }
 
 #[test]

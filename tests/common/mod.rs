@@ -611,7 +611,9 @@ pub fn mnist_mlp_accuracy(
     while at.epoch <= epochs {
         at = trainer.epoch(&train, at).unwrap().next;
     }
-    let accuracy = ampgraph::train::accuracy(&mut s, logits, images, &eval).unwrap();
+    let accuracy = ampgraph::train::evaluate(&mut s, logits, images, &eval)
+        .unwrap()
+        .accuracy;
     (100.0 * accuracy, ran)
 }
 
