@@ -3,11 +3,11 @@
 
 Each run is a section `## resnet50 seed S MODE` (MODE `amp` or `--fp32`) followed by the
 image-folder example's epoch lines (`epoch N: loss L, ..., eval loss E, eval accuracy
-A%`). Per run: the last epoch's held-out loss and accuracy, and the mean training loss
-of the last three epochs. Per precision: their means over the seeds with standard
-errors; and, the comparison the 1% bar asks, AMP's held-out loss relative to f32's of
-the same seed (same start, same batches): the mean of those ratios minus one, with its
-standard error.
+A%`). AMP and f32 runs of one seed start from the same weights and see the same batches,
+so the comparison is paired: per epoch, the mean over the seeds of each precision's
+training loss, and the mean of the per-seed differences AMP - f32 with its standard
+error, also as a share of f32's mean; then the same for the last epoch's held-out loss
+and accuracy. (Ratios per seed would be dominated by the seeds whose loss is nearest 0.)
 
     python3 convergence_stats.py convergence.txt
 """
@@ -41,37 +41,34 @@ def parse(path):
     return runs
 
 
+def compare(label, amp, f32):
+    """One row: both means and the paired difference with its standard error."""
+    diff, se = mean_se([a - f for a, f in zip(amp, f32)])
+    base = sum(f32) / len(f32)
+    print(f"| {label} | {sum(amp) / len(amp):.4f} | {base:.4f} | {diff:+.4f} +- {se:.4f} | "
+          f"{100 * diff / base:+.1f}% +- {100 * se / base:.1f}% |")
+
+
 def main():
     runs = parse(sys.argv[1])
-    per_mode = defaultdict(lambda: defaultdict(list))
-    ratios = []
-    print("| seed | mode | train loss (last 3 epochs) | eval loss | eval accuracy |")
+    seeds = [s for s in sorted(runs, key=lambda s: (len(s), s))
+             if len(runs[s].get("amp", [])) == len(runs[s].get("--fp32", [])) > 0]
+    left = sorted(set(runs) - set(seeds))
+    if left:
+        print(f"left out (a run missing or cut short): seeds {', '.join(left)}")
+    if not seeds:
+        return
+    print(f"resnet50, {len(seeds)} seeds, AMP f16 against f32 from the same start\n")
+    print("| measure | AMP mean | f32 mean | AMP - f32 (paired, standard error) | of f32's mean |")
     print("|---|---|---|---|---|")
-    for seed in sorted(runs, key=lambda s: (len(s), s)):
-        finals = {}
-        for mode, epochs in sorted(runs[seed].items()):
-            if len(epochs) < 3:
-                print(f"| {seed} | {mode} | (ran {len(epochs)} epochs: left out) | | |")
-                continue
-            train = sum(e[0] for e in epochs[-3:]) / 3
-            _, eval_loss, accuracy = epochs[-1]
-            finals[mode] = eval_loss
-            per_mode[mode]["train"].append(train)
-            per_mode[mode]["eval"].append(eval_loss)
-            per_mode[mode]["accuracy"].append(accuracy)
-            print(f"| {seed} | {mode} | {train:.4f} | {eval_loss:.4f} | {accuracy:.2f}% |")
-        if "amp" in finals and "--fp32" in finals and finals["--fp32"] > 0:
-            ratios.append(finals["amp"] / finals["--fp32"] - 1)
-    print()
-    for mode, stats in sorted(per_mode.items()):
-        parts = [f"{name} {m:.4f} +- {se:.4f}" for name, (m, se) in
-                 ((k, mean_se(v)) for k, v in stats.items())]
-        print(f"resnet50 {mode}: {len(stats['eval'])} runs; means over the seeds "
-              f"(standard errors): " + ", ".join(parts))
-    if ratios:
-        m, se = mean_se(ratios)
-        print(f"resnet50 AMP eval loss against f32's of the same seed: {100 * m:+.2f}% "
-              f"+- {100 * se:.2f}% (standard error, {len(ratios)} seeds)")
+    epochs = len(runs[seeds[0]]["amp"])
+    for e in range(epochs):
+        compare(f"training loss, epoch {e + 1}",
+                [runs[s]["amp"][e][0] for s in seeds], [runs[s]["--fp32"][e][0] for s in seeds])
+    compare("held-out loss after the last epoch",
+            [runs[s]["amp"][-1][1] for s in seeds], [runs[s]["--fp32"][-1][1] for s in seeds])
+    compare("held-out accuracy (%) after the last epoch",
+            [runs[s]["amp"][-1][2] for s in seeds], [runs[s]["--fp32"][-1][2] for s in seeds])
 
 
 if __name__ == "__main__":
