@@ -6,7 +6,9 @@
 //! group's [`Abort`]. A replica whose step fails raises the
 //! abort; every other replica waiting on a collective sees it (or its own timeout),
 //! gives up its communicator and fails naming the rank that failed, so no replica
-//! hangs on a peer that will never come.
+//! hangs on a peer that will never come. Between processes a [`TcpGroup`]'s watcher
+//! raises the abort as soon as a rank's connection closes, also while every rank waits
+//! in NCCL rather than on the sockets.
 //!
 //! [`AllReduce`]: ampgraph_graph::ops::AllReduce
 
@@ -226,7 +228,10 @@ impl SharedGroup {
 /// averaging through rank 0 over the connections their rendezvous made: every other
 /// rank sends its tensors to rank 0, which takes the means as a [`SharedGroup`] does
 /// (in rank order, in f64: the bits of threads) and sends them back to each. A rank
-/// whose process ends closes its connection: the others' all-reduce fails naming it.
+/// whose process ends closes its connection: the others' all-reduce fails naming it,
+/// and, between collectives, the group's watcher stops them at once: rank 0's sees the
+/// connection close, raises its abort and sends the reason to every other rank, whose
+/// watchers raise theirs (a CUDA rank waiting in NCCL then aborts its communicator).
 #[derive(Debug)]
 pub struct TcpGroup {
     links: Mutex<Links>,
@@ -255,15 +260,21 @@ impl TcpGroup {
         abort: &Abort,
         timeout: Duration,
     ) -> Collective {
+        let group = Arc::new(TcpGroup {
+            links: Mutex::new(links),
+        });
+        watch(&group, abort.clone());
         Collective {
             rank,
             world,
-            transport: Transport::Tcp(Arc::new(TcpGroup {
-                links: Mutex::new(links),
-            })),
+            transport: Transport::Tcp(group),
             abort: abort.clone(),
             timeout,
         }
+    }
+
+    fn links(&self) -> MutexGuard<'_, Links> {
+        self.links.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The reduction over the replicas of each of `inputs` (the same on every rank).
@@ -273,9 +284,15 @@ impl TcpGroup {
         inputs: &[&Tensor],
         reduction: Reduction,
     ) -> Result<Vec<Tensor>, String> {
+        if let Some(why) = me.abort.reason() {
+            return Err(format!(
+                "replica {} stopped at an all-reduce: {why}",
+                me.rank
+            ));
+        }
         let start = Instant::now();
         let left = || me.timeout.saturating_sub(start.elapsed()).max(MIN_WAIT);
-        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let mut links = self.links();
         let result = match &mut *links {
             Links::Hub(peers) => {
                 let mut deposits = vec![inputs.iter().map(|&t| t.clone()).collect()];
@@ -314,6 +331,129 @@ impl TcpGroup {
 
 /// The least time given to one read.
 const MIN_WAIT: Duration = Duration::from_millis(50);
+
+/// How long the watcher's `poll` waits before it looks again whether its group is
+/// still there.
+const WATCH_TICK: Duration = Duration::from_millis(100);
+
+/// Starts the watcher of `group`'s connections (a thread that ends with the group).
+/// Rank 0's watches for a connection closing (its process ended), without reading:
+/// the other ranks' messages arrive at any time, for an all-reduce it has not reached
+/// yet. Once its abort is raised, by the watcher or by anything else in its process,
+/// it sends the reason to every other rank still connected. Any other rank's watches
+/// its connection to rank 0: outside an all-reduce (its links free) nothing arrives
+/// there but that reason, or the end of the connection.
+#[cfg(target_os = "linux")]
+fn watch(group: &Arc<TcpGroup>, abort: Abort) {
+    use std::os::fd::AsRawFd;
+    let peers: Vec<(usize, i32)> = match &*group.links() {
+        Links::Hub(streams) => (streams.iter().enumerate())
+            .map(|(k, s)| (k + 1, s.as_raw_fd()))
+            .collect(),
+        Links::Spoke(stream) => vec![(0, stream.as_raw_fd())],
+    };
+    let group = Arc::downgrade(group);
+    let watcher = move || {
+        let hub = peers.first().is_some_and(|p| p.0 != 0);
+        let mut open = peers;
+        let mut told = false;
+        let events = if hub {
+            libc::POLLRDHUP
+        } else {
+            libc::POLLIN | libc::POLLRDHUP
+        };
+        while let Some(group) = group.upgrade() {
+            if hub && !told {
+                if let (Some(why), Ok(mut links)) = (abort.reason(), group.links.try_lock()) {
+                    if let Links::Hub(streams) = &mut *links {
+                        for &(rank, _) in &open {
+                            let _ = write_message(&mut streams[rank - 1], Err(&why));
+                        }
+                    }
+                    told = true;
+                }
+            }
+            if open.is_empty() {
+                return;
+            }
+            let fds = poll(&open, events, WATCH_TICK);
+            if hub {
+                for (k, &revents) in fds.iter().enumerate().rev() {
+                    if revents & CLOSED != 0 {
+                        let rank = open.remove(k).0;
+                        abort.raise(format!(
+                            "replica {rank}'s process is gone (its connection closed)"
+                        ));
+                    }
+                }
+                continue;
+            }
+            if fds[0] == 0 {
+                continue;
+            }
+            // Rank 0's reason, or the end of its connection: read where no all-reduce
+            // is reading (one that is meets the same and fails with it), once it is
+            // there with the links held (an all-reduce may have just read its reply).
+            let Ok(mut links) = group.links.try_lock() else {
+                std::thread::sleep(POLL);
+                continue;
+            };
+            if poll(&open, events, Duration::ZERO)[0] == 0 {
+                continue;
+            }
+            if let Links::Spoke(stream) = &mut *links {
+                abort.raise(match read_message(stream, MIN_WAIT) {
+                    Ok(Err(why)) => why,
+                    Ok(Ok(_)) => "replica 0 sent tensors outside an all-reduce".to_string(),
+                    Err(e) => gone(0, &e, Duration::ZERO),
+                });
+            }
+            return;
+        }
+    };
+    // Without a thread the group still works: a closed connection is then found by
+    // the next all-reduce, and a rank in NCCL waits for its timeout.
+    let _ = std::thread::Builder::new()
+        .name("ampgraph-group-watch".into())
+        .spawn(watcher);
+}
+
+/// Whether a connection closed (any of these in `poll`'s `revents`).
+#[cfg(target_os = "linux")]
+const CLOSED: i16 = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+
+/// `poll(2)` of the sockets `fds` (rank, descriptor) for `events`, waiting at most
+/// `wait`: each one's `revents` (0 where nothing happened or the call failed).
+#[cfg(target_os = "linux")]
+fn poll(fds: &[(usize, i32)], events: i16, wait: Duration) -> Vec<i16> {
+    let mut polled: Vec<libc::pollfd> = (fds.iter())
+        .map(|&(_, fd)| libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: the descriptors are sockets of a group the caller holds (open for the
+    // call); `poll` writes only their `revents`.
+    let ready = unsafe {
+        libc::poll(
+            polled.as_mut_ptr(),
+            polled.len() as libc::nfds_t,
+            wait.as_millis() as i32,
+        )
+    };
+    (polled.iter())
+        .map(|p| if ready > 0 { p.revents } else { 0 })
+        .collect()
+}
+
+/// Elsewhere a closed connection is found by the next all-reduce (and a rank in NCCL
+/// waits for its timeout).
+#[cfg(not(target_os = "linux"))]
+fn watch(_group: &Arc<TcpGroup>, _abort: Abort) {}
+
+/// Between looks at a connection whose data an all-reduce is reading.
+const POLL: Duration = Duration::from_millis(20);
 
 /// Why the connection to replica `rank` failed.
 fn gone(rank: usize, e: &std::io::Error, waited: Duration) -> String {
@@ -662,6 +802,66 @@ mod tests {
             e.contains("replica 1 did not come within") && e.contains("timeout"),
             "{e}"
         );
+    }
+
+    /// Every member's abort reason, once all are raised (within `within`).
+    fn reasons(members: &[Collective], within: Duration) -> Vec<String> {
+        let start = Instant::now();
+        while members.iter().any(|m| m.abort.reason().is_none()) && start.elapsed() < within {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        (members.iter())
+            .map(|m| m.abort.reason().unwrap_or_else(|| "(not stopped)".into()))
+            .collect()
+    }
+
+    /// A rank whose process ends while the others wait outside the group's sockets (in
+    /// NCCL, on CUDA) stops every other rank within a fraction of a second, naming it
+    /// (rank 0 sees the connection close and tells the others); their next all-reduce
+    /// fails at once with the reason. Rank 0's own end stops the rest likewise.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_replica_process_that_ends_between_collectives_stops_the_others_at_once() {
+        let t = Tensor::scalar(DType::F32, 1.0);
+        let long = Duration::from_secs(60);
+        let mut members = tcp_members(3, long);
+        // A round first: the watchers leave the all-reduces' messages alone.
+        let means = std::thread::scope(|s| {
+            let handles: Vec<_> = (members.iter())
+                .map(|m| s.spawn(|| m.host_all_reduce(&[&t], Reduction::Mean)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        assert!(
+            means.iter().all(|m| m.as_ref().is_ok_and(|m| m[0] == t)),
+            "{means:?}"
+        );
+        drop(members.pop());
+        let start = Instant::now();
+        for why in reasons(&members, Duration::from_secs(5)) {
+            assert_eq!(why, "replica 2's process is gone (its connection closed)");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        let e = members[1]
+            .host_all_reduce(&[&t], Reduction::Mean)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            "replica 1 stopped at an all-reduce: replica 2's process is gone (its connection closed)"
+        );
+
+        let mut members = tcp_members(3, long);
+        members.remove(0);
+        for why in reasons(&members, Duration::from_secs(5)) {
+            assert_eq!(why, "replica 0's process is gone (its connection closed)");
+        }
     }
 
     #[test]
