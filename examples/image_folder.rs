@@ -186,6 +186,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut step = match amp {
         Some(d) => enable_mixed_precision_graph_rewrite(sgd)
             .with_dtype(d)
+            .with_loss_scale(run.loss_scale())
             .minimize(&mut net.graph, loss)?,
         None => sgd.minimize(&mut net.graph, loss)?,
     };

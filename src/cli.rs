@@ -238,6 +238,12 @@ pub struct TrainArgs {
     /// scaling).
     #[arg(long, conflicts_with_all = ["fp32", "bf16"])]
     pub fp8: bool,
+    /// The dynamic loss scale's first value under f16 AMP (halved on each overflow,
+    /// that step skipped; doubled after 2000 finite steps). The default is
+    /// TensorFlow's 2^15 (PyTorch's GradScaler starts at 2^16); a model whose
+    /// gradients overflow there skips its first steps until the scale fits.
+    #[arg(long, default_value_t = 32768.0, value_parser = positive)]
+    pub initial_loss_scale: f64,
     /// Seed of the initial weights, the shuffles and the random transforms.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -261,6 +267,15 @@ pub struct TrainArgs {
     pub device: DeviceArg,
 }
 
+/// A finite number above 0 (a loss scale).
+fn positive(text: &str) -> std::result::Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number above 0")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 impl TrainArgs {
     /// The AMP dtype (`f8e4m3` for FP8 products on bf16), or `None` for plain f32.
     pub fn amp(&self) -> Option<DType> {
@@ -270,6 +285,11 @@ impl TrainArgs {
             (_, _, true) => Some(DType::F8E4M3),
             _ => Some(DType::F16),
         }
+    }
+
+    /// The dynamic loss scale, from `--initial-loss-scale`.
+    pub fn loss_scale(&self) -> crate::optim::LossScale {
+        crate::optim::LossScale::dynamic(self.initial_loss_scale)
     }
 
     /// The precision as a run's header says it: `fp32`, `AMP f16`, `AMP bf16`, or

@@ -483,14 +483,23 @@ pub enum LossScale {
     None,
 }
 
-impl Default for LossScale {
-    fn default() -> Self {
+impl LossScale {
+    /// TensorFlow's dynamic loss scale from `initial`: doubled after 2000 finite
+    /// steps, halved on overflow.
+    pub fn dynamic(initial: f64) -> Self {
         LossScale::Dynamic {
-            initial: 32768.0,
+            initial,
             growth_interval: 2000,
             growth_factor: 2.0,
             backoff_factor: 0.5,
         }
+    }
+}
+
+impl Default for LossScale {
+    /// Dynamic from 2^15, TensorFlow's start.
+    fn default() -> Self {
+        LossScale::dynamic(32768.0)
     }
 }
 

@@ -18,15 +18,27 @@ fn run(args: &[&str]) -> Output {
 
 #[test]
 fn it_trains_on_its_synthetic_folder() {
-    let out = run(&["--epochs", "2", "--seed", "4242", "--batch", "32"]);
+    let out = run(&[
+        "--epochs",
+        "2",
+        "--seed",
+        "4242",
+        "--batch",
+        "32",
+        "--initial-loss-scale",
+        "512",
+    ]);
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
     let losses: Vec<f64> = text
         .lines()
         .filter(|l| l.starts_with("epoch "))
         .map(|l| {
+            // The scale started at 512 and this small convnet does not overflow.
             assert!(
-                l.contains("eval loss") && l.contains("eval accuracy"),
+                l.contains("loss scale 512,")
+                    && l.contains("eval loss")
+                    && l.contains("eval accuracy"),
                 "{l}"
             );
             let loss = l.split("loss ").nth(1).unwrap().split(',').next().unwrap();
@@ -35,6 +47,19 @@ fn it_trains_on_its_synthetic_folder() {
         .collect();
     assert_eq!(losses.len(), 2, "{text}");
     assert!(losses[1] < losses[0], "{losses:?}");
+}
+
+#[test]
+fn a_loss_scale_that_is_not_a_positive_number_is_refused() {
+    for bad in ["0", "inf", "NaN"] {
+        let out = run(&["--initial-loss-scale", bad]);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains("not a finite number above 0"),
+            "{stderr}"
+        );
+    }
 }
 
 #[test]
