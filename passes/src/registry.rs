@@ -189,7 +189,7 @@ pub const PASSES: &[PassEntry] = &[
     },
     PassEntry {
         name: "sum-into-elementwise",
-        summary: "A bias gradient's column Sum becomes an extra output of the elementwise kernel that produces its operand.",
+        summary: "A bias gradient's column Sum becomes an extra output of the elementwise kernel that produces its operand (which no longer stores a value only summed).",
         make: || Box::new(SumIntoElementwise),
     },
     PassEntry {

@@ -7,7 +7,9 @@
 //! layer's bias gradient is summed by the kernel computing the activation's gradient,
 //! and the output layer's by the cast of the loss gradient to f16. A kernel that
 //! depends on the sum itself never takes it, nor one that no output needs (dead code
-//! would come back to life).
+//! would come back to life). A value the node stored only for the sums it now takes
+//! (a batch norm's square of `x`) is no longer stored: a program may output its
+//! column sums alone.
 //!
 //! Only sums that accumulate and store in the program's column-sum type (f32 for
 //! f16/bf16/f32 operands, after `cast-into-reduce` has given f16 bias gradients their
@@ -129,6 +131,61 @@ pub(crate) fn producer_program(
     Some((fused.op, fused.inputs))
 }
 
+/// Drops the outputs of the fused program `id` that nothing reads (and the graph does
+/// not output), its readers' ports renumbered: the bytes no longer written.
+fn drop_unread_outputs(g: &mut Graph, id: NodeId) -> Result<u64, PassError> {
+    let Some(op) = g.node(id).op.downcast_ref::<FusedElementwise>() else {
+        return Ok(0);
+    };
+    let total = op.outputs().len() + op.column_sums().len();
+    let mut read = vec![false; total];
+    for port in (g.consumers(id).into_iter().map(|c| c.2)).chain(g.outputs().iter().copied()) {
+        if port.node == id {
+            read[port.index] = true;
+        }
+    }
+    let stored = op.outputs().len();
+    if read[..stored].iter().all(|&r| r) {
+        return Ok(0);
+    }
+    let kept = op
+        .retain_outputs(|o| read[o])
+        .map_err(|e| PassError::Rewrite(format!("'{}': {e}", g.node(id).name)))?;
+    let unwritten: u64 = (0..stored)
+        .filter(|&o| !read[o])
+        .map(|o| g.node(id).outputs()[o].size_bytes() as u64)
+        .sum();
+    // Every output read keeps its order: each moves down by the unread ones before it
+    // (so to a port the node has now as well).
+    let new_index: Vec<usize> = (0..total)
+        .scan(0, |next, o| {
+            let index = *next;
+            *next += usize::from(read[o] || o >= stored);
+            Some(index)
+        })
+        .collect();
+    let moves: Vec<(NodeId, usize, Port)> = (g.consumers(id).into_iter())
+        .filter(|c| new_index[c.2.index] != c.2.index)
+        .map(|(reader, slot, port)| (reader, slot, Port::new(id, new_index[port.index])))
+        .collect();
+    g.rewire(moves)?;
+    if g.outputs()
+        .iter()
+        .any(|p| p.node == id && new_index[p.index] != p.index)
+    {
+        let outputs: Vec<Port> = (g.outputs().iter())
+            .map(|&p| match p.node == id {
+                true => Port::new(id, new_index[p.index]),
+                false => p,
+            })
+            .collect();
+        g.set_outputs(outputs)?;
+    }
+    let inputs = g.inputs(id);
+    g.set_node(id, Box::new(kept), &inputs)?;
+    Ok(unwritten)
+}
+
 impl Pass for SumIntoElementwise {
     fn name(&self) -> &'static str {
         "sum-into-elementwise"
@@ -168,6 +225,7 @@ impl Pass for SumIntoElementwise {
         let (mut folded, mut bytes) = (0usize, 0u64);
         let mut rewired = Vec::new();
         let mut removed = Vec::new();
+        let mut producers = Vec::new();
         for (producer, sums) in taken {
             let Some((op, inputs)) = producer_program(g, &adj, producer) else {
                 continue;
@@ -202,6 +260,7 @@ impl Pass for SumIntoElementwise {
                 removed.push(sum);
             }
             g.set_node(producer, Box::new(op), &inputs)?;
+            producers.push(producer);
             let summed: Vec<NodeId> = sums.iter().map(|&(sum, _)| sum).collect();
             record_members(g, producer, producer, &summed);
             folded += sums.len();
@@ -210,13 +269,20 @@ impl Pass for SumIntoElementwise {
         for id in removed {
             g.remove_node(id)?;
         }
+        // A value written only for the sum now taken (a batch norm's square of x) is
+        // not written at all.
+        let mut unwritten = 0;
+        for &producer in &producers {
+            unwritten += drop_unread_outputs(g, producer)?;
+        }
         let lines = vec![
             format!(
                 "sum-into-elementwise: {folded} column sums computed by the elementwise kernel producing their operand ({folded} reductions fewer per run)"
             ),
             format!(
-                "sum-into-elementwise: {} of tensors no longer read back",
-                format_bytes(bytes)
+                "sum-into-elementwise: {} of tensors no longer read back, {} no longer written (values only summed)",
+                format_bytes(bytes),
+                format_bytes(unwritten)
             ),
         ];
         Ok(summary("sum-into-elementwise", lines))
@@ -297,6 +363,47 @@ mod tests {
         let summary = SumIntoElementwise.run(&mut g).unwrap();
         assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
         assert_eq!(text, ampgraph_graph::format::to_text(&g));
+    }
+
+    /// A batch norm's statistics on `[N, C]` f16 values: the column sums of x in f32
+    /// and of its square. After `fuse` one program casts and squares; once both sums
+    /// are its own, nothing reads the square it stored, and it stores only the sums.
+    #[test]
+    fn a_value_only_summed_is_no_longer_written() {
+        let mut before = Graph::new();
+        let x = before.placeholder("x", DType::F16, [16, 8]).unwrap();
+        let wide = before
+            .add(ampgraph_graph::ops::Cast { to: DType::F32 }, &[x])
+            .unwrap();
+        let square = before.mul(wide, wide).unwrap();
+        let sum = || Reduce::new(ReduceKind::Sum, Some(vec![0]), false);
+        let (s1, s2) = (
+            before.add(sum(), &[wide]).unwrap(),
+            before.add(sum(), &[square]).unwrap(),
+        );
+        let (mean, mean_square) = (before.mul(s1, s1).unwrap(), before.mul(s2, s2).unwrap());
+        before.set_outputs(vec![mean, mean_square]).unwrap();
+        let mut g = before.clone();
+        crate::fuse::Fuse.run(&mut g).unwrap();
+        let summary = SumIntoElementwise.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(summary.lines[0].contains(": 2 column sums"), "{summary}");
+        assert!(
+            summary.lines[1].contains("1.0 KiB no longer written"),
+            "{summary}"
+        );
+        let programs: Vec<&FusedElementwise> = (g.node_ids())
+            .filter_map(|id| g.node(id).op.downcast_ref::<FusedElementwise>())
+            .collect();
+        let stats = programs
+            .iter()
+            .find(|f| !f.column_sums().is_empty())
+            .unwrap();
+        assert!(stats.outputs().is_empty(), "{stats}");
+        let ramp: Vec<f64> = (0..128).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
+        let x = Tensor::from_f64(DType::F16, vec![16, 8], &ramp).unwrap();
+        let feeds = [("x", x)].into_iter().collect();
+        assert_same_bits(&run_cpu(&before, &feeds), &run_cpu(&g, &feeds));
     }
 
     /// `g: f32[16, 8]` (a Placeholder: no kernel produces it) read by `Cast<f16>` and

@@ -171,6 +171,32 @@ impl FusedElementwise {
     /// operands defined before use with the op's count, inputs read as `in0, in1, ...`
     /// once each in this order, outputs defined. Types are checked by `infer`.
     pub fn new(instrs: Vec<Instr>, outputs: Vec<usize>) -> OpResult<FusedElementwise> {
+        FusedElementwise::from_parts(instrs, outputs, Vec::new())
+    }
+
+    /// The same program also outputting the column sums of `sums` (values of the
+    /// domain's size, the domain of rank 2 or more, all summed in one dtype; at most
+    /// [`MAX_COLUMN_SUMS`]), after its other outputs.
+    pub fn with_column_sums(self, sums: Vec<usize>) -> OpResult<FusedElementwise> {
+        FusedElementwise::from_parts(self.instrs, self.outputs, sums)
+    }
+
+    /// The same program storing only the outputs `keep` says (by their number), its
+    /// column sums unchanged: an output nothing reads is not written. A program keeps
+    /// at least one output or column sum.
+    pub fn retain_outputs(&self, keep: impl Fn(usize) -> bool) -> OpResult<FusedElementwise> {
+        let outputs = (self.outputs.iter().enumerate())
+            .filter(|&(o, _)| keep(o))
+            .map(|(_, &v)| v)
+            .collect();
+        FusedElementwise::from_parts(self.instrs.clone(), outputs, self.sums.clone())
+    }
+
+    fn from_parts(
+        instrs: Vec<Instr>,
+        outputs: Vec<usize>,
+        sums: Vec<usize>,
+    ) -> OpResult<FusedElementwise> {
         let mut num_inputs = 0;
         for (j, ins) in instrs.iter().enumerate() {
             match &ins.expr {
@@ -196,37 +222,30 @@ impl FusedElementwise {
                 }
             }
         }
-        if outputs.is_empty() {
-            return Err("the program has no outputs".into());
+        if outputs.is_empty() && sums.is_empty() {
+            return Err("the program has no outputs (and no column sums)".into());
         }
         if let Some(o) = outputs.iter().find(|&&o| o >= instrs.len()) {
             return Err(format!("output v{o} is not defined"));
         }
-        Ok(FusedElementwise {
-            instrs,
-            outputs,
-            sums: Vec::new(),
-            num_inputs,
-        })
-    }
-
-    /// The same program also outputting the column sums of `sums` (values of the
-    /// domain's size, the domain of rank 2 or more, all summed in one dtype; at most
-    /// [`MAX_COLUMN_SUMS`]), after its other outputs.
-    pub fn with_column_sums(mut self, sums: Vec<usize>) -> OpResult<FusedElementwise> {
         if sums.len() > MAX_COLUMN_SUMS {
             return Err(format!(
                 "{} column sums: a program takes at most {MAX_COLUMN_SUMS}",
                 sums.len()
             ));
         }
-        let n = self.domain_len();
-        for &v in &sums {
-            let ty = &self
-                .instrs
-                .get(v)
-                .ok_or_else(|| format!("column sum of v{v}, which is not defined"))?
-                .ty;
+        if let Some(v) = sums.iter().find(|&&v| v >= instrs.len()) {
+            return Err(format!("column sum of v{v}, which is not defined"));
+        }
+        let program = FusedElementwise {
+            instrs,
+            outputs,
+            sums,
+            num_inputs,
+        };
+        let n = program.domain_len();
+        for &v in &program.sums {
+            let ty = &program.instrs[v].ty;
             if ty.rank() < 2 || ty.checked_len() != Some(n) {
                 return Err(format!(
                     "column sum of v{v} ({ty}): only values of the domain's {n} elements \
@@ -234,14 +253,11 @@ impl FusedElementwise {
                 ));
             }
         }
-        let dtypes = sums
-            .iter()
-            .map(|&v| column_sum_dtype(self.instrs[v].ty.dtype));
+        let dtypes = (program.sums.iter()).map(|&v| column_sum_dtype(program.instrs[v].ty.dtype));
         if dtypes.collect::<std::collections::BTreeSet<_>>().len() > 1 {
             return Err("column sums in both f32 and f64: a program sums in one dtype".into());
         }
-        self.sums = sums;
-        Ok(self)
+        Ok(program)
     }
 
     pub fn instrs(&self) -> &[Instr] {
@@ -268,9 +284,12 @@ impl FusedElementwise {
         column_sum_of(&self.instrs[v].ty)
     }
 
-    /// N: the element count of every value but the inputs.
+    /// N: the element count of every value but the inputs (its first output's, or
+    /// first summed value's where it stores none).
     pub fn domain_len(&self) -> usize {
-        self.instrs[self.outputs[0]].ty.checked_len().unwrap_or(0)
+        (self.outputs.first().or(self.sums.first()))
+            .and_then(|&v| self.instrs[v].ty.checked_len())
+            .unwrap_or(0)
     }
 
     /// Where instruction `j` reads its operand `slot`.
@@ -324,8 +343,7 @@ impl FusedElementwise {
             .into_iter()
             .map(|v| usize::try_from(v).map_err(|_| format!("attr 'column_sums' holds {v}")))
             .collect::<OpResult<Vec<usize>>>()?;
-        FusedElementwise::new(instrs, outputs)
-            .and_then(|f| f.with_column_sums(sums))
+        FusedElementwise::from_parts(instrs, outputs, sums)
             .map_err(|e| format!("attr 'program': {e}"))
     }
 
@@ -871,6 +889,45 @@ mod tests {
         )
         .unwrap();
         assert!(flat.with_column_sums(vec![1]).is_err());
+    }
+
+    /// A program whose outputs nothing reads stores only its column sums: the same
+    /// sums, bit for bit, from a kernel that writes nothing else; it round-trips, and
+    /// one with neither outputs nor sums is refused.
+    #[test]
+    fn a_program_may_store_its_column_sums_alone() {
+        // x f16 [3, 4, 6]: x as f32, its square; the sums of both (batch statistics).
+        let (h, f) = (ty(DType::F16, &[3, 4, 6]), ty(DType::F32, &[3, 4, 6]));
+        let with_square = FusedElementwise::new(
+            vec![
+                input(0, h),
+                apply(ElementOp::Cast(DType::F32), &[0], f.clone()),
+                apply(ElementOp::Binary(BinaryKind::Mul), &[1, 1], f),
+            ],
+            vec![2],
+        )
+        .unwrap()
+        .with_column_sums(vec![1, 2])
+        .unwrap();
+        let sums_alone = with_square.retain_outputs(|_| false).unwrap();
+        assert!(sums_alone.outputs().is_empty());
+        assert_eq!(sums_alone.domain_len(), 72);
+        let x = data(DType::F16, &[3, 4, 6], 3);
+        let all = with_square.eval(&[&x]).unwrap();
+        let sums = sums_alone.eval(&[&x]).unwrap();
+        assert_eq!(sums.len(), 2);
+        assert!(bitwise_equal(&sums[0], &all[1]) && bitwise_equal(&sums[1], &all[2]));
+        assert_eq!(
+            sums_alone.infer(&[&x.ty()]).unwrap(),
+            vec![ty(DType::F32, &[6]), ty(DType::F32, &[6])]
+        );
+        let back = reparse(&sums_alone).unwrap();
+        assert_eq!(back.downcast_ref::<FusedElementwise>(), Some(&sums_alone));
+        let e = bias_relu_cast().retain_outputs(|_| false).unwrap_err();
+        assert!(e.contains("no outputs (and no column sums)"), "{e}");
+        // Keeping the second output of two renumbers nothing but the outputs.
+        let second = bias_relu_cast().retain_outputs(|o| o == 1).unwrap();
+        assert_eq!(second.outputs(), &[3]);
     }
 
     #[test]

@@ -352,6 +352,15 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
             .unwrap();
         k.push((format!("fused_sums_{i}"), fused(&p)));
     }
+    // Column sums alone (a batch norm's statistics: x and its square, nothing stored).
+    let statistics = fused_program(
+        "v0 = in0: f16[8, 16]; v1 = Cast<to=f32>(v0): f32[8, 16]; v2 = Mul(v1, v1): f32[8, 16]",
+        vec![2],
+    )
+    .with_column_sums(vec![1, 2])
+    .and_then(|p| p.retain_outputs(|_| false))
+    .unwrap();
+    k.push(("fused_sums_alone".into(), fused(&statistics)));
     // Softmax prologues: f16 scores scaled, an f32 mask added (vectors of 4), and
     // bf16 widened to f64 (a log-softmax).
     let prologues = [
