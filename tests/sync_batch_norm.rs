@@ -13,6 +13,8 @@
 //!   the full batch is by one BatchNorm, which its own half alone is not.
 //! - Mixed precision after the pass (the order of a training step: the pass, autodiff,
 //!   AMP) narrows the convolutions but leaves the statistics and every all-reduce f32.
+//! - The CUDA pipeline's passes after it keep the step's values (on the CPU), the
+//!   statistics summed by one kernel that stores nothing else.
 //! - Structure and errors: one AllReduce of 2 x [C] per training BatchNorm, inference
 //!   ones untouched, idempotent, 16-bit `x` widened for the statistics; a BatchNorm with
 //!   no channel axis, a graph with its BatchNormGrad built, and 0 replicas refused.
@@ -267,6 +269,59 @@ fn one_replica_matches_batch_norm_forward_gradients_and_moving_averages() {
                 );
                 assert_ne!(got_vars[name], vars[name], "{case}: {name} not updated");
             }
+        }
+    }
+}
+
+/// The converted graph with its gradients after the CUDA pipeline's passes (layouts,
+/// fusion, the statistics' column sums taken by the kernel squaring `x`), run on the
+/// CPU: the same outputs and moving averages as before those passes; and the
+/// statistics' kernel stores nothing but its two column sums (not x's square).
+#[test]
+fn the_cuda_pipelines_passes_keep_what_the_synchronised_step_computes() {
+    use ampgraph::graph::ops::FusedElementwise;
+    for format in FORMATS {
+        let case = format!("{format:?}");
+        let mut m = model(format, 4, NormActivation::Relu);
+        SyncBatchNorm::new(1).run(&mut m.g).unwrap();
+        with_gradients(&mut m);
+        let mut piped = m.g.clone();
+        let mut passes = ampgraph::passes::PassManager::new();
+        for pass in ampgraph::exec::cuda::pipeline(&Default::default()) {
+            passes.push(pass);
+        }
+        passes.run(&mut piped).unwrap();
+        piped.validate().unwrap();
+        let sums_alone: Vec<&FusedElementwise> = (piped.node_ids())
+            .filter_map(|id| piped.node(id).op.downcast_ref::<FusedElementwise>())
+            .filter(|f| f.outputs().is_empty())
+            .collect();
+        // NCHW f32 convolutions keep their layout (`layout-nhwc` moves 16-bit ones):
+        // the statistics are then Sums over three axes, not column sums.
+        if format == DataFormat::Nhwc {
+            assert_eq!(sums_alone.len(), 1, "{case}");
+            assert_eq!(sums_alone[0].column_sums().len(), 2, "{case}");
+        }
+        let vars = variables(5);
+        let feeds = batch_feeds(format, 4, 5);
+        let (want, want_vars) = run(&m.g, &vars, &feeds);
+        let (got, got_vars) = run(&piped, &vars, &feeds);
+        for ((name, w), o) in OUTPUTS.iter().zip(&want).zip(&got) {
+            assert_eq!(w.ty(), o.ty(), "{case}: {name}");
+            assert_close(
+                &format!("{case}: {name}"),
+                &o.to_f64_vec(),
+                &w.to_f64_vec(),
+                1e-5,
+            );
+        }
+        for name in ["bn/moving_mean", "bn/moving_variance"] {
+            assert_close(
+                &format!("{case}: {name} written"),
+                &got_vars[name].to_f64_vec(),
+                &want_vars[name].to_f64_vec(),
+                1e-5,
+            );
         }
     }
 }
