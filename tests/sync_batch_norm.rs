@@ -246,31 +246,48 @@ fn one_replica_matches_batch_norm_forward_gradients_and_moving_averages() {
                 .collect();
             assert_eq!(grads.len(), 1, "{case}");
             assert!(!grads[0].training, "{case}");
+            let written = assert_same_step(&case, &before.g, &after.g, format, 7);
             let vars = variables(7);
-            let feeds = batch_feeds(format, 4, 7);
-            let (want, want_vars) = run(&before.g, &vars, &feeds);
-            let (got, got_vars) = run(&after.g, &vars, &feeds);
-            assert_eq!(want.len(), OUTPUTS.len());
-            for ((name, w), o) in OUTPUTS.iter().zip(&want).zip(&got) {
-                assert_eq!(w.ty(), o.ty(), "{case}: {name}");
-                assert_close(
-                    &format!("{case}: {name}"),
-                    &o.to_f64_vec(),
-                    &w.to_f64_vec(),
-                    1e-5,
-                );
-            }
             for name in ["bn/moving_mean", "bn/moving_variance"] {
-                assert_close(
-                    &format!("{case}: {name} written"),
-                    &got_vars[name].to_f64_vec(),
-                    &want_vars[name].to_f64_vec(),
-                    1e-5,
-                );
-                assert_ne!(got_vars[name], vars[name], "{case}: {name} not updated");
+                assert_ne!(written[name], vars[name], "{case}: {name} not updated");
             }
         }
     }
+}
+
+/// Runs `want` and `got` on the same variables and batch (of `seed`): the same
+/// [`OUTPUTS`] and moving averages, within f32 rounding. Returns the variables `got`
+/// wrote.
+fn assert_same_step(
+    case: &str,
+    want: &Graph,
+    got: &Graph,
+    format: DataFormat,
+    seed: u64,
+) -> HashMap<String, Tensor> {
+    let vars = variables(seed);
+    let feeds = batch_feeds(format, 4, seed);
+    let (want, want_vars) = run(want, &vars, &feeds);
+    let (got, got_vars) = run(got, &vars, &feeds);
+    assert_eq!(want.len(), OUTPUTS.len());
+    for ((name, w), o) in OUTPUTS.iter().zip(&want).zip(&got) {
+        assert_eq!(w.ty(), o.ty(), "{case}: {name}");
+        assert_close(
+            &format!("{case}: {name}"),
+            &o.to_f64_vec(),
+            &w.to_f64_vec(),
+            1e-5,
+        );
+    }
+    for name in ["bn/moving_mean", "bn/moving_variance"] {
+        assert_close(
+            &format!("{case}: {name} written"),
+            &got_vars[name].to_f64_vec(),
+            &want_vars[name].to_f64_vec(),
+            1e-5,
+        );
+    }
+    got_vars
 }
 
 /// The converted graph with its gradients after the CUDA pipeline's passes (layouts,
@@ -302,27 +319,7 @@ fn the_cuda_pipelines_passes_keep_what_the_synchronised_step_computes() {
             assert_eq!(sums_alone.len(), 1, "{case}");
             assert_eq!(sums_alone[0].column_sums().len(), 2, "{case}");
         }
-        let vars = variables(5);
-        let feeds = batch_feeds(format, 4, 5);
-        let (want, want_vars) = run(&m.g, &vars, &feeds);
-        let (got, got_vars) = run(&piped, &vars, &feeds);
-        for ((name, w), o) in OUTPUTS.iter().zip(&want).zip(&got) {
-            assert_eq!(w.ty(), o.ty(), "{case}: {name}");
-            assert_close(
-                &format!("{case}: {name}"),
-                &o.to_f64_vec(),
-                &w.to_f64_vec(),
-                1e-5,
-            );
-        }
-        for name in ["bn/moving_mean", "bn/moving_variance"] {
-            assert_close(
-                &format!("{case}: {name} written"),
-                &got_vars[name].to_f64_vec(),
-                &want_vars[name].to_f64_vec(),
-                1e-5,
-            );
-        }
+        assert_same_step(&case, &m.g, &piped, format, 5);
     }
 }
 
