@@ -1,9 +1,21 @@
 #!/bin/bash
 # On the GPU machine, in bundle/: one round of the GPU test binaries side by side
 # (gpu_final.sh tests), its results appended to $OUT/rounds.txt with the round's label
-# ($1); the kernel cache /tmp/kc stays for the next round on the same machine. $2, where
-# given, cuts each binary at that many seconds (a short round for a small device budget).
+# ($1) and the binaries' logs packed into $OUT/logs_<label>.tar.gz (a call returns at
+# most 8 files); the kernel cache /tmp/kc stays for the next round on the same machine.
+# $2, where given, cuts each binary at that many seconds (a short round for a small
+# device budget).
+#
+# The kernel cache (NVRTC's PTX, keyed by each kernel's source) travels between
+# sessions: a bundle holding kc.tar.gz (scripts/make_bundle.sh copies
+# .kernel-cache/kc.tar.gz, a cache a round returned) starts from it, and KC_OUT=1 packs
+# the cache into $OUT/kc.tar.gz after the round (keep it: `cp <files_at>/kc.tar.gz
+# .kernel-cache/`). A cold round spends minutes in NVRTC (cuda_ops cut at 380 s on an
+# H200), a cached one about one.
 label=${1:-round}
+if [ -f kc.tar.gz ] && [ ! -d /tmp/kc ]; then tar xzf kc.tar.gz -C /tmp; fi
 TEST_TIMEOUT=${2:-400} bash gpu_final.sh tests > /dev/null 2>&1
 { echo "## $label $(date -u +%H:%M:%S)"; for f in $OUT/t_*.txt; do grep -E "test result|exit|panicked" $f | head -4; done; } >> $OUT/rounds.txt
+tar czf $OUT/logs_$label.tar.gz -C $OUT $(cd $OUT && ls t_*.txt) && rm -f $OUT/t_*.txt
+[ "${KC_OUT:-0}" = 1 ] && tar czf $OUT/kc.tar.gz -C /tmp kc
 cat $OUT/rounds.txt

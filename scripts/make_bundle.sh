@@ -21,6 +21,8 @@ strip bundle/cuda_ops bundle/cuda_fused bundle/cuda_executor bundle/cuda_pool bu
 strip --strip-debug bundle/cuda_stress
 cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layouts.py scripts/gpu_final.sh scripts/energy.py scripts/torch_causal.py scripts/torch_convnet_width.py scripts/gpu_convnet.sh scripts/gpu_mnist_epoch.sh scripts/gpu_onnx.sh scripts/gpu_ddp.sh scripts/torch_ddp.py scripts/gpu_engine.sh scripts/real_models_six.py scripts/gpu_real_check.sh scripts/gpu_zoo.sh scripts/engine_table.py scripts/gpu_workloads_ab.sh scripts/gpu_tests_round.sh scripts/gpu_stress.sh scripts/gpu_gpt2.sh scripts/gpu_convergence.sh scripts/convergence_stats.py scripts/gpu_fp8.sh scripts/torch_fp8_anchor.py scripts/walk_tokens.py ../shared/bench/real_models.py ../shared/bench/torch_mnist_epoch.py bundle/
 mkdir -p bundle/trace && cp scripts/trace/* bundle/trace/
+# The kernel cache a GPU round returned (gpu_tests_round.sh KC_OUT=1), where kept.
+[ -f .kernel-cache/kc.tar.gz ] && cp .kernel-cache/kc.tar.gz bundle/
 cp ../shared/oracle/public/*.json bundle/oracle/ 2>/dev/null || true
 mkdir -p bundle/mnist_data && cp examples/data/mnist/*.gz bundle/mnist_data/
 # GPT-2's peers (gpu_gpt2.sh): ../shared/bench/gpt2's scripts, and llm.c's source where a
