@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Issue 43's ResNet convergence comparison, from gpu_convergence.sh's log.
 
-Each run is a section `## resnet50 seed S MODE` (MODE `amp` or `--fp32`) followed by the
+Each run is a section `## resnet50 seed S MODE` (MODE `amp`, `fp32`, or `fp32-again`
+for a second f32 run of the seed; `--fp32` in older logs) followed by the
 image-folder example's epoch lines (`epoch N: loss L, ..., eval loss E, eval accuracy
 A%`). AMP and f32 runs of one seed start from the same weights and see the same batches,
 so the comparison is paired: per epoch, the mean over the seeds of each precision's
 training loss, and the mean of the per-seed differences AMP - f32 with its standard
 error, also as a share of f32's mean; then the same for the last epoch's held-out loss
 and accuracy. (Ratios per seed would be dominated by the seeds whose loss is nearest 0.)
+Where the log has `fp32-again` runs, the same table compares them with the first f32
+runs: how far f32 lands from itself.
 
     python3 convergence_stats.py convergence.txt
 """
@@ -49,26 +52,36 @@ def compare(label, amp, f32):
           f"{100 * diff / base:+.1f}% +- {100 * se / base:.1f}% |")
 
 
-def main():
-    runs = parse(sys.argv[1])
-    seeds = [s for s in sorted(runs, key=lambda s: (len(s), s))
-             if len(runs[s].get("amp", [])) == len(runs[s].get("--fp32", [])) > 0]
-    left = sorted(set(runs) - set(seeds))
-    if left:
-        print(f"left out (a run missing or cut short): seeds {', '.join(left)}")
-    if not seeds:
-        return
-    print(f"resnet50, {len(seeds)} seeds, AMP f16 against f32 from the same start\n")
-    print("| measure | AMP mean | f32 mean | AMP - f32 (paired, standard error) | of f32's mean |")
+def table(runs, seeds, arm, base):
+    """The paired comparison of the runs `arm` against `base` of every seed."""
+    print(f"resnet50, {len(seeds)} seeds, {arm} against {base} from the same start\n")
+    print(f"| measure | {arm} mean | {base} mean | {arm} - {base} (paired, standard error) "
+          f"| of {base}'s mean |")
     print("|---|---|---|---|---|")
-    epochs = len(runs[seeds[0]]["amp"])
+    epochs = len(runs[seeds[0]][arm])
     for e in range(epochs):
         compare(f"training loss, epoch {e + 1}",
-                [runs[s]["amp"][e][0] for s in seeds], [runs[s]["--fp32"][e][0] for s in seeds])
+                [runs[s][arm][e][0] for s in seeds], [runs[s][base][e][0] for s in seeds])
     compare("held-out loss after the last epoch",
-            [runs[s]["amp"][-1][1] for s in seeds], [runs[s]["--fp32"][-1][1] for s in seeds])
+            [runs[s][arm][-1][1] for s in seeds], [runs[s][base][-1][1] for s in seeds])
     compare("held-out accuracy (%) after the last epoch",
-            [runs[s]["amp"][-1][2] for s in seeds], [runs[s]["--fp32"][-1][2] for s in seeds])
+            [runs[s][arm][-1][2] for s in seeds], [runs[s][base][-1][2] for s in seeds])
+    print()
+
+
+def main():
+    runs = parse(sys.argv[1])
+    for modes in runs.values():
+        if "--fp32" in modes:
+            modes["fp32"] = modes.pop("--fp32")
+    for arm in ["amp", "fp32-again"]:
+        seeds = [s for s in sorted(runs, key=lambda s: (len(s), s))
+                 if len(runs[s].get(arm, [])) == len(runs[s].get("fp32", [])) > 0]
+        left = sorted(s for s in runs if arm in runs[s] and s not in seeds)
+        if left:
+            print(f"left out of {arm} (a run missing or cut short): seeds {', '.join(left)}")
+        if seeds:
+            table(runs, seeds, arm, "fp32")
 
 
 if __name__ == "__main__":
