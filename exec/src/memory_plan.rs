@@ -16,8 +16,8 @@
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
 use ampgraph_graph::ops::{
-    attrs_but_values, update_members, variable_updates, AllReduce, AssignVariable, Cast, Const,
-    Placeholder, Variable, VariableUpdate,
+    update_members, variable_updates, AllReduce, AssignVariable, Cast, Const, Placeholder,
+    Variable, VariableUpdate,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 use std::collections::{HashMap, HashSet};
@@ -64,37 +64,6 @@ pub struct MemoryPlan {
     /// The bytes of every buffer added up: what a step allocating each tensor anew and
     /// freeing nothing would need.
     pub total_bytes: usize,
-}
-
-/// A hash of everything a plan depends on (the nodes, their ops' names, attributes,
-/// types and inputs, and the fetches): executors keep plans by it, and a CUDA plan
-/// holds each node's kernel, which its attributes (and a Const's values) decide.
-pub fn fingerprint(graph: &Graph, fetches: &[Port]) -> u64 {
-    use ampgraph_graph::attrs::AttrValue;
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    fetches.hash(&mut h);
-    for id in graph.node_ids() {
-        let node = graph.node(id);
-        (id.index(), node.op.name(), node.outputs(), graph.inputs(id)).hash(&mut h);
-        // A Const's values as their bytes.
-        let constant = node.op.downcast_ref::<Const>();
-        if let Some(values) = constant.and_then(|c| c.values.as_ref()) {
-            values.le_bytes().hash(&mut h);
-        }
-        for (name, value) in attrs_but_values(node.op.as_ref()) {
-            name.hash(&mut h);
-            match value {
-                AttrValue::Bool(b) => b.hash(&mut h),
-                AttrValue::Int(i) => i.hash(&mut h),
-                AttrValue::Float(f) => f.to_bits().hash(&mut h),
-                AttrValue::Str(s) => s.hash(&mut h),
-                AttrValue::Ints(v) => v.hash(&mut h),
-                AttrValue::Floats(v) => v.iter().for_each(|f| f.to_bits().hash(&mut h)),
-            }
-        }
-    }
-    h.finish()
 }
 
 /// The optimizer outputs that may be written over the variable they replace: a
@@ -189,10 +158,6 @@ fn in_place_casts_in_order(
     updates: &[(Port, String, Port)],
 ) -> HashSet<Port> {
     let position = positions(order);
-    let fetched_views: HashSet<NodeId> = fetches
-        .iter()
-        .flat_map(|f| view_sources(graph, f.node))
-        .collect();
     let assigned_in_step = |var: NodeId, update: NodeId| {
         graph.consumers(var).into_iter().any(|(reader, slot, _)| {
             slot == 0
@@ -214,26 +179,10 @@ fn in_place_casts_in_order(
         };
         if last_read(graph, &position, cast.node) < Some(update_at)
             && assigned_in_step(var, next.node)
-            && !fetched_views.contains(&cast.node)
+            && !fetches.iter().any(|&f| root(graph, f) == cast)
             && !fetches.contains(&next)
         {
             found.insert(next);
-        }
-    }
-    found
-}
-
-/// `id` and the nodes whose buffer it shares through views.
-fn view_sources(graph: &Graph, id: NodeId) -> Vec<NodeId> {
-    let mut found = vec![id];
-    let mut at = id;
-    while graph.node(at).op.is_view() {
-        match graph.inputs(at).first() {
-            Some(input) => {
-                at = input.node;
-                found.push(at);
-            }
-            None => break,
         }
     }
     found
@@ -949,39 +898,6 @@ impl MemoryPlan {
 mod tests {
     use super::*;
 
-    #[test]
-    fn fingerprints_tell_apart_graphs_that_differ_only_in_attributes() {
-        let graph = |kind: UnaryKind| {
-            let mut g = Graph::new();
-            let x = placeholder(&mut g, "x", &[4]);
-            let y = g.add_node("y", Box::new(Unary::new(kind)), &[x]).unwrap();
-            (g, Port::from(y))
-        };
-        let (a, ya) = graph(UnaryKind::LeakyRelu { alpha: 0.2 });
-        let (b, yb) = graph(UnaryKind::LeakyRelu { alpha: 0.3 });
-        let (c, yc) = graph(UnaryKind::LeakyRelu { alpha: 0.2 });
-        assert_ne!(fingerprint(&a, &[ya]), fingerprint(&b, &[yb]));
-        assert_eq!(fingerprint(&a, &[ya]), fingerprint(&c, &[yc]));
-        // A Const's values count, zeros apart from absent values (lazy zeros) too.
-        let constant = |values: Option<Vec<f32>>| {
-            let mut g = Graph::new();
-            let op = match values {
-                Some(v) => Const::new(
-                    ampgraph_graph::Tensor::new([2], ampgraph_graph::Data::F32(v)).unwrap(),
-                ),
-                None => Const {
-                    ty: TensorType::new(DType::F32, vec![2]),
-                    values: None,
-                },
-            };
-            let c = Port::from(g.add_node("c", Box::new(op), &[]).unwrap());
-            fingerprint(&g, &[c])
-        };
-        let ones = constant(Some(vec![1.0, 1.0]));
-        assert_eq!(ones, constant(Some(vec![1.0, 1.0])));
-        assert_ne!(ones, constant(Some(vec![1.0, -1.0])));
-        assert_ne!(constant(Some(vec![0.0, 0.0])), constant(None));
-    }
     use ampgraph_graph::ops::{
         GroupedOptimizerUpdate, OptimizerUpdate, Reduce, ReduceKind, Reshape, Rule, Unary,
         UnaryKind,

@@ -59,8 +59,8 @@
 //!   standard deviation (relative error about 1e-7 `(mean / std)^2` in f32).
 //! - Cost per BatchNorm beyond the fused kernels: the statistics (Sums, not Means: on
 //!   NHWC images and `[N, C]` they are column sums, which `sum-into-elementwise` gives
-//!   the one kernel computing `w * w`, so `x` is read once; that kernel still writes
-//!   `w * w`, which nothing reads, as a program needs an output), an all-reduce of
+//!   the one kernel computing `w * w`, so `x` is read once and that kernel writes
+//!   nothing but the two sums), an all-reduce of
 //!   `2C` floats each way, and one elementwise pass adding the global terms to `dx`.
 //!
 //! A BatchNorm whose `x` is not of rank 2 or 4 (no channel axis is known) is an error

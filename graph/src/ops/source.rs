@@ -177,8 +177,8 @@ impl Op for Variable {
 }
 
 /// `op`'s attributes, a Const's values left out (its [`Op::attrs`] copies them into
-/// f64s, eight bytes an element): what the text dump shows, the binary form writes
-/// beside the values' own bytes and a plan's fingerprint hashes beside them.
+/// f64s, eight bytes an element): what the text dump shows and the binary form writes
+/// beside the values' own bytes.
 pub fn attrs_but_values(op: &dyn Op) -> Vec<(&'static str, AttrValue)> {
     match op.downcast_ref::<Const>() {
         Some(c) => type_attrs(&c.ty),
