@@ -9,7 +9,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p bundle.aside
-mv bundle.aside/* bundle/ 2>/dev/null || true
+# What make_bundle.sh wrote since is newer than what was set aside before it.
+for f in bundle.aside/*; do
+  [ -e "$f" ] || continue
+  if [ -e "bundle/$(basename "$f")" ]; then rm -rf "$f"; else mv "$f" bundle/; fi
+done
 [ "${1:-all}" = all ] && { du -sh bundle; exit 0; }
 keep=()
 for k in "$@"; do

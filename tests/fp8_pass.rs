@@ -128,6 +128,24 @@ fn forward_products_take_e4m3_and_gradients_e5m2() {
         .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
         .count();
     assert_eq!(quantizations, 9);
+    // Forward products sum in the fast mode, products of a gradient in f32 steps.
+    let fast = |g: &Graph| -> Vec<(DType, DType)> {
+        let mut v: Vec<_> = (g.node_ids())
+            .filter(|&id| {
+                let op = g.node(id).op.downcast_ref::<Fp8MatMul>();
+                op.is_some_and(|p| p.fast_accumulation)
+            })
+            .map(|id| (g.ty(g.inputs(id)[0]).dtype, g.ty(g.inputs(id)[1]).dtype))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(fast(&g), vec![(e4, e4); 3]);
+    let exact = rewritten(Fp8Config {
+        fast_forward: false,
+        ..Fp8Config::everywhere(Fp8Recipe::Current)
+    });
+    assert_eq!(fast(&exact), vec![]);
 }
 
 /// Running the pass again changes nothing: the FP8 products and their scale

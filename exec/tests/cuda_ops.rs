@@ -2170,26 +2170,41 @@ fn fp8_ops_match_the_cpu() {
                     -3.0,
                     3.0,
                 );
-                let op = Fp8MatMul::new(MatMul::new(ta, tb), to).unwrap();
                 let inputs = [
                     a,
                     b,
                     t(DType::F32, &[], &[0.5]),
                     t(DType::F32, &[], &[0.25]),
                 ];
-                // Terms of up to 9/8 each, k of them: the sums' scale is about k/8.
-                // Hopper's FP8 Tensor Cores accumulate in about 14 bits, not f32's
-                // 24 (DeepSeek-V3's report, §3.3.2): an f32 output is good to about
-                // 2^-12 of that scale (2.6e-4 seen), the 16-bit ones to their rounding.
-                let within = if to == DType::F32 { 1e-3 } else { tol(to) };
-                check_scaled_to(
-                    &mut gpu,
-                    &format!("Fp8MatMul [{m}x{k}] x [{k}x{n}] {fa} x {fb} {ta} {tb} -> {to}"),
-                    op,
-                    &inputs,
-                    k as f64 / 8.0,
-                    within,
-                );
+                // Forward products (E4M3 x E4M3) also in the fast mode.
+                let fast_too = (fa, fb) == (DType::F8E4M3, DType::F8E4M3);
+                for fast in [false, true].into_iter().filter(|&f| !f || fast_too) {
+                    let op = Fp8MatMul::new(MatMul::new(ta, tb), to)
+                        .unwrap()
+                        .with_fast_accumulation(fast);
+                    // Terms of up to 9/8 each, k of them: the sums' scale is about
+                    // k/8. Hopper's FP8 Tensor Cores accumulate in about 14 bits, not
+                    // f32's 24 (DeepSeek-V3's report, §3.3.2): an f32 output is good
+                    // to about 2^-12 of that scale (2.6e-4 seen; the fast mode, which
+                    // never promotes its partial sums, to 4x that), the 16-bit ones
+                    // to their rounding.
+                    let within = match (to, fast) {
+                        (DType::F32, false) => 1e-3,
+                        (DType::F32, true) => 4e-3,
+                        _ => tol(to),
+                    };
+                    check_scaled_to(
+                        &mut gpu,
+                        &format!(
+                            "Fp8MatMul [{m}x{k}] x [{k}x{n}] {fa} x {fb} {ta} {tb} -> {to} \
+                             (fast accumulation {fast})"
+                        ),
+                        op,
+                        &inputs,
+                        k as f64 / 8.0,
+                        within,
+                    );
+                }
             }
         }
     }

@@ -121,6 +121,7 @@ struct PlanKey {
     opts: GemmOptions,
     epilogue: Option<Epilogue>,
     residual: bool,
+    fast_accumulation: bool,
 }
 
 /// A product's descriptors and algorithm, ready to run on any operands of its shape.
@@ -291,6 +292,8 @@ pub struct Product<'a> {
     /// An FP8 product's scale inverses (f32 scalars on the device) of `a` and `b`,
     /// multiplied into the product; `None` for every other product.
     pub scales: Option<(&'a DTensor, &'a DTensor)>,
+    /// An FP8 product summed in Hopper's fast mode (cuBLASLt's `FAST_ACCUM`).
+    pub fast_accumulation: bool,
 }
 
 impl<'a> Product<'a> {
@@ -320,6 +323,7 @@ impl<'a> Product<'a> {
             bias: None,
             residual: None,
             scales: None,
+            fast_accumulation: false,
         }
     }
 }
@@ -364,6 +368,7 @@ impl Gemm {
         } else {
             p.b.dtype == dtype
                 && p.scales.is_none()
+                && !p.fast_accumulation
                 && (out == dtype || (wide_16_bit && !opts.allow_fp16_reduced_precision_reduction))
         };
         if !allowed {
@@ -406,6 +411,7 @@ impl Gemm {
             opts,
             epilogue: p.bias.map(|(_, e)| e),
             residual: p.residual.is_some(),
+            fast_accumulation: p.fast_accumulation,
         };
         let cached = self
             .plans
@@ -582,6 +588,7 @@ impl Gemm {
             epilogue,
             // Descriptors are the same with a residual (beta and C's pointer differ).
             residual: _,
+            fast_accumulation,
         } = *key;
         let ComputeTypes {
             data: mat_ty,
@@ -615,6 +622,17 @@ impl Gemm {
         unsafe {
             set_desc(desc.0, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &tb, "transpose")?;
             set_desc(desc.0, Attr::CUBLASLT_MATMUL_DESC_TRANSB, &ta, "transpose")?;
+        }
+        if fast_accumulation {
+            // SAFETY: the attribute is an int8_t.
+            unsafe {
+                set_desc(
+                    desc.0,
+                    Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                    &1i8,
+                    "fast accumulation",
+                )
+            }?;
         }
         if let Some(e) = epilogue {
             // Column-major, the output is [n x m]: the bias runs along its rows, as

@@ -130,6 +130,10 @@ pub struct Fp8Config {
     pub device_shapes: bool,
     /// Scales leave `2^margin` of headroom below the format's largest value.
     pub margin: i32,
+    /// Forward products (E4M3 by E4M3) sum in the GPU's fast mode
+    /// ([`Fp8MatMul::fast_accumulation`]), as torchao and TransformerEngine run
+    /// them; products with a gradient operand keep f32 promotion.
+    pub fast_forward: bool,
 }
 
 impl Default for Fp8Config {
@@ -142,6 +146,7 @@ impl Default for Fp8Config {
             keep: BTreeSet::new(),
             device_shapes: true,
             margin: 0,
+            fast_forward: true,
         }
     }
 }
@@ -534,7 +539,10 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
             };
             operands.push(q);
         }
-        let op = Fp8MatMul::new(product, to).map_err(|e| node_error(g, id, &e))?;
+        let forward = a == DType::F8E4M3 && b == DType::F8E4M3;
+        let op = Fp8MatMul::new(product, to)
+            .map_err(|e| node_error(g, id, &e))?
+            .with_fast_accumulation(config.fast_forward && forward);
         let [qa, qb] = [operands[0], operands[1]];
         g.set_node(
             id,

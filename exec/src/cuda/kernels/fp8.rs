@@ -408,6 +408,7 @@ fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> Kerne
         ));
     }
     let (transpose_a, transpose_b) = (f.product.transpose_a, f.product.transpose_b);
+    let fast_accumulation = f.fast_accumulation;
     Ok(one_output(first(outs)?, move |c, inputs, y| {
         let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
         let (a_inv, b_inv) = (input(inputs, 2)?, input(inputs, 3)?);
@@ -421,6 +422,7 @@ fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> Kerne
         ];
         let product = Product {
             scales: Some((a_inv, b_inv)),
+            fast_accumulation,
             ..Product::single(operands, (m, k, n), (false, true))
         };
         c.gemm.run(c.dev, &product, c.gemm_options)
