@@ -179,6 +179,45 @@ fn scaled_casts_round_saturate_and_report_the_amax() {
     assert!(out[1].to_f64_vec()[0].is_nan());
 }
 
+/// The transposed copy holds the same codes as the values, element `[j, i]` being
+/// `[i, j]`; only matrices have one, and the attr reads back from a file.
+#[test]
+fn a_transposed_quantisation_copies_the_codes_transposed() {
+    use ampgraph::graph::ops::QuantizeFp8;
+    use ampgraph::TensorType;
+    let (rows, cols) = (5, 7);
+    let xs: Vec<f64> = (0..rows * cols)
+        .map(|i| (i as f64 * 0.71).sin() * 40.0)
+        .collect();
+    let x = Tensor::from_f64(DType::BF16, [rows, cols], &xs).unwrap();
+    let scale = Tensor::scalar(DType::F32, 3.5);
+    let q = QuantizeFp8::new(DType::F8E4M3)
+        .unwrap()
+        .with_transposed(true);
+    let out = q.eval(&[&x, &scale]).unwrap();
+    assert_eq!(out.len(), 3);
+    assert_eq!(out[2].shape(), &[cols, rows]);
+    let (codes, t) = (out[0].data().to_le_bytes(), out[2].data().to_le_bytes());
+    for i in 0..rows {
+        for j in 0..cols {
+            assert_eq!(t[j * rows + i], codes[i * cols + j], "[{i}, {j}]");
+        }
+    }
+    let plain = QuantizeFp8::new(DType::F8E4M3).unwrap();
+    assert_eq!(plain.eval(&[&x, &scale]).unwrap()[0], out[0]);
+    let vector = TensorType::new(DType::BF16, [8]);
+    let s = TensorType::new(DType::F32, []);
+    assert!(q.infer(&[&vector, &s]).unwrap_err().contains("of a matrix"));
+    let mut g = Graph::new();
+    let xp = g.placeholder("x", DType::BF16, [rows, cols]).unwrap();
+    let sp = g.scalar(DType::F32, 3.5).unwrap();
+    let node = g.add_node("q", Box::new(q), &[xp, sp]).unwrap();
+    g.set_outputs(vec![ampgraph::Port::new(node, 2)]).unwrap();
+    let again =
+        format::graph_from_bytes(format::to_json(&GraphDef::from_graph(&g)).as_bytes()).unwrap();
+    assert_eq!(again.ty(again.outputs()[0]).shape, vec![cols, rows]);
+}
+
 /// Wrong types are refused by name; the ops read back from a graph file.
 #[test]
 fn scaled_casts_check_their_types_and_serialise() {

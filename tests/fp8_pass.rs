@@ -146,6 +146,29 @@ fn forward_products_take_e4m3_and_gradients_e5m2() {
         ..Fp8Config::everywhere(Fp8Recipe::Current)
     });
     assert_eq!(fast(&exact), vec![]);
+    // Every product reads K-major operands, a transposed copy where the tensor is
+    // stored the other way round (the weight in its forward product, the activation
+    // and the gradient in the weight gradient's), written by the quantisation.
+    for id in g.node_ids() {
+        let Some(p) = g.node(id).op.downcast_ref::<Fp8MatMul>() else {
+            continue;
+        };
+        let name = &g.node(id).name;
+        assert!(
+            !p.product.transpose_a && p.product.transpose_b,
+            "'{name}' is not K-major"
+        );
+    }
+    let copies = (g.node_ids())
+        .filter(|&id| {
+            let q = g.node(id).op.downcast_ref::<QuantizeFp8>();
+            q.is_some_and(|q| q.transposed)
+        })
+        .count();
+    // 3 weights (forward), 3 activations and 3 gradients (weight gradients): the
+    // first layer's gradient is read only by its weight gradient, the others by an
+    // input gradient too.
+    assert_eq!(copies, 9);
 }
 
 /// Running the pass again changes nothing: the FP8 products and their scale

@@ -2093,6 +2093,25 @@ fn fp8_ops_match_the_cpu() {
                     &[x.clone(), scale],
                 ),
             );
+            // With the transposed copy: fused for sides that are multiples of 4 (one
+            // partial tile; more tiles than blocks, so the grid strides), after the
+            // quantisation otherwise.
+            let mut shapes = vec![(16, 100), (10, 30)];
+            if (x_ty, to) == (DType::BF16, DType::F8E4M3) {
+                shapes.push((2112, 2048));
+            }
+            for (rows, cols) in shapes {
+                let values = r.vec(rows * cols, -700.0, 700.0);
+                assert_identical(
+                    &format!("QuantizeFp8 {what} transposed [{rows}, {cols}]"),
+                    run_both(
+                        &mut gpu,
+                        "quantize",
+                        QuantizeFp8::new(to).unwrap().with_transposed(true),
+                        &[t(x_ty, &[rows, cols], &values), t(DType::F32, &[], &[0.37])],
+                    ),
+                );
+            }
             for margin in [0, 2] {
                 assert_identical(
                     &format!("Fp8Scale {what} margin {margin}"),

@@ -19,7 +19,12 @@ use crate::tensor::{Data, Tensor, TensorType};
 pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "QuantizeFp8",
-        parse: |_, a| Ok(Box::new(QuantizeFp8::new(a.dtype("to")?)?)),
+        parse: |_, a| {
+            let op = QuantizeFp8::new(a.dtype("to")?)?;
+            Ok(Box::new(
+                op.with_transposed(a.bool_or("transposed", false)?),
+            ))
+        },
     },
     OpEntry {
         name: "DequantizeFp8",
@@ -70,9 +75,15 @@ fn amax(values: &[f32]) -> f32 {
 /// saturated (in `to`, E4M3 or E5M2), `amax = max |x|` as an f32 scalar (NaN where
 /// some x is NaN: the recipe then treats the step as a loss scale treats an
 /// overflow). `x` is f32, f16 or bf16; `scale` an f32 scalar.
+///
+/// With `transposed` (a matrix `x`), a third output holds `y` transposed: Hopper's FP8
+/// products read both operands K-major, so a weight gradient `X^T dY` needs both
+/// operands transposed, and the quantising pass writes that copy while it holds the
+/// tile (TransformerEngine's cast-transpose) instead of a product reading `y` back.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantizeFp8 {
     pub to: DType,
+    pub transposed: bool,
 }
 
 impl QuantizeFp8 {
@@ -80,7 +91,14 @@ impl QuantizeFp8 {
         if !to.is_fp8() {
             return Err(format!("QuantizeFp8 stores f8e4m3 or f8e5m2, not {to}"));
         }
-        Ok(QuantizeFp8 { to })
+        Ok(QuantizeFp8 {
+            to,
+            transposed: false,
+        })
+    }
+
+    pub fn with_transposed(self, transposed: bool) -> Self {
+        QuantizeFp8 { transposed, ..self }
     }
 }
 
@@ -127,29 +145,54 @@ impl Op for QuantizeFp8 {
         Arity::Exactly(2)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![("to", self.to.into())]
+        vec![
+            ("to", self.to.into()),
+            ("transposed", self.transposed.into()),
+        ]
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x, scale] = fixed(inputs)?;
         check_wide("x must be", x.dtype)?;
         check_scale("scale", scale)?;
-        Ok(vec![x.with_dtype(self.to), TensorType::new(DType::F32, [])])
+        let mut outs = vec![x.with_dtype(self.to), TensorType::new(DType::F32, [])];
+        if self.transposed {
+            let &[rows, cols] = x.shape.as_slice() else {
+                return Err(format!("a transposed copy is of a matrix, not of {x}"));
+            };
+            outs.push(TensorType::new(self.to, vec![cols, rows]));
+        }
+        Ok(outs)
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [x, scale] = fixed(inputs)?;
         let (xs, s) = (x.to_f32_vec(), scalar_of(scale));
         let amax = amax(&xs);
         let scaled: Vec<f32> = xs.iter().map(|&v| v * s).collect();
-        Ok(vec![
-            Tensor::new(x.shape().to_vec(), Data::from_f32(self.to, scaled))?,
+        let mut outs = vec![
+            Tensor::new(x.shape().to_vec(), Data::from_f32(self.to, scaled.clone()))?,
             Tensor::scalar(DType::F32, f64::from(amax)),
-        ])
+        ];
+        if self.transposed {
+            let &[rows, cols] = x.shape() else {
+                return Err(format!(
+                    "a transposed copy is of a matrix, not of {}",
+                    x.ty()
+                ));
+            };
+            let t = (0..cols * rows).map(|i| scaled[(i % rows) * cols + i / rows]);
+            outs.push(Tensor::new(
+                vec![cols, rows],
+                Data::from_f32(self.to, t.collect()),
+            )?);
+        }
+        Ok(outs)
     }
-    /// The stored type is its own; `x` may be converted by mixed precision; the scale
-    /// and amax stay f32.
+    /// The stored types are its own; `x` may be converted by mixed precision; the
+    /// scale and amax stay f32.
     fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        let stored = if self.transposed { vec![0, 2] } else { vec![0] };
         vec![
-            TypeGroup::new(vec![], vec![0]).fixed(),
+            TypeGroup::new(vec![], stored).fixed(),
             TypeGroup::new(vec![0], vec![]),
             TypeGroup::new(vec![1], vec![1]).fixed(),
         ]

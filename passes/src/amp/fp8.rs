@@ -397,19 +397,33 @@ pub fn plan(g: &Graph, config: &Fp8Config) -> Result<Plan, PassError> {
     Ok(Plan { decisions })
 }
 
-/// A quantised tensor: its FP8 values and the inverse of their scale.
+/// A quantised tensor: its FP8 values, their transposed copy where a product reads
+/// it, and the inverse of their scale.
 #[derive(Clone, Copy)]
 struct Quantized {
     values: Port,
+    transposed: Option<Port>,
     scale_inv: Port,
 }
 
-/// Adds the quantisation of `x` to `format` under `config`'s recipe; delayed scaling's
-/// state writes go to `writes`.
+impl Quantized {
+    /// The operand a product reads K-major (Hopper's FP8 products take `a` as
+    /// `[m, k]` and `b` as `[n, k]`): the values, or their transposed copy where the
+    /// values are the other way round (`flipped`).
+    fn k_major(&self, flipped: bool) -> Port {
+        match (flipped, self.transposed) {
+            (true, Some(t)) => t,
+            _ => self.values,
+        }
+    }
+}
+
+/// Adds the quantisation of `x` to `format` under `config`'s recipe, with a transposed
+/// copy if `transposed`; delayed scaling's state writes go to `writes`.
 fn quantize(
     g: &mut Graph,
     x: Port,
-    format: DType,
+    (format, transposed): (DType, bool),
     config: &Fp8Config,
     writes: &mut Vec<Port>,
 ) -> Result<Quantized, PassError> {
@@ -421,7 +435,10 @@ fn quantize(
         format.as_str().trim_start_matches("f8")
     );
     let scale_op = Fp8Scale::new(format, config.margin).map_err(PassError::Rewrite)?;
-    let quantize_op = QuantizeFp8::new(format).map_err(PassError::Rewrite)?;
+    let quantize_op = QuantizeFp8::new(format)
+        .map_err(PassError::Rewrite)?
+        .with_transposed(transposed);
+    let copy = |q: NodeId| transposed.then(|| Port::new(q, 2));
     match config.recipe {
         Fp8Recipe::Current => {
             let scale = g.add_node(
@@ -436,6 +453,7 @@ fn quantize(
             )?;
             Ok(Quantized {
                 values: Port::new(q, 0),
+                transposed: copy(q),
                 scale_inv: Port::new(scale, 1),
             })
         }
@@ -482,6 +500,7 @@ fn quantize(
             writes.push(g.add(AssignVariable, &[scale, Port::new(update, 1)])?);
             Ok(Quantized {
                 values: Port::new(q, 0),
+                transposed: copy(q),
                 scale_inv: Port::new(update, 2),
             })
         }
@@ -511,43 +530,67 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
                 .into(),
         ));
     }
-    let mut quantized: HashMap<(Port, DType), Quantized> = HashMap::new();
-    let mut writes = Vec::new();
+    // Each chosen product with its operands: (port, format, whether it is stored the
+    // other way round from K-major).
+    let mut products = Vec::new();
     for (id, decision) in &plan.decisions {
         let &Decision::Fp8 { a, b } = decision else {
             continue;
         };
-        let id = *id;
-        let product = g
-            .node(id)
-            .op
-            .downcast_ref::<MatMul>()
-            .cloned()
-            .ok_or_else(|| node_error(g, id, "not a MatMul"))?;
-        let to = g.node(id).outputs()[0].dtype;
-        let inputs = g.inputs(id);
+        let product = (g.node(*id).op.downcast_ref::<MatMul>().cloned())
+            .ok_or_else(|| node_error(g, *id, "not a MatMul"))?;
+        let inputs = g.inputs(*id);
+        let operands = [
+            (inputs[0], a, product.transpose_a),
+            (inputs[1], b, !product.transpose_b),
+        ];
+        products.push((*id, operands));
+    }
+    // A tensor some product reads the other way round gets a transposed copy.
+    let mut flipped: HashMap<(Port, DType), bool> = HashMap::new();
+    for (_, operands) in &products {
+        for &(x, format, flip) in operands {
+            *flipped.entry((source(g, x), format)).or_default() |= flip;
+        }
+    }
+    let mut quantized: HashMap<(Port, DType), Quantized> = HashMap::new();
+    let mut writes = Vec::new();
+    for (id, [(xa, a, flip_a), (xb, b, flip_b)]) in products {
         let mut operands = Vec::with_capacity(2);
-        for (x, format) in [(inputs[0], a), (inputs[1], b)] {
+        for (x, format) in [(xa, a), (xb, b)] {
             let key = (source(g, x), format);
             let q = match quantized.get(&key) {
                 Some(q) => *q,
                 None => {
-                    let q = quantize(g, x, format, config, &mut writes)?;
+                    let copy = flipped.get(&key).copied().unwrap_or(false);
+                    let q = quantize(g, x, (format, copy), config, &mut writes)?;
                     quantized.insert(key, q);
                     q
                 }
             };
             operands.push(q);
         }
+        let [qa, qb] = [operands[0], operands[1]];
+        // Read K-major (every flipped operand has its copy), the product needs no
+        // transposes of its own: `a` as `[m, k]`, `b` as `[n, k]`.
+        let k_major = MatMul::new(
+            flip_a && qa.transposed.is_none(),
+            !(flip_b && qb.transposed.is_none()),
+        );
+        let to = g.node(id).outputs()[0].dtype;
         let forward = a == DType::F8E4M3 && b == DType::F8E4M3;
-        let op = Fp8MatMul::new(product, to)
+        let op = Fp8MatMul::new(k_major, to)
             .map_err(|e| node_error(g, id, &e))?
             .with_fast_accumulation(config.fast_forward && forward);
-        let [qa, qb] = [operands[0], operands[1]];
         g.set_node(
             id,
             Box::new(op),
-            &[qa.values, qb.values, qa.scale_inv, qb.scale_inv],
+            &[
+                qa.k_major(flip_a),
+                qb.k_major(flip_b),
+                qa.scale_inv,
+                qb.scale_inv,
+            ],
         )?;
     }
     if let (Some(group), false) = (group, writes.is_empty()) {

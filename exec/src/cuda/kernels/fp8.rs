@@ -31,6 +31,10 @@ kernel_specs! {
         /// `k(const TX* px, const float* ps, TY* py, unsigned* amax, i64 n)`:
         /// `y = fp8(x * s)` and, as [`Spec::Amax`], `max |x|`.
         Quantize { x: DType, to: DType } => quantize(x, to),
+        /// `k(const TX* px, const float* ps, TY* py, TY* pt, unsigned* amax, i64 rows,
+        /// i64 cols)`: [`Spec::Quantize`] of a `rows x cols` matrix (both multiples of
+        /// 4) also writing `pt = y^T`, per 64x64 tile through shared memory.
+        QuantizeTransposed { x: DType, to: DType } => quantize_transposed(x, to),
         /// `k(const TY* py, const float* pinv, TO* po, i64 n)`: `o = y * inv`.
         Dequantize { y: DType, to: DType } => dequantize(y, to),
         /// `k(const float* amax, float* scale, float* inv)`: one thread.
@@ -133,6 +137,51 @@ pub(super) fn quantize(x: DType, to: DType) -> String {
             "extern \"C\" __global__ void k(const TX* px, const float* ps, TY* py, unsigned int* amax, i64 n) {{\n\
                const float s = ps[0];\n\
                float m = 0.0f;\n{body}{AMAX_FOLD}}}\n"
+        ),
+    )
+}
+
+/// Both stores move 4-byte words (4 columns of a row of `y`, 4 rows of a column of
+/// `y^T`); the grid strides over the tiles with at most [`AMAX_BLOCKS`] blocks, one
+/// amax atomic each.
+pub(super) fn quantize_transposed(x: DType, to: DType) -> String {
+    fp8_module(
+        &[("X", x), ("Y", to)],
+        &format!(
+            "typedef unsigned int u32;\n\
+             extern \"C\" __global__ void k(const TX* px, const float* ps, TY* py, TY* pt, unsigned int* amax, i64 rows, i64 cols) {{\n\
+               __shared__ u8 tile[64][68];\n\
+               const float s = ps[0];\n\
+               float m = 0.0f;\n\
+               const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
+               const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;\n\
+               for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {{\n\
+                 const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64;\n\
+                 for (int j = ty; j < 64; j += 16) {{\n\
+                   const i64 r = r0 + j, c = c0 + 4 * tx;\n\
+                   if (r < rows && c < cols) {{\n\
+                     const Vec<TX, 4> xs = *(const Vec<TX, 4>*)(px + r * cols + c);\n\
+                     __align__(4) TY q[4];\n\
+                     for (int b = 0; b < 4; ++b) {{\n\
+                       const float x = ldX(xs.v, b);\n\
+                       m = nanmax(m, fabsf(x));\n\
+                       stY(q, b, __fmul_rn(x, s));\n\
+                       tile[j][4 * tx + b] = ((const u8*)q)[b];\n\
+                     }}\n\
+                     ((u32*)py)[(r * cols + c) / 4] = *(const u32*)q;\n\
+                   }}\n\
+                 }}\n\
+                 __syncthreads();\n\
+                 for (int j = ty; j < 64; j += 16) {{\n\
+                   const i64 c = c0 + j, r = r0 + 4 * tx;\n\
+                   if (c < cols && r < rows) {{\n\
+                     u32 w = 0;\n\
+                     for (int b = 0; b < 4; ++b) w |= (u32)tile[4 * tx + b][j] << (8 * b);\n\
+                     ((u32*)pt)[(c * rows + r) / 4] = w;\n\
+                   }}\n\
+                 }}\n\
+                 __syncthreads();\n\
+               }}\n{AMAX_FOLD}}}\n"
         ),
     )
 }
@@ -278,21 +327,59 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
         to: q.to,
     };
     let outs = outs.to_vec();
-    if outs.len() != 2 {
-        return Err("QuantizeFp8 gives the values and their amax".into());
+    if outs.len() != 2 + usize::from(q.transposed) {
+        return Err("QuantizeFp8 gives the values, their amax and any transposed copy".into());
     }
+    // A matrix whose sides are multiples of 4 is transposed as it is quantised (in
+    // words); another one after.
+    let matrix = q.transposed.then(|| (x.shape[0], x.shape[1]));
+    let fused = matrix
+        .filter(|(rows, cols)| rows % 4 == 0 && cols % 4 == 0)
+        .map(|_| Spec::QuantizeTransposed {
+            x: x.dtype,
+            to: q.to,
+        });
     Ok(kernel(move |c, inputs| {
         let (x, s) = (input(inputs, 0)?, input(inputs, 1)?);
         let y = c.alloc(&outs[0])?;
         let amax = zeroed_amax(c, &outs[1])?;
         let n = x.len();
-        launch_amax(
-            c,
-            &spec,
-            n,
-            &[x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)],
-        )?;
-        Ok(vec![y, amax])
+        let Some((rows, cols)) = matrix else {
+            launch_amax(
+                c,
+                &spec,
+                n,
+                &[x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)],
+            )?;
+            return Ok(vec![y, amax]);
+        };
+        let t = c.alloc(&outs[2])?;
+        if let Some(fused) = &fused {
+            let blocks = (rows.div_ceil(64) * cols.div_ceil(64)).min(AMAX_BLOCKS as usize);
+            c.launch(
+                fused,
+                "k",
+                (blocks as u32, 256),
+                &[
+                    x.arg(),
+                    s.arg(),
+                    y.arg(),
+                    t.arg(),
+                    amax.arg(),
+                    Arg::I64(rows as i64),
+                    Arg::I64(cols as i64),
+                ],
+            )?;
+        } else {
+            launch_amax(
+                c,
+                &spec,
+                n,
+                &[x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)],
+            )?;
+            transpose_into(c, &y, &t, rows, cols)?;
+        }
+        Ok(vec![y, amax, t])
     }))
 }
 
@@ -370,10 +457,22 @@ fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType
     }))
 }
 
-/// `x` (`rows x cols` bytes) transposed into a temporary: in words where both are
-/// multiples of 4 (the buffers are aligned), else byte by byte.
+/// `x` (`rows x cols` bytes) transposed into a temporary.
 fn transposed(c: &Ctx, x: &DTensor, rows: usize, cols: usize) -> Result<DTensor, String> {
     let y = c.temp(x.dtype, rows * cols)?;
+    transpose_into(c, x, &y, rows, cols)?;
+    Ok(y)
+}
+
+/// `x` (`rows x cols` bytes) transposed into `y`: in words where both are multiples
+/// of 4 (the buffers are aligned), else byte by byte.
+fn transpose_into(
+    c: &Ctx,
+    x: &DTensor,
+    y: &DTensor,
+    rows: usize,
+    cols: usize,
+) -> Result<(), String> {
     let (name, tile) = if rows % 4 == 0 && cols % 4 == 0 {
         ("k_words", 64)
     } else {
@@ -392,8 +491,7 @@ fn transposed(c: &Ctx, x: &DTensor, rows: usize, cols: usize) -> Result<DTensor,
             Arg::I64(rows as i64),
             Arg::I64(cols as i64),
         ],
-    )?;
-    Ok(y)
+    )
 }
 
 fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {

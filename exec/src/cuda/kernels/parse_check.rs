@@ -385,6 +385,10 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         k.extend([
             (format!("fp8_amax_{x}"), fp8::amax(x)),
             (format!("fp8_quantize_{x}_{to}"), fp8::quantize(x, to)),
+            (
+                format!("fp8_quantize_transposed_{x}_{to}"),
+                fp8::quantize_transposed(x, to),
+            ),
             (format!("fp8_dequantize_{to}_{x}"), fp8::dequantize(to, x)),
             (format!("fp8_scale_{to}"), fp8::scale(to, 1)),
             (
