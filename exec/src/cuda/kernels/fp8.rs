@@ -142,42 +142,56 @@ pub(super) fn quantize(x: DType, to: DType) -> String {
 }
 
 /// Both stores move 4-byte words (4 columns of a row of `y`, 4 rows of a column of
-/// `y^T`); the grid strides over the tiles with at most [`AMAX_BLOCKS`] blocks, one
-/// amax atomic each.
+/// `y^T`); a thread loads its four rows of the tile before it converts and stores any
+/// (one at a time, the kernel ran at two thirds of the bandwidth of a quantisation and
+/// a transpose apart); the grid strides over the tiles with at most [`AMAX_BLOCKS`]
+/// blocks, one amax atomic each.
 pub(super) fn quantize_transposed(x: DType, to: DType) -> String {
     fp8_module(
         &[("X", x), ("Y", to)],
         &format!(
             "typedef unsigned int u32;\n\
-             extern \"C\" __global__ void k(const TX* px, const float* ps, TY* py, TY* pt, unsigned int* amax, i64 rows, i64 cols) {{\n\
-               __shared__ u8 tile[64][68];\n\
+             extern \"C\" __global__ void k(const TX* __restrict__ px, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax, i64 rows, i64 cols) {{\n\
+               __align__(4) __shared__ u8 tile[64][68];\n\
                const float s = ps[0];\n\
                float m = 0.0f;\n\
                const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
                const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;\n\
                for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {{\n\
-                 const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64;\n\
-                 for (int j = ty; j < 64; j += 16) {{\n\
-                   const i64 r = r0 + j, c = c0 + 4 * tx;\n\
+                 const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64, c = c0 + 4 * tx;\n\
+                 Vec<TX, 4> xs[4];\n\
+                 #pragma unroll\n\
+                 for (int i = 0; i < 4; ++i) {{\n\
+                   const i64 r = r0 + ty + 16 * i;\n\
+                   if (r < rows && c < cols) xs[i] = *(const Vec<TX, 4>*)(px + r * cols + c);\n\
+                 }}\n\
+                 #pragma unroll\n\
+                 for (int i = 0; i < 4; ++i) {{\n\
+                   const int j = ty + 16 * i;\n\
+                   const i64 r = r0 + j;\n\
                    if (r < rows && c < cols) {{\n\
-                     const Vec<TX, 4> xs = *(const Vec<TX, 4>*)(px + r * cols + c);\n\
                      __align__(4) TY q[4];\n\
+                     #pragma unroll\n\
                      for (int b = 0; b < 4; ++b) {{\n\
-                       const float x = ldX(xs.v, b);\n\
+                       const float x = ldX(xs[i].v, b);\n\
                        m = nanmax(m, fabsf(x));\n\
                        stY(q, b, __fmul_rn(x, s));\n\
-                       tile[j][4 * tx + b] = ((const u8*)q)[b];\n\
                      }}\n\
-                     ((u32*)py)[(r * cols + c) / 4] = *(const u32*)q;\n\
+                     const u32 w = *(const u32*)q;\n\
+                     *(u32*)&tile[j][4 * tx] = w;\n\
+                     ((u32*)py)[(r * cols + c) / 4] = w;\n\
                    }}\n\
                  }}\n\
                  __syncthreads();\n\
-                 for (int j = ty; j < 64; j += 16) {{\n\
-                   const i64 c = c0 + j, r = r0 + 4 * tx;\n\
-                   if (c < cols && r < rows) {{\n\
+                 #pragma unroll\n\
+                 for (int i = 0; i < 4; ++i) {{\n\
+                   const int j = ty + 16 * i;\n\
+                   const i64 cj = c0 + j, r = r0 + 4 * tx;\n\
+                   if (cj < cols && r < rows) {{\n\
                      u32 w = 0;\n\
+                     #pragma unroll\n\
                      for (int b = 0; b < 4; ++b) w |= (u32)tile[4 * tx + b][j] << (8 * b);\n\
-                     ((u32*)pt)[(c * rows + r) / 4] = w;\n\
+                     ((u32*)pt)[(cj * rows + r) / 4] = w;\n\
                    }}\n\
                  }}\n\
                  __syncthreads();\n\
