@@ -348,6 +348,18 @@ fn fp8_products_match_a_float64_reference() {
     assert!(Fp8MatMul::new(MatMul::new(false, false), DType::F8E4M3)
         .unwrap_err()
         .contains("not f8e4m3"));
+    // A bias: 16-bit results only, one value per column of the result's dtype.
+    assert!(op.with_bias(true).unwrap_err().contains("not f32"));
+    let biased = Fp8MatMul::new(MatMul::new(true, false), DType::BF16)
+        .unwrap()
+        .with_bias(true)
+        .unwrap();
+    let e4 = TensorType::new(DType::F8E4M3, [k, n]);
+    let wrong = TensorType::new(DType::BF16, [m]);
+    assert!(biased
+        .infer(&[&e5, &e4, &s, &s, &wrong])
+        .unwrap_err()
+        .contains("the bias must be bf16"));
 }
 
 /// The scale ops: current scaling maps the amax onto the format's largest value

@@ -646,11 +646,14 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
         let what = format!("{recipe:?}");
         let (plain, fused, fused_fetch) =
             common::assert_same_bits_through_the_pipelines(session, feeds, &what);
-        assert_eq!(
-            formats(fused.graph_for(&fused_fetch)).len(),
-            8,
-            "{recipe:?}"
-        );
+        let fused_graph = fused.graph_for(&fused_fetch);
+        assert_eq!(formats(fused_graph).len(), 8, "{recipe:?}");
+        // The forward products took their layers' biases (gemm-epilogue).
+        let with_bias = (fused_graph.node_ids())
+            .filter_map(|id| fused_graph.node(id).op.downcast_ref::<Fp8MatMul>())
+            .filter(|p| p.bias)
+            .count();
+        assert_eq!(with_bias, 3, "{recipe:?}");
         for name in [
             "dense/kernel",
             "dense_1/kernel",

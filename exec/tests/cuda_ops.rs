@@ -2224,6 +2224,25 @@ fn fp8_ops_match_the_cpu() {
                         within,
                     );
                 }
+                // A 16-bit result with its bias in the epilogue.
+                if to != DType::F32 {
+                    let op = Fp8MatMul::new(MatMul::new(ta, tb), to)
+                        .unwrap()
+                        .with_bias(true)
+                        .unwrap();
+                    let mut with_bias = inputs.to_vec();
+                    with_bias.push(rand(&mut r, to, &[n], -3.0, 3.0));
+                    check_scaled_to(
+                        &mut gpu,
+                        &format!(
+                            "Fp8MatMul [{m}x{k}] x [{k}x{n}] {fa} x {fb} {ta} {tb} -> {to} + bias"
+                        ),
+                        op,
+                        &with_bias,
+                        k as f64 / 8.0,
+                        tol(to),
+                    );
+                }
             }
         }
     }

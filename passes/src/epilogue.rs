@@ -1,6 +1,7 @@
 //! GEMM epilogues: `MatMul -> BiasAdd [-> Relu | tanh-GELU]` becomes one
 //! [`FusedMatMul`], whose bias and activation the CUDA executor folds into the
-//! cuBLASLt call (PyTorch's `addmm` and `F.linear` do the same with the bias).
+//! cuBLASLt call (PyTorch's `addmm` and `F.linear` do the same with the bias); an
+//! `Fp8MatMul` stored in 16 bits takes its BiasAdd likewise ([`Fp8MatMul::bias`]).
 //!
 //! A product fuses only with the BiasAdd that is its sole reader, and an activation
 //! only where it is the BiasAdd's sole reader: an intermediate someone else reads (the
@@ -19,11 +20,12 @@
 
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::{
-    BiasAdd, Binary, BinaryKind, Cast, DataFormat, Epilogue, FusedMatMul, MatMul, Reshape, Unary,
+    BiasAdd, Binary, BinaryKind, Cast, DataFormat, Epilogue, Fp8MatMul, FusedMatMul, MatMul,
+    Reshape, Unary,
 };
-use ampgraph_graph::{DType, Graph, NodeId, Port};
+use ampgraph_graph::{DType, Graph, NodeId, Op, Port};
 
-use crate::rewrite::dims;
+use crate::rewrite::{dims, node_error};
 use crate::{Pass, PassError, PassSummary};
 
 /// The GEMM-epilogue pass.
@@ -226,17 +228,24 @@ fn find(g: &Graph) -> Result<Vec<Candidate>, PassError> {
         };
         // NCHW on a matrix also adds along the last axis.
         let along_columns = bias_add.data_format == DataFormat::Nhwc || g.ty(*x).rank() == 2;
-        // cuBLASLt's epilogues take f32, f16 and bf16 products.
+        // cuBLASLt's epilogues take f32, f16 and bf16 products, and FP8 products
+        // stored in 16 bits (their bias only).
+        let op = &g.node(x.node).op;
+        let fp8 = op
+            .downcast_ref::<Fp8MatMul>()
+            .is_some_and(|p| !p.bias && matches!(p.to, DType::F16 | DType::BF16));
         let is_product = x.index == 0
-            && g.node(x.node).op.is::<MatMul>()
+            && (fp8 || op.is::<MatMul>())
             && matches!(g.ty(*x).dtype, DType::F32 | DType::F16 | DType::BF16);
         if !along_columns || !is_product || sole_reader(g, &adj, *x) != Some(id) {
             continue;
         }
-        let activation = sole_reader(g, &adj, Port::new(id, 0)).and_then(|reader| {
-            let unary = g.node(reader).op.downcast_ref::<Unary>()?;
-            Some((reader, Epilogue::with_activation(unary.kind)?))
-        });
+        let activation = sole_reader(g, &adj, Port::new(id, 0))
+            .filter(|_| !fp8)
+            .and_then(|reader| {
+                let unary = g.node(reader).op.downcast_ref::<Unary>()?;
+                Some((reader, Epilogue::with_activation(unary.kind)?))
+            });
         found.push(Candidate {
             matmul: x.node,
             bias_add: id,
@@ -255,32 +264,31 @@ impl Pass for GemmEpilogue {
         let candidates = find(g)?;
         let (mut activations, mut bytes_saved) = (0usize, 0usize);
         for c in &candidates {
-            let product = g
-                .node(c.matmul)
-                .op
-                .downcast_ref::<MatMul>()
-                .cloned()
-                .ok_or_else(|| PassError::Rewrite("a fusion candidate is not a MatMul".into()))?;
-            let [a, b] = g.inputs(c.matmul)[..] else {
-                return Err(PassError::Rewrite(format!(
-                    "MatMul '{}' does not have two inputs",
-                    g.node(c.matmul).name
-                )));
-            };
             let bias = g.inputs(c.bias_add)[1];
             let (last, epilogue) = c.activation.unwrap_or((c.bias_add, Epilogue::Bias));
-            // Each intermediate tensor no longer exists: written once and read once.
-            bytes_saved += 2 * g.ty(Port::new(c.matmul, 0)).size_bytes();
-            g.set_node(
-                last,
+            let mut inputs = g.inputs(c.matmul);
+            inputs.push(bias);
+            let op = &g.node(c.matmul).op;
+            let fused: Box<dyn Op> = if let Some(product) = op.downcast_ref::<MatMul>() {
                 Box::new(FusedMatMul {
-                    product,
+                    product: product.clone(),
                     epilogue,
                     to: None,
                     residual: false,
-                }),
-                &[a, b, bias],
-            )?;
+                })
+            } else if let Some(fp8) = op.downcast_ref::<Fp8MatMul>() {
+                let with_bias = fp8.clone().with_bias(true);
+                Box::new(with_bias.map_err(|e| node_error(g, c.matmul, &e))?)
+            } else {
+                return Err(node_error(
+                    g,
+                    c.matmul,
+                    "a fusion candidate is not a product",
+                ));
+            };
+            // Each intermediate tensor no longer exists: written once and read once.
+            bytes_saved += 2 * g.ty(Port::new(c.matmul, 0)).size_bytes();
+            g.set_node(last, fused, &inputs)?;
             if c.activation.is_some() {
                 activations += 1;
                 bytes_saved += 2 * g.ty(Port::new(c.bias_add, 0)).size_bytes();

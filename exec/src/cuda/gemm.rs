@@ -362,7 +362,8 @@ impl Gemm {
                 && p.scales.is_some()
                 && !p.transpose_a
                 && p.transpose_b
-                && p.bias.is_none()
+                // cuBLASLt's FP8 epilogue adds a 16-bit bias to a 16-bit result.
+                && p.bias.is_none_or(|(_, e)| e == Epilogue::Bias && out != DType::F32)
                 && p.residual.is_none()
                 && p.batch == 1
         } else {

@@ -13,7 +13,7 @@ use crate::dtype::DType;
 use crate::fp8::Fp8;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
-use crate::ops::MatMul;
+use crate::ops::{BiasAdd, DataFormat, MatMul};
 use crate::tensor::{Data, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -37,10 +37,9 @@ pub(crate) const OPS: &[OpEntry] = &[
                 a.bool_or("transpose_a", false)?,
                 a.bool_or("transpose_b", false)?,
             );
-            let op = Fp8MatMul::new(product, a.dtype("to")?)?;
-            Ok(Box::new(op.with_fast_accumulation(
-                a.bool_or("fast_accumulation", false)?,
-            )))
+            let op = Fp8MatMul::new(product, a.dtype("to")?)?
+                .with_fast_accumulation(a.bool_or("fast_accumulation", false)?);
+            Ok(Box::new(op.with_bias(a.bool_or("bias", false)?)?))
         },
     },
     OpEntry {
@@ -245,11 +244,16 @@ impl Op for DequantizeFp8 {
 /// periodic promotion of partial sums to f32 (cuBLASLt's `FAST_ACCUM`: 1.1-1.2x
 /// faster, fewer bits kept); torchao and TransformerEngine use it for forward
 /// products. The CPU reference sums in f32 either way.
+///
+/// With `bias`, a fifth input `[n]` of the output's dtype (16-bit: cuBLASLt's FP8
+/// epilogue adds a 16-bit bias to a 16-bit result) is added to every row:
+/// `gemm-epilogue` folds a Linear's BiasAdd in, as into 16-bit products.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp8MatMul {
     pub product: MatMul,
     pub to: DType,
     pub fast_accumulation: bool,
+    pub bias: bool,
 }
 
 impl Fp8MatMul {
@@ -259,7 +263,19 @@ impl Fp8MatMul {
             product,
             to,
             fast_accumulation: false,
+            bias: false,
         })
+    }
+
+    /// The product adding a bias input (a 16-bit result only).
+    pub fn with_bias(self, bias: bool) -> OpResult<Self> {
+        if bias && !matches!(self.to, DType::F16 | DType::BF16) {
+            return Err(format!(
+                "an FP8 product adds a bias to an f16 or bf16 result, not {}",
+                self.to
+            ));
+        }
+        Ok(Fp8MatMul { bias, ..self })
     }
 
     pub fn with_fast_accumulation(self, fast_accumulation: bool) -> Self {
@@ -275,7 +291,7 @@ impl Op for Fp8MatMul {
         "Fp8MatMul"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(4)
+        Arity::Exactly(4 + usize::from(self.bias))
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
         vec![
@@ -283,9 +299,11 @@ impl Op for Fp8MatMul {
             ("transpose_b", self.product.transpose_b.into()),
             ("to", self.to.into()),
             ("fast_accumulation", self.fast_accumulation.into()),
+            ("bias", self.bias.into()),
         ]
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let (inputs, bias) = self.split_bias(inputs)?;
         let [a, b, a_scale_inv, b_scale_inv] = fixed(inputs)?;
         for (what, t) in [("a", a), ("b", b)] {
             if !t.dtype.is_fp8() {
@@ -298,9 +316,14 @@ impl Op for Fp8MatMul {
         check_scale("a_scale_inv", a_scale_inv)?;
         check_scale("b_scale_inv", b_scale_inv)?;
         let (m, _, n) = self.product.dims(&a.shape, &b.shape)?;
+        let row = TensorType::new(self.to, vec![n]);
+        if let Some(bias) = bias.filter(|&t| *t != row) {
+            return Err(format!("the bias must be {row}, not {bias}"));
+        }
         Ok(vec![TensorType::new(self.to, vec![m, n])])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let (inputs, bias) = self.split_bias(inputs)?;
         let [a, b, a_scale_inv, b_scale_inv] = fixed(inputs)?;
         let (m, k, n) = self.product.dims(a.shape(), b.shape())?;
         let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
@@ -316,15 +339,36 @@ impl Op for Fp8MatMul {
         )?;
         let scale = scalar_of(a_scale_inv) * scalar_of(b_scale_inv);
         out.iter_mut().for_each(|v| *v *= scale);
-        Ok(vec![Tensor::new(vec![m, n], Data::from_f32(self.to, out))?])
+        let product = Tensor::new(vec![m, n], Data::from_f32(self.to, out))?;
+        // As the product and a BiasAdd apart compute it (`FusedMatMul` likewise): the
+        // GPU's epilogue rounds once, within the output's rounding of this.
+        match bias {
+            Some(bias) => BiasAdd {
+                data_format: DataFormat::Nhwc,
+            }
+            .eval(&[&product, bias]),
+            None => Ok(vec![product]),
+        }
     }
     fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        let result = if self.bias { vec![4] } else { vec![] };
         vec![
-            TypeGroup::new(vec![], vec![0]),
+            TypeGroup::new(result, vec![0]),
             TypeGroup::new(vec![0], vec![]).fixed(),
             TypeGroup::new(vec![1], vec![]).fixed(),
             TypeGroup::new(vec![2, 3], vec![]).fixed(),
         ]
+    }
+}
+
+impl Fp8MatMul {
+    /// The four product inputs and the bias, where the product has one.
+    fn split_bias<'t, T>(&self, inputs: &'t [&'t T]) -> OpResult<(&'t [&'t T], Option<&'t T>)> {
+        match (self.bias, inputs) {
+            (true, [four @ .., bias]) => Ok((four, Some(*bias))),
+            (false, _) => Ok((inputs, None)),
+            (true, []) => Err("a product with a bias takes five inputs".into()),
+        }
     }
 }
 

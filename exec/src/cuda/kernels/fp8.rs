@@ -12,7 +12,7 @@
 
 use ampgraph_graph::fp8::Fp8;
 use ampgraph_graph::ops::{
-    AmaxChoice, DequantizeFp8, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate, QuantizeFp8,
+    AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate, QuantizeFp8,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -520,10 +520,11 @@ fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> Kerne
         ));
     }
     let (transpose_a, transpose_b) = (f.product.transpose_a, f.product.transpose_b);
-    let fast_accumulation = f.fast_accumulation;
+    let (fast_accumulation, bias) = (f.fast_accumulation, f.bias);
     Ok(one_output(first(outs)?, move |c, inputs, y| {
         let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
         let (a_inv, b_inv) = (input(inputs, 2)?, input(inputs, 3)?);
+        let bias = bias.then(|| input(inputs, 4)).transpose()?;
         // K-major: a as [m, k], b as [n, k].
         let a_rows = transpose_a.then(|| transposed(c, a, k, m)).transpose()?;
         let b_rows = (!transpose_b).then(|| transposed(c, b, k, n)).transpose()?;
@@ -535,6 +536,7 @@ fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> Kerne
         let product = Product {
             scales: Some((a_inv, b_inv)),
             fast_accumulation,
+            bias: bias.map(|b| (b, Epilogue::Bias)),
             ..Product::single(operands, (m, k, n), (false, true))
         };
         c.gemm.run(c.dev, &product, c.gemm_options)
