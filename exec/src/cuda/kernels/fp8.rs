@@ -33,8 +33,7 @@ kernel_specs! {
         Quantize { x: DType, to: DType } => quantize(x, to),
         /// `k(const TX* px, const float* ps, TY* py, TY* pt, unsigned* amax, i64 rows,
         /// i64 cols)`: [`Spec::Quantize`] of a `rows x cols` matrix (both multiples of
-        /// 4) also writing `pt = y^T`, per tile of [`QT_TILE`] squared through shared
-        /// memory.
+        /// 4) also writing `pt = y^T`, per 64x64 tile through shared memory.
         QuantizeTransposed { x: DType, to: DType } => quantize_transposed(x, to),
         /// `k(const TY* py, const float* pinv, TO* po, i64 n)`: `o = y * inv`.
         Dequantize { y: DType, to: DType } => dequantize(y, to),
@@ -142,40 +141,33 @@ pub(super) fn quantize(x: DType, to: DType) -> String {
     )
 }
 
-/// The side of a [`quantize_transposed`] tile: a tile's rows of `y` and of `y^T` are
-/// 128 bytes, whole cache lines (with 64-byte halves, each line's other half came from
-/// another block at another time, and the kernel ran at half the bandwidth of a plain
-/// quantisation).
-const QT_TILE: usize = 128;
-
 /// Both stores move 4-byte words (4 columns of a row of `y`, 4 rows of a column of
-/// `y^T`); a thread loads its 16 rows of the tile before it converts and stores any;
-/// the grid strides over the tiles with at most [`AMAX_BLOCKS`] blocks, one amax
-/// atomic each.
+/// `y^T`); a thread loads its four rows of the tile before it converts and stores any
+/// (one at a time, the kernel ran at two thirds of the bandwidth of a quantisation and
+/// a transpose apart); the grid strides over the tiles with at most [`AMAX_BLOCKS`]
+/// blocks, one amax atomic each.
 pub(super) fn quantize_transposed(x: DType, to: DType) -> String {
     fp8_module(
         &[("X", x), ("Y", to)],
         &format!(
             "typedef unsigned int u32;\n\
-             #define TILE {QT_TILE}\n\
-             #define PER (TILE / 8)\n\
              extern \"C\" __global__ void k(const TX* __restrict__ px, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax, i64 rows, i64 cols) {{\n\
-               __align__(4) __shared__ u8 tile[TILE][TILE + 4];\n\
+               __align__(4) __shared__ u8 tile[64][68];\n\
                const float s = ps[0];\n\
                float m = 0.0f;\n\
-               const i64 tiles_c = (cols + TILE - 1) / TILE, tiles = (rows + TILE - 1) / TILE * tiles_c;\n\
-               const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
+               const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
+               const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;\n\
                for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {{\n\
-                 const i64 r0 = t / tiles_c * TILE, c0 = t % tiles_c * TILE, c = c0 + 4 * tx;\n\
-                 Vec<TX, 4> xs[PER];\n\
+                 const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64, c = c0 + 4 * tx;\n\
+                 Vec<TX, 4> xs[4];\n\
                  #pragma unroll\n\
-                 for (int i = 0; i < PER; ++i) {{\n\
-                   const i64 r = r0 + ty + 8 * i;\n\
+                 for (int i = 0; i < 4; ++i) {{\n\
+                   const i64 r = r0 + ty + 16 * i;\n\
                    if (r < rows && c < cols) xs[i] = *(const Vec<TX, 4>*)(px + r * cols + c);\n\
                  }}\n\
                  #pragma unroll\n\
-                 for (int i = 0; i < PER; ++i) {{\n\
-                   const int j = ty + 8 * i;\n\
+                 for (int i = 0; i < 4; ++i) {{\n\
+                   const int j = ty + 16 * i;\n\
                    const i64 r = r0 + j;\n\
                    if (r < rows && c < cols) {{\n\
                      __align__(4) TY q[4];\n\
@@ -192,8 +184,8 @@ pub(super) fn quantize_transposed(x: DType, to: DType) -> String {
                  }}\n\
                  __syncthreads();\n\
                  #pragma unroll\n\
-                 for (int i = 0; i < PER; ++i) {{\n\
-                   const int j = ty + 8 * i;\n\
+                 for (int i = 0; i < 4; ++i) {{\n\
+                   const int j = ty + 16 * i;\n\
                    const i64 cj = c0 + j, r = r0 + 4 * tx;\n\
                    if (cj < cols && r < rows) {{\n\
                      u32 w = 0;\n\
@@ -377,8 +369,7 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
         };
         let t = c.alloc(&outs[2])?;
         if let Some(fused) = &fused {
-            let tiles = rows.div_ceil(QT_TILE) * cols.div_ceil(QT_TILE);
-            let blocks = tiles.min(AMAX_BLOCKS as usize);
+            let blocks = (rows.div_ceil(64) * cols.div_ceil(64)).min(AMAX_BLOCKS as usize);
             c.launch(
                 fused,
                 "k",
