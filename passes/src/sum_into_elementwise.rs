@@ -11,15 +11,16 @@
 //! (a batch norm's square of `x`) is no longer stored: a program may output its
 //! column sums alone.
 //!
-//! Only sums that accumulate and store in the program's column-sum type (f32 for
+//! Sums that accumulate and store in the program's column-sum type (f32 for
 //! f16/bf16/f32 operands, after `cast-into-reduce` has given f16 bias gradients their
-//! f32 output; f64 for f64) fold, so the result is the Sum's. A Sum that is a graph
-//! output stays.
+//! f32 output; f64 for f64) fold, so the result is the Sum's; a 16-bit sum of a 16-bit
+//! tensor (BF16 AMP's bias gradients) becomes a Cast of the f32 sum, which rounds as
+//! the Sum does. A Sum that is a graph output stays.
 
 use crate::rewrite::reachable_from;
 use ampgraph_graph::graph::Adjacency;
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr, MAX_COLUMN_SUMS};
-use ampgraph_graph::ops::{FusedElementwise, Reduce, ReduceKind};
+use ampgraph_graph::ops::{Cast, FusedElementwise, Reduce, ReduceKind};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
 use crate::fuse::{fusible, program, record_members};
@@ -39,6 +40,16 @@ pub(crate) fn is_column_sum(reduce: &Reduce, rank: usize, dtype: DType) -> bool 
             .reduced_axes(rank)
             .is_ok_and(|axes| axes.iter().copied().eq(0..rank - 1))
         && reduce.output_dtype(dtype) == column_sum_dtype(dtype)
+}
+
+/// Whether `reduce`, reading a 16-bit tensor of that rank, is a column sum stored in
+/// that dtype (BF16 AMP's bias gradients: Sum is on its infer list). It sums in f32
+/// and rounds once more, so it is the f32 column sum cast to the dtype: f64 sums
+/// rounded to f32, then to 16 bits, as the Sum stores them.
+fn is_narrow_column_sum(reduce: &Reduce, rank: usize, dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+        && reduce.output_dtype(dtype) == dtype
+        && is_column_sum(&reduce.clone().with_output(DType::F32), rank, dtype)
 }
 
 /// Where the kernel that takes a column sum finds the summed tensor.
@@ -193,6 +204,9 @@ impl Pass for SumIntoElementwise {
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let is_output = output_nodes(g);
+        // Each column sum, with its 16-bit dtype where it is stored narrow (the f32 sum
+        // the kernel takes is then cast to it).
+        let mut narrow = vec![None; g.node_bound()];
         let sums: Vec<(NodeId, Port)> = g
             .node_ids()
             .filter_map(|id| {
@@ -201,8 +215,15 @@ impl Pass for SumIntoElementwise {
                     return None;
                 };
                 let ty = g.ty(x);
-                (!is_output[id.index()] && is_column_sum(reduce, ty.rank(), ty.dtype))
-                    .then_some((id, x))
+                if is_output[id.index()] {
+                    return None;
+                }
+                if is_narrow_column_sum(reduce, ty.rank(), ty.dtype) {
+                    narrow[id.index()] = Some(ty.dtype);
+                } else if !is_column_sum(reduce, ty.rank(), ty.dtype) {
+                    return None;
+                }
+                Some((id, x))
             })
             .collect();
         let live = g.needed_by(g.outputs());
@@ -252,14 +273,26 @@ impl Pass for SumIntoElementwise {
             let op = op
                 .with_column_sums(all)
                 .map_err(|e| PassError::Rewrite(format!("'{}': {e}", g.node(producer).name)))?;
+            let mut narrowed = Vec::new();
             for (k, &(sum, x)) in sums.iter().enumerate() {
                 bytes += g.ty(x).size_bytes() as u64;
-                for (reader, slot, _) in g.consumers(sum) {
-                    rewired.push((reader, slot, Port::new(producer, first_sum + k)));
+                let column_sum = Port::new(producer, first_sum + k);
+                match narrow[sum.index()] {
+                    Some(to) => narrowed.push((sum, to, column_sum)),
+                    None => {
+                        for (reader, slot, _) in g.consumers(sum) {
+                            rewired.push((reader, slot, column_sum));
+                        }
+                        removed.push(sum);
+                    }
                 }
-                removed.push(sum);
             }
             g.set_node(producer, Box::new(op), &inputs)?;
+            // A narrow sum becomes the cast of the kernel's f32 sum (a kernel of one
+            // row's values).
+            for (sum, to, column_sum) in narrowed {
+                g.set_node(sum, Box::new(Cast { to }), &[column_sum])?;
+            }
             producers.push(producer);
             let summed: Vec<NodeId> = sums.iter().map(|&(sum, _)| sum).collect();
             record_members(g, producer, producer, &summed);
@@ -363,6 +396,28 @@ mod tests {
         let summary = SumIntoElementwise.run(&mut g).unwrap();
         assert!(summary.lines[0].contains(": 0 column sums"), "{summary}");
         assert_eq!(text, ampgraph_graph::format::to_text(&g));
+    }
+
+    /// A bias gradient summed into the gradient's own 16-bit dtype (BF16 AMP's, Sum
+    /// being on its infer list) is the kernel's f32 sum cast to that dtype: the same
+    /// bits.
+    #[test]
+    fn a_16_bit_bias_gradient_becomes_a_cast_of_the_kernels_sum() {
+        let narrow = Reduce::new(ReduceKind::Sum, Some(vec![0]), false);
+        let before = backward(narrow);
+        let mut g = before.clone();
+        let summary = SumIntoElementwise.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(summary.lines[0].contains(": 1 column sums"), "{summary}");
+        assert!(g.node_ids().all(|id| !g.node(id).op.is::<Reduce>()));
+        let cast = g.inputs(g.outputs()[0].node)[0].node;
+        let op = g.node(cast).op.downcast_ref::<Cast>().unwrap();
+        assert_eq!(op.to, DType::F16);
+        let summing = g.inputs(cast)[0].node;
+        assert!(g.node(summing).op.is::<FusedElementwise>());
+        let f = feeds();
+        let feeds = f.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        assert_same_bits(&run_cpu(&before, &feeds), &run_cpu(&g, &feeds));
     }
 
     /// A batch norm's statistics on `[N, C]` f16 values: the column sums of x in f32
@@ -496,12 +551,11 @@ mod tests {
     }
 
     #[test]
-    fn sums_of_another_type_or_axes_and_graph_outputs_stay() {
-        let f16_sum = Reduce::new(ReduceKind::Sum, Some(vec![0]), false);
+    fn sums_over_other_axes_and_graph_outputs_stay() {
         let row_sum = Reduce::new(ReduceKind::Sum, Some(vec![1]), false).with_output(DType::F32);
         let kept_dims = Reduce::new(ReduceKind::Sum, Some(vec![0]), true).with_output(DType::F32);
         let mean = Reduce::new(ReduceKind::Mean, Some(vec![0]), false).with_output(DType::F32);
-        for sum in [f16_sum, row_sum, kept_dims, mean] {
+        for sum in [row_sum, kept_dims, mean] {
             let mut g = backward(sum.clone());
             let summary = SumIntoElementwise.run(&mut g).unwrap();
             assert!(summary.lines[0].contains(": 0 column sums"), "{sum:?}");
