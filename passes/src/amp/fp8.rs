@@ -6,7 +6,10 @@
 //! gradient operand (a tensor computed from the gradient seed,
 //! [`ampgraph_graph::autodiff::SEED_NAME`]) in E5M2, TransformerEngine's "hybrid"
 //! format. Each quantised tensor is quantised once, whatever number of products
-//! read it (a weight by its forward and its input-gradient product).
+//! read it (a weight by its forward and its input-gradient product), with a transposed
+//! copy where a product reads it the other way round from K-major (Hopper's FP8
+//! products take `[m, k] x [n, k]`): every `Fp8MatMul` reads K-major operands. Forward
+//! products sum in the GPU's fast mode ([`Fp8Config::fast_forward`]).
 //!
 //! Scaling lives in the graph ([`Fp8Recipe`]): current scaling computes each tensor's
 //! scale from its own amax (`Fp8Scale`); delayed scaling keeps an amax history and a
