@@ -141,6 +141,9 @@ pub(super) fn quantize(x: DType, to: DType) -> String {
     )
 }
 
+/// The side of [`quantize_transposed`]'s square tiles (128 measured slower).
+const QT_TILE: usize = 64;
+
 /// Both stores move 4-byte words (4 columns of a row of `y`, 4 rows of a column of
 /// `y^T`); a thread loads its four rows of the tile before it converts and stores any
 /// (one at a time, the kernel ran at two thirds of the bandwidth of a quantisation and
@@ -358,18 +361,18 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
         let y = c.alloc(&outs[0])?;
         let amax = zeroed_amax(c, &outs[1])?;
         let n = x.len();
+        let quantize = || {
+            let args = [x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)];
+            launch_amax(c, &spec, n, &args)
+        };
         let Some((rows, cols)) = matrix else {
-            launch_amax(
-                c,
-                &spec,
-                n,
-                &[x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)],
-            )?;
+            quantize()?;
             return Ok(vec![y, amax]);
         };
         let t = c.alloc(&outs[2])?;
         if let Some(fused) = &fused {
-            let blocks = (rows.div_ceil(64) * cols.div_ceil(64)).min(AMAX_BLOCKS as usize);
+            let tiles = rows.div_ceil(QT_TILE) * cols.div_ceil(QT_TILE);
+            let blocks = tiles.min(AMAX_BLOCKS as usize);
             c.launch(
                 fused,
                 "k",
@@ -385,12 +388,7 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
                 ],
             )?;
         } else {
-            launch_amax(
-                c,
-                &spec,
-                n,
-                &[x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)],
-            )?;
+            quantize()?;
             transpose_into(c, &y, &t, rows, cols)?;
         }
         Ok(vec![y, amax, t])
