@@ -159,7 +159,7 @@ impl Builder {
                 training: self.rng.below(2) == 0,
                 data_format: DataFormat::Nchw,
                 activation: NormActivation::Identity,
-                sync_replicas: 0,
+                ..BatchNorm::default()
             };
             x = self.g.add(bn, &[x, scale, offset, mean, variance]).unwrap();
         }

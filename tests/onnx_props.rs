@@ -325,7 +325,7 @@ fn a_batch_norm_with_a_side_input_exports_as_its_add() {
                 training: false,
                 data_format: DataFormat::Nhwc,
                 activation,
-                sync_replicas: 0,
+                ..BatchNorm::default()
             };
             let mut inputs = vec![x];
             inputs.extend(&stats);

@@ -77,7 +77,7 @@ fn model(format: DataFormat, batch: usize, activation: NormActivation) -> Model 
         training: true,
         data_format: format,
         activation,
-        sync_replicas: 0,
+        ..BatchNorm::default()
     };
     let bn = g
         .add_node("bn", Box::new(op), &[conv, scale, offset, empty, empty])
@@ -387,7 +387,7 @@ fn one_replica_matches_a_float64_batch_norm_by_hand() {
                 training: true,
                 data_format: format,
                 activation: NormActivation::Identity,
-                sync_replicas: 0,
+                ..BatchNorm::default()
             };
             let bn = g.add(bn, &[xp, sp, op, empty, empty]).unwrap();
             g.set_outputs(vec![bn, Port::new(bn.node, 1), Port::new(bn.node, 2)])
@@ -607,7 +607,7 @@ fn converts_each_training_batch_norm_once_and_leaves_inference_ones() {
         training,
         data_format: format,
         activation: NormActivation::Identity,
-        sync_replicas: 0,
+        ..BatchNorm::default()
     };
     let inputs = |x| [x, scale, offset, mean, variance];
     let a = g.add(bn(true, DataFormat::Nchw), &inputs(x)).unwrap();

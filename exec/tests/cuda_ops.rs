@@ -1814,7 +1814,7 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
                         training,
                         data_format: format,
                         activation,
-                        sync_replicas: 0,
+                        ..BatchNorm::default()
                     };
                     let what = format!(
                         "BatchNorm {d} {shape:?} {format:?} training {training} {activation:?}"
@@ -1835,7 +1835,7 @@ fn batch_norm_and_its_gradient_match_the_cpu() {
                     training: true,
                     data_format: format,
                     activation,
-                    sync_replicas: 0,
+                    ..BatchNorm::default()
                 };
                 let (_, forward) = run_both(&mut gpu, "statistics", bn, &inputs);
                 let dy = rand(&mut r, d, shape, -1.0, 1.0);

@@ -55,7 +55,7 @@ proptest! {
         let shape = bn_shape(format, n, h, w, c);
         let mut rng = Gen(seed);
         let inputs = bn_inputs(&mut rng, &shape, c);
-        let op = BatchNorm { epsilon: eps, training, data_format: format, activation: NormActivation::Identity , sync_replicas: 0 };
+        let op = BatchNorm { epsilon: eps, training, data_format: format, activation: NormActivation::Identity , ..BatchNorm::default() };
         let err = check_output0(Box::new(op), &inputs, &[0, 1, 2], seed);
         prop_assert!(err < GRAD_TOL, "{shape:?} training={training}: max relative error {err:e}");
     }
@@ -109,7 +109,7 @@ fn batch_norm_gradient_fixed_cases() {
                     training,
                     data_format: format,
                     activation,
-                    sync_replicas: 0,
+                    ..BatchNorm::default()
                 };
                 let err = check_output0(Box::new(op.clone()), &inputs, &[0, 1, 2], 3);
                 let what = format!("{format:?} {shape:?} {training} {activation:?}");
@@ -135,7 +135,7 @@ fn batch_norm_rule_shape() {
             training,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let grads = graph_gradients(Box::new(op), &inputs);
         assert_eq!(grads.len(), 5);

@@ -122,7 +122,7 @@ fn run_batch_norm_case(
         training,
         data_format: format,
         activation: NormActivation::Identity,
-        sync_replicas: 0,
+        ..BatchNorm::default()
     };
     let inputs = [&x, &scale, &offset, &mean, &var];
     let types = tys(&inputs);
@@ -169,7 +169,7 @@ fn batch_norm_hand_computed() {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let out = op.eval(&[&x, &scale, &offset, &mean, &var]).unwrap();
         assert_close("y", &out[0], dtype, &[2, 2], &[-1., 0., 1., 2.], dtype, 1.0);
@@ -183,7 +183,7 @@ fn batch_norm_hand_computed() {
             training: true,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let out = op.eval(&[&x, &ones, &zeros, &zeros, &ones]).unwrap();
         assert_close(
@@ -332,7 +332,7 @@ fn batch_norm_registry_and_typed_inputs() {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         })
     );
     assert_eq!(op.typed_inputs(5), vec![0]);
@@ -359,7 +359,7 @@ fn batch_norm_registry_and_typed_inputs() {
             training: true,
             data_format: DataFormat::Nchw,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         })
     );
     assert_round_trip(op.as_ref());

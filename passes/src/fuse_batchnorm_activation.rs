@@ -257,7 +257,7 @@ mod tests {
             training: true,
             data_format: format,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let y = g.add(bn, &[x, scale, offset, scale, offset]).unwrap();
         [x, w, scale, offset, y]

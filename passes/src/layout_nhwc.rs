@@ -737,7 +737,7 @@ mod tests {
             training,
             data_format: DataFormat::Nchw,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         g.add(bn, &[x, params[0], params[1], params[2], params[3]])
             .unwrap()
@@ -901,7 +901,7 @@ mod tests {
             training: true,
             data_format: DataFormat::Nchw,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let y = g.add(bn, &[y, scale, offset, offset, scale]).unwrap();
         let y = g.relu(y).unwrap();

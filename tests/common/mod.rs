@@ -363,7 +363,7 @@ fn simplifiable_step(
                 training: false,
                 data_format: DataFormat::Nhwc,
                 activation: NormActivation::Identity,
-                sync_replicas: 0,
+                ..BatchNorm::default()
             };
             let y = g
                 .add(bn, &[x, stats[0], stats[1], stats[2], stats[3]])
@@ -396,7 +396,7 @@ fn simplifiable_step(
                 training: true,
                 data_format: DataFormat::Nhwc,
                 activation: NormActivation::Identity,
-                sync_replicas: 0,
+                ..BatchNorm::default()
             };
             g.add(bn, &[x, scale, offset, offset, scale]).unwrap()
         }

@@ -121,7 +121,7 @@ impl BatchNorms {
             training: self.training,
             data_format: DataFormat::Nchw,
             activation,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let (mean, variance) = self
             .unread

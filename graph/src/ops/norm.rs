@@ -559,7 +559,7 @@ impl BatchNormGrad {
             training: self.training,
             data_format: self.data_format,
             activation: self.activation,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         }
     }
 

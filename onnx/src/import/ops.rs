@@ -761,7 +761,7 @@ fn batch_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
         training: false,
         data_format: DataFormat::Nchw,
         activation: NormActivation::Identity,
-        sync_replicas: 0,
+        ..BatchNorm::default()
     };
     match xs.len() {
         2 | 4 => cx.out(op, &inputs),

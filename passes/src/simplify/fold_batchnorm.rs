@@ -340,7 +340,7 @@ mod tests {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let bn = add(&mut g, "bn", bn_op, &[biased, scale, offset, mean, var]);
         g.set_outputs(vec![bn]).unwrap();
@@ -390,7 +390,7 @@ mod tests {
             training: false,
             data_format: DataFormat::Nchw,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let bn = add(&mut g, "bn", bn_op, &[conv, scale, offset, mean, var]);
         g.set_outputs(vec![bn]).unwrap();
@@ -438,7 +438,7 @@ mod tests {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let bn = add(&mut g, "bn", bn_op, &[conv, scale, offset, mean, var]);
         g.set_outputs(vec![bn]).unwrap();
@@ -478,7 +478,7 @@ mod tests {
             training: false,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let bn = add(&mut g, "bn", bn_op, &[mm, ones, zeros, zeros, var]);
         // Training mode: the bias is cancelled by the batch mean.
@@ -496,7 +496,7 @@ mod tests {
             training: true,
             data_format: DataFormat::Nhwc,
             activation: NormActivation::Identity,
-            sync_replicas: 0,
+            ..BatchNorm::default()
         };
         let tbn = add(&mut g, "tbn", train_op, &[biased, ones, zeros, zeros, ones]);
         g.set_outputs(vec![tbn]).unwrap();
