@@ -29,7 +29,9 @@ fn mlp_of(inputs: usize, loss_scale: LossScale) -> (Graph, TrainStep, Port) {
     let x = g.placeholder("x", DType::F32, [BATCH, inputs]).unwrap();
     let y = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
     let h = nn::dense(&mut g, x, 32, Some(Activation::Relu)).unwrap();
-    let h = nn::dense(&mut g, h, 32, Some(Activation::Relu)).unwrap();
+    // A GELU's output only the next layer's FP8 casts read (its gradient reads its
+    // input): `activation-into-fp8` folds it.
+    let h = nn::dense(&mut g, h, 32, Some(Activation::Gelu)).unwrap();
     let logits = nn::dense(&mut g, h, 8, None).unwrap();
     let loss = g.softmax_cross_entropy(logits, y).unwrap();
     let step = enable_mixed_precision_graph_rewrite(Sgd::new(0.1))
@@ -654,6 +656,12 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
             .filter(|p| p.bias)
             .count();
         assert_eq!(with_bias, 3, "{recipe:?}");
+        // The GELU is computed by the casts quantising it (activation-into-fp8).
+        let activated = (fused_graph.node_ids())
+            .filter_map(|id| fused_graph.node(id).op.downcast_ref::<QuantizeFp8>())
+            .filter(|q| q.activation.is_some())
+            .count();
+        assert_eq!(activated, 1, "{recipe:?}");
         for name in [
             "dense/kernel",
             "dense_1/kernel",

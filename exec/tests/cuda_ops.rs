@@ -7,7 +7,7 @@ mod common;
 
 use ampgraph_exec::{cuda, CudaExecutor, DeviceStats, ExecOptions, Executor, Feeds};
 use ampgraph_graph::ops::*;
-use ampgraph_graph::{DType, Data, Graph, Op, Tensor, TensorType};
+use ampgraph_graph::{DType, Data, Graph, Op, Port, Tensor, TensorType};
 use common::{gpu, op_graph, run_both, FLOATS};
 
 struct Rng(u64);
@@ -2143,6 +2143,37 @@ fn fp8_ops_match_the_cpu() {
                 ),
             );
         }
+    }
+    // An activation folded into the scale and the cast (`activation-into-fp8`) computes
+    // on the GPU what the Unary and the casts apart compute, bit for bit (the Unary
+    // kernel's expression, rounded to bf16 alike); the CPU's erf may differ from
+    // CUDA's in the last bit of an f32.
+    let z = t(DType::BF16, &[64, 96], &r.vec(64 * 96, -6.0, 6.0));
+    let gelu = UnaryKind::Gelu { approximate: false };
+    for transposed in [false, true] {
+        let mut run = |fold: bool| {
+            let mut g = Graph::new();
+            let zp = g.placeholder("z", DType::BF16, [64, 96]).unwrap();
+            let (x, activation) = match fold {
+                true => (zp, Some(gelu)),
+                false => (g.add(Unary::new(gelu), &[zp]).unwrap(), None),
+            };
+            let scale_op = Fp8Scale::new(DType::F8E4M3, 0).unwrap();
+            let scale = g.add(scale_op.with_activation(activation), &[x]).unwrap();
+            let q = QuantizeFp8::new(DType::F8E4M3).unwrap();
+            let q = q.with_transposed(transposed).with_activation(activation);
+            let q = g.add_node("q", Box::new(q), &[x, scale]).unwrap();
+            let mut outs = vec![scale, Port::new(q, 0), Port::new(q, 1)];
+            outs.extend(transposed.then(|| Port::new(q, 2)));
+            g.set_outputs(outs.clone()).unwrap();
+            let feeds: Feeds = [("z".to_string(), z.clone())].into_iter().collect();
+            gpu.run(&g, &feeds, &outs).unwrap()
+        };
+        let (folded, apart) = (run(true), run(false));
+        assert_identical(
+            &format!("GELU into Fp8Scale and QuantizeFp8 (transposed {transposed})"),
+            (folded, apart),
+        );
     }
     for n in [1, 7, 1024] {
         let history = t(DType::F32, &[n], &r.vec(n, 0.0, 50.0));

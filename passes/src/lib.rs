@@ -5,6 +5,7 @@
 //! each pass's summary. The heart is [`amp::AutoMixedPrecision`]; [`simplify`] holds
 //! the graph simplifications, and [`registry`] names every pass that needs no settings.
 
+pub mod activation_into_fp8;
 pub mod amp;
 pub mod attention;
 pub mod bias_before_reshape;

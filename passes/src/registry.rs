@@ -2,6 +2,7 @@
 //! name; one row per pass (docs/passes.md describes them). AMP takes its precision
 //! settings and is built apart.
 
+use crate::activation_into_fp8::ActivationIntoFp8;
 use crate::attention::FuseAttention;
 use crate::bias_before_reshape::BiasBeforeReshape;
 use crate::compose_views::ComposeViews;
@@ -171,6 +172,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "fuse-batchnorm-activation",
         summary: "A BatchNorm takes the Relu after it (and a residual Add before that Relu, as a side input), and a BatchNormGrad the Relu's gradient mask (TensorFlow's _FusedBatchNormEx).",
         make: || Box::new(FuseBatchNormActivation),
+    },
+    PassEntry {
+        name: "activation-into-fp8",
+        summary: "A Unary read only by FP8 scales and casts becomes their activation (its 16-bit output no longer stored).",
+        make: || Box::new(ActivationIntoFp8),
     },
     PassEntry {
         name: "gemm-epilogue",

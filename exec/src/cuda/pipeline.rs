@@ -2,6 +2,7 @@
 //! as pass values (each also in `ampgraph_passes::registry` by its name, for
 //! `--passes`).
 
+use ampgraph_passes::activation_into_fp8::ActivationIntoFp8;
 use ampgraph_passes::attention::FuseAttention;
 use ampgraph_passes::compose_views::ComposeViews;
 use ampgraph_passes::cross_entropy::FuseCrossEntropy;
@@ -41,7 +42,8 @@ use crate::ExecOptions;
 /// Transposes around them one Transpose at most (an exported `nn.MultiheadAttention` copies each operand four
 /// times otherwise), the finiteness check and the optimizer updates the loss-scale
 /// unscaling, the updates the casts of their variables, products their bias and
-/// activation into the GEMM, large products left whose rows are misaligned for Tensor
+/// activation into the GEMM, FP8 casts the activation they read (its output no
+/// longer stored), large products left whose rows are misaligned for Tensor
 /// Cores pad them (GPT-2's vocabulary), then the remaining elementwise chains fuse into generated
 /// kernels (a softmax takes the one computing its operand), those kernels take the bias
 /// gradients summed from what they compute, layer-norm gradients the Adds of the
@@ -75,6 +77,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(UnscaleIntoUpdate),
         Box::new(CastIntoUpdate),
         Box::new(GemmEpilogue),
+        Box::new(ActivationIntoFp8),
         Box::new(PadGemm::default()),
         Box::new(RecomputeInputViews),
         Box::new(Fuse),

@@ -8,22 +8,23 @@
 //! `Fp8ScaleUpdate` (delayed scaling: a history of earlier amaxes, TransformerEngine's
 //! recipe), both in the graph, so no step asks the host.
 
-use crate::attrs::AttrValue;
+use std::borrow::Cow;
+
+use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
 use crate::fp8::Fp8;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
-use crate::ops::{BiasAdd, DataFormat, MatMul};
+use crate::ops::{BiasAdd, DataFormat, MatMul, Unary, UnaryKind};
 use crate::tensor::{Data, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "QuantizeFp8",
         parse: |_, a| {
-            let op = QuantizeFp8::new(a.dtype("to")?)?;
-            Ok(Box::new(
-                op.with_transposed(a.bool_or("transposed", false)?),
-            ))
+            let op =
+                QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
+            Ok(Box::new(op.with_activation(read_activation(a)?)))
         },
     },
     OpEntry {
@@ -44,7 +45,10 @@ pub(crate) const OPS: &[OpEntry] = &[
     },
     OpEntry {
         name: "Fp8Scale",
-        parse: |_, a| Ok(Box::new(Fp8Scale::parse(a)?)),
+        parse: |_, a| {
+            let op = Fp8Scale::parse(a)?;
+            Ok(Box::new(op.with_activation(read_activation(a)?)))
+        },
     },
     OpEntry {
         name: "Fp8ScaleUpdate",
@@ -70,6 +74,36 @@ fn amax(values: &[f32]) -> f32 {
     })
 }
 
+/// The `activation` attr of the ops that read a tensor to quantise it (with its
+/// kind's own attrs beside it, as a Unary's): a layer's activation computed as they
+/// read its input, so that its output is never stored in 16 bits
+/// (`activation-into-fp8` folds a Unary in).
+fn read_activation(a: &mut AttrReader) -> OpResult<Option<UnaryKind>> {
+    a.opt_str("activation")?
+        .map(|name| UnaryKind::parse(&name, a).map_err(|e| format!("attr 'activation': {e}")))
+        .transpose()
+}
+
+fn activation_attrs(activation: Option<UnaryKind>) -> Vec<(&'static str, AttrValue)> {
+    let Some(kind) = activation else {
+        return Vec::new();
+    };
+    let mut attrs = vec![("activation", kind.name().into())];
+    attrs.extend(kind.attrs());
+    attrs
+}
+
+/// `x`, or its activation rounded to x's dtype (as the Unary node stored it).
+fn activated(x: &Tensor, activation: Option<UnaryKind>) -> OpResult<Cow<'_, Tensor>> {
+    match activation {
+        None => Ok(Cow::Borrowed(x)),
+        Some(kind) => {
+            let y = Unary::new(kind).eval(&[x])?.into_iter().next();
+            Ok(Cow::Owned(y.ok_or("the activation gave no value")?))
+        }
+    }
+}
+
 /// `(x, scale) -> (y, amax)`: `y = fp8(f32(x) * scale)` rounded to nearest even and
 /// saturated (in `to`, E4M3 or E5M2), `amax = max |x|` as an f32 scalar (NaN where
 /// some x is NaN: the recipe then treats the step as a loss scale treats an
@@ -79,10 +113,14 @@ fn amax(values: &[f32]) -> f32 {
 /// products read both operands K-major, so a weight gradient `X^T dY` needs both
 /// operands transposed, and the quantising pass writes that copy while it holds the
 /// tile (TransformerEngine's cast-transpose) instead of a product reading `y` back.
+///
+/// With `activation`, `x` is the activation's input and the op quantises (and
+/// measures) the activation's values, each rounded to x's dtype first.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantizeFp8 {
     pub to: DType,
     pub transposed: bool,
+    pub activation: Option<UnaryKind>,
 }
 
 impl QuantizeFp8 {
@@ -93,11 +131,16 @@ impl QuantizeFp8 {
         Ok(QuantizeFp8 {
             to,
             transposed: false,
+            activation: None,
         })
     }
 
     pub fn with_transposed(self, transposed: bool) -> Self {
         QuantizeFp8 { transposed, ..self }
+    }
+
+    pub fn with_activation(self, activation: Option<UnaryKind>) -> Self {
+        QuantizeFp8 { activation, ..self }
     }
 }
 
@@ -144,10 +187,12 @@ impl Op for QuantizeFp8 {
         Arity::Exactly(2)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![
+        let mut attrs = vec![
             ("to", self.to.into()),
             ("transposed", self.transposed.into()),
-        ]
+        ];
+        attrs.extend(activation_attrs(self.activation));
+        attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x, scale] = fixed(inputs)?;
@@ -164,6 +209,7 @@ impl Op for QuantizeFp8 {
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [x, scale] = fixed(inputs)?;
+        let x = activated(x, self.activation)?;
         let (xs, s) = (x.to_f32_vec(), scalar_of(scale));
         let amax = amax(&xs);
         let scaled: Vec<f32> = xs.iter().map(|&v| v * s).collect();
@@ -376,12 +422,14 @@ impl Fp8MatMul {
 /// scale maps `x`'s amax onto the format's largest value, `2^margin` below it:
 /// `scale = max / amax / 2^margin`; 1 where `x` is all zeros; NaN (both) where the
 /// amax is not finite, so that the product becomes NaN and a loss-scaled step is
-/// skipped, as for a gradient that overflowed.
+/// skipped, as for a gradient that overflowed. With `activation`, the scale is of the
+/// activation's values, as [`QuantizeFp8`]'s.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp8Scale {
     /// The FP8 dtype scaled to.
     pub format: DType,
     pub margin: i32,
+    pub activation: Option<UnaryKind>,
 }
 
 impl Fp8Scale {
@@ -394,10 +442,18 @@ impl Fp8Scale {
         if !(0..=16).contains(&margin) {
             return Err(format!("the margin must be 0 to 16 binades, not {margin}"));
         }
-        Ok(Fp8Scale { format, margin })
+        Ok(Fp8Scale {
+            format,
+            margin,
+            activation: None,
+        })
     }
 
-    fn parse(a: &mut crate::attrs::AttrReader) -> OpResult<Self> {
+    pub fn with_activation(self, activation: Option<UnaryKind>) -> Self {
+        Fp8Scale { activation, ..self }
+    }
+
+    fn parse(a: &mut AttrReader) -> OpResult<Self> {
         let margin = a.opt_int("margin")?.unwrap_or(0);
         Fp8Scale::new(
             a.dtype("format")?,
@@ -431,7 +487,9 @@ impl Op for Fp8Scale {
         Arity::Exactly(1)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        Fp8Scale::attrs(self)
+        let mut attrs = Fp8Scale::attrs(self);
+        attrs.extend(activation_attrs(self.activation));
+        attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x] = fixed(inputs)?;
@@ -440,7 +498,7 @@ impl Op for Fp8Scale {
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [x] = fixed(inputs)?;
-        let m = amax(&x.to_f32_vec());
+        let m = amax(&activated(x, self.activation)?.to_f32_vec());
         let scale = match self.of_amax(m) {
             Some(s) => s,
             None if m == 0.0 => 1.0,

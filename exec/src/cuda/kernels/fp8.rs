@@ -11,6 +11,7 @@
 //! `n` multiples of 16 (16-byte leading dimensions): other shapes are refused by name.
 
 use ampgraph_graph::fp8::Fp8;
+use ampgraph_graph::ops::UnaryKind;
 use ampgraph_graph::ops::{
     AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate, QuantizeFp8,
 };
@@ -26,15 +27,16 @@ kernel_specs! {
     #[derive(Clone, Debug, PartialEq)]
     enum Spec in "fp8" {
         /// `k(const TX* px, i64 n, unsigned* amax)`: `amax` (zeroed first) becomes the
-        /// bits of `max |x|` (NaN where one is).
-        Amax { x: DType } => amax(x),
+        /// bits of `max |x|` (NaN where one is); `x` is the activation's value where
+        /// the op has one (each kernel reading `x` likewise).
+        Amax { x: DType, activation: Option<UnaryKind> } => amax(x, activation),
         /// `k(const TX* px, const float* ps, TY* py, unsigned* amax, i64 n)`:
         /// `y = fp8(x * s)` and, as [`Spec::Amax`], `max |x|`.
-        Quantize { x: DType, to: DType } => quantize(x, to),
+        Quantize { x: DType, to: DType, activation: Option<UnaryKind> } => quantize(x, to, activation),
         /// `k(const TX* px, const float* ps, TY* py, TY* pt, unsigned* amax, i64 rows,
         /// i64 cols)`: [`Spec::Quantize`] of a `rows x cols` matrix (both multiples of
         /// 4) also writing `pt = y^T`, per 64x64 tile through shared memory.
-        QuantizeTransposed { x: DType, to: DType } => quantize_transposed(x, to),
+        QuantizeTransposed { x: DType, to: DType, activation: Option<UnaryKind> } => quantize_transposed(x, to, activation),
         /// `k(const TY* py, const float* pinv, TO* po, i64 n)`: `o = y * inv`.
         Dequantize { y: DType, to: DType } => dequantize(y, to),
         /// `k(const float* amax, float* scale, float* inv)`: one thread.
@@ -112,8 +114,21 @@ fn x_load(d: DType) -> Load<'static> {
     }
 }
 
-pub(super) fn amax(x: DType) -> String {
-    let body = elementwise(&[x_load(x)], "m = nanmax(m, fabsf(x));", &[]);
+/// The statements replacing the float `x` just read by its activation's value, rounded
+/// to the stored dtype `X` as the activation's node stored it (nothing without one).
+fn activate(activation: Option<UnaryKind>) -> String {
+    match activation {
+        None => String::new(),
+        Some(kind) => format!(
+            "{{ typedef float C; {} TX r[1]; stX(r, 0, y); x = ldX(r, 0); }}\n",
+            kind.cuda_expr()
+        ),
+    }
+}
+
+pub(super) fn amax(x: DType, activation: Option<UnaryKind>) -> String {
+    let measure = format!("{}m = nanmax(m, fabsf(x));", activate(activation));
+    let body = elementwise(&[x_load(x)], &measure, &[]);
     fp8_module(
         &[("X", x)],
         &format!(
@@ -123,14 +138,15 @@ pub(super) fn amax(x: DType) -> String {
     )
 }
 
-pub(super) fn quantize(x: DType, to: DType) -> String {
+pub(super) fn quantize(x: DType, to: DType, activation: Option<UnaryKind>) -> String {
     let y = Store {
         storer: "stY",
         ptr: "py",
         bytes: 1,
         value: "__fmul_rn(x, s)",
     };
-    let body = elementwise(&[x_load(x)], "m = nanmax(m, fabsf(x));", &[y]);
+    let measure = format!("{}m = nanmax(m, fabsf(x));", activate(activation));
+    let body = elementwise(&[x_load(x)], &measure, &[y]);
     fp8_module(
         &[("X", x), ("Y", to)],
         &format!(
@@ -149,7 +165,8 @@ const QT_TILE: usize = 64;
 /// (one at a time, the kernel ran at two thirds of the bandwidth of a quantisation and
 /// a transpose apart); the grid strides over the tiles with at most [`AMAX_BLOCKS`]
 /// blocks, one amax atomic each.
-pub(super) fn quantize_transposed(x: DType, to: DType) -> String {
+pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryKind>) -> String {
+    let activate = activate(activation);
     fp8_module(
         &[("X", x), ("Y", to)],
         &format!(
@@ -176,7 +193,8 @@ pub(super) fn quantize_transposed(x: DType, to: DType) -> String {
                      __align__(4) TY q[4];\n\
                      #pragma unroll\n\
                      for (int b = 0; b < 4; ++b) {{\n\
-                       const float x = ldX(xs[i].v, b);\n\
+                       float x = ldX(xs[i].v, b);\n\
+                       {activate}\
                        m = nanmax(m, fabsf(x));\n\
                        stY(q, b, __fmul_rn(x, s));\n\
                      }}\n\
@@ -342,6 +360,7 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
     let spec = Spec::Quantize {
         x: x.dtype,
         to: q.to,
+        activation: q.activation,
     };
     let outs = outs.to_vec();
     if outs.len() != 2 + usize::from(q.transposed) {
@@ -355,6 +374,7 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
         .map(|_| Spec::QuantizeTransposed {
             x: x.dtype,
             to: q.to,
+            activation: q.activation,
         });
     Ok(kernel(move |c, inputs| {
         let (x, s) = (input(inputs, 0)?, input(inputs, 1)?);
@@ -410,6 +430,7 @@ fn lower_dequantize(d: &DequantizeFp8, ins: &[TensorType], outs: &[TensorType]) 
 fn lower_scale(s: &Fp8Scale, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let amax_spec = Spec::Amax {
         x: first(ins)?.dtype,
+        activation: s.activation,
     };
     let spec = Spec::Scale {
         format: s.format,
@@ -550,6 +571,6 @@ mod tests {
     fn scales_bake_in_the_formats_largest_values() {
         assert!(scale(DType::F8E4M3, 0).contains("__fdiv_rn(__fdiv_rn(448.0f, a), 1.0f)"));
         assert!(scale(DType::F8E5M2, 3).contains("__fdiv_rn(__fdiv_rn(57344.0f, a), 8.0f)"));
-        assert!(quantize(DType::BF16, DType::F8E4M3).starts_with("#include <cuda_fp8.h>"));
+        assert!(quantize(DType::BF16, DType::F8E4M3, None).starts_with("#include <cuda_fp8.h>"));
     }
 }

@@ -381,13 +381,23 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         let op = FusedSoftmax::new(-1, log, fused_program(text, vec![value])).unwrap();
         k.push((format!("fused_softmax_{i}"), fused_softmax(&op, 2)));
     }
+    let gelu = UnaryKind::Gelu { approximate: false };
     for (x, to) in [(DType::BF16, DType::F8E4M3), (DType::F32, DType::F8E5M2)] {
         k.extend([
-            (format!("fp8_amax_{x}"), fp8::amax(x)),
-            (format!("fp8_quantize_{x}_{to}"), fp8::quantize(x, to)),
+            (format!("fp8_amax_{x}"), fp8::amax(x, None)),
+            (format!("fp8_amax_gelu_{x}"), fp8::amax(x, Some(gelu))),
+            (format!("fp8_quantize_{x}_{to}"), fp8::quantize(x, to, None)),
+            (
+                format!("fp8_quantize_gelu_{x}_{to}"),
+                fp8::quantize(x, to, Some(gelu)),
+            ),
             (
                 format!("fp8_quantize_transposed_{x}_{to}"),
-                fp8::quantize_transposed(x, to),
+                fp8::quantize_transposed(x, to, None),
+            ),
+            (
+                format!("fp8_quantize_transposed_gelu_{x}_{to}"),
+                fp8::quantize_transposed(x, to, Some(gelu)),
             ),
             (format!("fp8_dequantize_{to}_{x}"), fp8::dequantize(to, x)),
             (format!("fp8_scale_{to}"), fp8::scale(to, 1)),
