@@ -175,7 +175,7 @@ pub const PASSES: &[PassEntry] = &[
     },
     PassEntry {
         name: "activation-into-fp8",
-        summary: "A Unary read only by FP8 scales and casts becomes their activation (its 16-bit output no longer stored).",
+        summary: "A Unary read only by an FP8 cast becomes its activation (its 16-bit output no longer stored).",
         make: || Box::new(ActivationIntoFp8),
     },
     PassEntry {
