@@ -11,9 +11,9 @@
 //! `n` multiples of 16 (16-byte leading dimensions): other shapes are refused by name.
 
 use ampgraph_graph::fp8::Fp8;
-use ampgraph_graph::ops::UnaryKind;
 use ampgraph_graph::ops::{
     AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate, QuantizeFp8,
+    UnaryKind,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -368,7 +368,11 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
     }
     // A matrix whose sides are multiples of 4 is transposed as it is quantised (in
     // words); another one after.
-    let matrix = q.transposed.then(|| (x.shape[0], x.shape[1]));
+    let matrix = match (q.transposed, x.shape.as_slice()) {
+        (false, _) => None,
+        (true, &[rows, cols]) => Some((rows, cols)),
+        (true, _) => return Err(format!("a transposed copy is of a matrix, not of {x}")),
+    };
     let fused = matrix
         .filter(|(rows, cols)| rows % 4 == 0 && cols % 4 == 0)
         .map(|_| Spec::QuantizeTransposed {
