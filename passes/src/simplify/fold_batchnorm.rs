@@ -305,6 +305,43 @@ mod tests {
         }
     }
 
+    /// An inference batch norm's op (given statistics).
+    fn inference(epsilon: f64, data_format: DataFormat) -> BatchNorm {
+        BatchNorm {
+            epsilon,
+            data_format,
+            ..BatchNorm::default()
+        }
+    }
+
+    /// `BatchNorm(x)` named `bn`, its per-channel constants (scale, offset, mean,
+    /// variance) given in that order, as the graph's output.
+    fn batch_norm_output(g: &mut Graph, op: BatchNorm, x: Port, constants: [&[f64]; 4]) {
+        let names = ["scale", "offset", "mean", "var"];
+        let mut inputs = vec![x];
+        for (name, v) in names.into_iter().zip(constants) {
+            inputs.push(konst(g, name, &[v.len()], v));
+        }
+        let bn = add(g, "bn", op, &inputs);
+        g.set_outputs(vec![bn]).unwrap();
+    }
+
+    /// Folds `g`'s one batch norm into its convolution `conv_op` (which keeps its
+    /// attrs) and returns the output before and after, fed `x` of `shape`.
+    fn fold_convolution(g: &mut Graph, conv_op: &Conv2D, shape: [usize; 4]) -> [Vec<f64>; 2] {
+        let n = shape.iter().product::<usize>();
+        let xv: Vec<f64> = (0..n).map(|i| (i as f64 * 0.7).sin()).collect();
+        let feeds = [("x", Tensor::from_f64(DType::F32, shape, &xv).unwrap())].into();
+        let want = crate::testing::run(g, &feeds);
+        let s = FoldBatchNorm.run(g).unwrap();
+        g.validate().unwrap();
+        assert!(s.lines[0].contains("folded 1 "), "{s}");
+        let conv = g.find("conv").unwrap();
+        assert_eq!(g.node(conv).op.downcast_ref::<Conv2D>(), Some(conv_op));
+        let got = crate::testing::run(g, &feeds);
+        [want[0].to_f64_vec(), got[0].to_f64_vec()]
+    }
+
     /// Conv2D 1x1, 1 input channel, 2 output channels, then BiasAdd and BatchNorm.
     #[test]
     fn folds_conv_bias_batchnorm_into_hand_computed_constants() {
@@ -331,19 +368,8 @@ mod tests {
             },
             &[conv, b],
         );
-        let scale = konst(&mut g, "scale", &[2], &[3.0, 0.5]);
-        let offset = konst(&mut g, "offset", &[2], &[0.25, -1.0]);
-        let mean = konst(&mut g, "mean", &[2], &[1.0, 2.0]);
-        let var = konst(&mut g, "var", &[2], &[4.0, 1.0]);
-        let bn_op = BatchNorm {
-            epsilon: 0.0,
-            training: false,
-            data_format: DataFormat::Nhwc,
-            activation: NormActivation::Identity,
-            ..BatchNorm::default()
-        };
-        let bn = add(&mut g, "bn", bn_op, &[biased, scale, offset, mean, var]);
-        g.set_outputs(vec![bn]).unwrap();
+        let constants: [&[f64]; 4] = [&[3.0, 0.5], &[0.25, -1.0], &[1.0, 2.0], &[4.0, 1.0]];
+        batch_norm_output(&mut g, inference(0.0, DataFormat::Nhwc), biased, constants);
 
         let s = FoldBatchNorm.run(&mut g).unwrap();
         g.validate().unwrap();
@@ -381,30 +407,15 @@ mod tests {
         let pads = Padding::Explicit([[1, 0], [0, 2]]);
         let conv_op = Conv2D::new([1, 2], pads, DataFormat::Nchw);
         let conv = add(&mut g, "conv", conv_op.clone(), &[x, w]);
-        let scale = konst(&mut g, "scale", &[3], &[3.0, 0.5, -2.0]);
-        let offset = konst(&mut g, "offset", &[3], &[0.25, -1.0, 2.0]);
-        let mean = konst(&mut g, "mean", &[3], &[1.0, 2.0, -0.5]);
-        let var = konst(&mut g, "var", &[3], &[4.0, 1.0, 0.25]);
-        let bn_op = BatchNorm {
-            epsilon: 0.0,
-            training: false,
-            data_format: DataFormat::Nchw,
-            activation: NormActivation::Identity,
-            ..BatchNorm::default()
-        };
-        let bn = add(&mut g, "bn", bn_op, &[conv, scale, offset, mean, var]);
-        g.set_outputs(vec![bn]).unwrap();
-        let xv: Vec<f64> = (0..24).map(|i| (f64::from(i) * 0.7).sin()).collect();
-        let feeds = [("x", Tensor::from_f64(DType::F32, shape, &xv).unwrap())].into();
-        let want = crate::testing::run(&g, &feeds);
-
-        let s = FoldBatchNorm.run(&mut g).unwrap();
-        g.validate().unwrap();
-        assert!(s.lines[0].contains("folded 1 "), "{s}");
-        let conv = g.find("conv").unwrap();
-        assert_eq!(g.node(conv).op.downcast_ref::<Conv2D>(), Some(&conv_op));
-        let got = crate::testing::run(&g, &feeds);
-        close(&got[0].to_f64_vec(), &want[0].to_f64_vec());
+        let constants: [&[f64]; 4] = [
+            &[3.0, 0.5, -2.0],
+            &[0.25, -1.0, 2.0],
+            &[1.0, 2.0, -0.5],
+            &[4.0, 1.0, 0.25],
+        ];
+        batch_norm_output(&mut g, inference(0.0, DataFormat::Nchw), conv, constants);
+        let [want, got] = fold_convolution(&mut g, &conv_op, shape);
+        close(&got, &want);
     }
 
     /// A depthwise NHWC convolution (3 groups, 2 output channels each) folds per output
@@ -423,37 +434,16 @@ mod tests {
         let w = konst(&mut g, "w", &[3, 2, 1, 6], &wv);
         let conv_op = Conv2D::new([1, 1], Padding::Same, DataFormat::Nhwc).with_groups(3);
         let conv = add(&mut g, "conv", conv_op.clone(), &[x, w]);
-        let c = |v: [f64; 6]| v.to_vec();
-        let scale = konst(&mut g, "scale", &[6], &c([3.0, 0.5, -2.0, 1.0, 0.25, 4.0]));
-        let offset = konst(
-            &mut g,
-            "offset",
-            &[6],
-            &c([0.25, -1.0, 2.0, 0.0, 1.5, -3.0]),
-        );
-        let mean = konst(&mut g, "mean", &[6], &c([1.0, 2.0, -0.5, 0.0, 3.0, -1.0]));
-        let var = konst(&mut g, "var", &[6], &c([4.0, 1.0, 0.25, 2.0, 9.0, 0.5]));
-        let bn_op = BatchNorm {
-            epsilon: 0.001,
-            training: false,
-            data_format: DataFormat::Nhwc,
-            activation: NormActivation::Identity,
-            ..BatchNorm::default()
-        };
-        let bn = add(&mut g, "bn", bn_op, &[conv, scale, offset, mean, var]);
-        g.set_outputs(vec![bn]).unwrap();
-        let xv: Vec<f64> = (0..72).map(|i| (f64::from(i) * 0.7).sin()).collect();
-        let feeds = [("x", Tensor::from_f64(DType::F32, shape, &xv).unwrap())].into();
-        let want = crate::testing::run(&g, &feeds);
-
-        let s = FoldBatchNorm.run(&mut g).unwrap();
-        g.validate().unwrap();
-        assert!(s.lines[0].contains("folded 1 "), "{s}");
-        let conv = g.find("conv").unwrap();
-        assert_eq!(g.node(conv).op.downcast_ref::<Conv2D>(), Some(&conv_op));
-        let got = crate::testing::run(&g, &feeds);
+        let constants: [&[f64]; 4] = [
+            &[3.0, 0.5, -2.0, 1.0, 0.25, 4.0],
+            &[0.25, -1.0, 2.0, 0.0, 1.5, -3.0],
+            &[1.0, 2.0, -0.5, 0.0, 3.0, -1.0],
+            &[4.0, 1.0, 0.25, 2.0, 9.0, 0.5],
+        ];
+        batch_norm_output(&mut g, inference(0.001, DataFormat::Nhwc), conv, constants);
+        let [want, got] = fold_convolution(&mut g, &conv_op, shape);
         // f32 sums of 6 products of at most ~6 each, rounded apart: a few ulps.
-        for (a, b) in got[0].to_f64_vec().iter().zip(want[0].to_f64_vec()) {
+        for (a, b) in got.iter().zip(&want) {
             assert!((a - b).abs() < 1e-5, "{a} vs {b}");
         }
     }
@@ -473,13 +463,7 @@ mod tests {
         let ones = konst(&mut g, "ones", &[2], &[1.0, 1.0]);
         let zeros = konst(&mut g, "zeros", &[2], &[0.0, 0.0]);
         let var = konst(&mut g, "var", &[2], &[3.0, 0.0]);
-        let bn_op = BatchNorm {
-            epsilon: 1.0,
-            training: false,
-            data_format: DataFormat::Nhwc,
-            activation: NormActivation::Identity,
-            ..BatchNorm::default()
-        };
+        let bn_op = inference(1.0, DataFormat::Nhwc);
         let bn = add(&mut g, "bn", bn_op, &[mm, ones, zeros, zeros, var]);
         // Training mode: the bias is cancelled by the batch mean.
         let b = konst(&mut g, "b", &[2], &[5.0, -7.0]);
@@ -492,11 +476,8 @@ mod tests {
             &[bn, b],
         );
         let train_op = BatchNorm {
-            epsilon: 1e-3,
             training: true,
-            data_format: DataFormat::Nhwc,
-            activation: NormActivation::Identity,
-            ..BatchNorm::default()
+            ..inference(1e-3, DataFormat::Nhwc)
         };
         let tbn = add(&mut g, "tbn", train_op, &[biased, ones, zeros, zeros, ones]);
         g.set_outputs(vec![tbn]).unwrap();
