@@ -233,7 +233,7 @@ fn find(g: &Graph) -> Result<Vec<Candidate>, PassError> {
         let op = &g.node(x.node).op;
         let fp8 = op
             .downcast_ref::<Fp8MatMul>()
-            .is_some_and(|p| !p.bias && matches!(p.to, DType::F16 | DType::BF16));
+            .is_some_and(|p| !p.bias && p.can_take_bias());
         let is_product = x.index == 0
             && (fp8 || op.is::<MatMul>())
             && matches!(g.ty(*x).dtype, DType::F32 | DType::F16 | DType::BF16);

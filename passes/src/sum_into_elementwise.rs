@@ -204,9 +204,6 @@ impl Pass for SumIntoElementwise {
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let is_output = output_nodes(g);
-        // Each column sum, with its 16-bit dtype where it is stored narrow (the f32 sum
-        // the kernel takes is then cast to it).
-        let mut narrow = vec![None; g.node_bound()];
         let sums: Vec<(NodeId, Port)> = g
             .node_ids()
             .filter_map(|id| {
@@ -214,16 +211,10 @@ impl Pass for SumIntoElementwise {
                 let [x] = g.inputs(id)[..] else {
                     return None;
                 };
-                let ty = g.ty(x);
-                if is_output[id.index()] {
-                    return None;
-                }
-                if is_narrow_column_sum(reduce, ty.rank(), ty.dtype) {
-                    narrow[id.index()] = Some(ty.dtype);
-                } else if !is_column_sum(reduce, ty.rank(), ty.dtype) {
-                    return None;
-                }
-                Some((id, x))
+                let (rank, dtype) = (g.ty(x).rank(), g.ty(x).dtype);
+                let summed =
+                    is_column_sum(reduce, rank, dtype) || is_narrow_column_sum(reduce, rank, dtype);
+                (!is_output[id.index()] && summed).then_some((id, x))
             })
             .collect();
         let live = g.needed_by(g.outputs());
@@ -277,15 +268,16 @@ impl Pass for SumIntoElementwise {
             for (k, &(sum, x)) in sums.iter().enumerate() {
                 bytes += g.ty(x).size_bytes() as u64;
                 let column_sum = Port::new(producer, first_sum + k);
-                match narrow[sum.index()] {
-                    Some(to) => narrowed.push((sum, to, column_sum)),
-                    None => {
-                        for (reader, slot, _) in g.consumers(sum) {
-                            rewired.push((reader, slot, column_sum));
-                        }
-                        removed.push(sum);
-                    }
+                // A sum stored narrower than the kernel's is cast to its own dtype.
+                let stored = g.node(sum).outputs()[0].dtype;
+                if stored != column_sum_dtype(g.ty(x).dtype) {
+                    narrowed.push((sum, stored, column_sum));
+                    continue;
                 }
+                for (reader, slot, _) in g.consumers(sum) {
+                    rewired.push((reader, slot, column_sum));
+                }
+                removed.push(sum);
             }
             g.set_node(producer, Box::new(op), &inputs)?;
             // A narrow sum becomes the cast of the kernel's f32 sum (a kernel of one

@@ -15,7 +15,7 @@ use crate::dtype::DType;
 use crate::fp8::Fp8;
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
-use crate::ops::{BiasAdd, DataFormat, MatMul, Unary, UnaryKind};
+use crate::ops::{BiasAdd, DataFormat, MatMul, Transpose, Unary, UnaryKind};
 use crate::tensor::{Data, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -142,6 +142,18 @@ impl QuantizeFp8 {
     pub fn with_activation(self, activation: Option<UnaryKind>) -> Self {
         QuantizeFp8 { activation, ..self }
     }
+
+    /// The sides `(rows, cols)` of the matrix `x` of `shape` whose transposed copy the
+    /// op writes; `None` without one.
+    pub fn transposed_sides(&self, shape: &[usize]) -> OpResult<Option<(usize, usize)>> {
+        match (self.transposed, shape) {
+            (false, _) => Ok(None),
+            (true, &[rows, cols]) => Ok(Some((rows, cols))),
+            (true, _) => Err(format!(
+                "a transposed copy is of a matrix, not of shape {shape:?}"
+            )),
+        }
+    }
 }
 
 /// `(y, scale_inv) -> f32(y) * scale_inv`, rounded to `to` (f32, f16 or bf16).
@@ -199,10 +211,7 @@ impl Op for QuantizeFp8 {
         check_wide("x must be", x.dtype)?;
         check_scale("scale", scale)?;
         let mut outs = vec![x.with_dtype(self.to), TensorType::new(DType::F32, [])];
-        if self.transposed {
-            let &[rows, cols] = x.shape.as_slice() else {
-                return Err(format!("a transposed copy is of a matrix, not of {x}"));
-            };
+        if let Some((rows, cols)) = self.transposed_sides(&x.shape)? {
             outs.push(TensorType::new(self.to, vec![cols, rows]));
         }
         Ok(outs)
@@ -213,24 +222,15 @@ impl Op for QuantizeFp8 {
         let (xs, s) = (x.to_f32_vec(), scalar_of(scale));
         let amax = amax(&xs);
         let scaled: Vec<f32> = xs.iter().map(|&v| v * s).collect();
-        let mut outs = vec![
-            Tensor::new(x.shape().to_vec(), Data::from_f32(self.to, scaled.clone()))?,
-            Tensor::scalar(DType::F32, f64::from(amax)),
-        ];
-        if self.transposed {
-            let &[rows, cols] = x.shape() else {
-                return Err(format!(
-                    "a transposed copy is of a matrix, not of {}",
-                    x.ty()
-                ));
-            };
-            let t = (0..cols * rows).map(|i| scaled[(i % rows) * cols + i / rows]);
-            outs.push(Tensor::new(
-                vec![cols, rows],
-                Data::from_f32(self.to, t.collect()),
-            )?);
-        }
-        Ok(outs)
+        let y = Tensor::new(x.shape().to_vec(), Data::from_f32(self.to, scaled))?;
+        let copy = match self.transposed_sides(x.shape())? {
+            Some(_) => Transpose::new([1, 0]).eval(&[&y])?.pop(),
+            None => None,
+        };
+        Ok([y, Tensor::scalar(DType::F32, f64::from(amax))]
+            .into_iter()
+            .chain(copy)
+            .collect())
     }
     /// The stored types are its own; `x` may be converted by mixed precision; the
     /// scale and amax stay f32.
@@ -313,9 +313,15 @@ impl Fp8MatMul {
         })
     }
 
-    /// The product adding a bias input (a 16-bit result only).
+    /// Whether the product can add a bias: cuBLASLt's FP8 epilogue adds a 16-bit bias
+    /// to a 16-bit result only.
+    pub fn can_take_bias(&self) -> bool {
+        matches!(self.to, DType::F16 | DType::BF16)
+    }
+
+    /// The product adding a bias input ([`Self::can_take_bias`]).
     pub fn with_bias(self, bias: bool) -> OpResult<Self> {
-        if bias && !matches!(self.to, DType::F16 | DType::BF16) {
+        if bias && !self.can_take_bias() {
             return Err(format!(
                 "an FP8 product adds a bias to an f16 or bf16 result, not {}",
                 self.to

@@ -368,11 +368,7 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
     }
     // A matrix whose sides are multiples of 4 is transposed as it is quantised (in
     // words); another one after.
-    let matrix = match (q.transposed, x.shape.as_slice()) {
-        (false, _) => None,
-        (true, &[rows, cols]) => Some((rows, cols)),
-        (true, _) => return Err(format!("a transposed copy is of a matrix, not of {x}")),
-    };
+    let matrix = q.transposed_sides(&x.shape)?;
     let fused = matrix
         .filter(|(rows, cols)| rows % 4 == 0 && cols % 4 == 0)
         .map(|_| Spec::QuantizeTransposed {
