@@ -2287,6 +2287,65 @@ fn fp8_ops_match_the_cpu() {
     assert!(err.contains("multiples of 16"), "{err}");
 }
 
+/// A fused program's amaxes (`amax-into-elementwise`) against the CPU, bit for bit:
+/// `max |v|` of the stored bf16 values of `relu(a * b) - a`, with the program's own
+/// kernel (a tail past whole vectors; more blocks' worth of elements than the amax
+/// grid, so it strides) and its column-sum kernels (rows of whole vectors and not);
+/// a NaN wins. The stored values match too; the sums' order differs from the CPU's.
+#[test]
+fn fused_amaxes_match_the_cpu() {
+    use ampgraph_graph::ops::fused::{Expr, Instr};
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(45);
+    for (rows, cols, summed) in [
+        (37, 100, false),
+        (2112, 2048, false),
+        (64, 256, true),
+        (33, 100, true),
+    ] {
+        for nan in [false, true] {
+            let ty = TensorType::new(DType::BF16, vec![rows, cols]);
+            let input = |k: usize| Instr {
+                expr: Expr::Input(k),
+                ty: ty.clone(),
+            };
+            let apply = |op: ElementOp, args: Vec<usize>| Instr {
+                expr: Expr::Apply(op, args),
+                ty: ty.clone(),
+            };
+            let mut program = FusedElementwise::new(
+                vec![
+                    input(0),
+                    input(1),
+                    apply(ElementOp::Binary(BinaryKind::Mul), vec![0, 1]),
+                    apply(ElementOp::Unary(UnaryKind::Relu), vec![2]),
+                    apply(ElementOp::Binary(BinaryKind::Sub), vec![3, 0]),
+                ],
+                vec![4],
+            )
+            .unwrap();
+            if summed {
+                program = program.with_column_sums(vec![4]).unwrap();
+            }
+            let program = program.with_amaxes(vec![4, 3]).unwrap();
+            let mut a = r.vec(rows * cols, -3.0, 3.0);
+            if nan {
+                a[rows * cols / 2 + 1] = f64::NAN;
+            }
+            let inputs = [
+                t(DType::BF16, &[rows, cols], &a),
+                rand(&mut r, DType::BF16, &[rows, cols], -40.0, 40.0),
+            ];
+            let what = format!("amaxes of [{rows}, {cols}] (column sums {summed}, NaN {nan})");
+            let (dev, cpu) = run_both(&mut gpu, &what, program, &inputs);
+            let last = dev.len() - 2;
+            assert_identical(&what, (vec![dev[0].clone()], vec![cpu[0].clone()]));
+            assert_identical(&what, (dev[last..].to_vec(), cpu[last..].to_vec()));
+            assert_eq!(cpu[last].to_f64_vec()[0].is_nan(), nan, "{what}");
+        }
+    }
+}
+
 /// The FP8 ops lower on their own (no device needed): FP8 placeholders feed them,
 /// cuBLASLt's shape rule is checked when the step is planned, and another op on an
 /// FP8 tensor is refused by name.

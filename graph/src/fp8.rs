@@ -169,6 +169,18 @@ fn pow2(e: i32) -> f32 {
     2f32.powi(e)
 }
 
+/// The largest magnitude of `values` (an FP8 scale's amax): NaN where one is NaN
+/// (`f32::max` would skip it), infinite where one is, 0 for none.
+pub fn amax(values: &[f32]) -> f32 {
+    values.iter().fold(0f32, |m, v| {
+        if v.is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max(v.abs())
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

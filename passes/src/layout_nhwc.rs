@@ -330,9 +330,10 @@ fn nhwc_reduction(r: &Reduce, x: &TensorType) -> Option<(Option<Vec<i64>>, bool)
 /// A fused program of image-shaped values (and single values or images broadcast into
 /// them) on NHWC images: every image type permuted. Programs with column sums (over every axis
 /// but the last, the channel axis only in NHWC) or BiasAdds (a channel axis of their
-/// own) are not layout-agnostic.
+/// own) are not layout-agnostic; those with amaxes (which FP8 gives programs after
+/// the layout pass) are left as they are.
 fn nhwc_program(fused: &FusedElementwise) -> Option<FusedElementwise> {
-    if !fused.column_sums().is_empty() {
+    if !fused.column_sums().is_empty() || !fused.amaxes().is_empty() {
         return None;
     }
     let domain = &fused.instrs()[*fused.outputs().first()?].ty;

@@ -6,6 +6,7 @@
 //! the graph simplifications, and [`registry`] names every pass that needs no settings.
 
 pub mod activation_into_fp8;
+pub mod amax_into_elementwise;
 pub mod amp;
 pub mod attention;
 pub mod bias_before_reshape;

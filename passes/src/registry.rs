@@ -3,6 +3,7 @@
 //! settings and is built apart.
 
 use crate::activation_into_fp8::ActivationIntoFp8;
+use crate::amax_into_elementwise::AmaxIntoElementwise;
 use crate::attention::FuseAttention;
 use crate::bias_before_reshape::BiasBeforeReshape;
 use crate::compose_views::ComposeViews;
@@ -20,8 +21,8 @@ use crate::recognize_layer_norm::RecognizeLayerNorm;
 use crate::recompute::{RecomputeActivations, RecomputeInputViews};
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, ConvAsMatmul, Cse, Dce,
-    FoldBatchNorm, PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul,
-    UnscaleIntoUpdate,
+    FoldBatchNorm, GradCastIntoUpdate, PadConvChannels, PadGemm, ScaleIntoMatmul,
+    TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use crate::softmax_prologue::SoftmaxPrologue;
 use crate::sum_into_elementwise::SumIntoElementwise;
@@ -134,6 +135,11 @@ pub const PASSES: &[PassEntry] = &[
         make: || Box::new(UnscaleIntoUpdate),
     },
     PassEntry {
+        name: "grad-cast-into-update",
+        summary: "An optimizer update whose gradient is an exact widening Cast (AMP's bf16 gradient cast to f32) reads the 16-bit gradient itself.",
+        make: || Box::new(GradCastIntoUpdate),
+    },
+    PassEntry {
         name: "cast-into-update",
         summary: "An optimizer update also writes the 16-bit copy of the f32 variable it updates.",
         make: || Box::new(CastIntoUpdate),
@@ -202,6 +208,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "norm-grad-epilogue",
         summary: "A LayerNormGrad takes the Add of the residual gradient (and its column sums) as its epilogue.",
         make: || Box::new(NormGradEpilogueFusion),
+    },
+    PassEntry {
+        name: "amax-into-elementwise",
+        summary: "Current FP8 scaling's Fp8Scale of a tensor a fused elementwise kernel (or lone elementwise node) computes reads the amax that kernel measures as it stores the tensor.",
+        make: || Box::new(AmaxIntoElementwise),
     },
     PassEntry {
         name: "group-updates",

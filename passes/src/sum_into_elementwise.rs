@@ -148,7 +148,7 @@ fn drop_unread_outputs(g: &mut Graph, id: NodeId) -> Result<u64, PassError> {
     let Some(op) = g.node(id).op.downcast_ref::<FusedElementwise>() else {
         return Ok(0);
     };
-    let total = op.outputs().len() + op.column_sums().len();
+    let total = op.outputs().len() + op.column_sums().len() + op.amaxes().len();
     let mut read = vec![false; total];
     for port in (g.consumers(id).into_iter().map(|c| c.2)).chain(g.outputs().iter().copied()) {
         if port.node == id {

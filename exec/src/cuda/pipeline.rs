@@ -3,6 +3,7 @@
 //! `--passes`).
 
 use ampgraph_passes::activation_into_fp8::ActivationIntoFp8;
+use ampgraph_passes::amax_into_elementwise::AmaxIntoElementwise;
 use ampgraph_passes::attention::FuseAttention;
 use ampgraph_passes::compose_views::ComposeViews;
 use ampgraph_passes::cross_entropy::FuseCrossEntropy;
@@ -16,8 +17,8 @@ use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::recompute::RecomputeInputViews;
 use ampgraph_passes::simplify::{
-    CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConvAsMatmul, Dce, PadConvChannels, PadGemm,
-    ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
+    CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConvAsMatmul, Dce, GradCastIntoUpdate,
+    PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use ampgraph_passes::softmax_prologue::SoftmaxPrologue;
 use ampgraph_passes::sum_into_elementwise::SumIntoElementwise;
@@ -41,14 +42,16 @@ use crate::ExecOptions;
 /// and v projected by one product where they were three), the chains of Reshapes and
 /// Transposes around them one Transpose at most (an exported `nn.MultiheadAttention` copies each operand four
 /// times otherwise), the finiteness check and the optimizer updates the loss-scale
-/// unscaling, the updates the casts of their variables, products their bias and
+/// unscaling, the updates their gradients' widening casts (reading bf16 gradients)
+/// and the casts of their variables, products their bias and
 /// activation into the GEMM, FP8 casts the activation they read (its output no
 /// longer stored), large products left whose rows are misaligned for Tensor
 /// Cores pad them (GPT-2's vocabulary), then the remaining elementwise chains fuse into generated
 /// kernels (a softmax takes the one computing its operand), those kernels take the bias
 /// gradients summed from what they compute, layer-norm gradients the Adds of the
-/// residual gradient after them (with those bias gradients), and the small variables'
-/// updates share launches.
+/// residual gradient after them (with those bias gradients), current FP8 scales the
+/// amax of the kernel computing their tensor, and the small variables' updates share
+/// launches.
 ///
 /// With TF32 allowed every NCHW graph runs NHWC, f32 convolutions included, as PyTorch
 /// runs channels_last with TF32: cuDNN's TF32 convolutions on the H100 are NHWC
@@ -75,6 +78,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(ComposeViews),
         Box::new(PackQkv),
         Box::new(UnscaleIntoUpdate),
+        Box::new(GradCastIntoUpdate),
         Box::new(CastIntoUpdate),
         Box::new(GemmEpilogue),
         Box::new(ActivationIntoFp8),
@@ -84,6 +88,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(SoftmaxPrologue),
         Box::new(SumIntoElementwise),
         Box::new(NormGradEpilogueFusion),
+        Box::new(AmaxIntoElementwise),
         Box::new(GroupUpdates),
     ]
 }

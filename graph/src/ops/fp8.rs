@@ -12,7 +12,7 @@ use std::borrow::Cow;
 
 use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
-use crate::fp8::Fp8;
+use crate::fp8::{amax, Fp8};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
 use crate::ops::{BiasAdd, DataFormat, MatMul, Transpose, Unary, UnaryKind};
@@ -51,6 +51,14 @@ pub(crate) const OPS: &[OpEntry] = &[
         },
     },
     OpEntry {
+        name: "Fp8ScaleOfAmax",
+        parse: |_, a| {
+            Ok(Box::new(Fp8ScaleOfAmax {
+                scale: Fp8Scale::parse(a)?,
+            }))
+        },
+    },
+    OpEntry {
         name: "Fp8ScaleUpdate",
         parse: |_, a| {
             let amax = a.choice("amax", &AmaxChoice::NAMES, Some(AmaxChoice::Max))?;
@@ -61,18 +69,6 @@ pub(crate) const OPS: &[OpEntry] = &[
         },
     },
 ];
-
-/// The largest magnitude of `values`: NaN where one is NaN (`f32::max` would skip
-/// it), infinite where one is.
-fn amax(values: &[f32]) -> f32 {
-    values.iter().fold(0f32, |m, v| {
-        if v.is_nan() || m.is_nan() {
-            f32::NAN
-        } else {
-            m.max(v.abs())
-        }
-    })
-}
 
 /// The `activation` attr of the ops that read a tensor to quantise it (with its
 /// kind's own attrs beside it, as a Unary's): a layer's activation computed as they
@@ -474,6 +470,17 @@ impl Fp8Scale {
         ]
     }
 
+    /// `(scale, scale_inv)` for a tensor's amax: 1 where it is 0, NaN where it is
+    /// not finite.
+    fn scales(&self, amax: f32) -> Vec<Tensor> {
+        let scale = match self.of_amax(amax) {
+            Some(s) => s,
+            None if amax == 0.0 => 1.0,
+            None => f32::NAN,
+        };
+        vec![scalar(scale), scalar(1.0 / scale)]
+    }
+
     /// The scale for an amax that is finite and positive, else `None`.
     pub fn of_amax(&self, amax: f32) -> Option<f32> {
         let largest = Fp8::of(self.format)?.max();
@@ -505,18 +512,47 @@ impl Op for Fp8Scale {
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
         let [x] = fixed(inputs)?;
         let m = amax(&activated(x, self.activation)?.to_f32_vec());
-        let scale = match self.of_amax(m) {
-            Some(s) => s,
-            None if m == 0.0 => 1.0,
-            None => f32::NAN,
-        };
-        Ok(vec![scalar(scale), scalar(1.0 / scale)])
+        Ok(self.scales(m))
     }
     fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
         vec![
             TypeGroup::new(vec![0], vec![]),
             TypeGroup::new(vec![], vec![0, 1]).fixed(),
         ]
+    }
+}
+
+/// `amax -> (scale, scale_inv)`: [`Fp8Scale`]'s scales of a tensor whose amax the
+/// kernel computing it measured (a `FusedElementwise`'s amax output, given by the
+/// `amax-into-elementwise` pass), so that current scaling does not read the tensor
+/// a second time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8ScaleOfAmax {
+    /// The format and margin (no activation: the amax is of the stored tensor).
+    pub scale: Fp8Scale,
+}
+
+impl Op for Fp8ScaleOfAmax {
+    fn name(&self) -> &'static str {
+        "Fp8ScaleOfAmax"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        self.scale.attrs()
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [amax] = fixed(inputs)?;
+        check_scale("amax", amax)?;
+        Ok(vec![TensorType::new(DType::F32, []); 2])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [amax] = fixed(inputs)?;
+        Ok(self.scale.scales(scalar_of(amax)))
+    }
+    fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        vec![TypeGroup::new(vec![0], vec![0, 1]).fixed()]
     }
 }
 

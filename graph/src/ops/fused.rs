@@ -17,7 +17,9 @@
 //! `column_sums` attr lists values whose sums over every axis but the last (a bias
 //! gradient: [`FusedElementwise::column_sum`]) the node outputs after those, in f32
 //! (f64 for f64 values): the reduction reads its operand while the program computes
-//! it, not back from memory.
+//! it, not back from memory. The optional `amaxes` attr lists values whose largest
+//! magnitude (`max |v|` of the value as stored, NaN where one is: an FP8 scale's
+//! amax, [`crate::fp8::amax`]) the node outputs after those, as f32 scalars.
 //!
 //! Every value but the inputs has the element count N of the outputs (the program's
 //! domain); an input with fewer elements is broadcast where it is read (NumPy rules;
@@ -163,6 +165,8 @@ pub struct FusedElementwise {
     outputs: Vec<usize>,
     /// Values whose column sums are output after `outputs`.
     sums: Vec<usize>,
+    /// Values whose amaxes are output after the column sums.
+    amaxes: Vec<usize>,
     num_inputs: usize,
 }
 
@@ -171,31 +175,43 @@ impl FusedElementwise {
     /// operands defined before use with the op's count, inputs read as `in0, in1, ...`
     /// once each in this order, outputs defined. Types are checked by `infer`.
     pub fn new(instrs: Vec<Instr>, outputs: Vec<usize>) -> OpResult<FusedElementwise> {
-        FusedElementwise::from_parts(instrs, outputs, Vec::new())
+        FusedElementwise::from_parts(instrs, outputs, Vec::new(), Vec::new())
     }
 
     /// The same program also outputting the column sums of `sums` (values of the
     /// domain's size, the domain of rank 2 or more, all summed in one dtype; at most
     /// [`MAX_COLUMN_SUMS`]), after its other outputs.
     pub fn with_column_sums(self, sums: Vec<usize>) -> OpResult<FusedElementwise> {
-        FusedElementwise::from_parts(self.instrs, self.outputs, sums)
+        FusedElementwise::from_parts(self.instrs, self.outputs, sums, self.amaxes)
+    }
+
+    /// The same program also outputting the amaxes of `amaxes` (values of the
+    /// domain's size), after its other outputs and column sums.
+    pub fn with_amaxes(self, amaxes: Vec<usize>) -> OpResult<FusedElementwise> {
+        FusedElementwise::from_parts(self.instrs, self.outputs, self.sums, amaxes)
     }
 
     /// The same program storing only the outputs `keep` says (by their number), its
-    /// column sums unchanged: an output nothing reads is not written. A program keeps
-    /// at least one output or column sum.
+    /// column sums and amaxes unchanged: an output nothing reads is not written. A
+    /// program keeps at least one output, column sum or amax.
     pub fn retain_outputs(&self, keep: impl Fn(usize) -> bool) -> OpResult<FusedElementwise> {
         let outputs = (self.outputs.iter().enumerate())
             .filter(|&(o, _)| keep(o))
             .map(|(_, &v)| v)
             .collect();
-        FusedElementwise::from_parts(self.instrs.clone(), outputs, self.sums.clone())
+        FusedElementwise::from_parts(
+            self.instrs.clone(),
+            outputs,
+            self.sums.clone(),
+            self.amaxes.clone(),
+        )
     }
 
     fn from_parts(
         instrs: Vec<Instr>,
         outputs: Vec<usize>,
         sums: Vec<usize>,
+        amaxes: Vec<usize>,
     ) -> OpResult<FusedElementwise> {
         let mut num_inputs = 0;
         for (j, ins) in instrs.iter().enumerate() {
@@ -222,8 +238,8 @@ impl FusedElementwise {
                 }
             }
         }
-        if outputs.is_empty() && sums.is_empty() {
-            return Err("the program has no outputs (and no column sums)".into());
+        if outputs.is_empty() && sums.is_empty() && amaxes.is_empty() {
+            return Err("the program has no outputs (and no column sums or amaxes)".into());
         }
         if let Some(o) = outputs.iter().find(|&&o| o >= instrs.len()) {
             return Err(format!("output v{o} is not defined"));
@@ -237,13 +253,25 @@ impl FusedElementwise {
         if let Some(v) = sums.iter().find(|&&v| v >= instrs.len()) {
             return Err(format!("column sum of v{v}, which is not defined"));
         }
+        if let Some(v) = amaxes.iter().find(|&&v| v >= instrs.len()) {
+            return Err(format!("amax of v{v}, which is not defined"));
+        }
         let program = FusedElementwise {
             instrs,
             outputs,
             sums,
+            amaxes,
             num_inputs,
         };
         let n = program.domain_len();
+        if let Some(&v) =
+            (program.amaxes.iter()).find(|&&v| program.instrs[v].ty.checked_len() != Some(n))
+        {
+            return Err(format!(
+                "amax of v{v} ({}): only values of the domain's {n} elements have amaxes",
+                program.instrs[v].ty
+            ));
+        }
         for &v in &program.sums {
             let ty = &program.instrs[v].ty;
             if ty.rank() < 2 || ty.checked_len() != Some(n) {
@@ -278,6 +306,11 @@ impl FusedElementwise {
         &self.sums
     }
 
+    /// The values whose amaxes the node outputs after its column sums.
+    pub fn amaxes(&self) -> &[usize] {
+        &self.amaxes
+    }
+
     /// The reduction a column sum of value `v` is: a Sum over every axis but the last,
     /// accumulated and stored in `f32` (`f64` for an f64 value).
     pub fn column_sum(&self, v: usize) -> Reduce {
@@ -285,11 +318,15 @@ impl FusedElementwise {
     }
 
     /// N: the element count of every value but the inputs (its first output's, or
-    /// first summed value's where it stores none).
+    /// first summed or measured value's where it stores none).
     pub fn domain_len(&self) -> usize {
-        (self.outputs.first().or(self.sums.first()))
-            .and_then(|&v| self.instrs[v].ty.checked_len())
-            .unwrap_or(0)
+        (self
+            .outputs
+            .first()
+            .or(self.sums.first())
+            .or(self.amaxes.first()))
+        .and_then(|&v| self.instrs[v].ty.checked_len())
+        .unwrap_or(0)
     }
 
     /// Where instruction `j` reads its operand `slot`.
@@ -343,7 +380,13 @@ impl FusedElementwise {
             .into_iter()
             .map(|v| usize::try_from(v).map_err(|_| format!("attr 'column_sums' holds {v}")))
             .collect::<OpResult<Vec<usize>>>()?;
-        FusedElementwise::from_parts(instrs, outputs, sums)
+        let amaxes = a
+            .opt_ints("amaxes")?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| usize::try_from(v).map_err(|_| format!("attr 'amaxes' holds {v}")))
+            .collect::<OpResult<Vec<usize>>>()?;
+        FusedElementwise::from_parts(instrs, outputs, sums, amaxes)
             .map_err(|e| format!("attr 'program': {e}"))
     }
 
@@ -447,6 +490,9 @@ impl Op for FusedElementwise {
         if !self.sums.is_empty() {
             attrs.push(("column_sums", ints(&self.sums)));
         }
+        if !self.amaxes.is_empty() {
+            attrs.push(("amaxes", ints(&self.amaxes)));
+        }
         attrs
     }
 
@@ -500,11 +546,13 @@ impl Op for FusedElementwise {
             let last = ty.shape[ty.rank() - 1];
             TensorType::new(column_sum_dtype(ty.dtype), vec![last])
         });
+        let amaxes = self.amaxes.iter().map(|_| TensorType::new(DType::F32, []));
         Ok(self
             .outputs
             .iter()
             .map(|&o| self.instrs[o].ty.clone())
             .chain(sums)
+            .chain(amaxes)
             .collect())
     }
 
@@ -516,8 +564,11 @@ impl Op for FusedElementwise {
         let values: Vec<Vec<f64>> = inputs.iter().map(|t| t.to_f64_vec()).collect();
         let plan = self.plan(inputs);
         let n = self.domain_len();
-        // The outputs' values, then those summed (each sum reduces its value's tensor).
-        let stored: Vec<usize> = self.outputs.iter().chain(&self.sums).copied().collect();
+        // The outputs' values, then those summed and measured (each sum or amax reduces
+        // its value's tensor).
+        let stored: Vec<usize> = (self.outputs.iter().chain(&self.sums).chain(&self.amaxes))
+            .copied()
+            .collect();
         let chunks: Vec<Vec<Vec<f64>>> = (0..n.div_ceil(CHUNK))
             .into_par_iter()
             .map(|c| {
@@ -566,9 +617,13 @@ impl Op for FusedElementwise {
         for (o, &v) in stored.iter().enumerate() {
             if o < self.outputs.len() {
                 results.push(tensor(o, &out_types[o])?);
-            } else {
+            } else if o < self.outputs.len() + self.sums.len() {
                 let value = tensor(o, &self.instrs[v].ty)?;
                 results.extend(self.column_sum(v).eval(&[&value])?);
+            } else {
+                let value = tensor(o, &self.instrs[v].ty)?.to_f32_vec();
+                let amax = crate::fp8::amax(&value);
+                results.push(Tensor::scalar(DType::F32, f64::from(amax)));
             }
         }
         Ok(results)
@@ -891,6 +946,59 @@ mod tests {
         assert!(flat.with_column_sums(vec![1]).is_err());
     }
 
+    /// Amaxes come after the outputs and column sums: `max |v|` of each value as
+    /// stored (the f16 rounding of the GELU gradient, not its f32 value), NaN where
+    /// one is NaN; they round-trip; only values of the domain's size have them.
+    #[test]
+    fn amaxes_are_the_largest_magnitudes_of_the_stored_values() {
+        let t = ty(DType::F16, &[3, 4, 6]);
+        let p = FusedElementwise::new(
+            vec![
+                input(0, t.clone()),
+                input(1, t.clone()),
+                apply(
+                    ElementOp::UnaryGrad(UnaryKind::Gelu { approximate: false }),
+                    &[0, 1],
+                    t.clone(),
+                ),
+            ],
+            vec![2],
+        )
+        .unwrap()
+        .with_column_sums(vec![2])
+        .unwrap()
+        .with_amaxes(vec![2, 1])
+        .unwrap();
+        let mut inputs = [
+            data(DType::F16, &[3, 4, 6], 1),
+            data(DType::F16, &[3, 4, 6], 2),
+        ];
+        let largest = |t: &Tensor| t.to_f64_vec().iter().fold(0f64, |m, v| m.max(v.abs()));
+        let refs: Vec<&Tensor> = inputs.iter().collect();
+        let out = p.eval(&refs).unwrap();
+        assert_eq!(out.len(), 4);
+        let tys: Vec<&TensorType> = inputs.iter().map(|_| &t).collect();
+        let types: Vec<TensorType> = out.iter().map(Tensor::ty).collect();
+        assert_eq!(p.infer(&tys).unwrap(), types);
+        assert_eq!(types[2], ty(DType::F32, &[]));
+        assert_eq!(out[2].to_f64_vec(), [largest(&out[0])]);
+        assert_eq!(out[3].to_f64_vec(), [largest(&inputs[1])]);
+        assert!(largest(&out[0]) > 0.5, "the test measures something");
+        let back = reparse(&p).unwrap();
+        assert_eq!(back.downcast_ref::<FusedElementwise>(), Some(&p));
+        // A NaN in dy makes the gradient's amax NaN.
+        let mut dy = inputs[1].to_f64_vec();
+        dy[7] = f64::NAN;
+        inputs[1] = Tensor::from_f64(DType::F16, vec![3, 4, 6], &dy).unwrap();
+        let refs: Vec<&Tensor> = inputs.iter().collect();
+        let out = p.eval(&refs).unwrap();
+        assert!(out[2].to_f64_vec()[0].is_nan() && out[3].to_f64_vec()[0].is_nan());
+        // A broadcast input has no amax.
+        let bias = bias_relu_cast();
+        let e = bias.with_amaxes(vec![1]).unwrap_err();
+        assert!(e.contains("amax of v1 (f32[6])"), "{e}");
+    }
+
     /// A program whose outputs nothing reads stores only its column sums: the same
     /// sums, bit for bit, from a kernel that writes nothing else; it round-trips, and
     /// one with neither outputs nor sums is refused.
@@ -924,7 +1032,10 @@ mod tests {
         let back = reparse(&sums_alone).unwrap();
         assert_eq!(back.downcast_ref::<FusedElementwise>(), Some(&sums_alone));
         let e = bias_relu_cast().retain_outputs(|_| false).unwrap_err();
-        assert!(e.contains("no outputs (and no column sums)"), "{e}");
+        assert!(
+            e.contains("no outputs (and no column sums or amaxes)"),
+            "{e}"
+        );
         // Keeping the second output of two renumbers nothing but the outputs.
         let second = bias_relu_cast().retain_outputs(|o| o == 1).unwrap();
         assert_eq!(second.outputs(), &[3]);

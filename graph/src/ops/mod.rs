@@ -35,7 +35,9 @@ pub use conv::{AvgPoolGrad, Conv2DBackpropFilter, Conv2DBackpropInput, MaxPoolGr
 pub use dropout::Dropout;
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
-pub use fp8::{AmaxChoice, DequantizeFp8, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate, QuantizeFp8};
+pub use fp8::{
+    AmaxChoice, DequantizeFp8, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate, QuantizeFp8,
+};
 pub use fused::{ElementOp, FusedElementwise};
 pub use gather::{Gather, GatherGrad};
 pub use linalg::{BatchMatMul, Epilogue, FusedMatMul, MatMul};

@@ -229,13 +229,14 @@ pub struct FusedSoftmax {
 }
 
 impl FusedSoftmax {
-    /// The softmax of `prologue`'s value: a program with one output and no column sums.
+    /// The softmax of `prologue`'s value: a program with one output and no column sums
+    /// or amaxes.
     pub fn new(axis: i64, log: bool, prologue: FusedElementwise) -> OpResult<FusedSoftmax> {
-        if prologue.outputs().len() != 1 || !prologue.column_sums().is_empty() {
+        let reductions = prologue.column_sums().len() + prologue.amaxes().len();
+        if prologue.outputs().len() != 1 || reductions > 0 {
             return Err(format!(
-                "a softmax prologue outputs one value and no column sums, this one {} values and {} sums",
+                "a softmax prologue outputs one value and no column sums or amaxes, this one {} values and {reductions} reductions",
                 prologue.outputs().len(),
-                prologue.column_sums().len()
             ));
         }
         Ok(FusedSoftmax {

@@ -538,6 +538,19 @@ pub(crate) const FIN_WARPS: usize = 32;
 /// The row loop is unrolled so that each warp has several rows' loads in flight: one
 /// at a time kept a third of the memory bandwidth busy.
 pub(crate) fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &str) -> String {
+    column_sums_and(params, row_setup, terms, out, ("", ""))
+}
+
+/// [`column_sums`] with more per-thread state: `decl` runs before the row loop (after
+/// the accumulators) and `fin` after the partials, in every thread of the block (a
+/// fused program's amaxes, [`super::fp8::amax_fold`]).
+pub(crate) fn column_sums_and(
+    params: &str,
+    row_setup: &str,
+    terms: &[&str],
+    out: &str,
+    (decl, fin): (&str, &str),
+) -> String {
     let n = terms.len();
     let mut accs = String::new();
     let mut adds = String::new();
@@ -558,7 +571,7 @@ pub(crate) fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &s
            i64 tiles = (len + 31) / 32;\n\
            i64 j = (blockIdx.x % tiles) * 32 + tx, chunk = blockIdx.x / tiles;\n\
            i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
-           {accs}\n\
+           {accs}{decl}\n\
            if (j < len) {{\n\
              #pragma unroll 8\n\
              for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{ i64 at = row * len + j; {row_setup} {adds} }}\n\
@@ -566,6 +579,7 @@ pub(crate) fn column_sums(params: &str, row_setup: &str, terms: &[&str], out: &s
            {shares}\n\
            __syncthreads();\n\
            if (ty == 0 && j < len) {{\n{partials}}}\n\
+           {fin}\
          }}\n{}",
         column_sums_fin(out, &vec![out; n])
     )

@@ -1,5 +1,6 @@
 //! FP8 (issue 44): the scaled casts (`QuantizeFp8` with its amax, `DequantizeFp8`),
-//! the scales of current and delayed scaling (`Fp8Scale`, `Fp8ScaleUpdate`) and the
+//! the scales of current and delayed scaling (`Fp8Scale`, `Fp8ScaleOfAmax`,
+//! `Fp8ScaleUpdate`) and the
 //! FP8 product (`Fp8MatMul`) through cuBLASLt. Each kernel computes what the op's CPU
 //! reference does, bit for bit: products and quotients in f32 with IEEE rounding, the
 //! conversion `cuda_fp8.h`'s saturating one (`cvt.rn.satfinite`, as
@@ -12,8 +13,8 @@
 
 use ampgraph_graph::fp8::Fp8;
 use ampgraph_graph::ops::{
-    AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate, QuantizeFp8,
-    UnaryKind,
+    AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate,
+    QuantizeFp8, UnaryKind,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -62,7 +63,10 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
         return Some(lower_dequantize(d, ins, outs));
     }
     if let Some(s) = op.downcast_ref::<Fp8Scale>() {
-        return Some(lower_scale(s, ins, outs));
+        return Some(lower_scale(s, false, ins, outs));
+    }
+    if let Some(s) = op.downcast_ref::<Fp8ScaleOfAmax>() {
+        return Some(lower_scale(&s.scale, true, ins, outs));
     }
     if let Some(u) = op.downcast_ref::<Fp8ScaleUpdate>() {
         return Some(lower_scale_update(u, ins, outs));
@@ -84,17 +88,22 @@ fn fp8_module(types: &[(&str, DType)], body: &str) -> String {
     format!("#include <cuda_fp8.h>\n{}", module_multi(types, body))
 }
 
-/// The per-thread amax folded over the block and into `amax` by its bits: non-negative
-/// floats (NaN included, its sign cleared) order as their bits do. One atomic a block:
-/// atomics on one address serialise (a warp's each made the amax pass 4x slower than
-/// its reads), so the amax kernels run [`AMAX_BLOCKS`] blocks at most.
-const AMAX_FOLD: &str = "  __shared__ float sh[32];\n\
-  m = block_max(m, sh);\n\
-  if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(fabsf(m)));\n";
+/// The per-thread amax `m` folded over the block and into `amax` (a `unsigned int*`)
+/// by its bits: non-negative floats (NaN included, its sign cleared) order as their
+/// bits do. Every thread of the block runs it. One atomic a block: atomics on one
+/// address serialise (a warp's each made the amax pass 4x slower than its reads), so
+/// the amax kernels run [`AMAX_BLOCKS`] blocks at most.
+pub(super) fn amax_fold(m: &str, amax: &str) -> String {
+    format!(
+        "  {{ __shared__ float sh_amax[32];\n\
+           {m} = block_max({m}, sh_amax);\n\
+           if (threadIdx.x == 0) atomicMax({amax}, __float_as_uint(fabsf({m}))); }}\n"
+    )
+}
 
 /// The amax kernels' largest grid: about the blocks of 256 threads Hopper's 132 SMs
 /// hold at once; their grid-stride loops cover larger tensors.
-const AMAX_BLOCKS: u32 = 1024;
+pub(super) const AMAX_BLOCKS: u32 = 1024;
 
 /// An amax kernel's launch over `n` elements.
 fn launch_amax(c: &Ctx, spec: &Spec, n: usize, args: &[Arg]) -> Result<(), String> {
@@ -129,11 +138,12 @@ fn activate(activation: Option<UnaryKind>) -> String {
 pub(super) fn amax(x: DType, activation: Option<UnaryKind>) -> String {
     let measure = format!("{}m = nanmax(m, fabsf(x));", activate(activation));
     let body = elementwise(&[x_load(x)], &measure, &[]);
+    let fold = amax_fold("m", "amax");
     fp8_module(
         &[("X", x)],
         &format!(
             "extern \"C\" __global__ void k(const TX* px, i64 n, unsigned int* amax) {{\n\
-               float m = 0.0f;\n{body}{AMAX_FOLD}}}\n"
+               float m = 0.0f;\n{body}{fold}}}\n"
         ),
     )
 }
@@ -147,12 +157,13 @@ pub(super) fn quantize(x: DType, to: DType, activation: Option<UnaryKind>) -> St
     };
     let measure = format!("{}m = nanmax(m, fabsf(x));", activate(activation));
     let body = elementwise(&[x_load(x)], &measure, &[y]);
+    let fold = amax_fold("m", "amax");
     fp8_module(
         &[("X", x), ("Y", to)],
         &format!(
             "extern \"C\" __global__ void k(const TX* px, const float* ps, TY* py, unsigned int* amax, i64 n) {{\n\
                const float s = ps[0];\n\
-               float m = 0.0f;\n{body}{AMAX_FOLD}}}\n"
+               float m = 0.0f;\n{body}{fold}}}\n"
         ),
     )
 }
@@ -167,6 +178,7 @@ const QT_TILE: usize = 64;
 /// blocks, one amax atomic each.
 pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryKind>) -> String {
     let activate = activate(activation);
+    let fold = amax_fold("m", "amax");
     fp8_module(
         &[("X", x), ("Y", to)],
         &format!(
@@ -216,7 +228,7 @@ pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryK
                    }}\n\
                  }}\n\
                  __syncthreads();\n\
-               }}\n{AMAX_FOLD}}}\n"
+               }}\n{fold}}}\n"
         ),
     )
 }
@@ -427,7 +439,14 @@ fn lower_dequantize(d: &DequantizeFp8, ins: &[TensorType], outs: &[TensorType]) 
     }))
 }
 
-fn lower_scale(s: &Fp8Scale, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+/// `Fp8Scale`: the amax pass, then the scale from it; `Fp8ScaleOfAmax`
+/// (`measured`): the scale from the amax its input holds.
+fn lower_scale(
+    s: &Fp8Scale,
+    measured: bool,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
     let amax_spec = Spec::Amax {
         x: first(ins)?.dtype,
         activation: s.activation,
@@ -438,15 +457,19 @@ fn lower_scale(s: &Fp8Scale, ins: &[TensorType], outs: &[TensorType]) -> KernelR
     };
     let outs = outs.to_vec();
     if outs.len() != 2 {
-        return Err("Fp8Scale gives the scale and its inverse".into());
+        return Err("an FP8 scale gives the scale and its inverse".into());
     }
     Ok(kernel(move |c, inputs| {
         let x = input(inputs, 0)?;
+        let (scale, inv) = (c.alloc(&outs[0])?, c.alloc(&outs[1])?);
+        if measured {
+            c.launch(&spec, "k", (1, 1), &[x.arg(), scale.arg(), inv.arg()])?;
+            return Ok(vec![scale, inv]);
+        }
         let amax = c.temp(DType::F32, 1)?;
         c.dev.zero(&amax)?;
         let n = x.len();
         launch_amax(c, &amax_spec, n, &[x.arg(), Arg::I64(n as i64), amax.arg()])?;
-        let (scale, inv) = (c.alloc(&outs[0])?, c.alloc(&outs[1])?);
         c.launch(&spec, "k", (1, 1), &[amax.arg(), scale.arg(), inv.arg()])?;
         Ok(vec![scale, inv])
     }))

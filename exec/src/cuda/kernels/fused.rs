@@ -8,13 +8,14 @@ use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{
-    column_sums, elementwise, lit, module_multi, streams, vector_len, At, Load, Store, Streams,
-    COLUMN_ROWS,
+    column_sums_and, elementwise, lit, module_multi, streams, vector_len, At, Load, Store, Streams,
+    COLUMN_ROWS, VECTOR,
 };
+use super::fp8::{amax_fold, AMAX_BLOCKS};
 use super::{
     first, kernel, launch_column_sums, CudaKernel, KernelResult, Lowering, Partials, ProgramSpec,
 };
-use crate::cuda::device::{Arg, DTensor};
+use crate::cuda::device::{items_grid, Arg, DTensor};
 
 /// A fused program's module: `k(<inputs>, <outputs>, i64 n)`, or with column sums
 /// `k_cols_part(_vec)(<inputs>, <outputs>, AS* part, i64 rows, i64 len, i64
@@ -25,8 +26,9 @@ pub(crate) type Spec = ProgramSpec<FusedElementwise>;
 /// The spec of `program`'s module.
 pub(super) fn spec(program: &FusedElementwise) -> Spec {
     let key = format!(
-        "fused/Fused {{ program: {program}, column_sums: {:?} }}",
-        program.column_sums()
+        "fused/Fused {{ program: {program}, column_sums: {:?}, amaxes: {:?} }}",
+        program.column_sums(),
+        program.amaxes()
     );
     ProgramSpec::new(key, program.clone(), fused)
 }
@@ -65,7 +67,8 @@ fn lower_program(f: &FusedElementwise, outs: &[TensorType]) -> Box<dyn CudaKerne
     let outs = outs.to_vec();
     let n = f.domain_len();
     let stored_count = f.outputs().len();
-    let summed = !f.column_sums().is_empty();
+    let sum_count = f.column_sums().len();
+    let summed = sum_count > 0;
     // Column sums of the domain's rows (its last axis).
     let len = outs
         .first()
@@ -76,12 +79,23 @@ fn lower_program(f: &FusedElementwise, outs: &[TensorType]) -> Box<dyn CudaKerne
     let program = f.clone();
     kernel(move |c, inputs| {
         let outputs = c.alloc_all(&outs)?;
-        let (stored, sums) = outputs.split_at(stored_count.min(outputs.len()));
+        let (stored, rest) = outputs.split_at(stored_count.min(outputs.len()));
+        let (sums, amaxes) = rest.split_at(sum_count.min(rest.len()));
         let mut args: Vec<Arg> = inputs.iter().map(DTensor::arg).collect();
         args.extend(stored.iter().map(DTensor::arg));
+        for amax in amaxes {
+            c.dev.zero(amax)?;
+            args.push(amax.arg());
+        }
         if !summed {
             args.push(Arg::I64(n as i64));
-            c.launch_elementwise(&spec, n, &args)?;
+            if amaxes.is_empty() {
+                c.launch_elementwise(&spec, n, &args)?;
+            } else if n > 0 {
+                // One atomic a block per amax: a grid the GPU holds at once, striding.
+                let blocks = items_grid(n, VECTOR).min(AMAX_BLOCKS);
+                c.launch(&spec, "k", (blocks, 256), &args)?;
+            }
         } else {
             let part = if len % v == 0 && streams_aligned(&program, inputs, stored) {
                 Partials::Tiles("k_cols_part_vec", 32 * v)
@@ -376,6 +390,37 @@ pub(crate) fn fused_vector(p: &FusedElementwise) -> usize {
     vector_len(widest.unwrap_or(1))
 }
 
+/// A program's amaxes as kernel fragments: the pointer parameters (after the
+/// outputs'), each thread's maxima declared, measured after the body computes an
+/// element (each value as stored, rounded to its dtype) and folded into the outputs
+/// at the kernel's end ([`amax_fold`]).
+struct Amaxes {
+    params: Vec<String>,
+    decl: String,
+    measure: String,
+    fold: String,
+}
+
+impl Amaxes {
+    fn new(p: &FusedElementwise) -> Amaxes {
+        let mut a = Amaxes {
+            params: Vec::new(),
+            decl: String::new(),
+            measure: String::new(),
+            fold: String::new(),
+        };
+        for (k, v) in p.amaxes().iter().enumerate() {
+            a.params.push(format!("unsigned int* amax{k}"));
+            a.decl.push_str(&format!("float m{k} = 0.0f;\n"));
+            a.measure
+                .push_str(&format!("    m{k} = nanmax(m{k}, fabsf((float)v{v}));\n"));
+            a.fold
+                .push_str(&amax_fold(&format!("m{k}"), &format!("amax{k}")));
+        }
+        a
+    }
+}
+
 /// The kernels of a fused program. Without column sums, `k` over the elements `i` of
 /// its domain ([`elementwise`]: the full-size inputs streamed in vectors); arguments:
 /// the inputs, the outputs, then `n`. With column sums, [`column_sums`]' kernels over
@@ -392,14 +437,21 @@ pub(crate) fn fused_vector(p: &FusedElementwise) -> usize {
 pub(super) fn fused(p: &FusedElementwise) -> String {
     let parts = FusedParts::new(p);
     let (loads, stores) = (parts.loads(), parts.stores());
-    let params = parts.params.join(", ");
+    let amaxes = Amaxes::new(p);
+    let params = (parts.params.iter().chain(&amaxes.params))
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let body = format!("{}{}", parts.body, amaxes.measure);
     let mut types: Vec<(&str, DType)> = parts.types.iter().map(|(s, d)| (s.as_str(), *d)).collect();
     let Some(&first_sum) = p.column_sums().first() else {
         return module_multi(
             &types,
             &format!(
-                "{ROUNDING}extern \"C\" __global__ void k({params}, i64 n) {{\n{}}}\n",
-                elementwise(&loads, &parts.body, &stores)
+                "{ROUNDING}extern \"C\" __global__ void k({params}, i64 n) {{\n{}{}{}}}\n",
+                amaxes.decl,
+                elementwise(&loads, &body, &stores),
+                amaxes.fold
             ),
         );
     };
@@ -432,7 +484,7 @@ pub(super) fn fused(p: &FusedElementwise) -> String {
             "for (int e = 0; e < V; ++e) {{ AS s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[{k}][w][tx * V + e]; part[(chunk * {count} + {k}) * len + j + e] = s; }}\n"
         ));
     }
-    let row_setup = format!("const i64 i = at; {bind_one}\n{}\n{put_one}", parts.body);
+    let row_setup = format!("const i64 i = at; {bind_one}\n{body}\n{put_one}");
     let terms: Vec<&str> = sums.iter().map(String::as_str).collect();
     module_multi(
         &types,
@@ -444,7 +496,7 @@ pub(super) fn fused(p: &FusedElementwise) -> String {
                i64 tiles = (len + {width} - 1) / {width};\n\
                i64 j = (blockIdx.x % tiles) * {width} + tx * V, chunk = blockIdx.x / tiles;\n\
                i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
-               {accs}\
+               {accs}{decl}\
                if (j < len) {{\n\
                  #pragma unroll 1\n\
                  for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{\n\
@@ -458,9 +510,11 @@ pub(super) fn fused(p: &FusedElementwise) -> String {
                {shares}\
                __syncthreads();\n\
                if (ty == 0 && j < len) {{\n{partials}}}\n\
+               {fold}\
              }}\n",
-            column_sums(&params, &row_setup, &terms, "S"),
-            body = parts.body,
+            column_sums_and(&params, &row_setup, &terms, "S", (&amaxes.decl, &amaxes.fold)),
+            decl = amaxes.decl,
+            fold = amaxes.fold,
         ),
     )
 }

@@ -1,0 +1,181 @@
+//! An optimizer update whose gradient is an exact widening Cast reads the narrow
+//! gradient itself.
+//!
+//! BF16 AMP without loss scaling hands each f32 variable's update `Cast<f32>(g)` of
+//! its 16-bit gradient: a kernel that reads `g` and writes it twice as wide, for the
+//! update to read back. The update's kernel widens its gradient as it loads it (an
+//! `OptimizerUpdate` takes a gradient of any float dtype), and widening bf16 or f16
+//! to f32 is exact, so reading `g` gives the same bits. A Cast left unread goes. (With
+//! loss scaling, `unscale-into-update` reads through the Cast under the unscaling.)
+
+use ampgraph_graph::ops::{widens_exactly, Cast, OptimizerUpdate};
+use ampgraph_graph::{Graph, NodeId, Port};
+
+use crate::rewrite::{output_nodes, summary};
+use crate::{format_bytes, Pass, PassError, PassSummary};
+
+/// The `grad-cast-into-update` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GradCastIntoUpdate;
+
+/// The input a widening Cast at `p` reads, where `p` is one that loses nothing.
+fn widened(g: &Graph, p: Port) -> Option<Port> {
+    g.node(p.node).op.downcast_ref::<Cast>()?;
+    let &[x] = &g.inputs(p.node)[..] else {
+        return None;
+    };
+    let (from, to) = (g.ty(x).dtype, g.ty(p).dtype);
+    (from != to && widens_exactly(from, to)).then_some(x)
+}
+
+impl Pass for GradCastIntoUpdate {
+    fn name(&self) -> &'static str {
+        "grad-cast-into-update"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let updates: Vec<NodeId> = g
+            .node_ids()
+            .filter(|&id| g.node(id).op.is::<OptimizerUpdate>())
+            .collect();
+        let (mut folded, mut casts) = (0usize, Vec::new());
+        for update in updates {
+            let mut inputs = g.inputs(update).to_vec();
+            let Some(narrow) = inputs.get(2).and_then(|&p| widened(g, p)) else {
+                continue;
+            };
+            casts.push(inputs[2].node);
+            inputs[2] = narrow;
+            let op = g.node(update).op.clone();
+            g.set_node(update, op, &inputs)?;
+            folded += 1;
+        }
+        let is_output = output_nodes(g);
+        casts.sort();
+        casts.dedup();
+        let (mut removed, mut bytes) = (0usize, 0u64);
+        for id in casts {
+            if is_output[id.index()] || !g.consumers(id).is_empty() {
+                continue;
+            }
+            // Written once and read back once.
+            bytes += 2 * g.node(id).outputs()[0].size_bytes() as u64;
+            g.remove_node(id)?;
+            removed += 1;
+        }
+        let lines = vec![format!(
+            "grad-cast-into-update: {folded} optimizer updates read their 16-bit gradients; \
+             removed {removed} widening casts ({} of tensors no longer written and read back)",
+            format_bytes(bytes)
+        )];
+        Ok(summary("grad-cast-into-update", lines))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{count, run as run_cpu};
+    use ampgraph_graph::ops::{Placeholder, Rule, Unary, UnaryKind};
+    use ampgraph_graph::{DType, Tensor, TensorType};
+
+    /// AdamW on two f32 variables whose gradients are bf16 cast to f32; with `leak`,
+    /// a Relu reads the first cast too; `narrowing` makes the second gradient f64
+    /// (cast down to f32: not exact, so not folded).
+    fn graph(leak: bool, narrowing: bool) -> Graph {
+        let mut g = Graph::new();
+        let input = |g: &mut Graph, name: &str, dtype, shape: &[usize]| -> Port {
+            let ty = TensorType::new(dtype, shape.to_vec());
+            g.add_node(name, Box::new(Placeholder(ty)), &[])
+                .unwrap()
+                .into()
+        };
+        let finite = input(&mut g, "finite", DType::Bool, &[]);
+        let step = input(&mut g, "step", DType::I64, &[]);
+        let adamw = Rule::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            decoupled: true,
+        };
+        let mut outputs = Vec::new();
+        let mut casts = Vec::new();
+        for (k, shape) in [[4, 3], [3, 2]].iter().enumerate() {
+            let dtype = if narrowing && k == 1 {
+                DType::F64
+            } else {
+                DType::BF16
+            };
+            let grad = input(&mut g, &format!("grad{k}"), dtype, shape);
+            let wide = g.add(Cast { to: DType::F32 }, &[grad]).unwrap();
+            casts.push(wide);
+            let var = input(&mut g, &format!("w{k}"), DType::F32, shape);
+            let m = input(&mut g, &format!("m{k}"), DType::F32, shape);
+            let v = input(&mut g, &format!("v{k}"), DType::F32, shape);
+            let update = OptimizerUpdate::new(adamw, 0.01, 0.1);
+            let node = g.add(update, &[finite, var, wide, m, v, step]).unwrap();
+            outputs.extend([node, Port::new(node.node, 1), Port::new(node.node, 2)]);
+        }
+        if leak {
+            outputs.push(g.add(Unary::new(UnaryKind::Relu), &[casts[0]]).unwrap());
+        }
+        g.set_outputs(outputs).unwrap();
+        g
+    }
+
+    fn feeds() -> std::collections::HashMap<&'static str, Tensor> {
+        let t = |dtype, shape: &[usize], f: &dyn Fn(usize) -> f64| {
+            let n = shape.iter().product();
+            let v: Vec<f64> = (0..n).map(f).collect();
+            Tensor::from_f64(dtype, shape.to_vec(), &v).unwrap()
+        };
+        [
+            ("finite", Tensor::scalar(DType::Bool, 1.0)),
+            ("step", Tensor::scalar(DType::I64, 3.0)),
+            ("grad0", t(DType::BF16, &[4, 3], &|i| 0.37 * i as f64 - 1.9)),
+            (
+                "grad1",
+                t(DType::BF16, &[3, 2], &|i| 1.0 / (1.0 + i as f64)),
+            ),
+            ("w0", t(DType::F32, &[4, 3], &|i| 0.1 * i as f64)),
+            ("w1", t(DType::F32, &[3, 2], &|i| 1.0 - 0.3 * i as f64)),
+            ("m0", t(DType::F32, &[4, 3], &|i| 0.01 * i as f64)),
+            ("m1", t(DType::F32, &[3, 2], &|i| -0.02 * i as f64)),
+            ("v0", t(DType::F32, &[4, 3], &|i| 0.001 * i as f64)),
+            ("v1", t(DType::F32, &[3, 2], &|i| 0.003 * i as f64)),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    #[test]
+    fn the_updates_read_the_16_bit_gradients_with_the_same_bits() {
+        let before = graph(false, false);
+        let mut after = before.clone();
+        let s = GradCastIntoUpdate.run(&mut after).unwrap();
+        after.validate().unwrap();
+        assert_eq!(count(&after, "Cast"), 0);
+        assert!(
+            s.lines[0].contains("2 optimizer updates") && s.lines[0].contains("2 widening casts"),
+            "{:?}",
+            s.lines
+        );
+        assert_eq!(run_cpu(&before, &feeds()), run_cpu(&after, &feeds()));
+        // Idempotent.
+        let mut again = after.clone();
+        GradCastIntoUpdate.run(&mut again).unwrap();
+        assert_eq!(again.len(), after.len());
+    }
+
+    #[test]
+    fn a_cast_something_else_reads_stays_and_a_narrowing_one_is_not_folded() {
+        let mut g = graph(true, false);
+        GradCastIntoUpdate.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert_eq!(count(&g, "Cast"), 1, "the Relu still reads the first cast");
+        let mut g = graph(false, true);
+        let s = GradCastIntoUpdate.run(&mut g).unwrap();
+        assert_eq!(count(&g, "Cast"), 1, "{:?}", s.lines);
+        assert!(s.lines[0].contains("1 optimizer updates"), "{:?}", s.lines);
+    }
+}
