@@ -3,12 +3,19 @@
 # bundle/ holds more: this keeps in bundle/ the binaries named (and every script and
 # small data folder) and moves the other binaries to bundle.aside/ (git-ignored, not
 # carried); `all` moves every one back. Presets: `tests` (the single-GPU test
-# binaries), `zoo` (bench, examples, CLI).
+# binaries), `zoo` (bench, examples, CLI). With `--pack` first, the binaries named
+# travel gzipped in bundle/bins.tar.gz (about a third of their size: the test binaries
+# and bench together fit) and the device call unpacks them: `cd bundle && tar xzf
+# bins.tar.gz`.
 #   bash scripts/bundle_keep.sh tests
 #   bash scripts/bundle_keep.sh tests bench image_folder
+#   bash scripts/bundle_keep.sh --pack tests bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p bundle.aside
+pack=0
+[ "${1:-}" = --pack ] && { pack=1; shift; }
+rm -f bundle/bins.tar.gz
 # What make_bundle.sh wrote since is newer than what was set aside before it.
 for f in bundle.aside/*; do
   [ -e "$f" ] || continue
@@ -31,4 +38,10 @@ for f in bundle/*; do
     [[ " ${keep[*]} " == *" $name "* ]] || mv "$f" bundle.aside/
   fi
 done
+if [ $pack = 1 ]; then
+  names=()
+  for k in "${keep[@]}"; do [ -f "bundle/$k" ] && head -c 4 "bundle/$k" | grep -q ELF && names+=("$k"); done
+  tar czf bundle/bins.tar.gz -C bundle "${names[@]}"
+  for k in "${names[@]}"; do mv "bundle/$k" bundle.aside/; done
+fi
 du -sh bundle
