@@ -2093,10 +2093,10 @@ fn fp8_ops_match_the_cpu() {
                     &[x.clone(), scale],
                 ),
             );
-            // With the transposed copy: fused for sides that are multiples of 4 (one
+            // With the transposed copy: fused for sides that are multiples of 8 (one
             // partial tile; more tiles than blocks, so the grid strides), after the
-            // quantisation otherwise.
-            let mut shapes = vec![(16, 100), (10, 30)];
+            // quantisation otherwise (in words for multiples of 4, else bytes).
+            let mut shapes = vec![(16, 104), (16, 100), (10, 30)];
             if (x_ty, to) == (DType::BF16, DType::F8E4M3) {
                 shapes.push((2112, 2048));
             }
