@@ -121,7 +121,7 @@ mod tests {
         };
         for &format in formats {
             let scale: Box<dyn Op> = Box::new(Fp8Scale::new(format, 0).unwrap());
-            let s = g.add_node(&format!("scale_{format}"), scale, &[a]).unwrap();
+            let s = g.add_node(format!("scale_{format}"), scale, &[a]).unwrap();
             let q = g
                 .add(QuantizeFp8::new(format).unwrap(), &[a, s.into()])
                 .unwrap();

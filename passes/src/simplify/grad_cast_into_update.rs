@@ -76,19 +76,16 @@ impl Pass for GradCastIntoUpdate {
 mod tests {
     use super::*;
     use crate::testing::{count, run as run_cpu};
-    use ampgraph_graph::ops::{Placeholder, Rule, Unary, UnaryKind};
-    use ampgraph_graph::{DType, Tensor, TensorType};
+    use ampgraph_graph::ops::{Rule, Unary, UnaryKind};
+    use ampgraph_graph::{DType, Tensor};
 
     /// AdamW on two f32 variables whose gradients are bf16 cast to f32; with `leak`,
     /// a Relu reads the first cast too; `narrowing` makes the second gradient f64
     /// (cast down to f32: not exact, so not folded).
     fn graph(leak: bool, narrowing: bool) -> Graph {
         let mut g = Graph::new();
-        let input = |g: &mut Graph, name: &str, dtype, shape: &[usize]| -> Port {
-            let ty = TensorType::new(dtype, shape.to_vec());
-            g.add_node(name, Box::new(Placeholder(ty)), &[])
-                .unwrap()
-                .into()
+        let input = |g: &mut Graph, name: &str, dtype, shape: &[usize]| {
+            g.placeholder(name, dtype, shape).unwrap()
         };
         let finite = input(&mut g, "finite", DType::Bool, &[]);
         let step = input(&mut g, "step", DType::I64, &[]);
