@@ -1,0 +1,26 @@
+#!/bin/bash
+# Issue 44's bars in bundle/ (after scripts/make_bundle.sh and bundle_keep.sh --pack
+# tests bench wheels): a round of the GPU test binaries (label $1), then our mlp and
+# transformer train steps in BF16 and FP8 (current, then delayed scaling), each pair
+# twice in one process, interleaved, 50 timed steps (the BF16 step moves by 3% between
+# calls and with the clocks), beside torch.compile bf16 and torchao's float8 training
+# ($OUT/bars.txt).
+set -u
+[ -f bins.tar.gz ] && tar xzf bins.tar.gz
+KC_OUT=1 bash gpu_tests_round.sh "${1:-round}" 400 > /dev/null
+export AMPGRAPH_KERNEL_CACHE=/tmp/kc
+out=$OUT/bars.txt
+for w in mlp transformer; do
+  for scaling in current delayed; do
+    echo "## ours $w (FP8: $scaling scaling)" >> $out
+    AMPGRAPH_AMP_FP8_SCALING=$scaling timeout 120 ./bench --workload $w --modes amp_bf16,amp_fp8,amp_bf16,amp_fp8 \
+      --phases train --iters 50 >> $out 2>&1
+    echo "exit $?" >> $out
+  done
+done
+python3 -m pip install -q --no-index --no-deps --target /tmp/ao wheels/torchao-*.whl >> $out 2>&1
+echo "## torch" >> $out
+PYTHONPATH=/tmp/ao timeout 200 python3 torch_fp8_anchor.py --only mlp,transformer >> $out 2>&1
+echo "exit $?" >> $out
+cat $OUT/rounds.txt
+grep -hE "^## |\"mode\"|exit|rror" $out | cut -c1-160
