@@ -2346,6 +2346,120 @@ fn fused_amaxes_match_the_cpu() {
     }
 }
 
+/// The FP8 cast of a program's value (`elementwise-into-fp8`): `relu(a * b)` cast to
+/// E5M2 with its transposed copy, against the CPU bit for bit (one tile, partial
+/// tiles, more tiles than blocks), its column sums within f32's rounding of their
+/// terms; and the GELU gradient's cast, its bias sum too, equal on the GPU to the
+/// program and the cast run apart.
+#[test]
+fn fp8_casts_of_programs_match_the_cpu_and_the_ops_apart() {
+    use ampgraph_graph::ops::fused::{Expr, Instr};
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(46);
+    let program = |ty: &TensorType, ops: &[(ElementOp, Vec<usize>)], sum: usize| {
+        let mut instrs = vec![
+            Instr {
+                expr: Expr::Input(0),
+                ty: ty.clone(),
+            },
+            Instr {
+                expr: Expr::Input(1),
+                ty: ty.clone(),
+            },
+        ];
+        for (op, args) in ops {
+            instrs.push(Instr {
+                expr: Expr::Apply(*op, args.clone()),
+                ty: ty.clone(),
+            });
+        }
+        let last = instrs.len() - 1;
+        FusedElementwise::new(instrs, vec![last])
+            .unwrap()
+            .with_column_sums(vec![sum])
+            .unwrap()
+    };
+    let cast = QuantizeFp8::new(DType::F8E5M2)
+        .unwrap()
+        .with_transposed(true);
+    for (rows, cols) in [(64, 128), (72, 200), (2112, 2048)] {
+        let ty = TensorType::new(DType::BF16, vec![rows, cols]);
+        let relu_product = program(
+            &ty,
+            &[
+                (ElementOp::Binary(BinaryKind::Mul), vec![0, 1]),
+                (ElementOp::Unary(UnaryKind::Relu), vec![2]),
+            ],
+            3,
+        );
+        let op = FusedQuantizeFp8::new(cast.clone(), relu_product).unwrap();
+        let inputs = [
+            rand(&mut r, DType::BF16, &[rows, cols], -3.0, 3.0),
+            rand(&mut r, DType::BF16, &[rows, cols], -3.0, 3.0),
+            t(DType::F32, &[], &[1000.0]),
+        ];
+        let what = format!("FusedQuantizeFp8 [{rows}, {cols}]");
+        let (dev, cpu) = run_both(&mut gpu, &what, op, &inputs);
+        assert_identical(&what, (dev[..3].to_vec(), cpu[..3].to_vec()));
+        let (got, want) = (dev[3].to_f64_vec(), cpu[3].to_f64_vec());
+        for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+            // rows terms of at most 9 each, summed in f32.
+            let within = 9.0 * rows as f64 * 2f64.powi(-22);
+            assert!(
+                (g - w).abs() <= within,
+                "{what}: column {j}: gpu {g} vs cpu {w}"
+            );
+        }
+    }
+    // The GELU gradient with its bias sum, folded and apart, on the GPU.
+    let (rows, cols) = (128, 256);
+    let ty = TensorType::new(DType::BF16, vec![rows, cols]);
+    let gelu = UnaryKind::Gelu { approximate: false };
+    let gradient = program(&ty, &[(ElementOp::UnaryGrad(gelu), vec![0, 1])], 2);
+    let z = rand(&mut r, DType::BF16, &[rows, cols], -4.0, 4.0);
+    let dy = rand(&mut r, DType::BF16, &[rows, cols], -30.0, 30.0);
+    let mut run = |fold: bool| {
+        let mut g = Graph::new();
+        let zp = g.placeholder("z", DType::BF16, [rows, cols]).unwrap();
+        let dyp = g.placeholder("dy", DType::BF16, [rows, cols]).unwrap();
+        let scale = g.scalar(DType::F32, 0.25).unwrap();
+        let outs: Vec<Port> = if fold {
+            let op = FusedQuantizeFp8::new(cast.clone(), gradient.clone()).unwrap();
+            let q = g.add_node("q", Box::new(op), &[zp, dyp, scale]).unwrap();
+            (0..4).map(|k| Port::new(q, k)).collect()
+        } else {
+            let p = g
+                .add_node("p", Box::new(gradient.clone()), &[zp, dyp])
+                .unwrap();
+            let q = g.add_node("q", Box::new(cast.clone()), &[Port::new(p, 0), scale]);
+            let q = q.unwrap();
+            vec![
+                Port::new(q, 0),
+                Port::new(q, 1),
+                Port::new(q, 2),
+                Port::new(p, 1),
+            ]
+        };
+        g.set_outputs(outs.clone()).unwrap();
+        let feeds: Feeds = [("z".to_string(), z.clone()), ("dy".to_string(), dy.clone())]
+            .into_iter()
+            .collect();
+        gpu.run(&g, &feeds, &outs).unwrap()
+    };
+    let (folded, apart) = (run(true), run(false));
+    assert_identical(
+        "the GELU gradient's cast, folded and apart",
+        (folded[..3].to_vec(), apart[..3].to_vec()),
+    );
+    let (got, want) = (folded[3].to_f64_vec(), apart[3].to_f64_vec());
+    for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 30.0 * 1.2 * rows as f64 * 2f64.powi(-22),
+            "bias sum column {j}: {g} vs {w}"
+        );
+    }
+}
+
 /// The FP8 ops lower on their own (no device needed): FP8 placeholders feed them,
 /// cuBLASLt's shape rule is checked when the step is planned, and another op on an
 /// FP8 tensor is refused by name.

@@ -13,6 +13,7 @@ pub mod bias_before_reshape;
 pub mod compose_views;
 pub mod cross_entropy;
 pub mod data_parallel;
+pub mod elementwise_into_fp8;
 pub mod epilogue;
 pub mod fuse;
 pub mod fuse_batchnorm_activation;

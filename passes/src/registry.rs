@@ -8,6 +8,7 @@ use crate::attention::FuseAttention;
 use crate::bias_before_reshape::BiasBeforeReshape;
 use crate::compose_views::ComposeViews;
 use crate::cross_entropy::FuseCrossEntropy;
+use crate::elementwise_into_fp8::ElementwiseIntoFp8;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::fuse_batchnorm_activation::FuseBatchNormActivation;
@@ -213,6 +214,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "amax-into-elementwise",
         summary: "Current FP8 scaling's Fp8Scale of a tensor a fused elementwise kernel (or lone elementwise node) computes reads the amax that kernel measures as it stores the tensor.",
         make: || Box::new(AmaxIntoElementwise),
+    },
+    PassEntry {
+        name: "elementwise-into-fp8",
+        summary: "A fused elementwise program whose one stored value only a delayed-scaling FP8 cast (transposed, sides multiples of 8) reads becomes the cast's prologue, its column sums output by the cast (a GELU gradient and its bias sum: TransformerEngine's dgelu_cast_transpose_dbias).",
+        make: || Box::new(ElementwiseIntoFp8),
     },
     PassEntry {
         name: "group-updates",

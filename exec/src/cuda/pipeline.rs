@@ -7,6 +7,7 @@ use ampgraph_passes::amax_into_elementwise::AmaxIntoElementwise;
 use ampgraph_passes::attention::FuseAttention;
 use ampgraph_passes::compose_views::ComposeViews;
 use ampgraph_passes::cross_entropy::FuseCrossEntropy;
+use ampgraph_passes::elementwise_into_fp8::ElementwiseIntoFp8;
 use ampgraph_passes::epilogue::GemmEpilogue;
 use ampgraph_passes::fuse::Fuse;
 use ampgraph_passes::fuse_batchnorm_activation::FuseBatchNormActivation;
@@ -50,7 +51,8 @@ use crate::ExecOptions;
 /// kernels (a softmax takes the one computing its operand), those kernels take the bias
 /// gradients summed from what they compute, layer-norm gradients the Adds of the
 /// residual gradient after them (with those bias gradients), current FP8 scales the
-/// amax of the kernel computing their tensor, and the small variables' updates share
+/// amax of the kernel computing their tensor, delayed FP8 casts the program computing
+/// theirs (a GELU gradient with its bias sum), and the small variables' updates share
 /// launches.
 ///
 /// With TF32 allowed every NCHW graph runs NHWC, f32 convolutions included, as PyTorch
@@ -89,6 +91,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(SumIntoElementwise),
         Box::new(NormGradEpilogueFusion),
         Box::new(AmaxIntoElementwise),
+        Box::new(ElementwiseIntoFp8),
         Box::new(GroupUpdates),
     ]
 }

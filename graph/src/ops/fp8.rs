@@ -15,7 +15,7 @@ use crate::dtype::DType;
 use crate::fp8::{amax, Fp8};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
-use crate::ops::{BiasAdd, DataFormat, MatMul, Transpose, Unary, UnaryKind};
+use crate::ops::{BiasAdd, DataFormat, FusedElementwise, MatMul, Transpose, Unary, UnaryKind};
 use crate::tensor::{Data, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -25,6 +25,17 @@ pub(crate) const OPS: &[OpEntry] = &[
             let op =
                 QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
             Ok(Box::new(op.with_activation(read_activation(a)?)))
+        },
+    },
+    OpEntry {
+        name: "FusedQuantizeFp8",
+        parse: |_, a| {
+            let op =
+                QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
+            Ok(Box::new(FusedQuantizeFp8::new(
+                op,
+                FusedElementwise::parse(a)?,
+            )?))
         },
     },
     OpEntry {
@@ -149,6 +160,87 @@ impl QuantizeFp8 {
                 "a transposed copy is of a matrix, not of shape {shape:?}"
             )),
         }
+    }
+}
+
+/// `(inputs..., scale) -> (y, amax[, y^T], column sums...)`: [`QuantizeFp8`] of the
+/// value an elementwise program computes (its one stored output), the program's
+/// column sums after the cast's outputs (the `elementwise-into-fp8` pass builds it
+/// from a fused program read only by a delayed-scaling cast: a GELU gradient and its
+/// bias gradient, TransformerEngine's `dgelu_cast_transpose_dbias`). The CUDA kernel
+/// computes the value as it loads each tile, so it is never stored in 16 bits and
+/// read back. The CPU kernel runs the program, then the cast: bit-exact against the
+/// ops it replaces.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedQuantizeFp8 {
+    pub quantize: QuantizeFp8,
+    prologue: FusedElementwise,
+}
+
+impl FusedQuantizeFp8 {
+    /// The cast (without an activation) of `prologue`'s value: a program with one
+    /// stored output and no amaxes.
+    pub fn new(quantize: QuantizeFp8, prologue: FusedElementwise) -> OpResult<Self> {
+        if prologue.outputs().len() != 1 || !prologue.amaxes().is_empty() {
+            return Err(format!(
+                "an FP8 cast's prologue stores one value and measures none, this one {} values and {} amaxes",
+                prologue.outputs().len(),
+                prologue.amaxes().len()
+            ));
+        }
+        if quantize.activation.is_some() {
+            return Err("an FP8 cast with a prologue applies no activation of its own".into());
+        }
+        Ok(FusedQuantizeFp8 { quantize, prologue })
+    }
+
+    pub fn prologue(&self) -> &FusedElementwise {
+        &self.prologue
+    }
+
+    /// The cast's own outputs (its column sums follow).
+    pub fn cast_outputs(&self) -> usize {
+        2 + usize::from(self.quantize.transposed)
+    }
+}
+
+impl Op for FusedQuantizeFp8 {
+    fn name(&self) -> &'static str {
+        "FusedQuantizeFp8"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(self.prologue.num_inputs() + 1)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = self.quantize.attrs();
+        attrs.extend(self.prologue.attrs());
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let Some((scale, program_inputs)) = inputs.split_last() else {
+            return Err("the program's inputs and the scale".into());
+        };
+        let mut values = self.prologue.infer(program_inputs)?;
+        let sums = values.split_off(1);
+        let mut outs = self.quantize.infer(&[&values[0], scale])?;
+        outs.extend(sums);
+        Ok(outs)
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let Some((scale, program_inputs)) = inputs.split_last() else {
+            return Err("the program's inputs and the scale".into());
+        };
+        let mut values = self.prologue.eval(program_inputs)?;
+        let sums = values.split_off(1);
+        let mut outs = self.quantize.eval(&[&values[0], scale])?;
+        outs.extend(sums);
+        Ok(outs)
+    }
+    /// Every input and output keeps its type (the program's are recorded in it).
+    fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
+        let outputs = (0..num_outputs).map(|o| TypeGroup::new(vec![], vec![o]).fixed());
+        let inputs = (0..num_inputs).map(|i| TypeGroup::new(vec![i], vec![]).fixed());
+        outputs.chain(inputs).collect()
     }
 }
 

@@ -36,7 +36,8 @@ pub use dropout::Dropout;
 pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
 pub use fp8::{
-    AmaxChoice, DequantizeFp8, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate, QuantizeFp8,
+    AmaxChoice, DequantizeFp8, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate,
+    FusedQuantizeFp8, QuantizeFp8,
 };
 pub use fused::{ElementOp, FusedElementwise};
 pub use gather::{Gather, GatherGrad};

@@ -14,14 +14,18 @@
 use ampgraph_graph::fp8::Fp8;
 use ampgraph_graph::ops::{
     AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate,
-    QuantizeFp8, UnaryKind,
+    FusedElementwise, FusedQuantizeFp8, QuantizeFp8, UnaryKind,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::{elementwise, module_multi, At, Load, Store, VECTOR};
-use super::{first, input, kernel, one_output, Ctx, KernelResult, Lowering};
+use super::codegen::{column_sums_fin, elementwise, module_multi, At, Load, Store, VECTOR};
+use super::fused::{FusedParts, ROUNDING};
+use super::{
+    first, input, kernel, launch_column_sums_fin, one_output, Ctx, KernelResult, Lowering,
+};
 use crate::cuda::device::{items_grid, Arg, DTensor};
 use crate::cuda::gemm::Product;
+use ampgraph_graph::ops::fused::{column_sum_dtype, Expr};
 
 kernel_specs! {
     /// The modules of the family.
@@ -38,6 +42,12 @@ kernel_specs! {
         /// i64 cols)`: [`Spec::Quantize`] of a `rows x cols` matrix (both multiples of
         /// 8) also writing `pt = y^T`, per 64x64 tile through shared memory.
         QuantizeTransposed { x: DType, to: DType, activation: Option<UnaryKind> } => quantize_transposed(x, to, activation),
+        /// `k(<inputs>, const float* ps, TY* py, TY* pt, unsigned* amax[, AS* part],
+        /// i64 rows, i64 cols)`: [`Spec::QuantizeTransposed`] of the value `program`
+        /// computes from its inputs (all of the matrix's size) per tile, with the
+        /// program's column sums per tile into `part[(tile row * sums + k) * cols + j]`,
+        /// which `k_cols_fin` adds.
+        QuantizeProgram { program: FusedElementwise, to: DType } => quantize_program(&program, to),
         /// `k(const TY* py, const float* pinv, TO* po, i64 n)`: `o = y * inv`.
         Dequantize { y: DType, to: DType } => dequantize(y, to),
         /// `k(const float* amax, float* scale, float* inv)`: one thread.
@@ -58,6 +68,9 @@ const MAX_HISTORY: usize = 1024;
 pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(q) = op.downcast_ref::<QuantizeFp8>() {
         return Some(lower_quantize(q, ins, outs));
+    }
+    if let Some(f) = op.downcast_ref::<FusedQuantizeFp8>() {
+        return Some(lower_quantize_program(f, ins, outs));
     }
     if let Some(d) = op.downcast_ref::<DequantizeFp8>() {
         return Some(lower_dequantize(d, ins, outs));
@@ -235,6 +248,136 @@ pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryK
                  }}\n\
                  __syncthreads();\n\
                }}\n{fold}}}\n"
+        ),
+    )
+}
+
+/// [`quantize_transposed`]'s tiles of the value a program computes: each input's 8
+/// elements of the thread's two rows loaded, the program's body per element (its
+/// value rounded as the fused node stored it), then the cast; each column sum adds
+/// the thread's two rows, then the tile's 32 thread rows through shared memory, into
+/// one partial per tile row and column.
+pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
+    let parts = FusedParts::new(p);
+    let x = p.outputs().first().copied().unwrap_or(0);
+    let inputs: Vec<(usize, usize)> = (p.instrs().iter().enumerate())
+        .filter_map(|(j, ins)| match ins.expr {
+            Expr::Input(k) => Some((j, k)),
+            Expr::Apply(..) => None,
+        })
+        .collect();
+    let mut types: Vec<(String, DType)> = (inputs.iter())
+        .map(|&(j, k)| (format!("I{k}"), p.instrs()[j].ty.dtype))
+        .collect();
+    types.push(("Y".into(), to));
+    let sums = p.column_sums();
+    let sum_dtype = (sums.first()).map(|&v| column_sum_dtype(p.instrs()[v].ty.dtype));
+    types.extend(sum_dtype.map(|d| ("S".to_string(), d)));
+    let mut params: Vec<String> = (inputs.iter())
+        .map(|&(_, k)| format!("const TI{k}* __restrict__ in{k}"))
+        .collect();
+    params.push("const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax".into());
+    if !sums.is_empty() {
+        params.push("AS* __restrict__ part".into());
+    }
+    let (mut loads, mut binds) = (String::new(), String::new());
+    for &(j, k) in &inputs {
+        loads.push_str(&format!(
+            "Vec<TI{k}, 8> x{k}[2];\n\
+             #pragma unroll\n\
+             for (int i = 0; i < 2; ++i) {{ const i64 r = r0 + rr + 32 * i; if (r < rows && c < cols) x{k}[i] = *(const Vec<TI{k}, 8>*)(in{k} + r * cols + c); }}\n"
+        ));
+        binds.push_str(&format!("float v{j} = ldI{k}(x{k}[i].v, b);\n"));
+    }
+    let (mut sum_decl, mut sum_add, mut sum_tile) = (String::new(), String::new(), String::new());
+    for (k, v) in sums.iter().enumerate() {
+        sum_decl.push_str(&format!("AS acc{k}[8] = {{}};\n"));
+        sum_add.push_str(&format!("acc{k}[b] += (AS)v{v};\n"));
+        sum_tile.push_str(&format!(
+            "for (int b = 0; b < 8; ++b) csum[{k}][rr][8 * cg + b] = acc{k}[b];\n"
+        ));
+    }
+    let n_sums = sums.len();
+    let (csum, fin_tile) = if n_sums == 0 {
+        (String::new(), String::new())
+    } else {
+        (
+            format!("__shared__ AS csum[{n_sums}][32][64];\n"),
+            format!(
+                "{sum_tile}__syncthreads();\n\
+                 if (threadIdx.x < 64 && c0 + threadIdx.x < cols) {{\n\
+                   for (int k = 0; k < {n_sums}; ++k) {{\n\
+                     AS t = 0;\n\
+                     for (int w = 0; w < 32; ++w) t += csum[k][w][threadIdx.x];\n\
+                     part[((r0 / 64) * {n_sums} + k) * cols + c0 + threadIdx.x] = t;\n\
+                   }}\n\
+                 }}\n"
+            ),
+        )
+    };
+    let fin = match n_sums {
+        0 => String::new(),
+        n => column_sums_fin("S", &vec!["S"; n]),
+    };
+    let fold = amax_fold("m", "amax");
+    let types: Vec<(&str, DType)> = types.iter().map(|(n, d)| (n.as_str(), *d)).collect();
+    fp8_module(
+        &types,
+        &format!(
+            "{ROUNDING}typedef unsigned int u32;\n\
+             extern \"C\" __global__ void k({params}, i64 rows, i64 cols) {{\n\
+               __align__(4) __shared__ u8 tile[64][68];\n\
+               {csum}\
+               const float s = ps[0];\n\
+               float m = 0.0f;\n\
+               const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
+               const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
+               for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {{\n\
+                 const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64, c = c0 + 8 * cg;\n\
+                 {loads}\
+                 {sum_decl}\
+                 #pragma unroll\n\
+                 for (int i = 0; i < 2; ++i) {{\n\
+                   const int j = rr + 32 * i;\n\
+                   const i64 r = r0 + j;\n\
+                   if (r < rows && c < cols) {{\n\
+                     __align__(8) TY q[8];\n\
+                     #pragma unroll\n\
+                     for (int b = 0; b < 8; ++b) {{\n\
+                       const i64 i_el = r * cols + c + b; (void)i_el;\n\
+                       {binds}\
+                       {{ const i64 i = i_el; (void)i;\n{body}\n\
+                       float x = (float)v{x};\n\
+                       {sum_add}\
+                       m = nanmax(m, fabsf(x));\n\
+                       stY(q, b, __fmul_rn(x, s)); }}\n\
+                     }}\n\
+                     const uint2 w = *(const uint2*)q;\n\
+                     *(u32*)&tile[j][8 * cg] = w.x;\n\
+                     *(u32*)&tile[j][8 * cg + 4] = w.y;\n\
+                     *(uint2*)(py + r * cols + c) = w;\n\
+                   }}\n\
+                 }}\n\
+                 __syncthreads();\n\
+                 #pragma unroll\n\
+                 for (int i = 0; i < 2; ++i) {{\n\
+                   const int j = rr + 32 * i;\n\
+                   const i64 cj = c0 + j, r = r0 + 8 * cg;\n\
+                   if (cj < cols && r < rows) {{\n\
+                     uint2 w = make_uint2(0, 0);\n\
+                     #pragma unroll\n\
+                     for (int b = 0; b < 4; ++b) {{\n\
+                       w.x |= (u32)tile[8 * cg + b][j] << (8 * b);\n\
+                       w.y |= (u32)tile[8 * cg + 4 + b][j] << (8 * b);\n\
+                     }}\n\
+                     *(uint2*)(pt + cj * rows + r) = w;\n\
+                   }}\n\
+                 }}\n\
+                 {fin_tile}\
+                 __syncthreads();\n\
+               }}\n{fold}}}\n{fin}",
+            params = params.join(", "),
+            body = parts.body,
         ),
     )
 }
@@ -430,6 +573,68 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
             transpose_into(c, &y, &t, rows, cols)?;
         }
         Ok(vec![y, amax, t])
+    }))
+}
+
+/// `FusedQuantizeFp8`: its program's inputs and the scale in; the cast's values, amax
+/// and transposed copy, then the program's column sums (per-tile partials added by
+/// `k_cols_fin`) out. Only the fused tiles: a transposed matrix with sides multiples
+/// of 8, every input of its size (what `elementwise-into-fp8` folds).
+fn lower_quantize_program(
+    f: &FusedQuantizeFp8,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
+    let program = f.prologue().clone();
+    let n_in = program.num_inputs();
+    let x_ty = &program.instrs()[program.outputs().first().copied().ok_or("no value")?].ty;
+    let (rows, cols) = f
+        .quantize
+        .transposed_sides(&x_ty.shape)?
+        .filter(|(rows, cols)| rows % 8 == 0 && cols % 8 == 0)
+        .ok_or("an FP8 cast with a prologue runs transposed, on sides that are multiples of 8")?;
+    if ins[..n_in.min(ins.len())]
+        .iter()
+        .any(|t| t.shape != x_ty.shape)
+    {
+        return Err("an FP8 cast's prologue reads inputs of its value's shape only".into());
+    }
+    let sums = program.column_sums().len();
+    let acc = (program.column_sums().first())
+        .map(|&v| column_sum_dtype(program.instrs()[v].ty.dtype))
+        .unwrap_or(DType::F32);
+    let spec = Spec::QuantizeProgram {
+        program,
+        to: f.quantize.to,
+    };
+    let outs = outs.to_vec();
+    if outs.len() != 3 + sums {
+        return Err("the cast's values, amax and transposed copy, then the column sums".into());
+    }
+    Ok(kernel(move |c, inputs| {
+        let y = c.alloc(&outs[0])?;
+        let amax = zeroed_amax(c, &outs[1])?;
+        let t = c.alloc(&outs[2])?;
+        let mut args: Vec<Arg> = inputs[..n_in].iter().map(DTensor::arg).collect();
+        args.extend([input(inputs, n_in)?.arg(), y.arg(), t.arg(), amax.arg()]);
+        let row_tiles = rows.div_ceil(QT_TILE);
+        let part = match sums {
+            0 => None,
+            n => Some(c.temp(acc, row_tiles * n * cols)?),
+        };
+        args.extend(part.as_ref().map(DTensor::arg));
+        args.extend([Arg::I64(rows as i64), Arg::I64(cols as i64)]);
+        let blocks = (row_tiles * cols.div_ceil(QT_TILE)).min(AMAX_BLOCKS as usize);
+        c.launch(&spec, "k", (blocks as u32, 256), &args)?;
+        let mut results = vec![y, amax, t];
+        if let Some(part) = part {
+            let sums: Vec<DTensor> =
+                (outs[3..].iter().map(|o| c.alloc(o))).collect::<Result<_, _>>()?;
+            let pairs: Vec<(&DTensor, f64)> = sums.iter().map(|s| (s, 1.0)).collect();
+            launch_column_sums_fin(c, &spec, &part, cols, row_tiles, &pairs)?;
+            results.extend(sums);
+        }
+        Ok(results)
     }))
 }
 

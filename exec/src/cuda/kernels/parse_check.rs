@@ -49,6 +49,8 @@ template <class T> T atomicAdd(T*, T);
 void __syncthreads();
 struct uint4 { unsigned x, y, z, w; };
 uint4 make_uint4(unsigned, unsigned, unsigned, unsigned);
+struct uint2 { unsigned x, y; };
+uint2 make_uint2(unsigned, unsigned);
 #define __launch_bounds__(...)
 struct __half2 { unsigned x; };
 struct __nv_bfloat162 { unsigned x; };
@@ -361,6 +363,17 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     .and_then(|p| p.retain_outputs(|_| false))
     .unwrap();
     k.push(("fused_sums_alone".into(), fused(&statistics)));
+    // Amaxes (current FP8 scaling's, `amax-into-elementwise`): a plain program and one
+    // with column sums (both its kernels).
+    let gelu_gradient = "v0 = in0: bf16[8, 16]; v1 = in1: bf16[8, 16]; \
+                         v2 = UnaryGrad<kind=Gelu, approximate=false>(v0, v1): bf16[8, 16]";
+    for (i, summed) in [vec![], vec![2]].into_iter().enumerate() {
+        let p = fused_program(gelu_gradient, vec![2])
+            .with_column_sums(summed)
+            .and_then(|p| p.with_amaxes(vec![2, 0]))
+            .unwrap();
+        k.push((format!("fused_amaxes_{i}"), fused(&p)));
+    }
     // Softmax prologues: f16 scores scaled, an f32 mask added (vectors of 4), and
     // bf16 widened to f64 (a log-softmax).
     let prologues = [
@@ -412,6 +425,17 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         ]);
     }
     k.push(("fp8_transpose".into(), fp8::transpose()));
+    // The FP8 cast of a program's value (`elementwise-into-fp8`): with its column sum
+    // and without.
+    for (i, summed) in [vec![2], vec![]].into_iter().enumerate() {
+        let p = fused_program(gelu_gradient, vec![2])
+            .with_column_sums(summed)
+            .unwrap();
+        k.push((
+            format!("fp8_quantize_program_{i}"),
+            fp8::quantize_program(&p, DType::F8E5M2),
+        ));
+    }
     k
 }
 

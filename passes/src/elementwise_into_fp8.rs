@@ -1,0 +1,181 @@
+//! A fused elementwise program whose one stored value only a delayed-scaling FP8 cast
+//! reads becomes that cast's prologue ([`FusedQuantizeFp8`]): the cast's kernel
+//! computes the value as it loads each tile, and the program's column sums come out
+//! of the same kernel. In the FP8 mlp's backward pass each hidden layer's GELU
+//! gradient (and its bias gradient) is computed by the E5M2 cast-transpose that reads
+//! it (TransformerEngine's `dgelu_cast_transpose_dbias`): the 16-bit gradient, 64 MiB
+//! a layer, is no longer written and read back.
+//!
+//! Only where the CUDA kernel takes it: a transposed cast of a matrix whose sides are
+//! multiples of 8, from a program whose inputs all have its element count. Under
+//! current scaling the value's amax is read first (`amax-into-elementwise` gives the
+//! program an amax), so such programs stay. Bit-exact on the CPU: the op runs the
+//! program, then the cast.
+
+use ampgraph_graph::ops::{FusedElementwise, FusedQuantizeFp8, QuantizeFp8};
+use ampgraph_graph::{Graph, NodeId, Port};
+
+use crate::rewrite::{output_nodes, summary};
+use crate::{format_bytes, Pass, PassError, PassSummary};
+
+/// The `elementwise-into-fp8` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ElementwiseIntoFp8;
+
+/// The program at `x` when the cast `q` may take it as its prologue.
+fn prologue(g: &Graph, q: &QuantizeFp8, x: Port, is_output: &[bool]) -> Option<FusedElementwise> {
+    let program = g.node(x.node).op.downcast_ref::<FusedElementwise>()?;
+    let [rows, cols] = g.ty(x).shape[..] else {
+        return None;
+    };
+    let n = program.domain_len();
+    let full_size = (g.inputs(x.node).iter()).all(|&p| g.ty(p).checked_len() == Some(n));
+    let tiles = q.transposed && rows % 8 == 0 && cols % 8 == 0;
+    let alone = (g.consumers(x.node).into_iter())
+        .filter(|c| c.2 == x)
+        .count()
+        == 1;
+    let usable = x.index == 0
+        && program.outputs().len() == 1
+        && program.amaxes().is_empty()
+        && q.activation.is_none();
+    (usable && tiles && full_size && alone && !is_output[x.node.index()]).then(|| program.clone())
+}
+
+impl Pass for ElementwiseIntoFp8 {
+    fn name(&self) -> &'static str {
+        "elementwise-into-fp8"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let casts: Vec<NodeId> = g
+            .node_ids()
+            .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
+            .collect();
+        let (mut folded, mut bytes) = (0usize, 0u64);
+        for id in casts {
+            let is_output = output_nodes(g);
+            let Some(q) = g.node(id).op.downcast_ref::<QuantizeFp8>().cloned() else {
+                continue;
+            };
+            let [x, scale] = g.inputs(id)[..] else {
+                continue;
+            };
+            let Some(program) = prologue(g, &q, x, &is_output) else {
+                continue;
+            };
+            let op = FusedQuantizeFp8::new(q, program)
+                .map_err(|e| PassError::Rewrite(format!("'{}': {e}", g.node(id).name)))?;
+            let first_sum = op.cast_outputs();
+            let mut inputs = g.inputs(x.node).to_vec();
+            inputs.push(scale);
+            // The program's column sums come from the cast now.
+            let moves: Vec<(NodeId, usize, Port)> = (g.consumers(x.node).into_iter())
+                .filter(|c| c.2.index > 0)
+                .map(|(reader, slot, p)| (reader, slot, Port::new(id, first_sum + p.index - 1)))
+                .collect();
+            bytes += 2 * g.ty(x).size_bytes() as u64;
+            g.set_node(id, Box::new(op), &inputs)?;
+            g.rewire(moves)?;
+            g.remove_node(x.node)?;
+            folded += 1;
+        }
+        let lines = vec![format!(
+            "elementwise-into-fp8: {folded} fused programs computed by the FP8 cast reading them ({} fewer written and read back)",
+            format_bytes(bytes)
+        )];
+        Ok(summary("elementwise-into-fp8", lines))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{count, run as run_cpu};
+    use ampgraph_graph::ops::{Cast, Reduce, ReduceKind, UnaryGrad, UnaryKind};
+    use ampgraph_graph::{DType, Tensor};
+
+    /// `q(gelu'(z) * dy)` (E5M2, transposed, a given scale) with the gradient's bias sum
+    /// cast to bf16, fused as the pipeline leaves them; with `leak`, a Neg reads the
+    /// gradient too; `shape` the matrix's.
+    fn graph(leak: bool, shape: [usize; 2]) -> Graph {
+        let mut g = Graph::new();
+        let z = g.placeholder("z", DType::BF16, shape).unwrap();
+        let dy = g.placeholder("dy", DType::BF16, shape).unwrap();
+        let gelu = UnaryKind::Gelu { approximate: false };
+        let dz = g.add(UnaryGrad::new(gelu), &[z, dy]).unwrap();
+        let sum = Reduce::new(ReduceKind::Sum, Some(vec![0]), false);
+        let bias = g.add(sum, &[dz]).unwrap();
+        // The bias gradient's reader (an update's, say): a Sum that is an output stays.
+        let neg = ampgraph_graph::ops::Unary::new(UnaryKind::Neg);
+        let bias = g.add(neg, &[bias]).unwrap();
+        let scale = g.scalar(DType::F32, 0.5).unwrap();
+        let q = QuantizeFp8::new(DType::F8E5M2)
+            .unwrap()
+            .with_transposed(true);
+        let q = g.add_node("q", Box::new(q), &[dz, scale]).unwrap();
+        let mut outputs = vec![Port::new(q, 0), Port::new(q, 1), Port::new(q, 2), bias];
+        if leak {
+            let neg = ampgraph_graph::ops::Unary::new(UnaryKind::Neg);
+            outputs.push(g.add(neg, &[dz]).unwrap());
+        }
+        g.set_outputs(outputs).unwrap();
+        for pass in [
+            &crate::fuse::Fuse as &dyn Pass,
+            &crate::sum_into_elementwise::SumIntoElementwise,
+        ] {
+            pass.run(&mut g).unwrap();
+        }
+        g
+    }
+
+    fn feeds(shape: [usize; 2]) -> std::collections::HashMap<&'static str, Tensor> {
+        let n = shape[0] * shape[1];
+        let z: Vec<f64> = (0..n).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
+        let dy: Vec<f64> = (0..n).map(|i| (i as f64 * 0.11).cos() * 40.0).collect();
+        [
+            ("z", Tensor::from_f64(DType::BF16, shape, &z).unwrap()),
+            ("dy", Tensor::from_f64(DType::BF16, shape, &dy).unwrap()),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    #[test]
+    fn a_gradient_read_only_by_its_cast_is_computed_by_it_with_the_same_bits() {
+        let before = graph(false, [16, 24]);
+        assert_eq!(count(&before, "FusedElementwise"), 1);
+        let mut g = before.clone();
+        let summary = ElementwiseIntoFp8.run(&mut g).unwrap();
+        g.validate().unwrap();
+        assert!(summary.lines[0].contains(": 1 fused programs"), "{summary}");
+        assert_eq!(count(&g, "FusedElementwise"), 0);
+        assert_eq!(count(&g, "FusedQuantizeFp8"), 1);
+        let id = g.find("q").unwrap();
+        assert_eq!(g.node(id).outputs().len(), 4, "y, amax, y^T, the bias sum");
+        // The f32 bias sum, cast to bf16 as the Sum stored it.
+        assert!(g.node_ids().any(|c| g.node(c).op.is::<Cast>()));
+        let (want, got) = (
+            run_cpu(&before, &feeds([16, 24])),
+            run_cpu(&g, &feeds([16, 24])),
+        );
+        crate::testing::assert_same_bits(&want, &got);
+        // Idempotent, and it reads back from a file.
+        let mut again = g.clone();
+        ElementwiseIntoFp8.run(&mut again).unwrap();
+        assert_eq!(again.len(), g.len());
+        use ampgraph_graph::format::{graph_from_bytes, to_json, GraphDef};
+        let read = graph_from_bytes(to_json(&GraphDef::from_graph(&g)).as_bytes()).unwrap();
+        crate::testing::assert_same_bits(&got, &run_cpu(&read, &feeds([16, 24])));
+    }
+
+    #[test]
+    fn a_gradient_something_else_reads_or_of_sides_not_multiples_of_8_stays() {
+        for (leak, shape) in [(true, [16, 24]), (false, [16, 20])] {
+            let mut g = graph(leak, shape);
+            let summary = ElementwiseIntoFp8.run(&mut g).unwrap();
+            assert!(summary.lines[0].contains(": 0 fused programs"), "{summary}");
+            assert_eq!(count(&g, "FusedElementwise"), 1);
+        }
+    }
+}
