@@ -10,7 +10,8 @@
 # env_ddp.txt. WORKLOADS (default "transformer convnet") picks the workloads, SYNC_BN=1
 # adds the convnet with synchronized batch norm on both sides, NODES=1 two launcher
 # invocations as two nodes (and one of them killed: nodes.txt). NVLink multicast stays off (exported below; torch_ddp.py refuses to run
-# otherwise). Each run has a timeout (T_TORCH=90, T_OURS=120 s; override in the environment).
+# otherwise). Each run has a timeout (T_TORCH=90, T_OURS=120, T_TESTS=300 s; override in the
+# environment).
 set -u
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -43,7 +44,7 @@ run() {
   [ $rc = 0 ] || fails=$((fails + 1))
 }
 # The data-parallel GPU tests first (NCCL, 2 GPUs).
-[ -x ./cuda_data_parallel ] && run tests_ddp.txt 300 ./cuda_data_parallel --test-threads 1 --nocapture
+[ -x ./cuda_data_parallel ] && run tests_ddp.txt ${T_TESTS:-300} ./cuda_data_parallel --test-threads 1 --nocapture
 gpus="1"; [ "$N" != 1 ] && gpus="1 $N"
 for w in ${WORKLOADS-transformer convnet}; do
   for n in $gpus; do
