@@ -184,6 +184,60 @@ pub(super) fn quantize(x: DType, to: DType, activation: Option<UnaryKind>) -> St
 /// The side of [`quantize_transposed`]'s square tiles (128 measured slower).
 const QT_TILE: usize = 64;
 
+/// `x` cast with its transposed copy ([`cast_transpose`]), `x` the activation's value
+/// where the op has one.
+pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryKind>) -> String {
+    cast_transpose(CastTranspose {
+        types: &[("X", x), ("Y", to)],
+        prefix: "",
+        inputs: "const TX* __restrict__ px",
+        partials: "",
+        shared: "",
+        loads: &rows_of("TX", "xs", "px"),
+        element: &format!("float x = ldX(xs[i].v, b);\n{}", activate(activation)),
+        element_end: "",
+        tile_end: "",
+        after: "",
+    })
+}
+
+/// A cast-transpose kernel's parts ([`cast_transpose`]).
+struct CastTranspose<'a> {
+    /// The module's named dtypes (`Y` the FP8 one).
+    types: &'a [(&'a str, DType)],
+    /// Source before the kernel.
+    prefix: &'a str,
+    /// The parameters before the scale's, and any between the amax and the sides.
+    inputs: &'a str,
+    partials: &'a str,
+    /// Shared memory beside the tile.
+    shared: &'a str,
+    /// Per tile: loads of the thread's two rows (row `i` at `r0 + rr + 32 i`, its 8
+    /// elements from column `c`).
+    loads: &'a str,
+    /// Per element `b` of row `i`: statements defining the float `x` to cast, in a
+    /// block `element_end` closes.
+    element: &'a str,
+    element_end: &'a str,
+    /// Per tile, after its stores.
+    tile_end: &'a str,
+    /// Source after the kernel.
+    after: &'a str,
+}
+
+/// `Vec<ty, 8> name[2]` loaded with the thread's two rows of `ptr` (a matrix of `rows x
+/// cols` elements).
+fn rows_of(ty: &str, name: &str, ptr: &str) -> String {
+    format!(
+        "Vec<{ty}, 8> {name}[2];\n\
+         #pragma unroll\n\
+         for (int i = 0; i < 2; ++i) {{\n\
+           const i64 r = r0 + rr + 32 * i;\n\
+           if (r < rows && c < cols) {name}[i] = *(const Vec<{ty}, 8>*)({ptr} + r * cols + c);\n\
+         }}\n"
+    )
+}
+
 /// A thread loads 8 elements of two rows of the tile (16 bytes of bf16 each) before
 /// it converts and stores any (one row at a time, the kernel ran at two thirds of the
 /// bandwidth of a quantisation and a transpose apart), and both stores move 8-byte
@@ -191,27 +245,34 @@ const QT_TILE: usize = 64;
 /// and 4 rows of 4 elements a thread, the mlp's [8192, 4096] quantisation took 55 us
 /// on the H200, with these 51. Rows and columns are multiples of 8. The grid strides
 /// over the tiles with at most [`AMAX_BLOCKS`] blocks, one amax atomic each.
-pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryKind>) -> String {
-    let activate = activate(activation);
+fn cast_transpose(k: CastTranspose) -> String {
+    let CastTranspose {
+        types,
+        prefix,
+        inputs,
+        partials,
+        shared,
+        loads,
+        element,
+        element_end,
+        tile_end,
+        after,
+    } = k;
     let fold = amax_fold("m", "amax");
     fp8_module(
-        &[("X", x), ("Y", to)],
+        types,
         &format!(
-            "typedef unsigned int u32;\n\
-             extern \"C\" __global__ void k(const TX* __restrict__ px, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax, i64 rows, i64 cols) {{\n\
+            "{prefix}typedef unsigned int u32;\n\
+             extern \"C\" __global__ void k({inputs}, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax{partials}, i64 rows, i64 cols) {{\n\
                __align__(4) __shared__ u8 tile[64][68];\n\
+               {shared}\
                const float s = ps[0];\n\
                float m = 0.0f;\n\
                const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
                const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
                for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {{\n\
                  const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64, c = c0 + 8 * cg;\n\
-                 Vec<TX, 8> xs[2];\n\
-                 #pragma unroll\n\
-                 for (int i = 0; i < 2; ++i) {{\n\
-                   const i64 r = r0 + rr + 32 * i;\n\
-                   if (r < rows && c < cols) xs[i] = *(const Vec<TX, 8>*)(px + r * cols + c);\n\
-                 }}\n\
+                 {loads}\
                  #pragma unroll\n\
                  for (int i = 0; i < 2; ++i) {{\n\
                    const int j = rr + 32 * i;\n\
@@ -220,10 +281,9 @@ pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryK
                      __align__(8) TY q[8];\n\
                      #pragma unroll\n\
                      for (int b = 0; b < 8; ++b) {{\n\
-                       float x = ldX(xs[i].v, b);\n\
-                       {activate}\
+                       {element}\
                        m = nanmax(m, fabsf(x));\n\
-                       stY(q, b, __fmul_rn(x, s));\n\
+                       stY(q, b, __fmul_rn(x, s));{element_end}\n\
                      }}\n\
                      const uint2 w = *(const uint2*)q;\n\
                      *(u32*)&tile[j][8 * cg] = w.x;\n\
@@ -246,8 +306,9 @@ pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryK
                      *(uint2*)(pt + cj * rows + r) = w;\n\
                    }}\n\
                  }}\n\
+                 {tile_end}\
                  __syncthreads();\n\
-               }}\n{fold}}}\n"
+               }}\n{fold}}}\n{after}"
         ),
     )
 }
@@ -273,19 +334,15 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
     let sums = p.column_sums();
     let sum_dtype = (sums.first()).map(|&v| column_sum_dtype(p.instrs()[v].ty.dtype));
     types.extend(sum_dtype.map(|d| ("S".to_string(), d)));
-    let mut params: Vec<String> = (inputs.iter())
+    let params: Vec<String> = (inputs.iter())
         .map(|&(_, k)| format!("const TI{k}* __restrict__ in{k}"))
         .collect();
-    params.push("const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax".into());
-    if !sums.is_empty() {
-        params.push("AS* __restrict__ part".into());
-    }
     let (mut loads, mut binds) = (String::new(), String::new());
     for &(j, k) in &inputs {
-        loads.push_str(&format!(
-            "Vec<TI{k}, 8> x{k}[2];\n\
-             #pragma unroll\n\
-             for (int i = 0; i < 2; ++i) {{ const i64 r = r0 + rr + 32 * i; if (r < rows && c < cols) x{k}[i] = *(const Vec<TI{k}, 8>*)(in{k} + r * cols + c); }}\n"
+        loads.push_str(&rows_of(
+            &format!("TI{k}"),
+            &format!("x{k}"),
+            &format!("in{k}"),
         ));
         binds.push_str(&format!("float v{j} = ldI{k}(x{k}[i].v, b);\n"));
     }
@@ -298,10 +355,11 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
         ));
     }
     let n_sums = sums.len();
-    let (csum, fin_tile) = if n_sums == 0 {
-        (String::new(), String::new())
+    let (partials, shared, tile_end, fin) = if n_sums == 0 {
+        Default::default()
     } else {
         (
+            ", AS* __restrict__ part".to_string(),
             format!("__shared__ AS csum[{n_sums}][32][64];\n"),
             format!(
                 "{sum_tile}__syncthreads();\n\
@@ -313,73 +371,26 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
                    }}\n\
                  }}\n"
             ),
+            column_sums_fin("S", &vec!["S"; n_sums]),
         )
     };
-    let fin = match n_sums {
-        0 => String::new(),
-        n => column_sums_fin("S", &vec!["S"; n]),
-    };
-    let fold = amax_fold("m", "amax");
     let types: Vec<(&str, DType)> = types.iter().map(|(n, d)| (n.as_str(), *d)).collect();
-    fp8_module(
-        &types,
-        &format!(
-            "{ROUNDING}typedef unsigned int u32;\n\
-             extern \"C\" __global__ void k({params}, i64 rows, i64 cols) {{\n\
-               __align__(4) __shared__ u8 tile[64][68];\n\
-               {csum}\
-               const float s = ps[0];\n\
-               float m = 0.0f;\n\
-               const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
-               const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
-               for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {{\n\
-                 const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64, c = c0 + 8 * cg;\n\
-                 {loads}\
-                 {sum_decl}\
-                 #pragma unroll\n\
-                 for (int i = 0; i < 2; ++i) {{\n\
-                   const int j = rr + 32 * i;\n\
-                   const i64 r = r0 + j;\n\
-                   if (r < rows && c < cols) {{\n\
-                     __align__(8) TY q[8];\n\
-                     #pragma unroll\n\
-                     for (int b = 0; b < 8; ++b) {{\n\
-                       const i64 i_el = r * cols + c + b; (void)i_el;\n\
-                       {binds}\
-                       {{ const i64 i = i_el; (void)i;\n{body}\n\
-                       float x = (float)v{x};\n\
-                       {sum_add}\
-                       m = nanmax(m, fabsf(x));\n\
-                       stY(q, b, __fmul_rn(x, s)); }}\n\
-                     }}\n\
-                     const uint2 w = *(const uint2*)q;\n\
-                     *(u32*)&tile[j][8 * cg] = w.x;\n\
-                     *(u32*)&tile[j][8 * cg + 4] = w.y;\n\
-                     *(uint2*)(py + r * cols + c) = w;\n\
-                   }}\n\
-                 }}\n\
-                 __syncthreads();\n\
-                 #pragma unroll\n\
-                 for (int i = 0; i < 2; ++i) {{\n\
-                   const int j = rr + 32 * i;\n\
-                   const i64 cj = c0 + j, r = r0 + 8 * cg;\n\
-                   if (cj < cols && r < rows) {{\n\
-                     uint2 w = make_uint2(0, 0);\n\
-                     #pragma unroll\n\
-                     for (int b = 0; b < 4; ++b) {{\n\
-                       w.x |= (u32)tile[8 * cg + b][j] << (8 * b);\n\
-                       w.y |= (u32)tile[8 * cg + 4 + b][j] << (8 * b);\n\
-                     }}\n\
-                     *(uint2*)(pt + cj * rows + r) = w;\n\
-                   }}\n\
-                 }}\n\
-                 {fin_tile}\
-                 __syncthreads();\n\
-               }}\n{fold}}}\n{fin}",
-            params = params.join(", "),
-            body = parts.body,
+    cast_transpose(CastTranspose {
+        types: &types,
+        prefix: ROUNDING,
+        inputs: &params.join(", "),
+        partials: &partials,
+        shared: &shared,
+        loads: &format!("{loads}{sum_decl}"),
+        element: &format!(
+            "const i64 i_el = r * cols + c + b; (void)i_el;\n{binds}\
+             {{ const i64 i = i_el; (void)i;\n{}\nfloat x = (float)v{x};\n{sum_add}",
+            parts.body
         ),
-    )
+        element_end: " }",
+        tile_end: &tile_end,
+        after: &fin,
+    })
 }
 
 pub(super) fn dequantize(y: DType, to: DType) -> String {
