@@ -8,7 +8,7 @@ use ampgraph::exec::Feeds;
 use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::fp8::Fp8;
 use ampgraph::graph::nn::{self, Activation};
-use ampgraph::graph::ops::{AmaxChoice, Fp8MatMul, MatMul, QuantizeFp8};
+use ampgraph::graph::ops::{AmaxChoice, Fp8MatMul, FusedQuantizeFp8, MatMul, QuantizeFp8};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, LossScale, Optimizer, Sgd, TrainStep};
 use ampgraph::passes::amp::fp8::{plan, Decision, Kept};
 use ampgraph::passes::amp::report::explain;
@@ -86,8 +86,9 @@ fn formats(g: &Graph) -> Vec<(String, DType, DType)> {
         .map(|id| {
             let inputs = g.inputs(id);
             for p in &inputs[..2] {
+                let op = &g.node(p.node).op;
                 assert!(
-                    g.node(p.node).op.is::<QuantizeFp8>(),
+                    op.is::<QuantizeFp8>() || op.is::<FusedQuantizeFp8>(),
                     "an FP8 operand of '{}' is not quantised",
                     g.node(id).name
                 );
@@ -664,6 +665,20 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
             .count();
         let delayed = matches!(recipe, Fp8Recipe::Delayed { .. });
         assert_eq!(activated, usize::from(delayed), "{recipe:?}");
+        // Current scaling's amaxes come from the kernels computing the tensors
+        // (amax-into-elementwise); under delayed scaling the GELU gradient is computed
+        // by its cast (elementwise-into-fp8).
+        let count = |name: &str| {
+            (fused_graph.node_ids())
+                .filter(|&id| fused_graph.node(id).op_name() == name)
+                .count()
+        };
+        let (measured, gradients) = (count("Fp8ScaleOfAmax"), count("FusedQuantizeFp8"));
+        assert_eq!(
+            (measured > 0, gradients > 0),
+            (!delayed, delayed),
+            "{recipe:?}"
+        );
         for name in [
             "dense/kernel",
             "dense_1/kernel",
