@@ -7,7 +7,7 @@
 # (default: every GPU of `nvidia-smi -L`). Outputs under $OUT: ddp.jsonl (PyTorch's JSON
 # lines), torch_ddp.log (their stdout/stderr), ours_ddp.txt (the bench's), runs.txt (each
 # command and its exit status; a failed run is recorded there and the script goes on),
-# env_ddp.txt. WORKLOADS (default "transformer convnet") picks the workloads, SYNC_BN=1
+# env_ddp.txt. WORKLOADS (default "transformer convnet"; "gpt2" too) picks the workloads, SYNC_BN=1
 # adds the convnet with synchronized batch norm on both sides, NODES=1 two launcher
 # invocations as two nodes (and one of them killed: nodes.txt). NVLink multicast stays off (exported below; torch_ddp.py refuses to run
 # otherwise). Each run has a timeout (T_TORCH=90, T_OURS=120, T_TESTS=300 s; override in the

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """PyTorch DistributedDataParallel peer of the multi-GPU bench (`bench --replicas N`):
 torch_anchor.py's workloads (`mlp`, `transformer`, `convnet`: the same models, data,
-loss, SGD-momentum optimizer, modes and GradScaler), trained data-parallel over N GPUs
-of one host, timed as torch_anchor.py times a train step.
+loss, SGD-momentum optimizer, modes and GradScaler), and `gpt2` (Hugging Face's
+GPT-2 124M, SDPA attention, batch 16 x 1024 random tokens, its own next-token loss,
+fused AdamW lr 3e-4 and decay 0.01, as the bench's zoo GPT-2 and
+../shared/bench/gpt2/torch_gpt2_train.py), trained data-parallel over N GPUs of one
+host, timed as torch_anchor.py times a train step.
 
     torchrun --standalone --nproc-per-node N scripts/torch_ddp.py --workload transformer \
         --mode amp_fp16 --steps 30 --warmup 10 [--sync-bn] [--compile] [--out FILE]
@@ -59,7 +62,7 @@ MODES = ("fp32", "tf32", "amp_fp16", "amp_bf16", "compile_fp16")
 
 def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default="transformer", help="mlp, transformer, convnet (comma list)")
+    ap.add_argument("--workload", default="transformer", help="mlp, transformer, convnet, gpt2 (comma list)")
     ap.add_argument("--mode", default="amp_fp16", help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
@@ -114,22 +117,43 @@ def nccl_version():
     return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
+# GPT-2 124M as the bench's `--workload gpt2` trains it (batch and sequence per GPU).
+GPT2 = dict(kind="gpt2", batch=16, seq=1024)
+
+
+def workload(name):
+    """The workload's config: torch_anchor.py's, or GPT2 (None if unknown)."""
+    return GPT2 if name == "gpt2" else ta.WORKLOADS.get(name)
+
+
+def build_gpt2(dev):
+    """Hugging Face's GPT-2 124M with random tokens: (model, tokens, None)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    m = GPT2LMHeadModel(GPT2Config(use_cache=False, attn_implementation="sdpa")).to(dev)
+    x = torch.randint(0, m.config.vocab_size, (GPT2["batch"], GPT2["seq"]), device=dev)
+    return m, x, None
+
+
 def run(name, mode, rank, world, dev):
     """One timed run on this rank: its local stats (raises on failure)."""
-    cfg = ta.WORKLOADS[name]
+    cfg = workload(name)
     compiled = mode == "compile_fp16"
     torch.manual_seed(rank)  # per-rank data; DDP broadcasts rank 0's weights
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
     torch.backends.cudnn.allow_tf32 = mode == "tf32"
     torch.backends.cudnn.benchmark = True
-    m, x, y = ta.build(cfg, dev)
+    gpt2 = cfg["kind"] == "gpt2"
+    m, x, y = build_gpt2(dev) if gpt2 else ta.build(cfg, dev)
     if cfg["kind"] == "convnet" and mode != "fp32":
         m = m.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     raw = m
     if args.sync_bn:
         m = torch.nn.SyncBatchNorm.convert_sync_batchnorm(m)
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+    if gpt2:
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
+    else:
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
     amp_dtype = {"amp_fp16": torch.float16, "amp_bf16": torch.bfloat16, "compile_fp16": torch.float16}.get(mode)
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     if compiled and not args.compile_outer:
@@ -143,8 +167,11 @@ def run(name, mode, rank, world, dev):
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            out = m(x)
-            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y)
+            if gpt2:
+                loss = m(x, labels=x).loss
+            else:
+                out = m(x)
+                loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -161,7 +188,9 @@ def run(name, mode, rank, world, dev):
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     times.sort()
-    fl = ta.flops_train(cfg, raw)
+    # GPT-2: 6 FLOPs per parameter and token (the attention's left out).
+    fl = (6 * sum(p.numel() for p in raw.parameters()) * cfg["batch"] * cfg["seq"]
+          if gpt2 else ta.flops_train(cfg, raw))
     cap = getattr(ddp, "bucket_bytes_cap", None)
     return dict(median=times[len(times) // 2], min=times[0], max=times[-1],
                 peak=torch.cuda.max_memory_allocated() / 2**20, loss=float(loss.item()),
@@ -186,10 +215,10 @@ def main():
     failed = 0
     for name in args.workloads:
         for mode in args.modes:
-            cfg, st, err = ta.WORKLOADS.get(name), None, None
+            cfg, st, err = workload(name), None, None
             try:
                 if cfg is None:
-                    raise ValueError(f"unknown workload {name!r}; known: {list(ta.WORKLOADS)}")
+                    raise ValueError(f"unknown workload {name!r}; known: {list(ta.WORKLOADS) + ['gpt2']}")
                 st = run(name, mode, rank, world, dev)
             except Exception as e:  # a failed run (compile above all) goes into its JSON line
                 err = f"{type(e).__name__}: {e}"[:600]
@@ -211,7 +240,7 @@ def main():
                 med = v[0].item()
                 rec.update(median_ms=round(med, 3), min_ms=round(-v[1].item(), 3), max_ms=round(v[2].item(), 3),
                            examples_per_s=round(world * cfg["batch"] / (med / 1000), 1))
-                if cfg["kind"] == "transformer":
+                if cfg["kind"] in ("transformer", "gpt2"):
                     rec["tokens_per_s"] = round(world * cfg["batch"] * cfg["seq"] / (med / 1000), 1)
                 rec.update(peak_mib=round(v[3].item(), 1),
                            rank_median_ms=[round(t, 3) for t in each[:, 0].tolist()],
