@@ -265,6 +265,56 @@ fn scaled_casts_check_their_types_and_serialise() {
     );
 }
 
+/// The FP8 cast of a program's value takes a program of one stored value and no
+/// amaxes, and no activation of its own; its outputs are the cast's, then the
+/// program's column sums.
+#[test]
+fn a_cast_of_a_program_checks_its_program() {
+    use ampgraph::graph::ops::fused::{Expr, Instr};
+    use ampgraph::graph::ops::{BinaryKind, UnaryKind};
+    use ampgraph::graph::ops::{ElementOp, FusedElementwise, FusedQuantizeFp8, QuantizeFp8};
+    use ampgraph::TensorType;
+    let ty = TensorType::new(DType::BF16, [16, 24]);
+    let instr = |expr| Instr {
+        expr,
+        ty: ty.clone(),
+    };
+    let program = |outputs: Vec<usize>| {
+        FusedElementwise::new(
+            vec![
+                instr(Expr::Input(0)),
+                instr(Expr::Input(1)),
+                instr(Expr::Apply(ElementOp::Binary(BinaryKind::Mul), vec![0, 1])),
+                instr(Expr::Apply(ElementOp::Unary(UnaryKind::Relu), vec![2])),
+            ],
+            outputs,
+        )
+        .unwrap()
+    };
+    let cast = QuantizeFp8::new(DType::F8E4M3)
+        .unwrap()
+        .with_transposed(true);
+    let two = FusedQuantizeFp8::new(cast.clone(), program(vec![2, 3])).unwrap_err();
+    assert!(two.contains("stores one value"), "{two}");
+    let measured = program(vec![3]).with_amaxes(vec![3]).unwrap();
+    let e = FusedQuantizeFp8::new(cast.clone(), measured).unwrap_err();
+    assert!(e.contains("1 amaxes"), "{e}");
+    let gelu = Some(UnaryKind::Gelu { approximate: false });
+    let e = FusedQuantizeFp8::new(cast.clone().with_activation(gelu), program(vec![3]));
+    assert!(e.unwrap_err().contains("no activation"));
+    let summed = program(vec![3]).with_column_sums(vec![3]).unwrap();
+    let op = FusedQuantizeFp8::new(cast, summed).unwrap();
+    let scale = TensorType::new(DType::F32, []);
+    let outs = op.infer(&[&ty, &ty, &scale]).unwrap();
+    let dtypes: Vec<DType> = outs.iter().map(|t| t.dtype).collect();
+    assert_eq!(
+        dtypes,
+        [DType::F8E4M3, DType::F32, DType::F8E4M3, DType::F32]
+    );
+    assert_eq!(outs[2].shape, [24, 16]);
+    assert_eq!(outs[3].shape, [24]);
+}
+
 #[test]
 fn arithmetic_on_fp8_is_refused_when_built() {
     let mut g = Graph::new();
