@@ -12,28 +12,16 @@
 //! `activation-into-fp8` folded) stays, and so does the scale of a weight's 16-bit
 //! cast, which executors keep between steps rather than run.
 
-use ampgraph_graph::ops::{Cast, Fp8Scale, Fp8ScaleOfAmax, FusedElementwise, Variable};
+use ampgraph_graph::ops::{Fp8Scale, Fp8ScaleOfAmax};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::summary;
+use crate::rewrite::{is_variable_cast, summary};
 use crate::sum_into_elementwise::producer_program;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `amax-into-elementwise` pass.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AmaxIntoElementwise;
-
-/// Whether `id` is a Cast of a Variable (AMP's 16-bit copy of a weight).
-fn is_variable_cast(g: &Graph, id: NodeId) -> bool {
-    g.node(id).op.is::<Cast>()
-        && (g.inputs(id).first()).is_some_and(|x| g.node(x.node).op.is::<Variable>())
-}
-
-/// The program value that `x` (an output of its node) is, when the node is a fused
-/// program or a lone elementwise node.
-fn produced_value(op: &FusedElementwise, x: Port) -> Option<usize> {
-    op.outputs().get(x.index).copied()
-}
 
 impl Pass for AmaxIntoElementwise {
     fn name(&self) -> &'static str {
@@ -65,7 +53,8 @@ impl Pass for AmaxIntoElementwise {
             let Some((op, inputs)) = producer_program(g, &adj, x.node) else {
                 continue;
             };
-            let Some(v) = produced_value(&op, x) else {
+            // The program value `x` is.
+            let Some(&v) = op.outputs().get(x.index) else {
                 continue;
             };
             let first_amax = op.outputs().len() + op.column_sums().len();
@@ -100,7 +89,7 @@ impl Pass for AmaxIntoElementwise {
 mod tests {
     use super::*;
     use crate::testing::{assert_same_bits, count, run as run_cpu};
-    use ampgraph_graph::ops::{QuantizeFp8, Unary, UnaryKind};
+    use ampgraph_graph::ops::{Cast, FusedElementwise, QuantizeFp8, Unary, UnaryKind, Variable};
     use ampgraph_graph::{DType, Op, Tensor, TensorType};
 
     /// `q(a)` under current scaling, in E4M3 and (when `both`) in E5M2 too, of `a` a

@@ -15,15 +15,20 @@
 use ampgraph_graph::ops::{FusedElementwise, FusedQuantizeFp8, QuantizeFp8};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{output_nodes, summary};
+use crate::rewrite::{read_only_by, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `elementwise-into-fp8` pass.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ElementwiseIntoFp8;
 
-/// The program at `x` when the cast `q` may take it as its prologue.
-fn prologue(g: &Graph, q: &QuantizeFp8, x: Port, is_output: &[bool]) -> Option<FusedElementwise> {
+/// The cast `cast` (a QuantizeFp8 of `x`) with the program computing `x` as its
+/// prologue, where the CUDA kernel takes it: a transposed matrix with sides multiples
+/// of 8, the program's inputs all of its element count, `x` read by the cast alone and
+/// none of the program's outputs a graph output. The op itself refuses the rest (more
+/// than one stored value, an amax, an activation of the cast's own).
+fn with_prologue(g: &Graph, cast: NodeId, x: Port) -> Option<FusedQuantizeFp8> {
+    let q = g.node(cast).op.downcast_ref::<QuantizeFp8>()?;
     let program = g.node(x.node).op.downcast_ref::<FusedElementwise>()?;
     let [rows, cols] = g.ty(x).shape[..] else {
         return None;
@@ -31,15 +36,12 @@ fn prologue(g: &Graph, q: &QuantizeFp8, x: Port, is_output: &[bool]) -> Option<F
     let n = program.domain_len();
     let full_size = (g.inputs(x.node).iter()).all(|&p| g.ty(p).checked_len() == Some(n));
     let tiles = q.transposed && rows % 8 == 0 && cols % 8 == 0;
-    let alone = (g.consumers(x.node).into_iter())
-        .filter(|c| c.2 == x)
-        .count()
-        == 1;
-    let usable = x.index == 0
-        && program.outputs().len() == 1
-        && program.amaxes().is_empty()
-        && q.activation.is_none();
-    (usable && tiles && full_size && alone && !is_output[x.node.index()]).then(|| program.clone())
+    let output = g.outputs().iter().any(|p| p.node == x.node);
+    let alone = x.index == 0 && read_only_by(g, x, cast, 0) && !output;
+    if !(tiles && full_size && alone) {
+        return None;
+    }
+    FusedQuantizeFp8::new(q.clone(), program.clone()).ok()
 }
 
 impl Pass for ElementwiseIntoFp8 {
@@ -54,18 +56,12 @@ impl Pass for ElementwiseIntoFp8 {
             .collect();
         let (mut folded, mut bytes) = (0usize, 0u64);
         for id in casts {
-            let is_output = output_nodes(g);
-            let Some(q) = g.node(id).op.downcast_ref::<QuantizeFp8>().cloned() else {
-                continue;
-            };
             let [x, scale] = g.inputs(id)[..] else {
                 continue;
             };
-            let Some(program) = prologue(g, &q, x, &is_output) else {
+            let Some(op) = with_prologue(g, id, x) else {
                 continue;
             };
-            let op = FusedQuantizeFp8::new(q, program)
-                .map_err(|e| PassError::Rewrite(format!("'{}': {e}", g.node(id).name)))?;
             let first_sum = op.cast_outputs();
             let mut inputs = g.inputs(x.node).to_vec();
             inputs.push(scale);

@@ -18,10 +18,10 @@
 
 use std::collections::HashMap;
 
-use ampgraph_graph::ops::{is_source, Cast, LayerNorm, Transpose, Unary, UnaryKind, Variable};
+use ampgraph_graph::ops::{is_source, Cast, LayerNorm, Transpose, Unary, UnaryKind};
 use ampgraph_graph::{Graph, NodeId, Op, Port};
 
-use crate::rewrite::summary;
+use crate::rewrite::{is_variable_cast, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `recompute-activations` pass.
@@ -104,14 +104,7 @@ pub struct RecomputeInputViews;
 /// Whether `p` lives through the whole step anyway: a Variable, Placeholder or Const,
 /// or a Cast of a Variable (the CUDA executor keeps those from step to step).
 fn step_long(g: &Graph, p: Port) -> bool {
-    let op = &g.node(p.node).op;
-    if is_source(op.as_ref()) {
-        return true;
-    }
-    op.is::<Cast>()
-        && g.inputs(p.node)
-            .first()
-            .is_some_and(|x| g.node(x.node).op.is::<Variable>())
+    is_source(g.node(p.node).op.as_ref()) || is_variable_cast(g, p.node)
 }
 
 /// The chain of Transposes and Casts from `id` down to values that live through the

@@ -2,7 +2,7 @@
 //! others, a Const's value, removing nodes nothing reads, errors naming a node, and
 //! the summary a pass reports.
 
-use ampgraph_graph::ops::{Binary, BinaryKind, Cast, Const};
+use ampgraph_graph::ops::{widens_exactly, Binary, BinaryKind, Cast, Const, Variable};
 use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
 
 use crate::PassError;
@@ -86,6 +86,24 @@ pub(crate) fn redirect(g: &mut Graph, from: Port, to: Port) -> Result<(), PassEr
         g.set_outputs(outputs)?;
     }
     Ok(())
+}
+
+/// The input of the Cast at `p` where the cast loses nothing: to its own dtype, or
+/// widening exactly (16-bit floats to f32, any float to f64).
+pub(crate) fn lossless_cast(g: &Graph, p: Port) -> Option<Port> {
+    g.node(p.node).op.downcast_ref::<Cast>()?;
+    let &[x] = &g.inputs(p.node)[..] else {
+        return None;
+    };
+    widens_exactly(g.ty(x).dtype, g.ty(p).dtype).then_some(x)
+}
+
+/// Whether `id` is a Cast of a Variable: AMP's 16-bit copy of a weight, which the CUDA
+/// executor keeps from step to step (the variable's update writes it) instead of
+/// running the Cast.
+pub(crate) fn is_variable_cast(g: &Graph, id: NodeId) -> bool {
+    g.node(id).op.is::<Cast>()
+        && (g.inputs(id).first()).is_some_and(|x| g.node(x.node).op.is::<Variable>())
 }
 
 /// Whether `port` is read by `(reader, slot)` alone and is not a graph output: a

@@ -236,11 +236,9 @@ impl Op for FusedQuantizeFp8 {
         outs.extend(sums);
         Ok(outs)
     }
-    /// Every input and output keeps its type (the program's are recorded in it).
+    /// Every input and output keeps its type, as the program's do.
     fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
-        let outputs = (0..num_outputs).map(|o| TypeGroup::new(vec![], vec![o]).fixed());
-        let inputs = (0..num_inputs).map(|i| TypeGroup::new(vec![i], vec![]).fixed());
-        outputs.chain(inputs).collect()
+        self.prologue.type_groups(num_inputs, num_outputs)
     }
 }
 

@@ -8,24 +8,19 @@
 //! to f32 is exact, so reading `g` gives the same bits. A Cast left unread goes. (With
 //! loss scaling, `unscale-into-update` reads through the Cast under the unscaling.)
 
-use ampgraph_graph::ops::{widens_exactly, Cast, OptimizerUpdate};
+use ampgraph_graph::ops::OptimizerUpdate;
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{output_nodes, summary};
+use crate::rewrite::{lossless_cast, output_nodes, remove_unread, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `grad-cast-into-update` pass.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GradCastIntoUpdate;
 
-/// The input a widening Cast at `p` reads, where `p` is one that loses nothing.
+/// The narrower input a widening Cast at `p` reads, where the cast loses nothing.
 fn widened(g: &Graph, p: Port) -> Option<Port> {
-    g.node(p.node).op.downcast_ref::<Cast>()?;
-    let &[x] = &g.inputs(p.node)[..] else {
-        return None;
-    };
-    let (from, to) = (g.ty(x).dtype, g.ty(p).dtype);
-    (from != to && widens_exactly(from, to)).then_some(x)
+    lossless_cast(g, p).filter(|&x| g.ty(x).dtype != g.ty(p).dtype)
 }
 
 impl Pass for GradCastIntoUpdate {
@@ -50,23 +45,12 @@ impl Pass for GradCastIntoUpdate {
             g.set_node(update, op, &inputs)?;
             folded += 1;
         }
-        let is_output = output_nodes(g);
-        casts.sort();
-        casts.dedup();
-        let (mut removed, mut bytes) = (0usize, 0u64);
-        for id in casts {
-            if is_output[id.index()] || !g.consumers(id).is_empty() {
-                continue;
-            }
-            // Written once and read back once.
-            bytes += 2 * g.node(id).outputs()[0].size_bytes() as u64;
-            g.remove_node(id)?;
-            removed += 1;
-        }
+        let (removed, bytes) = remove_unread(g, casts, &output_nodes(g))?;
+        // Each was written once and read back once.
         let lines = vec![format!(
             "grad-cast-into-update: {folded} optimizer updates read their 16-bit gradients; \
              removed {removed} widening casts ({} of tensors no longer written and read back)",
-            format_bytes(bytes)
+            format_bytes(2 * bytes as u64)
         )];
         Ok(summary("grad-cast-into-update", lines))
     }
@@ -76,7 +60,7 @@ impl Pass for GradCastIntoUpdate {
 mod tests {
     use super::*;
     use crate::testing::{count, run as run_cpu};
-    use ampgraph_graph::ops::{Rule, Unary, UnaryKind};
+    use ampgraph_graph::ops::{Cast, Rule, Unary, UnaryKind};
     use ampgraph_graph::{DType, Tensor};
 
     /// AdamW on two f32 variables whose gradients are bf16 cast to f32; with `leak`,

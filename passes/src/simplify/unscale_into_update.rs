@@ -12,10 +12,10 @@
 //! each product read by nothing but the check and updates of variables of its dtype
 //! (f32 or f64): the step either reads no product or still needs them all.
 
-use ampgraph_graph::ops::{widens_exactly, AllFinite, Binary, BinaryKind, Cast, OptimizerUpdate};
+use ampgraph_graph::ops::{AllFinite, Binary, BinaryKind, Cast, OptimizerUpdate};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{output_nodes, summary};
+use crate::rewrite::{lossless_cast, output_nodes, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `unscale-into-update` pass.
@@ -65,13 +65,7 @@ pub(crate) fn unscaling(g: &Graph, p: Port) -> Option<Unscaling> {
         return None;
     };
     // A Cast that loses nothing (f16 -> f32, or to its own type) is read through.
-    let cast = g.node(x.node).op.downcast_ref::<Cast>().and_then(|_| {
-        let &[from] = &g.inputs(x.node)[..] else {
-            return None;
-        };
-        let from_dtype = g.ty(from).dtype;
-        (from_dtype == dtype || widens_exactly(from_dtype, dtype)).then_some((x.node, from))
-    });
+    let cast = lossless_cast(g, x).map(|from| (x.node, from));
     Some(Unscaling {
         grad: cast.map_or(x, |c| c.1),
         scale,
