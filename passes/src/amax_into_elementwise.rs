@@ -1,8 +1,9 @@
 //! Current FP8 scaling's amax measured by the kernel that computes the tensor: an
 //! `Fp8Scale(x)` whose `x` a `FusedElementwise` node or a lone elementwise node
 //! produces becomes `Fp8ScaleOfAmax` of that node's new amax output
-//! ([`FusedElementwise::with_amaxes`](ampgraph_graph::ops::FusedElementwise::with_amaxes)). The kernel folds `max |x|` as it stores `x`,
-//! so the scale no longer reads `x` back from memory in a pass of its own (current
+//! ([`FusedElementwise::with_amaxes`](ampgraph_graph::ops::FusedElementwise::with_amaxes)).
+//! The kernel folds `max |x|` as it stores `x`, so the scale no longer reads `x`
+//! back from memory in a pass of its own (current
 //! scaling's one extra read per tensor: in the FP8 mlp, each hidden layer's GELU
 //! output and GELU gradient, 64 MiB each). The cast still reads `x`: it needs the
 //! scale first.
