@@ -21,7 +21,8 @@ use ampgraph_graph::{DType, Op, TensorType};
 use super::codegen::{column_sums_fin, elementwise, module_multi, At, Load, Store, VECTOR};
 use super::fused::{FusedParts, ROUNDING};
 use super::{
-    first, input, kernel, launch_column_sums_fin, one_output, Ctx, KernelResult, Lowering,
+    first, input, kernel, launch_column_sums_fin, one_output, Ctx, KernelResult, KernelSpec,
+    Lowering,
 };
 use crate::cuda::device::{items_grid, Arg, DTensor};
 use crate::cuda::gemm::Product;
@@ -118,8 +119,14 @@ pub(super) fn amax_fold(m: &str, amax: &str) -> String {
 /// hold at once; their grid-stride loops cover larger tensors.
 pub(super) const AMAX_BLOCKS: u32 = 1024;
 
-/// An amax kernel's launch over `n` elements.
-fn launch_amax(c: &Ctx, spec: &Spec, n: usize, args: &[Arg]) -> Result<(), String> {
+/// An amax kernel's launch over `n` elements: one atomic a block per amax, so a grid
+/// the GPU holds at once, striding.
+pub(super) fn launch_amax<S: KernelSpec>(
+    c: &Ctx,
+    spec: &S,
+    n: usize,
+    args: &[Arg],
+) -> Result<(), String> {
     let blocks = items_grid(n, VECTOR).min(AMAX_BLOCKS);
     c.launch(spec, "k", (blocks, 256), args)
 }

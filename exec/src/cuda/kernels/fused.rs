@@ -9,13 +9,13 @@ use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{
     column_sums_and, elementwise, lit, module_multi, streams, vector_len, At, Load, Store, Streams,
-    COLUMN_ROWS, VECTOR,
+    COLUMN_ROWS,
 };
-use super::fp8::{amax_fold, AMAX_BLOCKS};
+use super::fp8::{amax_fold, launch_amax};
 use super::{
     first, kernel, launch_column_sums, CudaKernel, KernelResult, Lowering, Partials, ProgramSpec,
 };
-use crate::cuda::device::{items_grid, Arg, DTensor};
+use crate::cuda::device::{Arg, DTensor};
 
 /// A fused program's module: `k(<inputs>, <outputs>, i64 n)`, or with column sums
 /// `k_cols_part(_vec)(<inputs>, <outputs>, AS* part, i64 rows, i64 len, i64
@@ -92,9 +92,7 @@ fn lower_program(f: &FusedElementwise, outs: &[TensorType]) -> Box<dyn CudaKerne
             if amaxes.is_empty() {
                 c.launch_elementwise(&spec, n, &args)?;
             } else if n > 0 {
-                // One atomic a block per amax: a grid the GPU holds at once, striding.
-                let blocks = items_grid(n, VECTOR).min(AMAX_BLOCKS);
-                c.launch(&spec, "k", (blocks, 256), &args)?;
+                launch_amax(c, &spec, n, &args)?;
             }
         } else {
             let part = if len % v == 0 && streams_aligned(&program, inputs, stored) {
