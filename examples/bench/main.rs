@@ -1165,6 +1165,41 @@ fn timed_steps(
 }
 
 /// With `--dump DIR`: `graph` after the passes, as text, to `DIR/<workload>-<phase>-<mode>.txt`.
+/// With `--profile N`: N more steps timed op by op (CUDA events) and their table.
+fn print_profile(
+    args: &Args,
+    exec: &mut dyn Executor,
+    graph: &Graph,
+    feeds: &Feeds,
+    fetch: Port,
+    phase: &str,
+    mode: Mode,
+) -> Res<()> {
+    if args.profile == 0 {
+        return Ok(());
+    }
+    let plain = exec.options();
+    exec.set_options(ExecOptions {
+        profile: true,
+        ..plain
+    });
+    for _ in 0..args.profile {
+        exec.run(graph, feeds, &[fetch])?;
+    }
+    exec.set_options(plain);
+    if let Some(table) = exec.stats().map(|s| s.profile_table(30)) {
+        println!(
+            "# profile of {} {} {} ({} steps, each op timed with CUDA events):\n{}",
+            args.workload.name(),
+            phase,
+            mode.name(),
+            args.profile,
+            table
+        );
+    }
+    Ok(())
+}
+
 fn dump(args: &Args, graph: &Graph, phase: &str, mode: Mode) -> Res<()> {
     let Some(dir) = &args.dump else {
         return Ok(());
@@ -1268,26 +1303,8 @@ fn run_one(
         Some(l) => Some(exec.run(&graph, &feeds, &[l])?[0].to_f64_vec()[0]),
         None => None,
     };
-    if args.profile > 0 && args.device == DeviceArg::Cuda {
-        let plain = exec.options();
-        exec.set_options(ExecOptions {
-            profile: true,
-            ..plain
-        });
-        for _ in 0..args.profile {
-            exec.run(&graph, &feeds, &[fetch])?;
-        }
-        exec.set_options(plain);
-        if let Some(table) = exec.stats().map(|s| s.profile_table(30)) {
-            println!(
-                "# profile of {} {} {} ({} steps, each op timed with CUDA events):\n{}",
-                args.workload.name(),
-                phase,
-                mode.name(),
-                args.profile,
-                table
-            );
-        }
+    if args.device == DeviceArg::Cuda {
+        print_profile(args, exec.as_mut(), &graph, &feeds, fetch, phase, mode)?;
     }
     let flops = cfg.flops_train().map(|f| f / if infer { 3.0 } else { 1.0 });
     Ok(Some(Record {

@@ -15,7 +15,10 @@ use ampgraph::passes::data_parallel::DataParallel;
 use ampgraph::{DType, Tensor};
 use ampgraph::{Device, SessionOptions};
 
-use super::{initial_values, prepare_with, py, step_feeds, timed_steps, Args, Config, Mode, Res};
+use super::{
+    initial_values, prepare_with, print_profile, py, step_feeds, timed_steps, Args, Config, Mode,
+    Res,
+};
 
 /// One replica's timed steps: the median step (ms, CUDA events) and peak MiB.
 struct ReplicaTimes {
@@ -54,10 +57,10 @@ pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()
             let mine = time_replica(
                 args,
                 cfg,
+                mode,
                 &step,
                 &options,
-                group.rank,
-                group.local_rank,
+                (group.rank, group.local_rank),
                 &met.collective,
             )?;
             let times = gathered(&met.host, group.rank, world, &mine)?;
@@ -71,7 +74,8 @@ pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()
             let mut collectives = ampgraph::parallel::collectives(&devices, timeout)?;
             let abort = collectives[0].abort.clone();
             on_each_replica(&mut collectives, &abort, |rank, c| {
-                time_replica(args, cfg, &step, &options, rank, rank, c).map_err(|e| e.to_string())
+                time_replica(args, cfg, mode, &step, &options, (rank, rank), c)
+                    .map_err(|e| e.to_string())
             })
             .map_err(|(rank, e)| match e {
                 Some(e) => format!("replica {rank} failed: {e}"),
@@ -97,14 +101,15 @@ pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()
     Ok(())
 }
 
-/// Replica `rank`'s timed steps on GPU `gpu`, joined to `collective`.
+/// Replica `rank`'s timed steps on GPU `gpu`, joined to `collective` (rank 0's profile
+/// after them, with `--profile`).
 fn time_replica(
     args: &Args,
     cfg: &Config,
+    mode: Mode,
     step: &super::Step,
     options: &SessionOptions,
-    rank: usize,
-    gpu: usize,
+    (rank, gpu): (usize, usize),
     collective: &Collective,
 ) -> Res<ReplicaTimes> {
     // Each GPU its own batch, as each DDP rank draws its own.
@@ -124,11 +129,23 @@ fn time_replica(
     }
     let mut times = timed_steps(args, exec.as_mut(), &step.graph, &feeds, step.fetch)?;
     times.sort_by(f64::total_cmp);
+    let peak_mib = exec.stats().map(|s| mib(s.peak_bytes()));
+    if rank == 0 {
+        print_profile(
+            args,
+            exec.as_mut(),
+            &step.graph,
+            &feeds,
+            step.fetch,
+            "train",
+            mode,
+        )?;
+    }
     Ok(ReplicaTimes {
         median_ms: times[times.len() / 2],
         min_ms: times[0],
         max_ms: times[times.len() - 1],
-        peak_mib: exec.stats().map(|s| mib(s.peak_bytes())),
+        peak_mib,
     })
 }
 
