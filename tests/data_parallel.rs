@@ -470,16 +470,23 @@ fn a_replica_that_never_comes_times_the_others_out() {
     );
 }
 
-#[test]
-fn under_amp_the_means_are_of_the_16_bit_gradients_and_the_unscaling_still_folds() {
-    use ampgraph::graph::ops::Cast;
+/// The CUDA pipeline on `model(8, loss_scaled)` under `amp`, with and without the means
+/// over two replicas: each graph and the summary of `summarised` (a pass's name).
+fn cuda_rewritten(
+    loss_scaled: bool,
+    amp: Option<ampgraph::passes::amp::AmpConfig>,
+    summarised: &str,
+) -> [(Graph, String); 2] {
     use ampgraph::session::Pipeline;
     use ampgraph::SessionOptions;
-    // The CUDA pipeline on the step, with and without the means.
-    let rewritten = |data_parallel| {
-        let (mut g, step) = model(8, true);
+    [None, Some(DataParallel::new(2))].map(|data_parallel| {
+        let (mut g, step) = model(8, loss_scaled);
+        if let Some(config) = &amp {
+            g.mixed_precision = Some(config.target);
+        }
         let options = SessionOptions {
             data_parallel,
+            amp: amp.clone(),
             ..SessionOptions::default()
         };
         let recipe = ampgraph::exec::cuda::pipeline(&Default::default());
@@ -487,22 +494,36 @@ fn under_amp_the_means_are_of_the_16_bit_gradients_and_the_unscaling_still_folds
             .unwrap()
             .run_for(&mut g, &[step.step])
             .unwrap();
-        let unscale = records
+        let summary = records
             .iter()
-            .find(|r| r.pass == "unscale-into-update")
+            .find(|r| r.pass == summarised)
             .unwrap()
             .summary
             .to_string();
-        (g, unscale)
-    };
-    let (plain, plain_unscale) = rewritten(None);
-    let (g, unscale) = rewritten(Some(DataParallel::new(2)));
-    let reduced: Vec<DType> = g
-        .node_ids()
+        (g, summary)
+    })
+}
+
+/// The dtypes of the tensors the AllReduce nodes average.
+fn reduced_dtypes(g: &Graph) -> Vec<DType> {
+    g.node_ids()
         .filter(|&id| g.node(id).op.is::<AllReduce>())
         .flat_map(|id| g.inputs(id))
         .map(|p| g.ty(p).dtype)
-        .collect();
+        .collect()
+}
+
+fn casts(g: &Graph) -> usize {
+    use ampgraph::graph::ops::Cast;
+    g.node_ids()
+        .filter(|&id| g.node(id).op.is::<Cast>())
+        .count()
+}
+
+#[test]
+fn under_amp_the_means_are_of_the_16_bit_gradients_and_the_unscaling_still_folds() {
+    let [(plain, plain_unscale), (g, unscale)] = cuda_rewritten(true, None, "unscale-into-update");
+    let reduced = reduced_dtypes(&g);
     assert_eq!(
         reduced.len(),
         6,
@@ -518,10 +539,31 @@ fn under_amp_the_means_are_of_the_16_bit_gradients_and_the_unscaling_still_folds
         unscale, plain_unscale,
         "the unscaling and its casts fold as without replicas"
     );
-    let casts = |g: &Graph| {
-        g.node_ids()
-            .filter(|&id| g.node(id).op.is::<Cast>())
-            .count()
-    };
+    assert_eq!(casts(&g), casts(&plain), "no cast added");
+}
+
+#[test]
+fn under_bf16_amp_the_means_are_of_the_bf16_gradients_and_their_casts_still_fold() {
+    // BF16 AMP has no loss scale: each kernel's update reads Cast<f32> of its bf16
+    // gradient, and the mean is of the bf16 tensor (half the bytes), as without
+    // replicas the cast folds into the update.
+    let amp = ampgraph::passes::amp::AmpConfig::new(DType::BF16).unwrap();
+    let [(plain, plain_folded), (g, folded)] =
+        cuda_rewritten(false, Some(amp), "grad-cast-into-update");
+    let reduced = reduced_dtypes(&g);
+    // All but the last bias's (the column sum of the f32 cross-entropy gradient).
+    assert_eq!(
+        reduced,
+        [
+            DType::F32,
+            DType::BF16,
+            DType::BF16,
+            DType::BF16,
+            DType::BF16,
+            DType::BF16
+        ]
+    );
+    assert!(folded.contains("5 optimizer updates"), "{folded}");
+    assert_eq!(folded, plain_folded, "the casts fold as without replicas");
     assert_eq!(casts(&g), casts(&plain), "no cast added");
 }

@@ -11,11 +11,12 @@
 //!
 //! It runs after AMP (a session runs it right after the AMP pass), where each
 //! gradient's type is known. Under mixed precision the mean is taken over the 16-bit
-//! gradients, still scaled by the loss scale: the input of the widening `Cast<f32>`
-//! that the loss-scale unscaling multiplies, as PyTorch DDP's `fp16_compress_hook`
-//! (and `bf16_compress_hook`) reduce. Half the bytes of f32 cross the links, and the
-//! cast and the unscaling still fold into the optimizer updates
-//! (`unscale-into-update`), so a replica costs its one-GPU step plus the all-reduce.
+//! gradients (still scaled by the loss scale, where there is one): the input of the
+//! widening `Cast<f32>` that the loss-scale unscaling multiplies or that hands the
+//! update its gradient, as PyTorch DDP's `fp16_compress_hook` (and
+//! `bf16_compress_hook`) reduce. Half the bytes of f32 cross the links, and the cast
+//! and the unscaling still fold into the optimizer updates (`unscale-into-update`,
+//! `grad-cast-into-update`), so a replica costs its one-GPU step plus the all-reduce.
 //! NCCL's average scales each replica's contribution by 1/N before summing floats
 //! (its `ncclAvg` is a pre-multiplied sum), so the mean cannot overflow where no
 //! replica's gradient did, and a replica's infinity or NaN makes every replica's mean
@@ -33,7 +34,7 @@ use std::collections::HashMap;
 use ampgraph_graph::ops::{AllFinite, AllReduce, Fp8ScaleUpdate, OptimizerUpdate, Reduction};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::node_error;
+use crate::rewrite::{lossless_cast, node_error};
 use crate::simplify::unscale_into_update::unscaling;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -62,7 +63,8 @@ impl DataParallel {
 
 /// The tensor whose mean is taken for the gradient port `grad` of an update: the
 /// gradient the loss-scale unscaling multiplies (read through its widening cast) where
-/// the all-finite check reads the product, or the gradient itself.
+/// the all-finite check reads the product, the 16-bit gradient an exact widening Cast
+/// hands the update (BF16 AMP, no loss scale), or the gradient itself.
 fn reduced_port(g: &Graph, grad: Port) -> Port {
     let checked = g
         .port_consumers(grad)
@@ -70,7 +72,7 @@ fn reduced_port(g: &Graph, grad: Port) -> Port {
         .any(|(reader, _)| g.node(reader).op.is::<AllFinite>());
     match checked.then(|| unscaling(g, grad)).flatten() {
         Some(u) => u.grad,
-        None => grad,
+        None => lossless_cast(g, grad).unwrap_or(grad),
     }
 }
 
