@@ -9,7 +9,8 @@
 # command and its exit status; a failed run is recorded there and the script goes on),
 # env_ddp.txt. WORKLOADS (default "transformer convnet"; "gpt2" too) picks the workloads, SYNC_BN=1
 # adds the convnet with synchronized batch norm on both sides, NODES=1 two launcher
-# invocations as two nodes (and one of them killed: nodes.txt). NVLink multicast stays off (exported below; torch_ddp.py refuses to run
+# invocations as two nodes (and one of them killed: nodes.txt), SAME_BITS=1 MNIST's
+# checkpoints by threads and by processes compared (bits.txt). NVLink multicast stays off (exported below; torch_ddp.py refuses to run
 # otherwise). Each run has a timeout (T_TORCH=90, T_OURS=120, T_TESTS=300 s; override in the
 # environment).
 set -u
@@ -104,6 +105,21 @@ if [ "${NODES:-0}" = 1 ] && [ "$N" -ge 2 ]; then
     if [ $case = killed ]; then grep -qE "(rank|replica) 1" $OUT/node0.log && [ $rc0 != 0 ] || fails=$((fails + 1)); fi
   done
   rm -f $OUT/node0.log $OUT/node1.log
+fi
+# SAME_BITS=1 (issue 45): MNIST trained two epochs by N threads (`--replicas N`) and by N
+# processes under torchrun, each writing its checkpoint once: the two files must be equal
+# byte for byte (the same weights, loss scale and position). Needs bundle/mnist and
+# bundle/mnist_data (bundle_keep.sh --pack ... mnist mnist_data).
+if [ "${SAME_BITS:-0}" = 1 ] && [ "$N" -ge 2 ]; then
+  rm -f /tmp/threads.ckpt /tmp/procs.ckpt
+  run bits.txt $T_OURS ./mnist --data mnist_data --epochs 2 --replicas $N --checkpoint /tmp/threads.ckpt
+  run bits.txt $T_OURS torchrun --standalone --nproc-per-node $N --no-python ./mnist --data mnist_data \
+    --epochs 2 --checkpoint /tmp/procs.ckpt
+  if cmp /tmp/threads.ckpt /tmp/procs.ckpt >> $OUT/bits.txt 2>&1; then
+    echo "same bits: threads and processes wrote equal checkpoints ($(stat -c %s /tmp/threads.ckpt) bytes)" | tee -a $OUT/runs.txt
+  else
+    echo "same bits: the checkpoints differ" | tee -a $OUT/runs.txt; fails=$((fails + 1))
+  fi
 fi
 echo "$fails failed run(s)" | tee -a $OUT/runs.txt
 [ -e $OUT/ddp.jsonl ] && cat $OUT/ddp.jsonl
