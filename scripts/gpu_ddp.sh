@@ -59,8 +59,11 @@ for w in ${WORKLOADS-transformer convnet}; do
     run ours_ddp.txt $T_OURS ./bench --workload $w --modes amp_fp16 --phases train --replicas $n
   done
   # One process per GPU, as torchrun starts PyTorch's (issue 45): the same line.
-  [ "$N" != 1 ] && run ours_ddp.txt $T_OURS torchrun --standalone --nproc-per-node $N --no-python \
-    ./bench --workload $w --modes amp_fp16 --phases train --replicas $N
+  # BUCKETS="25 4": the gradient buckets' MiB (DDP's bucket_cap_mb), one run each.
+  for b in ${BUCKETS:-25}; do
+    [ "$N" != 1 ] && run ours_ddp.txt $T_OURS torchrun --standalone --nproc-per-node $N --no-python \
+      ./bench --workload $w --modes amp_fp16 --phases train --replicas $N --bucket-mib $b
+  done
 done
 # SYNC_BN=1: the convnet with synchronized batch norm on both sides.
 if [ "${SYNC_BN:-0}" = 1 ]; then

@@ -330,6 +330,9 @@ struct Args {
     /// With --replicas: batch statistics over the global batch (SyncBatchNorm).
     #[arg(long)]
     sync_batch_norm: bool,
+    /// With --replicas: the gradient buckets' size (PyTorch DDP's `bucket_cap_mb`).
+    #[arg(long, value_name = "MIB", default_value_t = 25.0)]
+    bucket_mib: f64,
     /// amp_fp8: every 16-bit product the GPU runs in FP8 (no cost model, first and
     /// last layers too), to time what the cost model would keep.
     #[arg(long)]

@@ -32,7 +32,10 @@ struct ReplicaTimes {
 /// slowest replica's median step; examples per second over all GPUs).
 pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()> {
     let options = SessionOptions {
-        data_parallel: Some(DataParallel::new(world)),
+        data_parallel: Some(DataParallel {
+            bucket_bytes: (args.bucket_mib * (1 << 20) as f64) as usize,
+            ..DataParallel::new(world)
+        }),
         ..args.session_options(mode)?
     };
     let step = prepare_with(args, cfg, mode, false, &options)?;
