@@ -3,7 +3,7 @@
 # ["bundle"], kind nvidia-h100-x2 / -x4 / -x8, command `cd bundle && bash
 # ../scripts/gpu_ddp.sh [N]`): data-parallel training, PyTorch DDP (torch_ddp.py) beside
 # ours (`bench --replicas`, threads, and under torchrun, one process per GPU), for
-# transformer and convnet in AMP fp16, on 1 GPU and on N
+# transformer and convnet in AMP fp16 (GPT-2 in BF16), on 1 GPU and on N
 # (default: every GPU of `nvidia-smi -L`). Outputs under $OUT: ddp.jsonl (PyTorch's JSON
 # lines), torch_ddp.log (their stdout/stderr), ours_ddp.txt (the bench's), runs.txt (each
 # command and its exit status; a failed run is recorded there and the script goes on),
@@ -48,21 +48,23 @@ run() {
 [ -x ./cuda_data_parallel ] && run tests_ddp.txt ${T_TESTS:-300} ./cuda_data_parallel --test-threads 1 --nocapture
 gpus="1"; [ "$N" != 1 ] && gpus="1 $N"
 for w in ${WORKLOADS-transformer convnet}; do
+  # GPT-2 trains in BF16, as the zoo and its peers do; the others in fp16 with loss scaling.
+  mode=amp_fp16; [ $w = gpt2 ] && mode=amp_bf16
   for n in $gpus; do
-    run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node $n $py --workload $w --mode amp_fp16 \
+    run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node $n $py --workload $w --mode $mode \
       --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl
   done
-  run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node 1 $py --workload $w --mode amp_fp16 \
+  run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node 1 $py --workload $w --mode $mode \
     --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl --no-ddp
-  run ours_ddp.txt $T_OURS ./bench --workload $w --modes amp_fp16 --phases train
+  run ours_ddp.txt $T_OURS ./bench --workload $w --modes $mode --phases train
   for n in $gpus; do
-    run ours_ddp.txt $T_OURS ./bench --workload $w --modes amp_fp16 --phases train --replicas $n
+    run ours_ddp.txt $T_OURS ./bench --workload $w --modes $mode --phases train --replicas $n
   done
   # One process per GPU, as torchrun starts PyTorch's (issue 45): the same line.
   # BUCKETS="25 4": the gradient buckets' MiB (DDP's bucket_cap_mb), one run each.
   for b in ${BUCKETS:-25}; do
     [ "$N" != 1 ] && run ours_ddp.txt $T_OURS torchrun --standalone --nproc-per-node $N --no-python \
-      ./bench --workload $w --modes amp_fp16 --phases train --replicas $N --bucket-mib $b
+      ./bench --workload $w --modes $mode --phases train --replicas $N --bucket-mib $b
   done
 done
 # SYNC_BN=1: the convnet with synchronized batch norm on both sides.
