@@ -1168,15 +1168,16 @@ fn timed_steps(
 }
 
 /// With `--dump DIR`: `graph` after the passes, as text, to `DIR/<workload>-<phase>-<mode>.txt`.
-/// With `--profile N`: N more steps timed op by op (CUDA events) and their table.
+/// With `--profile N`: N more steps timed op by op (CUDA events), and their table
+/// printed where `shown` names the phase and mode (a data-parallel replica other than
+/// rank 0 runs the steps, whose all-reduces need it, and prints nothing).
 fn print_profile(
     args: &Args,
     exec: &mut dyn Executor,
     graph: &Graph,
     feeds: &Feeds,
     fetch: Port,
-    phase: &str,
-    mode: Mode,
+    shown: Option<(&str, Mode)>,
 ) -> Res<()> {
     if args.profile == 0 {
         return Ok(());
@@ -1190,6 +1191,9 @@ fn print_profile(
         exec.run(graph, feeds, &[fetch])?;
     }
     exec.set_options(plain);
+    let Some((phase, mode)) = shown else {
+        return Ok(());
+    };
     if let Some(table) = exec.stats().map(|s| s.profile_table(30)) {
         println!(
             "# profile of {} {} {} ({} steps, each op timed with CUDA events):\n{}",
@@ -1307,7 +1311,14 @@ fn run_one(
         None => None,
     };
     if args.device == DeviceArg::Cuda {
-        print_profile(args, exec.as_mut(), &graph, &feeds, fetch, phase, mode)?;
+        print_profile(
+            args,
+            exec.as_mut(),
+            &graph,
+            &feeds,
+            fetch,
+            Some((phase, mode)),
+        )?;
     }
     let flops = cfg.flops_train().map(|f| f / if infer { 3.0 } else { 1.0 });
     Ok(Some(Record {

@@ -104,8 +104,8 @@ pub(super) fn run(args: &Args, cfg: &Config, mode: Mode, world: usize) -> Res<()
     Ok(())
 }
 
-/// Replica `rank`'s timed steps on GPU `gpu`, joined to `collective` (rank 0's profile
-/// after them, with `--profile`).
+/// Replica `rank`'s timed steps on GPU `gpu`, joined to `collective` (then the profiled
+/// steps of `--profile`, rank 0 printing their table).
 fn time_replica(
     args: &Args,
     cfg: &Config,
@@ -133,17 +133,9 @@ fn time_replica(
     let mut times = timed_steps(args, exec.as_mut(), &step.graph, &feeds, step.fetch)?;
     times.sort_by(f64::total_cmp);
     let peak_mib = exec.stats().map(|s| mib(s.peak_bytes()));
-    if rank == 0 {
-        print_profile(
-            args,
-            exec.as_mut(),
-            &step.graph,
-            &feeds,
-            step.fetch,
-            "train",
-            mode,
-        )?;
-    }
+    // Every replica runs the profiled steps (their all-reduces need each other).
+    let shown = (rank == 0).then_some(("train", mode));
+    print_profile(args, exec.as_mut(), &step.graph, &feeds, step.fetch, shown)?;
     Ok(ReplicaTimes {
         median_ms: times[times.len() / 2],
         min_ms: times[0],
