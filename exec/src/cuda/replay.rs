@@ -18,7 +18,8 @@
 //! stream, which forks from the compute stream and joins it again through events, so
 //! the capture takes both streams. NCCL requires capture to be collective (every rank
 //! captures the same collectives, and launches the graph that holds them): every
-//! replica runs the same plan and captures it after the same count of plain runs.
+//! replica runs the same plans in the same order (the same steps and fetches) and so
+//! captures each after the same count of plain runs.
 //!
 //! Launched op by op instead, with the reason in [`CudaExecutor::step_launch`]:
 //! profiled steps, executors with
