@@ -1167,7 +1167,6 @@ fn timed_steps(
         .collect()
 }
 
-/// With `--dump DIR`: `graph` after the passes, as text, to `DIR/<workload>-<phase>-<mode>.txt`.
 /// With `--profile N`: N more steps timed op by op (CUDA events), and their table
 /// printed where `shown` names the phase and mode (a data-parallel replica other than
 /// rank 0 runs the steps, whose all-reduces need it, and prints nothing).
@@ -1207,6 +1206,7 @@ fn print_profile(
     Ok(())
 }
 
+/// With `--dump DIR`: `graph` after the passes, as text, to `DIR/<workload>-<phase>-<mode>.txt`.
 fn dump(args: &Args, graph: &Graph, phase: &str, mode: Mode) -> Res<()> {
     let Some(dir) = &args.dump else {
         return Ok(());
