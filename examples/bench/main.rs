@@ -337,6 +337,10 @@ struct Args {
     /// last layers too), to time what the cost model would keep.
     #[arg(long)]
     fp8_everywhere: bool,
+    /// amp_fp8: every 16-bit product the GPU runs in FP8 but the first and last
+    /// layers' (no cost model), to time the cost model's choice against.
+    #[arg(long, conflicts_with = "fp8_everywhere")]
+    fp8_without_cost_model: bool,
     #[command(flatten)]
     executor: ExecutorArgs,
 }
@@ -351,6 +355,13 @@ impl Args {
         if self.fp8_everywhere && mode == Mode::AmpFp8 {
             let config = AmpConfig::new(DType::F8E4M3)?.from_env()?;
             options.amp = Some(config.on_every_device_product());
+        }
+        if self.fp8_without_cost_model && mode == Mode::AmpFp8 {
+            let mut config = AmpConfig::new(DType::F8E4M3)?.from_env()?;
+            if let Some(fp8) = &mut config.fp8 {
+                fp8.cost = None;
+            }
+            options.amp = Some(config);
         }
         Ok(options)
     }
