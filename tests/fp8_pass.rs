@@ -308,6 +308,43 @@ fn large_products_take_fp8() {
     );
 }
 
+/// A layer's three products share its input, weight and output gradient, each
+/// quantised once: the cost model decides them together. GPT-2's feed-forward
+/// down-projection (16384 tokens, 3072 -> 768) measured 1.06x faster in FP8 under
+/// delayed scaling (its casts fused or shared) and no faster under current scaling,
+/// whose amax passes read each tensor again; a per-product model, charging each
+/// product its operands' casts, kept its two gradient products 16-bit.
+#[test]
+fn a_layers_products_are_decided_together_by_their_shared_casts() {
+    let decide = |recipe| {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [16384, 768]).unwrap();
+        let h = nn::dense(&mut g, x, 3072, Some(Activation::Gelu)).unwrap();
+        let h = nn::dense(&mut g, h, 768, None).unwrap();
+        let out = nn::dense(&mut g, h, 768, None).unwrap();
+        let loss = g.mean(out, None, false).unwrap();
+        Sgd::new(0.1).minimize(&mut g, loss).unwrap();
+        AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap())
+            .rewrite(&mut g)
+            .unwrap();
+        let config = Fp8Config {
+            recipe,
+            ..Fp8Config::default()
+        };
+        let decided = plan(&g, &config).unwrap().decisions;
+        let in_fp8 = (decided.iter())
+            .filter(|(_, d)| matches!(d, Decision::Fp8 { .. }))
+            .count();
+        let by_cost = (decided.iter())
+            .filter(|(_, d)| matches!(d, Decision::Kept(Kept::Cost { .. })))
+            .count();
+        (in_fp8, by_cost)
+    };
+    // The middle layer: forward, input and weight gradients.
+    assert_eq!(decide(Fp8Recipe::delayed()), (3, 0));
+    assert_eq!(decide(Fp8Recipe::Current), (0, 3));
+}
+
 fn e4m3(v: f64) -> f64 {
     f64::from(Fp8::E4M3.decode(Fp8::E4M3.encode(v as f32)))
 }
