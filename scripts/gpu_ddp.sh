@@ -47,17 +47,22 @@ run() {
 # The data-parallel GPU tests first (NCCL, 2 GPUs).
 [ -x ./cuda_data_parallel ] && run tests_ddp.txt ${T_TESTS:-300} ./cuda_data_parallel --test-threads 1 --nocapture
 gpus="1"; [ "$N" != 1 ] && gpus="1 $N"
+# QUICK=1 (a short device budget): PyTorch on N GPUs only, and no thread runs: the
+# torchrun scaling against our plain step and PyTorch DDP's throughput.
+quick=${QUICK:-0}
 for w in ${WORKLOADS-transformer convnet}; do
   # GPT-2 trains in BF16, as the zoo and its peers do; the others in fp16 with loss scaling.
   mode=amp_fp16; [ $w = gpt2 ] && mode=amp_bf16
   for n in $gpus; do
+    [ $quick = 1 ] && [ $n = 1 ] && continue
     run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node $n $py --workload $w --mode $mode \
       --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl
   done
-  run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node 1 $py --workload $w --mode $mode \
-    --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl --no-ddp
+  [ $quick = 1 ] || run torch_ddp.log $T_TORCH torchrun --standalone --nproc-per-node 1 $py --workload $w \
+    --mode $mode --steps 30 --warmup 10 --anchor-dir "$anchor" --out $OUT/ddp.jsonl --no-ddp
   run ours_ddp.txt $T_OURS ./bench --workload $w --modes $mode --phases train
   for n in $gpus; do
+    [ $quick = 1 ] && continue
     run ours_ddp.txt $T_OURS ./bench --workload $w --modes $mode --phases train --replicas $n
   done
   # One process per GPU, as torchrun starts PyTorch's (issue 45): the same line.
