@@ -44,8 +44,9 @@ run() {
   echo "exit $rc: $*" | tee -a $OUT/runs.txt
   [ $rc = 0 ] || fails=$((fails + 1))
 }
-# The data-parallel GPU tests first (NCCL, 2 GPUs).
-[ -x ./cuda_data_parallel ] && run tests_ddp.txt ${T_TESTS:-300} ./cuda_data_parallel --test-threads 1 --nocapture
+# The data-parallel GPU tests first (NCCL, 2 GPUs); T_TESTS=0 leaves them out.
+[ -x ./cuda_data_parallel ] && [ "${T_TESTS:-300}" != 0 ] &&
+  run tests_ddp.txt ${T_TESTS:-300} ./cuda_data_parallel --test-threads 1 --nocapture
 gpus="1"; [ "$N" != 1 ] && gpus="1 $N"
 # QUICK=1 (a short device budget): PyTorch on N GPUs only, and no thread runs: the
 # torchrun scaling against our plain step and PyTorch DDP's throughput.
