@@ -56,25 +56,20 @@ fn values(s: &Session) -> Vec<Vec<f64>> {
 }
 
 #[test]
-fn one_gpu_replica_is_the_plain_session_bit_for_bit_and_replays_with_its_all_reduces() {
+fn one_gpu_replica_is_the_plain_session_bit_for_bit() {
     if !gpus_or_skip(1) {
         return;
     }
     let (g, step) = model(64, true);
     let mut plain = Session::new(g.clone(), Device::Cuda(0)).unwrap();
     let mut one = replicas(&gpus(1), g);
-    for s in 0..5 {
+    for s in 0..4 {
         let feeds = batch(s, 0, 64);
         let a = plain.run(&[step.loss, step.step], &feeds).unwrap();
         let b = one.run(&[step.loss, step.step], &[feeds]).unwrap();
         assert_eq!(a[0].to_f64_vec(), b[0][0].to_f64_vec(), "step {s}");
     }
-    let replica = one.session(0).unwrap();
-    assert_eq!(values(&plain), values(replica));
-    // From the third step the replica's step (its NCCL all-reduces included) is one
-    // CUDA graph, as the plain session's.
-    let launch = replica.executor().stats().unwrap().last_step().launch;
-    assert!(launch.starts_with("replayed"), "{launch}");
+    assert_eq!(values(&plain), values(one.session(0).unwrap()));
 }
 
 #[test]

@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use ampgraph_graph::ops::Const;
+use ampgraph_graph::ops::{AllReduce, Const};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Graph, Node, NodeId, Port, Tensor, TensorType};
 use cudarc::driver::CudaEvent;
@@ -47,6 +47,9 @@ pub(super) struct StepPlan {
     /// Plain (op by op) steps run with this plan; from the first its convolution
     /// algorithms are chosen and its memory allocated.
     pub plain_runs: AtomicUsize,
+    /// Whether the step may be captured as one CUDA graph: `Err` says why not, for
+    /// the whole plan (a collective on its own stream).
+    pub capturable: Result<(), String>,
     /// Failed captures of this step: after [`super::replay::MAX_CAPTURE_TRIES`] it is
     /// launched op by op for good.
     pub capture_failures: AtomicUsize,
@@ -153,6 +156,14 @@ impl StepPlan {
                 Lowered::Kernel(_) => {}
             }
         }
+        let capturable =
+            match (schedule.order.iter()).find(|&&id| graph.node(id).op.is::<AllReduce>()) {
+                Some(&id) => Err(format!(
+                    "node '{}' (AllReduce) reduces on a stream of its own",
+                    graph.node(id).name
+                )),
+                None => Ok(()),
+            };
         let mut assigns = HashMap::new();
         for &id in &schedule.order {
             if let Some(var) = assigned_variable(graph, id)? {
@@ -196,6 +207,7 @@ impl StepPlan {
         Ok(StepPlan {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             plain_runs: AtomicUsize::new(0),
+            capturable,
             capture_failures: AtomicUsize::new(0),
             capture_error: Mutex::new(None),
             schedule,
