@@ -231,20 +231,27 @@ fn first_last_and_small_products_stay_16_bit_and_explain_says_why() {
     assert_eq!(formats(&g).len(), 5);
 }
 
-/// With shapes where FP8 pays, the cost model converts the middle layer's products
-/// (forward and both gradients) and keeps the first and last layers 16-bit.
-#[test]
-fn large_products_take_fp8() {
+/// A training step of three dense layers (widths and activations) over an `x` of
+/// `shape`, after BF16 AMP: the graph the FP8 phase decides on.
+fn three_layers_in_bf16(shape: [usize; 2], layers: [(usize, Option<Activation>); 3]) -> Graph {
     let mut g = Graph::new();
-    let x = g.placeholder("x", DType::F32, [8192, 4096]).unwrap();
-    let h = nn::dense(&mut g, x, 8192, None).unwrap();
-    let h = nn::dense(&mut g, h, 16384, None).unwrap();
-    let out = nn::dense(&mut g, h, 4096, None).unwrap();
-    let loss = g.mean(out, None, false).unwrap();
+    let mut h = g.placeholder("x", DType::F32, shape).unwrap();
+    for (width, activation) in layers {
+        h = nn::dense(&mut g, h, width, activation).unwrap();
+    }
+    let loss = g.mean(h, None, false).unwrap();
     Sgd::new(0.1).minimize(&mut g, loss).unwrap();
     AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap())
         .rewrite(&mut g)
         .unwrap();
+    g
+}
+
+/// With shapes where FP8 pays, the cost model converts the middle layer's products
+/// (forward and both gradients) and keeps the first and last layers 16-bit.
+#[test]
+fn large_products_take_fp8() {
+    let g = three_layers_in_bf16([8192, 4096], [(8192, None), (16384, None), (4096, None)]);
     let decided = plan(&g, &Fp8Config::default()).unwrap();
     let fp8: Vec<&str> = decided
         .decisions
@@ -316,17 +323,11 @@ fn large_products_take_fp8() {
 /// product its operands' casts, kept its two gradient products 16-bit.
 #[test]
 fn a_layers_products_are_decided_together_by_their_shared_casts() {
+    let g = three_layers_in_bf16(
+        [16384, 768],
+        [(3072, Some(Activation::Gelu)), (768, None), (768, None)],
+    );
     let decide = |recipe| {
-        let mut g = Graph::new();
-        let x = g.placeholder("x", DType::F32, [16384, 768]).unwrap();
-        let h = nn::dense(&mut g, x, 3072, Some(Activation::Gelu)).unwrap();
-        let h = nn::dense(&mut g, h, 768, None).unwrap();
-        let out = nn::dense(&mut g, h, 768, None).unwrap();
-        let loss = g.mean(out, None, false).unwrap();
-        Sgd::new(0.1).minimize(&mut g, loss).unwrap();
-        AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap())
-            .rewrite(&mut g)
-            .unwrap();
         let config = Fp8Config {
             recipe,
             ..Fp8Config::default()
