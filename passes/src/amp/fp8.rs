@@ -708,6 +708,33 @@ mod tests {
     use super::*;
     use crate::amp::AmpConfig;
 
+    /// Products are grouped by the quantised tensors they share, through one another:
+    /// two projections of one input, and a layer whose weight its gradient product
+    /// reads again; a tensor in another format is another tensor.
+    #[test]
+    fn products_sharing_a_quantised_tensor_form_one_group() {
+        let port = |n: usize| Port::new(NodeId::new(n), 0);
+        let (e4, e5) = (DType::F8E4M3, DType::F8E5M2);
+        let candidate = |a: (Port, DType), b: (Port, DType)| Candidate {
+            at: 0,
+            dims: (8, 8, 8),
+            operands: [(a, 64), (b, 64)],
+        };
+        let (x, wq, wk, y, w, dy) = (port(0), port(1), port(2), port(3), port(4), port(5));
+        let candidates = [
+            candidate((x, e4), (wq, e4)),
+            candidate((x, e4), (wk, e4)),
+            candidate((y, e4), (w, e4)),
+            candidate((dy, e5), (w, e4)),
+            // The same source in E5M2 is not the E4M3 tensor of the first two.
+            candidate((x, e5), (dy, e4)),
+        ];
+        assert_eq!(
+            sharing_groups(&candidates),
+            vec![vec![0, 1], vec![2, 3], vec![4]]
+        );
+    }
+
     /// `AMPGRAPH_AMP_FP8_SCALING` picks the recipe where FP8 is on, is ignored where
     /// it is off, and refuses other values by name.
     #[test]
