@@ -96,6 +96,47 @@ fn n_replicas_match_one_replica_at_the_global_batch() {
     }
 }
 
+/// Under BF16 AMP the means are of bf16 gradients (rounded once more than f32 means):
+/// two replicas still train as one replica at the global batch, within bf16's
+/// precision, and hold the same weights.
+#[test]
+fn bf16_replicas_train_as_one_replica_at_the_global_batch() {
+    let bf16 = |batch: usize| {
+        let (mut g, step) = model(batch, false);
+        g.mixed_precision = Some(DType::BF16);
+        (g, step)
+    };
+    let (world, per) = (2, 4);
+    let (g1, step1) = bf16(per * world);
+    let mut one = Session::new(g1, Device::Cpu).unwrap();
+    let (gn, stepn) = bf16(per);
+    let mut replicas = cpu_replicas(world, gn);
+    for s in 0..5 {
+        let feeds: Vec<Feeds> = (0..world).map(|r| batch(s, r * per, per)).collect();
+        replicas.run(&[stepn.step], &feeds).unwrap();
+        one.run(&[step1.step], &batch(s, 0, per * world)).unwrap();
+    }
+    let mut worst = 0f64;
+    for (name, want) in variables(&one) {
+        let got: Vec<Vec<f64>> = (0..world)
+            .map(|r| {
+                replicas
+                    .session(r)
+                    .unwrap()
+                    .variable(&name)
+                    .unwrap()
+                    .to_f64_vec()
+            })
+            .collect();
+        assert_eq!(got[0], got[1], "{name}: the replicas hold the same weights");
+        for (a, b) in got[0].iter().zip(want.to_f64_vec()) {
+            worst = worst.max((a - b).abs() / b.abs().max(1e-1));
+        }
+    }
+    println!("bf16: two replicas against one, max rel err {worst:.2e}");
+    assert!(worst < 2e-2, "{worst}");
+}
+
 #[test]
 fn buckets_follow_the_backward_pass_and_run_as_soon_as_their_gradients_exist() {
     // Small buckets: the last layer's gradients (produced first) fill the first.
