@@ -126,24 +126,37 @@ impl GemmCost {
         elements as f64 * (2.0 * reads + 2.0) / self.bandwidth + kernels * self.launch
     }
 
+    /// Products decided together (`products`, each `(m, k, n)`) in 16 bits, and in FP8
+    /// with the tensors they quantise (`quantised`, each's values, cast once), seconds.
+    pub fn group_seconds(
+        &self,
+        products: &[(usize, usize, usize)],
+        quantised: impl IntoIterator<Item = usize>,
+        recipe: Fp8Recipe,
+    ) -> (f64, f64) {
+        let half = (products.iter())
+            .map(|&(m, k, n)| self.half_seconds(m, k, n))
+            .sum();
+        let fp8 = (products.iter())
+            .map(|&(m, k, n)| self.fp8_product_seconds(m, k, n))
+            .chain(quantised.into_iter().map(|e| self.cast_seconds(e, recipe)))
+            .sum();
+        (half, fp8)
+    }
+
     /// A Linear layer of `m` rows, `k` inputs and `n` outputs in training: its three
-    /// products (forward, input and weight gradients) in 16 bits, and in FP8 with its
-    /// three quantised tensors (input, weight, output gradient), seconds.
+    /// products (forward, input and weight gradients) with its three quantised tensors
+    /// (input, weight, output gradient), as [`group_seconds`](Self::group_seconds).
     pub fn linear_seconds(
         &self,
         (m, k, n): (usize, usize, usize),
         recipe: Fp8Recipe,
     ) -> (f64, f64) {
-        let products = [(m, k, n), (m, n, k), (k, m, n)];
-        let half = products
-            .iter()
-            .map(|&(a, b, c)| self.half_seconds(a, b, c))
-            .sum();
-        let fp8 = (products.iter())
-            .map(|&(a, b, c)| self.fp8_product_seconds(a, b, c))
-            .chain([m * k, k * n, m * n].map(|e| self.cast_seconds(e, recipe)))
-            .sum();
-        (half, fp8)
+        self.group_seconds(
+            &[(m, k, n), (m, n, k), (k, m, n)],
+            [m * k, k * n, m * n],
+            recipe,
+        )
     }
 }
 
@@ -471,19 +484,10 @@ pub fn plan(g: &Graph, config: &Fp8Config) -> Result<Plan, PassError> {
     if let Some(cost) = &config.cost {
         for group in sharing_groups(&candidates) {
             let members = || group.iter().map(|&c| &candidates[c]);
-            let half: f64 = members()
-                .map(|c| cost.half_seconds(c.dims.0, c.dims.1, c.dims.2))
-                .sum();
+            let products: Vec<(usize, usize, usize)> = members().map(|c| c.dims).collect();
             let quantised: HashMap<(Port, DType), usize> =
                 members().flat_map(|c| c.operands).collect();
-            let fp8: f64 = members()
-                .map(|c| cost.fp8_product_seconds(c.dims.0, c.dims.1, c.dims.2))
-                .chain(
-                    quantised
-                        .values()
-                        .map(|&e| cost.cast_seconds(e, config.recipe)),
-                )
-                .sum();
+            let (half, fp8) = cost.group_seconds(&products, quantised.into_values(), config.recipe);
             if fp8 >= half {
                 let kept = Kept::Cost {
                     half_us: half * 1e6,
