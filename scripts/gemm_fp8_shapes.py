@@ -11,6 +11,8 @@ not (the gradients' E5M2 x E4M3 products run like the latter). Prints ms per pro
 """
 import torch
 
+import gemm_layouts  # beside this script (in bundle/ too)
+
 # (workload, product, m, k, n)
 SHAPES = [
     ("mlp", "hidden layer", 8192, 4096, 4096),
@@ -27,19 +29,8 @@ SHAPES = [
 ]
 
 
-def ms(f, reps=20):
-    for _ in range(3):
-        f()
-    times = []
-    for _ in range(15):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            f()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / reps)
-    return sorted(times)[len(times) // 2]
+def ms(f):
+    return gemm_layouts.ms(f, reps=20, samples=15, warmup=3)
 
 
 def main():

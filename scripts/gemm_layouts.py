@@ -8,17 +8,20 @@ convention), PyTorch [out, in]. Prints ms per product (CUDA events, median of 50
 import torch
 
 
-def ms(f):
-    for _ in range(5):
+def ms(f, reps=1, samples=50, warmup=5):
+    """Median ms of one `f()` (CUDA events around `reps` back-to-back runs, `samples`
+    times, after `warmup` runs); gemm_fp8_shapes.py times with it too."""
+    for _ in range(warmup):
         f()
     times = []
-    for _ in range(50):
+    for _ in range(samples):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        f()
+        for _ in range(reps):
+            f()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e))
+        times.append(s.elapsed_time(e) / reps)
     return sorted(times)[len(times) // 2]
 
 
