@@ -56,20 +56,25 @@ fn values(s: &Session) -> Vec<Vec<f64>> {
 }
 
 #[test]
-fn one_gpu_replica_is_the_plain_session_bit_for_bit() {
+fn one_gpu_replica_is_the_plain_session_bit_for_bit_and_replays_with_its_all_reduces() {
     if !gpus_or_skip(1) {
         return;
     }
     let (g, step) = model(64, true);
     let mut plain = Session::new(g.clone(), Device::Cuda(0)).unwrap();
     let mut one = replicas(&gpus(1), g);
-    for s in 0..4 {
+    for s in 0..5 {
         let feeds = batch(s, 0, 64);
         let a = plain.run(&[step.loss, step.step], &feeds).unwrap();
         let b = one.run(&[step.loss, step.step], &[feeds]).unwrap();
         assert_eq!(a[0].to_f64_vec(), b[0][0].to_f64_vec(), "step {s}");
     }
-    assert_eq!(values(&plain), values(one.session(0).unwrap()));
+    let replica = one.session(0).unwrap();
+    assert_eq!(values(&plain), values(replica));
+    // From the third step the replica's step (its NCCL all-reduces included) is one
+    // CUDA graph, as the plain session's.
+    let launch = replica.executor().stats().unwrap().last_step().launch;
+    assert!(launch.starts_with("replayed"), "{launch}");
 }
 
 #[test]
@@ -165,6 +170,12 @@ fn a_gpu_replica_that_never_comes_times_the_other_out() {
     for _ in 0..3 {
         two.run(&[step.loss, step.step], &feeds).unwrap();
     }
+    // The timed step replays the CUDA graph that captured its all-reduces: NCCL's
+    // abort then waits for that graph's end.
+    let launch = (two.session(0).unwrap().executor().stats().unwrap())
+        .last_step()
+        .launch;
+    assert!(launch.starts_with("replayed"), "{launch}");
     let start = Instant::now();
     let e = two
         .on_each(|rank, session| {

@@ -144,8 +144,10 @@ impl Nccl {
             .map_err(|e| format!("CUDA event: {e:?}"))
     }
 
-    /// Waits for `event` (of `what`: the step's end, an all-reduce), polling: gives up,
-    /// aborting the communicator, when another replica failed or the timeout passes.
+    /// Waits for `event` (of `what`: the step's end, an all-reduce), polling: gives up
+    /// when another replica failed or the timeout passes, and the caller then aborts the
+    /// communicator ([`Nccl::abort_comm`]) once the CUDA graphs that captured its
+    /// collectives are destroyed.
     pub fn wait(&self, event: &CudaEvent, what: &str) -> Result<(), String> {
         let start = Instant::now();
         loop {
@@ -156,9 +158,7 @@ impl Nccl {
             }
             let waited = start.elapsed();
             if self.abort.reason().is_some() || waited >= self.timeout {
-                let why = self.abort.stopped(self.rank, what, waited);
-                self.abort_comm();
-                return Err(why);
+                return Err(self.abort.stopped(self.rank, what, waited));
             }
             // Spin (each replica has a core of its own, and the next step's launches
             // should follow its end at once, as a spinning cuStreamSynchronize does);
@@ -172,7 +172,10 @@ impl Nccl {
     }
 
     /// Aborts the communicator: its pending collectives end, and it is not used again.
-    fn abort_comm(&self) {
+    /// NCCL's abort returns only once every CUDA graph holding the communicator's
+    /// collectives is destroyed (the last communicator of a process waits for the
+    /// others' too): the executor drops its step graphs first.
+    pub fn abort_comm(&self) {
         let mut aborted = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
         if !*aborted {
             *aborted = true;

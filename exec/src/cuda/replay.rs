@@ -14,11 +14,18 @@
 //! cast to another buffer (a plain step's commit, `set_variable`) moves the
 //! executor's state epoch on, and the graphs captured before are captured again.
 //!
+//! A replica's step is captured with its all-reduces: they run on the communicator's
+//! stream, which forks from the compute stream and joins it again through events, so
+//! the capture takes both streams. NCCL requires capture to be collective (every rank
+//! captures the same collectives, and launches the graph that holds them): every
+//! replica runs the same plans in the same order (the same steps and fetches) and so
+//! captures each after the same count of plain runs.
+//!
 //! Launched op by op instead, with the reason in [`CudaExecutor::step_launch`]:
-//! profiled steps, steps with collectives (NCCL on a stream of its own), executors
-//! with [`ExecOptions::op_by_op`](crate::ExecOptions::op_by_op) set, and a step
-//! whose capture failed [`MAX_CAPTURE_TRIES`] times (a cuDNN call that cannot be
-//! captured, a buffer the pool did not hold).
+//! profiled steps, executors with
+//! [`ExecOptions::op_by_op`](crate::ExecOptions::op_by_op) set, and a step whose
+//! capture failed [`MAX_CAPTURE_TRIES`] times (a cuDNN call that cannot be captured, a
+//! buffer the pool did not hold).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -189,7 +196,6 @@ impl CudaExecutor {
         if self.options.profile {
             return Err("profiled steps time each op".into());
         }
-        plan.capturable.clone()?;
         if plan.capture_failures.load(Ordering::Relaxed) >= MAX_CAPTURE_TRIES {
             let why = plan.capture_error.lock().ok().and_then(|e| e.clone());
             return Err(format!(

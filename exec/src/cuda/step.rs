@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use ampgraph_graph::ops::{AllReduce, Const};
+use ampgraph_graph::ops::Const;
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{DType, Graph, Node, NodeId, Port, Tensor, TensorType};
 use cudarc::driver::CudaEvent;
@@ -47,9 +47,6 @@ pub(super) struct StepPlan {
     /// Plain (op by op) steps run with this plan; from the first its convolution
     /// algorithms are chosen and its memory allocated.
     pub plain_runs: AtomicUsize,
-    /// Whether the step may be captured as one CUDA graph: `Err` says why not, for
-    /// the whole plan (a collective on its own stream).
-    pub capturable: Result<(), String>,
     /// Failed captures of this step: after [`super::replay::MAX_CAPTURE_TRIES`] it is
     /// launched op by op for good.
     pub capture_failures: AtomicUsize,
@@ -156,14 +153,6 @@ impl StepPlan {
                 Lowered::Kernel(_) => {}
             }
         }
-        let capturable =
-            match (schedule.order.iter()).find(|&&id| graph.node(id).op.is::<AllReduce>()) {
-                Some(&id) => Err(format!(
-                    "node '{}' (AllReduce) reduces on a stream of its own",
-                    graph.node(id).name
-                )),
-                None => Ok(()),
-            };
         let mut assigns = HashMap::new();
         for &id in &schedule.order {
             if let Some(var) = assigned_variable(graph, id)? {
@@ -207,7 +196,6 @@ impl StepPlan {
         Ok(StepPlan {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             plain_runs: AtomicUsize::new(0),
-            capturable,
             capture_failures: AtomicUsize::new(0),
             capture_error: Mutex::new(None),
             schedule,
@@ -312,10 +300,9 @@ impl CudaExecutor {
             .transpose()?;
         // A replica waits for its step polling, so that a failed peer or a timeout
         // ends the wait rather than hanging in the driver.
-        if let Some(nccl) = &self.nccl {
+        if self.nccl.is_some() {
             let end = guard("CUDA", || self.dev.timing_event()).map_err(dev_err)?;
-            nccl.wait(&end, "the end of its step")
-                .map_err(ExecError::Collective)?;
+            self.wait_collective(&end, "the end of its step")?;
         }
         // Last: the download waits for the stream, and the host work above ran
         // while the GPU was still busy with the step.
@@ -601,20 +588,20 @@ impl CudaExecutor {
                     })
                     .map_err(|m| ExecError::node(&node.name, op, m))?;
                     let events = ctx.joins.take();
-                    if let (Some(nccl), false) = (&self.nccl, events.is_empty() || steady) {
+                    let used = ctx.scratch_used.get();
+                    drop(ctx);
+                    if !steady {
                         // A plan's first steps choose convolution algorithms and
                         // allocate, which may wait for the whole device: no collective
                         // is left running then, or two replicas could wait for each
                         // other through their NCCL kernels.
                         for e in &events {
-                            nccl.wait(e, "an all-reduce")
-                                .map_err(ExecError::Collective)?;
+                            self.wait_collective(e, "an all-reduce")?;
                         }
                     }
                     if !events.is_empty() {
                         joins.insert(id, (events, inputs));
                     }
-                    let used = ctx.scratch_used.get();
                     if used > planned_scratch.map_or(0, |(_, bytes)| bytes) {
                         grown.insert(id, used);
                     }
@@ -654,6 +641,25 @@ impl CudaExecutor {
             timed,
             grown,
         })
+    }
+
+    /// Waits for `event` of the replica's collectives (`what` it ends); where the wait
+    /// gives up (a failed peer, the timeout), destroys the step graphs, which hold the
+    /// communicator's captured collectives, and aborts the communicator.
+    fn wait_collective(&mut self, event: &CudaEvent, what: &str) -> Result<(), ExecError> {
+        let Some(nccl) = &self.nccl else {
+            return Ok(());
+        };
+        let Err(why) = nccl.wait(event, what) else {
+            return Ok(());
+        };
+        // A graph still running is freed when it ends, which the abort makes its NCCL
+        // kernels do; the executor runs no step after this one.
+        self.step_graphs.clear();
+        if let Some(nccl) = &self.nccl {
+            nccl.abort_comm();
+        }
+        Err(ExecError::Collective(why))
     }
 
     /// Makes the compute stream wait for work on other streams (collectives).
