@@ -146,8 +146,7 @@ impl Nccl {
 
     /// Waits for `event` (of `what`: the step's end, an all-reduce), polling: gives up
     /// when another replica failed or the timeout passes, and the caller then aborts the
-    /// communicator ([`Nccl::abort_comm`]) once the CUDA graphs that captured its
-    /// collectives are destroyed.
+    /// communicator ([`Nccl::abort_comm`]).
     pub fn wait(&self, event: &CudaEvent, what: &str) -> Result<(), String> {
         let start = Instant::now();
         loop {
@@ -174,7 +173,7 @@ impl Nccl {
     /// Aborts the communicator: its pending collectives end, and it is not used again.
     /// NCCL's abort returns only once every CUDA graph holding the communicator's
     /// collectives is destroyed (the last communicator of a process waits for the
-    /// others' too): the executor drops its step graphs first.
+    /// others' too): the executor destroys its step graphs meanwhile.
     pub fn abort_comm(&self) {
         let mut aborted = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
         if !*aborted {

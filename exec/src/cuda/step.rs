@@ -644,8 +644,8 @@ impl CudaExecutor {
     }
 
     /// Waits for `event` of the replica's collectives (`what` it ends); where the wait
-    /// gives up (a failed peer, the timeout), destroys the step graphs, which hold the
-    /// communicator's captured collectives, and aborts the communicator.
+    /// gives up (a failed peer, the timeout), aborts the communicator and destroys the
+    /// step graphs, which hold its captured collectives.
     fn wait_collective(&mut self, event: &CudaEvent, what: &str) -> Result<(), ExecError> {
         let Some(nccl) = &self.nccl else {
             return Ok(());
@@ -653,12 +653,16 @@ impl CudaExecutor {
         let Err(why) = nccl.wait(event, what) else {
             return Ok(());
         };
-        // A graph still running is freed when it ends, which the abort makes its NCCL
-        // kernels do; the executor runs no step after this one.
-        self.step_graphs.clear();
-        if let Some(nccl) = &self.nccl {
-            nccl.abort_comm();
-        }
+        // Each waits for the other: NCCL's abort returns once the graphs holding the
+        // communicator's collectives are destroyed, and destroying a graph still
+        // running waits for its end, which its NCCL kernels reach once the abort has
+        // raised their flag. So the abort runs on a thread of its own meanwhile.
+        let graphs = &mut self.step_graphs;
+        std::thread::scope(|s| {
+            let aborting = s.spawn(|| nccl.abort_comm());
+            graphs.clear();
+            let _ = aborting.join();
+        });
         Err(ExecError::Collective(why))
     }
 
