@@ -758,10 +758,9 @@ fn auto_picks_cuda_where_available() {
 /// FP8 training steps (issue 44) on the GPU against the CPU, both recipes: every
 /// product in FP8 but the 10-class head's (n = 10: cuBLASLt's FP8 kernels take
 /// multiples of 16), so the quantising casts, the scales, the delayed recipe's
-/// history (written in place) and the cuBLASLt FP8 products (each layout) all run, op
-/// by op and replayed. One FP8 rounding flipped by the 16-bit products' different
-/// summation order moves a value by up to an eighth, rarely: the losses and variables
-/// agree to bf16 training's bound.
+/// history and the cuBLASLt FP8 products (each layout) all run. One FP8 rounding
+/// flipped by the 16-bit products' different summation order moves a value by up to
+/// an eighth, rarely: the losses and variables agree to bf16 training's bound.
 #[test]
 fn fp8_training_steps_match_the_cpu() {
     use ampgraph::graph::ops::Fp8MatMul;
@@ -791,17 +790,13 @@ fn fp8_training_steps_match_the_cpu() {
             .filter(|&id| graph.node(id).op.is::<Fp8MatMul>())
             .count();
         assert_eq!(products, 5, "{what}");
-        // Two steps op by op, then replays of the captured step, which writes the
-        // delayed recipe's histories and scales in place.
-        for s in 0..5 {
+        for s in 0..3 {
             let f = batch(s);
             let a = cpu.run(&[step.loss, step.step], &f).unwrap();
             let b = gpu.run(&[step.loss, step.step], &f).unwrap();
             let e = rel_err(&b[0], &a[0]);
             assert!(e <= 5e-2, "{what}: step {s}: loss differs by {e:.3e}");
         }
-        let launch = gpu.executor().stats().unwrap().last_step().launch;
-        assert!(launch.starts_with("replayed"), "{what}: {launch}");
         let g = gpu.graph().clone();
         for id in g.node_ids() {
             let n = g.node(id);
