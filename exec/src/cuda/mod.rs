@@ -202,7 +202,9 @@ pub struct CudaExecutor {
     pub profile: OpProfile,
     /// Step plans by graph revision and fetches, the most recently used first.
     plans: Vec<(step::PlanKey, Arc<StepPlan>)>,
-    /// Steps captured as CUDA graphs, by their plan's id.
+    /// Steps captured as CUDA graphs, by their plan's id. Declared before `nccl`, so
+    /// dropped first: destroying a communicator waits until no graph holds its
+    /// collectives.
     step_graphs: HashMap<u64, StepGraph>,
     /// Moves on whenever a variable or a kept cast changes buffer: graphs captured
     /// before read the old ones.
@@ -221,7 +223,8 @@ pub struct CudaExecutor {
     staging: staging::Staging,
     /// The events timing a step, reused.
     step_events: Option<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
-    /// The communicator of the data-parallel group this replica joined.
+    /// The communicator of the data-parallel group this replica joined (after
+    /// `step_graphs`: see there).
     nccl: Option<nccl::Nccl>,
 }
 
