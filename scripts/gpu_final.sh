@@ -6,6 +6,11 @@
 # half (each fits one 10-minute device call: the bench half's timeouts add up to 600 s
 # at most); no argument runs both.
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
+# The driver's cache of the PTX it compiled for this GPU (a fresh machine otherwise
+# compiles every cached kernel's PTX again at load: most of a round's cuda_ops time);
+# nvjit.tar.gz is one a round returned (gpu_tests_round.sh KC_OUT=1).
+export CUDA_CACHE_PATH=/tmp/nvjit CUDA_CACHE_MAXSIZE=4294967296
+if [ -f nvjit.tar.gz ] && [ ! -d /tmp/nvjit ]; then tar xzf nvjit.tar.gz -C /tmp; fi
 part=${1:-all}
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date; } > $OUT/env.txt
 # Each test binary is cut at TEST_TIMEOUT seconds (default 400).

@@ -23,6 +23,10 @@ cp ../shared/bench/torch_anchor.py scripts/torch_launches.py scripts/gemm_layout
 mkdir -p bundle/trace && cp scripts/trace/* bundle/trace/
 # The kernel cache a GPU round returned (gpu_tests_round.sh KC_OUT=1), where kept.
 [ -f .kernel-cache/kc.tar.gz ] && cp .kernel-cache/kc.tar.gz bundle/
+# The driver's compiled kernels for the H200 (gpu_final.sh), where kept and small
+# enough to travel beside the binaries (a call carries 64 MiB).
+[ -f .kernel-cache/nvjit.tar.gz ] && [ $(stat -c %s .kernel-cache/nvjit.tar.gz) -lt 16000000 ] &&
+  cp .kernel-cache/nvjit.tar.gz bundle/
 cp ../shared/oracle/public/*.json bundle/oracle/ 2>/dev/null || true
 mkdir -p bundle/mnist_data && cp examples/data/mnist/*.gz bundle/mnist_data/
 # GPT-2's peers (gpu_gpt2.sh): ../shared/bench/gpt2's scripts, and llm.c's source where a
