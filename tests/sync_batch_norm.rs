@@ -19,6 +19,8 @@
 //!   ones untouched, idempotent, 16-bit `x` widened for the statistics; a BatchNorm with
 //!   no channel axis, a graph with its BatchNormGrad built, and 0 replicas refused.
 
+mod common;
+
 use std::collections::HashMap;
 
 use ampgraph::exec::feeds::seeded_tensor;
@@ -30,6 +32,7 @@ use ampgraph::graph::ops::{
 };
 use ampgraph::graph::{DType, Graph, GraphError, NodeId, Port, Tensor, TensorType};
 use ampgraph::passes::{Pass, PassError, SyncBatchNorm};
+use common::count;
 
 const CIN: usize = 3;
 const C: usize = 4;
@@ -209,12 +212,6 @@ fn synchronised(g: &Graph) -> (usize, usize) {
         .filter(|b| !b.training && b.sync_replicas > 0)
         .count();
     (training, synchronised)
-}
-
-fn count(g: &Graph, op: &str) -> usize {
-    g.node_ids()
-        .filter(|&id| g.node(id).op_name() == op)
-        .count()
 }
 
 const FORMATS: [DataFormat; 2] = [DataFormat::Nchw, DataFormat::Nhwc];
