@@ -7,8 +7,8 @@
 # at most); no argument runs both.
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 # The driver's cache of the PTX it compiled for this GPU (a fresh machine otherwise
-# compiles every cached kernel's PTX again at load: most of a round's cuda_ops time);
-# nvjit.tar.gz is one a round returned (gpu_tests_round.sh KC_OUT=1).
+# compiles every cached kernel's PTX again at load: likely most of a round's cuda_ops
+# time); nvjit.tar.gz is one a round returned (gpu_tests_round.sh KC_OUT=1).
 export CUDA_CACHE_PATH=/tmp/nvjit CUDA_CACHE_MAXSIZE=4294967296
 if [ -f nvjit.tar.gz ] && [ ! -d /tmp/nvjit ]; then tar xzf nvjit.tar.gz -C /tmp; fi
 part=${1:-all}
