@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use ampgraph::exec::{CpuExecutor, Executor};
 use ampgraph::graph::ops::{Cast, Variable};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, ListClass};
-use ampgraph::{DType, Graph, Port};
+use ampgraph::{DType, Graph};
 use common::{feeds, json, random_graph, Menu};
 use proptest::prelude::*;
 
@@ -124,23 +124,8 @@ fn check_numerics(original: &Graph, config: &AmpConfig, seed: u64) -> Result<(),
     };
     let depth = common::depth(original) as f64;
     // Rounding errors scale with the values they are made on, intermediate ones
-    // included: a sum that cancels to a small output keeps the error of its large
-    // terms. So the scale is the largest float value anywhere in the f32 graph.
-    let every_float: Vec<Port> = original
-        .node_ids()
-        .flat_map(|id| {
-            let n = original.node(id).outputs().len();
-            (0..n).map(move |k| Port::new(id, k))
-        })
-        .filter(|&p| original.ty(p).dtype.is_float())
-        .collect();
-    let scale = CpuExecutor::new()
-        .run(original, &f, &every_float)
-        .unwrap()
-        .iter()
-        .flat_map(|t| t.to_f64_vec())
-        .filter(|x| x.is_finite())
-        .fold(1.0f64, |m, x| m.max(x.abs()));
+    // included (common::largest_value).
+    let scale = common::largest_value(original, &f);
     // Well-conditioned means representable in 16 bits: values near f16's largest
     // (65504) round to infinity, which is no rounding error to bound.
     prop_assume!(scale < 1e4, "the f32 values leave the f16 range");

@@ -246,30 +246,6 @@ fn same_values(a: Graph, b: Graph, seed: u64, tol: Option<f64>) -> Result<(), Te
     Ok(())
 }
 
-/// The largest finite magnitude among every float tensor `g` computes on the feeds
-/// of `seed`, at least 1.
-fn largest_value(g: &Graph, seed: u64) -> f64 {
-    let fetches: Vec<Port> = g
-        .node_ids()
-        .filter(|&id| {
-            g.node(id)
-                .outputs()
-                .first()
-                .is_some_and(|t| t.dtype.is_float())
-        })
-        .map(Port::from)
-        .collect();
-    let outputs = Session::new(g.clone(), Device::Cpu)
-        .unwrap()
-        .run(&fetches, &common::feeds(g, seed))
-        .unwrap();
-    outputs
-        .iter()
-        .flat_map(|t| t.to_f64_vec())
-        .filter(|v| v.is_finite())
-        .fold(1.0, |m, v| m.max(v.abs()))
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
@@ -288,7 +264,7 @@ proptest! {
         // f32 rounding between the ops a decomposition makes: a few ulps of 2^-24
         // of the largest value computed, which cancellation may leave in an output
         // much smaller than it (|m| * m summed, then offset).
-        let tol = 1e-6 * largest_value(&g, seed);
+        let tol = 1e-6 * common::largest_value(&g, &common::feeds(&g, seed));
         same_values(g, back, seed, Some(tol))?;
     }
 }

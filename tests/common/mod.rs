@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use ampgraph::exec::feeds::seeded_tensor;
-use ampgraph::exec::Feeds;
+use ampgraph::exec::{CpuExecutor, Executor, Feeds};
 use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::ops::{
     BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, Cast, Concat, Const, DataFormat, Dropout,
@@ -469,6 +469,16 @@ pub fn identical(a: &Tensor, b: &Tensor) -> bool {
 
 /// Values agree within `tol` of the output's scale (non-finite values exactly).
 pub fn check_close(want: &[Tensor], got: &[Tensor], tol: f64) -> Result<(), TestCaseError> {
+    check_close_with_floor(want, got, tol, 0.0)
+}
+
+/// [`check_close`], the difference allowed never below `floor`.
+pub fn check_close_with_floor(
+    want: &[Tensor],
+    got: &[Tensor],
+    tol: f64,
+    floor: f64,
+) -> Result<(), TestCaseError> {
     for (w, o) in want.iter().zip(got) {
         prop_assert_eq!(w.ty(), o.ty());
         let (w, o) = (w.to_f64_vec(), o.to_f64_vec());
@@ -476,14 +486,16 @@ pub fn check_close(want: &[Tensor], got: &[Tensor], tol: f64) -> Result<(), Test
             .iter()
             .filter(|x| x.is_finite())
             .fold(1.0f64, |m, x| m.max(x.abs()));
+        let allowed = (tol * scale).max(floor);
         for (a, b) in w.iter().zip(&o) {
             if a.is_finite() {
                 prop_assert!(
-                    (a - b).abs() <= tol * scale,
-                    "{} vs {} (scale {})",
+                    (a - b).abs() <= allowed,
+                    "{} vs {} (scale {}, allowed {:e})",
                     a,
                     b,
-                    scale
+                    scale,
+                    allowed
                 );
             } else {
                 prop_assert!(a == b || (a.is_nan() && b.is_nan()), "{} vs {}", a, b);
@@ -491,6 +503,26 @@ pub fn check_close(want: &[Tensor], got: &[Tensor], tol: f64) -> Result<(), Test
         }
     }
     Ok(())
+}
+
+/// The largest finite magnitude among the float values `g`'s outputs depend on, fed
+/// `feeds` on the CPU, at least 1: the scale of the roundoff an output can carry, since
+/// a sum that cancels to a small output keeps the error of its large terms.
+pub fn largest_value(g: &Graph, feeds: &Feeds) -> f64 {
+    let needed = g.needed_by(g.outputs());
+    let fetches: Vec<Port> = g
+        .node_ids()
+        .filter(|id| needed[id.index()])
+        .flat_map(|id| (0..g.node(id).outputs().len()).map(move |k| Port::new(id, k)))
+        .filter(|&p| g.ty(p).dtype.is_float())
+        .collect();
+    CpuExecutor::new()
+        .run(g, feeds, &fetches)
+        .unwrap()
+        .iter()
+        .flat_map(|t| t.to_f64_vec())
+        .filter(|v| v.is_finite())
+        .fold(1.0, |m, v| m.max(v.abs()))
 }
 
 /// One unit in the last place at `x` of the 16-bit type `dtype`.
