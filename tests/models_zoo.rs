@@ -46,16 +46,6 @@ fn trained_with_adam(
     first_and_last_loss(&mut session, [loss, step.step], feeds, steps)
 }
 
-/// The largest difference between `want` and `got` over the largest `|want|`.
-fn relative_error(want: &[f64], got: &[f64]) -> f64 {
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let worst = want
-        .iter()
-        .zip(got)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-    worst / scale
-}
-
 /// The loss of the first and the last of `steps` training steps (`[loss, step]`).
 fn first_and_last_loss(
     session: &mut Session,
@@ -466,7 +456,7 @@ fn gpt2s_attention_fuses_after_amp() {
         "{fused:?}"
     );
     let got = run(g);
-    let err = relative_error(&want, &got);
+    let err = common::relative_error(&got, &want);
     assert!(err < 1e-2, "relative error {err}");
 }
 
@@ -587,7 +577,7 @@ fn matches_numpy(
     )]);
     let got = session.run(&[logits], &feeds).unwrap()[0].to_f64_vec();
     assert_eq!(got.len(), want.len(), "{name}");
-    let err = relative_error(&want, &got);
+    let err = common::relative_error(&got, &want);
     assert!(err < 1e-5, "{name}: relative error {err}");
 }
 

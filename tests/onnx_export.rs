@@ -9,6 +9,8 @@
 //! with the packages of scripts/onnx/requirements.txt; without them the tests say so
 //! and pass, except under CI (`CI` set), where they fail.
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -122,17 +124,6 @@ fn run_in_onnxruntime(model: &Path, dir: &Path) -> Result<Vec<Tensor>, String> {
         .collect())
 }
 
-/// Largest |a - b| over the largest |b|, in f64.
-fn rel_error(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
-
 fn expected(dir: &Path) -> Vec<Tensor> {
     tensors(&dir.join("test_data_set_0"), "output")
         .into_iter()
@@ -155,7 +146,7 @@ fn import_then_export_runs_in_onnxruntime_with_the_same_outputs() {
         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.dtype(), w.dtype(), "{name} output {k}");
             assert_eq!(g.shape(), w.shape(), "{name} output {k}");
-            let err = rel_error(g, w);
+            let err = common::tensor_relative_error(g, w);
             println!("{name} output {k}: exported without rewriting, relative error {err:.2e}");
             assert!(
                 err == 0.0,
@@ -296,7 +287,7 @@ fn amp_export(dir: &Path, theirs: &Converted) {
     let got = run_in_onnxruntime(&path, dir)
         .unwrap_or_else(|e| panic!("{name}: onnxruntime refused the fp16 model: {e}"));
     for (k, (g, w)) in got.iter().zip(&expected(dir)).enumerate() {
-        let err = rel_error(g, w);
+        let err = common::tensor_relative_error(g, w);
         println!(
             "{name} output {k}: {casts} casts (converter {}), relative error {err:.2e}",
             theirs.casts
@@ -345,7 +336,7 @@ fn large_initializers_go_to_an_external_data_file_onnxruntime_reads() {
     }
     let got = run_in_onnxruntime(&path, &dir).unwrap();
     for (k, (g, w)) in got.iter().zip(&expected(&dir)).enumerate() {
-        let err = rel_error(g, w);
+        let err = common::tensor_relative_error(g, w);
         assert!(err <= 1e-6, "output {k}: relative error {err:e}");
     }
     // And it imports back.
@@ -412,7 +403,7 @@ fn a_dilated_same_convolution_exports_with_its_pads_and_runs_in_onnxruntime() {
     )
     .unwrap();
     let got = run_in_onnxruntime(&path, &dir).unwrap();
-    let err = rel_error(&got[0], &want[0]);
+    let err = common::tensor_relative_error(&got[0], &want[0]);
     assert!(err <= 1e-6, "relative error {err:e}");
 }
 

@@ -28,17 +28,6 @@ fn tensors(dir: &Path, stem: &str) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-/// Largest |a - b| over the largest |b|.
-fn rel_error(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
-
 /// Named tensors, as ONNX's test data holds them.
 type Named = Vec<(String, Tensor)>;
 
@@ -93,7 +82,7 @@ fn check_outputs(
 ) {
     let got = run_outputs(what, g, device, inputs, expected);
     for (k, (out, (oname, want))) in got.iter().zip(expected).enumerate() {
-        let err = rel_error(out, want);
+        let err = common::tensor_relative_error(out, want);
         println!("{what} output {k} ({oname}): relative error {err:.2e}");
         assert!(
             err < tol,
@@ -173,10 +162,13 @@ fn zoo_row(name: &str, dir: &Path) -> String {
     let truth = tensors(&dir.join("test_data_set_0"), "reference_f64");
     let mut cells = (Vec::new(), Vec::new());
     for (k, (out, (oname, want))) in got.iter().zip(&expected).enumerate() {
-        let vs_ort = rel_error(out, want);
-        let vs_f64 = truth
-            .get(k)
-            .map(|(_, t)| (rel_error(out, t), rel_error(want, t)));
+        let vs_ort = common::tensor_relative_error(out, want);
+        let vs_f64 = truth.get(k).map(|(_, t)| {
+            (
+                common::tensor_relative_error(out, t),
+                common::tensor_relative_error(want, t),
+            )
+        });
         let within = vs_ort < 1e-4 || vs_f64.is_some_and(|(ours, ort)| ours <= 1.5 * ort);
         assert!(
             within,
@@ -315,7 +307,7 @@ fn every_model_keeps_its_values_through_the_cuda_passes() {
         common::amp_and_cuda_passes(&mut piped);
         let got = run_outputs(&name, piped, Device::Cpu, &inputs, &expected);
         for (k, (got, want)) in got.iter().zip(&want).enumerate() {
-            let err = rel_error(got, want);
+            let err = common::tensor_relative_error(got, want);
             println!("{name} output {k}: {err:.2e}");
             assert!(
                 err <= 2e-3,

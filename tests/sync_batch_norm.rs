@@ -178,23 +178,8 @@ fn run(g: &Graph, vars: &Feeds, feeds: &Feeds) -> (Vec<Tensor>, HashMap<String, 
     (out, exec.variables)
 }
 
-/// The largest difference against the largest magnitude of `want`.
-fn relative_error(got: &[f64], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    let diff = got
-        .iter()
-        .zip(want)
-        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
-    if scale == 0.0 {
-        diff
-    } else {
-        diff / scale
-    }
-}
-
 fn assert_close(what: &str, got: &[f64], want: &[f64], tolerance: f64) {
-    let err = relative_error(got, want);
+    let err = common::relative_error(got, want);
     assert!(
         err <= tolerance,
         "{what}: relative error {err:e} > {tolerance:e}\n got {got:?}\nwant {want:?}"
@@ -582,7 +567,7 @@ fn two_simulated_replicas_normalise_differentiate_and_average_as_the_whole_batch
             let (half, _) = run(&local.g, &vars, &shards[0]);
             for name in ["batch_mean", "batch_variance", "dscale"] {
                 let k = OUTPUTS.iter().position(|o| *o == name).unwrap();
-                let err = relative_error(&half[k].to_f64_vec(), &want[k].to_f64_vec());
+                let err = common::tensor_relative_error(&half[k], &want[k]);
                 assert!(
                     err > 1e-2,
                     "{case}: {name} of a half is the batch's ({err:e})"

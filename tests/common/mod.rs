@@ -505,6 +505,24 @@ pub fn check_close_with_floor(
     Ok(())
 }
 
+/// The largest `|got - want|` over the largest `|want|` (the difference itself where
+/// `want` is all zeros).
+pub fn relative_error(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let diff = (got.iter().zip(want)).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    if scale == 0.0 {
+        diff
+    } else {
+        diff / scale
+    }
+}
+
+/// [`relative_error`] of two tensors' values.
+pub fn tensor_relative_error(got: &Tensor, want: &Tensor) -> f64 {
+    relative_error(&got.to_f64_vec(), &want.to_f64_vec())
+}
+
 /// The largest finite magnitude among the float values `g`'s outputs depend on, fed
 /// `feeds` on the CPU, at least 1: the scale of the roundoff an output can carry, since
 /// a sum that cancels to a small output keeps the error of its large terms.
