@@ -208,6 +208,31 @@ def zoo_models():
         ("t5_encoder", lambda: hf.T5EncoderModel(hf.T5Config(use_cache=False, **eager))),
     ):
         out.append((name, lambda build=build: FirstTensor(build()), ids))
+    # Decoder LLMs (RMSNorm, rotary positions, gated SiLU, grouped-query attention),
+    # small configurations of their architectures: 4 layers, d512, 8 heads, 4 KV heads.
+    small = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+                 use_cache=False, **eager)
+    for name, build in (
+        ("llama", lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**small))),
+        ("qwen2", lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**small))),
+        ("mistral", lambda: hf.MistralForCausalLM(hf.MistralConfig(**small))),
+        # Phi-3's padding token is id 32000: its vocabulary's 32064.
+        ("phi3", lambda: hf.Phi3ForCausalLM(hf.Phi3Config(**{**small, "vocab_size": 32064}))),
+        ("gemma", lambda: hf.GemmaForCausalLM(hf.GemmaConfig(**small, head_dim=64))),
+    ):
+        out.append((name, lambda build=build: FirstTensor(build()), ids))
+    # Encoders at their base sizes (the configurations' defaults are the large ones).
+    base = dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, **eager)
+    bart_base = dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+                     decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072, **eager)
+    for name, build in (
+        ("roberta", lambda: hf.RobertaModel(hf.RobertaConfig(**eager))),
+        ("deberta_v2", lambda: hf.DebertaV2Model(hf.DebertaV2Config(**base, num_hidden_layers=12))),
+        ("albert", lambda: hf.AlbertModel(hf.AlbertConfig(**base))),
+        ("bart_encoder", lambda: hf.BartModel(hf.BartConfig(**bart_base)).get_encoder()),
+    ):
+        out.append((name, lambda build=build: FirstTensor(build()), ids))
     out.append(("clip_vision", lambda: FirstTensor(hf.CLIPVisionModel(hf.CLIPVisionConfig(**eager))), img))
     mel = rng.standard_normal((1, 80, 3000)).astype(np.float32)
     out.append(("whisper_encoder",
