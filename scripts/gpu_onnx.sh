@@ -19,7 +19,7 @@ timeout 120 python3 ../scripts/onnx/convert_reference.py --dir /tmp/tv > $OUT/on
 for m in /tmp/tv/*/; do ls -la $m; done >> $OUT/onnx_torchvision.txt
 # The zoo (issue 42's models, batch 1): exported whatever fails, then one coverage row
 # each (CPU f32 against onnxruntime, or the one-line error that stopped it).
-timeout 420 python3 ../scripts/onnx/torchvision_models.py --zoo --out /tmp/zoo > $OUT/onnx_zoo.txt 2>&1
+timeout 720 python3 ../scripts/onnx/torchvision_models.py --zoo --out /tmp/zoo > $OUT/onnx_zoo.txt 2>&1
 echo "zoo export exit $?" >> $OUT/onnx_zoo.txt
 AMPGRAPH_ONNX_MODELS=/tmp/zoo timeout 400 ./onnx_models models_under_ampgraph_onnx_models --nocapture \
   >> $OUT/onnx_zoo.txt 2>&1; echo "zoo onnx_models exit $?" >> $OUT/onnx_zoo.txt
