@@ -158,6 +158,7 @@ fn models_under_ampgraph_onnx_models_match_onnxruntime() {
 fn zoo_row(name: &str, dir: &Path) -> String {
     let (g, inputs, expected) = load(dir);
     let nodes = g.len();
+    let lowers = lowers_on_cuda(&g);
     let got = run_outputs(name, g, Device::Cpu, &inputs, &expected);
     let truth = tensors(&dir.join("test_data_set_0"), "reference_f64");
     let mut cells = (Vec::new(), Vec::new());
@@ -181,10 +182,25 @@ fn zoo_row(name: &str, dir: &Path) -> String {
         });
     }
     format!(
-        "{nodes} | {} | {} | ok",
+        "{nodes} | {} | {} | ok; {lowers}",
         cells.0.join(", "),
         cells.1.join(", ")
     )
+}
+
+/// Whether every node of `g` has a CUDA kernel after the CUDA executor's passes (no
+/// device needed: planning the lowering is enough), as a cell of the coverage table.
+fn lowers_on_cuda(g: &Graph) -> String {
+    let mut g = g.clone();
+    let names = ampgraph::exec::cuda::pipeline_names(&Default::default());
+    let lowered = ampgraph::session::registry_passes(&names)
+        .and_then(|passes| passes.run(&mut g))
+        .map_err(|e| e.to_string())
+        .and_then(|_| ampgraph::exec::CudaExecutor::check_supported(&g).map_err(|e| e.to_string()));
+    match lowered {
+        Ok(()) => "lowers on CUDA".into(),
+        Err(e) => format!("not on CUDA: {}", e.lines().next().unwrap_or_default()),
+    }
 }
 
 /// The checked-in models with ops that have no CUDA kernel yet: none (kept for the

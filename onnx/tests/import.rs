@@ -193,24 +193,24 @@ fn gathers_of_neighbouring_constant_indices_are_slices() {
     assert_eq!(out[2].to_f64_vec()[..4], [2.0, 0.0, 6.0, 4.0]);
 }
 
-/// GatherElements and ScatterND are computed at import: one on a run-time value is
-/// refused with the node's name and the input that is not a constant.
+/// ScatterND and a float CumSum are computed at import only: one on a run-time value
+/// is refused with the node's name and the input that is not a constant.
 #[test]
 fn import_time_ops_on_run_time_values_are_one_clear_error() {
-    let idx = TensorProto {
-        name: "idx".into(),
-        dims: vec![2, 3],
+    let axis = TensorProto {
+        name: "axis".into(),
+        dims: vec![],
         data_type: 7,
-        int64_data: vec![0, 1, 0, 1, 0, 1],
+        int64_data: vec![1],
         ..TensorProto::default()
     };
     let graph = GraphProto {
         input: vec![input("x", &[2, 3])],
-        initializer: vec![idx],
+        initializer: vec![axis],
         node: vec![NodeProto {
-            name: "pick".into(),
-            op_type: "GatherElements".into(),
-            input: vec!["x".into(), "idx".into()],
+            name: "running".into(),
+            op_type: "CumSum".into(),
+            input: vec!["x".into(), "axis".into()],
             output: vec!["y".into()],
             ..NodeProto::default()
         }],
@@ -221,13 +221,104 @@ fn import_time_ops_on_run_time_values_are_one_clear_error() {
     let err = import_model(&model, None, &ImportOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("'pick'"), "{err}");
+    assert!(err.contains("'running'"), "{err}");
     assert!(
-        err.contains("GatherElements is computed at import only")
-            && err.contains("input 0 ('x') is computed at run time"),
+        err.contains("CumSum of f32 values computed at run time is not imported"),
         "{err}"
     );
     assert!(!err.contains('\n'), "one line: {err}");
+}
+
+/// Run-time values through the ops exporters use on buffers: GatherElements of a
+/// run-time x at constant indices (negative ones count from the end), and an integer
+/// CumSum (inclusive, and exclusive from the end) of a run-time integer input, against
+/// hand-computed values.
+#[test]
+fn gather_elements_and_integer_cumsum_take_run_time_values() {
+    use ampgraph_graph::{DType, Tensor};
+    let ints = |name: &str, dims: Vec<i64>, v: Vec<i64>| TensorProto {
+        name: name.into(),
+        dims,
+        data_type: 7,
+        int64_data: v,
+        ..TensorProto::default()
+    };
+    let attr = |name: &str, i: i64| AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::INT,
+        i,
+        ..AttributeProto::default()
+    };
+    // A value of ONNX element type `elem` (1 f32, 7 i64).
+    let typed = |name: &str, shape: &[i64], elem: i32| {
+        let mut v = input(name, shape);
+        if let Some(tt) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
+            tt.elem_type = elem;
+        }
+        v
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 3]), typed("n", &[2, 4], 7)],
+        initializer: vec![
+            ints("idx", vec![2, 3], vec![2, 0, -1, 1, -3, 1]),
+            ints("axis", vec![], vec![1]),
+        ],
+        node: vec![
+            NodeProto {
+                name: "pick".into(),
+                op_type: "GatherElements".into(),
+                input: vec!["x".into(), "idx".into()],
+                output: vec!["pick".into()],
+                attribute: vec![attr("axis", 1)],
+                ..NodeProto::default()
+            },
+            NodeProto {
+                name: "sums".into(),
+                op_type: "CumSum".into(),
+                input: vec!["n".into(), "axis".into()],
+                output: vec!["sums".into()],
+                ..NodeProto::default()
+            },
+            NodeProto {
+                name: "after".into(),
+                op_type: "CumSum".into(),
+                input: vec!["n".into(), "axis".into()],
+                output: vec!["after".into()],
+                attribute: vec![attr("exclusive", 1), attr("reverse", 1)],
+                ..NodeProto::default()
+            },
+        ],
+        output: vec![
+            typed("pick", &[2, 3], 1),
+            typed("sums", &[2, 4], 7),
+            typed("after", &[2, 4], 7),
+        ],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 17), None, &ImportOptions::default()).unwrap();
+    let x = Tensor::from_f64(
+        DType::F32,
+        vec![2, 3],
+        &[10.0, 11.0, 12.0, 20.0, 21.0, 22.0],
+    )
+    .unwrap();
+    let n = Tensor::from_f64(
+        DType::I64,
+        vec![2, 4],
+        &[1.0, 2.0, 3.0, 4.0, 0.0, -5.0, 7.0, 1.0],
+    )
+    .unwrap();
+    let got = evaluate(&g, &[("x", x), ("n", n)]);
+    assert_eq!(got[0].to_f64_vec(), [12.0, 10.0, 12.0, 21.0, 20.0, 21.0]);
+    assert_eq!(got[1].dtype(), DType::I64);
+    assert_eq!(
+        got[1].to_f64_vec(),
+        [1.0, 3.0, 6.0, 10.0, 0.0, -5.0, 2.0, 3.0]
+    );
+    assert_eq!(
+        got[2].to_f64_vec(),
+        [9.0, 7.0, 4.0, 0.0, 3.0, 8.0, 1.0, 0.0]
+    );
 }
 
 /// A model in a fresh folder whose initializer 'w' ([2, 2] f32) lies in external data

@@ -663,6 +663,50 @@ def positions():
     return m, [g.rng.integers(0, 32, size=(2, 6)).astype(np.int64)]
 
 
+def runtime_positions():
+    """Position ids computed from the input's values, as RoBERTa's export writes them
+    (Hugging Face's create_position_ids_from_input_ids: a CumSum of the non-padding
+    mask, integer Mul and Add), token types gathered at them (GatherElements of
+    indices computed at run time), a GatherElements of negative indices, an integer
+    Sub, and an integer CumSum exclusive and reversed: integer arithmetic and scans at
+    run time."""
+    g = G(seed=1013)
+    seq, pad = 6, 1
+    i64 = lambda v: g.const(np.array(v, dtype=np.int64), "/pos")
+    keep = g.op("Not", [g.op("Equal", ["ids", i64(pad)], "/pos")], "/pos")
+    mask = g.op("Cast", [keep], "/pos", to=TensorProto.INT32)
+    run = g.op("CumSum", [mask, g.const(np.array(1, dtype=np.int64), "/pos")], "/pos")
+    pos = g.op("Add", [g.op("Cast", [g.op("Mul", [run, mask], "/pos")], "/pos", to=TensorProto.INT64),
+                       i64(pad)], "/pos")
+    wpe = g.init("wpe.weight", (0.1 * g.rng.standard_normal((seq + 2, 8))).astype(np.float32))
+    wte = g.init("wte.weight", (0.1 * g.rng.standard_normal((32, 8))).astype(np.float32))
+    wtt = g.init("wtt.weight", (0.1 * g.rng.standard_normal((3, 8))).astype(np.float32))
+    types = g.init("types", g.rng.integers(0, 3, size=(2, seq + 2)).astype(np.int64))
+    tt = g.op("GatherElements", [types, pos], "/types", axis=1)
+    h = g.op("Add", [g.op("Gather", [wte, "ids"], "/wte", axis=0),
+                     g.op("Gather", [wpe, pos], "/wpe", axis=0)], "/embed")
+    h = g.op("Add", [h, g.op("Gather", [wtt, tt], "/wtt", axis=0)], "/embed")
+    # Negative indices count from the axis' end: pos - (seq + 2) is in [-(seq + 1), -1].
+    gains = g.init("gains", (1.0 + 0.1 * g.rng.standard_normal((2, seq + 2))).astype(np.float32))
+    back = g.op("Sub", [pos, i64(seq + 2)], "/gain")
+    gain = g.op("GatherElements", [gains, back], "/gain", axis=1)
+    h = g.op("Mul", [h, g.op("Unsqueeze", [gain, i64([2])], "/gain")], "/gain")
+    # The non-padding tokens after each one: an exclusive, reversed CumSum.
+    after = g.op("CumSum", [g.op("Cast", [keep], "/after", to=TensorProto.INT64),
+                            g.const(np.array(1, dtype=np.int64), "/after")], "/after",
+                 exclusive=1, reverse=1)
+    after = g.op("Cast", [after], "/after", to=TensorProto.FLOAT)
+    h = g.op("Add", [h, g.op("Unsqueeze", [g.op("Mul", [after, g.const(np.float32(0.01), "/after")],
+                                                    "/after"), i64([2])], "/after")], "/after")
+    g.op("MatMul", [h, g.weight("proj.weight", (8, 4), 8, 1.0)], "/proj", outputs=["y"])
+    m = g.model("runtime_positions", [vinfo("ids", [2, seq], I64)], [vinfo("y", [2, seq, 4])],
+                opset=17)
+    ids = g.rng.integers(2, 32, size=(2, seq)).astype(np.int64)
+    ids[0, 4:] = pad  # right padding
+    ids[1, 0] = pad  # and a padding token first
+    return m, [ids]
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -1178,6 +1222,7 @@ MODELS = {
     "attention_forms": attention_forms,
     "layer_norm_forms": layer_norm_forms,
     "triangles": triangles,
+    "runtime_positions": runtime_positions,
 }
 
 

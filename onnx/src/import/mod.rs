@@ -814,6 +814,15 @@ impl NodeCx<'_> {
 
     /// Input `i`, which must be known at import (a constant, or computed from
     /// constants and shapes).
+    /// The op computing `v` at run time, with its inputs (none for a constant).
+    pub fn producer(&self, v: &Value) -> Option<(&dyn Op, Vec<Value>)> {
+        let Value::Port(p) = v else {
+            return None;
+        };
+        let inputs = self.imp.g.inputs(p.node).into_iter().map(Value::Port);
+        Some((self.imp.g.node(p.node).op.as_ref(), inputs.collect()))
+    }
+
     pub fn const_input(&self, i: usize) -> Result<Option<Tensor>> {
         match self.opt_input(i)? {
             None => Ok(None),

@@ -7,9 +7,9 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::ops::{
     AvgPool, BatchMatMul, BatchNorm, BiasAdd, Binary, BinaryKind, BroadcastTo, Cast, Compare,
-    CompareKind, Concat, Conv2D, DataFormat, Gather, LayerNorm, LogSoftmax, Logical, LogicalKind,
-    MatMul, MaxPool, NormActivation, Not, Pad, PadMode, Padding, Reduce, ReduceKind, Reshape,
-    Slice, Softmax, SoftmaxCrossEntropy, Transpose, Unary, UnaryKind, Where,
+    CompareKind, Concat, Const, Conv2D, DataFormat, Gather, LayerNorm, LogSoftmax, Logical,
+    LogicalKind, MatMul, MaxPool, NormActivation, Not, Pad, PadMode, Padding, Reduce, ReduceKind,
+    Reshape, Slice, Softmax, SoftmaxCrossEntropy, Transpose, Unary, UnaryKind, Where,
 };
 use ampgraph_graph::shape::{broadcast_indices, broadcast_shapes, normalize_axis};
 use ampgraph_graph::tensor::strides;
@@ -302,6 +302,18 @@ fn binary(cx: &mut NodeCx) -> Result<Vec<Value>> {
             return Ok(vec![Value::Const(t)]);
         }
     }
+    // Integer arithmetic on values computed at run time (Hugging Face's position ids
+    // from the input's padding mask): in f64, exact while the values stay within
+    // 2^53, then back to the integer type.
+    let (ta, tb) = (cx.ty(&a).dtype, cx.ty(&b).dtype);
+    if ta.is_int()
+        && tb.is_int()
+        && matches!(kind, BinaryKind::Add | BinaryKind::Sub | BinaryKind::Mul)
+    {
+        let (wide_a, wide_b) = (in_f64(cx, a)?, in_f64(cx, b)?);
+        let y = cx.emit(Binary::new(kind), &[wide_a, wide_b])?;
+        return cx.out(Cast { to: ta }, &[y]);
+    }
     // x + a vector along its last axis, as a Linear layer's bias: a BiasAdd, which
     // the GEMM epilogue fusion takes.
     let (sa, sb) = (cx.ty(&a).shape, cx.ty(&b).shape);
@@ -316,11 +328,105 @@ fn binary(cx: &mut NodeCx) -> Result<Vec<Value>> {
     }
 
     // Pow's exponent may be of another type than its base.
-    let (ta, tb) = (cx.ty(&a).dtype, cx.ty(&b).dtype);
     if kind == BinaryKind::Pow && ta != tb {
         b = cx.emit(Cast { to: ta }, &[b])?;
     }
     cx.out(Binary::new(kind), &[a, b])
+}
+
+/// An integer (or bool) value in f64, for integer arithmetic at run time: the f64
+/// value such arithmetic cast back to integers (which held integers, so the round
+/// trip is the identity), the source of a cast between integer types that loses
+/// nothing, or a new Cast. So chained integer ops cast once, not a cast of a cast.
+fn in_f64(cx: &mut NodeCx, v: Value) -> Result<Value> {
+    if let Some(source) = bridged_integers(cx, &v) {
+        return Ok(source);
+    }
+    if let Some((op, inputs)) = cx.producer(&v) {
+        if let (Some(cast), [source]) = (op.downcast_ref::<Cast>(), &inputs[..]) {
+            let from = cx.ty(source).dtype;
+            if (from.is_int() || from == DType::Bool) && widens_integers(from, cast.to) {
+                return cx.emit(Cast { to: DType::F64 }, std::slice::from_ref(source));
+            }
+        }
+    }
+    cx.emit(Cast { to: DType::F64 }, &[v])
+}
+
+/// The f64 value that integer arithmetic at run time cast to the integers `v`, if
+/// that is how `v` was computed.
+fn bridged_integers(cx: &NodeCx, v: &Value) -> Option<Value> {
+    let (op, inputs) = cx.producer(v)?;
+    let (cast, [source]) = (op.downcast_ref::<Cast>()?, &inputs[..]) else {
+        return None;
+    };
+    let from = cx.ty(source).dtype;
+    (from == DType::F64 && cast.to.is_int() && holds_integers(cx, source)).then(|| source.clone())
+}
+
+/// Whether the f64 value `v` holds integers by construction: integer arithmetic at
+/// run time (Casts of integers to f64, integral constants, and their sums, differences,
+/// products and zero-padded shifts), as far as a bounded walk back sees.
+fn holds_integers(cx: &NodeCx, v: &Value) -> bool {
+    let mut stack = vec![v.clone()];
+    let mut seen = std::collections::HashSet::new();
+    while let Some(v) = stack.pop() {
+        if let Value::Port(p) = &v {
+            if !seen.insert(*p) {
+                continue;
+            }
+            if seen.len() > 256 {
+                return false;
+            }
+        }
+        let Some((op, inputs)) = cx.producer(&v) else {
+            let Value::Const(t) = v else { return false };
+            if !t.to_f64_vec().iter().all(|x| x.fract() == 0.0) {
+                return false;
+            }
+            continue;
+        };
+        if let Some(c) = op.downcast_ref::<Const>() {
+            match &c.values {
+                Some(v) if v.to_f64().iter().all(|x| x.fract() == 0.0) => continue,
+                _ => return false,
+            }
+        }
+        let integral_op = match op.downcast_ref::<Cast>() {
+            Some(_) => {
+                let from = inputs.first().map(|i| cx.ty(i).dtype);
+                if from.is_some_and(|d| d.is_int() || d == DType::Bool) {
+                    continue;
+                }
+                from == Some(DType::F64)
+            }
+            None => {
+                let binary = op.downcast_ref::<Binary>().is_some_and(|b| {
+                    matches!(b.kind, BinaryKind::Add | BinaryKind::Sub | BinaryKind::Mul)
+                });
+                let pad = op
+                    .downcast_ref::<Pad>()
+                    .is_some_and(|p| p.mode == PadMode::Constant(0.0));
+                binary || pad
+            }
+        };
+        if !integral_op {
+            return false;
+        }
+        stack.extend(inputs);
+    }
+    true
+}
+
+/// Whether every value of integer (or bool) type `from` is one of `to`.
+fn widens_integers(from: DType, to: DType) -> bool {
+    let rank = |d: DType| match d {
+        DType::Bool => Some(0),
+        DType::I32 => Some(1),
+        DType::I64 => Some(2),
+        _ => None,
+    };
+    matches!((rank(from), rank(to)), (Some(f), Some(t)) if f <= t)
 }
 
 /// Max, Min, Sum (any number of inputs, chained) and Mean (their sum over the count).
@@ -1174,6 +1280,9 @@ fn cast(cx: &mut NodeCx) -> Result<Vec<Value>> {
     if cx.ty(&x).dtype == to {
         return Ok(vec![x]);
     }
+    // Integers that integer arithmetic at run time computed in f64: cast from there
+    // (the same values, one cast rather than a cast of a cast).
+    let x = bridged_integers(cx, &x).unwrap_or(x);
     cx.out(Cast { to }, &[x])
 }
 
@@ -1397,6 +1506,12 @@ fn index_in(i: i64, n: usize) -> Result<usize, String> {
 /// ONNX GatherElements (`torch.gather`): `out[i] = data[i with axis i_axis replaced by
 /// indices[i]]`, computed at import.
 fn gather_elements(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    if [cx.input(0)?, cx.input(1)?]
+        .iter()
+        .any(|v| matches!(v, Value::Port(_)))
+    {
+        return gather_elements_at_run_time(cx);
+    }
     let [data, indices] = <[Tensor; 2]>::try_from(import_time_inputs(cx, 2)?)
         .map_err(|_| cx.err("takes data and indices"))?;
     let (shape, ishape) = (data.shape().to_vec(), indices.shape().to_vec());
@@ -1433,10 +1548,72 @@ fn gather_elements(cx: &mut NodeCx) -> Result<Vec<Value>> {
     Ok(vec![Value::Const(out)])
 }
 
+/// GatherElements of data or indices computed at run time (RoBERTa's token types,
+/// gathered at its position ids): a Gather from the flattened data at `base + index *
+/// stride`,
+/// where `base` (a constant of the indices' shape) holds each element's offset along
+/// the other axes and a negative index counts from the axis' end. The offsets are
+/// computed in f64 (exact below 2^53); an index out of range is the Gather's error.
+fn gather_elements_at_run_time(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let (data, indices) = (cx.input(0)?, cx.input(1)?);
+    let (shape, ishape) = (cx.ty(&data).shape, cx.ty(&indices).shape);
+    let axis = normalize_axis(cx.int_attr("axis", 0)?, shape.len()).map_err(|m| cx.err(m))?;
+    if ishape.len() != shape.len() {
+        return Err(cx.err(format!(
+            "indices of rank {} for data of rank {}",
+            ishape.len(),
+            shape.len()
+        )));
+    }
+    if !cx.ty(&indices).dtype.is_int() {
+        return Err(cx.err("indices must be integers"));
+    }
+    let (strides, istrides) = (strides(&shape), strides(&ishape));
+    let base = (0..ishape.iter().product::<usize>())
+        .map(|flat| {
+            let mut at = 0;
+            for (d, (&n, &st)) in shape.iter().zip(&strides).enumerate() {
+                let coord = (flat / istrides[d]) % ishape[d];
+                if d != axis && coord >= n {
+                    return Err(format!(
+                        "indices of shape {ishape:?} exceed data of {shape:?}"
+                    ));
+                }
+                if d != axis {
+                    at += coord * st;
+                }
+            }
+            Ok(at as f64)
+        })
+        .collect::<Result<Vec<f64>, String>>()
+        .map_err(|m| cx.err(m))?;
+    let base = Tensor::from_f64(DType::F64, ishape.clone(), &base).map_err(|m| cx.err(m))?;
+    let f64s = |v: f64| scalar_like(DType::F64, v);
+    let index = in_f64(cx, indices)?;
+    let negative = cx.emit(Compare::new(CompareKind::Less), &[index.clone(), f64s(0.0)])?;
+    let negative = cx.emit(Cast { to: DType::F64 }, &[negative])?;
+    let wrap = cx.emit(
+        Binary::new(BinaryKind::Mul),
+        &[negative, f64s(shape[axis] as f64)],
+    )?;
+    let index = cx.emit(Binary::new(BinaryKind::Add), &[index, wrap])?;
+    let along = cx.emit(
+        Binary::new(BinaryKind::Mul),
+        &[index, f64s(strides[axis] as f64)],
+    )?;
+    let flat = cx.emit(Binary::new(BinaryKind::Add), &[along, Value::Const(base)])?;
+    let flat = cx.emit(Cast { to: DType::I64 }, &[flat])?;
+    let values = cx.emit(Reshape::new(vec![-1]), &[data])?;
+    cx.out(Gather::new(0), &[values, flat])
+}
+
 /// ONNX CumSum along `axis` (`exclusive`: each sum without its own element;
-/// `reverse`: from the end), computed at import (HF's position ids from a mask of
-/// ones); integers exactly.
+/// `reverse`: from the end): computed at import for a constant x (HF's position ids
+/// from a mask of ones), integers exactly; otherwise [`scan`].
 fn cumsum(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    if let Value::Port(_) = cx.input(0)? {
+        return scan(cx);
+    }
     let [x, axis] = <[Tensor; 2]>::try_from(import_time_inputs(cx, 2)?)
         .map_err(|_| cx.err("takes x and axis"))?;
     let shape = x.shape().to_vec();
@@ -1479,6 +1656,49 @@ fn cumsum(cx: &mut NodeCx) -> Result<Vec<Value>> {
     }
     .map_err(|m| cx.err(m))?;
     Ok(vec![Value::Const(out)])
+}
+
+/// CumSum of integers computed at run time (RoBERTa's position ids, from the input's
+/// padding mask): `log2(len)` steps of `x += x shifted by 2^j along the axis` (a Pad
+/// that crops what it shifts out), then one more shift where `exclusive`, in f64:
+/// exact while the sums stay within 2^53. Floats are refused by name: summed in
+/// that order they would round unlike onnxruntime's sums, one by one.
+fn scan(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let ty = cx.ty(&x);
+    let axis = (cx.ints_input(1)?)
+        .and_then(|v| v.first().copied())
+        .ok_or_else(|| cx.err("axis must be a constant integer"))?;
+    let axis = normalize_axis(axis, ty.shape.len()).map_err(|m| cx.err(m))?;
+    let (exclusive, reverse) = (
+        cx.int_attr("exclusive", 0)? != 0,
+        cx.int_attr("reverse", 0)? != 0,
+    );
+    if !ty.dtype.is_int() {
+        return Err(cx.err(format!(
+            "CumSum of {} values computed at run time is not imported (integers are)",
+            ty.dtype
+        )));
+    }
+    // Shifts by `k` towards the end (the start where `reverse`), zeros coming in.
+    let shift = |k: usize| {
+        let k = k as i64;
+        let mut pads = vec![[0i64, 0]; ty.shape.len()];
+        pads[axis] = if reverse { [-k, k] } else { [k, -k] };
+        Pad::new(pads, PadMode::Constant(0.0))
+    };
+    let len = ty.shape[axis];
+    let mut acc = in_f64(cx, x)?;
+    let mut k = 1;
+    while k < len {
+        let shifted = cx.emit(shift(k), std::slice::from_ref(&acc))?;
+        acc = cx.emit(Binary::new(BinaryKind::Add), &[acc, shifted])?;
+        k *= 2;
+    }
+    if exclusive {
+        acc = cx.emit(shift(1), &[acc])?;
+    }
+    cx.out(Cast { to: ty.dtype }, &[acc])
 }
 
 /// ONNX Trilu: the upper (`upper` 1) or lower triangle of each matrix of x's last two
