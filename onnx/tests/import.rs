@@ -321,6 +321,64 @@ fn gather_elements_and_integer_cumsum_take_run_time_values() {
     );
 }
 
+/// GatherND of a run-time x at constant index vectors (negative ones from the end),
+/// and Tile of a run-time x, against hand-computed values.
+#[test]
+fn gather_nd_and_tile_take_run_time_values() {
+    use ampgraph_graph::{DType, Tensor};
+    let ints = |name: &str, dims: Vec<i64>, v: Vec<i64>| TensorProto {
+        name: name.into(),
+        dims,
+        data_type: 7,
+        int64_data: v,
+        ..TensorProto::default()
+    };
+    let node = |name: &str, op: &str, inputs: [&str; 2]| NodeProto {
+        name: name.into(),
+        op_type: op.into(),
+        input: inputs.iter().map(|&i| i.into()).collect(),
+        output: vec![name.into()],
+        ..NodeProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 3, 2])],
+        initializer: vec![
+            // Two index vectors of the first two axes: (1, 2) and (0, -1).
+            ints("at", vec![2, 2], vec![1, 2, 0, -1]),
+            ints("repeats", vec![3], vec![2, 1, 1]),
+            ints("inner", vec![3], vec![1, 2, 1]),
+        ],
+        node: vec![
+            node("picked", "GatherND", ["x", "at"]),
+            node("tiled", "Tile", ["x", "repeats"]),
+            node("rows", "Tile", ["x", "inner"]),
+        ],
+        output: vec![
+            input("picked", &[2, 2]),
+            input("tiled", &[4, 3, 2]),
+            input("rows", &[2, 6, 2]),
+        ],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 17), None, &ImportOptions::default()).unwrap();
+    let values: Vec<f64> = (0..12).map(f64::from).collect();
+    let x = Tensor::from_f64(DType::F32, vec![2, 3, 2], &values).unwrap();
+    let got = evaluate(&g, &[("x", x)]);
+    // x[1, 2, :] = [10, 11]; x[0, 2, :] = [4, 5].
+    assert_eq!(got[0].to_f64_vec(), [10.0, 11.0, 4.0, 5.0]);
+    assert_eq!(got[1].shape(), [4, 3, 2]);
+    let twice: Vec<f64> = values.iter().chain(&values).copied().collect();
+    assert_eq!(got[1].to_f64_vec(), twice);
+    // Each x[i] (3 rows of 2) twice over, one after the other.
+    let rows: Vec<f64> = (0..2)
+        .flat_map(|i| {
+            let block = &values[6 * i..6 * i + 6];
+            block.iter().chain(block).copied().collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(got[2].to_f64_vec(), rows);
+}
+
 /// A model in a fresh folder whose initializer 'w' ([2, 2] f32) lies in external data
 /// at `location`.
 #[cfg(unix)]

@@ -220,6 +220,17 @@ def zoo_models():
         # Phi-3's padding token is id 32000: its vocabulary's 32064.
         ("phi3", lambda: hf.Phi3ForCausalLM(hf.Phi3Config(**{**small, "vocab_size": 32064}))),
         ("gemma", lambda: hf.GemmaForCausalLM(hf.GemmaConfig(**small, head_dim=64))),
+        ("stablelm", lambda: hf.StableLmForCausalLM(hf.StableLmConfig(**{**small, "num_key_value_heads": 8}))),
+        ("phi", lambda: hf.PhiForCausalLM(hf.PhiConfig(**small))),
+        ("gpt_neox", lambda: hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(**small))),
+        ("falcon", lambda: hf.FalconForCausalLM(hf.FalconConfig(**small))),
+        ("opt", lambda: hf.OPTForCausalLM(hf.OPTConfig(
+            hidden_size=512, num_hidden_layers=4, num_attention_heads=8, ffn_dim=1408,
+            word_embed_proj_dim=512, use_cache=False, **eager))),
+        ("bloom", lambda: hf.BloomForCausalLM(hf.BloomConfig(
+            hidden_size=512, n_layer=4, n_head=8, use_cache=False, **eager))),
+        ("gptj", lambda: hf.GPTJForCausalLM(hf.GPTJConfig(
+            n_embd=512, n_layer=4, n_head=8, rotary_dim=32, use_cache=False, **eager))),
     ):
         out.append((name, lambda build=build: FirstTensor(build()), ids))
     # Encoders at their base sizes (the configurations' defaults are the large ones).
@@ -228,6 +239,9 @@ def zoo_models():
                      decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072, **eager)
     for name, build in (
         ("roberta", lambda: hf.RobertaModel(hf.RobertaConfig(**eager))),
+        ("xlm_roberta", lambda: hf.XLMRobertaModel(hf.XLMRobertaConfig(vocab_size=30000, **eager))),
+        ("electra", lambda: hf.ElectraModel(hf.ElectraConfig(**eager))),
+        ("mpnet", lambda: hf.MPNetModel(hf.MPNetConfig(**eager))),
         ("deberta_v2", lambda: hf.DebertaV2Model(hf.DebertaV2Config(**base, num_hidden_layers=12))),
         ("albert", lambda: hf.AlbertModel(hf.AlbertConfig(**base))),
         ("bart_encoder", lambda: hf.BartModel(hf.BartConfig(**bart_base)).get_encoder()),

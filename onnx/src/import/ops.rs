@@ -66,6 +66,8 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Resize" => resize,
         "Mod" => modulo,
         "GatherElements" => gather_elements,
+        "GatherND" => gather_nd,
+        "Tile" => tile,
         "CumSum" => cumsum,
         "Trilu" => trilu,
         "ScatterND" => scatter_nd,
@@ -1605,6 +1607,76 @@ fn gather_elements_at_run_time(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let flat = cx.emit(Cast { to: DType::I64 }, &[flat])?;
     let values = cx.emit(Reshape::new(vec![-1]), &[data])?;
     cx.out(Gather::new(0), &[values, flat])
+}
+
+/// ONNX GatherND (batch_dims 0): each index vector of the last axis of `indices`
+/// picks a slice of `data` by its first `k` axes, a negative index counting from the
+/// end. Constant indices (Falcon's and GPT-J's rotary tables, at positions known at
+/// import): a Gather of constant positions from `data` with those `k` axes flattened
+/// into one; the whole of it computed at import where `data` is constant too.
+fn gather_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    if cx.int_attr("batch_dims", 0)? != 0 {
+        return Err(cx.err("only batch_dims 0 is supported"));
+    }
+    let data = cx.input(0)?;
+    let shape = cx.ty(&data).shape;
+    let Some(indices) = cx.const_input(1)? else {
+        return Err(cx.err("its indices must be computed at import (from constants and shapes)"));
+    };
+    let ishape = indices.shape().to_vec();
+    let k = *ishape
+        .last()
+        .ok_or_else(|| cx.err("indices must have one axis or more"))?;
+    if k == 0 || k > shape.len() {
+        return Err(cx.err(format!(
+            "index vectors of {k} elements for data of rank {}",
+            shape.len()
+        )));
+    }
+    let idx = (indices.to_i64_vec()).ok_or_else(|| cx.err("indices must be integers"))?;
+    let outer = strides(&shape[..k]);
+    let flat = (idx.chunks(k))
+        .map(|v| {
+            (v.iter().zip(&shape).zip(&outer))
+                .map(|((&i, &n), &st)| index_in(i, n).map(|i| i * st))
+                .sum::<Result<usize, String>>()
+                .map(|at| at as i64)
+        })
+        .collect::<Result<Vec<i64>, String>>()
+        .map_err(|m| cx.err(m))?;
+    let picks = i64_tensor(ishape[..ishape.len() - 1].to_vec(), flat).map_err(|m| cx.err(m))?;
+    let mut rows = vec![shape[..k].iter().product::<usize>() as i64];
+    rows.extend(shape[k..].iter().map(|&d| d as i64));
+    let rows = cx.emit(Reshape::new(rows), &[data])?;
+    cx.out(Gather::new(0), &[rows, Value::Const(picks)])
+}
+
+/// ONNX Tile with repeats known at import (BLOOM's attention bias): each axis `x`
+/// repeats `r` times, as `x` viewed with a new axis of 1 before each, broadcast to
+/// `r` there and the pairs merged (Reshape, BroadcastTo, Reshape).
+fn tile(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let shape = cx.ty(&x).shape;
+    let repeats =
+        (cx.ints_input(1)?).ok_or_else(|| cx.err("its repeats must be computed at import"))?;
+    if repeats.len() != shape.len() || repeats.iter().any(|&r| r < 0) {
+        return Err(cx.err(format!(
+            "repeats {repeats:?} for a value of shape {shape:?}"
+        )));
+    }
+    let repeats: Vec<usize> = repeats.iter().map(|&r| r as usize).collect();
+    let paired = |first: &dyn Fn(usize) -> usize| -> Vec<usize> {
+        (0..shape.len())
+            .flat_map(|d| [first(d), shape[d]])
+            .collect()
+    };
+    let viewed: Vec<i64> = paired(&|_| 1).iter().map(|&d| d as i64).collect();
+    let out: Vec<i64> = (0..shape.len())
+        .map(|d| (repeats[d] * shape[d]) as i64)
+        .collect();
+    let x = cx.emit(Reshape::new(viewed), &[x])?;
+    let x = cx.emit(BroadcastTo::new(paired(&|d| repeats[d])), &[x])?;
+    cx.out(Reshape::new(out), &[x])
 }
 
 /// ONNX CumSum along `axis` (`exclusive`: each sum without its own element;

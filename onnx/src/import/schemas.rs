@@ -122,6 +122,11 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(11, (2, 2), (1, 1), &[int("axis", 0)]),
         version(13, (2, 2), (1, 1), &[int("axis", 0)]),
     ]),
+    ("GatherND", &[
+        version(11, (2, 2), (1, 1), &[]),
+        version(12, (2, 2), (1, 1), &[int("batch_dims", 0)]),
+        version(13, (2, 2), (1, 1), &[int("batch_dims", 0)]),
+    ]),
     ("Gelu", &[
         version(20, (1, 1), (1, 1), &[string("approximate", "none")]),
     ]),
@@ -367,6 +372,10 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
     ("Tanh", &[
         version(6, (1, 1), (1, 1), &[]),
         version(13, (1, 1), (1, 1), &[]),
+    ]),
+    ("Tile", &[
+        version(6, (2, 2), (1, 1), &[]),
+        version(13, (2, 2), (1, 1), &[]),
     ]),
     ("Transpose", &[
         version(1, (1, 1), (1, 1), &[optional("perm")]),
