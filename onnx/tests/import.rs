@@ -379,6 +379,67 @@ fn gather_nd_and_tile_take_run_time_values() {
     assert_eq!(got[2].to_f64_vec(), rows);
 }
 
+/// InstanceNormalization against a float64 reference: each (n, c) row normalised
+/// over its spatial values, then scaled and shifted per channel.
+#[test]
+fn instance_normalization_matches_a_float64_reference() {
+    use ampgraph_graph::{DType, Tensor};
+    let floats = |name: &str, v: Vec<f32>| TensorProto {
+        name: name.into(),
+        dims: vec![v.len() as i64],
+        data_type: 1,
+        float_data: v,
+        ..TensorProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 2, 3])],
+        initializer: vec![
+            floats("scale", vec![2.0, -0.5]),
+            floats("b", vec![0.25, 1.0]),
+        ],
+        node: vec![NodeProto {
+            name: "norm".into(),
+            op_type: "InstanceNormalization".into(),
+            input: vec!["x".into(), "scale".into(), "b".into()],
+            output: vec!["y".into()],
+            attribute: vec![AttributeProto {
+                name: "epsilon".into(),
+                r#type: attribute_type::FLOAT,
+                f: 1e-3,
+                ..AttributeProto::default()
+            }],
+            ..NodeProto::default()
+        }],
+        output: vec![input("y", &[2, 2, 3])],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 17), None, &ImportOptions::default()).unwrap();
+    let x = [1.0, 2.0, 4.0, -3.0, 0.5, 0.0, 7.0, 7.5, 6.0, 0.1, -0.2, 0.3];
+    let got = evaluate(
+        &g,
+        &[(
+            "x",
+            Tensor::from_f64(DType::F32, vec![2, 2, 3], &x).unwrap(),
+        )],
+    );
+    let (scale, b) = ([2.0, -0.5], [0.25, 1.0]);
+    let want: Vec<f64> = x
+        .chunks(3)
+        .enumerate()
+        .flat_map(|(row, v)| {
+            let mean = v.iter().sum::<f64>() / 3.0;
+            let var = v.iter().map(|a| (a - mean) * (a - mean)).sum::<f64>() / 3.0;
+            let c = row % 2;
+            v.iter()
+                .map(move |a| (a - mean) / (var + 1e-3f32 as f64).sqrt() * scale[c] + b[c])
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for (g, w) in got[0].to_f64_vec().iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+    }
+}
+
 /// A model in a fresh folder whose initializer 'w' ([2, 2] f32) lies in external data
 /// at `location`.
 #[cfg(unix)]

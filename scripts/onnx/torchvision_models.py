@@ -187,8 +187,19 @@ def zoo_models():
     out = [
         (n, lambda n=n: getattr(tvm, n)(weights=None), img) for n in (
             "resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny",
-            "regnet_y_400mf", "densenet121", "vit_b_16", "swin_t", "maxvit_t")
+            "regnet_y_400mf", "densenet121", "vit_b_16", "swin_t", "maxvit_t",
+            "shufflenet_v2_x1_0", "squeezenet1_1", "mnasnet1_0", "efficientnet_v2_s",
+            "resnext50_32x4d")
     ]
+    # Inception's two: without their auxiliary heads (inference), initialised.
+    out.append(("googlenet", lambda: tvm.googlenet(weights=None, aux_logits=False,
+                                                   init_weights=True), img))
+    # Inputs drawn after the first models' come from their own generator, so those
+    # models' inputs stay as measured.
+    extra = np.random.default_rng(3)
+    img299 = extra.standard_normal((1, 3, 299, 299)).astype(np.float32)
+    out.append(("inception_v3", lambda: tvm.inception_v3(weights=None, aux_logits=False,
+                                                         init_weights=True), img299))
     out.append(("deeplabv3_resnet50",
                 lambda: FirstTensor(tvm.segmentation.deeplabv3_resnet50(weights=None,
                                                                         weights_backbone=None)), img))
@@ -248,6 +259,15 @@ def zoo_models():
     ):
         out.append((name, lambda build=build: FirstTensor(build()), ids))
     out.append(("clip_vision", lambda: FirstTensor(hf.CLIPVisionModel(hf.CLIPVisionConfig(**eager))), img))
+    for name, build in (
+        ("hf_vit", lambda: hf.ViTModel(hf.ViTConfig(**eager))),
+        ("hf_convnext", lambda: hf.ConvNextModel(hf.ConvNextConfig())),
+        ("segformer", lambda: hf.SegformerForSemanticSegmentation(hf.SegformerConfig())),
+    ):
+        out.append((name, lambda build=build: FirstTensor(build()), img))
+    # One second of 16 kHz audio.
+    wav = extra.standard_normal((1, 16000)).astype(np.float32)
+    out.append(("wav2vec2", lambda: FirstTensor(hf.Wav2Vec2Model(hf.Wav2Vec2Config(**eager))), wav))
     mel = rng.standard_normal((1, 80, 3000)).astype(np.float32)
     out.append(("whisper_encoder",
                 lambda: FirstTensor(hf.WhisperModel(hf.WhisperConfig(**eager)).get_encoder()), mel))

@@ -56,6 +56,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Expand" => expand,
         "Softmax" | "LogSoftmax" => softmax,
         "LayerNormalization" => layer_norm,
+        "InstanceNormalization" => instance_norm,
         "ReduceMean" | "ReduceSum" | "ReduceMax" => reduce,
         "Gather" => gather,
         "Where" => where_,
@@ -1411,6 +1412,45 @@ fn layer_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
         to: None,
     };
     cx.out(op, &[x, gamma, beta])
+}
+
+/// ONNX InstanceNormalization (Wav2Vec2's GroupNorm of one channel a group): each
+/// `(n, c)` normalised over the spatial axes, as a LayerNorm over the axes from 2
+/// (unit gamma, zero beta), then times `scale[c]` plus `B[c]`, viewed `[C, 1, ...]`.
+fn instance_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let (x, scale, bias) = (cx.input(0)?, cx.input(1)?, cx.input(2)?);
+    let xt = cx.ty(&x);
+    if xt.shape.len() < 3 {
+        return Err(cx.err(format!(
+            "x of shape {:?}: at least one spatial axis after [N, C]",
+            xt.shape
+        )));
+    }
+    let channels = xt.shape[1];
+    for (what, v) in [("scale", &scale), ("B", &bias)] {
+        if cx.ty(v).shape != [channels] {
+            return Err(cx.err(format!("{what} must be [{channels}], one per channel")));
+        }
+    }
+    let spatial = xt.shape[2..].to_vec();
+    let n = spatial.iter().product::<usize>();
+    let filled = |v: f64| Tensor::from_f64(xt.dtype, spatial.clone(), &vec![v; n]);
+    let (ones, zeros) = (
+        filled(1.0).map_err(|m| cx.err(m))?,
+        filled(0.0).map_err(|m| cx.err(m))?,
+    );
+    let op = LayerNorm {
+        axis: 2,
+        epsilon: cx.float_attr("epsilon", 1e-5)?,
+        to: None,
+    };
+    let normed = cx.emit(op, &[x, Value::Const(ones), Value::Const(zeros)])?;
+    let mut per_channel = vec![channels as i64];
+    per_channel.extend(std::iter::repeat_n(1, spatial.len()));
+    let scale = cx.emit(Reshape::new(per_channel.clone()), &[scale])?;
+    let bias = cx.emit(Reshape::new(per_channel), &[bias])?;
+    let scaled = cx.emit(Binary::new(BinaryKind::Mul), &[normed, scale])?;
+    cx.out(Binary::new(BinaryKind::Add), &[scaled, bias])
 }
 
 fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {

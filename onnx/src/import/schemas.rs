@@ -175,6 +175,10 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(21, (1, 1), (1, ANY), &[required("else_branch"), required("then_branch")]),
         version(23, (1, 1), (1, ANY), &[required("else_branch"), required("then_branch")]),
     ]),
+    ("InstanceNormalization", &[
+        version(6, (3, 3), (1, 1), &[float("epsilon", 0.00001f32)]),
+        version(22, (3, 3), (1, 1), &[float("epsilon", 0.00001f32)]),
+    ]),
     ("LayerNormalization", &[
         version(17, (2, 3), (1, 3), &[int("axis", -1), float("epsilon", 0.00001f32), int("stash_type", 1)]),
     ]),
