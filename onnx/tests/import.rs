@@ -440,6 +440,48 @@ fn instance_normalization_matches_a_float64_reference() {
     }
 }
 
+/// ReduceL2 and ReduceSumSquare over an axis, against hand-computed values.
+#[test]
+fn reduce_l2_and_sum_square_are_the_roots_and_sums_of_squares() {
+    use ampgraph_graph::{DType, Tensor};
+    let node = |name: &str, op: &str| NodeProto {
+        name: name.into(),
+        op_type: op.into(),
+        input: vec!["x".into()],
+        output: vec![name.into()],
+        attribute: vec![
+            AttributeProto {
+                name: "axes".into(),
+                r#type: attribute_type::INTS,
+                ints: vec![1],
+                ..AttributeProto::default()
+            },
+            AttributeProto {
+                name: "keepdims".into(),
+                r#type: attribute_type::INT,
+                i: 0,
+                ..AttributeProto::default()
+            },
+        ],
+        ..NodeProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 2])],
+        node: vec![node("l2", "ReduceL2"), node("squares", "ReduceSumSquare")],
+        output: vec![input("l2", &[2]), input("squares", &[2])],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 17), None, &ImportOptions::default()).unwrap();
+    let x = Tensor::from_f64(DType::F32, vec![2, 2], &[3.0, -4.0, 0.5, 1.2]).unwrap();
+    let got = evaluate(&g, &[("x", x)]);
+    let l2 = got[0].to_f64_vec();
+    assert_eq!(l2[0], 5.0);
+    assert!((l2[1] - 1.3).abs() < 1e-6, "{l2:?}");
+    let squares = got[1].to_f64_vec();
+    assert_eq!(squares[0], 25.0);
+    assert!((squares[1] - 1.69).abs() < 1e-6, "{squares:?}");
+}
+
 /// A model in a fresh folder whose initializer 'w' ([2, 2] f32) lies in external data
 /// at `location`.
 #[cfg(unix)]

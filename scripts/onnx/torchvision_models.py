@@ -263,8 +263,22 @@ def zoo_models():
         ("hf_vit", lambda: hf.ViTModel(hf.ViTConfig(**eager))),
         ("hf_convnext", lambda: hf.ConvNextModel(hf.ConvNextConfig())),
         ("segformer", lambda: hf.SegformerForSemanticSegmentation(hf.SegformerConfig())),
+        ("deit", lambda: hf.DeiTModel(hf.DeiTConfig(**eager))),
+        ("beit", lambda: hf.BeitModel(hf.BeitConfig(**eager))),
+        ("levit", lambda: hf.LevitModel(hf.LevitConfig())),
+        ("poolformer", lambda: hf.PoolFormerModel(hf.PoolFormerConfig())),
+        ("convnextv2", lambda: hf.ConvNextV2Model(hf.ConvNextV2Config())),
+        ("swinv2", lambda: hf.Swinv2Model(hf.Swinv2Config(**eager))),
+        # Not imported (docs/onnx.md says why): DINOv2 and YOLOS resize their position
+        # embeddings bicubically; MobileViT rounds sizes up with Ceil.
+        ("dinov2", lambda: hf.Dinov2Model(hf.Dinov2Config(**eager))),
+        ("yolos", lambda: hf.YolosModel(hf.YolosConfig(**eager))),
+        ("mobilevit", lambda: hf.MobileViTModel(hf.MobileViTConfig())),
     ):
         out.append((name, lambda build=build: FirstTensor(build()), img))
+    # CLIP's text tower: 77 tokens.
+    out.append(("clip_text", lambda: FirstTensor(hf.CLIPTextModel(hf.CLIPTextConfig(**eager))),
+                ids[:, :77]))
     # One second of 16 kHz audio.
     wav = extra.standard_normal((1, 16000)).astype(np.float32)
     out.append(("wav2vec2", lambda: FirstTensor(hf.Wav2Vec2Model(hf.Wav2Vec2Config(**eager))), wav))

@@ -57,7 +57,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Softmax" | "LogSoftmax" => softmax,
         "LayerNormalization" => layer_norm,
         "InstanceNormalization" => instance_norm,
-        "ReduceMean" | "ReduceSum" | "ReduceMax" => reduce,
+        "ReduceMean" | "ReduceSum" | "ReduceMax" | "ReduceL2" | "ReduceSumSquare" => reduce,
         "Gather" => gather,
         "Where" => where_,
         "Equal" | "Less" | "LessOrEqual" | "Greater" | "GreaterOrEqual" => compare,
@@ -1453,19 +1453,34 @@ fn instance_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
     cx.out(Binary::new(BinaryKind::Add), &[scaled, bias])
 }
 
+/// ReduceMean, ReduceSum, ReduceMax; ReduceSumSquare as a Sum of the Squares and
+/// ReduceL2 as its Sqrt (ConvNeXt V2's global response norm, SwinV2's cosine
+/// attention).
 fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let op = cx.node.op_type.clone();
     let kind = match op.as_str() {
         "ReduceMean" => ReduceKind::Mean,
-        "ReduceSum" => ReduceKind::Sum,
-        _ => ReduceKind::Max,
+        "ReduceMax" => ReduceKind::Max,
+        _ => ReduceKind::Sum,
     };
-    let x = cx.input(0)?;
+    let mut x = cx.input(0)?;
     let axes = axes(cx)?.filter(|a| !a.is_empty());
     let keep = cx.int_attr("keepdims", 1)? != 0;
     let noop_without_axes = cx.int_attr("noop_with_empty_axes", 0)? != 0;
     if axes.is_none() && noop_without_axes {
-        return Ok(vec![x]);
+        // Nothing reduced: each element's own square, or its root, |x|.
+        return match op.as_str() {
+            "ReduceL2" => cx.out(Unary::new(UnaryKind::Abs), &[x]),
+            "ReduceSumSquare" => cx.out(Unary::new(UnaryKind::Square), &[x]),
+            _ => Ok(vec![x]),
+        };
+    }
+    if matches!(op.as_str(), "ReduceL2" | "ReduceSumSquare") {
+        x = cx.emit(Unary::new(UnaryKind::Square), &[x])?;
+    }
+    if op == "ReduceL2" {
+        let sum = cx.emit(Reduce::new(kind, axes, keep), &[x])?;
+        return cx.out(Unary::new(UnaryKind::Sqrt), &[sum]);
     }
     cx.out(Reduce::new(kind, axes, keep), &[x])
 }

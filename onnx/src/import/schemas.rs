@@ -265,6 +265,11 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(6, (1, 1), (1, 1), &[]),
         version(13, (1, 1), (1, 1), &[]),
     ]),
+    ("ReduceL2", &[
+        version(11, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
+        version(13, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
+        version(18, (1, 2), (1, 1), &[int("keepdims", 1), int("noop_with_empty_axes", 0)]),
+    ]),
     ("ReduceMax", &[
         version(11, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
         version(12, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
@@ -280,6 +285,11 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
     ("ReduceSum", &[
         version(11, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
         version(13, (1, 2), (1, 1), &[int("keepdims", 1), int("noop_with_empty_axes", 0)]),
+    ]),
+    ("ReduceSumSquare", &[
+        version(11, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
+        version(13, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
+        version(18, (1, 2), (1, 1), &[int("keepdims", 1), int("noop_with_empty_axes", 0)]),
     ]),
     ("Relu", &[
         version(6, (1, 1), (1, 1), &[]),
