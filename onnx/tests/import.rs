@@ -482,6 +482,60 @@ fn reduce_l2_and_sum_square_are_the_roots_and_sums_of_squares() {
     assert!((squares[1] - 1.69).abs() < 1e-6, "{squares:?}");
 }
 
+/// Ceil and Floor of shapes are computed at import (a patch grid's size rounded up);
+/// of a value computed at run time, one error naming the node.
+#[test]
+fn ceil_and_floor_of_shapes_are_computed_at_import() {
+    let half = TensorProto {
+        name: "half".into(),
+        dims: vec![],
+        data_type: 1,
+        float_data: vec![0.5],
+        ..TensorProto::default()
+    };
+    let node = |name: &str, op: &str, inputs: &[&str]| NodeProto {
+        name: name.into(),
+        op_type: op.into(),
+        input: inputs.iter().map(|&i| i.into()).collect(),
+        output: vec![name.into()],
+        attribute: match op {
+            "Cast" => vec![AttributeProto {
+                name: "to".into(),
+                r#type: attribute_type::INT,
+                i: 1,
+                ..AttributeProto::default()
+            }],
+            _ => vec![],
+        },
+        ..NodeProto::default()
+    };
+    let graph = |rounded: NodeProto, output: ValueInfoProto| GraphProto {
+        input: vec![input("x", &[2, 5])],
+        initializer: vec![half.clone()],
+        node: vec![
+            node("shape", "Shape", &["x"]),
+            node("sizes", "Cast", &["shape"]),
+            node("halves", "Mul", &["sizes", "half"]),
+            rounded,
+        ],
+        output: vec![output],
+        ..GraphProto::default()
+    };
+    let up = graph(node("up", "Ceil", &["halves"]), input("up", &[2]));
+    let g = import_model(&model_of(up, 17), None, &ImportOptions::default()).unwrap();
+    let x = ampgraph_graph::Tensor::from_f64(ampgraph_graph::DType::F32, vec![2, 5], &[0.0; 10])
+        .unwrap();
+    assert_eq!(evaluate(&g, &[("x", x)])[0].to_f64_vec(), [1.0, 3.0]);
+    let down = graph(node("down", "Floor", &["x"]), input("down", &[2, 5]));
+    let err = import_model(&model_of(down, 17), None, &ImportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("'down'") && err.contains("computed at run time"),
+        "{err}"
+    );
+}
+
 /// A model in a fresh folder whose initializer 'w' ([2, 2] f32) lies in external data
 /// at `location`.
 #[cfg(unix)]

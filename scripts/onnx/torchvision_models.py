@@ -269,11 +269,11 @@ def zoo_models():
         ("poolformer", lambda: hf.PoolFormerModel(hf.PoolFormerConfig())),
         ("convnextv2", lambda: hf.ConvNextV2Model(hf.ConvNextV2Config())),
         ("swinv2", lambda: hf.Swinv2Model(hf.Swinv2Config(**eager))),
+        ("mobilevit", lambda: hf.MobileViTModel(hf.MobileViTConfig())),
         # Not imported (docs/onnx.md says why): DINOv2 and YOLOS resize their position
-        # embeddings bicubically; MobileViT rounds sizes up with Ceil.
+        # embeddings bicubically.
         ("dinov2", lambda: hf.Dinov2Model(hf.Dinov2Config(**eager))),
         ("yolos", lambda: hf.YolosModel(hf.YolosConfig(**eager))),
-        ("mobilevit", lambda: hf.MobileViTModel(hf.MobileViTConfig())),
     ):
         out.append((name, lambda build=build: FirstTensor(build()), img))
     # CLIP's text tower: 77 tokens.

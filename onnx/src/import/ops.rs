@@ -68,6 +68,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Mod" => modulo,
         "GatherElements" => gather_elements,
         "GatherND" => gather_nd,
+        "Ceil" | "Floor" => rounding,
         "Tile" => tile,
         "CumSum" => cumsum,
         "Trilu" => trilu,
@@ -1704,6 +1705,25 @@ fn gather_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
     rows.extend(shape[k..].iter().map(|&d| d as i64));
     let rows = cx.emit(Reshape::new(rows), &[data])?;
     cx.out(Gather::new(0), &[rows, Value::Const(picks)])
+}
+
+/// ONNX Ceil and Floor, computed at import (MobileViT's patch grid, its size rounded
+/// up from the input's shape); on a value computed at run time, one error naming the
+/// node and that input.
+fn rounding(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let [x] = <[Tensor; 1]>::try_from(import_time_inputs(cx, 1)?)
+        .map_err(|_| cx.err("takes one input"))?;
+    if !x.dtype().is_float() {
+        return Err(cx.err(format!("{} of {} values", cx.node.op_type, x.dtype())));
+    }
+    let round = if cx.node.op_type == "Ceil" {
+        f64::ceil
+    } else {
+        f64::floor
+    };
+    let v: Vec<f64> = x.to_f64_vec().into_iter().map(round).collect();
+    let out = Tensor::from_f64(x.dtype(), x.shape().to_vec(), &v).map_err(|m| cx.err(m))?;
+    Ok(vec![Value::Const(out)])
 }
 
 /// ONNX Tile with repeats known at import (BLOOM's attention bias): each axis `x`

@@ -38,6 +38,10 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(21, (1, 1), (1, 1), &[int("saturate", 1), required("to")]),
         version(23, (1, 1), (1, 1), &[int("saturate", 1), required("to")]),
     ]),
+    ("Ceil", &[
+        version(6, (1, 1), (1, 1), &[]),
+        version(13, (1, 1), (1, 1), &[]),
+    ]),
     ("Clip", &[
         version(11, (1, 3), (1, 1), &[]),
         version(12, (1, 3), (1, 1), &[]),
@@ -113,6 +117,10 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(13, (1, 1), (1, 1), &[int("axis", 1)]),
         version(21, (1, 1), (1, 1), &[int("axis", 1)]),
         version(23, (1, 1), (1, 1), &[int("axis", 1)]),
+    ]),
+    ("Floor", &[
+        version(6, (1, 1), (1, 1), &[]),
+        version(13, (1, 1), (1, 1), &[]),
     ]),
     ("Gather", &[
         version(11, (2, 2), (1, 1), &[int("axis", 0)]),
