@@ -49,6 +49,39 @@ fn model_of(graph: GraphProto, opset: i64) -> ModelProto {
     }
 }
 
+/// An int attribute.
+fn int_attr(name: &str, i: i64) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        r#type: attribute_type::INT,
+        i,
+        ..AttributeProto::default()
+    }
+}
+
+/// An int64 initializer of `dims` holding `values`.
+fn int64s(name: &str, dims: Vec<i64>, values: Vec<i64>) -> TensorProto {
+    TensorProto {
+        name: name.into(),
+        dims,
+        data_type: 7,
+        int64_data: values,
+        ..TensorProto::default()
+    }
+}
+
+/// A node whose one output is named as the node.
+fn node(name: &str, op: &str, inputs: &[&str], attribute: Vec<AttributeProto>) -> NodeProto {
+    NodeProto {
+        name: name.into(),
+        op_type: op.into(),
+        input: inputs.iter().map(|&i| i.into()).collect(),
+        output: vec![name.into()],
+        attribute,
+        ..NodeProto::default()
+    }
+}
+
 #[test]
 fn many_filters_of_one_shape_each_stay_their_own() {
     const CONVS: usize = 48;
@@ -134,32 +167,15 @@ fn evaluate(
 fn gathers_of_neighbouring_constant_indices_are_slices() {
     // x [3, 2, 4]; Gather(x, 1) on axis 0 -> [2, 4]; Gather(x, [-1]) on axis 2 -> [3, 2, 1];
     // Gather(x, [2, 0]) on axis 2 stays a Gather.
-    let int = |name: &str, dims: Vec<i64>, v: Vec<i64>| TensorProto {
-        name: name.into(),
-        dims,
-        data_type: 7,
-        int64_data: v,
-        ..TensorProto::default()
-    };
-    let gather = |name: &str, idx: &str, axis: i64| NodeProto {
-        name: name.into(),
-        op_type: "Gather".into(),
-        input: vec!["x".into(), idx.into()],
-        output: vec![name.into()],
-        attribute: vec![AttributeProto {
-            name: "axis".into(),
-            r#type: attribute_type::INT,
-            i: axis,
-            ..AttributeProto::default()
-        }],
-        ..NodeProto::default()
+    let gather = |name: &str, idx: &str, axis: i64| {
+        node(name, "Gather", &["x", idx], vec![int_attr("axis", axis)])
     };
     let graph = GraphProto {
         input: vec![input("x", &[3, 2, 4])],
         initializer: vec![
-            int("one", vec![], vec![1]),
-            int("last", vec![1], vec![-1]),
-            int("apart", vec![2], vec![2, 0]),
+            int64s("one", vec![], vec![1]),
+            int64s("last", vec![1], vec![-1]),
+            int64s("apart", vec![2], vec![2, 0]),
         ],
         node: vec![
             gather("row", "one", 0),
@@ -236,19 +252,6 @@ fn import_time_ops_on_run_time_values_are_one_clear_error() {
 #[test]
 fn gather_elements_and_integer_cumsum_take_run_time_values() {
     use ampgraph_graph::{DType, Tensor};
-    let ints = |name: &str, dims: Vec<i64>, v: Vec<i64>| TensorProto {
-        name: name.into(),
-        dims,
-        data_type: 7,
-        int64_data: v,
-        ..TensorProto::default()
-    };
-    let attr = |name: &str, i: i64| AttributeProto {
-        name: name.into(),
-        r#type: attribute_type::INT,
-        i,
-        ..AttributeProto::default()
-    };
     // A value of ONNX element type `elem` (1 f32, 7 i64).
     let typed = |name: &str, shape: &[i64], elem: i32| {
         let mut v = input(name, shape);
@@ -260,33 +263,23 @@ fn gather_elements_and_integer_cumsum_take_run_time_values() {
     let graph = GraphProto {
         input: vec![input("x", &[2, 3]), typed("n", &[2, 4], 7)],
         initializer: vec![
-            ints("idx", vec![2, 3], vec![2, 0, -1, 1, -3, 1]),
-            ints("axis", vec![], vec![1]),
+            int64s("idx", vec![2, 3], vec![2, 0, -1, 1, -3, 1]),
+            int64s("axis", vec![], vec![1]),
         ],
         node: vec![
-            NodeProto {
-                name: "pick".into(),
-                op_type: "GatherElements".into(),
-                input: vec!["x".into(), "idx".into()],
-                output: vec!["pick".into()],
-                attribute: vec![attr("axis", 1)],
-                ..NodeProto::default()
-            },
-            NodeProto {
-                name: "sums".into(),
-                op_type: "CumSum".into(),
-                input: vec!["n".into(), "axis".into()],
-                output: vec!["sums".into()],
-                ..NodeProto::default()
-            },
-            NodeProto {
-                name: "after".into(),
-                op_type: "CumSum".into(),
-                input: vec!["n".into(), "axis".into()],
-                output: vec!["after".into()],
-                attribute: vec![attr("exclusive", 1), attr("reverse", 1)],
-                ..NodeProto::default()
-            },
+            node(
+                "pick",
+                "GatherElements",
+                &["x", "idx"],
+                vec![int_attr("axis", 1)],
+            ),
+            node("sums", "CumSum", &["n", "axis"], vec![]),
+            node(
+                "after",
+                "CumSum",
+                &["n", "axis"],
+                vec![int_attr("exclusive", 1), int_attr("reverse", 1)],
+            ),
         ],
         output: vec![
             typed("pick", &[2, 3], 1),
@@ -326,32 +319,18 @@ fn gather_elements_and_integer_cumsum_take_run_time_values() {
 #[test]
 fn gather_nd_and_tile_take_run_time_values() {
     use ampgraph_graph::{DType, Tensor};
-    let ints = |name: &str, dims: Vec<i64>, v: Vec<i64>| TensorProto {
-        name: name.into(),
-        dims,
-        data_type: 7,
-        int64_data: v,
-        ..TensorProto::default()
-    };
-    let node = |name: &str, op: &str, inputs: [&str; 2]| NodeProto {
-        name: name.into(),
-        op_type: op.into(),
-        input: inputs.iter().map(|&i| i.into()).collect(),
-        output: vec![name.into()],
-        ..NodeProto::default()
-    };
     let graph = GraphProto {
         input: vec![input("x", &[2, 3, 2])],
         initializer: vec![
             // Two index vectors of the first two axes: (1, 2) and (0, -1).
-            ints("at", vec![2, 2], vec![1, 2, 0, -1]),
-            ints("repeats", vec![3], vec![2, 1, 1]),
-            ints("inner", vec![3], vec![1, 2, 1]),
+            int64s("at", vec![2, 2], vec![1, 2, 0, -1]),
+            int64s("repeats", vec![3], vec![2, 1, 1]),
+            int64s("inner", vec![3], vec![1, 2, 1]),
         ],
         node: vec![
-            node("picked", "GatherND", ["x", "at"]),
-            node("tiled", "Tile", ["x", "repeats"]),
-            node("rows", "Tile", ["x", "inner"]),
+            node("picked", "GatherND", &["x", "at"], vec![]),
+            node("tiled", "Tile", &["x", "repeats"], vec![]),
+            node("rows", "Tile", &["x", "inner"], vec![]),
         ],
         output: vec![
             input("picked", &[2, 2]),
@@ -444,30 +423,21 @@ fn instance_normalization_matches_a_float64_reference() {
 #[test]
 fn reduce_l2_and_sum_square_are_the_roots_and_sums_of_squares() {
     use ampgraph_graph::{DType, Tensor};
-    let node = |name: &str, op: &str| NodeProto {
-        name: name.into(),
-        op_type: op.into(),
-        input: vec!["x".into()],
-        output: vec![name.into()],
-        attribute: vec![
-            AttributeProto {
-                name: "axes".into(),
-                r#type: attribute_type::INTS,
-                ints: vec![1],
-                ..AttributeProto::default()
-            },
-            AttributeProto {
-                name: "keepdims".into(),
-                r#type: attribute_type::INT,
-                i: 0,
-                ..AttributeProto::default()
-            },
-        ],
-        ..NodeProto::default()
+    let reduce = |name: &str, op: &str| {
+        let axes = AttributeProto {
+            name: "axes".into(),
+            r#type: attribute_type::INTS,
+            ints: vec![1],
+            ..AttributeProto::default()
+        };
+        node(name, op, &["x"], vec![axes, int_attr("keepdims", 0)])
     };
     let graph = GraphProto {
         input: vec![input("x", &[2, 2])],
-        node: vec![node("l2", "ReduceL2"), node("squares", "ReduceSumSquare")],
+        node: vec![
+            reduce("l2", "ReduceL2"),
+            reduce("squares", "ReduceSumSquare"),
+        ],
         output: vec![input("l2", &[2]), input("squares", &[2])],
         ..GraphProto::default()
     };
@@ -493,40 +463,27 @@ fn ceil_and_floor_of_shapes_are_computed_at_import() {
         float_data: vec![0.5],
         ..TensorProto::default()
     };
-    let node = |name: &str, op: &str, inputs: &[&str]| NodeProto {
-        name: name.into(),
-        op_type: op.into(),
-        input: inputs.iter().map(|&i| i.into()).collect(),
-        output: vec![name.into()],
-        attribute: match op {
-            "Cast" => vec![AttributeProto {
-                name: "to".into(),
-                r#type: attribute_type::INT,
-                i: 1,
-                ..AttributeProto::default()
-            }],
-            _ => vec![],
-        },
-        ..NodeProto::default()
-    };
     let graph = |rounded: NodeProto, output: ValueInfoProto| GraphProto {
         input: vec![input("x", &[2, 5])],
         initializer: vec![half.clone()],
         node: vec![
-            node("shape", "Shape", &["x"]),
-            node("sizes", "Cast", &["shape"]),
-            node("halves", "Mul", &["sizes", "half"]),
+            node("shape", "Shape", &["x"], vec![]),
+            node("sizes", "Cast", &["shape"], vec![int_attr("to", 1)]),
+            node("halves", "Mul", &["sizes", "half"], vec![]),
             rounded,
         ],
         output: vec![output],
         ..GraphProto::default()
     };
-    let up = graph(node("up", "Ceil", &["halves"]), input("up", &[2]));
+    let up = graph(node("up", "Ceil", &["halves"], vec![]), input("up", &[2]));
     let g = import_model(&model_of(up, 17), None, &ImportOptions::default()).unwrap();
     let x = ampgraph_graph::Tensor::from_f64(ampgraph_graph::DType::F32, vec![2, 5], &[0.0; 10])
         .unwrap();
     assert_eq!(evaluate(&g, &[("x", x)])[0].to_f64_vec(), [1.0, 3.0]);
-    let down = graph(node("down", "Floor", &["x"]), input("down", &[2, 5]));
+    let down = graph(
+        node("down", "Floor", &["x"], vec![]),
+        input("down", &[2, 5]),
+    );
     let err = import_model(&model_of(down, 17), None, &ImportOptions::default())
         .unwrap_err()
         .to_string();
@@ -726,19 +683,18 @@ fn nodes_are_read_by_their_schema_at_the_models_opset() {
     let ok = |m: ModelProto, what: &str| {
         import_model(&m, None, &ImportOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
     };
-    let int = |name: &str, i: i64| AttributeProto {
-        name: name.into(),
-        r#type: attribute_type::INT,
-        i,
-        ..AttributeProto::default()
-    };
     let float = |name: &str, f: f32| AttributeProto {
         name: name.into(),
         r#type: attribute_type::FLOAT,
         f,
         ..AttributeProto::default()
     };
-    let e = err(one_node("Add", &["x", "w"], vec![int("broadcast", 1)], 17));
+    let e = err(one_node(
+        "Add",
+        &["x", "w"],
+        vec![int_attr("broadcast", 1)],
+        17,
+    ));
     assert!(
         e.contains("'n'") && e.contains("attribute 'broadcast' is not read at opset 17"),
         "{e}"
@@ -746,7 +702,7 @@ fn nodes_are_read_by_their_schema_at_the_models_opset() {
     let e = err(one_node(
         "Softmax",
         &["x"],
-        vec![int("axis", 1), int("axis", 0)],
+        vec![int_attr("axis", 1), int_attr("axis", 0)],
         17,
     ));
     assert!(e.contains("attribute 'axis' is given twice"), "{e}");
@@ -778,7 +734,7 @@ fn nodes_are_read_by_their_schema_at_the_models_opset() {
         per_channel(one_node(
             "LayerNormalization",
             &["x", "w", "b"],
-            vec![int("stash_type", stash)],
+            vec![int_attr("stash_type", stash)],
             17,
         ))
     };
@@ -793,7 +749,7 @@ fn nodes_are_read_by_their_schema_at_the_models_opset() {
         one_node("Constant", &[], vec![float("value_float", 2.0)], 17),
         "value_float",
     );
-    let mut int_constant = one_node("Constant", &[], vec![int("value_int", 2)], 17);
+    let mut int_constant = one_node("Constant", &[], vec![int_attr("value_int", 2)], 17);
     let out = &mut int_constant.graph.as_mut().unwrap().output[0];
     (out.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()))
         .unwrap()
@@ -1048,12 +1004,6 @@ fn average_pools_that_count_their_padding() {
         ints: v.to_vec(),
         ..AttributeProto::default()
     };
-    let int = |name: &str, i: i64| AttributeProto {
-        name: name.into(),
-        r#type: attribute_type::INT,
-        i,
-        ..AttributeProto::default()
-    };
     let pool = |include: i64, strides: &[i64], ceil: i64| {
         let graph = GraphProto {
             input: vec![input("x", &[1, 1, 3, 3])],
@@ -1066,8 +1016,8 @@ fn average_pools_that_count_their_padding() {
                     ints("kernel_shape", &[3, 3]),
                     ints("pads", &[1, 1, 1, 1]),
                     ints("strides", strides),
-                    int("count_include_pad", include),
-                    int("ceil_mode", ceil),
+                    int_attr("count_include_pad", include),
+                    int_attr("ceil_mode", ceil),
                 ],
                 ..NodeProto::default()
             }],

@@ -383,16 +383,17 @@ fn holds_integers(cx: &NodeCx, v: &Value) -> bool {
                 return false;
             }
         }
+        let integral = |values: Vec<f64>| values.iter().all(|x| x.fract() == 0.0);
         let Some((op, inputs)) = cx.producer(&v) else {
             let Value::Const(t) = v else { return false };
-            if !t.to_f64_vec().iter().all(|x| x.fract() == 0.0) {
+            if !integral(t.to_f64_vec()) {
                 return false;
             }
             continue;
         };
         if let Some(c) = op.downcast_ref::<Const>() {
             match &c.values {
-                Some(v) if v.to_f64().iter().all(|x| x.fract() == 0.0) => continue,
+                Some(v) if integral(v.to_f64()) => continue,
                 _ => return false,
             }
         }
@@ -1574,77 +1575,62 @@ fn gather_elements(cx: &mut NodeCx) -> Result<Vec<Value>> {
         .map_err(|_| cx.err("takes data and indices"))?;
     let (shape, ishape) = (data.shape().to_vec(), indices.shape().to_vec());
     let axis = normalize_axis(cx.int_attr("axis", 0)?, shape.len()).map_err(|m| cx.err(m))?;
-    if ishape.len() != shape.len() {
-        return Err(cx.err(format!(
-            "indices of rank {} for data of rank {}",
-            ishape.len(),
-            shape.len()
-        )));
-    }
+    let beside = offsets_beside_axis(&shape, &ishape, axis).map_err(|m| cx.err(m))?;
     let idx = (indices.to_i64_vec()).ok_or_else(|| cx.err("indices must be integers"))?;
-    let (strides, istrides) = (strides(&shape), strides(&ishape));
-    let picks = (idx.iter().enumerate())
-        .map(|(flat, &i)| {
-            let mut at = 0;
-            for (d, (&n, &st)) in shape.iter().zip(&strides).enumerate() {
-                let coord = (flat / istrides[d]) % ishape[d];
-                if d == axis {
-                    at += index_in(i, n)? * st;
-                } else if coord < n {
-                    at += coord * st;
-                } else {
-                    return Err(format!(
-                        "indices of shape {ishape:?} exceed data of {shape:?}"
-                    ));
-                }
-            }
-            Ok(at)
-        })
+    let stride = strides(&shape)[axis];
+    let picks = (idx.iter().zip(beside))
+        .map(|(&i, at)| index_in(i, shape[axis]).map(|i| at + i * stride))
         .collect::<Result<Vec<usize>, String>>()
         .map_err(|m| cx.err(m))?;
     let out = take(&data, &picks, ishape).map_err(|m| cx.err(m))?;
     Ok(vec![Value::Const(out)])
 }
 
+/// GatherElements' offset in `data` (of `shape`) of each element of its indices (of
+/// `ishape`, the same rank) along every axis but `axis`.
+fn offsets_beside_axis(
+    shape: &[usize],
+    ishape: &[usize],
+    axis: usize,
+) -> Result<Vec<usize>, String> {
+    if ishape.len() != shape.len() {
+        return Err(format!(
+            "indices of rank {} for data of rank {}",
+            ishape.len(),
+            shape.len()
+        ));
+    }
+    if (0..shape.len()).any(|d| d != axis && ishape[d] > shape[d]) {
+        return Err(format!(
+            "indices of shape {ishape:?} exceed data of {shape:?}"
+        ));
+    }
+    let (strides, istrides) = (strides(shape), strides(ishape));
+    let offsets = (0..ishape.iter().product::<usize>()).map(|flat| {
+        (0..shape.len())
+            .filter(|&d| d != axis)
+            .map(|d| (flat / istrides[d]) % ishape[d] * strides[d])
+            .sum()
+    });
+    Ok(offsets.collect())
+}
+
 /// GatherElements of data or indices computed at run time (RoBERTa's token types,
 /// gathered at its position ids): a Gather from the flattened data at `base + index *
-/// stride`,
-/// where `base` (a constant of the indices' shape) holds each element's offset along
-/// the other axes and a negative index counts from the axis' end. The offsets are
-/// computed in f64 (exact below 2^53); an index out of range is the Gather's error.
+/// stride`, where `base` (a constant of the indices' shape) holds each element's
+/// offset along the other axes and a negative index counts from the axis' end. The
+/// offsets are computed in f64 (exact below 2^53); an index out of range is the
+/// Gather's error.
 fn gather_elements_at_run_time(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let (data, indices) = (cx.input(0)?, cx.input(1)?);
     let (shape, ishape) = (cx.ty(&data).shape, cx.ty(&indices).shape);
     let axis = normalize_axis(cx.int_attr("axis", 0)?, shape.len()).map_err(|m| cx.err(m))?;
-    if ishape.len() != shape.len() {
-        return Err(cx.err(format!(
-            "indices of rank {} for data of rank {}",
-            ishape.len(),
-            shape.len()
-        )));
-    }
+    let base = offsets_beside_axis(&shape, &ishape, axis).map_err(|m| cx.err(m))?;
     if !cx.ty(&indices).dtype.is_int() {
         return Err(cx.err("indices must be integers"));
     }
-    let (strides, istrides) = (strides(&shape), strides(&ishape));
-    let base = (0..ishape.iter().product::<usize>())
-        .map(|flat| {
-            let mut at = 0;
-            for (d, (&n, &st)) in shape.iter().zip(&strides).enumerate() {
-                let coord = (flat / istrides[d]) % ishape[d];
-                if d != axis && coord >= n {
-                    return Err(format!(
-                        "indices of shape {ishape:?} exceed data of {shape:?}"
-                    ));
-                }
-                if d != axis {
-                    at += coord * st;
-                }
-            }
-            Ok(at as f64)
-        })
-        .collect::<Result<Vec<f64>, String>>()
-        .map_err(|m| cx.err(m))?;
+    let strides = strides(&shape);
+    let base: Vec<f64> = base.into_iter().map(|at| at as f64).collect();
     let base = Tensor::from_f64(DType::F64, ishape.clone(), &base).map_err(|m| cx.err(m))?;
     let f64s = |v: f64| scalar_like(DType::F64, v);
     let index = in_f64(cx, indices)?;
