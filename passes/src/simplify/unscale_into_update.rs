@@ -125,9 +125,13 @@ impl Pass for UnscaleIntoUpdate {
                 .iter()
                 .map(|&p| unscaled(g, p, check, &is_output))
                 .collect();
-            let Some(found) = found.filter(|f| !f.is_empty()) else {
+            let Some(mut found) = found.filter(|f| !f.is_empty()) else {
                 continue;
             };
+            // A product the check reads twice (cse makes two variables' equal
+            // gradients one) is folded once: its updates gain the scale once.
+            let mut seen = std::collections::HashSet::new();
+            found.retain(|u| seen.insert(u.product));
             let scale = found[0].scale;
             if found.iter().any(|u| u.scale != scale) {
                 continue;
@@ -277,6 +281,47 @@ mod tests {
             let (want, got) = (run_cpu(&before, &feeds), run_cpu(&after, &feeds));
             assert_eq!(want, got, "inv_scale {inv_scale}");
         }
+    }
+
+    /// Two variables with one gradient (cse makes equal gradients one product, which
+    /// the check then reads twice): each update gains the scale once, and the step
+    /// is the same, bit for bit.
+    #[test]
+    fn a_product_the_check_reads_twice_is_folded_once() {
+        let mut before = Graph::new();
+        let g = &mut before;
+        let input = |g: &mut Graph, name: &str, dtype, shape: Vec<usize>| -> Port {
+            let ty = TensorType::new(dtype, shape);
+            g.add_node(name, Box::new(Placeholder(ty)), &[])
+                .unwrap()
+                .into()
+        };
+        let scale = input(g, "inv_scale", DType::F32, vec![]);
+        let grad = input(g, "grad", DType::F16, vec![3]);
+        let wide = g.add(Cast { to: DType::F32 }, &[grad]).unwrap();
+        let product = g.add(Binary::new(BinaryKind::Mul), &[wide, scale]).unwrap();
+        let finite = g.add(AllFinite::default(), &[product, product]).unwrap();
+        let mut outputs = Vec::new();
+        for name in ["w0", "w1"] {
+            let var = input(g, name, DType::F32, vec![3]);
+            let sgd = OptimizerUpdate::new(Rule::PLAIN_SGD, 0.5, 0.0);
+            outputs.push(g.add(sgd, &[finite, var, product]).unwrap());
+        }
+        g.set_outputs(outputs).unwrap();
+        let mut after = before.clone();
+        UnscaleIntoUpdate.run(&mut after).unwrap();
+        after.validate().unwrap();
+        assert_eq!((count(&after, "Mul"), count(&after, "Cast")), (0, 0));
+        let t = |dtype, v: &[f64]| Tensor::from_f64(dtype, vec![v.len()], v).unwrap();
+        let feeds: std::collections::HashMap<&str, Tensor> = [
+            ("inv_scale", Tensor::scalar(DType::F32, 1.0 / 1024.0)),
+            ("grad", t(DType::F16, &[1024.0, -3.0, 0.5])),
+            ("w0", t(DType::F32, &[1.0, 2.0, 3.0])),
+            ("w1", t(DType::F32, &[-1.0, 0.0, 0.25])),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(run_cpu(&before, &feeds), run_cpu(&after, &feeds));
     }
 
     #[test]
