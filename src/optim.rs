@@ -9,7 +9,7 @@
 //! scaling, all inside the graph: scaled loss -> gradients -> unscale (in f32) ->
 //! all-finite check -> apply or skip -> scale update. No step needs the host.
 
-use ampgraph_graph::autodiff::gradients;
+use ampgraph_graph::autodiff::gradients_if_any;
 use ampgraph_graph::ops::{
     step_count, AllFinite, AssignVariable, Binary, BinaryKind, Cast, Const, Group, IncrementIf,
     Init, LossScaleUpdate, OptimizerUpdate, Rule, Unary, UnaryKind, Variable,
@@ -25,7 +25,7 @@ pub struct TrainStep {
     pub step: Port,
     /// The (unscaled) loss.
     pub loss: Port,
-    /// The trainable variables, in graph order.
+    /// The variables it trains (those a gradient of the loss reaches), in graph order.
     pub variables: Vec<NodeId>,
     /// The loss scale in use (dynamic scaling only).
     pub loss_scale: Option<Port>,
@@ -47,8 +47,7 @@ pub trait Optimizer {
     /// depends on.
     fn minimize(&self, g: &mut Graph, loss: Port) -> Result<TrainStep, GraphError> {
         let vars = trainable_variables(g, loss)?;
-        let ports: Vec<Port> = vars.iter().map(|&v| v.into()).collect();
-        let grads = gradients(g, loss, &ports)?;
+        let (vars, grads) = with_gradients(g, loss, vars)?;
         let finite = g.add(Const::new(Tensor::scalar(DType::Bool, 1.0)), &[])?;
         let writes = self.apply_gradients(g, &vars, &grads, finite)?;
         finish(g, loss, vars, writes, None)
@@ -96,6 +95,24 @@ pub fn trainable_variables(g: &Graph, loss: Port) -> Result<Vec<NodeId>, GraphEr
         .filter(|&id| g.node(id).op.is::<Variable>() && g.node(id).outputs()[0].dtype.is_float())
         .filter(|&id| g.node(id).name != STEP_VARIABLE)
         .collect())
+}
+
+/// Those of `vars` that a gradient of `of` reaches, and their gradients. The rest
+/// (batch norm's moving statistics in training, read only where no gradient flows)
+/// are not trained: TensorFlow makes them untrainable, and an update would at best
+/// keep them and with weight decay shrink them.
+fn with_gradients(
+    g: &mut Graph,
+    of: Port,
+    vars: Vec<NodeId>,
+) -> Result<(Vec<NodeId>, Vec<Port>), GraphError> {
+    let ports: Vec<Port> = vars.iter().map(|&v| v.into()).collect();
+    let grads = gradients_if_any(g, of, &ports)?;
+    Ok(vars
+        .into_iter()
+        .zip(grads)
+        .filter_map(|(var, grad)| Some((var, grad?)))
+        .unzip())
 }
 
 /// A scalar Variable of `dtype` with a constant initial value.
@@ -601,8 +618,7 @@ impl<O: Optimizer> Optimizer for MixedPrecision<O> {
             LossScale::None => unreachable!("handled above"),
         };
         let scaled = g.add(Binary::new(BinaryKind::Mul), &[loss32, scale])?;
-        let ports: Vec<Port> = vars.iter().map(|&v| v.into()).collect();
-        let grads = gradients(g, scaled, &ports)?;
+        let (vars, grads) = with_gradients(g, scaled, vars)?;
         // Unscale in f32: the explicit cast keeps the AMP pass from moving the
         // multiplication into 16 bits, where 1/scale would underflow.
         let inv = g.add(Unary::new(UnaryKind::Reciprocal), &[scale])?;

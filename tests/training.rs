@@ -131,6 +131,69 @@ fn non_finite_gradients_skip_the_step_and_halve_the_scale() {
     assert_ne!(weights_and_slots(&s), before);
 }
 
+/// Batch norm in training reads its moving statistics where no gradient flows: the
+/// optimizers train its scale and offset and leave the statistics alone (no update,
+/// no slots), as TensorFlow's untrainable variables, weight decay or not, with and
+/// without loss scaling.
+#[test]
+fn batch_norms_moving_statistics_are_not_trained() {
+    for loss_scale in [LossScale::None, dynamic(1024.0, 2)] {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [BATCH, 4]).unwrap();
+        let labels = g.placeholder("labels", DType::I64, [BATCH]).unwrap();
+        let h = nn::dense(&mut g, x, 6, None).unwrap();
+        let bn = nn::batch_norm_layer(&mut g, h, true).unwrap();
+        let h = g.relu(bn.output).unwrap();
+        let logits = nn::dense(&mut g, h, 3, None).unwrap();
+        let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+        g.set_outputs(vec![logits]).unwrap();
+        let sgd = RuleOptimizer {
+            weight_decay: 0.1,
+            ..Sgd::momentum(0.1, 0.9)
+        };
+        let step = enable_mixed_precision_graph_rewrite(sgd)
+            .with_loss_scale(loss_scale)
+            .minimize(&mut g, loss)
+            .unwrap();
+        let case = format!("{loss_scale:?}");
+        let trained = |id| step.variables.contains(&id);
+        assert!(trained(bn.scale.node) && trained(bn.offset.node), "{case}");
+        assert!(!trained(bn.moving_mean.node), "{case}");
+        assert!(!trained(bn.moving_variance.node), "{case}");
+        assert_eq!(
+            step.variables.len(),
+            6,
+            "{case}: two dense layers, scale, offset"
+        );
+        let mut s = Session::new(g, Device::Cpu).unwrap();
+        let before = |s: &Session, name: &str| s.variable(name).unwrap().to_f64_vec();
+        let scale = before(&s, "batch_norm/scale");
+        for k in 0..2 {
+            s.run(&[step.step], &feeds(k, None)).unwrap();
+        }
+        assert_eq!(before(&s, "batch_norm/moving_mean"), vec![0.0; 6], "{case}");
+        assert_eq!(
+            before(&s, "batch_norm/moving_variance"),
+            vec![1.0; 6],
+            "{case}"
+        );
+        assert_ne!(before(&s, "batch_norm/scale"), scale, "{case}");
+        let slots = s
+            .graph()
+            .node_ids()
+            .map(|id| s.graph().node(id).name.clone());
+        let slots: Vec<String> = slots
+            .filter(|n| n.starts_with("batch_norm/moving_"))
+            .collect();
+        assert!(
+            slots
+                .iter()
+                .all(|n| n == "batch_norm/moving_mean" || n == "batch_norm/moving_variance"),
+            "{case}: {slots:?}"
+        );
+    }
+}
+
 #[test]
 fn scale_grows_after_the_interval_and_never_drops_below_one() {
     let (mut s, step) = amp_session(dynamic(4.0, 3));

@@ -84,8 +84,6 @@ impl<'a> GradBuilder<'a> {
     }
 }
 
-/// Adds nodes computing d`loss`/d`x` for each `x` in `wrt`; `loss` must be a float
-/// scalar. An `x` the loss does not depend on gets zeros.
 /// The name of the constant 1 that [`gradients`] starts from (a second one gets
 /// [`Graph::fresh_name`]'s suffix): what is computed from it is a gradient, which is
 /// how the FP8 pass tells a backward product's gradient operand (stored in E5M2)
@@ -98,7 +96,26 @@ pub fn is_seed_name(name: &str) -> bool {
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
 }
 
+/// Adds nodes computing d`loss`/d`x` for each `x` in `wrt`; `loss` must be a float
+/// scalar. An `x` no gradient reaches ([`gradients_if_any`]) gets zeros.
 pub fn gradients(g: &mut Graph, loss: Port, wrt: &[Port]) -> Result<Vec<Port>> {
+    let grads = gradients_if_any(g, loss, wrt)?;
+    wrt.iter()
+        .zip(grads)
+        .map(|(&x, grad)| match grad {
+            Some(grad) => Ok(grad),
+            None => {
+                let ty = g.ty(x).clone();
+                GradBuilder::new(g, "gradients").add(Const { ty, values: None }, &[])
+            }
+        })
+        .collect()
+}
+
+/// [`gradients`], with `None` for an `x` no gradient reaches: the loss does not
+/// depend on it, or only through inputs without one (batch norm's moving statistics
+/// in training, which the optimizers then leave alone).
+pub fn gradients_if_any(g: &mut Graph, loss: Port, wrt: &[Port]) -> Result<Vec<Option<Port>>> {
     let loss_ty = g.ty(loss).clone();
     if !loss_ty.shape.is_empty() || !loss_ty.dtype.is_float() {
         let n = g.node(loss.node);
@@ -175,13 +192,7 @@ pub fn gradients(g: &mut Graph, loss: Port, wrt: &[Port]) -> Result<Vec<Port>> {
         }
     }
     wrt.iter()
-        .map(|&x| match accumulate(g, grads.remove(&x))? {
-            Some(grad) => Ok(grad),
-            None => {
-                let ty = g.ty(x).clone();
-                GradBuilder::new(g, "gradients").add(Const { ty, values: None }, &[])
-            }
-        })
+        .map(|&x| accumulate(g, grads.remove(&x)))
         .collect()
 }
 
