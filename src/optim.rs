@@ -43,8 +43,8 @@ pub trait Optimizer {
         finite: Port,
     ) -> Result<Vec<Port>, GraphError>;
 
-    /// Adds the backward pass of `loss` and the updates of every float Variable it
-    /// depends on.
+    /// Adds the backward pass of `loss` and the updates of every float Variable a
+    /// gradient of it reaches.
     fn minimize(&self, g: &mut Graph, loss: Port) -> Result<TrainStep, GraphError> {
         let vars = trainable_variables(g, loss)?;
         let (vars, grads) = with_gradients(g, loss, vars)?;
