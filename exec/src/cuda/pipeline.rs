@@ -18,7 +18,7 @@ use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
 use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::recompute::RecomputeInputViews;
 use ampgraph_passes::simplify::{
-    CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConvAsMatmul, Dce, GradCastIntoUpdate,
+    CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConvAsMatmul, Cse, Dce, GradCastIntoUpdate,
     PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use ampgraph_passes::softmax_prologue::SoftmaxPrologue;
@@ -39,7 +39,8 @@ use crate::ExecOptions;
 /// casts AMP put before them, layer norms the casts AMP put around them, cross-entropy
 /// its gradient (one read of the logits for both, the casts around them folded),
 /// products their operands' transposes (as adjoints) and batched products their
-/// scalar scalings, explicit attentions become fused ones (scores never stored; q, k
+/// scalar scalings (products that differed only by them become one: `x x^T` read
+/// through a Transpose and as an adjoint), explicit attentions become fused ones (scores never stored; q, k
 /// and v projected by one product where they were three), the chains of Reshapes and
 /// Transposes around them one Transpose at most (an exported `nn.MultiheadAttention` copies each operand four
 /// times otherwise), the finiteness check and the optimizer updates the loss-scale
@@ -75,6 +76,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(FuseCrossEntropy),
         Box::new(TransposeIntoMatmul),
         Box::new(ScaleIntoMatmul),
+        Box::new(Cse),
         Box::new(FuseAttention),
         Box::new(MergeProjections),
         Box::new(ComposeViews),
