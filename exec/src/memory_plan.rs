@@ -16,8 +16,8 @@
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
 use ampgraph_graph::ops::{
-    update_members, variable_updates, AllReduce, AssignVariable, Cast, Const, Placeholder,
-    Variable, VariableUpdate,
+    replaced_inputs, update_members, variable_updates, AllReduce, AssignVariable, Cast, Const,
+    Placeholder, Variable, VariableUpdate,
 };
 use ampgraph_graph::{Graph, NodeId, Port};
 use std::collections::{HashMap, HashSet};
@@ -66,13 +66,13 @@ pub struct MemoryPlan {
     pub total_bytes: usize,
 }
 
-/// The optimizer outputs that may be written over the variable they replace: a
-/// member's variable or slot output of an OptimizerUpdate (or of a grouped one's
-/// member, `update_members`), assigned to the
-/// Variable node it updates, where nothing later in the step reads that variable's
-/// old value (directly or through a view) and it is not fetched. The update kernels
-/// are elementwise, reading each element before writing it, so the variable needs
-/// no second buffer for its next value.
+/// The update outputs that may be written over the variable they replace (an
+/// optimizer update's variables and slots, delayed scaling's amax history and scale:
+/// `replaced_inputs`), assigned to the Variable node they update, where nothing later
+/// in the step reads that variable's old value (directly or through a view) and it is
+/// not fetched. Their kernels read every old value they need before they write, so
+/// the variable needs no second buffer for its next value (and a captured step no
+/// copy back into it).
 pub fn in_place_updates(graph: &Graph, fetches: &[Port]) -> Result<Vec<(Port, NodeId)>, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
     Ok(in_place_updates_in_order(graph, &order, fetches))
@@ -87,17 +87,8 @@ fn in_place_updates_in_order(
     let position = positions(order);
     let mut found = Vec::new();
     for (at, &id) in order.iter().enumerate() {
-        let Some((update, members)) = update_members(graph.node(id).op.as_ref()) else {
-            continue;
-        };
         let inputs = graph.inputs(id);
-        let (n_in, n_out) = (update.num_inputs(), update.num_outputs());
-        let replaced = (0..members).flat_map(|m| {
-            update
-                .replaced_inputs()
-                .map(move |(k, slot)| (m * n_out + k, m * n_in + slot))
-        });
-        for (k, slot) in replaced {
+        for (k, slot) in replaced_inputs(graph.node(id).op.as_ref()) {
             let Some(&target) = inputs.get(slot) else {
                 continue;
             };
@@ -899,8 +890,8 @@ mod tests {
     use super::*;
 
     use ampgraph_graph::ops::{
-        GroupedOptimizerUpdate, OptimizerUpdate, Reduce, ReduceKind, Reshape, Rule, Unary,
-        UnaryKind,
+        AmaxChoice, Fp8Scale, Fp8ScaleUpdate, GroupedOptimizerUpdate, OptimizerUpdate, Reduce,
+        ReduceKind, Reshape, Rule, Unary, UnaryKind,
     };
     use ampgraph_graph::{DType, TensorType};
 
@@ -1297,6 +1288,57 @@ mod tests {
             .iter()
             .enumerate()
             .all(|(k, (port, _))| *port == Port::new(grouped, k)));
+    }
+
+    #[test]
+    fn delayed_scalings_history_and_scale_are_written_in_place_unless_fetched() {
+        let mut g = Graph::new();
+        let history = g
+            .add_node(
+                "history",
+                Box::new(Variable::new(TensorType::new(DType::F32, vec![16]))),
+                &[],
+            )
+            .unwrap();
+        let scale = g
+            .add_node(
+                "scale",
+                Box::new(Variable::new(TensorType::new(DType::F32, vec![]))),
+                &[],
+            )
+            .unwrap();
+        let amax = placeholder(&mut g, "amax", &[]);
+        let update = g
+            .add(
+                Fp8ScaleUpdate {
+                    scale: Fp8Scale::new(DType::F8E4M3, 0).unwrap(),
+                    amax: AmaxChoice::Max,
+                },
+                &[history.into(), amax, scale.into()],
+            )
+            .unwrap();
+        let mut fetches: Vec<Port> = [(history, 0), (scale, 1)]
+            .into_iter()
+            .map(|(var, k)| {
+                g.add(AssignVariable, &[var.into(), Port::new(update.node, k)])
+                    .unwrap()
+            })
+            .collect();
+        // This step's scale inverse, read by its products.
+        fetches.push(Port::new(update.node, 2));
+        let mut found = in_place_updates(&g, &fetches).unwrap();
+        found.sort_by_key(|(port, _)| port.index);
+        assert_eq!(
+            found,
+            [
+                (Port::new(update.node, 0), history),
+                (Port::new(update.node, 1), scale)
+            ]
+        );
+        // A fetched scale keeps its buffer: the update's goes elsewhere.
+        fetches.push(scale.into());
+        let found = in_place_updates(&g, &fetches).unwrap();
+        assert_eq!(found, [(Port::new(update.node, 0), history)]);
     }
 
     #[test]

@@ -682,6 +682,12 @@ pub struct Fp8ScaleUpdate {
     pub amax: AmaxChoice,
 }
 
+impl Fp8ScaleUpdate {
+    /// The outputs that are the next values of inputs, as (output, input slot): the
+    /// history and the scale.
+    pub const REPLACED_INPUTS: [(usize, usize); 2] = [(0, 0), (1, 2)];
+}
+
 impl Op for Fp8ScaleUpdate {
     fn name(&self) -> &'static str {
         "Fp8ScaleUpdate"

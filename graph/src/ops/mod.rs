@@ -58,9 +58,9 @@ pub use softmax::{
 };
 pub use source::{attrs_but_values, is_source, Cast, Const, Init, Placeholder, Variable};
 pub use train::{
-    step_count, update_members, variable_updates, AllFinite, AssignVariable, Group,
-    GroupedOptimizerUpdate, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule, VariableUpdate,
-    STEP_COUNT,
+    replaced_inputs, step_count, update_members, variable_updates, AllFinite, AssignVariable,
+    Group, GroupedOptimizerUpdate, IncrementIf, LossScaleUpdate, OptimizerUpdate, Rule,
+    VariableUpdate, STEP_COUNT,
 };
 
 /// The gradient flowing into output 0, when there is one.

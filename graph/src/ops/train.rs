@@ -10,7 +10,7 @@ use crate::error::GraphError;
 use crate::graph::{Graph, NodeId, Port};
 use crate::kernel::{eval_float, FloatKernel, Real};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
-use crate::ops::{Init, Variable};
+use crate::ops::{Fp8ScaleUpdate, Init, Variable};
 use crate::tensor::{Data, ShapeDisplay, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -706,6 +706,26 @@ pub fn update_members(op: &dyn Op) -> Option<(&OptimizerUpdate, usize)> {
     }
     op.downcast_ref::<GroupedOptimizerUpdate>()
         .map(|g| (&g.update, g.members))
+}
+
+/// The outputs of `op` that are new values of its inputs, each as (output, input
+/// slot): an optimizer update's variables and slots (every member's), delayed
+/// scaling's amax history and scale ([`Fp8ScaleUpdate`]). Their kernels read every old
+/// value they need before they write a new one, so an executor may write such an
+/// output over its input's buffer where nothing later reads the old value.
+pub fn replaced_inputs(op: &dyn Op) -> Vec<(usize, usize)> {
+    if let Some((update, members)) = update_members(op) {
+        let (n_in, n_out) = (update.num_inputs(), update.num_outputs());
+        return (0..members)
+            .flat_map(|m| {
+                (update.replaced_inputs()).map(move |(k, slot)| (m * n_out + k, m * n_in + slot))
+            })
+            .collect();
+    }
+    if op.is::<Fp8ScaleUpdate>() {
+        return Fp8ScaleUpdate::REPLACED_INPUTS.to_vec();
+    }
+    Vec::new()
 }
 
 /// A Variable that an optimizer update writes: the update's node and its member
