@@ -275,7 +275,8 @@ pub struct RestoreOptions {
     /// without updates (an inference graph) skips every variable it lacks. A
     /// variable of FP8 scaling state the checkpoint lacks
     /// ([`ampgraph_passes::amp::fp8::STATE_PREFIX`]: a checkpoint of another
-    /// precision) starts again from its initial value.
+    /// precision) starts again from its initial value, with the rest of its tensor's
+    /// state.
     pub skip_unknown: Vec<String>,
 }
 
@@ -608,6 +609,19 @@ impl Session {
                 ),
             ));
         }
+        // A tensor's state restarts whole: a scale kept beside a fresh inverse (a
+        // checkpoint from before the inverse was state) would dequantise wrongly.
+        let stem = |name: &str| {
+            name.rsplit_once('/')
+                .map_or(name.to_string(), |(s, _)| s.to_string())
+        };
+        let restarted_tensors: std::collections::HashSet<String> =
+            restarted.iter().map(|name| stem(name)).collect();
+        let restarted: Vec<&String> = names
+            .iter()
+            .filter(|k| k.starts_with(ampgraph_passes::amp::fp8::STATE_PREFIX))
+            .filter(|k| restarted_tensors.contains(&stem(k)))
+            .collect();
         for name in restarted {
             let id = self.graph.require(name)?;
             if let Some(var) = self.graph.node(id).op.downcast_ref::<Variable>() {

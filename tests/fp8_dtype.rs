@@ -436,21 +436,48 @@ fn fp8_scales_follow_the_recipes() {
     assert!(s.is_nan() && inv.is_nan());
     assert!(Fp8Scale::new(DType::F16, 0).is_err() && Fp8Scale::new(DType::F8E4M3, 17).is_err());
 
-    let update = |amax: AmaxChoice, history: &[f64], m: f32, scale: f32| {
-        let op = Fp8ScaleUpdate {
-            scale: Fp8Scale::new(DType::F8E4M3, 0).unwrap(),
-            amax,
-        };
-        let h = Tensor::from_f64(DType::F32, [history.len()], history).unwrap();
-        let out = op.eval(&[&h, &scalar(m), &scalar(scale)]).unwrap();
+    let op = |amax: AmaxChoice, members: usize| Fp8ScaleUpdate {
+        scale: Fp8Scale::new(DType::F8E4M3, 0).unwrap(),
+        amax,
+        members,
+    };
+    let history = |h: &[f64]| Tensor::from_f64(DType::F32, [h.len()], h).unwrap();
+    let update = |amax: AmaxChoice, h: &[f64], m: f32, scale: f32| {
+        let inv = scalar(1.0 / scale);
+        let out = op(amax, 1)
+            .eval(&[&history(h), &scalar(m), &scalar(scale), &inv])
+            .unwrap();
         (values(&out[0]), values(&out[1])[0], values(&out[2])[0])
     };
+    // The inverse is the next scale's, which the next step's products read.
+    let inverse = |s: f64| f64::from(1.0 / s as f32);
     let (h, next, inv) = update(AmaxChoice::Max, &[4.0, 8.0, 2.0], 1.0, 0.5);
-    assert_eq!((h, next, inv), (vec![1.0, 4.0, 8.0], 56.0, 2.0));
-    let (h, next, _) = update(AmaxChoice::MostRecent, &[4.0, 8.0, 2.0], 7.0, 0.5);
-    assert_eq!((h, next), (vec![7.0, 4.0, 8.0], 64.0));
+    assert_eq!((h, next, inv), (vec![1.0, 4.0, 8.0], 56.0, inverse(56.0)));
+    let (h, next, inv) = update(AmaxChoice::MostRecent, &[4.0, 8.0, 2.0], 7.0, 0.5);
+    assert_eq!((h, next, inv), (vec![7.0, 4.0, 8.0], 64.0, 1.0 / 64.0));
+    // A non-finite amax leaves the history, and so the scale, as they were.
     let (h, next, inv) = update(AmaxChoice::Max, &[4.0, 8.0], f32::NAN, 0.5);
-    assert_eq!((h, next), (vec![4.0, 8.0], 56.0));
-    assert!(inv.is_nan());
+    assert_eq!((h, next, inv), (vec![4.0, 8.0], 56.0, inverse(56.0)));
+    let (h, next, inv) = update(AmaxChoice::Max, &[0.0, 0.0], f32::INFINITY, 3.0);
+    assert_eq!((h, next, inv), (vec![0.0, 0.0], 3.0, inverse(3.0)));
     assert_eq!(update(AmaxChoice::Max, &[0.0, 0.0], 0.0, 3.0).1, 3.0);
+
+    // Members step independently, inputs and outputs member after member.
+    let (h0, h1) = (history(&[4.0, 8.0, 2.0]), history(&[0.5, 0.25, 1.0]));
+    let (m0, m1, s0, s1) = (scalar(1.0), scalar(3.0), scalar(0.5), scalar(2.0));
+    let (i0, i1) = (scalar(2.0), scalar(0.5));
+    let both = op(AmaxChoice::Max, 2)
+        .eval(&[&h0, &m0, &s0, &i0, &h1, &m1, &s1, &i1])
+        .unwrap();
+    let first = op(AmaxChoice::Max, 1).eval(&[&h0, &m0, &s0, &i0]).unwrap();
+    let second = op(AmaxChoice::Max, 1).eval(&[&h1, &m1, &s1, &i1]).unwrap();
+    assert_eq!(both, [first, second].concat());
+    assert_eq!(values(&both[3]), [3.0, 0.5, 0.25]);
+    let ty = |t: &Tensor| t.ty();
+    let member = |h: &Tensor, m: &Tensor| [ty(h), ty(m), ty(&s0), ty(&i0)];
+    let types = [member(&h0, &m0), member(&h1, &h1)].concat();
+    let err = op(AmaxChoice::Max, 2)
+        .infer(&types.iter().collect::<Vec<_>>())
+        .unwrap_err();
+    assert!(err.contains("member 1") && err.contains("amax"), "{err}");
 }

@@ -427,8 +427,8 @@ fn scalar(s: &Session, name: &str) -> f64 {
 }
 
 /// Delayed scaling's state, step by step: each weight's history holds its amaxes,
-/// newest first; its scale is 448 over the history's max; a restored checkpoint
-/// carries them.
+/// newest first; its scale is 448 over the history's max, beside its inverse; a
+/// restored checkpoint carries them.
 #[test]
 fn delayed_scaling_keeps_amax_histories_and_scales_in_the_graph() {
     let recipe = Fp8Recipe::Delayed {
@@ -439,12 +439,10 @@ fn delayed_scaling_keeps_amax_histories_and_scales_in_the_graph() {
     let mut s =
         Session::with_options(g, Device::Cpu, options(Fp8Config::everywhere(recipe))).unwrap();
     let kernel = "dense_1/kernel";
-    let (history, scale) = (
-        format!("ampgraph/fp8/{kernel}/e4m3/amax_history"),
-        format!("ampgraph/fp8/{kernel}/e4m3/scale"),
-    );
+    let state = |what: &str| format!("ampgraph/fp8/{kernel}/e4m3/{what}");
+    let (history, scale, scale_inv) = (state("amax_history"), state("scale"), state("scale_inv"));
     assert_eq!(s.variable(&history).unwrap().to_f64_vec(), vec![0.0; 3]);
-    assert_eq!(scalar(&s, &scale), 1.0);
+    assert_eq!((scalar(&s, &scale), scalar(&s, &scale_inv)), (1.0, 1.0));
     let mut amaxes = Vec::new();
     for t in 0..5 {
         let w = s.variable(kernel).unwrap().to_f64_vec();
@@ -455,11 +453,9 @@ fn delayed_scaling_keeps_amax_histories_and_scales_in_the_graph() {
             .collect();
         assert_eq!(s.variable(&history).unwrap().to_f64_vec(), want, "step {t}");
         let max = want.iter().fold(0f64, |m, &v| m.max(v));
-        assert_eq!(
-            scalar(&s, &scale),
-            f64::from(448f32 / max as f32),
-            "step {t}"
-        );
+        let next = 448f32 / max as f32;
+        assert_eq!(scalar(&s, &scale), f64::from(next), "step {t}");
+        assert_eq!(scalar(&s, &scale_inv), f64::from(1.0 / next), "step {t}");
     }
     let path = std::env::temp_dir().join(format!("ampgraph_fp8_{}.ckpt", std::process::id()));
     s.save(&path).unwrap();
@@ -472,12 +468,68 @@ fn delayed_scaling_keeps_amax_histories_and_scales_in_the_graph() {
         s.variable(&history).unwrap().to_f64_vec()
     );
     assert_eq!(scalar(&restored, &scale), scalar(&s, &scale));
+    assert_eq!(scalar(&restored, &scale_inv), scalar(&s, &scale_inv));
     std::fs::remove_file(&path).unwrap();
 }
 
-/// A non-finite input makes its amax non-finite: the product is NaN, the loss-scaled
-/// step is skipped (weights unchanged) and the scale backs off, as for an overflowing
-/// gradient; delayed scaling's history ignores the amax.
+/// Delayed scaling's step is one `Fp8ScaleUpdate` per format with a member for each
+/// quantised tensor, and no product waits for it: the products read the scales'
+/// inverses from the state, and nothing an update computes flows into a product.
+#[test]
+fn one_update_per_format_steps_every_tensor_after_the_products() {
+    use ampgraph::graph::ops::Fp8ScaleUpdate;
+    let g = rewritten(Fp8Config::everywhere(Fp8Recipe::delayed()));
+    let updates: Vec<(DType, usize)> = g
+        .node_ids()
+        .filter_map(|id| g.node(id).op.downcast_ref::<Fp8ScaleUpdate>())
+        .map(|u| (u.scale.format, u.members))
+        .collect();
+    let quantised = |format: DType| {
+        g.node_ids()
+            .filter(|&id| {
+                let op = &g.node(id).op;
+                (op.is::<QuantizeFp8>() || op.is::<FusedQuantizeFp8>())
+                    && g.node(id).outputs()[0].dtype == format
+            })
+            .count()
+    };
+    // x, the three weights and two hidden layers in E4M3; three output gradients
+    // in E5M2 (the mlp's 8 products, each tensor quantised once).
+    assert_eq!(
+        updates,
+        [
+            (DType::F8E4M3, quantised(DType::F8E4M3)),
+            (DType::F8E5M2, quantised(DType::F8E5M2))
+        ]
+    );
+    assert_eq!((updates[0].1, updates[1].1), (6, 3));
+    let products: Vec<_> = g
+        .node_ids()
+        .filter(|&id| g.node(id).op.is::<Fp8MatMul>())
+        .collect();
+    let products_read = g.needed_by(&products.iter().map(|&p| p.into()).collect::<Vec<_>>());
+    for id in g.node_ids() {
+        if g.node(id).op.is::<Fp8ScaleUpdate>() {
+            let name = &g.node(id).name;
+            assert!(!products_read[id.index()], "a product waits for '{name}'");
+        }
+    }
+    for &p in &products {
+        for inv in &g.inputs(p)[2..4] {
+            let name = &g.node(inv.node).name;
+            assert!(
+                name.ends_with("/scale_inv"),
+                "{} reads {name}",
+                g.node(p).name
+            );
+        }
+    }
+}
+
+/// A non-finite input makes its amax non-finite: the loss-scaled step is skipped
+/// (weights unchanged) and the scale backs off, as for an overflowing gradient (current
+/// scaling's product is NaN; delayed scaling's amaxes join the step's all-finite
+/// check); delayed scaling's history ignores the amax.
 #[test]
 fn a_non_finite_amax_skips_the_step_as_an_overflow_does() {
     for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {
@@ -794,13 +846,41 @@ fn checkpoints_move_between_bf16_and_fp8_sessions() {
     let (mut back, _) = bf16();
     back.restore(&path).unwrap();
     assert_eq!(back.variable("dense/kernel"), fp8.variable("dense/kernel"));
+
+    // A checkpoint holding a tensor's history and scale but not its inverse (as
+    // written before the inverse was state) restarts that tensor's state whole; the
+    // others' come back as saved.
+    let state = |what: &str| format!("ampgraph/fp8/dense/kernel/e4m3/{what}");
+    let saved = ampgraph::checkpoint::read(&path, false).unwrap();
+    let without: Vec<(String, Tensor)> = saved
+        .iter()
+        .filter(|(name, _)| *name != state("scale_inv"))
+        .cloned()
+        .collect();
+    assert_eq!(without.len() + 1, saved.len());
+    assert_ne!(scalar(&fp8, &state("scale")), 1.0);
+    ampgraph::checkpoint::write(&path, &without).unwrap();
+    fp8.restore(&path).unwrap();
+    assert_eq!(
+        fp8.variable(&state("amax_history")).unwrap().to_f64_vec(),
+        vec![0.0; 1024]
+    );
+    assert_eq!(
+        (
+            scalar(&fp8, &state("scale")),
+            scalar(&fp8, &state("scale_inv"))
+        ),
+        (1.0, 1.0)
+    );
+    let x_scale = "ampgraph/fp8/x/e4m3/scale";
+    let saved_x = saved.iter().find(|(name, _)| name == x_scale).unwrap();
+    assert_eq!(fp8.variable(x_scale), Some(&saved_x.1));
     std::fs::remove_file(&path).unwrap();
 }
 
 /// Data parallelism with delayed scaling: two replicas fed different inputs keep the
-/// same amax histories and scales, those of the larger of their amaxes (the input's
-/// history reads each replica's own amax otherwise), while each step's product
-/// still quantises with the replica's own scale inverse.
+/// same amax histories, scales and inverses, those of the larger of their amaxes (the
+/// input's history reads each replica's own amax otherwise).
 #[test]
 fn replicas_share_delayed_scaling_state_through_the_max_of_their_amaxes() {
     use ampgraph::parallel::{ReplicaOptions, Replicas};
@@ -850,6 +930,13 @@ fn replicas_share_delayed_scaling_state_through_the_max_of_their_amaxes() {
                 .unwrap()
                 .to_f64_vec()[0],
             f64::from(448f32 / want as f32),
+            "replica {rank}"
+        );
+        assert_eq!(
+            s.variable("ampgraph/fp8/x/e4m3/scale_inv")
+                .unwrap()
+                .to_f64_vec()[0],
+            f64::from(1.0 / (448f32 / want as f32)),
             "replica {rank}"
         );
     }

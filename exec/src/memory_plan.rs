@@ -1291,54 +1291,54 @@ mod tests {
     }
 
     #[test]
-    fn delayed_scalings_history_and_scale_are_written_in_place_unless_fetched() {
+    fn delayed_scalings_state_is_written_in_place_unless_fetched() {
         let mut g = Graph::new();
-        let history = g
-            .add_node(
-                "history",
-                Box::new(Variable::new(TensorType::new(DType::F32, vec![16]))),
+        let mut variable = |name: &str, shape: Vec<usize>| -> NodeId {
+            g.add_node(
+                name,
+                Box::new(Variable::new(TensorType::new(DType::F32, shape))),
                 &[],
             )
-            .unwrap();
-        let scale = g
-            .add_node(
-                "scale",
-                Box::new(Variable::new(TensorType::new(DType::F32, vec![]))),
-                &[],
-            )
-            .unwrap();
+            .unwrap()
+        };
+        let state = [
+            variable("history", vec![16]),
+            variable("scale", vec![]),
+            variable("scale_inv", vec![]),
+        ];
         let amax = placeholder(&mut g, "amax", &[]);
+        let [history, scale, scale_inv] = state;
         let update = g
             .add(
                 Fp8ScaleUpdate {
                     scale: Fp8Scale::new(DType::F8E4M3, 0).unwrap(),
                     amax: AmaxChoice::Max,
+                    members: 1,
                 },
-                &[history.into(), amax, scale.into()],
+                &[history.into(), amax, scale.into(), scale_inv.into()],
             )
             .unwrap();
-        let mut fetches: Vec<Port> = [(history, 0), (scale, 1)]
-            .into_iter()
-            .map(|(var, k)| {
+        let mut fetches: Vec<Port> = state
+            .iter()
+            .enumerate()
+            .map(|(k, &var)| {
                 g.add(AssignVariable, &[var.into(), Port::new(update.node, k)])
                     .unwrap()
             })
             .collect();
-        // This step's scale inverse, read by its products.
-        fetches.push(Port::new(update.node, 2));
         let mut found = in_place_updates(&g, &fetches).unwrap();
         found.sort_by_key(|(port, _)| port.index);
-        assert_eq!(
-            found,
-            [
-                (Port::new(update.node, 0), history),
-                (Port::new(update.node, 1), scale)
-            ]
-        );
+        let expected: Vec<(Port, NodeId)> = state
+            .iter()
+            .enumerate()
+            .map(|(k, &var)| (Port::new(update.node, k), var))
+            .collect();
+        assert_eq!(found, expected);
         // A fetched scale keeps its buffer: the update's goes elsewhere.
         fetches.push(scale.into());
-        let found = in_place_updates(&g, &fetches).unwrap();
-        assert_eq!(found, [(Port::new(update.node, 0), history)]);
+        let mut found = in_place_updates(&g, &fetches).unwrap();
+        found.sort_by_key(|(port, _)| port.index);
+        assert_eq!(found, [expected[0], expected[2]]);
     }
 
     #[test]

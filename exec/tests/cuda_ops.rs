@@ -2182,11 +2182,13 @@ fn fp8_ops_match_the_cpu() {
                 let op = Fp8ScaleUpdate {
                     scale: Fp8Scale::new(DType::F8E4M3, 1).unwrap(),
                     amax,
+                    members: 1,
                 };
                 let inputs = [
                     history.clone(),
                     t(DType::F32, &[], &[m]),
                     t(DType::F32, &[], &[2.5]),
+                    t(DType::F32, &[], &[0.4]),
                 ];
                 assert_identical(
                     &format!("Fp8ScaleUpdate n {n} {amax:?} amax {m}"),
@@ -2194,6 +2196,30 @@ fn fp8_ops_match_the_cpu() {
                 );
             }
         }
+    }
+    // A step's updates in one node: 40 members (two launches of 32 and 8), histories
+    // of several lengths, every kind of amax.
+    let amaxes = [3.5, 0.0, f64::INFINITY, f64::NAN, 700.0];
+    let mut inputs = Vec::new();
+    for k in 0..40 {
+        let n = [1, 7, 1024, 16][k % 4];
+        inputs.extend([
+            t(DType::F32, &[n], &r.vec(n, 0.0, 50.0)),
+            t(DType::F32, &[], &[amaxes[k % amaxes.len()]]),
+            t(DType::F32, &[], &[0.25 + k as f64]),
+            t(DType::F32, &[], &[1.0]),
+        ]);
+    }
+    for amax in [AmaxChoice::Max, AmaxChoice::MostRecent] {
+        let op = Fp8ScaleUpdate {
+            scale: Fp8Scale::new(DType::F8E5M2, 0).unwrap(),
+            amax,
+            members: 40,
+        };
+        assert_identical(
+            &format!("Fp8ScaleUpdate of 40 members, {amax:?}"),
+            run_both(&mut gpu, "update", op, &inputs),
+        );
     }
     let formats = [
         (DType::F8E4M3, DType::F8E4M3),

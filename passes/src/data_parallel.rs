@@ -25,16 +25,16 @@
 //! diverge. In f32 training the f32 gradients are averaged.
 //!
 //! FP8 with delayed scaling (`amp::fp8`) keeps amax histories: the replicas' max of
-//! every amax (one AllReduce of all of them) feeds a second `Fp8ScaleUpdate` per
-//! tensor, whose new history and scale are the ones written, so every replica keeps
-//! the same state, as TransformerEngine reduces its amaxes.
+//! every amax (one AllReduce of all of them) is what the `Fp8ScaleUpdate`s and the
+//! all-finite checks read, so every replica keeps the same state, as
+//! TransformerEngine reduces its amaxes.
 
 use std::collections::HashMap;
 
 use ampgraph_graph::ops::{AllFinite, AllReduce, Fp8ScaleUpdate, OptimizerUpdate, Reduction};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{lossless_cast, node_error};
+use crate::rewrite::lossless_cast;
 use crate::simplify::unscale_into_update::unscaling;
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
@@ -205,23 +205,24 @@ impl Pass for DataParallel {
 }
 
 impl DataParallel {
-    /// Makes every delayed-scaling update's new history and scale those of the
-    /// replicas' max amax: one AllReduce of all the amaxes, and a second update
-    /// reading it that only the state's writes (at the step's end) wait for. The first
-    /// update still gives this step's product its scale inverse from this replica's
-    /// amax: the product cannot wait for an all-reduce of amaxes the backward pass
-    /// measures after it. Returns how many.
+    /// Makes every replica read the replicas' max of each delayed-scaling amax: one
+    /// AllReduce of all the amaxes, which the updates (at the step's end) and the
+    /// all-finite checks then read, so every replica keeps the same state and makes
+    /// the same skip decision. The products read the scales' inverses from the state,
+    /// so none waits for it. Returns how many amaxes.
     fn reduce_amaxes(&self, g: &mut Graph) -> Result<usize, PassError> {
-        let updates: Vec<NodeId> = g
-            .node_ids()
-            .filter(|&id| g.node(id).op.is::<Fp8ScaleUpdate>())
-            .filter(|&id| !g.port_consumers(Port::new(id, 0)).is_empty())
-            .filter(|&id| !g.node(g.inputs(id)[1].node).op.is::<AllReduce>())
-            .collect();
-        if updates.is_empty() {
+        let mut amaxes: Vec<Port> = Vec::new();
+        for id in g.node_ids() {
+            if g.node(id).op.is::<Fp8ScaleUpdate>() {
+                let inputs = g.inputs(id);
+                let step = Fp8ScaleUpdate::MEMBER_INPUTS;
+                amaxes.extend(inputs.iter().skip(1).step_by(step).copied());
+            }
+        }
+        amaxes.retain(|p| !g.node(p.node).op.is::<AllReduce>());
+        if amaxes.is_empty() {
             return Ok(0);
         }
-        let amaxes: Vec<Port> = updates.iter().map(|&id| g.inputs(id)[1]).collect();
         let op = AllReduce {
             replicas: self.replicas,
             reduction: Reduction::Max,
@@ -229,22 +230,15 @@ impl DataParallel {
         let name = g.fresh_name("data_parallel/amax_max");
         let reduced = g.add_node(name, Box::new(op), &amaxes)?;
         let mut changes = Vec::new();
-        for (k, &id) in updates.iter().enumerate() {
-            let [history, _, scale] = g.inputs(id)[..] else {
-                return Err(node_error(g, id, "takes three inputs"));
-            };
-            let name = g.fresh_name(format!("{}/replicas", g.node(id).name));
-            let op = g.node(id).op.clone();
-            let shared = g.add_node(name, op, &[history, Port::new(reduced, k), scale])?;
-            for out in [0, 1] {
-                changes.extend(
-                    g.port_consumers(Port::new(id, out))
-                        .into_iter()
-                        .map(|(reader, slot)| (reader, slot, Port::new(shared, out))),
-                );
-            }
+        for (k, &amax) in amaxes.iter().enumerate() {
+            changes.extend(
+                g.port_consumers(amax)
+                    .into_iter()
+                    .filter(|&(reader, _)| reader != reduced)
+                    .map(|(reader, slot)| (reader, slot, Port::new(reduced, k))),
+            );
         }
         g.rewire(changes)?;
-        Ok(updates.len())
+        Ok(amaxes.len())
     }
 }

@@ -77,7 +77,8 @@ pub enum Arg {
     Table(Box<UpdateTable>),
 }
 
-/// The pointers and lengths of a grouped optimizer update's members, laid out as the
+/// The pointers and lengths of a grouped update's members (an optimizer's, delayed
+/// FP8 scaling's), laid out as the
 /// kernels' `struct UpdateTable` (a by-value parameter): row `m` holds member `m`'s
 /// arguments in its kernel's order.
 #[repr(C)]
@@ -116,6 +117,13 @@ impl UpdateTable {
         self.lens[row] = len as i64;
         Ok(())
     }
+}
+
+/// The kernels' declaration of [`UpdateTable`].
+pub(crate) fn update_table_declaration() -> String {
+    format!(
+        "struct UpdateTable {{ const void* p[{GROUP_MEMBERS}][{GROUP_POINTERS}]; i64 n[{GROUP_MEMBERS}]; }};\n"
+    )
 }
 
 /// Free device buffers by capacity, for reuse.

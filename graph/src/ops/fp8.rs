@@ -73,9 +73,16 @@ pub(crate) const OPS: &[OpEntry] = &[
         name: "Fp8ScaleUpdate",
         parse: |_, a| {
             let amax = a.choice("amax", &AmaxChoice::NAMES, Some(AmaxChoice::Max))?;
+            // Required: before it the op had one tensor and gave this step's inverse.
+            let members = a.opt_int("members")?.ok_or("missing attr 'members'")?;
+            let members = usize::try_from(members)
+                .ok()
+                .filter(|&m| m > 0)
+                .ok_or("attr 'members' must be positive")?;
             Ok(Box::new(Fp8ScaleUpdate {
                 scale: Fp8Scale::parse(a)?,
                 amax,
+                members,
             }))
         },
     },
@@ -669,54 +676,49 @@ impl AmaxChoice {
     }
 }
 
-/// `(history, amax, scale) -> (history', scale', scale_inv)`: delayed scaling's
-/// step, TransformerEngine's recipe. This step quantised with `scale`, the Variable's
-/// value, and measured `amax`; `history'` is `[amax, history[..n-1]]` (unchanged where
-/// `amax` is not finite: one overflow does not poison the next thousand scales);
-/// `scale'` is [`Fp8Scale`]'s scale of the history's `max` or most recent amax (the
-/// old scale where that is 0). `scale_inv` is `1 / scale` for this step's product, NaN
-/// where `amax` is not finite, so that a loss-scaled step is skipped.
+/// Delayed scaling's step for `members` tensors quantised to one format, Transformer
+/// Engine's recipe: per member `(history, amax, scale, scale_inv) -> (history', scale',
+/// scale_inv')`, the inputs and outputs member after member (the old inverse is read
+/// by no one here: it is an input so that its next value may be written over it, as
+/// the history's and the scale's are). This step quantised with
+/// `scale`, the Variable's value, and measured `amax`; `history'` is `[amax,
+/// history[..n-1]]` (unchanged where `amax` is not finite: one overflow does not poison
+/// the next thousand scales); `scale'` is [`Fp8Scale`]'s scale of the history's `max`
+/// or most recent amax (the old scale where that is 0), and `scale_inv'` its inverse,
+/// which the next step's products read. So the products never wait for the update,
+/// and one node updates every tensor of a step (a launch, where one a tensor cost
+/// GPT-2 146 launches of 5 us). A non-finite amax is the step's all-finite check's to
+/// catch (`amp::fp8` adds the amaxes to it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp8ScaleUpdate {
     pub scale: Fp8Scale,
     pub amax: AmaxChoice,
+    pub members: usize,
 }
 
 impl Fp8ScaleUpdate {
-    /// The outputs that are the next values of inputs, as (output, input slot): the
-    /// history and the scale.
-    pub const REPLACED_INPUTS: [(usize, usize); 2] = [(0, 0), (1, 2)];
-}
+    /// The inputs of one member: its history, amax, scale and scale inverse.
+    pub const MEMBER_INPUTS: usize = 4;
+    /// The outputs of one member: its next history, scale and scale inverse.
+    pub const MEMBER_OUTPUTS: usize = 3;
 
-impl Op for Fp8ScaleUpdate {
-    fn name(&self) -> &'static str {
-        "Fp8ScaleUpdate"
+    /// The outputs that are the next values of inputs, as (output, input slot): each
+    /// member's history, scale and scale inverse.
+    pub fn replaced_inputs(&self) -> Vec<(usize, usize)> {
+        let (i, o) = (Self::MEMBER_INPUTS, Self::MEMBER_OUTPUTS);
+        (0..self.members)
+            .flat_map(|m| {
+                [
+                    (o * m, i * m),
+                    (o * m + 1, i * m + 2),
+                    (o * m + 2, i * m + 3),
+                ]
+            })
+            .collect()
     }
-    fn arity(&self) -> Arity {
-        Arity::Exactly(3)
-    }
-    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        let mut attrs = self.scale.attrs();
-        attrs.push(("amax", self.amax.name().into()));
-        attrs
-    }
-    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let [history, amax, scale] = fixed(inputs)?;
-        if history.dtype != DType::F32 || history.shape.len() != 1 || history.shape[0] == 0 {
-            return Err(format!(
-                "the amax history must be a non-empty f32 vector, not {history}"
-            ));
-        }
-        check_scale("amax", amax)?;
-        check_scale("scale", scale)?;
-        Ok(vec![
-            (*history).clone(),
-            TensorType::new(DType::F32, []),
-            TensorType::new(DType::F32, []),
-        ])
-    }
-    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let [history, amax, scale] = fixed(inputs)?;
+
+    /// One member's step on the host: `(history', scale', scale_inv')`.
+    fn step(&self, history: &Tensor, amax: &Tensor, scale: &Tensor) -> OpResult<[Tensor; 3]> {
         let (mut h, m, s) = (history.to_f32_vec(), scalar_of(amax), scalar_of(scale));
         if m.is_finite() {
             h.rotate_right(1);
@@ -727,14 +729,62 @@ impl Op for Fp8ScaleUpdate {
             AmaxChoice::MostRecent => h[0],
         };
         let next = self.scale.of_amax(chosen).unwrap_or(s);
-        let inv = if m.is_finite() { 1.0 / s } else { f32::NAN };
-        Ok(vec![
+        Ok([
             Tensor::new(history.shape().to_vec(), Data::F32(h))?,
             scalar(next),
-            scalar(inv),
+            scalar(1.0 / next),
         ])
     }
+}
+
+impl Op for Fp8ScaleUpdate {
+    fn name(&self) -> &'static str {
+        "Fp8ScaleUpdate"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(Self::MEMBER_INPUTS * self.members)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = self.scale.attrs();
+        attrs.push(("amax", self.amax.name().into()));
+        attrs.push(("members", (self.members as i64).into()));
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let mut out = Vec::with_capacity(Self::MEMBER_OUTPUTS * self.members);
+        for (m, member) in inputs.chunks(Self::MEMBER_INPUTS).enumerate() {
+            let &[history, amax, scale, scale_inv] = member else {
+                return Err(format!("member {m} has {} inputs, not 4", member.len()));
+            };
+            if history.dtype != DType::F32 || history.shape.len() != 1 || history.shape[0] == 0 {
+                return Err(format!(
+                    "member {m}: the amax history must be a non-empty f32 vector, not {history}"
+                ));
+            }
+            check_scale("amax", amax).map_err(|e| format!("member {m}: {e}"))?;
+            check_scale("scale", scale).map_err(|e| format!("member {m}: {e}"))?;
+            check_scale("scale_inv", scale_inv).map_err(|e| format!("member {m}: {e}"))?;
+            out.extend([
+                history.clone(),
+                TensorType::new(DType::F32, []),
+                TensorType::new(DType::F32, []),
+            ]);
+        }
+        Ok(out)
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let mut out = Vec::with_capacity(Self::MEMBER_OUTPUTS * self.members);
+        for member in inputs.chunks(Self::MEMBER_INPUTS) {
+            let &[history, amax, scale, _] = member else {
+                return Err("each member takes a history, an amax, a scale and its inverse".into());
+            };
+            out.extend(self.step(history, amax, scale)?);
+        }
+        Ok(out)
+    }
     fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
-        vec![TypeGroup::new(vec![0, 1, 2], vec![0, 1, 2]).fixed()]
+        let inputs = (0..Self::MEMBER_INPUTS * self.members).collect();
+        let outputs = (0..Self::MEMBER_OUTPUTS * self.members).collect();
+        vec![TypeGroup::new(inputs, outputs).fixed()]
     }
 }

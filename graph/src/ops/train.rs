@@ -722,8 +722,8 @@ pub fn replaced_inputs(op: &dyn Op) -> Vec<(usize, usize)> {
             })
             .collect();
     }
-    if op.is::<Fp8ScaleUpdate>() {
-        return Fp8ScaleUpdate::REPLACED_INPUTS.to_vec();
+    if let Some(update) = op.downcast_ref::<Fp8ScaleUpdate>() {
+        return update.replaced_inputs();
     }
     Vec::new()
 }

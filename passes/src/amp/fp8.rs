@@ -15,10 +15,11 @@
 //! Scaling lives in the graph ([`Fp8Recipe`]): current scaling computes each tensor's
 //! scale from its own amax (`Fp8Scale`); delayed scaling keeps an amax history and a
 //! scale per tensor in Variables (`ampgraph/fp8/<tensor>/<format>/amax_history`,
-//! `.../scale`: [`STATE_PREFIX`]) that `Fp8ScaleUpdate` advances inside the training
-//! step, so checkpoints keep them.
-//! A non-finite amax makes the product NaN, so a loss-scaled step is skipped as for an
-//! overflowing gradient.
+//! `.../scale`, `.../scale_inv`: [`STATE_PREFIX`]) that one `Fp8ScaleUpdate` per format
+//! advances at the end of the training step, so checkpoints keep them; the products
+//! read the inverse Variable and never wait for an update. A non-finite amax fails the
+//! step's all-finite check, so a loss-scaled step is skipped as for an overflowing
+//! gradient.
 //!
 //! Kept 16-bit ([`Kept`]): products whose layer is the first or the last of the
 //! forward graph (both libraries' advice), listed ones, those the cost model refuses,
@@ -30,8 +31,8 @@ use std::fmt;
 
 use ampgraph_graph::autodiff::is_seed_name;
 use ampgraph_graph::ops::{
-    AmaxChoice, AssignVariable, BatchMatMul, Cast, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate, Group,
-    Init, MatMul, QuantizeFp8, Variable,
+    AllFinite, AmaxChoice, AssignVariable, BatchMatMul, Cast, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate,
+    Group, Init, MatMul, QuantizeFp8, Variable,
 };
 use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
 
@@ -523,14 +524,23 @@ impl Quantized {
     }
 }
 
+/// A tensor's delayed-scaling state: its Variables and this step's amax.
+struct DelayedState {
+    format: DType,
+    history: Port,
+    amax: Port,
+    scale: Port,
+    scale_inv: Port,
+}
+
 /// Adds the quantisation of `x` to `format` under `config`'s recipe, with a transposed
-/// copy if `transposed`; delayed scaling's state writes go to `writes`.
+/// copy if `transposed`; under delayed scaling its state joins `delayed`.
 fn quantize(
     g: &mut Graph,
     x: Port,
     (format, transposed): (DType, bool),
     config: &Fp8Config,
-    writes: &mut Vec<Port>,
+    delayed: &mut Vec<DelayedState>,
 ) -> Result<Quantized, PassError> {
     let src = source(g, x);
     let stem = format!(
@@ -562,7 +572,7 @@ fn quantize(
                 scale_inv: Port::new(scale, 1),
             })
         }
-        Fp8Recipe::Delayed { history, amax } => {
+        Fp8Recipe::Delayed { history, .. } => {
             if history == 0 {
                 return Err(PassError::Rewrite(
                     "delayed FP8 scaling needs an amax history of at least 1".into(),
@@ -576,40 +586,95 @@ fn quantize(
                 )
                 .map(Port::from)
             };
+            let scalar = || TensorType::new(DType::F32, []);
             let amaxes = state(
                 g,
                 "amax_history",
                 TensorType::new(DType::F32, [history]),
                 Init::Zeros,
             )?;
-            let scale = state(
-                g,
-                "scale",
-                TensorType::new(DType::F32, []),
-                Init::Constant(1.0),
-            )?;
+            let scale = state(g, "scale", scalar(), Init::Constant(1.0))?;
+            let scale_inv = state(g, "scale_inv", scalar(), Init::Constant(1.0))?;
             let q = g.add_node(
                 g.fresh_name(format!("{stem}/quantize")),
                 Box::new(quantize_op),
                 &[x, scale],
             )?;
-            let update = g.add_node(
-                g.fresh_name(format!("{stem}/update")),
-                Box::new(Fp8ScaleUpdate {
-                    scale: scale_op,
-                    amax,
-                }),
-                &[amaxes, Port::new(q, 1), scale],
-            )?;
-            writes.push(g.add(AssignVariable, &[amaxes, Port::new(update, 0)])?);
-            writes.push(g.add(AssignVariable, &[scale, Port::new(update, 1)])?);
+            delayed.push(DelayedState {
+                format,
+                history: amaxes,
+                amax: Port::new(q, 1),
+                scale,
+                scale_inv,
+            });
             Ok(Quantized {
                 values: Port::new(q, 0),
                 transposed: copy(q),
-                scale_inv: Port::new(update, 2),
+                scale_inv,
             })
         }
     }
+}
+
+/// Delayed scaling's step: one `Fp8ScaleUpdate` per format for all its tensors, their
+/// next histories, scales and inverses assigned to their Variables, and the amaxes
+/// added to the step's all-finite checks (a non-finite amax skips a loss-scaled step
+/// as an overflowing gradient does; the saturating casts would hide it). Returns the
+/// writes.
+fn update_delayed_state(
+    g: &mut Graph,
+    delayed: &[DelayedState],
+    config: &Fp8Config,
+) -> Result<Vec<Port>, PassError> {
+    let Fp8Recipe::Delayed { amax, .. } = config.recipe else {
+        return Ok(Vec::new());
+    };
+    let mut writes = Vec::new();
+    for format in [DType::F8E4M3, DType::F8E5M2] {
+        let members: Vec<&DelayedState> = delayed.iter().filter(|d| d.format == format).collect();
+        if members.is_empty() {
+            continue;
+        }
+        let op = Fp8ScaleUpdate {
+            scale: Fp8Scale::new(format, config.margin).map_err(PassError::Rewrite)?,
+            amax,
+            members: members.len(),
+        };
+        let inputs: Vec<Port> = members
+            .iter()
+            .flat_map(|d| [d.history, d.amax, d.scale, d.scale_inv])
+            .collect();
+        let name = format!(
+            "{STATE_PREFIX}update/{}",
+            format.as_str().trim_start_matches("f8")
+        );
+        let update = g.add_node(g.fresh_name(name), Box::new(op), &inputs)?;
+        for (m, d) in members.iter().enumerate() {
+            for (k, var) in [d.history, d.scale, d.scale_inv].into_iter().enumerate() {
+                let next = Port::new(update, Fp8ScaleUpdate::MEMBER_OUTPUTS * m + k);
+                writes.push(g.add(AssignVariable, &[var, next])?);
+            }
+        }
+    }
+    let checks: Vec<NodeId> = g
+        .node_ids()
+        .filter(|&id| g.node(id).op.is::<AllFinite>())
+        .collect();
+    for id in checks {
+        let mut inputs = g.inputs(id);
+        // A scaled check's last input is its scale.
+        let at = inputs.len()
+            - usize::from(
+                g.node(id)
+                    .op
+                    .downcast_ref::<AllFinite>()
+                    .is_some_and(|a| a.scaled),
+            );
+        inputs.splice(at..at, delayed.iter().map(|d| d.amax));
+        let op = g.node(id).op.clone();
+        g.set_node(id, op, &inputs)?;
+    }
+    Ok(writes)
 }
 
 /// The training step's Group among the graph's outputs, which delayed scaling's
@@ -659,7 +724,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
         }
     }
     let mut quantized: HashMap<(Port, DType), Quantized> = HashMap::new();
-    let mut writes = Vec::new();
+    let mut delayed = Vec::new();
     for (id, [(xa, a, flip_a), (xb, b, flip_b)]) in products {
         let mut operands = Vec::with_capacity(2);
         for (x, format) in [(xa, a), (xb, b)] {
@@ -668,7 +733,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
                 Some(q) => *q,
                 None => {
                     let copy = flipped.get(&key).copied().unwrap_or(false);
-                    let q = quantize(g, x, (format, copy), config, &mut writes)?;
+                    let q = quantize(g, x, (format, copy), config, &mut delayed)?;
                     quantized.insert(key, q);
                     q
                 }
@@ -698,6 +763,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
             ],
         )?;
     }
+    let writes = update_delayed_state(g, &delayed, config)?;
     if let (Some(group), false) = (group, writes.is_empty()) {
         let mut inputs = g.inputs(group);
         inputs.extend(writes);

@@ -10,10 +10,13 @@
 //!
 //! It folds an `AllFinite` only when every input is such a product by the same scalar,
 //! each product read by nothing but the check and updates of variables of its dtype
-//! (f32 or f64): the step either reads no product or still needs them all.
+//! (f32 or f64): the step either reads no product or still needs them all. Other f32
+//! scalars among the inputs (delayed FP8 scaling's amaxes) are then checked times the
+//! scale too, which keeps their finiteness: a dynamic loss scale is never below 1, so
+//! its inverse makes no finite scalar infinite.
 
 use ampgraph_graph::ops::{AllFinite, Binary, BinaryKind, Cast, OptimizerUpdate};
-use ampgraph_graph::{Graph, NodeId, Port};
+use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
 
 use crate::rewrite::{lossless_cast, output_nodes, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
@@ -120,23 +123,31 @@ impl Pass for UnscaleIntoUpdate {
         let (mut folded_checks, mut folded_updates) = (0usize, 0usize);
         let mut dead: Vec<NodeId> = Vec::new();
         for check in checks {
-            let found: Option<Vec<Unscaled>> = g
-                .inputs(check)
-                .iter()
-                .map(|&p| unscaled(g, p, check, &is_output))
-                .collect();
-            let Some(mut found) = found.filter(|f| !f.is_empty()) else {
+            let (mut found, mut scalars) = (Vec::new(), Vec::new());
+            let foldable = g.inputs(check).iter().all(|&p| {
+                // A product the check reads twice (cse makes two variables' equal
+                // gradients one) is folded once: its updates gain the scale once.
+                if found.iter().any(|u: &Unscaled| u.product == p.node) {
+                    true
+                } else if let Some(u) = unscaled(g, p, check, &is_output) {
+                    found.push(u);
+                    true
+                } else if *g.ty(p) == TensorType::new(DType::F32, []) {
+                    scalars.push(p);
+                    true
+                } else {
+                    false
+                }
+            });
+            if !foldable || found.is_empty() {
                 continue;
-            };
-            // A product the check reads twice (cse makes two variables' equal
-            // gradients one) is folded once: its updates gain the scale once.
-            let mut seen = std::collections::HashSet::new();
-            found.retain(|u| seen.insert(u.product));
+            }
             let scale = found[0].scale;
             if found.iter().any(|u| u.scale != scale) {
                 continue;
             }
             let mut inputs: Vec<Port> = found.iter().map(|u| u.grad).collect();
+            inputs.extend(scalars);
             inputs.push(scale);
             g.set_node(check, Box::new(AllFinite { scaled: true }), &inputs)?;
             folded_checks += 1;
@@ -322,6 +333,64 @@ mod tests {
         .into_iter()
         .collect();
         assert_eq!(run_cpu(&before, &feeds), run_cpu(&after, &feeds));
+    }
+
+    /// [`graph`]'s check also reading a Placeholder `extra` of `shape` (an amax).
+    fn graph_with_extra_check(shape: &[usize]) -> Graph {
+        let mut g = graph(false, false);
+        let ty = TensorType::new(DType::F32, shape.to_vec());
+        let extra = g.add_node("extra", Box::new(Placeholder(ty)), &[]).unwrap();
+        let check = g
+            .node_ids()
+            .find(|&id| g.node(id).op.is::<AllFinite>())
+            .unwrap();
+        let mut inputs = g.inputs(check);
+        inputs.push(extra.into());
+        g.set_node(check, Box::new(AllFinite::default()), &inputs)
+            .unwrap();
+        g
+    }
+
+    /// An f32 scalar beside the products (delayed FP8 scaling's amax) is checked
+    /// times the scale: the same skips for finite, infinite and NaN amaxes. A larger
+    /// tensor keeps the check unfolded.
+    #[test]
+    fn a_scalar_beside_the_products_is_checked_with_them() {
+        let before = graph_with_extra_check(&[]);
+        let mut after = before.clone();
+        UnscaleIntoUpdate.run(&mut after).unwrap();
+        after.validate().unwrap();
+        assert_eq!(count(&after, "Mul"), 0);
+        for amax in [3.0, f64::INFINITY, f64::NAN] {
+            let feeds: std::collections::HashMap<&str, Tensor> = [
+                ("inv_scale", Tensor::scalar(DType::F32, 1.0 / 1024.0)),
+                ("other_scale", Tensor::scalar(DType::F32, 1.0)),
+                (
+                    "grad0",
+                    Tensor::from_f64(DType::F16, [4, 3], &[2.0; 12]).unwrap(),
+                ),
+                (
+                    "grad1",
+                    Tensor::from_f64(DType::F16, [3, 2], &[-1.0; 6]).unwrap(),
+                ),
+                (
+                    "w0",
+                    Tensor::from_f64(DType::F32, [4, 3], &[0.5; 12]).unwrap(),
+                ),
+                (
+                    "w1",
+                    Tensor::from_f64(DType::F32, [3, 2], &[0.25; 6]).unwrap(),
+                ),
+                ("extra", Tensor::scalar(DType::F32, amax)),
+            ]
+            .into_iter()
+            .collect();
+            let (want, got) = (run_cpu(&before, &feeds), run_cpu(&after, &feeds));
+            assert_eq!(want, got, "amax {amax}");
+        }
+        let mut wide = graph_with_extra_check(&[2]);
+        UnscaleIntoUpdate.run(&mut wide).unwrap();
+        assert_eq!(count(&wide, "Mul"), 2);
     }
 
     #[test]

@@ -24,7 +24,9 @@ use super::{
     first, input, kernel, launch_column_sums_fin, one_output, Ctx, KernelResult, KernelSpec,
     Lowering,
 };
-use crate::cuda::device::{items_grid, Arg, DTensor};
+use crate::cuda::device::{
+    items_grid, update_table_declaration, Arg, DTensor, UpdateTable, GROUP_MEMBERS,
+};
 use crate::cuda::gemm::Product;
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr};
 
@@ -53,8 +55,10 @@ kernel_specs! {
         Dequantize { y: DType, to: DType } => dequantize(y, to),
         /// `k(const float* amax, float* scale, float* inv)`: one thread.
         Scale { format: DType, margin: i32 } => scale(format, margin),
-        /// `k(const float* hist, const float* amax, const float* scale, float* hist_out,
-        /// float* scale_out, float* inv_out, i64 n)`: one block of at least `n` threads.
+        /// `k(const UpdateTable t)`: block `m` steps member `m` (row `m`: its history,
+        /// amax, scale and inverse (unread), then its next history, scale and inverse;
+        /// `t.n[m]` the history's length), at least as many threads as the longest
+        /// history.
         ScaleUpdate { format: DType, margin: i32, most_recent: bool } => scale_update(format, margin, most_recent),
         /// `k(const u8* x, u8* y, i64 rows, i64 cols)`: `y = x^T` of bytes, a block of
         /// 256 threads per 32x32 tile; `k_words`, rows and columns multiples of 4, per
@@ -453,17 +457,22 @@ pub(super) fn scale(format: DType, margin: i32) -> String {
 /// Every thread reads its entries before any writes: the new history may be the old
 /// one's buffer.
 pub(super) fn scale_update(format: DType, margin: i32, most_recent: bool) -> String {
-    let chosen = if most_recent {
-        "push ? m : ph[0]"
-    } else {
-        "best"
-    };
+    // Thread 0's `v` is the newest amax of the history.
+    let chosen = if most_recent { "v" } else { "best" };
+    // In place, the history's and the scale's reads come before block_max's first
+    // barrier, their writes after its last.
     fp8_module(
         &[],
         &format!(
-            "extern \"C\" __global__ void k(const float* ph, const float* pa, const float* ps, float* ph_out, float* ps_out, float* pi_out, i64 n) {{\n\
+            "{table}extern \"C\" __global__ void k(const UpdateTable t) {{\n\
                __shared__ float sh[32];\n\
-               const float m = pa[0], s = ps[0];\n\
+               const int member = blockIdx.x;\n\
+               const float* ph = (const float*)t.p[member][0];\n\
+               const float m = ((const float*)t.p[member][1])[0], s = ((const float*)t.p[member][2])[0];\n\
+               float* ph_out = (float*)t.p[member][4];\n\
+               float* ps_out = (float*)t.p[member][5];\n\
+               float* pi_out = (float*)t.p[member][6];\n\
+               const i64 n = t.n[member];\n\
                const bool push = isfinite(m);\n\
                const i64 i = threadIdx.x;\n\
                const float v = i < n ? (push ? (i == 0 ? m : ph[i - 1]) : ph[i]) : 0.0f;\n\
@@ -471,10 +480,12 @@ pub(super) fn scale_update(format: DType, margin: i32, most_recent: bool) -> Str
                if (i < n) ph_out[i] = v;\n\
                if (i == 0) {{\n\
                  const float chosen = {chosen};\n\
-                 ps_out[0] = isfinite(chosen) && chosen > 0.0f ? {} : s;\n\
-                 pi_out[0] = push ? __fdiv_rn(1.0f, s) : F_NAN;\n\
+                 const float next = isfinite(chosen) && chosen > 0.0f ? {} : s;\n\
+                 ps_out[0] = next;\n\
+                 pi_out[0] = __fdiv_rn(1.0f, next);\n\
                }}\n}}\n",
-            scale_of(format, margin, "chosen")
+            scale_of(format, margin, "chosen"),
+            table = update_table_declaration(),
         ),
     )
 }
@@ -704,11 +715,30 @@ fn lower_scale(
     }))
 }
 
+/// An Fp8ScaleUpdate: [`GROUP_MEMBERS`] members a launch, a block each, their
+/// pointers in a by-value table.
 fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
-    let n = first(ins)?.shape.iter().product::<usize>();
-    if n > MAX_HISTORY {
+    let (n_in, n_out) = (
+        Fp8ScaleUpdate::MEMBER_INPUTS,
+        Fp8ScaleUpdate::MEMBER_OUTPUTS,
+    );
+    if ins.len() != u.members * n_in || outs.len() != u.members * n_out {
         return Err(format!(
-            "an amax history of {n} steps has no CUDA kernel (at most {MAX_HISTORY})"
+            "Fp8ScaleUpdate of {} members takes {} tensors and gives {}",
+            u.members,
+            u.members * n_in,
+            u.members * n_out
+        ));
+    }
+    let lengths: Vec<usize> = ins
+        .iter()
+        .step_by(n_in)
+        .map(|history| history.shape.iter().product())
+        .collect();
+    let longest = lengths.iter().copied().max().unwrap_or(1);
+    if longest > MAX_HISTORY {
+        return Err(format!(
+            "an amax history of {longest} steps has no CUDA kernel (at most {MAX_HISTORY})"
         ));
     }
     let spec = Spec::ScaleUpdate {
@@ -717,28 +747,28 @@ fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType
         most_recent: u.amax == AmaxChoice::MostRecent,
     };
     let outs = outs.to_vec();
-    if outs.len() != 3 {
-        return Err("Fp8ScaleUpdate gives the history, the scale and this step's inverse".into());
-    }
-    let threads = n.next_multiple_of(32) as u32;
+    let threads = longest.next_multiple_of(32) as u32;
     Ok(kernel(move |c, inputs| {
-        let (h, amax, s) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
-        let out = c.alloc_all(&outs)?;
-        c.launch(
-            &spec,
-            "k",
-            (1, threads),
-            &[
-                h.arg(),
-                amax.arg(),
-                s.arg(),
-                out[0].arg(),
-                out[1].arg(),
-                out[2].arg(),
-                Arg::I64(n as i64),
-            ],
-        )?;
-        Ok(out)
+        let outputs = c.alloc_all(&outs)?;
+        let members: Vec<(&[DTensor], &[DTensor])> =
+            inputs.chunks(n_in).zip(outputs.chunks(n_out)).collect();
+        for (chunk, lengths) in members
+            .chunks(GROUP_MEMBERS)
+            .zip(lengths.chunks(GROUP_MEMBERS))
+        {
+            let mut table = UpdateTable::default();
+            for (row, ((member, next), &n)) in chunk.iter().zip(lengths).enumerate() {
+                let args: Vec<Arg> = member.iter().chain(next.iter()).map(DTensor::arg).collect();
+                table.set(row, &args, n)?;
+            }
+            c.launch(
+                &spec,
+                "k",
+                (chunk.len() as u32, threads),
+                &[Arg::Table(Box::new(table))],
+            )?;
+        }
+        Ok(outputs)
     }))
 }
 

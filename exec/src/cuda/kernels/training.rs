@@ -13,7 +13,9 @@ use super::codegen::{
     PRELUDE,
 };
 use super::{acc_dtype, first, float_only, input, kernel, one_output, Ctx, KernelResult, Lowering};
-use crate::cuda::device::{Arg, DTensor, Dims, UpdateTable, GROUP_MEMBERS, GROUP_POINTERS};
+use crate::cuda::device::{
+    update_table_declaration, Arg, DTensor, Dims, UpdateTable, GROUP_MEMBERS,
+};
 
 kernel_specs! {
     /// The modules of the family.
@@ -676,7 +678,7 @@ fn elementwise_update(
            const bool ok = f[0] != 0;\n\
            {lr_setup}{gs}{setup}{loop}}}\n\
          extern \"C\" __global__ void k({params}, i64 n) {{ update({names}, n, blockIdx.x, gridDim.x); }}\n\
-         struct UpdateTable {{ const void* p[{GROUP_MEMBERS}][{GROUP_POINTERS}]; i64 n[{GROUP_MEMBERS}]; }};\n\
+         {table}\
          // A grouped update: block m updates member m (its pointers in row m).\n\
          extern \"C\" __global__ void k_group(const UpdateTable t) {{\n\
            const int m = blockIdx.x;\n\
@@ -688,6 +690,7 @@ fn elementwise_update(
             ("block", "blocks"),
         ),
         names = names.join(", "),
+        table = update_table_declaration(),
         from_table = from_table.join(", "),
     )
 }
