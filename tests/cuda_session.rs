@@ -818,9 +818,9 @@ fn fp8_training_steps_match_the_cpu() {
 }
 
 /// FP8 with delayed scaling replayed as CUDA graphs gives the bits of the same steps
-/// launched op by op: the replays write the amax histories and scales in place (no
-/// copy back at the graph's end), and every one of them, with the weights, must come
-/// out as the plain steps leave them.
+/// launched op by op: the replays write the amax histories, scales and inverses in
+/// place (no copy back at the graph's end), and every one of them, with the weights,
+/// must come out as the plain steps leave them.
 #[test]
 fn fp8_delayed_steps_replayed_give_the_bits_of_op_by_op() {
     use ampgraph::passes::amp::{Fp8Config, Fp8Recipe};
