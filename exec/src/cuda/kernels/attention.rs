@@ -21,7 +21,7 @@ use ampgraph_graph::ops::attention::{qkv_inputs, unpacked_type};
 use ampgraph_graph::ops::{Dropout, FusedAttention, FusedAttentionGrad};
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::module;
+use super::codegen::{copy_async_source, module};
 use super::{kernel, Ctx, KernelSpec, Lowering};
 use crate::cuda::device::{Arg, DTensor};
 
@@ -126,7 +126,8 @@ impl Shape {
     }
 }
 
-const BODY: &str = r#"
+const BODY: &str = concat!(
+    r#"
 #define HD @HD@
 #define WARPS @WARPS@
 #define ROWS (16 * WARPS)
@@ -210,31 +211,9 @@ __device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m
     }
   }
 }
-// Copies 16 bytes (or `bytes` < 16, 4 or 0: zeros past the end) to shared memory, in
-// the background (cp.async); `commit` closes a group, `wait<n>` waits for all but n.
-__device__ __forceinline__ void copy_async(void* sm, const void* x, int bytes) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;"
-               :: "r"((unsigned)__cvta_generic_to_shared(sm)), "l"(x), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void copy_async4(void* sm, const void* x, bool in) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-               :: "r"((unsigned)__cvta_generic_to_shared(sm)), "l"(x), "r"(in ? 4 : 0) : "memory");
-#endif
-}
-__device__ __forceinline__ void commit() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int n> __device__ __forceinline__ void wait() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.wait_group %0;" :: "n"(n) : "memory");
-#endif
-}
-// Starts copying rows r0 .. r0 + n of one (batch, head) of a [B, S, H, HD] tensor (`x`
+"#,
+    copy_async_source!(),
+    r#"// Starts copying rows r0 .. r0 + n of one (batch, head) of a [B, S, H, HD] tensor (`x`
 // at its row 0, rows `stride` apart) into sm[row][LDS], zeros past S.
 __device__ __forceinline__ void load_rows(T* sm, const T* x, int stride, int S, int r0, int n) {
   for (int i = threadIdx.x; i < n * (HD / 8); i += blockDim.x) {
@@ -618,7 +597,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   store_rows(p.at(dk, Sk, xs), dka, (float)scale, (float)scale, xs, Sk, r, p.t);
   store_rows(p.at(dv, Sk, xs), dva, 1.f, 1.f, xs, Sk, r, p.t);
 }
-"#;
+"#
+);
 
 /// The module of the three kernels for `dtype` (f16 or bf16), head width `head_dim`,
 /// block shape `shape` (its rows at most two tiles: `stage_a` stages them in the

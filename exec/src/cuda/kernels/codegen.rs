@@ -239,6 +239,41 @@ pub(crate) fn module_multi(types: &[(&str, DType)], body: &str) -> String {
     s
 }
 
+/// The asynchronous copies into shared memory (`cp.async`, compute capability 8.0):
+/// `copy_async` (16 bytes, or the first `bytes` and zeros), `copy_async4`, `commit`
+/// and `wait<n>`. A macro for `concat!`, so the modules that hold them keep their
+/// source text (and the kernel cache its entries).
+macro_rules! copy_async_source {
+    () => {
+        r#"// Copies 16 bytes (or `bytes` < 16, 4 or 0: zeros past the end) to shared memory, in
+// the background (cp.async); `commit` closes a group, `wait<n>` waits for all but n.
+__device__ __forceinline__ void copy_async(void* sm, const void* x, int bytes) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;"
+               :: "r"((unsigned)__cvta_generic_to_shared(sm)), "l"(x), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void copy_async4(void* sm, const void* x, bool in) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+               :: "r"((unsigned)__cvta_generic_to_shared(sm)), "l"(x), "r"(in ? 4 : 0) : "memory");
+#endif
+}
+__device__ __forceinline__ void commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int n> __device__ __forceinline__ void wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" :: "n"(n) : "memory");
+#endif
+}
+"#
+    };
+}
+pub(crate) use copy_async_source;
+
 /// Elements each thread of an [`elementwise`] kernel takes per grid step, at most
 /// (16 bytes of its widest streamed type): the launch sizes its grid by it.
 pub(crate) const VECTOR: usize = 8;

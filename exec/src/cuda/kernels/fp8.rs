@@ -18,7 +18,9 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::{column_sums_fin, elementwise, module_multi, At, Load, Store, VECTOR};
+use super::codegen::{
+    column_sums_fin, copy_async_source, elementwise, module_multi, At, Load, Store, VECTOR,
+};
 use super::fused::{FusedParts, ROUNDING};
 use super::{
     first, input, kernel, launch_column_sums_fin, one_output, Ctx, KernelResult, KernelSpec,
@@ -204,7 +206,14 @@ pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryK
         inputs: "const TX* __restrict__ px",
         partials: "",
         shared: "",
-        loads: &rows_of("TX", "xs", "px"),
+        shared_bytes: 0,
+        rows: &[RowInput {
+            ty: "TX",
+            bytes: x.size_bytes(),
+            name: "xs",
+            ptr: "px",
+        }],
+        tile_start: "",
         element: &format!("float x = ldX(xs[i].v, b);\n{}", activate(activation)),
         element_end: "",
         tile_end: "",
@@ -221,11 +230,14 @@ struct CastTranspose<'a> {
     /// The parameters before the scale's, and any between the amax and the sides.
     inputs: &'a str,
     partials: &'a str,
-    /// Shared memory beside the tile.
+    /// Shared memory beside the tile, and its bytes.
     shared: &'a str,
-    /// Per tile: loads of the thread's two rows (row `i` at `r0 + rr + 32 i`, its 8
-    /// elements from column `c`).
-    loads: &'a str,
+    shared_bytes: usize,
+    /// The inputs each tile reads: 8 elements of each of the thread's two rows (row
+    /// `i` at `r0 + rr + 32 i`, from column `c`).
+    rows: &'a [RowInput<'a>],
+    /// Per tile, after the rows are in registers: declarations.
+    tile_start: &'a str,
     /// Per element `b` of row `i`: statements defining the float `x` to cast, in a
     /// block `element_end` closes.
     element: &'a str,
@@ -236,18 +248,80 @@ struct CastTranspose<'a> {
     after: &'a str,
 }
 
-/// `Vec<ty, 8> name[2]` loaded with the thread's two rows of `ptr` (a matrix of `rows x
-/// cols` elements).
-fn rows_of(ty: &str, name: &str, ptr: &str) -> String {
-    format!(
-        "Vec<{ty}, 8> {name}[2];\n\
-         #pragma unroll\n\
-         for (int i = 0; i < 2; ++i) {{\n\
-           const i64 r = r0 + rr + 32 * i;\n\
-           if (r < rows && c < cols) {name}[i] = *(const Vec<{ty}, 8>*)({ptr} + r * cols + c);\n\
-         }}\n"
-    )
+/// An input of a cast-transpose kernel: `Vec<ty, 8> name[2]` holds the thread's two
+/// rows of `ptr` (a matrix of `rows x cols` elements of `bytes` each) in each tile.
+struct RowInput<'a> {
+    ty: &'a str,
+    bytes: usize,
+    name: &'a str,
+    ptr: &'a str,
 }
+
+impl RowInput<'_> {
+    /// The 16-byte pieces of one row's 8 elements.
+    fn pieces(&self) -> usize {
+        self.bytes / 2
+    }
+
+    /// Shared memory of its staging buffers: two tiles' rows, per thread.
+    fn staging_bytes(&self) -> usize {
+        2 * 2 * self.pieces() * 256 * 16
+    }
+
+    /// Loads of the thread's two rows straight into the registers.
+    fn load(&self) -> String {
+        let RowInput { ty, name, ptr, .. } = self;
+        format!(
+            "Vec<{ty}, 8> {name}[2];\n\
+             #pragma unroll\n\
+             for (int i = 0; i < 2; ++i) {{\n\
+               const i64 r = r0 + rr + 32 * i;\n\
+               if (r < rows && c < cols) {name}[i] = *(const Vec<{ty}, 8>*)({ptr} + r * cols + c);\n\
+             }}\n"
+        )
+    }
+
+    /// The staging buffers `stage_<name>[buffer][row piece][thread]`.
+    fn stage_declaration(&self) -> String {
+        format!(
+            "__shared__ uint4 stage_{}[2][{}][256];\n",
+            self.name,
+            2 * self.pieces()
+        )
+    }
+
+    /// Starts copying tile `u`'s two rows (from column `uc`) into buffer `to`.
+    fn stage(&self) -> String {
+        let RowInput { ty, name, ptr, .. } = self;
+        let pieces = self.pieces();
+        format!(
+            "#pragma unroll\n\
+             for (int i = 0; i < 2; ++i) {{\n\
+               const i64 r = ur + rr + 32 * i;\n\
+               const bool in = r < rows && uc < cols;\n\
+               #pragma unroll\n\
+               for (int q = 0; q < {pieces}; ++q)\n\
+                 copy_async(&stage_{name}[to][{pieces} * i + q][threadIdx.x], in ? (const void*)({ptr} + r * cols + uc + q * (16 / sizeof({ty}))) : (const void*){ptr}, in ? 16 : 0);\n\
+             }}\n"
+        )
+    }
+
+    /// The registers from buffer `buf`.
+    fn unstage(&self) -> String {
+        let RowInput { ty, name, .. } = self;
+        let pieces = self.pieces();
+        format!(
+            "Vec<{ty}, 8> {name}[2];\n\
+             #pragma unroll\n\
+             for (int i = 0; i < 2; ++i)\n\
+               #pragma unroll\n\
+               for (int q = 0; q < {pieces}; ++q) ((uint4*)&{name}[i])[q] = stage_{name}[buf][{pieces} * i + q][threadIdx.x];\n"
+        )
+    }
+}
+
+/// The shared memory a kernel's static arrays may take.
+const STATIC_SHARED_BYTES: usize = 48 << 10;
 
 /// A thread loads 8 elements of two rows of the tile (16 bytes of bf16 each) before
 /// it converts and stores any (one row at a time, the kernel ran at two thirds of the
@@ -256,6 +330,12 @@ fn rows_of(ty: &str, name: &str, ptr: &str) -> String {
 /// and 4 rows of 4 elements a thread, the mlp's [8192, 4096] quantisation took 55 us
 /// on the H200, with these 51. Rows and columns are multiples of 8. The grid strides
 /// over the tiles with at most [`AMAX_BLOCKS`] blocks, one amax atomic each.
+///
+/// The rows of the next tile are copied into shared memory (`cp.async`, two buffers)
+/// while the block converts and stores this one: Nsight Compute found these kernels
+/// neither memory- nor compute-bound (DRAM 39-44% of peak), and a prefetch into
+/// registers cost more occupancy than it hid. Inputs of 1-byte elements, or staging
+/// past the static shared memory, load straight into registers.
 fn cast_transpose(k: CastTranspose) -> String {
     let CastTranspose {
         types,
@@ -263,27 +343,61 @@ fn cast_transpose(k: CastTranspose) -> String {
         inputs,
         partials,
         shared,
-        loads,
+        shared_bytes,
+        rows,
+        tile_start,
         element,
         element_end,
         tile_end,
         after,
     } = k;
+    let tile_bytes = 64 * 68;
+    let staging: usize = rows.iter().map(RowInput::staging_bytes).sum();
+    let staged = rows.iter().all(|r| r.bytes >= 2)
+        && tile_bytes + shared_bytes + staging <= STATIC_SHARED_BYTES;
+    let concat = |f: &dyn Fn(&RowInput) -> String| rows.iter().map(f).collect::<String>();
+    let (helpers, stage_shared, first, next, loads) = if staged {
+        let stage = concat(&|r| r.stage());
+        (
+            copy_async_source!(),
+            concat(&|r| r.stage_declaration()),
+            format!(
+                "if (blockIdx.x < tiles) {{ const i64 u = blockIdx.x, ur = u / tiles_c * 64, uc = u % tiles_c * 64 + 8 * cg; const int to = 0;\n{stage}}}\n\
+                 commit();\n"
+            ),
+            format!(
+                "if (t + gridDim.x < tiles) {{ const i64 u = t + gridDim.x, ur = u / tiles_c * 64, uc = u % tiles_c * 64 + 8 * cg; const int to = buf ^ 1;\n{stage}}}\n\
+                 commit();\n\
+                 wait<1>();\n"
+            ),
+            concat(&|r| r.unstage()),
+        )
+    } else {
+        (
+            "",
+            String::new(),
+            String::new(),
+            String::new(),
+            concat(&|r| r.load()),
+        )
+    };
     let fold = amax_fold("m", "amax");
     fp8_module(
         types,
         &format!(
-            "{prefix}typedef unsigned int u32;\n\
+            "{prefix}{helpers}typedef unsigned int u32;\n\
              extern \"C\" __global__ void k({inputs}, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax{partials}, i64 rows, i64 cols) {{\n\
                __align__(4) __shared__ u8 tile[64][68];\n\
-               {shared}\
+               {shared}{stage_shared}\
                const float s = ps[0];\n\
                float m = 0.0f;\n\
                const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
                const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
-               for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {{\n\
+               {first}\
+               int buf = 0;\n\
+               for (i64 t = blockIdx.x; t < tiles; t += gridDim.x, buf ^= 1) {{\n\
                  const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64, c = c0 + 8 * cg;\n\
-                 {loads}\
+                 {next}{loads}{tile_start}\
                  #pragma unroll\n\
                  for (int i = 0; i < 2; ++i) {{\n\
                    const int j = rr + 32 * i;\n\
@@ -348,15 +462,20 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
     let params: Vec<String> = (inputs.iter())
         .map(|&(_, k)| format!("const TI{k}* __restrict__ in{k}"))
         .collect();
-    let (mut loads, mut binds) = (String::new(), String::new());
-    for &(j, k) in &inputs {
-        loads.push_str(&rows_of(
-            &format!("TI{k}"),
-            &format!("x{k}"),
-            &format!("in{k}"),
-        ));
-        binds.push_str(&format!("float v{j} = ldI{k}(x{k}[i].v, b);\n"));
-    }
+    let names: Vec<[String; 3]> = (inputs.iter())
+        .map(|&(_, k)| [format!("TI{k}"), format!("x{k}"), format!("in{k}")])
+        .collect();
+    let rows: Vec<RowInput> = (inputs.iter().zip(&names))
+        .map(|(&(j, _), [ty, name, ptr])| RowInput {
+            ty,
+            bytes: p.instrs()[j].ty.dtype.size_bytes(),
+            name,
+            ptr,
+        })
+        .collect();
+    let binds: String = (inputs.iter())
+        .map(|&(j, k)| format!("float v{j} = ldI{k}(x{k}[i].v, b);\n"))
+        .collect();
     let (mut sum_decl, mut sum_add, mut sum_tile) = (String::new(), String::new(), String::new());
     for (k, v) in sums.iter().enumerate() {
         sum_decl.push_str(&format!("AS acc{k}[8] = {{}};\n"));
@@ -366,6 +485,7 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
         ));
     }
     let n_sums = sums.len();
+    let sum_bytes = sum_dtype.map_or(0, |d| n_sums * 32 * 64 * d.size_bytes());
     let (partials, shared, tile_end, fin) = if n_sums == 0 {
         Default::default()
     } else {
@@ -392,7 +512,9 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
         inputs: &params.join(", "),
         partials: &partials,
         shared: &shared,
-        loads: &format!("{loads}{sum_decl}"),
+        shared_bytes: sum_bytes,
+        rows: &rows,
+        tile_start: &sum_decl,
         element: &format!(
             "const i64 i_el = r * cols + c + b; (void)i_el;\n{binds}\
              {{ const i64 i = i_el; (void)i;\n{}\nfloat x = (float)v{x};\n{sum_add}",
