@@ -395,6 +395,13 @@ fn positions_match_onnxruntime() {
     check_model("positions");
 }
 
+/// Position embeddings resized by cubic Resizes (PyTorch's bicubic up, a downscale
+/// with exclude_outside), computed at import, match onnxruntime's.
+#[test]
+fn cubic_positions_match_onnxruntime() {
+    check_model("cubic_positions");
+}
+
 /// Exporters' GELUs (GPT-2's tanh form with Pow, torch's erf form) import as one
 /// Gelu each and still match onnxruntime.
 #[test]

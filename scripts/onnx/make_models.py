@@ -707,6 +707,35 @@ def runtime_positions():
     return m, [ids]
 
 
+def cubic_positions():
+    """Position embeddings resized to another patch grid by a cubic Resize, as DINOv2's
+    and YOLOS's exports interpolate theirs (PyTorch's bicubic: half_pixel, a = -0.75,
+    the output's sizes given): a 4x4 grid of 8 channels up to 6x6, and down to 3x3 by
+    scales with a = -0.5 and exclude_outside; each added to an input. The Resizes read
+    initializers only, so import computes them."""
+    g = G(seed=1014)
+    i64 = lambda v, s: g.const(np.array(v, dtype=np.int64), s)
+    pos = g.init("pos_embed", (0.5 * g.rng.standard_normal((1, 16, 8))).astype(np.float32))
+    grid = g.op("Transpose", [g.op("Reshape", [pos, i64([1, 4, 4, 8], "/grid")], "/grid")],
+                "/grid", perm=[0, 3, 1, 2])
+    up = g.op("Resize", [grid, "", "", i64([1, 8, 6, 6], "/up")], "/up", mode="cubic",
+              coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75,
+              nearest_mode="floor")
+    up = g.op("Reshape", [g.op("Transpose", [up], "/up", perm=[0, 2, 3, 1]), i64([1, 36, 8], "/up")],
+              "/up")
+    g.op("Add", ["x", up], "/up", outputs=["y"])
+    scales = g.const(np.array([1.0, 1.0, 0.75, 0.75], dtype=np.float32), "/down")
+    down = g.op("Resize", [grid, "", scales], "/down", mode="cubic",
+                coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.5, exclude_outside=1)
+    down = g.op("Reshape", [g.op("Transpose", [down], "/down", perm=[0, 2, 3, 1]),
+                            i64([1, 9, 8], "/down")], "/down")
+    g.op("Add", ["w", down], "/down", outputs=["z"])
+    m = g.model("cubic_positions", [vinfo("x", [2, 36, 8]), vinfo("w", [2, 9, 8])],
+                [vinfo("y", [2, 36, 8]), vinfo("z", [2, 9, 8])], opset=13)
+    return m, [g.rng.standard_normal((2, 36, 8)).astype(np.float32),
+               g.rng.standard_normal((2, 9, 8)).astype(np.float32)]
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -1223,6 +1252,7 @@ MODELS = {
     "layer_norm_forms": layer_norm_forms,
     "triangles": triangles,
     "runtime_positions": runtime_positions,
+    "cubic_positions": cubic_positions,
 }
 
 

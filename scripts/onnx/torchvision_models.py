@@ -270,8 +270,7 @@ def zoo_models():
         ("convnextv2", lambda: hf.ConvNextV2Model(hf.ConvNextV2Config())),
         ("swinv2", lambda: hf.Swinv2Model(hf.Swinv2Config(**eager))),
         ("mobilevit", lambda: hf.MobileViTModel(hf.MobileViTConfig())),
-        # Not imported (docs/onnx.md says why): DINOv2 and YOLOS resize their position
-        # embeddings bicubically.
+        # DINOv2 and YOLOS resize their position embeddings bicubically (at import).
         ("dinov2", lambda: hf.Dinov2Model(hf.Dinov2Config(**eager))),
         ("yolos", lambda: hf.YolosModel(hf.YolosConfig(**eager))),
     ):

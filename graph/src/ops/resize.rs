@@ -11,8 +11,10 @@
 //! formulas as they are, the same wherever `n * scale` is whole), which nearest mode
 //! rounds by `nearest_mode` and clamps to `[0, n - 1]`, and linear mode clamps to
 //! `[0, n - 1]` and interpolates between its two neighbours (ONNX with `exclude_outside`
-//! 0; several resized axes make it bi-, trilinear...). Cubic interpolation,
-//! antialiasing and `tf_crop_and_resize` are not supported.
+//! 0; several resized axes make it bi-, trilinear...). Antialiasing and
+//! `tf_crop_and_resize` are not supported. Cubic interpolation is not an op: ONNX
+//! import computes it where its input is known ([`resize_cubic`]: position embeddings
+//! resized to the image's patch grid, as DINOv2's and YOLOS's exports do).
 //!
 //! The mode is in the op's name: `ResizeNearest` / `ResizeLinear` (and
 //! `ResizeNearestGrad` / `ResizeLinearGrad`), because the precision lists class ops by
@@ -319,6 +321,81 @@ pub fn axis_taps(
         .collect()
 }
 
+/// The taps of ONNX's cubic mode for an axis of `n > 0` inputs and `m` outputs: the
+/// four inputs around the coordinate `c` with Keys' weights of coefficient `a` (ONNX's
+/// `cubic_coeff_a`; PyTorch's bicubic is -0.75) at distances `1 + t`, `t`, `1 - t`, `2 -
+/// t` (`t` the fraction of `c`; a whole `c` reads that input alone). Positions outside
+/// the axis read its edge, as ONNX pads; with `exclude_outside` they are left out and
+/// the other weights scaled to sum to 1. Taps of one position are merged, and those of
+/// weight 0 dropped.
+pub fn cubic_taps(
+    coordinates: CoordinateTransform,
+    a: f64,
+    exclude_outside: bool,
+    n: usize,
+    m: usize,
+) -> Vec<Taps> {
+    (0..m)
+        .map(|o| {
+            let c = coordinates.source(o, n, m);
+            let floor = c.floor();
+            let t = c - floor;
+            if t == 0.0 {
+                let k = floor.clamp(0.0, (n - 1) as f64) as usize;
+                return vec![(k, 1.0)];
+            }
+            // Keys' kernel: |d| <= 1 and 1 < |d| < 2.
+            let near = |d: f64| ((a + 2.0) * d - (a + 3.0)) * d * d + 1.0;
+            let far = |d: f64| ((a * d - 5.0 * a) * d + 8.0 * a) * d - 4.0 * a;
+            let weights = [far(1.0 + t), near(t), near(1.0 - t), far(2.0 - t)];
+            let mut terms: Vec<(i64, f64)> = (0..4)
+                .map(|j| (floor as i64 - 1 + j as i64, weights[j]))
+                .collect();
+            if exclude_outside {
+                terms.retain(|&(k, _)| (0..n as i64).contains(&k));
+                let total: f64 = terms.iter().map(|&(_, w)| w).sum();
+                terms.iter_mut().for_each(|(_, w)| *w /= total);
+            }
+            let mut taps: Taps = Vec::with_capacity(4);
+            for (k, w) in terms {
+                let k = k.clamp(0, n as i64 - 1) as usize;
+                match taps.iter_mut().find(|(j, _)| *j == k) {
+                    Some((_, sum)) => *sum += w,
+                    None => taps.push((k, w)),
+                }
+            }
+            taps.retain(|&(_, w)| w != 0.0);
+            taps
+        })
+        .collect()
+}
+
+/// `x` (a float tensor) resized to `shape` by ONNX's cubic mode ([`cubic_taps`]), one
+/// resized axis after another, in f64, rounded once to `x`'s dtype.
+pub fn resize_cubic(
+    x: &Tensor,
+    shape: &[usize],
+    coordinates: CoordinateTransform,
+    a: f64,
+    exclude_outside: bool,
+) -> OpResult<Tensor> {
+    if !x.dtype().is_float() {
+        return Err(format!("a cubic Resize of {} values", x.dtype()));
+    }
+    check_shapes(x.shape(), shape)?;
+    let mut now = x.shape().to_vec();
+    let mut values = x.to_f64_vec();
+    for (axis, &m) in shape.iter().enumerate() {
+        let n = now[axis];
+        if n != m {
+            let taps = cubic_taps(coordinates, a, exclude_outside, n, m);
+            values = resample(&values, &now, axis, &taps);
+            now[axis] = m;
+        }
+    }
+    Tensor::from_f64(x.dtype(), now, &values)
+}
+
 /// A tensor's elements as `(outer, len, inner)` blocks around one axis.
 fn split(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     (
@@ -563,5 +640,28 @@ impl Op for ResizeGrad {
         };
         let op = Resize::new(ty.shape, self.mode, self.coordinate_transformation_mode);
         Ok(vec![Some(b.add(op, &[ddx])?)])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys' weights (a = -0.75) by hand, in 256ths: at fractions 1/4 and 3/4 the four
+    /// taps weigh -27, 225, 67 and -9 (reversed for 3/4); positions past the edge
+    /// read it, or with `exclude_outside` drop out and the rest are scaled to sum to 1;
+    /// a whole coordinate reads one input.
+    #[test]
+    fn cubic_taps_weigh_as_keys_kernel_at_the_edges_too() {
+        let w = |k: f64| k / 256.0;
+        let taps = cubic_taps(CoordinateTransform::HalfPixel, -0.75, false, 2, 4);
+        // Coordinates -0.25, 0.25, 0.75, 1.25 on an axis of 2.
+        assert_eq!(taps[0], vec![(0, w(-9.0 + 67.0 + 225.0)), (1, w(-27.0))]);
+        assert_eq!(taps[1], vec![(0, w(-27.0 + 225.0)), (1, w(67.0 - 9.0))]);
+        assert_eq!(taps[3], vec![(0, w(-27.0)), (1, w(225.0 + 67.0 - 9.0))]);
+        let kept = cubic_taps(CoordinateTransform::HalfPixel, -0.75, true, 2, 4);
+        assert_eq!(kept[0], vec![(0, 225.0 / 198.0), (1, -27.0 / 198.0)]);
+        let whole = cubic_taps(CoordinateTransform::AlignCorners, -0.5, false, 4, 2);
+        assert_eq!(whole, vec![vec![(0, 1.0)], vec![(3, 1.0)]]);
     }
 }

@@ -2,6 +2,7 @@
 //! lays images out. Semantics follow the ONNX operator docs for opset 11 onwards,
 //! where the op changed between versions (`cx.opset()`).
 
+use ampgraph_graph::ops::resize::resize_cubic as resize_cubic_values;
 use ampgraph_graph::ops::{
     dilated_span, Conv2DBackpropInput, CoordinateTransform, Resize, ResizeMode,
 };
@@ -2056,8 +2057,8 @@ fn resize(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let x = cx.input(0)?;
     let xs = cx.ty(&x).shape;
     let coords = cx.string_attr("coordinate_transformation_mode", "half_pixel")?;
-    // Only the cubic mode and tf_crop_and_resize read these, and both are refused.
-    cx.ignore(&["cubic_coeff_a", "extrapolation_value"]);
+    // Only tf_crop_and_resize reads it, and it is refused.
+    cx.ignore(&["extrapolation_value"]);
     if coords == "tf_crop_and_resize" {
         return Err(cx.err("coordinate_transformation_mode tf_crop_and_resize is not supported"));
     }
@@ -2092,13 +2093,38 @@ fn resize(cx: &mut NodeCx) -> Result<Vec<Value>> {
             .collect::<Result<_>>()?
     };
     let nearest = cx.string_attr("nearest_mode", "round_prefer_floor")?;
-    let mode = ResizeMode::from_names(&cx.string_attr("mode", "nearest")?, Some(&nearest))
-        .map_err(|m| cx.err(m))?;
+    let mode = cx.string_attr("mode", "nearest")?;
     let coords = CoordinateTransform::from_name(&coords).map_err(|m| cx.err(m))?;
+    if mode == "cubic" {
+        return resize_cubic(cx, x, &shape, coords);
+    }
+    cx.ignore(&["cubic_coeff_a"]);
+    let mode = ResizeMode::from_names(&mode, Some(&nearest)).map_err(|m| cx.err(m))?;
     if shape == xs {
         return Ok(vec![x]);
     }
     cx.out(Resize::new(shape, mode, coords), &[x])
+}
+
+/// A cubic Resize, computed at import: of a value known there (a position embedding
+/// resized to the image's patch grid), as ONNX computes it.
+fn resize_cubic(
+    cx: &mut NodeCx,
+    x: Value,
+    shape: &[usize],
+    coords: CoordinateTransform,
+) -> Result<Vec<Value>> {
+    let a = cx.float_attr("cubic_coeff_a", -0.75)?;
+    let exclude_outside = cx.int_attr("exclude_outside", 0)? != 0;
+    let Value::Const(x) = x else {
+        return Err(cx.err(format!(
+            "mode cubic is supported on values known at import (position embeddings), but \
+             input 0 ('{}') is computed at run time",
+            cx.node.input[0]
+        )));
+    };
+    let y = resize_cubic_values(&x, shape, coords, a, exclude_outside).map_err(|m| cx.err(m))?;
+    Ok(vec![Value::Const(y)])
 }
 
 /// Mod of integer constants (shape arithmetic): `fmod` 0 takes the divisor's sign,
