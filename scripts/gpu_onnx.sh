@@ -8,9 +8,21 @@
 # --zoo, imported on the CPU: docs/onnx.md's coverage table) runs on the CPU machine,
 # with torch, torchvision and transformers installed there: its exports take longer
 # than a device call.
+#
+# TINY=1 runs instead the checked-in models and the small configurations of the zoo's
+# Hugging Face architectures (`torchvision_models.py --tiny --out bundle/tiny`, exported
+# on the CPU machine with their onnxruntime outputs, carried in the bundle) on the GPU
+# in f32 and AMP: $OUT/onnx_tiny.txt.
 set -u
 # The test binaries find tests/data and scripts/ under the path they were built in.
 mkdir -p /work && [ -e /work/main ] || ln -s "$(cd .. && pwd)" /work/main
+if [ "${TINY:-0}" = 1 ]; then
+  AMPGRAPH_ONNX_MODELS=$PWD/tiny AMPGRAPH_KERNEL_CACHE=/tmp/kc timeout ${TIMEOUT:-400} ./onnx_models \
+    models_run_on_the_gpu --nocapture > $OUT/onnx_tiny.txt 2>&1
+  echo "onnx_models exit $?" >> $OUT/onnx_tiny.txt
+  grep -E "exit|relative|panicked|CPU" $OUT/onnx_tiny.txt | tail -80
+  exit 0
+fi
 python3 -m pip install -q --no-index --no-deps --target /tmp/site ../.whl/*.whl && export PYTHONPATH=/tmp/site
 timeout 240 python3 ../scripts/onnx/torchvision_models.py --out /tmp/tv > $OUT/onnx_torchvision.txt 2>&1
 echo "export exit $?" >> $OUT/onnx_torchvision.txt

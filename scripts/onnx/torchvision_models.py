@@ -287,8 +287,58 @@ def zoo_models():
     return out
 
 
-def zoo(out_dir, calibrate, only=None):
-    for name, ctor, x in zoo_models():
+def tiny_models():
+    """(name, constructor, input) of small configurations (2 layers, width 64) of the
+    zoo's Hugging Face architectures that import through paths of their own: RoBERTa's
+    position ids computed at run time (integer CumSum, Mul and Add, GatherElements),
+    Falcon's and GPT-J's GatherND, BLOOM's Tile, Wav2Vec2's InstanceNormalization,
+    ConvNeXt V2's and SwinV2's ReduceL2, MobileViT's Ceil, DINOv2's and YOLOS's cubic
+    Resize. A few MB each: they travel to the GPU machine, where the ONNX tests run
+    them on CUDA in f32 and AMP (scripts/gpu_onnx.sh TINY=1)."""
+    import transformers as hf
+    rng = np.random.default_rng(4)
+    img = rng.standard_normal((1, 3, 64, 64)).astype(np.float32)
+    ids = rng.integers(0, 1000, size=(2, 32)).astype(np.int64)
+    ids[0, 24:] = 1  # RoBERTa's padding id: its positions skip the padding
+    eager = dict(attn_implementation="eager")
+    text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                vocab_size=1000, **eager)
+    decoder = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
+                   use_cache=False, **eager)
+    vision = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  image_size=64, patch_size=8, **eager)
+    out = [
+        ("tiny_roberta", lambda: hf.RobertaModel(hf.RobertaConfig(**text)), ids),
+        ("tiny_falcon", lambda: hf.FalconForCausalLM(hf.FalconConfig(**decoder)), ids),
+        ("tiny_gptj", lambda: hf.GPTJForCausalLM(hf.GPTJConfig(
+            n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=1000, use_cache=False, **eager)), ids),
+        ("tiny_bloom", lambda: hf.BloomForCausalLM(hf.BloomConfig(
+            hidden_size=64, n_layer=2, n_head=4, vocab_size=1000, use_cache=False, **eager)), ids),
+        ("tiny_dinov2", lambda: hf.Dinov2Model(hf.Dinov2Config(**{**vision, "image_size": 32})), img),
+        ("tiny_yolos", lambda: hf.YolosModel(hf.YolosConfig(**{**vision, "image_size": [32, 32],
+                                                                 "num_detection_tokens": 4})), img),
+        ("tiny_convnextv2", lambda: hf.ConvNextV2Model(hf.ConvNextV2Config(
+            hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1])), img),
+        ("tiny_swinv2", lambda: hf.Swinv2Model(hf.Swinv2Config(
+            image_size=64, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, **eager)), img),
+        # Initialised 10x wider than its default (0.02), where its activations shrink
+        # to 1e-14 by the third stage: f32 keeps them and the LayerNorms scale them
+        # back, 16 bits flush them to zero (`ampgraph bisect` names the layers), as
+        # any fp16 run of those weights would.
+        ("tiny_mobilevit", lambda: hf.MobileViTModel(hf.MobileViTConfig(
+            image_size=64, hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 160],
+            initializer_range=0.2)), img),
+    ]
+    wav = rng.standard_normal((1, 4000)).astype(np.float32)
+    out.append(("tiny_wav2vec2", lambda: hf.Wav2Vec2Model(hf.Wav2Vec2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, **eager)), wav))
+    return [(n, lambda c=c: FirstTensor(c()), x) for n, c, x in out]
+
+
+def zoo(out_dir, calibrate, only=None, models=zoo_models):
+    for name, ctor, x in models():
         if only and name not in only:
             continue
         try:
@@ -313,14 +363,18 @@ def main():
                     help="export the CNNs with their initial BatchNorm statistics (tiny outputs)")
     ap.add_argument("--zoo", action="store_true",
                     help="export the zoo of models users bring instead (see the module doc)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="export small configurations of the zoo's Hugging Face models instead "
+                         "(tiny_models: a few MB each, for the GPU machine)")
     ap.add_argument("--only", default="",
-                    help="with --zoo, these models only (comma-separated names)")
+                    help="with --zoo or --tiny, these models only (comma-separated names)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, "
           f"onnx {onnx.__version__}, onnxruntime {ort.__version__}")
-    if args.zoo:
-        zoo(args.out, not args.no_bn_calibration, set(filter(None, args.only.split(","))))
+    if args.zoo or args.tiny:
+        zoo(args.out, not args.no_bn_calibration, set(filter(None, args.only.split(","))),
+            tiny_models if args.tiny else zoo_models)
         return 0
 
     rng = np.random.default_rng(0)
