@@ -12,7 +12,7 @@ use ampgraph_exec::{
     check_tensor_size, CpuExecutor, CudaExecutor, ExecError, ExecOptions, Executor, Feeds,
     KernelCache, Overlapped, Staged, DEFAULT_MAX_TENSOR_BYTES,
 };
-use ampgraph_graph::ops::Variable;
+use ampgraph_graph::ops::{OptimizerUpdate, Variable};
 use ampgraph_graph::tensor::ShapeDisplay;
 use ampgraph_graph::{Graph, GraphError, Port, Tensor};
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision};
@@ -541,7 +541,8 @@ impl Session {
     /// Loads a checkpoint written by [`Session::save`]. Every variable of this session
     /// must be in it with the same type; a training session also refuses
     /// checkpoint variables it does not have (an inference session ignores them, and
-    /// every session a [`Trainer`](crate::train::Trainer)'s position).
+    /// every session a [`Trainer`](crate::train::Trainer)'s position and the slots of
+    /// variables it holds but does not train).
     /// Checksums are verified (a mismatch names the variable, or the file), and a
     /// float variable holding NaN or infinity is refused; see
     /// [`Session::restore_with`] to accept those. Nothing is restored on an error.
@@ -561,6 +562,20 @@ impl Session {
             .graph
             .node_ids()
             .any(|id| self.graph.node(id).op.name() == "AssignVariable");
+        // The variables an optimizer updates: a checkpoint's slot (`<var>/<slot>`) of a
+        // variable this graph holds but does not train has nothing to restore into
+        // (batch norms' moving statistics had momentum slots before they stopped
+        // being trained), so it is passed over.
+        let trained: std::collections::HashSet<&str> = (self.graph.node_ids())
+            .filter(|&id| self.graph.node(id).op.is::<OptimizerUpdate>())
+            .filter_map(|id| self.graph.inputs(id).get(1).copied())
+            .map(|var| self.graph.node(var.node).name.as_str())
+            .collect();
+        let untrained_slot = |name: &str| {
+            name.rsplit_once('/').is_some_and(|(var, _)| {
+                self.executor.variable_type(var).is_some() && !trained.contains(var)
+            })
+        };
         let mut loaded = BTreeMap::new();
         for (name, t) in variables {
             match self.executor.variable_type(&name) {
@@ -578,7 +593,10 @@ impl Session {
                 Some(_) => {
                     loaded.insert(name, t);
                 }
-                None if training && !options.skip_unknown.iter().any(|p| name.starts_with(p)) => {
+                None if training
+                    && !options.skip_unknown.iter().any(|p| name.starts_with(p))
+                    && !untrained_slot(&name) =>
+                {
                     return Err(checkpoint_err(
                         path,
                         format!("variable '{}' is not in the graph", name),

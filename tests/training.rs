@@ -191,6 +191,37 @@ fn batch_norms_moving_statistics_are_not_trained() {
                 .all(|n| n == "batch_norm/moving_mean" || n == "batch_norm/moving_variance"),
             "{case}: {slots:?}"
         );
+        // A checkpoint written when the statistics were trained holds their momentum
+        // slots: they are passed over, the rest restored. An unknown slot of a trained
+        // variable is still refused.
+        let dir = std::env::temp_dir().join(format!("ampgraph-bn-slots-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let names = s
+            .graph()
+            .node_ids()
+            .map(|id| s.graph().node(id).name.clone());
+        let mut saved: Vec<(String, Tensor)> = names
+            .filter_map(|n| s.variable(&n).map(|t| (n.clone(), t.clone())))
+            .collect();
+        let zeros = Tensor::from_f64(DType::F32, vec![6], &[0.0; 6]).unwrap();
+        for stat in ["moving_mean", "moving_variance"] {
+            saved.push((format!("batch_norm/{stat}/momentum"), zeros.clone()));
+        }
+        let old = dir.join("old.ckpt");
+        ampgraph::checkpoint::write(&old, &saved).unwrap();
+        let kept = before(&s, "batch_norm/scale");
+        s.run(&[step.step], &feeds(7, None)).unwrap();
+        s.restore(&old).unwrap();
+        assert_eq!(before(&s, "batch_norm/scale"), kept, "{case}");
+        saved.push(("batch_norm/scale/velocity".into(), zeros.clone()));
+        let bad = dir.join("bad.ckpt");
+        ampgraph::checkpoint::write(&bad, &saved).unwrap();
+        let err = s.restore(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("'batch_norm/scale/velocity' is not in the graph"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
 
