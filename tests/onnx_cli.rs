@@ -100,6 +100,14 @@ fn bad_models_are_one_line_errors_naming_the_problem() {
             ],
         ),
         (
+            "cubic_on_input.onnx",
+            &[
+                "'upsample'",
+                "mode cubic is supported on values known at import",
+                "input 0 ('x') is computed at run time",
+            ],
+        ),
+        (
             "unknown_attribute.onnx",
             &["'act'", "attribute 'alpha' is not read at opset 13"],
         ),

@@ -906,6 +906,26 @@ def write_bad(out):
     onnx.checker.check_model(m, full_check=True)
     save("if_on_data.onnx", m)
 
+    # constant_of_shape_huge: 80 bytes asking for an f32 [2^20, 2^20] (4 TiB), refused
+    # before anything is allocated
+    node = helper.make_node("ConstantOfShape", ["s"], ["y"])
+    shape = helper.make_tensor("s", TensorProto.INT64, [2], [1 << 20, 1 << 20])
+    graph = helper.make_graph([node], "g", [], [vinfo("y", [1 << 20, 1 << 20])], initializer=[shape])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 14
+    save("constant_of_shape_huge.onnx", m)
+
+    # cubic_on_input: a cubic Resize of the model's input (import computes cubic
+    # Resizes of values it knows, as position embeddings; this one needs run time)
+    sizes = numpy_helper.from_array(np.array([1, 2, 6, 6], dtype=np.int64), "sizes")
+    node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], name="upsample", mode="cubic")
+    graph = helper.make_graph([node], "cubic_on_input", [vinfo("x", [1, 2, 4, 4])],
+                              [vinfo("y", [1, 2, 6, 6])], initializer=[sizes])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name=PRODUCER)
+    m.ir_version = 7
+    onnx.checker.check_model(m, full_check=True)
+    save("cubic_on_input.onnx", m)
+
     # unknown_attribute: a Relu with an attribute Relu does not have (would be ignored)
     node = helper.make_node("Relu", ["x"], ["y"], name="act", alpha=0.1)
     graph = helper.make_graph([node], "unknown_attribute", [vinfo("x", [2, 3])], [vinfo("y", [2, 3])])
