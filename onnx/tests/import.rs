@@ -419,9 +419,9 @@ fn instance_normalization_matches_a_float64_reference() {
     }
 }
 
-/// ReduceL2 and ReduceSumSquare over an axis, against hand-computed values.
+/// ReduceL2, ReduceSumSquare and ReduceMin over an axis, against hand-computed values.
 #[test]
-fn reduce_l2_and_sum_square_are_the_roots_and_sums_of_squares() {
+fn reduce_l2_sum_square_and_min_against_hand_computed_values() {
     use ampgraph_graph::{DType, Tensor};
     let reduce = |name: &str, op: &str| {
         let axes = AttributeProto {
@@ -437,8 +437,13 @@ fn reduce_l2_and_sum_square_are_the_roots_and_sums_of_squares() {
         node: vec![
             reduce("l2", "ReduceL2"),
             reduce("squares", "ReduceSumSquare"),
+            reduce("least", "ReduceMin"),
         ],
-        output: vec![input("l2", &[2]), input("squares", &[2])],
+        output: vec![
+            input("l2", &[2]),
+            input("squares", &[2]),
+            input("least", &[2]),
+        ],
         ..GraphProto::default()
     };
     let g = import_model(&model_of(graph, 17), None, &ImportOptions::default()).unwrap();
@@ -450,6 +455,7 @@ fn reduce_l2_and_sum_square_are_the_roots_and_sums_of_squares() {
     let squares = got[1].to_f64_vec();
     assert_eq!(squares[0], 25.0);
     assert!((squares[1] - 1.69).abs() < 1e-6, "{squares:?}");
+    assert_eq!(got[2].to_f64_vec(), [-4.0, 0.5]);
 }
 
 /// Ceil and Floor of shapes are computed at import (a patch grid's size rounded up);

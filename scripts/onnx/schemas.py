@@ -38,7 +38,7 @@ Conv ConvTranspose CumSum Div Dropout Einsum Elu Equal Erf Exp Expand Flatten Fl
 GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
 HardSigmoid HardSwish Identity If InstanceNormalization LayerNormalization LeakyRelu Less LessOrEqual Log
 LogSoftmax MatMul Max MaxPool Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal
-ReduceL2 ReduceMax ReduceMean ReduceSum ReduceSumSquare Relu Reshape Resize ScatterND Selu Shape Sigmoid Sign
+ReduceL2 ReduceMax ReduceMean ReduceMin ReduceSum ReduceSumSquare Relu Reshape Resize ScatterND Selu Shape Sigmoid Sign
 Size Slice Softmax SoftmaxCrossEntropyLoss Softplus Split Sqrt Squeeze Sub Sum Tanh
 Tile Transpose Trilu Unsqueeze Where Xor
 """.split())

@@ -58,7 +58,9 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Softmax" | "LogSoftmax" => softmax,
         "LayerNormalization" => layer_norm,
         "InstanceNormalization" => instance_norm,
-        "ReduceMean" | "ReduceSum" | "ReduceMax" | "ReduceL2" | "ReduceSumSquare" => reduce,
+        "ReduceMean" | "ReduceSum" | "ReduceMax" | "ReduceMin" | "ReduceL2" | "ReduceSumSquare" => {
+            reduce
+        }
         "Gather" => gather,
         "Where" => where_,
         "Equal" | "Less" | "LessOrEqual" | "Greater" | "GreaterOrEqual" => compare,
@@ -1456,14 +1458,14 @@ fn instance_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
     cx.out(Binary::new(BinaryKind::Add), &[scaled, bias])
 }
 
-/// ReduceMean, ReduceSum, ReduceMax; ReduceSumSquare as a Sum of the Squares and
-/// ReduceL2 as its Sqrt (ConvNeXt V2's global response norm, SwinV2's cosine
-/// attention).
+/// ReduceMean, ReduceSum, ReduceMax; ReduceMin as the negated Max of the negation
+/// (exact); ReduceSumSquare as a Sum of the Squares and ReduceL2 as its Sqrt
+/// (ConvNeXt V2's global response norm, SwinV2's cosine attention).
 fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let op = cx.node.op_type.clone();
     let kind = match op.as_str() {
         "ReduceMean" => ReduceKind::Mean,
-        "ReduceMax" => ReduceKind::Max,
+        "ReduceMax" | "ReduceMin" => ReduceKind::Max,
         _ => ReduceKind::Sum,
     };
     let mut x = cx.input(0)?;
@@ -1484,6 +1486,11 @@ fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
     if op == "ReduceL2" {
         let sum = cx.emit(Reduce::new(kind, axes, keep), &[x])?;
         return cx.out(Unary::new(UnaryKind::Sqrt), &[sum]);
+    }
+    if op == "ReduceMin" {
+        let negated = cx.emit(Unary::new(UnaryKind::Neg), &[x])?;
+        let max = cx.emit(Reduce::new(kind, axes, keep), &[negated])?;
+        return cx.out(Unary::new(UnaryKind::Neg), &[max]);
     }
     cx.out(Reduce::new(kind, axes, keep), &[x])
 }

@@ -290,6 +290,13 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(13, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
         version(18, (1, 2), (1, 1), &[int("keepdims", 1), int("noop_with_empty_axes", 0)]),
     ]),
+    ("ReduceMin", &[
+        version(11, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
+        version(12, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
+        version(13, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
+        version(18, (1, 2), (1, 1), &[int("keepdims", 1), int("noop_with_empty_axes", 0)]),
+        version(20, (1, 2), (1, 1), &[int("keepdims", 1), int("noop_with_empty_axes", 0)]),
+    ]),
     ("ReduceSum", &[
         version(11, (1, 1), (1, 1), &[optional("axes"), int("keepdims", 1)]),
         version(13, (1, 2), (1, 1), &[int("keepdims", 1), int("noop_with_empty_axes", 0)]),
