@@ -458,6 +458,32 @@ fn reduce_l2_sum_square_and_min_against_hand_computed_values() {
     assert_eq!(got[2].to_f64_vec(), [-4.0, 0.5]);
 }
 
+/// IsNaN is true for NaN only, not for infinities, zeros or numbers.
+#[test]
+fn is_nan_finds_nans_only() {
+    use ampgraph_graph::{DType, Tensor};
+    let mut bools = input("nan", &[5]);
+    if let Some(TypeProto {
+        tensor_type: Some(t),
+        ..
+    }) = bools.r#type.as_mut()
+    {
+        t.elem_type = 9;
+    }
+    let graph = GraphProto {
+        input: vec![input("x", &[5])],
+        node: vec![node("nan", "IsNaN", &["x"], vec![])],
+        output: vec![bools],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 13), None, &ImportOptions::default()).unwrap();
+    let v = [f64::NAN, f64::INFINITY, -0.0, 1.5, f64::NEG_INFINITY];
+    let x = Tensor::from_f64(DType::F32, vec![5], &v).unwrap();
+    let got = evaluate(&g, &[("x", x)]);
+    assert_eq!(got[0].dtype(), DType::Bool);
+    assert_eq!(got[0].to_f64_vec(), [1.0, 0.0, 0.0, 0.0, 0.0]);
+}
+
 /// Ceil and Floor of shapes are computed at import (a patch grid's size rounded up);
 /// of a value computed at run time, one error naming the node.
 #[test]

@@ -36,7 +36,7 @@ OPS = sorted("""
 Abs Add And AveragePool BatchNormalization Cast Ceil Clip Concat Constant ConstantOfShape
 Conv ConvTranspose CumSum Div Dropout Einsum Elu Equal Erf Exp Expand Flatten Floor Gather
 GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
-HardSigmoid HardSwish Identity If InstanceNormalization LayerNormalization LeakyRelu Less LessOrEqual Log
+HardSigmoid HardSwish Identity If InstanceNormalization IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log
 LogSoftmax MatMul Max MaxPool Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal
 ReduceL2 ReduceMax ReduceMean ReduceMin ReduceSum ReduceSumSquare Relu Reshape Resize ScatterND Selu Shape Sigmoid Sign
 Size Slice Softmax SoftmaxCrossEntropyLoss Softplus Split Sqrt Squeeze Sub Sum Tanh

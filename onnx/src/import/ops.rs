@@ -66,6 +66,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Equal" | "Less" | "LessOrEqual" | "Greater" | "GreaterOrEqual" => compare,
         "And" | "Or" | "Xor" => logical,
         "Not" => not,
+        "IsNaN" => is_nan,
         "Pad" => pad,
         "Resize" => resize,
         "Mod" => modulo,
@@ -2016,6 +2017,13 @@ fn logical(cx: &mut NodeCx) -> Result<Vec<Value>> {
 fn not(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let x = cx.input(0)?;
     cx.out(Not, &[x])
+}
+
+/// IsNaN as `!(x == x)`: only NaN is unequal to itself (CodeGen's attention mask).
+fn is_nan(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let equal = cx.emit(Compare::new(CompareKind::Equal), &[x.clone(), x])?;
+    cx.out(Not, &[equal])
 }
 
 /// Pad (opset 11 on: pads, the constant and, from 18, the axes as inputs).

@@ -187,6 +187,11 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(6, (3, 3), (1, 1), &[float("epsilon", 0.00001f32)]),
         version(22, (3, 3), (1, 1), &[float("epsilon", 0.00001f32)]),
     ]),
+    ("IsNaN", &[
+        version(9, (1, 1), (1, 1), &[]),
+        version(13, (1, 1), (1, 1), &[]),
+        version(20, (1, 1), (1, 1), &[]),
+    ]),
     ("LayerNormalization", &[
         version(17, (2, 3), (1, 3), &[int("axis", -1), float("epsilon", 0.00001f32), int("stash_type", 1)]),
     ]),
