@@ -166,18 +166,18 @@ fn batch_norms_moving_statistics_are_not_trained() {
             "{case}: two dense layers, scale, offset"
         );
         let mut s = Session::new(g, Device::Cpu).unwrap();
-        let before = |s: &Session, name: &str| s.variable(name).unwrap().to_f64_vec();
-        let scale = before(&s, "batch_norm/scale");
+        let value = |s: &Session, name: &str| s.variable(name).unwrap().to_f64_vec();
+        let scale = value(&s, "batch_norm/scale");
         for k in 0..2 {
             s.run(&[step.step], &feeds(k, None)).unwrap();
         }
-        assert_eq!(before(&s, "batch_norm/moving_mean"), vec![0.0; 6], "{case}");
+        assert_eq!(value(&s, "batch_norm/moving_mean"), vec![0.0; 6], "{case}");
         assert_eq!(
-            before(&s, "batch_norm/moving_variance"),
+            value(&s, "batch_norm/moving_variance"),
             vec![1.0; 6],
             "{case}"
         );
-        assert_ne!(before(&s, "batch_norm/scale"), scale, "{case}");
+        assert_ne!(value(&s, "batch_norm/scale"), scale, "{case}");
         let slots = s
             .graph()
             .node_ids()
@@ -209,10 +209,10 @@ fn batch_norms_moving_statistics_are_not_trained() {
         }
         let old = dir.join("old.ckpt");
         ampgraph::checkpoint::write(&old, &saved).unwrap();
-        let kept = before(&s, "batch_norm/scale");
+        let kept = value(&s, "batch_norm/scale");
         s.run(&[step.step], &feeds(7, None)).unwrap();
         s.restore(&old).unwrap();
-        assert_eq!(before(&s, "batch_norm/scale"), kept, "{case}");
+        assert_eq!(value(&s, "batch_norm/scale"), kept, "{case}");
         saved.push(("batch_norm/scale/velocity".into(), zeros.clone()));
         let bad = dir.join("bad.ckpt");
         ampgraph::checkpoint::write(&bad, &saved).unwrap();

@@ -67,8 +67,8 @@ pub struct MemoryPlan {
 }
 
 /// The update outputs that may be written over the variable they replace (an
-/// optimizer update's variables and slots, delayed scaling's amax history and scale:
-/// `replaced_inputs`), assigned to the Variable node they update, where nothing later
+/// optimizer update's variables and slots, delayed scaling's amax history, scale and
+/// inverse: `replaced_inputs`), assigned to the Variable node they update, where nothing later
 /// in the step reads that variable's old value (directly or through a view) and it is
 /// not fetched. Their kernels read every old value they need before they write, so
 /// the variable needs no second buffer for its next value (and a captured step no

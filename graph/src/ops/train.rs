@@ -710,7 +710,7 @@ pub fn update_members(op: &dyn Op) -> Option<(&OptimizerUpdate, usize)> {
 
 /// The outputs of `op` that are new values of its inputs, each as (output, input
 /// slot): an optimizer update's variables and slots (every member's), delayed
-/// scaling's amax history and scale ([`Fp8ScaleUpdate`]). Their kernels read every old
+/// scaling's amax history, scale and scale inverse ([`Fp8ScaleUpdate`]). Their kernels read every old
 /// value they need before they write a new one, so an executor may write such an
 /// output over its input's buffer where nothing later reads the old value.
 pub fn replaced_inputs(op: &dyn Op) -> Vec<(usize, usize)> {

@@ -207,17 +207,19 @@ mod tests {
     use ampgraph_graph::ops::{Placeholder, Rule, Unary, UnaryKind};
     use ampgraph_graph::{DType, Tensor, TensorType};
 
+    /// A Placeholder `name` of `dtype` and `shape`.
+    fn input(g: &mut Graph, name: &str, dtype: DType, shape: &[usize]) -> Port {
+        let ty = TensorType::new(dtype, shape.to_vec());
+        g.add_node(name, Box::new(Placeholder(ty)), &[])
+            .unwrap()
+            .into()
+    }
+
     /// Two f16 gradients unscaled by `1/scale` (the second by `other_scale` when
     /// given), checked, and applied by SGD to two f32 variables; with `leak`, a Relu
     /// output also reads the first product.
     fn graph(other_scale: bool, leak: bool) -> Graph {
         let mut g = Graph::new();
-        let input = |g: &mut Graph, name: &str, dtype, shape: &[usize]| -> Port {
-            let ty = TensorType::new(dtype, shape.to_vec());
-            g.add_node(name, Box::new(Placeholder(ty)), &[])
-                .unwrap()
-                .into()
-        };
         let scale = input(&mut g, "inv_scale", DType::F32, &[]);
         let other = input(&mut g, "other_scale", DType::F32, &[]);
         let mut products = Vec::new();
@@ -301,20 +303,14 @@ mod tests {
     fn a_product_the_check_reads_twice_is_folded_once() {
         let mut before = Graph::new();
         let g = &mut before;
-        let input = |g: &mut Graph, name: &str, dtype, shape: Vec<usize>| -> Port {
-            let ty = TensorType::new(dtype, shape);
-            g.add_node(name, Box::new(Placeholder(ty)), &[])
-                .unwrap()
-                .into()
-        };
-        let scale = input(g, "inv_scale", DType::F32, vec![]);
-        let grad = input(g, "grad", DType::F16, vec![3]);
+        let scale = input(g, "inv_scale", DType::F32, &[]);
+        let grad = input(g, "grad", DType::F16, &[3]);
         let wide = g.add(Cast { to: DType::F32 }, &[grad]).unwrap();
         let product = g.add(Binary::new(BinaryKind::Mul), &[wide, scale]).unwrap();
         let finite = g.add(AllFinite::default(), &[product, product]).unwrap();
         let mut outputs = Vec::new();
         for name in ["w0", "w1"] {
-            let var = input(g, name, DType::F32, vec![3]);
+            let var = input(g, name, DType::F32, &[3]);
             let sgd = OptimizerUpdate::new(Rule::PLAIN_SGD, 0.5, 0.0);
             outputs.push(g.add(sgd, &[finite, var, product]).unwrap());
         }
@@ -338,14 +334,13 @@ mod tests {
     /// [`graph`]'s check also reading a Placeholder `extra` of `shape` (an amax).
     fn graph_with_extra_check(shape: &[usize]) -> Graph {
         let mut g = graph(false, false);
-        let ty = TensorType::new(DType::F32, shape.to_vec());
-        let extra = g.add_node("extra", Box::new(Placeholder(ty)), &[]).unwrap();
+        let extra = input(&mut g, "extra", DType::F32, shape);
         let check = g
             .node_ids()
             .find(|&id| g.node(id).op.is::<AllFinite>())
             .unwrap();
         let mut inputs = g.inputs(check);
-        inputs.push(extra.into());
+        inputs.push(extra);
         g.set_node(check, Box::new(AllFinite::default()), &inputs)
             .unwrap();
         g
