@@ -180,12 +180,14 @@ fn sce_loss_and_mean(t: &str) -> String {
 }
 
 /// One element of the loss gradient, `(softmax - onehot(label)) * scale` from the
-/// element's `exp(x - shift)` and the row's sum, NaN for a label out of range. The
-/// CPU kernel takes the label's as `-(sum of the others) / sum`, NaN where a `+inf`
-/// logit made the sum infinite; so is this one.
+/// element's `exp(x - shift)` and the row's `1 / sum` (a product, not a quotient, per
+/// logit: GPT-2's [16384, 50264] kernel was bound by its instructions, 69% of the SMs'
+/// issue against 23% of DRAM's bandwidth), NaN for a label out of range. The CPU
+/// kernel takes the label's as `-(sum of the others) / sum`, NaN where a `+inf` logit
+/// made the sum infinite; so is this one.
 const SCE_DX: &str = r#"
-__device__ __forceinline__ C sce_dx(A e, A sum, bool is_label, bool bad, C scale) {
-  C p = (C)(e / sum);
+__device__ __forceinline__ C sce_dx(A e, A sum, A inv, bool is_label, bool bad, C scale) {
+  C p = (C)(e * inv);
   C target = is_label ? (C)1 : (C)0;
   return bad || (is_label && isinf(sum)) ? (C)F_NAN : (p - target) * scale;
 }
@@ -196,8 +198,9 @@ __device__ __forceinline__ C sce_dx(A e, A sum, bool is_label, bool bad, C scale
 fn sce_grad_row(t: &str, g: &str) -> String {
     format!(
         "bool bad = label < 0 || label >= c;\n\
+         A inv = (A)1 / sum;\n\
          for (i64 j = threadIdx.x; j < c; j += blockDim.x)\n\
-           st{g}(dx, j, sce_dx(m_exp((A)ld{t}(x, j) - shift), sum, j == label, bad, scale));\n"
+           st{g}(dx, j, sce_dx(m_exp((A)ld{t}(x, j) - shift), sum, inv, j == label, bad, scale));\n"
     )
 }
 
@@ -292,7 +295,9 @@ pub(super) fn sce_with_grad(
                  __device__ __forceinline__ void sce_online(A& m, A& s, A v) {{\n\
                    if (v > m) {{ s = s * m_exp(m - v) + (A)1; m = v; }} else s += m_exp(v - m);\n\
                  }}\n\
-                 extern \"C\" __global__ void k_rows({params}) {{\n\
+                 // Two blocks of 1024 a multiprocessor (32 registers, none spilled): at 38\n\
+                 // registers one block left half the warps idle.\n\
+                 extern \"C\" __global__ void __launch_bounds__(1024, 2) k_rows({params}) {{\n\
                    __shared__ A sh[32];\n\
                    C scale = ld(pdl, 0) / (C)n;\n\
                    // The lowest finite value starts the running maximum: a -inf logit adds\n\
@@ -320,8 +325,9 @@ pub(super) fn sce_with_grad(
                      i64 label = (i64)pl[row];\n\
                      if (threadIdx.x == 0) rows_out[row] = sce_lossX(x, c, label, shift, sum);\n\
                      bool bad = label < 0 || label >= c;\n\
+                     A inv = (A)1 / sum;\n\
                      // The gradient of logit `v` in column `j`: zero in the padding.\n\
-                     auto grad_of = [&](A v, i64 j) {{ return j < c ? sce_dx(m_exp(v - shift), sum, j == label, bad, scale) : (C)0; }};\n\
+                     auto grad_of = [&](A v, i64 j) {{ return j < c ? sce_dx(m_exp(v - shift), sum, inv, j == label, bad, scale) : (C)0; }};\n\
                      if (vec) {{\n\
                        for (i64 j0 = threadIdx.x * {v}; j0 < w; j0 += (i64)blockDim.x * {v}) {{\n\
                          const VX xv = *(const VX*)(x + j0);\n\
@@ -367,11 +373,12 @@ pub(super) fn sce_with_grad(
                  i64 label = (i64)pl[row];\n\
                  if (threadIdx.x == 0) rows_out[row] = sce_lossX(x, c, label, shift, sum);\n\
                  bool bad = label < 0 || label >= c;\n\
+                 A inv = (A)1 / sum;\n\
                  #pragma unroll\n\
                  for (int k = 0; k < {per}; ++k) {{\n\
                    i64 j = threadIdx.x + k * {SCE_SUM_THREADS};\n\
                    if (j < w) {{\n\
-                     C d = j < c ? sce_dx(e[k], sum, j == label, bad, scale) : (C)0;\n\
+                     C d = j < c ? sce_dx(e[k], sum, inv, j == label, bad, scale) : (C)0;\n\
                      stG(pdx, row * w + j, d);\n\
                      acc[k] += (A)d;\n\
                    }}\n\
