@@ -141,6 +141,8 @@ fn derivative(kind: UnaryKind, x: f64) -> f64 {
             }
         }
         Erf => 2.0 / std::f64::consts::PI.sqrt() * (-x * x).exp(),
+        Sin => x.cos(),
+        Cos => -x.sin(),
         Softplus => 1.0 / (1.0 + (-x).exp()),
         Reciprocal => -1.0 / (x * x),
         Sign => 0.0,

@@ -106,6 +106,8 @@ fn unary_ref(kind: UnaryKind, x: f64) -> f64 {
         Neg => -x,
         Abs => x.abs(),
         Erf => erf_ref(x),
+        Sin => x.sin(),
+        Cos => x.cos(),
         Softplus => (1.0 + x.exp()).ln(),
         Reciprocal => 1.0 / x,
         Sign => {

@@ -1001,6 +1001,8 @@ impl<'g> Exporter<'g> {
             UnaryKind::Neg => "Neg",
             UnaryKind::Abs => "Abs",
             UnaryKind::Erf => "Erf",
+            UnaryKind::Sin => "Sin",
+            UnaryKind::Cos => "Cos",
             UnaryKind::Softplus => "Softplus",
             UnaryKind::Reciprocal => "Reciprocal",
             UnaryKind::Sign => "Sign",

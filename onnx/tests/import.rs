@@ -458,6 +458,32 @@ fn reduce_l2_sum_square_and_min_against_hand_computed_values() {
     assert_eq!(got[2].to_f64_vec(), [-4.0, 0.5]);
 }
 
+/// Sin and Cos (sinusoidal position embeddings: Funnel's, XLNet's) against their
+/// values at multiples of pi / 6.
+#[test]
+fn sin_and_cos_import_as_unary_ops() {
+    use ampgraph_graph::{DType, Tensor};
+    let graph = GraphProto {
+        input: vec![input("x", &[4])],
+        node: vec![
+            node("sin", "Sin", &["x"], vec![]),
+            node("cos", "Cos", &["x"], vec![]),
+        ],
+        output: vec![input("sin", &[4]), input("cos", &[4])],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 13), None, &ImportOptions::default()).unwrap();
+    let pi = std::f64::consts::PI;
+    let x = Tensor::from_f64(DType::F32, vec![4], &[0.0, pi / 6.0, pi / 2.0, pi]).unwrap();
+    let got = evaluate(&g, &[("x", x)]);
+    let want = [[0.0, 0.5, 1.0, 0.0], [1.0, 0.75f64.sqrt(), 0.0, -1.0]];
+    for (out, want) in got.iter().zip(want) {
+        for (g, w) in out.to_f64_vec().iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{g} vs {w}");
+        }
+    }
+}
+
 /// IsNaN is true for NaN only, not for infinities, zeros or numbers.
 #[test]
 fn is_nan_finds_nans_only() {

@@ -293,7 +293,7 @@ def tiny_models():
     position ids computed at run time (integer CumSum, Mul and Add, GatherElements),
     Falcon's and GPT-J's GatherND, BLOOM's Tile, Wav2Vec2's InstanceNormalization,
     ConvNeXt V2's and SwinV2's ReduceL2, MobileViT's Ceil, DINOv2's and YOLOS's cubic
-    Resize. A few MB each: they travel to the GPU machine, where the ONNX tests run
+    Resize, Funnel's and XLNet's Sin and Cos, CodeGen's IsNaN. A few MB each: they travel to the GPU machine, where the ONNX tests run
     them on CUDA in f32 and AMP (scripts/gpu_onnx.sh TINY=1)."""
     import transformers as hf
     rng = np.random.default_rng(4)
@@ -328,6 +328,16 @@ def tiny_models():
         ("tiny_mobilevit", lambda: hf.MobileViTModel(hf.MobileViTConfig(
             image_size=64, hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 160],
             initializer_range=0.2)), img),
+    ]
+    out += [
+        # Sinusoidal relative positions (Sin, Cos).
+        ("tiny_funnel", lambda: hf.FunnelModel(hf.FunnelConfig(
+            d_model=64, n_head=4, d_head=16, d_inner=128, block_sizes=[1, 1], vocab_size=1000)), ids),
+        ("tiny_xlnet", lambda: hf.XLNetModel(hf.XLNetConfig(
+            d_model=64, n_layer=2, n_head=4, d_inner=128, vocab_size=1000)), ids),
+        # Its attention mask through IsNaN.
+        ("tiny_codegen", lambda: hf.CodeGenForCausalLM(hf.CodeGenConfig(
+            n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=1000, use_cache=False)), ids),
     ]
     wav = rng.standard_normal((1, 4000)).astype(np.float32)
     out.append(("tiny_wav2vec2", lambda: hf.Wav2Vec2Model(hf.Wav2Vec2Config(

@@ -26,7 +26,7 @@ pub(super) type Converter = fn(&mut NodeCx) -> Result<Vec<Value>>;
 pub(super) fn converter(op_type: &str) -> Option<Converter> {
     Some(match op_type {
         "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Log" | "Sqrt" | "Neg" | "Abs" | "Erf"
-        | "Reciprocal" | "Sign" | "Softplus" | "HardSwish" => unary,
+        | "Reciprocal" | "Sign" | "Softplus" | "HardSwish" | "Sin" | "Cos" => unary,
         "Identity" | "Dropout" => identity,
         "Elu" | "Selu" | "LeakyRelu" | "Gelu" => unary_with_attrs,
         "HardSigmoid" => hard_sigmoid,
@@ -111,6 +111,8 @@ fn unary(cx: &mut NodeCx) -> Result<Vec<Value>> {
         "Reciprocal" => UnaryKind::Reciprocal,
         "Sign" => UnaryKind::Sign,
         "Softplus" => UnaryKind::Softplus,
+        "Sin" => UnaryKind::Sin,
+        "Cos" => UnaryKind::Cos,
         _ => UnaryKind::HardSwish,
     };
     let x = cx.input(0)?;

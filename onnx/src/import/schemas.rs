@@ -73,6 +73,10 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(11, (2, 3), (1, 1), &[string("auto_pad", "NOTSET"), optional("dilations"), int("group", 1), optional("kernel_shape"), optional("output_padding"), optional("output_shape"), optional("pads"), optional("strides")]),
         version(22, (2, 3), (1, 1), &[string("auto_pad", "NOTSET"), optional("dilations"), int("group", 1), optional("kernel_shape"), optional("output_padding"), optional("output_shape"), optional("pads"), optional("strides")]),
     ]),
+    ("Cos", &[
+        version(7, (1, 1), (1, 1), &[]),
+        version(22, (1, 1), (1, 1), &[]),
+    ]),
     ("CumSum", &[
         version(11, (2, 2), (1, 1), &[int("exclusive", 0), int("reverse", 0)]),
         version(14, (2, 2), (1, 1), &[int("exclusive", 0), int("reverse", 0)]),
@@ -355,6 +359,10 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
     ("Sign", &[
         version(9, (1, 1), (1, 1), &[]),
         version(13, (1, 1), (1, 1), &[]),
+    ]),
+    ("Sin", &[
+        version(7, (1, 1), (1, 1), &[]),
+        version(22, (1, 1), (1, 1), &[]),
     ]),
     ("Size", &[
         version(1, (1, 1), (1, 1), &[]),

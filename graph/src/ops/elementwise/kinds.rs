@@ -376,6 +376,19 @@ unary_kinds! {
         cuda: "m_erf(x)",
         cuda_derivative: format!("C d = (C){} * m_exp(-x * x);", cuda_lit(FRAC_2_SQRT_PI)),
     }
+    /// Sinusoidal position embeddings computed from positions (Funnel's, XLNet's).
+    Sin => "Sin" {
+        value: x.sin(),
+        derivative: x.cos(),
+        cuda: "m_sin(x)",
+        cuda_derivative: "C d = m_cos(x);",
+    }
+    Cos => "Cos" {
+        value: x.cos(),
+        derivative: -x.sin(),
+        cuda: "m_cos(x)",
+        cuda_derivative: "C d = -m_sin(x);",
+    }
     /// `log(1 + exp(x))`.
     Softplus => "Softplus" {
         // max(x, 0) + log1p(exp(-|x|)): no overflow for large x.
