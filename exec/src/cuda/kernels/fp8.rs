@@ -23,12 +23,10 @@ use super::codegen::{
 };
 use super::fused::{FusedParts, ROUNDING};
 use super::{
-    first, input, kernel, launch_column_sums_fin, one_output, Ctx, KernelResult, KernelSpec,
-    Lowering,
+    first, input, kernel, launch_column_sums_fin, launch_grouped, one_output, Ctx, KernelResult,
+    KernelSpec, Lowering,
 };
-use crate::cuda::device::{
-    items_grid, update_table_declaration, Arg, DTensor, UpdateTable, GROUP_MEMBERS,
-};
+use crate::cuda::device::{items_grid, update_table_declaration, Arg, DTensor};
 use crate::cuda::gemm::Product;
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr};
 
@@ -837,7 +835,7 @@ fn lower_scale(
     }))
 }
 
-/// An Fp8ScaleUpdate: [`GROUP_MEMBERS`] members a launch, a block each, their
+/// An Fp8ScaleUpdate: [`GROUP_MEMBERS`](crate::cuda::device::GROUP_MEMBERS) members a launch, a block each, their
 /// pointers in a by-value table.
 fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let (n_in, n_out) = (
@@ -872,24 +870,11 @@ fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType
     let threads = longest.next_multiple_of(32) as u32;
     Ok(kernel(move |c, inputs| {
         let outputs = c.alloc_all(&outs)?;
-        let members: Vec<(&[DTensor], &[DTensor])> =
-            inputs.chunks(n_in).zip(outputs.chunks(n_out)).collect();
-        for (chunk, lengths) in members
-            .chunks(GROUP_MEMBERS)
-            .zip(lengths.chunks(GROUP_MEMBERS))
-        {
-            let mut table = UpdateTable::default();
-            for (row, ((member, next), &n)) in chunk.iter().zip(lengths).enumerate() {
-                let args: Vec<Arg> = member.iter().chain(next.iter()).map(DTensor::arg).collect();
-                table.set(row, &args, n)?;
-            }
-            c.launch(
-                &spec,
-                "k",
-                (chunk.len() as u32, threads),
-                &[Arg::Table(Box::new(table))],
-            )?;
-        }
+        let members: Vec<(Vec<Arg>, usize)> = (inputs.chunks(n_in).zip(outputs.chunks(n_out)))
+            .zip(&lengths)
+            .map(|((member, next), &n)| (member.iter().chain(next).map(DTensor::arg).collect(), n))
+            .collect();
+        launch_grouped(c, &spec, "k", threads, &members)?;
         Ok(outputs)
     }))
 }

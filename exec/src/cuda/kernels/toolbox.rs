@@ -8,7 +8,9 @@ use std::fmt::Debug;
 
 use ampgraph_graph::{DType, TensorType};
 
-use crate::cuda::device::{items_grid, row_block, row_grid, Arg, DTensor, Device};
+use crate::cuda::device::{
+    items_grid, row_block, row_grid, Arg, DTensor, Device, UpdateTable, GROUP_MEMBERS,
+};
 use crate::cuda::dnn::{Dnn, DnnOptions};
 use crate::cuda::gemm::{Gemm, GemmOptions};
 use crate::cuda::nccl::Nccl;
@@ -486,6 +488,27 @@ pub(super) fn launch_column_sums_fin<S: KernelSpec>(
     }
     let grid = len.div_ceil(32).min(1 << 20) as u32;
     c.launch(spec, "k_cols_fin", (grid, FIN_WARPS as u32 * 32), &args)
+}
+
+/// A grouped update's launches: `name` once per [`GROUP_MEMBERS`] members, block `m`
+/// on member `m`, each member's pointer arguments and length in its row of a by-value
+/// [`UpdateTable`].
+pub(super) fn launch_grouped<S: KernelSpec>(
+    c: &Ctx,
+    spec: &S,
+    name: &'static str,
+    threads: u32,
+    members: &[(Vec<Arg>, usize)],
+) -> Result<(), String> {
+    for chunk in members.chunks(GROUP_MEMBERS) {
+        let mut table = UpdateTable::default();
+        for (row, (args, len)) in chunk.iter().enumerate() {
+            table.set(row, args, *len)?;
+        }
+        let launch = (chunk.len() as u32, threads);
+        c.launch(spec, name, launch, &[Arg::Table(Box::new(table))])?;
+    }
+    Ok(())
 }
 
 /// (len, inner, rows) of a softmax-like op along `axis`.

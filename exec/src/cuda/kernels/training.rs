@@ -12,10 +12,11 @@ use super::codegen::{
     elementwise, elementwise_in, lit, module, module_multi, own, store, At, Load, Store, MAX_RANK,
     PRELUDE,
 };
-use super::{acc_dtype, first, float_only, input, kernel, one_output, Ctx, KernelResult, Lowering};
-use crate::cuda::device::{
-    update_table_declaration, Arg, DTensor, Dims, UpdateTable, GROUP_MEMBERS,
+use super::{
+    acc_dtype, first, float_only, input, kernel, launch_grouped, one_output, Ctx, KernelResult,
+    Lowering,
 };
+use crate::cuda::device::{update_table_declaration, Arg, DTensor, Dims};
 
 kernel_specs! {
     /// The modules of the family.
@@ -281,7 +282,7 @@ fn lamb(
     c.launch(spec, "k_apply", (grid, 256), &apply)
 }
 
-/// A GroupedOptimizerUpdate: [`GROUP_MEMBERS`] members a launch of `k_group`, a block
+/// A GroupedOptimizerUpdate: [`GROUP_MEMBERS`](crate::cuda::device::GROUP_MEMBERS) members a launch of `k_group`, a block
 /// each, their pointers in a by-value table. Every member has the first's dtypes (the
 /// `group-updates` pass groups only such updates).
 fn lower_grouped_optimizer(
@@ -319,22 +320,14 @@ fn lower_grouped_optimizer(
     let outs = outs.to_vec();
     Ok(kernel(move |c, inputs| {
         let outputs = c.alloc_all(&outs)?;
-        let members: Vec<(&[DTensor], &[DTensor])> =
-            inputs.chunks(n_in).zip(outputs.chunks(n_out)).collect();
-        for chunk in members.chunks(GROUP_MEMBERS) {
-            let mut table = UpdateTable::default();
-            for (row, (member, outs)) in chunk.iter().enumerate() {
+        let members: Vec<(Vec<Arg>, usize)> = (inputs.chunks(n_in).zip(outputs.chunks(n_out)))
+            .map(|(member, outs)| {
                 let mut args = update_args(&u, member);
                 args.extend(outs.iter().map(DTensor::arg));
-                table.set(row, &args, member[1].len())?;
-            }
-            c.launch(
-                &spec,
-                "k_group",
-                (chunk.len() as u32, 256),
-                &[Arg::Table(Box::new(table))],
-            )?;
-        }
+                (args, member[1].len())
+            })
+            .collect();
+        launch_grouped(c, &spec, "k_group", 256, &members)?;
         Ok(outputs)
     }))
 }
