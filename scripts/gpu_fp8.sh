@@ -4,9 +4,11 @@
 # says it pays), current and delayed scaling, beside torch.compile bf16 and torchao's
 # float8 training with torch.compile (fp8.txt); GPT-2 124M's and the mlp's steps with
 # every product the GPU takes in FP8 (--fp8-everywhere: what the cost model keeps)
+# (fp8.txt); GPT-2 124M's row: BF16 and FP8 under delayed scaling, interleaved twice in
+# one process, then torch.compile bf16 and torchao float8 on Hugging Face's GPT-2
 # (fp8.txt); GPT-2 trained 1500 steps on a learnable walk (gpu_convergence.sh's) in
 # BF16 and in FP8 everywhere, the validation loss every 250 (fp8_gpt2.txt). PART=bars,
-# everywhere or convergence runs one part (default: all; about 7 minutes in all).
+# gpt2, everywhere or convergence runs one part (default: all; about 9 minutes in all).
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
 part=${PART:-all}
 out=$OUT/fp8.txt
@@ -19,6 +21,12 @@ if [ "$part" = all ] || [ "$part" = bars ]; then
   done
   python3 -m pip install -q --no-index --no-deps --target /tmp/ao wheels/torchao-*.whl >> $out 2>&1
   PYTHONPATH=/tmp/ao run torch 200 python3 torch_fp8_anchor.py --only mlp,transformer
+fi
+if [ "$part" = all ] || [ "$part" = gpt2 ]; then
+  AMPGRAPH_AMP_FP8_SCALING=delayed run "ours gpt2 (FP8: delayed scaling)" 150 ./bench --workload gpt2 \
+    --modes amp_bf16,amp_fp8,amp_bf16,amp_fp8 --phases train
+  python3 -m pip install -q --no-index --no-deps --target /tmp/ao wheels/torchao-*.whl >> $out 2>&1
+  PYTHONPATH=/tmp/ao run "torch gpt2" 240 python3 torch_fp8_anchor.py --only gpt2
 fi
 if [ "$part" = all ] || [ "$part" = everywhere ]; then
   run "gpt2" 90 ./bench --workload gpt2 --modes amp_bf16,amp_fp8 --phases train
