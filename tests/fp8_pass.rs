@@ -783,6 +783,88 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
     }
 }
 
+/// A pre-LN transformer's FP8 training step under delayed scaling (a tiny GPT-2, every
+/// product FP8): with the CUDA pipeline each of its layer norms is computed by
+/// the casts quantising them (`norm-into-fp8`: their 16-bit outputs are gone), five
+/// steps compute the same bits on the CPU as the pipeline without that pass (the
+/// fused attention's online softmax rounds apart from the graph's, so the pipelines
+/// are compared with each other, not with no passes), and the step lowers on the CUDA
+/// executor.
+#[test]
+fn a_transformers_norms_are_computed_by_their_fp8_casts() {
+    use ampgraph::exec::cuda::pipeline_names;
+    use ampgraph::exec::CudaExecutor;
+    use ampgraph::graph::models::gpt2::{self, Gpt2Config};
+    use ampgraph::passes::registry::SIMPLIFY_PIPELINE;
+    let config = Gpt2Config {
+        vocab: 16,
+        positions: 8,
+        layers: 2,
+        heads: 2,
+        width: 32,
+        dropout: 0.0,
+        attention_dropout: 0.0,
+    };
+    let (batch, seq) = (4, 8);
+    let session = |fold_norms: bool| {
+        let mut g = Graph::new();
+        let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
+        let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
+        let logits = gpt2::build(&mut g, tokens, &config).unwrap();
+        let loss = g.softmax_cross_entropy(logits, labels).unwrap();
+        let step = enable_mixed_precision_graph_rewrite(Sgd::new(0.1))
+            .with_dtype(DType::BF16)
+            .with_loss_scale(LossScale::None)
+            .minimize(&mut g, loss)
+            .unwrap();
+        let passes = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default())].concat();
+        let passes = (passes.into_iter())
+            .filter(|&p| fold_norms || p != "norm-into-fp8")
+            .map(String::from);
+        let options = SessionOptions {
+            passes: Some(passes.collect()),
+            ..options(Fp8Config::everywhere(Fp8Recipe::delayed()))
+        };
+        let s = Session::with_options(g, Device::Cpu, options).unwrap();
+        (s, vec![step.step, step.loss, logits])
+    };
+    let feeds = |step: u64| {
+        let at = |i: u64| ((i * 7 + step * 3) % 16) as f64;
+        let tokens: Vec<f64> = (0..(batch * seq) as u64).map(at).collect();
+        let labels: Vec<f64> = (0..(batch * seq) as u64).map(|i| at(i + 1)).collect();
+        Feeds::from([
+            (
+                "tokens".into(),
+                Tensor::from_f64(DType::I64, [batch, seq], &tokens).unwrap(),
+            ),
+            (
+                "labels".into(),
+                Tensor::from_f64(DType::I64, [batch * seq], &labels).unwrap(),
+            ),
+        ])
+    };
+    let ((mut apart, fetch_apart), (mut folded, fetch)) = (session(false), session(true));
+    for k in 0..5 {
+        let want = apart.run(&fetch_apart, &feeds(k)).unwrap();
+        let got = folded.run(&fetch, &feeds(k)).unwrap();
+        assert_eq!(want, got, "step {k}");
+    }
+    let count = |g: &Graph, name: &str| {
+        g.node_ids()
+            .filter(|&id| g.node(id).op_name() == name)
+            .count()
+    };
+    let g = folded.graph_for(&fetch);
+    // Each block's two and the final one (the tied head's product is FP8 too here).
+    assert_eq!(count(g, "LayerNormQuantizeFp8"), 2 * config.layers + 1);
+    assert_eq!(count(g, "LayerNorm"), 0);
+    assert_eq!(
+        count(apart.graph_for(&fetch_apart), "LayerNormQuantizeFp8"),
+        0
+    );
+    CudaExecutor::check_supported(g).unwrap();
+}
+
 /// An FP8 training step (both recipes, a dynamic loss scale, every product FP8 but
 /// the 8-class head's, whose n = 8 cuBLASLt's FP8 kernels do not take) lowers on the CUDA executor after
 /// the CUDA pipeline, every node (no device needed: planning the lowering is enough).

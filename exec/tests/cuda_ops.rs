@@ -2065,6 +2065,64 @@ fn assert_identical(what: &str, (dev, cpu): (Vec<Tensor>, Vec<Tensor>)) {
     }
 }
 
+/// A layer norm cast to FP8 by one kernel (`norm-into-fp8`'s LayerNormQuantizeFp8)
+/// gives on the GPU what the LayerNorm and QuantizeFp8 kernels give apart, bit for bit:
+/// GPT-2's bf16 rows of 768 with f32 parameters (16-byte words, a partial band of 32
+/// rows), f32 rows of 100 into E5M2 (a value a lane), rows of 64 in more bands than
+/// the grid's blocks (the grid strides), and a cast without the transposed copy.
+#[test]
+fn layer_norm_cast_to_fp8_equals_the_norm_and_the_cast_apart() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(45);
+    let cases = [
+        (DType::BF16, DType::F32, [2056, 768], DType::F8E4M3, true),
+        (DType::F32, DType::F32, [40, 100], DType::F8E5M2, true),
+        (DType::BF16, DType::BF16, [32_800, 64], DType::F8E4M3, true),
+        (DType::BF16, DType::F32, [16, 768], DType::F8E4M3, false),
+    ];
+    for (x_ty, params, [rows, len], to, transposed) in cases {
+        let what =
+            format!("LayerNormQuantizeFp8 {x_ty} x, {params} gamma, [{rows}, {len}] -> {to}");
+        // Rows of different means and spreads; gamma and beta away from 1 and 0.
+        let x: Vec<f64> = (r.vec(rows * len, -3.0, 3.0).into_iter().enumerate())
+            .map(|(i, v)| v * (1.0 + (i / len % 5) as f64) + (i / len % 3) as f64)
+            .collect();
+        let feeds: Feeds = [("x".to_string(), t(x_ty, &[rows, len], &x))]
+            .into_iter()
+            .collect();
+        let (gamma, beta) = (r.vec(len, 0.5, 1.5), r.vec(len, -0.5, 0.5));
+        let norm = LayerNorm {
+            to: Some(DType::BF16),
+            ..LayerNorm::default()
+        };
+        let cast = QuantizeFp8::new(to).unwrap().with_transposed(transposed);
+        let mut run = |fused: bool| {
+            let mut g = Graph::new();
+            let xp = g.placeholder("x", x_ty, [rows, len]).unwrap();
+            let gp = g.add(Const::new(t(params, &[len], &gamma)), &[]).unwrap();
+            let bp = g.add(Const::new(t(params, &[len], &beta)), &[]).unwrap();
+            let scale = g.scalar(DType::F32, 37.0).unwrap();
+            let q = if fused {
+                let op = LayerNormQuantizeFp8::new(norm.clone(), cast.clone()).unwrap();
+                g.add_node("q", Box::new(op), &[xp, gp, bp, scale]).unwrap()
+            } else {
+                let y = g.add(norm.clone(), &[xp, gp, bp]).unwrap();
+                g.add_node("q", Box::new(cast.clone()), &[y, scale])
+                    .unwrap()
+            };
+            let outs: Vec<Port> = (0..2 + usize::from(transposed))
+                .map(|k| Port::new(q, k))
+                .collect();
+            g.set_outputs(outs.clone()).unwrap();
+            gpu.run(&g, &feeds, &outs)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+        };
+        let (fused, apart) = (run(true), run(false));
+        assert_eq!(fused.len(), 2 + usize::from(transposed));
+        assert_identical(&what, (fused, apart));
+    }
+}
+
 /// The FP8 ops (issue 44) against the CPU reference: quantisation and its amax, the
 /// scales of both recipes, the history and dequantisation bit for bit; the FP8
 /// product (each transpose, the mixed formats, 16-bit and f32 results) within its

@@ -16,6 +16,7 @@ use crate::group_updates::GroupUpdates;
 use crate::layout_nhwc::LayoutNhwc;
 use crate::merge_projections::MergeProjections;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
+use crate::norm_into_fp8::NormIntoFp8;
 use crate::pack_qkv::PackQkv;
 use crate::recognize_gelu::RecognizeGelu;
 use crate::recognize_layer_norm::RecognizeLayerNorm;
@@ -184,6 +185,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "activation-into-fp8",
         summary: "A Unary read only by an FP8 cast becomes its activation (its 16-bit output no longer stored).",
         make: || Box::new(ActivationIntoFp8),
+    },
+    PassEntry {
+        name: "norm-into-fp8",
+        summary: "A LayerNorm over rows of at most 1024 values read only by a delayed-scaling FP8 cast (sides multiples of 8) is computed by the cast (its 16-bit output no longer stored).",
+        make: || Box::new(NormIntoFp8),
     },
     PassEntry {
         name: "gemm-epilogue",

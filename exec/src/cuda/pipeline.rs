@@ -15,6 +15,7 @@ use ampgraph_passes::group_updates::GroupUpdates;
 use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::merge_projections::MergeProjections;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
+use ampgraph_passes::norm_into_fp8::NormIntoFp8;
 use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::recompute::RecomputeInputViews;
 use ampgraph_passes::simplify::{
@@ -46,8 +47,8 @@ use crate::ExecOptions;
 /// times otherwise), the finiteness check and the optimizer updates the loss-scale
 /// unscaling, the updates their gradients' widening casts (reading bf16 gradients)
 /// and the casts of their variables, products their bias and
-/// activation into the GEMM, FP8 casts the activation they read (its output no
-/// longer stored), large products left whose rows are misaligned for Tensor
+/// activation into the GEMM, FP8 casts the activation or the layer norm they read (its
+/// output no longer stored), large products left whose rows are misaligned for Tensor
 /// Cores pad them (GPT-2's vocabulary), then the remaining elementwise chains fuse into generated
 /// kernels (a softmax takes the one computing its operand), those kernels take the bias
 /// gradients summed from what they compute, layer-norm gradients the Adds of the
@@ -86,6 +87,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(CastIntoUpdate),
         Box::new(GemmEpilogue),
         Box::new(ActivationIntoFp8),
+        Box::new(NormIntoFp8),
         Box::new(PadGemm::default()),
         Box::new(RecomputeInputViews),
         Box::new(Fuse),

@@ -15,7 +15,9 @@ use crate::dtype::DType;
 use crate::fp8::{amax, Fp8};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
-use crate::ops::{BiasAdd, DataFormat, FusedElementwise, MatMul, Transpose, Unary, UnaryKind};
+use crate::ops::{
+    BiasAdd, DataFormat, FusedElementwise, LayerNorm, MatMul, Transpose, Unary, UnaryKind,
+};
 use crate::tensor::{Data, Tensor, TensorType};
 
 pub(crate) const OPS: &[OpEntry] = &[
@@ -36,6 +38,15 @@ pub(crate) const OPS: &[OpEntry] = &[
                 op,
                 FusedElementwise::parse(a)?,
             )?))
+        },
+    },
+    OpEntry {
+        name: "LayerNormQuantizeFp8",
+        parse: |_, a| {
+            let op =
+                QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
+            let norm = LayerNorm::parse_with_to(a, "norm_to")?;
+            Ok(Box::new(LayerNormQuantizeFp8::new(norm, op)?))
         },
     },
     OpEntry {
@@ -246,6 +257,68 @@ impl Op for FusedQuantizeFp8 {
     /// Every input and output keeps its type, as the program's do.
     fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
         self.prologue.type_groups(num_inputs, num_outputs)
+    }
+}
+
+/// `(x, gamma, beta, scale) -> (y, amax[, y^T])`: [`QuantizeFp8`] of a [`LayerNorm`]'s
+/// output, each value rounded to the norm's output dtype first, as the LayerNorm
+/// stored it (the `norm-into-fp8` pass folds a LayerNorm read only by a delayed-scaling
+/// cast: a pre-LN transformer's inputs to its FP8 qkv and feed-forward products). The
+/// CUDA kernel normalises a band of rows in registers and writes both FP8 copies from
+/// shared memory, so the 16-bit normalised rows are never stored and read back. The
+/// CPU kernel runs the norm, then the cast: bit-exact against the ops it replaces.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNormQuantizeFp8 {
+    pub norm: LayerNorm,
+    pub quantize: QuantizeFp8,
+}
+
+impl LayerNormQuantizeFp8 {
+    /// The cast (without an activation) of `norm`'s output.
+    pub fn new(norm: LayerNorm, quantize: QuantizeFp8) -> OpResult<Self> {
+        if quantize.activation.is_some() {
+            return Err("an FP8 cast of a layer norm applies no activation of its own".into());
+        }
+        Ok(LayerNormQuantizeFp8 { norm, quantize })
+    }
+}
+
+impl Op for LayerNormQuantizeFp8 {
+    fn name(&self) -> &'static str {
+        "LayerNormQuantizeFp8"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(4)
+    }
+    /// The cast's attrs, then the norm's (its output dtype as `norm_to`).
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = self.quantize.attrs();
+        attrs.extend(self.norm.attrs_with_to("norm_to"));
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let [x, gamma, beta, scale] = fixed(inputs)?;
+        let normalized = self.norm.infer(&[x, gamma, beta])?.remove(0);
+        self.quantize.infer(&[&normalized, scale])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let [x, gamma, beta, scale] = fixed(inputs)?;
+        let normalized = self.norm.eval(&[x, gamma, beta])?.remove(0);
+        self.quantize.eval(&[&normalized, scale])
+    }
+    /// The stored types are the cast's; the norm's inputs keep theirs (it computes in
+    /// gamma's, reading a narrower x); the scale and amax stay f32.
+    fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        let stored = if self.quantize.transposed {
+            vec![0, 2]
+        } else {
+            vec![0]
+        };
+        vec![
+            TypeGroup::new(vec![], stored).fixed(),
+            TypeGroup::new(vec![0, 1, 2], vec![]).fixed(),
+            TypeGroup::new(vec![3], vec![1]).fixed(),
+        ]
     }
 }
 

@@ -771,11 +771,26 @@ impl Default for LayerNorm {
 
 impl LayerNorm {
     fn parse(a: &mut AttrReader) -> OpResult<LayerNorm> {
+        LayerNorm::parse_with_to(a, "to")
+    }
+
+    /// Its attrs, the output dtype's under the name `to` (an op holding a LayerNorm
+    /// beside attrs of its own names it otherwise).
+    pub(crate) fn parse_with_to(a: &mut AttrReader, to: &str) -> OpResult<LayerNorm> {
         Ok(LayerNorm {
             axis: a.opt_int("axis")?.unwrap_or(-1),
             epsilon: read_epsilon(a, 1e-5)?,
-            to: a.opt_dtype("to")?,
+            to: a.opt_dtype(to)?,
         })
+    }
+
+    /// Its attrs as [`LayerNorm::parse_with_to`] reads them.
+    pub(crate) fn attrs_with_to(&self, to: &'static str) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = vec![("axis", self.axis.into()), ("epsilon", self.epsilon.into())];
+        if let Some(dtype) = self.to {
+            attrs.push((to, AttrValue::Str(dtype.to_string())));
+        }
+        attrs
     }
 }
 
@@ -832,11 +847,7 @@ impl Op for LayerNorm {
         Arity::Exactly(3)
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        let mut attrs = vec![("axis", self.axis.into()), ("epsilon", self.epsilon.into())];
-        if let Some(to) = self.to {
-            attrs.push(("to", AttrValue::Str(to.to_string())));
-        }
-        attrs
+        self.attrs_with_to("to")
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
         let [x, gamma, beta] = fixed(inputs)?;

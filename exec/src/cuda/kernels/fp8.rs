@@ -14,7 +14,7 @@
 use ampgraph_graph::fp8::Fp8;
 use ampgraph_graph::ops::{
     AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate,
-    FusedElementwise, FusedQuantizeFp8, QuantizeFp8, UnaryKind,
+    FusedElementwise, FusedQuantizeFp8, LayerNormQuantizeFp8, QuantizeFp8, UnaryKind,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -77,6 +77,9 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(f) = op.downcast_ref::<FusedQuantizeFp8>() {
         return Some(lower_quantize_program(f, ins, outs));
     }
+    if let Some(f) = op.downcast_ref::<LayerNormQuantizeFp8>() {
+        return Some(super::norm::lower_layer_norm_fp8(f, ins, outs));
+    }
     if let Some(d) = op.downcast_ref::<DequantizeFp8>() {
         return Some(lower_dequantize(d, ins, outs));
     }
@@ -102,7 +105,7 @@ fn largest(format: DType) -> String {
 }
 
 /// A module of the named dtypes with `cuda_fp8.h`'s types.
-fn fp8_module(types: &[(&str, DType)], body: &str) -> String {
+pub(super) fn fp8_module(types: &[(&str, DType)], body: &str) -> String {
     format!("#include <cuda_fp8.h>\n{}", module_multi(types, body))
 }
 
@@ -657,7 +660,8 @@ pub(super) fn transpose() -> String {
 }
 
 /// The amax output, zeroed for the kernel to fold its bits into.
-fn zeroed_amax(c: &Ctx, ty: &TensorType) -> Result<DTensor, String> {
+/// An amax output, zeroed for the kernels' atomics.
+pub(super) fn zeroed_amax(c: &Ctx, ty: &TensorType) -> Result<DTensor, String> {
     let amax = c.alloc(ty)?;
     c.dev.zero(&amax)?;
     Ok(amax)

@@ -1,10 +1,13 @@
 //! LayerNorm over the trailing axes and its gradient (with the epilogue
 //! `norm-grad-epilogue` folds in: a residual gradient added, column sums of dx and the
 //! residual): a warp per row held in registers for rows of up to
-//! [`WARP_ROW_MAX`] values, else a block per row.
+//! [`WARP_ROW_MAX`] values, else a block per row. `LayerNormQuantizeFp8`: the warp
+//! kernels' rows cast to FP8 as they are normalised.
 
 use ampgraph_graph::ops::fused::column_sum_dtype;
-use ampgraph_graph::ops::{LayerNorm, LayerNormGrad, NormGradEpilogue, ReduceKind};
+use ampgraph_graph::ops::{
+    LayerNorm, LayerNormGrad, LayerNormQuantizeFp8, NormGradEpilogue, ReduceKind,
+};
 use ampgraph_graph::shape::normalize_axis;
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -12,6 +15,7 @@ use super::codegen::{
     column_sums, column_sums_fin, column_vector, lit, module_multi, warp_load_words, warp_rows,
     warp_store_words, WARP_ROW_MAX,
 };
+use super::fp8::{amax_fold, fp8_module, zeroed_amax, AMAX_BLOCKS};
 use super::reduce::reduce_into;
 use super::{
     acc_dtype, block_rows, first, float_only, input, kernel, launch_column_sums,
@@ -27,6 +31,11 @@ kernel_specs! {
         /// `k` (a block per row), `k_warp`, `k_warp_vec(const TX* px, const T* pg, const
         /// T* pb, TY* py, i64 rows, i64 len)`.
         LayerNorm { types: NormTypes, epsilon: f64, per: usize } => layer_norm(types, epsilon, per),
+        /// `k_warp`, `k_warp_vec(const TX* px, const T* pg, const T* pb, const float* ps,
+        /// TQ* py, TQ* pt, unsigned* amax, i64 rows, i64 len)`: [`Spec::LayerNorm`]'s
+        /// warp rows, each value rounded to `TY` and cast to `TQ` (`to`) as
+        /// `QuantizeFp8` casts, `pt` (where not null) the transposed copy.
+        LayerNormFp8 { types: NormTypes, epsilon: f64, per: usize, to: DType } => layer_norm_fp8(types, epsilon, per, to),
         /// `k_warp`, `k_warp_vec(const TX* px, const T* pg, const TD* pdy, [const TY* pr,]
         /// TY* pdx, A* stats, A* part, i64 rows, i64 len)`, then `k_cols_fin`.
         GradRows { types: NormTypes, epsilon: f64, per: usize, epilogue: NormGradEpilogue } => layer_norm_grad_rows(types, epsilon, per, epilogue),
@@ -91,6 +100,70 @@ fn lower_layer_norm(ln: &LayerNorm, ins: &[TensorType], outs: &[TensorType]) -> 
             (rows, len, None),
         )?;
         Ok(())
+    }))
+}
+
+/// LayerNormQuantizeFp8: rows of at most [`WARP_ROW_MAX`] values of a matrix whose
+/// sides are multiples of 8 (what `norm-into-fp8` folds), a band of 32 rows a block
+/// (lowered with the FP8 family's ops, the only ones writing FP8 tensors).
+pub(super) fn lower_layer_norm_fp8(
+    f: &LayerNormQuantizeFp8,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
+    let [x, g, _, _] = ins else {
+        return Err("LayerNormQuantizeFp8 takes x, gamma, beta and the scale".into());
+    };
+    let (rows, len) = normalized_rows(x, f.norm.axis)?;
+    if x.shape.len() != 2 || len > WARP_ROW_MAX || rows % 8 != 0 || len % 8 != 0 {
+        return Err(format!(
+            "LayerNormQuantizeFp8 on CUDA normalises the rows of a matrix with sides multiples of 8 and at most {WARP_ROW_MAX} columns, not {:?}",
+            x.shape
+        ));
+    }
+    let types = NormTypes {
+        params: g.dtype,
+        x: x.dtype,
+        dy: x.dtype,
+        y: f.norm.to.unwrap_or(g.dtype),
+    };
+    let (epsilon, to) = (f.norm.epsilon, f.quantize.to);
+    let outs = outs.to_vec();
+    if outs.len() != 2 + usize::from(f.quantize.transposed) {
+        return Err(
+            "LayerNormQuantizeFp8 gives the values, their amax and any transposed copy".into(),
+        );
+    }
+    Ok(kernel(move |c, inputs| {
+        let [x, g, b, s] = [0, 1, 2, 3].map(|k| input(inputs, k));
+        let (x, g, b, s) = (x?, g?, b?, s?);
+        let y = c.alloc(&outs[0])?;
+        let amax = zeroed_amax(c, &outs[1])?;
+        let t = outs.get(2).map(|ty| c.alloc(ty)).transpose()?;
+        if rows > 0 {
+            // The LayerNorm kernel's form, so the values are its own bit for bit.
+            let (per, warp) = warp_row_form(len, x.dtype, types.same_words(), &[x]);
+            let spec = Spec::LayerNormFp8 {
+                types,
+                epsilon,
+                per,
+                to,
+            };
+            let grid = rows.div_ceil(FP8_BAND).min(AMAX_BLOCKS as usize) as u32;
+            let args = [
+                x.arg(),
+                g.arg(),
+                b.arg(),
+                s.arg(),
+                y.arg(),
+                t.as_ref().map_or(Arg::Ptr(0), |t| t.arg()),
+                amax.arg(),
+                Arg::I64(rows as i64),
+                Arg::I64(len as i64),
+            ];
+            c.launch(&spec, warp, (grid, 256), &args)?;
+        }
+        Ok([y, amax].into_iter().chain(t).collect())
     }))
 }
 
@@ -273,6 +346,97 @@ pub(super) fn layer_norm(types: NormTypes, eps: f64, per: usize) -> String {
              extern \"C\" __global__ void k_warp_vec({params}) {{\n\
                const A eps = (A)(C){eps};\n{warp_vec}}}\n",
             eps = lit(eps)
+        ),
+    )
+}
+
+/// The rows a block of [`layer_norm_fp8`] casts together: its transposed copy's
+/// stores are 32 bytes of a column, a whole sector.
+const FP8_BAND: usize = 32;
+
+/// LayerNormQuantizeFp8: [`layer_norm`]'s `k_warp` and `k_warp_vec` rows (eight warps
+/// of 256 threads, four rows each), each value rounded to the norm's dtype `TY` as it
+/// stored it, measured and cast to `TQ` as `QuantizeFp8` casts, into a band of
+/// [`FP8_BAND`] rows in shared memory; the block then writes the band row-major and,
+/// where `pt` is not null, transposed, 8 bytes a thread (rows and columns multiples
+/// of 8). A band row's 4 bytes of padding put the transposed reads of rows 8 apart in
+/// different banks.
+pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) -> String {
+    let value = "(v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)";
+    // The cast of the value of lane index `t` at column `j` into `TQ cast` (the
+    // statistics' code names its sums `s` and `q`).
+    let cast = format!(
+        "TY r[1]; stY(r, 0, (CY)({value})); const float x = (float)ldY(r, 0);\n\
+         m = nanmax(m, fabsf(x));\n\
+         TQ cast[1]; stQ(cast, 0, __fmul_rn(x, scale));"
+    );
+    let stats = ln_warp_stats(per);
+    let warp = format!(
+        "A v[{per}];\n\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ldX(px, base + j) : (A)0; }}\n\
+         {stats}\
+         #pragma unroll\n\
+         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{ {cast} band[jr][j] = *(const u8*)cast; }} }}\n"
+    );
+    let v = column_vector(types.x);
+    let warp_vec = format!(
+        "A v[{per}];\n{load}{stats}\
+         #pragma unroll\n\
+         for (int w = 0; w < {words}; ++w) {{\n\
+           const int j0 = (32 * w + lane) * {v};\n\
+           __align__(4) u8 bytes[{v}];\n\
+           #pragma unroll\n\
+           for (int k = 0; k < {v}; ++k) {{ int t = w * {v} + k, j = j0 + k; {cast} bytes[k] = *(const u8*)cast; }}\n\
+           #pragma unroll\n\
+           for (int k = 0; k < {v} / 4; ++k) *(u32*)&band[jr][j0 + 4 * k] = ((const u32*)bytes)[k];\n\
+         }}\n",
+        load = warp_load_words("px", "v", per, v, "X"),
+        words = per / v
+    );
+    let kernel = |name: &str, row: &str| {
+        format!(
+            "extern \"C\" __global__ void __launch_bounds__(256) {name}(const TX* __restrict__ px, const T* __restrict__ pg, const T* __restrict__ pb, const float* __restrict__ ps, TQ* __restrict__ py, TQ* __restrict__ pt, unsigned int* amax, i64 rows, i64 len) {{\n\
+               __align__(4) __shared__ u8 band[{FP8_BAND}][{width}];\n\
+               const A eps = (A)(C){eps};\n\
+               const float scale = ps[0];\n\
+               float m = 0.0f;\n\
+               const int lane = threadIdx.x & 31, words = (int)(len / 8);\n\
+               for (i64 r0 = (i64)blockIdx.x * {FP8_BAND}; r0 < rows; r0 += (i64)gridDim.x * {FP8_BAND}) {{\n\
+                 for (int jr = threadIdx.x >> 5; jr < {FP8_BAND}; jr += 8) {{\n\
+                   const i64 row = r0 + jr, base = row * len;\n\
+                   if (row < rows) {{\n{row}}}\n\
+                 }}\n\
+                 __syncthreads();\n\
+                 for (int i = threadIdx.x; i < {FP8_BAND} * words; i += 256) {{\n\
+                   const int jr = i / words, c = 8 * (i % words);\n\
+                   if (r0 + jr < rows) *(uint2*)(py + (r0 + jr) * len + c) = make_uint2(*(const u32*)&band[jr][c], *(const u32*)&band[jr][c + 4]);\n\
+                 }}\n\
+                 if (pt) for (int i = threadIdx.x; i < {FP8_BAND} / 8 * len; i += 256) {{\n\
+                   const int c = i / {groups}, g = 8 * (i % {groups});\n\
+                   if (r0 + g < rows) {{\n\
+                     uint2 w = make_uint2(0, 0);\n\
+                     #pragma unroll\n\
+                     for (int b = 0; b < 4; ++b) {{ w.x |= (u32)band[g + b][c] << (8 * b); w.y |= (u32)band[g + 4 + b][c] << (8 * b); }}\n\
+                     *(uint2*)(pt + (i64)c * rows + r0 + g) = w;\n\
+                   }}\n\
+                 }}\n\
+                 __syncthreads();\n\
+               }}\n{fold}}}\n",
+            width = 32 * per + 4,
+            groups = FP8_BAND / 8,
+            eps = lit(eps),
+            fold = amax_fold("m", "amax"),
+        )
+    };
+    let mut blocks = types.blocks().to_vec();
+    blocks.push(("Q", to));
+    fp8_module(
+        &blocks,
+        &format!(
+            "typedef unsigned int u32;\n{}{}",
+            kernel("k_warp", &warp),
+            kernel("k_warp_vec", &warp_vec)
         ),
     )
 }

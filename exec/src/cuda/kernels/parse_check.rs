@@ -11,7 +11,9 @@ use super::elementwise::{bias_add, binary, binary_grad, cast, unary, unary_grad}
 use super::fp8;
 use super::fused::fused;
 use super::fused::tests::program as fused_program;
-use super::norm::{layer_norm, layer_norm_grad_block, layer_norm_grad_rows, NormTypes};
+use super::norm::{
+    layer_norm, layer_norm_fp8, layer_norm_grad_block, layer_norm_grad_rows, NormTypes,
+};
 use super::pool::{avg_pool, avg_pool_grad, max_pool, max_pool_grad};
 use super::reduce::{broadcast_div, column_sum, reduce, reduce_max_grad};
 use super::select::{gather as gather_indexed, gather_grad};
@@ -276,6 +278,22 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
             layer_norm_grad_block(types, 1e-5, false),
         ));
     }
+    // Layer norms cast to FP8: GPT-2's (bf16 rows of 768 in words, f32 parameters
+    // widened), and f32 rows of 100 a lane at a time into E5M2.
+    let bf16_norm = NormTypes {
+        params: DType::F32,
+        x: DType::BF16,
+        dy: DType::BF16,
+        y: DType::BF16,
+    };
+    k.push((
+        "layer_norm_fp8_bf16".into(),
+        layer_norm_fp8(bf16_norm, 1e-5, 24, DType::F8E4M3),
+    ));
+    k.push((
+        "layer_norm_fp8_f32".into(),
+        layer_norm_fp8(NormTypes::uniform(DType::F32), 1e-5, 4, DType::F8E5M2),
+    ));
     // Selections: each word width, a comparison of each kind of operand, both index
     // dtypes, a logical op on bools.
     use super::select;
