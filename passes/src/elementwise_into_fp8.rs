@@ -15,7 +15,7 @@
 use ampgraph_graph::ops::{FusedElementwise, FusedQuantizeFp8, QuantizeFp8};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{read_only_by, summary};
+use crate::rewrite::{fp8_casts, read_only_by, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `elementwise-into-fp8` pass.
@@ -50,15 +50,8 @@ impl Pass for ElementwiseIntoFp8 {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
-        let casts: Vec<NodeId> = g
-            .node_ids()
-            .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
-            .collect();
         let (mut folded, mut bytes) = (0usize, 0u64);
-        for id in casts {
-            let [x, scale] = g.inputs(id)[..] else {
-                continue;
-            };
+        for (id, x, scale) in fp8_casts(g) {
             let Some(op) = with_prologue(g, id, x) else {
                 continue;
             };

@@ -14,7 +14,7 @@
 use ampgraph_graph::ops::{LayerNorm, LayerNormQuantizeFp8, QuantizeFp8};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{read_only_by, summary};
+use crate::rewrite::{fp8_casts, read_only_by, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The longest row the fused kernel normalises (a warp's registers hold it).
@@ -46,15 +46,8 @@ impl Pass for NormIntoFp8 {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
-        let casts: Vec<NodeId> = g
-            .node_ids()
-            .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
-            .collect();
         let (mut folded, mut bytes) = (0usize, 0u64);
-        for id in casts {
-            let [x, scale] = g.inputs(id)[..] else {
-                continue;
-            };
+        for (id, x, scale) in fp8_casts(g) {
             let Some(op) = fused(g, id, x) else {
                 continue;
             };

@@ -2,7 +2,7 @@
 //! others, a Const's value, removing nodes nothing reads, errors naming a node, and
 //! the summary a pass reports.
 
-use ampgraph_graph::ops::{widens_exactly, Binary, BinaryKind, Cast, Const, Variable};
+use ampgraph_graph::ops::{widens_exactly, Binary, BinaryKind, Cast, Const, QuantizeFp8, Variable};
 use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
 
 use crate::PassError;
@@ -110,6 +110,18 @@ pub(crate) fn is_variable_cast(g: &Graph, id: NodeId) -> bool {
 /// tensor a fusion may stop writing.
 pub(crate) fn read_only_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -> bool {
     g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
+}
+
+/// Each `QuantizeFp8` node with its `x` and `scale`: the casts the passes folding the
+/// node computing `x` into an FP8 cast visit.
+pub(crate) fn fp8_casts(g: &Graph) -> Vec<(NodeId, Port, Port)> {
+    (g.node_ids())
+        .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
+        .filter_map(|id| match g.inputs(id)[..] {
+            [x, scale] => Some((id, x, scale)),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The one reader of `port` (node and input slot), where it is not a graph output.
