@@ -131,12 +131,13 @@ fn expected(dir: &Path) -> Vec<Tensor> {
         .collect()
 }
 
-/// Models whose import computes float values onnxruntime computes at run time
-/// otherwise, not always to the same bits: cubic_positions' cubic Resizes, in f64 at
-/// import, in f32 in onnxruntime (an output 1 ulp apart, 3e-7; DINOv2's and YOLOS's
-/// come out the same). Their exports hold to this bound; every other model's outputs
-/// are the same bits.
-const FOLDED_IN_F64: &[(&str, f64)] = &[("cubic_positions", 1e-6)];
+/// Models whose import computes float values another way than onnxruntime does, not
+/// always to the same bits: cubic_positions' cubic Resizes, in f64 at import, in f32
+/// in onnxruntime (an output 1 ulp apart, 3e-7; DINOv2's and YOLOS's come out the
+/// same); fourier_mixing's DFTs, products with the transform's cosines and sines where
+/// onnxruntime runs an FFT (8e-7). Their exports hold to these bounds; every other
+/// model's outputs are the same bits.
+const COMPUTED_OTHERWISE: &[(&str, f64)] = &[("cubic_positions", 1e-6), ("fourier_mixing", 2e-6)];
 
 #[test]
 fn import_then_export_runs_in_onnxruntime_with_the_same_outputs() {
@@ -155,7 +156,7 @@ fn import_then_export_runs_in_onnxruntime_with_the_same_outputs() {
             assert_eq!(g.shape(), w.shape(), "{name} output {k}");
             let err = common::tensor_relative_error(g, w);
             println!("{name} output {k}: exported without rewriting, relative error {err:.2e}");
-            let bound = (FOLDED_IN_F64.iter())
+            let bound = (COMPUTED_OTHERWISE.iter())
                 .find(|(folded, _)| *folded == name)
                 .map_or(0.0, |&(_, bound)| bound);
             assert!(

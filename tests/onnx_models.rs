@@ -402,6 +402,30 @@ fn cubic_positions_match_onnxruntime() {
     check_model("cubic_positions");
 }
 
+/// FNet's token mixing (the real part of a DFT along two axes of a signal made
+/// complex), a one-sided transform of a real signal and an inverse one match
+/// onnxruntime, each axis's transform imported as products with its cosines and sines.
+#[test]
+fn fourier_mixing_matches_onnxruntime() {
+    check_model("fourier_mixing");
+    let (g, _, _) = load(&data_dir().join("fourier_mixing"));
+    let count = |name: &str| {
+        g.node_ids()
+            .filter(|&id| g.node(id).op_name() == name)
+            .count()
+    };
+    // Four transforms: two of complex signals (four products), a real one and an
+    // inverse complex one (two and four).
+    assert_eq!(count("MatMul"), 4 + 4 + 2 + 4);
+}
+
+/// MobileViTV2's fold of its patches (Col2Im of blocks that tile the image) matches
+/// onnxruntime as a Reshape, a Transpose and a Reshape.
+#[test]
+fn col2im_blocks_match_onnxruntime() {
+    check_model("col2im_blocks");
+}
+
 /// Exporters' GELUs (GPT-2's tanh form with Pow, torch's erf form) import as one
 /// Gelu each and still match onnxruntime.
 #[test]

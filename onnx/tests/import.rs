@@ -1114,3 +1114,56 @@ fn average_pools_that_count_their_padding() {
         .unwrap_or_default();
     assert!(e.contains("'pool'") && e.contains("ceil_mode"), "{e}");
 }
+
+/// What the transforms' imports do not take is one error line naming the node: a Col2Im whose
+/// blocks overlap (they add up), a DFT padding its signal (`dft_length` 8 of a
+/// signal of 6), a one-sided transform of a complex signal.
+#[test]
+fn overlapping_folds_and_padded_transforms_are_one_clear_error() {
+    let strides = AttributeProto {
+        name: "strides".into(),
+        r#type: attribute_type::INTS,
+        ints: vec![1, 1],
+        ..AttributeProto::default()
+    };
+    let cases = [
+        (
+            node("fold", "Col2Im", &["x", "image", "block"], vec![strides]),
+            input("x", &[1, 8, 12]),
+            18,
+            "only blocks that tile the image",
+        ),
+        (
+            node("fft", "DFT", &["x", "length"], vec![int_attr("axis", 1)]),
+            input("x", &[2, 6, 1]),
+            17,
+            "dft_length 8 differs from the signal's 6",
+        ),
+        (
+            node("rfft", "DFT", &["x"], vec![int_attr("onesided", 1)]),
+            input("x", &[2, 6, 2]),
+            17,
+            "a one-sided transform of a complex signal",
+        ),
+    ];
+    for (node, x, opset, says) in cases {
+        let name = node.name.clone();
+        let graph = GraphProto {
+            input: vec![x],
+            initializer: vec![
+                int64s("image", vec![2], vec![4, 5]),
+                int64s("block", vec![2], vec![2, 2]),
+                int64s("length", vec![], vec![8]),
+            ],
+            output: vec![unshaped(&name)],
+            node: vec![node],
+            ..GraphProto::default()
+        };
+        let err = import_model(&model_of(graph, opset), None, &ImportOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("'{name}'")), "{err}");
+        assert!(err.contains(says), "{err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
+}

@@ -736,6 +736,48 @@ def cubic_positions():
                g.rng.standard_normal((2, 9, 8)).astype(np.float32)]
 
 
+def fourier_mixing():
+    """FNet's token mixing as torch.onnx's dynamo exporter writes `torch.fft.fftn(x).real`
+    (a signal made complex by a Concat with zeros Expanded to its Shape, a DFT along the hidden axis, then
+    along the sequence, the real part gathered) added to the input; a one-sided
+    transform of the real signal with its `dft_length`; an inverse transform of the
+    complex signal along the sequence. Import makes each a pair of products with the
+    transform's cosines and sines."""
+    g = G(seed=1015)
+    i64 = lambda v, s: g.const(np.array(v, dtype=np.int64), s)
+    re = g.op("Unsqueeze", ["x", i64([-1], "/complex")], "/complex")
+    zero = g.const(np.array(0.0, dtype=np.float32), "/complex")
+    zeros = g.op("Expand", [zero, g.op("Shape", [re], "/complex")], "/complex")
+    signal = g.op("Concat", [re, zeros], "/complex", axis=-1)
+    f = g.op("DFT", [signal], "/fft", axis=2)
+    f = g.op("DFT", [f], "/fft", axis=1)
+    real = g.op("Gather", [f, i64(0, "/real")], "/real", axis=-1)
+    g.op("Add", ["x", real], "/mix", outputs=["y"])
+    g.op("DFT", [re, i64(6, "/rfft")], "/rfft", axis=2, onesided=1, outputs=["z"])
+    g.op("DFT", [signal], "/ifft", axis=1, inverse=1, outputs=["w"])
+    m = g.model("fourier_mixing", [vinfo("x", [2, 8, 6])],
+                [vinfo("y", [2, 8, 6]), vinfo("z", [2, 8, 4, 2]), vinfo("w", [2, 8, 6, 2])],
+                opset=17)
+    return m, [g.rng.standard_normal((2, 8, 6)).astype(np.float32)]
+
+
+def col2im_blocks():
+    """MobileViTV2's fold of its unfolded patches: Col2Im with strides equal to the
+    block (no overlap), 2x2 blocks of 3 channels into a 6x8 image, and 3x2 blocks of 2
+    channels into a 6x4 one (pads and dilations given, as their defaults). Import makes
+    each a Reshape, a Transpose and a Reshape."""
+    g = G(seed=1016)
+    i64 = lambda v, s: g.const(np.array(v, dtype=np.int64), s)
+    g.op("Col2Im", ["x", i64([6, 8], "/fold"), i64([2, 2], "/fold")], "/fold", strides=[2, 2],
+         outputs=["y"])
+    g.op("Col2Im", ["v", i64([6, 4], "/fold_1"), i64([3, 2], "/fold_1")], "/fold_1",
+         strides=[3, 2], pads=[0, 0, 0, 0], dilations=[1, 1], outputs=["z"])
+    m = g.model("col2im_blocks", [vinfo("x", [2, 12, 12]), vinfo("v", [1, 12, 4])],
+                [vinfo("y", [2, 3, 6, 8]), vinfo("z", [1, 2, 6, 4])], opset=18)
+    return m, [g.rng.standard_normal((2, 12, 12)).astype(np.float32),
+               g.rng.standard_normal((1, 12, 4)).astype(np.float32)]
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -1273,6 +1315,8 @@ MODELS = {
     "triangles": triangles,
     "runtime_positions": runtime_positions,
     "cubic_positions": cubic_positions,
+    "fourier_mixing": fourier_mixing,
+    "col2im_blocks": col2im_blocks,
 }
 
 

@@ -33,8 +33,8 @@ MIN_OPSET, MAX_OPSET = opset_bound("MIN_OPSET"), opset_bound("MAX_OPSET")
 
 # Every op with a converter in onnx/src/import/ops.rs, and If (control flow).
 OPS = sorted("""
-Abs Add And AveragePool BatchNormalization Cast Ceil Clip Concat Constant ConstantOfShape
-Conv ConvTranspose Cos CumSum Div Dropout Einsum Elu Equal Erf Exp Expand Flatten Floor Gather
+Abs Add And AveragePool BatchNormalization Cast Ceil Clip Col2Im Concat Constant ConstantOfShape
+Conv ConvTranspose Cos CumSum DFT Div Dropout Einsum Elu Equal Erf Exp Expand Flatten Floor Gather
 GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
 HardSigmoid HardSwish Identity If InstanceNormalization IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log
 LogSoftmax MatMul Max MaxPool Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal

@@ -293,7 +293,8 @@ def tiny_models():
     position ids computed at run time (integer CumSum, Mul and Add, GatherElements),
     Falcon's and GPT-J's GatherND, BLOOM's Tile, Wav2Vec2's InstanceNormalization,
     ConvNeXt V2's and SwinV2's ReduceL2, MobileViT's Ceil, DINOv2's and YOLOS's cubic
-    Resize, Funnel's and XLNet's Sin and Cos, CodeGen's IsNaN. A few MB each: they travel to the GPU machine, where the ONNX tests run
+    Resize, Funnel's and XLNet's Sin and Cos, CodeGen's IsNaN, FNet's DFT, MobileViTV2's
+    Col2Im. A few MB each: they travel to the GPU machine, where the ONNX tests run
     them on CUDA in f32 and AMP (scripts/gpu_onnx.sh TINY=1)."""
     import transformers as hf
     rng = np.random.default_rng(4)
@@ -338,6 +339,13 @@ def tiny_models():
         # Its attention mask through IsNaN.
         ("tiny_codegen", lambda: hf.CodeGenForCausalLM(hf.CodeGenConfig(
             n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=1000, use_cache=False)), ids),
+        # Token mixing by the real part of a two-axis DFT.
+        ("tiny_fnet", lambda: hf.FNetModel(hf.FNetConfig(
+            hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=1000)), ids),
+        # Its patches folded back by Col2Im (at its default initialisation the outputs
+        # shrink to 1e-48, as MobileViT's do).
+        ("tiny_mobilevitv2", lambda: hf.MobileViTV2Model(hf.MobileViTV2Config(
+            image_size=64, width_multiplier=0.25, initializer_range=0.2)), img),
     ]
     wav = rng.standard_normal((1, 4000)).astype(np.float32)
     out.append(("tiny_wav2vec2", lambda: hf.Wav2Vec2Model(hf.Wav2Vec2Config(

@@ -79,6 +79,8 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "ScatterND" => scatter_nd,
         "Einsum" => super::einsum::einsum,
         "SoftmaxCrossEntropyLoss" => softmax_cross_entropy,
+        "DFT" => dft,
+        "Col2Im" => col2im,
         _ => return None,
     })
 }
@@ -2160,4 +2162,172 @@ fn modulo(cx: &mut NodeCx) -> Result<Vec<Value>> {
     .map_err(|m| cx.err(m))?
     .ok_or_else(|| cx.err("Mod is supported on integers only"))?;
     Ok(vec![Value::Const(t)])
+}
+
+// ------------------------------------------------------------------ transforms
+
+/// DFT of a signal whose length along `axis` is known at import, as products with the
+/// transform's cosines and sines (computed in f64, stored in x's dtype): with the
+/// signal A + iB along the axis, Re = A C + B S and Im = B C - A S, C and S the n x m
+/// matrices cos(2 pi j k / n) and sin(2 pi j k / n) (the inverse's sines negated and
+/// both divided by n), m = n, or n / 2 + 1 one-sided. FNet's token mixing (the real
+/// part of a two-axis transform) becomes products that run as any product does. A
+/// `dft_length` other than the signal's, and a one-sided transform of a complex
+/// signal or an inverse one, are refused by name.
+fn dft(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let xt = cx.ty(&x);
+    let rank = xt.shape.len();
+    // The last axis holds the real part, or the real and the imaginary parts.
+    let parts = xt.shape.last().copied().unwrap_or(0);
+    if rank < 2 || !(parts == 1 || parts == 2) {
+        return Err(cx.err(format!(
+            "input of shape {:?}: a signal with a last axis of 1 (real) or 2 (complex)",
+            xt.shape
+        )));
+    }
+    let axis = match cx.opset() {
+        ..20 => cx.int_attr("axis", 1)?,
+        _ => (cx.ints_input(2)?.and_then(|v| v.first().copied())).unwrap_or(-2),
+    };
+    let axis = normalize_axis(axis, rank).map_err(|m| cx.err(m))?;
+    if axis == rank - 1 {
+        return Err(cx.err("its axis is the last one, which holds the complex parts"));
+    }
+    let n = xt.shape[axis];
+    if let Some(length) = cx.ints_input(1)?.and_then(|v| v.first().copied()) {
+        if length != n as i64 {
+            return Err(cx.err(format!(
+                "dft_length {length} differs from the signal's {n} (padding or cropping the signal does not import)"
+            )));
+        }
+    }
+    let (inverse, onesided) = (
+        cx.int_attr("inverse", 0)? != 0,
+        cx.int_attr("onesided", 0)? != 0,
+    );
+    if onesided && (inverse || parts == 2) {
+        return Err(
+            cx.err("a one-sided transform of a complex signal, or an inverse one, does not import")
+        );
+    }
+    let m = if onesided { n / 2 + 1 } else { n };
+    let scale = if inverse { 1.0 / n as f64 } else { 1.0 };
+    let sine_sign = if inverse { -1.0 } else { 1.0 };
+    let matrix = |f: fn(f64) -> f64, sign: f64| -> Result<Value> {
+        let values: Vec<f64> = (0..n * m)
+            .map(|i| {
+                let (j, k) = (i / m, i % m);
+                let turn = ((j * k) % n.max(1)) as f64 / n as f64;
+                sign * scale * f(2.0 * std::f64::consts::PI * turn)
+            })
+            .collect();
+        let t = Tensor::from_f64(xt.dtype, [n, m], &values).map_err(|e| cx.err(e))?;
+        Ok(Value::Const(t))
+    };
+    let (cos, sin) = (matrix(f64::cos, 1.0)?, matrix(f64::sin, sine_sign)?);
+    // The signal's parts without the last axis, the transformed axis moved last.
+    let mut signal: Vec<usize> = (0..rank - 1).filter(|&a| a != axis).collect();
+    signal.push(axis);
+    let moved: Vec<usize> = signal.iter().map(|&a| xt.shape[a]).collect();
+    let rows = moved[..rank - 2].iter().product::<usize>() as i64;
+    let mut part = |k: usize| -> Result<Value> {
+        let mut begin = vec![0; rank];
+        begin[rank - 1] = k;
+        let mut size = vec![-1; rank];
+        size[rank - 1] = 1;
+        let mut v = cx.emit(Slice::new(begin, size), std::slice::from_ref(&x))?;
+        if axis != rank - 2 {
+            let perm: Vec<usize> = signal.iter().copied().chain([rank - 1]).collect();
+            v = cx.emit(Transpose::new(perm), &[v])?;
+        }
+        cx.emit(Reshape::new(vec![rows, n as i64]), &[v])
+    };
+    let a = part(0)?;
+    let b = if parts == 2 { Some(part(1)?) } else { None };
+    let product = |cx: &mut NodeCx, v: &Value, w: &Value| {
+        cx.emit(MatMul::new(false, false), &[v.clone(), w.clone()])
+    };
+    let (ac, asin) = (product(cx, &a, &cos)?, product(cx, &a, &sin)?);
+    let (re, im) = match &b {
+        None => (ac, cx.emit(Unary::new(UnaryKind::Neg), &[asin])?),
+        Some(b) => {
+            let (bc, bsin) = (product(cx, b, &cos)?, product(cx, b, &sin)?);
+            (
+                cx.emit(Binary::new(BinaryKind::Add), &[ac, bsin])?,
+                cx.emit(Binary::new(BinaryKind::Sub), &[bc, asin])?,
+            )
+        }
+    };
+    // The parts side by side, then back to the signal's layout (m along the axis).
+    let paired: Vec<Value> = [re, im]
+        .into_iter()
+        .map(|v| cx.emit(Reshape::new(vec![rows, m as i64, 1]), &[v]))
+        .collect::<Result<_>>()?;
+    let joined = cx.emit(Concat::new(2), &paired)?;
+    let mut moved_out: Vec<i64> = moved[..rank - 2].iter().map(|&d| d as i64).collect();
+    moved_out.extend([m as i64, 2]);
+    let mut back = vec![0; rank];
+    for (to, &from) in signal.iter().chain([&(rank - 1)]).enumerate() {
+        back[from] = to;
+    }
+    if back.iter().enumerate().all(|(k, &a)| k == a) {
+        return cx.out(Reshape::new(moved_out), &[joined]);
+    }
+    let joined = cx.emit(Reshape::new(moved_out), &[joined])?;
+    cx.out(Transpose::new(back), &[joined])
+}
+
+/// Col2Im of blocks that tile the image (strides equal to the block, no padding or
+/// dilation: MobileViTV2's fold of its unfolded patches), which is a rearrangement:
+/// `[N, C * k1..kd, b1..bd]` viewed as `[N, C, k1..kd, b1..bd]`, its axes interleaved
+/// to `[N, C, b1, k1, .., bd, kd]`, viewed as the image `[N, C, b1 k1, .., bd kd]`.
+/// Overlapping blocks, which add up, are refused by name.
+fn col2im(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let image =
+        (cx.ints_input(1)?).ok_or_else(|| cx.err("its image_shape must be computed at import"))?;
+    let block =
+        (cx.ints_input(2)?).ok_or_else(|| cx.err("its block_shape must be computed at import"))?;
+    let d = image.len();
+    let strides = cx.ints_attr("strides")?.unwrap_or_else(|| vec![1; d]);
+    let dilations = cx.ints_attr("dilations")?.unwrap_or_else(|| vec![1; d]);
+    let pads = cx.ints_attr("pads")?.unwrap_or_else(|| vec![0; 2 * d]);
+    let tiles = d > 0
+        && block.len() == d
+        && strides == block
+        && dilations.iter().all(|&v| v == 1)
+        && pads.iter().all(|&p| p == 0)
+        && (image.iter().zip(&block)).all(|(&i, &k)| k > 0 && i > 0 && i % k == 0);
+    if !tiles {
+        return Err(cx.err(format!(
+            "blocks {block:?} with strides {strides:?}, dilations {dilations:?} and pads {pads:?} into an image of {image:?}: only blocks that tile the image (strides equal to the block, no padding or dilation) import"
+        )));
+    }
+    let shape = cx.ty(&x).shape;
+    let counts: Vec<i64> = image.iter().zip(&block).map(|(&i, &k)| i / k).collect();
+    let block_size: i64 = block.iter().product();
+    let [n, c_blocks, l] = shape[..] else {
+        return Err(cx.err(format!(
+            "input of shape {shape:?}: [N, C * block size, blocks]"
+        )));
+    };
+    let (n, c_blocks, l) = (n as i64, c_blocks as i64, l as i64);
+    if c_blocks % block_size != 0 || l != counts.iter().product::<i64>() {
+        return Err(cx.err(format!(
+            "input of shape {shape:?}: not [N, C * {block_size}, {}] for blocks {block:?} tiling {image:?}",
+            counts.iter().product::<i64>()
+        )));
+    }
+    let c = c_blocks / block_size;
+    let lead = [n, c];
+    let viewed: Vec<i64> = lead.iter().chain(&block).chain(&counts).copied().collect();
+    let perm: Vec<usize> = [0, 1]
+        .into_iter()
+        .chain((0..d).flat_map(|a| [2 + d + a, 2 + a]))
+        .collect();
+    let out: Vec<i64> = lead.iter().chain(&image).copied().collect();
+    let x = cx.emit(Reshape::new(viewed), &[x])?;
+    let x = cx.emit(Transpose::new(perm), &[x])?;
+    cx.out(Reshape::new(out), &[x])
 }

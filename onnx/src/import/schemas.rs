@@ -47,6 +47,9 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(12, (1, 3), (1, 1), &[]),
         version(13, (1, 3), (1, 1), &[]),
     ]),
+    ("Col2Im", &[
+        version(18, (3, 3), (1, 1), &[optional("dilations"), optional("pads"), optional("strides")]),
+    ]),
     ("Concat", &[
         version(11, (1, ANY), (1, 1), &[required("axis")]),
         version(13, (1, ANY), (1, 1), &[required("axis")]),
@@ -80,6 +83,10 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
     ("CumSum", &[
         version(11, (2, 2), (1, 1), &[int("exclusive", 0), int("reverse", 0)]),
         version(14, (2, 2), (1, 1), &[int("exclusive", 0), int("reverse", 0)]),
+    ]),
+    ("DFT", &[
+        version(17, (1, 2), (1, 1), &[int("axis", 1), int("inverse", 0), int("onesided", 0)]),
+        version(20, (1, 3), (1, 1), &[int("inverse", 0), int("onesided", 0)]),
     ]),
     ("Div", &[
         version(7, (2, 2), (1, 1), &[]),
