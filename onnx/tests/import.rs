@@ -1167,3 +1167,46 @@ fn overlapping_folds_and_padded_transforms_are_one_clear_error() {
         assert!(!err.contains('\n'), "one line: {err}");
     }
 }
+
+/// Integers summed and their maxima and minima taken at run time (Flaubert's lengths:
+/// the non-padding tokens a row), in f64 and cast back, against hand-computed values
+/// (sums past f32's 2^24 stay exact).
+#[test]
+fn integer_reductions_of_run_time_values_are_exact() {
+    use ampgraph_graph::{DType, Tensor};
+    let integers = |name: &str, shape: &[i64]| {
+        let mut v = input(name, shape);
+        if let Some(t) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
+            t.elem_type = 7;
+        }
+        v
+    };
+    let reduce = |name: &str, op: &str| {
+        let axes = AttributeProto {
+            name: "axes".into(),
+            r#type: attribute_type::INTS,
+            ints: vec![1],
+            ..AttributeProto::default()
+        };
+        node(name, op, &["x"], vec![axes, int_attr("keepdims", 0)])
+    };
+    let graph = GraphProto {
+        input: vec![integers("x", &[2, 3])],
+        node: vec![
+            reduce("sum", "ReduceSum"),
+            reduce("most", "ReduceMax"),
+            reduce("least", "ReduceMin"),
+        ],
+        output: ["sum", "most", "least"].map(|n| integers(n, &[2])).to_vec(),
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 11), None, &ImportOptions::default()).unwrap();
+    let big = 1i64 << 40;
+    let values = [big + 1, 2, -7, 4, 0, 5];
+    let x = Tensor::new(vec![2, 3], ampgraph_graph::Data::I64(values.to_vec())).unwrap();
+    let got = evaluate(&g, &[("x", x)]);
+    assert!(got.iter().all(|t| t.dtype() == DType::I64));
+    assert_eq!(got[0].to_i64_vec().unwrap(), [big - 4, 9]);
+    assert_eq!(got[1].to_i64_vec().unwrap(), [big + 1, 5]);
+    assert_eq!(got[2].to_i64_vec().unwrap(), [-7, 0]);
+}

@@ -378,7 +378,8 @@ fn bridged_integers(cx: &NodeCx, v: &Value) -> Option<Value> {
 
 /// Whether the f64 value `v` holds integers by construction: integer arithmetic at
 /// run time (Casts of integers to f64, integral constants, and their sums, differences,
-/// products and zero-padded shifts), as far as a bounded walk back sees.
+/// products, zero-padded shifts and reduced sums and maxima), as far as a bounded walk
+/// back sees.
 fn holds_integers(cx: &NodeCx, v: &Value) -> bool {
     let mut stack = vec![v.clone()];
     let mut seen = std::collections::HashSet::new();
@@ -420,7 +421,10 @@ fn holds_integers(cx: &NodeCx, v: &Value) -> bool {
                 let pad = op
                     .downcast_ref::<Pad>()
                     .is_some_and(|p| p.mode == PadMode::Constant(0.0));
-                binary || pad
+                let reduce = op
+                    .downcast_ref::<Reduce>()
+                    .is_some_and(|r| matches!(r.kind, ReduceKind::Sum | ReduceKind::Max));
+                binary || pad || reduce
             }
         };
         if !integral_op {
@@ -1465,7 +1469,8 @@ fn instance_norm(cx: &mut NodeCx) -> Result<Vec<Value>> {
 
 /// ReduceMean, ReduceSum, ReduceMax; ReduceMin as the negated Max of the negation
 /// (exact); ReduceSumSquare as a Sum of the Squares and ReduceL2 as its Sqrt
-/// (ConvNeXt V2's global response norm, SwinV2's cosine attention).
+/// (ConvNeXt V2's global response norm, SwinV2's cosine attention); the sum, maximum
+/// and minimum of integers in f64, cast back.
 fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let op = cx.node.op_type.clone();
     let kind = match op.as_str() {
@@ -1492,12 +1497,28 @@ fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
         let sum = cx.emit(Reduce::new(kind, axes, keep), &[x])?;
         return cx.out(Unary::new(UnaryKind::Sqrt), &[sum]);
     }
-    if op == "ReduceMin" {
+    // Integers reduced at run time (Flaubert's lengths: the count of non-padding
+    // tokens a row): in f64, exact while the sums stay within 2^53, then back.
+    let integers = cx.ty(&x).dtype;
+    let integral =
+        integers.is_int() && matches!(op.as_str(), "ReduceSum" | "ReduceMax" | "ReduceMin");
+    if integral {
+        x = in_f64(cx, x)?;
+    }
+    let reduced = if op == "ReduceMin" {
         let negated = cx.emit(Unary::new(UnaryKind::Neg), &[x])?;
         let max = cx.emit(Reduce::new(kind, axes, keep), &[negated])?;
-        return cx.out(Unary::new(UnaryKind::Neg), &[max]);
-    }
-    cx.out(Reduce::new(kind, axes, keep), &[x])
+        let min = Unary::new(UnaryKind::Neg);
+        if !integral {
+            return cx.out(min, &[max]);
+        }
+        cx.emit(min, &[max])?
+    } else if integral {
+        cx.emit(Reduce::new(kind, axes, keep), &[x])?
+    } else {
+        return cx.out(Reduce::new(kind, axes, keep), &[x]);
+    };
+    cx.out(Cast { to: integers }, &[reduced])
 }
 
 // ------------------------------------------------------------------ selection
