@@ -209,8 +209,8 @@ fn gathers_of_neighbouring_constant_indices_are_slices() {
     assert_eq!(out[2].to_f64_vec()[..4], [2.0, 0.0, 6.0, 4.0]);
 }
 
-/// ScatterND and a float CumSum are computed at import only: one on a run-time value
-/// is refused with the node's name and the input that is not a constant.
+/// A float CumSum is computed at import only: one of a run-time value is refused with
+/// the node's name and the input that is not a constant.
 #[test]
 fn import_time_ops_on_run_time_values_are_one_clear_error() {
     let axis = TensorProto {
@@ -1209,4 +1209,75 @@ fn integer_reductions_of_run_time_values_are_exact() {
     assert_eq!(got[0].to_i64_vec().unwrap(), [big - 4, 9]);
     assert_eq!(got[1].to_i64_vec().unwrap(), [big + 1, 5]);
     assert_eq!(got[2].to_i64_vec().unwrap(), [-7, 0]);
+}
+
+/// ScatterND of run-time updates at constant indices (RWKV writing its outputs a time
+/// step at a time): each slice set from its update, a position written twice keeping
+/// the last, into a constant and into a run-time data; a reduction of run-time values
+/// and run-time indices are one error naming the node.
+#[test]
+fn scatter_nd_sets_run_time_updates_at_constant_indices() {
+    use ampgraph_graph::{DType, Tensor};
+    let scatter = |name: &str, data: &str, indices: &str, attribute| {
+        node(name, "ScatterND", &[data, indices, "u"], attribute)
+    };
+    let floats = |name: &str, values: Vec<f32>, dims: Vec<i64>| TensorProto {
+        name: name.into(),
+        dims,
+        data_type: 1,
+        float_data: values,
+        ..TensorProto::default()
+    };
+    let graph = |nodes: Vec<NodeProto>| GraphProto {
+        input: vec![input("x", &[3, 2]), input("u", &[2, 2])],
+        initializer: vec![
+            // Rows 2 and 0; rows 1 and 1 (the second write wins).
+            int64s("rows", vec![2, 1], vec![2, 0]),
+            int64s("twice", vec![2, 1], vec![1, 1]),
+            floats("zeros", vec![0.0; 6], vec![3, 2]),
+        ],
+        output: nodes.iter().map(|n| unshaped(&n.name)).collect(),
+        node: nodes,
+        ..GraphProto::default()
+    };
+    let model = model_of(
+        graph(vec![
+            scatter("into_data", "x", "rows", vec![]),
+            scatter("into_zeros", "zeros", "twice", vec![]),
+        ]),
+        16,
+    );
+    let g = import_model(&model, None, &ImportOptions::default()).unwrap();
+    let x = Tensor::from_f64(DType::F32, vec![3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+    let u = Tensor::from_f64(DType::F32, vec![2, 2], &[10.0, 20.0, 30.0, 40.0]).unwrap();
+    let got = evaluate(&g, &[("x", x), ("u", u)]);
+    assert_eq!(got[0].to_f64_vec(), [30.0, 40.0, 3.0, 4.0, 10.0, 20.0]);
+    assert_eq!(got[1].to_f64_vec(), [0.0, 0.0, 30.0, 40.0, 0.0, 0.0]);
+
+    let add = AttributeProto {
+        name: "reduction".into(),
+        r#type: attribute_type::STRING,
+        s: b"add".to_vec(),
+        ..AttributeProto::default()
+    };
+    for (bad, says) in [
+        (
+            scatter("summed", "x", "rows", vec![add]),
+            "input 0 ('x') is computed at run time",
+        ),
+        (
+            scatter("moving", "zeros", "x", vec![]),
+            "input 1 ('x') is computed at run time",
+        ),
+    ] {
+        let err = import_model(
+            &model_of(graph(vec![bad]), 16),
+            None,
+            &ImportOptions::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(says), "{err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
 }

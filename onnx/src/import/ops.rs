@@ -1892,43 +1892,29 @@ fn trilu(cx: &mut NodeCx) -> Result<Vec<Value>> {
 
 /// ONNX ScatterND: a copy of `data` with the slices `indices` address (each row of
 /// its last axis a prefix of data's coordinates) set from `updates`, or combined with
-/// them (`reduction` add, mul, max, min); computed at import.
+/// them (`reduction` add, mul, max, min); computed at import from constants. With
+/// constant indices and data or updates computed at run time (RWKV's outputs written a
+/// time step at a time; `x[:, t] = y` as torch exports it), setting them is a Where of
+/// the written positions between the updates gathered into place and the data; the
+/// reductions then are one error naming the node.
 fn scatter_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
-    let [data, indices, updates] = <[Tensor; 3]>::try_from(import_time_inputs(cx, 3)?)
-        .map_err(|_| cx.err("takes data, indices and updates"))?;
     let reduction = cx.string_attr("reduction", "none")?;
     if !["none", "add", "mul", "max", "min"].contains(&reduction.as_str()) {
         return Err(cx.err(format!("reduction '{reduction}' is not an ONNX reduction")));
     }
-    let shape = data.shape().to_vec();
-    let ishape = indices.shape().to_vec();
-    let k = *ishape
-        .last()
-        .ok_or_else(|| cx.err("indices must have rank 1 or more"))?;
-    let mut want: Vec<usize> = ishape[..ishape.len() - 1].to_vec();
-    want.extend(shape.get(k..).unwrap_or(&[]));
-    if k > shape.len() || updates.shape() != want.as_slice() {
-        return Err(cx.err(format!(
-            "indices {ishape:?} and updates {:?} do not address data {shape:?} (updates must be {want:?})",
-            updates.shape()
-        )));
-    }
-    let idx = (indices.to_i64_vec()).ok_or_else(|| cx.err("indices must be integers"))?;
-    let st = strides(&shape);
-    let slice: usize = shape[k..].iter().product();
-    // (position in data, position in updates) of every element written, in order.
-    let mut writes = Vec::with_capacity(updates.len());
-    for (row, at) in idx
-        .chunks(k.max(1))
-        .take(updates.len() / slice.max(1))
-        .enumerate()
-    {
-        let mut base = 0;
-        for (d, &i) in at.iter().enumerate().take(k) {
-            base += index_in(i, shape[d]).map_err(|m| cx.err(m))? * st[d];
+    let (data_v, indices_v, updates_v) = (cx.input(0)?, cx.input(1)?, cx.input(2)?);
+    let at_run_time = matches!(data_v, Value::Port(_)) || matches!(updates_v, Value::Port(_));
+    if at_run_time && reduction == "none" {
+        if let Value::Const(indices) = &indices_v {
+            let shape = cx.ty(&data_v).shape;
+            let writes = scatter_writes(cx, &shape, indices, &cx.ty(&updates_v).shape)?;
+            return scatter_at_run_time(cx, data_v, updates_v, &shape, &writes);
         }
-        writes.extend((0..slice).map(|j| (base + j, row * slice + j)));
     }
+    let [data, indices, updates] = <[Tensor; 3]>::try_from(import_time_inputs(cx, 3)?)
+        .map_err(|_| cx.err("takes data, indices and updates"))?;
+    let shape = data.shape().to_vec();
+    let writes = scatter_writes(cx, &shape, &indices, updates.shape())?;
     let out = match (data.to_i64_vec(), updates.to_i64_vec()) {
         (Some(out), Some(upd)) if data.dtype().is_int() => {
             let out = scattered(out, &upd, &writes, &reduction);
@@ -1945,6 +1931,64 @@ fn scatter_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
         }
     };
     Ok(vec![Value::Const(out.map_err(|m| cx.err(m))?)])
+}
+
+/// `(position in data, position in updates)` of every element a ScatterND writes, in
+/// order, for data of `shape`, its `indices` and updates of `updates`.
+fn scatter_writes(
+    cx: &NodeCx,
+    shape: &[usize],
+    indices: &Tensor,
+    updates: &[usize],
+) -> Result<Vec<(usize, usize)>> {
+    let ishape = indices.shape().to_vec();
+    let k = *ishape
+        .last()
+        .ok_or_else(|| cx.err("indices must have rank 1 or more"))?;
+    let mut want: Vec<usize> = ishape[..ishape.len() - 1].to_vec();
+    want.extend(shape.get(k..).unwrap_or(&[]));
+    if k > shape.len() || updates != want.as_slice() {
+        return Err(cx.err(format!(
+            "indices {ishape:?} and updates {updates:?} do not address data {shape:?} (updates must be {want:?})"
+        )));
+    }
+    let idx = (indices.to_i64_vec()).ok_or_else(|| cx.err("indices must be integers"))?;
+    let st = strides(shape);
+    let slice: usize = shape[k..].iter().product();
+    let count: usize = updates.iter().product();
+    let mut writes = Vec::with_capacity(count);
+    for (row, at) in idx.chunks(k.max(1)).take(count / slice.max(1)).enumerate() {
+        let mut base = 0;
+        for (d, &i) in at.iter().enumerate().take(k) {
+            base += index_in(i, shape[d]).map_err(|m| cx.err(m))? * st[d];
+        }
+        writes.extend((0..slice).map(|j| (base + j, row * slice + j)));
+    }
+    Ok(writes)
+}
+
+/// ScatterND's `writes` of `updates` into `data` where either is computed at run time:
+/// `Where(written, Gather(updates flattened, source of each position), data)`, the
+/// last write to a position winning.
+fn scatter_at_run_time(
+    cx: &mut NodeCx,
+    data: Value,
+    updates: Value,
+    shape: &[usize],
+    writes: &[(usize, usize)],
+) -> Result<Vec<Value>> {
+    let n: usize = shape.iter().product();
+    let (mut written, mut source) = (vec![false; n], vec![0i64; n]);
+    for &(at, from) in writes {
+        written[at] = true;
+        source[at] = from as i64;
+    }
+    let written = Tensor::new(shape.to_vec(), Data::Bool(written)).map_err(|m| cx.err(m))?;
+    let source = i64_tensor(vec![n], source).map_err(|m| cx.err(m))?;
+    let flat = cx.emit(Reshape::new(vec![-1]), &[updates])?;
+    let placed = cx.emit(Gather::new(0), &[flat, Value::Const(source)])?;
+    let placed = cx.emit(Reshape::new(shape_i64(shape)), &[placed])?;
+    cx.out(Where, &[Value::Const(written), placed, data])
 }
 
 /// The values ScatterND combines: integers wrap as ONNX's int64 arithmetic does.
