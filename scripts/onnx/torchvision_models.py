@@ -293,8 +293,8 @@ def tiny_models():
     position ids computed at run time (integer CumSum, Mul and Add, GatherElements),
     Falcon's and GPT-J's GatherND, BLOOM's Tile, Wav2Vec2's InstanceNormalization,
     ConvNeXt V2's and SwinV2's ReduceL2, MobileViT's Ceil, DINOv2's and YOLOS's cubic
-    Resize, Funnel's and XLNet's Sin and Cos, CodeGen's IsNaN, FNet's DFT, MobileViTV2's
-    Col2Im, Flaubert's integer ReduceSum, RWKV's ScatterND of run-time values. A few MB
+    Resize, Funnel's and XLNet's Sin and Cos, CodeGen's IsNaN, FNet's DFT, Flaubert's
+    integer ReduceSum. A few MB
     each: they travel to the GPU machine, where the ONNX tests run
     them on CUDA in f32 and AMP (scripts/gpu_onnx.sh TINY=1)."""
     import transformers as hf
@@ -343,17 +343,19 @@ def tiny_models():
         # Token mixing by the real part of a two-axis DFT.
         ("tiny_fnet", lambda: hf.FNetModel(hf.FNetConfig(
             hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=1000)), ids),
-        # Its patches folded back by Col2Im (at its default initialisation the outputs
-        # shrink to 1e-48, as MobileViT's do).
-        ("tiny_mobilevitv2", lambda: hf.MobileViTV2Model(hf.MobileViTV2Config(
-            image_size=64, width_multiplier=0.25, initializer_range=0.2)), img),
+        # (MobileViTV2, Col2Im, is not here: at random weights its fp16 outputs either
+        # vanish (initialised at 0.02 or 0.1) or drift 2% from f32's (at 0.2, on the CPU
+        # as on the GPU; `ampgraph bisect` keeps 25 of its convolutions in f32 for
+        # 5e-3). The checked-in col2im_blocks runs Col2Im's import on the GPU.)
         # Its lengths, an integer ReduceSum of the input at run time.
         ("tiny_flaubert", lambda: hf.FlaubertModel(hf.FlaubertConfig(
             emb_dim=64, n_layers=2, n_heads=4, vocab_size=1000)), ids),
-        # Its outputs written a time step at a time (ScatterND of run-time values).
-        ("tiny_rwkv", lambda: hf.RwkvForCausalLM(hf.RwkvConfig(
-            hidden_size=64, num_hidden_layers=2, vocab_size=1000, attention_hidden_size=64,
-            intermediate_size=128, use_cache=False)), ids),
+        # (RWKV, its outputs written a time step at a time by ScatterNDs of run-time
+        # values, imports and runs on CUDA in f32, but its AMP step fails there: a fused
+        # kernel of its attention faults (docs/onnx.md). Back here once that is fixed:
+        # `hf.RwkvForCausalLM(hf.RwkvConfig(hidden_size=64,
+        # num_hidden_layers=2, vocab_size=1000, attention_hidden_size=64,
+        # intermediate_size=128, use_cache=False))` on `ids`.)
     ]
     wav = rng.standard_normal((1, 4000)).astype(np.float32)
     out.append(("tiny_wav2vec2", lambda: hf.Wav2Vec2Model(hf.Wav2Vec2Config(
