@@ -447,3 +447,10 @@ fn gelu_forms_import_as_gelus_matching_onnxruntime() {
         0
     );
 }
+
+/// LSTM and GRU (batch-first, reverse and bidirectional, initial and last states,
+/// both reset forms, full sequence lengths) unrolled at import match onnxruntime.
+#[test]
+fn recurrent_cells_match_onnxruntime() {
+    check_model("recurrent_cells");
+}

@@ -1281,3 +1281,73 @@ fn scatter_nd_sets_run_time_updates_at_constant_indices() {
         assert!(!err.contains('\n'), "one line: {err}");
     }
 }
+
+/// What the recurrent cells' import does not take is one error line naming the node:
+/// the batch-first layout, peepholes, a clipped cell, weights computed at run time,
+/// sequences shorter than the input.
+#[test]
+fn recurrent_cells_it_does_not_unroll_are_one_clear_error() {
+    let floats = |name: &str, dims: Vec<i64>| TensorProto {
+        name: name.into(),
+        float_data: vec![0.1; dims.iter().product::<i64>() as usize],
+        dims,
+        data_type: 1,
+        ..TensorProto::default()
+    };
+    let clip = AttributeProto {
+        name: "clip".into(),
+        r#type: attribute_type::FLOAT,
+        f: 1.0,
+        ..AttributeProto::default()
+    };
+    let hidden = || int_attr("hidden_size", 2);
+    let cases = [
+        (
+            vec!["x", "W", "R"],
+            vec![hidden(), int_attr("layout", 1)],
+            "batch-first layout",
+        ),
+        (
+            vec!["x", "W", "R", "", "", "", "", "P"],
+            vec![hidden()],
+            "peepholes",
+        ),
+        (vec!["x", "W", "R"], vec![hidden(), clip], "clipped cell"),
+        (
+            vec!["x", "x", "R"],
+            vec![hidden()],
+            "its W (input 1) must be a constant",
+        ),
+        (
+            vec!["x", "W", "R", "", "short"],
+            vec![hidden()],
+            "only sequences of the full length 3",
+        ),
+    ];
+    for (inputs, attribute, says) in cases {
+        let graph = GraphProto {
+            input: vec![input("x", &[3, 1, 4])],
+            initializer: vec![
+                floats("W", vec![1, 8, 4]),
+                floats("R", vec![1, 8, 2]),
+                floats("P", vec![1, 6]),
+                TensorProto {
+                    name: "short".into(),
+                    dims: vec![1],
+                    data_type: 6,
+                    int32_data: vec![2],
+                    ..TensorProto::default()
+                },
+            ],
+            output: vec![unshaped("cell")],
+            node: vec![node("cell", "LSTM", &inputs, attribute)],
+            ..GraphProto::default()
+        };
+        let err = import_model(&model_of(graph, 14), None, &ImportOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("'cell'"), "{err}");
+        assert!(err.contains(says), "{says}: {err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
+}

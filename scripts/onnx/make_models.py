@@ -778,6 +778,39 @@ def col2im_blocks():
                g.rng.standard_normal((1, 12, 4)).astype(np.float32)]
 
 
+def recurrent_cells():
+    """LSTM and GRU as torch.nn.LSTM and nn.GRU export them and beyond: an LSTM from
+    initial states given as inputs, with its last hidden and cell states as outputs; a
+    reverse LSTM without biases; a bidirectional
+    GRU applying its reset gate before the recurrent product (linear_before_reset 0,
+    ONNX's default) with its last states; a GRU after it (PyTorch's form, 1) given
+    every sequence's full length. Import unrolls each over the sequence."""
+    g = G(seed=1017)
+    w = lambda name, shape: g.init(name, (0.5 * g.rng.standard_normal(shape)).astype(np.float32))
+    i64 = lambda v, s: g.const(np.array(v, dtype=np.int64), s)
+    xs = g.op("Transpose", ["x"], "/seq", perm=[1, 0, 2])
+    g.op("LSTM", [xs, w("a.W", (1, 24, 4)), w("a.R", (1, 24, 6)), w("a.B", (1, 48)), "",
+                  "h0", "c0"], "/a", outputs=["ya", "ha", "ca"], hidden_size=6)
+    g.op("LSTM", [xs, w("b.W", (1, 24, 4)), w("b.R", (1, 24, 6))], "/b", outputs=["yb"],
+         hidden_size=6, direction="reverse")
+    yc, hc = g.op("GRU", [xs, w("c.W", (2, 9, 4)), w("c.R", (2, 9, 3)), w("c.B", (2, 18))], "/c",
+                  n_out=2, hidden_size=3, direction="bidirectional")
+    g.op("Identity", [hc], "/c", outputs=["hc"])
+    g.op("Identity", [yc], "/c", outputs=["yc"])
+    seq = g.op("Reshape", [g.op("Transpose", [yc], "/d", perm=[0, 2, 1, 3]), i64([5, 2, 6], "/d")], "/d")
+    g.op("GRU", [seq, w("d.W", (1, 9, 6)), w("d.R", (1, 9, 3)), w("d.B", (1, 18)),
+                 g.const(np.array([5, 5], dtype=np.int32), "/d")], "/d", outputs=["yd"],
+         hidden_size=3, linear_before_reset=1)
+    m = g.model("recurrent_cells",
+                [vinfo("x", [2, 5, 4]), vinfo("h0", [1, 2, 6]), vinfo("c0", [1, 2, 6])],
+                [vinfo("ya", [5, 1, 2, 6]), vinfo("ha", [1, 2, 6]), vinfo("ca", [1, 2, 6]),
+                 vinfo("yb", [5, 1, 2, 6]), vinfo("hc", [2, 2, 3]), vinfo("yc", [5, 2, 2, 3]),
+                 vinfo("yd", [5, 1, 2, 3])], opset=14)
+    return m, [g.rng.standard_normal((2, 5, 4)).astype(np.float32),
+               (0.5 * g.rng.standard_normal((1, 2, 6))).astype(np.float32),
+               (0.5 * g.rng.standard_normal((1, 2, 6))).astype(np.float32)]
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -1317,6 +1350,7 @@ MODELS = {
     "cubic_positions": cubic_positions,
     "fourier_mixing": fourier_mixing,
     "col2im_blocks": col2im_blocks,
+    "recurrent_cells": recurrent_cells,
 }
 
 

@@ -35,9 +35,9 @@ MIN_OPSET, MAX_OPSET = opset_bound("MIN_OPSET"), opset_bound("MAX_OPSET")
 OPS = sorted("""
 Abs Add And AveragePool BatchNormalization Cast Ceil Clip Col2Im Concat Constant ConstantOfShape
 Conv ConvTranspose Cos CumSum DFT Div Dropout Einsum Elu Equal Erf Exp Expand Flatten Floor Gather
-GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
+GatherElements GatherND Gelu Gemm GlobalAveragePool GRU GlobalMaxPool Greater GreaterOrEqual
 HardSigmoid HardSwish Identity If InstanceNormalization IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log
-LogSoftmax MatMul Max MaxPool Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal
+LogSoftmax LSTM MatMul Max MaxPool Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal
 ReduceL2 ReduceMax ReduceMean ReduceMin ReduceSum ReduceSumSquare Relu Reshape Resize ScatterND Selu Shape Sigmoid Sign Sin
 Size Slice Softmax SoftmaxCrossEntropyLoss Softplus Split Sqrt Squeeze Sub Sum Tanh
 Tile Transpose Trilu Unsqueeze Where Xor

@@ -9,6 +9,7 @@
 
 mod einsum;
 mod ops;
+mod rnn;
 mod schema;
 mod schemas;
 

@@ -81,6 +81,8 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "SoftmaxCrossEntropyLoss" => softmax_cross_entropy,
         "DFT" => dft,
         "Col2Im" => col2im,
+        "LSTM" => super::rnn::lstm,
+        "GRU" => super::rnn::gru,
         _ => return None,
     })
 }

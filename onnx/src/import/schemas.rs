@@ -133,6 +133,11 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(6, (1, 1), (1, 1), &[]),
         version(13, (1, 1), (1, 1), &[]),
     ]),
+    ("GRU", &[
+        version(7, (3, 6), (0, 2), &[optional("activation_alpha"), optional("activation_beta"), optional("activations"), optional("clip"), string("direction", "forward"), optional("hidden_size"), int("linear_before_reset", 0)]),
+        version(14, (3, 6), (0, 2), &[optional("activation_alpha"), optional("activation_beta"), optional("activations"), optional("clip"), string("direction", "forward"), optional("hidden_size"), int("layout", 0), int("linear_before_reset", 0)]),
+        version(22, (3, 6), (0, 2), &[optional("activation_alpha"), optional("activation_beta"), optional("activations"), optional("clip"), string("direction", "forward"), optional("hidden_size"), int("layout", 0), int("linear_before_reset", 0)]),
+    ]),
     ("Gather", &[
         version(11, (2, 2), (1, 1), &[int("axis", 0)]),
         version(13, (2, 2), (1, 1), &[int("axis", 0)]),
@@ -202,6 +207,11 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
         version(9, (1, 1), (1, 1), &[]),
         version(13, (1, 1), (1, 1), &[]),
         version(20, (1, 1), (1, 1), &[]),
+    ]),
+    ("LSTM", &[
+        version(7, (3, 8), (0, 3), &[optional("activation_alpha"), optional("activation_beta"), optional("activations"), optional("clip"), string("direction", "forward"), optional("hidden_size"), int("input_forget", 0)]),
+        version(14, (3, 8), (0, 3), &[optional("activation_alpha"), optional("activation_beta"), optional("activations"), optional("clip"), string("direction", "forward"), optional("hidden_size"), int("input_forget", 0), int("layout", 0)]),
+        version(22, (3, 8), (0, 3), &[optional("activation_alpha"), optional("activation_beta"), optional("activations"), optional("clip"), string("direction", "forward"), optional("hidden_size"), int("input_forget", 0), int("layout", 0)]),
     ]),
     ("LayerNormalization", &[
         version(17, (2, 3), (1, 3), &[int("axis", -1), float("epsilon", 0.00001f32), int("stash_type", 1)]),
