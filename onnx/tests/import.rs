@@ -1351,3 +1351,92 @@ fn recurrent_cells_it_does_not_unroll_are_one_clear_error() {
         assert!(!err.contains('\n'), "one line: {err}");
     }
 }
+
+/// ArgMax and ArgMin against hand-computed indices: ties going to the first index, or
+/// to the last with `select_last_index`; kept axes; an integer input (token ids)
+/// above f32's exact range.
+#[test]
+fn arg_max_and_min_pick_hand_computed_indices() {
+    use ampgraph_graph::{DType, Tensor};
+    let longs = |name: &str| {
+        let mut v = unshaped(name);
+        if let Some(t) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
+            t.elem_type = 7;
+        }
+        v
+    };
+    let arg = |name: &str, op: &str, extra: Vec<AttributeProto>| {
+        let mut attribute = vec![int_attr("axis", 1)];
+        attribute.extend(extra);
+        node(name, op, &["x"], attribute)
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 4])],
+        node: vec![
+            arg("first", "ArgMax", vec![int_attr("keepdims", 0)]),
+            arg(
+                "last",
+                "ArgMax",
+                vec![int_attr("keepdims", 0), int_attr("select_last_index", 1)],
+            ),
+            arg("least", "ArgMin", vec![]),
+        ],
+        output: vec![longs("first"), longs("last"), longs("least")],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 13), None, &ImportOptions::default()).unwrap();
+    let x = Tensor::from_f64(
+        DType::F32,
+        vec![2, 4],
+        &[1.0, 7.0, 7.0, -2.0, 0.5, -3.0, 0.5, -3.0],
+    )
+    .unwrap();
+    let got = evaluate(&g, &[("x", x)]);
+    assert!(got.iter().all(|t| t.dtype() == DType::I64));
+    assert_eq!(got[0].to_i64_vec().unwrap(), [1, 0]);
+    assert_eq!(got[1].to_i64_vec().unwrap(), [2, 2]);
+    assert_eq!(got[2].shape(), [2, 1]);
+    assert_eq!(got[2].to_i64_vec().unwrap(), [3, 1]);
+
+    let mut ids = input("ids", &[1, 3]);
+    if let Some(t) = ids.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
+        t.elem_type = 7;
+    }
+    let graph = GraphProto {
+        input: vec![ids],
+        node: vec![node("top", "ArgMax", &["ids"], vec![int_attr("axis", -1)])],
+        output: vec![longs("top")],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 13), None, &ImportOptions::default()).unwrap();
+    let big = (1i64 << 30) + 1;
+    let ids = Tensor::new(vec![1, 3], ampgraph_graph::Data::I64(vec![big - 1, big, 5])).unwrap();
+    assert_eq!(evaluate(&g, &[("ids", ids)])[0].to_i64_vec().unwrap(), [1]);
+}
+
+/// GatherND at index vectors computed at run time (a sequence classifier's logits at
+/// each row's last token), a negative index counting from its axis' end, against
+/// hand-computed values.
+#[test]
+fn gather_nd_takes_run_time_index_vectors() {
+    use ampgraph_graph::{DType, Tensor};
+    let mut at = input("at", &[2, 2]);
+    if let Some(t) = at.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
+        t.elem_type = 7;
+    }
+    let graph = GraphProto {
+        input: vec![input("x", &[2, 3, 2]), at],
+        node: vec![node("picked", "GatherND", &["x", "at"], vec![])],
+        output: vec![input("picked", &[2, 2])],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 17), None, &ImportOptions::default()).unwrap();
+    let values: Vec<f64> = (0..12).map(f64::from).collect();
+    let x = Tensor::from_f64(DType::F32, vec![2, 3, 2], &values).unwrap();
+    let at = Tensor::new(vec![2, 2], ampgraph_graph::Data::I64(vec![1, 2, 0, -1])).unwrap();
+    // x[1, 2, :] = [10, 11]; x[0, -1, :] = x[0, 2, :] = [4, 5].
+    assert_eq!(
+        evaluate(&g, &[("x", x), ("at", at)])[0].to_f64_vec(),
+        [10.0, 11.0, 4.0, 5.0]
+    );
+}

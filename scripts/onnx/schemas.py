@@ -33,7 +33,7 @@ MIN_OPSET, MAX_OPSET = opset_bound("MIN_OPSET"), opset_bound("MAX_OPSET")
 
 # Every op with a converter in onnx/src/import/ops.rs, and If (control flow).
 OPS = sorted("""
-Abs Add And AveragePool BatchNormalization Cast Ceil Clip Col2Im Concat Constant ConstantOfShape
+Abs Add And ArgMax ArgMin AveragePool BatchNormalization Cast Ceil Clip Col2Im Concat Constant ConstantOfShape
 Conv ConvTranspose Cos CumSum DFT Div Dropout Einsum Elu Equal Erf Exp Expand Flatten Floor Gather
 GatherElements GatherND Gelu Gemm GlobalAveragePool GRU GlobalMaxPool Greater GreaterOrEqual
 HardSigmoid HardSwish Identity If InstanceNormalization IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log

@@ -82,6 +82,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "DFT" => dft,
         "Col2Im" => col2im,
         "LSTM" => super::rnn::lstm,
+        "ArgMax" | "ArgMin" => arg_extreme,
         "GRU" => super::rnn::gru,
         _ => return None,
     })
@@ -1525,6 +1526,46 @@ fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
 
 // ------------------------------------------------------------------ selection
 
+/// ArgMax and ArgMin as reductions in f64 (indices exact): the positions where x
+/// equals its maximum along the axis (its minimum: the maximum of -x) keep their
+/// index and the others a sentinel, and the least index is taken (the greatest with
+/// `select_last_index`), then cast to int64. Integers (token ids: GPT-2's last token
+/// before padding) compare in f64 too, exact within 2^53.
+fn arg_extreme(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let x = cx.input(0)?;
+    let shape = cx.ty(&x).shape;
+    let axis = normalize_axis(cx.int_attr("axis", 0)?, shape.len()).map_err(|m| cx.err(m))?;
+    let keep = cx.int_attr("keepdims", 1)? != 0;
+    let last = cx.int_attr("select_last_index", 0)? != 0;
+    let n = shape[axis];
+    let mut x = in_f64(cx, x)?;
+    if cx.node.op_type == "ArgMin" {
+        x = cx.emit(Unary::new(UnaryKind::Neg), &[x])?;
+    }
+    let axes = Some(vec![axis as i64]);
+    let most = cx.emit(
+        Reduce::new(ReduceKind::Max, axes.clone(), true),
+        &[x.clone()],
+    )?;
+    let at_most = cx.emit(Compare::new(CompareKind::Equal), &[x, most])?;
+    // Each position's index along the axis, broadcast over the others; the least
+    // index wins as the greatest of the negated ones.
+    let mut along = vec![1; shape.len()];
+    along[axis] = n;
+    let sign = if last { 1.0 } else { -1.0 };
+    let index: Vec<f64> = (0..n).map(|i| sign * i as f64).collect();
+    let index = Tensor::from_f64(DType::F64, along, &index).map_err(|m| cx.err(m))?;
+    let never = scalar_like(DType::F64, -(n as f64) - 1.0);
+    let kept = cx.emit(Where, &[at_most, Value::Const(index), never])?;
+    let picked = cx.emit(Reduce::new(ReduceKind::Max, axes, keep), &[kept])?;
+    let picked = if last {
+        picked
+    } else {
+        cx.emit(Unary::new(UnaryKind::Neg), &[picked])?
+    };
+    cx.out(Cast { to: DType::I64 }, &[picked])
+}
+
 /// Gather; constant indices that pick a run of neighbours (q, k and v out of one
 /// projection, a token's row) are a Slice and a Reshape instead: a view of the data
 /// on every backend.
@@ -1691,15 +1732,17 @@ fn gather_elements_at_run_time(cx: &mut NodeCx) -> Result<Vec<Value>> {
 /// picks a slice of `data` by its first `k` axes, a negative index counting from the
 /// end. Constant indices (Falcon's and GPT-J's rotary tables, at positions known at
 /// import): a Gather of constant positions from `data` with those `k` axes flattened
-/// into one; the whole of it computed at import where `data` is constant too.
+/// into one; the whole of it computed at import where `data` is constant too. Indices
+/// computed at run time: [`gather_nd_at_run_time`].
 fn gather_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
     if cx.int_attr("batch_dims", 0)? != 0 {
         return Err(cx.err("only batch_dims 0 is supported"));
     }
     let data = cx.input(0)?;
     let shape = cx.ty(&data).shape;
-    let Some(indices) = cx.const_input(1)? else {
-        return Err(cx.err("its indices must be computed at import (from constants and shapes)"));
+    let indices = match cx.input(1)? {
+        Value::Const(t) => t,
+        Value::Port(_) => return gather_nd_at_run_time(cx, data, &shape),
     };
     let ishape = indices.shape().to_vec();
     let k = *ishape
@@ -1727,6 +1770,50 @@ fn gather_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
     rows.extend(shape[k..].iter().map(|&d| d as i64));
     let rows = cx.emit(Reshape::new(rows), &[data])?;
     cx.out(Gather::new(0), &[rows, Value::Const(picks)])
+}
+
+/// GatherND of indices computed at run time (a sequence classifier's logits at each
+/// row's last token: `[row, length - 1]` pairs): a Gather from `data` with its first
+/// `k` axes flattened, at the offsets `sum(index * stride)` of each index vector, a
+/// negative index counting from its axis' end, computed in f64 (exact below 2^53); an
+/// index out of range is the Gather's error.
+fn gather_nd_at_run_time(cx: &mut NodeCx, data: Value, shape: &[usize]) -> Result<Vec<Value>> {
+    let indices = cx.input(1)?;
+    let ishape = cx.ty(&indices).shape;
+    if !cx.ty(&indices).dtype.is_int() {
+        return Err(cx.err("indices must be integers"));
+    }
+    let k = ishape.last().copied().unwrap_or(0);
+    if k == 0 || k > shape.len() {
+        return Err(cx.err(format!(
+            "index vectors of {k} elements for data of rank {}",
+            shape.len()
+        )));
+    }
+    let vector = |values: Vec<f64>| Tensor::from_f64(DType::F64, vec![k], &values);
+    let sides = vector(shape[..k].iter().map(|&n| n as f64).collect()).map_err(|m| cx.err(m))?;
+    let outer = vector(strides(&shape[..k]).iter().map(|&st| st as f64).collect());
+    let outer = outer.map_err(|m| cx.err(m))?;
+    let index = in_f64(cx, indices)?;
+    let zero = scalar_like(DType::F64, 0.0);
+    let negative = cx.emit(Compare::new(CompareKind::Less), &[index.clone(), zero])?;
+    let negative = cx.emit(Cast { to: DType::F64 }, &[negative])?;
+    let wrap = cx.emit(
+        Binary::new(BinaryKind::Mul),
+        &[negative, Value::Const(sides)],
+    )?;
+    let index = cx.emit(Binary::new(BinaryKind::Add), &[index, wrap])?;
+    let offsets = cx.emit(Binary::new(BinaryKind::Mul), &[index, Value::Const(outer)])?;
+    let last = ishape.len() as i64 - 1;
+    let offsets = cx.emit(
+        Reduce::new(ReduceKind::Sum, Some(vec![last]), false),
+        &[offsets],
+    )?;
+    let offsets = cx.emit(Cast { to: DType::I64 }, &[offsets])?;
+    let mut rows = vec![shape[..k].iter().product::<usize>() as i64];
+    rows.extend(shape[k..].iter().map(|&d| d as i64));
+    let rows = cx.emit(Reshape::new(rows), &[data])?;
+    cx.out(Gather::new(0), &[rows, offsets])
 }
 
 /// ONNX Ceil and Floor, computed at import (MobileViT's patch grid, its size rounded

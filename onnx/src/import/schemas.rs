@@ -21,6 +21,16 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
     ("And", &[
         version(7, (2, 2), (1, 1), &[]),
     ]),
+    ("ArgMax", &[
+        version(11, (1, 1), (1, 1), &[int("axis", 0), int("keepdims", 1)]),
+        version(12, (1, 1), (1, 1), &[int("axis", 0), int("keepdims", 1), int("select_last_index", 0)]),
+        version(13, (1, 1), (1, 1), &[int("axis", 0), int("keepdims", 1), int("select_last_index", 0)]),
+    ]),
+    ("ArgMin", &[
+        version(11, (1, 1), (1, 1), &[int("axis", 0), int("keepdims", 1)]),
+        version(12, (1, 1), (1, 1), &[int("axis", 0), int("keepdims", 1), int("select_last_index", 0)]),
+        version(13, (1, 1), (1, 1), &[int("axis", 0), int("keepdims", 1), int("select_last_index", 0)]),
+    ]),
     ("AveragePool", &[
         version(11, (1, 1), (1, 1), &[string("auto_pad", "NOTSET"), int("ceil_mode", 0), int("count_include_pad", 0), required("kernel_shape"), optional("pads"), optional("strides")]),
         version(19, (1, 1), (1, 1), &[string("auto_pad", "NOTSET"), int("ceil_mode", 0), int("count_include_pad", 0), optional("dilations"), required("kernel_shape"), optional("pads"), optional("strides")]),
