@@ -36,6 +36,25 @@ fn unshaped(name: &str) -> ValueInfoProto {
     v
 }
 
+/// `v` holding int64 values.
+fn int64(mut v: ValueInfoProto) -> ValueInfoProto {
+    if let Some(t) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
+        t.elem_type = 7;
+    }
+    v
+}
+
+/// A reduction `op` over axis 1 (axes as an attribute), not keeping it.
+fn reduce_axis_1(name: &str, op: &str) -> NodeProto {
+    let axes = AttributeProto {
+        name: "axes".into(),
+        r#type: attribute_type::INTS,
+        ints: vec![1],
+        ..AttributeProto::default()
+    };
+    node(name, op, &["x"], vec![axes, int_attr("keepdims", 0)])
+}
+
 /// A model of `graph` at default-domain `opset`.
 fn model_of(graph: GraphProto, opset: i64) -> ModelProto {
     ModelProto {
@@ -423,21 +442,12 @@ fn instance_normalization_matches_a_float64_reference() {
 #[test]
 fn reduce_l2_sum_square_and_min_against_hand_computed_values() {
     use ampgraph_graph::{DType, Tensor};
-    let reduce = |name: &str, op: &str| {
-        let axes = AttributeProto {
-            name: "axes".into(),
-            r#type: attribute_type::INTS,
-            ints: vec![1],
-            ..AttributeProto::default()
-        };
-        node(name, op, &["x"], vec![axes, int_attr("keepdims", 0)])
-    };
     let graph = GraphProto {
         input: vec![input("x", &[2, 2])],
         node: vec![
-            reduce("l2", "ReduceL2"),
-            reduce("squares", "ReduceSumSquare"),
-            reduce("least", "ReduceMin"),
+            reduce_axis_1("l2", "ReduceL2"),
+            reduce_axis_1("squares", "ReduceSumSquare"),
+            reduce_axis_1("least", "ReduceMin"),
         ],
         output: vec![
             input("l2", &[2]),
@@ -1174,28 +1184,13 @@ fn overlapping_folds_and_padded_transforms_are_one_clear_error() {
 #[test]
 fn integer_reductions_of_run_time_values_are_exact() {
     use ampgraph_graph::{DType, Tensor};
-    let integers = |name: &str, shape: &[i64]| {
-        let mut v = input(name, shape);
-        if let Some(t) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
-            t.elem_type = 7;
-        }
-        v
-    };
-    let reduce = |name: &str, op: &str| {
-        let axes = AttributeProto {
-            name: "axes".into(),
-            r#type: attribute_type::INTS,
-            ints: vec![1],
-            ..AttributeProto::default()
-        };
-        node(name, op, &["x"], vec![axes, int_attr("keepdims", 0)])
-    };
+    let integers = |name: &str, shape: &[i64]| int64(input(name, shape));
     let graph = GraphProto {
         input: vec![integers("x", &[2, 3])],
         node: vec![
-            reduce("sum", "ReduceSum"),
-            reduce("most", "ReduceMax"),
-            reduce("least", "ReduceMin"),
+            reduce_axis_1("sum", "ReduceSum"),
+            reduce_axis_1("most", "ReduceMax"),
+            reduce_axis_1("least", "ReduceMin"),
         ],
         output: ["sum", "most", "least"].map(|n| integers(n, &[2])).to_vec(),
         ..GraphProto::default()
@@ -1358,13 +1353,7 @@ fn recurrent_cells_it_does_not_unroll_are_one_clear_error() {
 #[test]
 fn arg_max_and_min_pick_hand_computed_indices() {
     use ampgraph_graph::{DType, Tensor};
-    let longs = |name: &str| {
-        let mut v = unshaped(name);
-        if let Some(t) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
-            t.elem_type = 7;
-        }
-        v
-    };
+    let longs = |name: &str| int64(unshaped(name));
     let arg = |name: &str, op: &str, extra: Vec<AttributeProto>| {
         let mut attribute = vec![int_attr("axis", 1)];
         attribute.extend(extra);
@@ -1398,12 +1387,8 @@ fn arg_max_and_min_pick_hand_computed_indices() {
     assert_eq!(got[2].shape(), [2, 1]);
     assert_eq!(got[2].to_i64_vec().unwrap(), [3, 1]);
 
-    let mut ids = input("ids", &[1, 3]);
-    if let Some(t) = ids.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
-        t.elem_type = 7;
-    }
     let graph = GraphProto {
-        input: vec![ids],
+        input: vec![int64(input("ids", &[1, 3]))],
         node: vec![node("top", "ArgMax", &["ids"], vec![int_attr("axis", -1)])],
         output: vec![longs("top")],
         ..GraphProto::default()
@@ -1420,12 +1405,8 @@ fn arg_max_and_min_pick_hand_computed_indices() {
 #[test]
 fn gather_nd_takes_run_time_index_vectors() {
     use ampgraph_graph::{DType, Tensor};
-    let mut at = input("at", &[2, 2]);
-    if let Some(t) = at.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
-        t.elem_type = 7;
-    }
     let graph = GraphProto {
-        input: vec![input("x", &[2, 3, 2]), at],
+        input: vec![input("x", &[2, 3, 2]), int64(input("at", &[2, 2]))],
         node: vec![node("picked", "GatherND", &["x", "at"], vec![])],
         output: vec![input("picked", &[2, 2])],
         ..GraphProto::default()
