@@ -454,3 +454,10 @@ fn gelu_forms_import_as_gelus_matching_onnxruntime() {
 fn recurrent_cells_match_onnxruntime() {
     check_model("recurrent_cells");
 }
+
+/// A video transformer's tubelet embedding (a 3-D Conv whose windows tile the clip),
+/// imported as the product it is, matches onnxruntime.
+#[test]
+fn tubelet_embedding_matches_onnxruntime() {
+    check_model("tubelet_embedding");
+}

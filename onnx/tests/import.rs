@@ -1421,3 +1421,29 @@ fn gather_nd_takes_run_time_index_vectors() {
         [10.0, 11.0, 4.0, 5.0]
     );
 }
+
+/// A 3-D convolution whose windows overlap is one error line naming the node (only
+/// those that tile the input, a tubelet embedding's, import).
+#[test]
+fn overlapping_3d_convolutions_are_one_clear_error() {
+    let w = TensorProto {
+        name: "w".into(),
+        dims: vec![4, 3, 2, 2, 2],
+        data_type: 1,
+        float_data: vec![0.1; 96],
+        ..TensorProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![input("x", &[1, 3, 4, 4, 4])],
+        initializer: vec![w],
+        node: vec![node("conv3d", "Conv", &["x", "w"], vec![])],
+        output: vec![unshaped("conv3d")],
+        ..GraphProto::default()
+    };
+    let err = import_model(&model_of(graph, 13), None, &ImportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("'conv3d'"), "{err}");
+    assert!(err.contains("windows tile the input"), "{err}");
+    assert!(!err.contains('\n'), "one line: {err}");
+}

@@ -811,6 +811,22 @@ def recurrent_cells():
                (0.5 * g.rng.standard_normal((1, 2, 6))).astype(np.float32)]
 
 
+def tubelet_embedding():
+    """A video transformer's tubelet embedding (VideoMAE's): a 3-D Conv whose windows
+    tile the clip (kernel = strides [2, 4, 4], a bias), flattened to tokens and
+    transposed as the model then does. Import makes the Conv the product it is."""
+    g = G(seed=1018)
+    i64 = lambda v, s: g.const(np.array(v, dtype=np.int64), s)
+    w = g.weight("proj.weight", (16, 3, 2, 4, 4), 3 * 2 * 4 * 4)
+    y = g.op("Conv", ["x", w, g.bias("proj.bias", 16)], "/proj", kernel_shape=[2, 4, 4],
+             strides=[2, 4, 4])
+    tokens = g.op("Reshape", [y, i64([2, 16, -1], "/tokens")], "/tokens")
+    g.op("Transpose", [tokens], "/tokens", perm=[0, 2, 1], outputs=["y"])
+    m = g.model("tubelet_embedding", [vinfo("x", [2, 3, 4, 8, 12])], [vinfo("y", [2, 12, 16])],
+                opset=13)
+    return m, [g.rng.standard_normal((2, 3, 4, 8, 12)).astype(np.float32)]
+
+
 # --------------------------------------------------------------------------
 # Writing, reference outputs
 # --------------------------------------------------------------------------
@@ -1351,6 +1367,7 @@ MODELS = {
     "fourier_mixing": fourier_mixing,
     "col2im_blocks": col2im_blocks,
     "recurrent_cells": recurrent_cells,
+    "tubelet_embedding": tubelet_embedding,
 }
 
 

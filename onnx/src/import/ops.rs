@@ -550,6 +550,76 @@ fn matmul(cx: &mut NodeCx) -> Result<Vec<Value>> {
     cx.out(Reshape::new(shape_i64(&out_shape)), &[product])
 }
 
+/// A 3-D convolution whose windows tile its input (strides equal to the kernel, no
+/// padding or dilation, one group: a video transformer's tubelet embedding, as
+/// VideoMAE's) as the product it is: `[N, C, D, H, W]` viewed as windows `[N, D', kd,
+/// H', kh, W', kw]`, moved to rows of `C kd kh kw` values, times the filter viewed `[O,
+/// C kd kh kw]` (transposed), plus the bias, back to `[N, O, D', H', W']`. Other 3-D
+/// convolutions are refused by name.
+fn patch_embedding_3d(
+    cx: &mut NodeCx,
+    x: Value,
+    w: Value,
+    bias: Option<Value>,
+    xs: &[usize],
+    ws: &[usize],
+) -> Result<Vec<Value>> {
+    let kernel = &ws[2..];
+    check_kernel_shape(cx, kernel)?;
+    let strides = per_axis(cx, "strides", 3)?;
+    let dilations = per_axis(cx, "dilations", 3)?;
+    let pads = cx.ints_attr("pads")?.unwrap_or_else(|| vec![0; 6]);
+    let auto_pad = cx.string_attr("auto_pad", "NOTSET")?;
+    let groups = cx.int_attr("group", 1)?;
+    let tiles = (strides.iter().zip(kernel)).all(|(&s, &k)| s == k)
+        && dilations.iter().all(|&d| d == 1)
+        && pads.iter().all(|&p| p == 0)
+        && matches!(auto_pad.as_str(), "NOTSET" | "VALID")
+        && groups == 1
+        && ws[1] == xs[1]
+        && (xs[2..].iter().zip(kernel)).all(|(&n, &k)| k > 0 && n % k == 0);
+    if !tiles {
+        return Err(cx.err(format!(
+            "a 3-D convolution imports where its windows tile the input (strides equal to the kernel, no padding or dilation, one group), not x {xs:?}, w {ws:?}, strides {strides:?}, pads {pads:?}, dilations {dilations:?}, group {groups}"
+        )));
+    }
+    let [n, c, d, h, wd] = xs[..] else {
+        return Err(cx.err("x must be [N, C, D, H, W]"));
+    };
+    let (o, [kd, kh, kw]) = (ws[0], [kernel[0], kernel[1], kernel[2]]);
+    let counts = [d / kd, h / kh, wd / kw];
+    let i = |v: usize| v as i64;
+    let windows = vec![
+        i(n),
+        i(c),
+        i(counts[0]),
+        i(kd),
+        i(counts[1]),
+        i(kh),
+        i(counts[2]),
+        i(kw),
+    ];
+    let x = cx.emit(Reshape::new(windows), &[x])?;
+    // [N, D', H', W', C, kd, kh, kw]
+    let x = cx.emit(Transpose::new(vec![0, 2, 4, 6, 1, 3, 5, 7]), &[x])?;
+    let patch = c * kd * kh * kw;
+    let rows = n * counts.iter().product::<usize>();
+    let x = cx.emit(Reshape::new(vec![i(rows), i(patch)]), &[x])?;
+    let w = cx.emit_weight(Reshape::new(vec![i(o), i(patch)]), &[w], 1, "rows")?;
+    let mut y = cx.emit(MatMul::new(false, true), &[x, w])?;
+    if let Some(b) = bias {
+        let op = BiasAdd {
+            data_format: DataFormat::Nhwc,
+        };
+        y = cx.emit(op, &[y, b])?;
+    }
+    let y = cx.emit(
+        Reshape::new(vec![i(n), i(counts[0]), i(counts[1]), i(counts[2]), i(o)]),
+        &[y],
+    )?;
+    cx.out(Transpose::new(vec![0, 4, 1, 2, 3]), &[y])
+}
+
 /// `alpha op(A) op(B) + beta C`.
 fn gemm(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let a = cx.input(0)?;
@@ -697,9 +767,12 @@ fn conv(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let xs = cx.ty(&x).shape;
     let ws = cx.ty(&w).shape;
     let rank = xs.len();
+    if rank == 5 && ws.len() == 5 {
+        return patch_embedding_3d(cx, x, w, bias, &xs, &ws);
+    }
     if !(rank == 3 || rank == 4) || ws.len() != rank {
         return Err(cx.err(format!(
-            "only 1-D and 2-D convolutions are supported (x {xs:?}, w {ws:?})"
+            "only 1-D and 2-D convolutions, and 3-D ones whose windows tile the input, are supported (x {xs:?}, w {ws:?})"
         )));
     }
     let n = rank - 2;
