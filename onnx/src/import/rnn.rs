@@ -104,19 +104,10 @@ fn add_tensors(cx: &NodeCx, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Tensor::from_f64(a.dtype(), a.shape().to_vec(), &sum).map_err(|m| cx.err(m))
 }
 
-fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
-    let hidden = cx.int_attr("hidden_size", 0)?;
-    let hidden = usize::try_from(hidden)
-        .ok()
-        .filter(|&h| h > 0)
-        .ok_or_else(|| cx.err("hidden_size must be given and positive"))?;
-    let direction = cx.string_attr("direction", "forward")?;
-    let directions: &[bool] = match direction.as_str() {
-        "forward" => &[false],
-        "reverse" => &[true],
-        "bidirectional" => &[false, true],
-        other => return Err(cx.err(format!("direction '{other}' is not an ONNX direction"))),
-    };
+/// One error naming the node for what the unrolling does not compute: activations
+/// other than the defaults (given once per direction), clipping, the activations'
+/// alpha and beta, coupled input and forget gates, the batch-first layout.
+fn refuse_what_it_does_not_unroll(cx: &NodeCx, cell: Cell, directions: usize) -> Result<()> {
     if let Some(a) = cx.attr("activations") {
         let names: Vec<String> = a
             .strings
@@ -124,8 +115,7 @@ fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
             .map(|s| String::from_utf8_lossy(s).into_owned())
             .collect();
         let default = cell.default_activations();
-        let expected: Vec<&str> = directions
-            .iter()
+        let expected: Vec<&str> = (0..directions)
             .flat_map(|_| default.iter().copied())
             .collect();
         if names != expected {
@@ -146,6 +136,23 @@ fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
     if cx.int_attr("layout", 0)? != 0 {
         return Err(cx.err("the batch-first layout (layout 1) is not imported"));
     }
+    Ok(())
+}
+
+fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
+    let hidden = cx.int_attr("hidden_size", 0)?;
+    let hidden = usize::try_from(hidden)
+        .ok()
+        .filter(|&h| h > 0)
+        .ok_or_else(|| cx.err("hidden_size must be given and positive"))?;
+    let direction = cx.string_attr("direction", "forward")?;
+    let directions: &[bool] = match direction.as_str() {
+        "forward" => &[false],
+        "reverse" => &[true],
+        "bidirectional" => &[false, true],
+        other => return Err(cx.err(format!("direction '{other}' is not an ONNX direction"))),
+    };
+    refuse_what_it_does_not_unroll(cx, cell, directions.len())?;
     let x = cx.input(0)?;
     let xt = cx.ty(&x);
     let [seq, batch, input] = xt.shape[..] else {
