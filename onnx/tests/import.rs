@@ -1447,3 +1447,44 @@ fn overlapping_3d_convolutions_are_one_clear_error() {
     assert!(err.contains("windows tile the input"), "{err}");
     assert!(!err.contains('\n'), "one line: {err}");
 }
+
+/// OneHot against hand-computed values: run-time int64 indices, a negative one
+/// counting from the depth's end, one out of range (all `off`), the new axis last and
+/// first.
+#[test]
+fn one_hot_of_run_time_indices() {
+    use ampgraph_graph::{DType, Tensor};
+    let values = TensorProto {
+        name: "values".into(),
+        dims: vec![2],
+        data_type: 1,
+        float_data: vec![-1.0, 3.0],
+        ..TensorProto::default()
+    };
+    let graph = GraphProto {
+        input: vec![int64(input("i", &[3]))],
+        initializer: vec![int64s("depth", vec![], vec![4]), values],
+        node: vec![
+            node("last", "OneHot", &["i", "depth", "values"], vec![]),
+            node(
+                "first",
+                "OneHot",
+                &["i", "depth", "values"],
+                vec![int_attr("axis", 0)],
+            ),
+        ],
+        output: vec![input("last", &[3, 4]), input("first", &[4, 3])],
+        ..GraphProto::default()
+    };
+    let g = import_model(&model_of(graph, 11), None, &ImportOptions::default()).unwrap();
+    let i = Tensor::new(vec![3], ampgraph_graph::Data::I64(vec![2, -1, 5])).unwrap();
+    let got = evaluate(&g, &[("i", i)]);
+    let (off, on) = (-1.0, 3.0);
+    let rows = [[off, off, on, off], [off, off, off, on], [off; 4]];
+    assert_eq!(got[0].to_f64_vec(), rows.concat());
+    let columns: Vec<f64> = (0..4)
+        .flat_map(|k| rows.iter().map(move |r| r[k]))
+        .collect();
+    assert_eq!(got[1].to_f64_vec(), columns);
+    assert_eq!(got[0].dtype(), DType::F32);
+}

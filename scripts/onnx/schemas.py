@@ -37,7 +37,7 @@ Abs Add And ArgMax ArgMin AveragePool BatchNormalization Cast Ceil Clip Col2Im C
 Conv ConvTranspose Cos CumSum DFT Div Dropout Einsum Elu Equal Erf Exp Expand Flatten Floor Gather
 GatherElements GatherND Gelu Gemm GlobalAveragePool GRU GlobalMaxPool Greater GreaterOrEqual
 HardSigmoid HardSwish Identity If InstanceNormalization IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log
-LogSoftmax LSTM MatMul Max MaxPool Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal
+LogSoftmax LSTM MatMul Max MaxPool Mean Min Mod Mul Neg Not OneHot Or Pad Pow Range Reciprocal
 ReduceL2 ReduceMax ReduceMean ReduceMin ReduceSum ReduceSumSquare Relu Reshape Resize ScatterND Selu Shape Sigmoid Sign Sin
 Size Slice Softmax SoftmaxCrossEntropyLoss Softplus Split Sqrt Squeeze Sub Sum Tanh
 Tile Transpose Trilu Unsqueeze Where Xor

@@ -83,6 +83,7 @@ pub(super) fn converter(op_type: &str) -> Option<Converter> {
         "Col2Im" => col2im,
         "LSTM" => super::rnn::lstm,
         "ArgMax" | "ArgMin" => arg_extreme,
+        "OneHot" => one_hot,
         "GRU" => super::rnn::gru,
         _ => return None,
     })
@@ -1598,6 +1599,54 @@ fn reduce(cx: &mut NodeCx) -> Result<Vec<Value>> {
 }
 
 // ------------------------------------------------------------------ selection
+
+/// OneHot of a depth known at import: `Where(index == k, on, off)` for each k along
+/// the new axis, the indices compared in f64 (exact within 2^53) after a negative one
+/// is wrapped (`index + depth`); an index out of range is all `off`, as ONNX says.
+fn one_hot(cx: &mut NodeCx) -> Result<Vec<Value>> {
+    let indices = cx.input(0)?;
+    let depth = (cx.const_input(1)?)
+        .and_then(|t| t.to_f64_vec().first().copied())
+        .ok_or_else(|| cx.err("its depth must be computed at import"))?;
+    if depth < 1.0 || depth.fract() != 0.0 {
+        return Err(cx.err(format!("depth {depth} must be a positive integer")));
+    }
+    let values =
+        (cx.const_input(2)?).ok_or_else(|| cx.err("its values (off, on) must be constants"))?;
+    if values.len() != 2 {
+        return Err(cx.err(format!("values of shape {:?}: [off, on]", values.shape())));
+    }
+    let shape = cx.ty(&indices).shape;
+    let rank = shape.len() + 1;
+    let axis = normalize_axis(cx.int_attr("axis", -1)?, rank).map_err(|m| cx.err(m))?;
+    let depth = depth as usize;
+    let index = in_f64(cx, indices)?;
+    let f64s = |v: f64| scalar_like(DType::F64, v);
+    let negative = cx.emit(Compare::new(CompareKind::Less), &[index.clone(), f64s(0.0)])?;
+    let negative = cx.emit(Cast { to: DType::F64 }, &[negative])?;
+    let wrap = cx.emit(
+        Binary::new(BinaryKind::Mul),
+        &[negative, f64s(depth as f64)],
+    )?;
+    let index = cx.emit(Binary::new(BinaryKind::Add), &[index, wrap])?;
+    let mut expanded = shape_i64(&shape);
+    expanded.insert(axis, 1);
+    let index = cx.emit(Reshape::new(expanded), &[index])?;
+    let mut along = vec![1; rank];
+    along[axis] = depth;
+    let positions: Vec<f64> = (0..depth).map(|k| k as f64).collect();
+    let positions = Tensor::from_f64(DType::F64, along, &positions).map_err(|m| cx.err(m))?;
+    let hot = cx.emit(
+        Compare::new(CompareKind::Equal),
+        &[index, Value::Const(positions)],
+    )?;
+    let (off, on) = (values.to_f64_vec()[0], values.to_f64_vec()[1]);
+    let (off, on) = (
+        scalar_like(values.dtype(), off),
+        scalar_like(values.dtype(), on),
+    );
+    cx.out(Where, &[hot, on, off])
+}
 
 /// ArgMax and ArgMin as reductions in f64 (indices exact): the positions where x
 /// equals its maximum along the axis (its minimum: the maximum of -x) keep their

@@ -285,6 +285,9 @@ pub(super) const SCHEMAS: &[(&str, &[OpVersion])] = &[
     ("Not", &[
         version(1, (1, 1), (1, 1), &[]),
     ]),
+    ("OneHot", &[
+        version(11, (3, 3), (1, 1), &[int("axis", -1)]),
+    ]),
     ("Or", &[
         version(7, (2, 2), (1, 1), &[]),
     ]),
