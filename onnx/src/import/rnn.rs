@@ -139,6 +139,87 @@ fn refuse_what_it_does_not_unroll(cx: &NodeCx, cell: Cell, directions: usize) ->
     Ok(())
 }
 
+/// Columns `k * hidden ..` of one gate of `[batch, gates * hidden]` rows.
+fn gate(cx: &mut NodeCx, hidden: usize, v: &Value, k: usize) -> Result<Value> {
+    let op = Slice::new(vec![0, k * hidden], vec![-1, hidden as i64]);
+    cx.emit(op, std::slice::from_ref(v))
+}
+
+fn unary(cx: &mut NodeCx, kind: UnaryKind, v: Value) -> Result<Value> {
+    cx.emit(Unary::new(kind), &[v])
+}
+
+fn binary(cx: &mut NodeCx, kind: BinaryKind, a: Value, b: Value) -> Result<Value> {
+    cx.emit(Binary::new(kind), &[a, b])
+}
+
+/// One LSTM step from the input's and the state's products `xt` and `hr` (gates i, o,
+/// f, c) and the cell state `c`: the next hidden and cell states.
+fn lstm_step(
+    cx: &mut NodeCx,
+    hidden: usize,
+    xt: Value,
+    hr: Value,
+    c: Value,
+) -> Result<(Value, Value)> {
+    let g = binary(cx, BinaryKind::Add, xt, hr)?;
+    let [gi, go, gf, gc] = [0, 1, 2, 3].map(|k| gate(cx, hidden, &g, k));
+    let i = unary(cx, UnaryKind::Sigmoid, gi?)?;
+    let o = unary(cx, UnaryKind::Sigmoid, go?)?;
+    let f = unary(cx, UnaryKind::Sigmoid, gf?)?;
+    let candidate = unary(cx, UnaryKind::Tanh, gc?)?;
+    let kept = binary(cx, BinaryKind::Mul, f, c)?;
+    let added = binary(cx, BinaryKind::Mul, i, candidate)?;
+    let c = binary(cx, BinaryKind::Add, kept, added)?;
+    let squashed = unary(cx, UnaryKind::Tanh, c.clone())?;
+    Ok((binary(cx, BinaryKind::Mul, o, squashed)?, c))
+}
+
+/// Where a GRU applies its reset gate to the state's h part: to the recurrent
+/// product (PyTorch's `linear_before_reset`), or to the state before its own product
+/// with R's h rows (ONNX's default).
+enum Reset<'a> {
+    Before,
+    After(&'a Value),
+}
+
+/// One GRU step from the input's and the state's products `xt` and `hr` (gates z, r,
+/// h) and the state `h`, with the h gate's recurrent bias `rbh`: the next state
+/// `(1 - z) h~ + z h`.
+fn gru_step(
+    cx: &mut NodeCx,
+    hidden: usize,
+    (xt, hr, h): (Value, Value, Value),
+    reset: Reset,
+    rbh: Value,
+) -> Result<Value> {
+    let [xz, xr, xh] = [0, 1, 2].map(|k| gate(cx, hidden, &xt, k));
+    let [hz, hrr, hh] = [0, 1, 2].map(|k| gate(cx, hidden, &hr, k));
+    let zsum = binary(cx, BinaryKind::Add, xz?, hz?)?;
+    let z = unary(cx, UnaryKind::Sigmoid, zsum)?;
+    let rsum = binary(cx, BinaryKind::Add, xr?, hrr?)?;
+    let r = unary(cx, UnaryKind::Sigmoid, rsum)?;
+    let recurrent = match reset {
+        Reset::Before => {
+            let biased = binary(cx, BinaryKind::Add, hh?, rbh)?;
+            binary(cx, BinaryKind::Mul, r, biased)?
+        }
+        Reset::After(rt_h) => {
+            let rh = binary(cx, BinaryKind::Mul, r, h.clone())?;
+            let product = cx.emit(MatMul::new(false, false), &[rh, rt_h.clone()])?;
+            binary(cx, BinaryKind::Add, product, rbh)?
+        }
+    };
+    let hsum = binary(cx, BinaryKind::Add, xh?, recurrent)?;
+    let candidate = unary(cx, UnaryKind::Tanh, hsum)?;
+    let dtype = cx.ty(&h).dtype;
+    let one = Value::Const(Tensor::scalar(dtype, 1.0));
+    let keep_new = binary(cx, BinaryKind::Sub, one, z.clone())?;
+    let new = binary(cx, BinaryKind::Mul, keep_new, candidate)?;
+    let old = binary(cx, BinaryKind::Mul, z, h)?;
+    binary(cx, BinaryKind::Add, new, old)
+}
+
 fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
     let hidden = cx.int_attr("hidden_size", 0)?;
     let hidden = usize::try_from(hidden)
@@ -243,6 +324,13 @@ fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
                 gh + 2 * hidden..2 * gh,
             )?));
         }
+        // The GRU's h rows of R, for the reset applied before its product.
+        let rt_h = match cell {
+            Cell::Gru {
+                linear_before_reset: false,
+            } => Some(transposed_block(cx, &r, d, 2 * hidden..gh)?),
+            _ => None,
+        };
         let xw = cx.emit(MatMul::new(false, false), &[rows.clone(), wt])?;
         let bias_add = BiasAdd {
             data_format: DataFormat::Nhwc,
@@ -267,61 +355,20 @@ fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
             )?;
             let xt = cx.emit(Reshape::new(vec![batch as i64, gh as i64]), &[xt])?;
             let hr = cx.emit(MatMul::new(false, false), &[h.clone(), rt.clone()])?;
-            let gate = |cx: &mut NodeCx, v: &Value, k: usize| {
-                cx.emit(
-                    Slice::new(vec![0, k * hidden], vec![-1, hidden as i64]),
-                    std::slice::from_ref(v),
-                )
-            };
-            let unary =
-                |cx: &mut NodeCx, kind: UnaryKind, v: Value| cx.emit(Unary::new(kind), &[v]);
-            let binary = |cx: &mut NodeCx, kind: BinaryKind, a: Value, b: Value| {
-                cx.emit(Binary::new(kind), &[a, b])
-            };
             match cell {
-                Cell::Lstm => {
-                    let g = binary(cx, BinaryKind::Add, xt, hr)?;
-                    let (gi, go) = (gate(cx, &g, 0)?, gate(cx, &g, 1)?);
-                    let (gf, gc) = (gate(cx, &g, 2)?, gate(cx, &g, 3)?);
-                    let i = unary(cx, UnaryKind::Sigmoid, gi)?;
-                    let o = unary(cx, UnaryKind::Sigmoid, go)?;
-                    let f = unary(cx, UnaryKind::Sigmoid, gf)?;
-                    let candidate = unary(cx, UnaryKind::Tanh, gc)?;
-                    let kept = binary(cx, BinaryKind::Mul, f, c)?;
-                    let added = binary(cx, BinaryKind::Mul, i, candidate)?;
-                    c = binary(cx, BinaryKind::Add, kept, added)?;
-                    let squashed = unary(cx, UnaryKind::Tanh, c.clone())?;
-                    h = binary(cx, BinaryKind::Mul, o, squashed)?;
-                }
+                Cell::Lstm => (h, c) = lstm_step(cx, hidden, xt, hr, c)?,
                 Cell::Gru {
                     linear_before_reset,
                 } => {
-                    let (xz, xr, xh) = (gate(cx, &xt, 0)?, gate(cx, &xt, 1)?, gate(cx, &xt, 2)?);
-                    let (hz, hrr, hh) = (gate(cx, &hr, 0)?, gate(cx, &hr, 1)?, gate(cx, &hr, 2)?);
-                    let zsum = binary(cx, BinaryKind::Add, xz, hz)?;
-                    let z = unary(cx, UnaryKind::Sigmoid, zsum)?;
-                    let rsum = binary(cx, BinaryKind::Add, xr, hrr)?;
-                    let reset = unary(cx, UnaryKind::Sigmoid, rsum)?;
+                    let reset = match (linear_before_reset, &rt_h) {
+                        (true, _) => Reset::Before,
+                        (false, Some(rt_h)) => Reset::After(rt_h),
+                        (false, None) => return Err(cx.err("a GRU without its weights")),
+                    };
                     let rbh = rbh
                         .clone()
                         .ok_or_else(|| cx.err("a GRU without its bias"))?;
-                    let recurrent = if linear_before_reset {
-                        let biased = binary(cx, BinaryKind::Add, hh, rbh)?;
-                        binary(cx, BinaryKind::Mul, reset, biased)?
-                    } else {
-                        let rh = binary(cx, BinaryKind::Mul, reset, h.clone())?;
-                        let rt_h = transposed_block(cx, &r, d, 2 * hidden..gh)?;
-                        let product = cx.emit(MatMul::new(false, false), &[rh, rt_h])?;
-                        binary(cx, BinaryKind::Add, product, rbh)?
-                    };
-                    let hsum = binary(cx, BinaryKind::Add, xh, recurrent)?;
-                    let candidate = unary(cx, UnaryKind::Tanh, hsum)?;
-                    // (1 - z) h~ + z h
-                    let one = Value::Const(Tensor::scalar(w.dtype(), 1.0));
-                    let keep_new = binary(cx, BinaryKind::Sub, one, z.clone())?;
-                    let new = binary(cx, BinaryKind::Mul, keep_new, candidate)?;
-                    let old = binary(cx, BinaryKind::Mul, z, h)?;
-                    h = binary(cx, BinaryKind::Add, new, old)?;
+                    h = gru_step(cx, hidden, (xt, hr, h), reset, rbh)?;
                 }
             }
             outputs[t] = Some(cx.emit(
