@@ -1620,15 +1620,7 @@ fn one_hot(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let rank = shape.len() + 1;
     let axis = normalize_axis(cx.int_attr("axis", -1)?, rank).map_err(|m| cx.err(m))?;
     let depth = depth as usize;
-    let index = in_f64(cx, indices)?;
-    let f64s = |v: f64| scalar_like(DType::F64, v);
-    let negative = cx.emit(Compare::new(CompareKind::Less), &[index.clone(), f64s(0.0)])?;
-    let negative = cx.emit(Cast { to: DType::F64 }, &[negative])?;
-    let wrap = cx.emit(
-        Binary::new(BinaryKind::Mul),
-        &[negative, f64s(depth as f64)],
-    )?;
-    let index = cx.emit(Binary::new(BinaryKind::Add), &[index, wrap])?;
+    let index = wrapped_in_f64(cx, indices, scalar_like(DType::F64, depth as f64))?;
     let mut expanded = shape_i64(&shape);
     expanded.insert(axis, 1);
     let index = cx.emit(Reshape::new(expanded), &[index])?;
@@ -1832,14 +1824,7 @@ fn gather_elements_at_run_time(cx: &mut NodeCx) -> Result<Vec<Value>> {
     let base: Vec<f64> = base.into_iter().map(|at| at as f64).collect();
     let base = Tensor::from_f64(DType::F64, ishape.clone(), &base).map_err(|m| cx.err(m))?;
     let f64s = |v: f64| scalar_like(DType::F64, v);
-    let index = in_f64(cx, indices)?;
-    let negative = cx.emit(Compare::new(CompareKind::Less), &[index.clone(), f64s(0.0)])?;
-    let negative = cx.emit(Cast { to: DType::F64 }, &[negative])?;
-    let wrap = cx.emit(
-        Binary::new(BinaryKind::Mul),
-        &[negative, f64s(shape[axis] as f64)],
-    )?;
-    let index = cx.emit(Binary::new(BinaryKind::Add), &[index, wrap])?;
+    let index = wrapped_in_f64(cx, indices, f64s(shape[axis] as f64))?;
     let along = cx.emit(
         Binary::new(BinaryKind::Mul),
         &[index, f64s(strides[axis] as f64)],
@@ -1852,21 +1837,18 @@ fn gather_elements_at_run_time(cx: &mut NodeCx) -> Result<Vec<Value>> {
 
 /// ONNX GatherND (batch_dims 0): each index vector of the last axis of `indices`
 /// picks a slice of `data` by its first `k` axes, a negative index counting from the
-/// end. Constant indices (Falcon's and GPT-J's rotary tables, at positions known at
-/// import): a Gather of constant positions from `data` with those `k` axes flattened
-/// into one; the whole of it computed at import where `data` is constant too. Indices
-/// computed at run time: [`gather_nd_at_run_time`].
+/// end: a Gather from `data` with those `k` axes flattened into one. Constant indices
+/// (Falcon's and GPT-J's rotary tables, at positions known at import) give constant
+/// positions, the whole of it computed at import where `data` is constant too; indices
+/// computed at run time (a sequence classifier's logits at each row's last token:
+/// `[row, length - 1]` pairs) give their offsets `sum(index * stride)`, computed in f64
+/// (exact below 2^53), an index out of range then the Gather's error.
 fn gather_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
     if cx.int_attr("batch_dims", 0)? != 0 {
         return Err(cx.err("only batch_dims 0 is supported"));
     }
-    let data = cx.input(0)?;
-    let shape = cx.ty(&data).shape;
-    let indices = match cx.input(1)? {
-        Value::Const(t) => t,
-        Value::Port(_) => return gather_nd_at_run_time(cx, data, &shape),
-    };
-    let ishape = indices.shape().to_vec();
+    let (data, indices) = (cx.input(0)?, cx.input(1)?);
+    let (shape, ishape) = (cx.ty(&data).shape, cx.ty(&indices).shape);
     let k = *ishape
         .last()
         .ok_or_else(|| cx.err("indices must have one axis or more"))?;
@@ -1876,66 +1858,54 @@ fn gather_nd(cx: &mut NodeCx) -> Result<Vec<Value>> {
             shape.len()
         )));
     }
-    let idx = (indices.to_i64_vec()).ok_or_else(|| cx.err("indices must be integers"))?;
-    let outer = strides(&shape[..k]);
-    let flat = (idx.chunks(k))
-        .map(|v| {
-            (v.iter().zip(&shape).zip(&outer))
-                .map(|((&i, &n), &st)| index_in(i, n).map(|i| i * st))
-                .sum::<Result<usize, String>>()
-                .map(|at| at as i64)
-        })
-        .collect::<Result<Vec<i64>, String>>()
-        .map_err(|m| cx.err(m))?;
-    let picks = i64_tensor(ishape[..ishape.len() - 1].to_vec(), flat).map_err(|m| cx.err(m))?;
-    let mut rows = vec![shape[..k].iter().product::<usize>() as i64];
-    rows.extend(shape[k..].iter().map(|&d| d as i64));
-    let rows = cx.emit(Reshape::new(rows), &[data])?;
-    cx.out(Gather::new(0), &[rows, Value::Const(picks)])
-}
-
-/// GatherND of indices computed at run time (a sequence classifier's logits at each
-/// row's last token: `[row, length - 1]` pairs): a Gather from `data` with its first
-/// `k` axes flattened, at the offsets `sum(index * stride)` of each index vector, a
-/// negative index counting from its axis' end, computed in f64 (exact below 2^53); an
-/// index out of range is the Gather's error.
-fn gather_nd_at_run_time(cx: &mut NodeCx, data: Value, shape: &[usize]) -> Result<Vec<Value>> {
-    let indices = cx.input(1)?;
-    let ishape = cx.ty(&indices).shape;
     if !cx.ty(&indices).dtype.is_int() {
         return Err(cx.err("indices must be integers"));
     }
-    let k = ishape.last().copied().unwrap_or(0);
-    if k == 0 || k > shape.len() {
-        return Err(cx.err(format!(
-            "index vectors of {k} elements for data of rank {}",
-            shape.len()
-        )));
-    }
-    let vector = |values: Vec<f64>| Tensor::from_f64(DType::F64, vec![k], &values);
-    let sides = vector(shape[..k].iter().map(|&n| n as f64).collect()).map_err(|m| cx.err(m))?;
-    let outer = vector(strides(&shape[..k]).iter().map(|&st| st as f64).collect());
-    let outer = outer.map_err(|m| cx.err(m))?;
+    let outer = strides(&shape[..k]);
+    let picks = match indices {
+        Value::Const(indices) => {
+            let idx = (indices.to_i64_vec()).ok_or_else(|| cx.err("indices must be integers"))?;
+            let flat = (idx.chunks(k))
+                .map(|v| {
+                    (v.iter().zip(&shape).zip(&outer))
+                        .map(|((&i, &n), &st)| index_in(i, n).map(|i| i * st))
+                        .sum::<Result<usize, String>>()
+                        .map(|at| at as i64)
+                })
+                .collect::<Result<Vec<i64>, String>>()
+                .map_err(|m| cx.err(m))?;
+            let picks = i64_tensor(ishape[..ishape.len() - 1].to_vec(), flat);
+            Value::Const(picks.map_err(|m| cx.err(m))?)
+        }
+        Value::Port(_) => {
+            let vector = |values: Vec<f64>| Tensor::from_f64(DType::F64, vec![k], &values);
+            let sides = vector(shape[..k].iter().map(|&n| n as f64).collect());
+            let outer = vector(outer.iter().map(|&st| st as f64).collect());
+            let (sides, outer) = (sides.map_err(|m| cx.err(m))?, outer.map_err(|m| cx.err(m))?);
+            let index = wrapped_in_f64(cx, indices, Value::Const(sides))?;
+            let offsets = cx.emit(Binary::new(BinaryKind::Mul), &[index, Value::Const(outer)])?;
+            let last = ishape.len() as i64 - 1;
+            let sum = Reduce::new(ReduceKind::Sum, Some(vec![last]), false);
+            let offsets = cx.emit(sum, &[offsets])?;
+            cx.emit(Cast { to: DType::I64 }, &[offsets])?
+        }
+    };
+    let mut rows = vec![shape[..k].iter().product::<usize>() as i64];
+    rows.extend(shape[k..].iter().map(|&d| d as i64));
+    let rows = cx.emit(Reshape::new(rows), &[data])?;
+    cx.out(Gather::new(0), &[rows, picks])
+}
+
+/// Integer indices computed at run time, in f64 (exact within 2^53), each negative one
+/// wrapped by its axis' size in `sides` (a scalar, or one a trailing axis of the
+/// indices holds): `index + sides * (index < 0)`.
+fn wrapped_in_f64(cx: &mut NodeCx, indices: Value, sides: Value) -> Result<Value> {
     let index = in_f64(cx, indices)?;
     let zero = scalar_like(DType::F64, 0.0);
     let negative = cx.emit(Compare::new(CompareKind::Less), &[index.clone(), zero])?;
     let negative = cx.emit(Cast { to: DType::F64 }, &[negative])?;
-    let wrap = cx.emit(
-        Binary::new(BinaryKind::Mul),
-        &[negative, Value::Const(sides)],
-    )?;
-    let index = cx.emit(Binary::new(BinaryKind::Add), &[index, wrap])?;
-    let offsets = cx.emit(Binary::new(BinaryKind::Mul), &[index, Value::Const(outer)])?;
-    let last = ishape.len() as i64 - 1;
-    let offsets = cx.emit(
-        Reduce::new(ReduceKind::Sum, Some(vec![last]), false),
-        &[offsets],
-    )?;
-    let offsets = cx.emit(Cast { to: DType::I64 }, &[offsets])?;
-    let mut rows = vec![shape[..k].iter().product::<usize>() as i64];
-    rows.extend(shape[k..].iter().map(|&d| d as i64));
-    let rows = cx.emit(Reshape::new(rows), &[data])?;
-    cx.out(Gather::new(0), &[rows, offsets])
+    let wrap = cx.emit(Binary::new(BinaryKind::Mul), &[negative, sides])?;
+    cx.emit(Binary::new(BinaryKind::Add), &[index, wrap])
 }
 
 /// ONNX Ceil and Floor, computed at import (MobileViT's patch grid, its size rounded
