@@ -177,37 +177,37 @@ fn lstm_step(
 
 /// Where a GRU applies its reset gate to the state's h part: to the recurrent
 /// product (PyTorch's `linear_before_reset`), or to the state before its own product
-/// with R's h rows (ONNX's default).
-enum Reset<'a> {
+/// with R's h rows (ONNX's default), which the step's product with R then leaves out.
+enum Reset {
     Before,
-    After(&'a Value),
+    After(Value),
 }
 
 /// One GRU step from the input's and the state's products `xt` and `hr` (gates z, r,
-/// h) and the state `h`, with the h gate's recurrent bias `rbh`: the next state
-/// `(1 - z) h~ + z h`.
+/// and h with the reset before its product) and the state `h`, with the h gate's
+/// recurrent bias `rbh`: the next state `(1 - z) h~ + z h`.
 fn gru_step(
     cx: &mut NodeCx,
     hidden: usize,
     (xt, hr, h): (Value, Value, Value),
-    reset: Reset,
-    rbh: Value,
+    (reset, rbh): &(Reset, Value),
 ) -> Result<Value> {
     let [xz, xr, xh] = [0, 1, 2].map(|k| gate(cx, hidden, &xt, k));
-    let [hz, hrr, hh] = [0, 1, 2].map(|k| gate(cx, hidden, &hr, k));
+    let [hz, hrr] = [0, 1].map(|k| gate(cx, hidden, &hr, k));
     let zsum = binary(cx, BinaryKind::Add, xz?, hz?)?;
     let z = unary(cx, UnaryKind::Sigmoid, zsum)?;
     let rsum = binary(cx, BinaryKind::Add, xr?, hrr?)?;
     let r = unary(cx, UnaryKind::Sigmoid, rsum)?;
     let recurrent = match reset {
         Reset::Before => {
-            let biased = binary(cx, BinaryKind::Add, hh?, rbh)?;
+            let hh = gate(cx, hidden, &hr, 2)?;
+            let biased = binary(cx, BinaryKind::Add, hh, rbh.clone())?;
             binary(cx, BinaryKind::Mul, r, biased)?
         }
         Reset::After(rt_h) => {
             let rh = binary(cx, BinaryKind::Mul, r, h.clone())?;
             let product = cx.emit(MatMul::new(false, false), &[rh, rt_h.clone()])?;
-            binary(cx, BinaryKind::Add, product, rbh)?
+            binary(cx, BinaryKind::Add, product, rbh.clone())?
         }
     };
     let hsum = binary(cx, BinaryKind::Add, xh?, recurrent)?;
@@ -304,32 +304,33 @@ fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
         // both of the LSTM's, the GRU's z and r both and h's input one (its recurrent
         // one goes inside the reset gate with linear_before_reset).
         let wt = transposed_block(cx, &w, d, 0..gh)?;
-        let rt = transposed_block(cx, &r, d, 0..gh)?;
         let (wb, rb) = (
             bias_part(cx, &bias, d, 0..gh)?,
             bias_part(cx, &bias, d, gh..2 * gh)?,
         );
-        // The GRU's h gate takes its input bias here and its recurrent one (`rbh`) in
-        // the step.
         let mut input_bias = add_tensors(cx, &wb, &rb)?;
-        let mut rbh = None;
-        if let Cell::Gru { .. } = cell {
-            let mut joined = input_bias.to_f64_vec();
-            joined[2 * hidden..].copy_from_slice(&wb.to_f64_vec()[2 * hidden..]);
-            input_bias = Tensor::from_f64(w.dtype(), vec![gh], &joined).map_err(|m| cx.err(m))?;
-            rbh = Some(Value::Const(bias_part(
-                cx,
-                &bias,
-                d,
-                gh + 2 * hidden..2 * gh,
-            )?));
-        }
-        // The GRU's h rows of R, for the reset applied before its product.
-        let rt_h = match cell {
+        // The state's product with R, all its rows but a GRU's h rows where the reset
+        // comes before their product; the GRU's h gate takes its input bias here and
+        // its recurrent one (`rbh`) in the step.
+        let (rt, gru) = match cell {
+            Cell::Lstm => (transposed_block(cx, &r, d, 0..gh)?, None),
             Cell::Gru {
-                linear_before_reset: false,
-            } => Some(transposed_block(cx, &r, d, 2 * hidden..gh)?),
-            _ => None,
+                linear_before_reset,
+            } => {
+                let mut joined = input_bias.to_f64_vec();
+                joined[2 * hidden..].copy_from_slice(&wb.to_f64_vec()[2 * hidden..]);
+                input_bias =
+                    Tensor::from_f64(w.dtype(), vec![gh], &joined).map_err(|m| cx.err(m))?;
+                let rbh = Value::Const(bias_part(cx, &bias, d, gh + 2 * hidden..2 * gh)?);
+                if linear_before_reset {
+                    let rt = transposed_block(cx, &r, d, 0..gh)?;
+                    (rt, Some((Reset::Before, rbh)))
+                } else {
+                    let rt = transposed_block(cx, &r, d, 0..2 * hidden)?;
+                    let rt_h = transposed_block(cx, &r, d, 2 * hidden..gh)?;
+                    (rt, Some((Reset::After(rt_h), rbh)))
+                }
+            }
         };
         let xw = cx.emit(MatMul::new(false, false), &[rows.clone(), wt])?;
         let bias_add = BiasAdd {
@@ -355,21 +356,9 @@ fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
             )?;
             let xt = cx.emit(Reshape::new(vec![batch as i64, gh as i64]), &[xt])?;
             let hr = cx.emit(MatMul::new(false, false), &[h.clone(), rt.clone()])?;
-            match cell {
-                Cell::Lstm => (h, c) = lstm_step(cx, hidden, xt, hr, c)?,
-                Cell::Gru {
-                    linear_before_reset,
-                } => {
-                    let reset = match (linear_before_reset, &rt_h) {
-                        (true, _) => Reset::Before,
-                        (false, Some(rt_h)) => Reset::After(rt_h),
-                        (false, None) => return Err(cx.err("a GRU without its weights")),
-                    };
-                    let rbh = rbh
-                        .clone()
-                        .ok_or_else(|| cx.err("a GRU without its bias"))?;
-                    h = gru_step(cx, hidden, (xt, hr, h), reset, rbh)?;
-                }
+            match &gru {
+                None => (h, c) = lstm_step(cx, hidden, xt, hr, c)?,
+                Some(gru) => h = gru_step(cx, hidden, (xt, hr, h), gru)?,
             }
             outputs[t] = Some(cx.emit(
                 Reshape::new(vec![1, 1, batch as i64, hidden as i64]),
@@ -382,7 +371,9 @@ fn unroll(cx: &mut NodeCx, cell: Cell) -> Result<Vec<Value>> {
             cx.emit(Reshape::new(vec![1, batch as i64, hidden as i64]), &[v])
         };
         last_h.push(state(cx, h)?);
-        last_c.push(state(cx, c)?);
+        if cell == Cell::Lstm {
+            last_c.push(state(cx, c)?);
+        }
     }
     // Y [seq, dirs, batch, hidden], Y_h and Y_c [dirs, batch, hidden].
     let mut out = vec![cx.emit_out(0, Concat::new(1), &ys)?];
