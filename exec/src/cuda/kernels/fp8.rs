@@ -659,8 +659,7 @@ pub(super) fn transpose() -> String {
     )
 }
 
-/// The amax output, zeroed for the kernel to fold its bits into.
-/// An amax output, zeroed for the kernels' atomics.
+/// An amax output, zeroed for the kernels to fold their bits into.
 pub(super) fn zeroed_amax(c: &Ctx, ty: &TensorType) -> Result<DTensor, String> {
     let amax = c.alloc(ty)?;
     c.dev.zero(&amax)?;
@@ -839,8 +838,8 @@ fn lower_scale(
     }))
 }
 
-/// An Fp8ScaleUpdate: [`GROUP_MEMBERS`](crate::cuda::device::GROUP_MEMBERS) members a launch, a block each, their
-/// pointers in a by-value table.
+/// An Fp8ScaleUpdate: [`GROUP_MEMBERS`](crate::cuda::device::GROUP_MEMBERS) members a
+/// launch, a block each, their pointers in a by-value table.
 fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
     let (n_in, n_out) = (
         Fp8ScaleUpdate::MEMBER_INPUTS,
