@@ -89,6 +89,24 @@ fn int64s(name: &str, dims: Vec<i64>, values: Vec<i64>) -> TensorProto {
     }
 }
 
+/// An f32 initializer of `dims` holding `values`.
+fn float32s(name: &str, dims: Vec<i64>, values: Vec<f32>) -> TensorProto {
+    TensorProto {
+        name: name.into(),
+        dims,
+        data_type: 1,
+        float_data: values,
+        ..TensorProto::default()
+    }
+}
+
+/// `err` is one line naming node `node` and saying `says`.
+fn assert_one_line_naming(err: &str, node: &str, says: &str) {
+    assert!(err.contains(&format!("'{node}'")), "{err}");
+    assert!(err.contains(says), "{says}: {err}");
+    assert!(!err.contains('\n'), "one line: {err}");
+}
+
 /// A node whose one output is named as the node.
 fn node(name: &str, op: &str, inputs: &[&str], attribute: Vec<AttributeProto>) -> NodeProto {
     NodeProto {
@@ -256,12 +274,11 @@ fn import_time_ops_on_run_time_values_are_one_clear_error() {
     let err = import_model(&model, None, &ImportOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("'running'"), "{err}");
-    assert!(
-        err.contains("CumSum of f32 values computed at run time is not imported"),
-        "{err}"
+    assert_one_line_naming(
+        &err,
+        "running",
+        "CumSum of f32 values computed at run time is not imported",
     );
-    assert!(!err.contains('\n'), "one line: {err}");
 }
 
 /// Run-time values through the ops exporters use on buffers: GatherElements of a
@@ -1172,9 +1189,7 @@ fn overlapping_folds_and_padded_transforms_are_one_clear_error() {
         let err = import_model(&model_of(graph, opset), None, &ImportOptions::default())
             .unwrap_err()
             .to_string();
-        assert!(err.contains(&format!("'{name}'")), "{err}");
-        assert!(err.contains(says), "{err}");
-        assert!(!err.contains('\n'), "one line: {err}");
+        assert_one_line_naming(&err, &name, says);
     }
 }
 
@@ -1216,20 +1231,13 @@ fn scatter_nd_sets_run_time_updates_at_constant_indices() {
     let scatter = |name: &str, data: &str, indices: &str, attribute| {
         node(name, "ScatterND", &[data, indices, "u"], attribute)
     };
-    let floats = |name: &str, values: Vec<f32>, dims: Vec<i64>| TensorProto {
-        name: name.into(),
-        dims,
-        data_type: 1,
-        float_data: values,
-        ..TensorProto::default()
-    };
     let graph = |nodes: Vec<NodeProto>| GraphProto {
         input: vec![input("x", &[3, 2]), input("u", &[2, 2])],
         initializer: vec![
             // Rows 2 and 0; rows 1 and 1 (the second write wins).
             int64s("rows", vec![2, 1], vec![2, 0]),
             int64s("twice", vec![2, 1], vec![1, 1]),
-            floats("zeros", vec![0.0; 6], vec![3, 2]),
+            float32s("zeros", vec![3, 2], vec![0.0; 6]),
         ],
         output: nodes.iter().map(|n| unshaped(&n.name)).collect(),
         node: nodes,
@@ -1265,6 +1273,7 @@ fn scatter_nd_sets_run_time_updates_at_constant_indices() {
             "input 1 ('x') is computed at run time",
         ),
     ] {
+        let name = bad.name.clone();
         let err = import_model(
             &model_of(graph(vec![bad]), 16),
             None,
@@ -1272,8 +1281,7 @@ fn scatter_nd_sets_run_time_updates_at_constant_indices() {
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains(says), "{err}");
-        assert!(!err.contains('\n'), "one line: {err}");
+        assert_one_line_naming(&err, &name, says);
     }
 }
 
@@ -1282,12 +1290,9 @@ fn scatter_nd_sets_run_time_updates_at_constant_indices() {
 /// sequences shorter than the input.
 #[test]
 fn recurrent_cells_it_does_not_unroll_are_one_clear_error() {
-    let floats = |name: &str, dims: Vec<i64>| TensorProto {
-        name: name.into(),
-        float_data: vec![0.1; dims.iter().product::<i64>() as usize],
-        dims,
-        data_type: 1,
-        ..TensorProto::default()
+    let floats = |name: &str, dims: Vec<i64>| {
+        let n = dims.iter().product::<i64>() as usize;
+        float32s(name, dims, vec![0.1; n])
     };
     let clip = AttributeProto {
         name: "clip".into(),
@@ -1341,9 +1346,7 @@ fn recurrent_cells_it_does_not_unroll_are_one_clear_error() {
         let err = import_model(&model_of(graph, 14), None, &ImportOptions::default())
             .unwrap_err()
             .to_string();
-        assert!(err.contains("'cell'"), "{err}");
-        assert!(err.contains(says), "{says}: {err}");
-        assert!(!err.contains('\n'), "one line: {err}");
+        assert_one_line_naming(&err, "cell", says);
     }
 }
 
@@ -1426,13 +1429,7 @@ fn gather_nd_takes_run_time_index_vectors() {
 /// those that tile the input, a tubelet embedding's, import).
 #[test]
 fn overlapping_3d_convolutions_are_one_clear_error() {
-    let w = TensorProto {
-        name: "w".into(),
-        dims: vec![4, 3, 2, 2, 2],
-        data_type: 1,
-        float_data: vec![0.1; 96],
-        ..TensorProto::default()
-    };
+    let w = float32s("w", vec![4, 3, 2, 2, 2], vec![0.1; 96]);
     let graph = GraphProto {
         input: vec![input("x", &[1, 3, 4, 4, 4])],
         initializer: vec![w],
@@ -1443,9 +1440,7 @@ fn overlapping_3d_convolutions_are_one_clear_error() {
     let err = import_model(&model_of(graph, 13), None, &ImportOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("'conv3d'"), "{err}");
-    assert!(err.contains("windows tile the input"), "{err}");
-    assert!(!err.contains('\n'), "one line: {err}");
+    assert_one_line_naming(&err, "conv3d", "windows tile the input");
 }
 
 /// OneHot against hand-computed values: run-time int64 indices, a negative one
@@ -1454,13 +1449,7 @@ fn overlapping_3d_convolutions_are_one_clear_error() {
 #[test]
 fn one_hot_of_run_time_indices() {
     use ampgraph_graph::{DType, Tensor};
-    let values = TensorProto {
-        name: "values".into(),
-        dims: vec![2],
-        data_type: 1,
-        float_data: vec![-1.0, 3.0],
-        ..TensorProto::default()
-    };
+    let values = float32s("values", vec![2], vec![-1.0, 3.0]);
     let graph = GraphProto {
         input: vec![int64(input("i", &[3]))],
         initializer: vec![int64s("depth", vec![], vec![4]), values],
