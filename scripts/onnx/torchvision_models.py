@@ -294,7 +294,7 @@ def tiny_models():
     Falcon's and GPT-J's GatherND, BLOOM's Tile, Wav2Vec2's InstanceNormalization,
     ConvNeXt V2's and SwinV2's ReduceL2, MobileViT's Ceil, DINOv2's and YOLOS's cubic
     Resize, Funnel's and XLNet's Sin and Cos, CodeGen's IsNaN, FNet's DFT, Flaubert's
-    integer ReduceSum. A few MB
+    integer ReduceSum, RWKV's ScatterND of run-time values. A few MB
     each: they travel to the GPU machine, where the ONNX tests run
     them on CUDA in f32 and AMP (scripts/gpu_onnx.sh TINY=1)."""
     import transformers as hf
@@ -350,12 +350,10 @@ def tiny_models():
         # Its lengths, an integer ReduceSum of the input at run time.
         ("tiny_flaubert", lambda: hf.FlaubertModel(hf.FlaubertConfig(
             emb_dim=64, n_layers=2, n_heads=4, vocab_size=1000)), ids),
-        # (RWKV, its outputs written a time step at a time by ScatterNDs of run-time
-        # values, imports and runs on CUDA in f32, but its AMP step fails there: a fused
-        # kernel of its attention faults (docs/onnx.md). Back here once that is fixed:
-        # `hf.RwkvForCausalLM(hf.RwkvConfig(hidden_size=64,
-        # num_hidden_layers=2, vocab_size=1000, attention_hidden_size=64,
-        # intermediate_size=128, use_cache=False))` on `ids`.)
+        # Its outputs written a time step at a time (ScatterND of run-time values).
+        ("tiny_rwkv", lambda: hf.RwkvForCausalLM(hf.RwkvConfig(
+            hidden_size=64, num_hidden_layers=2, vocab_size=1000, attention_hidden_size=64,
+            intermediate_size=128, use_cache=False)), ids),
     ]
     wav = rng.standard_normal((1, 4000)).astype(np.float32)
     out.append(("tiny_wav2vec2", lambda: hf.Wav2Vec2Model(hf.Wav2Vec2Config(

@@ -25,8 +25,12 @@ pub(crate) type Spec = ProgramSpec<FusedElementwise>;
 
 /// The spec of `program`'s module.
 pub(super) fn spec(program: &FusedElementwise) -> Spec {
+    // The stored values are part of the kernel (one pointer each): two programs of
+    // the same instructions storing different values are different modules (RWKV's
+    // AMP step had one launched with the other's, one output short).
     let key = format!(
-        "fused/Fused {{ program: {program}, column_sums: {:?}, amaxes: {:?} }}",
+        "fused/Fused {{ program: {program}, outputs: {:?}, column_sums: {:?}, amaxes: {:?} }}",
+        program.outputs(),
         program.column_sums(),
         program.amaxes()
     );
@@ -530,6 +534,19 @@ pub(super) mod tests {
         attrs.insert("outputs".into(), AttrValue::Ints(outputs));
         let op = parse_op("FusedElementwise", AttrReader::new(attrs)).unwrap();
         op.downcast_ref::<FusedElementwise>().unwrap().clone()
+    }
+
+    /// Programs of the same instructions that store different values are different
+    /// modules: their keys and sources (the store parameters) differ.
+    #[test]
+    fn a_programs_stored_values_are_in_its_key() {
+        use super::super::KernelSpec;
+        let text = "v0 = in0: f16[2, 64]; v1 = Cast<to=f32>(v0): f32[2, 64]; \
+                    v2 = in1: f32[2, 64]; v3 = Mul(v2, v1): f32[2, 64]";
+        let (one, two) = (program(text, vec![3]), program(text, vec![1, 3]));
+        assert_ne!(spec(&one).key(), spec(&two).key());
+        assert_ne!(fused(&one), fused(&two));
+        assert_eq!(spec(&one).key(), spec(&program(text, vec![3])).key());
     }
 
     #[test]

@@ -35,9 +35,11 @@ type FusedSoftmaxSpec = ProgramSpec<(FusedSoftmax, usize)>;
 
 /// The spec of `op`'s module with `per` values a lane.
 fn fused_softmax_spec(op: &FusedSoftmax, per: usize) -> FusedSoftmaxSpec {
+    // The prologue's stored value is part of the key, as a fused program's outputs.
     let key = format!(
-        "softmax/FusedSoftmax {{ prologue: {}, log: {}, per: {per} }}",
+        "softmax/FusedSoftmax {{ prologue: {}, outputs: {:?}, log: {}, per: {per} }}",
         op.prologue(),
+        op.prologue().outputs(),
         op.log
     );
     ProgramSpec::new(key, (op.clone(), per), |(op, per)| fused_softmax(op, *per))
