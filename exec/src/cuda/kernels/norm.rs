@@ -135,8 +135,8 @@ pub(super) fn lower_layer_norm_fp8(
         );
     }
     Ok(kernel(move |c, inputs| {
-        let [x, g, b, s] = [0, 1, 2, 3].map(|k| input(inputs, k));
-        let (x, g, b, s) = (x?, g?, b?, s?);
+        let (x, g) = (input(inputs, 0)?, input(inputs, 1)?);
+        let (b, s) = (input(inputs, 2)?, input(inputs, 3)?);
         let y = c.alloc(&outs[0])?;
         let amax = zeroed_amax(c, &outs[1])?;
         let t = outs.get(2).map(|ty| c.alloc(ty)).transpose()?;
