@@ -399,7 +399,7 @@ fn fp8_products_match_a_float64_reference() {
         .unwrap_err()
         .contains("not f8e4m3"));
     // A bias: 16-bit results only, one value per column of the result's dtype.
-    assert!(op.with_bias(true).unwrap_err().contains("not f32"));
+    assert!(op.clone().with_bias(true).unwrap_err().contains("not f32"));
     let biased = Fp8MatMul::new(MatMul::new(true, false), DType::BF16)
         .unwrap()
         .with_bias(true)
@@ -410,6 +410,59 @@ fn fp8_products_match_a_float64_reference() {
         .infer(&[&e5, &e4, &s, &s, &wrong])
         .unwrap_err()
         .contains("the bias must be bf16"));
+    // A residual: 16-bit results only, the result's type, added after the bias: the
+    // product, a BiasAdd and an Add apart, bit for bit (hand-checked on one value).
+    assert!(op.with_residual(true).unwrap_err().contains("not f32"));
+    let with_residual = biased.clone().with_residual(true).unwrap();
+    let out = TensorType::new(DType::BF16, [m, n]);
+    assert!(with_residual
+        .infer(&[&e5, &e4, &s, &s, &TensorType::new(DType::BF16, [n]), &wrong])
+        .unwrap_err()
+        .contains("the residual must be bf16"));
+    let values = |ty: &TensorType, seed: f64| {
+        let v: Vec<f64> = (0..ty.checked_len().unwrap())
+            .map(|i| ((i as f64 + seed) * 0.71).sin() * 2.0)
+            .collect();
+        Tensor::from_f64(ty.dtype, ty.shape.clone(), &v).unwrap()
+    };
+    let (qa, qb) = (values(&e5, 1.0), values(&e4, 2.0));
+    let (sa, sb) = (
+        Tensor::scalar(DType::F32, 0.5),
+        Tensor::scalar(DType::F32, 4.0),
+    );
+    let bias = values(&TensorType::new(DType::BF16, [n]), 3.0);
+    let residual = values(&out, 4.0);
+    let fused = with_residual
+        .eval(&[&qa, &qb, &sa, &sb, &bias, &residual])
+        .unwrap();
+    let apart = biased.eval(&[&qa, &qb, &sa, &sb, &bias]).unwrap();
+    let add = ampgraph::graph::ops::Binary::new(ampgraph::graph::ops::BinaryKind::Add);
+    let apart = add.eval(&[&apart[0], &residual]).unwrap();
+    assert_eq!(fused, apart);
+    let (af, bf) = (qa.to_f64_vec(), qb.to_f64_vec());
+    let dot: f64 = (0..k).map(|p| af[p * m] * bf[p * n]).sum();
+    let want = dot * 2.0 + bias.to_f64_vec()[0] + residual.to_f64_vec()[0];
+    let got = fused[0].to_f64_vec()[0];
+    assert!(
+        (got - want).abs() <= 2e-2 * want.abs().max(1.0),
+        "{got} vs {want}"
+    );
+    // Serialised and read back with its residual.
+    let mut g = Graph::new();
+    let ports: Vec<_> = [("a", &e5), ("b", &e4), ("sa", &s), ("sb", &s)]
+        .into_iter()
+        .chain([("bias", &TensorType::new(DType::BF16, [n])), ("r", &out)])
+        .map(|(name, ty)| g.placeholder(name, ty.dtype, ty.shape.clone()).unwrap())
+        .collect();
+    let p = g.add(with_residual.clone(), &ports).unwrap();
+    g.set_outputs(vec![p]).unwrap();
+    let again =
+        format::graph_from_bytes(format::to_json(&GraphDef::from_graph(&g)).as_bytes()).unwrap();
+    let read = again
+        .node(again.outputs()[0].node)
+        .op
+        .downcast_ref::<Fp8MatMul>();
+    assert_eq!(read, Some(&with_residual));
 }
 
 /// The scale ops: current scaling maps the amax onto the format's largest value

@@ -2339,24 +2339,34 @@ fn fp8_ops_match_the_cpu() {
                         within,
                     );
                 }
-                // A 16-bit result with its bias in the epilogue.
+                // A 16-bit result with its bias, its residual (cuBLASLt's C) or both in
+                // the epilogue.
                 if to != DType::F32 {
-                    let op = Fp8MatMul::new(MatMul::new(ta, tb), to)
-                        .unwrap()
-                        .with_bias(true)
-                        .unwrap();
-                    let mut with_bias = inputs.to_vec();
-                    with_bias.push(rand(&mut r, to, &[n], -3.0, 3.0));
-                    check_scaled_to(
-                        &mut gpu,
-                        &format!(
-                            "Fp8MatMul [{m}x{k}] x [{k}x{n}] {fa} x {fb} {ta} {tb} -> {to} + bias"
-                        ),
-                        op,
-                        &with_bias,
-                        k as f64 / 8.0,
-                        tol(to),
-                    );
+                    for (bias, residual) in [(true, false), (false, true), (true, true)] {
+                        let op = Fp8MatMul::new(MatMul::new(ta, tb), to)
+                            .unwrap()
+                            .with_bias(bias)
+                            .and_then(|op| op.with_residual(residual))
+                            .unwrap();
+                        let mut added = inputs.to_vec();
+                        if bias {
+                            added.push(rand(&mut r, to, &[n], -3.0, 3.0));
+                        }
+                        if residual {
+                            added.push(rand(&mut r, to, &[m, n], -3.0, 3.0));
+                        }
+                        check_scaled_to(
+                            &mut gpu,
+                            &format!(
+                                "Fp8MatMul [{m}x{k}] x [{k}x{n}] {fa} x {fb} {ta} {tb} -> {to} \
+                                 (bias {bias}, residual {residual})"
+                            ),
+                            op,
+                            &added,
+                            k as f64 / 8.0,
+                            tol(to),
+                        );
+                    }
                 }
             }
         }

@@ -1,7 +1,8 @@
 //! GEMM epilogues: `MatMul -> BiasAdd [-> Relu | tanh-GELU]` becomes one
 //! [`FusedMatMul`], whose bias and activation the CUDA executor folds into the
 //! cuBLASLt call (PyTorch's `addmm` and `F.linear` do the same with the bias); an
-//! `Fp8MatMul` stored in 16 bits takes its BiasAdd likewise ([`Fp8MatMul::bias`]).
+//! `Fp8MatMul` stored in 16 bits takes its BiasAdd likewise ([`Fp8MatMul::bias`]), and
+//! its residual Add (below).
 //!
 //! A product fuses only with the BiasAdd that is its sole reader, and an activation
 //! only where it is the BiasAdd's sole reader: an intermediate someone else reads (the
@@ -10,7 +11,8 @@
 //! fuse in training too. cuBLASLt's `GELU_AUX_BIAS` and `DGELU[_BGRAD]` epilogues,
 //! which would keep the pre-activation or apply the gradient, measured slower on the
 //! H100 than the plain epilogue plus a generated kernel: docs/passes.md.) Then a
-//! fused product without an activation whose sole reader is an `Add` of a tensor of
+//! fused product without an activation (or an FP8 product stored in 16 bits, with or
+//! without its bias) whose sole reader is an `Add` of a tensor of
 //! its own type (a residual connection), directly or through a Reshape of its rows
 //! (`[B*S, D]` back to `[B, S, D]`, as exporters write a Linear), adds that
 //! tensor itself (`FusedMatMul::residual`, cuBLASLt's `C` with beta 1), and a 16-bit
@@ -53,14 +55,20 @@ fn sole_reader(g: &Graph, adj: &Adjacency, port: Port) -> Option<NodeId> {
     }
 }
 
-/// Each FusedMatMul with the node that alone reads its product.
+/// Each fused product (a FusedMatMul, or an Fp8MatMul) with the node that alone reads
+/// its product.
 fn products_and_readers<'g>(
     g: &'g Graph,
     adj: &'g Adjacency,
-) -> impl Iterator<Item = (NodeId, &'g FusedMatMul, NodeId)> + 'g {
+) -> impl Iterator<Item = (NodeId, &'g dyn Op, NodeId)> + 'g {
     g.node_ids().filter_map(move |id| {
-        let fused = g.node(id).op.downcast_ref::<FusedMatMul>()?;
-        Some((id, fused, sole_reader(g, adj, Port::new(id, 0))?))
+        let op = g.node(id).op.as_ref();
+        let product = op.is::<FusedMatMul>() || op.is::<Fp8MatMul>();
+        Some((
+            id,
+            op,
+            sole_reader(g, adj, Port::new(id, 0)).filter(|_| product)?,
+        ))
     })
 }
 
@@ -104,13 +112,13 @@ impl Claims {
     }
 }
 
-/// Folds into each FusedMatMul the node that alone reads its product where `fold`
-/// (given the product, the fused op and that reader) says how: the op to become and
-/// an extra input. The fused node replaces the reader (and takes its name). Returns
-/// the folds and the bytes of the products no longer written and read back.
+/// Folds into each fused product the node that alone reads it where `fold` (given the
+/// product, the fused op and that reader) says how: the op to become and an extra
+/// input. The fused node replaces the reader (and takes its name). Returns the folds
+/// and the bytes of the products no longer written and read back.
 fn fold_sole_readers(
     g: &mut Graph,
-    fold: impl Fn(&Graph, Port, &FusedMatMul, NodeId) -> Option<(FusedMatMul, Option<Port>)>,
+    fold: impl Fn(&Graph, Port, &dyn Op, NodeId) -> Option<(Box<dyn Op>, Option<Port>)>,
 ) -> Result<(usize, usize), PassError> {
     let adj = g.adjacency();
     let mut claims = Claims::new(g);
@@ -129,7 +137,7 @@ fn fold_sole_readers(
         bytes += 2 * g.ty(Port::new(id, 0)).size_bytes();
         let mut inputs = g.inputs(id).to_vec();
         inputs.extend(extra);
-        g.set_node(reader, Box::new(op), &inputs)?;
+        g.set_node(reader, op, &inputs)?;
         g.remove_node(id)?;
     }
     Ok((count, bytes))
@@ -137,7 +145,8 @@ fn fold_sole_readers(
 
 /// A 16-bit FusedMatMul read only by a Cast to f32 stores its result in f32.
 fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
-    fold_sole_readers(g, |g, product, fused, cast| {
+    fold_sole_readers(g, |g, product, op, cast| {
+        let fused = op.downcast_ref::<FusedMatMul>()?;
         let narrow = matches!(g.ty(product).dtype, DType::F16 | DType::BF16);
         let to_f32 = g.node(cast).op.downcast_ref::<Cast>().map(|c| c.to) == Some(DType::F32);
         (narrow && to_f32 && fused.to.is_none() && !fused.residual).then(|| {
@@ -145,29 +154,31 @@ fn fold_output_casts(g: &mut Graph) -> Result<(usize, usize), PassError> {
                 to: Some(DType::F32),
                 ..fused.clone()
             };
-            (wide, None)
+            (Box::new(wide) as Box<dyn Op>, None)
         })
     })
 }
 
-/// A FusedMatMul without an activation read only by an `Add` whose other addend has
-/// the product's type (a residual connection) adds that addend itself (cuBLASLt's `C`).
+/// A FusedMatMul without an activation, or an Fp8MatMul storing 16 bits, read only by
+/// an `Add` whose other addend has the product's type (a residual connection) adds
+/// that addend itself (cuBLASLt's `C`).
 /// The product may reach the Add through a Reshape read by it alone (an exporter's
 /// `[B*S, D]` rows back to `[B, S, D]`, a view): the addend is then viewed as the
 /// product's rows, and the Add becomes the view of the fused product (keeping its name
 /// for its readers). Returns the folds and the bytes no longer written and read back.
 fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
-    let (direct, mut bytes) = fold_sole_readers(g, |g, product, fused, add| {
+    let (direct, mut bytes) = fold_sole_readers(g, |g, product, op, add| {
         let other = residual_addend(g, product, add)?;
-        (plain(fused) && g.ty(other) == g.ty(product)).then(|| (with_residual(fused), Some(other)))
+        let fused = with_residual(op).filter(|_| g.ty(other) == g.ty(product))?;
+        Some((fused, Some(other)))
     })?;
     let adj = g.adjacency();
     let mut claims = Claims::new(g);
     let mut through_views = Vec::new();
-    for (id, fused, view) in products_and_readers(g, &adj) {
-        if !plain(fused) || !g.node(view).op.is::<Reshape>() {
+    for (id, op, view) in products_and_readers(g, &adj) {
+        let Some(fused) = with_residual(op).filter(|_| g.node(view).op.is::<Reshape>()) else {
             continue;
-        }
+        };
         let viewed = Port::new(view, 0);
         let Some(add) = sole_reader(g, &adj, viewed) else {
             continue;
@@ -176,10 +187,11 @@ fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
             continue;
         };
         if g.ty(other) == g.ty(viewed) && claims.take(&[id, view], add, Some(other)) {
-            through_views.push((id, view, add, other, with_residual(fused)));
+            through_views.push((id, view, add, other, fused));
         }
     }
-    for &(id, view, add, other, ref op) in &through_views {
+    let folds = through_views.len();
+    for (id, view, add, other, op) in through_views {
         let rows = g.ty(Port::new(id, 0)).shape.clone();
         let shape = g.ty(Port::new(add, 0)).shape.clone();
         let name = g.fresh_name(format!("{}/residual", g.node(add).name));
@@ -187,25 +199,29 @@ fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
         let mut inputs = g.inputs(id).to_vec();
         inputs.push(addend.into());
         let name = g.fresh_name(format!("{}/product", g.node(add).name));
-        let fused = g.add_node(name, Box::new(op.clone()), &inputs)?;
+        let fused = g.add_node(name, op, &inputs)?;
         g.set_node(add, Box::new(Reshape::new(dims(&shape))), &[fused.into()])?;
         g.remove_node(view)?;
         bytes += 2 * g.ty(Port::new(id, 0)).size_bytes();
         g.remove_node(id)?;
     }
-    Ok((direct + through_views.len(), bytes))
+    Ok((direct + folds, bytes))
 }
 
-/// Whether a fused product can take a residual: no activation, cast or residual yet.
-fn plain(fused: &FusedMatMul) -> bool {
-    !fused.residual && fused.to.is_none() && fused.epilogue.activation().is_none()
-}
-
-fn with_residual(fused: &FusedMatMul) -> FusedMatMul {
-    FusedMatMul {
-        residual: true,
-        ..fused.clone()
+/// The fused product adding a residual, where it can take one: a FusedMatMul without
+/// an activation, cast or residual yet; an Fp8MatMul storing 16 bits without one.
+fn with_residual(op: &dyn Op) -> Option<Box<dyn Op>> {
+    if let Some(fused) = op.downcast_ref::<FusedMatMul>() {
+        let plain = !fused.residual && fused.to.is_none() && fused.epilogue.activation().is_none();
+        return plain.then(|| {
+            Box::new(FusedMatMul {
+                residual: true,
+                ..fused.clone()
+            }) as Box<dyn Op>
+        });
     }
+    let fp8 = op.downcast_ref::<Fp8MatMul>().filter(|p| !p.residual)?;
+    Some(Box::new(fp8.clone().with_residual(true).ok()?))
 }
 
 /// The other addend of `add` when it is an `Add` reading `value` in one slot.
@@ -517,6 +533,56 @@ mod tests {
                 g.find("add").is_some_and(|id| g.node(id).op.is::<Binary>()),
                 "{act:?} {r_shape:?}"
             );
+        }
+    }
+
+    /// An FP8 product stored in bf16 (a transformer's second feed-forward layer under
+    /// FP8 AMP) takes its bias and then its residual Add, with the same values; one
+    /// stored in f32 takes neither.
+    #[test]
+    fn an_fp8_product_takes_its_bias_and_residual_with_the_same_values() {
+        for to in [DType::BF16, DType::F32] {
+            let mut g = Graph::new();
+            let a = placeholder(&mut g, "a", DType::F8E4M3, &[4, 16]);
+            let b = placeholder(&mut g, "b", DType::F8E4M3, &[16, 16]);
+            let sa = placeholder(&mut g, "sa", DType::F32, &[]);
+            let sb = placeholder(&mut g, "sb", DType::F32, &[]);
+            let product = Fp8MatMul::new(MatMul::new(false, true), to).unwrap();
+            let mm = g
+                .add_node("mm", Box::new(product), &[a, b, sa, sb])
+                .unwrap();
+            let bias = placeholder(&mut g, "bias", to, &[16]);
+            let biased = BiasAdd {
+                data_format: DataFormat::Nhwc,
+            };
+            let biased = g
+                .add_node("bias_add", Box::new(biased), &[mm.into(), bias])
+                .unwrap();
+            let r = placeholder(&mut g, "r", to, &[4, 16]);
+            let add = Binary::new(BinaryKind::Add);
+            let add = g
+                .add_node("add", Box::new(add), &[r, biased.into()])
+                .unwrap();
+            g.set_outputs(vec![add.into()]).unwrap();
+            let before = run(&g);
+            let mut fused = g.clone();
+            let summary = GemmEpilogue.run(&mut fused).unwrap();
+            fused.validate().unwrap();
+            assert_eq!(run(&fused), before, "{to}: bitwise the unfused values");
+            let out = fused.outputs()[0].node;
+            let op = fused.node(out).op.downcast_ref::<Fp8MatMul>();
+            if to == DType::BF16 {
+                assert_eq!(fused.len(), 7, "a, b, the scales, bias, r and the product");
+                assert_eq!(fused.node(out).name, "add", "the Add's name stays");
+                assert!(op.is_some_and(|p| p.bias && p.residual), "{op:?}");
+                assert_eq!(fused.inputs(out)[5], r);
+                assert!(summary.lines[2].ends_with(": 1"), "{summary}");
+            } else {
+                assert_eq!(fused.len(), g.len(), "{to}: nothing folds");
+            }
+            let again = fused.clone();
+            GemmEpilogue.run(&mut fused).unwrap();
+            assert_eq!(fused.len(), again.len(), "idempotent");
         }
     }
 

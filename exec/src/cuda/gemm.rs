@@ -362,9 +362,10 @@ impl Gemm {
                 && p.scales.is_some()
                 && !p.transpose_a
                 && p.transpose_b
-                // cuBLASLt's FP8 epilogue adds a 16-bit bias to a 16-bit result.
+                // cuBLASLt's FP8 epilogue adds a 16-bit bias, and a 16-bit C, to a
+                // 16-bit result.
                 && p.bias.is_none_or(|(_, e)| e == Epilogue::Bias && out != DType::F32)
-                && p.residual.is_none()
+                && (p.residual.is_none() || out != DType::F32)
                 && p.batch == 1
         } else {
             p.b.dtype == dtype

@@ -16,7 +16,8 @@ use crate::fp8::{amax, Fp8};
 use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
 use crate::ops::{
-    BiasAdd, DataFormat, FusedElementwise, LayerNorm, MatMul, Transpose, Unary, UnaryKind,
+    BiasAdd, Binary, BinaryKind, DataFormat, FusedElementwise, LayerNorm, MatMul, Transpose, Unary,
+    UnaryKind,
 };
 use crate::tensor::{Data, Tensor, TensorType};
 
@@ -62,7 +63,8 @@ pub(crate) const OPS: &[OpEntry] = &[
             );
             let op = Fp8MatMul::new(product, a.dtype("to")?)?
                 .with_fast_accumulation(a.bool_or("fast_accumulation", false)?);
-            Ok(Box::new(op.with_bias(a.bool_or("bias", false)?)?))
+            let op = op.with_bias(a.bool_or("bias", false)?)?;
+            Ok(Box::new(op.with_residual(a.bool_or("residual", false)?)?))
         },
     },
     OpEntry {
@@ -459,13 +461,17 @@ impl Op for DequantizeFp8 {
 ///
 /// With `bias`, a fifth input `[n]` of the output's dtype (16-bit: cuBLASLt's FP8
 /// epilogue adds a 16-bit bias to a 16-bit result) is added to every row:
-/// `gemm-epilogue` folds a Linear's BiasAdd in, as into 16-bit products.
+/// `gemm-epilogue` folds a Linear's BiasAdd in, as into 16-bit products. With
+/// `residual`, a last input of the output's type is added after it (a residual
+/// connection's `Add`: cuBLASLt's `C` with beta 1, 16-bit results too), as
+/// [`FusedMatMul::residual`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp8MatMul {
     pub product: MatMul,
     pub to: DType,
     pub fast_accumulation: bool,
     pub bias: bool,
+    pub residual: bool,
 }
 
 impl Fp8MatMul {
@@ -476,24 +482,36 @@ impl Fp8MatMul {
             to,
             fast_accumulation: false,
             bias: false,
+            residual: false,
         })
     }
 
-    /// Whether the product can add a bias: cuBLASLt's FP8 epilogue adds a 16-bit bias
-    /// to a 16-bit result only.
+    /// Whether the product can add a bias or a residual: cuBLASLt's FP8 epilogue adds
+    /// them to a 16-bit result only.
     pub fn can_take_bias(&self) -> bool {
         matches!(self.to, DType::F16 | DType::BF16)
     }
 
     /// The product adding a bias input ([`Self::can_take_bias`]).
     pub fn with_bias(self, bias: bool) -> OpResult<Self> {
-        if bias && !self.can_take_bias() {
+        self.check_addend(bias, "a bias")?;
+        Ok(Fp8MatMul { bias, ..self })
+    }
+
+    /// The product adding a residual input ([`Self::can_take_bias`]).
+    pub fn with_residual(self, residual: bool) -> OpResult<Self> {
+        self.check_addend(residual, "a residual")?;
+        Ok(Fp8MatMul { residual, ..self })
+    }
+
+    fn check_addend(&self, added: bool, what: &str) -> OpResult<()> {
+        if added && !self.can_take_bias() {
             return Err(format!(
-                "an FP8 product adds a bias to an f16 or bf16 result, not {}",
+                "an FP8 product adds {what} to an f16 or bf16 result, not {}",
                 self.to
             ));
         }
-        Ok(Fp8MatMul { bias, ..self })
+        Ok(())
     }
 
     pub fn with_fast_accumulation(self, fast_accumulation: bool) -> Self {
@@ -509,19 +527,23 @@ impl Op for Fp8MatMul {
         "Fp8MatMul"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(4 + usize::from(self.bias))
+        Arity::Exactly(4 + usize::from(self.bias) + usize::from(self.residual))
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
-        vec![
+        let mut attrs = vec![
             ("transpose_a", self.product.transpose_a.into()),
             ("transpose_b", self.product.transpose_b.into()),
             ("to", self.to.into()),
             ("fast_accumulation", self.fast_accumulation.into()),
             ("bias", self.bias.into()),
-        ]
+        ];
+        if self.residual {
+            attrs.push(("residual", true.into()));
+        }
+        attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let (inputs, bias) = self.split_bias(inputs)?;
+        let (inputs, bias, residual) = self.split_addends(inputs)?;
         let [a, b, a_scale_inv, b_scale_inv] = fixed(inputs)?;
         for (what, t) in [("a", a), ("b", b)] {
             if !t.dtype.is_fp8() {
@@ -538,10 +560,16 @@ impl Op for Fp8MatMul {
         if let Some(bias) = bias.filter(|&t| *t != row) {
             return Err(format!("the bias must be {row}, not {bias}"));
         }
-        Ok(vec![TensorType::new(self.to, vec![m, n])])
+        let out = TensorType::new(self.to, vec![m, n]);
+        if let Some(r) = residual.filter(|&t| *t != out) {
+            return Err(format!(
+                "the residual must be {out} (the output's type), not {r}"
+            ));
+        }
+        Ok(vec![out])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let (inputs, bias) = self.split_bias(inputs)?;
+        let (inputs, bias, residual) = self.split_addends(inputs)?;
         let [a, b, a_scale_inv, b_scale_inv] = fixed(inputs)?;
         let (m, k, n) = self.product.dims(a.shape(), b.shape())?;
         let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
@@ -558,18 +586,23 @@ impl Op for Fp8MatMul {
         let scale = scalar_of(a_scale_inv) * scalar_of(b_scale_inv);
         out.iter_mut().for_each(|v| *v *= scale);
         let product = Tensor::new(vec![m, n], Data::from_f32(self.to, out))?;
-        // As the product and a BiasAdd apart compute it (`FusedMatMul` likewise): the
-        // GPU's epilogue rounds once, within the output's rounding of this.
-        match bias {
+        // As the product, a BiasAdd and an Add apart compute it (`FusedMatMul`
+        // likewise): the GPU's epilogue rounds once, within the output's rounding of
+        // this.
+        let mut out = match bias {
             Some(bias) => BiasAdd {
                 data_format: DataFormat::Nhwc,
             }
-            .eval(&[&product, bias]),
-            None => Ok(vec![product]),
+            .eval(&[&product, bias])?,
+            None => vec![product],
+        };
+        if let Some(r) = residual {
+            out = Binary::new(BinaryKind::Add).eval(&[&out[0], r])?;
         }
+        Ok(out)
     }
     fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
-        let result = if self.bias { vec![4] } else { vec![] };
+        let result = (4..4 + usize::from(self.bias) + usize::from(self.residual)).collect();
         vec![
             TypeGroup::new(result, vec![0]),
             TypeGroup::new(vec![0], vec![]).fixed(),
@@ -580,11 +613,20 @@ impl Op for Fp8MatMul {
 }
 
 impl Fp8MatMul {
-    /// The four product inputs and the bias, where the product has one.
-    fn split_bias<'t, T>(&self, inputs: &'t [&'t T]) -> OpResult<(&'t [&'t T], Option<&'t T>)> {
-        match (self.bias, inputs) {
-            (true, [four @ .., bias]) => Ok((four, Some(*bias))),
-            (false, _) => Ok((inputs, None)),
+    /// The four product inputs, the bias and the residual, where the product has them.
+    #[allow(clippy::type_complexity)]
+    fn split_addends<'t, T>(
+        &self,
+        inputs: &'t [&'t T],
+    ) -> OpResult<(&'t [&'t T], Option<&'t T>, Option<&'t T>)> {
+        let (rest, residual) = match (self.residual, inputs) {
+            (true, [rest @ .., r]) => (rest, Some(*r)),
+            (false, _) => (inputs, None),
+            (true, []) => return Err("a product with a residual takes it last".into()),
+        };
+        match (self.bias, rest) {
+            (true, [four @ .., bias]) => Ok((four, Some(*bias), residual)),
+            (false, _) => Ok((rest, None, residual)),
             (true, []) => Err("a product with a bias takes five inputs".into()),
         }
     }

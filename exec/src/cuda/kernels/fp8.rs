@@ -931,11 +931,14 @@ fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> Kerne
         ));
     }
     let (transpose_a, transpose_b) = (f.product.transpose_a, f.product.transpose_b);
-    let (fast_accumulation, bias) = (f.fast_accumulation, f.bias);
+    let (fast_accumulation, bias, residual) = (f.fast_accumulation, f.bias, f.residual);
     Ok(one_output(first(outs)?, move |c, inputs, y| {
         let (a, b) = (input(inputs, 0)?, input(inputs, 1)?);
         let (a_inv, b_inv) = (input(inputs, 2)?, input(inputs, 3)?);
         let bias = bias.then(|| input(inputs, 4)).transpose()?;
+        let residual = residual
+            .then(|| input(inputs, 4 + usize::from(bias.is_some())))
+            .transpose()?;
         // K-major: a as [m, k], b as [n, k].
         let a_rows = transpose_a.then(|| transposed(c, a, k, m)).transpose()?;
         let b_rows = (!transpose_b).then(|| transposed(c, b, k, n)).transpose()?;
@@ -948,6 +951,7 @@ fn lower_matmul(f: &Fp8MatMul, ins: &[TensorType], outs: &[TensorType]) -> Kerne
             scales: Some((a_inv, b_inv)),
             fast_accumulation,
             bias: bias.map(|b| (b, Epilogue::Bias)),
+            residual,
             ..Product::single(operands, (m, k, n), (false, true))
         };
         c.gemm.run(c.dev, &product, c.gemm_options)
