@@ -2443,7 +2443,7 @@ fn fused_amaxes_match_the_cpu() {
 /// The FP8 cast of a program's value (`elementwise-into-fp8`): `relu(a * b)` cast to
 /// E5M2 with its transposed copy, against the CPU bit for bit (one tile, partial
 /// tiles, more tiles than blocks), its column sums within f32's rounding of their
-/// terms; and the GELU gradient's cast, its bias sum too, equal on the GPU to the
+/// terms, and likewise of a program that only loads its input; and the GELU gradient's cast, its bias sum too, equal on the GPU to the
 /// program and the cast run apart.
 #[test]
 fn fp8_casts_of_programs_match_the_cpu_and_the_ops_apart() {
@@ -2492,17 +2492,40 @@ fn fp8_casts_of_programs_match_the_cpu_and_the_ops_apart() {
             rand(&mut r, DType::BF16, &[rows, cols], -3.0, 3.0),
             t(DType::F32, &[], &[1000.0]),
         ];
-        let what = format!("FusedQuantizeFp8 [{rows}, {cols}]");
-        let (dev, cpu) = run_both(&mut gpu, &what, op, &inputs);
-        assert_identical(&what, (dev[..3].to_vec(), cpu[..3].to_vec()));
-        let (got, want) = (dev[3].to_f64_vec(), cpu[3].to_f64_vec());
-        for (j, (g, w)) in got.iter().zip(&want).enumerate() {
-            // rows terms of at most 9 each, summed in f32.
-            let within = 9.0 * rows as f64 * 2f64.powi(-22);
-            assert!(
-                (g - w).abs() <= within,
-                "{what}: column {j}: gpu {g} vs cpu {w}"
-            );
+        // And the program that only loads its input (a tensor's column sums taken by
+        // its cast: an attention gradient's bias sum).
+        let load = FusedElementwise::new(
+            vec![Instr {
+                expr: Expr::Input(0),
+                ty: ty.clone(),
+            }],
+            vec![0],
+        )
+        .and_then(|p| p.with_column_sums(vec![0]))
+        .unwrap();
+        let loaded = FusedQuantizeFp8::new(cast.clone(), load).unwrap();
+        let loaded_inputs = [inputs[0].clone(), inputs[2].clone()];
+        for (what, op, inputs, bound) in [
+            ("FusedQuantizeFp8", op, &inputs[..], 9.0),
+            (
+                "FusedQuantizeFp8 of a load",
+                loaded,
+                &loaded_inputs[..],
+                3.0,
+            ),
+        ] {
+            let what = format!("{what} [{rows}, {cols}]");
+            let (dev, cpu) = run_both(&mut gpu, &what, op, inputs);
+            assert_identical(&what, (dev[..3].to_vec(), cpu[..3].to_vec()));
+            let (got, want) = (dev[3].to_f64_vec(), cpu[3].to_f64_vec());
+            for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                // rows terms of at most `bound` each, summed in f32.
+                let within = bound * rows as f64 * 2f64.powi(-22);
+                assert!(
+                    (g - w).abs() <= within,
+                    "{what}: column {j}: gpu {g} vs cpu {w}"
+                );
+            }
         }
     }
     // The GELU gradient with its bias sum, folded and apart, on the GPU.

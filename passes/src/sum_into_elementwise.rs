@@ -52,6 +52,12 @@ fn is_narrow_column_sum(reduce: &Reduce, rank: usize, dtype: DType) -> bool {
         && is_column_sum(&reduce.clone().with_output(DType::F32), rank, dtype)
 }
 
+/// Whether `reduce` is a column sum a kernel's f32 column sum gives: the same, or cast
+/// to 16 bits.
+pub(crate) fn is_any_column_sum(reduce: &Reduce, rank: usize, dtype: DType) -> bool {
+    is_column_sum(reduce, rank, dtype) || is_narrow_column_sum(reduce, rank, dtype)
+}
+
 /// Where the kernel that takes a column sum finds the summed tensor.
 #[derive(Clone, Copy, Debug)]
 enum Operand {
@@ -212,8 +218,7 @@ impl Pass for SumIntoElementwise {
                     return None;
                 };
                 let (rank, dtype) = (g.ty(x).rank(), g.ty(x).dtype);
-                let summed =
-                    is_column_sum(reduce, rank, dtype) || is_narrow_column_sum(reduce, rank, dtype);
+                let summed = is_any_column_sum(reduce, rank, dtype);
                 (!is_output[id.index()] && summed).then_some((id, x))
             })
             .collect();

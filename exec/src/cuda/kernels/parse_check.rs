@@ -444,7 +444,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     }
     k.push(("fp8_transpose".into(), fp8::transpose()));
     // The FP8 cast of a program's value (`elementwise-into-fp8`): with its column sum
-    // and without.
+    // and without; and of a tensor it only loads, with its column sum.
     for (i, summed) in [vec![2], vec![]].into_iter().enumerate() {
         let p = fused_program(gelu_gradient, vec![2])
             .with_column_sums(summed)
@@ -454,6 +454,13 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
             fp8::quantize_program(&p, DType::F8E5M2),
         ));
     }
+    let load = fused_program("v0 = in0: bf16[16, 24]", vec![0])
+        .with_column_sums(vec![0])
+        .unwrap();
+    k.push((
+        "fp8_quantize_program_load".into(),
+        fp8::quantize_program(&load, DType::F8E5M2),
+    ));
     k
 }
 
