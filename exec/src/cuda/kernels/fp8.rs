@@ -109,16 +109,28 @@ pub(super) fn fp8_module(types: &[(&str, DType)], body: &str) -> String {
     format!("#include <cuda_fp8.h>\n{}", module_multi(types, body))
 }
 
-/// The per-thread amax `m` folded over the block and into `amax` (a `unsigned int*`)
-/// by its bits: non-negative floats (NaN included, its sign cleared) order as their
-/// bits do. Every thread of the block runs it. One atomic a block: atomics on one
-/// address serialise (a warp's each made the amax pass 4x slower than its reads), so
-/// the amax kernels run [`AMAX_BLOCKS`] blocks at most.
+/// Declares the per-thread amax `m`: the bits of `max |x|` so far. Non-negative
+/// floats (NaN included, its sign cleared) order as their bits do, so one integer max
+/// measures an element, NaN winning ([`amax_measure`]), where a float max that lets NaN
+/// win took five instructions.
+pub(super) fn amax_declaration(m: &str) -> String {
+    format!("unsigned int {m} = 0u;\n")
+}
+
+/// Folds `|x|` (a float) into the amax `m`.
+pub(super) fn amax_measure(m: &str, x: &str) -> String {
+    format!("{m} = max({m}, __float_as_uint({x}) & 0x7fffffffu);")
+}
+
+/// The per-thread amax `m` ([`amax_declaration`]) folded over the block and into
+/// `amax` (a `unsigned int*`) by its bits. Every thread of the block runs it. One
+/// atomic a block: atomics on one address serialise (a warp's each made the amax pass
+/// 4x slower than its reads), so the amax kernels run [`AMAX_BLOCKS`] blocks at most.
 pub(super) fn amax_fold(m: &str, amax: &str) -> String {
     format!(
         "  {{ __shared__ float sh_amax[32];\n\
-           {m} = block_max({m}, sh_amax);\n\
-           if (threadIdx.x == 0) atomicMax({amax}, __float_as_uint(fabsf({m}))); }}\n"
+           const float m_block = block_max(__uint_as_float({m}), sh_amax);\n\
+           if (threadIdx.x == 0) atomicMax({amax}, __float_as_uint(fabsf(m_block))); }}\n"
     )
 }
 
@@ -163,14 +175,14 @@ fn activate(activation: Option<UnaryKind>) -> String {
 }
 
 pub(super) fn amax(x: DType, activation: Option<UnaryKind>) -> String {
-    let measure = format!("{}m = nanmax(m, fabsf(x));", activate(activation));
+    let measure = format!("{}{}", activate(activation), amax_measure("m", "x"));
     let body = elementwise(&[x_load(x)], &measure, &[]);
-    let fold = amax_fold("m", "amax");
+    let (declaration, fold) = (amax_declaration("m"), amax_fold("m", "amax"));
     fp8_module(
         &[("X", x)],
         &format!(
             "extern \"C\" __global__ void k(const TX* px, i64 n, unsigned int* amax) {{\n\
-               float m = 0.0f;\n{body}{fold}}}\n"
+               {declaration}{body}{fold}}}\n"
         ),
     )
 }
@@ -182,15 +194,15 @@ pub(super) fn quantize(x: DType, to: DType, activation: Option<UnaryKind>) -> St
         bytes: 1,
         value: "__fmul_rn(x, s)",
     };
-    let measure = format!("{}m = nanmax(m, fabsf(x));", activate(activation));
+    let measure = format!("{}{}", activate(activation), amax_measure("m", "x"));
     let body = elementwise(&[x_load(x)], &measure, &[y]);
-    let fold = amax_fold("m", "amax");
+    let (declaration, fold) = (amax_declaration("m"), amax_fold("m", "amax"));
     fp8_module(
         &[("X", x), ("Y", to)],
         &format!(
             "extern \"C\" __global__ void k(const TX* px, const float* ps, TY* py, unsigned int* amax, i64 n) {{\n\
                const float s = ps[0];\n\
-               float m = 0.0f;\n{body}{fold}}}\n"
+               {declaration}{body}{fold}}}\n"
         ),
     )
 }
@@ -382,7 +394,11 @@ fn cast_transpose(k: CastTranspose) -> String {
             concat(&|r| r.load()),
         )
     };
-    let fold = amax_fold("m", "amax");
+    let (declaration, measure, fold) = (
+        amax_declaration("m"),
+        amax_measure("m", "x"),
+        amax_fold("m", "amax"),
+    );
     fp8_module(
         types,
         &format!(
@@ -391,7 +407,7 @@ fn cast_transpose(k: CastTranspose) -> String {
                __align__(4) __shared__ u8 tile[64][68];\n\
                {shared}{stage_shared}\
                const float s = ps[0];\n\
-               float m = 0.0f;\n\
+               {declaration}\
                const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
                const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
                {first}\
@@ -408,7 +424,7 @@ fn cast_transpose(k: CastTranspose) -> String {
                      #pragma unroll\n\
                      for (int b = 0; b < 8; ++b) {{\n\
                        {element}\
-                       m = nanmax(m, fabsf(x));\n\
+                       {measure}\n\
                        stY(q, b, __fmul_rn(x, s));{element_end}\n\
                      }}\n\
                      const uint2 w = *(const uint2*)q;\n\

@@ -11,7 +11,7 @@ use super::codegen::{
     column_sums_and, elementwise, lit, module_multi, streams, vector_len, At, Load, Store, Streams,
     COLUMN_ROWS,
 };
-use super::fp8::{amax_fold, launch_amax};
+use super::fp8::{amax_declaration, amax_fold, amax_measure, launch_amax};
 use super::{
     first, kernel, launch_column_sums, CudaKernel, KernelResult, Lowering, Partials, ProgramSpec,
 };
@@ -413,9 +413,11 @@ impl Amaxes {
         };
         for (k, v) in p.amaxes().iter().enumerate() {
             a.params.push(format!("unsigned int* amax{k}"));
-            a.decl.push_str(&format!("float m{k} = 0.0f;\n"));
-            a.measure
-                .push_str(&format!("    m{k} = nanmax(m{k}, fabsf((float)v{v}));\n"));
+            a.decl.push_str(&amax_declaration(&format!("m{k}")));
+            a.measure.push_str(&format!(
+                "    {}\n",
+                amax_measure(&format!("m{k}"), &format!("(float)v{v}"))
+            ));
             a.fold
                 .push_str(&amax_fold(&format!("m{k}"), &format!("amax{k}")));
         }

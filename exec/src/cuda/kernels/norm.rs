@@ -15,7 +15,7 @@ use super::codegen::{
     column_sums, column_sums_fin, column_vector, lit, module_multi, warp_load_words, warp_rows,
     warp_store_words, WARP_ROW_MAX,
 };
-use super::fp8::{amax_fold, fp8_module, zeroed_amax, AMAX_BLOCKS};
+use super::fp8::{amax_declaration, amax_fold, amax_measure, fp8_module, zeroed_amax, AMAX_BLOCKS};
 use super::reduce::reduce_into;
 use super::{
     acc_dtype, block_rows, first, float_only, input, kernel, launch_column_sums,
@@ -367,8 +367,9 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
     // statistics' code names its sums `s` and `q`).
     let cast = format!(
         "TY r[1]; stY(r, 0, (CY)({value})); const float x = (float)ldY(r, 0);\n\
-         m = nanmax(m, fabsf(x));\n\
-         TQ cast[1]; stQ(cast, 0, __fmul_rn(x, scale));"
+         {}\n\
+         TQ cast[1]; stQ(cast, 0, __fmul_rn(x, scale));",
+        amax_measure("m", "x")
     );
     let stats = ln_warp_stats(per);
     let warp = format!(
@@ -400,7 +401,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
                __align__(4) __shared__ u8 band[{FP8_BAND}][{width}];\n\
                const A eps = (A)(C){eps};\n\
                const float scale = ps[0];\n\
-               float m = 0.0f;\n\
+               {declaration}\
                const int lane = threadIdx.x & 31, words = (int)(len / 8);\n\
                for (i64 r0 = (i64)blockIdx.x * {FP8_BAND}; r0 < rows; r0 += (i64)gridDim.x * {FP8_BAND}) {{\n\
                  for (int jr = threadIdx.x >> 5; jr < {FP8_BAND}; jr += 8) {{\n\
@@ -426,6 +427,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
             width = 32 * per + 4,
             groups = FP8_BAND / 8,
             eps = lit(eps),
+            declaration = amax_declaration("m"),
             fold = amax_fold("m", "amax"),
         )
     };

@@ -60,7 +60,7 @@ __half2 __floats2half2_rn(float, float); __nv_bfloat162 __floats2bfloat162_rn(fl
 using std::isnan; using std::isfinite;
 struct __nv_fp8_e4m3 { unsigned char x; __nv_fp8_e4m3() = default; explicit __nv_fp8_e4m3(float); explicit operator float() const; };
 struct __nv_fp8_e5m2 { unsigned char x; __nv_fp8_e5m2() = default; explicit __nv_fp8_e5m2(float); explicit operator float() const; };
-unsigned atomicMax(unsigned*, unsigned); unsigned __float_as_uint(float); float __fdiv_rn(float, float);
+unsigned atomicMax(unsigned*, unsigned); unsigned __float_as_uint(float); float __uint_as_float(unsigned); unsigned max(unsigned, unsigned); float __fdiv_rn(float, float);
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 "#;
 
