@@ -239,6 +239,17 @@ fn unary_by_hand_and_edge_values() {
     let x16 = Tensor::from_f64(DType::F16, [1], &[12.0]).unwrap();
     let y = run(&Unary::new(UnaryKind::Exp), &[&x16]).to_f64_vec();
     assert_eq!(y, [f64::INFINITY]);
+    // tanh-GELU keeps f32's relative accuracy below zero, where 0.5 x (1 + tanh u)
+    // cancels (that form was 8e-5 off at -3.5, 1.5e-4 at -4.25 and 1.0 at -5.5).
+    let xs = [-5.5, -4.25, -3.5, -2.0];
+    let gelu = eval(UnaryKind::Gelu { approximate: true }, &xs);
+    for (&x, y) in xs.iter().zip(gelu) {
+        let want = unary_ref(UnaryKind::Gelu { approximate: true }, x);
+        assert!(
+            (y - want).abs() <= 1e-6 * want.abs(),
+            "gelu_tanh({x}) = {y}, not {want}"
+        );
+    }
     // Identity accepts any dtype; the others want floats.
     let ints = Tensor::new([2], ampgraph_graph::Data::I32(vec![1, -2])).unwrap();
     assert_eq!(run(&Unary::new(UnaryKind::Identity), &[&ints]), ints);
