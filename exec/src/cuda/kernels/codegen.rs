@@ -107,19 +107,39 @@ __device__ __forceinline__ float m_erf(float x0) {
   return isnan(x0) ? x0 : y;
 }
 __device__ __forceinline__ double m_erf(double x) { return erf(x); }
-// tanh-GELU as `x / (1 + exp(-2u))` (graph/src/ops/elementwise/kinds.rs says why), the
-// exponential and the reciprocal by the hardware's approximations: within 3 ulp of
+// tanh-GELU as `x s`, `s = 1 / (1 + exp(-2u))` (graph/src/ops/elementwise/kinds.rs
+// says why), and its derivative from the same `e = exp(-2u)` and `s`, the exponential
+// and the reciprocal by the hardware's approximations: the value within 3 ulp of
 // float64 above -1, 26 below (the exponent's argument, rounded, grows there); tanhf's
-// 22 instructions an element had bound the FP8 cast computing it.
-__device__ __forceinline__ float m_gelu_tanh(float x) {
-  const float u = 7.978845608028654e-1f * (x + 4.4715e-2f * x * x * x);
+// 22 instructions an element had bound the FP8 casts computing them.
+__device__ __forceinline__ float m_gelu_tanh_u(float x) {
+  return 7.978845608028654e-1f * (x + 4.4715e-2f * x * x * x);
+}
+__device__ __forceinline__ float m_exp_neg2(float u) {
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u * -2.885390081777927f));
-  return x * m_rcp_approx(1.0f + e);
+  return e;
+}
+__device__ __forceinline__ float m_gelu_tanh(float x) {
+  return x * m_rcp_approx(1.0f + m_exp_neg2(m_gelu_tanh_u(x)));
+}
+__device__ __forceinline__ float m_gelu_tanh_grad(float x) {
+  const float e = m_exp_neg2(m_gelu_tanh_u(x)), s = m_rcp_approx(1.0f + e), slope = e * s * s;
+  const float tail = (slope == 0.0f || s == 0.0f) ? 0.0f
+      : (x + x) * slope * 7.978845608028654e-1f * (1.0f + 3.0f * 4.4715e-2f * x * x);
+  return s + tail;
+}
+__device__ __forceinline__ double m_gelu_tanh_u(double x) {
+  return 7.978845608028654e-1 * (x + 4.4715e-2 * x * x * x);
 }
 __device__ __forceinline__ double m_gelu_tanh(double x) {
-  const double u = 7.978845608028654e-1 * (x + 4.4715e-2 * x * x * x);
-  return x / (1.0 + exp(-2.0 * u));
+  return x / (1.0 + exp(-2.0 * m_gelu_tanh_u(x)));
+}
+__device__ __forceinline__ double m_gelu_tanh_grad(double x) {
+  const double u = m_gelu_tanh_u(x), e = exp(-(u + u)), s = 1.0 / (1.0 + e), slope = e * s * s;
+  const double tail = (slope == 0.0 || s == 0.0) ? 0.0
+      : (x + x) * slope * 7.978845608028654e-1 * (1.0 + 3.0 * 4.4715e-2 * x * x);
+  return s + tail;
 }
 // Max that lets NaN win.
 template <typename A> __device__ __forceinline__ A nanmax(A a, A b) {

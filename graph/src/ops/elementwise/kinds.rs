@@ -226,18 +226,20 @@ unary_kinds! {
             half * x * (one + (x * T::FRAC_1_SQRT_2()).erf())
         },
         derivative: if approximate {
-            // With u = c (x + k x^3), t = tanh(u):
-            // 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2).
+            // With u = c (x + k x^3), e = exp(-2u), s = 1 / (1 + e) (= 0.5 (1 + tanh u)):
+            // s + 2 x s (1 - s) c (1 + 3 k x^2), where s (1 - s) = e s^2.
             let c = T::lit((2.0 / PI).sqrt());
             let k = T::lit(0.044715);
-            let t = (c * (x + k * x * x * x)).tanh();
-            let sech2 = one - t * t;
-            let tail = if sech2 == zero {
+            let u = c * (x + k * x * x * x);
+            let e = (-(u + u)).exp();
+            let s = one / (one + e);
+            let slope = e * s * s;
+            let tail = if slope == zero || s == zero {
                 zero // saturated: avoids 0 * inf for huge |x|
             } else {
-                half * x * sech2 * c * (one + T::lit(3.0) * k * x * x)
+                (x + x) * slope * c * (one + T::lit(3.0) * k * x * x)
             };
-            half * (one + t) + tail
+            s + tail
         } else {
             // Phi(x) + x phi(x), phi the standard normal density.
             let cdf = half * (one + (x * T::FRAC_1_SQRT_2()).erf());
@@ -255,14 +257,7 @@ unary_kinds! {
             format!("(C)0.5 * x * ((C)1 + m_erf(x * (C){}))", cuda_lit(FRAC_1_SQRT_2))
         },
         cuda_derivative: if approximate {
-            format!(
-                "C c = (C){}; C k = (C)0.044715;\n\
-                 C t = m_tanh(c * (x + k * x * x * x));\n\
-                 C sech2 = (C)1 - t * t;\n\
-                 C tail = sech2 == (C)0 ? (C)0 : (C)0.5 * x * sech2 * c * ((C)1 + (C)3 * k * x * x);\n\
-                 C d = (C)0.5 * ((C)1 + t) + tail;",
-                cuda_lit((2.0 / PI).sqrt())
-            )
+            "C d = m_gelu_tanh_grad(x);".to_string()
         } else {
             format!(
                 "C cdf = (C)0.5 * ((C)1 + m_erf(x * (C){}));\n\
