@@ -193,7 +193,7 @@ pub const PASSES: &[PassEntry] = &[
     },
     PassEntry {
         name: "gemm-epilogue",
-        summary: "MatMul, BiasAdd, Relu or tanh-GELU, a residual Add and a Cast to f32 become one FusedMatMul (cuBLASLt epilogue).",
+        summary: "MatMul, BiasAdd, Relu or tanh-GELU, a residual Add and a Cast to f32 become one FusedMatMul (cuBLASLt epilogue); an Fp8MatMul stored in 16 bits takes its BiasAdd and residual Add.",
         make: || Box::new(GemmEpilogue),
     },
     PassEntry {
@@ -223,7 +223,7 @@ pub const PASSES: &[PassEntry] = &[
     },
     PassEntry {
         name: "elementwise-into-fp8",
-        summary: "A fused elementwise program whose one stored value only a delayed-scaling FP8 cast (transposed, sides multiples of 8) reads becomes the cast's prologue, its column sums output by the cast (a GELU gradient and its bias sum: TransformerEngine's dgelu_cast_transpose_dbias).",
+        summary: "A fused elementwise program whose one stored value only a delayed-scaling FP8 cast (transposed, sides multiples of 8) reads becomes the cast's prologue, its column sums output by the cast (a GELU gradient and its bias sum: TransformerEngine's dgelu_cast_transpose_dbias); a tensor read only by such a cast and column Sums has its sums taken by the cast.",
         make: || Box::new(ElementwiseIntoFp8),
     },
     PassEntry {
