@@ -464,7 +464,7 @@ impl Op for DequantizeFp8 {
 /// `gemm-epilogue` folds a Linear's BiasAdd in, as into 16-bit products. With
 /// `residual`, a last input of the output's type is added after it (a residual
 /// connection's `Add`: cuBLASLt's `C` with beta 1, 16-bit results too), as
-/// [`FusedMatMul::residual`].
+/// [`FusedMatMul::residual`](crate::ops::FusedMatMul::residual).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp8MatMul {
     pub product: MatMul,
