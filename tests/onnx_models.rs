@@ -348,11 +348,7 @@ fn every_model_keeps_its_values_through_the_cuda_passes() {
 #[test]
 fn layer_norm_forms_import_as_layer_norms() {
     let (g, inputs, expected) = load(&data_dir().join("layer_norm_forms"));
-    let count = |op: &str| {
-        (g.node_ids())
-            .filter(|&id| g.node(id).op_name() == op)
-            .count()
-    };
+    let count = |op: &str| common::count(&g, op);
     assert_eq!(count("LayerNorm"), 3);
     for op in ["Mean", "Sub", "Pow", "Mul", "Sqrt", "Reciprocal", "Div"] {
         assert_eq!(count(op), 0, "{op}: the decompositions went");
@@ -409,11 +405,7 @@ fn cubic_positions_match_onnxruntime() {
 fn fourier_mixing_matches_onnxruntime() {
     check_model("fourier_mixing");
     let (g, _, _) = load(&data_dir().join("fourier_mixing"));
-    let count = |name: &str| {
-        g.node_ids()
-            .filter(|&id| g.node(id).op_name() == name)
-            .count()
-    };
+    let count = |op: &str| common::count(&g, op);
     // Four transforms: two of complex signals (four products), a real one and an
     // inverse complex one (two and four).
     assert_eq!(count("MatMul"), 4 + 4 + 2 + 4);
@@ -432,20 +424,11 @@ fn col2im_blocks_match_onnxruntime() {
 fn gelu_forms_import_as_gelus_matching_onnxruntime() {
     check_model("gelu_forms");
     let (g, _, _) = load(&data_dir().join("gelu_forms"));
-    let count = |op: &str| {
-        g.node_ids()
-            .filter(|&id| g.node(id).op.name() == op)
-            .count()
-    };
+    let count = |op: &str| common::count(&g, op);
     assert_eq!(count("Gelu"), 2);
     assert_eq!(count("Pow") + count("Erf") + count("Tanh"), 0);
     let (t, _, _) = load(&data_dir().join("transformer_tiny"));
-    assert_eq!(
-        t.node_ids()
-            .filter(|&id| t.node(id).op.name() == "Erf")
-            .count(),
-        0
-    );
+    assert_eq!(common::count(&t, "Erf"), 0);
 }
 
 /// LSTM and GRU (batch-first, reverse and bidirectional, initial and last states,

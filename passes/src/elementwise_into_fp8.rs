@@ -152,6 +152,25 @@ mod tests {
     use ampgraph_graph::ops::{Cast, Reduce, ReduceKind, UnaryGrad, UnaryKind};
     use ampgraph_graph::{DType, Tensor};
 
+    /// The graph's outputs: `x`'s cast `q` (E5M2, transposed, scale 0.5) and its column
+    /// sum `sum` (node `bias_sum`) read by a Neg (an update's, say: a Sum that is an
+    /// output stays); with `leak`, a Neg of `x` too.
+    fn cast_and_sum(g: &mut Graph, x: Port, sum: Reduce, leak: bool) {
+        let bias = g.add_node("bias_sum", Box::new(sum), &[x]).unwrap();
+        let neg = ampgraph_graph::ops::Unary::new(UnaryKind::Neg);
+        let bias = g.add(neg.clone(), &[bias.into()]).unwrap();
+        let scale = g.scalar(DType::F32, 0.5).unwrap();
+        let q = QuantizeFp8::new(DType::F8E5M2)
+            .unwrap()
+            .with_transposed(true);
+        let q = g.add_node("q", Box::new(q), &[x, scale]).unwrap();
+        let mut outputs = vec![Port::new(q, 0), Port::new(q, 1), Port::new(q, 2), bias];
+        if leak {
+            outputs.push(g.add(neg, &[x]).unwrap());
+        }
+        g.set_outputs(outputs).unwrap();
+    }
+
     /// `q(gelu'(z) * dy)` (E5M2, transposed, a given scale) with the gradient's bias sum
     /// cast to bf16, fused as the pipeline leaves them; with `leak`, a Neg reads the
     /// gradient too; `shape` the matrix's.
@@ -162,21 +181,7 @@ mod tests {
         let gelu = UnaryKind::Gelu { approximate: false };
         let dz = g.add(UnaryGrad::new(gelu), &[z, dy]).unwrap();
         let sum = Reduce::new(ReduceKind::Sum, Some(vec![0]), false);
-        let bias = g.add(sum, &[dz]).unwrap();
-        // The bias gradient's reader (an update's, say): a Sum that is an output stays.
-        let neg = ampgraph_graph::ops::Unary::new(UnaryKind::Neg);
-        let bias = g.add(neg, &[bias]).unwrap();
-        let scale = g.scalar(DType::F32, 0.5).unwrap();
-        let q = QuantizeFp8::new(DType::F8E5M2)
-            .unwrap()
-            .with_transposed(true);
-        let q = g.add_node("q", Box::new(q), &[dz, scale]).unwrap();
-        let mut outputs = vec![Port::new(q, 0), Port::new(q, 1), Port::new(q, 2), bias];
-        if leak {
-            let neg = ampgraph_graph::ops::Unary::new(UnaryKind::Neg);
-            outputs.push(g.add(neg, &[dz]).unwrap());
-        }
-        g.set_outputs(outputs).unwrap();
+        cast_and_sum(&mut g, dz, sum, leak);
         for pass in [
             &crate::fuse::Fuse as &dyn Pass,
             &crate::sum_into_elementwise::SumIntoElementwise,
@@ -237,20 +242,7 @@ mod tests {
             .add(ampgraph_graph::ops::MatMul::new(false, false), &[a, b])
             .unwrap();
         let sum = Reduce::new(ReduceKind::Sum, Some(vec![0]), false).with_output(sum_to);
-        let bias = g.add_node("bias_sum", Box::new(sum), &[x]).unwrap();
-        let neg = ampgraph_graph::ops::Unary::new(UnaryKind::Neg);
-        let bias = g.add(neg, &[bias.into()]).unwrap();
-        let scale = g.scalar(DType::F32, 0.5).unwrap();
-        let q = QuantizeFp8::new(DType::F8E5M2)
-            .unwrap()
-            .with_transposed(true);
-        let q = g.add_node("q", Box::new(q), &[x, scale]).unwrap();
-        let mut outputs = vec![Port::new(q, 0), Port::new(q, 1), Port::new(q, 2), bias];
-        if leak {
-            let neg = ampgraph_graph::ops::Unary::new(UnaryKind::Neg);
-            outputs.push(g.add(neg, &[x]).unwrap());
-        }
-        g.set_outputs(outputs).unwrap();
+        cast_and_sum(&mut g, x, sum, leak);
         g
     }
 

@@ -63,12 +63,8 @@ fn products_and_readers<'g>(
 ) -> impl Iterator<Item = (NodeId, &'g dyn Op, NodeId)> + 'g {
     g.node_ids().filter_map(move |id| {
         let op = g.node(id).op.as_ref();
-        let product = op.is::<FusedMatMul>() || op.is::<Fp8MatMul>();
-        Some((
-            id,
-            op,
-            sole_reader(g, adj, Port::new(id, 0)).filter(|_| product)?,
-        ))
+        (op.is::<FusedMatMul>() || op.is::<Fp8MatMul>()).then_some(())?;
+        Some((id, op, sole_reader(g, adj, Port::new(id, 0))?))
     })
 }
 
@@ -176,7 +172,10 @@ fn fold_residual_adds(g: &mut Graph) -> Result<(usize, usize), PassError> {
     let mut claims = Claims::new(g);
     let mut through_views = Vec::new();
     for (id, op, view) in products_and_readers(g, &adj) {
-        let Some(fused) = with_residual(op).filter(|_| g.node(view).op.is::<Reshape>()) else {
+        if !g.node(view).op.is::<Reshape>() {
+            continue;
+        }
+        let Some(fused) = with_residual(op) else {
             continue;
         };
         let viewed = Port::new(view, 0);

@@ -527,7 +527,7 @@ impl Op for Fp8MatMul {
         "Fp8MatMul"
     }
     fn arity(&self) -> Arity {
-        Arity::Exactly(4 + usize::from(self.bias) + usize::from(self.residual))
+        Arity::Exactly(self.input_count())
     }
     fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
         let mut attrs = vec![
@@ -602,7 +602,7 @@ impl Op for Fp8MatMul {
         Ok(out)
     }
     fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
-        let result = (4..4 + usize::from(self.bias) + usize::from(self.residual)).collect();
+        let result = (4..self.input_count()).collect();
         vec![
             TypeGroup::new(result, vec![0]),
             TypeGroup::new(vec![0], vec![]).fixed(),
@@ -613,6 +613,11 @@ impl Op for Fp8MatMul {
 }
 
 impl Fp8MatMul {
+    /// The four product inputs, then the bias and the residual where it adds them.
+    fn input_count(&self) -> usize {
+        4 + usize::from(self.bias) + usize::from(self.residual)
+    }
+
     /// The four product inputs, the bias and the residual, where the product has them.
     #[allow(clippy::type_complexity)]
     fn split_addends<'t, T>(
