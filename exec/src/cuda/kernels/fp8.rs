@@ -226,12 +226,24 @@ pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryK
             name: "xs",
             ptr: "px",
         }],
-        tile_start: "",
+        block_start: "",
         element: &format!("float x = ldX(xs[i].v, b);\n{}", activate(activation)),
         element_end: "",
-        tile_end: "",
+        block_end: "",
         after: "",
     })
+}
+
+/// A [`cast_transpose`] kernel's grid over a `rows x cols` matrix, and its bands: each
+/// column of tiles gets the same number of blocks, `bands`, as many as keep the grid
+/// within [`AMAX_BLOCKS`] (one amax atomic a block) and no more than the column's
+/// tiles; a matrix of more tile columns than that gets one block per column.
+fn cast_transpose_grid(rows: usize, cols: usize) -> Result<(u32, usize), String> {
+    let (tiles_r, tiles_c) = (rows.div_ceil(QT_TILE), cols.div_ceil(QT_TILE));
+    let bands = (AMAX_BLOCKS as usize / tiles_c.max(1)).clamp(1, tiles_r.max(1));
+    let blocks = u32::try_from(tiles_c * bands)
+        .map_err(|_| format!("a {rows}x{cols} FP8 cast has too many columns of tiles"))?;
+    Ok((blocks, bands))
 }
 
 /// A cast-transpose kernel's parts ([`cast_transpose`]).
@@ -249,14 +261,16 @@ struct CastTranspose<'a> {
     /// The inputs each tile reads: 8 elements of each of the thread's two rows (row
     /// `i` at `r0 + rr + 32 i`, from column `c`).
     rows: &'a [RowInput<'a>],
-    /// Per tile, after the rows are in registers: declarations.
-    tile_start: &'a str,
+    /// Per block, before its first tile: declarations (the block's columns `c0 ..
+    /// c0 + 63` stay the same over its tiles).
+    block_start: &'a str,
     /// Per element `b` of row `i`: statements defining the float `x` to cast, in a
     /// block `element_end` closes.
     element: &'a str,
     element_end: &'a str,
-    /// Per tile, after its stores.
-    tile_end: &'a str,
+    /// Per block, after its last tile (its band `band` of `bands`), before the amax
+    /// fold.
+    block_end: &'a str,
     /// Source after the kernel.
     after: &'a str,
 }
@@ -341,8 +355,11 @@ const STATIC_SHARED_BYTES: usize = 48 << 10;
 /// bandwidth of a quantisation and a transpose apart), and both stores move 8-byte
 /// words (8 columns of a row of `y`, 8 rows of a column of `y^T`): with 4-byte words
 /// and 4 rows of 4 elements a thread, the mlp's [8192, 4096] quantisation took 55 us
-/// on the H200, with these 51. Rows and columns are multiples of 8. The grid strides
-/// over the tiles with at most [`AMAX_BLOCKS`] blocks, one amax atomic each.
+/// on the H200, with these 51. Rows and columns are multiples of 8. A block keeps to
+/// one column of tiles, walking its rows of tiles in a stride of `bands` (the grid is
+/// [`cast_transpose_grid`]'s, a whole number of tile columns): no division per tile,
+/// and a column sum stays in the thread's registers until the block's last tile, one
+/// partial per band.
 ///
 /// The rows of the next tile are copied into shared memory (`cp.async`, two buffers)
 /// while the block converts and stores this one: Nsight Compute found these kernels
@@ -358,10 +375,10 @@ fn cast_transpose(k: CastTranspose) -> String {
         shared,
         shared_bytes,
         rows,
-        tile_start,
+        block_start,
         element,
         element_end,
-        tile_end,
+        block_end,
         after,
     } = k;
     let tile_bytes = 64 * 68;
@@ -375,11 +392,11 @@ fn cast_transpose(k: CastTranspose) -> String {
             copy_async_source!(),
             concat(&|r| r.stage_declaration()),
             format!(
-                "if (blockIdx.x < tiles) {{ const i64 u = blockIdx.x, ur = u / tiles_c * 64, uc = u % tiles_c * 64 + 8 * cg; const int to = 0;\n{stage}}}\n\
+                "if (band < tiles_r) {{ const i64 ur = band * 64, uc = c; const int to = 0;\n{stage}}}\n\
                  commit();\n"
             ),
             format!(
-                "if (t + gridDim.x < tiles) {{ const i64 u = t + gridDim.x, ur = u / tiles_c * 64, uc = u % tiles_c * 64 + 8 * cg; const int to = buf ^ 1;\n{stage}}}\n\
+                "if (tr + bands < tiles_r) {{ const i64 ur = (tr + bands) * 64, uc = c; const int to = buf ^ 1;\n{stage}}}\n\
                  commit();\n\
                  wait<1>();\n"
             ),
@@ -408,13 +425,15 @@ fn cast_transpose(k: CastTranspose) -> String {
                {shared}{stage_shared}\
                const float s = ps[0];\n\
                {declaration}\
-               const i64 tiles_c = (cols + 63) / 64, tiles = (rows + 63) / 64 * tiles_c;\n\
+               const i64 tiles_c = (cols + 63) / 64, tiles_r = (rows + 63) / 64, bands = gridDim.x / tiles_c;\n\
+               const i64 band = blockIdx.x / tiles_c, c0 = (blockIdx.x - band * tiles_c) * 64;\n\
                const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
-               {first}\
+               const i64 c = c0 + 8 * cg;\n\
+               {block_start}{first}\
                int buf = 0;\n\
-               for (i64 t = blockIdx.x; t < tiles; t += gridDim.x, buf ^= 1) {{\n\
-                 const i64 r0 = t / tiles_c * 64, c0 = t % tiles_c * 64, c = c0 + 8 * cg;\n\
-                 {next}{loads}{tile_start}\
+               for (i64 tr = band; tr < tiles_r; tr += bands, buf ^= 1) {{\n\
+                 const i64 r0 = tr * 64;\n\
+                 {next}{loads}\
                  #pragma unroll\n\
                  for (int i = 0; i < 2; ++i) {{\n\
                    const int j = rr + 32 * i;\n\
@@ -448,9 +467,8 @@ fn cast_transpose(k: CastTranspose) -> String {
                      *(uint2*)(pt + cj * rows + r) = w;\n\
                    }}\n\
                  }}\n\
-                 {tile_end}\
                  __syncthreads();\n\
-               }}\n{fold}}}\n{after}"
+               }}\n{block_end}{fold}}}\n{after}"
         ),
     )
 }
@@ -458,8 +476,8 @@ fn cast_transpose(k: CastTranspose) -> String {
 /// [`quantize_transposed`]'s tiles of the value a program computes: each input's 8
 /// elements of the thread's two rows loaded, the program's body per element (its
 /// value rounded as the fused node stored it), then the cast; each column sum adds
-/// the thread's two rows, then the tile's 32 thread rows through shared memory, into
-/// one partial per tile row and column.
+/// the thread's two rows of every tile of its block, then the block's 32 thread rows
+/// through shared memory, into one partial per band and column.
 pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
     let parts = FusedParts::new(p);
     let x = p.outputs().first().copied().unwrap_or(0);
@@ -503,7 +521,7 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
     }
     let n_sums = sums.len();
     let sum_bytes = sum_dtype.map_or(0, |d| n_sums * 32 * 64 * d.size_bytes());
-    let (partials, shared, tile_end, fin) = if n_sums == 0 {
+    let (partials, shared, block_end, fin) = if n_sums == 0 {
         Default::default()
     } else {
         (
@@ -515,7 +533,7 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
                    for (int k = 0; k < {n_sums}; ++k) {{\n\
                      AS t = 0;\n\
                      for (int w = 0; w < 32; ++w) t += csum[k][w][threadIdx.x];\n\
-                     part[((r0 / 64) * {n_sums} + k) * cols + c0 + threadIdx.x] = t;\n\
+                     part[(band * {n_sums} + k) * cols + c0 + threadIdx.x] = t;\n\
                    }}\n\
                  }}\n"
             ),
@@ -531,14 +549,14 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
         shared: &shared,
         shared_bytes: sum_bytes,
         rows: &rows,
-        tile_start: &sum_decl,
+        block_start: &sum_decl,
         element: &format!(
             "const i64 i_el = r * cols + c + b; (void)i_el;\n{binds}\
              {{ const i64 i = i_el; (void)i;\n{}\nfloat x = (float)v{x};\n{sum_add}",
             parts.body
         ),
         element_end: " }",
-        tile_end: &tile_end,
+        block_end: &block_end,
         after: &fin,
     })
 }
@@ -720,12 +738,11 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
         };
         let t = c.alloc(&outs[2])?;
         if let Some(fused) = &fused {
-            let tiles = rows.div_ceil(QT_TILE) * cols.div_ceil(QT_TILE);
-            let blocks = tiles.min(AMAX_BLOCKS as usize);
+            let (blocks, _) = cast_transpose_grid(rows, cols)?;
             c.launch(
                 fused,
                 "k",
-                (blocks as u32, 256),
+                (blocks, 256),
                 &[
                     x.arg(),
                     s.arg(),
@@ -785,21 +802,20 @@ fn lower_quantize_program(
         let t = c.alloc(&outs[2])?;
         let mut args: Vec<Arg> = inputs[..n_in].iter().map(DTensor::arg).collect();
         args.extend([input(inputs, n_in)?.arg(), y.arg(), t.arg(), amax.arg()]);
-        let row_tiles = rows.div_ceil(QT_TILE);
+        let (blocks, bands) = cast_transpose_grid(rows, cols)?;
         let part = match sums {
             0 => None,
-            n => Some(c.temp(acc, row_tiles * n * cols)?),
+            n => Some(c.temp(acc, bands * n * cols)?),
         };
         args.extend(part.as_ref().map(DTensor::arg));
         args.extend([Arg::I64(rows as i64), Arg::I64(cols as i64)]);
-        let blocks = (row_tiles * cols.div_ceil(QT_TILE)).min(AMAX_BLOCKS as usize);
-        c.launch(&spec, "k", (blocks as u32, 256), &args)?;
+        c.launch(&spec, "k", (blocks, 256), &args)?;
         let mut results = vec![y, amax, t];
         if let Some(part) = part {
             let sums: Vec<DTensor> =
                 (outs[3..].iter().map(|o| c.alloc(o))).collect::<Result<_, _>>()?;
             let pairs: Vec<(&DTensor, f64)> = sums.iter().map(|s| (s, 1.0)).collect();
-            launch_column_sums_fin(c, &spec, &part, cols, row_tiles, &pairs)?;
+            launch_column_sums_fin(c, &spec, &part, cols, bands, &pairs)?;
             results.extend(sums);
         }
         Ok(results)
@@ -984,5 +1000,24 @@ mod tests {
         assert!(scale(DType::F8E4M3, 0).contains("__fdiv_rn(__fdiv_rn(448.0f, a), 1.0f)"));
         assert!(scale(DType::F8E5M2, 3).contains("__fdiv_rn(__fdiv_rn(57344.0f, a), 8.0f)"));
         assert!(quantize(DType::BF16, DType::F8E4M3, None).starts_with("#include <cuda_fp8.h>"));
+    }
+
+    /// Every column of tiles gets `bands` blocks, no more than its tiles, and the grid
+    /// stays within the amax budget unless the matrix has more tile columns than it.
+    #[test]
+    fn cast_transpose_grids_cover_whole_columns_of_tiles() {
+        for (rows, cols, blocks, bands) in [
+            (16384, 768, 12 * 85, 85), // 12 tile columns of 256 tiles
+            (8192, 3072, 48 * 21, 21), // 48 columns of 128 tiles
+            (64, 64, 1, 1),            // one tile
+            (128, 8, 2, 2),            // two tiles in one column
+            (8, 200_000, 3125, 1),     // more tile columns than the budget
+        ] {
+            assert_eq!(
+                cast_transpose_grid(rows, cols),
+                Ok((blocks, bands)),
+                "{rows}x{cols}"
+            );
+        }
     }
 }
