@@ -8,7 +8,9 @@ use ampgraph::exec::Feeds;
 use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::fp8::Fp8;
 use ampgraph::graph::nn::{self, Activation};
-use ampgraph::graph::ops::{AmaxChoice, Fp8MatMul, FusedQuantizeFp8, MatMul, QuantizeFp8};
+use ampgraph::graph::ops::{
+    AmaxChoice, Fp8MatMul, FusedQuantizeFp8, GroupedQuantizeFp8, MatMul, QuantizeFp8,
+};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, LossScale, Optimizer, Sgd, TrainStep};
 use ampgraph::passes::amp::fp8::{plan, Decision, Kept};
 use ampgraph::passes::amp::report::explain;
@@ -88,7 +90,9 @@ fn formats(g: &Graph) -> Vec<(String, DType, DType)> {
             for p in &inputs[..2] {
                 let op = &g.node(p.node).op;
                 assert!(
-                    op.is::<QuantizeFp8>() || op.is::<FusedQuantizeFp8>(),
+                    op.is::<QuantizeFp8>()
+                        || op.is::<FusedQuantizeFp8>()
+                        || op.is::<GroupedQuantizeFp8>(),
                     "an FP8 operand of '{}' is not quantised",
                     g.node(id).name
                 );
@@ -785,8 +789,9 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
 
 /// A pre-LN transformer's FP8 training step under delayed scaling (a tiny GPT-2, every
 /// product FP8): with the CUDA pipeline each of its layer norms is computed by
-/// the casts quantising them (`norm-into-fp8`: their 16-bit outputs are gone), five
-/// steps compute the same bits on the CPU as the pipeline without that pass (the
+/// the casts quantising them (`norm-into-fp8`: their 16-bit outputs are gone) and its
+/// weights are cast by one node (`group-fp8-casts`), five steps compute the same bits
+/// on the CPU as the pipeline without those passes (the
 /// fused attention's online softmax rounds apart from the graph's, so the pipelines
 /// are compared with each other, not with no passes), and the step lowers on the CUDA
 /// executor.
@@ -806,7 +811,7 @@ fn a_transformers_norms_are_computed_by_their_fp8_casts() {
         attention_dropout: 0.0,
     };
     let (batch, seq) = (4, 8);
-    let session = |fold_norms: bool| {
+    let session = |fold: bool| {
         let mut g = Graph::new();
         let tokens = g.placeholder("tokens", DType::I64, [batch, seq]).unwrap();
         let labels = g.placeholder("labels", DType::I64, [batch * seq]).unwrap();
@@ -819,7 +824,7 @@ fn a_transformers_norms_are_computed_by_their_fp8_casts() {
             .unwrap();
         let passes = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default())].concat();
         let passes = (passes.into_iter())
-            .filter(|&p| fold_norms || p != "norm-into-fp8")
+            .filter(|&p| fold || !["norm-into-fp8", "group-fp8-casts"].contains(&p))
             .map(String::from);
         let options = SessionOptions {
             passes: Some(passes.collect()),
@@ -858,10 +863,16 @@ fn a_transformers_norms_are_computed_by_their_fp8_casts() {
     // Each block's two and the final one (the tied head's product is FP8 too here).
     assert_eq!(count(g, "LayerNormQuantizeFp8"), 2 * config.layers + 1);
     assert_eq!(count(g, "LayerNorm"), 0);
-    assert_eq!(
-        count(apart.graph_for(&fetch_apart), "LayerNormQuantizeFp8"),
-        0
-    );
+    // Every weight's cast: each block's four products' and the tied head's.
+    assert_eq!(count(g, "GroupedQuantizeFp8"), 1);
+    let grouped = (g.node_ids())
+        .filter_map(|id| g.node(id).op.downcast_ref::<GroupedQuantizeFp8>())
+        .map(|q| q.members)
+        .sum::<usize>();
+    assert_eq!(grouped, 4 * config.layers + 1);
+    for name in ["LayerNormQuantizeFp8", "GroupedQuantizeFp8"] {
+        assert_eq!(count(apart.graph_for(&fetch_apart), name), 0, "{name}");
+    }
     CudaExecutor::check_supported(g).unwrap();
 }
 

@@ -2123,6 +2123,44 @@ fn layer_norm_cast_to_fp8_equals_the_norm_and_the_cast_apart() {
     }
 }
 
+/// A group of weights' FP8 casts (`group-fp8-casts`' GroupedQuantizeFp8) against the
+/// CPU bit for bit: 34 bf16 members to E4M3 (two launches of the table's 32 rows), of
+/// one tile, partial tiles, more tiles than one member's blocks; 3 f32 members to
+/// E5M2. Each member its own scale; values saturate once scaled.
+#[test]
+fn grouped_fp8_casts_match_the_cpu() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(45);
+    let shapes = [
+        (64, 64),
+        (8, 8),
+        (16, 104),
+        (200, 72),
+        (2112, 2048),
+        (0, 16),
+    ];
+    for (x_ty, to, members) in [
+        (DType::BF16, DType::F8E4M3, 34),
+        (DType::F32, DType::F8E5M2, 3),
+    ] {
+        let mut inputs = Vec::new();
+        for m in 0..members {
+            let (rows, cols) = shapes[m % shapes.len()];
+            inputs.push(t(x_ty, &[rows, cols], &r.vec(rows * cols, -700.0, 700.0)));
+            inputs.push(t(DType::F32, &[], &[0.25 + 0.01 * m as f64]));
+        }
+        assert_identical(
+            &format!("GroupedQuantizeFp8 of {members} {x_ty} -> {to}"),
+            run_both(
+                &mut gpu,
+                "grouped quantize",
+                GroupedQuantizeFp8::new(to, members).unwrap(),
+                &inputs,
+            ),
+        );
+    }
+}
+
 /// The FP8 ops (issue 44) against the CPU reference: quantisation and its amax, the
 /// scales of both recipes, the history and dequantisation bit for bit; the FP8
 /// product (each transpose, the mixed formats, 16-bit and f32 results) within its

@@ -9,9 +9,9 @@
 //! apart too.
 
 use ampgraph_graph::ops::{GroupedOptimizerUpdate, OptimizerUpdate, Rule};
-use ampgraph_graph::{DType, Graph, NodeId, Port};
+use ampgraph_graph::{DType, Graph, NodeId};
 
-use crate::rewrite::reachable_from;
+use crate::rewrite::{members_depend_on_each_other, replace_by_group};
 use crate::{Pass, PassError, PassSummary};
 
 /// The largest variable whose update is grouped.
@@ -51,54 +51,6 @@ fn buckets(g: &Graph) -> Vec<Bucket> {
     buckets
 }
 
-/// Whether anything a member computes flows into another member's inputs (a group
-/// would then be its own ancestor).
-fn members_depend_on_each_other(g: &Graph, members: &[NodeId]) -> bool {
-    let readers: Vec<NodeId> = members
-        .iter()
-        .flat_map(|&m| g.consumers(m))
-        .map(|(reader, _, _)| reader)
-        .collect();
-    let downstream = reachable_from(g, readers);
-    members.iter().any(|m| downstream[m.index()])
-}
-
-/// Replaces `members` (updates of `update`'s configuration) by one grouped node, which
-/// takes the first member's place and name: a schedule in node order then runs it
-/// where the first update ran, and the members' gradients (a bias gradient's column
-/// sum, say) run early instead of keeping what they read alive to the step's end.
-fn group(g: &mut Graph, update: OptimizerUpdate, members: &[NodeId]) -> Result<(), PassError> {
-    let n_out = update.num_outputs();
-    let inputs: Vec<Port> = members
-        .iter()
-        .flat_map(|&id| g.inputs(id).to_vec())
-        .collect();
-    let node = members[0];
-    let op = GroupedOptimizerUpdate {
-        update,
-        members: members.len(),
-    };
-    // Member 0's readers keep their ports.
-    g.set_node(node, Box::new(op), &inputs)?;
-    let moved = |m: usize, port: Port| Port::new(node, m * n_out + port.index);
-    let mut changes = Vec::new();
-    let mut outputs = g.outputs().to_vec();
-    for (m, &id) in members.iter().enumerate().skip(1) {
-        for (reader, slot, port) in g.consumers(id) {
-            changes.push((reader, slot, moved(m, port)));
-        }
-        for out in outputs.iter_mut().filter(|p| p.node == id) {
-            *out = moved(m, *out);
-        }
-    }
-    g.rewire(changes)?;
-    g.set_outputs(outputs)?;
-    for &id in &members[1..] {
-        g.remove_node(id)?;
-    }
-    Ok(())
-}
-
 impl Pass for GroupUpdates {
     fn name(&self) -> &'static str {
         "group-updates"
@@ -110,7 +62,15 @@ impl Pass for GroupUpdates {
             if members.len() < 2 || members_depend_on_each_other(g, &members) {
                 continue;
             }
-            group(g, update, &members)?;
+            let n_out = update.num_outputs();
+            let op = GroupedOptimizerUpdate {
+                update,
+                members: members.len(),
+            };
+            // In the first update's place, a schedule in node order runs the group where
+            // it ran, and the members' gradients (a bias gradient's column sum, say) run
+            // early instead of keeping what they read alive to the step's end.
+            replace_by_group(g, &members, Box::new(op), n_out)?;
             groups += 1;
             grouped += members.len();
         }
@@ -132,7 +92,7 @@ mod tests {
     use crate::testing::{assert_same_bits, count, run};
     use ampgraph_graph::format;
     use ampgraph_graph::ops::{AssignVariable, Placeholder, Variable};
-    use ampgraph_graph::{Tensor, TensorType};
+    use ampgraph_graph::{Port, Tensor, TensorType};
 
     fn momentum(learning_rate: f64) -> OptimizerUpdate {
         let rule = Rule::Sgd {

@@ -17,6 +17,7 @@ pub mod elementwise_into_fp8;
 pub mod epilogue;
 pub mod fuse;
 pub mod fuse_batchnorm_activation;
+pub mod group_fp8_casts;
 pub mod group_updates;
 pub mod layout_nhwc;
 pub mod merge_projections;

@@ -12,6 +12,7 @@ use crate::elementwise_into_fp8::ElementwiseIntoFp8;
 use crate::epilogue::GemmEpilogue;
 use crate::fuse::Fuse;
 use crate::fuse_batchnorm_activation::FuseBatchNormActivation;
+use crate::group_fp8_casts::GroupFp8Casts;
 use crate::group_updates::GroupUpdates;
 use crate::layout_nhwc::LayoutNhwc;
 use crate::merge_projections::MergeProjections;
@@ -225,6 +226,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "elementwise-into-fp8",
         summary: "A fused elementwise program whose one stored value only a delayed-scaling FP8 cast (transposed, sides multiples of 8) reads becomes the cast's prologue, its column sums output by the cast (a GELU gradient and its bias sum: TransformerEngine's dgelu_cast_transpose_dbias); a tensor read only by such a cast and column Sums has its sums taken by the cast.",
         make: || Box::new(ElementwiseIntoFp8),
+    },
+    PassEntry {
+        name: "group-fp8-casts",
+        summary: "The transposed delayed-scaling FP8 casts of a step's weights sharing a format and a dtype become one GroupedQuantizeFp8 (one launch per 32 weights).",
+        make: || Box::new(GroupFp8Casts),
     },
     PassEntry {
         name: "group-updates",

@@ -175,6 +175,52 @@ pub(crate) fn reachable_from(g: &Graph, starts: impl IntoIterator<Item = NodeId>
     seen
 }
 
+/// Whether anything a member computes flows into another member's inputs (a group
+/// of them would then be its own ancestor).
+pub(crate) fn members_depend_on_each_other(g: &Graph, members: &[NodeId]) -> bool {
+    let readers: Vec<NodeId> = members
+        .iter()
+        .flat_map(|&m| g.consumers(m))
+        .map(|(reader, _, _)| reader)
+        .collect();
+    let downstream = reachable_from(g, readers);
+    members.iter().any(|m| downstream[m.index()])
+}
+
+/// Replaces `members` (nodes of `per_member` outputs each) by one node of `op`, which
+/// reads their inputs in turn and gives their outputs in turn. It takes the first
+/// member's place and name, whose readers keep their ports.
+pub(crate) fn replace_by_group(
+    g: &mut Graph,
+    members: &[NodeId],
+    op: Box<dyn Op>,
+    per_member: usize,
+) -> Result<(), PassError> {
+    let inputs: Vec<Port> = members
+        .iter()
+        .flat_map(|&id| g.inputs(id).to_vec())
+        .collect();
+    let node = members[0];
+    g.set_node(node, op, &inputs)?;
+    let moved = |m: usize, port: Port| Port::new(node, m * per_member + port.index);
+    let mut changes = Vec::new();
+    let mut outputs = g.outputs().to_vec();
+    for (m, &id) in members.iter().enumerate().skip(1) {
+        for (reader, slot, port) in g.consumers(id) {
+            changes.push((reader, slot, moved(m, port)));
+        }
+        for out in outputs.iter_mut().filter(|p| p.node == id) {
+            *out = moved(m, *out);
+        }
+    }
+    g.rewire(changes)?;
+    g.set_outputs(outputs)?;
+    for &id in &members[1..] {
+        g.remove_node(id)?;
+    }
+    Ok(())
+}
+
 /// The summary every simplification pass reports: a title and one line per count.
 /// [`PassManager`](crate::PassManager) logs it at info level, as it does AMP's.
 pub(crate) fn summary(pass: &str, lines: Vec<String>) -> crate::PassSummary {

@@ -101,7 +101,8 @@ impl Default for UpdateTable {
 }
 
 impl UpdateTable {
-    /// Row `row`: a member's pointer arguments and its length.
+    /// Row `row`: a member's arguments, pointers or integers (read back as `(i64)`
+    /// of the slot), and its length.
     pub fn set(&mut self, row: usize, args: &[Arg], len: usize) -> Result<(), String> {
         let slots = self
             .ptrs
@@ -109,10 +110,11 @@ impl UpdateTable {
             .filter(|slots| args.len() <= slots.len())
             .ok_or("internal: a grouped update's table is too small")?;
         for (slot, arg) in slots.iter_mut().zip(args) {
-            let Arg::Ptr(p) = arg else {
-                return Err("internal: a grouped update takes pointers only".into());
+            *slot = match arg {
+                Arg::Ptr(p) => *p,
+                Arg::I64(v) => *v as u64,
+                _ => return Err("internal: a grouped update takes pointers and i64s only".into()),
             };
-            *slot = *p;
         }
         self.lens[row] = len as i64;
         Ok(())

@@ -11,6 +11,7 @@ use ampgraph_passes::elementwise_into_fp8::ElementwiseIntoFp8;
 use ampgraph_passes::epilogue::GemmEpilogue;
 use ampgraph_passes::fuse::Fuse;
 use ampgraph_passes::fuse_batchnorm_activation::FuseBatchNormActivation;
+use ampgraph_passes::group_fp8_casts::GroupFp8Casts;
 use ampgraph_passes::group_updates::GroupUpdates;
 use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::merge_projections::MergeProjections;
@@ -54,8 +55,8 @@ use crate::ExecOptions;
 /// gradients summed from what they compute, layer-norm gradients the Adds of the
 /// residual gradient after them (with those bias gradients), current FP8 scales the
 /// amax of the kernel computing their tensor, delayed FP8 casts the program computing
-/// theirs (a GELU gradient with its bias sum), and the small variables' updates share
-/// launches.
+/// theirs (a GELU gradient with its bias sum), and the weights' FP8 casts and the
+/// small variables' updates share launches.
 ///
 /// With TF32 allowed every NCHW graph runs NHWC, f32 convolutions included, as PyTorch
 /// runs channels_last with TF32: cuDNN's TF32 convolutions on the H100 are NHWC
@@ -96,6 +97,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(NormGradEpilogueFusion),
         Box::new(AmaxIntoElementwise),
         Box::new(ElementwiseIntoFp8),
+        Box::new(GroupFp8Casts),
         Box::new(GroupUpdates),
     ]
 }

@@ -51,6 +51,17 @@ pub(crate) const OPS: &[OpEntry] = &[
         },
     },
     OpEntry {
+        name: "GroupedQuantizeFp8",
+        parse: |_, a| {
+            let members = a.opt_int("members")?.ok_or("missing attr 'members'")?;
+            let members = usize::try_from(members)
+                .ok()
+                .filter(|&m| m > 0)
+                .ok_or("attr 'members' must be positive")?;
+            GroupedQuantizeFp8::new(a.dtype("to")?, members).map(|op| Box::new(op) as _)
+        },
+    },
+    OpEntry {
         name: "DequantizeFp8",
         parse: |_, a| Ok(Box::new(DequantizeFp8::new(a.dtype("to")?)?)),
     },
@@ -408,6 +419,94 @@ impl Op for QuantizeFp8 {
             TypeGroup::new(vec![], stored).fixed(),
             TypeGroup::new(vec![0], vec![]),
             TypeGroup::new(vec![1], vec![1]).fixed(),
+        ]
+    }
+}
+
+/// Several transposed [`QuantizeFp8`]s of matrices of one dtype as one node
+/// (TransformerEngine's `multi_cast_transpose`), so that an executor casts a step's
+/// weights in one launch: inputs `(x, scale)` per member in turn, outputs `(y, amax,
+/// y^T)` per member in turn. Members may differ in shape. The `group-fp8-casts` pass
+/// makes them of delayed-scaling casts of variables: GPT-2 cast its 35 FP8 weights
+/// by a launch each, most too small to fill the GPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupedQuantizeFp8 {
+    /// Each member's cast (transposed, without an activation).
+    pub quantize: QuantizeFp8,
+    pub members: usize,
+}
+
+impl GroupedQuantizeFp8 {
+    /// The inputs of one member: x and its scale.
+    pub const MEMBER_INPUTS: usize = 2;
+    /// The outputs of one member: y, its amax and y transposed.
+    pub const MEMBER_OUTPUTS: usize = 3;
+
+    pub fn new(to: DType, members: usize) -> OpResult<Self> {
+        Ok(GroupedQuantizeFp8 {
+            quantize: QuantizeFp8::new(to)?.with_transposed(true),
+            members,
+        })
+    }
+
+    /// `f` of each member's inputs, the results in turn; an error names its member.
+    fn per_member<I, O>(
+        &self,
+        inputs: &[I],
+        f: impl Fn(&[I]) -> OpResult<Vec<O>>,
+    ) -> OpResult<Vec<O>> {
+        let mut out = Vec::with_capacity(self.members * Self::MEMBER_OUTPUTS);
+        for (m, member) in inputs.chunks(Self::MEMBER_INPUTS).enumerate() {
+            out.extend(f(member).map_err(|e| format!("member {m}: {e}"))?);
+        }
+        Ok(out)
+    }
+}
+
+impl Op for GroupedQuantizeFp8 {
+    fn name(&self) -> &'static str {
+        "GroupedQuantizeFp8"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(Self::MEMBER_INPUTS * self.members)
+    }
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("to", self.quantize.to.into()),
+            ("members", (self.members as i64).into()),
+        ]
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let mut values = inputs.iter().step_by(Self::MEMBER_INPUTS);
+        if let (Some(first), Some(other)) =
+            (values.next(), values.find(|x| x.dtype != inputs[0].dtype))
+        {
+            return Err(format!(
+                "the members' values must share one dtype, not {} and {}",
+                first.dtype, other.dtype
+            ));
+        }
+        self.per_member(inputs, |member| self.quantize.infer(member))
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        self.per_member(inputs, |member| self.quantize.eval(member))
+    }
+    /// As [`QuantizeFp8`]'s, the members' values one type.
+    fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {
+        let (i, o) = (Self::MEMBER_INPUTS, Self::MEMBER_OUTPUTS);
+        let members = 0..self.members;
+        vec![
+            TypeGroup::new(
+                vec![],
+                members.clone().flat_map(|m| [o * m, o * m + 2]).collect(),
+            )
+            .fixed(),
+            TypeGroup::new(members.clone().map(|m| i * m).collect(), vec![]),
+            TypeGroup::new(
+                members.clone().map(|m| i * m + 1).collect(),
+                members.map(|m| o * m + 1).collect(),
+            )
+            .fixed(),
         ]
     }
 }

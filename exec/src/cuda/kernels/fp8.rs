@@ -14,7 +14,8 @@
 use ampgraph_graph::fp8::Fp8;
 use ampgraph_graph::ops::{
     AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate,
-    FusedElementwise, FusedQuantizeFp8, LayerNormQuantizeFp8, QuantizeFp8, UnaryKind,
+    FusedElementwise, FusedQuantizeFp8, GroupedQuantizeFp8, LayerNormQuantizeFp8, QuantizeFp8,
+    UnaryKind,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -26,7 +27,9 @@ use super::{
     first, input, kernel, launch_column_sums_fin, launch_grouped, one_output, Ctx, KernelResult,
     KernelSpec, Lowering,
 };
-use crate::cuda::device::{items_grid, update_table_declaration, Arg, DTensor};
+use crate::cuda::device::{
+    items_grid, update_table_declaration, Arg, DTensor, UpdateTable, GROUP_MEMBERS,
+};
 use crate::cuda::gemm::Product;
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr};
 
@@ -45,6 +48,10 @@ kernel_specs! {
         /// i64 cols)`: [`Spec::Quantize`] of a `rows x cols` matrix (both multiples of
         /// 8) also writing `pt = y^T`, per 64x64 tile through shared memory.
         QuantizeTransposed { x: DType, to: DType, activation: Option<UnaryKind> } => quantize_transposed(x, to, activation),
+        /// `k_group(const UpdateTable t, int members)`: [`Spec::QuantizeTransposed`] of
+        /// up to 32 matrices, each its own blocks of the grid, after `k_group_zero`
+        /// zeroed their amaxes ([`group_head`] has the table's rows).
+        QuantizeTransposedGroup { x: DType, to: DType } => quantize_transposed_group(x, to),
         /// `k(<inputs>, const float* ps, TY* py, TY* pt, unsigned* amax[, AS* part],
         /// i64 rows, i64 cols)`: [`Spec::QuantizeTransposed`] of the value `program`
         /// computes from its inputs (all of the matrix's size) per tile, with the
@@ -73,6 +80,9 @@ const MAX_HISTORY: usize = 1024;
 pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Lowering {
     if let Some(q) = op.downcast_ref::<QuantizeFp8>() {
         return Some(lower_quantize(q, ins, outs));
+    }
+    if let Some(g) = op.downcast_ref::<GroupedQuantizeFp8>() {
+        return Some(lower_grouped_quantize(g, ins, outs));
     }
     if let Some(f) = op.downcast_ref::<FusedQuantizeFp8>() {
         return Some(lower_quantize_program(f, ins, outs));
@@ -213,11 +223,26 @@ const QT_TILE: usize = 64;
 /// `x` cast with its transposed copy ([`cast_transpose`]), `x` the activation's value
 /// where the op has one.
 pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryKind>) -> String {
+    cast_transpose_of_x(
+        x,
+        to,
+        activation,
+        &kernel_head("const TX* __restrict__ px", ""),
+    )
+}
+
+/// [`quantize_transposed`] of a group's members, each with its own blocks of one grid
+/// ([`group_head`]).
+pub(super) fn quantize_transposed_group(x: DType, to: DType) -> String {
+    cast_transpose_of_x(x, to, None, &group_head())
+}
+
+/// The cast-transpose kernel of one input `px` under `head`.
+fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head: &str) -> String {
     cast_transpose(CastTranspose {
         types: &[("X", x), ("Y", to)],
         prefix: "",
-        inputs: "const TX* __restrict__ px",
-        partials: "",
+        head,
         shared: "",
         shared_bytes: 0,
         rows: &[RowInput {
@@ -232,6 +257,40 @@ pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryK
         block_end: "",
         after: "",
     })
+}
+
+/// The head of a cast-transpose kernel `k` of its own grid: its parameters are the
+/// inputs (`inputs`), the scale, the outputs, the amax, any `partials` and the sides.
+fn kernel_head(inputs: &str, partials: &str) -> String {
+    format!(
+        "extern \"C\" __global__ void k({inputs}, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax{partials}, i64 rows, i64 cols) {{\n\
+           const i64 block = blockIdx.x, blocks = gridDim.x;\n"
+    )
+}
+
+/// The grouped casts' kernels ([`Spec::QuantizeTransposedGroup`]): `k_group(const
+/// UpdateTable t, int members)` casts each member, its row of the table (`x, s, y,
+/// y^T, amax, rows, cols`; `t.n[member]` its first block), with the blocks from `t.n[m]` to the
+/// next member's first; `k_group_zero` (a block of `members` threads or more) zeroes
+/// their amaxes first. What follows is [`kernel_head`]'s body.
+fn group_head() -> String {
+    format!(
+        "{table}extern \"C\" __global__ void k_group_zero(const UpdateTable t, int members) {{\n\
+           if ((int)threadIdx.x < members) *(unsigned int*)t.p[threadIdx.x][4] = 0u;\n\
+         }}\n\
+         extern \"C\" __global__ void k_group(const UpdateTable t, int members) {{\n\
+           int member = 0;\n\
+           while (member + 1 < members && (i64)blockIdx.x >= t.n[member + 1]) ++member;\n\
+           const i64 first = t.n[member], block = blockIdx.x - first;\n\
+           const i64 blocks = (member + 1 < members ? t.n[member + 1] : (i64)gridDim.x) - first;\n\
+           const TX* __restrict__ px = (const TX*)t.p[member][0];\n\
+           const float* __restrict__ ps = (const float*)t.p[member][1];\n\
+           TY* __restrict__ py = (TY*)t.p[member][2];\n\
+           TY* __restrict__ pt = (TY*)t.p[member][3];\n\
+           unsigned int* amax = (unsigned int*)t.p[member][4];\n\
+           const i64 rows = (i64)t.p[member][5], cols = (i64)t.p[member][6];\n",
+        table = update_table_declaration()
+    )
 }
 
 /// A [`cast_transpose`] kernel's grid over a `rows x cols` matrix, and its bands: each
@@ -252,9 +311,10 @@ struct CastTranspose<'a> {
     types: &'a [(&'a str, DType)],
     /// Source before the kernel.
     prefix: &'a str,
-    /// The parameters before the scale's, and any between the amax and the sides.
-    inputs: &'a str,
-    partials: &'a str,
+    /// The kernel's signature and the locals it gives the body: the inputs' pointers,
+    /// `ps`, `py`, `pt`, `amax`, any partials, `rows`, `cols`, and the block's place
+    /// `block` in the `blocks` the body sees ([`kernel_head`], [`group_head`]).
+    head: &'a str,
     /// Shared memory beside the tile, and its bytes.
     shared: &'a str,
     shared_bytes: usize,
@@ -370,8 +430,7 @@ fn cast_transpose(k: CastTranspose) -> String {
     let CastTranspose {
         types,
         prefix,
-        inputs,
-        partials,
+        head,
         shared,
         shared_bytes,
         rows,
@@ -420,13 +479,13 @@ fn cast_transpose(k: CastTranspose) -> String {
         types,
         &format!(
             "{prefix}{helpers}typedef unsigned int u32;\n\
-             extern \"C\" __global__ void k({inputs}, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax{partials}, i64 rows, i64 cols) {{\n\
+             {head}\
                __align__(4) __shared__ u8 tile[64][68];\n\
                {shared}{stage_shared}\
                const float s = ps[0];\n\
                {declaration}\
-               const i64 tiles_c = (cols + 63) / 64, tiles_r = (rows + 63) / 64, bands = gridDim.x / tiles_c;\n\
-               const i64 band = blockIdx.x / tiles_c, c0 = (blockIdx.x - band * tiles_c) * 64;\n\
+               const i64 tiles_c = (cols + 63) / 64, tiles_r = (rows + 63) / 64, bands = blocks / tiles_c;\n\
+               const i64 band = block / tiles_c, c0 = (block - band * tiles_c) * 64;\n\
                const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
                const i64 c = c0 + 8 * cg;\n\
                {block_start}{first}\
@@ -544,8 +603,7 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
     cast_transpose(CastTranspose {
         types: &types,
         prefix: ROUNDING,
-        inputs: &params.join(", "),
-        partials: &partials,
+        head: &kernel_head(&params.join(", "), &partials),
         shared: &shared,
         shared_bytes: sum_bytes,
         rows: &rows,
@@ -758,6 +816,76 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
             transpose_into(c, &y, &t, rows, cols)?;
         }
         Ok(vec![y, amax, t])
+    }))
+}
+
+/// `GroupedQuantizeFp8`: per [`GROUP_MEMBERS`] members, one launch zeroing their
+/// amaxes and one casting them all, each member its own [`cast_transpose_grid`] of
+/// blocks. Matrices of sides multiples of 8 only (what `group-fp8-casts` groups).
+fn lower_grouped_quantize(
+    q: &GroupedQuantizeFp8,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
+    let (n_in, n_out) = (
+        GroupedQuantizeFp8::MEMBER_INPUTS,
+        GroupedQuantizeFp8::MEMBER_OUTPUTS,
+    );
+    if ins.len() != q.members * n_in || outs.len() != q.members * n_out {
+        return Err(format!(
+            "GroupedQuantizeFp8 of {} members takes {} tensors and gives {}",
+            q.members,
+            q.members * n_in,
+            q.members * n_out
+        ));
+    }
+    let mut sides = Vec::with_capacity(q.members);
+    for (m, x) in ins.iter().step_by(n_in).enumerate() {
+        let matrix = q.quantize.transposed_sides(&x.shape)?;
+        let (rows, cols) = matrix
+            .filter(|(rows, cols)| rows % 8 == 0 && cols % 8 == 0)
+            .ok_or_else(|| {
+                format!("member {m}: a grouped FP8 cast takes matrices of sides multiples of 8, not {x}")
+            })?;
+        sides.push((rows, cols, cast_transpose_grid(rows, cols)?.0));
+    }
+    let spec = Spec::QuantizeTransposedGroup {
+        x: first(ins)?.dtype,
+        to: q.quantize.to,
+    };
+    let outs = outs.to_vec();
+    Ok(kernel(move |c, inputs| {
+        let outputs = c.alloc_all(&outs)?;
+        let members: Vec<usize> = (0..sides.len()).collect();
+        for chunk in members.chunks(GROUP_MEMBERS) {
+            let mut table = UpdateTable::default();
+            let mut blocks = 0u32;
+            for (row, &m) in chunk.iter().enumerate() {
+                let (x, s) = (input(inputs, n_in * m)?, input(inputs, n_in * m + 1)?);
+                let [y, amax, t] = [0, 1, 2].map(|k| outputs[n_out * m + k].arg());
+                let (rows, cols, grid) = sides[m];
+                let (rows, cols) = (Arg::I64(rows as i64), Arg::I64(cols as i64));
+                table.set(
+                    row,
+                    &[x.arg(), s.arg(), y, t, amax, rows, cols],
+                    blocks as usize,
+                )?;
+                blocks = blocks
+                    .checked_add(grid)
+                    .ok_or("a grouped FP8 cast of too many blocks")?;
+            }
+            let args = |table| [Arg::Table(Box::new(table)), Arg::I32(chunk.len() as i32)];
+            c.launch(
+                &spec,
+                "k_group_zero",
+                (1, GROUP_MEMBERS as u32),
+                &args(table),
+            )?;
+            if blocks > 0 {
+                c.launch(&spec, "k_group", (blocks, 256), &args(table))?;
+            }
+        }
+        Ok(outputs)
     }))
 }
 

@@ -430,6 +430,10 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                 format!("fp8_quantize_transposed_gelu_{x}_{to}"),
                 fp8::quantize_transposed(x, to, Some(gelu)),
             ),
+            (
+                format!("fp8_quantize_transposed_group_{x}_{to}"),
+                fp8::quantize_transposed_group(x, to),
+            ),
             (format!("fp8_dequantize_{to}_{x}"), fp8::dequantize(to, x)),
             (format!("fp8_scale_{to}"), fp8::scale(to, 1)),
             (

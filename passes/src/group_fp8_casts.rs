@@ -1,0 +1,209 @@
+//! Grouped FP8 casts of weights: the transposed delayed-scaling `QuantizeFp8`s of a
+//! step's weights (a Variable, or AMP's 16-bit copy of one, cast by a scale held in a
+//! Variable) that share a format and an input dtype become one [`GroupedQuantizeFp8`],
+//! which the CUDA executor runs in one launch per 32 weights (TransformerEngine's
+//! `multi_cast_transpose`). GPT-2's 35 weight casts took a launch each, 9 us apiece,
+//! most of them too few tiles to fill the GPU. Such a cast reads nothing the step
+//! computes, so the group runs where its first member ran without waiting on
+//! anything, and no member can depend on another.
+
+use ampgraph_graph::ops::{GroupedQuantizeFp8, QuantizeFp8, Variable};
+use ampgraph_graph::{DType, Graph, NodeId, Port};
+
+use crate::rewrite::{
+    is_variable_cast, members_depend_on_each_other, node_error, replace_by_group,
+};
+use crate::{Pass, PassError, PassSummary};
+
+/// The `group-fp8-casts` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GroupFp8Casts;
+
+/// Whether `p` is a Variable's value, or a Cast of one.
+fn of_a_variable(g: &Graph, p: Port) -> bool {
+    g.node(p.node).op.is::<Variable>() || is_variable_cast(g, p.node)
+}
+
+/// The casts that may share a node, by (format, input dtype), in node order: transposed,
+/// of matrices with sides multiples of 8 (the tiled kernel's), without an activation,
+/// of a weight by a scale held in a Variable.
+fn buckets(g: &Graph) -> Vec<((DType, DType), Vec<NodeId>)> {
+    let mut buckets: Vec<((DType, DType), Vec<NodeId>)> = Vec::new();
+    for id in g.node_ids() {
+        let Some(q) = g.node(id).op.downcast_ref::<QuantizeFp8>() else {
+            continue;
+        };
+        let [x, scale] = g.inputs(id)[..] else {
+            continue;
+        };
+        let tiled = matches!(q.transposed_sides(&g.ty(x).shape), Ok(Some((r, c))) if r % 8 == 0 && c % 8 == 0);
+        let weight = of_a_variable(g, x) && g.node(scale.node).op.is::<Variable>();
+        if !tiled || !weight || q.activation.is_some() {
+            continue;
+        }
+        let key = (q.to, g.ty(x).dtype);
+        match buckets.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, ids)) => ids.push(id),
+            None => buckets.push((key, vec![id])),
+        }
+    }
+    buckets
+}
+
+impl Pass for GroupFp8Casts {
+    fn name(&self) -> &'static str {
+        "group-fp8-casts"
+    }
+
+    fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
+        let (mut groups, mut grouped) = (0usize, 0usize);
+        for ((to, _), members) in buckets(g) {
+            if members.len() < 2 || members_depend_on_each_other(g, &members) {
+                continue;
+            }
+            let op = GroupedQuantizeFp8::new(to, members.len())
+                .map_err(|e| node_error(g, members[0], &e))?;
+            replace_by_group(
+                g,
+                &members,
+                Box::new(op),
+                GroupedQuantizeFp8::MEMBER_OUTPUTS,
+            )?;
+            groups += 1;
+            grouped += members.len();
+        }
+        Ok(PassSummary {
+            title: "group-fp8-casts pass summary:".into(),
+            lines: vec![format!(
+                "group-fp8-casts: {grouped} FP8 casts of weights in {groups} grouped nodes"
+            )],
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::testing::{assert_same_bits, count, run};
+    use ampgraph_graph::format;
+    use ampgraph_graph::ops::{Cast, UnaryKind};
+    use ampgraph_graph::{Tensor, TensorType};
+
+    /// A variable `name` of `shape` holding values from -600 to 600 (some saturate once
+    /// scaled), fed.
+    fn variable(
+        g: &mut Graph,
+        feeds: &mut HashMap<String, Tensor>,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        seed: usize,
+    ) -> Port {
+        let n: usize = shape.iter().product();
+        let values: Vec<f64> = (0..n)
+            .map(|i| ((i * 37 + seed * 11) % 1201) as f64 - 600.0)
+            .collect();
+        feeds.insert(
+            name.into(),
+            Tensor::from_f64(dtype, shape.to_vec(), &values).unwrap(),
+        );
+        let ty = TensorType::new(dtype, shape.to_vec());
+        g.add_node(name, Box::new(Variable::new(ty)), &[])
+            .unwrap()
+            .into()
+    }
+
+    /// Casts of weights, read through AMP's bf16 copy or directly (f32), to E4M3 or
+    /// E5M2, beside casts the pass must leave: one of a placeholder, one with an
+    /// activation, one of sides not multiples of 8, one not transposed.
+    fn model() -> (Graph, HashMap<String, Tensor>) {
+        let mut g = Graph::new();
+        let mut feeds = HashMap::new();
+        let mut outputs = Vec::new();
+        let e4m3 = QuantizeFp8::new(DType::F8E4M3)
+            .unwrap()
+            .with_transposed(true);
+        let e5m2 = QuantizeFp8::new(DType::F8E5M2)
+            .unwrap()
+            .with_transposed(true);
+        let cases: [(&str, [usize; 2], bool, &QuantizeFp8); 6] = [
+            ("w0", [64, 96], true, &e4m3),
+            ("w1", [8, 8], true, &e4m3),
+            ("w2", [72, 16], false, &e4m3),
+            ("w3", [16, 24], true, &e4m3),
+            ("w4", [24, 40], true, &e5m2),
+            ("w5", [40, 8], true, &e5m2),
+        ];
+        for (k, (name, shape, cast, q)) in cases.into_iter().enumerate() {
+            let w = variable(&mut g, &mut feeds, name, DType::F32, &shape, k);
+            let x = match cast {
+                true => g.add(Cast { to: DType::BF16 }, &[w]).unwrap(),
+                false => w,
+            };
+            let scale = variable(
+                &mut g,
+                &mut feeds,
+                &format!("{name}/scale"),
+                DType::F32,
+                &[],
+                k,
+            );
+            feeds.insert(
+                format!("{name}/scale"),
+                Tensor::scalar(DType::F32, 0.3 + k as f64),
+            );
+            let y = g.add(q.clone(), &[x, scale]).unwrap();
+            outputs.extend((0..3).map(|i| Port::new(y.node, i)));
+        }
+        let scale = variable(&mut g, &mut feeds, "scale", DType::F32, &[], 9);
+        feeds.insert("scale".into(), Tensor::scalar(DType::F32, 0.7));
+        let z = g.placeholder("z", DType::BF16, [16, 16]).unwrap();
+        feeds.insert(
+            "z".into(),
+            Tensor::from_f64(DType::BF16, vec![16, 16], &[1.5; 256]).unwrap(),
+        );
+        let w = variable(&mut g, &mut feeds, "odd", DType::F32, &[12, 8], 7);
+        let gelu = Some(UnaryKind::Gelu { approximate: true });
+        for (x, q) in [
+            (z, e4m3.clone()),
+            (w, e4m3.clone()),
+            (w, e4m3.clone().with_activation(gelu)),
+            (w, QuantizeFp8::new(DType::F8E4M3).unwrap()),
+        ] {
+            let y = g.add(q, &[x, scale]).unwrap();
+            outputs.extend([y, Port::new(y.node, 1)]);
+        }
+        g.set_outputs(outputs).unwrap();
+        (g, feeds)
+    }
+
+    #[test]
+    fn weights_casts_of_one_format_and_dtype_group_with_the_same_bits() {
+        let (g, feeds) = model();
+        let feeds: HashMap<&str, Tensor> =
+            feeds.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let want = run(&g, &feeds);
+        let mut grouped = g.clone();
+        let summary = GroupFp8Casts.run(&mut grouped).unwrap();
+        grouped.validate().unwrap();
+        // bf16 to E4M3: w0, w1, w3; bf16 to E5M2: w4, w5; w2 (f32) alone, as the four
+        // the pass leaves.
+        assert_eq!(count(&grouped, "GroupedQuantizeFp8"), 2, "{summary}");
+        assert_eq!(count(&grouped, "QuantizeFp8"), 5);
+        assert!(
+            summary.lines[0].contains("5 FP8 casts of weights in 2"),
+            "{summary}"
+        );
+        assert_same_bits(&want, &run(&grouped, &feeds));
+        let def = format::GraphDef::from_graph(&grouped);
+        let back = format::parse_json(format::to_json(&def).as_bytes())
+            .and_then(|d| d.to_graph())
+            .unwrap();
+        assert_same_bits(&want, &run(&back, &feeds));
+        let before = grouped.len();
+        GroupFp8Casts.run(&mut grouped).unwrap();
+        assert_eq!(grouped.len(), before);
+    }
+}
