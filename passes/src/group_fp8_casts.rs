@@ -10,9 +10,7 @@
 use ampgraph_graph::ops::{GroupedQuantizeFp8, QuantizeFp8, Variable};
 use ampgraph_graph::{DType, Graph, NodeId, Port};
 
-use crate::rewrite::{
-    is_variable_cast, members_depend_on_each_other, node_error, replace_by_group,
-};
+use crate::rewrite::{bucketed, group_buckets, is_variable_cast, node_error};
 use crate::{Pass, PassError, PassSummary};
 
 /// The `group-fp8-casts` pass.
@@ -28,26 +26,15 @@ fn of_a_variable(g: &Graph, p: Port) -> bool {
 /// of matrices with sides multiples of 8 (the tiled kernel's), without an activation,
 /// of a weight by a scale held in a Variable.
 fn buckets(g: &Graph) -> Vec<((DType, DType), Vec<NodeId>)> {
-    let mut buckets: Vec<((DType, DType), Vec<NodeId>)> = Vec::new();
-    for id in g.node_ids() {
-        let Some(q) = g.node(id).op.downcast_ref::<QuantizeFp8>() else {
-            continue;
-        };
+    bucketed(g, |id| {
+        let q = g.node(id).op.downcast_ref::<QuantizeFp8>()?;
         let [x, scale] = g.inputs(id)[..] else {
-            continue;
+            return None;
         };
         let tiled = matches!(q.transposed_sides(&g.ty(x).shape), Ok(Some((r, c))) if r % 8 == 0 && c % 8 == 0);
         let weight = of_a_variable(g, x) && g.node(scale.node).op.is::<Variable>();
-        if !tiled || !weight || q.activation.is_some() {
-            continue;
-        }
-        let key = (q.to, g.ty(x).dtype);
-        match buckets.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, ids)) => ids.push(id),
-            None => buckets.push((key, vec![id])),
-        }
-    }
-    buckets
+        (tiled && weight && q.activation.is_none()).then_some((q.to, g.ty(x).dtype))
+    })
 }
 
 impl Pass for GroupFp8Casts {
@@ -56,22 +43,11 @@ impl Pass for GroupFp8Casts {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
-        let (mut groups, mut grouped) = (0usize, 0usize);
-        for ((to, _), members) in buckets(g) {
-            if members.len() < 2 || members_depend_on_each_other(g, &members) {
-                continue;
-            }
+        let (groups, grouped) = group_buckets(g, buckets(g), |g, (to, _), members| {
             let op = GroupedQuantizeFp8::new(to, members.len())
                 .map_err(|e| node_error(g, members[0], &e))?;
-            replace_by_group(
-                g,
-                &members,
-                Box::new(op),
-                GroupedQuantizeFp8::MEMBER_OUTPUTS,
-            )?;
-            groups += 1;
-            grouped += members.len();
-        }
+            Ok((Box::new(op), GroupedQuantizeFp8::MEMBER_OUTPUTS))
+        })?;
         Ok(PassSummary {
             title: "group-fp8-casts pass summary:".into(),
             lines: vec![format!(

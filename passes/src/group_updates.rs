@@ -11,7 +11,7 @@
 use ampgraph_graph::ops::{GroupedOptimizerUpdate, OptimizerUpdate, Rule};
 use ampgraph_graph::{DType, Graph, NodeId};
 
-use crate::rewrite::{members_depend_on_each_other, replace_by_group};
+use crate::rewrite::{bucketed, group_buckets};
 use crate::{Pass, PassError, PassSummary};
 
 /// The largest variable whose update is grouped.
@@ -26,29 +26,17 @@ type Bucket = ((OptimizerUpdate, Vec<DType>), Vec<NodeId>);
 
 /// The small updates of `g` by configuration, in node order.
 fn buckets(g: &Graph) -> Vec<Bucket> {
-    let mut buckets: Vec<Bucket> = Vec::new();
-    for id in g.node_ids() {
-        let Some(update) = g.node(id).op.downcast_ref::<OptimizerUpdate>() else {
-            continue;
-        };
+    bucketed(g, |id| {
+        let update = g.node(id).op.downcast_ref::<OptimizerUpdate>()?;
         let inputs = g.inputs(id);
         let small = inputs
             .get(1)
             .and_then(|&var| g.ty(var).checked_len())
             .is_some_and(|n| n <= MAX_GROUPED_ELEMENTS);
-        if matches!(update.rule, Rule::Lamb { .. }) || !small {
-            continue;
-        }
-        let key = (
-            update.clone(),
-            inputs.iter().map(|&p| g.ty(p).dtype).collect(),
-        );
-        match buckets.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, ids)) => ids.push(id),
-            None => buckets.push((key, vec![id])),
-        }
-    }
-    buckets
+        let lamb = matches!(update.rule, Rule::Lamb { .. });
+        let dtypes = inputs.iter().map(|&p| g.ty(p).dtype).collect();
+        (small && !lamb).then(|| (update.clone(), dtypes))
+    })
 }
 
 impl Pass for GroupUpdates {
@@ -57,23 +45,17 @@ impl Pass for GroupUpdates {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
-        let (mut groups, mut grouped) = (0usize, 0usize);
-        for ((update, _), members) in buckets(g) {
-            if members.len() < 2 || members_depend_on_each_other(g, &members) {
-                continue;
-            }
+        // In the first update's place, a schedule in node order runs the group where it
+        // ran, and the members' gradients (a bias gradient's column sum, say) run early
+        // instead of keeping what they read alive to the step's end.
+        let (groups, grouped) = group_buckets(g, buckets(g), |_, (update, _), members| {
             let n_out = update.num_outputs();
             let op = GroupedOptimizerUpdate {
                 update,
                 members: members.len(),
             };
-            // In the first update's place, a schedule in node order runs the group where
-            // it ran, and the members' gradients (a bias gradient's column sum, say) run
-            // early instead of keeping what they read alive to the step's end.
-            replace_by_group(g, &members, Box::new(op), n_out)?;
-            groups += 1;
-            grouped += members.len();
-        }
+            Ok((Box::new(op), n_out))
+        })?;
         Ok(PassSummary {
             title: "group-updates pass summary:".into(),
             lines: vec![format!(

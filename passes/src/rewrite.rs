@@ -177,7 +177,7 @@ pub(crate) fn reachable_from(g: &Graph, starts: impl IntoIterator<Item = NodeId>
 
 /// Whether anything a member computes flows into another member's inputs (a group
 /// of them would then be its own ancestor).
-pub(crate) fn members_depend_on_each_other(g: &Graph, members: &[NodeId]) -> bool {
+fn members_depend_on_each_other(g: &Graph, members: &[NodeId]) -> bool {
     let readers: Vec<NodeId> = members
         .iter()
         .flat_map(|&m| g.consumers(m))
@@ -187,10 +187,50 @@ pub(crate) fn members_depend_on_each_other(g: &Graph, members: &[NodeId]) -> boo
     members.iter().any(|m| downstream[m.index()])
 }
 
+/// The nodes to which `key` gives a key, in node order, in buckets of equal keys (the
+/// first seen first): what a grouping pass may put in one node.
+pub(crate) fn bucketed<K: PartialEq>(
+    g: &Graph,
+    key: impl Fn(NodeId) -> Option<K>,
+) -> Vec<(K, Vec<NodeId>)> {
+    let mut buckets: Vec<(K, Vec<NodeId>)> = Vec::new();
+    for id in g.node_ids() {
+        let Some(k) = key(id) else {
+            continue;
+        };
+        match buckets.iter_mut().find(|(b, _)| *b == k) {
+            Some((_, ids)) => ids.push(id),
+            None => buckets.push((k, vec![id])),
+        }
+    }
+    buckets
+}
+
+/// Each bucket of two or more nodes none of which feeds another becomes one node
+/// ([`replace_by_group`]) of the op `group` makes of its key and members, with the
+/// outputs each member has; returns how many groups and how many nodes went into them.
+pub(crate) fn group_buckets<K>(
+    g: &mut Graph,
+    buckets: Vec<(K, Vec<NodeId>)>,
+    group: impl Fn(&Graph, K, &[NodeId]) -> Result<(Box<dyn Op>, usize), PassError>,
+) -> Result<(usize, usize), PassError> {
+    let (mut groups, mut grouped) = (0usize, 0usize);
+    for (key, members) in buckets {
+        if members.len() < 2 || members_depend_on_each_other(g, &members) {
+            continue;
+        }
+        let (op, per_member) = group(g, key, &members)?;
+        replace_by_group(g, &members, op, per_member)?;
+        groups += 1;
+        grouped += members.len();
+    }
+    Ok((groups, grouped))
+}
+
 /// Replaces `members` (nodes of `per_member` outputs each) by one node of `op`, which
 /// reads their inputs in turn and gives their outputs in turn. It takes the first
 /// member's place and name, whose readers keep their ports.
-pub(crate) fn replace_by_group(
+fn replace_by_group(
     g: &mut Graph,
     members: &[NodeId],
     op: Box<dyn Op>,
