@@ -265,6 +265,37 @@ fn scaled_casts_check_their_types_and_serialise() {
     );
 }
 
+/// A group of weights' casts takes matrices of one dtype, names the member at fault,
+/// and refuses a parsed group of no members.
+#[test]
+fn grouped_casts_check_their_members() {
+    use ampgraph::graph::attrs::AttrReader;
+    use ampgraph::graph::ops::{parse_op, GroupedQuantizeFp8};
+    use ampgraph::TensorType;
+    let op = GroupedQuantizeFp8::new(DType::F8E4M3, 2).unwrap();
+    let s = TensorType::new(DType::F32, []);
+    let (bf16, f32) = (
+        TensorType::new(DType::BF16, [8, 16]),
+        TensorType::new(DType::F32, [16, 8]),
+    );
+    let outs = op.infer(&[&bf16, &s, &bf16, &s]).unwrap();
+    assert_eq!(outs.len(), 6);
+    assert_eq!(outs[5], TensorType::new(DType::F8E4M3, [16, 8]));
+    let mixed = op.infer(&[&bf16, &s, &f32, &s]).unwrap_err();
+    assert!(mixed.contains("one dtype, not bf16 and f32"), "{mixed}");
+    let vector = TensorType::new(DType::BF16, [8]);
+    let err = op.infer(&[&bf16, &s, &vector, &s]).unwrap_err();
+    assert!(err.starts_with("member 1: "), "{err}");
+    let attrs = |members: i64| {
+        let map = [("to", DType::F8E4M3.into()), ("members", members.into())];
+        AttrReader::new(map.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+    };
+    let none = parse_op("GroupedQuantizeFp8", attrs(0)).unwrap_err();
+    assert!(none.contains("'members' must be positive"), "{none}");
+    let two = parse_op("GroupedQuantizeFp8", attrs(2)).unwrap();
+    assert_eq!(two.downcast_ref::<GroupedQuantizeFp8>(), Some(&op));
+}
+
 /// The FP8 cast of a program's value takes a program of one stored value and no
 /// amaxes, and no activation of its own; its outputs are the cast's, then the
 /// program's column sums.

@@ -175,6 +175,21 @@ pub struct OpEntry {
     pub parse: OpParser,
 }
 
+/// `f` of each member's inputs (`member_inputs` of them) in turn, the results in
+/// turn, an error naming its member: a grouped op's inference and evaluation, whose
+/// inputs and outputs are its members' in turn.
+pub fn per_member<I, O>(
+    inputs: &[I],
+    member_inputs: usize,
+    f: impl Fn(&[I]) -> OpResult<Vec<O>>,
+) -> OpResult<Vec<O>> {
+    let mut out = Vec::new();
+    for (m, member) in inputs.chunks(member_inputs.max(1)).enumerate() {
+        out.extend(f(member).map_err(|e| format!("member {m}: {e}"))?);
+    }
+    Ok(out)
+}
+
 /// The inputs as a fixed-size array (the graph checks arity first; ops use this to
 /// destructure without panicking): `let [a, b] = fixed(inputs)?;`
 pub fn fixed<const N: usize, T>(inputs: &[T]) -> OpResult<&[T; N]> {

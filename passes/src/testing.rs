@@ -32,6 +32,26 @@ pub fn run(g: &Graph, feeds: &HashMap<&str, Tensor>) -> Vec<Tensor> {
         .collect()
 }
 
+/// A grouping pass's checks: `grouped` (what `pass` made of a graph whose outputs were
+/// `want`) computes the same bits, through the JSON format and back too, and the pass
+/// changes nothing more on it.
+pub fn assert_grouped_keeps_bits(
+    pass: &dyn crate::Pass,
+    grouped: &mut Graph,
+    feeds: &HashMap<&str, Tensor>,
+    want: &[Tensor],
+) {
+    assert_same_bits(want, &run(grouped, feeds));
+    let def = ampgraph_graph::format::GraphDef::from_graph(grouped);
+    let back = ampgraph_graph::format::parse_json(ampgraph_graph::format::to_json(&def).as_bytes())
+        .and_then(|d| d.to_graph())
+        .unwrap();
+    assert_same_bits(want, &run(&back, feeds));
+    let before = grouped.len();
+    pass.run(grouped).unwrap();
+    assert_eq!(grouped.len(), before, "{}: not idempotent", pass.name());
+}
+
 /// Asserts that two runs' outputs have the same types and the same bits.
 pub fn assert_same_bits(want: &[Tensor], got: &[Tensor]) {
     assert_eq!(want.len(), got.len());

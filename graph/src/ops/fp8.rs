@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
 use crate::fp8::{amax, Fp8};
-use crate::op::{fixed, Arity, Op, OpEntry, OpResult, TypeGroup};
+use crate::op::{fixed, per_member, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
 use crate::ops::{
     BiasAdd, Binary, BinaryKind, DataFormat, FusedElementwise, LayerNorm, MatMul, Transpose, Unary,
@@ -448,19 +448,6 @@ impl GroupedQuantizeFp8 {
             members,
         })
     }
-
-    /// `f` of each member's inputs, the results in turn; an error names its member.
-    fn per_member<I, O>(
-        &self,
-        inputs: &[I],
-        f: impl Fn(&[I]) -> OpResult<Vec<O>>,
-    ) -> OpResult<Vec<O>> {
-        let mut out = Vec::with_capacity(self.members * Self::MEMBER_OUTPUTS);
-        for (m, member) in inputs.chunks(Self::MEMBER_INPUTS).enumerate() {
-            out.extend(f(member).map_err(|e| format!("member {m}: {e}"))?);
-        }
-        Ok(out)
-    }
 }
 
 impl Op for GroupedQuantizeFp8 {
@@ -486,10 +473,14 @@ impl Op for GroupedQuantizeFp8 {
                 first.dtype, other.dtype
             ));
         }
-        self.per_member(inputs, |member| self.quantize.infer(member))
+        per_member(inputs, Self::MEMBER_INPUTS, |member| {
+            self.quantize.infer(member)
+        })
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        self.per_member(inputs, |member| self.quantize.eval(member))
+        per_member(inputs, Self::MEMBER_INPUTS, |member| {
+            self.quantize.eval(member)
+        })
     }
     /// As [`QuantizeFp8`]'s, the members' values one type.
     fn type_groups(&self, _: usize, _: usize) -> Vec<TypeGroup> {

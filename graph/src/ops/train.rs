@@ -9,7 +9,7 @@ use crate::dtype::DType;
 use crate::error::GraphError;
 use crate::graph::{Graph, NodeId, Port};
 use crate::kernel::{eval_float, FloatKernel, Real};
-use crate::op::{fixed, Arity, Op, OpEntry, OpResult};
+use crate::op::{fixed, per_member, Arity, Op, OpEntry, OpResult};
 use crate::ops::{Fp8ScaleUpdate, Init, Variable};
 use crate::tensor::{Data, ShapeDisplay, Tensor, TensorType};
 
@@ -674,25 +674,14 @@ impl Op for GroupedOptimizerUpdate {
         a
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        self.per_member(inputs, |member| self.update.infer(member))
+        per_member(inputs, self.update.num_inputs(), |member| {
+            self.update.infer(member)
+        })
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        self.per_member(inputs, |member| self.update.eval(member))
-    }
-}
-
-impl GroupedOptimizerUpdate {
-    /// `f` of each member's inputs, the results in turn; an error names its member.
-    fn per_member<I, O>(
-        &self,
-        inputs: &[I],
-        f: impl Fn(&[I]) -> OpResult<Vec<O>>,
-    ) -> OpResult<Vec<O>> {
-        let mut out = Vec::with_capacity(self.members * self.update.num_outputs());
-        for (m, member) in inputs.chunks(self.update.num_inputs()).enumerate() {
-            out.extend(f(member).map_err(|e| format!("member {m}: {e}"))?);
-        }
-        Ok(out)
+        per_member(inputs, self.update.num_inputs(), |member| {
+            self.update.eval(member)
+        })
     }
 }
 
