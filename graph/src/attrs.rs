@@ -114,6 +114,17 @@ impl AttrReader {
         }
     }
 
+    /// A required count of at least one (a grouped op's `members`).
+    pub fn positive(&mut self, key: &str) -> R<usize> {
+        let v = self
+            .opt_int(key)?
+            .ok_or_else(|| format!("missing attr '{key}'"))?;
+        usize::try_from(v)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("attr '{key}' must be positive"))
+    }
+
     pub fn opt_float(&mut self, key: &str) -> R<Option<f64>> {
         match self.take(key) {
             None => Ok(None),

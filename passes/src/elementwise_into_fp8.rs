@@ -40,7 +40,7 @@ fn with_prologue(g: &Graph, cast: NodeId, x: Port) -> Option<FusedQuantizeFp8> {
     let program = g.node(x.node).op.downcast_ref::<FusedElementwise>()?;
     let n = program.domain_len();
     let full_size = (g.inputs(x.node).iter()).all(|&p| g.ty(p).checked_len() == Some(n));
-    let tiles = in_tiles(g, q, x);
+    let tiles = q.tiled_sides(&g.ty(x).shape).is_some();
     let output = g.outputs().iter().any(|p| p.node == x.node);
     let alone = x.index == 0 && read_only_by(g, x, cast, 0) && !output;
     if !(tiles && full_size && alone) {
@@ -49,19 +49,13 @@ fn with_prologue(g: &Graph, cast: NodeId, x: Port) -> Option<FusedQuantizeFp8> {
     FusedQuantizeFp8::new(q.clone(), program.clone()).ok()
 }
 
-/// Whether the cast `q` of `x` can take a prologue: transposed, of a matrix whose sides
-/// are multiples of 8.
-fn in_tiles(g: &Graph, q: &QuantizeFp8, x: Port) -> bool {
-    matches!(g.ty(x).shape[..], [rows, cols] if q.transposed && rows % 8 == 0 && cols % 8 == 0)
-}
-
 /// The cast `cast` of `x` summing `x`'s columns, with the Sums it replaces, where every
 /// other reader of `x` is a column Sum (none a graph output, nor `x` itself) and there
 /// is one at least.
 fn with_column_sums(g: &Graph, cast: NodeId, x: Port) -> Option<(FusedQuantizeFp8, Vec<NodeId>)> {
     let q = g.node(cast).op.downcast_ref::<QuantizeFp8>()?;
     let outputs = g.outputs();
-    if !in_tiles(g, q, x) || outputs.contains(&x) {
+    if q.tiled_sides(&g.ty(x).shape).is_none() || outputs.contains(&x) {
         return None;
     }
     let ty = g.ty(x);

@@ -31,7 +31,7 @@ fn buckets(g: &Graph) -> Vec<((DType, DType), Vec<NodeId>)> {
         let [x, scale] = g.inputs(id)[..] else {
             return None;
         };
-        let tiled = matches!(q.transposed_sides(&g.ty(x).shape), Ok(Some((r, c))) if r % 8 == 0 && c % 8 == 0);
+        let tiled = q.tiled_sides(&g.ty(x).shape).is_some();
         let weight = of_a_variable(g, x) && g.node(scale.node).op.is::<Variable>();
         (tiled && weight && q.activation.is_none()).then_some((q.to, g.ty(x).dtype))
     })

@@ -53,11 +53,7 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "GroupedQuantizeFp8",
         parse: |_, a| {
-            let members = a.opt_int("members")?.ok_or("missing attr 'members'")?;
-            let members = usize::try_from(members)
-                .ok()
-                .filter(|&m| m > 0)
-                .ok_or("attr 'members' must be positive")?;
+            let members = a.positive("members")?;
             GroupedQuantizeFp8::new(a.dtype("to")?, members).map(|op| Box::new(op) as _)
         },
     },
@@ -98,11 +94,7 @@ pub(crate) const OPS: &[OpEntry] = &[
         parse: |_, a| {
             let amax = a.choice("amax", &AmaxChoice::NAMES, Some(AmaxChoice::Max))?;
             // Required: before it the op had one tensor and gave this step's inverse.
-            let members = a.opt_int("members")?.ok_or("missing attr 'members'")?;
-            let members = usize::try_from(members)
-                .ok()
-                .filter(|&m| m > 0)
-                .ok_or("attr 'members' must be positive")?;
+            let members = a.positive("members")?;
             Ok(Box::new(Fp8ScaleUpdate {
                 scale: Fp8Scale::parse(a)?,
                 amax,
@@ -179,6 +171,14 @@ impl QuantizeFp8 {
 
     pub fn with_activation(self, activation: Option<UnaryKind>) -> Self {
         QuantizeFp8 { activation, ..self }
+    }
+
+    /// The sides of a matrix `x` whose cast and transposed copy the tiled kernels write
+    /// from the same tiles: transposed, sides multiples of 8 (what the CUDA executor's
+    /// cast-transpose kernels take, and the passes folding work into them check).
+    pub fn tiled_sides(&self, shape: &[usize]) -> Option<(usize, usize)> {
+        (self.transposed_sides(shape).ok().flatten())
+            .filter(|(rows, cols)| rows % 8 == 0 && cols % 8 == 0)
     }
 
     /// The sides `(rows, cols)` of the matrix `x` of `shape` whose transposed copy the

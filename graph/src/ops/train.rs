@@ -41,13 +41,10 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "GroupedOptimizerUpdate",
         parse: |_, a| {
-            let members = a.opt_int("members")?.ok_or("missing attr 'members'")?;
+            let members = a.positive("members")?;
             Ok(Box::new(GroupedOptimizerUpdate {
                 update: OptimizerUpdate::parse(a)?,
-                members: usize::try_from(members)
-                    .ok()
-                    .filter(|&m| m > 0)
-                    .ok_or("attr 'members' must be positive")?,
+                members,
             }))
         },
     },

@@ -116,18 +116,18 @@ impl GemmCost {
 
     /// Seconds of quantising one 16-bit tensor of `elements` values, once for every
     /// product that reads it: reads of the 16-bit values, the FP8 values and their
-    /// transposed copy written, and its kernels. Current scaling measures the amax in
-    /// the kernel computing the tensor where that is an elementwise one
-    /// (`amax-into-elementwise`), else in a pass of its own, then computes the scale
-    /// and casts: a read and two kernels (with two reads and three kernels the model
-    /// kept GPT-2 16-bit, whose step every layer but the first and last in FP8 ran
-    /// 1.04x faster, 3c93ff2). Under delayed
-    /// scaling the CUDA pipeline computes most casts in the kernel that computes their
-    /// tensor (a layer norm's, a GELU's, a gradient program's: `norm-into-fp8`,
-    /// `activation-into-fp8`, `elementwise-into-fp8`), the weights' in one launch and
-    /// the scale updates in one per format, so half a read and one kernel a cast: with
-    /// a whole read and two kernels the model kept the transformer's d768 layers 16-bit,
-    /// which measured 1.06x faster in FP8 (668142c).
+    /// transposed copy written, and its kernels.
+    /// - Current scaling: a read and two kernels (the scale, the cast). The amax is
+    ///   mostly measured by the kernel computing the tensor (`amax-into-elementwise`).
+    /// - Delayed scaling: half a read and one kernel. Most casts are computed by the
+    ///   kernel computing their tensor (`norm-into-fp8`, `activation-into-fp8`,
+    ///   `elementwise-into-fp8`), the weights' in one launch, the scale updates in one
+    ///   per format.
+    ///
+    /// With the former charges (two reads and three kernels, one read and two) the
+    /// model kept GPT-2 and the transformer 16-bit under current and delayed scaling,
+    /// whose steps ran 1.04x and 1.06x faster with every layer but the first and last
+    /// in FP8 (3c93ff2, 668142c).
     pub fn cast_seconds(&self, elements: usize, recipe: Fp8Recipe) -> f64 {
         let (reads, kernels) = match recipe {
             Fp8Recipe::Current => (1.0, 2.0),
