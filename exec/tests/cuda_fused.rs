@@ -148,7 +148,7 @@ fn fused_programs_match_the_cpu() {
 fn fused_column_sums_match_the_cpu() {
     let Some(mut gpu) = gpu() else { return };
     // The mlp's bias gradient: the f16 GELU gradient summed in f32 over 4096 rows
-    // (vector kernel: rows of 256 halves), and its f16 input summed too.
+    // (`k_cols_rows`: rows of 256 halves), and its f16 input summed too.
     let gelu_grad = "v0 = in0: f16[4096, 256]; v1 = in1: f16[4096, 256]; \
                      v2 = UnaryGrad<kind=Gelu, approximate=false>(v0, v1): f16[4096, 256]";
     check_sums(
@@ -157,6 +157,16 @@ fn fused_column_sums_match_the_cpu() {
         &[2],
         &[2, 0],
         &[(DType::F16, &[4096, 256]), (DType::F16, &[4096, 256])],
+    );
+    // GPT-2's bias gradient at rows of 4800 bf16 (600 words: two column tiles of
+    // `k_cols_rows`, the second partly full) over 37 rows (chunks of a few rows).
+    check_sums(
+        &mut gpu,
+        "v0 = in0: bf16[37, 4800]; v1 = in1: bf16[37, 4800]; \
+         v2 = UnaryGrad<kind=Gelu, approximate=true>(v0, v1): bf16[37, 4800]",
+        &[2],
+        &[2],
+        &[(DType::BF16, &[37, 4800]), (DType::BF16, &[37, 4800])],
     );
     // Rows of 100: not a multiple of the vector, one element at a time; a rank-3
     // domain summed over its two leading axes; a broadcast bias; f32.

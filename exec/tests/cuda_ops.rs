@@ -394,8 +394,10 @@ fn reductions_and_their_gradients() {
         (vec![6000, 3], Some(vec![1]), false),
         // Leading axes over many rows: the chunked column sums.
         (vec![1000, 70], Some(vec![0]), false),
-        // Columns in 16-byte words (k_cols_part_vec), the last tile partly full.
+        // Rows in 16-byte words (k_cols_rows): one tile of whole rows; rows of more
+        // than 512 words in tiles, the last partly full.
         (vec![500, 264], Some(vec![0]), false),
+        (vec![20, 4104], Some(vec![0]), false),
         (vec![9, 130, 33], Some(vec![0, 1]), true),
         // A global average pool (H and W, neighbours, reduce as one axis) and axes of
         // size 1 (dropped from the kernel's index arithmetic).

@@ -8,8 +8,8 @@ use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{
-    column_sums_and, elementwise, lit, module_multi, streams, vector_len, At, Load, Store, Streams,
-    COLUMN_ROWS,
+    column_sums_and, column_sums_rows, elementwise, lit, module_multi, streams, vector_len, At,
+    Load, Store, Streams,
 };
 use super::fp8::{amax_declaration, amax_fold, amax_measure, launch_amax};
 use super::{
@@ -18,8 +18,8 @@ use super::{
 use crate::cuda::device::{Arg, DTensor};
 
 /// A fused program's module: `k(<inputs>, <outputs>, i64 n)`, or with column sums
-/// `k_cols_part(_vec)(<inputs>, <outputs>, AS* part, i64 rows, i64 len, i64
-/// chunk_rows)` and `k_cols_fin`. Its key holds the program's text and its column sums
+/// `k_cols_part` or `k_cols_rows` (`<inputs>, <outputs>, AS* part, i64 rows, i64 len,
+/// i64 chunk_rows`) and `k_cols_fin`. Its key holds the program's text and its column sums
 /// (every dtype and shape the source bakes in).
 pub(crate) type Spec = ProgramSpec<FusedElementwise>;
 
@@ -100,9 +100,9 @@ fn lower_program(f: &FusedElementwise, outs: &[TensorType]) -> Box<dyn CudaKerne
             }
         } else {
             let part = if len % v == 0 && streams_aligned(&program, inputs, stored) {
-                Partials::Tiles("k_cols_part_vec", 32 * v)
+                Partials::Rows(v)
             } else {
-                Partials::Tiles("k_cols_part", 32)
+                Partials::Tiles
             };
             let outs: Vec<(&DTensor, f64)> = sums.iter().map(|s| (s, 1.0)).collect();
             launch_column_sums(c, &spec, &args, (n / len, len), &outs, part)?;
@@ -375,7 +375,7 @@ impl FusedParts {
     }
 }
 
-/// The elements per vector of a fused program's column-sum kernel `k_cols_part_vec`
+/// The elements per vector of a fused program's column-sum kernel `k_cols_rows`
 /// (16 bytes of the widest tensor it streams: its full-size inputs and its outputs):
 /// the launch takes it for rows whose length is a multiple of it. Read from the
 /// program's types, not its generated source: the launch asks at every run.
@@ -430,14 +430,11 @@ impl Amaxes {
 /// the inputs, the outputs, then `n`. With column sums, [`column_sums`]' kernels over
 /// the domain as `[rows, len]` rows of its last axis: each computes and stores the
 /// outputs of the elements it reads and adds up the summed values as it goes (the
-/// sums in `S`, f32 or f64), and `k_cols_part_vec` does the same moving vectors of
-/// [`fused_vector`] elements of a row (aligned rows whose length is a multiple of
-/// it). Its row loop is not unrolled: with 16-byte vectors a row is a long enough
-/// stretch of loads and arithmetic, and unrolling only costs registers and so resident
-/// blocks. The mlp's GELU gradient with its bias sum on a [8192, 4096] f16 matrix
-/// (H100, alone): unrolled 4 times 103 us (54 registers), twice 102 (62), not at all
-/// 83 (40); an f16 Add with its column sum 99, 100 and 82 (in the step: the GELU
-/// gradient 98 -> 83 us).
+/// sums in `S`, f32 or f64), and [`column_sums_rows`]' `k_cols_rows` does the same
+/// moving vectors of [`fused_vector`] elements of a row (aligned rows whose length is
+/// a multiple of it). Its row loop is not unrolled: with 16-byte vectors a row is a
+/// long enough stretch of loads and arithmetic, and unrolling only costs registers and
+/// so resident blocks.
 pub(super) fn fused(p: &FusedElementwise) -> String {
     let parts = FusedParts::new(p);
     let (loads, stores) = (parts.loads(), parts.stores());
@@ -475,50 +472,23 @@ pub(super) fn fused(p: &FusedElementwise) -> String {
         put_one,
         ..
     } = streams(&loads, &stores);
-    let (width, count) = (32 * v, sums.len());
-    let (mut accs, mut adds, mut shares, mut partials) =
-        (String::new(), String::new(), String::new(), String::new());
-    for (k, term) in sums.iter().enumerate() {
-        accs.push_str(&format!("AS acc{k}[V] = {{}};\n"));
-        adds.push_str(&format!("acc{k}[u] += {term}; "));
-        shares.push_str(&format!(
-            "for (int e = 0; e < V; ++e) sh[{k}][ty][tx * V + e] = acc{k}[e];\n"
-        ));
-        partials.push_str(&format!(
-            "for (int e = 0; e < V; ++e) {{ AS s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[{k}][w][tx * V + e]; part[(chunk * {count} + {k}) * len + j + e] = s; }}\n"
-        ));
-    }
+    let adds: String = (sums.iter().enumerate())
+        .map(|(k, term)| format!("acc{k}[u] += {term}; "))
+        .collect();
+    let row = format!(
+        "{fetch}#pragma unroll\n\
+         for (int u = 0; u < V; ++u) {{ const i64 i = i0 + u; {bind_vec}\n{body}\n{put_vec} {adds}}}\n\
+         {flush}"
+    );
     let row_setup = format!("const i64 i = at; {bind_one}\n{body}\n{put_one}");
     let terms: Vec<&str> = sums.iter().map(String::as_str).collect();
+    let folds = (&amaxes.decl[..], &amaxes.fold[..]);
     module_multi(
         &types,
         &format!(
-            "{ROUNDING}{}extern \"C\" __global__ void k_cols_part_vec({params}, AS* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
-               constexpr int V = {v};\n\
-               __shared__ AS sh[{count}][{COLUMN_ROWS}][{width}];\n\
-               int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
-               i64 tiles = (len + {width} - 1) / {width};\n\
-               i64 j = (blockIdx.x % tiles) * {width} + tx * V, chunk = blockIdx.x / tiles;\n\
-               i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
-               {accs}{decl}\
-               if (j < len) {{\n\
-                 #pragma unroll 1\n\
-                 for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{\n\
-                   const i64 i0 = row * len + j;\n\
-                   {fetch}\
-                   #pragma unroll\n\
-                   for (int u = 0; u < V; ++u) {{ const i64 i = i0 + u; {bind_vec}\n{body}\n{put_vec} {adds}}}\n\
-                   {flush}\
-                 }}\n\
-               }}\n\
-               {shares}\
-               __syncthreads();\n\
-               if (ty == 0 && j < len) {{\n{partials}}}\n\
-               {fold}\
-             }}\n",
-            column_sums_and(&params, &row_setup, &terms, "S", (&amaxes.decl, &amaxes.fold)),
-            decl = amaxes.decl,
-            fold = amaxes.fold,
+            "{ROUNDING}{}{}",
+            column_sums_and(&params, &row_setup, &terms, "S", folds),
+            column_sums_rows(&params, (v, 1), &row, (sums.len(), "S"), folds),
         ),
     )
 }

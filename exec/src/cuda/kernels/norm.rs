@@ -259,7 +259,7 @@ fn layer_norm_grad(
                 &[x.arg(), dy.arg(), stats.arg()],
                 (rows, len),
                 &[(dg, 1.0), (db, 1.0)],
-                Partials::Tiles("k_cols_part", 32),
+                Partials::Tiles,
             )?;
         }
     }

@@ -5,7 +5,7 @@ use ampgraph_graph::ops::{Reduce, ReduceGrad, ReduceKind, SumTo};
 use ampgraph_graph::tensor::strides;
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::{column_sums, column_vector, module, module_multi, COLUMN_ROWS};
+use super::codegen::{column_sums, column_sums_rows, column_vector, module, module_multi};
 use super::elementwise::broadcast_strides;
 use super::{
     acc_dtype, first, float_input, float_only, input, kernel, merged, numel, one_output, Ctx,
@@ -24,8 +24,8 @@ kernel_specs! {
         ReduceMaxGrad { dtype: DType } => reduce_max_grad(dtype),
         /// `k(const T* px, T* py, i64 n, int r, Dims shape, Dims sst, double div)`
         BroadcastDiv { dtype: DType } => broadcast_div(dtype),
-        /// Column sums of a `[rows, len]` matrix: `k_cols_part(_vec)(const T* px, AO*
-        /// part, i64 rows, i64 len, i64 chunk_rows)`, then `k_cols_fin`.
+        /// Column sums of a `[rows, len]` matrix: `k_cols_part` or `k_cols_rows` (`const
+        /// T* px, AO* part, i64 rows, i64 len, i64 chunk_rows`), then `k_cols_fin`.
         ColumnSum { dtype: DType, out: DType } => column_sum(dtype, out),
     }
 }
@@ -185,9 +185,9 @@ pub(super) fn reduce_into(
         };
         let v = column_vector(x.dtype);
         let part = if out_len % v == 0 && x.ptr() % 16 == 0 {
-            Partials::Tiles("k_cols_part_vec", 32 * v)
+            Partials::Rows(v)
         } else {
-            Partials::Tiles("k_cols_part", 32)
+            Partials::Tiles
         };
         return super::launch_column_sums(
             c,
@@ -365,43 +365,20 @@ pub(super) fn reduce_max_grad(d: DType) -> String {
 }
 
 /// Sum over the rows of a `[rows, len]` matrix of `d` (Mean through the scale),
-/// stored as `out`. Besides [`column_sums`]' kernels, `k_cols_part_vec` does
-/// `k_cols_part`'s work with each lane reading a 16-byte word of [`column_vector`]
-/// adjacent columns (a warp reads 512 contiguous bytes of a row, not 64): for `len` a
-/// multiple of that and a 16-byte aligned matrix.
+/// stored as `out`: [`column_sums`]' kernels, and [`column_sums_rows`]' `k_cols_rows`
+/// reading 16-byte words of [`column_vector`] adjacent columns, for `len` a multiple
+/// of that and a 16-byte aligned matrix.
 pub(super) fn column_sum(d: DType, out: DType) -> String {
     let v = column_vector(d);
+    let row = "uint4 word = *(const uint4*)(px + i0); const T* x = (const T*)&word;\n\
+               #pragma unroll\n\
+               for (int u = 0; u < V; ++u) acc0[u] += (AO)ld(x, u);\n";
     module_multi(
         &[("", d), ("O", out)],
         &format!(
-            "{}extern \"C\" __global__ void k_cols_part_vec(const T* px, AO* part, i64 rows, i64 len, i64 chunk_rows) {{\n\
-               __shared__ AO sh[{COLUMN_ROWS}][{width}];\n\
-               int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
-               i64 tiles = (len + {width} - 1) / {width};\n\
-               i64 j = (blockIdx.x % tiles) * {width} + tx * {v}, chunk = blockIdx.x / tiles;\n\
-               i64 end = min(rows, (chunk + 1) * chunk_rows);\n\
-               AO acc[{v}];\n\
-               #pragma unroll\n\
-               for (int e = 0; e < {v}; ++e) acc[e] = 0;\n\
-               if (j < len) {{\n\
-                 #pragma unroll 4\n\
-                 for (i64 row = chunk * chunk_rows + ty; row < end; row += {COLUMN_ROWS}) {{\n\
-                   uint4 word = *(const uint4*)(px + row * len + j);\n\
-                   const T* x = (const T*)&word;\n\
-                   #pragma unroll\n\
-                   for (int e = 0; e < {v}; ++e) acc[e] += (AO)ld(x, e);\n\
-                 }}\n\
-               }}\n\
-               #pragma unroll\n\
-               for (int e = 0; e < {v}; ++e) sh[ty][tx * {v} + e] = acc[e];\n\
-               __syncthreads();\n\
-               if (ty == 0 && j < len) {{\n\
-                 #pragma unroll\n\
-                 for (int e = 0; e < {v}; ++e) {{ AO s = 0; for (int w = 0; w < {COLUMN_ROWS}; ++w) s += sh[w][tx * {v} + e]; part[chunk * len + j + e] = s; }}\n\
-               }}\n\
-             }}\n",
+            "{}{}",
             column_sums("const T* px", "", &["(AO)ld(px, at)"], "O"),
-            width = 32 * v,
+            column_sums_rows("const T* px", (v, 4), row, (1, "O"), ("", "")),
         ),
     )
 }

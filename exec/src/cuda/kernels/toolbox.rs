@@ -388,9 +388,11 @@ pub(super) fn warp_row_form(
 /// The kernel of a module that writes partial column sums (see `codegen::column_sums`).
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Partials {
-    /// `k_cols_part`, or a form such as `k_cols_part_vec`, over tiles of this many
-    /// columns times row chunks.
-    Tiles(&'static str, usize),
+    /// `k_cols_part` (`codegen::column_sums`): tiles of 32 columns times row chunks.
+    Tiles,
+    /// `k_cols_rows` or `k_cols_rows_n` (`codegen::column_sums_rows`): row chunks
+    /// read whole, a thread taking a 16-byte word of this many values of each row.
+    Rows(usize),
     /// `k_cols_words` (`codegen::column_sums_words`): blocks reading interleaved
     /// bands of whole rows in 16-byte words of this many values.
     Words(usize),
@@ -408,7 +410,7 @@ impl Partials {
         {
             Partials::Words(v)
         } else {
-            Partials::Tiles("k_cols_part", 32)
+            Partials::Tiles
         }
     }
 }
@@ -440,16 +442,38 @@ pub(super) fn launch_column_partials<S: KernelSpec>(
     (acc, sums): (DType, usize),
     partials: Partials,
 ) -> Result<(DTensor, usize), String> {
-    // Tiles read contiguous chunks of rows (`chunk_rows`, a last argument); words
-    // interleave bands of rows.
+    // Tiles and rows read contiguous chunks of rows (`chunk_rows`, a last argument);
+    // words interleave bands of rows.
     let (name, chunks, tiles, threads, chunk_rows) = match partials {
-        Partials::Tiles(name, width) => {
-            let tiles = len.div_ceil(width);
+        Partials::Tiles => {
+            let tiles = len.div_ceil(32);
             let most_blocks = (i32::MAX as usize) / tiles.max(1);
             let chunks = rows
                 .div_ceil(64)
                 .clamp(1, codegen::COLUMN_CHUNKS.min(most_blocks.max(1)));
-            (name, chunks, tiles, 256, Some(rows.div_ceil(chunks)))
+            (
+                "k_cols_part",
+                chunks,
+                tiles,
+                256,
+                Some(rows.div_ceil(chunks)),
+            )
+        }
+        Partials::Rows(v) => {
+            let words = len / v.max(1);
+            let threads = codegen::column_rows_threads(words);
+            let per = codegen::column_rows_per_pass(words, threads);
+            let tiles = words.div_ceil(threads.min(words).max(1));
+            // One wave of resident blocks (their loads in flight together), each
+            // thread of a block taking 8 rows or more, and at most ROW_CHUNKS partials
+            // a column for k_cols_fin to add.
+            let name = codegen::column_rows_kernel(per);
+            let resident = c.resident_blocks(spec, name, threads as u32)? as usize;
+            let chunks = (resident / tiles.max(1))
+                .min(rows.div_ceil(8 * per))
+                .clamp(1, ROW_CHUNKS);
+            let threads = threads as u32;
+            (name, chunks, tiles, threads, Some(rows.div_ceil(chunks)))
         }
         Partials::Words(v) => {
             // Rows a block reads at once; each thread then takes 16 or more rows, in
@@ -468,6 +492,10 @@ pub(super) fn launch_column_partials<S: KernelSpec>(
     c.launch(spec, name, (blocks, threads), &args)?;
     Ok((part, chunks))
 }
+
+/// The most row chunks of `k_cols_rows`: GPT-2's [16384, 3072] bias gradients take
+/// about 660 (one wave of five blocks a multiprocessor).
+const ROW_CHUNKS: usize = 1024;
 
 /// The most row chunks (blocks) of `k_cols_words`: about four per multiprocessor.
 pub(super) const WORD_CHUNKS: usize = 512;
