@@ -774,13 +774,11 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
     // A matrix whose sides are multiples of 8 is transposed as it is quantised (in
     // 8-byte words); another one after.
     let matrix = q.transposed_sides(&x.shape)?;
-    let fused = matrix
-        .filter(|(rows, cols)| rows % 8 == 0 && cols % 8 == 0)
-        .map(|_| Spec::QuantizeTransposed {
-            x: x.dtype,
-            to: q.to,
-            activation: q.activation,
-        });
+    let fused = (q.tiled_sides(&x.shape)).map(|_| Spec::QuantizeTransposed {
+        x: x.dtype,
+        to: q.to,
+        activation: q.activation,
+    });
     Ok(kernel(move |c, inputs| {
         let (x, s) = (input(inputs, 0)?, input(inputs, 1)?);
         let y = c.alloc(&outs[0])?;
@@ -831,22 +829,14 @@ fn lower_grouped_quantize(
         GroupedQuantizeFp8::MEMBER_INPUTS,
         GroupedQuantizeFp8::MEMBER_OUTPUTS,
     );
-    if ins.len() != q.members * n_in || outs.len() != q.members * n_out {
-        return Err(format!(
-            "GroupedQuantizeFp8 of {} members takes {} tensors and gives {}",
-            q.members,
-            q.members * n_in,
-            q.members * n_out
-        ));
-    }
+    check_members("GroupedQuantizeFp8", q.members, (n_in, n_out), (ins, outs))?;
     let mut sides = Vec::with_capacity(q.members);
     for (m, x) in ins.iter().step_by(n_in).enumerate() {
-        let matrix = q.quantize.transposed_sides(&x.shape)?;
-        let (rows, cols) = matrix
-            .filter(|(rows, cols)| rows % 8 == 0 && cols % 8 == 0)
-            .ok_or_else(|| {
-                format!("member {m}: a grouped FP8 cast takes matrices of sides multiples of 8, not {x}")
-            })?;
+        let (rows, cols) = (q.quantize.tiled_sides(&x.shape)).ok_or_else(|| {
+            format!(
+                "member {m}: a grouped FP8 cast takes matrices of sides multiples of 8, not {x}"
+            )
+        })?;
         sides.push((rows, cols, cast_transpose_grid(rows, cols)?.0));
     }
     let spec = Spec::QuantizeTransposedGroup {
@@ -901,10 +891,7 @@ fn lower_quantize_program(
     let program = f.prologue().clone();
     let n_in = program.num_inputs();
     let x_ty = &program.instrs()[program.outputs().first().copied().ok_or("no value")?].ty;
-    let (rows, cols) = f
-        .quantize
-        .transposed_sides(&x_ty.shape)?
-        .filter(|(rows, cols)| rows % 8 == 0 && cols % 8 == 0)
+    let (rows, cols) = (f.quantize.tiled_sides(&x_ty.shape))
         .ok_or("an FP8 cast with a prologue runs transposed, on sides that are multiples of 8")?;
     if ins[..n_in.min(ins.len())]
         .iter()
@@ -1005,14 +992,7 @@ fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType
         Fp8ScaleUpdate::MEMBER_INPUTS,
         Fp8ScaleUpdate::MEMBER_OUTPUTS,
     );
-    if ins.len() != u.members * n_in || outs.len() != u.members * n_out {
-        return Err(format!(
-            "Fp8ScaleUpdate of {} members takes {} tensors and gives {}",
-            u.members,
-            u.members * n_in,
-            u.members * n_out
-        ));
-    }
+    check_members("Fp8ScaleUpdate", u.members, (n_in, n_out), (ins, outs))?;
     let lengths: Vec<usize> = ins
         .iter()
         .step_by(n_in)
@@ -1040,6 +1020,24 @@ fn lower_scale_update(u: &Fp8ScaleUpdate, ins: &[TensorType], outs: &[TensorType
         launch_grouped(c, &spec, "k", threads, &members)?;
         Ok(outputs)
     }))
+}
+
+/// Whether a grouped op `op` of `members` members, `n_in` tensors in and `n_out` out
+/// each, has them all.
+fn check_members(
+    op: &str,
+    members: usize,
+    (n_in, n_out): (usize, usize),
+    (ins, outs): (&[TensorType], &[TensorType]),
+) -> Result<(), String> {
+    if ins.len() == members * n_in && outs.len() == members * n_out {
+        return Ok(());
+    }
+    Err(format!(
+        "{op} of {members} members takes {} tensors and gives {}",
+        members * n_in,
+        members * n_out
+    ))
 }
 
 /// `x` (`rows x cols` bytes) transposed into a temporary.
