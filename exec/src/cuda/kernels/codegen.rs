@@ -112,25 +112,33 @@ __device__ __forceinline__ double m_erf(double x) { return erf(x); }
 // and the reciprocal by the hardware's approximations: the value within 3 ulp of
 // float64 above -1, 26 below (the exponent's argument, rounded, grows there); tanhf's
 // 22 instructions an element had bound the FP8 casts computing them.
+__device__ __forceinline__ float m_gelu_tanh_u(float x) {
+  return 7.978845608028654e-1f * (x + 4.4715e-2f * x * x * x);
+}
 __device__ __forceinline__ float m_exp_neg2(float u) {
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u * -2.885390081777927f));
   return e;
 }
-__device__ __forceinline__ double m_exp_neg2(double u) { return exp(-2.0 * u); }
-// x / d: in float by the hardware's reciprocal, in double divided.
-__device__ __forceinline__ float m_over(float x, float d) { return x * m_rcp_approx(d); }
-__device__ __forceinline__ double m_over(double x, double d) { return x / d; }
-template <typename F> __device__ __forceinline__ F m_gelu_tanh_u(F x) {
-  return (F)7.978845608028654e-1 * (x + (F)4.4715e-2 * x * x * x);
+__device__ __forceinline__ float m_gelu_tanh(float x) {
+  return x * m_rcp_approx(1.0f + m_exp_neg2(m_gelu_tanh_u(x)));
 }
-template <typename F> __device__ __forceinline__ F m_gelu_tanh(F x) {
-  return m_over(x, (F)1 + m_exp_neg2(m_gelu_tanh_u(x)));
+__device__ __forceinline__ float m_gelu_tanh_grad(float x) {
+  const float e = m_exp_neg2(m_gelu_tanh_u(x)), s = m_rcp_approx(1.0f + e), slope = e * s * s;
+  const float tail = (slope == 0.0f || s == 0.0f) ? 0.0f
+      : (x + x) * slope * 7.978845608028654e-1f * (1.0f + 3.0f * 4.4715e-2f * x * x);
+  return s + tail;
 }
-template <typename F> __device__ __forceinline__ F m_gelu_tanh_grad(F x) {
-  const F e = m_exp_neg2(m_gelu_tanh_u(x)), s = m_over((F)1, (F)1 + e), slope = e * s * s;
-  const F tail = (slope == (F)0 || s == (F)0) ? (F)0
-      : (x + x) * slope * (F)7.978845608028654e-1 * ((F)1 + (F)3 * (F)4.4715e-2 * x * x);
+__device__ __forceinline__ double m_gelu_tanh_u(double x) {
+  return 7.978845608028654e-1 * (x + 4.4715e-2 * x * x * x);
+}
+__device__ __forceinline__ double m_gelu_tanh(double x) {
+  return x / (1.0 + exp(-2.0 * m_gelu_tanh_u(x)));
+}
+__device__ __forceinline__ double m_gelu_tanh_grad(double x) {
+  const double u = m_gelu_tanh_u(x), e = exp(-(u + u)), s = 1.0 / (1.0 + e), slope = e * s * s;
+  const double tail = (slope == 0.0 || s == 0.0) ? 0.0
+      : (x + x) * slope * 7.978845608028654e-1 * (1.0 + 3.0 * 4.4715e-2 * x * x);
   return s + tail;
 }
 // Max that lets NaN win.
