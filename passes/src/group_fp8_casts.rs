@@ -66,28 +66,28 @@ mod tests {
     use ampgraph_graph::ops::{Cast, UnaryKind};
     use ampgraph_graph::{Tensor, TensorType};
 
-    /// A variable `name` of `shape` holding values from -600 to 600 (some saturate once
-    /// scaled), fed.
+    /// A variable `name` holding `value`, fed.
     fn variable(
         g: &mut Graph,
         feeds: &mut HashMap<String, Tensor>,
         name: &str,
-        dtype: DType,
-        shape: &[usize],
-        seed: usize,
+        value: Tensor,
     ) -> Port {
+        let ty = TensorType::new(value.dtype(), value.shape().to_vec());
+        feeds.insert(name.into(), value);
+        g.add_node(name, Box::new(Variable::new(ty)), &[])
+            .unwrap()
+            .into()
+    }
+
+    /// An f32 weight of `shape` holding values from -600 to 600 (some saturate once
+    /// scaled).
+    fn weight(shape: &[usize], seed: usize) -> Tensor {
         let n: usize = shape.iter().product();
         let values: Vec<f64> = (0..n)
             .map(|i| ((i * 37 + seed * 11) % 1201) as f64 - 600.0)
             .collect();
-        feeds.insert(
-            name.into(),
-            Tensor::from_f64(dtype, shape.to_vec(), &values).unwrap(),
-        );
-        let ty = TensorType::new(dtype, shape.to_vec());
-        g.add_node(name, Box::new(Variable::new(ty)), &[])
-            .unwrap()
-            .into()
+        Tensor::from_f64(DType::F32, shape.to_vec(), &values).unwrap()
     }
 
     /// Casts of weights, read through AMP's bf16 copy or directly (f32), to E4M3 or
@@ -112,34 +112,24 @@ mod tests {
             ("w5", [40, 8], true, &e5m2),
         ];
         for (k, (name, shape, cast, q)) in cases.into_iter().enumerate() {
-            let w = variable(&mut g, &mut feeds, name, DType::F32, &shape, k);
+            let w = variable(&mut g, &mut feeds, name, weight(&shape, k));
             let x = match cast {
                 true => g.add(Cast { to: DType::BF16 }, &[w]).unwrap(),
                 false => w,
             };
-            let scale = variable(
-                &mut g,
-                &mut feeds,
-                &format!("{name}/scale"),
-                DType::F32,
-                &[],
-                k,
-            );
-            feeds.insert(
-                format!("{name}/scale"),
-                Tensor::scalar(DType::F32, 0.3 + k as f64),
-            );
+            let s = Tensor::scalar(DType::F32, 0.3 + k as f64);
+            let scale = variable(&mut g, &mut feeds, &format!("{name}/scale"), s);
             let y = g.add(q.clone(), &[x, scale]).unwrap();
             outputs.extend((0..3).map(|i| Port::new(y.node, i)));
         }
-        let scale = variable(&mut g, &mut feeds, "scale", DType::F32, &[], 9);
-        feeds.insert("scale".into(), Tensor::scalar(DType::F32, 0.7));
+        let s = Tensor::scalar(DType::F32, 0.7);
+        let scale = variable(&mut g, &mut feeds, "scale", s);
         let z = g.placeholder("z", DType::BF16, [16, 16]).unwrap();
         feeds.insert(
             "z".into(),
             Tensor::from_f64(DType::BF16, vec![16, 16], &[1.5; 256]).unwrap(),
         );
-        let w = variable(&mut g, &mut feeds, "odd", DType::F32, &[12, 8], 7);
+        let w = variable(&mut g, &mut feeds, "odd", weight(&[12, 8], 7));
         let gelu = Some(UnaryKind::Gelu { approximate: true });
         for (x, q) in [
             (z, e4m3.clone()),
