@@ -263,7 +263,7 @@ fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head:
 /// inputs (`inputs`), the scale, the outputs, the amax, any `partials` and the sides.
 fn kernel_head(inputs: &str, partials: &str) -> String {
     format!(
-        "extern \"C\" __global__ void k({inputs}, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax{partials}, i64 rows, i64 cols) {{\n\
+        "extern \"C\" __global__ void __launch_bounds__(256, 4) k({inputs}, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax{partials}, i64 rows, i64 cols) {{\n\
            const i64 block = blockIdx.x, blocks = gridDim.x;\n"
     )
 }
@@ -278,7 +278,7 @@ fn group_head() -> String {
         "{table}extern \"C\" __global__ void k_group_zero(const UpdateTable t, int members) {{\n\
            if ((int)threadIdx.x < members) *(unsigned int*)t.p[threadIdx.x][4] = 0u;\n\
          }}\n\
-         extern \"C\" __global__ void k_group(const UpdateTable t, int members) {{\n\
+         extern \"C\" __global__ void __launch_bounds__(256, 4) k_group(const UpdateTable t, int members) {{\n\
            int member = 0;\n\
            while (member + 1 < members && (i64)blockIdx.x >= t.n[member + 1]) ++member;\n\
            const i64 first = t.n[member], block = blockIdx.x - first;\n\
@@ -319,7 +319,7 @@ struct CastTranspose<'a> {
     shared: &'a str,
     shared_bytes: usize,
     /// The inputs each tile reads: 8 elements of each of the thread's two rows (row
-    /// `i` at `r0 + rr + 32 i`, from column `c`).
+    /// `i` at `r0 + 2 rr + i`, from column `c`).
     rows: &'a [RowInput<'a>],
     /// Per block, before its first tile: declarations (the block's columns `c0 ..
     /// c0 + 63` stay the same over its tiles).
@@ -362,7 +362,7 @@ impl RowInput<'_> {
             "Vec<{ty}, 8> {name}[2];\n\
              #pragma unroll\n\
              for (int i = 0; i < 2; ++i) {{\n\
-               const i64 r = r0 + rr + 32 * i;\n\
+               const i64 r = r0 + 2 * rr + i;\n\
                if (r < rows && c < cols) {name}[i] = *(const Vec<{ty}, 8>*)({ptr} + r * cols + c);\n\
              }}\n"
         )
@@ -377,19 +377,27 @@ impl RowInput<'_> {
         )
     }
 
-    /// Starts copying tile `u`'s two rows (from column `uc`) into buffer `to`.
+    /// The running source of the thread's rows: row `2 rr` of the block's first tile,
+    /// a stride of `bands` tiles apart ([`RowInput::stage`] advances it).
+    fn source(&self) -> String {
+        let RowInput { ty, name, ptr, .. } = self;
+        format!("const {ty}* src_{name} = {ptr} + (band * 64 + 2 * rr) * cols + c;\n")
+    }
+
+    /// Starts copying the next tile's two rows of the thread (the row `next_row`) into
+    /// buffer `to`, then moves the source a stride on.
     fn stage(&self) -> String {
         let RowInput { ty, name, ptr, .. } = self;
         let pieces = self.pieces();
         format!(
             "#pragma unroll\n\
              for (int i = 0; i < 2; ++i) {{\n\
-               const i64 r = ur + rr + 32 * i;\n\
-               const bool in = r < rows && uc < cols;\n\
+               const bool in = c < cols && next_row + i < rows;\n\
                #pragma unroll\n\
                for (int q = 0; q < {pieces}; ++q)\n\
-                 copy_async(&stage_{name}[to][{pieces} * i + q][threadIdx.x], in ? (const void*)({ptr} + r * cols + uc + q * (16 / sizeof({ty}))) : (const void*){ptr}, in ? 16 : 0);\n\
-             }}\n"
+                 copy_async(&stage_{name}[to][{pieces} * i + q][threadIdx.x], in ? (const void*)(src_{name} + i * cols + q * (16 / sizeof({ty}))) : (const void*){ptr}, in ? 16 : 0);\n\
+             }}\n\
+             src_{name} += stride;\n"
         )
     }
 
@@ -410,22 +418,31 @@ impl RowInput<'_> {
 /// The shared memory a kernel's static arrays may take.
 const STATIC_SHARED_BYTES: usize = 48 << 10;
 
-/// A thread loads 8 elements of two rows of the tile (16 bytes of bf16 each) before
-/// it converts and stores any (one row at a time, the kernel ran at two thirds of the
-/// bandwidth of a quantisation and a transpose apart), and both stores move 8-byte
-/// words (8 columns of a row of `y`, 8 rows of a column of `y^T`): with 4-byte words
-/// and 4 rows of 4 elements a thread, the mlp's [8192, 4096] quantisation took 55 us
-/// on the H200, with these 51. Rows and columns are multiples of 8. A block keeps to
-/// one column of tiles, walking its rows of tiles in a stride of `bands` (the grid is
-/// [`cast_transpose_grid`]'s, a whole number of tile columns): no division per tile,
-/// and a column sum stays in the thread's registers until the block's last tile, one
-/// partial per band.
+/// A thread loads 8 elements of two adjacent rows of the tile (16 bytes of bf16 each)
+/// before it converts and stores any (one row at a time, the kernel ran at two thirds
+/// of the bandwidth of a quantisation and a transpose apart), converts them in pairs
+/// and stores each row's 8 bytes of `y` whole. Rows and columns are multiples of 8. A
+/// block keeps to one column of tiles, walking its rows of tiles in a stride of
+/// `bands` (the grid is [`cast_transpose_grid`]'s, a whole number of tile columns): no
+/// division per tile, and a column sum stays in the thread's registers until the
+/// block's last tile, one partial per band.
 ///
-/// The rows of the next tile are copied into shared memory (`cp.async`, two buffers)
-/// while the block converts and stores this one: Nsight Compute found these kernels
-/// neither memory- nor compute-bound (DRAM 39-44% of peak), and a prefetch into
-/// registers cost more occupancy than it hid. Inputs of 1-byte elements, or staging
-/// past the static shared memory, load straight into registers.
+/// The transpose: the thread's two rows' bytes are interleaved by `PRMT` into a
+/// 16-bit piece per column, stored into a column-major tile (a column's 64 rows in 16
+/// words, the words swizzled by the column's group so that a warp's stores and
+/// 16-byte loads meet no bank twice), and each column read back in 16-byte words: `y^T`
+/// is written in 16-byte stores. With one byte loaded per element and the rows 32
+/// apart, GPT-2's [16384, 3072] GELU-gradient cast ran 117 us on the H200; like this,
+/// 96-99 (the harness of benchmark-history, fifty-second session).
+///
+/// The rows of the next tile are copied into shared memory (`cp.async`, two buffers,
+/// each input's source a running pointer) while the block converts and stores this
+/// one: Nsight Compute found these kernels neither memory- nor compute-bound (DRAM
+/// 39-44% of peak), and a prefetch into registers cost more occupancy than it hid.
+/// Inputs of 1-byte elements, or staging past the static shared memory, load straight
+/// into registers. At most 64 registers a thread (four blocks a multiprocessor): the
+/// GELU gradient's cast took 89 unbounded (two blocks) and ran no faster, 48 at five
+/// blocks and ran 12% slower.
 fn cast_transpose(k: CastTranspose) -> String {
     let CastTranspose {
         types,
@@ -440,22 +457,24 @@ fn cast_transpose(k: CastTranspose) -> String {
         block_end,
         after,
     } = k;
-    let tile_bytes = 64 * 68;
+    let tile_bytes = 64 * 64;
     let staging: usize = rows.iter().map(RowInput::staging_bytes).sum();
     let staged = rows.iter().all(|r| r.bytes >= 2)
         && tile_bytes + shared_bytes + staging <= STATIC_SHARED_BYTES;
     let concat = |f: &dyn Fn(&RowInput) -> String| rows.iter().map(f).collect::<String>();
-    let (helpers, stage_shared, first, next, loads) = if staged {
-        let stage = concat(&|r| r.stage());
+    let (helpers, stage_shared, sources, first, next, loads) = if staged {
+        let stage = format!("{}next_row += bands * 64;\n", concat(&|r| r.stage()));
         (
             copy_async_source!(),
             concat(&|r| r.stage_declaration()),
             format!(
-                "if (band < tiles_r) {{ const i64 ur = band * 64, uc = c; const int to = 0;\n{stage}}}\n\
-                 commit();\n"
+                "const i64 stride = bands * 64 * cols;\n\
+                 i64 next_row = band * 64 + 2 * rr;\n{}",
+                concat(&|r| r.source())
             ),
+            format!("if (band < tiles_r) {{ const int to = 0;\n{stage}}}\ncommit();\n"),
             format!(
-                "if (tr + bands < tiles_r) {{ const i64 ur = (tr + bands) * 64, uc = c; const int to = buf ^ 1;\n{stage}}}\n\
+                "if (tr + bands < tiles_r) {{ const int to = buf ^ 1;\n{stage}}}\n\
                  commit();\n\
                  wait<1>();\n"
             ),
@@ -467,8 +486,13 @@ fn cast_transpose(k: CastTranspose) -> String {
             String::new(),
             String::new(),
             String::new(),
+            String::new(),
             concat(&|r| r.load()),
         )
+    };
+    let kind = match types.iter().find(|(name, _)| *name == "Y") {
+        Some((_, DType::F8E5M2)) => "__NV_E5M2",
+        _ => "__NV_E4M3",
     };
     let (declaration, measure, fold) = (
         amax_declaration("m"),
@@ -479,8 +503,11 @@ fn cast_transpose(k: CastTranspose) -> String {
         types,
         &format!(
             "{prefix}{helpers}typedef unsigned int u32;\n\
+             __device__ __forceinline__ u32 fp8x2(float a, float b) {{\n\
+               return (u32)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, {kind});\n\
+             }}\n\
              {head}\
-               __align__(4) __shared__ u8 tile[64][68];\n\
+               __align__(16) __shared__ u32 tile[64][16];\n\
                {shared}{stage_shared}\
                const float s = ps[0];\n\
                {declaration}\
@@ -488,42 +515,47 @@ fn cast_transpose(k: CastTranspose) -> String {
                const i64 band = block / tiles_c, c0 = (block - band * tiles_c) * 64;\n\
                const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
                const i64 c = c0 + 8 * cg;\n\
-               {block_start}{first}\
+               {sources}{block_start}{first}\
                int buf = 0;\n\
                for (i64 tr = band; tr < tiles_r; tr += bands, buf ^= 1) {{\n\
                  const i64 r0 = tr * 64;\n\
                  {next}{loads}\
+                 uint2 qw[2];\n\
                  #pragma unroll\n\
                  for (int i = 0; i < 2; ++i) {{\n\
-                   const int j = rr + 32 * i;\n\
-                   const i64 r = r0 + j;\n\
+                   const i64 r = r0 + 2 * rr + i;\n\
+                   qw[i] = make_uint2(0, 0);\n\
                    if (r < rows && c < cols) {{\n\
-                     __align__(8) TY q[8];\n\
+                     float scaled[8];\n\
                      #pragma unroll\n\
                      for (int b = 0; b < 8; ++b) {{\n\
                        {element}\
                        {measure}\n\
-                       stY(q, b, __fmul_rn(x, s));{element_end}\n\
+                       scaled[b] = __fmul_rn(x, s);{element_end}\n\
                      }}\n\
-                     const uint2 w = *(const uint2*)q;\n\
-                     *(u32*)&tile[j][8 * cg] = w.x;\n\
-                     *(u32*)&tile[j][8 * cg + 4] = w.y;\n\
-                     *(uint2*)(py + r * cols + c) = w;\n\
+                     qw[i] = make_uint2(__byte_perm(fp8x2(scaled[0], scaled[1]), fp8x2(scaled[2], scaled[3]), 0x5410),\n\
+                                        __byte_perm(fp8x2(scaled[4], scaled[5]), fp8x2(scaled[6], scaled[7]), 0x5410));\n\
+                     *(uint2*)(py + r * cols + c) = qw[i];\n\
                    }}\n\
                  }}\n\
+                 {{\n\
+                   const u32 pair[4] = {{__byte_perm(qw[0].x, qw[1].x, 0x5140), __byte_perm(qw[0].x, qw[1].x, 0x7362),\n\
+                                         __byte_perm(qw[0].y, qw[1].y, 0x5140), __byte_perm(qw[0].y, qw[1].y, 0x7362)}};\n\
+                   unsigned short* t16 = (unsigned short*)&tile[0][0];\n\
+                   const int word = (rr >> 1) ^ (2 * cg), half = rr & 1;\n\
+                   #pragma unroll\n\
+                   for (int k = 0; k < 8; ++k)\n\
+                     t16[2 * ((8 * cg + k) * 16 + word) + half] = (unsigned short)(pair[k >> 1] >> (16 * (k & 1)));\n\
+                 }}\n\
                  __syncthreads();\n\
-                 #pragma unroll\n\
-                 for (int i = 0; i < 2; ++i) {{\n\
-                   const int j = rr + 32 * i;\n\
-                   const i64 cj = c0 + j, r = r0 + 8 * cg;\n\
+                 {{\n\
+                   const int col = threadIdx.x >> 2, quarter = threadIdx.x & 3, swizzle = 2 * (col >> 3);\n\
+                   uint4 w = *(const uint4*)&tile[col][(4 * quarter) ^ (swizzle & 12)];\n\
+                   if (swizzle & 2) w = make_uint4(w.z, w.w, w.x, w.y);\n\
+                   const i64 cj = c0 + col, r = r0 + 16 * quarter;\n\
                    if (cj < cols && r < rows) {{\n\
-                     uint2 w = make_uint2(0, 0);\n\
-                     #pragma unroll\n\
-                     for (int b = 0; b < 4; ++b) {{\n\
-                       w.x |= (u32)tile[8 * cg + b][j] << (8 * b);\n\
-                       w.y |= (u32)tile[8 * cg + 4 + b][j] << (8 * b);\n\
-                     }}\n\
-                     *(uint2*)(pt + cj * rows + r) = w;\n\
+                     if (r + 16 <= rows) *(uint4*)(pt + cj * rows + r) = w;\n\
+                     else *(uint2*)(pt + cj * rows + r) = make_uint2(w.x, w.y);\n\
                    }}\n\
                  }}\n\
                  __syncthreads();\n\
