@@ -84,7 +84,26 @@ fn check_sums(
             let rows = (g.ty(ports[0]).checked_len().unwrap_or(0) / c.len()) as f64;
             tol(c.dtype()) * rows.sqrt().max(4.0)
         };
-        for (i, (a, b)) in d.to_f64_vec().iter().zip(c.to_f64_vec()).enumerate() {
+        // A sum of a value the program also outputs is held to that output as the
+        // device computed it (checked against the CPU above): its elements are
+        // 16-bit roundings of an approximate function (the device's GELU), any of
+        // which may round the other way than the CPU's, which the sum's own tolerance
+        // is not for.
+        let summed =
+            (k.checked_sub(outputs.len())).and_then(|j| outputs.iter().position(|&o| o == sums[j]));
+        let expected = match summed {
+            Some(o) => {
+                let values = dev[o].to_f64_vec();
+                let cols = c.len();
+                let mut sum = vec![0.0; cols];
+                for (i, v) in values.iter().enumerate() {
+                    sum[i % cols] += v;
+                }
+                sum
+            }
+            None => c.to_f64_vec(),
+        };
+        for (i, (a, b)) in d.to_f64_vec().iter().zip(expected).enumerate() {
             let close =
                 a == &b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= t * b.abs().max(1.0);
             assert!(

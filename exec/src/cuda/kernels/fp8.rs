@@ -431,7 +431,8 @@ const STATIC_SHARED_BYTES: usize = 48 << 10;
 /// 16-bit piece per column, stored into a column-major tile (a column's 64 rows in 16
 /// words, the words swizzled by the column's group so that a warp's stores and
 /// 16-byte loads meet no bank twice), and each column read back in 16-byte words: `y^T`
-/// is written in 16-byte stores. With one byte loaded per element and the rows 32
+/// is written in 16-byte stores (8-byte ones where the rows are no multiple of 16,
+/// the stores' alignment). With one byte loaded per element and the rows 32
 /// apart, GPT-2's [16384, 3072] GELU-gradient cast ran 117 us on the H200; like this,
 /// 96-99 (the harness of benchmark-history, fifty-second session).
 ///
@@ -554,8 +555,12 @@ fn cast_transpose(k: CastTranspose) -> String {
                    if (swizzle & 2) w = make_uint4(w.z, w.w, w.x, w.y);\n\
                    const i64 cj = c0 + col, r = r0 + 16 * quarter;\n\
                    if (cj < cols && r < rows) {{\n\
-                     if (r + 16 <= rows) *(uint4*)(pt + cj * rows + r) = w;\n\
-                     else *(uint2*)(pt + cj * rows + r) = make_uint2(w.x, w.y);\n\
+                     TY* o = pt + cj * rows + r;\n\
+                     if ((rows & 15) == 0) *(uint4*)o = w;\n\
+                     else {{\n\
+                       *(uint2*)o = make_uint2(w.x, w.y);\n\
+                       if (r + 8 < rows) *(uint2*)(o + 8) = make_uint2(w.z, w.w);\n\
+                     }}\n\
                    }}\n\
                  }}\n\
                  __syncthreads();\n\
