@@ -416,7 +416,23 @@ impl RowInput<'_> {
 }
 
 /// The shared memory a kernel's static arrays may take.
-const STATIC_SHARED_BYTES: usize = 48 << 10;
+pub(super) const STATIC_SHARED_BYTES: usize = 48 << 10;
+
+/// `u32 fp8x2(float a, float b)`: `a` and `b` cast to the FP8 dtype `to` as
+/// `QuantizeFp8` casts (saturating), `a` in the low byte: one conversion for two
+/// values. Needs `u32`.
+pub(super) fn fp8_pairs(to: DType) -> String {
+    let kind = if to == DType::F8E5M2 {
+        "__NV_E5M2"
+    } else {
+        "__NV_E4M3"
+    };
+    format!(
+        "__device__ __forceinline__ u32 fp8x2(float a, float b) {{\n\
+           return (u32)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, {kind});\n\
+         }}\n"
+    )
+}
 
 /// A thread loads 8 elements of two adjacent rows of the tile (16 bytes of bf16 each)
 /// before it converts and stores any (one row at a time, the kernel ran at two thirds
@@ -491,10 +507,12 @@ fn cast_transpose(k: CastTranspose) -> String {
             concat(&|r| r.load()),
         )
     };
-    let kind = match types.iter().find(|(name, _)| *name == "Y") {
-        Some((_, DType::F8E5M2)) => "__NV_E5M2",
-        _ => "__NV_E4M3",
-    };
+    let pairs = fp8_pairs(
+        types
+            .iter()
+            .find(|(name, _)| *name == "Y")
+            .map_or(DType::F8E4M3, |t| t.1),
+    );
     let (declaration, measure, fold) = (
         amax_declaration("m"),
         amax_measure("m", "x"),
@@ -504,10 +522,7 @@ fn cast_transpose(k: CastTranspose) -> String {
         types,
         &format!(
             "{prefix}{helpers}typedef unsigned int u32;\n\
-             __device__ __forceinline__ u32 fp8x2(float a, float b) {{\n\
-               return (u32)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, {kind});\n\
-             }}\n\
-             {head}\
+             {pairs}{head}\
                __align__(16) __shared__ u32 tile[64][16];\n\
                {shared}{stage_shared}\
                const float s = ps[0];\n\

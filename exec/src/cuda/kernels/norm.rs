@@ -15,7 +15,10 @@ use super::codegen::{
     column_sums, column_sums_fin, column_vector, lit, module_multi, warp_load_words, warp_rows,
     warp_store_words, WARP_ROW_MAX,
 };
-use super::fp8::{amax_declaration, amax_fold, amax_measure, fp8_module, zeroed_amax, AMAX_BLOCKS};
+use super::fp8::{
+    amax_declaration, amax_fold, amax_measure, fp8_module, fp8_pairs, zeroed_amax, AMAX_BLOCKS,
+    STATIC_SHARED_BYTES,
+};
 use super::reduce::reduce_into;
 use super::{
     acc_dtype, block_rows, first, float_only, input, kernel, launch_column_sums,
@@ -356,75 +359,130 @@ const FP8_BAND: usize = 32;
 
 /// LayerNormQuantizeFp8: [`layer_norm`]'s `k_warp` and `k_warp_vec` rows (eight warps
 /// of 256 threads, four rows each), each value rounded to the norm's dtype `TY` as it
-/// stored it, measured and cast to `TQ` as `QuantizeFp8` casts, into a band of
-/// [`FP8_BAND`] rows in shared memory; the block then writes the band row-major and,
-/// where `pt` is not null, transposed, 8 bytes a thread (rows and columns multiples
-/// of 8). A band row's 4 bytes of padding put the transposed reads of rows 8 apart in
-/// different banks.
+/// stored it, measured and cast to `TQ` as `QuantizeFp8` casts, and stored from the
+/// lane's registers (`k_warp_vec`: 8 bytes a word, converted in pairs). Gamma and
+/// beta are staged in shared memory once a block (read per value from global memory,
+/// two loads a value, the kernel ran twice as long on GPT-2's [16384, 768]: 45 against
+/// 23 us apart). Where `pt` is not null the values also go into a band of
+/// [`FP8_BAND`] rows in shared memory, which the block then writes transposed: a thread
+/// takes 4 columns of 8 rows (8 words), transposes them by `PRMT` and stores 8 bytes of
+/// each column (rows and columns multiples of 8). A band row's 4 bytes of padding put
+/// the reads of a warp (4 groups of 8 rows, 8 groups of columns) in different banks.
 pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) -> String {
-    let value = "(v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j)";
-    // The cast of the value of lane index `t` at column `j` into `TQ cast` (the
-    // statistics' code names its sums `s` and `q`).
-    let cast = format!(
-        "TY r[1]; stY(r, 0, (CY)({value})); const float x = (float)ldY(r, 0);\n\
-         {}\n\
-         TQ cast[1]; stQ(cast, 0, __fmul_rn(x, scale));",
-        amax_measure("m", "x")
-    );
+    let width = 32 * per;
+    let band_bytes = FP8_BAND * (width + 4);
+    // Gamma and beta staged (as T, each read as the plain kernel reads them) where
+    // they fit beside the band: f64 parameters of the widest rows do not.
+    let staged = band_bytes + 2 * width * types.params.size_bytes() <= STATIC_SHARED_BYTES;
+    let (g, b, stage) = if staged {
+        (
+            "gs",
+            "bs",
+            format!(
+                "__align__(32) __shared__ T gs[{width}], bs[{width}];\n\
+                 for (int j = threadIdx.x; j < len; j += blockDim.x) {{ gs[j] = pg[j]; bs[j] = pb[j]; }}\n\
+                 __syncthreads();\n"
+            ),
+        )
+    } else {
+        ("pg", "pb", String::new())
+    };
+    // The value of lane index `t` at column `j`, rounded to `TY` and measured, into the
+    // float `x` (the statistics' code names its sums `s` and `q`).
+    let value = |gamma: &str, beta: &str| {
+        format!(
+            "TY r[1]; stY(r, 0, (CY)((v[t] - mean) * inv * (A)ld({gamma}) + (A)ld({beta})));\n\
+             const float x = (float)ldY(r, 0);\n\
+             {}\n",
+            amax_measure("m", "x")
+        )
+    };
     let stats = ln_warp_stats(per);
+    let scalar = value(&format!("{g}, j"), &format!("{b}, j"));
     let warp = format!(
         "A v[{per}];\n\
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; v[t] = j < len ? (A)ldX(px, base + j) : (A)0; }}\n\
          {stats}\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) {{ {cast} band[jr][j] = *(const u8*)cast; }} }}\n"
+         for (int t = 0; t < {per}; ++t) {{\n\
+           int j = lane + 32 * t;\n\
+           if (j < len) {{\n\
+             {scalar}\
+             TQ cast[1]; stQ(cast, 0, __fmul_rn(x, scale));\n\
+             py[base + j] = cast[0];\n\
+             if (pt) band[jr][j] = *(const u8*)cast;\n\
+           }}\n\
+         }}\n"
     );
     let v = column_vector(types.x);
+    let word = value("gw.v, k", "bw.v, k");
+    // The word's bytes stored 4 at a time (2 for f64 rows' words of 2 values).
+    let store = if v >= 4 {
+        format!(
+            "#pragma unroll\n\
+             for (int k = 0; k < {v} / 4; ++k) {{\n\
+               const u32 four = __byte_perm(fp8x2(scaled[4 * k], scaled[4 * k + 1]), fp8x2(scaled[4 * k + 2], scaled[4 * k + 3]), 0x5410);\n\
+               *(u32*)(py + base + j0 + 4 * k) = four;\n\
+               if (pt) *(u32*)&band[jr][j0 + 4 * k] = four;\n\
+             }}\n"
+        )
+    } else {
+        "const unsigned short two = (unsigned short)fp8x2(scaled[0], scaled[1]);\n\
+         *(unsigned short*)(py + base + j0) = two;\n\
+         if (pt) *(unsigned short*)&band[jr][j0] = two;\n"
+            .to_string()
+    };
     let warp_vec = format!(
         "A v[{per}];\n{load}{stats}\
          #pragma unroll\n\
          for (int w = 0; w < {words}; ++w) {{\n\
            const int j0 = (32 * w + lane) * {v};\n\
-           __align__(4) u8 bytes[{v}];\n\
+           const Vec<T, {v}> gw = *(const Vec<T, {v}>*)&{g}[j0], bw = *(const Vec<T, {v}>*)&{b}[j0];\n\
+           float scaled[{v}];\n\
            #pragma unroll\n\
-           for (int k = 0; k < {v}; ++k) {{ int t = w * {v} + k, j = j0 + k; {cast} bytes[k] = *(const u8*)cast; }}\n\
-           #pragma unroll\n\
-           for (int k = 0; k < {v} / 4; ++k) *(u32*)&band[jr][j0 + 4 * k] = ((const u32*)bytes)[k];\n\
+           for (int k = 0; k < {v}; ++k) {{\n\
+             const int t = w * {v} + k;\n\
+             {word}\
+             scaled[k] = __fmul_rn(x, scale);\n\
+           }}\n\
+           {store}\
          }}\n",
         load = warp_load_words("px", "v", per, v, "X"),
         words = per / v
     );
     let kernel = |name: &str, row: &str| {
         format!(
-            "extern \"C\" __global__ void __launch_bounds__(256) {name}(const TX* __restrict__ px, const T* __restrict__ pg, const T* __restrict__ pb, const float* __restrict__ ps, TQ* __restrict__ py, TQ* __restrict__ pt, unsigned int* amax, i64 rows, i64 len) {{\n\
-               __align__(4) __shared__ u8 band[{FP8_BAND}][{width}];\n\
+            "extern \"C\" __global__ void __launch_bounds__(256, 4) {name}(const TX* __restrict__ px, const T* __restrict__ pg, const T* __restrict__ pb, const float* __restrict__ ps, TQ* __restrict__ py, TQ* __restrict__ pt, unsigned int* amax, i64 rows, i64 len) {{\n\
+               __align__(4) __shared__ u8 band[{FP8_BAND}][{band_width}];\n\
+               {stage}\
                const A eps = (A)(C){eps};\n\
                const float scale = ps[0];\n\
                {declaration}\
-               const int lane = threadIdx.x & 31, words = (int)(len / 8);\n\
+               const int lane = threadIdx.x & 31;\n\
                for (i64 r0 = (i64)blockIdx.x * {FP8_BAND}; r0 < rows; r0 += (i64)gridDim.x * {FP8_BAND}) {{\n\
                  for (int jr = threadIdx.x >> 5; jr < {FP8_BAND}; jr += 8) {{\n\
                    const i64 row = r0 + jr, base = row * len;\n\
                    if (row < rows) {{\n{row}}}\n\
                  }}\n\
+                 if (!pt) continue;\n\
                  __syncthreads();\n\
-                 for (int i = threadIdx.x; i < {FP8_BAND} * words; i += 256) {{\n\
-                   const int jr = i / words, c = 8 * (i % words);\n\
-                   if (r0 + jr < rows) *(uint2*)(py + (r0 + jr) * len + c) = make_uint2(*(const u32*)&band[jr][c], *(const u32*)&band[jr][c + 4]);\n\
-                 }}\n\
-                 if (pt) for (int i = threadIdx.x; i < {FP8_BAND} / 8 * len; i += 256) {{\n\
-                   const int c = i / {groups}, g = 8 * (i % {groups});\n\
+                 for (int i = threadIdx.x; i < (int)len * {groups} / 4; i += 256) {{\n\
+                   const int c = 4 * (i / {groups}), g = 8 * (i % {groups});\n\
                    if (r0 + g < rows) {{\n\
-                     uint2 w = make_uint2(0, 0);\n\
+                     u32 w[8];\n\
                      #pragma unroll\n\
-                     for (int b = 0; b < 4; ++b) {{ w.x |= (u32)band[g + b][c] << (8 * b); w.y |= (u32)band[g + 4 + b][c] << (8 * b); }}\n\
-                     *(uint2*)(pt + (i64)c * rows + r0 + g) = w;\n\
+                     for (int k = 0; k < 8; ++k) w[k] = *(const u32*)&band[g + k][c];\n\
+                     u32 lo[4], hi[4];\n\
+                     byte_transpose4(w[0], w[1], w[2], w[3], lo);\n\
+                     byte_transpose4(w[4], w[5], w[6], w[7], hi);\n\
+                     #pragma unroll\n\
+                     for (int k = 0; k < 4; ++k) *(uint2*)(pt + (i64)(c + k) * rows + r0 + g) = make_uint2(lo[k], hi[k]);\n\
                    }}\n\
                  }}\n\
                  __syncthreads();\n\
                }}\n{fold}}}\n",
-            width = 32 * per + 4,
+            band_width = width + 4,
             groups = FP8_BAND / 8,
             eps = lit(eps),
             declaration = amax_declaration("m"),
@@ -436,7 +494,15 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
     fp8_module(
         &blocks,
         &format!(
-            "typedef unsigned int u32;\n{}{}",
+            "typedef unsigned int u32;\n{}\
+             // The 4x4 bytes of words w0..w3 (rows) transposed: t[k] holds byte k of each.\n\
+             __device__ __forceinline__ void byte_transpose4(u32 w0, u32 w1, u32 w2, u32 w3, u32* t) {{\n\
+               const u32 a = __byte_perm(w0, w1, 0x5140), b = __byte_perm(w0, w1, 0x7362);\n\
+               const u32 c = __byte_perm(w2, w3, 0x5140), d = __byte_perm(w2, w3, 0x7362);\n\
+               t[0] = __byte_perm(a, c, 0x5410); t[1] = __byte_perm(a, c, 0x7632);\n\
+               t[2] = __byte_perm(b, d, 0x5410); t[3] = __byte_perm(b, d, 0x7632);\n\
+             }}\n{}{}",
+            fp8_pairs(to),
             kernel("k_warp", &warp),
             kernel("k_warp_vec", &warp_vec)
         ),
