@@ -463,7 +463,8 @@ fn delayed_scaling_keeps_amax_histories_and_scales_in_the_graph() {
         assert_eq!(scalar(&s, &scale), f64::from(next), "step {t}");
         assert_eq!(scalar(&s, &scale_inv), f64::from(1.0 / next), "step {t}");
     }
-    let path = std::env::temp_dir().join(format!("ampgraph_fp8_{}.ckpt", std::process::id()));
+    let dir = common::ScratchDir::new("fp8-state");
+    let path = dir.join("state.ckpt");
     s.save(&path).unwrap();
     let (g, _, _) = mlp(LossScale::None);
     let mut restored =
@@ -475,7 +476,6 @@ fn delayed_scaling_keeps_amax_histories_and_scales_in_the_graph() {
     );
     assert_eq!(scalar(&restored, &scale), scalar(&s, &scale));
     assert_eq!(scalar(&restored, &scale_inv), scalar(&s, &scale_inv));
-    std::fs::remove_file(&path).unwrap();
 }
 
 /// Delayed scaling's step is one `Fp8ScaleUpdate` per format with a member for each
@@ -907,8 +907,8 @@ fn an_fp8_training_step_lowers_on_cuda() {
 /// run's back into a BF16 session (which skips that state), the weights the same.
 #[test]
 fn checkpoints_move_between_bf16_and_fp8_sessions() {
-    let path =
-        std::env::temp_dir().join(format!("ampgraph_fp8_switch_{}.ckpt", std::process::id()));
+    let dir = common::ScratchDir::new("fp8-switch");
+    let path = dir.join("switch.ckpt");
     let bf16 = || {
         let (g, step, _) = mlp(LossScale::None);
         let options = SessionOptions {
@@ -970,7 +970,6 @@ fn checkpoints_move_between_bf16_and_fp8_sessions() {
     let x_scale = "ampgraph/fp8/x/e4m3/scale";
     let saved_x = saved.iter().find(|(name, _)| name == x_scale).unwrap();
     assert_eq!(fp8.variable(x_scale), Some(&saved_x.1));
-    std::fs::remove_file(&path).unwrap();
 }
 
 /// Data parallelism with delayed scaling: two replicas fed different inputs keep the

@@ -6,10 +6,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-use common::example_binary;
+use common::{example_binary, ScratchDir};
 
 const VOCAB: u16 = 64;
 
@@ -36,12 +36,6 @@ fn random_walk(n: usize, seed: u64) -> Vec<u16> {
             token as u16
         })
         .collect()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ampgraph-gpt2-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 fn run(data: &Path, val: Option<&Path>, args: &[&str]) -> Output {
@@ -71,7 +65,7 @@ fn val_loss(out: &Output) -> f64 {
 
 #[test]
 fn it_learns_a_random_walk_and_bf16_ends_within_one_percent_of_f32() {
-    let dir = scratch("learn");
+    let dir = ScratchDir::new("gpt2-learn");
     let (train, val) = (dir.join("train.bin"), dir.join("val.bin"));
     write_tokens(&train, &random_walk(100_000, 1), 20240520);
     write_tokens(&val, &random_walk(10_000, 2), 20240520);
@@ -103,7 +97,7 @@ type Damage = Box<dyn Fn(&Path)>;
 
 #[test]
 fn damaged_token_files_are_one_line_naming_them() {
-    let dir = scratch("bad");
+    let dir = ScratchDir::new("gpt2-bad");
     let cases: [(&str, Damage, &str); 4] = [
         (
             "magic.bin",

@@ -10,6 +10,8 @@ mod plant;
 
 use std::cell::Cell;
 use std::path::PathBuf;
+
+use common::ScratchDir;
 use std::process::Command;
 
 use ampgraph::graph::format;
@@ -188,8 +190,8 @@ fn a_healthy_training_run_keeps_its_scale_and_reports_nothing() {
 }
 
 /// x[2,3] @ w[3,3] -> planted (x 65504) -> relu -> output, marked for f16 AMP, as a
-/// JSON file.
-fn planted_cli_graph() -> PathBuf {
+/// JSON file in `dir`.
+fn planted_cli_graph(dir: &ScratchDir) -> PathBuf {
     let mut g = Graph::new();
     let x = g.placeholder("x", DType::F32, [2, 3]).unwrap();
     let w = g.placeholder("w", DType::F32, [3, 3]).unwrap();
@@ -203,8 +205,6 @@ fn planted_cli_graph() -> PathBuf {
     g.set_outputs(vec![relu]).unwrap();
     plant::plant(&mut g, mm.node);
     g.mixed_precision = Some(DType::F16);
-    let dir = std::env::temp_dir().join(format!("ampgraph-numerics-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("planted.json");
     std::fs::write(&path, format::to_json(&format::GraphDef::from_graph(&g))).unwrap();
     path
@@ -228,7 +228,8 @@ fn run_cli(path: &PathBuf, flag: Option<&str>, env: Option<&str>) -> std::proces
 
 #[test]
 fn the_cli_fails_naming_the_planted_node() {
-    let path = planted_cli_graph();
+    let dir = ScratchDir::new("numerics");
+    let path = planted_cli_graph(&dir);
     let off = run_cli(&path, None, None);
     assert!(off.status.success(), "{off:?}");
     assert!(

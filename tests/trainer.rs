@@ -3,7 +3,9 @@
 //! evaluation pads a short last batch and counts only its real rows; a loader whose
 //! batches do not fit the graph is refused naming the Placeholder.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::sync::Arc;
 
 use ampgraph::data::{Dataset, Loader, LoaderOptions, Mnist, TensorDataset};
@@ -12,6 +14,7 @@ use ampgraph::graph::{DType, Graph, Port, Tensor};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Optimizer, Sgd, TrainStep};
 use ampgraph::train::{self, Position, Saved, TrainOptions, Trainer};
 use ampgraph::{Device, Session};
+use common::ScratchDir;
 
 struct Net {
     session: Session,
@@ -68,12 +71,6 @@ fn trainer_of(net: &mut Net) -> Trainer<'_> {
     .unwrap()
 }
 
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ampgraph-trainer-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
 /// Trains from `at` to the end of epoch `last`, saving to `checkpoint` every
 /// `every` steps; the reports.
 fn train(
@@ -112,14 +109,15 @@ fn train(
 
 #[test]
 fn a_run_resumed_mid_epoch_ends_with_the_bits_of_an_uninterrupted_one() {
-    let whole = temp("whole.ckpt");
+    let dir = ScratchDir::new("trainer-resume");
+    let whole = dir.join("whole.ckpt");
     let reports = train(&mut net(32), &loader(2), &whole, None, Position::START, 2);
     assert_eq!(reports.iter().map(|r| r.0).collect::<Vec<_>>(), [8, 8]);
     assert!(reports[1].1 < reports[0].1, "it learns: {reports:?}");
 
     // Every 3 steps: after step 6 of epoch 1 the checkpoint says (1, 6); the save at
     // the epoch's end keeps it as `.prev`, which a "crashed" run resumes from.
-    let parts = temp("parts.ckpt");
+    let parts = dir.join("parts.ckpt");
     train(
         &mut net(32),
         &loader(2),
@@ -128,7 +126,7 @@ fn a_run_resumed_mid_epoch_ends_with_the_bits_of_an_uninterrupted_one() {
         Position::START,
         1,
     );
-    let crashed = temp("crashed.ckpt");
+    let crashed = dir.join("crashed.ckpt");
     std::fs::copy(parts.with_extension("ckpt.prev"), &crashed).unwrap();
     let at = Position { epoch: 1, batch: 6 };
     let tail = train(&mut net(32), &loader(5), &crashed, None, at, 2);
@@ -142,10 +140,11 @@ fn a_run_resumed_mid_epoch_ends_with_the_bits_of_an_uninterrupted_one() {
 
 #[test]
 fn the_number_of_workers_changes_no_bit() {
+    let dir = ScratchDir::new("trainer-workers");
     let runs: Vec<Vec<u8>> = [0, 1, 3]
         .iter()
         .map(|&workers| {
-            let path = temp(&format!("workers-{workers}.ckpt"));
+            let path = dir.join(&format!("workers-{workers}.ckpt"));
             train(
                 &mut net(32),
                 &loader(workers),
@@ -224,7 +223,8 @@ fn batches_that_do_not_fit_the_graph_are_refused_naming_the_placeholder() {
 
 #[test]
 fn a_trainers_checkpoint_restores_into_a_session_without_a_trainer() {
-    let path = temp("plain.ckpt");
+    let dir = ScratchDir::new("trainer-plain");
+    let path = dir.join("plain.ckpt");
     let mut trained = net(32);
     train(&mut trained, &loader(0), &path, None, Position::START, 1);
     let mut plain = net(32);

@@ -690,3 +690,29 @@ pub fn assert_same_bits_through_the_pipelines(
     }
     (plain, fused, fused_fetch)
 }
+
+/// A directory of its own under the system's temp dir for one test (`name` and the
+/// process id), removed with everything in it when dropped, a failing test's too.
+pub struct ScratchDir(std::path::PathBuf);
+
+impl ScratchDir {
+    pub fn new(name: &str) -> ScratchDir {
+        let dir = std::env::temp_dir().join(format!("ampgraph-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        ScratchDir(dir)
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+
+    pub fn join(&self, file: &str) -> std::path::PathBuf {
+        self.0.join(file)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
