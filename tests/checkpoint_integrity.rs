@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ampgraph::checkpoint::LIBRARY_PREFIX;
 use ampgraph::graph::format::previous_path;
@@ -12,7 +12,7 @@ use ampgraph::graph::{DType, Tensor};
 use ampgraph::session::SessionError;
 use ampgraph::train::EPOCH_VARIABLE;
 use ampgraph::{Device, RestoreOptions, Session, SessionOptions};
-use common::small_training_graph;
+use common::{small_training_graph, ScratchDir};
 
 /// A CPU session of [`small_training_graph`].
 fn session() -> Session {
@@ -25,14 +25,6 @@ fn session_seeded(seed: u64) -> Session {
         ..Default::default()
     };
     Session::with_options(small_training_graph(), Device::Cpu, options).unwrap()
-}
-
-/// A fresh directory for one test (tests run in parallel in one process).
-fn test_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ampgraph_ckpt_{name}_{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// Every variable's name and value, sorted by name.
@@ -85,7 +77,7 @@ fn temporaries(dir: &Path) -> Vec<String> {
 
 #[test]
 fn a_flipped_bit_in_a_variable_is_refused_naming_it() {
-    let dir = test_dir("flip_var");
+    let dir = ScratchDir::new("ckpt-flip_var");
     let s = session();
     let path = dir.join("m.ckpt");
     s.save(&path).unwrap();
@@ -130,12 +122,11 @@ fn a_flipped_bit_in_a_variable_is_refused_naming_it() {
     assert_ne!(variables(&target), before);
     target.restore(&path).unwrap();
     assert_eq!(variables(&target), before);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_flipped_bit_anywhere_in_the_file_is_refused_without_panic() {
-    let dir = test_dir("flip_any");
+    let dir = ScratchDir::new("ckpt-flip_any");
     let s = session();
     let path = dir.join("m.ckpt");
     s.save(&path).unwrap();
@@ -169,12 +160,11 @@ fn a_flipped_bit_anywhere_in_the_file_is_refused_without_panic() {
         fresh,
         "no failed restore changed anything"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_truncated_checkpoint_is_a_clear_error() {
-    let dir = test_dir("truncated");
+    let dir = ScratchDir::new("ckpt-truncated");
     let s = session();
     let path = dir.join("m.ckpt");
     s.save(&path).unwrap();
@@ -189,12 +179,11 @@ fn a_truncated_checkpoint_is_a_clear_error() {
         let want = if len < 8 { "bad magic" } else { "truncated" };
         assert!(msg.contains(want), "{len} bytes: {msg}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn an_old_format_version_is_refused_saying_so() {
-    let dir = test_dir("old_version");
+    let dir = ScratchDir::new("ckpt-old_version");
     let s = session();
     let path = dir.join("m.ckpt");
     s.save(&path).unwrap();
@@ -206,12 +195,11 @@ fn an_old_format_version_is_refused_saying_so() {
         msg.contains("format version 1") && msg.contains("older") && msg.contains("version 2"),
         "{msg}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn non_finite_weights_are_refused_unless_allowed() {
-    let dir = test_dir("non_finite");
+    let dir = ScratchDir::new("ckpt-non_finite");
     for (poison, label) in [(f64::NAN, "nan"), (f64::INFINITY, "inf")] {
         let mut s = session();
         let (name, t) = variables(&s)
@@ -249,12 +237,11 @@ fn non_finite_weights_are_refused_unless_allowed() {
         assert_eq!(got[3].is_nan(), poison.is_nan());
         assert_eq!(got[..3], values[..3]);
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_second_save_keeps_the_first_as_prev() {
-    let dir = test_dir("prev");
+    let dir = ScratchDir::new("ckpt-prev");
     let mut s = session();
     let path = dir.join("m.ckpt");
     let prev = dir.join("m.ckpt.prev");
@@ -280,12 +267,11 @@ fn a_second_save_keeps_the_first_as_prev() {
     assert_eq!(variables(&target), first_vars);
     target.restore(&path).unwrap();
     assert_eq!(variables(&target), variables(&s));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_failed_save_keeps_the_previous_checkpoint_and_no_temporary() {
-    let dir = test_dir("failed_save");
+    let dir = ScratchDir::new("ckpt-failed_save");
     let mut s = session();
     let path = dir.join("m.ckpt");
     s.save(&path).unwrap();
@@ -348,7 +334,6 @@ fn a_failed_save_keeps_the_previous_checkpoint_and_no_temporary() {
     s.save(&path).unwrap();
     assert_eq!(std::fs::read(dir.join("m.ckpt.prev")).unwrap(), good);
     assert!(temporaries(&dir).is_empty(), "{:?}", temporaries(&dir));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A training graph's session skips a checkpoint's variables under the library's
@@ -356,7 +341,7 @@ fn a_failed_save_keeps_the_previous_checkpoint_and_no_temporary() {
 /// no prefix to skip it refuses those too.
 #[test]
 fn unknown_variables_are_refused_unless_under_a_skipped_prefix() {
-    let dir = test_dir("unknown");
+    let dir = ScratchDir::new("ckpt-unknown");
     let save_with = |extra: &str| {
         let path = dir.join(format!("{}.ckpt", extra.replace('/', "_")));
         let mut source = session();
@@ -385,7 +370,6 @@ fn unknown_variables_are_refused_unless_under_a_skipped_prefix() {
         msg.contains("variable 'stray' is not in the graph"),
         "{msg}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Checkpoints whose checksums are valid but whose contents cannot be a run's are
@@ -396,7 +380,7 @@ fn unknown_variables_are_refused_unless_under_a_skipped_prefix() {
 fn forged_checkpoints_with_valid_checksums_are_refused() {
     use ampgraph::checkpoint;
     use ampgraph::optim::LOSS_SCALE_VARIABLE;
-    let dir = test_dir("forged");
+    let dir = ScratchDir::new("ckpt-forged");
     let path = dir.join("forged.ckpt");
     let good = variables(&session());
     let scalar = |v: f64| Tensor::from_f64(DType::F32, vec![], &[v]).unwrap();
@@ -436,5 +420,4 @@ fn forged_checkpoints_with_valid_checksums_are_refused() {
             "{msg}"
         );
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -6,10 +6,9 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use common::example_binary;
+use common::{example_binary, ScratchDir};
 
 /// A small CPU run of the example with `extra` arguments.
 fn run(extra: &[&str]) -> Output {
@@ -27,15 +26,9 @@ fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ampgraph-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 #[test]
 fn a_resumed_run_ends_with_the_checkpoint_of_an_uninterrupted_one() {
-    let dir = temp_dir("mnist-resume");
+    let dir = ScratchDir::new("mnist-resume");
     let (whole, halves) = (dir.join("whole.ckpt"), dir.join("halves.ckpt"));
     let (whole_arg, halves_arg) = (whole.to_str().unwrap(), halves.to_str().unwrap());
     let uninterrupted = run(&["--epochs", "3", "--checkpoint", whole_arg]);
@@ -64,12 +57,11 @@ fn a_resumed_run_ends_with_the_checkpoint_of_an_uninterrupted_one() {
         std::fs::read(&whole).unwrap(),
         std::fs::read(&halves).unwrap()
     );
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
 fn an_epoch_whose_loss_is_not_finite_saves_nothing() {
-    let dir = temp_dir("mnist-nan");
+    let dir = ScratchDir::new("mnist-nan");
     let path = dir.join("m.ckpt");
     let arg = path.to_str().unwrap();
     // A good epoch first, then a learning rate that makes the loss NaN.
@@ -98,7 +90,6 @@ fn an_epoch_whose_loss_is_not_finite_saves_nothing() {
         good,
         "the last good checkpoint stays"
     );
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]

@@ -144,7 +144,7 @@ fn the_number_of_workers_changes_no_bit() {
     let runs: Vec<Vec<u8>> = [0, 1, 3]
         .iter()
         .map(|&workers| {
-            let path = dir.join(&format!("workers-{workers}.ckpt"));
+            let path = dir.join(format!("workers-{workers}.ckpt"));
             train(
                 &mut net(32),
                 &loader(workers),

@@ -692,22 +692,29 @@ pub fn assert_same_bits_through_the_pipelines(
 }
 
 /// A directory of its own under the system's temp dir for one test (`name` and the
-/// process id), removed with everything in it when dropped, a failing test's too.
+/// process id; tests run in parallel in one process), emptied when made and removed
+/// with everything in it when dropped, a failing test's too. It derefs to its path.
 pub struct ScratchDir(std::path::PathBuf);
 
 impl ScratchDir {
     pub fn new(name: &str) -> ScratchDir {
         let dir = std::env::temp_dir().join(format!("ampgraph-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         ScratchDir(dir)
     }
+}
 
-    pub fn path(&self) -> &std::path::Path {
+impl std::ops::Deref for ScratchDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
         &self.0
     }
+}
 
-    pub fn join(&self, file: &str) -> std::path::PathBuf {
-        self.0.join(file)
+impl AsRef<std::path::Path> for ScratchDir {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
     }
 }
 
