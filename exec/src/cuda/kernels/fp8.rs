@@ -823,8 +823,8 @@ fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> K
     if outs.len() != 2 + usize::from(q.transposed) {
         return Err("QuantizeFp8 gives the values, their amax and any transposed copy".into());
     }
-    // A matrix whose sides are multiples of 8 is transposed as it is quantised (in
-    // 8-byte words); another one after.
+    // A matrix whose sides are multiples of 8 is transposed as it is quantised (from
+    // the same tiles: `cast_transpose`); another one after.
     let matrix = q.transposed_sides(&x.shape)?;
     let fused = (q.tiled_sides(&x.shape)).map(|_| Spec::QuantizeTransposed {
         x: x.dtype,
