@@ -595,7 +595,7 @@ pub(crate) const FIN_WARPS: usize = 32;
 /// `k_cols_part` (grid: column tiles of 32 x row chunks, 256 threads) has each warp
 /// read 32 adjacent columns of a row (coalesced), adds the [`COLUMN_ROWS`] warps'
 /// partials in shared memory and writes one partial per (chunk, column); `k_cols_fin`
-/// (grid: column tiles of 32, [`FIN_WARPS`] warps) adds a column's chunk partials, each warp
+/// (grid: column tiles of 32 times sums, [`FIN_WARPS`] warps) adds a column's chunk partials, each warp
 /// a stride of chunks (coalesced rows of partials; a thread per column adding all of
 /// them in turn left most of the GPU idle), and stores `scale<k> * sum`. `params` are the input
 /// parameters, `row_setup` runs per element with `row`, `j` and `at = row * len + j`
@@ -651,8 +651,9 @@ pub(crate) fn column_sums_and(
     )
 }
 
-/// `k_cols_fin` of [`column_sums`] (grid: column tiles of 32, [`FIN_WARPS`] warps):
-/// adds the chunks' partials `part[(chunk * n + k) * len + j]` (of type `A<acc>`) of each of the `n = outs.len()` sums and stores
+/// `k_cols_fin` of [`column_sums`] (grid: column tiles of 32 times sums, [`FIN_WARPS`]
+/// warps; a block per tile adding the sums in turn left most of the GPU idle on GPT-2's
+/// 768 columns): adds the chunks' partials `part[(chunk * n + k) * len + j]` (of type `A<acc>`) of each of the `n = outs.len()` sums and stores
 /// `scale<k> * sum` into `py<k>`, of the module's type `T<outs[k]>`.
 pub(crate) fn column_sums_fin(acc: &str, outs: &[&str]) -> String {
     let n = outs.len();
@@ -661,7 +662,7 @@ pub(crate) fn column_sums_fin(acc: &str, outs: &[&str]) -> String {
     for (k, out) in outs.iter().enumerate() {
         params.push_str(&format!(", T{out}* py{k}, double scale{k}"));
         finals.push_str(&format!(
-            "{{ A{acc} s = 0; if (j < len) {{\n\
+            "if (k == {k}) {{ A{acc} s = 0; if (j < len) {{\n\
                  #pragma unroll 8\n\
                  for (i64 c = ty; c < chunks; c += {FIN_WARPS}) s += part[(c * {n} + {k}) * len + j]; }}\n\
                fin[ty][tx] = s; __syncthreads();\n\
@@ -673,8 +674,9 @@ pub(crate) fn column_sums_fin(acc: &str, outs: &[&str]) -> String {
         "extern \"C\" __global__ void k_cols_fin(const A{acc}* part, i64 len, i64 chunks{params}) {{\n\
            __shared__ A{acc} fin[{FIN_WARPS}][33];\n\
            int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n\
-           for (i64 j0 = (i64)blockIdx.x * 32; j0 < len; j0 += (i64)gridDim.x * 32) {{\n\
-             i64 j = j0 + tx;\n{finals}}}\n\
+           const i64 tiles = (len + 31) / 32;\n\
+           for (i64 b = blockIdx.x; b < tiles * {n}; b += gridDim.x) {{\n\
+             const i64 k = b / tiles, j = (b % tiles) * 32 + tx;\n{finals}}}\n\
          }}\n"
     )
 }

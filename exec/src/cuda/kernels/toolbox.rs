@@ -514,7 +514,7 @@ pub(super) fn launch_column_sums_fin<S: KernelSpec>(
     for (y, scale) in outs {
         args.extend([y.arg(), Arg::F64(*scale)]);
     }
-    let grid = len.div_ceil(32).min(1 << 20) as u32;
+    let grid = (len.div_ceil(32) * outs.len()).min(1 << 20) as u32;
     c.launch(spec, "k_cols_fin", (grid, FIN_WARPS as u32 * 32), &args)
 }
 
