@@ -685,7 +685,7 @@ pub(crate) fn column_sums_fin(acc: &str, outs: &[&str]) -> String {
 /// values (`len % v == 0`, every streamed matrix 16-byte aligned): kernels
 /// `k_cols_rows` and `k_cols_rows_n` ([`column_rows_kernel`]; `params, A<out>* part,
 /// i64 rows, i64 len, i64 chunk_rows`), their blocks
-/// ([`column_rows_threads`] threads) a row chunk of `chunk_rows` rows times a column
+/// ([`column_rows_form`]'s threads) a row chunk of `chunk_rows` rows times a column
 /// tile (chunk `blockIdx.x / tiles`, tile `blockIdx.x % tiles`). A tile spans `span =
 /// min(len / v, blockDim.x)` words; thread `t` owns word `t % span` of it (columns
 /// `j ..= j + v - 1`) in every `per`-th row of the chunk from row `t / span` (`per =
@@ -798,22 +798,21 @@ fn column_sums_rows_kernel(
 /// (its shared memory holds a word of each).
 const ROWS_SHARED: usize = 256;
 
-/// The threads of a [`column_sums_rows`] block over rows of `words` words: a whole
-/// row up to 512 words (a row of more takes tiles of 512); a row of fewer than 256
-/// as many times as fit in 256 threads. A whole number of warps.
-pub(crate) fn column_rows_threads(words: usize) -> usize {
+/// How [`column_sums_rows`] blocks read rows of `words` words: (threads, per, tiles).
+/// A block takes a whole row up to 512 words (a row of more takes `tiles` tiles of
+/// 512); a row of fewer than 256 as many times (`per`) as fit in 256 threads; a whole
+/// number of warps. `per` and the tiles' span are the kernel's own (`blockDim.x /
+/// span`, `span = min(words, blockDim.x)`).
+pub(crate) fn column_rows_form(words: usize) -> (usize, usize, usize) {
     let words = words.max(1);
     let threads = if words >= ROWS_SHARED {
         words.min(512)
     } else {
         ROWS_SHARED / words * words
     };
-    threads.div_ceil(32) * 32
-}
-
-/// The rows a [`column_sums_rows`] block of `threads` threads reads at once.
-pub(crate) fn column_rows_per_pass(words: usize, threads: usize) -> usize {
-    threads / words.clamp(1, threads.max(1))
+    let threads = threads.div_ceil(32) * 32;
+    let span = words.min(threads);
+    (threads, threads / span, words.div_ceil(span))
 }
 
 /// The [`column_sums_rows`] kernel whose blocks read `per` rows at once.
@@ -909,20 +908,19 @@ mod tests {
 
     /// A row of 256 words or more is one pass (in tiles of 512 words); narrower rows
     /// are read as many at once as fit in 256 threads; blocks are whole warps, and the
-    /// kernel's own `per` (threads / min(words, threads)) is the host's.
+    /// kernel's own `per` (threads / min(words, threads)) and tiles are the host's.
     #[test]
     fn column_rows_blocks_take_whole_rows() {
-        for (words, threads, per) in [
-            (384, 384, 1),
-            (600, 512, 1),
-            (300, 320, 1),
-            (96, 192, 2),
-            (33, 256, 7),
-            (1, 256, 256),
+        for (words, form) in [
+            (384, (384, 1, 1)),
+            (600, (512, 1, 2)),
+            (300, (320, 1, 1)),
+            (96, (192, 2, 1)),
+            (33, (256, 7, 1)),
+            (1, (256, 256, 1)),
         ] {
-            assert_eq!(column_rows_threads(words), threads, "{words} words");
-            assert_eq!(column_rows_per_pass(words, threads), per, "{words} words");
-            assert_eq!(column_rows_kernel(per) == "k_cols_rows_n", per > 1);
+            assert_eq!(column_rows_form(words), form, "{words} words");
+            assert_eq!(column_rows_kernel(form.1) == "k_cols_rows_n", form.1 > 1);
         }
     }
 }

@@ -241,6 +241,7 @@ pub(super) fn quantize_transposed_group(x: DType, to: DType) -> String {
 fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head: &str) -> String {
     cast_transpose(CastTranspose {
         types: &[("X", x), ("Y", to)],
+        to,
         prefix: "",
         head,
         shared: "",
@@ -307,8 +308,9 @@ fn cast_transpose_grid(rows: usize, cols: usize) -> Result<(u32, usize), String>
 
 /// A cast-transpose kernel's parts ([`cast_transpose`]).
 struct CastTranspose<'a> {
-    /// The module's named dtypes (`Y` the FP8 one).
+    /// The module's named dtypes (`Y` the FP8 one, `to`).
     types: &'a [(&'a str, DType)],
+    to: DType,
     /// Source before the kernel.
     prefix: &'a str,
     /// The kernel's signature and the locals it gives the body: the inputs' pointers,
@@ -463,6 +465,7 @@ pub(super) fn fp8_pairs(to: DType) -> String {
 fn cast_transpose(k: CastTranspose) -> String {
     let CastTranspose {
         types,
+        to,
         prefix,
         head,
         shared,
@@ -507,12 +510,7 @@ fn cast_transpose(k: CastTranspose) -> String {
             concat(&|r| r.load()),
         )
     };
-    let pairs = fp8_pairs(
-        types
-            .iter()
-            .find(|(name, _)| *name == "Y")
-            .map_or(DType::F8E4M3, |t| t.1),
-    );
+    let pairs = fp8_pairs(to);
     let (declaration, measure, fold) = (
         amax_declaration("m"),
         amax_measure("m", "x"),
@@ -654,6 +652,7 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
     let types: Vec<(&str, DType)> = types.iter().map(|(n, d)| (n.as_str(), *d)).collect();
     cast_transpose(CastTranspose {
         types: &types,
+        to,
         prefix: ROUNDING,
         head: &kernel_head(&params.join(", "), &partials),
         shared: &shared,

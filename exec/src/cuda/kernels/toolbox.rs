@@ -460,10 +460,7 @@ pub(super) fn launch_column_partials<S: KernelSpec>(
             )
         }
         Partials::Rows(v) => {
-            let words = len / v.max(1);
-            let threads = codegen::column_rows_threads(words);
-            let per = codegen::column_rows_per_pass(words, threads);
-            let tiles = words.div_ceil(threads.min(words).max(1));
+            let (threads, per, tiles) = codegen::column_rows_form(len / v.max(1));
             // One wave of resident blocks (their loads in flight together), each
             // thread of a block taking 8 rows or more, and at most ROW_CHUNKS partials
             // a column for k_cols_fin to add.
