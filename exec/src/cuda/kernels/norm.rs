@@ -288,8 +288,15 @@ __device__ void ln_stats(const TX* px, i64 row, i64 len, A eps, A* sh, A* mean_o
 "#;
 
 /// Mean and 1/sqrt(var + eps) of the row a warp holds in `v` (`per` values a lane,
-/// value `t` at column `lane + 32 t`), both passes in registers.
-fn ln_warp_stats(per: usize) -> String {
+/// value `t` at column `lane + 32 t`), both passes in registers. An `exact` row (the
+/// word kernels': `32 * per` values) has no padding lanes to leave out of the
+/// variance (their test was a sixth of a word kernel's instructions).
+fn ln_warp_stats(per: usize, exact: bool) -> String {
+    let centred = if exact {
+        "A c = v[t] - mean;"
+    } else {
+        "int j = lane + 32 * t; A c = j < len ? v[t] - mean : (A)0;"
+    };
     format!(
         "A s = 0;\n\
          #pragma unroll\n\
@@ -297,7 +304,7 @@ fn ln_warp_stats(per: usize) -> String {
          A mean = warp_sum(s) / (A)len;\n\
          A q = 0;\n\
          #pragma unroll\n\
-         for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; A c = j < len ? v[t] - mean : (A)0; q += c * c; }}\n\
+         for (int t = 0; t < {per}; ++t) {{ {centred} q += c * c; }}\n\
          A inv = (A)1 / m_sqrt(warp_sum(q) / (A)len + eps);\n"
     )
 }
@@ -342,7 +349,7 @@ pub(super) fn layer_norm(types: NormTypes, eps: f64, per: usize) -> String {
          {stats}\
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ int j = lane + 32 * t; if (j < len) stY(py, base + j, (CY)((v[t] - mean) * inv * (A)ld(pg, j) + (A)ld(pb, j))); }}",
-        stats = ln_warp_stats(per)
+        stats = ln_warp_stats(per, false)
     ));
     // Rows of exactly 32 * per values in 16-byte words (`k_warp_vec`; x and y of one
     // size).
@@ -358,7 +365,7 @@ pub(super) fn layer_norm(types: NormTypes, eps: f64, per: usize) -> String {
            *(uint4*)(py + base + (i64)(32 * w + lane) * {v}) = *(const uint4*)o;\n\
          }}\n",
         load = warp_load_words("px", "v", per, v, "X"),
-        stats = ln_warp_stats(per),
+        stats = ln_warp_stats(per, true),
         words = per / v,
         gw = param_word("gw", "gs", v),
         bw = param_word("bw", "bs", v),
@@ -433,7 +440,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
             amax_measure("m", "x")
         )
     };
-    let stats = ln_warp_stats(per);
+    let stats = ln_warp_stats(per, false);
     let scalar = value(&format!("{g}, j"), &format!("{b}, j"));
     let warp = format!(
         "A v[{per}];\n\
@@ -485,6 +492,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
            {store}\
          }}\n",
         load = warp_load_words("px", "v", per, v, "X"),
+        stats = ln_warp_stats(per, true),
         words = per / v
     );
     let kernel = |name: &str, row: &str| {
@@ -697,10 +705,10 @@ pub(super) fn layer_norm_grad_rows(
             width = 32 * vals
         )
     };
-    let kernel = |name: &str, row: &str, vals: usize| -> String {
+    let kernel = |name: &str, row: &str, vals: usize, stage: &str| -> String {
         format!(
             "extern \"C\" __global__ void __launch_bounds__(256) {name}({params}) {{\n\
-               const A eps = (A)(C){eps};\n\
+               const A eps = (A)(C){eps};\n{stage}\
                i64 span = (rows + gridDim.x - 1) / gridDim.x;\n\
                i64 first = (i64)blockIdx.x * span, end = min(rows, first + span);\n\
                int lane = threadIdx.x & 31;\n\
@@ -713,15 +721,16 @@ pub(super) fn layer_norm_grad_rows(
             pass = column_pass(vals),
         )
     };
-    // Given x in `v` and dy in `dy`: xhat in `v`, dy * gamma in `dy`, dx's row means.
-    let middle = |gamma: &str| {
+    // Given x in `v` and dy in `dy`: xhat in `v`, dy * gamma in `dy` (by `scale`),
+    // dx's row means.
+    let middle = |scale: &str, exact: bool| {
         format!(
-            "{stats}\
+            "{stats}{scale}\
              A sg = 0, sgx = 0;\n\
              #pragma unroll\n\
-             for (int t = 0; t < {per}; ++t) {{ v[t] = (v[t] - mean) * inv; dy[t] *= {gamma}; sg += dy[t]; sgx += dy[t] * v[t]; }}\n\
+             for (int t = 0; t < {per}; ++t) {{ v[t] = (v[t] - mean) * inv; sg += dy[t]; sgx += dy[t] * v[t]; }}\n\
              A mg = warp_sum(sg) / (A)len, mgx = warp_sum(sgx) / (A)len;\n",
-            stats = ln_warp_stats(per)
+            stats = ln_warp_stats(per, exact)
         )
     };
     let dx = "(dy[t] - mg - v[t] * mgx) * inv";
@@ -732,7 +741,13 @@ pub(super) fn layer_norm_grad_rows(
          {middle}\
          #pragma unroll\n\
          for (int t = 0; t < {per}; ++t) {{ i64 j = lane + 32 * t; if (j < len) {{ {out} pdx[base + j] = o; }} }}\n",
-        middle = middle("(lane + 32 * t < len ? (A)ld(pg, lane + 32 * t) : (A)0)"),
+        middle = middle(
+            &format!(
+                "#pragma unroll\n\
+                 for (int t = 0; t < {per}; ++t) dy[t] *= lane + 32 * t < len ? (A)ld(pg, lane + 32 * t) : (A)0;\n"
+            ),
+            false
+        ),
         out = norm_grad_output(epi.residual, dx, "ldY(pr, base + j)"),
     );
     let v = column_vector(types.x);
@@ -751,9 +766,19 @@ pub(super) fn layer_norm_grad_rows(
          }}\n",
         load_x = warp_load_words("px", "v", per, v, "X"),
         load_dy = warp_load_words("pdy", "dy", per, v, "D"),
-        middle = middle(&format!(
-            "(A)ld(pg, (i64)(32 * (t / {v}) + lane) * {v} + t % {v})"
-        )),
+        middle = middle(
+            &format!(
+                "#pragma unroll\n\
+                 for (int w = 0; w < {words}; ++w) {{\n\
+                   {gw}\
+                   #pragma unroll\n\
+                   for (int q = 0; q < {v}; ++q) dy[w * {v} + q] *= (A)ld(gw.v, q);\n\
+                 }}\n",
+                words = per / v,
+                gw = param_word("gw", "gs", v),
+            ),
+            true
+        ),
         words = per / v,
         load_r = if epi.residual {
             format!(
@@ -785,8 +810,13 @@ pub(super) fn layer_norm_grad_rows(
         &blocks,
         &format!(
             "{}{}{}",
-            kernel("k_warp", &warp, 1),
-            kernel("k_warp_vec", &warp_vec, v),
+            kernel("k_warp", &warp, 1, ""),
+            kernel(
+                "k_warp_vec",
+                &warp_vec,
+                v,
+                &stage_params(32 * per, &[("gs", "pg")])
+            ),
             column_sums_fin("", &outs)
         ),
     )
