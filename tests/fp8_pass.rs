@@ -791,8 +791,10 @@ fn fp8_training_with_the_fusion_passes_is_bit_identical() {
 
 /// A pre-LN transformer's FP8 training step under delayed scaling (a tiny GPT-2, every
 /// product FP8): with the CUDA pipeline each of its layer norms is computed by
-/// the casts quantising them (`norm-into-fp8`: their 16-bit outputs are gone) and its
-/// weights are cast by one node (`group-fp8-casts`), five steps compute the same bits
+/// the casts quantising them (`norm-into-fp8`: their 16-bit outputs are gone), their
+/// gradients cast for the products before them as they are stored
+/// (`norm-grad-into-fp8`) and its weights are cast by one node (`group-fp8-casts`),
+/// five steps compute the same bits
 /// on the CPU as the pipeline without those passes (the
 /// fused attention's online softmax rounds apart from the graph's, so the pipelines
 /// are compared with each other, not with no passes), and the step lowers on the CUDA
@@ -826,7 +828,9 @@ fn a_transformers_norms_are_computed_by_their_fp8_casts() {
             .unwrap();
         let passes = [SIMPLIFY_PIPELINE, &pipeline_names(&Default::default())].concat();
         let passes = (passes.into_iter())
-            .filter(|&p| fold || !["norm-into-fp8", "group-fp8-casts"].contains(&p))
+            .filter(|&p| {
+                fold || !["norm-into-fp8", "norm-grad-into-fp8", "group-fp8-casts"].contains(&p)
+            })
             .map(String::from);
         let options = SessionOptions {
             passes: Some(passes.collect()),
@@ -872,7 +876,14 @@ fn a_transformers_norms_are_computed_by_their_fp8_casts() {
         .map(|q| q.members)
         .sum::<usize>();
     assert_eq!(grouped, 4 * config.layers + 1);
-    for name in ["LayerNormQuantizeFp8", "GroupedQuantizeFp8"] {
+    // The gradients of each block's norms and the final one's, cast for the products
+    // before them (the first block's first norm's gradient goes to the embeddings).
+    assert_eq!(count(g, "LayerNormGradQuantizeFp8"), 2 * config.layers);
+    for name in [
+        "LayerNormQuantizeFp8",
+        "LayerNormGradQuantizeFp8",
+        "GroupedQuantizeFp8",
+    ] {
         assert_eq!(count(apart.graph_for(&fetch_apart), name), 0, "{name}");
     }
     CudaExecutor::check_supported(g).unwrap();

@@ -2125,6 +2125,99 @@ fn layer_norm_cast_to_fp8_equals_the_norm_and_the_cast_apart() {
     }
 }
 
+/// A layer norm's gradient casting its dx to FP8 as it stores it
+/// (`norm-grad-into-fp8`'s LayerNormGradQuantizeFp8) gives on the GPU what the
+/// LayerNormGrad and QuantizeFp8 kernels give apart: dx, the casts, their amax and the
+/// transposed copies bit for bit, dgamma, dbeta and the column sums to rounding (the
+/// kernels add their rows in blocks of their own). GPT-2's bf16 rows of 768 with the
+/// residual added and dx summed (16-byte words, blocks of several bands, a partial
+/// one), every sum of a few rows, f32 rows of 128 into E5M2; and where the fused kernel
+/// does not take the rows (f32 rows of 104, a cast without the transposed copy) the
+/// kernels apart.
+#[test]
+fn layer_norm_grad_cast_to_fp8_equals_the_gradient_and_the_cast_apart() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(46);
+    let dx_sum = NormGradEpilogue {
+        residual: true,
+        sum_dx: true,
+        sum_residual: false,
+    };
+    let every_sum = NormGradEpilogue {
+        sum_residual: true,
+        ..dx_sum
+    };
+    let cases = [
+        (DType::BF16, [2056, 768], dx_sum, DType::F8E5M2, true),
+        (DType::BF16, [72, 768], every_sum, DType::F8E4M3, true),
+        (DType::F32, [40, 128], every_sum, DType::F8E5M2, true),
+        (DType::F32, [40, 104], dx_sum, DType::F8E5M2, true),
+        (DType::BF16, [16, 768], dx_sum, DType::F8E5M2, false),
+    ];
+    for (d, [rows, len], epilogue, to, transposed) in cases {
+        let what = format!("LayerNormGradQuantizeFp8 {d} [{rows}, {len}] {epilogue:?} -> {to}");
+        let n = rows * len;
+        // Rows of different means and spreads; gradients that saturate once scaled.
+        let x: Vec<f64> = (r.vec(n, -3.0, 3.0).into_iter().enumerate())
+            .map(|(i, v)| v * (1.0 + (i / len % 5) as f64) + (i / len % 3) as f64)
+            .collect();
+        let feeds: Feeds = [
+            ("x".to_string(), t(d, &[rows, len], &x)),
+            ("dy".to_string(), t(d, &[rows, len], &r.vec(n, -2.0, 2.0))),
+            ("r".to_string(), t(d, &[rows, len], &r.vec(n, -1.0, 1.0))),
+        ]
+        .into_iter()
+        .collect();
+        let gamma = r.vec(len, 0.5, 1.5);
+        let grad = LayerNormGrad {
+            epilogue,
+            ..LayerNormGrad::new(-1, 1e-5)
+        };
+        let cast = QuantizeFp8::new(to).unwrap().with_transposed(transposed);
+        let grad_outs = 3 + epilogue.sums();
+        let outputs = grad_outs + 2 + usize::from(transposed);
+        let mut run = |fused: bool| {
+            let mut g = Graph::new();
+            let mut inputs: Vec<Port> = ["x", "dy", "r"]
+                .map(|name| g.placeholder(name, d, [rows, len]).unwrap())
+                .to_vec();
+            let gp = g.add(Const::new(t(d, &[len], &gamma)), &[]).unwrap();
+            inputs.insert(1, gp);
+            let scale = g.scalar(DType::F32, 60.0).unwrap();
+            let outs: Vec<Port> = if fused {
+                inputs.push(scale);
+                let op = LayerNormGradQuantizeFp8::new(grad.clone(), cast.clone()).unwrap();
+                let node = g.add_node("q", Box::new(op), &inputs).unwrap();
+                (0..outputs).map(|k| Port::new(node, k)).collect()
+            } else {
+                let dx = g.add(grad.clone(), &inputs).unwrap();
+                let q = g
+                    .add_node("q", Box::new(cast.clone()), &[dx, scale])
+                    .unwrap();
+                let mut outs: Vec<Port> = (0..grad_outs).map(|k| Port::new(dx.node, k)).collect();
+                outs.extend((0..outputs - grad_outs).map(|k| Port::new(q, k)));
+                outs
+            };
+            g.set_outputs(outs.clone()).unwrap();
+            gpu.run(&g, &feeds, &outs)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+        };
+        let (fused, apart) = (run(true), run(false));
+        assert_eq!(fused.len(), outputs, "{what}");
+        for (k, (a, b)) in fused.iter().zip(&apart).enumerate() {
+            if (1..grad_outs).contains(&k) {
+                let scale = 2.0 * (rows as f64).sqrt();
+                assert_close_to(&format!("{what} output {k}"), a, b, scale, tol(d));
+            } else {
+                assert_identical(
+                    &format!("{what} output {k}"),
+                    (vec![a.clone()], vec![b.clone()]),
+                );
+            }
+        }
+    }
+}
+
 /// A group of weights' FP8 casts (`group-fp8-casts`' GroupedQuantizeFp8) against the
 /// CPU bit for bit: 34 bf16 members to E4M3 (two launches of the table's 32 rows), of
 /// one tile, partial tiles, more tiles than one member's blocks; 3 f32 members to

@@ -22,6 +22,7 @@ pub mod group_updates;
 pub mod layout_nhwc;
 pub mod merge_projections;
 pub mod norm_grad_epilogue;
+pub mod norm_grad_into_fp8;
 pub mod norm_into_fp8;
 pub mod pack_qkv;
 pub mod recognize_gelu;

@@ -24,17 +24,21 @@ pub const MAX_ROW: usize = 1024;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NormIntoFp8;
 
+/// Whether the fused kernels take the rows of the matrix `x` normalised along `axis`
+/// (this pass's and `norm-grad-into-fp8`'s).
+pub(crate) fn kernel_takes(g: &Graph, x: Port, axis: i64) -> bool {
+    let [rows, len] = g.ty(x).shape[..] else {
+        return false;
+    };
+    matches!(axis, -1 | 1) && len <= MAX_ROW && rows % 8 == 0 && len % 8 == 0
+}
+
 /// The cast `cast` (a QuantizeFp8 of `x`) of the LayerNorm computing `x`, where the
 /// CUDA kernel takes it and the cast alone reads `x`.
 fn fused(g: &Graph, cast: NodeId, x: Port) -> Option<LayerNormQuantizeFp8> {
     let q = g.node(cast).op.downcast_ref::<QuantizeFp8>()?;
     let norm = g.node(x.node).op.downcast_ref::<LayerNorm>()?;
-    let [rows, len] = g.ty(x).shape[..] else {
-        return None;
-    };
-    let last_axis = matches!(norm.axis, -1 | 1);
-    let fits = last_axis && len <= MAX_ROW && rows % 8 == 0 && len % 8 == 0;
-    if !(fits && read_only_by(g, x, cast, 0)) {
+    if !(kernel_takes(g, x, norm.axis) && read_only_by(g, x, cast, 0)) {
         return None;
     }
     LayerNormQuantizeFp8::new(norm.clone(), q.clone()).ok()

@@ -17,6 +17,7 @@ use crate::group_updates::GroupUpdates;
 use crate::layout_nhwc::LayoutNhwc;
 use crate::merge_projections::MergeProjections;
 use crate::norm_grad_epilogue::NormGradEpilogueFusion;
+use crate::norm_grad_into_fp8::NormGradIntoFp8;
 use crate::norm_into_fp8::NormIntoFp8;
 use crate::pack_qkv::PackQkv;
 use crate::recognize_gelu::RecognizeGelu;
@@ -216,6 +217,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "norm-grad-epilogue",
         summary: "A LayerNormGrad takes the Add of the residual gradient (and its column sums) as its epilogue.",
         make: || Box::new(NormGradEpilogueFusion),
+    },
+    PassEntry {
+        name: "norm-grad-into-fp8",
+        summary: "A LayerNormGrad (rows of at most 1024 values, sides multiples of 8) whose dx a delayed-scaling FP8 cast reads casts it as it stores it (dx no longer read back to be cast).",
+        make: || Box::new(NormGradIntoFp8),
     },
     PassEntry {
         name: "amax-into-elementwise",

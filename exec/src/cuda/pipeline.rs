@@ -16,6 +16,7 @@ use ampgraph_passes::group_updates::GroupUpdates;
 use ampgraph_passes::layout_nhwc::LayoutNhwc;
 use ampgraph_passes::merge_projections::MergeProjections;
 use ampgraph_passes::norm_grad_epilogue::NormGradEpilogueFusion;
+use ampgraph_passes::norm_grad_into_fp8::NormGradIntoFp8;
 use ampgraph_passes::norm_into_fp8::NormIntoFp8;
 use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::recompute::RecomputeInputViews;
@@ -53,7 +54,8 @@ use crate::ExecOptions;
 /// Cores pad them (GPT-2's vocabulary), then the remaining elementwise chains fuse into generated
 /// kernels (a softmax takes the one computing its operand), those kernels take the bias
 /// gradients summed from what they compute, layer-norm gradients the Adds of the
-/// residual gradient after them (with those bias gradients), current FP8 scales the
+/// residual gradient after them (with those bias gradients) and then the delayed FP8
+/// casts of their dx, current FP8 scales the
 /// amax of the kernel computing their tensor, delayed FP8 casts the program computing
 /// theirs (a GELU gradient with its bias sum), and the weights' FP8 casts and the
 /// small variables' updates share launches.
@@ -95,6 +97,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(SoftmaxPrologue),
         Box::new(SumIntoElementwise),
         Box::new(NormGradEpilogueFusion),
+        Box::new(NormGradIntoFp8),
         Box::new(AmaxIntoElementwise),
         Box::new(ElementwiseIntoFp8),
         Box::new(GroupFp8Casts),

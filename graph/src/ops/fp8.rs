@@ -16,8 +16,8 @@ use crate::fp8::{amax, Fp8};
 use crate::op::{fixed, per_member, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::linalg::{gemm_into, MatView};
 use crate::ops::{
-    BiasAdd, Binary, BinaryKind, DataFormat, FusedElementwise, LayerNorm, MatMul, Transpose, Unary,
-    UnaryKind,
+    BiasAdd, Binary, BinaryKind, DataFormat, FusedElementwise, LayerNorm, LayerNormGrad, MatMul,
+    Transpose, Unary, UnaryKind,
 };
 use crate::tensor::{Data, Tensor, TensorType};
 
@@ -48,6 +48,17 @@ pub(crate) const OPS: &[OpEntry] = &[
                 QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
             let norm = LayerNorm::parse_with_to(a, "norm_to")?;
             Ok(Box::new(LayerNormQuantizeFp8::new(norm, op)?))
+        },
+    },
+    OpEntry {
+        name: "LayerNormGradQuantizeFp8",
+        parse: |_, a| {
+            let op =
+                QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
+            Ok(Box::new(LayerNormGradQuantizeFp8::new(
+                LayerNormGrad::parse(a)?,
+                op,
+            )?))
         },
     },
     OpEntry {
@@ -332,6 +343,84 @@ impl Op for LayerNormQuantizeFp8 {
             TypeGroup::new(vec![0, 1, 2], vec![]).fixed(),
             TypeGroup::new(vec![3], vec![1]).fixed(),
         ]
+    }
+}
+
+/// `(x, gamma, dy[, residual], scale) -> (dx, dgamma, dbeta[, sums], y, amax[, y^T])`:
+/// a [`LayerNormGrad`] whose output 0 (dx, the residual added) a delayed-scaling
+/// [`QuantizeFp8`] also casts (`norm-into-fp8` folds it: in a pre-LN transformer each
+/// block's first norm gives the residual gradient the FP8 gradient products of the
+/// block before read). The CUDA kernel casts each row as it stores dx, so dx is not
+/// read back to be cast; dx stays an output (the residual branch and the next norm
+/// read it). The CPU kernel runs the gradient, then the cast: bit-exact against the
+/// ops it replaces.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNormGradQuantizeFp8 {
+    pub grad: LayerNormGrad,
+    pub quantize: QuantizeFp8,
+}
+
+impl LayerNormGradQuantizeFp8 {
+    /// The cast (without an activation) of `grad`'s dx.
+    pub fn new(grad: LayerNormGrad, quantize: QuantizeFp8) -> OpResult<Self> {
+        if quantize.activation.is_some() {
+            return Err("an FP8 cast of a layer norm's gradient applies no activation".into());
+        }
+        Ok(LayerNormGradQuantizeFp8 { grad, quantize })
+    }
+
+    /// The gradient's inputs (all but the scale) and the scale.
+    fn split<'a, T>(&self, inputs: &'a [&'a T]) -> OpResult<(&'a [&'a T], &'a T)> {
+        match inputs.split_last() {
+            Some((scale, grad)) if !grad.is_empty() => Ok((grad, scale)),
+            _ => Err("missing inputs".into()),
+        }
+    }
+}
+
+impl Op for LayerNormGradQuantizeFp8 {
+    fn name(&self) -> &'static str {
+        "LayerNormGradQuantizeFp8"
+    }
+    fn arity(&self) -> Arity {
+        Arity::Exactly(if self.grad.epilogue.residual { 5 } else { 4 })
+    }
+    /// The cast's attrs, then the gradient's.
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = self.quantize.attrs();
+        attrs.extend(self.grad.attrs());
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let (grad, scale) = self.split(inputs)?;
+        let mut out = self.grad.infer(grad)?;
+        let cast = self.quantize.infer(&[&out[0], scale])?;
+        out.extend(cast);
+        Ok(out)
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let (grad, scale) = self.split(inputs)?;
+        let mut out = self.grad.eval(grad)?;
+        let cast = self.quantize.eval(&[&out[0], scale])?;
+        out.extend(cast);
+        Ok(out)
+    }
+    /// Every type is fixed: the gradient's as AMP left them, the cast's stored FP8
+    /// types, the scale and amax f32.
+    fn type_groups(&self, num_inputs: usize, _: usize) -> Vec<TypeGroup> {
+        let grad_outputs = 3 + self.grad.epilogue.sums();
+        let cast = grad_outputs;
+        let mut stored = vec![cast];
+        stored.extend(self.quantize.transposed.then_some(cast + 2));
+        let mut groups: Vec<TypeGroup> = self
+            .grad
+            .type_groups(num_inputs.saturating_sub(1), grad_outputs)
+            .into_iter()
+            .map(TypeGroup::fixed)
+            .collect();
+        groups.push(TypeGroup::new(vec![], stored).fixed());
+        groups.push(TypeGroup::new(vec![num_inputs.saturating_sub(1)], vec![cast + 1]).fixed());
+        groups
     }
 }
 

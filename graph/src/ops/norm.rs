@@ -952,7 +952,7 @@ impl LayerNormGrad {
         }
     }
 
-    fn parse(a: &mut AttrReader) -> OpResult<LayerNormGrad> {
+    pub(crate) fn parse(a: &mut AttrReader) -> OpResult<LayerNormGrad> {
         Ok(LayerNormGrad {
             axis: a.opt_int("axis")?.unwrap_or(-1),
             epsilon: read_epsilon(a, 1e-5)?,

@@ -14,8 +14,8 @@
 use ampgraph_graph::fp8::Fp8;
 use ampgraph_graph::ops::{
     AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate,
-    FusedElementwise, FusedQuantizeFp8, GroupedQuantizeFp8, LayerNormQuantizeFp8, QuantizeFp8,
-    UnaryKind,
+    FusedElementwise, FusedQuantizeFp8, GroupedQuantizeFp8, LayerNormGradQuantizeFp8,
+    LayerNormQuantizeFp8, QuantizeFp8, UnaryKind,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -89,6 +89,9 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     }
     if let Some(f) = op.downcast_ref::<LayerNormQuantizeFp8>() {
         return Some(super::norm::lower_layer_norm_fp8(f, ins, outs));
+    }
+    if let Some(f) = op.downcast_ref::<LayerNormGradQuantizeFp8>() {
+        return Some(super::norm::lower_layer_norm_grad_fp8(f, ins, outs));
     }
     if let Some(d) = op.downcast_ref::<DequantizeFp8>() {
         return Some(lower_dequantize(d, ins, outs));
@@ -809,7 +812,11 @@ pub(super) fn zeroed_amax(c: &Ctx, ty: &TensorType) -> Result<DTensor, String> {
     Ok(amax)
 }
 
-fn lower_quantize(q: &QuantizeFp8, ins: &[TensorType], outs: &[TensorType]) -> KernelResult {
+pub(super) fn lower_quantize(
+    q: &QuantizeFp8,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
     let [x, ..] = ins else {
         return Err("QuantizeFp8 takes x and its scale".into());
     };

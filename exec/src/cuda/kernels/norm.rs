@@ -6,7 +6,8 @@
 
 use ampgraph_graph::ops::fused::column_sum_dtype;
 use ampgraph_graph::ops::{
-    LayerNorm, LayerNormGrad, LayerNormQuantizeFp8, NormGradEpilogue, ReduceKind,
+    LayerNorm, LayerNormGrad, LayerNormGradQuantizeFp8, LayerNormQuantizeFp8, NormGradEpilogue,
+    ReduceKind,
 };
 use ampgraph_graph::shape::normalize_axis;
 use ampgraph_graph::{DType, Op, TensorType};
@@ -16,8 +17,8 @@ use super::codegen::{
     WARP_ROW_MAX,
 };
 use super::fp8::{
-    amax_declaration, amax_fold, amax_measure, fp8_module, fp8_pairs, zeroed_amax, AMAX_BLOCKS,
-    STATIC_SHARED_BYTES,
+    amax_declaration, amax_fold, amax_measure, fp8_module, fp8_pairs, lower_quantize, zeroed_amax,
+    AMAX_BLOCKS, STATIC_SHARED_BYTES,
 };
 use super::reduce::reduce_into;
 use super::{
@@ -41,7 +42,11 @@ kernel_specs! {
         LayerNormFp8 { types: NormTypes, epsilon: f64, per: usize, to: DType } => layer_norm_fp8(types, epsilon, per, to),
         /// `k_warp`, `k_warp_vec(const TX* px, const T* pg, const TD* pdy, [const TY* pr,]
         /// TY* pdx, A* stats, A* part, i64 rows, i64 len)`, then `k_cols_fin`.
-        GradRows { types: NormTypes, epsilon: f64, per: usize, epilogue: NormGradEpilogue } => layer_norm_grad_rows(types, epsilon, per, epilogue),
+        GradRows { types: NormTypes, epsilon: f64, per: usize, epilogue: NormGradEpilogue } => layer_norm_grad_rows(types, epsilon, per, epilogue, None),
+        /// `k_warp_vec(...[GradRows]'s, const float* ps, TQ* py, TQ* pt, unsigned* amax)`,
+        /// then `k_cols_fin`: [`Spec::GradRows`]' word rows, dx also cast to `TQ`
+        /// (`to`) as `QuantizeFp8` casts it, with its transposed copy `pt`.
+        GradRowsFp8 { types: NormTypes, epsilon: f64, per: usize, epilogue: NormGradEpilogue, to: DType } => layer_norm_grad_rows(types, epsilon, per, epilogue, Some(to)),
         /// `k(const TX* px, const T* pg, const TD* pdy, [const TY* pr,] TY* pdx, A* stats,
         /// i64 rows, i64 len)`, then `k_cols_part` and `k_cols_fin` for dgamma and dbeta.
         GradBlock { types: NormTypes, epsilon: f64, residual: bool } => layer_norm_grad_block(types, epsilon, residual),
@@ -273,6 +278,119 @@ fn layer_norm_grad(
     Ok(out)
 }
 
+/// LayerNormGradQuantizeFp8: [`layer_norm_grad`]'s word rows (`k_warp_vec` of
+/// [`Spec::GradRowsFp8`]) casting dx as they store it, where the kernel takes the rows
+/// (16-byte words, the band beside the column pass in shared memory; the pass folds
+/// only matrices with sides multiples of 8 and a transposed cast); otherwise the
+/// gradient's kernels, then the cast's.
+pub(super) fn lower_layer_norm_grad_fp8(
+    f: &LayerNormGradQuantizeFp8,
+    ins: &[TensorType],
+    outs: &[TensorType],
+) -> KernelResult {
+    let Some((scale_ty, grad_ins)) = ins.split_last() else {
+        return Err("LayerNormGradQuantizeFp8 takes the gradient's inputs and the scale".into());
+    };
+    let x = grad_ins.first().ok_or("LayerNormGradQuantizeFp8 takes x")?;
+    let (rows, len) = normalized_rows(x, f.grad.axis)?;
+    let grad_outs = 3 + f.grad.epilogue.sums();
+    if outs.len() != grad_outs + 2 + usize::from(f.quantize.transposed) {
+        return Err(
+            "LayerNormGradQuantizeFp8 gives the gradient's outputs, then the cast's".into(),
+        );
+    }
+    let (grad, to) = (f.grad.clone(), f.quantize.to);
+    let (outs, cast_outs) = (outs[..grad_outs].to_vec(), outs[grad_outs..].to_vec());
+    let apart = lower_quantize(
+        &f.quantize,
+        &[outs[0].clone(), scale_ty.clone()],
+        &cast_outs,
+    )?;
+    let params = grad_ins.get(1).map_or(x.dtype, |g| g.dtype);
+    let types = NormTypes {
+        params,
+        x: x.dtype,
+        dy: grad_ins.get(2).map_or(x.dtype, |d| d.dtype),
+        y: outs[0].dtype,
+    };
+    let per = len / 32;
+    let v = column_vector(x.dtype);
+    // Shared memory: the band, the column pass's sums, staged gamma, the amax fold's.
+    let shared = FP8_BAND * (len + 4)
+        + 8 * 32 * v * acc_dtype(params).size_bytes()
+        + len * params.size_bytes()
+        + 128;
+    let fused = x.shape.len() == 2
+        && f.quantize.transposed
+        && len > 0
+        && len <= WARP_ROW_MAX
+        && rows % 8 == 0
+        && len % 8 == 0
+        && shared <= STATIC_SHARED_BYTES;
+    Ok(kernel(move |c, inputs| {
+        let Some((scale, grad_inputs)) = inputs.split_last() else {
+            return Err(
+                "LayerNormGradQuantizeFp8 takes the gradient's inputs and the scale".into(),
+            );
+        };
+        let (x, g, dy) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
+        let residual = grad
+            .epilogue
+            .residual
+            .then(|| input(inputs, 3))
+            .transpose()?;
+        let mut checked = vec![x, dy];
+        checked.extend(residual);
+        let words = fused
+            && rows > 0
+            && warp_row_form(len, x.dtype, types.same_words(), &checked).1 == "k_warp_vec";
+        if !words {
+            let mut out = layer_norm_grad(c, &grad, grad_inputs, &outs)?;
+            out.extend(apart.launch(c, &[out[0].clone(), scale.clone()])?);
+            return Ok(out);
+        }
+        let out = c.alloc_all(&outs)?;
+        let [dx, dg, db, sums @ ..] = &out[..] else {
+            return Err("LayerNormGrad has three outputs".into());
+        };
+        let y = c.alloc(&cast_outs[0])?;
+        let amax = zeroed_amax(c, &cast_outs[1])?;
+        let t = c.alloc(&cast_outs[2])?;
+        let spec = Spec::GradRowsFp8 {
+            types,
+            epsilon: grad.epsilon,
+            per,
+            epilogue: grad.epilogue,
+            to,
+        };
+        // A wave of blocks of at least a band of rows each.
+        let blocks = c
+            .resident_blocks(&spec, "k_warp_vec", 256)?
+            .min(rows.div_ceil(FP8_BAND).min(AMAX_BLOCKS as usize) as u32);
+        let acc = acc_dtype(params);
+        let stats = c.temp(acc, 2 * rows)?;
+        let mut outputs = vec![(dg, 1.0), (db, 1.0)];
+        outputs.extend(sums.iter().map(|s| (s, 1.0)));
+        let part = c.temp(acc, blocks as usize * outputs.len() * len)?;
+        let mut args = vec![x.arg(), g.arg(), dy.arg()];
+        args.extend(residual.map(DTensor::arg));
+        args.extend([
+            dx.arg(),
+            stats.arg(),
+            part.arg(),
+            Arg::I64(rows as i64),
+            Arg::I64(len as i64),
+            scale.arg(),
+            y.arg(),
+            t.arg(),
+            amax.arg(),
+        ]);
+        c.launch(&spec, "k_warp_vec", (blocks, 256), &args)?;
+        launch_column_sums_fin(c, &spec, &part, len, blocks as usize, &outputs)?;
+        Ok(out.iter().cloned().chain([y, amax, t]).collect())
+    }))
+}
+
 /// Mean and 1/sqrt(var + eps) of row `row` of `len` elements (block-wide).
 const LN_STATS: &str = r#"
 __device__ void ln_stats(const TX* px, i64 row, i64 len, A eps, A* sh, A* mean_out, A* inv_out) {
@@ -460,22 +578,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
     );
     let v = column_vector(types.x);
     let word = value("gw.v, k", "bw.v, k");
-    // The word's bytes stored 4 at a time (2 for f64 rows' words of 2 values).
-    let store = if v >= 4 {
-        format!(
-            "#pragma unroll\n\
-             for (int k = 0; k < {v} / 4; ++k) {{\n\
-               const u32 four = __byte_perm(fp8x2(scaled[4 * k], scaled[4 * k + 1]), fp8x2(scaled[4 * k + 2], scaled[4 * k + 3]), 0x5410);\n\
-               *(u32*)(py + base + j0 + 4 * k) = four;\n\
-               if (pt) *(u32*)&band[jr][j0 + 4 * k] = four;\n\
-             }}\n"
-        )
-    } else {
-        "const unsigned short two = (unsigned short)fp8x2(scaled[0], scaled[1]);\n\
-         *(unsigned short*)(py + base + j0) = two;\n\
-         if (pt) *(unsigned short*)&band[jr][j0] = two;\n"
-            .to_string()
-    };
+    let store = fp8_word_store(v);
     let warp_vec = format!(
         "A v[{per}];\n{load}{stats}\
          #pragma unroll\n\
@@ -510,24 +613,11 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
                    if (row < rows) {{\n{row}}}\n\
                  }}\n\
                  if (!pt) continue;\n\
-                 __syncthreads();\n\
-                 for (int i = threadIdx.x; i < (int)len * {groups} / 4; i += 256) {{\n\
-                   const int c = 4 * (i / {groups}), g = 8 * (i % {groups});\n\
-                   if (r0 + g < rows) {{\n\
-                     u32 w[8];\n\
-                     #pragma unroll\n\
-                     for (int k = 0; k < 8; ++k) w[k] = *(const u32*)&band[g + k][c];\n\
-                     u32 lo[4], hi[4];\n\
-                     byte_transpose4(w[0], w[1], w[2], w[3], lo);\n\
-                     byte_transpose4(w[4], w[5], w[6], w[7], hi);\n\
-                     #pragma unroll\n\
-                     for (int k = 0; k < 4; ++k) *(uint2*)(pt + (i64)(c + k) * rows + r0 + g) = make_uint2(lo[k], hi[k]);\n\
-                   }}\n\
-                 }}\n\
+                 __syncthreads();\n{transpose}\
                  __syncthreads();\n\
                }}\n{fold}}}\n",
             band_width = width + 4,
-            groups = FP8_BAND / 8,
+            transpose = band_transpose("rows"),
             eps = lit(eps),
             declaration = amax_declaration("m"),
             fold = amax_fold("m", "amax"),
@@ -538,18 +628,72 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
     fp8_module(
         &blocks,
         &format!(
-            "typedef unsigned int u32;\n{}\
-             // The 4x4 bytes of words w0..w3 (rows) transposed: t[k] holds byte k of each.\n\
-             __device__ __forceinline__ void byte_transpose4(u32 w0, u32 w1, u32 w2, u32 w3, u32* t) {{\n\
-               const u32 a = __byte_perm(w0, w1, 0x5140), b = __byte_perm(w0, w1, 0x7362);\n\
-               const u32 c = __byte_perm(w2, w3, 0x5140), d = __byte_perm(w2, w3, 0x7362);\n\
-               t[0] = __byte_perm(a, c, 0x5410); t[1] = __byte_perm(a, c, 0x7632);\n\
-               t[2] = __byte_perm(b, d, 0x5410); t[3] = __byte_perm(b, d, 0x7632);\n\
-             }}\n{}{}",
-            fp8_pairs(to),
+            "{}{}{}",
+            fp8_band_prelude(to),
             kernel("k_warp", &warp),
             kernel("k_warp_vec", &warp_vec)
         ),
+    )
+}
+
+/// The code storing a lane's word of `v` FP8 values (`float scaled[v]`, already
+/// scaled) at column `j0` of row `base` of `py`, and where `pt` is set into the band's
+/// row `jr`: 4 bytes at a time (2 for f64 rows' words of 2 values).
+fn fp8_word_store(v: usize) -> String {
+    if v >= 4 {
+        format!(
+            "#pragma unroll\n\
+             for (int k = 0; k < {v} / 4; ++k) {{\n\
+               const u32 four = __byte_perm(fp8x2(scaled[4 * k], scaled[4 * k + 1]), fp8x2(scaled[4 * k + 2], scaled[4 * k + 3]), 0x5410);\n\
+               *(u32*)(py + base + j0 + 4 * k) = four;\n\
+               if (pt) *(u32*)&band[jr][j0 + 4 * k] = four;\n\
+             }}\n"
+        )
+    } else {
+        "const unsigned short two = (unsigned short)fp8x2(scaled[0], scaled[1]);\n\
+         *(unsigned short*)(py + base + j0) = two;\n\
+         if (pt) *(unsigned short*)&band[jr][j0] = two;\n"
+            .to_string()
+    }
+}
+
+/// The code writing the band of [`FP8_BAND`] rows from row `r0` (rows before `limit`)
+/// into the transposed copy `pt` of a `rows`-row matrix: a thread takes 4 columns of
+/// 8 rows (8 words), transposes them by `PRMT` and stores 8 bytes of each column (rows
+/// and columns multiples of 8). A band row's 4 bytes of padding put the reads of a warp
+/// (4 groups of 8 rows, 8 groups of columns) in different banks.
+fn band_transpose(limit: &str) -> String {
+    let groups = FP8_BAND / 8;
+    format!(
+        "for (int i = threadIdx.x; i < (int)len * {groups} / 4; i += 256) {{\n\
+           const int c = 4 * (i / {groups}), g = 8 * (i % {groups});\n\
+           if (r0 + g < {limit}) {{\n\
+             u32 w[8];\n\
+             #pragma unroll\n\
+             for (int k = 0; k < 8; ++k) w[k] = *(const u32*)&band[g + k][c];\n\
+             u32 lo[4], hi[4];\n\
+             byte_transpose4(w[0], w[1], w[2], w[3], lo);\n\
+             byte_transpose4(w[4], w[5], w[6], w[7], hi);\n\
+             #pragma unroll\n\
+             for (int k = 0; k < 4; ++k) *(uint2*)(pt + (i64)(c + k) * rows + r0 + g) = make_uint2(lo[k], hi[k]);\n\
+           }}\n\
+         }}\n"
+    )
+}
+
+/// What a module casting rows to FP8 `to` through a band needs: `u32`, the pair
+/// conversions and `byte_transpose4`.
+fn fp8_band_prelude(to: DType) -> String {
+    format!(
+        "typedef unsigned int u32;\n{}\
+         // The 4x4 bytes of words w0..w3 (rows) transposed: t[k] holds byte k of each.\n\
+         __device__ __forceinline__ void byte_transpose4(u32 w0, u32 w1, u32 w2, u32 w3, u32* t) {{\n\
+           const u32 a = __byte_perm(w0, w1, 0x5140), b = __byte_perm(w0, w1, 0x7362);\n\
+           const u32 c = __byte_perm(w2, w3, 0x5140), d = __byte_perm(w2, w3, 0x7362);\n\
+           t[0] = __byte_perm(a, c, 0x5410); t[1] = __byte_perm(a, c, 0x7632);\n\
+           t[2] = __byte_perm(b, d, 0x5410); t[3] = __byte_perm(b, d, 0x7632);\n\
+         }}\n",
+        fp8_pairs(to)
     )
 }
 
@@ -630,6 +774,7 @@ pub(super) fn layer_norm_grad_rows(
     eps: f64,
     per: usize,
     epi: NormGradEpilogue,
+    fp8: Option<DType>,
 ) -> String {
     // The summed terms of element `e` of a lane's columns (`xhat` and `dy` given).
     let mut terms = vec!["dy * xhat", "dy"];
@@ -644,8 +789,13 @@ pub(super) fn layer_norm_grad_rows(
     }
     let n = terms.len();
     let params = format!(
-        "const TX* px, const T* pg, const TD* pdy, {}TY* pdx, A* stats, A* part, i64 rows, i64 len",
-        residual_param(epi.residual)
+        "const TX* px, const T* pg, const TD* pdy, {}TY* pdx, A* stats, A* part, i64 rows, i64 len{}",
+        residual_param(epi.residual),
+        if fp8.is_some() {
+            ", const float* __restrict__ ps, TQ* __restrict__ py, TQ* __restrict__ pt, unsigned int* amax"
+        } else {
+            ""
+        }
     );
     // The column pass over the block's rows: warp `ty` takes rows `first + ty + 8 i`,
     // lane `tx` `vals` adjacent columns of a tile of `32 * vals` (a 16-byte word of
@@ -705,6 +855,37 @@ pub(super) fn layer_norm_grad_rows(
             width = 32 * vals
         )
     };
+    // With `fp8`: the block's rows (a multiple of the band) a band at a time, each
+    // band written transposed before the next.
+    let kernel_fp8 = |row: &str, vals: usize, stage: &str| -> String {
+        format!(
+            "extern \"C\" __global__ void __launch_bounds__(256, 2) k_warp_vec({params}) {{\n\
+               const A eps = (A)(C){eps};\n{stage}\
+               __align__(4) __shared__ u8 band[{FP8_BAND}][{band_width}];\n\
+               const float scale = ps[0];\n\
+               {declaration}\
+               i64 span = ((rows + gridDim.x - 1) / gridDim.x + {FP8_BAND} - 1) / {FP8_BAND} * {FP8_BAND};\n\
+               i64 first = (i64)blockIdx.x * span, end = min(rows, first + span);\n\
+               int lane = threadIdx.x & 31;\n\
+               for (i64 r0 = first; r0 < end; r0 += {FP8_BAND}) {{\n\
+                 for (int jr = threadIdx.x >> 5; jr < {FP8_BAND}; jr += 8) {{\n\
+                   const i64 row = r0 + jr;\n\
+                   if (row < end) {{\n\
+                     i64 base = row * len;\n{row}\n\
+                     if (lane == 0) {{ stats[2 * row] = mean; stats[2 * row + 1] = inv; }}\n\
+                   }}\n\
+                 }}\n\
+                 __syncthreads();\n{transpose}\
+                 __syncthreads();\n\
+               }}\n{pass}{fold}}}\n",
+            eps = lit(eps),
+            band_width = 32 * per + 4,
+            declaration = amax_declaration("m"),
+            transpose = band_transpose("end"),
+            pass = column_pass(vals),
+            fold = amax_fold("m", "amax"),
+        )
+    };
     let kernel = |name: &str, row: &str, vals: usize, stage: &str| -> String {
         format!(
             "extern \"C\" __global__ void __launch_bounds__(256) {name}({params}) {{\n\
@@ -762,8 +943,20 @@ pub(super) fn layer_norm_grad_rows(
            {residual_word}\
            #pragma unroll\n\
            for (int q = 0; q < {v}; ++q) {{ int t = w * {v} + q; {out} ow[q] = o; }}\n\
-           *(uint4*)(pdx + base + j0) = *(const uint4*)ow;\n\
+           *(uint4*)(pdx + base + j0) = *(const uint4*)ow;\n{cast}\
          }}\n",
+        // dx as stored, measured and cast to FP8 as `QuantizeFp8` casts it.
+        cast = if fp8.is_some() {
+            format!(
+                "float scaled[{v}];\n\
+                 #pragma unroll\n\
+                 for (int q = 0; q < {v}; ++q) {{ const float x = (float)ldY(ow, q);\n{measure}\nscaled[q] = __fmul_rn(x, scale); }}\n{store}",
+                measure = amax_measure("m", "x"),
+                store = fp8_word_store(v),
+            )
+        } else {
+            String::new()
+        },
         load_x = warp_load_words("px", "v", per, v, "X"),
         load_dy = warp_load_words("pdy", "dy", per, v, "D"),
         middle = middle(
@@ -806,17 +999,25 @@ pub(super) fn layer_norm_grad_rows(
     blocks.push(("S", column_sum_dtype(types.y)));
     let mut outs = vec![""; 2];
     outs.resize(n, "S");
-    module_multi(
+    let stage = stage_params(32 * per, &[("gs", "pg")]);
+    let Some(to) = fp8 else {
+        return module_multi(
+            &blocks,
+            &format!(
+                "{}{}{}",
+                kernel("k_warp", &warp, 1, ""),
+                kernel("k_warp_vec", &warp_vec, v, &stage),
+                column_sums_fin("", &outs)
+            ),
+        );
+    };
+    blocks.push(("Q", to));
+    fp8_module(
         &blocks,
         &format!(
             "{}{}{}",
-            kernel("k_warp", &warp, 1, ""),
-            kernel(
-                "k_warp_vec",
-                &warp_vec,
-                v,
-                &stage_params(32 * per, &[("gs", "pg")])
-            ),
+            fp8_band_prelude(to),
+            kernel_fp8(&warp_vec, v, &stage),
             column_sums_fin("", &outs)
         ),
     )

@@ -101,7 +101,13 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
             ),
             (
                 format!("layer_norm_grad_{d}"),
-                layer_norm_grad_rows(NormTypes::uniform(d), 1e-5, 32, NormGradEpilogue::default()),
+                layer_norm_grad_rows(
+                    NormTypes::uniform(d),
+                    1e-5,
+                    32,
+                    NormGradEpilogue::default(),
+                    None,
+                ),
             ),
             (
                 format!("layer_norm_grad_residual_{d}"),
@@ -114,6 +120,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                         sum_dx: true,
                         sum_residual: true,
                     },
+                    None,
                 ),
             ),
             (
@@ -126,6 +133,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
                         residual: true,
                         ..NormGradEpilogue::default()
                     },
+                    None,
                 ),
             ),
             (
@@ -274,7 +282,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         k.push((format!("layer_norm_mixed_{y}"), layer_norm(types, 1e-5, 8)));
         k.push((
             format!("layer_norm_grad_mixed_{y}"),
-            layer_norm_grad_rows(types, 1e-5, 8, NormGradEpilogue::default()),
+            layer_norm_grad_rows(types, 1e-5, 8, NormGradEpilogue::default(), None),
         ));
         k.push((
             format!("layer_norm_grad_block_mixed_{y}"),
@@ -296,6 +304,37 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
     k.push((
         "layer_norm_fp8_f32".into(),
         layer_norm_fp8(NormTypes::uniform(DType::F32), 1e-5, 4, DType::F8E5M2),
+    ));
+    // Layer norms' gradients cast to FP8: GPT-2's (bf16 rows of 768 adding the
+    // residual, summing dx), and f32 rows of 128 with every sum.
+    let gpt2_grad = NormGradEpilogue {
+        residual: true,
+        sum_dx: true,
+        sum_residual: false,
+    };
+    k.push((
+        "layer_norm_grad_fp8_bf16".into(),
+        layer_norm_grad_rows(
+            NormTypes::uniform(DType::BF16),
+            1e-5,
+            24,
+            gpt2_grad,
+            Some(DType::F8E5M2),
+        ),
+    ));
+    k.push((
+        "layer_norm_grad_fp8_f32".into(),
+        layer_norm_grad_rows(
+            NormTypes::uniform(DType::F32),
+            1e-5,
+            4,
+            NormGradEpilogue {
+                residual: true,
+                sum_dx: true,
+                sum_residual: true,
+            },
+            Some(DType::F8E4M3),
+        ),
     ));
     // Selections: each word width, a comparison of each kind of operand, both index
     // dtypes, a logical op on bools.
