@@ -25,16 +25,14 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "QuantizeFp8",
         parse: |_, a| {
-            let op =
-                QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
+            let op = read_cast(a)?;
             Ok(Box::new(op.with_activation(read_activation(a)?)))
         },
     },
     OpEntry {
         name: "FusedQuantizeFp8",
         parse: |_, a| {
-            let op =
-                QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
+            let op = read_cast(a)?;
             Ok(Box::new(FusedQuantizeFp8::new(
                 op,
                 FusedElementwise::parse(a)?,
@@ -44,8 +42,7 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "LayerNormQuantizeFp8",
         parse: |_, a| {
-            let op =
-                QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
+            let op = read_cast(a)?;
             let norm = LayerNorm::parse_with_to(a, "norm_to")?;
             Ok(Box::new(LayerNormQuantizeFp8::new(norm, op)?))
         },
@@ -53,8 +50,7 @@ pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "LayerNormGradQuantizeFp8",
         parse: |_, a| {
-            let op =
-                QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?);
+            let op = read_cast(a)?;
             Ok(Box::new(LayerNormGradQuantizeFp8::new(
                 LayerNormGrad::parse(a)?,
                 op,
@@ -114,6 +110,22 @@ pub(crate) const OPS: &[OpEntry] = &[
         },
     },
 ];
+
+/// The cast's own attrs (`to`, `transposed`) of the ops that quantise.
+fn read_cast(a: &mut AttrReader) -> OpResult<QuantizeFp8> {
+    Ok(QuantizeFp8::new(a.dtype("to")?)?.with_transposed(a.bool_or("transposed", false)?))
+}
+
+/// `quantize`, which a fused op whose kernel computes the value itself takes only
+/// without an activation (`of` names the value).
+fn without_activation(quantize: QuantizeFp8, of: &str) -> OpResult<QuantizeFp8> {
+    match quantize.activation {
+        Some(_) => Err(format!(
+            "an FP8 cast of {of} applies no activation of its own"
+        )),
+        None => Ok(quantize),
+    }
+}
 
 /// The `activation` attr of the ops that read a tensor to quantise it (with its
 /// kind's own attrs beside it, as a Unary's): a layer's activation computed as they
@@ -230,9 +242,7 @@ impl FusedQuantizeFp8 {
                 prologue.amaxes().len()
             ));
         }
-        if quantize.activation.is_some() {
-            return Err("an FP8 cast with a prologue applies no activation of its own".into());
-        }
+        let quantize = without_activation(quantize, "a prologue's value")?;
         Ok(FusedQuantizeFp8 { quantize, prologue })
     }
 
@@ -300,9 +310,7 @@ pub struct LayerNormQuantizeFp8 {
 impl LayerNormQuantizeFp8 {
     /// The cast (without an activation) of `norm`'s output.
     pub fn new(norm: LayerNorm, quantize: QuantizeFp8) -> OpResult<Self> {
-        if quantize.activation.is_some() {
-            return Err("an FP8 cast of a layer norm applies no activation of its own".into());
-        }
+        let quantize = without_activation(quantize, "a layer norm")?;
         Ok(LayerNormQuantizeFp8 { norm, quantize })
     }
 }
@@ -363,9 +371,7 @@ pub struct LayerNormGradQuantizeFp8 {
 impl LayerNormGradQuantizeFp8 {
     /// The cast (without an activation) of `grad`'s dx.
     pub fn new(grad: LayerNormGrad, quantize: QuantizeFp8) -> OpResult<Self> {
-        if quantize.activation.is_some() {
-            return Err("an FP8 cast of a layer norm's gradient applies no activation".into());
-        }
+        let quantize = without_activation(quantize, "a layer norm's gradient")?;
         Ok(LayerNormGradQuantizeFp8 { grad, quantize })
     }
 
