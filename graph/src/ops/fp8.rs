@@ -356,7 +356,7 @@ impl Op for LayerNormQuantizeFp8 {
 
 /// `(x, gamma, dy[, residual], scale) -> (dx, dgamma, dbeta[, sums], y, amax[, y^T])`:
 /// a [`LayerNormGrad`] whose output 0 (dx, the residual added) a delayed-scaling
-/// [`QuantizeFp8`] also casts (`norm-into-fp8` folds it: in a pre-LN transformer each
+/// [`QuantizeFp8`] also casts (`norm-grad-into-fp8` folds it: in a pre-LN transformer each
 /// block's first norm gives the residual gradient the FP8 gradient products of the
 /// block before read). The CUDA kernel casts each row as it stores dx, so dx is not
 /// read back to be cast; dx stays an output (the residual branch and the next norm
