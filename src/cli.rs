@@ -21,7 +21,9 @@ use ampgraph_graph::{DType, Data, Graph, GraphError, Tensor};
 use ampgraph_onnx::Probes;
 use ampgraph_passes::amp::fp8::DEFAULT_AMAX_HISTORY;
 use ampgraph_passes::amp::report::explain;
-use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Config, Fp8Recipe, PrecisionLists};
+use ampgraph_passes::amp::{
+    AmpConfig, AutoMixedPrecision, FastAccumulation, Fp8Config, Fp8Recipe, PrecisionLists,
+};
 use ampgraph_passes::{registry, PassError};
 
 use crate::session::{registry_passes, Device, Pipeline, Session, SessionError, SessionOptions};
@@ -616,6 +618,12 @@ pub struct PrecisionArgs {
     /// Which amax of the history delayed scaling scales by (default: max).
     #[arg(long, value_enum)]
     fp8_amax: Option<AmaxArg>,
+    /// Which FP8 products sum in Hopper's fast accumulation mode: `all` (errors 50x
+    /// below the operands' FP8 rounding), `forward` (torchao's and
+    /// TransformerEngine's choice) or `never`. Default:
+    /// `AMPGRAPH_AMP_FP8_FAST_ACCUMULATION`, else all.
+    #[arg(long, value_enum)]
+    fp8_fast_accumulation: Option<FastAccumulationArg>,
     /// Every 16-bit MatMul in FP8: no cost model, first and last layers too.
     #[arg(long)]
     fp8_everywhere: bool,
@@ -659,6 +667,13 @@ pub enum Fp8ScalingArg {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FastAccumulationArg {
+    Never,
+    Forward,
+    All,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AmaxArg {
     Max,
     MostRecent,
@@ -688,8 +703,10 @@ impl PrecisionArgs {
         }
         // The environment first: the flags override it.
         config.apply_vars(|k| std::env::var(k).ok())?;
-        let fp8_options =
-            self.fp8_everywhere || !self.fp8_keep.is_empty() || self.fp8_scaling.is_some();
+        let fp8_options = self.fp8_everywhere
+            || !self.fp8_keep.is_empty()
+            || self.fp8_scaling.is_some()
+            || self.fp8_fast_accumulation.is_some();
         let delayed_options = self.fp8_amax_history.is_some() || self.fp8_amax.is_some();
         match &mut config.fp8 {
             None if fp8_options || delayed_options => {
@@ -705,7 +722,17 @@ impl PrecisionArgs {
             }
             Some(fp8) => {
                 if self.fp8_everywhere {
-                    *fp8 = Fp8Config::everywhere(fp8.recipe);
+                    *fp8 = Fp8Config {
+                        fast_accumulation: fp8.fast_accumulation,
+                        ..Fp8Config::everywhere(fp8.recipe)
+                    };
+                }
+                if let Some(fast) = self.fp8_fast_accumulation {
+                    fp8.fast_accumulation = match fast {
+                        FastAccumulationArg::Never => FastAccumulation::Never,
+                        FastAccumulationArg::Forward => FastAccumulation::Forward,
+                        FastAccumulationArg::All => FastAccumulation::All,
+                    };
                 }
                 fp8.keep.extend(self.fp8_keep.iter().cloned());
                 match self.fp8_scaling {

@@ -762,6 +762,17 @@ fn fp8_options_choose_the_products_and_explain_says_why() {
     assert_eq!(products(&[]), 0, "the cost model keeps products this small");
     assert_eq!(products(&["--fp8-everywhere"]), 2);
     assert_eq!(products(&["--fp8-everywhere", "--fp8-keep", "mm2"]), 1);
+    // Every product sums fast unless told otherwise.
+    let fast = |args: &[&str]| {
+        products(&[&["--fp8-everywhere"], args].concat());
+        String::from_utf8(read(&out))
+            .unwrap()
+            .matches("\"fast_accumulation\":true")
+            .count()
+    };
+    assert_eq!(fast(&[]), 2);
+    assert_eq!(fast(&["--fp8-fast-accumulation", "forward"]), 2);
+    assert_eq!(fast(&["--fp8-fast-accumulation", "never"]), 0);
     let why = ok(&[
         "explain",
         &g,

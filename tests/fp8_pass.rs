@@ -14,7 +14,9 @@ use ampgraph::graph::ops::{
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, LossScale, Optimizer, Sgd, TrainStep};
 use ampgraph::passes::amp::fp8::{plan, Decision, Kept};
 use ampgraph::passes::amp::report::explain;
-use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Config, Fp8Recipe};
+use ampgraph::passes::amp::{
+    AmpConfig, AutoMixedPrecision, FastAccumulation, Fp8Config, Fp8Recipe,
+};
 use ampgraph::{DType, Device, Graph, Port, Session, SessionOptions, Tensor};
 
 const BATCH: usize = 16;
@@ -135,7 +137,8 @@ fn forward_products_take_e4m3_and_gradients_e5m2() {
         .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
         .count();
     assert_eq!(quantizations, 9);
-    // Forward products sum in the fast mode, products of a gradient in f32 steps.
+    // Every product sums in the fast mode by default; `Forward` keeps f32 steps for
+    // the products of a gradient, `Never` for all.
     let fast = |g: &Graph| -> Vec<(DType, DType)> {
         let mut v: Vec<_> = (g.node_ids())
             .filter(|&id| {
@@ -147,12 +150,15 @@ fn forward_products_take_e4m3_and_gradients_e5m2() {
         v.sort();
         v
     };
-    assert_eq!(fast(&g), vec![(e4, e4); 3]);
-    let exact = rewritten(Fp8Config {
-        fast_forward: false,
-        ..Fp8Config::everywhere(Fp8Recipe::Current)
-    });
-    assert_eq!(fast(&exact), vec![]);
+    assert_eq!(fast(&g).len(), 8);
+    let with = |fast_accumulation| {
+        rewritten(Fp8Config {
+            fast_accumulation,
+            ..Fp8Config::everywhere(Fp8Recipe::Current)
+        })
+    };
+    assert_eq!(fast(&with(FastAccumulation::Forward)), vec![(e4, e4); 3]);
+    assert_eq!(fast(&with(FastAccumulation::Never)), vec![]);
     // Every product reads K-major operands, a transposed copy where the tensor is
     // stored the other way round (the weight in its forward product, the activation
     // and the gradient in the weight gradient's), written by the quantisation.

@@ -642,7 +642,8 @@ impl Op for DequantizeFp8 {
 /// `fast_accumulation` lets the GPU sum in Hopper's fast mode, which skips the
 /// periodic promotion of partial sums to f32 (cuBLASLt's `FAST_ACCUM`: 1.1-1.2x
 /// faster, fewer bits kept); torchao and TransformerEngine use it for forward
-/// products. The CPU reference sums in f32 either way.
+/// products, the AMP pass for every product by default (`FastAccumulation`). The CPU
+/// reference sums in f32 either way.
 ///
 /// With `bias`, a fifth input `[n]` of the output's dtype (16-bit: cuBLASLt's FP8
 /// epilogue adds a 16-bit bias to a 16-bit result) is added to every row:

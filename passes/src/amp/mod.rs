@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use ampgraph_graph::{DType, Graph};
 
-pub use fp8::{Fp8Config, Fp8Recipe, GemmCost};
+pub use fp8::{FastAccumulation, Fp8Config, Fp8Recipe, GemmCost};
 pub use lists::{ListClass, PrecisionLists};
 pub use paint::{Painting, Step};
 pub use report::{AmpReport, Explanation};
@@ -100,15 +100,19 @@ impl AmpConfig {
     /// FP8 is off.
     pub fn on_every_device_product(mut self) -> Self {
         if let Some(fp8) = &mut self.fp8 {
-            *fp8 = Fp8Config::every_device_product(fp8.recipe);
+            *fp8 = Fp8Config {
+                fast_accumulation: fp8.fast_accumulation,
+                ..Fp8Config::every_device_product(fp8.recipe)
+            };
         }
         self
     }
 
     /// Applies the environment overrides (`AMPGRAPH_AMP_*LIST_ADD/_REMOVE`,
-    /// `AMPGRAPH_AMP_LOG_PATH`), as TensorFlow users know them, and
+    /// `AMPGRAPH_AMP_LOG_PATH`), as TensorFlow users know them, and where FP8 is on
     /// `AMPGRAPH_AMP_FP8_SCALING` (`current` or `delayed`: TransformerEngine's
-    /// recipe) where FP8 is on.
+    /// recipe) and `AMPGRAPH_AMP_FP8_FAST_ACCUMULATION` (`never`, `forward` or `all`:
+    /// [`FastAccumulation`]).
     pub fn from_env(mut self) -> Result<Self, PassError> {
         self.apply_vars(|k| std::env::var(k).ok())?;
         Ok(self)
@@ -128,6 +132,19 @@ impl AmpConfig {
                 other => {
                     return Err(PassError::Lists(format!(
                         "AMPGRAPH_AMP_FP8_SCALING is '{other}': current or delayed"
+                    )))
+                }
+            };
+        }
+        let fast = var("AMPGRAPH_AMP_FP8_FAST_ACCUMULATION").filter(|s| !s.is_empty());
+        if let (Some(fast), Some(fp8)) = (fast, &mut self.fp8) {
+            fp8.fast_accumulation = match fast.trim() {
+                "never" => FastAccumulation::Never,
+                "forward" => FastAccumulation::Forward,
+                "all" => FastAccumulation::All,
+                other => {
+                    return Err(PassError::Lists(format!(
+                        "AMPGRAPH_AMP_FP8_FAST_ACCUMULATION is '{other}': never, forward or all"
                     )))
                 }
             };
