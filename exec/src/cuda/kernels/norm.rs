@@ -234,18 +234,8 @@ fn layer_norm_grad(
         if columns_are_rows {
             outputs.extend(sums.iter().map(|s| (s, 1.0)));
         }
-        let acc = acc_dtype(g.dtype);
-        let stats = c.temp(acc, 2 * rows)?;
-        let part = c.temp(acc, blocks as usize * outputs.len() * len)?;
-        let mut args = tensors;
-        args.extend([
-            stats.arg(),
-            part.arg(),
-            Arg::I64(rows as i64),
-            Arg::I64(len as i64),
-        ]);
-        c.launch(&spec, warp, (blocks, 256), &args)?;
-        launch_column_sums_fin(c, &spec, &part, len, blocks as usize, &outputs)?;
+        let launch = (warp, blocks);
+        launch_grad_rows(c, &spec, launch, (tensors, vec![]), (rows, len), &outputs)?;
         if columns_are_rows {
             return Ok(out);
         }
@@ -276,6 +266,34 @@ fn layer_norm_grad(
         reduce_into(c, t, sum, ReduceKind::Sum, &leading)?;
     }
     Ok(out)
+}
+
+/// Launches the row kernel `name` of a [`layer_norm_grad_rows`] module on `blocks`
+/// blocks: its pointers through dx (`tensors`), the rows' statistics and the blocks'
+/// partial column sums it writes, `rows`, `len`, then `extra` (an FP8 cast's); then
+/// `k_cols_fin` adds the partials into `outputs` (dgamma, dbeta, the sums), in
+/// dgamma's compute type.
+fn launch_grad_rows(
+    c: &Ctx,
+    spec: &Spec,
+    (name, blocks): (&'static str, u32),
+    (tensors, extra): (Vec<Arg>, Vec<Arg>),
+    (rows, len): (usize, usize),
+    outputs: &[(&DTensor, f64)],
+) -> Result<(), String> {
+    let acc = acc_dtype(outputs.first().ok_or("no dgamma")?.0.dtype);
+    let stats = c.temp(acc, 2 * rows)?;
+    let part = c.temp(acc, blocks as usize * outputs.len() * len)?;
+    let mut args = tensors;
+    args.extend([
+        stats.arg(),
+        part.arg(),
+        Arg::I64(rows as i64),
+        Arg::I64(len as i64),
+    ]);
+    args.extend(extra);
+    c.launch(spec, name, (blocks, 256), &args)?;
+    launch_column_sums_fin(c, spec, &part, len, blocks as usize, outputs)
 }
 
 /// LayerNormGradQuantizeFp8: [`layer_norm_grad`]'s word rows (`k_warp_vec` of
@@ -367,26 +385,14 @@ pub(super) fn lower_layer_norm_grad_fp8(
         let blocks = c
             .resident_blocks(&spec, "k_warp_vec", 256)?
             .min(rows.div_ceil(FP8_BAND).min(AMAX_BLOCKS as usize) as u32);
-        let acc = acc_dtype(params);
-        let stats = c.temp(acc, 2 * rows)?;
         let mut outputs = vec![(dg, 1.0), (db, 1.0)];
         outputs.extend(sums.iter().map(|s| (s, 1.0)));
-        let part = c.temp(acc, blocks as usize * outputs.len() * len)?;
-        let mut args = vec![x.arg(), g.arg(), dy.arg()];
-        args.extend(residual.map(DTensor::arg));
-        args.extend([
-            dx.arg(),
-            stats.arg(),
-            part.arg(),
-            Arg::I64(rows as i64),
-            Arg::I64(len as i64),
-            scale.arg(),
-            y.arg(),
-            t.arg(),
-            amax.arg(),
-        ]);
-        c.launch(&spec, "k_warp_vec", (blocks, 256), &args)?;
-        launch_column_sums_fin(c, &spec, &part, len, blocks as usize, &outputs)?;
+        let mut tensors = vec![x.arg(), g.arg(), dy.arg()];
+        tensors.extend(residual.map(DTensor::arg));
+        tensors.push(dx.arg());
+        let cast = vec![scale.arg(), y.arg(), t.arg(), amax.arg()];
+        let launch = ("k_warp_vec", blocks);
+        launch_grad_rows(c, &spec, launch, (tensors, cast), (rows, len), &outputs)?;
         Ok(out.iter().cloned().chain([y, amax, t]).collect())
     }))
 }
