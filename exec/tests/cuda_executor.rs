@@ -1,13 +1,15 @@
 //! What the CUDA executor keeps between steps: casts of weights no step writes (and
 //! which copies of such a weight stay on the device, from the first step's arena on), the casts optimizer updates
 //! write with their variable, the scratch of convolutions planned in the arena (their
-//! workspaces within the plan's peak), and convolutions replayed from captured graphs.
-//! Skips (printing why) without CUDA.
+//! workspaces within the plan's peak), convolutions replayed from captured graphs, and
+//! which ops a profiled step times. Skips (printing why) without CUDA.
 
 mod common;
 
 use ampgraph_exec::cuda::CudaExecutor;
-use ampgraph_exec::{memory_plan, CpuExecutor, DeviceStats, ExecError, Executor, Feeds};
+use ampgraph_exec::{
+    memory_plan, CpuExecutor, DeviceStats, ExecError, ExecOptions, Executor, Feeds,
+};
 use ampgraph_graph::ops::{
     AssignVariable, BatchMatMul, Cast, Const, Conv2D, Conv2DBackpropFilter, DataFormat,
     OptimizerUpdate, Padding, Rule, Unary, UnaryKind, Variable,
@@ -129,12 +131,9 @@ fn a_first_step_drops_weights_read_only_through_casts_before_its_arena() {
     );
 }
 
-/// A training step whose update also writes w's f16 copy (`cast_to`): from the
-/// second step the forward pass's Cast kernel no longer runs, and each step's product
-/// uses the weights the previous update wrote, as on the CPU.
-#[test]
-fn updates_that_write_the_cast_replace_the_cast_kernel() {
-    let Some(mut gpu) = gpu() else { return };
+/// [`layer`] with an SGD step of `w` by the fed `grad`, which writes w's f16 cast too:
+/// the graph, its feeds and its outputs (the product and the assignment).
+fn layer_and_update() -> (Graph, Feeds, [Port; 2]) {
     let (mut g, w, y) = layer();
     let grad = g.placeholder("grad", DType::F32, vec![N, N]).unwrap();
     let yes = g
@@ -157,6 +156,16 @@ fn updates_that_write_the_cast_replace_the_cast_kernel() {
         "grad".into(),
         Tensor::from_f64(DType::F32, vec![N, N], &step).unwrap(),
     );
+    (g, feeds, [y, assign])
+}
+
+/// A training step whose update also writes w's f16 copy (`cast_to`): from the
+/// second step the forward pass's Cast kernel no longer runs, and each step's product
+/// uses the weights the previous update wrote, as on the CPU.
+#[test]
+fn updates_that_write_the_cast_replace_the_cast_kernel() {
+    let Some(mut gpu) = gpu() else { return };
+    let (g, feeds, [y, assign]) = layer_and_update();
     let mut cpu = CpuExecutor::new();
     cpu.variables.insert("w".into(), weights(1.0));
     gpu.set_variable("w", weights(1.0)).unwrap();
@@ -180,6 +189,32 @@ fn updates_that_write_the_cast_replace_the_cast_kernel() {
     assert_eq!(kernels[1] + 1, kernels[0], "{kernels:?}");
     assert_eq!(kernels[2], kernels[0], "{kernels:?}");
     assert_eq!(kernels[3], kernels[1], "{kernels:?}");
+}
+
+/// A profiled step times the ops that put work on the stream (the product, the
+/// update), not the assignment the update wrote in place, which launches nothing.
+#[test]
+fn a_profiled_step_times_only_the_ops_that_launch_work() {
+    let Some(mut gpu) = gpu() else { return };
+    let (g, feeds, outputs) = layer_and_update();
+    gpu.set_variable("w", weights(1.0)).unwrap();
+    for _ in 0..2 {
+        gpu.run(&g, &feeds, &outputs).unwrap();
+    }
+    let plain = gpu.options();
+    gpu.set_options(ExecOptions {
+        profile: true,
+        ..plain
+    });
+    for _ in 0..2 {
+        gpu.run(&g, &feeds, &outputs).unwrap();
+    }
+    let table = gpu.stats().unwrap().profile_table(30);
+    assert!(
+        table.contains("BatchMatMul") && table.contains("OptimizerUpdate"),
+        "{table}"
+    );
+    assert!(!table.contains("AssignVariable"), "{table}");
 }
 
 /// An f16 NHWC convolution (3x3 filters, SAME) of the fed `x` by the fed `f` and its
