@@ -9,8 +9,8 @@
 //! format. Each quantised tensor is quantised once, whatever number of products
 //! read it (a weight by its forward and its input-gradient product), with a transposed
 //! copy where a product reads it the other way round from K-major (Hopper's FP8
-//! products take `[m, k] x [n, k]`): every `Fp8MatMul` reads K-major operands. Forward
-//! products sum in the GPU's fast mode ([`FastAccumulation`]).
+//! products take `[m, k] x [n, k]`): every `Fp8MatMul` reads K-major operands. The
+//! products sum in the GPU's fast mode, by default every one ([`FastAccumulation`]).
 //!
 //! Scaling lives in the graph ([`Fp8Recipe`]): current scaling computes each tensor's
 //! scale from its own amax (`Fp8Scale`); delayed scaling keeps an amax history and a
