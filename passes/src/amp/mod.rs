@@ -124,33 +124,49 @@ impl AmpConfig {
         if let Some(dir) = var("AMPGRAPH_AMP_LOG_PATH").filter(|d| !d.is_empty()) {
             self.log_path = Some(PathBuf::from(dir));
         }
-        let scaling = var("AMPGRAPH_AMP_FP8_SCALING").filter(|s| !s.is_empty());
-        if let (Some(scaling), Some(fp8)) = (scaling, &mut self.fp8) {
-            fp8.recipe = match scaling.trim() {
-                "current" => Fp8Recipe::Current,
-                "delayed" => Fp8Recipe::delayed(),
-                other => {
-                    return Err(PassError::Lists(format!(
-                        "AMPGRAPH_AMP_FP8_SCALING is '{other}': current or delayed"
-                    )))
-                }
-            };
-        }
-        let fast = var("AMPGRAPH_AMP_FP8_FAST_ACCUMULATION").filter(|s| !s.is_empty());
-        if let (Some(fast), Some(fp8)) = (fast, &mut self.fp8) {
-            fp8.fast_accumulation = match fast.trim() {
-                "never" => FastAccumulation::Never,
-                "forward" => FastAccumulation::Forward,
-                "all" => FastAccumulation::All,
-                other => {
-                    return Err(PassError::Lists(format!(
-                        "AMPGRAPH_AMP_FP8_FAST_ACCUMULATION is '{other}': never, forward or all"
-                    )))
-                }
-            };
+        if let Some(fp8) = &mut self.fp8 {
+            let recipes = [
+                ("current", Fp8Recipe::Current),
+                ("delayed", Fp8Recipe::delayed()),
+            ];
+            if let Some(recipe) = env_choice(&var, "AMPGRAPH_AMP_FP8_SCALING", &recipes)? {
+                fp8.recipe = recipe;
+            }
+            let modes = [
+                ("never", FastAccumulation::Never),
+                ("forward", FastAccumulation::Forward),
+                ("all", FastAccumulation::All),
+            ];
+            if let Some(fast) = env_choice(&var, "AMPGRAPH_AMP_FP8_FAST_ACCUMULATION", &modes)? {
+                fp8.fast_accumulation = fast;
+            }
         }
         Ok(())
     }
+}
+
+/// The value among `choices` that the environment variable `name` (looked up through
+/// `var`) names, where it is set and not empty; any other value is an error naming the
+/// variable, the value and the choices.
+fn env_choice<T: Clone>(
+    var: &impl Fn(&str) -> Option<String>,
+    name: &str,
+    choices: &[(&str, T)],
+) -> Result<Option<T>, PassError> {
+    let Some(value) = var(name).filter(|s| !s.is_empty()) else {
+        return Ok(None);
+    };
+    let value = value.trim();
+    if let Some((_, chosen)) = choices.iter().find(|(key, _)| *key == value) {
+        return Ok(Some(chosen.clone()));
+    }
+    let keys: Vec<&str> = choices.iter().map(|(key, _)| *key).collect();
+    let listed = match keys.split_last() {
+        Some((last, [])) => last.to_string(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    };
+    Err(PassError::Lists(format!("{name} is '{value}': {listed}")))
 }
 
 /// The AMP pass.
