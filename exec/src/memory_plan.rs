@@ -64,6 +64,10 @@ pub struct MemoryPlan {
     /// The bytes of every buffer added up: what a step allocating each tensor anew and
     /// freeing nothing would need.
     pub total_bytes: usize,
+    /// The arena's first bytes: the tensors the step zeroes before its first kernel
+    /// (amaxes its kernels fold their values into), alive the whole step, so that one
+    /// memset zeroes them all rather than one a tensor.
+    pub zeroed_bytes: usize,
 }
 
 /// The update outputs that may be written over the variable they replace (an
@@ -274,16 +278,25 @@ pub fn plan_outside(
     scratch: &HashMap<NodeId, usize>,
 ) -> Result<MemoryPlan, ExecError> {
     let order = Schedule::new(graph, fetches)?.order;
-    Ok(plan_in_order(graph, &order, fetches, outside, scratch))
+    Ok(plan_in_order(
+        graph,
+        &order,
+        fetches,
+        outside,
+        scratch,
+        &HashSet::new(),
+    ))
 }
 
-/// [`plan_outside`] with the step's schedule given.
+/// [`plan_outside`] with the step's schedule given, and the tensors of `zeroed` (those
+/// in the arena) at its start ([`MemoryPlan::zeroed_bytes`]).
 fn plan_in_order(
     graph: &Graph,
     order: &[NodeId],
     fetches: &[Port],
     outside: &HashSet<Port>,
     scratch: &HashMap<NodeId, usize>,
+    zeroed: &HashSet<Port>,
 ) -> MemoryPlan {
     let end = order.len();
     let is_source = |p: Port| is_source(graph, p);
@@ -354,8 +367,22 @@ fn plan_in_order(
             }
         }
     }
-    place(&mut buffers);
-    summarise(buffers, end)
+    let (mut first, mut rest): (Vec<PlannedBuffer>, Vec<PlannedBuffer>) = buffers
+        .into_iter()
+        .partition(|b| !b.scratch && zeroed.contains(&b.port));
+    place(&mut rest);
+    let mut zeroed_bytes = 0;
+    for b in &mut first {
+        (b.first, b.last, b.offset) = (0, end, zeroed_bytes);
+        zeroed_bytes += b.bytes;
+    }
+    for b in &mut rest {
+        b.offset += zeroed_bytes;
+    }
+    first.extend(rest);
+    let mut plan = summarise(first, end);
+    plan.zeroed_bytes = zeroed_bytes;
+    plan
 }
 
 /// Refuses the step computing `fetches` where the tensors it must hold at once (the
@@ -566,11 +593,12 @@ pub(crate) struct StepLayout {
 
 impl StepLayout {
     /// The layout of the step that computes `fetches`, with `scratch` bytes for the
-    /// nodes whose kernels take some.
+    /// nodes whose kernels take some and the tensors of `zeroed` zeroed at its start.
     pub fn new(
         graph: &Graph,
         fetches: &[Port],
         scratch: &HashMap<NodeId, usize>,
+        zeroed: &HashSet<Port>,
     ) -> Result<StepLayout, ExecError> {
         let mut schedule = Schedule::new(graph, fetches)?;
         let constant_casts = constant_casts(graph);
@@ -580,7 +608,7 @@ impl StepLayout {
         // Planned in the schedule's own order: moving the variables only casts read
         // and their casts (neither in the arena) first moves no arena tensor's place
         // among the others.
-        let plan = plan_in_order(graph, &schedule.order, fetches, &kept, scratch);
+        let plan = plan_in_order(graph, &schedule.order, fetches, &kept, scratch, zeroed);
         let in_place = in_place_updates_in_order(graph, &schedule.order, fetches);
         let casts_in_place =
             in_place_casts_in_order(graph, &schedule.order, fetches, &update_casts);
@@ -658,13 +686,14 @@ impl StepLayout {
 /// The device memory of the step that computes `fetches`, planned on the host as the
 /// CUDA executor plans it (from the same `StepLayout`: the arena with the kept casts
 /// outside and each node's `scratch` bytes in it; none before a step has shown them),
-/// with what lives beside the arena.
+/// with what lives beside the arena. The amaxes a step zeroes at its start (known once
+/// it has run) are planned among the other tensors here: a few hundred bytes each.
 pub fn step_footprint(
     graph: &Graph,
     fetches: &[Port],
     scratch: &HashMap<NodeId, usize>,
 ) -> Result<StepFootprint, ExecError> {
-    Ok(StepLayout::new(graph, fetches, scratch)?.footprint(graph))
+    Ok(StepLayout::new(graph, fetches, scratch, &HashSet::new())?.footprint(graph))
 }
 
 /// Steps per bucket of [`place`]'s index of placed buffers by lifetime.
@@ -829,6 +858,7 @@ fn summarise(buffers: Vec<PlannedBuffer>, steps: usize) -> MemoryPlan {
         live_bytes,
         peak_step,
         total_bytes,
+        zeroed_bytes: 0,
     }
 }
 
@@ -1003,6 +1033,43 @@ mod tests {
         assert_eq!(plan.total_bytes, 8 * 1024);
         assert_eq!(plan.live_bytes, 2 * 1024);
         assert_eq!(plan.arena_bytes, 2 * 1024);
+    }
+
+    #[test]
+    fn zeroed_tensors_lie_at_the_arenas_start_for_the_whole_step() {
+        // The chain of 8 relus, 1 KiB each (two buffers take turns), with a 4-byte sum
+        // of the third's output that its kernel folds into: the sum gets the arena's
+        // first 256 bytes, alive from the step's start to its end (fetched, it would be
+        // alive from the third relu on), and the chain's buffers lie after them.
+        let mut g = Graph::new();
+        let mut h = placeholder(&mut g, "x", &[256]);
+        let mut sum = None;
+        for k in 0..8 {
+            h = relu(&mut g, h);
+            if k == 2 {
+                let reduce = Reduce::new(ReduceKind::Sum, None, false);
+                sum = Some(g.add(reduce, &[h]).unwrap());
+            }
+        }
+        let sum = sum.unwrap();
+        let fetches = [h, sum];
+        let order = Schedule::new(&g, &fetches).unwrap().order;
+        let zeroed = [sum].into_iter().collect();
+        let none = HashSet::new();
+        let plan = plan_in_order(&g, &order, &fetches, &none, &HashMap::new(), &zeroed);
+        assert_sound(&plan);
+        assert_eq!(plan.zeroed_bytes, ALIGNMENT);
+        let b = plan.buffers.iter().find(|b| b.port == sum).unwrap();
+        assert_eq!((b.offset, b.first, b.last), (0, 0, order.len()));
+        assert!(plan
+            .buffers
+            .iter()
+            .all(|o| o.port == sum || o.offset >= ALIGNMENT));
+        assert_eq!(plan.arena_bytes, ALIGNMENT + 2 * 1024);
+        let unzeroed = plan_in_order(&g, &order, &fetches, &none, &HashMap::new(), &none);
+        assert_eq!(unzeroed.zeroed_bytes, 0);
+        let b = unzeroed.buffers.iter().find(|b| b.port == sum).unwrap();
+        assert!(b.first > 0, "planned from its own step");
     }
 
     #[test]
@@ -1204,7 +1271,7 @@ mod tests {
     #[test]
     fn an_update_writes_its_cast_over_the_kept_one_when_every_reader_ran_before() {
         let (g, fetches, next_cast) = update_with_cast(false);
-        let layout = StepLayout::new(&g, &fetches, &HashMap::new()).unwrap();
+        let layout = StepLayout::new(&g, &fetches, &HashMap::new(), &HashSet::new()).unwrap();
         assert_eq!(layout.casts_in_place, HashSet::from([next_cast]));
         // The step writes w in place and its cast over the kept one: nothing beside.
         let footprint = step_footprint(&g, &fetches, &HashMap::new()).unwrap();
@@ -1212,21 +1279,25 @@ mod tests {
         assert_eq!(footprint.written_bytes, 0);
         // The old cast read after the update: the new one needs a buffer of its own.
         let (g, fetches, next_cast) = update_with_cast(true);
-        let layout = StepLayout::new(&g, &fetches, &HashMap::new()).unwrap();
+        let layout = StepLayout::new(&g, &fetches, &HashMap::new(), &HashSet::new()).unwrap();
         assert!(layout.casts_in_place.is_empty());
         let footprint = step_footprint(&g, &fetches, &HashMap::new()).unwrap();
         assert_eq!(footprint.written_bytes, 2048);
         // Fetching the new cast, or not assigning the update, keeps it apart too.
         let (g, mut fetches, _) = update_with_cast(false);
         fetches.push(next_cast);
-        assert!((StepLayout::new(&g, &fetches, &HashMap::new()).unwrap())
-            .casts_in_place
-            .is_empty());
+        assert!(
+            (StepLayout::new(&g, &fetches, &HashMap::new(), &HashSet::new()).unwrap())
+                .casts_in_place
+                .is_empty()
+        );
         let (g, fetches, next_cast) = update_with_cast(false);
         let unassigned = [fetches[0], next_cast.node.into()];
-        assert!((StepLayout::new(&g, &unassigned, &HashMap::new()).unwrap())
-            .casts_in_place
-            .is_empty());
+        assert!(
+            (StepLayout::new(&g, &unassigned, &HashMap::new(), &HashSet::new()).unwrap())
+                .casts_in_place
+                .is_empty()
+        );
     }
 
     #[test]

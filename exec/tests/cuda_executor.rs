@@ -1,8 +1,8 @@
 //! What the CUDA executor keeps between steps: casts of weights no step writes (and
 //! which copies of such a weight stay on the device, from the first step's arena on), the casts optimizer updates
 //! write with their variable, the scratch of convolutions planned in the arena (their
-//! workspaces within the plan's peak), convolutions replayed from captured graphs, and
-//! which ops a profiled step times. Skips (printing why) without CUDA.
+//! workspaces within the plan's peak), convolutions replayed from captured graphs,
+//! FP8 amaxes zeroed at the step's start, and which ops a profiled step times. Skips (printing why) without CUDA.
 
 mod common;
 
@@ -12,7 +12,7 @@ use ampgraph_exec::{
 };
 use ampgraph_graph::ops::{
     AssignVariable, BatchMatMul, Cast, Const, Conv2D, Conv2DBackpropFilter, DataFormat,
-    OptimizerUpdate, Padding, Rule, Unary, UnaryKind, Variable,
+    OptimizerUpdate, Padding, QuantizeFp8, Rule, Unary, UnaryKind, Variable,
 };
 use ampgraph_graph::{DType, Graph, Port, Tensor, TensorType};
 use common::{gpu, wide_sum, wide_sum_feeds, Gen};
@@ -215,6 +215,46 @@ fn a_profiled_step_times_only_the_ops_that_launch_work() {
         "{table}"
     );
     assert!(!table.contains("AssignVariable"), "{table}");
+}
+
+/// The amaxes FP8 casts fold their values into start each step at zero: after the
+/// first step the executor plans them at the arena's start and zeroes them with one
+/// memset (the first step zeroes each apart), and every step's amax is its own input's,
+/// though each step's input is half the one before (a leftover would keep the first).
+#[test]
+fn fp8_amaxes_are_zeroed_by_one_memset_from_the_second_step() {
+    let Some(mut gpu) = gpu() else { return };
+    let (rows, cols) = (64, 128);
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, vec![rows, cols]).unwrap();
+    let scale = g.scalar(DType::F32, 4.0).unwrap();
+    let relu = g.add(Unary::new(UnaryKind::Relu), &[x]).unwrap();
+    let cast = QuantizeFp8::new(DType::F8E4M3).unwrap();
+    let q = g
+        .add_node("q", Box::new(cast.clone()), &[x, scale])
+        .unwrap();
+    let transposed = cast.with_transposed(true);
+    let r = g
+        .add_node("r", Box::new(transposed), &[relu, scale])
+        .unwrap();
+    let fetches = [Port::new(q, 1), Port::new(r, 1), Port::new(r, 0)];
+    let base = Gen(11).vec(rows * cols, -3.0, 2.0);
+    let mut memsets = Vec::new();
+    for k in 0..5 {
+        let values: Vec<f64> = base.iter().map(|v| v * 0.5f64.powi(k)).collect();
+        let x_k = Tensor::from_f64(DType::F32, vec![rows, cols], &values).unwrap();
+        let (abs_max, max) = x_k
+            .to_f64_vec()
+            .iter()
+            .fold((0f64, 0f64), |(a, m), &v| (a.max(v.abs()), m.max(v)));
+        let feeds: Feeds = [("x".to_string(), x_k)].into_iter().collect();
+        let before = gpu.launches();
+        let got = gpu.run(&g, &feeds, &fetches).unwrap();
+        memsets.push((gpu.launches() - before).memsets);
+        assert_eq!(got[0].to_f64_vec(), [abs_max], "step {k}: |x|'s amax");
+        assert_eq!(got[1].to_f64_vec(), [max], "step {k}: relu(x)'s amax");
+    }
+    assert_eq!(memsets[..2], [2, 1], "{memsets:?}");
 }
 
 /// An f16 NHWC convolution (3x3 filters, SAME) of the fed `x` by the fed `f` and its

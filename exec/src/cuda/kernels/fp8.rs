@@ -805,13 +805,6 @@ pub(super) fn transpose() -> String {
     )
 }
 
-/// An amax output, zeroed for the kernels to fold their bits into.
-pub(super) fn zeroed_amax(c: &Ctx, ty: &TensorType) -> Result<DTensor, String> {
-    let amax = c.alloc(ty)?;
-    c.dev.zero(&amax)?;
-    Ok(amax)
-}
-
 pub(super) fn lower_quantize(
     q: &QuantizeFp8,
     ins: &[TensorType],
@@ -840,7 +833,7 @@ pub(super) fn lower_quantize(
     Ok(kernel(move |c, inputs| {
         let (x, s) = (input(inputs, 0)?, input(inputs, 1)?);
         let y = c.alloc(&outs[0])?;
-        let amax = zeroed_amax(c, &outs[1])?;
+        let amax = c.alloc_zeroed(&outs[1])?;
         let n = x.len();
         let quantize = || {
             let args = [x.arg(), s.arg(), y.arg(), amax.arg(), Arg::I64(n as i64)];
@@ -971,7 +964,7 @@ fn lower_quantize_program(
     }
     Ok(kernel(move |c, inputs| {
         let y = c.alloc(&outs[0])?;
-        let amax = zeroed_amax(c, &outs[1])?;
+        let amax = c.alloc_zeroed(&outs[1])?;
         let t = c.alloc(&outs[2])?;
         let mut args: Vec<Arg> = inputs[..n_in].iter().map(DTensor::arg).collect();
         args.extend([input(inputs, n_in)?.arg(), y.arg(), t.arg(), amax.arg()]);

@@ -82,15 +82,17 @@ fn lower_program(f: &FusedElementwise, outs: &[TensorType]) -> Box<dyn CudaKerne
     let v = fused_vector(f);
     let program = f.clone();
     kernel(move |c, inputs| {
-        let outputs = c.alloc_all(&outs)?;
+        // The amaxes come last, zeroed for the kernel's atomics.
+        let (plain, folded) = outs.split_at((stored_count + sum_count).min(outs.len()));
+        let mut outputs = c.alloc_all(plain)?;
+        for ty in folded {
+            outputs.push(c.alloc_zeroed(ty)?);
+        }
         let (stored, rest) = outputs.split_at(stored_count.min(outputs.len()));
         let (sums, amaxes) = rest.split_at(sum_count.min(rest.len()));
         let mut args: Vec<Arg> = inputs.iter().map(DTensor::arg).collect();
         args.extend(stored.iter().map(DTensor::arg));
-        for amax in amaxes {
-            c.dev.zero(amax)?;
-            args.push(amax.arg());
-        }
+        args.extend(amaxes.iter().map(DTensor::arg));
         if !summed {
             args.push(Arg::I64(n as i64));
             if amaxes.is_empty() {

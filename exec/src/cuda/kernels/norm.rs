@@ -17,8 +17,8 @@ use super::codegen::{
     WARP_ROW_MAX,
 };
 use super::fp8::{
-    amax_declaration, amax_fold, amax_measure, fp8_module, fp8_pairs, lower_quantize, zeroed_amax,
-    AMAX_BLOCKS, STATIC_SHARED_BYTES,
+    amax_declaration, amax_fold, amax_measure, fp8_module, fp8_pairs, lower_quantize, AMAX_BLOCKS,
+    STATIC_SHARED_BYTES,
 };
 use super::reduce::reduce_into;
 use super::{
@@ -146,7 +146,7 @@ pub(super) fn lower_layer_norm_fp8(
         let (x, g) = (input(inputs, 0)?, input(inputs, 1)?);
         let (b, s) = (input(inputs, 2)?, input(inputs, 3)?);
         let y = c.alloc(&outs[0])?;
-        let amax = zeroed_amax(c, &outs[1])?;
+        let amax = c.alloc_zeroed(&outs[1])?;
         let t = outs.get(2).map(|ty| c.alloc(ty)).transpose()?;
         if rows > 0 {
             // The LayerNorm kernel's form, so the values are its own bit for bit.
@@ -372,7 +372,7 @@ pub(super) fn lower_layer_norm_grad_fp8(
             return Err("LayerNormGrad has three outputs".into());
         };
         let y = c.alloc(&cast_outs[0])?;
-        let amax = zeroed_amax(c, &cast_outs[1])?;
+        let amax = c.alloc_zeroed(&cast_outs[1])?;
         let t = c.alloc(&cast_outs[2])?;
         let spec = Spec::GradRowsFp8 {
             types,

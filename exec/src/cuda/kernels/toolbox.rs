@@ -110,6 +110,11 @@ pub struct Ctx<'a> {
     /// The node's outputs' slots in the step's arena, by output index (`None`: a
     /// buffer of its own). Every op allocates its outputs in order.
     pub planned: &'a [Option<DTensor>],
+    /// Whether the step zeroed each output's planned slot before its first kernel.
+    pub prezeroed: &'a [bool],
+    /// The outputs [`alloc_zeroed`](Self::alloc_zeroed) zeroed itself: the executor
+    /// has the step zero them next time.
+    pub zeroed_here: RefCell<Vec<usize>>,
     pub allocated: Cell<usize>,
     /// The node's scratch in the step's arena, where the plan has one: its kernels'
     /// temporaries and cuDNN's workspace are carved from it in order.
@@ -138,6 +143,20 @@ impl Ctx<'_> {
                 .dev
                 .alloc(ty.dtype, &ty.shape, &Owner("node", self.name)),
         }
+    }
+
+    /// The next output's buffer, zeroed for kernels that fold values into it (an
+    /// amax's atomics): zeroed by the step at its start where the plan holds it there,
+    /// else now.
+    pub(crate) fn alloc_zeroed(&self, ty: &TensorType) -> Result<DTensor, String> {
+        let k = self.allocated.get();
+        let t = self.alloc(ty)?;
+        let in_slot = matches!(self.planned.get(k), Some(Some(slot)) if slot.ptr() == t.ptr());
+        if !(in_slot && self.prezeroed.get(k).copied().unwrap_or(false)) {
+            self.dev.zero(&t)?;
+            self.zeroed_here.borrow_mut().push(k);
+        }
+        Ok(t)
     }
 
     /// Every output's buffer, in order.
