@@ -121,7 +121,7 @@ use ampgraph::exec::feeds::{initial_value, seeded_tensor};
 use ampgraph::exec::memory_plan::{mib, step_footprint};
 use ampgraph::exec::{ExecOptions, Executor, Feeds};
 use ampgraph::graph::nn::{self, Activation};
-use ampgraph::graph::ops::{Group, Init, Variable};
+use ampgraph::graph::ops::{Group, Init, Slice, Variable};
 use ampgraph::graph::rng::SplitMix64;
 use ampgraph::graph::{DType, Data, Graph, Port, Tensor, TensorType};
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, Adam, LossScale, Optimizer, Sgd};
@@ -889,13 +889,13 @@ fn block(
     let dh = d / heads;
     let n = b * t;
     let h = layer_norm(g, x, d)?;
-    // torch: q, k, v = qkv(h).split(d, dim=-1). Here three d -> d Linears (the same
-    // FLOPs, three GEMMs instead of one): the gradients of three Slices would be
-    // zero-padded and summed, where torch concatenates; each .view(b, t, heads,
-    // dh).transpose(1, 2).
+    // torch: q, k, v = qkv(h).split(d, dim=-1), one d -> 3 d Linear (`pack-qkv` gives
+    // the attention the projection whole, and its gradient writes it packed); each
+    // .view(b, t, heads, dh).transpose(1, 2).
+    let qkv = nn::dense(g, h, 3 * d, None)?;
     let mut split = Vec::with_capacity(3);
-    for _ in 0..3 {
-        let part = nn::dense(g, h, d, None)?;
+    for from in [0, d, 2 * d] {
+        let part = g.add(Slice::new([0, from], [n as i64, d as i64]), &[qkv])?;
         let part = g.reshape(part, [b as i64, t as i64, heads as i64, dh as i64])?;
         split.push(g.transpose(part, [0, 2, 1, 3])?);
     }
