@@ -31,8 +31,8 @@ use std::fmt;
 
 use ampgraph_graph::autodiff::is_seed_name;
 use ampgraph_graph::ops::{
-    AllFinite, AmaxChoice, AssignVariable, BatchMatMul, Cast, Fp8MatMul, Fp8Scale, Fp8ScaleUpdate,
-    Group, Init, MatMul, QuantizeFp8, Variable,
+    AllFinite, AmaxChoice, AssignVariable, BatchMatMul, Cast, ElementOp, Fp8MatMul, Fp8Scale,
+    Fp8ScaleUpdate, Group, Init, LayerNorm, LayerNormGrad, MatMul, QuantizeFp8, Variable,
 };
 use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
 
@@ -117,62 +117,103 @@ impl GemmCost {
         (2.0 * m * k * n / self.fp8_flops).max(bytes / self.bandwidth)
     }
 
-    /// Seconds of quantising one 16-bit tensor of `elements` values, once for every
-    /// product that reads it: reads of the 16-bit values, the FP8 values and their
-    /// transposed copy written, and its kernels.
-    /// - Current scaling: one and a half reads and two kernels (the scale, the cast).
-    ///   The amax is measured by the kernel computing the tensor where an elementwise
-    ///   kernel does (`amax-into-elementwise`), by a read of its own where a layer norm
-    ///   or a product does. (At one read the model put the transformer's feed-forward
-    ///   layers in FP8 under current scaling: 0.99-1.00x its BF16 step.)
-    /// - Delayed scaling: half a read and one kernel. Most casts are computed by the
-    ///   kernel computing their tensor (`norm-into-fp8`, `activation-into-fp8`,
-    ///   `elementwise-into-fp8`), the weights' in one launch, the scale updates in one
-    ///   per format.
+    /// Seconds of quantising one 16-bit tensor of `elements` values made at `site`,
+    /// once for every product that reads it: reads of the 16-bit values, the FP8
+    /// values and their transposed copy written, and its kernels.
+    /// - Current scaling: one and a half reads and two kernels (the scale, the cast),
+    ///   wherever the tensor is made. The amax is measured by the kernel computing the
+    ///   tensor where an elementwise kernel does (`amax-into-elementwise`), by a read
+    ///   of its own where a layer norm or a product does. (At one read the model put
+    ///   the transformer's feed-forward layers in FP8 under current scaling: 0.99-1.00x
+    ///   its BF16 step.)
+    /// - Delayed scaling, by [`CastSite`]: the kernel computing a layer norm, its
+    ///   gradient or an elementwise tensor casts it as it stores it (`norm-into-fp8`,
+    ///   `norm-grad-into-fp8`, `activation-into-fp8`, `elementwise-into-fp8`: the FP8
+    ///   writes only); the weights' casts run in one launch (`group-fp8-casts`: a read
+    ///   and the writes); any other tensor (a product's, an attention's) is read by a
+    ///   cast of its own (a read, the writes and a kernel).
     ///
     /// With the former charges (two reads and three kernels, one read and two) the
     /// model kept GPT-2 and the transformer 16-bit under current and delayed scaling,
     /// whose steps ran 1.04x and 1.06x faster with every layer but the first and last
-    /// in FP8 (3c93ff2, 668142c).
-    pub fn cast_seconds(&self, elements: usize, recipe: Fp8Recipe) -> f64 {
-        let (reads, kernels) = match recipe {
-            Fp8Recipe::Current => (1.5, 2.0),
-            Fp8Recipe::Delayed { .. } => (0.5, 1.0),
+    /// in FP8 (3c93ff2, 668142c). With half a read and a kernel for every cast under
+    /// delayed scaling it kept the transformer's attention output (8192x768x768)
+    /// 16-bit, whose step ran 2.7% faster with every product in FP8 (the fifty-fifth
+    /// session).
+    pub fn cast_seconds(&self, elements: usize, site: CastSite, recipe: Fp8Recipe) -> f64 {
+        let (reads, kernels) = match (recipe, site) {
+            (Fp8Recipe::Current, _) => (1.5, 1.0 + 1.0),
+            (Fp8Recipe::Delayed { .. }, CastSite::Computed) => (0.0, 0.0),
+            (Fp8Recipe::Delayed { .. }, CastSite::Weight) => (1.0, 0.0),
+            (Fp8Recipe::Delayed { .. }, CastSite::Alone) => (1.0, 1.0),
         };
         elements as f64 * (2.0 * reads + 2.0) / self.bandwidth + kernels * self.launch
     }
 
     /// Products decided together (`products`, each `(m, k, n)`) in 16 bits, and in FP8
-    /// with the tensors they quantise (`quantised`, each's values, cast once), seconds.
+    /// with the tensors they quantise (`quantised`, each's values and where it is
+    /// made, cast once), seconds.
     pub fn group_seconds(
         &self,
         products: &[(usize, usize, usize)],
-        quantised: impl IntoIterator<Item = usize>,
+        quantised: impl IntoIterator<Item = (usize, CastSite)>,
         recipe: Fp8Recipe,
     ) -> (f64, f64) {
         let half = (products.iter())
             .map(|&(m, k, n)| self.half_seconds(m, k, n))
             .sum();
+        let casts = quantised.into_iter();
         let fp8 = (products.iter())
             .map(|&(m, k, n)| self.fp8_product_seconds(m, k, n))
-            .chain(quantised.into_iter().map(|e| self.cast_seconds(e, recipe)))
+            .chain(casts.map(|(e, site)| self.cast_seconds(e, site, recipe)))
             .sum();
         (half, fp8)
     }
 
     /// A Linear layer of `m` rows, `k` inputs and `n` outputs in training: its three
     /// products (forward, input and weight gradients) with its three quantised tensors
-    /// (input, weight, output gradient), as [`group_seconds`](Self::group_seconds).
+    /// (the input and the output gradient made at `sites`, the weight), as
+    /// [`group_seconds`](Self::group_seconds).
     pub fn linear_seconds(
         &self,
         (m, k, n): (usize, usize, usize),
+        [input, gradient]: [CastSite; 2],
         recipe: Fp8Recipe,
     ) -> (f64, f64) {
         self.group_seconds(
             &[(m, k, n), (m, n, k), (k, m, n)],
-            [m * k, k * n, m * n],
+            [(m * k, input), (k * n, CastSite::Weight), (m * n, gradient)],
             recipe,
         )
+    }
+}
+
+/// Where a quantised tensor is made, which decides what its delayed-scaling cast costs
+/// ([`GemmCost::cast_seconds`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CastSite {
+    /// By a layer norm, its gradient or elementwise ops: their kernel casts it.
+    Computed,
+    /// A Variable (a weight): cast with the others in one launch.
+    Weight,
+    /// By anything else (a product, an attention): a cast kernel of its own.
+    Alone,
+}
+
+impl CastSite {
+    /// Where `port` (a tensor before any Cast, [`source`]) is made, through views.
+    fn of(g: &Graph, mut port: Port) -> CastSite {
+        while g.node(port.node).op.is_view() {
+            port = g.inputs(port.node)[0];
+        }
+        let op = g.node(port.node).op.as_ref();
+        if op.is::<Variable>() {
+            CastSite::Weight
+        } else if op.is::<LayerNorm>() || op.is::<LayerNormGrad>() || ElementOp::of(op).is_some() {
+            CastSite::Computed
+        } else {
+            CastSite::Alone
+        }
     }
 }
 
@@ -386,7 +427,7 @@ fn source(g: &Graph, mut port: Port) -> Port {
 struct Candidate {
     at: usize,
     dims: (usize, usize, usize),
-    operands: [((Port, DType), usize); 2],
+    operands: [((Port, DType), (usize, CastSite)); 2],
 }
 
 /// The candidates in groups that share quantised tensors (directly or through one
@@ -512,7 +553,11 @@ pub fn plan(g: &Graph, config: &Fp8Config) -> Result<Plan, PassError> {
         let format = |g: bool| if g { DType::F8E5M2 } else { DType::F8E4M3 };
         let operands = [0, 1].map(|i| {
             let elements = g.ty(inputs[i]).shape.iter().product::<usize>();
-            ((source(g, inputs[i]), format(grad[i])), elements)
+            let tensor = source(g, inputs[i]);
+            (
+                (tensor, format(grad[i])),
+                (elements, CastSite::of(g, tensor)),
+            )
         });
         decisions.push((
             id,
@@ -531,7 +576,7 @@ pub fn plan(g: &Graph, config: &Fp8Config) -> Result<Plan, PassError> {
         for group in sharing_groups(&candidates) {
             let members = || group.iter().map(|&c| &candidates[c]);
             let products: Vec<(usize, usize, usize)> = members().map(|c| c.dims).collect();
-            let quantised: HashMap<(Port, DType), usize> =
+            let quantised: HashMap<(Port, DType), (usize, CastSite)> =
                 members().flat_map(|c| c.operands).collect();
             let (half, fp8) = cost.group_seconds(&products, quantised.into_values(), config.recipe);
             if fp8 >= half {
@@ -832,7 +877,7 @@ mod tests {
         let candidate = |a: (Port, DType), b: (Port, DType)| Candidate {
             at: 0,
             dims: (8, 8, 8),
-            operands: [(a, 64), (b, 64)],
+            operands: [(a, (64, CastSite::Alone)), (b, (64, CastSite::Alone))],
         };
         let (x, wq, wk, y, w, dy) = (port(0), port(1), port(2), port(3), port(4), port(5));
         let candidates = [
@@ -899,7 +944,7 @@ mod tests {
     fn the_cost_model_keeps_small_layers_16_bit_and_converts_large_ones() {
         let cost = GemmCost::H100;
         let gain = |dims, recipe| {
-            let (half, fp8) = cost.linear_seconds(dims, recipe);
+            let (half, fp8) = cost.linear_seconds(dims, [CastSite::Computed; 2], recipe);
             half / fp8
         };
         let current = Fp8Recipe::Current;
@@ -912,32 +957,49 @@ mod tests {
     /// What the step measured on the H200 with every layer but the first and last in
     /// FP8: GPT-2 (16384 tokens, d768) 1.06x faster under delayed scaling and 1.04x
     /// under current scaling; the transformer (8192 tokens, d768) 1.06x and 0.90x
-    /// (668142c, 3c93ff2); the mlp (8192 x 4096) 1.35-1.45x under both. GPT-2's
-    /// attention output (d768 by d768) made its delayed-scaling step 1.5% faster in FP8
-    /// (the fifty-fourth session); the transformer's, half the rows, stays 16-bit, as
-    /// both do under current scaling.
+    /// (668142c, 3c93ff2); the mlp (8192 x 4096) 1.35-1.45x under both. The attention
+    /// outputs (d768 by d768, an attention's output in, the residual's gradient out)
+    /// made the delayed-scaling steps faster in FP8: GPT-2's by 1.5% (the fifty-fourth
+    /// session), the transformer's, half the rows, by 2.7% (the fifty-fifth); both stay
+    /// 16-bit under current scaling.
     #[test]
     fn the_cost_model_picks_what_the_workloads_measured() {
+        use CastSite::{Alone, Computed};
         let cost = GemmCost::H100;
         let delayed = Fp8Recipe::delayed();
-        let pays = |dims, recipe| {
-            let (half, fp8) = cost.linear_seconds(dims, recipe);
+        let pays = |dims, sites, recipe| {
+            let (half, fp8) = cost.linear_seconds(dims, sites, recipe);
             fp8 < half
         };
-        for gpt2_layer in [(16384, 768, 3072), (16384, 3072, 768), (16384, 768, 2304)] {
-            assert!(pays(gpt2_layer, delayed), "{gpt2_layer:?}");
-            assert!(pays(gpt2_layer, Fp8Recipe::Current), "{gpt2_layer:?}");
+        // A layer's input made by a layer norm, a GELU or an attention, and its output
+        // gradient by a GELU's gradient, the residual's (a layer norm's gradient) or an
+        // attention's.
+        let (up, down, qkv, out) = (
+            [Computed; 2],
+            [Computed; 2],
+            [Computed, Alone],
+            [Alone, Computed],
+        );
+        let layers = |rows| {
+            [
+                ((rows, 768, 3072), up),
+                ((rows, 3072, 768), down),
+                ((rows, 768, 2304), qkv),
+            ]
+        };
+        for (dims, sites) in layers(16384) {
+            assert!(pays(dims, sites, delayed), "{dims:?}");
+            assert!(pays(dims, sites, Fp8Recipe::Current), "{dims:?}");
         }
-        assert!(pays((16384, 768, 768), delayed));
-        assert!(!pays((8192, 768, 768), delayed));
-        for attention_output in [(16384, 768, 768), (8192, 768, 768)] {
-            assert!(!pays(attention_output, Fp8Recipe::Current));
+        for (dims, sites) in layers(8192) {
+            assert!(pays(dims, sites, delayed), "{dims:?}");
+            assert!(!pays(dims, sites, Fp8Recipe::Current), "{dims:?}");
         }
-        for transformer_layer in [(8192, 768, 3072), (8192, 3072, 768), (8192, 768, 2304)] {
-            assert!(pays(transformer_layer, delayed), "{transformer_layer:?}");
-            assert!(!pays(transformer_layer, Fp8Recipe::Current));
+        for rows in [16384, 8192] {
+            assert!(pays((rows, 768, 768), out, delayed), "{rows}");
+            assert!(!pays((rows, 768, 768), out, Fp8Recipe::Current), "{rows}");
         }
-        assert!(pays((8192, 4096, 4096), delayed));
-        assert!(pays((8192, 4096, 4096), Fp8Recipe::Current));
+        assert!(pays((8192, 4096, 4096), up, delayed));
+        assert!(pays((8192, 4096, 4096), up, Fp8Recipe::Current));
     }
 }
