@@ -306,9 +306,8 @@ pub(super) fn lower_layer_norm_grad_fp8(
     ins: &[TensorType],
     outs: &[TensorType],
 ) -> KernelResult {
-    let Some((scale_ty, grad_ins)) = ins.split_last() else {
-        return Err("LayerNormGradQuantizeFp8 takes the gradient's inputs and the scale".into());
-    };
+    const INPUTS: &str = "LayerNormGradQuantizeFp8 takes the gradient's inputs and the scale";
+    let (scale_ty, grad_ins) = ins.split_last().ok_or(INPUTS)?;
     let x = grad_ins.first().ok_or("LayerNormGradQuantizeFp8 takes x")?;
     let (rows, len) = normalized_rows(x, f.grad.axis)?;
     let grad_outs = 3 + f.grad.epilogue.sums();
@@ -346,11 +345,7 @@ pub(super) fn lower_layer_norm_grad_fp8(
         && len % 8 == 0
         && shared <= STATIC_SHARED_BYTES;
     Ok(kernel(move |c, inputs| {
-        let Some((scale, grad_inputs)) = inputs.split_last() else {
-            return Err(
-                "LayerNormGradQuantizeFp8 takes the gradient's inputs and the scale".into(),
-            );
-        };
+        let (scale, grad_inputs) = inputs.split_last().ok_or(INPUTS)?;
         let (x, g, dy) = (input(inputs, 0)?, input(inputs, 1)?, input(inputs, 2)?);
         let residual = grad
             .epilogue
