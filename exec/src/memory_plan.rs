@@ -11,7 +11,9 @@
 //!
 //! Offsets come from the greedy-by-size heuristic (TensorFlow Lite's arena planner):
 //! the largest buffers are placed first, each at the lowest offset clear of every
-//! placed buffer whose lifetime overlaps its own.
+//! placed buffer whose lifetime overlaps its own. Tensors the step zeroes at its start
+//! (amaxes kernels fold into) come first, alive the whole step, so one memset zeroes
+//! them all ([`MemoryPlan::zeroed_bytes`]).
 //!
 //! [`Op::is_view`]: ampgraph_graph::Op::is_view
 
