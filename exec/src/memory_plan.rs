@@ -938,6 +938,17 @@ mod tests {
         g.add(Unary::new(UnaryKind::Relu), &[x]).unwrap()
     }
 
+    /// x [256] (f32, 1 KiB) through 8 relus, `at(g, k, output)` after the k-th; the
+    /// last relu's output.
+    fn relu_chain(g: &mut Graph, mut at: impl FnMut(&mut Graph, usize, Port)) -> Port {
+        let mut h = placeholder(g, "x", &[256]);
+        for k in 0..8 {
+            h = relu(g, h);
+            at(g, k, h);
+        }
+        h
+    }
+
     /// No two buffers alive at once overlap, and the sizes add up as they must.
     fn assert_sound(plan: &MemoryPlan) {
         for (i, a) in plan.buffers.iter().enumerate() {
@@ -1025,10 +1036,7 @@ mod tests {
         // x -> relu -> relu -> ... (8 times), 1 KiB each: each value dies as the next
         // op runs, so two buffers take turns.
         let mut g = Graph::new();
-        let mut h = placeholder(&mut g, "x", &[256]);
-        for _ in 0..8 {
-            h = relu(&mut g, h);
-        }
+        let h = relu_chain(&mut g, |_, _, _| {});
         let plan = plan(&g, &[h]).unwrap();
         assert_sound(&plan);
         assert_eq!(plan.buffers.len(), 8, "the placeholder is fed, not planned");
@@ -1044,15 +1052,13 @@ mod tests {
         // first 256 bytes, alive from the step's start to its end (fetched, it would be
         // alive from the third relu on), and the chain's buffers lie after them.
         let mut g = Graph::new();
-        let mut h = placeholder(&mut g, "x", &[256]);
         let mut sum = None;
-        for k in 0..8 {
-            h = relu(&mut g, h);
+        let h = relu_chain(&mut g, |g, k, h| {
             if k == 2 {
                 let reduce = Reduce::new(ReduceKind::Sum, None, false);
                 sum = Some(g.add(reduce, &[h]).unwrap());
             }
-        }
+        });
         let sum = sum.unwrap();
         let fetches = [h, sum];
         let order = Schedule::new(&g, &fetches).unwrap().order;
@@ -1080,14 +1086,12 @@ mod tests {
         // lies beside that relu's input and output only (5 KiB alive then), and is no
         // tensor's slot.
         let mut g = Graph::new();
-        let mut h = placeholder(&mut g, "x", &[256]);
         let mut fourth = None;
-        for k in 0..8 {
-            h = relu(&mut g, h);
+        let h = relu_chain(&mut g, |_, k, h| {
             if k == 3 {
                 fourth = Some(h.node);
             }
-        }
+        });
         let fourth = fourth.unwrap();
         let scratch = [(fourth, 3000)].into_iter().collect();
         let plan = plan_outside(&g, &[h], &Default::default(), &scratch).unwrap();
