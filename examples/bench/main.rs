@@ -16,10 +16,9 @@
 //!
 //! - `mlp`: x[8192,1024] -> 4 x (Linear 4096 + GELU) -> Linear 1000, cross-entropy on
 //!   integer labels [8192].
-//! - `transformer`: x[16,512,768] -> 4 pre-LN blocks (LayerNorm, q/k/v Linears (three
-//!   d -> d GEMMs where torch runs one d -> 3d and splits it: the gradient of three
-//!   Slices would be three zero-padded tensors summed, not yet one Concat), 12 heads, explicit attention `softmax(QK^T / sqrt(d_head)) @ V`, output
-//!   projection, residual; LayerNorm, Linear 4d + GELU, Linear d, residual) -> LayerNorm
+//! - `transformer`: x[16,512,768] -> 4 pre-LN blocks (LayerNorm, one d -> 3d q/k/v
+//!   Linear sliced into q, k and v as torch splits it, 12 heads, explicit attention
+//!   `softmax(QK^T / sqrt(d_head)) @ V`, output projection, residual; LayerNorm, Linear 4d + GELU, Linear d, residual) -> LayerNorm
 //!   -> Linear 1000 on every token; cross-entropy over the [16*512, 1000] logits against
 //!   integer labels [16*512].
 //! - `convnet`: x[256,3,64,64] in NCHW, PyTorch's layout (`--batch`, `--hw`) -> 8 x
