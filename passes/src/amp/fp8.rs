@@ -204,7 +204,10 @@ impl CastSite {
     /// Where `port` (a tensor before any Cast, [`source`]) is made, through views.
     fn of(g: &Graph, mut port: Port) -> CastSite {
         while g.node(port.node).op.is_view() {
-            port = g.inputs(port.node)[0];
+            match g.inputs(port.node).first() {
+                Some(&input) => port = input,
+                None => break,
+            }
         }
         let op = g.node(port.node).op.as_ref();
         if op.is::<Variable>() {
