@@ -24,12 +24,10 @@ use super::codegen::{
 };
 use super::fused::{FusedParts, ROUNDING};
 use super::{
-    first, input, kernel, launch_column_sums_fin, launch_grouped, one_output, Ctx, KernelResult,
-    KernelSpec, Lowering,
+    first, grouped_tables, input, kernel, launch_column_sums_fin, launch_grouped, one_output, Ctx,
+    KernelResult, KernelSpec, Lowering,
 };
-use crate::cuda::device::{
-    items_grid, update_table_declaration, Arg, DTensor, UpdateTable, GROUP_MEMBERS,
-};
+use crate::cuda::device::{items_grid, update_table_declaration, Arg, DTensor, GROUP_MEMBERS};
 use crate::cuda::gemm::Product;
 use ampgraph_graph::ops::fused::{column_sum_dtype, Expr};
 
@@ -49,8 +47,8 @@ kernel_specs! {
         /// 8) also writing `pt = y^T`, per 64x64 tile through shared memory.
         QuantizeTransposed { x: DType, to: DType, activation: Option<UnaryKind> } => quantize_transposed(x, to, activation),
         /// `k_group(const UpdateTable t, int members)`: [`Spec::QuantizeTransposed`] of
-        /// up to 32 matrices, each its own blocks of the grid, after `k_group_zero`
-        /// zeroed their amaxes ([`group_head`] has the table's rows).
+        /// up to 32 matrices, each its own blocks of the grid, into zeroed amaxes
+        /// ([`group_head`] has the table's rows).
         QuantizeTransposedGroup { x: DType, to: DType } => quantize_transposed_group(x, to),
         /// `k(<inputs>, const float* ps, TY* py, TY* pt, unsigned* amax[, AS* part],
         /// i64 rows, i64 cols)`: [`Spec::QuantizeTransposed`] of the value `program`
@@ -243,7 +241,7 @@ pub(super) fn quantize_transposed_group(x: DType, to: DType) -> String {
 /// The cast-transpose kernel of one input `px` under `head`.
 fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head: &str) -> String {
     cast_transpose(CastTranspose {
-        types: &[("X", x), ("Y", to)],
+        types: &[("X", x)],
         to,
         prefix: "",
         head,
@@ -272,17 +270,14 @@ fn kernel_head(inputs: &str, partials: &str) -> String {
     )
 }
 
-/// The grouped casts' kernels ([`Spec::QuantizeTransposedGroup`]): `k_group(const
+/// The grouped casts' kernel ([`Spec::QuantizeTransposedGroup`]): `k_group(const
 /// UpdateTable t, int members)` casts each member, its row of the table (`x, s, y,
-/// y^T, amax, rows, cols`; `t.n[member]` its first block), with the blocks from `t.n[m]` to the
-/// next member's first; `k_group_zero` (a block of `members` threads or more) zeroes
-/// their amaxes first. What follows is [`kernel_head`]'s body.
+/// y^T, amax, rows, cols`; `t.n[member]` its first block), with the blocks from
+/// `t.n[m]` to the next member's first, into zeroed amaxes. What follows is
+/// [`kernel_head`]'s body.
 fn group_head() -> String {
     format!(
-        "{table}extern \"C\" __global__ void k_group_zero(const UpdateTable t, int members) {{\n\
-           if ((int)threadIdx.x < members) *(unsigned int*)t.p[threadIdx.x][4] = 0u;\n\
-         }}\n\
-         extern \"C\" __global__ void __launch_bounds__(256, 4) k_group(const UpdateTable t, int members) {{\n\
+        "{table}extern \"C\" __global__ void __launch_bounds__(256, 4) k_group(const UpdateTable t, int members) {{\n\
            int member = 0;\n\
            while (member + 1 < members && (i64)blockIdx.x >= t.n[member + 1]) ++member;\n\
            const i64 first = t.n[member], block = blockIdx.x - first;\n\
@@ -311,7 +306,7 @@ fn cast_transpose_grid(rows: usize, cols: usize) -> Result<(u32, usize), String>
 
 /// A cast-transpose kernel's parts ([`cast_transpose`]).
 struct CastTranspose<'a> {
-    /// The module's named dtypes (`Y` the FP8 one, `to`).
+    /// The module's named dtypes besides `Y`, the FP8 one (`to`).
     types: &'a [(&'a str, DType)],
     to: DType,
     /// Source before the kernel.
@@ -425,7 +420,7 @@ pub(super) const STATIC_SHARED_BYTES: usize = 48 << 10;
 
 /// `u32 fp8x2(float a, float b)`: `a` and `b` cast to the FP8 dtype `to` as
 /// `QuantizeFp8` casts (saturating), `a` in the low byte: one conversion for two
-/// values. Needs `u32`.
+/// values; `u32 fp8x4(a, b, c, d)` four such, `a` lowest. Needs `u32`.
 pub(super) fn fp8_pairs(to: DType) -> String {
     let kind = if to == DType::F8E5M2 {
         "__NV_E5M2"
@@ -435,6 +430,9 @@ pub(super) fn fp8_pairs(to: DType) -> String {
     format!(
         "__device__ __forceinline__ u32 fp8x2(float a, float b) {{\n\
            return (u32)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, {kind});\n\
+         }}\n\
+         __device__ __forceinline__ u32 fp8x4(float a, float b, float c, float d) {{\n\
+           return __byte_perm(fp8x2(a, b), fp8x2(c, d), 0x5410);\n\
          }}\n"
     )
 }
@@ -514,13 +512,14 @@ fn cast_transpose(k: CastTranspose) -> String {
         )
     };
     let pairs = fp8_pairs(to);
+    let types: Vec<(&str, DType)> = types.iter().copied().chain([("Y", to)]).collect();
     let (declaration, measure, fold) = (
         amax_declaration("m"),
         amax_measure("m", "x"),
         amax_fold("m", "amax"),
     );
     fp8_module(
-        types,
+        &types,
         &format!(
             "{prefix}{helpers}typedef unsigned int u32;\n\
              {pairs}{head}\
@@ -550,8 +549,8 @@ fn cast_transpose(k: CastTranspose) -> String {
                        {measure}\n\
                        scaled[b] = __fmul_rn(x, s);{element_end}\n\
                      }}\n\
-                     qw[i] = make_uint2(__byte_perm(fp8x2(scaled[0], scaled[1]), fp8x2(scaled[2], scaled[3]), 0x5410),\n\
-                                        __byte_perm(fp8x2(scaled[4], scaled[5]), fp8x2(scaled[6], scaled[7]), 0x5410));\n\
+                     qw[i] = make_uint2(fp8x4(scaled[0], scaled[1], scaled[2], scaled[3]),\n\
+                                        fp8x4(scaled[4], scaled[5], scaled[6], scaled[7]));\n\
                      *(uint2*)(py + r * cols + c) = qw[i];\n\
                    }}\n\
                  }}\n\
@@ -602,7 +601,6 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
     let mut types: Vec<(String, DType)> = (inputs.iter())
         .map(|&(j, k)| (format!("I{k}"), p.instrs()[j].ty.dtype))
         .collect();
-    types.push(("Y".into(), to));
     let sums = p.column_sums();
     let sum_dtype = (sums.first()).map(|&v| column_sum_dtype(p.instrs()[v].ty.dtype));
     types.extend(sum_dtype.map(|d| ("S".to_string(), d)));
@@ -868,9 +866,10 @@ pub(super) fn lower_quantize(
     }))
 }
 
-/// `GroupedQuantizeFp8`: per [`GROUP_MEMBERS`] members, one launch zeroing their
-/// amaxes and one casting them all, each member its own [`cast_transpose_grid`] of
-/// blocks. Matrices of sides multiples of 8 only (what `group-fp8-casts` groups).
+/// `GroupedQuantizeFp8`: per [`GROUP_MEMBERS`] members one launch casting them all,
+/// each member its own [`cast_transpose_grid`] of blocks (its first in its row of the
+/// table); their amaxes zeroed with the step's. Matrices of sides multiples of 8 only
+/// (what `group-fp8-casts` groups).
 fn lower_grouped_quantize(
     q: &GroupedQuantizeFp8,
     ins: &[TensorType],
@@ -896,34 +895,33 @@ fn lower_grouped_quantize(
     };
     let outs = outs.to_vec();
     Ok(kernel(move |c, inputs| {
-        let outputs = c.alloc_all(&outs)?;
-        let members: Vec<usize> = (0..sides.len()).collect();
-        for chunk in members.chunks(GROUP_MEMBERS) {
-            let mut table = UpdateTable::default();
-            let mut blocks = 0u32;
-            for (row, &m) in chunk.iter().enumerate() {
-                let (x, s) = (input(inputs, n_in * m)?, input(inputs, n_in * m + 1)?);
-                let [y, amax, t] = [0, 1, 2].map(|k| outputs[n_out * m + k].arg());
-                let (rows, cols, grid) = sides[m];
-                let (rows, cols) = (Arg::I64(rows as i64), Arg::I64(cols as i64));
-                table.set(
-                    row,
-                    &[x.arg(), s.arg(), y, t, amax, rows, cols],
-                    blocks as usize,
-                )?;
-                blocks = blocks
-                    .checked_add(grid)
-                    .ok_or("a grouped FP8 cast of too many blocks")?;
+        // Each member's cast, amax (folded into by atomics) and transposed copy.
+        let outputs = (outs.iter().enumerate())
+            .map(|(k, ty)| match k % n_out {
+                1 => c.alloc_zeroed(ty),
+                _ => c.alloc(ty),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut rows = Vec::with_capacity(sides.len());
+        let mut grids = Vec::new();
+        for (m, &(r, cols, grid)) in sides.iter().enumerate() {
+            if m % GROUP_MEMBERS == 0 {
+                grids.push(0u32);
             }
-            let args = |table| [Arg::Table(Box::new(table)), Arg::I32(chunk.len() as i32)];
-            c.launch(
-                &spec,
-                "k_group_zero",
-                (1, GROUP_MEMBERS as u32),
-                &args(table),
-            )?;
+            let blocks = grids.last_mut().ok_or("internal: no launch")?;
+            let (x, s) = (input(inputs, n_in * m)?, input(inputs, n_in * m + 1)?);
+            let [y, amax, t] = [0, 1, 2].map(|k| outputs[n_out * m + k].arg());
+            let (r, cols) = (Arg::I64(r as i64), Arg::I64(cols as i64));
+            rows.push((
+                vec![x.arg(), s.arg(), y, t, amax, r, cols],
+                *blocks as usize,
+            ));
+            *blocks = (blocks.checked_add(grid)).ok_or("a grouped FP8 cast of too many blocks")?;
+        }
+        for ((table, count), blocks) in grouped_tables(&rows)?.into_iter().zip(grids) {
+            let args = [Arg::Table(Box::new(table)), Arg::I32(count as i32)];
             if blocks > 0 {
-                c.launch(&spec, "k_group", (blocks, 256), &args(table))?;
+                c.launch(&spec, "k_group", (blocks, 256), &args)?;
             }
         }
         Ok(outputs)

@@ -642,7 +642,7 @@ fn fp8_word_store(v: usize) -> String {
         format!(
             "#pragma unroll\n\
              for (int k = 0; k < {v} / 4; ++k) {{\n\
-               const u32 four = __byte_perm(fp8x2(scaled[4 * k], scaled[4 * k + 1]), fp8x2(scaled[4 * k + 2], scaled[4 * k + 3]), 0x5410);\n\
+               const u32 four = fp8x4(scaled[4 * k], scaled[4 * k + 1], scaled[4 * k + 2], scaled[4 * k + 3]);\n\
                *(u32*)(py + base + j0 + 4 * k) = four;\n\
                if (pt) *(u32*)&band[jr][j0 + 4 * k] = four;\n\
              }}\n"

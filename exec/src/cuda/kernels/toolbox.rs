@@ -544,15 +544,28 @@ pub(super) fn launch_grouped<S: KernelSpec>(
     threads: u32,
     members: &[(Vec<Arg>, usize)],
 ) -> Result<(), String> {
-    for chunk in members.chunks(GROUP_MEMBERS) {
-        let mut table = UpdateTable::default();
-        for (row, (args, len)) in chunk.iter().enumerate() {
-            table.set(row, args, *len)?;
-        }
-        let launch = (chunk.len() as u32, threads);
+    for (table, count) in grouped_tables(members)? {
+        let launch = (count as u32, threads);
         c.launch(spec, name, launch, &[Arg::Table(Box::new(table))])?;
     }
     Ok(())
+}
+
+/// The tables of a grouped op's launches, [`GROUP_MEMBERS`] members each: a member's
+/// pointer arguments and a number (its length, or its first block) in its row; with
+/// each table, how many members it holds.
+pub(super) fn grouped_tables(
+    members: &[(Vec<Arg>, usize)],
+) -> Result<Vec<(UpdateTable, usize)>, String> {
+    (members.chunks(GROUP_MEMBERS))
+        .map(|chunk| {
+            let mut table = UpdateTable::default();
+            for (row, (args, number)) in chunk.iter().enumerate() {
+                table.set(row, args, *number)?;
+            }
+            Ok((table, chunk.len()))
+        })
+        .collect()
 }
 
 /// (len, inner, rows) of a softmax-like op along `axis`.
