@@ -103,11 +103,10 @@ pub struct Shape {
 
 /// The forward and dq kernels' shape for heads of up to 64.
 pub const WIDE: Shape = Shape { warps: 8, tile: 64 };
-/// k_dkv's: with at most 168 registers it runs three blocks a multiprocessor (12
-/// warps; one block of 8 in WIDE's): 138 -> 124 us on the transformer's [16, 512, 12,
-/// 64] f16 heads (H100), where the forward and dq kernels are slower in it (71 -> 79
-/// us, 115 -> 117). Other shapes measured no faster (H200, `scripts/kernel_timer.cu`):
-/// 4 warps with tiles of 64, 2 warps, 6 warps.
+/// k_dkv's: with 166 registers it runs three blocks a multiprocessor (12 warps; one
+/// block of 8 in WIDE's): 138 -> 124 us on the transformer's [16, 512, 12, 64] f16
+/// heads (H100), where the forward and dq kernels are slower in it (71 -> 79 us, 115
+/// -> 117).
 pub const NARROW: Shape = Shape { warps: 4, tile: 32 };
 
 /// The shape of `kernel`'s blocks for heads `head_dim` wide: wider than 64, every
@@ -519,16 +518,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
   store_rows(p.at(dq, Sq, xs), acc, (float)scale, (float)scale, xs, Sq, r, p.t);
 }
 
-// k_dkv's blocks a multiprocessor, bounded where that measured faster ([16, 512, 12,
-// D] bf16 heads, H200, kernel_timer): heads of 64 with a mask or dropout took 170-176
-// registers unbounded, two blocks; bounded to three (168 registers) they ran 10-19%
-// faster (causal 109 -> 88 us, key bias 149 -> 129, dropout 254 -> 224), where the
-// plain module holds three unbounded (167; 129 us, 132 bounded). Heads of 128: 291 ->
-// 241 us bounded to two.
-#define DKV_BLOCKS (HD > 64 ? 2 : (CAUSAL || BIAS || DROP) ? 3 : 1)
-
 // dk and dv for ROWS keys, walking every query tile.
-extern "C" __global__ void __launch_bounds__(32 * WARPS, DKV_BLOCKS) k_dkv(const T* q, const T* k, const T* v,
+extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
     const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
     long long seed, const float* count, long long threshold, double drop_scale) {
   const Drop drop = make_drop(seed, count, threshold, drop_scale);
