@@ -47,8 +47,8 @@ kernel_specs! {
         /// 8) also writing `pt = y^T`, per 64x64 tile through shared memory.
         QuantizeTransposed { x: DType, to: DType, activation: Option<UnaryKind> } => quantize_transposed(x, to, activation),
         /// `k_group(const UpdateTable t, int members)`: [`Spec::QuantizeTransposed`] of
-        /// up to 32 matrices, each its own blocks of the grid, after `k_group_zero`
-        /// zeroed their amaxes ([`group_head`] has the table's rows).
+        /// up to 32 matrices, each its own blocks of the grid, into zeroed amaxes
+        /// ([`group_head`] has the table's rows).
         QuantizeTransposedGroup { x: DType, to: DType } => quantize_transposed_group(x, to),
         /// `k(<inputs>, const float* ps, TY* py, TY* pt, unsigned* amax[, AS* part],
         /// i64 rows, i64 cols)`: [`Spec::QuantizeTransposed`] of the value `program`
@@ -270,17 +270,14 @@ fn kernel_head(inputs: &str, partials: &str) -> String {
     )
 }
 
-/// The grouped casts' kernels ([`Spec::QuantizeTransposedGroup`]): `k_group(const
+/// The grouped casts' kernel ([`Spec::QuantizeTransposedGroup`]): `k_group(const
 /// UpdateTable t, int members)` casts each member, its row of the table (`x, s, y,
 /// y^T, amax, rows, cols`; `t.n[member]` its first block), with the blocks from
-/// `t.n[m]` to the next member's first; `k_group_zero` (a block of `members` threads or
-/// more) zeroes their amaxes first. What follows is [`kernel_head`]'s body.
+/// `t.n[m]` to the next member's first, into zeroed amaxes. What follows is
+/// [`kernel_head`]'s body.
 fn group_head() -> String {
     format!(
-        "{table}extern \"C\" __global__ void k_group_zero(const UpdateTable t, int members) {{\n\
-           if ((int)threadIdx.x < members) *(unsigned int*)t.p[threadIdx.x][4] = 0u;\n\
-         }}\n\
-         extern \"C\" __global__ void __launch_bounds__(256, 4) k_group(const UpdateTable t, int members) {{\n\
+        "{table}extern \"C\" __global__ void __launch_bounds__(256, 4) k_group(const UpdateTable t, int members) {{\n\
            int member = 0;\n\
            while (member + 1 < members && (i64)blockIdx.x >= t.n[member + 1]) ++member;\n\
            const i64 first = t.n[member], block = blockIdx.x - first;\n\
@@ -869,12 +866,10 @@ pub(super) fn lower_quantize(
     }))
 }
 
-/// `GroupedQuantizeFp8`: per [`GROUP_MEMBERS`] members one launch zeroing their amaxes
-/// and one casting them all, each member its own [`cast_transpose_grid`] of blocks (its
-/// first in its row of the table). Matrices of sides multiples of 8 only (what
-/// `group-fp8-casts` groups). Allocated zeroed (`Ctx::alloc_zeroed`) instead of
-/// `k_group_zero`, the transformer's FP8 step ran 70 us slower (9682f2c, H200; why is
-/// not known: traced, it would show whether the step zeroed them one by one).
+/// `GroupedQuantizeFp8`: per [`GROUP_MEMBERS`] members one launch casting them all,
+/// each member its own [`cast_transpose_grid`] of blocks (its first in its row of the
+/// table); their amaxes zeroed with the step's. Matrices of sides multiples of 8 only
+/// (what `group-fp8-casts` groups).
 fn lower_grouped_quantize(
     q: &GroupedQuantizeFp8,
     ins: &[TensorType],
@@ -900,7 +895,13 @@ fn lower_grouped_quantize(
     };
     let outs = outs.to_vec();
     Ok(kernel(move |c, inputs| {
-        let outputs = c.alloc_all(&outs)?;
+        // Each member's cast, amax (folded into by atomics) and transposed copy.
+        let outputs = (outs.iter().enumerate())
+            .map(|(k, ty)| match k % n_out {
+                1 => c.alloc_zeroed(ty),
+                _ => c.alloc(ty),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut rows = Vec::with_capacity(sides.len());
         let mut grids = Vec::new();
         for (m, &(r, cols, grid)) in sides.iter().enumerate() {
@@ -919,7 +920,6 @@ fn lower_grouped_quantize(
         }
         for ((table, count), blocks) in grouped_tables(&rows)?.into_iter().zip(grids) {
             let args = [Arg::Table(Box::new(table)), Arg::I32(count as i32)];
-            c.launch(&spec, "k_group_zero", (1, GROUP_MEMBERS as u32), &args)?;
             if blocks > 0 {
                 c.launch(&spec, "k_group", (blocks, 256), &args)?;
             }
