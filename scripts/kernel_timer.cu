@@ -12,7 +12,14 @@
 // GRID and BLOCK are block and thread counts (GRID `wave` asks for one wave of resident
 // blocks). Each ARG is `buf:BYTES` (a device buffer of bf16 values from 1/128 to 2),
 // `zero:BYTES` (zeroed), `ones:N` (N f32 ones: a scale), `i64:V`, `i32:V`, `f64:V` or
-// `f32:V`. REPS (default 20) launches are timed after 3.
+// `f32:V`. REPS (default 20) launches are timed after 3. A `.ptx` (`nvcc -ptx
+// -arch=compute_90 --fmad=false`) loads as the executor's kernels do, the driver
+// compiling it.
+//
+// A number from here is a lead, not a result: check it in the step (a trace). GPT-2's
+// causal k_dkv ran 341 us here unbounded and 260 in its step, and a register bound
+// that made it 20% faster here did nothing there (benchmark-history, fifty-sixth
+// session); the inputs here are not the step's (unpacked, synthetic values).
 #include <cuda.h>
 #include <algorithm>
 #include <cstdio>
