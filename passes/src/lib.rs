@@ -9,6 +9,7 @@ pub mod activation_into_fp8;
 pub mod amax_into_elementwise;
 pub mod amp;
 pub mod attention;
+pub mod attention_grad_into_fp8;
 pub mod bias_before_reshape;
 pub mod compose_views;
 pub mod cross_entropy;

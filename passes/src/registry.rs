@@ -5,6 +5,7 @@
 use crate::activation_into_fp8::ActivationIntoFp8;
 use crate::amax_into_elementwise::AmaxIntoElementwise;
 use crate::attention::FuseAttention;
+use crate::attention_grad_into_fp8::AttentionGradIntoFp8;
 use crate::bias_before_reshape::BiasBeforeReshape;
 use crate::compose_views::ComposeViews;
 use crate::cross_entropy::FuseCrossEntropy;
@@ -232,6 +233,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "elementwise-into-fp8",
         summary: "A fused elementwise program whose one stored value only a delayed-scaling FP8 cast (transposed, sides multiples of 8) reads becomes the cast's prologue, its column sums output by the cast (a GELU gradient and its bias sum: TransformerEngine's dgelu_cast_transpose_dbias); a tensor read only by such a cast and column Sums has its sums taken by the cast.",
         make: || Box::new(ElementwiseIntoFp8),
+    },
+    PassEntry {
+        name: "attention-grad-into-fp8",
+        summary: "A packed attention gradient whose dqkv only a delayed-scaling FP8 cast of it (transposed, with its column sums) reads is cast by the attention's gradient kernels (sequences multiples of 64; dqkv no longer written in 16 bits and read back).",
+        make: || Box::new(AttentionGradIntoFp8),
     },
     PassEntry {
         name: "group-fp8-casts",

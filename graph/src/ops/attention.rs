@@ -49,15 +49,7 @@ pub(crate) const OPS: &[OpEntry] = &[
     },
     OpEntry {
         name: "FusedAttentionGrad",
-        parse: |_, a| {
-            Ok(Box::new(FusedAttentionGrad {
-                scale: a.float_or("scale", 1.0)?,
-                causal: a.bool_or("causal", false)?,
-                key_bias: a.bool_or("key_bias", false)?,
-                packed: a.bool_or("packed", false)?,
-                dropout: parse_dropout(a)?,
-            }))
-        },
+        parse: |_, a| Ok(Box::new(FusedAttentionGrad::parse(a)?)),
     },
 ];
 
@@ -96,6 +88,19 @@ pub struct FusedAttentionGrad {
     pub packed: bool,
     /// The forward's dropout; a last input is then the step count.
     pub dropout: Option<Dropout>,
+}
+
+impl FusedAttentionGrad {
+    /// The op of its attrs (`scale`, `causal`, `key_bias`, `packed`, the dropout's).
+    pub(crate) fn parse(a: &mut crate::attrs::AttrReader) -> OpResult<FusedAttentionGrad> {
+        Ok(FusedAttentionGrad {
+            scale: a.float_or("scale", 1.0)?,
+            causal: a.bool_or("causal", false)?,
+            key_bias: a.bool_or("key_bias", false)?,
+            packed: a.bool_or("packed", false)?,
+            dropout: parse_dropout(a)?,
+        })
+    }
 }
 
 /// How many inputs q, k and v take: one packed, else three.

@@ -14,10 +14,11 @@ use crate::attrs::{AttrReader, AttrValue};
 use crate::dtype::DType;
 use crate::fp8::{amax, Fp8};
 use crate::op::{fixed, per_member, Arity, Op, OpEntry, OpResult, TypeGroup};
+use crate::ops::fused::Expr;
 use crate::ops::linalg::{gemm_into, MatView};
 use crate::ops::{
-    BiasAdd, Binary, BinaryKind, DataFormat, FusedElementwise, LayerNorm, LayerNormGrad, MatMul,
-    Transpose, Unary, UnaryKind,
+    BiasAdd, Binary, BinaryKind, DataFormat, FusedAttentionGrad, FusedElementwise, LayerNorm,
+    LayerNormGrad, MatMul, Transpose, Unary, UnaryKind,
 };
 use crate::tensor::{Data, Tensor, TensorType};
 
@@ -55,6 +56,14 @@ pub(crate) const OPS: &[OpEntry] = &[
                 LayerNormGrad::parse(a)?,
                 op,
             )?))
+        },
+    },
+    OpEntry {
+        name: "FusedAttentionGradQuantizeFp8",
+        parse: |_, a| {
+            let cast = FusedQuantizeFp8::new(read_cast(a)?, FusedElementwise::parse(a)?)?;
+            let grad = FusedAttentionGrad::parse(a)?;
+            Ok(Box::new(FusedAttentionGradQuantizeFp8::new(grad, cast)?))
         },
     },
     OpEntry {
@@ -426,6 +435,98 @@ impl Op for LayerNormGradQuantizeFp8 {
             .collect();
         groups.push(TypeGroup::new(vec![], stored).fixed());
         groups.push(TypeGroup::new(vec![num_inputs.saturating_sub(1)], vec![cast + 1]).fixed());
+        groups
+    }
+}
+
+/// `(the gradient's inputs..., scale) -> (y, amax[, y^T], column sums...)`: a packed
+/// [`FusedAttentionGrad`] whose `dqkv [B, S, 3, H, D]`, as the `[B S, 3 H D]` matrix
+/// of the qkv product's output gradient, only a delayed-scaling cast reads: a
+/// [`FusedQuantizeFp8`] of the matrix as it is (its transposed copy and column sums
+/// are the product's weight and bias gradients' operands; `attention-grad-into-fp8`
+/// folds it). The CUDA kernels cast each tile of dq, dk and dv as they store it, so
+/// dqkv is never stored in 16 bits and read back. The CPU kernel runs the gradient,
+/// then the cast: bit-exact against the ops it replaces.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedAttentionGradQuantizeFp8 {
+    pub grad: FusedAttentionGrad,
+    pub cast: FusedQuantizeFp8,
+}
+
+impl FusedAttentionGradQuantizeFp8 {
+    /// `cast` (of its program's one input as it is) of packed `grad`'s dqkv.
+    pub fn new(grad: FusedAttentionGrad, cast: FusedQuantizeFp8) -> OpResult<Self> {
+        let p = cast.prologue();
+        let identity = p.num_inputs() == 1
+            && matches!(p.instrs(), [only] if matches!(only.expr, Expr::Input(0)))
+            && p.outputs() == [0];
+        if !(grad.packed && identity) {
+            return Err(
+                "an attention gradient is cast as it is stored only packed, by a cast of dqkv as it is"
+                    .into(),
+            );
+        }
+        Ok(FusedAttentionGradQuantizeFp8 { grad, cast })
+    }
+
+    /// The gradient's inputs (all but the scale) and the scale.
+    fn split<'a, T>(&self, inputs: &'a [&'a T]) -> OpResult<(&'a [&'a T], &'a T)> {
+        match inputs.split_last() {
+            Some((scale, grad)) if !grad.is_empty() => Ok((grad, scale)),
+            _ => Err("missing inputs".into()),
+        }
+    }
+}
+
+/// The `[B S, 3 H D]` matrix of a packed `dqkv [B, S, 3, H, D]`'s shape.
+fn qkv_rows(shape: &[usize]) -> OpResult<Vec<usize>> {
+    match shape {
+        &[b, s, three, h, d] => Ok(vec![b * s, three * h * d]),
+        _ => Err(format!("dqkv of shape {shape:?} is not packed")),
+    }
+}
+
+impl Op for FusedAttentionGradQuantizeFp8 {
+    fn name(&self) -> &'static str {
+        "FusedAttentionGradQuantizeFp8"
+    }
+    fn arity(&self) -> Arity {
+        match self.grad.arity() {
+            Arity::Exactly(n) => Arity::Exactly(n + 1),
+            other => other,
+        }
+    }
+    /// The cast's attrs, then the gradient's.
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = self.cast.attrs();
+        attrs.extend(self.grad.attrs());
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let (grad, scale) = self.split(inputs)?;
+        let dqkv = self.grad.infer(grad)?.remove(0);
+        let rows = TensorType::new(dqkv.dtype, qkv_rows(&dqkv.shape)?);
+        self.cast.infer(&[&rows, scale])
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let (grad, scale) = self.split(inputs)?;
+        let dqkv = self.grad.eval(grad)?.remove(0);
+        let rows = qkv_rows(dqkv.shape())?;
+        self.cast.eval(&[&dqkv.reshaped(rows)?, scale])
+    }
+    /// Every type is fixed: the gradient's inputs as AMP left them, the cast's stored
+    /// FP8 types and column sums, the scale and amax f32.
+    fn type_groups(&self, num_inputs: usize, num_outputs: usize) -> Vec<TypeGroup> {
+        let grad_inputs = num_inputs.saturating_sub(1);
+        let mut groups: Vec<TypeGroup> = (self.grad.type_groups(grad_inputs, 0).into_iter())
+            .map(TypeGroup::fixed)
+            .collect();
+        let cast = self.cast.cast_outputs();
+        let mut stored = vec![0];
+        stored.extend(self.cast.quantize.transposed.then_some(2));
+        stored.extend(cast..num_outputs);
+        groups.push(TypeGroup::new(vec![], stored).fixed());
+        groups.push(TypeGroup::new(vec![grad_inputs], vec![1]).fixed());
         groups
     }
 }
