@@ -2218,6 +2218,122 @@ fn layer_norm_grad_cast_to_fp8_equals_the_gradient_and_the_cast_apart() {
     }
 }
 
+/// A packed attention gradient cast to FP8 as its kernels store it
+/// (`attention-grad-into-fp8`'s FusedAttentionGradQuantizeFp8) gives on the GPU what
+/// the gradient kernels and the cast of the `[B S, 3 H D]` matrix give apart: the cast,
+/// its amax and its transposed copy bit for bit, the column sums to rounding (added in
+/// other blocks). The transformer's bf16 heads of 64 (dq in blocks of 128 rows, two
+/// bands of 64), causal heads of 32 in a longer sequence, a key bias with dropout,
+/// heads of 128 (every kernel in blocks of 64 rows), f16 into E4M3; scales that
+/// saturate some values.
+#[test]
+fn attention_grad_cast_to_fp8_equals_the_gradient_and_the_cast_apart() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(47);
+    // (dtype, batch, seq, heads, head width, causal, key bias and dropout, FP8 dtype)
+    let cases = [
+        (DType::BF16, 2, 128, 3, 64, false, false, DType::F8E5M2),
+        (DType::BF16, 1, 192, 2, 32, true, false, DType::F8E5M2),
+        (DType::BF16, 2, 64, 2, 64, false, true, DType::F8E5M2),
+        (DType::BF16, 1, 128, 2, 128, true, false, DType::F8E5M2),
+        (DType::F16, 1, 64, 4, 16, false, false, DType::F8E4M3),
+    ];
+    for (d, b, s, h, hd, causal, masked, to) in cases {
+        let what = format!(
+            "FusedAttentionGradQuantizeFp8 {d} b{b} s{s} h{h} d{hd} causal {causal} bias and dropout {masked} -> {to}"
+        );
+        let dropout = masked.then(|| Dropout::new(0.2, 99).unwrap());
+        let forward = FusedAttention {
+            scale: 1.0 / (hd as f64).sqrt(),
+            causal,
+            key_bias: masked,
+            packed: true,
+            dropout,
+        };
+        let grad = FusedAttentionGrad {
+            scale: forward.scale,
+            causal,
+            key_bias: masked,
+            packed: true,
+            dropout,
+        };
+        let mut feeds: Feeds = [
+            (
+                "qkv".to_string(),
+                rand(&mut r, d, &[b, s, 3, h, hd], -2.0, 2.0),
+            ),
+            ("do".to_string(), rand(&mut r, d, &[b, s, h, hd], -1.0, 1.0)),
+        ]
+        .into_iter()
+        .collect();
+        if masked {
+            feeds.insert("bias".into(), rand(&mut r, d, &[b, 1, 1, s], -2.0, 2.0));
+        }
+        let width = 3 * h * hd;
+        let mut run = |fused: bool| {
+            let mut g = Graph::new();
+            let qkv = g.placeholder("qkv", d, [b, s, 3, h, hd]).unwrap();
+            let d_o = g.placeholder("do", d, [b, s, h, hd]).unwrap();
+            let mut extra = Vec::new();
+            if masked {
+                extra.push(g.placeholder("bias", d, [b, 1, 1, s]).unwrap());
+                extra.push(g.scalar(DType::F32, 3.0).unwrap());
+            }
+            let fwd_inputs: Vec<Port> = [qkv].into_iter().chain(extra.iter().copied()).collect();
+            let o = g
+                .add_node("attention", Box::new(forward.clone()), &fwd_inputs)
+                .unwrap();
+            let mut inputs = vec![qkv, Port::new(o, 0), Port::new(o, 1), d_o];
+            inputs.extend(extra);
+            let scale = g.scalar(DType::F32, 24.0).unwrap();
+            let rows_ty = TensorType::new(d, [b * s, width]);
+            let load = ampgraph_graph::ops::fused::Instr {
+                expr: ampgraph_graph::ops::fused::Expr::Input(0),
+                ty: rows_ty,
+            };
+            let program = FusedElementwise::new(vec![load], vec![0])
+                .unwrap()
+                .with_column_sums(vec![0])
+                .unwrap();
+            let quantize = QuantizeFp8::new(to).unwrap().with_transposed(true);
+            let cast = FusedQuantizeFp8::new(quantize, program).unwrap();
+            let node = if fused {
+                inputs.push(scale);
+                let op = FusedAttentionGradQuantizeFp8::new(grad.clone(), cast).unwrap();
+                g.add_node("q", Box::new(op), &inputs).unwrap()
+            } else {
+                let dqkv = g.add(grad.clone(), &inputs).unwrap();
+                let rows = g
+                    .add(Reshape::new([(b * s) as i64, width as i64]), &[dqkv])
+                    .unwrap();
+                g.add_node("q", Box::new(cast), &[rows, scale]).unwrap()
+            };
+            let outs: Vec<Port> = (0..4).map(|k| Port::new(node, k)).collect();
+            g.set_outputs(outs.clone()).unwrap();
+            gpu.run(&g, &feeds, &outs)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+        };
+        let (fused, apart) = (run(true), run(false));
+        assert_eq!(fused.len(), 4, "{what}");
+        for (k, (a, b)) in fused.iter().zip(&apart).enumerate() {
+            if k == 3 {
+                assert_close_to(
+                    &format!("{what} column sums"),
+                    a,
+                    b,
+                    (s as f64).sqrt(),
+                    tol(d),
+                );
+            } else {
+                assert_identical(
+                    &format!("{what} output {k}"),
+                    (vec![a.clone()], vec![b.clone()]),
+                );
+            }
+        }
+    }
+}
+
 /// A group of weights' FP8 casts (`group-fp8-casts`' GroupedQuantizeFp8) against the
 /// CPU bit for bit: 34 bf16 members to E4M3 (two launches of the table's 32 rows), of
 /// one tile, partial tiles, more tiles than one member's blocks; 3 f32 members to

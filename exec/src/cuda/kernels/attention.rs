@@ -18,11 +18,14 @@
 
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
 use ampgraph_graph::ops::attention::{qkv_inputs, unpacked_type};
+use ampgraph_graph::ops::fused::column_sum_dtype;
+use ampgraph_graph::ops::FusedAttentionGradQuantizeFp8;
 use ampgraph_graph::ops::{Dropout, FusedAttention, FusedAttentionGrad};
 use ampgraph_graph::{DType, Op, TensorType};
 
-use super::codegen::{copy_async_source, module};
-use super::{kernel, Ctx, KernelSpec, Lowering};
+use super::codegen::{column_sums_fin, copy_async_source, module_multi};
+use super::fp8::fp8_pairs;
+use super::{kernel, launch_column_sums_fin, Ctx, KernelSpec, Lowering};
 use crate::cuda::device::{Arg, DTensor};
 
 /// The module of one attention: `k_fwd(q, k, v, o, lse, ...)`, `k_dq(q, k, v, o, lse,
@@ -41,6 +44,9 @@ pub(crate) struct Spec {
     causal: bool,
     key_bias: bool,
     dropout: bool,
+    /// The FP8 dtype the gradient kernels cast dqkv to as they store it
+    /// (FusedAttentionGradQuantizeFp8), where they do.
+    cast: Option<DType>,
 }
 
 impl KernelSpec for Spec {
@@ -51,6 +57,7 @@ impl KernelSpec for Spec {
             self.head_dim,
             self.shape,
             (self.causal, self.key_bias, self.dropout),
+            self.cast,
         )
     }
 }
@@ -71,7 +78,28 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
                 .map(|()| kernel(move |c, inputs| backward(c, &a, inputs, &outs))),
         );
     }
+    if let Some(a) = op.downcast_ref::<FusedAttentionGradQuantizeFp8>() {
+        let a = a.clone();
+        return Some(
+            static_check(a.grad.scale, a.grad.packed, ins)
+                .and_then(|()| cast_check(ins))
+                .map(|()| kernel(move |c, inputs| backward_cast(c, &a, inputs, &outs))),
+        );
+    }
     None
+}
+
+/// What the gradient kernels that cast dqkv as they store it take beyond the
+/// gradient's: sequences a multiple of 64 (a block's rows in one sequence, the column
+/// sums' bands of 64 rows whole).
+fn cast_check(ins: &[TensorType]) -> Result<(), String> {
+    let q = unpacked_type(ins.first().ok_or("attention takes a packed qkv")?)?;
+    match q.shape[..] {
+        [_, s, _, _] if s % 64 == 0 => Ok(()),
+        _ => Err(format!(
+            "an attention gradient is cast as it is stored for sequences a multiple of 64 long, not {q}"
+        )),
+    }
 }
 
 /// What [`checked_dims`] can refuse before any device is there: the scale, the dtype,
@@ -276,6 +304,81 @@ struct Place {
   __device__ i64 stat(int len, int H) const { return (b * H + h) * len; }
 };
 typedef T Buffer[2 * TILE * LDS];
+#if Q8
+// Where the gradient is cast as it is stored (FusedAttentionGradQuantizeFp8): dq, dk and
+// dv's tiles go into the FP8 [B S, 3 H HD] matrix `y` of the packed dqkv's rows, its
+// transpose `yt` and the column sums' partials `part` (a row of 3 H HD per 64 rows of
+// y); S is a multiple of 64. Each value is rounded to T as the unfused gradient stores
+// it, measured into the amax, scaled and cast; both copies are staged in the block's
+// shared memory (free after its walk) and written in 16-byte words.
+struct Q8Out {
+  const float s;
+  unsigned char *y, *yt, *st_row, *st_col;
+  float *part, *cs;
+  __device__ Q8Out(const float* scale, unsigned char* y_, unsigned char* yt_, float* part_, T* shared)
+      : s(scale[0]), y(y_), yt(yt_), st_row((unsigned char*)shared), st_col((unsigned char*)shared + ROWS * HD),
+        part(part_), cs((float*)((unsigned char*)shared + 2 * ROWS * HD)) {}
+  // The block's rows of section `sec` (0 dq, 1 dk, 2 dv) from the accumulators times
+  // `mul`; the magnitudes into `m`. Every thread of the block calls it.
+  __device__ void store(float (*acc)[4], float mul, const Place& p, int S, int H, int sec, unsigned& m) const {
+    const int W = 3 * H * HD, r = 16 * p.w + p.g;
+    const i64 total = (i64)gridDim.x / ((S + ROWS - 1) / ROWS) / H * S, row0 = p.b * S + p.first;
+    const int col0 = (sec * H + (int)p.h) * HD;
+    const bool in0 = p.first + r < S, in1 = p.first + r + 8 < S;
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) {
+      const int c = 8 * j + 2 * p.t;
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        T t;
+        st(&t, 0, acc[j][e] * mul);
+        v[e] = (e < 2 ? in0 : in1) ? ld(&t, 0) : 0.f;
+        m = max(m, __float_as_uint(v[e]) & 0x7fffffffu);
+      }
+      const u32 lo = fp8x2(__fmul_rn(v[0], s), __fmul_rn(v[1], s)), hi = fp8x2(__fmul_rn(v[2], s), __fmul_rn(v[3], s));
+      *(unsigned short*)(st_row + r * HD + c) = (unsigned short)lo;
+      *(unsigned short*)(st_row + (r + 8) * HD + c) = (unsigned short)hi;
+      st_col[c * ROWS + r] = (unsigned char)lo;
+      st_col[(c + 1) * ROWS + r] = (unsigned char)(lo >> 8);
+      st_col[c * ROWS + r + 8] = (unsigned char)hi;
+      st_col[(c + 1) * ROWS + r + 8] = (unsigned char)(hi >> 8);
+      // The warp's 16 rows' column sums, in its lanes g = 0.
+      float s0 = v[0] + v[2], s1 = v[1] + v[3];
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+      }
+      if (p.g == 0) { cs[p.w * HD + c] = s0; cs[p.w * HD + c + 1] = s1; }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * HD / 16; i += blockDim.x) {
+      const int rr = i / (HD / 16), c16 = 16 * (i % (HD / 16));
+      if (p.first + rr < S) *(uint4*)(y + (row0 + rr) * W + col0 + c16) = *(const uint4*)(st_row + rr * HD + c16);
+    }
+    for (int i = threadIdx.x; i < HD * ROWS / 16; i += blockDim.x) {
+      const int c = i / (ROWS / 16), r16 = 16 * (i % (ROWS / 16));
+      if (p.first + r16 < S) *(uint4*)(yt + (col0 + c) * total + row0 + r16) = *(const uint4*)(st_col + c * ROWS + r16);
+    }
+    for (int i = threadIdx.x; i < ROWS / 64 * HD; i += blockDim.x) {
+      const int band = i / HD, c = i % HD;
+      if (p.first + 64 * band < S) {
+        float t = 0.f;
+        for (int w = 4 * band; w < 4 * band + 4; w++) t += cs[w * HD + c];
+        part[(row0 / 64 + band) * W + col0 + c] = t;
+      }
+    }
+    __syncthreads();
+  }
+};
+// The block's largest magnitude `m` (bits) into the amax: one atomic a block.
+__device__ __forceinline__ void q8_amax_fold(unsigned m, unsigned int* amax) {
+  __shared__ float sh_amax[32];
+  const float mb = block_max(__uint_as_float(m), sh_amax);
+  if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(fabsf(mb)));
+}
+#endif
 // Starts copying the tiles at rows r0.. of `a` and `b` (rows `as` and `bs` apart)
 // into `buf`, a's rows first.
 __device__ __forceinline__ void load_pair(T* buf, const T* a, int as, const T* b, int bs, int S, int r0) {
@@ -445,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
 // transformer's [16, 512, 12, 64] f16 heads (H100).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, const T* k, const T* v, const T* o,
     const float* lse, const T* d_o, T* dq, float* delta, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
-    long long seed, const float* count, long long threshold, double drop_scale) {
+    long long seed, const float* count, long long threshold, double drop_scale Q8_PARAMS) {
   const Drop drop = make_drop(seed, count, threshold, drop_scale);
   __align__(16) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
@@ -515,13 +618,20 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     mma_s_m(acc, s, ks, p.lane);
     __syncthreads();
   }
+#if Q8
+  const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
+  unsigned m = 0u;
+  out.store(acc, (float)scale, p, Sq, H, 0, m);
+  q8_amax_fold(m, q8_amax);
+#else
   store_rows(p.at(dq, Sq, xs), acc, (float)scale, (float)scale, xs, Sq, r, p.t);
+#endif
 }
 
 // dk and dv for ROWS keys, walking every query tile.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const T* k, const T* v,
     const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
-    long long seed, const float* count, long long threshold, double drop_scale) {
+    long long seed, const float* count, long long threshold, double drop_scale Q8_PARAMS) {
   const Drop drop = make_drop(seed, count, threshold, drop_scale);
   __align__(16) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
@@ -594,24 +704,47 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     mma_s_m(dka, dp, qs, p.lane);
     __syncthreads();
   }
+#if Q8
+  const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
+  unsigned m = 0u;
+  out.store(dka, (float)scale, p, Sk, H, 1, m);
+  out.store(dva, 1.f, p, Sk, H, 2, m);
+  q8_amax_fold(m, q8_amax);
+#else
   store_rows(p.at(dk, Sk, xs), dka, (float)scale, (float)scale, xs, Sk, r, p.t);
   store_rows(p.at(dv, Sk, xs), dva, 1.f, 1.f, xs, Sk, r, p.t);
+#endif
 }
 "#
 );
 
 /// The module of the three kernels for `dtype` (f16 or bf16), head width `head_dim`,
 /// block shape `shape` (its rows at most two tiles: `stage_a` stages them in the
-/// two tile buffers), with or without the masks `(causal, key bias)`.
+/// two tile buffers), with or without the masks `(causal, key bias)`; where `cast` is
+/// an FP8 dtype, the gradient kernels cast dqkv to it as they store it (taking
+/// `const float* scale, u8* y, u8* y^T, unsigned* amax, float* part` last) and
+/// `k_cols_fin` adds their column sums' partials.
 pub fn source(
     dtype: DType,
     head_dim: usize,
     shape: Shape,
     (causal, key_bias, dropout): (bool, bool, bool),
+    cast: Option<DType>,
 ) -> String {
     let (pair, pack, mma) = match dtype {
         DType::BF16 => ("__nv_bfloat162", "__floats2bfloat162_rn", "bf16"),
         _ => ("__half2", "__floats2half2_rn", "f16"),
+    };
+    let (cast_head, cast_tail) = match cast {
+        Some(to) => (
+            format!(
+                "#include <cuda_fp8.h>\ntypedef unsigned int u32;\n{}#define Q8 1\n\
+                 #define Q8_PARAMS , const float* q8_scale, unsigned char* q8_y, unsigned char* q8_yt, unsigned int* q8_amax, float* q8_part\n",
+                fp8_pairs(to)
+            ),
+            column_sums_fin("S", &["S"]),
+        ),
+        None => ("#define Q8 0\n#define Q8_PARAMS\n".to_string(), String::new()),
     };
     let body = BODY
         .replace("@HD@", &head_dim.to_string())
@@ -623,7 +756,11 @@ pub fn source(
         .replace("@T2@", pair)
         .replace("@PACK@", pack)
         .replace("@MMA@", mma);
-    module(dtype, &body)
+    let sums = column_sum_dtype(dtype);
+    module_multi(
+        &[("", dtype), ("S", sums)],
+        &format!("{cast_head}{body}{cast_tail}"),
+    )
 }
 
 /// The sizes of an attention of these types that the kernels can take, or why not;
@@ -772,8 +909,30 @@ fn parts(tensors: &[&DTensor], dims: &AttentionDims) -> ([Arg; 3], usize) {
     }
 }
 
+/// The module `kernel` of an attention of `dims` and `dtype` under `rule` is in, the
+/// gradient cast to `cast` as it is stored where given.
+fn spec_of(
+    kernel: &str,
+    dims: &AttentionDims,
+    dtype: DType,
+    rule: &Rule,
+    cast: Option<DType>,
+) -> Spec {
+    Spec {
+        dtype,
+        head_dim: dims.head_dim,
+        shape: shape_of(kernel, dims.head_dim),
+        causal: rule.causal,
+        key_bias: rule.key_bias.is_some(),
+        dropout: rule.dropout.is_some(),
+        cast,
+    }
+}
+
 /// Launches `kernel` over `rows` rows a (batch, head) with `args` (its pointers) and
-/// `xs`, the distance between the rows of q, k, v and their gradients.
+/// `xs`, the distance between the rows of q, k, v and their gradients; where the
+/// gradient is cast as it is stored, `cast` has the FP8 dtype and the cast's
+/// arguments, which come last.
 #[allow(clippy::too_many_arguments)]
 fn launch(
     c: &Ctx,
@@ -784,9 +943,10 @@ fn launch(
     mut args: Vec<Arg>,
     xs: usize,
     rule: Rule,
+    cast: Option<(DType, &[Arg])>,
 ) -> Result<(), String> {
-    let shape = shape_of(kernel, dims.head_dim);
-    let blocks = dims.batch * dims.heads * rows.div_ceil(shape.rows());
+    let spec = spec_of(kernel, dims, dtype, &rule, cast.map(|(to, _)| to));
+    let blocks = dims.batch * dims.heads * rows.div_ceil(spec.shape.rows());
     if blocks == 0 {
         return Ok(());
     }
@@ -801,15 +961,9 @@ fn launch(
     args.extend(rule.key_bias_args(dims, dtype)?);
     args.push(Arg::F64(rule.scale));
     args.extend(rule.dropout_args());
-    let spec = Spec {
-        dtype,
-        head_dim: dims.head_dim,
-        shape,
-        causal: rule.causal,
-        key_bias: rule.key_bias.is_some(),
-        dropout: rule.dropout.is_some(),
-    };
-    c.launch(&spec, kernel, (blocks, 32 * shape.warps as u32), &args)
+    args.extend(cast.into_iter().flat_map(|(_, a)| a.iter().cloned()));
+    let threads = 32 * spec.shape.warps as u32;
+    c.launch(&spec, kernel, (blocks, threads), &args)
 }
 
 /// `o, lse = FusedAttention(q, k, v[, key bias])` (or of a packed qkv).
@@ -834,7 +988,7 @@ fn forward(
     let (qkv_args, xs) = parts(&qkv, &dims);
     let mut args = qkv_args.to_vec();
     args.extend([o.arg(), lse.arg()]);
-    launch(c, "k_fwd", &dims, dims.q_len, o.dtype, args, xs, rule)?;
+    launch(c, "k_fwd", &dims, dims.q_len, o.dtype, args, xs, rule, None)?;
     Ok(vec![o, lse])
 }
 
@@ -876,8 +1030,77 @@ fn backward(
         dq,
         delta.arg(),
     ];
-    launch(c, "k_dq", &dims, dims.q_len, d, dq_args, xs, rule)?;
+    launch(c, "k_dq", &dims, dims.q_len, d, dq_args, xs, rule, None)?;
     let dkv_args = vec![q, k, v, lse.arg(), delta.arg(), d_o.arg(), dk, dv];
-    launch(c, "k_dkv", &dims, dims.k_len, d, dkv_args, xs, rule)?;
+    launch(c, "k_dkv", &dims, dims.k_len, d, dkv_args, xs, rule, None)?;
     Ok(grads)
+}
+
+/// `y, amax, y^T[, column sums] = FusedAttentionGradQuantizeFp8(qkv, o, lse, do[, key
+/// bias][, count], scale)`: the gradient kernels cast dq, dk and dv into the FP8
+/// matrix of dqkv's rows as they store them (no 16-bit dqkv), `k_cols_fin` adds the
+/// column sums' partials, one row per 64 rows.
+fn backward_cast(
+    c: &Ctx,
+    op: &FusedAttentionGradQuantizeFp8,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let g = &op.grad;
+    let (scale, grad_inputs) = inputs.split_last().ok_or("missing the scale")?;
+    let [qkv, o, lse, d_o] = match grad_inputs.get(..4) {
+        Some([qkv, o, lse, d_o]) => [qkv, o, lse, d_o],
+        _ => {
+            return Err("FusedAttentionGradQuantizeFp8 takes qkv, o, lse, do and the scale".into())
+        }
+    };
+    let rule = Rule::new((g.scale, g.causal, g.dropout), grad_inputs, 4)?;
+    let (y_ty, amax_ty, yt_ty) = match outs {
+        [y, amax, yt, ..] => (y, amax, yt),
+        _ => return Err("FusedAttentionGradQuantizeFp8 gives y, its amax and y^T".into()),
+    };
+    let y = c.alloc(y_ty)?;
+    let amax = c.alloc_zeroed(amax_ty)?;
+    let yt = c.alloc(yt_ty)?;
+    let sums = outs.get(3).map(|t| c.alloc(t)).transpose()?;
+    let dims = checked_dims(c, g.scale, true, &[qkv, o, lse, d_o])?;
+    let delta = c.temp(DType::F32, lse.len())?;
+    let width = 3 * dims.heads * dims.head_dim;
+    let bands = dims.batch * dims.q_len / 64;
+    let part = c.temp(DType::F32, bands * width)?;
+    let ([q, k, v], xs) = parts(&[qkv], &dims);
+    let d = o.dtype;
+    let to = op.cast.quantize.to;
+    let cast_args = [scale.arg(), y.arg(), yt.arg(), amax.arg(), part.arg()];
+    let cast = Some((to, &cast_args[..]));
+    let none = Arg::Ptr(0);
+    let dq_args = vec![
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        o.arg(),
+        lse.arg(),
+        d_o.arg(),
+        none.clone(),
+        delta.arg(),
+    ];
+    launch(c, "k_dq", &dims, dims.q_len, d, dq_args, xs, rule, cast)?;
+    let dkv_args = vec![
+        q,
+        k,
+        v,
+        lse.arg(),
+        delta.arg(),
+        d_o.arg(),
+        none.clone(),
+        none,
+    ];
+    launch(c, "k_dkv", &dims, dims.k_len, d, dkv_args, xs, rule, cast)?;
+    let mut outputs = vec![y, amax, yt];
+    if let Some(sums) = sums {
+        let spec = spec_of("k_dq", &dims, d, &rule, Some(to));
+        launch_column_sums_fin(c, &spec, &part, width, bands, &[(&sums, 1.0)])?;
+        outputs.push(sums);
+    }
+    Ok(outputs)
 }

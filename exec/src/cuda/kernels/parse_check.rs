@@ -260,15 +260,35 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         k.push((format!("concat_pair_{bytes}"), concat_pair(bytes)));
     }
     use super::attention::{NARROW, WIDE};
-    for (d, head_dim, shape, causal, key_bias, dropout) in [
-        (DType::F16, 64, WIDE, false, false, false),
-        (DType::BF16, 32, NARROW, false, true, true),
-        (DType::F16, 128, NARROW, true, false, false),
-        (DType::F16, 64, WIDE, true, true, true),
+    // The last two cast the gradient to FP8 as they store it.
+    for (d, head_dim, shape, causal, key_bias, dropout, cast) in [
+        (DType::F16, 64, WIDE, false, false, false, None),
+        (DType::BF16, 32, NARROW, false, true, true, None),
+        (DType::F16, 128, NARROW, true, false, false, None),
+        (DType::F16, 64, WIDE, true, true, true, None),
+        (
+            DType::BF16,
+            64,
+            WIDE,
+            false,
+            false,
+            false,
+            Some(DType::F8E5M2),
+        ),
+        (
+            DType::BF16,
+            64,
+            NARROW,
+            true,
+            true,
+            true,
+            Some(DType::F8E4M3),
+        ),
     ] {
+        let q8 = cast.map_or(String::new(), |to| format!("_{to}"));
         k.push((
-            format!("attention_{d}_{head_dim}_{causal}_{key_bias}_{dropout}"),
-            super::attention::source(d, head_dim, shape, (causal, key_bias, dropout)),
+            format!("attention_{d}_{head_dim}_{causal}_{key_bias}_{dropout}{q8}"),
+            super::attention::source(d, head_dim, shape, (causal, key_bias, dropout), cast),
         ));
     }
     // Casts folded into the normalisations: f16 x and dy, f32 math, f16 or f32 out.
