@@ -236,7 +236,7 @@ pub const PASSES: &[PassEntry] = &[
     },
     PassEntry {
         name: "attention-grad-into-fp8",
-        summary: "A packed attention gradient whose dqkv only a delayed-scaling FP8 cast of it (transposed, with its column sums) reads is cast by the attention's gradient kernels (sequences multiples of 64; dqkv no longer written in 16 bits and read back).",
+        summary: "A packed attention gradient whose dqkv only a delayed-scaling FP8 cast of it (transposed, with its column sums) reads is cast by the attention's gradient kernels (sequences multiples of 64, not causal; dqkv no longer written in 16 bits and read back).",
         make: || Box::new(AttentionGradIntoFp8),
     },
     PassEntry {
