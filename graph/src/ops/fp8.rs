@@ -383,14 +383,6 @@ impl LayerNormGradQuantizeFp8 {
         let quantize = without_activation(quantize, "a layer norm's gradient")?;
         Ok(LayerNormGradQuantizeFp8 { grad, quantize })
     }
-
-    /// The gradient's inputs (all but the scale) and the scale.
-    fn split<'a, T>(&self, inputs: &'a [&'a T]) -> OpResult<(&'a [&'a T], &'a T)> {
-        match inputs.split_last() {
-            Some((scale, grad)) if !grad.is_empty() => Ok((grad, scale)),
-            _ => Err("missing inputs".into()),
-        }
-    }
 }
 
 impl Op for LayerNormGradQuantizeFp8 {
@@ -407,14 +399,14 @@ impl Op for LayerNormGradQuantizeFp8 {
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let (grad, scale) = self.split(inputs)?;
+        let (grad, scale) = grad_and_scale(inputs)?;
         let mut out = self.grad.infer(grad)?;
         let cast = self.quantize.infer(&[&out[0], scale])?;
         out.extend(cast);
         Ok(out)
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let (grad, scale) = self.split(inputs)?;
+        let (grad, scale) = grad_and_scale(inputs)?;
         let mut out = self.grad.eval(grad)?;
         let cast = self.quantize.eval(&[&out[0], scale])?;
         out.extend(cast);
@@ -468,14 +460,6 @@ impl FusedAttentionGradQuantizeFp8 {
         }
         Ok(FusedAttentionGradQuantizeFp8 { grad, cast })
     }
-
-    /// The gradient's inputs (all but the scale) and the scale.
-    fn split<'a, T>(&self, inputs: &'a [&'a T]) -> OpResult<(&'a [&'a T], &'a T)> {
-        match inputs.split_last() {
-            Some((scale, grad)) if !grad.is_empty() => Ok((grad, scale)),
-            _ => Err("missing inputs".into()),
-        }
-    }
 }
 
 /// The `[B S, 3 H D]` matrix of a packed `dqkv [B, S, 3, H, D]`'s shape.
@@ -503,13 +487,13 @@ impl Op for FusedAttentionGradQuantizeFp8 {
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let (grad, scale) = self.split(inputs)?;
+        let (grad, scale) = grad_and_scale(inputs)?;
         let dqkv = self.grad.infer(grad)?.remove(0);
         let rows = TensorType::new(dqkv.dtype, qkv_rows(&dqkv.shape)?);
         self.cast.infer(&[&rows, scale])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let (grad, scale) = self.split(inputs)?;
+        let (grad, scale) = grad_and_scale(inputs)?;
         let dqkv = self.grad.eval(grad)?.remove(0);
         let rows = qkv_rows(dqkv.shape())?;
         self.cast.eval(&[&dqkv.reshaped(rows)?, scale])
@@ -528,6 +512,15 @@ impl Op for FusedAttentionGradQuantizeFp8 {
         groups.push(TypeGroup::new(vec![], stored).fixed());
         groups.push(TypeGroup::new(vec![grad_inputs], vec![1]).fixed());
         groups
+    }
+}
+
+/// A fused gradient-and-cast op's inputs: the gradient's (all but the last) and the
+/// cast's scale.
+fn grad_and_scale<'a, T>(inputs: &'a [&'a T]) -> OpResult<(&'a [&'a T], &'a T)> {
+    match inputs.split_last() {
+        Some((scale, grad)) if !grad.is_empty() => Ok((grad, scale)),
+        _ => Err("missing inputs".into()),
     }
 }
 

@@ -1017,23 +1017,38 @@ fn backward(
     let delta = c.temp(DType::F32, lse.len())?;
     let (qkv_args, xs) = parts(&qkv, &dims);
     let (grad_args, _) = parts(&grad_refs, &dims);
-    let [q, k, v] = qkv_args;
-    let [dq, dk, dv] = grad_args;
-    let d = o.dtype;
+    let saved = [o.arg(), lse.arg(), d_o.arg(), delta.arg()];
+    let kernels = (&dims, xs, rule, o.dtype);
+    launch_gradient(c, kernels, qkv_args, saved, grad_args, None)?;
+    Ok(grads)
+}
+
+/// Launches the gradient's kernels: k_dq (which writes delta first), then k_dkv, over
+/// q, k and v, the forward's o and lse, do and delta, into dq, dk and dv (null where
+/// `cast` has the kernels cast them as they store them).
+fn launch_gradient(
+    c: &Ctx,
+    (dims, xs, rule, dtype): (&AttentionDims, usize, Rule, DType),
+    [q, k, v]: [Arg; 3],
+    [o, lse, d_o, delta]: [Arg; 4],
+    [dq, dk, dv]: [Arg; 3],
+    cast: Option<(DType, &[Arg])>,
+) -> Result<(), String> {
     let dq_args = vec![
         q.clone(),
         k.clone(),
         v.clone(),
-        o.arg(),
-        lse.arg(),
-        d_o.arg(),
+        o,
+        lse.clone(),
+        d_o.clone(),
         dq,
-        delta.arg(),
+        delta.clone(),
     ];
-    launch(c, "k_dq", &dims, dims.q_len, d, dq_args, xs, rule, None)?;
-    let dkv_args = vec![q, k, v, lse.arg(), delta.arg(), d_o.arg(), dk, dv];
-    launch(c, "k_dkv", &dims, dims.k_len, d, dkv_args, xs, rule, None)?;
-    Ok(grads)
+    launch(c, "k_dq", dims, dims.q_len, dtype, dq_args, xs, rule, cast)?;
+    let dkv_args = vec![q, k, v, lse, delta, d_o, dk, dv];
+    launch(
+        c, "k_dkv", dims, dims.k_len, dtype, dkv_args, xs, rule, cast,
+    )
 }
 
 /// `y, amax, y^T[, column sums] = FusedAttentionGradQuantizeFp8(qkv, o, lse, do[, key
@@ -1068,34 +1083,14 @@ fn backward_cast(
     let width = 3 * dims.heads * dims.head_dim;
     let bands = dims.batch * dims.q_len / 64;
     let part = c.temp(DType::F32, bands * width)?;
-    let ([q, k, v], xs) = parts(&[qkv], &dims);
+    let (qkv_args, xs) = parts(&[qkv], &dims);
     let d = o.dtype;
     let to = op.cast.quantize.to;
     let cast_args = [scale.arg(), y.arg(), yt.arg(), amax.arg(), part.arg()];
+    let saved = [o.arg(), lse.arg(), d_o.arg(), delta.arg()];
+    let grads = [Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)];
     let cast = Some((to, &cast_args[..]));
-    let none = Arg::Ptr(0);
-    let dq_args = vec![
-        q.clone(),
-        k.clone(),
-        v.clone(),
-        o.arg(),
-        lse.arg(),
-        d_o.arg(),
-        none.clone(),
-        delta.arg(),
-    ];
-    launch(c, "k_dq", &dims, dims.q_len, d, dq_args, xs, rule, cast)?;
-    let dkv_args = vec![
-        q,
-        k,
-        v,
-        lse.arg(),
-        delta.arg(),
-        d_o.arg(),
-        none.clone(),
-        none,
-    ];
-    launch(c, "k_dkv", &dims, dims.k_len, d, dkv_args, xs, rule, cast)?;
+    launch_gradient(c, (&dims, xs, rule, d), qkv_args, saved, grads, cast)?;
     let mut outputs = vec![y, amax, yt];
     if let Some(sums) = sums {
         let spec = spec_of("k_dq", &dims, d, &rule, Some(to));
