@@ -15,6 +15,9 @@
 //! atomics are needed. A causal attention walks only the tiles at or below the
 //! diagonal, masks the scores above it in the tiles that cross it, and a warp skips
 //! a tile whose scores it masks whole (its contribution would be exactly zero).
+//! Where only a delayed FP8 cast reads a packed gradient
+//! (`FusedAttentionGradQuantizeFp8`), the gradient kernels of a `Q8` module cast each
+//! tile as they store it, into both FP8 copies and the column sums' partials.
 
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
 use ampgraph_graph::ops::attention::{qkv_inputs, unpacked_type};
