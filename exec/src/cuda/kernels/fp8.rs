@@ -24,7 +24,7 @@ use super::codegen::{
 };
 use super::fused::{FusedParts, ROUNDING};
 use super::{
-    first, grouped_tables, input, kernel, launch_column_sums_fin, launch_grouped, one_output, Ctx,
+    first, input, kernel, launch_column_sums_fin, launch_grouped, one_output, update_table, Ctx,
     KernelResult, KernelSpec, Lowering,
 };
 use crate::cuda::device::{items_grid, update_table_declaration, Arg, DTensor, GROUP_MEMBERS};
@@ -905,26 +905,26 @@ fn lower_grouped_quantize(
                 _ => c.alloc(ty),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let mut rows = Vec::with_capacity(sides.len());
-        let mut grids = Vec::new();
-        for (m, &(r, cols, grid)) in sides.iter().enumerate() {
-            if m % GROUP_MEMBERS == 0 {
-                grids.push(0u32);
+        for (launch, chunk) in sides.chunks(GROUP_MEMBERS).enumerate() {
+            let mut rows = Vec::with_capacity(chunk.len());
+            let mut blocks = 0u32;
+            for (i, &(r, cols, grid)) in chunk.iter().enumerate() {
+                let m = launch * GROUP_MEMBERS + i;
+                let (x, s) = (input(inputs, n_in * m)?, input(inputs, n_in * m + 1)?);
+                let [y, amax, t] = [0, 1, 2].map(|k| outputs[n_out * m + k].arg());
+                let (r, cols) = (Arg::I64(r as i64), Arg::I64(cols as i64));
+                rows.push((vec![x.arg(), s.arg(), y, t, amax, r, cols], blocks as usize));
+                blocks =
+                    (blocks.checked_add(grid)).ok_or("a grouped FP8 cast of too many blocks")?;
             }
-            let blocks = grids.last_mut().ok_or("internal: no launch")?;
-            let (x, s) = (input(inputs, n_in * m)?, input(inputs, n_in * m + 1)?);
-            let [y, amax, t] = [0, 1, 2].map(|k| outputs[n_out * m + k].arg());
-            let (r, cols) = (Arg::I64(r as i64), Arg::I64(cols as i64));
-            rows.push((
-                vec![x.arg(), s.arg(), y, t, amax, r, cols],
-                *blocks as usize,
-            ));
-            *blocks = (blocks.checked_add(grid)).ok_or("a grouped FP8 cast of too many blocks")?;
-        }
-        for ((table, count), blocks) in grouped_tables(&rows)?.into_iter().zip(grids) {
-            let args = [Arg::Table(Box::new(table)), Arg::I32(count as i32)];
+            let table = Arg::Table(Box::new(update_table(&rows)?));
             if blocks > 0 {
-                c.launch(&spec, "k_group", (blocks, 256), &args)?;
+                c.launch(
+                    &spec,
+                    "k_group",
+                    (blocks, 256),
+                    &[table, Arg::I32(chunk.len() as i32)],
+                )?;
             }
         }
         Ok(outputs)

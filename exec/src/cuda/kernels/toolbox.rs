@@ -544,28 +544,26 @@ pub(super) fn launch_grouped<S: KernelSpec>(
     threads: u32,
     members: &[(Vec<Arg>, usize)],
 ) -> Result<(), String> {
-    for (table, count) in grouped_tables(members)? {
-        let launch = (count as u32, threads);
-        c.launch(spec, name, launch, &[Arg::Table(Box::new(table))])?;
+    for chunk in members.chunks(GROUP_MEMBERS) {
+        let launch = (chunk.len() as u32, threads);
+        c.launch(
+            spec,
+            name,
+            launch,
+            &[Arg::Table(Box::new(update_table(chunk)?))],
+        )?;
     }
     Ok(())
 }
 
-/// The tables of a grouped op's launches, [`GROUP_MEMBERS`] members each: a member's
-/// pointer arguments and a number (its length, or its first block) in its row; with
-/// each table, how many members it holds.
-pub(super) fn grouped_tables(
-    members: &[(Vec<Arg>, usize)],
-) -> Result<Vec<(UpdateTable, usize)>, String> {
-    (members.chunks(GROUP_MEMBERS))
-        .map(|chunk| {
-            let mut table = UpdateTable::default();
-            for (row, (args, number)) in chunk.iter().enumerate() {
-                table.set(row, args, *number)?;
-            }
-            Ok((table, chunk.len()))
-        })
-        .collect()
+/// The table of one grouped launch (at most [`GROUP_MEMBERS`] members): a member's
+/// pointer arguments and a number (its length, or its first block) in its row.
+pub(super) fn update_table(members: &[(Vec<Arg>, usize)]) -> Result<UpdateTable, String> {
+    let mut table = UpdateTable::default();
+    for (row, (args, number)) in members.iter().enumerate() {
+        table.set(row, args, *number)?;
+    }
+    Ok(table)
 }
 
 /// (len, inner, rows) of a softmax-like op along `axis`.
