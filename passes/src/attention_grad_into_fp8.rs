@@ -18,7 +18,7 @@
 use ampgraph_graph::ops::{
     FusedAttentionGrad, FusedAttentionGradQuantizeFp8, FusedQuantizeFp8, Reshape,
 };
-use ampgraph_graph::{Graph, NodeId};
+use ampgraph_graph::{Graph, NodeId, Port};
 
 use crate::rewrite::{read_only_by, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
@@ -31,10 +31,11 @@ pub const SEQ_MULTIPLE: usize = 64;
 pub struct AttentionGradIntoFp8;
 
 /// The op computing `cast`'s value from the attention gradient under it, with the
-/// Reshape and the gradient it replaces, where the CUDA kernels take it.
-fn fused(g: &Graph, cast: NodeId) -> Option<(FusedAttentionGradQuantizeFp8, [NodeId; 2])> {
+/// Reshape and the gradient it replaces and the cast's scale, where the CUDA kernels
+/// take it.
+fn fused(g: &Graph, cast: NodeId) -> Option<(FusedAttentionGradQuantizeFp8, [NodeId; 2], Port)> {
     let q = g.node(cast).op.downcast_ref::<FusedQuantizeFp8>()?;
-    let [rows, _scale] = g.inputs(cast)[..] else {
+    let [rows, scale] = g.inputs(cast)[..] else {
         return None;
     };
     g.node(rows.node).op.downcast_ref::<Reshape>()?;
@@ -51,7 +52,7 @@ fn fused(g: &Graph, cast: NodeId) -> Option<(FusedAttentionGradQuantizeFp8, [Nod
         return None;
     }
     let op = FusedAttentionGradQuantizeFp8::new(grad.clone(), q.clone()).ok()?;
-    Some((op, [rows.node, dqkv.node]))
+    Some((op, [rows.node, dqkv.node], scale))
 }
 
 impl Pass for AttentionGradIntoFp8 {
@@ -61,12 +62,11 @@ impl Pass for AttentionGradIntoFp8 {
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let (mut folded, mut bytes) = (0usize, 0u64);
-        let casts: Vec<NodeId> = g.node_ids().collect();
-        for cast in casts {
-            let Some((op, [rows, grad])) = fused(g, cast) else {
+        let nodes: Vec<NodeId> = g.node_ids().collect();
+        for cast in nodes {
+            let Some((op, [rows, grad], scale)) = fused(g, cast) else {
                 continue;
             };
-            let scale = g.inputs(cast)[1];
             let mut inputs = g.inputs(grad).to_vec();
             inputs.push(scale);
             bytes += 2 * g.node(grad).outputs()[0].size_bytes() as u64;
