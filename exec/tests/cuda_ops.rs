@@ -2218,6 +2218,95 @@ fn layer_norm_grad_cast_to_fp8_equals_the_gradient_and_the_cast_apart() {
     }
 }
 
+/// An attention casting its output to FP8 as its forward kernel stores it
+/// (`attention-into-fp8`'s FusedAttentionQuantizeFp8) gives on the GPU what the
+/// attention and the cast of its `[B S, H D]` rows give apart, bit for bit: o, lse,
+/// the cast, its amax and its transposed copy. bf16 heads of 64 packed (blocks of 128
+/// rows) and apart, a key bias with dropout, heads of 128 (blocks of 64 rows), f16
+/// into E5M2; scales that saturate some values.
+#[test]
+fn attention_cast_to_fp8_equals_the_attention_and_the_cast_apart() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut r = Rng(48);
+    // (dtype, batch, seq, heads, head width, packed, key bias and dropout, FP8 dtype)
+    let cases = [
+        (DType::BF16, 2, 128, 3, 64, true, false, DType::F8E4M3),
+        (DType::BF16, 1, 192, 2, 64, false, false, DType::F8E4M3),
+        (DType::BF16, 2, 64, 2, 32, true, true, DType::F8E4M3),
+        (DType::BF16, 1, 128, 2, 128, true, false, DType::F8E4M3),
+        (DType::F16, 1, 64, 4, 16, false, false, DType::F8E5M2),
+    ];
+    for (d, b, s, h, hd, packed, masked, to) in cases {
+        let what = format!(
+            "FusedAttentionQuantizeFp8 {d} b{b} s{s} h{h} d{hd} packed {packed} bias and dropout {masked} -> {to}"
+        );
+        let attention = FusedAttention {
+            scale: 1.0 / (hd as f64).sqrt(),
+            causal: false,
+            key_bias: masked,
+            packed,
+            dropout: masked.then(|| Dropout::new(0.2, 77).unwrap()),
+        };
+        let names: &[&str] = if packed { &["qkv"] } else { &["q", "k", "v"] };
+        let shape = |name: &str| -> Vec<usize> {
+            if name == "qkv" {
+                vec![b, s, 3, h, hd]
+            } else {
+                vec![b, s, h, hd]
+            }
+        };
+        let mut feeds: Feeds = (names.iter())
+            .map(|&n| (n.to_string(), rand(&mut r, d, &shape(n), -2.0, 2.0)))
+            .collect();
+        if masked {
+            feeds.insert("bias".into(), rand(&mut r, d, &[b, 1, 1, s], -2.0, 2.0));
+        }
+        let quantize = QuantizeFp8::new(to).unwrap().with_transposed(true);
+        let mut run = |fused: bool| {
+            let mut g = Graph::new();
+            let mut inputs: Vec<Port> = (names.iter())
+                .map(|&n| g.placeholder(n, d, shape(n)).unwrap())
+                .collect();
+            if masked {
+                inputs.push(g.placeholder("bias", d, [b, 1, 1, s]).unwrap());
+                inputs.push(g.scalar(DType::F32, 3.0).unwrap());
+            }
+            let scale = g.scalar(DType::F32, 200.0).unwrap();
+            let outs: Vec<Port> = if fused {
+                inputs.push(scale);
+                let op =
+                    FusedAttentionQuantizeFp8::new(attention.clone(), quantize.clone()).unwrap();
+                let node = g.add_node("a", Box::new(op), &inputs).unwrap();
+                (0..5).map(|k| Port::new(node, k)).collect()
+            } else {
+                let node = g
+                    .add_node("a", Box::new(attention.clone()), &inputs)
+                    .unwrap();
+                let o = Port::new(node, 0);
+                let rows = g
+                    .add(Reshape::new([(b * s) as i64, (h * hd) as i64]), &[o])
+                    .unwrap();
+                let q = g
+                    .add_node("q", Box::new(quantize.clone()), &[rows, scale])
+                    .unwrap();
+                vec![
+                    o,
+                    Port::new(node, 1),
+                    Port::new(q, 0),
+                    Port::new(q, 1),
+                    Port::new(q, 2),
+                ]
+            };
+            g.set_outputs(outs.clone()).unwrap();
+            gpu.run(&g, &feeds, &outs)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+        };
+        let (fused, apart) = (run(true), run(false));
+        assert_eq!(fused.len(), 5, "{what}");
+        assert_identical(&what, (fused, apart));
+    }
+}
+
 /// A packed attention gradient cast to FP8 as its kernels store it
 /// (`attention-grad-into-fp8`'s FusedAttentionGradQuantizeFp8) gives on the GPU what
 /// the gradient kernels and the cast of the `[B S, 3 H D]` matrix give apart: the cast,

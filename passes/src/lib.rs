@@ -10,6 +10,7 @@ pub mod amax_into_elementwise;
 pub mod amp;
 pub mod attention;
 pub mod attention_grad_into_fp8;
+pub mod attention_into_fp8;
 pub mod bias_before_reshape;
 pub mod compose_views;
 pub mod cross_entropy;

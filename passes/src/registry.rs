@@ -6,6 +6,7 @@ use crate::activation_into_fp8::ActivationIntoFp8;
 use crate::amax_into_elementwise::AmaxIntoElementwise;
 use crate::attention::FuseAttention;
 use crate::attention_grad_into_fp8::AttentionGradIntoFp8;
+use crate::attention_into_fp8::AttentionIntoFp8;
 use crate::bias_before_reshape::BiasBeforeReshape;
 use crate::compose_views::ComposeViews;
 use crate::cross_entropy::FuseCrossEntropy;
@@ -233,6 +234,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "elementwise-into-fp8",
         summary: "A fused elementwise program whose one stored value only a delayed-scaling FP8 cast (transposed, sides multiples of 8) reads becomes the cast's prologue, its column sums output by the cast (a GELU gradient and its bias sum: TransformerEngine's dgelu_cast_transpose_dbias); a tensor read only by such a cast and column Sums has its sums taken by the cast.",
         make: || Box::new(ElementwiseIntoFp8),
+    },
+    PassEntry {
+        name: "attention-into-fp8",
+        summary: "A non-causal attention whose output a delayed-scaling FP8 cast (transposed) reads casts it as its forward kernel stores it (sequences multiples of 64; the output no longer read back to be cast).",
+        make: || Box::new(AttentionIntoFp8),
     },
     PassEntry {
         name: "attention-grad-into-fp8",

@@ -6,6 +6,7 @@ use ampgraph_passes::activation_into_fp8::ActivationIntoFp8;
 use ampgraph_passes::amax_into_elementwise::AmaxIntoElementwise;
 use ampgraph_passes::attention::FuseAttention;
 use ampgraph_passes::attention_grad_into_fp8::AttentionGradIntoFp8;
+use ampgraph_passes::attention_into_fp8::AttentionIntoFp8;
 use ampgraph_passes::compose_views::ComposeViews;
 use ampgraph_passes::cross_entropy::FuseCrossEntropy;
 use ampgraph_passes::elementwise_into_fp8::ElementwiseIntoFp8;
@@ -102,6 +103,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(AmaxIntoElementwise),
         Box::new(ElementwiseIntoFp8),
         Box::new(AttentionGradIntoFp8),
+        Box::new(AttentionIntoFp8),
         Box::new(GroupFp8Casts),
         Box::new(GroupUpdates),
     ]

@@ -37,15 +37,7 @@ use crate::tensor::{ShapeDisplay, Tensor, TensorType};
 pub(crate) const OPS: &[OpEntry] = &[
     OpEntry {
         name: "FusedAttention",
-        parse: |_, a| {
-            Ok(Box::new(FusedAttention {
-                scale: a.float_or("scale", 1.0)?,
-                causal: a.bool_or("causal", false)?,
-                key_bias: a.bool_or("key_bias", false)?,
-                packed: a.bool_or("packed", false)?,
-                dropout: parse_dropout(a)?,
-            }))
-        },
+        parse: |_, a| Ok(Box::new(FusedAttention::parse(a)?)),
     },
     OpEntry {
         name: "FusedAttentionGrad",
@@ -88,6 +80,19 @@ pub struct FusedAttentionGrad {
     pub packed: bool,
     /// The forward's dropout; a last input is then the step count.
     pub dropout: Option<Dropout>,
+}
+
+impl FusedAttention {
+    /// The op of its attrs (`scale`, `causal`, `key_bias`, `packed`, the dropout's).
+    pub(crate) fn parse(a: &mut crate::attrs::AttrReader) -> OpResult<FusedAttention> {
+        Ok(FusedAttention {
+            scale: a.float_or("scale", 1.0)?,
+            causal: a.bool_or("causal", false)?,
+            key_bias: a.bool_or("key_bias", false)?,
+            packed: a.bool_or("packed", false)?,
+            dropout: parse_dropout(a)?,
+        })
+    }
 }
 
 impl FusedAttentionGrad {

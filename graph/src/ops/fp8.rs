@@ -17,8 +17,8 @@ use crate::op::{fixed, per_member, Arity, Op, OpEntry, OpResult, TypeGroup};
 use crate::ops::fused::Expr;
 use crate::ops::linalg::{gemm_into, MatView};
 use crate::ops::{
-    BiasAdd, Binary, BinaryKind, DataFormat, FusedAttentionGrad, FusedElementwise, LayerNorm,
-    LayerNormGrad, MatMul, Transpose, Unary, UnaryKind,
+    BiasAdd, Binary, BinaryKind, DataFormat, FusedAttention, FusedAttentionGrad, FusedElementwise,
+    LayerNorm, LayerNormGrad, MatMul, Transpose, Unary, UnaryKind,
 };
 use crate::tensor::{Data, Tensor, TensorType};
 
@@ -56,6 +56,14 @@ pub(crate) const OPS: &[OpEntry] = &[
                 LayerNormGrad::parse(a)?,
                 op,
             )?))
+        },
+    },
+    OpEntry {
+        name: "FusedAttentionQuantizeFp8",
+        parse: |_, a| {
+            let op = read_cast(a)?;
+            let attention = FusedAttention::parse(a)?;
+            Ok(Box::new(FusedAttentionQuantizeFp8::new(attention, op)?))
         },
     },
     OpEntry {
@@ -431,6 +439,83 @@ impl Op for LayerNormGradQuantizeFp8 {
     }
 }
 
+/// `(the attention's inputs..., scale) -> (o, lse, y, amax[, y^T])`: a
+/// [`FusedAttention`] whose output `o [B, S, H, D]`, as the `[B S, H D]` matrix of the
+/// output projection's input, a delayed-scaling [`QuantizeFp8`] also casts
+/// (`attention-into-fp8` folds it: the FP8 out-projection reads the cast, the
+/// attention's gradient `o`). The CUDA forward kernel casts each tile as it stores
+/// `o`, so `o` is not read back to be cast. The CPU kernel runs the attention, then
+/// the cast: bit-exact against the ops it replaces.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedAttentionQuantizeFp8 {
+    pub attention: FusedAttention,
+    pub quantize: QuantizeFp8,
+}
+
+impl FusedAttentionQuantizeFp8 {
+    /// The cast (without an activation) of `attention`'s output.
+    pub fn new(attention: FusedAttention, quantize: QuantizeFp8) -> OpResult<Self> {
+        let quantize = without_activation(quantize, "an attention's output")?;
+        Ok(FusedAttentionQuantizeFp8 {
+            attention,
+            quantize,
+        })
+    }
+}
+
+/// The `[B S, H D]` matrix of an attention output `o [B, S, H, D]`'s shape.
+fn attention_rows(shape: &[usize]) -> OpResult<Vec<usize>> {
+    match shape {
+        &[b, s, h, d] => Ok(vec![b * s, h * d]),
+        _ => Err(format!("an attention output of shape {shape:?}")),
+    }
+}
+
+impl Op for FusedAttentionQuantizeFp8 {
+    fn name(&self) -> &'static str {
+        "FusedAttentionQuantizeFp8"
+    }
+    fn arity(&self) -> Arity {
+        match self.attention.arity() {
+            Arity::Exactly(n) => Arity::Exactly(n + 1),
+            other => other,
+        }
+    }
+    /// The cast's attrs, then the attention's.
+    fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        let mut attrs = self.quantize.attrs();
+        attrs.extend(self.attention.attrs());
+        attrs
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
+        let (attention, scale) = grad_and_scale(inputs)?;
+        let mut out = self.attention.infer(attention)?;
+        let rows = TensorType::new(out[0].dtype, attention_rows(&out[0].shape)?);
+        out.extend(self.quantize.infer(&[&rows, scale])?);
+        Ok(out)
+    }
+    fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
+        let (attention, scale) = grad_and_scale(inputs)?;
+        let mut out = self.attention.eval(attention)?;
+        let rows = out[0].clone().reshaped(attention_rows(out[0].shape())?)?;
+        out.extend(self.quantize.eval(&[&rows, scale])?);
+        Ok(out)
+    }
+    /// Every type is fixed: the attention's as AMP left them, the cast's stored FP8
+    /// types, the scale and amax f32.
+    fn type_groups(&self, num_inputs: usize, _: usize) -> Vec<TypeGroup> {
+        let inputs = num_inputs.saturating_sub(1);
+        let mut groups: Vec<TypeGroup> = (self.attention.type_groups(inputs, 2).into_iter())
+            .map(TypeGroup::fixed)
+            .collect();
+        let mut stored = vec![2];
+        stored.extend(self.quantize.transposed.then_some(4));
+        groups.push(TypeGroup::new(vec![], stored).fixed());
+        groups.push(TypeGroup::new(vec![inputs], vec![3]).fixed());
+        groups
+    }
+}
+
 /// `(the gradient's inputs..., scale) -> (y, amax[, y^T], column sums...)`: a packed
 /// [`FusedAttentionGrad`] whose `dqkv [B, S, 3, H, D]`, as the `[B S, 3 H D]` matrix
 /// of the qkv product's output gradient, only a delayed-scaling cast reads: a
@@ -515,8 +600,7 @@ impl Op for FusedAttentionGradQuantizeFp8 {
     }
 }
 
-/// A fused gradient-and-cast op's inputs: the gradient's (all but the last) and the
-/// cast's scale.
+/// A fused op-and-cast's inputs: the op's (all but the last) and the cast's scale.
 fn grad_and_scale<'a, T>(inputs: &'a [&'a T]) -> OpResult<(&'a [&'a T], &'a T)> {
     match inputs.split_last() {
         Some((scale, grad)) if !grad.is_empty() => Ok((grad, scale)),

@@ -37,8 +37,8 @@ pub use elementwise::{BiasAdd, Binary, BinaryKind, Unary, UnaryKind};
 pub use elementwise::{BinaryGrad, UnaryGrad};
 pub use fp8::{
     AmaxChoice, DequantizeFp8, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate,
-    FusedAttentionGradQuantizeFp8, FusedQuantizeFp8, GroupedQuantizeFp8, LayerNormGradQuantizeFp8,
-    LayerNormQuantizeFp8, QuantizeFp8,
+    FusedAttentionGradQuantizeFp8, FusedAttentionQuantizeFp8, FusedQuantizeFp8, GroupedQuantizeFp8,
+    LayerNormGradQuantizeFp8, LayerNormQuantizeFp8, QuantizeFp8,
 };
 pub use fused::{ElementOp, FusedElementwise};
 pub use gather::{Gather, GatherGrad};

@@ -22,8 +22,8 @@
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
 use ampgraph_graph::ops::attention::{qkv_inputs, unpacked_type};
 use ampgraph_graph::ops::fused::column_sum_dtype;
-use ampgraph_graph::ops::FusedAttentionGradQuantizeFp8;
 use ampgraph_graph::ops::{Dropout, FusedAttention, FusedAttentionGrad};
+use ampgraph_graph::ops::{FusedAttentionGradQuantizeFp8, FusedAttentionQuantizeFp8};
 use ampgraph_graph::{DType, Op, TensorType};
 
 use super::codegen::{column_sums_fin, copy_async_source, module_multi};
@@ -81,22 +81,35 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
                 .map(|()| kernel(move |c, inputs| backward(c, &a, inputs, &outs))),
         );
     }
+    if let Some(a) = op.downcast_ref::<FusedAttentionQuantizeFp8>() {
+        let a = a.clone();
+        return Some(
+            static_check(a.attention.scale, a.attention.packed, ins)
+                .and_then(|()| cast_check(&a.attention.packed, ins))
+                .map(|()| kernel(move |c, inputs| forward_cast(c, &a, inputs, &outs))),
+        );
+    }
     if let Some(a) = op.downcast_ref::<FusedAttentionGradQuantizeFp8>() {
         let a = a.clone();
         return Some(
             static_check(a.grad.scale, a.grad.packed, ins)
-                .and_then(|()| cast_check(ins))
+                .and_then(|()| cast_check(&a.grad.packed, ins))
                 .map(|()| kernel(move |c, inputs| backward_cast(c, &a, inputs, &outs))),
         );
     }
     None
 }
 
-/// What the gradient kernels that cast dqkv as they store it take beyond the
-/// gradient's: sequences a multiple of 64 (a block's rows in one sequence, the column
-/// sums' bands of 64 rows whole).
-fn cast_check(ins: &[TensorType]) -> Result<(), String> {
-    let q = unpacked_type(ins.first().ok_or("attention takes a packed qkv")?)?;
+/// What the kernels that cast o or dqkv as they store it take beyond the attention's:
+/// sequences a multiple of 64 (a block's rows in one sequence, the column sums' bands
+/// of 64 rows whole).
+fn cast_check(packed: &bool, ins: &[TensorType]) -> Result<(), String> {
+    let first = ins.first().ok_or("attention takes q, k and v")?;
+    let q = if *packed {
+        unpacked_type(first)?
+    } else {
+        first.clone()
+    };
     match q.shape[..] {
         [_, s, _, _] if s % 64 == 0 => Ok(()),
         _ => Err(format!(
@@ -308,12 +321,14 @@ struct Place {
 };
 typedef T Buffer[2 * TILE * LDS];
 #if Q8
-// Where the gradient is cast as it is stored (FusedAttentionGradQuantizeFp8): dq, dk and
-// dv's tiles go into the FP8 [B S, 3 H HD] matrix `y` of the packed dqkv's rows, its
-// transpose `yt` and the column sums' partials `part` (a row of 3 H HD per 64 rows of
-// y); S is a multiple of 64. Each value is rounded to T as the unfused gradient stores
-// it, measured into the amax, scaled and cast; both copies are staged in the block's
-// shared memory (free after its walk) and written in 16-byte words.
+// Where the output or the gradient is cast as it is stored (FusedAttentionQuantizeFp8,
+// FusedAttentionGradQuantizeFp8): o's tiles go into the FP8 [B S, H HD] matrix `y` of
+// o's rows, or dq, dk and dv's into the [B S, 3 H HD] matrix of the packed dqkv's, with
+// its transpose `yt` and, for the gradient, the column sums' partials `part` (a row of
+// 3 H HD per 64 rows of y); S is a multiple of 64. Each value is rounded to T as the
+// unfused kernel stores it, measured into the amax, scaled and cast; both copies are
+// staged in the block's shared memory (free after its walk) and written in 16-byte
+// words.
 struct Q8Out {
   const float s;
   unsigned char *y, *yt, *st_row, *st_col;
@@ -321,10 +336,12 @@ struct Q8Out {
   __device__ Q8Out(const float* scale, unsigned char* y_, unsigned char* yt_, float* part_, T* shared)
       : s(scale[0]), y(y_), yt(yt_), st_row((unsigned char*)shared), st_col((unsigned char*)shared + ROWS * HD),
         part(part_), cs((float*)((unsigned char*)shared + 2 * ROWS * HD)) {}
-  // The block's rows of section `sec` (0 dq, 1 dk, 2 dv) from the accumulators times
-  // `mul`; the magnitudes into `m`. Every thread of the block calls it.
-  __device__ void store(float (*acc)[4], float mul, const Place& p, int S, int H, int sec, unsigned& m) const {
-    const int W = 3 * H * HD, r = 16 * p.w + p.g;
+  // The block's rows of section `sec` of `parts` (the output's 1; the gradient's 3: dq,
+  // dk, dv) from the accumulators times `mul0` (rows g) and `mul1` (rows g + 8); the
+  // magnitudes into `m`. Every thread of the block calls it.
+  __device__ void store(float (*acc)[4], float mul0, float mul1, const Place& p, int S, int H, int parts, int sec,
+                        unsigned& m) const {
+    const int W = parts * H * HD, r = 16 * p.w + p.g;
     const i64 total = (i64)gridDim.x / ((S + ROWS - 1) / ROWS) / H * S, row0 = p.b * S + p.first;
     const int col0 = (sec * H + (int)p.h) * HD;
     const bool in0 = p.first + r < S, in1 = p.first + r + 8 < S;
@@ -335,7 +352,7 @@ struct Q8Out {
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         T t;
-        st(&t, 0, acc[j][e] * mul);
+        st(&t, 0, acc[j][e] * (e < 2 ? mul0 : mul1));
         v[e] = (e < 2 ? in0 : in1) ? ld(&t, 0) : 0.f;
         m = max(m, __float_as_uint(v[e]) & 0x7fffffffu);
       }
@@ -364,7 +381,7 @@ struct Q8Out {
       const int c = i / (ROWS / 16), r16 = 16 * (i % (ROWS / 16));
       if (p.first + r16 < S) *(uint4*)(yt + (col0 + c) * total + row0 + r16) = *(const uint4*)(st_col + c * ROWS + r16);
     }
-    for (int i = threadIdx.x; i < ROWS / 64 * HD; i += blockDim.x) {
+    for (int i = threadIdx.x; part && i < ROWS / 64 * HD; i += blockDim.x) {
       const int band = i / HD, c = i % HD;
       if (p.first + 64 * band < S) {
         float t = 0.f;
@@ -447,7 +464,7 @@ __device__ __forceinline__ Drop make_drop(long long seed, const float* count, lo
 // one (61 against 50 us on the transformer's heads).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, const T* k, const T* v, T* o, float* lse,
                                                                int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
-                                                               long long seed, const float* count, long long threshold, double drop_scale) {
+                                                               long long seed, const float* count, long long threshold, double drop_scale Q8_PARAMS) {
   const Drop drop = make_drop(seed, count, threshold, drop_scale);
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
   __align__(16) __shared__ Buffer sm[2];
@@ -544,6 +561,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
     if (r < Sq) l[r] = (m0 + log2f(l0)) * LN2;
     if (r + 8 < Sq) l[r + 8] = (m1 + log2f(l1)) * LN2;
   }
+#if Q8
+  const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
+  unsigned m = 0u;
+  out.store(acc, 1.f / l0, 1.f / l1, p, Sq, H, 1, 0, m);
+  q8_amax_fold(m, q8_amax);
+#endif
 }
 
 // dq for ROWS queries; first delta = rowsum(do * o) of them, for k_dkv. Two blocks a
@@ -624,7 +647,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
 #if Q8
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
-  out.store(acc, (float)scale, p, Sq, H, 0, m);
+  out.store(acc, (float)scale, (float)scale, p, Sq, H, 3, 0, m);
   q8_amax_fold(m, q8_amax);
 #else
   store_rows(p.at(dq, Sq, xs), acc, (float)scale, (float)scale, xs, Sq, r, p.t);
@@ -710,8 +733,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 #if Q8
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
-  out.store(dka, (float)scale, p, Sk, H, 1, m);
-  out.store(dva, 1.f, p, Sk, H, 2, m);
+  out.store(dka, (float)scale, (float)scale, p, Sk, H, 3, 1, m);
+  out.store(dva, 1.f, 1.f, p, Sk, H, 3, 2, m);
   q8_amax_fold(m, q8_amax);
 #else
   store_rows(p.at(dk, Sk, xs), dka, (float)scale, (float)scale, xs, Sk, r, p.t);
@@ -993,6 +1016,40 @@ fn forward(
     args.extend([o.arg(), lse.arg()]);
     launch(c, "k_fwd", &dims, dims.q_len, o.dtype, args, xs, rule, None)?;
     Ok(vec![o, lse])
+}
+
+/// `o, lse, y, amax, y^T = FusedAttentionQuantizeFp8(q, k, v[, key bias][, count],
+/// scale)` (or of a packed qkv): the forward kernel casts o's rows as it stores them.
+fn forward_cast(
+    c: &Ctx,
+    op: &FusedAttentionQuantizeFp8,
+    inputs: &[DTensor],
+    outs: &[TensorType],
+) -> Result<Vec<DTensor>, String> {
+    let a = &op.attention;
+    let (scale, inputs) = inputs.split_last().ok_or("missing the scale")?;
+    let n_qkv = qkv_inputs(a.packed);
+    if inputs.len() < n_qkv {
+        return Err("FusedAttentionQuantizeFp8 takes q, k, v and the scale".into());
+    }
+    let qkv: Vec<&DTensor> = inputs[..n_qkv].iter().collect();
+    let rule = Rule::new((a.scale, a.causal, a.dropout), inputs, n_qkv)?;
+    let [o_ty, lse_ty, y_ty, amax_ty, yt_ty] = outs else {
+        return Err("FusedAttentionQuantizeFp8 gives o, lse, y, its amax and y^T".into());
+    };
+    let o = c.alloc(o_ty)?;
+    let lse = c.alloc(lse_ty)?;
+    let y = c.alloc(y_ty)?;
+    let amax = c.alloc_zeroed(amax_ty)?;
+    let yt = c.alloc(yt_ty)?;
+    let dims = checked_dims(c, a.scale, a.packed, &[&qkv[..], &[&o, &lse]].concat())?;
+    let (qkv_args, xs) = parts(&qkv, &dims);
+    let mut args = qkv_args.to_vec();
+    args.extend([o.arg(), lse.arg()]);
+    let cast_args = [scale.arg(), y.arg(), yt.arg(), amax.arg(), Arg::Ptr(0)];
+    let cast = Some((op.quantize.to, &cast_args[..]));
+    launch(c, "k_fwd", &dims, dims.q_len, o.dtype, args, xs, rule, cast)?;
+    Ok(vec![o, lse, y, amax, yt])
 }
 
 /// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do[, key bias])` (or `dqkv` of a

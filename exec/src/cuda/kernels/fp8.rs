@@ -14,8 +14,8 @@
 use ampgraph_graph::fp8::Fp8;
 use ampgraph_graph::ops::{
     AmaxChoice, DequantizeFp8, Epilogue, Fp8MatMul, Fp8Scale, Fp8ScaleOfAmax, Fp8ScaleUpdate,
-    FusedAttentionGradQuantizeFp8, FusedElementwise, FusedQuantizeFp8, GroupedQuantizeFp8,
-    LayerNormGradQuantizeFp8, LayerNormQuantizeFp8, QuantizeFp8, UnaryKind,
+    FusedAttentionGradQuantizeFp8, FusedAttentionQuantizeFp8, FusedElementwise, FusedQuantizeFp8,
+    GroupedQuantizeFp8, LayerNormGradQuantizeFp8, LayerNormQuantizeFp8, QuantizeFp8, UnaryKind,
 };
 use ampgraph_graph::{DType, Op, TensorType};
 
@@ -91,7 +91,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
     if let Some(f) = op.downcast_ref::<LayerNormGradQuantizeFp8>() {
         return Some(super::norm::lower_layer_norm_grad_fp8(f, ins, outs));
     }
-    if op.is::<FusedAttentionGradQuantizeFp8>() {
+    if op.is::<FusedAttentionGradQuantizeFp8>() || op.is::<FusedAttentionQuantizeFp8>() {
         return super::attention::lower(op, ins, outs);
     }
     if let Some(d) = op.downcast_ref::<DequantizeFp8>() {
