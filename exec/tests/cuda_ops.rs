@@ -2287,7 +2287,7 @@ fn attention_cast_to_fp8_equals_the_attention_and_the_cast_apart() {
                     .add(Reshape::new([(b * s) as i64, (h * hd) as i64]), &[o])
                     .unwrap();
                 let q = g
-                    .add_node("q", Box::new(quantize.clone()), &[rows, scale])
+                    .add_node("cast", Box::new(quantize.clone()), &[rows, scale])
                     .unwrap();
                 vec![
                     o,

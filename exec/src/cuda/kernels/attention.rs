@@ -328,7 +328,9 @@ typedef T Buffer[2 * TILE * LDS];
 // 3 H HD per 64 rows of y); S is a multiple of 64. Each value is rounded to T as the
 // unfused kernel stores it, measured into the amax, scaled and cast; both copies are
 // staged in the block's shared memory (free after its walk) and written in 16-byte
-// words.
+// words. A column's 16-byte pieces are staged in an order turned by the column
+// (`col_at`): the four lanes of a quad (columns 2 apart) store their bytes to
+// different banks, where in order they shared one.
 struct Q8Out {
   const float s;
   unsigned char *y, *yt, *st_row, *st_col;
@@ -336,9 +338,15 @@ struct Q8Out {
   __device__ Q8Out(const float* scale, unsigned char* y_, unsigned char* yt_, float* part_, T* shared)
       : s(scale[0]), y(y_), yt(yt_), st_row((unsigned char*)shared), st_col((unsigned char*)shared + ROWS * HD),
         part(part_), cs((float*)((unsigned char*)shared + 2 * ROWS * HD)) {}
+  // Byte `r` of column `c` in the column stage.
+  __device__ __forceinline__ static int col_at(int c, int r) {
+    return c * ROWS + (r ^ (16 * ((c >> 1) & (ROWS / 16 - 1))));
+  }
   // The block's rows of section `sec` of `parts` (the output's 1; the gradient's 3: dq,
   // dk, dv) from the accumulators times `mul0` (rows g) and `mul1` (rows g + 8); the
-  // magnitudes into `m`. Every thread of the block calls it.
+  // magnitudes into `m`; with SUMS (the gradient's) the column sums' partials. Every
+  // thread of the block calls it.
+  template <bool SUMS>
   __device__ void store(float (*acc)[4], float mul0, float mul1, const Place& p, int S, int H, int parts, int sec,
                         unsigned& m) const {
     const int W = parts * H * HD, r = 16 * p.w + p.g;
@@ -359,18 +367,20 @@ struct Q8Out {
       const u32 lo = fp8x2(__fmul_rn(v[0], s), __fmul_rn(v[1], s)), hi = fp8x2(__fmul_rn(v[2], s), __fmul_rn(v[3], s));
       *(unsigned short*)(st_row + r * HD + c) = (unsigned short)lo;
       *(unsigned short*)(st_row + (r + 8) * HD + c) = (unsigned short)hi;
-      st_col[c * ROWS + r] = (unsigned char)lo;
-      st_col[(c + 1) * ROWS + r] = (unsigned char)(lo >> 8);
-      st_col[c * ROWS + r + 8] = (unsigned char)hi;
-      st_col[(c + 1) * ROWS + r + 8] = (unsigned char)(hi >> 8);
-      // The warp's 16 rows' column sums, in its lanes g = 0.
-      float s0 = v[0] + v[2], s1 = v[1] + v[3];
+      st_col[col_at(c, r)] = (unsigned char)lo;
+      st_col[col_at(c + 1, r)] = (unsigned char)(lo >> 8);
+      st_col[col_at(c, r + 8)] = (unsigned char)hi;
+      st_col[col_at(c + 1, r + 8)] = (unsigned char)(hi >> 8);
+      if (SUMS) {
+        // The warp's 16 rows' column sums, in its lanes g = 0.
+        float s0 = v[0] + v[2], s1 = v[1] + v[3];
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
-        s0 += __shfl_xor_sync(0xffffffffu, s0, o);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        for (int o = 4; o < 32; o <<= 1) {
+          s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+          s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        }
+        if (p.g == 0) { cs[p.w * HD + c] = s0; cs[p.w * HD + c + 1] = s1; }
       }
-      if (p.g == 0) { cs[p.w * HD + c] = s0; cs[p.w * HD + c + 1] = s1; }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < ROWS * HD / 16; i += blockDim.x) {
@@ -379,9 +389,9 @@ struct Q8Out {
     }
     for (int i = threadIdx.x; i < HD * ROWS / 16; i += blockDim.x) {
       const int c = i / (ROWS / 16), r16 = 16 * (i % (ROWS / 16));
-      if (p.first + r16 < S) *(uint4*)(yt + (col0 + c) * total + row0 + r16) = *(const uint4*)(st_col + c * ROWS + r16);
+      if (p.first + r16 < S) *(uint4*)(yt + (col0 + c) * total + row0 + r16) = *(const uint4*)(st_col + col_at(c, r16));
     }
-    for (int i = threadIdx.x; part && i < ROWS / 64 * HD; i += blockDim.x) {
+    for (int i = threadIdx.x; SUMS && part && i < ROWS / 64 * HD; i += blockDim.x) {
       const int band = i / HD, c = i % HD;
       if (p.first + 64 * band < S) {
         float t = 0.f;
@@ -564,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
 #if Q8
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
-  out.store(acc, 1.f / l0, 1.f / l1, p, Sq, H, 1, 0, m);
+  out.store<false>(acc, 1.f / l0, 1.f / l1, p, Sq, H, 1, 0, m);
   q8_amax_fold(m, q8_amax);
 #endif
 }
@@ -647,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
 #if Q8
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
-  out.store(acc, (float)scale, (float)scale, p, Sq, H, 3, 0, m);
+  out.store<true>(acc, (float)scale, (float)scale, p, Sq, H, 3, 0, m);
   q8_amax_fold(m, q8_amax);
 #else
   store_rows(p.at(dq, Sq, xs), acc, (float)scale, (float)scale, xs, Sq, r, p.t);
@@ -733,8 +743,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 #if Q8
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
-  out.store(dka, (float)scale, (float)scale, p, Sk, H, 3, 1, m);
-  out.store(dva, 1.f, 1.f, p, Sk, H, 3, 2, m);
+  out.store<true>(dka, (float)scale, (float)scale, p, Sk, H, 3, 1, m);
+  out.store<true>(dva, 1.f, 1.f, p, Sk, H, 3, 2, m);
   q8_amax_fold(m, q8_amax);
 #else
   store_rows(p.at(dk, Sk, xs), dka, (float)scale, (float)scale, xs, Sk, r, p.t);
