@@ -344,26 +344,31 @@ struct Q8Out {
   }
   // The block's rows of section `sec` of `parts` (the output's 1; the gradient's 3: dq,
   // dk, dv) from the accumulators times `mul0` (rows g) and `mul1` (rows g + 8); the
-  // magnitudes into `m`; with SUMS (the gradient's) the column sums' partials. Every
-  // thread of the block calls it.
+  // magnitudes into `m`; with SUMS (the gradient's) the column sums' partials; where
+  // `keep` is set (the output's o, rows `ks` apart from this (batch, head)'s first),
+  // the rounded values also stored there. Every thread of the block calls it. Values
+  // are rounded and measured in pairs, a 32-bit word of T each: their magnitudes' bits
+  // order as the values do (NaN's above infinity's), so a word's two are maxed at once.
   template <bool SUMS>
   __device__ void store(float (*acc)[4], float mul0, float mul1, const Place& p, int S, int H, int parts, int sec,
-                        unsigned& m) const {
+                        unsigned& m, T* keep, int ks) const {
     const int W = parts * H * HD, r = 16 * p.w + p.g;
     const i64 total = (i64)gridDim.x / ((S + ROWS - 1) / ROWS) / H * S, row0 = p.b * S + p.first;
     const int col0 = (sec * H + (int)p.h) * HD;
     const bool in0 = p.first + r < S, in1 = p.first + r + 8 < S;
+    unsigned pair_max = 0u;
 #pragma unroll
     for (int j = 0; j < HD / 8; j++) {
       const int c = 8 * j + 2 * p.t;
-      float v[4];
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        T t;
-        st(&t, 0, acc[j][e] * (e < 2 ? mul0 : mul1));
-        v[e] = (e < 2 ? in0 : in1) ? ld(&t, 0) : 0.f;
-        m = max(m, __float_as_uint(v[e]) & 0x7fffffffu);
+      const unsigned w0 = in0 ? pack2(acc[j][0] * mul0, acc[j][1] * mul0) : 0u;
+      const unsigned w1 = in1 ? pack2(acc[j][2] * mul1, acc[j][3] * mul1) : 0u;
+      if (keep) {
+        if (in0) *reinterpret_cast<unsigned*>(keep + (p.first + r) * ks + c) = w0;
+        if (in1) *reinterpret_cast<unsigned*>(keep + (p.first + r + 8) * ks + c) = w1;
       }
+      pair_max = __vmaxu2(pair_max, __vmaxu2(w0 & 0x7fff7fffu, w1 & 0x7fff7fffu));
+      const T *t0 = reinterpret_cast<const T*>(&w0), *t1 = reinterpret_cast<const T*>(&w1);
+      const float v[4] = {ld(t0, 0), ld(t0, 1), ld(t1, 0), ld(t1, 1)};
       const u32 lo = fp8x2(__fmul_rn(v[0], s), __fmul_rn(v[1], s)), hi = fp8x2(__fmul_rn(v[2], s), __fmul_rn(v[3], s));
       *(unsigned short*)(st_row + r * HD + c) = (unsigned short)lo;
       *(unsigned short*)(st_row + (r + 8) * HD + c) = (unsigned short)hi;
@@ -382,6 +387,8 @@ struct Q8Out {
         if (p.g == 0) { cs[p.w * HD + c] = s0; cs[p.w * HD + c + 1] = s1; }
       }
     }
+    const T* pm = reinterpret_cast<const T*>(&pair_max);
+    m = max(m, max(__float_as_uint(ld(pm, 0)), __float_as_uint(ld(pm, 1))));
     __syncthreads();
     for (int i = threadIdx.x; i < ROWS * HD / 16; i += blockDim.x) {
       const int rr = i / (HD / 16), c16 = 16 * (i % (HD / 16));
@@ -565,7 +572,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
     __syncthreads();
   }
   l0 = quad_sum(l0); l1 = quad_sum(l1);
+#if !Q8
   store_rows(p.at(o, Sq, stride), acc, 1.f / l0, 1.f / l1, stride, Sq, r, p.t);
+#endif
   if (p.t == 0) {
     float* l = lse + p.stat(Sq, H);
     if (r < Sq) l[r] = (m0 + log2f(l0)) * LN2;
@@ -574,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
 #if Q8
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
-  out.store<false>(acc, 1.f / l0, 1.f / l1, p, Sq, H, 1, 0, m);
+  out.store<false>(acc, 1.f / l0, 1.f / l1, p, Sq, H, 1, 0, m, p.at(o, Sq, stride), stride);
   q8_amax_fold(m, q8_amax);
 #endif
 }
@@ -657,7 +666,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
 #if Q8
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
-  out.store<true>(acc, (float)scale, (float)scale, p, Sq, H, 3, 0, m);
+  out.store<true>(acc, (float)scale, (float)scale, p, Sq, H, 3, 0, m, nullptr, 0);
   q8_amax_fold(m, q8_amax);
 #else
   store_rows(p.at(dq, Sq, xs), acc, (float)scale, (float)scale, xs, Sq, r, p.t);
@@ -743,8 +752,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 #if Q8
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
-  out.store<true>(dka, (float)scale, (float)scale, p, Sk, H, 3, 1, m);
-  out.store<true>(dva, 1.f, 1.f, p, Sk, H, 3, 2, m);
+  out.store<true>(dka, (float)scale, (float)scale, p, Sk, H, 3, 1, m, nullptr, 0);
+  out.store<true>(dva, 1.f, 1.f, p, Sk, H, 3, 2, m, nullptr, 0);
   q8_amax_fold(m, q8_amax);
 #else
   store_rows(p.at(dk, Sk, xs), dka, (float)scale, (float)scale, xs, Sk, r, p.t);

@@ -62,7 +62,7 @@ struct __nv_fp8_e4m3 { unsigned char x; __nv_fp8_e4m3() = default; explicit __nv
 struct __nv_fp8_e5m2 { unsigned char x; __nv_fp8_e5m2() = default; explicit __nv_fp8_e5m2(float); explicit operator float() const; };
 unsigned atomicMax(unsigned*, unsigned); unsigned __float_as_uint(float); float __uint_as_float(unsigned); unsigned max(unsigned, unsigned); float __fdiv_rn(float, float);
 inline long long min(long long a, long long b) { return a < b ? a : b; }
-struct float2 { float x, y; }; float2 make_float2(float, float); unsigned __byte_perm(unsigned, unsigned, unsigned);
+struct float2 { float x, y; }; float2 make_float2(float, float); unsigned __byte_perm(unsigned, unsigned, unsigned); unsigned __vmaxu2(unsigned, unsigned);
 enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE }; enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
 unsigned short __nv_cvt_float2_to_fp8x2(float2, __nv_saturation_t, __nv_fp8_interpretation_t);
 "#;
