@@ -17,7 +17,9 @@
 //! a tile whose scores it masks whole (its contribution would be exactly zero).
 //! Where only a delayed FP8 cast reads a packed gradient
 //! (`FusedAttentionGradQuantizeFp8`), the gradient kernels of a `Q8` module cast each
-//! tile as they store it, into both FP8 copies and the column sums' partials.
+//! tile as they store it, into both FP8 copies and the column sums' partials; where
+//! one reads a non-causal output (`FusedAttentionQuantizeFp8`), the forward kernel of a
+//! `Q8` module stores o and both FP8 copies of it from the same rounded pairs.
 
 use ampgraph_graph::ops::attention::{check_key_bias, tensor_core_head_dim, AttentionDims};
 use ampgraph_graph::ops::attention::{qkv_inputs, unpacked_type};
