@@ -407,14 +407,14 @@ impl Op for LayerNormGradQuantizeFp8 {
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let (grad, scale) = grad_and_scale(inputs)?;
+        let (grad, scale) = op_and_scale(inputs)?;
         let mut out = self.grad.infer(grad)?;
         let cast = self.quantize.infer(&[&out[0], scale])?;
         out.extend(cast);
         Ok(out)
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let (grad, scale) = grad_and_scale(inputs)?;
+        let (grad, scale) = op_and_scale(inputs)?;
         let mut out = self.grad.eval(grad)?;
         let cast = self.quantize.eval(&[&out[0], scale])?;
         out.extend(cast);
@@ -488,14 +488,14 @@ impl Op for FusedAttentionQuantizeFp8 {
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let (attention, scale) = grad_and_scale(inputs)?;
+        let (attention, scale) = op_and_scale(inputs)?;
         let mut out = self.attention.infer(attention)?;
         let rows = TensorType::new(out[0].dtype, attention_rows(&out[0].shape)?);
         out.extend(self.quantize.infer(&[&rows, scale])?);
         Ok(out)
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let (attention, scale) = grad_and_scale(inputs)?;
+        let (attention, scale) = op_and_scale(inputs)?;
         let mut out = self.attention.eval(attention)?;
         let rows = out[0].clone().reshaped(attention_rows(out[0].shape())?)?;
         out.extend(self.quantize.eval(&[&rows, scale])?);
@@ -572,13 +572,13 @@ impl Op for FusedAttentionGradQuantizeFp8 {
         attrs
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
-        let (grad, scale) = grad_and_scale(inputs)?;
+        let (grad, scale) = op_and_scale(inputs)?;
         let dqkv = self.grad.infer(grad)?.remove(0);
         let rows = TensorType::new(dqkv.dtype, qkv_rows(&dqkv.shape)?);
         self.cast.infer(&[&rows, scale])
     }
     fn eval(&self, inputs: &[&Tensor]) -> OpResult<Vec<Tensor>> {
-        let (grad, scale) = grad_and_scale(inputs)?;
+        let (grad, scale) = op_and_scale(inputs)?;
         let dqkv = self.grad.eval(grad)?.remove(0);
         let rows = qkv_rows(dqkv.shape())?;
         self.cast.eval(&[&dqkv.reshaped(rows)?, scale])
@@ -601,9 +601,9 @@ impl Op for FusedAttentionGradQuantizeFp8 {
 }
 
 /// A fused op-and-cast's inputs: the op's (all but the last) and the cast's scale.
-fn grad_and_scale<'a, T>(inputs: &'a [&'a T]) -> OpResult<(&'a [&'a T], &'a T)> {
+fn op_and_scale<'a, T>(inputs: &'a [&'a T]) -> OpResult<(&'a [&'a T], &'a T)> {
     match inputs.split_last() {
-        Some((scale, grad)) if !grad.is_empty() => Ok((grad, scale)),
+        Some((scale, op)) if !op.is_empty() => Ok((op, scale)),
         _ => Err("missing inputs".into()),
     }
 }

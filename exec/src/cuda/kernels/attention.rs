@@ -49,8 +49,8 @@ pub(crate) struct Spec {
     causal: bool,
     key_bias: bool,
     dropout: bool,
-    /// The FP8 dtype the gradient kernels cast dqkv to as they store it
-    /// (FusedAttentionGradQuantizeFp8), where they do.
+    /// The FP8 dtype the kernels cast o (FusedAttentionQuantizeFp8) or dqkv
+    /// (FusedAttentionGradQuantizeFp8) to as they store it, where they do.
     cast: Option<DType>,
 }
 
@@ -73,7 +73,7 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
         let a = a.clone();
         return Some(
             static_check(a.scale, a.packed, ins)
-                .map(|()| kernel(move |c, inputs| forward(c, &a, inputs, &outs))),
+                .map(|()| kernel(move |c, inputs| forward(c, &a, inputs, &outs, None))),
         );
     }
     if let Some(a) = op.downcast_ref::<FusedAttentionGrad>() {
@@ -84,18 +84,18 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
         );
     }
     if let Some(a) = op.downcast_ref::<FusedAttentionQuantizeFp8>() {
-        let a = a.clone();
+        let (to, a) = (a.quantize.to, a.attention.clone());
         return Some(
-            static_check(a.attention.scale, a.attention.packed, ins)
-                .and_then(|()| cast_check(&a.attention.packed, ins))
-                .map(|()| kernel(move |c, inputs| forward_cast(c, &a, inputs, &outs))),
+            static_check(a.scale, a.packed, ins)
+                .and_then(|()| cast_check(a.packed, ins))
+                .map(|()| kernel(move |c, inputs| forward(c, &a, inputs, &outs, Some(to)))),
         );
     }
     if let Some(a) = op.downcast_ref::<FusedAttentionGradQuantizeFp8>() {
         let a = a.clone();
         return Some(
             static_check(a.grad.scale, a.grad.packed, ins)
-                .and_then(|()| cast_check(&a.grad.packed, ins))
+                .and_then(|()| cast_check(a.grad.packed, ins))
                 .map(|()| kernel(move |c, inputs| backward_cast(c, &a, inputs, &outs))),
         );
     }
@@ -105,9 +105,9 @@ pub(super) fn lower(op: &dyn Op, ins: &[TensorType], outs: &[TensorType]) -> Low
 /// What the kernels that cast o or dqkv as they store it take beyond the attention's:
 /// sequences a multiple of 64 (a block's rows in one sequence, the column sums' bands
 /// of 64 rows whole).
-fn cast_check(packed: &bool, ins: &[TensorType]) -> Result<(), String> {
+fn cast_check(packed: bool, ins: &[TensorType]) -> Result<(), String> {
     let first = ins.first().ok_or("attention takes q, k and v")?;
-    let q = if *packed {
+    let q = if packed {
         unpacked_type(first)?
     } else {
         first.clone()
@@ -115,7 +115,7 @@ fn cast_check(packed: &bool, ins: &[TensorType]) -> Result<(), String> {
     match q.shape[..] {
         [_, s, _, _] if s % 64 == 0 => Ok(()),
         _ => Err(format!(
-            "an attention gradient is cast as it is stored for sequences a multiple of 64 long, not {q}"
+            "an attention's output or gradient is cast as it is stored for sequences a multiple of 64 long, not {q}"
         )),
     }
 }
@@ -768,9 +768,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 /// The module of the three kernels for `dtype` (f16 or bf16), head width `head_dim`,
 /// block shape `shape` (its rows at most two tiles: `stage_a` stages them in the
 /// two tile buffers), with or without the masks `(causal, key bias)`; where `cast` is
-/// an FP8 dtype, the gradient kernels cast dqkv to it as they store it (taking
-/// `const float* scale, u8* y, u8* y^T, unsigned* amax, float* part` last) and
-/// `k_cols_fin` adds their column sums' partials.
+/// an FP8 dtype, the kernels cast o or dqkv to it as they store it (taking `const
+/// float* scale, u8* y, u8* y^T, unsigned* amax, float* part` last) and `k_cols_fin`
+/// adds the gradient's column sums' partials.
 pub fn source(
     dtype: DType,
     head_dim: usize,
@@ -956,8 +956,8 @@ fn parts(tensors: &[&DTensor], dims: &AttentionDims) -> ([Arg; 3], usize) {
     }
 }
 
-/// The module `kernel` of an attention of `dims` and `dtype` under `rule` is in, the
-/// gradient cast to `cast` as it is stored where given.
+/// The module `kernel` of an attention of `dims` and `dtype` under `rule` is in, o or
+/// the gradient cast to `cast` as it is stored where given.
 fn spec_of(
     kernel: &str,
     dims: &AttentionDims,
@@ -977,7 +977,7 @@ fn spec_of(
 }
 
 /// Launches `kernel` over `rows` rows a (batch, head) with `args` (its pointers) and
-/// `xs`, the distance between the rows of q, k, v and their gradients; where the
+/// `xs`, the distance between the rows of q, k, v and their gradients; where o or the
 /// gradient is cast as it is stored, `cast` has the FP8 dtype and the cast's
 /// arguments, which come last.
 #[allow(clippy::too_many_arguments)]
@@ -1013,21 +1013,36 @@ fn launch(
     c.launch(&spec, kernel, (blocks, threads), &args)
 }
 
-/// `o, lse = FusedAttention(q, k, v[, key bias])` (or of a packed qkv).
+/// `o, lse = FusedAttention(q, k, v[, key bias])` (or of a packed qkv); with `cast`,
+/// `o, lse, y, amax, y^T = FusedAttentionQuantizeFp8(the same, scale)`: the kernel
+/// casts o's rows to `cast` as it stores them.
 fn forward(
     c: &Ctx,
     op: &FusedAttention,
     inputs: &[DTensor],
     outs: &[TensorType],
+    cast: Option<DType>,
 ) -> Result<Vec<DTensor>, String> {
+    let (inputs, scale) = match cast {
+        Some(_) => {
+            let (scale, rest) = inputs.split_last().ok_or("missing the scale")?;
+            (rest, Some(scale))
+        }
+        None => (inputs, None),
+    };
     let n_qkv = qkv_inputs(op.packed);
     if inputs.len() < n_qkv {
         return Err("FusedAttention takes q, k and v".into());
     }
     let qkv: Vec<&DTensor> = inputs[..n_qkv].iter().collect();
     let rule = Rule::new((op.scale, op.causal, op.dropout), inputs, n_qkv)?;
-    let [o_ty, lse_ty] = outs else {
-        return Err("FusedAttention has two outputs".into());
+    let (o_ty, lse_ty, cast_tys) = match (outs, cast) {
+        ([o, lse], None) => (o, lse, &[][..]),
+        ([o, lse, rest @ ..], Some(_)) if rest.len() == 3 => (o, lse, rest),
+        (_, None) => return Err("FusedAttention has two outputs".into()),
+        (_, Some(_)) => {
+            return Err("FusedAttentionQuantizeFp8 gives o, lse, y, its amax and y^T".into())
+        }
     };
     let o = c.alloc(o_ty)?;
     let lse = c.alloc(lse_ty)?;
@@ -1035,42 +1050,17 @@ fn forward(
     let (qkv_args, xs) = parts(&qkv, &dims);
     let mut args = qkv_args.to_vec();
     args.extend([o.arg(), lse.arg()]);
-    launch(c, "k_fwd", &dims, dims.q_len, o.dtype, args, xs, rule, None)?;
-    Ok(vec![o, lse])
-}
-
-/// `o, lse, y, amax, y^T = FusedAttentionQuantizeFp8(q, k, v[, key bias][, count],
-/// scale)` (or of a packed qkv): the forward kernel casts o's rows as it stores them.
-fn forward_cast(
-    c: &Ctx,
-    op: &FusedAttentionQuantizeFp8,
-    inputs: &[DTensor],
-    outs: &[TensorType],
-) -> Result<Vec<DTensor>, String> {
-    let a = &op.attention;
-    let (scale, inputs) = inputs.split_last().ok_or("missing the scale")?;
-    let n_qkv = qkv_inputs(a.packed);
-    if inputs.len() < n_qkv {
-        return Err("FusedAttentionQuantizeFp8 takes q, k, v and the scale".into());
+    let d = o.dtype;
+    let mut outputs = vec![o, lse];
+    let mut cast_args = Vec::new();
+    if let (Some(scale), [y, amax, yt]) = (scale, cast_tys) {
+        let (y, amax, yt) = (c.alloc(y)?, c.alloc_zeroed(amax)?, c.alloc(yt)?);
+        cast_args = vec![scale.arg(), y.arg(), yt.arg(), amax.arg(), Arg::Ptr(0)];
+        outputs.extend([y, amax, yt]);
     }
-    let qkv: Vec<&DTensor> = inputs[..n_qkv].iter().collect();
-    let rule = Rule::new((a.scale, a.causal, a.dropout), inputs, n_qkv)?;
-    let [o_ty, lse_ty, y_ty, amax_ty, yt_ty] = outs else {
-        return Err("FusedAttentionQuantizeFp8 gives o, lse, y, its amax and y^T".into());
-    };
-    let o = c.alloc(o_ty)?;
-    let lse = c.alloc(lse_ty)?;
-    let y = c.alloc(y_ty)?;
-    let amax = c.alloc_zeroed(amax_ty)?;
-    let yt = c.alloc(yt_ty)?;
-    let dims = checked_dims(c, a.scale, a.packed, &[&qkv[..], &[&o, &lse]].concat())?;
-    let (qkv_args, xs) = parts(&qkv, &dims);
-    let mut args = qkv_args.to_vec();
-    args.extend([o.arg(), lse.arg()]);
-    let cast_args = [scale.arg(), y.arg(), yt.arg(), amax.arg(), Arg::Ptr(0)];
-    let cast = Some((op.quantize.to, &cast_args[..]));
-    launch(c, "k_fwd", &dims, dims.q_len, o.dtype, args, xs, rule, cast)?;
-    Ok(vec![o, lse, y, amax, yt])
+    let cast = cast.map(|to| (to, &cast_args[..]));
+    launch(c, "k_fwd", &dims, dims.q_len, d, args, xs, rule, cast)?;
+    Ok(outputs)
 }
 
 /// `dq, dk, dv = FusedAttentionGrad(q, k, v, o, lse, do[, key bias])` (or `dqkv` of a

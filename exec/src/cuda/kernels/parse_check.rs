@@ -260,7 +260,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         k.push((format!("concat_pair_{bytes}"), concat_pair(bytes)));
     }
     use super::attention::{NARROW, WIDE};
-    // The last two cast the gradient to FP8 as they store it.
+    // The last two cast o and the gradient to FP8 as they store them.
     for (d, head_dim, shape, causal, key_bias, dropout, cast) in [
         (DType::F16, 64, WIDE, false, false, false, None),
         (DType::BF16, 32, NARROW, false, true, true, None),
