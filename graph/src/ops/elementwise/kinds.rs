@@ -261,10 +261,9 @@ unary_kinds! {
         } else {
             format!(
                 "C cdf = (C)0.5 * ((C)1 + m_erf(x * (C){}));\n\
-                 C pdf = m_exp_approx(-(C)0.5 * x * x) * (C){};\n\
+                 C pdf = m_normal_pdf(x);\n\
                  C d = pdf == (C)0 ? cdf : cdf + x * pdf;",
-                cuda_lit(FRAC_1_SQRT_2),
-                cuda_lit(1.0 / (2.0 * PI).sqrt())
+                cuda_lit(FRAC_1_SQRT_2)
             )
         },
     }
@@ -637,7 +636,7 @@ mod tests {
         assert_eq!(
             gelu.cuda_derivative(),
             "C cdf = (C)0.5 * ((C)1 + m_erf(x * (C)7.071067811865476e-1));\n\
-             C pdf = m_exp_approx(-(C)0.5 * x * x) * (C)3.989422804014327e-1;\n\
+             C pdf = m_normal_pdf(x);\n\
              C d = pdf == (C)0 ? cdf : cdf + x * pdf;"
         );
         let leaky = UnaryKind::LeakyRelu { alpha: 0.2 };
