@@ -188,6 +188,39 @@ fn activate(activation: Option<UnaryKind>) -> String {
     }
 }
 
+/// [`activate`] leaving the value unrounded, for a kernel that rounds it in pairs
+/// ([`CastTranspose::paired`]).
+fn activate_unrounded(kind: UnaryKind) -> String {
+    format!("{{ typedef float C; {} x = y; }}\n", kind.cuda_expr())
+}
+
+/// The 16-bit dtypes a [`cast_transpose`] kernel rounds its values to two at a time:
+/// `u32 round2(lo, hi)` packs the pair as the dtype's stores would, `lo_of` and `hi_of`
+/// widen the halves back, and `pair_amax_bits(m2)` turns a `__vmaxu2` of such pairs
+/// (signs cleared) into the bits of their float amax, as [`amax_measure`] keeps it.
+fn pair_rounding(d: DType) -> Option<String> {
+    let (pair, pack, widen) = match d {
+        DType::BF16 => (
+            "__nv_bfloat162",
+            "__floats2bfloat162_rn",
+            "__uint_as_float((u32)(h) << 16)",
+        ),
+        DType::F16 => (
+            "__half2",
+            "__floats2half2_rn",
+            "__half2float(__ushort_as_half((unsigned short)(h)))",
+        ),
+        _ => return None,
+    };
+    Some(format!(
+        "__device__ __forceinline__ u32 round2(float lo, float hi) {{ {pair} v = {pack}(lo, hi); return *reinterpret_cast<u32*>(&v); }}\n\
+         __device__ __forceinline__ float widen16(u32 h) {{ return {widen}; }}\n\
+         __device__ __forceinline__ float lo_of(u32 w) {{ return widen16(w & 0xffffu); }}\n\
+         __device__ __forceinline__ float hi_of(u32 w) {{ return widen16(w >> 16); }}\n\
+         __device__ __forceinline__ u32 pair_amax_bits(u32 m2) {{ return __float_as_uint(widen16(max(m2 & 0xffffu, m2 >> 16))); }}\n"
+    ))
+}
+
 pub(super) fn amax(x: DType, activation: Option<UnaryKind>) -> String {
     let measure = format!("{}{}", activate(activation), amax_measure("m", "x"));
     let body = elementwise(&[x_load(x)], &measure, &[]);
@@ -241,8 +274,14 @@ pub(super) fn quantize_transposed_group(x: DType, to: DType) -> String {
     cast_transpose_of_x(x, to, None, &group_head())
 }
 
-/// The cast-transpose kernel of one input `px` under `head`.
+/// The cast-transpose kernel of one input `px` under `head`. An activation's values
+/// are rounded to `x`'s dtype two at a time where it is 16 bits.
 fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head: &str) -> String {
+    let paired = activation.and(pair_rounding(x)).map(|_| x);
+    let activated = match (activation, paired) {
+        (Some(kind), Some(_)) => activate_unrounded(kind),
+        _ => activate(activation),
+    };
     cast_transpose(CastTranspose {
         types: &[("X", x)],
         to,
@@ -257,8 +296,10 @@ fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head:
             ptr: "px",
         }],
         block_start: "",
-        element: &format!("float x = ldX(xs[i].v, b);\n{}", activate(activation)),
+        element: &format!("float x = ldX(xs[i].v, b);\n{activated}"),
         element_end: "",
+        paired,
+        pair_end: "",
         block_end: "",
         after: "",
     })
@@ -346,6 +387,14 @@ struct CastTranspose<'a> {
     /// block `element_end` closes.
     element: &'a str,
     element_end: &'a str,
+    /// The 16-bit dtype `x` is to be rounded to, two elements at a time (one
+    /// conversion a pair, their magnitudes maxed by `__vmaxu2`: an element's
+    /// conversion and amax had taken three of the GELU cast's forty instructions);
+    /// `element` then leaves `x` unrounded. `None`: `x` is cast as it is.
+    paired: Option<DType>,
+    /// Per pair `p` of a paired row: statements using its rounded values `lo` and `hi`
+    /// (elements `2 p` and `2 p + 1`).
+    pair_end: &'a str,
     /// Per block, after its last tile (its band `band` of `bands`), before the amax
     /// fold.
     block_end: &'a str,
@@ -493,6 +542,8 @@ fn cast_transpose(k: CastTranspose) -> String {
         block_start,
         element,
         element_end,
+        paired,
+        pair_end,
         block_end,
         after,
     } = k;
@@ -529,22 +580,51 @@ fn cast_transpose(k: CastTranspose) -> String {
             concat(&|r| r.load()),
         )
     };
-    let pairs = fp8_pairs(to);
+    let fp8_pairs = fp8_pairs(to);
     let types: Vec<(&str, DType)> = types.iter().copied().chain([("Y", to)]).collect();
     let (declaration, measure, fold) = (
         amax_declaration("m"),
         amax_measure("m", "x"),
         amax_fold("m", "amax"),
     );
+    // Each element's value and its scaling, or its unrounded value, the pairs rounded,
+    // measured and scaled after the row's eight.
+    let (pair_helpers, pair_declaration, per_element, pairs, pair_fold) =
+        match paired.and_then(pair_rounding) {
+            Some(helpers) => (
+                helpers,
+                "u32 m2 = 0u;\n",
+                "pre[b] = x;".to_string(),
+                format!(
+                    "#pragma unroll\n\
+                     for (int p = 0; p < 4; ++p) {{\n\
+                       const u32 w = round2(pre[2 * p], pre[2 * p + 1]);\n\
+                       m2 = __vmaxu2(m2, w & 0x7fff7fffu);\n\
+                       const float lo = lo_of(w), hi = hi_of(w);\n\
+                       {pair_end}\
+                       scaled[2 * p] = __fmul_rn(lo, s);\n\
+                       scaled[2 * p + 1] = __fmul_rn(hi, s);\n\
+                     }}\n"
+                ),
+                "m = max(m, pair_amax_bits(m2));\n",
+            ),
+            None => (
+                String::new(),
+                "",
+                format!("{measure}\nscaled[b] = __fmul_rn(x, s);"),
+                String::new(),
+                "",
+            ),
+        };
     fp8_module(
         &types,
         &format!(
             "{prefix}{helpers}typedef unsigned int u32;\n\
-             {pairs}{head}\
+             {fp8_pairs}{pair_helpers}{head}\
                __align__(16) __shared__ u32 tile[64][16];\n\
                {shared}{stage_shared}\
                const float s = ps[0];\n\
-               {declaration}\
+               {declaration}{pair_declaration}\
                const i64 tiles_c = (cols + 63) / 64, tiles_r = (rows + 63) / 64, bands = blocks / tiles_c;\n\
                const i64 band = block / tiles_c, c0 = (block - band * tiles_c) * 64;\n\
                const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
@@ -560,13 +640,14 @@ fn cast_transpose(k: CastTranspose) -> String {
                    const i64 r = r0 + 2 * rr + i;\n\
                    qw[i] = make_uint2(0, 0);\n\
                    if (r < rows && c < cols) {{\n\
-                     float scaled[8];\n\
+                     float scaled[8], pre[8];\n\
+                     (void)pre;\n\
                      #pragma unroll\n\
                      for (int b = 0; b < 8; ++b) {{\n\
                        {element}\
-                       {measure}\n\
-                       scaled[b] = __fmul_rn(x, s);{element_end}\n\
+                       {per_element}{element_end}\n\
                      }}\n\
+                     {pairs}\
                      qw[i] = make_uint2(fp8x4(scaled[0], scaled[1], scaled[2], scaled[3]),\n\
                                         fp8x4(scaled[4], scaled[5], scaled[6], scaled[7]));\n\
                      *(uint2*)(py + r * cols + c) = qw[i];\n\
@@ -597,7 +678,7 @@ fn cast_transpose(k: CastTranspose) -> String {
                    }}\n\
                  }}\n\
                  __syncthreads();\n\
-               }}\n{block_end}{fold}}}\n{after}"
+               }}\n{block_end}{pair_fold}{fold}}}\n{after}"
         ),
     )
 }
@@ -608,8 +689,17 @@ fn cast_transpose(k: CastTranspose) -> String {
 /// the thread's two rows of every tile of its block, then the block's 32 thread rows
 /// through shared memory, into one partial per band and column.
 pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
-    let parts = FusedParts::new(p);
     let x = p.outputs().first().copied().unwrap_or(0);
+    // The cast value computed here and read by no other instruction is rounded in
+    // pairs (its column sums then added from the pairs).
+    let x_dtype = p.instrs()[x].ty.dtype;
+    let read_here = p.instrs().iter().any(|ins| match &ins.expr {
+        Expr::Apply(_, args) => args.contains(&x),
+        Expr::Input(_) => false,
+    });
+    let computed = matches!(p.instrs()[x].expr, Expr::Apply(..));
+    let paired = (computed && !read_here && pair_rounding(x_dtype).is_some()).then_some(x_dtype);
+    let parts = FusedParts::leaving_unrounded(p, paired.map(|_| x));
     let inputs: Vec<(usize, usize)> = (p.instrs().iter().enumerate())
         .filter_map(|(j, ins)| match ins.expr {
             Expr::Input(k) => Some((j, k)),
@@ -640,9 +730,15 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
         .map(|&(j, k)| format!("float v{j} = ldI{k}(x{k}[i].v, b);\n"))
         .collect();
     let (mut sum_decl, mut sum_add, mut sum_tile) = (String::new(), String::new(), String::new());
-    for (k, v) in sums.iter().enumerate() {
+    let mut pair_sums = String::new();
+    for (k, &v) in sums.iter().enumerate() {
         sum_decl.push_str(&format!("AS acc{k}[8] = {{}};\n"));
-        sum_add.push_str(&format!("acc{k}[b] += (AS)v{v};\n"));
+        match paired.is_some() && v == x {
+            true => pair_sums.push_str(&format!(
+                "acc{k}[2 * p] += (AS)lo; acc{k}[2 * p + 1] += (AS)hi;\n"
+            )),
+            false => sum_add.push_str(&format!("acc{k}[b] += (AS)v{v};\n")),
+        }
         sum_tile.push_str(&format!(
             "for (int b = 0; b < 8; ++b) csum[{k}][rr][8 * cg + b] = acc{k}[b];\n"
         ));
@@ -684,6 +780,8 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
             parts.body
         ),
         element_end: " }",
+        paired,
+        pair_end: &pair_sums,
         block_end: &block_end,
         after: &fin,
     })

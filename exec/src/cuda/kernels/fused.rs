@@ -251,6 +251,12 @@ fn fused_streamed_inputs(p: &FusedElementwise) -> Vec<usize> {
 
 impl FusedParts {
     pub(super) fn new(p: &FusedElementwise) -> FusedParts {
+        FusedParts::leaving_unrounded(p, None)
+    }
+
+    /// The parts with value `unrounded` (if any) left in its compute type, for a
+    /// kernel that rounds it itself (two at a time: the FP8 casts).
+    pub(super) fn leaving_unrounded(p: &FusedElementwise, unrounded: Option<usize>) -> FusedParts {
         let instrs = p.instrs();
         let (n, v) = (p.domain_len(), fused_vector(p));
         let mut parts = FusedParts {
@@ -339,9 +345,12 @@ impl FusedParts {
                     lit(d.scale())
                 ),
             };
+            let stored = match unrounded == Some(j) {
+                true => "y".to_string(),
+                false => format!("r_{}(y)", ins.ty.dtype),
+            };
             parts.body.push_str(&format!(
-                "    {ty} v{j};\n    {{ {block}\n      {compute}\n      v{j} = r_{}(y); }}\n",
-                ins.ty.dtype
+                "    {ty} v{j};\n    {{ {block}\n      {compute}\n      v{j} = {stored}; }}\n"
             ));
         }
         parts
