@@ -45,17 +45,19 @@ kernel_specs! {
         /// `k(const TX* px, const float* ps, TY* py, TY* pt, unsigned* amax, i64 rows,
         /// i64 cols)`: [`Spec::Quantize`] of a `rows x cols` matrix (both multiples of
         /// 8) also writing `pt = y^T`, per 64x64 tile through shared memory.
-        QuantizeTransposed { x: DType, to: DType, activation: Option<UnaryKind> } => quantize_transposed(x, to, activation),
+        /// `whole`: the sides are multiples of 64 and the matrix under 2^31 elements
+        /// ([`Tiles::of`]).
+        QuantizeTransposed { x: DType, to: DType, activation: Option<UnaryKind>, whole: bool } => quantize_transposed(x, to, activation, Tiles { whole }),
         /// `k_group(const UpdateTable t, int members)`: [`Spec::QuantizeTransposed`] of
         /// up to 32 matrices, each its own blocks of the grid, into zeroed amaxes
         /// ([`group_head`] has the table's rows).
-        QuantizeTransposedGroup { x: DType, to: DType } => quantize_transposed_group(x, to),
+        QuantizeTransposedGroup { x: DType, to: DType, whole: bool } => quantize_transposed_group(x, to, Tiles { whole }),
         /// `k(<inputs>, const float* ps, TY* py, TY* pt, unsigned* amax[, AS* part],
         /// i64 rows, i64 cols)`: [`Spec::QuantizeTransposed`] of the value `program`
         /// computes from its inputs (all of the matrix's size) per tile, with the
         /// program's column sums per tile into `part[(tile row * sums + k) * cols + j]`,
         /// which `k_cols_fin` adds.
-        QuantizeProgram { program: FusedElementwise, to: DType } => quantize_program(&program, to),
+        QuantizeProgram { program: FusedElementwise, to: DType, whole: bool } => quantize_program(&program, to, Tiles { whole }),
         /// `k(const TY* py, const float* pinv, TO* po, i64 n)`: `o = y * inv`.
         Dequantize { y: DType, to: DType } => dequantize(y, to),
         /// `k(const float* amax, float* scale, float* inv)`: one thread.
@@ -259,24 +261,36 @@ const QT_TILE: usize = 64;
 
 /// `x` cast with its transposed copy ([`cast_transpose`]), `x` the activation's value
 /// where the op has one.
-pub(super) fn quantize_transposed(x: DType, to: DType, activation: Option<UnaryKind>) -> String {
+pub(super) fn quantize_transposed(
+    x: DType,
+    to: DType,
+    activation: Option<UnaryKind>,
+    tiles: Tiles,
+) -> String {
     cast_transpose_of_x(
         x,
         to,
         activation,
+        tiles,
         &kernel_head("const TX* __restrict__ px", ""),
     )
 }
 
 /// [`quantize_transposed`] of a group's members, each with its own blocks of one grid
 /// ([`group_head`]).
-pub(super) fn quantize_transposed_group(x: DType, to: DType) -> String {
-    cast_transpose_of_x(x, to, None, &group_head())
+pub(super) fn quantize_transposed_group(x: DType, to: DType, tiles: Tiles) -> String {
+    cast_transpose_of_x(x, to, None, tiles, &group_head())
 }
 
 /// The cast-transpose kernel of one input `px` under `head`. An activation's values
 /// are rounded to `x`'s dtype two at a time where it is 16 bits.
-fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head: &str) -> String {
+fn cast_transpose_of_x(
+    x: DType,
+    to: DType,
+    activation: Option<UnaryKind>,
+    tiles: Tiles,
+    head: &str,
+) -> String {
     let paired = activation.and(pair_rounding(x)).map(|_| x);
     let activated = match (activation, paired) {
         (Some(kind), Some(_)) => activate_unrounded(kind),
@@ -285,6 +299,7 @@ fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head:
     cast_transpose(CastTranspose {
         types: &[("X", x)],
         to,
+        tiles,
         prefix: "",
         head,
         shared: "",
@@ -309,8 +324,9 @@ fn cast_transpose_of_x(x: DType, to: DType, activation: Option<UnaryKind>, head:
 /// inputs (`inputs`), the scale, the outputs, the amax, any `partials` and the sides.
 fn kernel_head(inputs: &str, partials: &str) -> String {
     format!(
-        "extern \"C\" __global__ void __launch_bounds__(256, 4) k({inputs}, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax{partials}, i64 rows, i64 cols) {{\n\
-           const i64 block = blockIdx.x, blocks = gridDim.x;\n"
+        "extern \"C\" __global__ void __launch_bounds__(256, 4) k({inputs}, const float* __restrict__ ps, TY* __restrict__ py, TY* __restrict__ pt, unsigned int* amax{partials}, i64 rows_in, i64 cols_in) {{\n\
+           const ix rows = (ix)rows_in, cols = (ix)cols_in;\n\
+           const ix block = blockIdx.x, blocks = gridDim.x;\n"
     )
 }
 
@@ -324,14 +340,14 @@ fn group_head() -> String {
         "{table}extern \"C\" __global__ void __launch_bounds__(256, 4) k_group(const UpdateTable t, int members) {{\n\
            int member = 0;\n\
            while (member + 1 < members && (i64)blockIdx.x >= t.n[member + 1]) ++member;\n\
-           const i64 first = t.n[member], block = blockIdx.x - first;\n\
-           const i64 blocks = (member + 1 < members ? t.n[member + 1] : (i64)gridDim.x) - first;\n\
+           const ix first = (ix)t.n[member], block = (ix)blockIdx.x - first;\n\
+           const ix blocks = (ix)(member + 1 < members ? t.n[member + 1] : (i64)gridDim.x) - first;\n\
            const TX* __restrict__ px = (const TX*)t.p[member][0];\n\
            const float* __restrict__ ps = (const float*)t.p[member][1];\n\
            TY* __restrict__ py = (TY*)t.p[member][2];\n\
            TY* __restrict__ pt = (TY*)t.p[member][3];\n\
            unsigned int* amax = (unsigned int*)t.p[member][4];\n\
-           const i64 rows = (i64)t.p[member][5], cols = (i64)t.p[member][6];\n",
+           const ix rows = (ix)(i64)t.p[member][5], cols = (ix)(i64)t.p[member][6];\n",
         table = update_table_declaration()
     )
 }
@@ -363,11 +379,46 @@ fn grouped_cast_blocks(rows: usize, cols: usize) -> Result<u32, String> {
     Ok(blocks / bands as u32 * walked.max(1) as u32)
 }
 
+/// What a cast-transpose kernel may assume of its matrices' sides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Tiles {
+    /// Whole tiles (sides multiples of 64) of a matrix under 2^31 elements: the
+    /// kernel's indices are 32-bit and it checks no bounds. Its 64-bit indices and
+    /// bounds had taken about three of the GELU casts' forty instructions an element
+    /// (those casts are bound by instruction issue).
+    pub whole: bool,
+}
+
+impl Tiles {
+    /// The tiles of a `rows x cols` matrix.
+    pub(super) fn of(rows: usize, cols: usize) -> Tiles {
+        Tiles {
+            whole: rows % QT_TILE == 0
+                && cols % QT_TILE == 0
+                && rows.checked_mul(cols).is_some_and(|n| n < 1 << 31),
+        }
+    }
+
+    /// The tiles of matrices all of which must be whole for the kernel to take them so.
+    fn of_all(sides: impl IntoIterator<Item = (usize, usize)>) -> Tiles {
+        Tiles {
+            whole: sides.into_iter().all(|(r, c)| Tiles::of(r, c).whole),
+        }
+    }
+
+    /// The index type `ix` and `WHOLE_TILES`, for the kernel's source.
+    fn declarations(self) -> String {
+        let (ix, whole) = if self.whole { ("int", 1) } else { ("i64", 0) };
+        format!("typedef {ix} ix;\n#define WHOLE_TILES {whole}\n")
+    }
+}
+
 /// A cast-transpose kernel's parts ([`cast_transpose`]).
 struct CastTranspose<'a> {
     /// The module's named dtypes besides `Y`, the FP8 one (`to`).
     types: &'a [(&'a str, DType)],
     to: DType,
+    tiles: Tiles,
     /// Source before the kernel.
     prefix: &'a str,
     /// The kernel's signature and the locals it gives the body: the inputs' pointers,
@@ -429,8 +480,8 @@ impl RowInput<'_> {
             "Vec<{ty}, 8> {name}[2];\n\
              #pragma unroll\n\
              for (int i = 0; i < 2; ++i) {{\n\
-               const i64 r = r0 + 2 * rr + i;\n\
-               if (r < rows && c < cols) {name}[i] = *(const Vec<{ty}, 8>*)({ptr} + r * cols + c);\n\
+               const ix r = r0 + 2 * rr + i;\n\
+               if (WHOLE_TILES || (r < rows && c < cols)) {name}[i] = *(const Vec<{ty}, 8>*)({ptr} + r * cols + c);\n\
              }}\n"
         )
     }
@@ -459,7 +510,7 @@ impl RowInput<'_> {
         format!(
             "#pragma unroll\n\
              for (int i = 0; i < 2; ++i) {{\n\
-               const bool in = c < cols && next_row + i < rows;\n\
+               const bool in = WHOLE_TILES || (c < cols && next_row + i < rows);\n\
                #pragma unroll\n\
                for (int q = 0; q < {pieces}; ++q)\n\
                  copy_async(&stage_{name}[to][{pieces} * i + q][threadIdx.x], in ? (const void*)(src_{name} + i * cols + q * (16 / sizeof({ty}))) : (const void*){ptr}, in ? 16 : 0);\n\
@@ -534,6 +585,7 @@ fn cast_transpose(k: CastTranspose) -> String {
     let CastTranspose {
         types,
         to,
+        tiles,
         prefix,
         head,
         shared,
@@ -558,8 +610,8 @@ fn cast_transpose(k: CastTranspose) -> String {
             copy_async_source!(),
             concat(&|r| r.stage_declaration()),
             format!(
-                "const i64 stride = bands * 64 * cols;\n\
-                 i64 next_row = band * 64 + 2 * rr;\n{}",
+                "const ix stride = bands * 64 * cols;\n\
+                 ix next_row = band * 64 + 2 * rr;\n{}",
                 concat(&|r| r.source())
             ),
             format!("if (band < tiles_r) {{ const int to = 0;\n{stage}}}\ncommit();\n"),
@@ -581,6 +633,7 @@ fn cast_transpose(k: CastTranspose) -> String {
         )
     };
     let fp8_pairs = fp8_pairs(to);
+    let tile_declarations = tiles.declarations();
     let types: Vec<(&str, DType)> = types.iter().copied().chain([("Y", to)]).collect();
     let (declaration, measure, fold) = (
         amax_declaration("m"),
@@ -619,27 +672,27 @@ fn cast_transpose(k: CastTranspose) -> String {
     fp8_module(
         &types,
         &format!(
-            "{prefix}{helpers}typedef unsigned int u32;\n\
+            "{prefix}{helpers}typedef unsigned int u32;\n{tile_declarations}\
              {fp8_pairs}{pair_helpers}{head}\
                __align__(16) __shared__ u32 tile[64][16];\n\
                {shared}{stage_shared}\
                const float s = ps[0];\n\
                {declaration}{pair_declaration}\
-               const i64 tiles_c = (cols + 63) / 64, tiles_r = (rows + 63) / 64, bands = blocks / tiles_c;\n\
-               const i64 band = block / tiles_c, c0 = (block - band * tiles_c) * 64;\n\
+               const ix tiles_c = (cols + 63) / 64, tiles_r = (rows + 63) / 64, bands = blocks / tiles_c;\n\
+               const ix band = block / tiles_c, c0 = (block - band * tiles_c) * 64;\n\
                const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;\n\
-               const i64 c = c0 + 8 * cg;\n\
+               const ix c = c0 + 8 * cg;\n\
                {sources}{block_start}{first}\
                int buf = 0;\n\
-               for (i64 tr = band; tr < tiles_r; tr += bands, buf ^= 1) {{\n\
-                 const i64 r0 = tr * 64;\n\
+               for (ix tr = band; tr < tiles_r; tr += bands, buf ^= 1) {{\n\
+                 const ix r0 = tr * 64;\n\
                  {next}{loads}\
                  uint2 qw[2];\n\
                  #pragma unroll\n\
                  for (int i = 0; i < 2; ++i) {{\n\
-                   const i64 r = r0 + 2 * rr + i;\n\
+                   const ix r = r0 + 2 * rr + i;\n\
                    qw[i] = make_uint2(0, 0);\n\
-                   if (r < rows && c < cols) {{\n\
+                   if (WHOLE_TILES || (r < rows && c < cols)) {{\n\
                      float scaled[8], pre[8];\n\
                      (void)pre;\n\
                      #pragma unroll\n\
@@ -667,10 +720,10 @@ fn cast_transpose(k: CastTranspose) -> String {
                    const int col = threadIdx.x >> 2, quarter = threadIdx.x & 3, swizzle = 2 * (col >> 3);\n\
                    uint4 w = *(const uint4*)&tile[col][(4 * quarter) ^ (swizzle & 12)];\n\
                    if (swizzle & 2) w = make_uint4(w.z, w.w, w.x, w.y);\n\
-                   const i64 cj = c0 + col, r = r0 + 16 * quarter;\n\
-                   if (cj < cols && r < rows) {{\n\
+                   const ix cj = c0 + col, r = r0 + 16 * quarter;\n\
+                   if (WHOLE_TILES || (cj < cols && r < rows)) {{\n\
                      TY* o = pt + cj * rows + r;\n\
-                     if ((rows & 15) == 0) *(uint4*)o = w;\n\
+                     if (WHOLE_TILES || (rows & 15) == 0) *(uint4*)o = w;\n\
                      else {{\n\
                        *(uint2*)o = make_uint2(w.x, w.y);\n\
                        if (r + 8 < rows) *(uint2*)(o + 8) = make_uint2(w.z, w.w);\n\
@@ -688,7 +741,7 @@ fn cast_transpose(k: CastTranspose) -> String {
 /// value rounded as the fused node stored it), then the cast; each column sum adds
 /// the thread's two rows of every tile of its block, then the block's 32 thread rows
 /// through shared memory, into one partial per band and column.
-pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
+pub(super) fn quantize_program(p: &FusedElementwise, to: DType, tiles: Tiles) -> String {
     let x = p.outputs().first().copied().unwrap_or(0);
     // The cast value computed here and read by no other instruction is rounded in
     // pairs (its column sums then added from the pairs).
@@ -768,6 +821,7 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
     cast_transpose(CastTranspose {
         types: &types,
         to,
+        tiles,
         prefix: ROUNDING,
         head: &kernel_head(&params.join(", "), &partials),
         shared: &shared,
@@ -775,7 +829,7 @@ pub(super) fn quantize_program(p: &FusedElementwise, to: DType) -> String {
         rows: &rows,
         block_start: &sum_decl,
         element: &format!(
-            "const i64 i_el = r * cols + c + b; (void)i_el;\n{binds}\
+            "const ix i_el = r * cols + c + b; (void)i_el;\n{binds}\
              {{ const i64 i = i_el; (void)i;\n{}\nfloat x = (float)v{x};\n{sum_add}",
             parts.body
         ),
@@ -939,10 +993,11 @@ pub(super) fn lower_quantize(
     // A matrix whose sides are multiples of 8 is transposed as it is quantised (from
     // the same tiles: `cast_transpose`); another one after.
     let matrix = q.transposed_sides(&x.shape)?;
-    let fused = (q.tiled_sides(&x.shape)).map(|_| Spec::QuantizeTransposed {
+    let fused = (q.tiled_sides(&x.shape)).map(|(rows, cols)| Spec::QuantizeTransposed {
         x: x.dtype,
         to: q.to,
         activation: q.activation,
+        whole: Tiles::of(rows, cols).whole,
     });
     Ok(kernel(move |c, inputs| {
         let (x, s) = (input(inputs, 0)?, input(inputs, 1)?);
@@ -1008,6 +1063,7 @@ fn lower_grouped_quantize(
     let spec = Spec::QuantizeTransposedGroup {
         x: first(ins)?.dtype,
         to: q.quantize.to,
+        whole: Tiles::of_all(sides.iter().map(|&(r, c, _)| (r, c))).whole,
     };
     let outs = outs.to_vec();
     Ok(kernel(move |c, inputs| {
@@ -1071,6 +1127,7 @@ fn lower_quantize_program(
     let spec = Spec::QuantizeProgram {
         program,
         to: f.quantize.to,
+        whole: Tiles::of(rows, cols).whole,
     };
     let outs = outs.to_vec();
     if outs.len() != 3 + sums {

@@ -486,15 +486,21 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
             ),
             (
                 format!("fp8_quantize_transposed_{x}_{to}"),
-                fp8::quantize_transposed(x, to, None),
+                fp8::quantize_transposed(x, to, None, fp8::Tiles { whole: false }),
             ),
             (
                 format!("fp8_quantize_transposed_gelu_{x}_{to}"),
-                fp8::quantize_transposed(x, to, Some(gelu)),
+                fp8::quantize_transposed(x, to, Some(gelu), fp8::Tiles { whole: true }),
             ),
             (
                 format!("fp8_quantize_transposed_group_{x}_{to}"),
-                fp8::quantize_transposed_group(x, to),
+                fp8::quantize_transposed_group(
+                    x,
+                    to,
+                    fp8::Tiles {
+                        whole: x == DType::BF16,
+                    },
+                ),
             ),
             (format!("fp8_dequantize_{to}_{x}"), fp8::dequantize(to, x)),
             (format!("fp8_scale_{to}"), fp8::scale(to, 1)),
@@ -517,7 +523,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
             .unwrap();
         k.push((
             format!("fp8_quantize_program_{i}"),
-            fp8::quantize_program(&p, DType::F8E5M2),
+            fp8::quantize_program(&p, DType::F8E5M2, fp8::Tiles { whole: i == 0 }),
         ));
     }
     let load = fused_program("v0 = in0: bf16[16, 24]", vec![0])
@@ -525,7 +531,7 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         .unwrap();
     k.push((
         "fp8_quantize_program_load".into(),
-        fp8::quantize_program(&load, DType::F8E5M2),
+        fp8::quantize_program(&load, DType::F8E5M2, fp8::Tiles { whole: false }),
     ));
     k
 }
