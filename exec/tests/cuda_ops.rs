@@ -2439,9 +2439,12 @@ fn grouped_fp8_casts_match_the_cpu() {
         (2112, 2048),
         (0, 16),
     ];
-    for (x_ty, to, members) in [
-        (DType::BF16, DType::F8E4M3, 34),
-        (DType::F32, DType::F8E5M2, 3),
+    // Whole tiles only (the kernel without bounds: `Tiles`).
+    let whole = [(64, 64), (2112, 2048), (128, 192)];
+    for (x_ty, to, members, shapes) in [
+        (DType::BF16, DType::F8E4M3, 34, &shapes[..]),
+        (DType::F32, DType::F8E5M2, 3, &shapes[..]),
+        (DType::BF16, DType::F8E4M3, 5, &whole[..]),
     ] {
         let mut inputs = Vec::new();
         for m in 0..members {
@@ -2543,13 +2546,13 @@ fn fp8_ops_match_the_cpu() {
     // An activation folded into the scale and the cast (`activation-into-fp8`) computes
     // on the GPU what the Unary and the casts apart compute, bit for bit (the Unary
     // kernel's expression, rounded to bf16 alike); the CPU's erf may differ from
-    // CUDA's in the last bit of an f32.
-    let z = t(DType::BF16, &[64, 96], &r.vec(64 * 96, -6.0, 6.0));
+    // CUDA's in the last bit of an f32. Partial tiles and whole ones (`Tiles`).
     let gelu = UnaryKind::Gelu { approximate: false };
-    for transposed in [false, true] {
+    for (transposed, rows, cols) in [(false, 64, 96), (true, 64, 96), (true, 128, 192)] {
+        let z = t(DType::BF16, &[rows, cols], &r.vec(rows * cols, -6.0, 6.0));
         let mut run = |fold: bool| {
             let mut g = Graph::new();
-            let zp = g.placeholder("z", DType::BF16, [64, 96]).unwrap();
+            let zp = g.placeholder("z", DType::BF16, [rows, cols]).unwrap();
             let (x, activation) = match fold {
                 true => (zp, Some(gelu)),
                 false => (g.add(Unary::new(gelu), &[zp]).unwrap(), None),
@@ -2567,7 +2570,9 @@ fn fp8_ops_match_the_cpu() {
         };
         let (folded, apart) = (run(true), run(false));
         assert_identical(
-            &format!("GELU into Fp8Scale and QuantizeFp8 (transposed {transposed})"),
+            &format!(
+                "GELU into Fp8Scale and QuantizeFp8 [{rows}, {cols}] (transposed {transposed})"
+            ),
             (folded, apart),
         );
     }

@@ -1369,6 +1369,18 @@ mod tests {
         }
     }
 
+    #[test]
+    fn whole_tiles_are_multiples_of_64_under_2_to_the_31() {
+        assert!(Tiles::of(8192, 3072).whole);
+        assert!(Tiles::of(64, 64).whole);
+        assert!(!Tiles::of(64, 96).whole);
+        assert!(!Tiles::of(72, 128).whole);
+        assert!(!Tiles::of(1 << 16, 1 << 15).whole);
+        assert!(Tiles::of((1 << 16) - 64, 1 << 15).whole);
+        assert!(Tiles::of_all([(64, 128), (2112, 2048)]).whole);
+        assert!(!Tiles::of_all([(64, 128), (8, 8)]).whole);
+    }
+
     /// A grouped member's blocks walk four tiles of their column where it has them.
     #[test]
     fn grouped_cast_blocks_walk_four_tiles() {
