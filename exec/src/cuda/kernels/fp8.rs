@@ -200,7 +200,7 @@ fn activate_unrounded(kind: UnaryKind) -> String {
 /// `u32 round2(lo, hi)` packs the pair as the dtype's stores would, `lo_of` and `hi_of`
 /// widen the halves back, and `pair_amax_bits(m2)` turns a `__vmaxu2` of such pairs
 /// (signs cleared) into the bits of their float amax, as [`amax_measure`] keeps it.
-fn pair_rounding(d: DType) -> Option<String> {
+pub(super) fn pair_rounding(d: DType) -> Option<String> {
     let (pair, pack, widen) = match d {
         DType::BF16 => (
             "__nv_bfloat162",

@@ -17,8 +17,8 @@ use super::codegen::{
     WARP_ROW_MAX,
 };
 use super::fp8::{
-    amax_declaration, amax_fold, amax_measure, fp8_module, fp8_pairs, lower_quantize, AMAX_BLOCKS,
-    STATIC_SHARED_BYTES,
+    amax_declaration, amax_fold, amax_measure, fp8_module, fp8_pairs, lower_quantize,
+    pair_rounding, AMAX_BLOCKS, STATIC_SHARED_BYTES,
 };
 use super::reduce::reduce_into;
 use super::{
@@ -575,21 +575,44 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
          }}\n"
     );
     let v = column_vector(types.x);
-    let word = value("gw.v, k", "bw.v, k");
     let store = fp8_word_store(v);
+    // A 16-bit y's values are rounded two at a time, their magnitudes maxed in pairs
+    // (`pair_rounding`: one conversion a pair).
+    let pairs = pair_rounding(types.y).filter(|_| v % 2 == 0);
+    let word = match pairs {
+        Some(_) => format!(
+            "#pragma unroll\n\
+             for (int k = 0; k < {v}; ++k) {{\n\
+               const int t = w * {v} + k;\n\
+               pre[k] = (float)(CY)((v[t] - mean) * inv * (A)ld(gw.v, k) + (A)ld(bw.v, k));\n\
+             }}\n\
+             #pragma unroll\n\
+             for (int p = 0; p < {v} / 2; ++p) {{\n\
+               const u32 pw = round2(pre[2 * p], pre[2 * p + 1]);\n\
+               m2 = __vmaxu2(m2, pw & 0x7fff7fffu);\n\
+               scaled[2 * p] = __fmul_rn(lo_of(pw), scale);\n\
+               scaled[2 * p + 1] = __fmul_rn(hi_of(pw), scale);\n\
+             }}\n"
+        ),
+        None => format!(
+            "#pragma unroll\n\
+             for (int k = 0; k < {v}; ++k) {{\n\
+               const int t = w * {v} + k;\n\
+               {}\
+               scaled[k] = __fmul_rn(x, scale);\n\
+             }}\n",
+            value("gw.v, k", "bw.v, k")
+        ),
+    };
     let warp_vec = format!(
         "A v[{per}];\n{load}{stats}\
          #pragma unroll\n\
          for (int w = 0; w < {words}; ++w) {{\n\
            const int j0 = (32 * w + lane) * {v};\n\
            const Vec<T, {v}> gw = *(const Vec<T, {v}>*)&{g}[j0], bw = *(const Vec<T, {v}>*)&{b}[j0];\n\
-           float scaled[{v}];\n\
-           #pragma unroll\n\
-           for (int k = 0; k < {v}; ++k) {{\n\
-             const int t = w * {v} + k;\n\
-             {word}\
-             scaled[k] = __fmul_rn(x, scale);\n\
-           }}\n\
+           float scaled[{v}], pre[{v}];\n\
+           (void)pre;\n\
+           {word}\
            {store}\
          }}\n",
         load = warp_load_words("px", "v", per, v, "X"),
@@ -603,7 +626,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
                {stage}\
                const A eps = (A)(C){eps};\n\
                const float scale = ps[0];\n\
-               {declaration}\
+               {declaration}u32 m2 = 0u; (void)m2;\n\
                const int lane = threadIdx.x & 31;\n\
                for (i64 r0 = (i64)blockIdx.x * {FP8_BAND}; r0 < rows; r0 += (i64)gridDim.x * {FP8_BAND}) {{\n\
                  for (int jr = threadIdx.x >> 5; jr < {FP8_BAND}; jr += 8) {{\n\
@@ -613,11 +636,15 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
                  if (!pt) continue;\n\
                  __syncthreads();\n{transpose}\
                  __syncthreads();\n\
-               }}\n{fold}}}\n",
+               }}\n{pair_fold}{fold}}}\n",
             band_width = width + 4,
             transpose = band_transpose("rows"),
             eps = lit(eps),
             declaration = amax_declaration("m"),
+            pair_fold = match pairs {
+                Some(_) => "m = max(m, pair_amax_bits(m2));\n",
+                None => "",
+            },
             fold = amax_fold("m", "amax"),
         )
     };
@@ -626,8 +653,9 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
     fp8_module(
         &blocks,
         &format!(
-            "{}{}{}",
+            "{}{}{}{}",
             fp8_band_prelude(to),
+            pairs.as_deref().unwrap_or(""),
             kernel("k_warp", &warp),
             kernel("k_warp_vec", &warp_vec)
         ),
