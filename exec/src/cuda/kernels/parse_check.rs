@@ -45,7 +45,7 @@ float __half2float(__half); __half __float2half_rn(float); __half __double2half(
 float __bfloat162float(__nv_bfloat16); __nv_bfloat16 __float2bfloat16_rn(float);
 __nv_bfloat16 __double2bfloat16(double);
 float __int_as_float(int); float __expf(float); unsigned __umulhi(unsigned, unsigned);
-float __fmul_rn(float, float); float __fmaf_rn(float, float, float); double __dmul_rn(double, double);
+float __fmul_rn(float, float); float __fmaf_rn(float, float, float); double __fma_rn(double, double, double); double __dmul_rn(double, double);
 template <class T> T __shfl_xor_sync(unsigned, T, int);
 template <class T> T atomicAdd(T*, T);
 void __syncthreads();

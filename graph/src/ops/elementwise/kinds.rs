@@ -254,15 +254,15 @@ unary_kinds! {
         cuda: if approximate {
             "m_gelu_tanh(x)".to_string()
         } else {
-            format!("(C)0.5 * x * ((C)1 + m_erf(x * (C){}))", cuda_lit(FRAC_1_SQRT_2))
+            "m_gelu(x)".to_string()
         },
         cuda_derivative: if approximate {
             "C d = m_gelu_tanh_grad(x);".to_string()
         } else {
             format!(
-                "C cdf = (C)0.5 * ((C)1 + m_erf(x * (C){}));\n\
+                "C cdf = m_fma((C)0.5, m_erf_clamped(x * (C){}), (C)0.5);\n\
                  C pdf = m_normal_pdf(x);\n\
-                 C d = pdf == (C)0 ? cdf : cdf + x * pdf;",
+                 C d = pdf == (C)0 ? cdf : m_fma(x, pdf, cdf);",
                 cuda_lit(FRAC_1_SQRT_2)
             )
         },
@@ -629,15 +629,12 @@ mod tests {
             "C d = x > (C)0 ? (C)1 : (C)0;"
         );
         let gelu = UnaryKind::Gelu { approximate: false };
-        assert_eq!(
-            gelu.cuda_expr(),
-            "C y = (C)0.5 * x * ((C)1 + m_erf(x * (C)7.071067811865476e-1));"
-        );
+        assert_eq!(gelu.cuda_expr(), "C y = m_gelu(x);");
         assert_eq!(
             gelu.cuda_derivative(),
-            "C cdf = (C)0.5 * ((C)1 + m_erf(x * (C)7.071067811865476e-1));\n\
+            "C cdf = m_fma((C)0.5, m_erf_clamped(x * (C)7.071067811865476e-1), (C)0.5);\n\
              C pdf = m_normal_pdf(x);\n\
-             C d = pdf == (C)0 ? cdf : cdf + x * pdf;"
+             C d = pdf == (C)0 ? cdf : m_fma(x, pdf, cdf);"
         );
         let leaky = UnaryKind::LeakyRelu { alpha: 0.2 };
         assert_eq!(leaky.cuda_expr(), "C y = x > (C)0 ? x : (C)2e-1 * x;");
