@@ -468,9 +468,9 @@ impl RowInput<'_> {
         self.bytes / 2
     }
 
-    /// Shared memory of its staging buffers: `stages` tiles' rows, per thread.
-    fn staging_bytes(&self, stages: usize) -> usize {
-        stages * 2 * self.pieces() * 256 * 16
+    /// Shared memory of its staging buffers: two tiles' rows, per thread.
+    fn staging_bytes(&self) -> usize {
+        2 * 2 * self.pieces() * 256 * 16
     }
 
     /// Loads of the thread's two rows straight into the registers.
@@ -487,9 +487,9 @@ impl RowInput<'_> {
     }
 
     /// The staging buffers `stage_<name>[buffer][row piece][thread]`.
-    fn stage_declaration(&self, stages: usize) -> String {
+    fn stage_declaration(&self) -> String {
         format!(
-            "__shared__ uint4 stage_{}[{stages}][{}][256];\n",
+            "__shared__ uint4 stage_{}[2][{}][256];\n",
             self.name,
             2 * self.pieces()
         )
@@ -573,9 +573,9 @@ pub(super) fn fp8_pairs(to: DType) -> String {
 /// apart, GPT-2's [16384, 3072] GELU-gradient cast ran 117 us on the H200; like this,
 /// 96-99 (the harness of benchmark-history, fifty-second session).
 ///
-/// The rows of the next tiles are copied into shared memory (`cp.async`, three
-/// buffers where they fit, two tiles in flight a block, else two; each input's source a
-/// running pointer) while the block converts and stores this one: Nsight Compute found these kernels neither memory- nor compute-bound (DRAM
+/// The rows of the next tile are copied into shared memory (`cp.async`, two buffers,
+/// each input's source a running pointer) while the block converts and stores this
+/// one: Nsight Compute found these kernels neither memory- nor compute-bound (DRAM
 /// 39-44% of peak), and a prefetch into registers cost more occupancy than it hid.
 /// Inputs of 1-byte elements, or staging past the static shared memory, load straight
 /// into registers. At most 64 registers a thread (four blocks a multiprocessor): the
@@ -600,37 +600,25 @@ fn cast_transpose(k: CastTranspose) -> String {
         after,
     } = k;
     let tile_bytes = 64 * 64;
-    // Three buffers (two tiles in flight a block) where they fit, else two.
-    let fits = |stages: usize| {
-        let staging: usize = rows.iter().map(|r| r.staging_bytes(stages)).sum();
-        tile_bytes + shared_bytes + staging <= STATIC_SHARED_BYTES
-    };
-    let sixteen_bit = rows.iter().all(|r| r.bytes >= 2);
-    let stages = [3, 2].into_iter().find(|&s| sixteen_bit && fits(s));
-    let buffers = stages.unwrap_or(2);
+    let staging: usize = rows.iter().map(RowInput::staging_bytes).sum();
+    let staged = rows.iter().all(|r| r.bytes >= 2)
+        && tile_bytes + shared_bytes + staging <= STATIC_SHARED_BYTES;
     let concat = |f: &dyn Fn(&RowInput) -> String| rows.iter().map(f).collect::<String>();
-    let (helpers, stage_shared, sources, first, next, loads) = if let Some(stages) = stages {
+    let (helpers, stage_shared, sources, first, next, loads) = if staged {
         let stage = format!("{}next_row += bands * 64;\n", concat(&|r| r.stage()));
-        let ahead = stages - 1;
         (
             copy_async_source!(),
-            concat(&|r| r.stage_declaration(stages)),
+            concat(&|r| r.stage_declaration()),
             format!(
                 "const ix stride = bands * 64 * cols;\n\
                  ix next_row = band * 64 + 2 * rr;\n{}",
                 concat(&|r| r.source())
             ),
-            (0..ahead)
-                .map(|k| {
-                    format!(
-                        "if (band + {k} * bands < tiles_r) {{ const int to = {k};\n{stage}}}\ncommit();\n"
-                    )
-                })
-                .collect(),
+            format!("if (band < tiles_r) {{ const int to = 0;\n{stage}}}\ncommit();\n"),
             format!(
-                "if (tr + {ahead} * bands < tiles_r) {{ const int to = buf == 0 ? {ahead} : buf - 1;\n{stage}}}\n\
+                "if (tr + bands < tiles_r) {{ const int to = buf ^ 1;\n{stage}}}\n\
                  commit();\n\
-                 wait<{ahead}>();\n"
+                 wait<1>();\n"
             ),
             concat(&|r| r.unstage()),
         )
@@ -696,7 +684,7 @@ fn cast_transpose(k: CastTranspose) -> String {
                const ix c = c0 + 8 * cg;\n\
                {sources}{block_start}{first}\
                int buf = 0;\n\
-               for (ix tr = band; tr < tiles_r; tr += bands, buf = buf + 1 == {buffers} ? 0 : buf + 1) {{\n\
+               for (ix tr = band; tr < tiles_r; tr += bands, buf ^= 1) {{\n\
                  const ix r0 = tr * 64;\n\
                  {next}{loads}\
                  uint2 qw[2];\n\
