@@ -646,7 +646,7 @@ fn cast_transpose(k: CastTranspose) -> String {
         match paired.and_then(pair_rounding) {
             Some(helpers) => (
                 helpers,
-                "u32 m2 = 0u;\n",
+                "u32 m2 = 0u;\nfloat pre[8];\n",
                 "pre[b] = x;".to_string(),
                 format!(
                     "#pragma unroll\n\
@@ -693,8 +693,7 @@ fn cast_transpose(k: CastTranspose) -> String {
                    const ix r = r0 + 2 * rr + i;\n\
                    qw[i] = make_uint2(0, 0);\n\
                    if (WHOLE_TILES || (r < rows && c < cols)) {{\n\
-                     float scaled[8], pre[8];\n\
-                     (void)pre;\n\
+                     float scaled[8];\n\
                      #pragma unroll\n\
                      for (int b = 0; b < 8; ++b) {{\n\
                        {element}\

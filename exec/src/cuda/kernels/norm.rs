@@ -610,8 +610,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
          for (int w = 0; w < {words}; ++w) {{\n\
            const int j0 = (32 * w + lane) * {v};\n\
            const Vec<T, {v}> gw = *(const Vec<T, {v}>*)&{g}[j0], bw = *(const Vec<T, {v}>*)&{b}[j0];\n\
-           float scaled[{v}], pre[{v}];\n\
-           (void)pre;\n\
+           float scaled[{v}];\n\
            {word}\
            {store}\
          }}\n",
@@ -619,14 +618,26 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
         stats = ln_warp_stats(per, true),
         words = per / v
     );
-    let kernel = |name: &str, row: &str| {
+    // The pairs' amax (and their values before rounding) beside `m`, for k_warp_vec.
+    let (pair_declaration, pair_fold) = match pairs {
+        Some(_) => (
+            format!("u32 m2 = 0u;\nfloat pre[{v}];\n"),
+            "m = max(m, pair_amax_bits(m2));\n",
+        ),
+        None => (String::new(), ""),
+    };
+    let kernel = |name: &str, row: &str, paired: bool| {
+        let (pair_declaration, pair_fold) = match paired {
+            true => (pair_declaration.as_str(), pair_fold),
+            false => ("", ""),
+        };
         format!(
             "extern \"C\" __global__ void __launch_bounds__(256, 4) {name}(const TX* __restrict__ px, const T* __restrict__ pg, const T* __restrict__ pb, const float* __restrict__ ps, TQ* __restrict__ py, TQ* __restrict__ pt, unsigned int* amax, i64 rows, i64 len) {{\n\
                __align__(4) __shared__ u8 band[{FP8_BAND}][{band_width}];\n\
                {stage}\
                const A eps = (A)(C){eps};\n\
                const float scale = ps[0];\n\
-               {declaration}u32 m2 = 0u; (void)m2;\n\
+               {declaration}{pair_declaration}\
                const int lane = threadIdx.x & 31;\n\
                for (i64 r0 = (i64)blockIdx.x * {FP8_BAND}; r0 < rows; r0 += (i64)gridDim.x * {FP8_BAND}) {{\n\
                  for (int jr = threadIdx.x >> 5; jr < {FP8_BAND}; jr += 8) {{\n\
@@ -641,10 +652,6 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
             transpose = band_transpose("rows"),
             eps = lit(eps),
             declaration = amax_declaration("m"),
-            pair_fold = match pairs {
-                Some(_) => "m = max(m, pair_amax_bits(m2));\n",
-                None => "",
-            },
             fold = amax_fold("m", "amax"),
         )
     };
@@ -656,8 +663,8 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
             "{}{}{}{}",
             fp8_band_prelude(to),
             pairs.as_deref().unwrap_or(""),
-            kernel("k_warp", &warp),
-            kernel("k_warp_vec", &warp_vec)
+            kernel("k_warp", &warp, false),
+            kernel("k_warp_vec", &warp_vec, true)
         ),
     )
 }
