@@ -22,7 +22,7 @@ use ampgraph_onnx::Probes;
 use ampgraph_passes::amp::fp8::DEFAULT_AMAX_HISTORY;
 use ampgraph_passes::amp::report::explain;
 use ampgraph_passes::amp::{
-    AmpConfig, AutoMixedPrecision, FastAccumulation, Fp8Config, Fp8Recipe, PrecisionLists,
+    AmpConfig, AutoMixedPrecision, FastAccumulation, Fp8Recipe, PrecisionLists,
 };
 use ampgraph_passes::{registry, PassError};
 
@@ -624,7 +624,8 @@ pub struct PrecisionArgs {
     /// `AMPGRAPH_AMP_FP8_FAST_ACCUMULATION`, else all.
     #[arg(long, value_enum)]
     fp8_fast_accumulation: Option<FastAccumulationArg>,
-    /// Every 16-bit MatMul in FP8: no cost model, first and last layers too.
+    /// Every 16-bit MatMul the GPU's FP8 products take (k and n multiples of 16) in
+    /// FP8: no cost model, first and last layers too; `explain` names the others.
     #[arg(long)]
     fp8_everywhere: bool,
     /// MatMuls kept 16-bit by name, comma-separated (their gradients' products too).
@@ -708,6 +709,9 @@ impl PrecisionArgs {
             || self.fp8_scaling.is_some()
             || self.fp8_fast_accumulation.is_some();
         let delayed_options = self.fp8_amax_history.is_some() || self.fp8_amax.is_some();
+        if self.fp8_everywhere {
+            config = config.on_every_device_product();
+        }
         match &mut config.fp8 {
             None if fp8_options || delayed_options => {
                 return Err(CliError::Usage(
@@ -721,12 +725,6 @@ impl PrecisionArgs {
                 ))
             }
             Some(fp8) => {
-                if self.fp8_everywhere {
-                    *fp8 = Fp8Config {
-                        fast_accumulation: fp8.fast_accumulation,
-                        ..Fp8Config::everywhere(fp8.recipe)
-                    };
-                }
                 if let Some(fast) = self.fp8_fast_accumulation {
                     fp8.fast_accumulation = match fast {
                         FastAccumulationArg::Never => FastAccumulation::Never,

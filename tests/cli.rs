@@ -762,6 +762,33 @@ fn fp8_options_choose_the_products_and_explain_says_why() {
     assert_eq!(products(&[]), 0, "the cost model keeps products this small");
     assert_eq!(products(&["--fp8-everywhere"]), 2);
     assert_eq!(products(&["--fp8-everywhere", "--fp8-keep", "mm2"]), 1);
+    // A classifier's head of 10 columns: cuBLASLt's FP8 products take no such n, so
+    // "everywhere" leaves it 16-bit (a graph the GPU runs), and explain says why.
+    let head = s.write("head.json", &two.replace("[32, 16]", "[32, 10]"));
+    ok(&[
+        "rewrite",
+        &head,
+        "--amp",
+        "--dtype",
+        "fp8",
+        "--fp8-everywhere",
+        "-o",
+        &out,
+    ]);
+    let rewritten = String::from_utf8(read(&out)).unwrap();
+    assert_eq!(rewritten.matches("\"Fp8MatMul\"").count(), 1, "{rewritten}");
+    let why = ok(&[
+        "explain",
+        &head,
+        "mm2",
+        "--dtype",
+        "fp8",
+        "--fp8-everywhere",
+    ]);
+    assert!(
+        why.contains("FP8 products need k and n multiples of 16 (k = 32, n = 10)"),
+        "{why}"
+    );
     // Every product sums fast unless told otherwise.
     let fast = |args: &[&str]| {
         products(&[&["--fp8-everywhere"], args].concat());
