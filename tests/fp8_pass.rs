@@ -9,13 +9,14 @@ use ampgraph::graph::format::{to_json, GraphDef};
 use ampgraph::graph::fp8::Fp8;
 use ampgraph::graph::nn::{self, Activation};
 use ampgraph::graph::ops::{
-    AmaxChoice, Fp8MatMul, FusedQuantizeFp8, GroupedQuantizeFp8, MatMul, QuantizeFp8,
+    AmaxChoice, Const, Fp8MatMul, Fp8Scale, FusedQuantizeFp8, GroupedQuantizeFp8, MatMul,
+    QuantizeFp8,
 };
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, LossScale, Optimizer, Sgd, TrainStep};
-use ampgraph::passes::amp::fp8::{plan, Decision, Kept};
+use ampgraph::passes::amp::fp8::{plan, CastSite, Decision, Kept};
 use ampgraph::passes::amp::report::explain;
 use ampgraph::passes::amp::{
-    AmpConfig, AutoMixedPrecision, FastAccumulation, Fp8Config, Fp8Recipe,
+    AmpConfig, AutoMixedPrecision, FastAccumulation, Fp8Config, Fp8Recipe, GemmCost,
 };
 use ampgraph::{DType, Device, Graph, Port, Session, SessionOptions, Tensor};
 
@@ -322,6 +323,108 @@ fn large_products_take_fp8() {
     assert_eq!(
         delayed.fp8,
         Some(Fp8Config::every_device_product(Fp8Recipe::delayed()))
+    );
+}
+
+/// Two layers whose weights are Consts (an imported model in inference) or Variables
+/// holding the same values, marked for BF16 AMP.
+fn two_layers(constant: bool) -> (Graph, Port, [(String, Tensor); 2]) {
+    let weight = |rows: usize, cols: usize, seed: usize| {
+        let v: Vec<f64> = (0..rows * cols)
+            .map(|i| (((i + seed) * 7919 % 257) as f64 - 128.0) / 64.0)
+            .collect();
+        Tensor::from_f64(DType::F32, [rows, cols], &v).unwrap()
+    };
+    let (w1, w2) = (weight(32, 48, 1), weight(48, 16, 2));
+    let mut g = Graph::new();
+    let x = g.placeholder("x", DType::F32, [16, 32]).unwrap();
+    let read = |g: &mut Graph, name: &str, w: &Tensor| match constant {
+        true => g.constant(w.clone()).unwrap(),
+        false => g.variable(name, DType::F32, w.shape().to_vec()).unwrap(),
+    };
+    let (p1, p2) = (read(&mut g, "w1", &w1), read(&mut g, "w2", &w2));
+    let h = g.matmul(x, p1).unwrap();
+    let h = g.relu(h).unwrap();
+    let y = g.matmul(h, p2).unwrap();
+    let y = g.relu(y).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    g.mixed_precision = Some(DType::BF16);
+    (g, y, [("w1".into(), w1), ("w2".into(), w2)])
+}
+
+/// Under current scaling an inference graph's constant weights are quantised once, by
+/// the pass (a Const of their FP8 values and one of the scale's inverse, the 16-bit
+/// weight gone), and nothing measures or casts them in a step: the outputs equal, bit
+/// for bit, those of the same weights held as Variables (quantised every step). The
+/// cost model charges such a weight nothing.
+#[test]
+fn constant_weights_are_quantised_once_by_the_pass() {
+    let x: Vec<f64> = (0..16 * 32)
+        .map(|i| ((i * 37 % 101) as f64) / 25.0 - 2.0)
+        .collect();
+    let feeds = Feeds::from([(
+        "x".into(),
+        Tensor::from_f64(DType::F32, [16, 32], &x).unwrap(),
+    )]);
+    let run = |constant: bool| {
+        let (g, y, weights) = two_layers(constant);
+        let fp8 = Fp8Config::everywhere(Fp8Recipe::Current);
+        let mut s = Session::with_options(g, Device::Cpu, options(fp8)).unwrap();
+        if !constant {
+            for (name, w) in weights {
+                s.set_variable(&name, w).unwrap();
+            }
+        }
+        let out = s.run(&[y], &feeds).unwrap().remove(0);
+        (s.graph_for(&[y]).clone(), out)
+    };
+    let (folded, from_constants) = run(true);
+    let (_, from_variables) = run(false);
+    assert_eq!(from_constants.to_f64_vec(), from_variables.to_f64_vec());
+    let products: Vec<_> = (folded.node_ids())
+        .filter(|&id| folded.node(id).op.is::<Fp8MatMul>())
+        .collect();
+    assert_eq!(products.len(), 2);
+    for id in products {
+        let weight = folded.inputs(id)[1];
+        let op = &folded.node(weight.node).op;
+        assert!(op.is::<Const>(), "{}", folded.node(weight.node).name);
+        assert_eq!(folded.ty(weight).dtype, DType::F8E4M3);
+    }
+    for id in folded.node_ids() {
+        let node = folded.node(id);
+        let reads_a_constant = (folded.inputs(id).iter())
+            .any(|p| folded.node(p.node).op.is::<Const>() && folded.ty(*p).dtype.is_float());
+        assert!(
+            !(node.op.is::<QuantizeFp8>() || node.op.is::<Fp8Scale>()) || !reads_a_constant,
+            "{} quantises a constant every step",
+            node.name
+        );
+        let sixteen_bit_weight = node.op.is::<Const>() && node.outputs()[0].dtype == DType::BF16;
+        assert!(!sixteen_bit_weight, "{} is left unread", node.name);
+    }
+    // The CUDA executor takes the FP8 Consts (planning the lowering, no device).
+    let (mut g, _, _) = two_layers(true);
+    AutoMixedPrecision::new(
+        AmpConfig::new(DType::BF16)
+            .unwrap()
+            .with_fp8(Fp8Config::everywhere(Fp8Recipe::Current)),
+    )
+    .rewrite(&mut g)
+    .unwrap();
+    let cuda = ampgraph::exec::cuda::pipeline_names(&Default::default());
+    (ampgraph::session::registry_passes(&cuda).unwrap())
+        .run(&mut g)
+        .unwrap();
+    ampgraph::exec::CudaExecutor::check_supported(&g).unwrap();
+    let cost = GemmCost::H100;
+    assert_eq!(
+        cost.cast_seconds(1 << 20, CastSite::Constant, Fp8Recipe::Current),
+        0.0
+    );
+    assert_eq!(
+        cost.cast_seconds(1 << 20, CastSite::Constant, Fp8Recipe::delayed()),
+        cost.cast_seconds(1 << 20, CastSite::Alone, Fp8Recipe::delayed())
     );
 }
 

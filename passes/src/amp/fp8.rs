@@ -31,12 +31,12 @@ use std::fmt;
 
 use ampgraph_graph::autodiff::is_seed_name;
 use ampgraph_graph::ops::{
-    AllFinite, AmaxChoice, AssignVariable, BatchMatMul, Cast, ElementOp, Fp8MatMul, Fp8Scale,
-    Fp8ScaleUpdate, Group, Init, LayerNorm, LayerNormGrad, MatMul, QuantizeFp8, Variable,
+    AllFinite, AmaxChoice, AssignVariable, BatchMatMul, Cast, Const, ElementOp, Fp8MatMul,
+    Fp8Scale, Fp8ScaleUpdate, Group, Init, LayerNorm, LayerNormGrad, MatMul, QuantizeFp8, Variable,
 };
-use ampgraph_graph::{DType, Graph, NodeId, Port, TensorType};
+use ampgraph_graph::{DType, Graph, NodeId, Op, Port, Tensor, TensorType};
 
-use crate::rewrite::node_error;
+use crate::rewrite::{cast_constant, node_error, through_casts};
 use crate::PassError;
 
 /// Where delayed scaling's Variables are named: precision state, not the model's, so
@@ -142,10 +142,11 @@ impl GemmCost {
     /// session).
     pub fn cast_seconds(&self, elements: usize, site: CastSite, recipe: Fp8Recipe) -> f64 {
         let (reads, kernels) = match (recipe, site) {
+            (Fp8Recipe::Current, CastSite::Constant) => return 0.0,
             (Fp8Recipe::Current, _) => (1.5, 2.0),
             (Fp8Recipe::Delayed { .. }, CastSite::Computed) => (0.0, 0.0),
             (Fp8Recipe::Delayed { .. }, CastSite::Weight) => (1.0, 0.0),
-            (Fp8Recipe::Delayed { .. }, CastSite::Alone) => (1.0, 1.0),
+            (Fp8Recipe::Delayed { .. }, CastSite::Alone | CastSite::Constant) => (1.0, 1.0),
         };
         elements as f64 * (2.0 * reads + 2.0) / self.bandwidth + kernels * self.launch
     }
@@ -196,6 +197,9 @@ pub enum CastSite {
     Computed,
     /// A Variable (a weight): cast with the others in one launch.
     Weight,
+    /// A Const (an imported model's weight in inference): under current scaling
+    /// quantised once by the pass ([`quantize`]), so no step casts it.
+    Constant,
     /// By anything else (a product, an attention): a cast kernel of its own.
     Alone,
 }
@@ -212,6 +216,8 @@ impl CastSite {
         let op = g.node(port.node).op.as_ref();
         if op.is::<Variable>() {
             CastSite::Weight
+        } else if op.is::<Const>() {
+            CastSite::Constant
         } else if op.is::<LayerNorm>() || op.is::<LayerNormGrad>() || ElementOp::of(op).is_some() {
             CastSite::Computed
         } else {
@@ -627,13 +633,16 @@ struct DelayedState {
 }
 
 /// Adds the quantisation of `x` to `format` under `config`'s recipe, with a transposed
-/// copy if `transposed`; under delayed scaling its state joins `delayed`.
+/// copy if `transposed`; under delayed scaling its state joins `delayed`. A constant
+/// under current scaling is quantised here, once, into Consts (its nodes, and those
+/// Consts, join `folded`, to go where nothing reads them after the rewrite).
 fn quantize(
     g: &mut Graph,
     x: Port,
     (format, transposed): (DType, bool),
     config: &Fp8Config,
     delayed: &mut Vec<DelayedState>,
+    folded: &mut Vec<NodeId>,
 ) -> Result<Quantized, PassError> {
     let src = source(g, x);
     let stem = format!(
@@ -648,6 +657,44 @@ fn quantize(
         .with_transposed(transposed);
     let copy = |q: NodeId| transposed.then(|| Port::new(q, 2));
     match config.recipe {
+        Fp8Recipe::Current if g.node(src.node).op.is::<Const>() => {
+            let value = cast_constant(g, x)
+                .map(|(value, _)| value)
+                .ok_or_else(|| node_error(g, src.node, "a constant the CPU cannot evaluate"))?;
+            let constant = |g: &mut Graph, what: &str, t: Tensor| -> Result<Port, PassError> {
+                let id = g.add_node(
+                    g.fresh_name(format!("{stem}/{what}")),
+                    Box::new(Const::new(t)),
+                    &[],
+                )?;
+                Ok(Port::from(id))
+            };
+            let at = |g: &Graph, m: String| node_error(g, x.node, &m);
+            let [scale, scale_inv]: [Tensor; 2] = (scale_op.eval(&[&value]))
+                .map_err(|m| at(g, m))?
+                .try_into()
+                .map_err(|_| at(g, "Fp8Scale gave other than two outputs".into()))?;
+            let mut parts = (quantize_op.eval(&[&value, &scale]))
+                .map_err(|m| at(g, m))?
+                .into_iter();
+            // (values, amax, the transposed copy): the amax is the scale's, no reader's.
+            let (Some(values), Some(_)) = (parts.next(), parts.next()) else {
+                return Err(at(g, "QuantizeFp8 gave fewer than two outputs".into()));
+            };
+            let values = constant(g, "quantized", values)?;
+            let copy = parts
+                .next()
+                .map(|t| constant(g, "quantized_transposed", t))
+                .transpose()?;
+            let scale_inv = constant(g, "scale_inv", scale_inv)?;
+            folded.extend(copy.iter().chain([&values]).map(|p| p.node));
+            folded.extend(through_casts(g, x));
+            Ok(Quantized {
+                values,
+                transposed: copy,
+                scale_inv,
+            })
+        }
         Fp8Recipe::Current => {
             let scale = g.add_node(
                 g.fresh_name(format!("{stem}/scale")),
@@ -817,7 +864,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
         }
     }
     let mut quantized: HashMap<(Port, DType), Quantized> = HashMap::new();
-    let mut delayed = Vec::new();
+    let (mut delayed, mut folded) = (Vec::new(), Vec::new());
     for (id, [(xa, a, flip_a), (xb, b, flip_b)]) in products {
         let mut operands = Vec::with_capacity(2);
         for (x, format) in [(xa, a), (xb, b)] {
@@ -826,7 +873,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
                 Some(q) => *q,
                 None => {
                     let copy = flipped.get(&key).copied().unwrap_or(false);
-                    let q = quantize(g, x, (format, copy), config, &mut delayed)?;
+                    let q = quantize(g, x, (format, copy), config, &mut delayed, &mut folded)?;
                     quantized.insert(key, q);
                     q
                 }
@@ -854,6 +901,26 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
                 qb.scale_inv,
             ],
         )?;
+    }
+    // The quantised constants' parts no product reads (a weight's values where every
+    // product reads its transposed copy), then the 16-bit constants they replace.
+    let mut seen = BTreeSet::new();
+    folded.retain(|&id| seen.insert(id));
+    loop {
+        let before = folded.len();
+        let mut read = Vec::with_capacity(before);
+        for id in folded {
+            let output = g.outputs().iter().any(|p| p.node == id);
+            if output || !g.consumers(id).is_empty() {
+                read.push(id);
+            } else {
+                g.remove_node(id)?;
+            }
+        }
+        folded = read;
+        if folded.len() == before {
+            break;
+        }
     }
     let writes = update_delayed_state(g, &delayed, config)?;
     if let (Some(group), false) = (group, writes.is_empty()) {
