@@ -18,24 +18,16 @@ d=/tmp/fp8real && mkdir -p $d
 timeout 200 python3 - <<'PY' >> $out 2>&1
 import torch, torchvision.models as tvm
 from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+from onnx_exports import LastHidden, export
 d = "/tmp/fp8real"
-def export(m, x, name):
-    torch.onnx.export(m.eval(), (x,), f"{d}/{name}.onnx", opset_version=17, dynamo=False,
-                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}})
-class LastHidden(torch.nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-    def forward(self, x):
-        return self.m(x).last_hidden_state
 torch.manual_seed(0)
 vit = tvm.vit_b_16()
 torch.nn.init.normal_(vit.heads.head.weight, std=0.02)
-export(vit, torch.randn(2, 3, 224, 224), "vit_b_16")
+export(vit, torch.randn(2, 3, 224, 224), f"{d}/vit_b_16.onnx", batch_axis=True)
 torch.manual_seed(0)
-export(LastHidden(BertModel(BertConfig(attn_implementation="eager"))), torch.randint(0, 30000, (2, 128)), "bert_base")
+export(LastHidden(BertModel(BertConfig(attn_implementation="eager"))), torch.randint(0, 30000, (2, 128)), f"{d}/bert_base.onnx", batch_axis=True)
 torch.manual_seed(0)
-export(LastHidden(GPT2Model(GPT2Config(attn_implementation="eager"))), torch.randint(0, 50000, (2, 512)), "gpt2")
+export(LastHidden(GPT2Model(GPT2Config(attn_implementation="eager"))), torch.randint(0, 50000, (2, 512)), f"{d}/gpt2.onnx", batch_axis=True)
 print("exported")
 PY
 # model, its input's shape after the batch, the serving batch

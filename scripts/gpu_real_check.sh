@@ -10,24 +10,17 @@
 mkdir -p /tmp/rc
 timeout 120 python3 - <<'PY' > $OUT/real_check.txt 2>&1
 import torch, torchvision.models as tvm
+from onnx_exports import LastHidden, export
 for name in ["resnet50", "mobilenet_v3_large", "efficientnet_b0"]:
     torch.manual_seed(0)
-    m = getattr(tvm, name)().eval()
-    torch.onnx.export(m, (torch.randn(2, 3, 224, 224),), f"/tmp/rc/{name}.onnx", opset_version=17, dynamo=False, input_names=["x"], output_names=["y"])
+    export(getattr(tvm, name)(), torch.randn(2, 3, 224, 224), f"/tmp/rc/{name}.onnx")
 torch.manual_seed(0)
-m = tvm.vit_b_16().eval()
+m = tvm.vit_b_16()
 torch.nn.init.normal_(m.heads.head.weight, std=0.02)
-torch.onnx.export(m, (torch.randn(2, 3, 224, 224),), "/tmp/rc/vit_b_16.onnx", opset_version=17, dynamo=False, input_names=["x"], output_names=["y"])
+export(m, torch.randn(2, 3, 224, 224), "/tmp/rc/vit_b_16.onnx")
 from transformers import BertConfig, BertModel
 torch.manual_seed(0)
-class LastHidden(torch.nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-    def forward(self, x):
-        return self.m(x).last_hidden_state
-m = LastHidden(BertModel(BertConfig(attn_implementation="eager"))).eval()
-torch.onnx.export(m, (torch.randint(0, 30000, (2, 128)),), "/tmp/rc/bert_base.onnx", opset_version=17, dynamo=False, input_names=["x"], output_names=["y"])
+export(LastHidden(BertModel(BertConfig(attn_implementation="eager"))), torch.randint(0, 30000, (2, 128)), "/tmp/rc/bert_base.onnx")
 PY
 for m in resnet50 mobilenet_v3_large efficientnet_b0 vit_b_16 bert_base; do
   ./ampgraph rewrite /tmp/rc/$m.onnx --amp -o /tmp/rc/$m.bin >> $OUT/real_check.txt 2>&1
