@@ -376,10 +376,17 @@ fn constant_weights_are_quantised_once_by_the_pass() {
             }
         }
         let out = s.run(&[y], &feeds).unwrap().remove(0);
-        (s.graph_for(&[y]).clone(), out)
+        let summary = s.passes[0].summary.to_string();
+        (s.graph_for(&[y]).clone(), out, summary)
     };
-    let (folded, from_constants) = run(true);
-    let (_, from_variables) = run(false);
+    let (folded, from_constants, summary) = run(true);
+    assert!(
+        summary.contains("FP8 GEMMs (E4M3 forward, E5M2 gradients): 2;")
+            && summary.contains("constants quantised once by the pass: 2"),
+        "{summary}"
+    );
+    let (_, from_variables, summary) = run(false);
+    assert!(!summary.contains("constants quantised"), "{summary}");
     assert_eq!(from_constants.to_f64_vec(), from_variables.to_f64_vec());
     let products: Vec<_> = (folded.node_ids())
         .filter(|&id| folded.node(id).op.is::<Fp8MatMul>())

@@ -385,6 +385,8 @@ pub struct Fp8Stats {
     pub kept_both_gradients: usize,
     /// Tensors quantised (each once).
     pub quantized: usize,
+    /// Of those, constants the pass quantised itself (current scaling).
+    pub constants: usize,
 }
 
 impl Plan {
@@ -902,6 +904,12 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
             ],
         )?;
     }
+    stats.constants = match config.recipe {
+        Fp8Recipe::Current => (quantized.keys())
+            .filter(|(p, _)| g.node(p.node).op.is::<Const>())
+            .count(),
+        Fp8Recipe::Delayed { .. } => 0,
+    };
     // The quantised constants' parts no product reads (a weight's values where every
     // product reads its transposed copy), then the 16-bit constants they replace.
     let mut seen = BTreeSet::new();

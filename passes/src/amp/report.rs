@@ -152,8 +152,12 @@ impl AmpReport {
             ),
         ];
         if let Some(f) = &self.fp8 {
+            let constants = match f.constants {
+                0 => String::new(),
+                n => format!("; constants quantised once by the pass: {n}"),
+            };
             lines.push(format!(
-                "FP8 GEMMs (E4M3 forward, E5M2 gradients): {}; kept {half} by the cost model: {}, as first/last or listed layers: {}, as products of two gradients: {}",
+                "FP8 GEMMs (E4M3 forward, E5M2 gradients): {}; kept {half} by the cost model: {}, as first/last or listed layers: {}, as products of two gradients: {}{constants}",
                 f.gemms, f.kept_by_cost, f.kept_by_layer, f.kept_both_gradients
             ));
         }
