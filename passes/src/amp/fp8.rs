@@ -207,6 +207,10 @@ pub enum CastSite {
 impl CastSite {
     /// Where `port` (a tensor before any Cast, [`source`]) is made, through views.
     fn of(g: &Graph, mut port: Port) -> CastSite {
+        // As `quantize` folds it: a Const read directly (Casts are already stripped).
+        if g.node(port.node).op.is::<Const>() {
+            return CastSite::Constant;
+        }
         while g.node(port.node).op.is_view() {
             match g.inputs(port.node).first() {
                 Some(&input) => port = input,
@@ -216,8 +220,6 @@ impl CastSite {
         let op = g.node(port.node).op.as_ref();
         if op.is::<Variable>() {
             CastSite::Weight
-        } else if op.is::<Const>() {
-            CastSite::Constant
         } else if op.is::<LayerNorm>() || op.is::<LayerNormGrad>() || ElementOp::of(op).is_some() {
             CastSite::Computed
         } else {
