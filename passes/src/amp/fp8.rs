@@ -198,7 +198,7 @@ pub enum CastSite {
     /// A Variable (a weight): cast with the others in one launch.
     Weight,
     /// A Const (an imported model's weight in inference): under current scaling
-    /// quantised once by the pass ([`quantize`]), so no step casts it.
+    /// quantised once by the pass, at rewrite time, so no step casts it.
     Constant,
     /// By anything else (a product, an attention): a cast kernel of its own.
     Alone,
