@@ -419,10 +419,7 @@ fn constant_weights_are_quantised_once_by_the_pass() {
     )
     .rewrite(&mut g)
     .unwrap();
-    let cuda = ampgraph::exec::cuda::pipeline_names(&Default::default());
-    (ampgraph::session::registry_passes(&cuda).unwrap())
-        .run(&mut g)
-        .unwrap();
+    common::cuda_passes(&mut g);
     ampgraph::exec::CudaExecutor::check_supported(&g).unwrap();
     let cost = GemmCost::H100;
     assert_eq!(
@@ -1010,7 +1007,6 @@ fn a_transformers_norms_are_computed_by_their_fp8_casts() {
 /// the CUDA pipeline, every node (no device needed: planning the lowering is enough).
 #[test]
 fn an_fp8_training_step_lowers_on_cuda() {
-    use ampgraph::exec::cuda::pipeline_names;
     use ampgraph::exec::CudaExecutor;
     for recipe in [Fp8Recipe::Current, Fp8Recipe::delayed()] {
         // 32 inputs: every product's k and n multiples of 16 but the head's.
@@ -1020,10 +1016,7 @@ fn an_fp8_training_step_lowers_on_cuda() {
         AutoMixedPrecision::new(AmpConfig::new(DType::BF16).unwrap().with_fp8(fp8))
             .rewrite(&mut g)
             .unwrap();
-        ampgraph::session::registry_passes(&pipeline_names(&Default::default()))
-            .unwrap()
-            .run(&mut g)
-            .unwrap();
+        common::cuda_passes(&mut g);
         assert_eq!(formats(&g).len(), 5, "{recipe:?}");
         CudaExecutor::check_supported(&g).unwrap();
     }

@@ -367,11 +367,7 @@ fn every_model_runs_with_fp8_products_near_onnxruntime() {
         assert!(!lowered.starts_with("not on CUDA"), "{name}: {lowered}");
         // On the CPU every product, whatever its shape.
         let mut g = amp(Fp8Config::everywhere(Fp8Recipe::Current));
-        let mut passes = ampgraph::passes::PassManager::new();
-        for pass in cuda::pipeline(&Default::default()) {
-            passes.push(pass);
-        }
-        passes.run(&mut g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        common::cuda_passes(&mut g);
         let products = common::count(&g, "Fp8MatMul");
         fp8_products += products;
         let got = run_outputs(&name, g, Device::Cpu, &inputs, &expected);

@@ -601,6 +601,11 @@ pub fn amp_and_cuda_passes(g: &mut Graph) {
     AutoMixedPrecision::new(AmpConfig::new(DType::F16).unwrap())
         .rewrite(g)
         .unwrap();
+    cuda_passes(g);
+}
+
+/// The graph after the CUDA executor's passes (an AMP graph: they run after AMP).
+pub fn cuda_passes(g: &mut Graph) {
     let mut passes = ampgraph::passes::PassManager::new();
     for pass in ampgraph::exec::cuda::pipeline(&Default::default()) {
         passes.push(pass);
