@@ -626,11 +626,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
         ),
         None => (String::new(), ""),
     };
-    let kernel = |name: &str, row: &str, paired: bool| {
-        let (pair_declaration, pair_fold) = match paired {
-            true => (pair_declaration.as_str(), pair_fold),
-            false => ("", ""),
-        };
+    let kernel = |name: &str, row: &str, (pair_declaration, pair_fold): (&str, &str)| {
         format!(
             "extern \"C\" __global__ void __launch_bounds__(256, 4) {name}(const TX* __restrict__ px, const T* __restrict__ pg, const T* __restrict__ pb, const float* __restrict__ ps, TQ* __restrict__ py, TQ* __restrict__ pt, unsigned int* amax, i64 rows, i64 len) {{\n\
                __align__(4) __shared__ u8 band[{FP8_BAND}][{band_width}];\n\
@@ -663,8 +659,8 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
             "{}{}{}{}",
             fp8_band_prelude(to),
             pairs.as_deref().unwrap_or(""),
-            kernel("k_warp", &warp, false),
-            kernel("k_warp_vec", &warp_vec, true)
+            kernel("k_warp", &warp, ("", "")),
+            kernel("k_warp_vec", &warp_vec, (&pair_declaration, pair_fold))
         ),
     )
 }
