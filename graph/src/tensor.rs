@@ -168,6 +168,51 @@ impl Data {
         })
     }
 
+    /// The values' bytes to overwrite in place, in the layout [`le_bytes`](Self::le_bytes)
+    /// reads, so that a device copy lands in the vector the caller keeps. `None` for
+    /// bools (a byte other than 0 or 1 is no bool) and on big-endian hosts.
+    pub fn le_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        if cfg!(target_endian = "big") {
+            return None;
+        }
+        fn view<T: Copy>(v: &mut [T]) -> &mut [u8] {
+            // SAFETY: T is one of Data's numeric element types: no padding, and every
+            // bit pattern is a valid value; the view borrows `v` exclusively.
+            unsafe {
+                std::slice::from_raw_parts_mut(
+                    v.as_mut_ptr().cast::<u8>(),
+                    std::mem::size_of_val(v),
+                )
+            }
+        }
+        Some(match self {
+            Data::F32(v) => view(v),
+            Data::F16(v) => view(v),
+            Data::BF16(v) => view(v),
+            Data::F64(v) => view(v),
+            Data::I32(v) => view(v),
+            Data::I64(v) => view(v),
+            Data::Bool(_) => return None,
+            Data::F8E4M3(v) => view(v),
+            Data::F8E5M2(v) => view(v),
+        })
+    }
+
+    /// `n` zeros of `dtype`, allocated zeroed (no pass writing them).
+    pub fn zeros(dtype: DType, n: usize) -> Data {
+        match dtype {
+            DType::F32 => Data::F32(vec![0.0; n]),
+            DType::F16 => Data::F16(vec![f16::ZERO; n]),
+            DType::BF16 => Data::BF16(vec![bf16::ZERO; n]),
+            DType::F64 => Data::F64(vec![0.0; n]),
+            DType::I32 => Data::I32(vec![0; n]),
+            DType::I64 => Data::I64(vec![0; n]),
+            DType::Bool => Data::Bool(vec![false; n]),
+            DType::F8E4M3 => Data::F8E4M3(vec![F8E4M3(0); n]),
+            DType::F8E5M2 => Data::F8E5M2(vec![F8E5M2(0); n]),
+        }
+    }
+
     /// Writes [`to_le_bytes`](Self::to_le_bytes) into `out` (a staging buffer), which
     /// holds exactly that many bytes.
     pub fn write_le_bytes(&self, out: &mut [u8]) {
@@ -361,7 +406,10 @@ impl Tensor {
 
     /// Zeros of the given type. The caller has checked that the size is sane.
     pub fn zeros(ty: &TensorType) -> Tensor {
-        Tensor::full(ty, 0.0)
+        Tensor {
+            shape: ty.shape.clone(),
+            data: Arc::new(Data::zeros(ty.dtype, ty.checked_len().unwrap_or(0))),
+        }
     }
 
     /// `value` (rounded to the dtype) everywhere in a tensor of type `ty`, made in the
@@ -520,6 +568,26 @@ mod rounding_tests {
 #[cfg(test)]
 mod byte_tests {
     use super::*;
+
+    /// Bytes written through `le_bytes_mut` into zeros read back as the values whose
+    /// `to_le_bytes` they were (bools excepted: not every byte is one).
+    #[test]
+    fn le_bytes_mut_takes_what_to_le_bytes_writes() {
+        let values = [-2.5, 0.0, 1.0, 3.25, 65504.0, -1e-3];
+        for dtype in DType::ALL {
+            let t = Tensor::from_f64(dtype, vec![values.len()], &values).unwrap();
+            let mut data = Data::zeros(dtype, values.len());
+            assert!(data.iter_f64().all(|x| x == 0.0), "{dtype}");
+            match data.le_bytes_mut() {
+                Some(bytes) => bytes.copy_from_slice(&t.data().to_le_bytes()),
+                None => {
+                    assert_eq!(dtype, DType::Bool);
+                    continue;
+                }
+            }
+            assert_eq!(&data, t.data(), "{dtype}");
+        }
+    }
 
     /// The borrowed view is the layout `to_le_bytes` writes, for every dtype, and
     /// `from_le_bytes` reads it back.
