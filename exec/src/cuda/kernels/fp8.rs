@@ -198,8 +198,10 @@ fn activate_unrounded(kind: UnaryKind) -> String {
 
 /// The 16-bit dtypes a [`cast_transpose`] kernel rounds its values to two at a time:
 /// `u32 round2(lo, hi)` packs the pair as the dtype's stores would, `lo_of` and `hi_of`
-/// widen the halves back, and `pair_amax_bits(m2)` turns a `__vmaxu2` of such pairs
-/// (signs cleared) into the bits of their float amax, as [`amax_measure`] keeps it.
+/// widen the halves back, `round_measure2(lo, hi, m2)` rounds a pair and folds its
+/// magnitudes into `m2` (a `__vmaxu2` of the pairs, signs cleared), and
+/// `pair_amax_bits(m2)` turns that into the bits of their float amax, as
+/// [`amax_measure`] keeps it.
 pub(super) fn pair_rounding(d: DType) -> Option<String> {
     let (pair, pack, widen) = match d {
         DType::BF16 => (
@@ -219,6 +221,7 @@ pub(super) fn pair_rounding(d: DType) -> Option<String> {
          __device__ __forceinline__ float widen16(u32 h) {{ return {widen}; }}\n\
          __device__ __forceinline__ float lo_of(u32 w) {{ return widen16(w & 0xffffu); }}\n\
          __device__ __forceinline__ float hi_of(u32 w) {{ return widen16(w >> 16); }}\n\
+         __device__ __forceinline__ u32 round_measure2(float lo, float hi, u32& m2) {{ const u32 w = round2(lo, hi); m2 = __vmaxu2(m2, w & 0x7fff7fffu); return w; }}\n\
          __device__ __forceinline__ u32 pair_amax_bits(u32 m2) {{ return __float_as_uint(widen16(max(m2 & 0xffffu, m2 >> 16))); }}\n"
     ))
 }
@@ -651,8 +654,7 @@ fn cast_transpose(k: CastTranspose) -> String {
                 format!(
                     "#pragma unroll\n\
                      for (int p = 0; p < 4; ++p) {{\n\
-                       const u32 w = round2(pre[2 * p], pre[2 * p + 1]);\n\
-                       m2 = __vmaxu2(m2, w & 0x7fff7fffu);\n\
+                       const u32 w = round_measure2(pre[2 * p], pre[2 * p + 1], m2);\n\
                        const float lo = lo_of(w), hi = hi_of(w);\n\
                        {pair_end}\
                        scaled[2 * p] = __fmul_rn(lo, s);\n\

@@ -588,8 +588,7 @@ pub(super) fn layer_norm_fp8(types: NormTypes, eps: f64, per: usize, to: DType) 
              }}\n\
              #pragma unroll\n\
              for (int p = 0; p < {v} / 2; ++p) {{\n\
-               const u32 pw = round2(pre[2 * p], pre[2 * p + 1]);\n\
-               m2 = __vmaxu2(m2, pw & 0x7fff7fffu);\n\
+               const u32 pw = round_measure2(pre[2 * p], pre[2 * p + 1], m2);\n\
                scaled[2 * p] = __fmul_rn(lo_of(pw), scale);\n\
                scaled[2 * p + 1] = __fmul_rn(hi_of(pw), scale);\n\
              }}\n"
