@@ -9,12 +9,17 @@
 //! (`batch_first`, as torchvision's ViT) transposes its input to sequence-first before
 //! the packed in-projection and its output back after the out-projection: moved past
 //! them, these Transposes meet the ones the attention's operands take and compose
-//! away.
+//! away. An FP8 product's operand is read by its cast (row-wise) and by the scale its
+//! amax sets, which the order of the rows does not change: the scale reads `x`'s rows
+//! as they are, and the view moves past the cast and the product as past a 16-bit one.
 
-use ampgraph_graph::ops::{BiasAdd, Binary, Cast, MatMul, Reshape, Slice, Transpose, Unary};
+use ampgraph_graph::ops::{
+    BiasAdd, Binary, Cast, Fp8MatMul, Fp8Scale, MatMul, QuantizeFp8, Reshape, Slice, Transpose,
+    Unary,
+};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{dims, output_nodes, remove_unread, sole_reader};
+use crate::rewrite::{dims, output_nodes, remove_unread};
 use crate::PassError;
 
 /// A row view read by one row-wise op: `x`'s leading axes (those `p` reorders), `p`
@@ -46,7 +51,7 @@ fn row_view(g: &Graph, v: Port, outputs: &[Port]) -> Option<RowView> {
         && shape[..row].iter().product::<usize>() == m
         && (row..shape.len()).all(|i| perm[i] == i);
     let sole = |p: Port| g.port_consumers(p).len() == 1 && !outputs.contains(&p);
-    (rows && row > 0 && sole(t) && sole(v)).then(|| RowView {
+    (rows && row > 0 && sole(t) && order_reader(g, v, outputs).is_some()).then(|| RowView {
         x,
         lead: shape[..row].to_vec(),
         perm: perm[..row].to_vec(),
@@ -54,16 +59,44 @@ fn row_view(g: &Graph, v: Port, outputs: &[Port]) -> Option<RowView> {
     })
 }
 
+/// Whether node `id` reads its input whole, in no order: an FP8 scale (the amax of
+/// the values).
+fn order_blind(g: &Graph, id: NodeId) -> bool {
+    g.node(id).op.is::<Fp8Scale>()
+}
+
+/// The one reader of `p` that reads its rows' order (any others are order-blind), if
+/// `p` is no graph output.
+fn order_reader(g: &Graph, p: Port, outputs: &[Port]) -> Option<(NodeId, usize)> {
+    let mut readers = g.port_consumers(p).into_iter();
+    let mut ordered = readers.by_ref().filter(|&(r, _)| !order_blind(g, r));
+    match (ordered.next(), ordered.next()) {
+        (Some(one), None) if !outputs.contains(&p) => Some(one),
+        _ => None,
+    }
+}
+
 /// Whether `op` computes each row of its `[M, N]` result from the same row of input
 /// `slot` (and inputs the same for every row).
 fn row_wise(g: &Graph, id: NodeId, slot: usize) -> bool {
     let op = &g.node(id).op;
-    let out = &g.ty(Port::new(id, 0)).shape;
-    if out.len() != 2 || g.node(id).outputs().len() != 1 {
+    if g.ty(Port::new(id, 0)).shape.len() != 2 {
+        return false;
+    }
+    // An FP8 cast's scale is one for every row, and its second output the amax of
+    // them all, whatever their order.
+    if let Some(q) = op.downcast_ref::<QuantizeFp8>() {
+        return slot == 0 && !q.transposed;
+    }
+    if g.node(id).outputs().len() != 1 {
         return false;
     }
     if let Some(m) = op.downcast_ref::<MatMul>() {
         return slot == 0 && !m.transpose_a;
+    }
+    // A bias is a row vector; a residual is not.
+    if let Some(m) = op.downcast_ref::<Fp8MatMul>() {
+        return slot == 0 && !m.product.transpose_a && !m.residual;
     }
     if op.is::<Binary>() {
         let other = g.inputs(id)[1 - slot];
@@ -82,7 +115,9 @@ fn path(g: &Graph, v: Port, outputs: &[Port]) -> Option<Vec<NodeId>> {
     row_view(g, v, outputs)?;
     let mut ops = Vec::new();
     let mut at = v;
-    while let Some((op, _)) = sole_reader(g, at).filter(|&(op, slot)| row_wise(g, op, slot)) {
+    while let Some((op, _)) =
+        order_reader(g, at, outputs).filter(|&(op, slot)| row_wise(g, op, slot))
+    {
         ops.push(op);
         at = Port::new(op, 0);
     }
@@ -163,6 +198,9 @@ fn move_past(g: &mut Graph, row: RowView, op: NodeId) -> Result<Port, PassError>
             .into(),
     };
     g.set_input(op, slot, rows)?;
+    for (blind, blind_slot) in g.port_consumers(Port::new(row.nodes[0], 0)) {
+        g.set_input(blind, blind_slot, rows)?;
+    }
     let readers = g.port_consumers(y);
     let unrows = g.add_node(
         g.fresh_name(format!("{name}/unrows")),
@@ -244,5 +282,53 @@ mod tests {
                 .unwrap();
             assert_eq!(after.inputs(after.inputs(moved)[0].node)[0], y);
         }
+    }
+
+    /// The same projection in FP8 under current scaling: the rows' view is read by
+    /// their cast and by the scale their amax sets (which reads x's rows in their own
+    /// order, the same amax), and moves past the cast and the product to meet the
+    /// Transpose back.
+    #[test]
+    fn an_fp8_projection_computes_in_the_inputs_row_order() {
+        let mut g = Graph::new();
+        let x = g.placeholder("x", DType::F32, [2, 3, 2, 2]).unwrap();
+        let w = g.placeholder("w", DType::F32, [6, 4]).unwrap();
+        let t = g.transpose(x, [1, 0, 2, 3]).unwrap();
+        let rows = g.reshape(t, [6, 4]).unwrap();
+        let mut cast = |g: &mut Graph, name: &str, v: Port| {
+            let scale = (g.add_node(
+                format!("{name}/scale"),
+                Box::new(Fp8Scale::new(DType::F8E4M3, 0).unwrap()),
+                &[v],
+            ))
+            .unwrap();
+            let q = (g.add_node(
+                format!("{name}/quantize"),
+                Box::new(QuantizeFp8::new(DType::F8E4M3).unwrap()),
+                &[v, Port::new(scale, 0)],
+            ))
+            .unwrap();
+            (Port::new(q, 0), Port::new(scale, 1))
+        };
+        let (a, a_inv) = cast(&mut g, "a", rows);
+        let (b, b_inv) = cast(&mut g, "b", w);
+        let op = Fp8MatMul::new(MatMul::new(false, true), DType::F32).unwrap();
+        let product: Port = (g.add_node("product", Box::new(op), &[a, b, a_inv, b_inv]))
+            .unwrap()
+            .into();
+        let z = g.reshape(product, [3, 2, 6]).unwrap();
+        let z = g.transpose(z, [1, 0, 2]).unwrap();
+        g.set_outputs(vec![z]).unwrap();
+        let feeds = HashMap::from([("x", sine(&[2, 3, 2, 2], 0.3)), ("w", sine(&[6, 4], 0.7))]);
+        let mut after = g.clone();
+        assert_eq!(move_past_row_ops(&mut after).unwrap(), 2);
+        after.validate().unwrap();
+        assert_same_bits(&run(&g, &feeds), &run(&after, &feeds));
+        // The cast and the scale read x's own rows; one Transpose left before the last.
+        let rows_after = after.inputs(a.node)[0];
+        assert_eq!(after.inputs(rows_after.node)[0], x);
+        let scale = after.inputs(a.node)[1].node;
+        assert_eq!(after.inputs(scale)[0], rows_after);
+        assert_eq!(count(&after, "Transpose"), 2);
     }
 }
