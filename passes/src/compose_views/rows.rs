@@ -295,7 +295,7 @@ mod tests {
         let w = g.placeholder("w", DType::F32, [6, 4]).unwrap();
         let t = g.transpose(x, [1, 0, 2, 3]).unwrap();
         let rows = g.reshape(t, [6, 4]).unwrap();
-        let mut cast = |g: &mut Graph, name: &str, v: Port| {
+        let cast = |g: &mut Graph, name: &str, v: Port| {
             let scale = (g.add_node(
                 format!("{name}/scale"),
                 Box::new(Fp8Scale::new(DType::F8E4M3, 0).unwrap()),
