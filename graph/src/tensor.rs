@@ -134,6 +134,24 @@ pub fn bf16_from_f64(v: f64) -> bf16 {
     bf16::from_f32(f32_round_to_odd(v))
 }
 
+/// `$body` on the vector `$v` of whichever variant `$data` is (the same code for every
+/// element type).
+macro_rules! each_vector {
+    ($data:expr, $v:ident => $body:expr) => {
+        match $data {
+            Data::F32($v) => $body,
+            Data::F16($v) => $body,
+            Data::BF16($v) => $body,
+            Data::F64($v) => $body,
+            Data::I32($v) => $body,
+            Data::I64($v) => $body,
+            Data::Bool($v) => $body,
+            Data::F8E4M3($v) => $body,
+            Data::F8E5M2($v) => $body,
+        }
+    };
+}
+
 impl Data {
     /// The values as little-endian bytes (bools one byte each, 0 or 1): a device
     /// buffer's layout and a checkpoint's.
@@ -155,29 +173,20 @@ impl Data {
             // initialised; the view borrows `v` and reads only.
             unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
         }
-        std::borrow::Cow::Borrowed(match self {
-            Data::F32(v) => view(v),
-            Data::F16(v) => view(v),
-            Data::BF16(v) => view(v),
-            Data::F64(v) => view(v),
-            Data::I32(v) => view(v),
-            Data::I64(v) => view(v),
-            Data::Bool(v) => view(v),
-            Data::F8E4M3(v) => view(v),
-            Data::F8E5M2(v) => view(v),
-        })
+        std::borrow::Cow::Borrowed(each_vector!(self, v => view(v)))
     }
 
     /// The values' bytes to overwrite in place, in the layout [`le_bytes`](Self::le_bytes)
     /// reads, so that a device copy lands in the vector the caller keeps. `None` for
     /// bools (a byte other than 0 or 1 is no bool) and on big-endian hosts.
     pub fn le_bytes_mut(&mut self) -> Option<&mut [u8]> {
-        if cfg!(target_endian = "big") {
+        if cfg!(target_endian = "big") || matches!(self, Data::Bool(_)) {
             return None;
         }
         fn view<T: Copy>(v: &mut [T]) -> &mut [u8] {
-            // SAFETY: T is one of Data's numeric element types: no padding, and every
-            // bit pattern is a valid value; the view borrows `v` exclusively.
+            // SAFETY: T is one of Data's numeric element types (bools returned above):
+            // no padding, and every bit pattern is a valid value; the view borrows `v`
+            // exclusively.
             unsafe {
                 std::slice::from_raw_parts_mut(
                     v.as_mut_ptr().cast::<u8>(),
@@ -185,17 +194,7 @@ impl Data {
                 )
             }
         }
-        Some(match self {
-            Data::F32(v) => view(v),
-            Data::F16(v) => view(v),
-            Data::BF16(v) => view(v),
-            Data::F64(v) => view(v),
-            Data::I32(v) => view(v),
-            Data::I64(v) => view(v),
-            Data::Bool(_) => return None,
-            Data::F8E4M3(v) => view(v),
-            Data::F8E5M2(v) => view(v),
-        })
+        Some(each_vector!(self, v => view(v)))
     }
 
     /// `n` zeros of `dtype`, allocated zeroed (no pass writing them).
@@ -291,17 +290,7 @@ impl Data {
     }
 
     pub fn len(&self) -> usize {
-        match self {
-            Data::F32(v) => v.len(),
-            Data::F16(v) => v.len(),
-            Data::BF16(v) => v.len(),
-            Data::F64(v) => v.len(),
-            Data::I32(v) => v.len(),
-            Data::I64(v) => v.len(),
-            Data::Bool(v) => v.len(),
-            Data::F8E4M3(v) => v.len(),
-            Data::F8E5M2(v) => v.len(),
-        }
+        each_vector!(self, v => v.len())
     }
 
     pub fn is_empty(&self) -> bool {
