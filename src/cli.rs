@@ -607,9 +607,11 @@ pub struct PrecisionArgs {
     /// products where they pay (see --fp8-*).
     #[arg(long, value_enum, default_value = "f16")]
     dtype: HalfArg,
-    /// FP8 scaling (with --dtype fp8): `current` (each tensor's own amax) or
-    /// `delayed` (an amax history in the graph, updated by the training step).
-    /// Default: `AMPGRAPH_AMP_FP8_SCALING`, else current.
+    /// FP8 scaling (with --dtype fp8): `current` (each tensor's own amax), `delayed`
+    /// (an amax history in the graph, updated by the training step) or `static`
+    /// (inference: scales fixed from the amaxes on `rewrite --calibrate`'s samples, no
+    /// amax pass, casts fused into the kernels before them). Default:
+    /// `AMPGRAPH_AMP_FP8_SCALING`, else current.
     #[arg(long, value_enum)]
     fp8_scaling: Option<Fp8ScalingArg>,
     /// Delayed scaling's amax history length (default 1024, TransformerEngine's).
@@ -665,6 +667,7 @@ impl HalfArg {
 pub enum Fp8ScalingArg {
     Current,
     Delayed,
+    Static,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -735,6 +738,7 @@ impl PrecisionArgs {
                 fp8.keep.extend(self.fp8_keep.iter().cloned());
                 match self.fp8_scaling {
                     Some(Fp8ScalingArg::Current) => fp8.recipe = Fp8Recipe::Current,
+                    Some(Fp8ScalingArg::Static) => fp8.recipe = Fp8Recipe::Static,
                     Some(Fp8ScalingArg::Delayed) => {
                         fp8.recipe = Fp8Recipe::Delayed {
                             history: self.fp8_amax_history.unwrap_or(DEFAULT_AMAX_HISTORY),
@@ -868,6 +872,12 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
                 ));
             }
             let mut config = precision.config()?;
+            let static_fp8 = config.fp8.as_ref().map(|f| f.recipe) == Some(Fp8Recipe::Static);
+            if static_fp8 && calibrate.is_none() {
+                return Err(CliError::Usage(
+                    "--fp8-scaling static fixes its scales from samples: add --calibrate".into(),
+                ));
+            }
             let calibration = calibrate
                 .as_deref()
                 .map(|samples| (samples, save_overrides.as_deref()));
@@ -1159,6 +1169,17 @@ fn rewrite_graph(
                     Some((samples, save)) => {
                         let (done, feeds) = calibrate_amp(g, samples, config, save)?;
                         text.push_str(&done);
+                        let recipe = config.fp8.as_ref().map(|f| f.recipe);
+                        if recipe == Some(Fp8Recipe::Static) {
+                            let amaxes = crate::numerics::calibrate::fp8_amaxes(g, config, &feeds)?;
+                            text.push_str(&format!(
+                                "FP8 static scales: the amaxes of {} tensors on the samples\n",
+                                amaxes.len()
+                            ));
+                            if let Some(fp8) = config.fp8.as_mut() {
+                                fp8.calibrated = amaxes;
+                            }
+                        }
                         let wide = crate::numerics::calibrate::outputs_on(g, &feeds)?;
                         Some((wide, feeds))
                     }

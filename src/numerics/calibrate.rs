@@ -32,8 +32,10 @@ use std::path::Path;
 
 use ampgraph_exec::{CpuExecutor, Evaluated, ExecError, Executor, Feeds};
 use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
+use ampgraph_graph::ops::QuantizeFp8;
+use ampgraph_passes::amp::fp8::calibration_key;
 use ampgraph_passes::amp::lists::keep_f32_toml;
-use ampgraph_passes::amp::{AmpConfig, PrecisionLists};
+use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Recipe, PrecisionLists};
 use ampgraph_passes::PassError;
 use thiserror::Error;
 
@@ -46,12 +48,14 @@ pub const DEFAULT_MARGIN: f64 = 2.0;
 pub enum CalibrateError {
     #[error("calibration needs at least one sample (one set of feeds)")]
     NoSamples,
-    #[error("calibration sample {sample} (in f32 on the CPU): {source}")]
+    #[error("calibration sample {sample} (on the CPU): {source}")]
     Exec {
         sample: usize,
         #[source]
         source: ExecError,
     },
+    #[error("FP8 calibration needs an AMP configuration with FP8 products (--dtype fp8)")]
+    NoFp8,
     #[error(transparent)]
     Lists(#[from] PassError),
     #[error(transparent)]
@@ -150,6 +154,47 @@ pub fn calibrate_on(
     run?;
     calibration.samples = samples.len();
     Ok(calibration)
+}
+
+/// The amaxes static FP8 scaling fixes its scales by ([`Fp8Recipe::Static`],
+/// `Fp8Config::calibrated`): `graph` rewritten by `config` with every product in FP8
+/// under current scaling and run on the CPU on each sample; each cast's largest input
+/// magnitude over the samples, by its [`calibration_key`]. Calibrated on the inputs it
+/// then runs on, a static graph computes what current scaling computes, bit for bit.
+pub fn fp8_amaxes(
+    graph: &Graph,
+    config: &AmpConfig,
+    samples: &[Feeds],
+) -> Result<BTreeMap<String, f32>, CalibrateError> {
+    if samples.is_empty() {
+        return Err(CalibrateError::NoSamples);
+    }
+    let mut config = config.clone();
+    let fp8 = config.fp8.as_mut().ok_or(CalibrateError::NoFp8)?;
+    // Every product the static rewrite may choose, each operand measured by its cast.
+    fp8.recipe = Fp8Recipe::Current;
+    fp8.cost = None;
+    fp8.keep_first_and_last = false;
+    fp8.keep.clear();
+    let mut g = graph.clone();
+    AutoMixedPrecision::new(config).rewrite(&mut g)?;
+    let casts: Vec<(String, Port)> = (g.node_ids())
+        .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
+        .filter_map(|id| Some((calibration_key(&g.node(id).name)?.to_string(), Port::new(id, 1))))
+        .collect();
+    let fetches: Vec<Port> = casts.iter().map(|(_, amax)| *amax).collect();
+    let mut exec = CpuExecutor::new();
+    let mut amaxes = BTreeMap::new();
+    for (sample, feeds) in samples.iter().enumerate() {
+        let values = (exec.run(&g, feeds, &fetches))
+            .map_err(|source| CalibrateError::Exec { sample, source })?;
+        for ((key, _), value) in casts.iter().zip(values) {
+            let amax = value.to_f32_vec().first().copied().unwrap_or(0.0);
+            let kept = amaxes.entry(key.clone()).or_insert(amax);
+            *kept = kept.max(amax);
+        }
+    }
+    Ok(amaxes)
 }
 
 /// The first output of every node nothing reads (and the graph's outputs): fetching

@@ -26,7 +26,7 @@
 //! and products of two gradients (Hopper has no E5M2 x E5M2 product). A backward
 //! product belongs to the layer of the forward product that reads its other operand.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use ampgraph_graph::autodiff::is_seed_name;
@@ -54,6 +54,12 @@ pub enum Fp8Recipe {
     /// default: 1024 steps, `max`); the amax is measured while quantising. Its state
     /// is updated by the training step, so an inference graph cannot use it.
     Delayed { history: usize, amax: AmaxChoice },
+    /// Each tensor's scale fixed at rewrite time from its amax on calibration inputs
+    /// ([`Fp8Config::calibrated`], TensorRT's and ONNX Runtime's calibrated FP8): no
+    /// amax pass, so a cast folds into the kernel computing its tensor as under delayed
+    /// scaling; a value beyond the calibrated amax saturates. For inference graphs: a
+    /// training step's tensors drift from their calibration.
+    Static,
 }
 
 /// TransformerEngine's amax history length.
@@ -147,6 +153,9 @@ impl GemmCost {
             (Fp8Recipe::Delayed { .. }, CastSite::Computed) => (0.0, 0.0),
             (Fp8Recipe::Delayed { .. }, CastSite::Weight) => (1.0, 0.0),
             (Fp8Recipe::Delayed { .. }, CastSite::Alone | CastSite::Constant) => (1.0, 1.0),
+            (Fp8Recipe::Static, CastSite::Constant) => return 0.0,
+            (Fp8Recipe::Static, CastSite::Computed) => (0.0, 0.0),
+            (Fp8Recipe::Static, CastSite::Weight | CastSite::Alone) => (1.0, 1.0),
         };
         elements as f64 * (2.0 * reads + 2.0) / self.bandwidth + kernels * self.launch
     }
@@ -246,6 +255,10 @@ pub struct Fp8Config {
     pub margin: i32,
     /// Which products sum in the GPU's fast mode.
     pub fast_accumulation: FastAccumulation,
+    /// Under [`Fp8Recipe::Static`], the amax of each tensor a product may quantise,
+    /// measured on calibration inputs, by the name of its cast under current scaling
+    /// ([`calibration_key`]).
+    pub calibrated: BTreeMap<String, f32>,
 }
 
 /// Which FP8 products sum in Hopper's fast accumulation mode
@@ -291,6 +304,7 @@ impl Default for Fp8Config {
             device_shapes: true,
             margin: 0,
             fast_accumulation: FastAccumulation::default(),
+            calibrated: BTreeMap::new(),
         }
     }
 }
@@ -636,6 +650,14 @@ struct DelayedState {
     scale_inv: Port,
 }
 
+/// The key of [`Fp8Config::calibrated`] that the cast node `name` of a graph rewritten
+/// under current scaling measures (`QuantizeFp8`'s second output is its input's amax):
+/// the tensor's and the format's stem, `ampgraph/fp8/<tensor>/<format>`.
+pub fn calibration_key(name: &str) -> Option<&str> {
+    name.strip_prefix(STATE_PREFIX)?;
+    name.strip_suffix("/quantize")
+}
+
 /// Adds the quantisation of `x` to `format` under `config`'s recipe, with a transposed
 /// copy if `transposed`; under delayed scaling its state joins `delayed`. A constant
 /// under current scaling is quantised here, once, into Consts (its nodes, and those
@@ -661,7 +683,7 @@ fn quantize(
         .with_transposed(transposed);
     let copy = |q: NodeId| transposed.then(|| Port::new(q, 2));
     match config.recipe {
-        Fp8Recipe::Current if g.node(src.node).op.is::<Const>() => {
+        Fp8Recipe::Current | Fp8Recipe::Static if g.node(src.node).op.is::<Const>() => {
             let value = cast_constant(g, x)
                 .map(|(value, _)| value)
                 .ok_or_else(|| node_error(g, src.node, "a constant the CPU cannot evaluate"))?;
@@ -714,6 +736,37 @@ fn quantize(
                 values: Port::new(q, 0),
                 transposed: copy(q),
                 scale_inv: Port::new(scale, 1),
+            })
+        }
+        Fp8Recipe::Static => {
+            let amax = config.calibrated.get(&stem).copied().ok_or_else(|| {
+                node_error(
+                    g,
+                    x.node,
+                    &format!("no calibrated amax for its FP8 cast {stem} (static scaling)"),
+                )
+            })?;
+            // The scale current scaling computes from this amax, as Consts.
+            let amax = Tensor::scalar(DType::F32, f64::from(amax));
+            let at = |g: &Graph, m: String| node_error(g, x.node, &m);
+            let scales = scale_op.eval(&[&amax]).map_err(|m| at(g, m))?;
+            let mut constant = |what: &str, i: usize| -> Result<Port, PassError> {
+                let t = scales.get(i).cloned().ok_or_else(|| {
+                    at(g, "Fp8Scale gave other than two outputs".into())
+                })?;
+                let name = g.fresh_name(format!("{stem}/{what}"));
+                Ok(g.add_node(name, Box::new(Const::new(t)), &[])?.into())
+            };
+            let (scale, scale_inv) = (constant("scale", 0)?, constant("scale_inv", 1)?);
+            let q = g.add_node(
+                g.fresh_name(format!("{stem}/quantize")),
+                Box::new(quantize_op),
+                &[x, scale],
+            )?;
+            Ok(Quantized {
+                values: Port::new(q, 0),
+                transposed: copy(q),
+                scale_inv,
             })
         }
         Fp8Recipe::Delayed { history, .. } => {
@@ -844,6 +897,13 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
                 .into(),
         ));
     }
+    if config.recipe == Fp8Recipe::Static && group.is_some() {
+        return Err(PassError::Rewrite(
+            "static FP8 scales are calibrated for inference, and this graph trains (its \
+             tensors drift from their calibration): use delayed or current scaling"
+                .into(),
+        ));
+    }
     // Each chosen product with its operands: (port, format, whether it is stored the
     // other way round from K-major).
     let mut products = Vec::new();
@@ -907,7 +967,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
         )?;
     }
     stats.constants = match config.recipe {
-        Fp8Recipe::Current => (quantized.keys())
+        Fp8Recipe::Current | Fp8Recipe::Static => (quantized.keys())
             .filter(|(p, _)| g.node(p.node).op.is::<Const>())
             .count(),
         Fp8Recipe::Delayed { .. } => 0,
