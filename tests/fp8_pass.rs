@@ -12,6 +12,7 @@ use ampgraph::graph::ops::{
     AmaxChoice, Const, Fp8MatMul, Fp8Scale, FusedQuantizeFp8, GroupedQuantizeFp8, MatMul,
     QuantizeFp8,
 };
+use ampgraph::numerics::calibrate::fp8_amaxes;
 use ampgraph::optim::{enable_mixed_precision_graph_rewrite, LossScale, Optimizer, Sgd, TrainStep};
 use ampgraph::passes::amp::fp8::{plan, CastSite, Decision, Kept};
 use ampgraph::passes::amp::report::explain;
@@ -430,6 +431,75 @@ fn constant_weights_are_quantised_once_by_the_pass() {
         cost.cast_seconds(1 << 20, CastSite::Constant, Fp8Recipe::delayed()),
         cost.cast_seconds(1 << 20, CastSite::Alone, Fp8Recipe::delayed())
     );
+}
+
+/// Static scaling (inference): each cast's scale fixed at rewrite time from its amax on
+/// calibration samples. Calibrated on the inputs it then runs on, the graph computes
+/// what current scaling computes, bit for bit, with no amax pass (no Fp8Scale left);
+/// on other inputs it stays within FP8's rounding of current scaling. A training
+/// graph, and a cast without a calibrated amax, are refused.
+#[test]
+fn static_scales_calibrated_on_the_inputs_compute_what_current_scaling_computes() {
+    // Other inputs than the calibration's: smaller, so their own scales differ.
+    let input = |seed: usize| {
+        let x: Vec<f64> = (0..16 * 32)
+            .map(|i| ((((i + seed) * 37 % 101) as f64) / 25.0 - 2.0) / (1 + seed) as f64)
+            .collect();
+        Feeds::from([(
+            "x".into(),
+            Tensor::from_f64(DType::F32, [16, 32], &x).unwrap(),
+        )])
+    };
+    let config = |recipe| {
+        AmpConfig::new(DType::BF16)
+            .unwrap()
+            .with_fp8(Fp8Config::everywhere(recipe))
+    };
+    let (g, y, _) = two_layers(true);
+    let amaxes = fp8_amaxes(&g, &config(Fp8Recipe::Current), &[input(0)]).unwrap();
+    // The first layer's input and the ReLU's output (the weights are quantised once).
+    assert_eq!(amaxes.len(), 2, "{amaxes:?}");
+    let mut calibrated = config(Fp8Recipe::Static);
+    if let Some(fp8) = calibrated.fp8.as_mut() {
+        fp8.calibrated = amaxes.clone();
+    }
+    let run = |amp: AmpConfig, feeds: &Feeds| {
+        let options = SessionOptions {
+            amp: Some(amp),
+            ..SessionOptions::default()
+        };
+        let mut s = Session::with_options(g.clone(), Device::Cpu, options).unwrap();
+        let out = s.run(&[y], feeds).unwrap().remove(0).to_f64_vec();
+        (s.graph_for(&[y]).clone(), out)
+    };
+    let (fixed, on_calibration) = run(calibrated.clone(), &input(0));
+    let (_, current) = run(config(Fp8Recipe::Current), &input(0));
+    assert_eq!(on_calibration, current);
+    assert_eq!(common::count(&fixed, "Fp8MatMul"), 2);
+    assert_eq!(common::count(&fixed, "Fp8Scale"), 0);
+    // Other inputs: the calibrated scales are near each tensor's own.
+    let (_, other) = run(calibrated.clone(), &input(1));
+    let (_, other_current) = run(config(Fp8Recipe::Current), &input(1));
+    let top = other_current.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let worst = (other.iter().zip(&other_current)).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst > 0.0 && worst < 0.1 * top, "{worst} of {top}");
+    // Refused: a cast without its amax, by name; a training graph.
+    let mut missing = calibrated;
+    if let Some(fp8) = missing.fp8.as_mut() {
+        fp8.calibrated.pop_first();
+    }
+    let err = (AutoMixedPrecision::new(missing).rewrite(&mut g.clone()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no calibrated amax for its FP8 cast ampgraph/fp8/"),
+        "{err}"
+    );
+    let (mut training, _, _) = mlp(LossScale::None);
+    let err = (AutoMixedPrecision::new(config(Fp8Recipe::Static)).rewrite(&mut training))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("use delayed or current scaling"), "{err}");
 }
 
 /// A layer's three products share its input, weight and output gradient, each

@@ -31,8 +31,8 @@ use std::ops::ControlFlow;
 use std::path::Path;
 
 use ampgraph_exec::{CpuExecutor, Evaluated, ExecError, Executor, Feeds};
-use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
 use ampgraph_graph::ops::QuantizeFp8;
+use ampgraph_graph::{DType, Data, Graph, GraphError, Port, Tensor};
 use ampgraph_passes::amp::fp8::calibration_key;
 use ampgraph_passes::amp::lists::keep_f32_toml;
 use ampgraph_passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Recipe, PrecisionLists};
@@ -180,7 +180,12 @@ pub fn fp8_amaxes(
     AutoMixedPrecision::new(config).rewrite(&mut g)?;
     let casts: Vec<(String, Port)> = (g.node_ids())
         .filter(|&id| g.node(id).op.is::<QuantizeFp8>())
-        .filter_map(|id| Some((calibration_key(&g.node(id).name)?.to_string(), Port::new(id, 1))))
+        .filter_map(|id| {
+            Some((
+                calibration_key(&g.node(id).name)?.to_string(),
+                Port::new(id, 1),
+            ))
+        })
         .collect();
     let fetches: Vec<Port> = casts.iter().map(|(_, amax)| *amax).collect();
     let mut exec = CpuExecutor::new();

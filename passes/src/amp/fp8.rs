@@ -751,9 +751,10 @@ fn quantize(
             let at = |g: &Graph, m: String| node_error(g, x.node, &m);
             let scales = scale_op.eval(&[&amax]).map_err(|m| at(g, m))?;
             let mut constant = |what: &str, i: usize| -> Result<Port, PassError> {
-                let t = scales.get(i).cloned().ok_or_else(|| {
-                    at(g, "Fp8Scale gave other than two outputs".into())
-                })?;
+                let t = scales
+                    .get(i)
+                    .cloned()
+                    .ok_or_else(|| at(g, "Fp8Scale gave other than two outputs".into()))?;
                 let name = g.fresh_name(format!("{stem}/{what}"));
                 Ok(g.add_node(name, Box::new(Const::new(t)), &[])?.into())
             };
