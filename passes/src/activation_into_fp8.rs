@@ -12,10 +12,10 @@
 //! Bit-exact on the CPU: the ops round the activation to its dtype before they measure
 //! and quantise it, as the Unary stored it.
 
-use ampgraph_graph::ops::{QuantizeFp8, Unary};
+use ampgraph_graph::ops::{QuantizeFp8, Reshape, Unary};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{output_nodes, summary};
+use crate::rewrite::{output_nodes, reshaped, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `activation-into-fp8` pass.
@@ -30,24 +30,41 @@ impl Pass for ActivationIntoFp8 {
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let is_output = output_nodes(g);
         let (mut folded, mut bytes) = (0usize, 0u64);
-        let ids: Vec<NodeId> = g.node_ids().collect();
+        // The Unaries only: the views removed with them are not visited.
+        let ids: Vec<NodeId> = (g.node_ids())
+            .filter(|&id| g.node(id).op.is::<Unary>())
+            .collect();
         for id in ids {
             let Some(kind) = g.node(id).op.downcast_ref::<Unary>().map(|u| u.kind) else {
                 continue;
             };
-            // One reader: a cast reading it as its x.
-            let [(reader, 0, _)] = g.consumers(id)[..] else {
+            // One reader: a cast reading it as its x, or reading a view of it alone (an
+            // exported activation over `[B, S, D]` reshaped to the product's rows: the
+            // activation of the pre-activation viewed so).
+            let [(mut reader, 0, _)] = g.consumers(id)[..] else {
                 continue;
             };
+            let mut view = None;
+            if let [(cast, 0, _)] = g.consumers(reader)[..] {
+                if g.node(reader).op.is::<Reshape>() && !is_output[reader.index()] {
+                    view = Some(reader);
+                    reader = cast;
+                }
+            }
             let op = g.node(reader).op.downcast_ref::<QuantizeFp8>();
             let Some(op) = op.filter(|q| q.activation.is_none() && !is_output[id.index()]) else {
                 continue;
             };
             let op = op.clone().with_activation(Some(kind));
             let mut inputs = g.inputs(reader);
-            inputs[0] = g.inputs(id)[0];
+            let name = g.node(id).name.clone();
+            let shape = g.ty(inputs[0]).shape.clone();
+            inputs[0] = reshaped(g, g.inputs(id)[0], &shape, &name)?;
             g.set_node(reader, Box::new(op), &inputs)?;
             bytes += 2 * g.ty(Port::new(id, 0)).size_bytes() as u64;
+            if let Some(view) = view {
+                g.remove_node(view)?;
+            }
             g.remove_node(id)?;
             folded += 1;
         }
@@ -67,12 +84,16 @@ mod tests {
     use ampgraph_graph::{DType, Op, Tensor};
 
     /// `q(gelu(z))` with delayed scaling's given scale, and the gelu's value also read
-    /// by `extra` where given (a Neg, or current scaling's `Fp8Scale`).
-    fn graph(extra: Option<Box<dyn Op>>) -> Graph {
+    /// by `extra` where given (a Neg, or current scaling's `Fp8Scale`); z `[8, 16]`, or
+    /// `[2, 4, 16]` with the gelu's value `viewed` as `[8, 16]` (an exported model's).
+    fn graph(extra: Option<Box<dyn Op>>, viewed: bool) -> Graph {
         let mut g = Graph::new();
-        let z = g.placeholder("z", DType::BF16, [8, 16]).unwrap();
+        let z = g.placeholder("z", DType::BF16, z_shape(viewed)).unwrap();
         let gelu = UnaryKind::Gelu { approximate: false };
-        let a = g.add(Unary::new(gelu), &[z]).unwrap();
+        let mut a = g.add(Unary::new(gelu), &[z]).unwrap();
+        if viewed {
+            a = g.reshape(a, [8, 16]).unwrap();
+        }
         let scale = g.scalar(DType::F32, 3.0).unwrap();
         let op = QuantizeFp8::new(DType::F8E4M3)
             .unwrap()
@@ -86,26 +107,35 @@ mod tests {
         g
     }
 
+    fn z_shape(viewed: bool) -> Vec<usize> {
+        if viewed {
+            vec![2, 4, 16]
+        } else {
+            vec![8, 16]
+        }
+    }
+
     #[test]
     fn an_activation_read_only_by_an_fp8_cast_folds_into_it_with_the_same_bits() {
-        let before = graph(None);
-        let mut g = before.clone();
-        let summary = ActivationIntoFp8.run(&mut g).unwrap();
-        g.validate().unwrap();
-        assert!(summary.lines[0].contains(": 1 activations"), "{summary}");
-        assert!(g.node_ids().all(|id| !g.node(id).op.is::<Unary>()));
-        let q = g.find("q").unwrap();
-        let op = g.node(q).op.downcast_ref::<QuantizeFp8>().unwrap();
-        assert!(op.activation.is_some());
-        let z: Vec<f64> = (0..128).map(|i| (i as f64 * 0.37).sin() * 4.0).collect();
-        let feeds = [("z", Tensor::from_f64(DType::BF16, [8, 16], &z).unwrap())]
-            .into_iter()
-            .collect();
-        assert_same_bits(&run_cpu(&before, &feeds), &run_cpu(&g, &feeds));
-        // The op reads back from a file with its activation.
-        use ampgraph_graph::format::{graph_from_bytes, to_json, GraphDef};
-        let again = graph_from_bytes(to_json(&GraphDef::from_graph(&g)).as_bytes()).unwrap();
-        assert_same_bits(&run_cpu(&g, &feeds), &run_cpu(&again, &feeds));
+        for viewed in [false, true] {
+            let before = graph(None, viewed);
+            let mut g = before.clone();
+            let summary = ActivationIntoFp8.run(&mut g).unwrap();
+            g.validate().unwrap();
+            assert!(summary.lines[0].contains(": 1 activations"), "{summary}");
+            assert!(g.node_ids().all(|id| !g.node(id).op.is::<Unary>()));
+            let q = g.find("q").unwrap();
+            let op = g.node(q).op.downcast_ref::<QuantizeFp8>().unwrap();
+            assert!(op.activation.is_some());
+            let z: Vec<f64> = (0..128).map(|i| (i as f64 * 0.37).sin() * 4.0).collect();
+            let z = Tensor::from_f64(DType::BF16, z_shape(viewed), &z).unwrap();
+            let feeds = [("z", z)].into_iter().collect();
+            assert_same_bits(&run_cpu(&before, &feeds), &run_cpu(&g, &feeds));
+            // The op reads back from a file with its activation.
+            use ampgraph_graph::format::{graph_from_bytes, to_json, GraphDef};
+            let again = graph_from_bytes(to_json(&GraphDef::from_graph(&g)).as_bytes()).unwrap();
+            assert_same_bits(&run_cpu(&g, &feeds), &run_cpu(&again, &feeds));
+        }
     }
 
     #[test]
@@ -113,7 +143,7 @@ mod tests {
         let neg: Box<dyn Op> = Box::new(Unary::new(UnaryKind::Neg));
         let scale: Box<dyn Op> = Box::new(Fp8Scale::new(DType::F8E4M3, 0).unwrap());
         for extra in [neg, scale] {
-            let mut g = graph(Some(extra));
+            let mut g = graph(Some(extra), false);
             let summary = ActivationIntoFp8.run(&mut g).unwrap();
             assert!(summary.lines[0].contains(": 0 activations"), "{summary}");
             assert!(g.node_ids().any(|id| g.node(id).op.is::<Unary>()));

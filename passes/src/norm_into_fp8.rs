@@ -14,7 +14,7 @@
 use ampgraph_graph::ops::{LayerNorm, LayerNormQuantizeFp8, QuantizeFp8};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{fp8_casts, read_only_by, summary};
+use crate::rewrite::{fp8_casts, read_only_by, reshaped, summary, viewed_by_cast};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The longest row the fused kernel normalises (a warp's registers hold it).
@@ -33,15 +33,26 @@ pub(crate) fn kernel_takes(g: &Graph, x: Port, axis: i64) -> bool {
     matches!(axis, -1 | 1) && len <= MAX_ROW && rows % 8 == 0 && len % 8 == 0
 }
 
-/// The cast `cast` (a QuantizeFp8 of `x`) of the LayerNorm computing `x`, where the
-/// CUDA kernel takes it and the cast alone reads `x`.
-fn fused(g: &Graph, cast: NodeId, x: Port) -> Option<LayerNormQuantizeFp8> {
+/// The cast `cast` (a QuantizeFp8 of `x`) of the LayerNorm computing `x`, or computing
+/// what `x` views as rows (an exported norm over `[B, S, D]`), where the CUDA kernel
+/// takes it and the cast alone reads `x`; with the view, if any.
+fn fused(g: &Graph, cast: NodeId, x: Port) -> Option<(LayerNormQuantizeFp8, Option<NodeId>)> {
     let q = g.node(cast).op.downcast_ref::<QuantizeFp8>()?;
-    let norm = g.node(x.node).op.downcast_ref::<LayerNorm>()?;
-    if !(kernel_takes(g, x, norm.axis) && read_only_by(g, x, cast, 0)) {
+    let (y, view) = viewed_by_cast(g, x);
+    let norm = g.node(y.node).op.downcast_ref::<LayerNorm>()?;
+    // Over the last axis, whose rows the view keeps whole.
+    let last = norm.axis == -1 || norm.axis + 1 == g.ty(y).rank() as i64;
+    let rows_kept = g.ty(y).shape.last() == g.ty(x).shape.last();
+    let over_rows = view.is_none() || (last && rows_kept);
+    let axis = if view.is_some() { -1 } else { norm.axis };
+    if !(over_rows && kernel_takes(g, x, axis) && read_only_by(g, x, cast, 0)) {
         return None;
     }
-    LayerNormQuantizeFp8::new(norm.clone(), q.clone()).ok()
+    let norm = LayerNorm {
+        axis,
+        ..norm.clone()
+    };
+    Some((LayerNormQuantizeFp8::new(norm, q.clone()).ok()?, view))
 }
 
 impl Pass for NormIntoFp8 {
@@ -52,14 +63,20 @@ impl Pass for NormIntoFp8 {
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let (mut folded, mut bytes) = (0usize, 0u64);
         for (id, x, scale) in fp8_casts(g) {
-            let Some(op) = fused(g, id, x) else {
+            let Some((op, view)) = fused(g, id, x) else {
                 continue;
             };
-            let mut inputs = g.inputs(x.node).to_vec();
+            let norm = view.map_or(x.node, |v| g.inputs(v)[0].node);
+            let mut inputs = g.inputs(norm).to_vec();
+            let name = g.node(norm).name.clone();
+            inputs[0] = reshaped(g, inputs[0], &g.ty(x).shape.clone(), &name)?;
             inputs.push(scale);
             bytes += 2 * g.ty(x).size_bytes() as u64;
             g.set_node(id, Box::new(op), &inputs)?;
-            g.remove_node(x.node)?;
+            if let Some(view) = view {
+                g.remove_node(view)?;
+            }
+            g.remove_node(norm)?;
             folded += 1;
         }
         let lines = vec![format!(
@@ -79,7 +96,8 @@ mod tests {
 
     /// `q(layer_norm(x))` (E4M3, transposed as `transposed` says, a given scale), the
     /// norm reading bf16 x with f32 parameters and storing bf16 as AMP leaves it; with
-    /// `leak`, a Neg reads the normalised rows too; `shape` x's.
+    /// `leak`, a Neg reads the normalised rows too; `shape` x's, the normalised value
+    /// viewed as rows of its last axis where it is not a matrix (an exported model's).
     fn graph(leak: bool, shape: &[usize], transposed: bool) -> Graph {
         let mut g = Graph::new();
         let x = g.placeholder("x", DType::BF16, shape.to_vec()).unwrap();
@@ -95,7 +113,10 @@ mod tests {
             to: Some(DType::BF16),
             ..LayerNorm::default()
         };
-        let y = g.add(norm, &[x, gamma, beta]).unwrap();
+        let mut y = g.add(norm, &[x, gamma, beta]).unwrap();
+        if shape.len() > 2 {
+            y = g.reshape(y, [-1, len as i64]).unwrap();
+        }
         let scale = g.scalar(DType::F32, 40.0).unwrap();
         let q = QuantizeFp8::new(DType::F8E4M3)
             .unwrap()
@@ -127,8 +148,12 @@ mod tests {
 
     #[test]
     fn a_norm_read_only_by_its_cast_is_computed_by_it_with_the_same_bits() {
-        for transposed in [true, false] {
-            let before = graph(false, &[16, 24], transposed);
+        for (transposed, shape) in [
+            (true, &[16, 24][..]),
+            (false, &[16, 24]),
+            (true, &[2, 8, 24]),
+        ] {
+            let before = graph(false, shape, transposed);
             let mut g = before.clone();
             let summary = NormIntoFp8.run(&mut g).unwrap();
             g.validate().unwrap();
@@ -136,10 +161,7 @@ mod tests {
             assert!(summary.lines[0].contains("(1.5 KiB fewer"), "{summary}");
             assert_eq!(count(&g, "LayerNorm"), 0);
             assert_eq!(count(&g, "LayerNormQuantizeFp8"), 1);
-            let (want, got) = (
-                run_cpu(&before, &feeds(&[16, 24])),
-                run_cpu(&g, &feeds(&[16, 24])),
-            );
+            let (want, got) = (run_cpu(&before, &feeds(shape)), run_cpu(&g, &feeds(shape)));
             assert_same_bits(&want, &got);
             // Idempotent, and it reads back from a file.
             let mut again = g.clone();
@@ -147,7 +169,7 @@ mod tests {
             assert_eq!(again.len(), g.len());
             use ampgraph_graph::format::{graph_from_bytes, to_json, GraphDef};
             let read = graph_from_bytes(to_json(&GraphDef::from_graph(&g)).as_bytes()).unwrap();
-            assert_same_bits(&got, &run_cpu(&read, &feeds(&[16, 24])));
+            assert_same_bits(&got, &run_cpu(&read, &feeds(shape)));
         }
     }
 
@@ -160,10 +182,10 @@ mod tests {
             (false, &[16, 20]),
             (false, &[12, 24]),
             (false, &[8, MAX_ROW + 8]),
-            (false, &[2, 8, 24]),
+            (true, &[2, 8, 24]),
         ];
         for (leak, shape) in cases {
-            let mut g = graph(leak, shape, shape.len() == 2);
+            let mut g = graph(leak, shape, true);
             let summary = NormIntoFp8.run(&mut g).unwrap();
             assert!(
                 summary.lines[0].contains(": 0 layer norms"),

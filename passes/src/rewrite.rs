@@ -2,7 +2,9 @@
 //! others, a Const's value, removing nodes nothing reads, errors naming a node, and
 //! the summary a pass reports.
 
-use ampgraph_graph::ops::{widens_exactly, Binary, BinaryKind, Cast, Const, QuantizeFp8, Variable};
+use ampgraph_graph::ops::{
+    widens_exactly, Binary, BinaryKind, Cast, Const, QuantizeFp8, Reshape, Variable,
+};
 use ampgraph_graph::{Graph, NodeId, Op, Port, Tensor};
 
 use crate::PassError;
@@ -110,6 +112,37 @@ pub(crate) fn is_variable_cast(g: &Graph, id: NodeId) -> bool {
 /// tensor a fusion may stop writing.
 pub(crate) fn read_only_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -> bool {
     g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
+}
+
+/// What a cast's `x` (a matrix) views: `(y, Some(view))` where `x` is a Reshape
+/// (`view`) of `y`, which it alone reads, and `reader` alone reads `x` (an exported
+/// model's layer norm or activation over `[B, S, D]`, reshaped to the product's rows);
+/// `(x, None)` where `x` is not a view. The node computing `y` folds into the cast
+/// reading its input viewed as `x` is.
+pub(crate) fn viewed_by_cast(g: &Graph, x: Port) -> (Port, Option<NodeId>) {
+    let through = (g.node(x.node).op.is::<Reshape>())
+        .then(|| g.inputs(x.node)[0])
+        .filter(|&y| read_only_by(g, y, x.node, 0) && g.port_consumers(x).len() == 1);
+    match through {
+        Some(y) => (y, Some(x.node)),
+        None => (x, None),
+    }
+}
+
+/// `p` reshaped to `shape` (a new view node named after `name`), or `p` where it has
+/// that shape.
+pub(crate) fn reshaped(
+    g: &mut Graph,
+    p: Port,
+    shape: &[usize],
+    name: &str,
+) -> Result<Port, PassError> {
+    if g.ty(p).shape == shape {
+        return Ok(p);
+    }
+    let name = g.fresh_name(format!("{name}/rows"));
+    Ok(g.add_node(name, Box::new(Reshape::new(dims(shape))), &[p])?
+        .into())
 }
 
 /// Each `QuantizeFp8` node with its `x` and `scale`: the casts the passes folding the
