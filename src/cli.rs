@@ -412,6 +412,14 @@ pub enum Command {
         /// --overrides.
         #[arg(long, value_name = "FILE.toml", requires = "calibrate")]
         save_overrides: Option<PathBuf>,
+        /// Save the amaxes --calibrate measured for `--fp8-scaling static` (JSON), for
+        /// --fp8-amaxes: calibrate once, at any batch, and rewrite at others.
+        #[arg(long, value_name = "FILE.json", requires = "calibrate")]
+        save_fp8_amaxes: Option<PathBuf>,
+        /// `--fp8-scaling static` with the amaxes --save-fp8-amaxes saved, instead of
+        /// calibrating.
+        #[arg(long, value_name = "FILE.json", conflicts_with = "calibrate")]
+        fp8_amaxes: Option<PathBuf>,
     },
     /// Explain why NODE gets its precision under the AMP rewrite.
     Explain {
@@ -860,6 +868,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             report,
             calibrate,
             save_overrides,
+            save_fp8_amaxes,
+            fp8_amaxes,
             ..
         } => {
             let graph = graph.ok_or_else(|| CliError::Usage("rewrite needs a GRAPH".into()))?;
@@ -873,14 +883,29 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
             }
             let mut config = precision.config()?;
             let static_fp8 = config.fp8.as_ref().map(|f| f.recipe) == Some(Fp8Recipe::Static);
-            if static_fp8 && calibrate.is_none() {
+            if (save_fp8_amaxes.is_some() || fp8_amaxes.is_some()) && !static_fp8 {
                 return Err(CliError::Usage(
-                    "--fp8-scaling static fixes its scales from samples: add --calibrate".into(),
+                    "--save-fp8-amaxes and --fp8-amaxes are for --fp8-scaling static".into(),
                 ));
             }
-            let calibration = calibrate
-                .as_deref()
-                .map(|samples| (samples, save_overrides.as_deref()));
+            match (&fp8_amaxes, config.fp8.as_mut()) {
+                (Some(path), Some(fp8)) => {
+                    fp8.calibrated = crate::numerics::calibrate::load_fp8_amaxes(path)?;
+                }
+                _ if static_fp8 && calibrate.is_none() => {
+                    return Err(CliError::Usage(
+                        "--fp8-scaling static fixes its scales from samples: add --calibrate \
+                         (or --fp8-amaxes)"
+                            .into(),
+                    ))
+                }
+                _ => {}
+            }
+            let calibration = calibrate.as_deref().map(|samples| Calibration {
+                samples,
+                save_overrides: save_overrides.as_deref(),
+                save_fp8_amaxes: save_fp8_amaxes.as_deref(),
+            });
             let text = rewrite_graph(&mut g, &selected, &mut config, calibration)?;
             if let Some(probes) = &mut probes {
                 // The same rewrite, calibrated overrides included.
@@ -1153,11 +1178,19 @@ fn plan(
 /// Runs the selected passes on `g`, AMP with `config` (calibrated on the graph as
 /// AMP gets it where `calibration` gives samples, and where to save the overrides:
 /// `config` keeps them); returns the passes' report.
+/// `rewrite --calibrate`'s samples and where to save what they measured.
+#[derive(Clone, Copy)]
+struct Calibration<'a> {
+    samples: &'a str,
+    save_overrides: Option<&'a Path>,
+    save_fp8_amaxes: Option<&'a Path>,
+}
+
 fn rewrite_graph(
     g: &mut Graph,
     selected: &[&str],
     config: &mut AmpConfig,
-    calibration: Option<(&str, Option<&Path>)>,
+    calibration: Option<Calibration>,
 ) -> Result<String> {
     let mut text = String::new();
     for &name in selected {
@@ -1166,8 +1199,13 @@ fn rewrite_graph(
             "amp" => {
                 // On the graph as AMP gets it, so the names are its nodes'.
                 let calibrated = match calibration {
-                    Some((samples, save)) => {
-                        let (done, feeds) = calibrate_amp(g, samples, config, save)?;
+                    Some(calibration) => {
+                        let (done, feeds) = calibrate_amp(
+                            g,
+                            calibration.samples,
+                            config,
+                            calibration.save_overrides,
+                        )?;
                         text.push_str(&done);
                         let recipe = config.fp8.as_ref().map(|f| f.recipe);
                         if recipe == Some(Fp8Recipe::Static) {
@@ -1176,6 +1214,10 @@ fn rewrite_graph(
                                 "FP8 static scales: the amaxes of {} tensors on the samples\n",
                                 amaxes.len()
                             ));
+                            if let Some(path) = calibration.save_fp8_amaxes {
+                                crate::numerics::calibrate::save_fp8_amaxes(path, &amaxes)?;
+                                text.push_str(&format!("FP8 amaxes saved to {}\n", path.display()));
+                            }
                             if let Some(fp8) = config.fp8.as_mut() {
                                 fp8.calibrated = amaxes;
                             }

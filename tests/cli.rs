@@ -731,6 +731,83 @@ fn seeded_feeds_beyond_the_hosts_memory_are_refused_before_they_are_made() {
     assert!(started.elapsed().as_secs() < 10, "{:?}", started.elapsed());
 }
 
+/// `--fp8-scaling static` (inference): `--calibrate` measures each cast's amax and
+/// `--save-fp8-amaxes` keeps them; `--fp8-amaxes` rewrites with them instead of
+/// calibrating (the same graph: scales as constants, no amax pass); static scaling
+/// without either, or the files under other scaling, are one-line usage errors.
+#[test]
+fn static_fp8_scales_are_calibrated_saved_and_reused() {
+    let s = Scratch::new("fp8-static");
+    let g = s.write(
+        "two.json",
+        r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+  {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [16, 32]}},
+  {"name": "w1", "op": "Variable", "attrs": {"dtype": "f32", "shape": [32, 32]}},
+  {"name": "w2", "op": "Variable", "attrs": {"dtype": "f32", "shape": [32, 16]}},
+  {"name": "mm1", "op": "MatMul", "inputs": ["x", "w1"]},
+  {"name": "act", "op": "Relu", "inputs": ["mm1"]},
+  {"name": "mm2", "op": "MatMul", "inputs": ["act", "w2"]},
+  {"name": "y", "op": "Relu", "inputs": ["mm2"]}
+], "outputs": ["y"]}"#,
+    );
+    let (calibrated, reused, amaxes) = (s.path("c.json"), s.path("r.json"), s.path("a.json"));
+    let static_fp8 = [
+        "--amp",
+        "--dtype",
+        "fp8",
+        "--fp8-everywhere",
+        "--fp8-scaling",
+        "static",
+    ];
+    let report = ok(&[
+        &["rewrite", &g],
+        &static_fp8[..],
+        &[
+            "--calibrate",
+            "seed:2",
+            "--save-fp8-amaxes",
+            &amaxes,
+            "--report",
+            "-o",
+            &calibrated,
+        ],
+    ]
+    .concat());
+    assert!(
+        report.contains("FP8 static scales: the amaxes of 4 tensors"),
+        "{report}"
+    );
+    let saved: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&read(&amaxes)).unwrap();
+    assert_eq!(saved.len(), 4, "{saved:?}");
+    assert!(saved
+        .keys()
+        .all(|k| k.starts_with("ampgraph/fp8/") && k.ends_with("/e4m3")));
+    ok(&[
+        &["rewrite", &g],
+        &static_fp8[..],
+        &["--fp8-amaxes", &amaxes, "-o", &reused],
+    ]
+    .concat());
+    let text = String::from_utf8(read(&reused)).unwrap();
+    assert_eq!(text, String::from_utf8(read(&calibrated)).unwrap());
+    assert_eq!(text.matches("\"Fp8MatMul\"").count(), 2);
+    assert_eq!(text.matches("\"Fp8Scale\"").count(), 0);
+    let err = error_line(&[&["rewrite", &g], &static_fp8[..], &["-o", &reused]].concat());
+    assert!(err.contains("add --calibrate (or --fp8-amaxes)"), "{err}");
+    let current = [
+        "--amp",
+        "--dtype",
+        "fp8",
+        "--fp8-amaxes",
+        &amaxes,
+        "-o",
+        &reused,
+    ];
+    let err = error_line(&[&["rewrite", &g][..], &current].concat());
+    assert!(err.contains("are for --fp8-scaling static"), "{err}");
+}
+
 /// `--dtype fp8`: FP8 products where the options say (`--fp8-everywhere`, a node kept
 /// by `--fp8-keep`), `explain` saying why; the FP8 options without `--dtype fp8`, or
 /// delayed scaling's without `--fp8-scaling delayed`, are usage errors.

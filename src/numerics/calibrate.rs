@@ -60,6 +60,8 @@ pub enum CalibrateError {
     Lists(#[from] PassError),
     #[error(transparent)]
     Graph(#[from] GraphError),
+    #[error("{path}: {msg}")]
+    Amaxes { path: String, msg: String },
 }
 
 /// What the samples put in one tensor (or one node's f32 outputs together).
@@ -200,6 +202,32 @@ pub fn fp8_amaxes(
         }
     }
     Ok(amaxes)
+}
+
+/// Writes FP8 amaxes ([`fp8_amaxes`]) to `path` as a JSON object (a cast's key, its
+/// amax), whole, then renamed: calibrated once (at any batch: the keys name tensors,
+/// not shapes), read back by [`load_fp8_amaxes`] for later rewrites.
+pub fn save_fp8_amaxes(path: &Path, amaxes: &BTreeMap<String, f32>) -> Result<(), CalibrateError> {
+    let text = serde_json::to_string_pretty(amaxes).map_err(|e| CalibrateError::Amaxes {
+        path: path.display().to_string(),
+        msg: e.to_string(),
+    })?;
+    Ok(ampgraph_graph::format::write_atomic(path, text.as_bytes())?)
+}
+
+/// The FP8 amaxes [`save_fp8_amaxes`] wrote to `path`: finite and not negative.
+pub fn load_fp8_amaxes(path: &Path) -> Result<BTreeMap<String, f32>, CalibrateError> {
+    let error = |msg: String| CalibrateError::Amaxes {
+        path: path.display().to_string(),
+        msg,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+    let amaxes: BTreeMap<String, f32> = serde_json::from_str(&text)
+        .map_err(|e| error(format!("not a JSON object of FP8 amaxes: {e}")))?;
+    match amaxes.iter().find(|(_, a)| !(a.is_finite() && **a >= 0.0)) {
+        Some((key, a)) => Err(error(format!("{key}: amax {a} is not a finite magnitude"))),
+        None => Ok(amaxes),
+    }
 }
 
 /// The first output of every node nothing reads (and the graph's outputs): fetching
