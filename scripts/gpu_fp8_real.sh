@@ -8,7 +8,10 @@
 #   difference and the RMS difference relative to the f32 outputs' largest value;
 # - speed at a serving batch: `bench --amp bf16`, `--amp fp8` (the cost model's
 #   choice, current scaling) and the `--fp8-everywhere` rewrite, with the FP8 products
-#   each chose.
+#   each chose;
+# - static scaling: amaxes calibrated at batch 2 on seed 0 (`--calibrate seed:1
+#   --save-fp8-amaxes`), its accuracy on seed 1 (fp8s), and at the serving batch the
+#   cost model's choice and every product with those amaxes (`--fp8-amaxes`).
 # Results in $OUT/fp8_real.txt.
 set -u
 export AMPGRAPH_KERNEL_CACHE=/tmp/kc
@@ -39,8 +42,10 @@ for spec in "vit_b_16 3x224x224 64" "bert_base 128 32" "gpt2 512 16"; do
   ./ampgraph rewrite $d/$m.onnx --input $small --amp --dtype bf16 -o $d/$m.bf16.bin >> $out 2>&1
   ./ampgraph rewrite $d/$m.onnx --input $small --amp --dtype fp8 -o $d/$m.fp8.bin >> $out 2>&1
   ./ampgraph rewrite $d/$m.onnx --input $small --amp --dtype fp8 --fp8-everywhere -o $d/$m.fp8e.bin >> $out 2>&1
+  timeout 300 ./ampgraph rewrite $d/$m.onnx --input $small --amp --dtype fp8 --fp8-everywhere --fp8-scaling static \
+    --calibrate seed:1 --save-fp8-amaxes $d/$m.amax.json -o $d/$m.fp8s.bin >> $out 2>&1
   timeout 120 ./ampgraph run $d/$m.onnx --input $small --device cuda --seed 1 --json > $d/$m.f32.json 2>> $out
-  for v in bf16 fp8 fp8e; do
+  for v in bf16 fp8 fp8e fp8s; do
     timeout 120 ./ampgraph run $d/$m.$v.bin --device cuda --seed 1 --json > $d/$m.$v.json 2>> $out
   done
   python3 - "$m" <<'PY' >> $out 2>&1
@@ -55,7 +60,7 @@ def values(v):
     return np.array(out, dtype=np.float64).ravel()
 ref = values("f32")
 top = np.abs(ref).max()
-for v in ["bf16", "fp8", "fp8e"]:
+for v in ["bf16", "fp8", "fp8e", "fp8s"]:
     x = values(v)
     if x is None:
         print(f"{m} {v}: no outputs")
@@ -74,5 +79,12 @@ PY
   echo "bench of the --fp8-everywhere rewrite:" >> $out
   timeout 150 ./ampgraph bench $d/$m.big.bin --device cuda --iterations 30 --warmup 5 --json 2>&1 | grep -A1 -E '"wall_ms"|"device_ms"|"enqueue_ms"|error' | grep -v -e '--' | tr -d '\n ' >> $out
   echo >> $out
+  for v in "" "--fp8-everywhere"; do
+    echo "static scaling $v at batch $batch:" >> $out
+    ./ampgraph rewrite $d/$m.onnx --input $big --amp --dtype fp8 --fp8-scaling static --fp8-amaxes $d/$m.amax.json $v \
+      --report -o $d/$m.static.bin 2>&1 | grep -E "FP8 GEMMs|error" >> $out
+    timeout 150 ./ampgraph bench $d/$m.static.bin --device cuda --iterations 30 --warmup 5 --json 2>&1 | grep -A1 -E '"wall_ms"|"device_ms"|"enqueue_ms"|error' | grep -v -e '--' | tr -d '\n ' >> $out
+    echo >> $out
+  done
 done
 cat $out | grep -v "^\[\|Warning\|warn"
