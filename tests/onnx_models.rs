@@ -11,6 +11,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ampgraph::exec::cuda;
+use ampgraph::graph::ops::QuantizeFp8;
+use ampgraph::numerics::calibrate::fp8_amaxes;
 use ampgraph::onnx::{import_file, tensor, ImportOptions};
 use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Config, Fp8Recipe};
 use ampgraph::{DType, Device, Graph, Session, Tensor};
@@ -395,6 +397,58 @@ fn every_model_runs_with_fp8_products_near_onnxruntime() {
         }
     }
     assert!(fp8_products > 0);
+}
+
+/// Static FP8 scaling on every checked-in ONNX model: amaxes calibrated on the model's
+/// own test inputs, every product the GPU takes in FP8 lowers on CUDA (the casts
+/// folded into the layer norms and activations computing their tensors, through the
+/// exporters' views; no amax pass left), and with every product in FP8 after the CUDA
+/// passes the outputs on the CPU stay within the FP8 bound of onnxruntime's.
+#[test]
+fn every_model_runs_with_static_fp8_scales_near_onnxruntime() {
+    let mut folded = 0;
+    for dir in all_models() {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let (g, inputs, expected) = load(&dir);
+        let feeds: ampgraph::exec::Feeds = inputs.iter().cloned().collect();
+        let config = |recipe, everywhere: bool| {
+            let fp8 = match everywhere {
+                true => Fp8Config::everywhere(recipe),
+                false => Fp8Config::every_device_product(recipe),
+            };
+            AmpConfig::new(DType::BF16).unwrap().with_fp8(fp8)
+        };
+        let amaxes = fp8_amaxes(&g, &config(Fp8Recipe::Current, true), &[feeds])
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let fixed = |everywhere: bool| {
+            let mut config = config(Fp8Recipe::Static, everywhere);
+            if let Some(fp8) = config.fp8.as_mut() {
+                fp8.calibrated = amaxes.clone();
+            }
+            let mut g = g.clone();
+            AutoMixedPrecision::new(config)
+                .rewrite(&mut g)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            g
+        };
+        let lowered = lowers_on_cuda(&fixed(false));
+        assert!(!lowered.starts_with("not on CUDA"), "{name}: {lowered}");
+        let mut g = fixed(true);
+        common::cuda_passes(&mut g);
+        assert_eq!(common::count(&g, "Fp8Scale"), 0, "{name}");
+        folded += common::count(&g, "LayerNormQuantizeFp8");
+        folded += (g.node_ids())
+            .filter_map(|id| g.node(id).op.downcast_ref::<QuantizeFp8>())
+            .filter(|q| q.activation.is_some())
+            .count();
+        let got = run_outputs(&name, g, Device::Cpu, &inputs, &expected);
+        for (k, (out, (oname, want))) in got.iter().zip(&expected).enumerate() {
+            let err = common::tensor_relative_error(out, want);
+            assert!(err < 0.15, "{name} output {k} ({oname}): {err:e}");
+        }
+    }
+    println!("{folded} casts folded into the layer norms and activations before them");
+    assert!(folded > 0, "no cast folded into its producer");
 }
 
 /// Layer norms written out as exporters do before opset 17 (torch's and a Keras-like
