@@ -731,16 +731,9 @@ fn seeded_feeds_beyond_the_hosts_memory_are_refused_before_they_are_made() {
     assert!(started.elapsed().as_secs() < 10, "{:?}", started.elapsed());
 }
 
-/// `--fp8-scaling static` (inference): `--calibrate` measures each cast's amax and
-/// `--save-fp8-amaxes` keeps them; `--fp8-amaxes` rewrites with them instead of
-/// calibrating (the same graph: scales as constants, no amax pass); static scaling
-/// without either, or the files under other scaling, are one-line usage errors.
-#[test]
-fn static_fp8_scales_are_calibrated_saved_and_reused() {
-    let s = Scratch::new("fp8-static");
-    let g = s.write(
-        "two.json",
-        r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
+/// Two ReLU layers of Variables, 32 -> 32 -> 16, on a [16, 32] input: products the FP8
+/// options decide.
+const TWO_LAYERS: &str = r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
   {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [16, 32]}},
   {"name": "w1", "op": "Variable", "attrs": {"dtype": "f32", "shape": [32, 32]}},
   {"name": "w2", "op": "Variable", "attrs": {"dtype": "f32", "shape": [32, 16]}},
@@ -748,8 +741,16 @@ fn static_fp8_scales_are_calibrated_saved_and_reused() {
   {"name": "act", "op": "Relu", "inputs": ["mm1"]},
   {"name": "mm2", "op": "MatMul", "inputs": ["act", "w2"]},
   {"name": "y", "op": "Relu", "inputs": ["mm2"]}
-], "outputs": ["y"]}"#,
-    );
+], "outputs": ["y"]}"#;
+
+/// `--fp8-scaling static` (inference): `--calibrate` measures each cast's amax and
+/// `--save-fp8-amaxes` keeps them; `--fp8-amaxes` rewrites with them instead of
+/// calibrating (the same graph: scales as constants, no amax pass); static scaling
+/// without either, or the files under other scaling, are one-line usage errors.
+#[test]
+fn static_fp8_scales_are_calibrated_saved_and_reused() {
+    let s = Scratch::new("fp8-static");
+    let g = s.write("two.json", TWO_LAYERS);
     let (calibrated, reused, amaxes) = (s.path("c.json"), s.path("r.json"), s.path("a.json"));
     let static_fp8 = [
         "--amp",
@@ -814,15 +815,7 @@ fn static_fp8_scales_are_calibrated_saved_and_reused() {
 #[test]
 fn fp8_options_choose_the_products_and_explain_says_why() {
     let s = Scratch::new("fp8");
-    let two = r#"{"format": "ampgraph.graph", "version": 1, "nodes": [
-  {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [16, 32]}},
-  {"name": "w1", "op": "Variable", "attrs": {"dtype": "f32", "shape": [32, 32]}},
-  {"name": "w2", "op": "Variable", "attrs": {"dtype": "f32", "shape": [32, 16]}},
-  {"name": "mm1", "op": "MatMul", "inputs": ["x", "w1"]},
-  {"name": "act", "op": "Relu", "inputs": ["mm1"]},
-  {"name": "mm2", "op": "MatMul", "inputs": ["act", "w2"]},
-  {"name": "y", "op": "Relu", "inputs": ["mm2"]}
-], "outputs": ["y"]}"#;
+    let two = TWO_LAYERS;
     let g = s.write("two.json", two);
     let out = s.path("out.json");
     let products_of = |graph: &str, args: &[&str]| {
