@@ -176,27 +176,6 @@ impl Data {
         std::borrow::Cow::Borrowed(each_vector!(self, v => view(v)))
     }
 
-    /// The values' bytes to overwrite in place, in the layout [`le_bytes`](Self::le_bytes)
-    /// reads, so that a device copy lands in the vector the caller keeps. `None` for
-    /// bools (a byte other than 0 or 1 is no bool) and on big-endian hosts.
-    pub fn le_bytes_mut(&mut self) -> Option<&mut [u8]> {
-        if cfg!(target_endian = "big") || matches!(self, Data::Bool(_)) {
-            return None;
-        }
-        fn view<T: Copy>(v: &mut [T]) -> &mut [u8] {
-            // SAFETY: T is one of Data's numeric element types (bools returned above):
-            // no padding, and every bit pattern is a valid value; the view borrows `v`
-            // exclusively.
-            unsafe {
-                std::slice::from_raw_parts_mut(
-                    v.as_mut_ptr().cast::<u8>(),
-                    std::mem::size_of_val(v),
-                )
-            }
-        }
-        Some(each_vector!(self, v => view(v)))
-    }
-
     /// `n` zeros of `dtype`, allocated zeroed (no pass writing them).
     pub fn zeros(dtype: DType, n: usize) -> Data {
         match dtype {
@@ -558,23 +537,15 @@ mod rounding_tests {
 mod byte_tests {
     use super::*;
 
-    /// Bytes written through `le_bytes_mut` into zeros read back as the values whose
-    /// `to_le_bytes` they were (bools excepted: not every byte is one).
+    /// `Data::zeros` is zeros of every dtype, as `from_f64` makes them.
     #[test]
-    fn le_bytes_mut_takes_what_to_le_bytes_writes() {
-        let values = [-2.5, 0.0, 1.0, 3.25, 65504.0, -1e-3];
+    fn zeros_of_every_dtype() {
         for dtype in DType::ALL {
-            let t = Tensor::from_f64(dtype, vec![values.len()], &values).unwrap();
-            let mut data = Data::zeros(dtype, values.len());
-            assert!(data.iter_f64().all(|x| x == 0.0), "{dtype}");
-            match data.le_bytes_mut() {
-                Some(bytes) => bytes.copy_from_slice(&t.data().to_le_bytes()),
-                None => {
-                    assert_eq!(dtype, DType::Bool);
-                    continue;
-                }
-            }
-            assert_eq!(&data, t.data(), "{dtype}");
+            assert_eq!(
+                Data::zeros(dtype, 3),
+                Data::from_f64(dtype, [0.0; 3]),
+                "{dtype}"
+            );
         }
     }
 

@@ -707,38 +707,56 @@ impl Device {
         Ok(())
     }
 
-    /// Copies `d` to the host. The bytes land in the returned tensor's own vector: a
-    /// staging vector converted into a second one costs a large output (GPT-2's 25 MB of
-    /// logits) two fresh allocations faulted in and freed every step.
+    /// Copies `d` to the host. The values land in the returned tensor's own vector,
+    /// unwritten until the copy fills it: a byte vector converted into a second one
+    /// cost a large output (GPT-2's 25 MB of hidden states) two fresh allocations
+    /// faulted in and freed every step, and zeroing one first a pass over it.
     pub fn download(&self, d: &DTensor) -> Result<Tensor, String> {
         self.bind()?;
-        let mut data = Data::zeros(d.dtype, d.len());
-        match data.le_bytes_mut() {
-            Some(bytes) => self.copy_to_host(d, bytes)?,
-            None => {
-                let mut bytes = vec![0u8; d.bytes()];
-                self.copy_to_host(d, &mut bytes)?;
-                data = Data::from_le_bytes(d.dtype, &bytes)?;
+        let data = match d.dtype {
+            // A byte other than 0 or 1 is no bool; a big-endian host reorders bytes.
+            DType::Bool => Data::from_le_bytes(d.dtype, &self.download_values::<u8>(d)?)?,
+            _ if cfg!(target_endian = "big") => {
+                Data::from_le_bytes(d.dtype, &self.download_values::<u8>(d)?)?
             }
-        }
+            DType::F32 => Data::F32(self.download_values(d)?),
+            DType::F16 => Data::F16(self.download_values(d)?),
+            DType::BF16 => Data::BF16(self.download_values(d)?),
+            DType::F64 => Data::F64(self.download_values(d)?),
+            DType::I32 => Data::I32(self.download_values(d)?),
+            DType::I64 => Data::I64(self.download_values(d)?),
+            DType::F8E4M3 => Data::F8E4M3(self.download_values(d)?),
+            DType::F8E5M2 => Data::F8E5M2(self.download_values(d)?),
+        };
         Tensor::new(d.shape.clone(), data)
     }
 
-    /// Copies `d`'s bytes into `out` (exactly that many) and waits for them.
-    fn copy_to_host(&self, d: &DTensor, out: &mut [u8]) -> Result<(), String> {
-        if out.len() != d.bytes() {
-            return Err(format!("{} bytes downloaded into {}", d.bytes(), out.len()));
+    /// `d`'s bytes as values of `T`, a type of `d`'s size whose every bit pattern is a
+    /// value (a numeric element type, or bytes), copied and waited for.
+    fn download_values<T: Copy>(&self, d: &DTensor) -> Result<Vec<T>, String> {
+        let size = std::mem::size_of::<T>();
+        if d.bytes() % size != 0 || (size != 1 && size != d.dtype.size_bytes()) {
+            return Err(format!("{} downloaded as values of {size} bytes", d.dtype));
         }
-        if !out.is_empty() {
+        let n = d.bytes() / size;
+        let mut values = Vec::<T>::with_capacity(n);
+        if n > 0 {
             Launches::count(&self.launches.memcpys);
-            // SAFETY: `out` holds `d.bytes()` bytes; the host side is read only after
-            // the stream synchronises below.
+            // SAFETY: the spare capacity holds `n` values, `d.bytes()` bytes; the host
+            // side is read only after the stream synchronises below.
             unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(out, d.ptr(), self.stream.cu_stream())
-                    .map_err(drv("download"))?;
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut values.spare_capacity_mut()[..n],
+                    d.ptr(),
+                    self.stream.cu_stream(),
+                )
+                .map_err(drv("download"))?;
             }
         }
-        self.stream.synchronize().map_err(drv("synchronize"))
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        // SAFETY: the copy wrote all `n` values, and any bytes are a value of `T`.
+        unsafe { values.set_len(n) };
+        Ok(values)
     }
 
     /// Copies `src` into `dst` (of the same size), on the stream.
