@@ -682,24 +682,28 @@ fn quantize(
         .map_err(PassError::Rewrite)?
         .with_transposed(transposed);
     let copy = |q: NodeId| transposed.then(|| Port::new(q, 2));
+    // What the pass computes itself, with the ops' CPU kernels, as Consts.
+    let at = |g: &Graph, m: String| node_error(g, x.node, &m);
+    let constant = |g: &mut Graph, what: &str, t: Tensor| -> Result<Port, PassError> {
+        let id = g.add_node(
+            g.fresh_name(format!("{stem}/{what}")),
+            Box::new(Const::new(t)),
+            &[],
+        )?;
+        Ok(Port::from(id))
+    };
+    let scales_of = |g: &Graph, t: &Tensor| -> Result<[Tensor; 2], PassError> {
+        (scale_op.eval(&[t]))
+            .map_err(|m| at(g, m))?
+            .try_into()
+            .map_err(|_| at(g, "Fp8Scale gave other than two outputs".into()))
+    };
     match config.recipe {
         Fp8Recipe::Current | Fp8Recipe::Static if g.node(src.node).op.is::<Const>() => {
             let value = cast_constant(g, x)
                 .map(|(value, _)| value)
                 .ok_or_else(|| node_error(g, src.node, "a constant the CPU cannot evaluate"))?;
-            let constant = |g: &mut Graph, what: &str, t: Tensor| -> Result<Port, PassError> {
-                let id = g.add_node(
-                    g.fresh_name(format!("{stem}/{what}")),
-                    Box::new(Const::new(t)),
-                    &[],
-                )?;
-                Ok(Port::from(id))
-            };
-            let at = |g: &Graph, m: String| node_error(g, x.node, &m);
-            let [scale, scale_inv]: [Tensor; 2] = (scale_op.eval(&[&value]))
-                .map_err(|m| at(g, m))?
-                .try_into()
-                .map_err(|_| at(g, "Fp8Scale gave other than two outputs".into()))?;
+            let [scale, scale_inv] = scales_of(g, &value)?;
             let mut parts = (quantize_op.eval(&[&value, &scale]))
                 .map_err(|m| at(g, m))?
                 .into_iter();
@@ -747,18 +751,11 @@ fn quantize(
                 )
             })?;
             // The scale current scaling computes from this amax, as Consts.
-            let amax = Tensor::scalar(DType::F32, f64::from(amax));
-            let at = |g: &Graph, m: String| node_error(g, x.node, &m);
-            let scales = scale_op.eval(&[&amax]).map_err(|m| at(g, m))?;
-            let mut constant = |what: &str, i: usize| -> Result<Port, PassError> {
-                let t = scales
-                    .get(i)
-                    .cloned()
-                    .ok_or_else(|| at(g, "Fp8Scale gave other than two outputs".into()))?;
-                let name = g.fresh_name(format!("{stem}/{what}"));
-                Ok(g.add_node(name, Box::new(Const::new(t)), &[])?.into())
-            };
-            let (scale, scale_inv) = (constant("scale", 0)?, constant("scale_inv", 1)?);
+            let [scale, scale_inv] = scales_of(g, &Tensor::scalar(DType::F32, f64::from(amax)))?;
+            let (scale, scale_inv) = (
+                constant(g, "scale", scale)?,
+                constant(g, "scale_inv", scale_inv)?,
+            );
             let q = g.add_node(
                 g.fresh_name(format!("{stem}/quantize")),
                 Box::new(quantize_op),
