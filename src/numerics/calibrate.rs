@@ -163,6 +163,32 @@ pub fn calibrate_on(
 /// under current scaling and run on the CPU on each sample; each cast's largest input
 /// magnitude over the samples, by its [`calibration_key`]. Calibrated on the inputs it
 /// then runs on, a static graph computes what current scaling computes, bit for bit.
+///
+/// ```
+/// use ampgraph::numerics::calibrate::fp8_amaxes;
+/// use ampgraph::passes::amp::{AmpConfig, AutoMixedPrecision, Fp8Config, Fp8Recipe};
+/// use ampgraph::{DType, Graph, Tensor};
+///
+/// let mut g = Graph::new();
+/// let x = g.placeholder("x", DType::F32, [16, 32])?;
+/// let w = g.constant(Tensor::from_f64(DType::F32, vec![32, 16], &[0.5; 512])?)?;
+/// let y = g.matmul(x, w)?;
+/// let y = g.relu(y)?;
+/// g.set_outputs(vec![y])?;
+/// let sample = Tensor::from_f64(DType::F32, vec![16, 32], &[1.5; 512])?;
+/// let samples = [[("x".to_string(), sample)].into_iter().collect()];
+/// let amp = |recipe| AmpConfig::new(DType::BF16).map(|c| c.with_fp8(Fp8Config::everywhere(recipe)));
+/// let mut config = amp(Fp8Recipe::Static)?;
+/// if let Some(fp8) = config.fp8.as_mut() {
+///     // x's amax (the weight, a constant, is quantised by the pass itself).
+///     fp8.calibrated = fp8_amaxes(&g, &amp(Fp8Recipe::Current)?, &samples)?;
+///     assert_eq!(fp8.calibrated.values().copied().collect::<Vec<_>>(), [1.5]);
+/// }
+/// AutoMixedPrecision::new(config).rewrite(&mut g)?;
+/// // The scale is a constant: no step measures x.
+/// assert!(g.node_ids().all(|id| g.node(id).op.name() != "Fp8Scale"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn fp8_amaxes(
     graph: &Graph,
     config: &AmpConfig,
