@@ -12,10 +12,10 @@
 //! Bit-exact on the CPU: the ops round the activation to its dtype before they measure
 //! and quantise it, as the Unary stored it.
 
-use ampgraph_graph::ops::{QuantizeFp8, Reshape, Unary};
-use ampgraph_graph::{Graph, NodeId, Port};
+use ampgraph_graph::ops::{QuantizeFp8, Unary};
+use ampgraph_graph::Graph;
 
-use crate::rewrite::{output_nodes, reshaped, summary};
+use crate::rewrite::{cast_alone_reads, fold_into_cast, fp8_casts, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The `activation-into-fp8` pass.
@@ -28,44 +28,24 @@ impl Pass for ActivationIntoFp8 {
     }
 
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
-        let is_output = output_nodes(g);
         let (mut folded, mut bytes) = (0usize, 0u64);
-        // The Unaries only: the views removed with them are not visited.
-        let ids: Vec<NodeId> = (g.node_ids())
-            .filter(|&id| g.node(id).op.is::<Unary>())
-            .collect();
-        for id in ids {
-            let Some(kind) = g.node(id).op.downcast_ref::<Unary>().map(|u| u.kind) else {
+        for (cast, x, scale) in fp8_casts(g) {
+            // The Unary computing what the cast alone reads, or a view of it alone reads
+            // (an exported activation over `[B, S, D]` reshaped to the product's rows:
+            // the activation of the pre-activation viewed so).
+            let Some((y, view)) = cast_alone_reads(g, cast, x) else {
                 continue;
             };
-            // One reader: a cast reading it as its x, or reading a view of it alone (an
-            // exported activation over `[B, S, D]` reshaped to the product's rows: the
-            // activation of the pre-activation viewed so).
-            let [(mut reader, 0, _)] = g.consumers(id)[..] else {
+            let Some(kind) = g.node(y.node).op.downcast_ref::<Unary>().map(|u| u.kind) else {
                 continue;
             };
-            let mut view = None;
-            if let [(cast, 0, _)] = g.consumers(reader)[..] {
-                if g.node(reader).op.is::<Reshape>() && !is_output[reader.index()] {
-                    view = Some(reader);
-                    reader = cast;
-                }
-            }
-            let op = g.node(reader).op.downcast_ref::<QuantizeFp8>();
-            let Some(op) = op.filter(|q| q.activation.is_none() && !is_output[id.index()]) else {
+            let op = g.node(cast).op.downcast_ref::<QuantizeFp8>();
+            let Some(op) = op.filter(|q| q.activation.is_none()) else {
                 continue;
             };
             let op = op.clone().with_activation(Some(kind));
-            let mut inputs = g.inputs(reader);
-            let name = g.node(id).name.clone();
-            let shape = g.ty(inputs[0]).shape.clone();
-            inputs[0] = reshaped(g, g.inputs(id)[0], &shape, &name)?;
-            g.set_node(reader, Box::new(op), &inputs)?;
-            bytes += 2 * g.ty(Port::new(id, 0)).size_bytes() as u64;
-            if let Some(view) = view {
-                g.remove_node(view)?;
-            }
-            g.remove_node(id)?;
+            bytes += 2 * g.ty(y).size_bytes() as u64;
+            fold_into_cast(g, (cast, x, scale), (y.node, view), Box::new(op))?;
             folded += 1;
         }
         let lines = vec![format!(
@@ -81,7 +61,7 @@ mod tests {
     use super::*;
     use crate::testing::{assert_same_bits, run as run_cpu};
     use ampgraph_graph::ops::{Fp8Scale, UnaryKind};
-    use ampgraph_graph::{DType, Op, Tensor};
+    use ampgraph_graph::{DType, Op, Port, Tensor};
 
     /// `q(gelu(z))` with delayed scaling's given scale, and the gelu's value also read
     /// by `extra` where given (a Neg, or current scaling's `Fp8Scale`); z `[8, 16]`, or

@@ -14,7 +14,7 @@
 use ampgraph_graph::ops::{LayerNorm, LayerNormQuantizeFp8, QuantizeFp8};
 use ampgraph_graph::{Graph, NodeId, Port};
 
-use crate::rewrite::{fp8_casts, read_only_by, reshaped, summary, viewed_by_cast};
+use crate::rewrite::{cast_alone_reads, fold_into_cast, fp8_casts, summary};
 use crate::{format_bytes, Pass, PassError, PassSummary};
 
 /// The longest row the fused kernel normalises (a warp's registers hold it).
@@ -36,23 +36,30 @@ pub(crate) fn kernel_takes(g: &Graph, x: Port, axis: i64) -> bool {
 /// The cast `cast` (a QuantizeFp8 of `x`) of the LayerNorm computing `x`, or computing
 /// what `x` views as rows (an exported norm over `[B, S, D]`), where the CUDA kernel
 /// takes it and the cast alone reads `x`; with the view, if any.
-fn fused(g: &Graph, cast: NodeId, x: Port) -> Option<(LayerNormQuantizeFp8, Option<NodeId>)> {
+fn fused(
+    g: &Graph,
+    cast: NodeId,
+    x: Port,
+) -> Option<(LayerNormQuantizeFp8, (NodeId, Option<NodeId>))> {
     let q = g.node(cast).op.downcast_ref::<QuantizeFp8>()?;
-    let (y, view) = viewed_by_cast(g, x);
+    let (y, view) = cast_alone_reads(g, cast, x)?;
     let norm = g.node(y.node).op.downcast_ref::<LayerNorm>()?;
     // Over the last axis, whose rows the view keeps whole.
     let last = norm.axis == -1 || norm.axis + 1 == g.ty(y).rank() as i64;
     let rows_kept = g.ty(y).shape.last() == g.ty(x).shape.last();
     let over_rows = view.is_none() || (last && rows_kept);
     let axis = if view.is_some() { -1 } else { norm.axis };
-    if !(over_rows && kernel_takes(g, x, axis) && read_only_by(g, x, cast, 0)) {
+    if !(over_rows && kernel_takes(g, x, axis)) {
         return None;
     }
     let norm = LayerNorm {
         axis,
         ..norm.clone()
     };
-    Some((LayerNormQuantizeFp8::new(norm, q.clone()).ok()?, view))
+    Some((
+        LayerNormQuantizeFp8::new(norm, q.clone()).ok()?,
+        (y.node, view),
+    ))
 }
 
 impl Pass for NormIntoFp8 {
@@ -63,20 +70,11 @@ impl Pass for NormIntoFp8 {
     fn run(&self, g: &mut Graph) -> Result<PassSummary, PassError> {
         let (mut folded, mut bytes) = (0usize, 0u64);
         for (id, x, scale) in fp8_casts(g) {
-            let Some((op, view)) = fused(g, id, x) else {
+            let Some((op, norm)) = fused(g, id, x) else {
                 continue;
             };
-            let norm = view.map_or(x.node, |v| g.inputs(v)[0].node);
-            let mut inputs = g.inputs(norm).to_vec();
-            let name = g.node(norm).name.clone();
-            inputs[0] = reshaped(g, inputs[0], &g.ty(x).shape.clone(), &name)?;
-            inputs.push(scale);
             bytes += 2 * g.ty(x).size_bytes() as u64;
-            g.set_node(id, Box::new(op), &inputs)?;
-            if let Some(view) = view {
-                g.remove_node(view)?;
-            }
-            g.remove_node(norm)?;
+            fold_into_cast(g, (id, x, scale), norm, Box::new(op))?;
             folded += 1;
         }
         let lines = vec![format!(

@@ -114,35 +114,45 @@ pub(crate) fn read_only_by(g: &Graph, port: Port, reader: NodeId, slot: usize) -
     g.port_consumers(port) == [(reader, slot)] && !g.outputs().contains(&port)
 }
 
-/// What a cast's `x` (a matrix) views: `(y, Some(view))` where `x` is a Reshape
-/// (`view`) of `y`, which it alone reads, and `reader` alone reads `x` (an exported
-/// model's layer norm or activation over `[B, S, D]`, reshaped to the product's rows);
-/// `(x, None)` where `x` is not a view. The node computing `y` folds into the cast
-/// reading its input viewed as `x` is.
-pub(crate) fn viewed_by_cast(g: &Graph, x: Port) -> (Port, Option<NodeId>) {
+/// The tensor the FP8 cast `cast` alone reads as its `x`, and the view between them:
+/// `(x, None)`, or `(y, Some(view))` where `x` is a Reshape that alone reads `y` (an
+/// exported model's layer norm or activation over `[B, S, D]` viewed as the
+/// product's rows). The node computing it may fold into the cast ([`fold_into_cast`]).
+pub(crate) fn cast_alone_reads(g: &Graph, cast: NodeId, x: Port) -> Option<(Port, Option<NodeId>)> {
+    if !read_only_by(g, x, cast, 0) {
+        return None;
+    }
     let through = (g.node(x.node).op.is::<Reshape>())
         .then(|| g.inputs(x.node)[0])
-        .filter(|&y| read_only_by(g, y, x.node, 0) && g.port_consumers(x).len() == 1);
-    match through {
+        .filter(|&y| read_only_by(g, y, x.node, 0));
+    Some(match through {
         Some(y) => (y, Some(x.node)),
         None => (x, None),
-    }
+    })
 }
 
-/// `p` reshaped to `shape` (a new view node named after `name`), or `p` where it has
-/// that shape.
-pub(crate) fn reshaped(
+/// The cast `cast` of `x` (with `scale`) becomes `op`, which computes what `producer`
+/// computed from the producer's inputs, the first viewed as `x` is; the producer and
+/// the `view` between them ([`cast_alone_reads`]) go.
+pub(crate) fn fold_into_cast(
     g: &mut Graph,
-    p: Port,
-    shape: &[usize],
-    name: &str,
-) -> Result<Port, PassError> {
-    if g.ty(p).shape == shape {
-        return Ok(p);
+    (cast, x, scale): (NodeId, Port, Port),
+    (producer, view): (NodeId, Option<NodeId>),
+    op: Box<dyn Op>,
+) -> Result<(), PassError> {
+    let mut inputs = g.inputs(producer).to_vec();
+    let shape = g.ty(x).shape.clone();
+    if g.ty(inputs[0]).shape != shape {
+        let name = g.fresh_name(format!("{}/rows", g.node(producer).name));
+        inputs[0] = (g.add_node(name, Box::new(Reshape::new(dims(&shape))), &[inputs[0]])?).into();
     }
-    let name = g.fresh_name(format!("{name}/rows"));
-    Ok(g.add_node(name, Box::new(Reshape::new(dims(shape))), &[p])?
-        .into())
+    inputs.push(scale);
+    g.set_node(cast, op, &inputs)?;
+    if let Some(view) = view {
+        g.remove_node(view)?;
+    }
+    g.remove_node(producer)?;
+    Ok(())
 }
 
 /// Each `QuantizeFp8` node with its `x` and `scale`: the casts the passes folding the

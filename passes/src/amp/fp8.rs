@@ -36,7 +36,7 @@ use ampgraph_graph::ops::{
 };
 use ampgraph_graph::{DType, Graph, NodeId, Op, Port, Tensor, TensorType};
 
-use crate::rewrite::{cast_constant, node_error, through_casts};
+use crate::rewrite::{cast_constant, node_error, output_nodes, remove_unread, through_casts};
 use crate::PassError;
 
 /// Where delayed scaling's Variables are named: precision state, not the model's, so
@@ -972,24 +972,7 @@ pub fn apply(g: &mut Graph, plan: &Plan, config: &Fp8Config) -> Result<Fp8Stats,
     };
     // The quantised constants' parts no product reads (a weight's values where every
     // product reads its transposed copy), then the 16-bit constants they replace.
-    let mut seen = BTreeSet::new();
-    folded.retain(|&id| seen.insert(id));
-    loop {
-        let before = folded.len();
-        let mut read = Vec::with_capacity(before);
-        for id in folded {
-            let output = g.outputs().iter().any(|p| p.node == id);
-            if output || !g.consumers(id).is_empty() {
-                read.push(id);
-            } else {
-                g.remove_node(id)?;
-            }
-        }
-        folded = read;
-        if folded.len() == before {
-            break;
-        }
-    }
+    remove_unread(g, folded, &output_nodes(g))?;
     let writes = update_delayed_state(g, &delayed, config)?;
     if let (Some(group), false) = (group, writes.is_empty()) {
         let mut inputs = g.inputs(group);

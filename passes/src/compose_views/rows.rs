@@ -68,8 +68,7 @@ fn order_blind(g: &Graph, id: NodeId) -> bool {
 /// The one reader of `p` that reads its rows' order (any others are order-blind), if
 /// `p` is no graph output.
 fn order_reader(g: &Graph, p: Port, outputs: &[Port]) -> Option<(NodeId, usize)> {
-    let mut readers = g.port_consumers(p).into_iter();
-    let mut ordered = readers.by_ref().filter(|&(r, _)| !order_blind(g, r));
+    let mut ordered = (g.port_consumers(p).into_iter()).filter(|&(r, _)| !order_blind(g, r));
     match (ordered.next(), ordered.next()) {
         (Some(one), None) if !outputs.contains(&p) => Some(one),
         _ => None,
