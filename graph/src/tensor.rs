@@ -176,21 +176,6 @@ impl Data {
         std::borrow::Cow::Borrowed(each_vector!(self, v => view(v)))
     }
 
-    /// `n` zeros of `dtype`, allocated zeroed (no pass writing them).
-    pub fn zeros(dtype: DType, n: usize) -> Data {
-        match dtype {
-            DType::F32 => Data::F32(vec![0.0; n]),
-            DType::F16 => Data::F16(vec![f16::ZERO; n]),
-            DType::BF16 => Data::BF16(vec![bf16::ZERO; n]),
-            DType::F64 => Data::F64(vec![0.0; n]),
-            DType::I32 => Data::I32(vec![0; n]),
-            DType::I64 => Data::I64(vec![0; n]),
-            DType::Bool => Data::Bool(vec![false; n]),
-            DType::F8E4M3 => Data::F8E4M3(vec![F8E4M3(0); n]),
-            DType::F8E5M2 => Data::F8E5M2(vec![F8E5M2(0); n]),
-        }
-    }
-
     /// Writes [`to_le_bytes`](Self::to_le_bytes) into `out` (a staging buffer), which
     /// holds exactly that many bytes.
     pub fn write_le_bytes(&self, out: &mut [u8]) {
@@ -374,10 +359,7 @@ impl Tensor {
 
     /// Zeros of the given type. The caller has checked that the size is sane.
     pub fn zeros(ty: &TensorType) -> Tensor {
-        Tensor {
-            shape: ty.shape.clone(),
-            data: Arc::new(Data::zeros(ty.dtype, ty.checked_len().unwrap_or(0))),
-        }
+        Tensor::full(ty, 0.0)
     }
 
     /// `value` (rounded to the dtype) everywhere in a tensor of type `ty`, made in the
@@ -536,18 +518,6 @@ mod rounding_tests {
 #[cfg(test)]
 mod byte_tests {
     use super::*;
-
-    /// `Data::zeros` is zeros of every dtype, as `from_f64` makes them.
-    #[test]
-    fn zeros_of_every_dtype() {
-        for dtype in DType::ALL {
-            assert_eq!(
-                Data::zeros(dtype, 3),
-                Data::from_f64(dtype, [0.0; 3]),
-                "{dtype}"
-            );
-        }
-    }
 
     /// The borrowed view is the layout `to_le_bytes` writes, for every dtype, and
     /// `from_le_bytes` reads it back.
