@@ -436,6 +436,16 @@ pub fn clear_runtime_error() {
     }
 }
 
+/// What a module is compiled for: any GPU of the device's compute capability, or the
+/// device's own architecture with its instructions that later ones may lack (Hopper's
+/// `wgmma`, `compute_90a`), which the source uses only where the compiler defines
+/// `__CUDA_ARCH_FEAT_SM90_ALL`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    Portable,
+    ArchSpecific,
+}
+
 pub struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -797,10 +807,11 @@ impl Device {
         .map_err(drv("memset"))
     }
 
-    /// The kernel `name` of the module `key` (built from `src()` on first use).
+    /// The kernel `name` of the module `key` (built from `src()` on first use, for
+    /// `target`).
     fn function(
         &self,
-        key: &str,
+        (key, target): (&str, Target),
         src: impl FnOnce() -> String,
         name: &'static str,
     ) -> Result<Arc<CudaFunction>, String> {
@@ -821,7 +832,7 @@ impl Device {
                 match modules.get(key) {
                     Some(m) => m.clone(),
                     None => {
-                        let ptx = self.compile(key, src)?;
+                        let ptx = self.compile(key, target, src)?;
                         let m = self
                             .ctx
                             .load_module(ptx)
@@ -846,13 +857,23 @@ impl Device {
         })
     }
 
-    fn compile(&self, key: &str, src: impl FnOnce() -> String) -> Result<Ptx, String> {
-        let ckey = format!("{}/{key}", self.arch);
+    fn compile(
+        &self,
+        key: &str,
+        target: Target,
+        src: impl FnOnce() -> String,
+    ) -> Result<Ptx, String> {
+        // Hopper's own instructions (wgmma) need its arch-specific target.
+        let arch = match target {
+            Target::ArchSpecific if self.sm == 90 => format!("{}a", self.arch),
+            _ => self.arch.clone(),
+        };
+        let ckey = format!("{arch}/{key}");
         if let Some(p) = ptx_cache().lock().map_err(|_| "poisoned")?.get(&ckey) {
             return Ok(p.clone());
         }
         let src = src();
-        let arch_option = format!("--gpu-architecture={}", self.arch);
+        let arch_option = format!("--gpu-architecture={arch}");
         // Everything the PTX depends on; the headers come with the NVRTC version.
         let disk_key = [nvrtc_version(), &arch_option, "--fmad=false", &src];
         if let Some(text) = self.disk_cache.load(&disk_key) {
@@ -915,7 +936,7 @@ impl Device {
     /// kernel's registers and shared memory): a grid of that many is one full wave.
     pub fn resident_blocks(
         &self,
-        key: &str,
+        (key, target): (&str, Target),
         src: impl FnOnce() -> String,
         name: &'static str,
         block: u32,
@@ -925,7 +946,7 @@ impl Device {
             return Ok(n);
         }
         let per_sm = self
-            .function(key, src, name)?
+            .function((key, target), src, name)?
             .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
             .map_err(drv("occupancy query"))?;
         let n = per_sm.max(1) * self.multiprocessors;
@@ -936,14 +957,14 @@ impl Device {
     /// Launches kernel `name` of module `key` over `grid` blocks of `block` threads.
     pub fn launch(
         &self,
-        key: &str,
+        module: (&str, Target),
         src: impl FnOnce() -> String,
         name: &'static str,
         grid: u32,
         block: u32,
         args: &[Arg],
     ) -> Result<(), String> {
-        let f = self.function(key, src, name)?;
+        let f = self.function(module, src, name)?;
         let mut b = self.stream.launch_builder(&f);
         for a in args {
             match a {
@@ -965,7 +986,7 @@ impl Device {
         // pointer is a live buffer of the size the kernel indexes (checked by the caller).
         unsafe { b.launch(cfg) }
             .map(|_| ())
-            .map_err(|e| format!("launching kernel '{key}': {e:?}"))
+            .map_err(|e| format!("launching kernel '{}': {e:?}", module.0))
     }
 }
 

@@ -31,7 +31,7 @@ use ampgraph_graph::{DType, Op, TensorType};
 use super::codegen::{column_sums_fin, copy_async_source, module_multi};
 use super::fp8::fp8_pairs;
 use super::{kernel, launch_column_sums_fin, Ctx, KernelSpec, Lowering};
-use crate::cuda::device::{Arg, DTensor};
+use crate::cuda::device::{Arg, DTensor, Target};
 
 /// The module of one attention: `k_fwd(q, k, v, o, lse, ...)`, `k_dq(q, k, v, o, lse,
 /// do, dq, delta, ...)` and `k_dkv(q, k, v, lse, delta, do, dk, dv, ...)`, each then
@@ -56,6 +56,7 @@ pub(crate) struct Spec {
 
 impl KernelSpec for Spec {
     const FAMILY: &'static str = "attention";
+    const TARGET: Target = Target::ArchSpecific;
     fn source(&self) -> String {
         source(
             self.dtype,
@@ -187,7 +188,16 @@ const BODY: &str = concat!(
 // Dropout of the probabilities (`m_dropout_keeps`, the Dropout op's mask): a module of
 // its own.
 #define DROP @DROP@
-#define LDS (HD + 8)
+// Hopper's warpgroup products (`wgmma`, the sm_90a target): four warps' 64 rows take
+// a product together, B read from the shared tile by the tensor cores themselves; else
+// each warp's `mma.sync` of its 16 rows, B fragments loaded by `ldmatrix`.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WGMMA 1
+#else
+#define WGMMA 0
+#endif
+// The warps that skip a causal tile together (a warpgroup's under WGMMA).
+#define SKIP_WARPS (WGMMA ? 4 : 1)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
@@ -196,6 +206,11 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   return *reinterpret_cast<unsigned*>(&v);
 }
 __device__ __forceinline__ unsigned ld32(const T* p) { return *reinterpret_cast<const unsigned*>(p); }
+// Element (r, c) of a shared tile of rows HD wide, stored as 8 x 8 blocks of 128 bytes
+// (wgmma's core matrices), rows of blocks one after another: a block's rows are 16
+// contiguous bytes, so ldmatrix and the A fragments' loads meet no bank conflicts
+// unpadded, and wgmma reads a tile through a descriptor of two strides.
+__device__ __forceinline__ int tile_at(int r, int c) { return ((r >> 3) * (HD / 8) + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7); }
 // c += a b for a 16x16 A fragment and a 16x8 B fragment (registers as PTX lays them out:
 // lane = 4 g + t holds rows g and g + 8, columns 2t, 2t + 1 (+ 8)).
 __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
@@ -207,10 +222,10 @@ __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, un
 #endif
 }
 // The B fragments of n-tiles n0 (b[0], b[1]) and n0 + 8 (b[2], b[3]) at k-step k0 of a
-// shared [row][LDS] tile m: `trans` false reads B[k][n] = m[n][k], true B[k][n] = m[k][n].
+// shared tile m: `trans` false reads B[k][n] = m[n][k], true B[k][n] = m[k][n].
 template <bool trans> __device__ __forceinline__ void ldm_b(unsigned* b, const T* m, int n0, int k0, int lane) {
   const int row = lane & 7, hi_n = (lane >> 4) << 3, hi_k = ((lane >> 3) & 1) << 3;
-  const T* p = trans ? m + (k0 + row + hi_k) * LDS + n0 + hi_n : m + (n0 + row + hi_n) * LDS + k0 + hi_k;
+  const T* p = m + (trans ? tile_at(k0 + row + hi_k, n0 + hi_n) : tile_at(n0 + row + hi_n, k0 + hi_k));
 #ifdef __CUDA_ARCH__
   unsigned a = (unsigned)__cvta_generic_to_shared(p);
   if (trans)
@@ -223,15 +238,46 @@ template <bool trans> __device__ __forceinline__ void ldm_b(unsigned* b, const T
   b[0] = b[1] = b[2] = b[3] = ld32(p);
 #endif
 }
-// The A fragment at rows r0.., columns c0.. of a shared [row][LDS] tile.
+// The A fragment at rows r0.., columns c0.. of a shared tile.
 __device__ __forceinline__ void load_a(unsigned* a, const T* m, int r0, int c0, int g, int t) {
-  a[0] = ld32(m + (r0 + g) * LDS + c0 + 2 * t);
-  a[1] = ld32(m + (r0 + g + 8) * LDS + c0 + 2 * t);
-  a[2] = ld32(m + (r0 + g) * LDS + c0 + 2 * t + 8);
-  a[3] = ld32(m + (r0 + g + 8) * LDS + c0 + 2 * t + 8);
+  a[0] = ld32(m + tile_at(r0 + g, c0 + 2 * t));
+  a[1] = ld32(m + tile_at(r0 + g + 8, c0 + 2 * t));
+  a[2] = ld32(m + tile_at(r0 + g, c0 + 2 * t + 8));
+  a[3] = ld32(m + tile_at(r0 + g + 8, c0 + 2 * t + 8));
 }
-// c (16 x TILE) += a (16 x HD, registers) m^T, m a shared [TILE][LDS] tile.
+#if WGMMA
+// A descriptor of the shared tile from `m` on: blocks `k_step` bytes apart along the
+// product's k and `n_step` along its n, no swizzle.
+__device__ __forceinline__ unsigned long long tile_desc(const T* m, unsigned k_step, unsigned n_step) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(m);
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(k_step >> 4) << 16) |
+         ((unsigned long long)(n_step >> 4) << 32);
+}
+@WGMMA_N@
+#define WG_(n) wg_n##n
+#define WG(n) WG_(n)
+#endif
+// A warpgroup's products run asynchronously: each is fenced from the instructions
+// that wrote its registers (A fragments, accumulators) before it, and waited for
+// before its accumulators are read; mma.sync needs neither.
+__device__ __forceinline__ void products_fence() {
+#if WGMMA && defined(__CUDA_ARCH__)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void products_wait() {
+#if WGMMA && defined(__CUDA_ARCH__)
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// c (16 x TILE) += a (16 x HD, registers) m^T, m a shared [TILE][HD] tile; c is read
+// after products_wait.
 __device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const T* m, int lane) {
+#if WGMMA
+  products_fence();
+#pragma unroll
+  for (int kc = 0; kc < HD / 16; kc++) WG(TILE)<0>(&c[0][0], a[kc], tile_desc(m + tile_at(0, 16 * kc), 128, 16 * HD));
+#else
 #pragma unroll
   for (int j = 0; j < TILE / 8; j += 2)
 #pragma unroll
@@ -241,31 +287,44 @@ __device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const 
       mma(c[j], a[kc], b[0], b[1]);
       mma(c[j + 1], a[kc], b[2], b[3]);
     }
+#endif
 }
-// c (16 x HD) += s (16 x TILE accumulators, rounded to T) m, m a shared [TILE][LDS] tile.
+// c (16 x HD) += s (16 x TILE accumulators, rounded to T) m, m a shared [TILE][HD]
+// tile; c is read after products_wait.
 __device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m, int lane) {
+  unsigned a[TILE / 16][4];
 #pragma unroll
   for (int kc = 0; kc < TILE / 16; kc++) {
-    unsigned a[4] = {pack2(s[2 * kc][0], s[2 * kc][1]), pack2(s[2 * kc][2], s[2 * kc][3]),
-                     pack2(s[2 * kc + 1][0], s[2 * kc + 1][1]), pack2(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+    a[kc][0] = pack2(s[2 * kc][0], s[2 * kc][1]);
+    a[kc][1] = pack2(s[2 * kc][2], s[2 * kc][3]);
+    a[kc][2] = pack2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+    a[kc][3] = pack2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+  }
+#if WGMMA
+  products_fence();
+#pragma unroll
+  for (int kc = 0; kc < TILE / 16; kc++) WG(HD)<1>(&c[0][0], a[kc], tile_desc(m + tile_at(16 * kc, 0), 16 * HD, 128));
+#else
+#pragma unroll
+  for (int kc = 0; kc < TILE / 16; kc++)
 #pragma unroll
     for (int j = 0; j < HD / 8; j += 2) {
       unsigned b[4];
       ldm_b<true>(b, m, 8 * j, 16 * kc, lane);
-      mma(c[j], a, b[0], b[1]);
-      mma(c[j + 1], a, b[2], b[3]);
+      mma(c[j], a[kc], b[0], b[1]);
+      mma(c[j + 1], a[kc], b[2], b[3]);
     }
-  }
+#endif
 }
 "#,
     copy_async_source!(),
     r#"// Starts copying rows r0 .. r0 + n of one (batch, head) of a [B, S, H, HD] tensor (`x`
-// at its row 0, rows `stride` apart) into sm[row][LDS], zeros past S.
+// at its row 0, rows `stride` apart) into the shared tile sm, zeros past S.
 __device__ __forceinline__ void load_rows(T* sm, const T* x, int stride, int S, int r0, int n) {
   for (int i = threadIdx.x; i < n * (HD / 8); i += blockDim.x) {
     int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
     bool in = r0 + r < S;
-    copy_async(sm + r * LDS + c, x + (in ? (r0 + r) * stride + c : 0), in ? 16 : 0);
+    copy_async(sm + tile_at(r, c), x + (in ? (r0 + r) * stride + c : 0), in ? 16 : 0);
   }
 }
 // Starts copying n values of a row statistic from `x` (zeros past S).
@@ -320,8 +379,12 @@ struct Place {
   // (H * HD, or 3 H HD in a packed qkv).
   template <typename P> __device__ P* at(P* x, int len, int rs) const { return x + b * len * rs + h * HD; }
   __device__ i64 stat(int len, int H) const { return (b * H + h) * len; }
+  // The first and last rows of the warps that skip a causal tile together with this
+  // one (a warpgroup takes its products whole).
+  __device__ int skip_first() const { return first + 16 * (w & ~(SKIP_WARPS - 1)); }
+  __device__ int skip_last() const { return first + 16 * (w | (SKIP_WARPS - 1)) + 15; }
 };
-typedef T Buffer[2 * TILE * LDS];
+typedef T Buffer[2 * TILE * HD];
 #if Q8
 // Where the output or the gradient is cast as it is stored (FusedAttentionQuantizeFp8,
 // FusedAttentionGradQuantizeFp8): o's tiles go into the FP8 [B S, H HD] matrix `y` of
@@ -422,7 +485,7 @@ __device__ __forceinline__ void q8_amax_fold(unsigned m, unsigned int* amax) {
 // into `buf`, a's rows first.
 __device__ __forceinline__ void load_pair(T* buf, const T* a, int as, const T* b, int bs, int S, int r0) {
   load_rows(buf, a, as, S, r0, TILE);
-  load_rows(buf + TILE * LDS, b, bs, S, r0, TILE);
+  load_rows(buf + TILE * HD, b, bs, S, r0, TILE);
 }
 // Before a double-buffered walk uses its tile `it` (rows r0.. of S): starts the next
 // one, where there is one (`start(buffer, first row)` issues its copies), then waits
@@ -435,6 +498,10 @@ template <typename F> __device__ __forceinline__ void next_tile(int it, int r0, 
   } else {
     wait<0>();
   }
+#if WGMMA && defined(__CUDA_ARCH__)
+  // The copies wrote through the generic proxy; wgmma reads through the async one.
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
   __syncthreads();
 }
 // The A fragments of this warp's 16 rows of the block's ROWS rows of x and y.
@@ -511,9 +578,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
   const int kend = keys_needed(Sk, p.first);
   for (int k0 = 0, it = 0; k0 < kend; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
-    const T* vs = ks + TILE * LDS;
+    const T* vs = ks + TILE * HD;
     next_tile(it, k0, kend, start);
-    if (CAUSAL && k0 > r - p.g + 15) {  // the warp's rows see none of the tile's keys
+    if (CAUSAL && k0 > p.skip_last()) {  // the warps' rows see none of the tile's keys
       __syncthreads();
       continue;
     }
@@ -523,6 +590,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
     float s[TILE / 8][4];
     zero<TILE / 8>(s);
     mma_a_mt(s, qa, ks, p.lane);
+    products_wait();
     float mx0 = -F_INF, mx1 = -F_INF;
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++)
@@ -571,6 +639,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
         s[j][e] *= drop.factor(p.b * H + p.h, Sq, Sk, e < 2 ? r : r + 8, k0 + 8 * j + 2 * p.t + (e & 1));
 #endif
     mma_s_m(acc, s, vs, p.lane);
+    products_wait();
     __syncthreads();
   }
   l0 = quad_sum(l0); l1 = quad_sum(l1);
@@ -629,9 +698,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
   const int kend = keys_needed(Sk, p.first);
   for (int k0 = 0, it = 0; k0 < kend; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
-    const T* vs = ks + TILE * LDS;
+    const T* vs = ks + TILE * HD;
     next_tile(it, k0, kend, start);
-    if (CAUSAL && k0 > r - p.g + 15) {  // the warp's rows see none of the tile's keys
+    if (CAUSAL && k0 > p.skip_last()) {  // the warps' rows see none of the tile's keys
       __syncthreads();
       continue;
     }
@@ -643,6 +712,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     zero<TILE / 8>(dp);
     mma_a_mt(s, qa, ks, p.lane);
     mma_a_mt(dp, da, vs, p.lane);
+    products_wait();
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
@@ -663,6 +733,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
         s[j][e] = pr * (dp[j][e] - (e < 2 ? d0 : d1));
       }
     mma_s_m(acc, s, ks, p.lane);
+    products_wait();
     __syncthreads();
   }
 #if Q8
@@ -712,10 +783,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   }
   for (int q0 = qbegin, it = 0; q0 < Sq; q0 += TILE, it++) {
     const T* qs = sm[it & 1];
-    const T* ds = qs + TILE * LDS;
+    const T* ds = qs + TILE * HD;
     const float *ls = stats[it & 1][0], *dl = stats[it & 1][1];
     next_tile(it, q0, Sq, start);
-    if (CAUSAL && q0 + TILE <= r - p.g) {  // the tile's queries see none of the warp's keys
+    if (CAUSAL && q0 + TILE <= p.skip_first()) {  // the tile's queries see none of the warps' keys
       __syncthreads();
       continue;
     }
@@ -725,6 +796,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     zero<TILE / 8>(dp);
     mma_a_mt(s, ka, qs, p.lane);
     mma_a_mt(dp, va, ds, p.lane);
+    products_wait();
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
@@ -749,6 +821,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
       }
     mma_s_m(dva, s, ds, p.lane);
     mma_s_m(dka, dp, qs, p.lane);
+    products_wait();
     __syncthreads();
   }
 #if Q8
@@ -802,12 +875,44 @@ pub fn source(
         .replace("@DROP@", if dropout { "1" } else { "0" })
         .replace("@T2@", pair)
         .replace("@PACK@", pack)
-        .replace("@MMA@", mma);
+        .replace("@MMA@", mma)
+        .replace("@WGMMA_N@", &wgmma_products(&[shape.tile, head_dim], mma));
     let sums = column_sum_dtype(dtype);
     module_multi(
         &[("", dtype), ("S", sums)],
         &format!("{cast_head}{body}{cast_tail}"),
     )
+}
+
+/// Hopper's warpgroup products `wg_n{n}<TRANS_B>(d, a, desc)` for each width `n`: a
+/// thread's n / 2 accumulators `d` += its A fragment `a` (64 x 16 across the
+/// warpgroup) times the 16 x n tile `desc` describes, n-major where TRANS_B.
+fn wgmma_products(widths: &[usize], mma: &str) -> String {
+    let mut widths = widths.to_vec();
+    widths.sort_unstable();
+    widths.dedup();
+    let mut out = String::new();
+    for n in widths {
+        let d = n / 2;
+        let regs: Vec<String> = (0..d).map(|i| format!("%{i}")).collect();
+        let accs: Vec<String> = (0..d).map(|i| format!("\"+f\"(d[{i}])")).collect();
+        let (regs, accs) = (regs.join(","), accs.join(", "));
+        let (a, b, tr) = (d, d + 4, d + 5);
+        out += &format!(
+            "template <int TR> __device__ __forceinline__ void wg_n{n}(float* d, const unsigned* a, unsigned long long b) {{\n\
+             #ifdef __CUDA_ARCH__\n\
+             \x20 asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n\
+             \x20              \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} {{{regs}}}, \
+             {{%{a},%{a1},%{a2},%{a3}}}, %{b}, p, 1, 1, %{tr};\\n}}\\n\"\n\
+             \x20              : {accs}\n\
+             \x20              : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(b), \"n\"(TR) : \"memory\");\n\
+             #endif\n}}\n",
+            a1 = a + 1,
+            a2 = a + 2,
+            a3 = a + 3,
+        );
+    }
+    out
 }
 
 /// The sizes of an attention of these types that the kernels can take, or why not;

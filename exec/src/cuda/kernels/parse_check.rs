@@ -47,6 +47,7 @@ __nv_bfloat16 __double2bfloat16(double);
 float __int_as_float(int); float __expf(float); unsigned __umulhi(unsigned, unsigned);
 float __fmul_rn(float, float); float __fmaf_rn(float, float, float); double __fma_rn(double, double, double); double __dmul_rn(double, double);
 template <class T> T __shfl_xor_sync(unsigned, T, int);
+size_t __cvta_generic_to_shared(const void*);
 template <class T> T atomicAdd(T*, T);
 void __syncthreads();
 struct uint4 { unsigned x, y, z, w; };
@@ -286,10 +287,12 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         ),
     ] {
         let q8 = cast.map_or(String::new(), |to| format!("_{to}"));
-        k.push((
-            format!("attention_{d}_{head_dim}_{causal}_{key_bias}_{dropout}{q8}"),
-            super::attention::source(d, head_dim, shape, (causal, key_bias, dropout), cast),
-        ));
+        let name = format!("attention_{d}_{head_dim}_{causal}_{key_bias}_{dropout}{q8}");
+        let source = super::attention::source(d, head_dim, shape, (causal, key_bias, dropout), cast);
+        // And as compiled for Hopper's own target, with its warpgroup products.
+        let hopper = format!("#define __CUDA_ARCH_FEAT_SM90_ALL 1\n{source}");
+        k.push((format!("{name}_sm90a"), hopper));
+        k.push((name, source));
     }
     // Casts folded into the normalisations: f16 x and dy, f32 math, f16 or f32 out.
     for y in [DType::F16, DType::F32] {

@@ -9,7 +9,7 @@ use std::fmt::Debug;
 use ampgraph_graph::{DType, TensorType};
 
 use crate::cuda::device::{
-    items_grid, row_block, row_grid, Arg, DTensor, Device, UpdateTable, GROUP_MEMBERS,
+    items_grid, row_block, row_grid, Arg, DTensor, Device, Target, UpdateTable, GROUP_MEMBERS,
 };
 use crate::cuda::dnn::{Dnn, DnnOptions};
 use crate::cuda::gemm::{Gemm, GemmOptions};
@@ -57,6 +57,8 @@ pub(crate) trait KernelSpec: Debug {
     const FAMILY: &'static str;
     /// The module's CUDA C++ source.
     fn source(&self) -> String;
+    /// What the module is compiled for.
+    const TARGET: Target = Target::Portable;
     /// The module's cache key.
     fn key(&self) -> String {
         format!("{}/{self:?}", Self::FAMILY)
@@ -195,8 +197,14 @@ impl Ctx<'_> {
         (grid, block): (u32, u32),
         args: &[Arg],
     ) -> Result<(), String> {
-        self.dev
-            .launch(&spec.key(), || spec.source(), name, grid, block, args)
+        self.dev.launch(
+            (&spec.key(), S::TARGET),
+            || spec.source(),
+            name,
+            grid,
+            block,
+            args,
+        )
     }
 
     /// How many blocks of `block` threads of kernel `name` of `spec` fill the GPU once.
@@ -207,7 +215,7 @@ impl Ctx<'_> {
         block: u32,
     ) -> Result<u32, String> {
         self.dev
-            .resident_blocks(&spec.key(), || spec.source(), name, block)
+            .resident_blocks((&spec.key(), S::TARGET), || spec.source(), name, block)
     }
 
     /// An elementwise launch of `spec`'s `k` whose threads take up to [`VECTOR`] items.
