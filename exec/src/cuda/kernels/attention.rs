@@ -188,10 +188,11 @@ const BODY: &str = concat!(
 // Dropout of the probabilities (`m_dropout_keeps`, the Dropout op's mask): a module of
 // its own.
 #define DROP @DROP@
-// Hopper's warpgroup products (`wgmma`, the sm_90a target): four warps' 64 rows take
-// a product together, B read from the shared tile by the tensor cores themselves; else
-// each warp's `mma.sync` of its 16 rows, B fragments loaded by `ldmatrix`.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper's warpgroup products (`wgmma`, the sm_90a target) for heads of 64: four
+// warps' 64 rows take a product together, B read from the shared tile by the tensor
+// cores themselves; else each warp's `mma.sync` of its 16 rows, B fragments loaded by
+// `ldmatrix`.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && HD == 64 && !(DROP && WARPS > 4)
 #define WGMMA 1
 #else
 #define WGMMA 0
@@ -206,11 +207,17 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   return *reinterpret_cast<unsigned*>(&v);
 }
 __device__ __forceinline__ unsigned ld32(const T* p) { return *reinterpret_cast<const unsigned*>(p); }
-// Element (r, c) of a shared tile of rows HD wide, stored as 8 x 8 blocks of 128 bytes
-// (wgmma's core matrices), rows of blocks one after another: a block's rows are 16
-// contiguous bytes, so ldmatrix and the A fragments' loads meet no bank conflicts
-// unpadded, and wgmma reads a tile through a descriptor of two strides.
-__device__ __forceinline__ int tile_at(int r, int c) { return ((r >> 3) * (HD / 8) + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7); }
+// Element (r, c) of a shared tile of rows HD wide. Rows of 128 bytes (heads of 64)
+// have their 16-byte chunks swizzled by the row (chunk ^ row % 8), the layout of
+// wgmma's 128-byte swizzle (tiles start 1024 bytes apart); other rows are padded by
+// 16 bytes. Either way ldmatrix's eight rows and a row's copies meet no bank conflict.
+#if HD == 64
+#define ROW_LEN 64
+__device__ __forceinline__ int tile_at(int r, int c) { return r * 64 + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
+#else
+#define ROW_LEN (HD + 8)
+__device__ __forceinline__ int tile_at(int r, int c) { return r * ROW_LEN + c; }
+#endif
 // c += a b for a 16x16 A fragment and a 16x8 B fragment (registers as PTX lays them out:
 // lane = 4 g + t holds rows g and g + 8, columns 2t, 2t + 1 (+ 8)).
 __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
@@ -246,37 +253,20 @@ __device__ __forceinline__ void load_a(unsigned* a, const T* m, int r0, int c0, 
   a[3] = ld32(m + tile_at(r0 + g + 8, c0 + 2 * t + 8));
 }
 #if WGMMA
-// A descriptor of the shared tile from `m` on: blocks `k_step` bytes apart along the
-// product's k and `n_step` along its n, no swizzle.
-__device__ __forceinline__ unsigned long long tile_desc(const T* m, unsigned k_step, unsigned n_step) {
+// The descriptor of a 128-byte-swizzled tile from `m` on: 8-row groups 1024 bytes
+// apart (the one stride a 64-wide tile needs either way round).
+__device__ __forceinline__ unsigned long long tile_desc(const T* m) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(m);
-  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(k_step >> 4) << 16) |
-         ((unsigned long long)(n_step >> 4) << 32);
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
-@WGMMA_N@
-#define WG_(n) wg_n##n
-#define WG(n) WG_(n)
+@WGMMA_PRODUCTS@
 #endif
-// A warpgroup's products run asynchronously: each is fenced from the instructions
-// that wrote its registers (A fragments, accumulators) before it, and waited for
-// before its accumulators are read; mma.sync needs neither.
-__device__ __forceinline__ void products_fence() {
-#if WGMMA && defined(__CUDA_ARCH__)
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void products_wait() {
-#if WGMMA && defined(__CUDA_ARCH__)
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
-// c (16 x TILE) += a (16 x HD, registers) m^T, m a shared [TILE][HD] tile; c is read
-// after products_wait.
+// c (16 x TILE) += a (16 x HD, registers) m^T, m a shared [TILE][HD] tile.
 __device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const T* m, int lane) {
 #if WGMMA
-  products_fence();
-#pragma unroll
-  for (int kc = 0; kc < HD / 16; kc++) WG(TILE)<0>(&c[0][0], a[kc], tile_desc(m + tile_at(0, 16 * kc), 128, 16 * HD));
+  // A k-step is 16 columns (32 bytes) along the rows.
+  const unsigned long long b[4] = {tile_desc(m), tile_desc(m + 16), tile_desc(m + 32), tile_desc(m + 48)};
+  wg_a_mt(&c[0][0], a, b);
 #else
 #pragma unroll
   for (int j = 0; j < TILE / 8; j += 2)
@@ -289,8 +279,7 @@ __device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const 
     }
 #endif
 }
-// c (16 x HD) += s (16 x TILE accumulators, rounded to T) m, m a shared [TILE][HD]
-// tile; c is read after products_wait.
+// c (16 x HD) += s (16 x TILE accumulators, rounded to T) m, m a shared [TILE][HD] tile.
 __device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m, int lane) {
   unsigned a[TILE / 16][4];
 #pragma unroll
@@ -301,9 +290,11 @@ __device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m
     a[kc][3] = pack2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
   }
 #if WGMMA
-  products_fence();
+  // A k-step is 16 rows.
+  unsigned long long b[TILE / 16];
 #pragma unroll
-  for (int kc = 0; kc < TILE / 16; kc++) WG(HD)<1>(&c[0][0], a[kc], tile_desc(m + tile_at(16 * kc, 0), 16 * HD, 128));
+  for (int kc = 0; kc < TILE / 16; kc++) b[kc] = tile_desc(m + 16 * kc * 64);
+  wg_s_m(&c[0][0], a, b);
 #else
 #pragma unroll
   for (int kc = 0; kc < TILE / 16; kc++)
@@ -384,7 +375,7 @@ struct Place {
   __device__ int skip_first() const { return first + 16 * (w & ~(SKIP_WARPS - 1)); }
   __device__ int skip_last() const { return first + 16 * (w | (SKIP_WARPS - 1)) + 15; }
 };
-typedef T Buffer[2 * TILE * HD];
+typedef T Buffer[2 * TILE * ROW_LEN];
 #if Q8
 // Where the output or the gradient is cast as it is stored (FusedAttentionQuantizeFp8,
 // FusedAttentionGradQuantizeFp8): o's tiles go into the FP8 [B S, H HD] matrix `y` of
@@ -485,7 +476,7 @@ __device__ __forceinline__ void q8_amax_fold(unsigned m, unsigned int* amax) {
 // into `buf`, a's rows first.
 __device__ __forceinline__ void load_pair(T* buf, const T* a, int as, const T* b, int bs, int S, int r0) {
   load_rows(buf, a, as, S, r0, TILE);
-  load_rows(buf + TILE * HD, b, bs, S, r0, TILE);
+  load_rows(buf + TILE * ROW_LEN, b, bs, S, r0, TILE);
 }
 // Before a double-buffered walk uses its tile `it` (rows r0.. of S): starts the next
 // one, where there is one (`start(buffer, first row)` issues its copies), then waits
@@ -553,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
                                                                long long seed, const float* count, long long threshold, double drop_scale Q8_PARAMS) {
   const Drop drop = make_drop(seed, count, threshold, drop_scale);
   // Two buffers of a K and a V tile: the next tile arrives while this one is used.
-  __align__(16) __shared__ Buffer sm[2];
+  __align__(1024) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
   // o's rows are `stride` apart; q's, k's and v's `xs` (3 H HD where packed).
   const int stride = H * HD;
@@ -578,7 +569,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
   const int kend = keys_needed(Sk, p.first);
   for (int k0 = 0, it = 0; k0 < kend; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
-    const T* vs = ks + TILE * HD;
+    const T* vs = ks + TILE * ROW_LEN;
     next_tile(it, k0, kend, start);
     if (CAUSAL && k0 > p.skip_last()) {  // the warps' rows see none of the tile's keys
       __syncthreads();
@@ -590,7 +581,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
     float s[TILE / 8][4];
     zero<TILE / 8>(s);
     mma_a_mt(s, qa, ks, p.lane);
-    products_wait();
     float mx0 = -F_INF, mx1 = -F_INF;
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++)
@@ -639,7 +629,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
         s[j][e] *= drop.factor(p.b * H + p.h, Sq, Sk, e < 2 ? r : r + 8, k0 + 8 * j + 2 * p.t + (e & 1));
 #endif
     mma_s_m(acc, s, vs, p.lane);
-    products_wait();
     __syncthreads();
   }
   l0 = quad_sum(l0); l1 = quad_sum(l1);
@@ -666,7 +655,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     const float* lse, const T* d_o, T* dq, float* delta, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
     long long seed, const float* count, long long threshold, double drop_scale Q8_PARAMS) {
   const Drop drop = make_drop(seed, count, threshold, drop_scale);
-  __align__(16) __shared__ Buffer sm[2];
+  __align__(1024) __shared__ Buffer sm[2];
   const Place p(Sq, H, true);
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, xs), *vb = p.at(v, Sk, xs), *ob = p.at(o, Sq, stride), *db = p.at(d_o, Sq, stride);
@@ -698,7 +687,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
   const int kend = keys_needed(Sk, p.first);
   for (int k0 = 0, it = 0; k0 < kend; k0 += TILE, it++) {
     const T* ks = sm[it & 1];
-    const T* vs = ks + TILE * HD;
+    const T* vs = ks + TILE * ROW_LEN;
     next_tile(it, k0, kend, start);
     if (CAUSAL && k0 > p.skip_last()) {  // the warps' rows see none of the tile's keys
       __syncthreads();
@@ -712,7 +701,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     zero<TILE / 8>(dp);
     mma_a_mt(s, qa, ks, p.lane);
     mma_a_mt(dp, da, vs, p.lane);
-    products_wait();
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
@@ -733,7 +721,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
         s[j][e] = pr * (dp[j][e] - (e < 2 ? d0 : d1));
       }
     mma_s_m(acc, s, ks, p.lane);
-    products_wait();
     __syncthreads();
   }
 #if Q8
@@ -751,7 +738,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     const float* lse, const float* delta, const T* d_o, T* dk, T* dv, int H, int xs, int Sq, int Sk, const T* bias, int bias_stride, double scale,
     long long seed, const float* count, long long threshold, double drop_scale Q8_PARAMS) {
   const Drop drop = make_drop(seed, count, threshold, drop_scale);
-  __align__(16) __shared__ Buffer sm[2];
+  __align__(1024) __shared__ Buffer sm[2];
   __shared__ float stats[2][2][TILE];
   const Place p(Sk, H, false);
   const int stride = H * HD;
@@ -783,7 +770,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   }
   for (int q0 = qbegin, it = 0; q0 < Sq; q0 += TILE, it++) {
     const T* qs = sm[it & 1];
-    const T* ds = qs + TILE * HD;
+    const T* ds = qs + TILE * ROW_LEN;
     const float *ls = stats[it & 1][0], *dl = stats[it & 1][1];
     next_tile(it, q0, Sq, start);
     if (CAUSAL && q0 + TILE <= p.skip_first()) {  // the tile's queries see none of the warps' keys
@@ -796,7 +783,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     zero<TILE / 8>(dp);
     mma_a_mt(s, ka, qs, p.lane);
     mma_a_mt(dp, va, ds, p.lane);
-    products_wait();
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
@@ -821,7 +807,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
       }
     mma_s_m(dva, s, ds, p.lane);
     mma_s_m(dka, dp, qs, p.lane);
-    products_wait();
     __syncthreads();
   }
 #if Q8
@@ -876,7 +861,7 @@ pub fn source(
         .replace("@T2@", pair)
         .replace("@PACK@", pack)
         .replace("@MMA@", mma)
-        .replace("@WGMMA_N@", &wgmma_products(&[shape.tile, head_dim], mma));
+        .replace("@WGMMA_PRODUCTS@", &wgmma_products(shape.tile, mma));
     let sums = column_sum_dtype(dtype);
     module_multi(
         &[("", dtype), ("S", sums)],
@@ -884,35 +869,48 @@ pub fn source(
     )
 }
 
-/// Hopper's warpgroup products `wg_n{n}<TRANS_B>(d, a, desc)` for each width `n`: a
-/// thread's n / 2 accumulators `d` += its A fragment `a` (64 x 16 across the
-/// warpgroup) times the 16 x n tile `desc` describes, n-major where TRANS_B.
-fn wgmma_products(widths: &[usize], mma: &str) -> String {
-    let mut widths = widths.to_vec();
-    widths.sort_unstable();
-    widths.dedup();
-    let mut out = String::new();
-    for n in widths {
-        let d = n / 2;
-        let regs: Vec<String> = (0..d).map(|i| format!("%{i}")).collect();
-        let accs: Vec<String> = (0..d).map(|i| format!("\"+f\"(d[{i}])")).collect();
-        let (regs, accs) = (regs.join(","), accs.join(", "));
-        let (a, b, tr) = (d, d + 4, d + 5);
-        out += &format!(
-            "template <int TR> __device__ __forceinline__ void wg_n{n}(float* d, const unsigned* a, unsigned long long b) {{\n\
+/// Hopper's warpgroup products for heads of 64, each one asm statement that fences,
+/// issues its k-steps and waits for them (the compiler sees the accumulators written
+/// when they are): `wg_a_mt` (n = `tile`, four k-steps, B k-major: S = Q K^T) and
+/// `wg_s_m` (n = 64, `tile` / 16 k-steps, B n-major: O += P V), each taking a
+/// thread's accumulators `d`, its A fragments `a[k-step]` and B's descriptors
+/// `b[k-step]`.
+fn wgmma_products(tile: usize, mma: &str) -> String {
+    let product = |name: &str, n: usize, steps: usize, trans_b: u8| {
+        let accs = n / 2;
+        let list = |from: usize, count: usize| {
+            (from..from + count)
+                .map(|i| format!("%{i}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let d = list(0, accs);
+        let mut body = String::from("{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\nwgmma.fence.sync.aligned;\\n");
+        for k in 0..steps {
+            let a = list(accs + 4 * k, 4);
+            let b = accs + 4 * steps + k;
+            body += &format!(
+                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} {{{d}}}, {{{a}}}, %{b}, p, 1, 1, {trans_b};\\n"
+            );
+        }
+        body += "wgmma.commit_group.sync.aligned;\\nwgmma.wait_group.sync.aligned 0;\\n}\\n";
+        let outs: Vec<String> = (0..accs).map(|i| format!("\"+f\"(d[{i}])")).collect();
+        let mut ins: Vec<String> = (0..steps)
+            .flat_map(|k| (0..4).map(move |j| format!("\"r\"(a[{k}][{j}])")))
+            .collect();
+        ins.extend((0..steps).map(|k| format!("\"l\"(b[{k}])")));
+        format!(
+            "__device__ __forceinline__ void {name}(float* d, const unsigned (*a)[4], const unsigned long long* b) {{\n\
              #ifdef __CUDA_ARCH__\n\
-             \x20 asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n\
-             \x20              \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} {{{regs}}}, \
-             {{%{a},%{a1},%{a2},%{a3}}}, %{b}, p, 1, 1, %{tr};\\n}}\\n\"\n\
-             \x20              : {accs}\n\
-             \x20              : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(b), \"n\"(TR) : \"memory\");\n\
+             \x20 asm volatile(\"{body}\"\n\
+             \x20              : {}\n\
+             \x20              : {} : \"memory\");\n\
              #endif\n}}\n",
-            a1 = a + 1,
-            a2 = a + 2,
-            a3 = a + 3,
-        );
-    }
-    out
+            outs.join(", "),
+            ins.join(", ")
+        )
+    };
+    product("wg_a_mt", tile, 4, 0) + &product("wg_s_m", 64, tile / 16, 1)
 }
 
 /// The sizes of an attention of these types that the kernels can take, or why not;
