@@ -1,11 +1,14 @@
 //! FusedAttention and FusedAttentionGrad on the device: FlashAttention-2's algorithm
-//! on Tensor Cores (`mma.sync` m16n8k16, f16 or bf16 operands, f32 accumulators).
+//! on Tensor Cores (f16 or bf16 operands, f32 accumulators).
 //!
 //! A block of 8 warps takes 128 rows (queries; keys in the gradient's dK/dV kernel,
 //! whose blocks are 4 warps and 64 rows, tiles 32: [`NARROW`], as every kernel's for
 //! heads wider than 64) of one (batch, head), a
-//! warp 16 of them, and walks the other side in tiles of 64 staged in shared memory,
-//! whose B fragments `ldmatrix` reads (transposing where the product needs it). The
+//! warp 16 of them, and walks the other side in tiles of 64 staged in shared memory.
+//! On Hopper, for heads of 64, a warpgroup (4 warps, 64 rows) takes each product
+//! whole with `wgmma`, B read by the tensor cores from the tile (rows of 128 bytes,
+//! swizzled as they expect); elsewhere each warp's `mma.sync` m16n8k16 takes B's
+//! fragments by `ldmatrix` (transposing where the product needs it). The
 //! scores of a tile live in the accumulator registers
 //! and go straight back into the next product as its A operand: the `[Sq, Sk]` scores
 //! are never stored. The forward keeps a running maximum and sum per row (online
@@ -46,6 +49,8 @@ pub(crate) struct Spec {
     dtype: DType,
     head_dim: usize,
     shape: Shape,
+    /// Whether the products are Hopper's warpgroup products ([`warpgroup_products`]).
+    warpgroups: bool,
     causal: bool,
     key_bias: bool,
     dropout: bool,
@@ -61,7 +66,7 @@ impl KernelSpec for Spec {
         source(
             self.dtype,
             self.head_dim,
-            self.shape,
+            (self.shape, self.warpgroups),
             (self.causal, self.key_bias, self.dropout),
             self.cast,
         )
@@ -158,13 +163,24 @@ pub const NARROW: Shape = Shape { warps: 4, tile: 32 };
 
 /// The shape of `kernel`'s blocks for heads `head_dim` wide: wider than 64, every
 /// kernel takes NARROW's (WIDE's double-buffered tiles would not fit in 48 KiB, and
-/// its accumulators would spill).
-pub fn shape_of(kernel: &str, head_dim: usize) -> Shape {
-    if kernel == "k_dkv" || head_dim > 64 {
+/// its accumulators would spill); with warpgroup products k_dq too (106 us against
+/// 114 in WIDE's, where its two products' accumulators at once spill; the
+/// transformer's heads, H200).
+pub fn shape_of(kernel: &str, head_dim: usize, warpgroups: bool) -> Shape {
+    if kernel == "k_dkv" || head_dim > 64 || (kernel == "k_dq" && warpgroups) {
         NARROW
     } else {
         WIDE
     }
+}
+
+/// Whether an attention's kernels take Hopper's warpgroup products (`wgmma`) on a GPU
+/// of compute capability `sm`: heads of 64 (their rows are one 128-byte swizzle
+/// atom), no dropout (dropout's wide modules with them gave other values than the
+/// CPU's, a cause not found; the narrow ones matched). The transformer's heads
+/// (H200, us): forward 72.6 -> 64.0, dq 115.1 -> 106.5, dk/dv 128.3 -> 109.4.
+pub fn warpgroup_products(sm: u32, head_dim: usize, dropout: bool) -> bool {
+    sm == 90 && head_dim == 64 && !dropout
 }
 
 impl Shape {
@@ -188,11 +204,11 @@ const BODY: &str = concat!(
 // Dropout of the probabilities (`m_dropout_keeps`, the Dropout op's mask): a module of
 // its own.
 #define DROP @DROP@
-// Hopper's warpgroup products (`wgmma`, the sm_90a target) for heads of 64: four
-// warps' 64 rows take a product together, B read from the shared tile by the tensor
-// cores themselves; else each warp's `mma.sync` of its 16 rows, B fragments loaded by
-// `ldmatrix`.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && HD == 64 && !(DROP && WARPS > 4)
+// Hopper's warpgroup products (`wgmma`, the sm_90a target) for heads of 64, where the
+// module asks for them: four warps' 64 rows take a product together, B read from the
+// shared tile by the tensor cores themselves; else each warp's `mma.sync` of its 16
+// rows, B fragments loaded by `ldmatrix`.
+#if @WGMMA@ && defined(__CUDA_ARCH_FEAT_SM90_ALL) && HD == 64
 #define WGMMA 1
 #else
 #define WGMMA 0
@@ -260,12 +276,18 @@ __device__ __forceinline__ unsigned long long tile_desc(const T* m) {
   return (unsigned long long)((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 @WGMMA_PRODUCTS@
+// B's descriptors for a product over m, a shared [TILE][HD] tile: k-steps of 16
+// columns (32 bytes along the rows) where B is m^T (`a_mt`), of 16 rows where B is m.
+template <bool A_MT> __device__ __forceinline__ void descs(unsigned long long* b, const T* m) {
+#pragma unroll
+  for (int kc = 0; kc < (A_MT ? HD : TILE) / 16; kc++) b[kc] = tile_desc(m + (A_MT ? 16 * kc : 16 * kc * 64));
+}
 #endif
 // c (16 x TILE) += a (16 x HD, registers) m^T, m a shared [TILE][HD] tile.
 __device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const T* m, int lane) {
 #if WGMMA
-  // A k-step is 16 columns (32 bytes) along the rows.
-  const unsigned long long b[4] = {tile_desc(m), tile_desc(m + 16), tile_desc(m + 32), tile_desc(m + 48)};
+  unsigned long long b[HD / 16];
+  descs<true>(b, m);
   wg_a_mt(&c[0][0], a, b);
 #else
 #pragma unroll
@@ -279,9 +301,21 @@ __device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const 
     }
 #endif
 }
-// c (16 x HD) += s (16 x TILE accumulators, rounded to T) m, m a shared [TILE][HD] tile.
-__device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m, int lane) {
-  unsigned a[TILE / 16][4];
+// Two such products (issued together on Hopper).
+__device__ __forceinline__ void mma_a_mt2(float (*c0)[4], unsigned (*a0)[4], const T* m0, float (*c1)[4],
+                                          unsigned (*a1)[4], const T* m1, int lane) {
+#if WGMMA
+  unsigned long long b0[HD / 16], b1[HD / 16];
+  descs<true>(b0, m0);
+  descs<true>(b1, m1);
+  wg_a_mt2(&c0[0][0], a0, b0, &c1[0][0], a1, b1);
+#else
+  mma_a_mt(c0, a0, m0, lane);
+  mma_a_mt(c1, a1, m1, lane);
+#endif
+}
+// The A fragments of s (16 x TILE accumulators) rounded to T.
+__device__ __forceinline__ void round_a(unsigned (*a)[4], float (*s)[4]) {
 #pragma unroll
   for (int kc = 0; kc < TILE / 16; kc++) {
     a[kc][0] = pack2(s[2 * kc][0], s[2 * kc][1]);
@@ -289,11 +323,14 @@ __device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m
     a[kc][2] = pack2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
     a[kc][3] = pack2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
   }
+}
+// c (16 x HD) += s (16 x TILE accumulators, rounded to T) m, m a shared [TILE][HD] tile.
+__device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m, int lane) {
+  unsigned a[TILE / 16][4];
+  round_a(a, s);
 #if WGMMA
-  // A k-step is 16 rows.
   unsigned long long b[TILE / 16];
-#pragma unroll
-  for (int kc = 0; kc < TILE / 16; kc++) b[kc] = tile_desc(m + 16 * kc * 64);
+  descs<false>(b, m);
   wg_s_m(&c[0][0], a, b);
 #else
 #pragma unroll
@@ -305,6 +342,22 @@ __device__ __forceinline__ void mma_s_m(float (*c)[4], float (*s)[4], const T* m
       mma(c[j], a[kc], b[0], b[1]);
       mma(c[j + 1], a[kc], b[2], b[3]);
     }
+#endif
+}
+// Two such products (issued together on Hopper).
+__device__ __forceinline__ void mma_s_m2(float (*c0)[4], float (*s0)[4], const T* m0, float (*c1)[4],
+                                         float (*s1)[4], const T* m1, int lane) {
+#if WGMMA
+  unsigned a0[TILE / 16][4], a1[TILE / 16][4];
+  round_a(a0, s0);
+  round_a(a1, s1);
+  unsigned long long b0[TILE / 16], b1[TILE / 16];
+  descs<false>(b0, m0);
+  descs<false>(b1, m1);
+  wg_s_m2(&c0[0][0], a0, b0, &c1[0][0], a1, b1);
+#else
+  mma_s_m(c0, s0, m0, lane);
+  mma_s_m(c1, s1, m1, lane);
 #endif
 }
 "#,
@@ -699,8 +752,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
     float s[TILE / 8][4], dp[TILE / 8][4];
     zero<TILE / 8>(s);
     zero<TILE / 8>(dp);
-    mma_a_mt(s, qa, ks, p.lane);
-    mma_a_mt(dp, da, vs, p.lane);
+    mma_a_mt2(s, qa, ks, dp, da, vs, p.lane);
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
@@ -781,8 +833,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
     float s[TILE / 8][4], dp[TILE / 8][4];
     zero<TILE / 8>(s);
     zero<TILE / 8>(dp);
-    mma_a_mt(s, ka, qs, p.lane);
-    mma_a_mt(dp, va, ds, p.lane);
+    mma_a_mt2(s, ka, qs, dp, va, ds, p.lane);
 #pragma unroll
     for (int j = 0; j < TILE / 8; j++)
 #pragma unroll
@@ -805,8 +856,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
         dp[j][e] = pr * (dp[j][e] - dl[col]);
 #endif
       }
-    mma_s_m(dva, s, ds, p.lane);
-    mma_s_m(dka, dp, qs, p.lane);
+    mma_s_m2(dva, s, ds, dka, dp, qs, p.lane);
     __syncthreads();
   }
 #if Q8
@@ -832,7 +882,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
 pub fn source(
     dtype: DType,
     head_dim: usize,
-    shape: Shape,
+    (shape, warpgroups): (Shape, bool),
     (causal, key_bias, dropout): (bool, bool, bool),
     cast: Option<DType>,
 ) -> String {
@@ -854,6 +904,7 @@ pub fn source(
     let body = BODY
         .replace("@HD@", &head_dim.to_string())
         .replace("@WARPS@", &shape.warps.to_string())
+        .replace("@WGMMA@", if warpgroups { "1" } else { "0" })
         .replace("@TILE@", &shape.tile.to_string())
         .replace("@CAUSAL@", if causal { "1" } else { "0" })
         .replace("@BIAS@", if key_bias { "1" } else { "0" })
@@ -874,43 +925,61 @@ pub fn source(
 /// when they are): `wg_a_mt` (n = `tile`, four k-steps, B k-major: S = Q K^T) and
 /// `wg_s_m` (n = 64, `tile` / 16 k-steps, B n-major: O += P V), each taking a
 /// thread's accumulators `d`, its A fragments `a[k-step]` and B's descriptors
-/// `b[k-step]`.
+/// `b[k-step]`; `wg_a_mt2` and `wg_s_m2` issue two such products before they wait.
 fn wgmma_products(tile: usize, mma: &str) -> String {
-    let product = |name: &str, n: usize, steps: usize, trans_b: u8| {
+    let products = |name: &str, n: usize, steps: usize, trans_b: u8, count: usize| {
         let accs = n / 2;
-        let list = |from: usize, count: usize| {
-            (from..from + count)
+        let list = |from: usize, len: usize| {
+            (from..from + len)
                 .map(|i| format!("%{i}"))
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        let d = list(0, accs);
-        let mut body = String::from("{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\nwgmma.fence.sync.aligned;\\n");
-        for k in 0..steps {
-            let a = list(accs + 4 * k, 4);
-            let b = accs + 4 * steps + k;
-            body += &format!(
-                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} {{{d}}}, {{{a}}}, %{b}, p, 1, 1, {trans_b};\\n"
+        let mut body =
+            String::from("{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\nwgmma.fence.sync.aligned;\\n");
+        let (mut outs, mut ins, mut params) = (Vec::new(), Vec::new(), Vec::new());
+        for q in 0..count {
+            params.push(format!(
+                "float* d{q}, const unsigned (*a{q})[4], const unsigned long long* b{q}"
+            ));
+            outs.extend((0..accs).map(|i| format!("\"+f\"(d{q}[{i}])")));
+        }
+        let inputs = count * accs;
+        for q in 0..count {
+            let d = list(q * accs, accs);
+            let first = inputs + q * 5 * steps;
+            for k in 0..steps {
+                let a = list(first + 4 * k, 4);
+                let b = first + 4 * steps + k;
+                body += &format!(
+                    "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} {{{d}}}, {{{a}}}, %{b}, p, 1, 1, {trans_b};\\n"
+                );
+            }
+            ins.extend(
+                (0..steps).flat_map(|k| (0..4).map(move |j| format!("\"r\"(a{q}[{k}][{j}])"))),
             );
+            ins.extend((0..steps).map(|k| format!("\"l\"(b{q}[{k}])")));
         }
         body += "wgmma.commit_group.sync.aligned;\\nwgmma.wait_group.sync.aligned 0;\\n}\\n";
-        let outs: Vec<String> = (0..accs).map(|i| format!("\"+f\"(d[{i}])")).collect();
-        let mut ins: Vec<String> = (0..steps)
-            .flat_map(|k| (0..4).map(move |j| format!("\"r\"(a[{k}][{j}])")))
-            .collect();
-        ins.extend((0..steps).map(|k| format!("\"l\"(b[{k}])")));
         format!(
-            "__device__ __forceinline__ void {name}(float* d, const unsigned (*a)[4], const unsigned long long* b) {{\n\
+            "__device__ __forceinline__ void {name}({}) {{\n\
              #ifdef __CUDA_ARCH__\n\
              \x20 asm volatile(\"{body}\"\n\
              \x20              : {}\n\
              \x20              : {} : \"memory\");\n\
              #endif\n}}\n",
+            params.join(", "),
             outs.join(", "),
             ins.join(", ")
         )
     };
-    product("wg_a_mt", tile, 4, 0) + &product("wg_s_m", 64, tile / 16, 1)
+    [
+        products("wg_a_mt", tile, 4, 0, 1),
+        products("wg_a_mt2", tile, 4, 0, 2),
+        products("wg_s_m", 64, tile / 16, 1, 1),
+        products("wg_s_m2", 64, tile / 16, 1, 2),
+    ]
+    .concat()
 }
 
 /// The sizes of an attention of these types that the kernels can take, or why not;
@@ -1062,16 +1131,18 @@ fn parts(tensors: &[&DTensor], dims: &AttentionDims) -> ([Arg; 3], usize) {
 /// The module `kernel` of an attention of `dims` and `dtype` under `rule` is in, o or
 /// the gradient cast to `cast` as it is stored where given.
 fn spec_of(
-    kernel: &str,
+    (kernel, sm): (&str, u32),
     dims: &AttentionDims,
     dtype: DType,
     rule: &Rule,
     cast: Option<DType>,
 ) -> Spec {
+    let warpgroups = warpgroup_products(sm, dims.head_dim, rule.dropout.is_some());
     Spec {
         dtype,
         head_dim: dims.head_dim,
-        shape: shape_of(kernel, dims.head_dim),
+        shape: shape_of(kernel, dims.head_dim, warpgroups),
+        warpgroups,
         causal: rule.causal,
         key_bias: rule.key_bias.is_some(),
         dropout: rule.dropout.is_some(),
@@ -1095,7 +1166,13 @@ fn launch(
     rule: Rule,
     cast: Option<(DType, &[Arg])>,
 ) -> Result<(), String> {
-    let spec = spec_of(kernel, dims, dtype, &rule, cast.map(|(to, _)| to));
+    let spec = spec_of(
+        (kernel, c.dev.sm),
+        dims,
+        dtype,
+        &rule,
+        cast.map(|(to, _)| to),
+    );
     let blocks = dims.batch * dims.heads * rows.div_ceil(spec.shape.rows());
     if blocks == 0 {
         return Ok(());
@@ -1267,7 +1344,7 @@ fn backward_cast(
     launch_gradient(c, (&dims, xs, rule, d), qkv_args, saved, grads, cast)?;
     let mut outputs = vec![y, amax, yt];
     if let Some(sums) = sums {
-        let spec = spec_of("k_dq", &dims, d, &rule, Some(to));
+        let spec = spec_of(("k_dq", c.dev.sm), &dims, d, &rule, Some(to));
         launch_column_sums_fin(c, &spec, &part, width, bands, &[(&sums, 1.0)])?;
         outputs.push(sums);
     }

@@ -266,8 +266,6 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         (DType::F16, 64, WIDE, false, false, false, None),
         (DType::BF16, 64, WIDE, false, false, false, None),
         (DType::BF16, 64, NARROW, false, false, false, None),
-        (DType::F16, 64, WIDE, false, false, true, None),
-        (DType::F16, 64, NARROW, false, false, true, None),
         (DType::BF16, 32, NARROW, false, true, true, None),
         (DType::F16, 128, NARROW, true, false, false, None),
         (DType::F16, 64, WIDE, true, true, true, None),
@@ -293,9 +291,11 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         let q8 = cast.map_or(String::new(), |to| format!("_{to}"));
         let narrow = if shape == NARROW { "_narrow" } else { "" };
         let name = format!("attention_{d}_{head_dim}{narrow}_{causal}_{key_bias}_{dropout}{q8}");
-        let source = super::attention::source(d, head_dim, shape, (causal, key_bias, dropout), cast);
+        let masks = (causal, key_bias, dropout);
+        let source = super::attention::source(d, head_dim, (shape, false), masks, cast);
         // And as compiled for Hopper's own target, with its warpgroup products.
-        let hopper = format!("#define __CUDA_ARCH_FEAT_SM90_ALL 1\n{source}");
+        let hopper = super::attention::source(d, head_dim, (shape, true), masks, cast);
+        let hopper = format!("#define __CUDA_ARCH_FEAT_SM90_ALL 1\n{hopper}");
         k.push((format!("{name}_sm90a"), hopper));
         k.push((name, source));
     }
