@@ -283,12 +283,25 @@ template <bool A_MT> __device__ __forceinline__ void descs(unsigned long long* b
   for (int kc = 0; kc < (A_MT ? HD : TILE) / 16; kc++) b[kc] = tile_desc(m + (A_MT ? 16 * kc : 16 * kc * 64));
 }
 #endif
-// c (16 x TILE) += a (16 x HD, registers) m^T, m a shared [TILE][HD] tile.
-__device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const T* m, int lane) {
+// The A operand of the products whose rows are the block's own (q and do, or k and v
+// in the dk/dv kernel), the same through its walk: under WGMMA the warpgroup's 64 rows
+// of a shared tile kept for the walk, which the tensor cores read (as registers, ptxas
+// of CUDA 13.0 gave their registers to other values after the first product, in a
+// dropout module, and the next tile's product read those); else this warp's fragments.
+struct Staged {
 #if WGMMA
-  unsigned long long b[HD / 16];
+  const T* rows;
+#else
+  unsigned f[HD / 16][4];
+#endif
+};
+// c (16 x TILE) += a (16 x HD) m^T, m a shared [TILE][HD] tile.
+__device__ __forceinline__ void mma_a_mt(float (*c)[4], const Staged& a, const T* m, int lane) {
+#if WGMMA
+  unsigned long long ad[HD / 16], b[HD / 16];
+  descs<true>(ad, a.rows);
   descs<true>(b, m);
-  wg_a_mt(&c[0][0], a, b);
+  wg_a_mt(&c[0][0], ad, b);
 #else
 #pragma unroll
   for (int j = 0; j < TILE / 8; j += 2)
@@ -296,19 +309,21 @@ __device__ __forceinline__ void mma_a_mt(float (*c)[4], unsigned (*a)[4], const 
     for (int kc = 0; kc < HD / 16; kc++) {
       unsigned b[4];
       ldm_b<false>(b, m, 8 * j, 16 * kc, lane);
-      mma(c[j], a[kc], b[0], b[1]);
-      mma(c[j + 1], a[kc], b[2], b[3]);
+      mma(c[j], a.f[kc], b[0], b[1]);
+      mma(c[j + 1], a.f[kc], b[2], b[3]);
     }
 #endif
 }
 // Two such products (issued together on Hopper).
-__device__ __forceinline__ void mma_a_mt2(float (*c0)[4], unsigned (*a0)[4], const T* m0, float (*c1)[4],
-                                          unsigned (*a1)[4], const T* m1, int lane) {
+__device__ __forceinline__ void mma_a_mt2(float (*c0)[4], const Staged& a0, const T* m0, float (*c1)[4],
+                                          const Staged& a1, const T* m1, int lane) {
 #if WGMMA
-  unsigned long long b0[HD / 16], b1[HD / 16];
+  unsigned long long ad0[HD / 16], b0[HD / 16], ad1[HD / 16], b1[HD / 16];
+  descs<true>(ad0, a0.rows);
   descs<true>(b0, m0);
+  descs<true>(ad1, a1.rows);
   descs<true>(b1, m1);
-  wg_a_mt2(&c0[0][0], a0, b0, &c1[0][0], a1, b1);
+  wg_a_mt2(&c0[0][0], ad0, b0, &c1[0][0], ad1, b1);
 #else
   mma_a_mt(c0, a0, m0, lane);
   mma_a_mt(c1, a1, m1, lane);
@@ -519,9 +534,10 @@ struct Q8Out {
   }
 };
 // The block's largest magnitude `m` (bits) into the amax: one atomic a block.
-__device__ __forceinline__ void q8_amax_fold(unsigned m, unsigned int* amax) {
-  __shared__ float sh_amax[32];
-  const float mb = block_max(__uint_as_float(m), sh_amax);
+__device__ __forceinline__ void q8_amax_fold(unsigned m, unsigned int* amax, Buffer* sm) {
+  // sm is free again once the stores are staged and written (the block maximum's 32
+  // words there keep a 48 KiB forward within the static limit).
+  const float mb = block_max(__uint_as_float(m), reinterpret_cast<float*>(sm));
   if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(fabsf(mb)));
 }
 #endif
@@ -548,9 +564,19 @@ template <typename F> __device__ __forceinline__ void next_tile(int it, int r0, 
 #endif
   __syncthreads();
 }
-// The A fragments of this warp's 16 rows of the block's ROWS rows of x and y.
-__device__ __forceinline__ void stage_a(unsigned (*xa)[4], unsigned (*ya)[4], Buffer* sm, const T* x, int xs,
+// The A operands of the block's ROWS rows of x and y (this warp's 16 rows' fragments,
+// or its warpgroup's 64 rows).
+// Under WGMMA the rows stay in `kept` (two tiles of ROWS rows), whose copies the walk's
+// first tile waits for (next_tile); else they pass through sm's buffers, free after.
+__device__ __forceinline__ void stage_a(Staged& xa, Staged& ya, Buffer* sm, T* kept, const T* x, int xs,
                                         const T* y, int ys, int S, const Place& p) {
+#if WGMMA
+  load_rows(kept, x, xs, S, p.first, ROWS);
+  load_rows(kept + ROWS * 64, y, ys, S, p.first, ROWS);
+  commit();
+  xa.rows = kept + 16 * (p.w & ~3) * 64;
+  ya.rows = xa.rows + ROWS * 64;
+#else
   load_rows(sm[0], x, xs, S, p.first, ROWS);
   load_rows(sm[1], y, ys, S, p.first, ROWS);
   commit();
@@ -558,10 +584,11 @@ __device__ __forceinline__ void stage_a(unsigned (*xa)[4], unsigned (*ya)[4], Bu
   __syncthreads();
 #pragma unroll
   for (int kc = 0; kc < HD / 16; kc++) {
-    load_a(xa[kc], sm[0], 16 * p.w, 16 * kc, p.g, p.t);
-    load_a(ya[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
+    load_a(xa.f[kc], sm[0], 16 * p.w, 16 * kc, p.g, p.t);
+    load_a(ya.f[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
   }
   __syncthreads();
+#endif
 }
 
 // The keys a causal walk over the block's queries needs (all of them otherwise).
@@ -603,17 +630,23 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
   const int stride = H * HD;
   const T *kb = p.at(k, Sk, xs), *vb = p.at(v, Sk, xs), *bias_row = bias + p.b * bias_stride;
   const float sl2 = (float)scale * LOG2E;
-  load_rows(sm[1], p.at(q, Sq, xs), xs, Sq, p.first, ROWS);
+  // q's rows: kept for the walk under WGMMA (Staged), else staged in the second buffer.
+  __align__(1024) __shared__ T kept[WGMMA ? ROWS * 64 : 8];
+  Staged qa;
+  load_rows(WGMMA ? kept : sm[1], p.at(q, Sq, xs), xs, Sq, p.first, ROWS);
   commit();
   auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, xs, vb, xs, Sk, r0); };
   start(0, 0);
   commit();
+#if WGMMA
+  qa.rows = kept + 16 * (p.w & ~3) * 64;
+#else
   wait<1>();
   __syncthreads();
-  unsigned qa[HD / 16][4];
 #pragma unroll
-  for (int kc = 0; kc < HD / 16; kc++) load_a(qa[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
+  for (int kc = 0; kc < HD / 16; kc++) load_a(qa.f[kc], sm[1], 16 * p.w, 16 * kc, p.g, p.t);
   __syncthreads();
+#endif
   float acc[HD / 8][4];
   zero<HD / 8>(acc);
   // Running maximum (log2 units) and sum of rows g and g + 8; the sums are this lane's part.
@@ -697,10 +730,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
   out.store<false>(acc, 1.f / l0, 1.f / l1, p, Sq, H, 1, 0, m, p.at(o, Sq, stride), stride);
-  q8_amax_fold(m, q8_amax);
+  q8_amax_fold(m, q8_amax, sm);
 #endif
 }
 
+// Warpgroup modules run the gradient kernels in narrow blocks (shape_of): wide blocks'
+// kept rows (64 KiB with the tiles) would pass the static limit.
+#if !(WGMMA && WARPS > 4)
 // dq for ROWS queries; first delta = rowsum(do * o) of them, for k_dkv. Two blocks a
 // multiprocessor: 128 registers (167 unbounded, one block), 156 -> 117 us on the
 // transformer's [16, 512, 12, 64] f16 heads (H100).
@@ -714,8 +750,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
   const T *kb = p.at(k, Sk, xs), *vb = p.at(v, Sk, xs), *ob = p.at(o, Sq, stride), *db = p.at(d_o, Sq, stride);
   const T* bias_row = bias + p.b * bias_stride;
   const float sl2 = (float)scale * LOG2E;
-  unsigned qa[HD / 16][4], da[HD / 16][4];
-  stage_a(qa, da, sm, p.at(q, Sq, xs), xs, db, stride, Sq, p);
+  __align__(1024) __shared__ T kept[WGMMA ? 2 * ROWS * 64 : 8];
+  Staged qa, da;
+  stage_a(qa, da, sm, kept, p.at(q, Sq, xs), xs, db, stride, Sq, p);
   auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, xs, vb, xs, Sk, r0); };
   start(0, 0);
   commit();
@@ -779,7 +816,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
   const Q8Out out(q8_scale, q8_y, q8_yt, q8_part, &sm[0][0]);
   unsigned m = 0u;
   out.store<true>(acc, (float)scale, (float)scale, p, Sq, H, 3, 0, m, nullptr, 0);
-  q8_amax_fold(m, q8_amax);
+  q8_amax_fold(m, q8_amax, sm);
 #else
   store_rows(p.at(dq, Sq, xs), acc, (float)scale, (float)scale, xs, Sq, r, p.t);
 #endif
@@ -797,8 +834,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   const T *qb = p.at(q, Sq, xs), *db = p.at(d_o, Sq, stride);
   const float *lb = lse + p.stat(Sq, H), *deltab = delta + p.stat(Sq, H);
   const float sl2 = (float)scale * LOG2E;
-  unsigned ka[HD / 16][4], va[HD / 16][4];
-  stage_a(ka, va, sm, p.at(k, Sk, xs), xs, p.at(v, Sk, xs), xs, Sk, p);
+  __align__(1024) __shared__ T kept[WGMMA ? 2 * ROWS * 64 : 8];
+  Staged ka, va;
+  stage_a(ka, va, sm, kept, p.at(k, Sk, xs), xs, p.at(v, Sk, xs), xs, Sk, p);
   float dka[HD / 8][4], dva[HD / 8][4];
   zero<HD / 8>(dka);
   zero<HD / 8>(dva);
@@ -864,12 +902,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   unsigned m = 0u;
   out.store<true>(dka, (float)scale, (float)scale, p, Sk, H, 3, 1, m, nullptr, 0);
   out.store<true>(dva, 1.f, 1.f, p, Sk, H, 3, 2, m, nullptr, 0);
-  q8_amax_fold(m, q8_amax);
+  q8_amax_fold(m, q8_amax, sm);
 #else
   store_rows(p.at(dk, Sk, xs), dka, (float)scale, (float)scale, xs, Sk, r, p.t);
   store_rows(p.at(dv, Sk, xs), dva, 1.f, 1.f, xs, Sk, r, p.t);
 #endif
 }
+#endif
 "#
 );
 
@@ -922,12 +961,15 @@ pub fn source(
 
 /// Hopper's warpgroup products for heads of 64, each one asm statement that fences,
 /// issues its k-steps and waits for them (the compiler sees the accumulators written
-/// when they are): `wg_a_mt` (n = `tile`, four k-steps, B k-major: S = Q K^T) and
-/// `wg_s_m` (n = 64, `tile` / 16 k-steps, B n-major: O += P V), each taking a
-/// thread's accumulators `d`, its A fragments `a[k-step]` and B's descriptors
-/// `b[k-step]`; `wg_a_mt2` and `wg_s_m2` issue two such products before they wait.
+/// when they are): `wg_a_mt` (n = `tile`, four k-steps, A and B k-major in shared
+/// memory: S = Q K^T) and `wg_s_m` (n = 64, `tile` / 16 k-steps, A in registers, B
+/// n-major: O += P V), each taking a thread's accumulators `d`, A (descriptors or
+/// fragments) `a[k-step]` and B's descriptors `b[k-step]`; `wg_a_mt2` and `wg_s_m2`
+/// issue two such products before they wait.
 fn wgmma_products(tile: usize, mma: &str) -> String {
-    let products = |name: &str, n: usize, steps: usize, trans_b: u8, count: usize| {
+    // `a_in_registers`: A as four fragments a k-step (B n-major), else a descriptor
+    // (B k-major).
+    let products = |name: &str, n: usize, steps: usize, a_in_registers: bool, count: usize| {
         let accs = n / 2;
         let list = |from: usize, len: usize| {
             (from..from + len)
@@ -935,29 +977,44 @@ fn wgmma_products(tile: usize, mma: &str) -> String {
                 .collect::<Vec<_>>()
                 .join(",")
         };
+        let a_words = if a_in_registers { 4 } else { 1 };
         let mut body =
             String::from("{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\nwgmma.fence.sync.aligned;\\n");
         let (mut outs, mut ins, mut params) = (Vec::new(), Vec::new(), Vec::new());
+        let a_type = if a_in_registers {
+            "const unsigned (*a{q})[4]"
+        } else {
+            "const unsigned long long* a{q}"
+        };
         for q in 0..count {
             params.push(format!(
-                "float* d{q}, const unsigned (*a{q})[4], const unsigned long long* b{q}"
+                "float* d{q}, {}, const unsigned long long* b{q}",
+                a_type.replace("{q}", &q.to_string())
             ));
             outs.extend((0..accs).map(|i| format!("\"+f\"(d{q}[{i}])")));
         }
         let inputs = count * accs;
         for q in 0..count {
             let d = list(q * accs, accs);
-            let first = inputs + q * 5 * steps;
+            let first = inputs + q * (a_words + 1) * steps;
             for k in 0..steps {
-                let a = list(first + 4 * k, 4);
-                let b = first + 4 * steps + k;
+                let b = first + a_words * steps + k;
+                let (a, modes) = if a_in_registers {
+                    (format!("{{{}}}", list(first + 4 * k, 4)), "1")
+                } else {
+                    (format!("%{}", first + k), "0, 0")
+                };
                 body += &format!(
-                    "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} {{{d}}}, {{{a}}}, %{b}, p, 1, 1, {trans_b};\\n"
+                    "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} {{{d}}}, {a}, %{b}, p, 1, 1, {modes};\\n"
                 );
             }
-            ins.extend(
-                (0..steps).flat_map(|k| (0..4).map(move |j| format!("\"r\"(a{q}[{k}][{j}])"))),
-            );
+            if a_in_registers {
+                ins.extend(
+                    (0..steps).flat_map(|k| (0..4).map(move |j| format!("\"r\"(a{q}[{k}][{j}])"))),
+                );
+            } else {
+                ins.extend((0..steps).map(|k| format!("\"l\"(a{q}[{k}])")));
+            }
             ins.extend((0..steps).map(|k| format!("\"l\"(b{q}[{k}])")));
         }
         body += "wgmma.commit_group.sync.aligned;\\nwgmma.wait_group.sync.aligned 0;\\n}\\n";
@@ -974,10 +1031,10 @@ fn wgmma_products(tile: usize, mma: &str) -> String {
         )
     };
     [
-        products("wg_a_mt", tile, 4, 0, 1),
-        products("wg_a_mt2", tile, 4, 0, 2),
-        products("wg_s_m", 64, tile / 16, 1, 1),
-        products("wg_s_m2", 64, tile / 16, 1, 2),
+        products("wg_a_mt", tile, 4, false, 1),
+        products("wg_a_mt2", tile, 4, false, 2),
+        products("wg_s_m", 64, tile / 16, true, 1),
+        products("wg_s_m2", 64, tile / 16, true, 2),
     ]
     .concat()
 }
