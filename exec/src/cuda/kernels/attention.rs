@@ -176,9 +176,10 @@ pub fn shape_of(kernel: &str, head_dim: usize, warpgroups: bool) -> Shape {
 
 /// Whether an attention's kernels take Hopper's warpgroup products (`wgmma`) on a GPU
 /// of compute capability `sm`: heads of 64 (their rows are one 128-byte swizzle
-/// atom), no dropout (dropout's wide modules with them gave other values than the
-/// CPU's, a cause not found; the narrow ones matched). The transformer's heads
-/// (H200, us): forward 72.6 -> 64.0, dq 115.1 -> 106.5, dk/dv 128.3 -> 109.4.
+/// atom), no dropout yet (a dropout module's forward went wrong with A in registers,
+/// the cause `Staged` removes; not yet run on the GPU since). The transformer's heads
+/// (H200, us, A in registers): forward 72.6 -> 64.0, dq 115.1 -> 106.5, dk/dv 128.3
+/// -> 109.4.
 pub fn warpgroup_products(sm: u32, head_dim: usize, dropout: bool) -> bool {
     sm == 90 && head_dim == 64 && !dropout
 }
