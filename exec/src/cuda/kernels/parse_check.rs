@@ -261,7 +261,8 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         k.push((format!("concat_pair_{bytes}"), concat_pair(bytes)));
     }
     use super::attention::{NARROW, WIDE};
-    // The last two cast o and the gradient to FP8 as they store them.
+    // The bf16 heads of 64 are the transformer's modules (scripts/attention_check.cu
+    // times them); the last two cast o and the gradient to FP8 as they store them.
     for (d, head_dim, shape, causal, key_bias, dropout, cast) in [
         (DType::F16, 64, WIDE, false, false, false, None),
         (DType::BF16, 64, WIDE, false, false, false, None),
