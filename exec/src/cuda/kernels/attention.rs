@@ -1408,3 +1408,81 @@ fn backward_cast(
     }
     Ok(outputs)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::wgmma_products;
+
+    /// The operands an asm statement's template names (`%N`), in order of first use.
+    fn named_operands(template: &str) -> Vec<usize> {
+        let mut names = Vec::new();
+        let mut rest = template;
+        while let Some(at) = rest.find('%') {
+            rest = &rest[at + 1..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            if let Ok(n) = digits.parse() {
+                if !names.contains(&n) {
+                    names.push(n);
+                }
+            }
+        }
+        names
+    }
+
+    /// The host compilers of the parse check never see inside the warpgroup products'
+    /// asm (it is device code), and the GPU only runs it: here every statement names
+    /// each operand it declares and no other, and issues its products' k-steps with
+    /// the widths and layouts the kernels expect.
+    #[test]
+    fn warpgroup_products_name_every_operand_they_declare() {
+        for tile in [32, 64] {
+            for mma in ["bf16", "f16"] {
+                let source = wgmma_products(tile, mma);
+                let functions: Vec<&str> = source.split("__device__").skip(1).collect();
+                assert_eq!(functions.len(), 4, "{source}");
+                for f in functions {
+                    let name: String = f
+                        .split('(')
+                        .next()
+                        .and_then(|head| head.split_whitespace().last())
+                        .unwrap()
+                        .to_string();
+                    let start = f.find("asm volatile(\"").unwrap() + "asm volatile(\"".len();
+                    let template = &f[start..start + f[start..].find("\"\n").unwrap()];
+                    let declared = ["\"+f\"(", "\"r\"(", "\"l\"("]
+                        .iter()
+                        .map(|c| f.matches(c).count())
+                        .sum::<usize>();
+                    let mut named = named_operands(template);
+                    named.sort_unstable();
+                    assert_eq!(named, (0..declared).collect::<Vec<_>>(), "{name}: {f}");
+                    let (count, n, steps, a_in_registers) = match name.as_str() {
+                        "wg_a_mt" => (1, tile, 4, false),
+                        "wg_a_mt2" => (2, tile, 4, false),
+                        "wg_s_m" => (1, 64, tile / 16, true),
+                        "wg_s_m2" => (2, 64, tile / 16, true),
+                        other => panic!("unexpected product {other}"),
+                    };
+                    let shape = format!("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} ");
+                    assert_eq!(template.matches(&shape).count(), count * steps, "{name}");
+                    // A from registers takes B n-major (one mode), by descriptor k-major (two).
+                    let modes = if a_in_registers {
+                        "p, 1, 1, 1;"
+                    } else {
+                        "p, 1, 1, 0, 0;"
+                    };
+                    assert_eq!(template.matches(modes).count(), count * steps, "{name}");
+                    assert_eq!(
+                        declared,
+                        count * (n / 2 + steps * if a_in_registers { 5 } else { 2 })
+                    );
+                    assert!(template.contains("wgmma.fence.sync.aligned;"), "{name}");
+                    assert!(
+                        template.ends_with("wgmma.wait_group.sync.aligned 0;\\n}\\n"),
+                        "{name}"
+                    );
+                }
+            }
+        }
+    }
+}
