@@ -277,11 +277,12 @@ __device__ __forceinline__ unsigned long long tile_desc(const T* m) {
   return (unsigned long long)((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 @WGMMA_PRODUCTS@
-// B's descriptors for a product over m, a shared [TILE][HD] tile: k-steps of 16
-// columns (32 bytes along the rows) where B is m^T (`a_mt`), of 16 rows where B is m.
-template <bool A_MT> __device__ __forceinline__ void descs(unsigned long long* b, const T* m) {
+// The descriptors of a product's k-steps over the shared tile from m on: k-major
+// (`K_MAJOR`: steps of 16 columns, 32 bytes along the rows), as A (a block's kept rows)
+// and as B of `a_mt` (B = m^T); else n-major (steps of 16 rows), as B of `s_m` (B = m).
+template <bool K_MAJOR> __device__ __forceinline__ void descs(unsigned long long* b, const T* m) {
 #pragma unroll
-  for (int kc = 0; kc < (A_MT ? HD : TILE) / 16; kc++) b[kc] = tile_desc(m + (A_MT ? 16 * kc : 16 * kc * 64));
+  for (int kc = 0; kc < (K_MAJOR ? HD : TILE) / 16; kc++) b[kc] = tile_desc(m + (K_MAJOR ? 16 * kc : 16 * kc * 64));
 }
 #endif
 // The A operand of the products whose rows are the block's own (q and do, or k and v
