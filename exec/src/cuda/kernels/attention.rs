@@ -282,7 +282,7 @@ __device__ __forceinline__ unsigned long long tile_desc(const T* m) {
 // and as B of `a_mt` (B = m^T); else n-major (steps of 16 rows), as B of `s_m` (B = m).
 template <bool K_MAJOR> __device__ __forceinline__ void descs(unsigned long long* b, const T* m) {
 #pragma unroll
-  for (int kc = 0; kc < (K_MAJOR ? HD : TILE) / 16; kc++) b[kc] = tile_desc(m + (K_MAJOR ? 16 * kc : 16 * kc * 64));
+  for (int kc = 0; kc < (K_MAJOR ? HD : TILE) / 16; kc++) b[kc] = tile_desc(m + (K_MAJOR ? 16 * kc : 16 * kc * ROW_LEN));
 }
 #endif
 // The A operand of the products whose rows are the block's own (q and do, or k and v
@@ -444,6 +444,8 @@ struct Place {
   // one (a warpgroup takes its products whole).
   __device__ int skip_first() const { return first + 16 * (w & ~(SKIP_WARPS - 1)); }
   __device__ int skip_last() const { return first + 16 * (w | (SKIP_WARPS - 1)) + 15; }
+  // This warp's warpgroup's 64 rows of a shared tile of the block's rows.
+  __device__ const T* warpgroup_rows(const T* tile) const { return tile + 16 * (w & ~3) * ROW_LEN; }
 };
 typedef T Buffer[2 * TILE * ROW_LEN];
 #if Q8
@@ -566,18 +568,17 @@ template <typename F> __device__ __forceinline__ void next_tile(int it, int r0, 
 #endif
   __syncthreads();
 }
-// The A operands of the block's ROWS rows of x and y (this warp's 16 rows' fragments,
-// or its warpgroup's 64 rows).
-// Under WGMMA the rows stay in `kept` (two tiles of ROWS rows), whose copies the walk's
-// first tile waits for (next_tile); else they pass through sm's buffers, free after.
+// The A operands of the block's ROWS rows of x and y: under WGMMA its warpgroup's 64
+// rows, kept in `kept` (two tiles of ROWS rows) whose copies the walk's first tile
+// waits for (next_tile); else this warp's 16 rows' fragments, through sm's buffers.
 __device__ __forceinline__ void stage_a(Staged& xa, Staged& ya, Buffer* sm, T* kept, const T* x, int xs,
                                         const T* y, int ys, int S, const Place& p) {
 #if WGMMA
   load_rows(kept, x, xs, S, p.first, ROWS);
-  load_rows(kept + ROWS * 64, y, ys, S, p.first, ROWS);
+  load_rows(kept + ROWS * ROW_LEN, y, ys, S, p.first, ROWS);
   commit();
-  xa.rows = kept + 16 * (p.w & ~3) * 64;
-  ya.rows = xa.rows + ROWS * 64;
+  xa.rows = p.warpgroup_rows(kept);
+  ya.rows = p.warpgroup_rows(kept + ROWS * ROW_LEN);
 #else
   load_rows(sm[0], x, xs, S, p.first, ROWS);
   load_rows(sm[1], y, ys, S, p.first, ROWS);
@@ -633,7 +634,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
   const T *kb = p.at(k, Sk, xs), *vb = p.at(v, Sk, xs), *bias_row = bias + p.b * bias_stride;
   const float sl2 = (float)scale * LOG2E;
   // q's rows: kept for the walk under WGMMA (Staged), else staged in the second buffer.
-  __align__(1024) __shared__ T kept[WGMMA ? ROWS * 64 : 8];
+  __align__(1024) __shared__ T kept[WGMMA ? ROWS * ROW_LEN : 8];
   Staged qa;
   load_rows(WGMMA ? kept : sm[1], p.at(q, Sq, xs), xs, Sq, p.first, ROWS);
   commit();
@@ -641,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_fwd(const T* q, co
   start(0, 0);
   commit();
 #if WGMMA
-  qa.rows = kept + 16 * (p.w & ~3) * 64;
+  qa.rows = p.warpgroup_rows(kept);
 #else
   wait<1>();
   __syncthreads();
@@ -752,7 +753,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) k_dq(const T* q, con
   const T *kb = p.at(k, Sk, xs), *vb = p.at(v, Sk, xs), *ob = p.at(o, Sq, stride), *db = p.at(d_o, Sq, stride);
   const T* bias_row = bias + p.b * bias_stride;
   const float sl2 = (float)scale * LOG2E;
-  __align__(1024) __shared__ T kept[WGMMA ? 2 * ROWS * 64 : 8];
+  __align__(1024) __shared__ T kept[WGMMA ? 2 * ROWS * ROW_LEN : 8];
   Staged qa, da;
   stage_a(qa, da, sm, kept, p.at(q, Sq, xs), xs, db, stride, Sq, p);
   auto start = [&](int buf, int r0) { load_pair(sm[buf], kb, xs, vb, xs, Sk, r0); };
@@ -836,7 +837,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) k_dkv(const T* q, const
   const T *qb = p.at(q, Sq, xs), *db = p.at(d_o, Sq, stride);
   const float *lb = lse + p.stat(Sq, H), *deltab = delta + p.stat(Sq, H);
   const float sl2 = (float)scale * LOG2E;
-  __align__(1024) __shared__ T kept[WGMMA ? 2 * ROWS * 64 : 8];
+  __align__(1024) __shared__ T kept[WGMMA ? 2 * ROWS * ROW_LEN : 8];
   Staged ka, va;
   stage_a(ka, va, sm, kept, p.at(k, Sk, xs), xs, p.at(v, Sk, xs), xs, Sk, p);
   float dka[HD / 8][4], dva[HD / 8][4];
