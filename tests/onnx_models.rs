@@ -344,6 +344,12 @@ fn every_model_keeps_its_values_through_the_cuda_passes() {
     }
 }
 
+/// How far a model's outputs with FP8 products may be from onnxruntime's, relative to
+/// their largest value: E4M3 operands round by up to 2^-4 of their value; through these
+/// models' layers the outputs stayed within 0.095 (a wrong scale or layout is off by
+/// its whole magnitude).
+const FP8_BOUND: f64 = 0.15;
+
 /// Every checked-in model in FP8 (BF16 AMP, current scaling, the constant weights
 /// quantised by the pass): with every product the GPU's FP8 kernels take in FP8 it
 /// lowers on CUDA; with every product in FP8, then the CUDA executor's passes, run on
@@ -386,15 +392,8 @@ fn every_model_runs_with_fp8_products_near_onnxruntime() {
             copies(&bf16)
         );
         fp8_products += products;
-        let got = run_outputs(&name, g, Device::Cpu, &inputs, &expected);
-        for (k, (out, (oname, want))) in got.iter().zip(&expected).enumerate() {
-            let err = common::tensor_relative_error(out, want);
-            println!("{name} output {k} ({oname}), {products} FP8 products: {err:.2e}");
-            // E4M3 operands round by up to 2^-4 of their value; through these
-            // models' layers the outputs stayed within 0.095 of their largest value
-            // (a wrong scale or layout is off by its whole magnitude).
-            assert!(err < 0.15, "{name} output {k} ({oname}): {err:e}");
-        }
+        println!("{name}: {products} FP8 products");
+        check_outputs(&name, g, Device::Cpu, &inputs, &expected, FP8_BOUND);
     }
     assert!(fp8_products > 0);
 }
@@ -441,11 +440,7 @@ fn every_model_runs_with_static_fp8_scales_near_onnxruntime() {
             .filter_map(|id| g.node(id).op.downcast_ref::<QuantizeFp8>())
             .filter(|q| q.activation.is_some())
             .count();
-        let got = run_outputs(&name, g, Device::Cpu, &inputs, &expected);
-        for (k, (out, (oname, want))) in got.iter().zip(&expected).enumerate() {
-            let err = common::tensor_relative_error(out, want);
-            assert!(err < 0.15, "{name} output {k} ({oname}): {err:e}");
-        }
+        check_outputs(&name, g, Device::Cpu, &inputs, &expected, FP8_BOUND);
     }
     println!("{folded} casts folded into the layer norms and activations before them");
     assert!(folded > 0, "no cast folded into its producer");
