@@ -1175,9 +1175,6 @@ fn plan(
 /// `rewrite --calibrate SAMPLES`: runs `g` in f32 on the samples, keeps under `config`
 /// the nodes whose values do not fit its target (saving them to `save` where given),
 /// and returns what `--report` says of it.
-/// Runs the selected passes on `g`, AMP with `config` (calibrated on the graph as
-/// AMP gets it where `calibration` gives samples, and where to save the overrides:
-/// `config` keeps them); returns the passes' report.
 /// `rewrite --calibrate`'s samples and where to save what they measured.
 #[derive(Clone, Copy)]
 struct Calibration<'a> {
@@ -1186,6 +1183,9 @@ struct Calibration<'a> {
     save_fp8_amaxes: Option<&'a Path>,
 }
 
+/// Runs the selected passes on `g`, AMP with `config` (calibrated on the graph as
+/// AMP gets it where `calibration` gives samples, saving the overrides and the static
+/// FP8 amaxes where asked: `config` keeps them); returns the passes' report.
 fn rewrite_graph(
     g: &mut Graph,
     selected: &[&str],
