@@ -176,12 +176,10 @@ pub fn shape_of(kernel: &str, head_dim: usize, warpgroups: bool) -> Shape {
 
 /// Whether an attention's kernels take Hopper's warpgroup products (`wgmma`) on a GPU
 /// of compute capability `sm`: heads of 64 (their rows are one 128-byte swizzle
-/// atom), no dropout yet (a dropout module's forward went wrong with A in registers,
-/// the cause `Staged` removes; not yet run on the GPU since). The transformer's heads
-/// (H200, us, A in registers): forward 72.6 -> 64.0, dq 115.1 -> 106.5, dk/dv 128.3
-/// -> 109.4.
-pub fn warpgroup_products(sm: u32, head_dim: usize, dropout: bool) -> bool {
-    sm == 90 && head_dim == 64 && !dropout
+/// atom). The transformer's heads (H200, us, A in registers): forward 72.6 -> 64.0,
+/// dq 115.1 -> 106.5, dk/dv 128.3 -> 109.4.
+pub fn warpgroup_products(sm: u32, head_dim: usize) -> bool {
+    sm == 90 && head_dim == 64
 }
 
 impl Shape {
@@ -1197,7 +1195,7 @@ fn spec_of(
     rule: &Rule,
     cast: Option<DType>,
 ) -> Spec {
-    let warpgroups = warpgroup_products(sm, dims.head_dim, rule.dropout.is_some());
+    let warpgroups = warpgroup_products(sm, dims.head_dim);
     Spec {
         dtype,
         head_dim: dims.head_dim,
