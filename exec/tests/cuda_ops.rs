@@ -1185,11 +1185,31 @@ fn training_ops() {
             );
         }
     }
+    // An f32 gradient read rounded to bf16 (`grad-round-into-update`), every rule:
+    // the kernels round as the CPU's Cast does (the slots' new values differ by the
+    // rounding otherwise).
+    for rule in rules {
+        let inputs = update_inputs(&mut r, &yes, kinds[0], rule, None, &[301, 7]);
+        let op = OptimizerUpdate {
+            grad_rounded_to: Some(DType::BF16),
+            ..scaled_update(rule, DType::F32, None, false)
+        };
+        check(
+            &mut gpu,
+            &format!("OptimizerUpdate rounded {rule:?}"),
+            op,
+            &inputs,
+        );
+    }
     // Grouped: 35 members of 1 to 300 values (two launches of at most 32), each
     // with its own values, against the members' updates on the CPU; scheduled too.
     for (d, gd, grad_scale) in [kinds[0], kinds[3]] {
         for (rule, factor) in [(rules[1], None), (rules[4], None), (rules[4], Some(0.37))] {
-            let update = scaled_update(rule, gd, grad_scale, factor.is_some());
+            let update = OptimizerUpdate {
+                // The unscaled f32 members read their gradients rounded to bf16.
+                grad_rounded_to: (gd == DType::F32).then_some(DType::BF16),
+                ..scaled_update(rule, gd, grad_scale, factor.is_some())
+            };
             let inputs: Vec<Tensor> = (0..35)
                 .flat_map(|m| {
                     let shape = [(m * 37) % 300 + 1];

@@ -27,8 +27,8 @@ use crate::recognize_layer_norm::RecognizeLayerNorm;
 use crate::recompute::{RecomputeActivations, RecomputeInputViews};
 use crate::simplify::{
     Algebraic, CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConstFold, ConvAsMatmul, Cse, Dce,
-    FoldBatchNorm, GradCastIntoUpdate, PadConvChannels, PadGemm, ScaleIntoMatmul,
-    TransposeIntoMatmul, UnscaleIntoUpdate,
+    FoldBatchNorm, GradCastIntoUpdate, GradRoundIntoUpdate, PadConvChannels, PadGemm,
+    ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
 };
 use crate::softmax_prologue::SoftmaxPrologue;
 use crate::sum_into_elementwise::SumIntoElementwise;
@@ -144,6 +144,11 @@ pub const PASSES: &[PassEntry] = &[
         name: "grad-cast-into-update",
         summary: "An optimizer update whose gradient is an exact widening Cast (AMP's bf16 gradient cast to f32) reads the 16-bit gradient itself.",
         make: || Box::new(GradCastIntoUpdate),
+    },
+    PassEntry {
+        name: "grad-round-into-update",
+        summary: "An optimizer update whose gradient is a narrowing Cast (a bias gradient summed in f32 by a fused kernel, rounded to bf16) reads the wide gradient and rounds it as it loads it.",
+        make: || Box::new(GradRoundIntoUpdate),
     },
     PassEntry {
         name: "cast-into-update",

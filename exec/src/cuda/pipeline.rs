@@ -24,7 +24,8 @@ use ampgraph_passes::pack_qkv::PackQkv;
 use ampgraph_passes::recompute::RecomputeInputViews;
 use ampgraph_passes::simplify::{
     CastIntoNorm, CastIntoReduce, CastIntoUpdate, ConvAsMatmul, Cse, Dce, GradCastIntoUpdate,
-    PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul, UnscaleIntoUpdate,
+    GradRoundIntoUpdate, PadConvChannels, PadGemm, ScaleIntoMatmul, TransposeIntoMatmul,
+    UnscaleIntoUpdate,
 };
 use ampgraph_passes::softmax_prologue::SoftmaxPrologue;
 use ampgraph_passes::sum_into_elementwise::SumIntoElementwise;
@@ -59,8 +60,9 @@ use crate::ExecOptions;
 /// residual gradient after them (with those bias gradients) and then the delayed FP8
 /// casts of their dx, current FP8 scales the
 /// amax of the kernel computing their tensor, delayed FP8 casts the program computing
-/// theirs (a GELU gradient with its bias sum), and the weights' FP8 casts and the
-/// small variables' updates share launches.
+/// theirs (a GELU gradient with its bias sum), the updates the rounding of the bias
+/// sums those fusions leave, and the weights' FP8 casts and the small variables'
+/// updates share launches.
 ///
 /// With TF32 allowed every NCHW graph runs NHWC, f32 convolutions included, as PyTorch
 /// runs channels_last with TF32: cuDNN's TF32 convolutions on the H100 are NHWC
@@ -104,6 +106,7 @@ pub fn pipeline(options: &ExecOptions) -> Vec<Box<dyn Pass>> {
         Box::new(ElementwiseIntoFp8),
         Box::new(AttentionGradIntoFp8),
         Box::new(AttentionIntoFp8),
+        Box::new(GradRoundIntoUpdate),
         Box::new(GroupFp8Casts),
         Box::new(GroupUpdates),
     ]

@@ -325,6 +325,10 @@ pub struct OptimizerUpdate {
     /// own (the `cast-into-update` pass sets it; executors may keep it for the next
     /// step's Cast).
     pub cast_to: Option<DType>,
+    /// The gradient is read rounded to this narrower float dtype, as a narrowing Cast
+    /// folded in by `grad-cast-into-update` gave it (the update reads the wide
+    /// gradient once where a Cast kernel wrote the narrow one for it to read).
+    pub grad_rounded_to: Option<DType>,
 }
 
 impl OptimizerUpdate {
@@ -338,6 +342,7 @@ impl OptimizerUpdate {
             scheduled: false,
             grad_scale: false,
             cast_to: None,
+            grad_rounded_to: None,
         }
     }
 
@@ -383,6 +388,7 @@ impl OptimizerUpdate {
             scheduled: a.bool_or("scheduled", false)?,
             grad_scale: a.bool_or("grad_scale", false)?,
             cast_to: a.opt_dtype("cast_to")?,
+            grad_rounded_to: a.opt_dtype("grad_rounded_to")?,
         })
     }
 
@@ -467,6 +473,9 @@ impl Op for OptimizerUpdate {
         if let Some(to) = self.cast_to {
             a.push(("cast_to", to.into()));
         }
+        if let Some(to) = self.grad_rounded_to {
+            a.push(("grad_rounded_to", to.into()));
+        }
         a
     }
     fn infer(&self, inputs: &[&TensorType]) -> OpResult<Vec<TensorType>> {
@@ -509,6 +518,14 @@ impl Op for OptimizerUpdate {
         if let Some(to) = self.cast_to.filter(|d| !d.is_float()) {
             return Err(format!("cast_to must be a float dtype, got {to}"));
         }
+        if let Some(to) = self.grad_rounded_to {
+            let grad = inputs[2].dtype;
+            if !to.is_float() || to.size_bytes() >= grad.size_bytes() {
+                return Err(format!(
+                    "grad_rounded_to must be a float dtype narrower than the gradient's {grad}, got {to}"
+                ));
+            }
+        }
         // The variable and its slots keep their types; then the cast, if any.
         let cast = self
             .cast_to
@@ -529,8 +546,13 @@ impl Op for OptimizerUpdate {
                 .map(|t| (*t).clone())
                 .collect()
         };
+        let rounded = self.grad_rounded_to.map(|to| inputs[2].cast(to));
+        let mut read: Vec<&Tensor> = inputs.to_vec();
+        if let Some(g) = &rounded {
+            read[2] = g;
+        }
         let mut outputs = if flag(inputs[0]) {
-            eval_float(self, inputs[1].dtype(), inputs)?
+            eval_float(self, inputs[1].dtype(), &read)?
         } else {
             keep()
         };

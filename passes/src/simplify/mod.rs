@@ -1,8 +1,8 @@
 //! Graph simplification: constant folding, common-subexpression elimination,
 //! dead-node elimination, algebraic identities, widening casts folded into
 //! reductions and casts into layer normalisation, scalar scalings folded into
-//! batched products, loss-scale unscaling, the gradients' widening casts and the master weights' casts
-//! folded into the optimizer updates, batch-norm folding, GEMM and convolution-channel padding, and pointwise convolutions
+//! batched products, loss-scale unscaling, the gradients' widening and narrowing casts and the master
+//! weights' casts folded into the optimizer updates, batch-norm folding, GEMM and convolution-channel padding, and pointwise convolutions
 //! as products.
 //!
 //! Each pass is one small type in its own file. They share the helpers below: which
@@ -34,7 +34,7 @@ pub use conv_as_matmul::ConvAsMatmul;
 pub use cse::Cse;
 pub use dce::Dce;
 pub use fold_batchnorm::FoldBatchNorm;
-pub use grad_cast_into_update::GradCastIntoUpdate;
+pub use grad_cast_into_update::{GradCastIntoUpdate, GradRoundIntoUpdate};
 pub use pad_conv_channels::PadConvChannels;
 pub use pad_gemm::PadGemm;
 pub use scale_into_matmul::ScaleIntoMatmul;

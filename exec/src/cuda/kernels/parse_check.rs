@@ -20,7 +20,7 @@ use super::select::{gather as gather_indexed, gather_grad};
 use super::shape::{concat, concat_pair, gather, rows, transpose};
 use super::softmax::{fused_softmax, softmax, softmax_grad};
 use super::training::{
-    all_finite, fill_flag, increment_if, loss_scale_update, optimizer, schedule_factor,
+    all_finite, fill_flag, increment_if, loss_scale_update, optimizer, schedule_factor, GradRead,
 };
 use ampgraph_graph::ops::{
     BinaryKind, FusedSoftmax, LearningRateSchedule, NormGradEpilogue, ReduceKind, Rule, UnaryKind,
@@ -196,10 +196,16 @@ fn every_kind_of_kernel() -> Vec<(String, String)> {
         for (r, rule) in rules.into_iter().enumerate() {
             for (scaled, scheduled) in [(false, false), (true, false), (true, true)] {
                 let cast = scaled.then_some(DType::F16);
+                // The scheduled forms of a wide gradient read it rounded to bf16.
+                let rounded_to = (scheduled && d.size_bytes() > 2).then_some(DType::BF16);
+                let grad = GradRead {
+                    dtype: d,
+                    scaled,
+                    rounded_to,
+                };
                 let src = optimizer(
                     DType::F32,
-                    d,
-                    scaled,
+                    grad,
                     Some(DType::I64),
                     cast,
                     rule,

@@ -32,7 +32,7 @@ kernel_specs! {
         /// `k(const u8* flag, const T* scale, const TG* good, T* scale_out, TG* good_out)`
         LossScaleUpdate { scale: DType, good_steps: DType, growth_interval: i64, growth_factor: f64, backoff_factor: f64 } => loss_scale_update(scale, good_steps, growth_interval, growth_factor, backoff_factor),
         /// `k` (and `k_group`, `k_apply` for LAMB): see [`optimizer`].
-        Optimizer { var: DType, grad: DType, grad_scale: bool, step: Option<DType>, cast_to: Option<DType>, rule: Rule, learning_rate: f64, scheduled: bool, weight_decay: f64 } => optimizer(var, grad, grad_scale, step, cast_to, rule, learning_rate, scheduled, weight_decay),
+        Optimizer { var: DType, grad: DType, grad_scale: bool, grad_rounded_to: Option<DType>, step: Option<DType>, cast_to: Option<DType>, rule: Rule, learning_rate: f64, scheduled: bool, weight_decay: f64 } => optimizer(var, GradRead { dtype: grad, scaled: grad_scale, rounded_to: grad_rounded_to }, step, cast_to, rule, learning_rate, scheduled, weight_decay),
         /// `k(const T* count, float* factor)`: one thread.
         Schedule { count: DType, schedule: LearningRateSchedule } => schedule_factor(count, schedule),
     }
@@ -194,6 +194,7 @@ fn update_spec(u: &OptimizerUpdate, inputs: &[TensorType]) -> Result<Spec, Strin
         var,
         grad,
         grad_scale: u.grad_scale,
+        grad_rounded_to: u.grad_rounded_to,
         step: u.rule.uses_step().then(|| inputs[3 + n_slots].dtype),
         cast_to: u.cast_to,
         rule: u.rule,
@@ -444,18 +445,36 @@ pub(super) fn loss_scale_update(
     )
 }
 
+/// How an update reads its gradient: of `dtype`, rounded to `rounded_to` where set
+/// (`OptimizerUpdate::grad_rounded_to`), then times the gradient scale where `scaled`.
+#[derive(Clone, Copy)]
+pub(super) struct GradRead {
+    pub dtype: DType,
+    pub scaled: bool,
+    pub rounded_to: Option<DType>,
+}
+
+impl GradRead {
+    /// The code making `C g_read` of `C g_in`, as loaded.
+    fn rounding(self) -> &'static str {
+        match self.rounded_to {
+            Some(_) => "TN g_t[1]; stN(g_t, 0, (CN)g_in); const C g_read = (C)ldN(g_t, 0);",
+            None => "const C g_read = g_in;",
+        }
+    }
+}
+
 /// OptimizerUpdate. Arguments: flag, var, grad, [grad scale], slots..., [step], out
 /// var, out slots..., [cast out], [lamb scratch, lamb sums], n. Skipped steps copy
-/// the inputs. With `grad_scale` the gradient is multiplied by the scalar (of the
-/// variable's dtype) first; with `cast_to` the kernel that writes the variable also
+/// the inputs. The gradient is read as `grad` says (rounded, then multiplied by the
+/// gradient scale, a scalar of the variable's dtype, where asked); with `cast_to` the kernel that writes the variable also
 /// writes its cast (of the stored value, as a Cast kernel would). SGD and Adam
 /// modules also have `k_group`, a GroupedOptimizerUpdate's kernel: block `m` updates
 /// member `m`, whose arguments but `n` are row `m` of an `UpdateTable`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn optimizer(
     var: DType,
-    grad: DType,
-    grad_scale: bool,
+    grad: GradRead,
     step: Option<DType>,
     cast_to: Option<DType>,
     rule: Rule,
@@ -463,7 +482,10 @@ pub(super) fn optimizer(
     scheduled: bool,
     wd: f64,
 ) -> String {
-    let mut types = vec![("", var), ("G", grad)];
+    let mut types = vec![("", var), ("G", grad.dtype)];
+    if let Some(n) = grad.rounded_to {
+        types.push(("N", n));
+    }
     if let Some(s) = step {
         types.push(("S", s));
     }
@@ -491,21 +513,22 @@ pub(super) fn optimizer(
     else {
         return module_multi(
             &types,
-            &elementwise_update(var, grad, grad_scale, cast_to, rule, (rate_param, &lr), &wd),
+            &elementwise_update(var, grad, cast_to, rule, (rate_param, &lr), &wd),
         );
     };
     let (cp, cs) = match cast_to {
         Some(_) => (", TK* pk_out", " stK(pk_out, i, (CK)ld(pw_out, i));"),
         None => ("", ""),
     };
-    let (grad_in, head) = if grad_scale {
-        (
-            "const TG* pg, const T* pgs",
-            "C w = ld(pw, i); C g = m_mul_rn((C)ldG(pg, i), ld(pgs, 0));",
-        )
+    let (grad_in, g) = if grad.scaled {
+        ("const TG* pg, const T* pgs", "m_mul_rn(g_read, ld(pgs, 0))")
     } else {
-        ("const TG* pg", "C w = ld(pw, i); C g = (C)ldG(pg, i);")
+        ("const TG* pg", "g_read")
     };
+    let head = format!(
+        "C w = ld(pw, i); const C g_in = (C)ldG(pg, i); {} C g = {g};",
+        grad.rounding()
+    );
     let body = format!(
             "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, {rate_param}T* pm_out, T* pv_out, A* scratch, A* sums, i64 n) {{\n\
                double t = (double)ldS(ps, 0);\n\
@@ -544,8 +567,7 @@ pub(super) fn optimizer(
 /// A skipped step (flag 0) writes the inputs back.
 fn elementwise_update(
     var: DType,
-    grad: DType,
-    grad_scale: bool,
+    grad: GradRead,
     cast_to: Option<DType>,
     rule: Rule,
     (rate_param, lr_setup): (&str, &str),
@@ -557,7 +579,7 @@ fn elementwise_update(
         name: "g_in",
         loader: "ldG",
         ptr: "pg",
-        bytes: grad.size_bytes(),
+        bytes: grad.dtype.size_bytes(),
         at: At::Own,
     };
     let mut loads = vec![own(var, "w", "pw"), own_grad];
@@ -643,14 +665,14 @@ fn elementwise_update(
         }
         None => ("", ""),
     };
-    let (scale, gs, g) = if grad_scale {
+    let (scale, gs, g) = if grad.scaled {
         (
             "const T* pgs, ",
             "const C gs = ld(pgs, 0);\n",
-            "m_mul_rn(g_in, gs)",
+            "m_mul_rn(g_read, gs)",
         )
     } else {
-        ("", "", "g_in")
+        ("", "", "g_read")
     };
     let params = format!(
         "const u8* f, const T* pw, const TG* pg, {scale}{slots}{rate_param}{outs}{cast_out}"
@@ -678,7 +700,7 @@ fn elementwise_update(
            update({from_table}, t.n[m], 0, 1);\n}}\n",
         loop = elementwise_in(
             &loads,
-            &format!("C g = {g}; C w_new = w;\n{body}\n{kept}"),
+            &format!("{} C g = {g}; C w_new = w;\n{body}\n{kept}", grad.rounding()),
             &stores,
             ("block", "blocks"),
         ),
