@@ -604,9 +604,34 @@ fn under_bf16_amp_the_means_are_of_the_bf16_gradients_and_their_casts_still_fold
     );
     assert!(folded.contains("5 optimizer updates"), "{folded}");
     assert_eq!(folded, plain_folded, "the casts fold as without replicas");
+    // One GPU's updates round the f32 bias sums the fusions leave as they read them
+    // (`grad-round-into-update`); the replicas average the rounded bf16 sums, so those
+    // casts stay. No other cast is added.
+    let rounded = rounding_updates(&plain);
+    assert_eq!(rounded, 2, "the hidden layers' biases");
+    assert_eq!(rounding_updates(&g), 0);
     assert_eq!(
         common::count(&g, "Cast"),
-        common::count(&plain, "Cast"),
+        common::count(&plain, "Cast") + rounded,
         "no cast added"
     );
+}
+
+/// The updates (grouped ones' members) that read their gradient rounded.
+fn rounding_updates(g: &Graph) -> usize {
+    use ampgraph::graph::ops::{GroupedOptimizerUpdate, OptimizerUpdate};
+    let rounds = |u: &OptimizerUpdate| usize::from(u.grad_rounded_to.is_some());
+    g.node_ids()
+        .map(|id| {
+            let op = &g.node(id).op;
+            match (
+                op.downcast_ref::<OptimizerUpdate>(),
+                op.downcast_ref::<GroupedOptimizerUpdate>(),
+            ) {
+                (Some(u), _) => rounds(u),
+                (_, Some(grouped)) => grouped.members * rounds(&grouped.update),
+                _ => 0,
+            }
+        })
+        .sum()
 }
