@@ -326,7 +326,7 @@ pub struct OptimizerUpdate {
     /// step's Cast).
     pub cast_to: Option<DType>,
     /// The gradient is read rounded to this narrower float dtype, as a narrowing Cast
-    /// folded in by `grad-cast-into-update` gave it (the update reads the wide
+    /// folded in by `grad-round-into-update` gave it (the update reads the wide
     /// gradient once where a Cast kernel wrote the narrow one for it to read).
     pub grad_rounded_to: Option<DType>,
 }

@@ -455,11 +455,16 @@ pub(super) struct GradRead {
 }
 
 impl GradRead {
-    /// The code making `C g_read` of `C g_in`, as loaded.
-    fn rounding(self) -> &'static str {
-        match self.rounded_to {
+    /// The code making the gradient `C g` of `C g_in` as loaded, `scale` the
+    /// expression of the gradient scale where `scaled`.
+    fn code(self, scale: &str) -> String {
+        let read = match self.rounded_to {
             Some(_) => "TN g_t[1]; stN(g_t, 0, (CN)g_in); const C g_read = (C)ldN(g_t, 0);",
             None => "const C g_read = g_in;",
+        };
+        match self.scaled {
+            true => format!("{read} C g = m_mul_rn(g_read, {scale});"),
+            false => format!("{read} C g = g_read;"),
         }
     }
 }
@@ -467,8 +472,9 @@ impl GradRead {
 /// OptimizerUpdate. Arguments: flag, var, grad, [grad scale], slots..., [step], out
 /// var, out slots..., [cast out], [lamb scratch, lamb sums], n. Skipped steps copy
 /// the inputs. The gradient is read as `grad` says (rounded, then multiplied by the
-/// gradient scale, a scalar of the variable's dtype, where asked); with `cast_to` the kernel that writes the variable also
-/// writes its cast (of the stored value, as a Cast kernel would). SGD and Adam
+/// gradient scale, a scalar of the variable's dtype, where asked); with `cast_to` the
+/// kernel that writes the variable also writes its cast (of the stored value, as a
+/// Cast kernel would). SGD and Adam
 /// modules also have `k_group`, a GroupedOptimizerUpdate's kernel: block `m` updates
 /// member `m`, whose arguments but `n` are row `m` of an `UpdateTable`.
 #[allow(clippy::too_many_arguments)]
@@ -520,14 +526,13 @@ pub(super) fn optimizer(
         Some(_) => (", TK* pk_out", " stK(pk_out, i, (CK)ld(pw_out, i));"),
         None => ("", ""),
     };
-    let (grad_in, g) = if grad.scaled {
-        ("const TG* pg, const T* pgs", "m_mul_rn(g_read, ld(pgs, 0))")
-    } else {
-        ("const TG* pg", "g_read")
+    let grad_in = match grad.scaled {
+        true => "const TG* pg, const T* pgs",
+        false => "const TG* pg",
     };
     let head = format!(
-        "C w = ld(pw, i); const C g_in = (C)ldG(pg, i); {} C g = {g};",
-        grad.rounding()
+        "C w = ld(pw, i); const C g_in = (C)ldG(pg, i); {}",
+        grad.code("ld(pgs, 0)")
     );
     let body = format!(
             "extern \"C\" __global__ void k(const u8* f, const T* pw, {grad_in}, const T* pm, const T* pv, const TS* ps, {rate_param}T* pm_out, T* pv_out, A* scratch, A* sums, i64 n) {{\n\
@@ -665,14 +670,9 @@ fn elementwise_update(
         }
         None => ("", ""),
     };
-    let (scale, gs, g) = if grad.scaled {
-        (
-            "const T* pgs, ",
-            "const C gs = ld(pgs, 0);\n",
-            "m_mul_rn(g_read, gs)",
-        )
-    } else {
-        ("", "", "g_read")
+    let (scale, gs) = match grad.scaled {
+        true => ("const T* pgs, ", "const C gs = ld(pgs, 0);\n"),
+        false => ("", ""),
     };
     let params = format!(
         "const u8* f, const T* pw, const TG* pg, {scale}{slots}{rate_param}{outs}{cast_out}"
@@ -700,7 +700,7 @@ fn elementwise_update(
            update({from_table}, t.n[m], 0, 1);\n}}\n",
         loop = elementwise_in(
             &loads,
-            &format!("{} C g = {g}; C w_new = w;\n{body}\n{kept}", grad.rounding()),
+            &format!("{} C w_new = w;\n{body}\n{kept}", grad.code("gs")),
             &stores,
             ("block", "blocks"),
         ),
