@@ -619,19 +619,10 @@ fn under_bf16_amp_the_means_are_of_the_bf16_gradients_and_their_casts_still_fold
 
 /// The updates (grouped ones' members) that read their gradient rounded.
 fn rounding_updates(g: &Graph) -> usize {
-    use ampgraph::graph::ops::{GroupedOptimizerUpdate, OptimizerUpdate};
-    let rounds = |u: &OptimizerUpdate| usize::from(u.grad_rounded_to.is_some());
-    g.node_ids()
-        .map(|id| {
-            let op = &g.node(id).op;
-            match (
-                op.downcast_ref::<OptimizerUpdate>(),
-                op.downcast_ref::<GroupedOptimizerUpdate>(),
-            ) {
-                (Some(u), _) => rounds(u),
-                (_, Some(grouped)) => grouped.members * rounds(&grouped.update),
-                _ => 0,
-            }
-        })
+    use ampgraph::graph::ops::update_members;
+    (g.node_ids())
+        .filter_map(|id| update_members(g.node(id).op.as_ref()))
+        .filter(|(update, _)| update.grad_rounded_to.is_some())
+        .map(|(_, members)| members)
         .sum()
 }
