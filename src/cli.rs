@@ -1172,9 +1172,6 @@ fn plan(
         .map_err(io_err("<stdout>"))
 }
 
-/// `rewrite --calibrate SAMPLES`: runs `g` in f32 on the samples, keeps under `config`
-/// the nodes whose values do not fit its target (saving them to `save` where given),
-/// and returns what `--report` says of it.
 /// `rewrite --calibrate`'s samples and where to save what they measured.
 #[derive(Clone, Copy)]
 struct Calibration<'a> {
@@ -1250,6 +1247,9 @@ fn rewrite_graph(
     Ok(text)
 }
 
+/// `rewrite --calibrate SAMPLES`: runs `g` in f32 on the samples, keeps under `config`
+/// the nodes whose values do not fit its target (saving them to `save` where given),
+/// and returns what `--report` says of it with the samples' feeds.
 fn calibrate_amp(
     g: &Graph,
     samples: &str,
